@@ -1,0 +1,55 @@
+# Squall's build. Every target installs what it needs itself, so a fresh clone
+# needs only `make run` or `make test`.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PY := $(BIN)/python
+STAMP := $(VENV)/.installed
+SEEDS ?= 5000
+PYTEST_ARGS ?=
+
+.PHONY: install run stop test unit integration sim bench protos protos-check lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@test -f clients/squall/v1/broker_pb2.py || $(PY) scripts/gen_protos.py
+	@touch $(STAMP)
+
+protos: install
+	$(PY) scripts/gen_protos.py
+
+protos-check: install
+	$(PY) scripts/gen_protos.py --check
+
+lint: install
+	$(BIN)/ruff check services clients tests scripts deploy bench examples
+	$(BIN)/mypy services clients/squall deploy scripts
+
+test: install protos-check lint
+	$(BIN)/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+unit: install
+	$(BIN)/pytest -q tests/unit $(PYTEST_ARGS)
+
+integration: install
+	$(BIN)/pytest -q -m integration $(PYTEST_ARGS)
+
+sim: install
+	$(BIN)/pytest -q tests/sim --sim-seeds=$(SEEDS) $(PYTEST_ARGS)
+
+run: install
+	$(PY) -m deploy.launcher start --config deploy/single.toml --demo
+
+stop: install
+	$(PY) -m deploy.launcher stop
+
+bench: install
+	$(PY) -m bench.run
+
+clean:
+	rm -rf $(VENV) .run build *.egg-info

@@ -1,0 +1,1 @@
+"""Squall: placeholder, replaced below."""
