@@ -202,7 +202,7 @@ class Topic(_message.Message):
     FIRST_OFFSET_FIELD_NUMBER: _builtins.int
     CREATED_MS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
-    """The topic's name; see docs/topics.md for the grammar."""
+    """The topic's name; see docs/configuration.md ("Names") for the grammar."""
     kind: Global___TopicKind.ValueType
     """Replicated or transient."""
     next_offset: _builtins.int

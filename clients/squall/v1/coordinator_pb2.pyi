@@ -79,19 +79,25 @@ class AreYouCoordinator(_message.Message):
 
     GROUP_NAME_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    DESIGNATED_PRIMARY_FIELD_NUMBER: _builtins.int
     group_name: _builtins.str
     """The sender's group name."""
     priority: _builtins.int
     """The sender's priority."""
+    designated_primary: _builtins.bool
+    """True if the sender is the designated primary of a two-node cluster, so the other
+    node can refuse the flag (never both).
+    """
     def __init__(
         self,
         *,
         group_name: _builtins.str = ...,
         priority: _builtins.int = ...,
+        designated_primary: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_name", b"group_name", "priority", b"priority"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["designated_primary", b"designated_primary", "group_name", b"group_name", "priority", b"priority"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -106,22 +112,26 @@ class AreYouCoordinatorReply(_message.Message):
     IS_COORDINATOR_FIELD_NUMBER: _builtins.int
     GROUP_NAME_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    DESIGNATED_PRIMARY_FIELD_NUMBER: _builtins.int
     is_coordinator: _builtins.bool
     """True if the sender of the reply coordinates its group."""
     group_name: _builtins.str
     """Its group name."""
     priority: _builtins.int
     """Its priority."""
+    designated_primary: _builtins.bool
+    """True if the replier is the designated primary of a two-node cluster."""
     def __init__(
         self,
         *,
         is_coordinator: _builtins.bool = ...,
         group_name: _builtins.str = ...,
         priority: _builtins.int = ...,
+        designated_primary: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_name", b"group_name", "is_coordinator", b"is_coordinator", "priority", b"priority"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["designated_primary", b"designated_primary", "group_name", b"group_name", "is_coordinator", b"is_coordinator", "priority", b"priority"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -177,25 +187,34 @@ Global___AreYouThereReply: _TypeAlias = AreYouThereReply  # noqa: Y015
 
 @_typing.final
 class Invitation(_message.Message):
-    """Invites the receiver, and the members of its group, into the sender's new group."""
+    """Invites the receiver, and the members of its group, into a new group. A coordinator that
+    accepts forwards the same invitation to its old members, so the inviter is the node named
+    by the group name, not necessarily the sender.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     GROUP_NAME_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
     group_name: _builtins.str
     """The new group's name, `coordinator-id:uuid`."""
     priority: _builtins.int
     """The inviting coordinator's priority."""
+    epoch: _builtins.int
+    """The inviter's newest accepted epoch when it invited: lets a member of the inviter's
+    group drop a delayed invitation from an older merge.
+    """
     def __init__(
         self,
         *,
         group_name: _builtins.str = ...,
         priority: _builtins.int = ...,
+        epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_name", b"group_name", "priority", b"priority"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "group_name", b"group_name", "priority", b"priority"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -209,21 +228,29 @@ class Accept(_message.Message):
 
     GROUP_NAME_FIELD_NUMBER: _builtins.int
     REPORT_FIELD_NUMBER: _builtins.int
+    FORWARDED_TO_FIELD_NUMBER: _builtins.int
     group_name: _builtins.str
     """The group joined."""
     @_builtins.property
     def report(self) -> Global___MemberReport:
         """The member's report."""
 
+    @_builtins.property
+    def forwarded_to(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The old members this node forwarded the invitation to, so the coordinator knows whose
+        accepts to wait for.
+        """
+
     def __init__(
         self,
         *,
         group_name: _builtins.str = ...,
         report: Global___MemberReport | None = ...,
+        forwarded_to: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["report", b"report"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_name", b"group_name", "report", b"report"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["forwarded_to", b"forwarded_to", "group_name", b"group_name", "report", b"report"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -240,6 +267,7 @@ class Ready(_message.Message):
     MEMBERS_FIELD_NUMBER: _builtins.int
     SYNC_SOURCE_ID_FIELD_NUMBER: _builtins.int
     COORDINATOR_ID_FIELD_NUMBER: _builtins.int
+    MAX_SEEN_FIELD_NUMBER: _builtins.int
     group_name: _builtins.str
     """The group's name."""
     epoch: _builtins.int
@@ -248,6 +276,10 @@ class Ready(_message.Message):
     """The member whose state the group adopts."""
     coordinator_id: _builtins.str
     """The coordinator (the group's master)."""
+    max_seen: _builtins.int
+    """The most nodes any member has seen together, this group included (IceStorm's max);
+    members persist it with the epoch.
+    """
     @_builtins.property
     def members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The members, coordinator included."""
@@ -260,10 +292,11 @@ class Ready(_message.Message):
         members: _abc.Iterable[_builtins.str] | None = ...,
         sync_source_id: _builtins.str = ...,
         coordinator_id: _builtins.str = ...,
+        max_seen: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_id", b"coordinator_id", "epoch", b"epoch", "group_name", b"group_name", "members", b"members", "sync_source_id", b"sync_source_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_id", b"coordinator_id", "epoch", b"epoch", "group_name", b"group_name", "max_seen", b"max_seen", "members", b"members", "sync_source_id", b"sync_source_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

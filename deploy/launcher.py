@@ -1,0 +1,167 @@
+"""Runs a local Squall cluster: every service its own process on loopback.
+
+    python -m deploy.launcher start --config deploy/single.toml [--demo]
+    python -m deploy.launcher stop
+
+`start` copies the config into .run/ with free ports (data stays in .run/data, so a
+restarted cluster keeps its topics), starts the services, waits until each answers
+its health check, and records their PIDs in .run/pids.json for `stop`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from deploy import processes
+from services.common.config import ClusterConfig, load_config_or_exit
+
+RUN_DIR = Path(".run")
+PIDS_FILE = RUN_DIR / "pids.json"
+# The services every node runs, in start order.
+NODE_SERVICES = ("replica",)
+
+
+def _running_pids() -> list[dict[str, object]]:
+    if not PIDS_FILE.exists():
+        return []
+    entries: list[dict[str, object]] = json.loads(PIDS_FILE.read_text())
+    alive = []
+    for entry in entries:
+        try:
+            os.kill(int(str(entry["pid"])), 0)
+            alive.append(entry)
+        except ProcessLookupError:
+            pass
+    return alive
+
+
+def start(config_path: Path, demo: bool) -> int:
+    """Starts the cluster described by config_path; returns an exit status."""
+    if _running_pids():
+        print(
+            "squall: a local cluster is already running (see .run/pids.json); "
+            "run `make stop` first",
+            file=sys.stderr,
+        )
+        return 1
+    load_config_or_exit(config_path)  # a broken file stops here with one clear line
+    local_path = processes.localize_config(config_path, RUN_DIR)
+    config = load_config_or_exit(local_path)
+    services: list[processes.Service] = []
+    logs = RUN_DIR / "logs"
+    for node in config.nodes:
+        for kind in NODE_SERVICES:
+            address = node.replica_address if kind == "replica" else node.coordinator_address
+            services.append(
+                processes.start_service(
+                    kind, local_path, node.id, address, logs / f"{kind}-{node.id}.log"
+                )
+            )
+    for gateway in config.gateways:
+        services.append(
+            processes.start_service(
+                "gateway",
+                local_path,
+                gateway.id,
+                gateway.address,
+                logs / f"gateway-{gateway.id}.log",
+            )
+        )
+    PIDS_FILE.write_text(
+        json.dumps(
+            [
+                {"kind": s.kind, "name": s.name, "pid": s.pid, "address": s.address}
+                for s in services
+            ],
+            indent=2,
+        )
+    )
+    try:
+        processes.wait_serving(services)
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"squall: the cluster did not start: {exc}", file=sys.stderr)
+        stop()
+        return 1
+    print(f"Squall is running from {config_path} (local copy: {local_path}):")
+    for s in services:
+        print(f"  {s.kind:<12} {s.name:<6} {s.address:<22} pid {s.pid}  log {s.log_path}")
+    gateway_address = config.gateways[0].address
+    if demo:
+        _demo(config, gateway_address)
+    print(f"\nTry:  .venv/bin/squall --gateway {gateway_address} status")
+    print(f"      .venv/bin/squall --gateway {gateway_address} topic list")
+    print("Stop: make stop")
+    return 0
+
+
+def _demo(config: ClusterConfig, gateway_address: str) -> None:
+    """Creates a topic, publishes a few events and reads them back, saying what it does."""
+    import squall
+
+    with squall.connect(gateway_address) as client:
+        name = "demo"
+        try:
+            client.create_topic(name)
+            print(f"\ndemo: created topic '{name}'")
+        except squall.AlreadyExists:
+            print(f"\ndemo: topic '{name}' exists already (data from an earlier run is kept)")
+        topic = client.topic(name)
+        start_offset = topic.info().next_offset if hasattr(topic, "info") else 0
+        publisher = topic.publisher()
+        stamp = time.strftime("%H:%M:%S")
+        for i in range(5):
+            receipt = publisher.publish(f"hello {i} at {stamp}".encode(), key=f"k{i}".encode())
+            print(
+                f"demo: published offset={receipt.offset} lsn={receipt.lsn} "
+                f"epoch={receipt.epoch} (acknowledged once durable)"
+            )
+        publisher.close()
+        print(f"demo: reading from offset {start_offset}:")
+        with topic.subscribe(start=start_offset, follow=False) as subscription:
+            for message in subscription:
+                print(
+                    f"  offset={message.offset} key={message.key.decode()} "
+                    f"payload={message.payload.decode()}"
+                )
+
+
+def stop() -> int:
+    """Stops every service recorded in .run/pids.json, by PID."""
+    if not PIDS_FILE.exists():
+        print("squall: no local cluster is running")
+        return 0
+    entries = json.loads(PIDS_FILE.read_text())
+    # Gateways first, so apps see one clean refusal rather than a half-stopped cluster.
+    for entry in sorted(entries, key=lambda e: e["kind"] != "gateway"):
+        was_running = processes.stop_pid(int(entry["pid"]))
+        state = "stopped" if was_running else "was not running"
+        print(f"{entry['kind']} {entry['name']} (pid {entry['pid']}) {state}")
+    PIDS_FILE.unlink()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line entry point."""
+    parser = argparse.ArgumentParser(
+        prog="deploy.launcher",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    start_parser = sub.add_parser("start", help="start a local cluster")
+    start_parser.add_argument("--config", type=Path, default=Path("deploy/single.toml"))
+    start_parser.add_argument("--demo", action="store_true", help="run the short demo")
+    sub.add_parser("stop", help="stop the local cluster")
+    args = parser.parse_args(argv)
+    if args.command == "start":
+        return start(args.config, args.demo)
+    return stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""Starting, checking and stopping Squall service processes on one machine.
+
+Shared by the local launcher (`make run`) and the integration tests, so both start
+services the same way an operator's unit files do: one process per service, found
+again by PID, never by name.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on host."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class Service:
+    """One running service process."""
+
+    kind: str  # replica | coordinator | gateway
+    name: str  # node or gateway id
+    address: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        """The process id."""
+        return self.process.pid
+
+
+def service_command(kind: str, config_path: Path, name: str) -> list[str]:
+    """The command line that starts one service."""
+    flag = "--gateway" if kind == "gateway" else "--node"
+    return [sys.executable, "-m", f"services.{kind}", "--config", str(config_path), flag, name]
+
+
+def start_service(
+    kind: str,
+    config_path: Path,
+    name: str,
+    address: str,
+    log_path: Path,
+    env: Mapping[str, str] | None = None,
+) -> Service:
+    """Starts a service in its own process group, its output appended to log_path."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log_file:
+        process = subprocess.Popen(
+            service_command(kind, config_path, name),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
+    return Service(kind, name, address, process, log_path)
+
+
+def is_serving(address: str, timeout_s: float = 0.5) -> bool:
+    """True if the gRPC health service at address answers SERVING."""
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def wait_serving(services: Iterable[Service], timeout_s: float = 30.0) -> None:
+    """Waits until every service is healthy; raises with its log tail if one is not."""
+    deadline = time.monotonic() + timeout_s
+    for service in services:
+        while not is_serving(service.address):
+            if service.process.poll() is not None:
+                raise RuntimeError(
+                    f"{service.kind} {service.name} exited with status "
+                    f"{service.process.returncode}:\n{tail(service.log_path)}"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{service.kind} {service.name} not serving on {service.address} after "
+                    f"{timeout_s:.0f}s:\n{tail(service.log_path)}"
+                )
+            time.sleep(0.05)
+
+
+def stop_pid(pid: int, timeout_s: float = 10.0) -> bool:
+    """SIGTERM, wait up to timeout_s, then SIGKILL. True if the process had been running."""
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.05)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        finished, _ = os.waitpid(pid, os.WNOHANG)
+        if finished == pid:
+            return False
+    except ChildProcessError:
+        pass  # not our child: fall back to probing it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def stop_service(service: Service, timeout_s: float = 10.0) -> None:
+    """Stops one service by PID and reaps it."""
+    if service.process.poll() is None:
+        service.process.terminate()
+        try:
+            service.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            service.process.kill()
+            service.process.wait(timeout_s)
+
+
+def kill_service(service: Service) -> None:
+    """kill -9: the crash case."""
+    if service.process.poll() is None:
+        service.process.kill()
+        service.process.wait(10)
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    """The last lines of a log file (for error messages)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def localize_config(source: Path, run_dir: Path) -> Path:
+    """Copies a cluster config into run_dir with free loopback ports and local data dirs.
+
+    Returns the new file's path. The source's structure and every other setting are
+    kept, so what runs locally is what the file describes.
+    """
+    document: dict[str, Any] = tomllib.loads(source.read_text())
+    for node in document.get("nodes", []):
+        node["coordinator_address"] = f"127.0.0.1:{free_port()}"
+        node["replica_address"] = f"127.0.0.1:{free_port()}"
+        node["data_dir"] = str((run_dir / "data" / str(node["id"])).resolve())
+    for gateway in document.get("gateways", []):
+        gateway["address"] = f"127.0.0.1:{free_port()}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    target = run_dir / "cluster.toml"
+    target.write_text(dump_toml(document))
+    return target
+
+
+def dump_toml(document: Mapping[str, Any]) -> str:
+    """Writes the subset of TOML a Squall config uses (tables, arrays of tables, scalars)."""
+    lines: list[str] = []
+    scalars = {k: v for k, v in document.items() if not isinstance(v, (dict, list))}
+    lines.extend(f"{k} = {_toml_value(v)}" for k, v in scalars.items())
+    for key, value in document.items():
+        if isinstance(value, dict):
+            lines.append(f"\n[{key}]")
+            lines.extend(f"{k} = {_toml_value(v)}" for k, v in value.items())
+        elif isinstance(value, list) and all(isinstance(item, dict) for item in value):
+            for item in value:
+                lines.append(f"\n[[{key}]]")
+                lines.extend(f"{k} = {_toml_value(v)}" for k, v in item.items())
+        elif isinstance(value, list):
+            lines.append(f"{key} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+        return f'"{escaped}"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} as TOML")

@@ -1,0 +1,92 @@
+"""Builds the gRPC server every Squall service runs: health checking, reflection, limits.
+
+Standard tools (grpcurl, grpc_health_probe, load balancers) work against any service
+because each one registers `grpc.health.v1.Health` and server reflection here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """The options every Squall channel and server use: message limits and keepalive."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        # Dead peers must be noticed without waiting for TCP's minutes-long timeouts.
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+class ServiceServer:
+    """An aio gRPC server with health and reflection, bound to one address."""
+
+    def __init__(self, address: str, service_names: Sequence[str], max_message_bytes: int) -> None:
+        self.address = address
+        self.server = grpc.aio.server(
+            options=[
+                *channel_options(max_message_bytes),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        self.health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self._service_names = list(service_names)
+        reflection.enable_server_reflection(
+            [
+                *self._service_names,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ],
+            self.server,
+        )
+        self.port = 0
+
+    async def start(self) -> None:
+        """Binds and starts serving; the port is known afterwards (useful with port 0)."""
+        self.port = self.server.add_insecure_port(self.address)
+        if self.port == 0:
+            raise OSError(f"cannot bind {self.address}: address in use or not local")
+        await self.server.start()
+
+    async def set_serving(self, serving: bool) -> None:
+        """Marks every registered service (and the server as a whole) serving or not."""
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ["", *self._service_names]:
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        """Stops accepting calls and waits up to grace_s for running ones."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+
+
+async def run_until_signalled(
+    serve: Callable[[asyncio.Event], Awaitable[None]],
+) -> None:
+    """Runs `serve(stop_event)`; SIGTERM and SIGINT set the event for a clean stop."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await serve(stop)

@@ -1,0 +1,64 @@
+"""Starts a gateway: `python -m services.gateway --config FILE [--gateway ID]`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from services.common.config import ClusterConfig, GatewayConfig, load_config_or_exit
+from services.common.grpc_server import ServiceServer, run_until_signalled
+from services.common.logs import setup_logging
+from services.gateway.forward import FORWARDED_SERVICES, Forwarder
+from services.gateway.master import MasterTracker
+from services.gateway.server import ClusterAdmin
+from squall.v1 import broker_pb2, gateway_pb2, gateway_pb2_grpc
+
+log = logging.getLogger("squall.gateway")
+
+SERVICE_NAMES = [
+    *(broker_pb2.DESCRIPTOR.services_by_name[name].full_name for name in FORWARDED_SERVICES),
+    gateway_pb2.DESCRIPTOR.services_by_name["ClusterAdmin"].full_name,
+]
+
+
+async def serve(config: ClusterConfig, gateway: GatewayConfig, stop: asyncio.Event) -> None:
+    """Serves until `stop` is set."""
+    timeout_s = config.timeouts.publish_timeout_ms / 1000
+    masters = MasterTracker(config, probe_timeout_s=config.timeouts.rpc_timeout_ms / 1000)
+    admin = ClusterAdmin(config, masters, timeout_s=config.timeouts.rpc_timeout_ms / 1000)
+    grpc_server = ServiceServer(gateway.address, SERVICE_NAMES, config.limits.max_message_bytes)
+    grpc_server.server.add_generic_rpc_handlers(Forwarder(masters, timeout_s).handlers())
+    gateway_pb2_grpc.add_ClusterAdminServicer_to_server(admin, grpc_server.server)
+    try:
+        await grpc_server.start()
+        await grpc_server.set_serving(True)
+        log.info("gateway %s serving on %s", gateway.id, gateway.address)
+        await stop.wait()
+        log.info("gateway %s stopping", gateway.id)
+    finally:
+        await grpc_server.stop()
+        await admin.close()
+        await masters.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point shared with `squall gateway`."""
+    parser = argparse.ArgumentParser(prog="squall gateway", description=__doc__)
+    parser.add_argument("--config", required=True, help="cluster configuration file (TOML)")
+    parser.add_argument("--gateway", default=None, help="gateway id (default: the first)")
+    args = parser.parse_args(argv)
+    config = load_config_or_exit(args.config, gateway_id=args.gateway)
+    gateway = config.gateway(args.gateway)
+    setup_logging(config.logging, "gateway", gateway.id)
+    try:
+        asyncio.run(run_until_signalled(lambda stop: serve(config, gateway, stop)))
+    except OSError as exc:
+        log.error("gateway %s cannot start: %s", gateway.id, exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""The gateway's own servicer: the cluster status view assembled from every node."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from services.common.config import ClusterConfig, NodeConfig
+from services.common.grpc_server import channel_options
+from services.gateway.master import MasterTracker
+from squall.v1 import (
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    replica_pb2,
+    replica_pb2_grpc,
+)
+
+
+class ClusterAdmin(gateway_pb2_grpc.ClusterAdminServicer):
+    """Answers `squall status`: one row per configured node."""
+
+    def __init__(self, config: ClusterConfig, masters: MasterTracker, timeout_s: float) -> None:
+        self._config = config
+        self._masters = masters
+        self._timeout_s = timeout_s
+        options = channel_options(config.limits.max_message_bytes)
+        self._coordinators = {
+            node.id: grpc.aio.insecure_channel(node.coordinator_address, options=options)
+            for node in config.nodes
+        }
+
+    async def _row(self, node: NodeConfig) -> gateway_pb2.NodeStatus:
+        row = gateway_pb2.NodeStatus(node_id=node.id, replica_address=node.replica_address)
+        errors = []
+        replica = replica_pb2_grpc.ReplicaControlStub(
+            self._masters.channel_to(node.replica_address)
+        )
+        coordinator = coordinator_pb2_grpc.CoordinatorStub(self._coordinators[node.id])
+        state_call = replica.GetReplicaState(
+            replica_pb2.GetReplicaStateRequest(), timeout=self._timeout_s
+        )
+        status_call = coordinator.GetStatus(
+            coordinator_pb2.GetStatusRequest(), timeout=self._timeout_s
+        )
+        state, status = await asyncio.gather(state_call, status_call, return_exceptions=True)
+        if isinstance(state, replica_pb2.ReplicaState):
+            row.role = state.role
+            row.epoch = state.epoch
+            row.last_lsn = state.last_lsn
+            row.commit_lsn = state.commit_lsn
+            row.store_state = state.store_state
+        else:
+            errors.append(f"replica: {_reason(state)}")
+        if isinstance(status, coordinator_pb2.CoordinatorStatus):
+            row.coordinator_id = status.coordinator_id
+            row.group_name = status.group_name
+            row.state = status.state
+            row.group.extend(status.group)
+            row.max_seen = status.max_seen
+            row.epoch = max(row.epoch, status.epoch)
+            row.last_change_reason = status.last_change_reason
+        else:
+            errors.append(f"coordinator: {_reason(status)}")
+        row.reachable = isinstance(state, replica_pb2.ReplicaState)
+        row.error = "; ".join(errors)
+        return row
+
+    async def GetClusterStatus(
+        self, request: gateway_pb2.GetClusterStatusRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.ClusterStatus:
+        nodes = sorted(self._config.nodes, key=lambda n: n.id)
+        rows = await asyncio.gather(*(self._row(n) for n in nodes))
+        try:
+            await self._masters.channel()
+        except Exception:
+            pass
+        return gateway_pb2.ClusterStatus(
+            nodes=rows, master_id=self._masters.master_id, epoch=self._masters.epoch
+        )
+
+    async def close(self) -> None:
+        """Closes the coordinator channels."""
+        await asyncio.gather(*(c.close() for c in self._coordinators.values()))
+
+
+def _reason(error: BaseException | object) -> str:
+    if isinstance(error, grpc.aio.AioRpcError):
+        return f"{error.code().name}: {error.details()}"
+    return str(error)

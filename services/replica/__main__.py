@@ -1,0 +1,82 @@
+"""Starts one node's replica: `python -m services.replica --config FILE --node ID`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from services.common.config import ClusterConfig, NodeConfig, load_config_or_exit
+from services.common.grpc_server import ServiceServer, run_until_signalled
+from services.common.logs import setup_logging
+from services.replica import server
+from services.replica.node import ReplicaNode
+from services.replica.store import Store, StoreError
+from squall.v1 import broker_pb2, broker_pb2_grpc, replica_pb2, replica_pb2_grpc
+
+log = logging.getLogger("squall.replica")
+
+SERVICE_NAMES = [
+    broker_pb2.DESCRIPTOR.services_by_name["TopicManager"].full_name,
+    broker_pb2.DESCRIPTOR.services_by_name["Publisher"].full_name,
+    broker_pb2.DESCRIPTOR.services_by_name["Subscriber"].full_name,
+    replica_pb2.DESCRIPTOR.services_by_name["ReplicaControl"].full_name,
+]
+
+
+async def serve(config: ClusterConfig, node_config: NodeConfig, stop: asyncio.Event) -> None:
+    """Opens the store, serves until `stop` is set, then closes everything in order."""
+    node_config.data_dir.mkdir(parents=True, exist_ok=True)
+    store = Store.open_lmdb(
+        node_config.data_dir,
+        map_size_bytes=config.limits.map_size_bytes,
+        dedupe_window=config.limits.dedupe_window,
+    )
+    node = ReplicaNode(config, node_config, store)
+    grpc_server = ServiceServer(
+        node_config.replica_address, SERVICE_NAMES, config.limits.max_message_bytes
+    )
+    broker_pb2_grpc.add_TopicManagerServicer_to_server(
+        server.TopicManager(node), grpc_server.server
+    )
+    broker_pb2_grpc.add_PublisherServicer_to_server(server.Publisher(node), grpc_server.server)
+    broker_pb2_grpc.add_SubscriberServicer_to_server(server.Subscriber(node), grpc_server.server)
+    replica_pb2_grpc.add_ReplicaControlServicer_to_server(
+        server.ReplicaControl(node), grpc_server.server
+    )
+    try:
+        await node.start()
+        await grpc_server.start()
+        await grpc_server.set_serving(True)
+        log.info("replica %s serving on %s", node_config.id, node_config.replica_address)
+        await stop.wait()
+        log.info("replica %s stopping", node_config.id)
+    finally:
+        await grpc_server.stop()
+        await node.stop()
+        store.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point shared with `squall replica`."""
+    parser = argparse.ArgumentParser(prog="squall replica", description=__doc__)
+    parser.add_argument("--config", required=True, help="cluster configuration file (TOML)")
+    parser.add_argument("--node", required=True, help="this node's id in the configuration")
+    args = parser.parse_args(argv)
+    config = load_config_or_exit(args.config, node_id=args.node)
+    node_config = config.node(args.node)
+    setup_logging(config.logging, "replica", node_config.id)
+    try:
+        asyncio.run(run_until_signalled(lambda stop: serve(config, node_config, stop)))
+    except StoreError as exc:
+        log.error("replica %s cannot open its store: %s", node_config.id, exc)
+        return 1
+    except OSError as exc:
+        log.error("replica %s cannot start: %s", node_config.id, exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

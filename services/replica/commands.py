@@ -1,0 +1,396 @@
+"""Turns client commands into log entries: validation, offsets and deduplication.
+
+The master's writer takes many commands at once (group commit). A `BatchBuilder` sees
+the store as it is plus what earlier commands of the same batch will do, so that a
+topic created, an offset handed out or a sequence stored earlier in the batch counts
+for the commands after it. It does no I/O of its own beyond reading the store, and a
+command it refuses leaves no trace in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common import names
+from services.common.config import LimitsConfig
+from services.common.errors import Code, ServiceError, invalid, not_found
+from services.replica.store import Store, TopicInfo, make_entry
+from squall.v1 import broker_pb2, common_pb2, replica_pb2
+
+
+@dataclass(frozen=True)
+class CreateTopic:
+    """Create a topic."""
+
+    name: str
+    kind: int
+
+
+@dataclass(frozen=True)
+class DestroyTopic:
+    """Destroy a topic with its events and subscriptions."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Publish:
+    """Append a batch of events to a replicated topic."""
+
+    request: broker_pb2.PublishRequest
+
+
+@dataclass(frozen=True)
+class SetCursor:
+    """Create a durable subscription (create=True) or move its cursor forward."""
+
+    topic: str
+    subscription: str
+    cursor: int
+    create: bool
+
+
+@dataclass(frozen=True)
+class DeleteSubscription:
+    """Delete a durable subscription."""
+
+    topic: str
+    subscription: str
+
+
+@dataclass(frozen=True)
+class StartEpoch:
+    """A new master's first entry."""
+
+    epoch: int
+    master_id: str
+
+
+Command = CreateTopic | DestroyTopic | Publish | SetCursor | DeleteSubscription | StartEpoch
+
+
+@dataclass
+class Planned:
+    """What a command will have produced once its entry commits."""
+
+    # The entry's index in the batch, or None when the command needs no entry
+    # (e.g. a publish made only of duplicates, an ack below the cursor).
+    entry_index: int | None
+    topic: TopicInfo | None = None
+    receipts: list[common_pb2.AckReceipt] = field(default_factory=list)
+    cursor: int = 0
+
+
+class BatchBuilder:
+    """Builds one group-commit batch of entries on top of the store's current state."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        limits: LimitsConfig,
+        node_id: str,
+        epoch: int,
+        next_lsn: int,
+        now_ms: int,
+    ) -> None:
+        self._store = store
+        self._limits = limits
+        self._node_id = node_id
+        self._epoch = epoch
+        self._next_lsn = next_lsn
+        self._now_ms = now_ms
+        self.entries: list[replica_pb2.LogEntry] = []
+        # Effects of earlier commands in this batch; None marks a destroyed topic.
+        self._topics: dict[str, TopicInfo | None] = {}
+        self._cursors: dict[tuple[str, str], int | None] = {}
+        self._sequences: dict[tuple[str, int], tuple[str, int, int]] = {}
+        self._high_water: dict[str, int] = {}
+        self._topic_count_delta = 0
+
+    def add(self, command: Command) -> Planned:
+        """Plans one command; raises ServiceError (and changes nothing) if it is refused."""
+        if isinstance(command, Publish):
+            return self._publish(command.request)
+        if isinstance(command, SetCursor):
+            return self._set_cursor(command)
+        if isinstance(command, CreateTopic):
+            return self._create_topic(command)
+        if isinstance(command, DestroyTopic):
+            return self._destroy_topic(command)
+        if isinstance(command, DeleteSubscription):
+            return self._delete_subscription(command)
+        return self._start_epoch(command)
+
+    # --- reads through the batch's overlay
+
+    def topic(self, name: str) -> TopicInfo | None:
+        """The topic as it will be after the commands planned so far."""
+        if name in self._topics:
+            return self._topics[name]
+        return self._store.get_topic(name)
+
+    def _existing_topic(self, name: str) -> TopicInfo:
+        topic = self.topic(name)
+        if topic is None:
+            raise not_found(f"topic '{name}' does not exist")
+        return topic
+
+    def _cursor(self, topic: str, subscription: str) -> int | None:
+        key = (topic, subscription)
+        if key in self._cursors:
+            return self._cursors[key]
+        return self._store.get_cursor(topic, subscription)
+
+    # --- planning
+
+    def _emit(self, operation: replica_pb2.Operation) -> int:
+        self.entries.append(make_entry(self._next_lsn, self._epoch, operation))
+        self._next_lsn += 1
+        return len(self.entries) - 1
+
+    @property
+    def _lsn(self) -> int:
+        """The LSN the next emitted entry gets."""
+        return self._next_lsn
+
+    def _create_topic(self, command: CreateTopic) -> Planned:
+        _check_name(names.validate_topic_name, command.name)
+        if self.topic(command.name) is not None:
+            raise ServiceError(Code.ALREADY_EXISTS, f"topic '{command.name}' already exists")
+        if command.kind not in (
+            common_pb2.TOPIC_KIND_REPLICATED,
+            common_pb2.TOPIC_KIND_TRANSIENT,
+        ):
+            raise invalid(f"unknown topic kind {command.kind}")
+        if len(self._store.list_topics()) + self._topic_count_delta >= self._limits.max_topics:
+            raise ServiceError(
+                Code.RESOURCE_EXHAUSTED,
+                f"topic limit reached: max_topics is {self._limits.max_topics}",
+            )
+        index = self._emit(
+            replica_pb2.Operation(
+                create_topic=replica_pb2.CreateTopicOp(
+                    name=command.name, kind=command.kind, created_ms=self._now_ms
+                )
+            )
+        )
+        topic = TopicInfo(
+            name=command.name,
+            topic_id=0,
+            kind=command.kind,
+            next_offset=0,
+            first_offset=0,
+            created_ms=self._now_ms,
+        )
+        self._topics[command.name] = topic
+        self._topic_count_delta += 1
+        return Planned(index, topic=topic)
+
+    def _destroy_topic(self, command: DestroyTopic) -> Planned:
+        self._existing_topic(command.name)
+        index = self._emit(
+            replica_pb2.Operation(destroy_topic=replica_pb2.DestroyTopicOp(name=command.name))
+        )
+        self._topics[command.name] = None
+        self._topic_count_delta -= 1
+        for key in [k for k in self._cursors if k[0] == command.name]:
+            self._cursors[key] = None
+        return Planned(index)
+
+    def _publish(self, request: broker_pb2.PublishRequest) -> Planned:
+        topic = self._existing_topic(request.topic)
+        events = request.events
+        limits = self._limits
+        check_publish_limits(request, limits)
+        publisher_id = request.publisher_id
+        if publisher_id:
+            _check_name(names.validate_publisher_id, publisher_id)
+        epoch = self._epoch
+        lsn = self._lsn
+        offset = topic.next_offset
+        receipts: list[common_pb2.AckReceipt] = []
+        new_events: list[common_pb2.EventData] | None = None
+        new_sequences: list[tuple[int, int]] = []
+        if not publisher_id:
+            receipts = [
+                common_pb2.AckReceipt(offset=offset + i, lsn=lsn, epoch=epoch)
+                for i in range(len(events))
+            ]
+            count = len(events)
+        else:
+            high_water = self._publisher_high_water(publisher_id)
+            window = limits.dedupe_window
+            seen_here: dict[int, int] = {}
+            kept: list[common_pb2.EventData] = []
+            for event in events:
+                sequence = event.sequence
+                if sequence:
+                    hit = self._lookup(publisher_id, sequence, seen_here, high_water, window)
+                    if hit is not None:
+                        hit_topic, hit_offset, hit_lsn, hit_epoch = hit
+                        if hit_topic != request.topic:
+                            raise invalid(
+                                f"publisher '{publisher_id}' already used sequence {sequence} "
+                                f"on topic '{hit_topic}'"
+                            )
+                        receipts.append(
+                            common_pb2.AckReceipt(
+                                offset=hit_offset, lsn=hit_lsn, epoch=hit_epoch, duplicate=True
+                            )
+                        )
+                        continue
+                    seen_here[sequence] = offset + len(kept)
+                    new_sequences.append((sequence, offset + len(kept)))
+                receipts.append(
+                    common_pb2.AckReceipt(offset=offset + len(kept), lsn=lsn, epoch=epoch)
+                )
+                kept.append(event)
+            count = len(kept)
+            if count != len(events):
+                new_events = kept
+        if count == 0:
+            return Planned(None, receipts=receipts)
+        op = replica_pb2.PublishOp(
+            topic=request.topic,
+            first_offset=offset,
+            publisher_id=publisher_id,
+            session_token=request.session_token,
+            timestamp_ms=self._now_ms,
+        )
+        op.events.extend(events if new_events is None else new_events)
+        index = self._emit(replica_pb2.Operation(publish=op))
+        self._topics[request.topic] = _with_next_offset(topic, offset + count)
+        for sequence, event_offset in new_sequences:
+            self._sequences[(publisher_id, sequence)] = (request.topic, event_offset, lsn)
+            if sequence > self._high_water.get(publisher_id, 0):
+                self._high_water[publisher_id] = sequence
+        return Planned(index, receipts=receipts)
+
+    def _publisher_high_water(self, publisher_id: str) -> int:
+        if publisher_id not in self._high_water:
+            self._high_water[publisher_id] = self._store.publisher_high_water(publisher_id)
+        return self._high_water[publisher_id]
+
+    def _lookup(
+        self,
+        publisher_id: str,
+        sequence: int,
+        seen_here: dict[int, int],
+        high_water: int,
+        window: int,
+    ) -> tuple[str, int, int, int] | None:
+        """The original (topic, offset, lsn, epoch) of a stored sequence; None if new."""
+        if sequence in seen_here:
+            raise invalid(f"sequence {sequence} appears twice in one publish")
+        if sequence > high_water:
+            return None  # the common case: sequences grow, so no lookup is needed
+        planned = self._sequences.get((publisher_id, sequence))
+        if planned is not None:
+            return (planned[0], planned[1], planned[2], self._epoch)
+        hit = self._store.lookup_sequence(publisher_id, sequence)
+        if hit is not None:
+            return (hit.topic, hit.offset, hit.lsn, hit.epoch)
+        if sequence + window <= high_water:
+            # Below the window we can no longer tell a retry from a new event, and
+            # storing it could duplicate one: refuse rather than guess.
+            raise ServiceError(
+                Code.FAILED_PRECONDITION,
+                f"sequence {sequence} of publisher '{publisher_id}' is older than the "
+                f"deduplication window ({window} below its highest, {high_water})",
+            )
+        return None
+
+    def _set_cursor(self, command: SetCursor) -> Planned:
+        _check_name(names.validate_subscription_name, command.subscription)
+        topic = self._existing_topic(command.topic)
+        current = self._cursor(command.topic, command.subscription)
+        if command.create:
+            if current is not None:
+                return Planned(None, cursor=current)
+        elif current is None:
+            raise not_found(
+                f"subscription '{command.subscription}' on topic '{command.topic}' does not exist"
+            )
+        if command.cursor > topic.next_offset:
+            raise invalid(
+                f"offset {command.cursor - 1} is beyond the end of topic '{command.topic}' "
+                f"(next offset {topic.next_offset})"
+            )
+        if current is not None and command.cursor <= current:
+            return Planned(None, cursor=current)  # acks may arrive out of order
+        index = self._emit(
+            replica_pb2.Operation(
+                set_cursor=replica_pb2.SetCursorOp(
+                    topic=command.topic, subscription=command.subscription, cursor=command.cursor
+                )
+            )
+        )
+        self._cursors[(command.topic, command.subscription)] = command.cursor
+        return Planned(index, cursor=command.cursor)
+
+    def _delete_subscription(self, command: DeleteSubscription) -> Planned:
+        self._existing_topic(command.topic)
+        if self._cursor(command.topic, command.subscription) is None:
+            raise not_found(
+                f"subscription '{command.subscription}' on topic '{command.topic}' does not exist"
+            )
+        index = self._emit(
+            replica_pb2.Operation(
+                delete_subscription=replica_pb2.DeleteSubscriptionOp(
+                    topic=command.topic, subscription=command.subscription
+                )
+            )
+        )
+        self._cursors[(command.topic, command.subscription)] = None
+        return Planned(index)
+
+    def _start_epoch(self, command: StartEpoch) -> Planned:
+        index = self._emit(
+            replica_pb2.Operation(
+                epoch_start=replica_pb2.EpochStartOp(
+                    epoch=command.epoch, master_id=command.master_id
+                )
+            )
+        )
+        return Planned(index)
+
+
+def _with_next_offset(topic: TopicInfo, next_offset: int) -> TopicInfo:
+    return TopicInfo(
+        name=topic.name,
+        topic_id=topic.topic_id,
+        kind=topic.kind,
+        next_offset=next_offset,
+        first_offset=topic.first_offset,
+        created_ms=topic.created_ms,
+    )
+
+
+def _check_name(validate: object, value: str) -> None:
+    try:
+        validate(value)  # type: ignore[operator]
+    except ValueError as exc:
+        raise invalid(str(exc)) from None
+
+
+def check_publish_limits(request: broker_pb2.PublishRequest, limits: LimitsConfig) -> None:
+    """Refuses a publish that breaks a size limit, naming the limit (nothing is stored)."""
+    events = request.events
+    if not events:
+        raise invalid("a publish needs at least one event")
+    if len(events) > limits.max_batch_events:
+        raise invalid(
+            f"batch of {len(events)} events exceeds max_batch_events ({limits.max_batch_events})"
+        )
+    total_bytes = 0
+    for i, event in enumerate(events):
+        size = len(event.payload) + len(event.key)
+        if size > limits.max_event_bytes:
+            raise invalid(
+                f"event {i} is {size} bytes (key + payload); "
+                f"max_event_bytes is {limits.max_event_bytes}"
+            )
+        total_bytes += size
+    if total_bytes > limits.max_batch_bytes:
+        raise invalid(f"batch is {total_bytes} bytes; max_batch_bytes is {limits.max_batch_bytes}")

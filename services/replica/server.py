@@ -1,0 +1,386 @@
+"""The replica's gRPC servicers: thin adapters from requests to the ReplicaNode.
+
+Every refusal is a ServiceError raised where the reason is known; `_answering` turns it
+into the status the client sees. Nothing here decides anything about the data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Iterator
+from typing import NoReturn
+
+import grpc
+
+from services.common.errors import Code, ServiceError, invalid
+from services.replica import commands
+from services.replica.node import ReplicaNode
+from services.replica.store import CorruptRecordError, TopicInfo
+from squall.v1 import (
+    broker_pb2,
+    broker_pb2_grpc,
+    common_pb2,
+    replica_pb2,
+    replica_pb2_grpc,
+)
+
+log = logging.getLogger("squall.replica")
+
+# How long a following subscriber waits for a commit before it rechecks its topic.
+_FOLLOW_RECHECK_S = 1.0
+# Requests a pipelined publish stream may have in flight before it stops reading.
+_STREAM_INFLIGHT_MAX = 64
+
+
+async def abort(context: grpc.aio.ServicerContext, exc: ServiceError) -> NoReturn:
+    """Ends the call with the error's status, message and metadata."""
+    if exc.metadata:
+        context.set_trailing_metadata(exc.metadata)
+    await context.abort(grpc.StatusCode[exc.code.value], exc.message)
+    raise AssertionError("unreachable: context.abort raises")
+
+
+@contextlib.contextmanager
+def _translating() -> Iterator[None]:
+    """Maps store errors that reach a handler to ServiceErrors."""
+    try:
+        yield
+    except CorruptRecordError as exc:
+        raise ServiceError(Code.DATA_LOSS, f"corrupt record, not served: {exc}") from exc
+
+
+def topic_message(topic: TopicInfo, next_offset: int | None = None) -> common_pb2.Topic:
+    """The wire form of a topic."""
+    return common_pb2.Topic(
+        name=topic.name,
+        kind=topic.kind,
+        next_offset=topic.next_offset if next_offset is None else next_offset,
+        first_offset=topic.first_offset,
+        created_ms=topic.created_ms,
+    )
+
+
+class TopicManager(broker_pb2_grpc.TopicManagerServicer):
+    """Topic administration and publisher proxies."""
+
+    def __init__(self, node: ReplicaNode) -> None:
+        self.node = node
+
+    def _message(self, topic: TopicInfo) -> common_pb2.Topic:
+        if topic.kind == common_pb2.TOPIC_KIND_TRANSIENT:
+            return topic_message(topic, self.node.transient.next_offset(topic.name))
+        return topic_message(topic)
+
+    async def CreateTopic(
+        self, request: broker_pb2.CreateTopicRequest, context: grpc.aio.ServicerContext
+    ) -> broker_pb2.CreateTopicResponse:
+        kind = request.kind or common_pb2.TOPIC_KIND_REPLICATED
+        try:
+            await self.node.write(commands.CreateTopic(request.name, kind))
+        except ServiceError as exc:
+            await abort(context, exc)
+        log.info(
+            "created topic '%s' (epoch=%d lsn=%d)",
+            request.name,
+            self.node.epoch,
+            self.node.last_lsn,
+        )
+        return broker_pb2.CreateTopicResponse(topic=self._message(self.node.topic(request.name)))
+
+    async def RetrieveTopic(
+        self, request: broker_pb2.RetrieveTopicRequest, context: grpc.aio.ServicerContext
+    ) -> broker_pb2.RetrieveTopicResponse:
+        try:
+            with _translating():
+                topic = self.node.topic(request.name)
+        except ServiceError as exc:
+            await abort(context, exc)
+        return broker_pb2.RetrieveTopicResponse(topic=self._message(topic))
+
+    async def ListTopics(
+        self, request: broker_pb2.ListTopicsRequest, context: grpc.aio.ServicerContext
+    ) -> broker_pb2.ListTopicsResponse:
+        try:
+            with _translating():
+                topics = self.node.store.list_topics()
+        except ServiceError as exc:
+            await abort(context, exc)
+        return broker_pb2.ListTopicsResponse(topics=[self._message(t) for t in topics])
+
+    async def DestroyTopic(
+        self, request: broker_pb2.DestroyTopicRequest, context: grpc.aio.ServicerContext
+    ) -> broker_pb2.DestroyTopicResponse:
+        try:
+            await self.node.write(commands.DestroyTopic(request.name))
+        except ServiceError as exc:
+            await abort(context, exc)
+        self.node.transient.drop(request.name)
+        log.info(
+            "destroyed topic '%s' (epoch=%d lsn=%d)",
+            request.name,
+            self.node.epoch,
+            self.node.last_lsn,
+        )
+        return broker_pb2.DestroyTopicResponse()
+
+    def _proxy(self, topic: str, replicated: bool) -> broker_pb2.GetPublisherResponse:
+        self.node.topic(topic)
+        master = self.node.master
+        if master is None:
+            raise ServiceError(Code.UNAVAILABLE, "no master is elected; try again shortly")
+        nodes = [master] + [n for n in self.node.config.nodes if n.id != master.id]
+        if not replicated:
+            nodes = [master]
+        return broker_pb2.GetPublisherResponse(
+            topic=topic,
+            endpoints=[
+                common_pb2.NodeEndpoint(
+                    node_id=n.id,
+                    replica_address=n.replica_address,
+                    coordinator_address=n.coordinator_address,
+                    priority=n.priority,
+                )
+                for n in nodes
+            ],
+            replicated=replicated,
+            epoch=self.node.epoch,
+        )
+
+    async def GetPublisher(
+        self, request: broker_pb2.GetPublisherRequest, context: grpc.aio.ServicerContext
+    ) -> broker_pb2.GetPublisherResponse:
+        try:
+            return self._proxy(request.topic, replicated=True)
+        except ServiceError as exc:
+            await abort(context, exc)
+
+    async def GetNonReplicatedPublisher(
+        self, request: broker_pb2.GetPublisherRequest, context: grpc.aio.ServicerContext
+    ) -> broker_pb2.GetPublisherResponse:
+        try:
+            return self._proxy(request.topic, replicated=False)
+        except ServiceError as exc:
+            await abort(context, exc)
+
+
+class Publisher(broker_pb2_grpc.PublisherServicer):
+    """Unary and pipelined publishing."""
+
+    def __init__(self, node: ReplicaNode) -> None:
+        self.node = node
+
+    def _start(
+        self, request: broker_pb2.PublishRequest
+    ) -> asyncio.Future[broker_pb2.PublishResponse]:
+        """Begins one publish; the future resolves to its response once committed."""
+        receipts = self.node.start_publish(request)
+        request_id = request.request_id
+
+        async def respond() -> broker_pb2.PublishResponse:
+            return broker_pb2.PublishResponse(receipts=await receipts, request_id=request_id)
+
+        return asyncio.ensure_future(respond())
+
+    async def Publish(
+        self, request: broker_pb2.PublishRequest, context: grpc.aio.ServicerContext
+    ) -> broker_pb2.PublishResponse:
+        try:
+            with _translating():
+                return await self._start(request)
+        except ServiceError as exc:
+            await abort(context, exc)
+
+    async def PublishStream(
+        self,
+        request_iterator: AsyncIterator[broker_pb2.PublishRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[broker_pb2.PublishResponse]:
+        inflight: asyncio.Queue[asyncio.Future[broker_pb2.PublishResponse] | None] = asyncio.Queue(
+            maxsize=_STREAM_INFLIGHT_MAX
+        )
+        loop = asyncio.get_running_loop()
+
+        async def read_requests() -> None:
+            try:
+                async for request in request_iterator:
+                    try:
+                        with _translating():
+                            future = self._start(request)
+                    except ServiceError as exc:
+                        future = loop.create_future()
+                        future.set_exception(exc)
+                    await inflight.put(future)
+            finally:
+                await inflight.put(None)
+
+        reader = asyncio.create_task(read_requests())
+        try:
+            while True:
+                future = await inflight.get()
+                if future is None:
+                    break
+                try:
+                    response = await future
+                except ServiceError as exc:
+                    await abort(context, exc)
+                yield response
+            await reader
+        finally:
+            reader.cancel()
+
+
+class Subscriber(broker_pb2_grpc.SubscriberServicer):
+    """Committed reads from an offset or a durable cursor, and acks."""
+
+    def __init__(self, node: ReplicaNode) -> None:
+        self.node = node
+
+    async def _start_offset(self, request: broker_pb2.SubscribeRequest, topic: TopicInfo) -> int:
+        transient = topic.kind == common_pb2.TOPIC_KIND_TRANSIENT
+        next_offset = (
+            self.node.transient.next_offset(topic.name) if transient else topic.next_offset
+        )
+        start = request.start
+        if start == broker_pb2.START_POSITION_LATEST:
+            offset = next_offset
+        elif start == broker_pb2.START_POSITION_OFFSET:
+            if request.offset > next_offset and not transient:
+                raise invalid(
+                    f"offset {request.offset} is beyond the end of topic '{topic.name}' "
+                    f"(next offset {next_offset})"
+                )
+            offset = request.offset
+        elif start in (broker_pb2.START_POSITION_UNSPECIFIED, broker_pb2.START_POSITION_EARLIEST):
+            offset = topic.first_offset
+        else:
+            raise invalid(f"unknown start position {start}")
+        if not request.subscription:
+            return offset
+        if transient:
+            raise invalid(f"topic '{topic.name}' is transient: it has no durable subscriptions")
+        cursor = self.node.store.get_cursor(topic.name, request.subscription)
+        if cursor is not None:
+            return cursor
+        plan = await self.node.write(
+            commands.SetCursor(topic.name, request.subscription, offset, create=True)
+        )
+        return plan.cursor
+
+    async def Subscribe(
+        self, request: broker_pb2.SubscribeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[broker_pb2.SubscribeResponse]:
+        node = self.node
+        limit = node.config.limits.subscribe_batch_max_events
+        batch = min(request.max_batch_events or limit, limit)
+        try:
+            with _translating():
+                topic = node.topic(request.topic)
+                position = await self._start_offset(request, topic)
+        except ServiceError as exc:
+            await abort(context, exc)
+        transient = topic.kind == common_pb2.TOPIC_KIND_TRANSIENT
+        end = request.end_offset
+        if not request.follow:
+            now_end = node.transient.next_offset(topic.name) if transient else topic.next_offset
+            end = min(end, now_end) if end else now_end
+        while not end or position < end:
+            signal = node.commit_signal()
+            count = min(batch, end - position) if end else batch
+            try:
+                with _translating():
+                    if transient:
+                        events = node.transient.read(topic.name, position, count)
+                    else:
+                        events = node.store.read_events(topic.name, position, count)
+            except ServiceError as exc:
+                await abort(context, exc)
+            if events:
+                position = events[-1].offset + 1
+                yield broker_pb2.SubscribeResponse(events=events)
+                continue
+            if not request.follow:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(signal.wait(), _FOLLOW_RECHECK_S)
+            current = node.store.get_topic(topic.name)
+            if current is None or current.topic_id != topic.topic_id:
+                await abort(
+                    context, ServiceError(Code.NOT_FOUND, f"topic '{topic.name}' was destroyed")
+                )
+
+    async def Ack(
+        self, request: broker_pb2.AckRequest, context: grpc.aio.ServicerContext
+    ) -> broker_pb2.AckResponse:
+        try:
+            if not request.subscription:
+                raise invalid("ack needs a durable subscription name")
+            plan = await self.node.write(
+                commands.SetCursor(
+                    request.topic, request.subscription, request.offset + 1, create=False
+                )
+            )
+        except ServiceError as exc:
+            await abort(context, exc)
+        return broker_pb2.AckResponse(cursor=plan.cursor)
+
+    async def ListSubscriptions(
+        self, request: broker_pb2.ListSubscriptionsRequest, context: grpc.aio.ServicerContext
+    ) -> broker_pb2.ListSubscriptionsResponse:
+        try:
+            with _translating():
+                self.node.topic(request.topic)
+                subscriptions = self.node.store.list_subscriptions(request.topic)
+        except ServiceError as exc:
+            await abort(context, exc)
+        return broker_pb2.ListSubscriptionsResponse(
+            subscriptions=[
+                broker_pb2.SubscriptionInfo(name=name, cursor=cursor)
+                for name, cursor in subscriptions
+            ]
+        )
+
+    async def DeleteSubscription(
+        self, request: broker_pb2.DeleteSubscriptionRequest, context: grpc.aio.ServicerContext
+    ) -> broker_pb2.DeleteSubscriptionResponse:
+        try:
+            await self.node.write(commands.DeleteSubscription(request.topic, request.subscription))
+        except ServiceError as exc:
+            await abort(context, exc)
+        return broker_pb2.DeleteSubscriptionResponse()
+
+
+class ReplicaControl(replica_pb2_grpc.ReplicaControlServicer):
+    """Role commands from this node's coordinator."""
+
+    def __init__(self, node: ReplicaNode) -> None:
+        self.node = node
+
+    def _state(self) -> replica_pb2.ReplicaState:
+        meta = self.node.store.meta()
+        return replica_pb2.ReplicaState(
+            node_id=self.node.node.id,
+            cluster_id=meta.cluster_id,
+            last_epoch=meta.last_epoch,
+            last_lsn=meta.last_lsn,
+            store_state=meta.state,
+            epoch=self.node.epoch,
+            role=self.node.role,
+            commit_lsn=self.node.last_lsn,
+            shutdown_id=meta.shutdown_id,
+        )
+
+    async def GetReplicaState(
+        self, request: replica_pb2.GetReplicaStateRequest, context: grpc.aio.ServicerContext
+    ) -> replica_pb2.ReplicaState:
+        return self._state()
+
+    async def SetRole(
+        self, request: replica_pb2.RoleCommand, context: grpc.aio.ServicerContext
+    ) -> replica_pb2.RoleCommandResponse:
+        try:
+            await self.node.apply_role(request)
+        except ServiceError as exc:
+            await abort(context, exc)
+        return replica_pb2.RoleCommandResponse(state=self._state())

@@ -1,0 +1,77 @@
+"""Live delivery for transient topics: events held in a bounded ring, never stored.
+
+A transient topic's metadata is replicated like any other, but its events follow
+IceStorm's model: they reach whoever is subscribed now and are gone after. A bounded
+ring lets a subscriber that is briefly slower than the publishers catch up; one that
+falls further behind skips ahead to the oldest event still held.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from squall.v1 import broker_pb2, common_pb2
+
+
+class _Ring:
+    def __init__(self, capacity: int) -> None:
+        self.next_offset = 0
+        self.events: deque[common_pb2.Event] = deque(maxlen=capacity)
+
+
+class TransientTopics:
+    """The in-memory rings of every transient topic on this replica."""
+
+    def __init__(self, capacity_events: int) -> None:
+        self._capacity = capacity_events
+        self._rings: dict[str, _Ring] = {}
+
+    def _ring(self, topic: str) -> _Ring:
+        ring = self._rings.get(topic)
+        if ring is None:
+            ring = self._rings[topic] = _Ring(self._capacity)
+        return ring
+
+    def publish(
+        self, request: broker_pb2.PublishRequest, *, epoch: int, now_ms: int, master_id: str
+    ) -> list[common_pb2.AckReceipt]:
+        """Hands the events to live subscribers; receipts carry offsets but lsn 0."""
+        ring = self._ring(request.topic)
+        receipts = []
+        for event in request.events:
+            offset = ring.next_offset
+            ring.next_offset += 1
+            ring.events.append(
+                common_pb2.Event(
+                    topic=request.topic,
+                    offset=offset,
+                    key=event.key,
+                    payload=event.payload,
+                    headers=event.headers,
+                    timestamp_ms=now_ms,
+                    publisher_id=request.publisher_id,
+                    sequence=event.sequence,
+                    epoch=epoch,
+                    session_token=request.session_token,
+                )
+            )
+            receipts.append(common_pb2.AckReceipt(offset=offset, epoch=epoch, master_id=master_id))
+        return receipts
+
+    def next_offset(self, topic: str) -> int:
+        """The offset the next transient event of `topic` gets."""
+        return self._ring(topic).next_offset
+
+    def read(self, topic: str, from_offset: int, max_events: int) -> list[common_pb2.Event]:
+        """Events at or after from_offset still in the ring (skipping ahead if needed)."""
+        ring = self._ring(topic)
+        if not ring.events or from_offset >= ring.next_offset:
+            return []
+        first = ring.events[0].offset
+        start = max(from_offset, first) - first
+        end = min(len(ring.events), start + max_events)
+        return [ring.events[i] for i in range(start, end)]
+
+    def drop(self, topic: str) -> None:
+        """Forgets a destroyed topic's ring."""
+        self._rings.pop(topic, None)
