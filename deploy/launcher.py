@@ -93,8 +93,8 @@ def start(config_path: Path, demo: bool) -> int:
     gateway_address = config.gateways[0].address
     if demo:
         _demo(config, gateway_address)
-    print(f"\nTry:  .venv/bin/squall --gateway {gateway_address} status")
-    print(f"      .venv/bin/squall --gateway {gateway_address} topic list")
+    print(f"\nTry:  .venv/bin/squall status --gateway {gateway_address}")
+    print(f"      .venv/bin/squall subscribe demo --gateway {gateway_address} --count 5")
     print("Stop: make stop")
     return 0
 
@@ -111,7 +111,7 @@ def _demo(config: ClusterConfig, gateway_address: str) -> None:
         except squall.AlreadyExists:
             print(f"\ndemo: topic '{name}' exists already (data from an earlier run is kept)")
         topic = client.topic(name)
-        start_offset = topic.info().next_offset if hasattr(topic, "info") else 0
+        start_offset = topic.info.next_offset
         publisher = topic.publisher()
         stamp = time.strftime("%H:%M:%S")
         for i in range(5):

@@ -1,0 +1,250 @@
+"""The connection to a Squall gateway, and the topic handle publishers and subscribers hang off.
+
+`connect()` opens one gRPC channel; everything a `Client` hands out (topics, publishers,
+subscriptions) shares it. The API is synchronous on purpose: apps and Spark executors
+call it from plain threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from squall._errors import from_rpc_error
+from squall._publisher import INFLIGHT_BATCHES_MAX_DEFAULT, Publisher, new_publisher_id
+from squall._subscriber import Start, Subscription, subscribe_request
+from squall._types import ClusterStatus, TopicInfo, kind_to_pb
+from squall.v1 import broker_pb2, broker_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+
+MESSAGE_BYTES_MAX = 64 * 1024 * 1024
+
+ChannelOptions = Sequence[tuple[str, Any]]
+
+_Resp = TypeVar("_Resp")
+
+
+def channel_options(options: ChannelOptions | None = None) -> list[tuple[str, Any]]:
+    """Squall's channel defaults (64 MiB messages, keepalive), overridden by `options`."""
+    merged: dict[str, Any] = {
+        "grpc.max_send_message_length": MESSAGE_BYTES_MAX,
+        "grpc.max_receive_message_length": MESSAGE_BYTES_MAX,
+        # A dead gateway must be noticed by a long-lived publish or subscribe stream
+        # without waiting for TCP's own timeouts; the services accept pings this often.
+        "grpc.keepalive_time_ms": 10_000,
+        "grpc.keepalive_timeout_ms": 5_000,
+        "grpc.keepalive_permit_without_calls": 1,
+        "grpc.http2.max_pings_without_data": 0,
+    }
+    merged.update(dict(options or ()))
+    return list(merged.items())
+
+
+def connect(
+    address: str, *, timeout_s: float = 10.0, options: ChannelOptions | None = None
+) -> Client:
+    """Opens a client to the gateway at `address` ("host:port"); use it as a context manager."""
+    return Client(address, timeout_s=timeout_s, options=options)
+
+
+class Client:
+    """A connection to a Squall gateway: topic management, cluster status, and topic handles."""
+
+    def __init__(
+        self, address: str, *, timeout_s: float = 10.0, options: ChannelOptions | None = None
+    ) -> None:
+        if not address:
+            raise ValueError("address must be host:port, not empty")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, not {timeout_s}")
+        self._address = address
+        self._timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(address, options=channel_options(options))
+        self._topic_manager = broker_pb2_grpc.TopicManagerStub(self._channel)
+        self._publisher_stub = broker_pb2_grpc.PublisherStub(self._channel)
+        self._subscriber_stub = broker_pb2_grpc.SubscriberStub(self._channel)
+        self._admin = gateway_pb2_grpc.ClusterAdminStub(self._channel)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._publishers: set[Publisher] = set()
+        self._subscriptions: weakref.WeakSet[Subscription] = weakref.WeakSet()
+
+    @property
+    def address(self) -> str:
+        """The gateway address this client talks to."""
+        return self._address
+
+    @property
+    def timeout_s(self) -> float:
+        """The deadline of each unary call, and of each publish batch's receipt."""
+        return self._timeout_s
+
+    @property
+    def channel(self) -> grpc.Channel:
+        """The underlying gRPC channel, for calling the generated stubs directly."""
+        return self._channel
+
+    def _call(self, method: Callable[..., _Resp], request: Any) -> _Resp:
+        self._check_open()
+        try:
+            return method(request, timeout=self._timeout_s)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("the client is closed")
+
+    def create_topic(self, name: str, kind: str = "replicated") -> TopicInfo:
+        """Creates a topic ("replicated" or "transient"); AlreadyExists if it exists."""
+        request = broker_pb2.CreateTopicRequest(name=name, kind=kind_to_pb(kind))
+        return TopicInfo.from_pb(self._call(self._topic_manager.CreateTopic, request).topic)
+
+    def topic(self, name: str) -> Topic:
+        """Retrieves a topic's handle; NotFound if it does not exist."""
+        request = broker_pb2.RetrieveTopicRequest(name=name)
+        info = TopicInfo.from_pb(self._call(self._topic_manager.RetrieveTopic, request).topic)
+        return Topic(self, info)
+
+    def topics(self) -> list[TopicInfo]:
+        """Every topic, ordered by name."""
+        response = self._call(self._topic_manager.ListTopics, broker_pb2.ListTopicsRequest())
+        return [TopicInfo.from_pb(t) for t in response.topics]
+
+    def destroy_topic(self, name: str) -> None:
+        """Destroys a topic with its events and subscriptions; NotFound if it does not exist."""
+        self._call(self._topic_manager.DestroyTopic, broker_pb2.DestroyTopicRequest(name=name))
+
+    def status(self) -> ClusterStatus:
+        """The cluster status table as the gateway sees it."""
+        request = gateway_pb2.GetClusterStatusRequest()
+        return ClusterStatus.from_pb(self._call(self._admin.GetClusterStatus, request))
+
+    def close(self) -> None:
+        """Flushes and closes publishers, cancels subscriptions, closes the channel."""
+        with self._lock:
+            if self._closed:
+                return
+            publishers = list(self._publishers)
+            subscriptions = list(self._subscriptions)
+        for publisher in publishers:
+            publisher.close()
+        for subscription in subscriptions:
+            subscription.close()
+        with self._lock:
+            self._closed = True
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Client({self._address!r})"
+
+    # -- used by Topic ----------------------------------------------------------------
+
+    def _new_publisher(
+        self, topic: str, publisher_id: str, start_sequence: int, inflight_batches_max: int
+    ) -> Publisher:
+        self._check_open()
+        publisher = Publisher(
+            self._publisher_stub,
+            topic,
+            publisher_id,
+            start_sequence=start_sequence,
+            timeout_s=self._timeout_s,
+            inflight_batches_max=inflight_batches_max,
+            on_close=self._forget_publisher,
+        )
+        with self._lock:
+            self._publishers.add(publisher)
+        return publisher
+
+    def _forget_publisher(self, publisher: Publisher) -> None:
+        with self._lock:
+            self._publishers.discard(publisher)
+
+    def _new_subscription(self, request: broker_pb2.SubscribeRequest) -> Subscription:
+        self._check_open()
+        subscription = Subscription(self._subscriber_stub, request, timeout_s=self._timeout_s)
+        with self._lock:
+            self._subscriptions.add(subscription)
+        return subscription
+
+
+class Topic:
+    """A handle on one topic: make publishers and subscriptions, manage its cursors."""
+
+    def __init__(self, client: Client, info: TopicInfo) -> None:
+        self._client = client
+        self._info = info
+
+    @property
+    def name(self) -> str:
+        """The topic's name."""
+        return self._info.name
+
+    @property
+    def info(self) -> TopicInfo:
+        """The topic as it was when this handle was retrieved (see refresh())."""
+        return self._info
+
+    def refresh(self) -> TopicInfo:
+        """Fetches the topic again (offsets move as events arrive); NotFound once destroyed."""
+        self._info = self._client.topic(self.name).info
+        return self._info
+
+    def publisher(
+        self,
+        publisher_id: str | None = None,
+        *,
+        start_sequence: int = 1,
+        inflight_batches_max: int = INFLIGHT_BATCHES_MAX_DEFAULT,
+    ) -> Publisher:
+        """A publisher for this topic; a random id unless given, sequences from start_sequence.
+
+        To resume a known publisher id after a restart, pass the sequence after the last
+        one it used: the master treats reused (publisher_id, sequence) pairs as duplicates.
+        """
+        return self._client._new_publisher(
+            self.name, publisher_id or new_publisher_id(), start_sequence, inflight_batches_max
+        )
+
+    def subscribe(
+        self,
+        subscription: str | None = None,
+        start: Start = "earliest",
+        follow: bool = True,
+        max_batch_events: int = 0,
+        *,
+        end_offset: int | None = None,
+    ) -> Subscription:
+        """Streams messages from `start` (or a durable subscription's cursor).
+
+        With `follow=False` iteration ends after the events committed when it started;
+        `end_offset` (exclusive) stops it earlier.
+        """
+        request = subscribe_request(
+            self.name, subscription, start, follow, max_batch_events, end_offset
+        )
+        return self._client._new_subscription(request)
+
+    def subscriptions(self) -> list[tuple[str, int]]:
+        """The topic's durable subscriptions as (name, cursor), ordered by name."""
+        request = broker_pb2.ListSubscriptionsRequest(topic=self.name)
+        response = self._client._call(self._client._subscriber_stub.ListSubscriptions, request)
+        return [(s.name, s.cursor) for s in response.subscriptions]
+
+    def delete_subscription(self, name: str) -> None:
+        """Deletes a durable subscription; NotFound if it does not exist."""
+        request = broker_pb2.DeleteSubscriptionRequest(topic=self.name, subscription=name)
+        self._client._call(self._client._subscriber_stub.DeleteSubscription, request)
+
+    def __repr__(self) -> str:
+        return f"Topic({self.name!r})"

@@ -1,0 +1,557 @@
+"""Publishing: one long-lived, pipelined PublishStream per Publisher, with idempotent sequences.
+
+A `Publisher` owns a publisher id and the next sequence number. Every event it sends
+carries `(publisher_id, sequence)`, so the master stores a resent event once. All sends go
+over one bidirectional `PublishStream` call kept open across calls (a unary call per event
+tops out at a few thousand events per second in Python; the stream does not pay a call's
+setup per batch). At most `inflight_batches_max` batches are unanswered at a time.
+
+Ordering rule: sequences are assigned and requests queued under one lock, so the order
+on the wire is the order of the sequences. Responses come back in request order (the
+proto's contract); a reader thread matches each to the oldest unanswered batch.
+
+When the stream fails, the oldest unanswered batch gets the stream's status (so a bad
+event fails with `InvalidArgument`), every other sent batch is `Indeterminate`, and events
+that were buffered but not sent fail definitely. The next call opens a new stream with a
+new session token (the token marks where per-publisher ordering may change).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import queue
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from typing import Any, Literal
+
+import grpc
+
+from squall._errors import Indeterminate, SquallError, error_for, rpc_status
+from squall._types import Receipt, receipts_from_pb
+from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2
+
+# What publish_many accepts per event: a payload, a (key, payload) or (key, payload,
+# headers) tuple, or any object with `payload` (and optionally `key`, `headers`)
+# attributes, such as common_pb2.EventData or squall.Message.
+EventLike = (
+    bytes | tuple[bytes | None, bytes] | tuple[bytes | None, bytes, Mapping[str, str]] | Any
+)
+
+INFLIGHT_BATCHES_MAX_DEFAULT = 8
+BATCH_EVENTS_DEFAULT = 500
+# A batch is one gRPC message; with 100-byte events 10,000 is ~1.3 MB, far under the
+# 64 MiB message limit, and keeps one response's conversion short.
+BATCH_EVENTS_MAX = 10_000
+
+
+def new_publisher_id() -> str:
+    """A fresh random publisher id."""
+    return f"py-{uuid.uuid4().hex}"
+
+
+class _Batch:
+    """One sent request waiting for its response."""
+
+    __slots__ = ("count", "future", "request_id")
+
+    def __init__(self, request_id: int, count: int, future: Future[list[Receipt]]) -> None:
+        self.request_id = request_id
+        self.count = count
+        self.future = future
+
+
+class _Stream:
+    """One open PublishStream call: its request queue, unanswered batches and reader thread."""
+
+    def __init__(self, publisher_id: str) -> None:
+        # Bounded by the in-flight window: a request is only queued with a free slot.
+        self.requests: queue.SimpleQueue[broker_pb2.PublishRequest | None] = queue.SimpleQueue()
+        self.pending: collections.deque[_Batch] = collections.deque()
+        self.session_token = f"{publisher_id}/{uuid.uuid4().hex[:12]}"
+        self.dead = False
+        # Set before cancelling the call on purpose, so the reader reports why.
+        self.abort_error: SquallError | None = None
+        self.call: Any = None
+        self.reader: threading.Thread | None = None
+
+    def put(self, request: broker_pb2.PublishRequest | None) -> None:
+        """Queues a request (None half-closes the stream)."""
+        self.requests.put(request)
+
+    def iter_requests(self) -> Iterator[broker_pb2.PublishRequest]:
+        """The request iterator gRPC consumes; ends at the None sentinel."""
+        get = self.requests.get
+        while (request := get()) is not None:
+            yield request
+
+
+def _ready_future() -> Future[Any]:
+    """A future the caller cannot cancel (we resolve it from the reader thread)."""
+    future: Future[Any] = Future()
+    future.set_running_or_notify_cancel()
+    return future
+
+
+def _add_events(
+    request: broker_pb2.PublishRequest, events: Sequence[Any], first_sequence: int
+) -> None:
+    """Appends events to a request with consecutive sequences.
+
+    The homogeneous cases are list comprehensions over `events.add` (half the cost of
+    building EventData objects and copying them in); mixed input takes the general path.
+    """
+    add = request.events.add
+    sequences = itertools.count(first_sequence)
+    kinds = set(map(type, events))
+    if kinds == {bytes}:
+        [add(payload=p, sequence=s) for p, s in zip(events, sequences, strict=False)]
+    elif kinds == {tuple} and all(len(e) == 2 for e in events):
+        [add(key=k, payload=p, sequence=s) for (k, p), s in zip(events, sequences, strict=False)]
+    else:
+        for event, sequence in zip(events, sequences, strict=False):
+            _add_one(add, event, sequence)
+
+
+def _add_one(add: Callable[..., common_pb2.EventData], event: Any, sequence: int) -> None:
+    if isinstance(event, bytes | bytearray | memoryview):
+        add(payload=bytes(event), sequence=sequence)
+    elif isinstance(event, tuple | list):
+        if len(event) == 2:
+            add(key=event[0], payload=event[1], sequence=sequence)
+        elif len(event) == 3:
+            add(key=event[0], payload=event[1], headers=event[2], sequence=sequence)
+        else:
+            raise TypeError(f"an event tuple is (key, payload[, headers]), not {len(event)} items")
+    elif hasattr(event, "payload"):
+        add(
+            key=getattr(event, "key", None) or b"",
+            payload=event.payload,
+            headers=getattr(event, "headers", None) or None,
+            sequence=sequence,
+        )
+    else:
+        raise TypeError(
+            f"cannot publish {type(event).__name__}: give bytes, (key, payload) or an event"
+        )
+
+
+def _dispatch(futures: list[Future[Receipt]], batch: Future[list[Receipt]]) -> None:
+    """Resolves the per-event futures of an async batch from the batch's outcome.
+
+    A future the app cancelled is skipped: cancelling only stops the waiting, the event
+    is published anyway.
+    """
+    err = batch.exception()
+    outcomes: Iterable[Any] = itertools.repeat(err) if err is not None else batch.result()
+    for future, outcome in zip(futures, outcomes, strict=False):
+        try:
+            if err is not None:
+                future.set_exception(err)
+            else:
+                future.set_result(outcome)
+        except InvalidStateError:
+            pass  # the app cancelled it
+
+
+class Publisher:
+    """Publishes events to one topic with a publisher id and increasing sequences."""
+
+    def __init__(
+        self,
+        stub: broker_pb2_grpc.PublisherStub,
+        topic: str,
+        publisher_id: str,
+        *,
+        start_sequence: int = 1,
+        timeout_s: float = 10.0,
+        inflight_batches_max: int = INFLIGHT_BATCHES_MAX_DEFAULT,
+        on_close: Callable[[Publisher], None] | None = None,
+    ) -> None:
+        if not publisher_id:
+            raise ValueError("publisher_id must not be empty")
+        if start_sequence < 1:
+            raise ValueError(
+                f"start_sequence must be >= 1 (0 disables deduplication), not {start_sequence}"
+            )
+        if not 1 <= inflight_batches_max <= 1024:
+            raise ValueError(f"inflight_batches_max must be 1..1024, not {inflight_batches_max}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, not {timeout_s}")
+        self._stub = stub
+        self._topic = topic
+        self._publisher_id = publisher_id
+        self._timeout_s = timeout_s
+        self._inflight_max = inflight_batches_max
+        self._on_close = on_close
+        self._cond = threading.Condition()
+        self._next_sequence = start_sequence
+        self._next_request_id = 1
+        self._stream: _Stream | None = None
+        # Async events waiting for a window slot, sequences already assigned.
+        self._buffer: list[common_pb2.EventData] = []
+        self._buffer_futures: list[Future[Receipt]] = []
+        self._closed = False
+        self._streams_opened = 0
+        # Batches sent whose futures are not yet resolved (flush waits for zero).
+        self._unresolved = 0
+
+    # -- public API -------------------------------------------------------------------
+
+    @property
+    def topic(self) -> str:
+        """The topic this publisher writes to."""
+        return self._topic
+
+    @property
+    def publisher_id(self) -> str:
+        """The id stored with every event and used for deduplication."""
+        return self._publisher_id
+
+    @property
+    def next_sequence(self) -> int:
+        """The sequence the next event will get."""
+        with self._cond:
+            return self._next_sequence
+
+    @property
+    def streams_opened(self) -> int:
+        """How many PublishStream calls this publisher has opened (1 while nothing failed)."""
+        with self._cond:
+            return self._streams_opened
+
+    def publish(
+        self, payload: bytes, key: bytes | None = None, headers: Mapping[str, str] | None = None
+    ) -> Receipt:
+        """Publishes one event and waits for its receipt."""
+        receipts = self._publish_batches([(key, payload, headers)], BATCH_EVENTS_DEFAULT)
+        return receipts[0]
+
+    def publish_many(
+        self, events: Iterable[EventLike], batch_events: int = BATCH_EVENTS_DEFAULT
+    ) -> list[Receipt]:
+        """Publishes events in batches pipelined over the stream; receipts in input order.
+
+        Raises the first failure in input order; batches before it are stored. After an
+        `Indeterminate`, republishing the same events with the same sequences (a publisher
+        with this id and `start_sequence`) stores each one at most once.
+        """
+        if not 1 <= batch_events <= BATCH_EVENTS_MAX:
+            raise ValueError(f"batch_events must be 1..{BATCH_EVENTS_MAX}, not {batch_events}")
+        return self._publish_batches(events, batch_events)
+
+    def publish_async(
+        self, payload: bytes, key: bytes | None = None, headers: Mapping[str, str] | None = None
+    ) -> Future[Receipt]:
+        """Queues one event and returns a future for its receipt.
+
+        Events queued while the in-flight window is full go out together as one batch when
+        a slot frees, so many small async publishes batch themselves.
+        """
+        future: Future[Receipt] = Future()
+        with self._cond:
+            while True:
+                self._check_open()
+                stream = self._live_stream()
+                if len(self._buffer) < BATCH_EVENTS_MAX:
+                    break
+                # Buffer full and window full: wait for the reader to drain it.
+                if not self._cond.wait(self._timeout_s) and len(self._buffer) >= BATCH_EVENTS_MAX:
+                    raise error_for(grpc.StatusCode.DEADLINE_EXCEEDED, "publish window stayed full")
+            # Built here so a bad payload type raises in the caller, not the reader thread.
+            self._buffer.append(
+                common_pb2.EventData(
+                    key=key or b"", payload=payload, headers=headers, sequence=self._next_sequence
+                )
+            )
+            self._next_sequence += 1
+            self._buffer_futures.append(future)
+            if len(stream.pending) < self._inflight_max:
+                self._send_buffer(stream)
+        return future
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Waits until every event published so far is answered (each future holds its outcome).
+
+        On timeout the stream is abandoned, so every unanswered event becomes
+        `Indeterminate`, and `Indeterminate` is raised.
+        """
+        wait_s = self._timeout_s if timeout_s is None else timeout_s
+        with self._cond:
+            if self._cond.wait_for(lambda: not self._buffer and self._unresolved == 0, wait_s):
+                return
+            if self._stream is not None:
+                self._abort(
+                    self._stream, grpc.StatusCode.DEADLINE_EXCEEDED, f"flush took over {wait_s} s"
+                )
+        raise Indeterminate(f"flush took over {wait_s} s", grpc.StatusCode.DEADLINE_EXCEEDED)
+
+    def close(self) -> None:
+        """Waits for outstanding events (up to the timeout), then closes the stream."""
+        with self._cond:
+            if self._closed:
+                return
+        try:
+            self.flush()
+        except SquallError:
+            pass
+        with self._cond:
+            self._closed = True
+            stream = self._stream
+            self._stream = None
+        if stream is not None:
+            stream.put(None)
+            if stream.reader is not None:
+                stream.reader.join(self._timeout_s)
+            if stream.reader is not None and stream.reader.is_alive():
+                stream.call.cancel()
+        if self._on_close is not None:
+            self._on_close(self)
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Publisher(topic={self._topic!r}, publisher_id={self._publisher_id!r})"
+
+    # -- sending ----------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("the publisher is closed")
+
+    def _publish_batches(self, events: Iterable[Any], batch_events: int) -> list[Receipt]:
+        """Sends events in batches over one stream, then collects receipts in order."""
+        sent: list[tuple[_Stream, Future[list[Receipt]]]] = []
+        unsent_error: SquallError | None = None
+        source = iter(events)
+        while unsent_error is None:
+            chunk = list(itertools.islice(source, batch_events))
+            if not chunk:
+                break
+            with self._cond:
+                self._check_open()
+                stream = self._stream_with_slot(sent[0][0] if sent else None)
+                if stream is None:
+                    # The stream this call started on failed or stalled; the earlier
+                    # batches' errors explain why.
+                    unsent_error = self._not_sent_error("the publish stream failed")
+                    break
+                future: Future[list[Receipt]] = _ready_future()
+                request = broker_pb2.PublishRequest(
+                    topic=self._topic,
+                    publisher_id=self._publisher_id,
+                    session_token=stream.session_token,
+                )
+                _add_events(request, chunk, self._next_sequence)
+                self._next_sequence += len(chunk)
+                self._send(stream, request, len(chunk), future)
+            sent.append((stream, future))
+        receipts: list[Receipt] = []
+        for stream, future in sent:
+            receipts.extend(self._result(stream, future))
+        if unsent_error is not None:
+            raise unsent_error
+        return receipts
+
+    def _not_sent_error(self, why: str) -> SquallError:
+        return error_for(grpc.StatusCode.UNAVAILABLE, f"{why}; the remaining events were not sent")
+
+    def _result(self, stream: _Stream, future: Future[list[Receipt]]) -> list[Receipt]:
+        """Waits for one batch; on timeout abandons its stream, making it Indeterminate."""
+        try:
+            return future.result(self._timeout_s)
+        except FutureTimeoutError:
+            with self._cond:
+                self._abort(
+                    stream,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"no receipt within {self._timeout_s} s",
+                )
+        try:
+            return future.result(self._timeout_s)
+        except FutureTimeoutError:
+            raise Indeterminate(
+                f"no receipt within {self._timeout_s} s", grpc.StatusCode.DEADLINE_EXCEEDED
+            ) from None
+
+    def _live_stream(self) -> _Stream:
+        """The open stream, opening one if there is none (caller holds the lock)."""
+        stream = self._stream
+        if stream is not None and not stream.dead:
+            return stream
+        stream = _Stream(self._publisher_id)
+        stream.call = self._stub.PublishStream(stream.iter_requests())
+        stream.reader = threading.Thread(
+            target=self._read, args=(stream,), name=f"squall-publish-{self._topic}", daemon=True
+        )
+        self._stream = stream
+        self._streams_opened += 1
+        stream.reader.start()
+        return stream
+
+    def _stream_with_slot(self, current: _Stream | None) -> _Stream | None:
+        """A live stream with a free slot and no older async events queued (lock held).
+
+        `current` is the stream this call already sent on; if it dies, None (the call
+        stops). A call that has sent nothing yet moves to a new stream once if the one it
+        waited on died for someone else's batch; None also when the window stays full for
+        the whole timeout.
+        """
+        for _attempt in range(2):
+            stream = self._live_stream()
+            if current is not None and stream is not current:
+                return None
+            if self._buffer:
+                # Async events hold earlier sequences and must go out first.
+                waited = self._wait_slot(stream)
+                if waited == "ok":
+                    self._send_buffer(stream)
+            else:
+                waited = "ok"
+            if waited == "ok":
+                waited = self._wait_slot(stream)
+            if waited == "ok":
+                return stream
+            if waited == "timeout" or current is not None:
+                return None
+        return None
+
+    def _wait_slot(self, stream: _Stream) -> Literal["ok", "dead", "timeout"]:
+        """Waits for a free in-flight slot on the stream (lock held)."""
+        ok = self._cond.wait_for(
+            lambda: stream.dead or len(stream.pending) < self._inflight_max, self._timeout_s
+        )
+        if not ok:
+            # The oldest batch went unanswered for the whole timeout: the stream is stuck.
+            self._abort(
+                stream, grpc.StatusCode.DEADLINE_EXCEEDED, f"no receipt within {self._timeout_s} s"
+            )
+            return "timeout"
+        return "dead" if stream.dead else "ok"
+
+    def _send(
+        self,
+        stream: _Stream,
+        request: broker_pb2.PublishRequest,
+        count: int,
+        future: Future[list[Receipt]],
+    ) -> None:
+        """Queues one request on the stream (lock held)."""
+        request.request_id = self._next_request_id
+        self._next_request_id += 1
+        stream.pending.append(_Batch(request.request_id, count, future))
+        self._unresolved += 1
+        stream.put(request)
+
+    def _send_buffer(self, stream: _Stream) -> None:
+        """Sends the buffered async events as one batch (lock held, slot free)."""
+        buffered, futures = self._buffer, self._buffer_futures
+        self._buffer, self._buffer_futures = [], []
+        request = broker_pb2.PublishRequest(
+            topic=self._topic, publisher_id=self._publisher_id, session_token=stream.session_token
+        )
+        request.events.extend(buffered)
+        batch: Future[list[Receipt]] = _ready_future()
+        batch.add_done_callback(lambda done: _dispatch(futures, done))
+        self._send(stream, request, len(buffered), batch)
+
+    def _abort(self, stream: _Stream, code: grpc.StatusCode, details: str) -> None:
+        """Abandons a stream: the reader fails its batches with this reason (lock held)."""
+        if stream.dead or stream.abort_error is not None:
+            return
+        stream.abort_error = Indeterminate(details, code)
+        stream.call.cancel()
+
+    # -- the reader thread ------------------------------------------------------------
+
+    def _read(self, stream: _Stream) -> None:
+        """Matches responses to batches in order until the stream ends, then fails the rest."""
+        code = grpc.StatusCode.UNKNOWN
+        details = "the server closed the publish stream without answering"
+        try:
+            for response in stream.call:
+                with self._cond:
+                    batch = stream.pending.popleft() if stream.pending else None
+                    if (
+                        batch is None
+                        or batch.request_id != response.request_id
+                        or batch.count != len(response.receipts)
+                    ):
+                        if batch is not None:
+                            stream.pending.appendleft(batch)
+                        stream.abort_error = Indeterminate(
+                            f"protocol error: answer to request {response.request_id} with "
+                            f"{len(response.receipts)} receipts does not match the oldest batch",
+                            grpc.StatusCode.INTERNAL,
+                        )
+                        stream.call.cancel()
+                        break
+                    if self._buffer and self._stream is stream:
+                        self._send_buffer(stream)
+                    self._cond.notify_all()
+                batch.future.set_result(receipts_from_pb(response))
+                self._resolved(1)
+        except grpc.RpcError as err:
+            code, details = rpc_status(err)
+        except Exception as exc:
+            # A bug here must not leave callers waiting on receipts that never come.
+            with self._cond:
+                self._abort(
+                    stream, grpc.StatusCode.INTERNAL, f"client failed reading receipts: {exc!r}"
+                )
+        self._fail(stream, code, details)
+
+    def _resolved(self, count: int) -> None:
+        """Counts batch futures resolved, for flush()."""
+        with self._cond:
+            self._unresolved -= count
+            self._cond.notify_all()
+
+    def _fail(self, stream: _Stream, code: grpc.StatusCode, details: str) -> None:
+        """Ends a stream: fails its unanswered batches and the unsent buffer."""
+        with self._cond:
+            stream.dead = True
+            unsent: list[Future[Receipt]] = []
+            took_buffer = self._stream is stream or self._stream is None
+            if took_buffer:
+                # The buffer waits for the current stream; a newer stream keeps its own.
+                self._stream = None
+                unsent = self._buffer_futures
+                self._buffer, self._buffer_futures = [], []
+                # Counted like a batch, so flush() waits until these futures are failed too.
+                self._unresolved += 1
+            pending = list(stream.pending)
+            stream.pending.clear()
+            self._cond.notify_all()
+        stream.put(None)  # ends gRPC's request-consumer thread, which waits on our queue
+        first: SquallError
+        if stream.abort_error is not None:
+            first = rest = stream.abort_error
+        else:
+            first = error_for(code, details, sent=True)
+            rest = (
+                first
+                if isinstance(first, Indeterminate)
+                else Indeterminate(
+                    f"the stream ended after an earlier batch failed: {details}",
+                    grpc.StatusCode.CANCELLED,
+                )
+            )
+        for i, batch in enumerate(pending):
+            batch.future.set_exception(first if i == 0 else rest)
+        not_sent = error_for(
+            grpc.StatusCode.CANCELLED, f"not sent: the publish stream ended ({details})"
+        )
+        for future in unsent:
+            try:
+                future.set_exception(not_sent)
+            except InvalidStateError:
+                pass  # the app cancelled it
+        self._resolved(len(pending) + (1 if took_buffer else 0))

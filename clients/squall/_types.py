@@ -1,0 +1,270 @@
+"""The plain, immutable values the client hands to applications, and their conversions.
+
+Applications never see protobuf messages: topics, receipts, messages and status rows are
+frozen dataclasses. Receipts and messages are built once per event on the throughput path,
+so `receipts_from_pb` / `messages_from_pb` fill the slots directly, which costs about half
+of a frozen dataclass's `__init__` (it pays `object.__setattr__` per field); the objects
+are the same as the constructor's. `Receipt.holders` is converted on first read (see
+`_LazyHolders`), because converting it costs more than the rest of a receipt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Literal
+
+from squall.v1 import broker_pb2, common_pb2, gateway_pb2
+
+TopicKindName = Literal["replicated", "transient"]
+
+_KIND_TO_PB: dict[str, common_pb2.TopicKind.ValueType] = {
+    "replicated": common_pb2.TOPIC_KIND_REPLICATED,
+    "transient": common_pb2.TOPIC_KIND_TRANSIENT,
+}
+
+
+def kind_to_pb(kind: str) -> common_pb2.TopicKind.ValueType:
+    """Maps "replicated" / "transient" to the proto enum; ValueError for anything else."""
+    try:
+        return _KIND_TO_PB[kind]
+    except KeyError:
+        raise ValueError(f"topic kind must be 'replicated' or 'transient', not {kind!r}") from None
+
+
+def enum_name(enum: Any, value: int, prefix: str) -> str:
+    """`NODE_STATE_NORMAL` -> "normal"; an unknown value (a newer server) -> its number."""
+    try:
+        name: str = enum.Name(value)
+    except ValueError:
+        return str(value)
+    return name.removeprefix(prefix).lower()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TopicInfo:
+    """A topic as the topic manager reports it."""
+
+    name: str
+    kind: TopicKindName
+    next_offset: int
+    first_offset: int
+    created_ms: int
+
+    @classmethod
+    def from_pb(cls, topic: common_pb2.Topic) -> TopicInfo:
+        """Builds a TopicInfo from the wire message (unspecified kind means replicated)."""
+        kind: TopicKindName = (
+            "transient" if topic.kind == common_pb2.TOPIC_KIND_TRANSIENT else "replicated"
+        )
+        return cls(topic.name, kind, topic.next_offset, topic.first_offset, topic.created_ms)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Holder:
+    """One replica holding a published event, and how durably ("sync", "write_no_sync", ...)."""
+
+    node_id: str
+    durability: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Receipt:
+    """The acknowledgement of one published event."""
+
+    offset: int
+    lsn: int
+    epoch: int
+    duplicate: bool
+    holders: tuple[Holder, ...]
+    master_id: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Message:
+    """One event delivered to a subscriber."""
+
+    offset: int
+    key: bytes
+    payload: bytes
+    timestamp_ms: int
+    publisher_id: str
+    sequence: int
+    # Excluded from hashing only: a dict is unhashable, and offset already identifies it.
+    headers: Mapping[str, str] = dataclasses.field(hash=False)
+    session_token: str
+    lsn: int
+    epoch: int
+    topic: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NodeStatus:
+    """One node's row of the cluster status table (IceStorm's `replica` command, and more)."""
+
+    node_id: str
+    coordinator_id: str
+    group_name: str
+    state: str
+    group: tuple[str, ...]
+    max_seen: int
+    epoch: int
+    role: str
+    last_change_reason: str
+    last_lsn: int
+    commit_lsn: int
+    store_state: str
+    reachable: bool
+    error: str
+    replica_address: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClusterStatus:
+    """Every configured node's status as the gateway could reach it, and the master it uses."""
+
+    nodes: tuple[NodeStatus, ...]
+    master_id: str
+    epoch: int
+
+    @classmethod
+    def from_pb(cls, status: gateway_pb2.ClusterStatus) -> ClusterStatus:
+        """Builds the status from the gateway's wire message."""
+        nodes = tuple(
+            NodeStatus(
+                node_id=n.node_id,
+                coordinator_id=n.coordinator_id,
+                group_name=n.group_name,
+                state=enum_name(common_pb2.NodeState, n.state, "NODE_STATE_"),
+                group=tuple(n.group),
+                max_seen=n.max_seen,
+                epoch=n.epoch,
+                role=enum_name(common_pb2.Role, n.role, "ROLE_"),
+                last_change_reason=n.last_change_reason,
+                last_lsn=n.last_lsn,
+                commit_lsn=n.commit_lsn,
+                store_state=enum_name(common_pb2.StoreState, n.store_state, "STORE_STATE_"),
+                reachable=n.reachable,
+                error=n.error,
+                replica_address=n.replica_address,
+            )
+            for n in status.nodes
+        )
+        return cls(nodes, status.master_id, status.epoch)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of the whole status."""
+        return dataclasses.asdict(self)
+
+
+def _slot_setters(cls: type, names: Iterable[str]) -> list[Callable[[object, Any], None]]:
+    """The slot descriptors' setters of a slotted dataclass, in field order."""
+    return [vars(cls)[name].__set__ for name in names]
+
+
+_new = object.__new__
+(_r_offset, _r_lsn, _r_epoch, _r_dup, _r_holders, _r_master) = _slot_setters(
+    Receipt, [f.name for f in dataclasses.fields(Receipt)]
+)
+_DURABILITY_PREFIX = "SYNC_POLICY_"
+# Holder tuples repeat (the same replicas hold every event of a batch), so they are
+# interned: receipts then share one tuple and converting a batch allocates little.
+_holder_cache: dict[tuple[tuple[str, int], ...], tuple[Holder, ...]] = {}
+_HOLDER_CACHE_MAX = 1024
+
+
+def _holders(pb_holders: Iterable[common_pb2.ReplicaDurability]) -> tuple[Holder, ...]:
+    key = tuple([(h.node_id, h.durability) for h in pb_holders])
+    found = _holder_cache.get(key)
+    if found is None:
+        found = tuple(
+            Holder(node_id, enum_name(common_pb2.SyncPolicy, durability, _DURABILITY_PREFIX))
+            for node_id, durability in key
+        )
+        if len(_holder_cache) >= _HOLDER_CACHE_MAX:
+            _holder_cache.clear()
+        _holder_cache[key] = found
+    return found
+
+
+class _LazyHolders:
+    """The `Receipt.holders` slot, converting the wire receipt's holders on first read.
+
+    Converting holders costs more than the rest of a receipt, and most publishers never
+    look at them; so the fast path stores the wire AckReceipt in the slot and this
+    descriptor swaps in the tuple the first time anything (including __eq__, __hash__
+    and __repr__) reads it. A Receipt built by its constructor holds the tuple directly.
+    """
+
+    def __init__(self, slot: Any) -> None:
+        self._slot = slot
+
+    def __get__(self, obj: object, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        value = self._slot.__get__(obj, owner)
+        if type(value) is not tuple:
+            value = _holders(value.holders) if len(value.holders) else ()
+            self._slot.__set__(obj, value)
+        return value
+
+    def __set__(self, obj: object, value: Any) -> None:
+        self._slot.__set__(obj, value)
+
+
+Receipt.holders = _LazyHolders(vars(Receipt)["holders"])  # type: ignore[assignment,misc]
+
+
+def receipts_from_pb(response: broker_pb2.PublishResponse) -> list[Receipt]:
+    """Converts one publish response's receipts, in order."""
+    out: list[Receipt] = []
+    append = out.append
+    for r in response.receipts:
+        receipt = _new(Receipt)
+        _r_offset(receipt, r.offset)
+        _r_lsn(receipt, r.lsn)
+        _r_epoch(receipt, r.epoch)
+        _r_dup(receipt, r.duplicate)
+        _r_holders(receipt, r)  # converted on first read, see _LazyHolders
+        _r_master(receipt, r.master_id)
+        append(receipt)
+    return out
+
+
+(
+    _m_offset,
+    _m_key,
+    _m_payload,
+    _m_ts,
+    _m_pub,
+    _m_seq,
+    _m_headers,
+    _m_token,
+    _m_lsn,
+    _m_epoch,
+    _m_topic,
+) = _slot_setters(Message, [f.name for f in dataclasses.fields(Message)])
+_NO_HEADERS: Mapping[str, str] = types.MappingProxyType({})
+
+
+def messages_from_pb(response: broker_pb2.SubscribeResponse) -> list[Message]:
+    """Converts one subscribe response's events, in offset order."""
+    out: list[Message] = []
+    append = out.append
+    for e in response.events:
+        m = _new(Message)
+        _m_offset(m, e.offset)
+        _m_key(m, e.key)
+        _m_payload(m, e.payload)
+        _m_ts(m, e.timestamp_ms)
+        _m_pub(m, e.publisher_id)
+        _m_seq(m, e.sequence)
+        headers = e.headers
+        _m_headers(m, dict(headers) if len(headers) else _NO_HEADERS)
+        _m_token(m, e.session_token)
+        _m_lsn(m, e.lsn)
+        _m_epoch(m, e.epoch)
+        _m_topic(m, e.topic)
+        append(m)
+    return out

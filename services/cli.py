@@ -1,0 +1,422 @@
+"""The `squall` command: start a service, or talk to a cluster through a gateway.
+
+    squall replica --config F --node N          start a service (each is its own process)
+    squall coordinator --config F --node N
+    squall gateway --config F [--gateway ID]
+    squall topic create NAME [--transient]      client commands, through a gateway
+    squall topic list | topic destroy NAME
+    squall publish TOPIC [MESSAGE ...]          no MESSAGE: one event per line of stdin
+    squall subscribe TOPIC [--subscription S] [--from earliest|latest|N] [--follow] [--count N]
+    squall status [--json]
+
+Client commands find the gateway from --gateway, else the first gateway of --config, else
+$SQUALL_GATEWAY, else 127.0.0.1:7000. Errors print one line, `squall: <error>`, on stderr;
+the exit status is 1 for a failed call and 2 for a usage or configuration error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from typing import TextIO
+
+import squall
+
+DEFAULT_GATEWAY = "127.0.0.1:7000"
+GATEWAY_ENV = "SQUALL_GATEWAY"
+SERVICE_MODULES = {
+    "replica": "services.replica.__main__",
+    "coordinator": "services.coordinator.__main__",
+    "gateway": "services.gateway.__main__",
+}
+
+
+class UsageError(Exception):
+    """A bad command line or configuration file: exit status 2."""
+
+
+# -- argument parsing -------------------------------------------------------------------
+
+
+def _start(value: str) -> str | int:
+    if value in ("earliest", "latest"):
+        return value
+    try:
+        offset = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be earliest, latest or an offset, not {value!r}"
+        ) from None
+    if offset < 0:
+        raise argparse.ArgumentTypeError(f"an offset must be >= 0, not {offset}")
+    return offset
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, not {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, not {number}")
+    return number
+
+
+def _positive_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, not {value!r}") from None
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, not {number}")
+    return number
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line, for parsing and for --help."""
+    parser = argparse.ArgumentParser(
+        prog="squall", description="Squall: a highly available, durable publish/subscribe service."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    for name, help_text in (
+        ("replica", "run a node's replica (LMDB store, serves topics)"),
+        ("coordinator", "run a node's coordinator (election and membership)"),
+    ):
+        service = commands.add_parser(name, help=help_text)
+        service.add_argument("--config", required=True, metavar="FILE", help="cluster TOML file")
+        service.add_argument("--node", required=True, metavar="ID", help="this node's id")
+    gateway = commands.add_parser("gateway", help="run a gateway (the apps' endpoint)")
+    gateway.add_argument("--config", required=True, metavar="FILE", help="cluster TOML file")
+    gateway.add_argument("--gateway", metavar="ID", help="which configured gateway to run")
+
+    client = argparse.ArgumentParser(add_help=False)
+    client.add_argument(
+        "--gateway",
+        metavar="ADDR",
+        help=f"gateway host:port (default: --config's first gateway, ${GATEWAY_ENV}, "
+        f"{DEFAULT_GATEWAY})",
+    )
+    client.add_argument("--config", metavar="FILE", help="cluster TOML file to find the gateway")
+    client.add_argument(
+        "--timeout", type=_positive_float, default=10.0, metavar="SECONDS", help="per-call deadline"
+    )
+
+    topic = commands.add_parser("topic", help="create, list or destroy topics")
+    topic_commands = topic.add_subparsers(dest="topic_command", required=True, metavar="ACTION")
+    create = topic_commands.add_parser("create", parents=[client], help="create a topic")
+    create.add_argument("name")
+    create.add_argument(
+        "--transient", action="store_true", help="deliver live only, do not store events"
+    )
+    topic_commands.add_parser("list", parents=[client], help="list topics")
+    destroy = topic_commands.add_parser(
+        "destroy", parents=[client], help="destroy a topic, its events and subscriptions"
+    )
+    destroy.add_argument("name")
+
+    publish = commands.add_parser(
+        "publish", parents=[client], help="publish messages (or stdin lines) to a topic"
+    )
+    publish.add_argument("topic")
+    publish.add_argument("messages", nargs="*", metavar="MESSAGE")
+    publish.add_argument("--key", help="key for every event (UTF-8)")
+    publish.add_argument(
+        "--publisher-id", metavar="ID", help="publisher id for deduplication (default: random)"
+    )
+    publish.add_argument(
+        "--start-sequence",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="first sequence number (to resume a known publisher id)",
+    )
+
+    subscribe = commands.add_parser("subscribe", parents=[client], help="print a topic's events")
+    subscribe.add_argument("topic")
+    subscribe.add_argument("--subscription", metavar="NAME", help="durable subscription (acked)")
+    subscribe.add_argument(
+        "--from",
+        dest="start",
+        type=_start,
+        default="earliest",
+        metavar="earliest|latest|N",
+        help="where to start without a cursor (default: earliest)",
+    )
+    subscribe.add_argument(
+        "--follow", action="store_true", help="keep waiting for new events (Ctrl-C stops)"
+    )
+    subscribe.add_argument("--count", type=_positive_int, metavar="N", help="stop after N events")
+
+    status = commands.add_parser("status", parents=[client], help="the cluster's replica table")
+    status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return parser
+
+
+# -- finding the gateway ----------------------------------------------------------------
+
+
+def gateway_from_config(path: str) -> str:
+    """The first gateway address in a cluster configuration file (UsageError if unusable)."""
+    # Imported here: service start-up and client commands that do not read a config
+    # should not pay for it.
+    from services.common.config import ConfigError, load_config
+
+    try:
+        return load_config(path).gateway().address
+    except ConfigError as err:
+        raise UsageError(f"config error: {path}: {' '.join(err.message.splitlines())}") from None
+
+
+def resolve_gateway(args: argparse.Namespace) -> str:
+    """--gateway, else --config's first gateway, else $SQUALL_GATEWAY, else the default.
+
+    An explicit --config wins over the environment: a flag on this command line is a
+    stronger statement than a variable left in the shell.
+    """
+    if args.gateway:
+        return str(args.gateway)
+    if args.config:
+        return gateway_from_config(args.config)
+    return os.environ.get(GATEWAY_ENV) or DEFAULT_GATEWAY
+
+
+# -- client commands --------------------------------------------------------------------
+
+
+def _escape(data: bytes) -> str:
+    """Bytes as one printable line: UTF-8 text, with backslash escapes for the rest.
+
+    Backslashes are doubled first, so an escape in the output always means an escaped
+    byte or control character, never a literal backslash in the data.
+    """
+    text = data.replace(b"\\", b"\\\\").decode("utf-8", "backslashreplace")
+    return text.translate(_CONTROL_ESCAPES)
+
+
+_CONTROL_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F)} | {
+    ord("\t"): "\\t",
+    ord("\n"): "\\n",
+    ord("\r"): "\\r",
+}
+
+
+def _receipt_line(receipt: squall.Receipt) -> str:
+    line = f"offset={receipt.offset} lsn={receipt.lsn} epoch={receipt.epoch}"
+    return line + " duplicate=true" if receipt.duplicate else line
+
+
+def _stdin_lines(stdin: TextIO) -> Iterator[bytes]:
+    source = getattr(stdin, "buffer", None)
+    if source is None:
+        for text in stdin:
+            yield text.rstrip("\r\n").encode("utf-8")
+        return
+    for line in source:
+        yield line.rstrip(b"\r\n")
+
+
+def _cmd_topic(client: squall.Client, args: argparse.Namespace, out: TextIO) -> int:
+    if args.topic_command == "create":
+        info = client.create_topic(args.name, kind="transient" if args.transient else "replicated")
+        print(f"created {info.kind} topic {info.name}", file=out)
+    elif args.topic_command == "list":
+        for info in client.topics():
+            print(
+                f"{info.name}\t{info.kind}\tfirst_offset={info.first_offset}"
+                f"\tnext_offset={info.next_offset}",
+                file=out,
+            )
+    else:
+        client.destroy_topic(args.name)
+        print(f"destroyed topic {args.name}", file=out)
+    return 0
+
+
+def _cmd_publish(
+    client: squall.Client, args: argparse.Namespace, out: TextIO, stdin: TextIO
+) -> int:
+    key = args.key.encode("utf-8") if args.key is not None else None
+    topic = client.topic(args.topic)
+    with topic.publisher(args.publisher_id, start_sequence=args.start_sequence) as publisher:
+        if args.messages:
+            events = [(key, message.encode("utf-8")) for message in args.messages]
+            for receipt in publisher.publish_many(events):
+                print(_receipt_line(receipt), file=out)
+            return 0
+        # One async publish per line: a piped file batches itself while the window is
+        # full; a person typing sees each receipt at once. Receipts print in input order.
+        interactive = stdin.isatty()
+        waiting: deque[Future[squall.Receipt]] = deque()
+        for payload in _stdin_lines(stdin):
+            waiting.append(publisher.publish_async(payload, key))
+            if interactive:
+                waiting[0].result()
+            while waiting and waiting[0].done():
+                print(_receipt_line(waiting.popleft().result()), file=out)
+        publisher.flush()
+        while waiting:
+            print(_receipt_line(waiting.popleft().result()), file=out)
+    return 0
+
+
+def _cmd_subscribe(client: squall.Client, args: argparse.Namespace, out: TextIO) -> int:
+    topic = client.topic(args.topic)
+    remaining: int | None = args.count
+    with topic.subscribe(args.subscription, start=args.start, follow=args.follow) as sub:
+        printed: int | None = None  # the last offset printed and not yet acked
+        try:
+            for batch in sub.batches():
+                for message in batch:
+                    out.write(
+                        f"{message.offset}\t{_escape(message.key)}\t{_escape(message.payload)}\n"
+                    )
+                    printed = message.offset
+                    if remaining is not None:
+                        remaining -= 1
+                        if remaining == 0:
+                            break
+                out.flush()
+                # Ack once per batch, after its lines are out: at-least-once, and one
+                # call per server batch rather than per event.
+                if sub.durable and printed is not None:
+                    sub.ack(printed)
+                    printed = None
+                if remaining == 0:
+                    break
+        except KeyboardInterrupt:
+            if sub.durable and printed is not None:
+                out.flush()
+                sub.ack(printed)
+            raise
+    return 0
+
+
+def _format_table(rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+
+
+def _cmd_status(client: squall.Client, args: argparse.Namespace, out: TextIO) -> int:
+    status = client.status()
+    if args.json:
+        print(json.dumps(status.to_dict(), indent=2, sort_keys=True), file=out)
+        return 0
+    rows: list[list[str]] = [
+        ["id", "coord", "group name", "state", "group", "max", "epoch", "role", "reason"]
+    ]
+    for node in status.nodes:
+        if node.reachable:
+            rows.append(
+                [
+                    node.node_id,
+                    node.coordinator_id or "-",
+                    node.group_name or "-",
+                    node.state,
+                    ",".join(node.group) or "-",
+                    str(node.max_seen),
+                    str(node.epoch),
+                    node.role,
+                    node.last_change_reason or "-",
+                ]
+            )
+        else:
+            rows.append(
+                [node.node_id, "-", "-", "unreachable", "-", "-", "-", "-", node.error or "-"]
+            )
+    for line in _format_table(rows):
+        print(line, file=out)
+    print(f"master: {status.master_id or 'none'}  epoch: {status.epoch}", file=out)
+    return 0
+
+
+def _run_client(args: argparse.Namespace, out: TextIO, stdin: TextIO) -> int:
+    address = resolve_gateway(args)
+    with squall.connect(address, timeout_s=args.timeout) as client:
+        if args.command == "topic":
+            return _cmd_topic(client, args, out)
+        if args.command == "publish":
+            return _cmd_publish(client, args, out, stdin)
+        if args.command == "subscribe":
+            return _cmd_subscribe(client, args, out)
+        return _cmd_status(client, args, out)
+
+
+# -- services ---------------------------------------------------------------------------
+
+
+def _run_service(name: str, argv: list[str]) -> int:
+    module_name = SERVICE_MODULES[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        # Only the service itself missing is "not installed"; a missing dependency of a
+        # present service must surface as the import error it is.
+        if err.name is not None and (
+            module_name == err.name or module_name.startswith(err.name + ".")
+        ):
+            print(
+                f"squall: the {name} service is not installed ({module_name} not found)",
+                file=sys.stderr,
+            )
+            return 1
+        raise
+    service_main = getattr(module, "main", None)
+    if not callable(service_main):
+        print(f"squall: {module_name} has no main(argv)", file=sys.stderr)
+        return 1
+    return int(service_main(argv))
+
+
+# -- entry point ------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the `squall` command line; returns the exit status."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        args, extra = parser.parse_known_args(args_list)
+        if args.command in SERVICE_MODULES:
+            # The service parses its own options; ours only checked the required ones.
+            return _run_service(args.command, args_list[args_list.index(args.command) + 1 :])
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return _run_client(args, sys.stdout, sys.stdin)
+    except SystemExit as exit_:
+        # argparse exits on --help (0) and on usage errors (2); report, do not exit.
+        return exit_.code if isinstance(exit_.code, int) else 2
+    except UsageError as err:
+        print(f"squall: {err}", file=sys.stderr)
+        return 2
+    except squall.SquallError as err:
+        print(f"squall: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # The reader went away (`squall subscribe t | head`); that is not an error.
+        _silence_stdout()
+        return 0
+
+
+def _silence_stdout() -> None:
+    """Points stdout at /dev/null so the interpreter's final flush cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

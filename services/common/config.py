@@ -1,0 +1,827 @@
+"""The cluster configuration: one TOML file, read into frozen dataclasses and validated.
+
+Every service reads the same file (``--config FILE``) before it starts anything. Reading
+has two layers: the TOML layer checks the file's shape (sections, unknown keys, required
+keys, string enums, paths), then ``ClusterConfig.validate()`` checks every value and every
+cross-field rule, as etcd-raft's ``Config.validate()`` does. Each failure is one
+``ConfigError`` sentence naming the field path (``nodes[1].priority``) and the bad value.
+Configs built in code (tests, the simulator) call ``validate()`` themselves.
+
+The keys, defaults and units are documented in docs/configuration.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import ipaddress
+import os
+import re
+import sys
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+from squall.v1 import common_pb2
+
+from services.common.names import TOPIC_NAME_MAX_BYTES, validate_node_id
+
+MiB = 1024 * 1024
+
+# Bounds on the configuration itself ("put a limit on everything").
+NODES_MAX = 64
+GATEWAYS_MAX = 64
+PRIORITY_MAX = 1000
+# gRPC message sizes are signed 32-bit.
+GRPC_MESSAGE_BYTES_MAX = 2**31 - 1
+# Longest part of a bad value quoted back in an error.
+_SHOWN_CHARS_MAX = 80
+
+# Configuration file strings for the durability enums (matched case-insensitively).
+SYNC_POLICY_NAMES: Mapping[str, common_pb2.SyncPolicy.ValueType] = {
+    "SYNC": common_pb2.SYNC_POLICY_SYNC,
+    "WRITE_NO_SYNC": common_pb2.SYNC_POLICY_WRITE_NO_SYNC,
+    "NO_SYNC": common_pb2.SYNC_POLICY_NO_SYNC,
+}
+ACK_POLICY_NAMES: Mapping[str, common_pb2.AckPolicy.ValueType] = {
+    "majority": common_pb2.ACK_POLICY_MAJORITY,
+    "all": common_pb2.ACK_POLICY_ALL,
+    "none": common_pb2.ACK_POLICY_NONE,
+}
+TELEMETRY_EXPORTERS = ("none", "console", "otlp", "prometheus")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_FORMATS = ("text", "json")
+
+
+class ConfigError(Exception):
+    """A configuration problem; str(error) is the one line to show the operator."""
+
+    def __init__(self, message: str, path: Path | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.path = path
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """One node: a coordinator and a replica sharing an id, a priority and a store."""
+
+    id: str
+    priority: int
+    coordinator_address: str
+    replica_address: str
+    data_dir: Path
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """One stateless gateway."""
+
+    id: str
+    address: str
+
+
+@dataclass(frozen=True)
+class TimeoutsConfig:
+    """Election, membership and RPC timing, in milliseconds.
+
+    The defaults detect a failed node in about member_timeout_ms (0.4 s) and elect a new
+    master within roughly another probe interval plus merge delays (about 0.5-0.7 s in
+    all on a LAN).
+    """
+
+    heartbeat_interval_ms: int = 100
+    member_timeout_ms: int = 400
+    probe_interval_ms: int = 200
+    merge_delay_ms_per_priority: int = 50
+    rpc_timeout_ms: int = 2000
+    publish_timeout_ms: int = 10000
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """Sizes and counts every service enforces, validated at start-up."""
+
+    max_event_bytes: int = 1 * MiB
+    max_batch_events: int = 10000
+    max_batch_bytes: int = 16 * MiB
+    max_message_bytes: int = 32 * MiB
+    map_size_bytes: int = 1024 * MiB
+    dedupe_window: int = 100000
+    max_topics: int = 10000
+    commit_batch_max_entries: int = 256
+    subscribe_batch_max_events: int = 1000
+    log_retention_entries: int = 1000000
+
+    @property
+    def max_topic_name_bytes(self) -> int:
+        """The fixed topic name limit of the name grammar (not configurable)."""
+        return TOPIC_NAME_MAX_BYTES
+
+
+@dataclass(frozen=True)
+class DurabilityConfig:
+    """Sync policies (common_pb2.SyncPolicy) and the ack count (common_pb2.AckPolicy)."""
+
+    master_sync: common_pb2.SyncPolicy.ValueType = common_pb2.SYNC_POLICY_SYNC
+    replica_sync: common_pb2.SyncPolicy.ValueType = common_pb2.SYNC_POLICY_WRITE_NO_SYNC
+    acks: common_pb2.AckPolicy.ValueType = common_pb2.ACK_POLICY_MAJORITY
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    """Where traces and metrics go."""
+
+    exporter: str = "none"
+    otlp_endpoint: str = ""
+    prometheus_address: str = ""
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    """Log level and line format."""
+
+    level: str = "INFO"
+    format: str = "text"
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """The whole cluster as every service sees it."""
+
+    name: str
+    nodes: tuple[NodeConfig, ...]
+    gateways: tuple[GatewayConfig, ...]
+    timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    durability: DurabilityConfig = field(default_factory=DurabilityConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    logging: LogConfig = field(default_factory=LogConfig)
+    path: Path = Path("<memory>")
+
+    def node(self, node_id: str) -> NodeConfig:
+        """The node with this id; ConfigError listing the configured ids if there is none."""
+        for node in self.nodes:
+            if node.id == node_id:
+                return node
+        configured = ", ".join(node.id for node in self.nodes)
+        raise ConfigError(f"unknown node id {_show(node_id)}; configured: {configured}")
+
+    def gateway(self, gateway_id: str | None = None) -> GatewayConfig:
+        """The gateway with this id, or the first listed gateway when gateway_id is None."""
+        if gateway_id is None:
+            if not self.gateways:
+                raise ConfigError("no gateway is configured")
+            return self.gateways[0]
+        for gateway in self.gateways:
+            if gateway.id == gateway_id:
+                return gateway
+        configured = ", ".join(gateway.id for gateway in self.gateways)
+        raise ConfigError(f"unknown gateway id {_show(gateway_id)}; configured: {configured}")
+
+    @property
+    def majority(self) -> int:
+        """The smallest count of nodes that is more than half of all configured nodes."""
+        return len(self.nodes) // 2 + 1
+
+    def validate(self) -> None:
+        """Raise ConfigError for the first value or combination of values that is wrong."""
+        _validate_cluster(self)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | os.PathLike[str]) -> ClusterConfig:
+    """Read, parse and validate the configuration file at path."""
+    config_path = Path(path)
+    try:
+        data = config_path.read_bytes()
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise ConfigError(f"cannot read the file: {reason}", config_path) from error
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data[: error.start].count(b"\n") + 1
+        raise ConfigError(f"the file is not valid UTF-8 (line {line})", config_path) from error
+    return parse_config(text, config_path)
+
+
+def parse_config(text: str, path: str | os.PathLike[str]) -> ClusterConfig:
+    """Parse and validate configuration text; relative data_dirs resolve against path's dir."""
+    config_path = Path(path)
+    try:
+        document = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"invalid TOML: {error}", config_path) from error
+    try:
+        config = _build(document, config_path)
+        config.validate()
+    except ConfigError as error:
+        raise ConfigError(error.message, config_path) from None
+    return config
+
+
+def load_config_or_exit(
+    path: str | os.PathLike[str],
+    *,
+    node_id: str | None = None,
+    gateway_id: str | None = None,
+) -> ClusterConfig:
+    """load_config, or print one line to stderr and exit with status 2.
+
+    With node_id (or gateway_id) given, an id missing from the file is reported the same way.
+    """
+    try:
+        config = load_config(path)
+        if node_id is not None:
+            config.node(node_id)
+        if gateway_id is not None:
+            config.gateway(gateway_id)
+    except ConfigError as error:
+        _exit_with_error(path, error.message)
+    return config
+
+
+def _exit_with_error(path: str | os.PathLike[str], message: str) -> NoReturn:
+    """Print the one-line config error and exit 2 (the usage-error status)."""
+    one_line = " ".join(message.splitlines())
+    print(f"squall: config error: {os.fspath(path)}: {one_line}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+# --------------------------------------------------------------------------- TOML layer
+
+_SECTIONS: Mapping[str, str] = {
+    "cluster": "table",
+    "nodes": "array",
+    "gateways": "array",
+    "timeouts": "table",
+    "limits": "table",
+    "durability": "table",
+    "telemetry": "table",
+    "logging": "table",
+}
+_CLUSTER_KEYS = ("name",)
+_NODE_KEYS = tuple(f.name for f in dataclasses.fields(NodeConfig))
+_GATEWAY_KEYS = tuple(f.name for f in dataclasses.fields(GatewayConfig))
+# Keys that look configurable but are fixed elsewhere, with the reason given instead of
+# "unknown key".
+_FIXED_KEYS: Mapping[tuple[str, str], str] = {
+    ("limits", "max_topic_name_bytes"): (
+        f"is fixed at {TOPIC_NAME_MAX_BYTES} by the name grammar and cannot be configured "
+        "(see docs/configuration.md)"
+    ),
+}
+
+
+def _build(document: Mapping[str, Any], config_path: Path) -> ClusterConfig:
+    """Turn the parsed TOML document into a ClusterConfig, checking its shape only."""
+    for key, value in document.items():
+        if key not in _SECTIONS:
+            raise ConfigError(_unknown_top_level(key, value))
+    for section, shape in _SECTIONS.items():
+        if section in document:
+            _check_shape(section, document[section], shape)
+
+    if "cluster" not in document:
+        raise ConfigError("missing section [cluster]; it holds the required key 'name'")
+    cluster = document["cluster"]
+    _check_keys(cluster, _CLUSTER_KEYS, "[cluster]", "cluster")
+    _require(cluster, "name", "cluster.name")
+
+    base_dir = config_path.absolute().parent
+    nodes = tuple(
+        _build_node(index, entry, base_dir) for index, entry in enumerate(document.get("nodes", []))
+    )
+    gateways = tuple(
+        _build_gateway(index, entry) for index, entry in enumerate(document.get("gateways", []))
+    )
+    return ClusterConfig(
+        name=cluster["name"],
+        nodes=nodes,
+        gateways=gateways,
+        timeouts=_build_plain(document, "timeouts", TimeoutsConfig),
+        limits=_build_plain(document, "limits", LimitsConfig),
+        durability=_build_durability(document.get("durability", {})),
+        telemetry=_build_plain(
+            document, "telemetry", TelemetryConfig, choices={"exporter": TELEMETRY_EXPORTERS}
+        ),
+        logging=_build_plain(
+            document, "logging", LogConfig, choices={"level": LOG_LEVELS, "format": LOG_FORMATS}
+        ),
+        path=config_path.absolute(),
+    )
+
+
+def _unknown_top_level(key: str, value: object) -> str:
+    """The message for a top-level key that is not one of the sections."""
+    matches = difflib.get_close_matches(key, list(_SECTIONS), n=1, cutoff=0.6)
+    hint = ""
+    if matches:
+        brackets = "[[{}]]" if _SECTIONS[matches[0]] == "array" else "[{}]"
+        hint = "; did you mean " + brackets.format(matches[0]) + "?"
+    if isinstance(value, dict):
+        return f"unknown section [{key}]{hint}"
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        return f"unknown section [[{key}]]{hint}"
+    return (
+        f"unknown top-level key {_show(key)} = {_show(value)}; "
+        f"keys belong in a section such as [cluster]{hint}"
+    )
+
+
+def _check_shape(section: str, value: object, shape: str) -> None:
+    """Check a section is a table ([x]) or an array of tables ([[x]])."""
+    if shape == "table":
+        if not isinstance(value, dict):
+            raise ConfigError(
+                f"{section}: must be a table written [{section}], got {_describe(value)}"
+            )
+        return
+    if not isinstance(value, list):
+        raise ConfigError(
+            f"{section}: must be an array of tables written [[{section}]], got {_describe(value)}"
+        )
+    for index, entry in enumerate(value):
+        if not isinstance(entry, dict):
+            raise ConfigError(
+                f"{section}[{index}]: must be a table written [[{section}]], got {_describe(entry)}"
+            )
+
+
+def _check_keys(table: Mapping[str, Any], known: Sequence[str], where: str, section: str) -> None:
+    """Reject any key of table that is not in known, suggesting the closest known key."""
+    for key in table:
+        if key in known:
+            continue
+        fixed = _FIXED_KEYS.get((section, key))
+        if fixed is not None:
+            raise ConfigError(f"{section}.{key}: {fixed}")
+        raise ConfigError(f"unknown key {_show(key)} in {where}{_did_you_mean(key, known)}")
+
+
+def _require(table: Mapping[str, Any], key: str, field_name: str) -> None:
+    """Raise if a required key is missing."""
+    if key not in table:
+        raise ConfigError(f"{field_name}: required key is missing")
+
+
+def _did_you_mean(key: str, known: Sequence[str] | Mapping[str, Any]) -> str:
+    """'; did you mean 'x'?' for a near miss, else ''."""
+    matches = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    return f"; did you mean {_show(matches[0])}?" if matches else ""
+
+
+def _build_node(index: int, entry: Mapping[str, Any], base_dir: Path) -> NodeConfig:
+    """One [[nodes]] entry; data_dir becomes an absolute path."""
+    label = _label("node", entry.get("id"))
+    _check_keys(entry, _NODE_KEYS, f"nodes[{index}]{label}", "nodes")
+    for key in _NODE_KEYS:
+        _require(entry, key, f"nodes[{index}].{key}{label}")
+    data_dir = _resolve_dir(entry["data_dir"], f"nodes[{index}].data_dir{label}", base_dir)
+    return NodeConfig(
+        id=entry["id"],
+        priority=entry["priority"],
+        coordinator_address=entry["coordinator_address"],
+        replica_address=entry["replica_address"],
+        data_dir=data_dir,
+    )
+
+
+def _build_gateway(index: int, entry: Mapping[str, Any]) -> GatewayConfig:
+    """One [[gateways]] entry."""
+    label = _label("gateway", entry.get("id"))
+    _check_keys(entry, _GATEWAY_KEYS, f"gateways[{index}]{label}", "gateways")
+    for key in _GATEWAY_KEYS:
+        _require(entry, key, f"gateways[{index}].{key}{label}")
+    return GatewayConfig(id=entry["id"], address=entry["address"])
+
+
+def _resolve_dir(value: object, field_name: str, base_dir: Path) -> Path:
+    """A data_dir string as an absolute path; relative ones resolve against base_dir."""
+    if not isinstance(value, str):
+        raise ConfigError(f"{field_name}: must be a string, got {_describe(value)}")
+    if not value.strip():
+        raise ConfigError(f"{field_name}: must be a directory path, got {_show(value)}")
+    if "\0" in value:
+        raise ConfigError(f"{field_name}: must not contain a NUL character, got {_show(value)}")
+    try:
+        path = Path(value).expanduser()
+    except RuntimeError as error:
+        raise ConfigError(f"{field_name}: cannot expand '~' in {_show(value)}: {error}") from None
+    if not path.is_absolute():
+        path = base_dir / path
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError) as error:  # RuntimeError: a symlink loop on 3.11
+        raise ConfigError(f"{field_name}: cannot resolve {_show(value)}: {error}") from None
+
+
+_T = TypeVar("_T")
+_E = TypeVar("_E")
+
+
+def _build_plain(
+    document: Mapping[str, Any],
+    section: str,
+    cls: Callable[..., _T],
+    *,
+    choices: Mapping[str, Sequence[str]] | None = None,
+) -> _T:
+    """A section whose keys are the dataclass's fields; absent keys take the defaults."""
+    table: Mapping[str, Any] = document.get(section, {})
+    known = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    _check_keys(table, known, f"[{section}]", section)
+    values = dict(table)
+    # Enum-like strings are matched case-insensitively and stored as spelled in choices;
+    # anything else is kept as written so validate() can quote it back.
+    for key, allowed in (choices or {}).items():
+        value = values.get(key)
+        if isinstance(value, str):
+            values[key] = next((c for c in allowed if c.lower() == value.lower()), value)
+    return cls(**values)
+
+
+def _build_durability(table: Mapping[str, Any]) -> DurabilityConfig:
+    """[durability], turning the policy strings into common_pb2 enum values."""
+    known = [f.name for f in dataclasses.fields(DurabilityConfig)]
+    _check_keys(table, known, "[durability]", "durability")
+    defaults = DurabilityConfig()
+    master_sync = defaults.master_sync
+    replica_sync = defaults.replica_sync
+    acks = defaults.acks
+    if "master_sync" in table:
+        master_sync = _parse_enum(table["master_sync"], "durability.master_sync", SYNC_POLICY_NAMES)
+    if "replica_sync" in table:
+        replica_sync = _parse_enum(
+            table["replica_sync"], "durability.replica_sync", SYNC_POLICY_NAMES
+        )
+    if "acks" in table:
+        acks = _parse_enum(table["acks"], "durability.acks", ACK_POLICY_NAMES)
+    return DurabilityConfig(master_sync=master_sync, replica_sync=replica_sync, acks=acks)
+
+
+def _parse_enum(value: object, field_name: str, names: Mapping[str, _E]) -> _E:
+    """Look a string up in names, ignoring case."""
+    allowed = ", ".join(names)
+    if not isinstance(value, str):
+        raise ConfigError(f"{field_name}: must be one of {allowed}, got {_describe(value)}")
+    for name, enum_value in names.items():
+        if name.lower() == value.lower():
+            return enum_value
+    raise ConfigError(f"{field_name}: must be one of {allowed}, got {_show(value)}")
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _validate_cluster(config: ClusterConfig) -> None:
+    """Every check of ClusterConfig.validate(), in the order an operator would fix them."""
+    _check_id(config.name, "cluster.name", "cluster name")
+
+    if not config.nodes:
+        raise ConfigError("nodes: at least one [[nodes]] entry is required; none is configured")
+    if len(config.nodes) > NODES_MAX:
+        raise ConfigError(
+            f"nodes: at most {NODES_MAX} nodes are supported, got {len(config.nodes)}"
+        )
+    if not config.gateways:
+        raise ConfigError(
+            "gateways: at least one [[gateways]] entry is required; none is configured"
+        )
+    if len(config.gateways) > GATEWAYS_MAX:
+        raise ConfigError(
+            f"gateways: at most {GATEWAYS_MAX} gateways are supported, got {len(config.gateways)}"
+        )
+
+    # Addresses are unique across every listener in the file: (host, port) -> owner field.
+    listeners: dict[tuple[str, int], str] = {}
+    node_ids: dict[str, str] = {}
+    for index, node in enumerate(config.nodes):
+        _validate_node(index, node, node_ids, listeners)
+    gateway_ids: dict[str, str] = {}
+    for index, gateway in enumerate(config.gateways):
+        label = _label("gateway", gateway.id)
+        id_field = f"gateways[{index}].id"
+        _check_id(gateway.id, id_field, "gateway id")
+        if gateway.id in gateway_ids:
+            raise ConfigError(
+                f"{id_field}: {_show(gateway.id)} is already the id of {gateway_ids[gateway.id]}"
+            )
+        gateway_ids[gateway.id] = f"gateways[{index}]"
+        _claim_address(gateway.address, f"gateways[{index}].address{label}", listeners)
+    _validate_data_dirs(config.nodes)
+
+    if all(node.priority == 0 for node in config.nodes):
+        raise ConfigError(
+            "nodes[*].priority: every node has priority 0, so none can coordinate; "
+            f"give at least one node a priority from 1 to {PRIORITY_MAX}"
+        )
+
+    _validate_timeouts(config.timeouts)
+    _validate_limits(config.limits)
+    _validate_durability(config.durability)
+    _validate_telemetry(config.telemetry, listeners)
+    _validate_logging(config.logging)
+
+
+def _validate_node(
+    index: int,
+    node: NodeConfig,
+    node_ids: dict[str, str],
+    listeners: dict[tuple[str, int], str],
+) -> None:
+    """One node's id, priority and addresses."""
+    label = _label("node", node.id)
+    id_field = f"nodes[{index}].id"
+    _check_id(node.id, id_field, "node id")
+    if node.id in node_ids:
+        raise ConfigError(f"{id_field}: {_show(node.id)} is already the id of {node_ids[node.id]}")
+    node_ids[node.id] = f"nodes[{index}]"
+    _check_int(node.priority, f"nodes[{index}].priority{label}", 0, PRIORITY_MAX)
+    _claim_address(
+        node.coordinator_address, f"nodes[{index}].coordinator_address{label}", listeners
+    )
+    _claim_address(node.replica_address, f"nodes[{index}].replica_address{label}", listeners)
+    if not isinstance(node.data_dir, Path):
+        raise ConfigError(
+            f"nodes[{index}].data_dir{label}: must be a path, got {_describe(node.data_dir)}"
+        )
+
+
+def _validate_data_dirs(nodes: Sequence[NodeConfig]) -> None:
+    """No two nodes share a data directory or nest one inside another."""
+    for index, node in enumerate(nodes):
+        for earlier_index, earlier in enumerate(nodes[:index]):
+            field_name = f"nodes[{index}].data_dir{_label('node', node.id)}"
+            owner = f"nodes[{earlier_index}]{_label('node', earlier.id)}"
+            if node.data_dir == earlier.data_dir:
+                raise ConfigError(
+                    f"{field_name}: {_show(str(node.data_dir))} is already the data_dir of {owner}"
+                )
+            if earlier.data_dir in node.data_dir.parents:
+                raise ConfigError(
+                    f"{field_name}: {_show(str(node.data_dir))} is inside the data_dir of "
+                    f"{owner}, {_show(str(earlier.data_dir))}"
+                )
+            if node.data_dir in earlier.data_dir.parents:
+                raise ConfigError(
+                    f"{field_name}: {_show(str(node.data_dir))} contains the data_dir of "
+                    f"{owner}, {_show(str(earlier.data_dir))}"
+                )
+
+
+# (low, high) per key, in milliseconds.
+_TIMEOUT_BOUNDS_MS: Mapping[str, tuple[int, int]] = {
+    "heartbeat_interval_ms": (5, 60_000),
+    "member_timeout_ms": (10, 600_000),
+    "probe_interval_ms": (5, 600_000),
+    "merge_delay_ms_per_priority": (0, 10_000),
+    "rpc_timeout_ms": (10, 600_000),
+    "publish_timeout_ms": (10, 3_600_000),
+}
+
+
+def _validate_timeouts(timeouts: TimeoutsConfig) -> None:
+    """Each timeout within its bounds; a member survives one lost heartbeat."""
+    for key, (low, high) in _TIMEOUT_BOUNDS_MS.items():
+        _check_int(getattr(timeouts, key), f"timeouts.{key}", low, high)
+    if timeouts.member_timeout_ms < 2 * timeouts.heartbeat_interval_ms:
+        raise ConfigError(
+            f"timeouts.member_timeout_ms: must be at least twice timeouts.heartbeat_interval_ms "
+            f"({timeouts.heartbeat_interval_ms}), so one lost heartbeat does not fail a member, "
+            f"got {timeouts.member_timeout_ms}"
+        )
+
+
+_LIMIT_BOUNDS: Mapping[str, tuple[int, int]] = {
+    "max_event_bytes": (1, GRPC_MESSAGE_BYTES_MAX),
+    "max_batch_events": (1, 1_000_000),
+    "max_batch_bytes": (1, GRPC_MESSAGE_BYTES_MAX),
+    "max_message_bytes": (1, GRPC_MESSAGE_BYTES_MAX),
+    "map_size_bytes": (1 * MiB, 2**44),
+    "dedupe_window": (1, 100_000_000),
+    "max_topics": (1, 1_000_000),
+    "commit_batch_max_entries": (1, 100_000),
+    "subscribe_batch_max_events": (1, 1_000_000),
+    "log_retention_entries": (1, 2**40),
+}
+
+
+def _validate_limits(limits: LimitsConfig) -> None:
+    """Each limit within its bounds, and the limits consistent with one another."""
+    for key, (low, high) in _LIMIT_BOUNDS.items():
+        _check_int(getattr(limits, key), f"limits.{key}", low, high)
+    # (smaller, larger, why): smaller must not exceed larger.
+    orderings = (
+        ("max_event_bytes", "max_batch_bytes", "a batch must be able to hold one event"),
+        ("max_batch_bytes", "max_message_bytes", "a full batch must fit in one gRPC message"),
+        ("max_batch_bytes", "map_size_bytes", "the store must be able to hold a full batch"),
+        (
+            "max_batch_events",
+            "dedupe_window",
+            "a retried full batch must be deduplicated as a whole",
+        ),
+        (
+            "subscribe_batch_max_events",
+            "max_batch_events",
+            "a subscribe batch is a batch",
+        ),
+        (
+            "commit_batch_max_entries",
+            "log_retention_entries",
+            "the retained log must hold at least one commit batch",
+        ),
+    )
+    for smaller, larger, why in orderings:
+        small_value = getattr(limits, smaller)
+        large_value = getattr(limits, larger)
+        if small_value > large_value:
+            raise ConfigError(
+                f"limits.{smaller}: must not exceed limits.{larger} ({large_value}) because "
+                f"{why}, got {small_value}"
+            )
+
+
+def _validate_durability(durability: DurabilityConfig) -> None:
+    """Each policy is one of the allowed enum values (never UNSPECIFIED)."""
+    sync_values = set(SYNC_POLICY_NAMES.values())
+    for key in ("master_sync", "replica_sync"):
+        value = getattr(durability, key)
+        if _is_int(value) and value in sync_values:
+            continue
+        raise ConfigError(
+            f"durability.{key}: must be one of {', '.join(SYNC_POLICY_NAMES)}, got {_show(value)}"
+        )
+    if not (_is_int(durability.acks) and durability.acks in set(ACK_POLICY_NAMES.values())):
+        raise ConfigError(
+            f"durability.acks: must be one of {', '.join(ACK_POLICY_NAMES)}, "
+            f"got {_show(durability.acks)}"
+        )
+
+
+def _validate_telemetry(telemetry: TelemetryConfig, listeners: dict[tuple[str, int], str]) -> None:
+    """The exporter is known and has what it needs."""
+    _check_choice(telemetry.exporter, "telemetry.exporter", TELEMETRY_EXPORTERS)
+    _check_str(telemetry.otlp_endpoint, "telemetry.otlp_endpoint")
+    if any(char.isspace() for char in telemetry.otlp_endpoint):
+        raise ConfigError(
+            f"telemetry.otlp_endpoint: must not contain whitespace, "
+            f"got {_show(telemetry.otlp_endpoint)}"
+        )
+    _check_str(telemetry.prometheus_address, "telemetry.prometheus_address")
+    if telemetry.exporter == "prometheus" and not telemetry.prometheus_address:
+        raise ConfigError(
+            "telemetry.prometheus_address: required when telemetry.exporter is 'prometheus', got ''"
+        )
+    if telemetry.prometheus_address:
+        _claim_address(telemetry.prometheus_address, "telemetry.prometheus_address", listeners)
+
+
+def _validate_logging(logging_config: LogConfig) -> None:
+    """Level and format are known."""
+    _check_choice(logging_config.level, "logging.level", LOG_LEVELS)
+    _check_choice(logging_config.format, "logging.format", LOG_FORMATS)
+
+
+# --------------------------------------------------------------------------- addresses
+
+_HOST_LABEL_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+_HOSTNAME_MAX_CHARS = 253
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """Split 'host:port' ('[v6]:port' for IPv6) into (host, port); ValueError if malformed.
+
+    The host is a DNS name, an IPv4 address or a bracketed IPv6 address, and not a wildcard
+    (peers dial this address); the port is 1..65535.
+    """
+    host, sep, port_text = address.rpartition(":")
+    if not sep or not host:
+        raise ValueError("must be host:port")
+    if not port_text.isascii() or not port_text.isdigit():
+        raise ValueError(f"port {port_text!r} is not a number")
+    port = int(port_text)
+    if not 1 <= port <= 65535:
+        raise ValueError(f"port {port} is outside 1..65535")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ip: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise ValueError(f"{host!r} is not an IPv6 address") from None
+    elif ":" in host:
+        raise ValueError("an IPv6 host must be in brackets, as in [::1]:7101")
+    elif re.fullmatch(r"[0-9.]+", host):
+        try:
+            ip = ipaddress.IPv4Address(host)
+        except ValueError:
+            raise ValueError(f"{host!r} is not an IPv4 address") from None
+    else:
+        labels = host.split(".")
+        if len(host) > _HOSTNAME_MAX_CHARS or not all(
+            _HOST_LABEL_RE.fullmatch(label) for label in labels
+        ):
+            raise ValueError(f"{host!r} is not a valid host name")
+        return host, port
+    if ip.is_unspecified:
+        raise ValueError(
+            f"{host} is a wildcard address; peers dial this address, so give the host's name or IP"
+        )
+    return host, port
+
+
+def _claim_address(address: object, field_name: str, listeners: dict[tuple[str, int], str]) -> None:
+    """Check an address and record it, rejecting one already used by another listener."""
+    if not isinstance(address, str):
+        raise ConfigError(f"{field_name}: must be a string, got {_describe(address)}")
+    try:
+        host, port = parse_address(address)
+    except ValueError as error:
+        raise ConfigError(f"{field_name}: {error}, got {_show(address)}") from None
+    key = (host.lower(), port)
+    if key in listeners:
+        raise ConfigError(f"{field_name}: {_show(address)} is already used by {listeners[key]}")
+    listeners[key] = field_name
+
+
+# --------------------------------------------------------------------------- value checks
+
+
+def _is_int(value: object) -> bool:
+    """True for an int that is not a bool (TOML true is not 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(value: object, field_name: str, low: int, high: int) -> None:
+    """An integer (not a boolean) in low..high."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{field_name}: must be an integer, got {_describe(value)}")
+    if not low <= value <= high:
+        raise ConfigError(f"{field_name}: must be from {low} to {high}, got {value}")
+
+
+def _check_str(value: object, field_name: str) -> None:
+    """A string."""
+    if not isinstance(value, str):
+        raise ConfigError(f"{field_name}: must be a string, got {_describe(value)}")
+
+
+def _check_choice(value: object, field_name: str, choices: Sequence[str]) -> None:
+    """One of a fixed set of strings."""
+    _check_str(value, field_name)
+    if value not in choices:
+        raise ConfigError(f"{field_name}: must be one of {', '.join(choices)}, got {_show(value)}")
+
+
+def _check_id(value: object, field_name: str, what: str) -> None:
+    """An id of the node id grammar (names.validate_node_id)."""
+    _check_str(value, field_name)
+    try:
+        validate_node_id(str(value), what)
+    except ValueError as error:
+        raise ConfigError(f"{field_name}: {error}") from None
+
+
+def _label(kind: str, entry_id: object) -> str:
+    """' (node 'n2')' for messages about an entry whose id is a string."""
+    return f" ({kind} {_show(entry_id)})" if isinstance(entry_id, str) else ""
+
+
+def _show(value: object) -> str:
+    """A value as it would be written in TOML, shortened when long."""
+    if isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, str):
+        text = repr(value)
+    elif isinstance(value, dict):
+        text = "{" + ", ".join(f"{k} = {_show(v)}" for k, v in value.items()) + "}"
+    elif isinstance(value, list):
+        text = "[" + ", ".join(_show(v) for v in value) + "]"
+    else:
+        text = str(value)
+    if len(text) > _SHOWN_CHARS_MAX:
+        text = text[:_SHOWN_CHARS_MAX] + "..."
+    return text
+
+
+def _describe(value: object) -> str:
+    """A value and its TOML type, as in "true (a boolean)"."""
+    if isinstance(value, bool):
+        kind = "a boolean"
+    elif isinstance(value, int):
+        kind = "an integer"
+    elif isinstance(value, float):
+        kind = "a float"
+    elif isinstance(value, str):
+        kind = "a string"
+    elif isinstance(value, list):
+        kind = "an array"
+    elif isinstance(value, dict):
+        kind = "a table"
+    else:
+        kind = "a date/time" if hasattr(value, "isoformat") else type(value).__name__
+    return f"{_show(value)} ({kind})"

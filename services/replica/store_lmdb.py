@@ -1,0 +1,198 @@
+"""The LMDB implementation of the store's key-value layer (production).
+
+One ``lmdb.Environment`` holds every named database. It is opened with ``sync=False``
+and ``metasync=False`` so a commit does not flush by itself: ``write(sync=True)`` calls
+``env.sync(True)`` after the commit, and ``write(sync=False)`` (the WRITE_NO_SYNC policy)
+leaves flushing to the operating system. Without ``writemap`` LMDB writes pages with
+``pwrite``, so a process crash loses nothing committed; an operating-system crash may
+lose (and, on a filesystem that reorders writes, damage) what was not yet synced —
+which is why every record also carries its own checksum above this layer.
+
+``lmdb.MapFullError`` becomes ``KVFullError`` with the transaction aborted; LMDB's own
+corruption reports on reads become ``KVCorruptError``; any other LMDB error ``KVError``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import lmdb
+
+from services.replica.kv import KVCorruptError, KVError, KVFullError
+
+_CORRUPT_ERRORS = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadChecksumError)
+
+
+def _translate(db: str, exc: lmdb.Error) -> KVError:
+    """Maps an LMDB error to the KV layer's errors."""
+    if isinstance(exc, lmdb.MapFullError):
+        return KVFullError(f"LMDB map full while writing {db}: {exc}")
+    if isinstance(exc, _CORRUPT_ERRORS):
+        return KVCorruptError(db, f"LMDB reports corruption: {exc}")
+    return KVError(f"LMDB error on {db}: {exc}")
+
+
+class _ReadTxn:
+    """Wraps an LMDB transaction with database names instead of handles."""
+
+    def __init__(self, txn: lmdb.Transaction[bytes], dbs: dict[str, lmdb._Database]) -> None:
+        self._txn = txn
+        self._dbs = dbs
+
+    def _db(self, db: str) -> lmdb._Database:
+        try:
+            return self._dbs[db]
+        except KeyError:
+            raise KVError(f"no database named {db!r}") from None
+
+    def get(self, db: str, key: bytes) -> bytes | None:
+        """Returns the value stored under key, or None."""
+        try:
+            return self._txn.get(key, db=self._db(db))
+        except lmdb.Error as exc:
+            raise _translate(db, exc) from exc
+
+    def scan(
+        self, db: str, start: bytes = b"", end: bytes | None = None
+    ) -> Iterator[tuple[bytes, bytes]]:
+        """Yields (key, value) for start <= key < end, in order."""
+        try:
+            with self._txn.cursor(self._db(db)) as cur:
+                if not cur.set_range(start):
+                    return
+                for key, value in cur.iternext():
+                    if end is not None and key >= end:
+                        return
+                    yield key, value
+        except lmdb.Error as exc:
+            raise _translate(db, exc) from exc
+
+
+class _WriteTxn(_ReadTxn):
+    """The write transaction."""
+
+    def put(self, db: str, key: bytes, value: bytes) -> None:
+        """Stores value under key, replacing any earlier value."""
+        try:
+            self._txn.put(key, value, db=self._db(db))
+        except lmdb.Error as exc:
+            raise _translate(db, exc) from exc
+
+    def put_many(
+        self, db: str, items: Iterable[tuple[bytes, bytes]], *, append: bool = False
+    ) -> None:
+        """Stores every pair in one call; append uses MDB_APPEND (and packs pages fully)."""
+        try:
+            with self._txn.cursor(self._db(db)) as cur:
+                consumed, added = cur.putmulti(items, append=append)
+        except lmdb.Error as exc:
+            raise _translate(db, exc) from exc
+        if consumed != added:
+            raise KVError(f"{db}: {consumed - added} of {consumed} puts refused (append order?)")
+
+    def delete(self, db: str, key: bytes) -> bool:
+        """Removes key; returns whether it was there."""
+        try:
+            return self._txn.delete(key, db=self._db(db))
+        except lmdb.Error as exc:
+            raise _translate(db, exc) from exc
+
+    def delete_range(self, db: str, start: bytes, end: bytes) -> int:
+        """Removes every key in [start, end); returns how many."""
+        count = 0
+        try:
+            with self._txn.cursor(self._db(db)) as cur:
+                if not cur.set_range(start):
+                    return 0
+                # delete() moves to the next key; an empty key means we ran off the end.
+                while True:
+                    key = cur.key()
+                    if not key or key >= end or not cur.delete():
+                        return count
+                    count += 1
+        except lmdb.Error as exc:
+            raise _translate(db, exc) from exc
+
+
+class LmdbKV:
+    """Named LMDB databases in one environment, with the KV protocol's transactions."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        dbs: Iterable[str],
+        *,
+        map_size_bytes: int,
+        max_readers: int = 126,
+    ) -> None:
+        names = list(dbs)
+        if map_size_bytes <= 0:
+            raise ValueError(f"map_size_bytes must be positive, got {map_size_bytes}")
+        try:
+            self._env = lmdb.open(
+                os.fspath(path),
+                map_size=map_size_bytes,
+                max_dbs=len(names),
+                max_readers=max_readers,
+                writemap=False,
+                sync=False,
+                metasync=False,
+                subdir=True,
+            )
+            self._dbs = {name: self._env.open_db(name.encode()) for name in names}
+        except (lmdb.Error, OSError) as exc:
+            raise KVError(f"cannot open LMDB environment at {os.fspath(path)!r}: {exc}") from exc
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise KVError("the store is closed")
+
+    @contextmanager
+    def read(self) -> Iterator[_ReadTxn]:
+        """Opens a read transaction for the duration of the with-block."""
+        self._check_open()
+        try:
+            txn = self._env.begin(write=False)
+        except lmdb.Error as exc:
+            raise KVError(f"cannot begin a read transaction: {exc}") from exc
+        try:
+            yield _ReadTxn(txn, self._dbs)
+        finally:
+            txn.abort()
+
+    @contextmanager
+    def write(self, *, sync: bool) -> Iterator[_WriteTxn]:
+        """Opens the write transaction; commits on normal exit, then flushes if sync."""
+        self._check_open()
+        try:
+            txn = self._env.begin(write=True)
+        except lmdb.Error as exc:
+            raise KVError(f"cannot begin a write transaction: {exc}") from exc
+        try:
+            yield _WriteTxn(txn, self._dbs)
+        except BaseException:
+            txn.abort()
+            raise
+        try:
+            txn.commit()  # LMDB frees the transaction even when the commit fails
+        except lmdb.Error as exc:
+            raise _translate("commit", exc) from exc
+        if sync:
+            self.sync()
+
+    def sync(self) -> None:
+        """Flushes every committed transaction to disk (fsync)."""
+        self._check_open()
+        try:
+            self._env.sync(True)
+        except lmdb.Error as exc:
+            raise KVError(f"LMDB sync failed: {exc}") from exc
+
+    def close(self) -> None:
+        """Closes the environment; safe to call twice."""
+        if not self._closed:
+            self._closed = True
+            self._env.close()

@@ -1,0 +1,219 @@
+"""The in-memory twin of the store's key-value layer, for unit tests and the simulator.
+
+It keeps each named database as a dict plus a sorted key list (bisect), so ordered scans
+behave like LMDB's. One lock serializes transactions: a read transaction holds it for
+its with-block, so it sees one committed state, and a write transaction holds it until
+it commits or rolls back. A write changes the data in place and keeps an undo log, so
+an abort restores the state exactly. ``capacity_bytes`` (sum of key and value lengths)
+simulates LMDB's map full: the put that would exceed it raises ``KVFullError`` and the
+transaction rolls back.
+"""
+
+from __future__ import annotations
+
+import threading
+from bisect import bisect_left, insort
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+from services.replica.kv import MAX_KEY_BYTES, KVError, KVFullError
+
+
+class _Db:
+    """One named database: values by key, and the keys in order."""
+
+    __slots__ = ("data", "keys")
+
+    def __init__(self) -> None:
+        self.data: dict[bytes, bytes] = {}
+        self.keys: list[bytes] = []
+
+
+class _ReadTxn:
+    """A read transaction; valid only inside its with-block."""
+
+    def __init__(self, kv: MemoryKV) -> None:
+        self._kv = kv
+        self.live = True
+
+    def _db(self, db: str) -> _Db:
+        if not self.live:
+            raise KVError("transaction is finished")
+        try:
+            return self._kv.dbs[db]
+        except KeyError:
+            raise KVError(f"no database named {db!r}") from None
+
+    def get(self, db: str, key: bytes) -> bytes | None:
+        """Returns the value stored under key, or None."""
+        if not key:
+            raise KVError("empty key")  # as LMDB: MDB_BAD_VALSIZE
+        return self._db(db).data.get(key)
+
+    def scan(
+        self, db: str, start: bytes = b"", end: bytes | None = None
+    ) -> Iterator[tuple[bytes, bytes]]:
+        """Yields (key, value) for start <= key < end, in order."""
+        d = self._db(db)
+        i = bisect_left(d.keys, start)
+        while self.live and i < len(d.keys):
+            key = d.keys[i]
+            if end is not None and key >= end:
+                return
+            yield key, d.data[key]
+            i += 1
+        if not self.live:
+            raise KVError("transaction finished during a scan")
+
+
+class _WriteTxn(_ReadTxn):
+    """The write transaction: changes in place, recording how to undo them."""
+
+    def __init__(self, kv: MemoryKV) -> None:
+        super().__init__(kv)
+        self.undo: list[tuple[_Db, bytes, bytes | None]] = []
+        self.used_bytes_before = kv.used_bytes
+
+    def _charge(self, delta_bytes: int) -> None:
+        cap = self._kv.capacity_bytes
+        if cap is not None and delta_bytes > 0 and self._kv.used_bytes + delta_bytes > cap:
+            raise KVFullError(f"capacity of {cap} bytes reached")
+        self._kv.used_bytes += delta_bytes
+
+    def _store(self, d: _Db, key: bytes, value: bytes) -> bool:
+        """Sets key's value (not its place in d.keys); returns whether the key is new."""
+        if not 0 < len(key) <= MAX_KEY_BYTES:
+            raise KVError(f"key of {len(key)} bytes (1..{MAX_KEY_BYTES} allowed)")
+        old = d.data.get(key)
+        self._charge(len(value) - len(old) if old is not None else len(key) + len(value))
+        self.undo.append((d, key, old))
+        d.data[key] = value
+        return old is None
+
+    def put(self, db: str, key: bytes, value: bytes) -> None:
+        """Stores value under key, replacing any earlier value."""
+        d = self._db(db)
+        if self._store(d, key, value):
+            insort(d.keys, key)
+
+    def put_many(
+        self, db: str, items: Iterable[tuple[bytes, bytes]], *, append: bool = False
+    ) -> None:
+        """Stores every pair; append promises ascending keys above every key in db."""
+        d = self._db(db)
+        if append:
+            # The hot path (new events, log entries): check the promise, then one pass.
+            pairs = list(items)
+            keys = [key for key, _ in pairs]
+            if any(not 0 < len(k) <= MAX_KEY_BYTES for k in keys):
+                raise KVError(f"key size outside 1..{MAX_KEY_BYTES} bytes")
+            if keys != sorted(set(keys)) or (d.keys and keys and keys[0] <= d.keys[-1]):
+                raise KVError("append of keys not ascending above the last key")
+            self._charge(sum(len(k) + len(v) for k, v in pairs))
+            self.undo.extend((d, key, None) for key in keys)
+            d.keys.extend(keys)
+            d.data.update(pairs)
+            return
+        new_keys: list[bytes] = []
+        try:
+            for key, value in items:
+                if self._store(d, key, value):
+                    new_keys.append(key)
+        finally:
+            # d.keys must match d.data even when a put failed. New keys usually form one
+            # block (the end of a topic's events): one slice insert, not one per key.
+            if new_keys:
+                new_keys.sort()
+                i = bisect_left(d.keys, new_keys[0])
+                if i == len(d.keys) or d.keys[i] > new_keys[-1]:
+                    d.keys[i:i] = new_keys
+                else:
+                    d.keys.extend(new_keys)
+                    d.keys.sort()
+
+    def delete(self, db: str, key: bytes) -> bool:
+        """Removes key; returns whether it was there."""
+        d = self._db(db)
+        old = d.data.pop(key, None)
+        if old is None:
+            return False
+        del d.keys[bisect_left(d.keys, key)]
+        self.undo.append((d, key, old))
+        self._kv.used_bytes -= len(key) + len(old)
+        return True
+
+    def delete_range(self, db: str, start: bytes, end: bytes) -> int:
+        """Removes every key in [start, end); returns how many."""
+        d = self._db(db)
+        i, j = bisect_left(d.keys, start), bisect_left(d.keys, end)
+        doomed = d.keys[i:j]
+        for key in doomed:
+            old = d.data.pop(key)
+            self.undo.append((d, key, old))
+            self._kv.used_bytes -= len(key) + len(old)
+        del d.keys[i:j]
+        return len(doomed)
+
+    def rollback(self) -> None:
+        """Undoes every change, newest first."""
+        for d, key, old in reversed(self.undo):
+            if old is None:
+                del d.data[key]
+                del d.keys[bisect_left(d.keys, key)]
+            else:
+                if key not in d.data:
+                    insort(d.keys, key)
+                d.data[key] = old
+        self.undo.clear()
+        self._kv.used_bytes = self.used_bytes_before
+
+
+class MemoryKV:
+    """Named ordered databases in memory, with the KV protocol's transactions."""
+
+    def __init__(self, dbs: Iterable[str], *, capacity_bytes: int | None = None) -> None:
+        if capacity_bytes is not None and capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        self.dbs = {name: _Db() for name in dbs}
+        self.capacity_bytes = capacity_bytes
+        self.used_bytes = 0
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise KVError("the store is closed")
+
+    @contextmanager
+    def read(self) -> Iterator[_ReadTxn]:
+        """Opens a read transaction for the duration of the with-block."""
+        with self._lock:
+            self._check_open()
+            txn = _ReadTxn(self)
+            try:
+                yield txn
+            finally:
+                txn.live = False
+
+    @contextmanager
+    def write(self, *, sync: bool) -> Iterator[_WriteTxn]:
+        """Opens the write transaction; commits on normal exit (sync has no meaning here)."""
+        del sync  # nothing to flush in memory
+        with self._lock:
+            self._check_open()
+            txn = _WriteTxn(self)
+            try:
+                yield txn
+            except BaseException:
+                txn.rollback()
+                raise
+            finally:
+                txn.live = False
+
+    def sync(self) -> None:
+        """Nothing to flush in memory."""
+        self._check_open()
+
+    def close(self) -> None:
+        """Marks the KV closed; the data stays for whoever still holds the object."""
+        self._closed = True

@@ -1,0 +1,123 @@
+"""The master's batch planning: offsets, deduplication and refusals within one group commit.
+
+Goal: a retried (publisher_id, sequence) is answered with its original offset whether
+the original is in the store or earlier in the same batch, and a refused command leaves
+no trace in the batch it was part of.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.config import LimitsConfig
+from services.common.errors import Code, ServiceError
+from services.replica.commands import BatchBuilder, CreateTopic, Publish, SetCursor
+from services.replica.store import Store
+from squall.v1 import broker_pb2, common_pb2
+
+LIMITS = LimitsConfig(dedupe_window=10, max_batch_events=10)
+
+
+def _builder(store: Store, epoch: int = 1) -> BatchBuilder:
+    return BatchBuilder(
+        store,
+        limits=LIMITS,
+        node_id="n1",
+        epoch=epoch,
+        next_lsn=store.meta().last_lsn + 1,
+        now_ms=1_000,
+    )
+
+
+def _publish(topic: str, *sequences: int, publisher_id: str = "p") -> Publish:
+    return Publish(
+        broker_pb2.PublishRequest(
+            topic=topic,
+            publisher_id=publisher_id,
+            events=[
+                common_pb2.EventData(payload=f"s{s}".encode(), sequence=s) for s in sequences
+            ],
+        )
+    )
+
+
+def _commit(store: Store, *commands: object) -> list[object]:
+    builder = _builder(store)
+    plans: list[object] = []
+    for command in commands:
+        try:
+            plans.append(builder.add(command))  # type: ignore[arg-type]
+        except ServiceError as exc:
+            plans.append(exc)
+    store.append(builder.entries, sync=False)
+    return plans
+
+
+@pytest.fixture
+def store() -> Store:
+    store = Store.open_memory(dedupe_window=LIMITS.dedupe_window)
+    store.set_epoch(1)
+    _commit(store, CreateTopic("t", common_pb2.TOPIC_KIND_REPLICATED))
+    return store
+
+
+def test_topic_created_earlier_in_the_batch_can_be_published_to() -> None:
+    store = Store.open_memory()
+    store.set_epoch(1)
+    create, publish = _commit(
+        store, CreateTopic("fresh", common_pb2.TOPIC_KIND_REPLICATED), _publish("fresh", 1, 2)
+    )
+    assert [r.offset for r in publish.receipts] == [0, 1]  # type: ignore[union-attr]
+    assert [e.payload for e in store.read_events("fresh", 0, 10)] == [b"s1", b"s2"]
+
+
+def test_retry_in_the_same_batch_gets_the_original_offsets(store: Store) -> None:
+    first, retry = _commit(store, _publish("t", 1, 2), _publish("t", 2, 3))
+    assert [(r.offset, r.duplicate) for r in retry.receipts] == [(1, True), (2, False)]  # type: ignore[union-attr]
+    assert [e.payload for e in store.read_events("t", 0, 10)] == [b"s1", b"s2", b"s3"]
+
+
+def test_retry_after_commit_is_answered_from_the_store(store: Store) -> None:
+    _commit(store, _publish("t", 1, 2, 3))
+    (retry,) = _commit(store, _publish("t", 2))
+    assert [(r.offset, r.duplicate) for r in retry.receipts] == [(1, True)]  # type: ignore[union-attr]
+    assert len(store.read_events("t", 0, 10)) == 3
+
+
+def test_sequence_below_the_window_is_refused_not_duplicated(store: Store) -> None:
+    _commit(store, _publish("t", *range(1, 11)), _publish("t", *range(11, 21)))
+    (old,) = _commit(store, _publish("t", 5))
+    assert isinstance(old, ServiceError) and old.code == Code.FAILED_PRECONDITION
+    assert "deduplication window" in old.message
+    assert len(store.read_events("t", 0, 100)) == 20
+
+
+def test_refused_command_leaves_no_trace_in_its_batch(store: Store) -> None:
+    oversized = Publish(
+        broker_pb2.PublishRequest(
+            topic="t", events=[common_pb2.EventData(payload=b"x" * (LIMITS.max_event_bytes + 1))]
+        )
+    )
+    ok, refused, after = _commit(store, _publish("t", 1), oversized, _publish("t", 2))
+    assert isinstance(refused, ServiceError) and refused.code == Code.INVALID_ARGUMENT
+    assert "max_event_bytes" in refused.message
+    assert [r.offset for r in after.receipts] == [1]  # type: ignore[union-attr]
+
+
+def test_cursor_moves_only_forward_and_never_past_the_end(store: Store) -> None:
+    _commit(store, _publish("t", 1, 2, 3), SetCursor("t", "s", 0, create=True))
+    forward, backward, beyond = _commit(
+        store,
+        SetCursor("t", "s", 2, create=False),
+        SetCursor("t", "s", 1, create=False),
+        SetCursor("t", "s", 9, create=False),
+    )
+    assert forward.cursor == 2 and backward.cursor == 2  # type: ignore[union-attr]
+    assert isinstance(beyond, ServiceError) and beyond.code == Code.INVALID_ARGUMENT
+    assert store.get_cursor("t", "s") == 2
+
+
+def test_same_sequence_on_another_topic_is_refused(store: Store) -> None:
+    _commit(store, CreateTopic("u", common_pb2.TOPIC_KIND_REPLICATED), _publish("t", 1))
+    (other,) = _commit(store, _publish("u", 1))
+    assert isinstance(other, ServiceError) and "already used sequence 1" in other.message
