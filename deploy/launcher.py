@@ -23,7 +23,7 @@ from services.common.config import ClusterConfig, load_config_or_exit
 RUN_DIR = Path(".run")
 PIDS_FILE = RUN_DIR / "pids.json"
 # The services every node runs, in start order.
-NODE_SERVICES = ("replica",)
+NODE_SERVICES = ("replica", "coordinator")
 
 
 def _running_pids() -> list[dict[str, object]]:

@@ -24,9 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
-from squall.v1 import common_pb2
-
 from services.common.names import TOPIC_NAME_MAX_BYTES, validate_node_id
+from squall.v1 import common_pb2
 
 MiB = 1024 * 1024
 

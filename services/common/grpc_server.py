@@ -10,6 +10,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -90,3 +91,7 @@ async def run_until_signalled(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await serve(stop)
+
+
+# The servicer context type, with grpc-stubs' type parameters filled in once.
+Context = grpc.aio.ServicerContext[Any, Any]

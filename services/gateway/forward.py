@@ -13,7 +13,8 @@ from typing import Any
 
 import grpc
 
-from services.gateway.master import MasterTracker, NoMasterError
+from services.common.grpc_server import Context
+from services.gateway.master import MasterTracker, NoMasterError, pairs
 from squall.v1 import broker_pb2
 
 log = logging.getLogger("squall.gateway")
@@ -25,19 +26,18 @@ _RESERVED_KEYS = {"user-agent", "content-type", "te", "host"}
 FORWARDED_SERVICES = ("TopicManager", "Publisher", "Subscriber")
 
 
-def _forwardable(context: grpc.aio.ServicerContext) -> tuple[tuple[str, str | bytes], ...]:
-    metadata = context.invocation_metadata() or ()
+def _forwardable(context: Context) -> tuple[tuple[str, str | bytes], ...]:
     return tuple(
         (key, value)
-        for key, value in metadata
+        for key, value in pairs(context.invocation_metadata())
         if key not in _RESERVED_KEYS and not key.startswith(_RESERVED_PREFIXES)
     )
 
 
-async def _relay_error(context: grpc.aio.ServicerContext, error: grpc.aio.AioRpcError) -> None:
+async def _relay_error(context: Context, error: grpc.aio.AioRpcError) -> None:
     trailing = error.trailing_metadata()
     if trailing:
-        context.set_trailing_metadata(tuple(trailing))
+        context.set_trailing_metadata(tuple(pairs(trailing)))
     await context.abort(error.code(), error.details() or "")
 
 
@@ -48,12 +48,12 @@ class Forwarder:
         self._masters = masters
         self._timeout_s = timeout_s
 
-    def handlers(self) -> list[grpc.GenericRpcHandler]:
+    def handlers(self) -> list[grpc.GenericRpcHandler[Any, Any]]:
         """One generic handler per forwarded service, covering all of its methods."""
         result = []
         for service_name in FORWARDED_SERVICES:
             service = broker_pb2.DESCRIPTOR.services_by_name[service_name]
-            methods: dict[str, grpc.RpcMethodHandler] = {}
+            methods: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
             for method in service.methods:
                 path = f"/{service.full_name}/{method.name}"
                 methods[method.name] = self._handler(
@@ -64,8 +64,8 @@ class Forwarder:
 
     def _handler(
         self, path: str, client_stream: bool, server_stream: bool
-    ) -> grpc.RpcMethodHandler:
-        make: Callable[..., grpc.RpcMethodHandler]
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        make: Callable[..., grpc.RpcMethodHandler[Any, Any]]
         if client_stream and server_stream:
             make, behaviour = grpc.stream_stream_rpc_method_handler, self._stream_stream(path)
         elif server_stream:
@@ -76,7 +76,7 @@ class Forwarder:
             make, behaviour = grpc.unary_unary_rpc_method_handler, self._unary_unary(path)
         return make(behaviour)
 
-    async def _master(self, context: grpc.aio.ServicerContext) -> grpc.aio.Channel:
+    async def _master(self, context: Context) -> grpc.aio.Channel:
         try:
             return await self._masters.channel()
         except NoMasterError as exc:
@@ -84,10 +84,10 @@ class Forwarder:
             raise
 
     def _unary_unary(self, path: str) -> Callable[..., Any]:
-        async def forward(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        async def forward(request: bytes, context: Context) -> bytes:
             channel = await self._master(context)
             try:
-                response: bytes = await channel.unary_unary(path)(
+                response: bytes = await channel.unary_unary(path, None, None)(
                     request, timeout=self._timeout_s, metadata=_forwardable(context)
                 )
                 return response
@@ -99,11 +99,9 @@ class Forwarder:
         return forward
 
     def _unary_stream(self, path: str) -> Callable[..., Any]:
-        async def forward(
-            request: bytes, context: grpc.aio.ServicerContext
-        ) -> AsyncIterator[bytes]:
+        async def forward(request: bytes, context: Context) -> AsyncIterator[bytes]:
             channel = await self._master(context)
-            call = channel.unary_stream(path)(request, metadata=_forwardable(context))
+            call = channel.unary_stream(path, None, None)(request, metadata=_forwardable(context))
             try:
                 async for response in call:
                     yield response
@@ -116,11 +114,9 @@ class Forwarder:
         return forward
 
     def _stream_stream(self, path: str) -> Callable[..., Any]:
-        async def forward(
-            requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
-        ) -> AsyncIterator[bytes]:
+        async def forward(requests: AsyncIterator[bytes], context: Context) -> AsyncIterator[bytes]:
             channel = await self._master(context)
-            call = channel.stream_stream(path)(requests, metadata=_forwardable(context))
+            call = channel.stream_stream(path, None, None)(requests, metadata=_forwardable(context))
             try:
                 async for response in call:
                     yield response

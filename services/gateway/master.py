@@ -85,7 +85,7 @@ class MasterTracker:
         """Learns from a failed forward: follow a redirect, or forget a lost master."""
         if error.code() != grpc.StatusCode.UNAVAILABLE:
             return
-        for key, value in error.trailing_metadata() or ():
+        for key, value in pairs(error.trailing_metadata()):
             if key == MASTER_ADDRESS_KEY and str(value) in self._channels:
                 self._master_address = str(value)
                 return
@@ -93,4 +93,9 @@ class MasterTracker:
 
     async def close(self) -> None:
         """Closes every channel."""
-        await asyncio.gather(*(c.close() for c in self._channels.values()))
+        await asyncio.gather(*(c.close(None) for c in self._channels.values()))
+
+
+def pairs(metadata: object) -> list[tuple[str, str | bytes]]:
+    """Metadata as (key, value) pairs (grpc-stubs types its items too narrowly)."""
+    return [(str(k), v) for k, v in metadata or ()]  # type: ignore[attr-defined]

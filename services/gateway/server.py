@@ -7,7 +7,7 @@ import asyncio
 import grpc
 
 from services.common.config import ClusterConfig, NodeConfig
-from services.common.grpc_server import channel_options
+from services.common.grpc_server import Context, channel_options
 from services.gateway.master import MasterTracker
 from squall.v1 import (
     coordinator_pb2,
@@ -69,7 +69,7 @@ class ClusterAdmin(gateway_pb2_grpc.ClusterAdminServicer):
         return row
 
     async def GetClusterStatus(
-        self, request: gateway_pb2.GetClusterStatusRequest, context: grpc.aio.ServicerContext
+        self, request: gateway_pb2.GetClusterStatusRequest, context: Context
     ) -> gateway_pb2.ClusterStatus:
         nodes = sorted(self._config.nodes, key=lambda n: n.id)
         rows = await asyncio.gather(*(self._row(n) for n in nodes))
@@ -83,7 +83,7 @@ class ClusterAdmin(gateway_pb2_grpc.ClusterAdminServicer):
 
     async def close(self) -> None:
         """Closes the coordinator channels."""
-        await asyncio.gather(*(c.close() for c in self._coordinators.values()))
+        await asyncio.gather(*(c.close(None) for c in self._coordinators.values()))
 
 
 def _reason(error: BaseException | object) -> str:

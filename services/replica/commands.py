@@ -23,7 +23,7 @@ class CreateTopic:
     """Create a topic."""
 
     name: str
-    kind: int
+    kind: common_pb2.TopicKind.ValueType
 
 
 @dataclass(frozen=True)
@@ -220,35 +220,23 @@ class BatchBuilder:
             count = len(events)
         else:
             high_water = self._publisher_high_water(publisher_id)
-            window = limits.dedupe_window
-            seen_here: dict[int, int] = {}
-            kept: list[common_pb2.EventData] = []
-            for event in events:
-                sequence = event.sequence
-                if sequence:
-                    hit = self._lookup(publisher_id, sequence, seen_here, high_water, window)
-                    if hit is not None:
-                        hit_topic, hit_offset, hit_lsn, hit_epoch = hit
-                        if hit_topic != request.topic:
-                            raise invalid(
-                                f"publisher '{publisher_id}' already used sequence {sequence} "
-                                f"on topic '{hit_topic}'"
-                            )
-                        receipts.append(
-                            common_pb2.AckReceipt(
-                                offset=hit_offset, lsn=hit_lsn, epoch=hit_epoch, duplicate=True
-                            )
-                        )
-                        continue
-                    seen_here[sequence] = offset + len(kept)
-                    new_sequences.append((sequence, offset + len(kept)))
-                receipts.append(
-                    common_pb2.AckReceipt(offset=offset + len(kept), lsn=lsn, epoch=epoch)
-                )
-                kept.append(event)
-            count = len(kept)
-            if count != len(events):
-                new_events = kept
+            sequences = [event.sequence for event in events]
+            first_sequence = sequences[0]
+            if first_sequence > high_water and sequences == list(
+                range(first_sequence, first_sequence + len(sequences))
+            ):
+                # The usual publish: the publisher's next sequences, consecutive and all
+                # above its high-water mark, so none can be a duplicate and the per-event
+                # lookups of _deduplicate would all miss.
+                count = len(events)
+                offsets = range(offset, offset + count)
+                receipts = [common_pb2.AckReceipt(offset=o, lsn=lsn, epoch=epoch) for o in offsets]
+                new_sequences = list(zip(sequences, offsets, strict=True))
+            else:
+                receipts, kept, new_sequences = self._deduplicate(request, offset, high_water)
+                count = len(kept)
+                if count != len(events):
+                    new_events = kept
         if count == 0:
             return Planned(None, receipts=receipts)
         op = replica_pb2.PublishOp(
@@ -261,11 +249,48 @@ class BatchBuilder:
         op.events.extend(events if new_events is None else new_events)
         index = self._emit(replica_pb2.Operation(publish=op))
         self._topics[request.topic] = _with_next_offset(topic, offset + count)
-        for sequence, event_offset in new_sequences:
-            self._sequences[(publisher_id, sequence)] = (request.topic, event_offset, lsn)
-            if sequence > self._high_water.get(publisher_id, 0):
-                self._high_water[publisher_id] = sequence
+        if new_sequences:
+            self._sequences.update(
+                ((publisher_id, sequence), (request.topic, event_offset, lsn))
+                for sequence, event_offset in new_sequences
+            )
+            highest = max(new_sequences)[0]
+            if highest > self._high_water.get(publisher_id, 0):
+                self._high_water[publisher_id] = highest
         return Planned(index, receipts=receipts)
+
+    def _deduplicate(
+        self, request: broker_pb2.PublishRequest, offset: int, high_water: int
+    ) -> tuple[list[common_pb2.AckReceipt], list[common_pb2.EventData], list[tuple[int, int]]]:
+        """Receipts, events to store and their (sequence, offset), looking up each sequence."""
+        publisher_id = request.publisher_id
+        epoch, lsn, window = self._epoch, self._lsn, self._limits.dedupe_window
+        receipts: list[common_pb2.AckReceipt] = []
+        new_sequences: list[tuple[int, int]] = []
+        seen_here: dict[int, int] = {}
+        kept: list[common_pb2.EventData] = []
+        for event in request.events:
+            sequence = event.sequence
+            if sequence:
+                hit = self._lookup(publisher_id, sequence, seen_here, high_water, window)
+                if hit is not None:
+                    hit_topic, hit_offset, hit_lsn, hit_epoch = hit
+                    if hit_topic != request.topic:
+                        raise invalid(
+                            f"publisher '{publisher_id}' already used sequence {sequence} "
+                            f"on topic '{hit_topic}'"
+                        )
+                    receipts.append(
+                        common_pb2.AckReceipt(
+                            offset=hit_offset, lsn=hit_lsn, epoch=hit_epoch, duplicate=True
+                        )
+                    )
+                    continue
+                seen_here[sequence] = offset + len(kept)
+                new_sequences.append((sequence, offset + len(kept)))
+            receipts.append(common_pb2.AckReceipt(offset=offset + len(kept), lsn=lsn, epoch=epoch))
+            kept.append(event)
+        return receipts, kept, new_sequences
 
     def _publisher_high_water(self, publisher_id: str) -> int:
         if publisher_id not in self._high_water:
@@ -383,6 +408,8 @@ def check_publish_limits(request: broker_pb2.PublishRequest, limits: LimitsConfi
         raise invalid(
             f"batch of {len(events)} events exceeds max_batch_events ({limits.max_batch_events})"
         )
+    if request.ByteSize() <= min(limits.max_event_bytes, limits.max_batch_bytes):
+        return  # the whole encoded request is within both limits, so every event is too
     total_bytes = 0
     for i, event in enumerate(events):
         size = len(event.payload) + len(event.key)

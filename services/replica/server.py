@@ -15,9 +15,10 @@ from typing import NoReturn
 import grpc
 
 from services.common.errors import Code, ServiceError, invalid
+from services.common.grpc_server import Context
 from services.replica import commands
 from services.replica.node import ReplicaNode
-from services.replica.store import CorruptRecordError, TopicInfo
+from services.replica.store import CorruptRecordError, TopicInfo, UnknownTopicError
 from squall.v1 import (
     broker_pb2,
     broker_pb2_grpc,
@@ -34,7 +35,7 @@ _FOLLOW_RECHECK_S = 1.0
 _STREAM_INFLIGHT_MAX = 64
 
 
-async def abort(context: grpc.aio.ServicerContext, exc: ServiceError) -> NoReturn:
+async def abort(context: Context, exc: ServiceError) -> NoReturn:
     """Ends the call with the error's status, message and metadata."""
     if exc.metadata:
         context.set_trailing_metadata(exc.metadata)
@@ -49,6 +50,9 @@ def _translating() -> Iterator[None]:
         yield
     except CorruptRecordError as exc:
         raise ServiceError(Code.DATA_LOSS, f"corrupt record, not served: {exc}") from exc
+    except UnknownTopicError as exc:
+        # The topic was destroyed between the caller's lookup and the read.
+        raise ServiceError(Code.NOT_FOUND, str(exc)) from exc
 
 
 def topic_message(topic: TopicInfo, next_offset: int | None = None) -> common_pb2.Topic:
@@ -74,7 +78,7 @@ class TopicManager(broker_pb2_grpc.TopicManagerServicer):
         return topic_message(topic)
 
     async def CreateTopic(
-        self, request: broker_pb2.CreateTopicRequest, context: grpc.aio.ServicerContext
+        self, request: broker_pb2.CreateTopicRequest, context: Context
     ) -> broker_pb2.CreateTopicResponse:
         kind = request.kind or common_pb2.TOPIC_KIND_REPLICATED
         try:
@@ -90,7 +94,7 @@ class TopicManager(broker_pb2_grpc.TopicManagerServicer):
         return broker_pb2.CreateTopicResponse(topic=self._message(self.node.topic(request.name)))
 
     async def RetrieveTopic(
-        self, request: broker_pb2.RetrieveTopicRequest, context: grpc.aio.ServicerContext
+        self, request: broker_pb2.RetrieveTopicRequest, context: Context
     ) -> broker_pb2.RetrieveTopicResponse:
         try:
             with _translating():
@@ -100,7 +104,7 @@ class TopicManager(broker_pb2_grpc.TopicManagerServicer):
         return broker_pb2.RetrieveTopicResponse(topic=self._message(topic))
 
     async def ListTopics(
-        self, request: broker_pb2.ListTopicsRequest, context: grpc.aio.ServicerContext
+        self, request: broker_pb2.ListTopicsRequest, context: Context
     ) -> broker_pb2.ListTopicsResponse:
         try:
             with _translating():
@@ -110,7 +114,7 @@ class TopicManager(broker_pb2_grpc.TopicManagerServicer):
         return broker_pb2.ListTopicsResponse(topics=[self._message(t) for t in topics])
 
     async def DestroyTopic(
-        self, request: broker_pb2.DestroyTopicRequest, context: grpc.aio.ServicerContext
+        self, request: broker_pb2.DestroyTopicRequest, context: Context
     ) -> broker_pb2.DestroyTopicResponse:
         try:
             await self.node.write(commands.DestroyTopic(request.name))
@@ -149,7 +153,7 @@ class TopicManager(broker_pb2_grpc.TopicManagerServicer):
         )
 
     async def GetPublisher(
-        self, request: broker_pb2.GetPublisherRequest, context: grpc.aio.ServicerContext
+        self, request: broker_pb2.GetPublisherRequest, context: Context
     ) -> broker_pb2.GetPublisherResponse:
         try:
             return self._proxy(request.topic, replicated=True)
@@ -157,7 +161,7 @@ class TopicManager(broker_pb2_grpc.TopicManagerServicer):
             await abort(context, exc)
 
     async def GetNonReplicatedPublisher(
-        self, request: broker_pb2.GetPublisherRequest, context: grpc.aio.ServicerContext
+        self, request: broker_pb2.GetPublisherRequest, context: Context
     ) -> broker_pb2.GetPublisherResponse:
         try:
             return self._proxy(request.topic, replicated=False)
@@ -184,7 +188,7 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
         return asyncio.ensure_future(respond())
 
     async def Publish(
-        self, request: broker_pb2.PublishRequest, context: grpc.aio.ServicerContext
+        self, request: broker_pb2.PublishRequest, context: Context
     ) -> broker_pb2.PublishResponse:
         try:
             with _translating():
@@ -195,7 +199,7 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
     async def PublishStream(
         self,
         request_iterator: AsyncIterator[broker_pb2.PublishRequest],
-        context: grpc.aio.ServicerContext,
+        context: Context,
     ) -> AsyncIterator[broker_pb2.PublishResponse]:
         inflight: asyncio.Queue[asyncio.Future[broker_pb2.PublishResponse] | None] = asyncio.Queue(
             maxsize=_STREAM_INFLIGHT_MAX
@@ -269,7 +273,7 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
         return plan.cursor
 
     async def Subscribe(
-        self, request: broker_pb2.SubscribeRequest, context: grpc.aio.ServicerContext
+        self, request: broker_pb2.SubscribeRequest, context: Context
     ) -> AsyncIterator[broker_pb2.SubscribeResponse]:
         node = self.node
         limit = node.config.limits.subscribe_batch_max_events
@@ -310,9 +314,7 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
                     context, ServiceError(Code.NOT_FOUND, f"topic '{topic.name}' was destroyed")
                 )
 
-    async def Ack(
-        self, request: broker_pb2.AckRequest, context: grpc.aio.ServicerContext
-    ) -> broker_pb2.AckResponse:
+    async def Ack(self, request: broker_pb2.AckRequest, context: Context) -> broker_pb2.AckResponse:
         try:
             if not request.subscription:
                 raise invalid("ack needs a durable subscription name")
@@ -326,7 +328,7 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
         return broker_pb2.AckResponse(cursor=plan.cursor)
 
     async def ListSubscriptions(
-        self, request: broker_pb2.ListSubscriptionsRequest, context: grpc.aio.ServicerContext
+        self, request: broker_pb2.ListSubscriptionsRequest, context: Context
     ) -> broker_pb2.ListSubscriptionsResponse:
         try:
             with _translating():
@@ -342,7 +344,7 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
         )
 
     async def DeleteSubscription(
-        self, request: broker_pb2.DeleteSubscriptionRequest, context: grpc.aio.ServicerContext
+        self, request: broker_pb2.DeleteSubscriptionRequest, context: Context
     ) -> broker_pb2.DeleteSubscriptionResponse:
         try:
             await self.node.write(commands.DeleteSubscription(request.topic, request.subscription))
@@ -369,15 +371,17 @@ class ReplicaControl(replica_pb2_grpc.ReplicaControlServicer):
             role=self.node.role,
             commit_lsn=self.node.last_lsn,
             shutdown_id=meta.shutdown_id,
+            command_seq=self.node.command_seq,
+            master_id=self.node.master.id if self.node.master else "",
         )
 
     async def GetReplicaState(
-        self, request: replica_pb2.GetReplicaStateRequest, context: grpc.aio.ServicerContext
+        self, request: replica_pb2.GetReplicaStateRequest, context: Context
     ) -> replica_pb2.ReplicaState:
         return self._state()
 
     async def SetRole(
-        self, request: replica_pb2.RoleCommand, context: grpc.aio.ServicerContext
+        self, request: replica_pb2.RoleCommand, context: Context
     ) -> replica_pb2.RoleCommandResponse:
         try:
             await self.node.apply_role(request)

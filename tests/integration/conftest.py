@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -13,6 +14,13 @@ import pytest
 
 from deploy import processes
 from services.common.config import ClusterConfig, load_config
+from squall.v1 import (
+    common_pb2,
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    replica_pb2,
+    replica_pb2_grpc,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,12 +58,64 @@ class LocalCluster:
         processes.wait_serving([service])
         return service
 
-    def start_all(self) -> None:
-        """Starts every node's replica, then every gateway."""
+    def start_node(self, node_id: str) -> None:
+        """Starts one node: its replica, then its coordinator."""
+        self.start("replica", node_id)
+        self.start("coordinator", node_id)
+
+    def kill_node(self, node_id: str) -> None:
+        """kill -9 both of a node's processes."""
+        self.kill("coordinator", node_id)
+        self.kill("replica", node_id)
+
+    def start_all(self, wait_for_master: bool = True) -> None:
+        """Starts every node, then every gateway; waits until a master is elected."""
         for node in self.config.nodes:
-            self.start("replica", node.id)
+            self.start_node(node.id)
         for gateway in self.config.gateways:
             self.start("gateway", gateway.id)
+        if wait_for_master:
+            self.wait_for_master()
+
+    def statuses(self) -> dict[str, coordinator_pb2.CoordinatorStatus]:
+        """Every reachable coordinator's status."""
+        result = {}
+        for node in self.config.nodes:
+            service = self.services.get(("coordinator", node.id))
+            if service is None or service.process.poll() is not None:
+                continue
+            with grpc.insecure_channel(node.coordinator_address) as channel:
+                stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+                try:
+                    result[node.id] = stub.GetStatus(coordinator_pb2.GetStatusRequest(), timeout=2)
+                except grpc.RpcError:
+                    continue
+        return result
+
+    def wait_for_master(self, timeout_s: float = 30.0, exclude: str = "") -> str:
+        """Waits until one coordinator is NORMAL as master and its replica is master."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for node_id, status in self.statuses().items():
+                if (
+                    node_id != exclude
+                    and status.state == common_pb2.NODE_STATE_NORMAL
+                    and status.coordinator_id == node_id
+                    and self.replica_role(node_id) == common_pb2.ROLE_MASTER
+                ):
+                    return node_id
+            time.sleep(0.05)
+        raise TimeoutError(f"no master elected within {timeout_s}s: {self.statuses()}")
+
+    def replica_role(self, node_id: str) -> int:
+        """The role a node's replica reports (ROLE_UNSPECIFIED if unreachable)."""
+        with grpc.insecure_channel(self.config.node(node_id).replica_address) as channel:
+            stub = replica_pb2_grpc.ReplicaControlStub(channel)
+            try:
+                state = stub.GetReplicaState(replica_pb2.GetReplicaStateRequest(), timeout=2)
+            except grpc.RpcError:
+                return common_pb2.ROLE_UNSPECIFIED
+            return int(state.role)
 
     def kill(self, kind: str, name: str) -> None:
         """kill -9 one service."""

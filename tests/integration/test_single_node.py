@@ -131,6 +131,7 @@ def test_acknowledged_events_survive_kill_9_mid_flight(single: LocalCluster) -> 
         worker.join(30)
     assert len(acknowledged) >= 200
     single.start("replica", "n1")
+    single.wait_for_master()
     with single.channel(single.replica_address("n1")) as channel:
         _, _, subscriber = _stubs(channel)
         stored = {e.offset: e.payload for e in _read_all(subscriber, "durable")}
@@ -147,6 +148,7 @@ def test_duplicate_publish_after_restart_returns_the_original_offset(single: Loc
         assert [r.offset for r in first.receipts] == [1, 2]
     single.kill("replica", "n1")
     single.start("replica", "n1")
+    single.wait_for_master()
     with single.channel() as channel:
         _, publisher, subscriber = _stubs(channel)
         again = _publish(publisher, "idem", [b"one", b"two"], publisher_id="app-1")
@@ -170,6 +172,7 @@ def test_durable_subscription_resumes_from_its_acked_cursor(single: LocalCluster
         assert reply.cursor == 4
     single.kill("replica", "n1")  # the cursor is durable once Ack answered
     single.start("replica", "n1")
+    single.wait_for_master()
     with single.channel() as channel:
         _, _, subscriber = _stubs(channel)
         resumed = [e.offset for r in subscriber.Subscribe(request, timeout=10) for e in r.events]

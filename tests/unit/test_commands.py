@@ -34,9 +34,7 @@ def _publish(topic: str, *sequences: int, publisher_id: str = "p") -> Publish:
         broker_pb2.PublishRequest(
             topic=topic,
             publisher_id=publisher_id,
-            events=[
-                common_pb2.EventData(payload=f"s{s}".encode(), sequence=s) for s in sequences
-            ],
+            events=[common_pb2.EventData(payload=f"s{s}".encode(), sequence=s) for s in sequences],
         )
     )
 
@@ -64,7 +62,7 @@ def store() -> Store:
 def test_topic_created_earlier_in_the_batch_can_be_published_to() -> None:
     store = Store.open_memory()
     store.set_epoch(1)
-    create, publish = _commit(
+    _, publish = _commit(
         store, CreateTopic("fresh", common_pb2.TOPIC_KIND_REPLICATED), _publish("fresh", 1, 2)
     )
     assert [r.offset for r in publish.receipts] == [0, 1]  # type: ignore[union-attr]
@@ -72,7 +70,7 @@ def test_topic_created_earlier_in_the_batch_can_be_published_to() -> None:
 
 
 def test_retry_in_the_same_batch_gets_the_original_offsets(store: Store) -> None:
-    first, retry = _commit(store, _publish("t", 1, 2), _publish("t", 2, 3))
+    _, retry = _commit(store, _publish("t", 1, 2), _publish("t", 2, 3))
     assert [(r.offset, r.duplicate) for r in retry.receipts] == [(1, True), (2, False)]  # type: ignore[union-attr]
     assert [e.payload for e in store.read_events("t", 0, 10)] == [b"s1", b"s2", b"s3"]
 
@@ -98,7 +96,7 @@ def test_refused_command_leaves_no_trace_in_its_batch(store: Store) -> None:
             topic="t", events=[common_pb2.EventData(payload=b"x" * (LIMITS.max_event_bytes + 1))]
         )
     )
-    ok, refused, after = _commit(store, _publish("t", 1), oversized, _publish("t", 2))
+    _, refused, after = _commit(store, _publish("t", 1), oversized, _publish("t", 2))
     assert isinstance(refused, ServiceError) and refused.code == Code.INVALID_ARGUMENT
     assert "max_event_bytes" in refused.message
     assert [r.offset for r in after.receipts] == [1]  # type: ignore[union-attr]

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from squall.v1 import common_pb2
 
 from services.common.config import (
     ClusterConfig,
@@ -25,6 +24,7 @@ from services.common.config import (
     parse_address,
     parse_config,
 )
+from squall.v1 import common_pb2
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

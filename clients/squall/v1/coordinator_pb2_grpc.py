@@ -70,7 +70,9 @@ class CoordinatorServicer:
     def Deliver(self, request, context):
         """Delivers one election or membership message from a peer coordinator. Messages are
         one-way: replies travel as messages of their own. INVALID_ARGUMENT for an unknown
-        sender or a malformed group name; the message then changes nothing.
+        sender, a malformed group name or a priority that disagrees with the receiver's
+        configuration; FAILED_PRECONDITION for a Ready whose epoch is not newer than the
+        receiver's. A refused message changes nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -40,7 +40,9 @@ class CoordinatorStub:
     Deliver: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.PeerMessage, _coordinator_pb2.DeliverResponse]
     """Delivers one election or membership message from a peer coordinator. Messages are
     one-way: replies travel as messages of their own. INVALID_ARGUMENT for an unknown
-    sender or a malformed group name; the message then changes nothing.
+    sender, a malformed group name or a priority that disagrees with the receiver's
+    configuration; FAILED_PRECONDITION for a Ready whose epoch is not newer than the
+    receiver's. A refused message changes nothing.
     """
     GetStatus: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetStatusRequest, _coordinator_pb2.CoordinatorStatus]
     """This node's view: state, group, epoch, role and why the last change happened."""
@@ -63,7 +65,9 @@ class CoordinatorAsyncStub(CoordinatorStub):
     Deliver: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.PeerMessage, _coordinator_pb2.DeliverResponse]  # type: ignore[assignment]
     """Delivers one election or membership message from a peer coordinator. Messages are
     one-way: replies travel as messages of their own. INVALID_ARGUMENT for an unknown
-    sender or a malformed group name; the message then changes nothing.
+    sender, a malformed group name or a priority that disagrees with the receiver's
+    configuration; FAILED_PRECONDITION for a Ready whose epoch is not newer than the
+    receiver's. A refused message changes nothing.
     """
     GetStatus: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetStatusRequest, _coordinator_pb2.CoordinatorStatus]  # type: ignore[assignment]
     """This node's view: state, group, epoch, role and why the last change happened."""
@@ -89,7 +93,9 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_coordinator_pb2.DeliverResponse, _abc.Awaitable[_coordinator_pb2.DeliverResponse]]:
         """Delivers one election or membership message from a peer coordinator. Messages are
         one-way: replies travel as messages of their own. INVALID_ARGUMENT for an unknown
-        sender or a malformed group name; the message then changes nothing.
+        sender, a malformed group name or a priority that disagrees with the receiver's
+        configuration; FAILED_PRECONDITION for a Ready whose epoch is not newer than the
+        receiver's. A refused message changes nothing.
         """
 
     @_abc_1.abstractmethod

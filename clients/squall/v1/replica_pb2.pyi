@@ -664,6 +664,8 @@ class ReplicaState(_message.Message):
     ROLE_FIELD_NUMBER: _builtins.int
     COMMIT_LSN_FIELD_NUMBER: _builtins.int
     SHUTDOWN_ID_FIELD_NUMBER: _builtins.int
+    COMMAND_SEQ_FIELD_NUMBER: _builtins.int
+    MASTER_ID_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The replica's node id."""
     cluster_id: _builtins.str
@@ -682,6 +684,10 @@ class ReplicaState(_message.Message):
     """The commit LSN it knows of."""
     shutdown_id: _builtins.str
     """The shutdown id of a clean store (empty otherwise)."""
+    command_seq: _builtins.int
+    """The seq of the last role command applied (RoleCommand.seq)."""
+    master_id: _builtins.str
+    """The node id of the master the replica follows or is (empty when inactive)."""
     def __init__(
         self,
         *,
@@ -694,10 +700,12 @@ class ReplicaState(_message.Message):
         role: _common_pb2.Role.ValueType = ...,
         commit_lsn: _builtins.int = ...,
         shutdown_id: _builtins.str = ...,
+        command_seq: _builtins.int = ...,
+        master_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "commit_lsn", b"commit_lsn", "epoch", b"epoch", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "node_id", b"node_id", "role", b"role", "shutdown_id", b"shutdown_id", "store_state", b"store_state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "command_seq", b"command_seq", "commit_lsn", b"commit_lsn", "epoch", b"epoch", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "master_id", b"master_id", "node_id", b"node_id", "role", b"role", "shutdown_id", b"shutdown_id", "store_state", b"store_state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -715,6 +723,8 @@ class RoleCommand(_message.Message):
     MEMBERS_FIELD_NUMBER: _builtins.int
     SYNC_SOURCE_ID_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
+    LEASE_MS_FIELD_NUMBER: _builtins.int
     role: _common_pb2.Role.ValueType
     """The role to take."""
     epoch: _builtins.int
@@ -723,6 +733,14 @@ class RoleCommand(_message.Message):
     """The member whose state the group adopts (highest last epoch, then last LSN)."""
     reason: _builtins.str
     """Why the role changed, for logs and status."""
+    seq: _builtins.int
+    """Grows with every command of one coordinator run; the replica reports the last one it
+    applied (ReplicaState.command_seq), so the coordinator knows a report is fresh.
+    """
+    lease_ms: _builtins.int
+    """The replica drops the role (becomes inactive) if no command renews it within this
+    many milliseconds: a replica whose coordinator died stops serving. 0: no lease.
+    """
     @_builtins.property
     def master(self) -> _common_pb2.NodeEndpoint:
         """The master of the epoch (for ROLE_SLAVE; for ROLE_MASTER, itself)."""
@@ -740,10 +758,12 @@ class RoleCommand(_message.Message):
         members: _abc.Iterable[_common_pb2.NodeEndpoint] | None = ...,
         sync_source_id: _builtins.str = ...,
         reason: _builtins.str = ...,
+        seq: _builtins.int = ...,
+        lease_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["master", b"master"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "master", b"master", "members", b"members", "reason", b"reason", "role", b"role", "sync_source_id", b"sync_source_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "lease_ms", b"lease_ms", "master", b"master", "members", b"members", "reason", b"reason", "role", b"role", "seq", b"seq", "sync_source_id", b"sync_source_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,235 @@
+"""Maps the election's dataclasses to and from ``squall.v1.coordinator_pb2`` messages.
+
+The only module of the coordinator's core that imports protobuf. Decoding checks structure
+(a body is set, required strings are present, enums are specified) and raises ``ValueError``
+naming the bad field (``accept.report.store_state``); the meaning (is the sender a configured
+node, is the group name well formed, is the epoch new) is the election's to judge, so it is
+logged and answered there.
+"""
+
+from __future__ import annotations
+
+from services.coordinator.messages import (
+    Accept,
+    AreYouCoordinator,
+    AreYouCoordinatorReply,
+    AreYouThere,
+    AreYouThereReply,
+    Body,
+    ElectionStatus,
+    GroupReady,
+    GroupReadyAck,
+    Invitation,
+    MemberReport,
+    NodeState,
+    PeerMessage,
+    Role,
+    StoreState,
+)
+from squall.v1 import common_pb2, coordinator_pb2
+
+_STORE_TO_PB: dict[StoreState, common_pb2.StoreState.ValueType] = {
+    StoreState.EMPTY: common_pb2.STORE_STATE_EMPTY,
+    StoreState.CLEAN: common_pb2.STORE_STATE_CLEAN,
+    StoreState.DIRTY: common_pb2.STORE_STATE_DIRTY,
+}
+_STORE_FROM_PB = {v: k for k, v in _STORE_TO_PB.items()}
+_STATE_TO_PB: dict[NodeState, common_pb2.NodeState.ValueType] = {
+    NodeState.INACTIVE: common_pb2.NODE_STATE_INACTIVE,
+    NodeState.ELECTION: common_pb2.NODE_STATE_ELECTION,
+    NodeState.REORGANIZATION: common_pb2.NODE_STATE_REORGANIZATION,
+    NodeState.NORMAL: common_pb2.NODE_STATE_NORMAL,
+}
+_ROLE_TO_PB: dict[Role, common_pb2.Role.ValueType] = {
+    Role.INACTIVE: common_pb2.ROLE_INACTIVE,
+    Role.MASTER: common_pb2.ROLE_MASTER,
+    Role.SLAVE: common_pb2.ROLE_SLAVE,
+}
+
+
+def _require(value: str, field: str) -> str:
+    """Return a required string, or raise ValueError naming the empty field."""
+    if not value:
+        raise ValueError(f"{field}: required, but empty")
+    return value
+
+
+def _report_to_pb(report: MemberReport) -> coordinator_pb2.MemberReport:
+    """A member report as protobuf."""
+    return coordinator_pb2.MemberReport(
+        node_id=report.node_id,
+        cluster_id=report.cluster_id,
+        last_epoch=report.last_epoch,
+        last_lsn=report.last_lsn,
+        store_state=_STORE_TO_PB[report.store_state],
+        max_seen=report.max_seen,
+        epoch=report.epoch,
+    )
+
+
+def _report_from_pb(pb: coordinator_pb2.MemberReport, field: str) -> MemberReport:
+    """A member report from protobuf; ValueError names the bad field."""
+    store_state = _STORE_FROM_PB.get(pb.store_state)
+    if store_state is None:
+        raise ValueError(
+            f"{field}.store_state: {pb.store_state} is not EMPTY, CLEAN or DIRTY"
+        )
+    return MemberReport(
+        node_id=_require(pb.node_id, f"{field}.node_id"),
+        cluster_id=pb.cluster_id,
+        last_epoch=pb.last_epoch,
+        last_lsn=pb.last_lsn,
+        store_state=store_state,
+        max_seen=pb.max_seen,
+        epoch=pb.epoch,
+    )
+
+
+def to_proto(msg: PeerMessage) -> coordinator_pb2.PeerMessage:
+    """Encode one peer message."""
+    pb = coordinator_pb2.PeerMessage(from_node=msg.from_node, to_node=msg.to_node)
+    body = msg.body
+    if isinstance(body, AreYouCoordinator):
+        pb.are_you_coordinator.CopyFrom(
+            coordinator_pb2.AreYouCoordinator(
+                group_name=body.group_name,
+                priority=body.priority,
+                designated_primary=body.designated_primary,
+            )
+        )
+    elif isinstance(body, AreYouCoordinatorReply):
+        pb.are_you_coordinator_reply.CopyFrom(
+            coordinator_pb2.AreYouCoordinatorReply(
+                is_coordinator=body.is_coordinator,
+                group_name=body.group_name,
+                priority=body.priority,
+                designated_primary=body.designated_primary,
+            )
+        )
+    elif isinstance(body, AreYouThere):
+        pb.are_you_there.CopyFrom(coordinator_pb2.AreYouThere(group_name=body.group_name))
+    elif isinstance(body, AreYouThereReply):
+        pb.are_you_there_reply.CopyFrom(
+            coordinator_pb2.AreYouThereReply(group_name=body.group_name, yes=body.yes)
+        )
+    elif isinstance(body, Invitation):
+        pb.invitation.CopyFrom(
+            coordinator_pb2.Invitation(
+                group_name=body.group_name, priority=body.priority, epoch=body.epoch
+            )
+        )
+    elif isinstance(body, Accept):
+        pb.accept.CopyFrom(
+            coordinator_pb2.Accept(
+                group_name=body.group_name,
+                report=_report_to_pb(body.report),
+                forwarded_to=list(body.forwarded_to),
+            )
+        )
+    elif isinstance(body, GroupReady):
+        pb.ready.CopyFrom(
+            coordinator_pb2.Ready(
+                group_name=body.group_name,
+                epoch=body.epoch,
+                members=list(body.members),
+                sync_source_id=body.sync_source_id,
+                coordinator_id=body.coordinator_id,
+                max_seen=body.max_seen,
+            )
+        )
+    else:
+        pb.ready_ack.CopyFrom(
+            coordinator_pb2.ReadyAck(group_name=body.group_name, epoch=body.epoch)
+        )
+    return pb
+
+
+def from_proto(pb: coordinator_pb2.PeerMessage) -> PeerMessage:
+    """Decode one peer message; ValueError names the first bad field."""
+    from_node = _require(pb.from_node, "from_node")
+    to_node = _require(pb.to_node, "to_node")
+    kind = pb.WhichOneof("body")
+    body: Body
+    if kind == "are_you_coordinator":
+        m = pb.are_you_coordinator
+        body = AreYouCoordinator(
+            group_name=_require(m.group_name, "are_you_coordinator.group_name"),
+            priority=m.priority,
+            designated_primary=m.designated_primary,
+        )
+    elif kind == "are_you_coordinator_reply":
+        r = pb.are_you_coordinator_reply
+        body = AreYouCoordinatorReply(
+            is_coordinator=r.is_coordinator,
+            group_name=_require(r.group_name, "are_you_coordinator_reply.group_name"),
+            priority=r.priority,
+            designated_primary=r.designated_primary,
+        )
+    elif kind == "are_you_there":
+        body = AreYouThere(
+            group_name=_require(pb.are_you_there.group_name, "are_you_there.group_name")
+        )
+    elif kind == "are_you_there_reply":
+        t = pb.are_you_there_reply
+        body = AreYouThereReply(
+            group_name=_require(t.group_name, "are_you_there_reply.group_name"), yes=t.yes
+        )
+    elif kind == "invitation":
+        i = pb.invitation
+        body = Invitation(
+            group_name=_require(i.group_name, "invitation.group_name"),
+            priority=i.priority,
+            epoch=i.epoch,
+        )
+    elif kind == "accept":
+        a = pb.accept
+        if not a.HasField("report"):
+            raise ValueError("accept.report: required, but missing")
+        for index, node in enumerate(a.forwarded_to):
+            _require(node, f"accept.forwarded_to[{index}]")
+        body = Accept(
+            group_name=_require(a.group_name, "accept.group_name"),
+            report=_report_from_pb(a.report, "accept.report"),
+            forwarded_to=tuple(a.forwarded_to),
+        )
+    elif kind == "ready":
+        g = pb.ready
+        if not g.members:
+            raise ValueError("ready.members: required, but empty")
+        for index, node in enumerate(g.members):
+            _require(node, f"ready.members[{index}]")
+        body = GroupReady(
+            group_name=_require(g.group_name, "ready.group_name"),
+            epoch=g.epoch,
+            members=tuple(g.members),
+            sync_source_id=_require(g.sync_source_id, "ready.sync_source_id"),
+            coordinator_id=_require(g.coordinator_id, "ready.coordinator_id"),
+            max_seen=g.max_seen,
+        )
+    elif kind == "ready_ack":
+        k = pb.ready_ack
+        body = GroupReadyAck(
+            group_name=_require(k.group_name, "ready_ack.group_name"), epoch=k.epoch
+        )
+    else:
+        raise ValueError("body: no message set (expected one of are_you_coordinator ... ready_ack)")
+    return PeerMessage(from_node=from_node, to_node=to_node, body=body)
+
+
+def status_to_proto(status: ElectionStatus) -> coordinator_pb2.CoordinatorStatus:
+    """The election's status as the CoordinatorStatus the gRPC adapter returns."""
+    return coordinator_pb2.CoordinatorStatus(
+        node_id=status.node_id,
+        coordinator_id=status.coordinator_id,
+        group_name=status.group_name,
+        state=_STATE_TO_PB[status.state],
+        group=list(status.group),
+        max_seen=status.max_seen,
+        epoch=status.epoch,
+        role=_ROLE_TO_PB[status.role],
+        last_change_reason=status.last_change_reason,
+        priority=status.priority,
+        designated_primary=status.designated_primary,
+        quorum_override=status.quorum_override,
+        quorum_required=status.quorum_required,
+    )

@@ -1,0 +1,1427 @@
+"""The coordinator's election and membership: Garcia-Molina's invitation election as IceStorm
+runs it, written as a pure state machine.
+
+Inputs are peer messages (``step``), clock ticks (``tick``), the local replica's state
+(``replica_report``) and two operator controls; each returns one ``Ready`` record (state to
+persist, messages to send, a role command for the local replica, log events). There is no
+network, disk, clock, randomness or thread in here: the driver owns those, and the simulator
+in tests/sim runs whole clusters of these machines from one seed.
+
+The algorithm
+-------------
+* States are IceStorm's: INACTIVE, ELECTION, REORGANIZATION, NORMAL. A node starts, and
+  returns after any error ("recovery"), as the coordinator of a group of its own, named
+  ``node-id:unique-id`` like IceStorm's ``3:191131CC-...``; the unique part comes from the
+  injected ``new_group_id`` callable.
+* Rank: higher priority first, ties to the lower node id (numeric ids compare as numbers).
+  Priority 0 nodes vote and replicate but never coordinate: they never invite (an invitation
+  naming one is refused); while alone they probe, only to be found sooner.
+* Coordinators in INACTIVE or NORMAL probe every other node every ``probe_interval_ms``
+  (``AreYouCoordinator``). A positive reply, or a probe received, from a lower-ranked
+  coordinator makes it a merge candidate; the merge runs after a collection window of
+  ``merge_delay_ms_per_priority * (1 + steps)``, where ``steps`` counts the rank positions
+  up to the highest coordinator seen above this node in the round: lower priorities wait
+  longer, so the highest coordinator normally invites first. A merge invites the candidates
+  and the node's current members into a fresh group (ELECTION). A node only ever invites
+  nodes ranked below it.
+* An invitation is accepted from a node ranked above the receiver's current coordinator (or
+  from that coordinator itself), in any state, so membership only moves up the ranking
+  until a failure. A coordinator that accepts forwards the invitation to its own members.
+  The acceptor deactivates its replica and answers (``Accept``) with a report of its data
+  taken after the replica stopped (the report's ``command_seq`` proves it).
+* When every invitee has accepted, or ``member_timeout_ms`` has passed, the coordinator
+  reorganizes. Short of the quorum (below) it does not scatter the group as IceStorm does:
+  it holds the members, INACTIVE, and merges them with the next coordinator it finds, so a
+  full startup that needs every node is not kept waiting by nodes rejoining one at a time.
+  With the quorum it picks the group's epoch as one
+  more than the highest epoch any member (itself included) has accepted and persists it,
+  names the sync source (highest ``(last_epoch, last_lsn)``, the coordinator itself on a
+  tie, then the lower node id) and sends ``Ready``. A member accepts only an epoch above its
+  persisted one, persists it, goes NORMAL, tells its replica to follow, and acknowledges.
+  The coordinator goes NORMAL (replica: master) when all members acknowledged, or at the
+  deadline with those that did if they still make the quorum.
+* Membership: members ask their coordinator ``AreYouThere`` every ``heartbeat_interval_ms``;
+  no "yes" for ``member_timeout_ms``, or a "no", sends the member back to recovery. The
+  coordinator counts those questions as its members' heartbeats: a member silent for
+  ``member_timeout_ms`` is dropped, and a coordinator left below the quorum recovers.
+* Epochs: every node votes for an epoch at most once, by persisting it (the coordinator for
+  its own group, members on ``Ready``), and a group goes NORMAL only with a quorum of votes,
+  so two majority groups can never go NORMAL in the same epoch, and epochs never decrease,
+  across restarts too.
+
+Quorum
+------
+A group goes NORMAL with a majority of all configured nodes. While no member of the group has
+ever seen a majority together (``max_seen``, persisted, IceStorm's ``max``: the first full
+system startup) it needs every configured node instead. IceStorm's own code asks for
+``max == n``; Squall asks for ``max >= majority``, which is what matters once commits need
+a majority. An operator can lower the count (``set_quorum_override``, for disaster recovery)
+or, in a two-node cluster, let one node run alone (``set_designated_primary``); both are
+persisted, logged as warnings and shown in ``status()``.
+
+Rejoin behaviour
+----------------
+A restarted node of higher rank takes the leadership back, as in IceStorm: its probes find
+the running coordinator, which accepts its invitation, and the group re-forms around it in a
+new epoch. The cost is one short re-election (about ``merge_delay_ms_per_priority`` plus a
+few round trips); the gain is a predictable master. A restarted lower-ranked node also causes
+a re-formed group (new epoch), because it has to be invited in.
+
+Time
+----
+Every input carries ``now_ms`` from the driver's monotonic clock; going backwards is a
+driver bug and raises ``ElectionError``. ``next_deadline_ms()`` says when the next tick is
+due; ticking more often is harmless.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+
+from services.coordinator.messages import (
+    Accept,
+    AreYouCoordinator,
+    AreYouCoordinatorReply,
+    AreYouThere,
+    AreYouThereReply,
+    Body,
+    ElectionStatus,
+    GroupReady,
+    GroupReadyAck,
+    Invitation,
+    LogEvent,
+    LogLevel,
+    MemberReport,
+    NodeState,
+    PeerMessage,
+    PersistedState,
+    Ready,
+    RejectCode,
+    Rejection,
+    ReplicaReport,
+    Role,
+    RoleCommand,
+    RoleCommandKind,
+)
+
+# The most nodes a cluster may configure: bounds every member table and message fan-out.
+NODES_MAX = 64
+_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_ID_RULE = "1 to 64 characters from A-Z a-z 0-9 '_' '-'"
+# Longest part of a peer-supplied string quoted in a log line.
+_SHOWN_CHARS_MAX = 80
+# Timer passes per input: a timer firing can make another due at the same instant
+# (recovery schedules an immediate probe), but never more than a few in a row.
+_TIMER_PASSES_MAX = 4
+
+
+class ElectionError(RuntimeError):
+    """A driver bug: time going backwards, a re-entrant call, a bad group id source."""
+
+
+class ElectionConfigError(ValueError):
+    """The election configuration or persisted state is unusable; the message says why."""
+
+
+def node_sort_key(node_id: str) -> tuple[int, int, str]:
+    """Order node ids as an operator reads them: numeric ids by value, then the others."""
+    if node_id.isdigit():
+        return (0, int(node_id), node_id)
+    return (1, 0, node_id)
+
+
+def parse_group_name(name: str) -> tuple[str, str] | None:
+    """Split ``coordinator-id:unique-id`` into its parts, or None if it is malformed."""
+    coordinator, sep, unique = name.partition(":")
+    if not sep or not _ID_RE.fullmatch(coordinator) or not _ID_RE.fullmatch(unique):
+        return None
+    return coordinator, unique
+
+
+def _show(value: str) -> str:
+    """Quote a peer-supplied string for a log line, cut short if it is long."""
+    if len(value) <= _SHOWN_CHARS_MAX:
+        return repr(value)
+    return f"{value[:_SHOWN_CHARS_MAX]!r}... ({len(value)} characters)"
+
+
+@dataclass(frozen=True)
+class ElectionConfig:
+    """This node's id, every configured node's priority, and the election's timing.
+
+    The timing names match ``services.common.config.TimeoutsConfig``; the driver copies
+    them across. ``member_timeout_ms`` also bounds how long a coordinator waits for accepts
+    and acknowledgements.
+    """
+
+    node_id: str
+    priorities: Mapping[str, int]
+    heartbeat_interval_ms: int = 100
+    member_timeout_ms: int = 400
+    probe_interval_ms: int = 200
+    merge_delay_ms_per_priority: int = 50
+
+    def validate(self) -> None:
+        """Raise ElectionConfigError with a sentence naming the first bad value."""
+        if not 1 <= len(self.priorities) <= NODES_MAX:
+            raise ElectionConfigError(
+                f"priorities: {len(self.priorities)} nodes configured; a cluster has 1 to "
+                f"{NODES_MAX} nodes"
+            )
+        for node, priority in self.priorities.items():
+            if not _ID_RE.fullmatch(node):
+                raise ElectionConfigError(f"priorities: node id {_show(node)} is not {_ID_RULE}")
+            if priority < 0:
+                raise ElectionConfigError(
+                    f"priorities[{node}]: priority {priority} is negative; use 0 for a node "
+                    "that never coordinates"
+                )
+        if self.node_id not in self.priorities:
+            raise ElectionConfigError(
+                f"node_id: {_show(self.node_id)} is not one of the configured nodes "
+                f"{sorted(self.priorities, key=node_sort_key)}"
+            )
+        if all(priority == 0 for priority in self.priorities.values()):
+            raise ElectionConfigError(
+                "priorities: every node has priority 0, so none can coordinate"
+            )
+        for name in ("heartbeat_interval_ms", "member_timeout_ms", "probe_interval_ms"):
+            if getattr(self, name) <= 0:
+                raise ElectionConfigError(f"{name}: {getattr(self, name)} must be positive")
+        if self.merge_delay_ms_per_priority < 0:
+            raise ElectionConfigError(
+                f"merge_delay_ms_per_priority: {self.merge_delay_ms_per_priority} is negative"
+            )
+        if self.member_timeout_ms < 2 * self.heartbeat_interval_ms:
+            raise ElectionConfigError(
+                f"member_timeout_ms: {self.member_timeout_ms} is less than twice "
+                f"heartbeat_interval_ms ({self.heartbeat_interval_ms}); one lost heartbeat "
+                "would break the group"
+            )
+
+
+@dataclass
+class _Merge:
+    """A coordinator collecting accepts for its new group (ELECTION)."""
+
+    invited: set[str]
+    expected: set[str]
+    accepted: dict[str, MemberReport]
+    deadline_ms: int
+
+
+@dataclass
+class _Reorg:
+    """A coordinator waiting for its members to persist the new epoch (REORGANIZATION)."""
+
+    epoch: int
+    members: tuple[str, ...]
+    reports: dict[str, MemberReport]
+    acked: set[str]
+    deadline_ms: int
+    next_resend_ms: int
+
+
+@dataclass
+class _PendingAccept:
+    """A member that accepted an invitation and waits for its replica's post-stop report."""
+
+    group_name: str
+    forwarded_to: tuple[str, ...]
+    deadline_ms: int
+
+
+@dataclass
+class _Out:
+    """The Ready record being built for one input."""
+
+    persist: PersistedState | None = None
+    messages: list[PeerMessage] = field(default_factory=list)
+    role_command: RoleCommand | None = None
+    events: list[LogEvent] = field(default_factory=list)
+    rejection: Rejection | None = None
+
+
+class Election:
+    """One node's invitation-election state machine; see the module docstring."""
+
+    def __init__(
+        self,
+        config: ElectionConfig,
+        persisted: PersistedState,
+        new_group_id: Callable[[], str],
+    ) -> None:
+        """Build the machine from config and the state persisted by earlier runs.
+
+        ``new_group_id`` returns the unique part of each new group name (a uuid in
+        production, a seeded or counted id in tests); it must never repeat for this node.
+        """
+        config.validate()
+        n = len(config.priorities)
+        if persisted.epoch < 0 or persisted.max_seen < 0:
+            raise ElectionConfigError(
+                f"persisted state: epoch {persisted.epoch} and max_seen {persisted.max_seen} "
+                "must not be negative"
+            )
+        if not 0 <= persisted.quorum_override <= n:
+            raise ElectionConfigError(
+                f"persisted state: quorum override {persisted.quorum_override} is outside "
+                f"0..{n} for the {n} configured nodes; clear it with SetQuorumOverride(0)"
+            )
+        self._cfg = config
+        self._me = config.node_id
+        self._prio: dict[str, int] = dict(config.priorities)
+        self._n = n
+        self._majority = n // 2 + 1
+        order = sorted(self._prio, key=lambda x: (-self._prio[x], node_sort_key(x)))
+        # Higher is better; a rank is a position, so merge delays do not depend on the
+        # spacing of configured priority values.
+        self._rank: dict[str, int] = {node: n - i for i, node in enumerate(order)}
+        self._others: tuple[str, ...] = tuple(
+            sorted((x for x in self._prio if x != self._me), key=node_sort_key)
+        )
+        self._eligible = self._prio[self._me] > 0
+        self._persisted = persisted
+        self._new_group_id = new_group_id
+
+        self._now_ms = 0
+        self._started = False
+        self._out: _Out | None = None
+        self._state = NodeState.INACTIVE
+        self._group = ""
+        self._coord = self._me
+        self._view: tuple[str, ...] = ()
+        self._group_epoch = 0
+        self._sync_source = ""
+        self._members: dict[str, int] = {}
+        self._role = Role.INACTIVE
+        self._report: ReplicaReport | None = None
+        self._report_fresh = False
+        self._command_seq = 0
+        self._merge: _Merge | None = None
+        self._reorg: _Reorg | None = None
+        self._pending: _PendingAccept | None = None
+        self._next_probe_ms: int | None = None
+        self._merge_at_ms: int | None = None
+        self._merge_first_ms = 0
+        self._candidates: set[str] = set()
+        self._higher_seen: str | None = None
+        self._last_yes_ms = 0
+        self._next_heartbeat_ms = 0
+        self._peer_designated: dict[str, bool] = {}
+        self._conflict_logged = False
+        self._last_change_reason = "not started"
+
+    # ----------------------------------------------------------------- public inputs
+
+    def tick(self, now_ms: int) -> Ready:
+        """Advance the clock; fires due probes, heartbeats, merges and timeouts."""
+        return self._run(now_ms, lambda: None)
+
+    def step(self, msg: PeerMessage, now_ms: int) -> Ready:
+        """Handle one peer message; bad input is refused in ``Ready.rejection``."""
+        return self._run(now_ms, lambda: self._on_message(msg))
+
+    def replica_report(self, report: ReplicaReport, now_ms: int) -> Ready:
+        """Take the local replica's (cluster_id, last_epoch, last_lsn, store_state)."""
+        return self._run(now_ms, lambda: self._on_report(report))
+
+    def set_designated_primary(self, enabled: bool, operator: str, now_ms: int) -> Ready:
+        """Mark (or clear) this node as the designated primary of a two-node cluster."""
+        return self._run(now_ms, lambda: self._on_designated_primary(enabled, operator))
+
+    def set_quorum_override(self, required: int, operator: str, now_ms: int) -> Ready:
+        """Lower the count of nodes a group needs to go normal; 0 clears the override."""
+        return self._run(now_ms, lambda: self._on_quorum_override(required, operator))
+
+    # ----------------------------------------------------------------- queries
+
+    @property
+    def node_id(self) -> str:
+        """This node's id."""
+        return self._me
+
+    @property
+    def persisted(self) -> PersistedState:
+        """The state the driver has been told to persist, as of the last input."""
+        return self._persisted
+
+    def status(self) -> ElectionStatus:
+        """This node's view (IceStorm's ``replica`` table row plus epoch, role, quorum)."""
+        if self._coord == self._me:
+            if self._state is NodeState.NORMAL:
+                group = tuple(x for x in self._view if x != self._me)
+            elif self._state is NodeState.INACTIVE:
+                group = tuple(sorted(self._members, key=node_sort_key))
+            elif self._merge is not None:
+                group = tuple(sorted(self._merge.accepted, key=node_sort_key))
+            elif self._reorg is not None:
+                group = tuple(x for x in self._reorg.members if x != self._me)
+            else:
+                group = ()
+        else:
+            group = ()
+        return ElectionStatus(
+            node_id=self._me,
+            coordinator_id=self._coord,
+            group_name=self._group,
+            state=self._state,
+            group=group,
+            max_seen=self._persisted.max_seen,
+            epoch=self._persisted.epoch,
+            role=self._role,
+            last_change_reason=self._last_change_reason,
+            priority=self._prio[self._me],
+            designated_primary=self._persisted.designated_primary,
+            quorum_override=self._persisted.quorum_override,
+            quorum_required=self._quorum(self._persisted.max_seen)[0],
+            members=self._view if self._state is NodeState.NORMAL else (),
+        )
+
+    def next_deadline_ms(self) -> int | None:
+        """The earliest time a tick has work to do (None before the first input)."""
+        if not self._started:
+            return None
+        due: list[int] = []
+        if self._coord != self._me:
+            if self._pending is not None:
+                due.append(self._pending.deadline_ms)
+            else:
+                due.append(self._last_yes_ms + self._cfg.member_timeout_ms + 1)
+                due.append(self._next_heartbeat_ms)
+        else:
+            if self._merge is not None:
+                due.append(self._merge.deadline_ms)
+            if self._reorg is not None:
+                due.append(self._reorg.deadline_ms)
+                due.append(self._reorg.next_resend_ms)
+            if self._state in (NodeState.NORMAL, NodeState.INACTIVE) and self._members:
+                due.append(min(self._members.values()) + self._cfg.member_timeout_ms + 1)
+            if self._can_probe() and not self._waiting_for_report():
+                if self._merge_at_ms is not None and self._can_merge():
+                    due.append(self._merge_at_ms)
+                if self._next_probe_ms is not None:
+                    due.append(self._next_probe_ms)
+        return min(due) if due else None
+
+    # ----------------------------------------------------------------- plumbing
+
+    def _run(self, now_ms: int, handler: Callable[[], None]) -> Ready:
+        """Run one input: advance time, start if needed, handle, fire due timers."""
+        if self._out is not None:
+            raise ElectionError("Election inputs must not be re-entered")
+        if now_ms < self._now_ms:
+            raise ElectionError(
+                f"now_ms went backwards from {self._now_ms} to {now_ms}; use a monotonic clock"
+            )
+        self._now_ms = now_ms
+        before = self._view_key()
+        out = _Out()
+        self._out = out
+        try:
+            if not self._started:
+                self._start()
+            handler()
+            if out.rejection is None:
+                for _ in range(_TIMER_PASSES_MAX):
+                    if not self._fire_timers():
+                        break
+        finally:
+            self._out = None
+        return Ready(
+            persist=out.persist,
+            messages=tuple(out.messages),
+            role_command=out.role_command,
+            view_changed=before != self._view_key(),
+            events=tuple(out.events),
+            rejection=out.rejection,
+        )
+
+    def _o(self) -> _Out:
+        """The record under construction (only valid inside an input)."""
+        if self._out is None:
+            raise ElectionError("no input in progress")
+        return self._out
+
+    def _view_key(self) -> tuple[object, ...]:
+        """What watchers of the group view care about."""
+        return (
+            self._state,
+            self._group,
+            self._coord,
+            self._group_epoch,
+            self._view,
+            self._role,
+            self._persisted,
+        )
+
+    def _send(self, to: str, body: Body) -> None:
+        """Queue one message."""
+        self._o().messages.append(PeerMessage(from_node=self._me, to_node=to, body=body))
+
+    def _log(self, level: LogLevel, event: str, message: str) -> None:
+        """Queue one log event; every line names this node."""
+        self._o().events.append(LogEvent(level, event, f"node {self._me}: {message}"))
+
+    def _reject(self, code: RejectCode, message: str) -> None:
+        """Refuse the current input; the caller must return without changing anything."""
+        self._o().rejection = Rejection(code, f"node {self._me}: {message}")
+        self._log(LogLevel.WARNING, f"rejected-{code.value}", message)
+
+    def _persist(self, **changes: int | bool) -> None:
+        """Record new persisted state; epochs and max_seen only grow."""
+        new = replace(self._persisted, **changes)  # type: ignore[arg-type]
+        if new.epoch < self._persisted.epoch or new.max_seen < self._persisted.max_seen:
+            raise ElectionError(
+                f"persisted state would go back from {self._persisted} to {new}"
+            )
+        if new != self._persisted:
+            self._persisted = new
+            self._o().persist = new
+
+    def _command(self, kind: RoleCommandKind, **fields: object) -> None:
+        """Emit a role command; the replica's reports are stale until it reports again."""
+        self._command_seq += 1
+        cmd = RoleCommand(kind=kind, seq=self._command_seq, **fields)  # type: ignore[arg-type]
+        self._o().role_command = cmd
+        self._role = {
+            RoleCommandKind.MASTER: Role.MASTER,
+            RoleCommandKind.FOLLOW: Role.SLAVE,
+            RoleCommandKind.DEACTIVATE: Role.INACTIVE,
+        }[kind]
+        self._report_fresh = False
+
+    def _deactivate_if_active(self) -> None:
+        """Stop the replica serving, unless it already stopped."""
+        if self._role is not Role.INACTIVE:
+            self._command(RoleCommandKind.DEACTIVATE)
+
+    def _make_group_name(self) -> str:
+        """A fresh ``node-id:unique-id`` group name."""
+        unique = self._new_group_id()
+        if not _ID_RE.fullmatch(unique):
+            raise ElectionError(f"new_group_id returned {_show(unique)}, not {_ID_RULE}")
+        return f"{self._me}:{unique}"
+
+    def _start(self) -> None:
+        """First input: form a group of our own and stop whatever the replica was doing."""
+        self._started = True
+        self._group = self._make_group_name()
+        # The replica may still serve a role from before a coordinator restart.
+        self._command(RoleCommandKind.DEACTIVATE)
+        self._next_probe_ms = self._now_ms
+        self._last_change_reason = "started"
+        p = self._persisted
+        self._log(
+            LogLevel.INFO,
+            "start",
+            f"starting in own group {self._group}; priority {self._prio[self._me]}, "
+            f"epoch {p.epoch}, max {p.max_seen}",
+        )
+        if p.designated_primary:
+            self._log(
+                LogLevel.WARNING,
+                "operator-designated-primary",
+                "this node is the DESIGNATED PRIMARY (persisted): it runs alone when the "
+                "other node is unreachable",
+            )
+        if p.quorum_override:
+            self._log(
+                LogLevel.WARNING,
+                "operator-quorum-override",
+                f"QUORUM OVERRIDE in force (persisted): groups need {p.quorum_override} "
+                f"of {self._n} nodes",
+            )
+
+    # ----------------------------------------------------------------- rules
+
+    def _can_probe(self) -> bool:
+        """May this node send probes now?
+
+        Priority-0 nodes probe too while alone, though they never merge: a probe tells the
+        coordinators above that a node is waiting to be invited, so a node that recovered
+        just after their own probe round is not left out until the next one.
+        """
+        if self._coord != self._me:
+            return False
+        if self._state is NodeState.INACTIVE:
+            return True
+        return self._state is NodeState.NORMAL and self._eligible
+
+    def _can_merge(self) -> bool:
+        """May this node look for and invite other groups now?"""
+        return (
+            self._eligible
+            and self._coord == self._me
+            and self._state in (NodeState.INACTIVE, NodeState.NORMAL)
+        )
+
+    def _waiting_for_report(self) -> bool:
+        """An idle coordinator without its replica's stopped state cannot lead a merge: it
+        could not name a sync source. Its probes and merges wait for ``replica_report``."""
+        return self._state is NodeState.INACTIVE and not self._report_fresh
+
+    def _answers_as_coordinator(self) -> bool:
+        """Is this node a coordinator another may merge (IceStorm's areYouCoordinator)?"""
+        if self._coord != self._me:
+            return False
+        if self._state is NodeState.NORMAL:
+            return True
+        return self._state is NodeState.INACTIVE and self._report_fresh
+
+    def _designated_effective(self) -> bool:
+        """Does the designated-primary flag let this node run alone right now?"""
+        return (
+            self._n == 2
+            and self._eligible
+            and self._persisted.designated_primary
+            and not any(self._peer_designated.values())
+        )
+
+    def _quorum(self, group_max_seen: int) -> tuple[int, str]:
+        """Nodes a group needs to go normal, and why."""
+        if group_max_seen >= self._majority:
+            required, why = self._majority, f"a majority of {self._n}"
+        else:
+            required = self._n
+            why = (
+                f"all {self._n}: full startup, no member has seen a majority together "
+                f"(max {group_max_seen})"
+            )
+        if self._designated_effective():
+            required, why = 1, "1: designated primary of a two-node cluster"
+        override = self._persisted.quorum_override
+        if 0 < override < required:
+            required, why = override, f"{override}: operator quorum override"
+        return required, why
+
+    def _merge_delay_ms(self) -> int:
+        """Collection window before a merge: longer the further below a seen coordinator."""
+        steps = 0
+        if self._higher_seen is not None:
+            steps = self._rank[self._higher_seen] - self._rank[self._me]
+        return self._cfg.merge_delay_ms_per_priority * (1 + steps)
+
+    def _my_report(self) -> MemberReport:
+        """This node's member report; only called with a replica report in hand."""
+        r = self._report
+        if r is None:
+            raise ElectionError("no replica report")
+        return MemberReport(
+            node_id=self._me,
+            cluster_id=r.cluster_id,
+            last_epoch=r.last_epoch,
+            last_lsn=r.last_lsn,
+            store_state=r.store_state,
+            max_seen=self._persisted.max_seen,
+            epoch=self._persisted.epoch,
+        )
+
+    def _sync_source_of(self, reports: Mapping[str, MemberReport]) -> str:
+        """Highest (last_epoch, last_lsn); this node on a tie, then the lower node id."""
+        order = [self._me, *sorted((x for x in reports if x != self._me), key=node_sort_key)]
+        best = ""
+        best_key = (-1, -1)
+        for node in order:
+            r = reports.get(node)
+            if r is not None and (r.last_epoch, r.last_lsn) > best_key:
+                best, best_key = node, (r.last_epoch, r.last_lsn)
+        return best
+
+    # ----------------------------------------------------------------- transitions
+
+    def _reset_group(self) -> None:
+        """Forget the current group's coordinator-side and member-side bookkeeping."""
+        self._members = {}
+        self._view = ()
+        self._group_epoch = 0
+        self._sync_source = ""
+        self._merge = None
+        self._reorg = None
+        self._pending = None
+        self._merge_at_ms = None
+        self._candidates = set()
+        self._higher_seen = None
+
+    def _recover(self, reason: str, level: LogLevel = LogLevel.INFO) -> None:
+        """Back to a group of our own (IceStorm's recovery), replica stopped."""
+        self._reset_group()
+        self._state = NodeState.INACTIVE
+        self._coord = self._me
+        self._group = self._make_group_name()
+        self._deactivate_if_active()
+        self._next_probe_ms = self._now_ms
+        self._last_change_reason = reason
+        self._log(level, "recovery", f"{reason}; now in own group {self._group}")
+
+    def _fire_timers(self) -> bool:
+        """Run whatever is due at ``now``; True if another timer may have become due."""
+        now = self._now_ms
+        cfg = self._cfg
+        if self._coord != self._me:
+            if self._pending is not None:
+                if now >= self._pending.deadline_ms:
+                    self._recover(
+                        f"replica did not report its stopped state within "
+                        f"{cfg.member_timeout_ms} ms of joining {self._pending.group_name}"
+                    )
+                    return True
+                return False
+            if now - self._last_yes_ms > cfg.member_timeout_ms:
+                self._recover(
+                    f"coordinator {self._coord} of {self._group} has not answered for "
+                    f"{now - self._last_yes_ms} ms"
+                )
+                return True
+            if now >= self._next_heartbeat_ms:
+                self._send(self._coord, AreYouThere(self._group))
+                self._next_heartbeat_ms = now + cfg.heartbeat_interval_ms
+            return False
+
+        if self._state is NodeState.ELECTION and self._merge is not None:
+            if now >= self._merge.deadline_ms:
+                self._maybe_reorganize()
+                return True
+            return False
+        if self._state is NodeState.REORGANIZATION and self._reorg is not None:
+            reorg = self._reorg
+            if now >= reorg.deadline_ms:
+                self._go_normal()
+                return True
+            if now >= reorg.next_resend_ms:
+                for node in reorg.members:
+                    if node != self._me and node not in reorg.acked:
+                        self._send(node, self._ready_body(reorg))
+                reorg.next_resend_ms = now + cfg.heartbeat_interval_ms
+            return False
+        if self._state is NodeState.NORMAL and self._check_members():
+            return True
+        if self._state is NodeState.INACTIVE and self._members:
+            self._expire_members()
+        if self._can_probe() and not self._waiting_for_report():
+            if self._can_merge() and self._merge_at_ms is not None and now >= self._merge_at_ms:
+                self._do_merge()
+                return True
+            if self._next_probe_ms is not None and now >= self._next_probe_ms:
+                self._probe()
+        return False
+
+    def _expire_members(self) -> list[str]:
+        """Drop members whose AreYouThere has not arrived for member_timeout_ms."""
+        now = self._now_ms
+        expired = sorted(
+            (x for x, seen in self._members.items() if now - seen > self._cfg.member_timeout_ms),
+            key=node_sort_key,
+        )
+        for node in expired:
+            del self._members[node]
+            self._log(
+                LogLevel.INFO,
+                "member-timeout",
+                f"member {node} silent for more than {self._cfg.member_timeout_ms} ms; "
+                f"dropped from {self._group} (epoch {self._group_epoch})",
+            )
+        return expired
+
+    def _check_members(self) -> bool:
+        """Coordinator in NORMAL: drop silent members; recover below the quorum."""
+        expired = self._expire_members()
+        required, why = self._quorum(self._persisted.max_seen)
+        size = len(self._members) + 1
+        if size < required:
+            self._recover(
+                f"lost the quorum of group {self._group} (epoch {self._group_epoch}): "
+                f"{size} of {self._n} nodes left, {required} required ({why})",
+                LogLevel.WARNING,
+            )
+            return True
+        if expired:
+            self._view = tuple(x for x in self._view if x not in expired)
+            self._command(
+                RoleCommandKind.MASTER,
+                epoch=self._group_epoch,
+                master_id=self._me,
+                members=self._view,
+                sync_source_id=self._me,
+                group_name=self._group,
+            )
+        return False
+
+    def _probe(self) -> None:
+        """Ask every other node whether it coordinates a group we could merge."""
+        self._next_probe_ms = self._now_ms + self._cfg.probe_interval_ms
+        self._higher_seen = None
+        for node in self._others:
+            self._send(
+                node,
+                AreYouCoordinator(
+                    self._group, self._prio[self._me], self._persisted.designated_primary
+                ),
+            )
+        if (
+            self._can_merge()
+            and self._state is NodeState.INACTIVE
+            and self._merge_at_ms is None
+            and self._quorum(self._persisted.max_seen)[0] <= 1
+        ):
+            # We may run alone; still wait one window so reachable nodes join at once.
+            self._merge_first_ms = self._now_ms
+            self._merge_at_ms = self._now_ms + self._merge_delay_ms()
+
+    def _note_coordinator(self, node: str) -> None:
+        """``node`` coordinates a group of its own: merge it if it ranks below us."""
+        if not self._can_merge():
+            return
+        if self._rank[node] > self._rank[self._me]:
+            if self._higher_seen is None or self._rank[node] > self._rank[self._higher_seen]:
+                self._higher_seen = node
+                if self._merge_at_ms is not None:
+                    self._merge_at_ms = self._merge_first_ms + self._merge_delay_ms()
+            return
+        self._candidates.add(node)
+        if self._merge_at_ms is None:
+            self._merge_first_ms = self._now_ms
+            self._merge_at_ms = self._now_ms + self._merge_delay_ms()
+
+    def _do_merge(self) -> None:
+        """Invite the lower coordinators found and our members into a fresh group."""
+        self._merge_at_ms = None
+        invite = {x for x in self._candidates if self._rank[x] < self._rank[self._me]}
+        self._candidates = set()
+        invite |= set(self._members)
+        alone_ok = self._quorum(self._persisted.max_seen)[0] <= 1
+        if not invite and not alone_ok:
+            return
+        old_group = self._group
+        self._reset_group()
+        self._state = NodeState.ELECTION
+        self._group = self._make_group_name()
+        self._deactivate_if_active()
+        self._merge = _Merge(
+            invited=set(invite),
+            expected=set(invite),
+            accepted={},
+            deadline_ms=self._now_ms + self._cfg.member_timeout_ms,
+        )
+        invitation = Invitation(self._group, self._prio[self._me], self._persisted.epoch)
+        ordered = sorted(invite, key=node_sort_key)
+        for node in ordered:
+            self._send(node, invitation)
+        self._last_change_reason = f"merging {','.join(ordered) or 'nobody'} into a new group"
+        self._log(
+            LogLevel.INFO,
+            "merge",
+            f"leaving {old_group}; inviting {','.join(ordered) or 'nobody'} to {self._group}",
+        )
+        self._maybe_reorganize()
+
+    def _maybe_reorganize(self) -> None:
+        """ELECTION ends when every invitee accepted or the deadline passed."""
+        merge = self._merge
+        if self._state is not NodeState.ELECTION or merge is None:
+            return
+        complete = merge.expected <= merge.accepted.keys()
+        if not complete and self._now_ms < merge.deadline_ms:
+            return
+        if not self._report_fresh:
+            if self._now_ms < merge.deadline_ms:
+                return
+            self._recover(
+                f"replica did not report its stopped state within "
+                f"{self._cfg.member_timeout_ms} ms; cannot name a sync source",
+                LogLevel.WARNING,
+            )
+            return
+        self._reorganize()
+
+    def _reorganize(self) -> None:
+        """Check the quorum, pick epoch and sync source, persist, send Ready."""
+        merge = self._merge
+        if merge is None:
+            raise ElectionError("reorganize without a merge")
+        self._merge = None
+        mine = self._my_report()
+        reports: dict[str, MemberReport] = {self._me: mine, **merge.accepted}
+        reference = mine.cluster_id
+        if not reference:
+            holders = {x: r for x, r in reports.items() if r.cluster_id}
+            if holders:
+                reference = reports[self._sync_source_of(holders)].cluster_id
+        for node in sorted(reports, key=node_sort_key):
+            cid = reports[node].cluster_id
+            if reference and cid and cid != reference:
+                del reports[node]
+                self._log(
+                    LogLevel.ERROR,
+                    "cluster-id-mismatch",
+                    f"member {node} has cluster id {_show(cid)}, the group has "
+                    f"{_show(reference)}; leaving it out of {self._group}",
+                )
+        size = len(reports)
+        group_max = max(r.max_seen for r in reports.values())
+        required, why = self._quorum(group_max)
+        if size < required:
+            self._hold(
+                merge.accepted.keys() & reports.keys(),
+                f"not enough nodes for replication to commence: {size} of {self._n} in "
+                f"{self._group}, {required} required ({why})",
+            )
+            return
+        epoch = max(r.epoch for r in reports.values()) + 1
+        members = tuple(sorted(reports, key=node_sort_key))
+        self._persist(epoch=epoch)
+        self._state = NodeState.REORGANIZATION
+        reorg = _Reorg(
+            epoch=epoch,
+            members=members,
+            reports=reports,
+            acked=set(),
+            deadline_ms=self._now_ms + self._cfg.member_timeout_ms,
+            next_resend_ms=self._now_ms + self._cfg.heartbeat_interval_ms,
+        )
+        self._reorg = reorg
+        sync = self._sync_source_of(reports)
+        self._last_change_reason = f"reorganizing {self._group} in epoch {epoch}"
+        self._log(
+            LogLevel.INFO,
+            "reorganize",
+            f"coordinator of {self._group}: epoch {epoch}, members {','.join(members)}, "
+            f"sync source {sync} (log {reports[sync].last_epoch}/{reports[sync].last_lsn})",
+        )
+        for node in members:
+            if node != self._me:
+                self._send(node, self._ready_body(reorg))
+        if size == 1:
+            self._go_normal()
+
+    def _hold(self, members: set[str], reason: str) -> None:
+        """Too few nodes: keep the group together, INACTIVE, and look for more.
+
+        IceStorm recovers here, scattering the members; they would then rejoin at different
+        times and a full startup that needs every node could keep missing one. Holding
+        them lets the next merge take the waiting members and the newcomer at once.
+        """
+        self._state = NodeState.INACTIVE
+        self._members = {x: self._now_ms for x in members}
+        self._next_probe_ms = self._now_ms
+        self._last_change_reason = reason
+        self._log(
+            LogLevel.INFO,
+            "waiting",
+            f"{reason}; holding {','.join(sorted(members, key=node_sort_key)) or 'no members'} "
+            "and waiting for more nodes",
+        )
+
+    def _ready_body(self, reorg: _Reorg) -> GroupReady:
+        """The Ready message for this reorganization."""
+        group_max = max(r.max_seen for r in reorg.reports.values())
+        return GroupReady(
+            group_name=self._group,
+            epoch=reorg.epoch,
+            members=reorg.members,
+            sync_source_id=self._sync_source_of(reorg.reports),
+            coordinator_id=self._me,
+            max_seen=max(group_max, len(reorg.members)),
+        )
+
+    def _go_normal(self) -> None:
+        """Go NORMAL with the members that persisted the epoch, if they make the quorum."""
+        reorg = self._reorg
+        if reorg is None:
+            raise ElectionError("go normal without a reorganization")
+        final = tuple(x for x in reorg.members if x == self._me or x in reorg.acked)
+        reports = {x: reorg.reports[x] for x in final}
+        group_max = max(r.max_seen for r in reports.values())
+        required, why = self._quorum(group_max)
+        if len(final) < required:
+            missing = ",".join(x for x in reorg.members if x not in final)
+            self._recover(
+                f"only {len(final)} of {len(reorg.members)} members persisted epoch "
+                f"{reorg.epoch} (missing {missing}), {required} required ({why})"
+            )
+            return
+        sync = self._sync_source_of(reports)
+        self._reorg = None
+        self._persist(max_seen=max(self._persisted.max_seen, group_max, len(final)))
+        self._state = NodeState.NORMAL
+        self._group_epoch = reorg.epoch
+        self._view = final
+        self._sync_source = sync
+        self._members = {x: self._now_ms for x in final if x != self._me}
+        self._next_probe_ms = self._now_ms + self._cfg.probe_interval_ms
+        self._command(
+            RoleCommandKind.MASTER,
+            epoch=reorg.epoch,
+            master_id=self._me,
+            members=final,
+            sync_source_id=sync,
+            group_name=self._group,
+        )
+        self._last_change_reason = (
+            f"coordinator of {self._group} in epoch {reorg.epoch} with {','.join(final)}"
+        )
+        self._log(
+            LogLevel.INFO,
+            "normal",
+            f"reporting for duty as coordinator of {self._group}: epoch {reorg.epoch}, "
+            f"members {','.join(final)} ({len(final)}/{self._n}), sync source {sync}",
+        )
+
+    # ----------------------------------------------------------------- replica
+
+    def _on_report(self, report: ReplicaReport) -> None:
+        """A report taken while the replica is stopped unblocks accepts and reorganizing."""
+        if report.last_epoch < 0 or report.last_lsn < 0:
+            self._reject(
+                RejectCode.INVALID_ARGUMENT,
+                f"replica report with negative position {report.last_epoch}/{report.last_lsn}",
+            )
+            return
+        # Only a report read after our latest command (a DEACTIVATE) took effect describes
+        # a log that can no longer grow; an older one, even one taken while the replica
+        # was stopped, may miss entries it received before that stop.
+        stopped_now = (
+            not report.active
+            and self._role is Role.INACTIVE
+            and report.command_seq == self._command_seq
+        )
+        if not stopped_now:
+            # A late, older report must not replace the stopped state we already hold
+            # (the simulator found that: it named a stale sync source).
+            if not self._report_fresh:
+                self._report = report
+            return
+        self._report = report
+        self._report_fresh = True
+        self._try_send_accept()
+        self._maybe_reorganize()
+
+    def _try_send_accept(self) -> None:
+        """Answer a pending invitation once the replica's stopped state is known."""
+        pending = self._pending
+        if pending is None or not self._report_fresh:
+            return
+        self._pending = None
+        self._send(self._coord, Accept(pending.group_name, self._my_report(), pending.forwarded_to))
+        self._last_yes_ms = self._now_ms
+        self._next_heartbeat_ms = self._now_ms + self._cfg.heartbeat_interval_ms
+
+    # ----------------------------------------------------------------- operator
+
+    def _on_designated_primary(self, enabled: bool, operator: str) -> None:
+        """Set or clear the designated primary flag (two-node clusters only)."""
+        who = operator or "unknown operator"
+        if enabled:
+            if self._n != 2:
+                self._reject(
+                    RejectCode.FAILED_PRECONDITION,
+                    f"designated primary refused ({who}): the cluster has {self._n} nodes, "
+                    "not two; use the quorum override instead",
+                )
+                return
+            if not self._eligible:
+                self._reject(
+                    RejectCode.FAILED_PRECONDITION,
+                    f"designated primary refused ({who}): this node has priority 0 and "
+                    "never coordinates",
+                )
+                return
+            holders = sorted(x for x, flag in self._peer_designated.items() if flag)
+            if holders:
+                self._reject(
+                    RejectCode.FAILED_PRECONDITION,
+                    f"designated primary refused ({who}): node {holders[0]} already holds "
+                    "it; two designated primaries could both run alone (split brain)",
+                )
+                return
+        if enabled == self._persisted.designated_primary:
+            return
+        self._persist(designated_primary=enabled)
+        self._next_probe_ms = self._now_ms
+        if enabled:
+            self._log(
+                LogLevel.WARNING,
+                "operator-designated-primary",
+                f"DESIGNATED PRIMARY SET by {who}: this node will run alone when the other "
+                "node is unreachable; never set it on both nodes",
+            )
+        else:
+            self._log(
+                LogLevel.WARNING,
+                "operator-designated-primary",
+                f"designated primary cleared by {who}",
+            )
+
+    def _on_quorum_override(self, required: int, operator: str) -> None:
+        """Set (1..n) or clear (0) the quorum override."""
+        who = operator or "unknown operator"
+        if not 0 <= required <= self._n:
+            self._reject(
+                RejectCode.INVALID_ARGUMENT,
+                f"quorum override {required} refused ({who}): use 1 to {self._n}, or 0 to clear",
+            )
+            return
+        if required == self._persisted.quorum_override:
+            return
+        self._persist(quorum_override=required)
+        self._next_probe_ms = self._now_ms
+        if required:
+            self._log(
+                LogLevel.WARNING,
+                "operator-quorum-override",
+                f"QUORUM OVERRIDE SET by {who}: groups need only {required} of {self._n} "
+                f"nodes (majority is {self._majority}); two groups may now both serve",
+            )
+        else:
+            self._log(
+                LogLevel.WARNING, "operator-quorum-override", f"quorum override cleared by {who}"
+            )
+
+    # ----------------------------------------------------------------- messages
+
+    def _on_message(self, msg: PeerMessage) -> None:
+        """Validate the envelope, then dispatch on the body."""
+        if msg.to_node != self._me:
+            self._reject(
+                RejectCode.WRONG_RECIPIENT,
+                f"message for node {_show(msg.to_node)} delivered here",
+            )
+            return
+        if msg.from_node not in self._prio or msg.from_node == self._me:
+            self._reject(
+                RejectCode.UNKNOWN_SENDER,
+                f"message from {_show(msg.from_node)}, which is not another configured node",
+            )
+            return
+        body = msg.body
+        frm = msg.from_node
+        if isinstance(body, AreYouCoordinator):
+            self._on_are_you_coordinator(frm, body)
+        elif isinstance(body, AreYouCoordinatorReply):
+            self._on_are_you_coordinator_reply(frm, body)
+        elif isinstance(body, AreYouThere):
+            self._on_are_you_there(frm, body)
+        elif isinstance(body, AreYouThereReply):
+            self._on_are_you_there_reply(frm, body)
+        elif isinstance(body, Invitation):
+            self._on_invitation(frm, body)
+        elif isinstance(body, Accept):
+            self._on_accept(frm, body)
+        elif isinstance(body, GroupReady):
+            self._on_ready(frm, body)
+        else:
+            self._on_ready_ack(frm, body)
+
+    def _group_coordinator(self, name: str, frm: str) -> str | None:
+        """The coordinator a group name names, or None after rejecting a malformed name."""
+        parsed = parse_group_name(name)
+        if parsed is None or parsed[0] not in self._prio:
+            self._reject(
+                RejectCode.MALFORMED_GROUP_NAME,
+                f"message from {frm} names group {_show(name)}, which is not "
+                "'<configured node id>:<unique id>'",
+            )
+            return None
+        return parsed[0]
+
+    def _check_priority(self, node: str, claimed: int, frm: str) -> bool:
+        """Reject a message whose priority disagrees with our configuration."""
+        if claimed != self._prio[node]:
+            self._reject(
+                RejectCode.PRIORITY_MISMATCH,
+                f"message from {frm} gives node {node} priority {claimed}, but the "
+                f"configuration says {self._prio[node]}; are the config files the same?",
+            )
+            return False
+        return True
+
+    def _on_are_you_coordinator(self, frm: str, body: AreYouCoordinator) -> None:
+        """Answer a probe; a probing coordinator below us is a merge candidate."""
+        coordinator = self._group_coordinator(body.group_name, frm)
+        if coordinator is None:
+            return
+        if coordinator != frm:
+            self._reject(
+                RejectCode.MALFORMED_GROUP_NAME,
+                f"probe from {frm} for group {_show(body.group_name)}, which {frm} "
+                "does not coordinate",
+            )
+            return
+        if not self._check_priority(frm, body.priority, frm):
+            return
+        self._learn_designation(frm, body.designated_primary)
+        self._send(
+            frm,
+            AreYouCoordinatorReply(
+                self._answers_as_coordinator(),
+                self._group,
+                self._prio[self._me],
+                self._persisted.designated_primary,
+            ),
+        )
+        self._note_coordinator(frm)
+
+    def _on_are_you_coordinator_reply(self, frm: str, body: AreYouCoordinatorReply) -> None:
+        """A positive answer from a coordinator below us makes it a merge candidate."""
+        coordinator = self._group_coordinator(body.group_name, frm)
+        if coordinator is None:
+            return
+        if body.is_coordinator and coordinator != frm:
+            self._reject(
+                RejectCode.MALFORMED_GROUP_NAME,
+                f"{frm} claims to coordinate group {_show(body.group_name)}, which names "
+                f"node {coordinator}",
+            )
+            return
+        if not self._check_priority(frm, body.priority, frm):
+            return
+        self._learn_designation(frm, body.designated_primary)
+        if body.is_coordinator:
+            self._note_coordinator(frm)
+
+    def _learn_designation(self, node: str, designated: bool) -> None:
+        """Track the other node's designated-primary flag; both set is a loud conflict."""
+        self._peer_designated[node] = designated
+        if designated and self._persisted.designated_primary:
+            if not self._conflict_logged:
+                self._conflict_logged = True
+                self._log(
+                    LogLevel.ERROR,
+                    "designated-primary-conflict",
+                    f"node {node} is ALSO designated primary; neither may run alone until "
+                    "an operator clears one flag",
+                )
+        else:
+            self._conflict_logged = False
+
+    def _on_are_you_there(self, frm: str, body: AreYouThere) -> None:
+        """Answer a member's check; it doubles as the member's heartbeat."""
+        if self._group_coordinator(body.group_name, frm) is None:
+            return
+        yes = False
+        if body.group_name == self._group and self._coord == self._me:
+            if self._state in (NodeState.NORMAL, NodeState.INACTIVE):
+                yes = frm in self._members
+                if yes:
+                    self._members[frm] = self._now_ms
+            elif self._merge is not None:
+                yes = frm in self._merge.expected or frm in self._merge.accepted
+            elif self._reorg is not None:
+                yes = frm in self._reorg.members
+        self._send(frm, AreYouThereReply(body.group_name, yes))
+
+    def _on_are_you_there_reply(self, frm: str, body: AreYouThereReply) -> None:
+        """Our coordinator's answer: "yes" keeps us in, "no" sends us to recovery."""
+        if self._group_coordinator(body.group_name, frm) is None:
+            return
+        if self._coord == self._me or frm != self._coord or body.group_name != self._group:
+            return
+        if self._pending is not None:
+            return
+        if body.yes:
+            self._last_yes_ms = self._now_ms
+        else:
+            self._recover(f"coordinator {frm} says this node is not in {self._group}")
+
+    def _on_invitation(self, frm: str, body: Invitation) -> None:
+        """Join a group led by a node ranked above our coordinator; forward to our members."""
+        inviter = self._group_coordinator(body.group_name, frm)
+        if inviter is None:
+            return
+        if self._prio[inviter] == 0:
+            self._reject(
+                RejectCode.INVALID_MESSAGE,
+                f"invitation to {_show(body.group_name)} names node {inviter}, which has "
+                "priority 0 and never coordinates",
+            )
+            return
+        if not self._check_priority(inviter, body.priority, frm):
+            return
+        if inviter == self._me or body.group_name == self._group:
+            return
+        current = self._coord
+        if inviter == current:
+            # Our coordinator's new merge carries the epoch we share with it; one that
+            # carries an older epoch was delayed from an earlier merge.
+            if body.epoch < self._group_epoch:
+                self._log(
+                    LogLevel.DEBUG,
+                    "invitation-ignored",
+                    f"invitation to {body.group_name} carries epoch {body.epoch} < "
+                    f"{self._group_epoch}: delayed from an older merge",
+                )
+                return
+        elif self._rank[inviter] <= self._rank[current]:
+            self._log(
+                LogLevel.DEBUG,
+                "invitation-ignored",
+                f"invitation from {inviter} to {body.group_name} ignored: coordinator "
+                f"{current} ranks higher",
+            )
+            return
+        if self._report is None:
+            self._log(
+                LogLevel.INFO,
+                "invitation-ignored",
+                f"invitation from {inviter} ignored: the replica has not reported yet",
+            )
+            return
+        forward: set[str] = set()
+        if current == self._me:
+            if self._merge is not None:
+                forward |= self._merge.expected | self._merge.accepted.keys()
+            if self._reorg is not None:
+                forward |= set(self._reorg.members)
+            forward |= self._members.keys()
+            forward -= {self._me, inviter}
+        forwarded = tuple(sorted(forward, key=node_sort_key))
+        for node in forwarded:
+            self._send(node, body)
+        old_group = self._group
+        self._reset_group()
+        self._state = NodeState.REORGANIZATION
+        self._group = body.group_name
+        self._coord = inviter
+        self._next_probe_ms = None
+        self._deactivate_if_active()
+        self._pending = _PendingAccept(
+            body.group_name, forwarded, self._now_ms + self._cfg.member_timeout_ms
+        )
+        self._last_change_reason = f"accepted invitation from {inviter} to {body.group_name}"
+        self._log(
+            LogLevel.INFO,
+            "invitation-accepted",
+            f"leaving {old_group} for {body.group_name} (coordinator {inviter})"
+            + (f"; forwarded to {','.join(forwarded)}" if forwarded else ""),
+        )
+        self._try_send_accept()
+
+    def _on_accept(self, frm: str, body: Accept) -> None:
+        """Count an acceptance into the group we are forming."""
+        coordinator = self._group_coordinator(body.group_name, frm)
+        if coordinator is None:
+            return
+        if body.report.node_id != frm:
+            self._reject(
+                RejectCode.INVALID_MESSAGE,
+                f"accept from {frm} carries a report for node {_show(body.report.node_id)}",
+            )
+            return
+        merge = self._merge
+        if (
+            coordinator != self._me
+            or body.group_name != self._group
+            or self._state is not NodeState.ELECTION
+            or merge is None
+        ):
+            self._log(
+                LogLevel.DEBUG,
+                "accept-ignored",
+                f"late or stray accept from {frm} for {body.group_name}",
+            )
+            return
+        merge.accepted[frm] = body.report
+        merge.expected.add(frm)
+        merge.expected |= {x for x in body.forwarded_to if x in self._prio and x != self._me}
+        self._maybe_reorganize()
+
+    def _on_ready(self, frm: str, body: GroupReady) -> None:
+        """Persist the group's epoch, follow its coordinator, acknowledge."""
+        coordinator = self._group_coordinator(body.group_name, frm)
+        if coordinator is None:
+            return
+        if coordinator != frm or body.coordinator_id != frm:
+            self._reject(
+                RejectCode.MALFORMED_GROUP_NAME,
+                f"Ready from {frm} for group {_show(body.group_name)} names coordinator "
+                f"{_show(body.coordinator_id)}",
+            )
+            return
+        members = set(body.members)
+        if (
+            body.epoch < 1
+            or len(members) != len(body.members)
+            or not members <= self._prio.keys()
+            or frm not in members
+            or body.sync_source_id not in members
+        ):
+            self._reject(
+                RejectCode.INVALID_MESSAGE,
+                f"Ready from {frm} is inconsistent: epoch {body.epoch}, members "
+                f"{_show(','.join(body.members))}, sync source {_show(body.sync_source_id)}",
+            )
+            return
+        duplicate = (
+            self._state is NodeState.NORMAL
+            and self._group == body.group_name
+            and self._coord == frm
+            and self._group_epoch == body.epoch
+        )
+        if duplicate:
+            self._send(frm, GroupReadyAck(body.group_name, body.epoch))
+            return
+        if body.epoch <= self._persisted.epoch:
+            self._reject(
+                RejectCode.STALE_EPOCH,
+                f"Ready from {frm} for {body.group_name} has epoch {body.epoch}, but this "
+                f"node already accepted epoch {self._persisted.epoch}",
+            )
+            return
+        if (
+            body.group_name != self._group
+            or self._coord != frm
+            or self._state is not NodeState.REORGANIZATION
+            or self._pending is not None
+            or self._me not in members
+        ):
+            self._log(
+                LogLevel.DEBUG,
+                "ready-ignored",
+                f"Ready from {frm} for {body.group_name} ignored: not our pending group",
+            )
+            return
+        self._persist(
+            epoch=body.epoch,
+            max_seen=max(self._persisted.max_seen, body.max_seen, len(body.members)),
+        )
+        self._state = NodeState.NORMAL
+        self._group_epoch = body.epoch
+        self._view = body.members
+        self._sync_source = body.sync_source_id
+        self._last_yes_ms = self._now_ms
+        self._send(frm, GroupReadyAck(body.group_name, body.epoch))
+        self._command(
+            RoleCommandKind.FOLLOW,
+            epoch=body.epoch,
+            master_id=frm,
+            members=body.members,
+            sync_source_id=body.sync_source_id,
+            group_name=body.group_name,
+        )
+        self._last_change_reason = f"slave of {frm} in {body.group_name}, epoch {body.epoch}"
+        self._log(
+            LogLevel.INFO,
+            "normal",
+            f"reporting for duty in {body.group_name} with coordinator {frm}, epoch "
+            f"{body.epoch}",
+        )
+
+    def _on_ready_ack(self, frm: str, body: GroupReadyAck) -> None:
+        """Count a member's persisted epoch; all in means NORMAL."""
+        coordinator = self._group_coordinator(body.group_name, frm)
+        if coordinator is None:
+            return
+        reorg = self._reorg
+        if (
+            coordinator != self._me
+            or body.group_name != self._group
+            or reorg is None
+            or body.epoch != reorg.epoch
+            or frm not in reorg.members
+        ):
+            return
+        reorg.acked.add(frm)
+        if len(reorg.acked) == len(reorg.members) - 1:
+            self._go_normal()

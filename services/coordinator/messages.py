@@ -1,0 +1,347 @@
+"""Plain data for the coordinator's election: peer messages, replica reports, persisted state,
+the status view and the ``Ready`` record the state machine emits.
+
+Everything here is a frozen dataclass or an enum, so the pure core (``election.py``) and the
+simulator share values that cannot change under them. ``codec.py`` maps the peer messages to
+and from ``squall.v1.coordinator_pb2.PeerMessage``; nothing here imports protobuf.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class NodeState(enum.Enum):
+    """A node's election state (IceStorm's replica states)."""
+
+    INACTIVE = "inactive"
+    ELECTION = "election"
+    REORGANIZATION = "reorganization"
+    NORMAL = "normal"
+
+
+class Role(enum.Enum):
+    """The role this node's replica was last told to take."""
+
+    INACTIVE = "inactive"
+    MASTER = "master"
+    SLAVE = "slave"
+
+
+class StoreState(enum.Enum):
+    """A store's lifecycle state (Qpid's persistent cluster restart note)."""
+
+    EMPTY = "empty"
+    CLEAN = "clean"
+    DIRTY = "dirty"
+
+
+class RoleCommandKind(enum.Enum):
+    """What the local replica is told to do."""
+
+    MASTER = "master"
+    FOLLOW = "follow"
+    DEACTIVATE = "deactivate"
+
+
+class LogLevel(enum.Enum):
+    """Severity of a log event; the driver maps it to the logging module's levels."""
+
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+class RejectCode(enum.Enum):
+    """Why an input was refused; ``status`` names the gRPC status the adapter answers with."""
+
+    UNKNOWN_SENDER = "unknown-sender"
+    WRONG_RECIPIENT = "wrong-recipient"
+    MALFORMED_GROUP_NAME = "malformed-group-name"
+    PRIORITY_MISMATCH = "priority-mismatch"
+    INVALID_MESSAGE = "invalid-message"
+    STALE_EPOCH = "stale-epoch"
+    INVALID_ARGUMENT = "invalid-argument"
+    FAILED_PRECONDITION = "failed-precondition"
+
+    @property
+    def status(self) -> str:
+        """The gRPC status code name: ``INVALID_ARGUMENT`` or ``FAILED_PRECONDITION``."""
+        if self in (RejectCode.STALE_EPOCH, RejectCode.FAILED_PRECONDITION):
+            return "FAILED_PRECONDITION"
+        return "INVALID_ARGUMENT"
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaReport:
+    """The local replica's state, as the driver reads it from the replica.
+
+    ``command_seq`` is the ``seq`` of the last role command the replica had applied when the
+    report was read, and ``active`` whether it was serving a role. Only a report of a
+    stopped replica that has applied the newest command is used to answer an invitation or
+    to name a sync source: any other may miss entries, because the log can still grow.
+    """
+
+    cluster_id: str
+    last_epoch: int
+    last_lsn: int
+    store_state: StoreState
+    active: bool = False
+    command_seq: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class MemberReport:
+    """What a member tells the coordinator when it accepts: its data and its epoch."""
+
+    node_id: str
+    cluster_id: str
+    last_epoch: int
+    last_lsn: int
+    store_state: StoreState
+    max_seen: int
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class AreYouCoordinator:
+    """Coordinator probe, sent periodically to find groups to merge."""
+
+    group_name: str
+    priority: int
+    designated_primary: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class AreYouCoordinatorReply:
+    """Answer to a probe: whether the replier coordinates a group that could be merged."""
+
+    is_coordinator: bool
+    group_name: str
+    priority: int
+    designated_primary: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class AreYouThere:
+    """Slave check: is the receiver still the coordinator of this group, with me in it?"""
+
+    group_name: str
+
+
+@dataclass(frozen=True, slots=True)
+class AreYouThereReply:
+    """Answer to a slave check."""
+
+    group_name: str
+    yes: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Invitation:
+    """Invitation into a new group; the inviter is the node the group name starts with."""
+
+    group_name: str
+    priority: int
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Accept:
+    """Acceptance of an invitation, with the member's report and whom it forwarded to."""
+
+    group_name: str
+    report: MemberReport
+    forwarded_to: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class GroupReady:
+    """The group is formed (wire message ``Ready``): its epoch, members and sync source."""
+
+    group_name: str
+    epoch: int
+    members: tuple[str, ...]
+    sync_source_id: str
+    coordinator_id: str
+    max_seen: int
+
+
+@dataclass(frozen=True, slots=True)
+class GroupReadyAck:
+    """The member persisted the group's epoch (wire message ``ReadyAck``)."""
+
+    group_name: str
+    epoch: int
+
+
+Body = (
+    AreYouCoordinator
+    | AreYouCoordinatorReply
+    | AreYouThere
+    | AreYouThereReply
+    | Invitation
+    | Accept
+    | GroupReady
+    | GroupReadyAck
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerMessage:
+    """One message between coordinators."""
+
+    from_node: str
+    to_node: str
+    body: Body
+
+
+@dataclass(frozen=True, slots=True)
+class PersistedState:
+    """What a node keeps across restarts; written by the driver before anything is sent.
+
+    ``epoch`` is the newest epoch the node accepted; ``max_seen`` the most nodes it has
+    seen together in one group (IceStorm's ``max``); the two operator controls are kept so a
+    restart does not silently drop them.
+    """
+
+    epoch: int = 0
+    max_seen: int = 0
+    designated_primary: bool = False
+    quorum_override: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RoleCommand:
+    """What the local replica must do: take a role in an epoch, or stop serving.
+
+    MASTER: become master of ``epoch`` with ``members``; first bring the store to
+    ``sync_source_id``'s state when that is another node. FOLLOW: follow ``master_id`` in
+    ``epoch``. DEACTIVATE: stop serving writes and the replication stream now. ``seq``
+    grows with every command of this Election instance; the replica's reports carry the
+    last one applied (``ReplicaReport.command_seq``).
+    """
+
+    kind: RoleCommandKind
+    seq: int = 0
+    epoch: int = 0
+    master_id: str = ""
+    members: tuple[str, ...] = ()
+    sync_source_id: str = ""
+    group_name: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class LogEvent:
+    """A log line the driver writes: why something happened (or was refused)."""
+
+    level: LogLevel
+    event: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """An input refused without any change of state, and the status to answer with."""
+
+    code: RejectCode
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """Everything one input produced. The driver applies it in this order:
+
+    1. ``persist``: when set, write it durably (fsync) **before** anything else. Messages
+       below may promise it (a ``ReadyAck`` says "I persisted this epoch").
+    2. ``messages``: send them, in order, best effort (the protocol tolerates loss).
+    3. ``role_command``: apply it to the local replica. After a DEACTIVATE, read the
+       replica's state once it has stopped and pass it to ``Election.replica_report`` with
+       ``command_seq`` set to the command's ``seq``: the node will not answer an invitation
+       or reorganize a group until it has that report.
+    4. ``view_changed``: publish the new ``Election.status()`` to group-view watchers.
+    5. ``events``: log them (they say why), and ``rejection``: answer the RPC that carried
+       the input with ``rejection.code.status``; a rejected input changed nothing.
+
+    When several role commands arise from one input only the last is returned; it
+    supersedes the others (a replica told MASTER need not first be told DEACTIVATE).
+    """
+
+    persist: PersistedState | None = None
+    messages: tuple[PeerMessage, ...] = ()
+    role_command: RoleCommand | None = None
+    view_changed: bool = False
+    events: tuple[LogEvent, ...] = ()
+    rejection: Rejection | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ElectionStatus:
+    """One node's view, as IceStorm's ``replica`` admin command shows it, plus epoch and role."""
+
+    node_id: str
+    coordinator_id: str
+    group_name: str
+    state: NodeState
+    group: tuple[str, ...]
+    max_seen: int
+    epoch: int
+    role: Role
+    last_change_reason: str
+    priority: int
+    designated_primary: bool
+    quorum_override: int
+    quorum_required: int
+    members: tuple[str, ...] = ()
+    """Every member, coordinator included, once the group is normal (for the group view)."""
+
+
+def _format_body(body: Body) -> str:
+    """One message body as ``Name key=value ...`` for logs and transcripts."""
+    if isinstance(body, AreYouCoordinator):
+        extra = " designated" if body.designated_primary else ""
+        return f"AreYouCoordinator group={body.group_name} priority={body.priority}{extra}"
+    if isinstance(body, AreYouCoordinatorReply):
+        extra = " designated" if body.designated_primary else ""
+        return (
+            f"AreYouCoordinatorReply coordinator={str(body.is_coordinator).lower()} "
+            f"group={body.group_name} priority={body.priority}{extra}"
+        )
+    if isinstance(body, AreYouThere):
+        return f"AreYouThere group={body.group_name}"
+    if isinstance(body, AreYouThereReply):
+        return f"AreYouThereReply group={body.group_name} yes={str(body.yes).lower()}"
+    if isinstance(body, Invitation):
+        return f"Invitation group={body.group_name} priority={body.priority} epoch={body.epoch}"
+    if isinstance(body, Accept):
+        r = body.report
+        forwarded = ",".join(body.forwarded_to) or "-"
+        return (
+            f"Accept group={body.group_name} epoch={r.epoch} log={r.last_epoch}/{r.last_lsn} "
+            f"store={r.store_state.value} max={r.max_seen} forwarded={forwarded}"
+        )
+    if isinstance(body, GroupReady):
+        return (
+            f"Ready group={body.group_name} epoch={body.epoch} "
+            f"members={','.join(body.members)} sync={body.sync_source_id} max={body.max_seen}"
+        )
+    return f"ReadyAck group={body.group_name} epoch={body.epoch}"
+
+
+def format_message(msg: PeerMessage) -> str:
+    """A message as ``1->2 AreYouCoordinator group=1:ab12 priority=1`` (logs, transcripts)."""
+    return f"{msg.from_node}->{msg.to_node} {_format_body(msg.body)}"
+
+
+def format_role_command(cmd: RoleCommand) -> str:
+    """A role command as one line: ``master epoch=2 members=1,2,3 sync=2``."""
+    if cmd.kind is RoleCommandKind.DEACTIVATE:
+        return "deactivate"
+    if cmd.kind is RoleCommandKind.MASTER:
+        return (
+            f"master epoch={cmd.epoch} members={','.join(cmd.members)} "
+            f"sync={cmd.sync_source_id}"
+        )
+    return f"follow master={cmd.master_id} epoch={cmd.epoch}"

@@ -1,0 +1,374 @@
+"""The coordinator's driver: the real clock, disk and network around the pure Election.
+
+It feeds the election its inputs (ticks at `next_deadline_ms()`, peer messages, the local
+replica's reports, operator controls) and applies each `Ready` record in the order the
+record documents: persist, send, command the replica, publish the view, log. Everything
+runs on one asyncio loop, so inputs are applied one at a time and in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+
+from services.common.clock import Clock, SystemClock
+from services.common.config import ClusterConfig, NodeConfig
+from services.common.grpc_server import channel_options
+from services.coordinator import codec
+from services.coordinator.election import Election, ElectionConfig
+from services.coordinator.messages import (
+    ElectionStatus,
+    LogLevel,
+    NodeState,
+    PeerMessage,
+    Ready,
+    Rejection,
+    ReplicaReport,
+    RoleCommand,
+    RoleCommandKind,
+    StoreState,
+)
+from services.coordinator.persist import STATE_FILE_NAME, load_state, save_state
+from squall.v1 import (
+    common_pb2,
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    replica_pb2,
+    replica_pb2_grpc,
+)
+
+log = logging.getLogger("squall.coordinator")
+
+_LEVELS = {
+    LogLevel.DEBUG: logging.DEBUG,
+    LogLevel.INFO: logging.INFO,
+    LogLevel.WARNING: logging.WARNING,
+    LogLevel.ERROR: logging.ERROR,
+}
+_STORE_STATES = {
+    common_pb2.STORE_STATE_EMPTY: StoreState.EMPTY,
+    common_pb2.STORE_STATE_CLEAN: StoreState.CLEAN,
+    common_pb2.STORE_STATE_DIRTY: StoreState.DIRTY,
+}
+_ROLES = {
+    RoleCommandKind.MASTER: common_pb2.ROLE_MASTER,
+    RoleCommandKind.FOLLOW: common_pb2.ROLE_SLAVE,
+    RoleCommandKind.DEACTIVATE: common_pb2.ROLE_INACTIVE,
+}
+# Messages to one peer still in flight before new ones are dropped: the protocol
+# tolerates loss, and a dead peer must not grow memory.
+_PEER_INFLIGHT_MAX = 16
+# Watchers of the group view each get a bounded queue; a watcher this far behind is
+# only ever interested in the newest view.
+_WATCH_QUEUE_MAX = 16
+# Reconnect quickly to a peer that restarts: failover time depends on it.
+_FAST_RECONNECT = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+def election_config(config: ClusterConfig, node_id: str) -> ElectionConfig:
+    """The election's settings, copied from the cluster configuration."""
+    t = config.timeouts
+    return ElectionConfig(
+        node_id=node_id,
+        priorities={n.id: n.priority for n in config.nodes},
+        heartbeat_interval_ms=t.heartbeat_interval_ms,
+        member_timeout_ms=t.member_timeout_ms,
+        probe_interval_ms=t.probe_interval_ms,
+        merge_delay_ms_per_priority=t.merge_delay_ms_per_priority,
+    )
+
+
+class CoordinatorNode:
+    """One node's coordinator: drives the Election with real time, disk and network."""
+
+    def __init__(self, config: ClusterConfig, node: NodeConfig, clock: Clock | None = None) -> None:
+        self.config = config
+        self.node = node
+        self.clock = clock or SystemClock()
+        self.state_path: Path = node.data_dir / STATE_FILE_NAME
+        self.election = Election(
+            election_config(config, node.id), load_state(self.state_path), self._group_id
+        )
+        options = [*channel_options(config.limits.max_message_bytes), *_FAST_RECONNECT]
+        self._channels = {
+            n.id: grpc.aio.insecure_channel(n.coordinator_address, options=options)
+            for n in config.nodes
+            if n.id != node.id
+        }
+        self._peers = {
+            peer: coordinator_pb2_grpc.CoordinatorStub(channel)
+            for peer, channel in self._channels.items()
+        }
+        self._replica_channel = grpc.aio.insecure_channel(node.replica_address, options=options)
+        self._replica = replica_pb2_grpc.ReplicaControlStub(self._replica_channel)
+        self._inflight = {peer: 0 for peer in self._peers}
+        self._wakeup = asyncio.Event()
+        self._role_wanted: RoleCommand | None = None
+        self._role_changed = asyncio.Event()
+        self._watchers: set[asyncio.Queue[coordinator_pb2.GroupView]] = set()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._rpc_timeout_s = config.timeouts.rpc_timeout_ms / 1000
+        # The replica drops its role if the coordinator stops renewing it for this long.
+        self._lease_ms = config.timeouts.member_timeout_ms
+        self._renew_s = config.timeouts.heartbeat_interval_ms / 1000
+
+    @staticmethod
+    def _group_id() -> str:
+        return uuid.uuid4().hex[:16]
+
+    # --- lifecycle
+
+    async def start(self) -> None:
+        """Starts the tick loop and the role applier."""
+        persisted = self.election.persisted
+        log.info(
+            "coordinator %s starting: epoch=%d max_seen=%d designated_primary=%s "
+            "quorum_override=%d",
+            self.node.id,
+            persisted.epoch,
+            persisted.max_seen,
+            persisted.designated_primary,
+            persisted.quorum_override,
+        )
+        self._tasks = [
+            asyncio.create_task(self._tick_loop(), name="tick"),
+            asyncio.create_task(self._role_loop(), name="role"),
+        ]
+
+    async def stop(self) -> None:
+        """Stops the loops and closes channels."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for channel in [self._replica_channel, *self._channels.values()]:
+            await channel.close(None)
+
+    # --- inputs
+
+    def _now(self) -> int:
+        return self.clock.monotonic_ms()
+
+    async def _tick_loop(self) -> None:
+        while True:
+            self.apply(self.election.tick(self._now()))
+            deadline = self.election.next_deadline_ms()
+            wait_ms = self.config.timeouts.heartbeat_interval_ms
+            if deadline is not None:
+                wait_ms = max(1, min(wait_ms, deadline - self._now()))
+            self._wakeup.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), wait_ms / 1000)
+
+    def deliver(self, message: coordinator_pb2.PeerMessage) -> Rejection | None:
+        """Steps one peer message; returns the rejection if it was refused (no change)."""
+        try:
+            decoded = codec.from_proto(message)
+        except ValueError as exc:
+            log.warning("coordinator %s: malformed message refused: %s", self.node.id, exc)
+            raise
+        ready = self.election.step(decoded, self._now())
+        self.apply(ready)
+        return ready.rejection
+
+    def set_designated_primary(self, enabled: bool, operator: str) -> Ready:
+        """Operator control: see Election.set_designated_primary."""
+        ready = self.election.set_designated_primary(enabled, operator, self._now())
+        self.apply(ready)
+        return ready
+
+    def set_quorum_override(self, required: int, operator: str) -> Ready:
+        """Operator control: see Election.set_quorum_override."""
+        ready = self.election.set_quorum_override(required, operator, self._now())
+        self.apply(ready)
+        return ready
+
+    def status(self) -> ElectionStatus:
+        """The election's status."""
+        return self.election.status()
+
+    # --- applying a Ready, in the documented order
+
+    def apply(self, ready: Ready) -> None:
+        """Persist, send, command the replica, publish the view, log."""
+        if ready.persist is not None:
+            save_state(self.state_path, ready.persist)
+        for message in ready.messages:
+            self._send(message)
+        if ready.role_command is not None:
+            self._role_wanted = ready.role_command
+            self._role_changed.set()
+        if ready.view_changed:
+            self._publish_view()
+        for event in ready.events:
+            log.log(_LEVELS[event.level], "%s [%s]", event.message, event.event)
+        if ready.messages or ready.role_command:
+            self._wakeup.set()  # the next deadline may have moved earlier
+
+    def _send(self, message: PeerMessage) -> None:
+        peer = message.to_node
+        if peer not in self._peers or self._inflight[peer] >= _PEER_INFLIGHT_MAX:
+            return
+        self._inflight[peer] += 1
+        task = asyncio.ensure_future(self._deliver_to(peer, codec.to_proto(message)))
+        task.add_done_callback(lambda _: self._sent(peer))
+
+    def _sent(self, peer: str) -> None:
+        self._inflight[peer] -= 1
+
+    async def _deliver_to(self, peer: str, message: coordinator_pb2.PeerMessage) -> None:
+        try:
+            await self._peers[peer].Deliver(message, timeout=self._lease_ms / 1000)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE and exc.code() != (
+                grpc.StatusCode.DEADLINE_EXCEEDED
+            ):
+                log.info(
+                    "coordinator %s: %s refused %s: %s",
+                    self.node.id,
+                    peer,
+                    message.WhichOneof("body"),
+                    exc.details(),
+                )
+
+    # --- the replica
+
+    async def _role_loop(self) -> None:
+        """Applies the newest role command to the replica, renewing it as a lease."""
+        applied: RoleCommand | None = None
+        while True:
+            command = self._role_wanted
+            if command is None:
+                await self._role_changed.wait()
+                self._role_changed.clear()
+                continue
+            try:
+                state = await self._replica.SetRole(
+                    self._role_proto(command), timeout=self._rpc_timeout_s
+                )
+            except grpc.aio.AioRpcError as exc:
+                if (
+                    exc.code() == grpc.StatusCode.FAILED_PRECONDITION
+                    and command.kind is not RoleCommandKind.DEACTIVATE
+                ):
+                    self._recover(f"replica refused {command.kind.value}: {exc.details()}")
+                    applied = None
+                    continue
+                if command is not applied:
+                    log.warning(
+                        "coordinator %s: replica did not take %s (epoch=%d): %s: %s",
+                        self.node.id,
+                        command.kind.value,
+                        command.epoch,
+                        exc.code().name,
+                        exc.details(),
+                    )
+                await self._pause_role_loop()
+                continue
+            if command is not applied and command.kind is RoleCommandKind.DEACTIVATE:
+                # The replica has stopped: its log no longer grows, so this report may
+                # name a sync source or answer an invitation.
+                report = self._report(state.state, command.seq)
+                self.apply(self.election.replica_report(report, self._now()))
+            applied = command
+            await self._pause_role_loop()
+
+    def _recover(self, reason: str) -> None:
+        """Any error sends the node back to a group of its own (IceStorm's recovery)."""
+        log.warning(
+            "coordinator %s: %s; recovering as a group of its own (epoch=%d)",
+            self.node.id,
+            reason,
+            self.election.persisted.epoch,
+        )
+        self.election = Election(
+            election_config(self.config, self.node.id), self.election.persisted, self._group_id
+        )
+        self._role_wanted = None
+        self.apply(self.election.tick(self._now()))
+
+    async def _pause_role_loop(self) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._role_changed.wait(), self._renew_s)
+        self._role_changed.clear()
+
+    def _endpoint(self, node_id: str) -> common_pb2.NodeEndpoint:
+        n = self.config.node(node_id)
+        return common_pb2.NodeEndpoint(
+            node_id=n.id,
+            replica_address=n.replica_address,
+            coordinator_address=n.coordinator_address,
+            priority=n.priority,
+        )
+
+    def _role_proto(self, command: RoleCommand) -> replica_pb2.RoleCommand:
+        known = {n.id for n in self.config.nodes}
+        message = replica_pb2.RoleCommand(
+            role=_ROLES[command.kind],
+            epoch=command.epoch,
+            sync_source_id=command.sync_source_id,
+            reason=self.election.status().last_change_reason,
+            seq=command.seq,
+            lease_ms=self._lease_ms,
+        )
+        if command.master_id:
+            message.master.CopyFrom(self._endpoint(command.master_id))
+        message.members.extend(self._endpoint(m) for m in command.members if m in known)
+        return message
+
+    def _report(self, state: replica_pb2.ReplicaState, seq: int) -> ReplicaReport:
+        return ReplicaReport(
+            cluster_id=state.cluster_id,
+            last_epoch=state.last_epoch,
+            last_lsn=state.last_lsn,
+            store_state=_STORE_STATES.get(state.store_state, StoreState.EMPTY),
+            active=state.role != common_pb2.ROLE_INACTIVE,
+            command_seq=seq,
+        )
+
+    # --- the group view
+
+    def group_view(self) -> coordinator_pb2.GroupView:
+        """This node's view of its group, as gateways watch it."""
+        status = self.election.status()
+        known = {n.id for n in self.config.nodes}
+        view = coordinator_pb2.GroupView(
+            node_id=self.node.id,
+            state=codec.status_to_proto(status).state,
+            epoch=status.epoch,
+            group_name=status.group_name,
+            members=[self._endpoint(m) for m in status.members if m in known],
+        )
+        if status.state is NodeState.NORMAL and status.coordinator_id in known:
+            view.master.CopyFrom(self._endpoint(status.coordinator_id))
+        return view
+
+    def _publish_view(self) -> None:
+        view = self.group_view()
+        for queue in self._watchers:
+            if queue.full():
+                with contextlib.suppress(asyncio.QueueEmpty):
+                    queue.get_nowait()
+            queue.put_nowait(view)
+
+    async def watch(self) -> AsyncIterator[coordinator_pb2.GroupView]:
+        """The current view, then every change, until the caller stops iterating."""
+        queue: asyncio.Queue[coordinator_pb2.GroupView] = asyncio.Queue(_WATCH_QUEUE_MAX)
+        self._watchers.add(queue)
+        try:
+            yield self.group_view()
+            while True:
+                yield await queue.get()
+        finally:
+            self._watchers.discard(queue)

@@ -1,0 +1,682 @@
+"""Deterministic simulator for the coordinator election (TigerBeetle's VOPR, in miniature).
+
+One seed decides everything: cluster size (3, 5 or 7), priorities (some 0), timing, what the
+stores hold at start, and the faults — message loss, duplication, delay and reordering,
+symmetric and one-way partitions, crashes and restarts (only persisted state and the replica's
+log survive), and pauses (a node stops handling anything for a while, like a long GC). The
+only randomness is ``random.Random(seed)`` here; the election itself is pure.
+
+A run has two phases. The safety phase injects faults while the checker
+(``election_checker.py``) runs after every step. Then the liveness phase heals the network,
+restarts nodes (keeping a minority down when the stores allow it) and requires that within
+``liveness_deadline_ms`` of simulated time every live node is NORMAL in one group led by the
+highest-ranked live eligible node, and stays so for ``stable_ms``.
+
+A failure raises ``SimFailure`` whose message ends with the command that replays the seed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from services.coordinator.election import Election, ElectionConfig, node_sort_key
+from services.coordinator.messages import (
+    NodeState,
+    PeerMessage,
+    PersistedState,
+    Ready,
+    ReplicaReport,
+    Role,
+    RoleCommand,
+    RoleCommandKind,
+    StoreState,
+    format_message,
+    format_role_command,
+)
+from tests.sim.election_checker import Checker, InvariantViolation
+
+# Event kinds, in the order they run when due at the same instant (then by scheduling order).
+(
+    _START,
+    _CRASH,
+    _RESTART,
+    _PAUSE,
+    _CUT,
+    _UNCUT,
+    _HEAL,
+    _DELIVER,
+    _TICK,
+    _WRITE,
+    _REPORT,
+    _SNAPSHOT,
+) = range(12)
+_KIND_NAMES = {
+    _START: "start",
+    _CRASH: "crash",
+    _RESTART: "restart",
+    _PAUSE: "pause",
+    _CUT: "cut",
+    _UNCUT: "uncut",
+    _HEAL: "heal",
+    _DELIVER: "deliver",
+    _TICK: "tick",
+    _WRITE: "write",
+    _REPORT: "report",
+    _SNAPSHOT: "snapshot",
+}
+# Bounds: a run that needs more events than this is itself a bug (a message storm).
+EVENTS_MAX = 400_000
+TRACE_LINES = 80
+WRITE_INTERVAL_MS = 25
+REPORT_INTERVAL_MS = 40
+
+
+def reproduce_hint(seed: int) -> str:
+    """The commands that replay one seed."""
+    return (
+        f"reproduce with: make sim SEEDS=1 SEED={seed}   "
+        f"(or: .venv/bin/pytest -q tests/sim/test_election_sim.py --sim-seed={seed})"
+    )
+
+
+class SimFailure(AssertionError):
+    """A seed broke an invariant or missed the liveness deadline."""
+
+
+@dataclass
+class Scenario:
+    """Everything one seed decides, before the run starts."""
+
+    seed: int
+    priorities: dict[str, int]
+    timing: dict[str, int]
+    initial: dict[str, PersistedState]
+    initial_logs: dict[str, tuple[int, int]]
+    start_ms: dict[str, int]
+    safety_ms: int
+    loss: float
+    dup: float
+    delay_min_ms: int
+    delay_max_ms: int
+    long_delay_p: float
+    long_delay_max_ms: int
+    tick_jitter_ms: int
+    faults: list[tuple[int, int, str, frozenset[tuple[str, str]] | int]] = field(
+        default_factory=list
+    )
+    liveness_deadline_ms: int = 3000
+    stable_ms: int = 300
+    keep_minority_down: bool = True
+
+
+def _rank_key(priorities: dict[str, int], node: str) -> tuple[int, tuple[int, int, str]]:
+    """Sort key: highest priority first, then the lower node id (as the election ranks)."""
+    key = node_sort_key(node)
+    return (-priorities[node], key)
+
+
+def make_scenario(seed: int, faults: bool = True) -> Scenario:
+    """Draw one scenario from the seed."""
+    rng = random.Random(seed)
+    n = (3, 5, 7)[seed % 3]
+    nodes = [str(i) for i in range(1, n + 1)]
+    priorities = {node: rng.choice((1, 1, 2, 3, 5, 8)) for node in nodes}
+    for node in nodes:
+        if rng.random() < 0.15:
+            priorities[node] = 0
+    if sum(1 for p in priorities.values() if p > 0) < 2:
+        priorities[nodes[0]] = 4
+        priorities[nodes[-1]] = 6
+    timing = {
+        "heartbeat_interval_ms": 100,
+        "member_timeout_ms": 400,
+        "probe_interval_ms": 200,
+        "merge_delay_ms_per_priority": 50,
+    }
+    if rng.random() < 0.2:
+        heartbeat = rng.randint(20, 100)
+        timing = {
+            "heartbeat_interval_ms": heartbeat,
+            "member_timeout_ms": heartbeat * rng.randint(2, 6),
+            "probe_interval_ms": rng.randint(50, 300),
+            "merge_delay_ms_per_priority": rng.randint(0, 60),
+        }
+    majority = n // 2 + 1
+    initial = {node: PersistedState() for node in nodes}
+    logs = {node: (0, 0) for node in nodes}
+    if rng.random() < 0.35:
+        # The cluster ran before: epochs, max and logs on disk differ from node to node.
+        ran_with = rng.choice((majority, n))
+        for node in nodes:
+            epoch = rng.randint(0, 12)
+            seen = rng.choice((0, ran_with, ran_with))
+            initial[node] = PersistedState(epoch=epoch, max_seen=seen)
+            last_epoch = rng.randint(0, epoch)
+            logs[node] = (last_epoch, rng.randint(1, 50) if last_epoch else 0)
+    start_ms = {node: (0 if rng.random() < 0.5 else rng.randint(0, 400)) for node in nodes}
+    scenario = Scenario(
+        seed=seed,
+        priorities=priorities,
+        timing=timing,
+        initial=initial,
+        initial_logs=logs,
+        start_ms=start_ms,
+        safety_ms=rng.randint(400, 1500) if faults else 0,
+        loss=rng.choice((0.0, 0.01, 0.05, 0.15, 0.3)) if faults else 0.0,
+        dup=rng.choice((0.0, 0.02, 0.1)) if faults else 0.0,
+        delay_min_ms=0,
+        delay_max_ms=rng.choice((1, 5, 20, 60)) if faults else 2,
+        long_delay_p=rng.choice((0.0, 0.01, 0.03)) if faults else 0.0,
+        long_delay_max_ms=rng.randint(200, 1500),
+        tick_jitter_ms=rng.choice((0, 1, 5)),
+    )
+    if not faults:
+        return scenario
+    horizon = scenario.safety_ms
+    for _ in range(rng.randint(0, 3)):
+        at = rng.randint(0, horizon)
+        until = at + rng.randint(50, 900)
+        if rng.random() < 0.7:
+            side = set(rng.sample(nodes, rng.randint(1, n - 1)))
+            pairs = frozenset(
+                (a, b) for a in nodes for b in nodes if (a in side) != (b in side)
+            )
+        else:
+            pairs = frozenset(
+                (a, b)
+                for a in nodes
+                for b in nodes
+                if a != b and rng.random() < 0.3
+            )
+        scenario.faults.append((at, _CUT, "", pairs))
+        scenario.faults.append((until, _UNCUT, "", pairs))
+    for _ in range(rng.randint(0, majority)):
+        node = rng.choice(nodes)
+        at = rng.randint(0, horizon)
+        scenario.faults.append((at, _CRASH, node, 0))
+        if rng.random() < 0.7:
+            scenario.faults.append((at + rng.randint(1, 800), _RESTART, node, 0))
+    for _ in range(rng.randint(0, 2)):
+        node = rng.choice(nodes)
+        at = rng.randint(0, horizon)
+        scenario.faults.append((at, _PAUSE, node, rng.randint(50, 900)))
+    return scenario
+
+
+@dataclass
+class Replica:
+    """The replica twin: a log position that survives crashes, a role that does not."""
+
+    cluster_id: str = ""
+    last_epoch: int = 0
+    last_lsn: int = 0
+    role: Role = Role.INACTIVE
+    epoch: int = 0
+    master: str = ""
+    applied_seq: int = 0
+
+    def report(self) -> ReplicaReport:
+        """What the driver would read from the replica."""
+        return ReplicaReport(
+            cluster_id=self.cluster_id,
+            last_epoch=self.last_epoch,
+            last_lsn=self.last_lsn,
+            store_state=StoreState.DIRTY if self.cluster_id else StoreState.EMPTY,
+            active=self.role is not Role.INACTIVE,
+            command_seq=self.applied_seq,
+        )
+
+
+@dataclass
+class SimResult:
+    """What a passing run measured."""
+
+    seed: int
+    nodes: int
+    events: int
+    converge_ms: int
+    leader: str
+    final_epoch: int
+
+
+class Simulation:
+    """Runs one scenario; see the module docstring."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        """Prepare nodes, stores and the event queue."""
+        self.sc = scenario
+        self.rng = random.Random(scenario.seed * 7919 + 1)
+        self.priorities = scenario.priorities
+        self.nodes = sorted(scenario.priorities, key=node_sort_key)
+        self.majority = len(self.nodes) // 2 + 1
+        self.now_ms = 0
+        self.seq = 0
+        self.queue: list[tuple[int, int, int, int, str, object]] = []
+        self.elections: dict[str, Election | None] = {node: None for node in self.nodes}
+        self.durable: dict[str, PersistedState] = dict(scenario.initial)
+        self.replicas: dict[str, Replica] = {}
+        for node in self.nodes:
+            last_epoch, last_lsn = scenario.initial_logs[node]
+            self.replicas[node] = Replica(
+                cluster_id="c1" if last_lsn else "", last_epoch=last_epoch, last_lsn=last_lsn
+            )
+        self.group_ids: Counter[str] = Counter()
+        self.tick_at: dict[str, int | None] = {node: None for node in self.nodes}
+        self.incarnation: Counter[str] = Counter()
+        self.paused_until: dict[str, int] = {node: 0 for node in self.nodes}
+        self.cut: Counter[tuple[str, str]] = Counter()
+        self.loss = scenario.loss
+        self.delay_max_ms = scenario.delay_max_ms
+        self.dup = scenario.dup
+        self.long_delay_p = scenario.long_delay_p
+        self.checker = Checker(scenario.priorities)
+        self.trace: deque[tuple[int, str, str]] = deque(maxlen=TRACE_LINES)
+        self.events = 0
+        self.healed_at: int | None = None
+        self.stable_since: int | None = None
+        self.down_for_liveness: set[str] = set()
+
+    # ----------------------------------------------------------------- plumbing
+
+    def push(self, at_ms: int, kind: int, node: str = "", payload: object = None) -> None:
+        """Schedule an event."""
+        self.seq += 1
+        heapq.heappush(self.queue, (at_ms, kind, self.seq, 0, node, payload))
+
+    def note(self, what: str, detail: str = "") -> None:
+        """Remember a step for the failure report (formatted cheaply)."""
+        self.trace.append((self.now_ms, what, detail))
+
+    def fail(self, why: str) -> SimFailure:
+        """A failure carrying the seed, the recent trace and the replay command."""
+        lines = [f"seed {self.sc.seed} ({len(self.nodes)} nodes) failed at t={self.now_ms}: {why}"]
+        lines.append(f"priorities: {self.priorities}; timing: {self.sc.timing}")
+        lines.append(f"last {len(self.trace)} steps:")
+        lines.extend(f"  t={t} {what} {detail}" for t, what, detail in self.trace)
+        lines.append("nodes now:")
+        for node in self.nodes:
+            e = self.elections[node]
+            if e is None:
+                lines.append(f"  {node}: down, persisted {self.durable[node]}")
+            else:
+                s = e.status()
+                lines.append(
+                    f"  {node}: {s.state.value} coord={s.coordinator_id} group={s.group_name} "
+                    f"epoch={s.epoch} max={s.max_seen} role={s.role.value} "
+                    f"members={','.join(s.members)}"
+                )
+        lines.append(reproduce_hint(self.sc.seed))
+        return SimFailure("\n".join(lines))
+
+    def new_group_id(self, node: str) -> str:
+        """Unique per node across restarts, like a uuid."""
+        self.group_ids[node] += 1
+        return f"u{self.group_ids[node]}"
+
+    def schedule_tick(self, node: str) -> None:
+        """Make sure the node is ticked no later than its next deadline."""
+        election = self.elections[node]
+        if election is None:
+            return
+        deadline = election.next_deadline_ms()
+        if deadline is None:
+            return
+        at = max(deadline, self.now_ms)
+        current = self.tick_at[node]
+        if current is not None and self.now_ms <= current <= at:
+            return
+        if self.sc.tick_jitter_ms:
+            at += self.rng.randint(0, self.sc.tick_jitter_ms)
+        self.tick_at[node] = at
+        self.push(at, _TICK, node, at)
+
+    def apply(self, node: str, ready: Ready, depth: int = 0) -> None:
+        """The driver: persist, send, apply the role command, report after a deactivate."""
+        if depth > 4:
+            raise self.fail("Ready records chained more than 4 deep")
+        if ready.persist is not None:
+            self.durable[node] = ready.persist
+        for msg in ready.messages:
+            try:
+                self.checker.check_send(msg)
+            except InvariantViolation as exc:
+                raise self.fail(str(exc)) from None
+            self.send(msg)
+        election = self.elections[node]
+        cmd = ready.role_command
+        if cmd is not None and election is not None:
+            self.note(f"{node} role", format_role_command(cmd))
+            replica = self.replicas[node]
+            replica.applied_seq = cmd.seq
+            if cmd.kind is RoleCommandKind.DEACTIVATE:
+                replica.role = Role.INACTIVE
+                self.check(node)
+                # The driver reads the stopped replica's state: at once, or after a while
+                # during which older reports may still arrive.
+                if self.rng.random() < 0.3:
+                    report = election.replica_report(replica.report(), self.now_ms)
+                    self.apply(node, report, depth + 1)
+                else:
+                    self.push_snapshot(node, self.rng.randint(1, 60))
+                return
+            if cmd.kind is RoleCommandKind.MASTER:
+                self.become_master(node, cmd)
+            else:
+                replica.role, replica.epoch, replica.master = Role.SLAVE, cmd.epoch, cmd.master_id
+        self.check(node)
+
+    def push_snapshot(self, node: str, delay_ms: int) -> None:
+        """Read the replica now; hand the report to this incarnation's driver later."""
+        report = self.replicas[node].report()
+        self.push(self.now_ms + delay_ms, _SNAPSHOT, node, (self.incarnation[node], report))
+
+    def check(self, node: str) -> None:
+        """Run the checker for one node; a violation becomes a SimFailure with the trace."""
+        try:
+            self.checker.check_node(node, self.elections[node], self.durable)
+        except InvariantViolation as exc:
+            raise self.fail(str(exc)) from None
+
+    def become_master(self, node: str, cmd: RoleCommand) -> None:
+        """Sync from the sync source, write the epoch-start entry, keep writing."""
+        replica = self.replicas[node]
+        reissue = replica.role is Role.MASTER and replica.epoch == cmd.epoch
+        logs = {x: (r.last_epoch, r.last_lsn) for x, r in self.replicas.items()}
+        try:
+            self.checker.check_master(node, cmd, logs, self.durable, reissue)
+        except InvariantViolation as exc:
+            raise self.fail(str(exc)) from None
+        if reissue:
+            return
+        source = self.replicas[cmd.sync_source_id]
+        if (source.last_epoch, source.last_lsn) > (replica.last_epoch, replica.last_lsn):
+            replica.last_epoch, replica.last_lsn = source.last_epoch, source.last_lsn
+        replica.cluster_id = source.cluster_id or replica.cluster_id or "c1"
+        replica.role, replica.epoch, replica.master = Role.MASTER, cmd.epoch, node
+        self.write(node, cmd.epoch)
+
+    def write(self, node: str, epoch: int) -> None:
+        """The master appends an entry; reachable followers of its epoch copy the log."""
+        replica = self.replicas[node]
+        if self.elections[node] is None:
+            return
+        if replica.role is not Role.MASTER or replica.epoch != epoch:
+            return
+        replica.last_epoch = epoch
+        replica.last_lsn += 1
+        for other in self.nodes:
+            follower = self.replicas[other]
+            if (
+                follower.role is Role.SLAVE
+                and follower.master == node
+                and follower.epoch == epoch
+                and self.elections[other] is not None
+                and not self.cut[(node, other)]
+                and self.rng.random() < 0.6
+            ):
+                # Followers lag at random, so logs differ and the sync source matters.
+                follower.last_epoch, follower.last_lsn = replica.last_epoch, replica.last_lsn
+                follower.cluster_id = replica.cluster_id
+        self.push(self.now_ms + WRITE_INTERVAL_MS, _WRITE, node, epoch)
+
+    def send(self, msg: PeerMessage) -> None:
+        """Hand a message to the network: maybe lost, maybe twice, each copy delayed."""
+        rng = self.rng
+        if self.loss and rng.random() < self.loss:
+            return
+        copies = 2 if self.dup and rng.random() < self.dup else 1
+        for _ in range(copies):
+            delay = rng.randint(self.sc.delay_min_ms, self.delay_max_ms)
+            if self.long_delay_p and rng.random() < self.long_delay_p:
+                delay += rng.randint(0, self.sc.long_delay_max_ms)
+            self.push(self.now_ms + delay, _DELIVER, msg.to_node, msg)
+
+    # ----------------------------------------------------------------- events
+
+    def start_node(self, node: str) -> None:
+        """Start or restart a node's coordinator from its persisted state."""
+        if self.elections[node] is not None:
+            return
+        config = ElectionConfig(node_id=node, priorities=self.priorities, **self.sc.timing)
+        election = Election(config, self.durable[node], lambda: self.new_group_id(node))
+        self.elections[node] = election
+        self.tick_at[node] = None
+        self.note(f"{node} start", f"persisted {self.durable[node]}")
+        self.check(node)
+        self.apply(node, election.tick(self.now_ms))
+        self.schedule_tick(node)
+
+    def crash(self, node: str) -> None:
+        """Lose everything but the persisted state and the replica's log."""
+        if self.elections[node] is None:
+            return
+        self.elections[node] = None
+        self.tick_at[node] = None
+        self.paused_until[node] = 0
+        self.incarnation[node] += 1
+        replica = self.replicas[node]
+        replica.role, replica.epoch, replica.master = Role.INACTIVE, 0, ""
+        replica.applied_seq = 0
+        self.note(f"{node} crash")
+        self.check(node)
+
+    def handle(self, kind: int, node: str, payload: object) -> None:
+        """Run one event."""
+        if kind == _DELIVER:
+            if not isinstance(payload, PeerMessage):
+                raise TypeError("message expected")
+            msg = payload
+            election = self.elections[node]
+            if election is None or self.cut[(msg.from_node, msg.to_node)]:
+                return
+            if self.paused_until[node] > self.now_ms:
+                self.push(self.paused_until[node], _DELIVER, node, msg)
+                return
+            self.note("deliver", format_message(msg))
+            ready = election.step(msg, self.now_ms)
+            if ready.rejection is not None:
+                self.note(f"{node} rejected", ready.rejection.message)
+            self.apply(node, ready)
+            self.schedule_tick(node)
+        elif kind == _TICK:
+            election = self.elections[node]
+            if election is None or self.tick_at[node] != payload:
+                return
+            if self.paused_until[node] > self.now_ms:
+                self.tick_at[node] = self.paused_until[node]
+                self.push(self.paused_until[node], _TICK, node, self.paused_until[node])
+                return
+            self.tick_at[node] = None
+            self.apply(node, election.tick(self.now_ms))
+            self.schedule_tick(node)
+        elif kind == _WRITE:
+            if isinstance(payload, int) and self.paused_until[node] <= self.now_ms:
+                self.write(node, payload)
+            elif isinstance(payload, int):
+                self.push(self.paused_until[node], _WRITE, node, payload)
+        elif kind == _REPORT:
+            # The driver polls its replica; the answer can arrive after later commands.
+            if self.elections[node] is not None:
+                self.push_snapshot(node, self.rng.randint(0, 60))
+            self.push(self.now_ms + REPORT_INTERVAL_MS, _REPORT, node)
+        elif kind == _SNAPSHOT:
+            election = self.elections[node]
+            if election is None or not isinstance(payload, tuple):
+                return
+            incarnation, report = payload
+            if incarnation != self.incarnation[node] or not isinstance(report, ReplicaReport):
+                return  # read by a driver that has since restarted
+            if self.paused_until[node] > self.now_ms:
+                self.push(self.paused_until[node], _SNAPSHOT, node, payload)
+                return
+            self.apply(node, election.replica_report(report, self.now_ms))
+            self.schedule_tick(node)
+        elif kind in (_START, _RESTART):
+            if self.healed_at is None or node not in self.down_for_liveness:
+                self.start_node(node)
+        elif kind == _CRASH:
+            if self.healed_at is None:
+                self.crash(node)
+        elif kind == _PAUSE:
+            if self.healed_at is None and isinstance(payload, int):
+                self.paused_until[node] = self.now_ms + payload
+                self.note(f"{node} paused", f"for {payload} ms")
+        elif kind == _CUT:
+            if self.healed_at is None and isinstance(payload, frozenset):
+                self.cut.update(payload)
+                self.note("partition", " ".join(f"{a}-x->{b}" for a, b in sorted(payload)))
+        elif kind == _UNCUT:
+            if self.healed_at is None and isinstance(payload, frozenset):
+                self.cut.subtract(payload)
+                self.cut = +self.cut
+        elif kind == _HEAL:
+            self.heal()
+
+    def heal(self) -> None:
+        """End of the safety phase: no more faults; restart nodes for the liveness check."""
+        self.healed_at = self.now_ms
+        self.cut.clear()
+        self.loss = 0.0
+        self.long_delay_p = 0.0
+        # Liveness needs round trips well inside the timeouts; the safety phase need not.
+        self.delay_max_ms = min(self.delay_max_ms, self.sc.timing["member_timeout_ms"] // 8)
+        for node in self.nodes:
+            self.paused_until[node] = 0
+        # Keep a minority down when some node could vouch that a majority ran before
+        # (otherwise the first-startup rule rightly needs every node) and an eligible node
+        # stays up.
+        down: set[str] = set()
+        if self.sc.keep_minority_down and self.rng.random() < 0.5:
+            keep_down = self.rng.randint(0, len(self.nodes) - self.majority)
+            down = set(self.rng.sample(self.nodes, keep_down))
+            up = [x for x in self.nodes if x not in down]
+            if max(self.durable[x].max_seen for x in up) < self.majority or not any(
+                self.priorities[x] > 0 for x in up
+            ):
+                down = set()
+        self.down_for_liveness = down
+        for node in self.nodes:
+            if node in down:
+                self.crash(node)
+            else:
+                self.start_node(node)
+        self.note("heal", f"down for liveness: {sorted(down, key=node_sort_key)}")
+
+    # ----------------------------------------------------------------- liveness
+
+    def converged(self) -> str | None:
+        """The leader if every live node is normal in one group under the right leader."""
+        live = [x for x in self.nodes if self.elections[x] is not None]
+        eligible = [x for x in live if self.priorities[x] > 0]
+        if not eligible:
+            return None
+        leader = min(eligible, key=lambda x: _rank_key(self.priorities, x))
+        election = self.elections[leader]
+        if election is None:
+            return None
+        head = election.status()
+        if head.state is not NodeState.NORMAL or head.coordinator_id != leader:
+            return None
+        if list(head.members) != live:
+            return None
+        for node in live:
+            e = self.elections[node]
+            if e is None:
+                return None
+            s = e.status()
+            if s.state is not NodeState.NORMAL or s.group_name != head.group_name:
+                return None
+        return leader
+
+    # ----------------------------------------------------------------- run
+
+    def run(self) -> SimResult:
+        """Run both phases; raise SimFailure on any violation or a missed deadline."""
+        for node in self.nodes:
+            self.push(self.sc.start_ms[node], _START, node)
+            self.push(self.sc.start_ms[node] + REPORT_INTERVAL_MS, _REPORT, node)
+        for fault_at, fault_kind, fault_node, fault_payload in self.sc.faults:
+            self.push(fault_at, fault_kind, fault_node, fault_payload)
+        self.push(self.sc.safety_ms, _HEAL)
+        deadline = self.sc.safety_ms + self.sc.liveness_deadline_ms
+        leader: str | None = None
+        while self.queue:
+            at, kind, _, _, node, payload = heapq.heappop(self.queue)
+            if at > deadline:
+                break
+            self.now_ms = at
+            self.events += 1
+            if self.events > EVENTS_MAX:
+                raise self.fail(f"more than {EVENTS_MAX} events: a message storm")
+            self.handle(kind, node, payload)
+            if self.healed_at is not None and kind in (_DELIVER, _TICK, _START, _HEAL):
+                leader = self.converged()
+                if leader is None:
+                    self.stable_since = None
+                elif self.stable_since is None:
+                    self.stable_since = self.now_ms
+                elif self.now_ms - self.stable_since >= self.sc.stable_ms:
+                    e = self.elections[leader]
+                    return SimResult(
+                        seed=self.sc.seed,
+                        nodes=len(self.nodes),
+                        events=self.events,
+                        converge_ms=self.stable_since - self.sc.safety_ms,
+                        leader=leader,
+                        final_epoch=e.persisted.epoch if e is not None else 0,
+                    )
+        raise self.fail(
+            f"liveness: live nodes did not form one normal group under the highest-ranked "
+            f"live eligible node within {self.sc.liveness_deadline_ms} ms of healing"
+        )
+
+
+def run_seed(seed: int) -> SimResult:
+    """Run one seed with faults."""
+    return Simulation(make_scenario(seed)).run()
+
+
+def measure_failover(seed: int) -> int:
+    """Milliseconds from killing a settled master to a new normal majority group.
+
+    No faults besides the crash; message delays of 0-2 ms as on a loopback network.
+    """
+    scenario = make_scenario(seed, faults=False)
+    scenario.keep_minority_down = False
+    scenario.timing = {
+        "heartbeat_interval_ms": 100,
+        "member_timeout_ms": 400,
+        "probe_interval_ms": 200,
+        "merge_delay_ms_per_priority": 50,
+    }
+    sim = Simulation(scenario)
+    result = sim.run()
+    old_epoch = result.final_epoch
+    killed_at = sim.now_ms
+    sim.healed_at = None  # allow the crash below
+    sim.crash(result.leader)
+    sim.healed_at = killed_at
+    sim.down_for_liveness.add(result.leader)  # no restart: measure failover, not rejoin
+    limit = killed_at + 5000
+    while sim.queue:
+        at, kind, _, _, node, payload = heapq.heappop(sim.queue)
+        if at > limit:
+            break
+        sim.now_ms = at
+        sim.handle(kind, node, payload)
+        for x in sim.nodes:
+            e = sim.elections[x]
+            if e is None:
+                continue
+            s = e.status()
+            if (
+                s.state is NodeState.NORMAL
+                and s.coordinator_id == x
+                and s.epoch > old_epoch
+                and len(s.members) >= sim.majority
+            ):
+                return sim.now_ms - killed_at
+    raise sim.fail(f"no new master within 5000 ms of killing {result.leader}")

@@ -1,0 +1,165 @@
+"""The coordinator codec: every peer message survives a trip through protobuf, and malformed
+protobuf is refused with a ValueError naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.coordinator.codec import from_proto, status_to_proto, to_proto
+from services.coordinator.messages import (
+    Accept,
+    AreYouCoordinator,
+    AreYouCoordinatorReply,
+    AreYouThere,
+    AreYouThereReply,
+    Body,
+    ElectionStatus,
+    GroupReady,
+    GroupReadyAck,
+    Invitation,
+    MemberReport,
+    NodeState,
+    PeerMessage,
+    Role,
+    StoreState,
+)
+from squall.v1 import common_pb2, coordinator_pb2
+
+REPORT = MemberReport(
+    node_id="2",
+    cluster_id="c-1",
+    last_epoch=4,
+    last_lsn=2**40,
+    store_state=StoreState.DIRTY,
+    max_seen=3,
+    epoch=5,
+)
+
+BODIES: list[Body] = [
+    AreYouCoordinator("1:ab12", 3, designated_primary=True),
+    AreYouCoordinatorReply(True, "2:cd34", 2),
+    AreYouCoordinatorReply(False, "3:ef56", 0, designated_primary=True),
+    AreYouThere("3:ef56"),
+    AreYouThereReply("3:ef56", yes=True),
+    AreYouThereReply("3:ef56", yes=False),
+    Invitation("3:ef56", 3, 9),
+    Accept("3:ef56", REPORT, forwarded_to=("1", "4")),
+    Accept("3:ef56", REPORT),
+    GroupReady("3:ef56", 10, ("1", "2", "3"), "2", "3", 3),
+    GroupReadyAck("3:ef56", 10),
+]
+
+
+@pytest.mark.parametrize("body", BODIES, ids=lambda b: type(b).__name__)
+def test_round_trip(body: Body) -> None:
+    """Encoding then decoding gives back the same message, through bytes too."""
+    msg = PeerMessage("2", "3", body)
+    wire = to_proto(msg).SerializeToString()
+    decoded = from_proto(coordinator_pb2.PeerMessage.FromString(wire))
+    assert decoded == msg
+
+
+def test_store_state_maps_to_the_shared_enum() -> None:
+    """The report's store state uses common.proto's StoreState values."""
+    pb = to_proto(PeerMessage("2", "3", Accept("3:x", REPORT)))
+    assert pb.accept.report.store_state == common_pb2.STORE_STATE_DIRTY
+
+
+def _accept_pb(**report: object) -> coordinator_pb2.PeerMessage:
+    """A valid Accept on the wire, with some report fields overridden."""
+    pb = to_proto(PeerMessage("2", "3", Accept("3:x", REPORT)))
+    for name, value in report.items():
+        setattr(pb.accept.report, name, value)
+    return pb
+
+
+def _bad(mutate: str) -> coordinator_pb2.PeerMessage:
+    """Protobuf messages broken in one named way."""
+    if mutate == "no body":
+        return coordinator_pb2.PeerMessage(from_node="1", to_node="2")
+    if mutate == "no sender":
+        return coordinator_pb2.PeerMessage(
+            to_node="2", are_you_there=coordinator_pb2.AreYouThere(group_name="1:x")
+        )
+    if mutate == "no recipient":
+        return coordinator_pb2.PeerMessage(
+            from_node="1", are_you_there=coordinator_pb2.AreYouThere(group_name="1:x")
+        )
+    if mutate == "empty group":
+        return coordinator_pb2.PeerMessage(
+            from_node="1", to_node="2", invitation=coordinator_pb2.Invitation(priority=1)
+        )
+    if mutate == "accept without report":
+        return coordinator_pb2.PeerMessage(
+            from_node="1", to_node="2", accept=coordinator_pb2.Accept(group_name="2:x")
+        )
+    if mutate == "unspecified store state":
+        return _accept_pb(store_state=common_pb2.STORE_STATE_UNSPECIFIED)
+    if mutate == "report without node id":
+        return _accept_pb(node_id="")
+    if mutate == "ready without members":
+        return coordinator_pb2.PeerMessage(
+            from_node="1",
+            to_node="2",
+            ready=coordinator_pb2.Ready(
+                group_name="1:x", epoch=2, sync_source_id="1", coordinator_id="1"
+            ),
+        )
+    if mutate == "ready with an empty member":
+        return coordinator_pb2.PeerMessage(
+            from_node="1",
+            to_node="2",
+            ready=coordinator_pb2.Ready(
+                group_name="1:x",
+                epoch=2,
+                members=["1", ""],
+                sync_source_id="1",
+                coordinator_id="1",
+            ),
+        )
+    raise AssertionError(mutate)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        ("no body", "body"),
+        ("no sender", "from_node"),
+        ("no recipient", "to_node"),
+        ("empty group", "invitation.group_name"),
+        ("accept without report", "accept.report"),
+        ("unspecified store state", "accept.report.store_state"),
+        ("report without node id", "accept.report.node_id"),
+        ("ready without members", "ready.members"),
+        ("ready with an empty member", "ready.members[1]"),
+    ],
+)
+def test_malformed_protobuf_names_the_field(mutate: str, field: str) -> None:
+    """Structural problems raise ValueError whose message starts with the field path."""
+    with pytest.raises(ValueError) as info:
+        from_proto(_bad(mutate))
+    assert str(info.value).startswith(f"{field}:")
+
+
+def test_status_maps_to_coordinator_status() -> None:
+    """The status view maps onto CoordinatorStatus with the shared enums."""
+    status = ElectionStatus(
+        node_id="1",
+        coordinator_id="3",
+        group_name="3:ab",
+        state=NodeState.NORMAL,
+        group=(),
+        max_seen=3,
+        epoch=4,
+        role=Role.SLAVE,
+        last_change_reason="slave of 3",
+        priority=1,
+        designated_primary=False,
+        quorum_override=0,
+        quorum_required=2,
+        members=("1", "2", "3"),
+    )
+    pb = status_to_proto(status)
+    assert pb.state == common_pb2.NODE_STATE_NORMAL
+    assert pb.role == common_pb2.ROLE_SLAVE
+    assert (pb.node_id, pb.coordinator_id, pb.epoch, pb.quorum_required) == ("1", "3", 4, 2)

@@ -1,0 +1,744 @@
+"""Election scenarios as readable transcripts (etcd-raft's testdata style), plus unit tests of
+bad input and operator controls.
+
+Each file under tests/unit/scenarios/ is a list of blocks:
+
+    # why this step matters (comments are kept)
+    command args
+    ----
+    the output it produced
+
+The test replays every command on a small in-memory cluster of ``Election`` machines and
+compares the output. After an intended change of behaviour, regenerate the files with
+``SQUALL_REWRITE=1 .venv/bin/pytest tests/unit/test_election_scenarios.py`` and review the
+diff like code.
+
+Commands:
+    cluster 1:3 2:2 3:1        nodes as id:priority (a cluster starts with empty stores)
+    start 1 2 [epoch=N max=M]  start nodes (the optional values overwrite what is on disk)
+    crash 3 / restart 3 [epoch=N]
+    run ms=N [trace=all]       deliver messages instantly and fire timers for N ms; by default
+                               heartbeats and unanswered probes that change nothing are elided
+    partition 1,2|3 / heal     messages across the cut are dropped
+    write 3 n=5                node 3's replica (a master) appends n entries; followers copy
+    send 9->1 Body key=value   deliver a hand-made message and show what it produced
+    designate 1 on|off         operator: designated primary (by=who)
+    override 1 N               operator: quorum override (by=who)
+    status [1 2 ...]           each node's status line
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import shlex
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import pytest
+
+from services.coordinator.election import Election, ElectionConfig, ElectionConfigError
+from services.coordinator.messages import (
+    Accept,
+    AreYouCoordinator,
+    AreYouCoordinatorReply,
+    AreYouThere,
+    AreYouThereReply,
+    Body,
+    GroupReady,
+    GroupReadyAck,
+    Invitation,
+    LogLevel,
+    MemberReport,
+    NodeState,
+    PeerMessage,
+    PersistedState,
+    Ready,
+    RejectCode,
+    ReplicaReport,
+    Role,
+    RoleCommandKind,
+    StoreState,
+    format_message,
+    format_role_command,
+)
+
+SCENARIOS = Path(__file__).parent / "scenarios"
+REWRITE = os.environ.get("SQUALL_REWRITE") == "1"
+# Deliveries per `run` or `deliver` before the harness calls it a message storm.
+STEPS_MAX = 100_000
+
+
+@dataclass
+class Store:
+    """One node's durable state: the coordinator's persisted record and the replica's log."""
+
+    persisted: PersistedState = field(default_factory=PersistedState)
+    cluster_id: str = ""
+    last_epoch: int = 0
+    last_lsn: int = 0
+    role: Role = Role.INACTIVE
+    epoch: int = 0
+    master: str = ""
+    applied_seq: int = 0
+
+    def report(self) -> ReplicaReport:
+        """The replica's report as the driver would read it."""
+        state = StoreState.DIRTY if self.cluster_id else StoreState.EMPTY
+        return ReplicaReport(
+            cluster_id=self.cluster_id,
+            last_epoch=self.last_epoch,
+            last_lsn=self.last_lsn,
+            store_state=state,
+            active=self.role is not Role.INACTIVE,
+            command_seq=self.applied_seq,
+        )
+
+
+class Cluster:
+    """A few Election machines on an instant, ordered network, driven by transcript commands."""
+
+    def __init__(self, priorities: dict[str, int]) -> None:
+        """Nodes with empty stores; none started."""
+        self.priorities = priorities
+        self.now_ms = 0
+        self.nodes: dict[str, Election | None] = {node: None for node in priorities}
+        self.stores: dict[str, Store] = {node: Store() for node in priorities}
+        self.group_counters: dict[str, int] = {node: 0 for node in priorities}
+        self.queue: list[PeerMessage] = []
+        self.cut: set[frozenset[str]] = set()
+        self.out: list[str] = []
+        self.trace_all = False
+
+    # -- driving
+
+    def start(self, node: str) -> None:
+        """Start (or restart) a node from its store."""
+
+        def new_group_id(node: str = node) -> str:
+            self.group_counters[node] += 1
+            return f"g{self.group_counters[node]}"
+
+        store = self.stores[node]
+        config = ElectionConfig(node_id=node, priorities=self.priorities)
+        election = Election(config, store.persisted, new_group_id)
+        self.nodes[node] = election
+        self.apply(node, election.tick(self.now_ms), f"{node} start")
+
+    def crash(self, node: str) -> None:
+        """Stop a node; its store (persisted state and replica log) survives."""
+        self.nodes[node] = None
+        store = self.stores[node]
+        store.role, store.applied_seq = Role.INACTIVE, 0
+        self.out.append(f"t={self.now_ms} {node} crashed")
+
+    def apply(self, node: str, ready: Ready, heading: str, elide: bool = False) -> None:
+        """Apply a Ready as the driver does (persist, send, role) and print it."""
+        lines: list[str] = []
+        store = self.stores[node]
+        if ready.rejection is not None:
+            lines.append(f"  rejected {ready.rejection.code.status}: {ready.rejection.message}")
+        if ready.persist is not None:
+            p = ready.persist
+            store.persisted = p
+            extra = ""
+            if p.designated_primary:
+                extra += " designated"
+            if p.quorum_override:
+                extra += f" override={p.quorum_override}"
+            lines.append(f"  persist epoch={p.epoch} max={p.max_seen}{extra}")
+        self.queue.extend(ready.messages)
+        follow_up: Ready | None = None
+        if ready.role_command is not None:
+            cmd = ready.role_command
+            lines.append(f"  role {format_role_command(cmd)}")
+            election = self.nodes[node]
+            store.applied_seq = cmd.seq
+            if cmd.kind is RoleCommandKind.DEACTIVATE:
+                store.role = Role.INACTIVE
+                if election is not None:
+                    follow_up = election.replica_report(store.report(), self.now_ms)
+            elif cmd.kind is RoleCommandKind.MASTER:
+                self.become_master(node, cmd.epoch, cmd.sync_source_id)
+            else:
+                store.role, store.epoch, store.master = Role.SLAVE, cmd.epoch, cmd.master_id
+        if ready.view_changed:
+            election = self.nodes[node]
+            if election is not None:
+                lines.append(f"  view {self.status_line(election)}")
+        for event in ready.events:
+            if event.level is not LogLevel.DEBUG:
+                lines.append(f"  {event.level.value} {event.event}: {event.message}")
+        if lines or not elide or self.trace_all:
+            self.out.append(f"t={self.now_ms} {heading}")
+            self.out.extend(lines)
+        if follow_up is not None:
+            self.apply(node, follow_up, f"{node} replica report", elide=True)
+
+    def become_master(self, node: str, epoch: int, sync_source: str) -> None:
+        """The replica twin: sync from the source, then write the epoch-start entry."""
+        store = self.stores[node]
+        source = self.stores[sync_source]
+        if (source.last_epoch, source.last_lsn) > (store.last_epoch, store.last_lsn):
+            store.last_epoch, store.last_lsn = source.last_epoch, source.last_lsn
+            store.cluster_id = source.cluster_id
+        store.cluster_id = store.cluster_id or "c1"
+        store.role, store.epoch, store.master = Role.MASTER, epoch, node
+        self.append(node, 1)
+
+    def append(self, node: str, count: int) -> None:
+        """A master appends entries; reachable followers of its epoch copy them at once."""
+        store = self.stores[node]
+        store.last_epoch = store.epoch
+        store.last_lsn += count
+        for other, follower in self.stores.items():
+            if (
+                follower.role is Role.SLAVE
+                and follower.master == node
+                and follower.epoch == store.epoch
+                and self.nodes[other] is not None
+                and frozenset((node, other)) not in self.cut
+            ):
+                follower.last_epoch, follower.last_lsn = store.last_epoch, store.last_lsn
+                follower.cluster_id = store.cluster_id
+
+    def deliver_all(self) -> None:
+        """Deliver queued messages in order, and what they cause, at the current time."""
+        for _ in range(STEPS_MAX):
+            if not self.queue:
+                return
+            msg = self.queue.pop(0)
+            self.deliver(msg)
+        raise AssertionError("message storm: more than STEPS_MAX deliveries at one instant")
+
+    def deliver(self, msg: PeerMessage) -> None:
+        """Deliver one message, unless its receiver is down or cut off."""
+        heartbeat = is_heartbeat(msg.body)
+        target = self.nodes.get(msg.to_node)
+        if target is None or frozenset((msg.from_node, msg.to_node)) in self.cut:
+            if not heartbeat or self.trace_all:
+                why = "down" if target is None else "partitioned"
+                self.out.append(f"t={self.now_ms} {format_message(msg)}  (dropped: {why})")
+            return
+        self.apply(msg.to_node, target.step(msg, self.now_ms), format_message(msg), heartbeat)
+
+    def run(self, duration_ms: int) -> None:
+        """Deliver and fire timers until ``duration_ms`` from now."""
+        end = self.now_ms + duration_ms
+        for _ in range(STEPS_MAX):
+            self.deliver_all()
+            due = [
+                (deadline, node)
+                for node, election in self.nodes.items()
+                if election is not None and (deadline := election.next_deadline_ms()) is not None
+            ]
+            if not due:
+                break
+            deadline = min(d for d, _ in due)
+            if deadline > end:
+                break
+            self.now_ms = max(self.now_ms, deadline)
+            for node, election in self.nodes.items():
+                nd = election.next_deadline_ms() if election is not None else None
+                if election is not None and nd is not None and nd <= self.now_ms:
+                    self.apply(node, election.tick(self.now_ms), f"{node} tick", elide=True)
+        else:
+            raise AssertionError("run did not settle within STEPS_MAX steps")
+        self.now_ms = end
+        self.deliver_all()
+
+    def status_line(self, election: Election) -> str:
+        """One node's status as a short line."""
+        s = election.status()
+        text = (
+            f"{s.state.value} coord={s.coordinator_id} group={s.group_name} epoch={s.epoch} "
+            f"max={s.max_seen} role={s.role.value}"
+        )
+        if s.members:
+            text += f" members={','.join(s.members)}"
+        return text
+
+
+def is_heartbeat(body: Body) -> bool:
+    """Messages elided from transcripts unless they change something."""
+    if isinstance(body, AreYouThere | AreYouCoordinator):
+        return True
+    if isinstance(body, AreYouThereReply):
+        return body.yes
+    if isinstance(body, AreYouCoordinatorReply):
+        return not body.is_coordinator
+    return False
+
+
+def parse_kv(args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Split ``a b k=v`` into positionals and options."""
+    positional = [a for a in args if "=" not in a]
+    options = dict(a.split("=", 1) for a in args if "=" in a)
+    return positional, options
+
+
+def parse_body(kind: str, options: dict[str, str]) -> Body:
+    """Build a hand-made message body for the ``send`` command."""
+    group = options.get("group", "")
+    if kind == "AreYouCoordinator":
+        return AreYouCoordinator(group, int(options.get("priority", "0")))
+    if kind == "AreYouThere":
+        return AreYouThere(group)
+    if kind == "Invitation":
+        return Invitation(group, int(options.get("priority", "0")), int(options.get("epoch", "0")))
+    if kind == "Ready":
+        members = tuple(options.get("members", "").split(","))
+        return GroupReady(
+            group_name=group,
+            epoch=int(options.get("epoch", "0")),
+            members=members,
+            sync_source_id=options.get("sync", members[0]),
+            coordinator_id=options.get("coordinator", group.partition(":")[0]),
+            max_seen=int(options.get("max", "0")),
+        )
+    if kind == "ReadyAck":
+        return GroupReadyAck(group, int(options.get("epoch", "0")))
+    raise ValueError(f"send: unknown message kind {kind!r}")
+
+
+def execute(cluster: Cluster | None, line: str) -> tuple[Cluster | None, list[str]]:
+    """Run one transcript command; return the (possibly new) cluster and its output."""
+    words = shlex.split(line)
+    command, args = words[0], words[1:]
+    positional, options = parse_kv(args)
+    if command == "cluster":
+        priorities = {p.split(":")[0]: int(p.split(":")[1]) for p in positional}
+        majority = len(priorities) // 2 + 1
+        return Cluster(priorities), [f"{len(priorities)} nodes, majority {majority}"]
+    if cluster is None:
+        raise ValueError(f"{command}: no cluster yet")
+    cluster.out = []
+    cluster.trace_all = options.get("trace") == "all"
+    if command in ("start", "restart"):
+        for node in positional:
+            store = cluster.stores[node]
+            changes: dict[str, int] = {}
+            if "epoch" in options:
+                changes["epoch"] = int(options["epoch"])
+            if "max" in options:
+                changes["max_seen"] = int(options["max"])
+            store.persisted = replace(store.persisted, **changes)  # type: ignore[arg-type]
+            cluster.start(node)
+        cluster.deliver_all()
+    elif command == "crash":
+        for node in positional:
+            cluster.crash(node)
+    elif command == "run":
+        cluster.run(int(options["ms"]))
+    elif command == "partition":
+        sides = [side.split(",") for side in " ".join(positional).replace(" ", "").split("|")]
+        for i, left in enumerate(sides):
+            for right in sides[i + 1 :]:
+                cluster.cut |= {frozenset((a, b)) for a in left for b in right}
+        cluster.out.append(f"t={cluster.now_ms} partition {' | '.join(','.join(s) for s in sides)}")
+    elif command == "heal":
+        cluster.cut.clear()
+        cluster.out.append(f"t={cluster.now_ms} healed")
+    elif command == "write":
+        node = positional[0]
+        cluster.append(node, int(options.get("n", "1")))
+        store = cluster.stores[node]
+        cluster.out.append(f"t={cluster.now_ms} {node} log now {store.last_epoch}/{store.last_lsn}")
+    elif command == "send":
+        sender, _, receiver = positional[0].partition("->")
+        msg = PeerMessage(sender, receiver, parse_body(positional[1], options))
+        cluster.deliver(msg)
+        cluster.deliver_all()
+    elif command in ("designate", "override"):
+        node = positional[0]
+        election = cluster.nodes[node]
+        if election is None:
+            raise ValueError(f"{command}: node {node} is down")
+        who = options.get("by", "operator")
+        if command == "designate":
+            ready = election.set_designated_primary(positional[1] == "on", who, cluster.now_ms)
+        else:
+            ready = election.set_quorum_override(int(positional[1]), who, cluster.now_ms)
+        cluster.apply(node, ready, f"{node} {line}")
+        cluster.deliver_all()
+    elif command == "status":
+        for node in positional or list(cluster.nodes):
+            election = cluster.nodes[node]
+            text = "down" if election is None else cluster.status_line(election)
+            cluster.out.append(f"{node}: {text}")
+    else:
+        raise ValueError(f"unknown command {command!r}")
+    return cluster, cluster.out
+
+
+@dataclass
+class Block:
+    """One transcript block: its comments, command and expected output."""
+
+    comments: list[str]
+    command: str
+    expected: list[str]
+
+
+def parse_transcript(text: str) -> list[Block]:
+    """Split a transcript file into blocks."""
+    blocks: list[Block] = []
+    lines = text.splitlines()
+    i = 0
+    comments: list[str] = []
+    while i < len(lines):
+        line = lines[i]
+        i += 1
+        if not line.strip():
+            if comments and comments[-1] != "":
+                comments.append("")
+            continue
+        if line.startswith("#"):
+            comments.append(line)
+            continue
+        if i >= len(lines) or lines[i] != "----":
+            raise ValueError(f"line {i}: command {line!r} is not followed by '----'")
+        i += 1
+        expected: list[str] = []
+        while i < len(lines) and lines[i].strip():
+            expected.append(lines[i])
+            i += 1
+        while comments and comments[-1] == "":
+            comments.pop()
+        blocks.append(Block(comments, line, expected))
+        comments = []
+    return blocks
+
+
+def render(blocks: list[Block], outputs: list[list[str]]) -> str:
+    """Write blocks back with the given outputs."""
+    parts: list[str] = []
+    for block, output in zip(blocks, outputs, strict=True):
+        chunk = [*block.comments, block.command, "----", *output]
+        parts.append("\n".join(chunk))
+    return "\n\n".join(parts) + "\n"
+
+
+def scenario_files() -> list[Path]:
+    """Every transcript, sorted."""
+    return sorted(SCENARIOS.glob("*.txt"))
+
+
+@pytest.mark.parametrize("path", scenario_files(), ids=lambda p: p.stem)
+def test_scenario(path: Path) -> None:
+    """Replays a transcript; SQUALL_REWRITE=1 rewrites it with the actual output."""
+    text = path.read_text()
+    blocks = parse_transcript(text)
+    cluster: Cluster | None = None
+    outputs: list[list[str]] = []
+    for block in blocks:
+        cluster, output = execute(cluster, block.command)
+        outputs.append(list(output))
+    actual = render(blocks, outputs)
+    if REWRITE:
+        path.write_text(actual)
+        return
+    if actual != text:
+        diff = "".join(
+            difflib.unified_diff(
+                text.splitlines(keepends=True),
+                actual.splitlines(keepends=True),
+                fromfile=f"{path.name} (expected)",
+                tofile=f"{path.name} (actual)",
+            )
+        )
+        pytest.fail(
+            f"transcript {path.name} differs; if the change is intended, rerun with "
+            f"SQUALL_REWRITE=1 and review the diff:\n{diff}"
+        )
+
+
+# ----------------------------------------------------------------------------- unit tests
+
+
+def make(
+    node: str = "1",
+    priorities: dict[str, int] | None = None,
+    persisted: PersistedState | None = None,
+) -> Election:
+    """A started election whose replica reported an empty, stopped store."""
+    counter = iter(range(1, 1000))
+    election = Election(
+        ElectionConfig(node_id=node, priorities=priorities or {"1": 1, "2": 2, "3": 3}),
+        persisted or PersistedState(),
+        lambda: f"g{next(counter)}",
+    )
+    election.tick(0)
+    election.replica_report(ReplicaReport("", 0, 0, StoreState.EMPTY, command_seq=1), 0)
+    return election
+
+
+def drain(election: Election, now_ms: int) -> None:
+    """Fire every timer due up to now_ms."""
+    election.tick(now_ms)
+
+
+BAD_INPUTS: list[tuple[str, PeerMessage, RejectCode]] = [
+    (
+        "unknown sender",
+        PeerMessage("9", "1", AreYouCoordinator("9:x", 1)),
+        RejectCode.UNKNOWN_SENDER,
+    ),
+    (
+        "wrong recipient",
+        PeerMessage("2", "7", AreYouThere("2:x")),
+        RejectCode.WRONG_RECIPIENT,
+    ),
+    (
+        "group name without separator",
+        PeerMessage("2", "1", Invitation("2-x", 2, 0)),
+        RejectCode.MALFORMED_GROUP_NAME,
+    ),
+    (
+        "group name of an unknown node",
+        PeerMessage("2", "1", Invitation("8:x", 2, 0)),
+        RejectCode.MALFORMED_GROUP_NAME,
+    ),
+    (
+        "group name with bad characters",
+        PeerMessage("2", "1", AreYouThere("2:x y")),
+        RejectCode.MALFORMED_GROUP_NAME,
+    ),
+    (
+        "probe for a group the sender does not coordinate",
+        PeerMessage("2", "1", AreYouCoordinator("3:x", 2)),
+        RejectCode.MALFORMED_GROUP_NAME,
+    ),
+    (
+        "priority disagreeing with the configuration",
+        PeerMessage("3", "1", Invitation("3:x", 9, 0)),
+        RejectCode.PRIORITY_MISMATCH,
+    ),
+    (
+        "Ready whose members omit the sync source",
+        PeerMessage("3", "1", GroupReady("3:x", 5, ("1", "3"), "2", "3", 3)),
+        RejectCode.INVALID_MESSAGE,
+    ),
+]
+
+
+@pytest.mark.parametrize(("why", "msg", "code"), BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_is_rejected_and_changes_nothing(
+    why: str, msg: PeerMessage, code: RejectCode
+) -> None:
+    """Bad input gets a clear status, is logged, and leaves the node exactly as it was."""
+    election = make()
+    before = election.status()
+    ready = election.step(msg, 1)
+    assert ready.rejection is not None, why
+    assert ready.rejection.code is code
+    assert ready.rejection.code.status in ("INVALID_ARGUMENT", "FAILED_PRECONDITION")
+    assert ready.persist is None and ready.messages == () and ready.role_command is None
+    assert any(e.level is LogLevel.WARNING for e in ready.events)
+    assert election.status() == before
+
+
+def test_older_epoch_is_refused() -> None:
+    """A Ready for an epoch at or below the persisted one is refused with FAILED_PRECONDITION."""
+    election = make(persisted=PersistedState(epoch=7, max_seen=3))
+    before = election.status()
+    ready = election.step(PeerMessage("3", "1", GroupReady("3:x", 6, ("1", "3"), "3", "3", 3)), 5)
+    assert ready.rejection is not None
+    assert ready.rejection.code is RejectCode.STALE_EPOCH
+    assert ready.rejection.code.status == "FAILED_PRECONDITION"
+    assert "already accepted epoch 7" in ready.rejection.message
+    assert ready.persist is None and not ready.messages
+    assert election.status() == before
+
+
+def test_time_going_backwards_is_a_driver_bug() -> None:
+    """The machine refuses a clock that goes backwards instead of misbehaving."""
+    election = make()
+    election.tick(100)
+    with pytest.raises(RuntimeError, match="backwards"):
+        election.tick(99)
+
+
+@pytest.mark.parametrize(
+    ("config", "phrase"),
+    [
+        (ElectionConfig("4", {"1": 1, "2": 1}), "not one of the configured nodes"),
+        (ElectionConfig("1", {"1": 0, "2": 0}), "every node has priority 0"),
+        (ElectionConfig("1", {"1": -1, "2": 1}), "negative"),
+        (ElectionConfig("1", {"1:x": 1}), "node id"),
+        (ElectionConfig("1", {"1": 1}, member_timeout_ms=150), "twice heartbeat_interval_ms"),
+        (ElectionConfig("1", {"1": 1}, probe_interval_ms=0), "probe_interval_ms"),
+    ],
+)
+def test_config_validation_names_the_problem(config: ElectionConfig, phrase: str) -> None:
+    """A bad configuration is refused with a sentence naming what is wrong."""
+    with pytest.raises(ElectionConfigError, match=phrase):
+        config.validate()
+
+
+def test_designated_primary_needs_two_nodes() -> None:
+    """Designated primary is refused outside a two-node cluster."""
+    election = make()
+    ready = election.set_designated_primary(True, "alice", 1)
+    assert ready.rejection is not None
+    assert ready.rejection.code.status == "FAILED_PRECONDITION"
+    assert "3 nodes, not two" in ready.rejection.message
+    assert ready.persist is None
+    assert not election.status().designated_primary
+
+
+def test_designated_primary_refused_when_the_other_node_holds_it() -> None:
+    """Once node 2 has said it is designated, node 1 refuses the flag (never both)."""
+    election = make(priorities={"1": 1, "2": 2})
+    election.step(PeerMessage("2", "1", AreYouCoordinator("2:a", 2, designated_primary=True)), 1)
+    ready = election.set_designated_primary(True, "alice", 2)
+    assert ready.rejection is not None
+    assert "node 2 already holds it" in ready.rejection.message
+    assert not election.persisted.designated_primary
+
+
+def test_designated_primary_runs_alone_and_is_persisted_and_loud() -> None:
+    """A designated primary forms a normal group alone; the flag is persisted and shown."""
+    election = make(priorities={"1": 2, "2": 1})
+    ready = election.set_designated_primary(True, "alice", 10)
+    assert ready.persist is not None and ready.persist.designated_primary
+    assert any(
+        e.level is LogLevel.WARNING and "DESIGNATED PRIMARY SET by alice" in e.message
+        for e in ready.events
+    )
+    assert election.status().designated_primary
+    assert election.status().quorum_required == 1
+    drain(election, 200)
+    status = election.status()
+    assert status.state is NodeState.NORMAL and status.role is Role.MASTER
+    assert status.members == ("1",)
+    # Clearing it drops the node out of the one-node group at the next tick.
+    election.set_designated_primary(False, "alice", 300)
+    assert election.status().state is NodeState.INACTIVE
+    assert election.status().role is Role.INACTIVE
+
+
+def test_quorum_override_lowers_the_count_and_survives_restart() -> None:
+    """An override of 1 lets a lone node of three go normal; it is persisted and reported."""
+    election = make()
+    ready = election.set_quorum_override(1, "bob", 5)
+    assert ready.persist is not None and ready.persist.quorum_override == 1
+    assert any("QUORUM OVERRIDE SET by bob" in e.message for e in ready.events)
+    drain(election, 200)
+    assert election.status().state is NodeState.NORMAL
+    assert election.status().quorum_override == 1
+    restarted = make(persisted=election.persisted)
+    assert restarted.status().quorum_override == 1
+    assert restarted.status().quorum_required == 1
+    bad = restarted.set_quorum_override(4, "bob", 10)
+    assert bad.rejection is not None and "use 1 to 3" in bad.rejection.message
+
+
+def test_priority_zero_never_invites() -> None:
+    """A priority-0 node alone probes (to be found) but never invites; its invitations are
+    refused by others."""
+    election = make(node="1", priorities={"1": 0, "2": 1, "3": 1})
+    for now in range(0, 2000, 50):
+        ready = election.tick(now)
+        assert not any(isinstance(m.body, Invitation | GroupReady) for m in ready.messages)
+        ready = election.step(PeerMessage("2", "1", AreYouCoordinator(f"2:p{now}", 1)), now)
+        assert not any(isinstance(m.body, Invitation) for m in ready.messages)
+    other = make(node="2", priorities={"1": 0, "2": 1, "3": 1})
+    ready = other.step(PeerMessage("1", "2", Invitation("1:x", 0, 0)), 1)
+    assert ready.rejection is not None and "priority 0" in ready.rejection.message
+
+
+def test_group_ids_come_from_the_injected_source() -> None:
+    """Group names are `node:unique`, the unique part from the injected callable."""
+    election = make()
+    assert election.status().group_name == "1:g1"
+
+
+def test_ready_docstring_states_the_order() -> None:
+    """The driver contract (persist, send, role command) is written on the record."""
+    doc = Ready.__doc__ or ""
+    assert doc.index("persist") < doc.index("messages") < doc.index("role_command")
+
+
+def run_cluster(priorities: dict[str, int], until_ms: int) -> Cluster:
+    """A cluster started together and run for a while (helper for the checks below)."""
+    cluster = Cluster(priorities)
+    for node in priorities:
+        cluster.start(node)
+    cluster.run(until_ms)
+    return cluster
+
+
+def test_highest_priority_leads_and_everyone_agrees() -> None:
+    """After startup the highest-priority node is master and every node is in its group."""
+    cluster = run_cluster({"1": 1, "2": 5, "3": 3, "4": 5, "5": 0}, 1000)
+    statuses = {n: e.status() for n, e in cluster.nodes.items() if e is not None}
+    # Priorities 5 tie between 2 and 4: the lower id wins.
+    assert {s.coordinator_id for s in statuses.values()} == {"2"}
+    assert {s.state for s in statuses.values()} == {NodeState.NORMAL}
+    assert statuses["2"].role is Role.MASTER
+    assert len({s.group_name for s in statuses.values()}) == 1
+
+
+def test_single_node_cluster_runs_alone() -> None:
+    """A one-node cluster (deploy/single.toml) is its own majority and goes normal at once."""
+    election = make(priorities={"1": 1})
+    ready = election.tick(election.next_deadline_ms() or 0)
+    assert ready.role_command is not None
+    assert ready.role_command.kind is RoleCommandKind.MASTER
+    assert ready.persist is not None and ready.persist.epoch == 1
+    status = election.status()
+    assert status.state is NodeState.NORMAL and status.members == ("1",)
+    assert status.quorum_required == 1
+
+
+def test_reports_older_than_the_last_command_are_not_used() -> None:
+    """An invitation is answered only with a report read after the replica stopped."""
+    election = make()  # node 1, replica reported after the start command (seq 1)
+    election.step(PeerMessage("3", "1", Invitation("3:a", 3, 0)), 10)
+    # Join, become a slave, then a newer coordinator invites: the replica must stop first.
+    ready = election.step(
+        PeerMessage("3", "1", GroupReady("3:a", 1, ("1", "3"), "3", "3", 2)), 11
+    )
+    assert ready.role_command is not None and ready.role_command.kind is RoleCommandKind.FOLLOW
+    ready = election.step(PeerMessage("3", "1", Invitation("3:b", 3, 1)), 20)
+    assert ready.role_command is not None
+    assert ready.role_command.kind is RoleCommandKind.DEACTIVATE
+    assert not any(isinstance(m.body, Accept) for m in ready.messages)
+    stop_seq = ready.role_command.seq
+    # A report read before the stop (older command seq), or while serving, is not enough.
+    stale = election.replica_report(
+        ReplicaReport("c1", 1, 7, StoreState.DIRTY, command_seq=stop_seq - 1), 21
+    )
+    serving = election.replica_report(
+        ReplicaReport("c1", 1, 7, StoreState.DIRTY, active=True, command_seq=stop_seq), 22
+    )
+    assert not stale.messages and not serving.messages
+    fresh = election.replica_report(
+        ReplicaReport("c1", 1, 9, StoreState.DIRTY, command_seq=stop_seq), 23
+    )
+    accepts = [m.body for m in fresh.messages if isinstance(m.body, Accept)]
+    assert accepts == [
+        Accept("3:b", MemberReport("1", "c1", 1, 9, StoreState.DIRTY, max_seen=2, epoch=1))
+    ]
+
+
+def test_a_late_older_report_does_not_replace_the_stopped_state() -> None:
+    """Regression (found by the simulator): a report read before the stop but delivered
+    after the stopped one must not become the data the node answers invitations with."""
+    counter = iter(range(1, 100))
+    election = Election(
+        ElectionConfig(node_id="1", priorities={"1": 1, "2": 2, "3": 3}),
+        PersistedState(epoch=4, max_seen=3),
+        lambda: f"g{next(counter)}",
+    )
+    start = election.tick(0)
+    assert start.role_command is not None
+    seq = start.role_command.seq
+    election.replica_report(ReplicaReport("c1", 4, 9, StoreState.DIRTY, command_seq=seq), 1)
+    election.replica_report(
+        ReplicaReport("c1", 4, 5, StoreState.DIRTY, active=True, command_seq=seq - 1), 2
+    )
+    ready = election.step(PeerMessage("3", "1", Invitation("3:a", 3, 4)), 3)
+    accepts = [m.body for m in ready.messages if isinstance(m.body, Accept)]
+    assert [(a.report.last_epoch, a.report.last_lsn) for a in accepts] == [(4, 9)]
