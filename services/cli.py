@@ -27,6 +27,7 @@ from concurrent.futures import Future
 from typing import TextIO
 
 import squall
+from services import cli_admin
 
 DEFAULT_GATEWAY = "127.0.0.1:7000"
 GATEWAY_ENV = "SQUALL_GATEWAY"
@@ -156,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = commands.add_parser("status", parents=[client], help="the cluster's replica table")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    cli_admin.add_parser(commands)
     return parser
 
 
@@ -306,19 +309,42 @@ def _format_table(rows: Sequence[Sequence[str]]) -> list[str]:
     ]
 
 
+def _quorum(node: squall.NodeStatus) -> str:
+    """Nodes the group needs, marked loudly when an operator changed the rule."""
+    text = str(node.quorum_required or "-")
+    if node.quorum_override:
+        text += f" (OVERRIDE {node.quorum_override})"
+    if node.designated_primary:
+        text += " (DESIGNATED PRIMARY)"
+    return text
+
+
 def _cmd_status(client: squall.Client, args: argparse.Namespace, out: TextIO) -> int:
     status = client.status()
     if args.json:
         print(json.dumps(status.to_dict(), indent=2, sort_keys=True), file=out)
         return 0
     rows: list[list[str]] = [
-        ["id", "coord", "group name", "state", "group", "max", "epoch", "role", "reason"]
+        [
+            "id",
+            "prio",
+            "coord",
+            "group name",
+            "state",
+            "group",
+            "max",
+            "epoch",
+            "role",
+            "quorum",
+            "reason",
+        ]
     ]
     for node in status.nodes:
         if node.reachable:
             rows.append(
                 [
                     node.node_id,
+                    str(node.priority),
                     node.coordinator_id or "-",
                     node.group_name or "-",
                     node.state,
@@ -326,12 +352,25 @@ def _cmd_status(client: squall.Client, args: argparse.Namespace, out: TextIO) ->
                     str(node.max_seen),
                     str(node.epoch),
                     node.role,
+                    _quorum(node),
                     node.last_change_reason or "-",
                 ]
             )
         else:
             rows.append(
-                [node.node_id, "-", "-", "unreachable", "-", "-", "-", "-", node.error or "-"]
+                [
+                    node.node_id,
+                    "-",
+                    "-",
+                    "-",
+                    "unreachable",
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                    node.error or "-",
+                ]
             )
     for line in _format_table(rows):
         print(line, file=out)
@@ -391,6 +430,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_service(args.command, args_list[args_list.index(args.command) + 1 :])
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        if args.command == "cluster":
+            return cli_admin.run(args, sys.stdout)
         return _run_client(args, sys.stdout, sys.stdin)
     except SystemExit as exit_:
         # argparse exits on --help (0) and on usage errors (2); report, do not exit.
@@ -398,6 +439,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as err:
         print(f"squall: {err}", file=sys.stderr)
         return 2
+    except cli_admin.AdminError as err:
+        print(f"squall: {err}", file=sys.stderr)
+        return 1
     except squall.SquallError as err:
         print(f"squall: {err}", file=sys.stderr)
         return 1

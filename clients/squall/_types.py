@@ -118,6 +118,10 @@ class NodeStatus:
     reachable: bool
     error: str
     replica_address: str
+    priority: int = 0
+    designated_primary: bool = False
+    quorum_override: int = 0
+    quorum_required: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -148,6 +152,10 @@ class ClusterStatus:
                 reachable=n.reachable,
                 error=n.error,
                 replica_address=n.replica_address,
+                priority=n.priority,
+                designated_primary=n.designated_primary,
+                quorum_override=n.quorum_override,
+                quorum_required=n.quorum_required,
             )
             for n in status.nodes
         )

@@ -62,6 +62,10 @@ class ClusterAdmin(gateway_pb2_grpc.ClusterAdminServicer):
             row.max_seen = status.max_seen
             row.epoch = max(row.epoch, status.epoch)
             row.last_change_reason = status.last_change_reason
+            row.priority = status.priority
+            row.designated_primary = status.designated_primary
+            row.quorum_override = status.quorum_override
+            row.quorum_required = status.quorum_required
         else:
             errors.append(f"coordinator: {_reason(status)}")
         row.reachable = isinstance(state, replica_pb2.ReplicaState)

@@ -143,14 +143,20 @@ def test_status_table_and_json(broker: Any, capsys: pytest.CaptureFixture[str]) 
         role=common_pb2.ROLE_MASTER,
         last_change_reason="won election",
         reachable=True,
+        priority=3,
+        quorum_required=1,
+        quorum_override=1,
     )
     broker.status.nodes.add(node_id="n2", reachable=False, error="connection refused")
     code, out, _ = run(["status"], capsys)
     assert code == 0
     assert out.splitlines() == [
-        "id  coord  group name  state        group  max  epoch  role    reason",
-        "n1  n1     n1:abc      normal       n2     2    7      master  won election",
-        "n2  -      -           unreachable  -      -    -      -       connection refused",
+        "id  prio  coord  group name  state        group  max  epoch  role    quorum"
+        "          reason",
+        "n1  3     n1     n1:abc      normal       n2     2    7      master  1 (OVERRIDE 1)"
+        "  won election",
+        "n2  -     -      -           unreachable  -      -    -      -       -"
+        "               connection refused",
         "master: n1  epoch: 7",
     ]
     code, out, _ = run(["status", "--json"], capsys)

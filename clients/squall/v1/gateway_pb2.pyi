@@ -60,6 +60,10 @@ class NodeStatus(_message.Message):
     REACHABLE_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     REPLICA_ADDRESS_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    DESIGNATED_PRIMARY_FIELD_NUMBER: _builtins.int
+    QUORUM_OVERRIDE_FIELD_NUMBER: _builtins.int
+    QUORUM_REQUIRED_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The node id."""
     coordinator_id: _builtins.str
@@ -88,6 +92,14 @@ class NodeStatus(_message.Message):
     """Why the node could not be reached."""
     replica_address: _builtins.str
     """The replica's address."""
+    priority: _builtins.int
+    """The node's configured priority."""
+    designated_primary: _builtins.bool
+    """True if an operator made this node the designated primary of a two-node cluster."""
+    quorum_override: _builtins.int
+    """The quorum override in force on this node (0: none)."""
+    quorum_required: _builtins.int
+    """How many nodes this node's group needs to go normal now."""
     @_builtins.property
     def group(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The other members of its group (reported by coordinators only)."""
@@ -110,10 +122,14 @@ class NodeStatus(_message.Message):
         reachable: _builtins.bool = ...,
         error: _builtins.str = ...,
         replica_address: _builtins.str = ...,
+        priority: _builtins.int = ...,
+        designated_primary: _builtins.bool = ...,
+        quorum_override: _builtins.int = ...,
+        quorum_required: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit_lsn", b"commit_lsn", "coordinator_id", b"coordinator_id", "epoch", b"epoch", "error", b"error", "group", b"group", "group_name", b"group_name", "last_change_reason", b"last_change_reason", "last_lsn", b"last_lsn", "max_seen", b"max_seen", "node_id", b"node_id", "reachable", b"reachable", "replica_address", b"replica_address", "role", b"role", "state", b"state", "store_state", b"store_state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit_lsn", b"commit_lsn", "coordinator_id", b"coordinator_id", "designated_primary", b"designated_primary", "epoch", b"epoch", "error", b"error", "group", b"group", "group_name", b"group_name", "last_change_reason", b"last_change_reason", "last_lsn", b"last_lsn", "max_seen", b"max_seen", "node_id", b"node_id", "priority", b"priority", "quorum_override", b"quorum_override", "quorum_required", b"quorum_required", "reachable", b"reachable", "replica_address", b"replica_address", "role", b"role", "state", b"state", "store_state", b"store_state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
