@@ -91,12 +91,35 @@ def start(config_path: Path, demo: bool) -> int:
     for s in services:
         print(f"  {s.kind:<12} {s.name:<6} {s.address:<22} pid {s.pid}  log {s.log_path}")
     gateway_address = config.gateways[0].address
+    try:
+        master = wait_for_master(gateway_address)
+    except TimeoutError as exc:
+        print(f"squall: {exc}; see the logs in {logs}", file=sys.stderr)
+        return 1
+    print(f"  master elected: {master}")
     if demo:
         _demo(config, gateway_address)
     print(f"\nTry:  .venv/bin/squall status --gateway {gateway_address}")
     print(f"      .venv/bin/squall subscribe demo --gateway {gateway_address} --count 5")
     print("Stop: make stop")
     return 0
+
+
+def wait_for_master(gateway_address: str, timeout_s: float = 30.0) -> str:
+    """Waits until the gateway reports an elected master; returns its node id."""
+    import squall
+
+    deadline = time.monotonic() + timeout_s
+    with squall.connect(gateway_address) as client:
+        while time.monotonic() < deadline:
+            try:
+                master = client.status().master_id
+            except squall.SquallError:
+                master = ""
+            if master:
+                return master
+            time.sleep(0.1)
+    raise TimeoutError(f"no master was elected within {timeout_s:.0f}s")
 
 
 def _demo(config: ClusterConfig, gateway_address: str) -> None:
