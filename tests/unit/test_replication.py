@@ -1,0 +1,1054 @@
+"""Tests of services.replica.replication: the master's ack tracking, commit LSN, flow windows,
+snapshot fallback and deposal.
+
+Two levels: direct calls on a ``ReplicationMaster`` for the precise rules (which ack
+counts under which policy), and a small in-memory cluster (``Cluster``) that drives the
+master and real ``Follower`` machines the way the gRPC driver will, applying every
+``Actions`` record in its documented order, over FIFO streams that can be paused or
+broken. A seeded random run checks the invariants (commit never decreases, a completed
+write is held by the required count, memory stays within the windows, logs converge);
+a failure names the seed that replays it.
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+import zlib
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from services.common.errors import Code
+from services.replica.divergence import epoch_at, truncate_history
+from services.replica.follower import (
+    BatchAccepted,
+    Follower,
+    FollowerConfig,
+    HelloAccepted,
+    Refusal,
+    RefusalCode,
+    SnapshotAccepted,
+)
+from services.replica.replication import (
+    Ack,
+    AckPolicy,
+    Actions,
+    MasterConfig,
+    RejectCode,
+    ReplicationConfigError,
+    ReplicationError,
+    ReplicationMaster,
+    SlaveState,
+    SyncPolicy,
+    batch_size_bytes,
+    entry_size_bytes,
+    fit_batch,
+)
+
+CLUSTER = "c0ffee"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A log entry with the fields replication looks at."""
+
+    lsn: int
+    epoch: int
+    checksum: int
+    operation: bytes
+
+
+def entry(lsn: int, epoch: int, size: int = 8) -> Entry:
+    op = bytes([lsn % 251]) * size
+    return Entry(lsn, epoch, zlib.crc32(op), op)
+
+
+def history_of(log: list[Entry]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for e in log:
+        if not out or out[-1][0] != e.epoch:
+            out.append((e.epoch, e.lsn))
+    return out
+
+
+def config(nodes: Iterable[str] = ("1", "2", "3"), **kwargs: object) -> MasterConfig:
+    return MasterConfig(node_id="1", nodes=tuple(nodes), **kwargs)  # type: ignore[arg-type]
+
+
+def new_master(
+    cfg: MasterConfig | None = None,
+    *,
+    members: Iterable[str] | None = None,
+    last_lsn: int = 0,
+    epoch: int = 1,
+) -> ReplicationMaster[str]:
+    cfg = cfg or config()
+    history = [(epoch - 1, 1)] if last_lsn else []
+    return ReplicationMaster(
+        cfg,
+        epoch=epoch,
+        members=cfg.nodes if members is None else members,
+        last_lsn=last_lsn,
+        history=history,
+    )
+
+
+def stream(master: ReplicationMaster[str], node: str, last_lsn: int = 0) -> int:
+    """Connects node, answers with a Position equal to the master's old log, sends the first
+    batch; returns the stream id."""
+    sid = master.connect(node)
+    history = [(master.epoch - 1, 1)] if last_lsn else []
+    actions = master.on_position(
+        node,
+        sid,
+        last_epoch=master.epoch - 1 if last_lsn else 0,
+        last_lsn=last_lsn,
+        history=history,
+    )
+    assert actions.rejection is None, actions.rejection
+    send_all(master, actions)
+    return sid
+
+
+def send_all(master: ReplicationMaster[str], actions: Actions[str]) -> list[Actions[str]]:
+    """Sends every grant in full (sizes from the test entries); returns what each on_sent gave."""
+    out: list[Actions[str]] = []
+    pending = deque(actions.sends)
+    for _ in range(10_000):
+        if not pending:
+            return out
+        grant = pending.popleft()
+        last = grant.from_lsn - 1 + grant.entries_max
+        size = sum(entry_size_bytes(entry(lsn, 1)) for lsn in range(grant.from_lsn, last + 1))
+        follow = master.on_sent(grant.node_id, grant.stream_id, last, size)
+        out.append(follow)
+        pending.extend(follow.sends)
+    raise AssertionError("sends did not settle")
+
+
+def ack(
+    master: ReplicationMaster[str], node: str, sid: int, r: int, w: int, s: int
+) -> Actions[str]:
+    return master.on_ack(node, sid, received_lsn=r, written_lsn=w, synced_lsn=s)
+
+
+# --- purity
+
+
+@pytest.mark.parametrize("module", ["replication", "follower", "divergence"])
+def test_the_core_imports_no_io_clock_randomness_or_threads(module: str) -> None:
+    source = (Path(__file__).parents[2] / "services" / "replica" / f"{module}.py").read_text()
+    imported: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module.split(".")[0])
+    assert imported.isdisjoint({"grpc", "lmdb", "asyncio", "time", "random", "threading"})
+
+
+# --- configuration
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"nodes": ()}, "nodes: 1 to 64"),
+        ({"nodes": ("1", "1")}, "duplicate node id"),
+        ({"nodes": ("2", "3")}, "node_id '1' is not one of the nodes"),
+        ({"acks": 0}, "acks: unknown policy"),
+        ({"replica_sync": 7}, "replica_sync: unknown policy"),
+        ({"inflight_entries_max": 0}, "inflight_entries_max: must be 1.."),
+        ({"inflight_bytes_max": -1}, "inflight_bytes_max: must be 1.."),
+        ({"pending_writes_max": 0}, "pending_writes_max"),
+        ({"quorum_override": 4}, "quorum_override: must be 0..3"),
+    ],
+)
+def test_bad_settings_are_refused_with_a_sentence(kwargs: dict[str, object], message: str) -> None:
+    fields: dict[str, object] = {"node_id": "1", "nodes": ("1", "2", "3")} | kwargs
+    with pytest.raises(ReplicationConfigError, match=message):
+        MasterConfig(**fields).validate()  # type: ignore[arg-type]
+
+
+def test_a_group_below_the_quorum_cannot_master() -> None:
+    with pytest.raises(ReplicationError, match="quorum is 2"):
+        new_master(members=["1"])
+    # A designated primary (or an operator's override) may run alone.
+    new_master(config(quorum_override=1), members=["1"])
+
+
+# --- commit rules
+
+
+def test_majority_commits_when_one_of_two_slaves_holds_the_entry_written() -> None:
+    master = new_master()  # SYNC master, WRITE_NO_SYNC replicas, majority of 3
+    sid2 = stream(master, "2")
+    stream(master, "3")
+    actions = master.on_appended(3, synced=True)
+    assert actions.commit_lsn == 0
+    send_all(master, actions)
+    master.register_writes([(2, "w2"), (3, "w3")])
+    # Received is not enough under WRITE_NO_SYNC.
+    actions = ack(master, "2", sid2, 3, 0, 0)
+    assert actions.commit_lsn == 0 and actions.completed == ()
+    actions = ack(master, "2", sid2, 3, 2, 0)
+    assert actions.commit_lsn == 2 and actions.completed == ("w2",)
+    actions = ack(master, "2", sid2, 3, 3, 0)
+    assert actions.commit_lsn == 3 and actions.completed == ("w3",)
+    assert master.pending_writes == 0
+    assert master.holders(3) == (("1", SyncPolicy.SYNC), ("2", SyncPolicy.WRITE_NO_SYNC))
+
+
+@pytest.mark.parametrize(
+    ("policy", "ack_values", "committed"),
+    [
+        (SyncPolicy.SYNC, (5, 5, 4), 4),
+        (SyncPolicy.WRITE_NO_SYNC, (5, 3, 0), 3),
+        (SyncPolicy.NO_SYNC, (5, 0, 0), 5),
+    ],
+)
+def test_the_replica_sync_policy_picks_which_ack_lsn_counts(
+    policy: SyncPolicy, ack_values: tuple[int, int, int], committed: int
+) -> None:
+    master = new_master(config(replica_sync=policy))
+    sid = stream(master, "2")
+    send_all(master, master.on_appended(5, synced=True))
+    assert ack(master, "2", sid, *ack_values).commit_lsn == committed
+
+
+def test_the_masters_own_sync_policy_counts_too() -> None:
+    master = new_master(config(master_sync=SyncPolicy.SYNC, acks=AckPolicy.NONE))
+    assert master.on_appended(4, synced=False).commit_lsn == 0
+    assert master.on_local_synced(3).commit_lsn == 3
+    relaxed = new_master(config(master_sync=SyncPolicy.WRITE_NO_SYNC, acks=AckPolicy.NONE))
+    assert relaxed.on_appended(4, synced=False).commit_lsn == 4
+
+
+def test_majority_is_counted_over_all_configured_nodes() -> None:
+    # Five nodes configured, a group of three: the majority is 3, so the master needs
+    # BOTH its slaves, not "a majority of the group".
+    master = new_master(config(nodes=("1", "2", "3", "4", "5")), members=["1", "2", "3"])
+    sid2, sid3 = stream(master, "2"), stream(master, "3")
+    send_all(master, master.on_appended(2, synced=True))
+    assert ack(master, "2", sid2, 2, 2, 2).commit_lsn == 0
+    assert ack(master, "3", sid3, 2, 1, 1).commit_lsn == 1
+
+
+def test_all_waits_for_every_member_and_none_for_the_master_alone() -> None:
+    master = new_master(config(acks=AckPolicy.ALL))
+    sid2, sid3 = stream(master, "2"), stream(master, "3")
+    send_all(master, master.on_appended(2, synced=True))
+    assert ack(master, "2", sid2, 2, 2, 2).commit_lsn == 0
+    assert ack(master, "3", sid3, 2, 2, 2).commit_lsn == 2
+    alone = new_master(config(acks=AckPolicy.NONE))
+    assert alone.on_appended(2, synced=True).commit_lsn == 2
+
+
+def test_all_counts_the_current_group_only() -> None:
+    master = new_master(config(acks=AckPolicy.ALL))
+    sid2 = stream(master, "2")
+    stream(master, "3")
+    send_all(master, master.on_appended(2, synced=True))
+    assert ack(master, "2", sid2, 2, 2, 2).commit_lsn == 0
+    # Node 3 went silent and the coordinator dropped it: the group is {1, 2}.
+    assert master.set_members(["1", "2"]).commit_lsn == 2
+    with pytest.raises(ReplicationError, match="groups only shrink"):
+        master.set_members(["1", "2", "3"])
+
+
+def test_older_epoch_entries_commit_only_with_this_epochs_first_entry() -> None:
+    # LSNs 1..10 are from epoch 1, not known committed; this master (epoch 2) must get
+    # its epoch-start entry (LSN 11) onto a majority before it counts any of them.
+    master = new_master(last_lsn=10, epoch=2)
+    sid = master.connect("2")
+    actions = master.on_position("2", sid, last_epoch=1, last_lsn=4, history=[(1, 1)])
+    (grant,) = actions.sends
+    assert (grant.from_lsn, grant.entries_max, grant.truncate_after_lsn) == (5, 6, None)
+    send_all(master, actions)
+    actions = ack(master, "2", sid, 10, 10, 10)
+    assert actions.commit_lsn == 0  # a majority holds 1..10, but none of it is epoch 2's
+    send_all(master, master.on_appended(11, synced=True))
+    assert master.history == ((1, 1), (2, 11))
+    assert ack(master, "2", sid, 11, 11, 11).commit_lsn == 11
+
+
+# --- windows
+
+
+def test_the_window_bounds_entries_and_bytes_in_flight() -> None:
+    size = entry_size_bytes(entry(1, 1))
+    master = new_master(config(inflight_entries_max=4, inflight_bytes_max=10 * size))
+    sid = stream(master, "2")
+    actions = master.on_appended(20, synced=True)
+    (grant,) = [g for g in actions.sends if g.node_id == "2"]
+    assert (grant.from_lsn, grant.entries_max) == (1, 4)
+    send_all(master, actions)
+    assert master.progress("2").inflight_entries == 4
+    assert master.progress("2").state == SlaveState.PAUSED
+    # Nothing more until the slave acknowledges receipt.
+    assert [g for g in master.on_appended(21, synced=True).sends if g.node_id == "2"] == []
+    actions = ack(master, "2", sid, 2, 0, 0)
+    (grant,) = [g for g in actions.sends if g.node_id == "2"]
+    assert (grant.from_lsn, grant.entries_max) == (5, 2)
+
+
+def test_fit_batch_keeps_the_byte_limit_but_always_sends_one_entry() -> None:
+    small = [entry(i, 1, size=10) for i in range(1, 6)]
+    assert len(fit_batch(small, 3 * entry_size_bytes(small[0]))) == 3
+    big = [entry(1, 1, size=5000), entry(2, 1)]
+    assert fit_batch(big, 100) == big[:1]
+    assert batch_size_bytes(big[:1]) == entry_size_bytes(big[0])
+
+
+# --- stale and bad input
+
+
+def test_a_stale_streams_ack_is_ignored_and_changes_nothing() -> None:
+    master = new_master()
+    old = stream(master, "2")
+    send_all(master, master.on_appended(3, synced=True))
+    new = master.connect("2")  # the slave reconnected
+    before = master.progress("2")
+    actions = ack(master, "2", old, 3, 3, 3)
+    assert actions.rejection is not None
+    assert actions.rejection.code == RejectCode.STALE_STREAM
+    assert actions.commit_lsn == 0 and master.progress("2") == before
+    assert new != old
+
+
+@pytest.mark.parametrize(
+    ("values", "detail"),
+    [((9, 9, 9), "<= 3 (sent)"), ((3, 3, 4), "is not ordered"), ((2, 3, 0), "is not ordered")],
+)
+def test_an_impossible_ack_is_refused_and_changes_nothing(
+    values: tuple[int, int, int], detail: str
+) -> None:
+    master = new_master()
+    sid = stream(master, "2")
+    send_all(master, master.on_appended(3, synced=True))
+    before = master.progress("2")
+    actions = ack(master, "2", sid, *values)
+    assert actions.rejection is not None and actions.rejection.code == RejectCode.BAD_ACK
+    assert actions.rejection.status == Code.INVALID_ARGUMENT
+    assert detail in actions.rejection.message
+    assert master.progress("2") == before and master.commit_lsn == 0
+
+
+@pytest.mark.parametrize(
+    ("last_epoch", "last_lsn", "history", "detail"),
+    [
+        (1, 3, [(1, 2)], "not 1"),
+        (2, 3, [(1, 1)], "last epoch 2 but the history gives 1"),
+        (1, 3, [(1, 1), (1, 2)], "epochs must increase"),
+        (5, 3, [(1, 1), (5, 3)], "never wrote"),  # entries of the master's own epoch
+    ],
+)
+def test_an_impossible_position_is_refused(
+    last_epoch: int, last_lsn: int, history: list[tuple[int, int]], detail: str
+) -> None:
+    master = new_master(epoch=5)
+    send_all(master, master.on_appended(1, synced=True))
+    sid = master.connect("2")
+    before = master.progress("2")
+    actions = master.on_position(
+        "2", sid, last_epoch=last_epoch, last_lsn=last_lsn, history=history
+    )
+    assert actions.rejection is not None and actions.rejection.code == RejectCode.BAD_POSITION
+    assert detail in actions.rejection.detail
+    assert master.progress("2") == before
+
+
+def test_truncating_a_slave_ahead_of_the_master_is_logged_loudly() -> None:
+    master = new_master(last_lsn=5, epoch=3)  # its log: epoch 2, LSNs 1..5
+    sid = master.connect("2")
+    actions = master.on_position("2", sid, last_epoch=2, last_lsn=8, history=[(2, 1)])
+    (grant,) = actions.sends
+    assert grant.truncate_after_lsn == 5
+    assert any(e.startswith("WARNING") and "ahead of this master" in e for e in actions.events)
+    behind = master.connect("3")
+    quiet = master.on_position("3", behind, last_epoch=2, last_lsn=3, history=[(2, 1)])
+    assert quiet.events == () and quiet.sends[0].truncate_after_lsn is None
+
+
+# --- deposal
+
+
+def test_a_deposed_master_fails_pending_writes_as_indeterminate_and_never_commits_more() -> None:
+    master = new_master()
+    sid = stream(master, "2")
+    send_all(master, master.on_appended(4, synced=True))
+    master.register_writes([(1, "a"), (3, "b"), (4, "c")])
+    assert ack(master, "2", sid, 1, 1, 1).completed == ("a",)
+    actions = master.depose("role command for epoch 2")
+    assert actions.deposed == "role command for epoch 2"
+    assert actions.failed == ("b", "c") and actions.completed == ()
+    assert master.pending_writes == 0 and master.write_room == 0
+    # Acks that arrive afterwards are refused and raise nothing.
+    late = ack(master, "2", sid, 4, 4, 4)
+    assert late.rejection is not None and late.rejection.code == RejectCode.DEPOSED
+    assert late.commit_lsn == 1 and master.commit_lsn == 1
+    assert master.on_appended(5, synced=True).commit_lsn == 1
+    assert master.register_write(5, "d").failed == ("d",)
+    with pytest.raises(ReplicationError, match="deposed"):
+        master.connect("3")
+
+
+def test_a_newer_epoch_seen_anywhere_deposes_the_master() -> None:
+    master = new_master(epoch=3)
+    send_all(master, master.on_appended(2, synced=True))
+    master.register_write(2, "w")
+    assert master.observe_epoch(3).deposed == ""
+    actions = master.observe_epoch(4)
+    assert "epoch 4 superseded epoch 3" in actions.deposed and actions.failed == ("w",)
+    other = new_master(epoch=3)
+    sid = other.connect("2")
+    deposed = other.on_position("2", sid, last_epoch=4, last_lsn=2, history=[(1, 1), (4, 2)])
+    assert "newer than 3" in deposed.deposed
+
+
+def test_losing_the_group_deposes_the_master() -> None:
+    master = new_master(config(nodes=("1", "2", "3", "4", "5")))
+    send_all(master, master.on_appended(1, synced=True))
+    master.register_write(1, "w")
+    assert master.set_members(["1", "2", "3"]).deposed == ""
+    actions = master.set_members(["1", "2"])
+    assert "below the quorum 3" in actions.deposed and actions.failed == ("w",)
+
+
+# --- the in-memory cluster
+
+
+@dataclass
+class Hello:
+    stream_id: int
+    master_id: str
+    epoch: int
+
+
+@dataclass
+class Batch:
+    stream_id: int
+    entries: list[Entry]
+    commit_lsn: int
+    truncate_after_lsn: int | None
+    epoch: int
+
+
+@dataclass
+class Heartbeat:
+    stream_id: int
+    commit_lsn: int
+    epoch: int
+
+
+@dataclass
+class Snapshot:
+    stream_id: int
+    snapshot_lsn: int
+    snapshot_epoch: int
+    history: tuple[tuple[int, int], ...]
+    state: list[Entry]  # stands for the state databases at snapshot_lsn
+
+
+@dataclass
+class SlaveNode:
+    node_id: str
+    follower: Follower
+    log: list[Entry]
+    inbox: deque[Hello | Batch | Heartbeat | Snapshot] = field(default_factory=deque)
+    stream_id: int = 0
+    paused: bool = False
+    refusals: list[Refusal] = field(default_factory=list)
+
+    def inbox_entries(self) -> int:
+        return sum(len(m.entries) for m in self.inbox if isinstance(m, Batch))
+
+
+class Cluster:
+    """A master and its slaves over in-memory streams, driven as the gRPC driver will."""
+
+    def __init__(
+        self,
+        *,
+        nodes: tuple[str, ...] = ("1", "2", "3"),
+        members: tuple[str, ...] | None = None,
+        acks: AckPolicy = AckPolicy.MAJORITY,
+        replica_sync: SyncPolicy = SyncPolicy.WRITE_NO_SYNC,
+        window_entries: int = 4,
+        window_bytes: int = 1 << 20,
+        pending_max: int = 1000,
+        master_log: list[Entry] | None = None,
+        slave_logs: dict[str, list[Entry]] | None = None,
+        epoch: int = 2,
+        truncate_by_snapshot: bool = False,
+    ) -> None:
+        members = members or nodes
+        self.epoch = epoch
+        self.cfg = MasterConfig(
+            node_id="1",
+            nodes=nodes,
+            acks=acks,
+            replica_sync=replica_sync,
+            inflight_entries_max=window_entries,
+            inflight_bytes_max=window_bytes,
+            pending_writes_max=pending_max,
+            truncate_by_snapshot=truncate_by_snapshot,
+        )
+        self.log: list[Entry] = list(master_log or [])
+        self.master: ReplicationMaster[str] = ReplicationMaster(
+            self.cfg,
+            epoch=epoch,
+            members=members,
+            last_lsn=len(self.log),
+            history=history_of(self.log),
+        )
+        self.slaves: dict[str, SlaveNode] = {}
+        for node in members:
+            if node == "1":
+                continue
+            log = list((slave_logs or {}).get(node, []))
+            follower = Follower(
+                FollowerConfig(node, replica_sync, window_entries, window_bytes),
+                cluster_id=CLUSTER,
+                epoch=epoch,
+                master_id="1",
+                last_lsn=len(log),
+                history=history_of(log),
+            )
+            self.slaves[node] = SlaveNode(node, follower, log)
+        self.to_master: deque[tuple[str, int, Ack | HelloAccepted]] = deque()
+        self.completed: list[str] = []
+        self.failed: list[str] = []
+        self.commits: list[int] = [self.master.commit_lsn]
+        self.rejections: list[RejectCode] = []
+        self.snapshots_sent: list[tuple[str, int]] = []
+        self.max_inbox_entries = 0
+        self.log_start = 1
+
+    # --- the master's driver
+
+    def start(self) -> None:
+        """The new master appends its epoch-start entry and opens a stream to each slave."""
+        self.append(1, tokens=False)
+        for node in self.slaves:
+            self.connect(node)
+
+    def connect(self, node: str) -> None:
+        slave = self.slaves[node]
+        slave.stream_id = self.master.connect(node)
+        slave.inbox.clear()
+        slave.inbox.append(Hello(slave.stream_id, "1", self.epoch))
+
+    def disconnect(self, node: str) -> None:
+        slave = self.slaves[node]
+        slave.inbox.clear()
+        self.apply(self.master.disconnected(node, slave.stream_id))
+        slave.stream_id = 0
+
+    def append(self, n: int, *, tokens: bool = True, size: int = 8) -> None:
+        first = len(self.log) + 1
+        self.log.extend(entry(lsn, self.epoch, size) for lsn in range(first, first + n))
+        self.apply(self.master.on_appended(len(self.log), synced=True))
+        if tokens:
+            self.apply(
+                self.master.register_writes((lsn, f"w{lsn}") for lsn in range(first, first + n))
+            )
+
+    def compact(self, log_start: int) -> None:
+        self.log_start = log_start
+        self.apply(self.master.set_log_start(log_start))
+
+    def apply(self, actions: Actions[str]) -> None:
+        """Applies one Actions record in its documented order."""
+        assert actions.commit_lsn >= self.commits[-1], "the commit LSN went backwards"
+        self.commits.append(actions.commit_lsn)
+        if actions.rejection is not None:
+            self.rejections.append(actions.rejection.code)
+        for grant in actions.sends:
+            slave = self.slaves[grant.node_id]
+            assert grant.stream_id == slave.stream_id
+            assert grant.from_lsn >= self.log_start, "granted entries the log no longer has"
+            batch = self.log[grant.from_lsn - 1 : grant.from_lsn - 1 + grant.entries_max]
+            batch = list(fit_batch(batch, grant.bytes_max)) if batch else []
+            last = grant.from_lsn - 1 + len(batch)
+            follow = self.master.on_sent(
+                grant.node_id, grant.stream_id, last, batch_size_bytes(batch)
+            )
+            slave.inbox.append(
+                Batch(
+                    grant.stream_id, batch, grant.commit_lsn, grant.truncate_after_lsn, self.epoch
+                )
+            )
+            self.max_inbox_entries = max(self.max_inbox_entries, slave.inbox_entries())
+            self.apply(follow)
+        for node in actions.snapshots:
+            slave = self.slaves[node]
+            lsn = len(self.log)
+            self.snapshots_sent.append((node, lsn))
+            history = truncate_history(self.master.history, lsn)
+            self.apply(self.master.on_snapshot_started(node, slave.stream_id, lsn))
+            slave.inbox.append(
+                Snapshot(slave.stream_id, lsn, epoch_at(history, lsn), history, self.log[:lsn])
+            )
+        for node in actions.heartbeats:
+            slave = self.slaves[node]
+            slave.inbox.append(Heartbeat(slave.stream_id, actions.commit_lsn, self.epoch))
+        for token in actions.completed:
+            self.check_held(int(token[1:]))
+        self.completed.extend(actions.completed)
+        self.failed.extend(actions.failed)
+
+    def check_held(self, lsn: int) -> None:
+        """A completed write is held by the required count at the required durability."""
+        holders = 1  # the master, which syncs every append here
+        for slave in self.slaves.values():
+            state = slave.follower.state()
+            durable = slave.follower.ack().durable_lsn(self.cfg.replica_sync)
+            if durable >= lsn and state.last_lsn >= lsn and slave.log[lsn - 1] == self.log[lsn - 1]:
+                holders += 1
+        if self.cfg.acks == AckPolicy.ALL:
+            required = len(self.master.members)
+        elif self.cfg.acks == AckPolicy.NONE:
+            required = 1
+        else:
+            required = self.cfg.quorum
+        assert holders >= required, f"LSN {lsn} completed with {holders} holders of {required}"
+
+    # --- the slaves' drivers
+
+    def deliver_to_slave(self, node: str) -> bool:
+        slave = self.slaves[node]
+        if slave.paused or not slave.inbox:
+            return False
+        msg = slave.inbox.popleft()
+        follower = slave.follower
+        sid = msg.stream_id
+        if isinstance(msg, Hello):
+            result = follower.on_hello(master_id=msg.master_id, epoch=msg.epoch, cluster_id=CLUSTER)
+            if isinstance(result, Refusal):
+                return self.refused(slave, result)
+            self.to_master.append((node, sid, result))
+        elif isinstance(msg, Batch):
+            batch = follower.on_batch(
+                epoch=msg.epoch,
+                entries=msg.entries,
+                commit_lsn=msg.commit_lsn,
+                truncate_after_lsn=msg.truncate_after_lsn,
+            )
+            if isinstance(batch, Refusal):
+                return self.refused(slave, batch)
+            self.store_batch(slave, batch, sid)
+        elif isinstance(msg, Heartbeat):
+            hb = follower.on_heartbeat(epoch=msg.epoch, commit_lsn=msg.commit_lsn)
+            if isinstance(hb, Refusal):
+                return self.refused(slave, hb)
+            self.to_master.append((node, sid, hb))
+        else:
+            snap = follower.on_snapshot_chunk(
+                index=0,
+                snapshot_lsn=msg.snapshot_lsn,
+                snapshot_epoch=msg.snapshot_epoch,
+                last=True,
+                history=msg.history,
+            )
+            if isinstance(snap, Refusal):
+                return self.refused(slave, snap)
+            assert isinstance(snap, SnapshotAccepted) and snap.install
+            slave.log = list(msg.state)
+            sync = self.cfg.replica_sync == SyncPolicy.SYNC
+            self.to_master.append((node, sid, follower.on_written(msg.snapshot_lsn, synced=sync)))
+        return True
+
+    def store_batch(self, slave: SlaveNode, batch: BatchAccepted[Entry], sid: int) -> None:
+        if batch.ack_now is not None:
+            self.to_master.append((slave.node_id, sid, batch.ack_now))
+        if batch.write_needed:
+            if batch.truncate_after_lsn is not None:
+                del slave.log[batch.truncate_after_lsn :]
+            slave.log.extend(batch.entries)
+            assert len(slave.log) == batch.last_lsn
+            written = slave.follower.on_written(batch.last_lsn, synced=batch.sync)
+            self.to_master.append((slave.node_id, sid, written))
+
+    def refused(self, slave: SlaveNode, refusal: Refusal) -> bool:
+        slave.refusals.append(refusal)
+        slave.inbox.clear()
+        if refusal.code == RefusalCode.STALE_EPOCH:
+            self.apply(self.master.observe_epoch(refusal.epoch))
+        self.apply(self.master.disconnected(slave.node_id, slave.stream_id))
+        return True
+
+    def deliver_to_master(self) -> bool:
+        if not self.to_master:
+            return False
+        node, sid, msg = self.to_master.popleft()
+        if isinstance(msg, HelloAccepted):
+            pos = msg.position
+            actions = self.master.on_position(
+                node, sid, last_epoch=pos.last_epoch, last_lsn=pos.last_lsn, history=pos.history
+            )
+        else:
+            actions = self.master.on_ack(
+                node,
+                sid,
+                received_lsn=msg.received_lsn,
+                written_lsn=msg.written_lsn,
+                synced_lsn=msg.synced_lsn,
+            )
+        self.apply(actions)
+        return True
+
+    def run(self, steps_max: int = 100_000) -> None:
+        """Delivers every message until nothing moves (paused slaves keep theirs)."""
+        for _ in range(steps_max):
+            moved = self.deliver_to_master()
+            for node in self.slaves:
+                moved = self.deliver_to_slave(node) or moved
+            if not moved:
+                return
+        raise AssertionError("the cluster did not settle")
+
+    def converged(self) -> bool:
+        return all(s.log == self.log for s in self.slaves.values())
+
+
+def test_a_paused_slave_fills_its_window_while_majority_commits_on_the_others() -> None:
+    cluster = Cluster(window_entries=4)
+    cluster.start()
+    cluster.run()
+    cluster.slaves["3"].paused = True
+    for _ in range(30):
+        cluster.append(1)
+        cluster.run()
+    assert cluster.master.commit_lsn == 31
+    assert cluster.completed == [f"w{lsn}" for lsn in range(2, 32)]
+    progress = cluster.master.progress("3")
+    assert progress.state == SlaveState.PAUSED
+    assert progress.inflight_entries == 4
+    # Memory stays bounded: the paused slave's stream never held more than its window.
+    assert cluster.slaves["3"].inbox_entries() <= 4
+    assert cluster.max_inbox_entries <= 4
+    # Resumed, it is sent the backlog from where it left off and catches up.
+    cluster.slaves["3"].paused = False
+    cluster.run()
+    assert cluster.converged()
+    assert cluster.master.progress("3").state == SlaveState.STREAMING
+    assert cluster.master.progress("3").written_lsn == 31
+
+
+def test_with_all_acks_a_paused_slave_stops_the_commit_and_slows_writers() -> None:
+    cluster = Cluster(acks=AckPolicy.ALL, window_entries=4, pending_max=8)
+    cluster.start()
+    cluster.run()
+    cluster.slaves["3"].paused = True
+    written = 0
+    for _ in range(30):
+        if cluster.master.write_room == 0:
+            break  # the driver holds new writes back: publishers slow down
+        cluster.append(1)
+        written += 1
+        cluster.run()
+    assert written == 8 and cluster.master.write_room == 0
+    assert cluster.master.commit_lsn == 1  # nothing of the paused window is acknowledged
+    assert cluster.completed == []
+    assert cluster.max_inbox_entries <= 4
+    cluster.slaves["3"].paused = False
+    cluster.run()
+    assert cluster.master.commit_lsn == 9
+    assert cluster.completed == [f"w{lsn}" for lsn in range(2, 10)]
+    assert cluster.master.write_room == 8
+
+
+def test_the_byte_window_bounds_a_slave_with_big_entries() -> None:
+    size = 1000
+    cost = entry_size_bytes(entry(1, 1, size))
+    cluster = Cluster(window_entries=100, window_bytes=3 * cost)
+    cluster.start()
+    cluster.run()
+    cluster.slaves["3"].paused = True
+    for _ in range(10):
+        cluster.append(1, size=size)
+        cluster.run()
+    progress = cluster.master.progress("3")
+    assert progress.inflight_bytes <= 3 * cost
+    assert progress.state == SlaveState.PAUSED
+    assert cluster.master.commit_lsn == 11
+    cluster.slaves["3"].paused = False
+    cluster.run()
+    assert cluster.converged()
+
+
+def test_a_reconnected_slave_is_sent_the_backlog_from_its_position() -> None:
+    cluster = Cluster()
+    cluster.start()
+    cluster.append(5)
+    cluster.run()
+    cluster.disconnect("3")
+    cluster.append(20)
+    cluster.run()
+    assert cluster.slaves["3"].log == cluster.log[:6]
+    assert cluster.master.progress("3").state == SlaveState.DISCONNECTED
+    cluster.connect("3")
+    cluster.deliver_to_slave("3")  # the Hello
+    while cluster.to_master:
+        if cluster.to_master[0][0] == "3":
+            break
+        cluster.deliver_to_master()
+    cluster.deliver_to_master()  # slave 3's Position
+    (batch,) = list(cluster.slaves["3"].inbox)
+    assert isinstance(batch, Batch)
+    assert batch.entries[0].lsn == 7 and batch.truncate_after_lsn is None
+    cluster.run()
+    assert cluster.converged()
+
+
+def test_a_divergent_suffix_from_a_deposed_master_is_truncated() -> None:
+    # Epoch 1 wrote LSNs 1..5 everywhere; node 3 was master of epoch 2 and wrote 6..9
+    # only to itself (never committed); node 1 is master of epoch 3.
+    common = [entry(lsn, 1) for lsn in range(1, 6)]
+    stale = common + [entry(lsn, 2, size=3) for lsn in range(6, 10)]
+    cluster = Cluster(
+        master_log=common, slave_logs={"2": common, "3": stale}, epoch=3, window_entries=3
+    )
+    cluster.start()
+    cluster.append(6)
+    cluster.run()
+    assert cluster.converged()
+    assert [e.epoch for e in cluster.slaves["3"].log] == [1] * 5 + [3] * 7
+    assert cluster.slaves["3"].follower.state().history == ((1, 1), (3, 6))
+
+
+def test_a_store_that_cannot_undo_gets_a_snapshot_instead_of_a_truncation() -> None:
+    common = [entry(lsn, 1) for lsn in range(1, 6)]
+    stale = common + [entry(lsn, 2, size=3) for lsn in range(6, 10)]
+    cluster = Cluster(
+        master_log=common, slave_logs={"2": common, "3": stale}, epoch=3, truncate_by_snapshot=True
+    )
+    truncations: list[int | None] = []
+    apply = cluster.apply
+
+    def watch(actions: Actions[str]) -> None:
+        truncations.extend(g.truncate_after_lsn for g in actions.sends)
+        apply(actions)
+
+    cluster.apply = watch  # type: ignore[method-assign]
+    cluster.start()
+    cluster.append(3)
+    cluster.run()
+    assert cluster.converged()
+    assert [node for node, _ in cluster.snapshots_sent] == ["3"]
+    assert set(truncations) == {None}
+
+
+def test_a_log_entirely_from_a_deposed_master_is_truncated_to_nothing() -> None:
+    # Node 3 mastered epoch 1 alone and wrote LSNs 1..3 that nobody else has; node 1
+    # masters epoch 2 from an empty log. "Truncate after LSN 0" must be expressible.
+    stale = [entry(lsn, 1) for lsn in range(1, 4)]
+    cluster = Cluster(slave_logs={"3": stale}, epoch=2)
+    cluster.start()
+    (first,) = [m for m in cluster.slaves["3"].inbox if isinstance(m, Hello)]
+    assert first.epoch == 2
+    cluster.run()
+    assert cluster.converged()
+    assert cluster.slaves["3"].log == [entry(1, 2)]
+
+
+def test_a_slave_behind_the_retained_log_gets_a_snapshot_then_the_tail() -> None:
+    cluster = Cluster()
+    cluster.start()
+    cluster.append(4)
+    cluster.run()
+    cluster.disconnect("3")
+    cluster.append(20)
+    cluster.run()
+    cluster.compact(15)  # LSNs 1..14 are gone from the log
+    assert cluster.master.retain_from_lsn() == 15
+    cluster.connect("3")
+    cluster.deliver_to_slave("3")
+    while cluster.to_master:
+        cluster.deliver_to_master()
+    assert cluster.snapshots_sent == [("3", 25)]
+    assert cluster.master.progress("3").state == SlaveState.SNAPSHOTTING
+    assert cluster.master.retain_from_lsn() == 26  # the tail after the snapshot stays
+    cluster.append(3)  # writes go on during the snapshot
+    cluster.run()
+    assert cluster.converged()
+    assert cluster.master.progress("3").state == SlaveState.STREAMING
+    assert cluster.slaves["3"].follower.state().snapshot_lsn == 25
+    assert len(cluster.snapshots_sent) == 1  # no endless chase
+
+
+def test_a_stale_master_is_refused_by_slaves_and_deposed() -> None:
+    cluster = Cluster(epoch=2)
+    cluster.start()
+    cluster.append(3)
+    cluster.run()
+    cluster.append(2)  # the writes in flight when the coordinators move on
+    for slave in cluster.slaves.values():
+        slave.follower.set_role(3, "4")  # a new group formed around another node
+    cluster.run()
+    codes = {r.code for s in cluster.slaves.values() for r in s.refusals}
+    assert codes == {RefusalCode.STALE_EPOCH}
+    assert "epoch 3 superseded epoch 2" in cluster.master.deposed
+    assert cluster.failed == ["w5", "w6"]
+    assert cluster.master.commit_lsn == 4
+    assert all(s.log == cluster.log[:4] for s in cluster.slaves.values())
+
+
+def test_heartbeats_go_to_idle_slaves_and_carry_the_commit() -> None:
+    master = new_master()
+    sid2 = stream(master, "2")
+    stream(master, "3")
+    assert master.tick(0).heartbeats == ()  # both were just sent their first batch
+    assert master.tick(50).heartbeats == ()  # not yet due
+    assert master.tick(100).heartbeats == ("2", "3")
+    send_all(master, master.on_appended(2, synced=True))
+    actions = ack(master, "2", sid2, 2, 2, 2)
+    assert actions.commit_lsn == 2
+    # Node 2 was sent entries, but its batch carried commit 0: it hears of 2.
+    assert master.tick(200).heartbeats == ("2", "3")
+    with pytest.raises(ReplicationError, match="backwards"):
+        master.tick(150)
+
+
+def test_driver_mistakes_raise() -> None:
+    master = new_master()
+    sid = master.connect("2")
+    with pytest.raises(ReplicationError, match="not a slave"):
+        master.connect("9")
+    with pytest.raises(ReplicationError, match="without a grant"):
+        master.on_sent("2", sid, 0, 0)
+    master.on_appended(3, synced=True)
+    with pytest.raises(ReplicationError, match="already ends at 3"):
+        master.on_appended(2, synced=True)
+    with pytest.raises(ReplicationError, match="outside this epoch's appended log"):
+        master.register_write(4, "x")
+    master.register_write(3, "x")
+    with pytest.raises(ReplicationError, match="registered after LSN 3"):
+        master.register_write(2, "y")
+    small = new_master(config(pending_writes_max=1))
+    small.on_appended(2, synced=True)
+    small.register_write(1, "a")
+    with pytest.raises(ReplicationError, match="write room"):
+        small.register_write(2, "b")
+
+
+# --- random runs
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_random_runs_keep_the_invariants_and_converge(seed: int) -> None:
+    rng = random.Random(seed)
+    acks = rng.choice(list(AckPolicy))
+    policy = rng.choice(list(SyncPolicy))
+    window = rng.randrange(1, 6)
+    nodes = ("1", "2", "3", "4", "5")[: rng.choice([2, 3, 5])]
+    cluster = Cluster(
+        nodes=nodes,
+        acks=acks,
+        replica_sync=policy,
+        window_entries=window,
+        window_bytes=rng.choice([1 << 20, 3 * entry_size_bytes(entry(1, 1, 20))]),
+        pending_max=rng.randrange(4, 40),
+    )
+    cluster.start()
+    slaves = list(cluster.slaves)
+    now_ms = 0
+    where = f"reproduce with seed={seed} ({acks.name}, {policy.name}, window {window})"
+    for _ in range(300):
+        op = rng.random()
+        node = rng.choice(slaves)
+        slave = cluster.slaves[node]
+        if op < 0.3:
+            if cluster.master.write_room:
+                cluster.append(
+                    rng.randrange(1, 1 + min(3, cluster.master.write_room)),
+                    size=rng.randrange(1, 40),
+                )
+        elif op < 0.4:
+            slave.paused = not slave.paused
+        elif op < 0.45:
+            if slave.stream_id:
+                cluster.disconnect(node)
+            cluster.connect(node)
+        elif op < 0.48:
+            start = rng.randrange(cluster.log_start, len(cluster.log) + 2)
+            cluster.compact(start)
+        elif op < 0.55:
+            now_ms += rng.randrange(0, 200)
+            cluster.apply(cluster.master.tick(now_ms))
+        elif op < 0.8:
+            cluster.deliver_to_slave(node)
+        else:
+            cluster.deliver_to_master()
+        assert cluster.max_inbox_entries <= window, where
+        assert cluster.master.pending_writes <= cluster.cfg.pending_writes_max, where
+    for slave in cluster.slaves.values():
+        slave.paused = False
+    cluster.run()
+    assert cluster.converged(), where
+    assert cluster.master.commit_lsn == len(cluster.log), where
+    assert cluster.master.pending_writes == 0, where
+    # Only acks and Positions still queued from a replaced stream were refused.
+    assert set(cluster.rejections) <= {RejectCode.STALE_STREAM}, where
+    assert [r for s in cluster.slaves.values() for r in s.refusals] == [], where
+
+
+def _cluster_history(rng: random.Random, nodes: int) -> list[list[Entry]]:
+    """Logs left by a few epochs of masters appending and replicas copying prefixes of
+    the master's log (log matching holds; suffixes of deposed masters diverge)."""
+    logs: list[list[Entry]] = [[] for _ in range(nodes)]
+    uid = 0
+    for epoch in range(1, rng.randrange(2, 8)):
+        master = rng.randrange(nodes)
+        for _ in range(rng.randrange(1, 4)):
+            for _ in range(rng.randrange(1, 4)):
+                uid += 1
+                op = uid.to_bytes(4, "big")
+                log = logs[master]
+                log.append(Entry(len(log) + 1, epoch, zlib.crc32(op), op))
+            for node in range(nodes):
+                if node != master and rng.random() < 0.5:
+                    fork = 0
+                    while (
+                        fork < min(len(logs[node]), len(logs[master]))
+                        and logs[node][fork] == logs[master][fork]
+                    ):
+                        fork += 1
+                    upto = rng.randrange(fork, len(logs[master]) + 1)
+                    logs[node] = logs[node][:fork] + logs[master][fork:upto]
+    return logs
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_random_divergent_logs_are_brought_to_the_new_masters(seed: int) -> None:
+    """After random epochs, the member with the highest (last epoch, last LSN) masters the
+    next epoch: every other log is truncated where it parts from the master's and
+    streamed the rest, and the new epoch's writes commit everywhere."""
+    rng = random.Random(seed)
+    count = rng.choice([2, 3, 5])
+    logs = _cluster_history(rng, count)
+    logs.sort(key=lambda log: (log[-1].epoch, len(log)) if log else (0, 0), reverse=True)
+    epoch = max((log[-1].epoch for log in logs if log), default=0) + 1
+    nodes = tuple(str(i) for i in range(1, count + 1))
+    cluster = Cluster(
+        nodes=nodes,
+        master_log=logs[0],
+        slave_logs={str(i + 1): logs[i] for i in range(1, count)},
+        epoch=epoch,
+        window_entries=rng.randrange(1, 5),
+    )
+    cluster.start()
+    cluster.append(rng.randrange(1, 6))
+    cluster.run()
+    where = f"reproduce with seed={seed}"
+    assert cluster.converged(), where
+    assert cluster.master.commit_lsn == len(cluster.log), where
+    assert [r for s in cluster.slaves.values() for r in s.refusals] == [], where
+    for slave in cluster.slaves.values():
+        assert slave.follower.state().history == cluster.master.history, where
+    assert sorted(cluster.completed, key=lambda t: int(t[1:])) == cluster.completed, where
