@@ -28,7 +28,7 @@ protos-check: install
 
 lint: install
 	$(BIN)/ruff check services clients tests scripts deploy bench examples
-	$(BIN)/mypy services clients/squall deploy scripts
+	$(BIN)/mypy services clients/squall deploy scripts bench
 
 test: install protos-check lint
 	$(BIN)/pytest -q -p no:cacheprovider $(PYTEST_ARGS)

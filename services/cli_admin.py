@@ -62,7 +62,7 @@ def _call(
             return reply
         except grpc.RpcError as exc:
             raise AdminError(
-                f"node {node_id}: {exc.code().name}: {exc.details()}"  # type: ignore[attr-defined]
+                f"node {node_id}: {exc.code().name}: {exc.details()}"
             ) from None
 
 
@@ -87,10 +87,10 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     targets = config.nodes if not args.node else [config.node(n) for n in args.node]
     failures = 0
     for node in targets:
-        request = coordinator_pb2.SetQuorumOverrideRequest(required=args.count, operator=operator)
+        override = coordinator_pb2.SetQuorumOverrideRequest(required=args.count, operator=operator)
         try:
             reply = _call(
-                node.coordinator_address, node.id, "SetQuorumOverride", request, args.timeout
+                node.coordinator_address, node.id, "SetQuorumOverride", override, args.timeout
             )
         except AdminError as exc:
             print(f"squall: {exc}", file=out)
