@@ -76,6 +76,7 @@ class LocalCluster:
             self.start("gateway", gateway.id)
         if wait_for_master:
             self.wait_for_master()
+            self.wait_for_one_cluster_id()
 
     def statuses(self) -> dict[str, coordinator_pb2.CoordinatorStatus]:
         """Every reachable coordinator's status."""
@@ -106,6 +107,36 @@ class LocalCluster:
                     return node_id
             time.sleep(0.05)
         raise TimeoutError(f"no master elected within {timeout_s}s: {self.statuses()}")
+
+    def wait_for_one_cluster_id(self, timeout_s: float = 10.0) -> str:
+        """Waits until every running replica reports the same, non-empty cluster id.
+
+        Slaves learn the id from their master shortly after the first group forms; a
+        test that kills the first master before that would make the next master mint
+        another id (a known first-formation race, see docs/status.md).
+        """
+        deadline = time.monotonic() + timeout_s
+        ids: set[str] = set()
+        while time.monotonic() < deadline:
+            ids = set()
+            for node in self.config.nodes:
+                service = self.services.get(("replica", node.id))
+                if service is None or service.process.poll() is not None:
+                    continue
+                with grpc.insecure_channel(node.replica_address) as channel:
+                    stub = replica_pb2_grpc.ReplicaControlStub(channel)
+                    try:
+                        state = stub.GetReplicaState(
+                            replica_pb2.GetReplicaStateRequest(), timeout=2
+                        )
+                    except grpc.RpcError:
+                        ids.add("")
+                        continue
+                    ids.add(state.cluster_id)
+            if len(ids) == 1 and "" not in ids:
+                return ids.pop()
+            time.sleep(0.05)
+        raise TimeoutError(f"replicas did not agree on a cluster id: {ids}")
 
     def replica_role(self, node_id: str) -> int:
         """The role a node's replica reports (ROLE_UNSPECIFIED if unreachable)."""
