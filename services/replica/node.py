@@ -675,6 +675,10 @@ class ReplicaNode:
                     hello.master_id,
                     hello.epoch,
                 )
+            if self.store.meta().state != common_pb2.STORE_STATE_DIRTY:
+                # A store that follows a master is in use: a restart must not take it for
+                # an empty (or cleanly shut down) one.
+                self.store.set_state(common_pb2.STORE_STATE_DIRTY)
             self._stream_seq += 1
             position = result.position
             log.info(
