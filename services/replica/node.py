@@ -501,13 +501,16 @@ class ReplicaNode:
                 f"in an epoch above {self._role_epoch_floor}",
             )
         self.command_seq = command.seq
-        self._lease_until_ms = (
-            self.clock.monotonic_ms() + command.lease_ms if command.lease_ms else 0
-        )
         if renewal:
+            self._renew_lease(command.lease_ms)
             if role == common_pb2.ROLE_MASTER and command.members:
                 self._renew_members([m.node_id for m in command.members])
             return
+        if role == common_pb2.ROLE_INACTIVE:
+            await self.deactivate(command.reason or "coordinator")
+            return
+        # The lease runs from when the role is taken: taking it may take a while (a
+        # reorganization fetch), and no renewal can arrive meanwhile.
         if role == common_pb2.ROLE_MASTER:
             await self.become_master(
                 command.epoch,
@@ -515,13 +518,14 @@ class ReplicaNode:
                 members=[m.node_id for m in command.members],
                 sync_source_id=command.sync_source_id,
             )
-            return
-        if role == common_pb2.ROLE_INACTIVE:
-            await self.deactivate(command.reason or "coordinator")
-            return
-        if master is None:
-            raise ServiceError(Code.INVALID_ARGUMENT, "a slave role needs a master")
-        await self._become_slave(command.epoch, master, command.reason)
+        else:
+            if master is None:
+                raise ServiceError(Code.INVALID_ARGUMENT, "a slave role needs a master")
+            await self._become_slave(command.epoch, master, command.reason)
+        self._renew_lease(command.lease_ms)
+
+    def _renew_lease(self, lease_ms: int) -> None:
+        self._lease_until_ms = self.clock.monotonic_ms() + lease_ms if lease_ms else 0
 
     def _renew_members(self, member_ids: list[str]) -> None:
         """A master renewal naming fewer members: the group shrank within the epoch."""
@@ -782,9 +786,7 @@ class ReplicaNode:
         meta = self.store.meta()
         who = f"replica {self.node.id} (epoch {meta.epoch}, last LSN {meta.last_lsn})"
         if self.role == common_pb2.ROLE_MASTER:
-            raise self._refused(
-                Code.FAILED_PRECONDITION, f"{who} is a master: its log still grows"
-            )
+            raise self._refused(Code.FAILED_PRECONDITION, f"{who} is a master: its log still grows")
         if request.cluster_id and meta.cluster_id and request.cluster_id != meta.cluster_id:
             raise ServiceError(
                 Code.FAILED_PRECONDITION,
@@ -1018,9 +1020,7 @@ def _finish_appended(batch: list[_Pending]) -> None:
         future = pending.future
         if future.done() and not future.cancelled() and future.exception() is not None:
             error = future.exception()
-            appended.set_exception(
-                error if error is not None else RuntimeError("write failed")
-            )
+            appended.set_exception(error if error is not None else RuntimeError("write failed"))
         else:
             appended.set_result(None)
 

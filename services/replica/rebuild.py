@@ -47,9 +47,7 @@ class LmdbTruncator:
         staging = self.data_dir / _STAGING_DIR
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        fresh = Store.open_lmdb(
-            staging, self.map_size_bytes, dedupe_window=self.dedupe_window
-        )
+        fresh = Store.open_lmdb(staging, self.map_size_bytes, dedupe_window=self.dedupe_window)
         try:
             next_lsn = 1
             # One replay step per batch of entries: bounded by the log's length.
@@ -90,9 +88,7 @@ class LmdbTruncator:
         finally:
             os.close(dir_fd)
         shutil.rmtree(staging, ignore_errors=True)
-        return Store.open_lmdb(
-            self.data_dir, self.map_size_bytes, dedupe_window=self.dedupe_window
-        )
+        return Store.open_lmdb(self.data_dir, self.map_size_bytes, dedupe_window=self.dedupe_window)
 
     def discard(self) -> None:
         """Removes a staging directory left by a crash."""
