@@ -113,6 +113,9 @@ class LimitsConfig:
     commit_batch_max_entries: int = 256
     subscribe_batch_max_events: int = 1000
     log_retention_entries: int = 1000000
+    replication_inflight_entries_max: int = 1024
+    replication_inflight_bytes_max: int = 8 * MiB
+    replication_pending_writes_max: int = 65536
 
     @property
     def max_topic_name_bytes(self) -> int:
@@ -608,6 +611,10 @@ _LIMIT_BOUNDS: Mapping[str, tuple[int, int]] = {
     "commit_batch_max_entries": (1, 100_000),
     "subscribe_batch_max_events": (1, 1_000_000),
     "log_retention_entries": (1, 2**40),
+    # The upper bounds are the replication core's (services/replica/replication.py).
+    "replication_inflight_entries_max": (1, 1 << 20),
+    "replication_inflight_bytes_max": (1, 1 << 36),
+    "replication_pending_writes_max": (1, 1 << 24),
 }
 
 
@@ -634,6 +641,16 @@ def _validate_limits(limits: LimitsConfig) -> None:
             "commit_batch_max_entries",
             "log_retention_entries",
             "the retained log must hold at least one commit batch",
+        ),
+        (
+            "commit_batch_max_entries",
+            "replication_inflight_entries_max",
+            "one replication message carries a commit batch",
+        ),
+        (
+            "replication_inflight_bytes_max",
+            "max_message_bytes",
+            "a full replication window must fit in one gRPC message",
         ),
     )
     for smaller, larger, why in orderings:

@@ -10,8 +10,9 @@ import sys
 from services.common.config import ClusterConfig, NodeConfig, load_config_or_exit
 from services.common.grpc_server import ServiceServer, run_until_signalled
 from services.common.logs import setup_logging
-from services.replica import server
+from services.replica import replication_server, server
 from services.replica.node import ReplicaNode
+from services.replica.rebuild import LmdbTruncator
 from services.replica.store import Store, StoreError
 from squall.v1 import broker_pb2, broker_pb2_grpc, replica_pb2, replica_pb2_grpc
 
@@ -22,6 +23,7 @@ SERVICE_NAMES = [
     broker_pb2.DESCRIPTOR.services_by_name["Publisher"].full_name,
     broker_pb2.DESCRIPTOR.services_by_name["Subscriber"].full_name,
     replica_pb2.DESCRIPTOR.services_by_name["ReplicaControl"].full_name,
+    replica_pb2.DESCRIPTOR.services_by_name["Replication"].full_name,
 ]
 
 
@@ -33,7 +35,13 @@ async def serve(config: ClusterConfig, node_config: NodeConfig, stop: asyncio.Ev
         map_size_bytes=config.limits.map_size_bytes,
         dedupe_window=config.limits.dedupe_window,
     )
-    node = ReplicaNode(config, node_config, store)
+    truncator = LmdbTruncator(
+        node_config.data_dir,
+        map_size_bytes=config.limits.map_size_bytes,
+        dedupe_window=config.limits.dedupe_window,
+    )
+    truncator.discard()  # a truncation interrupted by a crash is redone when needed
+    node = ReplicaNode(config, node_config, store, truncator=truncator)
     grpc_server = ServiceServer(
         node_config.replica_address, SERVICE_NAMES, config.limits.max_message_bytes
     )
@@ -45,6 +53,9 @@ async def serve(config: ClusterConfig, node_config: NodeConfig, stop: asyncio.Ev
     replica_pb2_grpc.add_ReplicaControlServicer_to_server(
         server.ReplicaControl(node), grpc_server.server
     )
+    replica_pb2_grpc.add_ReplicationServicer_to_server(
+        replication_server.Replication(node), grpc_server.server
+    )
     try:
         await node.start()
         await grpc_server.start()
@@ -55,7 +66,7 @@ async def serve(config: ClusterConfig, node_config: NodeConfig, stop: asyncio.Ev
     finally:
         await grpc_server.stop()
         await node.stop()
-        store.close()
+        node.store.close()  # the node may have reopened it (a truncation)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,17 +3,26 @@
 All writes go through one writer task. It drains every command waiting (up to a bounded
 batch), plans them with a `BatchBuilder`, appends the whole batch to the store in one
 transaction on a dedicated thread (so fsync never blocks the event loop), and only then
-answers the callers: a publish is acknowledged once it is durable under the master's
-sync policy. Readers see only what the writer has committed.
+registers each command with the replication core (``master_driver``): a write is
+acknowledged only once its entry is committed (held by the replicas the ack policy
+requires, each under its sync policy). As a slave the node applies the master's stream
+(``replication_hello``/``replication_batch``, driven by the pure ``Follower``). Readers
+on either side see only committed entries (``CommitGate``).
+
+Reorganization: before a new master writes its epoch-start entry it fetches the log it
+lacks from the group's sync source (``Replication.FetchLog``), truncating a divergent
+suffix of its own first (by rebuilding the store from its log, ``rebuild``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import uuid
 from collections import deque
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -24,14 +33,28 @@ from services.common.errors import Code, ServiceError
 from services.common.grpc_server import channel_options
 from services.replica import commands
 from services.replica.commands import BatchBuilder, Command, Planned
+from services.replica.divergence import HistoryError, fork_lsn
+from services.replica.follower import Follower, FollowerConfig, FollowerError, Refusal
+from services.replica.master_driver import EPOCH_KEY, MasterDriver, Waiting
+from services.replica.rebuild import LmdbTruncator
+from services.replica.replication import (
+    Ack,
+    AckPolicy,
+    MasterConfig,
+    ReplicationError,
+    ReplicationMaster,
+    SyncPolicy,
+)
 from services.replica.store import (
     CorruptRecordError,
     Store,
     StoreError,
     StoreFullError,
+    StoreMeta,
     TopicInfo,
 )
 from services.replica.transient import TransientTopics
+from services.replica.visibility import CommitGate
 from squall.v1 import broker_pb2, common_pb2, replica_pb2, replica_pb2_grpc
 
 log = logging.getLogger("squall.replica")
@@ -44,6 +67,8 @@ MASTER_ADDRESS_KEY = "squall-master-address"
 class _Pending:
     command: Command
     future: asyncio.Future[Planned]
+    # Set once the command's entry is appended locally (before it commits).
+    appended: asyncio.Future[None] | None = None
 
 
 class ReplicaNode:
@@ -55,11 +80,15 @@ class ReplicaNode:
         node: NodeConfig,
         store: Store,
         clock: Clock | None = None,
+        *,
+        truncator: LmdbTruncator | None = None,
     ) -> None:
         self.config = config
         self.node = node
         self.store = store
         self.clock = clock or SystemClock()
+        # Truncates a divergent log suffix; None: refuse truncation (the memory twin).
+        self.truncator = truncator
         self.role = common_pb2.ROLE_INACTIVE
         self.epoch = store.meta().epoch
         self.master: NodeConfig | None = None
@@ -77,10 +106,20 @@ class ReplicaNode:
         # Held while a batch is being written, so a deactivation can wait for it and then
         # report a log that no longer grows.
         self._commit_lock = asyncio.Lock()
+        # Role commands are applied one at a time (a become_master may wait on a fetch).
+        self._role_lock = asyncio.Lock()
+        # Committed reads: what a subscriber may see. Entries stored before this process
+        # started count as visible (their commit state is unknown at start-up).
+        self.gate = CommitGate(self._last_lsn)
+        # The master's replication for its epoch, and a slave's follower.
+        self._driver: MasterDriver | None = None
+        self._deposed = ""
+        self._follower: Follower | None = None
+        # Each accepted replication stream gets a number; older streams are refused.
+        self._stream_seq = 0
         # The seq of the last role command applied, and when the role lapses unless renewed.
         self.command_seq = 0
         self._lease_until_ms = 0
-        self._learner: asyncio.Task[None] | None = None
         # A role is taken afresh only in an epoch above every epoch this store has held a
         # role in: a replica that restarted or dropped its role must not resume an epoch
         # whose group may have moved on without it.
@@ -103,7 +142,10 @@ class ReplicaNode:
 
     async def stop(self) -> None:
         """Stops the writer and fails anything still queued as indeterminate."""
-        for task in (self._lease_task, self._writer, self._learner):
+        if self._driver is not None:
+            await self._driver.stop(f"replica {self.node.id} stopping")
+            self._driver = None
+        for task in (self._lease_task, self._writer):
             if task is not None:
                 task.cancel()
                 try:
@@ -118,8 +160,16 @@ class ReplicaNode:
                 )
         self._io.shutdown(wait=True)
 
-    async def become_master(self, epoch: int, *, reason: str) -> None:
-        """Takes the master role in `epoch`: persists the epoch, then writes its start."""
+    async def become_master(
+        self,
+        epoch: int,
+        *,
+        reason: str,
+        members: Sequence[str] = (),
+        sync_source_id: str = "",
+    ) -> None:
+        """Takes the master role in `epoch`: persists the epoch, brings the log to the sync
+        source's, starts replication to the members, then writes the epoch start."""
         meta = self.store.meta()
         if self.role == common_pb2.ROLE_MASTER and epoch == self.epoch:
             return  # a renewal of the role it holds
@@ -128,23 +178,223 @@ class ReplicaNode:
                 Code.FAILED_PRECONDITION,
                 f"epoch {epoch} is older than this replica's epoch {meta.epoch}",
             )
+        member_nodes = self._member_nodes(members)
+        if self.role != common_pb2.ROLE_INACTIVE:
+            await self.deactivate(f"taking the master role in epoch {epoch}")
+        self.store.set_epoch(epoch)
+        self.epoch = epoch
+        if sync_source_id and sync_source_id != self.node.id:
+            await self._sync_from(sync_source_id, epoch)
+        meta = self.store.meta()
         if not meta.cluster_id:
             cluster_id = uuid.uuid4().hex
             self.store.set_cluster_id(cluster_id)
             log.info("replica %s: new cluster id %s", self.node.id, cluster_id)
+            meta = self.store.meta()
         self.store.set_state(common_pb2.STORE_STATE_DIRTY)
-        self.store.set_epoch(epoch)
-        self.epoch = epoch
+        self._last_lsn = meta.last_lsn
+        core = self._new_core(epoch, [n.id for n in member_nodes], meta)
+        self._deposed = ""
+        self._driver = MasterDriver(
+            self.config,
+            self.node,
+            core,
+            lambda: self.store,
+            cluster_id=meta.cluster_id,
+            members=member_nodes,
+            clock=self.clock,
+            on_commit=self._advance_commit,
+            on_deposed=self._master_deposed,
+        )
         self.role = common_pb2.ROLE_MASTER
         self.master = self.node
-        await self._submit(commands.StartEpoch(epoch=epoch, master_id=self.node.id))
+        self._driver.start()
+        loop = asyncio.get_running_loop()
+        appended: asyncio.Future[None] = loop.create_future()
+        started = self._submit(
+            commands.StartEpoch(epoch=epoch, master_id=self.node.id), appended=appended
+        )
+        started.add_done_callback(self._epoch_start_done)
+        # Wait for the local append only: the commit needs the slaves, which take their
+        # role from their own coordinators meanwhile.
+        await appended
         log.info(
-            "replica %s is master: epoch=%d lsn=%d reason=%s",
+            "replica %s is master: epoch=%d lsn=%d members=%s sync_source=%s reason=%s",
             self.node.id,
             epoch,
             self._last_lsn,
+            ",".join(n.id for n in member_nodes),
+            sync_source_id or self.node.id,
             reason,
         )
+
+    def _epoch_start_done(self, future: asyncio.Future[Planned]) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            log.warning(
+                "replica %s: epoch %d start entry did not commit: %s",
+                self.node.id,
+                self.epoch,
+                future.exception(),
+            )
+
+    def _member_nodes(self, members: Sequence[str]) -> list[NodeConfig]:
+        """The configured nodes of a role command's members (this node alone if none)."""
+        by_id = {n.id: n for n in self.config.nodes}
+        out: list[NodeConfig] = []
+        for member in members or (self.node.id,):
+            if member not in by_id:
+                raise ServiceError(Code.INVALID_ARGUMENT, f"unknown member node id '{member}'")
+            out.append(by_id[member])
+        if self.node.id not in {n.id for n in out}:
+            out.append(self.node)
+        return out
+
+    def _new_core(
+        self, epoch: int, member_ids: list[str], meta: StoreMeta
+    ) -> ReplicationMaster[Waiting]:
+        """The replication core for one master epoch, from the configuration."""
+        durability = self.config.durability
+        limits = self.config.limits
+        nodes = tuple(n.id for n in self.config.nodes)
+        majority = len(nodes) // 2 + 1
+        # The coordinator only forms a group smaller than a majority under an operator's
+        # quorum override or a designated primary; the commit count follows its decision.
+        override = len(member_ids) if len(member_ids) < majority else 0
+        config = MasterConfig(
+            node_id=self.node.id,
+            nodes=nodes,
+            acks=AckPolicy(int(durability.acks)),
+            master_sync=SyncPolicy(int(durability.master_sync)),
+            replica_sync=SyncPolicy(int(durability.replica_sync)),
+            inflight_entries_max=limits.replication_inflight_entries_max,
+            inflight_bytes_max=limits.replication_inflight_bytes_max,
+            pending_writes_max=limits.replication_pending_writes_max,
+            heartbeat_interval_ms=self.config.timeouts.heartbeat_interval_ms,
+            quorum_override=override,
+            truncate_by_snapshot=self.truncator is None,
+        )
+        try:
+            return ReplicationMaster(
+                config,
+                epoch=epoch,
+                members=member_ids,
+                last_lsn=meta.last_lsn,
+                history=meta.history,
+            )
+        except ReplicationError as exc:
+            raise ServiceError(
+                Code.FAILED_PRECONDITION,
+                f"replica {self.node.id} cannot be master of epoch {epoch}: {exc}",
+            ) from exc
+
+    async def _sync_from(self, source_id: str, epoch: int) -> None:
+        """Reorganization: fetches the log after this node's from the sync source."""
+        source = next((n for n in self.config.nodes if n.id == source_id), None)
+        if source is None:
+            raise ServiceError(Code.INVALID_ARGUMENT, f"unknown sync source '{source_id}'")
+        options = channel_options(self.config.limits.max_message_bytes)
+        timeout_s = self.config.timeouts.rpc_timeout_ms / 1000
+        sync = self.config.durability.master_sync == common_pb2.SYNC_POLICY_SYNC
+        fetched = 0
+        async with grpc.aio.insecure_channel(source.replica_address, options=options) as channel:
+            stub = replica_pb2_grpc.ReplicationStub(channel)
+            # Twice at most: once more after truncating a divergent suffix.
+            for _ in range(2):
+                meta = self.store.meta()
+                request = replica_pb2.FetchLogRequest(
+                    node_id=self.node.id,
+                    epoch=epoch,
+                    cluster_id=meta.cluster_id,
+                    last_lsn=meta.last_lsn,
+                    history=[
+                        replica_pb2.EpochBoundary(epoch=b.epoch, start_lsn=b.start_lsn)
+                        for b in meta.history
+                    ],
+                    max_entries=self.config.limits.commit_batch_max_entries,
+                )
+                try:
+                    async for batch in stub.FetchLog(request, timeout=timeout_s):
+                        if batch.truncate_after_lsn and batch.truncate_after_lsn < meta.last_lsn:
+                            raise _Diverged(batch.truncate_after_lsn)
+                        entries = list(batch.entries)
+                        if not entries:
+                            continue
+                        async with self._commit_lock:
+                            await asyncio.get_running_loop().run_in_executor(
+                                self._io, functools.partial(self.store.append, entries, sync=sync)
+                            )
+                        fetched += len(entries)
+                    break
+                except _Diverged as diverged:
+                    await self._truncate_after(diverged.fork_lsn, f"sync source {source_id}")
+                except grpc.aio.AioRpcError as exc:
+                    code = (
+                        Code.FAILED_PRECONDITION
+                        if exc.code() == grpc.StatusCode.FAILED_PRECONDITION
+                        else Code.UNAVAILABLE
+                    )
+                    raise ServiceError(
+                        code,
+                        f"replica {self.node.id} cannot take the master role in epoch {epoch}: "
+                        f"fetching the log from sync source {source_id} failed: "
+                        f"{exc.code().name}: {exc.details()}",
+                    ) from exc
+                except StoreError as exc:
+                    raise ServiceError(
+                        Code.FAILED_PRECONDITION,
+                        f"replica {self.node.id} cannot take the master role in epoch {epoch}: "
+                        f"storing the log fetched from {source_id} failed: {exc}",
+                    ) from exc
+        meta = self.store.meta()
+        self._last_lsn = meta.last_lsn
+        self.gate.advance(meta.last_lsn)
+        log.info(
+            "replica %s synced from %s for epoch %d: %d entries fetched, log at epoch %d LSN %d",
+            self.node.id,
+            source_id,
+            epoch,
+            fetched,
+            meta.last_epoch,
+            meta.last_lsn,
+        )
+
+    async def _truncate_after(self, keep_lsn: int, why: str) -> None:
+        """Removes the log after keep_lsn (a deposed master's uncommitted suffix)."""
+        async with self._commit_lock:
+            await self._truncate_locked(keep_lsn, why)
+
+    async def _truncate_locked(self, keep_lsn: int, why: str) -> None:
+        """_truncate_after with the commit lock held."""
+        truncator = self.truncator
+        meta = self.store.meta()
+        if truncator is None:
+            raise ServiceError(
+                Code.FAILED_PRECONDITION,
+                f"replica {self.node.id} (epoch {self.epoch}, last LSN {meta.last_lsn}) must "
+                f"truncate its log after LSN {keep_lsn} ({why}), and this store cannot",
+            )
+        log.warning(
+            "replica %s truncating its log after LSN %d (it ends at %d; %s): epoch=%d",
+            self.node.id,
+            keep_lsn,
+            meta.last_lsn,
+            why,
+            self.epoch,
+        )
+        loop = asyncio.get_running_loop()
+        try:
+            staging = await loop.run_in_executor(
+                self._io, lambda: truncator.stage(self.store, keep_lsn)
+            )
+            self.store = truncator.install(self.store, staging)
+        except (StoreError, OSError) as exc:
+            self._fail_stop(f"truncating the log after LSN {keep_lsn} failed: {exc}")
+            raise ServiceError(
+                Code.UNAVAILABLE, f"replica {self.node.id}: truncation failed: {exc}"
+            ) from exc
+        self._last_lsn = keep_lsn
+        self.gate.truncated(keep_lsn)
+        self._notify_committed()
 
     # --- writes
 
@@ -163,14 +413,22 @@ class ReplicaNode:
                 f"at {self.master.replica_address}",
                 metadata=((MASTER_ADDRESS_KEY, self.master.replica_address),),
             )
+        if self._deposed:
+            raise ServiceError(
+                Code.UNAVAILABLE,
+                f"replica {self.node.id} was deposed as master of epoch {self.epoch}: "
+                f"{self._deposed}",
+            )
         raise ServiceError(
             Code.UNAVAILABLE, f"replica {self.node.id} has no role yet (no master elected)"
         )
 
-    def _submit(self, command: Command) -> asyncio.Future[Planned]:
+    def _submit(
+        self, command: Command, *, appended: asyncio.Future[None] | None = None
+    ) -> asyncio.Future[Planned]:
         """Queues a command for the writer; the future resolves once it committed."""
         future: asyncio.Future[Planned] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Pending(command, future))
+        self._queue.append(_Pending(command, future, appended))
         self._wakeup.set()
         return future
 
@@ -204,11 +462,11 @@ class ReplicaNode:
         return asyncio.ensure_future(_receipts(planned))
 
     async def apply_role(self, command: replica_pb2.RoleCommand) -> None:
-        """Takes (or renews) the role the coordinator commands.
+        """Takes (or renews) the role the coordinator commands, one command at a time."""
+        async with self._role_lock:
+            await self._apply_role(command)
 
-        Replication itself comes with the replication issue; until then a slave refuses
-        writes with a redirect to its master and serves committed reads.
-        """
+    async def _apply_role(self, command: replica_pb2.RoleCommand) -> None:
         role = command.role
         if role not in (common_pb2.ROLE_MASTER, common_pb2.ROLE_SLAVE, common_pb2.ROLE_INACTIVE):
             raise ServiceError(Code.INVALID_ARGUMENT, f"unknown role {role}")
@@ -218,11 +476,12 @@ class ReplicaNode:
                 Code.FAILED_PRECONDITION,
                 f"role command for epoch {command.epoch} is older than replica "
                 f"{self.node.id}'s epoch {stored_epoch}",
+                metadata=((EPOCH_KEY, str(stored_epoch)),),
             )
         master: NodeConfig | None = None
         if role == common_pb2.ROLE_SLAVE:
             master = next((n for n in self.config.nodes if n.id == command.master.node_id), None)
-            if master is None:
+            if master is None or master.id == self.node.id:
                 raise ServiceError(
                     Code.INVALID_ARGUMENT, f"unknown master node id '{command.master.node_id}'"
                 )
@@ -234,96 +493,345 @@ class ReplicaNode:
             and role != common_pb2.ROLE_INACTIVE
             and command.epoch <= self._role_epoch_floor
         ):
+            deposed = f": {self._deposed}" if self._deposed else ""
             raise ServiceError(
                 Code.FAILED_PRECONDITION,
                 f"replica {self.node.id} does not hold a role in epoch {command.epoch} (it "
-                f"restarted or dropped it); it takes a new role only in an epoch above "
-                f"{self._role_epoch_floor}",
+                f"restarted, dropped it or was deposed{deposed}); it takes a new role only "
+                f"in an epoch above {self._role_epoch_floor}",
             )
         self.command_seq = command.seq
-        self._lease_until_ms = (
-            self.clock.monotonic_ms() + command.lease_ms if command.lease_ms else 0
-        )
         if renewal:
-            return
-        if role == common_pb2.ROLE_MASTER:
-            await self.become_master(command.epoch, reason=command.reason or "elected")
+            self._renew_lease(command.lease_ms)
+            if role == common_pb2.ROLE_MASTER and command.members:
+                self._renew_members([m.node_id for m in command.members])
             return
         if role == common_pb2.ROLE_INACTIVE:
             await self.deactivate(command.reason or "coordinator")
             return
-        self.store.set_epoch(command.epoch)
-        self.epoch = command.epoch
-        self.role = common_pb2.ROLE_SLAVE
-        self.master = master
-        if not self.store.meta().cluster_id and master is not None:
-            self._learner = asyncio.create_task(self._learn_cluster_id(master, command.epoch))
+        # The lease runs from when the role is taken: taking it may take a while (a
+        # reorganization fetch), and no renewal can arrive meanwhile.
+        if role == common_pb2.ROLE_MASTER:
+            await self.become_master(
+                command.epoch,
+                reason=command.reason or "elected",
+                members=[m.node_id for m in command.members],
+                sync_source_id=command.sync_source_id,
+            )
+        else:
+            if master is None:
+                raise ServiceError(Code.INVALID_ARGUMENT, "a slave role needs a master")
+            await self._become_slave(command.epoch, master, command.reason)
+        self._renew_lease(command.lease_ms)
+
+    def _renew_lease(self, lease_ms: int) -> None:
+        self._lease_until_ms = self.clock.monotonic_ms() + lease_ms if lease_ms else 0
+
+    def _renew_members(self, member_ids: list[str]) -> None:
+        """A master renewal naming fewer members: the group shrank within the epoch."""
+        driver = self._driver
+        if driver is None or set(member_ids) == set(driver.core.members):
+            return
+        try:
+            driver.set_members(member_ids)
+        except ReplicationError as exc:
+            raise ServiceError(
+                Code.FAILED_PRECONDITION,
+                f"replica {self.node.id} (master, epoch {self.epoch}) cannot take members "
+                f"{','.join(member_ids)}: {exc}",
+            ) from exc
+        log.info(
+            "replica %s (master, epoch %d): group now %s",
+            self.node.id,
+            self.epoch,
+            ",".join(member_ids),
+        )
+
+    async def _become_slave(self, epoch: int, master: NodeConfig, reason: str) -> None:
+        """Follows master in epoch: the master's replication stream is accepted from now."""
+        if self.role == common_pb2.ROLE_MASTER:
+            await self.deactivate(f"following {master.id} in epoch {epoch}")
+        self.store.set_epoch(epoch)
+        async with self._commit_lock:  # no batch half-applied while the follower is made
+            meta = self.store.meta()
+            cfg = self.config
+            try:
+                follower = Follower(
+                    FollowerConfig(
+                        node_id=self.node.id,
+                        sync_policy=SyncPolicy(int(cfg.durability.replica_sync)),
+                        inflight_entries_max=cfg.limits.replication_inflight_entries_max,
+                        inflight_bytes_max=cfg.limits.replication_inflight_bytes_max,
+                    ),
+                    cluster_id=meta.cluster_id,
+                    epoch=epoch,
+                    master_id=master.id,
+                    last_lsn=meta.last_lsn,
+                    history=meta.history,
+                )
+            except FollowerError as exc:
+                raise ServiceError(
+                    Code.FAILED_PRECONDITION,
+                    f"replica {self.node.id} cannot follow {master.id} in epoch {epoch}: {exc}",
+                ) from exc
+            self.epoch = epoch
+            self.role = common_pb2.ROLE_SLAVE
+            self.master = master
+            self._follower = follower
+            self._stream_seq += 1
+            self._last_lsn = meta.last_lsn
         log.info(
             "replica %s follows %s: epoch=%d lsn=%d reason=%s",
             self.node.id,
-            command.master.node_id,
-            self.epoch,
+            master.id,
+            epoch,
             self._last_lsn,
-            command.reason,
+            reason,
         )
 
     async def deactivate(self, reason: str) -> None:
-        """Stops serving writes; returns once no write is in progress, so the log is final."""
+        """Stops serving writes and replication; returns once no write is in progress."""
         was = self.role
         self._role_epoch_floor = max(self._role_epoch_floor, self.epoch)
         self.role = common_pb2.ROLE_INACTIVE
         self.master = None
         self._lease_until_ms = 0
+        self._follower = None
+        self._stream_seq += 1
         while self._queue:  # never started: definitely not stored
             pending = self._queue.popleft()
-            if not pending.future.done():
-                pending.future.set_exception(
-                    ServiceError(
-                        Code.UNAVAILABLE,
-                        f"replica {self.node.id} lost its role before the write began (not stored)",
-                    )
-                )
+            _fail_pending(
+                pending,
+                ServiceError(
+                    Code.UNAVAILABLE,
+                    f"replica {self.node.id} lost its role before the write began (not stored)",
+                ),
+            )
         async with self._commit_lock:
             pass
+        driver, self._driver = self._driver, None
+        if driver is not None:
+            await driver.stop(f"replica {self.node.id} deactivated: {reason}")
         if was != common_pb2.ROLE_INACTIVE:
             log.info(
-                "replica %s inactive: epoch=%d lsn=%d reason=%s",
+                "replica %s inactive: epoch=%d lsn=%d commit_lsn=%d reason=%s",
                 self.node.id,
                 self.epoch,
                 self._last_lsn,
+                self.gate.commit_lsn,
                 reason,
             )
 
-    async def _learn_cluster_id(self, master: NodeConfig, epoch: int) -> None:
-        """Adopts the master's cluster id: an empty store joins the cluster it follows.
+    def _master_deposed(self, reason: str) -> None:
+        """The replication core deposed this master: no more writes in this epoch."""
+        self._deposed = reason
+        self._role_epoch_floor = max(self._role_epoch_floor, self.epoch)
+        if self.role == common_pb2.ROLE_MASTER:
+            self.role = common_pb2.ROLE_INACTIVE
+            self.master = None
+        self._driver = None
+        self._wakeup.set()
 
-        The replication stream's hello will carry the id once replication lands; until then
-        a slave asks its master, so a later failover keeps one cluster id.
-        """
-        options = channel_options(self.config.limits.max_message_bytes)
-        async with grpc.aio.insecure_channel(master.replica_address, options=options) as channel:
-            stub = replica_pb2_grpc.ReplicaControlStub(channel)
-            for _ in range(600):  # ~1 minute, then the next role command tries again
-                if self.role != common_pb2.ROLE_SLAVE or self.epoch != epoch:
-                    return
+    def _advance_commit(self, commit_lsn: int) -> None:
+        """The commit LSN moved: committed reads may serve more; wake subscribers."""
+        if self.gate.advance(commit_lsn):
+            self._notify_committed()
+
+    # --- the slave side of replication (driven by the Replication servicer)
+
+    def _refused(self, code: Code, message: str) -> ServiceError:
+        """A replication refusal carrying this replica's epoch for a stale master."""
+        return ServiceError(code, message, metadata=((EPOCH_KEY, str(self.epoch)),))
+
+    def _refusal(self, refusal: Refusal) -> ServiceError:
+        log.warning("replica %s: %s", self.node.id, refusal.message)
+        return self._refused(refusal.status, refusal.message)
+
+    async def replication_hello(
+        self, hello: replica_pb2.ReplicationHello
+    ) -> tuple[int, replica_pb2.ReplicationPosition]:
+        """Accepts a stream from this epoch's master; returns its number and our position."""
+        async with self._commit_lock:
+            follower = self._follower
+            if self.role != common_pb2.ROLE_SLAVE or follower is None:
+                stale = hello.epoch < self.epoch
+                message = (
+                    f"replica {self.node.id} (epoch {self.epoch}, last LSN {self._last_lsn}) "
+                    f"refused the stream of {hello.master_id[:64]!r} (epoch {hello.epoch}): "
+                    + ("that epoch is stale" if stale else "it is not a slave of that epoch yet")
+                )
+                if stale:
+                    log.warning("replica %s: %s", self.node.id, message)
+                raise self._refused(
+                    Code.FAILED_PRECONDITION if stale else Code.UNAVAILABLE, message
+                )
+            result = follower.on_hello(
+                master_id=hello.master_id, epoch=hello.epoch, cluster_id=hello.cluster_id
+            )
+            if isinstance(result, Refusal):
+                raise self._refusal(result)
+            if result.adopt_cluster_id:
+                self.store.set_cluster_id(result.adopt_cluster_id)
+                log.info(
+                    "replica %s joined cluster %s (from master %s, epoch=%d)",
+                    self.node.id,
+                    result.adopt_cluster_id,
+                    hello.master_id,
+                    hello.epoch,
+                )
+            if self.store.meta().state != common_pb2.STORE_STATE_DIRTY:
+                # A store that follows a master is in use: a restart must not take it for
+                # an empty (or cleanly shut down) one.
+                self.store.set_state(common_pb2.STORE_STATE_DIRTY)
+            self._stream_seq += 1
+            position = result.position
+            log.info(
+                "replica %s accepted the stream of %s: epoch=%d last_epoch=%d lsn=%d",
+                self.node.id,
+                hello.master_id,
+                hello.epoch,
+                position.last_epoch,
+                position.last_lsn,
+            )
+            return self._stream_seq, replica_pb2.ReplicationPosition(
+                node_id=position.node_id,
+                last_epoch=position.last_epoch,
+                last_lsn=position.last_lsn,
+                history=[
+                    replica_pb2.EpochBoundary(epoch=e, start_lsn=s) for e, s in position.history
+                ],
+            )
+
+    def _stream_follower(self, stream: int) -> Follower:
+        follower = self._follower
+        if self.role != common_pb2.ROLE_SLAVE or follower is None or stream != self._stream_seq:
+            raise self._refused(
+                Code.FAILED_PRECONDITION,
+                f"replica {self.node.id} (epoch {self.epoch}, last LSN {self._last_lsn}): this "
+                f"replication stream was superseded (a newer stream or role)",
+            )
+        return follower
+
+    async def replication_batch(
+        self, stream: int, batch: replica_pb2.EntryBatch
+    ) -> list[replica_pb2.ReplicationAck]:
+        """Checks and stores one batch from the master; returns the acks to send."""
+        async with self._commit_lock:
+            follower = self._stream_follower(stream)
+            result = follower.on_batch(
+                epoch=batch.epoch,
+                entries=list(batch.entries),
+                commit_lsn=batch.commit_lsn,
+                truncate_after_lsn=batch.truncate_after_lsn or None,
+            )
+            if isinstance(result, Refusal):
+                raise self._refusal(result)
+            acks = [_ack(result.ack_now)] if result.ack_now is not None else []
+            if result.write_needed:
                 try:
-                    state = await stub.GetReplicaState(
-                        replica_pb2.GetReplicaStateRequest(), timeout=1.0
-                    )
-                except grpc.aio.AioRpcError:
-                    state = None
-                if state is not None and state.cluster_id:
-                    if not self.store.meta().cluster_id:
-                        self.store.set_cluster_id(state.cluster_id)
-                        log.info(
-                            "replica %s joined cluster %s (from master %s, epoch=%d)",
-                            self.node.id,
-                            state.cluster_id,
-                            master.id,
-                            epoch,
+                    if result.truncate_after_lsn is not None:
+                        await self._truncate_locked(
+                            result.truncate_after_lsn, f"master {follower.state().master_id}"
                         )
-                    return
-                await asyncio.sleep(0.1)
+                    visible = max(self.gate.commit_lsn, batch.commit_lsn)
+                    for entry in result.entries:
+                        if entry.lsn > visible:
+                            self._track(entry)
+                    entries = result.entries
+                    await asyncio.get_running_loop().run_in_executor(
+                        self._io, lambda: self.store.append(entries, sync=result.sync)
+                    )
+                except (StoreError, ServiceError) as exc:
+                    meta = self.store.meta()
+                    self.gate.truncated(meta.last_lsn)
+                    follower.reset(last_lsn=meta.last_lsn, history=meta.history)
+                    self._last_lsn = meta.last_lsn
+                    if isinstance(exc, ServiceError):
+                        raise self._refused(exc.code, exc.message) from exc
+                    if isinstance(exc, StoreFullError):
+                        raise self._refused(
+                            Code.RESOURCE_EXHAUSTED,
+                            f"replica {self.node.id}: store full, batch not stored: {exc}",
+                        ) from exc
+                    self._fail_stop(f"store write failed: {exc}")
+                    raise self._refused(
+                        Code.UNAVAILABLE, f"replica {self.node.id}: store write failed: {exc}"
+                    ) from exc
+                self._last_lsn = result.last_lsn
+                acks.append(_ack(follower.on_written(result.last_lsn, synced=result.sync)))
+            self._advance_commit(follower.commit_lsn)
+            return acks
+
+    def replication_heartbeat(
+        self, stream: int, heartbeat: replica_pb2.ReplicationHeartbeat
+    ) -> replica_pb2.ReplicationAck:
+        """A heartbeat from the master: learns its commit LSN; returns the ack."""
+        follower = self._stream_follower(stream)
+        result = follower.on_heartbeat(epoch=heartbeat.epoch, commit_lsn=heartbeat.commit_lsn)
+        if isinstance(result, Refusal):
+            raise self._refusal(result)
+        self._advance_commit(follower.commit_lsn)
+        return _ack(result)
+
+    def _track(self, entry: replica_pb2.LogEntry) -> None:
+        """Hides an uncommitted publish from committed reads until it commits."""
+        operation = replica_pb2.Operation.FromString(entry.operation)
+        if operation.WhichOneof("op") == "publish":
+            self.gate.appended(entry.lsn, operation.publish.topic, operation.publish.first_offset)
+
+    async def fetch_log(
+        self, request: replica_pb2.FetchLogRequest
+    ) -> AsyncIterator[replica_pb2.EntryBatch]:
+        """Serves a new master's reorganization fetch: the log after where ours part."""
+        meta = self.store.meta()
+        who = f"replica {self.node.id} (epoch {meta.epoch}, last LSN {meta.last_lsn})"
+        if self.role == common_pb2.ROLE_MASTER:
+            raise self._refused(Code.FAILED_PRECONDITION, f"{who} is a master: its log still grows")
+        if request.cluster_id and meta.cluster_id and request.cluster_id != meta.cluster_id:
+            raise ServiceError(
+                Code.FAILED_PRECONDITION,
+                f"{who} belongs to cluster {meta.cluster_id}, not {request.cluster_id[:64]!r}",
+            )
+        if request.epoch < meta.epoch:
+            raise self._refused(
+                Code.FAILED_PRECONDITION, f"{who}: a fetch for epoch {request.epoch} is stale"
+            )
+        try:
+            fork = fork_lsn(meta.history, meta.last_lsn, request.history, request.last_lsn)
+        except HistoryError as exc:
+            raise ServiceError(Code.INVALID_ARGUMENT, f"{who}: bad position: {exc}") from exc
+        if request.last_lsn > fork and fork == 0:
+            raise ServiceError(
+                Code.FAILED_PRECONDITION,
+                f"{who}: node {request.node_id[:64]!r}'s log shares no entry with this one",
+            )
+        log.info(
+            "replica %s serves a fetch to %s for epoch %d: LSNs %d..%d%s",
+            self.node.id,
+            request.node_id[:64],
+            request.epoch,
+            fork + 1,
+            meta.last_lsn,
+            f" (it truncates after {fork})" if request.last_lsn > fork else "",
+        )
+        yield replica_pb2.EntryBatch(
+            epoch=meta.epoch, truncate_after_lsn=fork if request.last_lsn > fork else 0
+        )
+        step = min(
+            request.max_entries or self.config.limits.commit_batch_max_entries,
+            self.config.limits.replication_inflight_entries_max,
+        )
+        store = self.store
+        next_lsn = fork + 1
+        # One batch per step: bounded by the log's length at the start of the fetch.
+        while next_lsn <= meta.last_lsn:
+            count = min(step, meta.last_lsn - next_lsn + 1)
+            start = next_lsn
+            entries = await asyncio.to_thread(store.read_log, start, count)
+            if not entries:
+                break
+            yield replica_pb2.EntryBatch(entries=entries, epoch=meta.epoch)
+            next_lsn = entries[-1].lsn + 1
 
     async def _watch_lease(self) -> None:
         """Drops the role when the coordinator stops renewing it (e.g. it died)."""
@@ -338,12 +846,23 @@ class ReplicaNode:
             await self._wakeup.wait()
             self._wakeup.clear()
             while self._queue:
-                batch = [self._queue.popleft() for _ in range(min(max_commands, len(self._queue)))]
+                room = max_commands
+                driver = self._driver
+                if driver is not None and self.role == common_pb2.ROLE_MASTER:
+                    # Publishers wait here while the replicas hold back commits (a full
+                    # pending-write table), instead of the master growing memory.
+                    room = min(room, await driver.wait_room()) or max_commands
+                count = min(room, len(self._queue))
+                batch = [self._queue.popleft() for _ in range(count)]
                 async with self._commit_lock:
-                    await self._commit(batch)
+                    try:
+                        await self._commit(batch)
+                    finally:
+                        _finish_appended(batch)
 
     async def _commit(self, batch: list[_Pending]) -> None:
-        if self.role != common_pb2.ROLE_MASTER:
+        driver = self._driver
+        if self.role != common_pb2.ROLE_MASTER or driver is None or driver.deposed:
             _fail_all(
                 [(p, Planned(None)) for p in batch],
                 ServiceError(
@@ -352,31 +871,47 @@ class ReplicaNode:
                 ),
             )
             return
+        first_lsn = self._last_lsn + 1
         builder = BatchBuilder(
             self.store,
             limits=self.config.limits,
             node_id=self.node.id,
             epoch=self.epoch,
-            next_lsn=self._last_lsn + 1,
+            next_lsn=first_lsn,
             now_ms=self.clock.wall_ms(),
         )
         planned: list[tuple[_Pending, Planned]] = []
+        # The LSN each planned command waits for: its entry's, or (no entry: a duplicate,
+        # an ack below the cursor) the last LSN of the state it read.
+        lsns: list[int] = []
         for pending in batch:
             if pending.future.done():
                 continue  # the caller gave up (cancelled) before the write began
             try:
-                planned.append((pending, builder.add(pending.command)))
+                plan = builder.add(pending.command)
             except ServiceError as exc:
                 pending.future.set_exception(exc)
+                continue
             except CorruptRecordError as exc:
                 pending.future.set_exception(ServiceError(Code.DATA_LOSS, str(exc)))
+                continue
+            planned.append((pending, plan))
+            lsns.append(first_lsn - 1 + len(builder.entries))
+            command = pending.command
+            if plan.entry_index is not None and isinstance(command, commands.Publish):
+                offsets = [r.offset for r in plan.receipts if not r.duplicate]
+                if offsets:
+                    self.gate.appended(
+                        first_lsn + plan.entry_index, command.request.topic, min(offsets)
+                    )
+        sync = self.config.durability.master_sync == common_pb2.SYNC_POLICY_SYNC
         if builder.entries:
-            sync = self.config.durability.master_sync == common_pb2.SYNC_POLICY_SYNC
             try:
                 await asyncio.get_running_loop().run_in_executor(
                     self._io, lambda: self.store.append(builder.entries, sync=sync)
                 )
             except StoreFullError as exc:
+                self.gate.truncated(self._last_lsn)
                 log.warning(
                     "replica %s: store full, %d entries refused: epoch=%d lsn=%d: %s",
                     self.node.id,
@@ -397,22 +932,24 @@ class ReplicaNode:
                 _fail_all(planned, ServiceError(Code.UNKNOWN, f"write outcome unknown: {exc}"))
                 return
             self._last_lsn = builder.entries[-1].lsn
-        # Every receipt gets the same master and holders; merging their serialized form is
-        # one protobuf call per receipt instead of two (a publish has a receipt per event).
-        stamp = common_pb2.AckReceipt(
-            master_id=self.node.id,
-            holders=[
-                common_pb2.ReplicaDurability(
-                    node_id=self.node.id, durability=self.config.durability.master_sync
-                )
-            ],
-        ).SerializeToString()
-        for pending, plan in planned:
-            for receipt in plan.receipts:
-                receipt.MergeFromString(stamp)
-            if not pending.future.done():
-                pending.future.set_result(plan)
-        self._notify_committed()
+        if driver is not self._driver or driver.deposed:
+            _fail_all(
+                planned,
+                ServiceError(
+                    Code.UNKNOWN,
+                    f"indeterminate: replica {self.node.id} lost the master role of epoch "
+                    f"{self.epoch} after storing the write locally; it may or may not survive",
+                ),
+            )
+            return
+        driver.appended(builder.entries, synced=sync)
+        floor = driver.core.epoch_start_lsn
+        driver.register(
+            [
+                Waiting(pending.future, plan, max(lsn, floor))
+                for (pending, plan), lsn in zip(planned, lsns, strict=True)
+            ]
+        )
 
     def _fail_stop(self, reason: str) -> None:
         """A store that cannot write must not acknowledge anything again."""
@@ -445,8 +982,17 @@ class ReplicaNode:
 
     @property
     def last_lsn(self) -> int:
-        """The LSN of the last committed entry."""
+        """The LSN of the last entry in the local log."""
         return self._last_lsn
+
+    @property
+    def commit_lsn(self) -> int:
+        """The highest LSN committed reads serve here."""
+        return self.gate.commit_lsn
+
+    def visible_end(self, topic: str) -> int:
+        """The first offset of topic that committed reads may not serve yet (0: none)."""
+        return self.gate.hidden_from(topic) or 0
 
 
 async def _receipts(planned: asyncio.Future[Planned]) -> list[common_pb2.AckReceipt]:
@@ -455,5 +1001,39 @@ async def _receipts(planned: asyncio.Future[Planned]) -> list[common_pb2.AckRece
 
 def _fail_all(planned: list[tuple[_Pending, Planned]], error: ServiceError) -> None:
     for pending, _ in planned:
-        if not pending.future.done():
-            pending.future.set_exception(error)
+        _fail_pending(pending, error)
+
+
+def _fail_pending(pending: _Pending, error: ServiceError) -> None:
+    if not pending.future.done():
+        pending.future.set_exception(error)
+    if pending.appended is not None and not pending.appended.done():
+        pending.appended.set_exception(error)
+
+
+def _finish_appended(batch: list[_Pending]) -> None:
+    """Answers become_master's wait for the epoch start: appended, or why not."""
+    for pending in batch:
+        appended = pending.appended
+        if appended is None or appended.done():
+            continue
+        future = pending.future
+        if future.done() and not future.cancelled() and future.exception() is not None:
+            error = future.exception()
+            appended.set_exception(error if error is not None else RuntimeError("write failed"))
+        else:
+            appended.set_result(None)
+
+
+class _Diverged(Exception):
+    """The sync source's log parts from ours at fork_lsn: ours must be truncated."""
+
+    def __init__(self, fork_lsn: int) -> None:
+        super().__init__(f"diverges after LSN {fork_lsn}")
+        self.fork_lsn = fork_lsn
+
+
+def _ack(ack: Ack) -> replica_pb2.ReplicationAck:
+    return replica_pb2.ReplicationAck(
+        received_lsn=ack.received_lsn, written_lsn=ack.written_lsn, synced_lsn=ack.synced_lsn
+    )

@@ -287,7 +287,12 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
         transient = topic.kind == common_pb2.TOPIC_KIND_TRANSIENT
         end = request.end_offset
         if not request.follow:
-            now_end = node.transient.next_offset(topic.name) if transient else topic.next_offset
+            # Committed reads: events above the commit LSN are not served yet.
+            now_end = (
+                node.transient.next_offset(topic.name)
+                if transient
+                else node.visible_end(topic.name) or topic.next_offset
+            )
             end = min(end, now_end) if end else now_end
         while not end or position < end:
             signal = node.commit_signal()
@@ -297,7 +302,13 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
                     if transient:
                         events = node.transient.read(topic.name, position, count)
                     else:
-                        events = node.store.read_events(topic.name, position, count)
+                        hidden = node.visible_end(topic.name)
+                        stop = min(end, hidden) if end and hidden else (end or hidden)
+                        events = (
+                            []
+                            if stop and position >= stop
+                            else node.store.read_events(topic.name, position, count, stop)
+                        )
             except ServiceError as exc:
                 await abort(context, exc)
             if events:
@@ -369,7 +380,7 @@ class ReplicaControl(replica_pb2_grpc.ReplicaControlServicer):
             store_state=meta.state,
             epoch=self.node.epoch,
             role=self.node.role,
-            commit_lsn=self.node.last_lsn,
+            commit_lsn=self.node.commit_lsn,
             shutdown_id=meta.shutdown_id,
             command_seq=self.node.command_seq,
             master_id=self.node.master.id if self.node.master else "",

@@ -575,3 +575,42 @@ def test_load_config_or_exit_returns_the_config(tmp_path: Path) -> None:
     path.write_text(VALID)
     config = load_config_or_exit(path, node_id="n1", gateway_id="g1")
     assert config.node("n1").priority == 3
+
+
+def test_replication_limits_default() -> None:
+    limits = LimitsConfig()
+    assert limits.replication_inflight_entries_max == 1024
+    assert limits.replication_inflight_bytes_max == 8 * 1024 * 1024
+    assert limits.replication_pending_writes_max == 65536
+
+
+def test_replication_limits_are_read() -> None:
+    config = parse(
+        VALID
+        + "[limits]\nreplication_inflight_entries_max = 512\n"
+        + "replication_inflight_bytes_max = 1048576\nreplication_pending_writes_max = 100\n"
+    )
+    assert config.limits.replication_inflight_entries_max == 512
+    assert config.limits.replication_inflight_bytes_max == 1048576
+    assert config.limits.replication_pending_writes_max == 100
+
+
+def test_replication_pending_writes_must_be_positive() -> None:
+    message = error_of(VALID + "[limits]\nreplication_pending_writes_max = 0\n")
+    assert message == "limits.replication_pending_writes_max: must be from 1 to 16777216, got 0"
+
+
+def test_replication_window_at_least_a_commit_batch() -> None:
+    message = error_of(VALID + "[limits]\nreplication_inflight_entries_max = 100\n")
+    assert message.startswith(
+        "limits.commit_batch_max_entries: must not exceed "
+        "limits.replication_inflight_entries_max (100)"
+    )
+
+
+def test_replication_window_fits_a_message() -> None:
+    message = error_of(VALID + "[limits]\nreplication_inflight_bytes_max = 40000000\n")
+    assert message.startswith(
+        "limits.replication_inflight_bytes_max: must not exceed limits.max_message_bytes"
+    )
+    assert message.endswith("got 40000000")

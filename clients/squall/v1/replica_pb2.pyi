@@ -535,6 +535,50 @@ class ReplicationHeartbeat(_message.Message):
 Global___ReplicationHeartbeat: _TypeAlias = ReplicationHeartbeat  # noqa: Y015
 
 @_typing.final
+class FetchLogRequest(_message.Message):
+    """Asks a sync source for the log after the requester's position."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    LAST_LSN_FIELD_NUMBER: _builtins.int
+    HISTORY_FIELD_NUMBER: _builtins.int
+    MAX_ENTRIES_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    """The requester's node id."""
+    epoch: _builtins.int
+    """The epoch the requester is to be master of."""
+    cluster_id: _builtins.str
+    """The requester's cluster id (empty for an empty store)."""
+    last_lsn: _builtins.int
+    """The requester's last LSN."""
+    max_entries: _builtins.int
+    """Most entries per batch (0: the source's commit batch size)."""
+    @_builtins.property
+    def history(self) -> _containers.RepeatedCompositeFieldContainer[Global___EpochBoundary]:
+        """The requester's epoch history."""
+
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        cluster_id: _builtins.str = ...,
+        last_lsn: _builtins.int = ...,
+        history: _abc.Iterable[Global___EpochBoundary] | None = ...,
+        max_entries: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "epoch", b"epoch", "history", b"history", "last_lsn", b"last_lsn", "max_entries", b"max_entries", "node_id", b"node_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FetchLogRequest: _TypeAlias = FetchLogRequest  # noqa: Y015
+
+@_typing.final
 class ReplicateResponse(_message.Message):
     """A message from the slave on the replication stream."""
 

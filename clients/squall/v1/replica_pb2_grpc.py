@@ -42,6 +42,11 @@ class ReplicationStub:
                 request_serializer=squall_dot_v1_dot_replica__pb2.ReplicateRequest.SerializeToString,
                 response_deserializer=squall_dot_v1_dot_replica__pb2.ReplicateResponse.FromString,
                 _registered_method=True)
+        self.FetchLog = channel.unary_stream(
+                '/squall.v1.Replication/FetchLog',
+                request_serializer=squall_dot_v1_dot_replica__pb2.FetchLogRequest.SerializeToString,
+                response_deserializer=squall_dot_v1_dot_replica__pb2.EntryBatch.FromString,
+                _registered_method=True)
 
 
 class ReplicationServicer:
@@ -57,6 +62,18 @@ class ReplicationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchLog(self, request, context):
+        """The reorganization's catch-up: before a new master writes its epoch-start entry it
+        fetches the log it lacks from its group's sync source. The source finds where the two
+        logs part and streams its entries after that point; the first batch's
+        truncate_after_lsn is set when the requester holds a suffix the source does not.
+        FAILED_PRECONDITION when the source is a master (its log still grows), belongs to
+        another cluster, or holds a newer epoch than the request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplicationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -64,6 +81,11 @@ def add_ReplicationServicer_to_server(servicer, server):
                     servicer.Replicate,
                     request_deserializer=squall_dot_v1_dot_replica__pb2.ReplicateRequest.FromString,
                     response_serializer=squall_dot_v1_dot_replica__pb2.ReplicateResponse.SerializeToString,
+            ),
+            'FetchLog': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchLog,
+                    request_deserializer=squall_dot_v1_dot_replica__pb2.FetchLogRequest.FromString,
+                    response_serializer=squall_dot_v1_dot_replica__pb2.EntryBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -95,6 +117,33 @@ class Replication:
             '/squall.v1.Replication/Replicate',
             squall_dot_v1_dot_replica__pb2.ReplicateRequest.SerializeToString,
             squall_dot_v1_dot_replica__pb2.ReplicateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchLog(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/squall.v1.Replication/FetchLog',
+            squall_dot_v1_dot_replica__pb2.FetchLogRequest.SerializeToString,
+            squall_dot_v1_dot_replica__pb2.EntryBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -42,6 +42,14 @@ class ReplicationStub:
     """Entries and snapshot chunks out, acknowledgements back. The first request is a Hello;
     the slave answers it with its log position, then acks batches as it stores them.
     """
+    FetchLog: _grpc.UnaryStreamMultiCallable[_replica_pb2.FetchLogRequest, _replica_pb2.EntryBatch]
+    """The reorganization's catch-up: before a new master writes its epoch-start entry it
+    fetches the log it lacks from its group's sync source. The source finds where the two
+    logs part and streams its entries after that point; the first batch's
+    truncate_after_lsn is set when the requester holds a suffix the source does not.
+    FAILED_PRECONDITION when the source is a master (its log still grows), belongs to
+    another cluster, or holds a newer epoch than the request.
+    """
 
 @_typing.type_check_only
 class ReplicationAsyncStub(ReplicationStub):
@@ -53,6 +61,14 @@ class ReplicationAsyncStub(ReplicationStub):
     Replicate: _aio.StreamStreamMultiCallable[_replica_pb2.ReplicateRequest, _replica_pb2.ReplicateResponse]  # type: ignore[assignment]
     """Entries and snapshot chunks out, acknowledgements back. The first request is a Hello;
     the slave answers it with its log position, then acks batches as it stores them.
+    """
+    FetchLog: _aio.UnaryStreamMultiCallable[_replica_pb2.FetchLogRequest, _replica_pb2.EntryBatch]  # type: ignore[assignment]
+    """The reorganization's catch-up: before a new master writes its epoch-start entry it
+    fetches the log it lacks from its group's sync source. The source finds where the two
+    logs part and streams its entries after that point; the first batch's
+    truncate_after_lsn is set when the requester holds a suffix the source does not.
+    FAILED_PRECONDITION when the source is a master (its log still grows), belongs to
+    another cluster, or holds a newer epoch than the request.
     """
 
 class ReplicationServicer(metaclass=_abc_1.ABCMeta):
@@ -68,6 +84,20 @@ class ReplicationServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_replica_pb2.ReplicateResponse], _abc.AsyncIterator[_replica_pb2.ReplicateResponse]]:
         """Entries and snapshot chunks out, acknowledgements back. The first request is a Hello;
         the slave answers it with its log position, then acks batches as it stores them.
+        """
+
+    @_abc_1.abstractmethod
+    def FetchLog(
+        self,
+        request: _replica_pb2.FetchLogRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_replica_pb2.EntryBatch], _abc.AsyncIterator[_replica_pb2.EntryBatch]]:
+        """The reorganization's catch-up: before a new master writes its epoch-start entry it
+        fetches the log it lacks from its group's sync source. The source finds where the two
+        logs part and streams its entries after that point; the first batch's
+        truncate_after_lsn is set when the requester holds a suffix the source does not.
+        FAILED_PRECONDITION when the source is a master (its log still grows), belongs to
+        another cluster, or holds a newer epoch than the request.
         """
 
 def add_ReplicationServicer_to_server(servicer: ReplicationServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,95 @@
+"""Log truncation for a store that cannot undo applied entries: rebuild from its own log.
+
+The store applies each entry to its state in the append's transaction, so removing a
+suffix of the log (a deposed master's uncommitted entries) cannot be done in place. But
+the log is complete from LSN 1 (nothing compacts it yet), so the state as of any LSN
+can be rebuilt by replaying the log up to it into a fresh store: ``stage`` does that
+into a directory beside the store (the store keeps serving reads meanwhile), and
+``install`` swaps the rebuilt LMDB file in with one atomic rename. A crash before the
+rename leaves the old store (the truncation is redone); after it, the truncated one.
+
+Once the store keeps a compacted log and snapshots, truncation below the retained log
+start must go through a snapshot instead; ``stage`` refuses it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from services.replica.store import Store, StoreError
+from squall.v1 import common_pb2
+
+# Entries copied per append while replaying.
+_REPLAY_BATCH_ENTRIES = 1024
+_STAGING_DIR = "truncate.staging"
+_DATA_FILE = "data.mdb"
+
+
+class TruncateError(StoreError):
+    """The store could not be truncated; it is unchanged."""
+
+
+class LmdbTruncator:
+    """Truncates an LMDB store's log by rebuilding it from its own log."""
+
+    def __init__(self, data_dir: Path, *, map_size_bytes: int, dedupe_window: int) -> None:
+        self.data_dir = data_dir
+        self.map_size_bytes = map_size_bytes
+        self.dedupe_window = dedupe_window
+
+    def stage(self, store: Store, keep_lsn: int) -> Path:
+        """Replays store's log up to keep_lsn into a fresh store beside it (slow; off-loop)."""
+        meta = store.meta()
+        if not 0 <= keep_lsn <= meta.last_lsn:
+            raise TruncateError(f"truncate after LSN {keep_lsn}: the log ends at {meta.last_lsn}")
+        staging = self.data_dir / _STAGING_DIR
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        fresh = Store.open_lmdb(staging, self.map_size_bytes, dedupe_window=self.dedupe_window)
+        try:
+            next_lsn = 1
+            # One replay step per batch of entries: bounded by the log's length.
+            while next_lsn <= keep_lsn:
+                count = min(_REPLAY_BATCH_ENTRIES, keep_lsn - next_lsn + 1)
+                entries = store.read_log(next_lsn, count)
+                if len(entries) != count:
+                    raise TruncateError(
+                        f"the log is missing entries from LSN {next_lsn} (compacted?): "
+                        "a truncation this far back needs a snapshot"
+                    )
+                fresh.append(entries, sync=False)
+                next_lsn += count
+            if meta.cluster_id:
+                fresh.set_cluster_id(meta.cluster_id)
+            fresh.set_epoch(meta.epoch)
+            fresh.set_max_seen(meta.max_seen)
+            state = meta.state
+            if state == common_pb2.STORE_STATE_CLEAN:
+                fresh.set_state(state, meta.shutdown_id)
+            elif keep_lsn or state != common_pb2.STORE_STATE_EMPTY:
+                fresh.set_state(common_pb2.STORE_STATE_DIRTY)
+            fresh.sync()
+        except BaseException:
+            fresh.close()
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        fresh.close()
+        return staging
+
+    def install(self, store: Store, staging: Path) -> Store:
+        """Closes store, swaps the staged file in atomically, and opens the result."""
+        store.close()
+        os.replace(staging / _DATA_FILE, self.data_dir / _DATA_FILE)
+        dir_fd = os.open(self.data_dir, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        shutil.rmtree(staging, ignore_errors=True)
+        return Store.open_lmdb(self.data_dir, self.map_size_bytes, dedupe_window=self.dedupe_window)
+
+    def discard(self) -> None:
+        """Removes a staging directory left by a crash."""
+        shutil.rmtree(self.data_dir / _STAGING_DIR, ignore_errors=True)

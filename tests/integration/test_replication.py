@@ -1,0 +1,256 @@
+"""Replication across three real nodes: acknowledged writes survive the master's kill -9.
+
+Goal: what ack-tracked replication promises a publisher — an acknowledged event is held
+by a majority, so when the master dies mid-flight the new master has it at the same
+offset, the restarted node catches up, and every replica ends with the same events — and
+that a slave obeys only the master of its current epoch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from squall.v1 import (
+    broker_pb2,
+    broker_pb2_grpc,
+    common_pb2,
+    replica_pb2,
+    replica_pb2_grpc,
+)
+from tests.integration.conftest import LocalCluster
+
+_RETRIED = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+)
+
+
+@pytest.fixture
+def trio(cluster_factory: object) -> LocalCluster:
+    cluster = cluster_factory("cluster.example.toml")  # type: ignore[operator]
+    assert isinstance(cluster, LocalCluster)
+    cluster.start_all()
+    return cluster
+
+
+def _call_with_retry(call: object, request: object, deadline_s: float) -> object:
+    """Retries an indeterminate call with the same request until deadline_s passes."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            return call(request, timeout=5)  # type: ignore[operator]
+        except grpc.RpcError as exc:
+            if exc.code() not in _RETRIED or time.monotonic() > deadline:  # type: ignore[attr-defined]
+                raise
+        time.sleep(0.05)  # backoff between retries, not synchronisation
+
+
+class _Publisher(threading.Thread):
+    """Publishes numbered events through the gateway, retrying with the same sequence."""
+
+    def __init__(self, address: str, topic: str, publisher_id: str) -> None:
+        super().__init__(daemon=True)
+        self.address = address
+        self.topic = topic
+        self.publisher_id = publisher_id
+        self.stop = threading.Event()
+        self.acked: dict[bytes, int] = {}  # payload -> offset
+        self.holders: list[int] = []
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self.acked)
+
+    def run(self) -> None:
+        sequence = 1
+        try:
+            with grpc.insecure_channel(self.address) as channel:
+                stub = broker_pb2_grpc.PublisherStub(channel)
+                # Bounded: the test stops it within its own deadline.
+                for _ in range(100_000):
+                    if self.stop.is_set():
+                        return
+                    events = [
+                        common_pb2.EventData(
+                            payload=f"{self.publisher_id}-{sequence + i}".encode(),
+                            sequence=sequence + i,
+                        )
+                        for i in range(5)
+                    ]
+                    request = broker_pb2.PublishRequest(
+                        topic=self.topic, publisher_id=self.publisher_id, events=events
+                    )
+                    response = _call_with_retry(stub.Publish, request, deadline_s=20)
+                    assert isinstance(response, broker_pb2.PublishResponse)
+                    with self._lock:
+                        for event, receipt in zip(events, response.receipts, strict=True):
+                            self.acked[event.payload] = receipt.offset
+                            self.holders.append(len(receipt.holders))
+                    sequence += len(events)
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+
+
+def _read_replica(address: str, topic: str) -> list[tuple[int, bytes]]:
+    """Every committed event one replica serves (a non-follow subscription)."""
+    with grpc.insecure_channel(address) as channel:
+        subscriber = broker_pb2_grpc.SubscriberStub(channel)
+        events: list[tuple[int, bytes]] = []
+        try:
+            for response in subscriber.Subscribe(
+                broker_pb2.SubscribeRequest(topic=topic, start=broker_pb2.START_POSITION_EARLIEST),
+                timeout=10,
+            ):
+                events.extend((e.offset, e.payload) for e in response.events)
+        except grpc.RpcError:
+            return []  # not reachable or the topic not there yet
+        return events
+
+
+def _wait_for(condition: object, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():  # type: ignore[operator]
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"not within {timeout_s}s: {what}")
+
+
+@pytest.fixture
+def publishers(trio: LocalCluster) -> Iterator[list[_Publisher]]:
+    started: list[_Publisher] = []
+    yield started
+    for publisher in started:
+        publisher.stop.set()
+    for publisher in started:
+        publisher.join(timeout=30)
+
+
+def test_acknowledged_events_survive_a_master_kill_on_every_replica(
+    trio: LocalCluster, publishers: list[_Publisher]
+) -> None:
+    assert trio.wait_for_master() == "n1"
+    with trio.channel() as channel:
+        topics = broker_pb2_grpc.TopicManagerStub(channel)
+        _call_with_retry(
+            topics.CreateTopic, broker_pb2.CreateTopicRequest(name="replicated"), deadline_s=10
+        )
+    publishers.extend(_Publisher(trio.gateway_address, "replicated", f"pub{i}") for i in range(2))
+    for publisher in publishers:
+        publisher.start()
+
+    def acked() -> int:
+        return sum(p.count() for p in publishers)
+
+    _wait_for(lambda: acked() >= 100, 15, "100 events acknowledged by the first master")
+    # Acks=majority of three: every acknowledged event was held by the master and a slave.
+    assert min(min(p.holders) for p in publishers if p.holders) >= 2
+    trio.kill_node("n1")
+    before = acked()
+    assert trio.wait_for_master(exclude="n1") in ("n2", "n3")
+    _wait_for(lambda: acked() >= before + 100, 20, "100 more events after the failover")
+    trio.start_node("n1")
+    _wait_for(
+        lambda: trio.replica_role("n1") in (common_pb2.ROLE_MASTER, common_pb2.ROLE_SLAVE),
+        20,
+        "n1 rejoined the group",
+    )
+    before = acked()
+    _wait_for(lambda: acked() >= before + 50, 20, "50 more events after n1 rejoined")
+    for publisher in publishers:
+        publisher.stop.set()
+    for publisher in publishers:
+        publisher.join(timeout=30)
+        assert publisher.error is None, repr(publisher.error)
+
+    expected = {offset: payload for p in publishers for payload, offset in p.acked.items()}
+    assert len(expected) == sum(p.count() for p in publishers), "two events at one offset"
+
+    def every_replica_holds_every_ack() -> bool:
+        views = [
+            dict(_read_replica(trio.replica_address(n.id), "replicated")) for n in trio.config.nodes
+        ]
+        return all(
+            all(view.get(offset) == payload for offset, payload in expected.items())
+            for view in views
+        ) and all(view == views[0] for view in views)
+
+    _wait_for(every_replica_holds_every_ack, 20, "every replica holds every acknowledged event")
+    views = [_read_replica(trio.replica_address(n.id), "replicated") for n in trio.config.nodes]
+    offsets = [offset for offset, _ in views[0]]
+    assert offsets == list(range(len(offsets))), "a replica's offsets have a gap"
+
+
+def test_a_slave_refuses_a_stream_from_an_older_epoch(trio: LocalCluster) -> None:
+    master = trio.wait_for_master()
+    slave = next(n.id for n in trio.config.nodes if n.id != master)
+    with grpc.insecure_channel(trio.replica_address(slave)) as channel:
+        control = replica_pb2_grpc.ReplicaControlStub(channel)
+        _wait_for(
+            lambda: (
+                control.GetReplicaState(replica_pb2.GetReplicaStateRequest(), timeout=5).role
+                == common_pb2.ROLE_SLAVE
+            ),
+            10,
+            f"{slave} follows {master}",
+        )
+        state = control.GetReplicaState(replica_pb2.GetReplicaStateRequest(), timeout=5)
+        assert state.epoch >= 1
+        stream = replica_pb2_grpc.ReplicationStub(channel)
+        entry_op = replica_pb2.Operation(
+            destroy_topic=replica_pb2.DestroyTopicOp(name="nothing")
+        ).SerializeToString()
+        stale = [
+            replica_pb2.ReplicateRequest(
+                hello=replica_pb2.ReplicationHello(
+                    master_id=master, epoch=state.epoch - 1, cluster_id=state.cluster_id
+                )
+            ),
+            replica_pb2.ReplicateRequest(
+                entries=replica_pb2.EntryBatch(
+                    epoch=state.epoch - 1,
+                    entries=[
+                        replica_pb2.LogEntry(
+                            lsn=state.last_lsn + 1,
+                            epoch=state.epoch - 1,
+                            checksum=zlib.crc32(entry_op),
+                            operation=entry_op,
+                        )
+                    ],
+                )
+            ),
+        ]
+        with pytest.raises(grpc.RpcError) as raised:
+            list(stream.Replicate(iter(stale), timeout=5))
+        error = raised.value
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
+        details = error.details() or ""  # type: ignore[attr-defined]
+        assert slave in details and f"epoch {state.epoch}" in details, details
+        trailing = dict(error.trailing_metadata() or ())  # type: ignore[attr-defined]
+        assert trailing.get("squall-epoch") == str(state.epoch)
+        # A Hello naming the wrong master of the current epoch is refused too.
+        impostor = next(n.id for n in trio.config.nodes if n.id not in (master, slave))
+        hello = replica_pb2.ReplicateRequest(
+            hello=replica_pb2.ReplicationHello(
+                master_id=impostor, epoch=state.epoch, cluster_id=state.cluster_id
+            )
+        )
+        with pytest.raises(grpc.RpcError) as raised:
+            list(stream.Replicate(iter([hello]), timeout=5))
+        assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
+        after = control.GetReplicaState(replica_pb2.GetReplicaStateRequest(), timeout=5)
+        assert after.last_lsn >= state.last_lsn
+        assert (after.role, after.epoch, after.master_id) == (
+            common_pb2.ROLE_SLAVE,
+            state.epoch,
+            master,
+        )
