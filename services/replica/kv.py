@@ -13,6 +13,11 @@ behave the same as long as they honour these rules:
   commit meanwhile, and may run in any thread while a write is in progress.
 * ``scan`` yields ``[start, end)`` in key order. Do not change a database while
   iterating over it in the same transaction.
+* ``snapshot()`` is a read transaction meant to live long (a snapshot export consumed
+  chunk by chunk while the replica keeps writing): it sees one committed state and never
+  blocks the writer, even in the same thread.
+* ``clear(db)`` empties a database inside the write transaction in one step (LMDB frees
+  its pages instead of deleting key by key); an abort restores it like any change.
 * Errors: ``KVFullError`` when the store has no room (the write transaction is
   aborted, earlier data stays readable, later smaller writes may succeed);
   ``KVCorruptError`` when the engine itself detects damage on a read; ``KVError`` for
@@ -80,12 +85,20 @@ class WriteTxn(ReadTxn, Protocol):
         """Removes every key in [start, end); returns how many."""
         ...
 
+    def clear(self, db: str) -> int:
+        """Removes every key of db; returns how many there were."""
+        ...
+
 
 class KV(Protocol):
     """A set of named, ordered key-value databases with transactions."""
 
     def read(self) -> AbstractContextManager[ReadTxn]:
         """Opens a read transaction for the duration of the with-block."""
+        ...
+
+    def snapshot(self) -> AbstractContextManager[ReadTxn]:
+        """Opens a long-lived read transaction that does not block the writer."""
         ...
 
     def write(self, *, sync: bool) -> AbstractContextManager[WriteTxn]:

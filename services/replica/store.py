@@ -10,19 +10,38 @@ to the operating system. Each entry needs ``crc32(operation) == checksum``,
 a newer epoch adds an epoch history boundary (epoch, LSN) and raises the store's epoch
 if it was lower; an ``EpochStartOp`` must be such a first entry.
 
-Synchronous; one writer and many readers: the replica serializes writes (``append`` and
-the meta setters) itself, reads may come from any thread, each seeing one committed
-state. Reads: ``meta``, ``read_log``, ``get_topic``, ``list_topics`` (by name),
-``read_events`` (verified ``common_pb2.Event`` list), ``get_cursor``,
-``list_subscriptions``, ``lookup_sequence``, ``publisher_high_water``. ``make_entry``
-builds an entry with its checksum.
+Log retention: the log holds ``log_start_lsn()``..last LSN. ``compact_log(keep_from)``
+deletes the entries below keep_from (never the last entry), in bounded transactions;
+``read_log`` below the start raises ``LogCompactedError``: only a snapshot holds them.
+
+Snapshots (for a replica behind the retained log, or with a divergent suffix, since
+applied entries cannot be undone): ``snapshot_chunks`` exports every state record from
+ONE read transaction, consistent while writes go on, as ``SnapshotChunk`` messages
+reflecting ``snapshot_lsn`` (the last LSN then). The receiver installs them with
+``begin_snapshot`` (empties its state and log, marks meta ``snapshot_pending``), one
+``install_chunk`` per chunk (one transaction each, every record re-verified) and
+``finish_snapshot(history)`` (one transaction: the log is empty and continues at
+snapshot LSN + 1). An install holds one chunk in memory at a time. A store that stops
+with an install pending reports itself empty (last LSN and last epoch 0, no topics, so
+the master sends a fresh snapshot) until a new install finishes (or ``abort_snapshot``,
+or an append from LSN 1, leaves it truly empty). The node's own meta (cluster id,
+shutdown id, store state, epoch, max seen) is never sent.
+
+Synchronous; one writer and many readers: the replica serializes writes (``append``,
+``compact_log``, the snapshot install and the meta setters) itself, reads may come from
+any thread, each seeing one committed state. Reads: ``meta``, ``log_start_lsn``,
+``read_log``, ``get_topic``, ``list_topics`` (by name), ``read_events`` (verified
+``common_pb2.Event`` list), ``get_cursor``, ``list_subscriptions``, ``lookup_sequence``,
+``publisher_high_water``, ``snapshot_chunks``. ``make_entry`` builds an entry with its
+checksum.
 
 The store runs on the ``kv.KV`` interface, with two twins: ``Store.open_lmdb`` and
 ``Store.open_memory``. Its named databases:
 
 * ``meta``: cluster id, shutdown id, store state, epoch (the newest accepted; never
-  decreases), max seen, next topic id, epoch history (epoch, start LSN), and the log
-  tail (last LSN, last epoch).
+  decreases), max seen, next topic id, epoch history (epoch, start LSN), the log tail
+  (last LSN, last epoch), the log start (absent: 1) and a pending snapshot install
+  (its LSN and epoch, the next chunk index, the last record installed).
 * ``log``: LSN (8 bytes big-endian) -> serialized ``LogEntry``.
 * ``topics``: name -> topic id, kind, next offset, first offset, creation time.
 * ``events``: topic id + offset (8 + 8 bytes big-endian) -> serialized ``common_pb2.Event``.
@@ -46,8 +65,11 @@ validates requests before it builds entries, so these are programmer or peer err
 ``StoreFullError`` means the LMDB map (or the memory twin's capacity) is full, the batch
 was aborted and the store is intact; ``StoreWriteError`` is any other write failure and
 is fail-stop: the replica must stop serving rather than guess what was stored.
-``StaleEpochError``: ``set_epoch`` below the store's epoch. ``UnknownTopicError``: a
-topic read (``read_events``, ``list_subscriptions``) of a topic the store does not hold.
+``StaleEpochError``: ``set_epoch`` below the store's epoch. ``LogCompactedError``:
+``read_log`` below the log start. ``SnapshotError``: a snapshot call out of order or a
+chunk that does not fit the install (nothing written; a record failing its checksum
+raises ``CorruptRecordError``). ``UnknownTopicError``: a topic read (``read_events``,
+``list_subscriptions``) of a topic the store does not hold.
 """
 
 from __future__ import annotations
@@ -55,12 +77,19 @@ from __future__ import annotations
 import os
 import struct
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
+from services.replica.divergence import (
+    UINT64_MAX,
+    BoundaryLike,
+    HistoryError,
+    check_history,
+    epoch_at,
+)
 from services.replica.kv import (
     KV,
     MAX_KEY_BYTES,
@@ -84,7 +113,16 @@ DB_PUBLISHERS = "publishers"
 # The databases a KV must hold for the store.
 DATABASES = (DB_META, DB_LOG, DB_TOPICS, DB_EVENTS, DB_CURSORS, DB_DEDUPE, DB_PUBLISHERS)
 
+# The databases a snapshot carries, in the order it carries them (meta: only the keys
+# in _META_SNAPSHOT_KEYS). Everything but the log and the receiving node's own meta.
+SNAPSHOT_DBS = (DB_META, DB_TOPICS, DB_EVENTS, DB_CURSORS, DB_DEDUPE, DB_PUBLISHERS)
+# The state databases a snapshot install (and an abandoned one) empties, with the log.
+_CLEARED_DBS = (DB_TOPICS, DB_EVENTS, DB_CURSORS, DB_DEDUPE, DB_PUBLISHERS, DB_LOG)
+
 DEDUPE_WINDOW_DEFAULT = 100_000
+SNAPSHOT_RECORDS_MAX_DEFAULT = 1000
+SNAPSHOT_BYTES_MAX_DEFAULT = 4 << 20
+COMPACT_BATCH_ENTRIES_DEFAULT = 10_000
 
 _META_CLUSTER_ID = b"cluster_id"
 _META_SHUTDOWN_ID = b"shutdown_id"
@@ -94,6 +132,11 @@ _META_MAX_SEEN = b"max_seen"
 _META_NEXT_TOPIC_ID = b"next_topic_id"
 _META_HISTORY = b"history"
 _META_LOG_TAIL = b"log_tail"
+_META_LOG_START = b"log_start"
+_META_SNAPSHOT_PENDING = b"snapshot_pending"
+# Meta keys that describe state (a snapshot carries them); the others belong to the node
+# (cluster id, shutdown id, store state, epoch, max seen) or describe the log.
+_META_SNAPSHOT_KEYS = frozenset({_META_NEXT_TOPIC_ID})
 
 _CRC = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
@@ -101,6 +144,14 @@ _U64X2 = struct.Struct(">QQ")
 _U16 = struct.Struct(">H")
 _TOPIC = struct.Struct(">QBQQq")  # topic_id, kind, next_offset, first_offset, created_ms
 _DEDUPE = struct.Struct(">QQQQ")  # first sequence, its offset, lsn, epoch; then topic
+# snapshot lsn, epoch, next chunk index, last chunk installed (0/1), db of the last record
+# installed (1 + its index in SNAPSHOT_DBS; 0: none yet); then the last record's key.
+_PENDING = struct.Struct(">QQQBB")
+# What a SnapshotChunk spends besides its records: index, last, LSN and epoch fields.
+_CHUNK_HEADER_BYTES = 48
+# What a SnapshotRecord in a chunk spends besides its key, value and database name: four
+# tags and four length varints (five bytes each covers any record below 4 GiB).
+_RECORD_OVERHEAD_BYTES = 24
 
 _STATES = (
     common_pb2.STORE_STATE_EMPTY,
@@ -132,6 +183,25 @@ class StaleEpochError(StoreError):
 
 class UnknownTopicError(StoreError):
     """A read named a topic the store does not hold."""
+
+
+class LogCompactedError(StoreError):
+    """The log entries asked for were compacted away: only a snapshot holds them now."""
+
+    def __init__(self, from_lsn: int, log_start_lsn: int) -> None:
+        super().__init__(
+            f"log entry LSN {from_lsn} was compacted: the log starts at LSN {log_start_lsn}"
+        )
+        self.from_lsn = from_lsn
+        self.log_start_lsn = log_start_lsn
+
+
+class SnapshotError(StoreError):
+    """A snapshot call out of order, or a chunk that does not fit the install in progress.
+
+    Nothing was written. (A chunk whose record fails its checksum raises
+    ``CorruptRecordError`` instead.)
+    """
 
 
 class CorruptRecordError(StoreError):
@@ -175,6 +245,8 @@ class StoreMeta:
     last_lsn: int
     last_epoch: int
     history: tuple[EpochBoundary, ...]
+    log_start_lsn: int = 1  # the first LSN still in the log (last_lsn + 1: empty log)
+    snapshot_pending: bool = False  # an install began and did not finish: the store is empty
 
 
 @dataclass(frozen=True)
@@ -341,10 +413,65 @@ def _read_log_tail(txn: ReadTxn) -> tuple[int, int]:
     return lsn, epoch
 
 
+def _read_log_start(txn: ReadTxn) -> int:
+    """Reads the first LSN still in the log (1 for a log never compacted)."""
+    return _read_u64(txn, DB_META, _META_LOG_START) or 1
+
+
+def _pending(txn: ReadTxn) -> bool:
+    """Whether a snapshot install began and has not finished (the state is partial)."""
+    return txn.get(DB_META, _META_SNAPSHOT_PENDING) is not None
+
+
+@dataclass
+class _PendingInstall:
+    """The snapshot install in progress, as meta records it."""
+
+    snapshot_lsn: int
+    snapshot_epoch: int
+    next_index: int
+    complete: bool  # the last chunk is installed
+    last_db: int  # 1 + SNAPSHOT_DBS index of the last record installed; 0: none yet
+    last_key: bytes
+
+    def encode(self) -> bytes:
+        """The sealed record."""
+        head = _PENDING.pack(
+            self.snapshot_lsn, self.snapshot_epoch, self.next_index, self.complete, self.last_db
+        )
+        return _seal(_META_SNAPSHOT_PENDING, head + self.last_key)
+
+
+def _read_pending(txn: ReadTxn) -> _PendingInstall | None:
+    """Reads the snapshot install in progress, or None."""
+    value = txn.get(DB_META, _META_SNAPSHOT_PENDING)
+    if value is None:
+        return None
+    body = _unseal(DB_META, _META_SNAPSHOT_PENDING, value)
+    lsn, epoch, index, complete, last_db = _unpack(DB_META, _META_SNAPSHOT_PENDING, _PENDING, body)
+    return _PendingInstall(lsn, epoch, index, bool(complete), last_db, body[_PENDING.size :])
+
+
+def _clear_state(txn: WriteTxn) -> None:
+    """Empties the state databases and the log, and forgets the log's meta.
+
+    The node's own meta (cluster id, shutdown id, store state, epoch, max seen) stays.
+    """
+    for db in _CLEARED_DBS:
+        txn.clear(db)
+    for key in (_META_NEXT_TOPIC_ID, _META_LOG_TAIL, _META_HISTORY, _META_LOG_START):
+        txn.delete(DB_META, key)
+
+
 def _read_meta(txn: ReadTxn) -> StoreMeta:
     """Reads every meta record in one transaction."""
     last_lsn, last_epoch = _read_log_tail(txn)
     state = _read_u64(txn, DB_META, _META_STATE)
+    pending = _pending(txn)
+    if pending:
+        # begin_snapshot removed the log's meta; this keeps the promise whatever a
+        # damaged or older store holds: a pending install has no data to report.
+        last_lsn = last_epoch = 0
     return StoreMeta(
         cluster_id=_read_text(txn, _META_CLUSTER_ID),
         shutdown_id=_read_text(txn, _META_SHUTDOWN_ID),
@@ -353,7 +480,9 @@ def _read_meta(txn: ReadTxn) -> StoreMeta:
         max_seen=_read_u64(txn, DB_META, _META_MAX_SEEN) or 0,
         last_lsn=last_lsn,
         last_epoch=last_epoch,
-        history=tuple(_read_history(txn)),
+        history=() if pending else tuple(_read_history(txn)),
+        log_start_lsn=1 if pending else _read_log_start(txn),
+        snapshot_pending=pending,
     )
 
 
@@ -365,6 +494,73 @@ def _put_u64(txn: WriteTxn, db: str, key: bytes, value: int) -> None:
 def _put_text(txn: WriteTxn, key: bytes, text: str) -> None:
     """Writes a sealed UTF-8 meta value."""
     txn.put(DB_META, key, _seal(key, text.encode()))
+
+
+# --- snapshot records
+
+
+# A database's place in a snapshot: 1 + its index in SNAPSHOT_DBS (0: before any record).
+_SNAPSHOT_DB_RANK = {db: i + 1 for i, db in enumerate(SNAPSHOT_DBS)}
+# Longest peer-supplied text quoted in an error.
+_SHOWN_CHARS_MAX = 40
+
+
+def _snapshot_records(txn: ReadTxn, db: str) -> Iterable[tuple[bytes, bytes]]:
+    """(key, sealed value) of a database's records a snapshot carries, in key order."""
+    if db != DB_META:
+        return txn.scan(db)
+    return [
+        (key, value)
+        for key in sorted(_META_SNAPSHOT_KEYS)
+        if (value := txn.get(DB_META, key)) is not None
+    ]
+
+
+def _check_records(
+    chunk: replica_pb2.SnapshotChunk, pending: _PendingInstall, where: str
+) -> list[tuple[str, list[tuple[bytes, bytes]]]]:
+    """Verifies a chunk's records; returns them as runs of one database each.
+
+    Records must follow the snapshot order strictly (database, then key, above the last
+    record installed) — which is also what lets LMDB append them; keys must fit the KV;
+    of meta only the state keys may come; every value's checksum must hold. Advances
+    pending's last record. Raises SnapshotError or CorruptRecordError.
+    """
+    crc32, unpack_crc, crc_size = zlib.crc32, _CRC.unpack_from, _CRC.size
+    last_rank, last_key = pending.last_db, pending.last_key
+    runs: list[tuple[str, list[tuple[bytes, bytes]]]] = []
+    items: list[tuple[bytes, bytes]] = []
+    run_db, meta_run = "", False
+    # The hot loop of an install (one pass per record): the checks on a new database
+    # run once per run, the per-record ones are kept few and flat.
+    for record in chunk.records:
+        db, key, value = record.db, record.key, record.value
+        if db != run_db:
+            rank = _SNAPSHOT_DB_RANK.get(db, 0)
+            if not rank:
+                raise SnapshotError(f"{where}: a record of database {db[:_SHOWN_CHARS_MAX]!r}")
+            if rank < last_rank:
+                raise SnapshotError(f"{where}: a {db} record after {SNAPSHOT_DBS[last_rank - 1]}")
+            if rank > last_rank:
+                last_rank, last_key = rank, b""  # a new database: any non-empty key follows
+            items = []
+            runs.append((db, items))
+            run_db, meta_run = db, db == DB_META
+        if key <= last_key:
+            detail = f"key {key.hex()[:_SHOWN_CHARS_MAX]} is out of order" if key else "empty key"
+            raise SnapshotError(f"{where}: a {db} record with an {detail}")
+        if len(key) > MAX_KEY_BYTES:
+            raise SnapshotError(f"{where}: a {db} key of {len(key)} bytes")
+        if meta_run and key not in _META_SNAPSHOT_KEYS:
+            raise SnapshotError(
+                f"{where}: meta key {key[:_SHOWN_CHARS_MAX]!r} is not state a snapshot carries"
+            )
+        if len(value) < crc_size or unpack_crc(value)[0] != crc32(value[crc_size:], crc32(key)):
+            raise CorruptRecordError(db, key, f"checksum mismatch in snapshot {where}")
+        items.append((key, value))
+        last_key = key
+    pending.last_db, pending.last_key = last_rank, last_key
+    return runs
 
 
 # --- applying entries
@@ -693,12 +889,15 @@ class Store:
             self._kv.close()
 
     @contextmanager
-    def _reading(self) -> Iterator[ReadTxn]:
-        """A read transaction, with KV errors turned into store errors."""
+    def _reading(self, *, long_lived: bool = False) -> Iterator[ReadTxn]:
+        """A read transaction, with KV errors turned into store errors.
+
+        long_lived: a KV snapshot transaction, which never blocks the writer.
+        """
         if self._closed:
             raise StoreError("the store is closed")
         try:
-            with self._kv.read() as txn:
+            with self._kv.snapshot() if long_lived else self._kv.read() as txn:
                 yield txn
         except KVCorruptError as exc:
             raise CorruptRecordError(exc.db, b"", str(exc)) from exc
@@ -778,17 +977,33 @@ class Store:
         if not entries:
             return
         with self._writing(sync=sync) as txn:
+            if _pending(txn):
+                # An unfinished install left partial state in a store that reports itself
+                # empty: a master that still holds its whole log may fill it from LSN 1.
+                if entries[0].lsn != 1:
+                    raise InvalidEntryError(
+                        f"entry LSN {entries[0].lsn}: an unfinished snapshot install left "
+                        "this store empty, its log continues at LSN 1"
+                    )
+                _clear_state(txn)
+                txn.delete(DB_META, _META_SNAPSHOT_PENDING)
             batch = _Batch(txn, self._dedupe_window)
             for entry in entries:
                 batch.entry(entry)
             batch.finish()
 
     def read_log(self, from_lsn: int, max_entries: int) -> list[replica_pb2.LogEntry]:
-        """Up to max_entries verified entries from from_lsn (empty beyond the last)."""
+        """Up to max_entries verified entries from from_lsn (empty beyond the last).
+
+        Raises LogCompactedError when from_lsn is below the log's start (``log_start_lsn``).
+        """
         if from_lsn < 1 or max_entries < 1:
             raise ValueError(f"from_lsn and max_entries must be >= 1 ({from_lsn}, {max_entries})")
         with self._reading() as txn:
             last_lsn, _ = _read_log_tail(txn)
+            log_start_lsn = _read_log_start(txn)
+            if from_lsn < log_start_lsn:
+                raise LogCompactedError(from_lsn, log_start_lsn)
             stop = min(last_lsn + 1, from_lsn + max_entries)
             out: list[replica_pb2.LogEntry] = []
             for key, value in txn.scan(DB_LOG, _U64.pack(from_lsn), _U64.pack(stop)):
@@ -806,6 +1021,46 @@ class Store:
                 raise CorruptRecordError(DB_LOG, _U64.pack(from_lsn + len(out)), "entry missing")
             return out
 
+    def log_start_lsn(self) -> int:
+        """The first LSN still in the log: 1 unless compacted or installed from a snapshot.
+
+        The log holds log_start_lsn..last_lsn; log_start_lsn == last_lsn + 1 is an empty
+        log continuing from a snapshot at last_lsn.
+        """
+        with self._reading() as txn:
+            return _read_log_start(txn)
+
+    def compact_log(
+        self, keep_from_lsn: int, *, batch_entries: int = COMPACT_BATCH_ENTRIES_DEFAULT
+    ) -> int:
+        """Deletes the log entries below keep_from_lsn; returns how many it deleted.
+
+        Never deletes the last entry, so at most up to min(keep_from_lsn, last LSN).
+        Deletes batch_entries per write transaction (not flushed: a crash only leaves more
+        log), each also moving the recorded log start, so readers never see a gap. A write
+        like append: the caller serializes it with the other writes. Idempotent; nothing
+        while a snapshot install is pending.
+        """
+        if keep_from_lsn < 1 or batch_entries < 1:
+            raise ValueError(
+                f"keep_from_lsn and batch_entries must be >= 1 ({keep_from_lsn}, {batch_entries})"
+            )
+        with self._reading() as txn:
+            if _pending(txn):
+                return 0
+            start = _read_log_start(txn)
+            target = min(keep_from_lsn, _read_log_tail(txn)[0])
+        deleted = 0
+        for _ in range(max(0, -(-(target - start) // batch_entries))):
+            with self._writing(sync=False) as txn:
+                start = _read_log_start(txn)
+                if _pending(txn) or start >= target:
+                    break  # another writer got here first
+                end = min(target, start + batch_entries)
+                deleted += txn.delete_range(DB_LOG, _U64.pack(start), _U64.pack(end))
+                _put_u64(txn, DB_META, _META_LOG_START, end)
+        return deleted
+
     def sync(self) -> None:
         """Flushes everything committed to disk."""
         if self._closed:
@@ -815,17 +1070,201 @@ class Store:
         except KVError as exc:
             raise StoreWriteError(f"sync failed: {exc}") from exc
 
+    # --- snapshots
+
+    def snapshot_chunks(
+        self,
+        records_max: int = SNAPSHOT_RECORDS_MAX_DEFAULT,
+        bytes_max: int = SNAPSHOT_BYTES_MAX_DEFAULT,
+    ) -> Generator[replica_pb2.SnapshotChunk, None, None]:
+        """The store's state as snapshot chunks, all read from ONE read transaction.
+
+        The transaction opens when the first chunk is asked for, so the first chunk's
+        ``snapshot_lsn`` (the last LSN then) is the snapshot's; writes may go on while
+        the chunks are consumed and none of them shows. The generator holds the
+        transaction until it is exhausted or closed: the caller MUST close it if it stops
+        early (``with contextlib.closing(store.snapshot_chunks()) as chunks:``); on LMDB
+        an open export keeps the pages it reads from being reused.
+
+        Each chunk has at most records_max records and, unless one record alone is
+        bigger, serializes to at most bytes_max bytes. Records: every record of
+        ``SNAPSHOT_DBS`` in that order and key order (of meta only the state keys), each
+        verified before it is sent. Every chunk carries index (from 0), snapshot_lsn and
+        snapshot_epoch; the last one ``last`` and the epoch history. The log is not
+        included: the receiver's log continues from snapshot_lsn + 1. Raises
+        SnapshotError if this store itself holds an unfinished install.
+        """
+        if records_max < 1 or bytes_max < 1:
+            raise ValueError(f"records_max {records_max}, bytes_max {bytes_max}: both >= 1")
+        return self._export(records_max, bytes_max)
+
+    def _export(
+        self, records_max: int, bytes_max: int
+    ) -> Generator[replica_pb2.SnapshotChunk, None, None]:
+        """The generator behind snapshot_chunks; its with-block releases the transaction."""
+        with self._reading(long_lived=True) as txn:
+            if _pending(txn):
+                raise SnapshotError("this store holds an unfinished snapshot install, not state")
+            snapshot_lsn, snapshot_epoch = _read_log_tail(txn)
+            history = [
+                replica_pb2.EpochBoundary(epoch=b.epoch, start_lsn=b.start_lsn)
+                for b in _read_history(txn)
+            ]
+            # Room for the chunk's other fields, and the history the last chunk carries.
+            budget = bytes_max - _CHUNK_HEADER_BYTES - sum(b.ByteSize() + 2 for b in history)
+            index = count = size = 0
+            chunk = replica_pb2.SnapshotChunk(
+                index=0, snapshot_lsn=snapshot_lsn, snapshot_epoch=snapshot_epoch
+            )
+            add = chunk.records.add
+            crc32, unpack_crc, crc_size = zlib.crc32, _CRC.unpack_from, _CRC.size
+            for db in SNAPSHOT_DBS:
+                overhead = _RECORD_OVERHEAD_BYTES + len(db)
+                # The hot loop (one pass per record of the store): kept flat on purpose.
+                for key, value in _snapshot_records(txn, db):
+                    if len(value) < crc_size or unpack_crc(value)[0] != crc32(
+                        value[crc_size:], crc32(key)
+                    ):
+                        _unseal(db, key, value)  # raises: a damaged record is never sent
+                    record_bytes = overhead + len(key) + len(value)
+                    if count and (count >= records_max or size + record_bytes > budget):
+                        yield chunk
+                        index += 1
+                        count = size = 0
+                        chunk = replica_pb2.SnapshotChunk(
+                            index=index, snapshot_lsn=snapshot_lsn, snapshot_epoch=snapshot_epoch
+                        )
+                        add = chunk.records.add
+                    add(db=db, key=key, value=value)
+                    count += 1
+                    size += record_bytes
+            chunk.last = True
+            chunk.history.extend(history)
+            yield chunk
+
+    def begin_snapshot(self, snapshot_lsn: int, snapshot_epoch: int, *, sync: bool = True) -> None:
+        """Starts installing a snapshot: empties the state and the log, marks it pending.
+
+        One transaction (flushed when sync). Until finish_snapshot the store reports
+        itself empty (last LSN 0, no topics), across restarts too; a pending install
+        from before is discarded, and an append from LSN 1 abandons this one.
+        """
+        if (
+            not 0 <= snapshot_lsn <= UINT64_MAX
+            or not 0 <= snapshot_epoch <= UINT64_MAX
+            or (snapshot_lsn == 0) != (snapshot_epoch == 0)
+        ):
+            raise SnapshotError(
+                f"a snapshot at LSN {snapshot_lsn} epoch {snapshot_epoch}: LSN and epoch are "
+                "uint64s, both 0 or neither"
+            )
+        pending = _PendingInstall(snapshot_lsn, snapshot_epoch, 0, False, 0, b"")
+        with self._writing(sync=sync) as txn:
+            _clear_state(txn)
+            txn.put(DB_META, _META_SNAPSHOT_PENDING, pending.encode())
+
+    def install_chunk(self, chunk: replica_pb2.SnapshotChunk, *, sync: bool = False) -> int:
+        """Writes one chunk's records in one transaction; returns how many.
+
+        The chunk must be the next (index 0, 1, ...) of the snapshot begun, its records
+        in snapshot order and each with a valid checksum; otherwise SnapshotError (or
+        CorruptRecordError for a checksum) and nothing of the chunk is written. Install
+        every chunk, the last included, then call finish_snapshot.
+        """
+        with self._writing(sync=sync) as txn:
+            pending = _read_pending(txn)
+            if pending is None:
+                raise SnapshotError(f"chunk {chunk.index}: no snapshot install in progress")
+            where = f"chunk {chunk.index} of the snapshot at LSN {chunk.snapshot_lsn}"
+            if (chunk.snapshot_lsn, chunk.snapshot_epoch) != (
+                pending.snapshot_lsn,
+                pending.snapshot_epoch,
+            ):
+                raise SnapshotError(
+                    f"{where} epoch {chunk.snapshot_epoch}: the install in progress is at LSN "
+                    f"{pending.snapshot_lsn} epoch {pending.snapshot_epoch}"
+                )
+            if pending.complete or chunk.index != pending.next_index:
+                expected = "none (the last is in)" if pending.complete else pending.next_index
+                raise SnapshotError(f"{where}: the next chunk expected is {expected}")
+            runs = _check_records(chunk, pending, where)
+            for db, items in runs:
+                if db == DB_META:
+                    for key, value in items:
+                        txn.put(db, key, value)
+                else:
+                    # Ascending above every key installed so far, into a database that
+                    # begin_snapshot emptied: LMDB appends and packs pages full.
+                    txn.put_many(db, items, append=True)
+            pending.next_index += 1
+            pending.complete = chunk.last
+            txn.put(DB_META, _META_SNAPSHOT_PENDING, pending.encode())
+        return len(chunk.records)
+
+    def finish_snapshot(
+        self, history: Iterable[tuple[int, int] | BoundaryLike], *, sync: bool = True
+    ) -> None:
+        """Ends the install: the log ends at the snapshot's LSN and epoch, with history.
+
+        One transaction (flushed when sync): last LSN and epoch, the epoch history, log
+        start = snapshot LSN + 1, the store's epoch raised to the snapshot's if lower, and
+        the pending mark cleared. SnapshotError (nothing changed) if no install is
+        pending, its last chunk is not installed, or the history does not fit it.
+        """
+        with self._writing(sync=sync) as txn:
+            pending = _read_pending(txn)
+            if pending is None:
+                raise SnapshotError("finish: no snapshot install in progress")
+            lsn, epoch = pending.snapshot_lsn, pending.snapshot_epoch
+            if not pending.complete:
+                raise SnapshotError(
+                    f"finish: the snapshot at LSN {lsn} has chunks {pending.next_index}.. "
+                    "still to install (the last chunk is not in)"
+                )
+            try:
+                checked = check_history(history, lsn)
+            except HistoryError as exc:
+                raise SnapshotError(f"finish: the snapshot at LSN {lsn}: {exc}") from None
+            if epoch_at(checked, lsn) != epoch:
+                raise SnapshotError(
+                    f"finish: the snapshot at LSN {lsn} is of epoch {epoch}, its history "
+                    f"says {epoch_at(checked, lsn)}"
+                )
+            txn.put(DB_META, _META_LOG_TAIL, _seal(_META_LOG_TAIL, _U64X2.pack(lsn, epoch)))
+            if checked:
+                body = b"".join(_U64X2.pack(e, start) for e, start in checked)
+                txn.put(DB_META, _META_HISTORY, _seal(_META_HISTORY, body))
+            _put_u64(txn, DB_META, _META_LOG_START, lsn + 1)
+            if epoch > (_read_u64(txn, DB_META, _META_EPOCH) or 0):
+                _put_u64(txn, DB_META, _META_EPOCH, epoch)
+            txn.delete(DB_META, _META_SNAPSHOT_PENDING)
+
+    def abort_snapshot(self) -> bool:
+        """Abandons an unfinished install (flushed): the store is left empty of data.
+
+        Returns whether one was pending. Not needed before a new begin_snapshot (which
+        discards it too); for a replica that will take its log from LSN 1 instead.
+        """
+        with self._writing(sync=True) as txn:
+            if not _pending(txn):
+                return False
+            _clear_state(txn)
+            txn.delete(DB_META, _META_SNAPSHOT_PENDING)
+        return True
+
     # --- state
 
     def get_topic(self, name: str) -> TopicInfo | None:
         """The topic, or None."""
         with self._reading() as txn:
-            row = _read_topic(txn, name)
+            row = None if _pending(txn) else _read_topic(txn, name)
             return None if row is None else row.info()
 
     def list_topics(self) -> list[TopicInfo]:
         """Every topic, ordered by name."""
         with self._reading() as txn:
+            if _pending(txn):
+                return []
             return [_decode_topic(k, v).info() for k, v in txn.scan(DB_TOPICS)]
 
     def read_events(
@@ -846,7 +1285,7 @@ class Store:
         if max_events < 1:
             raise ValueError(f"max_events must be >= 1, got {max_events}")
         with self._reading() as txn:
-            row = _read_topic(txn, topic)
+            row = None if _pending(txn) else _read_topic(txn, topic)
             if row is None:
                 raise UnknownTopicError(f"no topic {topic!r}")
             start = max(from_offset, row.first_offset)
@@ -881,7 +1320,7 @@ class Store:
     def get_cursor(self, topic: str, subscription: str) -> int | None:
         """The subscription's cursor (next offset to deliver), or None."""
         with self._reading() as txn:
-            row = _read_topic(txn, topic)
+            row = None if _pending(txn) else _read_topic(txn, topic)
             raw = subscription.encode()
             if row is None or not raw:
                 return None
@@ -890,7 +1329,7 @@ class Store:
     def list_subscriptions(self, topic: str) -> list[tuple[str, int]]:
         """(name, cursor) of every subscription of the topic, by name."""
         with self._reading() as txn:
-            row = _read_topic(txn, topic)
+            row = None if _pending(txn) else _read_topic(txn, topic)
             if row is None:
                 raise UnknownTopicError(f"no topic {topic!r}")
             lo, hi = _U64.pack(row.topic_id), _U64.pack(row.topic_id + 1)
@@ -915,6 +1354,8 @@ class Store:
         except InvalidEntryError:
             return None  # an id too long to be stored was never stored
         with self._reading() as txn:
+            if _pending(txn):
+                return None
             high_water = _read_u64(txn, DB_PUBLISHERS, prefix[_U16.size :]) or 0
             if not high_water - self._dedupe_window < sequence <= high_water:
                 return None
@@ -940,4 +1381,4 @@ class Store:
         if not raw or len(raw) > MAX_KEY_BYTES:
             return 0
         with self._reading() as txn:
-            return _read_u64(txn, DB_PUBLISHERS, raw) or 0
+            return 0 if _pending(txn) else _read_u64(txn, DB_PUBLISHERS, raw) or 0

@@ -8,6 +8,12 @@ leaves flushing to the operating system. Without ``writemap`` LMDB writes pages 
 lose (and, on a filesystem that reorders writes, damage) what was not yet synced —
 which is why every record also carries its own checksum above this layer.
 
+Read transactions never block the writer, so ``snapshot()`` is an ordinary read
+transaction; py-lmdb opens every environment with ``MDB_NOTLS``, so it may be consumed
+from one thread after another (never from two at once). While it lives, LMDB cannot
+reuse the pages it sees: a long snapshot export lets the file grow by what is written
+meanwhile, and takes one of ``max_readers`` reader slots.
+
 ``lmdb.MapFullError`` becomes ``KVFullError`` with the transaction aborted; LMDB's own
 corruption reports on reads become ``KVCorruptError``; any other LMDB error ``KVError``.
 """
@@ -16,7 +22,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import lmdb
 
@@ -115,6 +121,16 @@ class _WriteTxn(_ReadTxn):
         except lmdb.Error as exc:
             raise _translate(db, exc) from exc
 
+    def clear(self, db: str) -> int:
+        """Removes every key of db (mdb_drop: frees its pages); returns how many there were."""
+        try:
+            handle = self._db(db)
+            count: int = self._txn.stat(handle)["entries"]
+            self._txn.drop(handle, delete=False)
+        except lmdb.Error as exc:
+            raise _translate(db, exc) from exc
+        return count
+
 
 class LmdbKV:
     """Named LMDB databases in one environment, with the KV protocol's transactions."""
@@ -162,6 +178,10 @@ class LmdbKV:
             yield _ReadTxn(txn, self._dbs)
         finally:
             txn.abort()
+
+    def snapshot(self) -> AbstractContextManager[_ReadTxn]:
+        """A long-lived read transaction: LMDB readers never block the writer."""
+        return self.read()
 
     @contextmanager
     def write(self, *, sync: bool) -> Iterator[_WriteTxn]:

@@ -7,6 +7,11 @@ it commits or rolls back. A write changes the data in place and keeps an undo lo
 an abort restores the state exactly. ``capacity_bytes`` (sum of key and value lengths)
 simulates LMDB's map full: the put that would exceed it raises ``KVFullError`` and the
 transaction rolls back.
+
+``snapshot()`` (a long-lived read, for a snapshot export) copies every database's index
+under the lock and then reads the copy without it: writes go on meanwhile, even from the
+thread consuming the export, and the copy costs a reference per record, not the bytes.
+``clear(db)`` swaps in an empty database and keeps the old one for a rollback.
 """
 
 from __future__ import annotations
@@ -28,19 +33,29 @@ class _Db:
         self.data: dict[bytes, bytes] = {}
         self.keys: list[bytes] = []
 
+    def copy(self) -> _Db:
+        """A copy sharing the key and value objects (bytes are immutable)."""
+        other = _Db()
+        other.data = dict(self.data)
+        other.keys = list(self.keys)
+        return other
+
 
 class _ReadTxn:
     """A read transaction; valid only inside its with-block."""
 
-    def __init__(self, kv: MemoryKV) -> None:
+    def __init__(self, kv: MemoryKV, dbs: dict[str, _Db] | None = None) -> None:
         self._kv = kv
+        self._dbs = kv.dbs if dbs is None else dbs  # a snapshot reads its own copy
         self.live = True
 
     def _db(self, db: str) -> _Db:
         if not self.live:
             raise KVError("transaction is finished")
+        if self._kv.closed:
+            raise KVError("the store is closed")  # as LMDB, even for a snapshot's copy
         try:
-            return self._kv.dbs[db]
+            return self._dbs[db]
         except KeyError:
             raise KVError(f"no database named {db!r}") from None
 
@@ -72,6 +87,7 @@ class _WriteTxn(_ReadTxn):
     def __init__(self, kv: MemoryKV) -> None:
         super().__init__(kv)
         self.undo: list[tuple[_Db, bytes, bytes | None]] = []
+        self.cleared: list[tuple[str, _Db]] = []  # (name, the database clear() replaced)
         self.used_bytes_before = kv.used_bytes
 
     def _charge(self, delta_bytes: int) -> None:
@@ -154,6 +170,16 @@ class _WriteTxn(_ReadTxn):
         del d.keys[i:j]
         return len(doomed)
 
+    def clear(self, db: str) -> int:
+        """Removes every key of db; returns how many there were."""
+        d = self._db(db)
+        # Each undo record names its own _Db object, so changes made before and after
+        # the swap roll back on the right one; the old database comes back afterwards.
+        self.cleared.append((db, d))
+        self._dbs[db] = _Db()
+        self._kv.used_bytes -= sum(len(k) + len(v) for k, v in d.data.items())
+        return len(d.keys)
+
     def rollback(self) -> None:
         """Undoes every change, newest first."""
         for d, key, old in reversed(self.undo):
@@ -165,6 +191,9 @@ class _WriteTxn(_ReadTxn):
                     insort(d.keys, key)
                 d.data[key] = old
         self.undo.clear()
+        for name, d in reversed(self.cleared):
+            self._dbs[name] = d
+        self.cleared.clear()
         self._kv.used_bytes = self.used_bytes_before
 
 
@@ -178,10 +207,10 @@ class MemoryKV:
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
         self._lock = threading.Lock()
-        self._closed = False
+        self.closed = False
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self.closed:
             raise KVError("the store is closed")
 
     @contextmanager
@@ -194,6 +223,18 @@ class MemoryKV:
                 yield txn
             finally:
                 txn.live = False
+
+    @contextmanager
+    def snapshot(self) -> Iterator[_ReadTxn]:
+        """A long-lived read of a copy taken under the lock; writers go on meanwhile."""
+        with self._lock:
+            self._check_open()
+            copy = {name: d.copy() for name, d in self.dbs.items()}
+        txn = _ReadTxn(self, copy)
+        try:
+            yield txn
+        finally:
+            txn.live = False
 
     @contextmanager
     def write(self, *, sync: bool) -> Iterator[_WriteTxn]:
@@ -216,4 +257,4 @@ class MemoryKV:
 
     def close(self) -> None:
         """Marks the KV closed; the data stays for whoever still holds the object."""
-        self._closed = True
+        self.closed = True

@@ -21,6 +21,7 @@ from services.replica.store import (
     DedupeHit,
     EpochBoundary,
     InvalidEntryError,
+    LogCompactedError,
     StaleEpochError,
     Store,
     StoreFullError,
@@ -178,7 +179,10 @@ def test_empty_store_meta(store: Store) -> None:
         last_lsn=0,
         last_epoch=0,
         history=(),
+        log_start_lsn=1,
+        snapshot_pending=False,
     )
+    assert store.log_start_lsn() == 1
     assert store.list_topics() == []
     assert store.get_topic("t") is None
     assert store.read_log(1, 10) == []
@@ -605,6 +609,57 @@ def test_read_log_bounds(store: Store) -> None:
     assert store.read_log(4, 100) == []
     with pytest.raises(ValueError):
         store.read_log(0, 10)
+
+
+# --- log retention
+
+
+def test_compaction_moves_the_log_start(store: Store) -> None:
+    w = Writer(store)
+    entries = w.append(epoch_start(1), create("t"))
+    entries += w.append(*(publish("t", i, payloads(1, i)) for i in range(18)))
+    assert store.compact_log(8, batch_entries=3) == 7  # LSNs 1..7, three transactions
+    assert (store.log_start_lsn(), store.meta().log_start_lsn) == (8, 8)
+    with pytest.raises(LogCompactedError, match=r"LSN 7\b.*starts at LSN 8") as error:
+        store.read_log(7, 10)
+    assert (error.value.from_lsn, error.value.log_start_lsn) == (7, 8)
+    with pytest.raises(LogCompactedError):
+        store.read_log(1, 1)
+    assert store.read_log(8, 100) == entries[7:]
+    # The state the compacted entries built is untouched.
+    assert [e.offset for e in store.read_events("t", 0, 100)] == list(range(18))
+    assert store.compact_log(8) == 0  # idempotent
+    assert store.compact_log(5) == 0  # an older point changes nothing
+    assert store.log_start_lsn() == 8
+
+
+def test_compaction_keeps_the_last_entry(store: Store) -> None:
+    assert store.compact_log(100) == 0  # an empty log has nothing to delete
+    w = Writer(store)
+    entries = w.append(epoch_start(1), create("t"), publish("t", 0, payloads(3)))
+    assert store.compact_log(1_000_000) == 2
+    assert store.log_start_lsn() == 3
+    assert store.read_log(3, 10) == entries[2:]
+    assert store.compact_log(1_000_000) == 0
+    with pytest.raises(ValueError):
+        store.compact_log(0)
+    with pytest.raises(ValueError):
+        store.compact_log(3, batch_entries=0)
+
+
+def test_appends_continue_after_compaction(store: Store) -> None:
+    w = Writer(store)
+    w.append(epoch_start(1), create("t"), publish("t", 0, payloads(2)))
+    store.compact_log(w.lsn + 1)
+    more = w.append(publish("t", 2, payloads(2)))
+    more += w.append(epoch_start(2), epoch=2)
+    meta = store.meta()
+    assert (meta.last_lsn, meta.last_epoch, meta.log_start_lsn) == (5, 2, 3)
+    assert meta.history == (EpochBoundary(1, 1), EpochBoundary(2, 5))
+    assert store.read_log(4, 10) == more
+    assert store.compact_log(w.lsn) == 2
+    assert store.read_log(5, 10) == more[1:]
+    assert len(store.read_events("t", 0, 10)) == 4
 
 
 def test_make_entry_fills_checksum() -> None:

@@ -8,6 +8,7 @@ report CorruptRecordError naming the database and key, and never return the bad 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import closing
 from pathlib import Path
 
 import lmdb
@@ -16,6 +17,7 @@ import pytest
 from services.replica.store import (
     DATABASES,
     CorruptRecordError,
+    LogCompactedError,
     Store,
     StoreError,
     StoreFullError,
@@ -64,6 +66,30 @@ def test_reopen_keeps_everything(tmp_path: Path) -> None:
     assert store.meta().last_lsn == before[0].last_lsn + 1
     assert [e.offset for e in store.read_events("t", 0, 10)] == [0, 1, 2, 3]
     store.close()
+
+
+def test_compaction_survives_reopen(tmp_path: Path) -> None:
+    store = Store.open_lmdb(tmp_path, MAP_SIZE_BYTES)
+    w = fill(store)
+    w.append(*(publish("t", 3 + i, payloads(1, 3 + i)) for i in range(2500)))
+    assert store.compact_log(2000, batch_entries=300) == 1999  # 7 write transactions
+    before = observe_from(store, 2000)
+    store.close()
+    store = Store.open_lmdb(tmp_path, MAP_SIZE_BYTES)
+    assert store.log_start_lsn() == 2000
+    assert observe_from(store, 2000) == before
+    with pytest.raises(LogCompactedError):
+        store.read_log(1999, 1)
+    store.append(w.entries(publish("t", 2503, payloads(1))), sync=True)
+    assert store.read_log(w.lsn + 1, 10)[0].lsn == w.lsn + 1
+    store.close()
+
+
+def observe_from(store: Store, log_start_lsn: int) -> tuple[object, ...]:
+    """What a reader sees, with the log read from its start."""
+    meta = store.meta()
+    events = store.read_events("t", 0, 10_000)
+    return meta, events, store.read_log(log_start_lsn, 10_000)
 
 
 def test_open_refuses_a_bad_path(tmp_path: Path) -> None:
@@ -218,4 +244,18 @@ def test_missing_event_is_reported(tmp_path: Path) -> None:
         store.read_events("t", 0, 10)
     with pytest.raises(CorruptRecordError, match="missing"):
         store.read_events("t", 1, 1)
+    store.close()
+
+
+def test_export_refuses_a_damaged_record(tmp_path: Path) -> None:
+    """A master never sends a record that fails its checksum: the export stops there."""
+    store = Store.open_lmdb(tmp_path, MAP_SIZE_BYTES)
+    fill(store)
+    store.close()
+    key = _TOPIC_T_ID + (1).to_bytes(8, "big")
+    _damage(tmp_path, "events", key, _flip_last_byte)
+    store = Store.open_lmdb(tmp_path, MAP_SIZE_BYTES)
+    with pytest.raises(CorruptRecordError) as error, closing(store.snapshot_chunks()) as chunks:
+        list(chunks)
+    assert (error.value.db, error.value.key) == ("events", key)
     store.close()
