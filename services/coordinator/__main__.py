@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import sys
 
-from services.common.config import ClusterConfig, NodeConfig, load_config_or_exit
-from services.common.grpc_server import ServiceServer, run_until_signalled
-from services.common.logs import setup_logging
+from services.common.config import ClusterConfig, NodeConfig
+from services.common.grpc_server import ServiceServer
+from services.common.service_main import node_service_main
 from services.coordinator.node import CoordinatorNode
 from services.coordinator.persist import StateFileError
 from services.coordinator.server import Coordinator
@@ -41,22 +40,7 @@ async def serve(config: ClusterConfig, node_config: NodeConfig, stop: asyncio.Ev
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point shared with `squall coordinator`."""
-    parser = argparse.ArgumentParser(prog="squall coordinator", description=__doc__)
-    parser.add_argument("--config", required=True, help="cluster configuration file (TOML)")
-    parser.add_argument("--node", required=True, help="this node's id in the configuration")
-    args = parser.parse_args(argv)
-    config = load_config_or_exit(args.config, node_id=args.node)
-    node_config = config.node(args.node)
-    setup_logging(config.logging, "coordinator", node_config.id)
-    try:
-        asyncio.run(run_until_signalled(lambda stop: serve(config, node_config, stop)))
-    except StateFileError as exc:
-        log.error("coordinator %s cannot read its state: %s", node_config.id, exc)
-        return 1
-    except OSError as exc:
-        log.error("coordinator %s cannot start: %s", node_config.id, exc)
-        return 1
-    return 0
+    return node_service_main("coordinator", __doc__, argv, serve, (StateFileError,))
 
 
 if __name__ == "__main__":

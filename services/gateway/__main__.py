@@ -8,8 +8,9 @@ import logging
 import sys
 
 from services.common.config import ClusterConfig, GatewayConfig, load_config_or_exit
-from services.common.grpc_server import ServiceServer, run_until_signalled
+from services.common.grpc_server import ServiceServer
 from services.common.logs import setup_logging
+from services.common.service_main import run_service
 from services.gateway.forward import FORWARDED_SERVICES, Forwarder
 from services.gateway.master import MasterTracker
 from services.gateway.server import ClusterAdmin
@@ -52,12 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config_or_exit(args.config, gateway_id=args.gateway)
     gateway = config.gateway(args.gateway)
     setup_logging(config.logging, "gateway", gateway.id)
-    try:
-        asyncio.run(run_until_signalled(lambda stop: serve(config, gateway, stop)))
-    except OSError as exc:
-        log.error("gateway %s cannot start: %s", gateway.id, exc)
-        return 1
-    return 0
+    return run_service("gateway", gateway.id, lambda stop: serve(config, gateway, stop))
 
 
 if __name__ == "__main__":

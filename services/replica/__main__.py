@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import sys
 
-from services.common.config import ClusterConfig, NodeConfig, load_config_or_exit
-from services.common.grpc_server import ServiceServer, run_until_signalled
-from services.common.logs import setup_logging
+from services.common.config import ClusterConfig, NodeConfig
+from services.common.grpc_server import ServiceServer
+from services.common.service_main import node_service_main
 from services.replica import replication_server, server
 from services.replica.node import ReplicaNode
 from services.replica.rebuild import LmdbTruncator
@@ -71,22 +70,7 @@ async def serve(config: ClusterConfig, node_config: NodeConfig, stop: asyncio.Ev
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point shared with `squall replica`."""
-    parser = argparse.ArgumentParser(prog="squall replica", description=__doc__)
-    parser.add_argument("--config", required=True, help="cluster configuration file (TOML)")
-    parser.add_argument("--node", required=True, help="this node's id in the configuration")
-    args = parser.parse_args(argv)
-    config = load_config_or_exit(args.config, node_id=args.node)
-    node_config = config.node(args.node)
-    setup_logging(config.logging, "replica", node_config.id)
-    try:
-        asyncio.run(run_until_signalled(lambda stop: serve(config, node_config, stop)))
-    except StoreError as exc:
-        log.error("replica %s cannot open its store: %s", node_config.id, exc)
-        return 1
-    except OSError as exc:
-        log.error("replica %s cannot start: %s", node_config.id, exc)
-        return 1
-    return 0
+    return node_service_main("replica", __doc__, argv, serve, (StoreError,))
 
 
 if __name__ == "__main__":
