@@ -13,9 +13,13 @@
                 subscription.ack(message)
 
 Everything public is gathered here; the underscore modules are private. Errors are
-`SquallError` subclasses (see `squall._errors` for the tree); `Indeterminate` means a
-publish may or may not have been stored, and republishing it with the same publisher id
-and sequences is safe. The generated protobuf modules live in `squall.v1`.
+`SquallError` subclasses (see `squall._errors` for the tree). A publish whose outcome is
+unknown is retried for you with the same publisher id and sequences (bounded by
+`connect(retry_attempts_max=..., retry_backoff_initial_ms=..., retry_backoff_max_ms=...,
+retry_total_ms_max=...)`); `Indeterminate` means those retries ran out and the events may
+or may not have been stored. `classify_code`, `retryable`, `overall` and `RetryPolicy` are
+the pure retry rules, shared with the gateway. The generated protobuf modules live in
+`squall.v1`.
 """
 
 from squall._client import MESSAGE_BYTES_MAX, Client, Topic, channel_options, connect
@@ -26,7 +30,6 @@ from squall._errors import (
     Indeterminate,
     InvalidArgument,
     NotFound,
-    Outcome,
     PermissionDenied,
     ResourceExhausted,
     SquallError,
@@ -36,12 +39,33 @@ from squall._errors import (
     from_rpc_error,
 )
 from squall._publisher import BATCH_EVENTS_MAX, Publisher
+from squall._retry import (
+    INDETERMINATE_AFTER_SEND,
+    RETRY_ATTEMPTS_MAX_DEFAULT,
+    RETRY_BACKOFF_INITIAL_MS_DEFAULT,
+    RETRY_BACKOFF_MAX_MS_DEFAULT,
+    RETRY_TOTAL_MS_MAX_DEFAULT,
+    Outcome,
+    RetryPolicy,
+    overall,
+    retryable,
+)
+from squall._retry import (
+    POLICY_BOUNDS as RETRY_POLICY_BOUNDS,
+)
+from squall._retry import classify as classify_code
 from squall._subscriber import Subscription
 from squall._types import ClusterStatus, Holder, Message, NodeStatus, Receipt, TopicInfo
 
 __all__ = [
     "BATCH_EVENTS_MAX",
+    "INDETERMINATE_AFTER_SEND",
     "MESSAGE_BYTES_MAX",
+    "RETRY_ATTEMPTS_MAX_DEFAULT",
+    "RETRY_BACKOFF_INITIAL_MS_DEFAULT",
+    "RETRY_BACKOFF_MAX_MS_DEFAULT",
+    "RETRY_POLICY_BOUNDS",
+    "RETRY_TOTAL_MS_MAX_DEFAULT",
     "AlreadyExists",
     "Client",
     "ClusterStatus",
@@ -58,6 +82,7 @@ __all__ = [
     "Publisher",
     "Receipt",
     "ResourceExhausted",
+    "RetryPolicy",
     "SquallError",
     "Subscription",
     "Topic",
@@ -66,6 +91,9 @@ __all__ = [
     "Unavailable",
     "channel_options",
     "classify",
+    "classify_code",
     "connect",
     "from_rpc_error",
+    "overall",
+    "retryable",
 ]

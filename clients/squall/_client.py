@@ -16,6 +16,13 @@ import grpc
 
 from squall._errors import from_rpc_error
 from squall._publisher import INFLIGHT_BATCHES_MAX_DEFAULT, Publisher, new_publisher_id
+from squall._retry import (
+    RETRY_ATTEMPTS_MAX_DEFAULT,
+    RETRY_BACKOFF_INITIAL_MS_DEFAULT,
+    RETRY_BACKOFF_MAX_MS_DEFAULT,
+    RETRY_TOTAL_MS_MAX_DEFAULT,
+    RetryPolicy,
+)
 from squall._subscriber import Start, Subscription, subscribe_request
 from squall._types import ClusterStatus, TopicInfo, kind_to_pb
 from squall.v1 import broker_pb2, broker_pb2_grpc, gateway_pb2, gateway_pb2_grpc
@@ -44,22 +51,47 @@ def channel_options(options: ChannelOptions | None = None) -> list[tuple[str, An
 
 
 def connect(
-    address: str, *, timeout_s: float = 10.0, options: ChannelOptions | None = None
+    address: str,
+    *,
+    timeout_s: float = 10.0,
+    options: ChannelOptions | None = None,
+    retry_attempts_max: int = RETRY_ATTEMPTS_MAX_DEFAULT,
+    retry_backoff_initial_ms: int = RETRY_BACKOFF_INITIAL_MS_DEFAULT,
+    retry_backoff_max_ms: int = RETRY_BACKOFF_MAX_MS_DEFAULT,
+    retry_total_ms_max: int = RETRY_TOTAL_MS_MAX_DEFAULT,
 ) -> Client:
-    """Opens a client to the gateway at `address` ("host:port"); use it as a context manager."""
-    return Client(address, timeout_s=timeout_s, options=options)
+    """Opens a client to the gateway at `address` ("host:port"); use it as a context manager.
+
+    The retry_* parameters bound how an indeterminate publish batch is retried (same
+    names, meanings and defaults as the [retry] section of the cluster configuration);
+    `retry_attempts_max=1` turns retrying off. ValueError names a value out of bounds.
+    """
+    retry = RetryPolicy(
+        attempts_max=retry_attempts_max,
+        backoff_initial_ms=retry_backoff_initial_ms,
+        backoff_max_ms=retry_backoff_max_ms,
+        total_ms_max=retry_total_ms_max,
+    )
+    return Client(address, timeout_s=timeout_s, options=options, retry=retry)
 
 
 class Client:
     """A connection to a Squall gateway: topic management, cluster status, and topic handles."""
 
     def __init__(
-        self, address: str, *, timeout_s: float = 10.0, options: ChannelOptions | None = None
+        self,
+        address: str,
+        *,
+        timeout_s: float = 10.0,
+        options: ChannelOptions | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         if not address:
             raise ValueError("address must be host:port, not empty")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, not {timeout_s}")
+        self._retry = retry if retry is not None else RetryPolicy()
+        self._retry.validate()
         self._address = address
         self._timeout_s = timeout_s
         self._channel = grpc.insecure_channel(address, options=channel_options(options))
@@ -81,6 +113,11 @@ class Client:
     def timeout_s(self) -> float:
         """The deadline of each unary call, and of each publish batch's receipt."""
         return self._timeout_s
+
+    @property
+    def retry(self) -> RetryPolicy:
+        """How publishers of this client retry indeterminate batches."""
+        return self._retry
 
     @property
     def channel(self) -> grpc.Channel:
@@ -161,6 +198,7 @@ class Client:
             timeout_s=self._timeout_s,
             inflight_batches_max=inflight_batches_max,
             on_close=self._forget_publisher,
+            retry=self._retry,
         )
         with self._lock:
             self._publishers.add(publisher)

@@ -13,7 +13,8 @@ server's details. The tree::
     ├── FailedPrecondition      the cluster cannot do this now (no quorum, wrong state)
     ├── Unavailable             nothing was sent, or a read/admin call found no server
     ├── DeadlineExceeded        a read/admin call ran out of time
-    └── Indeterminate           a publish that was sent may or may not have been stored
+    └── Indeterminate           a publish that was sent may or may not have been stored, and
+                                the publisher's retries (same ids and sequences) ran out
                                 (.maybe_stored is True; .code is UNKNOWN, DEADLINE_EXCEEDED,
                                 UNAVAILABLE, CANCELLED or INTERNAL)
 
@@ -21,46 +22,27 @@ Any other status code raises the base `SquallError`.
 
 `Indeterminate` is a result of its own, never folded into "failed": the events may be
 in the topic. Republishing them with the same publisher id and sequences is safe, because
-the master deduplicates on `(publisher_id, sequence)`. `classify` is the single place that
-decides between success, definite failure and indeterminate; it imports nothing but the
-status code type so the retry policy (and the gateway) can reuse it.
+the master deduplicates on `(publisher_id, sequence)`. `classify` decides between success,
+definite failure and indeterminate; it wraps the pure `squall._retry.classify`, which works
+on code names so the gateway shares the very same rule.
 """
 
 from __future__ import annotations
 
-from typing import Literal
-
 import grpc
 
-Outcome = Literal["ok", "definite", "indeterminate"]
-
-# Codes that, once a write has left the client, do not say whether it was applied: the
-# connection broke, the deadline passed, or the server failed somewhere unknown. CANCELLED
-# and INTERNAL are here because gRPC reports a reset or torn-down stream with them after
-# the request was on the wire; ABORTED is not, because Squall's services use it for "not
-# applied, ask the master" answers.
-_INDETERMINATE_AFTER_SEND = frozenset(
-    {
-        grpc.StatusCode.UNKNOWN,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.CANCELLED,
-        grpc.StatusCode.INTERNAL,
-    }
-)
+from squall import _retry
+from squall._retry import Outcome
 
 
 def classify(code: grpc.StatusCode, sent: bool) -> Outcome:
     """Says whether a call ended in success, a definite failure, or an unknown outcome.
 
     `sent` is whether the request may have reached a server; a request that never left
-    the client failed definitely, whatever the code.
+    the client failed definitely, whatever the code. The decision itself is the pure
+    `squall._retry.classify`, shared with the gateway.
     """
-    if code == grpc.StatusCode.OK:
-        return "ok"
-    if sent and code in _INDETERMINATE_AFTER_SEND:
-        return "indeterminate"
-    return "definite"
+    return _retry.classify(code.name, sent)
 
 
 class SquallError(Exception):

@@ -11,15 +11,25 @@ on the wire is the order of the sequences. Responses come back in request order 
 proto's contract); a reader thread matches each to the oldest unanswered batch.
 
 When the stream fails, the oldest unanswered batch gets the stream's status (so a bad
-event fails with `InvalidArgument`), every other sent batch is `Indeterminate`, and events
-that were buffered but not sent fail definitely. The next call opens a new stream with a
-new session token (the token marks where per-publisher ordering may change).
+event fails with `InvalidArgument`), every other sent batch is indeterminate, and events
+that were buffered were not sent. A new stream gets a new session token (the token marks
+where per-publisher ordering may change).
+
+Retries (issue 5, STYLE.md point 6): a batch whose outcome is indeterminate is sent again,
+as the same request (same publisher id and sequences, so the master stores it once), on a
+fresh stream, under the `RetryPolicy` (tenacity: bounded attempts and total time, full-
+jitter exponential backoff). A definite failure is raised at once and never retried. Only
+when the retries run out does the app see `Indeterminate` (maybe_stored=True); a definite
+answer to a retry after an indeterminate attempt is still `Indeterminate`, because the
+earlier attempt may have stored the events (`squall._retry.overall`). Retried batches may
+land after later ones, so order across a retry can change, as across any failover.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import queue
 import threading
 import uuid
@@ -29,8 +39,10 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any, Literal
 
 import grpc
+import tenacity
 
-from squall._errors import Indeterminate, SquallError, error_for, rpc_status
+from squall._errors import Indeterminate, SquallError, Unavailable, error_for, rpc_status
+from squall._retry import Outcome, RetryPolicy, overall
 from squall._types import Receipt, receipts_from_pb
 from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2
 
@@ -47,21 +59,36 @@ BATCH_EVENTS_DEFAULT = 500
 # 64 MiB message limit, and keeps one response's conversion short.
 BATCH_EVENTS_MAX = 10_000
 
+log = logging.getLogger("squall")
+
 
 def new_publisher_id() -> str:
     """A fresh random publisher id."""
     return f"py-{uuid.uuid4().hex}"
 
 
+class _NotSent(Unavailable):
+    """An attempt that never left the client: nothing was applied, so retrying is safe."""
+
+
 class _Batch:
     """One sent request waiting for its response."""
 
-    __slots__ = ("count", "future", "request_id")
+    __slots__ = ("count", "future", "is_async", "request", "request_id")
 
-    def __init__(self, request_id: int, count: int, future: Future[list[Receipt]]) -> None:
-        self.request_id = request_id
-        self.count = count
+    def __init__(
+        self,
+        request: broker_pb2.PublishRequest,
+        future: Future[list[Receipt]],
+        is_async: bool,
+    ) -> None:
+        self.request = request
+        self.request_id = request.request_id
+        self.count = len(request.events)
         self.future = future
+        # Async batches are retried by the reader that saw their stream end; a sync batch
+        # is retried by the caller waiting on it.
+        self.is_async = is_async
 
 
 class _Stream:
@@ -170,6 +197,7 @@ class Publisher:
         timeout_s: float = 10.0,
         inflight_batches_max: int = INFLIGHT_BATCHES_MAX_DEFAULT,
         on_close: Callable[[Publisher], None] | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         if not publisher_id:
             raise ValueError("publisher_id must not be empty")
@@ -181,6 +209,8 @@ class Publisher:
             raise ValueError(f"inflight_batches_max must be 1..1024, not {inflight_batches_max}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, not {timeout_s}")
+        self._retry = retry if retry is not None else RetryPolicy()
+        self._retry.validate()
         self._stub = stub
         self._topic = topic
         self._publisher_id = publisher_id
@@ -198,6 +228,8 @@ class Publisher:
         self._streams_opened = 0
         # Batches sent whose futures are not yet resolved (flush waits for zero).
         self._unresolved = 0
+        # Requests sent again after an indeterminate outcome.
+        self._resends = 0
 
     # -- public API -------------------------------------------------------------------
 
@@ -218,6 +250,12 @@ class Publisher:
             return self._next_sequence
 
     @property
+    def resends(self) -> int:
+        """How many batches were sent again after an indeterminate outcome (0 if none)."""
+        with self._cond:
+            return self._resends
+
+    @property
     def streams_opened(self) -> int:
         """How many PublishStream calls this publisher has opened (1 while nothing failed)."""
         with self._cond:
@@ -235,7 +273,8 @@ class Publisher:
     ) -> list[Receipt]:
         """Publishes events in batches pipelined over the stream; receipts in input order.
 
-        Raises the first failure in input order; batches before it are stored. After an
+        Indeterminate batches are retried (see the module docstring). Raises the first
+        failure in input order; batches before it are stored, later ones may be. After an
         `Indeterminate`, republishing the same events with the same sequences (a publisher
         with this id and `start_sequence`) stores each one at most once.
         """
@@ -276,8 +315,8 @@ class Publisher:
     def flush(self, timeout_s: float | None = None) -> None:
         """Waits until every event published so far is answered (each future holds its outcome).
 
-        On timeout the stream is abandoned, so every unanswered event becomes
-        `Indeterminate`, and `Indeterminate` is raised.
+        On timeout the stream is abandoned and `Indeterminate` is raised; its unanswered
+        batches are retried under the retry policy, and each future gets the final outcome.
         """
         wait_s = self._timeout_s if timeout_s is None else timeout_s
         with self._cond:
@@ -327,41 +366,149 @@ class Publisher:
             raise ValueError("the publisher is closed")
 
     def _publish_batches(self, events: Iterable[Any], batch_events: int) -> list[Receipt]:
-        """Sends events in batches over one stream, then collects receipts in order."""
-        sent: list[tuple[_Stream, Future[list[Receipt]]]] = []
-        unsent_error: SquallError | None = None
+        """Sends events in batches over one stream, then collects receipts in order.
+
+        If the stream ends under the call, the batches it sent are settled (retried on a
+        fresh stream when indeterminate) and the rest go out on the fresh stream.
+        """
+        receipts: list[Receipt] = []
+        sent: list[tuple[_Stream, Future[list[Receipt]], broker_pb2.PublishRequest]] = []
         source = iter(events)
-        while unsent_error is None:
-            chunk = list(itertools.islice(source, batch_events))
+        held: list[Any] | None = None  # taken from the source, not yet sent
+        while True:
+            chunk = held if held is not None else list(itertools.islice(source, batch_events))
+            held = None
             if not chunk:
                 break
             with self._cond:
                 self._check_open()
                 stream = self._stream_with_slot(sent[0][0] if sent else None)
-                if stream is None:
-                    # The stream this call started on failed or stalled; the earlier
-                    # batches' errors explain why.
-                    unsent_error = self._not_sent_error("the publish stream failed")
-                    break
-                future: Future[list[Receipt]] = _ready_future()
-                request = broker_pb2.PublishRequest(
-                    topic=self._topic,
-                    publisher_id=self._publisher_id,
-                    session_token=stream.session_token,
-                )
-                _add_events(request, chunk, self._next_sequence)
-                self._next_sequence += len(chunk)
-                self._send(stream, request, len(chunk), future)
-            sent.append((stream, future))
+                if stream is not None:
+                    future: Future[list[Receipt]] = _ready_future()
+                    request = broker_pb2.PublishRequest(
+                        topic=self._topic,
+                        publisher_id=self._publisher_id,
+                        session_token=stream.session_token,
+                    )
+                    _add_events(request, chunk, self._next_sequence)
+                    self._next_sequence += len(chunk)
+                    self._send(stream, request, future)
+            if stream is None:
+                if not sent:
+                    # The window stayed full, or two streams died while this call waited.
+                    raise self._not_sent_error("the publish stream failed")
+                # The stream this call started on ended: its batches' outcomes come first
+                # (retried there as needed), then the rest goes out on a fresh stream.
+                held = chunk
+                receipts.extend(self._settle_all(sent))
+                sent = []
+                continue
+            sent.append((stream, future, request))
+        receipts.extend(self._settle_all(sent))
+        return receipts
+
+    def _settle_all(
+        self, sent: list[tuple[_Stream, Future[list[Receipt]], broker_pb2.PublishRequest]]
+    ) -> list[Receipt]:
+        """The receipts of sent batches in order; raises the first failure left after retries."""
         receipts: list[Receipt] = []
-        for stream, future in sent:
-            receipts.extend(self._result(stream, future))
-        if unsent_error is not None:
-            raise unsent_error
+        for stream, future, request in sent:
+            try:
+                receipts.extend(self._result(stream, future))
+            except Indeterminate as error:
+                receipts.extend(self._retry_batch(request, error))
         return receipts
 
     def _not_sent_error(self, why: str) -> SquallError:
         return error_for(grpc.StatusCode.UNAVAILABLE, f"{why}; the remaining events were not sent")
+
+    # -- retrying ---------------------------------------------------------------------
+
+    def _worth_retrying(self, error: BaseException) -> bool:
+        """Only indeterminate or unsent attempts are repeated, and not once closed."""
+        with self._cond:
+            closed = self._closed
+        return isinstance(error, Indeterminate | _NotSent) and not closed
+
+    def _retry_batch(
+        self, request: broker_pb2.PublishRequest, first: SquallError
+    ) -> list[Receipt]:
+        """Sends a batch again until it succeeds, fails definitely, or the policy runs out.
+
+        `first` is the failure of the attempt already made (indeterminate, or not sent at
+        all). Runs in the caller's thread (sync batches) or in the reader thread of the
+        stream that ended (async batches), so a batch's retries happen in order.
+        """
+        policy = self._retry
+        outcomes: list[Outcome] = [_outcome(first)]
+        # The latest attempt that may have stored the events, for the final error's code.
+        maybe: SquallError | None = first if first.maybe_stored else None
+        if not policy.retries or not self._worth_retrying(first):
+            raise first
+        retrying = tenacity.Retrying(
+            # The attempt already made counts, so attempts_max is the total.
+            stop=tenacity.stop_after_attempt(policy.attempts_max)
+            | tenacity.stop_after_delay(policy.total_ms_max / 1000),
+            wait=tenacity.wait_random_exponential(
+                multiplier=policy.backoff_initial_ms / 1000, max=policy.backoff_max_ms / 1000
+            ),
+            retry=tenacity.retry_if_exception(self._worth_retrying),
+            reraise=True,
+        )
+        try:
+            for attempt in retrying:
+                with attempt:
+                    if attempt.retry_state.attempt_number == 1:
+                        raise first
+                    try:
+                        stream, future = self._resend(request)
+                        receipts = self._result(stream, future)
+                    except SquallError as error:
+                        outcomes.append(_outcome(error))
+                        maybe = error if error.maybe_stored else maybe
+                        log.debug(
+                            "publisher %s: retry %d of sequences from %d failed: %s",
+                            self._publisher_id,
+                            attempt.retry_state.attempt_number - 1,
+                            request.events[0].sequence if request.events else 0,
+                            error,
+                        )
+                        raise
+                    return receipts
+        except SquallError as error:
+            if overall(outcomes) == "indeterminate" and not isinstance(error, Indeterminate):
+                raise Indeterminate(
+                    f"{error.details} (after {len(outcomes)} attempts; an earlier attempt "
+                    "may have stored the events)",
+                    maybe.code if maybe is not None else grpc.StatusCode.UNKNOWN,
+                ) from error
+            raise
+        raise AssertionError("unreachable: tenacity either returns or raises")
+
+    def _resend(
+        self, request: broker_pb2.PublishRequest
+    ) -> tuple[_Stream, Future[list[Receipt]]]:
+        """Sends a copy of a batch (same events and sequences) on a live stream."""
+        with self._cond:
+            if self._closed:
+                raise _NotSent(
+                    "the publisher was closed while a batch was being retried",
+                    grpc.StatusCode.CANCELLED,
+                )
+            stream = self._stream_with_slot(None)
+            if stream is None:
+                raise _NotSent(
+                    "no publish stream could take the retried batch",
+                    grpc.StatusCode.UNAVAILABLE,
+                )
+            again = broker_pb2.PublishRequest()
+            again.CopyFrom(request)
+            # The events now travel under the fresh stream's binding.
+            again.session_token = stream.session_token
+            future: Future[list[Receipt]] = _ready_future()
+            self._send(stream, again, future)
+            self._resends += 1
+            return stream, future
 
     def _result(self, stream: _Stream, future: Future[list[Receipt]]) -> list[Receipt]:
         """Waits for one batch; on timeout abandons its stream, making it Indeterminate."""
@@ -440,13 +587,14 @@ class Publisher:
         self,
         stream: _Stream,
         request: broker_pb2.PublishRequest,
-        count: int,
         future: Future[list[Receipt]],
+        *,
+        is_async: bool = False,
     ) -> None:
         """Queues one request on the stream (lock held)."""
         request.request_id = self._next_request_id
         self._next_request_id += 1
-        stream.pending.append(_Batch(request.request_id, count, future))
+        stream.pending.append(_Batch(request, future, is_async))
         self._unresolved += 1
         stream.put(request)
 
@@ -460,7 +608,7 @@ class Publisher:
         request.events.extend(buffered)
         batch: Future[list[Receipt]] = _ready_future()
         batch.add_done_callback(lambda done: _dispatch(futures, done))
-        self._send(stream, request, len(buffered), batch)
+        self._send(stream, request, batch, is_async=True)
 
     def _abort(self, stream: _Stream, code: grpc.StatusCode, details: str) -> None:
         """Abandons a stream: the reader fails its batches with this reason (lock held)."""
@@ -515,17 +663,18 @@ class Publisher:
             self._cond.notify_all()
 
     def _fail(self, stream: _Stream, code: grpc.StatusCode, details: str) -> None:
-        """Ends a stream: fails its unanswered batches and the unsent buffer."""
+        """Ends a stream: fails (or retries) its unanswered batches and the unsent buffer."""
         with self._cond:
             stream.dead = True
             unsent: list[Future[Receipt]] = []
+            unsent_events: list[common_pb2.EventData] = []
             took_buffer = self._stream is stream or self._stream is None
             if took_buffer:
                 # The buffer waits for the current stream; a newer stream keeps its own.
                 self._stream = None
-                unsent = self._buffer_futures
+                unsent, unsent_events = self._buffer_futures, self._buffer
                 self._buffer, self._buffer_futures = [], []
-                # Counted like a batch, so flush() waits until these futures are failed too.
+                # Counted like a batch, so flush() waits until these futures are settled too.
                 self._unresolved += 1
             pending = list(stream.pending)
             stream.pending.clear()
@@ -544,14 +693,44 @@ class Publisher:
                     grpc.StatusCode.CANCELLED,
                 )
             )
+        # Every waiting caller hears first, then the async batches are retried in order
+        # (in this thread, which has nothing else left to do).
+        retries: list[tuple[Future[list[Receipt]], broker_pb2.PublishRequest, SquallError]] = []
         for i, batch in enumerate(pending):
-            batch.future.set_exception(first if i == 0 else rest)
+            error = first if i == 0 else rest
+            if batch.is_async and self._retry.retries and self._worth_retrying(error):
+                retries.append((batch.future, batch.request, error))
+            else:
+                batch.future.set_exception(error)
         not_sent = error_for(
             grpc.StatusCode.CANCELLED, f"not sent: the publish stream ended ({details})"
         )
-        for future in unsent:
+        if unsent:
+            buffered: Future[list[Receipt]] = _ready_future()
+            buffered.add_done_callback(lambda done: _dispatch(unsent, done))
+            unsent_error = _NotSent(not_sent.details, not_sent.code)
+            if self._retry.retries and self._worth_retrying(unsent_error):
+                request = broker_pb2.PublishRequest(
+                    topic=self._topic, publisher_id=self._publisher_id
+                )
+                request.events.extend(unsent_events)
+                retries.append((buffered, request, unsent_error))
+            else:
+                buffered.set_exception(not_sent)
+        for future, request, error in retries:
             try:
-                future.set_exception(not_sent)
-            except InvalidStateError:
-                pass  # the app cancelled it
+                future.set_result(self._retry_batch(request, error))
+            except SquallError as final:
+                future.set_exception(final)
+            except Exception as exc:
+                # A bug must not leave the app's futures waiting for ever.
+                future.set_exception(
+                    Indeterminate(f"client failed retrying a batch: {exc!r}", code)
+                )
         self._resolved(len(pending) + (1 if took_buffer else 0))
+
+
+def _outcome(error: SquallError) -> Outcome:
+    """The outcome of one failed attempt: indeterminate if the events may have been stored."""
+    return "indeterminate" if error.maybe_stored else "definite"
+

@@ -27,11 +27,16 @@ SERVICE_NAMES = [
 async def serve(config: ClusterConfig, gateway: GatewayConfig, stop: asyncio.Event) -> None:
     """Serves until `stop` is set."""
     timeout_s = config.timeouts.publish_timeout_ms / 1000
-    masters = MasterTracker(config, probe_timeout_s=config.timeouts.rpc_timeout_ms / 1000)
-    admin = ClusterAdmin(config, masters, timeout_s=config.timeouts.rpc_timeout_ms / 1000)
+    rpc_timeout_s = config.timeouts.rpc_timeout_ms / 1000
+    masters = MasterTracker(config, gateway.id, probe_timeout_s=rpc_timeout_s)
+    admin = ClusterAdmin(config, masters, timeout_s=rpc_timeout_s)
+    forwarder = Forwarder(
+        masters, timeout_s, master_wait_s=rpc_timeout_s, policy=config.retry.policy()
+    )
     grpc_server = ServiceServer(gateway.address, SERVICE_NAMES, config.limits.max_message_bytes)
-    grpc_server.server.add_generic_rpc_handlers(Forwarder(masters, timeout_s).handlers())
+    grpc_server.server.add_generic_rpc_handlers(forwarder.handlers())
     gateway_pb2_grpc.add_ClusterAdminServicer_to_server(admin, grpc_server.server)
+    masters.start()
     try:
         await grpc_server.start()
         await grpc_server.set_serving(True)

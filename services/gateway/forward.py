@@ -1,20 +1,31 @@
-"""Forwards the public broker API to the current master, byte for byte.
+"""Forwards the public broker API to the current master, byte for byte, retrying safely.
 
-The gateway does not parse what it forwards: a generic handler passes serialized
-requests and responses through, so forwarding costs one hop and no protobuf work, and
-a status from the replica (code, message, trailing metadata) reaches the app unchanged.
+The gateway does not re-encode what it forwards: a generic handler passes serialized
+requests and responses through, so forwarding costs one hop, and a status from the replica
+(code, message, trailing metadata) reaches the app unchanged unless retrying changed it.
+
+Unary calls go through a tenacity loop (`services.gateway.retry` decides; this module
+only calls and waits): each attempt goes to the master the group views name (waiting,
+bounded, while there is none) or to the master a slave's redirect names; an indeterminate
+attempt is retried only when the call is safe to repeat; retrying is bounded by the
+[retry] section and by the caller's deadline. Streams are forwarded once and not retried:
+the client library retries them on a fresh stream.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import tenacity
 
 from services.common.grpc_server import Context
-from services.gateway.master import MasterTracker, NoMasterError, pairs
+from services.gateway import retry
+from services.gateway.master import MasterTracker, NoMasterError, pairs, redirect_address
+from squall import Outcome, RetryPolicy, overall
 from squall.v1 import broker_pb2
 
 log = logging.getLogger("squall.gateway")
@@ -25,8 +36,13 @@ _RESERVED_KEYS = {"user-agent", "content-type", "te", "host"}
 
 FORWARDED_SERVICES = ("TopicManager", "Publisher", "Subscriber")
 
+# A retry is not started with less of the caller's deadline left than this.
+_DEADLINE_SLACK_S = 0.01
 
-def _forwardable(context: Context) -> tuple[tuple[str, str | bytes], ...]:
+_Metadata = tuple[tuple[str, str | bytes], ...]
+
+
+def _forwardable(context: Context) -> _Metadata:
     return tuple(
         (key, value)
         for key, value in pairs(context.invocation_metadata())
@@ -41,12 +57,77 @@ async def _relay_error(context: Context, error: grpc.aio.AioRpcError) -> None:
     await context.abort(error.code(), error.details() or "")
 
 
+def _remaining_s(context: Context) -> float | None:
+    """The caller's deadline, in seconds from now (None: no deadline)."""
+    remaining: float | None = context.time_remaining()
+    return remaining
+
+
+class _DeadlineNear(tenacity.stop.stop_base):
+    """Stops retrying once the caller's deadline has (almost) passed."""
+
+    def __init__(self, context: Context) -> None:
+        self._context = context
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
+        remaining = _remaining_s(self._context)
+        return remaining is not None and remaining <= _DEADLINE_SLACK_S
+
+
+@dataclass
+class _Failure:
+    """How one attempt ended, as the app would see it if it is the last."""
+
+    code: str
+    details: str
+    trailing: _Metadata = ()
+
+
+class _Retry(Exception):
+    """An attempt whose failure the policy retries."""
+
+    def __init__(self, failure: _Failure) -> None:
+        super().__init__(failure.details)
+        self.failure = failure
+
+
+class _Answer(Exception):
+    """An attempt whose failure goes back to the app."""
+
+    def __init__(self, failure: _Failure) -> None:
+        super().__init__(failure.details)
+        self.failure = failure
+
+
+@dataclass
+class _Call:
+    """One forwarded unary call across its attempts."""
+
+    method: str
+    safe: bool
+    effects: bool
+    metadata: _Metadata
+    outcomes: list[Outcome] = field(default_factory=list)
+    # The master a slave named on the last attempt: the next attempt goes there.
+    redirect: str = ""
+
+
 class Forwarder:
     """Builds the generic handlers that forward every broker method to the master."""
 
-    def __init__(self, masters: MasterTracker, timeout_s: float) -> None:
+    def __init__(
+        self,
+        masters: MasterTracker,
+        timeout_s: float,
+        *,
+        master_wait_s: float = 2.0,
+        policy: RetryPolicy | None = None,
+    ) -> None:
         self._masters = masters
         self._timeout_s = timeout_s
+        self._master_wait_s = master_wait_s
+        self._policy = policy or RetryPolicy()
+        self._policy.validate()
 
     def handlers(self) -> list[grpc.GenericRpcHandler[Any, Any]]:
         """One generic handler per forwarded service, covering all of its methods."""
@@ -57,13 +138,13 @@ class Forwarder:
             for method in service.methods:
                 path = f"/{service.full_name}/{method.name}"
                 methods[method.name] = self._handler(
-                    path, method.client_streaming, method.server_streaming
+                    path, method.name, method.client_streaming, method.server_streaming
                 )
             result.append(grpc.method_handlers_generic_handler(service.full_name, methods))
         return result
 
     def _handler(
-        self, path: str, client_stream: bool, server_stream: bool
+        self, path: str, name: str, client_stream: bool, server_stream: bool
     ) -> grpc.RpcMethodHandler[Any, Any]:
         make: Callable[..., grpc.RpcMethodHandler[Any, Any]]
         if client_stream and server_stream:
@@ -73,30 +154,138 @@ class Forwarder:
         elif client_stream:
             raise ValueError(f"{path}: client-streaming methods are not forwarded")
         else:
-            make, behaviour = grpc.unary_unary_rpc_method_handler, self._unary_unary(path)
+            make, behaviour = grpc.unary_unary_rpc_method_handler, self._unary_unary(path, name)
         return make(behaviour)
+
+    def _master_wait(self, context: Context) -> float:
+        """How long a call may wait for a master: the configured bound or the deadline."""
+        remaining = _remaining_s(context)
+        if remaining is None:
+            return self._master_wait_s
+        return max(0.0, min(self._master_wait_s, remaining - _DEADLINE_SLACK_S))
 
     async def _master(self, context: Context) -> grpc.aio.Channel:
         try:
-            return await self._masters.channel()
+            return await self._masters.channel(self._master_wait(context))
         except NoMasterError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             raise
 
-    def _unary_unary(self, path: str) -> Callable[..., Any]:
+    # --- unary calls: attempts under the retry policy
+
+    def _unary_unary(self, path: str, method: str) -> Callable[..., Any]:
+        effects = retry.has_effects(method)
+
         async def forward(request: bytes, context: Context) -> bytes:
-            channel = await self._master(context)
+            call = _Call(
+                method=method,
+                safe=retry.repeatable(method, request),
+                effects=effects,
+                metadata=_forwardable(context),
+            )
             try:
-                response: bytes = await channel.unary_unary(path, None, None)(
-                    request, timeout=self._timeout_s, metadata=_forwardable(context)
-                )
-                return response
-            except grpc.aio.AioRpcError as error:
-                self._masters.observe_error(error)
-                await _relay_error(context, error)
+                return await self._attempts(path, request, context, call)
+            except (_Retry, _Answer) as ended:
+                await self._answer(context, call, ended.failure)
                 raise
 
         return forward
+
+    async def _attempts(self, path: str, request: bytes, context: Context, call: _Call) -> bytes:
+        """Runs attempts until one answers or the policy stops; raises the last failure."""
+        policy = self._policy
+        backoff = tenacity.wait_random_exponential(
+            multiplier=policy.backoff_initial_ms / 1000, max=policy.backoff_max_ms / 1000
+        )
+
+        def wait_s(state: tenacity.RetryCallState) -> float:
+            # A slave's redirect names a master that can take the call now.
+            return 0.0 if call.redirect else float(backoff(state))
+
+        retrying = tenacity.AsyncRetrying(
+            stop=tenacity.stop_any(
+                tenacity.stop_after_attempt(policy.attempts_max),
+                tenacity.stop_after_delay(policy.total_ms_max / 1000),
+                _DeadlineNear(context),
+            ),
+            wait=wait_s,
+            retry=tenacity.retry_if_exception_type(_Retry),
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                return await self._attempt(path, request, context, call)
+        raise AssertionError("unreachable: tenacity either returns or raises")
+
+    async def _attempt(self, path: str, request: bytes, context: Context, call: _Call) -> bytes:
+        """One attempt: to the redirect target, else to the master (waiting for one)."""
+        address, call.redirect = call.redirect, ""
+        if not address:
+            master = await self._masters.wait_master(self._master_wait(context))
+            if master is None:
+                call.outcomes.append(
+                    retry.attempt_outcome("UNAVAILABLE", redirected=False, forwarded=False)
+                )
+                raise _Answer(
+                    _Failure(
+                        "UNAVAILABLE",
+                        "no master is elected (or reachable) right now; the call was not "
+                        "forwarded",
+                    )
+                )
+            address = master.replica_address
+        remaining = _remaining_s(context)
+        timeout_s = self._timeout_s if remaining is None else min(self._timeout_s, remaining)
+        try:
+            response: bytes = await self._masters.channel_to(address).unary_unary(
+                path, None, None
+            )(request, timeout=timeout_s, metadata=call.metadata)
+        except grpc.aio.AioRpcError as error:
+            code = error.code().name
+            trailing = tuple(pairs(error.trailing_metadata()))
+            target = redirect_address(trailing)
+            redirected = bool(target) and self._masters.knows(target) and target != address
+            call.outcomes.append(retry.attempt_outcome(code, redirected=redirected))
+            failure = _Failure(code, error.details() or "", trailing)
+            if code == "UNAVAILABLE" and not redirected:
+                self._masters.suspect(address)
+            if retry.after_attempt(code, redirected=redirected, safe=call.safe) == "retry":
+                call.redirect = target if redirected else ""
+                log.debug(
+                    "gateway: %s attempt %d to %s failed with %s; retrying%s",
+                    call.method,
+                    len(call.outcomes),
+                    address,
+                    code,
+                    f" at {target}" if redirected else "",
+                )
+                raise _Retry(failure) from None
+            raise _Answer(failure) from None
+        call.outcomes.append("ok")
+        return response
+
+    async def _answer(self, context: Context, call: _Call, failure: _Failure) -> None:
+        """Ends the call with the last failure, marked indeterminate where it must be."""
+        code = retry.answer_code(call.outcomes, failure.code, effects=call.effects)
+        details = failure.details
+        attempts = len(call.outcomes)
+        if attempts > 1:
+            maybe = call.effects and overall(call.outcomes) == "indeterminate"
+            details += f" (after {attempts} attempts through the gateway"
+            details += "; an earlier attempt may have been applied)" if maybe else ")"
+            log.info(
+                "gateway: %s answered %s after %d attempts (master %s, epoch=%d)",
+                call.method,
+                code,
+                attempts,
+                self._masters.master_id or "-",
+                self._masters.epoch,
+            )
+        if failure.trailing:
+            context.set_trailing_metadata(failure.trailing)
+        await context.abort(grpc.StatusCode[code], details)
+
+    # --- streams: forwarded once
 
     def _unary_stream(self, path: str) -> Callable[..., Any]:
         async def forward(request: bytes, context: Context) -> AsyncIterator[bytes]:
@@ -106,7 +295,6 @@ class Forwarder:
                 async for response in call:
                     yield response
             except grpc.aio.AioRpcError as error:
-                self._masters.observe_error(error)
                 await _relay_error(context, error)
             finally:
                 call.cancel()
@@ -121,9 +309,9 @@ class Forwarder:
                 async for response in call:
                     yield response
             except grpc.aio.AioRpcError as error:
-                self._masters.observe_error(error)
                 await _relay_error(context, error)
             finally:
                 call.cancel()
 
         return forward
+

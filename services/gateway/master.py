@@ -1,20 +1,41 @@
-"""Knows which replica is the master, and keeps one channel per replica.
+"""Knows which replica is the master by following the coordinators' group views.
 
-Until the coordinators' group-view watch is wired in, the gateway finds the master by
-asking every replica for its role (highest epoch wins) when it has none, and follows a
-replica's redirect (the `squall-master-address` trailing metadata) when it is wrong.
+The gateway keeps one `WatchGroupView` stream open to every configured coordinator
+(reconnecting with bounded, jittered backoff) and derives the master from the newest view
+each coordinator reported (`GroupViews`, a pure core with no I/O):
+
+* a NORMAL view naming a master proposes that master for the view's epoch;
+* the highest epoch wins, and the gateway never goes back below the highest epoch in
+  which it has seen a master (a deposed master's late view cannot win);
+* a view from the master's own coordinator saying it is no longer master of that epoch
+  (it lost its group) withdraws it, even while slower slaves still name it;
+* when a coordinator's stream ends, its view is forgotten (the others still speak).
+
+While no master is known, calls wait for one (bounded; `MasterTracker.wait_master`), as
+IceStorm's clients block while the group is inactive. Only when no coordinator has
+answered at all since start-up does the gateway fall back to asking every replica for its
+role (highest epoch wins). Every change of master is logged with node and epoch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
+from dataclasses import dataclass
 
 import grpc
 
-from services.common.config import ClusterConfig
+from services.common.config import ClusterConfig, NodeConfig
 from services.common.grpc_server import channel_options
-from squall.v1 import common_pb2, replica_pb2, replica_pb2_grpc
+from services.common.logs import log_fields
+from squall.v1 import (
+    common_pb2,
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    replica_pb2,
+    replica_pb2_grpc,
+)
 
 log = logging.getLogger("squall.gateway")
 
@@ -25,37 +46,283 @@ class NoMasterError(Exception):
     """No replica currently holds the master role."""
 
 
-class MasterTracker:
-    """The gateway's idea of the current master, and a channel to every replica."""
+@dataclass(frozen=True)
+class Master:
+    """The master the gateway forwards to."""
 
-    def __init__(self, config: ClusterConfig, probe_timeout_s: float = 1.0) -> None:
+    node_id: str
+    replica_address: str
+    epoch: int
+
+
+class GroupViews:
+    """The newest group view of each coordinator, and the master they imply (pure)."""
+
+    def __init__(self, replica_addresses: dict[str, str]) -> None:
+        # node id -> replica address, from the configuration: a view can only name these.
+        self._addresses = dict(replica_addresses)
+        self._views: dict[str, coordinator_pb2.GroupView] = {}
+        # The highest epoch in which any coordinator reported a master.
+        self.epoch_floor = 0
+        self.master: Master | None = None
+        # Set once any coordinator has reported a view.
+        self.heard = False
+
+    @property
+    def views(self) -> dict[str, coordinator_pb2.GroupView]:
+        """The newest view per reporting node."""
+        return dict(self._views)
+
+    def observe(self, node_id: str, view: coordinator_pb2.GroupView) -> Master | None:
+        """Takes node_id's newest view; returns the master it implies now."""
+        if node_id not in self._addresses:
+            raise ValueError(f"view from unknown node '{node_id}'")
+        self.heard = True
+        self._views[node_id] = view
+        if _names_master(view) and view.master.node_id in self._addresses:
+            self.epoch_floor = max(self.epoch_floor, view.epoch)
+        self.master = self._derive()
+        return self.master
+
+    def forget(self, node_id: str) -> Master | None:
+        """Drops node_id's view (its stream ended); returns the master implied now."""
+        self._views.pop(node_id, None)
+        self.master = self._derive()
+        return self.master
+
+    def _derive(self) -> Master | None:
+        best: tuple[int, bool, str] | None = None
+        for reporter, view in self._views.items():
+            if not _names_master(view) or view.epoch < self.epoch_floor:
+                continue
+            master_id = view.master.node_id
+            if master_id not in self._addresses:
+                continue
+            own = self._views.get(master_id)
+            if own is not None and own.epoch >= view.epoch and not _names_master(own, master_id):
+                continue  # the master itself says it lost that group
+            # Equal epochs name the same master (one master per epoch); prefer the
+            # master's own word when there is a choice.
+            candidate = (view.epoch, reporter == master_id, master_id)
+            if best is None or candidate > best:
+                best = candidate
+        if best is None:
+            return None
+        epoch, _, master_id = best
+        return Master(master_id, self._addresses[master_id], epoch)
+
+
+def _names_master(view: coordinator_pb2.GroupView, master_id: str | None = None) -> bool:
+    """True if the view is NORMAL with a master (that master, if given)."""
+    if view.state != common_pb2.NODE_STATE_NORMAL or not view.master.node_id:
+        return False
+    return master_id is None or view.master.node_id == master_id
+
+
+def _reconnect_options(backoff_initial_ms: int, backoff_max_ms: int) -> list[tuple[str, int]]:
+    """Channel reconnect pacing: a restarted node is reached again within backoff_max_ms."""
+    return [
+        ("grpc.initial_reconnect_backoff_ms", backoff_initial_ms),
+        ("grpc.min_reconnect_backoff_ms", backoff_initial_ms),
+        ("grpc.max_reconnect_backoff_ms", backoff_max_ms),
+    ]
+
+
+class MasterTracker:
+    """The gateway's current master, from the group-view watches, and a channel to every replica."""
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        gateway_id: str = "",
+        *,
+        probe_timeout_s: float = 1.0,
+        rng: random.Random | None = None,
+    ) -> None:
         self._config = config
+        self._gateway_id = gateway_id
         self._probe_timeout_s = probe_timeout_s
-        options = channel_options(config.limits.max_message_bytes)
+        self._rng = rng or random.Random()
+        retry = config.retry
+        self._backoff_initial_s = retry.retry_backoff_initial_ms / 1000
+        self._backoff_max_s = retry.retry_backoff_max_ms / 1000
+        options = [
+            *channel_options(config.limits.max_message_bytes),
+            *_reconnect_options(retry.retry_backoff_initial_ms, retry.retry_backoff_max_ms),
+        ]
         self._channels = {
             node.replica_address: grpc.aio.insecure_channel(node.replica_address, options=options)
             for node in config.nodes
         }
-        self._master_address: str | None = None
-        self.master_id = ""
-        self.epoch = 0
-        self._lock = asyncio.Lock()
+        self._coordinator_channels = {
+            node.id: grpc.aio.insecure_channel(node.coordinator_address, options=options)
+            for node in config.nodes
+        }
+        self._views = GroupViews({node.id: node.replica_address for node in config.nodes})
+        # Set on every change of master; waiters take the current event before waiting.
+        self._changed = asyncio.Event()
+        self._probed: Master | None = None
+        self._probe_lock = asyncio.Lock()
+        self._watches: list[asyncio.Task[None]] = []
+
+    # --- what the forwarder and the status view use
+
+    @property
+    def master(self) -> Master | None:
+        """The master now: from the views, or (before any coordinator answered) a probe."""
+        if self._views.heard:
+            return self._views.master
+        return self._probed
+
+    @property
+    def master_id(self) -> str:
+        """The current master's node id ("" when none)."""
+        master = self.master
+        return master.node_id if master else ""
+
+    @property
+    def epoch(self) -> int:
+        """The current master's epoch (0 when none)."""
+        master = self.master
+        return master.epoch if master else 0
 
     def channel_to(self, address: str) -> grpc.aio.Channel:
         """The channel to one replica."""
         return self._channels[address]
 
-    async def channel(self) -> grpc.aio.Channel:
-        """The master's channel, discovering the master first if it is not known."""
-        if self._master_address is None:
-            async with self._lock:
-                if self._master_address is None:
-                    await self._discover()
-        if self._master_address is None:
+    def knows(self, address: str) -> bool:
+        """True if the address is a configured replica."""
+        return address in self._channels
+
+    async def wait_master(self, timeout_s: float) -> Master | None:
+        """The master, waiting up to timeout_s for the views to name one (None if none)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(timeout_s, 0.0)
+        while True:
+            if not self._views.heard and self._probed is None:
+                await self._probe_once()
+            master = self.master
+            remaining_s = deadline - loop.time()
+            if master is not None or remaining_s <= 0:
+                return master
+            changed = self._changed
+            try:
+                await asyncio.wait_for(changed.wait(), remaining_s)
+            except TimeoutError:
+                return self.master
+
+    async def channel(self, timeout_s: float = 0.0) -> grpc.aio.Channel:
+        """The master's channel, waiting up to timeout_s for one; NoMasterError if none."""
+        master = await self.wait_master(timeout_s)
+        if master is None:
             raise NoMasterError(
                 "no master is elected (or reachable) right now; the call was not forwarded"
             )
-        return self._channels[self._master_address]
+        return self._channels[master.replica_address]
+
+    # --- the watches
+
+    def start(self) -> None:
+        """Opens a group-view watch to every coordinator."""
+        for node in self._config.nodes:
+            task = asyncio.create_task(self._watch(node), name=f"watch-{node.id}")
+            self._watches.append(task)
+
+    async def _watch(self, node: NodeConfig) -> None:
+        """Follows one coordinator's views for ever, reconnecting with bounded backoff."""
+        stub = coordinator_pb2_grpc.CoordinatorStub(self._coordinator_channels[node.id])
+        failures = 0
+        while True:
+            call = stub.WatchGroupView(coordinator_pb2.WatchGroupViewRequest())
+            try:
+                async for view in call:
+                    failures = 0
+                    self._observe(node.id, view)
+            except grpc.aio.AioRpcError as error:
+                if failures == 0:
+                    log.info(
+                        "gateway %s: group-view watch of %s ended: %s",
+                        self._gateway_id,
+                        node.id,
+                        error.code().name,
+                    )
+            finally:
+                # On cancellation (the gateway stopping) too: never leave a stream open.
+                call.cancel()
+            self._forget(node.id)
+            failures += 1
+            # Full jitter below a doubling ceiling, capped: a dead coordinator costs one
+            # cheap connection attempt per backoff_max at most.
+            ceiling_s = min(self._backoff_max_s, self._backoff_initial_s * (1 << min(failures, 16)))
+            await asyncio.sleep(self._rng.uniform(0, ceiling_s))
+
+    def _observe(self, node_id: str, view: coordinator_pb2.GroupView) -> None:
+        if view.node_id and view.node_id != node_id:
+            log.warning(
+                "gateway %s: coordinator at %s's address reports itself as %s; view ignored",
+                self._gateway_id,
+                node_id,
+                view.node_id,
+            )
+            return
+        before = self.master
+        self._views.observe(node_id, view)
+        self._announce(before, f"group view of {node_id}")
+
+    def _forget(self, node_id: str) -> None:
+        before = self.master
+        self._views.forget(node_id)
+        self._announce(before, f"watch of {node_id} ended")
+
+    def _announce(self, before: Master | None, source: str) -> None:
+        """Logs a change of master and wakes the calls waiting for one."""
+        after = self.master
+        if after == before:
+            return
+        if after is not None:
+            log_fields(
+                log,
+                logging.INFO,
+                f"gateway {self._gateway_id}: master is {after.node_id} at "
+                f"{after.replica_address} (from the {source})",
+                node=after.node_id,
+                epoch=after.epoch,
+            )
+        else:
+            lost = before.node_id if before else ""
+            log_fields(
+                log,
+                logging.INFO,
+                f"gateway {self._gateway_id}: no master (was {lost}; from the {source}); "
+                "calls wait for the next one",
+                node=lost,
+                epoch=before.epoch if before else 0,
+            )
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    # --- the start-up fallback: ask the replicas
+
+    async def _probe_once(self) -> None:
+        """Asks every replica for its role; only used before any coordinator has answered."""
+        async with self._probe_lock:
+            if self._views.heard:
+                return
+            before = self.master
+            self._probed = await self._probe_all()
+            self._announce(before, "replicas' roles (no coordinator has answered)")
+
+    def suspect(self, address: str) -> None:
+        """A forward to address failed without a redirect: drop it if only a probe named it.
+
+        Views are not second-guessed (the coordinators know better than one failed call);
+        a probed master is forgotten, so the next call probes again.
+        """
+        if not self._views.heard and self._probed is not None:
+            if self._probed.replica_address == address:
+                before = self.master
+                self._probed = None
+                self._announce(before, f"failed call to {address}")
 
     async def _probe(self, address: str) -> replica_pb2.ReplicaState | None:
         stub = replica_pb2_grpc.ReplicaControlStub(self._channels[address])
@@ -67,7 +334,7 @@ class MasterTracker:
         except grpc.aio.AioRpcError:
             return None
 
-    async def _discover(self) -> None:
+    async def _probe_all(self) -> Master | None:
         addresses = list(self._channels)
         states = await asyncio.gather(*(self._probe(a) for a in addresses))
         masters = [
@@ -75,25 +342,30 @@ class MasterTracker:
             for address, state in zip(addresses, states, strict=True)
             if state is not None and state.role == common_pb2.ROLE_MASTER
         ]
-        if masters:
-            epoch, address, node_id = max(masters)
-            if address != self._master_address:
-                log.info("gateway: master is %s at %s (epoch=%d)", node_id, address, epoch)
-            self._master_address, self.master_id, self.epoch = address, node_id, epoch
-
-    def observe_error(self, error: grpc.aio.AioRpcError) -> None:
-        """Learns from a failed forward: follow a redirect, or forget a lost master."""
-        if error.code() != grpc.StatusCode.UNAVAILABLE:
-            return
-        for key, value in pairs(error.trailing_metadata()):
-            if key == MASTER_ADDRESS_KEY and str(value) in self._channels:
-                self._master_address = str(value)
-                return
-        self._master_address = None
+        if not masters:
+            return None
+        epoch, address, node_id = max(masters)
+        return Master(node_id, address, epoch)
 
     async def close(self) -> None:
-        """Closes every channel."""
-        await asyncio.gather(*(c.close(None) for c in self._channels.values()))
+        """Stops the watches and closes every channel."""
+        for task in self._watches:
+            task.cancel()
+        for task in self._watches:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        channels = [*self._channels.values(), *self._coordinator_channels.values()]
+        await asyncio.gather(*(c.close(None) for c in channels))
+
+
+def redirect_address(metadata: object) -> str:
+    """The master address a slave named in its trailing metadata ("" if none)."""
+    for key, value in pairs(metadata):
+        if key == MASTER_ADDRESS_KEY:
+            return value.decode() if isinstance(value, bytes) else str(value)
+    return ""
 
 
 def pairs(metadata: object) -> list[tuple[str, str | bytes]]:

@@ -300,6 +300,14 @@ def client(broker: FakeBroker) -> Iterator[squall.Client]:
         yield c
 
 
+@pytest.fixture
+def single_attempt(broker: FakeBroker) -> Iterator[squall.Client]:
+    """A client that does not retry, for what one attempt's failure looks like."""
+    address = broker.address  # type: ignore[attr-defined]
+    with squall.connect(address, timeout_s=5.0, retry_attempts_max=1) as c:
+        yield c
+
+
 # -- topics -------------------------------------------------------------------------------
 
 
@@ -463,8 +471,9 @@ def test_bad_event_fails_its_batch_and_publisher_recovers(
 
 
 def test_broken_stream_is_indeterminate_and_retry_is_idempotent(
-    client: squall.Client, broker: FakeBroker
+    single_attempt: squall.Client, broker: FakeBroker
 ) -> None:
+    client = single_attempt
     client.create_topic("t")
     broker.break_stream_after = 2
     topic = client.topic("t")
@@ -680,7 +689,7 @@ def test_unanswered_publish_times_out_indeterminate(
 ) -> None:
     client.create_topic("t")
     broker.gate = threading.Event()
-    with squall.connect(client.address, timeout_s=0.3) as impatient:
+    with squall.connect(client.address, timeout_s=0.3, retry_attempts_max=1) as impatient:
         publisher = impatient.topic("t").publisher("p")
         with pytest.raises(squall.Indeterminate) as err:
             publisher.publish(b"stuck")
@@ -698,7 +707,7 @@ def test_flush_timeout_makes_async_events_indeterminate(
 ) -> None:
     client.create_topic("t")
     broker.gate = threading.Event()
-    with squall.connect(client.address, timeout_s=0.3) as impatient:
+    with squall.connect(client.address, timeout_s=0.3, retry_attempts_max=1) as impatient:
         publisher = impatient.topic("t").publisher("p")
         pending = [publisher.publish_async(b"e%d" % i) for i in range(20)]
         with pytest.raises(squall.Indeterminate):
@@ -708,7 +717,10 @@ def test_flush_timeout_makes_async_events_indeterminate(
         broker.gate.set()
 
 
-def test_async_futures_fail_when_stream_breaks(client: squall.Client, broker: FakeBroker) -> None:
+def test_async_futures_fail_when_stream_breaks(
+    single_attempt: squall.Client, broker: FakeBroker
+) -> None:
+    client = single_attempt
     client.create_topic("t")
     broker.break_stream_after = 1
     publisher = client.topic("t").publisher("p")

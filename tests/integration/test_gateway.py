@@ -1,0 +1,587 @@
+"""The gateway follows the group view and retries indeterminate calls safely (issue 5, 2-3).
+
+Two settings, both with a real gateway process:
+
+* Scripted nodes: the gateway in front of in-process fake coordinators (which stream the
+  group views a test sets) and fake replicas (which store a publish and then lose the
+  answer, refuse definitely, or redirect as a slave). Goal: each retry rule of
+  `services.gateway.retry` holds on the wire, and the master comes from the watch.
+* A real three-node cluster (deploy/cluster.example.toml): kill -9 the master while
+  publishers with a publisher id publish through the gateway. Goal: the gateway switches
+  to the new master because the group view says so (its log line), and every publish the
+  app saw succeed is stored exactly once on the new master, with no duplicate anywhere.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+
+import squall
+from deploy import processes
+from squall.v1 import (
+    broker_pb2,
+    broker_pb2_grpc,
+    common_pb2,
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    gateway_pb2,
+    gateway_pb2_grpc,
+)
+from tests.integration.conftest import LocalCluster
+
+NORMAL = common_pb2.NODE_STATE_NORMAL
+ELECTION = common_pb2.NODE_STATE_ELECTION
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Polls condition until it holds; fails the test at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s}s: {what}")
+        time.sleep(0.02)
+
+
+def _stays(condition: Callable[[], bool], duration_s: float) -> bool:
+    """True if condition holds throughout a short window (a negative can only be timed)."""
+    deadline = time.monotonic() + duration_s
+    while time.monotonic() < deadline:
+        if not condition():
+            return False
+        time.sleep(0.01)
+    return True
+
+
+# =========================================================================== scripted nodes
+
+
+@dataclass
+class _Step:
+    """What a fake replica does with one call: store first or not, then fail with code."""
+
+    code: grpc.StatusCode
+    store: bool = False
+    redirect_to: str = ""
+
+
+@dataclass
+class FakeReplica(broker_pb2_grpc.PublisherServicer, broker_pb2_grpc.TopicManagerServicer):
+    """A replica that deduplicates publishes and fails calls as its script says."""
+
+    node_id: str
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    script: collections.deque[_Step] = field(default_factory=collections.deque)
+    attempts: collections.Counter[str] = field(default_factory=collections.Counter)
+    stored: collections.Counter[tuple[str, int]] = field(default_factory=collections.Counter)
+    offsets: dict[tuple[str, int], int] = field(default_factory=dict)
+    events: list[tuple[str, int]] = field(default_factory=list)
+    topics: set[str] = field(default_factory=set)
+
+    def _step(self, method: str) -> _Step | None:
+        with self.lock:
+            self.attempts[method] += 1
+            return self.script.popleft() if self.script else None
+
+    @staticmethod
+    def _fail(context: grpc.ServicerContext, step: _Step) -> None:
+        if step.redirect_to:
+            context.set_trailing_metadata((("squall-master-address", step.redirect_to),))
+        context.abort(step.code, f"scripted {step.code.name}")
+
+    def Publish(
+        self, request: broker_pb2.PublishRequest, context: grpc.ServicerContext
+    ) -> broker_pb2.PublishResponse:
+        step = self._step("Publish")
+        if step is not None and not step.store:
+            self._fail(context, step)
+        response = broker_pb2.PublishResponse(request_id=request.request_id)
+        with self.lock:
+            for event in request.events:
+                key = (request.publisher_id, event.sequence)
+                if request.publisher_id and event.sequence and key in self.offsets:
+                    response.receipts.add(offset=self.offsets[key], duplicate=True)
+                    continue
+                offset = len(self.events)
+                self.events.append(key)
+                self.stored[key] += 1
+                if request.publisher_id and event.sequence:
+                    self.offsets[key] = offset
+                response.receipts.add(offset=offset, master_id=self.node_id)
+        if step is not None:
+            self._fail(context, step)
+        return response
+
+    def CreateTopic(
+        self, request: broker_pb2.CreateTopicRequest, context: grpc.ServicerContext
+    ) -> broker_pb2.CreateTopicResponse:
+        step = self._step("CreateTopic")
+        if step is not None and not step.store:
+            self._fail(context, step)
+        with self.lock:
+            if request.name in self.topics:
+                context.abort(grpc.StatusCode.ALREADY_EXISTS, f"topic {request.name} exists")
+            self.topics.add(request.name)
+        if step is not None:
+            self._fail(context, step)
+        return broker_pb2.CreateTopicResponse(topic=common_pb2.Topic(name=request.name))
+
+    def RetrieveTopic(
+        self, request: broker_pb2.RetrieveTopicRequest, context: grpc.ServicerContext
+    ) -> broker_pb2.RetrieveTopicResponse:
+        step = self._step("RetrieveTopic")
+        if step is not None:
+            self._fail(context, step)
+        return broker_pb2.RetrieveTopicResponse(topic=common_pb2.Topic(name=request.name))
+
+
+class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
+    """Streams whatever group view the test sets, to every watcher."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.view = coordinator_pb2.GroupView()
+        self.version = 0
+        self.watchers = 0
+
+    def set_view(self, view: coordinator_pb2.GroupView) -> None:
+        with self.cond:
+            self.view = view
+            self.version += 1
+            self.cond.notify_all()
+
+    def WatchGroupView(
+        self, request: coordinator_pb2.WatchGroupViewRequest, context: grpc.ServicerContext
+    ) -> Iterator[coordinator_pb2.GroupView]:
+        seen = -1
+        with self.cond:
+            self.watchers += 1
+        try:
+            for _ in range(1_000_000):  # bounded; ends when the gateway goes
+                if not context.is_active():
+                    return
+                with self.cond:
+                    if self.version == seen:
+                        self.cond.wait(0.1)
+                        continue
+                    seen, view = self.version, coordinator_pb2.GroupView()
+                    view.CopyFrom(self.view)
+                yield view
+        finally:
+            with self.cond:
+                self.watchers -= 1
+
+
+@dataclass
+class ScriptedCluster:
+    """Two fake nodes (coordinator + replica each) behind a real gateway process."""
+
+    replicas: dict[str, FakeReplica]
+    coordinators: dict[str, FakeCoordinator]
+    addresses: dict[str, str]  # node id -> replica address
+    gateway: processes.Service
+
+    def views(self, state: int, epoch: int, master: str = "", nodes: tuple[str, ...] = ()) -> None:
+        """Every (or the named) fake coordinator reports this view of its own node."""
+        for node_id in nodes or tuple(self.coordinators):
+            view = coordinator_pb2.GroupView(node_id=node_id, state=state, epoch=epoch)
+            if master:
+                view.master.node_id = master
+                view.master.replica_address = self.addresses[master]
+            self.coordinators[node_id].set_view(view)
+
+    def log(self) -> str:
+        return self.gateway.log_path.read_text(errors="replace")
+
+    def channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.gateway.address)
+
+
+def _serve(*servicers: object) -> tuple[grpc.Server, str]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+    for servicer in servicers:
+        if isinstance(servicer, FakeReplica):
+            broker_pb2_grpc.add_PublisherServicer_to_server(servicer, server)
+            broker_pb2_grpc.add_TopicManagerServicer_to_server(servicer, server)
+        elif isinstance(servicer, FakeCoordinator):
+            coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+@pytest.fixture
+def scripted(tmp_path: Path) -> Iterator[ScriptedCluster]:
+    servers: list[grpc.Server] = []
+    replicas, coordinators, addresses, nodes = {}, {}, {}, []
+    for priority, node_id in ((2, "n1"), (1, "n2")):
+        replicas[node_id] = FakeReplica(node_id)
+        coordinators[node_id] = FakeCoordinator()
+        replica_server, replica_address = _serve(replicas[node_id])
+        coordinator_server, coordinator_address = _serve(coordinators[node_id])
+        servers += [replica_server, coordinator_server]
+        addresses[node_id] = replica_address
+        nodes.append(
+            {
+                "id": node_id,
+                "priority": priority,
+                "coordinator_address": coordinator_address,
+                "replica_address": replica_address,
+                "data_dir": str(tmp_path / "data" / node_id),
+            }
+        )
+    gateway_address = f"127.0.0.1:{processes.free_port()}"
+    document = {
+        "cluster": {"name": "scripted"},
+        "nodes": nodes,
+        "gateways": [{"id": "g1", "address": gateway_address}],
+        "timeouts": {"rpc_timeout_ms": 1500, "publish_timeout_ms": 3000},
+        "retry": {"retry_backoff_initial_ms": 5, "retry_backoff_max_ms": 50},
+    }
+    config_path = tmp_path / "scripted.toml"
+    config_path.write_text(processes.dump_toml(document))
+    gateway = processes.start_service(
+        "gateway", config_path, "g1", gateway_address, tmp_path / "gateway.log"
+    )
+    try:
+        processes.wait_serving([gateway])
+        cluster = ScriptedCluster(replicas, coordinators, addresses, gateway)
+        cluster.views(NORMAL, 1, master="n1")
+        _wait_for(lambda: "master is n1" in cluster.log(), 10, "the gateway follows n1")
+        yield cluster
+    finally:
+        processes.stop_service(gateway)
+        for server in servers:
+            server.stop(grace=None)
+
+
+def _publish(
+    channel: grpc.Channel, publisher_id: str, *sequences: int, timeout_s: float = 10
+) -> broker_pb2.PublishResponse:
+    request = broker_pb2.PublishRequest(topic="t", publisher_id=publisher_id)
+    for sequence in sequences:
+        request.events.add(payload=b"x", sequence=sequence)
+    response: broker_pb2.PublishResponse = broker_pb2_grpc.PublisherStub(channel).Publish(
+        request, timeout=timeout_s
+    )
+    return response
+
+
+@pytest.mark.parametrize(
+    "code",
+    [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED],
+)
+def test_gateway_retries_a_lost_publish_answer_and_stores_once(
+    scripted: ScriptedCluster, code: grpc.StatusCode
+) -> None:
+    master = scripted.replicas["n1"]
+    master.script.extend([_Step(code, store=True), _Step(code, store=True)])
+    with scripted.channel() as channel:
+        response = _publish(channel, "p", 1, 2)
+    assert [r.duplicate for r in response.receipts] == [True, True]
+    assert master.attempts["Publish"] == 3
+    assert master.stored == {("p", 1): 1, ("p", 2): 1}
+
+
+def test_gateway_does_not_retry_a_publish_without_sequences(scripted: ScriptedCluster) -> None:
+    master = scripted.replicas["n1"]
+    master.script.append(_Step(grpc.StatusCode.UNAVAILABLE, store=True))
+    with scripted.channel() as channel, pytest.raises(grpc.RpcError) as err:
+        _publish(channel, "p", 1, 0)  # sequence 0: the master cannot deduplicate it
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+    assert master.attempts["Publish"] == 1
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ],
+)
+def test_gateway_passes_definite_failures_through_without_retrying(
+    scripted: ScriptedCluster, code: grpc.StatusCode
+) -> None:
+    master = scripted.replicas["n1"]
+    master.script.append(_Step(code))
+    with scripted.channel() as channel, pytest.raises(grpc.RpcError) as err:
+        _publish(channel, "p", 1)
+    assert err.value.code() == code  # type: ignore[attr-defined]
+    assert err.value.details() == f"scripted {code.name}"  # type: ignore[attr-defined]
+    assert master.attempts["Publish"] == 1
+    assert not master.stored
+
+
+def test_definite_answer_after_a_lost_one_is_reported_unknown(scripted: ScriptedCluster) -> None:
+    master = scripted.replicas["n1"]
+    master.script.extend(
+        [_Step(grpc.StatusCode.UNAVAILABLE, store=True), _Step(grpc.StatusCode.NOT_FOUND)]
+    )
+    with scripted.channel() as channel, pytest.raises(grpc.RpcError) as err:
+        _publish(channel, "p", 1)
+    assert err.value.code() == grpc.StatusCode.UNKNOWN  # type: ignore[attr-defined]
+    assert "an earlier attempt may have been applied" in err.value.details()  # type: ignore[attr-defined]
+    assert master.stored == {("p", 1): 1}
+
+
+def test_create_topic_is_not_retried_on_an_unknown_outcome(scripted: ScriptedCluster) -> None:
+    master = scripted.replicas["n1"]
+    master.script.append(_Step(grpc.StatusCode.UNKNOWN, store=True))
+    with scripted.channel() as channel, pytest.raises(grpc.RpcError) as err:
+        broker_pb2_grpc.TopicManagerStub(channel).CreateTopic(
+            broker_pb2.CreateTopicRequest(name="t"), timeout=10
+        )
+    assert err.value.code() == grpc.StatusCode.UNKNOWN  # type: ignore[attr-defined]
+    assert master.attempts["CreateTopic"] == 1
+    assert master.topics == {"t"}
+
+
+def test_reads_are_retried(scripted: ScriptedCluster) -> None:
+    master = scripted.replicas["n1"]
+    master.script.extend([_Step(grpc.StatusCode.UNAVAILABLE)] * 2)
+    with scripted.channel() as channel:
+        response = broker_pb2_grpc.TopicManagerStub(channel).RetrieveTopic(
+            broker_pb2.RetrieveTopicRequest(name="t"), timeout=10
+        )
+    assert response.topic.name == "t"
+    assert master.attempts["RetrieveTopic"] == 3
+
+
+def test_a_slaves_redirect_is_followed_even_for_create_topic(scripted: ScriptedCluster) -> None:
+    # The views still say n2 is master, but n2 already follows n1 and says so.
+    scripted.views(NORMAL, 2, master="n2")
+    _wait_for(lambda: "master is n2" in scripted.log(), 10, "the gateway follows n2")
+    slave, master = scripted.replicas["n2"], scripted.replicas["n1"]
+    slave.script.append(_Step(grpc.StatusCode.UNAVAILABLE, redirect_to=scripted.addresses["n1"]))
+    with scripted.channel() as channel:
+        broker_pb2_grpc.TopicManagerStub(channel).CreateTopic(
+            broker_pb2.CreateTopicRequest(name="t"), timeout=10
+        )
+    assert (slave.attempts["CreateTopic"], master.attempts["CreateTopic"]) == (1, 1)
+    assert (slave.topics, master.topics) == (set(), {"t"})
+
+
+def test_the_master_switch_comes_from_the_watch(scripted: ScriptedCluster) -> None:
+    with scripted.channel() as channel:
+        assert _publish(channel, "p", 1).receipts[0].master_id == "n1"
+        # n1 loses its group; n2 leads epoch 2.
+        scripted.views(ELECTION, 1, nodes=("n1",))
+        scripted.views(NORMAL, 2, master="n2", nodes=("n2",))
+        _wait_for(lambda: "master is n2" in scripted.log(), 10, "the gateway follows n2")
+        assert _publish(channel, "p", 2).receipts[0].master_id == "n2"
+        status = gateway_pb2_grpc.ClusterAdminStub(channel).GetClusterStatus(
+            gateway_pb2.GetClusterStatusRequest(), timeout=10
+        )
+    assert (status.master_id, status.epoch) == ("n2", 2)
+    line = next(line for line in scripted.log().splitlines() if "master is n2" in line)
+    assert "from the group view of n2" in line and "epoch=2" in line
+    assert "no coordinator has answered" not in scripted.log()
+
+
+def test_calls_wait_for_a_master_then_go_through(scripted: ScriptedCluster) -> None:
+    scripted.views(ELECTION, 1)
+    _wait_for(lambda: "no master" in scripted.log(), 10, "the gateway loses its master")
+    with scripted.channel() as channel:
+        call = broker_pb2_grpc.PublisherStub(channel).Publish.future(
+            broker_pb2.PublishRequest(
+                topic="t", publisher_id="p", events=[common_pb2.EventData(sequence=1)]
+            ),
+            timeout=10,
+        )
+        # IceStorm's "Inactive": the request blocks instead of failing.
+        assert _stays(lambda: not call.done(), 0.3)
+        scripted.views(NORMAL, 2, master="n2")
+        assert call.result(10).receipts[0].master_id == "n2"
+
+
+def test_without_a_master_a_call_fails_after_a_bounded_wait(scripted: ScriptedCluster) -> None:
+    scripted.views(ELECTION, 1)
+    _wait_for(lambda: "no master" in scripted.log(), 10, "the gateway loses its master")
+    started = time.monotonic()
+    with scripted.channel() as channel, pytest.raises(grpc.RpcError) as err:
+        _publish(channel, "p", 1)
+    elapsed_s = time.monotonic() - started
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+    assert "no master" in err.value.details()  # type: ignore[attr-defined]
+    # It waited for rpc_timeout_ms (1.5 s), no less and not for ever.
+    assert 1.3 <= elapsed_s < 8
+    assert sum(r.attempts["Publish"] for r in scripted.replicas.values()) == 0
+
+
+def test_a_deposed_masters_late_view_is_ignored(scripted: ScriptedCluster) -> None:
+    scripted.views(NORMAL, 3, master="n2", nodes=("n2",))
+    _wait_for(lambda: "master is n2" in scripted.log(), 10, "the gateway follows n2")
+    # n1 still claims epoch 1 (it has not noticed): the higher epoch stands.
+    scripted.views(NORMAL, 1, master="n1", nodes=("n1",))
+    with scripted.channel() as channel:
+        assert _publish(channel, "p", 1).receipts[0].master_id == "n2"
+
+
+# =========================================================================== real cluster
+
+
+@pytest.fixture
+def trio(cluster_factory: object) -> LocalCluster:
+    cluster = cluster_factory("cluster.example.toml")  # type: ignore[operator]
+    assert isinstance(cluster, LocalCluster)
+    cluster.start_all()
+    return cluster
+
+
+class _AppPublisher(threading.Thread):
+    """An app publishing one event per call through the gateway, remembering what it saw."""
+
+    def __init__(self, publish: Callable[[int], squall.Receipt | None]) -> None:
+        super().__init__(daemon=True)
+        self._publish = publish
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.acked: dict[int, squall.Receipt] = {}  # sequence -> receipt
+        self.failed: dict[int, BaseException] = {}
+        self.error: BaseException | None = None
+
+    def acked_by(self, master_id: str) -> int:
+        with self.lock:
+            return sum(r.master_id == master_id for r in self.acked.values())
+
+    def run(self) -> None:
+        try:
+            for sequence in range(1, 100_000):  # bounded; the test stops it much earlier
+                if self.stop.is_set():
+                    return
+                try:
+                    receipt = self._publish(sequence)
+                except (squall.SquallError, grpc.RpcError) as exc:
+                    with self.lock:
+                        self.failed[sequence] = exc
+                    continue
+                if receipt is not None:
+                    with self.lock:
+                        self.acked[sequence] = receipt
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+
+
+def _stored_on(address: str, topic: str) -> collections.Counter[tuple[str, int]]:
+    """How often each (publisher_id, sequence) is stored, read from one replica."""
+    counts: collections.Counter[tuple[str, int]] = collections.Counter()
+    with grpc.insecure_channel(address) as channel:
+        stream = broker_pb2_grpc.SubscriberStub(channel).Subscribe(
+            broker_pb2.SubscribeRequest(
+                topic=topic, start=broker_pb2.START_POSITION_EARLIEST, max_batch_events=500
+            ),
+            timeout=20,
+        )
+        for response in stream:
+            counts.update((e.publisher_id, e.sequence) for e in response.events)
+    return counts
+
+
+def _kill_master_while_publishing(trio: LocalCluster, app: _AppPublisher) -> tuple[str, str]:
+    """Runs the app across a kill -9 of the master; returns (old master, new master)."""
+    old = trio.wait_for_master()
+    app.start()
+    try:
+        _wait_for(lambda: app.acked_by(old) >= 30, 20, f"30 publishes acknowledged by {old}")
+        trio.kill_node(old)
+        new = trio.wait_for_master(exclude=old)
+        _wait_for(lambda: app.acked_by(new) >= 30, 30, f"30 publishes acknowledged by {new}")
+    finally:
+        app.stop.set()
+        app.join(30)
+    assert app.error is None, repr(app.error)
+    return old, new
+
+
+def _check_exactly_once(trio: LocalCluster, new: str, topic: str, app: _AppPublisher) -> None:
+    """What we assert: on the new master, every (publisher_id, sequence) is stored at most
+    once, and every publish the app saw succeed (acknowledged by either master: acks are
+    majority-replicated) is there exactly once; a publish the app saw fail definitely is
+    not there at all."""
+    stored = _stored_on(trio.replica_address(new), topic)
+    duplicates = {key: count for key, count in stored.items() if count > 1}
+    assert not duplicates, f"stored more than once: {duplicates}"
+    missing = [s for s in app.acked if stored[("app-1", s)] != 1]
+    assert not missing, f"acknowledged but not stored exactly once: {missing[:20]}"
+    for sequence, error in app.failed.items():
+        if not getattr(error, "maybe_stored", True):
+            assert stored[("app-1", sequence)] == 0, f"definite failure {sequence} was stored"
+
+
+def _gateway_switched_by_the_watch(trio: LocalCluster, old: str, new: str) -> None:
+    """The gateway logged the new master, from a group view, in a newer epoch."""
+    _wait_for(
+        lambda: f"master is {new}" in trio.log("gateway", "g1"), 10, "the gateway log names it"
+    )
+    log = trio.log("gateway", "g1")
+    line = next(line for line in log.splitlines() if f"master is {new}" in line)
+    assert "(from the group view of" in line, line
+    assert "epoch=" in line and f"node={new}" in line, line
+    first = next(line for line in log.splitlines() if f"master is {old}" in line)
+    assert "(from the group view of" in first, first
+    assert int(line.split("epoch=")[1].split()[0]) > int(first.split("epoch=")[1].split()[0])
+
+
+def test_library_publisher_through_the_gateway_survives_a_master_kill_exactly_once(
+    trio: LocalCluster,
+) -> None:
+    with squall.connect(trio.gateway_address, timeout_s=5.0) as client:
+        client.create_topic("orders")
+        publisher = client.topic("orders").publisher("app-1")
+        app = _AppPublisher(lambda sequence: publisher.publish(b"order %d" % sequence))
+        old, new = _kill_master_while_publishing(trio, app)
+        streams_opened = publisher.streams_opened
+        publisher.close()
+    _gateway_switched_by_the_watch(trio, old, new)
+    _check_exactly_once(trio, new, "orders", app)
+    # The master's death ended the publish stream (the gateway relays it), and the library
+    # went on over a fresh one; its retries absorbed the failover: the app saw no failure.
+    assert streams_opened >= 2
+    assert not app.failed, {s: repr(e) for s, e in list(app.failed.items())[:5]}
+
+
+def test_unary_publishes_through_the_gateway_are_retried_by_it_exactly_once(
+    trio: LocalCluster,
+) -> None:
+    # A raw-stub app that never retries: any publish in flight when the master dies is
+    # retried by the gateway with the same (publisher_id, sequence).
+    with grpc.insecure_channel(trio.gateway_address) as channel:
+        broker_pb2_grpc.TopicManagerStub(channel).CreateTopic(
+            broker_pb2.CreateTopicRequest(name="ledger"), timeout=10
+        )
+        stub = broker_pb2_grpc.PublisherStub(channel)
+
+        def publish(sequence: int) -> squall.Receipt:
+            response = stub.Publish(
+                broker_pb2.PublishRequest(
+                    topic="ledger",
+                    publisher_id="app-1",
+                    events=[common_pb2.EventData(payload=b"%d" % sequence, sequence=sequence)],
+                ),
+                timeout=20,
+            )
+            pb = response.receipts[0]
+            return squall.Receipt(
+                offset=pb.offset,
+                lsn=pb.lsn,
+                epoch=pb.epoch,
+                duplicate=pb.duplicate,
+                holders=(),
+                master_id=pb.master_id,
+            )
+
+        app = _AppPublisher(publish)
+        old, new = _kill_master_while_publishing(trio, app)
+    _gateway_switched_by_the_watch(trio, old, new)
+    _check_exactly_once(trio, new, "ledger", app)
+    assert not app.failed, {s: repr(e) for s, e in list(app.failed.items())[:5]}

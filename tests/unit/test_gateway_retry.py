@@ -1,0 +1,227 @@
+"""The gateway's pure cores: which forwarded calls it retries, and whom it takes for master.
+
+Goal: a forwarded call is retried only when its outcome is unknown and repeating it cannot
+apply it twice (reads, Ack, a Publish whose events all carry publisher id + sequence), or
+when a slave refused it with a redirect; a definite answer after a lost one is reported as
+UNKNOWN. The master follows the coordinators' group views: higher epochs win, a deposed
+master's views never come back, and the master's own "I lost my group" withdraws it.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+
+import pytest
+
+from services.gateway import retry
+from services.gateway.master import GroupViews, Master
+from squall.v1 import broker_pb2, common_pb2, coordinator_pb2
+
+NORMAL = common_pb2.NODE_STATE_NORMAL
+ELECTION = common_pb2.NODE_STATE_ELECTION
+INACTIVE = common_pb2.NODE_STATE_INACTIVE
+ADDRESSES = {"n1": "h:7201", "n2": "h:7202", "n3": "h:7203"}
+
+
+def publish(publisher_id: str, *sequences: int) -> bytes:
+    request = broker_pb2.PublishRequest(topic="t", publisher_id=publisher_id)
+    for sequence in sequences:
+        request.events.add(payload=b"x", sequence=sequence)
+    return request.SerializeToString()
+
+
+# --------------------------------------------------------------------------- retry rules
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "safe"),
+    [
+        (publish("p", 1, 2, 3), True),
+        (publish("p", 1, 0, 3), False),  # sequence 0: not deduplicated
+        (publish("", 1, 2), False),  # no publisher id: not deduplicated
+        (publish("p"), False),  # no events
+        (b"\xff\xff\xff", False),  # not a PublishRequest
+    ],
+)
+def test_publish_is_safe_only_when_every_event_is_deduplicated(
+    request_bytes: bytes, safe: bool
+) -> None:
+    assert retry.publish_deduplicated(request_bytes) is safe
+    assert retry.repeatable("Publish", request_bytes) is safe
+
+
+@pytest.mark.parametrize(
+    ("method", "safe", "effects"),
+    [
+        ("RetrieveTopic", True, False),
+        ("ListTopics", True, False),
+        ("GetPublisher", True, False),
+        ("GetNonReplicatedPublisher", True, False),
+        ("ListSubscriptions", True, False),
+        ("Ack", True, True),
+        ("CreateTopic", False, True),
+        ("DestroyTopic", False, True),
+        ("DeleteSubscription", False, True),
+        ("SomeFutureMethod", False, True),
+    ],
+)
+def test_method_safety(method: str, safe: bool, effects: bool) -> None:
+    assert retry.repeatable(method, b"") is safe
+    assert retry.has_effects(method) is effects
+
+
+def test_every_broker_method_is_classified() -> None:
+    names = {
+        method.name
+        for service in broker_pb2.DESCRIPTOR.services_by_name.values()
+        for method in service.methods
+    }
+    assert names == set(retry.METHOD_KINDS)
+    streams = {name for name, kind in retry.METHOD_KINDS.items() if kind == "stream"}
+    assert streams == {"PublishStream", "Subscribe"}
+
+
+# code x redirected x safe -> action
+ACTIONS = [
+    ("OK", False, True, "answer"),
+    ("UNAVAILABLE", False, True, "retry"),
+    ("UNKNOWN", False, True, "retry"),
+    ("DEADLINE_EXCEEDED", False, True, "retry"),
+    ("CANCELLED", False, True, "retry"),
+    ("UNAVAILABLE", False, False, "answer"),  # not repeatable: indeterminate goes back
+    ("UNKNOWN", False, False, "answer"),
+    ("UNAVAILABLE", True, False, "retry"),  # a slave refused: nothing was applied
+    ("FAILED_PRECONDITION", False, True, "answer"),
+    ("INVALID_ARGUMENT", False, True, "answer"),
+    ("NOT_FOUND", False, True, "answer"),
+    ("ALREADY_EXISTS", False, True, "answer"),
+    ("RESOURCE_EXHAUSTED", False, True, "answer"),
+    ("ABORTED", False, True, "answer"),
+]
+
+
+@pytest.mark.parametrize(("code", "redirected", "safe", "action"), ACTIONS)
+def test_after_attempt(code: str, redirected: bool, safe: bool, action: str) -> None:
+    assert retry.after_attempt(code, redirected=redirected, safe=safe) == action
+
+
+@pytest.mark.parametrize(
+    ("outcomes", "code", "effects", "answer"),
+    [
+        # A publish whose first answer was lost and whose retry found no topic: it may be
+        # stored, so the app hears UNKNOWN, not NOT_FOUND.
+        (["indeterminate", "definite"], "NOT_FOUND", True, "UNKNOWN"),
+        (["indeterminate", "definite"], "FAILED_PRECONDITION", True, "UNKNOWN"),
+        # Reads have no effects: the last answer is the truth.
+        (["indeterminate", "definite"], "NOT_FOUND", False, "NOT_FOUND"),
+        # Nothing was ever in doubt.
+        (["definite"], "NOT_FOUND", True, "NOT_FOUND"),
+        (["definite", "definite"], "INVALID_ARGUMENT", True, "INVALID_ARGUMENT"),
+        # Indeterminate stays as it came.
+        (["indeterminate", "indeterminate"], "UNAVAILABLE", True, "UNAVAILABLE"),
+        (["indeterminate"], "UNKNOWN", True, "UNKNOWN"),
+    ],
+)
+def test_answer_code(outcomes: list[retry.Outcome], code: str, effects: bool, answer: str) -> None:
+    assert retry.answer_code(outcomes, code, effects=effects) == answer
+
+
+def test_attempt_outcome() -> None:
+    assert retry.attempt_outcome("UNAVAILABLE", redirected=False) == "indeterminate"
+    assert retry.attempt_outcome("UNAVAILABLE", redirected=True) == "definite"
+    assert retry.attempt_outcome("UNAVAILABLE", redirected=False, forwarded=False) == "definite"
+
+
+def test_gateway_retry_module_is_pure() -> None:
+    tree = ast.parse(inspect.getsource(retry))
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module)
+    for banned in ("grpc", "asyncio", "time", "random", "threading", "tenacity"):
+        assert not any(name == banned or name.startswith(banned + ".") for name in imported)
+
+
+# --------------------------------------------------------------------------- group views
+
+
+def view(
+    node: str, state: int, epoch: int, master: str = "", group: str = "g"
+) -> coordinator_pb2.GroupView:
+    message = coordinator_pb2.GroupView(node_id=node, state=state, epoch=epoch, group_name=group)
+    if master:
+        message.master.node_id = master
+        message.master.replica_address = "ignored:1"  # the configured address is used
+    return message
+
+
+def test_a_normal_view_sets_the_master_from_the_configuration() -> None:
+    views = GroupViews(ADDRESSES)
+    assert views.master is None and not views.heard
+    assert views.observe("n2", view("n2", NORMAL, 4, "n1")) == Master("n1", "h:7201", 4)
+    assert views.heard
+
+
+def test_higher_epoch_wins() -> None:
+    views = GroupViews(ADDRESSES)
+    views.observe("n1", view("n1", NORMAL, 4, "n1"))
+    # n3 has not noticed yet, n2 already leads epoch 5.
+    views.observe("n3", view("n3", NORMAL, 4, "n1"))
+    assert views.observe("n2", view("n2", NORMAL, 5, "n2")) == Master("n2", "h:7202", 5)
+
+
+def test_master_losing_its_group_clears_it_even_while_slaves_still_name_it() -> None:
+    views = GroupViews(ADDRESSES)
+    for node in ("n1", "n2", "n3"):
+        views.observe(node, view(node, NORMAL, 4, "n1"))
+    assert views.observe("n1", view("n1", ELECTION, 4)) is None
+    # A slave's view of the same epoch cannot bring it back.
+    assert views.observe("n3", view("n3", NORMAL, 4, "n1")) is None
+
+
+def test_a_slave_losing_its_group_does_not_clear_the_master() -> None:
+    views = GroupViews(ADDRESSES)
+    for node in ("n1", "n2", "n3"):
+        views.observe(node, view(node, NORMAL, 4, "n1"))
+    assert views.observe("n3", view("n3", INACTIVE, 4)) == Master("n1", "h:7201", 4)
+
+
+def test_killed_master_then_new_election() -> None:
+    # kill -9 of n1: its watch ends; the slaves still name it until they notice, then
+    # elect; meanwhile there is no master, and then n2 in a newer epoch.
+    views = GroupViews(ADDRESSES)
+    for node in ("n1", "n2", "n3"):
+        views.observe(node, view(node, NORMAL, 4, "n1"))
+    assert views.forget("n1") == Master("n1", "h:7201", 4)
+    views.observe("n2", view("n2", ELECTION, 4))
+    assert views.observe("n3", view("n3", ELECTION, 4)) is None
+    views.observe("n2", view("n2", NORMAL, 5, "n2"))
+    assert views.master == Master("n2", "h:7202", 5)
+
+
+def test_a_deposed_master_never_comes_back_at_its_old_epoch() -> None:
+    views = GroupViews(ADDRESSES)
+    views.observe("n2", view("n2", NORMAL, 5, "n2"))
+    # n2's watch ends; a stale NORMAL view of epoch 4 from n1 must not win.
+    views.forget("n2")
+    assert views.observe("n1", view("n1", NORMAL, 4, "n1")) is None
+    assert views.epoch_floor == 5
+
+
+def test_views_naming_unknown_masters_are_ignored_and_unknown_reporters_refused() -> None:
+    views = GroupViews(ADDRESSES)
+    assert views.observe("n2", view("n2", NORMAL, 9, "n9")) is None
+    with pytest.raises(ValueError, match="unknown node"):
+        views.observe("n9", view("n9", NORMAL, 9, "n1"))
+
+
+def test_the_masters_own_higher_epoch_view_wins() -> None:
+    views = GroupViews(ADDRESSES)
+    views.observe("n3", view("n3", NORMAL, 6, "n1"))
+    views.observe("n1", view("n1", NORMAL, 7, "n1"))
+    assert views.master == Master("n1", "h:7201", 7)
+    # n1 loses its group in epoch 7: n3's older claim (epoch 6) is below the floor.
+    assert views.observe("n1", view("n1", INACTIVE, 7)) is None
