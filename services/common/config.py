@@ -25,6 +25,14 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from services.common.names import TOPIC_NAME_MAX_BYTES, validate_node_id
+from squall import (
+    RETRY_ATTEMPTS_MAX_DEFAULT,
+    RETRY_BACKOFF_INITIAL_MS_DEFAULT,
+    RETRY_BACKOFF_MAX_MS_DEFAULT,
+    RETRY_POLICY_BOUNDS,
+    RETRY_TOTAL_MS_MAX_DEFAULT,
+    RetryPolicy,
+)
 from squall.v1 import common_pb2
 
 MiB = 1024 * 1024
@@ -100,6 +108,29 @@ class TimeoutsConfig:
 
 
 @dataclass(frozen=True)
+class RetryConfig:
+    """How the gateway retries indeterminate calls (the client library takes the same names).
+
+    The defaults are the client library's (`squall.RetryPolicy`), so an app and the
+    gateway retry alike unless configured otherwise.
+    """
+
+    retry_attempts_max: int = RETRY_ATTEMPTS_MAX_DEFAULT
+    retry_backoff_initial_ms: int = RETRY_BACKOFF_INITIAL_MS_DEFAULT
+    retry_backoff_max_ms: int = RETRY_BACKOFF_MAX_MS_DEFAULT
+    retry_total_ms_max: int = RETRY_TOTAL_MS_MAX_DEFAULT
+
+    def policy(self) -> RetryPolicy:
+        """The section as the shared retry policy."""
+        return RetryPolicy(
+            attempts_max=self.retry_attempts_max,
+            backoff_initial_ms=self.retry_backoff_initial_ms,
+            backoff_max_ms=self.retry_backoff_max_ms,
+            total_ms_max=self.retry_total_ms_max,
+        )
+
+
+@dataclass(frozen=True)
 class LimitsConfig:
     """Sizes and counts every service enforces, validated at start-up."""
 
@@ -157,6 +188,7 @@ class ClusterConfig:
     nodes: tuple[NodeConfig, ...]
     gateways: tuple[GatewayConfig, ...]
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
+    retry: RetryConfig = field(default_factory=RetryConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     durability: DurabilityConfig = field(default_factory=DurabilityConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
@@ -262,6 +294,7 @@ _SECTIONS: Mapping[str, str] = {
     "nodes": "array",
     "gateways": "array",
     "timeouts": "table",
+    "retry": "table",
     "limits": "table",
     "durability": "table",
     "telemetry": "table",
@@ -307,6 +340,7 @@ def _build(document: Mapping[str, Any], config_path: Path) -> ClusterConfig:
         nodes=nodes,
         gateways=gateways,
         timeouts=_build_plain(document, "timeouts", TimeoutsConfig),
+        retry=_build_plain(document, "retry", RetryConfig),
         limits=_build_plain(document, "limits", LimitsConfig),
         durability=_build_durability(document.get("durability", {})),
         telemetry=_build_plain(
@@ -525,6 +559,7 @@ def _validate_cluster(config: ClusterConfig) -> None:
         )
 
     _validate_timeouts(config.timeouts)
+    _validate_retry(config.retry)
     _validate_limits(config.limits)
     _validate_durability(config.durability)
     _validate_telemetry(config.telemetry, listeners)
@@ -597,6 +632,17 @@ def _validate_timeouts(timeouts: TimeoutsConfig) -> None:
             f"timeouts.member_timeout_ms: must be at least twice timeouts.heartbeat_interval_ms "
             f"({timeouts.heartbeat_interval_ms}), so one lost heartbeat does not fail a member, "
             f"got {timeouts.member_timeout_ms}"
+        )
+
+
+def _validate_retry(retry: RetryConfig) -> None:
+    """Each bound within the shared policy's limits; backoff starts no higher than its cap."""
+    for name, (low, high) in RETRY_POLICY_BOUNDS.items():
+        _check_int(getattr(retry, f"retry_{name}"), f"retry.retry_{name}", low, high)
+    if retry.retry_backoff_initial_ms > retry.retry_backoff_max_ms:
+        raise ConfigError(
+            f"retry.retry_backoff_initial_ms: must not exceed retry.retry_backoff_max_ms "
+            f"({retry.retry_backoff_max_ms}), got {retry.retry_backoff_initial_ms}"
         )
 
 

@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 
+import squall
 from services.common.config import (
     ClusterConfig,
     ConfigError,
     GatewayConfig,
     LimitsConfig,
     NodeConfig,
+    RetryConfig,
     TimeoutsConfig,
     load_config,
     load_config_or_exit,
@@ -614,3 +616,79 @@ def test_replication_window_fits_a_message() -> None:
         "limits.replication_inflight_bytes_max: must not exceed limits.max_message_bytes"
     )
     assert message.endswith("got 40000000")
+
+
+# --------------------------------------------------------------------------- [retry]
+
+
+def test_retry_defaults_are_the_client_librarys() -> None:
+    config = parse(VALID)
+    assert config.retry == RetryConfig()
+    assert config.retry.policy() == squall.RetryPolicy()
+    assert (
+        config.retry.retry_attempts_max,
+        config.retry.retry_backoff_initial_ms,
+        config.retry.retry_backoff_max_ms,
+        config.retry.retry_total_ms_max,
+    ) == (8, 50, 1000, 10000)
+
+
+def test_retry_section_is_read() -> None:
+    config = parse(
+        VALID
+        + "[retry]\nretry_attempts_max = 3\nretry_backoff_initial_ms = 10\n"
+        + "retry_backoff_max_ms = 200\nretry_total_ms_max = 5000\n"
+    )
+    assert config.retry.policy() == squall.RetryPolicy(
+        attempts_max=3, backoff_initial_ms=10, backoff_max_ms=200, total_ms_max=5000
+    )
+
+
+def test_example_file_spells_out_the_retry_defaults() -> None:
+    assert load_config(DEPLOY / "cluster.example.toml").retry == RetryConfig()
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("retry_attempts_max = 0", "retry.retry_attempts_max: must be from 1 to 100, got 0"),
+        ("retry_attempts_max = 101", "retry.retry_attempts_max: must be from 1 to 100, got 101"),
+        (
+            "retry_backoff_initial_ms = 0",
+            "retry.retry_backoff_initial_ms: must be from 1 to 60000, got 0",
+        ),
+        (
+            "retry_backoff_max_ms = 600001",
+            "retry.retry_backoff_max_ms: must be from 1 to 600000, got 600001",
+        ),
+        (
+            "retry_total_ms_max = -1",
+            "retry.retry_total_ms_max: must be from 1 to 3600000, got -1",
+        ),
+        (
+            "retry_attempts_max = true",
+            "retry.retry_attempts_max: must be an integer, got true (a boolean)",
+        ),
+        (
+            'retry_total_ms_max = "10s"',
+            "retry.retry_total_ms_max: must be an integer, got '10s' (a string)",
+        ),
+    ],
+)
+def test_bad_retry_value(line: str, expected: str) -> None:
+    assert error_of(VALID + f"[retry]\n{line}\n") == expected
+
+
+def test_retry_backoff_must_start_below_its_cap() -> None:
+    message = error_of(VALID + "[retry]\nretry_backoff_initial_ms = 2000\n")
+    assert message == (
+        "retry.retry_backoff_initial_ms: must not exceed retry.retry_backoff_max_ms (1000), "
+        "got 2000"
+    )
+
+
+def test_unknown_retry_key_suggests_the_right_one() -> None:
+    message = error_of(VALID + "[retry]\nretry_attempt_max = 3\n")
+    assert message == (
+        "unknown key 'retry_attempt_max' in [retry]; did you mean 'retry_attempts_max'?"
+    )
