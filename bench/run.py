@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import failover, machine, single_node
+from bench import failover, machine, replicated, single_node
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # The aims the issue set, for WRITE_NO_SYNC on a 2-core machine (events/s).
@@ -41,9 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         action="append",
-        choices=(*single_node.SCENARIOS, "failover"),
+        choices=(*single_node.SCENARIOS, "failover", "replicated"),
         metavar="NAME",
-        help=f"run only this scenario (repeatable): {', '.join(single_node.SCENARIOS)}; "
+        help=f"run only this scenario (repeatable): {', '.join(single_node.SCENARIOS)}, "
+        "failover, replicated (3 nodes); "
         "subscribe and direct also run the pipelined publish whose events they read",
     )
     parser.add_argument(
@@ -91,7 +92,11 @@ def main(argv: list[str] | None = None) -> int:
             trials = FAILOVER_TRIALS_QUICK if args.quick else FAILOVER_TRIALS
             log(f"bench: failover, {trials} trials (3 nodes, kill -9 of the master node)")
             failover_figures = failover.run(trials)
-        for policy in policies if (not args.only or only - {"failover"}) else []:
+        replicated_figures: dict[str, Any] | None = None
+        if not args.only or "replicated" in args.only:
+            sizes_replicated = replicated.Sizes.quick() if args.quick else replicated.Sizes.full()
+            replicated_figures = replicated.run(sizes_replicated, Path(temp) / "replicated", log)
+        for policy in policies if (not args.only or only - {"failover", "replicated"}) else []:
             log(f"bench: master_sync={policy}")
             runs[policy] = single_node.run_policy(
                 policy, sizes, only, Path(temp) / policy.lower(), log, profiler
@@ -110,21 +115,34 @@ def main(argv: list[str] | None = None) -> int:
             "batch_events": single_node.BATCH_EVENTS,
             "sizes": vars(sizes),
             "aims_events_per_s": {**AIMS, "policy": "WRITE_NO_SYNC", "cores": 2},
+            "replicated_aims_events_per_s": replicated.AIMS,
+            "replicated_sizes": vars(
+                replicated.Sizes.quick() if args.quick else replicated.Sizes.full()
+            ),
             "note": "the client and every service process share this machine's cores",
             "background_load_pct_of_core": background_pct,
         },
         "runs": runs,
         "failover": failover_figures,
+        "replicated": replicated_figures,
     }
     if profiler is not None:
         report["profiles"] = profiler.summaries
     args.results_dir.mkdir(parents=True, exist_ok=True)
-    path = args.results_dir / f"{stamp}-single-node.json"
+    # A run of the replicated scenarios alone is filed as such and leaves latest.json
+    # (the single-node figures) alone.
+    kind = "replicated" if replicated_figures and not runs else "single-node"
+    report["benchmark"] = kind if kind == "replicated" else report["benchmark"]
+    path = args.results_dir / f"{stamp}-{kind}.json"
     text = json.dumps(report, indent=2) + "\n"
     path.write_text(text)
-    (args.results_dir / "latest.json").write_text(text)
+    latest = "latest.json" if kind == "single-node" else f"latest-{kind}.json"
+    (args.results_dir / latest).write_text(text)
     print()
     print(markdown_table(report))
+    if replicated_figures:
+        print()
+        print(replicated.table(replicated_figures))
     print(f"\nwritten: {path}")
     return 0
 
@@ -164,7 +182,8 @@ def markdown_table(report: dict[str, Any]) -> str:
         lines.append(
             f"| failover, kill -9 of the master to a new normal master (ms, "
             f"{fail['trials']} trials) | p50 {fail['p50_ms']}, max {fail['max_ms']} |"
-            + " |" * max(0, len(policies) - 1)
+            + " |"
+            * max(0, len(policies) - 1)
         )
     lines.append("")
     lines.append(f"machine: {machine.summary(report['machine'])}")

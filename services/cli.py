@@ -375,6 +375,24 @@ def _cmd_status(client: squall.Client, args: argparse.Namespace, out: TextIO) ->
     for line in _format_table(rows):
         print(line, file=out)
     print(f"master: {status.master_id or 'none'}  epoch: {status.epoch}", file=out)
+    # The master's view of its slaves: what each lacks and how fast it is closing the gap.
+    slaves = [slave for node in status.nodes if node.reachable for slave in node.slaves]
+    if slaves:
+        table = [["slave", "replication", "acked (written)", "lag", "rate/s", "eta"]]
+        for slave in slaves:
+            eta = "-" if slave.eta_s < 0 else f"{slave.eta_s:.1f}s"
+            table.append(
+                [
+                    slave.node_id,
+                    slave.state,
+                    str(slave.written_lsn),
+                    str(slave.lag_entries),
+                    f"{slave.catch_up_entries_per_s:.0f}",
+                    eta,
+                ]
+            )
+        for line in _format_table(table):
+            print(line, file=out)
     return 0
 
 

@@ -100,6 +100,22 @@ class Message:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class SlaveProgress:
+    """One slave as its master sees it: what it holds, its lag, catch-up rate and ETA."""
+
+    node_id: str
+    state: str
+    received_lsn: int
+    written_lsn: int
+    synced_lsn: int
+    lag_entries: int
+    catch_up_entries_per_s: float
+    eta_s: float
+    """Seconds until the lag closes at the recent rate; -1 while the slave is not gaining."""
+    snapshot_lsn: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class NodeStatus:
     """One node's row of the cluster status table (IceStorm's `replica` command, and more)."""
 
@@ -122,6 +138,9 @@ class NodeStatus:
     designated_primary: bool = False
     quorum_override: int = 0
     quorum_required: int = 0
+    slaves: tuple[SlaveProgress, ...] = ()
+    """On the master: each slave's replication progress."""
+    log_start_lsn: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -156,6 +175,21 @@ class ClusterStatus:
                 designated_primary=n.designated_primary,
                 quorum_override=n.quorum_override,
                 quorum_required=n.quorum_required,
+                slaves=tuple(
+                    SlaveProgress(
+                        node_id=p.node_id,
+                        state=p.state,
+                        received_lsn=p.received_lsn,
+                        written_lsn=p.written_lsn,
+                        synced_lsn=p.synced_lsn,
+                        lag_entries=p.lag_entries,
+                        catch_up_entries_per_s=p.catch_up_entries_per_s,
+                        eta_s=p.eta_s,
+                        snapshot_lsn=p.snapshot_lsn,
+                    )
+                    for p in n.slaves
+                ),
+                log_start_lsn=n.log_start_lsn,
             )
             for n in status.nodes
         )

@@ -52,6 +52,8 @@ class ClusterAdmin(gateway_pb2_grpc.ClusterAdminServicer):
             row.last_lsn = state.last_lsn
             row.commit_lsn = state.commit_lsn
             row.store_state = state.store_state
+            row.slaves.extend(state.slaves)
+            row.log_start_lsn = state.log_start_lsn
         else:
             errors.append(f"replica: {_reason(state)}")
         if isinstance(status, coordinator_pb2.CoordinatorStatus):
@@ -76,13 +78,13 @@ class ClusterAdmin(gateway_pb2_grpc.ClusterAdminServicer):
         self, request: gateway_pb2.GetClusterStatusRequest, context: Context
     ) -> gateway_pb2.ClusterStatus:
         nodes = sorted(self._config.nodes, key=lambda n: n.id)
-        rows = await asyncio.gather(*(self._row(n) for n in nodes))
-        try:
-            await self._masters.channel()
-        except Exception:
-            pass
+        rows, master = await asyncio.gather(
+            asyncio.gather(*(self._row(n) for n in nodes)), self._masters.wait_master(0.0)
+        )
         return gateway_pb2.ClusterStatus(
-            nodes=rows, master_id=self._masters.master_id, epoch=self._masters.epoch
+            nodes=rows,
+            master_id=master.node_id if master else "",
+            epoch=master.epoch if master else 0,
         )
 
     async def close(self) -> None:

@@ -14,15 +14,29 @@ Everything runs on the node's event loop: inputs are applied one at a time. A st
 outgoing messages go through its own queue and writer task, so applying an Actions
 record never waits on the network; the queue is bounded by the core's in-flight window
 (plus one heartbeat per tick).
+
+Snapshots (a slave behind the retained log, or one whose divergent suffix cannot be
+truncated): one task per slave takes ``Store.snapshot_chunks`` on the store thread (its
+read transaction opens with the commit lock held, so the snapshot's LSN is one the core
+knows the log reached), tells the core ``on_snapshot_started`` with the first chunk's
+LSN, and streams the chunks one at a time: the next chunk is read only once the stream
+took the last, so memory holds one chunk whatever the slave does. The slave's ack of the
+snapshot LSN puts it back to streaming the log from there.
+
+Progress for status: every half second the driver samples each slave's acknowledged LSN
+(at the replica sync policy); the catch-up rate is over the last few seconds of samples
+and the ETA is lag / rate (the pure core stays clock-free).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
+import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -37,11 +51,13 @@ from services.replica.replication import (
     RejectCode,
     ReplicationMaster,
     SendGrant,
+    SlaveProgress,
+    SlaveState,
     SyncPolicy,
     batch_size_bytes,
     fit_batch,
 )
-from services.replica.store import Store
+from services.replica.store import SNAPSHOT_BYTES_MAX_DEFAULT, Store, StoreError
 from squall.v1 import common_pb2, replica_pb2, replica_pb2_grpc
 
 log = logging.getLogger("squall.replica")
@@ -54,8 +70,21 @@ EPOCH_KEY = "squall-epoch"
 _BACKOFF_MIN_S = 0.05
 _BACKOFF_MAX_S = 1.0
 # Recently appended entries kept in memory, so streaming to an up-to-date slave does not
-# read the store; older entries (catch-up) are read from the store.
+# read the store; older entries (catch-up) are read from the store. Bounded by count and
+# by bytes (twice a slave's in-flight byte window): entries can be large.
 _TAIL_CACHE_ENTRIES_MAX = 4096
+# Entries per store read when a catching-up slave's batch is built.
+_STORE_READ_ENTRIES = 64
+# Snapshot chunks: records per chunk (a few MB of 100-byte events), bytes per chunk.
+_SNAPSHOT_RECORDS_MAX = 8192
+_SNAPSHOT_BYTES_MAX = SNAPSHOT_BYTES_MAX_DEFAULT
+# The most chunks one snapshot may have: a bound on the send loop far above any store
+# (2**32 chunks of at least one record each).
+_SNAPSHOT_CHUNKS_MAX = 1 << 32
+# Progress samples for the catch-up rate: one every _RATE_SAMPLE_S, the last
+# _RATE_SAMPLES kept (a window of about 5 s).
+_RATE_SAMPLE_S = 0.5
+_RATE_SAMPLES = 11
 
 
 @dataclass(eq=False)
@@ -78,7 +107,20 @@ class _Link:
     close_reason: str = ""
     call: _Call | None = None
     task: asyncio.Task[None] | None = None
-    snapshot_logged: bool = False
+    snapshot_task: asyncio.Task[None] | None = None
+    # (monotonic seconds, acknowledged LSN at the replica sync policy), newest last.
+    samples: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=_RATE_SAMPLES))
+
+
+@dataclass(frozen=True)
+class SlaveStatus:
+    """One slave's progress with the driver's timing: lag, catch-up rate, ETA."""
+
+    progress: SlaveProgress
+    lag_entries: int
+    catch_up_entries_per_s: float
+    eta_s: float
+    """Seconds until the lag closes at the recent rate; -1 while the slave is not gaining."""
 
 
 class MasterDriver:
@@ -96,7 +138,11 @@ class MasterDriver:
         clock: Clock,
         on_commit: Callable[[int], None],
         on_deposed: Callable[[str], None],
+        io: concurrent.futures.Executor,
+        commit_lock: asyncio.Lock,
+        log_start_lsn: int = 1,
     ) -> None:
+        """``io``: the store thread; ``commit_lock``: held by the writer while it appends."""
         self.config = config
         self.node = node
         self.core = core
@@ -105,9 +151,14 @@ class MasterDriver:
         self._clock = clock
         self._on_commit = on_commit
         self._on_deposed = on_deposed
+        self._io = io
+        self._commit_lock = commit_lock
+        self.log_start_lsn = log_start_lsn
         self._room = asyncio.Event()
         self._room.set()
         self._tail: deque[replica_pb2.LogEntry] = deque(maxlen=_TAIL_CACHE_ENTRIES_MAX)
+        self._tail_bytes = 0
+        self._tail_bytes_max = 2 * config.limits.replication_inflight_bytes_max
         self._ticker: asyncio.Task[None] | None = None
         self._stopped = False
         options = channel_options(config.limits.max_message_bytes)
@@ -138,7 +189,15 @@ class MasterDriver:
             return
         self._stopped = True
         self._room.set()
-        tasks = [t for t in (self._ticker, *(lk.task for lk in self._links.values())) if t]
+        tasks = [
+            t
+            for t in (
+                self._ticker,
+                *(lk.task for lk in self._links.values()),
+                *(lk.snapshot_task for lk in self._links.values()),
+            )
+            if t
+        ]
         current = asyncio.current_task()
         for task in tasks:
             if task is not current:
@@ -168,7 +227,15 @@ class MasterDriver:
         """The store appended entries (flushed when synced)."""
         if not entries:
             return
-        self._tail.extend(entries)
+        tail = self._tail
+        for entry in entries:
+            if len(tail) == tail.maxlen:
+                self._tail_bytes -= len(tail[0].operation)
+            tail.append(entry)
+            self._tail_bytes += len(entry.operation)
+        # Bounded by the tail's length: each pass drops one entry.
+        while len(tail) > 1 and self._tail_bytes > self._tail_bytes_max:
+            self._tail_bytes -= len(tail.popleft().operation)
         self.apply(self.core.on_appended(entries[-1].lsn, synced=synced))
 
     def register(self, writes: Sequence[Waiting]) -> None:
@@ -202,7 +269,7 @@ class MasterDriver:
             for grant in actions.sends:
                 queue.append(self._send(grant))
             for node_id in actions.snapshots:
-                self._snapshot_unavailable(node_id)
+                self._start_snapshot(node_id)
             for node_id in actions.heartbeats:
                 link = self._links.get(node_id)
                 if link is not None and link.stream_id:
@@ -241,18 +308,32 @@ class MasterDriver:
             for event in actions.events:
                 log.info("replica %s: %s", self.node.id, event)
 
-    def _read(self, from_lsn: int, count: int) -> list[replica_pb2.LogEntry]:
+    def _read(self, from_lsn: int, count: int, bytes_max: int) -> list[replica_pb2.LogEntry]:
+        """Up to count entries from from_lsn, reading little beyond bytes_max."""
         tail = self._tail
         if tail and tail[0].lsn <= from_lsn:
             start = from_lsn - tail[0].lsn
             return [tail[i] for i in range(start, min(len(tail), start + count))]
-        return self._store().read_log(from_lsn, count)
+        # From the store in small steps, so large entries are not read only to be cut
+        # by fit_batch; one step per _STORE_READ_ENTRIES entries, bounded by count.
+        store = self._store()
+        out: list[replica_pb2.LogEntry] = []
+        size = 0
+        while len(out) < count and size <= bytes_max:
+            step = store.read_log(from_lsn + len(out), min(_STORE_READ_ENTRIES, count - len(out)))
+            if not step:
+                break
+            out.extend(step)
+            size += batch_size_bytes(step)
+        return out
 
     def _send(self, grant: SendGrant) -> Actions[Waiting]:
         link = self._links[grant.node_id]
         kept: Sequence[replica_pb2.LogEntry] = []
         if grant.entries_max:
-            kept = fit_batch(self._read(grant.from_lsn, grant.entries_max), grant.bytes_max)
+            kept = fit_batch(
+                self._read(grant.from_lsn, grant.entries_max, grant.bytes_max), grant.bytes_max
+            )
         last = kept[-1].lsn if kept else grant.from_lsn - 1
         actions = self.core.on_sent(grant.node_id, grant.stream_id, last, batch_size_bytes(kept))
         truncate = grant.truncate_after_lsn
@@ -278,18 +359,95 @@ class MasterDriver:
         )
         return actions
 
-    def _snapshot_unavailable(self, node_id: str) -> None:
+    def _start_snapshot(self, node_id: str) -> None:
+        """The core wants a snapshot sent to node_id: one task streams it."""
         link = self._links.get(node_id)
-        if link is None or link.snapshot_logged:
+        if link is None or not link.stream_id or self._stopped:
             return
-        link.snapshot_logged = True
-        log.warning(
-            "replica %s (master, epoch %d): node %s needs a snapshot, which this store "
-            "cannot take yet; it stays behind until snapshots land",
-            self.node.id,
-            self.core.epoch,
-            node_id,
+        if link.snapshot_task is not None and not link.snapshot_task.done():
+            link.snapshot_task.cancel()
+        link.snapshot_task = asyncio.get_running_loop().create_task(
+            self._send_snapshot(link, link.stream_id),
+            name=f"snapshot-{self.node.id}-{node_id}",
         )
+
+    async def _send_snapshot(self, link: _Link, stream_id: int) -> None:
+        """Streams one snapshot to a slave, a chunk at a time (see the module docstring)."""
+        loop = asyncio.get_running_loop()
+        node_id = link.node.id
+        bytes_max = min(_SNAPSHOT_BYTES_MAX, self.config.limits.max_message_bytes // 2)
+        chunks: Generator[replica_pb2.SnapshotChunk, None, None] | None = None
+        started_s = time.monotonic()
+        sent_bytes = 0
+        try:
+            async with self._commit_lock:
+                # With the writer held, the store's last LSN is the core's: the snapshot
+                # LSN is one on_snapshot_started accepts, and the log after it is kept.
+                store = self._store()
+                chunks = store.snapshot_chunks(_SNAPSHOT_RECORDS_MAX, bytes_max)
+                chunk = await loop.run_in_executor(self._io, next, chunks, None)
+                if chunk is None:
+                    raise StoreError("the snapshot export produced no chunk")
+                if link.stream_id != stream_id or self.core.deposed:
+                    return
+                self.apply(self.core.on_snapshot_started(node_id, stream_id, chunk.snapshot_lsn))
+            log.info(
+                "replica %s (master, epoch %d): sending node %s a snapshot at LSN %d",
+                self.node.id,
+                self.core.epoch,
+                node_id,
+                chunk.snapshot_lsn,
+            )
+            for count in range(1, _SNAPSHOT_CHUNKS_MAX + 1):
+                sent_bytes += chunk.ByteSize()
+                link.outbox.put_nowait(replica_pb2.ReplicateRequest(snapshot=chunk))
+                await link.outbox.join()  # the stream took it: one chunk in memory at a time
+                if chunk.last:
+                    elapsed_s = max(time.monotonic() - started_s, 1e-9)
+                    log.info(
+                        "replica %s (master, epoch %d): snapshot at LSN %d sent to %s: "
+                        "%d chunks, %.1f MB in %.2f s (%.1f MB/s)",
+                        self.node.id,
+                        self.core.epoch,
+                        chunk.snapshot_lsn,
+                        node_id,
+                        count,
+                        sent_bytes / 1e6,
+                        elapsed_s,
+                        sent_bytes / 1e6 / elapsed_s,
+                    )
+                    return
+                next_chunk = await loop.run_in_executor(self._io, next, chunks, None)
+                if next_chunk is None:
+                    raise StoreError("the snapshot export ended without its last chunk")
+                chunk = next_chunk
+                if link.stream_id != stream_id:
+                    return
+        except StoreError as exc:
+            message = (
+                f"master {self.node.id} epoch {self.core.epoch}: the snapshot for node "
+                f"{node_id} failed: {exc}"
+            )
+            log.error("replica %s: %s", self.node.id, message)
+            self._close_stream(node_id, stream_id, message)
+        finally:
+            if chunks is not None:
+                await self._close_export(chunks)
+
+    async def _close_export(self, chunks: Generator[replica_pb2.SnapshotChunk, None, None]) -> None:
+        """Releases an export's read transaction on the store thread.
+
+        ``contextlib.closing`` on the loop could run while the store thread is still
+        inside ``next`` (a cancelled await does not stop the thread): queued behind it
+        on the one store thread, the close waits its turn.
+        """
+        try:
+            await asyncio.shield(asyncio.get_running_loop().run_in_executor(self._io, chunks.close))
+        except (RuntimeError, asyncio.CancelledError):
+            # The store thread is shut down (nothing else runs the generator), or this
+            # task was cancelled again while waiting: close it here.
+            with contextlib.closing(chunks):
+                pass
 
     def _complete(self, done: Sequence[Waiting]) -> None:
         stamps: dict[int, bytes] = {}
@@ -324,9 +482,75 @@ class MasterDriver:
 
     async def _tick_loop(self) -> None:
         interval_s = self.config.timeouts.heartbeat_interval_ms / 1000
+        next_sample_s = 0.0
         while not self.core.deposed:
             self.apply(self.core.tick(self._clock.monotonic_ms()))
+            now_s = self._clock.monotonic_ms() / 1000
+            if now_s >= next_sample_s:
+                next_sample_s = now_s + _RATE_SAMPLE_S
+                self._sample_progress(now_s)
             await asyncio.sleep(interval_s)
+
+    # --- log retention and status
+
+    def compaction_target(self, retention_entries: int) -> int:
+        """The LSN to compact the master's log below: at most retention_entries kept.
+
+        Bounded whatever the slaves do: a slave further behind gets a snapshot. The one
+        exception is a slave receiving a snapshot at S: the log from S+1 is kept until
+        it has the snapshot, so it continues with the log (no endless chase).
+        """
+        keep = self.core.last_lsn - retention_entries + 1
+        for progress in self.core.status():
+            if progress.state == SlaveState.SNAPSHOTTING and progress.snapshot_lsn:
+                keep = min(keep, progress.snapshot_lsn + 1)
+        return max(keep, self.log_start_lsn)
+
+    def set_log_start(self, log_start_lsn: int) -> None:
+        """The log is about to be compacted below log_start_lsn: grant nothing below it.
+
+        Called before the store compacts, so no batch is ever built from deleted entries.
+        """
+        self.apply(self.core.set_log_start(log_start_lsn))
+        self.log_start_lsn = log_start_lsn
+
+    def _durable(self, progress: SlaveProgress) -> int:
+        policy = self.core.config.replica_sync
+        if policy == SyncPolicy.SYNC:
+            return progress.synced_lsn
+        if policy == SyncPolicy.WRITE_NO_SYNC:
+            return progress.written_lsn
+        return progress.received_lsn
+
+    def _sample_progress(self, now_s: float) -> None:
+        for progress in self.core.status():
+            link = self._links.get(progress.node_id)
+            if link is not None:
+                link.samples.append((now_s, self._durable(progress)))
+
+    def slave_status(self) -> list[SlaveStatus]:
+        """Every member slave's progress, lag, recent catch-up rate and ETA, by node id."""
+        out: list[SlaveStatus] = []
+        last_lsn = self.core.last_lsn
+        for progress in self.core.status():
+            held = self._durable(progress)
+            lag = max(0, last_lsn - held)
+            rate = 0.0
+            link = self._links.get(progress.node_id)
+            if link is not None and len(link.samples) >= 2:
+                (t0, lsn0), (t1, lsn1) = link.samples[0], link.samples[-1]
+                if t1 > t0:
+                    rate = max(0.0, (lsn1 - lsn0) / (t1 - t0))
+            eta_s = 0.0 if lag == 0 else (lag / rate if rate > 0 else -1.0)
+            out.append(
+                SlaveStatus(
+                    progress=progress,
+                    lag_entries=lag,
+                    catch_up_entries_per_s=round(rate, 1),
+                    eta_s=round(eta_s, 2),
+                )
+            )
+        return out
 
     async def _run_link(self, link: _Link) -> None:
         """Keeps one stream open to a slave while this master is not deposed."""
@@ -415,6 +639,7 @@ class MasterDriver:
                     last_epoch=position.last_epoch,
                     last_lsn=position.last_lsn,
                     history=position.history,
+                    log_start_lsn=position.log_start_lsn or 1,
                 )
             )
             while not self.core.deposed:
@@ -434,6 +659,11 @@ class MasterDriver:
                     )
             return opened
         finally:
+            snapshot = link.snapshot_task
+            if snapshot is not None and not snapshot.done():
+                snapshot.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await snapshot
             if writer is not None:
                 writer.cancel()
                 with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
@@ -455,6 +685,7 @@ class MasterDriver:
         while True:
             message = await outbox.get()
             await call.write(message)
+            outbox.task_done()  # a snapshot sender waits for its chunk to be taken
 
 
 _SYNC_POLICIES = {

@@ -12,6 +12,13 @@ on either side see only committed entries (``CommitGate``).
 Reorganization: before a new master writes its epoch-start entry it fetches the log it
 lacks from the group's sync source (``Replication.FetchLog``), truncating a divergent
 suffix of its own first (by rebuilding the store from its log, ``rebuild``).
+
+Log retention: after each batch the master and the slaves compact their logs to at
+most ``limits.log_retention_entries`` entries (plus one compaction step), on the store
+thread with the commit lock held; the master never compacts the log after a snapshot it
+is sending (``MasterDriver.compaction_target``). A slave behind the retained log, or
+one whose own log no longer starts at LSN 1 and holds a divergent suffix, gets a
+snapshot (``replication_snapshot`` installs it).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from services.replica import commands
 from services.replica.commands import BatchBuilder, Command, Planned
 from services.replica.divergence import HistoryError, fork_lsn
 from services.replica.follower import Follower, FollowerConfig, FollowerError, Refusal
-from services.replica.master_driver import EPOCH_KEY, MasterDriver, Waiting
+from services.replica.master_driver import EPOCH_KEY, MasterDriver, SlaveStatus, Waiting
 from services.replica.rebuild import LmdbTruncator
 from services.replica.replication import (
     Ack,
@@ -47,6 +54,7 @@ from services.replica.replication import (
 )
 from services.replica.store import (
     CorruptRecordError,
+    SnapshotError,
     Store,
     StoreError,
     StoreFullError,
@@ -61,6 +69,9 @@ log = logging.getLogger("squall.replica")
 
 # The master answers with this metadata key when a write reaches a non-master.
 MASTER_ADDRESS_KEY = "squall-master-address"
+# Compaction runs once the log holds this many entries beyond the retention (at most
+# _COMPACT_STEP_MAX, at least 1): one bounded store transaction per step, not per batch.
+_COMPACT_STEP_MAX = 10_000
 
 
 @dataclass
@@ -103,6 +114,7 @@ class ReplicaNode:
         self._writer: asyncio.Task[None] | None = None
         self._lease_task: asyncio.Task[None] | None = None
         self._last_lsn = store.meta().last_lsn
+        self._log_start_lsn = store.log_start_lsn()
         # Held while a batch is being written, so a deactivation can wait for it and then
         # report a log that no longer grows.
         self._commit_lock = asyncio.Lock()
@@ -205,6 +217,9 @@ class ReplicaNode:
             clock=self.clock,
             on_commit=self._advance_commit,
             on_deposed=self._master_deposed,
+            io=self._io,
+            commit_lock=self._commit_lock,
+            log_start_lsn=self._log_start_lsn,
         )
         self.role = common_pb2.ROLE_MASTER
         self.master = self.node
@@ -280,6 +295,7 @@ class ReplicaNode:
                 members=member_ids,
                 last_lsn=meta.last_lsn,
                 history=meta.history,
+                log_start_lsn=self._log_start_lsn,
             )
         except ReplicationError as exc:
             raise ServiceError(
@@ -367,6 +383,16 @@ class ReplicaNode:
         """_truncate_after with the commit lock held."""
         truncator = self.truncator
         meta = self.store.meta()
+        log_start = self.store.log_start_lsn()
+        if log_start > 1:
+            # Replaying needs the log from LSN 1; only a snapshot can undo applied entries
+            # now (a master sends one to a slave whose Position shows a compacted log).
+            raise ServiceError(
+                Code.FAILED_PRECONDITION,
+                f"replica {self.node.id} (epoch {self.epoch}, last LSN {meta.last_lsn}) must "
+                f"truncate its log after LSN {keep_lsn} ({why}), but its log starts at LSN "
+                f"{log_start} (compacted or installed from a snapshot): it needs a snapshot",
+            )
         if truncator is None:
             raise ServiceError(
                 Code.FAILED_PRECONDITION,
@@ -393,6 +419,7 @@ class ReplicaNode:
                 Code.UNAVAILABLE, f"replica {self.node.id}: truncation failed: {exc}"
             ) from exc
         self._last_lsn = keep_lsn
+        self._log_start_lsn = self.store.log_start_lsn()
         self.gate.truncated(keep_lsn)
         self._notify_committed()
 
@@ -665,6 +692,12 @@ class ReplicaNode:
                 raise self._refused(
                     Code.FAILED_PRECONDITION if stale else Code.UNAVAILABLE, message
                 )
+            meta = self.store.meta()
+            if follower.state().last_lsn != meta.last_lsn:
+                # An unfinished snapshot install left the store empty: report what it holds.
+                follower.reset(last_lsn=meta.last_lsn, history=meta.history)
+                self._last_lsn = meta.last_lsn
+                self.gate.truncated(meta.last_lsn)
             result = follower.on_hello(
                 master_id=hello.master_id, epoch=hello.epoch, cluster_id=hello.cluster_id
             )
@@ -700,6 +733,7 @@ class ReplicaNode:
                 history=[
                     replica_pb2.EpochBoundary(epoch=e, start_lsn=s) for e, s in position.history
                 ],
+                log_start_lsn=self.store.log_start_lsn(),
             )
 
     def _stream_follower(self, stream: int) -> Follower:
@@ -759,8 +793,92 @@ class ReplicaNode:
                     ) from exc
                 self._last_lsn = result.last_lsn
                 acks.append(_ack(follower.on_written(result.last_lsn, synced=result.sync)))
+                retention = self.config.limits.log_retention_entries
+                keep = self._last_lsn - retention + 1
+                if keep - self._log_start_lsn >= _compact_step(retention):
+                    await self._compact(keep)
             self._advance_commit(follower.commit_lsn)
             return acks
+
+    async def replication_snapshot(
+        self, stream: int, chunk: replica_pb2.SnapshotChunk
+    ) -> list[replica_pb2.ReplicationAck]:
+        """Installs one snapshot chunk from the master; after the last, returns the ack."""
+        async with self._commit_lock:
+            follower = self._stream_follower(stream)
+            result = follower.on_snapshot_chunk(
+                index=chunk.index,
+                snapshot_lsn=chunk.snapshot_lsn,
+                snapshot_epoch=chunk.snapshot_epoch,
+                last=chunk.last,
+                history=[(b.epoch, b.start_lsn) for b in chunk.history],
+            )
+            if isinstance(result, Refusal):
+                raise self._refusal(result)
+            loop = asyncio.get_running_loop()
+            store = self.store
+            try:
+                if result.index == 0:
+                    log.warning(
+                        "replica %s installing a snapshot at LSN %d (epoch %d) from master %s: "
+                        "its state and log (last LSN %d) are replaced",
+                        self.node.id,
+                        chunk.snapshot_lsn,
+                        chunk.snapshot_epoch,
+                        follower.state().master_id,
+                        self._last_lsn,
+                    )
+                    await loop.run_in_executor(
+                        self._io,
+                        functools.partial(
+                            store.begin_snapshot, chunk.snapshot_lsn, chunk.snapshot_epoch
+                        ),
+                    )
+                    # The store reports itself empty until the install finishes.
+                    self._last_lsn = 0
+                    self.gate.truncated(0)
+                await loop.run_in_executor(self._io, store.install_chunk, chunk)
+                if not result.install:
+                    return []
+                await loop.run_in_executor(
+                    self._io, functools.partial(store.finish_snapshot, result.history)
+                )
+            except (StoreError, FollowerError) as exc:
+                meta = self.store.meta()
+                follower.reset(last_lsn=meta.last_lsn, history=meta.history)
+                self._last_lsn = meta.last_lsn
+                self.gate.truncated(meta.last_lsn)
+                if isinstance(exc, StoreFullError):
+                    raise self._refused(
+                        Code.RESOURCE_EXHAUSTED,
+                        f"replica {self.node.id}: store full, snapshot not installed: {exc}",
+                    ) from exc
+                if isinstance(exc, (SnapshotError, CorruptRecordError)):
+                    raise self._refused(
+                        Code.INVALID_ARGUMENT,
+                        f"replica {self.node.id}: snapshot chunk {chunk.index} refused: {exc}",
+                    ) from exc
+                self._fail_stop(f"snapshot install failed: {exc}")
+                raise self._refused(
+                    Code.UNAVAILABLE, f"replica {self.node.id}: snapshot install failed: {exc}"
+                ) from exc
+            lsn = result.snapshot_lsn
+            self._last_lsn = lsn
+            self._log_start_lsn = lsn + 1
+            # The snapshot's state cannot be hidden event by event: all of it is visible
+            # (see docs/replication.md, known gaps).
+            self.gate.advance(lsn)
+            self._notify_committed()
+            log.info(
+                "replica %s installed the snapshot at LSN %d (epoch %d); the log continues "
+                "from LSN %d",
+                self.node.id,
+                lsn,
+                chunk.snapshot_epoch,
+                lsn + 1,
+            )
+            # finish_snapshot flushed the whole install.
+            return [_ack(follower.on_written(lsn, synced=True))]
 
     def replication_heartbeat(
         self, stream: int, heartbeat: replica_pb2.ReplicationHeartbeat
@@ -950,6 +1068,36 @@ class ReplicaNode:
                 for (pending, plan), lsn in zip(planned, lsns, strict=True)
             ]
         )
+        retention = self.config.limits.log_retention_entries
+        keep = driver.compaction_target(retention)
+        if keep - self._log_start_lsn >= _compact_step(retention) and not driver.deposed:
+            driver.set_log_start(keep)  # the core first: no batch is built below keep
+            await self._compact(keep)
+
+    async def _compact(self, keep_from_lsn: int) -> None:
+        """Deletes the log below keep_from_lsn on the store thread (commit lock held)."""
+        try:
+            deleted = await asyncio.get_running_loop().run_in_executor(
+                self._io, functools.partial(self.store.compact_log, keep_from_lsn)
+            )
+        except StoreError as exc:
+            # Compaction only deletes: a failure leaves more log than wanted, not less.
+            log.warning(
+                "replica %s: compacting the log below LSN %d failed: epoch=%d: %s",
+                self.node.id,
+                keep_from_lsn,
+                self.epoch,
+                exc,
+            )
+            return
+        self._log_start_lsn = self.store.log_start_lsn()
+        log.debug(
+            "replica %s compacted its log: %d entries deleted, now LSNs %d..%d",
+            self.node.id,
+            deleted,
+            self._log_start_lsn,
+            self._last_lsn,
+        )
 
     def _fail_stop(self, reason: str) -> None:
         """A store that cannot write must not acknowledge anything again."""
@@ -984,6 +1132,18 @@ class ReplicaNode:
     def last_lsn(self) -> int:
         """The LSN of the last entry in the local log."""
         return self._last_lsn
+
+    @property
+    def log_start_lsn(self) -> int:
+        """The first LSN still in the local log."""
+        return self._log_start_lsn
+
+    def slave_status(self) -> list[SlaveStatus]:
+        """As master: each member slave's progress, lag, catch-up rate and ETA; else []."""
+        driver = self._driver
+        if driver is None or self.role != common_pb2.ROLE_MASTER:
+            return []
+        return driver.slave_status()
 
     @property
     def commit_lsn(self) -> int:
@@ -1031,6 +1191,11 @@ class _Diverged(Exception):
     def __init__(self, fork_lsn: int) -> None:
         super().__init__(f"diverges after LSN {fork_lsn}")
         self.fork_lsn = fork_lsn
+
+
+def _compact_step(retention_entries: int) -> int:
+    """Entries beyond the retention that make compaction worth a store transaction."""
+    return max(1, min(retention_entries // 8, _COMPACT_STEP_MAX))
 
 
 def _ack(ack: Ack) -> replica_pb2.ReplicationAck:

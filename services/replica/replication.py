@@ -675,8 +675,15 @@ class ReplicationMaster(Generic[T]):
         last_epoch: int,
         last_lsn: int,
         history: Iterable[tuple[int, int] | BoundaryLike],
+        log_start_lsn: int = 1,
     ) -> Actions[T]:
-        """The slave's answer to the Hello: where its log ends and its epoch history."""
+        """The slave's answer to the Hello: where its log ends and its epoch history.
+
+        log_start_lsn: the first LSN in the slave's log. A slave whose log no longer
+        starts at 1 (compacted, or installed from a snapshot) cannot truncate a divergent
+        suffix by replaying its log, so it gets a snapshot instead (as with
+        ``truncate_by_snapshot``).
+        """
         slave, rejection = self._current(node_id, stream_id)
         if rejection is not None:
             return self._actions(rejection=rejection)
@@ -717,7 +724,9 @@ class ReplicationMaster(Generic[T]):
         slave.received_lsn = fork
         slave.written_lsn = min(slave.written_lsn, fork)
         slave.synced_lsn = min(slave.synced_lsn, fork)
-        if slave.truncate_after is not None and self.config.truncate_by_snapshot:
+        if slave.truncate_after is not None and (
+            self.config.truncate_by_snapshot or log_start_lsn > 1
+        ):
             slave.truncate_after = None
             slave.snapshot_wanted = True
         events: tuple[str, ...] = ()

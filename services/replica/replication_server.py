@@ -3,9 +3,10 @@
 ``Replicate``: the first message must be a Hello from the master of this replica's
 current epoch (``ReplicaNode.replication_hello`` asks the Follower); it is answered with
 the replica's position, then every entry batch is checked by the Follower and stored in
-one transaction, and acknowledged (received / written / synced). Any refusal closes the
-stream with the Follower's status, and carries the replica's epoch in the trailing
-metadata (``squall-epoch``) so a stale master steps down.
+one transaction, and acknowledged (received / written / synced); snapshot chunks are
+installed one transaction each, and the last one acknowledged at the snapshot's LSN.
+Any refusal closes the stream with the Follower's status, and carries the replica's
+epoch in the trailing metadata (``squall-epoch``) so a stale master steps down.
 
 ``FetchLog``: serves a new master's reorganization catch-up (``ReplicaNode.fetch_log``).
 """
@@ -58,12 +59,8 @@ class Replication(replica_pb2_grpc.ReplicationServicer):
                     ack = node.replication_heartbeat(stream, request.heartbeat)
                     yield replica_pb2.ReplicateResponse(ack=ack)
                 elif kind == "snapshot":
-                    message = (
-                        f"replica {node.node.id} (epoch {node.epoch}, last LSN "
-                        f"{node.last_lsn}) cannot install snapshots yet; it stays behind"
-                    )
-                    log.warning("replica %s: %s", node.node.id, message)
-                    raise ServiceError(Code.FAILED_PRECONDITION, message)
+                    for ack in await node.replication_snapshot(stream, request.snapshot):
+                        yield replica_pb2.ReplicateResponse(ack=ack)
                 else:
                     raise ServiceError(
                         Code.INVALID_ARGUMENT,

@@ -384,6 +384,21 @@ class ReplicaControl(replica_pb2_grpc.ReplicaControlServicer):
             shutdown_id=meta.shutdown_id,
             command_seq=self.node.command_seq,
             master_id=self.node.master.id if self.node.master else "",
+            slaves=[
+                replica_pb2.SlaveProgress(
+                    node_id=s.progress.node_id,
+                    state=s.progress.state.value,
+                    received_lsn=s.progress.received_lsn,
+                    written_lsn=s.progress.written_lsn,
+                    synced_lsn=s.progress.synced_lsn,
+                    lag_entries=s.lag_entries,
+                    catch_up_entries_per_s=s.catch_up_entries_per_s,
+                    eta_s=s.eta_s,
+                    snapshot_lsn=s.progress.snapshot_lsn,
+                )
+                for s in self.node.slave_status()
+            ],
+            log_start_lsn=self.node.log_start_lsn,
         )
 
     async def GetReplicaState(

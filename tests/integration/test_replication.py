@@ -8,6 +8,8 @@ that a slave obeys only the master of its current epoch.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 import zlib
@@ -20,6 +22,8 @@ from squall.v1 import (
     broker_pb2,
     broker_pb2_grpc,
     common_pb2,
+    gateway_pb2,
+    gateway_pb2_grpc,
     replica_pb2,
     replica_pb2_grpc,
 )
@@ -100,15 +104,20 @@ class _Publisher(threading.Thread):
             self.error = exc
 
 
-def _read_replica(address: str, topic: str) -> list[tuple[int, bytes]]:
+def _read_replica(address: str, topic: str, timeout_s: float = 10) -> list[tuple[int, bytes]]:
     """Every committed event one replica serves (a non-follow subscription)."""
     with grpc.insecure_channel(address) as channel:
         subscriber = broker_pb2_grpc.SubscriberStub(channel)
         events: list[tuple[int, bytes]] = []
         try:
             for response in subscriber.Subscribe(
-                broker_pb2.SubscribeRequest(topic=topic, start=broker_pb2.START_POSITION_EARLIEST),
-                timeout=10,
+                broker_pb2.SubscribeRequest(
+                    topic=topic,
+                    start=broker_pb2.START_POSITION_EARLIEST,
+                    # Within the client's default 4 MiB message limit for large events.
+                    max_batch_events=256,
+                ),
+                timeout=timeout_s,
             ):
                 events.extend((e.offset, e.payload) for e in response.events)
         except grpc.RpcError:
@@ -254,3 +263,212 @@ def test_a_slave_refuses_a_stream_from_an_older_epoch(trio: LocalCluster) -> Non
             state.epoch,
             master,
         )
+
+
+# --- flow control and catch-up (a stopped slave, a compacted log)
+
+
+def _state(address: str) -> replica_pb2.ReplicaState:
+    with grpc.insecure_channel(address) as channel:
+        stub = replica_pb2_grpc.ReplicaControlStub(channel)
+        state = stub.GetReplicaState(replica_pb2.GetReplicaStateRequest(), timeout=5)
+        assert isinstance(state, replica_pb2.ReplicaState)
+        return state
+
+
+def _rss_anon_kb(pid: int) -> int:
+    """A process's anonymous resident memory (heap, stacks), in KiB.
+
+    VmRSS also counts the LMDB map's file pages the process touched, which grow with the
+    data written and are the page cache's to reclaim; a leak shows in RssAnon.
+    """
+    for line in open(f"/proc/{pid}/status").read().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no RssAnon in /proc/{pid}/status")
+
+
+def _started_trio(cluster_factory: object, **overrides: dict[str, object]) -> LocalCluster:
+    cluster = cluster_factory("cluster.example.toml", **overrides)  # type: ignore[operator]
+    assert isinstance(cluster, LocalCluster)
+    cluster.start_all()
+    return cluster
+
+
+def _slave_of(cluster: LocalCluster, master: str) -> str:
+    slave = next(n.id for n in cluster.config.nodes if n.id != master)
+    _wait_for(
+        lambda: cluster.replica_role(slave) == common_pb2.ROLE_SLAVE, 15, f"{slave} is a slave"
+    )
+    return slave
+
+
+def _request(topic: str, publisher_id: str, sequence: int, sizes: list[int]) -> object:
+    return broker_pb2.PublishRequest(
+        topic=topic,
+        publisher_id=publisher_id,
+        events=[
+            common_pb2.EventData(
+                payload=f"{publisher_id}-{sequence + i}-".encode().ljust(size, b"x"),
+                sequence=sequence + i,
+            )
+            for i, size in enumerate(sizes)
+        ],
+    )
+
+
+def _caught_up(cluster: LocalCluster, master: str, node_id: str) -> bool:
+    try:
+        target = _state(cluster.replica_address(master)).last_lsn
+        return _state(cluster.replica_address(node_id)).last_lsn >= target
+    except grpc.RpcError:
+        return False
+
+
+_LIMITS = {
+    # A small window, so a stopped slave's share of the master's memory is small next to
+    # what the test publishes.
+    "replication_inflight_bytes_max": 1 << 20,
+}
+
+
+def test_a_stopped_slave_with_majority_acks_neither_stalls_publishers_nor_grows_memory(
+    cluster_factory: object,
+) -> None:
+    trio = _started_trio(cluster_factory, limits=dict(_LIMITS))
+    master = trio.wait_for_master()
+    slave = _slave_of(trio, master)
+    slave_pid = trio.services[("replica", slave)].pid
+    master_pid = trio.services[("replica", master)].pid
+    event_bytes, per_request, requests = 8192, 8, 512  # 32 MiB of events
+    published_mb = event_bytes * per_request * requests / (1 << 20)
+    offsets: dict[bytes, int] = {}
+    with trio.channel() as channel:
+        topics = broker_pb2_grpc.TopicManagerStub(channel)
+        publisher = broker_pb2_grpc.PublisherStub(channel)
+        _call_with_retry(topics.CreateTopic, broker_pb2.CreateTopicRequest(name="t"), 10)
+        sequence = 1
+        # Warm-up: the master's buffers reach their working size before the baseline.
+        for _ in range(64):
+            request = _request("t", "p", sequence, [event_bytes] * per_request)
+            response = _call_with_retry(publisher.Publish, request, 20)
+            assert isinstance(response, broker_pb2.PublishResponse)
+            sequence += per_request
+        before_kb = _rss_anon_kb(master_pid)
+        os.kill(slave_pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            for _ in range(requests):
+                request = _request("t", "p", sequence, [event_bytes] * per_request)
+                response = _call_with_retry(publisher.Publish, request, 20)
+                assert isinstance(response, broker_pb2.PublishResponse)
+                for event, receipt in zip(request.events, response.receipts, strict=True):  # type: ignore[attr-defined]
+                    offsets[event.payload] = receipt.offset
+                    # Held by the master and the live slave: the stopped one never counts.
+                    assert slave not in [h.node_id for h in receipt.holders]
+                sequence += per_request
+            elapsed_s = time.monotonic() - started
+            grown_mb = (_rss_anon_kb(master_pid) - before_kb) / 1024
+            status = {s.node_id: s for s in _state(trio.replica_address(master)).slaves}
+            assert status[slave].lag_entries >= requests // 2, status[slave]
+            # The gateway's cluster status carries the master's view of its slaves.
+            admin = gateway_pb2_grpc.ClusterAdminStub(channel)
+            rows = admin.GetClusterStatus(gateway_pb2.GetClusterStatusRequest(), timeout=5).nodes
+            (master_row,) = [row for row in rows if row.node_id == master]
+            lags = {p.node_id: p.lag_entries for p in master_row.slaves}
+            assert lags[slave] >= requests // 2 and set(lags) == {
+                n.id for n in trio.config.nodes if n.id != master
+            }
+        finally:
+            os.kill(slave_pid, signal.SIGCONT)
+    # Publishing went on while the slave was stopped, and the master's memory did not take
+    # in what it could not send: a window's worth at most, not the 32 MiB published.
+    assert elapsed_s < 60
+    assert grown_mb < published_mb / 4, f"master grew {grown_mb:.1f} MiB of {published_mb} MiB"
+    _wait_for(lambda: _caught_up(trio, master, slave), 60, f"{slave} caught up after SIGCONT")
+
+    def holds_every_ack() -> bool:
+        held = dict(_read_replica(trio.replica_address(slave), "t", timeout_s=30))
+        return all(held.get(offset) == payload for payload, offset in offsets.items())
+
+    _wait_for(holds_every_ack, 30, f"{slave} holds every acknowledged event")
+
+
+def test_a_stopped_slave_with_all_acks_holds_publishers_back_until_it_resumes(
+    cluster_factory: object,
+) -> None:
+    trio = _started_trio(cluster_factory, limits=dict(_LIMITS), durability={"acks": "all"})
+    master = trio.wait_for_master()
+    slave = _slave_of(trio, master)
+    slave_pid = trio.services[("replica", slave)].pid
+    master_address = trio.replica_address(master)
+    with grpc.insecure_channel(master_address) as channel:
+        topics = broker_pb2_grpc.TopicManagerStub(channel)
+        publisher = broker_pb2_grpc.PublisherStub(channel)
+        _call_with_retry(topics.CreateTopic, broker_pb2.CreateTopicRequest(name="t"), 10)
+        _call_with_retry(publisher.Publish, _request("t", "p", 1, [100]), 20)
+        stalled = _request("t", "p", 2, [100])
+        os.kill(slave_pid, signal.SIGSTOP)
+        try:
+            # Straight to the master (no gateway retries): no receipt while a member of
+            # the group cannot acknowledge.
+            with pytest.raises(grpc.RpcError) as raised:
+                publisher.Publish(stalled, timeout=2)
+            assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # type: ignore[attr-defined]
+            assert _state(master_address).commit_lsn < _state(master_address).last_lsn
+        finally:
+            os.kill(slave_pid, signal.SIGCONT)
+    # Resumed: the same request (same publisher id and sequence) is answered, once.
+    with trio.channel() as channel:
+        publisher = broker_pb2_grpc.PublisherStub(channel)
+        response = _call_with_retry(publisher.Publish, stalled, 60)
+        assert isinstance(response, broker_pb2.PublishResponse)
+        after = _call_with_retry(publisher.Publish, _request("t", "p", 3, [100]), 60)
+        assert isinstance(after, broker_pb2.PublishResponse)
+        assert after.receipts[0].offset == response.receipts[0].offset + 1
+
+
+def test_a_slave_behind_the_compacted_log_catches_up_by_snapshot_then_the_tail(
+    cluster_factory: object,
+) -> None:
+    # The smallest retention the configuration allows: one commit batch (256 entries).
+    trio = _started_trio(cluster_factory, limits={"log_retention_entries": 256})
+    master = trio.wait_for_master()
+    victim = next(n.id for n in trio.config.nodes if n.id != master)
+    acked: dict[bytes, int] = {}
+
+    def publish(publisher: object, sequence: int, count: int) -> int:
+        for _ in range(count):
+            request = _request("t", "p", sequence, [100] * 4)
+            response = _call_with_retry(publisher.Publish, request, 30)  # type: ignore[attr-defined]
+            assert isinstance(response, broker_pb2.PublishResponse)
+            for event, receipt in zip(request.events, response.receipts, strict=True):  # type: ignore[attr-defined]
+                acked[event.payload] = receipt.offset
+            sequence += 4
+        return sequence
+
+    with trio.channel() as channel:
+        topics = broker_pb2_grpc.TopicManagerStub(channel)
+        publisher = broker_pb2_grpc.PublisherStub(channel)
+        _call_with_retry(topics.CreateTopic, broker_pb2.CreateTopicRequest(name="t"), 10)
+        sequence = publish(publisher, 1, 50)
+        trio.kill_node(victim)
+        sequence = publish(publisher, sequence, 1000)  # 1,000 entries: 4x the retention
+        master = trio.wait_for_master(exclude=victim)
+        assert _state(trio.replica_address(master)).log_start_lsn > 600
+        trio.start_node(victim)
+        # Writes go on while it catches up: the snapshot is followed by the log tail.
+        sequence = publish(publisher, sequence, 100)
+        _wait_for(lambda: _caught_up(trio, master, victim), 60, f"{victim} caught up")
+    state = _state(trio.replica_address(victim))
+    assert state.log_start_lsn > 1, "it was expected to catch up from a snapshot"
+    assert "installed the snapshot at LSN" in trio.log("replica", victim)
+    assert f"sending node {victim} a snapshot" in trio.log("replica", master)
+
+    def holds_every_ack() -> bool:
+        view = dict(_read_replica(trio.replica_address(victim), "t"))
+        return all(view.get(offset) == payload for payload, offset in acked.items())
+
+    _wait_for(holds_every_ack, 30, f"{victim} holds every acknowledged event")
+    views = [_read_replica(trio.replica_address(n.id), "t") for n in trio.config.nodes]
+    assert all(view == views[0] for view in views[1:])

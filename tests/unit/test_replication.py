@@ -528,6 +528,8 @@ class Cluster:
         self.snapshots_sent: list[tuple[str, int]] = []
         self.max_inbox_entries = 0
         self.log_start = 1
+        # Where each slave's own log starts (a compacted log cannot replay from LSN 1).
+        self.slave_log_starts: dict[str, int] = {}
 
     # --- the master's driver
 
@@ -689,7 +691,12 @@ class Cluster:
         if isinstance(msg, HelloAccepted):
             pos = msg.position
             actions = self.master.on_position(
-                node, sid, last_epoch=pos.last_epoch, last_lsn=pos.last_lsn, history=pos.history
+                node,
+                sid,
+                last_epoch=pos.last_epoch,
+                last_lsn=pos.last_lsn,
+                history=pos.history,
+                log_start_lsn=self.slave_log_starts.get(node, 1),
             )
         else:
             actions = self.master.on_ack(
@@ -828,6 +835,29 @@ def test_a_store_that_cannot_undo_gets_a_snapshot_instead_of_a_truncation() -> N
     cluster = Cluster(
         master_log=common, slave_logs={"2": common, "3": stale}, epoch=3, truncate_by_snapshot=True
     )
+    truncations: list[int | None] = []
+    apply = cluster.apply
+
+    def watch(actions: Actions[str]) -> None:
+        truncations.extend(g.truncate_after_lsn for g in actions.sends)
+        apply(actions)
+
+    cluster.apply = watch  # type: ignore[method-assign]
+    cluster.start()
+    cluster.append(3)
+    cluster.run()
+    assert cluster.converged()
+    assert [node for node, _ in cluster.snapshots_sent] == ["3"]
+    assert set(truncations) == {None}
+
+
+def test_a_divergent_slave_with_a_compacted_log_gets_a_snapshot_not_a_truncation() -> None:
+    # Truncating by replaying the log needs the log from LSN 1: node 3 compacted its own,
+    # so the master (whose store could truncate) sends it a snapshot instead.
+    common = [entry(lsn, 1) for lsn in range(1, 6)]
+    stale = common + [entry(lsn, 2, size=3) for lsn in range(6, 10)]
+    cluster = Cluster(master_log=common, slave_logs={"2": common, "3": stale}, epoch=3)
+    cluster.slave_log_starts["3"] = 4
     truncations: list[int | None] = []
     apply = cluster.apply
 

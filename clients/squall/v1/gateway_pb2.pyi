@@ -11,6 +11,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from squall.v1 import common_pb2 as _common_pb2
+from squall.v1 import replica_pb2 as _replica_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -64,6 +65,8 @@ class NodeStatus(_message.Message):
     DESIGNATED_PRIMARY_FIELD_NUMBER: _builtins.int
     QUORUM_OVERRIDE_FIELD_NUMBER: _builtins.int
     QUORUM_REQUIRED_FIELD_NUMBER: _builtins.int
+    SLAVES_FIELD_NUMBER: _builtins.int
+    LOG_START_LSN_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The node id."""
     coordinator_id: _builtins.str
@@ -100,9 +103,15 @@ class NodeStatus(_message.Message):
     """The quorum override in force on this node (0: none)."""
     quorum_required: _builtins.int
     """How many nodes this node's group needs to go normal now."""
+    log_start_lsn: _builtins.int
+    """The first LSN still in its replica's log."""
     @_builtins.property
     def group(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The other members of its group (reported by coordinators only)."""
+
+    @_builtins.property
+    def slaves(self) -> _containers.RepeatedCompositeFieldContainer[_replica_pb2.SlaveProgress]:
+        """On the master: each slave's replication progress (lag, catch-up rate, ETA)."""
 
     def __init__(
         self,
@@ -126,10 +135,12 @@ class NodeStatus(_message.Message):
         designated_primary: _builtins.bool = ...,
         quorum_override: _builtins.int = ...,
         quorum_required: _builtins.int = ...,
+        slaves: _abc.Iterable[_replica_pb2.SlaveProgress] | None = ...,
+        log_start_lsn: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit_lsn", b"commit_lsn", "coordinator_id", b"coordinator_id", "designated_primary", b"designated_primary", "epoch", b"epoch", "error", b"error", "group", b"group", "group_name", b"group_name", "last_change_reason", b"last_change_reason", "last_lsn", b"last_lsn", "max_seen", b"max_seen", "node_id", b"node_id", "priority", b"priority", "quorum_override", b"quorum_override", "quorum_required", b"quorum_required", "reachable", b"reachable", "replica_address", b"replica_address", "role", b"role", "state", b"state", "store_state", b"store_state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit_lsn", b"commit_lsn", "coordinator_id", b"coordinator_id", "designated_primary", b"designated_primary", "epoch", b"epoch", "error", b"error", "group", b"group", "group_name", b"group_name", "last_change_reason", b"last_change_reason", "last_lsn", b"last_lsn", "log_start_lsn", b"log_start_lsn", "max_seen", b"max_seen", "node_id", b"node_id", "priority", b"priority", "quorum_override", b"quorum_override", "quorum_required", b"quorum_required", "reachable", b"reachable", "replica_address", b"replica_address", "role", b"role", "slaves", b"slaves", "state", b"state", "store_state", b"store_state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -620,12 +620,18 @@ class ReplicationPosition(_message.Message):
     LAST_EPOCH_FIELD_NUMBER: _builtins.int
     LAST_LSN_FIELD_NUMBER: _builtins.int
     HISTORY_FIELD_NUMBER: _builtins.int
+    LOG_START_LSN_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The slave's node id."""
     last_epoch: _builtins.int
     """The epoch of the slave's last entry."""
     last_lsn: _builtins.int
     """The slave's last LSN."""
+    log_start_lsn: _builtins.int
+    """The first LSN still in the slave's log (1 unless compacted or installed from a
+    snapshot; 0 from an older slave means 1). A slave whose log no longer starts at 1
+    cannot truncate a divergent suffix by replaying its log: it gets a snapshot instead.
+    """
     @_builtins.property
     def history(self) -> _containers.RepeatedCompositeFieldContainer[Global___EpochBoundary]:
         """The slave's epoch history."""
@@ -637,10 +643,11 @@ class ReplicationPosition(_message.Message):
         last_epoch: _builtins.int = ...,
         last_lsn: _builtins.int = ...,
         history: _abc.Iterable[Global___EpochBoundary] | None = ...,
+        log_start_lsn: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["history", b"history", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "node_id", b"node_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["history", b"history", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "log_start_lsn", b"log_start_lsn", "node_id", b"node_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -710,6 +717,8 @@ class ReplicaState(_message.Message):
     SHUTDOWN_ID_FIELD_NUMBER: _builtins.int
     COMMAND_SEQ_FIELD_NUMBER: _builtins.int
     MASTER_ID_FIELD_NUMBER: _builtins.int
+    SLAVES_FIELD_NUMBER: _builtins.int
+    LOG_START_LSN_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The replica's node id."""
     cluster_id: _builtins.str
@@ -732,6 +741,12 @@ class ReplicaState(_message.Message):
     """The seq of the last role command applied (RoleCommand.seq)."""
     master_id: _builtins.str
     """The node id of the master the replica follows or is (empty when inactive)."""
+    log_start_lsn: _builtins.int
+    """The first LSN still in the local log (entries below it are only in snapshots)."""
+    @_builtins.property
+    def slaves(self) -> _containers.RepeatedCompositeFieldContainer[Global___SlaveProgress]:
+        """On a master: each member slave's replication progress, by node id (empty otherwise)."""
+
     def __init__(
         self,
         *,
@@ -746,14 +761,74 @@ class ReplicaState(_message.Message):
         shutdown_id: _builtins.str = ...,
         command_seq: _builtins.int = ...,
         master_id: _builtins.str = ...,
+        slaves: _abc.Iterable[Global___SlaveProgress] | None = ...,
+        log_start_lsn: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "command_seq", b"command_seq", "commit_lsn", b"commit_lsn", "epoch", b"epoch", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "master_id", b"master_id", "node_id", b"node_id", "role", b"role", "shutdown_id", b"shutdown_id", "store_state", b"store_state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "command_seq", b"command_seq", "commit_lsn", b"commit_lsn", "epoch", b"epoch", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "log_start_lsn", b"log_start_lsn", "master_id", b"master_id", "node_id", b"node_id", "role", b"role", "shutdown_id", b"shutdown_id", "slaves", b"slaves", "store_state", b"store_state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReplicaState: _TypeAlias = ReplicaState  # noqa: Y015
+
+@_typing.final
+class SlaveProgress(_message.Message):
+    """One slave as its master sees it (ReplicaState.slaves)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    RECEIVED_LSN_FIELD_NUMBER: _builtins.int
+    WRITTEN_LSN_FIELD_NUMBER: _builtins.int
+    SYNCED_LSN_FIELD_NUMBER: _builtins.int
+    LAG_ENTRIES_FIELD_NUMBER: _builtins.int
+    CATCH_UP_ENTRIES_PER_S_FIELD_NUMBER: _builtins.int
+    ETA_S_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_LSN_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    """The slave's node id."""
+    state: _builtins.str
+    """disconnected, probing, streaming, paused (its in-flight window is full) or
+    snapshotting.
+    """
+    received_lsn: _builtins.int
+    """How far the slave's acks say it holds the log: received, written, flushed."""
+    written_lsn: _builtins.int
+    synced_lsn: _builtins.int
+    lag_entries: _builtins.int
+    """Entries the slave lacks: the master's last LSN minus what the slave holds at the
+    replica sync policy.
+    """
+    catch_up_entries_per_s: _builtins.float
+    """Entries per second the slave's acknowledged LSN grew over the last few seconds."""
+    eta_s: _builtins.float
+    """Seconds until the lag closes at the recent rate, if the master's log stopped growing
+    meanwhile (its log grows too: see the rate); -1 when the slave is not gaining.
+    """
+    snapshot_lsn: _builtins.int
+    """The LSN of the snapshot being sent to it (0: none)."""
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        state: _builtins.str = ...,
+        received_lsn: _builtins.int = ...,
+        written_lsn: _builtins.int = ...,
+        synced_lsn: _builtins.int = ...,
+        lag_entries: _builtins.int = ...,
+        catch_up_entries_per_s: _builtins.float = ...,
+        eta_s: _builtins.float = ...,
+        snapshot_lsn: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["catch_up_entries_per_s", b"catch_up_entries_per_s", "eta_s", b"eta_s", "lag_entries", b"lag_entries", "node_id", b"node_id", "received_lsn", b"received_lsn", "snapshot_lsn", b"snapshot_lsn", "state", b"state", "synced_lsn", b"synced_lsn", "written_lsn", b"written_lsn"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SlaveProgress: _TypeAlias = SlaveProgress  # noqa: Y015
 
 @_typing.final
 class RoleCommand(_message.Message):
