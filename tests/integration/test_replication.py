@@ -472,3 +472,84 @@ def test_a_slave_behind_the_compacted_log_catches_up_by_snapshot_then_the_tail(
     _wait_for(holds_every_ack, 30, f"{victim} holds every acknowledged event")
     views = [_read_replica(trio.replica_address(n.id), "t") for n in trio.config.nodes]
     assert all(view == views[0] for view in views[1:])
+
+
+def _current_master(cluster: LocalCluster, timeout_s: float = 20) -> str:
+    return cluster.wait_for_master(timeout_s=timeout_s)
+
+
+def _all_three_in_one_group(cluster: LocalCluster) -> str:
+    """Waits until every node is NORMAL under one coordinator whose replica is master."""
+
+    def settled() -> bool:
+        statuses = cluster.statuses()
+        coordinators = {s.coordinator_id for s in statuses.values()}
+        return (
+            len(statuses) == 3
+            and len(coordinators) == 1
+            and all(s.state == common_pb2.NODE_STATE_NORMAL for s in statuses.values())
+            and cluster.replica_role(coordinators.pop()) == common_pb2.ROLE_MASTER
+        )
+
+    _wait_for(settled, 30, "all three nodes in one normal group")
+    return cluster.wait_for_master()
+
+
+def test_repeated_master_kills_and_a_paused_slave_lose_no_acknowledged_event(
+    trio: LocalCluster, publishers: list[_Publisher]
+) -> None:
+    """kill -9 whoever is master three times, SIGSTOP/SIGCONT a slave, restart every victim:
+    every acknowledged event ends on every replica at its offset, and the stores agree."""
+    trio.wait_for_master()
+    with trio.channel() as channel:
+        topics = broker_pb2_grpc.TopicManagerStub(channel)
+        _call_with_retry(
+            topics.CreateTopic, broker_pb2.CreateTopicRequest(name="churn"), deadline_s=10
+        )
+    publishers.extend(_Publisher(trio.gateway_address, "churn", f"churn{i}") for i in range(2))
+    for publisher in publishers:
+        publisher.start()
+
+    def acked() -> int:
+        return sum(p.count() for p in publishers)
+
+    for round_ in range(3):
+        target = acked() + 50
+        _wait_for(lambda: acked() >= target, 30, f"50 events acknowledged in round {round_}")  # noqa: B023
+        victim = _current_master(trio)
+        trio.kill_node(victim)
+        _current_master(trio)  # a new master among the survivors
+        trio.start_node(victim)
+        if round_ == 1:
+            # With all three back, pause one slave: the master and the other slave are
+            # still a majority, so publishing goes on while it is stopped.
+            master = _all_three_in_one_group(trio)
+            slave = _slave_of(trio, master)
+            pid = trio.services[("replica", slave)].pid
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                resume_at = acked() + 20
+                _wait_for(lambda: acked() >= resume_at, 30, "publishing past a paused slave")  # noqa: B023
+            finally:
+                os.kill(pid, signal.SIGCONT)
+    _all_three_in_one_group(trio)
+    final = acked()
+    _wait_for(lambda: acked() >= final + 50, 30, "50 events acknowledged after the last restart")
+    for publisher in publishers:
+        publisher.stop.set()
+    for publisher in publishers:
+        publisher.join(timeout=30)
+        assert publisher.error is None, repr(publisher.error)
+    expected = {offset: payload for p in publishers for payload, offset in p.acked.items()}
+    assert len(expected) == sum(p.count() for p in publishers), "two events at one offset"
+
+    def every_replica_holds_every_ack() -> bool:
+        views = [
+            dict(_read_replica(trio.replica_address(n.id), "churn")) for n in trio.config.nodes
+        ]
+        return all(
+            all(view.get(offset) == payload for offset, payload in expected.items())
+            for view in views
+        ) and all(view == views[0] for view in views)
+
+    _wait_for(every_replica_holds_every_ack, 30, "every replica holds every acknowledged event")
