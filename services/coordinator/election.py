@@ -739,12 +739,14 @@ class Election:
             return True
         if expired:
             self._view = tuple(x for x in self._view if x not in expired)
+            # Still the epoch's sync source, even if it just left: a replica that has not
+            # finished catching up from it must not take its own log as the reference.
             self._command(
                 RoleCommandKind.MASTER,
                 epoch=self._group_epoch,
                 master_id=self._me,
                 members=self._view,
-                sync_source_id=self._me,
+                sync_source_id=self._sync_source,
                 group_name=self._group,
             )
         return False

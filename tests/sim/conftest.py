@@ -1,7 +1,10 @@
-"""Options for the election simulator: how many seeds, or one seed to replay.
+"""Options for the simulators: how many seeds, or one seed to replay.
 
-``--sim-seeds=N`` runs seeds 0..N-1 (default 1000; ``make sim SEEDS=N``). ``--sim-seed=S``
-(or the ``SEED`` environment variable, which ``make sim SEED=S`` exports) replays one seed.
+``--sim-seeds=N`` runs election seeds 0..N-1 (default 1000; ``make sim SEEDS=N``).
+``--repl-seeds=N`` runs replication seeds 0..N-1 (each costs far more than an election
+seed); when it is not given, the replication count is a fifth of ``--sim-seeds`` (200 by
+default), so ``make sim SEEDS=N`` scales both. ``--sim-seed=S`` (or the ``SEED``
+environment variable, which ``make sim SEED=S`` exports) replays one seed in both.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import os
 import pytest
 
 DEFAULT_SEEDS = 1000
+# Replication seeds per election seed when --repl-seeds is not given.
+REPL_SEEDS_PER_SIM_SEED = 0.2
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -28,15 +33,40 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         help="run only this seed (replay a failure); also read from $SEED",
     )
+    group.addoption(
+        "--repl-seeds",
+        type=int,
+        default=None,
+        help="number of replication simulator seeds (default: a fifth of --sim-seeds)",
+    )
+
+
+def _replayed_seed(request: pytest.FixtureRequest) -> int | None:
+    """The one seed to replay (--sim-seed or $SEED), if any."""
+    single = request.config.getoption("sim_seed", default=None)
+    if single is None and os.environ.get("SEED", "").strip():
+        single = int(os.environ["SEED"])
+    return None if single is None else int(single)
 
 
 @pytest.fixture
 def sim_seeds(request: pytest.FixtureRequest) -> list[int]:
     """The seeds to run: one replayed seed, or 0..N-1."""
-    single = request.config.getoption("sim_seed", default=None)
-    if single is None and os.environ.get("SEED", "").strip():
-        single = int(os.environ["SEED"])
+    single = _replayed_seed(request)
     if single is not None:
-        return [int(single)]
+        return [single]
     count = request.config.getoption("sim_seeds", default=DEFAULT_SEEDS)
+    return list(range(int(count)))
+
+
+@pytest.fixture
+def repl_seeds(request: pytest.FixtureRequest) -> list[int]:
+    """The replication simulator's seeds: one replayed seed, or 0..N-1."""
+    single = _replayed_seed(request)
+    if single is not None:
+        return [single]
+    count = request.config.getoption("repl_seeds", default=None)
+    if count is None:
+        sim = int(request.config.getoption("sim_seeds", default=DEFAULT_SEEDS))
+        count = max(1, round(sim * REPL_SEEDS_PER_SIM_SEED))
     return list(range(int(count)))

@@ -118,10 +118,10 @@ def _rank_key(priorities: dict[str, int], node: str) -> tuple[int, tuple[int, in
     return (-priorities[node], key)
 
 
-def make_scenario(seed: int, faults: bool = True) -> Scenario:
-    """Draw one scenario from the seed."""
+def make_scenario(seed: int, faults: bool = True, sizes: tuple[int, ...] = (3, 5, 7)) -> Scenario:
+    """Draw one scenario from the seed (the cluster size cycles through ``sizes``)."""
     rng = random.Random(seed)
-    n = (3, 5, 7)[seed % 3]
+    n = sizes[seed % len(sizes)]
     nodes = [str(i) for i in range(1, n + 1)]
     priorities = {node: rng.choice((1, 1, 2, 3, 5, 8)) for node in nodes}
     for node in nodes:
@@ -308,8 +308,17 @@ class Simulation:
                     f"epoch={s.epoch} max={s.max_seen} role={s.role.value} "
                     f"members={','.join(s.members)}"
                 )
-        lines.append(reproduce_hint(self.sc.seed))
+        lines.extend(self.extra_state_lines())
+        lines.append(self.reproduce())
         return SimFailure("\n".join(lines))
+
+    def reproduce(self) -> str:
+        """The replay command a failure ends with (a subclass names its own test)."""
+        return reproduce_hint(self.sc.seed)
+
+    def extra_state_lines(self) -> list[str]:
+        """More state for a failure report (a subclass adds its replicas)."""
+        return []
 
     def new_group_id(self, node: str) -> str:
         """Unique per node across restarts, like a uuid."""
@@ -352,7 +361,7 @@ class Simulation:
             replica = self.replicas[node]
             replica.applied_seq = cmd.seq
             if cmd.kind is RoleCommandKind.DEACTIVATE:
-                replica.role = Role.INACTIVE
+                self.deactivate_replica(node)
                 self.check(node)
                 # The driver reads the stopped replica's state: at once, or after a while
                 # during which older reports may still arrive.
@@ -365,8 +374,17 @@ class Simulation:
             if cmd.kind is RoleCommandKind.MASTER:
                 self.become_master(node, cmd)
             else:
-                replica.role, replica.epoch, replica.master = Role.SLAVE, cmd.epoch, cmd.master_id
+                self.follow_master(node, cmd)
         self.check(node)
+
+    def deactivate_replica(self, node: str) -> None:
+        """The replica stops serving; its log no longer grows once this returns."""
+        self.replicas[node].role = Role.INACTIVE
+
+    def follow_master(self, node: str, cmd: RoleCommand) -> None:
+        """The replica follows ``cmd.master_id`` in ``cmd.epoch``."""
+        replica = self.replicas[node]
+        replica.role, replica.epoch, replica.master = Role.SLAVE, cmd.epoch, cmd.master_id
 
     def push_snapshot(self, node: str, delay_ms: int) -> None:
         """Read the replica now; hand the report to this incarnation's driver later."""
@@ -593,14 +611,18 @@ class Simulation:
 
     # ----------------------------------------------------------------- run
 
-    def run(self) -> SimResult:
-        """Run both phases; raise SimFailure on any violation or a missed deadline."""
+    def schedule_scenario(self) -> None:
+        """Queue the starts, the replica polls, the faults and the end of the safety phase."""
         for node in self.nodes:
             self.push(self.sc.start_ms[node], _START, node)
             self.push(self.sc.start_ms[node] + REPORT_INTERVAL_MS, _REPORT, node)
         for fault_at, fault_kind, fault_node, fault_payload in self.sc.faults:
             self.push(fault_at, fault_kind, fault_node, fault_payload)
         self.push(self.sc.safety_ms, _HEAL)
+
+    def run(self) -> SimResult:
+        """Run both phases; raise SimFailure on any violation or a missed deadline."""
+        self.schedule_scenario()
         deadline = self.sc.safety_ms + self.sc.liveness_deadline_ms
         leader: str | None = None
         while self.queue:

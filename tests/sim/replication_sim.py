@@ -1,0 +1,1643 @@
+"""Deterministic simulator for the election and replication cores together (a small VOPR).
+
+Every node runs the real ``Election`` (through the election simulator's driver, network and
+faults, which this module extends) and a replica twin driven as the gRPC replica will drive
+the pure cores: a ``ReplicationMaster`` while the election makes it master, a ``Follower``
+while it follows. Clients write to whichever node they believe is master. One seed decides
+everything; the only randomness is ``random.Random`` seeded from it.
+
+What is modelled
+----------------
+* **Store.** A log of ``Entry(lsn, epoch, checksum, operation)`` per node; a snapshot is the
+  master's log prefix up to the snapshot LSN (the state entries build *is* the entries
+  here). Crashes are process crashes: what the store wrote survives, under every policy.
+  A slave's store write completes after a store delay (0-3 ms), so a slave holds entries
+  it has *received* and not yet *written*; a crash discards those. ``SYNC``,
+  ``WRITE_NO_SYNC`` and ``NO_SYNC`` differ in what the acks say (flushes come from a
+  periodic flush); only ``NO_SYNC`` acknowledges received entries, so only it can lose an
+  acknowledged entry in a crash: the checker is told (``degrade``) and stops the checks that
+  rely on durability for that seed (reported as "degraded" seeds).
+* **Master.** On a MASTER command the node first brings its log to the sync source's state
+  (the reorganization rule) by a **transfer over the simulated network**: a request to the
+  source, retried until an answer arrives; the source answers from its store with the
+  entries after the fork, or with its whole log as a snapshot when the master's own log
+  diverges (the store cannot undo applied entries) or the source no longer retains them.
+  A master that cannot finish the transfer (timeout, the source left the group, the source
+  moved to a newer epoch) refuses the role and its coordinator recovers, as
+  ``services/coordinator/node.py`` does when its replica refuses a role. Then a
+  ``ReplicationMaster`` is created (``truncate_by_snapshot=True``) with the log position,
+  history, the commit LSN the node knew and its retained log start; the first append is the
+  epoch-start entry. The driver applies every ``Actions`` record in its documented order,
+  reconnects broken streams after a short backoff, closes streams silent for four heartbeat
+  intervals (gRPC keepalive) or whose in-flight entries stop being received for as long
+  (see Network), flushes, and sometimes compacts its log (so lagging slaves get
+  snapshots). A reissued MASTER command of the same epoch only shrinks the members.
+  Deposed masters are kept, as the real driver's late stream input would reach them, so
+  late acks still arrive and must not move their commit LSN.
+* **Slave.** A FOLLOW command makes a fresh ``Follower`` over the store. Hello, batches,
+  heartbeats and snapshot chunks go through it; refusals close the stream (a ``Close`` to
+  the master, which reconnects, and for STALE_EPOCH learns the newer epoch). A Hello or a
+  snapshot's first chunk waits until pending store writes finish (the core requires it).
+  A DEACTIVATE waits for pending writes (so the report it triggers describes a log that no
+  longer grows) and drops the role.
+* **Network.** Replication messages share the election's faulty network: partitions,
+  pauses, delay, loss, duplication and, when the seed says so, reordering (otherwise each
+  link is FIFO). That is harsher than gRPC, whose stream never drops or reorders a message
+  and carries on: here a gap reaches the Follower's checks (which refuse it and close the
+  stream), and a lost tail is noticed by the master's driver as a stall. A gRPC stream is
+  identified by (master, epoch, stream id); a slave drops input of a stream other than
+  its current one (as gRPC would after the stream closed) and answers it with a
+  ``Close``. After healing the links are FIFO without loss or duplication, as TCP gives.
+* **Faults.** The election simulator's (crashes, restarts, pauses, partitions), over a
+  safety phase up to 1.5 s longer, plus up to four faults aimed at whichever node is
+  serving as master when they fire: crash (with or without restart), pause, isolation,
+  one-way cuts either way, or a crash of its busiest slave; and, with a per-seed chance,
+  the sync source crashes or is cut off just as a new master asks it for its log (the
+  reorganization's worst moment). Clients outside the network
+  keep writing to an isolated master, so deposed masters hold uncommitted suffixes that
+  later rejoin as divergent logs.
+* **Clients.** One to three clients write unique payloads to the node they believe is
+  master, follow redirects, time out and try another node. A write is acknowledged when
+  the master's ``ReplicationMaster`` completes its token; every acknowledged write
+  (LSN, epoch, payload) goes to the checker.
+
+Simplifications: no machine (power) crashes, so written-but-unsynced entries never vanish;
+no publisher deduplication (each payload is written once, never retried); the master's own
+appends are written at once; a snapshot is one to three chunks of entries; every store is
+one that cannot undo applied entries (``truncate_by_snapshot=True``), so the Follower's
+truncation path is left to the unit tests; no operator controls (quorum override,
+designated primary) and no storage faults.
+
+Phases: the safety phase injects the election simulator's faults while the checker
+(``replication_checker.py``) runs after every step; then the network heals and within
+``liveness_deadline_ms`` every live node must be NORMAL in one group led by the
+highest-ranked live eligible node, that master must acknowledge ``LIVENESS_WRITES`` writes
+after healing, and once the clients then stop, every live replica must hold the master's log
+with everything committed and known committed. A failure raises ``SimFailure`` ending with
+the replay command.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import zlib
+from collections import Counter, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from services.coordinator.election import node_sort_key
+from services.coordinator.messages import NodeState, PersistedState, Role, RoleCommand
+from services.replica.divergence import History, epoch_at, fork_lsn, truncate_history
+from services.replica.follower import (
+    BatchAccepted,
+    Follower,
+    FollowerConfig,
+    Position,
+    Refusal,
+    RefusalCode,
+    SnapshotAccepted,
+)
+from services.replica.replication import (
+    Ack,
+    AckPolicy,
+    Actions,
+    MasterConfig,
+    RejectCode,
+    ReplicationMaster,
+    SlaveProgress,
+    SlaveState,
+    SyncPolicy,
+    batch_size_bytes,
+    fit_batch,
+)
+from tests.sim.election_checker import InvariantViolation
+from tests.sim.election_sim import (
+    _CRASH,
+    _CUT,
+    _RESTART,
+    _UNCUT,
+    Replica,
+    SimFailure,
+    Simulation,
+    make_scenario,
+)
+from tests.sim.replication_checker import Entry, ReplicationChecker
+
+__all__ = ["ReplResult", "ReplicationSimulation", "SimFailure", "repl_reproduce_hint", "run_seed"]
+
+# Event kinds of this module; they run after the election simulator's kinds at one instant.
+_NET, _RTICK, _STORE, _CLIENT, _MASTER_FAULT = 20, 21, 22, 23, 24
+MASTER_FAULTS = ("crash", "crash-restart", "crash-slave", "pause", "isolate", "mute", "deaf")
+CLUSTER_ID = "c1"
+EVENTS_MAX = 300_000
+ACTIONS_DEPTH_MAX = 64
+RTICK_MS = 10
+CLIENT_TIMEOUT_MS = 200
+LIVENESS_DEADLINE_MS = 5000
+# Writes the converged master must acknowledge after healing before the clients stop.
+LIVENESS_WRITES = 8
+CONVERGE_CHECK_MS = 5
+
+
+def repl_reproduce_hint(seed: int) -> str:
+    """The commands that replay one seed of this simulator."""
+    return (
+        f"reproduce with: make sim SEEDS=1 SEED={seed}   "
+        f"(or: .venv/bin/pytest -q tests/sim/test_replication_sim.py --sim-seed={seed})"
+    )
+
+
+def make_entry(lsn: int, epoch: int, operation: bytes) -> Entry:
+    """An entry with its checksum."""
+    return Entry(lsn, epoch, zlib.crc32(operation), operation)
+
+
+def history_of(log: Sequence[Entry]) -> History:
+    """The epoch history of a log: where each epoch's entries start."""
+    out: list[tuple[int, int]] = []
+    last = 0
+    for entry in log:
+        if entry.epoch != last:
+            out.append((entry.epoch, entry.lsn))
+            last = entry.epoch
+    return tuple(out)
+
+
+# ----------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """Master -> slave: a new stream of ``epoch``."""
+
+    epoch: int
+    stream: int
+    cluster_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class PositionMsg:
+    """Slave -> master: the answer to a Hello."""
+
+    epoch: int
+    stream: int
+    position: Position
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Master -> slave: entries, the commit LSN, maybe a truncation."""
+
+    epoch: int
+    stream: int
+    entries: tuple[Entry, ...]
+    commit_lsn: int
+    truncate_after_lsn: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """Master -> slave: the commit LSN on an idle stream."""
+
+    epoch: int
+    stream: int
+    commit_lsn: int
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Master -> slave: one snapshot chunk; the last carries the history."""
+
+    epoch: int
+    stream: int
+    index: int
+    snapshot_lsn: int
+    snapshot_epoch: int
+    last: bool
+    entries: tuple[Entry, ...]
+    history: History
+
+
+@dataclass(frozen=True, slots=True)
+class AckMsg:
+    """Slave -> master: received / written / synced LSNs."""
+
+    epoch: int
+    stream: int
+    ack: Ack
+
+
+@dataclass(frozen=True, slots=True)
+class Close:
+    """Either way: the stream is closed (why, and the closer's epoch when it is a slave)."""
+
+    epoch: int
+    stream: int
+    reason: str
+    to_master: bool
+    slave_epoch: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CatchUpRequest:
+    """New master -> its sync source: where my log ends."""
+
+    epoch: int
+    last_lsn: int
+    history: History
+
+
+@dataclass(frozen=True, slots=True)
+class CatchUpReply:
+    """Sync source -> new master: the entries after the fork, or a whole-log snapshot."""
+
+    epoch: int
+    snapshot: bool
+    base_lsn: int
+    entries: tuple[Entry, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ClientWrite:
+    """Client -> node: append this payload."""
+
+    client: str
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class ClientReply:
+    """Node -> client: ok, fail (indeterminate), busy, or redirect to ``hint``."""
+
+    pid: int
+    outcome: str
+    hint: str
+
+
+Body = (
+    Hello
+    | PositionMsg
+    | Batch
+    | Heartbeat
+    | Chunk
+    | AckMsg
+    | Close
+    | CatchUpRequest
+    | CatchUpReply
+    | ClientWrite
+    | ClientReply
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Packet:
+    """One message in flight."""
+
+    src: str
+    dst: str
+    body: Body
+
+
+def describe(body: Body) -> str:
+    """A message in one short line for the failure trace."""
+    name = type(body).__name__
+    if isinstance(body, Batch):
+        span = f"{body.entries[0].lsn}..{body.entries[-1].lsn}" if body.entries else "-"
+        cut = f" truncate>{body.truncate_after_lsn}" if body.truncate_after_lsn is not None else ""
+        return f"Batch e{body.epoch} s{body.stream} {span} commit={body.commit_lsn}{cut}"
+    if isinstance(body, AckMsg):
+        a = body.ack
+        return f"Ack e{body.epoch} s{body.stream} {a.received_lsn}/{a.written_lsn}/{a.synced_lsn}"
+    if isinstance(body, PositionMsg):
+        p = body.position
+        return f"Position e{body.epoch} s{body.stream} log={p.last_epoch}/{p.last_lsn}"
+    if isinstance(body, Chunk):
+        return f"Chunk e{body.epoch} s{body.stream} #{body.index} at={body.snapshot_lsn}"
+    if isinstance(body, Close):
+        return f"Close e{body.epoch} s{body.stream} {body.reason} slave_epoch={body.slave_epoch}"
+    if isinstance(body, Hello | Heartbeat):
+        return f"{name} e{body.epoch} s{body.stream}"
+    if isinstance(body, CatchUpReply):
+        kind = "snapshot" if body.snapshot else f"after {body.base_lsn}"
+        return f"CatchUpReply e{body.epoch} {kind} +{len(body.entries)}"
+    if isinstance(body, CatchUpRequest):
+        return f"CatchUpRequest e{body.epoch} have={body.last_lsn}"
+    if isinstance(body, ClientWrite):
+        return f"ClientWrite p{body.pid}"
+    return f"ClientReply p{body.pid} {body.outcome} {body.hint}"
+
+
+# ----------------------------------------------------------------- scenario and state
+
+
+@dataclass
+class ReplParams:
+    """The replication half of a scenario."""
+
+    acks: AckPolicy
+    master_sync: SyncPolicy
+    replica_sync: SyncPolicy
+    window_entries: int
+    window_bytes: int
+    pending_max: int
+    compaction_p: float
+    store_delay_max_ms: int
+    reorder: bool
+    clients: int
+    client_interval_ms: int
+    client_inflight_max: int
+    logs: dict[str, list[Entry]]
+    master_faults: list[tuple[int, str, int]]
+    source_fault_p: float
+    """Chance that a sync source is crashed or cut off just as a new master asks it."""
+    """(when, which of MASTER_FAULTS, for how long): aimed at whoever is master then (or
+    its busiest slave)."""
+
+
+@dataclass
+class NodeStore(Replica):
+    """The replica twin's store: survives crashes (the election sim reads its report)."""
+
+    log: list[Entry] = field(default_factory=list)
+    snapshot_lsn: int = 0
+    log_start: int = 1
+    synced_lsn: int = 0
+
+    def refresh(self) -> None:
+        """Keep the position the coordinator reads in step with the log."""
+        self.last_lsn = len(self.log)
+        self.last_epoch = self.log[-1].epoch if self.log else 0
+        if self.log and not self.cluster_id:
+            self.cluster_id = CLUSTER_ID
+
+
+@dataclass
+class CatchUp:
+    """A new master fetching the sync source's log."""
+
+    source: str
+    deadline_ms: int
+    next_try_ms: int
+
+
+StreamKey = tuple[str, int, int]
+"""(master, epoch, stream id): one gRPC replication stream."""
+
+
+@dataclass
+class Runtime:
+    """One node's volatile replica state: gone when the process crashes."""
+
+    gen: int = 0
+    core: ReplicationMaster[int] | None = None
+    zombie: ReplicationMaster[int] | None = None
+    epoch: int = 0
+    members: tuple[str, ...] = ()
+    catchup: CatchUp | None = None
+    last_heard: dict[str, int] = field(default_factory=dict)
+    reconnect_at: dict[str, int] = field(default_factory=dict)
+    stalled: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    """Slave -> (stream, received LSN, since when) while entries are in flight unreceived."""
+    tokens: dict[int, tuple[int, str, int]] = field(default_factory=dict)
+    """Write token -> (LSN, client, payload id); a duplicated request gets its own token."""
+    follower: Follower | None = None
+    master_id: str = ""
+    stream: StreamKey | None = None
+    last_hello: StreamKey | None = None
+    writes: deque[tuple[BatchAccepted[Entry], StreamKey]] = field(default_factory=deque)
+    deferred: deque[Packet] = field(default_factory=deque)
+    staged: list[Entry] = field(default_factory=list)
+    known_commit: int = 0
+
+
+@dataclass
+class Client:
+    """A client: where it sends writes and which are in flight (payload id -> deadline)."""
+
+    name: str
+    target: str
+    inflight: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class ReplResult:
+    """What a passing run measured."""
+
+    seed: int
+    nodes: int
+    events: int
+    acked: int
+    commit_lsn: int
+    converge_ms: int
+    degraded: str
+    snapshots: int
+    refusals: int
+    policies: str
+
+
+def _prehistory(
+    rng: random.Random, nodes: list[str]
+) -> tuple[dict[str, list[Entry]], dict[str, int]]:
+    """Logs and persisted epochs of a cluster that ran before, built as the protocol would.
+
+    Each earlier epoch was voted by a majority (which persisted it) and has one leader that
+    appends entries; some voters copy a prefix of its log (after dropping a divergent
+    suffix), so logs differ, diverge and lag as in life.
+    """
+    logs: dict[str, list[Entry]] = {node: [] for node in nodes}
+    epochs = dict.fromkeys(nodes, 0)
+    epoch = 0
+    majority = len(nodes) // 2 + 1
+    for _ in range(rng.randint(1, 4)):
+        epoch += rng.randint(1, 3)
+        leader = rng.choice(nodes)
+        others = [x for x in nodes if x != leader]
+        group = [leader, *rng.sample(others, rng.randint(majority - 1, len(others)))]
+        mine = logs[leader]
+        start = len(mine) + 1
+        mine = mine + [
+            make_entry(lsn, epoch, f"h{epoch}-{lsn}".encode())
+            for lsn in range(start, start + rng.randint(1, 8))
+        ]
+        logs[leader] = mine
+        for node in group:
+            epochs[node] = epoch
+            if node == leader or rng.random() < 0.3:
+                continue
+            theirs = logs[node]
+            common = 0
+            while common < min(len(theirs), len(mine)) and theirs[common] == mine[common]:
+                common += 1
+            # A follower keeps what agrees with the leader and copies some more of its log.
+            logs[node] = mine[: rng.randint(common, len(mine))]
+    return logs, epochs
+
+
+class ReplicationSimulation(Simulation):
+    """Runs one seed of the election and replication cores; see the module docstring."""
+
+    def __init__(self, seed: int) -> None:
+        """Draw the scenario from the seed and prepare every node's store."""
+        scenario = make_scenario(seed, sizes=(3, 5))
+        rng = random.Random(seed * 31337 + 5)
+        nodes = sorted(scenario.priorities, key=node_sort_key)
+        n = len(nodes)
+        majority = n // 2 + 1
+        logs: dict[str, list[Entry]] = {node: [] for node in nodes}
+        if rng.random() < 0.4:
+            logs, epochs = _prehistory(rng, nodes)
+            ran_with = rng.choice((majority, n))
+            for node in nodes:
+                seen = rng.choice((0, ran_with, ran_with))
+                scenario.initial[node] = PersistedState(epoch=epochs[node], max_seen=seen)
+        else:
+            for node in nodes:
+                scenario.initial[node] = PersistedState()
+        for node in nodes:
+            log = logs[node]
+            scenario.initial_logs[node] = (log[-1].epoch if log else 0, len(log))
+        scenario.liveness_deadline_ms = LIVENESS_DEADLINE_MS
+        # More time under faults, so groups form and clients write while the faults hit.
+        scenario.safety_ms += rng.randint(0, 1500)
+        master_faults = [
+            (
+                rng.randint(100, scenario.safety_ms),
+                rng.choice(MASTER_FAULTS),
+                rng.randint(30, 900),
+            )
+            for _ in range(rng.randint(0, 4))
+        ]
+        replica_sync = rng.choice(
+            (
+                SyncPolicy.SYNC,
+                SyncPolicy.WRITE_NO_SYNC,
+                SyncPolicy.WRITE_NO_SYNC,
+                SyncPolicy.NO_SYNC,
+            )
+        )
+        self.params = ReplParams(
+            acks=AckPolicy.ALL if rng.random() < 0.2 else AckPolicy.MAJORITY,
+            master_sync=rng.choice((SyncPolicy.SYNC, SyncPolicy.WRITE_NO_SYNC)),
+            replica_sync=replica_sync,
+            window_entries=rng.choice((1, 2, 4, 16, 64)),
+            window_bytes=rng.choice((64, 256, 1 << 20)),
+            pending_max=rng.choice((2, 8, 1024)),
+            compaction_p=rng.choice((0.0, 0.0, 0.05, 0.3)),
+            store_delay_max_ms=rng.choice((0, 1, 3)),
+            reorder=rng.random() < 0.5,
+            clients=rng.randint(1, 3),
+            client_interval_ms=rng.randint(8, 30),
+            client_inflight_max=rng.randint(1, 3),
+            logs=logs,
+            master_faults=master_faults,
+            source_fault_p=rng.choice((0.0, 0.0, 0.3, 0.6)),
+        )
+        super().__init__(scenario)
+        self.rrng = random.Random(seed * 104729 + 7)
+        self.stores: dict[str, NodeStore] = {}
+        self.rchecker = ReplicationChecker(self.nodes, self.majority)
+        for node in self.nodes:
+            store = NodeStore(log=list(logs[node]))
+            store.synced_lsn = len(store.log)
+            store.refresh()
+            self.stores[node] = store
+            self.replicas[node] = store
+            for entry in store.log:
+                self.rchecker.created.setdefault((entry.lsn, entry.epoch), entry.operation)
+                self.rchecker.writer.setdefault(entry.epoch, f"prehistory-{entry.epoch}")
+        self.rt: dict[str, Runtime] = {node: Runtime() for node in self.nodes}
+        self.master_cfg = {
+            node: MasterConfig(
+                node_id=node,
+                nodes=tuple(self.nodes),
+                acks=self.params.acks,
+                master_sync=self.params.master_sync,
+                replica_sync=self.params.replica_sync,
+                inflight_entries_max=self.params.window_entries,
+                inflight_bytes_max=self.params.window_bytes,
+                pending_writes_max=self.params.pending_max,
+                heartbeat_interval_ms=scenario.timing["heartbeat_interval_ms"],
+                truncate_by_snapshot=True,
+            )
+            for node in self.nodes
+        }
+        self.follower_cfg = {
+            node: FollowerConfig(
+                node_id=node,
+                sync_policy=self.params.replica_sync,
+                inflight_entries_max=self.params.window_entries,
+                inflight_bytes_max=self.params.window_bytes,
+            )
+            for node in self.nodes
+        }
+        self.keepalive_ms = 4 * scenario.timing["heartbeat_interval_ms"]
+        self.catchup_timeout_ms = 2 * scenario.timing["member_timeout_ms"]
+        self.repl_loss = scenario.loss
+        self.repl_dup = scenario.dup
+        self.fifo = not self.params.reorder
+        self.link_at: dict[tuple[str, str], int] = {}
+        self.clients = [
+            Client(f"c{i}", self.rrng.choice(self.nodes)) for i in range(self.params.clients)
+        ]
+        self.client_by_name = {c.name: c for c in self.clients}
+        self.next_pid = 0
+        self.next_token = 0
+        self.quiesced = False
+        self.acked_after_heal: Counter[tuple[str, int]] = Counter()
+        self.next_converge_check = 0
+        self.snapshots = 0
+        self.refusals = 0
+
+    # ----------------------------------------------------------------- plumbing
+
+    def reproduce(self) -> str:
+        """This simulator's replay command."""
+        return repl_reproduce_hint(self.sc.seed)
+
+    def extra_state_lines(self) -> list[str]:
+        """Every replica's log, role and progress, for a failure report."""
+        p = self.params
+        lines = [
+            f"replication: acks={p.acks.name} master_sync={p.master_sync.name} "
+            f"replica_sync={p.replica_sync.name} window={p.window_entries}/{p.window_bytes}B "
+            f"pending_max={p.pending_max} reorder={p.reorder} store_delay<={p.store_delay_max_ms}"
+            f" degraded={self.rchecker.degraded or '-'}"
+        ]
+        for node in self.nodes:
+            store, rt = self.stores[node], self.rt[node]
+            tail = ",".join(e.short() for e in store.log[-4:])
+            role = "-"
+            if rt.core is not None:
+                core = rt.core
+                slaves = " ".join(
+                    f"{s.node_id}:{s.state.value}@{s.written_lsn}" for s in core.status()
+                )
+                role = (
+                    f"master e{core.epoch} commit={core.commit_lsn} deposed={core.deposed!r} "
+                    f"[{slaves}]"
+                )
+            elif rt.catchup is not None:
+                role = f"master e{rt.epoch} catching up from {rt.catchup.source}"
+            elif rt.follower is not None:
+                fs = rt.follower.state()
+                role = (
+                    f"slave of {fs.master_id} e{fs.epoch} stream={rt.stream} "
+                    f"commit={rt.follower.commit_lsn} pending_writes={len(rt.writes)}"
+                )
+            lines.append(
+                f"  {node}: log len={len(store.log)} start={store.log_start} "
+                f"snap={store.snapshot_lsn} tail=[{tail}] {role}"
+            )
+        return lines
+
+    def violation(self, exc: InvariantViolation) -> SimFailure:
+        """A replication invariant failed."""
+        return self.fail(f"invariant: {exc}")
+
+    def alive(self, node: str) -> bool:
+        """Is the node's process up?"""
+        return self.elections[node] is not None
+
+    def net_send(self, src: str, dst: str, body: Body) -> None:
+        """Hand a replication or client message to the network (faults as for elections)."""
+        rng = self.rrng
+        if self.repl_loss and rng.random() < self.repl_loss:
+            return
+        copies = 2 if self.repl_dup and rng.random() < self.repl_dup else 1
+        for _ in range(copies):
+            at = self.now_ms + rng.randint(0, self.delay_max_ms)
+            if self.long_delay_p and rng.random() < self.long_delay_p:
+                at += rng.randint(0, self.sc.long_delay_max_ms)
+            if self.fifo:
+                key = (src, dst)
+                at = max(at, self.link_at.get(key, 0))
+                self.link_at[key] = at
+            self.push(at, _NET, dst, Packet(src, dst, body))
+
+    def holders(self, lsn: int, entry: Entry) -> int:
+        """Nodes holding ``entry`` at ``lsn``: in the store, or (NO_SYNC) received."""
+        if self.params.replica_sync == SyncPolicy.NO_SYNC:
+            return sum(1 for node in self.nodes if self.holds_received(node, lsn, entry))
+        count = 0
+        for node in self.nodes:
+            log = self.stores[node].log
+            if len(log) >= lsn and log[lsn - 1] == entry:
+                count += 1
+        return count
+
+    def holds_received(self, node: str, lsn: int, entry: Entry) -> bool:
+        """Does the node hold ``entry`` in its store or among its received, unwritten batches?"""
+        log = self.stores[node].log
+        held: Entry | None = log[lsn - 1] if lsn <= len(log) else None
+        for batch, _ in self.rt[node].writes:
+            cut = batch.truncate_after_lsn
+            if cut is not None and cut < lsn:
+                held = None
+            entries = batch.entries
+            if entries and entries[0].lsn <= lsn <= entries[-1].lsn:
+                held = entries[lsn - entries[0].lsn]
+        return held == entry
+
+    def set_log(self, node: str, new_log: list[Entry], first: int) -> None:
+        """Replace ``node``'s log (``new_log[:first]`` is unchanged) and check it."""
+        store = self.stores[node]
+        removed = store.log[first:]
+        store.log = new_log
+        store.refresh()
+        try:
+            self.rchecker.log_changed(node, new_log, first, removed, self.durable[node].epoch)
+        except InvariantViolation as exc:
+            raise self.violation(exc) from None
+
+    def append_log(self, node: str, entries: Sequence[Entry]) -> None:
+        """Append to ``node``'s log and check it."""
+        store = self.stores[node]
+        first = len(store.log)
+        store.log.extend(entries)
+        store.refresh()
+        try:
+            self.rchecker.log_changed(node, store.log, first, (), self.durable[node].epoch)
+        except InvariantViolation as exc:
+            raise self.violation(exc) from None
+
+    def claim_commit(self, node: str, commit_lsn: int) -> None:
+        """A replica's commit LSN, checked against the committed sequence."""
+        rt = self.rt[node]
+        if commit_lsn > rt.known_commit:
+            rt.known_commit = commit_lsn
+        try:
+            self.rchecker.commit_reported(node, self.stores[node].log, commit_lsn)
+        except InvariantViolation as exc:
+            raise self.violation(exc) from None
+
+    # ----------------------------------------------------------------- election hooks
+
+    def deactivate_replica(self, node: str) -> None:
+        """Stop serving: depose a master, wait for a slave's pending writes, drop the role."""
+        self.teardown(node, "the coordinator deactivated the replica")
+        super().deactivate_replica(node)
+
+    def follow_master(self, node: str, cmd: RoleCommand) -> None:
+        """A fresh Follower over the store, obeying ``cmd.master_id`` in ``cmd.epoch``."""
+        self.teardown(node, f"now following {cmd.master_id}")
+        super().follow_master(node, cmd)
+        self.role_taken(node, cmd.epoch)
+        store, rt = self.stores[node], self.rt[node]
+        rt.follower = Follower(
+            self.follower_cfg[node],
+            cluster_id=store.cluster_id,
+            epoch=cmd.epoch,
+            master_id=cmd.master_id,
+            last_lsn=len(store.log),
+            history=history_of(store.log),
+            commit_lsn=rt.known_commit,
+            synced_lsn=min(store.synced_lsn, len(store.log)),
+            snapshot_lsn=store.snapshot_lsn,
+        )
+        rt.master_id, rt.epoch = cmd.master_id, cmd.epoch
+        rt.stream = rt.last_hello = None
+
+    def become_master(self, node: str, cmd: RoleCommand) -> None:
+        """Catch up from the sync source, then serve as master of ``cmd.epoch``."""
+        replica = self.stores[node]
+        reissue = replica.role is Role.MASTER and replica.epoch == cmd.epoch
+        logs = {x: (r.last_epoch, r.last_lsn) for x, r in self.replicas.items()}
+        try:
+            self.checker.check_master(node, cmd, logs, self.durable, reissue)
+        except InvariantViolation as exc:
+            raise self.fail(str(exc)) from None
+        rt = self.rt[node]
+        if reissue:
+            self.members_shrank(node, cmd)
+            return
+        self.teardown(node, f"now master of epoch {cmd.epoch}")
+        self.role_taken(node, cmd.epoch)
+        replica.role, replica.epoch, replica.master = Role.MASTER, cmd.epoch, node
+        rt.epoch, rt.members = cmd.epoch, cmd.members
+        if cmd.sync_source_id == node:
+            self.start_serving(node)
+            return
+        rt.catchup = CatchUp(cmd.sync_source_id, self.now_ms + self.catchup_timeout_ms, 0)
+        self.note(f"{node} catch-up", f"from {cmd.sync_source_id} for epoch {cmd.epoch}")
+        if self.healed_at is None and self.rrng.random() < self.params.source_fault_p:
+            self.source_fault(cmd.sync_source_id)
+        self.request_catchup(node)
+
+    def role_taken(self, node: str, epoch: int) -> None:
+        """Role epochs never decrease."""
+        try:
+            self.rchecker.role_taken(node, epoch)
+        except InvariantViolation as exc:
+            raise self.violation(exc) from None
+
+    def members_shrank(self, node: str, cmd: RoleCommand) -> None:
+        """A reissued MASTER command: the group lost members.
+
+        Its sync source is taken at its word, as the RoleCommand docstring puts it: another
+        node means "bring the store to that node's state first"; this node means "the store
+        is the reference". (The election once reissued with this node as the source although
+        the epoch's source was another, and such a driver then lost acknowledged writes.)
+        """
+        rt = self.rt[node]
+        rt.members = cmd.members
+        if rt.catchup is not None and cmd.sync_source_id == node:
+            rt.catchup = None
+            self.start_serving(node)
+            return
+        if rt.catchup is not None:
+            rt.catchup.source = cmd.sync_source_id
+            if cmd.sync_source_id not in cmd.members:
+                self.give_up(
+                    node, f"sync source {rt.catchup.source} left the group before the catch-up"
+                )
+            return
+        core = rt.core
+        if core is not None and not core.deposed:
+            for gone in set(core.members) - set(cmd.members):
+                rt.last_heard.pop(gone, None)
+                rt.reconnect_at.pop(gone, None)
+            self.apply_master(node, core, core.set_members(cmd.members))
+
+    def teardown(self, node: str, reason: str) -> None:
+        """Drop whatever role the replica had (in-process: deposes, flushes pending writes)."""
+        rt = self.rt[node]
+        core = rt.core
+        if core is not None:
+            rt.core = None
+            rt.zombie = core
+            if not core.deposed:
+                self.apply_master(node, core, core.depose(reason))
+        rt.catchup = None
+        rt.members = ()
+        rt.gen += 1  # store completions already scheduled belong to the old role
+        rt.last_heard.clear()
+        rt.reconnect_at.clear()
+        rt.stalled.clear()
+        if rt.follower is not None:
+            while rt.writes:
+                self.finish_write(node, send_ack=False)
+            rt.follower = None
+        rt.stream = rt.last_hello = None
+        rt.deferred.clear()
+        rt.staged = []
+
+    def crash(self, node: str) -> None:
+        """A process crash: the store stays, the replica's volatile state goes."""
+        if self.elections[node] is None:
+            return
+        super().crash(node)
+        rt = self.rt[node]
+        lost = sum(len(batch.entries) for batch, _ in rt.writes)
+        if lost and self.params.replica_sync == SyncPolicy.NO_SYNC:
+            self.rchecker.degrade(
+                f"t={self.now_ms}: node {node} crashed holding {lost} received, unwritten "
+                "entries it had acknowledged (NO_SYNC)"
+            )
+            self.note(f"{node} degraded", self.rchecker.degraded)
+        store = self.stores[node]
+        store.synced_lsn = len(store.log)  # the OS writes back what a dead process wrote
+        self.rt[node] = Runtime(gen=rt.gen + 1, zombie=None)
+
+    def give_up(self, node: str, reason: str) -> None:
+        """The replica refuses the master role; its coordinator recovers (node.py's way)."""
+        self.note(f"{node} refuses master role", reason)
+        self.teardown(node, reason)
+        self.stores[node].role = Role.INACTIVE
+        self.incarnation[node] += 1  # reports read for the old Election instance are void
+        self.elections[node] = None
+        self.start_node(node)
+
+    def heal(self) -> None:
+        """End of the safety phase; replication links behave like TCP from now on."""
+        super().heal()
+        self.repl_loss = 0.0
+        self.repl_dup = 0.0
+        self.fifo = True
+
+    # ----------------------------------------------------------------- master side
+
+    def request_catchup(self, node: str) -> None:
+        """Ask the sync source for its log after ours."""
+        rt = self.rt[node]
+        if rt.catchup is None:
+            return
+        log = self.stores[node].log
+        rt.catchup.next_try_ms = self.now_ms + 4 * RTICK_MS
+        self.net_send(node, rt.catchup.source, CatchUpRequest(rt.epoch, len(log), history_of(log)))
+
+    def serve_catchup(self, node: str, src: str, req: CatchUpRequest) -> None:
+        """The sync source answers from its store (reading it changes nothing)."""
+        store = self.stores[node]
+        log = store.log
+        fork = fork_lsn(history_of(log), len(log), req.history, req.last_lsn)
+        if req.last_lsn > fork or fork < store.log_start - 1:
+            reply = CatchUpReply(req.epoch, True, 0, tuple(log))
+        else:
+            reply = CatchUpReply(req.epoch, False, fork, tuple(log[fork:]))
+        self.net_send(node, src, reply)
+
+    def on_catchup_reply(self, node: str, src: str, reply: CatchUpReply) -> None:
+        """Bring the master's log to the source's state, then serve."""
+        rt = self.rt[node]
+        if rt.catchup is None or rt.catchup.source != src or reply.epoch != rt.epoch:
+            return
+        store = self.stores[node]
+        if reply.snapshot:
+            new_log = list(reply.entries)
+        else:
+            if reply.base_lsn > len(store.log):
+                return  # an answer to a request from another log state: wait for the retry
+            new_log = store.log[: reply.base_lsn] + list(reply.entries)
+        if new_log and new_log[-1].epoch >= rt.epoch:
+            self.give_up(
+                node,
+                f"sync source {src} holds entries of epoch {new_log[-1].epoch}, not older than "
+                f"{rt.epoch}: it moved on",
+            )
+            return
+        first = 0
+        limit = min(len(new_log), len(store.log))
+        while first < limit and new_log[first] == store.log[first]:
+            first += 1
+        if first < len(store.log) or first < len(new_log):
+            self.set_log(node, new_log, first)
+        if reply.snapshot:
+            store.snapshot_lsn = len(new_log)
+            store.log_start = len(new_log) + 1
+        store.synced_lsn = len(store.log)
+        self.note(f"{node} caught up", f"from {src}: log now ends at {len(store.log)}")
+        rt.catchup = None
+        self.start_serving(node)
+
+    def start_serving(self, node: str) -> None:
+        """Create the ReplicationMaster, append the epoch-start entry, open the streams."""
+        store, rt = self.stores[node], self.rt[node]
+        log = store.log
+        commit = min(rt.known_commit, len(log))
+        core: ReplicationMaster[int] = ReplicationMaster(
+            self.master_cfg[node],
+            epoch=rt.epoch,
+            members=rt.members,
+            last_lsn=len(log),
+            history=history_of(log),
+            commit_lsn=commit,
+            log_start_lsn=store.log_start,
+        )
+        rt.core = core
+        rt.zombie = None
+        self.rchecker.master_started(node, rt.epoch, commit)
+        if not store.cluster_id:
+            store.cluster_id = CLUSTER_ID
+        self.note(f"{node} serving", f"master of epoch {rt.epoch}, log ends at {len(log)}")
+        self.master_append(node, core, f"start-{rt.epoch}".encode())
+        for slave in core.members:
+            if slave != node:
+                self.open_stream(node, core, slave)
+
+    def master_append(self, node: str, core: ReplicationMaster[int], operation: bytes) -> int:
+        """Append one entry of this master's epoch; returns its LSN."""
+        store = self.stores[node]
+        entry = make_entry(len(store.log) + 1, core.epoch, operation)
+        try:
+            self.rchecker.entry_created(node, entry)
+        except InvariantViolation as exc:
+            raise self.violation(exc) from None
+        self.append_log(node, (entry,))
+        synced = self.params.master_sync == SyncPolicy.SYNC
+        if synced:
+            store.synced_lsn = len(store.log)
+        self.apply_master(node, core, core.on_appended(entry.lsn, synced=synced))
+        return entry.lsn
+
+    def open_stream(self, node: str, core: ReplicationMaster[int], slave: str) -> None:
+        """Connect to a member slave: a new stream and its Hello."""
+        rt = self.rt[node]
+        stream = core.connect(slave)
+        rt.last_heard[slave] = self.now_ms
+        rt.reconnect_at.pop(slave, None)
+        self.net_send(node, slave, Hello(core.epoch, stream, self.stores[node].cluster_id))
+
+    def stream_broken(
+        self, node: str, core: ReplicationMaster[int], slave: str, stream: int
+    ) -> None:
+        """Tell the core a stream is gone; reconnect after a short backoff."""
+        actions = core.disconnected(slave, stream)
+        self.apply_master(node, core, actions)
+        if actions.rejection is None and not core.deposed:
+            self.rt[node].reconnect_at[slave] = self.now_ms + self.rrng.randint(5, 30)
+
+    def core_for(self, node: str, epoch: int) -> ReplicationMaster[int] | None:
+        """The master core (live or deposed) of ``epoch`` on this node, if any."""
+        rt = self.rt[node]
+        for core in (rt.core, rt.zombie):
+            if core is not None and core.epoch == epoch:
+                return core
+        return None
+
+    def apply_master(
+        self, node: str, core: ReplicationMaster[int], actions: Actions[int], depth: int = 0
+    ) -> None:
+        """The driver: apply one Actions record in its documented order."""
+        if depth > ACTIONS_DEPTH_MAX:
+            raise self.fail(f"Actions records chained more than {ACTIONS_DEPTH_MAX} deep")
+        store, rt = self.stores[node], self.rt[node]
+        log = store.log
+        before = self.rchecker.core_commit.get((node, core.epoch), 0)
+        try:
+            self.rchecker.master_reported(
+                node, core.epoch, actions.commit_lsn, bool(core.deposed), log, self.holders
+            )
+        except InvariantViolation as exc:
+            raise self.violation(exc) from None
+        if actions.commit_lsn > before and not self.rchecker.degraded:
+            self.check_vouched(node, core, before, actions.commit_lsn)
+        if not core.deposed:
+            self.claim_commit(node, actions.commit_lsn)
+        rejection = actions.rejection
+        if rejection is not None:
+            if rejection.code is not RejectCode.STALE_STREAM:
+                self.note(f"{node} master rejected", rejection.message)
+            if rejection.code in (RejectCode.BAD_POSITION, RejectCode.BAD_ACK):
+                self.net_send(
+                    node,
+                    rejection.node_id,
+                    Close(core.epoch, rejection.stream_id, rejection.code.value, to_master=False),
+                )
+                self.stream_broken(node, core, rejection.node_id, rejection.stream_id)
+        for grant in actions.sends:
+            if grant.from_lsn < store.log_start:
+                raise self.fail(
+                    f"grant from LSN {grant.from_lsn} below log start {store.log_start}"
+                )
+            entries = log[grant.from_lsn - 1 : grant.from_lsn - 1 + grant.entries_max]
+            batch = tuple(fit_batch(entries, grant.bytes_max)) if entries else ()
+            last = grant.from_lsn - 1 + len(batch)
+            follow = core.on_sent(grant.node_id, grant.stream_id, last, batch_size_bytes(batch))
+            self.net_send(
+                node,
+                grant.node_id,
+                Batch(
+                    core.epoch, grant.stream_id, batch, grant.commit_lsn, grant.truncate_after_lsn
+                ),
+            )
+            self.apply_master(node, core, follow, depth + 1)
+        for slave in actions.snapshots:
+            self.send_snapshot(node, core, slave, depth)
+        for slave in actions.heartbeats:
+            stream = core.progress(slave).stream_id
+            self.net_send(node, slave, Heartbeat(core.epoch, stream, actions.commit_lsn))
+        for token in actions.completed:
+            lsn, client, pid = rt.tokens.pop(token)
+            entry = log[lsn - 1]
+            try:
+                self.rchecker.write_acked(node, entry, actions.commit_lsn, self.holders)
+            except InvariantViolation as exc:
+                raise self.violation(exc) from None
+            if self.healed_at is not None:
+                self.acked_after_heal[(node, core.epoch)] += 1
+            self.net_send(node, client, ClientReply(pid, "ok", node))
+        for token in actions.failed:
+            _, client, pid = rt.tokens.pop(token)
+            self.net_send(node, client, ClientReply(pid, "fail", ""))
+        if actions.deposed:
+            self.note(f"{node} deposed", actions.deposed)
+        for event in actions.events:
+            if "WARNING" in event or "snapshot" in event:
+                self.note(f"{node} master", event)
+
+    def check_vouched(
+        self, node: str, core: ReplicationMaster[int], low: int, commit_lsn: int
+    ) -> None:
+        """Whoever the core says holds a newly committed entry really holds it.
+
+        Claims of a received-only copy are checked only under NO_SYNC: with the other
+        policies a crash may discard such a copy without the core (or a promise) relying on it.
+        """
+        log = self.stores[node].log
+        received_counts = self.params.replica_sync == SyncPolicy.NO_SYNC
+        for lsn in range(low + 1, commit_lsn + 1):
+            entry = log[lsn - 1]
+            for holder, level in core.holders(lsn):
+                if level == SyncPolicy.NO_SYNC and not received_counts:
+                    continue
+                theirs = self.stores[holder].log
+                if len(theirs) >= lsn and theirs[lsn - 1] == entry:
+                    continue
+                if level == SyncPolicy.NO_SYNC and self.holds_received(holder, lsn, entry):
+                    continue
+                raise self.fail(
+                    f"invariant: master {node} epoch {core.epoch} commits LSN {lsn} "
+                    f"({entry.short()}) counting node {holder} as holding it ({level.name}), "
+                    "but that node does not hold it"
+                )
+
+    def send_snapshot(
+        self, node: str, core: ReplicationMaster[int], slave: str, depth: int
+    ) -> None:
+        """Take a snapshot at the master's last LSN and send it in one to three chunks."""
+        progress = core.progress(slave)
+        if progress.state is not SlaveState.SNAPSHOTTING or progress.snapshot_lsn:
+            return
+        log = self.stores[node].log
+        lsn = len(log)
+        self.snapshots += 1
+        self.apply_master(
+            node, core, core.on_snapshot_started(slave, progress.stream_id, lsn), depth + 1
+        )
+        history = truncate_history(core.history, lsn)
+        snap_epoch = epoch_at(history, lsn)
+        count = self.rrng.randint(1, 3)
+        size = -(-lsn // count)
+        for index in range(count):
+            part = tuple(log[index * size : (index + 1) * size])
+            last = index == count - 1
+            self.net_send(
+                node,
+                slave,
+                Chunk(
+                    core.epoch,
+                    progress.stream_id,
+                    index,
+                    lsn,
+                    snap_epoch,
+                    last,
+                    part,
+                    history if last else (),
+                ),
+            )
+
+    def master_receive(self, node: str, src: str, body: PositionMsg | AckMsg | Close) -> None:
+        """Input from a slave's stream, for the master core of its epoch."""
+        core = self.core_for(node, body.epoch)
+        if core is None:
+            return
+        rt = self.rt[node]
+        if core is rt.core and src in rt.last_heard:
+            rt.last_heard[src] = self.now_ms
+        if isinstance(body, PositionMsg):
+            p = body.position
+            actions = core.on_position(
+                src, body.stream, last_epoch=p.last_epoch, last_lsn=p.last_lsn, history=p.history
+            )
+            self.apply_master(node, core, actions)
+        elif isinstance(body, AckMsg):
+            a = body.ack
+            actions = core.on_ack(
+                src,
+                body.stream,
+                received_lsn=a.received_lsn,
+                written_lsn=a.written_lsn,
+                synced_lsn=a.synced_lsn,
+            )
+            self.apply_master(node, core, actions)
+        else:
+            if body.slave_epoch > core.epoch:
+                self.apply_master(node, core, core.observe_epoch(body.slave_epoch))
+            if not core.deposed:
+                self.stream_broken(node, core, src, body.stream)
+
+    def client_write(self, node: str, src: str, body: ClientWrite) -> None:
+        """A client's write reaches a node: append it if this node serves as master."""
+        rt = self.rt[node]
+        core = rt.core
+        if core is None or core.deposed:
+            outcome, hint = "redirect", ""
+            if rt.catchup is not None:
+                outcome, hint = "busy", node
+            election = self.elections[node]
+            if election is not None and not hint:
+                status = election.status()
+                if status.state is NodeState.NORMAL and status.coordinator_id != node:
+                    hint = status.coordinator_id
+            self.net_send(node, src, ClientReply(body.pid, outcome, hint))
+            return
+        if core.write_room <= 0:
+            self.net_send(node, src, ClientReply(body.pid, "busy", node))
+            return
+        lsn = self.master_append(node, core, f"p{body.pid}".encode())
+        if core.deposed:
+            self.net_send(node, src, ClientReply(body.pid, "fail", ""))
+            return
+        self.next_token += 1
+        rt.tokens[self.next_token] = (lsn, src, body.pid)
+        self.apply_master(node, core, core.register_write(lsn, self.next_token))
+
+    def master_tick(self, node: str) -> None:
+        """Heartbeats, keepalive, reconnects, flushes and compaction of a serving master."""
+        rt = self.rt[node]
+        core = rt.core
+        if rt.catchup is not None and self.now_ms >= rt.catchup.next_try_ms:
+            if self.now_ms >= rt.catchup.deadline_ms:
+                self.give_up(
+                    node,
+                    f"no catch-up from sync source {rt.catchup.source} within "
+                    f"{self.catchup_timeout_ms} ms",
+                )
+                return
+            self.request_catchup(node)
+        if core is None or core.deposed:
+            return
+        self.apply_master(node, core, core.tick(self.now_ms))
+        for progress in core.status():
+            if core.deposed:
+                return
+            slave = progress.node_id
+            if progress.state is SlaveState.DISCONNECTED:
+                if rt.reconnect_at.get(slave, 0) <= self.now_ms:
+                    self.open_stream(node, core, slave)
+            elif self.now_ms - rt.last_heard.get(slave, self.now_ms) > self.keepalive_ms:
+                self.note(f"{node} keepalive", f"stream {progress.stream_id} to {slave} silent")
+                self.net_send(
+                    node, slave, Close(core.epoch, progress.stream_id, "keepalive", False)
+                )
+                self.stream_broken(node, core, slave, progress.stream_id)
+            elif self.stream_stalled(node, progress):
+                # A gRPC stream never loses a message and goes on; this network can, so the
+                # driver breaks a stream whose in-flight entries stop being received.
+                self.note(f"{node} stalled", f"stream {progress.stream_id} to {slave}")
+                self.net_send(node, slave, Close(core.epoch, progress.stream_id, "stalled", False))
+                self.stream_broken(node, core, slave, progress.stream_id)
+        store = self.stores[node]
+        if self.params.master_sync != SyncPolicy.SYNC and store.synced_lsn < len(store.log):
+            store.synced_lsn = len(store.log)
+            self.apply_master(node, core, core.on_local_synced(store.synced_lsn))
+        if self.params.compaction_p and self.rrng.random() < self.params.compaction_p:
+            start = min(core.commit_lsn + 1, len(store.log) + 1)
+            if self.rrng.random() < 0.5:
+                start = min(start, core.retain_from_lsn())  # no slave needs a snapshot
+            if start > store.log_start and not core.deposed:
+                store.log_start = start
+                self.apply_master(node, core, core.set_log_start(start))
+
+    # ----------------------------------------------------------------- slave side
+
+    def stream_stalled(self, node: str, progress: SlaveProgress) -> bool:
+        """Have entries in flight on this stream gone unreceived for the keepalive period?"""
+        stalled = self.rt[node].stalled
+        slave = progress.node_id
+        in_flight = progress.next_lsn - 1 > progress.received_lsn
+        if progress.state not in (SlaveState.STREAMING, SlaveState.PAUSED) or not in_flight:
+            stalled.pop(slave, None)
+            return False
+        mark = (progress.stream_id, progress.received_lsn)
+        seen = stalled.get(slave)
+        if seen is None or seen[:2] != mark:
+            stalled[slave] = (*mark, self.now_ms)
+            return False
+        if self.now_ms - seen[2] <= self.keepalive_ms:
+            return False
+        del stalled[slave]
+        return True
+
+    def slave_receive(self, node: str, pkt: Packet) -> None:
+        """Stream input for this node's Follower."""
+        rt = self.rt[node]
+        body = pkt.body
+        src = pkt.src
+        if not isinstance(body, Hello | Batch | Heartbeat | Chunk | Close):
+            return
+        follower = rt.follower
+        if follower is None:
+            if not isinstance(body, Close):
+                reply = Close(body.epoch, body.stream, "inactive", True, self.durable[node].epoch)
+                self.net_send(node, src, reply)
+            return
+        key = (src, body.epoch, body.stream)
+        if isinstance(body, Close):
+            if rt.stream == key:
+                rt.stream = None
+            return
+        if isinstance(body, Hello):
+            if rt.writes:
+                rt.deferred.append(pkt)
+                return
+            last = rt.last_hello
+            if last is not None and last[:2] == key[:2] and body.stream <= last[2]:
+                return  # an old or repeated stream: gRPC would not deliver it
+            hello = follower.on_hello(master_id=src, epoch=body.epoch, cluster_id=body.cluster_id)
+            if isinstance(hello, Refusal):
+                self.slave_refused(node, src, body, hello)
+                return
+            rt.stream = rt.last_hello = key
+            if hello.adopt_cluster_id:
+                self.stores[node].cluster_id = hello.adopt_cluster_id
+            if hello.discard_snapshot:
+                rt.staged = []
+            self.net_send(node, src, PositionMsg(body.epoch, body.stream, hello.position))
+            return
+        if key != rt.stream and src == rt.master_id and body.epoch == rt.epoch:
+            self.net_send(node, src, Close(body.epoch, body.stream, "no-stream", True, rt.epoch))
+            return
+        if isinstance(body, Batch):
+            batch = follower.on_batch(
+                epoch=body.epoch,
+                entries=body.entries,
+                commit_lsn=body.commit_lsn,
+                truncate_after_lsn=body.truncate_after_lsn,
+            )
+            if isinstance(batch, Refusal):
+                self.slave_refused(node, src, body, batch)
+                return
+            if batch.ack_now is not None:
+                self.net_send(node, src, AckMsg(body.epoch, body.stream, batch.ack_now))
+            if batch.write_needed:
+                rt.writes.append((batch, key))
+                if len(rt.writes) == 1:
+                    self.schedule_write(node)
+            self.claim_commit(node, follower.commit_lsn)
+        elif isinstance(body, Heartbeat):
+            ack = follower.on_heartbeat(epoch=body.epoch, commit_lsn=body.commit_lsn)
+            if isinstance(ack, Refusal):
+                self.slave_refused(node, src, body, ack)
+                return
+            self.net_send(node, src, AckMsg(body.epoch, body.stream, ack))
+            self.claim_commit(node, follower.commit_lsn)
+        else:
+            if body.index == 0 and rt.writes:
+                rt.deferred.append(pkt)
+                return
+            chunk = follower.on_snapshot_chunk(
+                index=body.index,
+                snapshot_lsn=body.snapshot_lsn,
+                snapshot_epoch=body.snapshot_epoch,
+                last=body.last,
+                history=body.history,
+            )
+            if isinstance(chunk, Refusal):
+                self.slave_refused(node, src, body, chunk)
+                return
+            self.install_chunk(node, src, body, chunk)
+
+    def install_chunk(self, node: str, src: str, body: Chunk, chunk: SnapshotAccepted) -> None:
+        """Stage a chunk; on the last, replace the store's log with the snapshot."""
+        rt = self.rt[node]
+        follower = rt.follower
+        if follower is None:
+            return
+        if chunk.index == 0:
+            rt.staged = []
+        rt.staged.extend(body.entries)
+        if not chunk.install:
+            return
+        staged, rt.staged = rt.staged, []
+        if len(staged) != chunk.snapshot_lsn or any(e.lsn != i + 1 for i, e in enumerate(staged)):
+            raise self.fail(f"node {node}: snapshot at {chunk.snapshot_lsn} staged {len(staged)}")
+        store = self.stores[node]
+        first = 0
+        limit = min(len(staged), len(store.log))
+        while first < limit and staged[first] == store.log[first]:
+            first += 1
+        self.set_log(node, staged, first)
+        store.snapshot_lsn = chunk.snapshot_lsn
+        store.log_start = chunk.snapshot_lsn + 1
+        sync = self.params.replica_sync == SyncPolicy.SYNC
+        if sync:
+            store.synced_lsn = len(store.log)
+        else:
+            store.synced_lsn = min(store.synced_lsn, len(store.log))
+        self.note(f"{node} installed snapshot", f"at {chunk.snapshot_lsn} from {src}")
+        ack = follower.on_written(chunk.snapshot_lsn, synced=sync)
+        self.net_send(node, src, AckMsg(body.epoch, body.stream, ack))
+        self.claim_commit(node, follower.commit_lsn)
+
+    def slave_refused(
+        self, node: str, src: str, body: Hello | Batch | Heartbeat | Chunk, refusal: Refusal
+    ) -> None:
+        """Close the stream with the refusal; the master learns the slave's epoch."""
+        self.refusals += 1
+        rt = self.rt[node]
+        if refusal.code is not RefusalCode.NO_STREAM:
+            self.note(f"{node} refused", refusal.message)
+        if rt.stream == (src, body.epoch, body.stream):
+            rt.stream = None
+        self.net_send(
+            node, src, Close(body.epoch, body.stream, refusal.code.value, True, refusal.epoch)
+        )
+
+    def schedule_write(self, node: str) -> None:
+        """The store finishes the oldest pending write after a store delay."""
+        rt = self.rt[node]
+        delay = self.rrng.randint(0, self.params.store_delay_max_ms)
+        if delay == 0:
+            self.finish_write(node, send_ack=True)
+            return
+        self.push(self.now_ms + delay, _STORE, node, rt.gen)
+
+    def finish_write(self, node: str, *, send_ack: bool) -> None:
+        """One store transaction: truncate, append, then ``on_written`` and its ack."""
+        rt = self.rt[node]
+        follower = rt.follower
+        if follower is None or not rt.writes:
+            return
+        batch, key = rt.writes.popleft()
+        store = self.stores[node]
+        cut = batch.truncate_after_lsn
+        if cut is not None:
+            self.set_log(node, store.log[:cut] + list(batch.entries), cut)
+            store.synced_lsn = min(store.synced_lsn, cut)
+        else:
+            if batch.entries and batch.entries[0].lsn != len(store.log) + 1:
+                raise self.fail(
+                    f"node {node}: a write of LSN {batch.entries[0].lsn} after LSN {len(store.log)}"
+                )
+            self.append_log(node, batch.entries)
+        if len(store.log) != batch.last_lsn:
+            raise self.fail(f"node {node}: log ends at {len(store.log)}, batch at {batch.last_lsn}")
+        if batch.sync:
+            store.synced_lsn = len(store.log)
+        ack = follower.on_written(batch.last_lsn, synced=batch.sync)
+        if send_ack:
+            if rt.stream == key:
+                self.net_send(node, key[0], AckMsg(key[1], key[2], ack))
+            self.claim_commit(node, follower.commit_lsn)
+            if rt.writes:
+                self.schedule_write(node)
+            else:
+                while rt.deferred and not rt.writes:
+                    self.slave_receive(node, rt.deferred.popleft())
+
+    def slave_tick(self, node: str) -> None:
+        """A periodic flush of a non-SYNC slave; the ack says what is now synced."""
+        rt = self.rt[node]
+        follower = rt.follower
+        store = self.stores[node]
+        if follower is None or self.params.replica_sync == SyncPolicy.SYNC:
+            return
+        written = follower.ack().written_lsn
+        if store.synced_lsn >= written or self.rrng.random() < 0.5:
+            return
+        store.synced_lsn = written
+        ack = follower.on_synced(written)
+        if rt.stream is not None:
+            master, epoch, stream = rt.stream
+            self.net_send(node, master, AckMsg(epoch, stream, ack))
+
+    # ----------------------------------------------------------------- clients
+
+    def client_tick(self, client: Client) -> None:
+        """Expire requests, maybe send a new write, and come back later."""
+        for pid, deadline in list(client.inflight.items()):
+            if deadline <= self.now_ms:
+                del client.inflight[pid]
+                client.target = self.rrng.choice(self.nodes)
+        if not self.quiesced and len(client.inflight) < self.params.client_inflight_max:
+            self.next_pid += 1
+            client.inflight[self.next_pid] = self.now_ms + CLIENT_TIMEOUT_MS
+            self.net_send(client.name, client.target, ClientWrite(client.name, self.next_pid))
+        jitter = self.rrng.randint(0, self.params.client_interval_ms // 2)
+        self.push(self.now_ms + self.params.client_interval_ms + jitter, _CLIENT, client.name)
+
+    def client_receive(self, client: Client, reply: ClientReply) -> None:
+        """A node's answer: redirects move the client to the named node."""
+        if client.inflight.pop(reply.pid, None) is None:
+            return
+        if reply.outcome == "redirect":
+            client.target = reply.hint or self.rrng.choice(self.nodes)
+
+    # ----------------------------------------------------------------- events
+
+    def handle(self, kind: int, node: str, payload: object) -> None:
+        """Run one event: this module's kinds here, the election's in the base class."""
+        if kind == _NET:
+            if not isinstance(payload, Packet):
+                raise TypeError("packet expected")
+            self.deliver(payload)
+        elif kind == _RTICK:
+            if self.alive(node):
+                if self.paused_until[node] > self.now_ms:
+                    self.push(self.paused_until[node], _RTICK, node)
+                    return
+                self.master_tick(node)
+                self.slave_tick(node)
+            self.push(self.now_ms + RTICK_MS, _RTICK, node)
+        elif kind == _STORE:
+            if not self.alive(node) or payload != self.rt[node].gen:
+                return
+            if self.paused_until[node] > self.now_ms:
+                self.push(self.paused_until[node], _STORE, node, payload)
+                return
+            self.finish_write(node, send_ack=True)
+        elif kind == _CLIENT:
+            self.client_tick(self.client_by_name[node])
+        elif kind == _MASTER_FAULT:
+            if self.healed_at is None and isinstance(payload, tuple):
+                self.master_fault(*payload)
+        else:
+            super().handle(kind, node, payload)
+
+    def master_fault(self, fault: str, duration_ms: int) -> None:
+        """Hit the node serving as master (the newest epoch's) with ``fault``."""
+        serving = [
+            (core.epoch, node)
+            for node in self.nodes
+            if (core := self.rt[node].core) is not None and not core.deposed
+        ]
+        if not serving:
+            return
+        master = max(serving)[1]
+        others = [x for x in self.nodes if x != master]
+        self.note(f"{master} master fault", f"{fault} for {duration_ms} ms")
+        if fault == "crash-slave":
+            # Whichever slave is busiest writing: under NO_SYNC it loses acknowledged entries.
+            slave = max(others, key=lambda x: (len(self.rt[x].writes), x))
+            self.crash(slave)
+            self.push(self.now_ms + duration_ms, _RESTART, slave)
+            return
+        if fault.startswith("crash"):
+            self.crash(master)
+            if fault == "crash-restart":
+                self.push(self.now_ms + duration_ms, _RESTART, master)
+            return
+        if fault == "pause":
+            self.paused_until[master] = self.now_ms + duration_ms
+            return
+        pairs: set[tuple[str, str]] = set()
+        if fault in ("isolate", "mute"):
+            pairs |= {(master, x) for x in others}
+        if fault in ("isolate", "deaf"):
+            pairs |= {(x, master) for x in others}
+        self.push(self.now_ms, _CUT, "", frozenset(pairs))
+        self.push(self.now_ms + duration_ms, _UNCUT, "", frozenset(pairs))
+
+    def source_fault(self, source: str) -> None:
+        """The sync source fails as the new master asks it: crashed, or cut off, a while."""
+        duration_ms = self.rrng.randint(100, 900)
+        self.note(f"{source} sync source fault", f"for {duration_ms} ms")
+        if self.rrng.random() < 0.5:
+            self.push(self.now_ms, _CRASH, source)
+            self.push(self.now_ms + duration_ms, _RESTART, source)
+            return
+        pairs = frozenset(
+            pair for x in self.nodes if x != source for pair in ((x, source), (source, x))
+        )
+        self.push(self.now_ms, _CUT, "", pairs)
+        self.push(self.now_ms + duration_ms, _UNCUT, "", pairs)
+
+    def deliver(self, pkt: Packet) -> None:
+        """A message arrives, unless its node is down or cut off (a paused node waits)."""
+        dst = pkt.dst
+        client = self.client_by_name.get(dst)
+        if client is not None:
+            if isinstance(pkt.body, ClientReply):
+                self.client_receive(client, pkt.body)
+            return
+        if not self.alive(dst):
+            return
+        if pkt.src in self.rt and self.cut[(pkt.src, dst)]:
+            return
+        if self.paused_until[dst] > self.now_ms:
+            self.push(self.paused_until[dst], _NET, dst, pkt)
+            return
+        body = pkt.body
+        self.note("deliver", f"{pkt.src}->{dst} {describe(body)}")
+        if isinstance(body, PositionMsg | AckMsg) or (isinstance(body, Close) and body.to_master):
+            self.master_receive(dst, pkt.src, body)
+        elif isinstance(body, CatchUpRequest):
+            self.serve_catchup(dst, pkt.src, body)
+        elif isinstance(body, CatchUpReply):
+            self.on_catchup_reply(dst, pkt.src, body)
+        elif isinstance(body, ClientWrite):
+            self.client_write(dst, pkt.src, body)
+        else:
+            self.slave_receive(dst, pkt)
+
+    # ----------------------------------------------------------------- liveness
+
+    def replication_converged(self, leader: str) -> bool:
+        """The leader serves; every live replica holds its log, all of it committed."""
+        rt = self.rt[leader]
+        core = rt.core
+        if core is None or core.deposed:
+            return False
+        if not self.quiesced:
+            if self.acked_after_heal[(leader, core.epoch)] >= LIVENESS_WRITES:
+                self.quiesced = True  # clients stop: the rest is catching up
+            return False
+        log = self.stores[leader].log
+        if core.pending_writes or core.commit_lsn != len(log):
+            return False
+        for node in self.nodes:
+            if node == leader or not self.alive(node):
+                continue
+            other = self.rt[node]
+            follower = other.follower
+            if (
+                follower is None
+                or other.epoch != core.epoch
+                or other.writes
+                or len(self.stores[node].log) != len(log)
+                or follower.commit_lsn != len(log)
+            ):
+                return False
+        return True
+
+    def final_check(self, leader: str) -> None:
+        """The final checks once converged."""
+        log = self.stores[leader].log
+        live = {x: self.stores[x].log for x in self.nodes if self.alive(x)}
+        for node, other in live.items():
+            if other != log:
+                raise self.fail(f"after healing node {node}'s log differs from master {leader}'s")
+        try:
+            self.rchecker.final(live)
+        except InvariantViolation as exc:
+            raise self.violation(exc) from None
+
+    def run_repl(self) -> ReplResult:
+        """Run both phases; raise SimFailure on any violation or a missed deadline."""
+        self.schedule_scenario()
+        for node in self.nodes:
+            self.push(self.rrng.randint(0, RTICK_MS), _RTICK, node)
+        for client in self.clients:
+            self.push(self.rrng.randint(0, self.params.client_interval_ms), _CLIENT, client.name)
+        for at, fault, duration_ms in self.params.master_faults:
+            self.push(at, _MASTER_FAULT, "", (fault, duration_ms))
+        deadline = self.sc.safety_ms + self.sc.liveness_deadline_ms
+        while self.queue:
+            at, kind, _, _, node, payload = heapq.heappop(self.queue)
+            if at > deadline:
+                break
+            self.now_ms = at
+            self.events += 1
+            if self.events > EVENTS_MAX:
+                raise self.fail(f"more than {EVENTS_MAX} events: a message storm")
+            self.handle(kind, node, payload)
+            if self.healed_at is None or self.now_ms < self.next_converge_check:
+                continue
+            self.next_converge_check = self.now_ms + CONVERGE_CHECK_MS
+            leader = self.converged()
+            if leader is None:
+                continue
+            if self.rchecker.degraded:
+                return self.result(leader)
+            if self.replication_converged(leader):
+                self.final_check(leader)
+                return self.result(leader)
+        raise self.fail(
+            f"liveness: within {self.sc.liveness_deadline_ms} ms of healing the live nodes did "
+            "not form one normal group whose master serves, acknowledges a new write and has "
+            "every live replica caught up to its commit LSN"
+        )
+
+    def result(self, leader: str) -> ReplResult:
+        """What the run measured (a degraded seed ends once the election converged)."""
+        p = self.params
+        core = self.rt[leader].core
+        return ReplResult(
+            seed=self.sc.seed,
+            nodes=len(self.nodes),
+            events=self.events,
+            acked=self.rchecker.acked_writes,
+            commit_lsn=core.commit_lsn if core is not None else 0,
+            converge_ms=self.now_ms - self.sc.safety_ms,
+            degraded=self.rchecker.degraded,
+            snapshots=self.snapshots,
+            refusals=self.refusals,
+            policies=f"{p.acks.name}/{p.master_sync.name}/{p.replica_sync.name}",
+        )
+
+
+def run_seed(seed: int) -> ReplResult:
+    """Run one seed of the replication simulator."""
+    return ReplicationSimulation(seed).run_repl()
