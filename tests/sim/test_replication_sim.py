@@ -238,3 +238,11 @@ def test_a_failure_names_the_seed_and_the_replay_command() -> None:
     assert "seed 7" in str(failure)
     assert "make sim SEEDS=1 SEED=7" in str(failure)
     assert "tests/sim/test_replication_sim.py --sim-seed=7" in str(failure)
+
+
+def test_seed_350_a_reissued_master_command_keeps_the_sync_source() -> None:
+    """Regression: when a member timed out, the coordinator reissued MASTER naming itself
+    as sync source, and a new master with an empty log overwrote an acknowledged write.
+    The reissue must keep the epoch's original sync source."""
+    result = run_seed(350)
+    assert result.seed == 350
