@@ -134,6 +134,31 @@ def _wait_for(condition: object, timeout_s: float, what: str) -> None:
     raise TimeoutError(f"not within {timeout_s}s: {what}")
 
 
+def _stop_and_check_every_replica(
+    cluster: LocalCluster, publishers: list[_Publisher], topic: str
+) -> None:
+    """Stops the publishers, then waits until every replica holds every acknowledged
+    event at its offset and all replicas serve the same events."""
+    for publisher in publishers:
+        publisher.stop.set()
+    for publisher in publishers:
+        publisher.join(timeout=30)
+        assert publisher.error is None, repr(publisher.error)
+    expected = {offset: payload for p in publishers for payload, offset in p.acked.items()}
+    assert len(expected) == sum(p.count() for p in publishers), "two events at one offset"
+
+    def every_replica_holds_every_ack() -> bool:
+        views = [
+            dict(_read_replica(cluster.replica_address(n.id), topic)) for n in cluster.config.nodes
+        ]
+        return all(
+            all(view.get(offset) == payload for offset, payload in expected.items())
+            for view in views
+        ) and all(view == views[0] for view in views)
+
+    _wait_for(every_replica_holds_every_ack, 30, "every replica holds every acknowledged event")
+
+
 @pytest.fixture
 def publishers(trio: LocalCluster) -> Iterator[list[_Publisher]]:
     started: list[_Publisher] = []
@@ -175,25 +200,7 @@ def test_acknowledged_events_survive_a_master_kill_on_every_replica(
     )
     before = acked()
     _wait_for(lambda: acked() >= before + 50, 20, "50 more events after n1 rejoined")
-    for publisher in publishers:
-        publisher.stop.set()
-    for publisher in publishers:
-        publisher.join(timeout=30)
-        assert publisher.error is None, repr(publisher.error)
-
-    expected = {offset: payload for p in publishers for payload, offset in p.acked.items()}
-    assert len(expected) == sum(p.count() for p in publishers), "two events at one offset"
-
-    def every_replica_holds_every_ack() -> bool:
-        views = [
-            dict(_read_replica(trio.replica_address(n.id), "replicated")) for n in trio.config.nodes
-        ]
-        return all(
-            all(view.get(offset) == payload for offset, payload in expected.items())
-            for view in views
-        ) and all(view == views[0] for view in views)
-
-    _wait_for(every_replica_holds_every_ack, 20, "every replica holds every acknowledged event")
+    _stop_and_check_every_replica(trio, publishers, "replicated")
     views = [_read_replica(trio.replica_address(n.id), "replicated") for n in trio.config.nodes]
     offsets = [offset for offset, _ in views[0]]
     assert offsets == list(range(len(offsets))), "a replica's offsets have a gap"
@@ -535,21 +542,4 @@ def test_repeated_master_kills_and_a_paused_slave_lose_no_acknowledged_event(
     _all_three_in_one_group(trio)
     final = acked()
     _wait_for(lambda: acked() >= final + 50, 30, "50 events acknowledged after the last restart")
-    for publisher in publishers:
-        publisher.stop.set()
-    for publisher in publishers:
-        publisher.join(timeout=30)
-        assert publisher.error is None, repr(publisher.error)
-    expected = {offset: payload for p in publishers for payload, offset in p.acked.items()}
-    assert len(expected) == sum(p.count() for p in publishers), "two events at one offset"
-
-    def every_replica_holds_every_ack() -> bool:
-        views = [
-            dict(_read_replica(trio.replica_address(n.id), "churn")) for n in trio.config.nodes
-        ]
-        return all(
-            all(view.get(offset) == payload for offset, payload in expected.items())
-            for view in views
-        ) and all(view == views[0] for view in views)
-
-    _wait_for(every_replica_holds_every_ack, 30, "every replica holds every acknowledged event")
+    _stop_and_check_every_replica(trio, publishers, "churn")
