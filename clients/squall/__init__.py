@@ -20,6 +20,20 @@ retry_total_ms_max=...)`); `Indeterminate` means those retries ran out and the e
 or may not have been stored. `classify_code`, `retryable`, `overall` and `RetryPolicy` are
 the pure retry rules, shared with the gateway. The generated protobuf modules live in
 `squall.v1`.
+
+Publishers (`Topic.publisher`): by default every publish goes through the gateway, which
+follows the master (the app needs to reach the gateway only). `replicated=True` asks for
+IceStorm's replicated publisher proxy: the library binds straight to one replica and
+fails over to the others, following a slave's redirect to the master, reporting each move
+(`on_rebind`, `Receipt.rebound`). `replicated=False` asks for the non-replicated proxy: the
+master only, and `PublisherLost` on master loss instead of a silent move. Per-publisher
+order holds within one session token (`Message.session_token`); a new stream or a move to
+another replica starts a new token, and order across that point may change.
+
+Subscriptions (`Topic.subscribe`) reconnect on a broken stream (bounded by the same retry
+settings) and resume from the durable cursor or from the last offset delivered + 1, so
+delivery is at-least-once; by default the library drops events at or below the last
+offset it delivered (`dedupe=False` hands every copy to the app).
 """
 
 from squall._client import MESSAGE_BYTES_MAX, Client, Topic, channel_options, connect
@@ -31,6 +45,7 @@ from squall._errors import (
     InvalidArgument,
     NotFound,
     PermissionDenied,
+    PublisherLost,
     ResourceExhausted,
     SquallError,
     Unauthenticated,
@@ -38,6 +53,7 @@ from squall._errors import (
     classify,
     from_rpc_error,
 )
+from squall._proxy import Endpoint
 from squall._publisher import BATCH_EVENTS_MAX, Publisher
 from squall._retry import (
     INDETERMINATE_AFTER_SEND,
@@ -70,6 +86,7 @@ __all__ = [
     "Client",
     "ClusterStatus",
     "DeadlineExceeded",
+    "Endpoint",
     "FailedPrecondition",
     "Holder",
     "Indeterminate",
@@ -80,6 +97,7 @@ __all__ = [
     "Outcome",
     "PermissionDenied",
     "Publisher",
+    "PublisherLost",
     "Receipt",
     "ResourceExhausted",
     "RetryPolicy",

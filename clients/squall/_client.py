@@ -14,7 +14,8 @@ from typing import Any, TypeVar
 
 import grpc
 
-from squall._errors import from_rpc_error
+from squall._errors import Unavailable, from_rpc_error
+from squall._proxy import Endpoint, GatewayBinding, ProxyBinding, RebindCallback
 from squall._publisher import INFLIGHT_BATCHES_MAX_DEFAULT, Publisher, new_publisher_id
 from squall._retry import (
     RETRY_ATTEMPTS_MAX_DEFAULT,
@@ -94,6 +95,7 @@ class Client:
         self._retry.validate()
         self._address = address
         self._timeout_s = timeout_s
+        self._options = list(options or ())
         self._channel = grpc.insecure_channel(address, options=channel_options(options))
         self._topic_manager = broker_pb2_grpc.TopicManagerStub(self._channel)
         self._publisher_stub = broker_pb2_grpc.PublisherStub(self._channel)
@@ -187,11 +189,27 @@ class Client:
     # -- used by Topic ----------------------------------------------------------------
 
     def _new_publisher(
-        self, topic: str, publisher_id: str, start_sequence: int, inflight_batches_max: int
+        self,
+        topic: str,
+        publisher_id: str,
+        start_sequence: int,
+        inflight_batches_max: int,
+        replicated: bool | None = None,
+        on_rebind: RebindCallback | None = None,
     ) -> Publisher:
         self._check_open()
+        binding: GatewayBinding | ProxyBinding
+        if replicated is None:
+            if on_rebind is not None:
+                raise ValueError(
+                    "on_rebind needs a publisher proxy (replicated=True); through the "
+                    "gateway the publisher never binds to a replica"
+                )
+            binding = GatewayBinding(self._publisher_stub)
+        else:
+            binding = self._proxy(topic, replicated)
         publisher = Publisher(
-            self._publisher_stub,
+            binding,
             topic,
             publisher_id,
             start_sequence=start_sequence,
@@ -199,18 +217,48 @@ class Client:
             inflight_batches_max=inflight_batches_max,
             on_close=self._forget_publisher,
             retry=self._retry,
+            on_rebind=on_rebind,
         )
         with self._lock:
             self._publishers.add(publisher)
         return publisher
 
+    def _proxy(self, topic: str, replicated: bool) -> ProxyBinding:
+        """Asks the gateway for a publisher proxy (GetPublisher or GetNonReplicatedPublisher)."""
+        request = broker_pb2.GetPublisherRequest(topic=topic)
+        method = (
+            self._topic_manager.GetPublisher
+            if replicated
+            else self._topic_manager.GetNonReplicatedPublisher
+        )
+        response = self._call(method, request)
+        endpoints = [
+            Endpoint(e.node_id, e.replica_address) for e in response.endpoints if e.replica_address
+        ]
+        if not endpoints:
+            raise Unavailable(f"the publisher proxy for topic '{topic}' has no endpoints")
+        options = self._options
+
+        def make_channel(address: str) -> grpc.Channel:
+            return grpc.insecure_channel(address, options=channel_options(options))
+
+        return ProxyBinding(endpoints, replicated=replicated, make_channel=make_channel)
+
     def _forget_publisher(self, publisher: Publisher) -> None:
         with self._lock:
             self._publishers.discard(publisher)
 
-    def _new_subscription(self, request: broker_pb2.SubscribeRequest) -> Subscription:
+    def _new_subscription(
+        self, request: broker_pb2.SubscribeRequest, dedupe: bool = True
+    ) -> Subscription:
         self._check_open()
-        subscription = Subscription(self._subscriber_stub, request, timeout_s=self._timeout_s)
+        subscription = Subscription(
+            self._subscriber_stub,
+            request,
+            timeout_s=self._timeout_s,
+            retry=self._retry,
+            dedupe=dedupe,
+        )
         with self._lock:
             self._subscriptions.add(subscription)
         return subscription
@@ -244,14 +292,33 @@ class Topic:
         *,
         start_sequence: int = 1,
         inflight_batches_max: int = INFLIGHT_BATCHES_MAX_DEFAULT,
+        replicated: bool | None = None,
+        on_rebind: RebindCallback | None = None,
     ) -> Publisher:
         """A publisher for this topic; a random id unless given, sequences from start_sequence.
+
+        `replicated` picks how it reaches the master:
+
+        * None (the default): every stream goes through the gateway, which follows the
+          master; the app needs to reach the gateway only.
+        * True: a replicated proxy (GetPublisher): it binds straight to one replica and
+          fails over to the others, following a slave's redirect to the master;
+          `on_rebind(old, new)` is called, and the next receipt has `rebound=True`,
+          when it moves (this publisher's order may change there).
+        * False: a non-replicated proxy (GetNonReplicatedPublisher): the master only, no
+          silent failover; on master loss it raises `PublisherLost` and the app asks for
+          a new publisher (reuse the id with `start_sequence=publisher.next_sequence`).
 
         To resume a known publisher id after a restart, pass the sequence after the last
         one it used: the master treats reused (publisher_id, sequence) pairs as duplicates.
         """
         return self._client._new_publisher(
-            self.name, publisher_id or new_publisher_id(), start_sequence, inflight_batches_max
+            self.name,
+            publisher_id or new_publisher_id(),
+            start_sequence,
+            inflight_batches_max,
+            replicated,
+            on_rebind,
         )
 
     def subscribe(
@@ -262,16 +329,20 @@ class Topic:
         max_batch_events: int = 0,
         *,
         end_offset: int | None = None,
+        dedupe: bool = True,
     ) -> Subscription:
         """Streams messages from `start` (or a durable subscription's cursor).
 
         With `follow=False` iteration ends after the events committed when it started;
-        `end_offset` (exclusive) stops it earlier.
+        `end_offset` (exclusive) stops it earlier. A broken stream is reopened through the
+        gateway (bounded by the client's retry settings) from the durable cursor or the
+        last offset delivered + 1: delivery is at-least-once, and with `dedupe=True` (the
+        default) the library drops redelivered offsets so the app sees each once, in order.
         """
         request = subscribe_request(
             self.name, subscription, start, follow, max_batch_events, end_offset
         )
-        return self._client._new_subscription(request)
+        return self._client._new_subscription(request, dedupe)
 
     def subscriptions(self) -> list[tuple[str, int]]:
         """The topic's durable subscriptions as (name, cursor), ordered by name."""

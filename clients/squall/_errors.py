@@ -12,6 +12,8 @@ server's details. The tree::
     ├── Unauthenticated         the caller is not authenticated
     ├── FailedPrecondition      the cluster cannot do this now (no quorum, wrong state)
     ├── Unavailable             nothing was sent, or a read/admin call found no server
+    │   └── PublisherLost       a non-replicated publisher's master is gone; get a new
+    │                           publisher (.maybe_stored says whether this batch may be in)
     ├── DeadlineExceeded        a read/admin call ran out of time
     └── Indeterminate           a publish that was sent may or may not have been stored, and
                                 the publisher's retries (same ids and sequences) ran out
@@ -92,6 +94,25 @@ class FailedPrecondition(SquallError):
 
 class Unavailable(SquallError):
     """No server could take the call; for a publish, nothing was sent."""
+
+
+class PublisherLost(Unavailable):
+    """A non-replicated publisher lost its master: no silent failover, ask for a new publisher.
+
+    `maybe_stored` is True for a batch that was in flight when the master went (it may
+    be stored; republishing it with the same publisher id and sequences is safe), False
+    for one that was never sent.
+    """
+
+    def __init__(
+        self,
+        details: str,
+        code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE,
+        *,
+        maybe_stored: bool = False,
+    ) -> None:
+        super().__init__(details, code)
+        self.maybe_stored = maybe_stored
 
 
 class DeadlineExceeded(SquallError):

@@ -23,11 +23,21 @@ when the retries run out does the app see `Indeterminate` (maybe_stored=True); a
 answer to a retry after an indeterminate attempt is still `Indeterminate`, because the
 earlier attempt may have stored the events (`squall._retry.overall`). Retried batches may
 land after later ones, so order across a retry can change, as across any failover.
+
+Where streams go (issue 5, item 1; `squall._proxy`): through the gateway by default, or
+straight to a replica of a publisher proxy. A replicated proxy moves to another replica
+when a stream ends indeterminately and follows a slave's redirect; the retries above then
+carry the batches over. The first stream on a new replica that answers is a move: the
+app's `on_rebind(old, new)` runs (in the reader thread, before the receipt is handed
+over) and that first receipt has `rebound=True`. A non-replicated proxy never moves: once
+its master is lost every batch fails with `PublisherLost` (maybe_stored as the attempt
+left it) and the app asks for a new publisher.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 import queue
@@ -41,7 +51,15 @@ from typing import Any, Literal
 import grpc
 import tenacity
 
-from squall._errors import Indeterminate, SquallError, Unavailable, error_for, rpc_status
+from squall._errors import (
+    Indeterminate,
+    PublisherLost,
+    SquallError,
+    Unavailable,
+    error_for,
+    rpc_status,
+)
+from squall._proxy import Binding, Endpoint, GatewayBinding, ProxyBinding, RebindCallback
 from squall._retry import Outcome, RetryPolicy, overall
 from squall._types import Receipt, receipts_from_pb
 from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2
@@ -94,7 +112,10 @@ class _Batch:
 class _Stream:
     """One open PublishStream call: its request queue, unanswered batches and reader thread."""
 
-    def __init__(self, publisher_id: str) -> None:
+    def __init__(self, publisher_id: str, endpoint: Endpoint | None = None) -> None:
+        # The replica this stream is bound to (None: through the gateway).
+        self.endpoint = endpoint
+        self.answered = False
         # Bounded by the in-flight window: a request is only queued with a free slot.
         self.requests: queue.SimpleQueue[broker_pb2.PublishRequest | None] = queue.SimpleQueue()
         self.pending: collections.deque[_Batch] = collections.deque()
@@ -189,7 +210,7 @@ class Publisher:
 
     def __init__(
         self,
-        stub: broker_pb2_grpc.PublisherStub,
+        stub: broker_pb2_grpc.PublisherStub | Binding,
         topic: str,
         publisher_id: str,
         *,
@@ -198,6 +219,7 @@ class Publisher:
         inflight_batches_max: int = INFLIGHT_BATCHES_MAX_DEFAULT,
         on_close: Callable[[Publisher], None] | None = None,
         retry: RetryPolicy | None = None,
+        on_rebind: RebindCallback | None = None,
     ) -> None:
         if not publisher_id:
             raise ValueError("publisher_id must not be empty")
@@ -211,7 +233,14 @@ class Publisher:
             raise ValueError(f"timeout_s must be > 0, not {timeout_s}")
         self._retry = retry if retry is not None else RetryPolicy()
         self._retry.validate()
-        self._stub = stub
+        self._binding: Binding = (
+            stub if isinstance(stub, GatewayBinding | ProxyBinding) else GatewayBinding(stub)
+        )
+        self._on_rebind = on_rebind
+        # The endpoint whose stream last answered: a stream on another one that answers is
+        # a move (reported once, by on_rebind and Receipt.rebound).
+        self._answered_endpoint: Endpoint | None = None
+        self._rebinds = 0
         self._topic = topic
         self._publisher_id = publisher_id
         self._timeout_s = timeout_s
@@ -254,6 +283,23 @@ class Publisher:
         """How many batches were sent again after an indeterminate outcome (0 if none)."""
         with self._cond:
             return self._resends
+
+    @property
+    def replicated(self) -> bool:
+        """False for a non-replicated proxy (no silent failover: it raises PublisherLost)."""
+        return self._binding.replicated
+
+    @property
+    def endpoint(self) -> Endpoint | None:
+        """The replica whose stream last answered (None through the gateway, or before)."""
+        with self._cond:
+            return self._answered_endpoint
+
+    @property
+    def rebinds(self) -> int:
+        """How many times this publisher moved to another replica."""
+        with self._cond:
+            return self._rebinds
 
     @property
     def streams_opened(self) -> int:
@@ -347,6 +393,7 @@ class Publisher:
                 stream.reader.join(self._timeout_s)
             if stream.reader is not None and stream.reader.is_alive():
                 stream.call.cancel()
+        self._binding.close()
         if self._on_close is not None:
             self._on_close(self)
 
@@ -439,6 +486,9 @@ class Publisher:
         all). Runs in the caller's thread (sync batches) or in the reader thread of the
         stream that ended (async batches), so a batch's retries happen in order.
         """
+        lost = self._binding.lost_error(first)
+        if lost is not None:
+            raise lost
         policy = self._retry
         outcomes: list[Outcome] = [_outcome(first)]
         # The latest attempt that may have stored the events, for the final error's code.
@@ -464,6 +514,15 @@ class Publisher:
                         stream, future = self._resend(request)
                         receipts = self._result(stream, future)
                     except SquallError as error:
+                        lost = self._binding.lost_error(error)
+                        if lost is not None:
+                            # The master went during the retries: say so, with what
+                            # any attempt may have stored.
+                            raise PublisherLost(
+                                lost.details,
+                                lost.code,
+                                maybe_stored=maybe is not None or error.maybe_stored,
+                            ) from error
                         outcomes.append(_outcome(error))
                         maybe = error if error.maybe_stored else maybe
                         log.debug(
@@ -475,6 +534,8 @@ class Publisher:
                         )
                         raise
                     return receipts
+        except PublisherLost:
+            raise
         except SquallError as error:
             if overall(outcomes) == "indeterminate" and not isinstance(error, Indeterminate):
                 raise Indeterminate(
@@ -533,8 +594,9 @@ class Publisher:
         stream = self._stream
         if stream is not None and not stream.dead:
             return stream
-        stream = _Stream(self._publisher_id)
-        stream.call = self._stub.PublishStream(stream.iter_requests())
+        stub, endpoint = self._binding.open()
+        stream = _Stream(self._publisher_id, endpoint)
+        stream.call = stub.PublishStream(stream.iter_requests())
         stream.reader = threading.Thread(
             target=self._read, args=(stream,), name=f"squall-publish-{self._topic}", daemon=True
         )
@@ -623,8 +685,10 @@ class Publisher:
         """Matches responses to batches in order until the stream ends, then fails the rest."""
         code = grpc.StatusCode.UNKNOWN
         details = "the server closed the publish stream without answering"
+        trailing: Any = None
         try:
             for response in stream.call:
+                moved_from: Endpoint | None = None
                 with self._cond:
                     batch = stream.pending.popleft() if stream.pending else None
                     if (
@@ -643,18 +707,60 @@ class Publisher:
                         break
                     if self._buffer and self._stream is stream:
                         self._send_buffer(stream)
+                    if not stream.answered:
+                        stream.answered = True
+                        moved_from = self._bound(stream)
                     self._cond.notify_all()
-                batch.future.set_result(receipts_from_pb(response))
+                receipts = receipts_from_pb(response)
+                if moved_from is not None and stream.endpoint is not None:
+                    if receipts:
+                        receipts[0] = dataclasses.replace(receipts[0], rebound=True)
+                    self._report_rebind(moved_from, stream.endpoint)
+                batch.future.set_result(receipts)
                 self._resolved(1)
         except grpc.RpcError as err:
             code, details = rpc_status(err)
+            trailing_fn = getattr(err, "trailing_metadata", None)
+            trailing = trailing_fn() if callable(trailing_fn) else None
         except Exception as exc:
             # A bug here must not leave callers waiting on receipts that never come.
             with self._cond:
                 self._abort(
                     stream, grpc.StatusCode.INTERNAL, f"client failed reading receipts: {exc!r}"
                 )
+        if stream.abort_error is not None:
+            code = stream.abort_error.code
+        self._binding.stream_failed(stream.endpoint, code, trailing)
         self._fail(stream, code, details)
+
+    def _bound(self, stream: _Stream) -> Endpoint | None:
+        """Records the stream's endpoint as answering; the previous one if this is a move."""
+        previous = self._answered_endpoint
+        if stream.endpoint is None:
+            return None
+        self._answered_endpoint = stream.endpoint
+        if previous is None or previous.address == stream.endpoint.address:
+            return None
+        self._rebinds += 1
+        return previous
+
+    def _report_rebind(self, old: Endpoint, new: Endpoint) -> None:
+        """Tells the app its publisher moved (before it sees the receipt flagged rebound)."""
+        log.info(
+            "publisher %s moved from %s (%s) to %s (%s): order may change here",
+            self._publisher_id,
+            old.node_id,
+            old.address,
+            new.node_id,
+            new.address,
+        )
+        if self._on_rebind is None:
+            return
+        try:
+            self._on_rebind(old, new)
+        except Exception:
+            # The app's callback must not break the receipts of its own publishes.
+            log.exception("publisher %s: on_rebind callback failed", self._publisher_id)
 
     def _resolved(self, count: int) -> None:
         """Counts batch futures resolved, for flush()."""
@@ -701,7 +807,7 @@ class Publisher:
             if batch.is_async and self._retry.retries and self._worth_retrying(error):
                 retries.append((batch.future, batch.request, error))
             else:
-                batch.future.set_exception(error)
+                batch.future.set_exception(self._binding.lost_error(error) or error)
         not_sent = error_for(
             grpc.StatusCode.CANCELLED, f"not sent: the publish stream ended ({details})"
         )
@@ -716,7 +822,7 @@ class Publisher:
                 request.events.extend(unsent_events)
                 retries.append((buffered, request, unsent_error))
             else:
-                buffered.set_exception(not_sent)
+                buffered.set_exception(self._binding.lost_error(not_sent) or not_sent)
         for future, request, error in retries:
             try:
                 future.set_result(self._retry_batch(request, error))
@@ -733,4 +839,3 @@ class Publisher:
 def _outcome(error: SquallError) -> Outcome:
     """The outcome of one failed attempt: indeterminate if the events may have been stored."""
     return "indeterminate" if error.maybe_stored else "definite"
-

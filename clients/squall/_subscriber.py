@@ -3,21 +3,35 @@
 A `Subscription` wraps one server-streaming `Subscribe` call. Iterate it for `Message`s
 (or `batches()` for the lists the server sent, which is cheaper per event and tells a
 consumer where a good ack point is). A durable subscription (one with a name) keeps a
-replicated cursor on the server; `ack` moves it. Delivery is at-least-once: after a
-reconnect, events after the last ack come again, and their offsets let the app drop
-duplicates.
+replicated cursor on the server; `ack` moves it.
+
+Failover (issue 5): when the stream breaks in a way a new stream may fix (UNAVAILABLE,
+UNKNOWN, INTERNAL, CANCELLED not asked for, DEADLINE_EXCEEDED — the master died, the
+gateway restarted), the subscription opens a new one through the same channel (the
+gateway, which goes to the new master), after a jittered exponential backoff bounded by
+the client's `RetryPolicy` (attempts and total time per outage; a response resets them).
+It resumes from the durable cursor (a durable subscription) or from the last offset it
+delivered + 1 (a non-durable one). Delivery is therefore at-least-once: a durable
+subscription sees again everything after its last ack. With `dedupe=True` (the default)
+the library drops every event whose offset is at or below the last one it delivered, so
+the app sees each offset once, in order; `dedupe=False` hands every copy to the app. A
+definite error (NOT_FOUND, INVALID_ARGUMENT, ...) or running out of retries raises.
 """
 
 from __future__ import annotations
 
+import logging
+import random
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from typing import Any, Literal
 
 import grpc
 
-from squall._errors import from_rpc_error
+from squall._errors import from_rpc_error, rpc_status
+from squall._retry import INDETERMINATE_AFTER_SEND, RetryPolicy
 from squall._types import Message, messages_from_pb
 from squall.v1 import broker_pb2, broker_pb2_grpc
 
@@ -25,6 +39,18 @@ Start = Literal["earliest", "latest"] | int
 
 # The server's batch size is bounded too; this only refuses nonsense from the caller.
 MAX_BATCH_EVENTS_MAX = 100_000
+
+log = logging.getLogger("squall")
+
+# Codes after which a fresh Subscribe stream may work: the server (or the path to it) went
+# away; anything else is the answer and would come again.
+RECONNECT_CODES: frozenset[str] = INDETERMINATE_AFTER_SEND
+
+
+def _cancel(calls: list[Any]) -> None:
+    """Cancels the subscription's current stream (a finalizer: holds no reference to it)."""
+    for call in calls:
+        call.cancel()
 
 
 def subscribe_request(
@@ -71,16 +97,28 @@ class Subscription:
         request: broker_pb2.SubscribeRequest,
         *,
         timeout_s: float,
+        retry: RetryPolicy | None = None,
+        dedupe: bool = True,
     ) -> None:
         self._stub = stub
         self._request = request
         self._timeout_s = timeout_s
+        self._retry = retry if retry is not None else RetryPolicy()
+        self._retry.validate()
+        self._dedupe = dedupe
         self._lock = threading.Lock()
         self._closed = False
-        # No deadline: a following subscription lives until the app closes it.
-        self._call: Any = stub.Subscribe(request)
+        # Wakes a reconnect backoff early when the app closes the subscription.
+        self._closing = threading.Event()
+        # The highest offset handed to the app so far (-1: none yet).
+        self._last_offset = -1
+        self._reconnects = 0
+        self._duplicates_dropped = 0
+        # No deadline: a following subscription lives until the app closes it. The list
+        # holds the one current call, so a reconnect can swap it under the finalizer.
+        self._calls: list[Any] = [stub.Subscribe(request)]
         # An abandoned subscription must not keep a following stream open on the server.
-        weakref.finalize(self, self._call.cancel)
+        weakref.finalize(self, _cancel, self._calls)
         self._batches = self._read_batches()
         self._current: Iterator[Message] = iter(())
 
@@ -118,16 +156,81 @@ class Subscription:
         """The messages grouped as the server sent them (do not mix with plain iteration)."""
         return self._batches
 
+    @property
+    def reconnects(self) -> int:
+        """How many times the stream was opened again after breaking."""
+        return self._reconnects
+
+    @property
+    def duplicates_dropped(self) -> int:
+        """How many redelivered events deduplication dropped (always 0 with dedupe=False)."""
+        return self._duplicates_dropped
+
+    @property
+    def last_offset(self) -> int:
+        """The highest offset delivered to the app so far (-1 before the first)."""
+        return self._last_offset
+
     def _read_batches(self) -> Iterator[list[Message]]:
-        try:
-            for response in self._call:
-                yield messages_from_pb(response)
-        except grpc.RpcError as err:
-            with self._lock:
-                closed = self._closed
-            if closed:
+        """The server's batches across reconnects, duplicates dropped when deduplicating."""
+        failures = 0
+        outage_started = 0.0
+        # Bounded: each pass either reads a response (and resets `failures`) or counts a
+        # failure toward the policy's attempts_max.
+        while True:
+            try:
+                for response in self._calls[0]:
+                    failures = 0
+                    batch = messages_from_pb(response)
+                    if self._dedupe and batch and batch[0].offset <= self._last_offset:
+                        kept = [m for m in batch if m.offset > self._last_offset]
+                        self._duplicates_dropped += len(batch) - len(kept)
+                        batch = kept
+                    if batch:
+                        self._last_offset = max(self._last_offset, batch[-1].offset)
+                    yield batch
                 return
-            raise from_rpc_error(err) from None
+            except grpc.RpcError as err:
+                if self.closed:
+                    return
+                code, details = rpc_status(err)
+                if failures == 0:
+                    outage_started = time.monotonic()
+                failures += 1
+                elapsed_ms = (time.monotonic() - outage_started) * 1000
+                if (
+                    code.name not in RECONNECT_CODES
+                    or failures >= self._retry.attempts_max
+                    or elapsed_ms >= self._retry.total_ms_max
+                ):
+                    raise from_rpc_error(err) from None
+                wait_s = random.uniform(0, self._retry.backoff_ceiling_ms(failures) / 1000)
+                log.info(
+                    "subscription %s on %s: stream ended (%s: %s); reconnecting in %.3f s "
+                    "from offset %d",
+                    self.name or "(non-durable)",
+                    self.topic,
+                    code.name,
+                    details,
+                    wait_s,
+                    self._last_offset + 1,
+                )
+                if self._closing.wait(wait_s):
+                    return
+                with self._lock:
+                    if self._closed:
+                        return
+                    self._calls[0] = self._stub.Subscribe(self._resume_request())
+                    self._reconnects += 1
+
+    def _resume_request(self) -> broker_pb2.SubscribeRequest:
+        """The request that continues where the app is: the durable cursor, or last + 1."""
+        request = broker_pb2.SubscribeRequest()
+        request.CopyFrom(self._request)
+        if not request.subscription and self._last_offset >= 0:
+            request.start = broker_pb2.START_POSITION_OFFSET
+            request.offset = self._last_offset + 1
+        return request
 
     def ack(self, message_or_offset: Message | int) -> int:
         """Moves the durable cursor past this message (and all before it); returns the cursor.
@@ -157,7 +260,9 @@ class Subscription:
             if self._closed:
                 return
             self._closed = True
-        self._call.cancel()
+            call = self._calls[0]
+        self._closing.set()
+        call.cancel()
 
     @property
     def closed(self) -> bool:

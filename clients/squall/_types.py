@@ -79,6 +79,9 @@ class Receipt:
     duplicate: bool
     holders: tuple[Holder, ...]
     master_id: str
+    rebound: bool = False
+    """True on the first receipt after a publisher proxy moved to another replica: the
+    order of this publisher's events may have changed there (see Message.session_token)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -94,6 +97,8 @@ class Message:
     # Excluded from hashing only: a dict is unhashable, and offset already identifies it.
     headers: Mapping[str, str] = dataclasses.field(hash=False)
     session_token: str
+    """The publisher binding that sent it: a publisher's events keep their order within one
+    token; where the token changes (a new stream, a move to another replica) order may not."""
     lsn: int
     epoch: int
     topic: str = ""
@@ -206,7 +211,7 @@ def _slot_setters(cls: type, names: Iterable[str]) -> list[Callable[[object, Any
 
 
 _new = object.__new__
-(_r_offset, _r_lsn, _r_epoch, _r_dup, _r_holders, _r_master) = _slot_setters(
+(_r_offset, _r_lsn, _r_epoch, _r_dup, _r_holders, _r_master, _r_rebound) = _slot_setters(
     Receipt, [f.name for f in dataclasses.fields(Receipt)]
 )
 _DURABILITY_PREFIX = "SYNC_POLICY_"
@@ -270,6 +275,7 @@ def receipts_from_pb(response: broker_pb2.PublishResponse) -> list[Receipt]:
         _r_dup(receipt, r.duplicate)
         _r_holders(receipt, r)  # converted on first read, see _LazyHolders
         _r_master(receipt, r.master_id)
+        _r_rebound(receipt, False)
         append(receipt)
     return out
 

@@ -1,0 +1,193 @@
+"""Publisher bindings: where a publisher's streams go, and when it moves to another replica.
+
+A `Publisher` opens each PublishStream on whatever its binding names (IceStorm's
+publisher proxy, STYLE.md's small interface with a twin):
+
+* `GatewayBinding` — every stream goes through the gateway, which follows the master
+  itself; the binding never moves and is never lost.
+* `ProxyBinding(replicated=True)` — the endpoints `GetPublisher` returned (every
+  replica, master first). Streams go straight to one endpoint; when a stream to it ends
+  in a way that says it may be gone (UNAVAILABLE or another indeterminate code), the next
+  stream goes to the next endpoint, round robin. A slave's refusal carrying
+  `squall-master-address` sends the next stream to that master instead.
+* `ProxyBinding(replicated=False)` — the master only (`GetNonReplicatedPublisher`). No
+  silent failover: once that master is lost (an indeterminate end or a redirect), the
+  binding is lost for good and the publisher raises `PublisherLost`; the app asks the
+  topic for a new publisher.
+
+The binding only decides where; the publisher keeps its retries, ids and sequences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Iterable, Sequence
+
+import grpc
+
+from squall._errors import PublisherLost, SquallError
+from squall._retry import INDETERMINATE_AFTER_SEND
+from squall.v1 import broker_pb2_grpc
+
+# The trailing metadata key a slave's write refusal names the master's address under.
+MASTER_ADDRESS_KEY = "squall-master-address"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One replica a publisher proxy may bind to."""
+
+    node_id: str
+    address: str
+
+
+RebindCallback = Callable[[Endpoint, Endpoint], None]
+
+
+def master_address(trailing: Iterable[tuple[str, str | bytes]] | None) -> str:
+    """The master address a slave's refusal names ("" when it names none)."""
+    for key, value in trailing or ():
+        if key == MASTER_ADDRESS_KEY:
+            return value.decode() if isinstance(value, bytes) else value
+    return ""
+
+
+class GatewayBinding:
+    """Streams through the gateway's one channel: never moves, never lost."""
+
+    replicated = True
+
+    def __init__(self, stub: broker_pb2_grpc.PublisherStub) -> None:
+        self._stub = stub
+
+    def open(self) -> tuple[broker_pb2_grpc.PublisherStub, Endpoint | None]:
+        """The stub for the next stream, and the endpoint it is bound to (None: gateway)."""
+        return self._stub, None
+
+    def stream_failed(
+        self,
+        endpoint: Endpoint | None,
+        code: grpc.StatusCode,
+        trailing: Iterable[tuple[str, str | bytes]] | None,
+    ) -> None:
+        """The gateway moves between masters itself; nothing to do."""
+
+    def lost_error(self, error: SquallError) -> SquallError | None:
+        """Never lost."""
+        return None
+
+    def close(self) -> None:
+        """The channel is the client's."""
+
+
+class ProxyBinding:
+    """A publisher proxy's endpoints and which one the next stream uses."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[Endpoint],
+        *,
+        replicated: bool,
+        make_channel: Callable[[str], grpc.Channel],
+    ) -> None:
+        if not endpoints:
+            raise ValueError("a publisher proxy needs at least one endpoint")
+        self.replicated = replicated
+        self._endpoints = list(endpoints)
+        self._make_channel = make_channel
+        self._lock = threading.Lock()
+        self._index = 0
+        # Set by a slave's redirect; used instead of the list until it fails.
+        self._redirect: Endpoint | None = None
+        self._lost: str = ""
+        self._channels: dict[str, grpc.Channel] = {}
+        self._closed = False
+
+    @property
+    def endpoints(self) -> list[Endpoint]:
+        """The proxy's endpoints, as issued (master first)."""
+        return list(self._endpoints)
+
+    def current(self) -> Endpoint:
+        """The endpoint the next stream goes to."""
+        with self._lock:
+            return self._current()
+
+    def _current(self) -> Endpoint:
+        return self._redirect or self._endpoints[self._index]
+
+    def open(self) -> tuple[broker_pb2_grpc.PublisherStub, Endpoint | None]:
+        """The stub for the next stream and its endpoint; PublisherLost once lost."""
+        with self._lock:
+            if self._lost:
+                raise PublisherLost(self._lost_message(), maybe_stored=False)
+            if self._closed:
+                raise PublisherLost("the publisher proxy is closed", maybe_stored=False)
+            endpoint = self._current()
+            channel = self._channels.get(endpoint.address)
+            if channel is None:
+                channel = self._channels[endpoint.address] = self._make_channel(endpoint.address)
+        return broker_pb2_grpc.PublisherStub(channel), endpoint
+
+    def stream_failed(
+        self,
+        endpoint: Endpoint | None,
+        code: grpc.StatusCode,
+        trailing: Iterable[tuple[str, str | bytes]] | None,
+    ) -> None:
+        """Notes how a stream bound to `endpoint` ended, choosing the next endpoint."""
+        redirect = master_address(trailing)
+        with self._lock:
+            if endpoint is None or endpoint != self._current() or self._lost:
+                return  # an older stream's news; a newer choice stands
+            if redirect and redirect != endpoint.address:
+                if not self.replicated:
+                    self._lost = f"{endpoint.node_id} at {endpoint.address} is no longer master"
+                    return
+                known = [e for e in self._endpoints if e.address == redirect]
+                self._redirect = known[0] if known else Endpoint("", redirect)
+                return
+            if code.name not in INDETERMINATE_AFTER_SEND:
+                return  # a definite answer: the endpoint is alive and still master
+            if not self.replicated:
+                self._lost = (
+                    f"lost the master {endpoint.node_id} at {endpoint.address} ({code.name})"
+                )
+                return
+            if self._redirect is not None:
+                # The master a slave named failed too: go back to the list, past it.
+                positions = [i for i, e in enumerate(self._endpoints) if e == self._redirect]
+                self._redirect = None
+                if not positions:
+                    return  # back to the endpoint the list was on
+                self._index = positions[0]
+            self._index = (self._index + 1) % len(self._endpoints)
+
+    def lost_error(self, error: SquallError) -> SquallError | None:
+        """The error the app sees for a batch that failed with `error` once lost, else None."""
+        with self._lock:
+            if not self._lost:
+                return None
+            message = self._lost_message()
+        return PublisherLost(
+            f"{message}: {error.details}", error.code, maybe_stored=error.maybe_stored
+        )
+
+    def _lost_message(self) -> str:
+        return (
+            f"non-replicated publisher lost its binding ({self._lost}); "
+            "ask the topic for a new publisher"
+        )
+
+    def close(self) -> None:
+        """Closes the channels this proxy opened."""
+        with self._lock:
+            self._closed = True
+            channels = list(self._channels.values())
+            self._channels.clear()
+        for channel in channels:
+            channel.close()
+
+
+Binding = GatewayBinding | ProxyBinding
