@@ -76,15 +76,38 @@ _TAIL_CACHE_ENTRIES_MAX = 4096
 # Entries per store read when a catching-up slave's batch is built.
 _STORE_READ_ENTRIES = 64
 # Snapshot chunks: records per chunk (a few MB of 100-byte events), bytes per chunk.
-_SNAPSHOT_RECORDS_MAX = 8192
+SNAPSHOT_RECORDS_MAX = 8192
 _SNAPSHOT_BYTES_MAX = SNAPSHOT_BYTES_MAX_DEFAULT
 # The most chunks one snapshot may have: a bound on the send loop far above any store
 # (2**32 chunks of at least one record each).
-_SNAPSHOT_CHUNKS_MAX = 1 << 32
+SNAPSHOT_CHUNKS_MAX = 1 << 32
 # Progress samples for the catch-up rate: one every _RATE_SAMPLE_S, the last
 # _RATE_SAMPLES kept (a window of about 5 s).
 _RATE_SAMPLE_S = 0.5
 _RATE_SAMPLES = 11
+
+
+def snapshot_chunk_bytes_max(max_message_bytes: int) -> int:
+    """The byte budget of one snapshot chunk: it must fit in one gRPC message."""
+    return min(_SNAPSHOT_BYTES_MAX, max_message_bytes // 2)
+
+
+async def close_export(
+    io: concurrent.futures.Executor, chunks: Generator[replica_pb2.SnapshotChunk, None, None]
+) -> None:
+    """Releases a snapshot export's read transaction on the store thread.
+
+    ``contextlib.closing`` on the loop could run while the store thread is still
+    inside ``next`` (a cancelled await does not stop the thread): queued behind it
+    on the one store thread, the close waits its turn.
+    """
+    try:
+        await asyncio.shield(asyncio.get_running_loop().run_in_executor(io, chunks.close))
+    except (RuntimeError, asyncio.CancelledError):
+        # The store thread is shut down (nothing else runs the generator), or this
+        # task was cancelled again while waiting: close it here.
+        with contextlib.closing(chunks):
+            pass
 
 
 @dataclass(eq=False)
@@ -375,7 +398,7 @@ class MasterDriver:
         """Streams one snapshot to a slave, a chunk at a time (see the module docstring)."""
         loop = asyncio.get_running_loop()
         node_id = link.node.id
-        bytes_max = min(_SNAPSHOT_BYTES_MAX, self.config.limits.max_message_bytes // 2)
+        bytes_max = snapshot_chunk_bytes_max(self.config.limits.max_message_bytes)
         chunks: Generator[replica_pb2.SnapshotChunk, None, None] | None = None
         started_s = time.monotonic()
         sent_bytes = 0
@@ -384,7 +407,7 @@ class MasterDriver:
                 # With the writer held, the store's last LSN is the core's: the snapshot
                 # LSN is one on_snapshot_started accepts, and the log after it is kept.
                 store = self._store()
-                chunks = store.snapshot_chunks(_SNAPSHOT_RECORDS_MAX, bytes_max)
+                chunks = store.snapshot_chunks(SNAPSHOT_RECORDS_MAX, bytes_max)
                 chunk = await loop.run_in_executor(self._io, next, chunks, None)
                 if chunk is None:
                     raise StoreError("the snapshot export produced no chunk")
@@ -398,7 +421,7 @@ class MasterDriver:
                 node_id,
                 chunk.snapshot_lsn,
             )
-            for count in range(1, _SNAPSHOT_CHUNKS_MAX + 1):
+            for count in range(1, SNAPSHOT_CHUNKS_MAX + 1):
                 sent_bytes += chunk.ByteSize()
                 link.outbox.put_nowait(replica_pb2.ReplicateRequest(snapshot=chunk))
                 await link.outbox.join()  # the stream took it: one chunk in memory at a time
@@ -432,22 +455,7 @@ class MasterDriver:
             self._close_stream(node_id, stream_id, message)
         finally:
             if chunks is not None:
-                await self._close_export(chunks)
-
-    async def _close_export(self, chunks: Generator[replica_pb2.SnapshotChunk, None, None]) -> None:
-        """Releases an export's read transaction on the store thread.
-
-        ``contextlib.closing`` on the loop could run while the store thread is still
-        inside ``next`` (a cancelled await does not stop the thread): queued behind it
-        on the one store thread, the close waits its turn.
-        """
-        try:
-            await asyncio.shield(asyncio.get_running_loop().run_in_executor(self._io, chunks.close))
-        except (RuntimeError, asyncio.CancelledError):
-            # The store thread is shut down (nothing else runs the generator), or this
-            # task was cancelled again while waiting: close it here.
-            with contextlib.closing(chunks):
-                pass
+                await close_export(self._io, chunks)
 
     def _complete(self, done: Sequence[Waiting]) -> None:
         stamps: dict[int, bytes] = {}

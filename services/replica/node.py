@@ -11,7 +11,9 @@ on either side see only committed entries (``CommitGate``).
 
 Reorganization: before a new master writes its epoch-start entry it fetches the log it
 lacks from the group's sync source (``Replication.FetchLog``), truncating a divergent
-suffix of its own first (by rebuilding the store from its log, ``rebuild``).
+suffix of its own first (by rebuilding the store from its log, ``rebuild``). When that
+cannot work (its log is compacted, or the source's no longer holds what it lacks) the
+source sends a snapshot and the log after it, installed as a slave installs one.
 
 Log retention: after each batch the master and the slaves compact their logs to at
 most ``limits.log_retention_entries`` entries (plus one compaction step), on the store
@@ -27,9 +29,10 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
+import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Generator, Iterable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -42,7 +45,16 @@ from services.replica import commands
 from services.replica.commands import BatchBuilder, Command, Planned
 from services.replica.divergence import HistoryError, fork_lsn
 from services.replica.follower import Follower, FollowerConfig, FollowerError, Refusal
-from services.replica.master_driver import EPOCH_KEY, MasterDriver, SlaveStatus, Waiting
+from services.replica.master_driver import (
+    EPOCH_KEY,
+    SNAPSHOT_CHUNKS_MAX,
+    SNAPSHOT_RECORDS_MAX,
+    MasterDriver,
+    SlaveStatus,
+    Waiting,
+    close_export,
+    snapshot_chunk_bytes_max,
+)
 from services.replica.rebuild import LmdbTruncator
 from services.replica.replication import (
     Ack,
@@ -311,7 +323,7 @@ class ReplicaNode:
         options = channel_options(self.config.limits.max_message_bytes)
         timeout_s = self.config.timeouts.rpc_timeout_ms / 1000
         sync = self.config.durability.master_sync == common_pb2.SYNC_POLICY_SYNC
-        fetched = 0
+        fetched = snapshots = 0
         async with grpc.aio.insecure_channel(source.replica_address, options=options) as channel:
             stub = replica_pb2_grpc.ReplicationStub(channel)
             # Twice at most: once more after truncating a divergent suffix.
@@ -327,9 +339,20 @@ class ReplicaNode:
                         for b in meta.history
                     ],
                     max_entries=self.config.limits.commit_batch_max_entries,
+                    log_start_lsn=self.store.log_start_lsn(),
                 )
                 try:
-                    async for batch in stub.FetchLog(request, timeout=timeout_s):
+                    # Bounded by the call's deadline.
+                    async for response in stub.FetchLog(request, timeout=timeout_s):
+                        if response.WhichOneof("body") == "snapshot":
+                            # The source answers with a snapshot when this log cannot be
+                            # truncated by replay or lacks entries the source compacted.
+                            snapshot_lsn = await self._fetched_snapshot_chunk(
+                                response.snapshot, epoch, source_id, after_entries=fetched > 0
+                            )
+                            snapshots += snapshot_lsn is not None
+                            continue
+                        batch = response.entries
                         if batch.truncate_after_lsn and batch.truncate_after_lsn < meta.last_lsn:
                             raise _Diverged(batch.truncate_after_lsn)
                         entries = list(batch.entries)
@@ -365,14 +388,38 @@ class ReplicaNode:
         self._last_lsn = meta.last_lsn
         self.gate.advance(meta.last_lsn)
         log.info(
-            "replica %s synced from %s for epoch %d: %d entries fetched, log at epoch %d LSN %d",
+            "replica %s synced from %s for epoch %d: %s%d entries fetched, log at epoch %d "
+            "LSN %d (from LSN %d)",
             self.node.id,
             source_id,
             epoch,
+            "a snapshot and " if snapshots else "",
             fetched,
             meta.last_epoch,
             meta.last_lsn,
+            self._log_start_lsn,
         )
+
+    async def _fetched_snapshot_chunk(
+        self, chunk: replica_pb2.SnapshotChunk, epoch: int, source_id: str, *, after_entries: bool
+    ) -> int | None:
+        """Installs one snapshot chunk of a reorganization fetch, as a slave does; returns
+        the snapshot's LSN after the last chunk, else None. Store errors propagate."""
+        if after_entries or chunk.snapshot_epoch > epoch:
+            raise ServiceError(
+                Code.FAILED_PRECONDITION,
+                f"replica {self.node.id} cannot take the master role in epoch {epoch}: sync "
+                f"source {source_id} sent snapshot chunk {chunk.index} (LSN "
+                f"{chunk.snapshot_lsn}, epoch {chunk.snapshot_epoch}) "
+                + ("after log entries" if after_entries else "of a newer epoch"),
+            )
+        async with self._commit_lock:
+            return await self._install_snapshot_chunk(
+                chunk,
+                last=chunk.last,
+                history=[(b.epoch, b.start_lsn) for b in chunk.history],
+                source=f"sync source {source_id}",
+            )
 
     async def _truncate_after(self, keep_lsn: int, why: str) -> None:
         """Removes the log after keep_lsn (a deposed master's uncommitted suffix)."""
@@ -815,33 +862,12 @@ class ReplicaNode:
             )
             if isinstance(result, Refusal):
                 raise self._refusal(result)
-            loop = asyncio.get_running_loop()
-            store = self.store
             try:
-                if result.index == 0:
-                    log.warning(
-                        "replica %s installing a snapshot at LSN %d (epoch %d) from master %s: "
-                        "its state and log (last LSN %d) are replaced",
-                        self.node.id,
-                        chunk.snapshot_lsn,
-                        chunk.snapshot_epoch,
-                        follower.state().master_id,
-                        self._last_lsn,
-                    )
-                    await loop.run_in_executor(
-                        self._io,
-                        functools.partial(
-                            store.begin_snapshot, chunk.snapshot_lsn, chunk.snapshot_epoch
-                        ),
-                    )
-                    # The store reports itself empty until the install finishes.
-                    self._last_lsn = 0
-                    self.gate.truncated(0)
-                await loop.run_in_executor(self._io, store.install_chunk, chunk)
-                if not result.install:
-                    return []
-                await loop.run_in_executor(
-                    self._io, functools.partial(store.finish_snapshot, result.history)
+                installed = await self._install_snapshot_chunk(
+                    chunk,
+                    last=result.install,
+                    history=result.history,
+                    source=f"master {follower.state().master_id}",
                 )
             except (StoreError, FollowerError) as exc:
                 meta = self.store.meta()
@@ -862,23 +888,66 @@ class ReplicaNode:
                 raise self._refused(
                     Code.UNAVAILABLE, f"replica {self.node.id}: snapshot install failed: {exc}"
                 ) from exc
-            lsn = result.snapshot_lsn
-            self._last_lsn = lsn
-            self._log_start_lsn = lsn + 1
-            # The snapshot's state cannot be hidden event by event: all of it is visible
-            # (see docs/replication.md, known gaps).
-            self.gate.advance(lsn)
-            self._notify_committed()
-            log.info(
-                "replica %s installed the snapshot at LSN %d (epoch %d); the log continues "
-                "from LSN %d",
-                self.node.id,
-                lsn,
-                chunk.snapshot_epoch,
-                lsn + 1,
-            )
+            if installed is None:
+                return []
             # finish_snapshot flushed the whole install.
-            return [_ack(follower.on_written(lsn, synced=True))]
+            return [_ack(follower.on_written(installed, synced=True))]
+
+    async def _install_snapshot_chunk(
+        self,
+        chunk: replica_pb2.SnapshotChunk,
+        *,
+        last: bool,
+        history: Iterable[tuple[int, int]],
+        source: str,
+    ) -> int | None:
+        """Installs one snapshot chunk on the store thread (commit lock held): chunk 0
+        begins the install, the last (`last`) finishes it with `history`. Returns the
+        snapshot's LSN once installed, else None. A slave's stream and a new master's
+        reorganization fetch share it; store errors are the caller's to map."""
+        loop = asyncio.get_running_loop()
+        store = self.store
+        if chunk.index == 0:
+            log.warning(
+                "replica %s installing a snapshot at LSN %d (epoch %d) from %s: its state "
+                "and log (last LSN %d) are replaced",
+                self.node.id,
+                chunk.snapshot_lsn,
+                chunk.snapshot_epoch,
+                source,
+                self._last_lsn,
+            )
+            await loop.run_in_executor(
+                self._io,
+                functools.partial(store.begin_snapshot, chunk.snapshot_lsn, chunk.snapshot_epoch),
+            )
+            # The store reports itself empty until the install finishes.
+            self._last_lsn = 0
+            self._log_start_lsn = 1
+            self.gate.truncated(0)
+        await loop.run_in_executor(self._io, store.install_chunk, chunk)
+        if not last:
+            return None
+        await loop.run_in_executor(
+            self._io, functools.partial(store.finish_snapshot, list(history))
+        )
+        lsn = chunk.snapshot_lsn
+        self._last_lsn = lsn
+        self._log_start_lsn = lsn + 1
+        # The snapshot's state cannot be hidden event by event: all of it is visible
+        # (see docs/replication.md, known gaps).
+        self.gate.advance(lsn)
+        self._notify_committed()
+        log.info(
+            "replica %s installed the snapshot at LSN %d (epoch %d) from %s; the log "
+            "continues from LSN %d",
+            self.node.id,
+            lsn,
+            chunk.snapshot_epoch,
+            source,
+            lsn + 1,
+        )
+        return lsn
 
     def replication_heartbeat(
         self, stream: int, heartbeat: replica_pb2.ReplicationHeartbeat
@@ -899,8 +968,9 @@ class ReplicaNode:
 
     async def fetch_log(
         self, request: replica_pb2.FetchLogRequest
-    ) -> AsyncIterator[replica_pb2.EntryBatch]:
-        """Serves a new master's reorganization fetch: the log after where ours part."""
+    ) -> AsyncIterator[replica_pb2.FetchLogResponse]:
+        """Serves a new master's reorganization fetch: the log after where ours part, or a
+        snapshot and the log after it when the requester cannot take the log alone."""
         meta = self.store.meta()
         who = f"replica {self.node.id} (epoch {meta.epoch}, last LSN {meta.last_lsn})"
         if self.role == common_pb2.ROLE_MASTER:
@@ -923,33 +993,106 @@ class ReplicaNode:
                 Code.FAILED_PRECONDITION,
                 f"{who}: node {request.node_id[:64]!r}'s log shares no entry with this one",
             )
+        diverged = request.last_lsn > fork
+        log_start = self.store.log_start_lsn()
+        # Truncation by rebuild replays the requester's log from LSN 1; and what it lacks
+        # must still be in our log. Otherwise only a snapshot brings it to our state.
+        why_snapshot = ""
+        if diverged and max(request.log_start_lsn, 1) > 1:
+            why_snapshot = (
+                f"it must truncate after LSN {fork} and its log starts at LSN "
+                f"{request.log_start_lsn}"
+            )
+        elif fork + 1 < log_start:
+            why_snapshot = f"it lacks LSNs from {fork + 1} and this log starts at {log_start}"
         log.info(
-            "replica %s serves a fetch to %s for epoch %d: LSNs %d..%d%s",
+            "replica %s serves a fetch to %s for epoch %d: %s%s",
             self.node.id,
             request.node_id[:64],
             request.epoch,
-            fork + 1,
-            meta.last_lsn,
-            f" (it truncates after {fork})" if request.last_lsn > fork else "",
-        )
-        yield replica_pb2.EntryBatch(
-            epoch=meta.epoch, truncate_after_lsn=fork if request.last_lsn > fork else 0
+            f"a snapshot ({why_snapshot})" if why_snapshot else f"LSNs {fork + 1}..{meta.last_lsn}",
+            f" (it truncates after {fork})" if diverged and not why_snapshot else "",
         )
         step = min(
             request.max_entries or self.config.limits.commit_batch_max_entries,
             self.config.limits.replication_inflight_entries_max,
         )
+        if why_snapshot:
+            snapshot_lsn = 0
+            async for chunk in self._export_snapshot(request.node_id[:64]):
+                snapshot_lsn = chunk.snapshot_lsn
+                yield replica_pb2.FetchLogResponse(snapshot=chunk)
+            # The log after the snapshot, as far as it reached when the fetch began (our
+            # log may have grown while the snapshot was read: the rest is its tail).
+            last_lsn = max(meta.last_lsn, self.store.meta().last_lsn)
+            async for batch in self._log_batches(snapshot_lsn + 1, last_lsn, step, meta.epoch):
+                yield replica_pb2.FetchLogResponse(entries=batch)
+            return
+        yield replica_pb2.FetchLogResponse(
+            entries=replica_pb2.EntryBatch(
+                epoch=meta.epoch, truncate_after_lsn=fork if diverged else 0
+            )
+        )
+        async for batch in self._log_batches(fork + 1, meta.last_lsn, step, meta.epoch):
+            yield replica_pb2.FetchLogResponse(entries=batch)
+
+    async def _log_batches(
+        self, from_lsn: int, to_lsn: int, step: int, epoch: int
+    ) -> AsyncIterator[replica_pb2.EntryBatch]:
+        """The log from from_lsn to to_lsn in batches of at most step entries."""
         store = self.store
-        next_lsn = fork + 1
-        # One batch per step: bounded by the log's length at the start of the fetch.
-        while next_lsn <= meta.last_lsn:
-            count = min(step, meta.last_lsn - next_lsn + 1)
-            start = next_lsn
-            entries = await asyncio.to_thread(store.read_log, start, count)
+        next_lsn = from_lsn
+        # One batch per step: bounded by to_lsn.
+        while next_lsn <= to_lsn:
+            count = min(step, to_lsn - next_lsn + 1)
+            entries = await asyncio.to_thread(store.read_log, next_lsn, count)
             if not entries:
                 break
-            yield replica_pb2.EntryBatch(entries=entries, epoch=meta.epoch)
+            yield replica_pb2.EntryBatch(entries=entries, epoch=epoch)
             next_lsn = entries[-1].lsn + 1
+
+    async def _export_snapshot(self, requester: str) -> AsyncIterator[replica_pb2.SnapshotChunk]:
+        """This store's snapshot for a fetch, from one read transaction on the store
+        thread: the next chunk is read only once the caller took the last one."""
+        loop = asyncio.get_running_loop()
+        bytes_max = snapshot_chunk_bytes_max(self.config.limits.max_message_bytes)
+        chunks: Generator[replica_pb2.SnapshotChunk, None, None] | None = None
+        started_s = time.monotonic()
+        sent_bytes = 0
+        try:
+            async with self._commit_lock:  # no batch half-applied under the snapshot's LSN
+                chunks = self.store.snapshot_chunks(SNAPSHOT_RECORDS_MAX, bytes_max)
+                chunk = await loop.run_in_executor(self._io, next, chunks, None)
+            if chunk is None:
+                raise StoreError("the snapshot export produced no chunk")
+            log.info(
+                "replica %s sending %s a snapshot at LSN %d for its reorganization",
+                self.node.id,
+                requester,
+                chunk.snapshot_lsn,
+            )
+            for count in range(1, SNAPSHOT_CHUNKS_MAX + 1):
+                sent_bytes += chunk.ByteSize()
+                yield chunk
+                if chunk.last:
+                    elapsed_s = max(time.monotonic() - started_s, 1e-9)
+                    log.info(
+                        "replica %s: snapshot at LSN %d sent to %s: %d chunks, %.1f MB in %.2f s",
+                        self.node.id,
+                        chunk.snapshot_lsn,
+                        requester,
+                        count,
+                        sent_bytes / 1e6,
+                        elapsed_s,
+                    )
+                    return
+                next_chunk = await loop.run_in_executor(self._io, next, chunks, None)
+                if next_chunk is None:
+                    raise StoreError("the snapshot export ended without its last chunk")
+                chunk = next_chunk
+        finally:
+            if chunks is not None:
+                await close_export(self._io, chunks)
 
     async def _watch_lease(self) -> None:
         """Drops the role when the coordinator stops renewing it (e.g. it died)."""

@@ -8,7 +8,9 @@ installed one transaction each, and the last one acknowledged at the snapshot's 
 Any refusal closes the stream with the Follower's status, and carries the replica's
 epoch in the trailing metadata (``squall-epoch``) so a stale master steps down.
 
-``FetchLog``: serves a new master's reorganization catch-up (``ReplicaNode.fetch_log``).
+``FetchLog``: serves a new master's reorganization catch-up (``ReplicaNode.fetch_log``):
+log entries, or a snapshot and the log after it when the new master cannot truncate its
+compacted log or lacks entries this replica compacted.
 """
 
 from __future__ import annotations
@@ -77,10 +79,10 @@ class Replication(replica_pb2_grpc.ReplicationServicer):
 
     async def FetchLog(
         self, request: replica_pb2.FetchLogRequest, context: Context
-    ) -> AsyncIterator[replica_pb2.EntryBatch]:
+    ) -> AsyncIterator[replica_pb2.FetchLogResponse]:
         try:
-            async for batch in self.node.fetch_log(request):
-                yield batch
+            async for response in self.node.fetch_log(request):
+                yield response
         except ServiceError as exc:
             await abort(context, exc)
         except StoreError as exc:

@@ -481,6 +481,106 @@ def test_a_slave_behind_the_compacted_log_catches_up_by_snapshot_then_the_tail(
     assert all(view == views[0] for view in views[1:])
 
 
+def test_a_deposed_master_with_a_compacted_divergent_log_takes_the_lead_back_by_snapshot(
+    cluster_factory: object,
+) -> None:
+    """n1 (highest priority) keeps an uncommitted suffix when it dies, every log is
+    compacted meanwhile, and n1 comes back: its reorganization cannot truncate by replay
+    nor fetch the entries it lacks, so its sync source answers with a snapshot. The group
+    becomes NORMAL with n1 as master; every acknowledged event is on every replica."""
+    trio = _started_trio(cluster_factory, limits={"log_retention_entries": 256})
+    assert trio.wait_for_master() == "n1"
+    slaves = ["n2", "n3"]
+    for slave in slaves:
+        _wait_for(
+            lambda: trio.replica_role(slave) == common_pb2.ROLE_SLAVE,  # noqa: B023
+            15,
+            f"{slave} is a slave",
+        )
+    acked: dict[bytes, int] = {}
+
+    def publish(publisher: object, sequence: int, count: int) -> int:
+        for _ in range(count):
+            request = _request("t", "p", sequence, [100] * 4)
+            response = _call_with_retry(publisher.Publish, request, 30)  # type: ignore[attr-defined]
+            assert isinstance(response, broker_pb2.PublishResponse)
+            for event, receipt in zip(request.events, response.receipts, strict=True):  # type: ignore[attr-defined]
+                acked[event.payload] = receipt.offset
+            sequence += 4
+        return sequence
+
+    with trio.channel() as channel:
+        topics = broker_pb2_grpc.TopicManagerStub(channel)
+        publisher = broker_pb2_grpc.PublisherStub(channel)
+        _call_with_retry(topics.CreateTopic, broker_pb2.CreateTopicRequest(name="t"), 10)
+        sequence = publish(publisher, 1, 400)  # 400 entries: n1's log is compacted
+    _wait_for(lambda: all(_caught_up(trio, "n1", s) for s in slaves), 30, "slaves caught up")
+    assert _state(trio.replica_address("n1")).log_start_lsn > 1
+    # The divergent suffix: with both slaves' replicas stopped, n1 stores these requests
+    # but cannot commit them (never acknowledged: they time out).
+    pids = [trio.services[("replica", s)].pid for s in slaves]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        with grpc.insecure_channel(trio.replica_address("n1")) as channel:
+            direct = broker_pb2_grpc.PublisherStub(channel)
+            pending = [
+                direct.Publish.future(_request("t", "lost", 1 + 4 * i, [100] * 4), timeout=2)
+                for i in range(3)
+            ]
+            for future in pending:
+                with pytest.raises(grpc.RpcError):
+                    future.result()
+            n1 = _state(trio.replica_address("n1"))
+        assert n1.last_lsn > n1.commit_lsn, "n1 was expected to hold an uncommitted suffix"
+        trio.kill_node("n1")
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    new_master = trio.wait_for_master(timeout_s=30, exclude="n1")
+    with trio.channel() as channel:
+        publisher = broker_pb2_grpc.PublisherStub(channel)
+        # 400 entries more: every survivor's log starts above what n1 lacks.
+        sequence = publish(publisher, sequence, 400)
+    _wait_for(
+        lambda: all(
+            _state(trio.replica_address(s)).log_start_lsn > n1.last_lsn + 1 for s in slaves
+        ),
+        30,
+        "both survivors compacted their logs past n1's",
+    )
+    trio.start_node("n1")
+
+    def n1_leads() -> bool:
+        status = trio.statuses().get("n1")
+        return (
+            status is not None
+            and status.state == common_pb2.NODE_STATE_NORMAL
+            and status.coordinator_id == "n1"
+            and trio.replica_role("n1") == common_pb2.ROLE_MASTER
+        )
+
+    _wait_for(n1_leads, 60, "n1 is master again after a reorganization by snapshot")
+    replica_log = trio.log("replica", "n1")
+    assert "installed the snapshot at LSN" in replica_log and "from sync source" in replica_log
+    assert "it needs a snapshot" not in replica_log, "a truncation by replay was attempted"
+    assert _state(trio.replica_address("n1")).log_start_lsn > n1.last_lsn
+    sources = [trio.log("replica", s) for s in slaves]
+    assert any("sending n1 a snapshot" in text for text in sources), new_master
+    with trio.channel() as channel:
+        publisher = broker_pb2_grpc.PublisherStub(channel)
+        publish(publisher, sequence, 20)  # the group commits under n1
+
+    def every_replica_holds_every_ack() -> bool:
+        views = [dict(_read_replica(trio.replica_address(n.id), "t")) for n in trio.config.nodes]
+        return all(
+            all(view.get(offset) == payload for payload, offset in acked.items())
+            for view in views
+        ) and all(view == views[0] for view in views)
+
+    _wait_for(every_replica_holds_every_ack, 30, "every replica holds every acknowledged event")
+
+
 def _current_master(cluster: LocalCluster, timeout_s: float = 20) -> str:
     return cluster.wait_for_master(timeout_s=timeout_s)
 

@@ -546,6 +546,7 @@ class FetchLogRequest(_message.Message):
     LAST_LSN_FIELD_NUMBER: _builtins.int
     HISTORY_FIELD_NUMBER: _builtins.int
     MAX_ENTRIES_FIELD_NUMBER: _builtins.int
+    LOG_START_LSN_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The requester's node id."""
     epoch: _builtins.int
@@ -556,6 +557,11 @@ class FetchLogRequest(_message.Message):
     """The requester's last LSN."""
     max_entries: _builtins.int
     """Most entries per batch (0: the source's commit batch size)."""
+    log_start_lsn: _builtins.int
+    """The first LSN still in the requester's log (0 from an older requester means 1). Above
+    1, it cannot truncate a divergent suffix by replaying its log: the source sends a
+    snapshot instead.
+    """
     @_builtins.property
     def history(self) -> _containers.RepeatedCompositeFieldContainer[Global___EpochBoundary]:
         """The requester's epoch history."""
@@ -569,14 +575,49 @@ class FetchLogRequest(_message.Message):
         last_lsn: _builtins.int = ...,
         history: _abc.Iterable[Global___EpochBoundary] | None = ...,
         max_entries: _builtins.int = ...,
+        log_start_lsn: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "epoch", b"epoch", "history", b"history", "last_lsn", b"last_lsn", "max_entries", b"max_entries", "node_id", b"node_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "epoch", b"epoch", "history", b"history", "last_lsn", b"last_lsn", "log_start_lsn", b"log_start_lsn", "max_entries", b"max_entries", "node_id", b"node_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___FetchLogRequest: _TypeAlias = FetchLogRequest  # noqa: Y015
+
+@_typing.final
+class FetchLogResponse(_message.Message):
+    """One message of a FetchLog answer: entries, or a snapshot chunk (all chunks come first,
+    then the entries after the snapshot's LSN).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def entries(self) -> Global___EntryBatch:
+        """Consecutive entries (the first message may carry only truncate_after_lsn)."""
+
+    @_builtins.property
+    def snapshot(self) -> Global___SnapshotChunk:
+        """Part of a snapshot that replaces the requester's state and log."""
+
+    def __init__(
+        self,
+        *,
+        entries: Global___EntryBatch | None = ...,
+        snapshot: Global___SnapshotChunk | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "entries", b"entries", "snapshot", b"snapshot"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "entries", b"entries", "snapshot", b"snapshot"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["entries", "snapshot"]  # noqa: Y015
+    _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
+
+Global___FetchLogResponse: _TypeAlias = FetchLogResponse  # noqa: Y015
 
 @_typing.final
 class ReplicateResponse(_message.Message):

@@ -45,7 +45,7 @@ class ReplicationStub:
         self.FetchLog = channel.unary_stream(
                 '/squall.v1.Replication/FetchLog',
                 request_serializer=squall_dot_v1_dot_replica__pb2.FetchLogRequest.SerializeToString,
-                response_deserializer=squall_dot_v1_dot_replica__pb2.EntryBatch.FromString,
+                response_deserializer=squall_dot_v1_dot_replica__pb2.FetchLogResponse.FromString,
                 _registered_method=True)
 
 
@@ -67,8 +67,11 @@ class ReplicationServicer:
         fetches the log it lacks from its group's sync source. The source finds where the two
         logs part and streams its entries after that point; the first batch's
         truncate_after_lsn is set when the requester holds a suffix the source does not.
-        FAILED_PRECONDITION when the source is a master (its log still grows), belongs to
-        another cluster, or holds a newer epoch than the request.
+        When the requester cannot truncate by replaying its log (its log_start_lsn is above
+        1) or lacks entries below the source's log start, the source answers with a snapshot
+        instead (its chunks, from one read transaction), then the log after the snapshot's
+        LSN as entries. FAILED_PRECONDITION when the source is a master (its log still
+        grows), belongs to another cluster, or holds a newer epoch than the request.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -85,7 +88,7 @@ def add_ReplicationServicer_to_server(servicer, server):
             'FetchLog': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchLog,
                     request_deserializer=squall_dot_v1_dot_replica__pb2.FetchLogRequest.FromString,
-                    response_serializer=squall_dot_v1_dot_replica__pb2.EntryBatch.SerializeToString,
+                    response_serializer=squall_dot_v1_dot_replica__pb2.FetchLogResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -143,7 +146,7 @@ class Replication:
             target,
             '/squall.v1.Replication/FetchLog',
             squall_dot_v1_dot_replica__pb2.FetchLogRequest.SerializeToString,
-            squall_dot_v1_dot_replica__pb2.EntryBatch.FromString,
+            squall_dot_v1_dot_replica__pb2.FetchLogResponse.FromString,
             options,
             channel_credentials,
             insecure,

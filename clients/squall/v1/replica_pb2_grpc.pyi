@@ -42,13 +42,16 @@ class ReplicationStub:
     """Entries and snapshot chunks out, acknowledgements back. The first request is a Hello;
     the slave answers it with its log position, then acks batches as it stores them.
     """
-    FetchLog: _grpc.UnaryStreamMultiCallable[_replica_pb2.FetchLogRequest, _replica_pb2.EntryBatch]
+    FetchLog: _grpc.UnaryStreamMultiCallable[_replica_pb2.FetchLogRequest, _replica_pb2.FetchLogResponse]
     """The reorganization's catch-up: before a new master writes its epoch-start entry it
     fetches the log it lacks from its group's sync source. The source finds where the two
     logs part and streams its entries after that point; the first batch's
     truncate_after_lsn is set when the requester holds a suffix the source does not.
-    FAILED_PRECONDITION when the source is a master (its log still grows), belongs to
-    another cluster, or holds a newer epoch than the request.
+    When the requester cannot truncate by replaying its log (its log_start_lsn is above
+    1) or lacks entries below the source's log start, the source answers with a snapshot
+    instead (its chunks, from one read transaction), then the log after the snapshot's
+    LSN as entries. FAILED_PRECONDITION when the source is a master (its log still
+    grows), belongs to another cluster, or holds a newer epoch than the request.
     """
 
 @_typing.type_check_only
@@ -62,13 +65,16 @@ class ReplicationAsyncStub(ReplicationStub):
     """Entries and snapshot chunks out, acknowledgements back. The first request is a Hello;
     the slave answers it with its log position, then acks batches as it stores them.
     """
-    FetchLog: _aio.UnaryStreamMultiCallable[_replica_pb2.FetchLogRequest, _replica_pb2.EntryBatch]  # type: ignore[assignment]
+    FetchLog: _aio.UnaryStreamMultiCallable[_replica_pb2.FetchLogRequest, _replica_pb2.FetchLogResponse]  # type: ignore[assignment]
     """The reorganization's catch-up: before a new master writes its epoch-start entry it
     fetches the log it lacks from its group's sync source. The source finds where the two
     logs part and streams its entries after that point; the first batch's
     truncate_after_lsn is set when the requester holds a suffix the source does not.
-    FAILED_PRECONDITION when the source is a master (its log still grows), belongs to
-    another cluster, or holds a newer epoch than the request.
+    When the requester cannot truncate by replaying its log (its log_start_lsn is above
+    1) or lacks entries below the source's log start, the source answers with a snapshot
+    instead (its chunks, from one read transaction), then the log after the snapshot's
+    LSN as entries. FAILED_PRECONDITION when the source is a master (its log still
+    grows), belongs to another cluster, or holds a newer epoch than the request.
     """
 
 class ReplicationServicer(metaclass=_abc_1.ABCMeta):
@@ -91,13 +97,16 @@ class ReplicationServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _replica_pb2.FetchLogRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_replica_pb2.EntryBatch], _abc.AsyncIterator[_replica_pb2.EntryBatch]]:
+    ) -> _typing.Union[_abc.Iterator[_replica_pb2.FetchLogResponse], _abc.AsyncIterator[_replica_pb2.FetchLogResponse]]:
         """The reorganization's catch-up: before a new master writes its epoch-start entry it
         fetches the log it lacks from its group's sync source. The source finds where the two
         logs part and streams its entries after that point; the first batch's
         truncate_after_lsn is set when the requester holds a suffix the source does not.
-        FAILED_PRECONDITION when the source is a master (its log still grows), belongs to
-        another cluster, or holds a newer epoch than the request.
+        When the requester cannot truncate by replaying its log (its log_start_lsn is above
+        1) or lacks entries below the source's log start, the source answers with a snapshot
+        instead (its chunks, from one read transaction), then the log after the snapshot's
+        LSN as entries. FAILED_PRECONDITION when the source is a master (its log still
+        grows), belongs to another cluster, or holds a newer epoch than the request.
         """
 
 def add_ReplicationServicer_to_server(servicer: ReplicationServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
