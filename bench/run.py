@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import failover, machine, replicated, single_node
+from bench import failover, machine, publish_gap, replicated, single_node
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # The aims the issue set, for WRITE_NO_SYNC on a 2-core machine (events/s).
@@ -41,10 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         action="append",
-        choices=(*single_node.SCENARIOS, "failover", "replicated"),
+        choices=(*single_node.SCENARIOS, "failover", "replicated", "publish_gap"),
         metavar="NAME",
         help=f"run only this scenario (repeatable): {', '.join(single_node.SCENARIOS)}, "
-        "failover, replicated (3 nodes); "
+        "failover, replicated, publish_gap (3 nodes); "
         "subscribe and direct also run the pipelined publish whose events they read",
     )
     parser.add_argument(
@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sizes = single_node.Sizes.quick() if args.quick else single_node.Sizes.full()
     only = set(args.only or single_node.SCENARIOS)
+    three_node = {"failover", "replicated", "publish_gap"}
     policies = [p for p in single_node.POLICIES if p in (args.policy or single_node.POLICIES)]
     stamp = time.strftime("%Y%m%dT%H%M%S")
     profiler = None
@@ -96,7 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         if not args.only or "replicated" in args.only:
             sizes_replicated = replicated.Sizes.quick() if args.quick else replicated.Sizes.full()
             replicated_figures = replicated.run(sizes_replicated, Path(temp) / "replicated", log)
-        for policy in policies if (not args.only or only - {"failover", "replicated"}) else []:
+        gap_figures: dict[str, Any] | None = None
+        if not args.only or "publish_gap" in args.only:
+            sizes_gap = publish_gap.Sizes.quick() if args.quick else publish_gap.Sizes.full()
+            gap_figures = publish_gap.run(sizes_gap, Path(temp) / "publish-gap", log)
+        for policy in policies if (not args.only or only - three_node) else []:
             log(f"bench: master_sync={policy}")
             runs[policy] = single_node.run_policy(
                 policy, sizes, only, Path(temp) / policy.lower(), log, profiler
@@ -119,20 +124,28 @@ def main(argv: list[str] | None = None) -> int:
             "replicated_sizes": vars(
                 replicated.Sizes.quick() if args.quick else replicated.Sizes.full()
             ),
+            "publish_gap_sizes": vars(
+                publish_gap.Sizes.quick() if args.quick else publish_gap.Sizes.full()
+            ),
             "note": "the client and every service process share this machine's cores",
             "background_load_pct_of_core": background_pct,
         },
         "runs": runs,
         "failover": failover_figures,
         "replicated": replicated_figures,
+        "publish_gap": gap_figures,
     }
     if profiler is not None:
         report["profiles"] = profiler.summaries
     args.results_dir.mkdir(parents=True, exist_ok=True)
-    # A run of the replicated scenarios alone is filed as such and leaves latest.json
-    # (the single-node figures) alone.
-    kind = "replicated" if replicated_figures and not runs else "single-node"
-    report["benchmark"] = kind if kind == "replicated" else report["benchmark"]
+    # A run of the replicated or publish-gap scenarios alone is filed as such and leaves
+    # latest.json (the single-node figures) alone.
+    kind = "single-node"
+    if not runs and replicated_figures:
+        kind = "replicated"
+    elif not runs and gap_figures:
+        kind = "publish-gap"
+    report["benchmark"] = kind
     path = args.results_dir / f"{stamp}-{kind}.json"
     text = json.dumps(report, indent=2) + "\n"
     path.write_text(text)
@@ -143,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     if replicated_figures:
         print()
         print(replicated.table(replicated_figures))
+    if gap_figures:
+        print()
+        print(publish_gap.table(gap_figures))
     print(f"\nwritten: {path}")
     return 0
 
@@ -156,6 +172,8 @@ def markdown_table(report: dict[str, Any]) -> str:
     """The figures as a Markdown table, one column per policy."""
     runs: dict[str, dict[str, Any]] = report["runs"]
     policies = list(runs)
+    # A three-node-only run has no policy columns: its figures go in one column.
+    columns = policies or ["3 nodes"]
     rows: list[tuple[str, str, str]] = [
         ("unary publish", "unary_publish", "events_per_s"),
         ("unary publish p50 (ms)", "unary_publish", "latency_ms_p50"),
@@ -169,9 +187,9 @@ def markdown_table(report: dict[str, Any]) -> str:
     ]
     lines = [
         "| figure (events/s unless noted; median (min-max) of repeats) | "
-        + " | ".join(policies)
+        + " | ".join(columns)
         + " |",
-        "|---|" + "---:|" * len(policies),
+        "|---|" + "---:|" * len(columns),
     ]
     for label, scenario, key in rows:
         cells = [_cell(runs[p].get(scenario), key) for p in policies]
@@ -183,7 +201,28 @@ def markdown_table(report: dict[str, Any]) -> str:
             f"| failover, kill -9 of the master to a new normal master (ms, "
             f"{fail['trials']} trials) | p50 {fail['p50_ms']}, max {fail['max_ms']} |"
             + " |"
-            * max(0, len(policies) - 1)
+            * max(0, len(columns) - 1)
+        )
+    gap = report.get("publish_gap")
+    for label, name in (
+        ("gateway", "through the gateway"),
+        ("replicated_proxy", "replicated proxy"),
+    ):
+        figures = (gap or {}).get(label)
+        if figures:
+            lines.append(
+                f"| publish gap {name}, kill -9 of the master to the next receipt (ms, "
+                f"{figures['trials']} trials) | p50 {figures['p50_ms']}, max {figures['max_ms']} |"
+                + " |"
+                * max(0, len(columns) - 1)
+            )
+    delivery = (gap or {}).get("delivery")
+    if delivery:
+        lines.append(
+            "| publish-to-delivery, following subscriber via the gateway (ms) | "
+            f"p50 {delivery['latency_ms_p50']}, p99 {delivery['latency_ms_p99']} |"
+            + " |"
+            * max(0, len(columns) - 1)
         )
     lines.append("")
     lines.append(f"machine: {machine.summary(report['machine'])}")

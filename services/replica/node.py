@@ -207,6 +207,7 @@ class ReplicaNode:
             await self.deactivate(f"taking the master role in epoch {epoch}")
         self.store.set_epoch(epoch)
         self.epoch = epoch
+        self.transient.new_epoch(epoch)
         if sync_source_id and sync_source_id != self.node.id:
             await self._sync_from(sync_source_id, epoch)
         meta = self.store.meta()

@@ -256,6 +256,10 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
                     f"(next offset {next_offset})"
                 )
             offset = request.offset
+        elif transient:
+            # IceStorm's event model: a transient topic's events go to the subscribers
+            # there are now; the ring only lets a briefly slow one catch up.
+            offset = next_offset
         elif start in (broker_pb2.START_POSITION_UNSPECIFIED, broker_pb2.START_POSITION_EARLIEST):
             offset = topic.first_offset
         else:

@@ -14,8 +14,8 @@ from squall.v1 import broker_pb2, common_pb2
 
 
 class _Ring:
-    def __init__(self, capacity: int) -> None:
-        self.next_offset = 0
+    def __init__(self, capacity: int, first_offset: int) -> None:
+        self.next_offset = first_offset
         self.events: deque[common_pb2.Event] = deque(maxlen=capacity)
 
 
@@ -25,11 +25,23 @@ class TransientTopics:
     def __init__(self, capacity_events: int) -> None:
         self._capacity = capacity_events
         self._rings: dict[str, _Ring] = {}
+        self._first_offset = 0
+
+    def new_epoch(self, epoch: int) -> None:
+        """A new master starts numbering above every earlier master's transient events.
+
+        The offsets of a transient topic live only in the master's memory, so a new
+        master cannot continue the old one's count; starting each epoch at epoch << 32
+        keeps offsets growing across a failover, and subscribers that resume after their
+        last offset (and drop lower ones as duplicates) keep receiving.
+        """
+        self._rings.clear()
+        self._first_offset = epoch << 32
 
     def _ring(self, topic: str) -> _Ring:
         ring = self._rings.get(topic)
         if ring is None:
-            ring = self._rings[topic] = _Ring(self._capacity)
+            ring = self._rings[topic] = _Ring(self._capacity, self._first_offset)
         return ring
 
     def publish(
