@@ -82,9 +82,9 @@ POLICY_BOUNDS: Mapping[str, tuple[int, int]] = {
     "total_ms_max": (1, 3_600_000),
 }
 
-RETRY_ATTEMPTS_MAX_DEFAULT = 8
+RETRY_ATTEMPTS_MAX_DEFAULT = 16
 RETRY_BACKOFF_INITIAL_MS_DEFAULT = 50
-RETRY_BACKOFF_MAX_MS_DEFAULT = 1_000
+RETRY_BACKOFF_MAX_MS_DEFAULT = 250
 # Long enough to ride out a failover (detection ~0.4 s, election ~0.2 s, the gateway
 # waiting for the new master) several times over, short enough that an app hears back.
 RETRY_TOTAL_MS_MAX_DEFAULT = 10_000

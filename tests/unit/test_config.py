@@ -630,7 +630,7 @@ def test_retry_defaults_are_the_client_librarys() -> None:
         config.retry.retry_backoff_initial_ms,
         config.retry.retry_backoff_max_ms,
         config.retry.retry_total_ms_max,
-    ) == (8, 50, 1000, 10000)
+    ) == (16, 50, 250, 10000)
 
 
 def test_retry_section_is_read() -> None:
@@ -682,7 +682,7 @@ def test_bad_retry_value(line: str, expected: str) -> None:
 def test_retry_backoff_must_start_below_its_cap() -> None:
     message = error_of(VALID + "[retry]\nretry_backoff_initial_ms = 2000\n")
     assert message == (
-        "retry.retry_backoff_initial_ms: must not exceed retry.retry_backoff_max_ms (1000), "
+        "retry.retry_backoff_initial_ms: must not exceed retry.retry_backoff_max_ms (250), "
         "got 2000"
     )
 

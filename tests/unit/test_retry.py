@@ -98,12 +98,12 @@ def test_overall_needs_an_attempt() -> None:
 def test_policy_defaults_and_backoff_ceilings() -> None:
     policy = squall.RetryPolicy()
     policy.validate()
-    assert (policy.attempts_max, policy.backoff_initial_ms) == (8, 50)
-    assert (policy.backoff_max_ms, policy.total_ms_max) == (1000, 10_000)
+    assert (policy.attempts_max, policy.backoff_initial_ms) == (16, 50)
+    assert (policy.backoff_max_ms, policy.total_ms_max) == (250, 10_000)
     assert [policy.backoff_ceiling_ms(n) for n in range(1, 8)] == [
-        50, 100, 200, 400, 800, 1000, 1000,
+        50, 100, 200, 250, 250, 250, 250,
     ]
-    assert policy.backoff_ceiling_ms(10_000) == 1000
+    assert policy.backoff_ceiling_ms(10_000) == 250
     assert policy.retries
     assert not squall.RetryPolicy(attempts_max=1).retries
     with pytest.raises(ValueError, match="starts at 1"):
