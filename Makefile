@@ -43,7 +43,7 @@ sim: install
 	$(BIN)/pytest -q tests/sim --sim-seeds=$(SEEDS) $(PYTEST_ARGS)
 
 run: install
-	$(PY) -m deploy.launcher start --config deploy/single.toml --demo
+	$(PY) -m deploy.launcher start --config deploy/cluster.example.toml --demo
 
 stop: install
 	$(PY) -m deploy.launcher stop
