@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import time
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +23,15 @@ from squall.v1 import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def wait_for(condition: Callable[[], object], timeout_s: float, what: str) -> None:
+    """Polls condition until it holds; fails the test with `what` at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s}s: {what}")
+        time.sleep(0.02)
 
 
 @dataclass

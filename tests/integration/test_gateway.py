@@ -37,18 +37,10 @@ from squall.v1 import (
     gateway_pb2_grpc,
 )
 from tests.integration.conftest import LocalCluster
+from tests.integration.conftest import wait_for as _wait_for
 
 NORMAL = common_pb2.NODE_STATE_NORMAL
 ELECTION = common_pb2.NODE_STATE_ELECTION
-
-
-def _wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    """Polls condition until it holds; fails the test at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s}s: {what}")
-        time.sleep(0.02)
 
 
 def _stays(condition: Callable[[], bool], duration_s: float) -> bool:

@@ -28,6 +28,7 @@ from squall.v1 import (
     replica_pb2_grpc,
 )
 from tests.integration.conftest import LocalCluster
+from tests.integration.conftest import wait_for as _wait_for
 
 _RETRIED = (
     grpc.StatusCode.UNAVAILABLE,
@@ -123,15 +124,6 @@ def _read_replica(address: str, topic: str, timeout_s: float = 10) -> list[tuple
         except grpc.RpcError:
             return []  # not reachable or the topic not there yet
         return events
-
-
-def _wait_for(condition: object, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():  # type: ignore[operator]
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"not within {timeout_s}s: {what}")
 
 
 def _stop_and_check_every_replica(
@@ -574,8 +566,7 @@ def test_a_deposed_master_with_a_compacted_divergent_log_takes_the_lead_back_by_
     def every_replica_holds_every_ack() -> bool:
         views = [dict(_read_replica(trio.replica_address(n.id), "t")) for n in trio.config.nodes]
         return all(
-            all(view.get(offset) == payload for payload, offset in acked.items())
-            for view in views
+            all(view.get(offset) == payload for payload, offset in acked.items()) for view in views
         ) and all(view == views[0] for view in views)
 
     _wait_for(every_replica_holds_every_ack, 30, "every replica holds every acknowledged event")
