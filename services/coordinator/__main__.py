@@ -21,7 +21,7 @@ SERVICE_NAMES = [coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full
 
 async def serve(config: ClusterConfig, node_config: NodeConfig, stop: asyncio.Event) -> None:
     """Serves until `stop` is set."""
-    node = CoordinatorNode(config, node_config)
+    node = CoordinatorNode(config, node_config, on_shutdown=stop.set)
     grpc_server = ServiceServer(
         node_config.coordinator_address, SERVICE_NAMES, config.limits.max_message_bytes
     )

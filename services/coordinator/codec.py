@@ -64,6 +64,8 @@ def _report_to_pb(report: MemberReport) -> coordinator_pb2.MemberReport:
         store_state=_STORE_TO_PB[report.store_state],
         max_seen=report.max_seen,
         epoch=report.epoch,
+        shutdown_id=report.shutdown_id,
+        joined=report.joined,
     )
 
 
@@ -82,6 +84,8 @@ def _report_from_pb(pb: coordinator_pb2.MemberReport, field: str) -> MemberRepor
         store_state=store_state,
         max_seen=pb.max_seen,
         epoch=pb.epoch,
+        shutdown_id=pb.shutdown_id,
+        joined=pb.joined,
     )
 
 
@@ -95,6 +99,7 @@ def to_proto(msg: PeerMessage) -> coordinator_pb2.PeerMessage:
                 group_name=body.group_name,
                 priority=body.priority,
                 designated_primary=body.designated_primary,
+                cluster_id=body.cluster_id,
             )
         )
     elif isinstance(body, AreYouCoordinatorReply):
@@ -104,18 +109,24 @@ def to_proto(msg: PeerMessage) -> coordinator_pb2.PeerMessage:
                 group_name=body.group_name,
                 priority=body.priority,
                 designated_primary=body.designated_primary,
+                cluster_id=body.cluster_id,
             )
         )
     elif isinstance(body, AreYouThere):
         pb.are_you_there.CopyFrom(coordinator_pb2.AreYouThere(group_name=body.group_name))
     elif isinstance(body, AreYouThereReply):
         pb.are_you_there_reply.CopyFrom(
-            coordinator_pb2.AreYouThereReply(group_name=body.group_name, yes=body.yes)
+            coordinator_pb2.AreYouThereReply(
+                group_name=body.group_name, yes=body.yes, held_reason=body.held_reason
+            )
         )
     elif isinstance(body, Invitation):
         pb.invitation.CopyFrom(
             coordinator_pb2.Invitation(
-                group_name=body.group_name, priority=body.priority, epoch=body.epoch
+                group_name=body.group_name,
+                priority=body.priority,
+                epoch=body.epoch,
+                cluster_id=body.cluster_id,
             )
         )
     elif isinstance(body, Accept):
@@ -135,6 +146,7 @@ def to_proto(msg: PeerMessage) -> coordinator_pb2.PeerMessage:
                 sync_source_id=body.sync_source_id,
                 coordinator_id=body.coordinator_id,
                 max_seen=body.max_seen,
+                cluster_id=body.cluster_id,
             )
         )
     else:
@@ -156,6 +168,7 @@ def from_proto(pb: coordinator_pb2.PeerMessage) -> PeerMessage:
             group_name=_require(m.group_name, "are_you_coordinator.group_name"),
             priority=m.priority,
             designated_primary=m.designated_primary,
+            cluster_id=m.cluster_id,
         )
     elif kind == "are_you_coordinator_reply":
         r = pb.are_you_coordinator_reply
@@ -164,6 +177,7 @@ def from_proto(pb: coordinator_pb2.PeerMessage) -> PeerMessage:
             group_name=_require(r.group_name, "are_you_coordinator_reply.group_name"),
             priority=r.priority,
             designated_primary=r.designated_primary,
+            cluster_id=r.cluster_id,
         )
     elif kind == "are_you_there":
         body = AreYouThere(
@@ -172,7 +186,9 @@ def from_proto(pb: coordinator_pb2.PeerMessage) -> PeerMessage:
     elif kind == "are_you_there_reply":
         t = pb.are_you_there_reply
         body = AreYouThereReply(
-            group_name=_require(t.group_name, "are_you_there_reply.group_name"), yes=t.yes
+            group_name=_require(t.group_name, "are_you_there_reply.group_name"),
+            yes=t.yes,
+            held_reason=t.held_reason,
         )
     elif kind == "invitation":
         i = pb.invitation
@@ -180,6 +196,7 @@ def from_proto(pb: coordinator_pb2.PeerMessage) -> PeerMessage:
             group_name=_require(i.group_name, "invitation.group_name"),
             priority=i.priority,
             epoch=i.epoch,
+            cluster_id=i.cluster_id,
         )
     elif kind == "accept":
         a = pb.accept
@@ -205,6 +222,7 @@ def from_proto(pb: coordinator_pb2.PeerMessage) -> PeerMessage:
             sync_source_id=_require(g.sync_source_id, "ready.sync_source_id"),
             coordinator_id=_require(g.coordinator_id, "ready.coordinator_id"),
             max_seen=g.max_seen,
+            cluster_id=g.cluster_id,
         )
     elif kind == "ready_ack":
         k = pb.ready_ack

@@ -67,6 +67,20 @@ new epoch. The cost is one short re-election (about ``merge_delay_ms_per_priorit
 few round trips); the gain is a predictable master. A restarted lower-ranked node also causes
 a re-formed group (new epoch), because it has to be invited in.
 
+Cluster identity and cold starts
+--------------------------------
+Every store belongs to one cluster. The coordinator of the first group to form from empty
+stores mints the cluster id (the injected ``new_cluster_id``); it persists it with the
+epoch and sends it in ``Ready``, and every member persists it before acknowledging, so a
+node whose replica never took the role still knows its cluster, and no later group can
+mint another. Role commands carry it to the replicas. Probes and invitations carry the
+sender's cluster id: a node of another cluster is never merged (logged once per id, naming
+both ids, with no re-invitation until its id changes), and an invitation from another
+cluster is refused. When a group forms only from replicas restarted from disk (none
+joined), ``lifecycle.decide_start`` checks the stores (clean, dirty, empty; shutdown ids);
+a refused group is held, not formed, and every member learns why from its coordinator's
+answers to its heartbeats.
+
 Time
 ----
 Every input carries ``now_ms`` from the driver's monotonic clock; going backwards is a
@@ -80,6 +94,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
+from services.coordinator.lifecycle import decide_start
 from services.coordinator.messages import (
     Accept,
     AreYouCoordinator,
@@ -222,6 +237,7 @@ class _Reorg:
     acked: set[str]
     deadline_ms: int
     next_resend_ms: int
+    cluster_id: str = ""
 
 
 @dataclass
@@ -252,11 +268,14 @@ class Election:
         config: ElectionConfig,
         persisted: PersistedState,
         new_group_id: Callable[[], str],
+        new_cluster_id: Callable[[], str] | None = None,
     ) -> None:
         """Build the machine from config and the state persisted by earlier runs.
 
         ``new_group_id`` returns the unique part of each new group name (a uuid in
         production, a seeded or counted id in tests); it must never repeat for this node.
+        ``new_cluster_id`` mints a cluster id at a first formation (a uuid in production);
+        without it the id is made from the new group's name (unique the same way).
         """
         config.validate()
         n = len(config.priorities)
@@ -285,6 +304,7 @@ class Election:
         self._eligible = self._prio[self._me] > 0
         self._persisted = persisted
         self._new_group_id = new_group_id
+        self._new_cluster_id = new_cluster_id
 
         self._now_ms = 0
         self._started = False
@@ -313,6 +333,13 @@ class Election:
         self._peer_designated: dict[str, bool] = {}
         self._conflict_logged = False
         self._last_change_reason = "not started"
+        # Nodes known to belong to another cluster (node -> its cluster id): never merged
+        # until they report another id.
+        self._foreign: dict[str, str] = {}
+        # Coordinator: why the group is held instead of formed. Member: the last such
+        # reason its coordinator gave.
+        self._held_reason = ""
+        self._held_note = ""
 
     # ----------------------------------------------------------------- public inputs
 
@@ -470,7 +497,7 @@ class Election:
         self._o().rejection = Rejection(code, f"node {self._me}: {message}")
         self._log(LogLevel.WARNING, f"rejected-{code.value}", message)
 
-    def _persist(self, **changes: int | bool) -> None:
+    def _persist(self, **changes: int | bool | str) -> None:
         """Record new persisted state; epochs and max_seen only grow."""
         new = replace(self._persisted, **changes)  # type: ignore[arg-type]
         if new.epoch < self._persisted.epoch or new.max_seen < self._persisted.max_seen:
@@ -611,13 +638,63 @@ class Election:
             raise ElectionError("no replica report")
         return MemberReport(
             node_id=self._me,
-            cluster_id=r.cluster_id,
+            cluster_id=self._cluster_id(),
             last_epoch=r.last_epoch,
             last_lsn=r.last_lsn,
             store_state=r.store_state,
             max_seen=self._persisted.max_seen,
             epoch=self._persisted.epoch,
+            shutdown_id=r.shutdown_id,
+            joined=r.joined,
         )
+
+    def _cluster_id(self) -> str:
+        """The cluster this node belongs to: its store's, else the one it persisted."""
+        stored = self._report.cluster_id if self._report is not None else ""
+        return stored or self._persisted.cluster_id
+
+    def _mint_cluster_id(self) -> str:
+        """A new cluster id, for a first formation."""
+        if self._new_cluster_id is not None:
+            minted = self._new_cluster_id()
+        else:
+            minted = self._group.replace(":", "-")
+        if not _ID_RE.fullmatch(minted):
+            raise ElectionError(f"new_cluster_id returned {_show(minted)}, not {_ID_RULE}")
+        return minted
+
+    def _cluster_id_ok(self, cluster_id: str, frm: str, what: str) -> bool:
+        """Reject a malformed cluster id from a peer (empty means "none yet")."""
+        if cluster_id and not _ID_RE.fullmatch(cluster_id):
+            self._reject(
+                RejectCode.INVALID_MESSAGE,
+                f"{what} from {frm} carries cluster id {_show(cluster_id)}, not {_ID_RULE}",
+            )
+            return False
+        return True
+
+    def _same_cluster(self, node: str, cluster_id: str) -> bool:
+        """May ``node`` (reporting ``cluster_id``) be merged with us? Logs a foreign node once."""
+        mine = self._cluster_id()
+        if not cluster_id or not mine or cluster_id == mine:
+            if self._foreign.pop(node, None) is not None:
+                self._log(
+                    LogLevel.WARNING,
+                    "cluster-id-changed",
+                    f"node {node} now reports cluster {_show(cluster_id or '(none)')}: it "
+                    "may be merged again",
+                )
+            return True
+        if self._foreign.get(node) != cluster_id:
+            self._foreign[node] = cluster_id
+            self._log(
+                LogLevel.ERROR,
+                "cluster-id-mismatch",
+                f"node {node} belongs to cluster {_show(cluster_id)}, this node to cluster "
+                f"{_show(mine)}: it is refused (never merged) until its cluster id changes; "
+                "is its data directory from another cluster?",
+            )
+        return False
 
     def _sync_source_of(self, reports: Mapping[str, MemberReport]) -> str:
         """Highest (last_epoch, last_lsn); this node on a tie, then the lower node id."""
@@ -644,6 +721,8 @@ class Election:
         self._merge_at_ms = None
         self._candidates = set()
         self._higher_seen = None
+        self._held_reason = ""
+        self._held_note = ""
 
     def _recover(self, reason: str, level: LogLevel = LogLevel.INFO) -> None:
         """Back to a group of our own (IceStorm's recovery), replica stopped."""
@@ -748,6 +827,7 @@ class Election:
                 members=self._view,
                 sync_source_id=self._sync_source,
                 group_name=self._group,
+                cluster_id=self._persisted.cluster_id,
             )
         return False
 
@@ -759,7 +839,10 @@ class Election:
             self._send(
                 node,
                 AreYouCoordinator(
-                    self._group, self._prio[self._me], self._persisted.designated_primary
+                    self._group,
+                    self._prio[self._me],
+                    self._persisted.designated_primary,
+                    self._cluster_id(),
                 ),
             )
         if (
@@ -807,7 +890,9 @@ class Election:
             accepted={},
             deadline_ms=self._now_ms + self._cfg.member_timeout_ms,
         )
-        invitation = Invitation(self._group, self._prio[self._me], self._persisted.epoch)
+        invitation = Invitation(
+            self._group, self._prio[self._me], self._persisted.epoch, self._cluster_id()
+        )
         ordered = sorted(invite, key=node_sort_key)
         for node in ordered:
             self._send(node, invitation)
@@ -855,11 +940,13 @@ class Election:
             cid = reports[node].cluster_id
             if reference and cid and cid != reference:
                 del reports[node]
+                self._foreign[node] = cid
                 self._log(
                     LogLevel.ERROR,
                     "cluster-id-mismatch",
-                    f"member {node} has cluster id {_show(cid)}, the group has "
-                    f"{_show(reference)}; leaving it out of {self._group}",
+                    f"member {node} belongs to cluster {_show(cid)}, the group to cluster "
+                    f"{_show(reference)}; leaving it out of {self._group} and refusing it "
+                    "until its cluster id changes",
                 )
         size = len(reports)
         group_max = max(r.max_seen for r in reports.values())
@@ -871,9 +958,27 @@ class Election:
                 f"{self._group}, {required} required ({why})",
             )
             return
+        decision = decide_start(reports, self._n)
+        if not decision.ok:
+            self._hold(
+                merge.accepted.keys() & reports.keys(),
+                decision.reason,
+                LogLevel.ERROR,
+                "until a node restarts or its store changes",
+            )
+            return
+        cluster_id = reference or self._mint_cluster_id()
+        if cluster_id != reference:
+            self._log(
+                LogLevel.INFO,
+                "cluster-id-minted",
+                f"first formation: every store is empty; the cluster is {cluster_id}",
+            )
+        elif decision.cold:
+            self._log(LogLevel.INFO, "cold-start", decision.reason)
         epoch = max(r.epoch for r in reports.values()) + 1
         members = tuple(sorted(reports, key=node_sort_key))
-        self._persist(epoch=epoch)
+        self._persist(epoch=epoch, cluster_id=cluster_id)
         self._state = NodeState.REORGANIZATION
         reorg = _Reorg(
             epoch=epoch,
@@ -882,6 +987,7 @@ class Election:
             acked=set(),
             deadline_ms=self._now_ms + self._cfg.member_timeout_ms,
             next_resend_ms=self._now_ms + self._cfg.heartbeat_interval_ms,
+            cluster_id=cluster_id,
         )
         self._reorg = reorg
         sync = self._sync_source_of(reports)
@@ -898,22 +1004,31 @@ class Election:
         if size == 1:
             self._go_normal()
 
-    def _hold(self, members: set[str], reason: str) -> None:
-        """Too few nodes: keep the group together, INACTIVE, and look for more.
+    def _hold(
+        self,
+        members: set[str],
+        reason: str,
+        level: LogLevel = LogLevel.INFO,
+        until: str = "and waiting for more nodes",
+    ) -> None:
+        """Too few nodes, or stores that refuse a cold start: keep the group together,
+        INACTIVE, and look for more.
 
         IceStorm recovers here, scattering the members; they would then rejoin at different
         times and a full startup that needs every node could keep missing one. Holding
-        them lets the next merge take the waiting members and the newcomer at once.
+        them lets the next merge take the waiting members and the newcomer at once. The
+        members hear ``reason`` in the answers to their heartbeats.
         """
         self._state = NodeState.INACTIVE
         self._members = {x: self._now_ms for x in members}
         self._next_probe_ms = self._now_ms
         self._last_change_reason = reason
+        self._held_reason = reason
         self._log(
-            LogLevel.INFO,
+            level,
             "waiting",
             f"{reason}; holding {','.join(sorted(members, key=node_sort_key)) or 'no members'} "
-            "and waiting for more nodes",
+            f"{until}",
         )
 
     def _ready_body(self, reorg: _Reorg) -> GroupReady:
@@ -926,6 +1041,7 @@ class Election:
             sync_source_id=self._sync_source_of(reorg.reports),
             coordinator_id=self._me,
             max_seen=max(group_max, len(reorg.members)),
+            cluster_id=reorg.cluster_id,
         )
 
     def _go_normal(self) -> None:
@@ -960,6 +1076,7 @@ class Election:
             members=final,
             sync_source_id=sync,
             group_name=self._group,
+            cluster_id=reorg.cluster_id,
         )
         self._last_change_reason = (
             f"coordinator of {self._group} in epoch {reorg.epoch} with {','.join(final)}"
@@ -1153,6 +1270,8 @@ class Election:
             return
         if not self._check_priority(frm, body.priority, frm):
             return
+        if not self._cluster_id_ok(body.cluster_id, frm, "probe"):
+            return
         self._learn_designation(frm, body.designated_primary)
         self._send(
             frm,
@@ -1161,9 +1280,11 @@ class Election:
                 self._group,
                 self._prio[self._me],
                 self._persisted.designated_primary,
+                self._cluster_id(),
             ),
         )
-        self._note_coordinator(frm)
+        if self._same_cluster(frm, body.cluster_id):
+            self._note_coordinator(frm)
 
     def _on_are_you_coordinator_reply(self, frm: str, body: AreYouCoordinatorReply) -> None:
         """A positive answer from a coordinator below us makes it a merge candidate."""
@@ -1179,8 +1300,10 @@ class Election:
             return
         if not self._check_priority(frm, body.priority, frm):
             return
+        if not self._cluster_id_ok(body.cluster_id, frm, "probe reply"):
+            return
         self._learn_designation(frm, body.designated_primary)
-        if body.is_coordinator:
+        if self._same_cluster(frm, body.cluster_id) and body.is_coordinator:
             self._note_coordinator(frm)
 
     def _learn_designation(self, node: str, designated: bool) -> None:
@@ -1212,7 +1335,8 @@ class Election:
                 yes = frm in self._merge.expected or frm in self._merge.accepted
             elif self._reorg is not None:
                 yes = frm in self._reorg.members
-        self._send(frm, AreYouThereReply(body.group_name, yes))
+        held = self._held_reason if yes and self._state is NodeState.INACTIVE else ""
+        self._send(frm, AreYouThereReply(body.group_name, yes, held))
 
     def _on_are_you_there_reply(self, frm: str, body: AreYouThereReply) -> None:
         """Our coordinator's answer: "yes" keeps us in, "no" sends us to recovery."""
@@ -1224,6 +1348,18 @@ class Election:
             return
         if body.yes:
             self._last_yes_ms = self._now_ms
+            if body.held_reason != self._held_note:
+                self._held_note = body.held_reason
+                if body.held_reason:
+                    self._last_change_reason = (
+                        f"held in {self._group} by coordinator {frm}: {body.held_reason}"
+                    )
+                    self._log(
+                        LogLevel.WARNING,
+                        "held",
+                        f"coordinator {frm} holds {self._group} without forming it: "
+                        f"{body.held_reason}",
+                    )
         else:
             self._recover(f"coordinator {frm} says this node is not in {self._group}")
 
@@ -1241,7 +1377,17 @@ class Election:
             return
         if not self._check_priority(inviter, body.priority, frm):
             return
+        if not self._cluster_id_ok(body.cluster_id, frm, "invitation"):
+            return
         if inviter == self._me or body.group_name == self._group:
+            return
+        mine = self._cluster_id()
+        if body.cluster_id and mine and body.cluster_id != mine:
+            self._reject(
+                RejectCode.FAILED_PRECONDITION,
+                f"invitation from {inviter} to {body.group_name} of cluster "
+                f"{_show(body.cluster_id)} refused: this node belongs to cluster {_show(mine)}",
+            )
             return
         current = self._coord
         if inviter == current:
@@ -1355,6 +1501,16 @@ class Election:
                 f"{_show(','.join(body.members))}, sync source {_show(body.sync_source_id)}",
             )
             return
+        if not self._cluster_id_ok(body.cluster_id, frm, "Ready"):
+            return
+        mine = self._cluster_id()
+        if body.cluster_id and mine and body.cluster_id != mine:
+            self._reject(
+                RejectCode.FAILED_PRECONDITION,
+                f"Ready from {frm} for {body.group_name} of cluster {_show(body.cluster_id)} "
+                f"refused: this node belongs to cluster {_show(mine)}",
+            )
+            return
         duplicate = (
             self._state is NodeState.NORMAL
             and self._group == body.group_name
@@ -1387,6 +1543,7 @@ class Election:
         self._persist(
             epoch=body.epoch,
             max_seen=max(self._persisted.max_seen, body.max_seen, len(body.members)),
+            cluster_id=body.cluster_id or self._persisted.cluster_id,
         )
         self._state = NodeState.NORMAL
         self._group_epoch = body.epoch
@@ -1401,6 +1558,7 @@ class Election:
             members=body.members,
             sync_source_id=body.sync_source_id,
             group_name=body.group_name,
+            cluster_id=self._persisted.cluster_id,
         )
         self._last_change_reason = f"slave of {frm} in {body.group_name}, epoch {body.epoch}"
         self._log(

@@ -82,6 +82,9 @@ class ReplicaReport:
     report was read, and ``active`` whether it was serving a role. Only a report of a
     stopped replica that has applied the newest command is used to answer an invitation or
     to name a sync source: any other may miss entries, because the log can still grow.
+    ``shutdown_id`` is a CLEAN store's; ``joined`` says the replica process has held a
+    role since it started (its store is part of the running cluster, not one restarted
+    from disk).
     """
 
     cluster_id: str
@@ -90,6 +93,8 @@ class ReplicaReport:
     store_state: StoreState
     active: bool = False
     command_seq: int = 0
+    shutdown_id: str = ""
+    joined: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +108,8 @@ class MemberReport:
     store_state: StoreState
     max_seen: int
     epoch: int
+    shutdown_id: str = ""
+    joined: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +119,7 @@ class AreYouCoordinator:
     group_name: str
     priority: int
     designated_primary: bool = False
+    cluster_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +130,7 @@ class AreYouCoordinatorReply:
     group_name: str
     priority: int
     designated_primary: bool = False
+    cluster_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,10 +142,11 @@ class AreYouThere:
 
 @dataclass(frozen=True, slots=True)
 class AreYouThereReply:
-    """Answer to a slave check."""
+    """Answer to a slave check; ``held_reason`` says why a held group is not formed."""
 
     group_name: str
     yes: bool
+    held_reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +156,7 @@ class Invitation:
     group_name: str
     priority: int
     epoch: int
+    cluster_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +178,7 @@ class GroupReady:
     sync_source_id: str
     coordinator_id: str
     max_seen: int
+    cluster_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,13 +216,17 @@ class PersistedState:
 
     ``epoch`` is the newest epoch the node accepted; ``max_seen`` the most nodes it has
     seen together in one group (IceStorm's ``max``); the two operator controls are kept so a
-    restart does not silently drop them.
+    restart does not silently drop them. ``cluster_id`` is the cluster the node joined,
+    persisted with the epoch of its first group: a node whose store is still empty (its
+    replica never took the role) still knows its cluster, so a later group cannot mint
+    another id.
     """
 
     epoch: int = 0
     max_seen: int = 0
     designated_primary: bool = False
     quorum_override: int = 0
+    cluster_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,7 +237,8 @@ class RoleCommand:
     ``sync_source_id``'s state when that is another node. FOLLOW: follow ``master_id`` in
     ``epoch``. DEACTIVATE: stop serving writes and the replication stream now. ``seq``
     grows with every command of this Election instance; the replica's reports carry the
-    last one applied (``ReplicaReport.command_seq``).
+    last one applied (``ReplicaReport.command_seq``). MASTER and FOLLOW carry the group's
+    ``cluster_id``: an empty store records it, a store of another cluster refuses the role.
     """
 
     kind: RoleCommandKind
@@ -231,6 +248,7 @@ class RoleCommand:
     members: tuple[str, ...] = ()
     sync_source_id: str = ""
     group_name: str = ""
+    cluster_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,34 +316,53 @@ class ElectionStatus:
     """Every member, coordinator included, once the group is normal (for the group view)."""
 
 
+def _cluster(cluster_id: str) -> str:
+    """`` cluster=ID`` for a message that carries a cluster id, else nothing."""
+    return f" cluster={cluster_id}" if cluster_id else ""
+
+
 def _format_body(body: Body) -> str:
     """One message body as ``Name key=value ...`` for logs and transcripts."""
     if isinstance(body, AreYouCoordinator):
         extra = " designated" if body.designated_primary else ""
-        return f"AreYouCoordinator group={body.group_name} priority={body.priority}{extra}"
+        return (
+            f"AreYouCoordinator group={body.group_name} priority={body.priority}{extra}"
+            + _cluster(body.cluster_id)
+        )
     if isinstance(body, AreYouCoordinatorReply):
         extra = " designated" if body.designated_primary else ""
         return (
             f"AreYouCoordinatorReply coordinator={str(body.is_coordinator).lower()} "
             f"group={body.group_name} priority={body.priority}{extra}"
+            + _cluster(body.cluster_id)
         )
     if isinstance(body, AreYouThere):
         return f"AreYouThere group={body.group_name}"
     if isinstance(body, AreYouThereReply):
-        return f"AreYouThereReply group={body.group_name} yes={str(body.yes).lower()}"
+        held = f" held={body.held_reason!r}" if body.held_reason else ""
+        return f"AreYouThereReply group={body.group_name} yes={str(body.yes).lower()}{held}"
     if isinstance(body, Invitation):
-        return f"Invitation group={body.group_name} priority={body.priority} epoch={body.epoch}"
+        return (
+            f"Invitation group={body.group_name} priority={body.priority} epoch={body.epoch}"
+            + _cluster(body.cluster_id)
+        )
     if isinstance(body, Accept):
         r = body.report
         forwarded = ",".join(body.forwarded_to) or "-"
+        store = r.store_state.value
+        if r.shutdown_id:
+            store += f"/{r.shutdown_id}"
+        joined = " joined" if r.joined else ""
         return (
             f"Accept group={body.group_name} epoch={r.epoch} log={r.last_epoch}/{r.last_lsn} "
-            f"store={r.store_state.value} max={r.max_seen} forwarded={forwarded}"
+            f"store={store}{joined} max={r.max_seen} forwarded={forwarded}"
+            + _cluster(r.cluster_id)
         )
     if isinstance(body, GroupReady):
         return (
             f"Ready group={body.group_name} epoch={body.epoch} "
             f"members={','.join(body.members)} sync={body.sync_source_id} max={body.max_seen}"
+            + _cluster(body.cluster_id)
         )
     return f"ReadyAck group={body.group_name} epoch={body.epoch}"
 

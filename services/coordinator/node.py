@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
@@ -91,14 +91,30 @@ def election_config(config: ClusterConfig, node_id: str) -> ElectionConfig:
 class CoordinatorNode:
     """One node's coordinator: drives the Election with real time, disk and network."""
 
-    def __init__(self, config: ClusterConfig, node: NodeConfig, clock: Clock | None = None) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        node: NodeConfig,
+        clock: Clock | None = None,
+        *,
+        on_shutdown: Callable[[], None] | None = None,
+    ) -> None:
         self.config = config
         self.node = node
         self.clock = clock or SystemClock()
         self.state_path: Path = node.data_dir / STATE_FILE_NAME
         self.election = Election(
-            election_config(config, node.id), load_state(self.state_path), self._group_id
+            election_config(config, node.id),
+            load_state(self.state_path),
+            self._group_id,
+            self._cluster_id,
         )
+        # Stops the process (a clean cluster shutdown asked for it).
+        self._on_shutdown = on_shutdown
+        self.shutting_down = ""
+        # The last report handed to the election, to notice a replica that restarted (or
+        # whose store an operator changed) while it was inactive.
+        self._last_report: ReplicaReport | None = None
         options = [*channel_options(config.limits.max_message_bytes), *_FAST_RECONNECT]
         self._channels = {
             n.id: grpc.aio.insecure_channel(n.coordinator_address, options=options)
@@ -125,6 +141,25 @@ class CoordinatorNode:
     @staticmethod
     def _group_id() -> str:
         return uuid.uuid4().hex[:16]
+
+    @staticmethod
+    def _cluster_id() -> str:
+        return uuid.uuid4().hex
+
+    def shutdown(self, shutdown_id: str, operator: str) -> None:
+        """Clean cluster shutdown: stop electing and exit (the replica keeps its state)."""
+        log.warning(
+            "coordinator %s stopping for cluster shutdown %s (asked by %s): epoch=%d",
+            self.node.id,
+            shutdown_id or "-",
+            operator,
+            self.election.persisted.epoch,
+        )
+        self.shutting_down = shutdown_id or "-"
+        for task in self._tasks:
+            task.cancel()
+        if self._on_shutdown is not None:
+            self._on_shutdown()
 
     # --- lifecycle
 
@@ -173,6 +208,8 @@ class CoordinatorNode:
 
     def deliver(self, message: coordinator_pb2.PeerMessage) -> Rejection | None:
         """Steps one peer message; returns the rejection if it was refused (no change)."""
+        if self.shutting_down:
+            return None  # stopping for a cluster shutdown: as if the message were lost
         try:
             decoded = codec.from_proto(message)
         except ValueError as exc:
@@ -276,11 +313,23 @@ class CoordinatorNode:
                     )
                 await self._pause_role_loop()
                 continue
-            if command is not applied and command.kind is RoleCommandKind.DEACTIVATE:
-                # The replica has stopped: its log no longer grows, so this report may
-                # name a sync source or answer an invitation.
+            if command.kind is RoleCommandKind.DEACTIVATE:
                 report = self._report(state.state, command.seq)
-                self.apply(self.election.replica_report(report, self._now()))
+                if command is not applied:
+                    # The replica has stopped: its log no longer grows, so this report may
+                    # name a sync source or answer an invitation.
+                    self._last_report = report
+                    self.apply(self.election.replica_report(report, self._now()))
+                elif self._last_report is not None and _changed(self._last_report, report):
+                    # Only a restart (or an operator's offline change, e.g. `squall store
+                    # mark-clean`) changes an inactive replica: what this node told its
+                    # group is stale, so it recovers and is merged again with a new report.
+                    self._recover(
+                        f"replica state changed while inactive: {_summary(self._last_report)}"
+                        f" -> {_summary(report)}"
+                    )
+                    applied = None
+                    continue
             applied = command
             await self._pause_role_loop()
 
@@ -293,7 +342,10 @@ class CoordinatorNode:
             self.election.persisted.epoch,
         )
         self.election = Election(
-            election_config(self.config, self.node.id), self.election.persisted, self._group_id
+            election_config(self.config, self.node.id),
+            self.election.persisted,
+            self._group_id,
+            self._cluster_id,
         )
         self._role_wanted = None
         self.apply(self.election.tick(self._now()))
@@ -321,6 +373,7 @@ class CoordinatorNode:
             reason=self.election.status().last_change_reason,
             seq=command.seq,
             lease_ms=self._lease_ms,
+            cluster_id=command.cluster_id,
         )
         if command.master_id:
             message.master.CopyFrom(self._endpoint(command.master_id))
@@ -335,6 +388,8 @@ class CoordinatorNode:
             store_state=_STORE_STATES.get(state.store_state, StoreState.EMPTY),
             active=state.role != common_pb2.ROLE_INACTIVE,
             command_seq=seq,
+            shutdown_id=state.shutdown_id,
+            joined=state.joined,
         )
 
     # --- the group view
@@ -372,3 +427,17 @@ class CoordinatorNode:
                 yield await queue.get()
         finally:
             self._watchers.discard(queue)
+
+
+def _changed(before: ReplicaReport, after: ReplicaReport) -> bool:
+    """Did the replica's data or lifecycle change (not merely its command sequence)?"""
+    return _summary(before) != _summary(after)
+
+
+def _summary(report: ReplicaReport) -> str:
+    """A report's data in one phrase, for the log."""
+    shutdown = f" {report.shutdown_id}" if report.shutdown_id else ""
+    return (
+        f"cluster {report.cluster_id or '-'}, store {report.store_state.value}{shutdown}, "
+        f"log {report.last_epoch}/{report.last_lsn}, joined={str(report.joined).lower()}"
+    )

@@ -1,4 +1,4 @@
-"""The coordinator's persisted state on disk: epoch, max seen and operator controls.
+"""The coordinator's persisted state on disk: epoch, max seen, cluster id and operator controls.
 
 The election promises never to go back to an older epoch, also across restarts, so the
 state is written atomically (temporary file, fsync, rename, fsync of the directory)
@@ -15,7 +15,9 @@ from pathlib import Path
 from services.coordinator.messages import PersistedState
 
 STATE_FILE_NAME = "coordinator-state.json"
-_FIELDS = ("epoch", "max_seen", "designated_primary", "quorum_override")
+_FIELDS = ("epoch", "max_seen", "designated_primary", "quorum_override", "cluster_id")
+# Keys a file written by an older version may lack (they take their defaults).
+_OPTIONAL_FIELDS = frozenset({"cluster_id"})
 
 
 class StateFileError(Exception):
@@ -34,7 +36,11 @@ def load_state(path: Path) -> PersistedState:
         document = json.loads(text)
     except json.JSONDecodeError as exc:
         raise StateFileError(f"{path} is not valid JSON: {exc}") from exc
-    if not isinstance(document, dict) or set(document) != set(_FIELDS):
+    if (
+        not isinstance(document, dict)
+        or not set(document) <= set(_FIELDS)
+        or not set(_FIELDS) - _OPTIONAL_FIELDS <= set(document)
+    ):
         raise StateFileError(f"{path} must hold exactly the keys {', '.join(_FIELDS)}")
     for key in ("epoch", "max_seen", "quorum_override"):
         value = document[key]
@@ -42,6 +48,8 @@ def load_state(path: Path) -> PersistedState:
             raise StateFileError(f"{path}: {key} must be a non-negative integer, got {value!r}")
     if not isinstance(document["designated_primary"], bool):
         raise StateFileError(f"{path}: designated_primary must be true or false")
+    if not isinstance(document.get("cluster_id", ""), str):
+        raise StateFileError(f"{path}: cluster_id must be a string")
     return PersistedState(**document)
 
 

@@ -67,3 +67,10 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
         if ready.rejection is not None:
             await _refuse(context, ready.rejection)
         return coordinator_pb2.OperatorControlResponse(status=self._status())
+
+    async def Shutdown(
+        self, request: coordinator_pb2.CoordinatorShutdownRequest, context: Context
+    ) -> coordinator_pb2.CoordinatorShutdownResponse:
+        status = self._status()
+        self.node.shutdown(request.shutdown_id[:64], request.operator[:64] or "unknown")
+        return coordinator_pb2.CoordinatorShutdownResponse(status=status)

@@ -10,6 +10,7 @@ from services.common.config import ClusterConfig, NodeConfig
 from services.common.grpc_server import ServiceServer
 from services.common.service_main import node_service_main
 from services.replica import replication_server, server
+from services.replica.datadir import DataDirBusy, DataDirLock
 from services.replica.node import ReplicaNode
 from services.replica.rebuild import LmdbTruncator
 from services.replica.store import Store, StoreError
@@ -29,6 +30,19 @@ SERVICE_NAMES = [
 async def serve(config: ClusterConfig, node_config: NodeConfig, stop: asyncio.Event) -> None:
     """Opens the store, serves until `stop` is set, then closes everything in order."""
     node_config.data_dir.mkdir(parents=True, exist_ok=True)
+    # Held until the process exits: the offline store tools and a second replica on the
+    # same directory refuse while it is.
+    lock = DataDirLock(node_config.data_dir)
+    try:
+        await _serve_locked(config, node_config, stop)
+    finally:
+        lock.release()
+
+
+async def _serve_locked(
+    config: ClusterConfig, node_config: NodeConfig, stop: asyncio.Event
+) -> None:
+    """serve() with the data directory locked."""
     store = Store.open_lmdb(
         node_config.data_dir,
         map_size_bytes=config.limits.map_size_bytes,
@@ -41,6 +55,7 @@ async def serve(config: ClusterConfig, node_config: NodeConfig, stop: asyncio.Ev
     )
     truncator.discard()  # a truncation interrupted by a crash is redone when needed
     node = ReplicaNode(config, node_config, store, truncator=truncator)
+    node.on_shutdown = stop.set  # a finished cluster shutdown stops the process
     grpc_server = ServiceServer(
         node_config.replica_address, SERVICE_NAMES, config.limits.max_message_bytes
     )
@@ -70,7 +85,7 @@ async def serve(config: ClusterConfig, node_config: NodeConfig, stop: asyncio.Ev
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point shared with `squall replica`."""
-    return node_service_main("replica", __doc__, argv, serve, (StoreError,))
+    return node_service_main("replica", __doc__, argv, serve, (StoreError, DataDirBusy))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Generator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -148,6 +148,14 @@ class ReplicaNode:
         # role in: a replica that restarted or dropped its role must not resume an epoch
         # whose group may have moved on without it.
         self._role_epoch_floor = store.meta().epoch
+        # Store lifecycle (docs/operations.md): whether this process has held a role (its
+        # store is then part of the running cluster), the cluster shutdown it is frozen
+        # for (no new role, no new write), the one it finished (it takes nothing any
+        # more), and how the process is stopped once finished.
+        self.joined = False
+        self.frozen_for = ""
+        self.shutdown_finished = ""
+        self.on_shutdown: Callable[[], None] | None = None
 
     # --- lifecycle and roles
 
@@ -206,6 +214,7 @@ class ReplicaNode:
         if self.role != common_pb2.ROLE_INACTIVE:
             await self.deactivate(f"taking the master role in epoch {epoch}")
         self.store.set_epoch(epoch)
+        self._mark_dirty()  # before the fetch below changes the store
         self.epoch = epoch
         self.transient.new_epoch(epoch)
         if sync_source_id and sync_source_id != self.node.id:
@@ -216,7 +225,6 @@ class ReplicaNode:
             self.store.set_cluster_id(cluster_id)
             log.info("replica %s: new cluster id %s", self.node.id, cluster_id)
             meta = self.store.meta()
-        self.store.set_state(common_pb2.STORE_STATE_DIRTY)
         self._last_lsn = meta.last_lsn
         core = self._new_core(epoch, [n.id for n in member_nodes], meta)
         self._deposed = ""
@@ -474,6 +482,12 @@ class ReplicaNode:
     # --- writes
 
     def check_writable(self) -> None:
+        if self.frozen_for:
+            raise ServiceError(
+                Code.UNAVAILABLE,
+                f"replica {self.node.id} is stopping for cluster shutdown {self.frozen_for}: "
+                "writes are refused",
+            )
         if self.failed_reason:
             raise ServiceError(
                 Code.UNAVAILABLE,
@@ -575,6 +589,8 @@ class ReplicaNode:
                 f"restarted, dropped it or was deposed{deposed}); it takes a new role only "
                 f"in an epoch above {self._role_epoch_floor}",
             )
+        if not renewal and role != common_pb2.ROLE_INACTIVE:
+            self._check_new_role(command)
         self.command_seq = command.seq
         if renewal:
             self._renew_lease(command.lease_ms)
@@ -586,6 +602,16 @@ class ReplicaNode:
             return
         # The lease runs from when the role is taken: taking it may take a while (a
         # reorganization fetch), and no renewal can arrive meanwhile.
+        if command.cluster_id and not self.store.meta().cluster_id:
+            # The group's coordinator chose it (at the first formation): recorded before
+            # the role, so this store can never be taken for another cluster's.
+            self.store.set_cluster_id(command.cluster_id)
+            log.info(
+                "replica %s joined cluster %s (epoch=%d)",
+                self.node.id,
+                command.cluster_id,
+                command.epoch,
+            )
         if role == common_pb2.ROLE_MASTER:
             await self.become_master(
                 command.epoch,
@@ -597,7 +623,43 @@ class ReplicaNode:
             if master is None:
                 raise ServiceError(Code.INVALID_ARGUMENT, "a slave role needs a master")
             await self._become_slave(command.epoch, master, command.reason)
+        self.joined = True
         self._renew_lease(command.lease_ms)
+
+    def _check_new_role(self, command: replica_pb2.RoleCommand) -> None:
+        """Refuses a new role during a cluster shutdown, or for another cluster's group."""
+        if self.shutdown_finished or self.frozen_for:
+            raise ServiceError(
+                Code.FAILED_PRECONDITION,
+                f"replica {self.node.id} takes no new role: it is stopping for cluster "
+                f"shutdown {self.shutdown_finished or self.frozen_for}",
+            )
+        stored = self.store.meta().cluster_id
+        if command.cluster_id and stored and command.cluster_id != stored:
+            raise ServiceError(
+                Code.FAILED_PRECONDITION,
+                f"replica {self.node.id}'s store belongs to cluster {stored}, but the group "
+                f"of epoch {command.epoch} is cluster {command.cluster_id[:64]!r}: refused",
+            )
+
+    def _mark_dirty(self) -> None:
+        """A store in use is DIRTY: a restart must not take it for a clean or empty one."""
+        if self.store.meta().state != common_pb2.STORE_STATE_DIRTY:
+            self.store.set_state(common_pb2.STORE_STATE_DIRTY)
+
+    async def drain_writes(self) -> None:
+        """Waits until every write queued now has finished (committed or failed) and no
+        batch is being written."""
+        queued = [pending.future for pending in self._queue]
+        if queued:
+            await asyncio.wait(queued)
+        async with self._commit_lock:
+            pass
+
+    async def store_write(self, write: Callable[[], None]) -> None:
+        """Runs one store write on the store thread, serialized with every other write."""
+        async with self._commit_lock:
+            await asyncio.get_running_loop().run_in_executor(self._io, write)
 
     def _renew_lease(self, lease_ms: int) -> None:
         self._lease_until_ms = self.clock.monotonic_ms() + lease_ms if lease_ms else 0
@@ -627,6 +689,7 @@ class ReplicaNode:
         if self.role == common_pb2.ROLE_MASTER:
             await self.deactivate(f"following {master.id} in epoch {epoch}")
         self.store.set_epoch(epoch)
+        self._mark_dirty()
         async with self._commit_lock:  # no batch half-applied while the follower is made
             meta = self.store.meta()
             cfg = self.config
@@ -760,10 +823,7 @@ class ReplicaNode:
                     hello.master_id,
                     hello.epoch,
                 )
-            if self.store.meta().state != common_pb2.STORE_STATE_DIRTY:
-                # A store that follows a master is in use: a restart must not take it for
-                # an empty (or cleanly shut down) one.
-                self.store.set_state(common_pb2.STORE_STATE_DIRTY)
+            self._mark_dirty()
             self._stream_seq += 1
             position = result.position
             log.info(

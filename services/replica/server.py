@@ -16,7 +16,7 @@ import grpc
 
 from services.common.errors import Code, ServiceError, invalid
 from services.common.grpc_server import Context
-from services.replica import commands
+from services.replica import commands, shutdown
 from services.replica.node import ReplicaNode
 from services.replica.store import CorruptRecordError, TopicInfo, UnknownTopicError
 from squall.v1 import (
@@ -403,6 +403,8 @@ class ReplicaControl(replica_pb2_grpc.ReplicaControlServicer):
                 for s in self.node.slave_status()
             ],
             log_start_lsn=self.node.log_start_lsn,
+            joined=self.node.joined,
+            frozen_for_shutdown_id=self.node.frozen_for,
         )
 
     async def GetReplicaState(
@@ -418,3 +420,39 @@ class ReplicaControl(replica_pb2_grpc.ReplicaControlServicer):
         except ServiceError as exc:
             await abort(context, exc)
         return replica_pb2.RoleCommandResponse(state=self._state())
+
+    async def FreezeForShutdown(
+        self, request: replica_pb2.FreezeForShutdownRequest, context: Context
+    ) -> replica_pb2.ReplicaState:
+        try:
+            await shutdown.freeze(self.node, request.shutdown_id, request.operator[:64])
+        except ServiceError as exc:
+            await abort(context, exc)
+        return self._state()
+
+    async def FinishShutdown(
+        self, request: replica_pb2.FinishShutdownRequest, context: Context
+    ) -> replica_pb2.FinishShutdownResponse:
+        try:
+            done = await shutdown.finish(
+                self.node,
+                request.shutdown_id,
+                lsn=request.lsn,
+                last_epoch=request.last_epoch,
+                cluster_id=request.cluster_id,
+                operator=request.operator[:64],
+            )
+        except ServiceError as exc:
+            await abort(context, exc)
+        return replica_pb2.FinishShutdownResponse(
+            clean=done.clean, reason=done.reason, state=self._state()
+        )
+
+    async def AbortShutdown(
+        self, request: replica_pb2.AbortShutdownRequest, context: Context
+    ) -> replica_pb2.ReplicaState:
+        try:
+            shutdown.abort(self.node, request.shutdown_id)
+        except ServiceError as exc:
+            await abort(context, exc)
+        return self._state()

@@ -12,6 +12,14 @@ restarts nodes (keeping a minority down when the stores allow it) and requires t
 ``liveness_deadline_ms`` of simulated time every live node is NORMAL in one group led by the
 highest-ranked live eligible node, and stays so for ``stable_ms``.
 
+Stores follow the lifecycle (empty, clean, dirty): a cluster that ran before starts from a
+clean shutdown (the stores holding the newest log are clean, the others dirty), a replica
+that takes a role makes its store dirty and has joined, a crash loses that. When the live
+nodes at the heal would be refused a cold start (a total failure: nobody joined, no usable
+clean store), the simulator does what docs/operations.md tells an operator: it stops them,
+marks the best store clean and starts them again; liveness is then required as usual. Every
+role command must name the same cluster id for the whole run (minted once, or inherited).
+
 A failure raises ``SimFailure`` whose message ends with the command that replays the seed.
 """
 
@@ -23,7 +31,9 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from services.coordinator.election import Election, ElectionConfig, node_sort_key
+from services.coordinator.lifecycle import decide_start
 from services.coordinator.messages import (
+    MemberReport,
     NodeState,
     PeerMessage,
     PersistedState,
@@ -153,7 +163,7 @@ def make_scenario(seed: int, faults: bool = True, sizes: tuple[int, ...] = (3, 5
         for node in nodes:
             epoch = rng.randint(0, 12)
             seen = rng.choice((0, ran_with, ran_with))
-            initial[node] = PersistedState(epoch=epoch, max_seen=seen)
+            initial[node] = PersistedState(epoch=epoch, max_seen=seen, cluster_id=CLUSTER_ID)
             last_epoch = rng.randint(0, epoch)
             logs[node] = (last_epoch, rng.randint(1, 50) if last_epoch else 0)
     start_ms = {node: (0 if rng.random() < 0.5 else rng.randint(0, 400)) for node in nodes}
@@ -206,9 +216,13 @@ def make_scenario(seed: int, faults: bool = True, sizes: tuple[int, ...] = (3, 5
     return scenario
 
 
+CLUSTER_ID = "c1"
+
+
 @dataclass
 class Replica:
-    """The replica twin: a log position that survives crashes, a role that does not."""
+    """The replica twin: a log position and store state that survive crashes, a role and
+    the joined flag that do not."""
 
     cluster_id: str = ""
     last_epoch: int = 0
@@ -217,6 +231,9 @@ class Replica:
     epoch: int = 0
     master: str = ""
     applied_seq: int = 0
+    state: StoreState = StoreState.EMPTY
+    shutdown_id: str = ""
+    joined: bool = False
 
     def report(self) -> ReplicaReport:
         """What the driver would read from the replica."""
@@ -224,10 +241,32 @@ class Replica:
             cluster_id=self.cluster_id,
             last_epoch=self.last_epoch,
             last_lsn=self.last_lsn,
-            store_state=StoreState.DIRTY if self.cluster_id else StoreState.EMPTY,
+            store_state=self.state,
             active=self.role is not Role.INACTIVE,
             command_seq=self.applied_seq,
+            shutdown_id=self.shutdown_id,
+            joined=self.joined,
         )
+
+    def take_role(self, cluster_id: str) -> None:
+        """Taking a role records the group's cluster id; the store is in use (dirty)."""
+        self.cluster_id = self.cluster_id or cluster_id
+        self.state, self.shutdown_id, self.joined = StoreState.DIRTY, "", True
+
+
+def mark_initial_stores(replicas: dict[str, Replica]) -> None:
+    """A cluster that ran before was shut down cleanly: the stores with the newest log are
+    clean (one shutdown id), the other used ones dirty (they were down at the shutdown)."""
+    used = [r for r in replicas.values() if r.last_lsn]
+    if not used:
+        return
+    newest = max((r.last_epoch, r.last_lsn) for r in used)
+    for replica in used:
+        replica.cluster_id = replica.cluster_id or CLUSTER_ID
+        if (replica.last_epoch, replica.last_lsn) == newest:
+            replica.state, replica.shutdown_id = StoreState.CLEAN, "s0"
+        else:
+            replica.state = StoreState.DIRTY
 
 
 @dataclass
@@ -260,9 +299,8 @@ class Simulation:
         self.replicas: dict[str, Replica] = {}
         for node in self.nodes:
             last_epoch, last_lsn = scenario.initial_logs[node]
-            self.replicas[node] = Replica(
-                cluster_id="c1" if last_lsn else "", last_epoch=last_epoch, last_lsn=last_lsn
-            )
+            self.replicas[node] = Replica(last_epoch=last_epoch, last_lsn=last_lsn)
+        mark_initial_stores(self.replicas)
         self.group_ids: Counter[str] = Counter()
         self.tick_at: dict[str, int | None] = {node: None for node in self.nodes}
         self.incarnation: Counter[str] = Counter()
@@ -278,6 +316,9 @@ class Simulation:
         self.healed_at: int | None = None
         self.stable_since: int | None = None
         self.down_for_liveness: set[str] = set()
+        self.cluster_ids: set[str] = set()
+        self.cluster_id_counter = 0
+        self.manual_recoveries = 0
 
     # ----------------------------------------------------------------- plumbing
 
@@ -325,6 +366,11 @@ class Simulation:
         self.group_ids[node] += 1
         return f"u{self.group_ids[node]}"
 
+    def new_cluster_id(self, node: str) -> str:
+        """Unique across the run, like a uuid: a second one minted would be a bug."""
+        self.cluster_id_counter += 1
+        return f"c-{node}-{self.cluster_id_counter}"
+
     def schedule_tick(self, node: str) -> None:
         """Make sure the node is ticked no later than its next deadline."""
         election = self.elections[node]
@@ -360,6 +406,13 @@ class Simulation:
             self.note(f"{node} role", format_role_command(cmd))
             replica = self.replicas[node]
             replica.applied_seq = cmd.seq
+            if cmd.kind is not RoleCommandKind.DEACTIVATE:
+                self.cluster_ids.add(cmd.cluster_id)
+                if len(self.cluster_ids) > 1 or not cmd.cluster_id:
+                    raise self.fail(
+                        f"role commands name cluster ids {sorted(self.cluster_ids)}: the "
+                        "cluster id must be set once, at the first formation"
+                    )
             if cmd.kind is RoleCommandKind.DEACTIVATE:
                 self.deactivate_replica(node)
                 self.check(node)
@@ -384,6 +437,7 @@ class Simulation:
     def follow_master(self, node: str, cmd: RoleCommand) -> None:
         """The replica follows ``cmd.master_id`` in ``cmd.epoch``."""
         replica = self.replicas[node]
+        replica.take_role(cmd.cluster_id)
         replica.role, replica.epoch, replica.master = Role.SLAVE, cmd.epoch, cmd.master_id
 
     def push_snapshot(self, node: str, delay_ms: int) -> None:
@@ -409,10 +463,10 @@ class Simulation:
             raise self.fail(str(exc)) from None
         if reissue:
             return
+        replica.take_role(cmd.cluster_id)
         source = self.replicas[cmd.sync_source_id]
         if (source.last_epoch, source.last_lsn) > (replica.last_epoch, replica.last_lsn):
             replica.last_epoch, replica.last_lsn = source.last_epoch, source.last_lsn
-        replica.cluster_id = source.cluster_id or replica.cluster_id or "c1"
         replica.role, replica.epoch, replica.master = Role.MASTER, cmd.epoch, node
         self.write(node, cmd.epoch)
 
@@ -459,7 +513,12 @@ class Simulation:
         if self.elections[node] is not None:
             return
         config = ElectionConfig(node_id=node, priorities=self.priorities, **self.sc.timing)
-        election = Election(config, self.durable[node], lambda: self.new_group_id(node))
+        election = Election(
+            config,
+            self.durable[node],
+            lambda: self.new_group_id(node),
+            lambda: self.new_cluster_id(node),
+        )
         self.elections[node] = election
         self.tick_at[node] = None
         self.note(f"{node} start", f"persisted {self.durable[node]}")
@@ -478,6 +537,7 @@ class Simulation:
         replica = self.replicas[node]
         replica.role, replica.epoch, replica.master = Role.INACTIVE, 0, ""
         replica.applied_seq = 0
+        replica.joined = False
         self.note(f"{node} crash")
         self.check(node)
 
@@ -576,12 +636,51 @@ class Simulation:
             ):
                 down = set()
         self.down_for_liveness = down
-        for node in self.nodes:
-            if node in down:
-                self.crash(node)
-            else:
-                self.start_node(node)
+        for node in down:
+            self.crash(node)
+        up = [x for x in self.nodes if x not in down]
+        refusal = self.cold_start_refusal(up)
+        if refusal:
+            self.manual_recovery(up, refusal)
+        for node in up:
+            self.start_node(node)
         self.note("heal", f"down for liveness: {sorted(down, key=node_sort_key)}")
+
+    def cold_start_refusal(self, up: list[str]) -> str:
+        """Why the live nodes' stores would be refused a start (empty: they would not)."""
+        reports = {
+            x: MemberReport(
+                node_id=x,
+                cluster_id=r.cluster_id,
+                last_epoch=r.last_epoch,
+                last_lsn=r.last_lsn,
+                store_state=r.state,
+                max_seen=self.durable[x].max_seen,
+                epoch=self.durable[x].epoch,
+                shutdown_id=r.shutdown_id,
+                joined=r.joined and self.elections[x] is not None,
+            )
+            for x in up
+            for r in (self.replicas[x],)
+        }
+        decision = decide_start(reports, len(self.nodes))
+        return "" if decision.ok else decision.reason
+
+    def manual_recovery(self, up: list[str], refusal: str) -> None:
+        """docs/operations.md's procedure: stop every node, mark the store with the newest
+        log clean (and any other clean store dirty), start them again."""
+        self.manual_recoveries += 1
+        for node in up:
+            self.crash(node)
+        # Equal positions hold equal logs, so any of the newest will do.
+        best = max(up, key=lambda x: (self.replicas[x].last_epoch, self.replicas[x].last_lsn))
+        for node in up:
+            replica = self.replicas[node]
+            if replica.state is StoreState.CLEAN:
+                replica.state, replica.shutdown_id = StoreState.DIRTY, ""
+        chosen = self.replicas[best]
+        chosen.state, chosen.shutdown_id = StoreState.CLEAN, f"m{self.manual_recoveries}"
+        self.note("manual recovery", f"{refusal[:120]}...; marked {best} clean")
 
     # ----------------------------------------------------------------- liveness
 

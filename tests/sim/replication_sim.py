@@ -121,6 +121,7 @@ from tests.sim.election_sim import (
     SimFailure,
     Simulation,
     make_scenario,
+    mark_initial_stores,
 )
 from tests.sim.replication_checker import Entry, ReplicationChecker
 
@@ -490,7 +491,9 @@ class ReplicationSimulation(Simulation):
             ran_with = rng.choice((majority, n))
             for node in nodes:
                 seen = rng.choice((0, ran_with, ran_with))
-                scenario.initial[node] = PersistedState(epoch=epochs[node], max_seen=seen)
+                scenario.initial[node] = PersistedState(
+                    epoch=epochs[node], max_seen=seen, cluster_id=CLUSTER_ID
+                )
         else:
             for node in nodes:
                 scenario.initial[node] = PersistedState()
@@ -546,6 +549,7 @@ class ReplicationSimulation(Simulation):
             for entry in store.log:
                 self.rchecker.created.setdefault((entry.lsn, entry.epoch), entry.operation)
                 self.rchecker.writer.setdefault(entry.epoch, f"prehistory-{entry.epoch}")
+        mark_initial_stores(self.replicas)
         self.rt: dict[str, Runtime] = {node: Runtime() for node in self.nodes}
         self.master_cfg = {
             node: MasterConfig(
@@ -753,6 +757,7 @@ class ReplicationSimulation(Simulation):
             return
         self.teardown(node, f"now master of epoch {cmd.epoch}")
         self.role_taken(node, cmd.epoch)
+        replica.take_role(cmd.cluster_id)
         replica.role, replica.epoch, replica.master = Role.MASTER, cmd.epoch, node
         rt.epoch, rt.members = cmd.epoch, cmd.members
         if cmd.sync_source_id == node:
@@ -838,6 +843,10 @@ class ReplicationSimulation(Simulation):
         store = self.stores[node]
         store.synced_lsn = len(store.log)  # the OS writes back what a dead process wrote
         self.rt[node] = Runtime(gen=rt.gen + 1, zombie=None)
+
+    def new_cluster_id(self, node: str) -> str:
+        """The stores' cluster id: minted once, at the first formation (the base checks)."""
+        return CLUSTER_ID
 
     def give_up(self, node: str, reason: str) -> None:
         """The replica refuses the master role; its coordinator recovers (node.py's way)."""

@@ -47,6 +47,26 @@ BODIES: list[Body] = [
     Accept("3:ef56", REPORT),
     GroupReady("3:ef56", 10, ("1", "2", "3"), "2", "3", 3),
     GroupReadyAck("3:ef56", 10),
+    # The lifecycle fields: cluster ids, shutdown ids, joined replicas, held groups.
+    AreYouCoordinator("1:ab12", 3, cluster_id="c-1"),
+    AreYouCoordinatorReply(True, "2:cd34", 2, cluster_id="c-1"),
+    AreYouThereReply("3:ef56", yes=True, held_reason="refusing to start: no clean store"),
+    Invitation("3:ef56", 3, 9, cluster_id="c-1"),
+    Accept(
+        "3:ef56",
+        MemberReport(
+            node_id="2",
+            cluster_id="c-1",
+            last_epoch=4,
+            last_lsn=17,
+            store_state=StoreState.CLEAN,
+            max_seen=3,
+            epoch=5,
+            shutdown_id="s-1",
+            joined=True,
+        ),
+    ),
+    GroupReady("3:ef56", 10, ("1", "2", "3"), "2", "3", 3, cluster_id="c-1"),
 ]
 
 

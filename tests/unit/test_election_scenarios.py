@@ -17,6 +17,10 @@ Commands:
     cluster 1:3 2:2 3:1        nodes as id:priority (a cluster starts with empty stores)
     start 1 2 [epoch=N max=M]  start nodes (the optional values overwrite what is on disk)
     crash 3 / restart 3 [epoch=N]
+                               a crash stops the node's coordinator and replica: a restarted
+                               replica has not joined until it takes a role again
+    store 3 state=clean shutdown=s1 cluster=c1 log=2/40
+                               set a stopped node's store (an operator's offline tools)
     run ms=N [trace=all]       deliver messages instantly and fire timers for N ms; by default
                                heartbeats and unanswered probes that change nothing are elided
     partition 1,2|3 / heal     messages across the cut are dropped
@@ -81,18 +85,27 @@ class Store:
     epoch: int = 0
     master: str = ""
     applied_seq: int = 0
+    state: StoreState = StoreState.EMPTY
+    shutdown_id: str = ""
+    joined: bool = False
 
     def report(self) -> ReplicaReport:
         """The replica's report as the driver would read it."""
-        state = StoreState.DIRTY if self.cluster_id else StoreState.EMPTY
         return ReplicaReport(
             cluster_id=self.cluster_id,
             last_epoch=self.last_epoch,
             last_lsn=self.last_lsn,
-            store_state=state,
+            store_state=self.state,
             active=self.role is not Role.INACTIVE,
             command_seq=self.applied_seq,
+            shutdown_id=self.shutdown_id,
+            joined=self.joined,
         )
+
+    def take_role(self, cluster_id: str) -> None:
+        """The replica takes a role: it records the group's cluster id; its store is in use."""
+        self.cluster_id = self.cluster_id or cluster_id
+        self.state, self.shutdown_id, self.joined = StoreState.DIRTY, "", True
 
 
 class Cluster:
@@ -129,7 +142,7 @@ class Cluster:
         """Stop a node; its store (persisted state and replica log) survives."""
         self.nodes[node] = None
         store = self.stores[node]
-        store.role, store.applied_seq = Role.INACTIVE, 0
+        store.role, store.applied_seq, store.joined = Role.INACTIVE, 0, False
         self.out.append(f"t={self.now_ms} {node} crashed")
 
     def apply(self, node: str, ready: Ready, heading: str, elide: bool = False) -> None:
@@ -146,6 +159,8 @@ class Cluster:
                 extra += " designated"
             if p.quorum_override:
                 extra += f" override={p.quorum_override}"
+            if p.cluster_id:
+                extra += f" cluster={p.cluster_id}"
             lines.append(f"  persist epoch={p.epoch} max={p.max_seen}{extra}")
         self.queue.extend(ready.messages)
         follow_up: Ready | None = None
@@ -159,8 +174,9 @@ class Cluster:
                 if election is not None:
                     follow_up = election.replica_report(store.report(), self.now_ms)
             elif cmd.kind is RoleCommandKind.MASTER:
-                self.become_master(node, cmd.epoch, cmd.sync_source_id)
+                self.become_master(node, cmd.epoch, cmd.sync_source_id, cmd.cluster_id)
             else:
+                store.take_role(cmd.cluster_id)
                 store.role, store.epoch, store.master = Role.SLAVE, cmd.epoch, cmd.master_id
         if ready.view_changed:
             election = self.nodes[node]
@@ -175,14 +191,13 @@ class Cluster:
         if follow_up is not None:
             self.apply(node, follow_up, f"{node} replica report", elide=True)
 
-    def become_master(self, node: str, epoch: int, sync_source: str) -> None:
+    def become_master(self, node: str, epoch: int, sync_source: str, cluster_id: str) -> None:
         """The replica twin: sync from the source, then write the epoch-start entry."""
         store = self.stores[node]
+        store.take_role(cluster_id)
         source = self.stores[sync_source]
         if (source.last_epoch, source.last_lsn) > (store.last_epoch, store.last_lsn):
             store.last_epoch, store.last_lsn = source.last_epoch, source.last_lsn
-            store.cluster_id = source.cluster_id
-        store.cluster_id = store.cluster_id or "c1"
         store.role, store.epoch, store.master = Role.MASTER, epoch, node
         self.append(node, 1)
 
@@ -285,7 +300,12 @@ def parse_body(kind: str, options: dict[str, str]) -> Body:
     if kind == "AreYouThere":
         return AreYouThere(group)
     if kind == "Invitation":
-        return Invitation(group, int(options.get("priority", "0")), int(options.get("epoch", "0")))
+        return Invitation(
+            group,
+            int(options.get("priority", "0")),
+            int(options.get("epoch", "0")),
+            options.get("cluster", ""),
+        )
     if kind == "Ready":
         members = tuple(options.get("members", "").split(","))
         return GroupReady(
@@ -295,6 +315,7 @@ def parse_body(kind: str, options: dict[str, str]) -> Body:
             sync_source_id=options.get("sync", members[0]),
             coordinator_id=options.get("coordinator", group.partition(":")[0]),
             max_seen=int(options.get("max", "0")),
+            cluster_id=options.get("cluster", ""),
         )
     if kind == "ReadyAck":
         return GroupReadyAck(group, int(options.get("epoch", "0")))
@@ -328,6 +349,24 @@ def execute(cluster: Cluster | None, line: str) -> tuple[Cluster | None, list[st
     elif command == "crash":
         for node in positional:
             cluster.crash(node)
+    elif command == "store":
+        node = positional[0]
+        if cluster.nodes[node] is not None:
+            raise ValueError(f"store: node {node} is running; crash it first")
+        store = cluster.stores[node]
+        if "state" in options:
+            store.state = StoreState(options["state"])
+            store.shutdown_id = options.get("shutdown", "")
+        if "cluster" in options:
+            store.cluster_id = options["cluster"]
+        if "log" in options:
+            last_epoch, _, last_lsn = options["log"].partition("/")
+            store.last_epoch, store.last_lsn = int(last_epoch), int(last_lsn)
+        shutdown = f"/{store.shutdown_id}" if store.shutdown_id else ""
+        cluster.out.append(
+            f"{node}: store {store.state.value}{shutdown} cluster={store.cluster_id or '-'} "
+            f"log={store.last_epoch}/{store.last_lsn}"
+        )
     elif command == "run":
         cluster.run(int(options["ms"]))
     elif command == "partition":

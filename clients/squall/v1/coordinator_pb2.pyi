@@ -38,6 +38,8 @@ class MemberReport(_message.Message):
     STORE_STATE_FIELD_NUMBER: _builtins.int
     MAX_SEEN_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
+    SHUTDOWN_ID_FIELD_NUMBER: _builtins.int
+    JOINED_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The member's node id."""
     cluster_id: _builtins.str
@@ -52,6 +54,12 @@ class MemberReport(_message.Message):
     """The most nodes it has seen together in one group (IceStorm's max)."""
     epoch: _builtins.int
     """The newest epoch it has accepted (persisted)."""
+    shutdown_id: _builtins.str
+    """The shutdown id of a CLEAN store (empty otherwise)."""
+    joined: _builtins.bool
+    """True if the member's replica has held a role since its process started (its store is
+    part of the running cluster); a group of members that all report false is a cold start.
+    """
     def __init__(
         self,
         *,
@@ -62,10 +70,12 @@ class MemberReport(_message.Message):
         store_state: _common_pb2.StoreState.ValueType = ...,
         max_seen: _builtins.int = ...,
         epoch: _builtins.int = ...,
+        shutdown_id: _builtins.str = ...,
+        joined: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "epoch", b"epoch", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "max_seen", b"max_seen", "node_id", b"node_id", "store_state", b"store_state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "epoch", b"epoch", "joined", b"joined", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "max_seen", b"max_seen", "node_id", b"node_id", "shutdown_id", b"shutdown_id", "store_state", b"store_state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -80,6 +90,7 @@ class AreYouCoordinator(_message.Message):
     GROUP_NAME_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     DESIGNATED_PRIMARY_FIELD_NUMBER: _builtins.int
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
     group_name: _builtins.str
     """The sender's group name."""
     priority: _builtins.int
@@ -88,16 +99,21 @@ class AreYouCoordinator(_message.Message):
     """True if the sender is the designated primary of a two-node cluster, so the other
     node can refuse the flag (never both).
     """
+    cluster_id: _builtins.str
+    """The sender's cluster id (empty while it has none): a coordinator never merges a node
+    of another cluster.
+    """
     def __init__(
         self,
         *,
         group_name: _builtins.str = ...,
         priority: _builtins.int = ...,
         designated_primary: _builtins.bool = ...,
+        cluster_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["designated_primary", b"designated_primary", "group_name", b"group_name", "priority", b"priority"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "designated_primary", b"designated_primary", "group_name", b"group_name", "priority", b"priority"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -113,6 +129,7 @@ class AreYouCoordinatorReply(_message.Message):
     GROUP_NAME_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     DESIGNATED_PRIMARY_FIELD_NUMBER: _builtins.int
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
     is_coordinator: _builtins.bool
     """True if the sender of the reply coordinates its group."""
     group_name: _builtins.str
@@ -121,6 +138,8 @@ class AreYouCoordinatorReply(_message.Message):
     """Its priority."""
     designated_primary: _builtins.bool
     """True if the replier is the designated primary of a two-node cluster."""
+    cluster_id: _builtins.str
+    """The replier's cluster id (empty while it has none)."""
     def __init__(
         self,
         *,
@@ -128,10 +147,11 @@ class AreYouCoordinatorReply(_message.Message):
         group_name: _builtins.str = ...,
         priority: _builtins.int = ...,
         designated_primary: _builtins.bool = ...,
+        cluster_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["designated_primary", b"designated_primary", "group_name", b"group_name", "is_coordinator", b"is_coordinator", "priority", b"priority"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "designated_primary", b"designated_primary", "group_name", b"group_name", "is_coordinator", b"is_coordinator", "priority", b"priority"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -167,19 +187,25 @@ class AreYouThereReply(_message.Message):
 
     GROUP_NAME_FIELD_NUMBER: _builtins.int
     YES_FIELD_NUMBER: _builtins.int
+    HELD_REASON_FIELD_NUMBER: _builtins.int
     group_name: _builtins.str
     """The group asked about."""
     yes: _builtins.bool
     """True if the replier coordinates that group and counts the asker as a member."""
+    held_reason: _builtins.str
+    """While the coordinator holds its group without forming it (too few nodes, or the
+    stores refuse a cold start): why, so every member can log and show it.
+    """
     def __init__(
         self,
         *,
         group_name: _builtins.str = ...,
         yes: _builtins.bool = ...,
+        held_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_name", b"group_name", "yes", b"yes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_name", b"group_name", "held_reason", b"held_reason", "yes", b"yes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -197,6 +223,7 @@ class Invitation(_message.Message):
     GROUP_NAME_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
     group_name: _builtins.str
     """The new group's name, `coordinator-id:uuid`."""
     priority: _builtins.int
@@ -205,16 +232,21 @@ class Invitation(_message.Message):
     """The inviter's newest accepted epoch when it invited: lets a member of the inviter's
     group drop a delayed invitation from an older merge.
     """
+    cluster_id: _builtins.str
+    """The inviter's cluster id (empty while it has none); a node of another cluster refuses
+    the invitation (FAILED_PRECONDITION naming both ids).
+    """
     def __init__(
         self,
         *,
         group_name: _builtins.str = ...,
         priority: _builtins.int = ...,
         epoch: _builtins.int = ...,
+        cluster_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "group_name", b"group_name", "priority", b"priority"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "epoch", b"epoch", "group_name", b"group_name", "priority", b"priority"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -268,6 +300,7 @@ class Ready(_message.Message):
     SYNC_SOURCE_ID_FIELD_NUMBER: _builtins.int
     COORDINATOR_ID_FIELD_NUMBER: _builtins.int
     MAX_SEEN_FIELD_NUMBER: _builtins.int
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
     group_name: _builtins.str
     """The group's name."""
     epoch: _builtins.int
@@ -279,6 +312,10 @@ class Ready(_message.Message):
     max_seen: _builtins.int
     """The most nodes any member has seen together, this group included (IceStorm's max);
     members persist it with the epoch.
+    """
+    cluster_id: _builtins.str
+    """The group's cluster id: the members' own, or minted by this coordinator when every
+    store is empty (the first formation). Members persist it with the epoch.
     """
     @_builtins.property
     def members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -293,10 +330,11 @@ class Ready(_message.Message):
         sync_source_id: _builtins.str = ...,
         coordinator_id: _builtins.str = ...,
         max_seen: _builtins.int = ...,
+        cluster_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_id", b"coordinator_id", "epoch", b"epoch", "group_name", b"group_name", "max_seen", b"max_seen", "members", b"members", "sync_source_id", b"sync_source_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "coordinator_id", b"coordinator_id", "epoch", b"epoch", "group_name", b"group_name", "max_seen", b"max_seen", "members", b"members", "sync_source_id", b"sync_source_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -648,3 +686,53 @@ class OperatorControlResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___OperatorControlResponse: _TypeAlias = OperatorControlResponse  # noqa: Y015
+
+@_typing.final
+class CoordinatorShutdownRequest(_message.Message):
+    """Asks a coordinator to stop (clean cluster shutdown)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHUTDOWN_ID_FIELD_NUMBER: _builtins.int
+    OPERATOR_FIELD_NUMBER: _builtins.int
+    shutdown_id: _builtins.str
+    """The cluster shutdown's id, for the log."""
+    operator: _builtins.str
+    """Who asks, for the log."""
+    def __init__(
+        self,
+        *,
+        shutdown_id: _builtins.str = ...,
+        operator: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["operator", b"operator", "shutdown_id", b"shutdown_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CoordinatorShutdownRequest: _TypeAlias = CoordinatorShutdownRequest  # noqa: Y015
+
+@_typing.final
+class CoordinatorShutdownResponse(_message.Message):
+    """Confirms the coordinator is stopping."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATUS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def status(self) -> Global___CoordinatorStatus:
+        """Its status as it stopped."""
+
+    def __init__(
+        self,
+        *,
+        status: Global___CoordinatorStatus | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["status", b"status"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CoordinatorShutdownResponse: _TypeAlias = CoordinatorShutdownResponse  # noqa: Y015

@@ -61,6 +61,11 @@ class CoordinatorStub:
                 request_serializer=squall_dot_v1_dot_coordinator__pb2.SetQuorumOverrideRequest.SerializeToString,
                 response_deserializer=squall_dot_v1_dot_coordinator__pb2.OperatorControlResponse.FromString,
                 _registered_method=True)
+        self.Shutdown = channel.unary_unary(
+                '/squall.v1.Coordinator/Shutdown',
+                request_serializer=squall_dot_v1_dot_coordinator__pb2.CoordinatorShutdownRequest.SerializeToString,
+                response_deserializer=squall_dot_v1_dot_coordinator__pb2.CoordinatorShutdownResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -108,6 +113,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Shutdown(self, request, context):
+        """Clean cluster shutdown: the coordinator stops electing and exits, so it neither renews
+        nor changes its replica's role while the replicas record the shutdown point.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -135,6 +148,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.SetQuorumOverride,
                     request_deserializer=squall_dot_v1_dot_coordinator__pb2.SetQuorumOverrideRequest.FromString,
                     response_serializer=squall_dot_v1_dot_coordinator__pb2.OperatorControlResponse.SerializeToString,
+            ),
+            'Shutdown': grpc.unary_unary_rpc_method_handler(
+                    servicer.Shutdown,
+                    request_deserializer=squall_dot_v1_dot_coordinator__pb2.CoordinatorShutdownRequest.FromString,
+                    response_serializer=squall_dot_v1_dot_coordinator__pb2.CoordinatorShutdownResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -273,6 +291,33 @@ class Coordinator:
             '/squall.v1.Coordinator/SetQuorumOverride',
             squall_dot_v1_dot_coordinator__pb2.SetQuorumOverrideRequest.SerializeToString,
             squall_dot_v1_dot_coordinator__pb2.OperatorControlResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Shutdown(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/squall.v1.Coordinator/Shutdown',
+            squall_dot_v1_dot_coordinator__pb2.CoordinatorShutdownRequest.SerializeToString,
+            squall_dot_v1_dot_coordinator__pb2.CoordinatorShutdownResponse.FromString,
             options,
             channel_credentials,
             insecure,

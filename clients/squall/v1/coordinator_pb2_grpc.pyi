@@ -56,6 +56,10 @@ class CoordinatorStub:
     """Lowers (or, with 0, clears) the count of nodes a group needs to go normal, for
     disaster recovery.
     """
+    Shutdown: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.CoordinatorShutdownRequest, _coordinator_pb2.CoordinatorShutdownResponse]
+    """Clean cluster shutdown: the coordinator stops electing and exits, so it neither renews
+    nor changes its replica's role while the replicas record the shutdown point.
+    """
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -80,6 +84,10 @@ class CoordinatorAsyncStub(CoordinatorStub):
     SetQuorumOverride: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.SetQuorumOverrideRequest, _coordinator_pb2.OperatorControlResponse]  # type: ignore[assignment]
     """Lowers (or, with 0, clears) the count of nodes a group needs to go normal, for
     disaster recovery.
+    """
+    Shutdown: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.CoordinatorShutdownRequest, _coordinator_pb2.CoordinatorShutdownResponse]  # type: ignore[assignment]
+    """Clean cluster shutdown: the coordinator stops electing and exits, so it neither renews
+    nor changes its replica's role while the replicas record the shutdown point.
     """
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
@@ -132,6 +140,16 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_coordinator_pb2.OperatorControlResponse, _abc.Awaitable[_coordinator_pb2.OperatorControlResponse]]:
         """Lowers (or, with 0, clears) the count of nodes a group needs to go normal, for
         disaster recovery.
+        """
+
+    @_abc_1.abstractmethod
+    def Shutdown(
+        self,
+        request: _coordinator_pb2.CoordinatorShutdownRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.CoordinatorShutdownResponse, _abc.Awaitable[_coordinator_pb2.CoordinatorShutdownResponse]]:
+        """Clean cluster shutdown: the coordinator stops electing and exits, so it neither renews
+        nor changes its replica's role while the replicas record the shutdown point.
         """
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

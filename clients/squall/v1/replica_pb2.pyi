@@ -760,6 +760,8 @@ class ReplicaState(_message.Message):
     MASTER_ID_FIELD_NUMBER: _builtins.int
     SLAVES_FIELD_NUMBER: _builtins.int
     LOG_START_LSN_FIELD_NUMBER: _builtins.int
+    JOINED_FIELD_NUMBER: _builtins.int
+    FROZEN_FOR_SHUTDOWN_ID_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The replica's node id."""
     cluster_id: _builtins.str
@@ -784,6 +786,14 @@ class ReplicaState(_message.Message):
     """The node id of the master the replica follows or is (empty when inactive)."""
     log_start_lsn: _builtins.int
     """The first LSN still in the local log (entries below it are only in snapshots)."""
+    joined: _builtins.bool
+    """True once this replica process has held a role: its store is part of the running
+    cluster. False after a (re)start until it takes one; a group made only of such
+    replicas is a cold start, which must pass the store-state checks
+    (docs/operations.md, "Store lifecycle").
+    """
+    frozen_for_shutdown_id: _builtins.str
+    """The cluster shutdown this replica is frozen for (FreezeForShutdown); empty otherwise."""
     @_builtins.property
     def slaves(self) -> _containers.RepeatedCompositeFieldContainer[Global___SlaveProgress]:
         """On a master: each member slave's replication progress, by node id (empty otherwise)."""
@@ -804,10 +814,12 @@ class ReplicaState(_message.Message):
         master_id: _builtins.str = ...,
         slaves: _abc.Iterable[Global___SlaveProgress] | None = ...,
         log_start_lsn: _builtins.int = ...,
+        joined: _builtins.bool = ...,
+        frozen_for_shutdown_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "command_seq", b"command_seq", "commit_lsn", b"commit_lsn", "epoch", b"epoch", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "log_start_lsn", b"log_start_lsn", "master_id", b"master_id", "node_id", b"node_id", "role", b"role", "shutdown_id", b"shutdown_id", "slaves", b"slaves", "store_state", b"store_state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "command_seq", b"command_seq", "commit_lsn", b"commit_lsn", "epoch", b"epoch", "frozen_for_shutdown_id", b"frozen_for_shutdown_id", "joined", b"joined", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "log_start_lsn", b"log_start_lsn", "master_id", b"master_id", "node_id", b"node_id", "role", b"role", "shutdown_id", b"shutdown_id", "slaves", b"slaves", "store_state", b"store_state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -885,6 +897,7 @@ class RoleCommand(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     SEQ_FIELD_NUMBER: _builtins.int
     LEASE_MS_FIELD_NUMBER: _builtins.int
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
     role: _common_pb2.Role.ValueType
     """The role to take."""
     epoch: _builtins.int
@@ -900,6 +913,11 @@ class RoleCommand(_message.Message):
     lease_ms: _builtins.int
     """The replica drops the role (becomes inactive) if no command renews it within this
     many milliseconds: a replica whose coordinator died stops serving. 0: no lease.
+    """
+    cluster_id: _builtins.str
+    """The group's cluster id (ROLE_MASTER, ROLE_SLAVE), chosen by the coordinator at the
+    group's first formation. An empty store records it before taking the role; a store of
+    another cluster refuses the role (FAILED_PRECONDITION naming both ids).
     """
     @_builtins.property
     def master(self) -> _common_pb2.NodeEndpoint:
@@ -920,10 +938,11 @@ class RoleCommand(_message.Message):
         reason: _builtins.str = ...,
         seq: _builtins.int = ...,
         lease_ms: _builtins.int = ...,
+        cluster_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["master", b"master"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "lease_ms", b"lease_ms", "master", b"master", "members", b"members", "reason", b"reason", "role", b"role", "seq", b"seq", "sync_source_id", b"sync_source_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "epoch", b"epoch", "lease_ms", b"lease_ms", "master", b"master", "members", b"members", "reason", b"reason", "role", b"role", "seq", b"seq", "sync_source_id", b"sync_source_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -952,3 +971,121 @@ class RoleCommandResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RoleCommandResponse: _TypeAlias = RoleCommandResponse  # noqa: Y015
+
+@_typing.final
+class FreezeForShutdownRequest(_message.Message):
+    """Freezes a replica for a clean cluster shutdown."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHUTDOWN_ID_FIELD_NUMBER: _builtins.int
+    OPERATOR_FIELD_NUMBER: _builtins.int
+    shutdown_id: _builtins.str
+    """The shutdown's id (a UUID chosen by the operator's command)."""
+    operator: _builtins.str
+    """Who asks, for the log."""
+    def __init__(
+        self,
+        *,
+        shutdown_id: _builtins.str = ...,
+        operator: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["operator", b"operator", "shutdown_id", b"shutdown_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FreezeForShutdownRequest: _TypeAlias = FreezeForShutdownRequest  # noqa: Y015
+
+@_typing.final
+class FinishShutdownRequest(_message.Message):
+    """Records the shutdown point and stops the replica."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHUTDOWN_ID_FIELD_NUMBER: _builtins.int
+    LSN_FIELD_NUMBER: _builtins.int
+    LAST_EPOCH_FIELD_NUMBER: _builtins.int
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    OPERATOR_FIELD_NUMBER: _builtins.int
+    shutdown_id: _builtins.str
+    """The shutdown's id, as frozen."""
+    lsn: _builtins.int
+    """The common point: the master's last LSN once every member held it."""
+    last_epoch: _builtins.int
+    """The epoch of the entry at that LSN."""
+    cluster_id: _builtins.str
+    """The cluster id the point belongs to."""
+    operator: _builtins.str
+    """Who asks, for the log."""
+    def __init__(
+        self,
+        *,
+        shutdown_id: _builtins.str = ...,
+        lsn: _builtins.int = ...,
+        last_epoch: _builtins.int = ...,
+        cluster_id: _builtins.str = ...,
+        operator: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "last_epoch", b"last_epoch", "lsn", b"lsn", "operator", b"operator", "shutdown_id", b"shutdown_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FinishShutdownRequest: _TypeAlias = FinishShutdownRequest  # noqa: Y015
+
+@_typing.final
+class FinishShutdownResponse(_message.Message):
+    """What FinishShutdown did."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLEAN_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    clean: _builtins.bool
+    """True when the store is now CLEAN with the shutdown id."""
+    reason: _builtins.str
+    """Why the store was left DIRTY (empty when clean)."""
+    @_builtins.property
+    def state(self) -> Global___ReplicaState:
+        """The replica's state after it dropped its role."""
+
+    def __init__(
+        self,
+        *,
+        clean: _builtins.bool = ...,
+        reason: _builtins.str = ...,
+        state: Global___ReplicaState | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["state", b"state"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["clean", b"clean", "reason", b"reason", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FinishShutdownResponse: _TypeAlias = FinishShutdownResponse  # noqa: Y015
+
+@_typing.final
+class AbortShutdownRequest(_message.Message):
+    """Undoes a freeze."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHUTDOWN_ID_FIELD_NUMBER: _builtins.int
+    shutdown_id: _builtins.str
+    """The shutdown's id, as frozen."""
+    def __init__(
+        self,
+        *,
+        shutdown_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["shutdown_id", b"shutdown_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AbortShutdownRequest: _TypeAlias = AbortShutdownRequest  # noqa: Y015

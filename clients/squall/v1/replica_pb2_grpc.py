@@ -178,6 +178,21 @@ class ReplicaControlStub:
                 request_serializer=squall_dot_v1_dot_replica__pb2.RoleCommand.SerializeToString,
                 response_deserializer=squall_dot_v1_dot_replica__pb2.RoleCommandResponse.FromString,
                 _registered_method=True)
+        self.FreezeForShutdown = channel.unary_unary(
+                '/squall.v1.ReplicaControl/FreezeForShutdown',
+                request_serializer=squall_dot_v1_dot_replica__pb2.FreezeForShutdownRequest.SerializeToString,
+                response_deserializer=squall_dot_v1_dot_replica__pb2.ReplicaState.FromString,
+                _registered_method=True)
+        self.FinishShutdown = channel.unary_unary(
+                '/squall.v1.ReplicaControl/FinishShutdown',
+                request_serializer=squall_dot_v1_dot_replica__pb2.FinishShutdownRequest.SerializeToString,
+                response_deserializer=squall_dot_v1_dot_replica__pb2.FinishShutdownResponse.FromString,
+                _registered_method=True)
+        self.AbortShutdown = channel.unary_unary(
+                '/squall.v1.ReplicaControl/AbortShutdown',
+                request_serializer=squall_dot_v1_dot_replica__pb2.AbortShutdownRequest.SerializeToString,
+                response_deserializer=squall_dot_v1_dot_replica__pb2.ReplicaState.FromString,
+                _registered_method=True)
 
 
 class ReplicaControlServicer:
@@ -199,6 +214,36 @@ class ReplicaControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FreezeForShutdown(self, request, context):
+        """Clean cluster shutdown, step 1 (`squall cluster shutdown`): the replica takes no new
+        role and, as master, admits no new write (UNAVAILABLE); it answers once the writes it
+        had queued are done. A slave keeps applying its master's stream, so it can reach the
+        master's last LSN. Idempotent for the same shutdown id; FAILED_PRECONDITION while
+        frozen for another one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FinishShutdown(self, request, context):
+        """Clean cluster shutdown, step 3: the replica drops its role, records the shutdown id in
+        its store (state CLEAN) when it holds exactly the common point (LSN, epoch, cluster
+        id), leaves it DIRTY otherwise, and exits. FAILED_PRECONDITION (nothing changed) unless
+        frozen for this shutdown id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortShutdown(self, request, context):
+        """Undoes FreezeForShutdown (a shutdown that could not complete): writes and roles are
+        accepted again. FAILED_PRECONDITION when frozen for another shutdown or already
+        finished.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplicaControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -211,6 +256,21 @@ def add_ReplicaControlServicer_to_server(servicer, server):
                     servicer.SetRole,
                     request_deserializer=squall_dot_v1_dot_replica__pb2.RoleCommand.FromString,
                     response_serializer=squall_dot_v1_dot_replica__pb2.RoleCommandResponse.SerializeToString,
+            ),
+            'FreezeForShutdown': grpc.unary_unary_rpc_method_handler(
+                    servicer.FreezeForShutdown,
+                    request_deserializer=squall_dot_v1_dot_replica__pb2.FreezeForShutdownRequest.FromString,
+                    response_serializer=squall_dot_v1_dot_replica__pb2.ReplicaState.SerializeToString,
+            ),
+            'FinishShutdown': grpc.unary_unary_rpc_method_handler(
+                    servicer.FinishShutdown,
+                    request_deserializer=squall_dot_v1_dot_replica__pb2.FinishShutdownRequest.FromString,
+                    response_serializer=squall_dot_v1_dot_replica__pb2.FinishShutdownResponse.SerializeToString,
+            ),
+            'AbortShutdown': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortShutdown,
+                    request_deserializer=squall_dot_v1_dot_replica__pb2.AbortShutdownRequest.FromString,
+                    response_serializer=squall_dot_v1_dot_replica__pb2.ReplicaState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -268,6 +328,87 @@ class ReplicaControl:
             '/squall.v1.ReplicaControl/SetRole',
             squall_dot_v1_dot_replica__pb2.RoleCommand.SerializeToString,
             squall_dot_v1_dot_replica__pb2.RoleCommandResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FreezeForShutdown(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/squall.v1.ReplicaControl/FreezeForShutdown',
+            squall_dot_v1_dot_replica__pb2.FreezeForShutdownRequest.SerializeToString,
+            squall_dot_v1_dot_replica__pb2.ReplicaState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FinishShutdown(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/squall.v1.ReplicaControl/FinishShutdown',
+            squall_dot_v1_dot_replica__pb2.FinishShutdownRequest.SerializeToString,
+            squall_dot_v1_dot_replica__pb2.FinishShutdownResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortShutdown(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/squall.v1.ReplicaControl/AbortShutdown',
+            squall_dot_v1_dot_replica__pb2.AbortShutdownRequest.SerializeToString,
+            squall_dot_v1_dot_replica__pb2.ReplicaState.FromString,
             options,
             channel_credentials,
             insecure,

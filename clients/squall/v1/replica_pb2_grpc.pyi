@@ -124,6 +124,24 @@ class ReplicaControlStub:
     """Tells the replica which role to take in which epoch. FAILED_PRECONDITION for an
     epoch older than the replica's current one.
     """
+    FreezeForShutdown: _grpc.UnaryUnaryMultiCallable[_replica_pb2.FreezeForShutdownRequest, _replica_pb2.ReplicaState]
+    """Clean cluster shutdown, step 1 (`squall cluster shutdown`): the replica takes no new
+    role and, as master, admits no new write (UNAVAILABLE); it answers once the writes it
+    had queued are done. A slave keeps applying its master's stream, so it can reach the
+    master's last LSN. Idempotent for the same shutdown id; FAILED_PRECONDITION while
+    frozen for another one.
+    """
+    FinishShutdown: _grpc.UnaryUnaryMultiCallable[_replica_pb2.FinishShutdownRequest, _replica_pb2.FinishShutdownResponse]
+    """Clean cluster shutdown, step 3: the replica drops its role, records the shutdown id in
+    its store (state CLEAN) when it holds exactly the common point (LSN, epoch, cluster
+    id), leaves it DIRTY otherwise, and exits. FAILED_PRECONDITION (nothing changed) unless
+    frozen for this shutdown id.
+    """
+    AbortShutdown: _grpc.UnaryUnaryMultiCallable[_replica_pb2.AbortShutdownRequest, _replica_pb2.ReplicaState]
+    """Undoes FreezeForShutdown (a shutdown that could not complete): writes and roles are
+    accepted again. FAILED_PRECONDITION when frozen for another shutdown or already
+    finished.
+    """
 
 @_typing.type_check_only
 class ReplicaControlAsyncStub(ReplicaControlStub):
@@ -135,6 +153,24 @@ class ReplicaControlAsyncStub(ReplicaControlStub):
     SetRole: _aio.UnaryUnaryMultiCallable[_replica_pb2.RoleCommand, _replica_pb2.RoleCommandResponse]  # type: ignore[assignment]
     """Tells the replica which role to take in which epoch. FAILED_PRECONDITION for an
     epoch older than the replica's current one.
+    """
+    FreezeForShutdown: _aio.UnaryUnaryMultiCallable[_replica_pb2.FreezeForShutdownRequest, _replica_pb2.ReplicaState]  # type: ignore[assignment]
+    """Clean cluster shutdown, step 1 (`squall cluster shutdown`): the replica takes no new
+    role and, as master, admits no new write (UNAVAILABLE); it answers once the writes it
+    had queued are done. A slave keeps applying its master's stream, so it can reach the
+    master's last LSN. Idempotent for the same shutdown id; FAILED_PRECONDITION while
+    frozen for another one.
+    """
+    FinishShutdown: _aio.UnaryUnaryMultiCallable[_replica_pb2.FinishShutdownRequest, _replica_pb2.FinishShutdownResponse]  # type: ignore[assignment]
+    """Clean cluster shutdown, step 3: the replica drops its role, records the shutdown id in
+    its store (state CLEAN) when it holds exactly the common point (LSN, epoch, cluster
+    id), leaves it DIRTY otherwise, and exits. FAILED_PRECONDITION (nothing changed) unless
+    frozen for this shutdown id.
+    """
+    AbortShutdown: _aio.UnaryUnaryMultiCallable[_replica_pb2.AbortShutdownRequest, _replica_pb2.ReplicaState]  # type: ignore[assignment]
+    """Undoes FreezeForShutdown (a shutdown that could not complete): writes and roles are
+    accepted again. FAILED_PRECONDITION when frozen for another shutdown or already
+    finished.
     """
 
 class ReplicaControlServicer(metaclass=_abc_1.ABCMeta):
@@ -156,6 +192,42 @@ class ReplicaControlServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_replica_pb2.RoleCommandResponse, _abc.Awaitable[_replica_pb2.RoleCommandResponse]]:
         """Tells the replica which role to take in which epoch. FAILED_PRECONDITION for an
         epoch older than the replica's current one.
+        """
+
+    @_abc_1.abstractmethod
+    def FreezeForShutdown(
+        self,
+        request: _replica_pb2.FreezeForShutdownRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_replica_pb2.ReplicaState, _abc.Awaitable[_replica_pb2.ReplicaState]]:
+        """Clean cluster shutdown, step 1 (`squall cluster shutdown`): the replica takes no new
+        role and, as master, admits no new write (UNAVAILABLE); it answers once the writes it
+        had queued are done. A slave keeps applying its master's stream, so it can reach the
+        master's last LSN. Idempotent for the same shutdown id; FAILED_PRECONDITION while
+        frozen for another one.
+        """
+
+    @_abc_1.abstractmethod
+    def FinishShutdown(
+        self,
+        request: _replica_pb2.FinishShutdownRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_replica_pb2.FinishShutdownResponse, _abc.Awaitable[_replica_pb2.FinishShutdownResponse]]:
+        """Clean cluster shutdown, step 3: the replica drops its role, records the shutdown id in
+        its store (state CLEAN) when it holds exactly the common point (LSN, epoch, cluster
+        id), leaves it DIRTY otherwise, and exits. FAILED_PRECONDITION (nothing changed) unless
+        frozen for this shutdown id.
+        """
+
+    @_abc_1.abstractmethod
+    def AbortShutdown(
+        self,
+        request: _replica_pb2.AbortShutdownRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_replica_pb2.ReplicaState, _abc.Awaitable[_replica_pb2.ReplicaState]]:
+        """Undoes FreezeForShutdown (a shutdown that could not complete): writes and roles are
+        accepted again. FAILED_PRECONDITION when frozen for another shutdown or already
+        finished.
         """
 
 def add_ReplicaControlServicer_to_server(servicer: ReplicaControlServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

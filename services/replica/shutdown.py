@@ -1,0 +1,156 @@
+"""The replica's part in a clean cluster shutdown (`squall cluster shutdown`).
+
+The operator's command freezes every replica (no new role, and on the master no new
+write), waits until every member holds the master's last LSN, stops the coordinators, and
+then finishes each replica: it drops its role, records the shutdown id in its store
+(CLEAN) if it holds exactly that common point, and exits. A store that was not at the
+point stays DIRTY and is updated from a clean one at the next start. See
+docs/operations.md, "Store lifecycle".
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+from services.common.errors import Code, ServiceError
+from services.replica.node import ReplicaNode
+from squall.v1 import common_pb2
+
+log = logging.getLogger("squall.replica")
+
+_SHUTDOWN_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+@dataclass(frozen=True)
+class Finished:
+    """What finishing did: CLEAN with the shutdown id, or left DIRTY and why."""
+
+    clean: bool
+    reason: str
+
+
+def _check_id(shutdown_id: str) -> None:
+    if not _SHUTDOWN_ID_RE.fullmatch(shutdown_id):
+        raise ServiceError(
+            Code.INVALID_ARGUMENT,
+            f"shutdown id {shutdown_id[:80]!r} is not 1-64 characters of A-Z a-z 0-9 _ -",
+        )
+
+
+async def freeze(node: ReplicaNode, shutdown_id: str, operator: str) -> None:
+    """No new role, no new write; returns once the writes queued before are done."""
+    _check_id(shutdown_id)
+    name = node.node.id
+    if node.shutdown_finished:
+        raise ServiceError(
+            Code.FAILED_PRECONDITION,
+            f"replica {name} already finished cluster shutdown {node.shutdown_finished}",
+        )
+    if node.frozen_for and node.frozen_for != shutdown_id:
+        raise ServiceError(
+            Code.FAILED_PRECONDITION,
+            f"replica {name} is frozen for cluster shutdown {node.frozen_for}, not "
+            f"{shutdown_id}; abort that one first",
+        )
+    if not node.frozen_for:
+        node.frozen_for = shutdown_id
+        log.warning(
+            "replica %s frozen for cluster shutdown %s (asked by %s): no new writes or "
+            "roles; role=%s epoch=%d lsn=%d commit_lsn=%d",
+            name,
+            shutdown_id,
+            operator or "unknown",
+            common_pb2.Role.Name(node.role),
+            node.epoch,
+            node.last_lsn,
+            node.commit_lsn,
+        )
+    await node.drain_writes()
+
+
+async def finish(
+    node: ReplicaNode,
+    shutdown_id: str,
+    *,
+    lsn: int,
+    last_epoch: int,
+    cluster_id: str,
+    operator: str,
+) -> Finished:
+    """Drops the role, records CLEAN if at the common point (else leaves DIRTY), and asks
+    the process to stop."""
+    _check_id(shutdown_id)
+    name = node.node.id
+    if node.frozen_for != shutdown_id:
+        held = node.frozen_for or "none"
+        raise ServiceError(
+            Code.FAILED_PRECONDITION,
+            f"replica {name} is not frozen for cluster shutdown {shutdown_id} (frozen for: "
+            f"{held}); nothing was changed",
+        )
+    node.shutdown_finished = shutdown_id
+    await node.deactivate(f"cluster shutdown {shutdown_id}")
+    meta = node.store.meta()
+    problems: list[str] = []
+    if node.failed_reason:
+        problems.append(f"it stopped serving writes: {node.failed_reason}")
+    if meta.snapshot_pending:
+        problems.append("an unfinished snapshot install left its state partial")
+    if meta.cluster_id != cluster_id:
+        problems.append(f"its cluster is {meta.cluster_id or '(none)'}, not {cluster_id}")
+    if (meta.last_epoch, meta.last_lsn) != (last_epoch, lsn):
+        problems.append(
+            f"its log ends at epoch {meta.last_epoch} LSN {meta.last_lsn}, not at the "
+            f"shutdown point (epoch {last_epoch} LSN {lsn})"
+        )
+    clean = not problems
+    if clean:
+        store = node.store
+
+        def mark_clean() -> None:
+            store.sync()
+            store.set_state(common_pb2.STORE_STATE_CLEAN, shutdown_id)
+
+        await node.store_write(mark_clean)
+        log.warning(
+            "replica %s store CLEAN: cluster shutdown %s (asked by %s) at epoch %d LSN %d; "
+            "stopping",
+            name,
+            shutdown_id,
+            operator or "unknown",
+            last_epoch,
+            lsn,
+        )
+    else:
+        log.warning(
+            "replica %s store left DIRTY by cluster shutdown %s: %s; stopping (it is "
+            "updated from a clean store at the next start)",
+            name,
+            shutdown_id,
+            "; ".join(problems),
+        )
+    if node.on_shutdown is not None:
+        node.on_shutdown()
+    return Finished(clean, "; ".join(problems))
+
+
+def abort(node: ReplicaNode, shutdown_id: str) -> None:
+    """Undoes a freeze: writes and roles are accepted again."""
+    _check_id(shutdown_id)
+    name = node.node.id
+    if node.shutdown_finished:
+        raise ServiceError(
+            Code.FAILED_PRECONDITION,
+            f"replica {name} already finished cluster shutdown {node.shutdown_finished}",
+        )
+    if node.frozen_for not in (shutdown_id, ""):
+        raise ServiceError(
+            Code.FAILED_PRECONDITION,
+            f"replica {name} is frozen for cluster shutdown {node.frozen_for}, not "
+            f"{shutdown_id}",
+        )
+    if node.frozen_for:
+        node.frozen_for = ""
+        log.warning("replica %s: cluster shutdown %s aborted, serving again", name, shutdown_id)
