@@ -4,8 +4,12 @@
     python -m deploy.launcher stop
 
 `start` copies the config into .run/ with free ports (data stays in .run/data, so a
-restarted cluster keeps its topics), starts the services, waits until each answers
-its health check, and records their PIDs in .run/pids.json for `stop`.
+restarted cluster keeps its topics), starts every service as its own process with its own
+log (.run/logs/<service>-<id>.log), waits until each answers its health check and a
+master is elected, prints the cluster's status table, and records the PIDs in
+.run/pids.json. `stop` first shuts the cluster down cleanly (`squall cluster shutdown`:
+every store clean at one point, so the next `start` needs no operator), then stops
+whatever still runs by PID.
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ import time
 from pathlib import Path
 
 from deploy import processes
-from services.common.config import ClusterConfig, load_config_or_exit
+from services.common.config import ClusterConfig, ConfigError, load_config, load_config_or_exit
 
 RUN_DIR = Path(".run")
 PIDS_FILE = RUN_DIR / "pids.json"
+# The local copy of the config `start` wrote (processes.localize_config).
+LOCAL_CONFIG = RUN_DIR / "cluster.toml"
 # The services every node runs, in start order.
 NODE_SERVICES = ("replica", "coordinator")
 
@@ -94,9 +100,16 @@ def start(config_path: Path, demo: bool) -> int:
     try:
         master = wait_for_master(gateway_address)
     except TimeoutError as exc:
-        print(f"squall: {exc}; see the logs in {logs}", file=sys.stderr)
+        # The table says why (e.g. stores that refuse a cold start after a crash).
+        print_status(gateway_address)
+        print(
+            f"squall: {exc}; the reasons are in the table above and the logs in {logs} "
+            "(docs/operations.md); `make stop` stops the processes",
+            file=sys.stderr,
+        )
         return 1
-    print(f"  master elected: {master}")
+    print(f"  master elected: {master}\n")
+    print_status(gateway_address)
     if demo:
         _demo(config, gateway_address)
     print(f"\nTry:  .venv/bin/squall status --gateway {gateway_address}")
@@ -120,6 +133,13 @@ def wait_for_master(gateway_address: str, timeout_s: float = 30.0) -> str:
                 return master
             time.sleep(0.1)
     raise TimeoutError(f"no master was elected within {timeout_s:.0f}s")
+
+
+def print_status(gateway_address: str) -> None:
+    """Prints `squall status` (IceStorm's replica table) for the running cluster."""
+    from services import cli
+
+    cli.main(["status", "--gateway", gateway_address, "--timeout", "5"])
 
 
 def _demo(config: ClusterConfig, gateway_address: str) -> None:
@@ -154,18 +174,39 @@ def _demo(config: ClusterConfig, gateway_address: str) -> None:
 
 
 def stop() -> int:
-    """Stops every service recorded in .run/pids.json, by PID."""
+    """Shuts the cluster down cleanly, then stops every service left in .run/pids.json by
+    PID."""
     if not PIDS_FILE.exists():
         print("squall: no local cluster is running")
         return 0
+    if _running_pids():
+        _clean_shutdown()
     entries = json.loads(PIDS_FILE.read_text())
     # Gateways first, so apps see one clean refusal rather than a half-stopped cluster.
     for entry in sorted(entries, key=lambda e: e["kind"] != "gateway"):
         was_running = processes.stop_pid(int(entry["pid"]))
-        state = "stopped" if was_running else "was not running"
+        state = "stopped" if was_running else "already stopped"
         print(f"{entry['kind']} {entry['name']} (pid {entry['pid']}) {state}")
     PIDS_FILE.unlink()
     return 0
+
+
+def _clean_shutdown() -> None:
+    """`squall cluster shutdown` on the local cluster; a failure is reported, not fatal."""
+    from services.cluster_shutdown import ShutdownError, shutdown_cluster
+
+    try:
+        config = load_config(LOCAL_CONFIG)
+    except ConfigError as exc:
+        print(f"squall: no clean shutdown ({LOCAL_CONFIG}: {exc})", file=sys.stderr)
+        return
+    try:
+        status = shutdown_cluster(config, sys.stdout, timeout_s=30.0)
+    except ShutdownError as exc:
+        print(f"squall: no clean shutdown: {exc}", file=sys.stderr)
+        return
+    if status != 0:
+        print("squall: the master's store was not marked clean (see above)", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

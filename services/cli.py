@@ -8,6 +8,8 @@
     squall publish TOPIC [MESSAGE ...]          no MESSAGE: one event per line of stdin
     squall subscribe TOPIC [--subscription S] [--from earliest|latest|N] [--follow] [--count N]
     squall status [--json]
+    squall cluster shutdown | quorum-override N | designated-primary NODE   (--config F)
+    squall store inspect DIR | mark-clean DIR | mark-dirty DIR   a stopped node's store
 
 Client commands find the gateway from --gateway, else the first gateway of --config, else
 $SQUALL_GATEWAY, else 127.0.0.1:7000. Errors print one line, `squall: <error>`, on stderr;
@@ -27,7 +29,7 @@ from concurrent.futures import Future
 from typing import TextIO
 
 import squall
-from services import cli_admin
+from services import cli_admin, cli_store
 
 DEFAULT_GATEWAY = "127.0.0.1:7000"
 GATEWAY_ENV = "SQUALL_GATEWAY"
@@ -159,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     cli_admin.add_parser(commands)
+    cli_store.add_parser(commands)
     return parser
 
 
@@ -450,6 +453,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         if args.command == "cluster":
             return cli_admin.run(args, sys.stdout)
+        if args.command == "store":
+            return cli_store.run(args, sys.stdout)
         return _run_client(args, sys.stdout, sys.stdin)
     except SystemExit as exit_:
         # argparse exits on --help (0) and on usage errors (2); report, do not exit.
@@ -457,7 +462,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as err:
         print(f"squall: {err}", file=sys.stderr)
         return 2
-    except cli_admin.AdminError as err:
+    except (cli_admin.AdminError, cli_store.StoreToolError) as err:
         print(f"squall: {err}", file=sys.stderr)
         return 1
     except squall.SquallError as err:

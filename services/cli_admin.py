@@ -1,7 +1,9 @@
-"""`squall cluster ...`: operator controls sent to coordinators named in the config file.
+"""`squall cluster ...`: operator controls sent to the nodes named in the config file.
 
-Both controls change how many nodes a group needs, so they are loud: the coordinator logs
-them as warnings, persists them, and `squall status` shows them.
+`quorum-override` and `designated-primary` change how many nodes a group needs, so they
+are loud: the coordinator logs them as warnings, persists them, and `squall status` shows
+them. `shutdown` stops every node at one point and marks the stores clean
+(services/cluster_shutdown.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import TextIO
 
 import grpc
 
+from services.cluster_shutdown import ShutdownError, shutdown_cluster
 from services.common.config import ClusterConfig, ConfigError, load_config
 from squall.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -41,6 +44,18 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     for parser in (primary, override):
         parser.add_argument("--config", required=True, metavar="FILE", help="cluster TOML file")
         parser.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
+    shutdown = sub.add_parser(
+        "shutdown",
+        help="stop every node at one point and mark the stores clean (restart needs no "
+        "operator)",
+    )
+    shutdown.add_argument("--config", required=True, metavar="FILE", help="cluster TOML file")
+    shutdown.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        help="seconds for the members to reach the master's last entry (default 30)",
+    )
 
 
 def _config(path: str) -> ClusterConfig:
@@ -70,6 +85,13 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     """Runs one `squall cluster` command; returns the exit status."""
     config = _config(args.config)
     operator = getpass.getuser()
+    if args.cluster_command == "shutdown":
+        if args.timeout <= 0:
+            raise AdminError(f"--timeout must be > 0, not {args.timeout}")
+        try:
+            return shutdown_cluster(config, out, timeout_s=args.timeout, operator=operator)
+        except ShutdownError as exc:
+            raise AdminError(str(exc)) from None
     if args.cluster_command == "designated-primary":
         try:
             node = config.node(args.node)

@@ -63,6 +63,10 @@ class ReadTxn(Protocol):
         """Yields (key, value) for start <= key < end (no end: to the last key), in order."""
         ...
 
+    def count(self, db: str) -> int:
+        """How many keys db holds (without reading them)."""
+        ...
+
 
 class WriteTxn(ReadTxn, Protocol):
     """A read view that also changes the databases; it sees its own writes."""

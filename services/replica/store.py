@@ -867,10 +867,23 @@ class Store:
         *,
         dedupe_window: int = DEDUPE_WINDOW_DEFAULT,
         max_readers: int = 126,
+        readonly: bool = False,
+        lock: bool = True,
     ) -> Store:
-        """Opens (or creates) an LMDB store in the directory path."""
+        """Opens (or creates) an LMDB store in the directory path.
+
+        readonly: an existing store, read only (the offline tools); lock=False too when no
+        process has it open, so nothing at all is written.
+        """
         try:
-            kv = LmdbKV(path, DATABASES, map_size_bytes=map_size_bytes, max_readers=max_readers)
+            kv = LmdbKV(
+                path,
+                DATABASES,
+                map_size_bytes=map_size_bytes,
+                max_readers=max_readers,
+                readonly=readonly,
+                lock=lock,
+            )
         except KVError as exc:
             raise StoreError(str(exc)) from exc
         return cls(kv, dedupe_window=dedupe_window)
@@ -925,6 +938,11 @@ class Store:
         """The store's metadata (an empty store: state EMPTY, everything else zero)."""
         with self._reading() as txn:
             return _read_meta(txn)
+
+    def counts(self) -> dict[str, int]:
+        """Records per database, from one read transaction (no scan)."""
+        with self._reading() as txn:
+            return {db: txn.count(db) for db in DATABASES}
 
     def set_cluster_id(self, cluster_id: str) -> None:
         """Records the cluster id (flushed); refuses to replace a different one."""

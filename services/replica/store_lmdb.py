@@ -75,6 +75,14 @@ class _ReadTxn:
         except lmdb.Error as exc:
             raise _translate(db, exc) from exc
 
+    def count(self, db: str) -> int:
+        """How many keys db holds (LMDB keeps the count: no scan)."""
+        try:
+            entries: int = self._txn.stat(self._db(db))["entries"]
+        except lmdb.Error as exc:
+            raise _translate(db, exc) from exc
+        return entries
+
 
 class _WriteTxn(_ReadTxn):
     """The write transaction."""
@@ -142,10 +150,20 @@ class LmdbKV:
         *,
         map_size_bytes: int,
         max_readers: int = 126,
+        readonly: bool = False,
+        lock: bool = True,
     ) -> None:
+        """Opens (or creates) the environment at path.
+
+        readonly: open an existing environment for reading only (it is never created).
+        lock: use LMDB's lock file; only a read-only open with no other process using the
+        environment may turn it off (nothing is then written at all).
+        """
         names = list(dbs)
         if map_size_bytes <= 0:
             raise ValueError(f"map_size_bytes must be positive, got {map_size_bytes}")
+        if not lock and not readonly:
+            raise ValueError("only a read-only open may go without LMDB's lock")
         try:
             self._env = lmdb.open(
                 os.fspath(path),
@@ -156,8 +174,13 @@ class LmdbKV:
                 sync=False,
                 metasync=False,
                 subdir=True,
+                readonly=readonly,
+                lock=lock,
+                create=not readonly,
             )
-            self._dbs = {name: self._env.open_db(name.encode()) for name in names}
+            self._dbs = {
+                name: self._env.open_db(name.encode(), create=not readonly) for name in names
+            }
         except (lmdb.Error, OSError) as exc:
             raise KVError(f"cannot open LMDB environment at {os.fspath(path)!r}: {exc}") from exc
         self._closed = False

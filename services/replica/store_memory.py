@@ -80,6 +80,10 @@ class _ReadTxn:
         if not self.live:
             raise KVError("transaction finished during a scan")
 
+    def count(self, db: str) -> int:
+        """How many keys db holds."""
+        return len(self._db(db).keys)
+
 
 class _WriteTxn(_ReadTxn):
     """The write transaction: changes in place, recording how to undo them."""
