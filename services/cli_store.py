@@ -28,6 +28,8 @@ from squall.v1 import common_pb2
 # the pages it changes).
 _WRITE_HEADROOM_BYTES = 16 << 20
 _MIN_MAP_BYTES = 1 << 20
+# Labels of `inspect`'s text output are padded to this width ("coordinator:").
+_LABEL_WIDTH = 12
 _STATE_NAMES = {
     common_pb2.STORE_STATE_EMPTY: "empty",
     common_pb2.STORE_STATE_CLEAN: "clean",
@@ -172,9 +174,8 @@ def _print_inspection(report: dict[str, object], out: TextIO) -> None:
             if coordinator["designated_primary"]:
                 text += ", DESIGNATED PRIMARY"
         lines.append(("coordinator", text))
-    width = max(len(label) for label, _ in lines)
     for label, value in lines:
-        print(f"{label + ':':<{width + 1}} {value}", file=out)
+        print(f"{label + ':':<{_LABEL_WIDTH}} {value}", file=out)
 
 
 def _describe(meta: StoreMeta) -> str:

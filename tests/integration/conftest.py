@@ -120,9 +120,8 @@ class LocalCluster:
     def wait_for_one_cluster_id(self, timeout_s: float = 10.0) -> str:
         """Waits until every running replica reports the same, non-empty cluster id.
 
-        Slaves learn the id from their master shortly after the first group forms; a
-        test that kills the first master before that would make the next master mint
-        another id (a known first-formation race, see docs/status.md).
+        The first group's coordinator mints the id and every member records it when its
+        replica takes the role, so this holds shortly after the first master is elected.
         """
         deadline = time.monotonic() + timeout_s
         ids: set[str] = set()

@@ -714,3 +714,26 @@ def test_memory_capacity_full_leaves_store_intact() -> None:
     assert observe(store) == before
     w.append(publish("t", 5, payloads(2)))  # a smaller write still fits
     assert len(store.read_events("t", 0, 100)) == 7
+
+
+def test_counts_are_records_per_database(store: Store) -> None:
+    """What `squall store inspect` shows, counted without a scan."""
+    assert store.counts() == {
+        "meta": 0,
+        "log": 0,
+        "topics": 0,
+        "events": 0,
+        "cursors": 0,
+        "dedupe": 0,
+        "publishers": 0,
+    }
+    w = Writer(store)
+    w.append(
+        epoch_start(1),
+        create("orders"),
+        publish("orders", 0, payloads(3), publisher_id="p", sequences=[1, 2, 3]),
+        set_cursor("orders", "billing", 1),
+    )
+    counts = store.counts()
+    assert (counts["log"], counts["topics"], counts["events"], counts["cursors"]) == (4, 1, 3, 1)
+    assert (counts["dedupe"], counts["publishers"]) == (1, 1)

@@ -1,0 +1,184 @@
+"""The store lifecycle with real processes: clean shutdown and restart, a total failure and
+its manual recovery, a store from another cluster.
+
+Goal: an operator can stop the whole cluster and start it again without thinking; after
+every node was killed the cluster refuses to guess which store is right and says so on
+every node; `squall store inspect` and `squall store mark-clean` bring it back with every
+acknowledged event; a node whose data directory belongs to another cluster is refused with
+both cluster ids named, while the others keep serving.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import squall
+from services.replica.store import Store
+from squall.v1 import common_pb2
+from tests.integration.conftest import ROOT, LocalCluster, wait_for
+
+EVENTS = 20
+
+
+def _squall(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "services", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+
+
+@pytest.fixture
+def trio(cluster_factory: object) -> LocalCluster:
+    cluster = cluster_factory("cluster.example.toml")  # type: ignore[operator]
+    assert isinstance(cluster, LocalCluster)
+    cluster.start_all()
+    return cluster
+
+
+def _publish(cluster: LocalCluster, count: int = EVENTS) -> dict[int, bytes]:
+    """Publishes acknowledged events to topic 'orders'; returns offset -> payload."""
+    acked: dict[int, bytes] = {}
+    with squall.connect(cluster.gateway_address, timeout_s=20) as client:
+        try:
+            client.create_topic("orders")
+        except squall.AlreadyExists:
+            pass
+        with client.topic("orders").publisher() as publisher:
+            for i in range(count):
+                payload = f"event {i}".encode()
+                acked[publisher.publish(payload).offset] = payload
+    return acked
+
+
+def _read_all(cluster: LocalCluster) -> dict[int, bytes]:
+    with (
+        squall.connect(cluster.gateway_address, timeout_s=20) as client,
+        client.topic("orders").subscribe(start=0, follow=False) as subscription,
+    ):
+        return {m.offset: m.payload for m in subscription}
+
+
+def _inspect(cluster: LocalCluster, node: str) -> dict[str, object]:
+    done = _squall("store", "inspect", str(cluster.config.node(node).data_dir), "--json")
+    assert done.returncode == 0, done.stderr
+    report: dict[str, object] = json.loads(done.stdout)
+    return report
+
+
+def _node_ids(cluster: LocalCluster) -> list[str]:
+    return [n.id for n in cluster.config.nodes]
+
+
+def _all_stopped(cluster: LocalCluster) -> bool:
+    return all(
+        cluster.services[(kind, node)].process.poll() is not None
+        for node in _node_ids(cluster)
+        for kind in ("replica", "coordinator")
+    )
+
+
+def test_clean_shutdown_marks_every_store_clean_and_a_restart_needs_no_operator(
+    trio: LocalCluster,
+) -> None:
+    acked = _publish(trio)
+    done = _squall("cluster", "shutdown", "--config", str(trio.config_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    for node in _node_ids(trio):
+        assert f"  {node}: clean" in done.stdout, done.stdout
+    # Every replica and coordinator exits by itself; the gateway keeps running.
+    wait_for(lambda: _all_stopped(trio), 20, "every node's processes exited")
+    reports = {node: _inspect(trio, node) for node in _node_ids(trio)}
+    assert {r["state"] for r in reports.values()} == {"clean"}
+    assert len({r["shutdown_id"] for r in reports.values()}) == 1
+    assert len({(r["last_epoch"], r["last_lsn"]) for r in reports.values()}) == 1
+    assert len({r["cluster_id"] for r in reports.values()}) == 1
+
+    for node in _node_ids(trio):
+        trio.start_node(node)
+    trio.wait_for_master()
+    assert _read_all(trio) == acked
+    assert "restart after clean shutdown" in trio.log("coordinator", "n1")
+    # Serving again, the stores are in use: dirty until the next clean shutdown.
+    assert _inspect(trio, "n1")["state"] == "dirty"
+
+
+def _reasons(cluster: LocalCluster) -> dict[str, str]:
+    return {node: s.last_change_reason for node, s in cluster.statuses().items()}
+
+
+def test_after_a_total_failure_the_cluster_refuses_to_start_until_a_store_is_marked_clean(
+    trio: LocalCluster,
+) -> None:
+    acked = _publish(trio)
+    for node in _node_ids(trio):
+        trio.kill_node(node)
+    for node in _node_ids(trio):
+        trio.start_node(node)
+
+    def every_node_says_why() -> bool:
+        reasons = _reasons(trio)
+        return len(reasons) == 3 and all(
+            "refusing to start: no member has a clean store" in r for r in reasons.values()
+        )
+
+    wait_for(every_node_says_why, 30, f"every node refusing to start: {_reasons(trio)}")
+    assert not any(
+        trio.replica_role(node) == common_pb2.ROLE_MASTER for node in _node_ids(trio)
+    )
+    with squall.connect(trio.gateway_address, timeout_s=5) as client:
+        assert client.status().master_id == ""
+    for node in _node_ids(trio):
+        assert "refusing to start" in trio.log("coordinator", node)
+    # The store of a running replica cannot be marked.
+    busy = _squall("store", "mark-clean", str(trio.config.node("n2").data_dir))
+    assert busy.returncode == 1 and "stop that node's replica first" in busy.stderr
+
+    # The documented procedure: stop every node, inspect the stores, mark the newest clean.
+    for node in _node_ids(trio):
+        trio.kill_node(node)
+    reports = {node: _inspect(trio, node) for node in _node_ids(trio)}
+    assert {r["state"] for r in reports.values()} == {"dirty"}
+    best = max(reports, key=lambda n: (reports[n]["last_epoch"], reports[n]["last_lsn"]))
+    marked = _squall("store", "mark-clean", str(trio.config.node(best).data_dir))
+    assert marked.returncode == 0, marked.stderr
+    assert "marked clean" in marked.stdout
+    for node in _node_ids(trio):
+        trio.start_node(node)
+    trio.wait_for_master()
+    assert _read_all(trio) == acked
+    assert "restart after clean shutdown manual-" in trio.log("coordinator", trio.wait_for_master())
+
+
+def test_a_store_of_another_cluster_is_refused_naming_both_ids(trio: LocalCluster) -> None:
+    acked = _publish(trio, 5)
+    master = trio.wait_for_master()
+    ours = str(_inspect(trio, "n3")["cluster_id"])
+    epoch = trio.statuses()[master].epoch
+    trio.kill_node("n3")
+    # The operator points n3 at a data directory from another cluster.
+    data_dir = trio.config.node("n3").data_dir
+    for name in ("data.mdb", "lock.mdb"):
+        (data_dir / name).unlink()
+    foreign = Store.open_lmdb(data_dir, 64 << 20)
+    foreign.set_cluster_id("elsewhere")
+    foreign.set_state(common_pb2.STORE_STATE_DIRTY)
+    foreign.close()
+    trio.start_node("n3")
+
+    needle = f"node n3 belongs to cluster 'elsewhere', this node to cluster {ours!r}"
+    wait_for(lambda: needle in trio.log("coordinator", master), 20, "the master refuses n3")
+    mirror = f"belongs to cluster {ours!r}, this node to cluster 'elsewhere'"
+    wait_for(lambda: mirror in trio.log("coordinator", "n3"), 20, "n3 refuses the others")
+    # n3 is not merged: no new epoch, its replica takes no role, the others keep serving.
+    assert trio.statuses()[master].epoch == epoch
+    assert trio.replica_role("n3") == common_pb2.ROLE_INACTIVE
+    more = _publish(trio, 3)
+    assert _read_all(trio) == {**acked, **more}
+    assert _inspect(trio, "n3")["cluster_id"] == "elsewhere"
