@@ -1,0 +1,187 @@
+"""The replica's side of the store lifecycle, on an in-memory store: the cluster id a role
+command carries, the dirty mark and `joined`, and the freeze / finish / abort steps of a
+clean cluster shutdown, including the refusals that change nothing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from services.common.config import parse_config
+from services.common.errors import Code, ServiceError
+from services.replica import shutdown
+from services.replica.node import ReplicaNode
+from services.replica.store import Store
+from squall.v1 import common_pb2, replica_pb2
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTER = "c0ffee"
+
+
+def _node() -> ReplicaNode:
+    config = parse_config((ROOT / "deploy" / "single.toml").read_text(), ROOT / "deploy" / "x")
+    return ReplicaNode(config, config.node("n1"), Store.open_memory())
+
+
+def _run(body: Callable[[ReplicaNode, list[str]], Awaitable[None]]) -> None:
+    """Runs body against a started node; `stops` records each on_shutdown call."""
+
+    async def main() -> None:
+        node = _node()
+        stops: list[str] = []
+        node.on_shutdown = lambda: stops.append("stop")
+        await node.start()
+        try:
+            await body(node, stops)
+        finally:
+            await node.stop()
+
+    asyncio.run(main())
+
+
+def _master(epoch: int, cluster_id: str = CLUSTER, seq: int = 1) -> replica_pb2.RoleCommand:
+    return replica_pb2.RoleCommand(
+        role=common_pb2.ROLE_MASTER,
+        epoch=epoch,
+        master=common_pb2.NodeEndpoint(node_id="n1"),
+        members=[common_pb2.NodeEndpoint(node_id="n1")],
+        sync_source_id="n1",
+        seq=seq,
+        cluster_id=cluster_id,
+    )
+
+
+async def _refused(call: Awaitable[object], code: Code, text: str) -> None:
+    with pytest.raises(ServiceError) as caught:
+        await call
+    assert caught.value.code is code
+    assert text in caught.value.message
+
+
+def test_a_role_records_the_groups_cluster_id_marks_the_store_dirty_and_joins() -> None:
+    async def body(node: ReplicaNode, stops: list[str]) -> None:
+        assert not node.joined
+        assert node.store.meta().state == common_pb2.STORE_STATE_EMPTY
+        await node.apply_role(_master(1))
+        meta = node.store.meta()
+        assert (meta.cluster_id, meta.state) == (CLUSTER, common_pb2.STORE_STATE_DIRTY)
+        assert node.joined and node.role == common_pb2.ROLE_MASTER
+
+    _run(body)
+
+
+def test_a_role_for_another_cluster_is_refused_naming_both_ids_and_changes_nothing() -> None:
+    async def body(node: ReplicaNode, stops: list[str]) -> None:
+        node.store.set_cluster_id("ours")
+        await _refused(
+            node.apply_role(_master(1, cluster_id="theirs")),
+            Code.FAILED_PRECONDITION,
+            "store belongs to cluster ours, but the group of epoch 1 is cluster 'theirs'",
+        )
+        meta = node.store.meta()
+        assert (meta.cluster_id, meta.state, meta.epoch) == (
+            "ours",
+            common_pb2.STORE_STATE_EMPTY,
+            0,
+        )
+        assert not node.joined and node.role == common_pb2.ROLE_INACTIVE
+
+    _run(body)
+
+
+def test_finish_without_a_freeze_is_refused_and_changes_nothing() -> None:
+    async def body(node: ReplicaNode, stops: list[str]) -> None:
+        await node.apply_role(_master(1))
+        await _refused(
+            shutdown.finish(node, "s1", lsn=1, last_epoch=1, cluster_id=CLUSTER, operator="t"),
+            Code.FAILED_PRECONDITION,
+            "not frozen for cluster shutdown s1 (frozen for: none); nothing was changed",
+        )
+        assert node.role == common_pb2.ROLE_MASTER
+        assert node.store.meta().state == common_pb2.STORE_STATE_DIRTY
+        assert stops == []
+
+    _run(body)
+
+
+def test_a_malformed_shutdown_id_is_refused() -> None:
+    async def body(node: ReplicaNode, stops: list[str]) -> None:
+        await _refused(
+            shutdown.freeze(node, "no spaces", "t"), Code.INVALID_ARGUMENT, "shutdown id"
+        )
+        assert node.frozen_for == ""
+
+    _run(body)
+
+
+def test_a_frozen_replica_refuses_writes_and_new_roles_until_the_freeze_is_aborted() -> None:
+    async def body(node: ReplicaNode, stops: list[str]) -> None:
+        await shutdown.freeze(node, "s1", "t")
+        with pytest.raises(ServiceError) as caught:
+            node.check_writable()
+        assert caught.value.code is Code.UNAVAILABLE
+        assert "stopping for cluster shutdown s1" in caught.value.message
+        await _refused(
+            node.apply_role(_master(1)), Code.FAILED_PRECONDITION, "takes no new role"
+        )
+        await _refused(
+            shutdown.freeze(node, "s2", "t"), Code.FAILED_PRECONDITION, "frozen for cluster "
+            "shutdown s1, not s2"
+        )
+        shutdown.abort(node, "s1")
+        await node.apply_role(_master(1))
+        assert node.role == common_pb2.ROLE_MASTER
+
+    _run(body)
+
+
+def test_finish_at_the_point_marks_clean_and_stops_the_process() -> None:
+    async def body(node: ReplicaNode, stops: list[str]) -> None:
+        await node.apply_role(_master(1))
+        await shutdown.freeze(node, "s1", "t")
+        meta = node.store.meta()
+        done = await shutdown.finish(
+            node,
+            "s1",
+            lsn=meta.last_lsn,
+            last_epoch=meta.last_epoch,
+            cluster_id=CLUSTER,
+            operator="t",
+        )
+        assert done.clean and done.reason == ""
+        after = node.store.meta()
+        assert (after.state, after.shutdown_id) == (common_pb2.STORE_STATE_CLEAN, "s1")
+        assert node.role == common_pb2.ROLE_INACTIVE and stops == ["stop"]
+        # Finished: no new role, no second freeze.
+        await _refused(
+            node.apply_role(_master(2, seq=2)), Code.FAILED_PRECONDITION, "no new role"
+        )
+        await _refused(shutdown.freeze(node, "s1", "t"), Code.FAILED_PRECONDITION, "already")
+
+    _run(body)
+
+
+def test_finish_away_from_the_point_leaves_the_store_dirty_and_says_why() -> None:
+    async def body(node: ReplicaNode, stops: list[str]) -> None:
+        await node.apply_role(_master(1))
+        await shutdown.freeze(node, "s1", "t")
+        meta = node.store.meta()
+        done = await shutdown.finish(
+            node,
+            "s1",
+            lsn=meta.last_lsn + 5,
+            last_epoch=meta.last_epoch,
+            cluster_id=CLUSTER,
+            operator="t",
+        )
+        assert not done.clean
+        assert f"its log ends at epoch 1 LSN {meta.last_lsn}, not at the shutdown point" in (
+            done.reason
+        )
+        assert node.store.meta().state == common_pb2.STORE_STATE_DIRTY
+        assert stops == ["stop"]
+
+    _run(body)
