@@ -558,6 +558,16 @@ BAD_INPUTS: list[tuple[str, PeerMessage, RejectCode]] = [
         PeerMessage("3", "1", GroupReady("3:x", 5, ("1", "3"), "2", "3", 3)),
         RejectCode.INVALID_MESSAGE,
     ),
+    (
+        "probe with a malformed cluster id",
+        PeerMessage("2", "1", AreYouCoordinator("2:x", 2, cluster_id="bad id!")),
+        RejectCode.INVALID_MESSAGE,
+    ),
+    (
+        "Ready with a malformed cluster id",
+        PeerMessage("3", "1", GroupReady("3:x", 5, ("1", "3"), "3", "3", 3, cluster_id="x" * 65)),
+        RejectCode.INVALID_MESSAGE,
+    ),
 ]
 
 
@@ -781,3 +791,50 @@ def test_a_late_older_report_does_not_replace_the_stopped_state() -> None:
     ready = election.step(PeerMessage("3", "1", Invitation("3:a", 3, 4)), 3)
     accepts = [m.body for m in ready.messages if isinstance(m.body, Accept)]
     assert [(a.report.last_epoch, a.report.last_lsn) for a in accepts] == [(4, 9)]
+
+
+def test_an_invitation_or_ready_of_another_cluster_is_refused_naming_both_ids() -> None:
+    """A node that knows its cluster never joins a group of another one."""
+    election = Election(
+        ElectionConfig(node_id="1", priorities={"1": 1, "2": 2, "3": 3}),
+        PersistedState(epoch=2, max_seen=3, cluster_id="ours"),
+        lambda: "g1",
+    )
+    election.tick(0)
+    election.replica_report(ReplicaReport("ours", 2, 9, StoreState.DIRTY, command_seq=1), 0)
+    before = election.status()
+    for body in (
+        Invitation("3:x", 3, 2, cluster_id="theirs"),
+        GroupReady("3:x", 5, ("1", "3"), "3", "3", 3, cluster_id="theirs"),
+    ):
+        ready = election.step(PeerMessage("3", "1", body), 1)
+        assert ready.rejection is not None
+        assert ready.rejection.code.status == "FAILED_PRECONDITION"
+        assert "'theirs'" in ready.rejection.message and "'ours'" in ready.rejection.message
+        assert ready.persist is None and ready.role_command is None
+        assert election.status() == before
+
+
+def test_the_minted_cluster_id_comes_from_the_injected_source() -> None:
+    """A single node's first formation mints through ``new_cluster_id`` and persists it."""
+    election = Election(
+        ElectionConfig(node_id="1", priorities={"1": 1}),
+        PersistedState(),
+        lambda: "g1",
+        lambda: "minted-1",
+    )
+    first = election.tick(0)
+    assert first.role_command is not None
+    readies = [
+        election.replica_report(
+            ReplicaReport("", 0, 0, StoreState.EMPTY, command_seq=first.role_command.seq), 0
+        ),
+        election.tick(100),
+    ]
+    masters = [
+        r.role_command
+        for r in readies
+        if r.role_command is not None and r.role_command.kind is RoleCommandKind.MASTER
+    ]
+    assert [m.cluster_id for m in masters] == ["minted-1"]
+    assert election.persisted.cluster_id == "minted-1"
