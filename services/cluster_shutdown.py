@@ -25,7 +25,7 @@ import getpass
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TextIO, TypeVar
 
 import grpc
@@ -57,7 +57,7 @@ class _Node:
     coordinator: coordinator_pb2.CoordinatorStatus | None = None
     error: str = ""
     frozen: bool = False
-    outcome: str = ""
+    notes: list[str] = field(default_factory=list)
 
 
 def _rpc_error(exc: grpc.RpcError) -> str:
@@ -200,7 +200,7 @@ def _wait_for_point(
             try:
                 held = _replica_state(member.config)
             except grpc.RpcError as exc:
-                member.outcome = f"unreachable while reaching the point ({_rpc_error(exc)})"
+                member.notes.append(f"unreachable while reaching the point ({_rpc_error(exc)})")
                 continue
             member.replica = held
             if (held.last_epoch, held.last_lsn) != (state.last_epoch, state.last_lsn):
@@ -235,7 +235,7 @@ def _stop_coordinators(nodes: list[_Node], shutdown_id: str, operator: str) -> N
                 ),
             )
         except grpc.RpcError as exc:
-            node.outcome = f"coordinator not stopped ({_rpc_error(exc)}); "
+            node.notes.append(f"coordinator not stopped ({_rpc_error(exc)})")
 
 
 def _finish(
@@ -256,9 +256,9 @@ def _finish(
             ),
         )
     except grpc.RpcError as exc:
-        node.outcome += f"dirty: finishing failed ({_rpc_error(exc)})"
+        node.notes.append(f"dirty: finishing failed ({_rpc_error(exc)})")
         return False
-    node.outcome += "clean" if done.clean else f"dirty: {done.reason}"
+    node.notes.append("clean" if done.clean else f"dirty: {done.reason}")
     return bool(done.clean)
 
 
@@ -316,7 +316,7 @@ def shutdown_cluster(
         try:
             _freeze(node, shutdown_id, operator, _CALL_TIMEOUT_S)
         except grpc.RpcError as exc:
-            node.outcome = f"not frozen ({_rpc_error(exc)}); "
+            node.notes.append(f"not frozen ({_rpc_error(exc)})")
     point = _wait_for_point(master, epoch, members, nodes, shutdown_id, deadline)
     print(
         f"  shutdown point: epoch {point.last_epoch} LSN {point.last_lsn}, cluster "
@@ -330,12 +330,12 @@ def shutdown_cluster(
             clean = _finish(node, shutdown_id, point, operator)
             master_clean = master_clean or (clean and node is master)
         elif node.replica is None:
-            node.outcome += f"unreachable ({node.error}): its store stays dirty"
+            node.notes.append(f"unreachable ({node.error}): its store stays dirty")
         else:
-            node.outcome += "its store stays dirty"
+            node.notes.append("its store stays dirty")
     still = _wait_stopped(nodes, time.monotonic() + max(deadline - time.monotonic(), 5.0))
     for node in nodes:
-        print(f"  {node.config.id}: {node.outcome}", file=out)
+        print(f"  {node.config.id}: {'; '.join(node.notes)}", file=out)
     if still:
         print(f"  still answering: {', '.join(still)} (stop them by PID)", file=out)
     print(

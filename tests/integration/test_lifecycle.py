@@ -14,11 +14,12 @@ import json
 import subprocess
 import sys
 
+import grpc
 import pytest
 
 import squall
 from services.replica.store import Store
-from squall.v1 import common_pb2
+from squall.v1 import common_pb2, replica_pb2, replica_pb2_grpc
 from tests.integration.conftest import ROOT, LocalCluster, wait_for
 
 EVENTS = 20
@@ -84,27 +85,46 @@ def _all_stopped(cluster: LocalCluster) -> bool:
     )
 
 
-def test_clean_shutdown_marks_every_store_clean_and_a_restart_needs_no_operator(
+def _replica_position(cluster: LocalCluster, node: str) -> tuple[int, int, str]:
+    with grpc.insecure_channel(cluster.replica_address(node)) as channel:
+        state = replica_pb2_grpc.ReplicaControlStub(channel).GetReplicaState(
+            replica_pb2.GetReplicaStateRequest(), timeout=5
+        )
+    return state.last_epoch, state.last_lsn, state.cluster_id
+
+
+def test_clean_shutdown_then_a_restart_needs_no_operator_and_updates_an_empty_member(
     trio: LocalCluster,
 ) -> None:
     acked = _publish(trio)
+    # n3's disk is replaced while the cluster runs: it is down at the shutdown, and comes
+    # back with an empty data directory.
+    trio.kill_node("n3")
+    for path in trio.config.node("n3").data_dir.iterdir():
+        path.unlink()
+    acked.update(_publish(trio, 5))
     done = _squall("cluster", "shutdown", "--config", str(trio.config_path))
     assert done.returncode == 0, done.stdout + done.stderr
-    for node in _node_ids(trio):
-        assert f"  {node}: clean" in done.stdout, done.stdout
+    assert "  n1: clean" in done.stdout and "  n2: clean" in done.stdout, done.stdout
+    assert "  n3: unreachable" in done.stdout, done.stdout
     # Every replica and coordinator exits by itself; the gateway keeps running.
     wait_for(lambda: _all_stopped(trio), 20, "every node's processes exited")
-    reports = {node: _inspect(trio, node) for node in _node_ids(trio)}
+    reports = {node: _inspect(trio, node) for node in ("n1", "n2")}
     assert {r["state"] for r in reports.values()} == {"clean"}
     assert len({r["shutdown_id"] for r in reports.values()}) == 1
     assert len({(r["last_epoch"], r["last_lsn"]) for r in reports.values()}) == 1
-    assert len({r["cluster_id"] for r in reports.values()}) == 1
 
     for node in _node_ids(trio):
         trio.start_node(node)
-    trio.wait_for_master()
+    master = trio.wait_for_master()
     assert _read_all(trio) == acked
-    assert "restart after clean shutdown" in trio.log("coordinator", "n1")
+    assert "restart after clean shutdown" in trio.log("coordinator", master)
+    # The empty member is updated from the clean stores and joins their cluster.
+    wait_for(
+        lambda: _replica_position(trio, "n3") == _replica_position(trio, master),
+        30,
+        "n3 holds the master's log",
+    )
     # Serving again, the stores are in use: dirty until the next clean shutdown.
     assert _inspect(trio, "n1")["state"] == "dirty"
 
