@@ -15,6 +15,7 @@ compacted log or lacks entries this replica compacted.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 
@@ -55,8 +56,13 @@ class Replication(replica_pb2_grpc.ReplicationServicer):
                     stream, position = await node.replication_hello(request.hello)
                     yield replica_pb2.ReplicateResponse(position=position)
                 elif kind == "entries":
-                    for ack in await node.replication_batch(stream, request.entries):
-                        yield replica_pb2.ReplicateResponse(ack=ack)
+                    # Closed at once if the stream is cancelled mid-batch: the batch
+                    # holds the commit lock until it finishes.
+                    async with contextlib.aclosing(
+                        node.replication_batch(stream, request.entries)
+                    ) as acks:
+                        async for ack in acks:
+                            yield replica_pb2.ReplicateResponse(ack=ack)
                 elif kind == "heartbeat":
                     ack = node.replication_heartbeat(stream, request.heartbeat)
                     yield replica_pb2.ReplicateResponse(ack=ack)
