@@ -596,7 +596,9 @@ class Publisher:
             return stream
         stub, endpoint = self._binding.open()
         stream = _Stream(self._publisher_id, endpoint)
-        stream.call = stub.PublishStream(stream.iter_requests())
+        stream.call = stub.PublishStream(
+            stream.iter_requests(), metadata=self._binding.metadata() or None
+        )
         stream.reader = threading.Thread(
             target=self._read, args=(stream,), name=f"squall-publish-{self._topic}", daemon=True
         )
@@ -709,6 +711,7 @@ class Publisher:
                         self._send_buffer(stream)
                     if not stream.answered:
                         stream.answered = True
+                        self._binding.stream_answered(stream.endpoint)
                         moved_from = self._bound(stream)
                     self._cond.notify_all()
                 receipts = receipts_from_pb(response)

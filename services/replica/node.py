@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import time
@@ -82,6 +83,9 @@ log = logging.getLogger("squall.replica")
 
 # The master answers with this metadata key when a write reaches a non-master.
 MASTER_ADDRESS_KEY = "squall-master-address"
+# Request metadata from a publisher proxy: the replica addresses it just failed to reach,
+# comma-separated, so this replica does not redirect it back to a dead master.
+UNREACHABLE_KEY = "squall-unreachable"
 # Compaction runs once the log holds this many entries beyond the retention (at most
 # _COMPACT_STEP_MAX, at least 1): one bounded store transaction per step, not per batch.
 _COMPACT_STEP_MAX = 10_000
@@ -127,6 +131,8 @@ class ReplicaNode:
         self._queue: deque[_Pending] = deque()
         self._wakeup = asyncio.Event()
         self._committed = asyncio.Event()
+        # Set (and replaced) whenever a role command was applied or the role was lost.
+        self._role_changed = asyncio.Event()
         self._io = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"store-{node.id}"
         )
@@ -546,7 +552,10 @@ class ReplicaNode:
     async def apply_role(self, command: replica_pb2.RoleCommand) -> None:
         """Takes (or renews) the role the coordinator commands, one command at a time."""
         async with self._role_lock:
-            await self._apply_role(command)
+            try:
+                await self._apply_role(command)
+            finally:
+                self._notify_role_changed()
 
     async def _apply_role(self, command: replica_pb2.RoleCommand) -> None:
         role = command.role
@@ -713,6 +722,37 @@ class ReplicaNode:
             self.master = None
         self._driver = None
         self._wakeup.set()
+        self._notify_role_changed()
+
+    def _notify_role_changed(self) -> None:
+        changed, self._role_changed = self._role_changed, asyncio.Event()
+        changed.set()
+
+    async def wait_for_role(self, unreachable: frozenset[str], timeout_s: float) -> None:
+        """Waits (up to timeout_s) while this replica can neither serve a write nor name a
+        master the caller can reach: no role, or a slave of a master in `unreachable`.
+
+        A publisher proxy whose master just died otherwise bounces between this replica's
+        redirect to the dead master and its own backoff; held here, its call goes on (served
+        or redirected to the new master) the moment the coordinator's next role command
+        lands, so the publisher's gap is the election's.
+        """
+        deadline = time.monotonic() + timeout_s
+        # Bounded: each pass waits for a role change or the deadline.
+        while not self.failed_reason and self.role != common_pb2.ROLE_MASTER:
+            master = self.master
+            if (
+                self.role == common_pb2.ROLE_SLAVE
+                and master is not None
+                and master.replica_address not in unreachable
+            ):
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            changed = self._role_changed
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), remaining)
 
     def _advance_commit(self, commit_lsn: int) -> None:
         """The commit LSN moved: committed reads may serve more; wake subscribers."""
@@ -1272,6 +1312,7 @@ class ReplicaNode:
         )
         self.failed_reason = reason
         self.role = common_pb2.ROLE_INACTIVE
+        self._notify_role_changed()
 
     def _notify_committed(self) -> None:
         committed, self._committed = self._committed, asyncio.Event()

@@ -17,7 +17,7 @@ import grpc
 from services.common.errors import Code, ServiceError, invalid
 from services.common.grpc_server import Context
 from services.replica import commands
-from services.replica.node import ReplicaNode
+from services.replica.node import UNREACHABLE_KEY, ReplicaNode
 from services.replica.store import CorruptRecordError, TopicInfo, UnknownTopicError
 from squall.v1 import (
     broker_pb2,
@@ -33,6 +33,8 @@ log = logging.getLogger("squall.replica")
 _FOLLOW_RECHECK_S = 1.0
 # Requests a pipelined publish stream may have in flight before it stops reading.
 _STREAM_INFLIGHT_MAX = 64
+# Left of a call's deadline for the answer after holding it for a role.
+_HOLD_SLACK_S = 0.2
 
 
 async def abort(context: Context, exc: ServiceError) -> NoReturn:
@@ -175,6 +177,29 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
     def __init__(self, node: ReplicaNode) -> None:
         self.node = node
 
+    async def _hold(self, context: Context) -> None:
+        """Holds a publisher proxy's call while this replica has no master to offer it.
+
+        Only calls that name unreachable replicas are held (a proxy failing over): the
+        wait ends at the next role command, the call's deadline less a margin, or
+        `timeouts.rpc_timeout_ms`, whichever comes first; then the call is served,
+        redirected or refused as usual.
+        """
+        unreachable = frozenset(
+            address
+            for key, value in context.invocation_metadata() or ()
+            if key == UNREACHABLE_KEY
+            for address in (value.decode() if isinstance(value, bytes) else value).split(",")
+            if address
+        )
+        if not unreachable:
+            return
+        timeout_s = self.node.config.timeouts.rpc_timeout_ms / 1000
+        remaining = context.time_remaining()
+        if remaining is not None:
+            timeout_s = min(timeout_s, remaining - _HOLD_SLACK_S)
+        await self.node.wait_for_role(unreachable, timeout_s)
+
     def _start(
         self, request: broker_pb2.PublishRequest
     ) -> asyncio.Future[broker_pb2.PublishResponse]:
@@ -190,6 +215,7 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
     async def Publish(
         self, request: broker_pb2.PublishRequest, context: Context
     ) -> broker_pb2.PublishResponse:
+        await self._hold(context)
         try:
             with _translating():
                 return await self._start(request)
@@ -205,6 +231,7 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
             maxsize=_STREAM_INFLIGHT_MAX
         )
         loop = asyncio.get_running_loop()
+        await self._hold(context)
 
         async def read_requests() -> None:
             try:

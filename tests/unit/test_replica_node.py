@@ -1,8 +1,9 @@
-"""A slave whose store fails to write stops serving instead of acknowledging (issue 4).
+"""One ReplicaNode in process, over the in-memory store, driven by role commands.
 
-In process: one ReplicaNode over the in-memory store, made a slave by a role command and
-fed a replication stream the way replication_server does, with the store's append failing
-as a broken disk would.
+* A slave whose store fails to write stops serving instead of acknowledging (issue 4);
+  the replication stream is fed the way replication_server does.
+* A publisher proxy's call is held while the replica can name no reachable master
+  (issue 5's publish gap).
 """
 
 from __future__ import annotations
@@ -88,6 +89,60 @@ def test_a_slave_whose_store_fails_stops_serving_and_never_acks_the_batch() -> N
             assert refused.value.code == Code.UNAVAILABLE
             assert "stopped serving writes" in refused.value.message
             assert node.last_lsn == 1
+        finally:
+            await node.stop()
+
+    asyncio.run(scenario())
+
+
+def _slave_of(master: str, epoch: int, seq: int) -> replica_pb2.RoleCommand:
+    return replica_pb2.RoleCommand(
+        seq=seq,
+        epoch=epoch,
+        role=common_pb2.ROLE_SLAVE,
+        master=common_pb2.NodeEndpoint(node_id=master),
+        lease_ms=60_000,
+    )
+
+
+def test_a_replica_holds_a_proxy_call_until_it_can_name_a_reachable_master() -> None:
+    async def scenario() -> None:
+        config = load_config(CONFIG)
+        node = ReplicaNode(config, config.node("n2"), Store.open_memory())
+        await node.start()
+        dead = config.node("n1").replica_address
+        try:
+            # No role: held.
+            waiter = asyncio.create_task(node.wait_for_role(frozenset({dead}), 60))
+            for _ in range(5):
+                await asyncio.sleep(0)
+            assert not waiter.done()
+            # A slave of the master the caller cannot reach: still held.
+            await node.apply_role(_slave_of("n1", epoch=3, seq=1))
+            for _ in range(5):
+                await asyncio.sleep(0)
+            assert not waiter.done()
+            # The next role names another master: released at once, long before 60 s.
+            await node.apply_role(_slave_of("n3", epoch=4, seq=2))
+            await asyncio.wait_for(waiter, 5)
+            assert node.master is not None and node.master.id == "n3"
+            # A slave of a reachable master never holds; nor does a call naming nothing.
+            await asyncio.wait_for(node.wait_for_role(frozenset({dead}), 60), 5)
+            await asyncio.wait_for(node.wait_for_role(frozenset(), 60), 5)
+        finally:
+            await node.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_held_call_is_released_at_its_deadline() -> None:
+    async def scenario() -> None:
+        config = load_config(CONFIG)
+        node = ReplicaNode(config, config.node("n2"), Store.open_memory())
+        await node.start()
+        try:
+            await asyncio.wait_for(node.wait_for_role(frozenset({"127.0.0.1:1"}), 0.01), 5)
+            assert node.role == common_pb2.ROLE_INACTIVE
         finally:
             await node.stop()
 
