@@ -263,8 +263,15 @@ class _LazyHolders:
 Receipt.holders = _LazyHolders(vars(Receipt)["holders"])  # type: ignore[assignment,misc]
 
 
+def receipt_count(response: broker_pb2.PublishResponse) -> int:
+    """How many events a publish response answers, in either form."""
+    return response.batch.count if response.HasField("batch") else len(response.receipts)
+
+
 def receipts_from_pb(response: broker_pb2.PublishResponse) -> list[Receipt]:
-    """Converts one publish response's receipts, in order."""
+    """Converts one publish response's receipts, in order (compact or one per event)."""
+    if response.HasField("batch"):
+        return _receipts_from_batch(response.batch)
     out: list[Receipt] = []
     append = out.append
     for r in response.receipts:
@@ -275,6 +282,35 @@ def receipts_from_pb(response: broker_pb2.PublishResponse) -> list[Receipt]:
         _r_dup(receipt, r.duplicate)
         _r_holders(receipt, r)  # converted on first read, see _LazyHolders
         _r_master(receipt, r.master_id)
+        _r_rebound(receipt, False)
+        append(receipt)
+    return out
+
+
+def _receipts_from_batch(batch: common_pb2.BatchReceipt) -> list[Receipt]:
+    """Expands a BatchReceipt (rules in common.proto); holders converted once for all."""
+    holders = _holders(batch.holders) if len(batch.holders) else ()
+    master_id, lsn, epoch = batch.master_id, batch.lsn, batch.epoch
+    duplicates = {d.index: d for d in batch.duplicates}
+    offset = batch.first_offset
+    out: list[Receipt] = []
+    append = out.append
+    for index in range(batch.count):
+        receipt = _new(Receipt)
+        duplicate = duplicates.get(index) if duplicates else None
+        if duplicate is None:
+            _r_offset(receipt, offset)
+            _r_lsn(receipt, lsn)
+            _r_epoch(receipt, epoch)
+            _r_dup(receipt, False)
+            offset += 1
+        else:
+            _r_offset(receipt, duplicate.offset)
+            _r_lsn(receipt, duplicate.lsn)
+            _r_epoch(receipt, duplicate.epoch)
+            _r_dup(receipt, True)
+        _r_holders(receipt, holders)
+        _r_master(receipt, master_id)
         _r_rebound(receipt, False)
         append(receipt)
     return out

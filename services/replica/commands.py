@@ -9,7 +9,7 @@ command it refuses leaves no trace in the batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from services.common import names
 from services.common.config import LimitsConfig
@@ -77,8 +77,38 @@ class Planned:
     # (e.g. a publish made only of duplicates, an ack below the cursor).
     entry_index: int | None
     topic: TopicInfo | None = None
-    receipts: list[common_pb2.AckReceipt] = field(default_factory=list)
+    # A publish's receipts, all at once (stamped with master and holders at commit).
+    receipt: common_pb2.BatchReceipt | None = None
     cursor: int = 0
+
+    @property
+    def receipts(self) -> list[common_pb2.AckReceipt]:
+        """The publish's receipts one per event (what a non-compact response carries)."""
+        return [] if self.receipt is None else expand_receipt(self.receipt)
+
+
+def expand_receipt(batch: common_pb2.BatchReceipt) -> list[common_pb2.AckReceipt]:
+    """A BatchReceipt as one AckReceipt per event, in request order (see common.proto)."""
+    # What every receipt shares, merged into each as bytes (cheaper than copying fields).
+    shared = common_pb2.AckReceipt(
+        master_id=batch.master_id, holders=batch.holders
+    ).SerializeToString()
+    duplicates = {d.index: d for d in batch.duplicates}
+    lsn, epoch = batch.lsn, batch.epoch
+    out: list[common_pb2.AckReceipt] = []
+    offset = batch.first_offset
+    for index in range(batch.count):
+        duplicate = duplicates.get(index) if duplicates else None
+        if duplicate is None:
+            receipt = common_pb2.AckReceipt(offset=offset, lsn=lsn, epoch=epoch)
+            offset += 1
+        else:
+            receipt = common_pb2.AckReceipt(
+                offset=duplicate.offset, lsn=duplicate.lsn, epoch=duplicate.epoch, duplicate=True
+            )
+        receipt.MergeFromString(shared)
+        out.append(receipt)
+    return out
 
 
 class BatchBuilder:
@@ -206,17 +236,14 @@ class BatchBuilder:
         publisher_id = request.publisher_id
         if publisher_id:
             _check_name(names.validate_publisher_id, publisher_id)
-        epoch = self._epoch
         lsn = self._lsn
         offset = topic.next_offset
-        receipts: list[common_pb2.AckReceipt] = []
+        receipt = common_pb2.BatchReceipt(
+            count=len(events), first_offset=offset, lsn=lsn, epoch=self._epoch
+        )
         new_events: list[common_pb2.EventData] | None = None
         new_sequences: list[tuple[int, int]] = []
         if not publisher_id:
-            receipts = [
-                common_pb2.AckReceipt(offset=offset + i, lsn=lsn, epoch=epoch)
-                for i in range(len(events))
-            ]
             count = len(events)
         else:
             high_water = self._publisher_high_water(publisher_id)
@@ -229,16 +256,14 @@ class BatchBuilder:
                 # above its high-water mark, so none can be a duplicate and the per-event
                 # lookups of _deduplicate would all miss.
                 count = len(events)
-                offsets = range(offset, offset + count)
-                receipts = [common_pb2.AckReceipt(offset=o, lsn=lsn, epoch=epoch) for o in offsets]
-                new_sequences = list(zip(sequences, offsets, strict=True))
+                new_sequences = list(zip(sequences, range(offset, offset + count), strict=True))
             else:
-                receipts, kept, new_sequences = self._deduplicate(request, offset, high_water)
+                kept, new_sequences = self._deduplicate(request, offset, high_water, receipt)
                 count = len(kept)
                 if count != len(events):
                     new_events = kept
         if count == 0:
-            return Planned(None, receipts=receipts)
+            return Planned(None, receipt=receipt)
         op = replica_pb2.PublishOp(
             topic=request.topic,
             first_offset=offset,
@@ -257,19 +282,23 @@ class BatchBuilder:
             highest = max(new_sequences)[0]
             if highest > self._high_water.get(publisher_id, 0):
                 self._high_water[publisher_id] = highest
-        return Planned(index, receipts=receipts)
+        return Planned(index, receipt=receipt)
 
     def _deduplicate(
-        self, request: broker_pb2.PublishRequest, offset: int, high_water: int
-    ) -> tuple[list[common_pb2.AckReceipt], list[common_pb2.EventData], list[tuple[int, int]]]:
-        """Receipts, events to store and their (sequence, offset), looking up each sequence."""
+        self,
+        request: broker_pb2.PublishRequest,
+        offset: int,
+        high_water: int,
+        receipt: common_pb2.BatchReceipt,
+    ) -> tuple[list[common_pb2.EventData], list[tuple[int, int]]]:
+        """Events to store and their (sequence, offset), looking up each sequence; the
+        duplicates go into the receipt."""
         publisher_id = request.publisher_id
-        epoch, lsn, window = self._epoch, self._lsn, self._limits.dedupe_window
-        receipts: list[common_pb2.AckReceipt] = []
+        window = self._limits.dedupe_window
         new_sequences: list[tuple[int, int]] = []
         seen_here: dict[int, int] = {}
         kept: list[common_pb2.EventData] = []
-        for event in request.events:
+        for index, event in enumerate(request.events):
             sequence = event.sequence
             if sequence:
                 hit = self._lookup(publisher_id, sequence, seen_here, high_water, window)
@@ -280,17 +309,14 @@ class BatchBuilder:
                             f"publisher '{publisher_id}' already used sequence {sequence} "
                             f"on topic '{hit_topic}'"
                         )
-                    receipts.append(
-                        common_pb2.AckReceipt(
-                            offset=hit_offset, lsn=hit_lsn, epoch=hit_epoch, duplicate=True
-                        )
+                    receipt.duplicates.add(
+                        index=index, offset=hit_offset, lsn=hit_lsn, epoch=hit_epoch
                     )
                     continue
                 seen_here[sequence] = offset + len(kept)
                 new_sequences.append((sequence, offset + len(kept)))
-            receipts.append(common_pb2.AckReceipt(offset=offset + len(kept), lsn=lsn, epoch=epoch))
             kept.append(event)
-        return receipts, kept, new_sequences
+        return kept, new_sequences
 
     def _publisher_high_water(self, publisher_id: str) -> int:
         if publisher_id not in self._high_water:

@@ -465,7 +465,7 @@ class MasterDriver:
             stamp = stamps.get(waiting.lsn)
             if stamp is None:
                 holders = self.core.holders(waiting.lsn) if waiting.lsn else ()
-                stamp = common_pb2.AckReceipt(
+                stamp = common_pb2.BatchReceipt(
                     master_id=self.node.id,
                     holders=[
                         common_pb2.ReplicaDurability(
@@ -475,7 +475,8 @@ class MasterDriver:
                     ],
                 ).SerializeToString()
                 stamps[waiting.lsn] = stamp
-            for receipt in waiting.plan.receipts:
+            receipt = waiting.plan.receipt
+            if receipt is not None:
                 receipt.MergeFromString(stamp)
             waiting.future.set_result(waiting.plan)
 

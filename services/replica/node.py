@@ -527,10 +527,10 @@ class ReplicaNode:
 
     def start_publish(
         self, request: broker_pb2.PublishRequest
-    ) -> asyncio.Future[list[common_pb2.AckReceipt]]:
+    ) -> asyncio.Future[common_pb2.BatchReceipt]:
         """Queues a publish without waiting, so pipelined requests keep their order.
 
-        The future resolves to the receipts once the events are durable (replicated
+        The future resolves to the batch's receipt once the events are durable (replicated
         topics) or handed to live subscribers (transient topics).
         """
         self.check_writable()
@@ -538,7 +538,7 @@ class ReplicaNode:
         loop = asyncio.get_running_loop()
         if topic.kind == common_pb2.TOPIC_KIND_TRANSIENT:
             commands.check_publish_limits(request, self.config.limits)
-            done: asyncio.Future[list[common_pb2.AckReceipt]] = loop.create_future()
+            done: asyncio.Future[common_pb2.BatchReceipt] = loop.create_future()
             done.set_result(
                 self.transient.publish(
                     request, epoch=self.epoch, now_ms=self.clock.wall_ms(), master_id=self.node.id
@@ -547,7 +547,7 @@ class ReplicaNode:
             self._notify_committed()
             return done
         planned = self._submit(commands.Publish(request))
-        return asyncio.ensure_future(_receipts(planned))
+        return asyncio.ensure_future(_receipt(planned))
 
     async def apply_role(self, command: replica_pb2.RoleCommand) -> None:
         """Takes (or renews) the role the coordinator commands, one command at a time."""
@@ -1211,12 +1211,14 @@ class ReplicaNode:
             planned.append((pending, plan))
             lsns.append(first_lsn - 1 + len(builder.entries))
             command = pending.command
-            if plan.entry_index is not None and isinstance(command, commands.Publish):
-                offsets = [r.offset for r in plan.receipts if not r.duplicate]
-                if offsets:
-                    self.gate.appended(
-                        first_lsn + plan.entry_index, command.request.topic, min(offsets)
-                    )
+            if (
+                plan.entry_index is not None
+                and plan.receipt is not None
+                and isinstance(command, commands.Publish)
+            ):
+                self.gate.appended(
+                    first_lsn + plan.entry_index, command.request.topic, plan.receipt.first_offset
+                )
         sync = self.config.durability.master_sync == common_pb2.SYNC_POLICY_SYNC
         if builder.entries:
             try:
@@ -1358,8 +1360,10 @@ class ReplicaNode:
         return self.gate.hidden_from(topic) or 0
 
 
-async def _receipts(planned: asyncio.Future[Planned]) -> list[common_pb2.AckReceipt]:
-    return (await planned).receipts
+async def _receipt(planned: asyncio.Future[Planned]) -> common_pb2.BatchReceipt:
+    receipt = (await planned).receipt
+    assert receipt is not None, "a planned publish always has a receipt"
+    return receipt
 
 
 def _fail_all(planned: list[tuple[_Pending, Planned]], error: ServiceError) -> None:

@@ -204,11 +204,16 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
         self, request: broker_pb2.PublishRequest
     ) -> asyncio.Future[broker_pb2.PublishResponse]:
         """Begins one publish; the future resolves to its response once committed."""
-        receipts = self.node.start_publish(request)
+        receipt = self.node.start_publish(request)
         request_id = request.request_id
+        compact = request.compact_receipts
 
         async def respond() -> broker_pb2.PublishResponse:
-            return broker_pb2.PublishResponse(receipts=await receipts, request_id=request_id)
+            if compact:
+                return broker_pb2.PublishResponse(batch=await receipt, request_id=request_id)
+            return broker_pb2.PublishResponse(
+                receipts=commands.expand_receipt(await receipt), request_id=request_id
+            )
 
         return asyncio.ensure_future(respond())
 

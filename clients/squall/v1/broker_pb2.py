@@ -26,15 +26,15 @@ _sym_db = _symbol_database.Default()
 from squall.v1 import common_pb2 as squall_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16squall/v1/broker.proto\x12\tsquall.v1\x1a\x16squall/v1/common.proto\"F\n\x12\x43reateTopicRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x04kind\x18\x02 \x01(\x0e\x32\x14.squall.v1.TopicKind\"6\n\x13\x43reateTopicResponse\x12\x1f\n\x05topic\x18\x01 \x01(\x0b\x32\x10.squall.v1.Topic\"$\n\x14RetrieveTopicRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"8\n\x15RetrieveTopicResponse\x12\x1f\n\x05topic\x18\x01 \x01(\x0b\x32\x10.squall.v1.Topic\"\x13\n\x11ListTopicsRequest\"6\n\x12ListTopicsResponse\x12 \n\x06topics\x18\x01 \x03(\x0b\x32\x10.squall.v1.Topic\"#\n\x13\x44\x65stroyTopicRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x16\n\x14\x44\x65stroyTopicResponse\"$\n\x13GetPublisherRequest\x12\r\n\x05topic\x18\x01 \x01(\t\"t\n\x14GetPublisherResponse\x12\r\n\x05topic\x18\x01 \x01(\t\x12*\n\tendpoints\x18\x02 \x03(\x0b\x32\x17.squall.v1.NodeEndpoint\x12\x12\n\nreplicated\x18\x03 \x01(\x08\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"\x86\x01\n\x0ePublishRequest\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x14\n\x0cpublisher_id\x18\x02 \x01(\t\x12$\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x14.squall.v1.EventData\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\x12\x15\n\rsession_token\x18\x05 \x01(\t\"N\n\x0fPublishResponse\x12\'\n\x08receipts\x18\x01 \x03(\x0b\x32\x15.squall.v1.AckReceipt\x12\x12\n\nrequest_id\x18\x02 \x01(\x04\"\xae\x01\n\x10SubscribeRequest\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x14\n\x0csubscription\x18\x02 \x01(\t\x12\'\n\x05start\x18\x03 \x01(\x0e\x32\x18.squall.v1.StartPosition\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06\x66ollow\x18\x05 \x01(\x08\x12\x18\n\x10max_batch_events\x18\x06 \x01(\r\x12\x12\n\nend_offset\x18\x07 \x01(\x04\"5\n\x11SubscribeResponse\x12 \n\x06\x65vents\x18\x01 \x03(\x0b\x32\x10.squall.v1.Event\"A\n\nAckRequest\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x14\n\x0csubscription\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\"\x1d\n\x0b\x41\x63kResponse\x12\x0e\n\x06\x63ursor\x18\x01 \x01(\x04\")\n\x18ListSubscriptionsRequest\x12\r\n\x05topic\x18\x01 \x01(\t\"0\n\x10SubscriptionInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x63ursor\x18\x02 \x01(\x04\"O\n\x19ListSubscriptionsResponse\x12\x32\n\rsubscriptions\x18\x01 \x03(\x0b\x32\x1b.squall.v1.SubscriptionInfo\"@\n\x19\x44\x65leteSubscriptionRequest\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x14\n\x0csubscription\x18\x02 \x01(\t\"\x1c\n\x1a\x44\x65leteSubscriptionResponse*\x82\x01\n\rStartPosition\x12\x1e\n\x1aSTART_POSITION_UNSPECIFIED\x10\x00\x12\x1b\n\x17START_POSITION_EARLIEST\x10\x01\x12\x19\n\x15START_POSITION_LATEST\x10\x02\x12\x19\n\x15START_POSITION_OFFSET\x10\x03\x32\xfb\x03\n\x0cTopicManager\x12L\n\x0b\x43reateTopic\x12\x1d.squall.v1.CreateTopicRequest\x1a\x1e.squall.v1.CreateTopicResponse\x12R\n\rRetrieveTopic\x12\x1f.squall.v1.RetrieveTopicRequest\x1a .squall.v1.RetrieveTopicResponse\x12I\n\nListTopics\x12\x1c.squall.v1.ListTopicsRequest\x1a\x1d.squall.v1.ListTopicsResponse\x12O\n\x0c\x44\x65stroyTopic\x12\x1e.squall.v1.DestroyTopicRequest\x1a\x1f.squall.v1.DestroyTopicResponse\x12O\n\x0cGetPublisher\x12\x1e.squall.v1.GetPublisherRequest\x1a\x1f.squall.v1.GetPublisherResponse\x12\\\n\x19GetNonReplicatedPublisher\x12\x1e.squall.v1.GetPublisherRequest\x1a\x1f.squall.v1.GetPublisherResponse2\x99\x01\n\tPublisher\x12@\n\x07Publish\x12\x19.squall.v1.PublishRequest\x1a\x1a.squall.v1.PublishResponse\x12J\n\rPublishStream\x12\x19.squall.v1.PublishRequest\x1a\x1a.squall.v1.PublishResponse(\x01\x30\x01\x32\xcf\x02\n\nSubscriber\x12H\n\tSubscribe\x12\x1b.squall.v1.SubscribeRequest\x1a\x1c.squall.v1.SubscribeResponse0\x01\x12\x34\n\x03\x41\x63k\x12\x15.squall.v1.AckRequest\x1a\x16.squall.v1.AckResponse\x12^\n\x11ListSubscriptions\x12#.squall.v1.ListSubscriptionsRequest\x1a$.squall.v1.ListSubscriptionsResponse\x12\x61\n\x12\x44\x65leteSubscription\x12$.squall.v1.DeleteSubscriptionRequest\x1a%.squall.v1.DeleteSubscriptionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16squall/v1/broker.proto\x12\tsquall.v1\x1a\x16squall/v1/common.proto\"F\n\x12\x43reateTopicRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x04kind\x18\x02 \x01(\x0e\x32\x14.squall.v1.TopicKind\"6\n\x13\x43reateTopicResponse\x12\x1f\n\x05topic\x18\x01 \x01(\x0b\x32\x10.squall.v1.Topic\"$\n\x14RetrieveTopicRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"8\n\x15RetrieveTopicResponse\x12\x1f\n\x05topic\x18\x01 \x01(\x0b\x32\x10.squall.v1.Topic\"\x13\n\x11ListTopicsRequest\"6\n\x12ListTopicsResponse\x12 \n\x06topics\x18\x01 \x03(\x0b\x32\x10.squall.v1.Topic\"#\n\x13\x44\x65stroyTopicRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x16\n\x14\x44\x65stroyTopicResponse\"$\n\x13GetPublisherRequest\x12\r\n\x05topic\x18\x01 \x01(\t\"t\n\x14GetPublisherResponse\x12\r\n\x05topic\x18\x01 \x01(\t\x12*\n\tendpoints\x18\x02 \x03(\x0b\x32\x17.squall.v1.NodeEndpoint\x12\x12\n\nreplicated\x18\x03 \x01(\x08\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"\xa0\x01\n\x0ePublishRequest\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x14\n\x0cpublisher_id\x18\x02 \x01(\t\x12$\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x14.squall.v1.EventData\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\x12\x15\n\rsession_token\x18\x05 \x01(\t\x12\x18\n\x10\x63ompact_receipts\x18\x06 \x01(\x08\"v\n\x0fPublishResponse\x12\'\n\x08receipts\x18\x01 \x03(\x0b\x32\x15.squall.v1.AckReceipt\x12\x12\n\nrequest_id\x18\x02 \x01(\x04\x12&\n\x05\x62\x61tch\x18\x03 \x01(\x0b\x32\x17.squall.v1.BatchReceipt\"\xae\x01\n\x10SubscribeRequest\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x14\n\x0csubscription\x18\x02 \x01(\t\x12\'\n\x05start\x18\x03 \x01(\x0e\x32\x18.squall.v1.StartPosition\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06\x66ollow\x18\x05 \x01(\x08\x12\x18\n\x10max_batch_events\x18\x06 \x01(\r\x12\x12\n\nend_offset\x18\x07 \x01(\x04\"5\n\x11SubscribeResponse\x12 \n\x06\x65vents\x18\x01 \x03(\x0b\x32\x10.squall.v1.Event\"A\n\nAckRequest\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x14\n\x0csubscription\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\"\x1d\n\x0b\x41\x63kResponse\x12\x0e\n\x06\x63ursor\x18\x01 \x01(\x04\")\n\x18ListSubscriptionsRequest\x12\r\n\x05topic\x18\x01 \x01(\t\"0\n\x10SubscriptionInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x63ursor\x18\x02 \x01(\x04\"O\n\x19ListSubscriptionsResponse\x12\x32\n\rsubscriptions\x18\x01 \x03(\x0b\x32\x1b.squall.v1.SubscriptionInfo\"@\n\x19\x44\x65leteSubscriptionRequest\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x14\n\x0csubscription\x18\x02 \x01(\t\"\x1c\n\x1a\x44\x65leteSubscriptionResponse*\x82\x01\n\rStartPosition\x12\x1e\n\x1aSTART_POSITION_UNSPECIFIED\x10\x00\x12\x1b\n\x17START_POSITION_EARLIEST\x10\x01\x12\x19\n\x15START_POSITION_LATEST\x10\x02\x12\x19\n\x15START_POSITION_OFFSET\x10\x03\x32\xfb\x03\n\x0cTopicManager\x12L\n\x0b\x43reateTopic\x12\x1d.squall.v1.CreateTopicRequest\x1a\x1e.squall.v1.CreateTopicResponse\x12R\n\rRetrieveTopic\x12\x1f.squall.v1.RetrieveTopicRequest\x1a .squall.v1.RetrieveTopicResponse\x12I\n\nListTopics\x12\x1c.squall.v1.ListTopicsRequest\x1a\x1d.squall.v1.ListTopicsResponse\x12O\n\x0c\x44\x65stroyTopic\x12\x1e.squall.v1.DestroyTopicRequest\x1a\x1f.squall.v1.DestroyTopicResponse\x12O\n\x0cGetPublisher\x12\x1e.squall.v1.GetPublisherRequest\x1a\x1f.squall.v1.GetPublisherResponse\x12\\\n\x19GetNonReplicatedPublisher\x12\x1e.squall.v1.GetPublisherRequest\x1a\x1f.squall.v1.GetPublisherResponse2\x99\x01\n\tPublisher\x12@\n\x07Publish\x12\x19.squall.v1.PublishRequest\x1a\x1a.squall.v1.PublishResponse\x12J\n\rPublishStream\x12\x19.squall.v1.PublishRequest\x1a\x1a.squall.v1.PublishResponse(\x01\x30\x01\x32\xcf\x02\n\nSubscriber\x12H\n\tSubscribe\x12\x1b.squall.v1.SubscribeRequest\x1a\x1c.squall.v1.SubscribeResponse0\x01\x12\x34\n\x03\x41\x63k\x12\x15.squall.v1.AckRequest\x1a\x16.squall.v1.AckResponse\x12^\n\x11ListSubscriptions\x12#.squall.v1.ListSubscriptionsRequest\x1a$.squall.v1.ListSubscriptionsResponse\x12\x61\n\x12\x44\x65leteSubscription\x12$.squall.v1.DeleteSubscriptionRequest\x1a%.squall.v1.DeleteSubscriptionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'squall.v1.broker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STARTPOSITION']._serialized_start=1397
-  _globals['_STARTPOSITION']._serialized_end=1527
+  _globals['_STARTPOSITION']._serialized_start=1463
+  _globals['_STARTPOSITION']._serialized_end=1593
   _globals['_CREATETOPICREQUEST']._serialized_start=61
   _globals['_CREATETOPICREQUEST']._serialized_end=131
   _globals['_CREATETOPICRESPONSE']._serialized_start=133
@@ -56,31 +56,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETPUBLISHERRESPONSE']._serialized_start=461
   _globals['_GETPUBLISHERRESPONSE']._serialized_end=577
   _globals['_PUBLISHREQUEST']._serialized_start=580
-  _globals['_PUBLISHREQUEST']._serialized_end=714
-  _globals['_PUBLISHRESPONSE']._serialized_start=716
-  _globals['_PUBLISHRESPONSE']._serialized_end=794
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=797
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=971
-  _globals['_SUBSCRIBERESPONSE']._serialized_start=973
-  _globals['_SUBSCRIBERESPONSE']._serialized_end=1026
-  _globals['_ACKREQUEST']._serialized_start=1028
-  _globals['_ACKREQUEST']._serialized_end=1093
-  _globals['_ACKRESPONSE']._serialized_start=1095
-  _globals['_ACKRESPONSE']._serialized_end=1124
-  _globals['_LISTSUBSCRIPTIONSREQUEST']._serialized_start=1126
-  _globals['_LISTSUBSCRIPTIONSREQUEST']._serialized_end=1167
-  _globals['_SUBSCRIPTIONINFO']._serialized_start=1169
-  _globals['_SUBSCRIPTIONINFO']._serialized_end=1217
-  _globals['_LISTSUBSCRIPTIONSRESPONSE']._serialized_start=1219
-  _globals['_LISTSUBSCRIPTIONSRESPONSE']._serialized_end=1298
-  _globals['_DELETESUBSCRIPTIONREQUEST']._serialized_start=1300
-  _globals['_DELETESUBSCRIPTIONREQUEST']._serialized_end=1364
-  _globals['_DELETESUBSCRIPTIONRESPONSE']._serialized_start=1366
-  _globals['_DELETESUBSCRIPTIONRESPONSE']._serialized_end=1394
-  _globals['_TOPICMANAGER']._serialized_start=1530
-  _globals['_TOPICMANAGER']._serialized_end=2037
-  _globals['_PUBLISHER']._serialized_start=2040
-  _globals['_PUBLISHER']._serialized_end=2193
-  _globals['_SUBSCRIBER']._serialized_start=2196
-  _globals['_SUBSCRIBER']._serialized_end=2531
+  _globals['_PUBLISHREQUEST']._serialized_end=740
+  _globals['_PUBLISHRESPONSE']._serialized_start=742
+  _globals['_PUBLISHRESPONSE']._serialized_end=860
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=863
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=1037
+  _globals['_SUBSCRIBERESPONSE']._serialized_start=1039
+  _globals['_SUBSCRIBERESPONSE']._serialized_end=1092
+  _globals['_ACKREQUEST']._serialized_start=1094
+  _globals['_ACKREQUEST']._serialized_end=1159
+  _globals['_ACKRESPONSE']._serialized_start=1161
+  _globals['_ACKRESPONSE']._serialized_end=1190
+  _globals['_LISTSUBSCRIPTIONSREQUEST']._serialized_start=1192
+  _globals['_LISTSUBSCRIPTIONSREQUEST']._serialized_end=1233
+  _globals['_SUBSCRIPTIONINFO']._serialized_start=1235
+  _globals['_SUBSCRIPTIONINFO']._serialized_end=1283
+  _globals['_LISTSUBSCRIPTIONSRESPONSE']._serialized_start=1285
+  _globals['_LISTSUBSCRIPTIONSRESPONSE']._serialized_end=1364
+  _globals['_DELETESUBSCRIPTIONREQUEST']._serialized_start=1366
+  _globals['_DELETESUBSCRIPTIONREQUEST']._serialized_end=1430
+  _globals['_DELETESUBSCRIPTIONRESPONSE']._serialized_start=1432
+  _globals['_DELETESUBSCRIPTIONRESPONSE']._serialized_end=1460
+  _globals['_TOPICMANAGER']._serialized_start=1596
+  _globals['_TOPICMANAGER']._serialized_end=2103
+  _globals['_PUBLISHER']._serialized_start=2106
+  _globals['_PUBLISHER']._serialized_end=2259
+  _globals['_SUBSCRIBER']._serialized_start=2262
+  _globals['_SUBSCRIBER']._serialized_end=2597
 # @@protoc_insertion_point(module_scope)

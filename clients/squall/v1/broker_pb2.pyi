@@ -299,6 +299,7 @@ class PublishRequest(_message.Message):
     EVENTS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     SESSION_TOKEN_FIELD_NUMBER: _builtins.int
+    COMPACT_RECEIPTS_FIELD_NUMBER: _builtins.int
     topic: _builtins.str
     """The topic to publish to."""
     publisher_id: _builtins.str
@@ -309,6 +310,10 @@ class PublishRequest(_message.Message):
     """Echoed in the response; lets a pipelined stream match answers to requests."""
     session_token: _builtins.str
     """The publisher binding's session token, stored with each event (see Event.session_token)."""
+    compact_receipts: _builtins.bool
+    """Answer with one BatchReceipt (PublishResponse.batch) instead of an AckReceipt per
+    event: the same facts, a fraction of the bytes and of the work on both sides.
+    """
     @_builtins.property
     def events(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.EventData]:
         """The events, stored in this order with consecutive offsets."""
@@ -321,10 +326,11 @@ class PublishRequest(_message.Message):
         events: _abc.Iterable[_common_pb2.EventData] | None = ...,
         request_id: _builtins.int = ...,
         session_token: _builtins.str = ...,
+        compact_receipts: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "publisher_id", b"publisher_id", "request_id", b"request_id", "session_token", b"session_token", "topic", b"topic"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compact_receipts", b"compact_receipts", "events", b"events", "publisher_id", b"publisher_id", "request_id", b"request_id", "session_token", b"session_token", "topic", b"topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -338,21 +344,27 @@ class PublishResponse(_message.Message):
 
     RECEIPTS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    BATCH_FIELD_NUMBER: _builtins.int
     request_id: _builtins.int
     """The request_id of the request this answers."""
     @_builtins.property
     def receipts(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.AckReceipt]:
-        """One receipt per event."""
+        """One receipt per event (unless the request asked for compact_receipts)."""
+
+    @_builtins.property
+    def batch(self) -> _common_pb2.BatchReceipt:
+        """The receipts of every event at once, when the request asked for compact_receipts."""
 
     def __init__(
         self,
         *,
         receipts: _abc.Iterable[_common_pb2.AckReceipt] | None = ...,
         request_id: _builtins.int = ...,
+        batch: _common_pb2.BatchReceipt | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["receipts", b"receipts", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "receipts", b"receipts", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
