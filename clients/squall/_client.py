@@ -387,32 +387,43 @@ class Topic:
         """Registers a push subscriber (IceStorm's subscribeAndGetPublisher).
 
         The master calls `squall.v1.PushSubscriber/Deliver` at `endpoint` (host:port, or
-        a `PushEndpoint`; with `on_delivery` the endpoint hosts the id first) with the
-        events after `start`. QoS: `reliability="ordered"` keeps one batch in flight, in
-        offset order; `retry_count` -1 retries forever, 0 removes the subscriber on its
-        first failed delivery, n retries n times (extra keys in `qos` are sent as given).
-        Raises AlreadySubscribed if the id is already subscribed to this topic,
-        InvalidArgument for a bad id, endpoint or QoS, NotFound for a gone topic,
-        FailedPrecondition when the cluster cannot reach the endpoint; nothing is
-        registered then. See docs/push-subscribers.md.
+        a `PushEndpoint`; with `on_delivery` the endpoint hosts the id first, and keeps
+        the callback it had if the subscribe is refused) with the events after `start`.
+        QoS: `reliability="ordered"` keeps one batch in flight, in offset order;
+        `retry_count` -1 retries forever, 0 removes the subscriber on its first failed
+        delivery, n retries n times (extra keys in `qos` are sent as given). Raises
+        AlreadySubscribed if the id is already subscribed to this topic, InvalidArgument
+        for a bad id, endpoint or QoS, NotFound for a gone topic, FailedPrecondition when
+        the cluster cannot reach the endpoint; nothing is registered then. See
+        docs/push-subscribers.md.
         """
         address = endpoint.address if isinstance(endpoint, PushEndpoint) else endpoint
         request = subscribe_push_request(
             self.name, subscriber_id, address, reliability, retry_count, start, qos
         )
-        host = endpoint if isinstance(endpoint, PushEndpoint) and on_delivery else None
-        newly_hosted = host is not None and not host.hosts(subscriber_id)
+        host = endpoint if isinstance(endpoint, PushEndpoint) else None
+        previous = host.callback(subscriber_id) if host is not None else None
         if host is not None and on_delivery is not None:
             host.add(subscriber_id, on_delivery)
         try:
             response = self._client._call(self._client._push_stub.SubscribeAndGetPublisher, request)
-        except AlreadyExists as exc:
-            # Kept hosted: the subscription there may be this app's own (a retry after an
-            # unknown outcome, IceStorm's advice), and must keep receiving.
-            raise AlreadySubscribed(exc.details, exc.code) from None
-        except (InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted):
-            if host is not None and newly_hosted:
-                host.remove(subscriber_id)  # definitely not subscribed
+        except (
+            AlreadyExists,
+            InvalidArgument,
+            NotFound,
+            FailedPrecondition,
+            ResourceExhausted,
+        ) as exc:
+            # Refused: the id keeps the callback it had. Newly hosted and AlreadySubscribed,
+            # the new one stays: the subscription there may be this app's own (a retry after
+            # an unknown outcome, IceStorm's advice) and must keep receiving.
+            if host is not None and on_delivery is not None:
+                if previous is not None:
+                    host.add(subscriber_id, previous)
+                elif not isinstance(exc, AlreadyExists):
+                    host.remove(subscriber_id)
+            if isinstance(exc, AlreadyExists):
+                raise AlreadySubscribed(exc.details, exc.code) from None
             raise
         return PushSubscriberInfo.from_pb(response.subscriber)
 

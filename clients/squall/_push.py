@@ -143,7 +143,7 @@ class _Servicer(push_pb2_grpc.PushSubscriberServicer):
     def Deliver(
         self, request: push_pb2.PushDeliverRequest, context: grpc.ServicerContext
     ) -> push_pb2.PushDeliverResponse:
-        callback = self._endpoint._callback(request.subscriber_id)
+        callback = self._endpoint.callback(request.subscriber_id)
         if callback is None:
             context.abort(
                 grpc.StatusCode.NOT_FOUND,
@@ -221,7 +221,8 @@ class PushEndpoint:
         return self._address
 
     def add(self, subscriber_id: str, callback: DeliveryCallback) -> None:
-        """Hosts a subscriber id here: its deliveries go to callback."""
+        """Hosts a subscriber id here: its deliveries, of every topic it subscribed to
+        with this endpoint, go to callback (replacing the one it had)."""
         if not subscriber_id:
             raise ValueError("subscriber_id must not be empty")
         with self._lock:
@@ -233,12 +234,8 @@ class PushEndpoint:
         with self._lock:
             return self._callbacks.pop(subscriber_id, None) is not None
 
-    def hosts(self, subscriber_id: str) -> bool:
-        """Whether a subscriber id is hosted here."""
-        with self._lock:
-            return subscriber_id in self._callbacks
-
-    def _callback(self, subscriber_id: str) -> DeliveryCallback | None:
+    def callback(self, subscriber_id: str) -> DeliveryCallback | None:
+        """The callback hosting a subscriber id here, or None."""
         with self._lock:
             return self._callbacks.get(subscriber_id)
 
