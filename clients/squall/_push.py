@@ -208,7 +208,10 @@ class PushEndpoint:
             options=options,
         )
         push_pb2_grpc.add_PushSubscriberServicer_to_server(_Servicer(self), self._server)
-        port = self._server.add_insecure_port(bind)
+        try:
+            port = self._server.add_insecure_port(bind)
+        except RuntimeError as exc:  # grpc's "failed to bind"
+            raise ValueError(f"cannot listen on {bind!r}: {exc}") from None
         if port == 0:
             raise ValueError(f"cannot listen on {bind!r}")
         self._address = advertise or f"{host}:{port}"

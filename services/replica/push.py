@@ -299,7 +299,9 @@ class _Worker:
                     timeouts.push_retry_backoff_max_ms,
                     self._delivery._jitter(),
                 )
-                log.info(
+                # As IceStorm: a warning when a subscriber goes offline, quieter after.
+                log.log(
+                    logging.WARNING if result.failures == 1 else logging.DEBUG,
                     "replica %s: %s: delivery failed (%d in a row, retryCount %d): %s; "
                     "retrying in %d ms",
                     node.node.id,

@@ -20,7 +20,7 @@ from services.replica import commands, push_policy
 from services.replica.node import ReplicaNode
 from services.replica.server import TopicManager, abort
 from services.replica.store import CorruptRecordError, PushSubscriber, UnknownTopicError
-from squall.v1 import broker_pb2, broker_pb2_grpc
+from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2
 
 log = logging.getLogger("squall.replica")
 
@@ -69,7 +69,16 @@ class PushSubscriptions(broker_pb2_grpc.PushSubscriptionsServicer):
         try:
             node.check_writable()
             qos = _checked(request)
-            node.topic(request.topic)
+            topic = node.topic(request.topic)
+            if (
+                request.start == broker_pb2.START_POSITION_OFFSET
+                and topic.kind == common_pb2.TOPIC_KIND_REPLICATED
+                and request.offset > topic.next_offset
+            ):
+                raise invalid(
+                    f"offset {request.offset} is beyond the end of topic '{topic.name}' "
+                    f"(next offset {topic.next_offset})"
+                )
             if node.store.get_push_subscriber(request.topic, request.subscriber_id) is not None:
                 raise ServiceError(
                     Code.ALREADY_EXISTS,

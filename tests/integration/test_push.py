@@ -27,6 +27,7 @@ import pytest
 
 import squall
 from deploy import processes
+from services import cli
 from squall.v1 import broker_pb2, broker_pb2_grpc
 from tests.integration.conftest import ROOT, LocalCluster, make_cluster, wait_for
 from tests.integration.test_gateway import _AppPublisher, _kill_master_while_publishing
@@ -232,6 +233,27 @@ def test_bad_subscribes_name_the_problem_and_register_nothing(
         stub_get(broker_pb2.GetSubscribersRequest(topic="nope"), timeout=10)
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND
     assert topic.push_subscribers() == []
+
+
+def test_the_cli_lists_and_unsubscribes_push_subscribers(
+    trio: LocalCluster,
+    client: squall.Client,
+    endpoint: squall.PushEndpoint,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    client.create_topic("push-cli")
+    client.topic("push-cli").subscribe_push(
+        "s1", endpoint, reliability="ordered", retry_count=5, on_delivery=Recorder()
+    )
+    gateway = ["--gateway", trio.gateway_address]
+    assert cli.main(["topic", "subscribers", "push-cli", *gateway]) == 0
+    assert capsys.readouterr().out == (
+        f"s1\t{endpoint.address}\treliability=ordered\tretryCount=5\tcursor=0\tfailures=0\n"
+    )
+    assert cli.main(["topic", "unsubscribe", "push-cli", "s1", *gateway]) == 0
+    assert capsys.readouterr().out == "unsubscribed s1 from topic push-cli\n"
+    assert cli.main(["topic", "unsubscribe", "push-cli", "s1", *gateway]) == 1
+    assert "NOT_FOUND" in capsys.readouterr().err
 
 
 def _gone_everywhere(trio: LocalCluster, topic: str, subscriber_id: str) -> bool:
