@@ -5,6 +5,7 @@
     squall gateway --config F [--gateway ID]
     squall topic create NAME [--transient]      client commands, through a gateway
     squall topic list | topic destroy NAME
+    squall topic subscribers NAME | topic unsubscribe NAME ID     push subscribers
     squall publish TOPIC [MESSAGE ...]          no MESSAGE: one event per line of stdin
     squall subscribe TOPIC [--subscription S] [--from earliest|latest|N] [--follow] [--count N]
     squall status [--json]
@@ -121,6 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
         "destroy", parents=[client], help="destroy a topic, its events and subscriptions"
     )
     destroy.add_argument("name")
+    subscribers = topic_commands.add_parser(
+        "subscribers", parents=[client], help="list a topic's push subscribers"
+    )
+    subscribers.add_argument("name")
+    unsubscribe = topic_commands.add_parser(
+        "unsubscribe", parents=[client], help="remove a push subscriber"
+    )
+    unsubscribe.add_argument("name")
+    unsubscribe.add_argument("subscriber_id")
 
     publish = commands.add_parser(
         "publish", parents=[client], help="publish messages (or stdin lines) to a topic"
@@ -236,6 +246,18 @@ def _cmd_topic(client: squall.Client, args: argparse.Namespace, out: TextIO) -> 
                 f"\tnext_offset={info.next_offset}",
                 file=out,
             )
+    elif args.topic_command == "subscribers":
+        for sub in client.topic(args.name).push_subscribers():
+            print(
+                f"{sub.subscriber_id}\t{sub.endpoint}\treliability={sub.qos.get('reliability', '')}"
+                f"\tretryCount={sub.retry_count}\tcursor={sub.cursor}"
+                f"\tfailures={sub.consecutive_failures}"
+                + (f"\tlast_error={sub.last_error}" if sub.last_error else ""),
+                file=out,
+            )
+    elif args.topic_command == "unsubscribe":
+        client.topic(args.name).unsubscribe_push(args.subscriber_id)
+        print(f"unsubscribed {args.subscriber_id} from topic {args.name}", file=out)
     else:
         client.destroy_topic(args.name)
         print(f"destroyed topic {args.name}", file=out)

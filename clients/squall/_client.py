@@ -9,14 +9,31 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
 
-from squall._errors import Unavailable, from_rpc_error
+from squall._errors import (
+    AlreadyExists,
+    AlreadySubscribed,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+    from_rpc_error,
+)
 from squall._proxy import Endpoint, GatewayBinding, ProxyBinding, RebindCallback
 from squall._publisher import INFLIGHT_BATCHES_MAX_DEFAULT, Publisher, new_publisher_id
+from squall._push import (
+    DeliveryCallback,
+    PushEndpoint,
+    PushStart,
+    PushSubscriberInfo,
+    Reliability,
+    subscribe_push_request,
+)
 from squall._retry import (
     RETRY_ATTEMPTS_MAX_DEFAULT,
     RETRY_BACKOFF_INITIAL_MS_DEFAULT,
@@ -100,6 +117,7 @@ class Client:
         self._topic_manager = broker_pb2_grpc.TopicManagerStub(self._channel)
         self._publisher_stub = broker_pb2_grpc.PublisherStub(self._channel)
         self._subscriber_stub = broker_pb2_grpc.SubscriberStub(self._channel)
+        self._push_stub = broker_pb2_grpc.PushSubscriptionsStub(self._channel)
         self._admin = gateway_pb2_grpc.ClusterAdminStub(self._channel)
         self._lock = threading.Lock()
         self._closed = False
@@ -354,6 +372,71 @@ class Topic:
         """Deletes a durable subscription; NotFound if it does not exist."""
         request = broker_pb2.DeleteSubscriptionRequest(topic=self.name, subscription=name)
         self._client._call(self._client._subscriber_stub.DeleteSubscription, request)
+
+    def subscribe_push(
+        self,
+        subscriber_id: str,
+        endpoint: str | PushEndpoint,
+        *,
+        reliability: Reliability = "",
+        retry_count: int = 0,
+        start: PushStart = "latest",
+        qos: Mapping[str, str] | None = None,
+        on_delivery: DeliveryCallback | None = None,
+    ) -> PushSubscriberInfo:
+        """Registers a push subscriber (IceStorm's subscribeAndGetPublisher).
+
+        The master calls `squall.v1.PushSubscriber/Deliver` at `endpoint` (host:port, or
+        a `PushEndpoint`; with `on_delivery` the endpoint hosts the id first, and keeps
+        the callback it had if the subscribe is refused) with the events after `start`.
+        QoS: `reliability="ordered"` keeps one batch in flight, in offset order;
+        `retry_count` -1 retries forever, 0 removes the subscriber on its first failed
+        delivery, n retries n times (extra keys in `qos` are sent as given). Raises
+        AlreadySubscribed if the id is already subscribed to this topic, InvalidArgument
+        for a bad id, endpoint or QoS, NotFound for a gone topic, FailedPrecondition when
+        the cluster cannot reach the endpoint; nothing is registered then. See
+        docs/push-subscribers.md.
+        """
+        address = endpoint.address if isinstance(endpoint, PushEndpoint) else endpoint
+        request = subscribe_push_request(
+            self.name, subscriber_id, address, reliability, retry_count, start, qos
+        )
+        host = endpoint if isinstance(endpoint, PushEndpoint) else None
+        previous = host.callback(subscriber_id) if host is not None else None
+        if host is not None and on_delivery is not None:
+            host.add(subscriber_id, on_delivery)
+        try:
+            response = self._client._call(self._client._push_stub.SubscribeAndGetPublisher, request)
+        except (
+            AlreadyExists,
+            InvalidArgument,
+            NotFound,
+            FailedPrecondition,
+            ResourceExhausted,
+        ) as exc:
+            # Refused: the id keeps the callback it had. Newly hosted and AlreadySubscribed,
+            # the new one stays: the subscription there may be this app's own (a retry after
+            # an unknown outcome, IceStorm's advice) and must keep receiving.
+            if host is not None and on_delivery is not None:
+                if previous is not None:
+                    host.add(subscriber_id, previous)
+                elif not isinstance(exc, AlreadyExists):
+                    host.remove(subscriber_id)
+            if isinstance(exc, AlreadyExists):
+                raise AlreadySubscribed(exc.details, exc.code) from None
+            raise
+        return PushSubscriberInfo.from_pb(response.subscriber)
+
+    def unsubscribe_push(self, subscriber_id: str) -> None:
+        """Removes a push subscriber; NotFound if it is not subscribed (any more)."""
+        request = broker_pb2.UnsubscribeRequest(topic=self.name, subscriber_id=subscriber_id)
+        self._client._call(self._client._push_stub.Unsubscribe, request)
+
+    def push_subscribers(self) -> list[PushSubscriberInfo]:
+        """The topic's push subscribers, ordered by id (IceStorm's getSubscribers)."""
+        request = broker_pb2.GetSubscribersRequest(topic=self.name)
+        response = self._client._call(self._client._push_stub.GetSubscribers, request)
+        return [PushSubscriberInfo.from_pb(s) for s in response.subscribers]
 
     def __repr__(self) -> str:
         return f"Topic({self.name!r})"

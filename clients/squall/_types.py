@@ -334,9 +334,14 @@ _NO_HEADERS: Mapping[str, str] = types.MappingProxyType({})
 
 def messages_from_pb(response: broker_pb2.SubscribeResponse) -> list[Message]:
     """Converts one subscribe response's events, in offset order."""
+    return messages_from_events(response.events)
+
+
+def messages_from_events(events: Iterable[common_pb2.Event]) -> list[Message]:
+    """Converts wire events (a subscribe response's, a push delivery's), in their order."""
     out: list[Message] = []
     append = out.append
-    for e in response.events:
+    for e in events:
         m = _new(Message)
         _m_offset(m, e.offset)
         _m_key(m, e.key)

@@ -105,6 +105,11 @@ class TimeoutsConfig:
     merge_delay_ms_per_priority: int = 50
     rpc_timeout_ms: int = 2000
     publish_timeout_ms: int = 10000
+    # Push subscribers (docs/push-subscribers.md): one Deliver call's deadline, and the
+    # backoff between failed deliveries (doubling from initial to max, jittered).
+    push_deliver_timeout_ms: int = 5000
+    push_retry_backoff_initial_ms: int = 100
+    push_retry_backoff_max_ms: int = 5000
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,12 @@ class LimitsConfig:
     replication_inflight_entries_max: int = 1024
     replication_inflight_bytes_max: int = 8 * MiB
     replication_pending_writes_max: int = 65536
+    # Push subscribers: events and bytes per Deliver call, Deliver calls in flight to one
+    # unordered subscriber, and subscribers per topic.
+    push_batch_max_events: int = 500
+    push_batch_max_bytes: int = 3 * MiB
+    push_inflight_batches_max: int = 4
+    push_subscribers_max: int = 1000
 
     @property
     def max_topic_name_bytes(self) -> int:
@@ -620,6 +631,9 @@ _TIMEOUT_BOUNDS_MS: Mapping[str, tuple[int, int]] = {
     "merge_delay_ms_per_priority": (0, 10_000),
     "rpc_timeout_ms": (10, 600_000),
     "publish_timeout_ms": (10, 3_600_000),
+    "push_deliver_timeout_ms": (10, 600_000),
+    "push_retry_backoff_initial_ms": (1, 600_000),
+    "push_retry_backoff_max_ms": (1, 600_000),
 }
 
 
@@ -632,6 +646,12 @@ def _validate_timeouts(timeouts: TimeoutsConfig) -> None:
             f"timeouts.member_timeout_ms: must be at least twice timeouts.heartbeat_interval_ms "
             f"({timeouts.heartbeat_interval_ms}), so one lost heartbeat does not fail a member, "
             f"got {timeouts.member_timeout_ms}"
+        )
+    if timeouts.push_retry_backoff_initial_ms > timeouts.push_retry_backoff_max_ms:
+        raise ConfigError(
+            f"timeouts.push_retry_backoff_initial_ms: must not exceed "
+            f"timeouts.push_retry_backoff_max_ms ({timeouts.push_retry_backoff_max_ms}), "
+            f"got {timeouts.push_retry_backoff_initial_ms}"
         )
 
 
@@ -661,6 +681,10 @@ _LIMIT_BOUNDS: Mapping[str, tuple[int, int]] = {
     "replication_inflight_entries_max": (1, 1 << 20),
     "replication_inflight_bytes_max": (1, 1 << 36),
     "replication_pending_writes_max": (1, 1 << 24),
+    "push_batch_max_events": (1, 1_000_000),
+    "push_batch_max_bytes": (1, GRPC_MESSAGE_BYTES_MAX),
+    "push_inflight_batches_max": (1, 64),
+    "push_subscribers_max": (1, 100_000),
 }
 
 
@@ -697,6 +721,12 @@ def _validate_limits(limits: LimitsConfig) -> None:
             "replication_inflight_bytes_max",
             "max_message_bytes",
             "a full replication window must fit in one gRPC message",
+        ),
+        ("push_batch_max_events", "max_batch_events", "a push batch is a batch"),
+        (
+            "push_batch_max_bytes",
+            "max_message_bytes",
+            "a push batch must fit in one gRPC message",
         ),
     )
     for smaller, larger, why in orderings:

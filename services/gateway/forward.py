@@ -34,7 +34,7 @@ log = logging.getLogger("squall.gateway")
 _RESERVED_PREFIXES = (":", "grpc-")
 _RESERVED_KEYS = {"user-agent", "content-type", "te", "host"}
 
-FORWARDED_SERVICES = ("TopicManager", "Publisher", "Subscriber")
+FORWARDED_SERVICES = ("TopicManager", "Publisher", "Subscriber", "PushSubscriptions")
 
 # A retry is not started with less of the caller's deadline left than this.
 _DEADLINE_SLACK_S = 0.01

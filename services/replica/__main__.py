@@ -9,7 +9,7 @@ import sys
 from services.common.config import ClusterConfig, NodeConfig
 from services.common.grpc_server import ServiceServer
 from services.common.service_main import node_service_main
-from services.replica import replication_server, server
+from services.replica import push_server, replication_server, server
 from services.replica.node import ReplicaNode
 from services.replica.rebuild import LmdbTruncator
 from services.replica.store import Store, StoreError
@@ -21,6 +21,7 @@ SERVICE_NAMES = [
     broker_pb2.DESCRIPTOR.services_by_name["TopicManager"].full_name,
     broker_pb2.DESCRIPTOR.services_by_name["Publisher"].full_name,
     broker_pb2.DESCRIPTOR.services_by_name["Subscriber"].full_name,
+    broker_pb2.DESCRIPTOR.services_by_name["PushSubscriptions"].full_name,
     replica_pb2.DESCRIPTOR.services_by_name["ReplicaControl"].full_name,
     replica_pb2.DESCRIPTOR.services_by_name["Replication"].full_name,
 ]
@@ -49,6 +50,9 @@ async def serve(config: ClusterConfig, node_config: NodeConfig, stop: asyncio.Ev
     )
     broker_pb2_grpc.add_PublisherServicer_to_server(server.Publisher(node), grpc_server.server)
     broker_pb2_grpc.add_SubscriberServicer_to_server(server.Subscriber(node), grpc_server.server)
+    broker_pb2_grpc.add_PushSubscriptionsServicer_to_server(
+        push_server.PushSubscriptions(node), grpc_server.server
+    )
     replica_pb2_grpc.add_ReplicaControlServicer_to_server(
         server.ReplicaControl(node), grpc_server.server
     )

@@ -56,6 +56,7 @@ from services.replica.master_driver import (
     close_export,
     snapshot_chunk_bytes_max,
 )
+from services.replica.push import PushDelivery
 from services.replica.rebuild import LmdbTruncator
 from services.replica.replication import (
     Ack,
@@ -128,6 +129,7 @@ class ReplicaNode:
         self.master: NodeConfig | None = None
         self.failed_reason = ""
         self.transient = TransientTopics(config.limits.subscribe_batch_max_events * 10)
+        self.push = PushDelivery(self)  # runs while master, from the epoch start's commit
         self._queue: deque[_Pending] = deque()
         self._wakeup = asyncio.Event()
         self._committed = asyncio.Event()
@@ -179,6 +181,7 @@ class ReplicaNode:
 
     async def stop(self) -> None:
         """Stops the writer and fails anything still queued as indeterminate."""
+        await self.push.close()
         if self._driver is not None:
             await self._driver.stop(f"replica {self.node.id} stopping")
             self._driver = None
@@ -255,7 +258,7 @@ class ReplicaNode:
         started = self._submit(
             commands.StartEpoch(epoch=epoch, master_id=self.node.id), appended=appended
         )
-        started.add_done_callback(self._epoch_start_done)
+        started.add_done_callback(functools.partial(self._epoch_start_done, epoch))
         # Wait for the local append only: the commit needs the slaves, which take their
         # role from their own coordinators meanwhile.
         await appended
@@ -269,7 +272,7 @@ class ReplicaNode:
             reason,
         )
 
-    def _epoch_start_done(self, future: asyncio.Future[Planned]) -> None:
+    def _epoch_start_done(self, epoch: int, future: asyncio.Future[Planned]) -> None:
         if not future.cancelled() and future.exception() is not None:
             log.warning(
                 "replica %s: epoch %d start entry did not commit: %s",
@@ -277,6 +280,8 @@ class ReplicaNode:
                 self.epoch,
                 future.exception(),
             )
+        elif not future.cancelled() and self.role == common_pb2.ROLE_MASTER and self.epoch == epoch:
+            self.push.start(epoch)  # all before the epoch start is committed: deliver it
 
     def _member_nodes(self, members: Sequence[str]) -> list[NodeConfig]:
         """The configured nodes of a role command's members (this node alone if none)."""
@@ -698,6 +703,7 @@ class ReplicaNode:
                     f"replica {self.node.id} lost its role before the write began (not stored)",
                 ),
             )
+        self.push.stop()
         async with self._commit_lock:
             pass
         driver, self._driver = self._driver, None
@@ -717,6 +723,7 @@ class ReplicaNode:
         """The replication core deposed this master: no more writes in this epoch."""
         self._deposed = reason
         self._role_epoch_floor = max(self._role_epoch_floor, self.epoch)
+        self.push.stop()
         if self.role == common_pb2.ROLE_MASTER:
             self.role = common_pb2.ROLE_INACTIVE
             self.master = None

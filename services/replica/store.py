@@ -32,7 +32,8 @@ Synchronous; one writer and many readers: the replica serializes writes (``appen
 any thread, each seeing one committed state. Reads: ``meta``, ``log_start_lsn``,
 ``read_log``, ``get_topic``, ``list_topics`` (by name), ``read_events`` (verified
 ``common_pb2.Event`` list), ``get_cursor``, ``list_subscriptions``, ``lookup_sequence``,
-``publisher_high_water``, ``snapshot_chunks``. ``make_entry`` builds an entry with its
+``publisher_high_water``, ``get_push_subscriber``, ``list_push_subscribers``,
+``snapshot_chunks``. ``make_entry`` builds an entry with its
 checksum.
 
 The store runs on the ``kv.KV`` interface, with two twins: ``Store.open_lmdb`` and
@@ -53,6 +54,9 @@ The store runs on the ``kv.KV`` interface, with two twins: ``Store.open_lmdb`` a
   or above a sequence is the only one that can hold it.
 * ``publishers``: publisher id -> highest sequence stored (the dedupe high-water mark).
   Sequences at or below high water - ``dedupe_window`` are forgotten (pruned).
+* ``push``: topic id (8 bytes) + push subscriber id -> cursor (next offset to deliver)
+  and the LSN of the entry that subscribed it (8 + 8 bytes), then the serialized
+  ``PushSubscribeOp`` that registered it (docs/push-subscribers.md).
 
 Every value starts with a CRC-32 (``zlib.crc32``) of its key and body, checked on every
 read: a mismatch raises ``CorruptRecordError`` naming the database and key, and the bad
@@ -110,14 +114,24 @@ DB_EVENTS = "events"
 DB_CURSORS = "cursors"
 DB_DEDUPE = "dedupe"
 DB_PUBLISHERS = "publishers"
+DB_PUSH = "push"
 # The databases a KV must hold for the store.
-DATABASES = (DB_META, DB_LOG, DB_TOPICS, DB_EVENTS, DB_CURSORS, DB_DEDUPE, DB_PUBLISHERS)
+DATABASES = (
+    DB_META,
+    DB_LOG,
+    DB_TOPICS,
+    DB_EVENTS,
+    DB_CURSORS,
+    DB_DEDUPE,
+    DB_PUBLISHERS,
+    DB_PUSH,
+)
 
 # The databases a snapshot carries, in the order it carries them (meta: only the keys
 # in _META_SNAPSHOT_KEYS). Everything but the log and the receiving node's own meta.
-SNAPSHOT_DBS = (DB_META, DB_TOPICS, DB_EVENTS, DB_CURSORS, DB_DEDUPE, DB_PUBLISHERS)
+SNAPSHOT_DBS = (DB_META, DB_TOPICS, DB_EVENTS, DB_CURSORS, DB_DEDUPE, DB_PUBLISHERS, DB_PUSH)
 # The state databases a snapshot install (and an abandoned one) empties, with the log.
-_CLEARED_DBS = (DB_TOPICS, DB_EVENTS, DB_CURSORS, DB_DEDUPE, DB_PUBLISHERS, DB_LOG)
+_CLEARED_DBS = (DB_TOPICS, DB_EVENTS, DB_CURSORS, DB_DEDUPE, DB_PUBLISHERS, DB_PUSH, DB_LOG)
 
 DEDUPE_WINDOW_DEFAULT = 100_000
 SNAPSHOT_RECORDS_MAX_DEFAULT = 1000
@@ -223,6 +237,20 @@ class TopicInfo:
     next_offset: int
     first_offset: int
     created_ms: int
+
+
+@dataclass(frozen=True)
+class PushSubscriber:
+    """A push subscriber as the store holds it."""
+
+    topic: str
+    subscriber_id: str
+    endpoint: str
+    ordered: bool
+    retry_count: int  # -1: retry forever
+    cursor: int  # the next offset to deliver
+    created_ms: int
+    lsn: int  # the entry that subscribed it: tells a re-subscription from the old one
 
 
 @dataclass(frozen=True)
@@ -352,6 +380,33 @@ class _TopicRow:
             first_offset=self.first_offset,
             created_ms=self.created_ms,
         )
+
+
+def _decode_push(key: bytes, value: bytes) -> tuple[int, int, replica_pb2.PushSubscribeOp]:
+    """Decodes and verifies a push record: (cursor, subscribing LSN, the subscribe op)."""
+    body = _unseal(DB_PUSH, key, value)
+    cursor, lsn = _unpack(DB_PUSH, key, _U64X2, body)
+    try:
+        op = replica_pb2.PushSubscribeOp.FromString(body[_U64X2.size :])
+    except DecodeError:
+        raise CorruptRecordError(DB_PUSH, key, "subscribe record does not parse") from None
+    if key[_U64.size :] != op.subscriber_id.encode():
+        raise CorruptRecordError(DB_PUSH, key, "subscriber id does not match its key")
+    return cursor, lsn, op
+
+
+def _push_subscriber(topic: str, key: bytes, value: bytes) -> PushSubscriber:
+    cursor, lsn, op = _decode_push(key, value)
+    return PushSubscriber(
+        topic=topic,
+        subscriber_id=op.subscriber_id,
+        endpoint=op.endpoint,
+        ordered=op.ordered,
+        retry_count=op.retry_count,
+        cursor=cursor,
+        created_ms=op.created_ms,
+        lsn=lsn,
+    )
 
 
 def _decode_topic(key: bytes, value: bytes) -> _TopicRow:
@@ -635,6 +690,12 @@ class _Batch:
             self.destroy_topic(op.destroy_topic)
         elif kind == "delete_subscription":
             self.delete_subscription(op.delete_subscription)
+        elif kind == "push_subscribe":
+            self.push_subscribe(op.push_subscribe, lsn)
+        elif kind == "push_unsubscribe":
+            self.push_unsubscribe(op.push_unsubscribe)
+        elif kind == "push_cursor":
+            self.push_cursor(op.push_cursor)
         else:
             raise self.refuse("no operation")
         key = _U64.pack(lsn)
@@ -683,6 +744,7 @@ class _Batch:
         lo, hi = _U64.pack(row.topic_id), _U64.pack(row.topic_id + 1)
         self.txn.delete_range(DB_EVENTS, lo, hi)
         self.txn.delete_range(DB_CURSORS, lo, hi)
+        self.txn.delete_range(DB_PUSH, lo, hi)
         self.topics[op.name] = self.dirty_topics[op.name] = None
 
     def publish(self, op: replica_pb2.PublishOp, lsn: int, epoch: int) -> None:
@@ -816,6 +878,43 @@ class _Batch:
         key = self.key("subscription name", op.subscription, _U64.pack(row.topic_id))
         if not self.txn.delete(DB_CURSORS, key):
             raise self.refuse(f"no subscription {op.subscription!r} on {op.topic!r}")
+
+    def push_subscribe(self, op: replica_pb2.PushSubscribeOp, lsn: int) -> None:
+        """Registers a push subscriber at its start cursor."""
+        row = self.topic(op.topic)
+        if op.cursor > row.next_offset:
+            raise self.refuse(
+                f"push cursor {op.cursor} beyond topic {op.topic!r}'s end {row.next_offset}"
+            )
+        key = self.key("push subscriber id", op.subscriber_id, _U64.pack(row.topic_id))
+        if self.txn.get(DB_PUSH, key) is not None:
+            raise self.refuse(f"push subscriber {op.subscriber_id!r} of {op.topic!r} exists")
+        body = _U64X2.pack(op.cursor, lsn) + op.SerializeToString()
+        self.txn.put(DB_PUSH, key, _seal(key, body))
+
+    def push_unsubscribe(self, op: replica_pb2.PushUnsubscribeOp) -> None:
+        """Removes a push subscriber."""
+        row = self.topic(op.topic)
+        key = self.key("push subscriber id", op.subscriber_id, _U64.pack(row.topic_id))
+        if not self.txn.delete(DB_PUSH, key):
+            raise self.refuse(f"no push subscriber {op.subscriber_id!r} on {op.topic!r}")
+
+    def push_cursor(self, op: replica_pb2.PushCursorOp) -> None:
+        """Moves a push subscriber's cursor forward (a lower cursor is ignored)."""
+        row = self.topic(op.topic)
+        if op.cursor > row.next_offset:
+            raise self.refuse(
+                f"push cursor {op.cursor} beyond topic {op.topic!r}'s end {row.next_offset}"
+            )
+        key = self.key("push subscriber id", op.subscriber_id, _U64.pack(row.topic_id))
+        value = self.txn.get(DB_PUSH, key)
+        if value is None:
+            raise self.refuse(f"no push subscriber {op.subscriber_id!r} on {op.topic!r}")
+        body = _unseal(DB_PUSH, key, value)
+        cursor, lsn = _unpack(DB_PUSH, key, _U64X2, body)
+        if op.cursor > cursor:
+            body = _U64X2.pack(op.cursor, lsn) + body[_U64X2.size :]
+            self.txn.put(DB_PUSH, key, _seal(key, body))
 
     def finish(self) -> None:
         """Writes what the batch cached: events, topics, high-water marks, log and meta."""
@@ -1340,6 +1439,40 @@ class Store:
                     out.append((key[_U64.size :].decode(), cursor))
                 except UnicodeDecodeError:
                     raise CorruptRecordError(DB_CURSORS, key, "name is not UTF-8") from None
+            return out
+
+    def get_push_subscriber(self, topic: str, subscriber_id: str) -> PushSubscriber | None:
+        """The topic's push subscriber with this id, or None."""
+        raw = subscriber_id.encode()
+        with self._reading() as txn:
+            row = None if _pending(txn) else _read_topic(txn, topic)
+            if row is None or not raw or len(raw) + _U64.size > MAX_KEY_BYTES:
+                return None
+            key = _U64.pack(row.topic_id) + raw
+            value = txn.get(DB_PUSH, key)
+            return None if value is None else _push_subscriber(topic, key, value)
+
+    def list_push_subscribers(self, topic: str | None = None) -> list[PushSubscriber]:
+        """The push subscribers of one topic (by id), or of every topic (by topic, id).
+
+        Raises UnknownTopicError for a topic the store does not hold.
+        """
+        with self._reading() as txn:
+            if _pending(txn):
+                if topic is not None:
+                    raise UnknownTopicError(f"no topic {topic!r}")
+                return []
+            if topic is None:
+                rows = [_decode_topic(k, v) for k, v in txn.scan(DB_TOPICS)]
+            else:
+                row = _read_topic(txn, topic)
+                if row is None:
+                    raise UnknownTopicError(f"no topic {topic!r}")
+                rows = [row]
+            out: list[PushSubscriber] = []
+            for row in rows:
+                lo, hi = _U64.pack(row.topic_id), _U64.pack(row.topic_id + 1)
+                out.extend(_push_subscriber(row.name, k, v) for k, v in txn.scan(DB_PUSH, lo, hi))
             return out
 
     def lookup_sequence(self, publisher_id: str, sequence: int) -> DedupeHit | None:

@@ -476,6 +476,27 @@ def test_member_timeout_must_outlast_heartbeats() -> None:
     assert message.endswith("got 400")
 
 
+def test_push_backoff_must_start_below_its_cap() -> None:
+    message = error_of(VALID + "[timeouts]\npush_retry_backoff_initial_ms = 9000\n")
+    assert message == (
+        "timeouts.push_retry_backoff_initial_ms: must not exceed "
+        "timeouts.push_retry_backoff_max_ms (5000), got 9000"
+    )
+
+
+def test_push_limits() -> None:
+    message = error_of(VALID + "[limits]\npush_batch_max_events = 20000\n")
+    assert message.startswith(
+        "limits.push_batch_max_events: must not exceed limits.max_batch_events (10000)"
+    )
+    message = error_of(VALID + "[limits]\npush_inflight_batches_max = 0\n")
+    assert message == "limits.push_inflight_batches_max: must be from 1 to 64, got 0"
+    message = error_of(VALID + "[limits]\npush_batch_max_bytes = 40000000\n")
+    assert message.startswith(
+        "limits.push_batch_max_bytes: must not exceed limits.max_message_bytes (33554432)"
+    )
+
+
 def test_no_gateway() -> None:
     message = error_of(VALID.split("[[gateways]]")[0])
     assert message == "gateways: at least one [[gateways]] entry is required; none is configured"

@@ -36,6 +36,9 @@ class Operation(_message.Message):
     PUBLISH_FIELD_NUMBER: _builtins.int
     SET_CURSOR_FIELD_NUMBER: _builtins.int
     DELETE_SUBSCRIPTION_FIELD_NUMBER: _builtins.int
+    PUSH_SUBSCRIBE_FIELD_NUMBER: _builtins.int
+    PUSH_UNSUBSCRIBE_FIELD_NUMBER: _builtins.int
+    PUSH_CURSOR_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def epoch_start(self) -> Global___EpochStartOp:
         """Starts a new epoch; a new master's first entry."""
@@ -60,6 +63,18 @@ class Operation(_message.Message):
     def delete_subscription(self) -> Global___DeleteSubscriptionOp:
         """Deletes a durable subscription."""
 
+    @_builtins.property
+    def push_subscribe(self) -> Global___PushSubscribeOp:
+        """Registers a push subscriber."""
+
+    @_builtins.property
+    def push_unsubscribe(self) -> Global___PushUnsubscribeOp:
+        """Removes a push subscriber (unsubscribed, or removed after delivery failures)."""
+
+    @_builtins.property
+    def push_cursor(self) -> Global___PushCursorOp:
+        """Moves a push subscriber's cursor forward."""
+
     def __init__(
         self,
         *,
@@ -69,12 +84,15 @@ class Operation(_message.Message):
         publish: Global___PublishOp | None = ...,
         set_cursor: Global___SetCursorOp | None = ...,
         delete_subscription: Global___DeleteSubscriptionOp | None = ...,
+        push_subscribe: Global___PushSubscribeOp | None = ...,
+        push_unsubscribe: Global___PushUnsubscribeOp | None = ...,
+        push_cursor: Global___PushCursorOp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["create_topic", b"create_topic", "delete_subscription", b"delete_subscription", "destroy_topic", b"destroy_topic", "epoch_start", b"epoch_start", "op", b"op", "publish", b"publish", "set_cursor", b"set_cursor"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_topic", b"create_topic", "delete_subscription", b"delete_subscription", "destroy_topic", b"destroy_topic", "epoch_start", b"epoch_start", "op", b"op", "publish", b"publish", "push_cursor", b"push_cursor", "push_subscribe", b"push_subscribe", "push_unsubscribe", b"push_unsubscribe", "set_cursor", b"set_cursor"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_topic", b"create_topic", "delete_subscription", b"delete_subscription", "destroy_topic", b"destroy_topic", "epoch_start", b"epoch_start", "op", b"op", "publish", b"publish", "set_cursor", b"set_cursor"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_topic", b"create_topic", "delete_subscription", b"delete_subscription", "destroy_topic", b"destroy_topic", "epoch_start", b"epoch_start", "op", b"op", "publish", b"publish", "push_cursor", b"push_cursor", "push_subscribe", b"push_subscribe", "push_unsubscribe", b"push_unsubscribe", "set_cursor", b"set_cursor"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["epoch_start", "create_topic", "destroy_topic", "publish", "set_cursor", "delete_subscription"]  # noqa: Y015
+    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["epoch_start", "create_topic", "destroy_topic", "publish", "set_cursor", "delete_subscription", "push_subscribe", "push_unsubscribe", "push_cursor"]  # noqa: Y015
     _WhichOneofArgType_op: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_op) -> _WhichOneofReturnType_op | None: ...
 
@@ -952,3 +970,109 @@ class RoleCommandResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RoleCommandResponse: _TypeAlias = RoleCommandResponse  # noqa: Y015
+
+@_typing.final
+class PushSubscribeOp(_message.Message):
+    """Registers a push subscriber (already validated by the master)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    SUBSCRIBER_ID_FIELD_NUMBER: _builtins.int
+    ENDPOINT_FIELD_NUMBER: _builtins.int
+    ORDERED_FIELD_NUMBER: _builtins.int
+    RETRY_COUNT_FIELD_NUMBER: _builtins.int
+    CURSOR_FIELD_NUMBER: _builtins.int
+    CREATED_MS_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    """The topic."""
+    subscriber_id: _builtins.str
+    """The subscriber's id."""
+    endpoint: _builtins.str
+    """host:port of its PushSubscriber service."""
+    ordered: _builtins.bool
+    """QoS reliability=ordered: one batch in flight at a time, in offset order."""
+    retry_count: _builtins.int
+    """QoS retryCount: -1 retry forever, 0 remove on the first failure, n retry n times."""
+    cursor: _builtins.int
+    """The first offset to deliver."""
+    created_ms: _builtins.int
+    """When the master accepted it, milliseconds since the Unix epoch."""
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+        subscriber_id: _builtins.str = ...,
+        endpoint: _builtins.str = ...,
+        ordered: _builtins.bool = ...,
+        retry_count: _builtins.int = ...,
+        cursor: _builtins.int = ...,
+        created_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_ms", b"created_ms", "cursor", b"cursor", "endpoint", b"endpoint", "ordered", b"ordered", "retry_count", b"retry_count", "subscriber_id", b"subscriber_id", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushSubscribeOp: _TypeAlias = PushSubscribeOp  # noqa: Y015
+
+@_typing.final
+class PushUnsubscribeOp(_message.Message):
+    """Removes a push subscriber."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    SUBSCRIBER_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    """The topic."""
+    subscriber_id: _builtins.str
+    """The subscriber's id."""
+    reason: _builtins.str
+    """Why: "unsubscribed", or the delivery failure that removed it (for logs)."""
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+        subscriber_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "subscriber_id", b"subscriber_id", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushUnsubscribeOp: _TypeAlias = PushUnsubscribeOp  # noqa: Y015
+
+@_typing.final
+class PushCursorOp(_message.Message):
+    """Moves a push subscriber's cursor forward (a lower cursor is ignored)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    SUBSCRIBER_ID_FIELD_NUMBER: _builtins.int
+    CURSOR_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    """The topic."""
+    subscriber_id: _builtins.str
+    """The subscriber's id."""
+    cursor: _builtins.int
+    """The next offset to deliver."""
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+        subscriber_id: _builtins.str = ...,
+        cursor: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "subscriber_id", b"subscriber_id", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushCursorOp: _TypeAlias = PushCursorOp  # noqa: Y015
