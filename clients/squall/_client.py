@@ -391,7 +391,8 @@ class Topic:
         the callback it had if the subscribe is refused) with the events after `start`.
         QoS: `reliability="ordered"` keeps one batch in flight, in offset order;
         `retry_count` -1 retries forever, 0 removes the subscriber on its first failed
-        delivery, n retries n times (extra keys in `qos` are sent as given). Raises
+        delivery, n removes it after n failed deliveries in a row (extra keys in `qos`
+        are sent as given). Raises
         AlreadySubscribed if the id is already subscribed to this topic, InvalidArgument
         for a bad id, endpoint or QoS, NotFound for a gone topic, FailedPrecondition when
         the cluster cannot reach the endpoint; nothing is registered then. See

@@ -66,7 +66,8 @@ class PushSubscriberInfo:
 
     @property
     def retry_count(self) -> int:
-        """QoS retryCount: -1 retries forever, 0 removes on the first failure, n retries n times."""
+        """QoS retryCount: -1 retries forever, 0 removes on the first failure, n after n
+        failures in a row."""
         return int(self.qos.get("retryCount", "0"))
 
     @classmethod

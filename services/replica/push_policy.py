@@ -9,9 +9,9 @@ QoS keys (IceStorm's spelling, plus ``retry_count`` as another spelling):
 * ``reliability``: ``"ordered"`` (one batch in flight at a time, in offset order) or
   ``""`` (none: several batches may be in flight, in any order).
 * ``retryCount``: -1 retries forever; 0 removes the subscriber on the first failed
-  delivery; n > 0 retries n times, and removes it when the delivery fails once more (n + 1
-  failures in a row). A success resets the count. This is what IceStorm's subscriber does
-  (it retries while its current retry < retryCount); the default is 0, as in IceStorm.
+  delivery; n > 0 removes it when n deliveries in a row failed (1 is the same as 0). A
+  success resets the count. This is the issue's and IceStorm's manual's meaning (IceStorm's
+  code retries once more); the default is 0, as in IceStorm.
 * A hard failure, the subscriber answering NOT_FOUND ("no such subscriber here",
   IceStorm's ObjectNotExistException) or UNIMPLEMENTED (no PushSubscriber service at that
   endpoint, its NotRegisteredException), removes it at once, whatever the retryCount.
@@ -123,7 +123,9 @@ def after_failure(code: str, consecutive_failures: int, retry_count: int) -> Dec
         return "remove"
     if retry_count < 0:
         return "retry"
-    return "remove" if consecutive_failures > retry_count else "retry"
+    # The (and IceStorm's manual's) meaning: removed after retryCount failures in
+    # a row, 0 and 1 both on the first.
+    return "remove" if consecutive_failures >= max(retry_count, 1) else "retry"
 
 
 def backoff_ms(failures: int, initial_ms: int, max_ms: int, jitter: float) -> int:

@@ -110,10 +110,10 @@ def test_malformed_endpoints_are_refused(endpoint: str, message: str) -> None:
     ("code", "failures", "retry_count", "decision"),
     [
         ("UNAVAILABLE", 1, 0, "remove"),  # 0: remove on the first failure
-        ("UNAVAILABLE", 1, 1, "retry"),
-        ("UNAVAILABLE", 2, 1, "remove"),
-        ("DEADLINE_EXCEEDED", 3, 3, "retry"),  # n: n retries...
-        ("INTERNAL", 4, 3, "remove"),  # ...and removed on the next failure
+        ("UNAVAILABLE", 1, 1, "remove"),  # 1: the same
+        ("UNAVAILABLE", 1, 2, "retry"),
+        ("DEADLINE_EXCEEDED", 2, 3, "retry"),  # n: kept through n - 1 failures...
+        ("INTERNAL", 3, 3, "remove"),  # ...and removed on the n-th in a row
         ("UNAVAILABLE", 10_000, -1, "retry"),  # -1: forever
         ("NOT_FOUND", 1, -1, "remove"),  # hard failures: at once, whatever the count
         ("UNIMPLEMENTED", 1, 5, "remove"),
@@ -149,20 +149,19 @@ def test_ordered_offers_one_batch_and_repeats_a_failed_one_until_removed() -> No
     assert (state.retry_batches(), state.new_batches()) == ([], 1)
     result = state.finish_round([_ok(10, 15)])
     assert (result.action, result.cursor, state.position) == ("continue", 15, 15)
-    for failures in (1, 2):
-        result = state.finish_round([_failed(15, 20)])
-        assert (result.action, result.cursor, result.failures) == ("backoff", 15, failures)
-        # The failed batch comes first, alone: nothing overtakes it.
-        assert (state.retry_batches(), state.new_batches()) == ([(15, 20)], 0)
+    result = state.finish_round([_failed(15, 20)])
+    assert (result.action, result.cursor, result.failures) == ("backoff", 15, 1)
+    # The failed batch comes first, alone: nothing overtakes it.
+    assert (state.retry_batches(), state.new_batches()) == ([(15, 20)], 0)
     result = state.finish_round([_failed(15, 20)])
     assert result.action == "remove"
-    assert "3 failed deliveries in a row with retryCount 2" in result.reason
+    assert "2 failed deliveries in a row with retryCount 2" in result.reason
     assert "UNAVAILABLE: connection refused" in result.reason
     assert result.cursor == 15
 
 
 def test_a_success_resets_the_count() -> None:
-    state = DeliveryState(0, Qos(ordered=True, retry_count=1), inflight_batches_max=1)
+    state = DeliveryState(0, Qos(ordered=True, retry_count=2), inflight_batches_max=1)
     assert state.finish_round([_failed(0, 5)]).action == "backoff"
     assert state.finish_round([_ok(0, 5)]).failures == 0
     assert state.last_error == ""
@@ -171,7 +170,7 @@ def test_a_success_resets_the_count() -> None:
 
 
 def test_unordered_keeps_the_cursor_below_a_failed_batch_and_counts_rounds() -> None:
-    state = DeliveryState(0, Qos(ordered=False, retry_count=1), inflight_batches_max=3)
+    state = DeliveryState(0, Qos(ordered=False, retry_count=2), inflight_batches_max=3)
     assert state.new_batches() == 3
     result = state.finish_round([_ok(0, 4), _failed(4, 8), _ok(8, 12)])
     # One failed batch in a round of three is one failure; the cursor waits below it.
@@ -183,7 +182,7 @@ def test_unordered_keeps_the_cursor_below_a_failed_batch_and_counts_rounds() -> 
 
 
 def test_unordered_removal_needs_consecutive_failed_rounds_not_many_failed_calls() -> None:
-    state = DeliveryState(0, Qos(ordered=False, retry_count=1), inflight_batches_max=4)
+    state = DeliveryState(0, Qos(ordered=False, retry_count=2), inflight_batches_max=4)
     result = state.finish_round([_failed(0, 2), _failed(2, 4), _failed(4, 6)])
     assert (result.action, result.failures) == ("backoff", 1)
     result = state.finish_round([_failed(0, 2), _ok(2, 4), _ok(4, 6)])
