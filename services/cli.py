@@ -9,6 +9,7 @@
     squall subscribe TOPIC [--subscription S] [--from earliest|latest|N] [--follow] [--count N]
     squall status [--json] [--wait-normal SECONDS]
     squall store backup DATA_DIR DEST           a live store's verified copy (store restore: back)
+    squall health ADDRESS                       exit 0 if the service there is SERVING
 
 Client commands find the gateway from --gateway, else the first gateway of --config, else
 $SQUALL_GATEWAY, else 127.0.0.1:7000. Errors print one line, `squall: <error>`, on stderr;
@@ -28,7 +29,7 @@ from concurrent.futures import Future
 from typing import TextIO
 
 import squall
-from services import cli_admin, cli_status_wait, cli_store_backup
+from services import cli_admin, cli_health, cli_status_wait, cli_store_backup
 
 DEFAULT_GATEWAY = "127.0.0.1:7000"
 GATEWAY_ENV = "SQUALL_GATEWAY"
@@ -174,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cli_admin.add_parser(commands)
     cli_store_backup.add_parser(commands)
+    cli_health.add_parser(commands)
     return parser
 
 
