@@ -4,26 +4,36 @@ Goal: what an operator relies on when following the guide — a backup taken fro
 store while publishers run holds every event acknowledged before it began, restores into
 a node whose disk was lost, and that node rejoins and ends equal to the others; a rolling
 restart (slaves first, then the master; `squall status --wait-normal` between steps)
-loses no acknowledged event and leaves every store equal.
+loses no acknowledged event and leaves every store equal; and so does a rolling upgrade,
+where each node and then the gateway comes back from a new release installed the way the
+guide and the container image install it (a wheel built from freshly generated code, in
+its own virtual environment, run from outside the source tree).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
 import sys
+import sysconfig
 import threading
+import time
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import squall
+from deploy import processes
 from services.replica.store import DATABASES, Store
 from services.replica.store_lmdb import LmdbKV
 from squall.v1 import common_pb2
-from tests.integration.conftest import ROOT, LocalCluster, wait_for
+from tests.integration.conftest import ROOT, LocalCluster, make_cluster, wait_for
+from tests.integration.test_deploy_commands import launch
+from tests.unit.test_deploy_files import dockerfile_stages
 
 pytestmark = pytest.mark.integration
 
@@ -43,12 +53,18 @@ def squall_cli(*args: str, timeout_s: float = 120) -> subprocess.CompletedProces
 
 
 class PublisherThread(threading.Thread):
-    """Publishes numbered events through the gateway with the client library.
+    """Publishes numbered events through the gateway with the client library, as an app
+    following the docs does.
 
     The library retries a publish whose outcome is unknown with the same publisher id and
-    sequences; an error that outlives its retries is kept and fails the test (a rolling
-    restart must not make a publisher give up).
+    sequences, within its retry budget; when that runs out (`Indeterminate`, e.g. while
+    the group re-forms on a machine too loaded to keep its heartbeats), the thread
+    publishes the same events again under the same sequences, which the master
+    deduplicates, for up to UNKNOWN_OUTCOME_S. Any other error, or an outage longer than
+    that, is kept and fails the test.
     """
+
+    UNKNOWN_OUTCOME_S = 30.0
 
     def __init__(self, gateway: str, publisher_id: str) -> None:
         super().__init__(daemon=True, name=f"publisher-{publisher_id}")
@@ -56,6 +72,7 @@ class PublisherThread(threading.Thread):
         self.publisher_id = publisher_id
         self.stop = threading.Event()
         self.error: BaseException | None = None
+        self.unknown_outcomes = 0
         self._acked: dict[bytes, int] = {}  # payload -> offset
         self._lock = threading.Lock()
 
@@ -72,22 +89,46 @@ class PublisherThread(threading.Thread):
     def run(self) -> None:
         try:
             with squall.connect(self.gateway, timeout_s=10) as client:
-                topic = client.topic(TOPIC)
-                with topic.publisher(self.publisher_id) as publisher:
-                    # Bounded: the test stops it well before this many batches.
-                    for batch in range(20_000):
-                        if self.stop.is_set():
-                            return
-                        payloads = [f"{self.publisher_id}-{batch}-{i}".encode() for i in range(5)]
-                        receipts = publisher.publish_many(payloads)
-                        with self._lock:
-                            for payload, receipt in zip(payloads, receipts, strict=True):
-                                self._acked[payload] = receipt.offset
+                self._publish(client.topic(TOPIC))
         except BaseException as exc:  # reported by the test
             self.error = exc
 
+    def _publish(self, topic: squall.Topic) -> None:
+        sequence = 1
+        publisher = topic.publisher(self.publisher_id)
+        try:
+            # Bounded: the test stops it well before this many batches.
+            for batch in range(20_000):
+                if self.stop.is_set():
+                    return
+                payloads = [f"{self.publisher_id}-{batch}-{i}".encode() for i in range(5)]
+                unknown_since = 0.0
+                while True:
+                    try:
+                        receipts = publisher.publish_many(payloads)
+                        break
+                    except squall.Indeterminate:
+                        self.unknown_outcomes += 1
+                        now = time.monotonic()
+                        unknown_since = unknown_since or now
+                        if now - unknown_since > self.UNKNOWN_OUTCOME_S:
+                            raise
+                        with contextlib.suppress(squall.SquallError):
+                            publisher.close()  # its outcome is the one just reported
+                        publisher = topic.publisher(self.publisher_id, start_sequence=sequence)
+                sequence += len(payloads)
+                with self._lock:
+                    for payload, receipt in zip(payloads, receipts, strict=True):
+                        self._acked[payload] = receipt.offset
+        finally:
+            with contextlib.suppress(squall.SquallError):
+                publisher.close()
+
 
 def total_acked(publishers: list[PublisherThread]) -> int:
+    """Events acknowledged so far; a publisher that gave up fails the test at once."""
+    for publisher in publishers:
+        assert publisher.error is None, f"{publisher.name} gave up: {publisher.error!r}"
     return sum(p.count() for p in publishers)
 
 
@@ -254,3 +295,171 @@ def test_a_rolling_restart_loses_no_acknowledged_event(
     # The highest-priority node leads again once it is back.
     assert trio.wait_for_master() == first_master
     stop_publishers_and_check_every_replica(trio, publishers)
+
+
+def install_release(tmp_path: Path) -> Path:
+    """Installs this tree as a new release the way the image's build stage does; returns
+    its virtual environment.
+
+    The build context holds only what the Dockerfile copies; the protobuf code is
+    generated there, a wheel is built from it and installed into a fresh environment.
+    The dependencies (grpcio, lmdb, ...) come from this environment through a .pth file
+    rather than from the package index: the release under test is Squall's own code.
+    """
+    context = tmp_path / "context"
+    _, build = dockerfile_stages()[0]
+    for line in build:
+        if line.startswith("COPY "):
+            for source in line.split()[1:-1]:
+                target = context / source
+                target.parent.mkdir(parents=True, exist_ok=True)
+                if (ROOT / source).is_dir():
+                    shutil.copytree(
+                        ROOT / source, target, ignore=shutil.ignore_patterns("__pycache__")
+                    )
+                else:
+                    shutil.copy(ROOT / source, target)
+    shutil.rmtree(context / "clients" / "squall" / "v1")  # generated below, as in the image
+    steps = [
+        ([sys.executable, "scripts/gen_protos.py"], context),
+        (
+            [
+                *(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps"),
+                *("--no-build-isolation", "-w", str(tmp_path / "dist"), str(context)),
+            ],
+            context,
+        ),
+        ([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "release")], tmp_path),
+    ]
+    for argv, cwd in steps:
+        result = subprocess.run(
+            argv, cwd=cwd, capture_output=True, text=True, timeout=300, check=False
+        )
+        assert result.returncode == 0, f"{argv}: {result.stdout}{result.stderr}"
+    release = tmp_path / "release"
+    python = release / "bin" / "python"
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.strip()
+    Path(purelib, "squall-test-dependencies.pth").write_text(
+        sysconfig.get_paths()["purelib"] + "\n"
+    )
+    (wheel,) = (tmp_path / "dist").glob("squall-*.whl")
+    result = subprocess.run(
+        [
+            *(sys.executable, "-m", "pip", "--python", str(python), "install", "-q"),
+            *("--no-deps", "--no-index", str(wheel)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    where = subprocess.run(
+        [str(python), "-c", "import services, squall.v1; print(services.__file__)"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert where.startswith(purelib), f"the release runs code from {where}"
+    return release
+
+
+@pytest.fixture
+def trio_two_gateways(tmp_path: Path) -> Iterator[LocalCluster]:
+    """Three nodes and two gateways, as the guide recommends for rolling upgrades."""
+    document = tomllib.loads((ROOT / "deploy" / "cluster.example.toml").read_text())
+    document["gateways"].append({"id": "g2", "address": "127.0.0.1:7110"})
+    template = tmp_path / "two-gateways.toml"
+    template.write_text(processes.dump_toml(document))
+    cluster = make_cluster(template, tmp_path / "cluster")
+    try:
+        cluster.start_all()
+        with squall.connect(cluster.gateway_address) as client:
+            client.create_topic(TOPIC)
+        yield cluster
+    finally:
+        cluster.stop_all()
+
+
+def test_a_rolling_upgrade_to_a_new_release_loses_no_acknowledged_event(
+    trio_two_gateways: LocalCluster, tmp_path: Path
+) -> None:
+    trio = trio_two_gateways
+    release = install_release(tmp_path / "release")
+    squall_release = str(release / "bin" / "squall")
+    # Apps list both gateways (gRPC's "ipv4:" target with several addresses): while one
+    # restarts, the channel connects to the other.
+    gateways = "ipv4:" + ",".join(g.address for g in trio.config.gateways)
+    publishers = [PublisherThread(gateways, f"pub{i}") for i in range(2)]
+    for publisher in publishers:
+        publisher.start()
+    try:
+        upgrade_every_service(trio, publishers, squall_release, tmp_path)
+        # Every service now runs the new release.
+        for (kind, name), service in trio.services.items():
+            command = Path(f"/proc/{service.pid}/cmdline").read_bytes().split(b"\0")
+            assert command[1].decode() == squall_release, (kind, name, command)
+        stop_publishers_and_check_every_replica(trio, publishers)
+    finally:
+        for publisher in publishers:
+            publisher.stop.set()
+        for publisher in publishers:
+            publisher.join(timeout=60)
+
+
+def upgrade_every_service(
+    trio: LocalCluster, publishers: list[PublisherThread], squall_release: str, cwd: Path
+) -> None:
+    """The guide's rolling upgrade: slaves, then the master, then each gateway; after each
+    step `squall status --wait-normal` (from the new release) and publishing goes on."""
+    first_master = trio.wait_for_master()
+    wait_for(lambda: total_acked(publishers) >= 100, 20, "100 events acknowledged")
+    config = str(trio.config_path)
+    nodes = sorted(trio.config.nodes, key=lambda n: n.priority)
+    order = [n.id for n in nodes if n.id != first_master] + [first_master]
+
+    def wait_normal_and_progress(step: str) -> None:
+        result = subprocess.run(
+            [squall_release, "status", "--gateway", trio.gateway_address, "--wait-normal", "60"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            cwd=cwd,
+        )
+        assert result.returncode == 0, f"after {step}: {result.stderr}"
+        before = total_acked(publishers)
+        wait_for(lambda: total_acked(publishers) >= before + 50, 20, f"publishing after {step}")
+
+    for node_id in order:
+        trio.stop("coordinator", node_id)
+        trio.stop("replica", node_id)
+        data_dir = trio.config.node(node_id).data_dir
+        started = [
+            launch(
+                trio,
+                kind,
+                node_id,
+                [squall_release, kind, "--config", config, "--node", node_id],
+                data_dir,
+                restricted=False,
+            )
+            for kind in ("replica", "coordinator")
+        ]
+        processes.wait_serving(started)
+        wait_normal_and_progress(f"upgrading {node_id}")
+    assert trio.wait_for_master() == first_master
+    for gateway in trio.config.gateways:
+        trio.stop("gateway", gateway.id)
+        argv = [squall_release, "gateway", "--config", config, "--gateway", gateway.id]
+        service = launch(trio, "gateway", gateway.id, argv, Path("/"), restricted=False)
+        processes.wait_serving([service])
+        wait_normal_and_progress(f"upgrading gateway {gateway.id}")
