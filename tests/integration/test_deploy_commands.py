@@ -15,6 +15,7 @@ import ctypes
 import os
 import re
 import shlex
+import shutil
 import stat
 import subprocess
 import sys
@@ -219,3 +220,75 @@ def test_a_broken_config_exits_with_the_status_the_units_do_not_restart_on(
         assert result.returncode == 2, (argv, result.stderr)
         assert named.split(" = ")[-1] in result.stderr, result.stderr
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def _syscall_group(name: str) -> set[str]:
+    """The system calls a systemd filter group allows, as this systemd defines it."""
+    listing = subprocess.run(
+        ["systemd-analyze", "syscall-filter", name],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.splitlines()
+    calls: set[str] = set()
+    for line in listing[1:]:
+        entry = line.strip()
+        if entry.startswith("@"):
+            calls |= _syscall_group(entry)
+        elif entry and not entry.startswith("#"):
+            calls.add(entry)
+    return calls
+
+
+def _unit_syscall_filter(kind: str) -> set[str]:
+    """What the unit's SystemCallFilter= lines allow: allow lists, minus ~ deny lists."""
+    allowed: set[str] = set()
+    denied: set[str] = set()
+    for value in parse_unit(SYSTEMD / SERVICE_UNITS[kind])["Service"]["SystemCallFilter"]:
+        target = denied if value.startswith("~") else allowed
+        for name in value.lstrip("~").split():
+            target |= _syscall_group(name) if name.startswith("@") else {name}
+    return allowed - denied
+
+
+@pytest.mark.skipif(
+    shutil.which("strace") is None or shutil.which("systemd-analyze") is None,
+    reason="needs strace and systemd-analyze",
+)
+def test_every_system_call_the_services_make_passes_the_units_filter(
+    cluster_factory: Callable[..., LocalCluster],
+) -> None:
+    cluster = cluster_factory("single.toml")
+    node, gateway = cluster.config.nodes[0], cluster.config.gateways[0]
+    traces = {}
+    services = []
+    for kind, name in (("replica", node.id), ("coordinator", node.id), ("gateway", gateway.id)):
+        traces[kind] = cluster.run_dir / f"{kind}.strace"
+        argv = unit_command(kind, name, cluster.config_path)
+        services.append(
+            launch(
+                cluster,
+                kind,
+                name,
+                ["strace", "-f", "-qq", "-o", str(traces[kind]), *argv],
+                cluster.run_dir,
+                restricted=False,
+            )
+        )
+    processes.wait_serving(services, timeout_s=120)
+    cluster.wait_for_master(timeout_s=60)
+    with squall.connect(cluster.gateway_address) as client:
+        client.create_topic("traced")
+        topic = client.topic("traced")
+        with topic.publisher("p") as publisher:
+            publisher.publish_many([b"x" * 100] * 500, batch_events=100)
+        with topic.subscribe(start="earliest", follow=False) as subscription:
+            assert sum(1 for _ in subscription) == 500
+    for service in services:
+        processes.stop_service(service)  # SIGTERM reaches the traced service; its stop path counts
+    for kind, trace in traces.items():
+        made = set(re.findall(r"^\d+\s+(\w+)\(", trace.read_text(), re.M))
+        assert {"bind", "fsync", "epoll_wait"} & made, f"{kind}: no trace?"
+        refused = sorted(made - _unit_syscall_filter(kind))
+        assert refused == [], f"{kind} makes system calls its unit refuses: {refused}"
