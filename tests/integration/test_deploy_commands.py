@@ -11,14 +11,17 @@ status the units name in RestartPreventExitStatus, so systemd does not restart-l
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import re
 import shlex
 import shutil
+import signal
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -252,6 +255,36 @@ def _unit_syscall_filter(kind: str) -> set[str]:
     return allowed - denied
 
 
+def _tracee(strace: processes.Service, trace: Path) -> int:
+    """The pid of the service strace started: the one whose execve opens the trace.
+
+    (Not strace's first child: strace forks short-lived children of its own at start-up
+    to probe what ptrace can do.)
+    """
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        first = trace.read_text().split("\n", 1)[0] if trace.exists() else ""
+        if match := re.match(r"(\d+)\s+execve\(", first):
+            return int(match.group(1))
+        if strace.process.poll() is not None:
+            raise RuntimeError(f"strace exited with {strace.process.returncode}")
+        time.sleep(0.02)
+    raise TimeoutError(f"strace {strace.pid} started no service")
+
+
+def _stop_traced(strace: processes.Service, tracee: int) -> None:
+    """Stops a traced service by its own pid: SIGTERM to strace would only detach it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(tracee, signal.SIGTERM)
+    try:
+        strace.process.wait(30)  # strace exits once its tracee has
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(tracee, signal.SIGKILL)
+        strace.process.kill()
+        strace.process.wait(30)
+
+
 @pytest.mark.skipif(
     shutil.which("strace") is None or shutil.which("systemd-analyze") is None,
     reason="needs strace and systemd-analyze",
@@ -261,32 +294,28 @@ def test_every_system_call_the_services_make_passes_the_units_filter(
 ) -> None:
     cluster = cluster_factory("single.toml")
     node, gateway = cluster.config.nodes[0], cluster.config.gateways[0]
-    traces = {}
-    services = []
-    for kind, name in (("replica", node.id), ("coordinator", node.id), ("gateway", gateway.id)):
-        traces[kind] = cluster.run_dir / f"{kind}.strace"
-        argv = unit_command(kind, name, cluster.config_path)
-        services.append(
-            launch(
-                cluster,
-                kind,
-                name,
-                ["strace", "-f", "-qq", "-o", str(traces[kind]), *argv],
-                cluster.run_dir,
-                restricted=False,
-            )
-        )
-    processes.wait_serving(services, timeout_s=120)
-    cluster.wait_for_master(timeout_s=60)
-    with squall.connect(cluster.gateway_address) as client:
-        client.create_topic("traced")
-        topic = client.topic("traced")
-        with topic.publisher("p") as publisher:
-            publisher.publish_many([b"x" * 100] * 500, batch_events=100)
-        with topic.subscribe(start="earliest", follow=False) as subscription:
-            assert sum(1 for _ in subscription) == 500
-    for service in services:
-        processes.stop_service(service)  # SIGTERM reaches the traced service; its stop path counts
+    traces: dict[str, Path] = {}
+    traced: list[tuple[processes.Service, int]] = []
+    try:
+        for kind, name in (("replica", node.id), ("coordinator", node.id), ("gateway", gateway.id)):
+            traces[kind] = cluster.run_dir / f"{kind}.strace"
+            argv = ["strace", "-f", "-qq", "-o", str(traces[kind])]
+            argv += unit_command(kind, name, cluster.config_path)
+            strace = launch(cluster, kind, name, argv, cluster.run_dir, restricted=False)
+            traced.append((strace, _tracee(strace, traces[kind])))
+        processes.wait_serving([strace for strace, _ in traced], timeout_s=120)
+        cluster.wait_for_master(timeout_s=60)
+        with squall.connect(cluster.gateway_address) as client:
+            client.create_topic("traced")
+            topic = client.topic("traced")
+            with topic.publisher("p") as publisher:
+                publisher.publish_many([b"x" * 100] * 500, batch_events=100)
+            with topic.subscribe(start="earliest", follow=False) as subscription:
+                assert sum(1 for _ in subscription) == 500
+    finally:
+        # SIGTERM to each service itself, so its stop path is traced too.
+        for strace, tracee in traced:
+            _stop_traced(strace, tracee)
     for kind, trace in traces.items():
         made = set(re.findall(r"^\d+\s+(\w+)\(", trace.read_text(), re.M))
         assert {"bind", "fsync", "epoll_wait"} & made, f"{kind}: no trace?"
