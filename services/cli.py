@@ -8,7 +8,9 @@
     squall topic subscribers NAME | topic unsubscribe NAME ID     push subscribers
     squall publish TOPIC [MESSAGE ...]          no MESSAGE: one event per line of stdin
     squall subscribe TOPIC [--subscription S] [--from earliest|latest|N] [--follow] [--count N]
-    squall status [--json]
+    squall status [--json] [--wait-normal SECONDS]
+    squall store backup DATA_DIR DEST           a live store's verified copy (store restore: back)
+    squall health ADDRESS                       exit 0 if the service there is SERVING
 
 Client commands find the gateway from --gateway, else the first gateway of --config, else
 $SQUALL_GATEWAY, else 127.0.0.1:7000. Errors print one line, `squall: <error>`, on stderr;
@@ -28,7 +30,7 @@ from concurrent.futures import Future
 from typing import TextIO
 
 import squall
-from services import cli_admin
+from services import cli_admin, cli_health, cli_status_wait, cli_store_backup
 
 DEFAULT_GATEWAY = "127.0.0.1:7000"
 GATEWAY_ENV = "SQUALL_GATEWAY"
@@ -167,8 +169,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = commands.add_parser("status", parents=[client], help="the cluster's replica table")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    status.add_argument(
+        "--wait-normal",
+        type=_positive_float,
+        metavar="SECONDS",
+        help="first wait until every node is normal in one group and caught up (exit 1 if not)",
+    )
+    status.add_argument(
+        "--max-lag",
+        type=_positive_int,
+        default=cli_status_wait.DEFAULT_MAX_LAG_ENTRIES,
+        metavar="ENTRIES",
+        help="with --wait-normal: most entries a slave may lag (default: %(default)s)",
+    )
 
     cli_admin.add_parser(commands)
+    cli_store_backup.add_parser(commands)
+    cli_health.add_parser(commands)
     return parser
 
 
@@ -342,6 +359,12 @@ def _quorum(node: squall.NodeStatus) -> str:
 
 
 def _cmd_status(client: squall.Client, args: argparse.Namespace, out: TextIO) -> int:
+    if args.wait_normal is not None:
+        waited = cli_status_wait.wait_until_normal(
+            client, args.wait_normal, args.max_lag, sys.stderr
+        )
+        if waited:
+            return waited
     status = client.status()
     if args.json:
         print(json.dumps(status.to_dict(), indent=2, sort_keys=True), file=out)
@@ -470,6 +493,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_service(args.command, args_list[args_list.index(args.command) + 1 :])
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        handler = getattr(args, "handler", None)
+        if handler is not None:  # commands that run themselves (`squall store ...`)
+            return int(handler(args, sys.stdout))
         if args.command == "cluster":
             return cli_admin.run(args, sys.stdout)
         return _run_client(args, sys.stdout, sys.stdin)

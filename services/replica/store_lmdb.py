@@ -142,22 +142,36 @@ class LmdbKV:
         *,
         map_size_bytes: int,
         max_readers: int = 126,
+        readonly: bool = False,
+        lock: bool = True,
     ) -> None:
+        """Opens (creates) the environment; readonly opens an existing one as it is.
+
+        readonly: no write transaction, no database created, and the map size the file
+        records (map_size_bytes is ignored), so another process may keep writing it.
+        lock=False only for a store no other process can have open (a fresh copy).
+        """
         names = list(dbs)
-        if map_size_bytes <= 0:
+        if map_size_bytes <= 0 and not readonly:
             raise ValueError(f"map_size_bytes must be positive, got {map_size_bytes}")
         try:
             self._env = lmdb.open(
                 os.fspath(path),
-                map_size=map_size_bytes,
+                # 0: LMDB takes the size the writer recorded in the file.
+                map_size=0 if readonly else map_size_bytes,
                 max_dbs=len(names),
                 max_readers=max_readers,
                 writemap=False,
                 sync=False,
                 metasync=False,
                 subdir=True,
+                readonly=readonly,
+                create=not readonly,
+                lock=lock,
             )
-            self._dbs = {name: self._env.open_db(name.encode()) for name in names}
+            self._dbs = {
+                name: self._env.open_db(name.encode(), create=not readonly) for name in names
+            }
         except (lmdb.Error, OSError) as exc:
             raise KVError(f"cannot open LMDB environment at {os.fspath(path)!r}: {exc}") from exc
         self._closed = False
@@ -210,6 +224,21 @@ class LmdbKV:
             self._env.sync(True)
         except lmdb.Error as exc:
             raise KVError(f"LMDB sync failed: {exc}") from exc
+
+    def copy(self, path: str | os.PathLike[str]) -> None:
+        """Writes a compacted, consistent copy of the environment into the empty dir path.
+
+        LMDB copies from one read transaction (mdb_env_copy2 with MDB_CP_COMPACT), so the
+        copy is the state of one commit even while another process keeps writing; it
+        holds a reader slot, and so the writer's freed pages, until it is done.
+        """
+        self._check_open()
+        try:
+            self._env.copy(os.fspath(path), compact=True)
+        except lmdb.Error as exc:
+            raise KVError(
+                f"cannot copy the LMDB environment to {os.fspath(path)!r}: {exc}"
+            ) from exc
 
     def close(self) -> None:
         """Closes the environment; safe to call twice."""
