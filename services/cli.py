@@ -7,7 +7,9 @@
     squall topic list | topic destroy NAME
     squall publish TOPIC [MESSAGE ...]          no MESSAGE: one event per line of stdin
     squall subscribe TOPIC [--subscription S] [--from earliest|latest|N] [--follow] [--count N]
-    squall status [--json]
+    squall status [--json] [--explain]          --explain: why the master leads, who
+                                                would lead if a node failed
+    squall cluster ...                          operator controls (services/cli_admin.py)
 
 Client commands find the gateway from --gateway, else the first gateway of --config, else
 $SQUALL_GATEWAY, else 127.0.0.1:7000. Errors print one line, `squall: <error>`, on stderr;
@@ -27,7 +29,7 @@ from concurrent.futures import Future
 from typing import TextIO
 
 import squall
-from services import cli_admin
+from services import cli_admin, cli_explain
 
 DEFAULT_GATEWAY = "127.0.0.1:7000"
 GATEWAY_ENV = "SQUALL_GATEWAY"
@@ -157,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = commands.add_parser("status", parents=[client], help="the cluster's replica table")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    status.add_argument(
+        "--explain",
+        action="store_true",
+        help="also say why the master leads and who would lead if each node failed",
+    )
 
     cli_admin.add_parser(commands)
     return parser
@@ -322,7 +329,10 @@ def _quorum(node: squall.NodeStatus) -> str:
 def _cmd_status(client: squall.Client, args: argparse.Namespace, out: TextIO) -> int:
     status = client.status()
     if args.json:
-        print(json.dumps(status.to_dict(), indent=2, sort_keys=True), file=out)
+        document = status.to_dict()
+        if args.explain:
+            document["explain"] = cli_explain.explain(status)
+        print(json.dumps(document, indent=2, sort_keys=True), file=out)
         return 0
     rows: list[list[str]] = [
         [
@@ -347,7 +357,7 @@ def _cmd_status(client: squall.Client, args: argparse.Namespace, out: TextIO) ->
                     str(node.priority),
                     node.coordinator_id or "-",
                     node.group_name or "-",
-                    node.state,
+                    "QUARANTINED" if node.quarantine is not None else node.state,
                     ",".join(node.group) or "-",
                     str(node.max_seen),
                     str(node.epoch),
@@ -392,6 +402,12 @@ def _cmd_status(client: squall.Client, args: argparse.Namespace, out: TextIO) ->
                 ]
             )
         for line in _format_table(table):
+            print(line, file=out)
+    for line in cli_explain.notes(status):
+        print(line, file=out)
+    if args.explain:
+        members = _format_table(cli_explain.member_rows(status))
+        for line in cli_explain.explain_lines(status, members):
             print(line, file=out)
     return 0
 
