@@ -62,6 +62,7 @@ def facts(status: squall.ClusterStatus) -> list[NodeFacts]:
             designated_primary=n.designated_primary,
             state=n.state,
             coordinator_id=n.coordinator_id,
+            group_name=n.group_name,
             epoch=n.epoch,
             group=n.group,
             invited=n.invited,

@@ -44,6 +44,7 @@ class NodeFacts:
     designated_primary: bool = False
     state: str = ""
     coordinator_id: str = ""
+    group_name: str = ""
     epoch: int = 0
     group: tuple[str, ...] = ()
     """On a coordinator: the other members of its group."""
@@ -140,8 +141,8 @@ def _election(by_id: dict[str, NodeFacts], alive: set[str], prefix: str) -> Verd
             "",
             "",
             "",
-            prefix + f"no master: {len(alive)} of {n} nodes left, {required} required "
-            f"({why}); writes stop until nodes return or an operator overrides the quorum",
+            prefix + f"{len(alive)} of {n} nodes left, {required} required ({why}); writes "
+            "stop until nodes return or an operator overrides the quorum",
         )
     sync = pick_sync_source({x: (by_id[x].last_epoch, by_id[x].last_lsn) for x in alive}, leader)
     s = by_id[sync]
@@ -167,15 +168,11 @@ def explain_master(facts: Sequence[NodeFacts], master: str) -> list[str]:
     if not master or master not in by_id:
         alive = {x for x, f in by_id.items() if f.up and not f.quarantined}
         verdict = _election(by_id, alive, "")
-        return [
-            "No master now.",
-            "If the reachable nodes formed a group: "
-            + (verdict.why if verdict.leader else verdict.why.removeprefix("no master: ")),
-        ]
+        return ["No master now.", f"If the reachable nodes formed a group: {verdict.why}"]
     m = by_id[master]
     members = {master, *m.group}
     lines = [
-        f"{master} leads group {m.coordinator_id or master} in epoch {m.epoch} with "
+        f"{master} leads group {m.group_name or '-'} in epoch {m.epoch} with "
         f"{_names(members)} ({len(members)} of {n} nodes)."
     ]
     better = [x for x in _ranked(by_id, members) if by_id[x].priority > 0]

@@ -13,8 +13,8 @@ A run has two phases. The safety phase injects faults while the checker
 (``election_checker.py``) runs after every step. Then the liveness phase heals the network,
 restarts nodes (keeping a minority down when the stores allow it) and requires that within
 ``liveness_deadline_ms`` of simulated time every live node is NORMAL in one group led by the
-highest-ranked live eligible node, and stays so for ``stable_ms``; members of a group a
-transfer handed to a lower node do not count as candidates until they next recover.
+highest-ranked live eligible node, and stays so for ``stable_ms``; a node that follows a
+lower-ranked coordinator (after a transfer) is no candidate until it next recovers.
 
 A failure raises ``SimFailure`` whose message ends with the command that replays the seed.
 """
@@ -295,7 +295,7 @@ class Simulation:
         self.healed_at: int | None = None
         self.stable_since: int | None = None
         self.down_for_liveness: set[str] = set()
-        # Members of a group a transfer handed to a lower node, until they recover.
+        # Nodes following a lower-ranked coordinator (after a transfer), until they recover.
         self.demoted: set[str] = set()
 
     # ----------------------------------------------------------------- plumbing
@@ -398,17 +398,18 @@ class Simulation:
         self.check(node)
 
     def track_demotions(self, node: str, ready: Ready) -> None:
-        """Note the members of a group handed over by a transfer: they follow the lower
-        target (and whoever merges it later) until they recover into a group of their own,
-        so the top rank may legitimately lead nobody until then."""
+        """Note nodes that follow a coordinator ranked below them (after a transfer, and
+        members of its later merges): they stay members until they next recover into a
+        group of their own, so until then the top rank may legitimately lead nobody."""
         election = self.elections[node]
         if election is None:
             return
         for event in ready.events:
-            if event.event == "transfer-take-over":
-                self.demoted |= set(election.status().invited)
-                self.demoted.discard(node)
-            elif event.event in ("recovery", "start"):
+            if event.event == "invitation-accepted":
+                coordinator = election.status().coordinator_id
+                if _rank_key(self.priorities, coordinator) > _rank_key(self.priorities, node):
+                    self.demoted.add(node)
+            elif event.event in ("recovery", "start", "transfer-take-over"):
                 self.demoted.discard(node)
 
     def deactivate_replica(self, node: str) -> None:

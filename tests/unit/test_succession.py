@@ -34,6 +34,7 @@ def _facts(cluster: Cluster) -> list[NodeFacts]:
                 designated_primary=s.designated_primary,
                 state=s.state.value,
                 coordinator_id=s.coordinator_id,
+                group_name=s.group_name,
                 epoch=s.epoch,
                 group=s.group,
                 invited=s.invited,
@@ -82,7 +83,7 @@ def test_losing_the_quorum_means_no_master() -> None:
     for failed in ("1", "2"):
         verdict = if_failed(facts, "1", failed)
         assert verdict.leader == "", verdict
-        assert "no master" in verdict.why and "2 required" in verdict.why
+        assert "1 of 3 nodes left, 2 required" in verdict.why and "writes stop" in verdict.why
 
 
 def test_quarantined_nodes_count_as_failed_and_override_counts() -> None:
@@ -128,7 +129,7 @@ def test_explain_names_rank_invitees_sync_source_and_quorum() -> None:
     """The master's explanation gives the rank, whom it invited, the sync source, the quorum."""
     cluster = run_cluster({"1": 3, "2": 2, "3": 1}, 500)
     text = "\n".join(explain_master(_facts(cluster), "1"))
-    assert "1 leads group" in text and "epoch 1" in text
+    assert "1 leads group 1:g2 in epoch 1 with 1,2,3 (3 of 3 nodes)." in text
     assert "1 (3) > 2 (2) > 3 (1)" in text
     assert "invited 2,3" in text
     assert "Sync source: 1" in text
