@@ -11,6 +11,9 @@
     squall status [--json] [--wait-normal SECONDS]
     squall store backup DATA_DIR DEST           a live store's verified copy (store restore: back)
     squall health ADDRESS                       exit 0 if the service there is SERVING
+    squall status [--json] [--explain]          --explain: why the master leads, who
+                                                would lead if a node failed
+    squall cluster ...                          operator controls (services/cli_admin.py)
 
 Client commands find the gateway from --gateway, else the first gateway of --config, else
 $SQUALL_GATEWAY, else 127.0.0.1:7000. Errors print one line, `squall: <error>`, on stderr;
@@ -30,7 +33,7 @@ from concurrent.futures import Future
 from typing import TextIO
 
 import squall
-from services import cli_admin, cli_health, cli_status_wait, cli_store_backup
+from services import cli_admin, cli_explain, cli_health, cli_status_wait, cli_store_backup
 
 DEFAULT_GATEWAY = "127.0.0.1:7000"
 GATEWAY_ENV = "SQUALL_GATEWAY"
@@ -181,6 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=cli_status_wait.DEFAULT_MAX_LAG_ENTRIES,
         metavar="ENTRIES",
         help="with --wait-normal: most entries a slave may lag (default: %(default)s)",
+    )
+    status.add_argument(
+        "--explain",
+        action="store_true",
+        help="also say why the master leads and who would lead if each node failed",
     )
 
     cli_admin.add_parser(commands)
@@ -367,7 +375,10 @@ def _cmd_status(client: squall.Client, args: argparse.Namespace, out: TextIO) ->
             return waited
     status = client.status()
     if args.json:
-        print(json.dumps(status.to_dict(), indent=2, sort_keys=True), file=out)
+        document = status.to_dict()
+        if args.explain:
+            document["explain"] = cli_explain.explain(status)
+        print(json.dumps(document, indent=2, sort_keys=True), file=out)
         return 0
     rows: list[list[str]] = [
         [
@@ -392,7 +403,7 @@ def _cmd_status(client: squall.Client, args: argparse.Namespace, out: TextIO) ->
                     str(node.priority),
                     node.coordinator_id or "-",
                     node.group_name or "-",
-                    node.state,
+                    "QUARANTINED" if node.quarantine is not None else node.state,
                     ",".join(node.group) or "-",
                     str(node.max_seen),
                     str(node.epoch),
@@ -437,6 +448,12 @@ def _cmd_status(client: squall.Client, args: argparse.Namespace, out: TextIO) ->
                 ]
             )
         for line in _format_table(table):
+            print(line, file=out)
+    for line in cli_explain.notes(status):
+        print(line, file=out)
+    if args.explain:
+        members = _format_table(cli_explain.member_rows(status))
+        for line in cli_explain.explain_lines(status, members):
             print(line, file=out)
     return 0
 

@@ -80,7 +80,15 @@ from squall._retry import (
 )
 from squall._retry import classify as classify_code
 from squall._subscriber import Subscription
-from squall._types import ClusterStatus, Holder, Message, NodeStatus, Receipt, TopicInfo
+from squall._types import (
+    ClusterStatus,
+    Holder,
+    Message,
+    NodeStatus,
+    OperatorRecord,
+    Receipt,
+    TopicInfo,
+)
 
 __all__ = [
     "BATCH_EVENTS_MAX",
@@ -104,6 +112,7 @@ __all__ = [
     "Message",
     "NodeStatus",
     "NotFound",
+    "OperatorRecord",
     "Outcome",
     "PermissionDenied",
     "Publisher",

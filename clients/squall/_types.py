@@ -121,6 +121,22 @@ class SlaveProgress:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class OperatorRecord:
+    """Who did what to a node's election, when (ms since the Unix epoch) and why."""
+
+    at_ms: int
+    operator: str
+    """The user; `replica` for a fault the replica reported; `auto` for an automatic revert."""
+    action: str
+    reason: str
+
+    @classmethod
+    def from_pb(cls, pb: Any) -> OperatorRecord:
+        """From a `squall.v1.OperatorRecord`."""
+        return cls(pb.at_ms, pb.operator, pb.action, pb.reason)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class NodeStatus:
     """One node's row of the cluster status table (IceStorm's `replica` command, and more)."""
 
@@ -146,6 +162,22 @@ class NodeStatus:
     slaves: tuple[SlaveProgress, ...] = ()
     """On the master: each slave's replication progress."""
     log_start_lsn: int = 0
+    last_epoch: int = 0
+    """The epoch of the last entry in the node's log."""
+    quorum_override_record: OperatorRecord | None = None
+    """Who set the quorum override in force, when and why."""
+    quarantine: OperatorRecord | None = None
+    """Set while the node is quarantined: by whom (or `replica`), when and why."""
+    audit: tuple[OperatorRecord, ...] = ()
+    """The newest operator actions and automatic reverts on the node, oldest first."""
+    invited: tuple[str, ...] = ()
+    """On a coordinator: the nodes its last merge invited."""
+    sync_source_id: str = ""
+    """The member whose log its group adopted when it formed."""
+    fault_reason: str = ""
+    """A fault the node's replica reported (checksum error, failed store write)."""
+    transfer_target: str = ""
+    """On a master handing its group over: the node it hands it to."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -195,6 +227,20 @@ class ClusterStatus:
                     for p in n.slaves
                 ),
                 log_start_lsn=n.log_start_lsn,
+                last_epoch=n.last_epoch,
+                quorum_override_record=(
+                    OperatorRecord.from_pb(n.quorum_override_record)
+                    if n.HasField("quorum_override_record")
+                    else None
+                ),
+                quarantine=(
+                    OperatorRecord.from_pb(n.quarantine) if n.HasField("quarantine") else None
+                ),
+                audit=tuple(OperatorRecord.from_pb(r) for r in n.audit),
+                invited=tuple(n.invited),
+                sync_source_id=n.sync_source_id,
+                fault_reason=n.fault_reason,
+                transfer_target=n.transfer_target,
             )
             for n in status.nodes
         )

@@ -20,7 +20,7 @@ import grpc
 from services.common.clock import Clock, SystemClock
 from services.common.config import ClusterConfig, NodeConfig
 from services.common.grpc_server import channel_options
-from services.coordinator import codec
+from services.coordinator import codec, handoff
 from services.coordinator.election import Election, ElectionConfig
 from services.coordinator.messages import (
     ElectionStatus,
@@ -97,7 +97,10 @@ class CoordinatorNode:
         self.clock = clock or SystemClock()
         self.state_path: Path = node.data_dir / STATE_FILE_NAME
         self.election = Election(
-            election_config(config, node.id), load_state(self.state_path), self._group_id
+            election_config(config, node.id),
+            load_state(self.state_path),
+            self._group_id,
+            wall_offset_ms=self._wall_offset_ms(),
         )
         options = [*channel_options(config.limits.max_message_bytes), *_FAST_RECONNECT]
         self._channels = {
@@ -125,6 +128,10 @@ class CoordinatorNode:
     @staticmethod
     def _group_id() -> str:
         return uuid.uuid4().hex[:16]
+
+    def _wall_offset_ms(self) -> int:
+        """Turns the election's monotonic time into wall-clock time for operator records."""
+        return self.clock.wall_ms() - self.clock.monotonic_ms()
 
     # --- lifecycle
 
@@ -188,11 +195,30 @@ class CoordinatorNode:
         self.apply(ready)
         return ready
 
-    def set_quorum_override(self, required: int, operator: str) -> Ready:
+    def set_quorum_override(self, required: int, operator: str, reason: str = "") -> Ready:
         """Operator control: see Election.set_quorum_override."""
-        ready = self.election.set_quorum_override(required, operator, self._now())
+        ready = self.election.set_quorum_override(required, operator, self._now(), reason)
         self.apply(ready)
         return ready
+
+    def set_quarantine(self, enabled: bool, operator: str, reason: str = "") -> Ready:
+        """Operator control: see Election.set_quarantine."""
+        ready = self.election.set_quarantine(enabled, operator, self._now(), reason)
+        self.apply(ready)
+        return ready
+
+    async def transfer_leadership(
+        self, target: str, operator: str, reason: str, timeout_ms: int
+    ) -> Ready:
+        """Operator control: hand the master role to ``target`` (see handoff.py)."""
+        return await handoff.transfer(self, self._replica, target, operator, reason, timeout_ms)
+
+    def _note_fault(self, state: replica_pb2.ReplicaState) -> None:
+        """A fault the replica reports quarantines this node (once per fault)."""
+        if state.fault_id:
+            self.apply(
+                self.election.replica_fault(state.fault_id, state.fault_reason, self._now())
+            )
 
     def status(self) -> ElectionStatus:
         """The election's status."""
@@ -276,6 +302,7 @@ class CoordinatorNode:
                     )
                 await self._pause_role_loop()
                 continue
+            self._note_fault(state.state)
             if command is not applied and command.kind is RoleCommandKind.DEACTIVATE:
                 # The replica has stopped: its log no longer grows, so this report may
                 # name a sync source or answer an invitation.
@@ -293,7 +320,10 @@ class CoordinatorNode:
             self.election.persisted.epoch,
         )
         self.election = Election(
-            election_config(self.config, self.node.id), self.election.persisted, self._group_id
+            election_config(self.config, self.node.id),
+            self.election.persisted,
+            self._group_id,
+            wall_offset_ms=self._wall_offset_ms(),
         )
         self._role_wanted = None
         self.apply(self.election.tick(self._now()))

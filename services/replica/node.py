@@ -45,7 +45,15 @@ from services.common.grpc_server import channel_options
 from services.replica import commands
 from services.replica.commands import BatchBuilder, Command, Planned
 from services.replica.divergence import HistoryError, fork_lsn
+from services.replica.faults import (
+    REASON_CHARS_MAX,
+    Fault,
+    load_fault,
+    new_fault,
+    save_fault,
+)
 from services.replica.follower import Follower, FollowerConfig, FollowerError, Refusal
+from services.replica.handoff import WriteFence
 from services.replica.master_driver import (
     EPOCH_KEY,
     SNAPSHOT_CHUNKS_MAX,
@@ -128,6 +136,10 @@ class ReplicaNode:
         self.epoch = store.meta().epoch
         self.master: NodeConfig | None = None
         self.failed_reason = ""
+        # A fault that makes this node unfit to serve; reported to the coordinator, which
+        # quarantines the node (faults.py). A leadership transfer's write fence (handoff.py).
+        self.fault: Fault | None = load_fault(node.data_dir)
+        self.fence = WriteFence()
         self.transient = TransientTopics(config.limits.subscribe_batch_max_events * 10)
         self.push = PushDelivery(self)  # runs while master, from the epoch start's commit
         self._queue: deque[_Pending] = deque()
@@ -498,6 +510,12 @@ class ReplicaNode:
                 f"replica {self.node.id} stopped serving writes: {self.failed_reason}",
             )
         if self.role == common_pb2.ROLE_MASTER:
+            if self.fence.holds(self.clock.monotonic_ms(), self.epoch):
+                raise ServiceError(
+                    Code.UNAVAILABLE,
+                    f"replica {self.node.id} (master, epoch {self.epoch}) is handing the "
+                    f"leadership to {self.fence.target}; the write was not stored, retry",
+                )
             return
         if self.role == common_pb2.ROLE_SLAVE and self.master is not None:
             raise ServiceError(
@@ -596,6 +614,12 @@ class ReplicaNode:
                 f"restarted, dropped it or was deposed{deposed}); it takes a new role only "
                 f"in an epoch above {self._role_epoch_floor}",
             )
+        if self.failed_reason and role != common_pb2.ROLE_INACTIVE:
+            raise ServiceError(
+                Code.FAILED_PRECONDITION,
+                f"replica {self.node.id} fail-stopped ({self.failed_reason}); it takes no "
+                "role until it is restarted",
+            )
         self.command_seq = command.seq
         if renewal:
             self._renew_lease(command.lease_ms)
@@ -690,6 +714,7 @@ class ReplicaNode:
         was = self.role
         self._role_epoch_floor = max(self._role_epoch_floor, self.epoch)
         self.role = common_pb2.ROLE_INACTIVE
+        self.fence.clear()
         self.master = None
         self._lease_until_ms = 0
         self._follower = None
@@ -722,6 +747,7 @@ class ReplicaNode:
     def _master_deposed(self, reason: str) -> None:
         """The replication core deposed this master: no more writes in this epoch."""
         self._deposed = reason
+        self.fence.clear()
         self._role_epoch_floor = max(self._role_epoch_floor, self.epoch)
         self.push.stop()
         if self.role == common_pb2.ROLE_MASTER:
@@ -1213,6 +1239,7 @@ class ReplicaNode:
                 pending.future.set_exception(exc)
                 continue
             except CorruptRecordError as exc:
+                self.report_fault(f"checksum error planning a write: {exc}")
                 pending.future.set_exception(ServiceError(Code.DATA_LOSS, str(exc)))
                 continue
             planned.append((pending, plan))
@@ -1322,6 +1349,29 @@ class ReplicaNode:
         self.failed_reason = reason
         self.role = common_pb2.ROLE_INACTIVE
         self._notify_role_changed()
+        self.report_fault(f"fail-stop: {reason}")
+
+    def report_fault(self, reason: str) -> None:
+        """Records a fault that makes this node unfit to serve; the coordinator reads it in
+        the replica's state and quarantines the node. The same fault hit again (the same
+        bad record read by every subscriber) is one fault: an operator who cleared it is
+        not overruled; a different one is new and quarantines the node again."""
+        if self.fault is not None and self.fault.reason == reason[:REASON_CHARS_MAX]:
+            return
+        self.fault = new_fault(reason, self.clock.wall_ms())
+        log.error(
+            "replica %s FAULT: %s (epoch=%d lsn=%d); reporting it to the coordinator, which "
+            "quarantines this node",
+            self.node.id,
+            reason,
+            self.epoch,
+            self._last_lsn,
+        )
+        save_fault(self.node.data_dir, self.fault)
+
+    def writes_idle(self) -> bool:
+        """No write queued or being committed (a fenced master's log has stopped growing)."""
+        return not self._queue and not self._commit_lock.locked()
 
     def _notify_committed(self) -> None:
         committed, self._committed = self._committed, asyncio.Event()

@@ -23,7 +23,7 @@ from services.common.errors import Code, ServiceError
 from services.common.grpc_server import Context
 from services.replica.node import ReplicaNode
 from services.replica.server import abort
-from services.replica.store import StoreError
+from services.replica.store import CorruptRecordError, StoreError
 from squall.v1 import replica_pb2, replica_pb2_grpc
 
 log = logging.getLogger("squall.replica")
@@ -92,6 +92,8 @@ class Replication(replica_pb2_grpc.ReplicationServicer):
         except ServiceError as exc:
             await abort(context, exc)
         except StoreError as exc:
+            if isinstance(exc, CorruptRecordError):
+                self.node.report_fault(f"checksum error serving a fetch: {exc}")
             await abort(
                 context,
                 ServiceError(Code.UNAVAILABLE, f"replica {self.node.node.id}: store error: {exc}"),

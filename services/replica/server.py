@@ -16,7 +16,7 @@ import grpc
 
 from services.common.errors import Code, ServiceError, invalid
 from services.common.grpc_server import Context
-from services.replica import commands
+from services.replica import commands, handoff
 from services.replica.node import UNREACHABLE_KEY, ReplicaNode
 from services.replica.store import CorruptRecordError, TopicInfo, UnknownTopicError
 from squall.v1 import (
@@ -46,11 +46,13 @@ async def abort(context: Context, exc: ServiceError) -> NoReturn:
 
 
 @contextlib.contextmanager
-def _translating() -> Iterator[None]:
-    """Maps store errors that reach a handler to ServiceErrors."""
+def _translating(node: ReplicaNode) -> Iterator[None]:
+    """Maps store errors that reach a handler to ServiceErrors; a checksum error is also a
+    fault of this node's store, which quarantines the node."""
     try:
         yield
     except CorruptRecordError as exc:
+        node.report_fault(f"checksum error serving a read: {exc}")
         raise ServiceError(Code.DATA_LOSS, f"corrupt record, not served: {exc}") from exc
     except UnknownTopicError as exc:
         # The topic was destroyed between the caller's lookup and the read.
@@ -99,7 +101,7 @@ class TopicManager(broker_pb2_grpc.TopicManagerServicer):
         self, request: broker_pb2.RetrieveTopicRequest, context: Context
     ) -> broker_pb2.RetrieveTopicResponse:
         try:
-            with _translating():
+            with _translating(self.node):
                 topic = self.node.topic(request.name)
         except ServiceError as exc:
             await abort(context, exc)
@@ -109,7 +111,7 @@ class TopicManager(broker_pb2_grpc.TopicManagerServicer):
         self, request: broker_pb2.ListTopicsRequest, context: Context
     ) -> broker_pb2.ListTopicsResponse:
         try:
-            with _translating():
+            with _translating(self.node):
                 topics = self.node.store.list_topics()
         except ServiceError as exc:
             await abort(context, exc)
@@ -222,7 +224,7 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
     ) -> broker_pb2.PublishResponse:
         await self._hold(context)
         try:
-            with _translating():
+            with _translating(self.node):
                 return await self._start(request)
         except ServiceError as exc:
             await abort(context, exc)
@@ -242,7 +244,7 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
             try:
                 async for request in request_iterator:
                     try:
-                        with _translating():
+                        with _translating(self.node):
                             future = self._start(request)
                     except ServiceError as exc:
                         future = loop.create_future()
@@ -315,7 +317,7 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
         limit = node.config.limits.subscribe_batch_max_events
         batch = min(request.max_batch_events or limit, limit)
         try:
-            with _translating():
+            with _translating(self.node):
                 topic = node.topic(request.topic)
                 position = await self._start_offset(request, topic)
         except ServiceError as exc:
@@ -334,7 +336,7 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
             signal = node.commit_signal()
             count = min(batch, end - position) if end else batch
             try:
-                with _translating():
+                with _translating(self.node):
                     if transient:
                         events = node.transient.read(topic.name, position, count)
                     else:
@@ -378,7 +380,7 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
         self, request: broker_pb2.ListSubscriptionsRequest, context: Context
     ) -> broker_pb2.ListSubscriptionsResponse:
         try:
-            with _translating():
+            with _translating(self.node):
                 self.node.topic(request.topic)
                 subscriptions = self.node.store.list_subscriptions(request.topic)
         except ServiceError as exc:
@@ -435,6 +437,8 @@ class ReplicaControl(replica_pb2_grpc.ReplicaControlServicer):
                 for s in self.node.slave_status()
             ],
             log_start_lsn=self.node.log_start_lsn,
+            fault_id=self.node.fault.fault_id if self.node.fault else "",
+            fault_reason=self.node.fault.reason if self.node.fault else "",
         )
 
     async def GetReplicaState(
@@ -450,3 +454,11 @@ class ReplicaControl(replica_pb2_grpc.ReplicaControlServicer):
         except ServiceError as exc:
             await abort(context, exc)
         return replica_pb2.RoleCommandResponse(state=self._state())
+
+    async def PrepareHandoff(
+        self, request: replica_pb2.PrepareHandoffRequest, context: Context
+    ) -> replica_pb2.PrepareHandoffResponse:
+        try:
+            return await handoff.prepare(self.node, request)
+        except ServiceError as exc:
+            await abort(context, exc)

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from squall.v1 import common_pb2 as squall_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bsquall/v1/coordinator.proto\x12\tsquall.v1\x1a\x16squall/v1/common.proto\"\xa6\x01\n\x0cMemberReport\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\ncluster_id\x18\x02 \x01(\t\x12\x12\n\nlast_epoch\x18\x03 \x01(\x04\x12\x10\n\x08last_lsn\x18\x04 \x01(\x04\x12*\n\x0bstore_state\x18\x05 \x01(\x0e\x32\x15.squall.v1.StoreState\x12\x10\n\x08max_seen\x18\x06 \x01(\r\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\"U\n\x11\x41reYouCoordinator\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12\x10\n\x08priority\x18\x02 \x01(\r\x12\x1a\n\x12\x64\x65signated_primary\x18\x03 \x01(\x08\"r\n\x16\x41reYouCoordinatorReply\x12\x16\n\x0eis_coordinator\x18\x01 \x01(\x08\x12\x12\n\ngroup_name\x18\x02 \x01(\t\x12\x10\n\x08priority\x18\x03 \x01(\r\x12\x1a\n\x12\x64\x65signated_primary\x18\x04 \x01(\x08\"!\n\x0b\x41reYouThere\x12\x12\n\ngroup_name\x18\x01 \x01(\t\"3\n\x10\x41reYouThereReply\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12\x0b\n\x03yes\x18\x02 \x01(\x08\"A\n\nInvitation\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12\x10\n\x08priority\x18\x02 \x01(\r\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"[\n\x06\x41\x63\x63\x65pt\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12\'\n\x06report\x18\x02 \x01(\x0b\x32\x17.squall.v1.MemberReport\x12\x14\n\x0c\x66orwarded_to\x18\x03 \x03(\t\"}\n\x05Ready\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07members\x18\x03 \x03(\t\x12\x16\n\x0esync_source_id\x18\x04 \x01(\t\x12\x16\n\x0e\x63oordinator_id\x18\x05 \x01(\t\x12\x10\n\x08max_seen\x18\x06 \x01(\r\"-\n\x08ReadyAck\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"\xca\x03\n\x0bPeerMessage\x12\x11\n\tfrom_node\x18\x01 \x01(\t\x12\x0f\n\x07to_node\x18\x02 \x01(\t\x12;\n\x13\x61re_you_coordinator\x18\n \x01(\x0b\x32\x1c.squall.v1.AreYouCoordinatorH\x00\x12\x46\n\x19\x61re_you_coordinator_reply\x18\x0b \x01(\x0b\x32!.squall.v1.AreYouCoordinatorReplyH\x00\x12/\n\rare_you_there\x18\x0c \x01(\x0b\x32\x16.squall.v1.AreYouThereH\x00\x12:\n\x13\x61re_you_there_reply\x18\r \x01(\x0b\x32\x1b.squall.v1.AreYouThereReplyH\x00\x12+\n\ninvitation\x18\x0e \x01(\x0b\x32\x15.squall.v1.InvitationH\x00\x12#\n\x06\x61\x63\x63\x65pt\x18\x0f \x01(\x0b\x32\x11.squall.v1.AcceptH\x00\x12!\n\x05ready\x18\x10 \x01(\x0b\x32\x10.squall.v1.ReadyH\x00\x12(\n\tready_ack\x18\x11 \x01(\x0b\x32\x13.squall.v1.ReadyAckH\x00\x42\x06\n\x04\x62ody\"\x11\n\x0f\x44\x65liverResponse\"\x12\n\x10GetStatusRequest\"\xc0\x02\n\x11\x43oordinatorStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63oordinator_id\x18\x02 \x01(\t\x12\x12\n\ngroup_name\x18\x03 \x01(\t\x12#\n\x05state\x18\x04 \x01(\x0e\x32\x14.squall.v1.NodeState\x12\r\n\x05group\x18\x05 \x03(\t\x12\x10\n\x08max_seen\x18\x06 \x01(\r\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x1d\n\x04role\x18\x08 \x01(\x0e\x32\x0f.squall.v1.Role\x12\x1a\n\x12last_change_reason\x18\t \x01(\t\x12\x10\n\x08priority\x18\n \x01(\r\x12\x1a\n\x12\x64\x65signated_primary\x18\x0b \x01(\x08\x12\x17\n\x0fquorum_override\x18\x0c \x01(\r\x12\x17\n\x0fquorum_required\x18\r \x01(\r\"\x17\n\x15WatchGroupViewRequest\"\xb7\x01\n\tGroupView\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12#\n\x05state\x18\x02 \x01(\x0e\x32\x14.squall.v1.NodeState\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\'\n\x06master\x18\x04 \x01(\x0b\x32\x17.squall.v1.NodeEndpoint\x12(\n\x07members\x18\x05 \x03(\x0b\x32\x17.squall.v1.NodeEndpoint\x12\x12\n\ngroup_name\x18\x06 \x01(\t\"@\n\x1bSetDesignatedPrimaryRequest\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x10\n\x08operator\x18\x02 \x01(\t\">\n\x18SetQuorumOverrideRequest\x12\x10\n\x08required\x18\x01 \x01(\r\x12\x10\n\x08operator\x18\x02 \x01(\t\"G\n\x17OperatorControlResponse\x12,\n\x06status\x18\x01 \x01(\x0b\x32\x1c.squall.v1.CoordinatorStatus2\xa2\x03\n\x0b\x43oordinator\x12=\n\x07\x44\x65liver\x12\x16.squall.v1.PeerMessage\x1a\x1a.squall.v1.DeliverResponse\x12\x46\n\tGetStatus\x12\x1b.squall.v1.GetStatusRequest\x1a\x1c.squall.v1.CoordinatorStatus\x12J\n\x0eWatchGroupView\x12 .squall.v1.WatchGroupViewRequest\x1a\x14.squall.v1.GroupView0\x01\x12\x62\n\x14SetDesignatedPrimary\x12&.squall.v1.SetDesignatedPrimaryRequest\x1a\".squall.v1.OperatorControlResponse\x12\\\n\x11SetQuorumOverride\x12#.squall.v1.SetQuorumOverrideRequest\x1a\".squall.v1.OperatorControlResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bsquall/v1/coordinator.proto\x12\tsquall.v1\x1a\x16squall/v1/common.proto\"\xa6\x01\n\x0cMemberReport\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\ncluster_id\x18\x02 \x01(\t\x12\x12\n\nlast_epoch\x18\x03 \x01(\x04\x12\x10\n\x08last_lsn\x18\x04 \x01(\x04\x12*\n\x0bstore_state\x18\x05 \x01(\x0e\x32\x15.squall.v1.StoreState\x12\x10\n\x08max_seen\x18\x06 \x01(\r\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\"U\n\x11\x41reYouCoordinator\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12\x10\n\x08priority\x18\x02 \x01(\r\x12\x1a\n\x12\x64\x65signated_primary\x18\x03 \x01(\x08\"r\n\x16\x41reYouCoordinatorReply\x12\x16\n\x0eis_coordinator\x18\x01 \x01(\x08\x12\x12\n\ngroup_name\x18\x02 \x01(\t\x12\x10\n\x08priority\x18\x03 \x01(\r\x12\x1a\n\x12\x64\x65signated_primary\x18\x04 \x01(\x08\"!\n\x0b\x41reYouThere\x12\x12\n\ngroup_name\x18\x01 \x01(\t\"3\n\x10\x41reYouThereReply\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12\x0b\n\x03yes\x18\x02 \x01(\x08\"Y\n\nInvitation\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12\x10\n\x08priority\x18\x02 \x01(\r\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x16\n\x0etransfer_group\x18\x04 \x01(\t\"[\n\x06\x41\x63\x63\x65pt\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12\'\n\x06report\x18\x02 \x01(\x0b\x32\x17.squall.v1.MemberReport\x12\x14\n\x0c\x66orwarded_to\x18\x03 \x03(\t\"}\n\x05Ready\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07members\x18\x03 \x03(\t\x12\x16\n\x0esync_source_id\x18\x04 \x01(\t\x12\x16\n\x0e\x63oordinator_id\x18\x05 \x01(\t\x12\x10\n\x08max_seen\x18\x06 \x01(\r\"-\n\x08ReadyAck\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"\x88\x04\n\x0bPeerMessage\x12\x11\n\tfrom_node\x18\x01 \x01(\t\x12\x0f\n\x07to_node\x18\x02 \x01(\t\x12;\n\x13\x61re_you_coordinator\x18\n \x01(\x0b\x32\x1c.squall.v1.AreYouCoordinatorH\x00\x12\x46\n\x19\x61re_you_coordinator_reply\x18\x0b \x01(\x0b\x32!.squall.v1.AreYouCoordinatorReplyH\x00\x12/\n\rare_you_there\x18\x0c \x01(\x0b\x32\x16.squall.v1.AreYouThereH\x00\x12:\n\x13\x61re_you_there_reply\x18\r \x01(\x0b\x32\x1b.squall.v1.AreYouThereReplyH\x00\x12+\n\ninvitation\x18\x0e \x01(\x0b\x32\x15.squall.v1.InvitationH\x00\x12#\n\x06\x61\x63\x63\x65pt\x18\x0f \x01(\x0b\x32\x11.squall.v1.AcceptH\x00\x12!\n\x05ready\x18\x10 \x01(\x0b\x32\x10.squall.v1.ReadyH\x00\x12(\n\tready_ack\x18\x11 \x01(\x0b\x32\x13.squall.v1.ReadyAckH\x00\x12<\n\x13leadership_transfer\x18\x12 \x01(\x0b\x32\x1d.squall.v1.LeadershipTransferH\x00\x42\x06\n\x04\x62ody\"\x11\n\x0f\x44\x65liverResponse\"\x12\n\x10GetStatusRequest\"\x96\x04\n\x11\x43oordinatorStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63oordinator_id\x18\x02 \x01(\t\x12\x12\n\ngroup_name\x18\x03 \x01(\t\x12#\n\x05state\x18\x04 \x01(\x0e\x32\x14.squall.v1.NodeState\x12\r\n\x05group\x18\x05 \x03(\t\x12\x10\n\x08max_seen\x18\x06 \x01(\r\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x1d\n\x04role\x18\x08 \x01(\x0e\x32\x0f.squall.v1.Role\x12\x1a\n\x12last_change_reason\x18\t \x01(\t\x12\x10\n\x08priority\x18\n \x01(\r\x12\x1a\n\x12\x64\x65signated_primary\x18\x0b \x01(\x08\x12\x17\n\x0fquorum_override\x18\x0c \x01(\r\x12\x17\n\x0fquorum_required\x18\r \x01(\r\x12\x39\n\x16quorum_override_record\x18\x0e \x01(\x0b\x32\x19.squall.v1.OperatorRecord\x12-\n\nquarantine\x18\x0f \x01(\x0b\x32\x19.squall.v1.OperatorRecord\x12(\n\x05\x61udit\x18\x10 \x03(\x0b\x32\x19.squall.v1.OperatorRecord\x12\x0f\n\x07invited\x18\x11 \x03(\t\x12\x16\n\x0esync_source_id\x18\x12 \x01(\t\x12\x17\n\x0ftransfer_target\x18\x13 \x01(\t\"\x17\n\x15WatchGroupViewRequest\"\xb7\x01\n\tGroupView\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12#\n\x05state\x18\x02 \x01(\x0e\x32\x14.squall.v1.NodeState\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\'\n\x06master\x18\x04 \x01(\x0b\x32\x17.squall.v1.NodeEndpoint\x12(\n\x07members\x18\x05 \x03(\x0b\x32\x17.squall.v1.NodeEndpoint\x12\x12\n\ngroup_name\x18\x06 \x01(\t\"@\n\x1bSetDesignatedPrimaryRequest\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x10\n\x08operator\x18\x02 \x01(\t\"N\n\x18SetQuorumOverrideRequest\x12\x10\n\x08required\x18\x01 \x01(\r\x12\x10\n\x08operator\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"G\n\x17OperatorControlResponse\x12,\n\x06status\x18\x01 \x01(\x0b\x32\x1c.squall.v1.CoordinatorStatus\"X\n\x12LeadershipTransfer\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0e\n\x06target\x18\x03 \x01(\t\x12\x0f\n\x07members\x18\x04 \x03(\t\"Q\n\x0eOperatorRecord\x12\r\n\x05\x61t_ms\x18\x01 \x01(\x03\x12\x10\n\x08operator\x18\x02 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\"a\n\x19TransferLeadershipRequest\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\x10\n\x08operator\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x12\n\ntimeout_ms\x18\x04 \x01(\r\"I\n\x14SetQuarantineRequest\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x10\n\x08operator\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t2\xd8\x04\n\x0b\x43oordinator\x12=\n\x07\x44\x65liver\x12\x16.squall.v1.PeerMessage\x1a\x1a.squall.v1.DeliverResponse\x12\x46\n\tGetStatus\x12\x1b.squall.v1.GetStatusRequest\x1a\x1c.squall.v1.CoordinatorStatus\x12J\n\x0eWatchGroupView\x12 .squall.v1.WatchGroupViewRequest\x1a\x14.squall.v1.GroupView0\x01\x12\x62\n\x14SetDesignatedPrimary\x12&.squall.v1.SetDesignatedPrimaryRequest\x1a\".squall.v1.OperatorControlResponse\x12\\\n\x11SetQuorumOverride\x12#.squall.v1.SetQuorumOverrideRequest\x1a\".squall.v1.OperatorControlResponse\x12^\n\x12TransferLeadership\x12$.squall.v1.TransferLeadershipRequest\x1a\".squall.v1.OperatorControlResponse\x12T\n\rSetQuarantine\x12\x1f.squall.v1.SetQuarantineRequest\x1a\".squall.v1.OperatorControlResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,31 +44,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_AREYOUTHEREREPLY']._serialized_start=473
   _globals['_AREYOUTHEREREPLY']._serialized_end=524
   _globals['_INVITATION']._serialized_start=526
-  _globals['_INVITATION']._serialized_end=591
-  _globals['_ACCEPT']._serialized_start=593
-  _globals['_ACCEPT']._serialized_end=684
-  _globals['_READY']._serialized_start=686
-  _globals['_READY']._serialized_end=811
-  _globals['_READYACK']._serialized_start=813
-  _globals['_READYACK']._serialized_end=858
-  _globals['_PEERMESSAGE']._serialized_start=861
-  _globals['_PEERMESSAGE']._serialized_end=1319
-  _globals['_DELIVERRESPONSE']._serialized_start=1321
-  _globals['_DELIVERRESPONSE']._serialized_end=1338
-  _globals['_GETSTATUSREQUEST']._serialized_start=1340
-  _globals['_GETSTATUSREQUEST']._serialized_end=1358
-  _globals['_COORDINATORSTATUS']._serialized_start=1361
-  _globals['_COORDINATORSTATUS']._serialized_end=1681
-  _globals['_WATCHGROUPVIEWREQUEST']._serialized_start=1683
-  _globals['_WATCHGROUPVIEWREQUEST']._serialized_end=1706
-  _globals['_GROUPVIEW']._serialized_start=1709
-  _globals['_GROUPVIEW']._serialized_end=1892
-  _globals['_SETDESIGNATEDPRIMARYREQUEST']._serialized_start=1894
-  _globals['_SETDESIGNATEDPRIMARYREQUEST']._serialized_end=1958
-  _globals['_SETQUORUMOVERRIDEREQUEST']._serialized_start=1960
-  _globals['_SETQUORUMOVERRIDEREQUEST']._serialized_end=2022
-  _globals['_OPERATORCONTROLRESPONSE']._serialized_start=2024
-  _globals['_OPERATORCONTROLRESPONSE']._serialized_end=2095
-  _globals['_COORDINATOR']._serialized_start=2098
-  _globals['_COORDINATOR']._serialized_end=2516
+  _globals['_INVITATION']._serialized_end=615
+  _globals['_ACCEPT']._serialized_start=617
+  _globals['_ACCEPT']._serialized_end=708
+  _globals['_READY']._serialized_start=710
+  _globals['_READY']._serialized_end=835
+  _globals['_READYACK']._serialized_start=837
+  _globals['_READYACK']._serialized_end=882
+  _globals['_PEERMESSAGE']._serialized_start=885
+  _globals['_PEERMESSAGE']._serialized_end=1405
+  _globals['_DELIVERRESPONSE']._serialized_start=1407
+  _globals['_DELIVERRESPONSE']._serialized_end=1424
+  _globals['_GETSTATUSREQUEST']._serialized_start=1426
+  _globals['_GETSTATUSREQUEST']._serialized_end=1444
+  _globals['_COORDINATORSTATUS']._serialized_start=1447
+  _globals['_COORDINATORSTATUS']._serialized_end=1981
+  _globals['_WATCHGROUPVIEWREQUEST']._serialized_start=1983
+  _globals['_WATCHGROUPVIEWREQUEST']._serialized_end=2006
+  _globals['_GROUPVIEW']._serialized_start=2009
+  _globals['_GROUPVIEW']._serialized_end=2192
+  _globals['_SETDESIGNATEDPRIMARYREQUEST']._serialized_start=2194
+  _globals['_SETDESIGNATEDPRIMARYREQUEST']._serialized_end=2258
+  _globals['_SETQUORUMOVERRIDEREQUEST']._serialized_start=2260
+  _globals['_SETQUORUMOVERRIDEREQUEST']._serialized_end=2338
+  _globals['_OPERATORCONTROLRESPONSE']._serialized_start=2340
+  _globals['_OPERATORCONTROLRESPONSE']._serialized_end=2411
+  _globals['_LEADERSHIPTRANSFER']._serialized_start=2413
+  _globals['_LEADERSHIPTRANSFER']._serialized_end=2501
+  _globals['_OPERATORRECORD']._serialized_start=2503
+  _globals['_OPERATORRECORD']._serialized_end=2584
+  _globals['_TRANSFERLEADERSHIPREQUEST']._serialized_start=2586
+  _globals['_TRANSFERLEADERSHIPREQUEST']._serialized_end=2683
+  _globals['_SETQUARANTINEREQUEST']._serialized_start=2685
+  _globals['_SETQUARANTINEREQUEST']._serialized_end=2758
+  _globals['_COORDINATOR']._serialized_start=2761
+  _globals['_COORDINATOR']._serialized_end=3361
 # @@protoc_insertion_point(module_scope)

@@ -778,6 +778,8 @@ class ReplicaState(_message.Message):
     MASTER_ID_FIELD_NUMBER: _builtins.int
     SLAVES_FIELD_NUMBER: _builtins.int
     LOG_START_LSN_FIELD_NUMBER: _builtins.int
+    FAULT_ID_FIELD_NUMBER: _builtins.int
+    FAULT_REASON_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The replica's node id."""
     cluster_id: _builtins.str
@@ -802,6 +804,13 @@ class ReplicaState(_message.Message):
     """The node id of the master the replica follows or is (empty when inactive)."""
     log_start_lsn: _builtins.int
     """The first LSN still in the local log (entries below it are only in snapshots)."""
+    fault_id: _builtins.str
+    """Set once the replica hit a fault that makes its node unfit to serve (a checksum
+    error in its store, a failed store write): a unique id, kept across restarts, so the
+    coordinator quarantines the node once per fault.
+    """
+    fault_reason: _builtins.str
+    """What the fault was."""
     @_builtins.property
     def slaves(self) -> _containers.RepeatedCompositeFieldContainer[Global___SlaveProgress]:
         """On a master: each member slave's replication progress, by node id (empty otherwise)."""
@@ -822,10 +831,12 @@ class ReplicaState(_message.Message):
         master_id: _builtins.str = ...,
         slaves: _abc.Iterable[Global___SlaveProgress] | None = ...,
         log_start_lsn: _builtins.int = ...,
+        fault_id: _builtins.str = ...,
+        fault_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "command_seq", b"command_seq", "commit_lsn", b"commit_lsn", "epoch", b"epoch", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "log_start_lsn", b"log_start_lsn", "master_id", b"master_id", "node_id", b"node_id", "role", b"role", "shutdown_id", b"shutdown_id", "slaves", b"slaves", "store_state", b"store_state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "command_seq", b"command_seq", "commit_lsn", b"commit_lsn", "epoch", b"epoch", "fault_id", b"fault_id", "fault_reason", b"fault_reason", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "log_start_lsn", b"log_start_lsn", "master_id", b"master_id", "node_id", b"node_id", "role", b"role", "shutdown_id", b"shutdown_id", "slaves", b"slaves", "store_state", b"store_state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -993,7 +1004,7 @@ class PushSubscribeOp(_message.Message):
     ordered: _builtins.bool
     """QoS reliability=ordered: one batch in flight at a time, in offset order."""
     retry_count: _builtins.int
-    """QoS retryCount: -1 retry forever, 0 remove on the first failure, n retry n times."""
+    """QoS retryCount: -1 retry forever, 0 remove on the first failure, n after n in a row."""
     cursor: _builtins.int
     """The first offset to deliver."""
     created_ms: _builtins.int
@@ -1076,3 +1087,71 @@ class PushCursorOp(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PushCursorOp: _TypeAlias = PushCursorOp  # noqa: Y015
+
+@_typing.final
+class PrepareHandoffRequest(_message.Message):
+    """Stops a master's writes before a leadership transfer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    TARGET_NODE_ID_FIELD_NUMBER: _builtins.int
+    TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    """The master's epoch."""
+    target_node_id: _builtins.str
+    """The slave that will take over."""
+    timeout_ms: _builtins.int
+    """Longest wait for the target to catch up; writes resume after it in any case."""
+    cancel: _builtins.bool
+    """Resume writes now (the transfer was abandoned)."""
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.int = ...,
+        target_node_id: _builtins.str = ...,
+        timeout_ms: _builtins.int = ...,
+        cancel: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "epoch", b"epoch", "target_node_id", b"target_node_id", "timeout_ms", b"timeout_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrepareHandoffRequest: _TypeAlias = PrepareHandoffRequest  # noqa: Y015
+
+@_typing.final
+class PrepareHandoffResponse(_message.Message):
+    """The master's log once the target caught up."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LAST_LSN_FIELD_NUMBER: _builtins.int
+    TARGET_LSN_FIELD_NUMBER: _builtins.int
+    COMMIT_LSN_FIELD_NUMBER: _builtins.int
+    WAITED_MS_FIELD_NUMBER: _builtins.int
+    last_lsn: _builtins.int
+    """The master's last LSN (no write is taken after it until the role changes)."""
+    target_lsn: _builtins.int
+    """What the target holds at the replica sync policy."""
+    commit_lsn: _builtins.int
+    """The commit LSN."""
+    waited_ms: _builtins.int
+    """How long the wait took, in milliseconds."""
+    def __init__(
+        self,
+        *,
+        last_lsn: _builtins.int = ...,
+        target_lsn: _builtins.int = ...,
+        commit_lsn: _builtins.int = ...,
+        waited_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit_lsn", b"commit_lsn", "last_lsn", b"last_lsn", "target_lsn", b"target_lsn", "waited_ms", b"waited_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrepareHandoffResponse: _TypeAlias = PrepareHandoffResponse  # noqa: Y015

@@ -178,6 +178,11 @@ class ReplicaControlStub:
                 request_serializer=squall_dot_v1_dot_replica__pb2.RoleCommand.SerializeToString,
                 response_deserializer=squall_dot_v1_dot_replica__pb2.RoleCommandResponse.FromString,
                 _registered_method=True)
+        self.PrepareHandoff = channel.unary_unary(
+                '/squall.v1.ReplicaControl/PrepareHandoff',
+                request_serializer=squall_dot_v1_dot_replica__pb2.PrepareHandoffRequest.SerializeToString,
+                response_deserializer=squall_dot_v1_dot_replica__pb2.PrepareHandoffResponse.FromString,
+                _registered_method=True)
 
 
 class ReplicaControlServicer:
@@ -199,6 +204,18 @@ class ReplicaControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareHandoff(self, request, context):
+        """Before a leadership transfer: the master stops taking new writes, lets the writes it
+        took commit, and waits until the target slave holds its whole log. Writes stay
+        stopped until the role changes or timeout_ms passes (then they resume). With cancel,
+        resumes writes at once. FAILED_PRECONDITION when the replica is not the master of
+        that epoch, the target is not its slave, or the target did not catch up in time
+        (writes resume; the message says how far it got).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplicaControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -211,6 +228,11 @@ def add_ReplicaControlServicer_to_server(servicer, server):
                     servicer.SetRole,
                     request_deserializer=squall_dot_v1_dot_replica__pb2.RoleCommand.FromString,
                     response_serializer=squall_dot_v1_dot_replica__pb2.RoleCommandResponse.SerializeToString,
+            ),
+            'PrepareHandoff': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareHandoff,
+                    request_deserializer=squall_dot_v1_dot_replica__pb2.PrepareHandoffRequest.FromString,
+                    response_serializer=squall_dot_v1_dot_replica__pb2.PrepareHandoffResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -268,6 +290,33 @@ class ReplicaControl:
             '/squall.v1.ReplicaControl/SetRole',
             squall_dot_v1_dot_replica__pb2.RoleCommand.SerializeToString,
             squall_dot_v1_dot_replica__pb2.RoleCommandResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareHandoff(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/squall.v1.ReplicaControl/PrepareHandoff',
+            squall_dot_v1_dot_replica__pb2.PrepareHandoffRequest.SerializeToString,
+            squall_dot_v1_dot_replica__pb2.PrepareHandoffResponse.FromString,
             options,
             channel_credentials,
             insecure,

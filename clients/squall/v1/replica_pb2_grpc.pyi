@@ -124,6 +124,14 @@ class ReplicaControlStub:
     """Tells the replica which role to take in which epoch. FAILED_PRECONDITION for an
     epoch older than the replica's current one.
     """
+    PrepareHandoff: _grpc.UnaryUnaryMultiCallable[_replica_pb2.PrepareHandoffRequest, _replica_pb2.PrepareHandoffResponse]
+    """Before a leadership transfer: the master stops taking new writes, lets the writes it
+    took commit, and waits until the target slave holds its whole log. Writes stay
+    stopped until the role changes or timeout_ms passes (then they resume). With cancel,
+    resumes writes at once. FAILED_PRECONDITION when the replica is not the master of
+    that epoch, the target is not its slave, or the target did not catch up in time
+    (writes resume; the message says how far it got).
+    """
 
 @_typing.type_check_only
 class ReplicaControlAsyncStub(ReplicaControlStub):
@@ -135,6 +143,14 @@ class ReplicaControlAsyncStub(ReplicaControlStub):
     SetRole: _aio.UnaryUnaryMultiCallable[_replica_pb2.RoleCommand, _replica_pb2.RoleCommandResponse]  # type: ignore[assignment]
     """Tells the replica which role to take in which epoch. FAILED_PRECONDITION for an
     epoch older than the replica's current one.
+    """
+    PrepareHandoff: _aio.UnaryUnaryMultiCallable[_replica_pb2.PrepareHandoffRequest, _replica_pb2.PrepareHandoffResponse]  # type: ignore[assignment]
+    """Before a leadership transfer: the master stops taking new writes, lets the writes it
+    took commit, and waits until the target slave holds its whole log. Writes stay
+    stopped until the role changes or timeout_ms passes (then they resume). With cancel,
+    resumes writes at once. FAILED_PRECONDITION when the replica is not the master of
+    that epoch, the target is not its slave, or the target did not catch up in time
+    (writes resume; the message says how far it got).
     """
 
 class ReplicaControlServicer(metaclass=_abc_1.ABCMeta):
@@ -156,6 +172,20 @@ class ReplicaControlServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_replica_pb2.RoleCommandResponse, _abc.Awaitable[_replica_pb2.RoleCommandResponse]]:
         """Tells the replica which role to take in which epoch. FAILED_PRECONDITION for an
         epoch older than the replica's current one.
+        """
+
+    @_abc_1.abstractmethod
+    def PrepareHandoff(
+        self,
+        request: _replica_pb2.PrepareHandoffRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_replica_pb2.PrepareHandoffResponse, _abc.Awaitable[_replica_pb2.PrepareHandoffResponse]]:
+        """Before a leadership transfer: the master stops taking new writes, lets the writes it
+        took commit, and waits until the target slave holds its whole log. Writes stay
+        stopped until the role changes or timeout_ms passes (then they resume). With cancel,
+        resumes writes at once. FAILED_PRECONDITION when the replica is not the master of
+        that epoch, the target is not its slave, or the target did not catch up in time
+        (writes resume; the message says how far it got).
         """
 
 def add_ReplicaControlServicer_to_server(servicer: ReplicaControlServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
