@@ -105,6 +105,9 @@ class TimeoutsConfig:
     merge_delay_ms_per_priority: int = 50
     rpc_timeout_ms: int = 2000
     publish_timeout_ms: int = 10000
+    # Test-only: a replica serving a reorganization snapshot waits this long before each
+    # chunk, so tests can make a sync outlast rpc_timeout_ms. 0 (no wait) in production.
+    snapshot_chunk_delay_ms: int = 0
 
 
 @dataclass(frozen=True)
@@ -620,6 +623,7 @@ _TIMEOUT_BOUNDS_MS: Mapping[str, tuple[int, int]] = {
     "merge_delay_ms_per_priority": (0, 10_000),
     "rpc_timeout_ms": (10, 600_000),
     "publish_timeout_ms": (10, 3_600_000),
+    "snapshot_chunk_delay_ms": (0, 60_000),
 }
 
 

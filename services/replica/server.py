@@ -376,7 +376,7 @@ class ReplicaControl(replica_pb2_grpc.ReplicaControlServicer):
 
     def _state(self) -> replica_pb2.ReplicaState:
         meta = self.node.store.meta()
-        return replica_pb2.ReplicaState(
+        state = replica_pb2.ReplicaState(
             node_id=self.node.node.id,
             cluster_id=meta.cluster_id,
             last_epoch=meta.last_epoch,
@@ -404,6 +404,10 @@ class ReplicaControl(replica_pb2_grpc.ReplicaControlServicer):
             ],
             log_start_lsn=self.node.log_start_lsn,
         )
+        progress = self.node.reorganization_progress()
+        if progress is not None:
+            state.reorganization.CopyFrom(progress)
+        return state
 
     async def GetReplicaState(
         self, request: replica_pb2.GetReplicaStateRequest, context: Context
