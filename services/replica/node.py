@@ -410,6 +410,7 @@ class ReplicaNode:
                         )
                         if response is None:
                             break
+                        self._adopt_cluster_id(response.cluster_id, source_id)
                         if response.WhichOneof("body") == "snapshot":
                             # The source answers with a snapshot when this log cannot be
                             # truncated by replay, shares no entry with the source's, or
@@ -474,6 +475,18 @@ class ReplicaNode:
             self.gate.commit_lsn,
             self.gate.tracked,
             progress.describe(self.clock.monotonic_ms()),
+        )
+
+    def _adopt_cluster_id(self, cluster_id: str, source_id: str) -> None:
+        """An empty store joins its sync source's cluster (as a slave does its master's)."""
+        if not cluster_id or self.store.meta().cluster_id:
+            return
+        self.store.set_cluster_id(cluster_id)
+        log.info(
+            "replica %s joined cluster %s (from sync source %s)",
+            self.node.id,
+            cluster_id,
+            source_id,
         )
 
     async def _store_fetched(
@@ -792,7 +805,11 @@ class ReplicaNode:
         """Stops taking a master role (a newer command, deactivation, shutdown) and waits
         until the task has stopped, so no two role changes run at once."""
         taking, self._taking = self._taking, None
-        if taking is None or taking.task.done():
+        if taking is None:
+            return
+        # As with a role dropped: this epoch's master role is not taken up again.
+        self._role_epoch_floor = max(self._role_epoch_floor, taking.epoch)
+        if taking.task.done():
             return
         log.info(
             "replica %s abandons taking the master role: %s; %s",
@@ -1282,22 +1299,23 @@ class ReplicaNode:
             snapshot_lsn = 0
             async for chunk in self._export_snapshot(request.node_id[:64]):
                 snapshot_lsn = chunk.snapshot_lsn
-                yield replica_pb2.FetchLogResponse(snapshot=chunk)
+                yield replica_pb2.FetchLogResponse(snapshot=chunk, cluster_id=meta.cluster_id)
             # The log after the snapshot, as far as it reached when the fetch began (our
             # log may have grown while the snapshot was read: the rest is its tail).
             last_lsn = max(meta.last_lsn, self.store.meta().last_lsn)
             async for batch in self._log_batches(snapshot_lsn + 1, last_lsn, step, meta.epoch):
-                yield replica_pb2.FetchLogResponse(entries=batch)
+                yield replica_pb2.FetchLogResponse(entries=batch, cluster_id=meta.cluster_id)
             return
         yield replica_pb2.FetchLogResponse(
             entries=replica_pb2.EntryBatch(
                 epoch=meta.epoch,
                 truncate_after_lsn=fork if diverged else 0,
                 commit_lsn=self.gate.commit_lsn,
-            )
+            ),
+            cluster_id=meta.cluster_id,
         )
         async for batch in self._log_batches(fork + 1, meta.last_lsn, step, meta.epoch):
-            yield replica_pb2.FetchLogResponse(entries=batch)
+            yield replica_pb2.FetchLogResponse(entries=batch, cluster_id=meta.cluster_id)
 
     def _stamp_snapshot(self, chunk: replica_pb2.SnapshotChunk) -> None:
         """On a snapshot's last chunk: this node's commit LSN, and per topic the publishes

@@ -613,6 +613,11 @@ class FetchLogResponse(_message.Message):
 
     ENTRIES_FIELD_NUMBER: _builtins.int
     SNAPSHOT_FIELD_NUMBER: _builtins.int
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    cluster_id: _builtins.str
+    """The source's cluster id: a requester with an empty store adopts it, as a slave
+    adopts its master's from the Hello.
+    """
     @_builtins.property
     def entries(self) -> Global___EntryBatch:
         """Consecutive entries (the first message may carry only truncate_after_lsn)."""
@@ -626,10 +631,11 @@ class FetchLogResponse(_message.Message):
         *,
         entries: Global___EntryBatch | None = ...,
         snapshot: Global___SnapshotChunk | None = ...,
+        cluster_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "entries", b"entries", "snapshot", b"snapshot"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "entries", b"entries", "snapshot", b"snapshot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cluster_id", b"cluster_id", "entries", b"entries", "snapshot", b"snapshot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["entries", "snapshot"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
