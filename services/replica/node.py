@@ -12,8 +12,15 @@ on either side see only committed entries (``CommitGate``).
 Reorganization: before a new master writes its epoch-start entry it fetches the log it
 lacks from the group's sync source (``Replication.FetchLog``), truncating a divergent
 suffix of its own first (by rebuilding the store from its log, ``rebuild``). When that
-cannot work (its log is compacted, or the source's no longer holds what it lacks) the
-source sends a snapshot and the log after it, installed as a slave installs one.
+cannot work (its log is compacted or shares no entry with the source's, or the source's
+no longer holds what it lacks) the source sends a snapshot and the log after it,
+installed as a slave installs one. The master role is taken in a background task that
+outlives the coordinator's SetRole call (``reorg``): a large snapshot may take long.
+
+Committed reads across restarts: the store records the commit LSN this node knew (with
+each appended batch, and a slave's idle heartbeats); ``start`` hides every publish above
+it until a master's commit LSN passes it, and a snapshot carries the sender's commit LSN
+and what it holds above it (``visibility``).
 
 Log retention: after each batch the master and the slaves compact their logs to at
 most ``limits.log_retention_entries`` entries (plus one compaction step), on the store
@@ -168,7 +175,9 @@ class ReplicaNode:
 
     async def start(self) -> None:
         """Starts the writer and the lease watch; the role comes from the coordinator."""
-        await asyncio.get_running_loop().run_in_executor(self._io, self._restore_gate)
+        self.gate = await asyncio.get_running_loop().run_in_executor(
+            self._io, self._gate_from_store, "start-up"
+        )
         self._writer = asyncio.create_task(self._write_loop(), name=f"writer-{self.node.id}")
         self._lease_task = asyncio.create_task(self._watch_lease(), name=f"lease-{self.node.id}")
         meta = self.store.meta()
@@ -180,16 +189,17 @@ class ReplicaNode:
             meta.last_lsn,
         )
 
-    def _restore_gate(self) -> None:
-        """At start-up (store thread): hides every publish above the recorded commit LSN,
-        from the installed snapshot's list and from the log."""
+    def _gate_from_store(self, why: str) -> CommitGate:
+        """A committed-reads gate for the store as it is (store thread): at the recorded
+        commit LSN, hiding every publish above it, from the installed snapshot's list
+        and from the log. Used at start-up and after an interrupted reorganization."""
         meta = self.store.meta()
         commit_lsn = meta.commit_lsn
         if commit_lsn is None or commit_lsn >= meta.last_lsn:
-            return
-        gate = self.gate
+            return CommitGate(meta.last_lsn if commit_lsn is None else commit_lsn)
+        gate = CommitGate(commit_lsn)
         gate.restore(self.store.snapshot_uncommitted())
-        next_lsn = max(commit_lsn, self._log_start_lsn - 1) + 1
+        next_lsn = max(commit_lsn, meta.log_start_lsn - 1) + 1
         # One step per _RESTORE_STEP_ENTRIES entries: bounded by the log's end.
         while next_lsn <= meta.last_lsn:
             entries = self.store.read_log(
@@ -198,16 +208,18 @@ class ReplicaNode:
             if not entries:
                 break
             for entry in entries:
-                self._track(entry)
+                _track(gate, entry)
             next_lsn = entries[-1].lsn + 1
         log.info(
-            "replica %s: LSNs %d..%d were not known committed when it stopped: %d publishes "
-            "hidden from reads until a master commits them",
+            "replica %s (%s): LSNs %d..%d are not known committed: %d publishes hidden from "
+            "reads until a master commits them",
             self.node.id,
+            why,
             commit_lsn + 1,
             meta.last_lsn,
             gate.tracked,
         )
+        return gate
 
     async def stop(self) -> None:
         """Stops the writer and fails anything still queued as indeterminate."""
@@ -506,7 +518,8 @@ class ReplicaNode:
                         self.store.append, entries, sync=sync, commit_lsn=source_commit_lsn
                     ),
                 )
-            except BaseException:
+            except Exception:
+                # (Cancelled: the store thread may still append; _cancel_taking rebuilds.)
                 self.gate.truncated(self.store.meta().last_lsn)
                 raise
             self._last_lsn = entries[-1].lsn
@@ -819,6 +832,17 @@ class ReplicaNode:
         )
         taking.task.cancel()
         await asyncio.wait({taking.task})
+        # A cancelled await does not stop the store thread: what it was doing finishes
+        # before this job runs, so the log no longer grows once this returns (a
+        # deactivation's report says so), and the gate is rebuilt from what was stored.
+        self.gate = await asyncio.get_running_loop().run_in_executor(
+            self._io, self._gate_from_store, "reorganization interrupted"
+        )
+        meta = self.store.meta()
+        self._last_lsn = meta.last_lsn
+        self._log_start_lsn = self.store.log_start_lsn()
+        self._commit_recorded = self.gate.commit_lsn
+        self._notify_committed()
 
     def _renew_lease(self, lease_ms: int) -> None:
         self._lease_until_ms = self.clock.monotonic_ms() + lease_ms if lease_ms else 0
@@ -1235,9 +1259,7 @@ class ReplicaNode:
 
     def _track(self, entry: replica_pb2.LogEntry) -> None:
         """Hides an uncommitted publish from committed reads until it commits."""
-        operation = replica_pb2.Operation.FromString(entry.operation)
-        if operation.WhichOneof("op") == "publish":
-            self.gate.appended(entry.lsn, operation.publish.topic, operation.publish.first_offset)
+        _track(self.gate, entry)
 
     async def fetch_log(
         self, request: replica_pb2.FetchLogRequest
@@ -1636,6 +1658,13 @@ class _Diverged(Exception):
     def __init__(self, fork_lsn: int) -> None:
         super().__init__(f"diverges after LSN {fork_lsn}")
         self.fork_lsn = fork_lsn
+
+
+def _track(gate: CommitGate, entry: replica_pb2.LogEntry) -> None:
+    """Tracks an entry's publish (if it is one) in gate."""
+    operation = replica_pb2.Operation.FromString(entry.operation)
+    if operation.WhichOneof("op") == "publish":
+        gate.appended(entry.lsn, operation.publish.topic, operation.publish.first_offset)
 
 
 def _compact_step(retention_entries: int) -> int:
