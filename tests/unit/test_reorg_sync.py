@@ -12,6 +12,7 @@ over a store with entries above its recorded commit LSN hides them from reads.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -71,36 +72,45 @@ def _op(**fields: object) -> replica_pb2.Operation:
     return replica_pb2.Operation(**fields)  # type: ignore[arg-type]
 
 
-def _publish(lsn: int, offset: int, count: int, size: int = 1000) -> replica_pb2.LogEntry:
+def _publish(
+    lsn: int, offset: int, count: int, size: int = 1000, epoch: int = 1
+) -> replica_pb2.LogEntry:
     events = [common_pb2.EventData(payload=bytes([65 + i % 26]) * size) for i in range(count)]
     op = _op(publish=replica_pb2.PublishOp(topic="t", first_offset=offset, events=events))
-    return make_entry(lsn, 1, op)
+    return make_entry(lsn, epoch, op)
 
 
-def _source_store() -> Store:
-    """Epoch 1: a topic and 200 KB of events in 40 entries, the log compacted to LSN 30
-    and all of it committed: a new master with an empty log needs a snapshot."""
+def _source_store(*, epoch: int = 1, commit_lsn: int = 42) -> Store:
+    """A topic and 200 KB of events in 40 entries (LSNs 3..42) of one epoch, the log
+    compacted to LSN 30: a new master with an empty log needs a snapshot."""
     store = Store.open_memory()
-    start = _op(epoch_start=replica_pb2.EpochStartOp(epoch=1, master_id="n2"))
+    start = _op(epoch_start=replica_pb2.EpochStartOp(epoch=epoch, master_id="n2"))
     create = _op(create_topic=replica_pb2.CreateTopicOp(name="t"))
-    entries = [make_entry(1, 1, start), make_entry(2, 1, create)]
-    entries += [_publish(3 + i, 5 * i, 5) for i in range(40)]
-    store.append(entries, sync=False, commit_lsn=42)
+    entries = [make_entry(1, epoch, start), make_entry(2, epoch, create)]
+    entries += [_publish(3 + i, 5 * i, 5, epoch=epoch) for i in range(40)]
+    store.append(entries, sync=False, commit_lsn=commit_lsn)
     store.set_cluster_id("cluster-1")
-    store.set_epoch(1)
+    store.set_epoch(epoch)
     store.compact_log(30)
     return store
 
 
 def _command(
-    role: int, epoch: int, seq: int, *, master: str = "", source: str = ""
+    role: int,
+    epoch: int,
+    seq: int,
+    *,
+    master: str = "",
+    source: str = "",
+    others: tuple[str, ...] = (),
 ) -> replica_pb2.RoleCommand:
     command = replica_pb2.RoleCommand(
         role=role, epoch=epoch, sync_source_id=source, seq=seq, reason="test"
     )
     if master:
         command.master.node_id = master
-        command.members.add(node_id=master)
+        for member in (master, *others):
+            command.members.add(node_id=member)
     return command
 
 
@@ -252,5 +262,52 @@ def test_a_started_replica_hides_what_it_never_knew_committed(tmp_path: Path) ->
             assert node.store.read_events("t", 195, 20)[-1].offset == 209  # stored, hidden
         finally:
             await node.stop()
+
+    _run(test, tmp_path)
+
+
+def test_a_new_master_sharing_no_entry_with_its_source_is_rebuilt_by_snapshot(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """n1 holds LSNs 1..3 of epoch 1 that nobody else has; its sync source n2 holds epoch
+    2 from LSN 1. The logs part before LSN 1, which truncate_after_lsn cannot say: n2
+    sends a snapshot. n2 knew only LSNs up to 40 committed, so n1 hides the events of
+    LSNs 41 and 42 until its own commit LSN passes them (never here: n3, whose ack a
+    commit needs, is not running)."""
+
+    caplog.set_level(logging.INFO, logger="squall.replica")
+
+    async def test(config: ClusterConfig) -> None:
+        source = ReplicaNode(config, config.node("n2"), _source_store(epoch=2, commit_lsn=40))
+        await source.start()
+        server = await _serve(config, source)
+        own = Store.open_memory()
+        start = _op(epoch_start=replica_pb2.EpochStartOp(epoch=1, master_id="n1"))
+        create = _op(create_topic=replica_pb2.CreateTopicOp(name="t"))
+        own.append(
+            [make_entry(1, 1, start), make_entry(2, 1, create), _publish(3, 0, 2, 10)],
+            sync=False,
+            commit_lsn=0,
+        )
+        own.set_cluster_id("cluster-1")
+        node = ReplicaNode(config, config.node("n1"), own)
+        await node.start()
+        try:
+            take = _command(common_pb2.ROLE_MASTER, 3, 1, master="n1", source="n2", others=("n3",))
+
+            async def taken() -> bool:
+                await node.apply_role(take)
+                return node.role == common_pb2.ROLE_MASTER
+
+            await _until(taken, "n1 took the master role")
+            meta = node.store.meta()
+            assert [(b.epoch, b.start_lsn) for b in meta.history] == [(2, 1), (3, 43)]
+            assert node.store.read_events("t", 0, 1000) == source.store.read_events("t", 0, 1000)
+            assert (node.commit_lsn, node.visible_end("t")) == (40, 5 * 38)
+            assert "a snapshot (its log shares no entry with this one)" in caplog.text
+        finally:
+            await node.stop()
+            await server.stop()
+            await source.stop()
 
     _run(test, tmp_path)
