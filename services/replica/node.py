@@ -153,6 +153,7 @@ class ReplicaNode:
         # A master role being taken in the background (its reorganization sync), and the
         # attempt count of the latest sync per epoch.
         self._taking: Taking | None = None
+        self._stopping: asyncio.Task[None] | None = None  # an abandoned taking winding down
         self._sync_attempts: tuple[int, int] = (0, 0)
         self._answer_wait_s = answer_wait_s(
             config.timeouts.heartbeat_interval_ms, config.timeouts.rpc_timeout_ms
@@ -697,6 +698,7 @@ class ReplicaNode:
 
     async def _apply_role(self, command: replica_pb2.RoleCommand) -> Taking | None:
         """Applies a role command; returns the task taking a master role, if any."""
+        await self._wait_stopped()
         role = command.role
         if role not in (common_pb2.ROLE_MASTER, common_pb2.ROLE_SLAVE, common_pb2.ROLE_INACTIVE):
             raise ServiceError(Code.INVALID_ARGUMENT, f"unknown role {role}")
@@ -831,6 +833,18 @@ class ReplicaNode:
             why,
         )
         taking.task.cancel()
+        # Its own task: a caller cancelled meanwhile (a SetRole past its deadline) must not
+        # cut it short; the next role command waits for it (_wait_stopped).
+        self._stopping = asyncio.get_running_loop().create_task(self._stopped(taking))
+        await self._wait_stopped()
+
+    async def _wait_stopped(self) -> None:
+        """Waits until an abandoned master role's task and its store work have stopped."""
+        stopping = self._stopping
+        if stopping is not None:
+            await asyncio.shield(stopping)
+
+    async def _stopped(self, taking: Taking) -> None:
         await asyncio.wait({taking.task})
         # A cancelled await does not stop the store thread: what it was doing finishes
         # before this job runs, so the log no longer grows once this returns (a
@@ -912,7 +926,9 @@ class ReplicaNode:
     async def deactivate(self, reason: str) -> None:
         """Stops serving writes and replication; returns once no write is in progress."""
         taking = self._taking
-        if taking is not None and taking.task is not asyncio.current_task():
+        if taking is None:
+            await self._wait_stopped()
+        elif taking.task is not asyncio.current_task():
             await self._cancel_taking(f"deactivated: {reason}")
         was = self.role
         self._role_epoch_floor = max(self._role_epoch_floor, self.epoch)
