@@ -110,6 +110,9 @@ class TimeoutsConfig:
     push_deliver_timeout_ms: int = 5000
     push_retry_backoff_initial_ms: int = 100
     push_retry_backoff_max_ms: int = 5000
+    # Test-only: a replica serving a reorganization snapshot waits this long before each
+    # chunk, so tests can make a sync outlast rpc_timeout_ms. 0 (no wait) in production.
+    snapshot_chunk_delay_ms: int = 0
 
 
 @dataclass(frozen=True)
@@ -634,6 +637,7 @@ _TIMEOUT_BOUNDS_MS: Mapping[str, tuple[int, int]] = {
     "push_deliver_timeout_ms": (10, 600_000),
     "push_retry_backoff_initial_ms": (1, 600_000),
     "push_retry_backoff_max_ms": (1, 600_000),
+    "snapshot_chunk_delay_ms": (0, 60_000),
 }
 
 

@@ -67,6 +67,8 @@ _PEER_INFLIGHT_MAX = 16
 # Watchers of the group view each get a bounded queue; a watcher this far behind is
 # only ever interested in the newest view.
 _WATCH_QUEUE_MAX = 16
+# A replica's reorganization progress is logged at most this often.
+_SYNC_LOG_INTERVAL_MS = 1000
 # Reconnect quickly to a peer that restarts: failover time depends on it.
 _FAST_RECONNECT = [
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -124,6 +126,7 @@ class CoordinatorNode:
         # The replica drops its role if the coordinator stops renewing it for this long.
         self._lease_ms = config.timeouts.member_timeout_ms
         self._renew_s = config.timeouts.heartbeat_interval_ms / 1000
+        self._sync_noted_ms = 0
 
     @staticmethod
     def _group_id() -> str:
@@ -303,6 +306,8 @@ class CoordinatorNode:
                 await self._pause_role_loop()
                 continue
             self._note_fault(state.state)
+            if state.state.HasField("reorganization"):
+                self._note_sync(state.state.reorganization)
             if command is not applied and command.kind is RoleCommandKind.DEACTIVATE:
                 # The replica has stopped: its log no longer grows, so this report may
                 # name a sync source or answer an invitation.
@@ -310,6 +315,28 @@ class CoordinatorNode:
                 self.apply(self.election.replica_report(report, self._now()))
             applied = command
             await self._pause_role_loop()
+
+    def _note_sync(self, progress: replica_pb2.ReorganizationProgress) -> None:
+        """The replica answered a master role before taking it: its reorganization sync
+        outlives the call and goes on; each renewal asks again. Logged every few seconds."""
+        now = self._now()
+        if now < self._sync_noted_ms:
+            return
+        self._sync_noted_ms = now + _SYNC_LOG_INTERVAL_MS
+        log.info(
+            "coordinator %s: replica still syncing for epoch %d: %s from %s, %d entries, "
+            "snapshot at LSN %d: %d chunks, %d records, %d ms (attempt %d)",
+            self.node.id,
+            progress.epoch,
+            progress.phase,
+            progress.sync_source_id,
+            progress.entries_fetched,
+            progress.snapshot_lsn,
+            progress.snapshot_chunks,
+            progress.snapshot_records,
+            progress.elapsed_ms,
+            progress.attempt,
+        )
 
     def _recover(self, reason: str) -> None:
         """Any error sends the node back to a group of its own (IceStorm's recovery)."""

@@ -49,6 +49,7 @@ from services.replica.commands import Planned
 from services.replica.replication import (
     Actions,
     RejectCode,
+    ReplicationError,
     ReplicationMaster,
     SendGrant,
     SlaveProgress,
@@ -164,8 +165,11 @@ class MasterDriver:
         io: concurrent.futures.Executor,
         commit_lock: asyncio.Lock,
         log_start_lsn: int = 1,
+        stamp_snapshot: Callable[[replica_pb2.SnapshotChunk], None] | None = None,
     ) -> None:
-        """``io``: the store thread; ``commit_lock``: held by the writer while it appends."""
+        """``io``: the store thread; ``commit_lock``: held by the writer while it appends;
+        ``stamp_snapshot``: adds the commit LSN and what the snapshot holds above it to a
+        snapshot's last chunk (the node's committed-reads gate knows)."""
         self.config = config
         self.node = node
         self.core = core
@@ -177,6 +181,7 @@ class MasterDriver:
         self._io = io
         self._commit_lock = commit_lock
         self.log_start_lsn = log_start_lsn
+        self._stamp_snapshot = stamp_snapshot
         self._room = asyncio.Event()
         self._room.set()
         self._tail: deque[replica_pb2.LogEntry] = deque(maxlen=_TAIL_CACHE_ENTRIES_MAX)
@@ -361,15 +366,12 @@ class MasterDriver:
         actions = self.core.on_sent(grant.node_id, grant.stream_id, last, batch_size_bytes(kept))
         truncate = grant.truncate_after_lsn
         if truncate == 0:
-            # The wire cannot say "truncate everything" (0 means no truncation): the two
-            # logs share no entry at all. That slave's store needs manual recovery.
-            message = (
-                f"master {self.node.id} epoch {self.core.epoch}: node {grant.node_id}'s log "
-                f"shares no entry with this master's; empty its store to let it rejoin"
+            # The wire cannot say "truncate everything" (0 means no truncation); the core
+            # sends a log that shares no entry with ours a snapshot instead.
+            raise ReplicationError(
+                f"a grant to truncate node {grant.node_id}'s whole log (the core sends a "
+                "snapshot for a fork at LSN 0)"
             )
-            log.error("replica %s: %s", self.node.id, message)
-            self._close_stream(grant.node_id, grant.stream_id, message)
-            return actions
         link.outbox.put_nowait(
             replica_pb2.ReplicateRequest(
                 entries=replica_pb2.EntryBatch(
@@ -422,6 +424,8 @@ class MasterDriver:
                 chunk.snapshot_lsn,
             )
             for count in range(1, SNAPSHOT_CHUNKS_MAX + 1):
+                if chunk.last and self._stamp_snapshot is not None:
+                    self._stamp_snapshot(chunk)
                 sent_bytes += chunk.ByteSize()
                 link.outbox.put_nowait(replica_pb2.ReplicateRequest(snapshot=chunk))
                 await link.outbox.join()  # the stream took it: one chunk in memory at a time

@@ -410,7 +410,7 @@ class ReplicaControl(replica_pb2_grpc.ReplicaControlServicer):
 
     def _state(self) -> replica_pb2.ReplicaState:
         meta = self.node.store.meta()
-        return replica_pb2.ReplicaState(
+        state = replica_pb2.ReplicaState(
             node_id=self.node.node.id,
             cluster_id=meta.cluster_id,
             last_epoch=meta.last_epoch,
@@ -440,6 +440,10 @@ class ReplicaControl(replica_pb2_grpc.ReplicaControlServicer):
             fault_id=self.node.fault.fault_id if self.node.fault else "",
             fault_reason=self.node.fault.reason if self.node.fault else "",
         )
+        progress = self.node.reorganization_progress()
+        if progress is not None:
+            state.reorganization.CopyFrom(progress)
+        return state
 
     async def GetReplicaState(
         self, request: replica_pb2.GetReplicaStateRequest, context: Context

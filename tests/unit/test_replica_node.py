@@ -37,10 +37,10 @@ class _FailingStore(Store):
 
     broken = False
 
-    def append(self, entries, *, sync):  # type: ignore[no-untyped-def]
+    def append(self, entries, *, sync, commit_lsn=None):  # type: ignore[no-untyped-def]
         if self.broken:
             raise StoreWriteError("I/O error (simulated failing disk)")
-        super().append(entries, sync=sync)
+        super().append(entries, sync=sync, commit_lsn=commit_lsn)
 
 
 async def _acks(node: ReplicaNode, stream: int, batch: replica_pb2.EntryBatch) -> list[object]:

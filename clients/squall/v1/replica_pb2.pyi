@@ -425,9 +425,11 @@ class EntryBatch(_message.Message):
     TRUNCATE_AFTER_LSN_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
     commit_lsn: _builtins.int
-    """The master's commit LSN."""
+    """The master's commit LSN (in a FetchLog answer: the sync source's)."""
     truncate_after_lsn: _builtins.int
-    """Truncate the slave's log after this LSN before appending (0: no truncation)."""
+    """Truncate the slave's log after this LSN before appending (0: no truncation; a log
+    that shares no entry with the master's gets a snapshot instead).
+    """
     epoch: _builtins.int
     """The epoch of the master sending it."""
     @_builtins.property
@@ -462,6 +464,8 @@ class SnapshotChunk(_message.Message):
     SNAPSHOT_LSN_FIELD_NUMBER: _builtins.int
     SNAPSHOT_EPOCH_FIELD_NUMBER: _builtins.int
     HISTORY_FIELD_NUMBER: _builtins.int
+    COMMIT_LSN_FIELD_NUMBER: _builtins.int
+    UNCOMMITTED_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """Which chunk, from 0."""
     last: _builtins.bool
@@ -470,6 +474,11 @@ class SnapshotChunk(_message.Message):
     """The LSN and epoch the snapshot reflects (set on every chunk)."""
     snapshot_epoch: _builtins.int
     """The epoch of the last entry included."""
+    commit_lsn: _builtins.int
+    """The sender's commit LSN when it sent the last chunk (set on the last chunk). The
+    snapshot's state may include entries above it, not yet committed: the receiver hides
+    their events from committed reads (see `uncommitted`) until the commit LSN passes.
+    """
     @_builtins.property
     def records(self) -> _containers.RepeatedCompositeFieldContainer[Global___SnapshotRecord]:
         """Key/value records of the store's state databases."""
@@ -477,6 +486,13 @@ class SnapshotChunk(_message.Message):
     @_builtins.property
     def history(self) -> _containers.RepeatedCompositeFieldContainer[Global___EpochBoundary]:
         """The epoch history up to the snapshot (set on the last chunk)."""
+
+    @_builtins.property
+    def uncommitted(self) -> _containers.RepeatedCompositeFieldContainer[Global___UncommittedPublish]:
+        """Per topic, the publishes the snapshot includes above commit_lsn (set on the last
+        chunk): committed reads on the receiver serve none of that topic's events from
+        first_offset on until the commit LSN reaches last_lsn.
+        """
 
     def __init__(
         self,
@@ -487,10 +503,12 @@ class SnapshotChunk(_message.Message):
         snapshot_lsn: _builtins.int = ...,
         snapshot_epoch: _builtins.int = ...,
         history: _abc.Iterable[Global___EpochBoundary] | None = ...,
+        commit_lsn: _builtins.int = ...,
+        uncommitted: _abc.Iterable[Global___UncommittedPublish] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["history", b"history", "index", b"index", "last", b"last", "records", b"records", "snapshot_epoch", b"snapshot_epoch", "snapshot_lsn", b"snapshot_lsn"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit_lsn", b"commit_lsn", "history", b"history", "index", b"index", "last", b"last", "records", b"records", "snapshot_epoch", b"snapshot_epoch", "snapshot_lsn", b"snapshot_lsn", "uncommitted", b"uncommitted"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -613,6 +631,11 @@ class FetchLogResponse(_message.Message):
 
     ENTRIES_FIELD_NUMBER: _builtins.int
     SNAPSHOT_FIELD_NUMBER: _builtins.int
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    cluster_id: _builtins.str
+    """The source's cluster id: a requester with an empty store adopts it, as a slave
+    adopts its master's from the Hello.
+    """
     @_builtins.property
     def entries(self) -> Global___EntryBatch:
         """Consecutive entries (the first message may carry only truncate_after_lsn)."""
@@ -626,10 +649,11 @@ class FetchLogResponse(_message.Message):
         *,
         entries: Global___EntryBatch | None = ...,
         snapshot: Global___SnapshotChunk | None = ...,
+        cluster_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "entries", b"entries", "snapshot", b"snapshot"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "entries", b"entries", "snapshot", b"snapshot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cluster_id", b"cluster_id", "entries", b"entries", "snapshot", b"snapshot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["entries", "snapshot"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
@@ -780,6 +804,7 @@ class ReplicaState(_message.Message):
     LOG_START_LSN_FIELD_NUMBER: _builtins.int
     FAULT_ID_FIELD_NUMBER: _builtins.int
     FAULT_REASON_FIELD_NUMBER: _builtins.int
+    REORGANIZATION_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The replica's node id."""
     cluster_id: _builtins.str
@@ -815,6 +840,12 @@ class ReplicaState(_message.Message):
     def slaves(self) -> _containers.RepeatedCompositeFieldContainer[Global___SlaveProgress]:
         """On a master: each member slave's replication progress, by node id (empty otherwise)."""
 
+    @_builtins.property
+    def reorganization(self) -> Global___ReorganizationProgress:
+        """While a master role waits for its reorganization sync (the fetch from the sync source
+        outlives the SetRole call): how far it got. Unset otherwise.
+        """
+
     def __init__(
         self,
         *,
@@ -833,10 +864,11 @@ class ReplicaState(_message.Message):
         log_start_lsn: _builtins.int = ...,
         fault_id: _builtins.str = ...,
         fault_reason: _builtins.str = ...,
+        reorganization: Global___ReorganizationProgress | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["reorganization", b"reorganization"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "command_seq", b"command_seq", "commit_lsn", b"commit_lsn", "epoch", b"epoch", "fault_id", b"fault_id", "fault_reason", b"fault_reason", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "log_start_lsn", b"log_start_lsn", "master_id", b"master_id", "node_id", b"node_id", "role", b"role", "shutdown_id", b"shutdown_id", "slaves", b"slaves", "store_state", b"store_state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "command_seq", b"command_seq", "commit_lsn", b"commit_lsn", "epoch", b"epoch", "fault_id", b"fault_id", "fault_reason", b"fault_reason", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "log_start_lsn", b"log_start_lsn", "master_id", b"master_id", "node_id", b"node_id", "reorganization", b"reorganization", "role", b"role", "shutdown_id", b"shutdown_id", "slaves", b"slaves", "store_state", b"store_state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1155,3 +1187,93 @@ class PrepareHandoffResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PrepareHandoffResponse: _TypeAlias = PrepareHandoffResponse  # noqa: Y015
+
+@_typing.final
+class UncommittedPublish(_message.Message):
+    """Events of one topic a snapshot holds above the sender's commit LSN
+    (SnapshotChunk.uncommitted).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    FIRST_OFFSET_FIELD_NUMBER: _builtins.int
+    LAST_LSN_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    """The topic."""
+    first_offset: _builtins.int
+    """The first offset of the topic's earliest uncommitted publish in the snapshot."""
+    last_lsn: _builtins.int
+    """The LSN of the topic's latest uncommitted publish in the snapshot: once the commit
+    LSN reaches it, all of them are committed.
+    """
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+        first_offset: _builtins.int = ...,
+        last_lsn: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_offset", b"first_offset", "last_lsn", b"last_lsn", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UncommittedPublish: _TypeAlias = UncommittedPublish  # noqa: Y015
+
+@_typing.final
+class ReorganizationProgress(_message.Message):
+    """A new master's reorganization sync in progress (ReplicaState.reorganization). The
+    replica takes the master role only once it holds the sync source's state; meanwhile
+    SetRole answers at once with this progress and writes are refused as UNAVAILABLE.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    SYNC_SOURCE_ID_FIELD_NUMBER: _builtins.int
+    PHASE_FIELD_NUMBER: _builtins.int
+    ENTRIES_FETCHED_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_LSN_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_CHUNKS_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_RECORDS_FIELD_NUMBER: _builtins.int
+    ELAPSED_MS_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    """The epoch the replica is to be master of."""
+    sync_source_id: _builtins.str
+    """The node it fetches from."""
+    phase: _builtins.str
+    """What it is doing: "fetching log", "truncating", "installing snapshot"."""
+    entries_fetched: _builtins.int
+    """Log entries fetched and stored so far."""
+    snapshot_lsn: _builtins.int
+    """The LSN of the snapshot being installed (0: none)."""
+    snapshot_chunks: _builtins.int
+    """Snapshot chunks and records installed so far."""
+    snapshot_records: _builtins.int
+    elapsed_ms: _builtins.int
+    """Milliseconds since the sync began."""
+    attempt: _builtins.int
+    """Attempts so far (a fetch that fails with UNAVAILABLE is retried on the next SetRole)."""
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.int = ...,
+        sync_source_id: _builtins.str = ...,
+        phase: _builtins.str = ...,
+        entries_fetched: _builtins.int = ...,
+        snapshot_lsn: _builtins.int = ...,
+        snapshot_chunks: _builtins.int = ...,
+        snapshot_records: _builtins.int = ...,
+        elapsed_ms: _builtins.int = ...,
+        attempt: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "elapsed_ms", b"elapsed_ms", "entries_fetched", b"entries_fetched", "epoch", b"epoch", "phase", b"phase", "snapshot_chunks", b"snapshot_chunks", "snapshot_lsn", b"snapshot_lsn", "snapshot_records", b"snapshot_records", "sync_source_id", b"sync_source_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReorganizationProgress: _TypeAlias = ReorganizationProgress  # noqa: Y015

@@ -68,9 +68,11 @@ class ReplicationServicer:
         logs part and streams its entries after that point; the first batch's
         truncate_after_lsn is set when the requester holds a suffix the source does not.
         When the requester cannot truncate by replaying its log (its log_start_lsn is above
-        1) or lacks entries below the source's log start, the source answers with a snapshot
-        instead (its chunks, from one read transaction), then the log after the snapshot's
-        LSN as entries. FAILED_PRECONDITION when the source is a master (its log still
+        1), its log shares no entry with the source's (a fork at LSN 0, which
+        truncate_after_lsn cannot express), or it lacks entries below the source's log start,
+        the source answers with a snapshot instead (its chunks, from one read transaction),
+        then the log after the snapshot's LSN as entries. Every entry batch carries the
+        source's commit LSN. FAILED_PRECONDITION when the source is a master (its log still
         grows), belongs to another cluster, or holds a newer epoch than the request.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -198,7 +200,10 @@ class ReplicaControlServicer:
 
     def SetRole(self, request, context):
         """Tells the replica which role to take in which epoch. FAILED_PRECONDITION for an
-        epoch older than the replica's current one.
+        epoch older than the replica's current one. A master role whose reorganization sync
+        takes longer than a heartbeat interval is answered before it is taken: the state
+        then has role INACTIVE and `reorganization` set; the sync goes on in the background,
+        and repeating the same command reports its progress (or the error that ended it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -48,9 +48,11 @@ class ReplicationStub:
     logs part and streams its entries after that point; the first batch's
     truncate_after_lsn is set when the requester holds a suffix the source does not.
     When the requester cannot truncate by replaying its log (its log_start_lsn is above
-    1) or lacks entries below the source's log start, the source answers with a snapshot
-    instead (its chunks, from one read transaction), then the log after the snapshot's
-    LSN as entries. FAILED_PRECONDITION when the source is a master (its log still
+    1), its log shares no entry with the source's (a fork at LSN 0, which
+    truncate_after_lsn cannot express), or it lacks entries below the source's log start,
+    the source answers with a snapshot instead (its chunks, from one read transaction),
+    then the log after the snapshot's LSN as entries. Every entry batch carries the
+    source's commit LSN. FAILED_PRECONDITION when the source is a master (its log still
     grows), belongs to another cluster, or holds a newer epoch than the request.
     """
 
@@ -71,9 +73,11 @@ class ReplicationAsyncStub(ReplicationStub):
     logs part and streams its entries after that point; the first batch's
     truncate_after_lsn is set when the requester holds a suffix the source does not.
     When the requester cannot truncate by replaying its log (its log_start_lsn is above
-    1) or lacks entries below the source's log start, the source answers with a snapshot
-    instead (its chunks, from one read transaction), then the log after the snapshot's
-    LSN as entries. FAILED_PRECONDITION when the source is a master (its log still
+    1), its log shares no entry with the source's (a fork at LSN 0, which
+    truncate_after_lsn cannot express), or it lacks entries below the source's log start,
+    the source answers with a snapshot instead (its chunks, from one read transaction),
+    then the log after the snapshot's LSN as entries. Every entry batch carries the
+    source's commit LSN. FAILED_PRECONDITION when the source is a master (its log still
     grows), belongs to another cluster, or holds a newer epoch than the request.
     """
 
@@ -103,9 +107,11 @@ class ReplicationServicer(metaclass=_abc_1.ABCMeta):
         logs part and streams its entries after that point; the first batch's
         truncate_after_lsn is set when the requester holds a suffix the source does not.
         When the requester cannot truncate by replaying its log (its log_start_lsn is above
-        1) or lacks entries below the source's log start, the source answers with a snapshot
-        instead (its chunks, from one read transaction), then the log after the snapshot's
-        LSN as entries. FAILED_PRECONDITION when the source is a master (its log still
+        1), its log shares no entry with the source's (a fork at LSN 0, which
+        truncate_after_lsn cannot express), or it lacks entries below the source's log start,
+        the source answers with a snapshot instead (its chunks, from one read transaction),
+        then the log after the snapshot's LSN as entries. Every entry batch carries the
+        source's commit LSN. FAILED_PRECONDITION when the source is a master (its log still
         grows), belongs to another cluster, or holds a newer epoch than the request.
         """
 
@@ -122,7 +128,10 @@ class ReplicaControlStub:
     """Reports what the election needs: cluster id, last log position and store state."""
     SetRole: _grpc.UnaryUnaryMultiCallable[_replica_pb2.RoleCommand, _replica_pb2.RoleCommandResponse]
     """Tells the replica which role to take in which epoch. FAILED_PRECONDITION for an
-    epoch older than the replica's current one.
+    epoch older than the replica's current one. A master role whose reorganization sync
+    takes longer than a heartbeat interval is answered before it is taken: the state
+    then has role INACTIVE and `reorganization` set; the sync goes on in the background,
+    and repeating the same command reports its progress (or the error that ended it).
     """
     PrepareHandoff: _grpc.UnaryUnaryMultiCallable[_replica_pb2.PrepareHandoffRequest, _replica_pb2.PrepareHandoffResponse]
     """Before a leadership transfer: the master stops taking new writes, lets the writes it
@@ -142,7 +151,10 @@ class ReplicaControlAsyncStub(ReplicaControlStub):
     """Reports what the election needs: cluster id, last log position and store state."""
     SetRole: _aio.UnaryUnaryMultiCallable[_replica_pb2.RoleCommand, _replica_pb2.RoleCommandResponse]  # type: ignore[assignment]
     """Tells the replica which role to take in which epoch. FAILED_PRECONDITION for an
-    epoch older than the replica's current one.
+    epoch older than the replica's current one. A master role whose reorganization sync
+    takes longer than a heartbeat interval is answered before it is taken: the state
+    then has role INACTIVE and `reorganization` set; the sync goes on in the background,
+    and repeating the same command reports its progress (or the error that ended it).
     """
     PrepareHandoff: _aio.UnaryUnaryMultiCallable[_replica_pb2.PrepareHandoffRequest, _replica_pb2.PrepareHandoffResponse]  # type: ignore[assignment]
     """Before a leadership transfer: the master stops taking new writes, lets the writes it
@@ -171,7 +183,10 @@ class ReplicaControlServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_replica_pb2.RoleCommandResponse, _abc.Awaitable[_replica_pb2.RoleCommandResponse]]:
         """Tells the replica which role to take in which epoch. FAILED_PRECONDITION for an
-        epoch older than the replica's current one.
+        epoch older than the replica's current one. A master role whose reorganization sync
+        takes longer than a heartbeat interval is answered before it is taken: the state
+        then has role INACTIVE and `reorganization` set; the sync goes on in the background,
+        and repeating the same command reports its progress (or the error that ended it).
         """
 
     @_abc_1.abstractmethod
