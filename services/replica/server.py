@@ -19,6 +19,7 @@ from services.common.grpc_server import Context
 from services.replica import commands
 from services.replica.node import ReplicaNode
 from services.replica.store import CorruptRecordError, TopicInfo, UnknownTopicError
+from services.replica.telemetry import DeliveryWatch, PublishWatch
 from squall.v1 import (
     broker_pb2,
     broker_pb2_grpc,
@@ -179,11 +180,39 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
         self, request: broker_pb2.PublishRequest
     ) -> asyncio.Future[broker_pb2.PublishResponse]:
         """Begins one publish; the future resolves to its response once committed."""
+        observed = self.node.telemetry
+        if observed.active:
+            return self._start_watched(request, PublishWatch(observed, request, *self._where()))
         receipts = self.node.start_publish(request)
         request_id = request.request_id
 
         async def respond() -> broker_pb2.PublishResponse:
             return broker_pb2.PublishResponse(receipts=await receipts, request_id=request_id)
+
+        return asyncio.ensure_future(respond())
+
+    def _where(self) -> tuple[str, int]:
+        return self.node.node.id, self.node.epoch
+
+    def _start_watched(
+        self, request: broker_pb2.PublishRequest, watch: PublishWatch
+    ) -> asyncio.Future[broker_pb2.PublishResponse]:
+        """_start with the publish's spans and metrics."""
+        try:
+            receipts = self.node.start_publish(request, watch.traced)
+        except BaseException as exc:
+            watch.failed(exc)
+            raise
+        request_id = request.request_id
+
+        async def respond() -> broker_pb2.PublishResponse:
+            try:
+                got = await receipts
+            except BaseException as exc:
+                watch.failed(exc)
+                raise
+            watch.done(got)
+            return broker_pb2.PublishResponse(receipts=got, request_id=request_id)
 
         return asyncio.ensure_future(respond())
 
@@ -290,6 +319,11 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
             await abort(context, exc)
         transient = topic.kind == common_pb2.TOPIC_KIND_TRANSIENT
         end = request.end_offset
+        delivery = (
+            DeliveryWatch(node.telemetry, node.node.id, topic.name)
+            if node.telemetry.active
+            else None
+        )
         if not request.follow:
             # Committed reads: events above the commit LSN are not served yet.
             now_end = (
@@ -317,7 +351,12 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
                 await abort(context, exc)
             if events:
                 position = events[-1].offset + 1
-                yield broker_pb2.SubscribeResponse(events=events)
+                span = delivery.start(events) if delivery is not None else None
+                try:
+                    yield broker_pb2.SubscribeResponse(events=events)
+                finally:
+                    if span is not None:
+                        span.end()
                 continue
             if not request.follow:
                 return
