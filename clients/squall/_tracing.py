@@ -15,7 +15,7 @@ publish stream is one RPC, whatever it carries).
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -193,7 +193,3 @@ def traced_channel(
     """channel with the library's tracing interceptor."""
     return grpc.intercept_channel(channel, ClientTracing(tracer_provider))
 
-
-def attributes_of(mapping: Mapping[str, Any]) -> dict[str, Any]:
-    """Span attributes without the None values OpenTelemetry refuses."""
-    return {k: v for k, v in mapping.items() if v is not None}

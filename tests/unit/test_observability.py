@@ -92,16 +92,14 @@ def test_publish_is_one_trace_from_the_app_through_the_gateway_to_each_slaves_ac
             await cluster.elect("n1")
             await asyncio.to_thread(app)
             # The slower slave's ack may come after the publisher's: wait for both.
-            await _until(
-                lambda: len(otel.finished("replication.send")) >= 2, "both slaves acked"
-            )
+            await _until(lambda: len(otel.finished("replication.send")) >= 2, "both slaves acked")
             check_metrics()
         finally:
             await cluster.stop()
 
     def check_metrics() -> None:
         latency = _value(otel.points("squall.replica.commit.latency"), node="n1")
-        assert getattr(latency, "count") == 1 and getattr(latency, "sum") > 0
+        assert latency.count == 1 and latency.sum > 0
         assert _value(otel.points("squall.replica.events.in"), node="n1") == 3
         assert _value(otel.points("squall.replica.events.out"), node="n1") == 3
         lag = otel.points("squall.replica.replication.lag")
@@ -258,9 +256,7 @@ def test_with_telemetry_off_the_publish_path_builds_no_telemetry(
     assert asyncio.run(scenario()) == [b"a", b"b"]
 
 
-def test_coordinator_counts_its_election_and_reports_its_state(
-    otel: Otel, tmp_path: Path
-) -> None:
+def test_coordinator_counts_its_election_and_reports_its_state(otel: Otel, tmp_path: Path) -> None:
     config = cluster_config(tmp_path, ["n1"])
     node_config = config.node("n1")
     node_config.data_dir.mkdir(parents=True)
@@ -297,3 +293,29 @@ def test_coordinator_counts_its_election_and_reports_its_state(
     changes = otel.points("squall.coordinator.state.changes")
     assert _value(changes, node="n1", state="normal") == 1
     assert _value(otel.points("squall.replica.role.changes"), node="n1", role="master") == 1
+
+
+def test_replication_spans_end_at_the_ack_or_in_error_when_the_stream_breaks(otel: Otel) -> None:
+    tracer = otel.tracer_provider.get_tracer("test")
+    with tracer.start_as_current_span("publish") as publish:
+        write = publish.get_span_context()
+    spans = replica_telemetry.ReplicationTracer(tracer, "n1", epoch=4)
+    spans.sent("n2", 1, 5, 100)  # nothing traced in it: no span
+    spans.note([(7, write), (8, None)])
+    spans.sent("n2", 6, 8, 300)
+    spans.sent("n3", 6, 8, 300)
+    spans.acked("n2", received_lsn=8, durable_lsn=5)  # received, not yet written
+    assert otel.finished("replication.send") == []
+    spans.acked("n2", received_lsn=8, durable_lsn=8)
+    spans.closed("n3", "stream to n3 broke")
+    by_replica = {
+        (s.attributes or {})["squall.replica"]: s for s in otel.finished("replication.send")
+    }
+    acked, broken = by_replica["n2"], by_replica["n3"]
+    assert acked.parent is not None and acked.parent.span_id == write.span_id
+    assert (acked.attributes or {})["squall.acked_lsn"] == 8
+    assert [e.name for e in acked.events] == ["received"]
+    assert acked.status.status_code == trace.StatusCode.UNSET
+    assert broken.status.status_code == trace.StatusCode.ERROR
+    assert broken.status.description == "stream to n3 broke"
+    assert len(otel.finished("replication.send")) == 2
