@@ -3,6 +3,10 @@
 `connect()` opens one gRPC channel; everything a `Client` hands out (topics, publishers,
 subscriptions) shares it. The API is synchronous on purpose: apps and Spark executors
 call it from plain threads.
+
+Every call records an OpenTelemetry CLIENT span and sends its context (`traceparent`) to
+the gateway, through the app's tracer provider (the global one unless `tracer_provider`
+is given); an app that has not configured OpenTelemetry records and sends nothing.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
+from opentelemetry.trace import TracerProvider
 
 from squall._errors import (
     AlreadyExists,
@@ -42,6 +47,7 @@ from squall._retry import (
     RetryPolicy,
 )
 from squall._subscriber import Start, Subscription, subscribe_request
+from squall._tracing import traced_channel
 from squall._types import ClusterStatus, TopicInfo, kind_to_pb
 from squall.v1 import broker_pb2, broker_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 
@@ -77,12 +83,14 @@ def connect(
     retry_backoff_initial_ms: int = RETRY_BACKOFF_INITIAL_MS_DEFAULT,
     retry_backoff_max_ms: int = RETRY_BACKOFF_MAX_MS_DEFAULT,
     retry_total_ms_max: int = RETRY_TOTAL_MS_MAX_DEFAULT,
+    tracer_provider: TracerProvider | None = None,
 ) -> Client:
     """Opens a client to the gateway at `address` ("host:port"); use it as a context manager.
 
     The retry_* parameters bound how an indeterminate publish batch is retried (same
     names, meanings and defaults as the [retry] section of the cluster configuration);
     `retry_attempts_max=1` turns retrying off. ValueError names a value out of bounds.
+    `tracer_provider` records the client's spans (default: OpenTelemetry's global one).
     """
     retry = RetryPolicy(
         attempts_max=retry_attempts_max,
@@ -90,7 +98,13 @@ def connect(
         backoff_max_ms=retry_backoff_max_ms,
         total_ms_max=retry_total_ms_max,
     )
-    return Client(address, timeout_s=timeout_s, options=options, retry=retry)
+    return Client(
+        address,
+        timeout_s=timeout_s,
+        options=options,
+        retry=retry,
+        tracer_provider=tracer_provider,
+    )
 
 
 class Client:
@@ -103,6 +117,7 @@ class Client:
         timeout_s: float = 10.0,
         options: ChannelOptions | None = None,
         retry: RetryPolicy | None = None,
+        tracer_provider: TracerProvider | None = None,
     ) -> None:
         if not address:
             raise ValueError("address must be host:port, not empty")
@@ -113,7 +128,10 @@ class Client:
         self._address = address
         self._timeout_s = timeout_s
         self._options = list(options or ())
-        self._channel = grpc.insecure_channel(address, options=channel_options(options))
+        self._tracer_provider = tracer_provider
+        self._channel = traced_channel(
+            grpc.insecure_channel(address, options=channel_options(options)), tracer_provider
+        )
         self._topic_manager = broker_pb2_grpc.TopicManagerStub(self._channel)
         self._publisher_stub = broker_pb2_grpc.PublisherStub(self._channel)
         self._subscriber_stub = broker_pb2_grpc.SubscriberStub(self._channel)
@@ -256,9 +274,12 @@ class Client:
         if not endpoints:
             raise Unavailable(f"the publisher proxy for topic '{topic}' has no endpoints")
         options = self._options
+        tracer_provider = self._tracer_provider
 
         def make_channel(address: str) -> grpc.Channel:
-            return grpc.insecure_channel(address, options=channel_options(options))
+            return traced_channel(
+                grpc.insecure_channel(address, options=channel_options(options)), tracer_provider
+            )
 
         return ProxyBinding(endpoints, replicated=replicated, make_channel=make_channel)
 

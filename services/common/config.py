@@ -58,6 +58,8 @@ ACK_POLICY_NAMES: Mapping[str, common_pb2.AckPolicy.ValueType] = {
     "none": common_pb2.ACK_POLICY_NONE,
 }
 TELEMETRY_EXPORTERS = ("none", "console", "otlp", "prometheus")
+# Bind-only addresses (the Prometheus endpoint) may listen on every interface.
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOG_FORMATS = ("text", "json")
 
@@ -179,11 +181,25 @@ class DurabilityConfig:
 
 @dataclass(frozen=True)
 class TelemetryConfig:
-    """Where traces and metrics go."""
+    """Where traces and metrics go (docs/observability.md).
+
+    One file serves every service, and a node's coordinator and replica share a host, so
+    each kind of service has its own Prometheus port; 0 picks a free port and logs it.
+    """
 
     exporter: str = "none"
     otlp_endpoint: str = ""
-    prometheus_address: str = ""
+    prometheus_host: str = "127.0.0.1"
+    coordinator_prometheus_port: int = 0
+    replica_prometheus_port: int = 0
+    gateway_prometheus_port: int = 0
+    trace_sample_ratio: float = 1.0
+    metrics_interval_ms: int = 10000
+
+    def prometheus_port(self, service: str) -> int:
+        """The scrape port of one kind of service (coordinator, replica or gateway)."""
+        port: int = getattr(self, f"{service}_prometheus_port")
+        return port
 
 
 @dataclass(frozen=True)
@@ -323,6 +339,10 @@ _FIXED_KEYS: Mapping[tuple[str, str], str] = {
     ("limits", "max_topic_name_bytes"): (
         f"is fixed at {TOPIC_NAME_MAX_BYTES} by the name grammar and cannot be configured "
         "(see docs/configuration.md)"
+    ),
+    ("telemetry", "prometheus_address"): (
+        "was replaced by prometheus_host and one port per service (coordinator_prometheus_port, "
+        "replica_prometheus_port, gateway_prometheus_port; see docs/configuration.md)"
     ),
 }
 
@@ -761,7 +781,7 @@ def _validate_durability(durability: DurabilityConfig) -> None:
 
 
 def _validate_telemetry(telemetry: TelemetryConfig, listeners: dict[tuple[str, int], str]) -> None:
-    """The exporter is known and has what it needs."""
+    """The exporter is known, its settings are in range, and no scrape port clashes."""
     _check_choice(telemetry.exporter, "telemetry.exporter", TELEMETRY_EXPORTERS)
     _check_str(telemetry.otlp_endpoint, "telemetry.otlp_endpoint")
     if any(char.isspace() for char in telemetry.otlp_endpoint):
@@ -769,13 +789,37 @@ def _validate_telemetry(telemetry: TelemetryConfig, listeners: dict[tuple[str, i
             f"telemetry.otlp_endpoint: must not contain whitespace, "
             f"got {_show(telemetry.otlp_endpoint)}"
         )
-    _check_str(telemetry.prometheus_address, "telemetry.prometheus_address")
-    if telemetry.exporter == "prometheus" and not telemetry.prometheus_address:
+    host = telemetry.prometheus_host
+    _check_str(host, "telemetry.prometheus_host")
+    wildcard = host in _WILDCARD_HOSTS
+    if not wildcard:
+        try:
+            parse_address(f"{host}:1")
+        except ValueError as error:
+            raise ConfigError(f"telemetry.prometheus_host: {error}, got {_show(host)}") from None
+    ports: dict[int, str] = {}
+    for service in ("coordinator", "replica", "gateway"):
+        field_name = f"telemetry.{service}_prometheus_port"
+        port = telemetry.prometheus_port(service)
+        _check_int(port, field_name, 0, 65535)
+        if port == 0:
+            continue  # picked at start-up, logged
+        if port in ports:
+            # A node's coordinator and replica share a host, so their ports must differ.
+            raise ConfigError(f"{field_name}: {port} is already {ports[port]}")
+        ports[port] = field_name
+        for (listener_host, listener_port), owner in listeners.items():
+            if listener_port == port and (wildcard or listener_host == host.lower()):
+                raise ConfigError(
+                    f"{field_name}: port {port} on {host} is already used by {owner}"
+                )
+    ratio = telemetry.trace_sample_ratio
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
         raise ConfigError(
-            "telemetry.prometheus_address: required when telemetry.exporter is 'prometheus', got ''"
+            "telemetry.trace_sample_ratio: must be a number from 0 to 1 (the share of new "
+            f"traces recorded), got {_describe(ratio)}"
         )
-    if telemetry.prometheus_address:
-        _claim_address(telemetry.prometheus_address, "telemetry.prometheus_address", listeners)
+    _check_int(telemetry.metrics_interval_ms, "telemetry.metrics_interval_ms", 100, 3_600_000)
 
 
 def _validate_logging(logging_config: LogConfig) -> None:

@@ -20,6 +20,7 @@ import grpc
 from services.common.clock import Clock, SystemClock
 from services.common.config import ClusterConfig, NodeConfig
 from services.common.grpc_server import channel_options
+from services.common.telemetry import Telemetry, current
 from services.coordinator import codec, handoff
 from services.coordinator.election import Election, ElectionConfig
 from services.coordinator.messages import (
@@ -35,6 +36,7 @@ from services.coordinator.messages import (
     StoreState,
 )
 from services.coordinator.persist import STATE_FILE_NAME, load_state, save_state
+from services.coordinator.telemetry import CoordinatorObserver
 from squall.v1 import (
     common_pb2,
     coordinator_pb2,
@@ -93,10 +95,20 @@ def election_config(config: ClusterConfig, node_id: str) -> ElectionConfig:
 class CoordinatorNode:
     """One node's coordinator: drives the Election with real time, disk and network."""
 
-    def __init__(self, config: ClusterConfig, node: NodeConfig, clock: Clock | None = None) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        node: NodeConfig,
+        clock: Clock | None = None,
+        *,
+        observability: Telemetry | None = None,
+    ) -> None:
         self.config = config
         self.node = node
         self.clock = clock or SystemClock()
+        observed = observability or current()
+        # State and election counters (services.coordinator.telemetry); None while off.
+        self._observer = CoordinatorObserver(observed, node.id) if observed.metering else None
         self.state_path: Path = node.data_dir / STATE_FILE_NAME
         self.election = Election(
             election_config(config, node.id),
@@ -150,6 +162,9 @@ class CoordinatorNode:
             persisted.designated_primary,
             persisted.quorum_override,
         )
+        if self._observer is not None:
+            self._observer.instruments.watch(self)
+            self._observer.changed(self.election.status())
         self._tasks = [
             asyncio.create_task(self._tick_loop(), name="tick"),
             asyncio.create_task(self._role_loop(), name="role"),
@@ -157,6 +172,8 @@ class CoordinatorNode:
 
     async def stop(self) -> None:
         """Stops the loops and closes channels."""
+        if self._observer is not None:
+            self._observer.instruments.unwatch(self)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -240,6 +257,8 @@ class CoordinatorNode:
             self._role_changed.set()
         if ready.view_changed:
             self._publish_view()
+            if self._observer is not None:
+                self._observer.changed(self.election.status())
         for event in ready.events:
             log.log(_LEVELS[event.level], "%s [%s]", event.message, event.event)
         if ready.messages or ready.role_command:

@@ -8,11 +8,13 @@ import sys
 
 from services.common.config import ClusterConfig, NodeConfig
 from services.common.grpc_server import ServiceServer
+from services.common.logs import set_log_context
 from services.common.service_main import node_service_main
 from services.replica import push_server, replication_server, server
 from services.replica.node import ReplicaNode
 from services.replica.rebuild import LmdbTruncator
 from services.replica.store import Store, StoreError
+from services.replica.telemetry import ROLE_NAMES
 from squall.v1 import broker_pb2, broker_pb2_grpc, replica_pb2, replica_pb2_grpc
 
 log = logging.getLogger("squall.replica")
@@ -42,6 +44,13 @@ async def serve(config: ClusterConfig, node_config: NodeConfig, stop: asyncio.Ev
     )
     truncator.discard()  # a truncation interrupted by a crash is redone when needed
     node = ReplicaNode(config, node_config, store, truncator=truncator)
+    set_log_context(
+        lambda: {
+            "role": ROLE_NAMES.get(node.role, "unknown"),
+            "epoch": node.epoch,
+            "lsn": node.last_lsn,
+        }
+    )
     grpc_server = ServiceServer(
         node_config.replica_address, SERVICE_NAMES, config.limits.max_message_bytes
     )

@@ -49,7 +49,8 @@ from services.common.clock import Clock, SystemClock
 from services.common.config import ClusterConfig, NodeConfig
 from services.common.errors import Code, ServiceError
 from services.common.grpc_server import channel_options
-from services.replica import commands
+from services.common.telemetry import Telemetry, current
+from services.replica import commands, telemetry
 from services.replica.commands import BatchBuilder, Command, Planned
 from services.replica.divergence import HistoryError, fork_lsn
 from services.replica.faults import (
@@ -122,6 +123,8 @@ class _Pending:
     future: asyncio.Future[Planned]
     # Set once the command's entry is appended locally (before it commits).
     appended: asyncio.Future[None] | None = None
+    # A traced publish: told when its entry is appended (services.replica.telemetry).
+    trace: telemetry.PublishWatch | None = None
 
 
 class ReplicaNode:
@@ -135,6 +138,7 @@ class ReplicaNode:
         clock: Clock | None = None,
         *,
         truncator: LmdbTruncator | None = None,
+        observability: Telemetry | None = None,
     ) -> None:
         self.config = config
         self.node = node
@@ -142,7 +146,12 @@ class ReplicaNode:
         self.clock = clock or SystemClock()
         # Truncates a divergent log suffix; None: refuse truncation (the memory twin).
         self.truncator = truncator
-        self.role = common_pb2.ROLE_INACTIVE
+        # Spans and metrics (services.replica.telemetry); off unless a service installed it.
+        self.telemetry = observability or current()
+        self._instruments = (
+            telemetry.instruments(self.telemetry) if self.telemetry.metering else None
+        )
+        self._role: common_pb2.Role.ValueType = common_pb2.ROLE_INACTIVE
         self.epoch = store.meta().epoch
         self.master: NodeConfig | None = None
         self.failed_reason = ""
@@ -201,11 +210,25 @@ class ReplicaNode:
 
     # --- lifecycle and roles
 
+    @property
+    def role(self) -> common_pb2.Role.ValueType:
+        """The role this replica holds."""
+        return self._role
+
+    @role.setter
+    def role(self, role: common_pb2.Role.ValueType) -> None:
+        if role != self._role and self._instruments is not None:
+            name = telemetry.ROLE_NAMES.get(role, str(role))
+            self._instruments.role_changes.add(1, {"node": self.node.id, "role": name})
+        self._role = role
+
     async def start(self) -> None:
         """Starts the writer and the lease watch; the role comes from the coordinator."""
         self.gate = await asyncio.get_running_loop().run_in_executor(
             self._io, self._gate_from_store, "start-up"
         )
+        if self._instruments is not None:
+            self._instruments.watch(self)
         self._writer = asyncio.create_task(self._write_loop(), name=f"writer-{self.node.id}")
         self._lease_task = asyncio.create_task(self._watch_lease(), name=f"lease-{self.node.id}")
         meta = self.store.meta()
@@ -253,6 +276,8 @@ class ReplicaNode:
         """Stops the writer and fails anything still queued as indeterminate."""
         await self.push.close()
         await self._cancel_taking(f"replica {self.node.id} stopping")
+        if self._instruments is not None:
+            self._instruments.unwatch(self)
         if self._driver is not None:
             await self._driver.stop(f"replica {self.node.id} stopping")
             self._driver = None
@@ -328,6 +353,7 @@ class ReplicaNode:
             commit_lock=self._commit_lock,
             log_start_lsn=self._log_start_lsn,
             stamp_snapshot=self._stamp_snapshot,
+            observability=self.telemetry,
         )
         self.role = common_pb2.ROLE_MASTER
         self.master = self.node
@@ -671,11 +697,15 @@ class ReplicaNode:
         )
 
     def _submit(
-        self, command: Command, *, appended: asyncio.Future[None] | None = None
+        self,
+        command: Command,
+        *,
+        appended: asyncio.Future[None] | None = None,
+        trace: telemetry.PublishWatch | None = None,
     ) -> asyncio.Future[Planned]:
         """Queues a command for the writer; the future resolves once it committed."""
         future: asyncio.Future[Planned] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Pending(command, future, appended))
+        self._queue.append(_Pending(command, future, appended, trace))
         self._wakeup.set()
         return future
 
@@ -685,12 +715,15 @@ class ReplicaNode:
         return await self._submit(command)
 
     def start_publish(
-        self, request: broker_pb2.PublishRequest
+        self,
+        request: broker_pb2.PublishRequest,
+        trace: telemetry.PublishWatch | None = None,
     ) -> asyncio.Future[common_pb2.BatchReceipt]:
         """Queues a publish without waiting, so pipelined requests keep their order.
 
         The future resolves to the batch's receipt once the events are durable (replicated
-        topics) or handed to live subscribers (transient topics).
+        topics) or handed to live subscribers (transient topics). A traced publish's
+        `trace` hears when its entry is appended.
         """
         self.check_writable()
         topic = self.topic(request.topic)
@@ -705,7 +738,7 @@ class ReplicaNode:
             )
             self._notify_committed()
             return done
-        planned = self._submit(commands.Publish(request))
+        planned = self._submit(commands.Publish(request), trace=trace)
         return asyncio.ensure_future(_receipt(planned))
 
     async def apply_role(self, command: replica_pb2.RoleCommand) -> None:
@@ -1627,6 +1660,15 @@ class ReplicaNode:
                 ),
             )
             return
+        if self.telemetry.tracing:
+            # Before the append reaches the driver: its sends may leave at once.
+            driver.traced(
+                [
+                    (lsn, pending.trace.appended(lsn, self.epoch))
+                    for (pending, _), lsn in zip(planned, lsns, strict=True)
+                    if pending.trace is not None
+                ]
+            )
         driver.appended(builder.entries, synced=sync)
         floor = driver.core.epoch_start_lsn
         driver.register(

@@ -19,6 +19,7 @@ from services.common.grpc_server import Context
 from services.replica import commands, handoff
 from services.replica.node import UNREACHABLE_KEY, ReplicaNode
 from services.replica.store import CorruptRecordError, TopicInfo, UnknownTopicError
+from services.replica.telemetry import DeliveryWatch, PublishWatch
 from squall.v1 import (
     broker_pb2,
     broker_pb2_grpc,
@@ -206,18 +207,36 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
         self, request: broker_pb2.PublishRequest
     ) -> asyncio.Future[broker_pb2.PublishResponse]:
         """Begins one publish; the future resolves to its response once committed."""
-        receipt = self.node.start_publish(request)
+        observed = self.node.telemetry
+        watch = PublishWatch(observed, request, *self._where()) if observed.active else None
+        try:
+            receipt = self.node.start_publish(request, watch.traced if watch else None)
+        except BaseException as exc:
+            if watch is not None:
+                watch.failed(exc)
+            raise
         request_id = request.request_id
         compact = request.compact_receipts
 
         async def respond() -> broker_pb2.PublishResponse:
+            try:
+                got = await receipt
+            except BaseException as exc:
+                if watch is not None:
+                    watch.failed(exc)
+                raise
+            if watch is not None:
+                watch.done(got)
             if compact:
-                return broker_pb2.PublishResponse(batch=await receipt, request_id=request_id)
+                return broker_pb2.PublishResponse(batch=got, request_id=request_id)
             return broker_pb2.PublishResponse(
-                receipts=commands.expand_receipt(await receipt), request_id=request_id
+                receipts=commands.expand_receipt(got), request_id=request_id
             )
 
         return asyncio.ensure_future(respond())
+
+    def _where(self) -> tuple[str, int]:
+        return self.node.node.id, self.node.epoch
 
     async def Publish(
         self, request: broker_pb2.PublishRequest, context: Context
@@ -324,6 +343,11 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
             await abort(context, exc)
         transient = topic.kind == common_pb2.TOPIC_KIND_TRANSIENT
         end = request.end_offset
+        delivery = (
+            DeliveryWatch(node.telemetry, node.node.id, topic.name)
+            if node.telemetry.active
+            else None
+        )
         if not request.follow:
             # Committed reads: events above the commit LSN are not served yet.
             now_end = (
@@ -351,7 +375,12 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
                 await abort(context, exc)
             if events:
                 position = events[-1].offset + 1
-                yield broker_pb2.SubscribeResponse(events=events)
+                span = delivery.start(events) if delivery is not None else None
+                try:
+                    yield broker_pb2.SubscribeResponse(events=events)
+                finally:
+                    if span is not None:
+                        span.end()
                 continue
             if not request.follow:
                 return

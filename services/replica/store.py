@@ -1071,6 +1071,15 @@ class Store:
             self._closed = True
             self._kv.close()
 
+    def size_bytes(self) -> int:
+        """Bytes the store occupies (0 once closed)."""
+        if self._closed:
+            return 0
+        try:
+            return self._kv.size_bytes()
+        except KVError as exc:
+            raise StoreError(f"cannot read the store's size: {exc}") from exc
+
     @contextmanager
     def _reading(self, *, long_lived: bool = False) -> Iterator[ReadTxn]:
         """A read transaction, with KV errors turned into store errors.

@@ -240,6 +240,16 @@ class LmdbKV:
                 f"cannot copy the LMDB environment to {os.fspath(path)!r}: {exc}"
             ) from exc
 
+    def size_bytes(self) -> int:
+        """Bytes of the data file in use: pages up to the highest LMDB has written."""
+        self._check_open()
+        try:
+            pages = self._env.info()["last_pgno"] + 1
+            page_bytes = self._env.stat()["psize"]
+        except lmdb.Error as exc:
+            raise KVError(f"cannot read the LMDB environment's size: {exc}") from exc
+        return int(pages * page_bytes)
+
     def close(self) -> None:
         """Closes the environment; safe to call twice."""
         if not self._closed:
