@@ -87,6 +87,8 @@ class _Publishing(threading.Thread):
         # (monotonic time the receipt arrived, master that acknowledged it)
         self.receipts: list[tuple[float, str]] = []
         self.by_master: collections.Counter[str] = collections.Counter()
+        # Each receipt's offset, to check afterwards that every one is stored.
+        self.offsets: list[int] = []
         # (monotonic time the call failed, error)
         self.failures: list[tuple[float, str]] = []
         self.error: BaseException | None = None
@@ -108,6 +110,7 @@ class _Publishing(threading.Thread):
                 with self.cond:
                     self.receipts.append((time.monotonic(), receipt.master_id))
                     self.by_master[receipt.master_id] += 1
+                    self.offsets.append(receipt.offset)
                     self.cond.notify_all()
         except BaseException as exc:  # reported by the trial
             self.error = exc

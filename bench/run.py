@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import failover, machine, publish_gap, replicated, single_node
+from bench import failover, machine, publish_gap, replicated, single_node, transfer
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # The aims the issue set, for WRITE_NO_SYNC on a 2-core machine (events/s).
@@ -41,10 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         action="append",
-        choices=(*single_node.SCENARIOS, "failover", "replicated", "publish_gap"),
+        choices=(*single_node.SCENARIOS, "failover", "replicated", "publish_gap", "transfer"),
         metavar="NAME",
         help=f"run only this scenario (repeatable): {', '.join(single_node.SCENARIOS)}, "
-        "failover, replicated, publish_gap (3 nodes); "
+        "failover, replicated, publish_gap, transfer (3 nodes); "
         "subscribe and direct also run the pipelined publish whose events they read",
     )
     parser.add_argument(
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sizes = single_node.Sizes.quick() if args.quick else single_node.Sizes.full()
     only = set(args.only or single_node.SCENARIOS)
-    three_node = {"failover", "replicated", "publish_gap"}
+    three_node = {"failover", "replicated", "publish_gap", "transfer"}
     policies = [p for p in single_node.POLICIES if p in (args.policy or single_node.POLICIES)]
     stamp = time.strftime("%Y%m%dT%H%M%S")
     profiler = None
@@ -101,6 +101,11 @@ def main(argv: list[str] | None = None) -> int:
         if not args.only or "publish_gap" in args.only:
             sizes_gap = publish_gap.Sizes.quick() if args.quick else publish_gap.Sizes.full()
             gap_figures = publish_gap.run(sizes_gap, Path(temp) / "publish-gap", log)
+        transfer_figures: dict[str, Any] | None = None
+        if not args.only or "transfer" in args.only:
+            sizes_transfer = transfer.Sizes.quick() if args.quick else transfer.Sizes.full()
+            log(f"bench: transfer, {sizes_transfer.trials} graceful leadership transfers")
+            transfer_figures = transfer.run(sizes_transfer, Path(temp) / "transfer", log)
         for policy in policies if (not args.only or only - three_node) else []:
             log(f"bench: master_sync={policy}")
             runs[policy] = single_node.run_policy(
@@ -134,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         "failover": failover_figures,
         "replicated": replicated_figures,
         "publish_gap": gap_figures,
+        "transfer": transfer_figures,
     }
     if profiler is not None:
         report["profiles"] = profiler.summaries
@@ -145,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         kind = "replicated"
     elif not runs and gap_figures:
         kind = "publish-gap"
+    elif not runs and transfer_figures:
+        kind = "transfer"
     report["benchmark"] = kind
     path = args.results_dir / f"{stamp}-{kind}.json"
     text = json.dumps(report, indent=2) + "\n"
@@ -159,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     if gap_figures:
         print()
         print(publish_gap.table(gap_figures))
+    if transfer_figures:
+        print()
+        print(transfer.table(transfer_figures))
     print(f"\nwritten: {path}")
     return 0
 

@@ -166,7 +166,8 @@ def localize_config(source: Path, run_dir: Path) -> Path:
     """Copies a cluster config into run_dir with free loopback ports and local data dirs.
 
     Returns the new file's path. The source's structure and every other setting are
-    kept, so what runs locally is what the file describes.
+    kept, so what runs locally is what the file describes; Prometheus scrape ports become
+    0 (picked at start-up and logged), as every node shares the one host.
     """
     document: dict[str, Any] = tomllib.loads(source.read_text())
     for node in document.get("nodes", []):
@@ -175,6 +176,16 @@ def localize_config(source: Path, run_dir: Path) -> Path:
         node["data_dir"] = str((run_dir / "data" / str(node["id"])).resolve())
     for gateway in document.get("gateways", []):
         gateway["address"] = f"127.0.0.1:{free_port()}"
+    telemetry = document.get("telemetry", {})
+    for key in (
+        "coordinator_prometheus_port",
+        "replica_prometheus_port",
+        "gateway_prometheus_port",
+    ):
+        if key in telemetry:
+            # Every node's service of a kind shares one host here: each picks a free port
+            # and logs it ("metrics endpoint http://...").
+            telemetry[key] = 0
     run_dir.mkdir(parents=True, exist_ok=True)
     target = run_dir / "cluster.toml"
     target.write_text(dump_toml(document))

@@ -5,11 +5,17 @@
     squall gateway --config F [--gateway ID]
     squall topic create NAME [--transient]      client commands, through a gateway
     squall topic list | topic destroy NAME
+    squall topic subscribers NAME | topic unsubscribe NAME ID     push subscribers
     squall publish TOPIC [MESSAGE ...]          no MESSAGE: one event per line of stdin
     squall subscribe TOPIC [--subscription S] [--from earliest|latest|N] [--follow] [--count N]
-    squall status [--json]
-    squall cluster shutdown | quorum-override N | designated-primary NODE   (--config F)
+    squall status [--json] [--explain] [--wait-normal SECONDS]
+                                                --explain: why the master leads, who would
+                                                lead if a node failed
+    squall cluster shutdown | quorum-override N | designated-primary NODE | transfer ...
+                                                operator controls (services/cli_admin.py)
     squall store inspect DIR | mark-clean DIR | mark-dirty DIR   a stopped node's store
+    squall store backup DATA_DIR DEST           a live store's verified copy (store restore: back)
+    squall health ADDRESS                       exit 0 if the service there is SERVING
 
 Client commands find the gateway from --gateway, else the first gateway of --config, else
 $SQUALL_GATEWAY, else 127.0.0.1:7000. Errors print one line, `squall: <error>`, on stderr;
@@ -29,7 +35,14 @@ from concurrent.futures import Future
 from typing import TextIO
 
 import squall
-from services import cli_admin, cli_store
+from services import (
+    cli_admin,
+    cli_explain,
+    cli_health,
+    cli_status_wait,
+    cli_store,
+    cli_store_backup,
+)
 
 DEFAULT_GATEWAY = "127.0.0.1:7000"
 GATEWAY_ENV = "SQUALL_GATEWAY"
@@ -123,6 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
         "destroy", parents=[client], help="destroy a topic, its events and subscriptions"
     )
     destroy.add_argument("name")
+    subscribers = topic_commands.add_parser(
+        "subscribers", parents=[client], help="list a topic's push subscribers"
+    )
+    subscribers.add_argument("name")
+    unsubscribe = topic_commands.add_parser(
+        "unsubscribe", parents=[client], help="remove a push subscriber"
+    )
+    unsubscribe.add_argument("name")
+    unsubscribe.add_argument("subscriber_id")
 
     publish = commands.add_parser(
         "publish", parents=[client], help="publish messages (or stdin lines) to a topic"
@@ -159,9 +181,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = commands.add_parser("status", parents=[client], help="the cluster's replica table")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    status.add_argument(
+        "--wait-normal",
+        type=_positive_float,
+        metavar="SECONDS",
+        help="first wait until every node is normal in one group and caught up (exit 1 if not)",
+    )
+    status.add_argument(
+        "--max-lag",
+        type=_positive_int,
+        default=cli_status_wait.DEFAULT_MAX_LAG_ENTRIES,
+        metavar="ENTRIES",
+        help="with --wait-normal: most entries a slave may lag (default: %(default)s)",
+    )
+    status.add_argument(
+        "--explain",
+        action="store_true",
+        help="also say why the master leads and who would lead if each node failed",
+    )
 
     cli_admin.add_parser(commands)
     cli_store.add_parser(commands)
+    cli_store_backup.add_parser(commands)
+    cli_health.add_parser(commands)
     return parser
 
 
@@ -239,6 +281,18 @@ def _cmd_topic(client: squall.Client, args: argparse.Namespace, out: TextIO) -> 
                 f"\tnext_offset={info.next_offset}",
                 file=out,
             )
+    elif args.topic_command == "subscribers":
+        for sub in client.topic(args.name).push_subscribers():
+            print(
+                f"{sub.subscriber_id}\t{sub.endpoint}\treliability={sub.qos.get('reliability', '')}"
+                f"\tretryCount={sub.retry_count}\tcursor={sub.cursor}"
+                f"\tfailures={sub.consecutive_failures}"
+                + (f"\tlast_error={sub.last_error}" if sub.last_error else ""),
+                file=out,
+            )
+    elif args.topic_command == "unsubscribe":
+        client.topic(args.name).unsubscribe_push(args.subscriber_id)
+        print(f"unsubscribed {args.subscriber_id} from topic {args.name}", file=out)
     else:
         client.destroy_topic(args.name)
         print(f"destroyed topic {args.name}", file=out)
@@ -323,9 +377,18 @@ def _quorum(node: squall.NodeStatus) -> str:
 
 
 def _cmd_status(client: squall.Client, args: argparse.Namespace, out: TextIO) -> int:
+    if args.wait_normal is not None:
+        waited = cli_status_wait.wait_until_normal(
+            client, args.wait_normal, args.max_lag, sys.stderr
+        )
+        if waited:
+            return waited
     status = client.status()
     if args.json:
-        print(json.dumps(status.to_dict(), indent=2, sort_keys=True), file=out)
+        document = status.to_dict()
+        if args.explain:
+            document["explain"] = cli_explain.explain(status)
+        print(json.dumps(document, indent=2, sort_keys=True), file=out)
         return 0
     rows: list[list[str]] = [
         [
@@ -350,7 +413,7 @@ def _cmd_status(client: squall.Client, args: argparse.Namespace, out: TextIO) ->
                     str(node.priority),
                     node.coordinator_id or "-",
                     node.group_name or "-",
-                    node.state,
+                    "QUARANTINED" if node.quarantine is not None else node.state,
                     ",".join(node.group) or "-",
                     str(node.max_seen),
                     str(node.epoch),
@@ -395,6 +458,12 @@ def _cmd_status(client: squall.Client, args: argparse.Namespace, out: TextIO) ->
                 ]
             )
         for line in _format_table(table):
+            print(line, file=out)
+    for line in cli_explain.notes(status):
+        print(line, file=out)
+    if args.explain:
+        members = _format_table(cli_explain.member_rows(status))
+        for line in cli_explain.explain_lines(status, members):
             print(line, file=out)
     return 0
 
@@ -451,6 +520,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_service(args.command, args_list[args_list.index(args.command) + 1 :])
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        handler = getattr(args, "handler", None)
+        if handler is not None:  # commands that run themselves (`squall store ...`)
+            return int(handler(args, sys.stdout))
         if args.command == "cluster":
             return cli_admin.run(args, sys.stdout)
         if args.command == "store":

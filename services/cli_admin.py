@@ -1,22 +1,33 @@
 """`squall cluster ...`: operator controls sent to the nodes named in the config file.
 
-`quorum-override` and `designated-primary` change how many nodes a group needs, so they
-are loud: the coordinator logs them as warnings, persists them, and `squall status` shows
-them. `shutdown` stops every node at one point and marks the stores clean
-(services/cluster_shutdown.py).
+    squall cluster shutdown [--timeout S]
+    squall cluster quorum-override N [--node ID ...] [--reason WHY]
+    squall cluster designated-primary ID [--off]
+    squall cluster transfer --to ID [--reason WHY] [--wait-ms MS]
+    squall cluster quarantine ID [--reason WHY]
+    squall cluster unquarantine ID [--reason WHY]
+
+Every control is loud: the coordinator logs it as a warning, persists it with who, when and
+why, and `squall status` shows it. A command against a node that is not configured or not
+reachable fails with a message naming the node, and changes nothing. `shutdown` stops
+every node at one point and marks the stores clean (services/cluster_shutdown.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import getpass
+import time
 from typing import TextIO
 
 import grpc
 
 from services.cluster_shutdown import ShutdownError, shutdown_cluster
-from services.common.config import ClusterConfig, ConfigError, load_config
-from squall.v1 import coordinator_pb2, coordinator_pb2_grpc
+from services.common.config import ClusterConfig, ConfigError, NodeConfig, load_config
+from squall.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+# How often `transfer` polls the target while it takes over.
+_TRANSFER_POLL_S = 0.01
 
 
 class AdminError(Exception):
@@ -24,7 +35,7 @@ class AdminError(Exception):
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Adds `cluster designated-primary` and `cluster quorum-override`."""
+    """Adds `cluster designated-primary | quorum-override | transfer | (un)quarantine`."""
     cluster = commands.add_parser("cluster", help="operator controls (see docs/operations.md)")
     sub = cluster.add_subparsers(dest="cluster_command", required=True, metavar="COMMAND")
     primary = sub.add_parser(
@@ -35,13 +46,34 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     primary.add_argument("--off", action="store_true", help="clear the flag instead")
     override = sub.add_parser(
         "quorum-override",
-        help="lower the nodes a group needs (disaster recovery); 0 clears it",
+        help="lower the nodes a group needs (disaster recovery); 0 clears it; it also "
+        "clears itself once a majority is back",
     )
     override.add_argument("count", type=int)
     override.add_argument(
         "--node", action="append", help="only on this node (repeatable; default: every node)"
     )
-    for parser in (primary, override):
+    transfer = sub.add_parser(
+        "transfer",
+        help="hand the master role to another node, losing no acknowledged write",
+    )
+    transfer.add_argument("--to", required=True, metavar="NODE", dest="target")
+    transfer.add_argument(
+        "--wait-ms",
+        type=int,
+        default=5000,
+        help="longest wait for NODE to catch up before the transfer is abandoned "
+        "(default 5000)",
+    )
+    quarantine = sub.add_parser(
+        "quarantine", help="take NODE out of every group until it is unquarantined"
+    )
+    quarantine.add_argument("node")
+    unquarantine = sub.add_parser(
+        "unquarantine", help="let a quarantined NODE rejoin (repair its store first)"
+    )
+    unquarantine.add_argument("node")
+    for parser in (primary, override, transfer, quarantine, unquarantine):
         parser.add_argument("--config", required=True, metavar="FILE", help="cluster TOML file")
         parser.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
     shutdown = sub.add_parser(
@@ -56,6 +88,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         default=30.0,
         help="seconds for the members to reach the master's last entry (default 30)",
     )
+    for parser in (override, transfer, quarantine, unquarantine):
+        parser.add_argument("--reason", default="", help="why, for the audit trail")
 
 
 def _config(path: str) -> ClusterConfig:
@@ -63,6 +97,13 @@ def _config(path: str) -> ClusterConfig:
         return load_config(path)
     except ConfigError as exc:
         raise AdminError(f"config error: {path}: {exc}") from None
+
+
+def _node(config: ClusterConfig, node_id: str) -> NodeConfig:
+    try:
+        return config.node(node_id)
+    except ConfigError as exc:
+        raise AdminError(str(exc)) from None
 
 
 def _call(
@@ -81,22 +122,41 @@ def _call(
             ) from None
 
 
+def _status(node: NodeConfig, timeout: float) -> coordinator_pb2.CoordinatorStatus | None:
+    """A coordinator's status, or None if it does not answer."""
+    with grpc.insecure_channel(node.coordinator_address) as channel:
+        try:
+            status: coordinator_pb2.CoordinatorStatus = coordinator_pb2_grpc.CoordinatorStub(
+                channel
+            ).GetStatus(coordinator_pb2.GetStatusRequest(), timeout=timeout)
+            return status
+        except grpc.RpcError:
+            return None
+
+
+def _leads(status: coordinator_pb2.CoordinatorStatus | None, node_id: str) -> bool:
+    return (
+        status is not None
+        and status.state == common_pb2.NODE_STATE_NORMAL
+        and status.coordinator_id == node_id
+        and status.role == common_pb2.ROLE_MASTER
+    )
+
+
 def run(args: argparse.Namespace, out: TextIO) -> int:
     """Runs one `squall cluster` command; returns the exit status."""
     config = _config(args.config)
     operator = getpass.getuser()
-    if args.cluster_command == "shutdown":
+    command = args.cluster_command
+    if command == "shutdown":
         if args.timeout <= 0:
             raise AdminError(f"--timeout must be > 0, not {args.timeout}")
         try:
             return shutdown_cluster(config, out, timeout_s=args.timeout, operator=operator)
         except ShutdownError as exc:
             raise AdminError(str(exc)) from None
-    if args.cluster_command == "designated-primary":
-        try:
-            node = config.node(args.node)
-        except ConfigError as exc:
-            raise AdminError(str(exc)) from None
+    if command == "designated-primary":
+        node = _node(config, args.node)
         request = coordinator_pb2.SetDesignatedPrimaryRequest(
             enabled=not args.off, operator=operator
         )
@@ -106,10 +166,29 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         flag = "set" if reply.status.designated_primary else "cleared"
         print(f"{node.id}: designated primary {flag}", file=out)
         return 0
-    targets = config.nodes if not args.node else [config.node(n) for n in args.node]
+    if command == "transfer":
+        return _transfer(config, args, operator, out)
+    if command in ("quarantine", "unquarantine"):
+        node = _node(config, args.node)
+        quarantine = coordinator_pb2.SetQuarantineRequest(
+            enabled=command == "quarantine", operator=operator, reason=args.reason
+        )
+        reply = _call(node.coordinator_address, node.id, "SetQuarantine", quarantine, args.timeout)
+        if reply.status.HasField("quarantine"):
+            print(
+                f"{node.id}: QUARANTINED ({reply.status.quarantine.reason}); it takes no part "
+                f"until `squall cluster unquarantine {node.id}`",
+                file=out,
+            )
+        else:
+            print(f"{node.id}: not quarantined; it rejoins the group", file=out)
+        return 0
+    targets = config.nodes if not args.node else [_node(config, n) for n in args.node]
     failures = 0
     for node in targets:
-        override = coordinator_pb2.SetQuorumOverrideRequest(required=args.count, operator=operator)
+        override = coordinator_pb2.SetQuorumOverrideRequest(
+            required=args.count, operator=operator, reason=args.reason
+        )
         try:
             reply = _call(
                 node.coordinator_address, node.id, "SetQuorumOverride", override, args.timeout
@@ -124,3 +203,55 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
             file=out,
         )
     return 1 if failures == len(targets) else 0
+
+
+def _transfer(config: ClusterConfig, args: argparse.Namespace, operator: str, out: TextIO) -> int:
+    """Finds the master, asks it to hand over to --to, waits until the target leads."""
+    target = _node(config, args.target)
+    if not 0 < args.wait_ms <= 60_000:
+        raise AdminError(f"--wait-ms must be 1..60000, not {args.wait_ms}")
+    statuses = {n.id: _status(n, args.timeout) for n in config.nodes}
+    masters = sorted(
+        (s.epoch, node_id)
+        for node_id, s in statuses.items()
+        if s is not None and _leads(s, node_id)
+    )
+    if not masters:
+        unreachable = [n for n, s in statuses.items() if s is None]
+        raise AdminError(
+            "no master to transfer from: no node is normal as its group's master"
+            + (f" (unreachable: {', '.join(unreachable)})" if unreachable else "")
+        )
+    epoch, master_id = masters[-1]
+    if master_id == target.id:
+        print(f"{target.id} already leads (epoch {epoch}); nothing to do", file=out)
+        return 0
+    master = config.node(master_id)
+    request = coordinator_pb2.TransferLeadershipRequest(
+        target=target.id, operator=operator, reason=args.reason, timeout_ms=args.wait_ms
+    )
+    started = time.monotonic()
+    _call(
+        master.coordinator_address,
+        master.id,
+        "TransferLeadership",
+        request,
+        args.timeout + args.wait_ms / 1000,
+    )
+    deadline = started + args.timeout + args.wait_ms / 1000
+    # Bounded by the deadline: one status call (at most --timeout) per pass.
+    while time.monotonic() < deadline:
+        status = _status(target, args.timeout)
+        if _leads(status, target.id) and status is not None and status.epoch > epoch:
+            print(
+                f"{target.id} leads in epoch {status.epoch} (was {master.id} in epoch "
+                f"{epoch}); hand-over took {(time.monotonic() - started) * 1000:.0f} ms",
+                file=out,
+            )
+            return 0
+        time.sleep(_TRANSFER_POLL_S)
+    raise AdminError(
+        f"{master.id} handed the leadership to {target.id}, but {target.id} does not lead "
+        f"yet after {args.timeout + args.wait_ms / 1000:.1f} s; see `squall status` and the "
+        "coordinators' logs (the old master resumed writes if the hand-over failed)"
+    )

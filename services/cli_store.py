@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 from typing import TextIO, cast
 
+from services.cli_store_backup import store_commands
 from services.coordinator.persist import STATE_FILE_NAME, StateFileError, load_state
 from services.replica.datadir import DataDirBusy, DataDirLock, is_locked
 from services.replica.store import Store, StoreError, StoreMeta
@@ -43,10 +44,7 @@ class StoreToolError(Exception):
 
 def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Adds `store inspect`, `store mark-clean` and `store mark-dirty`."""
-    store = commands.add_parser(
-        "store", help="inspect or mark a node's store offline (see docs/operations.md)"
-    )
-    sub = store.add_subparsers(dest="store_command", required=True, metavar="COMMAND")
+    sub = store_commands(commands)
     inspect = sub.add_parser(
         "inspect", help="cluster id, shutdown id, state, epoch, last LSN and counts of a store"
     )

@@ -34,11 +34,19 @@ Subscriptions (`Topic.subscribe`) reconnect on a broken stream (bounded by the s
 settings) and resume from the durable cursor or from the last offset delivered + 1, so
 delivery is at-least-once; by default the library drops events at or below the last
 offset it delivered (`dedupe=False` hands every copy to the app).
+
+Push subscribers (`Topic.subscribe_push`, IceStorm's subscribeAndGetPublisher): the
+cluster's master calls the app's own `squall.v1.PushSubscriber` service with batches of
+committed events, with IceStorm's QoS (`reliability="ordered"`, `retry_count`);
+`PushEndpoint` serves that service in-process and calls a callback per batch.
+`Topic.push_subscribers()` and `Topic.unsubscribe_push()` manage them. Subscriptions are
+replicated: after a failover the new master resumes from each one's durable cursor.
 """
 
 from squall._client import MESSAGE_BYTES_MAX, Client, Topic, channel_options, connect
 from squall._errors import (
     AlreadyExists,
+    AlreadySubscribed,
     DeadlineExceeded,
     FailedPrecondition,
     Indeterminate,
@@ -55,6 +63,7 @@ from squall._errors import (
 )
 from squall._proxy import Endpoint
 from squall._publisher import BATCH_EVENTS_MAX, Publisher
+from squall._push import PushDelivery, PushEndpoint, PushSubscriberInfo
 from squall._retry import (
     INDETERMINATE_AFTER_SEND,
     RETRY_ATTEMPTS_MAX_DEFAULT,
@@ -71,7 +80,15 @@ from squall._retry import (
 )
 from squall._retry import classify as classify_code
 from squall._subscriber import Subscription
-from squall._types import ClusterStatus, Holder, Message, NodeStatus, Receipt, TopicInfo
+from squall._types import (
+    ClusterStatus,
+    Holder,
+    Message,
+    NodeStatus,
+    OperatorRecord,
+    Receipt,
+    TopicInfo,
+)
 
 __all__ = [
     "BATCH_EVENTS_MAX",
@@ -83,6 +100,7 @@ __all__ = [
     "RETRY_POLICY_BOUNDS",
     "RETRY_TOTAL_MS_MAX_DEFAULT",
     "AlreadyExists",
+    "AlreadySubscribed",
     "Client",
     "ClusterStatus",
     "DeadlineExceeded",
@@ -94,10 +112,14 @@ __all__ = [
     "Message",
     "NodeStatus",
     "NotFound",
+    "OperatorRecord",
     "Outcome",
     "PermissionDenied",
     "Publisher",
     "PublisherLost",
+    "PushDelivery",
+    "PushEndpoint",
+    "PushSubscriberInfo",
     "Receipt",
     "ResourceExhausted",
     "RetryPolicy",

@@ -3,20 +3,42 @@
 `connect()` opens one gRPC channel; everything a `Client` hands out (topics, publishers,
 subscriptions) shares it. The API is synchronous on purpose: apps and Spark executors
 call it from plain threads.
+
+Every call records an OpenTelemetry CLIENT span and sends its context (`traceparent`) to
+the gateway, through the app's tracer provider (the global one unless `tracer_provider`
+is given); an app that has not configured OpenTelemetry records and sends nothing.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
+from opentelemetry.trace import TracerProvider
 
-from squall._errors import Unavailable, from_rpc_error
+from squall._errors import (
+    AlreadyExists,
+    AlreadySubscribed,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+    from_rpc_error,
+)
 from squall._proxy import Endpoint, GatewayBinding, ProxyBinding, RebindCallback
 from squall._publisher import INFLIGHT_BATCHES_MAX_DEFAULT, Publisher, new_publisher_id
+from squall._push import (
+    DeliveryCallback,
+    PushEndpoint,
+    PushStart,
+    PushSubscriberInfo,
+    Reliability,
+    subscribe_push_request,
+)
 from squall._retry import (
     RETRY_ATTEMPTS_MAX_DEFAULT,
     RETRY_BACKOFF_INITIAL_MS_DEFAULT,
@@ -25,6 +47,7 @@ from squall._retry import (
     RetryPolicy,
 )
 from squall._subscriber import Start, Subscription, subscribe_request
+from squall._tracing import traced_channel
 from squall._types import ClusterStatus, TopicInfo, kind_to_pb
 from squall.v1 import broker_pb2, broker_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 
@@ -60,12 +83,14 @@ def connect(
     retry_backoff_initial_ms: int = RETRY_BACKOFF_INITIAL_MS_DEFAULT,
     retry_backoff_max_ms: int = RETRY_BACKOFF_MAX_MS_DEFAULT,
     retry_total_ms_max: int = RETRY_TOTAL_MS_MAX_DEFAULT,
+    tracer_provider: TracerProvider | None = None,
 ) -> Client:
     """Opens a client to the gateway at `address` ("host:port"); use it as a context manager.
 
     The retry_* parameters bound how an indeterminate publish batch is retried (same
     names, meanings and defaults as the [retry] section of the cluster configuration);
     `retry_attempts_max=1` turns retrying off. ValueError names a value out of bounds.
+    `tracer_provider` records the client's spans (default: OpenTelemetry's global one).
     """
     retry = RetryPolicy(
         attempts_max=retry_attempts_max,
@@ -73,7 +98,13 @@ def connect(
         backoff_max_ms=retry_backoff_max_ms,
         total_ms_max=retry_total_ms_max,
     )
-    return Client(address, timeout_s=timeout_s, options=options, retry=retry)
+    return Client(
+        address,
+        timeout_s=timeout_s,
+        options=options,
+        retry=retry,
+        tracer_provider=tracer_provider,
+    )
 
 
 class Client:
@@ -86,6 +117,7 @@ class Client:
         timeout_s: float = 10.0,
         options: ChannelOptions | None = None,
         retry: RetryPolicy | None = None,
+        tracer_provider: TracerProvider | None = None,
     ) -> None:
         if not address:
             raise ValueError("address must be host:port, not empty")
@@ -96,10 +128,14 @@ class Client:
         self._address = address
         self._timeout_s = timeout_s
         self._options = list(options or ())
-        self._channel = grpc.insecure_channel(address, options=channel_options(options))
+        self._tracer_provider = tracer_provider
+        self._channel = traced_channel(
+            grpc.insecure_channel(address, options=channel_options(options)), tracer_provider
+        )
         self._topic_manager = broker_pb2_grpc.TopicManagerStub(self._channel)
         self._publisher_stub = broker_pb2_grpc.PublisherStub(self._channel)
         self._subscriber_stub = broker_pb2_grpc.SubscriberStub(self._channel)
+        self._push_stub = broker_pb2_grpc.PushSubscriptionsStub(self._channel)
         self._admin = gateway_pb2_grpc.ClusterAdminStub(self._channel)
         self._lock = threading.Lock()
         self._closed = False
@@ -238,9 +274,12 @@ class Client:
         if not endpoints:
             raise Unavailable(f"the publisher proxy for topic '{topic}' has no endpoints")
         options = self._options
+        tracer_provider = self._tracer_provider
 
         def make_channel(address: str) -> grpc.Channel:
-            return grpc.insecure_channel(address, options=channel_options(options))
+            return traced_channel(
+                grpc.insecure_channel(address, options=channel_options(options)), tracer_provider
+            )
 
         return ProxyBinding(endpoints, replicated=replicated, make_channel=make_channel)
 
@@ -354,6 +393,72 @@ class Topic:
         """Deletes a durable subscription; NotFound if it does not exist."""
         request = broker_pb2.DeleteSubscriptionRequest(topic=self.name, subscription=name)
         self._client._call(self._client._subscriber_stub.DeleteSubscription, request)
+
+    def subscribe_push(
+        self,
+        subscriber_id: str,
+        endpoint: str | PushEndpoint,
+        *,
+        reliability: Reliability = "",
+        retry_count: int = 0,
+        start: PushStart = "latest",
+        qos: Mapping[str, str] | None = None,
+        on_delivery: DeliveryCallback | None = None,
+    ) -> PushSubscriberInfo:
+        """Registers a push subscriber (IceStorm's subscribeAndGetPublisher).
+
+        The master calls `squall.v1.PushSubscriber/Deliver` at `endpoint` (host:port, or
+        a `PushEndpoint`; with `on_delivery` the endpoint hosts the id first, and keeps
+        the callback it had if the subscribe is refused) with the events after `start`.
+        QoS: `reliability="ordered"` keeps one batch in flight, in offset order;
+        `retry_count` -1 retries forever, 0 removes the subscriber on its first failed
+        delivery, n removes it after n failed deliveries in a row (extra keys in `qos`
+        are sent as given). Raises
+        AlreadySubscribed if the id is already subscribed to this topic, InvalidArgument
+        for a bad id, endpoint or QoS, NotFound for a gone topic, FailedPrecondition when
+        the cluster cannot reach the endpoint; nothing is registered then. See
+        docs/push-subscribers.md.
+        """
+        address = endpoint.address if isinstance(endpoint, PushEndpoint) else endpoint
+        request = subscribe_push_request(
+            self.name, subscriber_id, address, reliability, retry_count, start, qos
+        )
+        host = endpoint if isinstance(endpoint, PushEndpoint) else None
+        previous = host.callback(subscriber_id) if host is not None else None
+        if host is not None and on_delivery is not None:
+            host.add(subscriber_id, on_delivery)
+        try:
+            response = self._client._call(self._client._push_stub.SubscribeAndGetPublisher, request)
+        except (
+            AlreadyExists,
+            InvalidArgument,
+            NotFound,
+            FailedPrecondition,
+            ResourceExhausted,
+        ) as exc:
+            # Refused: the id keeps the callback it had. Newly hosted and AlreadySubscribed,
+            # the new one stays: the subscription there may be this app's own (a retry after
+            # an unknown outcome, IceStorm's advice) and must keep receiving.
+            if host is not None and on_delivery is not None:
+                if previous is not None:
+                    host.add(subscriber_id, previous)
+                elif not isinstance(exc, AlreadyExists):
+                    host.remove(subscriber_id)
+            if isinstance(exc, AlreadyExists):
+                raise AlreadySubscribed(exc.details, exc.code) from None
+            raise
+        return PushSubscriberInfo.from_pb(response.subscriber)
+
+    def unsubscribe_push(self, subscriber_id: str) -> None:
+        """Removes a push subscriber; NotFound if it is not subscribed (any more)."""
+        request = broker_pb2.UnsubscribeRequest(topic=self.name, subscriber_id=subscriber_id)
+        self._client._call(self._client._push_stub.Unsubscribe, request)
+
+    def push_subscribers(self) -> list[PushSubscriberInfo]:
+        """The topic's push subscribers, ordered by id (IceStorm's getSubscribers)."""
+        request = broker_pb2.GetSubscribersRequest(topic=self.name)
+        response = self._client._call(self._client._push_stub.GetSubscribers, request)
+        return [PushSubscriberInfo.from_pb(s) for s in response.subscribers]
 
     def __repr__(self) -> str:
         return f"Topic({self.name!r})"

@@ -6,6 +6,7 @@ server's details. The tree::
     SquallError                 base; .code (grpc.StatusCode), .details (str)
     ├── NotFound                the topic or subscription does not exist
     ├── AlreadyExists           the topic already exists
+    │   └── AlreadySubscribed   the push subscriber id is already subscribed to the topic
     ├── InvalidArgument         the request is wrong (bad name, event too large); a retry fails too
     ├── ResourceExhausted       a limit was hit (topic map full, message too large, quota)
     ├── PermissionDenied        the caller may not do this
@@ -70,6 +71,10 @@ class NotFound(SquallError):
 
 class AlreadyExists(SquallError):
     """The topic to create already exists."""
+
+
+class AlreadySubscribed(AlreadyExists):
+    """The push subscriber id is already subscribed to the topic (IceStorm's AlreadySubscribed)."""
 
 
 class InvalidArgument(SquallError):

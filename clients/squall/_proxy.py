@@ -32,6 +32,10 @@ from squall.v1 import broker_pb2_grpc
 
 # The trailing metadata key a slave's write refusal names the master's address under.
 MASTER_ADDRESS_KEY = "squall-master-address"
+# The request metadata key naming replicas a proxy just failed to reach (comma-separated):
+# a replica holds such a call until it can serve it or name another master, instead of
+# redirecting it to the dead one (services/replica/server.py `_hold`).
+UNREACHABLE_KEY = "squall-unreachable"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -64,6 +68,13 @@ class GatewayBinding:
     def open(self) -> tuple[broker_pb2_grpc.PublisherStub, Endpoint | None]:
         """The stub for the next stream, and the endpoint it is bound to (None: gateway)."""
         return self._stub, None
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """Request metadata for the next stream: none (the gateway waits for a master)."""
+        return ()
+
+    def stream_answered(self, endpoint: Endpoint | None) -> None:
+        """A stream got its first answer; nothing to note."""
 
     def stream_failed(
         self,
@@ -103,6 +114,8 @@ class ProxyBinding:
         self._lost: str = ""
         self._channels: dict[str, grpc.Channel] = {}
         self._closed = False
+        # Addresses whose last stream ended indeterminately, until one answers again.
+        self._unreachable: set[str] = set()
 
     @property
     def endpoints(self) -> list[Endpoint]:
@@ -130,6 +143,19 @@ class ProxyBinding:
                 channel = self._channels[endpoint.address] = self._make_channel(endpoint.address)
         return broker_pb2_grpc.PublisherStub(channel), endpoint
 
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """Request metadata for the next stream: the replicas just found unreachable."""
+        with self._lock:
+            if not self._unreachable:
+                return ()
+            return ((UNREACHABLE_KEY, ",".join(sorted(self._unreachable))),)
+
+    def stream_answered(self, endpoint: Endpoint | None) -> None:
+        """A stream to `endpoint` answered: it is reachable again."""
+        if endpoint is not None:
+            with self._lock:
+                self._unreachable.discard(endpoint.address)
+
     def stream_failed(
         self,
         endpoint: Endpoint | None,
@@ -139,6 +165,13 @@ class ProxyBinding:
         """Notes how a stream bound to `endpoint` ended, choosing the next endpoint."""
         redirect = master_address(trailing)
         with self._lock:
+            if (
+                endpoint is not None
+                and self.replicated
+                and not redirect
+                and code.name in INDETERMINATE_AFTER_SEND
+            ):
+                self._unreachable.add(endpoint.address)
             if endpoint is None or endpoint != self._current() or self._lost:
                 return  # an older stream's news; a newer choice stands
             if redirect and redirect != endpoint.address:

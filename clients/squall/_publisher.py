@@ -61,7 +61,7 @@ from squall._errors import (
 )
 from squall._proxy import Binding, Endpoint, GatewayBinding, ProxyBinding, RebindCallback
 from squall._retry import Outcome, RetryPolicy, overall
-from squall._types import Receipt, receipts_from_pb
+from squall._types import Receipt, receipt_count, receipts_from_pb
 from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2
 
 # What publish_many accepts per event: a payload, a (key, payload) or (key, payload,
@@ -436,6 +436,7 @@ class Publisher:
                         topic=self._topic,
                         publisher_id=self._publisher_id,
                         session_token=stream.session_token,
+                        compact_receipts=True,
                     )
                     _add_events(request, chunk, self._next_sequence)
                     self._next_sequence += len(chunk)
@@ -596,7 +597,9 @@ class Publisher:
             return stream
         stub, endpoint = self._binding.open()
         stream = _Stream(self._publisher_id, endpoint)
-        stream.call = stub.PublishStream(stream.iter_requests())
+        stream.call = stub.PublishStream(
+            stream.iter_requests(), metadata=self._binding.metadata() or None
+        )
         stream.reader = threading.Thread(
             target=self._read, args=(stream,), name=f"squall-publish-{self._topic}", daemon=True
         )
@@ -665,7 +668,10 @@ class Publisher:
         buffered, futures = self._buffer, self._buffer_futures
         self._buffer, self._buffer_futures = [], []
         request = broker_pb2.PublishRequest(
-            topic=self._topic, publisher_id=self._publisher_id, session_token=stream.session_token
+            topic=self._topic,
+            publisher_id=self._publisher_id,
+            session_token=stream.session_token,
+            compact_receipts=True,
         )
         request.events.extend(buffered)
         batch: Future[list[Receipt]] = _ready_future()
@@ -694,13 +700,13 @@ class Publisher:
                     if (
                         batch is None
                         or batch.request_id != response.request_id
-                        or batch.count != len(response.receipts)
+                        or batch.count != receipt_count(response)
                     ):
                         if batch is not None:
                             stream.pending.appendleft(batch)
                         stream.abort_error = Indeterminate(
                             f"protocol error: answer to request {response.request_id} with "
-                            f"{len(response.receipts)} receipts does not match the oldest batch",
+                            f"{receipt_count(response)} receipts does not match the oldest batch",
                             grpc.StatusCode.INTERNAL,
                         )
                         stream.call.cancel()
@@ -709,6 +715,7 @@ class Publisher:
                         self._send_buffer(stream)
                     if not stream.answered:
                         stream.answered = True
+                        self._binding.stream_answered(stream.endpoint)
                         moved_from = self._bound(stream)
                     self._cond.notify_all()
                 receipts = receipts_from_pb(response)
@@ -817,7 +824,7 @@ class Publisher:
             unsent_error = _NotSent(not_sent.details, not_sent.code)
             if self._retry.retries and self._worth_retrying(unsent_error):
                 request = broker_pb2.PublishRequest(
-                    topic=self._topic, publisher_id=self._publisher_id
+                    topic=self._topic, publisher_id=self._publisher_id, compact_receipts=True
                 )
                 request.events.extend(unsent_events)
                 retries.append((buffered, request, unsent_error))

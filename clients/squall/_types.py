@@ -121,6 +121,22 @@ class SlaveProgress:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class OperatorRecord:
+    """Who did what to a node's election, when (ms since the Unix epoch) and why."""
+
+    at_ms: int
+    operator: str
+    """The user; `replica` for a fault the replica reported; `auto` for an automatic revert."""
+    action: str
+    reason: str
+
+    @classmethod
+    def from_pb(cls, pb: Any) -> OperatorRecord:
+        """From a `squall.v1.OperatorRecord`."""
+        return cls(pb.at_ms, pb.operator, pb.action, pb.reason)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class NodeStatus:
     """One node's row of the cluster status table (IceStorm's `replica` command, and more)."""
 
@@ -146,6 +162,22 @@ class NodeStatus:
     slaves: tuple[SlaveProgress, ...] = ()
     """On the master: each slave's replication progress."""
     log_start_lsn: int = 0
+    last_epoch: int = 0
+    """The epoch of the last entry in the node's log."""
+    quorum_override_record: OperatorRecord | None = None
+    """Who set the quorum override in force, when and why."""
+    quarantine: OperatorRecord | None = None
+    """Set while the node is quarantined: by whom (or `replica`), when and why."""
+    audit: tuple[OperatorRecord, ...] = ()
+    """The newest operator actions and automatic reverts on the node, oldest first."""
+    invited: tuple[str, ...] = ()
+    """On a coordinator: the nodes its last merge invited."""
+    sync_source_id: str = ""
+    """The member whose log its group adopted when it formed."""
+    fault_reason: str = ""
+    """A fault the node's replica reported (checksum error, failed store write)."""
+    transfer_target: str = ""
+    """On a master handing its group over: the node it hands it to."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -195,6 +227,20 @@ class ClusterStatus:
                     for p in n.slaves
                 ),
                 log_start_lsn=n.log_start_lsn,
+                last_epoch=n.last_epoch,
+                quorum_override_record=(
+                    OperatorRecord.from_pb(n.quorum_override_record)
+                    if n.HasField("quorum_override_record")
+                    else None
+                ),
+                quarantine=(
+                    OperatorRecord.from_pb(n.quarantine) if n.HasField("quarantine") else None
+                ),
+                audit=tuple(OperatorRecord.from_pb(r) for r in n.audit),
+                invited=tuple(n.invited),
+                sync_source_id=n.sync_source_id,
+                fault_reason=n.fault_reason,
+                transfer_target=n.transfer_target,
             )
             for n in status.nodes
         )
@@ -263,8 +309,15 @@ class _LazyHolders:
 Receipt.holders = _LazyHolders(vars(Receipt)["holders"])  # type: ignore[assignment,misc]
 
 
+def receipt_count(response: broker_pb2.PublishResponse) -> int:
+    """How many events a publish response answers, in either form."""
+    return response.batch.count if response.HasField("batch") else len(response.receipts)
+
+
 def receipts_from_pb(response: broker_pb2.PublishResponse) -> list[Receipt]:
-    """Converts one publish response's receipts, in order."""
+    """Converts one publish response's receipts, in order (compact or one per event)."""
+    if response.HasField("batch"):
+        return _receipts_from_batch(response.batch)
     out: list[Receipt] = []
     append = out.append
     for r in response.receipts:
@@ -275,6 +328,35 @@ def receipts_from_pb(response: broker_pb2.PublishResponse) -> list[Receipt]:
         _r_dup(receipt, r.duplicate)
         _r_holders(receipt, r)  # converted on first read, see _LazyHolders
         _r_master(receipt, r.master_id)
+        _r_rebound(receipt, False)
+        append(receipt)
+    return out
+
+
+def _receipts_from_batch(batch: common_pb2.BatchReceipt) -> list[Receipt]:
+    """Expands a BatchReceipt (rules in common.proto); holders converted once for all."""
+    holders = _holders(batch.holders) if len(batch.holders) else ()
+    master_id, lsn, epoch = batch.master_id, batch.lsn, batch.epoch
+    duplicates = {d.index: d for d in batch.duplicates}
+    offset = batch.first_offset
+    out: list[Receipt] = []
+    append = out.append
+    for index in range(batch.count):
+        receipt = _new(Receipt)
+        duplicate = duplicates.get(index) if duplicates else None
+        if duplicate is None:
+            _r_offset(receipt, offset)
+            _r_lsn(receipt, lsn)
+            _r_epoch(receipt, epoch)
+            _r_dup(receipt, False)
+            offset += 1
+        else:
+            _r_offset(receipt, duplicate.offset)
+            _r_lsn(receipt, duplicate.lsn)
+            _r_epoch(receipt, duplicate.epoch)
+            _r_dup(receipt, True)
+        _r_holders(receipt, holders)
+        _r_master(receipt, master_id)
         _r_rebound(receipt, False)
         append(receipt)
     return out
@@ -298,9 +380,14 @@ _NO_HEADERS: Mapping[str, str] = types.MappingProxyType({})
 
 def messages_from_pb(response: broker_pb2.SubscribeResponse) -> list[Message]:
     """Converts one subscribe response's events, in offset order."""
+    return messages_from_events(response.events)
+
+
+def messages_from_events(events: Iterable[common_pb2.Event]) -> list[Message]:
+    """Converts wire events (a subscribe response's, a push delivery's), in their order."""
     out: list[Message] = []
     append = out.append
-    for e in response.events:
+    for e in events:
         m = _new(Message)
         _m_offset(m, e.offset)
         _m_key(m, e.key)

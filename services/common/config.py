@@ -58,6 +58,8 @@ ACK_POLICY_NAMES: Mapping[str, common_pb2.AckPolicy.ValueType] = {
     "none": common_pb2.ACK_POLICY_NONE,
 }
 TELEMETRY_EXPORTERS = ("none", "console", "otlp", "prometheus")
+# Bind-only addresses (the Prometheus endpoint) may listen on every interface.
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOG_FORMATS = ("text", "json")
 
@@ -105,6 +107,14 @@ class TimeoutsConfig:
     merge_delay_ms_per_priority: int = 50
     rpc_timeout_ms: int = 2000
     publish_timeout_ms: int = 10000
+    # Push subscribers (docs/push-subscribers.md): one Deliver call's deadline, and the
+    # backoff between failed deliveries (doubling from initial to max, jittered).
+    push_deliver_timeout_ms: int = 5000
+    push_retry_backoff_initial_ms: int = 100
+    push_retry_backoff_max_ms: int = 5000
+    # Test-only: a replica serving a reorganization snapshot waits this long before each
+    # chunk, so tests can make a sync outlast rpc_timeout_ms. 0 (no wait) in production.
+    snapshot_chunk_delay_ms: int = 0
 
 
 @dataclass(frozen=True)
@@ -147,6 +157,12 @@ class LimitsConfig:
     replication_inflight_entries_max: int = 1024
     replication_inflight_bytes_max: int = 8 * MiB
     replication_pending_writes_max: int = 65536
+    # Push subscribers: events and bytes per Deliver call, Deliver calls in flight to one
+    # unordered subscriber, and subscribers per topic.
+    push_batch_max_events: int = 500
+    push_batch_max_bytes: int = 3 * MiB
+    push_inflight_batches_max: int = 4
+    push_subscribers_max: int = 1000
 
     @property
     def max_topic_name_bytes(self) -> int:
@@ -165,11 +181,25 @@ class DurabilityConfig:
 
 @dataclass(frozen=True)
 class TelemetryConfig:
-    """Where traces and metrics go."""
+    """Where traces and metrics go (docs/observability.md).
+
+    One file serves every service, and a node's coordinator and replica share a host, so
+    each kind of service has its own Prometheus port; 0 picks a free port and logs it.
+    """
 
     exporter: str = "none"
     otlp_endpoint: str = ""
-    prometheus_address: str = ""
+    prometheus_host: str = "127.0.0.1"
+    coordinator_prometheus_port: int = 0
+    replica_prometheus_port: int = 0
+    gateway_prometheus_port: int = 0
+    trace_sample_ratio: float = 1.0
+    metrics_interval_ms: int = 10000
+
+    def prometheus_port(self, service: str) -> int:
+        """The scrape port of one kind of service (coordinator, replica or gateway)."""
+        port: int = getattr(self, f"{service}_prometheus_port")
+        return port
 
 
 @dataclass(frozen=True)
@@ -309,6 +339,10 @@ _FIXED_KEYS: Mapping[tuple[str, str], str] = {
     ("limits", "max_topic_name_bytes"): (
         f"is fixed at {TOPIC_NAME_MAX_BYTES} by the name grammar and cannot be configured "
         "(see docs/configuration.md)"
+    ),
+    ("telemetry", "prometheus_address"): (
+        "was replaced by prometheus_host and one port per service (coordinator_prometheus_port, "
+        "replica_prometheus_port, gateway_prometheus_port; see docs/configuration.md)"
     ),
 }
 
@@ -620,6 +654,10 @@ _TIMEOUT_BOUNDS_MS: Mapping[str, tuple[int, int]] = {
     "merge_delay_ms_per_priority": (0, 10_000),
     "rpc_timeout_ms": (10, 600_000),
     "publish_timeout_ms": (10, 3_600_000),
+    "push_deliver_timeout_ms": (10, 600_000),
+    "push_retry_backoff_initial_ms": (1, 600_000),
+    "push_retry_backoff_max_ms": (1, 600_000),
+    "snapshot_chunk_delay_ms": (0, 60_000),
 }
 
 
@@ -632,6 +670,12 @@ def _validate_timeouts(timeouts: TimeoutsConfig) -> None:
             f"timeouts.member_timeout_ms: must be at least twice timeouts.heartbeat_interval_ms "
             f"({timeouts.heartbeat_interval_ms}), so one lost heartbeat does not fail a member, "
             f"got {timeouts.member_timeout_ms}"
+        )
+    if timeouts.push_retry_backoff_initial_ms > timeouts.push_retry_backoff_max_ms:
+        raise ConfigError(
+            f"timeouts.push_retry_backoff_initial_ms: must not exceed "
+            f"timeouts.push_retry_backoff_max_ms ({timeouts.push_retry_backoff_max_ms}), "
+            f"got {timeouts.push_retry_backoff_initial_ms}"
         )
 
 
@@ -661,6 +705,10 @@ _LIMIT_BOUNDS: Mapping[str, tuple[int, int]] = {
     "replication_inflight_entries_max": (1, 1 << 20),
     "replication_inflight_bytes_max": (1, 1 << 36),
     "replication_pending_writes_max": (1, 1 << 24),
+    "push_batch_max_events": (1, 1_000_000),
+    "push_batch_max_bytes": (1, GRPC_MESSAGE_BYTES_MAX),
+    "push_inflight_batches_max": (1, 64),
+    "push_subscribers_max": (1, 100_000),
 }
 
 
@@ -698,6 +746,12 @@ def _validate_limits(limits: LimitsConfig) -> None:
             "max_message_bytes",
             "a full replication window must fit in one gRPC message",
         ),
+        ("push_batch_max_events", "max_batch_events", "a push batch is a batch"),
+        (
+            "push_batch_max_bytes",
+            "max_message_bytes",
+            "a push batch must fit in one gRPC message",
+        ),
     )
     for smaller, larger, why in orderings:
         small_value = getattr(limits, smaller)
@@ -727,7 +781,7 @@ def _validate_durability(durability: DurabilityConfig) -> None:
 
 
 def _validate_telemetry(telemetry: TelemetryConfig, listeners: dict[tuple[str, int], str]) -> None:
-    """The exporter is known and has what it needs."""
+    """The exporter is known, its settings are in range, and no scrape port clashes."""
     _check_choice(telemetry.exporter, "telemetry.exporter", TELEMETRY_EXPORTERS)
     _check_str(telemetry.otlp_endpoint, "telemetry.otlp_endpoint")
     if any(char.isspace() for char in telemetry.otlp_endpoint):
@@ -735,13 +789,37 @@ def _validate_telemetry(telemetry: TelemetryConfig, listeners: dict[tuple[str, i
             f"telemetry.otlp_endpoint: must not contain whitespace, "
             f"got {_show(telemetry.otlp_endpoint)}"
         )
-    _check_str(telemetry.prometheus_address, "telemetry.prometheus_address")
-    if telemetry.exporter == "prometheus" and not telemetry.prometheus_address:
+    host = telemetry.prometheus_host
+    _check_str(host, "telemetry.prometheus_host")
+    wildcard = host in _WILDCARD_HOSTS
+    if not wildcard:
+        try:
+            parse_address(f"{host}:1")
+        except ValueError as error:
+            raise ConfigError(f"telemetry.prometheus_host: {error}, got {_show(host)}") from None
+    ports: dict[int, str] = {}
+    for service in ("coordinator", "replica", "gateway"):
+        field_name = f"telemetry.{service}_prometheus_port"
+        port = telemetry.prometheus_port(service)
+        _check_int(port, field_name, 0, 65535)
+        if port == 0:
+            continue  # picked at start-up, logged
+        if port in ports:
+            # A node's coordinator and replica share a host, so their ports must differ.
+            raise ConfigError(f"{field_name}: {port} is already {ports[port]}")
+        ports[port] = field_name
+        for (listener_host, listener_port), owner in listeners.items():
+            if listener_port == port and (wildcard or listener_host == host.lower()):
+                raise ConfigError(
+                    f"{field_name}: port {port} on {host} is already used by {owner}"
+                )
+    ratio = telemetry.trace_sample_ratio
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
         raise ConfigError(
-            "telemetry.prometheus_address: required when telemetry.exporter is 'prometheus', got ''"
+            "telemetry.trace_sample_ratio: must be a number from 0 to 1 (the share of new "
+            f"traces recorded), got {_describe(ratio)}"
         )
-    if telemetry.prometheus_address:
-        _claim_address(telemetry.prometheus_address, "telemetry.prometheus_address", listeners)
+    _check_int(telemetry.metrics_interval_ms, "telemetry.metrics_interval_ms", 100, 3_600_000)
 
 
 def _validate_logging(logging_config: LogConfig) -> None:

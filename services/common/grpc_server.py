@@ -17,6 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from services.common.grpc_tracing import server_interceptors
+
 log = logging.getLogger(__name__)
 
 
@@ -44,7 +46,9 @@ class ServiceServer:
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
+            # Tracing, when [telemetry] turned it on (nothing otherwise).
+            interceptors=server_interceptors(),
         )
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

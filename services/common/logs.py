@@ -4,6 +4,14 @@ Text lines read ``2026-11-21T23:59:01.123Z INFO replica[n1] became master epoch=
 JSON lines carry the same data as one object per line for log shippers. Call sites attach
 structured fields (epoch, lsn, peer, ...) with ``log_fields`` or a ``bind``-ed logger
 rather than formatting them into the message, so both formats can show them as fields.
+
+Every line of a service also carries its node's state as fields: a service registers a
+provider with ``set_log_context`` (the replica: ``epoch``, ``lsn``, ``role``; the
+coordinator: ``epoch``, ``state``; the gateway: ``master``, ``epoch``), read when the
+record is made, so a line logged anywhere in the process says where the node stood. A
+text line shows such a field only when the message does not already spell it out
+(``epoch=4`` in the message); a JSON line always has it. Lines logged while a sampled
+trace is current carry ``trace_id`` and ``span_id``, to jump from a log line to its trace.
 """
 
 from __future__ import annotations
@@ -12,8 +20,10 @@ import datetime
 import json
 import logging
 import sys
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, TextIO
+
+from opentelemetry import trace
 
 from services.common.config import LogConfig
 
@@ -21,8 +31,49 @@ from services.common.config import LogConfig
 FIELDS_ATTR = "squall_fields"
 # Keys of a JSON line that fields may not overwrite; a clashing field gets a "field_" prefix.
 _JSON_RESERVED_KEYS = frozenset({"ts", "level", "service", "node", "logger", "msg", "exc"})
+# The LogRecord attribute that carries the process's context fields (set_log_context).
+CONTEXT_ATTR = "squall_context"
 # Marks the handler setup_logging installs, so a second call replaces it instead of adding one.
 _HANDLER_MARK = "_squall_handler"
+
+ContextProvider = Callable[[], Mapping[str, object]]
+_context_provider: ContextProvider | None = None
+
+
+def set_log_context(provider: ContextProvider | None) -> None:
+    """Fields every record of this process carries, read from provider when it is made."""
+    global _context_provider
+    _context_provider = provider
+
+
+class ContextFilter(logging.Filter):
+    """Attaches the process's context fields and the current trace to each record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Always passes the record; adds CONTEXT_ATTR when there is context."""
+        context: dict[str, object] = {}
+        provider = _context_provider
+        if provider is not None:
+            try:
+                context.update(provider())
+            except Exception as exc:  # a log line must never fail for its context
+                context["context_error"] = repr(exc)
+        span_context = trace.get_current_span().get_span_context()
+        if span_context.is_valid and span_context.trace_flags.sampled:
+            context["trace_id"] = format(span_context.trace_id, "032x")
+            context["span_id"] = format(span_context.span_id, "016x")
+        if context:
+            setattr(record, CONTEXT_ATTR, context)
+        return True
+
+
+def context_fields(record: logging.LogRecord) -> dict[str, object]:
+    """The context fields attached to a record that its own fields do not already set."""
+    context = getattr(record, CONTEXT_ATTR, None)
+    if not isinstance(context, Mapping):
+        return {}
+    own = record_fields(record)
+    return {key: value for key, value in context.items() if key not in own}
 
 
 def setup_logging(
@@ -36,6 +87,7 @@ def setup_logging(
     else:
         formatter = TextFormatter(service, node_id)
     handler.setFormatter(formatter)
+    handler.addFilter(ContextFilter())
     setattr(handler, _HANDLER_MARK, True)
     root = logging.getLogger()
     for old in list(root.handlers):
@@ -121,8 +173,14 @@ class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         """One line per record; exception tracebacks follow on their own lines."""
         parts = [format_timestamp(record.created), record.levelname, self._prefix]
-        parts.append(record.getMessage())
+        message = record.getMessage()
+        parts.append(message)
         parts.extend(f"{key}={_text_value(value)}" for key, value in record_fields(record).items())
+        parts.extend(
+            f"{key}={_text_value(value)}"
+            for key, value in context_fields(record).items()
+            if f"{key}=" not in message
+        )
         line = " ".join(parts)
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
@@ -149,7 +207,7 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        for key, value in record_fields(record).items():
+        for key, value in (context_fields(record) | record_fields(record)).items():
             line[f"field_{key}" if key in _JSON_RESERVED_KEYS else key] = value
         if record.exc_info:
             line["exc"] = self.formatException(record.exc_info)

@@ -69,6 +69,14 @@ def validate_subscription_name(name: str) -> None:
     _check_dotted_name(name, "subscription name", SUBSCRIPTION_NAME_MAX_BYTES)
 
 
+def validate_push_subscriber_id(subscriber_id: str) -> None:
+    """Raise ValueError naming the push subscriber id and the rule unless it fits.
+
+    The same grammar as subscription names: an id is a key in the store, like a name.
+    """
+    _check_dotted_name(subscriber_id, "push subscriber id", SUBSCRIPTION_NAME_MAX_BYTES)
+
+
 def validate_publisher_id(publisher_id: str) -> None:
     """Raise ValueError unless publisher_id is 1..128 printable ASCII without whitespace.
 

@@ -1,8 +1,9 @@
 """The shared entry point of every Squall service process: arguments, config, logs, run.
 
 Every service takes `--config FILE` and its id, refuses a broken file with one line and
-exit status 2 before anything starts, logs with its name and id, runs until SIGTERM or
-SIGINT, and exits 1 with a logged reason if it cannot start.
+exit status 2 before anything starts, logs with its name and id, starts the telemetry
+`[telemetry]` asks for (before anything that records spans or metrics is built), runs
+until SIGTERM or SIGINT, and exits 1 with a logged reason if it cannot start.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from collections.abc import Awaitable, Callable
 
 from services.common.config import ClusterConfig, NodeConfig, load_config_or_exit
 from services.common.grpc_server import run_until_signalled
-from services.common.logs import setup_logging
+from services.common.logs import set_log_context, setup_logging
+from services.common.telemetry import TelemetryHandle, start_telemetry
 
 log = logging.getLogger("squall")
 
@@ -26,14 +28,22 @@ def run_service(
     name: str,
     serve: Serve,
     startup_errors: tuple[type[Exception], ...] = (),
+    config: ClusterConfig | None = None,
 ) -> int:
-    """Runs `serve(stop)` until a signal; returns the process exit status."""
+    """Runs `serve(stop)` until a signal, with config's telemetry; returns the exit status."""
     expected: tuple[type[Exception], ...] = (*startup_errors, OSError)
+    handle: TelemetryHandle | None = None
     try:
+        if config is not None:
+            handle = start_telemetry(config, service, name)
         asyncio.run(run_until_signalled(serve))
     except expected as exc:
         log.error("%s %s cannot start: %s", service, name, exc)
         return 1
+    finally:
+        set_log_context(None)
+        if handle is not None:
+            handle.shutdown()
     return 0
 
 
@@ -52,4 +62,6 @@ def node_service_main(
     config = load_config_or_exit(args.config, node_id=args.node)
     node = config.node(args.node)
     setup_logging(config.logging, service, node.id)
-    return run_service(service, node.id, lambda stop: serve(config, node, stop), startup_errors)
+    return run_service(
+        service, node.id, lambda stop: serve(config, node, stop), startup_errors, config
+    )

@@ -8,6 +8,7 @@ import sys
 
 from services.common.config import ClusterConfig, NodeConfig
 from services.common.grpc_server import ServiceServer
+from services.common.logs import set_log_context
 from services.common.service_main import node_service_main
 from services.coordinator.node import CoordinatorNode
 from services.coordinator.persist import StateFileError
@@ -22,6 +23,12 @@ SERVICE_NAMES = [coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full
 async def serve(config: ClusterConfig, node_config: NodeConfig, stop: asyncio.Event) -> None:
     """Serves until `stop` is set."""
     node = CoordinatorNode(config, node_config, on_shutdown=stop.set)
+    set_log_context(
+        lambda: {
+            "state": node.election.status().state.value,
+            "epoch": node.election.persisted.epoch,
+        }
+    )
     grpc_server = ServiceServer(
         node_config.coordinator_address, SERVICE_NAMES, config.limits.max_message_bytes
     )

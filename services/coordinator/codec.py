@@ -20,8 +20,10 @@ from services.coordinator.messages import (
     GroupReady,
     GroupReadyAck,
     Invitation,
+    LeadershipTransfer,
     MemberReport,
     NodeState,
+    OperatorRecord,
     PeerMessage,
     Role,
     StoreState,
@@ -127,6 +129,7 @@ def to_proto(msg: PeerMessage) -> coordinator_pb2.PeerMessage:
                 priority=body.priority,
                 epoch=body.epoch,
                 cluster_id=body.cluster_id,
+                transfer_group=body.transfer_group,
             )
         )
     elif isinstance(body, Accept):
@@ -147,6 +150,15 @@ def to_proto(msg: PeerMessage) -> coordinator_pb2.PeerMessage:
                 coordinator_id=body.coordinator_id,
                 max_seen=body.max_seen,
                 cluster_id=body.cluster_id,
+            )
+        )
+    elif isinstance(body, LeadershipTransfer):
+        pb.leadership_transfer.CopyFrom(
+            coordinator_pb2.LeadershipTransfer(
+                group_name=body.group_name,
+                epoch=body.epoch,
+                target=body.target,
+                members=list(body.members),
             )
         )
     else:
@@ -197,6 +209,7 @@ def from_proto(pb: coordinator_pb2.PeerMessage) -> PeerMessage:
             priority=i.priority,
             epoch=i.epoch,
             cluster_id=i.cluster_id,
+            transfer_group=i.transfer_group,
         )
     elif kind == "accept":
         a = pb.accept
@@ -229,13 +242,46 @@ def from_proto(pb: coordinator_pb2.PeerMessage) -> PeerMessage:
         body = GroupReadyAck(
             group_name=_require(k.group_name, "ready_ack.group_name"), epoch=k.epoch
         )
+    elif kind == "leadership_transfer":
+        t2 = pb.leadership_transfer
+        for index, node in enumerate(t2.members):
+            _require(node, f"leadership_transfer.members[{index}]")
+        body = LeadershipTransfer(
+            group_name=_require(t2.group_name, "leadership_transfer.group_name"),
+            epoch=t2.epoch,
+            target=_require(t2.target, "leadership_transfer.target"),
+            members=tuple(t2.members),
+        )
     else:
-        raise ValueError("body: no message set (expected one of are_you_coordinator ... ready_ack)")
+        raise ValueError(
+            "body: no message set (expected one of are_you_coordinator ... leadership_transfer)"
+        )
     return PeerMessage(from_node=from_node, to_node=to_node, body=body)
+
+
+def record_to_proto(record: OperatorRecord) -> coordinator_pb2.OperatorRecord:
+    """An operator record as protobuf."""
+    return coordinator_pb2.OperatorRecord(
+        at_ms=record.at_ms, operator=record.operator, action=record.action, reason=record.reason
+    )
 
 
 def status_to_proto(status: ElectionStatus) -> coordinator_pb2.CoordinatorStatus:
     """The election's status as the CoordinatorStatus the gRPC adapter returns."""
+    pb = _status_core_to_proto(status)
+    if status.quorum_override_record is not None:
+        pb.quorum_override_record.CopyFrom(record_to_proto(status.quorum_override_record))
+    if status.quarantine is not None:
+        pb.quarantine.CopyFrom(record_to_proto(status.quarantine))
+    pb.audit.extend(record_to_proto(r) for r in status.audit)
+    pb.invited.extend(status.invited)
+    pb.sync_source_id = status.sync_source_id
+    pb.transfer_target = status.transfer_target
+    return pb
+
+
+def _status_core_to_proto(status: ElectionStatus) -> coordinator_pb2.CoordinatorStatus:
+    """The IceStorm table fields of the status."""
     return coordinator_pb2.CoordinatorStatus(
         node_id=status.node_id,
         coordinator_id=status.coordinator_id,

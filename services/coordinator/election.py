@@ -96,6 +96,7 @@ from dataclasses import dataclass, field, replace
 
 from services.coordinator.lifecycle import decide_start
 from services.coordinator.messages import (
+    AUDIT_RECORDS_MAX,
     Accept,
     AreYouCoordinator,
     AreYouCoordinatorReply,
@@ -106,10 +107,12 @@ from services.coordinator.messages import (
     GroupReady,
     GroupReadyAck,
     Invitation,
+    LeadershipTransfer,
     LogEvent,
     LogLevel,
     MemberReport,
     NodeState,
+    OperatorRecord,
     PeerMessage,
     PersistedState,
     Ready,
@@ -145,6 +148,49 @@ def node_sort_key(node_id: str) -> tuple[int, int, str]:
     if node_id.isdigit():
         return (0, int(node_id), node_id)
     return (1, 0, node_id)
+
+
+def rank_order(priorities: Mapping[str, int]) -> list[str]:
+    """Every node, best first: higher priority, then the lower node id (the election's rank)."""
+    return sorted(priorities, key=lambda x: (-priorities[x], node_sort_key(x)))
+
+
+def quorum_rule(
+    n: int, group_max_seen: int, *, designated: bool = False, override: int = 0
+) -> tuple[int, str]:
+    """How many of ``n`` configured nodes a group needs to go normal, and why.
+
+    A majority once some member has seen a majority together (``group_max_seen``), else
+    all ``n`` (full startup); 1 for an effective designated primary of a two-node cluster;
+    an operator's ``override`` only ever lowers the count.
+    """
+    majority = n // 2 + 1
+    if group_max_seen >= majority:
+        required, why = majority, f"a majority of {n}"
+    else:
+        required = n
+        why = (
+            f"all {n}: full startup, no member has seen a majority together "
+            f"(max {group_max_seen})"
+        )
+    if designated:
+        required, why = 1, "1: designated primary of a two-node cluster"
+    if 0 < override < required:
+        required, why = override, f"{override}: operator quorum override"
+    return required, why
+
+
+def pick_sync_source(positions: Mapping[str, tuple[int, int]], first: str) -> str:
+    """The node with the highest ``(last_epoch, last_lsn)``; on a tie ``first`` (the
+    coordinator), then the lower node id. Empty if ``positions`` is empty."""
+    order = [first, *sorted((x for x in positions if x != first), key=node_sort_key)]
+    best = ""
+    best_key = (-1, -1)
+    for node in order:
+        position = positions.get(node)
+        if position is not None and position > best_key:
+            best, best_key = node, position
+    return best
 
 
 def parse_group_name(name: str) -> tuple[str, str] | None:
@@ -241,6 +287,14 @@ class _Reorg:
 
 
 @dataclass
+class _Transfer:
+    """A coordinator handing its group to ``target``; it gives up at ``deadline_ms``."""
+
+    target: str
+    deadline_ms: int
+
+
+@dataclass
 class _PendingAccept:
     """A member that accepted an invitation and waits for its replica's post-stop report."""
 
@@ -269,6 +323,8 @@ class Election:
         persisted: PersistedState,
         new_group_id: Callable[[], str],
         new_cluster_id: Callable[[], str] | None = None,
+        *,
+        wall_offset_ms: int = 0,
     ) -> None:
         """Build the machine from config and the state persisted by earlier runs.
 
@@ -276,6 +332,8 @@ class Election:
         production, a seeded or counted id in tests); it must never repeat for this node.
         ``new_cluster_id`` mints a cluster id at a first formation (a uuid in production);
         without it the id is made from the new group's name (unique the same way).
+        ``wall_offset_ms`` turns ``now_ms`` into wall-clock time for operator records
+        (the driver's wall clock minus its monotonic clock; 0 in tests).
         """
         config.validate()
         n = len(config.priorities)
@@ -294,7 +352,7 @@ class Election:
         self._prio: dict[str, int] = dict(config.priorities)
         self._n = n
         self._majority = n // 2 + 1
-        order = sorted(self._prio, key=lambda x: (-self._prio[x], node_sort_key(x)))
+        order = rank_order(self._prio)
         # Higher is better; a rank is a position, so merge delays do not depend on the
         # spacing of configured priority values.
         self._rank: dict[str, int] = {node: n - i for i, node in enumerate(order)}
@@ -305,6 +363,7 @@ class Election:
         self._persisted = persisted
         self._new_group_id = new_group_id
         self._new_cluster_id = new_cluster_id
+        self._wall_offset_ms = wall_offset_ms
 
         self._now_ms = 0
         self._started = False
@@ -340,6 +399,8 @@ class Election:
         # reason its coordinator gave.
         self._held_reason = ""
         self._held_note = ""
+        self._transfer: _Transfer | None = None
+        self._invited: tuple[str, ...] = ()
 
     # ----------------------------------------------------------------- public inputs
 
@@ -359,9 +420,82 @@ class Election:
         """Mark (or clear) this node as the designated primary of a two-node cluster."""
         return self._run(now_ms, lambda: self._on_designated_primary(enabled, operator))
 
-    def set_quorum_override(self, required: int, operator: str, now_ms: int) -> Ready:
-        """Lower the count of nodes a group needs to go normal; 0 clears the override."""
-        return self._run(now_ms, lambda: self._on_quorum_override(required, operator))
+    def set_quorum_override(
+        self, required: int, operator: str, now_ms: int, reason: str = ""
+    ) -> Ready:
+        """Lower the count of nodes a group needs to go normal; 0 clears the override.
+
+        The override clears itself once this node is in a normal group with a majority
+        of the configured nodes (the nodes are back; it is no longer needed).
+        """
+        return self._run(now_ms, lambda: self._on_quorum_override(required, operator, reason))
+
+    def transfer_leadership(
+        self, target: str, operator: str, now_ms: int, reason: str = ""
+    ) -> Ready:
+        """Hand this coordinator's group to ``target`` (see ``transfer_refusal``).
+
+        The driver calls it only once its replica stopped taking writes and ``target``
+        holds the whole log. The target then invites the group into a group of its own,
+        which the members accept although it ranks below this node; the new group forms
+        in a new epoch as any other. The target leads until the next election.
+        """
+        return self._run(now_ms, lambda: self._on_transfer_request(target, operator, reason))
+
+    def transfer_refusal(self, target: str) -> Rejection | None:
+        """Why a transfer to ``target`` cannot start now, or None; changes nothing."""
+        if target not in self._prio:
+            return Rejection(
+                RejectCode.INVALID_ARGUMENT,
+                f"node {self._me}: transfer to {_show(target)} refused: not a configured node "
+                f"{sorted(self._prio, key=node_sort_key)}",
+            )
+        if self._coord != self._me or self._state is not NodeState.NORMAL:
+            return Rejection(
+                RejectCode.FAILED_PRECONDITION,
+                f"node {self._me}: transfer to {target} refused: this node is not the master "
+                f"(state {self._state.value}, coordinator {self._coord})",
+            )
+        if target == self._me:
+            return Rejection(
+                RejectCode.FAILED_PRECONDITION,
+                f"node {self._me}: transfer refused: node {target} already leads "
+                f"{self._group} in epoch {self._group_epoch}",
+            )
+        if self._transfer is not None:
+            return Rejection(
+                RejectCode.FAILED_PRECONDITION,
+                f"node {self._me}: transfer to {target} refused: a transfer to "
+                f"{self._transfer.target} is in progress",
+            )
+        if self._prio[target] == 0:
+            return Rejection(
+                RejectCode.FAILED_PRECONDITION,
+                f"node {self._me}: transfer to {target} refused: it has priority 0 and "
+                "never leads",
+            )
+        if target not in self._view:
+            return Rejection(
+                RejectCode.FAILED_PRECONDITION,
+                f"node {self._me}: transfer to {target} refused: it is not a member of "
+                f"{self._group} (members {','.join(self._view)})",
+            )
+        return None
+
+    def replica_fault(self, fault_id: str, reason: str, now_ms: int) -> Ready:
+        """The replica reported a fault (checksum error, failing disk): quarantine this node,
+        unless an operator already cleared that very fault."""
+        return self._run(now_ms, lambda: self._on_replica_fault(fault_id, reason))
+
+    def set_quarantine(
+        self, enabled: bool, operator: str, now_ms: int, reason: str = ""
+    ) -> Ready:
+        """Quarantine this node (operator), or clear its quarantine.
+
+        A quarantined node takes no part in any group: it never leads, its replica never
+        serves a role, so it is never counted for acks or for the quorum.
+        """
+        return self._run(now_ms, lambda: self._on_set_quarantine(enabled, operator, reason))
 
     # ----------------------------------------------------------------- queries
 
@@ -405,6 +539,12 @@ class Election:
             quorum_override=self._persisted.quorum_override,
             quorum_required=self._quorum(self._persisted.max_seen)[0],
             members=self._view if self._state is NodeState.NORMAL else (),
+            quorum_override_record=self._persisted.quorum_override_record,
+            quarantine=self._persisted.quarantine,
+            audit=self._persisted.audit,
+            invited=self._invited if self._coord == self._me else (),
+            sync_source_id=self._sync_source if self._state is NodeState.NORMAL else "",
+            transfer_target=self._transfer.target if self._transfer is not None else "",
         )
 
     def next_deadline_ms(self) -> int | None:
@@ -421,6 +561,8 @@ class Election:
         else:
             if self._merge is not None:
                 due.append(self._merge.deadline_ms)
+            if self._transfer is not None:
+                due.append(self._transfer.deadline_ms)
             if self._reorg is not None:
                 due.append(self._reorg.deadline_ms)
                 due.append(self._reorg.next_resend_ms)
@@ -497,7 +639,7 @@ class Election:
         self._o().rejection = Rejection(code, f"node {self._me}: {message}")
         self._log(LogLevel.WARNING, f"rejected-{code.value}", message)
 
-    def _persist(self, **changes: int | bool | str) -> None:
+    def _persist(self, **changes: object) -> None:
         """Record new persisted state; epochs and max_seen only grow."""
         new = replace(self._persisted, **changes)  # type: ignore[arg-type]
         if new.epoch < self._persisted.epoch or new.max_seen < self._persisted.max_seen:
@@ -524,6 +666,13 @@ class Election:
         """Stop the replica serving, unless it already stopped."""
         if self._role is not Role.INACTIVE:
             self._command(RoleCommandKind.DEACTIVATE)
+
+    def _record(self, operator: str, action: str, reason: str) -> OperatorRecord:
+        """An operator record stamped now; also appended to the persisted audit trail."""
+        record = OperatorRecord(self._now_ms + self._wall_offset_ms, operator, action, reason)
+        audit = (*self._persisted.audit, record)[-AUDIT_RECORDS_MAX:]
+        self._persist(audit=audit)
+        return record
 
     def _make_group_name(self) -> str:
         """A fresh ``node-id:unique-id`` group name."""
@@ -561,6 +710,14 @@ class Election:
                 f"QUORUM OVERRIDE in force (persisted): groups need {p.quorum_override} "
                 f"of {self._n} nodes",
             )
+        if p.quarantine is not None:
+            self._log(
+                LogLevel.WARNING,
+                "quarantine",
+                f"QUARANTINED (persisted) since {p.quarantine.at_ms} by "
+                f"{p.quarantine.operator}: {p.quarantine.reason}; this node takes no part "
+                "until an operator clears it",
+            )
 
     # ----------------------------------------------------------------- rules
 
@@ -571,19 +728,26 @@ class Election:
         coordinators above that a node is waiting to be invited, so a node that recovered
         just after their own probe round is not left out until the next one.
         """
-        if self._coord != self._me:
+        if self._coord != self._me or self._quarantined():
             return False
         if self._state is NodeState.INACTIVE:
             return True
         return self._state is NodeState.NORMAL and self._eligible
 
     def _can_merge(self) -> bool:
-        """May this node look for and invite other groups now?"""
+        """May this node look for and invite other groups now? Not while it hands its
+        group over: a new merge would make a new group under the transfer."""
         return (
             self._eligible
             and self._coord == self._me
             and self._state in (NodeState.INACTIVE, NodeState.NORMAL)
+            and self._transfer is None
+            and not self._quarantined()
         )
+
+    def _quarantined(self) -> bool:
+        """A quarantined node is in no group until an operator clears it."""
+        return self._persisted.quarantine is not None
 
     def _waiting_for_report(self) -> bool:
         """An idle coordinator without its replica's stopped state cannot lead a merge: it
@@ -592,7 +756,7 @@ class Election:
 
     def _answers_as_coordinator(self) -> bool:
         """Is this node a coordinator another may merge (IceStorm's areYouCoordinator)?"""
-        if self._coord != self._me:
+        if self._coord != self._me or self._quarantined():
             return False
         if self._state is NodeState.NORMAL:
             return True
@@ -608,21 +772,13 @@ class Election:
         )
 
     def _quorum(self, group_max_seen: int) -> tuple[int, str]:
-        """Nodes a group needs to go normal, and why."""
-        if group_max_seen >= self._majority:
-            required, why = self._majority, f"a majority of {self._n}"
-        else:
-            required = self._n
-            why = (
-                f"all {self._n}: full startup, no member has seen a majority together "
-                f"(max {group_max_seen})"
-            )
-        if self._designated_effective():
-            required, why = 1, "1: designated primary of a two-node cluster"
-        override = self._persisted.quorum_override
-        if 0 < override < required:
-            required, why = override, f"{override}: operator quorum override"
-        return required, why
+        """Nodes a group needs to go normal, and why (``quorum_rule``)."""
+        return quorum_rule(
+            self._n,
+            group_max_seen,
+            designated=self._designated_effective(),
+            override=self._persisted.quorum_override,
+        )
 
     def _merge_delay_ms(self) -> int:
         """Collection window before a merge: longer the further below a seen coordinator."""
@@ -698,14 +854,9 @@ class Election:
 
     def _sync_source_of(self, reports: Mapping[str, MemberReport]) -> str:
         """Highest (last_epoch, last_lsn); this node on a tie, then the lower node id."""
-        order = [self._me, *sorted((x for x in reports if x != self._me), key=node_sort_key)]
-        best = ""
-        best_key = (-1, -1)
-        for node in order:
-            r = reports.get(node)
-            if r is not None and (r.last_epoch, r.last_lsn) > best_key:
-                best, best_key = node, (r.last_epoch, r.last_lsn)
-        return best
+        return pick_sync_source(
+            {node: (r.last_epoch, r.last_lsn) for node, r in reports.items()}, self._me
+        )
 
     # ----------------------------------------------------------------- transitions
 
@@ -723,6 +874,8 @@ class Election:
         self._higher_seen = None
         self._held_reason = ""
         self._held_note = ""
+        self._transfer = None
+        self._invited = ()
 
     def _recover(self, reason: str, level: LogLevel = LogLevel.INFO) -> None:
         """Back to a group of our own (IceStorm's recovery), replica stopped."""
@@ -775,6 +928,16 @@ class Election:
                         self._send(node, self._ready_body(reorg))
                 reorg.next_resend_ms = now + cfg.heartbeat_interval_ms
             return False
+        transfer = self._transfer
+        if transfer is not None and now >= transfer.deadline_ms:
+            self._transfer = None
+            self._last_change_reason = f"leadership transfer to {transfer.target} timed out"
+            self._log(
+                LogLevel.WARNING,
+                "transfer-timeout",
+                f"{transfer.target} did not take over {self._group} within "
+                f"{2 * cfg.member_timeout_ms} ms; still master in epoch {self._group_epoch}",
+            )
         if self._state is NodeState.NORMAL and self._check_members():
             return True
         if self._state is NodeState.INACTIVE and self._members:
@@ -879,9 +1042,18 @@ class Election:
         alone_ok = self._quorum(self._persisted.max_seen)[0] <= 1
         if not invite and not alone_ok:
             return
+        self._start_merge(invite)
+
+    def _start_merge(self, invite: set[str], transfer_from: str = "") -> None:
+        """Leave the current group and invite ``invite`` into a fresh group of ours.
+
+        ``transfer_from`` names the coordinator handing its group to us: the invitation
+        then carries that group's name, so its members accept it from below.
+        """
         old_group = self._group
         self._reset_group()
         self._state = NodeState.ELECTION
+        self._coord = self._me
         self._group = self._make_group_name()
         self._deactivate_if_active()
         self._merge = _Merge(
@@ -891,17 +1063,31 @@ class Election:
             deadline_ms=self._now_ms + self._cfg.member_timeout_ms,
         )
         invitation = Invitation(
-            self._group, self._prio[self._me], self._persisted.epoch, self._cluster_id()
+            self._group,
+            self._prio[self._me],
+            self._persisted.epoch,
+            cluster_id=self._cluster_id(),
+            transfer_group=old_group if transfer_from else "",
         )
         ordered = sorted(invite, key=node_sort_key)
+        self._invited = tuple(ordered)
         for node in ordered:
             self._send(node, invitation)
-        self._last_change_reason = f"merging {','.join(ordered) or 'nobody'} into a new group"
-        self._log(
-            LogLevel.INFO,
-            "merge",
-            f"leaving {old_group}; inviting {','.join(ordered) or 'nobody'} to {self._group}",
-        )
+        invited = ",".join(ordered) or "nobody"
+        if transfer_from:
+            self._last_change_reason = (
+                f"taking over {old_group} from {transfer_from} by leadership transfer"
+            )
+            self._log(
+                LogLevel.WARNING,
+                "transfer-take-over",
+                f"{transfer_from} hands {old_group} over; inviting {invited} to {self._group}",
+            )
+        else:
+            self._last_change_reason = f"merging {invited} into a new group"
+            self._log(
+                LogLevel.INFO, "merge", f"leaving {old_group}; inviting {invited} to {self._group}"
+            )
         self._maybe_reorganize()
 
     def _maybe_reorganize(self) -> None:
@@ -1087,6 +1273,7 @@ class Election:
             f"reporting for duty as coordinator of {self._group}: epoch {reorg.epoch}, "
             f"members {','.join(final)} ({len(final)}/{self._n}), sync source {sync}",
         )
+        self._revert_override_if_majority(final, reorg.epoch)
 
     # ----------------------------------------------------------------- replica
 
@@ -1173,8 +1360,8 @@ class Election:
                 f"designated primary cleared by {who}",
             )
 
-    def _on_quorum_override(self, required: int, operator: str) -> None:
-        """Set (1..n) or clear (0) the quorum override."""
+    def _on_quorum_override(self, required: int, operator: str, reason: str) -> None:
+        """Set (1..n) or clear (0) the quorum override, with an audit record."""
         who = operator or "unknown operator"
         if not 0 <= required <= self._n:
             self._reject(
@@ -1184,19 +1371,116 @@ class Election:
             return
         if required == self._persisted.quorum_override:
             return
-        self._persist(quorum_override=required)
-        self._next_probe_ms = self._now_ms
+        why = f" ({reason})" if reason else ""
         if required:
+            record = self._record(who, f"quorum-override {required}", reason)
+            self._persist(quorum_override=required, quorum_override_record=record)
             self._log(
                 LogLevel.WARNING,
                 "operator-quorum-override",
-                f"QUORUM OVERRIDE SET by {who}: groups need only {required} of {self._n} "
+                f"QUORUM OVERRIDE SET by {who}{why}: groups need only {required} of {self._n} "
                 f"nodes (majority is {self._majority}); two groups may now both serve",
             )
         else:
+            self._record(who, "quorum-override cleared", reason)
+            self._persist(quorum_override=0, quorum_override_record=None)
             self._log(
-                LogLevel.WARNING, "operator-quorum-override", f"quorum override cleared by {who}"
+                LogLevel.WARNING,
+                "operator-quorum-override",
+                f"quorum override cleared by {who}{why}",
             )
+        self._next_probe_ms = self._now_ms
+
+    def _revert_override_if_majority(self, members: tuple[str, ...], epoch: int) -> None:
+        """The override is for disaster recovery: once this node is in a normal group with a
+        majority of the configured nodes, it is no longer needed and would only risk a split
+        brain at the next partition, so it clears itself."""
+        override = self._persisted.quorum_override
+        if not override or len(members) < self._majority:
+            return
+        record = self._persisted.quorum_override_record
+        set_by = f" (set by {record.operator} at {record.at_ms})" if record is not None else ""
+        reason = (
+            f"{len(members)} of {self._n} nodes ({','.join(members)}) are in group "
+            f"{self._group} in epoch {epoch}, a majority"
+        )
+        self._record("auto", "quorum-override cleared", reason)
+        self._persist(quorum_override=0, quorum_override_record=None)
+        self._log(
+            LogLevel.WARNING,
+            "operator-quorum-override",
+            f"quorum override {override}{set_by} cleared automatically: {reason}",
+        )
+
+    def _on_transfer_request(self, target: str, operator: str, reason: str) -> None:
+        """Start handing the group to ``target``: tell it to invite our members."""
+        who = operator or "unknown operator"
+        refusal = self.transfer_refusal(target)
+        if refusal is not None:
+            self._reject(refusal.code, refusal.message.removeprefix(f"node {self._me}: "))
+            return
+        self._record(who, f"transfer to {target}", reason)
+        self._transfer = _Transfer(target, self._now_ms + 2 * self._cfg.member_timeout_ms)
+        self._send(
+            target, LeadershipTransfer(self._group, self._group_epoch, target, self._view)
+        )
+        self._last_change_reason = f"handing {self._group} to {target} (transfer by {who})"
+        why = f" ({reason})" if reason else ""
+        self._log(
+            LogLevel.WARNING,
+            "operator-transfer",
+            f"LEADERSHIP TRANSFER to {target} by {who}{why}: {target} holds the whole log; "
+            f"it will invite {','.join(x for x in self._view if x != target)} into a group "
+            f"of its own (epoch above {self._group_epoch})",
+        )
+
+    def _on_replica_fault(self, fault_id: str, reason: str) -> None:
+        """Quarantine on a fault the replica reported, once per fault."""
+        p = self._persisted
+        if not fault_id or fault_id in (p.quarantine_fault_id, p.cleared_fault_id):
+            return
+        if p.quarantine is not None:
+            # Already quarantined (by an operator, or an earlier fault): note the new fault.
+            self._persist(quarantine_fault_id=fault_id)
+            return
+        self._quarantine("replica", f"replica fault: {reason}", fault_id)
+
+    def _on_set_quarantine(self, enabled: bool, operator: str, reason: str) -> None:
+        """Quarantine (operator) or clear the quarantine."""
+        who = operator or "unknown operator"
+        p = self._persisted
+        if enabled:
+            if p.quarantine is None:
+                self._quarantine(who, reason or "operator", "")
+            return
+        if p.quarantine is None:
+            return
+        self._record(who, "unquarantine", reason)
+        self._persist(
+            quarantine=None,
+            quarantine_fault_id="",
+            cleared_fault_id=p.quarantine_fault_id or p.cleared_fault_id,
+        )
+        self._next_probe_ms = self._now_ms
+        self._last_change_reason = f"quarantine cleared by {who}"
+        self._log(
+            LogLevel.WARNING,
+            "quarantine",
+            f"quarantine cleared by {who} (was: {p.quarantine.reason}); this node rejoins",
+        )
+
+    def _quarantine(self, operator: str, reason: str, fault_id: str) -> None:
+        """Leave any group and stay out of all of them, persisted."""
+        record = self._record(operator, "quarantine", reason)
+        self._persist(quarantine=record, quarantine_fault_id=fault_id)
+        level = LogLevel.ERROR if fault_id else LogLevel.WARNING
+        self._log(
+            level,
+            "quarantine",
+            f"QUARANTINED by {operator}: {reason}; never master, never counted for acks "
+            "or the quorum until an operator clears it",
+        )
+        self._recover(f"quarantined: {reason}", level)
 
     # ----------------------------------------------------------------- messages
 
@@ -1230,6 +1514,8 @@ class Election:
             self._on_accept(frm, body)
         elif isinstance(body, GroupReady):
             self._on_ready(frm, body)
+        elif isinstance(body, LeadershipTransfer):
+            self._on_transfer(frm, body)
         else:
             self._on_ready_ack(frm, body)
 
@@ -1389,8 +1675,18 @@ class Election:
                 f"{_show(body.cluster_id)} refused: this node belongs to cluster {_show(mine)}",
             )
             return
+        if self._quarantined():
+            self._log(
+                LogLevel.INFO,
+                "invitation-ignored",
+                f"invitation from {inviter} to {body.group_name} ignored: this node is "
+                "quarantined",
+            )
+            return
         current = self._coord
-        if inviter == current:
+        if self._transfer_invitation(inviter, body):
+            pass
+        elif inviter == current:
             # Our coordinator's new merge carries the epoch we share with it; one that
             # carries an older epoch was delayed from an earlier merge.
             if body.epoch < self._group_epoch:
@@ -1445,6 +1741,61 @@ class Election:
             + (f"; forwarded to {','.join(forwarded)}" if forwarded else ""),
         )
         self._try_send_accept()
+
+    def _transfer_invitation(self, inviter: str, body: Invitation) -> bool:
+        """Is this the invitation of the node our group is being handed to?
+
+        Members accept it from any member of the group; the coordinator only from the
+        target of the transfer it ordered.
+        """
+        if not body.transfer_group or body.transfer_group != self._group:
+            return False
+        if self._coord == self._me:
+            return self._transfer is not None and self._transfer.target == inviter
+        return self._state is NodeState.NORMAL and inviter in self._view
+
+    def _on_transfer(self, frm: str, body: LeadershipTransfer) -> None:
+        """Our coordinator hands its group to us: invite its members into a group of ours."""
+        coordinator = self._group_coordinator(body.group_name, frm)
+        if coordinator is None:
+            return
+        if coordinator != frm or body.target != self._me:
+            self._reject(
+                RejectCode.INVALID_MESSAGE,
+                f"transfer from {frm} of group {_show(body.group_name)} to "
+                f"{_show(body.target)}: only a group's coordinator hands it over, to the "
+                "receiver",
+            )
+            return
+        unknown = [x for x in body.members if x not in self._prio]
+        if unknown or self._me not in body.members or frm not in body.members:
+            self._reject(
+                RejectCode.INVALID_MESSAGE,
+                f"transfer from {frm} names members {_show(','.join(body.members))}, "
+                "which must be configured nodes including both ends of the transfer",
+            )
+            return
+        if not self._eligible:
+            self._reject(
+                RejectCode.FAILED_PRECONDITION,
+                f"transfer from {frm} refused: this node has priority 0 and never leads",
+            )
+            return
+        if (
+            self._coord != frm
+            or self._group != body.group_name
+            or self._state is not NodeState.NORMAL
+            or self._group_epoch != body.epoch
+        ):
+            self._log(
+                LogLevel.INFO,
+                "transfer-ignored",
+                f"transfer of {body.group_name} (epoch {body.epoch}) from {frm} ignored: "
+                f"this node is in {self._group} (epoch {self._group_epoch}, "
+                f"{self._state.value})",
+            )
+            return
+        self._start_merge({x for x in body.members if x != self._me}, transfer_from=frm)
 
     def _on_accept(self, frm: str, body: Accept) -> None:
         """Count an acceptance into the group we are forming."""
@@ -1567,6 +1918,7 @@ class Election:
             f"reporting for duty in {body.group_name} with coordinator {frm}, epoch "
             f"{body.epoch}",
         )
+        self._revert_override_if_majority(body.members, body.epoch)
 
     def _on_ready_ack(self, frm: str, body: GroupReadyAck) -> None:
         """Count a member's persisted epoch; all in means NORMAL."""

@@ -151,12 +151,18 @@ class AreYouThereReply:
 
 @dataclass(frozen=True, slots=True)
 class Invitation:
-    """Invitation into a new group; the inviter is the node the group name starts with."""
+    """Invitation into a new group; the inviter is the node the group name starts with.
+
+    ``transfer_group`` is set when the inviter takes over that group by a leadership
+    transfer its coordinator ordered: the group's members (and its coordinator) accept
+    it although the inviter ranks below their coordinator.
+    """
 
     group_name: str
     priority: int
     epoch: int
     cluster_id: str = ""
+    transfer_group: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +195,20 @@ class GroupReadyAck:
     epoch: int
 
 
+@dataclass(frozen=True, slots=True)
+class LeadershipTransfer:
+    """A coordinator hands its group to ``target``: invite ``members`` into a group of yours.
+
+    Sent by the coordinator of ``group_name`` in ``epoch`` only after its replica stopped
+    taking writes and ``target`` held its whole log (the driver checks both first).
+    """
+
+    group_name: str
+    epoch: int
+    target: str
+    members: tuple[str, ...]
+
+
 Body = (
     AreYouCoordinator
     | AreYouCoordinatorReply
@@ -198,6 +218,7 @@ Body = (
     | Accept
     | GroupReady
     | GroupReadyAck
+    | LeadershipTransfer
 )
 
 
@@ -211,15 +232,41 @@ class PeerMessage:
 
 
 @dataclass(frozen=True, slots=True)
+class OperatorRecord:
+    """Who did what to a node's election, when and why: the audit trail of operator controls.
+
+    ``at_ms`` is wall-clock time (milliseconds since the Unix epoch) as the driver's clock
+    gave it; ``operator`` is the user who asked, ``replica`` for a fault the replica
+    reported, or ``auto`` for a control the election reverted itself.
+    """
+
+    at_ms: int
+    operator: str
+    action: str
+    reason: str = ""
+
+
+# Operator records a node keeps (newest last); older ones fall off.
+AUDIT_RECORDS_MAX = 32
+
+
+@dataclass(frozen=True, slots=True)
 class PersistedState:
     """What a node keeps across restarts; written by the driver before anything is sent.
 
     ``epoch`` is the newest epoch the node accepted; ``max_seen`` the most nodes it has
-    seen together in one group (IceStorm's ``max``); the two operator controls are kept so a
-    restart does not silently drop them. ``cluster_id`` is the cluster the node joined,
-    persisted with the epoch of its first group: a node whose store is still empty (its
-    replica never took the role) still knows its cluster, so a later group cannot mint
-    another id.
+    seen together in one group (IceStorm's ``max``); the operator controls are kept so a
+    restart does not silently drop them, with who set them, when and why. ``cluster_id``
+    is the cluster the node joined, persisted with the epoch of its first group: a node
+    whose store is still empty (its replica never took the role) still knows its
+    cluster, so a later group cannot mint another id.
+
+    ``quorum_override_record`` says who set the override in force. ``quarantine`` is set
+    while the node is quarantined (it then takes no part in any group);
+    ``quarantine_fault_id`` names the replica fault that caused it, and
+    ``cleared_fault_id`` the last fault an operator cleared, so the replica reporting that
+    same fault again does not quarantine the node again. ``audit`` holds the newest
+    ``AUDIT_RECORDS_MAX`` operator actions and automatic reverts.
     """
 
     epoch: int = 0
@@ -227,6 +274,11 @@ class PersistedState:
     designated_primary: bool = False
     quorum_override: int = 0
     cluster_id: str = ""
+    quorum_override_record: OperatorRecord | None = None
+    quarantine: OperatorRecord | None = None
+    quarantine_fault_id: str = ""
+    cleared_fault_id: str = ""
+    audit: tuple[OperatorRecord, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,6 +366,18 @@ class ElectionStatus:
     quorum_required: int
     members: tuple[str, ...] = ()
     """Every member, coordinator included, once the group is normal (for the group view)."""
+    quorum_override_record: OperatorRecord | None = None
+    """Who set the quorum override in force, when and why."""
+    quarantine: OperatorRecord | None = None
+    """Set while the node is quarantined: who (or which fault) quarantined it, and why."""
+    audit: tuple[OperatorRecord, ...] = ()
+    """The newest operator actions and automatic reverts on this node, oldest first."""
+    invited: tuple[str, ...] = ()
+    """On a coordinator: the nodes its last merge invited into the current group."""
+    sync_source_id: str = ""
+    """The member whose log the group adopted when it formed (known once normal)."""
+    transfer_target: str = ""
+    """On a coordinator handing its group over: the node it hands it to."""
 
 
 def _cluster(cluster_id: str) -> str:
@@ -342,9 +406,16 @@ def _format_body(body: Body) -> str:
         held = f" held={body.held_reason!r}" if body.held_reason else ""
         return f"AreYouThereReply group={body.group_name} yes={str(body.yes).lower()}{held}"
     if isinstance(body, Invitation):
+        extra = f" transfer={body.transfer_group}" if body.transfer_group else ""
         return (
             f"Invitation group={body.group_name} priority={body.priority} epoch={body.epoch}"
             + _cluster(body.cluster_id)
+            + extra
+        )
+    if isinstance(body, LeadershipTransfer):
+        return (
+            f"LeadershipTransfer group={body.group_name} epoch={body.epoch} "
+            f"target={body.target} members={','.join(body.members)}"
         )
     if isinstance(body, Accept):
         r = body.report

@@ -20,7 +20,8 @@ import grpc
 from services.common.clock import Clock, SystemClock
 from services.common.config import ClusterConfig, NodeConfig
 from services.common.grpc_server import channel_options
-from services.coordinator import codec
+from services.common.telemetry import Telemetry, current
+from services.coordinator import codec, handoff
 from services.coordinator.election import Election, ElectionConfig
 from services.coordinator.messages import (
     ElectionStatus,
@@ -35,6 +36,7 @@ from services.coordinator.messages import (
     StoreState,
 )
 from services.coordinator.persist import STATE_FILE_NAME, load_state, save_state
+from services.coordinator.telemetry import CoordinatorObserver
 from squall.v1 import (
     common_pb2,
     coordinator_pb2,
@@ -67,6 +69,8 @@ _PEER_INFLIGHT_MAX = 16
 # Watchers of the group view each get a bounded queue; a watcher this far behind is
 # only ever interested in the newest view.
 _WATCH_QUEUE_MAX = 16
+# A replica's reorganization progress is logged at most this often.
+_SYNC_LOG_INTERVAL_MS = 1000
 # Reconnect quickly to a peer that restarts: failover time depends on it.
 _FAST_RECONNECT = [
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -98,16 +102,21 @@ class CoordinatorNode:
         clock: Clock | None = None,
         *,
         on_shutdown: Callable[[], None] | None = None,
+        observability: Telemetry | None = None,
     ) -> None:
         self.config = config
         self.node = node
         self.clock = clock or SystemClock()
+        observed = observability or current()
+        # State and election counters (services.coordinator.telemetry); None while off.
+        self._observer = CoordinatorObserver(observed, node.id) if observed.metering else None
         self.state_path: Path = node.data_dir / STATE_FILE_NAME
         self.election = Election(
             election_config(config, node.id),
             load_state(self.state_path),
             self._group_id,
             self._cluster_id,
+            wall_offset_ms=self._wall_offset_ms(),
         )
         # Stops the process (a clean cluster shutdown asked for it).
         self._on_shutdown = on_shutdown
@@ -137,6 +146,7 @@ class CoordinatorNode:
         # The replica drops its role if the coordinator stops renewing it for this long.
         self._lease_ms = config.timeouts.member_timeout_ms
         self._renew_s = config.timeouts.heartbeat_interval_ms / 1000
+        self._sync_noted_ms = 0
 
     @staticmethod
     def _group_id() -> str:
@@ -160,6 +170,9 @@ class CoordinatorNode:
             task.cancel()
         if self._on_shutdown is not None:
             self._on_shutdown()
+    def _wall_offset_ms(self) -> int:
+        """Turns the election's monotonic time into wall-clock time for operator records."""
+        return self.clock.wall_ms() - self.clock.monotonic_ms()
 
     # --- lifecycle
 
@@ -175,6 +188,9 @@ class CoordinatorNode:
             persisted.designated_primary,
             persisted.quorum_override,
         )
+        if self._observer is not None:
+            self._observer.instruments.watch(self)
+            self._observer.changed(self.election.status())
         self._tasks = [
             asyncio.create_task(self._tick_loop(), name="tick"),
             asyncio.create_task(self._role_loop(), name="role"),
@@ -182,6 +198,8 @@ class CoordinatorNode:
 
     async def stop(self) -> None:
         """Stops the loops and closes channels."""
+        if self._observer is not None:
+            self._observer.instruments.unwatch(self)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -225,11 +243,30 @@ class CoordinatorNode:
         self.apply(ready)
         return ready
 
-    def set_quorum_override(self, required: int, operator: str) -> Ready:
+    def set_quorum_override(self, required: int, operator: str, reason: str = "") -> Ready:
         """Operator control: see Election.set_quorum_override."""
-        ready = self.election.set_quorum_override(required, operator, self._now())
+        ready = self.election.set_quorum_override(required, operator, self._now(), reason)
         self.apply(ready)
         return ready
+
+    def set_quarantine(self, enabled: bool, operator: str, reason: str = "") -> Ready:
+        """Operator control: see Election.set_quarantine."""
+        ready = self.election.set_quarantine(enabled, operator, self._now(), reason)
+        self.apply(ready)
+        return ready
+
+    async def transfer_leadership(
+        self, target: str, operator: str, reason: str, timeout_ms: int
+    ) -> Ready:
+        """Operator control: hand the master role to ``target`` (see handoff.py)."""
+        return await handoff.transfer(self, self._replica, target, operator, reason, timeout_ms)
+
+    def _note_fault(self, state: replica_pb2.ReplicaState) -> None:
+        """A fault the replica reports quarantines this node (once per fault)."""
+        if state.fault_id:
+            self.apply(
+                self.election.replica_fault(state.fault_id, state.fault_reason, self._now())
+            )
 
     def status(self) -> ElectionStatus:
         """The election's status."""
@@ -248,6 +285,8 @@ class CoordinatorNode:
             self._role_changed.set()
         if ready.view_changed:
             self._publish_view()
+            if self._observer is not None:
+                self._observer.changed(self.election.status())
         for event in ready.events:
             log.log(_LEVELS[event.level], "%s [%s]", event.message, event.event)
         if ready.messages or ready.role_command:
@@ -313,6 +352,9 @@ class CoordinatorNode:
                     )
                 await self._pause_role_loop()
                 continue
+            self._note_fault(state.state)
+            if state.state.HasField("reorganization"):
+                self._note_sync(state.state.reorganization)
             if command.kind is RoleCommandKind.DEACTIVATE:
                 report = self._report(state.state, command.seq)
                 if command is not applied:
@@ -333,6 +375,28 @@ class CoordinatorNode:
             applied = command
             await self._pause_role_loop()
 
+    def _note_sync(self, progress: replica_pb2.ReorganizationProgress) -> None:
+        """The replica answered a master role before taking it: its reorganization sync
+        outlives the call and goes on; each renewal asks again. Logged every few seconds."""
+        now = self._now()
+        if now < self._sync_noted_ms:
+            return
+        self._sync_noted_ms = now + _SYNC_LOG_INTERVAL_MS
+        log.info(
+            "coordinator %s: replica still syncing for epoch %d: %s from %s, %d entries, "
+            "snapshot at LSN %d: %d chunks, %d records, %d ms (attempt %d)",
+            self.node.id,
+            progress.epoch,
+            progress.phase,
+            progress.sync_source_id,
+            progress.entries_fetched,
+            progress.snapshot_lsn,
+            progress.snapshot_chunks,
+            progress.snapshot_records,
+            progress.elapsed_ms,
+            progress.attempt,
+        )
+
     def _recover(self, reason: str) -> None:
         """Any error sends the node back to a group of its own (IceStorm's recovery)."""
         log.warning(
@@ -346,6 +410,7 @@ class CoordinatorNode:
             self.election.persisted,
             self._group_id,
             self._cluster_id,
+            wall_offset_ms=self._wall_offset_ms(),
         )
         self._role_wanted = None
         self.apply(self.election.tick(self._now()))

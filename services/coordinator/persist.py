@@ -1,4 +1,5 @@
-"""The coordinator's persisted state on disk: epoch, max seen, cluster id and operator controls.
+"""The coordinator's persisted state on disk: epoch, max seen, cluster id, operator controls
+and their audit trail.
 
 The election promises never to go back to an older epoch, also across restarts, so the
 state is written atomically (temporary file, fsync, rename, fsync of the directory)
@@ -11,13 +12,23 @@ import json
 import os
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
-from services.coordinator.messages import PersistedState
+from services.coordinator.messages import AUDIT_RECORDS_MAX, OperatorRecord, PersistedState
 
 STATE_FILE_NAME = "coordinator-state.json"
-_FIELDS = ("epoch", "max_seen", "designated_primary", "quorum_override", "cluster_id")
-# Keys a file written by an older version may lack (they take their defaults).
-_OPTIONAL_FIELDS = frozenset({"cluster_id"})
+# Every file has these; the others came later and default when missing (older files).
+_REQUIRED = ("epoch", "max_seen", "designated_primary", "quorum_override")
+_OPTIONAL = (
+    "quorum_override_record",
+    "quarantine",
+    "quarantine_fault_id",
+    "cleared_fault_id",
+    "audit",
+    "cluster_id",
+)
+# Longest string kept in a record read back (operator names and reasons are short).
+_TEXT_CHARS_MAX = 4096
 
 
 class StateFileError(Exception):
@@ -36,21 +47,59 @@ def load_state(path: Path) -> PersistedState:
         document = json.loads(text)
     except json.JSONDecodeError as exc:
         raise StateFileError(f"{path} is not valid JSON: {exc}") from exc
-    if (
-        not isinstance(document, dict)
-        or not set(document) <= set(_FIELDS)
-        or not set(_FIELDS) - _OPTIONAL_FIELDS <= set(document)
-    ):
-        raise StateFileError(f"{path} must hold exactly the keys {', '.join(_FIELDS)}")
+    if not isinstance(document, dict):
+        raise StateFileError(f"{path} must hold a JSON object")
+    missing = [key for key in _REQUIRED if key not in document]
+    unknown = sorted(set(document) - set(_REQUIRED) - set(_OPTIONAL))
+    if missing or unknown:
+        raise StateFileError(
+            f"{path} must hold the keys {', '.join(_REQUIRED)} (and may hold "
+            f"{', '.join(_OPTIONAL)}); missing {missing or 'none'}, unknown {unknown or 'none'}"
+        )
     for key in ("epoch", "max_seen", "quorum_override"):
         value = document[key]
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise StateFileError(f"{path}: {key} must be a non-negative integer, got {value!r}")
     if not isinstance(document["designated_primary"], bool):
         raise StateFileError(f"{path}: designated_primary must be true or false")
-    if not isinstance(document.get("cluster_id", ""), str):
-        raise StateFileError(f"{path}: cluster_id must be a string")
-    return PersistedState(**document)
+    for key in ("quarantine_fault_id", "cleared_fault_id", "cluster_id"):
+        value = document.get(key, "")
+        if not isinstance(value, str) or len(value) > _TEXT_CHARS_MAX:
+            raise StateFileError(f"{path}: {key} must be a string, got {value!r}")
+    audit = document.get("audit", [])
+    if not isinstance(audit, list) or len(audit) > AUDIT_RECORDS_MAX:
+        raise StateFileError(f"{path}: audit must be a list of at most {AUDIT_RECORDS_MAX} records")
+    return PersistedState(
+        epoch=document["epoch"],
+        max_seen=document["max_seen"],
+        designated_primary=document["designated_primary"],
+        quorum_override=document["quorum_override"],
+        quorum_override_record=_record(path, "quorum_override_record", document),
+        quarantine=_record(path, "quarantine", document),
+        quarantine_fault_id=document.get("quarantine_fault_id", ""),
+        cleared_fault_id=document.get("cleared_fault_id", ""),
+        audit=tuple(_parse_record(path, f"audit[{i}]", r) for i, r in enumerate(audit)),
+        cluster_id=document.get("cluster_id", ""),
+    )
+
+
+def _record(path: Path, key: str, document: dict[str, Any]) -> OperatorRecord | None:
+    value = document.get(key)
+    return None if value is None else _parse_record(path, key, value)
+
+
+def _parse_record(path: Path, where: str, value: object) -> OperatorRecord:
+    """One operator record; StateFileError names the bad field."""
+    if not isinstance(value, dict) or set(value) != {"at_ms", "operator", "action", "reason"}:
+        raise StateFileError(f"{path}: {where} must hold at_ms, operator, action and reason")
+    at_ms = value["at_ms"]
+    if not isinstance(at_ms, int) or isinstance(at_ms, bool):
+        raise StateFileError(f"{path}: {where}.at_ms must be an integer, got {at_ms!r}")
+    for field in ("operator", "action", "reason"):
+        text = value[field]
+        if not isinstance(text, str) or len(text) > _TEXT_CHARS_MAX:
+            raise StateFileError(f"{path}: {where}.{field} must be a short string")
+    return OperatorRecord(at_ms, value["operator"], value["action"], value["reason"])
 
 
 def save_state(path: Path, state: PersistedState) -> None:

@@ -9,6 +9,7 @@ import grpc
 
 from services.common.grpc_server import Context
 from services.coordinator import codec
+from services.coordinator.handoff import HandoffError
 from services.coordinator.messages import Rejection
 from services.coordinator.node import CoordinatorNode
 from squall.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -63,7 +64,33 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
     async def SetQuorumOverride(
         self, request: coordinator_pb2.SetQuorumOverrideRequest, context: Context
     ) -> coordinator_pb2.OperatorControlResponse:
-        ready = self.node.set_quorum_override(request.required, request.operator or "unknown")
+        ready = self.node.set_quorum_override(
+            request.required, request.operator or "unknown", request.reason
+        )
+        if ready.rejection is not None:
+            await _refuse(context, ready.rejection)
+        return coordinator_pb2.OperatorControlResponse(status=self._status())
+
+    async def TransferLeadership(
+        self, request: coordinator_pb2.TransferLeadershipRequest, context: Context
+    ) -> coordinator_pb2.OperatorControlResponse:
+        try:
+            ready = await self.node.transfer_leadership(
+                request.target, request.operator or "unknown", request.reason, request.timeout_ms
+            )
+        except HandoffError as exc:
+            await context.abort(grpc.StatusCode[exc.code], exc.message)
+            raise
+        if ready.rejection is not None:
+            await _refuse(context, ready.rejection)
+        return coordinator_pb2.OperatorControlResponse(status=self._status())
+
+    async def SetQuarantine(
+        self, request: coordinator_pb2.SetQuarantineRequest, context: Context
+    ) -> coordinator_pb2.OperatorControlResponse:
+        ready = self.node.set_quarantine(
+            request.enabled, request.operator or "unknown", request.reason
+        )
         if ready.rejection is not None:
             await _refuse(context, ready.rejection)
         return coordinator_pb2.OperatorControlResponse(status=self._status())

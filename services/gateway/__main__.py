@@ -9,7 +9,7 @@ import sys
 
 from services.common.config import ClusterConfig, GatewayConfig, load_config_or_exit
 from services.common.grpc_server import ServiceServer
-from services.common.logs import setup_logging
+from services.common.logs import set_log_context, setup_logging
 from services.common.service_main import run_service
 from services.gateway.forward import FORWARDED_SERVICES, Forwarder
 from services.gateway.master import MasterTracker
@@ -31,12 +31,17 @@ async def serve(config: ClusterConfig, gateway: GatewayConfig, stop: asyncio.Eve
     masters = MasterTracker(config, gateway.id, probe_timeout_s=rpc_timeout_s)
     admin = ClusterAdmin(config, masters, timeout_s=rpc_timeout_s)
     forwarder = Forwarder(
-        masters, timeout_s, master_wait_s=rpc_timeout_s, policy=config.retry.policy()
+        masters,
+        timeout_s,
+        master_wait_s=rpc_timeout_s,
+        policy=config.retry.policy(),
+        gateway_id=gateway.id,
     )
     grpc_server = ServiceServer(gateway.address, SERVICE_NAMES, config.limits.max_message_bytes)
     grpc_server.server.add_generic_rpc_handlers(forwarder.handlers())
     gateway_pb2_grpc.add_ClusterAdminServicer_to_server(admin, grpc_server.server)
     masters.start()
+    set_log_context(lambda: {"master": masters.master_id or "-", "epoch": masters.epoch})
     try:
         await grpc_server.start()
         await grpc_server.set_serving(True)
@@ -58,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config_or_exit(args.config, gateway_id=args.gateway)
     gateway = config.gateway(args.gateway)
     setup_logging(config.logging, "gateway", gateway.id)
-    return run_service("gateway", gateway.id, lambda stop: serve(config, gateway, stop))
+    return run_service(
+        "gateway", gateway.id, lambda stop: serve(config, gateway, stop), config=config
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,10 @@ bounded, while there is none) or to the master a slave's redirect names; an inde
 attempt is retried only when the call is safe to repeat; retrying is bounded by the
 [retry] section and by the caller's deadline. Streams are forwarded once and not retried:
 the client library retries them on a fresh stream.
+
+With tracing on, each forwarded call gets a ``gateway.forward`` span (the master, its
+epoch, the attempts and the status answered) between the call's server span and the
+attempts' client spans, which carry the trace on to the master.
 """
 
 from __future__ import annotations
@@ -21,10 +25,14 @@ from typing import Any
 
 import grpc
 import tenacity
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 
 from services.common.grpc_server import Context
+from services.common.telemetry import Telemetry, current
 from services.gateway import retry
 from services.gateway.master import MasterTracker, NoMasterError, pairs, redirect_address
+from services.gateway.telemetry import GatewayInstruments, instruments
 from squall import Outcome, RetryPolicy, overall
 from squall.v1 import broker_pb2
 
@@ -34,7 +42,7 @@ log = logging.getLogger("squall.gateway")
 _RESERVED_PREFIXES = (":", "grpc-")
 _RESERVED_KEYS = {"user-agent", "content-type", "te", "host"}
 
-FORWARDED_SERVICES = ("TopicManager", "Publisher", "Subscriber")
+FORWARDED_SERVICES = ("TopicManager", "Publisher", "Subscriber", "PushSubscriptions")
 
 # A retry is not started with less of the caller's deadline left than this.
 _DEADLINE_SLACK_S = 0.01
@@ -110,6 +118,8 @@ class _Call:
     outcomes: list[Outcome] = field(default_factory=list)
     # The master a slave named on the last attempt: the next attempt goes there.
     redirect: str = ""
+    # The status the app got.
+    answered: str = "OK"
 
 
 class Forwarder:
@@ -122,12 +132,20 @@ class Forwarder:
         *,
         master_wait_s: float = 2.0,
         policy: RetryPolicy | None = None,
+        gateway_id: str = "",
+        observability: Telemetry | None = None,
     ) -> None:
         self._masters = masters
         self._timeout_s = timeout_s
         self._master_wait_s = master_wait_s
         self._policy = policy or RetryPolicy()
         self._policy.validate()
+        self._gateway_id = gateway_id
+        observed = observability or current()
+        self._tracer = observed.tracer if observed.tracing else None
+        self._instruments: GatewayInstruments | None = (
+            instruments(observed) if observed.metering else None
+        )
 
     def handlers(self) -> list[grpc.GenericRpcHandler[Any, Any]]:
         """One generic handler per forwarded service, covering all of its methods."""
@@ -183,13 +201,52 @@ class Forwarder:
                 effects=effects,
                 metadata=_forwardable(context),
             )
+            span, token = self._start_span(method)
             try:
                 return await self._attempts(path, request, context, call)
             except (_Retry, _Answer) as ended:
                 await self._answer(context, call, ended.failure)
                 raise
+            finally:
+                self._finish(span, token, call)
 
         return forward
+
+    def _start_span(self, method: str) -> tuple[trace.Span | None, object]:
+        """The call's gateway.forward span, made current (None while tracing is off)."""
+        if self._tracer is None:
+            return None, None
+        master = self._masters.master
+        span = self._tracer.start_span(
+            "gateway.forward",
+            attributes={
+                "squall.gateway": self._gateway_id,
+                "rpc.method": method,
+                "squall.master": master.node_id if master else "",
+                "squall.epoch": master.epoch if master else 0,
+            },
+        )
+        return span, otel_context.attach(trace.set_span_in_context(span))
+
+    def _finish(self, span: trace.Span | None, token: object, call: _Call) -> None:
+        """Counts the call and ends its span with the attempts and the status answered."""
+        if self._instruments is not None:
+            self._instruments.calls.add(
+                1, {"node": self._gateway_id, "method": call.method, "code": call.answered}
+            )
+            if len(call.outcomes) > 1:
+                self._instruments.retries.add(
+                    len(call.outcomes) - 1, {"node": self._gateway_id, "method": call.method}
+                )
+        if span is None:
+            return
+        if token is not None:
+            otel_context.detach(token)  # type: ignore[arg-type]
+        span.set_attribute("squall.attempts", len(call.outcomes))
+        span.set_attribute("rpc.grpc.status_code", grpc.StatusCode[call.answered].value[0])
+        if call.answered != "OK":
+            span.set_status(trace.Status(trace.StatusCode.ERROR, call.answered))
+        span.end()
 
     async def _attempts(self, path: str, request: bytes, context: Context, call: _Call) -> bytes:
         """Runs attempts until one answers or the policy stops; raises the last failure."""
@@ -267,6 +324,7 @@ class Forwarder:
     async def _answer(self, context: Context, call: _Call, failure: _Failure) -> None:
         """Ends the call with the last failure, marked indeterminate where it must be."""
         code = retry.answer_code(call.outcomes, failure.code, effects=call.effects)
+        call.answered = code
         details = failure.details
         attempts = len(call.outcomes)
         if attempts > 1:
@@ -288,30 +346,57 @@ class Forwarder:
     # --- streams: forwarded once
 
     def _unary_stream(self, path: str) -> Callable[..., Any]:
+        method = path.rpartition("/")[2]
+
         async def forward(request: bytes, context: Context) -> AsyncIterator[bytes]:
             channel = await self._master(context)
-            call = channel.unary_stream(path, None, None)(request, metadata=_forwardable(context))
+            stream = _Call(method=method, safe=False, effects=False, metadata=())
+            span, token = self._start_span(method)
+            try:
+                # The call starts (and its client span takes its parent) here.
+                call = channel.unary_stream(path, None, None)(
+                    request, metadata=_forwardable(context)
+                )
+            finally:
+                if token is not None:
+                    otel_context.detach(token)  # type: ignore[arg-type]
             try:
                 async for response in call:
                     yield response
             except grpc.aio.AioRpcError as error:
+                stream.answered = error.code().name
                 await _relay_error(context, error)
             finally:
                 call.cancel()
+                stream.outcomes.append("ok")
+                self._finish(span, None, stream)
 
         return forward
 
     def _stream_stream(self, path: str) -> Callable[..., Any]:
+        method = path.rpartition("/")[2]
+
         async def forward(requests: AsyncIterator[bytes], context: Context) -> AsyncIterator[bytes]:
             channel = await self._master(context)
-            call = channel.stream_stream(path, None, None)(requests, metadata=_forwardable(context))
+            stream = _Call(method=method, safe=False, effects=False, metadata=())
+            span, token = self._start_span(method)
+            try:
+                call = channel.stream_stream(path, None, None)(
+                    requests, metadata=_forwardable(context)
+                )
+            finally:
+                if token is not None:
+                    otel_context.detach(token)  # type: ignore[arg-type]
             try:
                 async for response in call:
                     yield response
             except grpc.aio.AioRpcError as error:
+                stream.answered = error.code().name
                 await _relay_error(context, error)
             finally:
                 call.cancel()
+                stream.outcomes.append("ok")
+                self._finish(span, None, stream)
 
         return forward
 

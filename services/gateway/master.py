@@ -28,6 +28,7 @@ import grpc
 
 from services.common.config import ClusterConfig, NodeConfig
 from services.common.grpc_server import channel_options
+from services.common.grpc_tracing import client_interceptors
 from services.common.logs import log_fields
 from squall.v1 import (
     common_pb2,
@@ -150,8 +151,11 @@ class MasterTracker:
             *channel_options(config.limits.max_message_bytes),
             *_reconnect_options(retry.retry_backoff_initial_ms, retry.retry_backoff_max_ms),
         ]
+        # Forwarded calls carry the trace on to the master (interceptors only while tracing).
         self._channels = {
-            node.replica_address: grpc.aio.insecure_channel(node.replica_address, options=options)
+            node.replica_address: grpc.aio.insecure_channel(
+                node.replica_address, options=options, interceptors=client_interceptors()
+            )
             for node in config.nodes
         }
         self._coordinator_channels = {

@@ -12,11 +12,12 @@ The rules (issue 5, item 3; STYLE.md point 6):
   INTERNAL once the request may have left) is retried, and only when repeating the request
   cannot apply it twice: a read; an `Ack` (the cursor only moves forward); a `Publish`
   whose events all carry a sequence under a publisher id (the master deduplicates).
-* `CreateTopic`, `DestroyTopic` and `DeleteSubscription` are not retried on an
-  indeterminate outcome; the status goes back to the app as it came. Repeating them is not
-  safe: if the lost attempt destroyed a topic and another client created it again before
-  the retry, the retry would destroy the new one (and `ALREADY_EXISTS` / `NOT_FOUND` on a
-  retry could not tell "my lost attempt did it" from "someone else did").
+* `CreateTopic`, `DestroyTopic`, `DeleteSubscription`, `SubscribeAndGetPublisher` and
+  `Unsubscribe` are not retried on an indeterminate outcome; the status goes back to the
+  app as it came. Repeating them is not safe: if the lost attempt destroyed a topic and
+  another client created it again before the retry, the retry would destroy the new one
+  (and `ALREADY_EXISTS` / `NOT_FOUND` on a retry could not tell "my lost attempt did
+  it" from "someone else did").
 * Any call a slave refused with a redirect (UNAVAILABLE plus `squall-master-address`) is
   sent again to the master it names: the slave applied nothing.
 * Streams (`PublishStream`, `Subscribe`) are never retried here; the library retries them.
@@ -53,6 +54,11 @@ METHOD_KINDS: Mapping[str, MethodKind] = {
     "Ack": "idempotent",
     "ListSubscriptions": "read",
     "DeleteSubscription": "once",
+    # A repeated subscribe would answer AlreadySubscribed for the app's own lost attempt,
+    # a repeated unsubscribe NOT_FOUND: the app decides (docs/push-subscribers.md).
+    "SubscribeAndGetPublisher": "once",
+    "Unsubscribe": "once",
+    "GetSubscribers": "read",
 }
 
 

@@ -54,6 +54,8 @@ class ClusterAdmin(gateway_pb2_grpc.ClusterAdminServicer):
             row.store_state = state.store_state
             row.slaves.extend(state.slaves)
             row.log_start_lsn = state.log_start_lsn
+            row.last_epoch = state.last_epoch
+            row.fault_reason = state.fault_reason
         else:
             errors.append(f"replica: {_reason(state)}")
         if isinstance(status, coordinator_pb2.CoordinatorStatus):
@@ -68,6 +70,14 @@ class ClusterAdmin(gateway_pb2_grpc.ClusterAdminServicer):
             row.designated_primary = status.designated_primary
             row.quorum_override = status.quorum_override
             row.quorum_required = status.quorum_required
+            if status.HasField("quorum_override_record"):
+                row.quorum_override_record.CopyFrom(status.quorum_override_record)
+            if status.HasField("quarantine"):
+                row.quarantine.CopyFrom(status.quarantine)
+            row.audit.extend(status.audit)
+            row.invited.extend(status.invited)
+            row.sync_source_id = status.sync_source_id
+            row.transfer_target = status.transfer_target
         else:
             errors.append(f"coordinator: {_reason(status)}")
         row.reachable = isinstance(state, replica_pb2.ReplicaState)

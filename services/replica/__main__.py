@@ -8,12 +8,14 @@ import sys
 
 from services.common.config import ClusterConfig, NodeConfig
 from services.common.grpc_server import ServiceServer
+from services.common.logs import set_log_context
 from services.common.service_main import node_service_main
-from services.replica import replication_server, server
+from services.replica import push_server, replication_server, server
 from services.replica.datadir import DataDirBusy, DataDirLock
 from services.replica.node import ReplicaNode
 from services.replica.rebuild import LmdbTruncator
 from services.replica.store import Store, StoreError
+from services.replica.telemetry import ROLE_NAMES
 from squall.v1 import broker_pb2, broker_pb2_grpc, replica_pb2, replica_pb2_grpc
 
 log = logging.getLogger("squall.replica")
@@ -22,6 +24,7 @@ SERVICE_NAMES = [
     broker_pb2.DESCRIPTOR.services_by_name["TopicManager"].full_name,
     broker_pb2.DESCRIPTOR.services_by_name["Publisher"].full_name,
     broker_pb2.DESCRIPTOR.services_by_name["Subscriber"].full_name,
+    broker_pb2.DESCRIPTOR.services_by_name["PushSubscriptions"].full_name,
     replica_pb2.DESCRIPTOR.services_by_name["ReplicaControl"].full_name,
     replica_pb2.DESCRIPTOR.services_by_name["Replication"].full_name,
 ]
@@ -56,6 +59,13 @@ async def _serve_locked(
     truncator.discard()  # a truncation interrupted by a crash is redone when needed
     node = ReplicaNode(config, node_config, store, truncator=truncator)
     node.on_shutdown = stop.set  # a finished cluster shutdown stops the process
+    set_log_context(
+        lambda: {
+            "role": ROLE_NAMES.get(node.role, "unknown"),
+            "epoch": node.epoch,
+            "lsn": node.last_lsn,
+        }
+    )
     grpc_server = ServiceServer(
         node_config.replica_address, SERVICE_NAMES, config.limits.max_message_bytes
     )
@@ -64,6 +74,9 @@ async def _serve_locked(
     )
     broker_pb2_grpc.add_PublisherServicer_to_server(server.Publisher(node), grpc_server.server)
     broker_pb2_grpc.add_SubscriberServicer_to_server(server.Subscriber(node), grpc_server.server)
+    broker_pb2_grpc.add_PushSubscriptionsServicer_to_server(
+        push_server.PushSubscriptions(node), grpc_server.server
+    )
     replica_pb2_grpc.add_ReplicaControlServicer_to_server(
         server.ReplicaControl(node), grpc_server.server
     )

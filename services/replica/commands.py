@@ -9,13 +9,17 @@ command it refuses leaves no trace in the batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 
 from services.common import names
 from services.common.config import LimitsConfig
 from services.common.errors import Code, ServiceError, invalid, not_found
-from services.replica.store import Store, TopicInfo, make_entry
+from services.replica.store import PushSubscriber, Store, TopicInfo, make_entry
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
+
+# The longest removal reason kept in the log.
+_REASON_CHARS_MAX = 500
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,41 @@ class DeleteSubscription:
 
 
 @dataclass(frozen=True)
+class PushSubscribe:
+    """Register a push subscriber (fields checked by the servicer; start as in Subscribe)."""
+
+    topic: str
+    subscriber_id: str
+    endpoint: str
+    ordered: bool
+    retry_count: int
+    start: broker_pb2.StartPosition.ValueType
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class PushUnsubscribe:
+    """Remove a push subscriber: unsubscribed, or removed after failed deliveries."""
+
+    topic: str
+    subscriber_id: str
+    reason: str
+    # The LSN that subscribed the one to remove (0: whichever is subscribed now), so a
+    # late removal cannot hit a subscriber that unsubscribed and subscribed again.
+    lsn: int = 0
+
+
+@dataclass(frozen=True)
+class PushCursor:
+    """Move a push subscriber's cursor forward."""
+
+    topic: str
+    subscriber_id: str
+    cursor: int
+    lsn: int  # the LSN that subscribed it, as in PushUnsubscribe
+
+
+@dataclass(frozen=True)
 class StartEpoch:
     """A new master's first entry."""
 
@@ -66,7 +105,17 @@ class StartEpoch:
     master_id: str
 
 
-Command = CreateTopic | DestroyTopic | Publish | SetCursor | DeleteSubscription | StartEpoch
+Command = (
+    CreateTopic
+    | DestroyTopic
+    | Publish
+    | SetCursor
+    | DeleteSubscription
+    | PushSubscribe
+    | PushUnsubscribe
+    | PushCursor
+    | StartEpoch
+)
 
 
 @dataclass
@@ -77,8 +126,39 @@ class Planned:
     # (e.g. a publish made only of duplicates, an ack below the cursor).
     entry_index: int | None
     topic: TopicInfo | None = None
-    receipts: list[common_pb2.AckReceipt] = field(default_factory=list)
+    # A publish's receipts, all at once (stamped with master and holders at commit).
+    receipt: common_pb2.BatchReceipt | None = None
     cursor: int = 0
+    push: PushSubscriber | None = None
+
+    @property
+    def receipts(self) -> list[common_pb2.AckReceipt]:
+        """The publish's receipts one per event (what a non-compact response carries)."""
+        return [] if self.receipt is None else expand_receipt(self.receipt)
+
+
+def expand_receipt(batch: common_pb2.BatchReceipt) -> list[common_pb2.AckReceipt]:
+    """A BatchReceipt as one AckReceipt per event, in request order (see common.proto)."""
+    # What every receipt shares, merged into each as bytes (cheaper than copying fields).
+    shared = common_pb2.AckReceipt(
+        master_id=batch.master_id, holders=batch.holders
+    ).SerializeToString()
+    duplicates = {d.index: d for d in batch.duplicates}
+    lsn, epoch = batch.lsn, batch.epoch
+    out: list[common_pb2.AckReceipt] = []
+    offset = batch.first_offset
+    for index in range(batch.count):
+        duplicate = duplicates.get(index) if duplicates else None
+        if duplicate is None:
+            receipt = common_pb2.AckReceipt(offset=offset, lsn=lsn, epoch=epoch)
+            offset += 1
+        else:
+            receipt = common_pb2.AckReceipt(
+                offset=duplicate.offset, lsn=duplicate.lsn, epoch=duplicate.epoch, duplicate=True
+            )
+        receipt.MergeFromString(shared)
+        out.append(receipt)
+    return out
 
 
 class BatchBuilder:
@@ -107,6 +187,9 @@ class BatchBuilder:
         self._sequences: dict[tuple[str, int], tuple[str, int, int]] = {}
         self._high_water: dict[str, int] = {}
         self._topic_count_delta = 0
+        self._push: dict[tuple[str, str], PushSubscriber | None] = {}
+        self._push_added: dict[str, int] = {}  # push subscribers planned per topic
+        self._destroyed: set[str] = set()  # topics destroyed earlier in the batch
 
     def add(self, command: Command) -> Planned:
         """Plans one command; raises ServiceError (and changes nothing) if it is refused."""
@@ -120,6 +203,12 @@ class BatchBuilder:
             return self._destroy_topic(command)
         if isinstance(command, DeleteSubscription):
             return self._delete_subscription(command)
+        if isinstance(command, PushCursor):
+            return self._push_cursor(command)
+        if isinstance(command, PushSubscribe):
+            return self._push_subscribe(command)
+        if isinstance(command, PushUnsubscribe):
+            return self._push_unsubscribe(command)
         return self._start_epoch(command)
 
     # --- reads through the batch's overlay
@@ -141,6 +230,15 @@ class BatchBuilder:
         if key in self._cursors:
             return self._cursors[key]
         return self._store.get_cursor(topic, subscription)
+
+    def push_subscriber(self, topic: str, subscriber_id: str) -> PushSubscriber | None:
+        """The push subscriber as it will be after the commands planned so far."""
+        key = (topic, subscriber_id)
+        if key in self._push:
+            return self._push[key]
+        if topic in self._destroyed:
+            return None
+        return self._store.get_push_subscriber(topic, subscriber_id)
 
     # --- planning
 
@@ -196,6 +294,11 @@ class BatchBuilder:
         self._topic_count_delta -= 1
         for key in [k for k in self._cursors if k[0] == command.name]:
             self._cursors[key] = None
+        for key in [k for k in self._push if k[0] == command.name]:
+            self._push[key] = None
+        # A topic created again later in the batch starts without push subscribers.
+        self._destroyed.add(command.name)
+        self._push_added.pop(command.name, None)
         return Planned(index)
 
     def _publish(self, request: broker_pb2.PublishRequest) -> Planned:
@@ -206,17 +309,14 @@ class BatchBuilder:
         publisher_id = request.publisher_id
         if publisher_id:
             _check_name(names.validate_publisher_id, publisher_id)
-        epoch = self._epoch
         lsn = self._lsn
         offset = topic.next_offset
-        receipts: list[common_pb2.AckReceipt] = []
+        receipt = common_pb2.BatchReceipt(
+            count=len(events), first_offset=offset, lsn=lsn, epoch=self._epoch
+        )
         new_events: list[common_pb2.EventData] | None = None
         new_sequences: list[tuple[int, int]] = []
         if not publisher_id:
-            receipts = [
-                common_pb2.AckReceipt(offset=offset + i, lsn=lsn, epoch=epoch)
-                for i in range(len(events))
-            ]
             count = len(events)
         else:
             high_water = self._publisher_high_water(publisher_id)
@@ -229,16 +329,14 @@ class BatchBuilder:
                 # above its high-water mark, so none can be a duplicate and the per-event
                 # lookups of _deduplicate would all miss.
                 count = len(events)
-                offsets = range(offset, offset + count)
-                receipts = [common_pb2.AckReceipt(offset=o, lsn=lsn, epoch=epoch) for o in offsets]
-                new_sequences = list(zip(sequences, offsets, strict=True))
+                new_sequences = list(zip(sequences, range(offset, offset + count), strict=True))
             else:
-                receipts, kept, new_sequences = self._deduplicate(request, offset, high_water)
+                kept, new_sequences = self._deduplicate(request, offset, high_water, receipt)
                 count = len(kept)
                 if count != len(events):
                     new_events = kept
         if count == 0:
-            return Planned(None, receipts=receipts)
+            return Planned(None, receipt=receipt)
         op = replica_pb2.PublishOp(
             topic=request.topic,
             first_offset=offset,
@@ -257,19 +355,23 @@ class BatchBuilder:
             highest = max(new_sequences)[0]
             if highest > self._high_water.get(publisher_id, 0):
                 self._high_water[publisher_id] = highest
-        return Planned(index, receipts=receipts)
+        return Planned(index, receipt=receipt)
 
     def _deduplicate(
-        self, request: broker_pb2.PublishRequest, offset: int, high_water: int
-    ) -> tuple[list[common_pb2.AckReceipt], list[common_pb2.EventData], list[tuple[int, int]]]:
-        """Receipts, events to store and their (sequence, offset), looking up each sequence."""
+        self,
+        request: broker_pb2.PublishRequest,
+        offset: int,
+        high_water: int,
+        receipt: common_pb2.BatchReceipt,
+    ) -> tuple[list[common_pb2.EventData], list[tuple[int, int]]]:
+        """Events to store and their (sequence, offset), looking up each sequence; the
+        duplicates go into the receipt."""
         publisher_id = request.publisher_id
-        epoch, lsn, window = self._epoch, self._lsn, self._limits.dedupe_window
-        receipts: list[common_pb2.AckReceipt] = []
+        window = self._limits.dedupe_window
         new_sequences: list[tuple[int, int]] = []
         seen_here: dict[int, int] = {}
         kept: list[common_pb2.EventData] = []
-        for event in request.events:
+        for index, event in enumerate(request.events):
             sequence = event.sequence
             if sequence:
                 hit = self._lookup(publisher_id, sequence, seen_here, high_water, window)
@@ -280,17 +382,14 @@ class BatchBuilder:
                             f"publisher '{publisher_id}' already used sequence {sequence} "
                             f"on topic '{hit_topic}'"
                         )
-                    receipts.append(
-                        common_pb2.AckReceipt(
-                            offset=hit_offset, lsn=hit_lsn, epoch=hit_epoch, duplicate=True
-                        )
+                    receipt.duplicates.add(
+                        index=index, offset=hit_offset, lsn=hit_lsn, epoch=hit_epoch
                     )
                     continue
                 seen_here[sequence] = offset + len(kept)
                 new_sequences.append((sequence, offset + len(kept)))
-            receipts.append(common_pb2.AckReceipt(offset=offset + len(kept), lsn=lsn, epoch=epoch))
             kept.append(event)
-        return receipts, kept, new_sequences
+        return kept, new_sequences
 
     def _publisher_high_water(self, publisher_id: str) -> int:
         if publisher_id not in self._high_water:
@@ -369,6 +468,119 @@ class BatchBuilder:
         )
         self._cursors[(command.topic, command.subscription)] = None
         return Planned(index)
+
+    def _push_subscribe(self, command: PushSubscribe) -> Planned:
+        topic = self._existing_topic(command.topic)
+        if self.push_subscriber(command.topic, command.subscriber_id) is not None:
+            raise ServiceError(
+                Code.ALREADY_EXISTS,
+                f"AlreadySubscribed: push subscriber '{command.subscriber_id}' is already "
+                f"subscribed to topic '{command.topic}'",
+            )
+        stored = (
+            0
+            if command.topic in self._destroyed
+            else len(self._store.list_push_subscribers(command.topic))
+        )
+        limit = self._limits.push_subscribers_max
+        if stored + self._push_added.get(command.topic, 0) >= limit:
+            raise ServiceError(
+                Code.RESOURCE_EXHAUSTED,
+                f"topic '{command.topic}' has {limit} push subscribers: "
+                f"limits.push_subscribers_max is {limit}",
+            )
+        cursor = self._start_cursor(topic, command.start, command.offset)
+        op = replica_pb2.PushSubscribeOp(
+            topic=command.topic,
+            subscriber_id=command.subscriber_id,
+            endpoint=command.endpoint,
+            ordered=command.ordered,
+            retry_count=command.retry_count,
+            cursor=cursor,
+            created_ms=self._now_ms,
+        )
+        lsn = self._lsn
+        index = self._emit(replica_pb2.Operation(push_subscribe=op))
+        subscriber = PushSubscriber(
+            topic=command.topic,
+            subscriber_id=command.subscriber_id,
+            endpoint=command.endpoint,
+            ordered=command.ordered,
+            retry_count=command.retry_count,
+            cursor=cursor,
+            created_ms=self._now_ms,
+            lsn=lsn,
+        )
+        self._push[(command.topic, command.subscriber_id)] = subscriber
+        self._push_added[command.topic] = self._push_added.get(command.topic, 0) + 1
+        return Planned(index, cursor=cursor, push=subscriber)
+
+    def _start_cursor(
+        self, topic: TopicInfo, start: broker_pb2.StartPosition.ValueType, offset: int
+    ) -> int:
+        """Where a new push subscriber starts (transient topics: their live end, always)."""
+        if topic.kind == common_pb2.TOPIC_KIND_TRANSIENT:
+            return 0  # not used: a transient topic's events are delivered live
+        if start in (broker_pb2.START_POSITION_UNSPECIFIED, broker_pb2.START_POSITION_LATEST):
+            return topic.next_offset
+        if start == broker_pb2.START_POSITION_EARLIEST:
+            return topic.first_offset
+        if start == broker_pb2.START_POSITION_OFFSET:
+            if offset > topic.next_offset:
+                raise invalid(
+                    f"offset {offset} is beyond the end of topic '{topic.name}' "
+                    f"(next offset {topic.next_offset})"
+                )
+            return max(offset, topic.first_offset)
+        raise invalid(f"unknown start position {start}")
+
+    def _existing_push(self, topic: str, subscriber_id: str, lsn: int) -> PushSubscriber:
+        self._existing_topic(topic)
+        subscriber = self.push_subscriber(topic, subscriber_id)
+        if subscriber is None or (lsn and subscriber.lsn != lsn):
+            raise not_found(
+                f"push subscriber '{subscriber_id}' of topic '{topic}' does not exist"
+                + (" (it was unsubscribed and subscribed again)" if subscriber else "")
+            )
+        return subscriber
+
+    def _push_unsubscribe(self, command: PushUnsubscribe) -> Planned:
+        self._existing_push(command.topic, command.subscriber_id, command.lsn)
+        index = self._emit(
+            replica_pb2.Operation(
+                push_unsubscribe=replica_pb2.PushUnsubscribeOp(
+                    topic=command.topic,
+                    subscriber_id=command.subscriber_id,
+                    reason=command.reason[:_REASON_CHARS_MAX],
+                )
+            )
+        )
+        self._push[(command.topic, command.subscriber_id)] = None
+        return Planned(index)
+
+    def _push_cursor(self, command: PushCursor) -> Planned:
+        subscriber = self._existing_push(command.topic, command.subscriber_id, command.lsn)
+        topic = self._existing_topic(command.topic)
+        if command.cursor > topic.next_offset:
+            raise invalid(
+                f"push cursor {command.cursor} is beyond the end of topic '{command.topic}' "
+                f"(next offset {topic.next_offset})"
+            )
+        if command.cursor <= subscriber.cursor:
+            return Planned(None, cursor=subscriber.cursor)
+        index = self._emit(
+            replica_pb2.Operation(
+                push_cursor=replica_pb2.PushCursorOp(
+                    topic=command.topic,
+                    subscriber_id=command.subscriber_id,
+                    cursor=command.cursor,
+                )
+            )
+        )
+        self._push[(command.topic, command.subscriber_id)] = dataclasses.replace(
+            subscriber, cursor=command.cursor
+        )
+        return Planned(index, cursor=command.cursor)
 
     def _start_epoch(self, command: StartEpoch) -> Planned:
         index = self._emit(

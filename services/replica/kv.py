@@ -113,6 +113,10 @@ class KV(Protocol):
         """Flushes every committed transaction to disk."""
         ...
 
+    def size_bytes(self) -> int:
+        """Bytes the databases occupy (for the store-size metric)."""
+        ...
+
     def close(self) -> None:
         """Releases the databases; safe to call twice."""
         ...

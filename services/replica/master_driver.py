@@ -36,19 +36,22 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry import trace
 
 from services.common.clock import Clock
 from services.common.config import ClusterConfig, NodeConfig
 from services.common.errors import Code, ServiceError
 from services.common.grpc_server import channel_options
+from services.common.telemetry import Telemetry, current
 from services.replica.commands import Planned
 from services.replica.replication import (
     Actions,
     RejectCode,
+    ReplicationError,
     ReplicationMaster,
     SendGrant,
     SlaveProgress,
@@ -58,6 +61,7 @@ from services.replica.replication import (
     fit_batch,
 )
 from services.replica.store import SNAPSHOT_BYTES_MAX_DEFAULT, Store, StoreError
+from services.replica.telemetry import ReplicationTracer
 from squall.v1 import common_pb2, replica_pb2, replica_pb2_grpc
 
 log = logging.getLogger("squall.replica")
@@ -164,8 +168,12 @@ class MasterDriver:
         io: concurrent.futures.Executor,
         commit_lock: asyncio.Lock,
         log_start_lsn: int = 1,
+        stamp_snapshot: Callable[[replica_pb2.SnapshotChunk], None] | None = None,
+        observability: Telemetry | None = None,
     ) -> None:
-        """``io``: the store thread; ``commit_lock``: held by the writer while it appends."""
+        """``io``: the store thread; ``commit_lock``: held by the writer while it appends;
+        ``stamp_snapshot``: adds the commit LSN and what the snapshot holds above it to a
+        snapshot's last chunk (the node's committed-reads gate knows)."""
         self.config = config
         self.node = node
         self.core = core
@@ -177,6 +185,7 @@ class MasterDriver:
         self._io = io
         self._commit_lock = commit_lock
         self.log_start_lsn = log_start_lsn
+        self._stamp_snapshot = stamp_snapshot
         self._room = asyncio.Event()
         self._room.set()
         self._tail: deque[replica_pb2.LogEntry] = deque(maxlen=_TAIL_CACHE_ENTRIES_MAX)
@@ -184,6 +193,11 @@ class MasterDriver:
         self._tail_bytes_max = 2 * config.limits.replication_inflight_bytes_max
         self._ticker: asyncio.Task[None] | None = None
         self._stopped = False
+        observed = observability or current()
+        # Replication spans, per traced batch (None while tracing is off).
+        self._spans = (
+            ReplicationTracer(observed.tracer, node.id, core.epoch) if observed.tracing else None
+        )
         options = channel_options(config.limits.max_message_bytes)
         self._links: dict[str, _Link] = {}
         for member in members:
@@ -212,6 +226,8 @@ class MasterDriver:
             return
         self._stopped = True
         self._room.set()
+        if self._spans is not None:
+            self._spans.close(self.core.deposed or "master stopped")
         tasks = [
             t
             for t in (
@@ -260,6 +276,11 @@ class MasterDriver:
         while len(tail) > 1 and self._tail_bytes > self._tail_bytes_max:
             self._tail_bytes -= len(tail.popleft().operation)
         self.apply(self.core.on_appended(entries[-1].lsn, synced=synced))
+
+    def traced(self, writes: Iterable[tuple[int, trace.SpanContext | None]]) -> None:
+        """Traced writes about to be appended, by LSN: their batches get replication spans."""
+        if self._spans is not None:
+            self._spans.note(writes)
 
     def register(self, writes: Sequence[Waiting]) -> None:
         """Client writes whose entries are appended: they resolve once committed."""
@@ -361,15 +382,14 @@ class MasterDriver:
         actions = self.core.on_sent(grant.node_id, grant.stream_id, last, batch_size_bytes(kept))
         truncate = grant.truncate_after_lsn
         if truncate == 0:
-            # The wire cannot say "truncate everything" (0 means no truncation): the two
-            # logs share no entry at all. That slave's store needs manual recovery.
-            message = (
-                f"master {self.node.id} epoch {self.core.epoch}: node {grant.node_id}'s log "
-                f"shares no entry with this master's; empty its store to let it rejoin"
+            # The wire cannot say "truncate everything" (0 means no truncation); the core
+            # sends a log that shares no entry with ours a snapshot instead.
+            raise ReplicationError(
+                f"a grant to truncate node {grant.node_id}'s whole log (the core sends a "
+                "snapshot for a fork at LSN 0)"
             )
-            log.error("replica %s: %s", self.node.id, message)
-            self._close_stream(grant.node_id, grant.stream_id, message)
-            return actions
+        if self._spans is not None and kept:
+            self._spans.sent(grant.node_id, kept[0].lsn, last, batch_size_bytes(kept))
         link.outbox.put_nowait(
             replica_pb2.ReplicateRequest(
                 entries=replica_pb2.EntryBatch(
@@ -422,6 +442,8 @@ class MasterDriver:
                 chunk.snapshot_lsn,
             )
             for count in range(1, SNAPSHOT_CHUNKS_MAX + 1):
+                if chunk.last and self._stamp_snapshot is not None:
+                    self._stamp_snapshot(chunk)
                 sent_bytes += chunk.ByteSize()
                 link.outbox.put_nowait(replica_pb2.ReplicateRequest(snapshot=chunk))
                 await link.outbox.join()  # the stream took it: one chunk in memory at a time
@@ -465,7 +487,7 @@ class MasterDriver:
             stamp = stamps.get(waiting.lsn)
             if stamp is None:
                 holders = self.core.holders(waiting.lsn) if waiting.lsn else ()
-                stamp = common_pb2.AckReceipt(
+                stamp = common_pb2.BatchReceipt(
                     master_id=self.node.id,
                     holders=[
                         common_pb2.ReplicaDurability(
@@ -475,7 +497,8 @@ class MasterDriver:
                     ],
                 ).SerializeToString()
                 stamps[waiting.lsn] = stamp
-            for receipt in waiting.plan.receipts:
+            receipt = waiting.plan.receipt
+            if receipt is not None:
                 receipt.MergeFromString(stamp)
             waiting.future.set_result(waiting.plan)
 
@@ -656,6 +679,12 @@ class MasterDriver:
                     break  # the slave closed the stream
                 if message.WhichOneof("body") == "ack":
                     ack = message.ack
+                    if self._spans is not None:
+                        self._spans.acked(
+                            link.node.id,
+                            ack.received_lsn,
+                            _durable_lsn(self.core.config.replica_sync, ack),
+                        )
                     self.apply(
                         self.core.on_ack(
                             link.node.id,
@@ -678,6 +707,8 @@ class MasterDriver:
                     await writer
             call.cancel()
             link.call = None
+            if self._spans is not None:
+                self._spans.closed(link.node.id, link.close_reason or "stream ended")
             if link.stream_id == stream_id:
                 link.stream_id = 0
                 if not self.core.deposed:
@@ -701,6 +732,15 @@ _SYNC_POLICIES = {
     SyncPolicy.WRITE_NO_SYNC: common_pb2.SYNC_POLICY_WRITE_NO_SYNC,
     SyncPolicy.NO_SYNC: common_pb2.SYNC_POLICY_NO_SYNC,
 }
+
+
+def _durable_lsn(policy: SyncPolicy, ack: replica_pb2.ReplicationAck) -> int:
+    """The LSN an ack says the slave holds under the replica sync policy."""
+    if policy == SyncPolicy.SYNC:
+        return ack.synced_lsn
+    if policy == SyncPolicy.WRITE_NO_SYNC:
+        return ack.written_lsn
+    return ack.received_lsn
 
 
 def _pairs(metadata: object) -> list[tuple[str, str | bytes]]:

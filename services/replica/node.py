@@ -12,8 +12,15 @@ on either side see only committed entries (``CommitGate``).
 Reorganization: before a new master writes its epoch-start entry it fetches the log it
 lacks from the group's sync source (``Replication.FetchLog``), truncating a divergent
 suffix of its own first (by rebuilding the store from its log, ``rebuild``). When that
-cannot work (its log is compacted, or the source's no longer holds what it lacks) the
-source sends a snapshot and the log after it, installed as a slave installs one.
+cannot work (its log is compacted or shares no entry with the source's, or the source's
+no longer holds what it lacks) the source sends a snapshot and the log after it,
+installed as a slave installs one. The master role is taken in a background task that
+outlives the coordinator's SetRole call (``reorg``): a large snapshot may take long.
+
+Committed reads across restarts: the store records the commit LSN this node knew (with
+each appended batch, and a slave's idle heartbeats); ``start`` hides every publish above
+it until a master's commit LSN passes it, and a snapshot carries the sender's commit LSN
+and what it holds above it (``visibility``).
 
 Log retention: after each batch the master and the slaves compact their logs to at
 most ``limits.log_retention_entries`` entries (plus one compaction step), on the store
@@ -27,12 +34,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Generator, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -41,10 +49,19 @@ from services.common.clock import Clock, SystemClock
 from services.common.config import ClusterConfig, NodeConfig
 from services.common.errors import Code, ServiceError
 from services.common.grpc_server import channel_options
-from services.replica import commands
+from services.common.telemetry import Telemetry, current
+from services.replica import commands, telemetry
 from services.replica.commands import BatchBuilder, Command, Planned
 from services.replica.divergence import HistoryError, fork_lsn
+from services.replica.faults import (
+    REASON_CHARS_MAX,
+    Fault,
+    load_fault,
+    new_fault,
+    save_fault,
+)
 from services.replica.follower import Follower, FollowerConfig, FollowerError, Refusal
+from services.replica.handoff import WriteFence
 from services.replica.master_driver import (
     EPOCH_KEY,
     SNAPSHOT_CHUNKS_MAX,
@@ -55,7 +72,9 @@ from services.replica.master_driver import (
     close_export,
     snapshot_chunk_bytes_max,
 )
+from services.replica.push import PushDelivery
 from services.replica.rebuild import LmdbTruncator
+from services.replica.reorg import SyncProgress, Taking, answer_wait_s, outcome, read_within
 from services.replica.replication import (
     Ack,
     AckPolicy,
@@ -63,6 +82,7 @@ from services.replica.replication import (
     ReplicationError,
     ReplicationMaster,
     SyncPolicy,
+    batch_size_bytes,
 )
 from services.replica.store import (
     CorruptRecordError,
@@ -81,9 +101,20 @@ log = logging.getLogger("squall.replica")
 
 # The master answers with this metadata key when a write reaches a non-master.
 MASTER_ADDRESS_KEY = "squall-master-address"
+# Request metadata from a publisher proxy: the replica addresses it just failed to reach,
+# comma-separated, so this replica does not redirect it back to a dead master.
+UNREACHABLE_KEY = "squall-unreachable"
 # Compaction runs once the log holds this many entries beyond the retention (at most
 # _COMPACT_STEP_MAX, at least 1): one bounded store transaction per step, not per batch.
 _COMPACT_STEP_MAX = 10_000
+# Unflushed appends up to this size run on the event loop: an LMDB commit of a few
+# entries without fsync takes tens of microseconds, less than the hand-off to the store
+# thread and back (~0.3 ms per append measured on a busy 2-core machine), which one-at-a-
+# time publishing pays twice per event (master and slave). Flushes and large batches go to
+# the store thread so the loop never waits on the disk or on a long copy.
+_INLINE_APPEND_BYTES_MAX = 64 * 1024
+# Log entries read per step when the committed-reads gate is rebuilt at start-up.
+_RESTORE_STEP_ENTRIES = 1024
 
 
 @dataclass
@@ -92,6 +123,8 @@ class _Pending:
     future: asyncio.Future[Planned]
     # Set once the command's entry is appended locally (before it commits).
     appended: asyncio.Future[None] | None = None
+    # A traced publish: told when its entry is appended (services.replica.telemetry).
+    trace: telemetry.PublishWatch | None = None
 
 
 class ReplicaNode:
@@ -105,6 +138,7 @@ class ReplicaNode:
         clock: Clock | None = None,
         *,
         truncator: LmdbTruncator | None = None,
+        observability: Telemetry | None = None,
     ) -> None:
         self.config = config
         self.node = node
@@ -112,14 +146,26 @@ class ReplicaNode:
         self.clock = clock or SystemClock()
         # Truncates a divergent log suffix; None: refuse truncation (the memory twin).
         self.truncator = truncator
-        self.role = common_pb2.ROLE_INACTIVE
+        # Spans and metrics (services.replica.telemetry); off unless a service installed it.
+        self.telemetry = observability or current()
+        self._instruments = (
+            telemetry.instruments(self.telemetry) if self.telemetry.metering else None
+        )
+        self._role: common_pb2.Role.ValueType = common_pb2.ROLE_INACTIVE
         self.epoch = store.meta().epoch
         self.master: NodeConfig | None = None
         self.failed_reason = ""
+        # A fault that makes this node unfit to serve; reported to the coordinator, which
+        # quarantines the node (faults.py). A leadership transfer's write fence (handoff.py).
+        self.fault: Fault | None = load_fault(node.data_dir)
+        self.fence = WriteFence()
         self.transient = TransientTopics(config.limits.subscribe_batch_max_events * 10)
+        self.push = PushDelivery(self)  # runs while master, from the epoch start's commit
         self._queue: deque[_Pending] = deque()
         self._wakeup = asyncio.Event()
         self._committed = asyncio.Event()
+        # Set (and replaced) whenever a role command was applied or the role was lost.
+        self._role_changed = asyncio.Event()
         self._io = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"store-{node.id}"
         )
@@ -132,9 +178,22 @@ class ReplicaNode:
         self._commit_lock = asyncio.Lock()
         # Role commands are applied one at a time (a become_master may wait on a fetch).
         self._role_lock = asyncio.Lock()
-        # Committed reads: what a subscriber may see. Entries stored before this process
-        # started count as visible (their commit state is unknown at start-up).
-        self.gate = CommitGate(self._last_lsn)
+        # Committed reads: what a subscriber may see. The store records the commit LSN
+        # this node knew; what it holds above it stays hidden (start() tracks it) until a
+        # master's commit LSN passes it. A store that never recorded one (written before
+        # the record existed) counts as committed throughout.
+        recorded = store.meta().commit_lsn
+        self.gate = CommitGate(self._last_lsn if recorded is None else recorded)
+        self._commit_recorded = self.gate.commit_lsn
+        self._commit_recording: asyncio.Task[None] | None = None
+        # A master role being taken in the background (its reorganization sync), and the
+        # attempt count of the latest sync per epoch.
+        self._taking: Taking | None = None
+        self._stopping: asyncio.Task[None] | None = None  # an abandoned taking winding down
+        self._sync_attempts: tuple[int, int] = (0, 0)
+        self._answer_wait_s = answer_wait_s(
+            config.timeouts.heartbeat_interval_ms, config.timeouts.rpc_timeout_ms
+        )
         # The master's replication for its epoch, and a slave's follower.
         self._driver: MasterDriver | None = None
         self._deposed = ""
@@ -159,8 +218,25 @@ class ReplicaNode:
 
     # --- lifecycle and roles
 
+    @property
+    def role(self) -> common_pb2.Role.ValueType:
+        """The role this replica holds."""
+        return self._role
+
+    @role.setter
+    def role(self, role: common_pb2.Role.ValueType) -> None:
+        if role != self._role and self._instruments is not None:
+            name = telemetry.ROLE_NAMES.get(role, str(role))
+            self._instruments.role_changes.add(1, {"node": self.node.id, "role": name})
+        self._role = role
+
     async def start(self) -> None:
         """Starts the writer and the lease watch; the role comes from the coordinator."""
+        self.gate = await asyncio.get_running_loop().run_in_executor(
+            self._io, self._gate_from_store, "start-up"
+        )
+        if self._instruments is not None:
+            self._instruments.watch(self)
         self._writer = asyncio.create_task(self._write_loop(), name=f"writer-{self.node.id}")
         self._lease_task = asyncio.create_task(self._watch_lease(), name=f"lease-{self.node.id}")
         meta = self.store.meta()
@@ -172,8 +248,44 @@ class ReplicaNode:
             meta.last_lsn,
         )
 
+    def _gate_from_store(self, why: str) -> CommitGate:
+        """A committed-reads gate for the store as it is (store thread): at the recorded
+        commit LSN, hiding every publish above it, from the installed snapshot's list
+        and from the log. Used at start-up and after an interrupted reorganization."""
+        meta = self.store.meta()
+        commit_lsn = meta.commit_lsn
+        if commit_lsn is None or commit_lsn >= meta.last_lsn:
+            return CommitGate(meta.last_lsn if commit_lsn is None else commit_lsn)
+        gate = CommitGate(commit_lsn)
+        gate.restore(self.store.snapshot_uncommitted())
+        next_lsn = max(commit_lsn, meta.log_start_lsn - 1) + 1
+        # One step per _RESTORE_STEP_ENTRIES entries: bounded by the log's end.
+        while next_lsn <= meta.last_lsn:
+            entries = self.store.read_log(
+                next_lsn, min(_RESTORE_STEP_ENTRIES, meta.last_lsn - next_lsn + 1)
+            )
+            if not entries:
+                break
+            for entry in entries:
+                _track(gate, entry)
+            next_lsn = entries[-1].lsn + 1
+        log.info(
+            "replica %s (%s): LSNs %d..%d are not known committed: %d publishes hidden from "
+            "reads until a master commits them",
+            self.node.id,
+            why,
+            commit_lsn + 1,
+            meta.last_lsn,
+            gate.tracked,
+        )
+        return gate
+
     async def stop(self) -> None:
         """Stops the writer and fails anything still queued as indeterminate."""
+        await self.push.close()
+        await self._cancel_taking(f"replica {self.node.id} stopping")
+        if self._instruments is not None:
+            self._instruments.unwatch(self)
         if self._driver is not None:
             await self._driver.stop(f"replica {self.node.id} stopping")
             self._driver = None
@@ -199,9 +311,12 @@ class ReplicaNode:
         reason: str,
         members: Sequence[str] = (),
         sync_source_id: str = "",
+        progress: SyncProgress | None = None,
     ) -> None:
         """Takes the master role in `epoch`: persists the epoch, brings the log to the sync
-        source's, starts replication to the members, then writes the epoch start."""
+        source's, starts replication to the members, then writes the epoch start.
+
+        progress: where the reorganization sync reports how far it got (``reorg``)."""
         meta = self.store.meta()
         if self.role == common_pb2.ROLE_MASTER and epoch == self.epoch:
             return  # a renewal of the role it holds
@@ -218,7 +333,11 @@ class ReplicaNode:
         self.epoch = epoch
         self.transient.new_epoch(epoch)
         if sync_source_id and sync_source_id != self.node.id:
-            await self._sync_from(sync_source_id, epoch)
+            await self._sync_from(
+                sync_source_id,
+                epoch,
+                progress or SyncProgress(epoch, sync_source_id, self.clock.monotonic_ms()),
+            )
         meta = self.store.meta()
         if not meta.cluster_id:
             cluster_id = uuid.uuid4().hex
@@ -241,16 +360,21 @@ class ReplicaNode:
             io=self._io,
             commit_lock=self._commit_lock,
             log_start_lsn=self._log_start_lsn,
+            stamp_snapshot=self._stamp_snapshot,
+            observability=self.telemetry,
         )
         self.role = common_pb2.ROLE_MASTER
         self.master = self.node
+        self.joined = True
         self._driver.start()
+        # The role may be taken long after its SetRole call (a reorganization sync).
+        self._notify_role_changed()
         loop = asyncio.get_running_loop()
         appended: asyncio.Future[None] = loop.create_future()
         started = self._submit(
             commands.StartEpoch(epoch=epoch, master_id=self.node.id), appended=appended
         )
-        started.add_done_callback(self._epoch_start_done)
+        started.add_done_callback(functools.partial(self._epoch_start_done, epoch))
         # Wait for the local append only: the commit needs the slaves, which take their
         # role from their own coordinators meanwhile.
         await appended
@@ -264,7 +388,7 @@ class ReplicaNode:
             reason,
         )
 
-    def _epoch_start_done(self, future: asyncio.Future[Planned]) -> None:
+    def _epoch_start_done(self, epoch: int, future: asyncio.Future[Planned]) -> None:
         if not future.cancelled() and future.exception() is not None:
             log.warning(
                 "replica %s: epoch %d start entry did not commit: %s",
@@ -272,6 +396,8 @@ class ReplicaNode:
                 self.epoch,
                 future.exception(),
             )
+        elif not future.cancelled() and self.role == common_pb2.ROLE_MASTER and self.epoch == epoch:
+            self.push.start(epoch)  # all before the epoch start is committed: deliver it
 
     def _member_nodes(self, members: Sequence[str]) -> list[NodeConfig]:
         """The configured nodes of a role command's members (this node alone if none)."""
@@ -324,13 +450,17 @@ class ReplicaNode:
                 f"replica {self.node.id} cannot be master of epoch {epoch}: {exc}",
             ) from exc
 
-    async def _sync_from(self, source_id: str, epoch: int) -> None:
-        """Reorganization: fetches the log after this node's from the sync source."""
+    async def _sync_from(self, source_id: str, epoch: int, progress: SyncProgress) -> None:
+        """Reorganization: fetches the log after this node's from the sync source.
+
+        Runs in the background of the SetRole call (``reorg``): no deadline on the whole
+        fetch, but the source must send each message within ``timeouts.rpc_timeout_ms``.
+        """
         source = next((n for n in self.config.nodes if n.id == source_id), None)
         if source is None:
             raise ServiceError(Code.INVALID_ARGUMENT, f"unknown sync source '{source_id}'")
         options = channel_options(self.config.limits.max_message_bytes)
-        timeout_s = self.config.timeouts.rpc_timeout_ms / 1000
+        idle_timeout_s = self.config.timeouts.rpc_timeout_ms / 1000
         sync = self.config.durability.master_sync == common_pb2.SYNC_POLICY_SYNC
         fetched = snapshots = 0
         async with grpc.aio.insecure_channel(source.replica_address, options=options) as channel:
@@ -350,30 +480,44 @@ class ReplicaNode:
                     max_entries=self.config.limits.commit_batch_max_entries,
                     log_start_lsn=self.store.log_start_lsn(),
                 )
+                progress.phase = "fetching log"
+                call = stub.FetchLog(request)
                 try:
-                    # Bounded by the call's deadline.
-                    async for response in stub.FetchLog(request, timeout=timeout_s):
+                    # One step per message: bounded by the source's log and snapshot.
+                    while True:
+                        response = await read_within(
+                            call, idle_timeout_s, f"sync source {source_id}"
+                        )
+                        if response is None:
+                            break
+                        self._adopt_cluster_id(response.cluster_id, source_id)
                         if response.WhichOneof("body") == "snapshot":
                             # The source answers with a snapshot when this log cannot be
-                            # truncated by replay or lacks entries the source compacted.
+                            # truncated by replay, shares no entry with the source's, or
+                            # lacks entries the source compacted.
+                            progress.phase = "installing snapshot"
+                            progress.snapshot_lsn = response.snapshot.snapshot_lsn
                             snapshot_lsn = await self._fetched_snapshot_chunk(
                                 response.snapshot, epoch, source_id, after_entries=fetched > 0
                             )
+                            progress.snapshot_chunks += 1
+                            progress.snapshot_records += len(response.snapshot.records)
                             snapshots += snapshot_lsn is not None
                             continue
                         batch = response.entries
                         if batch.truncate_after_lsn and batch.truncate_after_lsn < meta.last_lsn:
                             raise _Diverged(batch.truncate_after_lsn)
                         entries = list(batch.entries)
-                        if not entries:
-                            continue
-                        async with self._commit_lock:
-                            await asyncio.get_running_loop().run_in_executor(
-                                self._io, functools.partial(self.store.append, entries, sync=sync)
-                            )
-                        fetched += len(entries)
+                        if entries:
+                            progress.phase = "fetching log"
+                            await self._store_fetched(entries, batch.commit_lsn, sync=sync)
+                            fetched += len(entries)
+                            progress.entries_fetched = fetched
+                        elif self.gate.advance(min(batch.commit_lsn, self._last_lsn)):
+                            self._notify_committed()
                     break
                 except _Diverged as diverged:
+                    progress.phase = "truncating"
                     await self._truncate_after(diverged.fork_lsn, f"sync source {source_id}")
                 except grpc.aio.AioRpcError as exc:
                     code = (
@@ -393,12 +537,13 @@ class ReplicaNode:
                         f"replica {self.node.id} cannot take the master role in epoch {epoch}: "
                         f"storing the log fetched from {source_id} failed: {exc}",
                     ) from exc
+                finally:
+                    call.cancel()  # a no-op once the stream ended
         meta = self.store.meta()
         self._last_lsn = meta.last_lsn
-        self.gate.advance(meta.last_lsn)
         log.info(
             "replica %s synced from %s for epoch %d: %s%d entries fetched, log at epoch %d "
-            "LSN %d (from LSN %d)",
+            "LSN %d (from LSN %d), commit LSN %d, %d publishes hidden until committed: %s",
             self.node.id,
             source_id,
             epoch,
@@ -407,7 +552,47 @@ class ReplicaNode:
             meta.last_epoch,
             meta.last_lsn,
             self._log_start_lsn,
+            self.gate.commit_lsn,
+            self.gate.tracked,
+            progress.describe(self.clock.monotonic_ms()),
         )
+
+    def _adopt_cluster_id(self, cluster_id: str, source_id: str) -> None:
+        """An empty store joins its sync source's cluster (as a slave does its master's)."""
+        if not cluster_id or self.store.meta().cluster_id:
+            return
+        self.store.set_cluster_id(cluster_id)
+        log.info(
+            "replica %s joined cluster %s (from sync source %s)",
+            self.node.id,
+            cluster_id,
+            source_id,
+        )
+
+    async def _store_fetched(
+        self, entries: list[replica_pb2.LogEntry], source_commit_lsn: int, *, sync: bool
+    ) -> None:
+        """Appends fetched entries; their publishes above the source's commit LSN stay
+        hidden from committed reads until this node's own commit LSN passes them."""
+        async with self._commit_lock:
+            visible = max(self.gate.commit_lsn, source_commit_lsn)
+            for entry in entries:
+                if entry.lsn > visible:
+                    self._track(entry)
+            try:
+                await asyncio.get_running_loop().run_in_executor(
+                    self._io,
+                    functools.partial(
+                        self.store.append, entries, sync=sync, commit_lsn=source_commit_lsn
+                    ),
+                )
+            except Exception:
+                # (Cancelled: the store thread may still append; _cancel_taking rebuilds.)
+                self.gate.truncated(self.store.meta().last_lsn)
+                raise
+            self._last_lsn = entries[-1].lsn
+            if self.gate.advance(min(source_commit_lsn, self._last_lsn)):
+                self._notify_committed()
 
     async def _fetched_snapshot_chunk(
         self, chunk: replica_pb2.SnapshotChunk, epoch: int, source_id: str, *, after_entries: bool
@@ -477,6 +662,7 @@ class ReplicaNode:
         self._last_lsn = keep_lsn
         self._log_start_lsn = self.store.log_start_lsn()
         self.gate.truncated(keep_lsn)
+        self._commit_recorded = min(self._commit_recorded, keep_lsn)
         self._notify_committed()
 
     # --- writes
@@ -494,6 +680,12 @@ class ReplicaNode:
                 f"replica {self.node.id} stopped serving writes: {self.failed_reason}",
             )
         if self.role == common_pb2.ROLE_MASTER:
+            if self.fence.holds(self.clock.monotonic_ms(), self.epoch):
+                raise ServiceError(
+                    Code.UNAVAILABLE,
+                    f"replica {self.node.id} (master, epoch {self.epoch}) is handing the "
+                    f"leadership to {self.fence.target}; the write was not stored, retry",
+                )
             return
         if self.role == common_pb2.ROLE_SLAVE and self.master is not None:
             raise ServiceError(
@@ -508,16 +700,27 @@ class ReplicaNode:
                 f"replica {self.node.id} was deposed as master of epoch {self.epoch}: "
                 f"{self._deposed}",
             )
+        taking = self._taking
+        if taking is not None and not taking.task.done():
+            raise ServiceError(
+                Code.UNAVAILABLE,
+                f"replica {self.node.id} is not master yet: "
+                f"{taking.progress.describe(self.clock.monotonic_ms())}",
+            )
         raise ServiceError(
             Code.UNAVAILABLE, f"replica {self.node.id} has no role yet (no master elected)"
         )
 
     def _submit(
-        self, command: Command, *, appended: asyncio.Future[None] | None = None
+        self,
+        command: Command,
+        *,
+        appended: asyncio.Future[None] | None = None,
+        trace: telemetry.PublishWatch | None = None,
     ) -> asyncio.Future[Planned]:
         """Queues a command for the writer; the future resolves once it committed."""
         future: asyncio.Future[Planned] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Pending(command, future, appended))
+        self._queue.append(_Pending(command, future, appended, trace))
         self._wakeup.set()
         return future
 
@@ -527,19 +730,22 @@ class ReplicaNode:
         return await self._submit(command)
 
     def start_publish(
-        self, request: broker_pb2.PublishRequest
-    ) -> asyncio.Future[list[common_pb2.AckReceipt]]:
+        self,
+        request: broker_pb2.PublishRequest,
+        trace: telemetry.PublishWatch | None = None,
+    ) -> asyncio.Future[common_pb2.BatchReceipt]:
         """Queues a publish without waiting, so pipelined requests keep their order.
 
-        The future resolves to the receipts once the events are durable (replicated
-        topics) or handed to live subscribers (transient topics).
+        The future resolves to the batch's receipt once the events are durable (replicated
+        topics) or handed to live subscribers (transient topics). A traced publish's
+        `trace` hears when its entry is appended.
         """
         self.check_writable()
         topic = self.topic(request.topic)
         loop = asyncio.get_running_loop()
         if topic.kind == common_pb2.TOPIC_KIND_TRANSIENT:
             commands.check_publish_limits(request, self.config.limits)
-            done: asyncio.Future[list[common_pb2.AckReceipt]] = loop.create_future()
+            done: asyncio.Future[common_pb2.BatchReceipt] = loop.create_future()
             done.set_result(
                 self.transient.publish(
                     request, epoch=self.epoch, now_ms=self.clock.wall_ms(), master_id=self.node.id
@@ -547,15 +753,41 @@ class ReplicaNode:
             )
             self._notify_committed()
             return done
-        planned = self._submit(commands.Publish(request))
-        return asyncio.ensure_future(_receipts(planned))
+        planned = self._submit(commands.Publish(request), trace=trace)
+        return asyncio.ensure_future(_receipt(planned))
 
     async def apply_role(self, command: replica_pb2.RoleCommand) -> None:
-        """Takes (or renews) the role the coordinator commands, one command at a time."""
-        async with self._role_lock:
-            await self._apply_role(command)
+        """Takes (or renews) the role the coordinator commands, one command at a time.
 
-    async def _apply_role(self, command: replica_pb2.RoleCommand) -> None:
+        A master role is taken by a background task (its reorganization sync may take
+        long, see ``reorg``): this waits for it at most a heartbeat interval; if it is
+        still running, ``reorganization_progress`` says how far it got and the same
+        command repeated joins it.
+        """
+        async with self._role_lock:
+            try:
+                taking = await self._apply_role(command)
+            finally:
+                self._notify_role_changed()
+        if taking is None:
+            return
+        await asyncio.wait({taking.task}, timeout=self._answer_wait_s)
+        if taking.task.done() and self._taking is taking:
+            self._taking = None
+            error = outcome(taking.task)
+            if error is not None:
+                raise error
+
+    def reorganization_progress(self) -> replica_pb2.ReorganizationProgress | None:
+        """How far the master role being taken got (None when none is being taken)."""
+        taking = self._taking
+        if taking is None or taking.task.done():
+            return None
+        return taking.progress.to_proto(self.clock.monotonic_ms())
+
+    async def _apply_role(self, command: replica_pb2.RoleCommand) -> Taking | None:
+        """Applies a role command; returns the task taking a master role, if any."""
+        await self._wait_stopped()
         role = command.role
         if role not in (common_pb2.ROLE_MASTER, common_pb2.ROLE_SLAVE, common_pb2.ROLE_INACTIVE):
             raise ServiceError(Code.INVALID_ARGUMENT, f"unknown role {role}")
@@ -574,6 +806,22 @@ class ReplicaNode:
                 raise ServiceError(
                     Code.INVALID_ARGUMENT, f"unknown master node id '{command.master.node_id}'"
                 )
+        taking = self._taking
+        if taking is not None:
+            if taking.matches(role, command.epoch, command.sync_source_id, common_pb2.ROLE_MASTER):
+                self.command_seq = command.seq
+                taking.lease_ms = command.lease_ms
+                if not taking.task.done():
+                    return taking  # the same command repeated: join it
+                self._taking = None
+                error = outcome(taking.task)
+                if error is not None:
+                    raise error
+                # Taken: renewed below like any role held.
+            else:
+                await self._cancel_taking(
+                    f"role command {common_pb2.Role.Name(role)} for epoch {command.epoch}"
+                )
         renewal = role == self.role and (
             role == common_pb2.ROLE_INACTIVE or command.epoch == self.epoch
         )
@@ -589,6 +837,12 @@ class ReplicaNode:
                 f"restarted, dropped it or was deposed{deposed}); it takes a new role only "
                 f"in an epoch above {self._role_epoch_floor}",
             )
+        if self.failed_reason and role != common_pb2.ROLE_INACTIVE:
+            raise ServiceError(
+                Code.FAILED_PRECONDITION,
+                f"replica {self.node.id} fail-stopped ({self.failed_reason}); it takes no "
+                "role until it is restarted",
+            )
         if not renewal and role != common_pb2.ROLE_INACTIVE:
             self._check_new_role(command)
         self.command_seq = command.seq
@@ -596,12 +850,10 @@ class ReplicaNode:
             self._renew_lease(command.lease_ms)
             if role == common_pb2.ROLE_MASTER and command.members:
                 self._renew_members([m.node_id for m in command.members])
-            return
+            return None
         if role == common_pb2.ROLE_INACTIVE:
             await self.deactivate(command.reason or "coordinator")
-            return
-        # The lease runs from when the role is taken: taking it may take a while (a
-        # reorganization fetch), and no renewal can arrive meanwhile.
+            return None
         if command.cluster_id and not self.store.meta().cluster_id:
             # The group's coordinator chose it (at the first formation): recorded before
             # the role, so this store can never be taken for another cluster's.
@@ -613,18 +865,106 @@ class ReplicaNode:
                 command.epoch,
             )
         if role == common_pb2.ROLE_MASTER:
-            await self.become_master(
-                command.epoch,
-                reason=command.reason or "elected",
-                members=[m.node_id for m in command.members],
-                sync_source_id=command.sync_source_id,
-            )
-        else:
-            if master is None:
-                raise ServiceError(Code.INVALID_ARGUMENT, "a slave role needs a master")
-            await self._become_slave(command.epoch, master, command.reason)
+            return self._start_taking(command)
+        if master is None:
+            raise ServiceError(Code.INVALID_ARGUMENT, "a slave role needs a master")
+        await self._become_slave(command.epoch, master, command.reason)
         self.joined = True
         self._renew_lease(command.lease_ms)
+        return None
+
+    def _start_taking(self, command: replica_pb2.RoleCommand) -> Taking:
+        """Starts taking the master role in the background (``reorg``)."""
+        epoch, attempts = self._sync_attempts
+        attempt = attempts + 1 if epoch == command.epoch else 1
+        self._sync_attempts = (command.epoch, attempt)
+        progress = SyncProgress(
+            command.epoch,
+            command.sync_source_id or self.node.id,
+            self.clock.monotonic_ms(),
+            attempt=attempt,
+        )
+        # The lease runs from when the role is taken (a renewal may only come then).
+        self._lease_until_ms = 0
+        task = asyncio.get_running_loop().create_task(
+            self._take_master(command, progress), name=f"take-master-{self.node.id}"
+        )
+        task.add_done_callback(self._taking_done)
+        taking = Taking(
+            epoch=command.epoch,
+            source_id=command.sync_source_id,
+            task=task,
+            progress=progress,
+            lease_ms=command.lease_ms,
+        )
+        self._taking = taking
+        return taking
+
+    async def _take_master(self, command: replica_pb2.RoleCommand, progress: SyncProgress) -> None:
+        await self.become_master(
+            command.epoch,
+            reason=command.reason or "elected",
+            members=[m.node_id for m in command.members],
+            sync_source_id=command.sync_source_id,
+            progress=progress,
+        )
+        taking = self._taking
+        current = taking is not None and taking.task is asyncio.current_task()
+        self._renew_lease(taking.lease_ms if taking is not None and current else command.lease_ms)
+
+    def _taking_done(self, task: asyncio.Task[None]) -> None:
+        """Logs a failed attempt (the coordinator hears of it at its next SetRole)."""
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is not None:
+            log.warning(
+                "replica %s did not take the master role: %s",
+                self.node.id,
+                error.message if isinstance(error, ServiceError) else repr(error),
+            )
+
+    async def _cancel_taking(self, why: str) -> None:
+        """Stops taking a master role (a newer command, deactivation, shutdown) and waits
+        until the task has stopped, so no two role changes run at once."""
+        taking, self._taking = self._taking, None
+        if taking is None:
+            return
+        # As with a role dropped: this epoch's master role is not taken up again.
+        self._role_epoch_floor = max(self._role_epoch_floor, taking.epoch)
+        if taking.task.done():
+            return
+        log.info(
+            "replica %s abandons taking the master role: %s; %s",
+            self.node.id,
+            taking.progress.describe(self.clock.monotonic_ms()),
+            why,
+        )
+        taking.task.cancel()
+        # Its own task: a caller cancelled meanwhile (a SetRole past its deadline) must not
+        # cut it short; the next role command waits for it (_wait_stopped).
+        self._stopping = asyncio.get_running_loop().create_task(self._stopped(taking))
+        await self._wait_stopped()
+
+    async def _wait_stopped(self) -> None:
+        """Waits until an abandoned master role's task and its store work have stopped."""
+        stopping = self._stopping
+        if stopping is not None:
+            await asyncio.shield(stopping)
+
+    async def _stopped(self, taking: Taking) -> None:
+        await asyncio.wait({taking.task})
+        # A cancelled await does not stop the store thread: what it was doing finishes
+        # before this job runs, so the log no longer grows once this returns (a
+        # deactivation's report says so), and the gate is rebuilt from what was stored.
+        self.gate = await asyncio.get_running_loop().run_in_executor(
+            self._io, self._gate_from_store, "reorganization interrupted"
+        )
+        meta = self.store.meta()
+        self._last_lsn = meta.last_lsn
+        self._log_start_lsn = self.store.log_start_lsn()
+        self._commit_recorded = self.gate.commit_lsn
+        self._notify_committed()
 
     def _check_new_role(self, command: replica_pb2.RoleCommand) -> None:
         """Refuses a new role during a cluster shutdown, or for another cluster's group."""
@@ -729,9 +1069,15 @@ class ReplicaNode:
 
     async def deactivate(self, reason: str) -> None:
         """Stops serving writes and replication; returns once no write is in progress."""
+        taking = self._taking
+        if taking is None:
+            await self._wait_stopped()
+        elif taking.task is not asyncio.current_task():
+            await self._cancel_taking(f"deactivated: {reason}")
         was = self.role
         self._role_epoch_floor = max(self._role_epoch_floor, self.epoch)
         self.role = common_pb2.ROLE_INACTIVE
+        self.fence.clear()
         self.master = None
         self._lease_until_ms = 0
         self._follower = None
@@ -745,6 +1091,7 @@ class ReplicaNode:
                     f"replica {self.node.id} lost its role before the write began (not stored)",
                 ),
             )
+        self.push.stop()
         async with self._commit_lock:
             pass
         driver, self._driver = self._driver, None
@@ -763,12 +1110,45 @@ class ReplicaNode:
     def _master_deposed(self, reason: str) -> None:
         """The replication core deposed this master: no more writes in this epoch."""
         self._deposed = reason
+        self.fence.clear()
         self._role_epoch_floor = max(self._role_epoch_floor, self.epoch)
+        self.push.stop()
         if self.role == common_pb2.ROLE_MASTER:
             self.role = common_pb2.ROLE_INACTIVE
             self.master = None
         self._driver = None
         self._wakeup.set()
+        self._notify_role_changed()
+
+    def _notify_role_changed(self) -> None:
+        changed, self._role_changed = self._role_changed, asyncio.Event()
+        changed.set()
+
+    async def wait_for_role(self, unreachable: frozenset[str], timeout_s: float) -> None:
+        """Waits (up to timeout_s) while this replica can neither serve a write nor name a
+        master the caller can reach: no role, or a slave of a master in `unreachable`.
+
+        A publisher proxy whose master just died otherwise bounces between this replica's
+        redirect to the dead master and its own backoff; held here, its call goes on (served
+        or redirected to the new master) the moment the coordinator's next role command
+        lands, so the publisher's gap is the election's.
+        """
+        deadline = time.monotonic() + timeout_s
+        # Bounded: each pass waits for a role change or the deadline.
+        while not self.failed_reason and self.role != common_pb2.ROLE_MASTER:
+            master = self.master
+            if (
+                self.role == common_pb2.ROLE_SLAVE
+                and master is not None
+                and master.replica_address not in unreachable
+            ):
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            changed = self._role_changed
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), remaining)
 
     def _advance_commit(self, commit_lsn: int) -> None:
         """The commit LSN moved: committed reads may serve more; wake subscribers."""
@@ -856,8 +1236,12 @@ class ReplicaNode:
 
     async def replication_batch(
         self, stream: int, batch: replica_pb2.EntryBatch
-    ) -> list[replica_pb2.ReplicationAck]:
-        """Checks and stores one batch from the master; returns the acks to send."""
+    ) -> AsyncGenerator[replica_pb2.ReplicationAck, None]:
+        """Checks and stores one batch from the master, yielding each ack as it is due.
+
+        A NO_SYNC replica's ack on receipt is yielded before the write, so the master can
+        count it without waiting for this store.
+        """
         async with self._commit_lock:
             follower = self._stream_follower(stream)
             result = follower.on_batch(
@@ -868,7 +1252,8 @@ class ReplicaNode:
             )
             if isinstance(result, Refusal):
                 raise self._refusal(result)
-            acks = [_ack(result.ack_now)] if result.ack_now is not None else []
+            if result.ack_now is not None:
+                yield _ack(result.ack_now)
             if result.write_needed:
                 try:
                     if result.truncate_after_lsn is not None:
@@ -879,9 +1264,8 @@ class ReplicaNode:
                     for entry in result.entries:
                         if entry.lsn > visible:
                             self._track(entry)
-                    entries = result.entries
-                    await asyncio.get_running_loop().run_in_executor(
-                        self._io, lambda: self.store.append(entries, sync=result.sync)
+                    await self._append(
+                        result.entries, sync=result.sync, commit_lsn=batch.commit_lsn
                     )
                 except (StoreError, ServiceError) as exc:
                     meta = self.store.meta()
@@ -900,13 +1284,20 @@ class ReplicaNode:
                         Code.UNAVAILABLE, f"replica {self.node.id}: store write failed: {exc}"
                     ) from exc
                 self._last_lsn = result.last_lsn
-                acks.append(_ack(follower.on_written(result.last_lsn, synced=result.sync)))
+                self._commit_recorded = max(
+                    self._commit_recorded, min(batch.commit_lsn, result.last_lsn)
+                )
+                written = _ack(follower.on_written(result.last_lsn, synced=result.sync))
                 retention = self.config.limits.log_retention_entries
-                keep = self._last_lsn - retention + 1
+                # Never above the commit LSN: a restart hides what is above it by reading
+                # the log.
+                keep = min(self._last_lsn - retention + 1, follower.commit_lsn + 1)
                 if keep - self._log_start_lsn >= _compact_step(retention):
                     await self._compact(keep)
-            self._advance_commit(follower.commit_lsn)
-            return acks
+                self._advance_commit(follower.commit_lsn)
+                yield written
+            else:
+                self._advance_commit(follower.commit_lsn)
 
     async def replication_snapshot(
         self, stream: int, chunk: replica_pb2.SnapshotChunk
@@ -986,27 +1377,40 @@ class ReplicaNode:
             self._last_lsn = 0
             self._log_start_lsn = 1
             self.gate.truncated(0)
+            self._commit_recorded = 0
         await loop.run_in_executor(self._io, store.install_chunk, chunk)
         if not last:
             return None
-        await loop.run_in_executor(
-            self._io, functools.partial(store.finish_snapshot, list(history))
-        )
         lsn = chunk.snapshot_lsn
+        commit_lsn = min(chunk.commit_lsn, lsn)
+        uncommitted = [(u.topic, u.first_offset, u.last_lsn) for u in chunk.uncommitted]
+        await loop.run_in_executor(
+            self._io,
+            functools.partial(
+                store.finish_snapshot,
+                list(history),
+                commit_lsn=commit_lsn,
+                uncommitted=uncommitted,
+            ),
+        )
         self._last_lsn = lsn
         self._log_start_lsn = lsn + 1
-        # The snapshot's state cannot be hidden event by event: all of it is visible
-        # (see docs/replication.md, known gaps).
-        self.gate.advance(lsn)
+        # The snapshot's state cannot be hidden entry by entry: what it holds above the
+        # sender's commit LSN is hidden per topic until this node's commit LSN passes it.
+        self.gate.advance(commit_lsn)
+        hidden = self.gate.restore(uncommitted)
+        self._commit_recorded = commit_lsn
         self._notify_committed()
         log.info(
             "replica %s installed the snapshot at LSN %d (epoch %d) from %s; the log "
-            "continues from LSN %d",
+            "continues from LSN %d; commit LSN %d, %d topics hold uncommitted events",
             self.node.id,
             lsn,
             chunk.snapshot_epoch,
             source,
             lsn + 1,
+            commit_lsn,
+            hidden,
         )
         return lsn
 
@@ -1019,13 +1423,38 @@ class ReplicaNode:
         if isinstance(result, Refusal):
             raise self._refusal(result)
         self._advance_commit(follower.commit_lsn)
+        self._record_commit_soon(follower.commit_lsn)
         return _ack(result)
+
+    def _record_commit_soon(self, commit_lsn: int) -> None:
+        """Records a commit LSN learnt without a batch (a heartbeat: the stream is idle),
+        so a restart does not hide the last batch; one store write at a time."""
+        if commit_lsn <= self._commit_recorded:
+            return
+        running = self._commit_recording
+        if running is not None and not running.done():
+            return  # the next heartbeat records the rest
+        self._commit_recording = asyncio.get_running_loop().create_task(
+            self._record_commit(commit_lsn), name=f"record-commit-{self.node.id}"
+        )
+
+    async def _record_commit(self, commit_lsn: int) -> None:
+        async with self._commit_lock:  # ordered with appends, truncations and installs
+            try:
+                recorded = await asyncio.get_running_loop().run_in_executor(
+                    self._io, functools.partial(self.store.record_commit, commit_lsn)
+                )
+            except StoreError as exc:
+                # Only a hint for the next start-up: a failure hides more after a restart.
+                log.warning(
+                    "replica %s: recording commit LSN %d failed: %s", self.node.id, commit_lsn, exc
+                )
+                return
+            self._commit_recorded = max(self._commit_recorded, recorded)
 
     def _track(self, entry: replica_pb2.LogEntry) -> None:
         """Hides an uncommitted publish from committed reads until it commits."""
-        operation = replica_pb2.Operation.FromString(entry.operation)
-        if operation.WhichOneof("op") == "publish":
-            self.gate.appended(entry.lsn, operation.publish.topic, operation.publish.first_offset)
+        _track(self.gate, entry)
 
     async def fetch_log(
         self, request: replica_pb2.FetchLogRequest
@@ -1049,17 +1478,22 @@ class ReplicaNode:
             fork = fork_lsn(meta.history, meta.last_lsn, request.history, request.last_lsn)
         except HistoryError as exc:
             raise ServiceError(Code.INVALID_ARGUMENT, f"{who}: bad position: {exc}") from exc
-        if request.last_lsn > fork and fork == 0:
+        diverged = request.last_lsn > fork
+        if diverged and meta.last_lsn == 0:
             raise ServiceError(
                 Code.FAILED_PRECONDITION,
-                f"{who}: node {request.node_id[:64]!r}'s log shares no entry with this one",
+                f"{who}: node {request.node_id[:64]!r} holds a log and this one is empty: "
+                "this replica cannot be its sync source",
             )
-        diverged = request.last_lsn > fork
         log_start = self.store.log_start_lsn()
         # Truncation by rebuild replays the requester's log from LSN 1; and what it lacks
         # must still be in our log. Otherwise only a snapshot brings it to our state.
         why_snapshot = ""
-        if diverged and max(request.log_start_lsn, 1) > 1:
+        if diverged and fork == 0:
+            # truncate_after_lsn 0 means "no truncation" on the wire: a log that shares
+            # no entry with ours is replaced whole.
+            why_snapshot = "its log shares no entry with this one"
+        elif diverged and max(request.log_start_lsn, 1) > 1:
             why_snapshot = (
                 f"it must truncate after LSN {fork} and its log starts at LSN "
                 f"{request.log_start_lsn}"
@@ -1082,20 +1516,32 @@ class ReplicaNode:
             snapshot_lsn = 0
             async for chunk in self._export_snapshot(request.node_id[:64]):
                 snapshot_lsn = chunk.snapshot_lsn
-                yield replica_pb2.FetchLogResponse(snapshot=chunk)
+                yield replica_pb2.FetchLogResponse(snapshot=chunk, cluster_id=meta.cluster_id)
             # The log after the snapshot, as far as it reached when the fetch began (our
             # log may have grown while the snapshot was read: the rest is its tail).
             last_lsn = max(meta.last_lsn, self.store.meta().last_lsn)
             async for batch in self._log_batches(snapshot_lsn + 1, last_lsn, step, meta.epoch):
-                yield replica_pb2.FetchLogResponse(entries=batch)
+                yield replica_pb2.FetchLogResponse(entries=batch, cluster_id=meta.cluster_id)
             return
         yield replica_pb2.FetchLogResponse(
             entries=replica_pb2.EntryBatch(
-                epoch=meta.epoch, truncate_after_lsn=fork if diverged else 0
-            )
+                epoch=meta.epoch,
+                truncate_after_lsn=fork if diverged else 0,
+                commit_lsn=self.gate.commit_lsn,
+            ),
+            cluster_id=meta.cluster_id,
         )
         async for batch in self._log_batches(fork + 1, meta.last_lsn, step, meta.epoch):
-            yield replica_pb2.FetchLogResponse(entries=batch)
+            yield replica_pb2.FetchLogResponse(entries=batch, cluster_id=meta.cluster_id)
+
+    def _stamp_snapshot(self, chunk: replica_pb2.SnapshotChunk) -> None:
+        """On a snapshot's last chunk: this node's commit LSN, and per topic the publishes
+        the snapshot holds above it, so the receiver hides them until they commit."""
+        chunk.commit_lsn = min(self.gate.commit_lsn, chunk.snapshot_lsn)
+        chunk.uncommitted.extend(
+            replica_pb2.UncommittedPublish(topic=topic, first_offset=offset, last_lsn=lsn)
+            for topic, offset, lsn in self.gate.uncommitted(chunk.snapshot_lsn)
+        )
 
     async def _log_batches(
         self, from_lsn: int, to_lsn: int, step: int, epoch: int
@@ -1109,7 +1555,10 @@ class ReplicaNode:
             entries = await asyncio.to_thread(store.read_log, next_lsn, count)
             if not entries:
                 break
-            yield replica_pb2.EntryBatch(entries=entries, epoch=epoch)
+            # Our commit LSN as of now: what the requester may show its subscribers.
+            yield replica_pb2.EntryBatch(
+                entries=entries, epoch=epoch, commit_lsn=self.gate.commit_lsn
+            )
             next_lsn = entries[-1].lsn + 1
 
     async def _export_snapshot(self, requester: str) -> AsyncIterator[replica_pb2.SnapshotChunk]:
@@ -1132,7 +1581,12 @@ class ReplicaNode:
                 requester,
                 chunk.snapshot_lsn,
             )
+            delay_s = self.config.timeouts.snapshot_chunk_delay_ms / 1000
             for count in range(1, SNAPSHOT_CHUNKS_MAX + 1):
+                if chunk.last:
+                    self._stamp_snapshot(chunk)
+                if delay_s:
+                    await asyncio.sleep(delay_s)  # test-only (timeouts.snapshot_chunk_delay_ms)
                 sent_bytes += chunk.ByteSize()
                 yield chunk
                 if chunk.last:
@@ -1215,23 +1669,25 @@ class ReplicaNode:
                 pending.future.set_exception(exc)
                 continue
             except CorruptRecordError as exc:
+                self.report_fault(f"checksum error planning a write: {exc}")
                 pending.future.set_exception(ServiceError(Code.DATA_LOSS, str(exc)))
                 continue
             planned.append((pending, plan))
             lsns.append(first_lsn - 1 + len(builder.entries))
             command = pending.command
-            if plan.entry_index is not None and isinstance(command, commands.Publish):
-                offsets = [r.offset for r in plan.receipts if not r.duplicate]
-                if offsets:
-                    self.gate.appended(
-                        first_lsn + plan.entry_index, command.request.topic, min(offsets)
-                    )
+            if (
+                plan.entry_index is not None
+                and plan.receipt is not None
+                and isinstance(command, commands.Publish)
+            ):
+                self.gate.appended(
+                    first_lsn + plan.entry_index, command.request.topic, plan.receipt.first_offset
+                )
         sync = self.config.durability.master_sync == common_pb2.SYNC_POLICY_SYNC
         if builder.entries:
+            commit_lsn = self.gate.commit_lsn
             try:
-                await asyncio.get_running_loop().run_in_executor(
-                    self._io, lambda: self.store.append(builder.entries, sync=sync)
-                )
+                await self._append(builder.entries, sync=sync, commit_lsn=commit_lsn)
             except StoreFullError as exc:
                 self.gate.truncated(self._last_lsn)
                 log.warning(
@@ -1254,6 +1710,7 @@ class ReplicaNode:
                 _fail_all(planned, ServiceError(Code.UNKNOWN, f"write outcome unknown: {exc}"))
                 return
             self._last_lsn = builder.entries[-1].lsn
+            self._commit_recorded = max(self._commit_recorded, commit_lsn)
         if driver is not self._driver or driver.deposed:
             _fail_all(
                 planned,
@@ -1264,6 +1721,15 @@ class ReplicaNode:
                 ),
             )
             return
+        if self.telemetry.tracing:
+            # Before the append reaches the driver: its sends may leave at once.
+            driver.traced(
+                [
+                    (lsn, pending.trace.appended(lsn, self.epoch))
+                    for (pending, _), lsn in zip(planned, lsns, strict=True)
+                    if pending.trace is not None
+                ]
+            )
         driver.appended(builder.entries, synced=sync)
         floor = driver.core.epoch_start_lsn
         driver.register(
@@ -1273,10 +1739,22 @@ class ReplicaNode:
             ]
         )
         retention = self.config.limits.log_retention_entries
-        keep = driver.compaction_target(retention)
+        # Never above the commit LSN: a restart hides what is above it by reading the log.
+        keep = min(driver.compaction_target(retention), self.gate.commit_lsn + 1)
         if keep - self._log_start_lsn >= _compact_step(retention) and not driver.deposed:
             driver.set_log_start(keep)  # the core first: no batch is built below keep
             await self._compact(keep)
+
+    async def _append(
+        self, entries: Sequence[replica_pb2.LogEntry], *, sync: bool, commit_lsn: int
+    ) -> None:
+        """Appends entries to the store (commit lock held), on the loop when small and
+        unflushed, recording the commit LSN known with them."""
+        append = functools.partial(self.store.append, entries, sync=sync, commit_lsn=commit_lsn)
+        if not sync and batch_size_bytes(entries) <= _INLINE_APPEND_BYTES_MAX:
+            append()
+            return
+        await asyncio.get_running_loop().run_in_executor(self._io, append)
 
     async def _compact(self, keep_from_lsn: int) -> None:
         """Deletes the log below keep_from_lsn on the store thread (commit lock held)."""
@@ -1314,6 +1792,30 @@ class ReplicaNode:
         )
         self.failed_reason = reason
         self.role = common_pb2.ROLE_INACTIVE
+        self._notify_role_changed()
+        self.report_fault(f"fail-stop: {reason}")
+
+    def report_fault(self, reason: str) -> None:
+        """Records a fault that makes this node unfit to serve; the coordinator reads it in
+        the replica's state and quarantines the node. The same fault hit again (the same
+        bad record read by every subscriber) is one fault: an operator who cleared it is
+        not overruled; a different one is new and quarantines the node again."""
+        if self.fault is not None and self.fault.reason == reason[:REASON_CHARS_MAX]:
+            return
+        self.fault = new_fault(reason, self.clock.wall_ms())
+        log.error(
+            "replica %s FAULT: %s (epoch=%d lsn=%d); reporting it to the coordinator, which "
+            "quarantines this node",
+            self.node.id,
+            reason,
+            self.epoch,
+            self._last_lsn,
+        )
+        save_fault(self.node.data_dir, self.fault)
+
+    def writes_idle(self) -> bool:
+        """No write queued or being committed (a fenced master's log has stopped growing)."""
+        return not self._queue and not self._commit_lock.locked()
 
     def _notify_committed(self) -> None:
         committed, self._committed = self._committed, asyncio.Event()
@@ -1359,8 +1861,10 @@ class ReplicaNode:
         return self.gate.hidden_from(topic) or 0
 
 
-async def _receipts(planned: asyncio.Future[Planned]) -> list[common_pb2.AckReceipt]:
-    return (await planned).receipts
+async def _receipt(planned: asyncio.Future[Planned]) -> common_pb2.BatchReceipt:
+    receipt = (await planned).receipt
+    assert receipt is not None, "a planned publish always has a receipt"
+    return receipt
 
 
 def _fail_all(planned: list[tuple[_Pending, Planned]], error: ServiceError) -> None:
@@ -1395,6 +1899,13 @@ class _Diverged(Exception):
     def __init__(self, fork_lsn: int) -> None:
         super().__init__(f"diverges after LSN {fork_lsn}")
         self.fork_lsn = fork_lsn
+
+
+def _track(gate: CommitGate, entry: replica_pb2.LogEntry) -> None:
+    """Tracks an entry's publish (if it is one) in gate."""
+    operation = replica_pb2.Operation.FromString(entry.operation)
+    if operation.WhichOneof("op") == "publish":
+        gate.appended(entry.lsn, operation.publish.topic, operation.publish.first_offset)
 
 
 def _compact_step(retention_entries: int) -> int:

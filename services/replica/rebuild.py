@@ -65,6 +65,9 @@ class LmdbTruncator:
                 fresh.set_cluster_id(meta.cluster_id)
             fresh.set_epoch(meta.epoch)
             fresh.set_max_seen(meta.max_seen)
+            if meta.commit_lsn is not None:
+                # Truncation never removes a committed entry; the record stays a fact.
+                fresh.set_commit_lsn(min(meta.commit_lsn, keep_lsn))
             state = meta.state
             if state == common_pb2.STORE_STATE_CLEAN:
                 fresh.set_state(state, meta.shutdown_id)

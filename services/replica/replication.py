@@ -16,7 +16,9 @@ are refused as stale and change nothing) and a state:
   (``divergence.fork_lsn``) and starts streaming after that LSN; the first batch of the
   stream carries ``truncate_after_lsn`` when the slave holds a suffix the master does not
   (a deposed master's uncommitted entries) and is sent even when empty, so the slave's
-  first ack says at once what it holds.
+  first ack says at once what it holds. A slave that cannot truncate (its log is
+  compacted, its store cannot undo entries) or whose log shares no entry with the
+  master's gets a snapshot instead.
 * ``STREAMING``: entries go out as ``SendGrant`` records, limited by the slave's in-flight
   window: at most ``inflight_entries_max`` entries and ``inflight_bytes_max`` bytes sent
   and not yet acknowledged as received (a single entry larger than the byte window still
@@ -280,7 +282,7 @@ class SendGrant:
     write because the slave's ack may arrive before the write returns. ``entries_max`` 0
     is a stream's first batch with nothing to send yet: send it empty, it carries the
     truncation and asks for the slave's first ack. ``truncate_after_lsn`` None means no
-    truncation; 0 means truncate the whole log.
+    truncation; it is never 0 (a log sharing no entry with the master's gets a snapshot).
     """
 
     node_id: str
@@ -682,7 +684,8 @@ class ReplicationMaster(Generic[T]):
         log_start_lsn: the first LSN in the slave's log. A slave whose log no longer
         starts at 1 (compacted, or installed from a snapshot) cannot truncate a divergent
         suffix by replaying its log, so it gets a snapshot instead (as with
-        ``truncate_by_snapshot``).
+        ``truncate_by_snapshot``); so does a slave whose log shares no entry with the
+        master's (a fork at LSN 0).
         """
         slave, rejection = self._current(node_id, stream_id)
         if rejection is not None:
@@ -724,8 +727,10 @@ class ReplicationMaster(Generic[T]):
         slave.received_lsn = fork
         slave.written_lsn = min(slave.written_lsn, fork)
         slave.synced_lsn = min(slave.synced_lsn, fork)
+        # A fork at LSN 0 (the logs share no entry) cannot be said on the wire, where
+        # truncate_after_lsn 0 means "no truncation": the slave's whole log is replaced.
         if slave.truncate_after is not None and (
-            self.config.truncate_by_snapshot or log_start_lsn > 1
+            self.config.truncate_by_snapshot or log_start_lsn > 1 or fork == 0
         ):
             slave.truncate_after = None
             slave.snapshot_wanted = True

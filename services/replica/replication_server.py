@@ -15,6 +15,7 @@ compacted log or lacks entries this replica compacted.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 
@@ -22,7 +23,7 @@ from services.common.errors import Code, ServiceError
 from services.common.grpc_server import Context
 from services.replica.node import ReplicaNode
 from services.replica.server import abort
-from services.replica.store import StoreError
+from services.replica.store import CorruptRecordError, StoreError
 from squall.v1 import replica_pb2, replica_pb2_grpc
 
 log = logging.getLogger("squall.replica")
@@ -55,8 +56,13 @@ class Replication(replica_pb2_grpc.ReplicationServicer):
                     stream, position = await node.replication_hello(request.hello)
                     yield replica_pb2.ReplicateResponse(position=position)
                 elif kind == "entries":
-                    for ack in await node.replication_batch(stream, request.entries):
-                        yield replica_pb2.ReplicateResponse(ack=ack)
+                    # Closed at once if the stream is cancelled mid-batch: the batch
+                    # holds the commit lock until it finishes.
+                    async with contextlib.aclosing(
+                        node.replication_batch(stream, request.entries)
+                    ) as acks:
+                        async for ack in acks:
+                            yield replica_pb2.ReplicateResponse(ack=ack)
                 elif kind == "heartbeat":
                     ack = node.replication_heartbeat(stream, request.heartbeat)
                     yield replica_pb2.ReplicateResponse(ack=ack)
@@ -86,6 +92,8 @@ class Replication(replica_pb2_grpc.ReplicationServicer):
         except ServiceError as exc:
             await abort(context, exc)
         except StoreError as exc:
+            if isinstance(exc, CorruptRecordError):
+                self.node.report_fault(f"checksum error serving a fetch: {exc}")
             await abort(
                 context,
                 ServiceError(Code.UNAVAILABLE, f"replica {self.node.node.id}: store error: {exc}"),

@@ -16,9 +16,10 @@ import grpc
 
 from services.common.errors import Code, ServiceError, invalid
 from services.common.grpc_server import Context
-from services.replica import commands, shutdown
-from services.replica.node import ReplicaNode
+from services.replica import commands, handoff, shutdown
+from services.replica.node import UNREACHABLE_KEY, ReplicaNode
 from services.replica.store import CorruptRecordError, TopicInfo, UnknownTopicError
+from services.replica.telemetry import DeliveryWatch, PublishWatch
 from squall.v1 import (
     broker_pb2,
     broker_pb2_grpc,
@@ -33,6 +34,8 @@ log = logging.getLogger("squall.replica")
 _FOLLOW_RECHECK_S = 1.0
 # Requests a pipelined publish stream may have in flight before it stops reading.
 _STREAM_INFLIGHT_MAX = 64
+# Left of a call's deadline for the answer after holding it for a role.
+_HOLD_SLACK_S = 0.2
 
 
 async def abort(context: Context, exc: ServiceError) -> NoReturn:
@@ -44,11 +47,13 @@ async def abort(context: Context, exc: ServiceError) -> NoReturn:
 
 
 @contextlib.contextmanager
-def _translating() -> Iterator[None]:
-    """Maps store errors that reach a handler to ServiceErrors."""
+def _translating(node: ReplicaNode) -> Iterator[None]:
+    """Maps store errors that reach a handler to ServiceErrors; a checksum error is also a
+    fault of this node's store, which quarantines the node."""
     try:
         yield
     except CorruptRecordError as exc:
+        node.report_fault(f"checksum error serving a read: {exc}")
         raise ServiceError(Code.DATA_LOSS, f"corrupt record, not served: {exc}") from exc
     except UnknownTopicError as exc:
         # The topic was destroyed between the caller's lookup and the read.
@@ -97,7 +102,7 @@ class TopicManager(broker_pb2_grpc.TopicManagerServicer):
         self, request: broker_pb2.RetrieveTopicRequest, context: Context
     ) -> broker_pb2.RetrieveTopicResponse:
         try:
-            with _translating():
+            with _translating(self.node):
                 topic = self.node.topic(request.name)
         except ServiceError as exc:
             await abort(context, exc)
@@ -107,7 +112,7 @@ class TopicManager(broker_pb2_grpc.TopicManagerServicer):
         self, request: broker_pb2.ListTopicsRequest, context: Context
     ) -> broker_pb2.ListTopicsResponse:
         try:
-            with _translating():
+            with _translating(self.node):
                 topics = self.node.store.list_topics()
         except ServiceError as exc:
             await abort(context, exc)
@@ -175,23 +180,70 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
     def __init__(self, node: ReplicaNode) -> None:
         self.node = node
 
+    async def _hold(self, context: Context) -> None:
+        """Holds a publisher proxy's call while this replica has no master to offer it.
+
+        Only calls that name unreachable replicas are held (a proxy failing over): the
+        wait ends at the next role command, the call's deadline less a margin, or
+        `timeouts.rpc_timeout_ms`, whichever comes first; then the call is served,
+        redirected or refused as usual.
+        """
+        unreachable = frozenset(
+            address
+            for key, value in context.invocation_metadata() or ()
+            if key == UNREACHABLE_KEY
+            for address in (value.decode() if isinstance(value, bytes) else value).split(",")
+            if address
+        )
+        if not unreachable:
+            return
+        timeout_s = self.node.config.timeouts.rpc_timeout_ms / 1000
+        remaining = context.time_remaining()
+        if remaining is not None:
+            timeout_s = min(timeout_s, remaining - _HOLD_SLACK_S)
+        await self.node.wait_for_role(unreachable, timeout_s)
+
     def _start(
         self, request: broker_pb2.PublishRequest
     ) -> asyncio.Future[broker_pb2.PublishResponse]:
         """Begins one publish; the future resolves to its response once committed."""
-        receipts = self.node.start_publish(request)
+        observed = self.node.telemetry
+        watch = PublishWatch(observed, request, *self._where()) if observed.active else None
+        try:
+            receipt = self.node.start_publish(request, watch.traced if watch else None)
+        except BaseException as exc:
+            if watch is not None:
+                watch.failed(exc)
+            raise
         request_id = request.request_id
+        compact = request.compact_receipts
 
         async def respond() -> broker_pb2.PublishResponse:
-            return broker_pb2.PublishResponse(receipts=await receipts, request_id=request_id)
+            try:
+                got = await receipt
+            except BaseException as exc:
+                if watch is not None:
+                    watch.failed(exc)
+                raise
+            if watch is not None:
+                watch.done(got)
+            if compact:
+                return broker_pb2.PublishResponse(batch=got, request_id=request_id)
+            return broker_pb2.PublishResponse(
+                receipts=commands.expand_receipt(got), request_id=request_id
+            )
 
         return asyncio.ensure_future(respond())
+
+    def _where(self) -> tuple[str, int]:
+        return self.node.node.id, self.node.epoch
 
     async def Publish(
         self, request: broker_pb2.PublishRequest, context: Context
     ) -> broker_pb2.PublishResponse:
+        await self._hold(context)
         try:
-            with _translating():
+            with _translating(self.node):
                 return await self._start(request)
         except ServiceError as exc:
             await abort(context, exc)
@@ -205,12 +257,13 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
             maxsize=_STREAM_INFLIGHT_MAX
         )
         loop = asyncio.get_running_loop()
+        await self._hold(context)
 
         async def read_requests() -> None:
             try:
                 async for request in request_iterator:
                     try:
-                        with _translating():
+                        with _translating(self.node):
                             future = self._start(request)
                     except ServiceError as exc:
                         future = loop.create_future()
@@ -283,13 +336,18 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
         limit = node.config.limits.subscribe_batch_max_events
         batch = min(request.max_batch_events or limit, limit)
         try:
-            with _translating():
+            with _translating(self.node):
                 topic = node.topic(request.topic)
                 position = await self._start_offset(request, topic)
         except ServiceError as exc:
             await abort(context, exc)
         transient = topic.kind == common_pb2.TOPIC_KIND_TRANSIENT
         end = request.end_offset
+        delivery = (
+            DeliveryWatch(node.telemetry, node.node.id, topic.name)
+            if node.telemetry.active
+            else None
+        )
         if not request.follow:
             # Committed reads: events above the commit LSN are not served yet.
             now_end = (
@@ -302,7 +360,7 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
             signal = node.commit_signal()
             count = min(batch, end - position) if end else batch
             try:
-                with _translating():
+                with _translating(self.node):
                     if transient:
                         events = node.transient.read(topic.name, position, count)
                     else:
@@ -317,7 +375,12 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
                 await abort(context, exc)
             if events:
                 position = events[-1].offset + 1
-                yield broker_pb2.SubscribeResponse(events=events)
+                span = delivery.start(events) if delivery is not None else None
+                try:
+                    yield broker_pb2.SubscribeResponse(events=events)
+                finally:
+                    if span is not None:
+                        span.end()
                 continue
             if not request.follow:
                 return
@@ -346,7 +409,7 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
         self, request: broker_pb2.ListSubscriptionsRequest, context: Context
     ) -> broker_pb2.ListSubscriptionsResponse:
         try:
-            with _translating():
+            with _translating(self.node):
                 self.node.topic(request.topic)
                 subscriptions = self.node.store.list_subscriptions(request.topic)
         except ServiceError as exc:
@@ -376,7 +439,7 @@ class ReplicaControl(replica_pb2_grpc.ReplicaControlServicer):
 
     def _state(self) -> replica_pb2.ReplicaState:
         meta = self.node.store.meta()
-        return replica_pb2.ReplicaState(
+        state = replica_pb2.ReplicaState(
             node_id=self.node.node.id,
             cluster_id=meta.cluster_id,
             last_epoch=meta.last_epoch,
@@ -405,7 +468,13 @@ class ReplicaControl(replica_pb2_grpc.ReplicaControlServicer):
             log_start_lsn=self.node.log_start_lsn,
             joined=self.node.joined,
             frozen_for_shutdown_id=self.node.frozen_for,
+            fault_id=self.node.fault.fault_id if self.node.fault else "",
+            fault_reason=self.node.fault.reason if self.node.fault else "",
         )
+        progress = self.node.reorganization_progress()
+        if progress is not None:
+            state.reorganization.CopyFrom(progress)
+        return state
 
     async def GetReplicaState(
         self, request: replica_pb2.GetReplicaStateRequest, context: Context
@@ -456,3 +525,10 @@ class ReplicaControl(replica_pb2_grpc.ReplicaControlServicer):
         except ServiceError as exc:
             await abort(context, exc)
         return self._state()
+    async def PrepareHandoff(
+        self, request: replica_pb2.PrepareHandoffRequest, context: Context
+    ) -> replica_pb2.PrepareHandoffResponse:
+        try:
+            return await handoff.prepare(self.node, request)
+        except ServiceError as exc:
+            await abort(context, exc)

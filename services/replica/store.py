@@ -32,7 +32,8 @@ Synchronous; one writer and many readers: the replica serializes writes (``appen
 any thread, each seeing one committed state. Reads: ``meta``, ``log_start_lsn``,
 ``read_log``, ``get_topic``, ``list_topics`` (by name), ``read_events`` (verified
 ``common_pb2.Event`` list), ``get_cursor``, ``list_subscriptions``, ``lookup_sequence``,
-``publisher_high_water``, ``snapshot_chunks``. ``make_entry`` builds an entry with its
+``publisher_high_water``, ``get_push_subscriber``, ``list_push_subscribers``,
+``snapshot_chunks``. ``make_entry`` builds an entry with its
 checksum.
 
 The store runs on the ``kv.KV`` interface, with two twins: ``Store.open_lmdb`` and
@@ -40,8 +41,12 @@ The store runs on the ``kv.KV`` interface, with two twins: ``Store.open_lmdb`` a
 
 * ``meta``: cluster id, shutdown id, store state, epoch (the newest accepted; never
   decreases), max seen, next topic id, epoch history (epoch, start LSN), the log tail
-  (last LSN, last epoch), the log start (absent: 1) and a pending snapshot install
-  (its LSN and epoch, the next chunk index, the last record installed).
+  (last LSN, last epoch), the log start (absent: 1), a pending snapshot install
+  (its LSN and epoch, the next chunk index, the last record installed), the commit LSN
+  the node last recorded (``append(commit_lsn=)``, ``record_commit``; absent in stores
+  written before it existed) and, after a snapshot install, the publishes the snapshot
+  held above its sender's commit LSN (``snapshot_uncommitted``). A restarted replica
+  hides everything above the recorded commit LSN from committed reads.
 * ``log``: LSN (8 bytes big-endian) -> serialized ``LogEntry``.
 * ``topics``: name -> topic id, kind, next offset, first offset, creation time.
 * ``events``: topic id + offset (8 + 8 bytes big-endian) -> serialized ``common_pb2.Event``.
@@ -53,6 +58,9 @@ The store runs on the ``kv.KV`` interface, with two twins: ``Store.open_lmdb`` a
   or above a sequence is the only one that can hold it.
 * ``publishers``: publisher id -> highest sequence stored (the dedupe high-water mark).
   Sequences at or below high water - ``dedupe_window`` are forgotten (pruned).
+* ``push``: topic id (8 bytes) + push subscriber id -> cursor (next offset to deliver)
+  and the LSN of the entry that subscribed it (8 + 8 bytes), then the serialized
+  ``PushSubscribeOp`` that registered it (docs/push-subscribers.md).
 
 Every value starts with a CRC-32 (``zlib.crc32``) of its key and body, checked on every
 read: a mismatch raises ``CorruptRecordError`` naming the database and key, and the bad
@@ -110,14 +118,24 @@ DB_EVENTS = "events"
 DB_CURSORS = "cursors"
 DB_DEDUPE = "dedupe"
 DB_PUBLISHERS = "publishers"
+DB_PUSH = "push"
 # The databases a KV must hold for the store.
-DATABASES = (DB_META, DB_LOG, DB_TOPICS, DB_EVENTS, DB_CURSORS, DB_DEDUPE, DB_PUBLISHERS)
+DATABASES = (
+    DB_META,
+    DB_LOG,
+    DB_TOPICS,
+    DB_EVENTS,
+    DB_CURSORS,
+    DB_DEDUPE,
+    DB_PUBLISHERS,
+    DB_PUSH,
+)
 
 # The databases a snapshot carries, in the order it carries them (meta: only the keys
 # in _META_SNAPSHOT_KEYS). Everything but the log and the receiving node's own meta.
-SNAPSHOT_DBS = (DB_META, DB_TOPICS, DB_EVENTS, DB_CURSORS, DB_DEDUPE, DB_PUBLISHERS)
+SNAPSHOT_DBS = (DB_META, DB_TOPICS, DB_EVENTS, DB_CURSORS, DB_DEDUPE, DB_PUBLISHERS, DB_PUSH)
 # The state databases a snapshot install (and an abandoned one) empties, with the log.
-_CLEARED_DBS = (DB_TOPICS, DB_EVENTS, DB_CURSORS, DB_DEDUPE, DB_PUBLISHERS, DB_LOG)
+_CLEARED_DBS = (DB_TOPICS, DB_EVENTS, DB_CURSORS, DB_DEDUPE, DB_PUBLISHERS, DB_PUSH, DB_LOG)
 
 DEDUPE_WINDOW_DEFAULT = 100_000
 SNAPSHOT_RECORDS_MAX_DEFAULT = 1000
@@ -134,6 +152,8 @@ _META_HISTORY = b"history"
 _META_LOG_TAIL = b"log_tail"
 _META_LOG_START = b"log_start"
 _META_SNAPSHOT_PENDING = b"snapshot_pending"
+_META_COMMIT = b"commit_lsn"
+_META_UNCOMMITTED = b"snapshot_uncommitted"
 # Meta keys that describe state (a snapshot carries them); the others belong to the node
 # (cluster id, shutdown id, store state, epoch, max seen) or describe the log.
 _META_SNAPSHOT_KEYS = frozenset({_META_NEXT_TOPIC_ID})
@@ -147,6 +167,10 @@ _DEDUPE = struct.Struct(">QQQQ")  # first sequence, its offset, lsn, epoch; then
 # snapshot lsn, epoch, next chunk index, last chunk installed (0/1), db of the last record
 # installed (1 + its index in SNAPSHOT_DBS; 0: none yet); then the last record's key.
 _PENDING = struct.Struct(">QQQBB")
+# One uncommitted publish of an installed snapshot: last LSN, first offset, topic length.
+_UNCOMMITTED = struct.Struct(">QQH")
+# The most topics a snapshot may list as holding uncommitted publishes (peer input).
+SNAPSHOT_UNCOMMITTED_MAX = 1 << 20
 # What a SnapshotChunk spends besides its records: index, last, LSN and epoch fields.
 _CHUNK_HEADER_BYTES = 48
 # What a SnapshotRecord in a chunk spends besides its key, value and database name: four
@@ -226,6 +250,20 @@ class TopicInfo:
 
 
 @dataclass(frozen=True)
+class PushSubscriber:
+    """A push subscriber as the store holds it."""
+
+    topic: str
+    subscriber_id: str
+    endpoint: str
+    ordered: bool
+    retry_count: int  # -1: retry forever
+    cursor: int  # the next offset to deliver
+    created_ms: int
+    lsn: int  # the entry that subscribed it: tells a re-subscription from the old one
+
+
+@dataclass(frozen=True)
 class EpochBoundary:
     """Where an epoch's entries start in this store's log (replica_pb2.EpochBoundary)."""
 
@@ -247,6 +285,9 @@ class StoreMeta:
     history: tuple[EpochBoundary, ...]
     log_start_lsn: int = 1  # the first LSN still in the log (last_lsn + 1: empty log)
     snapshot_pending: bool = False  # an install began and did not finish: the store is empty
+    # The highest LSN this store's node knew committed (and held) when it last recorded
+    # it; None for a store that never recorded one (written before the record existed).
+    commit_lsn: int | None = None
 
 
 @dataclass(frozen=True)
@@ -354,6 +395,33 @@ class _TopicRow:
         )
 
 
+def _decode_push(key: bytes, value: bytes) -> tuple[int, int, replica_pb2.PushSubscribeOp]:
+    """Decodes and verifies a push record: (cursor, subscribing LSN, the subscribe op)."""
+    body = _unseal(DB_PUSH, key, value)
+    cursor, lsn = _unpack(DB_PUSH, key, _U64X2, body)
+    try:
+        op = replica_pb2.PushSubscribeOp.FromString(body[_U64X2.size :])
+    except DecodeError:
+        raise CorruptRecordError(DB_PUSH, key, "subscribe record does not parse") from None
+    if key[_U64.size :] != op.subscriber_id.encode():
+        raise CorruptRecordError(DB_PUSH, key, "subscriber id does not match its key")
+    return cursor, lsn, op
+
+
+def _push_subscriber(topic: str, key: bytes, value: bytes) -> PushSubscriber:
+    cursor, lsn, op = _decode_push(key, value)
+    return PushSubscriber(
+        topic=topic,
+        subscriber_id=op.subscriber_id,
+        endpoint=op.endpoint,
+        ordered=op.ordered,
+        retry_count=op.retry_count,
+        cursor=cursor,
+        created_ms=op.created_ms,
+        lsn=lsn,
+    )
+
+
 def _decode_topic(key: bytes, value: bytes) -> _TopicRow:
     """Decodes and verifies a topics record."""
     body = _unseal(DB_TOPICS, key, value)
@@ -459,8 +527,15 @@ def _clear_state(txn: WriteTxn) -> None:
     """
     for db in _CLEARED_DBS:
         txn.clear(db)
-    for key in (_META_NEXT_TOPIC_ID, _META_LOG_TAIL, _META_HISTORY, _META_LOG_START):
+    for key in (
+        _META_NEXT_TOPIC_ID,
+        _META_LOG_TAIL,
+        _META_HISTORY,
+        _META_LOG_START,
+        _META_UNCOMMITTED,
+    ):
         txn.delete(DB_META, key)
+    _put_u64(txn, DB_META, _META_COMMIT, 0)  # an empty log: nothing committed here
 
 
 def _read_meta(txn: ReadTxn) -> StoreMeta:
@@ -483,7 +558,50 @@ def _read_meta(txn: ReadTxn) -> StoreMeta:
         history=() if pending else tuple(_read_history(txn)),
         log_start_lsn=1 if pending else _read_log_start(txn),
         snapshot_pending=pending,
+        commit_lsn=0 if pending else _read_u64(txn, DB_META, _META_COMMIT),
     )
+
+
+def _raise_commit(txn: WriteTxn, commit_lsn: int, last_lsn: int) -> int:
+    """Records min(commit_lsn, last_lsn) as the commit LSN if above the recorded one.
+
+    A committed LSN stays committed, so the record only grows (truncations and snapshot
+    installs, which may lower it, write it directly). Returns the recorded value.
+    """
+    held = min(commit_lsn, last_lsn)
+    current = _read_u64(txn, DB_META, _META_COMMIT)
+    if current is not None and current >= held:
+        return current
+    _put_u64(txn, DB_META, _META_COMMIT, held)
+    return held
+
+
+def _encode_uncommitted(items: Sequence[tuple[str, int, int]]) -> bytes:
+    """(topic, first offset, last LSN) triples as one meta value body."""
+    parts: list[bytes] = []
+    for topic, first_offset, last_lsn in items:
+        name = topic.encode()
+        parts.append(_UNCOMMITTED.pack(last_lsn, first_offset, len(name)) + name)
+    return b"".join(parts)
+
+
+def _decode_uncommitted(body: bytes) -> list[tuple[str, int, int]]:
+    out: list[tuple[str, int, int]] = []
+    at = 0
+    while at < len(body):
+        if len(body) - at < _UNCOMMITTED.size:
+            raise CorruptRecordError(DB_META, _META_UNCOMMITTED, "truncated record")
+        last_lsn, first_offset, size = _UNCOMMITTED.unpack_from(body, at)
+        at += _UNCOMMITTED.size
+        if len(body) - at < size:
+            raise CorruptRecordError(DB_META, _META_UNCOMMITTED, "truncated topic name")
+        try:
+            topic = body[at : at + size].decode()
+        except UnicodeDecodeError:
+            raise CorruptRecordError(DB_META, _META_UNCOMMITTED, "topic not UTF-8") from None
+        at += size
+        out.append((topic, first_offset, last_lsn))
+    return out
 
 
 def _put_u64(txn: WriteTxn, db: str, key: bytes, value: int) -> None:
@@ -494,6 +612,27 @@ def _put_u64(txn: WriteTxn, db: str, key: bytes, value: int) -> None:
 def _put_text(txn: WriteTxn, key: bytes, text: str) -> None:
     """Writes a sealed UTF-8 meta value."""
     txn.put(DB_META, key, _seal(key, text.encode()))
+
+
+def _uncommitted_problem(
+    items: Sequence[tuple[str, int, int]], commit_lsn: int, snapshot_lsn: int
+) -> str | None:
+    """What is wrong with a snapshot's list of uncommitted publishes, or None."""
+    seen: set[str] = set()
+    for topic, first_offset, last_lsn in items:
+        if not topic or len(topic.encode()) > 0xFFFF:
+            return f"an uncommitted publish with a topic name of {len(topic.encode())} bytes"
+        if topic in seen:
+            return f"topic {topic[:_SHOWN_CHARS_MAX]!r} listed twice as uncommitted"
+        seen.add(topic)
+        if not commit_lsn < last_lsn <= snapshot_lsn:
+            return (
+                f"an uncommitted publish of {topic[:_SHOWN_CHARS_MAX]!r} at LSN {last_lsn}, "
+                f"outside {commit_lsn + 1}..{snapshot_lsn}"
+            )
+        if not 0 <= first_offset <= UINT64_MAX:
+            return f"first offset {first_offset} is not a uint64"
+    return None
 
 
 # --- snapshot records
@@ -635,6 +774,12 @@ class _Batch:
             self.destroy_topic(op.destroy_topic)
         elif kind == "delete_subscription":
             self.delete_subscription(op.delete_subscription)
+        elif kind == "push_subscribe":
+            self.push_subscribe(op.push_subscribe, lsn)
+        elif kind == "push_unsubscribe":
+            self.push_unsubscribe(op.push_unsubscribe)
+        elif kind == "push_cursor":
+            self.push_cursor(op.push_cursor)
         else:
             raise self.refuse("no operation")
         key = _U64.pack(lsn)
@@ -683,6 +828,7 @@ class _Batch:
         lo, hi = _U64.pack(row.topic_id), _U64.pack(row.topic_id + 1)
         self.txn.delete_range(DB_EVENTS, lo, hi)
         self.txn.delete_range(DB_CURSORS, lo, hi)
+        self.txn.delete_range(DB_PUSH, lo, hi)
         self.topics[op.name] = self.dirty_topics[op.name] = None
 
     def publish(self, op: replica_pb2.PublishOp, lsn: int, epoch: int) -> None:
@@ -817,6 +963,43 @@ class _Batch:
         if not self.txn.delete(DB_CURSORS, key):
             raise self.refuse(f"no subscription {op.subscription!r} on {op.topic!r}")
 
+    def push_subscribe(self, op: replica_pb2.PushSubscribeOp, lsn: int) -> None:
+        """Registers a push subscriber at its start cursor."""
+        row = self.topic(op.topic)
+        if op.cursor > row.next_offset:
+            raise self.refuse(
+                f"push cursor {op.cursor} beyond topic {op.topic!r}'s end {row.next_offset}"
+            )
+        key = self.key("push subscriber id", op.subscriber_id, _U64.pack(row.topic_id))
+        if self.txn.get(DB_PUSH, key) is not None:
+            raise self.refuse(f"push subscriber {op.subscriber_id!r} of {op.topic!r} exists")
+        body = _U64X2.pack(op.cursor, lsn) + op.SerializeToString()
+        self.txn.put(DB_PUSH, key, _seal(key, body))
+
+    def push_unsubscribe(self, op: replica_pb2.PushUnsubscribeOp) -> None:
+        """Removes a push subscriber."""
+        row = self.topic(op.topic)
+        key = self.key("push subscriber id", op.subscriber_id, _U64.pack(row.topic_id))
+        if not self.txn.delete(DB_PUSH, key):
+            raise self.refuse(f"no push subscriber {op.subscriber_id!r} on {op.topic!r}")
+
+    def push_cursor(self, op: replica_pb2.PushCursorOp) -> None:
+        """Moves a push subscriber's cursor forward (a lower cursor is ignored)."""
+        row = self.topic(op.topic)
+        if op.cursor > row.next_offset:
+            raise self.refuse(
+                f"push cursor {op.cursor} beyond topic {op.topic!r}'s end {row.next_offset}"
+            )
+        key = self.key("push subscriber id", op.subscriber_id, _U64.pack(row.topic_id))
+        value = self.txn.get(DB_PUSH, key)
+        if value is None:
+            raise self.refuse(f"no push subscriber {op.subscriber_id!r} on {op.topic!r}")
+        body = _unseal(DB_PUSH, key, value)
+        cursor, lsn = _unpack(DB_PUSH, key, _U64X2, body)
+        if op.cursor > cursor:
+            body = _U64X2.pack(op.cursor, lsn) + body[_U64X2.size :]
+            self.txn.put(DB_PUSH, key, _seal(key, body))
+
     def finish(self) -> None:
         """Writes what the batch cached: events, topics, high-water marks, log and meta."""
         txn = self.txn
@@ -900,6 +1083,15 @@ class Store:
         if not self._closed:
             self._closed = True
             self._kv.close()
+
+    def size_bytes(self) -> int:
+        """Bytes the store occupies (0 once closed)."""
+        if self._closed:
+            return 0
+        try:
+            return self._kv.size_bytes()
+        except KVError as exc:
+            raise StoreError(f"cannot read the store's size: {exc}") from exc
 
     @contextmanager
     def _reading(self, *, long_lived: bool = False) -> Iterator[ReadTxn]:
@@ -985,12 +1177,21 @@ class Store:
 
     # --- the log
 
-    def append(self, entries: Sequence[replica_pb2.LogEntry], *, sync: bool) -> None:
+    def append(
+        self,
+        entries: Sequence[replica_pb2.LogEntry],
+        *,
+        sync: bool,
+        commit_lsn: int | None = None,
+    ) -> None:
         """Verifies, stores and applies entries in one transaction; flushed when sync.
 
         Each entry needs a valid checksum, lsn == last LSN + 1 and an epoch no older than
         the last entry's. An entry of a newer epoch adds an epoch history boundary and
         raises the store's epoch. Any error: nothing of the batch is stored.
+        commit_lsn: the highest LSN the caller knows committed; the same transaction
+        raises the recorded commit LSN to it (at most the new last LSN), for
+        ``StoreMeta.commit_lsn`` after a restart.
         """
         if not entries:
             return
@@ -1009,6 +1210,35 @@ class Store:
             for entry in entries:
                 batch.entry(entry)
             batch.finish()
+            if commit_lsn is not None:
+                _raise_commit(txn, commit_lsn, batch.last_lsn)
+
+    def record_commit(self, commit_lsn: int, *, sync: bool = False) -> int:
+        """Raises the recorded commit LSN to commit_lsn (at most the last LSN); returns
+        the value recorded. A write like append: the caller serializes it."""
+        if not 0 <= commit_lsn <= UINT64_MAX:
+            raise ValueError(f"commit LSN {commit_lsn} is not a uint64")
+        with self._writing(sync=sync) as txn:
+            if _pending(txn):
+                return 0
+            return _raise_commit(txn, commit_lsn, _read_log_tail(txn)[0])
+
+    def set_commit_lsn(self, commit_lsn: int, *, sync: bool = False) -> None:
+        """Records commit_lsn (at most the last LSN) as the commit LSN, even if lower:
+        for a store rebuilt by a truncation. Use record_commit otherwise."""
+        if not 0 <= commit_lsn <= UINT64_MAX:
+            raise ValueError(f"commit LSN {commit_lsn} is not a uint64")
+        with self._writing(sync=sync) as txn:
+            _put_u64(txn, DB_META, _META_COMMIT, min(commit_lsn, _read_log_tail(txn)[0]))
+
+    def snapshot_uncommitted(self) -> list[tuple[str, int, int]]:
+        """What the installed snapshot held above its sender's commit LSN, per topic:
+        (topic, first offset, last LSN), by last LSN (see finish_snapshot)."""
+        with self._reading() as txn:
+            value = txn.get(DB_META, _META_UNCOMMITTED)
+            if value is None or _pending(txn):
+                return []
+            return _decode_uncommitted(_unseal(DB_META, _META_UNCOMMITTED, value))
 
     def read_log(self, from_lsn: int, max_entries: int) -> list[replica_pb2.LogEntry]:
         """Up to max_entries verified entries from from_lsn (empty beyond the last).
@@ -1220,7 +1450,12 @@ class Store:
         return len(chunk.records)
 
     def finish_snapshot(
-        self, history: Iterable[tuple[int, int] | BoundaryLike], *, sync: bool = True
+        self,
+        history: Iterable[tuple[int, int] | BoundaryLike],
+        *,
+        sync: bool = True,
+        commit_lsn: int = 0,
+        uncommitted: Sequence[tuple[str, int, int]] = (),
     ) -> None:
         """Ends the install: the log ends at the snapshot's LSN and epoch, with history.
 
@@ -1228,7 +1463,19 @@ class Store:
         start = snapshot LSN + 1, the store's epoch raised to the snapshot's if lower, and
         the pending mark cleared. SnapshotError (nothing changed) if no install is
         pending, its last chunk is not installed, or the history does not fit it.
+
+        commit_lsn: the sender's commit LSN (recorded, at most the snapshot's LSN);
+        uncommitted: (topic, first offset, last LSN) per topic with publishes in the
+        snapshot above it, recorded for ``snapshot_uncommitted``: the snapshot's state
+        cannot be hidden event by event from its log, which it does not include.
+        SnapshotError for a malformed list (a last LSN outside commit_lsn+1..snapshot
+        LSN, an empty topic, a topic twice, too many).
         """
+        if len(uncommitted) > SNAPSHOT_UNCOMMITTED_MAX:
+            raise SnapshotError(
+                f"finish: {len(uncommitted)} topics with uncommitted publishes; at most "
+                f"{SNAPSHOT_UNCOMMITTED_MAX}"
+            )
         with self._writing(sync=sync) as txn:
             pending = _read_pending(txn)
             if pending is None:
@@ -1248,6 +1495,10 @@ class Store:
                     f"finish: the snapshot at LSN {lsn} is of epoch {epoch}, its history "
                     f"says {epoch_at(checked, lsn)}"
                 )
+            commit = min(commit_lsn, lsn)
+            problem = _uncommitted_problem(uncommitted, commit, lsn)
+            if problem is not None:
+                raise SnapshotError(f"finish: the snapshot at LSN {lsn}: {problem}")
             txn.put(DB_META, _META_LOG_TAIL, _seal(_META_LOG_TAIL, _U64X2.pack(lsn, epoch)))
             if checked:
                 body = b"".join(_U64X2.pack(e, start) for e, start in checked)
@@ -1255,6 +1506,10 @@ class Store:
             _put_u64(txn, DB_META, _META_LOG_START, lsn + 1)
             if epoch > (_read_u64(txn, DB_META, _META_EPOCH) or 0):
                 _put_u64(txn, DB_META, _META_EPOCH, epoch)
+            _put_u64(txn, DB_META, _META_COMMIT, commit)
+            if uncommitted:
+                body = _encode_uncommitted(sorted(uncommitted, key=lambda item: item[2]))
+                txn.put(DB_META, _META_UNCOMMITTED, _seal(_META_UNCOMMITTED, body))
             txn.delete(DB_META, _META_SNAPSHOT_PENDING)
 
     def abort_snapshot(self) -> bool:
@@ -1358,6 +1613,40 @@ class Store:
                     out.append((key[_U64.size :].decode(), cursor))
                 except UnicodeDecodeError:
                     raise CorruptRecordError(DB_CURSORS, key, "name is not UTF-8") from None
+            return out
+
+    def get_push_subscriber(self, topic: str, subscriber_id: str) -> PushSubscriber | None:
+        """The topic's push subscriber with this id, or None."""
+        raw = subscriber_id.encode()
+        with self._reading() as txn:
+            row = None if _pending(txn) else _read_topic(txn, topic)
+            if row is None or not raw or len(raw) + _U64.size > MAX_KEY_BYTES:
+                return None
+            key = _U64.pack(row.topic_id) + raw
+            value = txn.get(DB_PUSH, key)
+            return None if value is None else _push_subscriber(topic, key, value)
+
+    def list_push_subscribers(self, topic: str | None = None) -> list[PushSubscriber]:
+        """The push subscribers of one topic (by id), or of every topic (by topic, id).
+
+        Raises UnknownTopicError for a topic the store does not hold.
+        """
+        with self._reading() as txn:
+            if _pending(txn):
+                if topic is not None:
+                    raise UnknownTopicError(f"no topic {topic!r}")
+                return []
+            if topic is None:
+                rows = [_decode_topic(k, v) for k, v in txn.scan(DB_TOPICS)]
+            else:
+                row = _read_topic(txn, topic)
+                if row is None:
+                    raise UnknownTopicError(f"no topic {topic!r}")
+                rows = [row]
+            out: list[PushSubscriber] = []
+            for row in rows:
+                lo, hi = _U64.pack(row.topic_id), _U64.pack(row.topic_id + 1)
+                out.extend(_push_subscriber(row.name, k, v) for k, v in txn.scan(DB_PUSH, lo, hi))
             return out
 
     def lookup_sequence(self, publisher_id: str, sequence: int) -> DedupeHit | None:

@@ -153,21 +153,22 @@ class LmdbKV:
         readonly: bool = False,
         lock: bool = True,
     ) -> None:
-        """Opens (or creates) the environment at path.
+        """Opens (creates) the environment; readonly opens an existing one as it is.
 
-        readonly: open an existing environment for reading only (it is never created).
-        lock: use LMDB's lock file; only a read-only open with no other process using the
-        environment may turn it off (nothing is then written at all).
+        readonly: no write transaction, no database created, and the map size the file
+        records (map_size_bytes is ignored), so another process may keep writing it.
+        lock=False only for a store no other process can have open (a fresh copy).
         """
         names = list(dbs)
-        if map_size_bytes <= 0:
+        if map_size_bytes <= 0 and not readonly:
             raise ValueError(f"map_size_bytes must be positive, got {map_size_bytes}")
         if not lock and not readonly:
             raise ValueError("only a read-only open may go without LMDB's lock")
         try:
             self._env = lmdb.open(
                 os.fspath(path),
-                map_size=map_size_bytes,
+                # 0: LMDB takes the size the writer recorded in the file.
+                map_size=0 if readonly else map_size_bytes,
                 max_dbs=len(names),
                 max_readers=max_readers,
                 writemap=False,
@@ -175,8 +176,8 @@ class LmdbKV:
                 metasync=False,
                 subdir=True,
                 readonly=readonly,
-                lock=lock,
                 create=not readonly,
+                lock=lock,
             )
             self._dbs = {
                 name: self._env.open_db(name.encode(), create=not readonly) for name in names
@@ -233,6 +234,31 @@ class LmdbKV:
             self._env.sync(True)
         except lmdb.Error as exc:
             raise KVError(f"LMDB sync failed: {exc}") from exc
+
+    def copy(self, path: str | os.PathLike[str]) -> None:
+        """Writes a compacted, consistent copy of the environment into the empty dir path.
+
+        LMDB copies from one read transaction (mdb_env_copy2 with MDB_CP_COMPACT), so the
+        copy is the state of one commit even while another process keeps writing; it
+        holds a reader slot, and so the writer's freed pages, until it is done.
+        """
+        self._check_open()
+        try:
+            self._env.copy(os.fspath(path), compact=True)
+        except lmdb.Error as exc:
+            raise KVError(
+                f"cannot copy the LMDB environment to {os.fspath(path)!r}: {exc}"
+            ) from exc
+
+    def size_bytes(self) -> int:
+        """Bytes of the data file in use: pages up to the highest LMDB has written."""
+        self._check_open()
+        try:
+            pages = self._env.info()["last_pgno"] + 1
+            page_bytes = self._env.stat()["psize"]
+        except lmdb.Error as exc:
+            raise KVError(f"cannot read the LMDB environment's size: {exc}") from exc
+        return int(pages * page_bytes)
 
     def close(self) -> None:
         """Closes the environment; safe to call twice."""

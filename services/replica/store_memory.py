@@ -259,6 +259,10 @@ class MemoryKV:
         """Nothing to flush in memory."""
         self._check_open()
 
+    def size_bytes(self) -> int:
+        """Bytes of keys and values held (what capacity_bytes is measured against)."""
+        return self.used_bytes
+
     def close(self) -> None:
         """Marks the KV closed; the data stays for whoever still holds the object."""
         self.closed = True

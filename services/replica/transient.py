@@ -46,10 +46,15 @@ class TransientTopics:
 
     def publish(
         self, request: broker_pb2.PublishRequest, *, epoch: int, now_ms: int, master_id: str
-    ) -> list[common_pb2.AckReceipt]:
-        """Hands the events to live subscribers; receipts carry offsets but lsn 0."""
+    ) -> common_pb2.BatchReceipt:
+        """Hands the events to live subscribers; the receipt carries offsets but LSN 0."""
         ring = self._ring(request.topic)
-        receipts = []
+        receipt = common_pb2.BatchReceipt(
+            count=len(request.events),
+            first_offset=ring.next_offset,
+            epoch=epoch,
+            master_id=master_id,
+        )
         for event in request.events:
             offset = ring.next_offset
             ring.next_offset += 1
@@ -67,8 +72,7 @@ class TransientTopics:
                     session_token=request.session_token,
                 )
             )
-            receipts.append(common_pb2.AckReceipt(offset=offset, epoch=epoch, master_id=master_id))
-        return receipts
+        return receipt
 
     def next_offset(self, topic: str) -> int:
         """The offset the next transient event of `topic` gets."""

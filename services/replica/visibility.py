@@ -7,13 +7,24 @@ saw it would have read an event that never happened. ``CommitGate`` remembers wh
 each publish above the commit LSN starts in its topic and hides every offset from
 there on until the commit LSN passes it.
 
-Entries stored before the process started are taken as visible: their commit state is
-not known at start-up (a gap noted in docs/replication.md).
+Across restarts: the replica records the commit LSN it knew in its store (with each
+appended batch, and with the master's heartbeats on a slave). At start-up the gate
+begins at that LSN and tracks every publish of the log above it (``appended`` in LSN
+order), so a deposed master's suffix, or entries a slave held but never knew committed,
+stay hidden until a new master's commit LSN passes them (or a truncation removes them).
+
+Snapshots: an installed snapshot's state cannot be hidden entry by entry (its log is not
+sent). The sender lists, per topic, the publishes the snapshot holds above its commit
+LSN (``uncommitted``: the first hidden offset and the last such LSN); the receiver
+tracks each as one publish at that last LSN (``restore``), which hides a little more
+than needed (committed events after the first uncommitted one, until the last commits)
+and never less.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 
 
 class CommitGate:
@@ -38,11 +49,48 @@ class CommitGate:
         return len(self._order)
 
     def appended(self, lsn: int, topic: str, first_offset: int) -> None:
-        """A publish at lsn is about to be stored; hidden unless already committed."""
+        """A publish at lsn is about to be stored; hidden unless already committed.
+
+        LSNs must grow from call to call (a ValueError otherwise): advance and truncated
+        rely on the order.
+        """
         if lsn <= self._commit_lsn:
             return
+        if self._order and lsn < self._order[-1][0]:
+            raise ValueError(f"publish at LSN {lsn} tracked after LSN {self._order[-1][0]}")
         self._order.append((lsn, topic))
         self._topics.setdefault(topic, deque()).append((lsn, first_offset))
+
+    def restore(self, uncommitted: Iterable[tuple[str, int, int]]) -> int:
+        """Tracks a snapshot's uncommitted publishes, (topic, first offset, last LSN) per
+        topic, each as one publish at its last LSN; returns how many it tracks.
+
+        Call with nothing tracked above those LSNs (after the snapshot's install began).
+        """
+        count = 0
+        for topic, first_offset, last_lsn in sorted(uncommitted, key=lambda item: item[2]):
+            if last_lsn > self._commit_lsn:
+                self.appended(last_lsn, topic, first_offset)
+                count += 1
+        return count
+
+    def uncommitted(self, up_to_lsn: int) -> list[tuple[str, int, int]]:
+        """Per topic with tracked publishes at or below up_to_lsn: (topic, first hidden
+        offset, LSN of the last such publish), by that LSN. What a snapshot at up_to_lsn
+        holds above the commit LSN (for ``restore`` on the receiver)."""
+        out: list[tuple[str, int, int]] = []
+        for topic, entries in self._topics.items():
+            first_lsn, first_offset = entries[0]
+            if first_lsn > up_to_lsn:
+                continue
+            last_lsn = first_lsn
+            for lsn, _ in entries:
+                if lsn > up_to_lsn:
+                    break
+                last_lsn = lsn
+            out.append((topic, first_offset, last_lsn))
+        out.sort(key=lambda item: item[2])
+        return out
 
     def advance(self, commit_lsn: int) -> bool:
         """The commit LSN moved to commit_lsn; True when it grew (wake subscribers)."""

@@ -2,11 +2,13 @@
 
 Goal: an operator can keep a cluster writable when too few nodes remain — a quorum
 override for disaster recovery, a designated primary for a two-node cluster — and both
-are visible in status, persisted, and refused where they would allow split brain.
+are visible in status, persisted, and refused where they would allow split brain. The
+override is recorded (who, when, why) and clears itself once a majority is back.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import tomllib
@@ -14,7 +16,7 @@ from pathlib import Path
 
 from deploy import processes
 from squall.v1 import common_pb2
-from tests.integration.conftest import ROOT, LocalCluster, make_cluster
+from tests.integration.conftest import ROOT, LocalCluster, make_cluster, wait_for
 
 
 def _squall(*args: str) -> subprocess.CompletedProcess[str]:
@@ -27,12 +29,25 @@ def _squall(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_quorum_override_lets_a_lone_survivor_serve_and_shows_in_status(
+def test_quorum_override_lets_a_lone_survivor_serve_audited_and_reverting(
     cluster_factory: object,
 ) -> None:
+    """Also `squall status --explain`: why n1 leads and who would lead if each node failed,
+    with all three up, then with n3 alone."""
     cluster = cluster_factory("cluster.example.toml")  # type: ignore[operator]
     assert isinstance(cluster, LocalCluster)
     cluster.start_all()
+    config = str(cluster.config_path)
+    explained = _squall("status", "--explain", "--config", config)
+    assert explained.returncode == 0, explained.stderr
+    text = explained.stdout
+    assert "n1 leads group" in text, text
+    assert "n1 (3) > n2 (2) > n3 (1)" in text
+    assert "log (epoch/lsn)" in text
+    assert "n1 fails -> n2 would lead" in text
+    assert "n2 fails -> n1 would lead: n1 keeps leading" in text
+    assert "n3 fails -> n1 would lead" in text
+
     cluster.kill_node("n1")
     cluster.kill_node("n2")
     # n3 alone is no majority: it must not become master on its own.
@@ -41,20 +56,40 @@ def test_quorum_override_lets_a_lone_survivor_serve_and_shows_in_status(
         raise AssertionError("a lone node became master without an override")
     except TimeoutError:
         pass
+    alone = _squall("status", "--explain", "--config", config).stdout
+    assert "No master now." in alone and "1 of 3 nodes left, 2 required" in alone, alone
     done = _squall(
-        "cluster", "quorum-override", "1", "--node", "n3", "--config", str(cluster.config_path)
+        "cluster", "quorum-override", "1", "--node", "n3", "--reason", "site A lost",
+        "--config", config,
     )
     assert done.returncode == 0, done.stderr + done.stdout
     assert "n3: quorum override 1" in done.stdout
     assert cluster.wait_for_master(timeout_s=20) == "n3"
-    status = _squall("status", "--config", str(cluster.config_path))
+    status = _squall("status", "--config", config)
     assert "OVERRIDE 1" in status.stdout, status.stdout
-    persisted = (cluster.config.node("n3").data_dir / "coordinator-state.json").read_text()
-    assert '"quorum_override": 1' in persisted
-    cleared = _squall(
-        "cluster", "quorum-override", "0", "--node", "n3", "--config", str(cluster.config_path)
-    )
-    assert cleared.returncode == 0 and "cleared" in cleared.stdout, cleared.stdout
+    assert "n3: QUORUM OVERRIDE 1 set by " in status.stdout
+    assert ": site A lost (clears itself once a majority is back)" in status.stdout
+    state_file = cluster.config.node("n3").data_dir / "coordinator-state.json"
+    persisted = json.loads(state_file.read_text())
+    assert persisted["quorum_override"] == 1
+    assert persisted["quorum_override_record"]["reason"] == "site A lost"
+
+    # n2 returns: a group of two is a majority, so n3 clears its override itself.
+    cluster.start_node("n2")
+
+    def reverted() -> bool:
+        status = cluster.statuses().get("n3")
+        return status is not None and status.quorum_override == 0
+
+    wait_for(reverted, 30, "n3's override cleared once n2 is back")
+    assert cluster.wait_for_master(timeout_s=20) == "n2"
+    assert "cleared automatically" in cluster.log("coordinator", "n3")
+    persisted = json.loads(state_file.read_text())
+    assert persisted["quorum_override"] == 0 and persisted["quorum_override_record"] is None
+    assert [r["operator"] for r in persisted["audit"]][-2:][1] == "auto"
+    after = _squall("status", "--explain", "--config", config).stdout
+    assert "QUORUM OVERRIDE" not in after
+    assert "auto: quorum-override cleared" in after, after
 
 
 def _two_node_template(directory: Path) -> Path:

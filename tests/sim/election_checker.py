@@ -9,6 +9,7 @@ Safety invariants (ARCHITECTURE.md, "Election and membership"):
   persisted the group's epoch (the votes that make the first point true);
 * a node's persisted epoch never decreases, across restarts included;
 * a priority-0 node never coordinates a group and never sends Invitation or Ready;
+* a quarantined node is in no group: never normal, its replica never serving a role;
 * a new master's sync source holds the newest log of the members still in its epoch.
 
 Only the node an event touched can have changed, so each step checks that node; the
@@ -65,6 +66,13 @@ class Checker:
                 f"what the driver wrote {stored}"
             )
         status = election.status()
+        if stored.quarantine is not None and (
+            status.state is not NodeState.INACTIVE or status.role.value != "inactive"
+        ):
+            raise InvariantViolation(
+                f"node {node} is quarantined but {status.state.value} with role "
+                f"{status.role.value}"
+            )
         if status.coordinator_id != node:
             return
         if self.priorities[node] == 0 and status.state is not NodeState.INACTIVE:

@@ -3,14 +3,18 @@
 One seed decides everything: cluster size (3, 5 or 7), priorities (some 0), timing, what the
 stores hold at start, and the faults — message loss, duplication, delay and reordering,
 symmetric and one-way partitions, crashes and restarts (only persisted state and the replica's
-log survive), and pauses (a node stops handling anything for a while, like a long GC). The
-only randomness is ``random.Random(seed)`` here; the election itself is pure.
+log survive), and pauses (a node stops handling anything for a while, like a long GC).
+Operators act too: a leadership transfer from whoever leads to one of its members, and a
+quarantine of a node that an operator may clear later (every quarantine is cleared when
+the network heals). The only randomness is ``random.Random(seed)`` here; the election
+itself is pure.
 
 A run has two phases. The safety phase injects faults while the checker
 (``election_checker.py``) runs after every step. Then the liveness phase heals the network,
 restarts nodes (keeping a minority down when the stores allow it) and requires that within
 ``liveness_deadline_ms`` of simulated time every live node is NORMAL in one group led by the
-highest-ranked live eligible node, and stays so for ``stable_ms``.
+highest-ranked live eligible node, and stays so for ``stable_ms``; a node that follows a
+lower-ranked coordinator (after a transfer) is no candidate until it next recovers.
 
 Stores follow the lifecycle (empty, clean, dirty): a cluster that ran before starts from a
 clean shutdown (the stores holding the newest log are clean, the others dirty), a replica
@@ -62,7 +66,9 @@ from tests.sim.election_checker import Checker, InvariantViolation
     _WRITE,
     _REPORT,
     _SNAPSHOT,
-) = range(12)
+    _TRANSFER,
+    _QUARANTINE,
+) = range(14)
 _KIND_NAMES = {
     _START: "start",
     _CRASH: "crash",
@@ -76,6 +82,8 @@ _KIND_NAMES = {
     _WRITE: "write",
     _REPORT: "report",
     _SNAPSHOT: "snapshot",
+    _TRANSFER: "transfer",
+    _QUARANTINE: "quarantine",
 }
 # Bounds: a run that needs more events than this is itself a bug (a message storm).
 EVENTS_MAX = 400_000
@@ -213,6 +221,15 @@ def make_scenario(seed: int, faults: bool = True, sizes: tuple[int, ...] = (3, 5
         node = rng.choice(nodes)
         at = rng.randint(0, horizon)
         scenario.faults.append((at, _PAUSE, node, rng.randint(50, 900)))
+    # Operators: transfers of the leadership, quarantines cleared later.
+    for _ in range(rng.randint(0, 2)):
+        scenario.faults.append((rng.randint(0, horizon), _TRANSFER, "", rng.randint(0, 1 << 30)))
+    if rng.random() < 0.3:
+        node = rng.choice(nodes)
+        at = rng.randint(0, horizon)
+        scenario.faults.append((at, _QUARANTINE, node, 1))
+        if rng.random() < 0.6:
+            scenario.faults.append((at + rng.randint(1, 800), _QUARANTINE, node, 0))
     return scenario
 
 
@@ -319,6 +336,8 @@ class Simulation:
         self.cluster_ids: set[str] = set()
         self.cluster_id_counter = 0
         self.manual_recoveries = 0
+        # Nodes following a lower-ranked coordinator (after a transfer), until they recover.
+        self.demoted: set[str] = set()
 
     # ----------------------------------------------------------------- plumbing
 
@@ -394,6 +413,7 @@ class Simulation:
             raise self.fail("Ready records chained more than 4 deep")
         if ready.persist is not None:
             self.durable[node] = ready.persist
+        self.track_demotions(node, ready)
         for msg in ready.messages:
             try:
                 self.checker.check_send(msg)
@@ -429,6 +449,21 @@ class Simulation:
             else:
                 self.follow_master(node, cmd)
         self.check(node)
+
+    def track_demotions(self, node: str, ready: Ready) -> None:
+        """Note nodes that follow a coordinator ranked below them (after a transfer, and
+        members of its later merges): they stay members until they next recover into a
+        group of their own, so until then the top rank may legitimately lead nobody."""
+        election = self.elections[node]
+        if election is None:
+            return
+        for event in ready.events:
+            if event.event == "invitation-accepted":
+                coordinator = election.status().coordinator_id
+                if _rank_key(self.priorities, coordinator) > _rank_key(self.priorities, node):
+                    self.demoted.add(node)
+            elif event.event in ("recovery", "start", "transfer-take-over"):
+                self.demoted.discard(node)
 
     def deactivate_replica(self, node: str) -> None:
         """The replica stops serving; its log no longer grows once this returns."""
@@ -612,6 +647,49 @@ class Simulation:
                 self.cut = +self.cut
         elif kind == _HEAL:
             self.heal()
+        elif kind == _TRANSFER:
+            if self.healed_at is None and isinstance(payload, int):
+                self.transfer(payload)
+        elif kind == _QUARANTINE:
+            if self.healed_at is None and isinstance(payload, int):
+                self.quarantine(node, bool(payload))
+
+    def transfer(self, pick: int) -> None:
+        """An operator hands the leadership of a normal group to one of its members."""
+        leaders = [
+            x
+            for x in self.nodes
+            if (e := self.elections[x]) is not None
+            and self.paused_until[x] <= self.now_ms
+            and e.status().state is NodeState.NORMAL
+            and e.status().coordinator_id == x
+        ]
+        if not leaders:
+            return
+        leader = leaders[pick % len(leaders)]
+        election = self.elections[leader]
+        if election is None:
+            return
+        members = [x for x in election.status().members if x != leader]
+        if not members:
+            return
+        target = members[pick % len(members)]
+        ready = election.transfer_leadership(target, "sim", self.now_ms)
+        self.note(
+            f"{leader} transfer to {target}",
+            ready.rejection.message if ready.rejection is not None else "",
+        )
+        self.apply(leader, ready)
+        self.schedule_tick(leader)
+
+    def quarantine(self, node: str, enabled: bool) -> None:
+        """An operator quarantines a node, or clears it."""
+        election = self.elections[node]
+        if election is None:
+            return
+        self.note(f"{node} quarantine", "on" if enabled else "off")
+        self.apply(node, election.set_quarantine(enabled, "sim", self.now_ms))
+        self.schedule_tick(node)
 
     def heal(self) -> None:
         """End of the safety phase: no more faults; restart nodes for the liveness check."""
@@ -644,6 +722,7 @@ class Simulation:
             self.manual_recovery(up, refusal)
         for node in up:
             self.start_node(node)
+            self.quarantine(node, False)
         self.note("heal", f"down for liveness: {sorted(down, key=node_sort_key)}")
 
     def cold_start_refusal(self, up: list[str]) -> str:
@@ -687,7 +766,7 @@ class Simulation:
     def converged(self) -> str | None:
         """The leader if every live node is normal in one group under the right leader."""
         live = [x for x in self.nodes if self.elections[x] is not None]
-        eligible = [x for x in live if self.priorities[x] > 0]
+        eligible = [x for x in live if self.priorities[x] > 0 and x not in self.demoted]
         if not eligible:
             return None
         leader = min(eligible, key=lambda x: _rank_key(self.priorities, x))

@@ -22,6 +22,7 @@ import grpc
 import pytest
 
 import squall
+from squall._proxy import ProxyBinding
 from squall.v1 import broker_pb2, common_pb2
 from tests.unit.test_client import FakeBroker, serve_fake
 
@@ -43,6 +44,8 @@ class ReplicaBroker(FakeBroker):
         # PublishStream calls arriving on these addresses are refused as a slave would.
         self.slave_addresses: dict[str, str] = {}  # slave address -> master address
         self.publish_peers: list[str] = []
+        # Each PublishStream's squall-unreachable request metadata ("" when absent).
+        self.publish_unreachable: list[str] = []
 
     def GetPublisher(
         self, request: broker_pb2.GetPublisherRequest, context: grpc.ServicerContext
@@ -73,6 +76,9 @@ class ReplicaBroker(FakeBroker):
         """PublishStream as the replica at `local` serves it."""
         with self.cond:
             self.publish_peers.append(local)
+            self.publish_unreachable.append(
+                dict(context.invocation_metadata()).get("squall-unreachable", "")
+            )
         master = self.slave_addresses.get(local)
         if master is not None:
             context.set_trailing_metadata((("squall-master-address", master),))
@@ -201,6 +207,32 @@ def test_replicated_proxy_skips_a_dead_endpoint(cluster: _Cluster, client: squal
     # Nothing answered on n1, so this is the first binding, not a move.
     assert not receipt.rebound
     assert [(p, s) for p, s, _ in _stored(cluster.broker, "t")] == [("p", 1)]
+
+
+def test_replicated_proxy_tells_the_next_replica_which_it_could_not_reach(
+    cluster: _Cluster, client: squall.Client
+) -> None:
+    # So a slave of the dead master holds the call for the next master instead of
+    # redirecting it back (services/replica/server.py, Publisher._hold).
+    cluster.servers["n1"].stop(grace=None)
+    with client.topic("t").publisher("p", replicated=True) as publisher:
+        publisher.publish(b"x")
+    assert cluster.broker.publish_peers == [cluster.addresses["n2"]]
+    assert cluster.broker.publish_unreachable == [cluster.addresses["n1"]]
+
+
+def test_a_replica_that_answers_again_is_no_longer_named_unreachable() -> None:
+    n1, n2 = squall.Endpoint("n1", "127.0.0.1:1"), squall.Endpoint("n2", "127.0.0.1:2")
+    binding = ProxyBinding([n1, n2], replicated=True, make_channel=grpc.insecure_channel)
+    assert binding.metadata() == ()
+    binding.stream_failed(n1, grpc.StatusCode.UNAVAILABLE, None)
+    assert binding.metadata() == (("squall-unreachable", "127.0.0.1:1"),)
+    # A slave's redirect means it is alive: not named.
+    binding.stream_failed(n2, grpc.StatusCode.UNAVAILABLE, (("squall-master-address", "x"),))
+    assert binding.metadata() == (("squall-unreachable", "127.0.0.1:1"),)
+    binding.stream_answered(n1)
+    assert binding.metadata() == ()
+    binding.close()
 
 
 def test_replicated_proxy_follows_a_slaves_redirect(

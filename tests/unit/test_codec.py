@@ -3,6 +3,8 @@ protobuf is refused with a ValueError naming the field."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from services.coordinator.codec import from_proto, status_to_proto, to_proto
@@ -17,8 +19,10 @@ from services.coordinator.messages import (
     GroupReady,
     GroupReadyAck,
     Invitation,
+    LeadershipTransfer,
     MemberReport,
     NodeState,
+    OperatorRecord,
     PeerMessage,
     Role,
     StoreState,
@@ -43,6 +47,8 @@ BODIES: list[Body] = [
     AreYouThereReply("3:ef56", yes=True),
     AreYouThereReply("3:ef56", yes=False),
     Invitation("3:ef56", 3, 9),
+    Invitation("3:ef56", 1, 9, transfer_group="1:ab12"),
+    LeadershipTransfer("1:ab12", 9, "3", ("1", "2", "3")),
     Accept("3:ef56", REPORT, forwarded_to=("1", "4")),
     Accept("3:ef56", REPORT),
     GroupReady("3:ef56", 10, ("1", "2", "3"), "2", "3", 3),
@@ -137,6 +143,14 @@ def _bad(mutate: str) -> coordinator_pb2.PeerMessage:
                 coordinator_id="1",
             ),
         )
+    if mutate == "transfer without target":
+        return coordinator_pb2.PeerMessage(
+            from_node="1",
+            to_node="2",
+            leadership_transfer=coordinator_pb2.LeadershipTransfer(
+                group_name="1:x", epoch=2, members=["1", "2"]
+            ),
+        )
     raise AssertionError(mutate)
 
 
@@ -152,6 +166,7 @@ def _bad(mutate: str) -> coordinator_pb2.PeerMessage:
         ("report without node id", "accept.report.node_id"),
         ("ready without members", "ready.members"),
         ("ready with an empty member", "ready.members[1]"),
+        ("transfer without target", "leadership_transfer.target"),
     ],
 )
 def test_malformed_protobuf_names_the_field(mutate: str, field: str) -> None:
@@ -183,3 +198,39 @@ def test_status_maps_to_coordinator_status() -> None:
     assert pb.state == common_pb2.NODE_STATE_NORMAL
     assert pb.role == common_pb2.ROLE_SLAVE
     assert (pb.node_id, pb.coordinator_id, pb.epoch, pb.quorum_required) == ("1", "3", 4, 2)
+
+
+def test_status_carries_operator_records() -> None:
+    """Who set the override, the quarantine and the audit trail reach CoordinatorStatus."""
+    record = OperatorRecord(1_700_000_000_000, "carol", "quorum-override 1", "site A lost")
+    fault = OperatorRecord(1_700_000_000_500, "replica", "quarantine", "checksum error")
+    status = ElectionStatus(
+        node_id="1",
+        coordinator_id="1",
+        group_name="1:ab",
+        state=NodeState.INACTIVE,
+        group=(),
+        max_seen=3,
+        epoch=4,
+        role=Role.INACTIVE,
+        last_change_reason="quarantined",
+        priority=1,
+        designated_primary=False,
+        quorum_override=1,
+        quorum_required=1,
+        quorum_override_record=record,
+        quarantine=fault,
+        audit=(record, fault),
+        invited=("2", "3"),
+        sync_source_id="2",
+        transfer_target="3",
+    )
+    pb = status_to_proto(status)
+    assert pb.quorum_override_record.operator == "carol"
+    assert pb.quorum_override_record.at_ms == 1_700_000_000_000
+    assert pb.quarantine.reason == "checksum error"
+    assert [r.action for r in pb.audit] == ["quorum-override 1", "quarantine"]
+    assert list(pb.invited) == ["2", "3"]
+    assert (pb.sync_source_id, pb.transfer_target) == ("2", "3")
+    plain = status_to_proto(replace(status, quorum_override_record=None, quarantine=None))
+    assert not plain.HasField("quorum_override_record") and not plain.HasField("quarantine")

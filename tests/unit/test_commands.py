@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import pytest
 
+import squall
 from services.common.config import LimitsConfig
 from services.common.errors import Code, ServiceError
-from services.replica.commands import BatchBuilder, CreateTopic, Publish, SetCursor
+from services.replica.commands import BatchBuilder, CreateTopic, Publish, SetCursor, expand_receipt
 from services.replica.store import Store
+from squall._types import receipt_count, receipts_from_pb
 from squall.v1 import broker_pb2, common_pb2
 
 LIMITS = LimitsConfig(dedupe_window=10, max_batch_events=10)
@@ -80,6 +82,30 @@ def test_retry_after_commit_is_answered_from_the_store(store: Store) -> None:
     (retry,) = _commit(store, _publish("t", 2))
     assert [(r.offset, r.duplicate) for r in retry.receipts] == [(1, True)]  # type: ignore[union-attr]
     assert len(store.read_events("t", 0, 10)) == 3
+
+
+def test_a_compact_receipt_says_what_one_receipt_per_event_says(store: Store) -> None:
+    # Duplicates first, between and last, around new events: the client's expansion of the
+    # compact form and the replica's per-event form (for raw-stub callers) must agree.
+    _commit(store, _publish("t", 1, 2, 3))
+    (plan,) = _commit(store, _publish("t", 2, 4, 3, 5, 1))
+    receipt = plan.receipt  # type: ignore[union-attr]
+    receipt.master_id = "n1"
+    receipt.holders.add(node_id="n2", durability=common_pb2.SYNC_POLICY_WRITE_NO_SYNC)
+    per_event = expand_receipt(receipt)
+    assert [(r.offset, r.duplicate) for r in per_event] == [
+        (1, True),
+        (3, False),
+        (2, True),
+        (4, False),
+        (0, True),
+    ]
+    assert {r.lsn for r in per_event if not r.duplicate} == {receipt.lsn}
+    compact = receipts_from_pb(broker_pb2.PublishResponse(batch=receipt))
+    long = receipts_from_pb(broker_pb2.PublishResponse(receipts=per_event))
+    assert compact == long
+    assert compact[0].holders == (squall.Holder("n2", "write_no_sync"),)
+    assert receipt_count(broker_pb2.PublishResponse(batch=receipt)) == 5
 
 
 def test_sequence_below_the_window_is_refused_not_duplicated(store: Store) -> None:

@@ -418,18 +418,65 @@ def test_bad_enum_log_level() -> None:
     )
 
 
-def test_prometheus_needs_an_address() -> None:
-    message = error_of(VALID + '[telemetry]\nexporter = "prometheus"\n')
-    assert message.startswith("telemetry.prometheus_address: required")
+def test_prometheus_ports_default_to_free_ports() -> None:
+    config = parse(VALID + '[telemetry]\nexporter = "prometheus"\n')
+    telemetry = config.telemetry
+    assert telemetry.prometheus_host == "127.0.0.1"
+    assert [telemetry.prometheus_port(s) for s in ("coordinator", "replica", "gateway")] == [0] * 3
 
 
-def test_prometheus_address_must_not_clash() -> None:
-    text = VALID + '[telemetry]\nexporter = "prometheus"\nprometheus_address = "127.0.0.1:7100"\n'
+def test_prometheus_port_must_not_clash_with_a_service() -> None:
+    text = VALID + '[telemetry]\nexporter = "prometheus"\nreplica_prometheus_port = 7100\n'
     message = error_of(text)
     assert message == (
-        "telemetry.prometheus_address: '127.0.0.1:7100' is already used by "
+        "telemetry.replica_prometheus_port: port 7100 on 127.0.0.1 is already used by "
         "gateways[0].address (gateway 'g1')"
     )
+
+
+def test_prometheus_ports_of_one_host_must_differ() -> None:
+    text = (
+        VALID + "[telemetry]\ncoordinator_prometheus_port = 9464\nreplica_prometheus_port = 9464\n"
+    )
+    assert error_of(text) == (
+        "telemetry.replica_prometheus_port: 9464 is already telemetry.coordinator_prometheus_port"
+    )
+
+
+def test_prometheus_port_out_of_range() -> None:
+    message = error_of(VALID + "[telemetry]\ngateway_prometheus_port = 70000\n")
+    assert message == "telemetry.gateway_prometheus_port: must be from 0 to 65535, got 70000"
+
+
+def test_prometheus_host_may_be_a_wildcard_but_not_garbage() -> None:
+    config = parse(VALID + '[telemetry]\nprometheus_host = "0.0.0.0"\n')
+    assert config.telemetry.prometheus_host == "0.0.0.0"
+    message = error_of(VALID + '[telemetry]\nprometheus_host = "not a host"\n')
+    assert message == (
+        "telemetry.prometheus_host: 'not a host' is not a valid host name, got 'not a host'"
+    )
+
+
+def test_old_prometheus_address_key_names_its_replacement() -> None:
+    message = error_of(VALID + '[telemetry]\nprometheus_address = "127.0.0.1:9464"\n')
+    assert message.startswith("telemetry.prometheus_address: was replaced by prometheus_host")
+
+
+def test_trace_sample_ratio_bounds() -> None:
+    assert parse(
+        VALID + "[telemetry]\ntrace_sample_ratio = 0.25\n"
+    ).telemetry.trace_sample_ratio == (0.25)
+    assert parse(VALID + "[telemetry]\ntrace_sample_ratio = 1\n").telemetry.trace_sample_ratio == 1
+    message = error_of(VALID + "[telemetry]\ntrace_sample_ratio = 1.5\n")
+    assert message == (
+        "telemetry.trace_sample_ratio: must be a number from 0 to 1 (the share of new traces "
+        "recorded), got 1.5 (a float)"
+    )
+
+
+def test_metrics_interval_bounds() -> None:
+    message = error_of(VALID + "[telemetry]\nmetrics_interval_ms = 10\n")
+    assert message == "telemetry.metrics_interval_ms: must be from 100 to 3600000, got 10"
 
 
 def test_inconsistent_limits_event_over_batch() -> None:
@@ -474,6 +521,27 @@ def test_member_timeout_must_outlast_heartbeats() -> None:
         "timeouts.member_timeout_ms: must be at least twice timeouts.heartbeat_interval_ms (300)"
     )
     assert message.endswith("got 400")
+
+
+def test_push_backoff_must_start_below_its_cap() -> None:
+    message = error_of(VALID + "[timeouts]\npush_retry_backoff_initial_ms = 9000\n")
+    assert message == (
+        "timeouts.push_retry_backoff_initial_ms: must not exceed "
+        "timeouts.push_retry_backoff_max_ms (5000), got 9000"
+    )
+
+
+def test_push_limits() -> None:
+    message = error_of(VALID + "[limits]\npush_batch_max_events = 20000\n")
+    assert message.startswith(
+        "limits.push_batch_max_events: must not exceed limits.max_batch_events (10000)"
+    )
+    message = error_of(VALID + "[limits]\npush_inflight_batches_max = 0\n")
+    assert message == "limits.push_inflight_batches_max: must be from 1 to 64, got 0"
+    message = error_of(VALID + "[limits]\npush_batch_max_bytes = 40000000\n")
+    assert message.startswith(
+        "limits.push_batch_max_bytes: must not exceed limits.max_message_bytes (33554432)"
+    )
 
 
 def test_no_gateway() -> None:
@@ -682,8 +750,7 @@ def test_bad_retry_value(line: str, expected: str) -> None:
 def test_retry_backoff_must_start_below_its_cap() -> None:
     message = error_of(VALID + "[retry]\nretry_backoff_initial_ms = 2000\n")
     assert message == (
-        "retry.retry_backoff_initial_ms: must not exceed retry.retry_backoff_max_ms (250), "
-        "got 2000"
+        "retry.retry_backoff_initial_ms: must not exceed retry.retry_backoff_max_ms (250), got 2000"
     )
 
 

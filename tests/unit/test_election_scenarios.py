@@ -27,7 +27,12 @@ Commands:
     write 3 n=5                node 3's replica (a master) appends n entries; followers copy
     send 9->1 Body key=value   deliver a hand-made message and show what it produced
     designate 1 on|off         operator: designated primary (by=who)
-    override 1 N               operator: quorum override (by=who)
+    override 1 N               operator: quorum override (by=who reason=why)
+    transfer 1 to=3            operator: node 1 (the master) hands its group to node 3 (by=who);
+                               the replica twin is always caught up, as the driver ensures
+    quarantine 2 on|off        operator: quarantine node 2, or clear it (by=who reason=why)
+    fault 2 id=f1              node 2's replica reports a fault (reason=why)
+    audit 1                    node 1's audit trail
     status [1 2 ...]           each node's status line
 """
 
@@ -52,6 +57,7 @@ from services.coordinator.messages import (
     GroupReady,
     GroupReadyAck,
     Invitation,
+    LeadershipTransfer,
     LogLevel,
     MemberReport,
     NodeState,
@@ -161,6 +167,8 @@ class Cluster:
                 extra += f" override={p.quorum_override}"
             if p.cluster_id:
                 extra += f" cluster={p.cluster_id}"
+            if p.quarantine is not None:
+                extra += " quarantined"
             lines.append(f"  persist epoch={p.epoch} max={p.max_seen}{extra}")
         self.queue.extend(ready.messages)
         follow_up: Ready | None = None
@@ -271,6 +279,10 @@ class Cluster:
         )
         if s.members:
             text += f" members={','.join(s.members)}"
+        if s.quarantine is not None:
+            text += " QUARANTINED"
+        if s.transfer_target:
+            text += f" transfer-to={s.transfer_target}"
         return text
 
 
@@ -319,6 +331,13 @@ def parse_body(kind: str, options: dict[str, str]) -> Body:
         )
     if kind == "ReadyAck":
         return GroupReadyAck(group, int(options.get("epoch", "0")))
+    if kind == "LeadershipTransfer":
+        return LeadershipTransfer(
+            group,
+            int(options.get("epoch", "0")),
+            options.get("target", ""),
+            tuple(options.get("members", "").split(",")),
+        )
     raise ValueError(f"send: unknown message kind {kind!r}")
 
 
@@ -388,18 +407,35 @@ def execute(cluster: Cluster | None, line: str) -> tuple[Cluster | None, list[st
         msg = PeerMessage(sender, receiver, parse_body(positional[1], options))
         cluster.deliver(msg)
         cluster.deliver_all()
-    elif command in ("designate", "override"):
+    elif command in ("designate", "override", "transfer", "quarantine", "fault"):
         node = positional[0]
         election = cluster.nodes[node]
         if election is None:
             raise ValueError(f"{command}: node {node} is down")
         who = options.get("by", "operator")
+        reason = options.get("reason", "")
+        now = cluster.now_ms
         if command == "designate":
-            ready = election.set_designated_primary(positional[1] == "on", who, cluster.now_ms)
+            ready = election.set_designated_primary(positional[1] == "on", who, now)
+        elif command == "override":
+            ready = election.set_quorum_override(int(positional[1]), who, now, reason)
+        elif command == "transfer":
+            ready = election.transfer_leadership(options["to"], who, now, reason)
+        elif command == "quarantine":
+            ready = election.set_quarantine(positional[1] == "on", who, now, reason)
         else:
-            ready = election.set_quorum_override(int(positional[1]), who, cluster.now_ms)
+            ready = election.replica_fault(options["id"], reason, now)
         cluster.apply(node, ready, f"{node} {line}")
         cluster.deliver_all()
+    elif command == "audit":
+        election = cluster.nodes[positional[0]]
+        if election is None:
+            raise ValueError(f"audit: node {positional[0]} is down")
+        for record in election.status().audit:
+            cluster.out.append(
+                f"{positional[0]}: t={record.at_ms} {record.operator}: {record.action}"
+                + (f" ({record.reason})" if record.reason else "")
+            )
     elif command == "status":
         for node in positional or list(cluster.nodes):
             election = cluster.nodes[node]

@@ -63,6 +63,9 @@ def test_publish_is_safe_only_when_every_event_is_deduplicated(
         ("CreateTopic", False, True),
         ("DestroyTopic", False, True),
         ("DeleteSubscription", False, True),
+        ("GetSubscribers", True, False),
+        ("SubscribeAndGetPublisher", False, True),  # a repeat would be AlreadySubscribed
+        ("Unsubscribe", False, True),
         ("SomeFutureMethod", False, True),
     ],
 )

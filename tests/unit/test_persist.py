@@ -33,7 +33,10 @@ def test_a_missing_file_is_a_node_that_never_ran(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("document", "message"),
     [
-        ({"epoch": 1, "max_seen": 0, "designated_primary": False}, "exactly the keys"),
+        (
+            {"epoch": 1, "max_seen": 0, "designated_primary": False},
+            r"missing \[.quorum_override.\]",
+        ),
         (
             {
                 "epoch": 1,
@@ -52,7 +55,7 @@ def test_a_missing_file_is_a_node_that_never_ran(tmp_path: Path) -> None:
                 "quorum_override": 0,
                 "extra": 1,
             },
-            "exactly the keys",
+            r"unknown \[.extra.\]",
         ),
     ],
 )

@@ -16,7 +16,7 @@ import ast
 import random
 import zlib
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -874,17 +874,36 @@ def test_a_divergent_slave_with_a_compacted_log_gets_a_snapshot_not_a_truncation
     assert set(truncations) == {None}
 
 
-def test_a_log_entirely_from_a_deposed_master_is_truncated_to_nothing() -> None:
+def test_a_log_sharing_no_entry_with_the_masters_is_replaced_by_a_snapshot() -> None:
     # Node 3 mastered epoch 1 alone and wrote LSNs 1..3 that nobody else has; node 1
-    # masters epoch 2 from an empty log. "Truncate after LSN 0" must be expressible.
+    # masters epoch 2. The logs part before LSN 1, which truncate_after_lsn cannot say
+    # (0 means "no truncation" on the wire): node 3 gets a snapshot, though its store
+    # could truncate, and then the log.
     stale = [entry(lsn, 1) for lsn in range(1, 4)]
-    cluster = Cluster(slave_logs={"3": stale}, epoch=2)
-    cluster.start()
-    (first,) = [m for m in cluster.slaves["3"].inbox if isinstance(m, Hello)]
-    assert first.epoch == 2
-    cluster.run()
-    assert cluster.converged()
-    assert cluster.slaves["3"].log == [entry(1, 2)]
+    for master_log in ([], [entry(1, 2)]):
+        cluster = Cluster(master_log=master_log, slave_logs={"3": stale}, epoch=3)
+        truncations: list[int | None] = []
+        apply = cluster.apply
+
+        def watch(
+            actions: Actions[str],
+            apply: Callable[[Actions[str]], None] = apply,
+            truncations: list[int | None] = truncations,
+        ) -> None:
+            truncations.extend(g.truncate_after_lsn for g in actions.sends)
+            apply(actions)
+
+        cluster.apply = watch  # type: ignore[method-assign]
+        cluster.start()
+        (first,) = [m for m in cluster.slaves["3"].inbox if isinstance(m, Hello)]
+        assert first.epoch == 3
+        cluster.append(2)
+        cluster.run()
+        assert cluster.converged()
+        assert [node for node, _ in cluster.snapshots_sent] == ["3"]
+        assert set(truncations) == {None}
+        assert [e.epoch for e in cluster.slaves["3"].log] == [e.epoch for e in cluster.log]
+        assert 1 not in {e.epoch for e in cluster.slaves["3"].log}
 
 
 def test_a_slave_behind_the_retained_log_gets_a_snapshot_then_the_tail() -> None:

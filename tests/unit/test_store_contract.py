@@ -726,6 +726,7 @@ def test_counts_are_records_per_database(store: Store) -> None:
         "cursors": 0,
         "dedupe": 0,
         "publishers": 0,
+        "push": 0,
     }
     w = Writer(store)
     w.append(

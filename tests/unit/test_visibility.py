@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from services.replica.visibility import CommitGate
 
 
@@ -36,3 +38,45 @@ def test_truncation_forgets_the_removed_publishes() -> None:
     assert gate.hidden_from("orders") == 0
     gate.truncated(0)
     assert (gate.tracked, gate.commit_lsn, gate.hidden_from("orders")) == (0, 0, None)
+
+
+def test_a_restart_hides_what_the_log_holds_above_the_recorded_commit() -> None:
+    # The replica recorded commit LSN 4 and its log ends at 7: at start-up it tracks the
+    # publishes at 5..7 from its log, in LSN order, as if just appended.
+    gate = CommitGate(commit_lsn=4)
+    for lsn, topic, offset in [(3, "orders", 2), (5, "orders", 6), (7, "audit", 1)]:
+        gate.appended(lsn, topic, offset)
+    assert (gate.hidden_from("orders"), gate.hidden_from("audit")) == (6, 1)
+    assert gate.advance(6) and (gate.hidden_from("orders"), gate.hidden_from("audit")) == (None, 1)
+
+
+def test_publishes_must_be_tracked_in_lsn_order() -> None:
+    gate = CommitGate(commit_lsn=0)
+    gate.appended(5, "orders", 0)
+    with pytest.raises(ValueError, match="LSN 4 tracked after LSN 5"):
+        gate.appended(4, "orders", 0)
+
+
+def test_a_snapshot_lists_per_topic_what_it_holds_above_the_commit() -> None:
+    gate = CommitGate(commit_lsn=10)
+    gate.appended(11, "orders", 100)
+    gate.appended(12, "audit", 7)
+    gate.appended(13, "orders", 104)
+    gate.appended(15, "orders", 110)  # after the snapshot's LSN: not in it
+    gate.appended(16, "later", 0)
+    assert gate.uncommitted(14) == [("audit", 7, 12), ("orders", 100, 13)]
+    assert gate.uncommitted(10) == []
+
+
+def test_a_receiver_hides_a_snapshots_uncommitted_publishes_until_the_last_commits() -> None:
+    gate = CommitGate(commit_lsn=0)
+    gate.truncated(0)  # the install began
+    gate.advance(10)  # the sender's commit LSN
+    assert gate.restore([("orders", 100, 13), ("audit", 7, 12), ("old", 3, 9)]) == 2
+    assert (gate.hidden_from("orders"), gate.hidden_from("audit")) == (100, 7)
+    assert gate.hidden_from("old") is None  # at or below the commit: visible
+    gate.appended(15, "orders", 110)  # the log after the snapshot
+    assert gate.advance(12) and gate.hidden_from("audit") is None
+    # Conservative: the committed publish at 11 stays hidden until 13 commits too.
+    assert gate.hidden_from("orders") == 100
+    assert gate.advance(13) and gate.hidden_from("orders") == 110

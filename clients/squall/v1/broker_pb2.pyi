@@ -299,6 +299,7 @@ class PublishRequest(_message.Message):
     EVENTS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     SESSION_TOKEN_FIELD_NUMBER: _builtins.int
+    COMPACT_RECEIPTS_FIELD_NUMBER: _builtins.int
     topic: _builtins.str
     """The topic to publish to."""
     publisher_id: _builtins.str
@@ -309,6 +310,10 @@ class PublishRequest(_message.Message):
     """Echoed in the response; lets a pipelined stream match answers to requests."""
     session_token: _builtins.str
     """The publisher binding's session token, stored with each event (see Event.session_token)."""
+    compact_receipts: _builtins.bool
+    """Answer with one BatchReceipt (PublishResponse.batch) instead of an AckReceipt per
+    event: the same facts, a fraction of the bytes and of the work on both sides.
+    """
     @_builtins.property
     def events(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.EventData]:
         """The events, stored in this order with consecutive offsets."""
@@ -321,10 +326,11 @@ class PublishRequest(_message.Message):
         events: _abc.Iterable[_common_pb2.EventData] | None = ...,
         request_id: _builtins.int = ...,
         session_token: _builtins.str = ...,
+        compact_receipts: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "publisher_id", b"publisher_id", "request_id", b"request_id", "session_token", b"session_token", "topic", b"topic"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compact_receipts", b"compact_receipts", "events", b"events", "publisher_id", b"publisher_id", "request_id", b"request_id", "session_token", b"session_token", "topic", b"topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -338,21 +344,27 @@ class PublishResponse(_message.Message):
 
     RECEIPTS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    BATCH_FIELD_NUMBER: _builtins.int
     request_id: _builtins.int
     """The request_id of the request this answers."""
     @_builtins.property
     def receipts(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.AckReceipt]:
-        """One receipt per event."""
+        """One receipt per event (unless the request asked for compact_receipts)."""
+
+    @_builtins.property
+    def batch(self) -> _common_pb2.BatchReceipt:
+        """The receipts of every event at once, when the request asked for compact_receipts."""
 
     def __init__(
         self,
         *,
         receipts: _abc.Iterable[_common_pb2.AckReceipt] | None = ...,
         request_id: _builtins.int = ...,
+        batch: _common_pb2.BatchReceipt | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["receipts", b"receipts", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "receipts", b"receipts", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -596,3 +608,269 @@ class DeleteSubscriptionResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DeleteSubscriptionResponse: _TypeAlias = DeleteSubscriptionResponse  # noqa: Y015
+
+@_typing.final
+class SubscribeAndGetPublisherRequest(_message.Message):
+    """Asks to register a push subscriber."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class QosEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    SUBSCRIBER_ID_FIELD_NUMBER: _builtins.int
+    ENDPOINT_FIELD_NUMBER: _builtins.int
+    QOS_FIELD_NUMBER: _builtins.int
+    START_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    """The topic."""
+    subscriber_id: _builtins.str
+    """Names the subscriber within the topic (the subscription name grammar); a second
+    subscribe with the same id is refused with ALREADY_EXISTS.
+    """
+    endpoint: _builtins.str
+    """host:port ([v6]:port for IPv6) of the subscriber's PushSubscriber service."""
+    start: Global___StartPosition.ValueType
+    """Where delivery starts: UNSPECIFIED and LATEST mean the events published after the
+    subscription (IceStorm's meaning); EARLIEST the oldest event held; OFFSET `offset`.
+    """
+    offset: _builtins.int
+    """The first offset to deliver when start is START_POSITION_OFFSET."""
+    @_builtins.property
+    def qos(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """IceStorm's QoS: "reliability" ("ordered", or "" for none) and "retryCount" (-1: retry
+        forever; 0: remove on the first failure; n: retry n times, remove on the next
+        consecutive failure). "retry_count" is accepted as another spelling of "retryCount".
+        Any other key is refused.
+        """
+
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+        subscriber_id: _builtins.str = ...,
+        endpoint: _builtins.str = ...,
+        qos: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        start: Global___StartPosition.ValueType = ...,
+        offset: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "offset", b"offset", "qos", b"qos", "start", b"start", "subscriber_id", b"subscriber_id", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubscribeAndGetPublisherRequest: _TypeAlias = SubscribeAndGetPublisherRequest  # noqa: Y015
+
+@_typing.final
+class SubscribeAndGetPublisherResponse(_message.Message):
+    """The subscription as registered, and the topic's publisher proxy."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUBSCRIBER_FIELD_NUMBER: _builtins.int
+    PUBLISHER_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def subscriber(self) -> Global___PushSubscriberInfo:
+        """The subscriber as registered (its cursor is where delivery starts)."""
+
+    @_builtins.property
+    def publisher(self) -> Global___GetPublisherResponse:
+        """The topic's replicated publisher proxy (as GetPublisher returns it). Squall has no
+        per-subscriber publisher: every event goes through the topic's log to every
+        subscriber, so this is the proxy to publish to the topic.
+        """
+
+    def __init__(
+        self,
+        *,
+        subscriber: Global___PushSubscriberInfo | None = ...,
+        publisher: Global___GetPublisherResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["publisher", b"publisher", "subscriber", b"subscriber"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["publisher", b"publisher", "subscriber", b"subscriber"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubscribeAndGetPublisherResponse: _TypeAlias = SubscribeAndGetPublisherResponse  # noqa: Y015
+
+@_typing.final
+class PushSubscriberInfo(_message.Message):
+    """One push subscriber of a topic."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class QosEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    SUBSCRIBER_ID_FIELD_NUMBER: _builtins.int
+    ENDPOINT_FIELD_NUMBER: _builtins.int
+    QOS_FIELD_NUMBER: _builtins.int
+    CURSOR_FIELD_NUMBER: _builtins.int
+    CREATED_MS_FIELD_NUMBER: _builtins.int
+    CONSECUTIVE_FAILURES_FIELD_NUMBER: _builtins.int
+    LAST_ERROR_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    """The topic."""
+    subscriber_id: _builtins.str
+    """The subscriber's id."""
+    endpoint: _builtins.str
+    """host:port of its PushSubscriber service."""
+    cursor: _builtins.int
+    """The next offset it will be offered (durable; replicated)."""
+    created_ms: _builtins.int
+    """When it subscribed, milliseconds since the Unix epoch."""
+    consecutive_failures: _builtins.int
+    """Failed deliveries in a row on the current master (not replicated; 0 on other nodes)."""
+    last_error: _builtins.str
+    """The last delivery failure on the current master, empty when none."""
+    @_builtins.property
+    def qos(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Its QoS in canonical form: "reliability" and "retryCount"."""
+
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+        subscriber_id: _builtins.str = ...,
+        endpoint: _builtins.str = ...,
+        qos: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        cursor: _builtins.int = ...,
+        created_ms: _builtins.int = ...,
+        consecutive_failures: _builtins.int = ...,
+        last_error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consecutive_failures", b"consecutive_failures", "created_ms", b"created_ms", "cursor", b"cursor", "endpoint", b"endpoint", "last_error", b"last_error", "qos", b"qos", "subscriber_id", b"subscriber_id", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushSubscriberInfo: _TypeAlias = PushSubscriberInfo  # noqa: Y015
+
+@_typing.final
+class UnsubscribeRequest(_message.Message):
+    """Asks to remove a push subscriber."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    SUBSCRIBER_ID_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    """The topic."""
+    subscriber_id: _builtins.str
+    """The subscriber's id."""
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+        subscriber_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["subscriber_id", b"subscriber_id", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnsubscribeRequest: _TypeAlias = UnsubscribeRequest  # noqa: Y015
+
+@_typing.final
+class UnsubscribeResponse(_message.Message):
+    """Confirms the removal."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnsubscribeResponse: _TypeAlias = UnsubscribeResponse  # noqa: Y015
+
+@_typing.final
+class GetSubscribersRequest(_message.Message):
+    """Asks for a topic's push subscribers."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    """The topic."""
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetSubscribersRequest: _TypeAlias = GetSubscribersRequest  # noqa: Y015
+
+@_typing.final
+class GetSubscribersResponse(_message.Message):
+    """A topic's push subscribers, ordered by id."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUBSCRIBERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def subscribers(self) -> _containers.RepeatedCompositeFieldContainer[Global___PushSubscriberInfo]:
+        """The subscribers."""
+
+    def __init__(
+        self,
+        *,
+        subscribers: _abc.Iterable[Global___PushSubscriberInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["subscribers", b"subscribers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetSubscribersResponse: _TypeAlias = GetSubscribersResponse  # noqa: Y015

@@ -655,3 +655,182 @@ class Subscriber:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class PushSubscriptionsStub:
+    """IceStorm-style push subscribers: the master calls the subscriber's own gRPC service
+    (squall.v1.PushSubscriber, protos/squall/v1/push.proto) with the topic's committed
+    events. Subscriptions are replicated state: after a failover the new master resumes
+    delivery from each subscriber's durable cursor. See docs/push-subscribers.md.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.SubscribeAndGetPublisher = channel.unary_unary(
+                '/squall.v1.PushSubscriptions/SubscribeAndGetPublisher',
+                request_serializer=squall_dot_v1_dot_broker__pb2.SubscribeAndGetPublisherRequest.SerializeToString,
+                response_deserializer=squall_dot_v1_dot_broker__pb2.SubscribeAndGetPublisherResponse.FromString,
+                _registered_method=True)
+        self.Unsubscribe = channel.unary_unary(
+                '/squall.v1.PushSubscriptions/Unsubscribe',
+                request_serializer=squall_dot_v1_dot_broker__pb2.UnsubscribeRequest.SerializeToString,
+                response_deserializer=squall_dot_v1_dot_broker__pb2.UnsubscribeResponse.FromString,
+                _registered_method=True)
+        self.GetSubscribers = channel.unary_unary(
+                '/squall.v1.PushSubscriptions/GetSubscribers',
+                request_serializer=squall_dot_v1_dot_broker__pb2.GetSubscribersRequest.SerializeToString,
+                response_deserializer=squall_dot_v1_dot_broker__pb2.GetSubscribersResponse.FromString,
+                _registered_method=True)
+
+
+class PushSubscriptionsServicer:
+    """IceStorm-style push subscribers: the master calls the subscriber's own gRPC service
+    (squall.v1.PushSubscriber, protos/squall/v1/push.proto) with the topic's committed
+    events. Subscriptions are replicated state: after a failover the new master resumes
+    delivery from each subscriber's durable cursor. See docs/push-subscribers.md.
+    """
+
+    def SubscribeAndGetPublisher(self, request, context):
+        """Registers a push subscriber and returns the topic's publisher proxy. Checks, in
+        order, and registers nothing when one fails: INVALID_ARGUMENT for a bad subscriber
+        id, a malformed endpoint, an unknown QoS key or value, or a bad start position;
+        NOT_FOUND for an unknown topic; ALREADY_EXISTS ("AlreadySubscribed") when the id is
+        already subscribed to the topic; FAILED_PRECONDITION when the endpoint cannot be
+        reached or does not accept the probe (see PushDeliverRequest.probe); RESOURCE_EXHAUSTED
+        at limits.push_subscribers_max.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Unsubscribe(self, request, context):
+        """Removes a push subscriber. NOT_FOUND if the topic or the subscriber does not exist.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSubscribers(self, request, context):
+        """Lists a topic's push subscribers, ordered by id. NOT_FOUND for an unknown topic.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PushSubscriptionsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'SubscribeAndGetPublisher': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubscribeAndGetPublisher,
+                    request_deserializer=squall_dot_v1_dot_broker__pb2.SubscribeAndGetPublisherRequest.FromString,
+                    response_serializer=squall_dot_v1_dot_broker__pb2.SubscribeAndGetPublisherResponse.SerializeToString,
+            ),
+            'Unsubscribe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unsubscribe,
+                    request_deserializer=squall_dot_v1_dot_broker__pb2.UnsubscribeRequest.FromString,
+                    response_serializer=squall_dot_v1_dot_broker__pb2.UnsubscribeResponse.SerializeToString,
+            ),
+            'GetSubscribers': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSubscribers,
+                    request_deserializer=squall_dot_v1_dot_broker__pb2.GetSubscribersRequest.FromString,
+                    response_serializer=squall_dot_v1_dot_broker__pb2.GetSubscribersResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'squall.v1.PushSubscriptions', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('squall.v1.PushSubscriptions', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class PushSubscriptions:
+    """IceStorm-style push subscribers: the master calls the subscriber's own gRPC service
+    (squall.v1.PushSubscriber, protos/squall/v1/push.proto) with the topic's committed
+    events. Subscriptions are replicated state: after a failover the new master resumes
+    delivery from each subscriber's durable cursor. See docs/push-subscribers.md.
+    """
+
+    @staticmethod
+    def SubscribeAndGetPublisher(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/squall.v1.PushSubscriptions/SubscribeAndGetPublisher',
+            squall_dot_v1_dot_broker__pb2.SubscribeAndGetPublisherRequest.SerializeToString,
+            squall_dot_v1_dot_broker__pb2.SubscribeAndGetPublisherResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unsubscribe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/squall.v1.PushSubscriptions/Unsubscribe',
+            squall_dot_v1_dot_broker__pb2.UnsubscribeRequest.SerializeToString,
+            squall_dot_v1_dot_broker__pb2.UnsubscribeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSubscribers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/squall.v1.PushSubscriptions/GetSubscribers',
+            squall_dot_v1_dot_broker__pb2.GetSubscribersRequest.SerializeToString,
+            squall_dot_v1_dot_broker__pb2.GetSubscribersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -266,3 +266,91 @@ class SubscriberServicer(metaclass=_abc_1.ABCMeta):
         """Deletes a durable subscription. NOT_FOUND if it does not exist."""
 
 def add_SubscriberServicer_to_server(servicer: SubscriberServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
+class PushSubscriptionsStub:
+    """IceStorm-style push subscribers: the master calls the subscriber's own gRPC service
+    (squall.v1.PushSubscriber, protos/squall/v1/push.proto) with the topic's committed
+    events. Subscriptions are replicated state: after a failover the new master resumes
+    delivery from each subscriber's durable cursor. See docs/push-subscribers.md.
+    """
+
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> PushSubscriptionsAsyncStub: ...
+    SubscribeAndGetPublisher: _grpc.UnaryUnaryMultiCallable[_broker_pb2.SubscribeAndGetPublisherRequest, _broker_pb2.SubscribeAndGetPublisherResponse]
+    """Registers a push subscriber and returns the topic's publisher proxy. Checks, in
+    order, and registers nothing when one fails: INVALID_ARGUMENT for a bad subscriber
+    id, a malformed endpoint, an unknown QoS key or value, or a bad start position;
+    NOT_FOUND for an unknown topic; ALREADY_EXISTS ("AlreadySubscribed") when the id is
+    already subscribed to the topic; FAILED_PRECONDITION when the endpoint cannot be
+    reached or does not accept the probe (see PushDeliverRequest.probe); RESOURCE_EXHAUSTED
+    at limits.push_subscribers_max.
+    """
+    Unsubscribe: _grpc.UnaryUnaryMultiCallable[_broker_pb2.UnsubscribeRequest, _broker_pb2.UnsubscribeResponse]
+    """Removes a push subscriber. NOT_FOUND if the topic or the subscriber does not exist."""
+    GetSubscribers: _grpc.UnaryUnaryMultiCallable[_broker_pb2.GetSubscribersRequest, _broker_pb2.GetSubscribersResponse]
+    """Lists a topic's push subscribers, ordered by id. NOT_FOUND for an unknown topic."""
+
+@_typing.type_check_only
+class PushSubscriptionsAsyncStub(PushSubscriptionsStub):
+    """IceStorm-style push subscribers: the master calls the subscriber's own gRPC service
+    (squall.v1.PushSubscriber, protos/squall/v1/push.proto) with the topic's committed
+    events. Subscriptions are replicated state: after a failover the new master resumes
+    delivery from each subscriber's durable cursor. See docs/push-subscribers.md.
+    """
+
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    SubscribeAndGetPublisher: _aio.UnaryUnaryMultiCallable[_broker_pb2.SubscribeAndGetPublisherRequest, _broker_pb2.SubscribeAndGetPublisherResponse]  # type: ignore[assignment]
+    """Registers a push subscriber and returns the topic's publisher proxy. Checks, in
+    order, and registers nothing when one fails: INVALID_ARGUMENT for a bad subscriber
+    id, a malformed endpoint, an unknown QoS key or value, or a bad start position;
+    NOT_FOUND for an unknown topic; ALREADY_EXISTS ("AlreadySubscribed") when the id is
+    already subscribed to the topic; FAILED_PRECONDITION when the endpoint cannot be
+    reached or does not accept the probe (see PushDeliverRequest.probe); RESOURCE_EXHAUSTED
+    at limits.push_subscribers_max.
+    """
+    Unsubscribe: _aio.UnaryUnaryMultiCallable[_broker_pb2.UnsubscribeRequest, _broker_pb2.UnsubscribeResponse]  # type: ignore[assignment]
+    """Removes a push subscriber. NOT_FOUND if the topic or the subscriber does not exist."""
+    GetSubscribers: _aio.UnaryUnaryMultiCallable[_broker_pb2.GetSubscribersRequest, _broker_pb2.GetSubscribersResponse]  # type: ignore[assignment]
+    """Lists a topic's push subscribers, ordered by id. NOT_FOUND for an unknown topic."""
+
+class PushSubscriptionsServicer(metaclass=_abc_1.ABCMeta):
+    """IceStorm-style push subscribers: the master calls the subscriber's own gRPC service
+    (squall.v1.PushSubscriber, protos/squall/v1/push.proto) with the topic's committed
+    events. Subscriptions are replicated state: after a failover the new master resumes
+    delivery from each subscriber's durable cursor. See docs/push-subscribers.md.
+    """
+
+    @_abc_1.abstractmethod
+    def SubscribeAndGetPublisher(
+        self,
+        request: _broker_pb2.SubscribeAndGetPublisherRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.SubscribeAndGetPublisherResponse, _abc.Awaitable[_broker_pb2.SubscribeAndGetPublisherResponse]]:
+        """Registers a push subscriber and returns the topic's publisher proxy. Checks, in
+        order, and registers nothing when one fails: INVALID_ARGUMENT for a bad subscriber
+        id, a malformed endpoint, an unknown QoS key or value, or a bad start position;
+        NOT_FOUND for an unknown topic; ALREADY_EXISTS ("AlreadySubscribed") when the id is
+        already subscribed to the topic; FAILED_PRECONDITION when the endpoint cannot be
+        reached or does not accept the probe (see PushDeliverRequest.probe); RESOURCE_EXHAUSTED
+        at limits.push_subscribers_max.
+        """
+
+    @_abc_1.abstractmethod
+    def Unsubscribe(
+        self,
+        request: _broker_pb2.UnsubscribeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.UnsubscribeResponse, _abc.Awaitable[_broker_pb2.UnsubscribeResponse]]:
+        """Removes a push subscriber. NOT_FOUND if the topic or the subscriber does not exist."""
+
+    @_abc_1.abstractmethod
+    def GetSubscribers(
+        self,
+        request: _broker_pb2.GetSubscribersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.GetSubscribersResponse, _abc.Awaitable[_broker_pb2.GetSubscribersResponse]]:
+        """Lists a topic's push subscribers, ordered by id. NOT_FOUND for an unknown topic."""
+
+def add_PushSubscriptionsServicer_to_server(servicer: PushSubscriptionsServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

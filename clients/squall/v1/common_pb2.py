@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16squall/v1/common.proto\x12\tsquall.v1\"x\n\x05Topic\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x04kind\x18\x02 \x01(\x0e\x32\x14.squall.v1.TopicKind\x12\x13\n\x0bnext_offset\x18\x03 \x01(\x04\x12\x14\n\x0c\x66irst_offset\x18\x04 \x01(\x04\x12\x12\n\ncreated_ms\x18\x05 \x01(\x03\"\x9f\x01\n\tEventData\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12\x32\n\x07headers\x18\x04 \x03(\x0b\x32!.squall.v1.EventData.HeadersEntry\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x95\x02\n\x05\x45vent\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0b\n\x03key\x18\x03 \x01(\x0c\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\x12\x14\n\x0ctimestamp_ms\x18\x05 \x01(\x03\x12\x14\n\x0cpublisher_id\x18\x06 \x01(\t\x12\x10\n\x08sequence\x18\x07 \x01(\x04\x12\x0b\n\x03lsn\x18\x08 \x01(\x04\x12\r\n\x05\x65poch\x18\t \x01(\x04\x12\x15\n\rsession_token\x18\n \x01(\t\x12.\n\x07headers\x18\x0b \x03(\x0b\x32\x1d.squall.v1.Event.HeadersEntry\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"O\n\x11ReplicaDurability\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12)\n\ndurability\x18\x02 \x01(\x0e\x32\x15.squall.v1.SyncPolicy\"\x8d\x01\n\nAckReceipt\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0b\n\x03lsn\x18\x02 \x01(\x04\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x11\n\tduplicate\x18\x04 \x01(\x08\x12-\n\x07holders\x18\x05 \x03(\x0b\x32\x1c.squall.v1.ReplicaDurability\x12\x11\n\tmaster_id\x18\x06 \x01(\t\"g\n\x0cNodeEndpoint\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x17\n\x0freplica_address\x18\x02 \x01(\t\x12\x1b\n\x13\x63oordinator_address\x18\x03 \x01(\t\x12\x10\n\x08priority\x18\x04 \x01(\r*\\\n\tTopicKind\x12\x1a\n\x16TOPIC_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15TOPIC_KIND_REPLICATED\x10\x01\x12\x18\n\x14TOPIC_KIND_TRANSIENT\x10\x02*w\n\nSyncPolicy\x12\x1b\n\x17SYNC_POLICY_UNSPECIFIED\x10\x00\x12\x14\n\x10SYNC_POLICY_SYNC\x10\x01\x12\x1d\n\x19SYNC_POLICY_WRITE_NO_SYNC\x10\x02\x12\x17\n\x13SYNC_POLICY_NO_SYNC\x10\x03*i\n\tAckPolicy\x12\x1a\n\x16\x41\x43K_POLICY_UNSPECIFIED\x10\x00\x12\x17\n\x13\x41\x43K_POLICY_MAJORITY\x10\x01\x12\x12\n\x0e\x41\x43K_POLICY_ALL\x10\x02\x12\x13\n\x0f\x41\x43K_POLICY_NONE\x10\x03*\x8f\x01\n\tNodeState\x12\x1a\n\x16NODE_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13NODE_STATE_INACTIVE\x10\x01\x12\x17\n\x13NODE_STATE_ELECTION\x10\x02\x12\x1d\n\x19NODE_STATE_REORGANIZATION\x10\x03\x12\x15\n\x11NODE_STATE_NORMAL\x10\x04*P\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x11\n\rROLE_INACTIVE\x10\x01\x12\x0f\n\x0bROLE_MASTER\x10\x02\x12\x0e\n\nROLE_SLAVE\x10\x03*n\n\nStoreState\x12\x1b\n\x17STORE_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11STORE_STATE_EMPTY\x10\x01\x12\x15\n\x11STORE_STATE_CLEAN\x10\x02\x12\x15\n\x11STORE_STATE_DIRTY\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16squall/v1/common.proto\x12\tsquall.v1\"x\n\x05Topic\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x04kind\x18\x02 \x01(\x0e\x32\x14.squall.v1.TopicKind\x12\x13\n\x0bnext_offset\x18\x03 \x01(\x04\x12\x14\n\x0c\x66irst_offset\x18\x04 \x01(\x04\x12\x12\n\ncreated_ms\x18\x05 \x01(\x03\"\x9f\x01\n\tEventData\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12\x32\n\x07headers\x18\x04 \x03(\x0b\x32!.squall.v1.EventData.HeadersEntry\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x95\x02\n\x05\x45vent\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0b\n\x03key\x18\x03 \x01(\x0c\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\x12\x14\n\x0ctimestamp_ms\x18\x05 \x01(\x03\x12\x14\n\x0cpublisher_id\x18\x06 \x01(\t\x12\x10\n\x08sequence\x18\x07 \x01(\x04\x12\x0b\n\x03lsn\x18\x08 \x01(\x04\x12\r\n\x05\x65poch\x18\t \x01(\x04\x12\x15\n\rsession_token\x18\n \x01(\t\x12.\n\x07headers\x18\x0b \x03(\x0b\x32\x1d.squall.v1.Event.HeadersEntry\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"O\n\x11ReplicaDurability\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12)\n\ndurability\x18\x02 \x01(\x0e\x32\x15.squall.v1.SyncPolicy\"\x8d\x01\n\nAckReceipt\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0b\n\x03lsn\x18\x02 \x01(\x04\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x11\n\tduplicate\x18\x04 \x01(\x08\x12-\n\x07holders\x18\x05 \x03(\x0b\x32\x1c.squall.v1.ReplicaDurability\x12\x11\n\tmaster_id\x18\x06 \x01(\t\"\xc2\x01\n\x0c\x42\x61tchReceipt\x12\r\n\x05\x63ount\x18\x01 \x01(\r\x12\x14\n\x0c\x66irst_offset\x18\x02 \x01(\x04\x12\x0b\n\x03lsn\x18\x03 \x01(\x04\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12/\n\nduplicates\x18\x05 \x03(\x0b\x32\x1b.squall.v1.DuplicateReceipt\x12-\n\x07holders\x18\x06 \x03(\x0b\x32\x1c.squall.v1.ReplicaDurability\x12\x11\n\tmaster_id\x18\x07 \x01(\t\"M\n\x10\x44uplicateReceipt\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0b\n\x03lsn\x18\x03 \x01(\x04\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"g\n\x0cNodeEndpoint\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x17\n\x0freplica_address\x18\x02 \x01(\t\x12\x1b\n\x13\x63oordinator_address\x18\x03 \x01(\t\x12\x10\n\x08priority\x18\x04 \x01(\r*\\\n\tTopicKind\x12\x1a\n\x16TOPIC_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15TOPIC_KIND_REPLICATED\x10\x01\x12\x18\n\x14TOPIC_KIND_TRANSIENT\x10\x02*w\n\nSyncPolicy\x12\x1b\n\x17SYNC_POLICY_UNSPECIFIED\x10\x00\x12\x14\n\x10SYNC_POLICY_SYNC\x10\x01\x12\x1d\n\x19SYNC_POLICY_WRITE_NO_SYNC\x10\x02\x12\x17\n\x13SYNC_POLICY_NO_SYNC\x10\x03*i\n\tAckPolicy\x12\x1a\n\x16\x41\x43K_POLICY_UNSPECIFIED\x10\x00\x12\x17\n\x13\x41\x43K_POLICY_MAJORITY\x10\x01\x12\x12\n\x0e\x41\x43K_POLICY_ALL\x10\x02\x12\x13\n\x0f\x41\x43K_POLICY_NONE\x10\x03*\x8f\x01\n\tNodeState\x12\x1a\n\x16NODE_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13NODE_STATE_INACTIVE\x10\x01\x12\x17\n\x13NODE_STATE_ELECTION\x10\x02\x12\x1d\n\x19NODE_STATE_REORGANIZATION\x10\x03\x12\x15\n\x11NODE_STATE_NORMAL\x10\x04*P\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x11\n\rROLE_INACTIVE\x10\x01\x12\x0f\n\x0bROLE_MASTER\x10\x02\x12\x0e\n\nROLE_SLAVE\x10\x03*n\n\nStoreState\x12\x1b\n\x17STORE_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11STORE_STATE_EMPTY\x10\x01\x12\x15\n\x11STORE_STATE_CLEAN\x10\x02\x12\x15\n\x11STORE_STATE_DIRTY\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,18 +36,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EVENTDATA_HEADERSENTRY']._serialized_options = b'8\001'
   _globals['_EVENT_HEADERSENTRY']._loaded_options = None
   _globals['_EVENT_HEADERSENTRY']._serialized_options = b'8\001'
-  _globals['_TOPICKIND']._serialized_start=931
-  _globals['_TOPICKIND']._serialized_end=1023
-  _globals['_SYNCPOLICY']._serialized_start=1025
-  _globals['_SYNCPOLICY']._serialized_end=1144
-  _globals['_ACKPOLICY']._serialized_start=1146
-  _globals['_ACKPOLICY']._serialized_end=1251
-  _globals['_NODESTATE']._serialized_start=1254
-  _globals['_NODESTATE']._serialized_end=1397
-  _globals['_ROLE']._serialized_start=1399
-  _globals['_ROLE']._serialized_end=1479
-  _globals['_STORESTATE']._serialized_start=1481
-  _globals['_STORESTATE']._serialized_end=1591
+  _globals['_TOPICKIND']._serialized_start=1207
+  _globals['_TOPICKIND']._serialized_end=1299
+  _globals['_SYNCPOLICY']._serialized_start=1301
+  _globals['_SYNCPOLICY']._serialized_end=1420
+  _globals['_ACKPOLICY']._serialized_start=1422
+  _globals['_ACKPOLICY']._serialized_end=1527
+  _globals['_NODESTATE']._serialized_start=1530
+  _globals['_NODESTATE']._serialized_end=1673
+  _globals['_ROLE']._serialized_start=1675
+  _globals['_ROLE']._serialized_end=1755
+  _globals['_STORESTATE']._serialized_start=1757
+  _globals['_STORESTATE']._serialized_end=1867
   _globals['_TOPIC']._serialized_start=37
   _globals['_TOPIC']._serialized_end=157
   _globals['_EVENTDATA']._serialized_start=160
@@ -62,6 +62,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPLICADURABILITY']._serialized_end=680
   _globals['_ACKRECEIPT']._serialized_start=683
   _globals['_ACKRECEIPT']._serialized_end=824
-  _globals['_NODEENDPOINT']._serialized_start=826
-  _globals['_NODEENDPOINT']._serialized_end=929
+  _globals['_BATCHRECEIPT']._serialized_start=827
+  _globals['_BATCHRECEIPT']._serialized_end=1021
+  _globals['_DUPLICATERECEIPT']._serialized_start=1023
+  _globals['_DUPLICATERECEIPT']._serialized_end=1100
+  _globals['_NODEENDPOINT']._serialized_start=1102
+  _globals['_NODEENDPOINT']._serialized_end=1205
 # @@protoc_insertion_point(module_scope)

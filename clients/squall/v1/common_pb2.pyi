@@ -445,6 +445,93 @@ class AckReceipt(_message.Message):
 Global___AckReceipt: _TypeAlias = AckReceipt  # noqa: Y015
 
 @_typing.final
+class BatchReceipt(_message.Message):
+    """The receipts of one publish request's events at once (PublishRequest.compact_receipts).
+    Event i of the request is a duplicate when `duplicates` names index i, and then has that
+    DuplicateReceipt's offset, LSN and epoch; the others, in request order, have offsets
+    first_offset, first_offset + 1, ... and `lsn` and `epoch`. Every event has master_id and
+    holders. Expanded, it is exactly the AckReceipt list of a non-compact response.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COUNT_FIELD_NUMBER: _builtins.int
+    FIRST_OFFSET_FIELD_NUMBER: _builtins.int
+    LSN_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    DUPLICATES_FIELD_NUMBER: _builtins.int
+    HOLDERS_FIELD_NUMBER: _builtins.int
+    MASTER_ID_FIELD_NUMBER: _builtins.int
+    count: _builtins.int
+    """The number of events in the request."""
+    first_offset: _builtins.int
+    """The offset of the first event that is not a duplicate."""
+    lsn: _builtins.int
+    """The LSN of the entry holding the events that are not duplicates."""
+    epoch: _builtins.int
+    """The epoch of the master that stored them."""
+    master_id: _builtins.str
+    """The node id of the master that stored them."""
+    @_builtins.property
+    def duplicates(self) -> _containers.RepeatedCompositeFieldContainer[Global___DuplicateReceipt]:
+        """The events that were already stored, in request order."""
+
+    @_builtins.property
+    def holders(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReplicaDurability]:
+        """The replicas that hold the new events, and how durably, when the receipt was issued."""
+
+    def __init__(
+        self,
+        *,
+        count: _builtins.int = ...,
+        first_offset: _builtins.int = ...,
+        lsn: _builtins.int = ...,
+        epoch: _builtins.int = ...,
+        duplicates: _abc.Iterable[Global___DuplicateReceipt] | None = ...,
+        holders: _abc.Iterable[Global___ReplicaDurability] | None = ...,
+        master_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "duplicates", b"duplicates", "epoch", b"epoch", "first_offset", b"first_offset", "holders", b"holders", "lsn", b"lsn", "master_id", b"master_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BatchReceipt: _TypeAlias = BatchReceipt  # noqa: Y015
+
+@_typing.final
+class DuplicateReceipt(_message.Message):
+    """One duplicate event in a BatchReceipt: where it was first stored."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    LSN_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """Its index in the request's events."""
+    offset: _builtins.int
+    """The offset, LSN and epoch it got when first stored."""
+    lsn: _builtins.int
+    epoch: _builtins.int
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        offset: _builtins.int = ...,
+        lsn: _builtins.int = ...,
+        epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "index", b"index", "lsn", b"lsn", "offset", b"offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DuplicateReceipt: _TypeAlias = DuplicateReceipt  # noqa: Y015
+
+@_typing.final
 class NodeEndpoint(_message.Message):
     """One node's address book entry."""
 

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from squall.v1 import common_pb2 as squall_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bsquall/v1/coordinator.proto\x12\tsquall.v1\x1a\x16squall/v1/common.proto\"\xcb\x01\n\x0cMemberReport\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\ncluster_id\x18\x02 \x01(\t\x12\x12\n\nlast_epoch\x18\x03 \x01(\x04\x12\x10\n\x08last_lsn\x18\x04 \x01(\x04\x12*\n\x0bstore_state\x18\x05 \x01(\x0e\x32\x15.squall.v1.StoreState\x12\x10\n\x08max_seen\x18\x06 \x01(\r\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x13\n\x0bshutdown_id\x18\x08 \x01(\t\x12\x0e\n\x06joined\x18\t \x01(\x08\"i\n\x11\x41reYouCoordinator\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12\x10\n\x08priority\x18\x02 \x01(\r\x12\x1a\n\x12\x64\x65signated_primary\x18\x03 \x01(\x08\x12\x12\n\ncluster_id\x18\x04 \x01(\t\"\x86\x01\n\x16\x41reYouCoordinatorReply\x12\x16\n\x0eis_coordinator\x18\x01 \x01(\x08\x12\x12\n\ngroup_name\x18\x02 \x01(\t\x12\x10\n\x08priority\x18\x03 \x01(\r\x12\x1a\n\x12\x64\x65signated_primary\x18\x04 \x01(\x08\x12\x12\n\ncluster_id\x18\x05 \x01(\t\"!\n\x0b\x41reYouThere\x12\x12\n\ngroup_name\x18\x01 \x01(\t\"H\n\x10\x41reYouThereReply\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12\x0b\n\x03yes\x18\x02 \x01(\x08\x12\x13\n\x0bheld_reason\x18\x03 \x01(\t\"U\n\nInvitation\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12\x10\n\x08priority\x18\x02 \x01(\r\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x12\n\ncluster_id\x18\x04 \x01(\t\"[\n\x06\x41\x63\x63\x65pt\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12\'\n\x06report\x18\x02 \x01(\x0b\x32\x17.squall.v1.MemberReport\x12\x14\n\x0c\x66orwarded_to\x18\x03 \x03(\t\"\x91\x01\n\x05Ready\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07members\x18\x03 \x03(\t\x12\x16\n\x0esync_source_id\x18\x04 \x01(\t\x12\x16\n\x0e\x63oordinator_id\x18\x05 \x01(\t\x12\x10\n\x08max_seen\x18\x06 \x01(\r\x12\x12\n\ncluster_id\x18\x07 \x01(\t\"-\n\x08ReadyAck\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"\xca\x03\n\x0bPeerMessage\x12\x11\n\tfrom_node\x18\x01 \x01(\t\x12\x0f\n\x07to_node\x18\x02 \x01(\t\x12;\n\x13\x61re_you_coordinator\x18\n \x01(\x0b\x32\x1c.squall.v1.AreYouCoordinatorH\x00\x12\x46\n\x19\x61re_you_coordinator_reply\x18\x0b \x01(\x0b\x32!.squall.v1.AreYouCoordinatorReplyH\x00\x12/\n\rare_you_there\x18\x0c \x01(\x0b\x32\x16.squall.v1.AreYouThereH\x00\x12:\n\x13\x61re_you_there_reply\x18\r \x01(\x0b\x32\x1b.squall.v1.AreYouThereReplyH\x00\x12+\n\ninvitation\x18\x0e \x01(\x0b\x32\x15.squall.v1.InvitationH\x00\x12#\n\x06\x61\x63\x63\x65pt\x18\x0f \x01(\x0b\x32\x11.squall.v1.AcceptH\x00\x12!\n\x05ready\x18\x10 \x01(\x0b\x32\x10.squall.v1.ReadyH\x00\x12(\n\tready_ack\x18\x11 \x01(\x0b\x32\x13.squall.v1.ReadyAckH\x00\x42\x06\n\x04\x62ody\"\x11\n\x0f\x44\x65liverResponse\"\x12\n\x10GetStatusRequest\"\xc0\x02\n\x11\x43oordinatorStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63oordinator_id\x18\x02 \x01(\t\x12\x12\n\ngroup_name\x18\x03 \x01(\t\x12#\n\x05state\x18\x04 \x01(\x0e\x32\x14.squall.v1.NodeState\x12\r\n\x05group\x18\x05 \x03(\t\x12\x10\n\x08max_seen\x18\x06 \x01(\r\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x1d\n\x04role\x18\x08 \x01(\x0e\x32\x0f.squall.v1.Role\x12\x1a\n\x12last_change_reason\x18\t \x01(\t\x12\x10\n\x08priority\x18\n \x01(\r\x12\x1a\n\x12\x64\x65signated_primary\x18\x0b \x01(\x08\x12\x17\n\x0fquorum_override\x18\x0c \x01(\r\x12\x17\n\x0fquorum_required\x18\r \x01(\r\"\x17\n\x15WatchGroupViewRequest\"\xb7\x01\n\tGroupView\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12#\n\x05state\x18\x02 \x01(\x0e\x32\x14.squall.v1.NodeState\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\'\n\x06master\x18\x04 \x01(\x0b\x32\x17.squall.v1.NodeEndpoint\x12(\n\x07members\x18\x05 \x03(\x0b\x32\x17.squall.v1.NodeEndpoint\x12\x12\n\ngroup_name\x18\x06 \x01(\t\"@\n\x1bSetDesignatedPrimaryRequest\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x10\n\x08operator\x18\x02 \x01(\t\">\n\x18SetQuorumOverrideRequest\x12\x10\n\x08required\x18\x01 \x01(\r\x12\x10\n\x08operator\x18\x02 \x01(\t\"G\n\x17OperatorControlResponse\x12,\n\x06status\x18\x01 \x01(\x0b\x32\x1c.squall.v1.CoordinatorStatus\"C\n\x1a\x43oordinatorShutdownRequest\x12\x13\n\x0bshutdown_id\x18\x01 \x01(\t\x12\x10\n\x08operator\x18\x02 \x01(\t\"K\n\x1b\x43oordinatorShutdownResponse\x12,\n\x06status\x18\x01 \x01(\x0b\x32\x1c.squall.v1.CoordinatorStatus2\xfd\x03\n\x0b\x43oordinator\x12=\n\x07\x44\x65liver\x12\x16.squall.v1.PeerMessage\x1a\x1a.squall.v1.DeliverResponse\x12\x46\n\tGetStatus\x12\x1b.squall.v1.GetStatusRequest\x1a\x1c.squall.v1.CoordinatorStatus\x12J\n\x0eWatchGroupView\x12 .squall.v1.WatchGroupViewRequest\x1a\x14.squall.v1.GroupView0\x01\x12\x62\n\x14SetDesignatedPrimary\x12&.squall.v1.SetDesignatedPrimaryRequest\x1a\".squall.v1.OperatorControlResponse\x12\\\n\x11SetQuorumOverride\x12#.squall.v1.SetQuorumOverrideRequest\x1a\".squall.v1.OperatorControlResponse\x12Y\n\x08Shutdown\x12%.squall.v1.CoordinatorShutdownRequest\x1a&.squall.v1.CoordinatorShutdownResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bsquall/v1/coordinator.proto\x12\tsquall.v1\x1a\x16squall/v1/common.proto\"\xcb\x01\n\x0cMemberReport\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\ncluster_id\x18\x02 \x01(\t\x12\x12\n\nlast_epoch\x18\x03 \x01(\x04\x12\x10\n\x08last_lsn\x18\x04 \x01(\x04\x12*\n\x0bstore_state\x18\x05 \x01(\x0e\x32\x15.squall.v1.StoreState\x12\x10\n\x08max_seen\x18\x06 \x01(\r\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x13\n\x0bshutdown_id\x18\x08 \x01(\t\x12\x0e\n\x06joined\x18\t \x01(\x08\"i\n\x11\x41reYouCoordinator\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12\x10\n\x08priority\x18\x02 \x01(\r\x12\x1a\n\x12\x64\x65signated_primary\x18\x03 \x01(\x08\x12\x12\n\ncluster_id\x18\x04 \x01(\t\"\x86\x01\n\x16\x41reYouCoordinatorReply\x12\x16\n\x0eis_coordinator\x18\x01 \x01(\x08\x12\x12\n\ngroup_name\x18\x02 \x01(\t\x12\x10\n\x08priority\x18\x03 \x01(\r\x12\x1a\n\x12\x64\x65signated_primary\x18\x04 \x01(\x08\x12\x12\n\ncluster_id\x18\x05 \x01(\t\"!\n\x0b\x41reYouThere\x12\x12\n\ngroup_name\x18\x01 \x01(\t\"H\n\x10\x41reYouThereReply\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12\x0b\n\x03yes\x18\x02 \x01(\x08\x12\x13\n\x0bheld_reason\x18\x03 \x01(\t\"m\n\nInvitation\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12\x10\n\x08priority\x18\x02 \x01(\r\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x12\n\ncluster_id\x18\x04 \x01(\t\x12\x16\n\x0etransfer_group\x18\x05 \x01(\t\"[\n\x06\x41\x63\x63\x65pt\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12\'\n\x06report\x18\x02 \x01(\x0b\x32\x17.squall.v1.MemberReport\x12\x14\n\x0c\x66orwarded_to\x18\x03 \x03(\t\"\x91\x01\n\x05Ready\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07members\x18\x03 \x03(\t\x12\x16\n\x0esync_source_id\x18\x04 \x01(\t\x12\x16\n\x0e\x63oordinator_id\x18\x05 \x01(\t\x12\x10\n\x08max_seen\x18\x06 \x01(\r\x12\x12\n\ncluster_id\x18\x07 \x01(\t\"-\n\x08ReadyAck\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"\x88\x04\n\x0bPeerMessage\x12\x11\n\tfrom_node\x18\x01 \x01(\t\x12\x0f\n\x07to_node\x18\x02 \x01(\t\x12;\n\x13\x61re_you_coordinator\x18\n \x01(\x0b\x32\x1c.squall.v1.AreYouCoordinatorH\x00\x12\x46\n\x19\x61re_you_coordinator_reply\x18\x0b \x01(\x0b\x32!.squall.v1.AreYouCoordinatorReplyH\x00\x12/\n\rare_you_there\x18\x0c \x01(\x0b\x32\x16.squall.v1.AreYouThereH\x00\x12:\n\x13\x61re_you_there_reply\x18\r \x01(\x0b\x32\x1b.squall.v1.AreYouThereReplyH\x00\x12+\n\ninvitation\x18\x0e \x01(\x0b\x32\x15.squall.v1.InvitationH\x00\x12#\n\x06\x61\x63\x63\x65pt\x18\x0f \x01(\x0b\x32\x11.squall.v1.AcceptH\x00\x12!\n\x05ready\x18\x10 \x01(\x0b\x32\x10.squall.v1.ReadyH\x00\x12(\n\tready_ack\x18\x11 \x01(\x0b\x32\x13.squall.v1.ReadyAckH\x00\x12<\n\x13leadership_transfer\x18\x12 \x01(\x0b\x32\x1d.squall.v1.LeadershipTransferH\x00\x42\x06\n\x04\x62ody\"\x11\n\x0f\x44\x65liverResponse\"\x12\n\x10GetStatusRequest\"\x96\x04\n\x11\x43oordinatorStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63oordinator_id\x18\x02 \x01(\t\x12\x12\n\ngroup_name\x18\x03 \x01(\t\x12#\n\x05state\x18\x04 \x01(\x0e\x32\x14.squall.v1.NodeState\x12\r\n\x05group\x18\x05 \x03(\t\x12\x10\n\x08max_seen\x18\x06 \x01(\r\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x1d\n\x04role\x18\x08 \x01(\x0e\x32\x0f.squall.v1.Role\x12\x1a\n\x12last_change_reason\x18\t \x01(\t\x12\x10\n\x08priority\x18\n \x01(\r\x12\x1a\n\x12\x64\x65signated_primary\x18\x0b \x01(\x08\x12\x17\n\x0fquorum_override\x18\x0c \x01(\r\x12\x17\n\x0fquorum_required\x18\r \x01(\r\x12\x39\n\x16quorum_override_record\x18\x0e \x01(\x0b\x32\x19.squall.v1.OperatorRecord\x12-\n\nquarantine\x18\x0f \x01(\x0b\x32\x19.squall.v1.OperatorRecord\x12(\n\x05\x61udit\x18\x10 \x03(\x0b\x32\x19.squall.v1.OperatorRecord\x12\x0f\n\x07invited\x18\x11 \x03(\t\x12\x16\n\x0esync_source_id\x18\x12 \x01(\t\x12\x17\n\x0ftransfer_target\x18\x13 \x01(\t\"\x17\n\x15WatchGroupViewRequest\"\xb7\x01\n\tGroupView\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12#\n\x05state\x18\x02 \x01(\x0e\x32\x14.squall.v1.NodeState\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\'\n\x06master\x18\x04 \x01(\x0b\x32\x17.squall.v1.NodeEndpoint\x12(\n\x07members\x18\x05 \x03(\x0b\x32\x17.squall.v1.NodeEndpoint\x12\x12\n\ngroup_name\x18\x06 \x01(\t\"@\n\x1bSetDesignatedPrimaryRequest\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x10\n\x08operator\x18\x02 \x01(\t\"N\n\x18SetQuorumOverrideRequest\x12\x10\n\x08required\x18\x01 \x01(\r\x12\x10\n\x08operator\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"G\n\x17OperatorControlResponse\x12,\n\x06status\x18\x01 \x01(\x0b\x32\x1c.squall.v1.CoordinatorStatus\"C\n\x1a\x43oordinatorShutdownRequest\x12\x13\n\x0bshutdown_id\x18\x01 \x01(\t\x12\x10\n\x08operator\x18\x02 \x01(\t\"K\n\x1b\x43oordinatorShutdownResponse\x12,\n\x06status\x18\x01 \x01(\x0b\x32\x1c.squall.v1.CoordinatorStatus\"X\n\x12LeadershipTransfer\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0e\n\x06target\x18\x03 \x01(\t\x12\x0f\n\x07members\x18\x04 \x03(\t\"Q\n\x0eOperatorRecord\x12\r\n\x05\x61t_ms\x18\x01 \x01(\x03\x12\x10\n\x08operator\x18\x02 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\"a\n\x19TransferLeadershipRequest\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\x10\n\x08operator\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x12\n\ntimeout_ms\x18\x04 \x01(\r\"I\n\x14SetQuarantineRequest\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x10\n\x08operator\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t2\xb3\x05\n\x0b\x43oordinator\x12=\n\x07\x44\x65liver\x12\x16.squall.v1.PeerMessage\x1a\x1a.squall.v1.DeliverResponse\x12\x46\n\tGetStatus\x12\x1b.squall.v1.GetStatusRequest\x1a\x1c.squall.v1.CoordinatorStatus\x12J\n\x0eWatchGroupView\x12 .squall.v1.WatchGroupViewRequest\x1a\x14.squall.v1.GroupView0\x01\x12\x62\n\x14SetDesignatedPrimary\x12&.squall.v1.SetDesignatedPrimaryRequest\x1a\".squall.v1.OperatorControlResponse\x12\\\n\x11SetQuorumOverride\x12#.squall.v1.SetQuorumOverrideRequest\x1a\".squall.v1.OperatorControlResponse\x12Y\n\x08Shutdown\x12%.squall.v1.CoordinatorShutdownRequest\x1a&.squall.v1.CoordinatorShutdownResponse\x12^\n\x12TransferLeadership\x12$.squall.v1.TransferLeadershipRequest\x1a\".squall.v1.OperatorControlResponse\x12T\n\rSetQuarantine\x12\x1f.squall.v1.SetQuarantineRequest\x1a\".squall.v1.OperatorControlResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,35 +44,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_AREYOUTHEREREPLY']._serialized_start=551
   _globals['_AREYOUTHEREREPLY']._serialized_end=623
   _globals['_INVITATION']._serialized_start=625
-  _globals['_INVITATION']._serialized_end=710
-  _globals['_ACCEPT']._serialized_start=712
-  _globals['_ACCEPT']._serialized_end=803
-  _globals['_READY']._serialized_start=806
-  _globals['_READY']._serialized_end=951
-  _globals['_READYACK']._serialized_start=953
-  _globals['_READYACK']._serialized_end=998
-  _globals['_PEERMESSAGE']._serialized_start=1001
-  _globals['_PEERMESSAGE']._serialized_end=1459
-  _globals['_DELIVERRESPONSE']._serialized_start=1461
-  _globals['_DELIVERRESPONSE']._serialized_end=1478
-  _globals['_GETSTATUSREQUEST']._serialized_start=1480
-  _globals['_GETSTATUSREQUEST']._serialized_end=1498
-  _globals['_COORDINATORSTATUS']._serialized_start=1501
-  _globals['_COORDINATORSTATUS']._serialized_end=1821
-  _globals['_WATCHGROUPVIEWREQUEST']._serialized_start=1823
-  _globals['_WATCHGROUPVIEWREQUEST']._serialized_end=1846
-  _globals['_GROUPVIEW']._serialized_start=1849
-  _globals['_GROUPVIEW']._serialized_end=2032
-  _globals['_SETDESIGNATEDPRIMARYREQUEST']._serialized_start=2034
-  _globals['_SETDESIGNATEDPRIMARYREQUEST']._serialized_end=2098
-  _globals['_SETQUORUMOVERRIDEREQUEST']._serialized_start=2100
-  _globals['_SETQUORUMOVERRIDEREQUEST']._serialized_end=2162
-  _globals['_OPERATORCONTROLRESPONSE']._serialized_start=2164
-  _globals['_OPERATORCONTROLRESPONSE']._serialized_end=2235
-  _globals['_COORDINATORSHUTDOWNREQUEST']._serialized_start=2237
-  _globals['_COORDINATORSHUTDOWNREQUEST']._serialized_end=2304
-  _globals['_COORDINATORSHUTDOWNRESPONSE']._serialized_start=2306
-  _globals['_COORDINATORSHUTDOWNRESPONSE']._serialized_end=2381
-  _globals['_COORDINATOR']._serialized_start=2384
-  _globals['_COORDINATOR']._serialized_end=2893
+  _globals['_INVITATION']._serialized_end=734
+  _globals['_ACCEPT']._serialized_start=736
+  _globals['_ACCEPT']._serialized_end=827
+  _globals['_READY']._serialized_start=830
+  _globals['_READY']._serialized_end=975
+  _globals['_READYACK']._serialized_start=977
+  _globals['_READYACK']._serialized_end=1022
+  _globals['_PEERMESSAGE']._serialized_start=1025
+  _globals['_PEERMESSAGE']._serialized_end=1545
+  _globals['_DELIVERRESPONSE']._serialized_start=1547
+  _globals['_DELIVERRESPONSE']._serialized_end=1564
+  _globals['_GETSTATUSREQUEST']._serialized_start=1566
+  _globals['_GETSTATUSREQUEST']._serialized_end=1584
+  _globals['_COORDINATORSTATUS']._serialized_start=1587
+  _globals['_COORDINATORSTATUS']._serialized_end=2121
+  _globals['_WATCHGROUPVIEWREQUEST']._serialized_start=2123
+  _globals['_WATCHGROUPVIEWREQUEST']._serialized_end=2146
+  _globals['_GROUPVIEW']._serialized_start=2149
+  _globals['_GROUPVIEW']._serialized_end=2332
+  _globals['_SETDESIGNATEDPRIMARYREQUEST']._serialized_start=2334
+  _globals['_SETDESIGNATEDPRIMARYREQUEST']._serialized_end=2398
+  _globals['_SETQUORUMOVERRIDEREQUEST']._serialized_start=2400
+  _globals['_SETQUORUMOVERRIDEREQUEST']._serialized_end=2478
+  _globals['_OPERATORCONTROLRESPONSE']._serialized_start=2480
+  _globals['_OPERATORCONTROLRESPONSE']._serialized_end=2551
+  _globals['_COORDINATORSHUTDOWNREQUEST']._serialized_start=2553
+  _globals['_COORDINATORSHUTDOWNREQUEST']._serialized_end=2620
+  _globals['_COORDINATORSHUTDOWNRESPONSE']._serialized_start=2622
+  _globals['_COORDINATORSHUTDOWNRESPONSE']._serialized_end=2697
+  _globals['_LEADERSHIPTRANSFER']._serialized_start=2699
+  _globals['_LEADERSHIPTRANSFER']._serialized_end=2787
+  _globals['_OPERATORRECORD']._serialized_start=2789
+  _globals['_OPERATORRECORD']._serialized_end=2870
+  _globals['_TRANSFERLEADERSHIPREQUEST']._serialized_start=2872
+  _globals['_TRANSFERLEADERSHIPREQUEST']._serialized_end=2969
+  _globals['_SETQUARANTINEREQUEST']._serialized_start=2971
+  _globals['_SETQUARANTINEREQUEST']._serialized_end=3044
+  _globals['_COORDINATOR']._serialized_start=3047
+  _globals['_COORDINATOR']._serialized_end=3738
 # @@protoc_insertion_point(module_scope)

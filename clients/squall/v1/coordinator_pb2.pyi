@@ -224,6 +224,7 @@ class Invitation(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
     CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    TRANSFER_GROUP_FIELD_NUMBER: _builtins.int
     group_name: _builtins.str
     """The new group's name, `coordinator-id:uuid`."""
     priority: _builtins.int
@@ -236,6 +237,10 @@ class Invitation(_message.Message):
     """The inviter's cluster id (empty while it has none); a node of another cluster refuses
     the invitation (FAILED_PRECONDITION naming both ids).
     """
+    transfer_group: _builtins.str
+    """Set when the inviter takes over the group of this name by a leadership transfer its
+    coordinator ordered: that group's members accept although the inviter ranks lower.
+    """
     def __init__(
         self,
         *,
@@ -243,10 +248,11 @@ class Invitation(_message.Message):
         priority: _builtins.int = ...,
         epoch: _builtins.int = ...,
         cluster_id: _builtins.str = ...,
+        transfer_group: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "epoch", b"epoch", "group_name", b"group_name", "priority", b"priority"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "epoch", b"epoch", "group_name", b"group_name", "priority", b"priority", "transfer_group", b"transfer_group"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -382,6 +388,7 @@ class PeerMessage(_message.Message):
     ACCEPT_FIELD_NUMBER: _builtins.int
     READY_FIELD_NUMBER: _builtins.int
     READY_ACK_FIELD_NUMBER: _builtins.int
+    LEADERSHIP_TRANSFER_FIELD_NUMBER: _builtins.int
     from_node: _builtins.str
     """Sender's node id; must be a configured node."""
     to_node: _builtins.str
@@ -418,6 +425,10 @@ class PeerMessage(_message.Message):
     def ready_ack(self) -> Global___ReadyAck:
         """Epoch persisted."""
 
+    @_builtins.property
+    def leadership_transfer(self) -> Global___LeadershipTransfer:
+        """Leadership hand-over to the receiver."""
+
     def __init__(
         self,
         *,
@@ -431,12 +442,13 @@ class PeerMessage(_message.Message):
         accept: Global___Accept | None = ...,
         ready: Global___Ready | None = ...,
         ready_ack: Global___ReadyAck | None = ...,
+        leadership_transfer: Global___LeadershipTransfer | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["accept", b"accept", "are_you_coordinator", b"are_you_coordinator", "are_you_coordinator_reply", b"are_you_coordinator_reply", "are_you_there", b"are_you_there", "are_you_there_reply", b"are_you_there_reply", "body", b"body", "invitation", b"invitation", "ready", b"ready", "ready_ack", b"ready_ack"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["accept", b"accept", "are_you_coordinator", b"are_you_coordinator", "are_you_coordinator_reply", b"are_you_coordinator_reply", "are_you_there", b"are_you_there", "are_you_there_reply", b"are_you_there_reply", "body", b"body", "invitation", b"invitation", "leadership_transfer", b"leadership_transfer", "ready", b"ready", "ready_ack", b"ready_ack"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept", b"accept", "are_you_coordinator", b"are_you_coordinator", "are_you_coordinator_reply", b"are_you_coordinator_reply", "are_you_there", b"are_you_there", "are_you_there_reply", b"are_you_there_reply", "body", b"body", "from_node", b"from_node", "invitation", b"invitation", "ready", b"ready", "ready_ack", b"ready_ack", "to_node", b"to_node"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept", b"accept", "are_you_coordinator", b"are_you_coordinator", "are_you_coordinator_reply", b"are_you_coordinator_reply", "are_you_there", b"are_you_there", "are_you_there_reply", b"are_you_there_reply", "body", b"body", "from_node", b"from_node", "invitation", b"invitation", "leadership_transfer", b"leadership_transfer", "ready", b"ready", "ready_ack", b"ready_ack", "to_node", b"to_node"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["are_you_coordinator", "are_you_coordinator_reply", "are_you_there", "are_you_there_reply", "invitation", "accept", "ready", "ready_ack"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["are_you_coordinator", "are_you_coordinator_reply", "are_you_there", "are_you_there_reply", "invitation", "accept", "ready", "ready_ack", "leadership_transfer"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
@@ -495,6 +507,12 @@ class CoordinatorStatus(_message.Message):
     DESIGNATED_PRIMARY_FIELD_NUMBER: _builtins.int
     QUORUM_OVERRIDE_FIELD_NUMBER: _builtins.int
     QUORUM_REQUIRED_FIELD_NUMBER: _builtins.int
+    QUORUM_OVERRIDE_RECORD_FIELD_NUMBER: _builtins.int
+    QUARANTINE_FIELD_NUMBER: _builtins.int
+    AUDIT_FIELD_NUMBER: _builtins.int
+    INVITED_FIELD_NUMBER: _builtins.int
+    SYNC_SOURCE_ID_FIELD_NUMBER: _builtins.int
+    TRANSFER_TARGET_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """This node's id."""
     coordinator_id: _builtins.str
@@ -519,9 +537,31 @@ class CoordinatorStatus(_message.Message):
     """The quorum override in force (0: none)."""
     quorum_required: _builtins.int
     """The count of nodes a group needs to go normal now."""
+    sync_source_id: _builtins.str
+    """The member whose log the group adopted when it formed (set once normal)."""
+    transfer_target: _builtins.str
+    """On a master handing its group over: the node it hands it to."""
     @_builtins.property
     def group(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The other members (only the coordinator knows them)."""
+
+    @_builtins.property
+    def quorum_override_record(self) -> Global___OperatorRecord:
+        """Who set the quorum override in force, when and why (unset: no override)."""
+
+    @_builtins.property
+    def quarantine(self) -> Global___OperatorRecord:
+        """Set while the node is quarantined: by whom (`replica` for a fault it reported),
+        when and why.
+        """
+
+    @_builtins.property
+    def audit(self) -> _containers.RepeatedCompositeFieldContainer[Global___OperatorRecord]:
+        """The newest operator actions and automatic reverts on this node, oldest first."""
+
+    @_builtins.property
+    def invited(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """On a coordinator: the nodes its last merge invited into the current group."""
 
     def __init__(
         self,
@@ -539,10 +579,16 @@ class CoordinatorStatus(_message.Message):
         designated_primary: _builtins.bool = ...,
         quorum_override: _builtins.int = ...,
         quorum_required: _builtins.int = ...,
+        quorum_override_record: Global___OperatorRecord | None = ...,
+        quarantine: Global___OperatorRecord | None = ...,
+        audit: _abc.Iterable[Global___OperatorRecord] | None = ...,
+        invited: _abc.Iterable[_builtins.str] | None = ...,
+        sync_source_id: _builtins.str = ...,
+        transfer_target: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["quarantine", b"quarantine", "quorum_override_record", b"quorum_override_record"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_id", b"coordinator_id", "designated_primary", b"designated_primary", "epoch", b"epoch", "group", b"group", "group_name", b"group_name", "last_change_reason", b"last_change_reason", "max_seen", b"max_seen", "node_id", b"node_id", "priority", b"priority", "quorum_override", b"quorum_override", "quorum_required", b"quorum_required", "role", b"role", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit", b"audit", "coordinator_id", b"coordinator_id", "designated_primary", b"designated_primary", "epoch", b"epoch", "group", b"group", "group_name", b"group_name", "invited", b"invited", "last_change_reason", b"last_change_reason", "max_seen", b"max_seen", "node_id", b"node_id", "priority", b"priority", "quarantine", b"quarantine", "quorum_override", b"quorum_override", "quorum_override_record", b"quorum_override_record", "quorum_required", b"quorum_required", "role", b"role", "state", b"state", "sync_source_id", b"sync_source_id", "transfer_target", b"transfer_target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -645,19 +691,23 @@ class SetQuorumOverrideRequest(_message.Message):
 
     REQUIRED_FIELD_NUMBER: _builtins.int
     OPERATOR_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
     required: _builtins.int
     """Nodes required (0 clears the override)."""
     operator: _builtins.str
     """Who asks, for the audit log."""
+    reason: _builtins.str
+    """Why, for the audit log."""
     def __init__(
         self,
         *,
         required: _builtins.int = ...,
         operator: _builtins.str = ...,
+        reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["operator", b"operator", "required", b"required"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["operator", b"operator", "reason", b"reason", "required", b"required"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -736,3 +786,141 @@ class CoordinatorShutdownResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CoordinatorShutdownResponse: _TypeAlias = CoordinatorShutdownResponse  # noqa: Y015
+
+@_typing.final
+class LeadershipTransfer(_message.Message):
+    """A coordinator hands its group to the receiver: invite the members into a group of
+    yours (an Invitation with transfer_group set).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_NAME_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    TARGET_FIELD_NUMBER: _builtins.int
+    MEMBERS_FIELD_NUMBER: _builtins.int
+    group_name: _builtins.str
+    """The group handed over."""
+    epoch: _builtins.int
+    """Its epoch."""
+    target: _builtins.str
+    """The node that takes over (the receiver)."""
+    @_builtins.property
+    def members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The group's members, both ends included."""
+
+    def __init__(
+        self,
+        *,
+        group_name: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        target: _builtins.str = ...,
+        members: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "group_name", b"group_name", "members", b"members", "target", b"target"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeadershipTransfer: _TypeAlias = LeadershipTransfer  # noqa: Y015
+
+@_typing.final
+class OperatorRecord(_message.Message):
+    """Who did what to a node's election, when and why (the audit trail of operator controls)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AT_MS_FIELD_NUMBER: _builtins.int
+    OPERATOR_FIELD_NUMBER: _builtins.int
+    ACTION_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    at_ms: _builtins.int
+    """Wall-clock time, milliseconds since the Unix epoch."""
+    operator: _builtins.str
+    """The user who asked; `replica` for a fault the replica reported; `auto` for a control
+    the election reverted itself.
+    """
+    action: _builtins.str
+    """What was done, e.g. `quorum-override 1`, `quarantine`, `transfer to n2`."""
+    reason: _builtins.str
+    """Why."""
+    def __init__(
+        self,
+        *,
+        at_ms: _builtins.int = ...,
+        operator: _builtins.str = ...,
+        action: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "at_ms", b"at_ms", "operator", b"operator", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OperatorRecord: _TypeAlias = OperatorRecord  # noqa: Y015
+
+@_typing.final
+class TransferLeadershipRequest(_message.Message):
+    """Hands the leadership to another member of the master's group."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TARGET_FIELD_NUMBER: _builtins.int
+    OPERATOR_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    target: _builtins.str
+    """The node to take over."""
+    operator: _builtins.str
+    """Who asks, for the audit log."""
+    reason: _builtins.str
+    """Why, for the audit log."""
+    timeout_ms: _builtins.int
+    """Longest wait for the target to catch up (0: the coordinator's rpc timeout)."""
+    def __init__(
+        self,
+        *,
+        target: _builtins.str = ...,
+        operator: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        timeout_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["operator", b"operator", "reason", b"reason", "target", b"target", "timeout_ms", b"timeout_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TransferLeadershipRequest: _TypeAlias = TransferLeadershipRequest  # noqa: Y015
+
+@_typing.final
+class SetQuarantineRequest(_message.Message):
+    """Quarantines the receiving node, or clears its quarantine."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENABLED_FIELD_NUMBER: _builtins.int
+    OPERATOR_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    enabled: _builtins.bool
+    """True to quarantine, false to clear."""
+    operator: _builtins.str
+    """Who asks, for the audit log."""
+    reason: _builtins.str
+    """Why, for the audit log."""
+    def __init__(
+        self,
+        *,
+        enabled: _builtins.bool = ...,
+        operator: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["enabled", b"enabled", "operator", b"operator", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetQuarantineRequest: _TypeAlias = SetQuarantineRequest  # noqa: Y015

@@ -66,6 +66,16 @@ class CoordinatorStub:
                 request_serializer=squall_dot_v1_dot_coordinator__pb2.CoordinatorShutdownRequest.SerializeToString,
                 response_deserializer=squall_dot_v1_dot_coordinator__pb2.CoordinatorShutdownResponse.FromString,
                 _registered_method=True)
+        self.TransferLeadership = channel.unary_unary(
+                '/squall.v1.Coordinator/TransferLeadership',
+                request_serializer=squall_dot_v1_dot_coordinator__pb2.TransferLeadershipRequest.SerializeToString,
+                response_deserializer=squall_dot_v1_dot_coordinator__pb2.OperatorControlResponse.FromString,
+                _registered_method=True)
+        self.SetQuarantine = channel.unary_unary(
+                '/squall.v1.Coordinator/SetQuarantine',
+                request_serializer=squall_dot_v1_dot_coordinator__pb2.SetQuarantineRequest.SerializeToString,
+                response_deserializer=squall_dot_v1_dot_coordinator__pb2.OperatorControlResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -107,7 +117,8 @@ class CoordinatorServicer:
 
     def SetQuorumOverride(self, request, context):
         """Lowers (or, with 0, clears) the count of nodes a group needs to go normal, for
-        disaster recovery.
+        disaster recovery. Recorded (who, when, why) and cleared by the node itself once it
+        is in a normal group with a majority of the configured nodes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -116,6 +127,29 @@ class CoordinatorServicer:
     def Shutdown(self, request, context):
         """Clean cluster shutdown: the coordinator stops electing and exits, so it neither renews
         nor changes its replica's role while the replicas record the shutdown point.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TransferLeadership(self, request, context):
+        """Sent to the master's coordinator: hands the leadership to another member. The
+        master's replica stops taking writes and waits until the target holds its whole log
+        and every write is committed; then the target invites the group into a group of its
+        own (a new epoch). Returns once the hand-over message is sent. INVALID_ARGUMENT for an
+        unknown target; FAILED_PRECONDITION when the receiver is not the master or the
+        target is not a member of its group, has priority 0, is the master already, or did
+        not catch up within timeout_ms (writes then resume). A refused transfer changes
+        nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetQuarantine(self, request, context):
+        """Quarantines the receiving node (it leaves its group and joins none: never master,
+        never counted for acks), or clears its quarantine so it rejoins. A replica that hits
+        a checksum error or a failing disk quarantines its node by itself.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -153,6 +187,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Shutdown,
                     request_deserializer=squall_dot_v1_dot_coordinator__pb2.CoordinatorShutdownRequest.FromString,
                     response_serializer=squall_dot_v1_dot_coordinator__pb2.CoordinatorShutdownResponse.SerializeToString,
+            ),
+            'TransferLeadership': grpc.unary_unary_rpc_method_handler(
+                    servicer.TransferLeadership,
+                    request_deserializer=squall_dot_v1_dot_coordinator__pb2.TransferLeadershipRequest.FromString,
+                    response_serializer=squall_dot_v1_dot_coordinator__pb2.OperatorControlResponse.SerializeToString,
+            ),
+            'SetQuarantine': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetQuarantine,
+                    request_deserializer=squall_dot_v1_dot_coordinator__pb2.SetQuarantineRequest.FromString,
+                    response_serializer=squall_dot_v1_dot_coordinator__pb2.OperatorControlResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -318,6 +362,60 @@ class Coordinator:
             '/squall.v1.Coordinator/Shutdown',
             squall_dot_v1_dot_coordinator__pb2.CoordinatorShutdownRequest.SerializeToString,
             squall_dot_v1_dot_coordinator__pb2.CoordinatorShutdownResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TransferLeadership(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/squall.v1.Coordinator/TransferLeadership',
+            squall_dot_v1_dot_coordinator__pb2.TransferLeadershipRequest.SerializeToString,
+            squall_dot_v1_dot_coordinator__pb2.OperatorControlResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetQuarantine(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/squall.v1.Coordinator/SetQuarantine',
+            squall_dot_v1_dot_coordinator__pb2.SetQuarantineRequest.SerializeToString,
+            squall_dot_v1_dot_coordinator__pb2.OperatorControlResponse.FromString,
             options,
             channel_credentials,
             insecure,

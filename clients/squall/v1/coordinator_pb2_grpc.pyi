@@ -54,11 +54,27 @@ class CoordinatorStub:
     """
     SetQuorumOverride: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.SetQuorumOverrideRequest, _coordinator_pb2.OperatorControlResponse]
     """Lowers (or, with 0, clears) the count of nodes a group needs to go normal, for
-    disaster recovery.
+    disaster recovery. Recorded (who, when, why) and cleared by the node itself once it
+    is in a normal group with a majority of the configured nodes.
     """
     Shutdown: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.CoordinatorShutdownRequest, _coordinator_pb2.CoordinatorShutdownResponse]
     """Clean cluster shutdown: the coordinator stops electing and exits, so it neither renews
     nor changes its replica's role while the replicas record the shutdown point.
+    """
+    TransferLeadership: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.TransferLeadershipRequest, _coordinator_pb2.OperatorControlResponse]
+    """Sent to the master's coordinator: hands the leadership to another member. The
+    master's replica stops taking writes and waits until the target holds its whole log
+    and every write is committed; then the target invites the group into a group of its
+    own (a new epoch). Returns once the hand-over message is sent. INVALID_ARGUMENT for an
+    unknown target; FAILED_PRECONDITION when the receiver is not the master or the
+    target is not a member of its group, has priority 0, is the master already, or did
+    not catch up within timeout_ms (writes then resume). A refused transfer changes
+    nothing.
+    """
+    SetQuarantine: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.SetQuarantineRequest, _coordinator_pb2.OperatorControlResponse]
+    """Quarantines the receiving node (it leaves its group and joins none: never master,
+    never counted for acks), or clears its quarantine so it rejoins. A replica that hits
+    a checksum error or a failing disk quarantines its node by itself.
     """
 
 @_typing.type_check_only
@@ -83,11 +99,27 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """
     SetQuorumOverride: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.SetQuorumOverrideRequest, _coordinator_pb2.OperatorControlResponse]  # type: ignore[assignment]
     """Lowers (or, with 0, clears) the count of nodes a group needs to go normal, for
-    disaster recovery.
+    disaster recovery. Recorded (who, when, why) and cleared by the node itself once it
+    is in a normal group with a majority of the configured nodes.
     """
     Shutdown: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.CoordinatorShutdownRequest, _coordinator_pb2.CoordinatorShutdownResponse]  # type: ignore[assignment]
     """Clean cluster shutdown: the coordinator stops electing and exits, so it neither renews
     nor changes its replica's role while the replicas record the shutdown point.
+    """
+    TransferLeadership: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.TransferLeadershipRequest, _coordinator_pb2.OperatorControlResponse]  # type: ignore[assignment]
+    """Sent to the master's coordinator: hands the leadership to another member. The
+    master's replica stops taking writes and waits until the target holds its whole log
+    and every write is committed; then the target invites the group into a group of its
+    own (a new epoch). Returns once the hand-over message is sent. INVALID_ARGUMENT for an
+    unknown target; FAILED_PRECONDITION when the receiver is not the master or the
+    target is not a member of its group, has priority 0, is the master already, or did
+    not catch up within timeout_ms (writes then resume). A refused transfer changes
+    nothing.
+    """
+    SetQuarantine: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.SetQuarantineRequest, _coordinator_pb2.OperatorControlResponse]  # type: ignore[assignment]
+    """Quarantines the receiving node (it leaves its group and joins none: never master,
+    never counted for acks), or clears its quarantine so it rejoins. A replica that hits
+    a checksum error or a failing disk quarantines its node by itself.
     """
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
@@ -139,7 +171,8 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.OperatorControlResponse, _abc.Awaitable[_coordinator_pb2.OperatorControlResponse]]:
         """Lowers (or, with 0, clears) the count of nodes a group needs to go normal, for
-        disaster recovery.
+        disaster recovery. Recorded (who, when, why) and cleared by the node itself once it
+        is in a normal group with a majority of the configured nodes.
         """
 
     @_abc_1.abstractmethod
@@ -150,6 +183,33 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_coordinator_pb2.CoordinatorShutdownResponse, _abc.Awaitable[_coordinator_pb2.CoordinatorShutdownResponse]]:
         """Clean cluster shutdown: the coordinator stops electing and exits, so it neither renews
         nor changes its replica's role while the replicas record the shutdown point.
+        """
+
+    @_abc_1.abstractmethod
+    def TransferLeadership(
+        self,
+        request: _coordinator_pb2.TransferLeadershipRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.OperatorControlResponse, _abc.Awaitable[_coordinator_pb2.OperatorControlResponse]]:
+        """Sent to the master's coordinator: hands the leadership to another member. The
+        master's replica stops taking writes and waits until the target holds its whole log
+        and every write is committed; then the target invites the group into a group of its
+        own (a new epoch). Returns once the hand-over message is sent. INVALID_ARGUMENT for an
+        unknown target; FAILED_PRECONDITION when the receiver is not the master or the
+        target is not a member of its group, has priority 0, is the master already, or did
+        not catch up within timeout_ms (writes then resume). A refused transfer changes
+        nothing.
+        """
+
+    @_abc_1.abstractmethod
+    def SetQuarantine(
+        self,
+        request: _coordinator_pb2.SetQuarantineRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.OperatorControlResponse, _abc.Awaitable[_coordinator_pb2.OperatorControlResponse]]:
+        """Quarantines the receiving node (it leaves its group and joins none: never master,
+        never counted for acks), or clears its quarantine so it rejoins. A replica that hits
+        a checksum error or a failing disk quarantines its node by itself.
         """
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

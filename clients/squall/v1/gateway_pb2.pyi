@@ -11,6 +11,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from squall.v1 import common_pb2 as _common_pb2
+from squall.v1 import coordinator_pb2 as _coordinator_pb2
 from squall.v1 import replica_pb2 as _replica_pb2
 import builtins as _builtins
 import sys
@@ -67,6 +68,14 @@ class NodeStatus(_message.Message):
     QUORUM_REQUIRED_FIELD_NUMBER: _builtins.int
     SLAVES_FIELD_NUMBER: _builtins.int
     LOG_START_LSN_FIELD_NUMBER: _builtins.int
+    LAST_EPOCH_FIELD_NUMBER: _builtins.int
+    QUORUM_OVERRIDE_RECORD_FIELD_NUMBER: _builtins.int
+    QUARANTINE_FIELD_NUMBER: _builtins.int
+    AUDIT_FIELD_NUMBER: _builtins.int
+    INVITED_FIELD_NUMBER: _builtins.int
+    SYNC_SOURCE_ID_FIELD_NUMBER: _builtins.int
+    FAULT_REASON_FIELD_NUMBER: _builtins.int
+    TRANSFER_TARGET_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The node id."""
     coordinator_id: _builtins.str
@@ -105,6 +114,16 @@ class NodeStatus(_message.Message):
     """How many nodes this node's group needs to go normal now."""
     log_start_lsn: _builtins.int
     """The first LSN still in its replica's log."""
+    last_epoch: _builtins.int
+    """The epoch of the last entry in its replica's log (the election compares
+    (last_epoch, last_lsn) to pick a sync source).
+    """
+    sync_source_id: _builtins.str
+    """The member whose log its group adopted when it formed."""
+    fault_reason: _builtins.str
+    """A fault its replica reported (checksum error, failed store write), if any."""
+    transfer_target: _builtins.str
+    """On a master handing its group over: the node it hands it to."""
     @_builtins.property
     def group(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The other members of its group (reported by coordinators only)."""
@@ -112,6 +131,22 @@ class NodeStatus(_message.Message):
     @_builtins.property
     def slaves(self) -> _containers.RepeatedCompositeFieldContainer[_replica_pb2.SlaveProgress]:
         """On the master: each slave's replication progress (lag, catch-up rate, ETA)."""
+
+    @_builtins.property
+    def quorum_override_record(self) -> _coordinator_pb2.OperatorRecord:
+        """Who set the quorum override in force, when and why."""
+
+    @_builtins.property
+    def quarantine(self) -> _coordinator_pb2.OperatorRecord:
+        """Set while the node is quarantined."""
+
+    @_builtins.property
+    def audit(self) -> _containers.RepeatedCompositeFieldContainer[_coordinator_pb2.OperatorRecord]:
+        """The newest operator actions and automatic reverts on the node."""
+
+    @_builtins.property
+    def invited(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """On a coordinator: the nodes its last merge invited."""
 
     def __init__(
         self,
@@ -137,10 +172,18 @@ class NodeStatus(_message.Message):
         quorum_required: _builtins.int = ...,
         slaves: _abc.Iterable[_replica_pb2.SlaveProgress] | None = ...,
         log_start_lsn: _builtins.int = ...,
+        last_epoch: _builtins.int = ...,
+        quorum_override_record: _coordinator_pb2.OperatorRecord | None = ...,
+        quarantine: _coordinator_pb2.OperatorRecord | None = ...,
+        audit: _abc.Iterable[_coordinator_pb2.OperatorRecord] | None = ...,
+        invited: _abc.Iterable[_builtins.str] | None = ...,
+        sync_source_id: _builtins.str = ...,
+        fault_reason: _builtins.str = ...,
+        transfer_target: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["quarantine", b"quarantine", "quorum_override_record", b"quorum_override_record"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit_lsn", b"commit_lsn", "coordinator_id", b"coordinator_id", "designated_primary", b"designated_primary", "epoch", b"epoch", "error", b"error", "group", b"group", "group_name", b"group_name", "last_change_reason", b"last_change_reason", "last_lsn", b"last_lsn", "log_start_lsn", b"log_start_lsn", "max_seen", b"max_seen", "node_id", b"node_id", "priority", b"priority", "quorum_override", b"quorum_override", "quorum_required", b"quorum_required", "reachable", b"reachable", "replica_address", b"replica_address", "role", b"role", "slaves", b"slaves", "state", b"state", "store_state", b"store_state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit", b"audit", "commit_lsn", b"commit_lsn", "coordinator_id", b"coordinator_id", "designated_primary", b"designated_primary", "epoch", b"epoch", "error", b"error", "fault_reason", b"fault_reason", "group", b"group", "group_name", b"group_name", "invited", b"invited", "last_change_reason", b"last_change_reason", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "log_start_lsn", b"log_start_lsn", "max_seen", b"max_seen", "node_id", b"node_id", "priority", b"priority", "quarantine", b"quarantine", "quorum_override", b"quorum_override", "quorum_override_record", b"quorum_override_record", "quorum_required", b"quorum_required", "reachable", b"reachable", "replica_address", b"replica_address", "role", b"role", "slaves", b"slaves", "state", b"state", "store_state", b"store_state", "sync_source_id", b"sync_source_id", "transfer_target", b"transfer_target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

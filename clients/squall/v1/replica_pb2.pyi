@@ -36,6 +36,9 @@ class Operation(_message.Message):
     PUBLISH_FIELD_NUMBER: _builtins.int
     SET_CURSOR_FIELD_NUMBER: _builtins.int
     DELETE_SUBSCRIPTION_FIELD_NUMBER: _builtins.int
+    PUSH_SUBSCRIBE_FIELD_NUMBER: _builtins.int
+    PUSH_UNSUBSCRIBE_FIELD_NUMBER: _builtins.int
+    PUSH_CURSOR_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def epoch_start(self) -> Global___EpochStartOp:
         """Starts a new epoch; a new master's first entry."""
@@ -60,6 +63,18 @@ class Operation(_message.Message):
     def delete_subscription(self) -> Global___DeleteSubscriptionOp:
         """Deletes a durable subscription."""
 
+    @_builtins.property
+    def push_subscribe(self) -> Global___PushSubscribeOp:
+        """Registers a push subscriber."""
+
+    @_builtins.property
+    def push_unsubscribe(self) -> Global___PushUnsubscribeOp:
+        """Removes a push subscriber (unsubscribed, or removed after delivery failures)."""
+
+    @_builtins.property
+    def push_cursor(self) -> Global___PushCursorOp:
+        """Moves a push subscriber's cursor forward."""
+
     def __init__(
         self,
         *,
@@ -69,12 +84,15 @@ class Operation(_message.Message):
         publish: Global___PublishOp | None = ...,
         set_cursor: Global___SetCursorOp | None = ...,
         delete_subscription: Global___DeleteSubscriptionOp | None = ...,
+        push_subscribe: Global___PushSubscribeOp | None = ...,
+        push_unsubscribe: Global___PushUnsubscribeOp | None = ...,
+        push_cursor: Global___PushCursorOp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["create_topic", b"create_topic", "delete_subscription", b"delete_subscription", "destroy_topic", b"destroy_topic", "epoch_start", b"epoch_start", "op", b"op", "publish", b"publish", "set_cursor", b"set_cursor"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_topic", b"create_topic", "delete_subscription", b"delete_subscription", "destroy_topic", b"destroy_topic", "epoch_start", b"epoch_start", "op", b"op", "publish", b"publish", "push_cursor", b"push_cursor", "push_subscribe", b"push_subscribe", "push_unsubscribe", b"push_unsubscribe", "set_cursor", b"set_cursor"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_topic", b"create_topic", "delete_subscription", b"delete_subscription", "destroy_topic", b"destroy_topic", "epoch_start", b"epoch_start", "op", b"op", "publish", b"publish", "set_cursor", b"set_cursor"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_topic", b"create_topic", "delete_subscription", b"delete_subscription", "destroy_topic", b"destroy_topic", "epoch_start", b"epoch_start", "op", b"op", "publish", b"publish", "push_cursor", b"push_cursor", "push_subscribe", b"push_subscribe", "push_unsubscribe", b"push_unsubscribe", "set_cursor", b"set_cursor"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["epoch_start", "create_topic", "destroy_topic", "publish", "set_cursor", "delete_subscription"]  # noqa: Y015
+    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["epoch_start", "create_topic", "destroy_topic", "publish", "set_cursor", "delete_subscription", "push_subscribe", "push_unsubscribe", "push_cursor"]  # noqa: Y015
     _WhichOneofArgType_op: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_op) -> _WhichOneofReturnType_op | None: ...
 
@@ -407,9 +425,11 @@ class EntryBatch(_message.Message):
     TRUNCATE_AFTER_LSN_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
     commit_lsn: _builtins.int
-    """The master's commit LSN."""
+    """The master's commit LSN (in a FetchLog answer: the sync source's)."""
     truncate_after_lsn: _builtins.int
-    """Truncate the slave's log after this LSN before appending (0: no truncation)."""
+    """Truncate the slave's log after this LSN before appending (0: no truncation; a log
+    that shares no entry with the master's gets a snapshot instead).
+    """
     epoch: _builtins.int
     """The epoch of the master sending it."""
     @_builtins.property
@@ -444,6 +464,8 @@ class SnapshotChunk(_message.Message):
     SNAPSHOT_LSN_FIELD_NUMBER: _builtins.int
     SNAPSHOT_EPOCH_FIELD_NUMBER: _builtins.int
     HISTORY_FIELD_NUMBER: _builtins.int
+    COMMIT_LSN_FIELD_NUMBER: _builtins.int
+    UNCOMMITTED_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """Which chunk, from 0."""
     last: _builtins.bool
@@ -452,6 +474,11 @@ class SnapshotChunk(_message.Message):
     """The LSN and epoch the snapshot reflects (set on every chunk)."""
     snapshot_epoch: _builtins.int
     """The epoch of the last entry included."""
+    commit_lsn: _builtins.int
+    """The sender's commit LSN when it sent the last chunk (set on the last chunk). The
+    snapshot's state may include entries above it, not yet committed: the receiver hides
+    their events from committed reads (see `uncommitted`) until the commit LSN passes.
+    """
     @_builtins.property
     def records(self) -> _containers.RepeatedCompositeFieldContainer[Global___SnapshotRecord]:
         """Key/value records of the store's state databases."""
@@ -459,6 +486,13 @@ class SnapshotChunk(_message.Message):
     @_builtins.property
     def history(self) -> _containers.RepeatedCompositeFieldContainer[Global___EpochBoundary]:
         """The epoch history up to the snapshot (set on the last chunk)."""
+
+    @_builtins.property
+    def uncommitted(self) -> _containers.RepeatedCompositeFieldContainer[Global___UncommittedPublish]:
+        """Per topic, the publishes the snapshot includes above commit_lsn (set on the last
+        chunk): committed reads on the receiver serve none of that topic's events from
+        first_offset on until the commit LSN reaches last_lsn.
+        """
 
     def __init__(
         self,
@@ -469,10 +503,12 @@ class SnapshotChunk(_message.Message):
         snapshot_lsn: _builtins.int = ...,
         snapshot_epoch: _builtins.int = ...,
         history: _abc.Iterable[Global___EpochBoundary] | None = ...,
+        commit_lsn: _builtins.int = ...,
+        uncommitted: _abc.Iterable[Global___UncommittedPublish] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["history", b"history", "index", b"index", "last", b"last", "records", b"records", "snapshot_epoch", b"snapshot_epoch", "snapshot_lsn", b"snapshot_lsn"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit_lsn", b"commit_lsn", "history", b"history", "index", b"index", "last", b"last", "records", b"records", "snapshot_epoch", b"snapshot_epoch", "snapshot_lsn", b"snapshot_lsn", "uncommitted", b"uncommitted"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -595,6 +631,11 @@ class FetchLogResponse(_message.Message):
 
     ENTRIES_FIELD_NUMBER: _builtins.int
     SNAPSHOT_FIELD_NUMBER: _builtins.int
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    cluster_id: _builtins.str
+    """The source's cluster id: a requester with an empty store adopts it, as a slave
+    adopts its master's from the Hello.
+    """
     @_builtins.property
     def entries(self) -> Global___EntryBatch:
         """Consecutive entries (the first message may carry only truncate_after_lsn)."""
@@ -608,10 +649,11 @@ class FetchLogResponse(_message.Message):
         *,
         entries: Global___EntryBatch | None = ...,
         snapshot: Global___SnapshotChunk | None = ...,
+        cluster_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "entries", b"entries", "snapshot", b"snapshot"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "entries", b"entries", "snapshot", b"snapshot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cluster_id", b"cluster_id", "entries", b"entries", "snapshot", b"snapshot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["entries", "snapshot"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
@@ -762,6 +804,9 @@ class ReplicaState(_message.Message):
     LOG_START_LSN_FIELD_NUMBER: _builtins.int
     JOINED_FIELD_NUMBER: _builtins.int
     FROZEN_FOR_SHUTDOWN_ID_FIELD_NUMBER: _builtins.int
+    FAULT_ID_FIELD_NUMBER: _builtins.int
+    FAULT_REASON_FIELD_NUMBER: _builtins.int
+    REORGANIZATION_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The replica's node id."""
     cluster_id: _builtins.str
@@ -794,9 +839,22 @@ class ReplicaState(_message.Message):
     """
     frozen_for_shutdown_id: _builtins.str
     """The cluster shutdown this replica is frozen for (FreezeForShutdown); empty otherwise."""
+    fault_id: _builtins.str
+    """Set once the replica hit a fault that makes its node unfit to serve (a checksum
+    error in its store, a failed store write): a unique id, kept across restarts, so the
+    coordinator quarantines the node once per fault.
+    """
+    fault_reason: _builtins.str
+    """What the fault was."""
     @_builtins.property
     def slaves(self) -> _containers.RepeatedCompositeFieldContainer[Global___SlaveProgress]:
         """On a master: each member slave's replication progress, by node id (empty otherwise)."""
+
+    @_builtins.property
+    def reorganization(self) -> Global___ReorganizationProgress:
+        """While a master role waits for its reorganization sync (the fetch from the sync source
+        outlives the SetRole call): how far it got. Unset otherwise.
+        """
 
     def __init__(
         self,
@@ -816,10 +874,13 @@ class ReplicaState(_message.Message):
         log_start_lsn: _builtins.int = ...,
         joined: _builtins.bool = ...,
         frozen_for_shutdown_id: _builtins.str = ...,
+        fault_id: _builtins.str = ...,
+        fault_reason: _builtins.str = ...,
+        reorganization: Global___ReorganizationProgress | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["reorganization", b"reorganization"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "command_seq", b"command_seq", "commit_lsn", b"commit_lsn", "epoch", b"epoch", "frozen_for_shutdown_id", b"frozen_for_shutdown_id", "joined", b"joined", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "log_start_lsn", b"log_start_lsn", "master_id", b"master_id", "node_id", b"node_id", "role", b"role", "shutdown_id", b"shutdown_id", "slaves", b"slaves", "store_state", b"store_state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "command_seq", b"command_seq", "commit_lsn", b"commit_lsn", "epoch", b"epoch", "fault_id", b"fault_id", "fault_reason", b"fault_reason", "frozen_for_shutdown_id", b"frozen_for_shutdown_id", "joined", b"joined", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "log_start_lsn", b"log_start_lsn", "master_id", b"master_id", "node_id", b"node_id", "reorganization", b"reorganization", "role", b"role", "shutdown_id", b"shutdown_id", "slaves", b"slaves", "store_state", b"store_state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1089,3 +1150,267 @@ class AbortShutdownRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AbortShutdownRequest: _TypeAlias = AbortShutdownRequest  # noqa: Y015
+
+@_typing.final
+class PushSubscribeOp(_message.Message):
+    """Registers a push subscriber (already validated by the master)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    SUBSCRIBER_ID_FIELD_NUMBER: _builtins.int
+    ENDPOINT_FIELD_NUMBER: _builtins.int
+    ORDERED_FIELD_NUMBER: _builtins.int
+    RETRY_COUNT_FIELD_NUMBER: _builtins.int
+    CURSOR_FIELD_NUMBER: _builtins.int
+    CREATED_MS_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    """The topic."""
+    subscriber_id: _builtins.str
+    """The subscriber's id."""
+    endpoint: _builtins.str
+    """host:port of its PushSubscriber service."""
+    ordered: _builtins.bool
+    """QoS reliability=ordered: one batch in flight at a time, in offset order."""
+    retry_count: _builtins.int
+    """QoS retryCount: -1 retry forever, 0 remove on the first failure, n after n in a row."""
+    cursor: _builtins.int
+    """The first offset to deliver."""
+    created_ms: _builtins.int
+    """When the master accepted it, milliseconds since the Unix epoch."""
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+        subscriber_id: _builtins.str = ...,
+        endpoint: _builtins.str = ...,
+        ordered: _builtins.bool = ...,
+        retry_count: _builtins.int = ...,
+        cursor: _builtins.int = ...,
+        created_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_ms", b"created_ms", "cursor", b"cursor", "endpoint", b"endpoint", "ordered", b"ordered", "retry_count", b"retry_count", "subscriber_id", b"subscriber_id", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushSubscribeOp: _TypeAlias = PushSubscribeOp  # noqa: Y015
+
+@_typing.final
+class PushUnsubscribeOp(_message.Message):
+    """Removes a push subscriber."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    SUBSCRIBER_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    """The topic."""
+    subscriber_id: _builtins.str
+    """The subscriber's id."""
+    reason: _builtins.str
+    """Why: "unsubscribed", or the delivery failure that removed it (for logs)."""
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+        subscriber_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "subscriber_id", b"subscriber_id", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushUnsubscribeOp: _TypeAlias = PushUnsubscribeOp  # noqa: Y015
+
+@_typing.final
+class PushCursorOp(_message.Message):
+    """Moves a push subscriber's cursor forward (a lower cursor is ignored)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    SUBSCRIBER_ID_FIELD_NUMBER: _builtins.int
+    CURSOR_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    """The topic."""
+    subscriber_id: _builtins.str
+    """The subscriber's id."""
+    cursor: _builtins.int
+    """The next offset to deliver."""
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+        subscriber_id: _builtins.str = ...,
+        cursor: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "subscriber_id", b"subscriber_id", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushCursorOp: _TypeAlias = PushCursorOp  # noqa: Y015
+
+@_typing.final
+class PrepareHandoffRequest(_message.Message):
+    """Stops a master's writes before a leadership transfer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    TARGET_NODE_ID_FIELD_NUMBER: _builtins.int
+    TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    """The master's epoch."""
+    target_node_id: _builtins.str
+    """The slave that will take over."""
+    timeout_ms: _builtins.int
+    """Longest wait for the target to catch up; writes resume after it in any case."""
+    cancel: _builtins.bool
+    """Resume writes now (the transfer was abandoned)."""
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.int = ...,
+        target_node_id: _builtins.str = ...,
+        timeout_ms: _builtins.int = ...,
+        cancel: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "epoch", b"epoch", "target_node_id", b"target_node_id", "timeout_ms", b"timeout_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrepareHandoffRequest: _TypeAlias = PrepareHandoffRequest  # noqa: Y015
+
+@_typing.final
+class PrepareHandoffResponse(_message.Message):
+    """The master's log once the target caught up."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LAST_LSN_FIELD_NUMBER: _builtins.int
+    TARGET_LSN_FIELD_NUMBER: _builtins.int
+    COMMIT_LSN_FIELD_NUMBER: _builtins.int
+    WAITED_MS_FIELD_NUMBER: _builtins.int
+    last_lsn: _builtins.int
+    """The master's last LSN (no write is taken after it until the role changes)."""
+    target_lsn: _builtins.int
+    """What the target holds at the replica sync policy."""
+    commit_lsn: _builtins.int
+    """The commit LSN."""
+    waited_ms: _builtins.int
+    """How long the wait took, in milliseconds."""
+    def __init__(
+        self,
+        *,
+        last_lsn: _builtins.int = ...,
+        target_lsn: _builtins.int = ...,
+        commit_lsn: _builtins.int = ...,
+        waited_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit_lsn", b"commit_lsn", "last_lsn", b"last_lsn", "target_lsn", b"target_lsn", "waited_ms", b"waited_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrepareHandoffResponse: _TypeAlias = PrepareHandoffResponse  # noqa: Y015
+
+@_typing.final
+class UncommittedPublish(_message.Message):
+    """Events of one topic a snapshot holds above the sender's commit LSN
+    (SnapshotChunk.uncommitted).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    FIRST_OFFSET_FIELD_NUMBER: _builtins.int
+    LAST_LSN_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    """The topic."""
+    first_offset: _builtins.int
+    """The first offset of the topic's earliest uncommitted publish in the snapshot."""
+    last_lsn: _builtins.int
+    """The LSN of the topic's latest uncommitted publish in the snapshot: once the commit
+    LSN reaches it, all of them are committed.
+    """
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+        first_offset: _builtins.int = ...,
+        last_lsn: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_offset", b"first_offset", "last_lsn", b"last_lsn", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UncommittedPublish: _TypeAlias = UncommittedPublish  # noqa: Y015
+
+@_typing.final
+class ReorganizationProgress(_message.Message):
+    """A new master's reorganization sync in progress (ReplicaState.reorganization). The
+    replica takes the master role only once it holds the sync source's state; meanwhile
+    SetRole answers at once with this progress and writes are refused as UNAVAILABLE.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    SYNC_SOURCE_ID_FIELD_NUMBER: _builtins.int
+    PHASE_FIELD_NUMBER: _builtins.int
+    ENTRIES_FETCHED_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_LSN_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_CHUNKS_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_RECORDS_FIELD_NUMBER: _builtins.int
+    ELAPSED_MS_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    """The epoch the replica is to be master of."""
+    sync_source_id: _builtins.str
+    """The node it fetches from."""
+    phase: _builtins.str
+    """What it is doing: "fetching log", "truncating", "installing snapshot"."""
+    entries_fetched: _builtins.int
+    """Log entries fetched and stored so far."""
+    snapshot_lsn: _builtins.int
+    """The LSN of the snapshot being installed (0: none)."""
+    snapshot_chunks: _builtins.int
+    """Snapshot chunks and records installed so far."""
+    snapshot_records: _builtins.int
+    elapsed_ms: _builtins.int
+    """Milliseconds since the sync began."""
+    attempt: _builtins.int
+    """Attempts so far (a fetch that fails with UNAVAILABLE is retried on the next SetRole)."""
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.int = ...,
+        sync_source_id: _builtins.str = ...,
+        phase: _builtins.str = ...,
+        entries_fetched: _builtins.int = ...,
+        snapshot_lsn: _builtins.int = ...,
+        snapshot_chunks: _builtins.int = ...,
+        snapshot_records: _builtins.int = ...,
+        elapsed_ms: _builtins.int = ...,
+        attempt: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "elapsed_ms", b"elapsed_ms", "entries_fetched", b"entries_fetched", "epoch", b"epoch", "phase", b"phase", "snapshot_chunks", b"snapshot_chunks", "snapshot_lsn", b"snapshot_lsn", "snapshot_records", b"snapshot_records", "sync_source_id", b"sync_source_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReorganizationProgress: _TypeAlias = ReorganizationProgress  # noqa: Y015

@@ -68,9 +68,11 @@ class ReplicationServicer:
         logs part and streams its entries after that point; the first batch's
         truncate_after_lsn is set when the requester holds a suffix the source does not.
         When the requester cannot truncate by replaying its log (its log_start_lsn is above
-        1) or lacks entries below the source's log start, the source answers with a snapshot
-        instead (its chunks, from one read transaction), then the log after the snapshot's
-        LSN as entries. FAILED_PRECONDITION when the source is a master (its log still
+        1), its log shares no entry with the source's (a fork at LSN 0, which
+        truncate_after_lsn cannot express), or it lacks entries below the source's log start,
+        the source answers with a snapshot instead (its chunks, from one read transaction),
+        then the log after the snapshot's LSN as entries. Every entry batch carries the
+        source's commit LSN. FAILED_PRECONDITION when the source is a master (its log still
         grows), belongs to another cluster, or holds a newer epoch than the request.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -193,6 +195,11 @@ class ReplicaControlStub:
                 request_serializer=squall_dot_v1_dot_replica__pb2.AbortShutdownRequest.SerializeToString,
                 response_deserializer=squall_dot_v1_dot_replica__pb2.ReplicaState.FromString,
                 _registered_method=True)
+        self.PrepareHandoff = channel.unary_unary(
+                '/squall.v1.ReplicaControl/PrepareHandoff',
+                request_serializer=squall_dot_v1_dot_replica__pb2.PrepareHandoffRequest.SerializeToString,
+                response_deserializer=squall_dot_v1_dot_replica__pb2.PrepareHandoffResponse.FromString,
+                _registered_method=True)
 
 
 class ReplicaControlServicer:
@@ -208,7 +215,10 @@ class ReplicaControlServicer:
 
     def SetRole(self, request, context):
         """Tells the replica which role to take in which epoch. FAILED_PRECONDITION for an
-        epoch older than the replica's current one.
+        epoch older than the replica's current one. A master role whose reorganization sync
+        takes longer than a heartbeat interval is answered before it is taken: the state
+        then has role INACTIVE and `reorganization` set; the sync goes on in the background,
+        and repeating the same command reports its progress (or the error that ended it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -244,6 +254,18 @@ class ReplicaControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareHandoff(self, request, context):
+        """Before a leadership transfer: the master stops taking new writes, lets the writes it
+        took commit, and waits until the target slave holds its whole log. Writes stay
+        stopped until the role changes or timeout_ms passes (then they resume). With cancel,
+        resumes writes at once. FAILED_PRECONDITION when the replica is not the master of
+        that epoch, the target is not its slave, or the target did not catch up in time
+        (writes resume; the message says how far it got).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplicaControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -271,6 +293,11 @@ def add_ReplicaControlServicer_to_server(servicer, server):
                     servicer.AbortShutdown,
                     request_deserializer=squall_dot_v1_dot_replica__pb2.AbortShutdownRequest.FromString,
                     response_serializer=squall_dot_v1_dot_replica__pb2.ReplicaState.SerializeToString,
+            ),
+            'PrepareHandoff': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareHandoff,
+                    request_deserializer=squall_dot_v1_dot_replica__pb2.PrepareHandoffRequest.FromString,
+                    response_serializer=squall_dot_v1_dot_replica__pb2.PrepareHandoffResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -409,6 +436,33 @@ class ReplicaControl:
             '/squall.v1.ReplicaControl/AbortShutdown',
             squall_dot_v1_dot_replica__pb2.AbortShutdownRequest.SerializeToString,
             squall_dot_v1_dot_replica__pb2.ReplicaState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareHandoff(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/squall.v1.ReplicaControl/PrepareHandoff',
+            squall_dot_v1_dot_replica__pb2.PrepareHandoffRequest.SerializeToString,
+            squall_dot_v1_dot_replica__pb2.PrepareHandoffResponse.FromString,
             options,
             channel_credentials,
             insecure,

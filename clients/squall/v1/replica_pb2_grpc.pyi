@@ -48,9 +48,11 @@ class ReplicationStub:
     logs part and streams its entries after that point; the first batch's
     truncate_after_lsn is set when the requester holds a suffix the source does not.
     When the requester cannot truncate by replaying its log (its log_start_lsn is above
-    1) or lacks entries below the source's log start, the source answers with a snapshot
-    instead (its chunks, from one read transaction), then the log after the snapshot's
-    LSN as entries. FAILED_PRECONDITION when the source is a master (its log still
+    1), its log shares no entry with the source's (a fork at LSN 0, which
+    truncate_after_lsn cannot express), or it lacks entries below the source's log start,
+    the source answers with a snapshot instead (its chunks, from one read transaction),
+    then the log after the snapshot's LSN as entries. Every entry batch carries the
+    source's commit LSN. FAILED_PRECONDITION when the source is a master (its log still
     grows), belongs to another cluster, or holds a newer epoch than the request.
     """
 
@@ -71,9 +73,11 @@ class ReplicationAsyncStub(ReplicationStub):
     logs part and streams its entries after that point; the first batch's
     truncate_after_lsn is set when the requester holds a suffix the source does not.
     When the requester cannot truncate by replaying its log (its log_start_lsn is above
-    1) or lacks entries below the source's log start, the source answers with a snapshot
-    instead (its chunks, from one read transaction), then the log after the snapshot's
-    LSN as entries. FAILED_PRECONDITION when the source is a master (its log still
+    1), its log shares no entry with the source's (a fork at LSN 0, which
+    truncate_after_lsn cannot express), or it lacks entries below the source's log start,
+    the source answers with a snapshot instead (its chunks, from one read transaction),
+    then the log after the snapshot's LSN as entries. Every entry batch carries the
+    source's commit LSN. FAILED_PRECONDITION when the source is a master (its log still
     grows), belongs to another cluster, or holds a newer epoch than the request.
     """
 
@@ -103,9 +107,11 @@ class ReplicationServicer(metaclass=_abc_1.ABCMeta):
         logs part and streams its entries after that point; the first batch's
         truncate_after_lsn is set when the requester holds a suffix the source does not.
         When the requester cannot truncate by replaying its log (its log_start_lsn is above
-        1) or lacks entries below the source's log start, the source answers with a snapshot
-        instead (its chunks, from one read transaction), then the log after the snapshot's
-        LSN as entries. FAILED_PRECONDITION when the source is a master (its log still
+        1), its log shares no entry with the source's (a fork at LSN 0, which
+        truncate_after_lsn cannot express), or it lacks entries below the source's log start,
+        the source answers with a snapshot instead (its chunks, from one read transaction),
+        then the log after the snapshot's LSN as entries. Every entry batch carries the
+        source's commit LSN. FAILED_PRECONDITION when the source is a master (its log still
         grows), belongs to another cluster, or holds a newer epoch than the request.
         """
 
@@ -122,7 +128,10 @@ class ReplicaControlStub:
     """Reports what the election needs: cluster id, last log position and store state."""
     SetRole: _grpc.UnaryUnaryMultiCallable[_replica_pb2.RoleCommand, _replica_pb2.RoleCommandResponse]
     """Tells the replica which role to take in which epoch. FAILED_PRECONDITION for an
-    epoch older than the replica's current one.
+    epoch older than the replica's current one. A master role whose reorganization sync
+    takes longer than a heartbeat interval is answered before it is taken: the state
+    then has role INACTIVE and `reorganization` set; the sync goes on in the background,
+    and repeating the same command reports its progress (or the error that ended it).
     """
     FreezeForShutdown: _grpc.UnaryUnaryMultiCallable[_replica_pb2.FreezeForShutdownRequest, _replica_pb2.ReplicaState]
     """Clean cluster shutdown, step 1 (`squall cluster shutdown`): the replica takes no new
@@ -142,6 +151,14 @@ class ReplicaControlStub:
     accepted again. FAILED_PRECONDITION when frozen for another shutdown or already
     finished.
     """
+    PrepareHandoff: _grpc.UnaryUnaryMultiCallable[_replica_pb2.PrepareHandoffRequest, _replica_pb2.PrepareHandoffResponse]
+    """Before a leadership transfer: the master stops taking new writes, lets the writes it
+    took commit, and waits until the target slave holds its whole log. Writes stay
+    stopped until the role changes or timeout_ms passes (then they resume). With cancel,
+    resumes writes at once. FAILED_PRECONDITION when the replica is not the master of
+    that epoch, the target is not its slave, or the target did not catch up in time
+    (writes resume; the message says how far it got).
+    """
 
 @_typing.type_check_only
 class ReplicaControlAsyncStub(ReplicaControlStub):
@@ -152,7 +169,10 @@ class ReplicaControlAsyncStub(ReplicaControlStub):
     """Reports what the election needs: cluster id, last log position and store state."""
     SetRole: _aio.UnaryUnaryMultiCallable[_replica_pb2.RoleCommand, _replica_pb2.RoleCommandResponse]  # type: ignore[assignment]
     """Tells the replica which role to take in which epoch. FAILED_PRECONDITION for an
-    epoch older than the replica's current one.
+    epoch older than the replica's current one. A master role whose reorganization sync
+    takes longer than a heartbeat interval is answered before it is taken: the state
+    then has role INACTIVE and `reorganization` set; the sync goes on in the background,
+    and repeating the same command reports its progress (or the error that ended it).
     """
     FreezeForShutdown: _aio.UnaryUnaryMultiCallable[_replica_pb2.FreezeForShutdownRequest, _replica_pb2.ReplicaState]  # type: ignore[assignment]
     """Clean cluster shutdown, step 1 (`squall cluster shutdown`): the replica takes no new
@@ -171,6 +191,14 @@ class ReplicaControlAsyncStub(ReplicaControlStub):
     """Undoes FreezeForShutdown (a shutdown that could not complete): writes and roles are
     accepted again. FAILED_PRECONDITION when frozen for another shutdown or already
     finished.
+    """
+    PrepareHandoff: _aio.UnaryUnaryMultiCallable[_replica_pb2.PrepareHandoffRequest, _replica_pb2.PrepareHandoffResponse]  # type: ignore[assignment]
+    """Before a leadership transfer: the master stops taking new writes, lets the writes it
+    took commit, and waits until the target slave holds its whole log. Writes stay
+    stopped until the role changes or timeout_ms passes (then they resume). With cancel,
+    resumes writes at once. FAILED_PRECONDITION when the replica is not the master of
+    that epoch, the target is not its slave, or the target did not catch up in time
+    (writes resume; the message says how far it got).
     """
 
 class ReplicaControlServicer(metaclass=_abc_1.ABCMeta):
@@ -191,7 +219,10 @@ class ReplicaControlServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_replica_pb2.RoleCommandResponse, _abc.Awaitable[_replica_pb2.RoleCommandResponse]]:
         """Tells the replica which role to take in which epoch. FAILED_PRECONDITION for an
-        epoch older than the replica's current one.
+        epoch older than the replica's current one. A master role whose reorganization sync
+        takes longer than a heartbeat interval is answered before it is taken: the state
+        then has role INACTIVE and `reorganization` set; the sync goes on in the background,
+        and repeating the same command reports its progress (or the error that ended it).
         """
 
     @_abc_1.abstractmethod
@@ -228,6 +259,20 @@ class ReplicaControlServicer(metaclass=_abc_1.ABCMeta):
         """Undoes FreezeForShutdown (a shutdown that could not complete): writes and roles are
         accepted again. FAILED_PRECONDITION when frozen for another shutdown or already
         finished.
+        """
+
+    @_abc_1.abstractmethod
+    def PrepareHandoff(
+        self,
+        request: _replica_pb2.PrepareHandoffRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_replica_pb2.PrepareHandoffResponse, _abc.Awaitable[_replica_pb2.PrepareHandoffResponse]]:
+        """Before a leadership transfer: the master stops taking new writes, lets the writes it
+        took commit, and waits until the target slave holds its whole log. Writes stay
+        stopped until the role changes or timeout_ms passes (then they resume). With cancel,
+        resumes writes at once. FAILED_PRECONDITION when the replica is not the master of
+        that epoch, the target is not its slave, or the target did not catch up in time
+        (writes resume; the message says how far it got).
         """
 
 def add_ReplicaControlServicer_to_server(servicer: ReplicaControlServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,195 @@
+"""Trace context in gRPC metadata (W3C `traceparent`/`tracestate`), and the client library's
+tracing interceptor.
+
+Squall carries OpenTelemetry trace context between processes in gRPC metadata, as the W3C
+Trace Context headers: the caller's client span is the parent of the callee's server span.
+These helpers are shared by the library and the services' asyncio interceptors
+(`services.common.grpc_tracing`).
+
+The library's interceptor records one CLIENT span per call through the OpenTelemetry API:
+with no tracer provider configured by the app the API's tracer records nothing and sends
+no header, so an app that does not use OpenTelemetry pays one function call per RPC (a
+publish stream is one RPC, whatever it carries).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+TRACE_HEADERS = ("traceparent", "tracestate")
+_PROPAGATOR = TraceContextTextMapPropagator()
+# Status codes that mean the server failed (OpenTelemetry's gRPC conventions mark only
+# these as errors on a server span; a client span is an error for any non-OK code).
+SERVER_ERROR_CODES = frozenset(
+    {
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DATA_LOSS,
+    }
+)
+
+Metadata = Sequence[tuple[str, str | bytes]]
+
+if TYPE_CHECKING:  # grpc's classes are generic in the stubs only
+    _UnaryUnary = grpc.UnaryUnaryClientInterceptor[Any, Any]
+    _UnaryStream = grpc.UnaryStreamClientInterceptor[Any, Any]
+    _StreamUnary = grpc.StreamUnaryClientInterceptor[Any, Any]
+    _StreamStream = grpc.StreamStreamClientInterceptor[Any, Any]
+else:
+    _UnaryUnary = grpc.UnaryUnaryClientInterceptor
+    _UnaryStream = grpc.UnaryStreamClientInterceptor
+    _StreamUnary = grpc.StreamUnaryClientInterceptor
+    _StreamStream = grpc.StreamStreamClientInterceptor
+
+
+def method_name(method: str | bytes) -> str:
+    """A call's full method name as text ("/squall.v1.Publisher/Publish")."""
+    return method.decode() if isinstance(method, bytes) else method
+
+
+def rpc_attributes(method: str) -> dict[str, str]:
+    """The OpenTelemetry RPC attributes of a full method name."""
+    service, _, name = method.lstrip("/").partition("/")
+    return {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name}
+
+
+def span_name(method: str) -> str:
+    """The span name for a call: "squall.v1.Publisher/Publish"."""
+    return method.lstrip("/")
+
+
+def extract(metadata: Iterable[tuple[str, str | bytes]] | None) -> otel_context.Context:
+    """The trace context a caller sent in its metadata (empty if none)."""
+    carrier: dict[str, str] = {}
+    for key, value in metadata or ():
+        if key in TRACE_HEADERS:
+            carrier[key] = value.decode() if isinstance(value, bytes) else value
+    return _PROPAGATOR.extract(carrier)
+
+
+def with_context(metadata: Iterable[tuple[str, Any]] | None, span: trace.Span) -> list[Any]:
+    """metadata with any trace headers replaced by span's context."""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
+    kept = [(k, v) for k, v in (metadata or ()) if k not in TRACE_HEADERS]
+    return kept + list(carrier.items())
+
+
+def end_call_span(span: trace.Span, code: grpc.StatusCode | None, details: str = "") -> None:
+    """Ends a client span with the call's status."""
+    if code is not None:
+        span.set_attribute("rpc.grpc.status_code", code.value[0])
+        if code != grpc.StatusCode.OK:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, f"{code.name}: {details}"))
+    span.end()
+
+
+class _Details(
+    collections.namedtuple(
+        "_Details",
+        ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"),
+    ),
+    grpc.ClientCallDetails,
+):
+    """Call details with new metadata (grpc's own type cannot be built by apps)."""
+
+
+class ClientTracing(_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream):
+    """A CLIENT span per call of a sync channel, its context sent as `traceparent`."""
+
+    def __init__(self, tracer_provider: trace.TracerProvider | None = None) -> None:
+        self._tracer = trace.get_tracer("squall.client", tracer_provider=tracer_provider)
+
+    def _start(self, details: grpc.ClientCallDetails) -> tuple[trace.Span, _Details]:
+        method = method_name(details.method)
+        span = self._tracer.start_span(
+            span_name(method), kind=trace.SpanKind.CLIENT, attributes=rpc_attributes(method)
+        )
+        metadata: Any = details.metadata
+        if span.get_span_context().is_valid:
+            metadata = with_context(details.metadata, span)
+        new = _Details(
+            details.method,
+            details.timeout,
+            metadata,
+            details.credentials,
+            getattr(details, "wait_for_ready", None),
+            getattr(details, "compression", None),
+        )
+        return span, new
+
+    def _finish(self, span: trace.Span, call: Any) -> Callable[..., None]:
+        def done(*_: object) -> None:
+            try:
+                code, text = call.code(), call.details() or ""
+            except Exception:  # a call that failed before it started has no status
+                code, text = grpc.StatusCode.UNKNOWN, "the call did not start"
+            end_call_span(span, code, text)
+
+        return done
+
+    def intercept_unary_unary(
+        self, continuation: Callable[..., Any], client_call_details: Any, request: Any
+    ) -> Any:
+        """A unary call: the span ends when the outcome is known."""
+        span, details = self._start(client_call_details)
+        outcome = continuation(details, request)
+        outcome.add_done_callback(self._finish(span, outcome))
+        return outcome
+
+    def intercept_unary_stream(
+        self, continuation: Callable[..., Any], client_call_details: Any, request: Any
+    ) -> Any:
+        """A response stream: the span ends when the stream ends."""
+        span, details = self._start(client_call_details)
+        call = continuation(details, request)
+        _on_end(call, self._finish(span, call))
+        return call
+
+    def intercept_stream_unary(
+        self,
+        continuation: Callable[..., Any],
+        client_call_details: Any,
+        request_iterator: Iterator[Any],
+    ) -> Any:
+        """A request stream with one response."""
+        span, details = self._start(client_call_details)
+        outcome = continuation(details, request_iterator)
+        outcome.add_done_callback(self._finish(span, outcome))
+        return outcome
+
+    def intercept_stream_stream(
+        self,
+        continuation: Callable[..., Any],
+        client_call_details: Any,
+        request_iterator: Iterator[Any],
+    ) -> Any:
+        """A bidirectional stream (pipelined publishing): one span for the stream."""
+        span, details = self._start(client_call_details)
+        call = continuation(details, request_iterator)
+        _on_end(call, self._finish(span, call))
+        return call
+
+
+def _on_end(call: Any, callback: Callable[[], None]) -> None:
+    """Runs callback once the call has ended (now, if it already has)."""
+    if not call.add_callback(callback):
+        callback()
+
+
+def traced_channel(
+    channel: grpc.Channel, tracer_provider: trace.TracerProvider | None = None
+) -> grpc.Channel:
+    """channel with the library's tracing interceptor."""
+    return grpc.intercept_channel(channel, ClientTracing(tracer_provider))
+

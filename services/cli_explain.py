@@ -1,0 +1,141 @@
+"""`squall status` additions: operator notes (overrides, quarantines, transfers, with who,
+when and why) and `--explain` (why the master leads, who would lead if a node failed).
+
+The verdicts come from ``services.coordinator.succession``, which applies the election's
+own rules; this module only turns the status the gateway returned into its facts and the
+verdicts into lines.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import squall
+from services.coordinator.succession import NodeFacts, explain_master, succession
+
+
+def when(at_ms: int) -> str:
+    """Wall-clock milliseconds as UTC ISO 8601 (second precision)."""
+    moment = datetime.datetime.fromtimestamp(at_ms / 1000, tz=datetime.UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _record(record: squall.OperatorRecord) -> str:
+    reason = f": {record.reason}" if record.reason else ""
+    return f"by {record.operator} at {when(record.at_ms)}{reason}"
+
+
+def notes(status: squall.ClusterStatus) -> list[str]:
+    """One line per operator control in force, and per replica fault, for the table's foot."""
+    lines: list[str] = []
+    for node in status.nodes:
+        if node.quorum_override_record is not None:
+            lines.append(
+                f"{node.node_id}: QUORUM OVERRIDE {node.quorum_override} set "
+                f"{_record(node.quorum_override_record)} (clears itself once a majority is back)"
+            )
+        if node.quarantine is not None:
+            lines.append(
+                f"{node.node_id}: QUARANTINED {_record(node.quarantine)}; never master, never "
+                f"counted for acks; clear with `squall cluster unquarantine {node.node_id}`"
+            )
+        elif node.fault_reason:
+            lines.append(f"{node.node_id}: its replica reports a fault: {node.fault_reason}")
+        if node.transfer_target:
+            lines.append(f"{node.node_id}: handing the leadership to {node.transfer_target}")
+    return lines
+
+
+def facts(status: squall.ClusterStatus) -> list[NodeFacts]:
+    """The status rows as the succession rules want them."""
+    return [
+        NodeFacts(
+            node_id=n.node_id,
+            priority=n.priority,
+            up=n.reachable and not n.error,
+            quarantined=n.quarantine is not None,
+            last_epoch=n.last_epoch,
+            last_lsn=n.last_lsn,
+            max_seen=n.max_seen,
+            quorum_override=n.quorum_override,
+            designated_primary=n.designated_primary,
+            state=n.state,
+            coordinator_id=n.coordinator_id,
+            group_name=n.group_name,
+            epoch=n.epoch,
+            group=n.group,
+            invited=n.invited,
+            sync_source_id=n.sync_source_id,
+        )
+        for n in status.nodes
+    ]
+
+
+def explain(status: squall.ClusterStatus) -> dict[str, Any]:
+    """The explanation as data (for --json)."""
+    node_facts = facts(status)
+    return {
+        "master": explain_master(node_facts, status.master_id),
+        "if_failed": [
+            {"failed": v.failed, "leader": v.leader, "sync_source": v.sync_source, "why": v.why}
+            for v in succession(node_facts, status.master_id)
+        ],
+        "audit": {
+            n.node_id: [
+                {
+                    "at": when(r.at_ms),
+                    "operator": r.operator,
+                    "action": r.action,
+                    "reason": r.reason,
+                }
+                for r in n.audit
+            ]
+            for n in status.nodes
+            if n.audit
+        },
+    }
+
+
+def explain_lines(status: squall.ClusterStatus, table: list[str]) -> list[str]:
+    """The explanation as text: why, the members' facts, who would lead if each failed."""
+    data = explain(status)
+    lines = ["", "Why:"]
+    lines.extend(f"  {line}" for line in data["master"])
+    lines += ["", "Members:"]
+    lines.extend(f"  {line}" for line in table)
+    lines += ["", "If a node failed now:"]
+    for verdict in data["if_failed"]:
+        outcome = f"{verdict['leader']} would lead" if verdict["leader"] else "no master"
+        lines.append(f"  {verdict['failed']} fails -> {outcome}: {verdict['why']}")
+    if data["audit"]:
+        lines += ["", "Operator actions (newest last):"]
+        for node_id, records in data["audit"].items():
+            for r in records:
+                reason = f": {r['reason']}" if r["reason"] else ""
+                lines.append(f"  {node_id} {r['at']} {r['operator']}: {r['action']}{reason}")
+    return lines
+
+
+def member_rows(status: squall.ClusterStatus) -> list[list[str]]:
+    """The members' table for --explain: epoch, log position, priority, state."""
+    rows = [["id", "prio", "state", "role", "epoch", "log (epoch/lsn)", "commit", "max", "coord"]]
+    for n in status.nodes:
+        if not n.reachable:
+            rows.append([n.node_id, "-", "unreachable", "-", "-", "-", "-", "-", "-"])
+            continue
+        state = "QUARANTINED" if n.quarantine is not None else n.state
+        rows.append(
+            [
+                n.node_id,
+                str(n.priority),
+                state,
+                n.role,
+                str(n.epoch),
+                f"{n.last_epoch}/{n.last_lsn}",
+                str(n.commit_lsn),
+                str(n.max_seen),
+                n.coordinator_id or "-",
+            ]
+        )
+    return rows

@@ -1,0 +1,50 @@
+"""`squall health ADDRESS`: is the service at ADDRESS serving? For probes and scripts.
+
+Asks the standard `grpc.health.v1.Health` service every Squall process runs (as
+grpc_health_probe would, without installing it): exit status 0 when it answers SERVING,
+1 otherwise, with one line saying what it answered. Container health checks, load
+balancers and scripts that wait for a restarted service use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TextIO
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds `health`."""
+    health = commands.add_parser(
+        "health", help="ask a service's gRPC health check (exit 0 when SERVING)"
+    )
+    health.add_argument("address", metavar="ADDRESS", help="host:port of any Squall service")
+    health.add_argument(
+        "--service",
+        default="",
+        metavar="NAME",
+        help="a fully qualified gRPC service name (default: the whole server)",
+    )
+    health.add_argument(
+        "--timeout", type=float, default=2.0, metavar="SECONDS", help="deadline of the check"
+    )
+    health.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace, out: TextIO) -> int:
+    """Checks one address; prints `ADDRESS: STATUS`; 0 only for SERVING."""
+    with grpc.insecure_channel(args.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = stub.Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
+            )
+        except grpc.RpcError as exc:
+            code = exc.code()
+            print(f"{args.address}: {code.name}: {exc.details()}", file=out)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{args.address}: {status}", file=out)
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1

@@ -1,0 +1,93 @@
+"""`squall store backup` and `squall store restore`: a live store's verified copy, and back.
+
+    squall store backup DATA_DIR DEST      copy the store in DATA_DIR (the replica may run)
+    squall store restore BACKUP DATA_DIR   put a backup into a stopped node's empty DATA_DIR
+
+Run them as the user the services run as (the backup opens the store's lock file to
+register as a reader). Exit status 0 on success, 1 if the copy failed, 2 for bad
+arguments (a destination that is not empty, a directory that holds no store); in every
+failure nothing is left behind. See docs/deployment.md for the procedures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TextIO
+
+from services.replica import backup as store_backup
+
+
+def store_commands(commands: argparse._SubParsersAction) -> argparse._SubParsersAction:  # type: ignore[type-arg]
+    """The `squall store` command group's subcommands, created on first use.
+
+    Other modules add their own `store` subcommands through this, so the group is
+    defined once whoever registers first.
+    """
+    existing = commands.choices.get("store")
+    if existing is not None:
+        for action in existing._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return action
+    store = commands.add_parser("store", help="work on a node's store directory (offline tools)")
+    sub: argparse._SubParsersAction = store.add_subparsers(  # type: ignore[type-arg]
+        dest="store_command", required=True, metavar="ACTION"
+    )
+    return sub
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds `store backup` and `store restore`."""
+    sub = store_commands(commands)
+    backup = sub.add_parser(
+        "backup",
+        help="copy a (live) store, verified, into an empty directory",
+        description="Copies the store in DATA_DIR from one LMDB read transaction while its "
+        "replica keeps running, reads the copy back, and writes it with a manifest to DEST.",
+    )
+    backup.add_argument("data_dir", type=Path, metavar="DATA_DIR", help="a node's data_dir")
+    backup.add_argument("dest", type=Path, metavar="DEST", help="missing or empty directory")
+    backup.set_defaults(handler=run)
+    restore = sub.add_parser(
+        "restore",
+        help="put a backup into a stopped node's data directory (which holds no store)",
+    )
+    restore.add_argument("backup", type=Path, metavar="BACKUP", help="a `store backup` DEST")
+    restore.add_argument("data_dir", type=Path, metavar="DATA_DIR", help="the node's data_dir")
+    restore.set_defaults(handler=run)
+
+
+def _describe(info: store_backup.BackupInfo) -> str:
+    return (
+        f"cluster {info.cluster_id or '(none yet)'}, {info.store_state} store, "
+        f"epoch {info.epoch}, log {info.log_start_lsn}..{info.last_lsn} "
+        f"(last entry's epoch {info.last_epoch}), {info.topics} topics, "
+        f"{info.state_records} state records, {info.data_bytes} bytes"
+    )
+
+
+def run(args: argparse.Namespace, out: TextIO, err: TextIO | None = None) -> int:
+    """Runs `store backup` or `store restore`; returns the exit status."""
+    err = err if err is not None else sys.stderr
+    try:
+        if args.store_command == "backup":
+            info = store_backup.backup(args.data_dir, args.dest)
+            print(f"backed up {args.data_dir} to {args.dest}: {_describe(info)}", file=out)
+        else:
+            info = store_backup.restore(args.backup, args.data_dir)
+            print(f"restored {args.backup} into {args.data_dir}: {_describe(info)}", file=out)
+            print(
+                "start the node; it rejoins its group and catches up from the master",
+                file=out,
+            )
+    except store_backup.PreconditionError as exc:
+        print(f"squall: {exc}", file=err)
+        return 2
+    except store_backup.BackupError as exc:
+        print(f"squall: {exc}", file=err)
+        return 1
+    except OSError as exc:
+        print(f"squall: {exc}", file=err)
+        return 1
+    return 0

@@ -1,0 +1,85 @@
+"""A replica's record of a fault that makes its node unfit to serve: a checksum error in its
+store, or a store write that failed (the replica fail-stops).
+
+The replica reports the fault to its coordinator in every ``ReplicaState``; the coordinator
+quarantines the node (it then takes no part in any group) until an operator clears it. The
+record carries a unique id, so the coordinator quarantines once per fault, and an operator
+who cleared a fault is not overruled by the replica still reporting it. The record is kept
+in ``replica-fault.json`` beside the store (not in it: the store may be what failed), so a
+replica restarted before its coordinator heard of the fault still reports it. Writing it is
+best effort, for the same reason. Repairing the store (moving the data directory aside)
+removes it with the store.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+log = logging.getLogger("squall.replica")
+
+FAULT_FILE_NAME = "replica-fault.json"
+# Longest reason kept: a fault names a database and key, not a novel.
+REASON_CHARS_MAX = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """One fault: a unique id, what happened, and when (wall-clock ms)."""
+
+    fault_id: str
+    reason: str
+    at_ms: int
+
+
+def new_fault(reason: str, at_ms: int) -> Fault:
+    """A fault with a fresh id."""
+    return Fault(uuid.uuid4().hex, reason[:REASON_CHARS_MAX], at_ms)
+
+
+def load_fault(data_dir: Path) -> Fault | None:
+    """The fault recorded in data_dir, if any; an unreadable record counts as a fault too."""
+    path = data_dir / FAULT_FILE_NAME
+    try:
+        document = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        return Fault(_file_id(path), f"{path} unreadable: {exc}", 0)
+    if (
+        not isinstance(document, dict)
+        or not isinstance(document.get("fault_id"), str)
+        or not document["fault_id"]
+        or not isinstance(document.get("reason"), str)
+        or not isinstance(document.get("at_ms"), int)
+    ):
+        return Fault(_file_id(path), f"{path} is malformed", 0)
+    return Fault(
+        document["fault_id"][:64], document["reason"][:REASON_CHARS_MAX], document["at_ms"]
+    )
+
+
+def _file_id(path: Path) -> str:
+    """An id for a damaged record: the same while the file stays as it is."""
+    try:
+        return f"damaged-record-{path.stat().st_mtime_ns}"
+    except OSError:
+        return "damaged-record"
+
+
+def save_fault(data_dir: Path, fault: Fault) -> None:
+    """Records the fault beside the store, atomically; logs (does not raise) on failure."""
+    path = data_dir / FAULT_FILE_NAME
+    temporary = path.with_suffix(".tmp")
+    try:
+        with open(temporary, "w") as handle:
+            json.dump(asdict(fault), handle, sort_keys=True)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except OSError as exc:
+        log.error("could not record the fault in %s (it is reported all the same): %s", path, exc)

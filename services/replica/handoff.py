@@ -1,0 +1,118 @@
+"""The master's part of a leadership transfer: stop new writes, let the taken ones commit,
+and wait until the target slave holds the whole log (``ReplicaControl.PrepareHandoff``).
+
+While the fence holds, a write is refused with UNAVAILABLE before anything is stored, so
+the gateway and the client library retry it (at the new master, once the group view names
+it). The fence lifts when the role changes (the transfer happened) or at its deadline (it
+did not), so a coordinator that dies mid-transfer cannot leave the master refusing writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from services.common.errors import Code, ServiceError
+from services.replica.replication import Ack, SyncPolicy
+from squall.v1 import common_pb2, replica_pb2
+
+if TYPE_CHECKING:
+    from services.replica.node import ReplicaNode
+
+# How often the wait rechecks the target's acks (it also wakes on every commit).
+_POLL_S = 0.005
+# The longest fence a request may ask for.
+FENCE_MS_MAX = 60_000
+
+
+@dataclass
+class WriteFence:
+    """New writes refused until ``until_ms`` (monotonic) while the role stays as it was."""
+
+    until_ms: int = 0
+    target: str = ""
+    epoch: int = 0
+
+    def holds(self, now_ms: int, epoch: int) -> bool:
+        """Is the fence up for this epoch's writes now?"""
+        return self.until_ms > now_ms and self.epoch == epoch
+
+    def clear(self) -> None:
+        """Lift the fence."""
+        self.until_ms, self.target, self.epoch = 0, "", 0
+
+
+def _held_lsn(node: ReplicaNode, target: str) -> int | None:
+    """What ``target`` holds at the replica sync policy, or None if it is not our slave."""
+    policy = SyncPolicy(int(node.config.durability.replica_sync))
+    for slave in node.slave_status():
+        p = slave.progress
+        if p.node_id == target:
+            return Ack(p.received_lsn, p.written_lsn, p.synced_lsn).durable_lsn(policy)
+    return None
+
+
+async def prepare(
+    node: ReplicaNode, request: replica_pb2.PrepareHandoffRequest
+) -> replica_pb2.PrepareHandoffResponse:
+    """Fences writes and waits for the target (see the module docstring)."""
+    clock = node.clock
+    started = clock.monotonic_ms()
+    if request.cancel:
+        if node.fence.epoch == request.epoch:
+            node.fence.clear()
+        return _response(node, request.target_node_id, started)
+    who = f"replica {node.node.id}"
+    if node.role != common_pb2.ROLE_MASTER or node.epoch != request.epoch:
+        raise ServiceError(
+            Code.FAILED_PRECONDITION,
+            f"{who} is not the master of epoch {request.epoch} (epoch {node.epoch}, role "
+            f"{common_pb2.Role.Name(node.role)})",
+        )
+    target = request.target_node_id
+    if _held_lsn(node, target) is None:
+        slaves = ",".join(s.progress.node_id for s in node.slave_status()) or "none"
+        raise ServiceError(
+            Code.FAILED_PRECONDITION,
+            f"{who}: {target[:64]!r} is not a slave of this master (slaves: {slaves})",
+        )
+    if not 0 < request.timeout_ms <= FENCE_MS_MAX:
+        raise ServiceError(
+            Code.INVALID_ARGUMENT, f"timeout_ms must be 1..{FENCE_MS_MAX}, got {request.timeout_ms}"
+        )
+    deadline = started + request.timeout_ms
+    node.fence.until_ms, node.fence.target, node.fence.epoch = deadline, target, request.epoch
+    # Bounded by the deadline: each pass waits at most _POLL_S (or until a commit).
+    while True:
+        if node.role != common_pb2.ROLE_MASTER or node.epoch != request.epoch:
+            node.fence.clear()
+            raise ServiceError(
+                Code.FAILED_PRECONDITION, f"{who} lost the master role of epoch {request.epoch}"
+            )
+        held = _held_lsn(node, target) or 0
+        if node.writes_idle() and held >= node.last_lsn and node.commit_lsn >= node.last_lsn:
+            return _response(node, target, started)
+        if clock.monotonic_ms() >= deadline:
+            node.fence.clear()
+            raise ServiceError(
+                Code.FAILED_PRECONDITION,
+                f"{who}: {target} holds LSN {held} of {node.last_lsn} (commit LSN "
+                f"{node.commit_lsn}) after {request.timeout_ms} ms; writes resumed",
+            )
+        signal = node.commit_signal()
+        try:
+            await asyncio.wait_for(signal.wait(), _POLL_S)
+        except TimeoutError:
+            pass
+
+
+def _response(
+    node: ReplicaNode, target: str, started_ms: int
+) -> replica_pb2.PrepareHandoffResponse:
+    return replica_pb2.PrepareHandoffResponse(
+        last_lsn=node.last_lsn,
+        target_lsn=_held_lsn(node, target) or 0,
+        commit_lsn=node.commit_lsn,
+        waited_ms=max(0, node.clock.monotonic_ms() - started_ms),
+    )

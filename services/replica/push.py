@@ -1,0 +1,421 @@
+"""Push delivery on the master: calls each push subscriber's own gRPC service.
+
+Runs only while this replica is the master of an epoch whose start entry committed (the
+node starts it then and stops it when the role goes), so every event it reads is
+committed and every subscription it sees is the group's. One supervisor task keeps one
+worker per push subscriber in the store (rescanning when a subscribe or unsubscribe is
+made here, and every `_RESCAN_S`); each worker:
+
+* reads committed events from its subscriber's position (replicated topics: below the
+  commit gate, as `Subscribe` does; transient topics: the live ring, from its end at the
+  worker's start), at most `limits.push_batch_max_events` / `push_batch_max_bytes` per
+  batch;
+* offers a round of batches (`push_policy.DeliveryState`: one when ordered, up to
+  `limits.push_inflight_batches_max` at once otherwise), each a `PushSubscriber.Deliver`
+  call bounded by `timeouts.push_deliver_timeout_ms`;
+* moves the durable cursor through the log (`PushCursor`), at most one write in flight
+  per subscriber, each carrying the newest position: under load one log entry covers
+  many batches, never one per event (transient topics keep no cursor);
+* after a failed round waits a jittered, doubling backoff (`timeouts.push_retry_backoff_*`)
+  and offers the failed batches again; when the QoS says so (`push_policy.after_failure`)
+  it removes the subscriber with a logged `PushUnsubscribe` and stops.
+
+The failure count lives in memory on the master: a new master starts it at 0. Delivery
+is at-least-once: batches delivered but not yet covered by a committed cursor are offered
+again by the next master.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from typing import TYPE_CHECKING
+
+import grpc
+
+from services.common.errors import Code, ServiceError
+from services.replica import commands
+from services.replica.push_policy import (
+    DeliveryState,
+    Offered,
+    Qos,
+    backoff_ms,
+)
+from services.replica.store import PushSubscriber, StoreError, UnknownTopicError
+from squall.v1 import common_pb2, push_pb2, push_pb2_grpc
+
+if TYPE_CHECKING:
+    from services.replica.node import ReplicaNode
+
+log = logging.getLogger("squall.replica.push")
+
+# How often the supervisor rescans the store for push subscribers without being told.
+_RESCAN_S = 1.0
+# How long an idle worker waits for a commit before it rechecks its subscription.
+_IDLE_RECHECK_S = 1.0
+# Longest status detail from a subscriber kept in logs, status and removal reasons.
+_DETAIL_CHARS_MAX = 200
+
+_WorkerKey = tuple[str, str, int]  # topic, subscriber id, LSN of its subscribe
+
+
+def _channel_options(max_message_bytes: int, reconnect_max_ms: int) -> list[tuple[str, int]]:
+    # No keepalive pings: an app's gRPC server refuses frequent pings by default, and the
+    # Deliver deadline already bounds how long a dead subscriber can hold a batch. The
+    # reconnect backoff is capped so a subscriber that comes back is reached again soon.
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.initial_reconnect_backoff_ms", min(100, reconnect_max_ms)),
+        ("grpc.min_reconnect_backoff_ms", min(100, reconnect_max_ms)),
+        ("grpc.max_reconnect_backoff_ms", reconnect_max_ms),
+    ]
+
+
+def _detail(error: grpc.aio.AioRpcError) -> str:
+    return " ".join((error.details() or "").split())[:_DETAIL_CHARS_MAX]
+
+
+class PushDelivery:
+    """The master's push delivery: a supervisor and one worker per push subscriber."""
+
+    def __init__(self, node: ReplicaNode, rng: random.Random | None = None) -> None:
+        self._node = node
+        self._rng = rng or random.Random()
+        self._epoch = 0
+        self._supervisor: asyncio.Task[None] | None = None
+        self._workers: dict[_WorkerKey, _Worker] = {}
+        self._wake = asyncio.Event()
+
+    # --- lifecycle (called by the node on role changes)
+
+    def start(self, epoch: int) -> None:
+        """Starts delivering as the master of `epoch` (its start entry has committed)."""
+        self.stop()
+        self._epoch = epoch
+        self._supervisor = asyncio.get_running_loop().create_task(
+            self._supervise(epoch), name=f"push-{self._node.node.id}-{epoch}"
+        )
+        log.info("replica %s: push delivery started (epoch=%d)", self._node.node.id, epoch)
+
+    def stop(self) -> None:
+        """Stops every delivery now (the role is gone); calls in flight are cancelled."""
+        supervisor, self._supervisor = self._supervisor, None
+        if supervisor is not None:
+            supervisor.cancel()
+            log.info(
+                "replica %s: push delivery stopped (epoch=%d)", self._node.node.id, self._epoch
+            )
+        for worker in self._workers.values():
+            worker.cancel()
+        self._workers.clear()
+
+    async def close(self) -> None:
+        """Stops and waits for the tasks to end."""
+        tasks = [w.task for w in self._workers.values()]
+        if self._supervisor is not None:
+            tasks.append(self._supervisor)
+        self.stop()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def refresh(self) -> None:
+        """A push subscriber was added or removed here: rescan now."""
+        self._wake.set()
+
+    def active(self, epoch: int) -> bool:
+        """Whether this replica still delivers as the master of `epoch`."""
+        node = self._node
+        return (
+            self._supervisor is not None
+            and self._epoch == epoch
+            and node.role == common_pb2.ROLE_MASTER
+            and node.epoch == epoch
+            and not node.failed_reason
+        )
+
+    def status(self, topic: str, subscriber_id: str) -> tuple[int, str]:
+        """(failed rounds in a row, last error) of a subscriber delivered from here."""
+        for (worker_topic, worker_id, _), worker in self._workers.items():
+            if worker_topic == topic and worker_id == subscriber_id:
+                return worker.state.failures, worker.state.last_error
+        return 0, ""
+
+    # --- the probe at subscribe time
+
+    async def probe(self, topic: str, subscriber_id: str, endpoint: str) -> None:
+        """Calls the endpoint once with an empty probe; FAILED_PRECONDITION if it fails."""
+        node = self._node
+        timeouts = node.config.timeouts
+        options = _channel_options(
+            node.config.limits.max_message_bytes, timeouts.push_retry_backoff_max_ms
+        )
+        request = push_pb2.PushDeliverRequest(
+            topic=topic,
+            subscriber_id=subscriber_id,
+            probe=True,
+            master_id=node.node.id,
+            epoch=node.epoch,
+        )
+        async with grpc.aio.insecure_channel(endpoint, options=options) as channel:
+            try:
+                await push_pb2_grpc.PushSubscriberStub(channel).Deliver(
+                    request, timeout=timeouts.push_deliver_timeout_ms / 1000
+                )
+            except grpc.aio.AioRpcError as exc:
+                raise ServiceError(
+                    Code.FAILED_PRECONDITION,
+                    f"push subscriber '{subscriber_id}' at {endpoint} cannot be reached or "
+                    f"refused the subscribe probe ({exc.code().name}: {_detail(exc)}); "
+                    "nothing was registered",
+                ) from None
+
+    # --- supervision
+
+    async def _supervise(self, epoch: int) -> None:
+        # Bounded per pass by the store's subscribers; ends with the role.
+        while self.active(epoch):
+            self._wake.clear()
+            try:
+                subscribers = self._node.store.list_push_subscribers()
+            except StoreError as exc:
+                log.warning(
+                    "replica %s: reading push subscribers failed: %s", self._node.node.id, exc
+                )
+                subscribers = []
+            wanted = {(s.topic, s.subscriber_id, s.lsn): s for s in subscribers}
+            for key in list(self._workers):
+                worker = self._workers[key]
+                if key not in wanted or worker.task.done():
+                    worker.cancel()
+                    del self._workers[key]
+            for key, subscriber in wanted.items():
+                if key not in self._workers:
+                    self._workers[key] = _Worker(self, subscriber, epoch)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), _RESCAN_S)
+
+    def _jitter(self) -> float:
+        return self._rng.random()
+
+
+class _Worker:
+    """Delivers one push subscriber's events while this replica is master."""
+
+    def __init__(self, delivery: PushDelivery, subscriber: PushSubscriber, epoch: int) -> None:
+        self._delivery = delivery
+        self._node = delivery._node
+        self._subscriber = subscriber
+        self._epoch = epoch
+        limits = self._node.config.limits
+        qos = Qos(ordered=subscriber.ordered, retry_count=subscriber.retry_count)
+        self.state = DeliveryState(subscriber.cursor, qos, limits.push_inflight_batches_max)
+        self._durable = subscriber.cursor  # the cursor the log holds (or will)
+        self._wanted = subscriber.cursor  # the newest cursor to write
+        self._cursor_task: asyncio.Task[None] | None = None
+        self._attempts: dict[int, int] = {}  # first offset of a failed batch -> failures
+        timeouts = self._node.config.timeouts
+        self._channel = grpc.aio.insecure_channel(
+            subscriber.endpoint,
+            options=_channel_options(limits.max_message_bytes, timeouts.push_retry_backoff_max_ms),
+        )
+        self._stub = push_pb2_grpc.PushSubscriberStub(self._channel)
+        self.task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"push-{subscriber.topic}-{subscriber.subscriber_id}"
+        )
+
+    def cancel(self) -> None:
+        self.task.cancel()
+        if self._cursor_task is not None:
+            self._cursor_task.cancel()
+
+    @property
+    def _where(self) -> str:
+        s = self._subscriber
+        return f"push subscriber '{s.subscriber_id}' of topic '{s.topic}' at {s.endpoint}"
+
+    async def _run(self) -> None:
+        try:
+            await self._deliver_loop()
+        except asyncio.CancelledError:
+            raise
+        except (StoreError, ServiceError) as exc:
+            # The supervisor starts a new worker at its next scan if still subscribed.
+            log.warning(
+                "replica %s: %s: delivery stopped: %s", self._node.node.id, self._where, exc
+            )
+        finally:
+            await self._channel.close(None)
+
+    def _subscribed(self) -> bool:
+        s = self._subscriber
+        current = self._node.store.get_push_subscriber(s.topic, s.subscriber_id)
+        return current is not None and current.lsn == s.lsn
+
+    async def _deliver_loop(self) -> None:
+        node, s, state = self._node, self._subscriber, self.state
+        topic = node.store.get_topic(s.topic)
+        if topic is None:
+            return
+        transient = topic.kind == common_pb2.TOPIC_KIND_TRANSIENT
+        if transient:
+            # IceStorm's event model: a transient topic's events go to the subscribers
+            # there are now, from the live end.
+            state.position = node.transient.next_offset(s.topic)
+        timeouts = node.config.timeouts
+        # One round per pass; ends with the role or the subscription.
+        while self._delivery.active(self._epoch):
+            signal = node.commit_signal()
+            if not self._subscribed():
+                return
+            batches = self._read(transient)
+            if not batches:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(signal.wait(), _IDLE_RECHECK_S)
+                continue
+            outcomes = await asyncio.gather(
+                *(self._offer(first, end, events) for first, end, events in batches)
+            )
+            if not self._delivery.active(self._epoch):
+                return
+            result = state.finish_round(outcomes)
+            for outcome in outcomes:
+                if outcome.code == "OK":
+                    self._attempts.pop(outcome.first, None)
+                else:
+                    self._attempts[outcome.first] = self._attempts.get(outcome.first, 0) + 1
+            if result.action == "remove":
+                await self._remove(result.reason)
+                return
+            if not transient and result.cursor > self._wanted:
+                self._advance(result.cursor)
+            if result.action == "backoff":
+                delay_ms = backoff_ms(
+                    result.failures,
+                    timeouts.push_retry_backoff_initial_ms,
+                    timeouts.push_retry_backoff_max_ms,
+                    self._delivery._jitter(),
+                )
+                # As IceStorm: a warning when a subscriber goes offline, quieter after.
+                log.log(
+                    logging.WARNING if result.failures == 1 else logging.DEBUG,
+                    "replica %s: %s: delivery failed (%d in a row, retryCount %d): %s; "
+                    "retrying in %d ms",
+                    node.node.id,
+                    self._where,
+                    result.failures,
+                    s.retry_count,
+                    state.last_error,
+                    delay_ms,
+                )
+                await asyncio.sleep(delay_ms / 1000)
+
+    def _read(self, transient: bool) -> list[tuple[int, int, list[common_pb2.Event]]]:
+        """The round's batches: failed ones again first, then new committed events."""
+        node, s, state = self._node, self._subscriber, self.state
+        limits = node.config.limits
+        batches: list[tuple[int, int, list[common_pb2.Event]]] = []
+        try:
+            for first, end in state.retry_batches():
+                if transient:
+                    events = node.transient.read(s.topic, first, end - first)
+                    events = [e for e in events if e.offset < end]
+                else:
+                    events = node.store.read_events(s.topic, first, end - first, end)
+                batches.append((first, end, events))
+            position = state.position
+            for _ in range(state.new_batches()):
+                if transient:
+                    events = node.transient.read(s.topic, position, limits.push_batch_max_events)
+                    events = _within_bytes(events, limits.push_batch_max_bytes)
+                else:
+                    hidden = node.visible_end(s.topic)
+                    if hidden and position >= hidden:
+                        break
+                    events = node.store.read_events(
+                        s.topic,
+                        position,
+                        limits.push_batch_max_events,
+                        hidden,
+                        max_bytes=limits.push_batch_max_bytes,
+                    )
+                if not events:
+                    break
+                end = events[-1].offset + 1
+                batches.append((position, end, events))
+                position = end
+        except UnknownTopicError:
+            return []  # destroyed meanwhile: the next pass sees the subscription gone
+        return batches
+
+    async def _offer(self, first: int, end: int, events: list[common_pb2.Event]) -> Offered:
+        """One Deliver call; its outcome as the policy sees it."""
+        if not events:
+            return Offered(first, end, "OK")  # nothing left to deliver in that range
+        node, s = self._node, self._subscriber
+        request = push_pb2.PushDeliverRequest(
+            topic=s.topic,
+            subscriber_id=s.subscriber_id,
+            events=events,
+            attempt=self._attempts.get(first, 0),
+            master_id=node.node.id,
+            epoch=self._epoch,
+        )
+        try:
+            await self._stub.Deliver(
+                request, timeout=node.config.timeouts.push_deliver_timeout_ms / 1000
+            )
+        except grpc.aio.AioRpcError as exc:
+            return Offered(first, end, exc.code().name, _detail(exc))
+        return Offered(first, end, "OK")
+
+    async def _remove(self, reason: str) -> None:
+        """Removes the subscriber through the log (replicated, like any unsubscribe)."""
+        node, s = self._node, self._subscriber
+        log.warning("replica %s: removing %s: %s", node.node.id, self._where, reason)
+        try:
+            await node.write(commands.PushUnsubscribe(s.topic, s.subscriber_id, reason, s.lsn))
+        except ServiceError as exc:
+            # Lost the role or already unsubscribed: the next master decides again.
+            log.info("replica %s: removing %s did not commit: %s", node.node.id, self._where, exc)
+
+    # --- the durable cursor
+
+    def _advance(self, cursor: int) -> None:
+        self._wanted = cursor
+        if self._cursor_task is None or self._cursor_task.done():
+            self._cursor_task = asyncio.get_running_loop().create_task(self._write_cursor())
+
+    async def _write_cursor(self) -> None:
+        """Writes the newest wanted cursor until the log holds it; one write at a time."""
+        node, s = self._node, self._subscriber
+        # Each pass writes a newer cursor than the last: bounded by the deliveries made.
+        while self._wanted > self._durable and self._delivery.active(self._epoch):
+            target = self._wanted
+            try:
+                plan = await node.write(
+                    commands.PushCursor(s.topic, s.subscriber_id, target, s.lsn)
+                )
+            except ServiceError as exc:
+                log.debug(
+                    "replica %s: %s: cursor %d not written: %s",
+                    node.node.id,
+                    self._where,
+                    target,
+                    exc,
+                )
+                return
+            self._durable = max(self._durable, plan.cursor)
+
+
+def _within_bytes(events: list[common_pb2.Event], max_bytes: int) -> list[common_pb2.Event]:
+    """The first events whose keys and payloads fit max_bytes (at least one)."""
+    total = 0
+    for i, event in enumerate(events):
+        total += len(event.key) + len(event.payload)
+        if i and total > max_bytes:
+            return events[:i]
+    return events

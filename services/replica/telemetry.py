@@ -1,0 +1,389 @@
+"""The replica's spans and metrics: publish, commit wait, replication per batch, delivery.
+
+Spans (each only while tracing is on, and only for sampled traces):
+
+* ``replica.publish`` — one per publish request (unary, or one message of a publish
+  stream), child of the call's server span: topic, events, epoch, the LSN of its entry
+  (``squall.first_lsn``; a publish request is one log entry) and its first offset.
+* ``replica.commit_wait`` — its child, from the local append to the commit (held by the
+  replicas the ack policy requires).
+* ``replication.send`` — on the master, one per entry batch sent to one slave that holds
+  at least one traced write, from the send to the slave's acknowledgement at the replica
+  sync policy (a ``received`` event marks the receipt ack): slave, epoch, first/last LSN,
+  entries, bytes. Its parent is the commit wait of the batch's first traced write and it
+  links to the others' (at most ``_LINKS_MAX``), so a publish trace shows its replication.
+* ``subscribe.deliver`` — one per batch of events a subscription sends.
+
+Never one per event. Metrics are listed in ``ReplicaInstruments``; gauges are read on the
+node's loop when an exporter collects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import weakref
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from opentelemetry import metrics, trace
+
+from services.common.telemetry import Telemetry, on_loop
+from squall.v1 import broker_pb2, common_pb2
+
+if TYPE_CHECKING:
+    from services.replica.node import ReplicaNode
+
+# Commit latency buckets, in milliseconds: sub-millisecond (no replication, NO_SYNC) to
+# seconds (a slave catching up under `all`).
+COMMIT_LATENCY_BUCKETS_MS = (
+    0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0,
+    10000.0,
+)  # fmt: skip
+ROLE_NAMES = {
+    common_pb2.ROLE_MASTER: "master",
+    common_pb2.ROLE_SLAVE: "slave",
+    common_pb2.ROLE_INACTIVE: "inactive",
+}
+# Traced writes the master remembers for linking replication spans: a bounded window of
+# the newest (a slave further behind than this gets unlinked root-less spans: none).
+_TRACED_WRITES_MAX = 4096
+# Links on one replication span (each is a traced write in the batch).
+_LINKS_MAX = 32
+# Gauge readings are shared by the instruments of one collection.
+_SAMPLE_MAX_AGE_S = 0.2
+
+
+@dataclass(frozen=True)
+class ReplicaSample:
+    """One reading of a replica's state for the gauges."""
+
+    node_id: str
+    role: int
+    epoch: int
+    last_lsn: int
+    commit_lsn: int
+    store_bytes: int
+    lags: tuple[tuple[str, str, int], ...]  # (slave id, slave state, lag in entries)
+
+
+def sample(node: ReplicaNode) -> ReplicaSample:
+    """Reads the node's state (on its loop)."""
+    return ReplicaSample(
+        node_id=node.node.id,
+        role=node.role,
+        epoch=node.epoch,
+        last_lsn=node.last_lsn,
+        commit_lsn=node.commit_lsn,
+        store_bytes=node.store.size_bytes(),
+        lags=tuple(
+            (s.progress.node_id, s.progress.state.value, s.lag_entries) for s in node.slave_status()
+        ),
+    )
+
+
+class _Source:
+    """A registered node and its last reading."""
+
+    def __init__(self, node: ReplicaNode, loop: asyncio.AbstractEventLoop) -> None:
+        self.node = weakref.ref(node)
+        self.loop = loop
+        self.reading: ReplicaSample | None = None
+        self.read_at = 0.0
+
+    def read(self) -> ReplicaSample | None:
+        now = time.monotonic()
+        if self.reading is None or now - self.read_at > _SAMPLE_MAX_AGE_S:
+            node = self.node()
+            if node is None:
+                return None
+            self.reading = on_loop(self.loop, lambda: sample(node))
+            self.read_at = now
+        return self.reading
+
+
+class ReplicaInstruments:
+    """Every replica metric, made once per Telemetry; nodes register for the gauges."""
+
+    def __init__(self, telemetry: Telemetry) -> None:
+        meter = telemetry.meter
+        self.commit_latency = meter.create_histogram(
+            "squall.replica.commit.latency",
+            unit="ms",
+            description="Time from a write reaching the master to its commit (held by the "
+            "replicas the ack policy requires), per request",
+            explicit_bucket_boundaries_advisory=COMMIT_LATENCY_BUCKETS_MS,
+        )
+        self.events_in = meter.create_counter(
+            "squall.replica.events.in",
+            unit="{event}",
+            description="Events acknowledged to publishers by this master",
+        )
+        self.events_out = meter.create_counter(
+            "squall.replica.events.out",
+            unit="{event}",
+            description="Events sent to subscribers by this replica",
+        )
+        self.role_changes = meter.create_counter(
+            "squall.replica.role.changes",
+            unit="{change}",
+            description="Role changes of this replica, by the role taken",
+        )
+        self._sources: dict[int, _Source] = {}
+        gauges = (
+            ("squall.replica.role", "", "1 for the role this replica holds, 0 for the others",
+             self._observe_role),
+            ("squall.replica.epoch", "", "The epoch this replica is in", self._observe_epoch),
+            ("squall.replica.last_lsn", "", "LSN of the last entry in the local log",
+             self._observe_last_lsn),
+            ("squall.replica.commit_lsn", "", "Highest LSN committed reads serve here",
+             self._observe_commit_lsn),
+            ("squall.replica.store.size", "By", "Bytes the store's data file uses",
+             self._observe_store_size),
+            ("squall.replica.replication.lag", "{entry}",
+             "Log entries a slave lacks at the replica sync policy (reported by the master)",
+             self._observe_lag),
+        )  # fmt: skip
+        for name, unit, description, callback in gauges:
+            meter.create_observable_gauge(
+                name, callbacks=[callback], unit=unit, description=description
+            )
+
+    def watch(self, node: ReplicaNode) -> None:
+        """Reports node's state in the gauges (call on its loop)."""
+        self._sources[id(node)] = _Source(node, asyncio.get_running_loop())
+
+    def unwatch(self, node: ReplicaNode) -> None:
+        """Stops reporting node."""
+        self._sources.pop(id(node), None)
+
+    def _readings(self) -> list[ReplicaSample]:
+        readings = []
+        for source in list(self._sources.values()):
+            reading = source.read()
+            if reading is not None:
+                readings.append(reading)
+        return readings
+
+    def _observe_role(self, _: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
+        for r in self._readings():
+            for role, name in ROLE_NAMES.items():
+                yield metrics.Observation(int(r.role == role), {"node": r.node_id, "role": name})
+
+    def _observe_epoch(self, _: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
+        return [metrics.Observation(r.epoch, {"node": r.node_id}) for r in self._readings()]
+
+    def _observe_last_lsn(self, _: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
+        return [metrics.Observation(r.last_lsn, {"node": r.node_id}) for r in self._readings()]
+
+    def _observe_commit_lsn(self, _: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
+        return [metrics.Observation(r.commit_lsn, {"node": r.node_id}) for r in self._readings()]
+
+    def _observe_store_size(self, _: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
+        return [metrics.Observation(r.store_bytes, {"node": r.node_id}) for r in self._readings()]
+
+    def _observe_lag(self, _: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
+        for r in self._readings():
+            for slave, state, lag in r.lags:
+                yield metrics.Observation(
+                    lag, {"node": r.node_id, "replica": slave, "state": state}
+                )
+
+
+def instruments(telemetry: Telemetry) -> ReplicaInstruments:
+    """The replica instruments of this telemetry."""
+    return telemetry.instruments("replica", ReplicaInstruments)
+
+
+class PublishWatch:
+    """One publish request's spans and metrics (made only while telemetry is on)."""
+
+    __slots__ = ("_commit_span", "_events", "_instruments", "_node_id", "_span", "_started_s",
+                 "_tracer")  # fmt: skip
+
+    def __init__(
+        self,
+        telemetry: Telemetry,
+        request: broker_pb2.PublishRequest,
+        node_id: str,
+        epoch: int,
+    ) -> None:
+        self._started_s = time.perf_counter()
+        self._events = len(request.events)
+        self._node_id = node_id
+        self._instruments = instruments(telemetry) if telemetry.metering else None
+        self._tracer = telemetry.tracer
+        self._span: trace.Span | None = None
+        self._commit_span: trace.Span | None = None
+        if telemetry.tracing:
+            span = self._tracer.start_span(
+                "replica.publish",
+                attributes={
+                    "squall.node": node_id,
+                    "squall.topic": request.topic,
+                    "squall.events": self._events,
+                    "squall.epoch": epoch,
+                },
+            )
+            self._span = span if span.is_recording() else None
+
+    @property
+    def traced(self) -> PublishWatch | None:
+        """Itself when its trace is recorded (the node then reports the append to it)."""
+        return self if self._span is not None else None
+
+    def appended(self, lsn: int, epoch: int) -> trace.SpanContext | None:
+        """The entry is in the local log at lsn: the commit wait starts."""
+        span = self._span
+        if span is None:
+            return None
+        span.set_attribute("squall.first_lsn", lsn)
+        span.set_attribute("squall.epoch", epoch)
+        self._commit_span = self._tracer.start_span(
+            "replica.commit_wait",
+            context=trace.set_span_in_context(span),
+            attributes={"squall.lsn": lsn, "squall.epoch": epoch},
+        )
+        return self._commit_span.get_span_context()
+
+    def done(self, receipt: common_pb2.BatchReceipt) -> None:
+        """The events are acknowledged to the publisher."""
+        if self._instruments is not None:
+            attributes = {"node": self._node_id}
+            self._instruments.commit_latency.record(
+                (time.perf_counter() - self._started_s) * 1000, attributes
+            )
+            self._instruments.events_in.add(self._events, attributes)
+        if self._span is not None:
+            if receipt.count:
+                self._span.set_attribute("squall.first_offset", receipt.first_offset)
+            self._end(None)
+
+    def failed(self, error: BaseException) -> None:
+        """The publish was refused or its outcome is unknown."""
+        if self._span is not None:
+            self._end(error)
+
+    def _end(self, error: BaseException | None) -> None:
+        for span in (self._commit_span, self._span):
+            if span is None:
+                continue
+            if error is not None:
+                span.set_status(trace.Status(trace.StatusCode.ERROR, str(error)))
+            span.end()
+
+
+class ReplicationTracer:
+    """The master's replication spans: one per traced batch sent to a slave, ended by its ack."""
+
+    def __init__(self, tracer: trace.Tracer, master_id: str, epoch: int) -> None:
+        self._tracer = tracer
+        self._master_id = master_id
+        self._epoch = epoch
+        # (lsn, commit-wait span context) of traced writes, in LSN order.
+        self._writes: deque[tuple[int, trace.SpanContext]] = deque(maxlen=_TRACED_WRITES_MAX)
+        # Per slave: (last LSN, span, received) of batches sent and not yet acknowledged.
+        self._inflight: dict[str, deque[tuple[int, trace.Span, bool]]] = {}
+
+    def note(self, writes: Iterable[tuple[int, trace.SpanContext | None]]) -> None:
+        """Traced writes just appended (before they are sent)."""
+        for lsn, span_context in writes:
+            if span_context is not None:
+                self._writes.append((lsn, span_context))
+
+    def _traced_in(self, first_lsn: int, last_lsn: int) -> list[trace.SpanContext]:
+        found: list[trace.SpanContext] = []
+        # Newest first: an up-to-date slave's batch is at the end of the window.
+        for lsn, span_context in reversed(self._writes):
+            if lsn < first_lsn:
+                break
+            if lsn <= last_lsn:
+                found.append(span_context)
+        found.reverse()
+        return found
+
+    def sent(self, node_id: str, first_lsn: int, last_lsn: int, size_bytes: int) -> None:
+        """A batch of entries left for node_id; traced if it carries a traced write."""
+        if not self._writes or last_lsn < first_lsn:
+            return
+        traced = self._traced_in(first_lsn, last_lsn)
+        if not traced:
+            return
+        parent = trace.set_span_in_context(trace.NonRecordingSpan(traced[0]))
+        span = self._tracer.start_span(
+            "replication.send",
+            context=parent,
+            kind=trace.SpanKind.PRODUCER,
+            links=[trace.Link(c) for c in traced[1:_LINKS_MAX]],
+            attributes={
+                "squall.node": self._master_id,
+                "squall.replica": node_id,
+                "squall.epoch": self._epoch,
+                "squall.first_lsn": first_lsn,
+                "squall.last_lsn": last_lsn,
+                "squall.entries": last_lsn - first_lsn + 1,
+                "squall.bytes": size_bytes,
+                "squall.traced_writes": len(traced),
+            },
+        )
+        self._inflight.setdefault(node_id, deque()).append((last_lsn, span, False))
+
+    def acked(self, node_id: str, received_lsn: int, durable_lsn: int) -> None:
+        """node_id acknowledged: batches it holds at the replica sync policy end."""
+        inflight = self._inflight.get(node_id)
+        if not inflight:
+            return
+        # Bounded by the batches in flight (the replication window).
+        while inflight and inflight[0][0] <= durable_lsn:
+            last_lsn, span, received = inflight.popleft()
+            if not received:
+                span.add_event("received", {"squall.lsn": received_lsn})
+            span.set_attribute("squall.acked_lsn", durable_lsn)
+            span.end()
+        for index, (last_lsn, span, received) in enumerate(inflight):
+            if received or last_lsn > received_lsn:
+                break
+            span.add_event("received", {"squall.lsn": received_lsn})
+            inflight[index] = (last_lsn, span, True)
+
+    def closed(self, node_id: str, reason: str) -> None:
+        """The stream to node_id ended: its unacknowledged batches end unacknowledged."""
+        for _, span, _ in self._inflight.pop(node_id, ()):
+            span.set_status(trace.Status(trace.StatusCode.ERROR, reason or "stream closed"))
+            span.end()
+
+    def close(self, reason: str) -> None:
+        """The epoch ended: every open span ends."""
+        for node_id in list(self._inflight):
+            self.closed(node_id, reason)
+
+
+class DeliveryWatch:
+    """A subscription's delivery spans and the events-out counter."""
+
+    def __init__(self, telemetry: Telemetry, node_id: str, topic: str) -> None:
+        self._tracer = telemetry.tracer if telemetry.tracing else None
+        self._counter = instruments(telemetry).events_out if telemetry.metering else None
+        self._attributes = {"node": node_id}
+        self._span_attributes: dict[str, str | int] = {
+            "squall.node": node_id,
+            "squall.topic": topic,
+        }
+
+    def start(self, events: Sequence[common_pb2.Event]) -> trace.Span | None:
+        """A batch is about to be sent; returns its span (end it once sent)."""
+        if self._counter is not None:
+            self._counter.add(len(events), self._attributes)
+        if self._tracer is None:
+            return None
+        return self._tracer.start_span(
+            "subscribe.deliver",
+            kind=trace.SpanKind.PRODUCER,
+            attributes={
+                **self._span_attributes,
+                "squall.first_offset": events[0].offset,
+                "squall.events": len(events),
+            },
+        )

@@ -1,0 +1,146 @@
+"""`squall status` notes and `--explain`, and `squall cluster` bad input, against a fake
+gateway or no cluster at all.
+
+Goal: an operator sees who set each control, when and why; `--explain` says why the master
+leads and who would lead if each node failed; a bad `squall cluster` command exits with a
+message naming the problem before anything is sent.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from squall.v1 import common_pb2, coordinator_pb2
+from tests.unit.test_cli import broker, fakes, run  # noqa: F401  (broker is a fixture)
+
+_AT_MS = 1_763_780_741_000  # 2025-11-22T03:05:41Z
+
+
+def _three_nodes(status: Any) -> None:
+    """n1 leads n1,n3 in epoch 7; n2 is quarantined; n3 runs an override set by carol."""
+    common = {"reachable": True, "max_seen": 3, "epoch": 7, "last_epoch": 7}
+    status.nodes.add(
+        node_id="n1",
+        coordinator_id="n1",
+        group_name="n1:abc",
+        state=common_pb2.NODE_STATE_NORMAL,
+        group=["n3"],
+        role=common_pb2.ROLE_MASTER,
+        priority=3,
+        last_lsn=40,
+        quorum_required=2,
+        invited=["n2", "n3"],
+        sync_source_id="n1",
+        **common,
+    )
+    status.nodes.add(
+        node_id="n2",
+        coordinator_id="n2",
+        group_name="n2:def",
+        state=common_pb2.NODE_STATE_INACTIVE,
+        role=common_pb2.ROLE_INACTIVE,
+        priority=2,
+        last_lsn=38,
+        quorum_required=2,
+        quarantine=coordinator_pb2.OperatorRecord(
+            at_ms=_AT_MS, operator="replica", action="quarantine", reason="replica fault: crc"
+        ),
+        audit=[
+            coordinator_pb2.OperatorRecord(
+                at_ms=_AT_MS, operator="replica", action="quarantine", reason="replica fault: crc"
+            )
+        ],
+        fault_reason="checksum error serving a read",
+        **common,
+    )
+    status.nodes.add(
+        node_id="n3",
+        coordinator_id="n1",
+        group_name="n1:abc",
+        state=common_pb2.NODE_STATE_NORMAL,
+        role=common_pb2.ROLE_SLAVE,
+        priority=1,
+        last_lsn=40,
+        quorum_required=1,
+        quorum_override=1,
+        quorum_override_record=coordinator_pb2.OperatorRecord(
+            at_ms=_AT_MS, operator="carol", action="quorum-override 1", reason="site A lost"
+        ),
+        **common,
+    )
+    status.master_id = "n1"
+    status.epoch = 7
+
+
+def test_status_notes_say_who_when_and_why(
+    broker: Any,  # noqa: F811
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    broker.status.Clear()
+    _three_nodes(broker.status)
+    code, out, _ = run(["status"], capsys)
+    assert code == 0
+    assert "QUARANTINED" in out.splitlines()[2]  # n2's state cell
+    assert (
+        "n3: QUORUM OVERRIDE 1 set by carol at 2025-11-22T03:05:41Z: site A lost "
+        "(clears itself once a majority is back)"
+    ) in out
+    assert "n2: QUARANTINED by replica at 2025-11-22T03:05:41Z: replica fault: crc;" in out
+    assert "squall cluster unquarantine n2" in out
+
+
+def test_status_explain(broker: Any, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: F811
+    broker.status.Clear()
+    _three_nodes(broker.status)
+    code, out, _ = run(["status", "--explain"], capsys)
+    assert code == 0
+    assert "n1 leads group n1:abc in epoch 7 with n1,n3 (2 of 3 nodes)." in out
+    assert "When the group formed, n1 invited n2,n3." in out
+    assert "n2 2025-11-22T03:05:41Z replica: quarantine: replica fault: crc" in out
+    lines = out.splitlines()
+    member = next(line for line in lines if line.startswith("  n2  2"))
+    assert "QUARANTINED" in member and "7/38" in member
+    # n2 is out already: if n1 fails, n3 alone leads only because of its own override.
+    n1_fails = next(line for line in lines if line.strip().startswith("n1 fails ->"))
+    assert "n3 would lead" in n1_fails and "operator quorum override" in n1_fails
+    n3_fails = next(line for line in lines if line.strip().startswith("n3 fails ->"))
+    assert "no master" in n3_fails and "1 of 3 nodes left, 2 required" in n3_fails
+    code, out, _ = run(["status", "--json", "--explain"], capsys)
+    data = json.loads(out)
+    verdicts = {v["failed"]: v["leader"] for v in data["explain"]["if_failed"]}
+    assert verdicts == {"n1": "n3", "n2": "n1", "n3": ""}
+    assert data["nodes"][1]["quarantine"]["operator"] == "replica"
+
+
+def _config(tmp_path: Path) -> str:
+    text = "".join(
+        f'[[nodes]]\nid = "n{i}"\npriority = {4 - i}\n'
+        f'coordinator_address = "{address}"\nreplica_address = "127.0.0.1:{20 + i}"\n'
+        f'data_dir = "data/n{i}"\n\n'
+        for i, address in ((1, "127.0.0.1:1"), (2, "127.0.0.1:2"), (3, "127.0.0.1:3"))
+    )
+    path = tmp_path / "cluster.toml"
+    gateway = '[[gateways]]\nid = "g"\naddress = "127.0.0.1:4"\n'
+    path.write_text('[cluster]\nname = "t"\n\n' + text + gateway)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("argv", "phrase"),
+    [
+        (["cluster", "transfer", "--to", "n9"], "n9"),
+        (["cluster", "transfer", "--to", "n2", "--wait-ms", "0"], "--wait-ms must be 1..60000"),
+        (["cluster", "quarantine", "n7"], "n7"),
+        (["cluster", "transfer", "--to", "n2", "--timeout", "0.5"], "no master to transfer from"),
+    ],
+)
+def test_cluster_bad_input_is_one_line_and_sends_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], phrase: str
+) -> None:
+    code, out, err = run([*argv, "--config", _config(tmp_path)], capsys)
+    assert code == 1 and out == ""
+    assert err.startswith("squall: ") and phrase in err and err.count("\n") == 1, err

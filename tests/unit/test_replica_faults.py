@@ -1,0 +1,156 @@
+"""The replica's side of quarantine and leadership transfer, on a one-node ReplicaNode over
+the in-memory store twin.
+
+Goals: a store write that fails fail-stops the replica, records a fault (kept beside the
+store, so a restart still reports it) and makes the replica refuse every role; the same
+fault reported twice is one fault, a different one is new. A master's write fence refuses
+writes as "not stored" while it holds, and lifts on cancel, on its deadline and when the
+role goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from services.common.clock import ManualClock
+from services.common.config import ClusterConfig, parse_config
+from services.common.errors import Code, ServiceError
+from services.replica import commands, handoff
+from services.replica.faults import FAULT_FILE_NAME, load_fault
+from services.replica.node import ReplicaNode
+from services.replica.store import Store, StoreError
+from squall.v1 import common_pb2, replica_pb2
+
+
+def _config(tmp_path: Path) -> ClusterConfig:
+    text = (
+        '[cluster]\nname = "t"\n\n[[nodes]]\nid = "n1"\npriority = 1\n'
+        'coordinator_address = "127.0.0.1:1"\nreplica_address = "127.0.0.1:2"\n'
+        'data_dir = "n1"\n\n[[gateways]]\nid = "g1"\naddress = "127.0.0.1:3"\n'
+    )
+    config = parse_config(text, tmp_path / "cluster.toml")
+    config.nodes[0].data_dir.mkdir(parents=True, exist_ok=True)
+    return config
+
+
+def _master_command(epoch: int) -> replica_pb2.RoleCommand:
+    return replica_pb2.RoleCommand(
+        role=common_pb2.ROLE_MASTER,
+        epoch=epoch,
+        master=common_pb2.NodeEndpoint(node_id="n1"),
+        members=[common_pb2.NodeEndpoint(node_id="n1")],
+        seq=epoch,
+    )
+
+
+class _FailingAppend:
+    """Wraps a store so that appends fail like a dying disk."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    def __getattr__(self, name: str) -> object:
+        if name == "append":
+
+            def fail(*args: object, **kwargs: object) -> None:
+                raise StoreError("I/O error writing data.mdb")
+
+            return fail
+        return getattr(self._store, name)
+
+
+def test_a_failed_store_write_fail_stops_records_a_fault_and_refuses_roles(
+    tmp_path: Path,
+) -> None:
+    config = _config(tmp_path)
+    data_dir = config.nodes[0].data_dir
+
+    async def run() -> None:
+        store = Store.open_memory()
+        node = ReplicaNode(config, config.nodes[0], store, ManualClock())
+        await node.start()
+        try:
+            await node.apply_role(_master_command(1))
+            await node.write(commands.CreateTopic("t", common_pb2.TOPIC_KIND_REPLICATED))
+            node.store = _FailingAppend(store)  # type: ignore[assignment]
+            with pytest.raises(ServiceError) as error:
+                await node.write(commands.CreateTopic("u", common_pb2.TOPIC_KIND_REPLICATED))
+            assert error.value.code is Code.UNKNOWN
+            assert node.failed_reason and node.fault is not None
+            assert "fail-stop" in node.fault.reason and "I/O error" in node.fault.reason
+            with pytest.raises(ServiceError) as refused:
+                await node.apply_role(_master_command(2))
+            assert refused.value.code is Code.FAILED_PRECONDITION
+            assert "fail-stopped" in refused.value.message
+            first = node.fault
+            node.report_fault(first.reason)
+            assert node.fault is first  # the same fault again is one fault
+            node.report_fault("checksum error serving a read: events/...")
+            assert node.fault is not first and node.fault.fault_id != first.fault_id
+        finally:
+            await node.stop()
+
+    asyncio.run(run())
+    recorded = load_fault(data_dir)
+    assert recorded is not None and "checksum error" in recorded.reason
+    assert (data_dir / FAULT_FILE_NAME).exists()
+
+
+def test_a_damaged_fault_record_still_counts_as_a_fault(tmp_path: Path) -> None:
+    (tmp_path / FAULT_FILE_NAME).write_text("{not json")
+    fault = load_fault(tmp_path)
+    assert fault is not None and "unreadable" in fault.reason
+    assert load_fault(tmp_path / "elsewhere") is None
+
+
+def test_the_write_fence_refuses_writes_until_cancelled_or_expired(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+
+    async def run() -> None:
+        clock = ManualClock()
+        node = ReplicaNode(config, config.nodes[0], Store.open_memory(), clock)
+        await node.start()
+        try:
+            await node.apply_role(_master_command(1))
+            with pytest.raises(ServiceError) as not_slave:
+                await handoff.prepare(
+                    node,
+                    replica_pb2.PrepareHandoffRequest(
+                        epoch=1, target_node_id="n2", timeout_ms=100
+                    ),
+                )
+            assert not_slave.value.code is Code.FAILED_PRECONDITION
+            assert "not a slave" in not_slave.value.message
+            with pytest.raises(ServiceError) as wrong_epoch:
+                await handoff.prepare(
+                    node,
+                    replica_pb2.PrepareHandoffRequest(epoch=7, target_node_id="n2", timeout_ms=1),
+                )
+            assert "not the master of epoch 7" in wrong_epoch.value.message
+            # The fence itself (set as prepare sets it once the target is known).
+            node.fence.until_ms, node.fence.target, node.fence.epoch = (
+                clock.monotonic_ms() + 1000,
+                "n2",
+                1,
+            )
+            with pytest.raises(ServiceError) as fenced:
+                node.check_writable()
+            assert fenced.value.code is Code.UNAVAILABLE
+            assert "handing the leadership to n2" in fenced.value.message
+            await handoff.prepare(
+                node, replica_pb2.PrepareHandoffRequest(epoch=1, target_node_id="n2", cancel=True)
+            )
+            node.check_writable()
+            node.fence.until_ms, node.fence.epoch = clock.monotonic_ms() + 1000, 1
+            clock.advance(1001)
+            node.check_writable()  # expired: writes resume by themselves
+            node.fence.until_ms, node.fence.epoch = clock.monotonic_ms() + 1000, 1
+            await node.deactivate("test")
+            assert node.fence.until_ms == 0
+        finally:
+            await node.stop()
+
+    asyncio.run(run())

@@ -1,0 +1,149 @@
+"""One ReplicaNode in process, over the in-memory store, driven by role commands.
+
+* A slave whose store fails to write stops serving instead of acknowledging (issue 4);
+  the replication stream is fed the way replication_server does.
+* A publisher proxy's call is held while the replica can name no reachable master
+  (issue 5's publish gap).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from pathlib import Path
+
+import pytest
+
+from services.common.config import load_config
+from services.common.errors import Code, ServiceError
+from services.replica.node import ReplicaNode
+from services.replica.store import Store, StoreWriteError
+from squall.v1 import broker_pb2, common_pb2, replica_pb2
+
+CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "cluster.example.toml"
+
+
+def _entry(lsn: int, epoch: int) -> replica_pb2.LogEntry:
+    operation = replica_pb2.Operation(
+        create_topic=replica_pb2.CreateTopicOp(name=f"t{lsn}")
+    ).SerializeToString()
+    return replica_pb2.LogEntry(
+        lsn=lsn, epoch=epoch, checksum=zlib.crc32(operation), operation=operation
+    )
+
+
+class _FailingStore(Store):
+    """An in-memory store whose appends fail once `broken` is set."""
+
+    broken = False
+
+    def append(self, entries, *, sync, commit_lsn=None):  # type: ignore[no-untyped-def]
+        if self.broken:
+            raise StoreWriteError("I/O error (simulated failing disk)")
+        super().append(entries, sync=sync, commit_lsn=commit_lsn)
+
+
+async def _acks(node: ReplicaNode, stream: int, batch: replica_pb2.EntryBatch) -> list[object]:
+    return [ack async for ack in node.replication_batch(stream, batch)]
+
+
+def test_a_slave_whose_store_fails_stops_serving_and_never_acks_the_batch() -> None:
+    async def scenario() -> None:
+        config = load_config(CONFIG)
+        store = _FailingStore.open_memory()
+        assert isinstance(store, _FailingStore)
+        node = ReplicaNode(config, config.node("n2"), store)
+        await node.start()
+        try:
+            await node.apply_role(
+                replica_pb2.RoleCommand(
+                    seq=1,
+                    epoch=3,
+                    role=common_pb2.ROLE_SLAVE,
+                    master=common_pb2.NodeEndpoint(node_id="n1"),
+                    lease_ms=60_000,
+                )
+            )
+            stream, position = await node.replication_hello(
+                replica_pb2.ReplicationHello(master_id="n1", epoch=3, cluster_id="c-test")
+            )
+            assert position.last_lsn == 0
+            good = replica_pb2.EntryBatch(epoch=3, entries=[_entry(1, 3)], commit_lsn=0)
+            acks = await _acks(node, stream, good)
+            assert acks and acks[-1].written_lsn == 1  # type: ignore[attr-defined]
+
+            store.broken = True
+            bad = replica_pb2.EntryBatch(epoch=3, entries=[_entry(2, 3)], commit_lsn=1)
+            with pytest.raises(ServiceError) as raised:
+                await _acks(node, stream, bad)
+            assert raised.value.code == Code.UNAVAILABLE
+            assert "store write failed" in raised.value.message
+            assert "n2" in raised.value.message
+
+            # It no longer serves: the role is gone, writes are refused naming the cause,
+            # and the log still ends where the last acknowledged batch did.
+            assert node.role == common_pb2.ROLE_INACTIVE
+            assert "store write failed" in node.failed_reason
+            with pytest.raises(ServiceError) as refused:
+                node.start_publish(broker_pb2.PublishRequest(topic="t1"))
+            assert refused.value.code == Code.UNAVAILABLE
+            assert "stopped serving writes" in refused.value.message
+            assert node.last_lsn == 1
+        finally:
+            await node.stop()
+
+    asyncio.run(scenario())
+
+
+def _slave_of(master: str, epoch: int, seq: int) -> replica_pb2.RoleCommand:
+    return replica_pb2.RoleCommand(
+        seq=seq,
+        epoch=epoch,
+        role=common_pb2.ROLE_SLAVE,
+        master=common_pb2.NodeEndpoint(node_id=master),
+        lease_ms=60_000,
+    )
+
+
+def test_a_replica_holds_a_proxy_call_until_it_can_name_a_reachable_master() -> None:
+    async def scenario() -> None:
+        config = load_config(CONFIG)
+        node = ReplicaNode(config, config.node("n2"), Store.open_memory())
+        await node.start()
+        dead = config.node("n1").replica_address
+        try:
+            # No role: held.
+            waiter = asyncio.create_task(node.wait_for_role(frozenset({dead}), 60))
+            for _ in range(5):
+                await asyncio.sleep(0)
+            assert not waiter.done()
+            # A slave of the master the caller cannot reach: still held.
+            await node.apply_role(_slave_of("n1", epoch=3, seq=1))
+            for _ in range(5):
+                await asyncio.sleep(0)
+            assert not waiter.done()
+            # The next role names another master: released at once, long before 60 s.
+            await node.apply_role(_slave_of("n3", epoch=4, seq=2))
+            await asyncio.wait_for(waiter, 5)
+            assert node.master is not None and node.master.id == "n3"
+            # A slave of a reachable master never holds; nor does a call naming nothing.
+            await asyncio.wait_for(node.wait_for_role(frozenset({dead}), 60), 5)
+            await asyncio.wait_for(node.wait_for_role(frozenset(), 60), 5)
+        finally:
+            await node.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_held_call_is_released_at_its_deadline() -> None:
+    async def scenario() -> None:
+        config = load_config(CONFIG)
+        node = ReplicaNode(config, config.node("n2"), Store.open_memory())
+        await node.start()
+        try:
+            await asyncio.wait_for(node.wait_for_role(frozenset({"127.0.0.1:1"}), 0.01), 5)
+            assert node.role == common_pb2.ROLE_INACTIVE
+        finally:
+            await node.stop()
+
+    asyncio.run(scenario())
