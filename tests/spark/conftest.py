@@ -19,10 +19,12 @@ import pytest
 
 from tests.integration.conftest import ROOT, LocalCluster, make_cluster
 
-pytest.importorskip("pyspark", reason="the spark extra is not installed (pip install -e '.[spark]')")
+pytest.importorskip(
+    "pyspark", reason="the spark extra is not installed (pip install -e '.[spark]')"
+)
 
-import squall  # noqa: E402
-from squall.spark import local_session  # noqa: E402
+import squall
+from squall.spark import local_session
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -34,7 +36,9 @@ MARKER_DIR_ENV = "SQUALL_SPARK_TEST_DIR"
 @pytest.fixture(scope="session")
 def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """A running one-node Squall cluster for the whole Spark session; stopped by PID."""
-    cluster = make_cluster(ROOT / "deploy" / "single.toml", tmp_path_factory.mktemp("spark-cluster"))
+    cluster = make_cluster(
+        ROOT / "deploy" / "single.toml", tmp_path_factory.mktemp("spark-cluster")
+    )
     try:
         cluster.start_all()
         yield cluster
@@ -43,7 +47,7 @@ def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClu
 
 
 @pytest.fixture(scope="session")
-def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator["SparkSession"]:
+def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkSession]:
     """The one SparkSession: local[2,2], loopback, UI off, squall and squall_flaky registered."""
     from tests.spark.flaky import FlakySquallDataSource
 

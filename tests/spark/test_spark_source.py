@@ -30,7 +30,8 @@ QUERY_TIMEOUT_S = 240
 def _publish(gateway: str, topic: str, count: int, first: int = 0) -> list[squall.Receipt]:
     with squall.connect(gateway) as client, client.topic(topic).publisher() as publisher:
         return publisher.publish_many(
-            (b"key-%d" % (i % 4), b"event-%d" % i, {"n": str(i)}) for i in range(first, first + count)
+            (b"key-%d" % (i % 4), b"event-%d" % i, {"n": str(i)})
+            for i in range(first, first + count)
         )
 
 
@@ -78,9 +79,9 @@ def test_batch_read_equals_what_was_published(
         assert row.headers == dict(message.headers)
         assert round(row.timestamp.timestamp() * 1000) == message.timestamp_ms
 
+    ending = json.dumps({"topic": topic, "offset": 40})
     ranged = _reader(
-        spark, gateway, topic, startingOffsets="12", endingOffsets='{"topic": "%s", "offset": 40}' % topic,
-        maxEventsPerSplit=7,
+        spark, gateway, topic, startingOffsets="12", endingOffsets=ending, maxEventsPerSplit=7
     ).load()
     assert ranged.rdd.getNumPartitions() == 4
     assert sorted(r.offset for r in ranged.select("offset").collect()) == list(range(12, 40))
@@ -112,10 +113,12 @@ def test_stream_resumes_from_its_checkpoint_without_rereading(
         )
         return _run_available_now(
             stream,
-            lambda w: w.format("squall")
-            .option("gateway", gateway)
-            .option("topic", target)
-            .option("checkpointLocation", str(checkpoint)),
+            lambda w: (
+                w.format("squall")
+                .option("gateway", gateway)
+                .option("topic", target)
+                .option("checkpointLocation", str(checkpoint))
+            ),
         )
 
     first = run()
@@ -158,10 +161,12 @@ def test_replayed_micro_batch_is_not_stored_twice(
         )
         return _run_available_now(
             stream,
-            lambda w: w.format("squall")
-            .option("gateway", gateway)
-            .option("topic", target)
-            .option("checkpointLocation", str(checkpoint)),
+            lambda w: (
+                w.format("squall")
+                .option("gateway", gateway)
+                .option("topic", target)
+                .option("checkpointLocation", str(checkpoint))
+            ),
         )
 
     assert [p["batchId"] for p in run()] == [0, 1]

@@ -101,7 +101,9 @@ def check_known(options: Mapping[str, str], allowed: tuple[str, ...]) -> None:
             )
 
 
-def _int(options: Mapping[str, str], name: str, default: int | None, bounds: tuple[int, int]) -> int:
+def _int(
+    options: Mapping[str, str], name: str, default: int | None, bounds: tuple[int, int]
+) -> int:
     raw = options.get(name.lower())
     if raw is None:
         if default is None:
@@ -280,9 +282,3 @@ def publisher_id(write_id: str, batch_id: int | None, partition: int, chunk: int
     """
     batch = "" if batch_id is None else f"-b{batch_id}"
     return f"spark-{write_id}{batch}-p{partition}-c{chunk}"
-
-
-def chunk_of(row_index: int, rows_per_publisher: int) -> tuple[int, int]:
-    """(chunk, sequence) of the row at 0-based row_index within its partition."""
-    chunk, within = divmod(row_index, rows_per_publisher)
-    return chunk, within + 1

@@ -204,7 +204,7 @@ class SquallReader(DataSourceReader):
 
 
 class SquallStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
-    """A Structured Streaming source: offsets {"topic", "offset"}, admission control, availableNow."""
+    """A Structured Streaming source: JSON offsets, maxEventsPerTrigger, availableNow."""
 
     def __init__(self, options: ReadOptions, schema: StructType) -> None:
         check_columns(schema)

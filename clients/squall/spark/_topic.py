@@ -41,8 +41,7 @@ def retrieve(client: squall.Client, common: CommonOptions) -> squall.Topic:
         ) from None
     except (squall.Unavailable, squall.DeadlineExceeded) as exc:
         raise SquallSparkError(
-            f"cannot reach the Squall gateway at {common.gateway} "
-            f"(option 'gateway'): {exc.details}"
+            f"cannot reach the Squall gateway at {common.gateway} (option 'gateway'): {exc.details}"
         ) from None
     except squall.InvalidArgument as exc:
         raise ValueError(f"option 'topic' {common.topic!r} is not valid: {exc.details}") from None

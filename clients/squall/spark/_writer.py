@@ -168,9 +168,9 @@ def publish_partition(
             head = next(source, None)
             if head is None:
                 break
-            rows_in_chunk = itertools.chain([head], itertools.islice(
-                source, options.rows_per_publisher - 1
-            ))
+            rows_in_chunk = itertools.chain(
+                [head], itertools.islice(source, options.rows_per_publisher - 1)
+            )
             pid = publisher_id(write_id, batch_id, partition, chunk)
             with topic.publisher(pid, start_sequence=1) as publisher:
                 receipts = publisher.publish_many(rows_in_chunk, options.batch_events)
