@@ -94,6 +94,7 @@ def local_session(
         SparkSession.builder.appName(app_name)
         .master(f"local[{cores},{task_attempts_max}]")
         .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
         .config("spark.driver.host", "127.0.0.1")
         .config("spark.driver.bindAddress", "127.0.0.1")
         .config("spark.sql.shuffle.partitions", str(cores))

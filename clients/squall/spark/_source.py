@@ -67,7 +67,7 @@ class SquallDataSource(DataSource):
         return SquallWriter(_parse_write(self.options), schema)
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
-        """A streaming sink (append and update output modes)."""
+        """A streaming sink, append output mode (Spark offers Python sinks no update mode)."""
         if overwrite:
             raise ValueError(
                 "Squall topics are append-only: the complete output mode, which rewrites the "
