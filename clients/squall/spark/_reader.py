@@ -15,6 +15,8 @@ partition; the streaming reader's driver-side client is dropped when it is pickl
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -121,12 +123,60 @@ def _record_batch(
     return pa.RecordBatch.from_arrays(arrays, schema=arrow)
 
 
+class _StallGuard:
+    """Closes a subscription that waits longer than timeout_s for the server's next batch.
+
+    A range is planned up to the topic's next offset, which may include events not yet
+    committed; if a failover discards them and nothing new arrives, the stream would wait
+    for ever. Only time spent waiting on the server counts (paused while Spark consumes).
+    """
+
+    def __init__(self, subscription: squall.Subscription, timeout_s: float) -> None:
+        self._subscription = subscription
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._since: float | None = time.monotonic()
+        self._done = threading.Event()
+        self.fired = False
+        self._thread = threading.Thread(target=self._watch, name="squall-read-guard", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        # Bounded by the read: stop() ends it, and so does firing.
+        while not self._done.wait(min(1.0, self._timeout_s / 4)):
+            with self._lock:
+                stalled = (
+                    self._since is not None and time.monotonic() - self._since > self._timeout_s
+                )
+                if stalled:
+                    self.fired = True
+            if stalled:
+                self._subscription.close()
+                return
+
+    def pause(self) -> None:
+        """The reader hands rows to Spark: not waiting on the server."""
+        with self._lock:
+            self._since = None
+
+    def resume(self) -> None:
+        """The reader waits on the server again."""
+        with self._lock:
+            self._since = time.monotonic()
+
+    def stop(self) -> None:
+        """Ends the watch."""
+        self._done.set()
+        self._thread.join()
+
+
 def read_range(
     options: ReadOptions, schema: StructType, partition: InputPartition
 ) -> Iterator[pa.RecordBatch]:
     """Every event in the partition's range, in offset order, as Arrow record batches.
 
-    Fails (rather than return fewer rows) if an offset in the range is missing.
+    Fails (rather than return fewer rows) if an offset in the range is missing, or if the
+    server sends nothing for timeoutMs while events of the range are still to come.
     """
     if not isinstance(partition, OffsetRange) or partition.start >= partition.end:
         return  # Spark plans one partition of None for an empty read
@@ -146,21 +196,35 @@ def read_range(
             max_batch_events=SUBSCRIBE_BATCH_EVENTS,
             end_offset=partition.end,
         ) as subscription:
-            for batch in subscription.batches():
-                for message in batch:
-                    if message.offset != expected:
-                        raise SquallSparkError(
-                            f"topic {common.topic!r}: expected offset {expected}, got "
-                            f"{message.offset} (events {expected}..{message.offset - 1} are "
-                            "missing; was the topic destroyed and re-created?)"
-                        )
-                    expected += 1
-                pending.extend(batch)
-                if len(pending) >= ARROW_BATCH_ROWS:
-                    yield _record_batch(pending, names, arrow)
-                    pending = []
-                if expected >= partition.end:
-                    break
+            guard = _StallGuard(subscription, common.timeout_s)
+            try:
+                for batch in subscription.batches():
+                    guard.resume()
+                    for message in batch:
+                        if message.offset != expected:
+                            raise SquallSparkError(
+                                f"topic {common.topic!r}: expected offset {expected}, got "
+                                f"{message.offset} (events {expected}..{message.offset - 1} "
+                                "are missing; was the topic destroyed and re-created?)"
+                            )
+                        expected += 1
+                    pending.extend(batch)
+                    if len(pending) >= ARROW_BATCH_ROWS:
+                        guard.pause()
+                        yield _record_batch(pending, names, arrow)
+                        guard.resume()
+                        pending = []
+                    if expected >= partition.end:
+                        break
+            finally:
+                guard.stop()
+    if guard.fired and expected != partition.end:
+        raise SquallSparkError(
+            f"topic {common.topic!r}: no event at offset {expected} within "
+            f"{common.timeout_ms} ms (option 'timeoutMs'), though the read was planned up to "
+            f"{partition.end}: a failover may have discarded events that were not yet "
+            "committed; run the query again"
+        )
     if pending:
         yield _record_batch(pending, names, arrow)
     if expected != partition.end:
