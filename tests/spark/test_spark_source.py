@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 import squall
+from deploy import processes
 from tests.integration.conftest import LocalCluster
 from tests.spark import flaky
 
@@ -234,6 +235,7 @@ def test_write_with_a_failed_and_retried_task_stores_each_row_once(
         ({"endingOffsets": '{"offset": -1}'}, "offset must be an integer >= 0"),
         ({"maxEventsPerSplt": "10"}, "unknown squall option 'maxeventspersplt'"),
         ({"gateway": "127.0.0.1"}, "option 'gateway' must be host:port"),
+        ({"gateway": "UNREACHABLE"}, "cannot reach the Squall gateway at 127.0.0.1:"),
     ],
 )
 def test_bad_read_options_fail_at_load_with_a_clear_message(
@@ -246,6 +248,8 @@ def test_bad_read_options_fail_at_load_with_a_clear_message(
     topic = new_topic()
     reader = spark.read.format("squall")
     for key, value in {"gateway": spark_cluster.gateway_address, "topic": topic, **options}.items():
+        if value == "UNREACHABLE":
+            value = f"127.0.0.1:{processes.free_port()}"  # nothing listens there
         if value is not None:
             reader = reader.option(key, value)
     with pytest.raises(Exception) as raised:

@@ -226,6 +226,15 @@ class SquallWriter(DataSourceArrowWriter):
             rows,
             duplicates,
         )
+        if duplicates and self._explicit_id:
+            # Indistinguishable from a retry: a re-used writeId with new data drops it.
+            log.warning(
+                "squall write %s: %d of %d rows were already stored under this writeId and "
+                "were not stored again; if they are new data, write them with a new writeId",
+                self.write_id,
+                duplicates,
+                rows,
+            )
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
         """A task failed for good: what succeeded stays stored; say how to finish the write."""
