@@ -54,7 +54,7 @@ stop: install
 	$(PY) -m deploy.launcher stop
 
 # The example streaming pipeline (examples/spark_pipeline.py) against the local cluster:
-# the one `make run` started, or a one-node cluster it starts and stops itself.
+# the one `make run` started, or the same cluster started for the demo and stopped after.
 pipeline-demo: install
 	$(PY) examples/spark_pipeline.py --demo
 

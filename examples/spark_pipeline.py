@@ -4,7 +4,8 @@
     .venv/bin/python examples/spark_pipeline.py --gateway 127.0.0.1:7100
 
     # the demo (`make pipeline-demo`): uses the `make run` cluster if one is up, else
-    # starts a one-node cluster and stops it at the end
+    # starts that same cluster (deploy/cluster.example.toml, data in .run/data) and
+    # stops it by PID at the end
     .venv/bin/python examples/spark_pipeline.py --demo
 
 The job reads the topic `sensor-readings` (JSON payloads {"sensor", "value",
@@ -267,7 +268,11 @@ def check(spark: Any, gateway: str, work_dir: Path) -> bool:
 
 @contextmanager
 def demo_cluster() -> Iterator[str]:
-    """The `make run` cluster if one is up; else a one-node cluster, stopped at the end."""
+    """The `make run` cluster if one is up; else the same cluster, stopped by PID at the end.
+
+    Started from the config `make run` uses, so the data it leaves in .run/data (the
+    topics, which the checkpoints in .run/pipeline-demo refer to) is the same cluster's.
+    """
     from deploy import launcher
 
     if launcher._running_pids():
@@ -276,7 +281,7 @@ def demo_cluster() -> Iterator[str]:
         print(f"demo: using the running local cluster, gateway {gateway}")
         yield gateway
         return
-    if launcher.start(ROOT / "deploy" / "single.toml", demo=False) != 0:
+    if launcher.start(ROOT / "deploy" / "cluster.example.toml", demo=False) != 0:
         raise SystemExit("demo: the local cluster did not start")
     try:
         config = tomllib.loads((launcher.RUN_DIR / "cluster.toml").read_text())
