@@ -9,14 +9,15 @@ STAMP := $(VENV)/.installed
 SEEDS ?= 5000
 PYTEST_ARGS ?=
 
-.PHONY: install run stop test unit integration sim bench protos protos-check lint clean
+.PHONY: install run stop test unit integration sim bench protos protos-check lint clean \
+	test-spark pipeline-demo
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,spark]'
 	@test -f clients/squall/v1/broker_pb2.py || $(PY) scripts/gen_protos.py
 	@touch $(STAMP)
 
@@ -39,6 +40,10 @@ unit: install
 integration: install
 	$(BIN)/pytest -q -m integration $(PYTEST_ARGS)
 
+# The PySpark data source's tests alone (one SparkSession, one local cluster; needs Java 17+).
+test-spark: install
+	$(BIN)/pytest -q -p no:cacheprovider -m spark $(PYTEST_ARGS)
+
 sim: install
 	$(BIN)/pytest -q tests/sim --sim-seeds=$(SEEDS) $(PYTEST_ARGS)
 
@@ -47,6 +52,11 @@ run: install
 
 stop: install
 	$(PY) -m deploy.launcher stop
+
+# The example streaming pipeline (examples/spark_pipeline.py) against the local cluster:
+# the one `make run` started, or the same cluster started for the demo and stopped after.
+pipeline-demo: install
+	$(PY) examples/spark_pipeline.py --demo
 
 bench: install
 	$(PY) -m bench.run

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import failover, machine, publish_gap, replicated, single_node, transfer
+from bench import failover, machine, publish_gap, replicated, single_node, spark, transfer
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # The aims the issue set, for WRITE_NO_SYNC on a 2-core machine (events/s).
@@ -41,10 +41,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         action="append",
-        choices=(*single_node.SCENARIOS, "failover", "replicated", "publish_gap", "transfer"),
+        choices=(
+            *single_node.SCENARIOS,
+            "failover",
+            "replicated",
+            "publish_gap",
+            "transfer",
+            "spark",
+        ),
         metavar="NAME",
         help=f"run only this scenario (repeatable): {', '.join(single_node.SCENARIOS)}, "
-        "failover, replicated, publish_gap, transfer (3 nodes); "
+        "failover, replicated, publish_gap, transfer (3 nodes); spark (3 nodes and Spark "
+        "local[2], only when asked for); "
         "subscribe and direct also run the pipelined publish whose events they read",
     )
     parser.add_argument(
@@ -64,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sizes = single_node.Sizes.quick() if args.quick else single_node.Sizes.full()
     only = set(args.only or single_node.SCENARIOS)
-    three_node = {"failover", "replicated", "publish_gap", "transfer"}
+    three_node = {"failover", "replicated", "publish_gap", "transfer", "spark"}
     policies = [p for p in single_node.POLICIES if p in (args.policy or single_node.POLICIES)]
     stamp = time.strftime("%Y%m%dT%H%M%S")
     profiler = None
@@ -106,6 +114,11 @@ def main(argv: list[str] | None = None) -> int:
             sizes_transfer = transfer.Sizes.quick() if args.quick else transfer.Sizes.full()
             log(f"bench: transfer, {sizes_transfer.trials} graceful leadership transfers")
             transfer_figures = transfer.run(sizes_transfer, Path(temp) / "transfer", log)
+        spark_figures: dict[str, Any] | None = None
+        # Opt-in: it needs Java and the spark extra, and a JVM start-up of its own.
+        if args.only and "spark" in args.only:
+            sizes_spark = spark.Sizes.quick() if args.quick else spark.Sizes.full()
+            spark_figures = spark.run(sizes_spark, Path(temp) / "spark", log)
         for policy in policies if (not args.only or only - three_node) else []:
             log(f"bench: master_sync={policy}")
             runs[policy] = single_node.run_policy(
@@ -140,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         "replicated": replicated_figures,
         "publish_gap": gap_figures,
         "transfer": transfer_figures,
+        "spark": spark_figures,
     }
     if profiler is not None:
         report["profiles"] = profiler.summaries
@@ -153,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         kind = "publish-gap"
     elif not runs and transfer_figures:
         kind = "transfer"
+    elif not runs and spark_figures:
+        kind = "spark"
     report["benchmark"] = kind
     path = args.results_dir / f"{stamp}-{kind}.json"
     text = json.dumps(report, indent=2) + "\n"
@@ -170,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     if transfer_figures:
         print()
         print(transfer.table(transfer_figures))
+    if spark_figures:
+        print()
+        print(spark.table(spark_figures))
     print(f"\nwritten: {path}")
     return 0
 

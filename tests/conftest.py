@@ -2,7 +2,9 @@ import pytest
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Marks everything under tests/integration as integration."""
+    """Marks everything under tests/integration as integration, under tests/spark as spark."""
     for item in items:
         if "/integration/" in str(item.fspath):
             item.add_marker(pytest.mark.integration)
+        elif "/spark/" in str(item.fspath):
+            item.add_marker(pytest.mark.spark)

@@ -1,0 +1,59 @@
+"""Reaching the topic from Spark's processes: one short-lived client per call, clear errors.
+
+Spark pickles the data source, its readers and writers, and runs them in separate Python
+processes, so nothing here holds a channel between calls: a driver-side check opens a
+client, asks, and closes it; an executor task opens its own for the partition it works on.
+Failures are turned into sentences that name the gateway and the topic, because Spark
+shows them to the user wrapped in a long JVM stack.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import squall
+from squall.spark._options import CommonOptions
+
+
+class SquallSparkError(RuntimeError):
+    """A Squall data source failure that is not a bad option: unreachable, missing, lost."""
+
+
+@contextlib.contextmanager
+def connected(common: CommonOptions) -> Iterator[squall.Client]:
+    """A client to the gateway, closed on exit."""
+    client = squall.connect(common.gateway, timeout_s=common.timeout_s)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+def retrieve(client: squall.Client, common: CommonOptions) -> squall.Topic:
+    """The topic's handle; a clear error if it does not exist or the gateway is unreachable."""
+    try:
+        return client.topic(common.topic)
+    except squall.NotFound:
+        raise ValueError(
+            f"Squall topic {common.topic!r} does not exist (gateway {common.gateway}); "
+            f"create it first, e.g. `squall topic create {common.topic}`"
+        ) from None
+    except (squall.Unavailable, squall.DeadlineExceeded) as exc:
+        raise SquallSparkError(
+            f"cannot reach the Squall gateway at {common.gateway} (option 'gateway'): {exc.details}"
+        ) from None
+    except squall.InvalidArgument as exc:
+        raise ValueError(f"option 'topic' {common.topic!r} is not valid: {exc.details}") from None
+
+
+def topic_info(common: CommonOptions, *, readable: bool) -> squall.TopicInfo:
+    """The topic as it is now; for a read, refuses a transient topic (nothing is stored)."""
+    with connected(common) as client:
+        info = retrieve(client, common).info
+    if readable and info.kind == "transient":
+        raise ValueError(
+            f"Squall topic {common.topic!r} is transient: its events are delivered live and "
+            "never stored, so Spark cannot read them by offset"
+        )
+    return info
