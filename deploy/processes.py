@@ -7,6 +7,7 @@ again by PID, never by name.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -29,6 +30,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """count distinct TCP ports that were free a moment ago on host.
+
+    The sockets are held open together while the ports are picked, so no two are the
+    same (free_port called twice may get the same port back once it was released).
+    """
+    with contextlib.ExitStack() as stack:
+        sockets = [
+            stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            for _ in range(count)
+        ]
+        for sock in sockets:
+            sock.bind((host, 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
 
 
 @dataclass
@@ -170,12 +187,14 @@ def localize_config(source: Path, run_dir: Path) -> Path:
     0 (picked at start-up and logged), as every node shares the one host.
     """
     document: dict[str, Any] = tomllib.loads(source.read_text())
-    for node in document.get("nodes", []):
-        node["coordinator_address"] = f"127.0.0.1:{free_port()}"
-        node["replica_address"] = f"127.0.0.1:{free_port()}"
+    nodes, gateways = document.get("nodes", []), document.get("gateways", [])
+    ports = iter(free_ports(2 * len(nodes) + len(gateways)))
+    for node in nodes:
+        node["coordinator_address"] = f"127.0.0.1:{next(ports)}"
+        node["replica_address"] = f"127.0.0.1:{next(ports)}"
         node["data_dir"] = str((run_dir / "data" / str(node["id"])).resolve())
-    for gateway in document.get("gateways", []):
-        gateway["address"] = f"127.0.0.1:{free_port()}"
+    for gateway in gateways:
+        gateway["address"] = f"127.0.0.1:{next(ports)}"
     telemetry = document.get("telemetry", {})
     for key in (
         "coordinator_prometheus_port",

@@ -13,6 +13,7 @@ import pytest
 
 from deploy import processes
 from services import cli
+from services.common.config import load_config
 from services.replica.datadir import DataDirLock
 from services.replica.store import Store
 from squall.v1 import common_pb2
@@ -166,3 +167,14 @@ def test_cluster_shutdown_refuses_a_bad_timeout(tmp_path: Path, timeout: str) ->
     config = processes.localize_config(source, tmp_path / "run")
     status, _, err = squall("cluster", "shutdown", "--config", str(config), "--timeout", timeout)
     assert status == 1 and "--timeout must be > 0" in err
+
+
+def test_a_localized_config_never_gives_two_services_one_port(tmp_path: Path) -> None:
+    # Ports picked one at a time could repeat (a released port may be handed out again).
+    source = Path(__file__).parents[2] / "deploy" / "cluster.example.toml"
+    for attempt in range(20):
+        config = load_config(processes.localize_config(source, tmp_path / f"run{attempt}"))
+        addresses = [n.coordinator_address for n in config.nodes]
+        addresses += [n.replica_address for n in config.nodes]
+        addresses += [g.address for g in config.gateways]
+        assert len(set(addresses)) == len(addresses)
