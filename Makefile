@@ -28,8 +28,8 @@ protos-check: install
 	$(PY) scripts/gen_protos.py --check
 
 lint: install
-	$(BIN)/ruff check services clients tests scripts deploy bench examples
-	$(BIN)/mypy services clients/squall deploy scripts bench
+	$(BIN)/ruff check services clients tests scripts deploy bench examples chaos
+	$(BIN)/mypy services clients/squall deploy scripts bench chaos
 
 test: install protos-check lint
 	$(BIN)/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
