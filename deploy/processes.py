@@ -23,6 +23,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.tls import Transport, plain_or
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago on host."""
@@ -92,9 +94,9 @@ def start_service(
     return Service(kind, name, address, process, log_path)
 
 
-def is_serving(address: str, timeout_s: float = 0.5) -> bool:
-    """True if the gRPC health service at address answers SERVING."""
-    with grpc.insecure_channel(address) as channel:
+def is_serving(address: str, timeout_s: float = 0.5, links: Transport | None = None) -> bool:
+    """True if the gRPC health service at address answers SERVING (over links' TLS if given)."""
+    with plain_or(links, address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
@@ -103,11 +105,13 @@ def is_serving(address: str, timeout_s: float = 0.5) -> bool:
         return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
 
-def wait_serving(services: Iterable[Service], timeout_s: float = 30.0) -> None:
+def wait_serving(
+    services: Iterable[Service], timeout_s: float = 30.0, links: Transport | None = None
+) -> None:
     """Waits until every service is healthy; raises with its log tail if one is not."""
     deadline = time.monotonic() + timeout_s
     for service in services:
-        while not is_serving(service.address):
+        while not is_serving(service.address, links=links):
             if service.process.poll() is not None:
                 raise RuntimeError(
                     f"{service.kind} {service.name} exited with status "

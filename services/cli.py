@@ -37,6 +37,7 @@ from typing import TextIO
 import squall
 from services import (
     cli_admin,
+    cli_certs,
     cli_explain,
     cli_health,
     cli_status_wait,
@@ -204,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_store.add_parser(commands)
     cli_store_backup.add_parser(commands)
     cli_health.add_parser(commands)
+    cli_certs.add_parser(commands)
     return parser
 
 
@@ -534,7 +536,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as err:
         print(f"squall: {err}", file=sys.stderr)
         return 2
-    except (cli_admin.AdminError, cli_store.StoreToolError) as err:
+    except (cli_admin.AdminError, cli_store.StoreToolError, cli_certs.CertsError) as err:
         print(f"squall: {err}", file=sys.stderr)
         return 1
     except squall.SquallError as err:

@@ -18,12 +18,14 @@ from __future__ import annotations
 import argparse
 import getpass
 import time
+from contextvars import ContextVar
 from typing import TextIO
 
 import grpc
 
 from services.cluster_shutdown import ShutdownError, shutdown_cluster
 from services.common.config import ClusterConfig, ConfigError, NodeConfig, load_config
+from services.common.tls import Transport, cli_transport, plain_or
 from squall.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 # How often `transfer` polls the target while it takes over.
@@ -106,10 +108,14 @@ def _node(config: ClusterConfig, node_id: str) -> NodeConfig:
         raise AdminError(str(exc)) from None
 
 
+# The command's TLS identity (`admin` from [tls] cert_dir), set once by run().
+_LINKS: ContextVar[Transport | None] = ContextVar("squall_admin_links", default=None)
+
+
 def _call(
     address: str, node_id: str, method: str, request: object, timeout: float
 ) -> coordinator_pb2.OperatorControlResponse:
-    with grpc.insecure_channel(address) as channel:
+    with plain_or(_LINKS.get(), address) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         try:
             reply: coordinator_pb2.OperatorControlResponse = getattr(stub, method)(
@@ -124,7 +130,7 @@ def _call(
 
 def _status(node: NodeConfig, timeout: float) -> coordinator_pb2.CoordinatorStatus | None:
     """A coordinator's status, or None if it does not answer."""
-    with grpc.insecure_channel(node.coordinator_address) as channel:
+    with plain_or(_LINKS.get(), node.coordinator_address) as channel:
         try:
             status: coordinator_pb2.CoordinatorStatus = coordinator_pb2_grpc.CoordinatorStub(
                 channel
@@ -146,6 +152,7 @@ def _leads(status: coordinator_pb2.CoordinatorStatus | None, node_id: str) -> bo
 def run(args: argparse.Namespace, out: TextIO) -> int:
     """Runs one `squall cluster` command; returns the exit status."""
     config = _config(args.config)
+    _LINKS.set(cli_transport(config))
     operator = getpass.getuser()
     command = args.cluster_command
     if command == "shutdown":

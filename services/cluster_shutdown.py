@@ -25,12 +25,14 @@ import getpass
 import time
 import uuid
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TextIO, TypeVar
 
 import grpc
 
 from services.common.config import ClusterConfig, NodeConfig
+from services.common.tls import Transport, cli_transport, plain_or
 from squall.v1 import (
     common_pb2,
     coordinator_pb2,
@@ -66,8 +68,13 @@ def _rpc_error(exc: grpc.RpcError) -> str:
     return f"{code.name if code else 'ERROR'}: {details}"
 
 
+# The command line's TLS identity for this shutdown (set by shutdown_cluster; every helper
+# below dials through it rather than taking it as one more argument).
+_LINKS: ContextVar[Transport | None] = ContextVar("squall_shutdown_links", default=None)
+
+
 def _call(address: str, make: Callable[[grpc.Channel], T]) -> T:
-    with grpc.insecure_channel(address) as channel:
+    with plain_or(_LINKS.get(), address) as channel:
         return make(channel)
 
 
@@ -277,7 +284,7 @@ def _wait_stopped(nodes: list[_Node], deadline: float) -> list[str]:
     while remaining and time.monotonic() < deadline:
         still = []
         for name, address in remaining:
-            with grpc.insecure_channel(address) as channel:
+            with plain_or(_LINKS.get(), address) as channel:
                 try:
                     grpc.channel_ready_future(channel).result(timeout=0.2)
                     still.append((name, address))
@@ -295,6 +302,7 @@ def shutdown_cluster(
     """Runs the shutdown in the module docstring; returns 0 if the master's store is clean."""
     operator = operator or getpass.getuser()
     deadline = time.monotonic() + timeout_s
+    _LINKS.set(cli_transport(config))
     nodes = _survey(config)
     master, master_state = _master(nodes)
     epoch = master_state.epoch

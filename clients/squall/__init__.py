@@ -80,6 +80,7 @@ from squall._retry import (
 )
 from squall._retry import classify as classify_code
 from squall._subscriber import Subscription
+from squall._tls import TlsOptions
 from squall._types import (
     ClusterStatus,
     Holder,
@@ -125,6 +126,7 @@ __all__ = [
     "RetryPolicy",
     "SquallError",
     "Subscription",
+    "TlsOptions",
     "Topic",
     "TopicInfo",
     "Unauthenticated",

@@ -47,6 +47,7 @@ from squall._retry import (
     RetryPolicy,
 )
 from squall._subscriber import Start, Subscription, subscribe_request
+from squall._tls import TlsOptions, open_channel
 from squall._tracing import traced_channel
 from squall._types import ClusterStatus, TopicInfo, kind_to_pb
 from squall.v1 import broker_pb2, broker_pb2_grpc, gateway_pb2, gateway_pb2_grpc
@@ -84,6 +85,7 @@ def connect(
     retry_backoff_max_ms: int = RETRY_BACKOFF_MAX_MS_DEFAULT,
     retry_total_ms_max: int = RETRY_TOTAL_MS_MAX_DEFAULT,
     tracer_provider: TracerProvider | None = None,
+    tls: TlsOptions | None = None,
 ) -> Client:
     """Opens a client to the gateway at `address` ("host:port"); use it as a context manager.
 
@@ -91,6 +93,8 @@ def connect(
     names, meanings and defaults as the [retry] section of the cluster configuration);
     `retry_attempts_max=1` turns retrying off. ValueError names a value out of bounds.
     `tracer_provider` records the client's spans (default: OpenTelemetry's global one).
+    `tls` connects with TLS (`TlsOptions`: the cluster CA, and a client certificate for
+    publisher proxies); plaintext without it.
     """
     retry = RetryPolicy(
         attempts_max=retry_attempts_max,
@@ -104,6 +108,7 @@ def connect(
         options=options,
         retry=retry,
         tracer_provider=tracer_provider,
+        tls=tls,
     )
 
 
@@ -118,6 +123,7 @@ class Client:
         options: ChannelOptions | None = None,
         retry: RetryPolicy | None = None,
         tracer_provider: TracerProvider | None = None,
+        tls: TlsOptions | None = None,
     ) -> None:
         if not address:
             raise ValueError("address must be host:port, not empty")
@@ -129,8 +135,18 @@ class Client:
         self._timeout_s = timeout_s
         self._options = list(options or ())
         self._tracer_provider = tracer_provider
+        self._tls = tls
+        # Read once: a missing or broken file fails here, naming it.
+        self._credentials = tls.credentials() if tls is not None else None
         self._channel = traced_channel(
-            grpc.insecure_channel(address, options=channel_options(options)), tracer_provider
+            open_channel(
+                address,
+                channel_options(options),
+                tls,
+                self._credentials,
+                tls.server_name if tls is not None else None,
+            ),
+            tracer_provider,
         )
         self._topic_manager = broker_pb2_grpc.TopicManagerStub(self._channel)
         self._publisher_stub = broker_pb2_grpc.PublisherStub(self._channel)
@@ -275,10 +291,16 @@ class Client:
             raise Unavailable(f"the publisher proxy for topic '{topic}' has no endpoints")
         options = self._options
         tracer_provider = self._tracer_provider
+        tls, credentials = self._tls, self._credentials
+        # With TLS, a replica's certificate must name the node the gateway said it is.
+        names = {e.address: e.node_id for e in endpoints}
 
         def make_channel(address: str) -> grpc.Channel:
             return traced_channel(
-                grpc.insecure_channel(address, options=channel_options(options)), tracer_provider
+                open_channel(
+                    address, channel_options(options), tls, credentials, names.get(address)
+                ),
+                tracer_provider,
             )
 
         return ProxyBinding(endpoints, replicated=replicated, make_channel=make_channel)

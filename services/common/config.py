@@ -211,6 +211,19 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class TlsConfig:
+    """Transport security (docs/security.md): the cluster CA and the per-identity certificates.
+
+    cert_dir holds `<id>.crt` and `<id>.key` for every node and gateway id (and `admin.crt`
+    / `admin.key` for the CLI); a host needs only its own.
+    """
+
+    enabled: bool = False
+    ca_file: Path | None = None
+    cert_dir: Path | None = None
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     """The whole cluster as every service sees it."""
 
@@ -224,6 +237,7 @@ class ClusterConfig:
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     logging: LogConfig = field(default_factory=LogConfig)
     path: Path = Path("<memory>")
+    tls: TlsConfig = field(default_factory=TlsConfig)
 
     def node(self, node_id: str) -> NodeConfig:
         """The node with this id; ConfigError listing the configured ids if there is none."""
@@ -305,6 +319,11 @@ def load_config_or_exit(
             config.node(node_id)
         if gateway_id is not None:
             config.gateway(gateway_id)
+        # A service checks its own certificate before it starts (the file is shared, but
+        # each host holds only its own key).
+        identity = node_id if node_id is not None else gateway_id
+        if config.tls.enabled and identity is not None:
+            check_tls_identity(config.tls, identity)
     except ConfigError as error:
         _exit_with_error(path, error.message)
     return config
@@ -329,6 +348,7 @@ _SECTIONS: Mapping[str, str] = {
     "durability": "table",
     "telemetry": "table",
     "logging": "table",
+    "tls": "table",
 }
 _CLUSTER_KEYS = ("name",)
 _NODE_KEYS = tuple(f.name for f in dataclasses.fields(NodeConfig))
@@ -384,6 +404,7 @@ def _build(document: Mapping[str, Any], config_path: Path) -> ClusterConfig:
             document, "logging", LogConfig, choices={"level": LOG_LEVELS, "format": LOG_FORMATS}
         ),
         path=config_path.absolute(),
+        tls=_build_tls(document.get("tls", {}), base_dir),
     )
 
 
@@ -535,6 +556,24 @@ def _build_durability(table: Mapping[str, Any]) -> DurabilityConfig:
     return DurabilityConfig(master_sync=master_sync, replica_sync=replica_sync, acks=acks)
 
 
+def _build_tls(table: Mapping[str, Any], base_dir: Path) -> TlsConfig:
+    """[tls]; the paths resolve against the config file's directory, like data_dir."""
+    known = [f.name for f in dataclasses.fields(TlsConfig)]
+    _check_keys(table, known, "[tls]", "tls")
+    enabled = table.get("enabled", False)
+    if not isinstance(enabled, bool):
+        raise ConfigError(f"tls.enabled: must be true or false, got {_describe(enabled)}")
+    paths: dict[str, Path | None] = {}
+    for key in ("ca_file", "cert_dir"):
+        if key in table:
+            paths[key] = _resolve_dir(table[key], f"tls.{key}", base_dir)
+        elif enabled:
+            raise ConfigError(f"tls.{key}: required key is missing (tls.enabled is true)")
+        else:
+            paths[key] = None
+    return TlsConfig(enabled=enabled, ca_file=paths["ca_file"], cert_dir=paths["cert_dir"])
+
+
 def _parse_enum(value: object, field_name: str, names: Mapping[str, _E]) -> _E:
     """Look a string up in names, ignoring case."""
     allowed = ", ".join(names)
@@ -598,6 +637,40 @@ def _validate_cluster(config: ClusterConfig) -> None:
     _validate_durability(config.durability)
     _validate_telemetry(config.telemetry, listeners)
     _validate_logging(config.logging)
+    _validate_tls(config.tls)
+
+
+def _validate_tls(tls: TlsConfig) -> None:
+    """With TLS on, both paths are set and enabled is a boolean.
+
+    The files themselves are checked by the process that uses them
+    (check_tls_identity): `squall certs dev` reads this file before they exist.
+    """
+    if not isinstance(tls.enabled, bool):
+        raise ConfigError(f"tls.enabled: must be true or false, got {_describe(tls.enabled)}")
+    if tls.enabled:
+        tls_path(tls.ca_file, "tls.ca_file")
+        tls_path(tls.cert_dir, "tls.cert_dir")
+
+
+def tls_path(path: Path | None, field_name: str) -> Path:
+    """A [tls] path that must be set because TLS is on."""
+    if path is None:
+        raise ConfigError(f"{field_name}: required key is missing (tls.enabled is true)")
+    return path
+
+
+def check_tls_identity(tls: TlsConfig, identity: str) -> None:
+    """ConfigError unless cert_dir holds a certificate and key for identity, from the CA."""
+    from services.common import tls_files  # cryptography is loaded only when TLS is on
+
+    try:
+        tls_files.check_dir(tls_path(tls.cert_dir, "tls.cert_dir"))
+        tls_files.load_identity(
+            tls_path(tls.ca_file, "tls.ca_file"), tls_path(tls.cert_dir, "tls.cert_dir"), identity
+        )
+    except tls_files.TlsFileError as error:
+        raise ConfigError(str(error)) from None
 
 
 def _validate_node(

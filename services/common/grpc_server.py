@@ -38,8 +38,18 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
 class ServiceServer:
     """An aio gRPC server with health and reflection, bound to one address."""
 
-    def __init__(self, address: str, service_names: Sequence[str], max_message_bytes: int) -> None:
+    def __init__(
+        self,
+        address: str,
+        service_names: Sequence[str],
+        max_message_bytes: int,
+        *,
+        credentials: grpc.ServerCredentials | None = None,
+        interceptors: Sequence[Any] = (),
+    ) -> None:
         self.address = address
+        # TLS when given (services.common.tls builds them from [tls]); plaintext otherwise.
+        self._credentials = credentials
         self.server = grpc.aio.server(
             options=[
                 *channel_options(max_message_bytes),
@@ -47,8 +57,8 @@ class ServiceServer:
                 ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
                 ("grpc.so_reuseport", 0),
             ],
-            # Tracing, when [telemetry] turned it on (nothing otherwise).
-            interceptors=server_interceptors(),
+            # The caller's checks (peer identity), then tracing when [telemetry] turned it on.
+            interceptors=[*interceptors, *server_interceptors()],
         )
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -65,7 +75,10 @@ class ServiceServer:
 
     async def start(self) -> None:
         """Binds and starts serving; the port is known afterwards (useful with port 0)."""
-        self.port = self.server.add_insecure_port(self.address)
+        if self._credentials is None:
+            self.port = self.server.add_insecure_port(self.address)
+        else:
+            self.port = self.server.add_secure_port(self.address, self._credentials)
         if self.port == 0:
             raise OSError(f"cannot bind {self.address}: address in use or not local")
         await self.server.start()

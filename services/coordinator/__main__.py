@@ -9,7 +9,9 @@ import sys
 from services.common.config import ClusterConfig, NodeConfig
 from services.common.grpc_server import ServiceServer
 from services.common.logs import set_log_context
+from services.common.peer_guard import guards
 from services.common.service_main import node_service_main
+from services.common.tls import transport
 from services.coordinator.node import CoordinatorNode
 from services.coordinator.persist import StateFileError
 from services.coordinator.server import Coordinator
@@ -30,7 +32,11 @@ async def serve(config: ClusterConfig, node_config: NodeConfig, stop: asyncio.Ev
         }
     )
     grpc_server = ServiceServer(
-        node_config.coordinator_address, SERVICE_NAMES, config.limits.max_message_bytes
+        node_config.coordinator_address,
+        SERVICE_NAMES,
+        config.limits.max_message_bytes,
+        credentials=transport(config, node_config.id).server_credentials(require_client_cert=True),
+        interceptors=guards(config, node_config.id, "coordinator"),
     )
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(Coordinator(node), grpc_server.server)
     try:

@@ -21,6 +21,7 @@ from services.common.clock import Clock, SystemClock
 from services.common.config import ClusterConfig, NodeConfig
 from services.common.grpc_server import channel_options
 from services.common.telemetry import Telemetry, current
+from services.common.tls import handshake_failure, transport
 from services.coordinator import codec, handoff
 from services.coordinator.election import Election, ElectionConfig
 from services.coordinator.messages import (
@@ -125,8 +126,9 @@ class CoordinatorNode:
         # whose store an operator changed) while it was inactive.
         self._last_report: ReplicaReport | None = None
         options = [*channel_options(config.limits.max_message_bytes), *_FAST_RECONNECT]
+        links = transport(config, node.id)
         self._channels = {
-            n.id: grpc.aio.insecure_channel(n.coordinator_address, options=options)
+            n.id: links.aio_channel(n.coordinator_address, options=options)
             for n in config.nodes
             if n.id != node.id
         }
@@ -134,9 +136,10 @@ class CoordinatorNode:
             peer: coordinator_pb2_grpc.CoordinatorStub(channel)
             for peer, channel in self._channels.items()
         }
-        self._replica_channel = grpc.aio.insecure_channel(node.replica_address, options=options)
+        self._replica_channel = links.aio_channel(node.replica_address, options=options)
         self._replica = replica_pb2_grpc.ReplicaControlStub(self._replica_channel)
         self._inflight = {peer: 0 for peer in self._peers}
+        self._tls_refused: set[str] = set()  # peers whose TLS handshake failed (logged once)
         self._wakeup = asyncio.Event()
         self._role_wanted: RoleCommand | None = None
         self._role_changed = asyncio.Event()
@@ -306,8 +309,22 @@ class CoordinatorNode:
     async def _deliver_to(self, peer: str, message: coordinator_pb2.PeerMessage) -> None:
         try:
             await self._peers[peer].Deliver(message, timeout=self._lease_ms / 1000)
+            self._tls_refused.discard(peer)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.UNAVAILABLE and exc.code() != (
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and handshake_failure(exc.details()):
+                # A peer that is up but whose certificate does not check out (wrong CA,
+                # wrong name) never joins: say so once, not on every probe.
+                if peer not in self._tls_refused:
+                    self._tls_refused.add(peer)
+                    log.warning(
+                        "coordinator %s: TLS handshake with %s failed (its certificate is "
+                        "not from the cluster CA or does not name %s, or it refused ours): %s",
+                        self.node.id,
+                        peer,
+                        peer,
+                        exc.details(),
+                    )
+            elif exc.code() != grpc.StatusCode.UNAVAILABLE and exc.code() != (
                 grpc.StatusCode.DEADLINE_EXCEEDED
             ):
                 log.info(

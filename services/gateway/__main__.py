@@ -37,7 +37,13 @@ async def serve(config: ClusterConfig, gateway: GatewayConfig, stop: asyncio.Eve
         policy=config.retry.policy(),
         gateway_id=gateway.id,
     )
-    grpc_server = ServiceServer(gateway.address, SERVICE_NAMES, config.limits.max_message_bytes)
+    # Apps connect without a client certificate: TLS, not mutual TLS, on the gateway.
+    grpc_server = ServiceServer(
+        gateway.address,
+        SERVICE_NAMES,
+        config.limits.max_message_bytes,
+        credentials=masters.transport.server_credentials(require_client_cert=False),
+    )
     grpc_server.server.add_generic_rpc_handlers(forwarder.handlers())
     gateway_pb2_grpc.add_ClusterAdminServicer_to_server(admin, grpc_server.server)
     masters.start()
@@ -62,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = load_config_or_exit(args.config, gateway_id=args.gateway)
     gateway = config.gateway(args.gateway)
+    if args.gateway is None and config.tls.enabled:
+        load_config_or_exit(args.config, gateway_id=gateway.id)  # checks its certificate
     setup_logging(config.logging, "gateway", gateway.id)
     return run_service(
         "gateway", gateway.id, lambda stop: serve(config, gateway, stop), config=config

@@ -30,6 +30,7 @@ from services.common.config import ClusterConfig, NodeConfig
 from services.common.grpc_server import channel_options
 from services.common.grpc_tracing import client_interceptors
 from services.common.logs import log_fields
+from services.common.tls import transport
 from squall.v1 import (
     common_pb2,
     coordinator_pb2,
@@ -151,15 +152,17 @@ class MasterTracker:
             *channel_options(config.limits.max_message_bytes),
             *_reconnect_options(retry.retry_backoff_initial_ms, retry.retry_backoff_max_ms),
         ]
+        # Every link presents this gateway's certificate when [tls] is on.
+        self.transport = transport(config, gateway_id)
         # Forwarded calls carry the trace on to the master (interceptors only while tracing).
         self._channels = {
-            node.replica_address: grpc.aio.insecure_channel(
+            node.replica_address: self.transport.aio_channel(
                 node.replica_address, options=options, interceptors=client_interceptors()
             )
             for node in config.nodes
         }
         self._coordinator_channels = {
-            node.id: grpc.aio.insecure_channel(node.coordinator_address, options=options)
+            node.id: self.transport.aio_channel(node.coordinator_address, options=options)
             for node in config.nodes
         }
         self._views = GroupViews({node.id: node.replica_address for node in config.nodes})

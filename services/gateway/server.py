@@ -28,7 +28,7 @@ class ClusterAdmin(gateway_pb2_grpc.ClusterAdminServicer):
         self._timeout_s = timeout_s
         options = channel_options(config.limits.max_message_bytes)
         self._coordinators = {
-            node.id: grpc.aio.insecure_channel(node.coordinator_address, options=options)
+            node.id: masters.transport.aio_channel(node.coordinator_address, options=options)
             for node in config.nodes
         }
 

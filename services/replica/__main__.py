@@ -9,7 +9,9 @@ import sys
 from services.common.config import ClusterConfig, NodeConfig
 from services.common.grpc_server import ServiceServer
 from services.common.logs import set_log_context
+from services.common.peer_guard import guards
 from services.common.service_main import node_service_main
+from services.common.tls import transport
 from services.replica import push_server, replication_server, server
 from services.replica.datadir import DataDirBusy, DataDirLock
 from services.replica.node import ReplicaNode
@@ -67,7 +69,11 @@ async def _serve_locked(
         }
     )
     grpc_server = ServiceServer(
-        node_config.replica_address, SERVICE_NAMES, config.limits.max_message_bytes
+        node_config.replica_address,
+        SERVICE_NAMES,
+        config.limits.max_message_bytes,
+        credentials=transport(config, node_config.id).server_credentials(require_client_cert=True),
+        interceptors=guards(config, node_config.id, "replica"),
     )
     broker_pb2_grpc.add_TopicManagerServicer_to_server(
         server.TopicManager(node), grpc_server.server

@@ -47,6 +47,7 @@ from services.common.config import ClusterConfig, NodeConfig
 from services.common.errors import Code, ServiceError
 from services.common.grpc_server import channel_options
 from services.common.telemetry import Telemetry, current
+from services.common.tls import transport
 from services.replica.commands import Planned
 from services.replica.replication import (
     Actions,
@@ -200,10 +201,11 @@ class MasterDriver:
         )
         options = channel_options(config.limits.max_message_bytes)
         self._links: dict[str, _Link] = {}
+        links = transport(config, node.id)
         for member in members:
             if member.id == node.id:
                 continue
-            channel = grpc.aio.insecure_channel(member.replica_address, options=options)
+            channel = links.aio_channel(member.replica_address, options=options)
             self._links[member.id] = _Link(node=member, channel=channel)
 
     # --- lifecycle

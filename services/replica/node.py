@@ -50,6 +50,7 @@ from services.common.config import ClusterConfig, NodeConfig
 from services.common.errors import Code, ServiceError
 from services.common.grpc_server import channel_options
 from services.common.telemetry import Telemetry, current
+from services.common.tls import transport
 from services.replica import commands, telemetry
 from services.replica.commands import BatchBuilder, Command, Planned
 from services.replica.divergence import HistoryError, fork_lsn
@@ -463,7 +464,8 @@ class ReplicaNode:
         idle_timeout_s = self.config.timeouts.rpc_timeout_ms / 1000
         sync = self.config.durability.master_sync == common_pb2.SYNC_POLICY_SYNC
         fetched = snapshots = 0
-        async with grpc.aio.insecure_channel(source.replica_address, options=options) as channel:
+        links = transport(self.config, self.node.id)
+        async with links.aio_channel(source.replica_address, options=options) as channel:
             stub = replica_pb2_grpc.ReplicationStub(channel)
             # Twice at most: once more after truncating a divergent suffix.
             for _ in range(2):

@@ -14,6 +14,7 @@ import pytest
 
 from deploy import processes
 from services.common.config import ClusterConfig, load_config
+from services.common.tls import Transport, cli_transport, plain_or
 from squall.v1 import (
     common_pb2,
     coordinator_pb2,
@@ -48,6 +49,15 @@ class LocalCluster:
         """The first gateway's address."""
         return self.config.gateways[0].address
 
+    @property
+    def links(self) -> Transport | None:
+        """The admin identity's TLS links when [tls] is on (None: plaintext)."""
+        return cli_transport(self.config) if self.config.tls.enabled else None
+
+    def dial(self, address: str) -> grpc.Channel:
+        """A blocking channel to any service of the cluster, over TLS when it is on."""
+        return plain_or(self.links, address)
+
     def replica_address(self, node_id: str) -> str:
         """One node's replica address."""
         return self.config.node(node_id).replica_address
@@ -64,7 +74,7 @@ class LocalCluster:
             kind, self.config_path, name, address, self.run_dir / "logs" / f"{kind}-{name}.log"
         )
         self.services[(kind, name)] = service
-        processes.wait_serving([service])
+        processes.wait_serving([service], links=self.links)
         return service
 
     def start_node(self, node_id: str) -> None:
@@ -94,7 +104,7 @@ class LocalCluster:
             service = self.services.get(("coordinator", node.id))
             if service is None or service.process.poll() is not None:
                 continue
-            with grpc.insecure_channel(node.coordinator_address) as channel:
+            with self.dial(node.coordinator_address) as channel:
                 stub = coordinator_pb2_grpc.CoordinatorStub(channel)
                 try:
                     result[node.id] = stub.GetStatus(coordinator_pb2.GetStatusRequest(), timeout=2)
@@ -131,7 +141,7 @@ class LocalCluster:
                 service = self.services.get(("replica", node.id))
                 if service is None or service.process.poll() is not None:
                     continue
-                with grpc.insecure_channel(node.replica_address) as channel:
+                with self.dial(node.replica_address) as channel:
                     stub = replica_pb2_grpc.ReplicaControlStub(channel)
                     try:
                         state = stub.GetReplicaState(
@@ -148,7 +158,7 @@ class LocalCluster:
 
     def replica_role(self, node_id: str) -> int:
         """The role a node's replica reports (ROLE_UNSPECIFIED if unreachable)."""
-        with grpc.insecure_channel(self.config.node(node_id).replica_address) as channel:
+        with self.dial(self.config.node(node_id).replica_address) as channel:
             stub = replica_pb2_grpc.ReplicaControlStub(channel)
             try:
                 state = stub.GetReplicaState(replica_pb2.GetReplicaStateRequest(), timeout=2)
@@ -175,7 +185,7 @@ class LocalCluster:
 
     def channel(self, address: str | None = None) -> grpc.Channel:
         """A channel to an address (default: the gateway)."""
-        return grpc.insecure_channel(address or self.gateway_address)
+        return self.dial(address or self.gateway_address)
 
 
 def make_cluster(template: Path, run_dir: Path, **overrides: dict[str, object]) -> LocalCluster:
