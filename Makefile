@@ -48,7 +48,7 @@ sim: install
 	$(BIN)/pytest -q tests/sim --sim-seeds=$(SEEDS) $(PYTEST_ARGS)
 
 run: install
-	$(PY) -m deploy.launcher start --config deploy/cluster.example.toml --demo
+	$(PY) -m deploy.launcher start --config deploy/cluster.example.toml --demo $(if $(TLS),--tls)
 
 stop: install
 	$(PY) -m deploy.launcher stop

@@ -1,6 +1,6 @@
 """Runs a local Squall cluster: every service its own process on loopback.
 
-    python -m deploy.launcher start --config deploy/single.toml [--demo]
+    python -m deploy.launcher start --config deploy/single.toml [--demo] [--tls]
     python -m deploy.launcher stop
 
 `start` copies the config into .run/ with free ports (data stays in .run/data, so a
@@ -9,7 +9,9 @@ log (.run/logs/<service>-<id>.log), waits until each answers its health check an
 master is elected, prints the cluster's status table, and records the PIDs in
 .run/pids.json. `stop` first shuts the cluster down cleanly (`squall cluster shutdown`:
 every store clean at one point, so the next `start` needs no operator), then stops
-whatever still runs by PID.
+whatever still runs by PID. With `--tls` (`make run TLS=1`) every link is TLS: development
+certificates are made in .run/certs (`squall certs dev`, kept for later runs) and the local
+copy of the config gets a `[tls]` section pointing at them.
 """
 
 from __future__ import annotations
@@ -20,9 +22,14 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from deploy import processes
 from services.common.config import ClusterConfig, ConfigError, load_config, load_config_or_exit
+from services.common.tls import cli_transport
+
+if TYPE_CHECKING:
+    import squall
 
 RUN_DIR = Path(".run")
 PIDS_FILE = RUN_DIR / "pids.json"
@@ -46,7 +53,42 @@ def _running_pids() -> list[dict[str, object]]:
     return alive
 
 
-def start(config_path: Path, demo: bool) -> int:
+def enable_dev_tls(local_path: Path, certs_dir: Path) -> None:
+    """Turns TLS on in the local config, with development certificates in certs_dir."""
+    import tomllib
+
+    from services.common import dev_certs
+
+    config = load_config_or_exit(local_path)
+    wanted = dev_certs.subjects(config, [])
+    if not all((certs_dir / f"{s.identity}.crt").exists() for s in wanted):
+        dev_certs.make_dev_certs(certs_dir, wanted, force=True)
+        print(f"made development certificates in {certs_dir} (squall certs dev)")
+    document = tomllib.loads(local_path.read_text())
+    document["tls"] = {
+        "enabled": True,
+        "ca_file": str((certs_dir / "ca.crt").resolve()),
+        "cert_dir": str(certs_dir.resolve()),
+    }
+    local_path.write_text(processes.dump_toml(document))
+
+
+def _app_tls(config: ClusterConfig) -> squall.TlsOptions | None:
+    """How the launcher's own calls (health, status, demo) connect: as admin over TLS."""
+    import squall
+
+    tls = config.tls
+    if not tls.enabled or tls.ca_file is None or tls.cert_dir is None:
+        return None
+    return squall.TlsOptions(
+        ca_file=tls.ca_file,
+        cert_file=tls.cert_dir / "admin.crt",
+        key_file=tls.cert_dir / "admin.key",
+        server_name=config.gateways[0].id,
+    )
+
+
+def start(config_path: Path, demo: bool, tls: bool = False) -> int:
     """Starts the cluster described by config_path; returns an exit status."""
     if _running_pids():
         print(
@@ -57,7 +99,10 @@ def start(config_path: Path, demo: bool) -> int:
         return 1
     load_config_or_exit(config_path)  # a broken file stops here with one clear line
     local_path = processes.localize_config(config_path, RUN_DIR)
+    if tls:
+        enable_dev_tls(local_path, RUN_DIR / "certs")
     config = load_config_or_exit(local_path)
+    app_tls = _app_tls(config)
     services: list[processes.Service] = []
     logs = RUN_DIR / "logs"
     for node in config.nodes:
@@ -88,7 +133,7 @@ def start(config_path: Path, demo: bool) -> int:
         )
     )
     try:
-        processes.wait_serving(services)
+        processes.wait_serving(services, links=cli_transport(config))
     except (RuntimeError, TimeoutError) as exc:
         print(f"squall: the cluster did not start: {exc}", file=sys.stderr)
         stop()
@@ -98,10 +143,10 @@ def start(config_path: Path, demo: bool) -> int:
         print(f"  {s.kind:<12} {s.name:<6} {s.address:<22} pid {s.pid}  log {s.log_path}")
     gateway_address = config.gateways[0].address
     try:
-        master = wait_for_master(gateway_address)
+        master = wait_for_master(gateway_address, tls=app_tls)
     except TimeoutError as exc:
         # The table says why (e.g. stores that refuse a cold start after a crash).
-        print_status(gateway_address)
+        print_status(gateway_address, local_path)
         print(
             f"squall: {exc}; the reasons are in the table above and the logs in {logs} "
             "(docs/operations.md); `make stop` stops the processes",
@@ -109,21 +154,25 @@ def start(config_path: Path, demo: bool) -> int:
         )
         return 1
     print(f"  master elected: {master}\n")
-    print_status(gateway_address)
+    print_status(gateway_address, local_path)
     if demo:
-        _demo(config, gateway_address)
-    print(f"\nTry:  .venv/bin/squall status --gateway {gateway_address}")
-    print(f"      .venv/bin/squall subscribe demo --gateway {gateway_address} --count 5")
+        _demo(config, gateway_address, app_tls)
+    # --config brings the [tls] settings (and the admin certificate) along.
+    target = f"--config {local_path}" if app_tls else f"--gateway {gateway_address}"
+    print(f"\nTry:  .venv/bin/squall status {target}")
+    print(f"      .venv/bin/squall subscribe demo {target} --count 5")
     print("Stop: make stop")
     return 0
 
 
-def wait_for_master(gateway_address: str, timeout_s: float = 30.0) -> str:
+def wait_for_master(
+    gateway_address: str, timeout_s: float = 30.0, tls: squall.TlsOptions | None = None
+) -> str:
     """Waits until the gateway reports an elected master; returns its node id."""
     import squall
 
     deadline = time.monotonic() + timeout_s
-    with squall.connect(gateway_address) as client:
+    with squall.connect(gateway_address, tls=tls) as client:
         while time.monotonic() < deadline:
             try:
                 master = client.status().master_id
@@ -135,18 +184,21 @@ def wait_for_master(gateway_address: str, timeout_s: float = 30.0) -> str:
     raise TimeoutError(f"no master was elected within {timeout_s:.0f}s")
 
 
-def print_status(gateway_address: str) -> None:
+def print_status(gateway_address: str, config_path: Path | None = None) -> None:
     """Prints `squall status` (IceStorm's replica table) for the running cluster."""
     from services import cli
 
-    cli.main(["status", "--gateway", gateway_address, "--timeout", "5"])
+    extra = ["--config", str(config_path)] if config_path is not None else []
+    cli.main(["status", "--gateway", gateway_address, "--timeout", "5", *extra])
 
 
-def _demo(config: ClusterConfig, gateway_address: str) -> None:
+def _demo(
+    config: ClusterConfig, gateway_address: str, tls: squall.TlsOptions | None = None
+) -> None:
     """Creates a topic, publishes a few events and reads them back, saying what it does."""
     import squall
 
-    with squall.connect(gateway_address) as client:
+    with squall.connect(gateway_address, tls=tls) as client:
         name = "demo"
         try:
             client.create_topic(name)
@@ -220,10 +272,13 @@ def main(argv: list[str] | None = None) -> int:
     start_parser = sub.add_parser("start", help="start a local cluster")
     start_parser.add_argument("--config", type=Path, default=Path("deploy/single.toml"))
     start_parser.add_argument("--demo", action="store_true", help="run the short demo")
+    start_parser.add_argument(
+        "--tls", action="store_true", help="TLS on every link, with development certificates"
+    )
     sub.add_parser("stop", help="stop the local cluster")
     args = parser.parse_args(argv)
     if args.command == "start":
-        return start(args.config, args.demo)
+        return start(args.config, args.demo, args.tls)
     return stop()
 
 

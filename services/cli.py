@@ -237,6 +237,30 @@ def resolve_gateway(args: argparse.Namespace) -> str:
     return os.environ.get(GATEWAY_ENV) or DEFAULT_GATEWAY
 
 
+def tls_from_config(args: argparse.Namespace, address: str) -> squall.TlsOptions | None:
+    """TLS options from --config's [tls] (the admin certificate when cert_dir has one)."""
+    if not args.config:
+        return None
+    from services.common.config import ConfigError, load_config
+    from services.common.tls import ADMIN_ID, address_owner, cli_identity
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as err:
+        message = " ".join(err.message.splitlines())
+        raise UsageError(f"config error: {args.config}: {message}") from None
+    tls = config.tls
+    if not tls.enabled or tls.ca_file is None or tls.cert_dir is None:
+        return None
+    admin = cli_identity(config) == ADMIN_ID
+    return squall.TlsOptions(
+        ca_file=tls.ca_file,
+        cert_file=tls.cert_dir / f"{ADMIN_ID}.crt" if admin else None,
+        key_file=tls.cert_dir / f"{ADMIN_ID}.key" if admin else None,
+        server_name=address_owner(config, address),
+    )
+
+
 # -- client commands --------------------------------------------------------------------
 
 
@@ -472,7 +496,12 @@ def _cmd_status(client: squall.Client, args: argparse.Namespace, out: TextIO) ->
 
 def _run_client(args: argparse.Namespace, out: TextIO, stdin: TextIO) -> int:
     address = resolve_gateway(args)
-    with squall.connect(address, timeout_s=args.timeout) as client:
+    try:
+        tls = tls_from_config(args, address)
+        client = squall.connect(address, timeout_s=args.timeout, tls=tls)
+    except ValueError as err:  # a TLS file that cannot be read
+        raise UsageError(str(err)) from None
+    with client:
         if args.command == "topic":
             return _cmd_topic(client, args, out)
         if args.command == "publish":
@@ -540,7 +569,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"squall: {err}", file=sys.stderr)
         return 1
     except squall.SquallError as err:
-        print(f"squall: {err}", file=sys.stderr)
+        print(f"squall: {err}{_tls_hint(err)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
@@ -548,6 +577,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The reader went away (`squall subscribe t | head`); that is not an error.
         _silence_stdout()
         return 0
+
+
+def _tls_hint(err: squall.SquallError) -> str:
+    """A hint when a plaintext call was cut off the way a TLS-only server cuts it."""
+    if isinstance(err, squall.Unavailable) and "Socket closed" in str(err):
+        return (
+            "\nsquall: the server closed the connection at once; if the cluster runs with "
+            "[tls] on, give --config FILE so this command connects with TLS"
+        )
+    return ""
 
 
 def _silence_stdout() -> None:

@@ -14,6 +14,8 @@ from typing import TextIO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.tls import plain_or
+
 
 def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Adds `health`."""
@@ -30,12 +32,27 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     health.add_argument(
         "--timeout", type=float, default=2.0, metavar="SECONDS", help="deadline of the check"
     )
+    health.add_argument(
+        "--config",
+        metavar="FILE",
+        help="cluster TOML: with [tls] on, check over TLS (as admin when cert_dir has it)",
+    )
     health.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
     """Checks one address; prints `ADDRESS: STATUS`; 0 only for SERVING."""
-    with grpc.insecure_channel(args.address) as channel:
+    links = None
+    if args.config:
+        from services.common.config import ConfigError, load_config
+        from services.common.tls import cli_transport
+
+        try:
+            links = cli_transport(load_config(args.config))
+        except ConfigError as err:
+            print(f"squall: config error: {args.config}: {err}", file=out)
+            return 2
+    with plain_or(links, args.address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(
