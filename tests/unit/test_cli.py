@@ -187,7 +187,8 @@ def test_gateway_resolution(
     monkeypatch.setenv(cli.GATEWAY_ENV, "127.0.0.1:1")
     config.write_text(_cluster_toml(f"127.0.0.1:{port}"))
     assert run(["topic", "list", "--config", str(config)], capsys)[0] == 0
-    config.write_text(_cluster_toml("127.0.0.1:1"))
+    # A valid file (its [tls] is read) whose gateway is not there: --gateway wins.
+    config.write_text(_cluster_toml("127.0.0.1:3"))
     assert run(["topic", "list", "--config", str(config), "--gateway", broker.address], capsys)[
         0
     ] == 0
