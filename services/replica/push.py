@@ -160,6 +160,8 @@ class PushDelivery:
             master_id=node.node.id,
             epoch=node.epoch,
         )
+        # Plaintext also with [tls] on: an app's endpoint has no member certificate to
+        # expect (docs/security.md, "Push subscribers").
         async with grpc.aio.insecure_channel(endpoint, options=options) as channel:
             try:
                 await push_pb2_grpc.PushSubscriberStub(channel).Deliver(
@@ -218,6 +220,7 @@ class _Worker:
         self._cursor_task: asyncio.Task[None] | None = None
         self._attempts: dict[int, int] = {}  # first offset of a failed batch -> failures
         timeouts = self._node.config.timeouts
+        # Plaintext by design, as in the probe above (docs/security.md).
         self._channel = grpc.aio.insecure_channel(
             subscriber.endpoint,
             options=_channel_options(limits.max_message_bytes, timeouts.push_retry_backoff_max_ms),
