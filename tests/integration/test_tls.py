@@ -18,6 +18,7 @@ import pytest
 
 import squall
 from deploy import processes
+from services import cli
 from services.common import dev_certs
 from services.common.config import ClusterConfig
 from services.common.tls import Transport
@@ -68,7 +69,9 @@ def _state(cluster: LocalCluster, node_id: str) -> replica_pb2.ReplicaState:
         return state
 
 
-def test_a_tls_cluster_elects_replicates_and_serves_the_library(tls_trio: LocalCluster) -> None:
+def test_a_tls_cluster_elects_replicates_and_serves_the_library_and_the_cli(
+    tls_trio: LocalCluster, capsys: pytest.CaptureFixture[str]
+) -> None:
     tls_trio.start_all()
     master = tls_trio.wait_for_master()
     with squall.connect(tls_trio.gateway_address, timeout_s=10, tls=_app_tls(tls_trio)) as app:
@@ -114,6 +117,22 @@ def test_a_tls_cluster_elects_replicates_and_serves_the_library(tls_trio: LocalC
                 replica_pb2.GetReplicaStateRequest(), timeout=2
             )
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    # The command line, as admin over TLS with --config.
+    config = str(tls_trio.config_path)
+    coordinator = tls_trio.config.node("n2").coordinator_address
+    assert cli.main(["health", coordinator, "--config", config]) == 0
+    assert cli.main(["topic", "create", "cli-secure", "--config", config]) == 0
+    assert cli.main(["status", "--config", config]) == 0
+    assert f"master: {master}" in capsys.readouterr().out
+    # Without --config the command speaks plaintext and is told why it failed.
+    assert cli.main(["topic", "list", "--gateway", tls_trio.gateway_address]) == 1
+    assert "give --config FILE so this command connects with TLS" in capsys.readouterr().err
+    assert cli.main(["health", coordinator]) == 1
+    # The clean shutdown freezes and finishes every replica with the admin certificate.
+    assert cli.main(["cluster", "shutdown", "--config", config]) == 0
+    out = capsys.readouterr().out
+    assert all(f"{node}: clean" in out for node in ("n1", "n2", "n3")), out
 
 
 def test_a_client_dialling_a_node_under_another_name_is_refused(tls_trio: LocalCluster) -> None:
