@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -169,10 +168,3 @@ def plain_or(transport_: Transport | None, address: str, options: Options = ()) 
     if transport_ is None:
         return grpc.insecure_channel(address, options=options)
     return transport_.channel(address, options=options)
-
-
-def path_of(tls: TlsConfig, identity: str) -> Path | None:
-    """identity's certificate file (for messages), None when TLS is off."""
-    if tls.cert_dir is None:
-        return None
-    return identity_paths(tls.cert_dir, identity)[0]

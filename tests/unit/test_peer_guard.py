@@ -10,7 +10,8 @@ import grpc
 import pytest
 
 from services.common.config import parse_config
-from services.common.peer_guard import PeerGuard, Refused
+from services.common.peer_guard import PeerGuard, Refused, guards
+from services.common.tls import Transport, address_owner, handshake_failure
 from squall.v1 import coordinator_pb2, replica_pb2
 from tests.unit.test_config import VALID
 
@@ -88,3 +89,23 @@ def test_shutdown_and_state_calls_admit_the_operator(guard: PeerGuard) -> None:
     assert guard.check(STATE, _names("g1"), None) == "g1"
     assert guard.check(STATE, _names("admin"), None) is None
     assert _refused(guard, STATE, _names("app"), None).code == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_members_are_found_by_address_and_handshake_failures_are_recognised() -> None:
+    config = parse_config(VALID, "cluster.toml")
+    assert address_owner(config, "127.0.0.1:7202") == "n2"
+    assert address_owner(config, "127.0.0.1:7103") == "n3"
+    assert address_owner(config, config.gateways[0].address) == "g1"
+    assert address_owner(config, "127.0.0.1:9999") is None
+    assert handshake_failure(
+        "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: "
+        "Ssl handshake failed: SSL_ERROR_SSL: CERTIFICATE_VERIFY_FAILED"
+    )
+    assert handshake_failure("Custom verification check failed: Hostname Verification Check")
+    assert not handshake_failure("failed to connect: Connection refused")
+
+
+def test_tls_off_builds_plaintext_servers_and_no_guard() -> None:
+    config = parse_config(VALID, "cluster.toml")
+    assert Transport(config, "n1").server_credentials(require_client_cert=True) is None
+    assert guards(config, "n1", "replica") == []
