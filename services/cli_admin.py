@@ -123,8 +123,13 @@ def _call(
             )
             return reply
         except grpc.RpcError as exc:
+            links = _LINKS.get()
+            hint = ""
+            if links is not None and links.enabled and links.identity is None:
+                # Coordinators and replicas require a client certificate.
+                hint = " (no admin.crt and admin.key in tls.cert_dir to present)"
             raise AdminError(
-                f"node {node_id}: {exc.code().name}: {exc.details()}"
+                f"node {node_id}: {exc.code().name}: {exc.details()}{hint}"
             ) from None
 
 

@@ -227,7 +227,9 @@ def test_a_node_with_a_certificate_from_another_ca_never_joins(
     assert tls_trio.wait_for_master() == master
 
 
-def test_a_peer_claiming_another_nodes_id_is_refused(tls_trio: LocalCluster) -> None:
+def test_a_peer_claiming_another_nodes_id_is_refused(
+    tls_trio: LocalCluster, capsys: pytest.CaptureFixture[str]
+) -> None:
     tls_trio.start_node("n1")  # alone: it waits for the others, inactive
     n1 = tls_trio.config.node("n1")
     as_n2 = Transport(tls_trio.config, "n2")
@@ -273,6 +275,14 @@ def test_a_peer_claiming_another_nodes_id_is_refused(tls_trio: LocalCluster) -> 
     assert role_refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert "only from node n1's own coordinator" in (role_refused.value.details() or "")
     assert tls_trio.replica_role("n1") == common_pb2.ROLE_INACTIVE
+    # An operator without the admin certificate cannot connect to a coordinator at all.
+    cert_dir = tls_trio.config.tls.cert_dir
+    assert cert_dir is not None
+    (cert_dir / "admin.crt").unlink()
+    config = str(tls_trio.config_path)
+    assert cli.main(["cluster", "designated-primary", "n1", "--config", config]) == 1
+    assert "no admin.crt and admin.key in tls.cert_dir" in capsys.readouterr().err
+    assert not tls_trio.statuses()  # nor can the harness, for the same reason
 
 
 def _config_copy(cluster: LocalCluster, path: Path, ca_file: Path, cert_dir: Path) -> Path:
