@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import grpc
 from opentelemetry.trace import TracerProvider
 
+from squall._auth import resolve_token, with_token
 from squall._errors import (
     AlreadyExists,
     AlreadySubscribed,
@@ -84,6 +85,7 @@ def connect(
     retry_backoff_max_ms: int = RETRY_BACKOFF_MAX_MS_DEFAULT,
     retry_total_ms_max: int = RETRY_TOTAL_MS_MAX_DEFAULT,
     tracer_provider: TracerProvider | None = None,
+    token: str | None = None,
 ) -> Client:
     """Opens a client to the gateway at `address` ("host:port"); use it as a context manager.
 
@@ -91,6 +93,8 @@ def connect(
     names, meanings and defaults as the [retry] section of the cluster configuration);
     `retry_attempts_max=1` turns retrying off. ValueError names a value out of bounds.
     `tracer_provider` records the client's spans (default: OpenTelemetry's global one).
+    `token` is sent as `authorization: Bearer <token>` on every call, publisher proxies'
+    included (default: $SQUALL_TOKEN, else the file $SQUALL_TOKEN_FILE names; docs/auth.md).
     """
     retry = RetryPolicy(
         attempts_max=retry_attempts_max,
@@ -104,6 +108,7 @@ def connect(
         options=options,
         retry=retry,
         tracer_provider=tracer_provider,
+        token=token,
     )
 
 
@@ -118,6 +123,7 @@ class Client:
         options: ChannelOptions | None = None,
         retry: RetryPolicy | None = None,
         tracer_provider: TracerProvider | None = None,
+        token: str | None = None,
     ) -> None:
         if not address:
             raise ValueError("address must be host:port, not empty")
@@ -129,8 +135,12 @@ class Client:
         self._timeout_s = timeout_s
         self._options = list(options or ())
         self._tracer_provider = tracer_provider
+        self._token = resolve_token(token)
         self._channel = traced_channel(
-            grpc.insecure_channel(address, options=channel_options(options)), tracer_provider
+            with_token(
+                grpc.insecure_channel(address, options=channel_options(options)), self._token
+            ),
+            tracer_provider,
         )
         self._topic_manager = broker_pb2_grpc.TopicManagerStub(self._channel)
         self._publisher_stub = broker_pb2_grpc.PublisherStub(self._channel)
@@ -275,10 +285,12 @@ class Client:
             raise Unavailable(f"the publisher proxy for topic '{topic}' has no endpoints")
         options = self._options
         tracer_provider = self._tracer_provider
+        token = self._token
 
         def make_channel(address: str) -> grpc.Channel:
             return traced_channel(
-                grpc.insecure_channel(address, options=channel_options(options)), tracer_provider
+                with_token(grpc.insecure_channel(address, options=channel_options(options)), token),
+                tracer_provider,
             )
 
         return ProxyBinding(endpoints, replicated=replicated, make_channel=make_channel)

@@ -38,17 +38,32 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
 class ServiceServer:
     """An aio gRPC server with health and reflection, bound to one address."""
 
-    def __init__(self, address: str, service_names: Sequence[str], max_message_bytes: int) -> None:
+    def __init__(
+        self,
+        address: str,
+        service_names: Sequence[str],
+        max_message_bytes: int,
+        *,
+        interceptors: Sequence[Any] = (),
+        metadata_bytes_max: int | None = None,
+    ) -> None:
         self.address = address
+        options: list[tuple[str, int]] = [
+            *channel_options(max_message_bytes),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ("grpc.so_reuseport", 0),
+        ]
+        if metadata_bytes_max is not None:
+            # limits.metadata_bytes_max: gRPC refuses a call whose headers are larger.
+            # The soft and hard limits are the same so the refusal is not probabilistic.
+            options.append(("grpc.max_metadata_size", metadata_bytes_max))
+            options.append(("grpc.absolute_max_metadata_size", metadata_bytes_max))
         self.server = grpc.aio.server(
-            options=[
-                *channel_options(max_message_bytes),
-                ("grpc.keepalive_permit_without_calls", 1),
-                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-                ("grpc.so_reuseport", 0),
-            ],
-            # Tracing, when [telemetry] turned it on (nothing otherwise).
-            interceptors=server_interceptors(),
+            options=options,
+            # Tracing, when [telemetry] turned it on (nothing otherwise), then the guards
+            # (authentication, per-client limits) the service passes in.
+            interceptors=[*server_interceptors(), *interceptors],
         )
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import sys
 
+from services.common.call_guard import guard_interceptors
 from services.common.config import ClusterConfig, NodeConfig
 from services.common.grpc_server import ServiceServer
 from services.common.logs import set_log_context
@@ -30,7 +31,11 @@ async def serve(config: ClusterConfig, node_config: NodeConfig, stop: asyncio.Ev
         }
     )
     grpc_server = ServiceServer(
-        node_config.coordinator_address, SERVICE_NAMES, config.limits.max_message_bytes
+        node_config.coordinator_address,
+        SERVICE_NAMES,
+        config.limits.max_message_bytes,
+        interceptors=guard_interceptors(config),
+        metadata_bytes_max=config.limits.metadata_bytes_max,
     )
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(Coordinator(node), grpc_server.server)
     try:

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import sys
 
+from services.common.call_guard import guard_interceptors
 from services.common.config import ClusterConfig, GatewayConfig, load_config_or_exit
 from services.common.grpc_server import ServiceServer
 from services.common.logs import set_log_context, setup_logging
@@ -37,7 +38,13 @@ async def serve(config: ClusterConfig, gateway: GatewayConfig, stop: asyncio.Eve
         policy=config.retry.policy(),
         gateway_id=gateway.id,
     )
-    grpc_server = ServiceServer(gateway.address, SERVICE_NAMES, config.limits.max_message_bytes)
+    grpc_server = ServiceServer(
+        gateway.address,
+        SERVICE_NAMES,
+        config.limits.max_message_bytes,
+        interceptors=guard_interceptors(config),
+        metadata_bytes_max=config.limits.metadata_bytes_max,
+    )
     grpc_server.server.add_generic_rpc_handlers(forwarder.handlers())
     gateway_pb2_grpc.add_ClusterAdminServicer_to_server(admin, grpc_server.server)
     masters.start()

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import sys
 
+from services.common.call_guard import guard_interceptors
 from services.common.config import ClusterConfig, NodeConfig
 from services.common.grpc_server import ServiceServer
 from services.common.logs import set_log_context
@@ -67,7 +68,11 @@ async def _serve_locked(
         }
     )
     grpc_server = ServiceServer(
-        node_config.replica_address, SERVICE_NAMES, config.limits.max_message_bytes
+        node_config.replica_address,
+        SERVICE_NAMES,
+        config.limits.max_message_bytes,
+        interceptors=guard_interceptors(config),
+        metadata_bytes_max=config.limits.metadata_bytes_max,
     )
     broker_pb2_grpc.add_TopicManagerServicer_to_server(
         server.TopicManager(node), grpc_server.server
