@@ -30,7 +30,9 @@ from typing import TextIO, TypeVar
 
 import grpc
 
+from services.cli_auth import cli_token
 from services.common.config import ClusterConfig, NodeConfig
+from squall._auth import with_token
 from squall.v1 import (
     common_pb2,
     coordinator_pb2,
@@ -68,7 +70,8 @@ def _rpc_error(exc: grpc.RpcError) -> str:
 
 def _call(address: str, make: Callable[[grpc.Channel], T]) -> T:
     with grpc.insecure_channel(address) as channel:
-        return make(channel)
+        # Coordinator calls need the operator's token when [auth] is on (docs/auth.md).
+        return make(with_token(channel, cli_token()))
 
 
 def _replica_state(node: NodeConfig) -> replica_pb2.ReplicaState:
