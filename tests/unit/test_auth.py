@@ -340,3 +340,45 @@ def test_inflight_publishes_per_client_are_bounded() -> None:
     unary.close()
     stream.close()
     assert guard.counts.publishes == {} and guard.counts.streams == {}
+
+
+# --- the command line
+
+
+def test_squall_auth_new_token_prints_a_token_and_its_hash(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from services import cli
+
+    assert cli.main(["auth", "new-token"]) == 0
+    token_line, hash_line = capsys.readouterr().out.splitlines()
+    token = token_line.removeprefix("token: ")
+    assert len(token) >= 43
+    assert hash_line == f'token_sha256 = "{token_sha256(token)}"'
+
+
+def test_squall_auth_hash_token_reads_stdin(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+
+    from services import cli
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("token-a\n"))
+    assert cli.main(["auth", "hash-token"]) == 0
+    assert capsys.readouterr().out.strip() == HASH_A
+    monkeypatch.setattr("sys.stdin", io.StringIO("  \n"))
+    assert cli.main(["auth", "hash-token"]) == 2
+    assert "the token from stdin is empty" in capsys.readouterr().err
+
+
+def test_a_bad_token_file_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Any
+) -> None:
+    from services import cli
+
+    missing = tmp_path / "nope"
+    assert (
+        cli.main(["topic", "list", "--gateway", "127.0.0.1:1", "--token-file", str(missing)]) == 2
+    )
+    assert f"cannot read the token file {missing}" in capsys.readouterr().err
