@@ -196,15 +196,19 @@ class TokenBook:
     """Tokens to principals, through their SHA-256 digests."""
 
     def __init__(self, principals: Iterable[PrincipalConfig]) -> None:
-        self._by_digest = tuple((bytes.fromhex(p.token_sha256), p) for p in principals)
+        self._by_digest = {bytes.fromhex(p.token_sha256): p for p in principals}
 
     def principal(self, token: str | None) -> PrincipalConfig | None:
-        """The principal the token names, or None; every digest is compared, in constant time."""
+        """The principal the token names, or None.
+
+        The lookup is keyed by the token's SHA-256, which a caller cannot steer bit by bit,
+        so its timing reveals nothing usable about a stored digest; the match is then
+        confirmed with a constant-time comparison.
+        """
         if not token:
             return None
         digest = hashlib.sha256(token.encode("utf-8")).digest()
-        found: PrincipalConfig | None = None
-        for known, principal in self._by_digest:
-            if hmac.compare_digest(known, digest):
-                found = principal
+        found = self._by_digest.get(digest)
+        if found is None or not hmac.compare_digest(bytes.fromhex(found.token_sha256), digest):
+            return None
         return found

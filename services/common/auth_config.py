@@ -91,8 +91,7 @@ def validate_auth(auth: AuthConfig) -> None:
     """Raise ValueError naming the key for the first wrong value in the section."""
     if not isinstance(auth.enabled, bool):
         raise ValueError(f"auth.enabled: must be true or false, got {auth.enabled!r}")
-    # When [tls] exists, auth.enabled requires tls.enabled: the token travels in the clear
-    # otherwise. That check belongs in config.py next to both sections.
+    # auth.enabled also requires tls.enabled: config.py calls require_tls once [tls] exists.
     if len(auth.principals) > PRINCIPALS_MAX:
         raise ValueError(
             f"auth.principals: at most {PRINCIPALS_MAX} principals, got {len(auth.principals)}"
@@ -129,6 +128,15 @@ def validate_auth(auth: AuthConfig) -> None:
             _validate_globs(getattr(principal, key), f"{where}.{key}")
         if not isinstance(principal.admin, bool):
             raise ValueError(f"{where}.admin: must be true or false, got {principal.admin!r}")
+
+
+def require_tls(auth_enabled: bool, tls_enabled: bool) -> None:
+    """ValueError unless TLS is on wherever auth is: a token sent in the clear is a gift."""
+    if auth_enabled and not tls_enabled:
+        raise ValueError(
+            "auth.enabled: requires tls.enabled = true, because bearer tokens sent without "
+            "TLS can be read and replayed by anyone on the network"
+        )
 
 
 def _validate_principal_name(name: object, field_name: str) -> None:

@@ -11,6 +11,7 @@ for reading: requests already taken are answered, then the call ends with the re
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -108,6 +109,7 @@ class Guard(Protocol):
         """A session for the call (None: not guarded); raises Refusal to refuse it."""
 
 
+@functools.cache
 def _input_class(method: str) -> type[Message]:
     service, _, name = method.lstrip("/").partition("/")
     found = descriptor_pool.Default().FindServiceByName(service).FindMethodByName(name)

@@ -619,6 +619,7 @@ def _validate_cluster(config: ClusterConfig) -> None:
     _validate_logging(config.logging)
     try:
         validate_auth(config.auth)
+        # With the [tls] section: require_tls(config.auth.enabled, config.tls.enabled)
     except ValueError as error:
         raise ConfigError(str(error)) from None
 

@@ -382,3 +382,12 @@ def test_a_bad_token_file_is_a_usage_error(
         cli.main(["topic", "list", "--gateway", "127.0.0.1:1", "--token-file", str(missing)]) == 2
     )
     assert f"cannot read the token file {missing}" in capsys.readouterr().err
+
+
+def test_auth_requires_tls_once_both_sections_exist() -> None:
+    from services.common.auth_config import require_tls
+
+    require_tls(auth_enabled=True, tls_enabled=True)
+    require_tls(auth_enabled=False, tls_enabled=False)
+    with pytest.raises(ValueError, match=r"auth\.enabled: requires tls\.enabled = true"):
+        require_tls(auth_enabled=True, tls_enabled=False)
