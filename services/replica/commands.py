@@ -265,7 +265,7 @@ class BatchBuilder:
         if len(self._store.list_topics()) + self._topic_count_delta >= self._limits.max_topics:
             raise ServiceError(
                 Code.RESOURCE_EXHAUSTED,
-                f"topic limit reached: max_topics is {self._limits.max_topics}",
+                f"topic limit reached: limits.max_topics is {self._limits.max_topics}",
             )
         index = self._emit(
             replica_pb2.Operation(

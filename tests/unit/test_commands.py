@@ -181,3 +181,16 @@ def test_durable_subscriptions_per_topic_are_bounded_across_batches(store: Store
     # An existing subscription is still served, and so is another topic.
     (again,) = commit(SetCursor("t", "a", 0, create=True))
     assert not isinstance(again, ServiceError)
+
+
+def test_topic_count_is_bounded_by_name() -> None:
+    store = Store.open_memory(dedupe_window=10)
+    store.set_epoch(1)
+    limits = LimitsConfig(dedupe_window=10, max_batch_events=10, max_topics=2)
+    builder = BatchBuilder(store, limits=limits, node_id="n1", epoch=1, next_lsn=1, now_ms=1)
+    builder.add(CreateTopic("a", common_pb2.TOPIC_KIND_REPLICATED))
+    builder.add(CreateTopic("b", common_pb2.TOPIC_KIND_REPLICATED))
+    with pytest.raises(ServiceError) as refused:
+        builder.add(CreateTopic("c", common_pb2.TOPIC_KIND_REPLICATED))
+    assert refused.value.code == Code.RESOURCE_EXHAUSTED
+    assert refused.value.message == "topic limit reached: limits.max_topics is 2"
