@@ -31,6 +31,7 @@ from services.common.auth import (
 from services.common.auth_config import AuthConfig, PrincipalConfig
 from services.common.config import ClusterConfig, LimitsConfig
 from services.common.grpc_server import Context
+from services.common.names import show_name
 from services.common.peer_identity import HasAuthContext, peer_member_id
 from squall.v1 import broker_pb2, coordinator_pb2, gateway_pb2  # noqa: F401  (registers types)
 
@@ -134,16 +135,19 @@ class _AuthSession:
         self._field = field_name
 
     def request(self, request: Request) -> None:
-        topic = str(getattr(request.message(), self._field)) if self._field else ""
-        self._check(topic)
+        if self._field:  # methods without a topic were decided when the call opened
+            self.check(str(getattr(request.message(), self._field)))
 
-    def _check(self, topic: str) -> None:
+    def check(self, topic: str) -> None:
+        """Refusal unless the caller may make this call on this topic; logs a refusal."""
         decision = decide(self._call.method, topic, self._principal, self._call.member)
         if decision.allowed:
             return
+        # The principal's name, never its token.
         log.info(
-            "refused %s for principal %s: %s",
+            "refused %s%s for principal %s: %s",
             self._call.method,
+            f" on topic {show_name(topic)}" if topic else "",
             self._principal.name if self._principal else "(none)",
             decision.verdict.value,
         )
@@ -179,11 +183,9 @@ class AuthGuard:
         if call.member is None:
             principal = self._book.principal(bearer_token(call.context.invocation_metadata()))
         session = _AuthSession(call, principal, rule.topic_field)
-        if not rule.topic_field:
-            session._check("")
-        elif principal is None and call.member is None:
-            # Refused whatever the topic: no need to read the request.
-            session._check("")
+        if not rule.topic_field or (principal is None and call.member is None):
+            # Decided without the request: no topic, or refused whatever the topic.
+            session.check("")
         return session
 
 
