@@ -243,4 +243,6 @@ def _toml_value(value: Any) -> str:
         return f'"{escaped}"'
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table, as in [auth] principals = [{...}]
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {type(value).__name__} as TOML")

@@ -37,6 +37,7 @@ from typing import TextIO
 import squall
 from services import (
     cli_admin,
+    cli_auth,
     cli_certs,
     cli_explain,
     cli_health,
@@ -121,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"{DEFAULT_GATEWAY})",
     )
     client.add_argument("--config", metavar="FILE", help="cluster TOML file to find the gateway")
+    cli_auth.add_token_argument(client)
     client.add_argument(
         "--timeout", type=_positive_float, default=10.0, metavar="SECONDS", help="per-call deadline"
     )
@@ -206,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_store_backup.add_parser(commands)
     cli_health.add_parser(commands)
     cli_certs.add_parser(commands)
+    cli_auth.add_parser(commands)
     return parser
 
 
@@ -498,7 +501,9 @@ def _run_client(args: argparse.Namespace, out: TextIO, stdin: TextIO) -> int:
     address = resolve_gateway(args)
     try:
         tls = tls_from_config(args, address)
-        client = squall.connect(address, timeout_s=args.timeout, tls=tls)
+        client = squall.connect(
+            address, timeout_s=args.timeout, tls=tls, token=cli_auth.cli_token()
+        )
     except ValueError as err:  # a TLS file that cannot be read
         raise UsageError(str(err)) from None
     with client:
@@ -551,6 +556,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_service(args.command, args_list[args_list.index(args.command) + 1 :])
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        with cli_auth.token_file_env(getattr(args, "token_file", None)):
+            return _run_command(args)
+    except SystemExit as exit_:
+        # argparse exits on --help (0) and on usage errors (2); report, do not exit.
+        return exit_.code if isinstance(exit_.code, int) else 2
+    except UsageError as err:
+        print(f"squall: {err}", file=sys.stderr)
+        return 2
+    except cli_auth.TokenError as err:
+        print(f"squall: {err}", file=sys.stderr)
+        return 2
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    try:
         handler = getattr(args, "handler", None)
         if handler is not None:  # commands that run themselves (`squall store ...`)
             return int(handler(args, sys.stdout))
@@ -559,10 +579,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "store":
             return cli_store.run(args, sys.stdout)
         return _run_client(args, sys.stdout, sys.stdin)
-    except SystemExit as exit_:
-        # argparse exits on --help (0) and on usage errors (2); report, do not exit.
-        return exit_.code if isinstance(exit_.code, int) else 2
-    except UsageError as err:
+    except (UsageError, cli_auth.TokenError) as err:
         print(f"squall: {err}", file=sys.stderr)
         return 2
     except (cli_admin.AdminError, cli_store.StoreToolError, cli_certs.CertsError) as err:

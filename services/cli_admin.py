@@ -23,9 +23,11 @@ from typing import TextIO
 
 import grpc
 
+from services.cli_auth import add_token_argument, cli_token
 from services.cluster_shutdown import ShutdownError, shutdown_cluster
 from services.common.config import ClusterConfig, ConfigError, NodeConfig, load_config
 from services.common.tls import Transport, cli_transport, plain_or
+from squall._auth import with_token
 from squall.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 # How often `transfer` polls the target while it takes over.
@@ -77,6 +79,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     unquarantine.add_argument("node")
     for parser in (primary, override, transfer, quarantine, unquarantine):
         parser.add_argument("--config", required=True, metavar="FILE", help="cluster TOML file")
+        add_token_argument(parser)
         parser.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
     shutdown = sub.add_parser(
         "shutdown",
@@ -84,6 +87,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "operator)",
     )
     shutdown.add_argument("--config", required=True, metavar="FILE", help="cluster TOML file")
+    add_token_argument(shutdown)
     shutdown.add_argument(
         "--timeout",
         type=float,
@@ -116,7 +120,7 @@ def _call(
     address: str, node_id: str, method: str, request: object, timeout: float
 ) -> coordinator_pb2.OperatorControlResponse:
     with plain_or(_LINKS.get(), address) as channel:
-        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        stub = coordinator_pb2_grpc.CoordinatorStub(with_token(channel, cli_token()))
         try:
             reply: coordinator_pb2.OperatorControlResponse = getattr(stub, method)(
                 request, timeout=timeout
@@ -138,7 +142,7 @@ def _status(node: NodeConfig, timeout: float) -> coordinator_pb2.CoordinatorStat
     with plain_or(_LINKS.get(), node.coordinator_address) as channel:
         try:
             status: coordinator_pb2.CoordinatorStatus = coordinator_pb2_grpc.CoordinatorStub(
-                channel
+                with_token(channel, cli_token())
             ).GetStatus(coordinator_pb2.GetStatusRequest(), timeout=timeout)
             return status
         except grpc.RpcError:

@@ -31,8 +31,10 @@ from typing import TextIO, TypeVar
 
 import grpc
 
+from services.cli_auth import cli_token
 from services.common.config import ClusterConfig, NodeConfig
 from services.common.tls import Transport, cli_transport, plain_or
+from squall._auth import with_token
 from squall.v1 import (
     common_pb2,
     coordinator_pb2,
@@ -75,7 +77,8 @@ _LINKS: ContextVar[Transport | None] = ContextVar("squall_shutdown_links", defau
 
 def _call(address: str, make: Callable[[grpc.Channel], T]) -> T:
     with plain_or(_LINKS.get(), address) as channel:
-        return make(channel)
+        # Coordinator calls need the operator's token when [auth] is on (docs/auth.md).
+        return make(with_token(channel, cli_token()))
 
 
 def _replica_state(node: NodeConfig) -> replica_pb2.ReplicaState:

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import grpc
 from opentelemetry.trace import TracerProvider
 
+from squall._auth import resolve_token, with_token
 from squall._errors import (
     AlreadyExists,
     AlreadySubscribed,
@@ -86,6 +87,7 @@ def connect(
     retry_total_ms_max: int = RETRY_TOTAL_MS_MAX_DEFAULT,
     tracer_provider: TracerProvider | None = None,
     tls: TlsOptions | None = None,
+    token: str | None = None,
 ) -> Client:
     """Opens a client to the gateway at `address` ("host:port"); use it as a context manager.
 
@@ -95,6 +97,8 @@ def connect(
     `tracer_provider` records the client's spans (default: OpenTelemetry's global one).
     `tls` connects with TLS (`TlsOptions`: the cluster CA, and a client certificate for
     publisher proxies); plaintext without it.
+    `token` is sent as `authorization: Bearer <token>` on every call, publisher proxies'
+    included (default: $SQUALL_TOKEN, else the file $SQUALL_TOKEN_FILE names; docs/auth.md).
     """
     retry = RetryPolicy(
         attempts_max=retry_attempts_max,
@@ -109,6 +113,7 @@ def connect(
         retry=retry,
         tracer_provider=tracer_provider,
         tls=tls,
+        token=token,
     )
 
 
@@ -124,6 +129,7 @@ class Client:
         retry: RetryPolicy | None = None,
         tracer_provider: TracerProvider | None = None,
         tls: TlsOptions | None = None,
+        token: str | None = None,
     ) -> None:
         if not address:
             raise ValueError("address must be host:port, not empty")
@@ -138,13 +144,17 @@ class Client:
         self._tls = tls
         # Read once: a missing or broken file fails here, naming it.
         self._credentials = tls.credentials() if tls is not None else None
+        self._token = resolve_token(token)
         self._channel = traced_channel(
-            open_channel(
-                address,
-                channel_options(options),
-                tls,
-                self._credentials,
-                tls.server_name if tls is not None else None,
+            with_token(
+                open_channel(
+                    address,
+                    channel_options(options),
+                    tls,
+                    self._credentials,
+                    tls.server_name if tls is not None else None,
+                ),
+                self._token,
             ),
             tracer_provider,
         )
@@ -292,13 +302,17 @@ class Client:
         options = self._options
         tracer_provider = self._tracer_provider
         tls, credentials = self._tls, self._credentials
+        token = self._token
         # With TLS, a replica's certificate must name the node the gateway said it is.
         names = {e.address: e.node_id for e in endpoints}
 
         def make_channel(address: str) -> grpc.Channel:
             return traced_channel(
-                open_channel(
-                    address, channel_options(options), tls, credentials, names.get(address)
+                with_token(
+                    open_channel(
+                        address, channel_options(options), tls, credentials, names.get(address)
+                    ),
+                    token,
                 ),
                 tracer_provider,
             )

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
+from services.common.auth_config import AuthConfig, build_auth, require_tls, validate_auth
 from services.common.names import TOPIC_NAME_MAX_BYTES, validate_node_id
 from squall import (
     RETRY_ATTEMPTS_MAX_DEFAULT,
@@ -163,6 +164,13 @@ class LimitsConfig:
     push_batch_max_bytes: int = 3 * MiB
     push_inflight_batches_max: int = 4
     push_subscribers_max: int = 1000
+    # Per client (docs/configuration.md#per-client-limits): streams open at once, publish
+    # requests awaiting their receipts, and the size of a call's metadata.
+    client_streams_max: int = 100
+    client_inflight_publishes_max: int = 1000
+    metadata_bytes_max: int = 16384
+    # Durable subscriptions per topic.
+    topic_subscriptions_max: int = 10000
 
     @property
     def max_topic_name_bytes(self) -> int:
@@ -236,6 +244,7 @@ class ClusterConfig:
     durability: DurabilityConfig = field(default_factory=DurabilityConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     logging: LogConfig = field(default_factory=LogConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
     path: Path = Path("<memory>")
     tls: TlsConfig = field(default_factory=TlsConfig)
 
@@ -349,6 +358,7 @@ _SECTIONS: Mapping[str, str] = {
     "telemetry": "table",
     "logging": "table",
     "tls": "table",
+    "auth": "table",
 }
 _CLUSTER_KEYS = ("name",)
 _NODE_KEYS = tuple(f.name for f in dataclasses.fields(NodeConfig))
@@ -403,6 +413,7 @@ def _build(document: Mapping[str, Any], config_path: Path) -> ClusterConfig:
         logging=_build_plain(
             document, "logging", LogConfig, choices={"level": LOG_LEVELS, "format": LOG_FORMATS}
         ),
+        auth=_build_auth(document.get("auth", {})),
         path=config_path.absolute(),
         tls=_build_tls(document.get("tls", {}), base_dir),
     )
@@ -537,6 +548,14 @@ def _build_plain(
     return cls(**values)
 
 
+def _build_auth(table: Mapping[str, Any]) -> AuthConfig:
+    """[auth] and its [[auth.principals]] (services/common/auth_config.py)."""
+    try:
+        return build_auth(table)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
 def _build_durability(table: Mapping[str, Any]) -> DurabilityConfig:
     """[durability], turning the policy strings into common_pb2 enum values."""
     known = [f.name for f in dataclasses.fields(DurabilityConfig)]
@@ -638,6 +657,11 @@ def _validate_cluster(config: ClusterConfig) -> None:
     _validate_telemetry(config.telemetry, listeners)
     _validate_logging(config.logging)
     _validate_tls(config.tls)
+    try:
+        validate_auth(config.auth)
+        require_tls(config.auth.enabled, config.tls.enabled)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def _validate_tls(tls: TlsConfig) -> None:
@@ -782,6 +806,11 @@ _LIMIT_BOUNDS: Mapping[str, tuple[int, int]] = {
     "push_batch_max_bytes": (1, GRPC_MESSAGE_BYTES_MAX),
     "push_inflight_batches_max": (1, 64),
     "push_subscribers_max": (1, 100_000),
+    "client_streams_max": (1, 100_000),
+    "client_inflight_publishes_max": (1, 1_000_000),
+    # gRPC's own default is 8 KiB; below 1 KiB the trace and auth headers may not fit.
+    "metadata_bytes_max": (1024, 1 * MiB),
+    "topic_subscriptions_max": (1, 1_000_000),
 }
 
 

@@ -46,18 +46,26 @@ class ServiceServer:
         *,
         credentials: grpc.ServerCredentials | None = None,
         interceptors: Sequence[Any] = (),
+        metadata_bytes_max: int | None = None,
     ) -> None:
         self.address = address
         # TLS when given (services.common.tls builds them from [tls]); plaintext otherwise.
         self._credentials = credentials
+        options: list[tuple[str, int]] = [
+            *channel_options(max_message_bytes),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ("grpc.so_reuseport", 0),
+        ]
+        if metadata_bytes_max is not None:
+            # limits.metadata_bytes_max: gRPC refuses a call whose headers are larger.
+            # The soft and hard limits are the same so the refusal is not probabilistic.
+            options.append(("grpc.max_metadata_size", metadata_bytes_max))
+            options.append(("grpc.absolute_max_metadata_size", metadata_bytes_max))
         self.server = grpc.aio.server(
-            options=[
-                *channel_options(max_message_bytes),
-                ("grpc.keepalive_permit_without_calls", 1),
-                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-                ("grpc.so_reuseport", 0),
-            ],
-            # The caller's checks (peer identity), then tracing when [telemetry] turned it on.
+            options=options,
+            # The caller's checks (peer identity, authentication, per-client limits), then
+            # tracing when [telemetry] turned it on.
             interceptors=[*interceptors, *server_interceptors()],
         )
         self.health = HealthServicer()

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import sys
 
+from services.common.call_guard import guard_interceptors
 from services.common.config import ClusterConfig, NodeConfig
 from services.common.grpc_server import ServiceServer
 from services.common.logs import set_log_context
@@ -36,7 +37,8 @@ async def serve(config: ClusterConfig, node_config: NodeConfig, stop: asyncio.Ev
         SERVICE_NAMES,
         config.limits.max_message_bytes,
         credentials=transport(config, node_config.id).server_credentials(require_client_cert=True),
-        interceptors=guards(config, node_config.id, "coordinator"),
+        interceptors=[*guards(config, node_config.id, "coordinator"), *guard_interceptors(config)],
+        metadata_bytes_max=config.limits.metadata_bytes_max,
     )
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(Coordinator(node), grpc_server.server)
     try:

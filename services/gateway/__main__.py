@@ -7,6 +7,7 @@ import asyncio
 import logging
 import sys
 
+from services.common.call_guard import guard_interceptors
 from services.common.config import ClusterConfig, GatewayConfig, load_config_or_exit
 from services.common.grpc_server import ServiceServer
 from services.common.logs import set_log_context, setup_logging
@@ -43,6 +44,8 @@ async def serve(config: ClusterConfig, gateway: GatewayConfig, stop: asyncio.Eve
         SERVICE_NAMES,
         config.limits.max_message_bytes,
         credentials=masters.transport.server_credentials(require_client_cert=False),
+        interceptors=guard_interceptors(config),
+        metadata_bytes_max=config.limits.metadata_bytes_max,
     )
     grpc_server.server.add_generic_rpc_handlers(forwarder.handlers())
     gateway_pb2_grpc.add_ClusterAdminServicer_to_server(admin, grpc_server.server)

@@ -28,6 +28,7 @@ import tenacity
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
+from services.common.call_guard import CLIENT_PEER_KEY
 from services.common.grpc_server import Context
 from services.common.telemetry import Telemetry, current
 from services.gateway import retry
@@ -51,11 +52,17 @@ _Metadata = tuple[tuple[str, str | bytes], ...]
 
 
 def _forwardable(context: Context) -> _Metadata:
-    return tuple(
+    # The app's token goes on (a replica checks it when it cannot see a gateway
+    # certificate), and the app's connection is named so a replica applies the per-client
+    # limits to the app, not to this gateway (services/common/call_guard.py).
+    kept = tuple(
         (key, value)
         for key, value in pairs(context.invocation_metadata())
-        if key not in _RESERVED_KEYS and not key.startswith(_RESERVED_PREFIXES)
+        if key not in _RESERVED_KEYS
+        and not key.startswith(_RESERVED_PREFIXES)
+        and key != CLIENT_PEER_KEY
     )
+    return (*kept, (CLIENT_PEER_KEY, context.peer()))
 
 
 async def _relay_error(context: Context, error: grpc.aio.AioRpcError) -> None:
@@ -286,17 +293,16 @@ class Forwarder:
                 raise _Answer(
                     _Failure(
                         "UNAVAILABLE",
-                        "no master is elected (or reachable) right now; the call was not "
-                        "forwarded",
+                        "no master is elected (or reachable) right now; the call was not forwarded",
                     )
                 )
             address = master.replica_address
         remaining = _remaining_s(context)
         timeout_s = self._timeout_s if remaining is None else min(self._timeout_s, remaining)
         try:
-            response: bytes = await self._masters.channel_to(address).unary_unary(
-                path, None, None
-            )(request, timeout=timeout_s, metadata=call.metadata)
+            response: bytes = await self._masters.channel_to(address).unary_unary(path, None, None)(
+                request, timeout=timeout_s, metadata=call.metadata
+            )
         except grpc.aio.AioRpcError as error:
             code = error.code().name
             trailing = tuple(pairs(error.trailing_metadata()))
@@ -399,4 +405,3 @@ class Forwarder:
                 self._finish(span, None, stream)
 
         return forward
-

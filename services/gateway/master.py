@@ -31,6 +31,7 @@ from services.common.grpc_server import channel_options
 from services.common.grpc_tracing import client_interceptors
 from services.common.logs import log_fields
 from services.common.tls import transport
+from squall._auth import resolve_token, token_metadata
 from squall.v1 import (
     common_pb2,
     coordinator_pb2,
@@ -165,6 +166,9 @@ class MasterTracker:
             node.id: self.transport.aio_channel(node.coordinator_address, options=options)
             for node in config.nodes
         }
+        # With [auth] on, a coordinator trusts this gateway by its TLS certificate; without
+        # TLS it needs a token, taken from $SQUALL_TOKEN or $SQUALL_TOKEN_FILE (docs/auth.md).
+        self._own_metadata = token_metadata(resolve_token())
         self._views = GroupViews({node.id: node.replica_address for node in config.nodes})
         # Set on every change of master; waiters take the current event before waiting.
         self._changed = asyncio.Event()
@@ -240,7 +244,9 @@ class MasterTracker:
         stub = coordinator_pb2_grpc.CoordinatorStub(self._coordinator_channels[node.id])
         failures = 0
         while True:
-            call = stub.WatchGroupView(coordinator_pb2.WatchGroupViewRequest())
+            call = stub.WatchGroupView(
+                coordinator_pb2.WatchGroupViewRequest(), metadata=self._own_metadata or None
+            )
             try:
                 async for view in call:
                     failures = 0

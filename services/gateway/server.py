@@ -6,9 +6,11 @@ import asyncio
 
 import grpc
 
+from services.common.auth import bearer_token
 from services.common.config import ClusterConfig, NodeConfig
 from services.common.grpc_server import Context, channel_options
 from services.gateway.master import MasterTracker
+from squall._auth import token_metadata
 from squall.v1 import (
     coordinator_pb2,
     coordinator_pb2_grpc,
@@ -32,7 +34,9 @@ class ClusterAdmin(gateway_pb2_grpc.ClusterAdminServicer):
             for node in config.nodes
         }
 
-    async def _row(self, node: NodeConfig) -> gateway_pb2.NodeStatus:
+    async def _row(
+        self, node: NodeConfig, metadata: tuple[tuple[str, str], ...]
+    ) -> gateway_pb2.NodeStatus:
         row = gateway_pb2.NodeStatus(node_id=node.id, replica_address=node.replica_address)
         errors = []
         replica = replica_pb2_grpc.ReplicaControlStub(
@@ -43,7 +47,7 @@ class ClusterAdmin(gateway_pb2_grpc.ClusterAdminServicer):
             replica_pb2.GetReplicaStateRequest(), timeout=self._timeout_s
         )
         status_call = coordinator.GetStatus(
-            coordinator_pb2.GetStatusRequest(), timeout=self._timeout_s
+            coordinator_pb2.GetStatusRequest(), timeout=self._timeout_s, metadata=metadata or None
         )
         state, status = await asyncio.gather(state_call, status_call, return_exceptions=True)
         if isinstance(state, replica_pb2.ReplicaState):
@@ -88,8 +92,12 @@ class ClusterAdmin(gateway_pb2_grpc.ClusterAdminServicer):
         self, request: gateway_pb2.GetClusterStatusRequest, context: Context
     ) -> gateway_pb2.ClusterStatus:
         nodes = sorted(self._config.nodes, key=lambda n: n.id)
+        # The caller's token (already checked: status is admin-only) goes on to the
+        # coordinators, which check it again when they cannot see this gateway's certificate.
+        token = bearer_token(context.invocation_metadata())
+        metadata = token_metadata(token)
         rows, master = await asyncio.gather(
-            asyncio.gather(*(self._row(n) for n in nodes)), self._masters.wait_master(0.0)
+            asyncio.gather(*(self._row(n, metadata) for n in nodes)), self._masters.wait_master(0.0)
         )
         return gateway_pb2.ClusterStatus(
             nodes=rows,

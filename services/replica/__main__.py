@@ -6,6 +6,7 @@ import asyncio
 import logging
 import sys
 
+from services.common.call_guard import guard_interceptors
 from services.common.config import ClusterConfig, NodeConfig
 from services.common.grpc_server import ServiceServer
 from services.common.logs import set_log_context
@@ -73,7 +74,8 @@ async def _serve_locked(
         SERVICE_NAMES,
         config.limits.max_message_bytes,
         credentials=transport(config, node_config.id).server_credentials(require_client_cert=True),
-        interceptors=guards(config, node_config.id, "replica"),
+        interceptors=[*guards(config, node_config.id, "replica"), *guard_interceptors(config)],
+        metadata_bytes_max=config.limits.metadata_bytes_max,
     )
     broker_pb2_grpc.add_TopicManagerServicer_to_server(
         server.TopicManager(node), grpc_server.server

@@ -189,6 +189,7 @@ class BatchBuilder:
         self._topic_count_delta = 0
         self._push: dict[tuple[str, str], PushSubscriber | None] = {}
         self._push_added: dict[str, int] = {}  # push subscribers planned per topic
+        self._subscriptions_added: dict[str, int] = {}  # durable subscriptions planned
         self._destroyed: set[str] = set()  # topics destroyed earlier in the batch
 
     def add(self, command: Command) -> Planned:
@@ -264,7 +265,7 @@ class BatchBuilder:
         if len(self._store.list_topics()) + self._topic_count_delta >= self._limits.max_topics:
             raise ServiceError(
                 Code.RESOURCE_EXHAUSTED,
-                f"topic limit reached: max_topics is {self._limits.max_topics}",
+                f"topic limit reached: limits.max_topics is {self._limits.max_topics}",
             )
         index = self._emit(
             replica_pb2.Operation(
@@ -299,6 +300,7 @@ class BatchBuilder:
         # A topic created again later in the batch starts without push subscribers.
         self._destroyed.add(command.name)
         self._push_added.pop(command.name, None)
+        self._subscriptions_added.pop(command.name, None)
         return Planned(index)
 
     def _publish(self, request: broker_pb2.PublishRequest) -> Planned:
@@ -443,6 +445,8 @@ class BatchBuilder:
             )
         if current is not None and command.cursor <= current:
             return Planned(None, cursor=current)  # acks may arrive out of order
+        if current is None:
+            self._check_subscription_room(command.topic)
         index = self._emit(
             replica_pb2.Operation(
                 set_cursor=replica_pb2.SetCursorOp(
@@ -451,7 +455,21 @@ class BatchBuilder:
             )
         )
         self._cursors[(command.topic, command.subscription)] = command.cursor
+        if current is None:
+            added = self._subscriptions_added.get(command.topic, 0) + 1
+            self._subscriptions_added[command.topic] = added
         return Planned(index, cursor=command.cursor)
+
+    def _check_subscription_room(self, topic: str) -> None:
+        """RESOURCE_EXHAUSTED when the topic already has limits.topic_subscriptions_max."""
+        stored = 0 if topic in self._destroyed else len(self._store.list_subscriptions(topic))
+        limit = self._limits.topic_subscriptions_max
+        if stored + self._subscriptions_added.get(topic, 0) >= limit:
+            raise ServiceError(
+                Code.RESOURCE_EXHAUSTED,
+                f"topic '{topic}' has {limit} durable subscriptions: "
+                f"limits.topic_subscriptions_max is {limit}",
+            )
 
     def _delete_subscription(self, command: DeleteSubscription) -> Planned:
         self._existing_topic(command.topic)

@@ -43,6 +43,10 @@ class LocalCluster:
     config: ClusterConfig
     run_dir: Path
     services: dict[tuple[str, str], processes.Service] = field(default_factory=dict)
+    # Environment for every service process, and metadata for the fixture's own status
+    # calls (an admin token when [auth] is on).
+    env: dict[str, str] = field(default_factory=dict)
+    metadata: tuple[tuple[str, str], ...] = ()
 
     @property
     def gateway_address(self) -> str:
@@ -71,7 +75,12 @@ class LocalCluster:
         else:
             address = self.config.node(name).coordinator_address
         service = processes.start_service(
-            kind, self.config_path, name, address, self.run_dir / "logs" / f"{kind}-{name}.log"
+            kind,
+            self.config_path,
+            name,
+            address,
+            self.run_dir / "logs" / f"{kind}-{name}.log",
+            env=self.env,
         )
         self.services[(kind, name)] = service
         processes.wait_serving([service], links=self.links)
@@ -107,7 +116,11 @@ class LocalCluster:
             with self.dial(node.coordinator_address) as channel:
                 stub = coordinator_pb2_grpc.CoordinatorStub(channel)
                 try:
-                    result[node.id] = stub.GetStatus(coordinator_pb2.GetStatusRequest(), timeout=2)
+                    result[node.id] = stub.GetStatus(
+                        coordinator_pb2.GetStatusRequest(),
+                        timeout=2,
+                        metadata=self.metadata or None,
+                    )
                 except grpc.RpcError:
                     continue
         return result

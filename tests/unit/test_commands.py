@@ -145,3 +145,52 @@ def test_same_sequence_on_another_topic_is_refused(store: Store) -> None:
     _commit(store, CreateTopic("u", common_pb2.TOPIC_KIND_REPLICATED), _publish("t", 1))
     (other,) = _commit(store, _publish("u", 1))
     assert isinstance(other, ServiceError) and "already used sequence 1" in other.message
+
+
+def test_durable_subscriptions_per_topic_are_bounded_across_batches(store: Store) -> None:
+    limits = LimitsConfig(dedupe_window=10, max_batch_events=10, topic_subscriptions_max=3)
+
+    def commit(*commands: SetCursor) -> list[object]:
+        builder = BatchBuilder(
+            store,
+            limits=limits,
+            node_id="n1",
+            epoch=1,
+            next_lsn=store.meta().last_lsn + 1,
+            now_ms=1_000,
+        )
+        plans: list[object] = []
+        for command in commands:
+            try:
+                plans.append(builder.add(command))
+            except ServiceError as exc:
+                plans.append(exc)
+        store.append(builder.entries, sync=False)
+        return plans
+
+    commit(SetCursor("t", "a", 0, create=True))
+    b, c, d = commit(
+        SetCursor("t", "b", 0, create=True),
+        SetCursor("t", "c", 0, create=True),
+        SetCursor("t", "d", 0, create=True),
+    )
+    assert not isinstance(b, ServiceError) and not isinstance(c, ServiceError)
+    assert isinstance(d, ServiceError) and d.code == Code.RESOURCE_EXHAUSTED
+    assert "limits.topic_subscriptions_max is 3" in d.message
+    assert [name for name, _ in store.list_subscriptions("t")] == ["a", "b", "c"]
+    # An existing subscription is still served, and so is another topic.
+    (again,) = commit(SetCursor("t", "a", 0, create=True))
+    assert not isinstance(again, ServiceError)
+
+
+def test_topic_count_is_bounded_by_name() -> None:
+    store = Store.open_memory(dedupe_window=10)
+    store.set_epoch(1)
+    limits = LimitsConfig(dedupe_window=10, max_batch_events=10, max_topics=2)
+    builder = BatchBuilder(store, limits=limits, node_id="n1", epoch=1, next_lsn=1, now_ms=1)
+    builder.add(CreateTopic("a", common_pb2.TOPIC_KIND_REPLICATED))
+    builder.add(CreateTopic("b", common_pb2.TOPIC_KIND_REPLICATED))
+    with pytest.raises(ServiceError) as refused:
+        builder.add(CreateTopic("c", common_pb2.TOPIC_KIND_REPLICATED))
+    assert refused.value.code == Code.RESOURCE_EXHAUSTED
+    assert refused.value.message == "topic limit reached: limits.max_topics is 2"

@@ -1,0 +1,214 @@
+"""Client authentication and per-topic permissions (docs/auth.md).
+
+Three layers, the first two pure:
+
+* which permission each public method needs, and on which request field's topic
+  (``METHOD_RULES``);
+* ``decide(method, topic, principal, member)``: allow, UNAUTHENTICATED or
+  PERMISSION_DENIED, with the one sentence the caller sees. A denial names the principal
+  and the topic asked for, never another topic; a call the caller may not make is
+  refused before anything looks the topic up, so a denial does not reveal whether it
+  exists;
+* ``TokenBook``: the bearer token of a call to its principal, comparing SHA-256 digests in
+  constant time, and ``AuthGuard``, the per-call adapter services.common.call_guard runs.
+
+A call from a cluster member (a node or gateway whose certificate the mutual-TLS
+handshake verified, services/common/peer_identity.py) is trusted without a token: the
+gateway has already checked the app's token before forwarding. Without TLS there are no
+member identities, so every guarded call needs a token. Methods not listed here (the
+internal Coordinator.Deliver, Replication.*, ReplicaControl.*, health, reflection) are
+not this module's to guard.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+
+from services.common.auth_config import PrincipalConfig
+from services.common.names import show_name
+
+log = logging.getLogger("squall.auth")
+
+AUTHORIZATION_KEY = "authorization"
+_BEARER = "bearer "
+
+
+class Permission(enum.Enum):
+    """What a method needs."""
+
+    PUBLISH = "publish"
+    SUBSCRIBE = "subscribe"
+    # Publish or subscribe on the topic: enough to look it up.
+    SEE = "see"
+    ADMIN = "admin"
+    # Any known principal (ListTopics answers only the topics it may see).
+    AUTHENTICATED = "authenticated"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One method's permission, the request field holding its topic, and how to say it."""
+
+    permission: Permission
+    topic_field: str = ""
+    action: str = ""
+
+
+def _rules() -> dict[str, Rule]:
+    rules: dict[str, Rule] = {}
+    manager = "/squall.v1.TopicManager/"
+    rules[manager + "CreateTopic"] = Rule(Permission.ADMIN, "name", "create topic")
+    rules[manager + "DestroyTopic"] = Rule(Permission.ADMIN, "name", "destroy topic")
+    rules[manager + "RetrieveTopic"] = Rule(Permission.SEE, "name", "look up topic")
+    rules[manager + "ListTopics"] = Rule(Permission.AUTHENTICATED)
+    for name in ("GetPublisher", "GetNonReplicatedPublisher"):
+        rules[manager + name] = Rule(Permission.PUBLISH, "topic", "publish to topic")
+    for name in ("Publish", "PublishStream"):
+        rules["/squall.v1.Publisher/" + name] = Rule(
+            Permission.PUBLISH, "topic", "publish to topic"
+        )
+    for name in ("Subscribe", "Ack", "ListSubscriptions", "DeleteSubscription"):
+        rules["/squall.v1.Subscriber/" + name] = Rule(
+            Permission.SUBSCRIBE, "topic", "subscribe to topic"
+        )
+    for name in ("SubscribeAndGetPublisher", "Unsubscribe", "GetSubscribers"):
+        rules["/squall.v1.PushSubscriptions/" + name] = Rule(
+            Permission.SUBSCRIBE, "topic", "subscribe to topic"
+        )
+    rules["/squall.v1.ClusterAdmin/GetClusterStatus"] = Rule(
+        Permission.ADMIN, action="read the cluster status"
+    )
+    for name, action in (
+        ("GetStatus", "read a coordinator's status"),
+        ("WatchGroupView", "watch the group view"),
+        ("SetDesignatedPrimary", "run cluster commands"),
+        ("SetQuorumOverride", "run cluster commands"),
+        ("Shutdown", "run cluster commands"),
+        ("TransferLeadership", "run cluster commands"),
+        ("SetQuarantine", "run cluster commands"),
+    ):
+        rules["/squall.v1.Coordinator/" + name] = Rule(Permission.ADMIN, action=action)
+    return rules
+
+
+METHOD_RULES: Mapping[str, Rule] = _rules()
+
+
+class Verdict(enum.Enum):
+    """The outcome of a permission check (names match grpc.StatusCode where refused)."""
+
+    ALLOW = "OK"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A verdict and the sentence the caller receives when refused."""
+
+    verdict: Verdict
+    message: str = ""
+
+    @property
+    def allowed(self) -> bool:
+        return self.verdict is Verdict.ALLOW
+
+
+ALLOWED = Decision(Verdict.ALLOW)
+UNAUTHENTICATED_MESSAGE = (
+    "missing or unknown token: send 'authorization: Bearer <token>' with a token this cluster knows"
+)
+
+
+def matches(globs: Iterable[str], topic: str) -> bool:
+    """True if the topic matches any of the fnmatch-style globs (case-sensitive)."""
+    return any(fnmatchcase(topic, glob) for glob in globs)
+
+
+def may_see(principal: PrincipalConfig, topic: str) -> bool:
+    """True if the principal may look the topic up (and see it in ListTopics)."""
+    return (
+        principal.admin or matches(principal.publish, topic) or matches(principal.subscribe, topic)
+    )
+
+
+def decide(
+    method: str, topic: str, principal: PrincipalConfig | None, member: str | None
+) -> Decision:
+    """May this caller make this call on this topic? Pure: no I/O, no clock.
+
+    `method` is a guarded method's full name (a key of METHOD_RULES); `topic` the request's
+    topic ("" for methods without one); `principal` the token's principal (None: no or an
+    unknown token); `member` the cluster member the caller's certificate names.
+    """
+    rule = METHOD_RULES[method]
+    if member is not None:
+        return ALLOWED
+    if principal is None:
+        return Decision(Verdict.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+    permission = rule.permission
+    if permission is Permission.AUTHENTICATED:
+        return ALLOWED
+    if permission is Permission.ADMIN:
+        allowed = principal.admin
+    elif permission is Permission.PUBLISH:
+        allowed = matches(principal.publish, topic)
+    elif permission is Permission.SUBSCRIBE:
+        allowed = matches(principal.subscribe, topic)
+    else:
+        allowed = may_see(principal, topic)
+    if allowed:
+        return ALLOWED
+    if rule.topic_field:
+        what = f"{rule.action} {show_name(topic)}"
+    else:
+        what = rule.action
+    needs = " (admin only)" if permission is Permission.ADMIN else ""
+    return Decision(
+        Verdict.PERMISSION_DENIED, f"principal '{principal.name}' may not {what}{needs}"
+    )
+
+
+def token_sha256(token: str) -> str:
+    """The hex SHA-256 of a token, as [[auth.principals]].token_sha256 holds it."""
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def bearer_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+    """The token of the call's `authorization: Bearer <token>` metadata, if any."""
+    for key, value in metadata or ():
+        if key != AUTHORIZATION_KEY:
+            continue
+        text = value.decode("ascii", errors="replace") if isinstance(value, bytes) else value
+        if text[: len(_BEARER)].lower() == _BEARER:
+            return text[len(_BEARER) :].strip()
+        return None
+    return None
+
+
+class TokenBook:
+    """Tokens to principals, through their SHA-256 digests."""
+
+    def __init__(self, principals: Iterable[PrincipalConfig]) -> None:
+        self._by_digest = {bytes.fromhex(p.token_sha256): p for p in principals}
+
+    def principal(self, token: str | None) -> PrincipalConfig | None:
+        """The principal the token names, or None.
+
+        The lookup is keyed by the token's SHA-256, which a caller cannot steer bit by bit,
+        so its timing reveals nothing usable about a stored digest; the match is then
+        confirmed with a constant-time comparison.
+        """
+        if not token:
+            return None
+        digest = hashlib.sha256(token.encode("utf-8")).digest()
+        found = self._by_digest.get(digest)
+        if found is None or not hmac.compare_digest(bytes.fromhex(found.token_sha256), digest):
+            return None
+        return found

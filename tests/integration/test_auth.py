@@ -1,0 +1,272 @@
+"""Client authentication and per-topic permissions against real processes (docs/auth.md).
+
+Goal: with [auth] on, nobody publishes, reads or administers without a token that
+allows it, at the gateway and at the replicas publisher proxies reach directly; a denial
+says no more than it must; a denied call changes nothing; tokens never reach a log or the
+status output.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+import squall
+from services.common import dev_certs
+from services.common.auth import token_sha256
+from squall.v1 import (
+    broker_pb2,
+    broker_pb2_grpc,
+    common_pb2,
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+)
+from tests.integration.conftest import ROOT, LocalCluster, make_cluster
+
+pytestmark = pytest.mark.integration
+
+# The tokens are distinctive so a search of the logs cannot miss one.
+TOKENS = {
+    "ops": "tok-ops-a8d3e61c0b97f245",
+    "app": "tok-app-3c9e0f7a21d84b66",
+    "reader": "tok-reader-e47b2d19c6a05f38",
+}
+PRINCIPALS = [
+    {"name": "ops", "token_sha256": token_sha256(TOKENS["ops"]), "admin": True},
+    {
+        "name": "app",
+        "token_sha256": token_sha256(TOKENS["app"]),
+        "publish": ["orders.*"],
+        "subscribe": ["orders.*"],
+    },
+    {"name": "reader", "token_sha256": token_sha256(TOKENS["reader"]), "subscribe": ["audit"]},
+]
+
+
+def auth_overrides(certs: Path) -> dict[str, dict[str, object]]:
+    """Every config section the auth tests change: [auth] needs [tls] (tokens never go in clear)."""
+    return {
+        "auth": {"enabled": True, "principals": PRINCIPALS},
+        "tls": {"enabled": True, "ca_file": str(certs / "ca.crt"), "cert_dir": str(certs)},
+    }
+
+
+def _connect(cluster: LocalCluster, token: str | None, timeout_s: float = 10) -> squall.Client:
+    """An app's client: TLS with an app certificate (not a member's), and the token."""
+    certs = cluster.config.tls.cert_dir
+    assert certs is not None and cluster.config.tls.ca_file is not None
+    tls = squall.TlsOptions(
+        ca_file=cluster.config.tls.ca_file,
+        cert_file=certs / "app.crt",
+        key_file=certs / "app.key",
+    )
+    return squall.connect(cluster.gateway_address, token=token, tls=tls, timeout_s=timeout_s)
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, Path]]:
+    """One single-node cluster with [auth] on, shared by this module; stopped by PID."""
+    run_dir = tmp_path_factory.mktemp("auth")
+    token_dir = run_dir / "tokens"
+    token_dir.mkdir()
+    for name, token in TOKENS.items():
+        path = token_dir / name
+        path.write_text(token + "\n")
+        path.chmod(0o600)
+    certs = run_dir / "certs"
+    cluster = make_cluster(
+        ROOT / "deploy" / "single.toml", run_dir / "cluster", **auth_overrides(certs)
+    )
+    # The gateway is trusted by its member certificate, so it has no token of its own.
+    dev_certs.make_dev_certs(certs, dev_certs.subjects(cluster.config, ["app"]))
+    cluster.metadata = (("authorization", f"Bearer {TOKENS['ops']}"),)
+    try:
+        cluster.start_all()
+        with _connect(cluster, TOKENS["ops"]) as ops:
+            for name in ("orders.eu", "payroll", "audit"):
+                ops.create_topic(name)
+        yield cluster, token_dir
+    finally:
+        cluster.stop_all()
+
+
+@pytest.fixture(autouse=True)
+def _no_ambient_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SQUALL_TOKEN", raising=False)
+    monkeypatch.delenv("SQUALL_TOKEN_FILE", raising=False)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SQUALL_TOKEN")}
+    return subprocess.run(
+        [sys.executable, "-m", "services", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=env,
+    )
+
+
+def _bearer(name: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {TOKENS[name]}"),)
+
+
+def test_calls_without_a_known_token_are_unauthenticated(
+    secured: tuple[LocalCluster, Path],
+) -> None:
+    cluster, _ = secured
+    for token in (None, "tok-nobody-knows-this-one"):
+        with _connect(cluster, token) as client:
+            with pytest.raises(squall.Unauthenticated, match="missing or unknown token"):
+                client.topics()
+    # The replica (publisher proxies reach it directly) and the coordinator refuse too.
+    replica = cluster.replica_address("n1")
+    with cluster.dial(replica) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            broker_pb2_grpc.PublisherStub(channel).Publish(
+                broker_pb2.PublishRequest(
+                    topic="orders.eu", events=[common_pb2.EventData(payload=b"x")]
+                ),
+                timeout=5,
+            )
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with cluster.dial(cluster.config.nodes[0].coordinator_address) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            coordinator_pb2_grpc.CoordinatorStub(channel).GetStatus(
+                coordinator_pb2.GetStatusRequest(), timeout=5
+            )
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_publish_needs_the_topic_permission_and_a_denial_changes_nothing(
+    secured: tuple[LocalCluster, Path],
+) -> None:
+    cluster, _ = secured
+    with _connect(cluster, TOKENS["app"]) as app:
+        # A replicated proxy publishes straight to the replica, with the token.
+        with app.topic("orders.eu").publisher(replicated=True) as publisher:
+            publisher.publish(b"allowed")
+            publisher.flush()
+        with pytest.raises(squall.PermissionDenied) as denied:
+            app.topic("payroll")
+    message = str(denied.value)
+    assert "principal 'app' may not look up topic 'payroll'" in message
+    for other in ("orders", "audit"):
+        assert other not in message
+    # Straight to the replica, the same answer; on a stream, requests before the denied one
+    # are answered, then the stream ends with the denial.
+    requests = [
+        broker_pb2.PublishRequest(
+            topic=topic, events=[common_pb2.EventData(payload=b"s")], request_id=index
+        )
+        for index, topic in enumerate(("orders.eu", "payroll", "orders.eu"))
+    ]
+    for address in (cluster.replica_address("n1"), cluster.gateway_address):
+        with cluster.dial(address) as channel:
+            stub = broker_pb2_grpc.PublisherStub(channel)
+            answered = []
+            with pytest.raises(grpc.RpcError) as refused:
+                stream = stub.PublishStream(iter(requests), metadata=_bearer("app"), timeout=10)
+                for response in stream:
+                    answered.append(response.request_id)
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, address
+            assert answered == [0], address
+            assert "payroll" in (refused.value.details() or "")
+    with _connect(cluster, TOKENS["ops"]) as ops:
+        assert ops.topic("payroll").info.next_offset == 0
+        assert ops.topic("orders.eu").info.next_offset == 3
+
+
+def test_a_subscribe_only_principal_reads_but_cannot_publish(
+    secured: tuple[LocalCluster, Path],
+) -> None:
+    cluster, _ = secured
+    with _connect(cluster, TOKENS["reader"]) as reader:
+        with pytest.raises(squall.PermissionDenied, match="may not publish to topic 'audit'"):
+            reader.topic("audit").publisher(replicated=True)
+        events = list(reader.topic("audit").subscribe(follow=False))
+        assert events == []
+    with cluster.dial(cluster.gateway_address) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            list(
+                broker_pb2_grpc.SubscriberStub(channel).Subscribe(
+                    broker_pb2.SubscribeRequest(topic="orders.eu"),
+                    metadata=_bearer("reader"),
+                    timeout=5,
+                )
+            )
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert refused.value.details() == "principal 'reader' may not subscribe to topic 'orders.eu'"
+
+
+def test_topics_are_listed_only_where_the_principal_may_see_them(
+    secured: tuple[LocalCluster, Path],
+) -> None:
+    cluster, _ = secured
+    seen = {}
+    for name in ("app", "reader", "ops"):
+        with _connect(cluster, TOKENS[name]) as client:
+            seen[name] = sorted(t.name for t in client.topics())
+    assert seen["app"] == ["orders.eu"]
+    assert seen["reader"] == ["audit"]
+    assert {"audit", "orders.eu", "payroll"} <= set(seen["ops"])
+
+
+def test_topic_admin_and_cluster_commands_need_admin(
+    secured: tuple[LocalCluster, Path],
+) -> None:
+    cluster, token_dir = secured
+    with _connect(cluster, TOKENS["app"]) as app:
+        only_admin = r"may not create topic 'orders.new' \(admin only\)"
+        with pytest.raises(squall.PermissionDenied, match=only_admin):
+            app.create_topic("orders.new")
+        with pytest.raises(squall.PermissionDenied, match="may not destroy topic"):
+            app.destroy_topic("orders.eu")
+        with pytest.raises(squall.PermissionDenied, match="cluster status"):
+            app.status()
+    with _connect(cluster, TOKENS["ops"]) as ops:
+        names = {t.name for t in ops.topics()}
+        assert "orders.new" not in names and "orders.eu" in names
+    config = ["--config", str(cluster.config_path)]
+    override = ("cluster", "quorum-override", "0", *config)
+    refused = _cli(*override, "--token-file", str(token_dir / "app"))
+    assert refused.returncode == 1
+    said = refused.stdout + refused.stderr
+    assert "PERMISSION_DENIED: principal 'app' may not run cluster commands (admin only)" in said
+    missing = _cli(*override)
+    assert missing.returncode == 1 and "UNAUTHENTICATED" in missing.stdout + missing.stderr
+    allowed = _cli(*override, "--token-file", str(token_dir / "ops"))
+    assert allowed.returncode == 0, allowed.stderr
+    created = _cli("topic", "create", "ops-made", *config, "--token-file", str(token_dir / "ops"))
+    assert created.returncode == 0, created.stderr
+
+
+def test_tokens_never_reach_logs_or_status_output(secured: tuple[LocalCluster, Path]) -> None:
+    cluster, token_dir = secured
+    status = _cli(
+        "status",
+        "--json",
+        "--config",
+        str(cluster.config_path),
+        "--token-file",
+        str(token_dir / "ops"),
+    )
+    assert status.returncode == 0, status.stderr
+    assert '"n1"' in status.stdout
+    # Make sure every service has logged a refusal naming a principal by now.
+    with _connect(cluster, TOKENS["reader"]) as reader:
+        with pytest.raises(squall.PermissionDenied):
+            reader.create_topic("never")
+    logs = {p.name: p.read_text(errors="replace") for p in (cluster.run_dir / "logs").iterdir()}
+    assert "principal reader" in logs["gateway-g1.log"]
+    for token in TOKENS.values():
+        assert token not in status.stdout + status.stderr
+        for name, text in logs.items():
+            assert token not in text, f"a token is in {name}"
