@@ -383,9 +383,9 @@ class ChaosCluster:
                         f"{processes.tail(service.log_path)}"
                     ) from None
         for gateway_id in GATEWAY_IDS:
-            service = self.services.get(("gateway", gateway_id))
-            if service is not None:
-                processes.stop_service(service, _STOP_GRACE_S)
+            gateway = self.services.get(("gateway", gateway_id))
+            if gateway is not None:
+                processes.stop_service(gateway, _STOP_GRACE_S)
         return output
 
     def final_logs(self, topics: list[str] | None = None) -> list[dict[str, object]]:

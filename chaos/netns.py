@@ -70,19 +70,21 @@ def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 def _used_networks() -> list[ipaddress.IPv4Network]:
     """Every IPv4 network an interface address or a route of the root namespace covers."""
-    networks = []
+    networks: list[ipaddress.IPv4Network] = []
     for line in ip("-4", "-o", "addr", "show").stdout.splitlines():
         parts = line.split()
         if "inet" in parts:
-            networks.append(ipaddress.ip_interface(parts[parts.index("inet") + 1]).network)
+            networks.append(ipaddress.IPv4Interface(parts[parts.index("inet") + 1]).network)
     for line in ip("-4", "route", "show", "table", "all").stdout.splitlines():
         first = line.split()[0] if line.split() else ""
         if first in ("default", "broadcast", "local", "unreachable", "blackhole"):
             first = line.split()[1] if len(line.split()) > 1 else ""
         try:
-            networks.append(ipaddress.ip_network(first, strict=False))
+            network = ipaddress.ip_network(first, strict=False)
         except ValueError:
             continue
+        if isinstance(network, ipaddress.IPv4Network):
+            networks.append(network)
     return [n for n in networks if n.prefixlen > 0]
 
 
