@@ -16,7 +16,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import squall
-
 from chaos.history import HistoryWriter
 
 _CREATE_TIMEOUT_S = 60.0

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from chaos.history import HistoryWriter, read_history
-from chaos.run import run_chaos, report
+from chaos.run import report, run_chaos
 from tests.chaos.small_workload import SmallWorkload, check_final_logs
 
 SEEDS = (1, 2, 3)
