@@ -21,7 +21,7 @@ from chaos.run import report, run_chaos
 from tests.chaos.small_workload import SmallWorkload, check_final_logs
 
 SEEDS = (1, 2, 3)
-DURATION_S = 40.0
+DURATION_S = 35.0
 NODES = 3
 
 
