@@ -8,9 +8,13 @@ PY := $(BIN)/python
 STAMP := $(VENV)/.installed
 SEEDS ?= 5000
 PYTEST_ARGS ?=
+# `make chaos`: the fault schedule's seed, seconds of faults and load, cluster size (3 or 5).
+SEED ?= 1
+DURATION ?= 60
+NODES ?= 3
 
 .PHONY: install run stop test unit integration sim bench protos protos-check lint clean \
-	test-spark pipeline-demo
+	test-spark pipeline-demo chaos
 
 install: $(STAMP)
 
@@ -60,6 +64,11 @@ pipeline-demo: install
 
 bench: install
 	$(PY) -m bench.run
+
+# One chaos run (docs/chaos.md): real processes in network namespaces (needs root for
+# partitions), a recorded workload, seeded faults, then the history checker.
+chaos: install
+	$(PY) -m chaos run --seed $(SEED) --duration $(DURATION) --nodes $(NODES)
 
 clean:
 	rm -rf $(VENV) .run build *.egg-info

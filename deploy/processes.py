@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,12 +79,17 @@ def start_service(
     address: str,
     log_path: Path,
     env: Mapping[str, str] | None = None,
+    prefix: Sequence[str] = (),
 ) -> Service:
-    """Starts a service in its own process group, its output appended to log_path."""
+    """Starts a service in its own process group, its output appended to log_path.
+
+    prefix goes before the command; it must exec the command in its own process (as
+    `ip netns exec NS` does), so the PID stays the service's.
+    """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_file:
         process = subprocess.Popen(
-            service_command(kind, config_path, name),
+            [*prefix, *service_command(kind, config_path, name)],
             stdout=log_file,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

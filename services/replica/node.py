@@ -53,6 +53,8 @@ from services.common.telemetry import Telemetry, current
 from services.common.tls import transport
 from services.replica import commands, telemetry
 from services.replica.commands import BatchBuilder, Command, Planned
+from services.replica.committed import gate_from_store
+from services.replica.committed import track as _track
 from services.replica.divergence import HistoryError, fork_lsn
 from services.replica.faults import (
     REASON_CHARS_MAX,
@@ -114,8 +116,6 @@ _COMPACT_STEP_MAX = 10_000
 # time publishing pays twice per event (master and slave). Flushes and large batches go to
 # the store thread so the loop never waits on the disk or on a long copy.
 _INLINE_APPEND_BYTES_MAX = 64 * 1024
-# Log entries read per step when the committed-reads gate is rebuilt at start-up.
-_RESTORE_STEP_ENTRIES = 1024
 
 
 @dataclass
@@ -253,32 +253,18 @@ class ReplicaNode:
         """A committed-reads gate for the store as it is (store thread): at the recorded
         commit LSN, hiding every publish above it, from the installed snapshot's list
         and from the log. Used at start-up and after an interrupted reorganization."""
+        gate = gate_from_store(self.store)
         meta = self.store.meta()
-        commit_lsn = meta.commit_lsn
-        if commit_lsn is None or commit_lsn >= meta.last_lsn:
-            return CommitGate(meta.last_lsn if commit_lsn is None else commit_lsn)
-        gate = CommitGate(commit_lsn)
-        gate.restore(self.store.snapshot_uncommitted())
-        next_lsn = max(commit_lsn, meta.log_start_lsn - 1) + 1
-        # One step per _RESTORE_STEP_ENTRIES entries: bounded by the log's end.
-        while next_lsn <= meta.last_lsn:
-            entries = self.store.read_log(
-                next_lsn, min(_RESTORE_STEP_ENTRIES, meta.last_lsn - next_lsn + 1)
+        if gate.commit_lsn < meta.last_lsn:
+            log.info(
+                "replica %s (%s): LSNs %d..%d are not known committed: %d publishes hidden "
+                "from reads until a master commits them",
+                self.node.id,
+                why,
+                gate.commit_lsn + 1,
+                meta.last_lsn,
+                gate.tracked,
             )
-            if not entries:
-                break
-            for entry in entries:
-                _track(gate, entry)
-            next_lsn = entries[-1].lsn + 1
-        log.info(
-            "replica %s (%s): LSNs %d..%d are not known committed: %d publishes hidden from "
-            "reads until a master commits them",
-            self.node.id,
-            why,
-            commit_lsn + 1,
-            meta.last_lsn,
-            gate.tracked,
-        )
         return gate
 
     async def stop(self) -> None:
@@ -1901,13 +1887,6 @@ class _Diverged(Exception):
     def __init__(self, fork_lsn: int) -> None:
         super().__init__(f"diverges after LSN {fork_lsn}")
         self.fork_lsn = fork_lsn
-
-
-def _track(gate: CommitGate, entry: replica_pb2.LogEntry) -> None:
-    """Tracks an entry's publish (if it is one) in gate."""
-    operation = replica_pb2.Operation.FromString(entry.operation)
-    if operation.WhichOneof("op") == "publish":
-        gate.appended(entry.lsn, operation.publish.topic, operation.publish.first_offset)
 
 
 def _compact_step(retention_entries: int) -> int:

@@ -15,9 +15,10 @@ compacted log or lacks entries this replica compacted.
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import logging
 from collections.abc import AsyncIterator
+from typing import TypeVar
 
 from services.common.errors import Code, ServiceError
 from services.common.grpc_server import Context
@@ -27,6 +28,44 @@ from services.replica.store import CorruptRecordError, StoreError
 from squall.v1 import replica_pb2, replica_pb2_grpc
 
 log = logging.getLogger("squall.replica")
+
+T = TypeVar("T")
+_PUMPS: set[asyncio.Task[None]] = set()
+
+
+async def detached(source: AsyncIterator[T]) -> AsyncIterator[T]:
+    """Yields what source yields, while source runs to its end in a task of its own.
+
+    Whoever iterates this may stop at any yield and never come back: source still
+    finishes (and releases what it holds) without waiting for them. Its exception is
+    raised here, after the items before it.
+    """
+    # (item,) per item, then None at the end or the exception source raised.
+    queue: asyncio.Queue[tuple[T] | BaseException | None] = asyncio.Queue()
+
+    async def pump() -> None:
+        try:
+            async for item in source:
+                queue.put_nowait((item,))
+        except BaseException as exc:  # handed to the reader, who raises it
+            queue.put_nowait(exc)
+            return
+        queue.put_nowait(None)
+
+    # Kept in _PUMPS until done: the loop holds tasks only weakly, and the reader may
+    # be gone long before the batch is.
+    task = asyncio.get_running_loop().create_task(pump())
+    _PUMPS.add(task)
+    task.add_done_callback(_PUMPS.discard)
+    # One step per item source yields; the end (None or an exception) always comes.
+    while True:
+        entry = await queue.get()
+        if entry is None:
+            break
+        if isinstance(entry, BaseException):
+            raise entry
+        yield entry[0]
+    await task
 
 
 class Replication(replica_pb2_grpc.ReplicationServicer):
@@ -56,13 +95,13 @@ class Replication(replica_pb2_grpc.ReplicationServicer):
                     stream, position = await node.replication_hello(request.hello)
                     yield replica_pb2.ReplicateResponse(position=position)
                 elif kind == "entries":
-                    # Closed at once if the stream is cancelled mid-batch: the batch
-                    # holds the commit lock until it finishes.
-                    async with contextlib.aclosing(
-                        node.replication_batch(stream, request.entries)
-                    ) as acks:
-                        async for ack in acks:
-                            yield replica_pb2.ReplicateResponse(ack=ack)
+                    # The batch holds the commit lock until it finishes, so it runs in its
+                    # own task: a stream cancelled while this generator waits at a yield
+                    # must not keep the lock (gRPC drops the generator without closing
+                    # it, and only a garbage collection would; every later batch and
+                    # stream of this replica waited for that).
+                    async for ack in detached(node.replication_batch(stream, request.entries)):
+                        yield replica_pb2.ReplicateResponse(ack=ack)
                 elif kind == "heartbeat":
                     ack = node.replication_heartbeat(stream, request.heartbeat)
                     yield replica_pb2.ReplicateResponse(ack=ack)

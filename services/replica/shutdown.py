@@ -110,6 +110,10 @@ async def finish(
         store = node.store
 
         def mark_clean() -> None:
+            # The shutdown point is committed (the master committed it and every member
+            # holds it), but the master records its commit LSN only with its next batch:
+            # record it, so a reader of the stopped store sees every committed event.
+            store.record_commit(lsn)
             store.sync()
             store.set_state(common_pb2.STORE_STATE_CLEAN, shutdown_id)
 

@@ -26,6 +26,7 @@ from contextlib import AbstractContextManager, contextmanager
 
 import lmdb
 
+from services.replica import fault_hooks
 from services.replica.kv import KVCorruptError, KVError, KVFullError
 
 _CORRUPT_ERRORS = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadChecksumError)
@@ -221,6 +222,7 @@ class LmdbKV:
             txn.abort()
             raise
         try:
+            fault_hooks.before_commit(txn)  # chaos tests only: see fault_hooks
             txn.commit()  # LMDB frees the transaction even when the commit fails
         except lmdb.Error as exc:
             raise _translate("commit", exc) from exc
@@ -230,6 +232,7 @@ class LmdbKV:
     def sync(self) -> None:
         """Flushes every committed transaction to disk (fsync)."""
         self._check_open()
+        fault_hooks.before_sync()  # chaos tests only: see fault_hooks
         try:
             self._env.sync(True)
         except lmdb.Error as exc:

@@ -13,6 +13,7 @@ import pytest
 from services.common.config import parse_config
 from services.common.errors import Code, ServiceError
 from services.replica import shutdown
+from services.replica.committed import gate_from_store
 from services.replica.node import ReplicaNode
 from services.replica.store import Store
 from squall.v1 import common_pb2, replica_pb2
@@ -160,6 +161,30 @@ def test_finish_at_the_point_marks_clean_and_stops_the_process() -> None:
             node.apply_role(_master(2, seq=2)), Code.FAILED_PRECONDITION, "no new role"
         )
         await _refused(shutdown.freeze(node, "s1", "t"), Code.FAILED_PRECONDITION, "already")
+
+    _run(body)
+
+
+def test_finish_at_the_point_records_the_point_as_committed() -> None:
+    """The master records its commit LSN with its next batch; the shutdown point has none,
+    so without this a stopped clean store hid its last committed events from readers."""
+
+    async def body(node: ReplicaNode, stops: list[str]) -> None:
+        await node.apply_role(_master(1))
+        await shutdown.freeze(node, "s1", "t")
+        meta = node.store.meta()
+        node.store.set_commit_lsn(meta.last_lsn - 1)
+        done = await shutdown.finish(
+            node,
+            "s1",
+            lsn=meta.last_lsn,
+            last_epoch=meta.last_epoch,
+            cluster_id=CLUSTER,
+            operator="t",
+        )
+        assert done.clean
+        assert node.store.meta().commit_lsn == meta.last_lsn
+        assert gate_from_store(node.store).commit_lsn == meta.last_lsn
 
     _run(body)
 

@@ -1,0 +1,341 @@
+"""The seeded fault schedule of a chaos run, and the code that injects and heals each fault.
+
+``schedule(seed, ...)`` draws every choice from ``random.Random(seed)``: the same seed,
+duration, nodes and kinds give the same list of faults (kind, targets, parameters,
+durations, quiet gaps). ``FaultRunner`` plays it against a ``ChaosCluster`` one fault at
+a time: quiet gap, start (history ``fault`` record, phase "start"), hold for its
+duration, heal (phase "end"), then wait (bounded) until the cluster is normal again
+before the next gap, so at most one node (a minority, or one gateway) is faulty at any
+moment and a correct cluster stays available. A fault that would not end before the
+run's deadline is not started; every started fault is healed, also when the run fails.
+
+The kinds and what each one does:
+
+``kill``        kill -9 a node's coordinator and replica (or one gateway), restart it.
+``pause``       SIGSTOP a node's processes, SIGCONT them.
+``partition``   blackhole routes between one node and the rest, or (5 nodes) between a
+                2-node minority and the majority (chaos/netns.py); needs namespaces.
+``map_full``    the node's LMDB commits fail with ``lmdb.MapFullError``
+                (services/replica/fault_hooks.py), then succeed again.
+``corrupt``     stop the node, flip one byte inside one stored event record of its store
+                (found through LMDB's own reader, then in the data file), restart it; the
+                replica's record checksums should catch it when the record is read, and
+                report a fault that quarantines the node. Heal: stop it, move the damaged
+                store aside, restart it empty, ``squall cluster unquarantine``; it rejoins
+                and is brought up to date by the master (log or snapshot).
+``slow_disk``   every fsync of the node's store waits fsync_delay_ms first.
+``clock_jump``  not applicable: no Squall timeout reads wall time (``NOT_APPLICABLE``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from chaos.cluster import ChaosCluster, ClusterError
+from chaos.history import HistoryWriter
+from services.replica.store import DATABASES, DB_EVENTS
+from services.replica.store_lmdb import LmdbKV
+
+KINDS = ("kill", "pause", "partition", "map_full", "corrupt", "slow_disk", "clock_jump")
+NOT_APPLICABLE = {
+    "clock_jump": (
+        "no timeout depends on wall time: every timeout, lease and deadline in Squall reads "
+        "the monotonic clock (services/common/clock.py; grpc and asyncio deadlines are "
+        "monotonic too); wall time only stamps events, topics, faults and operator records"
+    ),
+}
+NEEDS_NETNS = ("partition",)
+
+# Seconds of (lo, hi) for how long each kind is held.
+_HOLD_S = {
+    "kill": (1.0, 5.0),
+    "pause": (1.0, 4.0),
+    "partition": (2.0, 6.0),
+    "map_full": (2.0, 5.0),
+    "corrupt": (2.0, 5.0),
+    "slow_disk": (3.0, 8.0),
+}
+_GAP_S = (1.0, 3.0)
+_FSYNC_DELAYS_MS = (20, 100, 300, 1000)
+# Time set aside per fault for the cluster to become normal again (not scheduled time).
+_RECOVERY_ALLOWANCE_S = 5.0
+# Quiet time at the start (workload warms up) and the end (everything heals) of a run.
+WARMUP_S = 2.0
+TAIL_S = 3.0
+RECOVERY_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """One scheduled fault."""
+
+    kind: str
+    targets: tuple[str, ...]
+    gap_s: float  # quiet time before it starts
+    hold_s: float  # how long it lasts
+    variant: str = ""  # kill: node | gateway; partition: isolate | split
+    param: int = 0  # slow_disk: fsync delay ms; corrupt: the record choice
+
+    def describe(self) -> str:
+        text = f"{self.kind} {','.join(self.targets)} for {self.hold_s:.1f}s"
+        if self.variant:
+            text += f" ({self.variant})"
+        if self.kind == "slow_disk":
+            text += f" fsync +{self.param} ms"
+        return text
+
+
+def schedule(
+    seed: int,
+    duration_s: float,
+    node_ids: list[str],
+    gateway_ids: list[str],
+    kinds: list[str],
+) -> list[FaultSpec]:
+    """The run's faults, in order; the same arguments always give the same list."""
+    usable = [kind for kind in kinds if kind in _HOLD_S]
+    if not usable:
+        return []
+    rng = random.Random(seed)
+    specs: list[FaultSpec] = []
+    elapsed = WARMUP_S
+    # Bounded: every fault takes at least _GAP_S[0] + _RECOVERY_ALLOWANCE_S seconds.
+    while True:
+        kind = rng.choice(usable)
+        gap = round(rng.uniform(*_GAP_S), 3)
+        hold = round(rng.uniform(*_HOLD_S[kind]), 3)
+        variant, param = "", 0
+        node = rng.choice(node_ids)
+        targets: tuple[str, ...] = (node,)
+        if kind == "kill":
+            variant = "gateway" if rng.random() < 0.25 else "node"
+            if variant == "gateway":
+                targets = (rng.choice(gateway_ids),)
+        elif kind == "partition":
+            variant = "split" if len(node_ids) >= 5 and rng.random() < 0.5 else "isolate"
+            if variant == "split":
+                targets = tuple(sorted(rng.sample(node_ids, (len(node_ids) - 1) // 2)))
+        elif kind == "slow_disk":
+            param = rng.choice(_FSYNC_DELAYS_MS)
+        elif kind == "corrupt":
+            param = rng.randrange(1 << 30)
+        elapsed += gap + hold + _RECOVERY_ALLOWANCE_S
+        if elapsed > duration_s - TAIL_S:
+            return specs
+        specs.append(FaultSpec(kind, targets, gap, hold, variant, param))
+
+
+@dataclass
+class FaultOutcome:
+    """What happened when one fault was played."""
+
+    spec: FaultSpec
+    detail: str = ""
+    recovered: bool = False
+    recovery_s: float = 0.0
+    problem: str = ""
+
+
+@dataclass
+class FaultRunner:
+    """Plays a schedule against a cluster (see the module docstring)."""
+
+    cluster: ChaosCluster
+    history: HistoryWriter
+    outcomes: list[FaultOutcome] = field(default_factory=list)
+    _damaged: int = 0
+
+    async def run(self, specs: list[FaultSpec], deadline: float) -> None:
+        """Plays specs until they are done or the next would not end before deadline
+        (time.monotonic()); raises ClusterError if the cluster does not recover."""
+        for spec in specs:
+            if time.monotonic() + spec.gap_s + spec.hold_s + TAIL_S > deadline:
+                return
+            await asyncio.sleep(spec.gap_s)
+            outcome = FaultOutcome(spec)
+            self.outcomes.append(outcome)
+            await self.play(spec, outcome)
+            started = time.monotonic()
+            try:
+                await asyncio.to_thread(self.cluster.wait_normal, RECOVERY_TIMEOUT_S)
+            except ClusterError as exc:
+                outcome.problem = f"after {spec.describe()}: {exc}"
+                raise ClusterError(outcome.problem) from None
+            outcome.recovered = True
+            outcome.recovery_s = time.monotonic() - started
+
+    async def play(self, spec: FaultSpec, outcome: FaultOutcome) -> None:
+        """Starts the fault, holds it, heals it; the end record is written whatever
+        happened (a failed injection or heal is in its detail)."""
+        targets = list(spec.targets)
+        start_detail = spec.describe()
+        self.history.fault(spec.kind, "start", targets, start_detail)
+        end_detail = ""
+        try:
+            start_note = await asyncio.to_thread(self._start, spec)
+            if start_note:
+                outcome.detail = start_note
+            await asyncio.sleep(spec.hold_s)
+        except Exception as exc:
+            outcome.problem = f"{spec.describe()}: injecting failed: {exc}"
+            end_detail = outcome.problem + "; "
+        finally:
+            try:
+                end_detail += await asyncio.to_thread(self._end, spec)
+            except Exception as exc:
+                outcome.problem = f"{spec.describe()}: healing failed: {exc}"
+                end_detail += outcome.problem
+                await asyncio.to_thread(self.heal_all)
+            outcome.detail = "; ".join(x for x in (outcome.detail, end_detail) if x)
+            self.history.fault(spec.kind, "end", targets, end_detail)
+
+    # --- injection and healing (threads: they block on processes)
+
+    def _start(self, spec: FaultSpec) -> str:
+        cluster, target = self.cluster, spec.targets[0]
+        if spec.kind == "kill":
+            if spec.variant == "gateway":
+                cluster.kill_gateway(target)
+            else:
+                cluster.kill_node(target)
+        elif spec.kind == "pause":
+            cluster.pause_node(target)
+        elif spec.kind == "partition":
+            if cluster.topology is None:
+                raise ClusterError("partition needs network namespaces")
+            minority = list(spec.targets)
+            majority = [n for n in cluster.node_ids if n not in minority]
+            cluster.topology.partition([minority, majority])
+        elif spec.kind == "map_full":
+            cluster.set_fault_control(target, map_full=True)
+        elif spec.kind == "slow_disk":
+            cluster.set_fault_control(target, fsync_delay_ms=spec.param)
+        elif spec.kind == "corrupt":
+            cluster.stop_node(target)
+            note = flip_event_byte(cluster.data_dir(target), random.Random(spec.param))
+            cluster.start_node(target)
+            return note
+        else:
+            raise ValueError(f"no fault kind {spec.kind!r}")
+        return ""
+
+    def _end(self, spec: FaultSpec) -> str:
+        cluster, target = self.cluster, spec.targets[0]
+        if spec.kind == "kill":
+            if spec.variant == "gateway":
+                cluster.start_gateway(target)
+            else:
+                cluster.start_node(target)
+            return "restarted"
+        if spec.kind == "pause":
+            cluster.resume_node(target)
+            return "resumed"
+        if spec.kind == "partition":
+            if cluster.topology is not None:
+                cluster.topology.heal()
+            return "healed"
+        if spec.kind in ("map_full", "slow_disk"):
+            cluster.set_fault_control(target)
+            return "cleared"
+        if spec.kind == "corrupt":
+            return self._repair(target)
+        raise ValueError(f"no fault kind {spec.kind!r}")
+
+    def _repair(self, node_id: str) -> str:
+        """Moves a damaged store aside, restarts the node empty and clears its quarantine;
+        says whether the node had noticed the damage (quarantined itself)."""
+        cluster = self.cluster
+        status = cluster.coordinator_status(node_id)
+        state = cluster.replica_state(node_id)
+        detected = status is not None and status.HasField("quarantine")
+        reported = state is not None and bool(state.fault_reason)
+        cluster.stop_node(node_id)
+        self._damaged += 1
+        aside = cluster.run_dir / "damaged" / f"{node_id}-{self._damaged}"
+        aside.mkdir(parents=True, exist_ok=True)
+        data_dir = cluster.data_dir(node_id)
+        for name in ("data.mdb", "lock.mdb", "replica-fault.json"):
+            if (data_dir / name).exists():
+                shutil.move(str(data_dir / name), str(aside / name))
+        cluster.start_node(node_id)
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "services",
+                "cluster",
+                "unquarantine",
+                node_id,
+                "--config",
+                str(cluster.config_path),
+                "--reason",
+                "chaos: store rebuilt",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise ClusterError(f"unquarantine {node_id} failed: {result.stdout}{result.stderr}")
+        seen = "detected: quarantined" if detected else "not detected before the repair"
+        if reported and not detected:
+            seen = "detected: fault reported"
+        return f"{seen}; store moved to {aside}, node restarted empty, unquarantined"
+
+    def heal_all(self) -> None:
+        """Ends every fault whatever state it is in: resume paused nodes, delete blackhole
+        routes, clear fault controls, start anything not running. Best effort."""
+        cluster = self.cluster
+        for node_id in list(cluster.paused):
+            cluster.resume_node(node_id)
+        if cluster.topology is not None and cluster.topology.partitioned:
+            cluster.topology.heal()
+        for node_id in cluster.node_ids:
+            cluster.set_fault_control(node_id)
+            if not cluster.running("replica", node_id) or not cluster.running(
+                "coordinator", node_id
+            ):
+                cluster.kill_node(node_id)
+                cluster.start_node(node_id)
+        for gateway_id in ("g1", "g2"):
+            if not cluster.running("gateway", gateway_id):
+                cluster.start_gateway(gateway_id)
+
+
+def flip_event_byte(data_dir: Path, rng: random.Random) -> str:
+    """Flips one byte inside the body of one stored event record (not its checksum) of a
+    stopped node's store; returns what it did. The record is read with LMDB's own reader
+    and then found by its bytes in the data file (every copy of it, as LMDB may keep an
+    older page holding the same record)."""
+    kv = LmdbKV(data_dir, DATABASES, map_size_bytes=0, readonly=True, lock=False)
+    try:
+        with kv.read() as txn:
+            records = list(txn.scan(DB_EVENTS))
+    finally:
+        kv.close()
+    if not records:
+        return "no event stored yet: nothing to corrupt"
+    key, value = rng.choice(records)
+    # Past the 4-byte CRC: the checksum must be what no longer matches.
+    position = 4 + rng.randrange(max(1, len(value) - 4))
+    data_path = data_dir / "data.mdb"
+    data = bytearray(data_path.read_bytes())
+    copies = 0
+    start = data.find(value)
+    # Bounded by the file's length: each find starts past the last one.
+    while start >= 0:
+        data[start + position] ^= 0xFF
+        copies += 1
+        start = data.find(value, start + len(value))
+    if not copies:
+        return f"event record {key.hex()} not found in {data_path}: nothing corrupted"
+    data_path.write_bytes(bytes(data))
+    return f"flipped byte {position} of event record {key.hex()} ({copies} copies in the file)"

@@ -1,0 +1,60 @@
+"""The short chaos run of `make test`: a few seeds of real faults against a real cluster.
+
+Each seed runs the whole harness (chaos/run.py) for DURATION_S seconds with a small real
+workload (tests/chaos/small_workload.py); it fails on any problem of the run, a fault the
+cluster did not recover from, an acknowledged publish missing from a node's final log, a
+duplicate, nodes whose committed logs differ, or (once chaos/checker.py is there) any
+violation the checker reports, printing the command that reproduces the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from chaos.history import HistoryWriter, read_history
+from chaos.run import report, run_chaos
+from tests.chaos.small_workload import SmallWorkload, check_final_logs
+
+SEEDS = (1, 2, 3)
+DURATION_S = 35.0
+NODES = 3
+
+
+def _namespaces() -> set[str]:
+    result = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False)
+    return {line.split()[0] for line in result.stdout.splitlines() if line.strip()}
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_short_chaos_run(seed: int, tmp_path: Path) -> None:
+    made: list[SmallWorkload] = []
+
+    def factory(target: Any, history: HistoryWriter, seed: int, topics: list[str]) -> SmallWorkload:
+        workload = SmallWorkload(target, history, seed, topics)
+        made.append(workload)
+        return workload
+
+    before = _namespaces()
+    result = asyncio.run(run_chaos(seed, DURATION_S, NODES, tmp_path / "run", factory))
+    text = report(result)
+    reproduce = result.reproduce()
+    assert _namespaces() <= before, f"namespaces left behind\n{text}"
+    assert result.completed and not result.problems, f"{text}\n{reproduce}"
+    assert all(outcome.recovered for outcome in result.outcomes), f"{text}\n{reproduce}"
+    records = read_history(result.history_path)
+    starts = [r for r in records if r["type"] == "fault" and r["phase"] == "start"]
+    ends = [r for r in records if r["type"] == "fault" and r["phase"] == "end"]
+    assert starts and len(starts) == len(ends), f"faults not all ended\n{text}\n{reproduce}"
+    final_logs = [r for r in records if r["type"] == "final_log"]
+    assert {r["node"] for r in final_logs} == {f"n{i}" for i in range(1, NODES + 1)}
+    workload = made[0]
+    assert workload.counts["ok"] > 0, f"nothing was acknowledged\n{text}\n{reproduce}"
+    violations = check_final_logs(workload.acknowledged, final_logs)
+    assert not violations, "\n".join([*violations[:20], text, reproduce])
+    if result.checked:
+        assert result.check_ok, f"{text}\n{reproduce}"

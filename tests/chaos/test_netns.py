@@ -1,0 +1,123 @@
+"""The chaos run's network (chaos/netns.py): namespaces that reach each other and the host,
+partitions that cut exactly the links asked for, and a teardown that leaves nothing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from chaos.netns import Topology, can_create, ip
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0, reason="network namespaces need root (CAP_SYS_ADMIN, CAP_NET_ADMIN)"
+)
+
+PORT = 7999
+# Listens on PORT in its namespace until killed; prints "ready" once it does.
+LISTENER = (
+    "import socket,sys\n"
+    "s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+    f"s.bind(('0.0.0.0', {PORT})); s.listen(16); print('ready', flush=True)\n"
+    "while True: s.accept()[0].close()\n"
+)
+CONNECT = (
+    "import socket,sys\n"
+    "try:\n"
+    f"    socket.create_connection((sys.argv[1], {PORT}), timeout=1).close(); print('ok')\n"
+    "except OSError as e:\n"
+    "    print('fail', e)\n"
+)
+
+
+@pytest.fixture
+def topology() -> Iterator[Topology]:
+    topo = Topology.plan(["n1", "n2", "n3"])
+    topo.create()
+    listeners: list[subprocess.Popen[str]] = []
+    try:
+        for node_id in topo.node_ids:
+            listener = subprocess.Popen(
+                [*topo.exec_prefix(node_id), sys.executable, "-c", LISTENER],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            listeners.append(listener)
+            assert listener.stdout is not None and listener.stdout.readline().strip() == "ready"
+        yield topo
+    finally:
+        for listener in listeners:
+            listener.kill()
+            listener.wait(10)
+        topo.teardown()
+
+
+def reaches(topo: Topology, source: str | None, address: str) -> bool:
+    """Whether a TCP connection from source's namespace (None: the root) to address works."""
+    prefix = topo.exec_prefix(source) if source is not None else []
+    result = subprocess.run(
+        [*prefix, sys.executable, "-c", CONNECT, address],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    return result.stdout.startswith("ok")
+
+
+def test_can_create_as_root() -> None:
+    assert can_create() == (True, "")
+
+
+def test_nodes_reach_each_other_and_the_host_reaches_every_node(topology: Topology) -> None:
+    for source in topology.node_ids:
+        for target in topology.node_ids:
+            assert reaches(topology, source, topology.address(target)), (source, target)
+    for target in topology.node_ids:
+        assert reaches(topology, None, topology.address(target))
+
+
+def test_a_partition_cuts_only_the_links_between_the_sides_and_heal_restores_them(
+    topology: Topology,
+) -> None:
+    topology.partition([["n1"], ["n2", "n3"]])
+    assert not reaches(topology, "n1", topology.address("n2"))
+    assert not reaches(topology, "n2", topology.address("n1"))
+    assert not reaches(topology, "n3", topology.address("n1"))
+    assert reaches(topology, "n2", topology.address("n3"))
+    # The gateways' side (the root namespace) still reaches every node.
+    assert reaches(topology, None, topology.address("n1"))
+    topology.heal()
+    assert not topology.partitioned
+    assert reaches(topology, "n1", topology.address("n2"))
+    assert reaches(topology, "n3", topology.address("n1"))
+
+
+def test_two_topologies_get_different_names_and_subnets_and_teardown_leaves_nothing() -> None:
+    first = Topology.plan(["n1", "n2"])
+    first.create()
+    try:
+        second = Topology.plan(["n1", "n2"])
+        assert second.tag != first.tag and not second.subnet.overlaps(first.subnet)
+    finally:
+        assert first.teardown() == []
+    namespaces = ip("netns", "list").stdout
+    assert first.netns("n1") not in namespaces and first.netns("n2") not in namespaces
+    assert ip("link", "show", first.bridge, check=False).returncode != 0
+    assert ip("link", "show", first.veth("n1"), check=False).returncode != 0
+    assert first.teardown() == []  # twice is fine
+
+
+def test_a_failed_create_tears_down_what_it_made() -> None:
+    topo = Topology.plan(["n1", "n2"])
+    ip("netns", "add", topo.netns("n2"))  # in the way: creating n2's namespace fails
+    try:
+        with pytest.raises(Exception, match="netns add"):
+            topo.create()
+        assert ip("link", "show", topo.bridge, check=False).returncode != 0
+        assert topo.netns("n1") not in ip("netns", "list").stdout
+    finally:
+        ip("netns", "del", topo.netns("n2"), check=False)
