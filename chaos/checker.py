@@ -673,8 +673,11 @@ def _check_logs(
                 f"node {node} diverges from {','.join(topic_logs.reference_nodes)} on "
                 f"'{topic}': {_first_difference(events, reference)}"
             )
+    lagging = sum(1 for note in notes if "lagging:" in note)
     if problems:
         headline = f"logs differ ({len(problems)} problems)"
+    elif lagging:
+        headline = f"logs identical ({len(nodes)} nodes, {lagging} lagging by record)"
     else:
         headline = f"logs identical ({len(nodes)} nodes)"
     return CheckResult("logs", not problems, headline, tuple(problems + notes))
