@@ -757,9 +757,16 @@ async def _in_thread(fn: Callable[[], _T], timeout_s: float) -> _T:
         try:
             result = fn()
         except BaseException as exc:
-            future.set_exception(exc)
+            outcome: tuple[bool, Any] = (False, exc)
         else:
-            future.set_result(result)
+            outcome = (True, result)
+        try:
+            if outcome[0]:
+                future.set_result(outcome[1])
+            else:
+                future.set_exception(outcome[1])
+        except concurrent.futures.InvalidStateError:
+            pass  # the caller stopped waiting (its timeout): nobody wants the result
 
     threading.Thread(target=run, name="chaos-call", daemon=True).start()
     return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
