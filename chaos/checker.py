@@ -152,46 +152,45 @@ class CheckReport:
 # -- reading the history -----------------------------------------------------------------
 
 
-@dataclass
 class _Op:
-    """One invoke and its complete (None while unanswered)."""
+    """One invoke and its complete (None while unanswered), with what the checks read.
 
-    invoke: Record
-    complete: Record | None = None
+    Plain attributes computed once: a long run has hundreds of thousands of these.
+    """
 
-    @property
-    def id(self) -> int:
-        return int(self.invoke["id"])
+    __slots__ = (
+        "binding",
+        "complete",
+        "completed_t",
+        "id",
+        "idempotent",
+        "invoke",
+        "invoked_t",
+        "outcome",
+        "positions",
+        "values",
+    )
 
-    @property
-    def outcome(self) -> str:
-        """ok / fail / indeterminate; an op never answered may have happened."""
-        if self.complete is None:
-            return "indeterminate"
-        return str(self.complete.get("outcome"))
-
-    @property
-    def values(self) -> list[str]:
-        return [str(e["value"]) for e in self.invoke.get("events") or ()]
-
-    @property
-    def idempotent(self) -> bool:
-        events = self.invoke.get("events") or ()
-        return bool(self.invoke.get("publisher_id")) and all(
+    def __init__(self, invoke: Record) -> None:
+        self.invoke = invoke
+        self.id = int(invoke["id"])
+        events = invoke.get("events") or ()
+        self.values: list[str] = [str(e["value"]) for e in events]
+        self.positions = {value: i for i, value in enumerate(self.values)}
+        self.idempotent = bool(invoke.get("publisher_id")) and all(
             e.get("seq") is not None for e in events
         )
+        self.binding = (str(invoke.get("process")), str(invoke.get("topic")))
+        self.invoked_t = float(invoke["t"])
+        self.complete: Record | None = None
+        self.completed_t: float | None = None
+        # An op never answered may have happened.
+        self.outcome = "indeterminate"
 
-    @property
-    def binding(self) -> tuple[str, str]:
-        return (str(self.invoke.get("process")), str(self.invoke.get("topic")))
-
-    @property
-    def invoked_t(self) -> float:
-        return float(self.invoke["t"])
-
-    @property
-    def completed_t(self) -> float | None:
-        return None if self.complete is None else float(self.complete["t"])
+    def finish(self, complete: Record) -> None:
+        self.complete = complete
+        self.completed_t = float(complete["t"])
+        self.outcome = str(complete.get("outcome"))
 
 
 @dataclass
@@ -204,9 +203,8 @@ class _History:
     faults: list[Record]
     final_logs: list[Record]
 
-    @property
-    def publishes(self) -> list[_Op]:
-        return [op for op in self.ops if op.invoke.get("op") == "publish"]
+    publishes: list[_Op] = field(default_factory=list)
+    deliveries: dict[tuple[str, str, str], list[tuple[int, str]]] = field(default_factory=dict)
 
 
 def _parse(records: Sequence[Record]) -> _History:
@@ -229,14 +227,17 @@ def _parse(records: Sequence[Record]) -> _History:
             if op is None or op.complete is not None:
                 stray.append(record)
             else:
-                op.complete = record
+                op.finish(record)
         elif kind == "deliver":
             delivers.append(record)
         elif kind == "fault":
             faults.append(record)
         elif kind == "final_log":
             final_logs.append(record)
-    return _History(run, end, list(ops.values()), stray, delivers, faults, final_logs)
+    history = _History(run, end, list(ops.values()), stray, delivers, faults, final_logs)
+    history.publishes = [op for op in history.ops if op.invoke.get("op") == "publish"]
+    history.deliveries = _deliveries(delivers)
+    return history
 
 
 def _examples(items: Iterable[str], total: int | None = None) -> tuple[str, ...]:
@@ -496,7 +497,8 @@ def _subscribers(history: _History) -> tuple[list[_Subscriber], list[str], set[t
                 str(invoke.get("topic")),
                 str(invoke.get("subscription")),
                 str(invoke.get("mode")),
-                int(invoke.get("start_offset") or 0),
+                # The cluster's answer (a push subscribe's cursor) beats the request.
+                int(_start_offset(op)),
             )
         )
     # The last successful listing of each topic's push subscribers decides which were
@@ -513,37 +515,43 @@ def _subscribers(history: _History) -> tuple[list[_Subscriber], list[str], set[t
     return subscribers, notes, removed
 
 
-def _deliveries(history: _History) -> dict[tuple[str, str, str], list[tuple[int, str]]]:
+def _start_offset(op: _Op) -> int:
+    answered = (op.complete or {}).get("start_offset")
+    asked = op.invoke.get("start_offset")
+    return int(answered if answered is not None else asked or 0)
+
+
+def _deliveries(delivers: Sequence[Record]) -> dict[tuple[str, str, str], list[tuple[int, str]]]:
     got: dict[tuple[str, str, str], list[tuple[int, str]]] = defaultdict(list)
-    for record in history.delivers:
+    for record in delivers:
         key = (
             str(record.get("process")),
             str(record.get("topic")),
             str(record.get("subscription")),
         )
         got[key].extend((int(e["offset"]), str(e["value"])) for e in record.get("events") or ())
-    return got
+    return dict(got)
 
 
 def _order_violation(sequence: Iterable[str], acked: Mapping[str, tuple[_Op, int]]) -> str | None:
     """The first acked value of one binding that arrives after a later one, first time seen."""
     seen: set[str] = set()
-    latest: tuple[_Op, int, str] | None = None  # (op, position, value) furthest in publish order
-    positions: dict[str, int] = {}
+    # The op, position and value furthest along in publish order so far.
+    latest: tuple[_Op, int, str] | None = None
     for value in sequence:
         if value in seen:
             continue  # a redelivery
         seen.add(value)
-        op, _ = acked[value]
-        if value not in positions:
-            positions[value] = op.values.index(value)
-        position = positions[value]
+        op = acked[value][0]
+        position = op.positions[value]
         if latest is not None:
             last_op, last_position, last_value = latest
-            earlier = (op is last_op and position < last_position) or _precedes(op, last_op)
-            if earlier:
+            if op is last_op:
+                if position < last_position:
+                    return f"{value!r} (op {op.id}) came after {last_value!r} (op {last_op.id})"
+            elif _precedes(op, last_op):
                 return f"{value!r} (op {op.id}) came after {last_value!r} (op {last_op.id})"
-            if not (_precedes(last_op, op) or (op is last_op and position > last_position)):
+            elif not _precedes(last_op, op):
                 continue  # concurrent ops: no order to keep
         latest = (op, position, value)
     return None
@@ -566,7 +574,7 @@ def _check_order(
             if problem:
                 violations.append(f"log of '{topic}', binding {binding[0]}: {problem}")
     subscribers_checked = 0
-    for key, events in sorted(_deliveries(history).items()):
+    for key, events in sorted(history.deliveries.items()):
         subscribers_checked += 1
         per_binding = defaultdict(list)
         for _, value in events:
@@ -584,7 +592,7 @@ def _check_order(
 
 def _check_delivery(history: _History, logs: Mapping[str, _TopicLogs]) -> CheckResult:
     subscribers, notes, removed = _subscribers(history)
-    got = _deliveries(history)
+    got = history.deliveries
     problems: list[str] = []
     checked = 0
     for sub in subscribers:

@@ -594,7 +594,7 @@ class Workload:
                     endpoint=endpoint.address,
                 )
                 try:
-                    _topic(gateways.client(), topic_name).subscribe_push(
+                    info = _topic(gateways.client(), topic_name).subscribe_push(
                         subscriber_id,
                         endpoint,
                         reliability="ordered",
@@ -615,7 +615,8 @@ class Workload:
                     ceiling = min(BACKOFF_MAX_S, BACKOFF_INITIAL_S * 2 ** min(failures - 1, 10))
                     self._stopping.wait(rng.uniform(ceiling / 2, ceiling))
                     continue
-                self._recorder.complete(op_id, "ok")
+                # The cluster's start cursor: what this subscriber is owed from.
+                self._recorder.complete(op_id, "ok", start_offset=info.cursor)
                 self._mark_subscribed(process, topic_name)
                 break
 

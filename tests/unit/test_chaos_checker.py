@@ -446,3 +446,32 @@ def test_the_timeline_writes_a_png(tmp_path: Path, make: Callable[[], _Run]) -> 
     png = plot_timeline(run.records, tmp_path / "out" / "timeline.png")
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_a_subscriber_is_owed_events_only_from_where_it_started() -> None:
+    run = _clean()
+    run.next_id += 1
+    run.records += [
+        {
+            "t": 5.0,
+            "type": "invoke",
+            "id": run.next_id,
+            "process": "push-2",
+            "op": "subscribe",
+            "mode": "push",
+            "topic": TOPIC,
+            "subscription": "late",
+            "start_offset": 0,
+        },
+        # The cluster answered with the cursor it starts from (a "latest" subscribe).
+        {"t": 5.1, "type": "complete", "id": run.next_id, "outcome": "ok", "start_offset": 15},
+    ]
+    run.deliver(8.0, "push-2", "push", "late", [15, 16, 17, 18])
+    run.final(9.0)
+    assert check_records(run.records).ok
+    run.records = [
+        r for r in run.records if not (r.get("process") == "push-2" and r["type"] == "deliver")
+    ]
+    run.deliver(8.0, "push-2", "push", "late", [15, 16, 18])
+    details = _fails_only(run.records, "delivery")
+    assert "push-2 (push 'late' on 't') never got 1 committed events, offsets 17" in details
