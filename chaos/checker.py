@@ -84,6 +84,9 @@ class CheckReport:
     counts: Mapping[str, int] = field(default_factory=dict)
     nodes: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    """Said in the summary line (e.g. a fault kind the run left out, and why)."""
+    info: tuple[str, ...] = ()
+    """Only in the details (e.g. fault kinds not applicable to Squall)."""
 
     @property
     def ok(self) -> bool:
@@ -119,7 +122,7 @@ class CheckReport:
 
     def describe(self) -> str:
         """The summary line, then every failed check's evidence and every window."""
-        lines = [self.summary_line()]
+        lines = [self.summary_line(), *(f"  note: {i}" for i in self.info)]
         for check in self.checks:
             mark = "ok  " if check.ok else "FAIL"
             lines.append(f"  {mark} {check.name}: {check.headline}")
@@ -141,6 +144,7 @@ class CheckReport:
             "counts": dict(self.counts),
             "nodes": list(self.nodes),
             "notes": list(self.notes),
+            "info": list(self.info),
             "checks": [asdict(c) for c in self.checks],
             "unavailable": [
                 {"type": "unavailable", **asdict(w), "duration_s": round(w.duration_s, 6)}
@@ -277,22 +281,34 @@ def _events(record: Record) -> list[tuple[int, str]]:
 def _topic_logs(history: _History) -> dict[str, _TopicLogs]:
     grouped: dict[str, dict[str, Record]] = defaultdict(dict)
     for record in history.final_logs:
-        grouped[str(record["topic"])][str(record["node"])] = record
+        if record.get("topic"):
+            grouped[str(record["topic"])][str(record["node"])] = record
     result = {}
     for topic, by_node in grouped.items():
         readable = {n: r for n, r in by_node.items() if not r.get("error")}
+        # The reference comes from the nodes not known to lag, when there are any: two
+        # killed nodes' equal prefixes must not outvote the one full log.
+        candidates = {n: r for n, r in readable.items() if not r.get("lagging")} or readable
         variants: dict[tuple[tuple[int, str], ...], list[str]] = defaultdict(list)
-        for node in sorted(readable):
-            variants[tuple(_events(readable[node]))].append(node)
+        for node in sorted(candidates):
+            variants[tuple(_events(candidates[node]))].append(node)
         if variants:
-            # The log most nodes hold; among equals the longest (a lagging node's prefix
-            # must not outvote the full log).
+            # The log most nodes hold; among equals the longest.
             events, nodes = max(variants.items(), key=lambda kv: (len(kv[1]), len(kv[0])))
             reference, reference_nodes = list(events), nodes
         else:
             reference, reference_nodes = [], []
         result[topic] = _TopicLogs(topic, by_node, reference, reference_nodes)
     return result
+
+
+def _store_errors(history: _History) -> dict[str, str]:
+    """Nodes whose whole store could not be read (a final_log with no topic and an error)."""
+    return {
+        str(r["node"]): str(r["error"])
+        for r in history.final_logs
+        if not r.get("topic") and r.get("error")
+    }
 
 
 def _topics(history: _History, logs: Mapping[str, _TopicLogs]) -> list[str]:
@@ -304,6 +320,21 @@ def _topics(history: _History, logs: Mapping[str, _TopicLogs]) -> list[str]:
 def _nodes(history: _History) -> list[str]:
     named = [str(n) for n in (history.run or {}).get("nodes") or ()]
     return sorted({*named, *(str(r["node"]) for r in history.final_logs)})
+
+
+def _run_notes(run: Record) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(for the summary line, for the details): the run's notes and the faults it left out.
+
+    A fault kind left out (no network namespaces without root) weakens what the run
+    proves, so the summary says so; one not applicable to Squall is only listed.
+    """
+    summary = [str(n) for n in run.get("notes") or ()]
+    details = []
+    skipped = run.get("faults_skipped") or {}
+    for kind, why in sorted(skipped.items()) if isinstance(skipped, Mapping) else ():
+        text = f"{kind} {why}"
+        (summary if str(why).startswith("left out") else details).append(text)
+    return tuple(summary), tuple(details)
 
 
 # -- the checks --------------------------------------------------------------------------
@@ -648,11 +679,15 @@ def _check_logs(
     problems: list[str] = []
     notes: list[str] = []
     lagging_nodes: set[str] = set()
+    store_errors = _store_errors(history)
     for topic in sorted(logs):
         topic_logs = logs[topic]
         reference = topic_logs.reference
         for node in nodes:
             record = topic_logs.by_node.get(node)
+            if record is None and node in store_errors:
+                problems.append(f"node {node}: its store could not be read: {store_errors[node]}")
+                continue
             if record is None:
                 problems.append(f"node {node}: no final_log of '{topic}' (its store was not read)")
                 continue
@@ -803,7 +838,7 @@ def check_records(
     }
     run = history.run or {}
     seed = run.get("seed")
-    notes = tuple(str(n) for n in run.get("notes") or ())
+    notes, info = _run_notes(run)
     return CheckReport(
         seed=int(seed) if isinstance(seed, int) else None,
         checks=checks,
@@ -812,6 +847,7 @@ def check_records(
         counts=counts,
         nodes=tuple(nodes),
         notes=notes,
+        info=info,
     )
 
 

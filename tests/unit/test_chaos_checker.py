@@ -475,3 +475,49 @@ def test_a_subscriber_is_owed_events_only_from_where_it_started() -> None:
     run.deliver(8.0, "push-2", "push", "late", [15, 16, 18])
     details = _fails_only(run.records, "delivery")
     assert "push-2 (push 'late' on 't') never got 1 committed events, offsets 17" in details
+
+
+def test_an_unreadable_store_fails_logs_with_its_error() -> None:
+    run = _clean()
+    run.final(9.0)
+    records = [r for r in run.records if not (r["type"] == "final_log" and r["node"] == "n3")]
+    records.insert(
+        -1,
+        {
+            "t": 9.0,
+            "type": "final_log",
+            "node": "n3",
+            "topic": "",
+            "commit_lsn": 0,
+            "events": [],
+            "error": "no store",
+        },
+    )
+    details = _fails_only(records, "logs")
+    assert details.splitlines() == ["node n3: its store could not be read: no store"]
+
+
+def test_a_full_log_is_the_reference_even_when_lagging_nodes_outnumber_it() -> None:
+    run = _clean()
+    run.final(9.0, {"n2": run.log[:-3], "n3": run.log[:-3]})
+    for record in run.records:
+        if record["type"] == "final_log" and record["node"] in ("n2", "n3"):
+            record["lagging"] = "killed and not restarted"
+    report = check_records(run.records)
+    assert report.ok, report.describe()
+    assert "logs identical (3 nodes, 2 lagging by record)" in report.summary_line()
+
+
+def test_a_fault_kind_left_out_is_said_in_the_summary() -> None:
+    run = _clean()
+    run.records[0]["faults_skipped"] = {
+        "partition": "left out: network namespaces need root",
+        "clock_jump": "not applicable: every timeout uses the monotonic clock",
+    }
+    run.final(9.0)
+    report = check_records(run.records)
+    assert report.summary_line().endswith("partition left out: network namespaces need root"), (
+        report.summary_line()
+    )
+    assert "clock_jump not applicable" not in report.summary_line()
+    assert "note: clock_jump not applicable" in report.describe()
