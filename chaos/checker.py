@@ -329,7 +329,7 @@ def _run_notes(run: Record) -> tuple[tuple[str, ...], tuple[str, ...]]:
     proves, so the summary says so; one not applicable to Squall is only listed.
     """
     summary = [str(n) for n in run.get("notes") or ()]
-    details = []
+    details: list[str] = []
     skipped = run.get("faults_skipped") or {}
     for kind, why in sorted(skipped.items()) if isinstance(skipped, Mapping) else ():
         text = f"{kind} {why}"
