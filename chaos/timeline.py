@@ -8,6 +8,9 @@ One PNG, three panels sharing the time axis (seconds since the run started):
    non-replicated), with the unavailability windows shaded;
 3. errors — failed and indeterminate publishes per second.
 
+Rates are counted in bins of horizon/300 seconds (at least 0.1 s), so a sub-second
+failover shows in a short run and a long run stays readable.
+
 Drawn with matplotlib's Agg backend (no display needed).
 """
 
@@ -43,11 +46,25 @@ FAULT_COLOURS = {
 PATH_COLOURS = {"gateway": "#1f77b4", "replicated": "#2ca02c", "non_replicated": "#ff7f0e"}
 
 
-def _per_second(times: Sequence[float], weights: Sequence[int], horizon: float) -> list[int]:
-    bins = [0] * (int(horizon) + 1)
+# A short run gets bins of at least this width; a long one about BINS_TARGET bins.
+BIN_S_MIN = 0.1
+BINS_TARGET = 300
+
+
+def _bin_s(horizon: float) -> float:
+    """The bin width: fine enough to show a sub-second failover in a short run."""
+    return max(BIN_S_MIN, round(horizon / BINS_TARGET, 1))
+
+
+def _rates(
+    times: Sequence[float], weights: Sequence[int], horizon: float, bin_s: float
+) -> tuple[list[float], list[float]]:
+    """(bin starts, per-second rate in each bin) of weighted events at `times`."""
+    count = int(horizon / bin_s) + 1
+    bins = [0.0] * count
     for t, w in zip(times, weights, strict=True):
-        bins[min(int(t), len(bins) - 1)] += w
-    return bins
+        bins[min(int(t / bin_s), count - 1)] += w
+    return [i * bin_s for i in range(count)], [b / bin_s for b in bins]
 
 
 def plot_timeline(
@@ -102,11 +119,12 @@ def plot_timeline(
     if not rows:
         ax_faults.text(0.5, 0.5, "no faults", transform=ax_faults.transAxes, ha="center")
 
-    seconds = list(range(int(horizon) + 1))
+    bin_s = _bin_s(horizon)
     for path, (times, weights) in sorted(ok.items()):
+        starts, rates = _rates(times, weights, horizon, bin_s)
         ax_ok.step(
-            seconds,
-            _per_second(times, weights, horizon),
+            starts,
+            rates,
             where="post",
             label=path,
             color=PATH_COLOURS.get(path),
@@ -120,20 +138,21 @@ def plot_timeline(
             alpha=0.15,
             label=f"unavailable > {gap_threshold_s:g} s" if i == 0 else None,
         )
-    ax_ok.set_ylabel("acked events/s")
+    ax_ok.set_ylabel(f"acked events/s\n({bin_s:g} s bins)")
     if ok or windows:
         ax_ok.legend(loc="upper right", fontsize="small")
 
     for outcome, colour in (("fail", "#d62728"), ("indeterminate", "#9467bd")):
         times, weights = errors.get(outcome, ([], []))
+        starts, rates = _rates(times, weights, horizon, bin_s)
         ax_err.step(
-            seconds,
-            _per_second(times, weights, horizon),
+            starts,
+            rates,
             where="post",
             label=outcome,
             color=colour,
         )
-    ax_err.set_ylabel("errors/s")
+    ax_err.set_ylabel("publishes/s\nnot ok")
     ax_err.set_xlabel("seconds since the run started")
     ax_err.legend(loc="upper right", fontsize="small")
     ax_err.set_xlim(0, max(horizon, 1.0))
