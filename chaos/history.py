@@ -27,6 +27,22 @@ run. The record types:
 ``final_log`` after the run, per node and topic: ``node``, ``topic``, ``commit_lsn``,
               ``events``: list of ``[offset, value]`` for every committed event.
 ``end``       last line: ``reason`` ("completed" | "aborted: ...").
+
+Optional fields (a reader must not require them):
+
+* ``run``: ``notes`` (list of str) — things the summary line repeats, e.g. a fault kind
+  left out and why.
+* ``invoke`` with ``op`` "subscribe" (the workload's subscribers): ``process``, ``mode``
+  ("stream" | "push"), ``topic``, ``subscription`` (durable name or push subscriber id),
+  ``start_offset`` (the first offset it is owed); its ``complete`` may carry the cluster's
+  own ``start_offset`` (a push subscribe's cursor), which wins. Only subscribers whose
+  subscribe completed "ok" are owed every committed event.
+* ``invoke`` with ``op`` "list_push_subscribers" (``topic``): its ``complete`` carries
+  ``subscriber_ids``; a push subscriber missing from the last such list was removed by the
+  cluster and is not owed the rest.
+* ``final_log``: ``lagging`` (str) — why this node may hold only a prefix of the others'
+  committed log (e.g. it was killed and not restarted); ``error`` (str) — its store could
+  not be read. Without ``lagging`` every node's log must be identical.
 """
 
 from __future__ import annotations
