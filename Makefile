@@ -8,6 +8,8 @@ PY := $(BIN)/python
 STAMP := $(VENV)/.installed
 SEEDS ?= 5000
 PYTEST_ARGS ?=
+# Passed to `python -m bench.suite` by `make bench`, e.g. BENCH_ARGS="--repeats 5".
+BENCH_ARGS ?=
 
 .PHONY: install run stop test unit integration sim bench protos protos-check lint clean \
 	test-spark pipeline-demo
@@ -58,8 +60,10 @@ stop: install
 pipeline-demo: install
 	$(PY) examples/spark_pipeline.py --demo
 
+# The benchmark report (bench/results/<UTC stamp>/report.{json,md} + PNGs, ~10 minutes);
+# the single-node figures alone: $(PY) -m bench.run (bench/README.md).
 bench: install
-	$(PY) -m bench.run
+	$(PY) -m bench.suite $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .run build *.egg-info
