@@ -24,6 +24,7 @@ import matplotlib
 matplotlib.use("Agg")  # no display: files only, also in CI and over ssh
 
 import matplotlib.pyplot as plt  # after use("Agg"): the backend is chosen first
+from matplotlib.ticker import MaxNLocator
 
 from bench.single_node import percentile
 
@@ -491,6 +492,7 @@ def _plot_failover(report: dict[str, Any], path: Path) -> None:
     hist.hist(gaps, bins=min(20, max(1, len(gaps))), color="#4c72b0", edgecolor="white")
     hist.set_xlabel("kill -9 to a new normal master, ms")
     hist.set_ylabel("trials")
+    hist.yaxis.set_major_locator(MaxNLocator(integer=True))
     hist.set_title(f"{len(gaps)} trials: p50 {_ms(stats['p50'])}, max {_ms(stats['max'])} ms")
     xs, ys = cdf(gaps)
     curve.step(xs, ys, where="post", color="#4c72b0")

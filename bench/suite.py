@@ -66,11 +66,11 @@ class Sizes:
             pipelined_events=200_000,
             pipelined_deadline_s=30.0,
             repeats=3,
-            unary_events=2_000,
+            unary_events=3_000,
             unary_deadline_s=20.0,
             subscribe_deadline_s=20.0,
             catch_up_events=300_000,
-            failover_trials=20,
+            failover_trials=30,
         )
 
     @classmethod
