@@ -13,14 +13,19 @@ from typing import Any
 
 # /proc/PID/status fields we read, and the name each gets in the report.
 _FIELDS = {"VmRSS": "rss_bytes", "VmHWM": "peak_rss_bytes"}
+# Present since Linux 4.5: RSS split into anonymous memory (the Python heap, gRPC's
+# buffers) and file-backed pages (for a replica mostly LMDB's memory map, which is page
+# cache the kernel can drop, not memory the process allocated).
+_OPTIONAL_FIELDS = {"RssAnon": "rss_anon_bytes", "RssFile": "rss_file_bytes"}
 
 
 def parse_status(text: str) -> dict[str, int]:
-    """rss_bytes and peak_rss_bytes from the text of a /proc/PID/status file."""
+    """rss_bytes, peak_rss_bytes (and rss_anon_bytes, rss_file_bytes if the kernel has
+    them) from the text of a /proc/PID/status file."""
     found: dict[str, int] = {}
     for line in text.splitlines():
         key, _, value = line.partition(":")
-        name = _FIELDS.get(key.strip())
+        name = _FIELDS.get(key.strip()) or _OPTIONAL_FIELDS.get(key.strip())
         if name is None:
             continue
         parts = value.split()
@@ -37,7 +42,7 @@ def process_memory(pid: int) -> dict[str, int] | None:
     except OSError:
         return None
     found = parse_status(text)
-    return found if len(found) == len(_FIELDS) else None
+    return found if all(name in found for name in _FIELDS.values()) else None
 
 
 def sample(pids: dict[str, int]) -> dict[str, Any]:

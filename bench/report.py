@@ -151,7 +151,8 @@ def assemble(
 
 
 def memory_table(memory: dict[str, Any]) -> dict[str, dict[str, int | None]]:
-    """Per service: RSS at idle, RSS after the load, and peak RSS (bytes; None if gone)."""
+    """Per service: RSS at idle, RSS after the load (and how much of it is file-backed:
+    LMDB's map for a replica), and peak RSS; bytes, None where unknown or gone."""
     idle = memory.get("idle") or {}
     after = memory.get("after_load") or {}
     table: dict[str, dict[str, int | None]] = {}
@@ -161,6 +162,7 @@ def memory_table(memory: dict[str, Any]) -> dict[str, dict[str, int | None]]:
         table[service] = {
             "idle_rss_bytes": before.get("rss_bytes"),
             "after_load_rss_bytes": later.get("rss_bytes"),
+            "after_load_rss_file_bytes": later.get("rss_file_bytes"),
             "peak_rss_bytes": max(peaks) if peaks else None,
         }
     return table
@@ -253,11 +255,23 @@ def markdown(report: dict[str, Any], plots: dict[str, str]) -> str:
         ),
         _row(
             "one at a time (each publish waits for its receipt)",
-            [_num(summary["one_at_a_time_events_per_s"].get(p)) for p in policies],
+            [
+                _num(summary["one_at_a_time_events_per_s"].get(p))
+                + _capped(report["policies"][p].get("one_at_a_time"))
+                for p in policies
+            ],
         ),
         _row(
-            "consume: subscribe from the earliest offset, message by message",
-            [_num(summary["subscribe_events_per_s"].get(p)) for p in policies],
+            "consume: subscribe from the earliest offset, message by message (median of runs)",
+            [
+                _num(summary["subscribe_events_per_s"].get(p))
+                + _capped(report["policies"][p].get("subscribe"))
+                for p in policies
+            ],
+        ),
+        _row(
+            "other work on the machine during the median pipelined run (% of one core)",
+            [_others(report["policies"][p].get("pipelined_publish")) for p in policies],
         ),
         "",
     ]
@@ -314,15 +328,18 @@ def markdown(report: dict[str, Any], plots: dict[str, str]) -> str:
         if not table:
             continue
         lines += [
-            f"{policy} cluster (MiB; RSS from `/proc/PID/status` VmRSS, peak is VmHWM):",
+            f"{policy} cluster (MiB; RSS from `/proc/PID/status` VmRSS, peak is VmHWM; "
+            "file-backed is RssFile, for a replica mostly LMDB's memory-mapped store, page "
+            "cache the kernel can reclaim):",
             "",
-            "| service | idle RSS | after load RSS | peak RSS |",
-            "|---|---:|---:|---:|",
+            "| service | idle RSS | after load RSS | of which file-backed | peak RSS |",
+            "|---|---:|---:|---:|---:|",
         ]
         for service, row in table.items():
             lines.append(
                 f"| {service} | {_mib(row['idle_rss_bytes'])} | "
-                f"{_mib(row['after_load_rss_bytes'])} | {_mib(row['peak_rss_bytes'])} |"
+                f"{_mib(row['after_load_rss_bytes'])} | "
+                f"{_mib(row.get('after_load_rss_file_bytes'))} | {_mib(row['peak_rss_bytes'])} |"
             )
         lines.append("")
     lines += _image(plots, "memory", "RSS per service, idle and after load")
@@ -331,6 +348,16 @@ def markdown(report: dict[str, Any], plots: dict[str, str]) -> str:
 
 def _row(label: str, cells: Sequence[str]) -> str:
     return f"| {label} | " + " | ".join(cells) + " |"
+
+
+def _capped(figures: dict[str, Any] | None) -> str:
+    """A mark for a run its deadline cut short: its rate holds, its count is smaller."""
+    return " (deadline hit)" if figures and figures.get("hit_deadline") else ""
+
+
+def _others(figures: dict[str, Any] | None) -> str:
+    others = ((figures or {}).get("cpu_pct") or {}).get("others")
+    return "-" if others is None else f"{others:.0f}%"
 
 
 def _rate_cell(summary: dict[str, Any], policy: str) -> str:

@@ -214,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         load_average_end=machine.load_average(),
         background_load_pct_of_core=background,
         setup={
-            "command": "python -m bench.suite "
-            + shlex.join(sys.argv[1:] if argv is None else argv),
+            "command": " ".join(
+                ["python -m bench.suite", *map(shlex.quote, sys.argv[1:] if argv is None else argv)]
+            ),
             "template": "deploy/cluster.example.toml",
             "nodes": 3,
             "event_bytes": single_node.EVENT_BYTES,

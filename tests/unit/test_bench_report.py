@@ -70,6 +70,9 @@ STATUS = """Name:\tpython
 VmPeak:\t  300000 kB
 VmHWM:\t   51200 kB
 VmRSS:\t   40960 kB
+RssAnon:\t   30720 kB
+RssFile:\t   10240 kB
+RssShmem:\t       0 kB
 Threads:\t12
 """
 
@@ -78,6 +81,8 @@ def test_parse_status_reads_rss_and_peak_in_bytes() -> None:
     assert memory.parse_status(STATUS) == {
         "rss_bytes": 40960 * 1024,
         "peak_rss_bytes": 51200 * 1024,
+        "rss_anon_bytes": 30720 * 1024,
+        "rss_file_bytes": 10240 * 1024,
     }
     # A kernel thread's status has neither field.
     assert memory.parse_status("Name:\tkthreadd\nThreads:\t1\n") == {}
@@ -110,11 +115,13 @@ def test_memory_table_takes_the_larger_peak_and_survives_a_gone_process() -> Non
     assert table["replica-n1"] == {
         "idle_rss_bytes": 10,
         "after_load_rss_bytes": 20,
+        "after_load_rss_file_bytes": None,
         "peak_rss_bytes": 25,
     }
     assert table["gateway-g1"] == {
         "idle_rss_bytes": 5,
         "after_load_rss_bytes": None,
+        "after_load_rss_file_bytes": None,
         "peak_rss_bytes": 5,
     }
 
@@ -126,11 +133,23 @@ MIB = 2**20
 
 
 def _policy(rate: int, latencies_ms: list[float], replica_rss_mib: int) -> dict[str, Any]:
-    rss = {"rss_bytes": replica_rss_mib * MIB, "peak_rss_bytes": (replica_rss_mib + 2) * MIB}
+    rss = {
+        "rss_bytes": replica_rss_mib * MIB,
+        "peak_rss_bytes": (replica_rss_mib + 2) * MIB,
+        "rss_file_bytes": 15 * MIB,
+    }
     return {
         "durability": {"acks": "majority"},
-        "pipelined_publish": {"events_per_s": rate, "runs_events_per_s": [rate - 100, rate]},
-        "one_at_a_time": {"events_per_s": 200, "latency_ms_samples": latencies_ms},
+        "pipelined_publish": {
+            "events_per_s": rate,
+            "runs_events_per_s": [rate - 100, rate],
+            "cpu_pct": {"client": 50.0, "others": 12.4},
+        },
+        "one_at_a_time": {
+            "events_per_s": 200,
+            "latency_ms_samples": latencies_ms,
+            "hit_deadline": rate < 20_000,
+        },
         "subscribe": {"events_per_s": 2 * rate},
         "memory": {
             "idle": {"replica-n1": {"rss_bytes": 40 * MIB, "peak_rss_bytes": 41 * MIB}},
@@ -203,7 +222,12 @@ def test_assemble_summarizes_the_samples() -> None:
     assert summary["failover_ms"]["p50"] == 450.0
     assert summary["failover_ms"]["max"] == 900.0
     assert summary["catch_up_events_per_s"] == 100_000
-    assert summary["memory_bytes"]["NO_SYNC"]["replica-n1"]["peak_rss_bytes"] == 62 * MIB
+    assert summary["memory_bytes"]["NO_SYNC"]["replica-n1"] == {
+        "idle_rss_bytes": 40 * MIB,
+        "after_load_rss_bytes": 60 * MIB,
+        "after_load_rss_file_bytes": 15 * MIB,
+        "peak_rss_bytes": 62 * MIB,
+    }
     assert built["load_average_start"] == [1.5, 1.0, 0.5]
     assert built["load_average_end"] == [3.25, 2.0, 1.0]
 
@@ -227,7 +251,11 @@ def test_write_produces_json_markdown_and_plots(tmp_path: Path) -> None:
     assert "| p99 | 10.00 | 100.0 |" in text
     assert "| 4 | 400.0 | 450.0 | 900.0 | 900.0 |" in text
     assert "**100,000 events/s**" in text
-    assert "| replica-n1 | 40.0 | 60.0 | 62.0 |" in text
+    assert "| replica-n1 | 40.0 | 60.0 | 15.0 | 62.0 |" in text
+    assert (
+        "| one at a time (each publish waits for its receipt) | 200 (deadline hit) | 200 |" in text
+    )
+    assert "(% of one core) | 12% | 12% |" in text
     assert "Test CPU (VM)" in text and "`aaaaaaaaaaaa`" in text
     assert "1.50 / 1.00 / 0.50" in text and "3.25 / 2.00 / 1.00" in text
     assert "machine-specific" in text and "make bench" in text
