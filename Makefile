@@ -12,6 +12,8 @@ PYTEST_ARGS ?=
 SEED ?= 1
 DURATION ?= 60
 NODES ?= 3
+# Passed to `python -m bench.suite` by `make bench`, e.g. BENCH_ARGS="--repeats 5".
+BENCH_ARGS ?=
 
 .PHONY: install run stop test unit integration sim bench protos protos-check lint clean \
 	test-spark pipeline-demo chaos
@@ -62,8 +64,10 @@ stop: install
 pipeline-demo: install
 	$(PY) examples/spark_pipeline.py --demo
 
+# The benchmark report (bench/results/<UTC stamp>/report.{json,md} + PNGs, ~10 minutes);
+# the single-node figures alone: $(PY) -m bench.run (bench/README.md).
 bench: install
-	$(PY) -m bench.run
+	$(PY) -m bench.suite $(BENCH_ARGS)
 
 # One chaos run (docs/chaos.md): real processes in network namespaces (needs root for
 # partitions), a recorded workload, seeded faults, then the history checker.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 import sys
 import time
 from importlib import metadata
@@ -36,7 +37,40 @@ def describe(data_dir: Path | None = None) -> dict[str, Any]:
         "python_executable": sys.executable,
         "packages": {name: _version(name) for name in _PACKAGES},
         "disk": _disk(data_dir) if data_dir is not None else None,
+        "load_average": load_average(),
+        "git": git_commit(),
     }
+
+
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (runnable processes; 2.0 fills 2 cores)."""
+    try:
+        return [round(value, 2) for value in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def git_commit(repo: Path | None = None) -> dict[str, Any] | None:
+    """The commit the code was measured at, and whether tracked files differed from it."""
+    where = repo or Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(where), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        changes = subprocess.run(
+            ["git", "-C", str(where), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None  # not a checkout (an sdist, a copied tree) or no git
+    return {"commit": head, "dirty": bool(changes.strip())}
 
 
 def summary(machine: dict[str, Any]) -> str:

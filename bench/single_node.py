@@ -22,6 +22,7 @@ did so far and says so.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import subprocess
@@ -207,11 +208,17 @@ class CpuMeter:
 
 
 def percentile(sorted_values: list[float], fraction: float) -> float:
-    """Nearest-rank percentile of an ascending list (0 for an empty one)."""
+    """Nearest-rank percentile of an ascending list (0 for an empty one).
+
+    The smallest value with at least `fraction` of the values at or below it: the median
+    of [1, 2, 3, 4, 5] is 3 and p90 of 1..10 is 9. (This used `round`, whose ties go to
+    the even number, so the median of five values came out as the second.)
+    """
     if not sorted_values:
         return 0.0
-    rank = min(len(sorted_values) - 1, max(0, round(fraction * len(sorted_values)) - 1))
-    return sorted_values[rank]
+    # The epsilon keeps 0.07 * 100 = 7.000000000000001 at rank 7, not 8.
+    rank = math.ceil(fraction * len(sorted_values) - 1e-9)
+    return sorted_values[min(len(sorted_values), max(1, rank)) - 1]
 
 
 def payloads(count: int, size_bytes: int = EVENT_BYTES) -> list[bytes]:
@@ -224,9 +231,18 @@ def payloads(count: int, size_bytes: int = EVENT_BYTES) -> list[bytes]:
 
 
 def unary_publish(
-    address: str, topic: str, count: int, deadline_s: float, meter: CpuMeter
+    address: str,
+    topic: str,
+    count: int,
+    deadline_s: float,
+    meter: CpuMeter,
+    keep_samples: bool = False,
 ) -> dict[str, Any]:
-    """One event per call, each waiting for its receipt: per-call latency and rate."""
+    """One event per call, each waiting for its receipt: per-call latency and rate.
+
+    With keep_samples the result also holds every call's latency (`latency_ms_samples`,
+    ascending, in ms), for a latency CDF.
+    """
     events = payloads(count)
     latencies_s: list[float] = []
     with squall.connect(address) as client, client.topic(topic).publisher() as publisher:
@@ -243,7 +259,7 @@ def unary_publish(
         elapsed_s = time.perf_counter() - started
         cpu = meter.stop()
     latencies_s.sort()
-    return {
+    figures: dict[str, Any] = {
         "events": len(latencies_s),
         "seconds": round(elapsed_s, 3),
         "events_per_s": round(len(latencies_s) / elapsed_s),
@@ -253,6 +269,9 @@ def unary_publish(
         "hit_deadline": len(latencies_s) < count,
         "cpu_pct": cpu,
     }
+    if keep_samples:
+        figures["latency_ms_samples"] = [round(1000 * s, 3) for s in latencies_s]
+    return figures
 
 
 def pipelined_publish(

@@ -1,0 +1,75 @@
+"""`make bench`'s pipeline end to end at its smallest: a real three-node cluster, one sync
+policy, a few publishes, and the report files that come out of it.
+
+No figure is judged (speed belongs in bench/, not in tests); what is checked is that the
+pipeline measures what it says (every event published is consumed, every latency is
+kept, every service's memory is read) and writes the report a reader opens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from bench import single_node, suite
+
+pytestmark = pytest.mark.integration
+
+SERVICES = {f"{kind}-n{i}" for kind in ("coordinator", "replica") for i in (1, 2, 3)} | {
+    "gateway-g1"
+}
+
+
+def test_tiny_bench_run_writes_the_report(tmp_path: Path) -> None:
+    # The cluster's processes are stopped by PID inside the suite (replicated.running's
+    # finally), also when a scenario fails.
+    status = suite.main(
+        [
+            "--tiny",
+            "--policy",
+            "WRITE_NO_SYNC",
+            "--pipelined-events",
+            "1000",
+            "--unary-events",
+            "20",
+            "--results-dir",
+            str(tmp_path),
+        ]
+    )
+    assert status == 0
+    latest = tmp_path / "latest"
+    run_dir = tmp_path / os.readlink(latest)
+    assert run_dir.is_dir() and run_dir.name.endswith("Z")
+    for name in ("report.json", "report.md", "throughput.png", "latency_cdf.png", "memory.png"):
+        assert (run_dir / name).stat().st_size > 0, name
+    assert not (run_dir / "failover.png").exists()  # --tiny runs no failover
+
+    built = json.loads((run_dir / "report.json").read_text())
+    policy = built["policies"]["WRITE_NO_SYNC"]
+    assert policy["durability"] == {
+        "master_sync": "WRITE_NO_SYNC",
+        "replica_sync": "WRITE_NO_SYNC",
+        "acks": "majority",
+    }
+    assert policy["pipelined_publish"]["events"] == 1000
+    # The consume pass reads the whole pipelined topic: the warm-up and the timed events.
+    assert policy["subscribe"]["events"] == 1000 + single_node.WARMUP_EVENTS
+    one = policy["one_at_a_time"]
+    assert len(one["latency_ms_samples"]) == one["events"] > 0
+    assert built["summary"]["publish_latency_ms"]["WRITE_NO_SYNC"]["count"] == one["events"]
+    for phase in ("idle", "after_load"):
+        sampled = policy["memory"][phase]
+        assert set(sampled) == SERVICES, phase
+        assert all(m["rss_bytes"] > 0 for m in sampled.values()), phase
+    assert len(built["load_average_start"]) == 3 and len(built["load_average_end"]) == 3
+    assert built["machine"]["cpu_cores_online"] and built["machine"]["packages"]["grpcio"]
+    assert len(built["machine"]["git"]["commit"]) == 40
+    assert built["failover"] is None and built["catch_up"] is None
+
+    text = (run_dir / "report.md").read_text()
+    assert "| events/s | WRITE_NO_SYNC |" in text
+    assert "![Publish latency CDF per sync policy](latency_cdf.png)" in text
+    assert "| replica-n1 |" in text and "| gateway-g1 |" in text
