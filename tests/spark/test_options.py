@@ -12,6 +12,7 @@ pytest.importorskip(
     "pyspark", reason="the spark extra is not installed (pip install -e '.[spark]')"
 )
 
+import squall
 from squall.spark._options import (
     admit,
     offset_from_json,
@@ -127,3 +128,24 @@ def test_publisher_ids_name_the_write_batch_partition_and_chunk() -> None:
     assert len(ids) == 12
     # Within the 128-character limit of a publisher id, whatever the numbers.
     assert len(publisher_id("x" * 64, 2**63, 2**31, 2**31)) <= 128
+
+
+def test_tls_options_build_the_librarys_tls_settings() -> None:
+    assert parse_read(BASE, streaming=False).common.tls is None
+    tls = parse_write(
+        {
+            **BASE,
+            "tlsCaFile": "/etc/squall/tls/ca.crt",
+            "tlscertfile": "/etc/squall/tls/spark.crt",  # Spark lower-cases keys
+            "tlsKeyFile": "/etc/squall/tls/spark.key",
+        }
+    ).common.tls
+    assert tls == squall.TlsOptions(
+        ca_file="/etc/squall/tls/ca.crt",
+        cert_file="/etc/squall/tls/spark.crt",
+        key_file="/etc/squall/tls/spark.key",
+    )
+    with pytest.raises(ValueError, match="'tlsCertFile' and 'tlsKeyFile' go together"):
+        parse_read({**BASE, "tlsCaFile": "ca.crt", "tlsCertFile": "a.crt"}, streaming=False)
+    with pytest.raises(ValueError, match="need 'tlsCaFile'"):
+        parse_read({**BASE, "tlsServerName": "g1"}, streaming=False)

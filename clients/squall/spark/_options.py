@@ -20,11 +20,21 @@ import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
+import squall
+
 Position = Literal["earliest", "latest"] | int
 
 # Options every mode understands, and those only one mode does (checked so a typo such as
 # `maxEventPerSplit` is an error instead of an ignored option). Spark lower-cases keys.
-COMMON_OPTIONS = ("gateway", "topic", "timeoutMs")
+COMMON_OPTIONS = (
+    "gateway",
+    "topic",
+    "timeoutMs",
+    "tlsCaFile",
+    "tlsCertFile",
+    "tlsKeyFile",
+    "tlsServerName",
+)
 READ_OPTIONS = ("startingOffsets", "endingOffsets", "maxEventsPerSplit", "maxEventsPerTrigger")
 WRITE_OPTIONS = ("writeId", "batchEvents", "rowsPerPublisher")
 # Spark adds these itself (file-sink style paths, checkpoints); they are not ours to refuse.
@@ -56,6 +66,8 @@ class CommonOptions:
     gateway: str
     topic: str
     timeout_ms: int
+    # TLS to the cluster (docs/security.md); the files must exist on every executor.
+    tls: squall.TlsOptions | None = None
 
     @property
     def timeout_s(self) -> float:
@@ -135,7 +147,33 @@ def parse_common(options: Mapping[str, str]) -> CommonOptions:
     if not topic:
         raise ValueError("option 'topic' is required: the name of the Squall topic")
     timeout_ms = _int(lowered, "timeoutMs", TIMEOUT_MS_DEFAULT, TIMEOUT_MS_BOUNDS)
-    return CommonOptions(gateway=gateway, topic=topic, timeout_ms=timeout_ms)
+    return CommonOptions(
+        gateway=gateway, topic=topic, timeout_ms=timeout_ms, tls=_parse_tls(lowered)
+    )
+
+
+def _parse_tls(lowered: Mapping[str, str]) -> squall.TlsOptions | None:
+    """tlsCaFile (and a client certificate for writes through publisher proxies), if given."""
+    ca_file = lowered.get("tlscafile", "").strip()
+    cert_file = lowered.get("tlscertfile", "").strip()
+    key_file = lowered.get("tlskeyfile", "").strip()
+    server_name = lowered.get("tlsservername", "").strip()
+    if not ca_file:
+        if cert_file or key_file or server_name:
+            raise ValueError(
+                "options 'tlsCertFile', 'tlsKeyFile' and 'tlsServerName' need 'tlsCaFile'"
+            )
+        return None
+    if bool(cert_file) != bool(key_file):
+        raise ValueError(
+            "options 'tlsCertFile' and 'tlsKeyFile' go together: give both or neither"
+        )
+    return squall.TlsOptions(
+        ca_file=ca_file,
+        cert_file=cert_file or None,
+        key_file=key_file or None,
+        server_name=server_name or None,
+    )
 
 
 def parse_position(raw: str, name: str, topic: str | None = None) -> Position:

@@ -291,7 +291,9 @@ class SquallStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         """The topic's end now (the driver keeps one client for the query's life)."""
         common = self._options.common
         if self._client is None:
-            self._client = squall.connect(common.gateway, timeout_s=common.timeout_s)
+            self._client = squall.connect(
+                common.gateway, timeout_s=common.timeout_s, tls=common.tls
+            )
         try:
             info = retrieve(self._client, common).info
         except BaseException:

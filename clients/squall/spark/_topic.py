@@ -23,7 +23,7 @@ class SquallSparkError(RuntimeError):
 @contextlib.contextmanager
 def connected(common: CommonOptions) -> Iterator[squall.Client]:
     """A client to the gateway, closed on exit."""
-    client = squall.connect(common.gateway, timeout_s=common.timeout_s)
+    client = squall.connect(common.gateway, timeout_s=common.timeout_s, tls=common.tls)
     try:
         yield client
     finally:
