@@ -199,6 +199,7 @@ async def run_chaos(
     finally:
         if runner is not None:
             result.outcomes = runner.outcomes
+            result.problems.extend(runner.findings)
         if workload is not None and not workload_stopped:
             try:
                 await asyncio.wait_for(workload.stop(1.0), 1.0 + _WORKLOAD_STOP_SLACK_S)
