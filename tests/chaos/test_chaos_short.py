@@ -20,7 +20,9 @@ from chaos.history import HistoryWriter, read_history
 from chaos.run import report, run_chaos
 from tests.chaos.small_workload import SmallWorkload, check_final_logs
 
-SEEDS = (1, 2, 3)
+# Together they play every kind: kill (the master), slow_disk; pause, partition;
+# corrupt, map_full, pause.
+SEEDS = (2, 4, 5)
 DURATION_S = 35.0
 NODES = 3
 
