@@ -42,7 +42,7 @@ from pathlib import Path
 
 import grpc
 
-from chaos.cluster import ChaosCluster, ClusterError
+from chaos.cluster import GATEWAY_IDS, ChaosCluster, ClusterError
 from chaos.history import HistoryWriter
 from services.replica.store import DATABASES, DB_EVENTS, Store
 from services.replica.store_lmdb import LmdbKV
@@ -332,7 +332,7 @@ class FaultRunner:
             ):
                 cluster.kill_node(node_id)
                 cluster.start_node(node_id)
-        for gateway_id in ("g1", "g2"):
+        for gateway_id in GATEWAY_IDS:
             if not cluster.running("gateway", gateway_id):
                 cluster.start_gateway(gateway_id)
 

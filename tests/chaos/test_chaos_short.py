@@ -56,7 +56,7 @@ def test_short_chaos_run(seed: int, tmp_path: Path) -> None:
     assert {r["node"] for r in final_logs} == {f"n{i}" for i in range(1, NODES + 1)}
     workload = made[0]
     assert workload.counts["ok"] > 0, f"nothing was acknowledged\n{text}\n{reproduce}"
-    violations = check_final_logs(workload.acknowledged, final_logs)
+    violations = check_final_logs(workload.acknowledged, final_logs, workload.delivered)
     assert not violations, "\n".join([*violations[:20], text, reproduce])
     if result.checked:
         assert result.check_ok, f"{text}\n{reproduce}"
