@@ -18,11 +18,12 @@ The kinds and what each one does:
 ``map_full``    the node's LMDB commits fail with ``lmdb.MapFullError``
                 (services/replica/fault_hooks.py), then succeed again.
 ``corrupt``     stop the node, flip one byte inside one stored event record of its store
-                (found through LMDB's own reader, then in the data file), restart it; the
-                replica's record checksums should catch it when the record is read, and
-                report a fault that quarantines the node. Heal: stop it, move the damaged
-                store aside, restart it empty, ``squall cluster unquarantine``; it rejoins
-                and is brought up to date by the master (log or snapshot).
+                (found through LMDB's own reader, then in the data file), restart it. At
+                the end a reader asks that node for the damaged event: the record's
+                checksum must fail (DATA_LOSS) and the node quarantine itself (a finding
+                otherwise). Heal: stop it, move the damaged store aside, restart it
+                empty, ``squall cluster unquarantine``; it rejoins and is brought up to
+                date by the master (log or snapshot).
 ``slow_disk``   every fsync of the node's store waits fsync_delay_ms first.
 ``clock_jump``  not applicable: no Squall timeout reads wall time (``NOT_APPLICABLE``).
 """
@@ -32,16 +33,20 @@ from __future__ import annotations
 import asyncio
 import random
 import shutil
+import struct
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from chaos.cluster import ChaosCluster, ClusterError
+import grpc
+
+from chaos.cluster import GATEWAY_IDS, ChaosCluster, ClusterError
 from chaos.history import HistoryWriter
-from services.replica.store import DATABASES, DB_EVENTS
+from services.replica.store import DATABASES, DB_EVENTS, Store
 from services.replica.store_lmdb import LmdbKV
+from squall.v1 import broker_pb2, broker_pb2_grpc
 
 KINDS = ("kill", "pause", "partition", "map_full", "corrupt", "slow_disk", "clock_jump")
 NOT_APPLICABLE = {
@@ -70,6 +75,7 @@ _RECOVERY_ALLOWANCE_S = 5.0
 WARMUP_S = 2.0
 TAIL_S = 3.0
 RECOVERY_TIMEOUT_S = 60.0
+_QUARANTINE_WAIT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -150,7 +156,10 @@ class FaultRunner:
     cluster: ChaosCluster
     history: HistoryWriter
     outcomes: list[FaultOutcome] = field(default_factory=list)
+    # What a fault showed Squall doing wrong (the run fails on any).
+    findings: list[str] = field(default_factory=list)
     _damaged: int = 0
+    _damage: Damage | None = None
 
     async def run(self, specs: list[FaultSpec], deadline: float) -> None:
         """Plays specs until they are done or the next would not end before deadline
@@ -162,6 +171,9 @@ class FaultRunner:
             outcome = FaultOutcome(spec)
             self.outcomes.append(outcome)
             await self.play(spec, outcome)
+            if outcome.problem:
+                # A fault not cleanly ended may leave a second node faulty with the next.
+                raise ClusterError(outcome.problem)
             started = time.monotonic()
             try:
                 await asyncio.to_thread(self.cluster.wait_normal, RECOVERY_TIMEOUT_S)
@@ -219,9 +231,10 @@ class FaultRunner:
             cluster.set_fault_control(target, fsync_delay_ms=spec.param)
         elif spec.kind == "corrupt":
             cluster.stop_node(target)
-            note = flip_event_byte(cluster.data_dir(target), random.Random(spec.param))
+            damage = flip_event_byte(cluster.data_dir(target), random.Random(spec.param))
             cluster.start_node(target)
-            return note
+            self._damage = damage
+            return damage.note
         else:
             raise ValueError(f"no fault kind {spec.kind!r}")
         return ""
@@ -252,10 +265,27 @@ class FaultRunner:
         """Moves a damaged store aside, restarts the node empty and clears its quarantine;
         says whether the node had noticed the damage (quarantined itself)."""
         cluster = self.cluster
-        status = cluster.coordinator_status(node_id)
-        state = cluster.replica_state(node_id)
-        detected = status is not None and status.HasField("quarantine")
-        reported = state is not None and bool(state.fault_reason)
+        damage, self._damage = self._damage, None
+        seen = "nothing damaged"
+        if damage is not None and damage.topic:
+            # A reader of the damaged record, served by this node: it must get DATA_LOSS,
+            # and the node must quarantine itself.
+            code = read_event(
+                cluster.config.node(node_id).replica_address, damage.topic, damage.offset
+            )
+            deadline = time.monotonic() + _QUARANTINE_WAIT_S
+            quarantined = False
+            # Bounded by the deadline: one status call per pass.
+            while not quarantined and time.monotonic() < deadline:
+                status = cluster.coordinator_status(node_id)
+                quarantined = status is not None and status.HasField("quarantine")
+                if not quarantined:
+                    time.sleep(0.1)
+            seen = f"a read of {damage.topic}@{damage.offset} from {node_id} got {code}; " + (
+                "the node quarantined itself" if quarantined else "the node was NOT quarantined"
+            )
+            if code != "DATA_LOSS" or not quarantined:
+                self.findings.append(f"corrupt {node_id}: {seen}")
         cluster.stop_node(node_id)
         self._damaged += 1
         aside = cluster.run_dir / "damaged" / f"{node_id}-{self._damaged}"
@@ -285,9 +315,6 @@ class FaultRunner:
         )
         if result.returncode != 0:
             raise ClusterError(f"unquarantine {node_id} failed: {result.stdout}{result.stderr}")
-        seen = "detected: quarantined" if detected else "not detected before the repair"
-        if reported and not detected:
-            seen = "detected: fault reported"
         return f"{seen}; store moved to {aside}, node restarted empty, unquarantined"
 
     def heal_all(self) -> None:
@@ -305,12 +332,21 @@ class FaultRunner:
             ):
                 cluster.kill_node(node_id)
                 cluster.start_node(node_id)
-        for gateway_id in ("g1", "g2"):
+        for gateway_id in GATEWAY_IDS:
             if not cluster.running("gateway", gateway_id):
                 cluster.start_gateway(gateway_id)
 
 
-def flip_event_byte(data_dir: Path, rng: random.Random) -> str:
+@dataclass(frozen=True)
+class Damage:
+    """What flip_event_byte did: the damaged event (topic "" if none) and a description."""
+
+    topic: str
+    offset: int
+    note: str
+
+
+def flip_event_byte(data_dir: Path, rng: random.Random) -> Damage:
     """Flips one byte inside the body of one stored event record (not its checksum) of a
     stopped node's store; returns what it did. The record is read with LMDB's own reader
     and then found by its bytes in the data file (every copy of it, as LMDB may keep an
@@ -322,8 +358,14 @@ def flip_event_byte(data_dir: Path, rng: random.Random) -> str:
     finally:
         kv.close()
     if not records:
-        return "no event stored yet: nothing to corrupt"
+        return Damage("", 0, "no event stored yet: nothing to corrupt")
     key, value = rng.choice(records)
+    topic_id, offset = struct.unpack(">QQ", key)
+    store = Store.open_lmdb(data_dir, 0, readonly=True, lock=False)
+    try:
+        names = {info.topic_id: info.name for info in store.list_topics()}
+    finally:
+        store.close()
     # Past the 4-byte CRC: the checksum must be what no longer matches.
     position = 4 + rng.randrange(max(1, len(value) - 4))
     data_path = data_dir / "data.mdb"
@@ -335,7 +377,32 @@ def flip_event_byte(data_dir: Path, rng: random.Random) -> str:
         data[start + position] ^= 0xFF
         copies += 1
         start = data.find(value, start + len(value))
+    topic = names.get(topic_id, "")
     if not copies:
-        return f"event record {key.hex()} not found in {data_path}: nothing corrupted"
+        return Damage("", 0, f"event record {key.hex()} not found in {data_path}: nothing done")
     data_path.write_bytes(bytes(data))
-    return f"flipped byte {position} of event record {key.hex()} ({copies} copies in the file)"
+    return Damage(
+        topic,
+        offset,
+        f"flipped byte {position} of the record of event {topic}@{offset} ({copies} copies "
+        "in the file)",
+    )
+
+
+def read_event(address: str, topic: str, offset: int) -> str:
+    """Reads one event from a replica (a reader of the damaged record); returns the status
+    code name it ended with ("OK" if it served the event)."""
+    request = broker_pb2.SubscribeRequest(
+        topic=topic,
+        start=broker_pb2.START_POSITION_OFFSET,
+        offset=offset,
+        end_offset=offset + 1,
+        follow=False,
+    )
+    with grpc.insecure_channel(address) as channel:
+        try:
+            for _ in broker_pb2_grpc.SubscriberStub(channel).Subscribe(request, timeout=5):
+                pass
+        except grpc.RpcError as exc:
+            return str(exc.code().name)
+    return "OK"

@@ -7,7 +7,9 @@ run. The record types:
 
 ``run``       first line: ``seed``, ``duration_s``, ``nodes`` (ids), ``gateways`` (ids),
               ``faults`` (names of the fault kinds enabled), ``topics``, ``started_at``
-              (ISO 8601 wall time, for people only).
+              (ISO 8601 wall time, for people only). Optional (chaos/run.py):
+              ``faults_skipped`` ({kind: why it was left out}), ``netns`` (bool: nodes
+              in network namespaces), ``host_address``.
 ``invoke``    an operation starts: ``id`` (unique int), ``process`` (e.g. "pub-3"),
               ``op`` ("publish"), ``path`` ("gateway" | "replicated" | "non_replicated"),
               ``topic``, ``publisher_id`` (str or null), ``events``: list of
@@ -25,7 +27,8 @@ run. The record types:
 ``unavailable`` a client-observed window with no successful operation of one kind:
               written by the checker, not the run (see chaos/checker.py).
 ``final_log`` after the run, per node and topic: ``node``, ``topic``, ``commit_lsn``,
-              ``events``: list of ``[offset, value]`` for every committed event.
+              ``events``: list of ``[offset, value]`` for every committed event (value:
+              the payload as UTF-8). Optional ``error``: the store could not be read.
 ``end``       last line: ``reason`` ("completed" | "aborted: ...").
 
 Optional fields (a reader must not require them):

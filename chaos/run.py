@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import datetime
 import logging
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -32,6 +34,26 @@ from chaos.history import HistoryWriter, read_history
 from chaos.netns import NetnsError, Topology, can_create
 
 log = logging.getLogger("chaos")
+
+# What a run has started and not yet cleaned up: stopped and deleted at interpreter exit
+# too, for a run cut short where its finally blocks cannot run (a second Ctrl-C, an
+# interrupt while the event loop thread waits on a lock).
+_LIVE: list[ChaosCluster | Topology] = []
+
+
+def _clean_up_left_overs() -> None:
+    while _LIVE:
+        thing = _LIVE.pop()
+        try:
+            if isinstance(thing, ChaosCluster):
+                thing.stop_all()
+            else:
+                thing.teardown()
+        except Exception as exc:  # best effort at exit: say what is left, go on
+            print(f"chaos: cleaning up {thing!r:.80}: {exc}", file=sys.stderr)
+
+
+atexit.register(_clean_up_left_overs)
 
 TOPICS = ["chaos-a", "chaos-b"]
 DRAIN_TIMEOUT_S = 30.0
@@ -151,8 +173,10 @@ async def run_chaos(
     try:
         if netns_ok:
             topology = Topology.plan(ids)
+            _LIVE.append(topology)
             topology.create()
         cluster = ChaosCluster.build(out_dir, nodes, topology)
+        _LIVE.append(cluster)
         history.write(
             "run",
             seed=seed,
@@ -199,6 +223,7 @@ async def run_chaos(
     finally:
         if runner is not None:
             result.outcomes = runner.outcomes
+            result.problems.extend(runner.findings)
         if workload is not None and not workload_stopped:
             try:
                 await asyncio.wait_for(workload.stop(1.0), 1.0 + _WORKLOAD_STOP_SLACK_S)
@@ -206,8 +231,10 @@ async def run_chaos(
                 result.problems.append(f"stopping the workload: {exc}")
         if cluster is not None:
             await asyncio.to_thread(cluster.stop_all)
+            _LIVE.remove(cluster)
         if topology is not None:
             left = await asyncio.to_thread(topology.teardown)
+            _LIVE.remove(topology)
             if left:
                 result.problems.append(f"could not delete: {', '.join(left)}")
         history.close()
@@ -257,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"chaos: --duration must be > 0, not {args.duration}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    # A terminated run cleans up as an interrupted one does (finally blocks, then atexit).
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S")
     out = args.out or Path(".run") / "chaos" / f"seed-{args.seed}-{stamp}"
     kinds = [k.strip() for k in args.faults.split(",") if k.strip()] if args.faults else None

@@ -3,8 +3,11 @@
 Idempotent publishers through the gateways, one event per publish, each recorded in the
 history (invoke / complete). A publisher that meets an error moves to the other gateway
 with a new publisher of the same id, continuing after the last sequence it sent, so a
-retried publish can never be stored twice. ``acknowledged`` lists what was confirmed;
-``check_final_logs`` compares it with the nodes' final logs.
+retried publish can never be stored twice. One durable subscriber per topic reads what
+is committed (``follow=False`` passes, acking each pass) and records ``deliver``; at
+stop it keeps reading, bounded, until it has everything acknowledged.
+``acknowledged`` and ``delivered`` say what happened; ``check_final_logs`` compares
+them with the nodes' final logs.
 """
 
 from __future__ import annotations
@@ -38,17 +41,70 @@ class SmallWorkload:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.acknowledged: list[tuple[str, int, str]] = []  # topic, offset, value
+        self.delivered: dict[tuple[str, int], str] = {}  # (topic, offset) -> value
+        self._publishing = threading.Event()
+        self._drain_until = 0.0
         self.counts = {"ok": 0, "fail": 0, "indeterminate": 0}
         self._lock = threading.Lock()
 
     async def start(self) -> None:
         await asyncio.to_thread(self._create_topics)
+        self._publishing.set()
         for index in range(self.publishers):
             thread = threading.Thread(
                 target=self._publish_loop, args=(index,), name=f"pub-{index}", daemon=True
             )
             thread.start()
             self._threads.append(thread)
+        self._subscribers = [
+            threading.Thread(target=self._subscribe_loop, args=(i, topic), daemon=True)
+            for i, topic in enumerate(self.topics)
+        ]
+        for thread in self._subscribers:
+            thread.start()
+
+    def _subscribe_loop(self, index: int, topic: str) -> None:
+        process = f"sub-{index}"
+        subscription = f"chaos-sub-{index}"
+        gateway = index
+        # Bounded: while publishing, then until everything acknowledged on this topic is
+        # delivered or the drain deadline passes.
+        while self._publishing.is_set() or (
+            time.monotonic() < self._drain_until and not self._has_all(topic)
+        ):
+            address = self.gateways[gateway % len(self.gateways)]
+            try:
+                with squall.connect(address, timeout_s=5, retry_total_ms_max=3000) as client:
+                    with client.topic(topic).subscribe(subscription, follow=False) as reader:
+                        events = []
+                        last = None
+                        for message in reader:
+                            events.append(
+                                {"offset": message.offset, "value": message.payload.decode()}
+                            )
+                            last = message
+                        if last is not None:
+                            self.history.write(
+                                "deliver",
+                                process=process,
+                                mode="stream",
+                                topic=topic,
+                                subscription=subscription,
+                                events=events,
+                            )
+                            with self._lock:
+                                for event in events:
+                                    self.delivered[(topic, event["offset"])] = event["value"]
+                            reader.ack(last)
+            except squall.SquallError:
+                gateway += 1
+            time.sleep(0.2)
+
+    def _has_all(self, topic: str) -> bool:
+        with self._lock:
+            return all(
+                (t, offset) in self.delivered for t, offset, _ in self.acknowledged if t == topic
+            )
 
     def _create_topics(self) -> None:
         deadline = time.monotonic() + _CREATE_TIMEOUT_S
@@ -123,16 +179,27 @@ class SmallWorkload:
     async def stop(self, drain_timeout_s: float) -> None:
         self._stop.set()
         deadline = time.monotonic() + drain_timeout_s
+        self._drain_until = deadline
         for thread in self._threads:
             await asyncio.to_thread(thread.join, max(0.1, deadline - time.monotonic()))
+        self._publishing.clear()
+        for thread in getattr(self, "_subscribers", []):
+            await asyncio.to_thread(thread.join, max(0.1, deadline - time.monotonic() + 5))
 
 
 def check_final_logs(
-    acknowledged: Sequence[tuple[str, int, str]], final_logs: Sequence[Mapping[str, Any]]
+    acknowledged: Sequence[tuple[str, int, str]],
+    final_logs: Sequence[Mapping[str, Any]],
+    delivered: Mapping[tuple[str, int], str] | None = None,
 ) -> list[str]:
-    """Violations: an acknowledged event missing (or at another offset) on a node, a
-    value stored twice, or two nodes whose committed logs of a topic differ."""
+    """Violations: an acknowledged event missing (or at another offset) on a node or
+    (when delivered is given) never delivered to the subscriber, a value stored twice,
+    or two nodes whose committed logs of a topic differ."""
     problems: list[str] = []
+    for topic, offset, value in acknowledged if delivered is not None else ():
+        got = delivered.get((topic, offset)) if delivered is not None else None
+        if got != value:
+            problems.append(f"acknowledged {value!r} at {topic}@{offset}: delivered {got!r}")
     by_node_topic: dict[tuple[str, str], dict[int, str]] = {}
     for record in final_logs:
         events = {int(offset): str(value) for offset, value in record["events"]}

@@ -80,6 +80,24 @@ def test_nodes_reach_each_other_and_the_host_reaches_every_node(topology: Topolo
         assert reaches(topology, None, topology.address(target))
 
 
+def test_every_node_reaches_the_host_address(topology: Topology) -> None:
+    """Push subscribers listen on the host address: the master must reach it."""
+    listener = subprocess.Popen(
+        [sys.executable, "-c", LISTENER.replace("0.0.0.0", topology.host_address)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert listener.stdout is not None and listener.stdout.readline().strip() == "ready"
+        for node_id in topology.node_ids:
+            assert reaches(topology, node_id, topology.host_address), node_id
+        topology.partition([["n1"], ["n2", "n3"]])
+        assert reaches(topology, "n1", topology.host_address)
+    finally:
+        listener.kill()
+        listener.wait(10)
+
+
 def test_a_partition_cuts_only_the_links_between_the_sides_and_heal_restores_them(
     topology: Topology,
 ) -> None:
