@@ -18,7 +18,7 @@ def main(argv: list[str]) -> int:
 
         return run_main(rest)
     if command == "check":
-        from chaos.checker import main as check_main  # type: ignore[import-not-found,unused-ignore]
+        from chaos.checker import main as check_main
 
         status: int = check_main(rest)
         return status

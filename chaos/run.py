@@ -25,13 +25,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from chaos import faults as faults_module
+from chaos.checker import check as check_history
 from chaos.cluster import GATEWAY_IDS, ChaosCluster, node_ids
 from chaos.faults import FaultOutcome, FaultRunner
 from chaos.history import HistoryWriter, read_history
 from chaos.netns import NetnsError, Topology, can_create
+from chaos.timeline import plot_timeline
+from chaos.workload import Target
+from chaos.workload import Workload as FullWorkload
 
 log = logging.getLogger("chaos")
 
@@ -70,32 +74,19 @@ class Workload(Protocol):
     async def stop(self, drain_timeout_s: float) -> None: ...
 
 
-WorkloadFactory = Callable[[Any, HistoryWriter, int, list[str]], Workload]
+WorkloadFactory = Callable[[Target, HistoryWriter, int, list[str]], Workload]
 
 
-@dataclass(frozen=True)
-class RunTarget:
-    """The same fields as chaos.workload.Target, used only when that module is absent."""
-
-    gateway_addresses: list[str]
-    host_address: str
-
-
-def make_target(gateway_addresses: list[str], host_address: str) -> Any:
-    """A chaos.workload.Target when the workload module is there, else a RunTarget."""
-    try:
-        from chaos.workload import Target  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        return RunTarget(gateway_addresses, host_address)
+def make_target(gateway_addresses: list[str], host_address: str) -> Target:
+    """What the workload connects to."""
     return Target(gateway_addresses=gateway_addresses, host_address=host_address)
 
 
-def default_workload(target: Any, history: HistoryWriter, seed: int, topics: list[str]) -> Workload:
+def default_workload(
+    target: Target, history: HistoryWriter, seed: int, topics: list[str]
+) -> Workload:
     """chaos.workload.Workload with its default publishers and subscribers."""
-    from chaos.workload import Workload as FullWorkload  # type: ignore[import-not-found,unused-ignore]
-
-    workload: Workload = FullWorkload(target, history, seed, topics)
-    return workload
+    return FullWorkload(target, history, seed, topics)
 
 
 @dataclass
@@ -243,20 +234,11 @@ async def run_chaos(
 
 
 def check(result: RunResult, out_dir: Path) -> None:
-    """Runs the checker and the timeline plot over the history (when they are installed)."""
-    try:
-        from chaos.checker import check as check_history  # type: ignore[import-not-found,unused-ignore]
-    except ImportError as exc:
-        result.summary = f"checker not available ({exc}): history not checked"
-        return
+    """Runs the checker and the timeline plot over the history."""
     report = check_history(result.history_path)
     result.checked = True
     result.check_ok = bool(report.ok)
     result.summary = report.summary_line()
-    try:
-        from chaos.timeline import plot_timeline  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        return
     png = out_dir / "timeline.png"
     plot_timeline(read_history(result.history_path), png)
     result.png_path = png
