@@ -261,7 +261,9 @@ def healthy(address: str) -> bool:
     return bool(answer.status == health_pb2.HealthCheckResponse.SERVING)
 
 
-def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = START_TIMEOUT_S) -> None:
+def wait_until(
+    condition: Callable[[], bool], what: str, timeout_s: float = START_TIMEOUT_S
+) -> None:
     """Polls condition until it holds; raises AssertionError naming what after timeout_s."""
     import time
 

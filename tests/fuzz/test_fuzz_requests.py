@@ -170,8 +170,7 @@ def test_client_requests_straight_to_the_replica(
 
 @pytest.mark.parametrize(
     "method",
-    ADMIN_METHODS
-    + [m for m in PEER_METHODS + COORDINATOR_METHODS if m.name in _READ_ONLY],
+    ADMIN_METHODS + [m for m in PEER_METHODS + COORDINATOR_METHODS if m.name in _READ_ONLY],
     ids=lambda m: m.id,
 )
 @given(data=st.data())
