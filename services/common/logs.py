@@ -16,8 +16,10 @@ trace is current carry ``trace_id`` and ``span_id``, to jump from a log line to 
 No secret reaches a log line: both formatters pass everything they write (message, fields,
 tracebacks) through ``redact``, which masks a bearer or basic credential and the value of
 any key named like a credential (``authorization``, ``token``, ``password``, ``secret``,
-``api_key``, ...) wherever it appears — a metadata tuple, a ``key=value`` field, a dict
-repr, an exception message. It is generic on purpose: no call site has to remember it.
+``api_key``, ...) and the password in an address's user info (``http://user:pw@host``,
+as an OTLP exporter logs its endpoint) wherever it appears — a metadata tuple, a
+``key=value`` field, a dict repr, an exception message. It is generic on purpose: no call
+site has to remember it.
 """
 
 from __future__ import annotations
@@ -66,6 +68,12 @@ _KEYED_CREDENTIAL = re.compile(
 )
 
 
+# A password in an address's user info: http://user:secret@host, user:secret@host:port.
+_USERINFO_CREDENTIAL = re.compile(
+    r"(?<![^\s/\"'(=,\[])([^\s:@/\"'(=,\[\]]+):([^\s@/\"']+)@(?=[\w\[])"
+)
+
+
 def _mask(match: re.Match[str]) -> str:
     value = match.group(0)[len(match.group(1)) :]
     quote = value[0] if value[0] in "\"'" else ""
@@ -77,6 +85,7 @@ def redact(text: str) -> str:
     if not text:
         return text
     text = _SCHEME_CREDENTIAL.sub(lambda m: f"{m.group(1) or m.group(2)} {REDACTED}", text)
+    text = _USERINFO_CREDENTIAL.sub(lambda m: f"{m.group(1)}:{REDACTED}@", text)
     return _KEYED_CREDENTIAL.sub(_mask, text)
 
 

@@ -44,6 +44,16 @@ def stream() -> Iterator[io.StringIO]:
         ("token_sha256=9f86d081884c7d65", "token_sha256=9f86d081884c7d65"),
         ("tokens=5 a token in prose", "tokens=5 a token in prose"),
         ("basic checks passed", "basic checks passed"),
+        (
+            f"exporting to http://squall:{SECRET}@127.0.0.1:4317",
+            f"exporting to http://squall:{REDACTED}@127.0.0.1:4317",
+        ),
+        (
+            f"traces to squall:{SECRET}@127.0.0.1:9, retrying",
+            f"traces to squall:{REDACTED}@127.0.0.1:9, retrying",
+        ),
+        ("peer 127.0.0.1:7101 at 12:00:01", "peer 127.0.0.1:7101 at 12:00:01"),
+        ("group n1:c2d8624e3a9848bf [recovery]", "group n1:c2d8624e3a9848bf [recovery]"),
         ("became master epoch=4 lsn=17", "became master epoch=4 lsn=17"),
     ],
 )
