@@ -104,7 +104,7 @@ _FLOAT32 = st.one_of(
 # Fields that name a topic, subscription or publisher: mostly names that pass the grammar
 # (often the topic that exists), so requests reach the code behind the name check.
 _NAME_FIELDS = frozenset({"topic", "name", "subscription", "subscriber_id", "publisher_id"})
-NAMED = st.one_of(st.just("fz"), NAMES, TEXT)
+NAMED = st.one_of(st.just("fz"), st.just("fz"), NAMES, TEXT)
 
 
 def _is_address(field: d.FieldDescriptor) -> bool:
@@ -229,8 +229,12 @@ def messages(descriptor: d.Descriptor, depth: int = 3) -> st.SearchStrategy[Any]
     parts: list[st.SearchStrategy[Callable[[Message], None] | None]] = []
     for field in plain:
         setter = _setter(field, depth)
-        if setter is not None:
-            parts.append(st.none() | setter)
+        if setter is None:
+            continue
+        # A name field is always set (NAMED includes ""): unset, it is a request for
+        # nothing, refused before any interesting code runs.
+        always = field.name in _NAME_FIELDS and field.type == _FD.TYPE_STRING
+        parts.append(setter if always and not _is_repeated(field) else st.none() | setter)
     for oneof in descriptor.oneofs:
         if _synthetic_oneof(oneof):
             continue

@@ -176,7 +176,15 @@ class FullNode(_Target):
                 if payloads[: len(SEED_PAYLOADS)] != SEED_PAYLOADS:
                     problems.append(f"{SEED_TOPIC} no longer holds its committed events")
             break
+        self._ensure_fz()
         return problems + self.errors.take()
+
+    def _ensure_fz(self) -> None:
+        """Recreates the topic "fz" if a fuzzed call destroyed it: the strategies name it
+        often so that requests reach the code behind the topic lookup."""
+        topics = broker_pb2_grpc.TopicManagerStub(self.gateway_channel)
+        with contextlib.suppress(grpc.RpcError):  # exists already, or the topic limit
+            topics.CreateTopic(broker_pb2.CreateTopicRequest(name="fz"), timeout=10)
 
     def close(self) -> None:
         """Stops the three services the way SIGTERM does, and the loop."""
