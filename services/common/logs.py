@@ -74,6 +74,10 @@ _USERINFO_CREDENTIAL = re.compile(
 )
 
 
+# Every credential the expressions above match contains one of these (lower-cased).
+_TRIGGERS = ("bearer", "basic", "@", "authorization", "api", "token", "passw", "secret")
+
+
 def _mask(match: re.Match[str]) -> str:
     value = match.group(0)[len(match.group(1)) :]
     quote = value[0] if value[0] in "\"'" else ""
@@ -84,6 +88,9 @@ def redact(text: str) -> str:
     """text with every credential it holds replaced by REDACTED."""
     if not text:
         return text
+    lowered = text.lower()
+    if not any(trigger in lowered for trigger in _TRIGGERS):
+        return text  # the common case, without running the expressions
     text = _SCHEME_CREDENTIAL.sub(lambda m: f"{m.group(1) or m.group(2)} {REDACTED}", text)
     text = _USERINFO_CREDENTIAL.sub(lambda m: f"{m.group(1)}:{REDACTED}@", text)
     return _KEYED_CREDENTIAL.sub(_mask, text)
