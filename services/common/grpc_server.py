@@ -18,6 +18,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from services.common.grpc_tracing import server_interceptors
+from services.common.request_decoding import DecodeGuard
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,9 @@ class ServiceServer:
                 ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
                 ("grpc.so_reuseport", 0),
             ],
-            # Tracing, when [telemetry] turned it on (nothing otherwise).
-            interceptors=server_interceptors(),
+            # Requests that do not parse are INVALID_ARGUMENT (request_decoding.py); then
+            # tracing, when [telemetry] turned it on.
+            interceptors=[DecodeGuard(), *server_interceptors()],
         )
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

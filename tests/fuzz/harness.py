@@ -155,6 +155,19 @@ def methods(file_descriptor: d.FileDescriptor, service: str) -> list[Method]:
 
 
 @dataclass(frozen=True)
+class Raw:
+    """Bytes sent as a request as they are, whether or not they parse as its type."""
+
+    data: bytes
+
+    def SerializeToString(self) -> bytes:
+        return self.data
+
+    def __str__(self) -> str:
+        return f"raw {self.data!r}"
+
+
+@dataclass(frozen=True)
 class Outcome:
     """How one call ended."""
 
@@ -166,7 +179,7 @@ class Outcome:
 def outcome(
     channel: grpc.Channel,
     method: Method,
-    requests: list[Message],
+    requests: list[Message | Raw],
     metadata: tuple[tuple[str, str], ...] = (),
 ) -> Outcome:
     """Makes one call with requests (one, or a stream of them) and says how it ended."""

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from services.replica.node import UNREACHABLE_KEY
 from squall.v1 import broker_pb2, coordinator_pb2, gateway_pb2, replica_pb2
-from tests.fuzz.harness import Method, methods, outcome, problem
+from tests.fuzz.harness import Method, Raw, methods, outcome, problem
 from tests.fuzz.proto_strategies import messages, parsed_bytes
 from tests.fuzz.targets import (
     PEER_CLUSTER_ID,
@@ -69,9 +69,13 @@ METADATA = st.lists(
 STATS: Counter[tuple[str, str]] = Counter()
 
 
-def _requests(method: Method) -> st.SearchStrategy[list[Message]]:
+# Bytes that need not parse at all: the server must refuse them itself.
+RAW = st.binary(max_size=64).map(Raw)
+
+
+def _requests(method: Method) -> st.SearchStrategy[list[Message | Raw]]:
     """One request, or a stream of them for a client-streaming method."""
-    one = st.one_of(messages(method.request), parsed_bytes(method.request))
+    one = st.one_of(messages(method.request), parsed_bytes(method.request), RAW)
     if method.client_streaming:
         return st.lists(one, min_size=0, max_size=4)
     return one.map(lambda request: [request])
@@ -110,8 +114,9 @@ def _checksummed_entries() -> st.SearchStrategy[Message]:
     )
 
 
-def _replicate_streams() -> st.SearchStrategy[list[Message]]:
+def _replicate_streams() -> st.SearchStrategy[list[Message | Raw]]:
     any_request = st.one_of(
+        RAW,
         messages(replica_pb2.ReplicateRequest.DESCRIPTOR),
         parsed_bytes(replica_pb2.ReplicateRequest.DESCRIPTOR),
         _checksummed_entries(),
@@ -124,7 +129,7 @@ def _replicate_streams() -> st.SearchStrategy[list[Message]]:
 def _assert_clear(
     target: FullNode | PeerReplica | LoneCoordinator,
     method: Method,
-    requests: list[Message],
+    requests: list[Message | Raw],
     metadata: list[tuple[str, str]],
     channel: grpc.Channel,
 ) -> None:
