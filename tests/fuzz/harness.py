@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Coroutine, Iterable, Iterator
+import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -278,22 +279,8 @@ def wait_until(
     condition: Callable[[], bool], what: str, timeout_s: float = START_TIMEOUT_S
 ) -> None:
     """Polls condition until it holds; raises AssertionError naming what after timeout_s."""
-    import time
-
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout_s}s: {what}")
         time.sleep(0.05)
-
-
-def chunked(items: Iterable[T], size: int) -> Iterator[list[T]]:
-    """items in lists of at most size."""
-    batch: list[T] = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
