@@ -15,7 +15,7 @@ NODES ?= 3
 # Passed to `python -m bench.suite` by `make bench`, e.g. BENCH_ARGS="--repeats 5".
 BENCH_ARGS ?=
 
-.PHONY: install run stop test unit integration sim bench protos protos-check lint clean \
+.PHONY: install run stop test unit integration sim fuzz bench protos protos-check lint clean \
 	test-spark pipeline-demo chaos
 
 install: $(STAMP)
@@ -52,6 +52,11 @@ test-spark: install
 
 sim: install
 	$(BIN)/pytest -q tests/sim --sim-seeds=$(SEEDS) $(PYTEST_ARGS)
+
+# Property-based fuzzing (docs/fuzzing.md): the quick derandomized "ci" profile by default;
+# HYPOTHESIS_PROFILE=deep [FUZZ_EXAMPLES=N] for a long random search.
+fuzz: install
+	$(BIN)/pytest -q tests/fuzz $(PYTEST_ARGS)
 
 run: install
 	$(PY) -m deploy.launcher start --config deploy/cluster.example.toml --demo $(if $(TLS),--tls)

@@ -18,6 +18,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from services.common.grpc_tracing import server_interceptors
+from services.common.request_decoding import DecodeGuard
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +65,10 @@ class ServiceServer:
             options.append(("grpc.absolute_max_metadata_size", metadata_bytes_max))
         self.server = grpc.aio.server(
             options=options,
-            # The caller's checks (peer identity, authentication, per-client limits), then
+            # Requests that do not parse are INVALID_ARGUMENT (request_decoding.py); then the
+            # caller's checks (peer identity, authentication, per-client limits); then
             # tracing when [telemetry] turned it on.
-            interceptors=[*interceptors, *server_interceptors()],
+            interceptors=[DecodeGuard(), *interceptors, *server_interceptors()],
         )
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

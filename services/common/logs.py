@@ -12,6 +12,14 @@ record is made, so a line logged anywhere in the process says where the node sto
 text line shows such a field only when the message does not already spell it out
 (``epoch=4`` in the message); a JSON line always has it. Lines logged while a sampled
 trace is current carry ``trace_id`` and ``span_id``, to jump from a log line to its trace.
+
+No secret reaches a log line: both formatters pass everything they write (message, fields,
+tracebacks) through ``redact``, which masks a bearer or basic credential and the value of
+any key named like a credential (``authorization``, ``token``, ``password``, ``secret``,
+``api_key``, ...) and the password in an address's user info (``http://user:pw@host``,
+as an OTLP exporter logs its endpoint) wherever it appears — a metadata tuple, a
+``key=value`` field, a dict repr, an exception message. It is generic on purpose: no call
+site has to remember it.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import re
 import sys
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, TextIO
@@ -35,6 +44,64 @@ _JSON_RESERVED_KEYS = frozenset({"ts", "level", "service", "node", "logger", "ms
 CONTEXT_ATTR = "squall_context"
 # Marks the handler setup_logging installs, so a second call replaces it instead of adding one.
 _HANDLER_MARK = "_squall_handler"
+
+# What replaces a secret in a log line.
+REDACTED = "[REDACTED]"
+# A credential after its scheme: "Bearer abc.def", "Basic dXNlcjpwYXNz" (Basic only before
+# base64 of 8 characters or more, so "basic checks" in prose stays).
+_SCHEME_CREDENTIAL = re.compile(
+    r"(?i)\b(bearer)(?:\s+|%20)[^\s\"',)\]}&;\\]+"
+    r"|\b(basic)(?:\s+|%20)(?=[A-Za-z0-9+/]{8,}={0,2}\b)[^\s\"',)\]}&;\\]+"
+)
+# A credential-named key and its value, however quoted or separated: authorization=x,
+# 'authorization', 'x'  "token": "x"  password: x. A quoted value is masked to its closing
+# quote; a bare one ends at a space, quote, comma, bracket, & ; or backslash, so a JSON or
+# repr line around it stays intact.
+_CREDENTIAL_KEY = (
+    r"(?:proxy-)?authorization|x-api-key|api[_-]?key|access[_-]?token|refresh[_-]?token"
+    r"|bearer[_-]?token|auth[_-]?token|token|password|passwd|secret|client[_-]?secret"
+)
+_KEYED_CREDENTIAL = re.compile(
+    r"(?i)(?<![A-Za-z0-9_-])([\"']?(?:" + _CREDENTIAL_KEY + r")[\"']?\s*(?:[:=]|,)\s*)"
+    r"(?!(?:bearer |basic )?\[REDACTED\])(?:(?:bearer|basic|digest)\s+)?"
+    r"(?:\"(?:[^\"\\]|\\.)*\"|'(?:[^'\\]|\\.)*'|[^\"'\s,)\]}&;\\]+)"
+)
+
+
+# A password in an address's user info: http://user:secret@host, user:secret@host:port.
+_USERINFO_CREDENTIAL = re.compile(
+    r"(?<![^\s/\"'(=,\[])([^\s:@/\"'(=,\[\]]+):([^\s@/\"']+)@(?=[\w\[])"
+)
+
+
+# Every credential the expressions above match contains one of these (lower-cased).
+_TRIGGERS = ("bearer", "basic", "@", "authorization", "api", "token", "passw", "secret")
+
+
+def _mask(match: re.Match[str]) -> str:
+    value = match.group(0)[len(match.group(1)) :]
+    quote = value[0] if value[0] in "\"'" else ""
+    return f"{match.group(1)}{quote}{REDACTED}{quote}"
+
+
+def redact(text: str) -> str:
+    """text with every credential it holds replaced by REDACTED."""
+    if not text:
+        return text
+    lowered = text.lower()
+    if not any(trigger in lowered for trigger in _TRIGGERS):
+        return text  # the common case, without running the expressions
+    text = _SCHEME_CREDENTIAL.sub(lambda m: f"{m.group(1) or m.group(2)} {REDACTED}", text)
+    text = _USERINFO_CREDENTIAL.sub(lambda m: f"{m.group(1)}:{REDACTED}@", text)
+    return _KEYED_CREDENTIAL.sub(_mask, text)
+
+
+def _redact_value(value: object) -> object:
+    """A field value with credentials masked (strings and their containers' reprs)."""
+    if isinstance(value, (bool, int, float)) or value is None:
+        return value
+    return redact(value if isinstance(value, str) else str(value))
+
 
 ContextProvider = Callable[[], Mapping[str, object]]
 _context_provider: ContextProvider | None = None
@@ -186,7 +253,7 @@ class TextFormatter(logging.Formatter):
             line += "\n" + self.formatException(record.exc_info)
         if record.stack_info:
             line += "\n" + self.formatStack(record.stack_info)
-        return line
+        return redact(line)
 
 
 class JsonFormatter(logging.Formatter):
@@ -205,10 +272,12 @@ class JsonFormatter(logging.Formatter):
             "service": self._service,
             "node": self._node_id,
             "logger": record.name,
-            "msg": record.getMessage(),
+            "msg": redact(record.getMessage()),
         }
         for key, value in (context_fields(record) | record_fields(record)).items():
-            line[f"field_{key}" if key in _JSON_RESERVED_KEYS else key] = value
+            if _KEYED_CREDENTIAL.fullmatch(f"{key}=x") is not None:
+                value = REDACTED
+            line[f"field_{key}" if key in _JSON_RESERVED_KEYS else key] = _redact_value(value)
         if record.exc_info:
-            line["exc"] = self.formatException(record.exc_info)
+            line["exc"] = redact(self.formatException(record.exc_info))
         return json.dumps(line, default=str, ensure_ascii=False)

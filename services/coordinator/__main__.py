@@ -8,6 +8,7 @@ import sys
 
 from services.common.call_guard import guard_interceptors
 from services.common.config import ClusterConfig, NodeConfig
+from services.common.file_checks import check_data_dir, check_own_key, make_private_dir
 from services.common.grpc_server import ServiceServer
 from services.common.logs import set_log_context
 from services.common.peer_guard import guards
@@ -25,6 +26,9 @@ SERVICE_NAMES = [coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full
 
 async def serve(config: ClusterConfig, node_config: NodeConfig, stop: asyncio.Event) -> None:
     """Serves until `stop` is set."""
+    make_private_dir(node_config.data_dir)
+    check_data_dir(node_config.data_dir, f"coordinator {node_config.id}")
+    check_own_key(config.tls, node_config.id, f"coordinator {node_config.id}")
     node = CoordinatorNode(config, node_config, on_shutdown=stop.set)
     set_log_context(
         lambda: {

@@ -9,6 +9,7 @@ import sys
 
 from services.common.call_guard import guard_interceptors
 from services.common.config import ClusterConfig, GatewayConfig, load_config_or_exit
+from services.common.file_checks import check_own_key
 from services.common.grpc_server import ServiceServer
 from services.common.logs import set_log_context, setup_logging
 from services.common.service_main import run_service
@@ -27,6 +28,7 @@ SERVICE_NAMES = [
 
 async def serve(config: ClusterConfig, gateway: GatewayConfig, stop: asyncio.Event) -> None:
     """Serves until `stop` is set."""
+    check_own_key(config.tls, gateway.id, f"gateway {gateway.id}")
     timeout_s = config.timeouts.publish_timeout_ms / 1000
     rpc_timeout_s = config.timeouts.rpc_timeout_ms / 1000
     masters = MasterTracker(config, gateway.id, probe_timeout_s=rpc_timeout_s)

@@ -72,6 +72,25 @@ async def _relay_error(context: Context, error: grpc.aio.AioRpcError) -> None:
     await context.abort(error.code(), error.details() or "")
 
 
+# grpcio's aio client replaces the status a server ended a stream with by this INTERNAL
+# error when a request was still being written at that moment (grpc/grpc#36066): the
+# master refused one request of a publish stream and ended it while this gateway was
+# forwarding the next. The refusal is lost; what is known is that requests without a
+# response may or may not have been applied, which is UNKNOWN (retry with the same
+# publisher id and sequence), never INTERNAL.
+_CORE_WRITE_ERROR = "Internal error from Core"
+_LOST_STATUS_DETAILS = (
+    "the master ended the stream while the gateway was still forwarding requests, and its "
+    "reason was lost in transit; requests without a response may or may not have been "
+    "applied: retry them with the same publisher id and sequence"
+)
+
+
+def _lost_stream_status(error: grpc.aio.AioRpcError) -> bool:
+    """The forwarded stream's own status was overwritten by a failed write (see above)."""
+    return error.code() == grpc.StatusCode.INTERNAL and error.details() == _CORE_WRITE_ERROR
+
+
 def _remaining_s(context: Context) -> float | None:
     """The caller's deadline, in seconds from now (None: no deadline)."""
     remaining: float | None = context.time_remaining()
@@ -371,6 +390,8 @@ class Forwarder:
                     yield response
             except grpc.aio.AioRpcError as error:
                 stream.answered = error.code().name
+                if _lost_stream_status(error):
+                    await context.abort(grpc.StatusCode.UNKNOWN, _LOST_STATUS_DETAILS)
                 await _relay_error(context, error)
             finally:
                 call.cancel()
@@ -398,6 +419,8 @@ class Forwarder:
                     yield response
             except grpc.aio.AioRpcError as error:
                 stream.answered = error.code().name
+                if _lost_stream_status(error):
+                    await context.abort(grpc.StatusCode.UNKNOWN, _LOST_STATUS_DETAILS)
                 await _relay_error(context, error)
             finally:
                 call.cancel()

@@ -8,6 +8,7 @@ import sys
 
 from services.common.call_guard import guard_interceptors
 from services.common.config import ClusterConfig, NodeConfig
+from services.common.file_checks import check_data_dir, check_own_key, make_private_dir
 from services.common.grpc_server import ServiceServer
 from services.common.logs import set_log_context
 from services.common.peer_guard import guards
@@ -35,7 +36,9 @@ SERVICE_NAMES = [
 
 async def serve(config: ClusterConfig, node_config: NodeConfig, stop: asyncio.Event) -> None:
     """Opens the store, serves until `stop` is set, then closes everything in order."""
-    node_config.data_dir.mkdir(parents=True, exist_ok=True)
+    make_private_dir(node_config.data_dir)
+    check_data_dir(node_config.data_dir, f"replica {node_config.id}")
+    check_own_key(config.tls, node_config.id, f"replica {node_config.id}")
     # Held until the process exits: the offline store tools and a second replica on the
     # same directory refuse while it is.
     lock = DataDirLock(node_config.data_dir)
