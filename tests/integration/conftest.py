@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
 import tomllib
 from collections.abc import Callable, Iterator
@@ -33,6 +35,18 @@ def wait_for(condition: Callable[[], object], timeout_s: float, what: str) -> No
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout_s}s: {what}")
         time.sleep(0.02)
+
+
+def run_squall(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Runs the `squall` command line (`python -m services ARGS`) from the repository root."""
+    return subprocess.run(
+        [sys.executable, "-m", "services", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=env,
+    )
 
 
 @dataclass

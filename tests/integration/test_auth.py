@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from squall.v1 import (
     coordinator_pb2,
     coordinator_pb2_grpc,
 )
-from tests.integration.conftest import ROOT, LocalCluster, make_cluster
+from tests.integration.conftest import ROOT, LocalCluster, make_cluster, run_squall
 
 pytestmark = pytest.mark.integration
 
@@ -104,14 +103,7 @@ def _no_ambient_token(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SQUALL_TOKEN")}
-    return subprocess.run(
-        [sys.executable, "-m", "services", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-        env=env,
-    )
+    return run_squall(*args, env=env)
 
 
 def _bearer(name: str) -> tuple[tuple[str, str], ...]:

@@ -9,24 +9,12 @@ override is recorded (who, when, why) and clears itself once a majority is back.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
 from deploy import processes
 from squall.v1 import common_pb2
-from tests.integration.conftest import ROOT, LocalCluster, make_cluster, wait_for
-
-
-def _squall(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "services", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
+from tests.integration.conftest import ROOT, LocalCluster, make_cluster, run_squall, wait_for
 
 
 def test_quorum_override_lets_a_lone_survivor_serve_audited_and_reverting(
@@ -38,7 +26,7 @@ def test_quorum_override_lets_a_lone_survivor_serve_audited_and_reverting(
     assert isinstance(cluster, LocalCluster)
     cluster.start_all()
     config = str(cluster.config_path)
-    explained = _squall("status", "--explain", "--config", config)
+    explained = run_squall("status", "--explain", "--config", config)
     assert explained.returncode == 0, explained.stderr
     text = explained.stdout
     assert "n1 leads group" in text, text
@@ -56,16 +44,23 @@ def test_quorum_override_lets_a_lone_survivor_serve_audited_and_reverting(
         raise AssertionError("a lone node became master without an override")
     except TimeoutError:
         pass
-    alone = _squall("status", "--explain", "--config", config).stdout
+    alone = run_squall("status", "--explain", "--config", config).stdout
     assert "No master now." in alone and "1 of 3 nodes left, 2 required" in alone, alone
-    done = _squall(
-        "cluster", "quorum-override", "1", "--node", "n3", "--reason", "site A lost",
-        "--config", config,
+    done = run_squall(
+        "cluster",
+        "quorum-override",
+        "1",
+        "--node",
+        "n3",
+        "--reason",
+        "site A lost",
+        "--config",
+        config,
     )
     assert done.returncode == 0, done.stderr + done.stdout
     assert "n3: quorum override 1" in done.stdout
     assert cluster.wait_for_master(timeout_s=20) == "n3"
-    status = _squall("status", "--config", config)
+    status = run_squall("status", "--config", config)
     assert "OVERRIDE 1" in status.stdout, status.stdout
     assert "n3: QUORUM OVERRIDE 1 set by " in status.stdout
     assert ": site A lost (clears itself once a majority is back)" in status.stdout
@@ -87,7 +82,7 @@ def test_quorum_override_lets_a_lone_survivor_serve_audited_and_reverting(
     persisted = json.loads(state_file.read_text())
     assert persisted["quorum_override"] == 0 and persisted["quorum_override_record"] is None
     assert [r["operator"] for r in persisted["audit"]][-2:][1] == "auto"
-    after = _squall("status", "--explain", "--config", config).stdout
+    after = run_squall("status", "--explain", "--config", config).stdout
     assert "QUORUM OVERRIDE" not in after
     assert "auto: quorum-override cleared" in after, after
 
@@ -106,9 +101,9 @@ def test_designated_primary_runs_alone_and_only_one_node_may_hold_it(tmp_path: P
         cluster.start_all()
         assert cluster.wait_for_master() == "n1"
         config = str(cluster.config_path)
-        done = _squall("cluster", "designated-primary", "n1", "--config", config)
+        done = run_squall("cluster", "designated-primary", "n1", "--config", config)
         assert done.returncode == 0, done.stderr
-        refused = _squall("cluster", "designated-primary", "n2", "--config", config)
+        refused = run_squall("cluster", "designated-primary", "n2", "--config", config)
         assert refused.returncode == 1
         assert "FAILED_PRECONDITION" in refused.stderr, refused.stderr
         cluster.kill_node("n2")

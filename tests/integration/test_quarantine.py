@@ -12,8 +12,6 @@ event.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import grpc
 import lmdb
@@ -23,20 +21,10 @@ import squall
 from services.replica.faults import FAULT_FILE_NAME
 from services.replica.store import DATABASES
 from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2
-from tests.integration.conftest import ROOT, LocalCluster, wait_for
+from tests.integration.conftest import LocalCluster, run_squall, wait_for
 from tests.integration.test_gateway import trio  # noqa: F401  (the fixture)
 
 _EVENTS = 50
-
-
-def _squall(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "services", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
 
 
 def _read_all(address: str, topic: str) -> list[common_pb2.Event]:
@@ -117,7 +105,7 @@ def test_a_corrupt_record_quarantines_the_slave_until_an_operator_clears_it(
     assert receipt.master_id == "n1"
     assert "n3" not in {h.node_id for h in receipt.holders}
 
-    status = _squall("status", "--config", config)
+    status = run_squall("status", "--config", config)
     assert status.returncode == 0, status.stderr
     assert "n3: QUARANTINED by replica at " in status.stdout, status.stdout
     assert "squall cluster unquarantine n3" in status.stdout
@@ -135,7 +123,7 @@ def test_a_corrupt_record_quarantines_the_slave_until_an_operator_clears_it(
     for name in ("data.mdb", "lock.mdb", FAULT_FILE_NAME):
         (data_dir / name).rename(aside / name)
     trio.start("replica", "n3")
-    cleared = _squall(
+    cleared = run_squall(
         "cluster", "unquarantine", "n3", "--reason", "store rebuilt", "--config", config
     )
     assert cleared.returncode == 0, cleared.stderr

@@ -9,26 +9,13 @@ nothing.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import squall
-from tests.integration.conftest import ROOT, LocalCluster, wait_for
+from tests.integration.conftest import LocalCluster, run_squall, wait_for
 from tests.integration.test_gateway import (
     _AppPublisher,
     _stored_on,
     trio,  # noqa: F401  (the fixture)
 )
-
-
-def _squall(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "services", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
 
 
 def test_transfer_moves_the_master_and_loses_no_acknowledged_write(
@@ -45,7 +32,7 @@ def test_transfer_moves_the_master_and_loses_no_acknowledged_write(
         app.start()
         try:
             wait_for(lambda: app.acked_by("n1") >= 30, 20, "30 publishes acknowledged by n1")
-            done = _squall(
+            done = run_squall(
                 "cluster", "transfer", "--to", "n3", "--reason", "patch n1", "--config", config
             )
             assert done.returncode == 0, done.stderr + done.stdout
@@ -83,16 +70,16 @@ def test_transfer_refusals_change_nothing(trio: LocalCluster) -> None:  # noqa: 
     master = trio.wait_for_master()
     config = str(trio.config_path)
     before = trio.statuses()[master].epoch
-    unknown = _squall("cluster", "transfer", "--to", "n9", "--config", config)
+    unknown = run_squall("cluster", "transfer", "--to", "n9", "--config", config)
     assert unknown.returncode == 1 and "n9" in unknown.stderr, unknown.stderr
-    same = _squall("cluster", "transfer", "--to", master, "--config", config)
+    same = run_squall("cluster", "transfer", "--to", master, "--config", config)
     assert same.returncode == 0 and "already leads" in same.stdout, same.stdout
     trio.kill_node("n3")
     wait_for(
         lambda: "n3" not in trio.statuses()[master].group, 10, "the master drops n3 from its group"
     )
     epoch = trio.statuses()[master].epoch
-    down = _squall("cluster", "transfer", "--to", "n3", "--config", config)
+    down = run_squall("cluster", "transfer", "--to", "n3", "--config", config)
     assert down.returncode == 1, down.stdout
     assert "FAILED_PRECONDITION" in down.stderr and "not a member" in down.stderr, down.stderr
     after = trio.statuses()[master]
