@@ -266,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"chaos: --duration must be > 0, not {args.duration}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    # The library logs every reconnect of the workload's clients while a fault lasts; the
+    # history records what they saw, so the run's output keeps to faults and results.
+    logging.getLogger("squall").setLevel(logging.WARNING)
     # A terminated run cleans up as an interrupted one does (finally blocks, then atexit).
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S")
