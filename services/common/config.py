@@ -25,7 +25,12 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from services.common.auth_config import AuthConfig, build_auth, require_tls, validate_auth
-from services.common.names import TOPIC_NAME_MAX_BYTES, validate_node_id
+from services.common.names import (
+    PUBLISHER_ID_MAX_BYTES,
+    SUBSCRIPTION_NAME_MAX_BYTES,
+    TOPIC_NAME_MAX_BYTES,
+    validate_node_id,
+)
 from squall import (
     RETRY_ATTEMPTS_MAX_DEFAULT,
     RETRY_BACKOFF_INITIAL_MS_DEFAULT,
@@ -172,10 +177,12 @@ class LimitsConfig:
     # Durable subscriptions per topic.
     topic_subscriptions_max: int = 10000
 
-    @property
-    def max_topic_name_bytes(self) -> int:
-        """The fixed topic name limit of the name grammar (not configurable)."""
-        return TOPIC_NAME_MAX_BYTES
+    # Longest names a client may create: topics, durable subscriptions and push
+    # subscriber ids, publisher ids. At most the name grammar's maxima (names.py), so a
+    # cluster can only be stricter than the grammar, never accept a name another refuses.
+    max_topic_name_bytes: int = TOPIC_NAME_MAX_BYTES
+    max_subscription_name_bytes: int = SUBSCRIPTION_NAME_MAX_BYTES
+    max_publisher_id_bytes: int = PUBLISHER_ID_MAX_BYTES
 
 
 @dataclass(frozen=True)
@@ -366,10 +373,6 @@ _GATEWAY_KEYS = tuple(f.name for f in dataclasses.fields(GatewayConfig))
 # Keys that look configurable but are fixed elsewhere, with the reason given instead of
 # "unknown key".
 _FIXED_KEYS: Mapping[tuple[str, str], str] = {
-    ("limits", "max_topic_name_bytes"): (
-        f"is fixed at {TOPIC_NAME_MAX_BYTES} by the name grammar and cannot be configured "
-        "(see docs/configuration.md)"
-    ),
     ("telemetry", "prometheus_address"): (
         "was replaced by prometheus_host and one port per service (coordinator_prometheus_port, "
         "replica_prometheus_port, gateway_prometheus_port; see docs/configuration.md)"
@@ -811,6 +814,9 @@ _LIMIT_BOUNDS: Mapping[str, tuple[int, int]] = {
     # gRPC's own default is 8 KiB; below 1 KiB the trace and auth headers may not fit.
     "metadata_bytes_max": (1024, 1 * MiB),
     "topic_subscriptions_max": (1, 1_000_000),
+    "max_topic_name_bytes": (1, TOPIC_NAME_MAX_BYTES),
+    "max_subscription_name_bytes": (1, SUBSCRIPTION_NAME_MAX_BYTES),
+    "max_publisher_id_bytes": (1, PUBLISHER_ID_MAX_BYTES),
 }
 
 

@@ -1,7 +1,8 @@
 """The name grammars of Squall: topics, durable subscriptions, publisher ids, node ids.
 
 Names are part of the wire contract and the store's keys, so the grammar is fixed here
-rather than configured: a name valid on one cluster is valid on every cluster. Each
+rather than configured: a name valid on one cluster is valid on every cluster. A cluster
+may only be stricter about lengths ([limits] max_topic_name_bytes and friends). Each
 validator raises ``ValueError`` with one sentence that quotes the bad name and states the
 rule; servers turn it into ``INVALID_ARGUMENT`` unchanged. See docs/configuration.md.
 """

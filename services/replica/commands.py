@@ -255,6 +255,7 @@ class BatchBuilder:
 
     def _create_topic(self, command: CreateTopic) -> Planned:
         _check_name(names.validate_topic_name, command.name)
+        _check_length(command.name, "topic name", "max_topic_name_bytes", self._limits)
         if self.topic(command.name) is not None:
             raise ServiceError(Code.ALREADY_EXISTS, f"topic '{command.name}' already exists")
         if command.kind not in (
@@ -311,6 +312,7 @@ class BatchBuilder:
         publisher_id = request.publisher_id
         if publisher_id:
             _check_name(names.validate_publisher_id, publisher_id)
+            _check_length(publisher_id, "publisher id", "max_publisher_id_bytes", limits)
         lsn = self._lsn
         offset = topic.next_offset
         receipt = common_pb2.BatchReceipt(
@@ -446,6 +448,12 @@ class BatchBuilder:
         if current is not None and command.cursor <= current:
             return Planned(None, cursor=current)  # acks may arrive out of order
         if current is None:
+            _check_length(
+                command.subscription,
+                "subscription name",
+                "max_subscription_name_bytes",
+                self._limits,
+            )
             self._check_subscription_room(command.topic)
         index = self._emit(
             replica_pb2.Operation(
@@ -499,6 +507,9 @@ class BatchBuilder:
             0
             if command.topic in self._destroyed
             else len(self._store.list_push_subscribers(command.topic))
+        )
+        _check_length(
+            command.subscriber_id, "push subscriber id", "max_subscription_name_bytes", self._limits
         )
         limit = self._limits.push_subscribers_max
         if stored + self._push_added.get(command.topic, 0) >= limit:
@@ -620,6 +631,19 @@ def _with_next_offset(topic: TopicInfo, next_offset: int) -> TopicInfo:
         first_offset=topic.first_offset,
         created_ms=topic.created_ms,
     )
+
+
+def _check_length(value: str, what: str, key: str, limits: LimitsConfig) -> None:
+    """INVALID_ARGUMENT naming the [limits] key when a new name is longer than it allows.
+
+    Checked where a name is created or used to write, so lowering a limit never hides
+    what is stored under a longer name.
+    """
+    limit: int = getattr(limits, key)
+    if len(value) > limit:
+        raise invalid(
+            f"{what} {names.show_name(value)} is {len(value)} bytes long: limits.{key} is {limit}"
+        )
 
 
 def _check_name(validate: object, value: str) -> None:

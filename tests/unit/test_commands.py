@@ -194,3 +194,57 @@ def test_topic_count_is_bounded_by_name() -> None:
         builder.add(CreateTopic("c", common_pb2.TOPIC_KIND_REPLICATED))
     assert refused.value.code == Code.RESOURCE_EXHAUSTED
     assert refused.value.message == "topic limit reached: limits.max_topics is 2"
+
+
+def test_name_lengths_are_bounded_by_the_limits_and_a_refusal_stores_nothing() -> None:
+    store = Store.open_memory(dedupe_window=10)
+    store.set_epoch(1)
+    limits = LimitsConfig(
+        dedupe_window=10,
+        max_batch_events=10,
+        max_topic_name_bytes=8,
+        max_subscription_name_bytes=5,
+        max_publisher_id_bytes=4,
+    )
+    builder = BatchBuilder(store, limits=limits, node_id="n1", epoch=1, next_lsn=1, now_ms=1)
+    builder.add(CreateTopic("orders", common_pb2.TOPIC_KIND_REPLICATED))
+    store.append(builder.entries, sync=False)
+    builder = BatchBuilder(store, limits=limits, node_id="n1", epoch=1, next_lsn=2, now_ms=1)
+    refusals = [
+        (
+            CreateTopic("orders-eu", common_pb2.TOPIC_KIND_REPLICATED),
+            "topic name 'orders-eu' is 9 bytes long: limits.max_topic_name_bytes is 8",
+        ),
+        (
+            SetCursor("orders", "billing", 0, create=True),
+            "subscription name 'billing' is 7 bytes long: limits.max_subscription_name_bytes is 5",
+        ),
+        (
+            Publish(
+                broker_pb2.PublishRequest(
+                    topic="orders",
+                    publisher_id="app-1",
+                    events=[common_pb2.EventData(payload=b"x", sequence=1)],
+                )
+            ),
+            "publisher id 'app-1' is 5 bytes long: limits.max_publisher_id_bytes is 4",
+        ),
+    ]
+    for command, message in refusals:
+        with pytest.raises(ServiceError) as refused:
+            builder.add(command)
+        assert refused.value.code == Code.INVALID_ARGUMENT
+        assert refused.value.message == message
+    assert builder.entries == []
+    # At the limit is fine.
+    builder.add(SetCursor("orders", "bill", 0, create=True))
+    builder.add(
+        Publish(
+            broker_pb2.PublishRequest(
+                topic="orders",
+                publisher_id="app1",
+                events=[common_pb2.EventData(payload=b"x", sequence=1)],
+            )
+        )
+    )
+    assert len(builder.entries) == 2

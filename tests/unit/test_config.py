@@ -249,9 +249,14 @@ def test_unknown_key_in_node_entry() -> None:
     assert "did you mean 'priority'?" in message
 
 
-def test_topic_name_limit_is_not_configurable() -> None:
-    message = error_of(VALID + "[limits]\nmax_topic_name_bytes = 100\n")
-    assert message.startswith("limits.max_topic_name_bytes: is fixed at 255")
+def test_name_limits_may_only_be_stricter_than_the_name_grammar() -> None:
+    config = parse_config(VALID + "[limits]\nmax_topic_name_bytes = 100\n", "/tmp/c.toml")
+    assert config.limits.max_topic_name_bytes == 100
+    message = error_of(VALID + "[limits]\nmax_topic_name_bytes = 256\n")
+    assert message.startswith("limits.max_topic_name_bytes: ")
+    assert "256" in message and "255" in message
+    message = error_of(VALID + "[limits]\nmax_publisher_id_bytes = 0\n")
+    assert message.startswith("limits.max_publisher_id_bytes: ")
 
 
 def test_wrong_type_bool_for_int() -> None:
