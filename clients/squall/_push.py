@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 import grpc
 
+from squall._tls import TlsOptions
 from squall._types import Message, messages_from_events
 from squall.v1 import broker_pb2, push_pb2, push_pb2_grpc
 
@@ -180,7 +181,10 @@ class PushEndpoint:
     `advertise` is the host:port the cluster's master dials (default: the bound address,
     which must then be reachable from the master). Deliveries run on `max_workers`
     threads; a callback may be called from several at once for an unordered subscriber.
-    Use it as a context manager, or call close().
+    With `tls` (for a cluster with `[tls]` on, where `tls.push = "tls"` is the default) it
+    serves TLS with `tls.cert_file`/`key_file`, whose certificate must name the host the
+    master dials, and accepts only callers with a certificate from `tls.ca_file` (the
+    cluster's replicas). Use it as a context manager, or call close().
     """
 
     def __init__(
@@ -190,6 +194,7 @@ class PushEndpoint:
         advertise: str | None = None,
         max_workers: int = 4,
         max_message_bytes: int = ENDPOINT_MESSAGE_BYTES_MAX,
+        tls: TlsOptions | None = None,
     ) -> None:
         host, sep, _ = bind.rpartition(":")
         if not sep or not host:
@@ -202,6 +207,7 @@ class PushEndpoint:
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
         ]
+        credentials = tls.server_credentials() if tls is not None else None
         self._server = grpc.server(
             concurrent.futures.ThreadPoolExecutor(
                 max_workers=max_workers, thread_name_prefix="squall-push"
@@ -210,7 +216,10 @@ class PushEndpoint:
         )
         push_pb2_grpc.add_PushSubscriberServicer_to_server(_Servicer(self), self._server)
         try:
-            port = self._server.add_insecure_port(bind)
+            if credentials is None:
+                port = self._server.add_insecure_port(bind)
+            else:
+                port = self._server.add_secure_port(bind, credentials)
         except RuntimeError as exc:  # grpc's "failed to bind"
             raise ValueError(f"cannot listen on {bind!r}: {exc}") from None
         if port == 0:

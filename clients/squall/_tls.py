@@ -50,6 +50,23 @@ class TlsOptions:
         )
 
 
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """A push endpoint's credentials: it serves cert_file and key_file, and requires
+        the caller's certificate from ca_file (the cluster CA: only a replica gets in).
+        ValueError naming what is missing or cannot be used."""
+        if self.cert_file is None or self.key_file is None:
+            raise ValueError(
+                "TlsOptions: a PushEndpoint with TLS needs cert_file and key_file (a "
+                "certificate naming the host the cluster dials)"
+            )
+        ca = _read_pem(self.ca_file, "ca_file", b"-----BEGIN CERTIFICATE-----")
+        key = _read_pem(self.key_file, "key_file", b"PRIVATE KEY-----")
+        cert = _read_pem(self.cert_file, "cert_file", b"-----BEGIN CERTIFICATE-----")
+        return grpc.ssl_server_credentials(
+            [(key, cert)], root_certificates=ca, require_client_auth=True
+        )
+
+
 def _read_pem(path: str | Path, name: str, marker: bytes) -> bytes:
     file = Path(path)
     try:

@@ -236,6 +236,16 @@ class TlsConfig:
     enabled: bool = False
     ca_file: Path | None = None
     cert_dir: Path | None = None
+    # Push deliveries (the master dialling an app's PushSubscriber endpoint): "tls" (the
+    # endpoint's certificate verified against push_ca_file, default ca_file, for the
+    # endpoint's host; the replica presents its own certificate) or "plaintext".
+    push: str = "tls"
+    push_ca_file: Path | None = None
+
+    @property
+    def push_tls(self) -> bool:
+        """Whether a master reaches push endpoints over TLS."""
+        return self.enabled and self.push == "tls"
 
 
 @dataclass(frozen=True)
@@ -578,6 +588,10 @@ def _build_durability(table: Mapping[str, Any]) -> DurabilityConfig:
     return DurabilityConfig(master_sync=master_sync, replica_sync=replica_sync, acks=acks)
 
 
+# How a master reaches push endpoints with [tls] on (tls.push).
+PUSH_TRANSPORTS = ("tls", "plaintext")
+
+
 def _build_tls(table: Mapping[str, Any], base_dir: Path) -> TlsConfig:
     """[tls]; the paths resolve against the config file's directory, like data_dir."""
     known = [f.name for f in dataclasses.fields(TlsConfig)]
@@ -593,7 +607,16 @@ def _build_tls(table: Mapping[str, Any], base_dir: Path) -> TlsConfig:
             raise ConfigError(f"tls.{key}: required key is missing (tls.enabled is true)")
         else:
             paths[key] = None
-    return TlsConfig(enabled=enabled, ca_file=paths["ca_file"], cert_dir=paths["cert_dir"])
+    push_ca_file = None
+    if "push_ca_file" in table:
+        push_ca_file = _resolve_dir(table["push_ca_file"], "tls.push_ca_file", base_dir)
+    return TlsConfig(
+        enabled=enabled,
+        ca_file=paths["ca_file"],
+        cert_dir=paths["cert_dir"],
+        push=table.get("push", "tls"),  # checked by _validate_tls
+        push_ca_file=push_ca_file,
+    )
 
 
 def _parse_enum(value: object, field_name: str, names: Mapping[str, _E]) -> _E:
@@ -675,9 +698,16 @@ def _validate_tls(tls: TlsConfig) -> None:
     """
     if not isinstance(tls.enabled, bool):
         raise ConfigError(f"tls.enabled: must be true or false, got {_describe(tls.enabled)}")
+    if tls.push not in PUSH_TRANSPORTS:
+        raise ConfigError(
+            f"tls.push: must be one of {', '.join(map(repr, PUSH_TRANSPORTS))}, "
+            f"got {_describe(tls.push)}"
+        )
     if tls.enabled:
         tls_path(tls.ca_file, "tls.ca_file")
         tls_path(tls.cert_dir, "tls.cert_dir")
+    elif tls.push_ca_file is not None:
+        raise ConfigError("tls.push_ca_file: set, but tls.enabled is false (push is plaintext)")
 
 
 def tls_path(path: Path | None, field_name: str) -> Path:
@@ -696,6 +726,8 @@ def check_tls_identity(tls: TlsConfig, identity: str) -> None:
         tls_files.load_identity(
             tls_path(tls.ca_file, "tls.ca_file"), tls_path(tls.cert_dir, "tls.cert_dir"), identity
         )
+        if tls.push_ca_file is not None:
+            tls_files.read_ca(tls.push_ca_file, "tls.push_ca_file")
     except tls_files.TlsFileError as error:
         raise ConfigError(str(error)) from None
 

@@ -66,6 +66,13 @@ def _ca_pem(tls: TlsConfig) -> bytes:
     return read_ca(tls_path(tls.ca_file, "tls.ca_file"))[0]
 
 
+@functools.lru_cache(maxsize=64)
+def _push_ca_pem(tls: TlsConfig) -> bytes:
+    if tls.push_ca_file is None:
+        return _ca_pem(tls)
+    return read_ca(tls.push_ca_file, "tls.push_ca_file")[0]
+
+
 def cli_identity(config: ClusterConfig) -> str | None:
     """The identity the command line presents: `admin` when cert_dir holds its files."""
     if not config.tls.enabled or config.tls.cert_dir is None:
@@ -133,6 +140,27 @@ class Transport:
         return grpc.secure_channel(
             address, self.channel_credentials(), options=self._options(address, options, target)
         )
+
+    def push_channel(self, endpoint: str, *, options: Options = ()) -> grpc.aio.Channel:
+        """An asyncio channel to an app's push endpoint, TLS when tls.push says so.
+
+        An endpoint is an app's server, not a member: its certificate must name the
+        endpoint's host (the usual host name check) and chain to push_ca_file (default the
+        cluster CA); this replica presents its own certificate, so the app can tell that
+        the cluster is calling.
+        """
+        tls = self.config.tls
+        if not tls.push_tls:
+            return grpc.aio.insecure_channel(endpoint, options=options)
+        if self.identity is None:
+            raise ValueError("push deliveries over TLS need an identity to present")
+        files = _identity(tls, self.identity)
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=_push_ca_pem(tls),
+            private_key=files.key_pem,
+            certificate_chain=files.cert_pem,
+        )
+        return grpc.aio.secure_channel(endpoint, credentials, options=options)
 
     def server_credentials(self, *, require_client_cert: bool) -> grpc.ServerCredentials | None:
         """This process's server credentials (None while TLS is off).

@@ -76,10 +76,10 @@ def _certificates(data: bytes, path: Path, field_name: str) -> list[x509.Certifi
         raise TlsFileError(f"{field_name}: {path} holds a malformed certificate: {error}") from None
 
 
-def read_ca(path: Path) -> tuple[bytes, list[x509.Certificate]]:
-    """The CA file's bytes and certificates."""
-    data = _read(path, "tls.ca_file")
-    return data, _certificates(data, path, "tls.ca_file")
+def read_ca(path: Path, field_name: str = "tls.ca_file") -> tuple[bytes, list[x509.Certificate]]:
+    """The CA file's bytes and certificates (field_name: the [tls] key naming the file)."""
+    data = _read(path, field_name)
+    return data, _certificates(data, path, field_name)
 
 
 def check_dir(path: Path) -> None:

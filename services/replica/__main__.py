@@ -39,6 +39,12 @@ async def serve(config: ClusterConfig, node_config: NodeConfig, stop: asyncio.Ev
     make_private_dir(node_config.data_dir)
     check_data_dir(node_config.data_dir, f"replica {node_config.id}")
     check_own_key(config.tls, node_config.id, f"replica {node_config.id}")
+    if config.tls.enabled and not config.tls.push_tls:
+        log.warning(
+            'replica %s: push deliveries to apps are plaintext (tls.push = "plaintext"): '
+            "event payloads cross the network unencrypted to every push endpoint",
+            node_config.id,
+        )
     # Held until the process exits: the offline store tools and a second replica on the
     # same directory refuse while it is.
     lock = DataDirLock(node_config.data_dir)

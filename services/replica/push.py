@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from services.common.errors import Code, ServiceError
+from services.common.tls import handshake_failure, transport
 from services.replica import commands
 from services.replica.push_policy import (
     DeliveryState,
@@ -76,6 +77,23 @@ def _channel_options(max_message_bytes: int, reconnect_max_ms: int) -> list[tupl
 
 def _detail(error: grpc.aio.AioRpcError) -> str:
     return " ".join((error.details() or "").split())[:_DETAIL_CHARS_MAX]
+
+
+def _push_channel(
+    node: ReplicaNode, endpoint: str, options: list[tuple[str, int]]
+) -> grpc.aio.Channel:
+    """A channel to an app's endpoint: TLS unless [tls] is off or tls.push is "plaintext"."""
+    return transport(node.config, node.node.id).push_channel(endpoint, options=options)
+
+
+def _tls_hint(node: ReplicaNode, error: grpc.aio.AioRpcError) -> str:
+    """What an app must serve when a probe failed in the TLS handshake."""
+    if not node.config.tls.push_tls or not handshake_failure(error.details()):
+        return ""
+    return (
+        "; with tls.push = \"tls\" the endpoint must serve TLS with a certificate for its "
+        "host from the cluster's push CA (squall.PushEndpoint(tls=...), docs/security.md)"
+    )
 
 
 class PushDelivery:
@@ -160,9 +178,7 @@ class PushDelivery:
             master_id=node.node.id,
             epoch=node.epoch,
         )
-        # Plaintext also with [tls] on: an app's endpoint has no member certificate to
-        # expect (docs/security.md, "Push subscribers").
-        async with grpc.aio.insecure_channel(endpoint, options=options) as channel:
+        async with _push_channel(node, endpoint, options) as channel:
             try:
                 await push_pb2_grpc.PushSubscriberStub(channel).Deliver(
                     request, timeout=timeouts.push_deliver_timeout_ms / 1000
@@ -171,8 +187,8 @@ class PushDelivery:
                 raise ServiceError(
                     Code.FAILED_PRECONDITION,
                     f"push subscriber '{subscriber_id}' at {endpoint} cannot be reached or "
-                    f"refused the subscribe probe ({exc.code().name}: {_detail(exc)}); "
-                    "nothing was registered",
+                    f"refused the subscribe probe ({exc.code().name}: {_detail(exc)})"
+                    f"{_tls_hint(node, exc)}; nothing was registered",
                 ) from None
 
     # --- supervision
@@ -220,10 +236,10 @@ class _Worker:
         self._cursor_task: asyncio.Task[None] | None = None
         self._attempts: dict[int, int] = {}  # first offset of a failed batch -> failures
         timeouts = self._node.config.timeouts
-        # Plaintext by design, as in the probe above (docs/security.md).
-        self._channel = grpc.aio.insecure_channel(
+        self._channel = _push_channel(
+            self._node,
             subscriber.endpoint,
-            options=_channel_options(limits.max_message_bytes, timeouts.push_retry_backoff_max_ms),
+            _channel_options(limits.max_message_bytes, timeouts.push_retry_backoff_max_ms),
         )
         self._stub = push_pb2_grpc.PushSubscriberStub(self._channel)
         self.task = asyncio.get_running_loop().create_task(

@@ -3,7 +3,7 @@
 * A replica whose data directory is world-writable starts, serves, and says so in its log
   as a WARNING naming the directory, its mode and the `chmod` that fixes it.
 * With TLS on, a service whose private key others can read starts and warns, naming the
-  key file and `chmod 600`.
+  key file and `chmod 600`; a replica told to push to apps in plaintext warns too.
 * A distinctive fake secret sent every way one reaches a service — call metadata
   (`authorization: Bearer ...`, `x-api-key`) on good and refused calls, through the gateway
   and straight to the replica, and the configuration (an OTLP endpoint with a password in
@@ -78,6 +78,19 @@ def test_a_tls_service_whose_key_others_can_read_starts_and_warns(
     # Warned, not refused: the cluster serves over TLS.
     stub = broker_pb2_grpc.TopicManagerStub(cluster.channel())
     stub.CreateTopic(broker_pb2.CreateTopicRequest(name="after-key-warning"), timeout=10)
+
+
+def test_a_tls_cluster_with_plaintext_push_deliveries_says_so_at_start_up(
+    cluster_factory: object, tmp_path: Path
+) -> None:
+    certs = tmp_path / "certs"
+    tls = {"enabled": True, "ca_file": str(certs / "ca.crt"), "cert_dir": str(certs)}
+    cluster = cluster_factory(tls={**tls, "push": "plaintext"})  # type: ignore[operator]
+    assert isinstance(cluster, LocalCluster)
+    dev_certs.make_dev_certs(certs, dev_certs.subjects(cluster.config, []))
+    cluster.start_all()
+    [line] = [line for line in cluster.log("replica", "n1").splitlines() if "plaintext" in line]
+    assert " WARNING " in line and 'tls.push = "plaintext"' in line, line
 
 
 def _calls_with_the_secret(address: str) -> None:

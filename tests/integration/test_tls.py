@@ -1,7 +1,8 @@
 """TLS on every link, with real processes and real certificates (`squall certs dev`).
 
 Goal: a cluster with `[tls] enabled = true` elects a master and replicates over mutual
-TLS, apps publish and subscribe through the library with TLS; whatever cannot prove who
+TLS, apps publish and subscribe through the library with TLS, push deliveries reach an
+app's endpoint over mutual TLS; whatever cannot prove who
 it is gets nothing: a plaintext client, a client dialling a node under the wrong name, a
 node whose certificate names another node or comes from another CA, and a peer whose
 certificate does not match the sender id it claims.
@@ -26,6 +27,8 @@ from squall.v1 import (
     common_pb2,
     coordinator_pb2,
     coordinator_pb2_grpc,
+    push_pb2,
+    push_pb2_grpc,
     replica_pb2,
     replica_pb2_grpc,
 )
@@ -299,3 +302,61 @@ def _load(path: Path) -> ClusterConfig:
     from services.common.config import load_config
 
     return load_config(path)
+
+
+def test_push_deliveries_run_over_mutual_tls_to_an_endpoint_that_proves_its_host(
+    cluster_factory: object, tmp_path: Path
+) -> None:
+    certs = tmp_path / "certs"
+    cluster = cluster_factory(  # type: ignore[operator]
+        "single.toml",
+        tls={"enabled": True, "ca_file": str(certs / "ca.crt"), "cert_dir": str(certs)},
+    )
+    assert isinstance(cluster, LocalCluster)
+    _certify(cluster, certs)
+    cluster.start_all()
+    cluster.wait_for_master()
+    app_tls = _app_tls(cluster)
+    received: list[bytes] = []
+    with squall.connect(cluster.gateway_address, timeout_s=10, tls=app_tls) as app:
+        app.create_topic("pushed")
+        topic = app.topic("pushed")
+        with squall.PushEndpoint(tls=app_tls) as endpoint:
+            topic.subscribe_push(
+                "billing",
+                endpoint,
+                reliability="ordered",
+                retry_count=-1,
+                start="earliest",
+                on_delivery=lambda d: received.extend(m.payload for m in d.messages),
+            )
+            publisher = topic.publisher("pusher")
+            for i in range(5):
+                publisher.publish(b"event %d" % i)
+            wait_for(lambda: len(received) >= 5, 20, "five events pushed over TLS")
+            # Only the cluster gets in: a caller without a certificate from its CA is refused
+            # in the handshake, before any callback runs.
+            ca = Path(str(cluster.config.tls.ca_file)).read_bytes()
+            with grpc.secure_channel(endpoint.address, grpc.ssl_channel_credentials(ca)) as ch:
+                with pytest.raises(grpc.RpcError) as stranger:
+                    push_pb2_grpc.PushSubscriberStub(ch).Deliver(
+                        push_pb2.PushDeliverRequest(topic="pushed", subscriber_id="billing"),
+                        timeout=5,
+                    )
+            assert stranger.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert received[:5] == [b"event %d" % i for i in range(5)]
+
+        # A plaintext endpoint is refused at subscribe, saying what it must serve.
+        with squall.PushEndpoint() as plain, pytest.raises(squall.FailedPrecondition) as refused:
+            topic.subscribe_push("plain", plain, on_delivery=lambda d: None)
+        assert 'tls.push = "tls"' in str(refused.value), refused.value
+        # So is an endpoint whose certificate the cluster's CA did not sign.
+        other = tmp_path / "other-ca"
+        dev_certs.make_dev_certs(other, dev_certs.subjects(None, ["app"]))
+        forged = squall.TlsOptions(
+            ca_file=certs / "ca.crt", cert_file=other / "app.crt", key_file=other / "app.key"
+        )
+        with squall.PushEndpoint(tls=forged) as impostor:
+            with pytest.raises(squall.FailedPrecondition):
+                topic.subscribe_push("impostor", impostor, on_delivery=lambda d: None)
+        assert [s.subscriber_id for s in topic.push_subscribers()] == ["billing"]

@@ -62,12 +62,48 @@ def test_relative_tls_paths_resolve_against_the_config_directory(tmp_path: Path)
         ('enabled = "yes"\n', "tls.enabled: must be true or false, got 'yes'"),
         ("enabeld = true\n", "unknown key 'enabeld' in [tls]; did you mean 'enabled'?"),
         ('enabled = true\nca_file = 3\ncert_dir = "c"\n', "tls.ca_file: must be a string"),
+        (
+            'enabled = true\nca_file = "c/ca.crt"\ncert_dir = "c"\npush = "off"\n',
+            "tls.push: must be one of 'tls', 'plaintext', got 'off'",
+        ),
+        ('push_ca_file = "c/ca.crt"\n', "tls.push_ca_file: set, but tls.enabled is false"),
     ],
 )
 def test_a_bad_tls_section_is_named(tmp_path: Path, tls: str, message: str) -> None:
     with pytest.raises(ConfigError) as error:
         load_config(_with_tls(tmp_path, tls))
     assert message in str(error.value)
+
+
+def test_push_deliveries_use_tls_once_tls_is_on_unless_told_plaintext(tmp_path: Path) -> None:
+    on = 'enabled = true\nca_file = "c/ca.crt"\ncert_dir = "c"\n'
+    assert load_config(_with_tls(tmp_path, on)).tls.push_tls
+    assert not load_config(_with_tls(tmp_path, on + 'push = "plaintext"\n')).tls.push_tls
+    assert not parse_config(VALID, "cluster.toml").tls.push_tls
+
+
+def test_a_service_checks_the_push_ca_file_at_start_up(tmp_path: Path, certs: Path) -> None:
+    path = _with_tls(
+        tmp_path,
+        f'enabled = true\nca_file = "{certs / "ca.crt"}"\ncert_dir = "{certs}"\n'
+        f'push_ca_file = "{certs / "app.key"}"\n',
+    )
+    with pytest.raises(ConfigError) as error:
+        check_tls_identity(load_config(path).tls, "n1")
+    assert f"tls.push_ca_file: {certs / 'app.key'} is not a PEM certificate file" in str(
+        error.value
+    )
+
+
+def test_a_tls_push_endpoint_needs_a_certificate_and_key(certs: Path) -> None:
+    with pytest.raises(ValueError, match="a PushEndpoint with TLS needs cert_file and key_file"):
+        squall.PushEndpoint(tls=squall.TlsOptions(ca_file=certs / "ca.crt"))
+    with pytest.raises(ValueError, match=r"TlsOptions\.cert_file: .* is not PEM"):
+        squall.PushEndpoint(
+            tls=squall.TlsOptions(
+                ca_file=certs / "ca.crt", cert_file=certs / "app.key", key_file=certs / "app.key"
+            )
+        )
 
 
 def _tls_config(tmp_path: Path, certs: Path) -> Path:
