@@ -41,17 +41,20 @@ def _certify(cluster: LocalCluster, directory: Path) -> None:
     dev_certs.make_dev_certs(directory, dev_certs.subjects(cluster.config, ["app"]))
 
 
-@pytest.fixture
-def tls_trio(cluster_factory: object, tmp_path: Path) -> Iterator[LocalCluster]:
-    """A three-node TLS cluster (not started) whose certificates are in tmp_path/certs."""
-    certs = tmp_path / "certs"
+def _tls_cluster(cluster_factory: object, certs: Path, template: str) -> LocalCluster:
+    """A TLS cluster from a deploy/ template (not started), its certificates in certs."""
     cluster = cluster_factory(  # type: ignore[operator]
-        "cluster.example.toml",
-        tls={"enabled": True, "ca_file": str(certs / "ca.crt"), "cert_dir": str(certs)},
+        template, tls={"enabled": True, "ca_file": str(certs / "ca.crt"), "cert_dir": str(certs)}
     )
     assert isinstance(cluster, LocalCluster)
     _certify(cluster, certs)
-    yield cluster
+    return cluster
+
+
+@pytest.fixture
+def tls_trio(cluster_factory: object, tmp_path: Path) -> Iterator[LocalCluster]:
+    """A three-node TLS cluster (not started) whose certificates are in tmp_path/certs."""
+    yield _tls_cluster(cluster_factory, tmp_path / "certs", "cluster.example.toml")
 
 
 def _app_tls(cluster: LocalCluster, *, client_cert: bool = True) -> squall.TlsOptions:
@@ -308,12 +311,7 @@ def test_push_deliveries_run_over_mutual_tls_to_an_endpoint_that_proves_its_host
     cluster_factory: object, tmp_path: Path
 ) -> None:
     certs = tmp_path / "certs"
-    cluster = cluster_factory(  # type: ignore[operator]
-        "single.toml",
-        tls={"enabled": True, "ca_file": str(certs / "ca.crt"), "cert_dir": str(certs)},
-    )
-    assert isinstance(cluster, LocalCluster)
-    _certify(cluster, certs)
+    cluster = _tls_cluster(cluster_factory, certs, "single.toml")
     cluster.start_all()
     cluster.wait_for_master()
     app_tls = _app_tls(cluster)
