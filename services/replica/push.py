@@ -348,8 +348,12 @@ class _Worker:
             position = state.position
             for _ in range(state.new_batches()):
                 if transient:
-                    events = node.transient.read(s.topic, position, limits.push_batch_max_events)
-                    events = _within_bytes(events, limits.push_batch_max_bytes)
+                    events = node.transient.read(
+                        s.topic,
+                        position,
+                        limits.push_batch_max_events,
+                        max_bytes=limits.push_batch_max_bytes,
+                    )
                 else:
                     hidden = node.visible_end(s.topic)
                     if hidden and position >= hidden:
@@ -430,11 +434,3 @@ class _Worker:
             self._durable = max(self._durable, plan.cursor)
 
 
-def _within_bytes(events: list[common_pb2.Event], max_bytes: int) -> list[common_pb2.Event]:
-    """The first events whose keys and payloads fit max_bytes (at least one)."""
-    total = 0
-    for i, event in enumerate(events):
-        total += len(event.key) + len(event.payload)
-        if i and total > max_bytes:
-            return events[:i]
-    return events

@@ -333,8 +333,14 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
         self, request: broker_pb2.SubscribeRequest, context: Context
     ) -> AsyncIterator[broker_pb2.SubscribeResponse]:
         node = self.node
-        limit = node.config.limits.subscribe_batch_max_events
-        batch = min(request.max_batch_events or limit, limit)
+        limits = node.config.limits
+        batch = min(
+            request.max_batch_events or limits.subscribe_batch_max_events,
+            limits.subscribe_batch_max_events,
+        )
+        # Keys and payloads per response: a batch of large events must still fit in one
+        # gRPC message (the server's and the app's).
+        batch_bytes = min(request.max_batch_bytes or limits.max_batch_bytes, limits.max_batch_bytes)
         try:
             with _translating(self.node):
                 topic = node.topic(request.topic)
@@ -362,14 +368,18 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
             try:
                 with _translating(self.node):
                     if transient:
-                        events = node.transient.read(topic.name, position, count)
+                        events = node.transient.read(
+                            topic.name, position, count, max_bytes=batch_bytes
+                        )
                     else:
                         hidden = node.visible_end(topic.name)
                         stop = min(end, hidden) if end and hidden else (end or hidden)
                         events = (
                             []
                             if stop and position >= stop
-                            else node.store.read_events(topic.name, position, count, stop)
+                            else node.store.read_events(
+                                topic.name, position, count, stop, max_bytes=batch_bytes
+                            )
                         )
             except ServiceError as exc:
                 await abort(context, exc)

@@ -78,15 +78,28 @@ class TransientTopics:
         """The offset the next transient event of `topic` gets."""
         return self._ring(topic).next_offset
 
-    def read(self, topic: str, from_offset: int, max_events: int) -> list[common_pb2.Event]:
-        """Events at or after from_offset still in the ring (skipping ahead if needed)."""
+    def read(
+        self, topic: str, from_offset: int, max_events: int, *, max_bytes: int = 0
+    ) -> list[common_pb2.Event]:
+        """Events at or after from_offset still in the ring (skipping ahead if needed).
+
+        At most max_events and, when max_bytes > 0, no more keys and payloads than that
+        (but at least one event), as Store.read_events.
+        """
         ring = self._ring(topic)
         if not ring.events or from_offset >= ring.next_offset:
             return []
         first = ring.events[0].offset
         start = max(from_offset, first) - first
-        end = min(len(ring.events), start + max_events)
-        return [ring.events[i] for i in range(start, end)]
+        out: list[common_pb2.Event] = []
+        size_bytes = 0
+        for i in range(start, min(len(ring.events), start + max_events)):
+            event = ring.events[i]
+            size_bytes += len(event.key) + len(event.payload)
+            if max_bytes > 0 and out and size_bytes > max_bytes:
+                break
+            out.append(event)
+        return out
 
     def drop(self, topic: str) -> None:
         """Forgets a destroyed topic's ring."""

@@ -383,6 +383,7 @@ class SubscribeRequest(_message.Message):
     FOLLOW_FIELD_NUMBER: _builtins.int
     MAX_BATCH_EVENTS_FIELD_NUMBER: _builtins.int
     END_OFFSET_FIELD_NUMBER: _builtins.int
+    MAX_BATCH_BYTES_FIELD_NUMBER: _builtins.int
     topic: _builtins.str
     """The topic to read."""
     subscription: _builtins.str
@@ -399,6 +400,11 @@ class SubscribeRequest(_message.Message):
     """The most events per response message (0: the server's default)."""
     end_offset: _builtins.int
     """Stop after this offset (exclusive); 0 means no end. Used by batch readers."""
+    max_batch_bytes: _builtins.int
+    """The most bytes of keys and payloads per response message (0, or more than the
+    server's limits.max_batch_bytes: that limit). A response holds at least one event, so
+    a reader must accept messages of max_event_bytes plus the event's other fields.
+    """
     def __init__(
         self,
         *,
@@ -409,10 +415,11 @@ class SubscribeRequest(_message.Message):
         follow: _builtins.bool = ...,
         max_batch_events: _builtins.int = ...,
         end_offset: _builtins.int = ...,
+        max_batch_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_offset", b"end_offset", "follow", b"follow", "max_batch_events", b"max_batch_events", "offset", b"offset", "start", b"start", "subscription", b"subscription", "topic", b"topic"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_offset", b"end_offset", "follow", b"follow", "max_batch_bytes", b"max_batch_bytes", "max_batch_events", b"max_batch_events", "offset", b"offset", "start", b"start", "subscription", b"subscription", "topic", b"topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

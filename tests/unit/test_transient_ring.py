@@ -1,0 +1,38 @@
+"""The transient topics' ring (services/replica/transient.py).
+
+Goal: a reader gets the events still held, from where it asks or the oldest kept, and
+never more keys and payloads per read than it allows (but always one event), so a
+response of large transient events fits in one gRPC message as a stored topic's does.
+"""
+
+from __future__ import annotations
+
+from services.replica.transient import TransientTopics
+from squall.v1 import broker_pb2, common_pb2
+
+
+def _publish(rings: TransientTopics, *payloads: bytes) -> None:
+    request = broker_pb2.PublishRequest(
+        topic="live", events=[common_pb2.EventData(payload=p) for p in payloads]
+    )
+    rings.publish(request, epoch=1, now_ms=0, master_id="n1")
+
+
+def test_a_read_stops_before_its_bytes_are_exceeded_but_returns_one_event() -> None:
+    rings = TransientTopics(capacity_events=100)
+    rings.new_epoch(1)
+    first = rings.next_offset("live")
+    _publish(rings, b"a" * 400, b"b" * 400, b"c" * 400)
+    assert [len(e.payload) for e in rings.read("live", first, 10, max_bytes=800)] == [400, 400]
+    assert [e.offset for e in rings.read("live", first + 1, 10, max_bytes=100)] == [first + 1]
+    assert len(rings.read("live", first, 10)) == 3  # no byte bound
+    assert len(rings.read("live", first, 2, max_bytes=10_000)) == 2
+
+
+def test_a_reader_behind_the_ring_skips_to_the_oldest_event_held() -> None:
+    rings = TransientTopics(capacity_events=2)
+    rings.new_epoch(1)
+    first = rings.next_offset("live")
+    _publish(rings, b"1", b"2", b"3")
+    assert [e.payload for e in rings.read("live", first, 10)] == [b"2", b"3"]
+    assert rings.read("live", first + 3, 10) == []
