@@ -31,8 +31,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--client",
         action="append",
         default=[],
-        metavar="NAME",
-        help="also a client certificate NAME (apps using publisher proxies); repeatable",
+        metavar="NAME[@HOST,...]",
+        help="also a client certificate NAME (apps using publisher proxies); HOSTs it also "
+        "names, for a push endpoint the cluster dials there; repeatable",
     )
     dev.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
     dev.add_argument("--force", action="store_true", help="overwrite existing files")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from services.common.tls import ADMIN_ID
 from services.common.tls_files import identity_paths, write_private
 
 CA_NAME = "ca"
+_HOST_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 DAYS_MAX = 3650
 
 
@@ -52,7 +54,9 @@ def subjects(config: ClusterConfig | None, clients: list[str]) -> list[Subject]:
         for gateway in config.gateways:
             subject = found.setdefault(gateway.id, Subject(gateway.id))
             subject.hosts.add(parse_address(gateway.address)[0])
-    for name in [ADMIN_ID, *clients]:
+    for client in [ADMIN_ID, *clients]:
+        # NAME@HOST,HOST: a client that also serves a push endpoint on those hosts.
+        name, _, hosts = client.partition("@")
         try:
             validate_node_id(name, "client name")
         except ValueError as error:
@@ -62,10 +66,22 @@ def subjects(config: ClusterConfig | None, clients: list[str]) -> list[Subject]:
                 f"{name!r} is already a node or gateway id in the config; a client "
                 "certificate must not carry a member's name"
             )
-        found[name] = Subject(name)
+        found[name] = Subject(name, {_host(host, client) for host in hosts.split(",") if hosts})
     if CA_NAME in found:
         raise CertsError(f"{CA_NAME!r} is reserved for the CA's own files")
     return list(found.values())
+
+
+def _host(host: str, client: str) -> str:
+    """A host name or IP address a client certificate names, checked."""
+    try:
+        return str(ipaddress.ip_address(host.strip("[]")))
+    except ValueError:
+        pass
+    labels = host.rstrip(".").split(".")
+    if not host or len(host) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
+        raise CertsError(f"--client {client}: {host!r} is not a host name or IP address")
+    return host
 
 
 def _alt_names(subject: Subject) -> list[x509.GeneralName]:

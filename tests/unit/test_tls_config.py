@@ -238,6 +238,27 @@ def test_a_client_certificate_may_not_carry_a_members_name(
     assert not (tmp_path / "c").exists()
 
 
+def test_a_client_certificate_names_the_hosts_its_push_endpoint_serves_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "certs"
+    assert cli.main(["certs", "dev", str(out), "--client", "billing@10.0.0.7,app.example.net"]) == 0
+    assert "certificates for admin, billing" in capsys.readouterr().out
+    cert = x509.load_pem_x509_certificate((out / "billing.crt").read_bytes())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert set(names.get_values_for_type(x509.DNSName)) == {
+        "billing",
+        "localhost",
+        "app.example.net",
+    }
+    ips = {str(ip) for ip in names.get_values_for_type(x509.IPAddress)}
+    assert {"10.0.0.7", "127.0.0.1"} <= ips
+    assert cli.main(["certs", "dev", str(tmp_path / "bad"), "--client", "billing@no host"]) == 1
+    assert "--client billing@no host: 'no host' is not a host name or IP address" in (
+        capsys.readouterr().err
+    )
+
+
 # --------------------------------------------------------------------------- library
 
 
