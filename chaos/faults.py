@@ -17,11 +17,13 @@ The kinds and what each one does:
                 2-node minority and the majority (chaos/netns.py); needs namespaces.
 ``map_full``    the node's LMDB commits fail with ``lmdb.MapFullError``
                 (services/replica/fault_hooks.py), then succeed again.
-``corrupt``     stop the node, flip one byte inside one stored event record of its store
-                (found through LMDB's own reader, then in the data file), restart it. At
-                the end a reader asks that node for the damaged event: the record's
-                checksum must fail (DATA_LOSS) and the node quarantine itself (a finding
-                otherwise). Heal: stop it, move the damaged store aside, restart it
+``corrupt``     stop the node, flip one byte inside one stored record of an event it
+                serves (found through LMDB's own reader, then in the data file), restart
+                it. At the end a reader asks that node for the damaged event: the
+                record's checksum must fail (DATA_LOSS) and the node quarantine itself,
+                unless the damage is gone from the store (a node that truncated its log
+                on rejoining rebuilt the store from the log) and the event is served
+                intact (``judge_undetected``); anything else is a finding. Heal: stop it, move the damaged store aside, restart it
                 empty, ``squall cluster unquarantine``; it rejoins and is brought up to
                 date by the master (log or snapshot).
 ``slow_disk``   every fsync of the node's store waits fsync_delay_ms first.
@@ -44,9 +46,10 @@ import grpc
 
 from chaos.cluster import GATEWAY_IDS, ChaosCluster, ClusterError
 from chaos.history import HistoryWriter
+from services.replica.committed import gate_from_store
 from services.replica.store import DATABASES, DB_EVENTS, Store
 from services.replica.store_lmdb import LmdbKV
-from squall.v1 import broker_pb2, broker_pb2_grpc
+from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2
 
 KINDS = ("kill", "pause", "partition", "map_full", "corrupt", "slow_disk", "clock_jump")
 NOT_APPLICABLE = {
@@ -270,21 +273,23 @@ class FaultRunner:
         if damage is not None and damage.topic:
             # A reader of the damaged record, served by this node: it must get DATA_LOSS,
             # and the node must quarantine itself.
-            code = read_event(
+            code, served = read_event(
                 cluster.config.node(node_id).replica_address, damage.topic, damage.offset
             )
-            deadline = time.monotonic() + _QUARANTINE_WAIT_S
-            quarantined = False
-            # Bounded by the deadline: one status call per pass.
-            while not quarantined and time.monotonic() < deadline:
-                status = cluster.coordinator_status(node_id)
-                quarantined = status is not None and status.HasField("quarantine")
-                if not quarantined:
-                    time.sleep(0.1)
-            seen = f"a read of {damage.topic}@{damage.offset} from {node_id} got {code}; " + (
-                "the node quarantined itself" if quarantined else "the node was NOT quarantined"
-            )
-            if code != "DATA_LOSS" or not quarantined:
+            seen = f"a read of {damage.topic}@{damage.offset} from {node_id} got {code}; "
+            if code == "DATA_LOSS":
+                quarantined = self._wait_quarantined(node_id)
+                seen += (
+                    "the node quarantined itself"
+                    if quarantined
+                    else "the node was NOT quarantined"
+                )
+                right = quarantined
+            else:
+                data = (cluster.data_dir(node_id) / "data.mdb").read_bytes()
+                why, right = judge_undetected(code, served, damage, damage.damaged in data)
+                seen += why
+            if not right:
                 self.findings.append(f"corrupt {node_id}: {seen}")
         cluster.stop_node(node_id)
         self._damaged += 1
@@ -317,6 +322,17 @@ class FaultRunner:
             raise ClusterError(f"unquarantine {node_id} failed: {result.stdout}{result.stderr}")
         return f"{seen}; store moved to {aside}, node restarted empty, unquarantined"
 
+    def _wait_quarantined(self, node_id: str) -> bool:
+        """Whether the node's coordinator reports it quarantined within _QUARANTINE_WAIT_S."""
+        deadline = time.monotonic() + _QUARANTINE_WAIT_S
+        # Bounded by the deadline: one status call per pass.
+        while time.monotonic() < deadline:
+            status = self.cluster.coordinator_status(node_id)
+            if status is not None and status.HasField("quarantine"):
+                return True
+            time.sleep(0.1)
+        return False
+
     def heal_all(self) -> None:
         """Ends every fault whatever state it is in: resume paused nodes, delete blackhole
         routes, clear fault controls, start anything not running. Best effort."""
@@ -339,11 +355,37 @@ class FaultRunner:
 
 @dataclass(frozen=True)
 class Damage:
-    """What flip_event_byte did: the damaged event (topic "" if none) and a description."""
+    """What flip_event_byte did: the damaged event (topic "" if none) and a description;
+    the event as it was stored, and the damaged record's bytes as they are now."""
 
     topic: str
     offset: int
     note: str
+    original: common_pb2.Event | None = None
+    damaged: bytes = b""
+
+
+def judge_undetected(
+    code: str, served: common_pb2.Event | None, damage: Damage, still_stored: bool
+) -> tuple[str, bool]:
+    """What a read of the damaged event that did not end in DATA_LOSS means, and whether
+    Squall was right.
+
+    Right only when the damage is gone: a node that truncates its log on rejoining (a
+    deposed master's uncommitted suffix) rebuilds its store from its own log, which the
+    flip did not touch, so the record is whole again and the event is served intact.
+    """
+    if code != "OK":
+        return f"the read failed with {code}, not DATA_LOSS", False
+    if served is not None and served != damage.original:
+        return "the node served the event ALTERED", False
+    if still_stored:
+        return "the damaged record is still in the store and was NOT detected", False
+    return (
+        "the event intact: the damaged record is gone from the store (rebuilt from its "
+        "log since the flip, by a truncation or a snapshot on rejoining)",
+        True,
+    )
 
 
 def flip_event_byte(data_dir: Path, rng: random.Random) -> Damage:
@@ -357,13 +399,26 @@ def flip_event_byte(data_dir: Path, rng: random.Random) -> Damage:
             records = list(txn.scan(DB_EVENTS))
     finally:
         kv.close()
-    if not records:
-        return Damage("", 0, "no event stored yet: nothing to corrupt")
-    key, value = rng.choice(records)
-    topic_id, offset = struct.unpack(">QQ", key)
     store = Store.open_lmdb(data_dir, 0, readonly=True, lock=False)
     try:
         names = {info.topic_id: info.name for info in store.list_topics()}
+        # Only events the node serves: a reader must reach the damaged record.
+        gate = gate_from_store(store)
+        served_end = {
+            info.topic_id: min(info.next_offset, gate.hidden_from(info.name) or info.next_offset)
+            for info in store.list_topics()
+        }
+        records = [
+            (key, value)
+            for key, value in records
+            if struct.unpack(">QQ", key)[1] < served_end.get(struct.unpack(">QQ", key)[0], 0)
+        ]
+        if not records:
+            return Damage("", 0, "no committed event stored yet: nothing to corrupt")
+        key, value = rng.choice(records)
+        topic_id, offset = struct.unpack(">QQ", key)
+        topic = names.get(topic_id, "")
+        [original] = store.read_events(topic, offset, 1)
     finally:
         store.close()
     # Past the 4-byte CRC: the checksum must be what no longer matches.
@@ -377,7 +432,8 @@ def flip_event_byte(data_dir: Path, rng: random.Random) -> Damage:
         data[start + position] ^= 0xFF
         copies += 1
         start = data.find(value, start + len(value))
-    topic = names.get(topic_id, "")
+    damaged = bytearray(value)
+    damaged[position] ^= 0xFF
     if not copies:
         return Damage("", 0, f"event record {key.hex()} not found in {data_path}: nothing done")
     data_path.write_bytes(bytes(data))
@@ -386,12 +442,14 @@ def flip_event_byte(data_dir: Path, rng: random.Random) -> Damage:
         offset,
         f"flipped byte {position} of the record of event {topic}@{offset} ({copies} copies "
         "in the file)",
+        original,
+        bytes(damaged),
     )
 
 
-def read_event(address: str, topic: str, offset: int) -> str:
+def read_event(address: str, topic: str, offset: int) -> tuple[str, common_pb2.Event | None]:
     """Reads one event from a replica (a reader of the damaged record); returns the status
-    code name it ended with ("OK" if it served the event)."""
+    code name it ended with ("OK" if the read succeeded) and the event it served, if any."""
     request = broker_pb2.SubscribeRequest(
         topic=topic,
         start=broker_pb2.START_POSITION_OFFSET,
@@ -399,10 +457,11 @@ def read_event(address: str, topic: str, offset: int) -> str:
         end_offset=offset + 1,
         follow=False,
     )
+    served: common_pb2.Event | None = None
     with grpc.insecure_channel(address) as channel:
         try:
-            for _ in broker_pb2_grpc.SubscriberStub(channel).Subscribe(request, timeout=5):
-                pass
+            for response in broker_pb2_grpc.SubscriberStub(channel).Subscribe(request, timeout=5):
+                served = next((e for e in response.events if e.offset == offset), served)
         except grpc.RpcError as exc:
-            return str(exc.code().name)
-    return "OK"
+            return str(exc.code().name), None
+    return "OK", served
