@@ -23,9 +23,10 @@ The kinds and what each one does:
                 record's checksum must fail (DATA_LOSS) and the node quarantine itself,
                 unless the damage is gone from the store (a node that truncated its log
                 on rejoining rebuilt the store from the log) and the event is served
-                intact (``judge_undetected``); anything else is a finding. Heal: stop it, move the damaged store aside, restart it
-                empty, ``squall cluster unquarantine``; it rejoins and is brought up to
-                date by the master (log or snapshot).
+                intact (``judge_undetected``); anything else is a finding. Heal: stop
+                it, move the damaged store aside, restart it empty, ``squall cluster
+                unquarantine``; it rejoins and is brought up to date by the master (log
+                or snapshot).
 ``slow_disk``   every fsync of the node's store waits fsync_delay_ms first.
 ``clock_jump``  not applicable: no Squall timeout reads wall time (``NOT_APPLICABLE``).
 """
