@@ -49,7 +49,6 @@ class TlsOptions:
             root_certificates=ca, private_key=key, certificate_chain=cert
         )
 
-
     def server_credentials(self) -> grpc.ServerCredentials:
         """A push endpoint's credentials: it serves cert_file and key_file, and requires
         the caller's certificate from ca_file (the cluster CA: only a replica gets in).

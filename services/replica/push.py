@@ -432,5 +432,3 @@ class _Worker:
                 )
                 return
             self._durable = max(self._durable, plan.cursor)
-
-
