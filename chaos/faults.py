@@ -378,7 +378,9 @@ def judge_undetected(
     """
     if code != "OK":
         return f"the read failed with {code}, not DATA_LOSS", False
-    if served is not None and served != damage.original:
+    if served is None:
+        return "the read got OK but did not serve the event", False
+    if served != damage.original:
         return "the node served the event ALTERED", False
     if still_stored:
         return "the damaged record is still in the store and was NOT detected", False
@@ -387,6 +389,12 @@ def judge_undetected(
         "log since the flip, by a truncation or a snapshot on rejoining)",
         True,
     )
+
+
+def _served(key: tuple[int, int], served_end: dict[int, int]) -> bool:
+    """Whether the event at (topic id, offset) is below its topic's served end."""
+    topic_id, offset = key
+    return offset < served_end.get(topic_id, 0)
 
 
 def flip_event_byte(data_dir: Path, rng: random.Random) -> Damage:
@@ -402,17 +410,17 @@ def flip_event_byte(data_dir: Path, rng: random.Random) -> Damage:
         kv.close()
     store = Store.open_lmdb(data_dir, 0, readonly=True, lock=False)
     try:
-        names = {info.topic_id: info.name for info in store.list_topics()}
+        topics = store.list_topics()
+        names = {info.topic_id: info.name for info in topics}
         # Only events the node serves: a reader must reach the damaged record.
         gate = gate_from_store(store)
         served_end = {
-            info.topic_id: min(info.next_offset, gate.hidden_from(info.name) or info.next_offset)
-            for info in store.list_topics()
+            info.topic_id: gate.hidden_from(info.name) or info.next_offset for info in topics
         }
         records = [
             (key, value)
             for key, value in records
-            if struct.unpack(">QQ", key)[1] < served_end.get(struct.unpack(">QQ", key)[0], 0)
+            if _served(struct.unpack(">QQ", key), served_end)
         ]
         if not records:
             return Damage("", 0, "no committed event stored yet: nothing to corrupt")

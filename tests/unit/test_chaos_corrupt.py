@@ -84,3 +84,5 @@ def test_an_altered_event_or_another_failure_is_a_finding() -> None:
     )
     why, right = judge_undetected("UNAVAILABLE", None, damage, still_stored=True)
     assert not right and "UNAVAILABLE" in why
+    why, right = judge_undetected("OK", None, damage, still_stored=False)
+    assert not right and "did not serve the event" in why
