@@ -2,10 +2,10 @@
 
 Goal: a cluster with `[tls] enabled = true` elects a master and replicates over mutual
 TLS, apps publish and subscribe through the library with TLS, push deliveries reach an
-app's endpoint over mutual TLS; whatever cannot prove who
-it is gets nothing: a plaintext client, a client dialling a node under the wrong name, a
-node whose certificate names another node or comes from another CA, and a peer whose
-certificate does not match the sender id it claims.
+app's endpoint over mutual TLS; whatever cannot prove who it is gets nothing: a
+plaintext client, a client dialling a node under the wrong name, a node whose
+certificate names another node or comes from another CA, and a peer whose certificate
+does not match the sender id it claims.
 """
 
 from __future__ import annotations
