@@ -118,7 +118,7 @@ def test_clean_shutdown_then_a_restart_needs_no_operator_and_updates_an_empty_me
         trio.start_node(node)
     master = trio.wait_for_master()
     assert _read_all(trio) == acked
-    assert "restart after clean shutdown" in trio.log("coordinator", master)
+    assert _decided_by_some_coordinator(trio, "restart after clean shutdown")
     # The empty member is updated from the clean stores and joins their cluster.
     wait_for(
         lambda: _replica_position(trio, "n3") == _replica_position(trio, master),
@@ -127,6 +127,13 @@ def test_clean_shutdown_then_a_restart_needs_no_operator_and_updates_an_empty_me
     )
     # Serving again, the stores are in use: dirty until the next clean shutdown.
     assert _inspect(trio, "n1")["state"] == "dirty"
+
+
+def _decided_by_some_coordinator(cluster: LocalCluster, decision: str) -> bool:
+    """Whether a coordinator logged the start decision. The coordinator of the first group
+    with a quorum decides, which need not be the final master: n2 and n3 may form one
+    before n1 is up, and n1 then merges them under the decision already taken."""
+    return any(decision in cluster.log("coordinator", node) for node in _node_ids(cluster))
 
 
 def _reasons(cluster: LocalCluster) -> dict[str, str]:
@@ -171,9 +178,9 @@ def test_after_a_total_failure_the_cluster_refuses_to_start_until_a_store_is_mar
     assert marked.returncode == 0, marked.stderr
     assert "marked clean" in marked.stdout
     trio.start("replica", best)
-    master = trio.wait_for_master()
+    trio.wait_for_master()
     assert _read_all(trio) == acked
-    assert "restart after clean shutdown manual-" in trio.log("coordinator", master)
+    assert _decided_by_some_coordinator(trio, "restart after clean shutdown manual-")
 
 
 def test_a_store_of_another_cluster_is_refused_naming_both_ids(trio: LocalCluster) -> None:
