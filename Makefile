@@ -20,10 +20,10 @@ BENCH_ARGS ?=
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev,spark]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,spark]'
 	@test -f clients/squall/v1/broker_pb2.py || $(PY) scripts/gen_protos.py
 	@touch $(STAMP)
 

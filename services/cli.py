@@ -101,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="squall", description="Squall: a highly available, durable publish/subscribe service."
     )
+    parser.add_argument("--version", action="version", version=f"squall {squall.__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     for name, help_text in (
@@ -469,7 +470,11 @@ def _cmd_status(client: squall.Client, args: argparse.Namespace, out: TextIO) ->
             )
     for line in _format_table(rows):
         print(line, file=out)
-    print(f"master: {status.master_id or 'none'}  epoch: {status.epoch}", file=out)
+    print(
+        f"master: {status.master_id or 'none'}  epoch: {status.epoch}"
+        f"  (squall {squall.__version__})",
+        file=out,
+    )
     # The master's view of its slaves: what each lacks and how fast it is closing the gap.
     slaves = [slave for node in status.nodes if node.reachable for slave in node.slaves]
     if slaves:

@@ -90,6 +90,7 @@ from squall._types import (
     Receipt,
     TopicInfo,
 )
+from squall._version import __version__
 
 __all__ = [
     "BATCH_EVENTS_MAX",
@@ -131,6 +132,7 @@ __all__ = [
     "TopicInfo",
     "Unauthenticated",
     "Unavailable",
+    "__version__",
     "channel_options",
     "classify",
     "classify_code",

@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 import pytest
 
+import squall
 from services import cli
 from squall.v1 import common_pb2
 
@@ -157,7 +158,7 @@ def test_status_table_and_json(broker: Any, capsys: pytest.CaptureFixture[str]) 
         "  won election",
         "n2  -     -      -           unreachable  -      -    -      -       -"
         "               connection refused",
-        "master: n1  epoch: 7",
+        f"master: n1  epoch: 7  (squall {squall.__version__})",
     ]
     code, out, _ = run(["status", "--json"], capsys)
     data = json.loads(out)

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+import squall
 from services.common.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -341,7 +342,7 @@ def test_compose_publishes_only_the_gateway_and_runs_every_container_locked_down
         "dockerfile": "deploy/container/Dockerfile",
     }
     for name, service in services.items():
-        assert service["image"] == "squall:0.1.0", name
+        assert service["image"] == f"squall:{squall.__version__}", name
         assert service["user"] == "10001:10001", name
         assert service["read_only"] is True and service["cap_drop"] == ["ALL"], name
         assert service["security_opt"] == ["no-new-privileges:true"], name
