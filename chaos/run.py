@@ -290,7 +290,7 @@ def report(result: RunResult) -> str:
         lines.append(f"  fault {kind} {why}")
     for outcome in result.outcomes:
         state = f"recovered in {outcome.recovery_s:.1f}s" if outcome.recovered else "NOT recovered"
-        lines.append(f"  {outcome.spec.describe()}: {state}; {outcome.detail}")
+        lines.append(f"  {outcome.describe()}: {state}; {outcome.detail}")
     lines.extend(f"  PROBLEM: {problem}" for problem in result.problems)
     lines.append(result.summary)
     lines.append(f"history: {result.history_path}")
