@@ -160,7 +160,11 @@ class FaultSpec:
     # A second fault started overlap.gap_s into this one's hold, healed before this one.
     overlap: FaultSpec | None = None
 
-    def describe(self, targets: tuple[str, ...] | list[str] | None = None) -> str:
+    def describe(
+        self,
+        targets: tuple[str, ...] | list[str] | None = None,
+        overlap_targets: list[str] | None = None,
+    ) -> str:
         """What the fault is; targets (as resolved) replace a role's placeholder."""
         named = ",".join(targets) if targets else ",".join(self.targets) or f"<{self.role}>"
         if targets and self.role:
@@ -171,7 +175,8 @@ class FaultSpec:
         if self.kind == "slow_disk":
             text += f" fsync +{self.param} ms"
         if self.overlap is not None:
-            text += f", overlapped {self.overlap.gap_s:.1f}s in by {self.overlap.describe()}"
+            second = self.overlap.describe(overlap_targets)
+            text += f", overlapped {self.overlap.gap_s:.1f}s in by {second}"
         return text
 
     @property
@@ -277,7 +282,9 @@ def overlap_fits(first: FaultSpec, nodes: int) -> bool:
         and second.overlap is None
         and first.nodes_hit + second.nodes_hit <= nodes - 1
         and first.nodes_out + second.nodes_out <= (nodes - 1) // 2
-        and second.gap_s + second.hold_s <= max(first.hold_s, second.gap_s + _OVERLAP_HOLD_S_MIN)
+        # (rounded to ms: a few ms over the first's hold is the rounding)
+        and second.gap_s + second.hold_s
+        <= max(first.hold_s, second.gap_s + _OVERLAP_HOLD_S_MIN) + 0.01
     )
 
 
@@ -289,13 +296,14 @@ class FaultOutcome:
     detail: str = ""
     # The nodes (or gateway) it hit, a role resolved.
     targets: list[str] = field(default_factory=list)
+    overlap_targets: list[str] = field(default_factory=list)
     recovered: bool = False
     recovery_s: float = 0.0
     problem: str = ""
 
     def describe(self) -> str:
         """What the fault was, a role's target resolved once it started."""
-        return self.spec.describe(self.targets or None)
+        return self.spec.describe(self.targets or None, self.overlap_targets or None)
 
 
 @dataclass
@@ -357,6 +365,7 @@ class FaultRunner:
             if second is not None:
                 # Healed before this one: the second never outlives the first.
                 overlapped = await second
+                outcome.overlap_targets = overlapped.targets
                 outcome.detail = "; ".join(
                     x for x in (outcome.detail, f"overlap: {overlapped.detail}") if x
                 )
