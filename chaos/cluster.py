@@ -187,9 +187,7 @@ class ChaosCluster:
         for kind in NODE_PROCESSES:
             self.start_process(kind, node_id, timeout_s)
 
-    def start_process(
-        self, kind: str, node_id: str, timeout_s: float = _SERVE_TIMEOUT_S
-    ) -> None:
+    def start_process(self, kind: str, node_id: str, timeout_s: float = _SERVE_TIMEOUT_S) -> None:
         """Starts one process of a node ("replica" or "coordinator"); waits until it serves."""
         _check_kind(kind)
         self.paused.discard((kind, node_id))

@@ -238,9 +238,7 @@ def schedule(
         specs.append(spec)
 
 
-def _with_overlap(
-    rng: random.Random, first: FaultSpec, nodes: int, usable: list[str]
-) -> FaultSpec:
+def _with_overlap(rng: random.Random, first: FaultSpec, nodes: int, usable: list[str]) -> FaultSpec:
     """first with a seeded second fault, if one fits the bounds (module docstring)."""
     if first.kind not in OVERLAP_FIRST or first.variant == "gateway":
         return first
@@ -480,9 +478,7 @@ class FaultRunner:
             if code == "DATA_LOSS":
                 quarantined = self._wait_quarantined(node_id)
                 seen += (
-                    "the node quarantined itself"
-                    if quarantined
-                    else "the node was NOT quarantined"
+                    "the node quarantined itself" if quarantined else "the node was NOT quarantined"
                 )
                 right = quarantined
             else:
@@ -615,9 +611,7 @@ def flip_event_byte(data_dir: Path, rng: random.Random) -> Damage:
             info.topic_id: gate.hidden_from(info.name) or info.next_offset for info in topics
         }
         records = [
-            (key, value)
-            for key, value in records
-            if _served(struct.unpack(">QQ", key), served_end)
+            (key, value) for key, value in records if _served(struct.unpack(">QQ", key), served_end)
         ]
         if not records:
             return Damage("", 0, "no committed event stored yet: nothing to corrupt")
