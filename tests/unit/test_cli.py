@@ -189,9 +189,9 @@ def test_gateway_resolution(
     assert run(["topic", "list", "--config", str(config)], capsys)[0] == 0
     # A valid file (its [tls] is read) whose gateway is not there: --gateway wins.
     config.write_text(_cluster_toml("127.0.0.1:3"))
-    assert (
-        run(["topic", "list", "--config", str(config), "--gateway", broker.address], capsys)[0] == 0
-    )
+    assert run(["topic", "list", "--config", str(config), "--gateway", broker.address], capsys)[
+        0
+    ] == 0
     config.write_text(_cluster_toml(None))
     code, _, err = run(["topic", "list", "--config", str(config)], capsys)
     assert code == 2 and err.startswith(f"squall: config error: {config}: ") and "gateways" in err

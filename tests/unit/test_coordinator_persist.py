@@ -34,7 +34,9 @@ def test_a_file_from_before_the_audit_fields_loads(tmp_path: Path) -> None:
     """A node upgraded in place keeps its epoch and controls; the new fields default."""
     path = tmp_path / "coordinator-state.json"
     path.write_text(
-        json.dumps({"epoch": 4, "max_seen": 3, "designated_primary": False, "quorum_override": 2})
+        json.dumps(
+            {"epoch": 4, "max_seen": 3, "designated_primary": False, "quorum_override": 2}
+        )
     )
     assert load_state(path) == PersistedState(epoch=4, max_seen=3, quorum_override=2)
 
@@ -44,33 +46,18 @@ def test_a_file_from_before_the_audit_fields_loads(tmp_path: Path) -> None:
     [
         ({"epoch": 1, "max_seen": 1, "designated_primary": False}, "missing ['quorum_override']"),
         (
-            {
-                "epoch": 1,
-                "max_seen": 1,
-                "designated_primary": False,
-                "quorum_override": 0,
-                "colour": "blue",
-            },
+            {"epoch": 1, "max_seen": 1, "designated_primary": False, "quorum_override": 0,
+             "colour": "blue"},
             "unknown ['colour']",
         ),
         (
-            {
-                "epoch": 1,
-                "max_seen": 1,
-                "designated_primary": False,
-                "quorum_override": 0,
-                "quarantine": {"at_ms": "noon", "operator": "x", "action": "q", "reason": ""},
-            },
+            {"epoch": 1, "max_seen": 1, "designated_primary": False, "quorum_override": 0,
+             "quarantine": {"at_ms": "noon", "operator": "x", "action": "q", "reason": ""}},
             "quarantine.at_ms must be an integer",
         ),
         (
-            {
-                "epoch": 1,
-                "max_seen": 1,
-                "designated_primary": False,
-                "quorum_override": 0,
-                "audit": [{"at_ms": 1}],
-            },
+            {"epoch": 1, "max_seen": 1, "designated_primary": False, "quorum_override": 0,
+             "audit": [{"at_ms": 1}]},
             "audit[0] must hold at_ms, operator, action and reason",
         ),
     ],

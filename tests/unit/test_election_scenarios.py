@@ -782,7 +782,9 @@ def test_reports_older_than_the_last_command_are_not_used() -> None:
     election = make()  # node 1, replica reported after the start command (seq 1)
     election.step(PeerMessage("3", "1", Invitation("3:a", 3, 0)), 10)
     # Join, become a slave, then a newer coordinator invites: the replica must stop first.
-    ready = election.step(PeerMessage("3", "1", GroupReady("3:a", 1, ("1", "3"), "3", "3", 2)), 11)
+    ready = election.step(
+        PeerMessage("3", "1", GroupReady("3:a", 1, ("1", "3"), "3", "3", 2)), 11
+    )
     assert ready.role_command is not None and ready.role_command.kind is RoleCommandKind.FOLLOW
     ready = election.step(PeerMessage("3", "1", Invitation("3:b", 3, 1)), 20)
     assert ready.role_command is not None
