@@ -23,8 +23,9 @@ run. The record types:
               ``{"offset": int, "value": str}`` in the order received.
 ``fault``     a fault starts or ends: ``fault`` (kind, e.g. "kill", "pause",
               "kill_replica", "kill_coordinator", "pause_replica", "pause_coordinator",
-              "partition", "map_full", "corrupt", "slow_disk", "clock_jump"), ``phase`` ("start" |
-              "end"), ``targets`` (node or gateway ids), ``detail`` (free text).
+              "partition", "map_full", "corrupt", "slow_disk", "clock_jump"), ``phase``
+              ("start" | "end"), ``targets`` (node or gateway ids), ``detail`` (free
+              text).
 ``unavailable`` a client-observed window with no successful operation of one kind:
               written by the checker, not the run (see chaos/checker.py).
 ``final_log`` after the run, per node and topic: ``node``, ``topic``, ``commit_lsn``,

@@ -500,8 +500,10 @@ class Workload:
                 self._backoff(rng, failures)
                 continue
             # Which receipts said duplicate: the checker verifies each points at its event.
-            extra = {"duplicates": duplicates} if duplicates else {}
-            self._recorder.complete(op_id, "ok", offsets=offsets, **extra)
+            if duplicates:
+                self._recorder.complete(op_id, "ok", offsets=offsets, duplicates=duplicates)
+            else:
+                self._recorder.complete(op_id, "ok", offsets=offsets)
             again = None
             failures = 0
             if self._pause_s_max:
