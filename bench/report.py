@@ -34,6 +34,7 @@ PLOTS = {
     "throughput": "throughput.png",
     "latency_cdf": "latency_cdf.png",
     "failover": "failover.png",
+    "fault_gaps": "fault_gaps.png",
     "memory": "memory.png",
 }
 CAVEAT = (
@@ -101,13 +102,15 @@ def assemble(
     policies: dict[str, dict[str, Any]],
     catch_up: dict[str, Any] | None,
     failover: dict[str, Any] | None,
+    fault_gaps: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The report: what was measured (with samples) plus a `summary` of headline figures.
 
     policies: per sync policy, the scenarios' figures as `bench.suite` returns them
     (`pipelined_publish`, `one_at_a_time` with `latency_ms_samples`, `subscribe`,
     `memory` with `idle` and `after_load`); failover: `bench.failover.run`'s figures
-    (`all_ms`); catch_up: `bench.replicated.catch_up`'s plus the policy it ran under.
+    (`all_ms`); catch_up: `bench.replicated.catch_up`'s plus the policy it ran under;
+    fault_gaps: `bench.fault_gaps.run`'s figures (per kind and path, every trial's).
     """
     summary: dict[str, Any] = {
         "pipelined_publish_events_per_s": {},
@@ -118,6 +121,7 @@ def assemble(
         "memory_bytes": {},
         "catch_up_events_per_s": catch_up.get("events_per_s") if catch_up else None,
         "failover_ms": summarize(failover["all_ms"]) if failover else None,
+        "fault_gaps": gap_summary(fault_gaps) if fault_gaps else None,
     }
     for policy, figures in policies.items():
         pipelined = figures.get("pipelined_publish") or {}
@@ -146,8 +150,40 @@ def assemble(
         "policies": policies,
         "catch_up": catch_up,
         "failover": failover,
+        "fault_gaps": fault_gaps,
         "plots": dict(PLOTS),
     }
+
+
+def gap_summary(gaps: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per fault kind and path: trials, first-ack and longest-gap statistics (ms), how
+    many trials did not recover or recovered only after the heal, and whether the aim
+    (p50 and max of both figures, every trial recovered) is met."""
+    p50_aim, max_aim = gaps.get("aim_p50_ms", 500.0), gaps.get("aim_max_ms", 1000.0)
+    table: dict[str, dict[str, dict[str, Any]]] = {}
+    for kind, figures in (gaps.get("kinds") or {}).items():
+        table[kind] = {}
+        for path, row in (figures.get("paths") or {}).items():
+            first = summarize(row.get("first_ack_ms") or [])
+            longest = summarize(row.get("longest_gap_ms") or [])
+            trials = figures.get("trials", 0)
+            met = (
+                trials > 0
+                and not row.get("not_recovered")
+                and all(
+                    stats["count"] and stats["p50"] <= p50_aim and stats["max"] <= max_aim
+                    for stats in (first, longest)
+                )
+            )
+            table[kind][path] = {
+                "trials": trials,
+                "first_ack_ms": first,
+                "longest_gap_ms": longest,
+                "not_recovered": row.get("not_recovered", 0),
+                "after_heal": row.get("after_heal", 0),
+                "meets_aim": bool(met),
+            }
+    return table
 
 
 def memory_table(memory: dict[str, Any]) -> dict[str, dict[str, int | None]]:
@@ -322,6 +358,7 @@ def markdown(report: dict[str, Any], plots: dict[str, str]) -> str:
         lines += _image(plots, "failover", "Failover gap distribution")
     else:
         lines += ["Not measured in this run.", ""]
+    lines += _gap_section(report, plots)
     lines += ["## Memory per service", ""]
     for policy in policies:
         table = summary["memory_bytes"][policy]
@@ -344,6 +381,57 @@ def markdown(report: dict[str, Any], plots: dict[str, str]) -> str:
         lines.append("")
     lines += _image(plots, "memory", "RSS per service, idle and after load")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _gap_section(report: dict[str, Any], plots: dict[str, str]) -> list[str]:
+    """The publisher-visible gap per fault kind and path, the aim, the read-back."""
+    lines = ["## Publisher-visible gap per fault kind", ""]
+    gaps = report.get("fault_gaps")
+    table = report["summary"].get("fault_gaps")
+    if not gaps or not table:
+        return [*lines, "Not measured in this run.", ""]
+    read = gaps.get("read_back") or {}
+    lines += [
+        f"**Aim: {gaps.get('aim')}; zero acknowledged events lost.** Three publishers at "
+        "once, one per path (through the gateway, a replicated proxy, a non-replicated "
+        "proxy), one event at a time, while the master (n1) is hit; each fault held "
+        f"{gaps.get('hold_s')} s, then healed (restart / SIGCONT). *first ack*: from the "
+        "fault to the first receipt of a publish sent after it; *longest gap*: the longest "
+        "interval with no receipt from the fault to the first receipt after the heal "
+        "(lead_back: the restarted n1 taking the role back, from its restart). *after "
+        "heal*: trials whose first receipt came only after the heal (no failover: the gap "
+        f"is the fault's length); *not recovered*: none within {gaps.get('recover_s')} s "
+        "of the heal. See bench/fault_gaps.py.",
+        "",
+        "| fault kind | path | trials | first ack p50 / p90 / max ms "
+        "| longest gap p50 / p90 / max ms | after heal | not recovered | aim |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for kind, paths in table.items():
+        for path, row in paths.items():
+            first, longest = row["first_ack_ms"], row["longest_gap_ms"]
+            lines.append(
+                f"| {kind} | {path} | {row['trials']} | "
+                f"{_ms(first['p50'])} / {_ms(first['p90'])} / {_ms(first['max'])} | "
+                f"{_ms(longest['p50'])} / {_ms(longest['p90'])} / {_ms(longest['max'])} | "
+                f"{row['after_heal']} | {row['not_recovered']} | "
+                f"{'met' if row['meets_aim'] else '**missed**'} |"
+            )
+    lines += [
+        "",
+        f"Read back from the earliest offset: {_num(read.get('acknowledged'))} acknowledged "
+        f"events, **{_num(read.get('lost'))} lost** (not at their receipt's offset with their "
+        f"payload), {_num(read.get('stored_twice'))} stored twice.",
+    ]
+    errors = [
+        f"{kind}: {figures['error']}"
+        for kind, figures in (gaps.get("kinds") or {}).items()
+        if figures.get("error")
+    ]
+    lines += [f"- stopped early: {e}" for e in errors]
+    lines.append("")
+    lines += _image(plots, "fault_gaps", "Publisher-visible gap per fault kind and path")
+    return lines
 
 
 def _row(label: str, cells: Sequence[str]) -> str:
@@ -454,6 +542,9 @@ def plot_all(report: dict[str, Any], out_dir: Path) -> dict[str, str]:
     if report.get("failover") and report["failover"].get("all_ms"):
         _plot_failover(report, out_dir / PLOTS["failover"])
         drawn["failover"] = PLOTS["failover"]
+    if summary.get("fault_gaps"):
+        _plot_fault_gaps(report, out_dir / PLOTS["fault_gaps"])
+        drawn["fault_gaps"] = PLOTS["fault_gaps"]
     if any(summary["memory_bytes"][p] for p in report["policies"]):
         _plot_memory(report, out_dir / PLOTS["memory"])
         drawn["memory"] = PLOTS["memory"]
@@ -528,6 +619,37 @@ def _plot_failover(report: dict[str, Any], path: Path) -> None:
     curve.set_ylim(0, 1.01)
     curve.set_title("CDF")
     fig.suptitle("Failover gap, 3 nodes, default timeouts")
+    _footnote(fig, report)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _plot_fault_gaps(report: dict[str, Any], path: Path) -> None:
+    """Longest gap per kind and path: p50 bars with the max marked, the aim's lines."""
+    table = report["summary"]["fault_gaps"]
+    gaps = report["fault_gaps"]
+    kinds = list(table)
+    paths = list(gaps.get("paths") or next(iter(table.values()), {}))
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    width = 0.8 / max(1, len(paths))
+    colors = ["#4c72b0", "#dd8452", "#55a868"]
+    for i, name in enumerate(paths):
+        xs = [k + (i - (len(paths) - 1) / 2) * width for k in range(len(kinds))]
+        rows = [table[kind].get(name) or {} for kind in kinds]
+        p50 = [(r.get("longest_gap_ms") or {}).get("p50") or 0 for r in rows]
+        top = [(r.get("longest_gap_ms") or {}).get("max") or 0 for r in rows]
+        ax.bar(xs, p50, width, label=f"{name} p50", color=colors[i % len(colors)])
+        ax.scatter(xs, top, marker="_", s=200, color="black", zorder=3)
+    ax.axhline(gaps.get("aim_p50_ms", 500), color="gray", linestyle="--", linewidth=0.8)
+    ax.axhline(gaps.get("aim_max_ms", 1000), color="red", linestyle="--", linewidth=0.8)
+    ax.set_xticks(range(len(kinds)), kinds, fontsize=8)
+    ax.set_ylabel("longest interval without a receipt, ms (log)")
+    ax.set_yscale("symlog", linthresh=100)
+    ax.legend(fontsize=8, loc="upper left")
+    ax.set_title(
+        "Publisher-visible gap per fault kind (bars p50, dashes max; aim p50 500 / max 1000 ms)"
+    )
     _footnote(fig, report)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=100)

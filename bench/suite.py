@@ -1,7 +1,8 @@
 """`make bench`: the benchmark report, one directory per run (JSON, Markdown, PNG plots).
 
-    python -m bench.suite                      # the default run, ~10 minutes on 2 cores
+    python -m bench.suite                      # the default run, ~12 minutes on 2 cores
     python -m bench.suite --tiny               # the smoke run the integration test uses
+    python -m bench.suite --tiny --gap-trials 2 --gap-kind replica_pause  # gap smoke run
     python -m bench.suite --repeats 5 --failover-trials 50   # longer, steadier figures
     make bench BENCH_ARGS="--policy SYNC --unary-events 10000"
 
@@ -14,10 +15,13 @@ keeping every call's latency (`single_node.unary_publish`), and a consume pass r
 each pipelined topic from the earliest offset (`single_node.subscribe`). Every service's
 RSS is read at idle (settled, nothing published) and after that load. On the SYNC
 cluster (the default master policy) a slave is then killed and timed catching up
-(`replicated.catch_up`). Last, `failover.run` kills the master node of a fresh cluster
-`--failover-trials` times. The machine is described at the start (`machine.describe`:
-CPU, cores, RAM, versions, git commit, load average) and its load average read again at
-the end.
+(`replicated.catch_up`). Then `failover.run` kills the master node of a fresh cluster
+`--failover-trials` times. Last, `fault_gaps.run` measures the publisher-visible gap per
+fault kind (node kill, replica kill and pause, coordinator kill and pause, the restarted
+n1 taking the lead back) through the gateway and both publisher proxies at once,
+`--gap-trials` trials per kind on one fresh cluster per kind. The machine is described
+at the start (`machine.describe`: CPU, cores, RAM, versions, git commit, load average)
+and its load average read again at the end.
 
 Output: bench/results/<UTC stamp>/report.json, report.md and *.png, and
 bench/results/latest pointing at that directory. A measurement, not a test: it fails
@@ -37,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import squall
-from bench import failover, machine, memory, replicated, report, single_node
+from bench import failover, fault_gaps, machine, memory, replicated, report, single_node
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 POLICIES = ("SYNC", "WRITE_NO_SYNC", "NO_SYNC")
@@ -58,10 +62,11 @@ class Sizes:
     subscribe_deadline_s: float
     catch_up_events: int
     failover_trials: int
+    gap_trials: int
 
     @classmethod
     def default(cls) -> Sizes:
-        """`make bench`: roughly 10 minutes on a 2-core machine."""
+        """`make bench`: roughly 12 minutes on a 2-core machine."""
         return cls(
             pipelined_events=200_000,
             pipelined_deadline_s=30.0,
@@ -71,11 +76,13 @@ class Sizes:
             subscribe_deadline_s=20.0,
             catch_up_events=300_000,
             failover_trials=30,
+            gap_trials=fault_gaps.TRIALS_DEFAULT,
         )
 
     @classmethod
     def tiny(cls) -> Sizes:
-        """A smoke run of the whole pipeline: seconds per cluster, no catch-up or failover."""
+        """A smoke run of the whole pipeline: seconds per cluster, no catch-up, failover or
+        fault gaps."""
         return cls(
             pipelined_events=2_000,
             pipelined_deadline_s=10.0,
@@ -85,6 +92,7 @@ class Sizes:
             subscribe_deadline_s=5.0,
             catch_up_events=0,
             failover_trials=0,
+            gap_trials=0,
         )
 
 
@@ -160,8 +168,16 @@ def main(argv: list[str] | None = None) -> int:
         ("unary-events", "one-at-a-time publishes per policy (latency samples)"),
         ("catch-up-events", "events the killed slave falls behind (0: skip catch-up)"),
         ("failover-trials", "master kills (0: skip failover)"),
+        ("gap-trials", "trials per fault kind of the publisher-visible gap (0: skip)"),
     ):
         parser.add_argument(f"--{name}", type=int, metavar="N", help=help_text)
+    parser.add_argument(
+        "--gap-kind",
+        action="append",
+        choices=fault_gaps.INJECTED,
+        help="measure the gap for this fault kind only (repeatable; default all; "
+        "node_kill also gives lead_back)",
+    )
     parser.add_argument(
         "--results-dir",
         type=Path,
@@ -179,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             "unary_events",
             "catch_up_events",
             "failover_trials",
+            "gap_trials",
         )
         if getattr(args, key) is not None
     }
@@ -193,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, Any]] = {}
     catch_figures: dict[str, Any] | None = None
     fail_figures: dict[str, Any] | None = None
+    gap_figures: dict[str, Any] | None = None
     with tempfile.TemporaryDirectory(prefix="squall-bench-report-") as temp:
         described = machine.describe(Path(temp))
         log(f"bench: {machine.summary(described)}; load average {described['load_average']}")
@@ -207,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
         if sizes.failover_trials > 0:
             log(f"bench: failover, {sizes.failover_trials} kills of the master node")
             fail_figures = failover.run(sizes.failover_trials)
+        if sizes.gap_trials > 0:
+            gap_figures = fault_gaps.run(
+                sizes.gap_trials, Path(temp) / "gaps", log, args.gap_kind or fault_gaps.INJECTED
+            )
     assembled = report.assemble(
         started_at=started_at,
         seconds=time.monotonic() - started,
@@ -229,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         policies=results,
         catch_up=catch_figures,
         failover=fail_figures,
+        fault_gaps=gap_figures,
     )
     run_dir = args.results_dir / started_at
     paths = report.write(assembled, run_dir)

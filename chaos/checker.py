@@ -22,9 +22,21 @@ test) can be judged again. The checks, each a `CheckResult` named as in the summ
 ``logs``        every node's final committed log of every topic is identical; a strict
                 prefix is allowed only for a ``final_log`` record that says why the node
                 lags (its ``lagging`` field).
+``dup_receipts``  every receipt that says ``duplicate`` (the event was already stored
+                under its publisher id and sequence) points at that event: the final
+                committed log of the topic the publisher wrote to holds that payload at
+                the receipt's offset. A duplicate receipt for an event stored nowhere
+                (dedupe state outliving its topic) acknowledges an event that is lost.
 
 Unavailability windows are reported, not judged: a gap longer than a threshold between
 successful publishes (any path, and per path), with the faults that overlap it as cause.
+Per fault, and summed up per fault kind (``FaultWindow``, ``kind_summary``), the checker
+also measures what publishers saw: the time from the fault's start to the first
+acknowledgement of a publish invoked after it started (a call already in flight at the
+start says nothing about the new state), and the longest interval with no acknowledgement
+at all from the fault's start to the first acknowledgement at or after its heal (so an
+outage that lasts until the heal is counted whole). A fault after which nothing was
+acknowledged again is reported as not recovered. Any path, and per publish path.
 """
 
 from __future__ import annotations
@@ -44,7 +56,16 @@ from chaos.history import HistoryError, read_history
 GAP_THRESHOLD_S_DEFAULT = 1.0
 # Each check lists at most this many examples; the counts are always complete.
 EXAMPLES_MAX = 10
-CHECK_NAMES = ("history", "lost", "duplicates", "outcomes", "order", "delivery", "logs")
+CHECK_NAMES = (
+    "history",
+    "lost",
+    "duplicates",
+    "dup_receipts",
+    "outcomes",
+    "order",
+    "delivery",
+    "logs",
+)
 
 Record = Mapping[str, Any]
 
@@ -74,6 +95,55 @@ class Window:
 
 
 @dataclass(frozen=True)
+class FaultWindow:
+    """What publishers (of one path, or "any") saw during one fault."""
+
+    kind: str
+    label: str  # "kill_replica n1"
+    start: float
+    end: float
+    path: str
+    first_ack_s: float | None
+    """From the fault's start to the first ack of a publish invoked after it (None: never)."""
+    longest_gap_s: float
+    """The longest interval with no ack from the start to the first ack at or after the
+    end (to the end of the history if none came)."""
+    recovered: bool
+    """Whether any publish was acknowledged after the fault ended."""
+
+
+@dataclass(frozen=True)
+class KindSummary:
+    """The fault windows of one kind, over every fault of it (any path)."""
+
+    kind: str
+    faults: int
+    first_ack_p50_s: float | None
+    first_ack_max_s: float | None
+    longest_gap_max_s: float
+    not_recovered: int
+    worst_path: str
+    worst_path_gap_s: float
+
+    def line(self) -> str:
+        first = (
+            f"first ack after start p50 {self.first_ack_p50_s:.2f} s, max "
+            f"{self.first_ack_max_s:.2f} s"
+            if self.first_ack_p50_s is not None and self.first_ack_max_s is not None
+            else "no ack after start"
+        )
+        text = (
+            f"{self.kind} ({self.faults}): {first}; longest without an ack "
+            f"{self.longest_gap_max_s:.2f} s"
+        )
+        if self.worst_path:
+            text += f" (worst path {self.worst_path}: {self.worst_path_gap_s:.2f} s)"
+        if self.not_recovered:
+            text += f"; {self.not_recovered} NOT recovered"
+        return text
+
+
+@dataclass(frozen=True)
 class CheckReport:
     """Every check's result for one history, the unavailability windows and the counts."""
 
@@ -87,6 +157,11 @@ class CheckReport:
     """Said in the summary line (e.g. a fault kind the run left out, and why)."""
     info: tuple[str, ...] = ()
     """Only in the details (e.g. fault kinds not applicable to Squall)."""
+    fault_windows: tuple[FaultWindow, ...] = ()
+
+    def kind_summary(self) -> tuple[KindSummary, ...]:
+        """Per fault kind (in order of first appearance), the windows summed up."""
+        return summarize_kinds(self.fault_windows)
 
     @property
     def ok(self) -> bool:
@@ -120,9 +195,17 @@ class CheckReport:
             return f"chaos seed={seed} ok: {body}"
         return f"chaos seed={seed} FAILED ({', '.join(self.failed)}): {body}"
 
+    def kind_lines(self) -> list[str]:
+        """One line per fault kind: what publishers saw (see the module docstring)."""
+        kinds = self.kind_summary()
+        if not kinds:
+            return []
+        return ["unavailability per fault kind:", *(f"  {k.line()}" for k in kinds)]
+
     def describe(self) -> str:
         """The summary line, then every failed check's evidence and every window."""
         lines = [self.summary_line(), *(f"  note: {i}" for i in self.info)]
+        lines.extend(f"  {line}" for line in self.kind_lines())
         for check in self.checks:
             mark = "ok  " if check.ok else "FAIL"
             lines.append(f"  {mark} {check.name}: {check.headline}")
@@ -150,6 +233,8 @@ class CheckReport:
                 {"type": "unavailable", **asdict(w), "duration_s": round(w.duration_s, 6)}
                 for w in (*self.windows, *self.path_windows)
             ],
+            "fault_windows": [asdict(w) for w in self.fault_windows],
+            "per_kind": {k.kind: asdict(k) for k in self.kind_summary()},
         }
 
 
@@ -464,6 +549,40 @@ def _check_duplicates(history: _History, logs: Mapping[str, _TopicLogs]) -> Chec
     if repeats:
         details.append(f"{repeats} repeats of non-idempotent publishes (allowed: no dedup key)")
     return CheckResult("duplicates", not violations, headline, tuple(details))
+
+
+def _check_dup_receipts(history: _History, logs: Mapping[str, _TopicLogs]) -> CheckResult:
+    """Every duplicate receipt names where its event is stored: that topic, that offset,
+    that payload (the ``complete`` record's ``duplicates``: indices of its events whose
+    receipt said duplicate)."""
+    wrong: list[str] = []
+    checked = 0
+    for op in history.publishes:
+        if op.outcome != "ok" or op.complete is None:
+            continue
+        indices = op.complete.get("duplicates") or ()
+        offsets = list(op.complete.get("offsets") or ())
+        topic = str(op.invoke.get("topic"))
+        topic_logs = logs.get(topic)
+        if not indices or topic_logs is None or not topic_logs.reference_nodes:
+            continue  # an unreadable topic fails the "lost" check already
+        value_at = topic_logs.value_at
+        for index in indices:
+            index = int(index)
+            checked += 1
+            value = op.values[index] if index < len(op.values) else "?"
+            offset = int(offsets[index]) if index < len(offsets) else -1
+            stored = value_at.get(offset)
+            if stored != value:
+                held = "nothing" if stored is None else repr(stored)
+                wrong.append(
+                    f"{op.invoke.get('process')} op {op.id}: the receipt of {value!r} says "
+                    f"duplicate at offset {offset} of '{topic}', which holds {held}"
+                )
+    headline = f"{checked} duplicate receipts"
+    if wrong:
+        headline += f", {len(wrong)} pointing at no such event"
+    return CheckResult("dup_receipts", not wrong, headline, _examples(wrong))
 
 
 def _check_outcomes(history: _History, logs: Mapping[str, _TopicLogs]) -> CheckResult:
@@ -800,6 +919,82 @@ def unavailability_windows(
     return _windows(_parse(records), threshold_s, path)
 
 
+def _fault_windows(history: _History) -> list[FaultWindow]:
+    """Per fault (start record) and publish path ("any" and each path), what publishers
+    saw; see the module docstring for the definitions."""
+    if not history.publishes:
+        return []
+    horizon = max(op.completed_t or op.invoked_t for op in history.publishes)
+    if history.end is not None:
+        horizon = max(horizon, float(history.end["t"]))
+    acked = [op for op in history.publishes if op.outcome == "ok" and op.completed_t is not None]
+    paths = ["any", *sorted({str(op.invoke.get("path")) for op in history.publishes})]
+    per_path = {
+        path: sorted(
+            ((op.completed_t or 0.0), op.invoked_t)
+            for op in acked
+            if path == "any" or op.invoke.get("path") == path
+        )
+        for path in paths
+    }
+    gateways = {str(g) for g in (history.run or {}).get("gateways") or ()}
+    windows = []
+    for start, end, label in _fault_intervals(history, horizon):
+        kind, _, named = label.partition(" ")
+        if named and set(named.split(",")) <= gateways:
+            kind += "_gateway"  # a gateway kill is not a node's
+        for path in paths:
+            window = fault_window(per_path[path], start, end, horizon)
+            windows.append(FaultWindow(kind, label, start, end, path, *window))
+    return windows
+
+
+def fault_window(
+    acks: Sequence[tuple[float, float]], start: float, end: float, horizon: float
+) -> tuple[float | None, float, bool]:
+    """(first ack after start, longest gap, recovered) of one fault for acks given as
+    (completed, invoked) times sorted by completion (see the module docstring)."""
+    first = next((done - start for done, invoked in acks if invoked >= start), None)
+    marks = [start]
+    recovered = False
+    for done, _ in acks:
+        if done <= start:
+            continue
+        marks.append(done)
+        if done >= end:
+            recovered = True
+            break
+    if not recovered:
+        marks.append(max(horizon, end))
+    longest = max((b - a for a, b in itertools.pairwise(marks)), default=0.0)
+    return first, longest, recovered
+
+
+def summarize_kinds(windows: Sequence[FaultWindow]) -> tuple[KindSummary, ...]:
+    """Per fault kind: count, first-ack p50 / max, longest gap, worst path (any-path
+    figures; the worst path by its longest gap)."""
+    kinds = list(dict.fromkeys(w.kind for w in windows))
+    result = []
+    for kind in kinds:
+        anyp = [w for w in windows if w.kind == kind and w.path == "any"]
+        firsts = sorted(w.first_ack_s for w in anyp if w.first_ack_s is not None)
+        paths = [w for w in windows if w.kind == kind and w.path != "any"]
+        worst = max(paths, key=lambda w: w.longest_gap_s, default=None)
+        result.append(
+            KindSummary(
+                kind,
+                len(anyp),
+                firsts[(len(firsts) - 1) // 2] if firsts else None,
+                firsts[-1] if firsts else None,
+                max((w.longest_gap_s for w in anyp), default=0.0),
+                sum(1 for w in anyp if not w.recovered),
+                worst.path if worst is not None else "",
+                worst.longest_gap_s if worst is not None else 0.0,
+            )
+        )
+    return tuple(result)
+
+
 # -- the whole report --------------------------------------------------------------------
 
 
@@ -819,6 +1014,7 @@ def check_records(
         _check_history(history),
         _check_lost(history, logs, acked),
         _check_duplicates(history, logs),
+        _check_dup_receipts(history, logs),
         _check_outcomes(history, logs),
         _check_order(history, logs, acked),
         _check_delivery(history, logs),
@@ -840,6 +1036,7 @@ def check_records(
     seed = run.get("seed")
     notes, info = _run_notes(run)
     return CheckReport(
+        fault_windows=tuple(_fault_windows(history)),
         seed=int(seed) if isinstance(seed, int) else None,
         checks=checks,
         windows=tuple(_windows(history, gap_threshold_s, None)),
@@ -881,6 +1078,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     report = check_records(records, args.gap)
     print(report.describe() if args.verbose or not report.ok else report.summary_line())
+    if report.ok and not args.verbose:
+        print("\n".join(report.kind_lines()))
     if args.json_out is not None:
         args.json_out.write_text(json.dumps(report.to_json(), indent=2) + "\n")
     if args.plot is not None:

@@ -10,6 +10,10 @@ address in the root namespace. Without namespaces (not root) every service liste
 Each replica gets ``SQUALL_FAULT_CONTROL=<run>/control/<node>.json`` (see
 services/replica/fault_hooks.py), which the map-full and slow-disk faults write.
 
+Faults hit a whole node (``kill_node``, ``pause_node``) or one of its processes alone
+(``kill_process``, ``pause_process``: the replica or the coordinator), and
+``start_process`` restarts one killed process while the other keeps running.
+
 Every wait is bounded; ``stop_all`` (SIGCONT to anything paused, then SIGTERM and, after
 a grace period, SIGKILL, each by PID) is the finalizer and is safe to call twice.
 """
@@ -46,6 +50,7 @@ from squall.v1 import (
 log = logging.getLogger("chaos")
 
 GATEWAY_IDS = ("g1", "g2")
+NODE_PROCESSES = ("replica", "coordinator")
 # Inside its own namespace every node has every port to itself.
 _NETNS_COORDINATOR_PORT = 7101
 _NETNS_REPLICA_PORT = 7201
@@ -97,7 +102,8 @@ class ChaosCluster:
     config: ClusterConfig
     host_address: str
     services: dict[tuple[str, str], processes.Service] = field(default_factory=dict)
-    paused: set[str] = field(default_factory=set)
+    # (process kind, node id) of every process stopped by SIGSTOP now.
+    paused: set[tuple[str, str]] = field(default_factory=set)
 
     @classmethod
     def build(
@@ -178,11 +184,14 @@ class ChaosCluster:
 
     def start_node(self, node_id: str, timeout_s: float = _SERVE_TIMEOUT_S) -> None:
         """Starts a node's replica, then its coordinator; waits until both serve."""
-        self.paused.discard(node_id)
-        replica = self._start("replica", node_id)
-        processes.wait_serving([replica], timeout_s)
-        coordinator = self._start("coordinator", node_id)
-        processes.wait_serving([coordinator], timeout_s)
+        for kind in NODE_PROCESSES:
+            self.start_process(kind, node_id, timeout_s)
+
+    def start_process(self, kind: str, node_id: str, timeout_s: float = _SERVE_TIMEOUT_S) -> None:
+        """Starts one process of a node ("replica" or "coordinator"); waits until it serves."""
+        _check_kind(kind)
+        self.paused.discard((kind, node_id))
+        processes.wait_serving([self._start(kind, node_id)], timeout_s)
 
     def start_gateway(self, gateway_id: str, timeout_s: float = _SERVE_TIMEOUT_S) -> None:
         processes.wait_serving([self._start("gateway", gateway_id)], timeout_s)
@@ -204,8 +213,15 @@ class ChaosCluster:
 
     def kill_node(self, node_id: str) -> None:
         """kill -9 a node's coordinator and replica."""
-        self.paused.discard(node_id)
-        for service in self.node_services(node_id):
+        for kind in NODE_PROCESSES:
+            self.kill_process(kind, node_id)
+
+    def kill_process(self, kind: str, node_id: str) -> None:
+        """kill -9 one process of a node; the other keeps running."""
+        _check_kind(kind)
+        self.paused.discard((kind, node_id))
+        service = self.services.get((kind, node_id))
+        if service is not None:
             processes.kill_service(service)
 
     def stop_node(self, node_id: str) -> None:
@@ -219,14 +235,27 @@ class ChaosCluster:
 
     def pause_node(self, node_id: str) -> None:
         """SIGSTOP a node's processes (they keep their sockets; nothing answers)."""
-        self.paused.add(node_id)
-        for service in self.node_services(node_id):
-            _signal(service, signal.SIGSTOP)
+        for kind in NODE_PROCESSES:
+            self.pause_process(kind, node_id)
 
     def resume_node(self, node_id: str) -> None:
         """SIGCONT a node's processes."""
-        self.paused.discard(node_id)
-        for service in self.node_services(node_id):
+        for kind in NODE_PROCESSES:
+            self.resume_process(kind, node_id)
+
+    def pause_process(self, kind: str, node_id: str) -> None:
+        """SIGSTOP one process of a node; the other keeps running."""
+        _check_kind(kind)
+        service = self.services.get((kind, node_id))
+        if service is not None:
+            self.paused.add((kind, node_id))
+            _signal(service, signal.SIGSTOP)
+
+    def resume_process(self, kind: str, node_id: str) -> None:
+        """SIGCONT one process of a node."""
+        self.paused.discard((kind, node_id))
+        service = self.services.get((kind, node_id))
+        if service is not None:
             _signal(service, signal.SIGCONT)
 
     def running(self, kind: str, name: str) -> bool:
@@ -235,8 +264,8 @@ class ChaosCluster:
 
     def stop_all(self) -> None:
         """Every process of the run stopped by PID (the finalizer; safe to call twice)."""
-        for node_id in list(self.paused):
-            self.resume_node(node_id)
+        for kind, node_id in list(self.paused):
+            self.resume_process(kind, node_id)
         live = [s for s in self.services.values() if s.process.poll() is None]
         for service in live:
             try:
@@ -263,7 +292,7 @@ class ChaosCluster:
     # --- status
 
     def coordinator_status(self, node_id: str) -> coordinator_pb2.CoordinatorStatus | None:
-        if not self.running("coordinator", node_id) or node_id in self.paused:
+        if not self.running("coordinator", node_id) or ("coordinator", node_id) in self.paused:
             return None
         with grpc.insecure_channel(self.config.node(node_id).coordinator_address) as channel:
             try:
@@ -275,7 +304,7 @@ class ChaosCluster:
                 return None
 
     def replica_state(self, node_id: str) -> replica_pb2.ReplicaState | None:
-        if not self.running("replica", node_id) or node_id in self.paused:
+        if not self.running("replica", node_id) or ("replica", node_id) in self.paused:
             return None
         with grpc.insecure_channel(self.config.node(node_id).replica_address) as channel:
             try:
@@ -435,6 +464,11 @@ def read_final_log(
     finally:
         store.close()
     return records
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in NODE_PROCESSES:
+        raise ValueError(f"a node's process is one of {NODE_PROCESSES}, not {kind!r}")
 
 
 def _signal(service: processes.Service, signum: signal.Signals) -> None:

@@ -2,17 +2,35 @@
 
 ``schedule(seed, ...)`` draws every choice from ``random.Random(seed)``: the same seed,
 duration, nodes and kinds give the same list of faults (kind, targets, parameters,
-durations, quiet gaps). ``FaultRunner`` plays it against a ``ChaosCluster`` one fault at
-a time: quiet gap, start (history ``fault`` record, phase "start"), hold for its
-duration, heal (phase "end"), then wait (bounded) until the cluster is normal again
-before the next gap, so at most one node (a minority, or one gateway) is faulty at any
-moment and a correct cluster stays available. A fault that would not end before the
-run's deadline is not started; every started fault is healed, also when the run fails.
+durations, quiet gaps, overlaps). ``FaultRunner`` plays it against a ``ChaosCluster``
+one fault at a time: quiet gap, start (history ``fault`` record, phase "start"), hold
+for its duration, heal (phase "end"), then wait (bounded) until the cluster is normal
+again before the next gap. A fault that would not end before the run's deadline is not
+started; every started fault is healed, also when the run fails.
+
+A fault's target is a node id fixed by the schedule, or a role resolved when the fault
+starts (``role`` "master": the node whose replica is master then; "slave": another one,
+the seeded ``pick`` choosing among them), so a single-process fault can be aimed at the
+master whichever node holds the role by then.
+
+Overlap: a fault may carry a second one (``overlap``), started ``overlap.gap_s`` into
+its hold on a node the first does not hit, and healed no later than the first (e.g. a
+paused slave while the master's replica is killed). The schedule draws it (seeded,
+``OVERLAP_PROBABILITY``) and bounds it so that a majority of nodes stays able to
+recover: at most a minority of nodes is ever wholly out (both processes killed, paused,
+cut off or stopped), at least one node is not hit at all, and both faults are of kinds
+that heal by themselves (restart, SIGCONT, routes deleted, controls cleared). Without an
+overlap at most one node (a minority), or one gateway, is faulty at a time.
 
 The kinds and what each one does:
 
 ``kill``        kill -9 a node's coordinator and replica (or one gateway), restart it.
 ``pause``       SIGSTOP a node's processes, SIGCONT them.
+``kill_replica``       kill -9 the node's replica alone (its coordinator runs on),
+                       restart it.
+``kill_coordinator``   kill -9 the node's coordinator alone, restart it.
+``pause_replica``      SIGSTOP the node's replica alone, SIGCONT it.
+``pause_coordinator``  SIGSTOP the node's coordinator alone, SIGCONT it.
 ``partition``   blackhole routes between one node and the rest, or (5 nodes) between a
                 2-node minority and the majority (chaos/netns.py); needs namespaces.
 ``map_full``    the node's LMDB commits fail with ``lmdb.MapFullError``
@@ -40,19 +58,38 @@ import struct
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
 
-from chaos.cluster import GATEWAY_IDS, ChaosCluster, ClusterError
+from chaos.cluster import GATEWAY_IDS, NODE_PROCESSES, ChaosCluster, ClusterError
 from chaos.history import HistoryWriter
 from services.replica.committed import gate_from_store
 from services.replica.store import DATABASES, DB_EVENTS, Store
 from services.replica.store_lmdb import LmdbKV
 from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2
 
-KINDS = ("kill", "pause", "partition", "map_full", "corrupt", "slow_disk", "clock_jump")
+KINDS = (
+    "kill",
+    "pause",
+    "kill_replica",
+    "kill_coordinator",
+    "pause_replica",
+    "pause_coordinator",
+    "partition",
+    "map_full",
+    "corrupt",
+    "slow_disk",
+    "clock_jump",
+)
+# The faults that hit one process of a node: (what is done, to which process).
+PROCESS_FAULTS = {
+    "kill_replica": ("kill", "replica"),
+    "kill_coordinator": ("kill", "coordinator"),
+    "pause_replica": ("pause", "replica"),
+    "pause_coordinator": ("pause", "coordinator"),
+}
 NOT_APPLICABLE = {
     "clock_jump": (
         "no timeout depends on wall time: every timeout, lease and deadline in Squall reads "
@@ -66,6 +103,10 @@ NEEDS_NETNS = ("partition",)
 _HOLD_S = {
     "kill": (1.0, 5.0),
     "pause": (1.0, 4.0),
+    "kill_replica": (1.0, 5.0),
+    "kill_coordinator": (1.0, 5.0),
+    "pause_replica": (1.0, 4.0),
+    "pause_coordinator": (1.0, 4.0),
     "partition": (2.0, 6.0),
     "map_full": (2.0, 5.0),
     "corrupt": (2.0, 5.0),
@@ -80,6 +121,27 @@ WARMUP_S = 2.0
 TAIL_S = 3.0
 RECOVERY_TIMEOUT_S = 60.0
 _QUARANTINE_WAIT_S = 10.0
+# How often a fault carries an overlapping second one (when one fits the bounds).
+OVERLAP_PROBABILITY = 0.3
+# Kinds that may carry an overlap (first fault) and kinds that may be one (second):
+# each heals by itself; corrupt (its repair restarts the node and unquarantines it) and a
+# gateway kill stay alone.
+OVERLAP_FIRST = (
+    "kill",
+    "pause",
+    *PROCESS_FAULTS,
+    "partition",
+    "map_full",
+    "slow_disk",
+)
+OVERLAP_SECOND = ("kill", "pause", *PROCESS_FAULTS)
+# Kinds that take a whole node out (both processes, or all its links).
+WHOLE_NODE = ("kill", "pause", "partition", "corrupt")
+# The second fault starts this share of the first's hold in, at most.
+_OVERLAP_START_SHARE = 0.6
+_OVERLAP_HOLD_S_MIN = 0.5
+# The chance a single-process fault is aimed at the master (else at a seeded node).
+_AT_MASTER_PROBABILITY = 0.5
 
 
 @dataclass(frozen=True)
@@ -92,14 +154,42 @@ class FaultSpec:
     hold_s: float  # how long it lasts
     variant: str = ""  # kill: node | gateway; partition: isolate | split
     param: int = 0  # slow_disk: fsync delay ms; corrupt: the record choice
+    # "" (targets fixed), "master" or "slave": the target resolved when the fault starts.
+    role: str = ""
+    pick: int = 0  # role "slave": which of the candidates (index modulo their number)
+    # A second fault started overlap.gap_s into this one's hold, healed before this one.
+    overlap: FaultSpec | None = None
 
-    def describe(self) -> str:
-        text = f"{self.kind} {','.join(self.targets)} for {self.hold_s:.1f}s"
+    def describe(
+        self,
+        targets: tuple[str, ...] | list[str] | None = None,
+        overlap_targets: list[str] | None = None,
+    ) -> str:
+        """What the fault is; targets (as resolved) replace a role's placeholder."""
+        named = ",".join(targets) if targets else ",".join(self.targets) or f"<{self.role}>"
+        if targets and self.role:
+            named += f" (the {self.role})"
+        text = f"{self.kind} {named} for {self.hold_s:.1f}s"
         if self.variant:
             text += f" ({self.variant})"
         if self.kind == "slow_disk":
             text += f" fsync +{self.param} ms"
+        if self.overlap is not None:
+            second = self.overlap.describe(overlap_targets)
+            text += f", overlapped {self.overlap.gap_s:.1f}s in by {second}"
         return text
+
+    @property
+    def nodes_hit(self) -> int:
+        """How many nodes the fault touches (0 for a gateway kill)."""
+        if self.variant == "gateway":
+            return 0
+        return len(self.targets) if self.targets else 1
+
+    @property
+    def nodes_out(self) -> int:
+        """How many nodes it takes wholly out (both processes or all links)."""
+        return self.nodes_hit if self.kind in WHOLE_NODE else 0
 
 
 def schedule(
@@ -108,6 +198,7 @@ def schedule(
     node_ids: list[str],
     gateway_ids: list[str],
     kinds: list[str],
+    overlap_probability: float = OVERLAP_PROBABILITY,
 ) -> list[FaultSpec]:
     """The run's faults, in order; the same arguments always give the same list."""
     usable = [kind for kind in kinds if kind in _HOLD_S]
@@ -121,9 +212,11 @@ def schedule(
         kind = rng.choice(usable)
         gap = round(rng.uniform(*_GAP_S), 3)
         hold = round(rng.uniform(*_HOLD_S[kind]), 3)
-        variant, param = "", 0
+        variant, param, role = "", 0, ""
         node = rng.choice(node_ids)
         targets: tuple[str, ...] = (node,)
+        if kind in PROCESS_FAULTS and rng.random() < _AT_MASTER_PROBABILITY:
+            role, targets = "master", ()
         if kind == "kill":
             variant = "gateway" if rng.random() < 0.25 else "node"
             if variant == "gateway":
@@ -136,10 +229,61 @@ def schedule(
             param = rng.choice(_FSYNC_DELAYS_MS)
         elif kind == "corrupt":
             param = rng.randrange(1 << 30)
+        spec = FaultSpec(kind, targets, gap, hold, variant, param, role)
+        if rng.random() < overlap_probability:
+            spec = _with_overlap(rng, spec, len(node_ids), usable)
         elapsed += gap + hold + _RECOVERY_ALLOWANCE_S
         if elapsed > duration_s - TAIL_S:
             return specs
-        specs.append(FaultSpec(kind, targets, gap, hold, variant, param))
+        specs.append(spec)
+
+
+def _with_overlap(rng: random.Random, first: FaultSpec, nodes: int, usable: list[str]) -> FaultSpec:
+    """first with a seeded second fault, if one fits the bounds (module docstring)."""
+    if first.kind not in OVERLAP_FIRST or first.variant == "gateway":
+        return first
+    minority = (nodes - 1) // 2
+    candidates = [
+        kind
+        for kind in usable
+        if kind in OVERLAP_SECOND
+        and first.nodes_hit + 1 <= nodes - 1
+        and first.nodes_out + (1 if kind in WHOLE_NODE else 0) <= minority
+    ]
+    if not candidates:
+        return first
+    kind = rng.choice(candidates)
+    delay = round(rng.uniform(0.1, _OVERLAP_START_SHARE * first.hold_s), 3)
+    room = max(_OVERLAP_HOLD_S_MIN, first.hold_s - delay)
+    hold = round(min(rng.uniform(*_HOLD_S[kind]), room), 3)
+    role = rng.choice(("master", "slave"))
+    second = FaultSpec(
+        kind,
+        (),
+        delay,
+        hold,
+        "node" if kind == "kill" else "",
+        role=role,
+        pick=rng.randrange(1 << 16),
+    )
+    return replace(first, overlap=second)
+
+
+def overlap_fits(first: FaultSpec, nodes: int) -> bool:
+    """Whether a fault and its overlap keep within the bounds (module docstring)."""
+    second = first.overlap
+    if second is None:
+        return True
+    return (
+        first.kind in OVERLAP_FIRST
+        and second.kind in OVERLAP_SECOND
+        and second.overlap is None
+        and first.nodes_hit + second.nodes_hit <= nodes - 1
+        and first.nodes_out + second.nodes_out <= (nodes - 1) // 2
+        # (rounded to ms: a few ms over the first's hold is the rounding)
+        and second.gap_s + second.hold_s
+        <= max(first.hold_s, second.gap_s + _OVERLAP_HOLD_S_MIN) + 0.01
+    )
 
 
 @dataclass
@@ -148,9 +292,16 @@ class FaultOutcome:
 
     spec: FaultSpec
     detail: str = ""
+    # The nodes (or gateway) it hit, a role resolved.
+    targets: list[str] = field(default_factory=list)
+    overlap_targets: list[str] = field(default_factory=list)
     recovered: bool = False
     recovery_s: float = 0.0
     problem: str = ""
+
+    def describe(self) -> str:
+        """What the fault was, a role's target resolved once it started."""
+        return self.spec.describe(self.targets or None, self.overlap_targets or None)
 
 
 @dataclass
@@ -182,41 +333,80 @@ class FaultRunner:
             try:
                 await asyncio.to_thread(self.cluster.wait_normal, RECOVERY_TIMEOUT_S)
             except ClusterError as exc:
-                outcome.problem = f"after {spec.describe()}: {exc}"
+                outcome.problem = f"after {outcome.describe()}: {exc}"
                 raise ClusterError(outcome.problem) from None
             outcome.recovered = True
             outcome.recovery_s = time.monotonic() - started
 
-    async def play(self, spec: FaultSpec, outcome: FaultOutcome) -> None:
-        """Starts the fault, holds it, heals it; the end record is written whatever
-        happened (a failed injection or heal is in its detail)."""
-        targets = list(spec.targets)
-        start_detail = spec.describe()
-        self.history.fault(spec.kind, "start", targets, start_detail)
+    async def play(
+        self, spec: FaultSpec, outcome: FaultOutcome, exclude: tuple[str, ...] = ()
+    ) -> None:
+        """Starts the fault (and its overlap, in a task), holds it, heals it; the end
+        record is written whatever happened (a failed injection or heal is in its
+        detail). exclude: nodes a role must not resolve to (the first fault's)."""
+        targets = await asyncio.to_thread(self.resolve, spec, exclude)
+        outcome.targets = targets
+        self.history.fault(spec.kind, "start", targets, spec.describe(targets))
         end_detail = ""
+        second: asyncio.Task[FaultOutcome] | None = None
         try:
-            start_note = await asyncio.to_thread(self._start, spec)
+            start_note = await asyncio.to_thread(self._start, spec, targets)
             if start_note:
                 outcome.detail = start_note
+            if spec.overlap is not None:
+                second = asyncio.create_task(self._overlap(spec.overlap, tuple(targets)))
             await asyncio.sleep(spec.hold_s)
         except Exception as exc:
-            outcome.problem = f"{spec.describe()}: injecting failed: {exc}"
+            outcome.problem = f"{spec.describe(targets)}: injecting failed: {exc}"
             end_detail = outcome.problem + "; "
         finally:
+            if second is not None:
+                # Healed before this one: the second never outlives the first.
+                overlapped = await second
+                outcome.overlap_targets = overlapped.targets
+                outcome.detail = "; ".join(
+                    x for x in (outcome.detail, f"overlap: {overlapped.detail}") if x
+                )
+                outcome.problem = outcome.problem or overlapped.problem
             try:
-                end_detail += await asyncio.to_thread(self._end, spec)
+                end_detail += await asyncio.to_thread(self._end, spec, targets)
             except Exception as exc:
-                outcome.problem = f"{spec.describe()}: healing failed: {exc}"
+                outcome.problem = f"{spec.describe(targets)}: healing failed: {exc}"
                 end_detail += outcome.problem
                 await asyncio.to_thread(self.heal_all)
             outcome.detail = "; ".join(x for x in (outcome.detail, end_detail) if x)
             self.history.fault(spec.kind, "end", targets, end_detail)
 
+    async def _overlap(self, spec: FaultSpec, exclude: tuple[str, ...]) -> FaultOutcome:
+        """Plays a fault's overlap: its gap into the first fault's hold, then the fault."""
+        outcome = FaultOutcome(spec)
+        await asyncio.sleep(spec.gap_s)
+        await self.play(spec, outcome, exclude)
+        return outcome
+
+    def resolve(self, spec: FaultSpec, exclude: tuple[str, ...] = ()) -> list[str]:
+        """The fault's targets: fixed by the schedule, or its role's node now (the master
+        if it is not excluded, else a slave; a slave chosen by the spec's pick)."""
+        if not spec.role:
+            return list(spec.targets)
+        free = [n for n in self.cluster.node_ids if n not in exclude]
+        master = self.cluster.master()
+        if spec.role == "master" and master in free:
+            return [master]
+        slaves = [n for n in free if n != master] or free
+        return [slaves[spec.pick % len(slaves)]]
+
     # --- injection and healing (threads: they block on processes)
 
-    def _start(self, spec: FaultSpec) -> str:
-        cluster, target = self.cluster, spec.targets[0]
-        if spec.kind == "kill":
+    def _start(self, spec: FaultSpec, targets: list[str]) -> str:
+        cluster, target = self.cluster, targets[0]
+        if spec.kind in PROCESS_FAULTS:
+            action, process = PROCESS_FAULTS[spec.kind]
+            if action == "kill":
+                cluster.kill_process(process, target)
+            else:
+                cluster.pause_process(process, target)
+        elif spec.kind == "kill":
             if spec.variant == "gateway":
                 cluster.kill_gateway(target)
             else:
@@ -226,7 +416,7 @@ class FaultRunner:
         elif spec.kind == "partition":
             if cluster.topology is None:
                 raise ClusterError("partition needs network namespaces")
-            minority = list(spec.targets)
+            minority = list(targets)
             majority = [n for n in cluster.node_ids if n not in minority]
             cluster.topology.partition([minority, majority])
         elif spec.kind == "map_full":
@@ -243,8 +433,15 @@ class FaultRunner:
             raise ValueError(f"no fault kind {spec.kind!r}")
         return ""
 
-    def _end(self, spec: FaultSpec) -> str:
-        cluster, target = self.cluster, spec.targets[0]
+    def _end(self, spec: FaultSpec, targets: list[str]) -> str:
+        cluster, target = self.cluster, targets[0]
+        if spec.kind in PROCESS_FAULTS:
+            action, process = PROCESS_FAULTS[spec.kind]
+            if action == "kill":
+                cluster.start_process(process, target)
+                return f"{process} restarted"
+            cluster.resume_process(process, target)
+            return f"{process} resumed"
         if spec.kind == "kill":
             if spec.variant == "gateway":
                 cluster.start_gateway(target)
@@ -281,9 +478,7 @@ class FaultRunner:
             if code == "DATA_LOSS":
                 quarantined = self._wait_quarantined(node_id)
                 seen += (
-                    "the node quarantined itself"
-                    if quarantined
-                    else "the node was NOT quarantined"
+                    "the node quarantined itself" if quarantined else "the node was NOT quarantined"
                 )
                 right = quarantined
             else:
@@ -338,17 +533,15 @@ class FaultRunner:
         """Ends every fault whatever state it is in: resume paused nodes, delete blackhole
         routes, clear fault controls, start anything not running. Best effort."""
         cluster = self.cluster
-        for node_id in list(cluster.paused):
-            cluster.resume_node(node_id)
+        for kind, node_id in list(cluster.paused):
+            cluster.resume_process(kind, node_id)
         if cluster.topology is not None and cluster.topology.partitioned:
             cluster.topology.heal()
         for node_id in cluster.node_ids:
             cluster.set_fault_control(node_id)
-            if not cluster.running("replica", node_id) or not cluster.running(
-                "coordinator", node_id
-            ):
-                cluster.kill_node(node_id)
-                cluster.start_node(node_id)
+            for kind in NODE_PROCESSES:
+                if not cluster.running(kind, node_id):
+                    cluster.start_process(kind, node_id)
         for gateway_id in GATEWAY_IDS:
             if not cluster.running("gateway", gateway_id):
                 cluster.start_gateway(gateway_id)
@@ -418,9 +611,7 @@ def flip_event_byte(data_dir: Path, rng: random.Random) -> Damage:
             info.topic_id: gate.hidden_from(info.name) or info.next_offset for info in topics
         }
         records = [
-            (key, value)
-            for key, value in records
-            if _served(struct.unpack(">QQ", key), served_end)
+            (key, value) for key, value in records if _served(struct.unpack(">QQ", key), served_end)
         ]
         if not records:
             return Damage("", 0, "no committed event stored yet: nothing to corrupt")

@@ -21,9 +21,11 @@ run. The record types:
 ``deliver``   a subscriber received events: ``process`` ("sub-1"), ``mode`` ("stream" |
               "push"), ``topic``, ``subscription``, ``events``: list of
               ``{"offset": int, "value": str}`` in the order received.
-``fault``     a fault starts or ends: ``fault`` (kind, e.g. "kill", "pause", "partition",
-              "map_full", "corrupt", "slow_disk", "clock_jump"), ``phase`` ("start" |
-              "end"), ``targets`` (node or gateway ids), ``detail`` (free text).
+``fault``     a fault starts or ends: ``fault`` (kind, e.g. "kill", "pause",
+              "kill_replica", "kill_coordinator", "pause_replica", "pause_coordinator",
+              "partition", "map_full", "corrupt", "slow_disk", "clock_jump"), ``phase``
+              ("start" | "end"), ``targets`` (node or gateway ids), ``detail`` (free
+              text).
 ``unavailable`` a client-observed window with no successful operation of one kind:
               written by the checker, not the run (see chaos/checker.py).
 ``final_log`` after the run, per node and topic: ``node``, ``topic``, ``commit_lsn``,
@@ -43,6 +45,9 @@ Optional fields (a reader must not require them):
 * ``invoke`` with ``op`` "list_push_subscribers" (``topic``): its ``complete`` carries
   ``subscriber_ids``; a push subscriber missing from the last such list was removed by the
   cluster and is not owed the rest.
+* ``complete`` of an "ok" publish: ``duplicates`` (list of int) — the indices of its
+  events whose receipt said duplicate (already stored under that publisher id and
+  sequence, at the receipt's offset); absent when none did.
 * ``final_log``: ``lagging`` (str) — why this node may hold only a prefix of the others'
   committed log (e.g. it was killed and not restarted); ``error`` (str) — its store could
   not be read. Without ``lagging`` every node's log must be identical.

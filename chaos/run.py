@@ -105,6 +105,8 @@ class RunResult:
     summary: str = ""
     png_path: Path | None = None
     skipped: dict[str, str] = field(default_factory=dict)
+    # What publishers saw per fault kind (the checker's kind_lines).
+    kind_lines: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -239,6 +241,7 @@ def check(result: RunResult, out_dir: Path) -> None:
     result.checked = True
     result.check_ok = bool(report.ok)
     result.summary = report.summary_line()
+    result.kind_lines = report.kind_lines()
     png = out_dir / "timeline.png"
     plot_timeline(read_history(result.history_path), png)
     result.png_path = png
@@ -290,9 +293,10 @@ def report(result: RunResult) -> str:
         lines.append(f"  fault {kind} {why}")
     for outcome in result.outcomes:
         state = f"recovered in {outcome.recovery_s:.1f}s" if outcome.recovered else "NOT recovered"
-        lines.append(f"  {outcome.spec.describe()}: {state}; {outcome.detail}")
+        lines.append(f"  {outcome.describe()}: {state}; {outcome.detail}")
     lines.extend(f"  PROBLEM: {problem}" for problem in result.problems)
     lines.append(result.summary)
+    lines.extend(result.kind_lines)
     lines.append(f"history: {result.history_path}")
     if result.png_path is not None:
         lines.append(f"timeline: {result.png_path}")

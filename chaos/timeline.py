@@ -37,6 +37,10 @@ from chaos.checker import (
 FAULT_COLOURS = {
     "kill": "#d62728",
     "pause": "#ff7f0e",
+    "kill_replica": "#ff9896",
+    "kill_coordinator": "#aec7e8",
+    "pause_replica": "#ffbb78",
+    "pause_coordinator": "#c49c94",
     "partition": "#9467bd",
     "map_full": "#8c564b",
     "corrupt": "#e377c2",

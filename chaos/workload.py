@@ -482,8 +482,11 @@ class Workload:
                         [value.encode() for _, value in events], batch_events=len(events)
                     )
                     offsets = [r.offset for r in receipts]
+                    duplicates = [i for i, r in enumerate(receipts) if r.duplicate]
                 else:
-                    offsets = self._publish_plain(client, topic_name, [v for _, v in events])
+                    offsets, duplicates = self._publish_plain(
+                        client, topic_name, [v for _, v in events]
+                    )
             except Exception as exc:
                 outcome = classify_publish_error(exc)
                 self._recorder.complete(op_id, outcome, _describe(exc))
@@ -496,15 +499,22 @@ class Workload:
                 gateways.rotate()
                 self._backoff(rng, failures)
                 continue
-            self._recorder.complete(op_id, "ok", offsets=offsets)
+            # Which receipts said duplicate: the checker verifies each points at its event.
+            if duplicates:
+                self._recorder.complete(op_id, "ok", offsets=offsets, duplicates=duplicates)
+            else:
+                self._recorder.complete(op_id, "ok", offsets=offsets)
             again = None
             failures = 0
             if self._pause_s_max:
                 self._stop_publishing.wait(rng.uniform(0, self._pause_s_max))
         _close_quietly(publisher)
 
-    def _publish_plain(self, client: squall.Client, topic: str, values: list[str]) -> list[int]:
-        """A publish without publisher id or sequences: the master cannot deduplicate it."""
+    def _publish_plain(
+        self, client: squall.Client, topic: str, values: list[str]
+    ) -> tuple[list[int], list[int]]:
+        """A publish without publisher id or sequences: the master cannot deduplicate it.
+        Returns the receipts' offsets and the indices of any that said duplicate."""
         request = broker_pb2.PublishRequest(topic=topic)
         for value in values:
             request.events.add(payload=value.encode())
@@ -514,7 +524,8 @@ class Workload:
             raise RuntimeError(
                 f"{len(response.receipts)} receipts for {len(values)} events (compact?)"
             )
-        return [int(r.offset) for r in response.receipts]
+        receipts = response.receipts
+        return [int(r.offset) for r in receipts], [i for i, r in enumerate(receipts) if r.duplicate]
 
     def _backoff(self, rng: random.Random, failures: int) -> None:
         ceiling = min(BACKOFF_MAX_S, BACKOFF_INITIAL_S * 2 ** min(failures - 1, 10))

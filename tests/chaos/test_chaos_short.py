@@ -15,12 +15,17 @@ from pathlib import Path
 
 import pytest
 
+from chaos.cluster import GATEWAY_IDS
+from chaos.faults import PROCESS_FAULTS
 from chaos.history import read_history
 from chaos.run import report, run_chaos
 
-# Together they play every kind: kill (the master), slow_disk; pause, partition;
-# corrupt, map_full, pause.
-SEEDS = (2, 4, 5)
+# Together they play every kind but a whole-node pause, single-process faults in each:
+# kill n1, pause_replica n1 overlapped by kill_coordinator of a slave, corrupt (seed 2);
+# kill_coordinator of the master, slow_disk overlapped by pause_coordinator of a slave,
+# kill_replica of the master overlapped by a kill of another node (3); partition
+# overlapped by kill_replica of a slave, map_full overlapped by pause_replica (24).
+SEEDS = (2, 3, 24)
 DURATION_S = 35.0
 NODES = 3
 
@@ -43,6 +48,12 @@ def test_short_chaos_run(seed: int, tmp_path: Path) -> None:
     starts = [r for r in records if r["type"] == "fault" and r["phase"] == "start"]
     ends = [r for r in records if r["type"] == "fault" and r["phase"] == "end"]
     assert starts and len(starts) == len(ends), f"faults not all ended\n{text}\n{reproduce}"
+    single = [r for r in starts if r["fault"] in PROCESS_FAULTS]
+    assert single, f"no single-process fault played\n{text}\n{reproduce}"
+    # Every fault's unavailability is measured and said in the run's output.
+    assert "unavailability per fault kind:" in text
+    node_faults = [r for r in starts if r["targets"][0] not in GATEWAY_IDS]
+    assert all(f"  {r['fault']} (" in text for r in node_faults), text
     final_logs = [r for r in records if r["type"] == "final_log"]
     assert {r["node"] for r in final_logs} == {f"n{i}" for i in range(1, NODES + 1)}
     acknowledged = [r for r in records if r["type"] == "complete" and r["outcome"] == "ok"]

@@ -1,5 +1,7 @@
 """`make bench`'s pipeline end to end at its smallest: a real three-node cluster, one sync
-policy, a few publishes, and the report files that come out of it.
+policy, a few publishes, one trial of two fault kinds under three concurrent publishers
+(node_kill, which also gives lead_back, and replica_pause), and the report files that
+come out of it.
 
 No figure is judged (speed belongs in bench/, not in tests); what is checked is that the
 pipeline measures what it says (every event published is consumed, every latency is
@@ -35,6 +37,12 @@ def test_tiny_bench_run_writes_the_report(tmp_path: Path) -> None:
             "1000",
             "--unary-events",
             "20",
+            "--gap-trials",
+            "1",
+            "--gap-kind",
+            "node_kill",
+            "--gap-kind",
+            "replica_pause",
             "--results-dir",
             str(tmp_path),
         ]
@@ -43,7 +51,14 @@ def test_tiny_bench_run_writes_the_report(tmp_path: Path) -> None:
     latest = tmp_path / "latest"
     run_dir = tmp_path / os.readlink(latest)
     assert run_dir.is_dir() and run_dir.name.endswith("Z")
-    for name in ("report.json", "report.md", "throughput.png", "latency_cdf.png", "memory.png"):
+    for name in (
+        "report.json",
+        "report.md",
+        "throughput.png",
+        "latency_cdf.png",
+        "memory.png",
+        "fault_gaps.png",
+    ):
         assert (run_dir / name).stat().st_size > 0, name
     assert not (run_dir / "failover.png").exists()  # --tiny runs no failover
 
@@ -73,3 +88,21 @@ def test_tiny_bench_run_writes_the_report(tmp_path: Path) -> None:
     assert "| events/s | WRITE_NO_SYNC |" in text
     assert "![Publish latency CDF per sync policy](latency_cdf.png)" in text
     assert "| replica-n1 |" in text and "| gateway-g1 |" in text
+
+    # One trial per kind; every path either recovered (its two figures measured) or is
+    # counted not recovered; every acknowledged event read back where its receipt said.
+    gaps = built["fault_gaps"]
+    assert set(gaps["kinds"]) == {"node_kill", "replica_pause", "lead_back"}
+    for kind, figures in gaps["kinds"].items():
+        assert figures["trials"] == 1 and figures["error"] is None, (kind, figures)
+        assert set(figures["paths"]) == {"gateway", "replicated", "non_replicated"}
+        for path, row in figures["paths"].items():
+            assert len(row["first_ack_ms"]) == len(row["longest_gap_ms"])
+            assert len(row["first_ack_ms"]) + row["not_recovered"] == 1, (kind, path, row)
+    # Every publisher rides through a node kill (no speed asserted: that is the bench's).
+    assert all(row["not_recovered"] == 0 for row in gaps["kinds"]["node_kill"]["paths"].values())
+    assert gaps["read_back"]["acknowledged"] > 0
+    assert gaps["read_back"]["lost"] == 0 and gaps["read_back"]["stored_twice"] == 0
+    assert set(built["summary"]["fault_gaps"]) == {"node_kill", "replica_pause", "lead_back"}
+    assert "## Publisher-visible gap per fault kind" in text
+    assert "| node_kill | non_replicated | 1 |" in text and "| lead_back | gateway | 1 |" in text

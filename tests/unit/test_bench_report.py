@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from bench import machine, memory, report, single_node, suite
+from bench import fault_gaps, machine, memory, report, single_node, suite
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -158,7 +158,7 @@ def _policy(rate: int, latencies_ms: list[float], replica_rss_mib: int) -> dict[
     }
 
 
-def _synthetic(with_failover: bool = True) -> dict[str, Any]:
+def _synthetic(with_failover: bool = True, gaps: dict[str, Any] | None = None) -> dict[str, Any]:
     described = {
         "cpu_model": "Test CPU",
         "cpu_cores_usable": 2,
@@ -201,6 +201,7 @@ def _synthetic(with_failover: bool = True) -> dict[str, Any]:
         failover={"all_ms": [450.0, 400.0, 900.0, 500.0], "poll_ms": 5.0}
         if with_failover
         else None,
+        fault_gaps=gaps,
     )
 
 
@@ -300,3 +301,113 @@ def test_suite_rejects_bad_sizes_before_starting_anything(
     assert exit_info.value.code == 2
     assert "sizes must be >= 0" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+# --- the publisher-visible gap per fault kind
+
+
+def _gaps() -> dict[str, Any]:
+    """bench.fault_gaps.run's shape: node_kill within the aim on every path; replica_pause
+    waiting for the heal on the gateway path and never recovering on the proxy's."""
+
+    def path(first: list[float], longest: list[float], **counts: int) -> dict[str, Any]:
+        return {
+            "first_ack_ms": first,
+            "longest_gap_ms": longest,
+            "not_recovered": counts.get("not_recovered", 0),
+            "after_heal": counts.get("after_heal", 0),
+        }
+
+    return {
+        "aim": fault_gaps.AIM,
+        "aim_p50_ms": 500.0,
+        "aim_max_ms": 1000.0,
+        "trials": 3,
+        "hold_s": 3.0,
+        "recover_s": 20.0,
+        "paths": ["gateway", "replicated"],
+        "kinds": {
+            "node_kill": {
+                "trials": 3,
+                "paths": {
+                    "gateway": path([450.0, 400.0, 480.0], [460.0, 410.0, 900.0]),
+                    "replicated": path([500.0, 520.0, 510.0], [500.0, 520.0, 990.0]),
+                },
+                "error": None,
+            },
+            "replica_pause": {
+                "trials": 3,
+                "paths": {
+                    "gateway": path([3100.0, 3200.0, 3150.0], [3100.0] * 3, after_heal=3),
+                    "replicated": path([3300.0], [3300.0], after_heal=1, not_recovered=2),
+                },
+                "error": "TimeoutError: publishers not steady",
+            },
+        },
+        "read_back": {"acknowledged": 1234, "lost": 0, "stored_twice": 0, "examples": []},
+    }
+
+
+def test_the_gap_section_summarizes_every_kind_and_path(tmp_path: Path) -> None:
+    built = _synthetic(gaps=_gaps())
+    table = built["summary"]["fault_gaps"]
+    node = table["node_kill"]["gateway"]
+    assert (node["first_ack_ms"]["p50"], node["first_ack_ms"]["max"]) == (450.0, 480.0)
+    assert (node["longest_gap_ms"]["p50"], node["longest_gap_ms"]["max"]) == (460.0, 900.0)
+    assert node["meets_aim"] and node["trials"] == 3
+    # p50 520 > 500: missed although the max is under a second.
+    assert not table["node_kill"]["replicated"]["meets_aim"]
+    pause = table["replica_pause"]
+    assert not pause["gateway"]["meets_aim"] and pause["gateway"]["after_heal"] == 3
+    assert pause["replicated"]["not_recovered"] == 2
+    paths = report.write(built, tmp_path)
+    assert paths["fault_gaps"].read_bytes().startswith(PNG_MAGIC)
+    text = paths["markdown"].read_text()
+    assert "## Publisher-visible gap per fault kind" in text
+    assert "**Aim: p50 <= 500 ms and max <= 1000 ms for every kind and path" in text
+    assert (
+        "| node_kill | gateway | 3 | 450.0 / 480.0 / 480.0 | 460.0 / 900.0 / 900.0 | 0 | 0 | met |"
+        in text
+    )
+    assert "| replica_pause | replicated | 3 | 3,300.0 / 3,300.0 / 3,300.0 |" in text
+    assert "| 1 | 2 | **missed** |" in text
+    assert "1,234 acknowledged events, **0 lost**" in text
+    assert "- stopped early: replica_pause: TimeoutError: publishers not steady" in text
+    assert "](fault_gaps.png)" in text
+
+
+def test_a_run_without_fault_gaps_says_so(tmp_path: Path) -> None:
+    text = report.write(_synthetic(), tmp_path)["markdown"].read_text()
+    assert "## Publisher-visible gap per fault kind\n\nNot measured in this run." in text
+    assert not (tmp_path / "fault_gaps.png").exists()
+
+
+def _ack(invoked: float, acked: float, master: str = "n1") -> fault_gaps.Ack:
+    return fault_gaps.Ack(invoked, acked, master, 0, b"", False)
+
+
+def test_fault_gap_windows_by_hand() -> None:
+    # Fault at 10.0, healed at 13.0. The call sent at 9.99 is answered by the dying master
+    # at 10.01: not the first ack. The next call (10.02) is answered at 10.45.
+    acks = [_ack(9.9, 9.95), _ack(9.99, 10.01), _ack(10.02, 10.45, "n2"), _ack(10.5, 10.6, "n2")]
+    acks += [_ack(12.9, 13.2, "n2")]
+    one = fault_gaps.window(acks, 10.0, 13.0, 20.0)
+    assert one["first_ack_ms"] == 450.0 and not one["after_heal"]
+    # Marks 10.0, 10.01, 10.45, 10.6, 13.2 (the first at or after the heal): 12.9 -> 13.2
+    # is no gap; the longest is 10.6 -> 13.2.
+    assert one["longest_gap_ms"] == 2600.0
+    # Nothing until after the heal: the gap lasts as long as the fault was held.
+    held = fault_gaps.window([_ack(9.9, 9.95), _ack(13.1, 13.15)], 10.0, 13.0, 20.0)
+    assert held == {"first_ack_ms": 3150.0, "longest_gap_ms": 3150.0, "after_heal": True}
+    never = fault_gaps.window([_ack(9.9, 9.95)], 10.0, 13.0, 20.0)
+    assert never["first_ack_ms"] is None and never["longest_gap_ms"] is None
+
+
+def test_lead_back_window_by_hand() -> None:
+    # n1 restarted at 20.0; n2 acknowledges until 21.0, then nothing until n1 at 21.6.
+    acks = [_ack(t / 10, t / 10 + 0.01, "n2") for t in range(195, 215, 5)]
+    acks += [_ack(21.05, 21.6, "n1"), _ack(21.6, 21.61, "n1")]
+    one = fault_gaps.lead_back_window(acks, 20.0, "n1")
+    assert one["first_ack_ms"] == 590.0  # 21.01 -> 21.6
+    assert one["longest_gap_ms"] == 590.0
+    assert fault_gaps.lead_back_window(acks[:3], 20.0, "n1")["first_ack_ms"] is None

@@ -3,7 +3,8 @@
 Goal: a publish is "fail" only when the library says nothing was stored; a gateway that
 takes every call and never answers (a hung cluster) leaves every publish indeterminate,
 never "fail" or "ok", and `Workload.stop` still returns, completing each running operation
-as indeterminate and writing nothing afterwards.
+as indeterminate and writing nothing afterwards. Every receipt that says duplicate is
+recorded, so the checker can tell whether it points at a stored event.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import grpc
 import pytest
 
 import squall
+from chaos.checker import check_records
 from chaos.history import HistoryWriter, read_history
 from chaos.workload import Target, Workload, _Recorder, classify_publish_error
 from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2
@@ -175,3 +177,83 @@ def _publish_processes(path: Path) -> set[str]:
         for r in records
         if r["type"] == "complete" and r["id"] in publishes
     }
+
+
+class _AlwaysDuplicate(_HungCluster):
+    """Answers every publish "duplicate, at offset 7 + i" and stores nothing: a master
+    whose dedupe state outlived the topic (issue 14, item 6)."""
+
+    @staticmethod
+    def _receipts(request: Any) -> broker_pb2.PublishResponse:
+        response = broker_pb2.PublishResponse(request_id=request.request_id)
+        count = len(request.events)
+        if request.compact_receipts:
+            response.batch.count = count
+            response.batch.master_id = "n1"
+            for i in range(count):
+                response.batch.duplicates.add(index=i, offset=7 + i, lsn=1, epoch=1)
+        else:
+            for i in range(count):
+                response.receipts.add(offset=7 + i, lsn=1, epoch=1, duplicate=True, master_id="n1")
+        return response
+
+    def Publish(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self._receipts(request)
+
+    def PublishStream(self, request_iterator: Any, context: grpc.ServicerContext) -> Any:
+        for request in request_iterator:
+            yield self._receipts(request)
+
+
+def test_duplicate_receipts_are_recorded_and_one_pointing_at_nothing_is_a_finding(
+    tmp_path: Path,
+) -> None:
+    servicer = _AlwaysDuplicate()
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=64))
+    broker_pb2_grpc.add_TopicManagerServicer_to_server(servicer, server)
+    broker_pb2_grpc.add_PublisherServicer_to_server(servicer, server)
+    broker_pb2_grpc.add_SubscriberServicer_to_server(servicer, server)
+    broker_pb2_grpc.add_PushSubscriptionsServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    servicer.address = f"127.0.0.1:{port}"
+    server.start()
+    path = tmp_path / "history.jsonl"
+    try:
+        with HistoryWriter(path) as history:
+            history.write("run", seed=5, nodes=["n1"], gateways=["g1"], topics=["t"])
+            workload = Workload(
+                Target([servicer.address], "127.0.0.1"),
+                history,
+                seed=5,
+                topics=["t"],
+                subscribers=0,
+                push_subscribers=0,
+                call_timeout_s=0.5,
+            )
+
+            async def scenario() -> None:
+                await workload.start()
+                deadline = asyncio.get_running_loop().time() + 20
+                while len(_publish_processes(path)) < 4:
+                    assert asyncio.get_running_loop().time() < deadline, "no publishes"
+                    await asyncio.sleep(0.05)
+                await asyncio.wait_for(workload.stop(drain_timeout_s=1.0), HANG_S_MAX)
+
+            asyncio.run(scenario())
+            # The stores hold nothing of topic t.
+            history.write("final_log", node="n1", topic="t", commit_lsn=0, events=[])
+            history.write("end", reason="completed")
+    finally:
+        servicer.release.set()
+        server.stop(0).wait()
+    records = read_history(path)
+    invokes = {r["id"]: r for r in records if r["type"] == "invoke"}
+    oks = [r for r in records if r["type"] == "complete" and r["outcome"] == "ok"]
+    assert {invokes[r["id"]]["path"] for r in oks} >= {"gateway", "replicated", "non_replicated"}
+    for complete in oks:
+        events = invokes[complete["id"]]["events"]
+        assert complete["duplicates"] == list(range(len(events))), complete
+        assert complete["offsets"] == [7 + i for i in range(len(events))]
+    report = check_records(records)
+    assert "dup_receipts" in report.failed
+    assert any("which holds nothing" in d for d in report.result("dup_receipts").details)
