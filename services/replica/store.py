@@ -1675,12 +1675,15 @@ class Store:
         end_offset: int = 0,
         *,
         max_bytes: int = 0,
+        topic_id: int = 0,
     ) -> list[common_pb2.Event]:
         """Verified events from from_offset up to (not including) end_offset (0: no end).
 
         Returns at most max_events events and, when max_bytes > 0, stops before the
         payloads and keys exceed it (but returns at least one event). Empty at or beyond
-        the topic's end; raises UnknownTopicError for a topic the store does not hold.
+        the topic's end; raises UnknownTopicError for a topic the store does not hold, or
+        (topic_id > 0) whose incarnation is not topic_id: a reader that began on a topic
+        destroyed since never reads the one created again under its name.
         """
         if max_events < 1:
             raise ValueError(f"max_events must be >= 1, got {max_events}")
@@ -1688,6 +1691,8 @@ class Store:
             row = None if _pending(txn) else _read_topic(txn, topic)
             if row is None:
                 raise UnknownTopicError(f"no topic {topic!r}")
+            if topic_id and row.topic_id != topic_id:
+                raise UnknownTopicError(f"topic {topic!r} was destroyed (and created again)")
             start = max(from_offset, row.first_offset)
             stop = row.next_offset if end_offset <= 0 else min(end_offset, row.next_offset)
             stop = min(stop, start + max_events)
