@@ -243,6 +243,8 @@ class BatchBuilder:
         key = (topic, subscription)
         if key in self._cursors:
             return self._cursors[key]
+        if topic in self._destroyed:
+            return None  # the store's cursor is the destroyed incarnation's
         return self._store.get_cursor(topic, subscription)
 
     def push_subscriber(self, topic: str, subscriber_id: str) -> PushSubscriber | None:

@@ -315,3 +315,16 @@ def test_a_duplicate_receipt_never_points_outside_the_topic(store: Store) -> Non
     assert refused.code == Code.INTERNAL
     assert "invariant violated" in refused.message and "offset 7" in refused.message
     assert len(store.read_events("t", 0, 10)) == 3
+
+
+def test_a_durable_subscription_of_a_destroyed_topic_is_not_found_again(store: Store) -> None:
+    _commit(store, _publish("t", 1, 2, 3))
+    _commit(store, SetCursor("t", "billing", 3, create=True))
+    plans = _commit(
+        store,
+        DestroyTopic("t"),
+        CreateTopic("t", common_pb2.TOPIC_KIND_REPLICATED),
+        SetCursor("t", "billing", 0, create=True),
+    )
+    assert plans[-1].cursor == 0  # type: ignore[union-attr]
+    assert store.get_cursor("t", "billing") == 0
