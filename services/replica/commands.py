@@ -316,8 +316,8 @@ class BatchBuilder:
         # A topic created again later in the batch starts without push subscribers, and
         # its publishers' sequences are new there: the destroy deletes their dedupe state.
         self._destroyed.add(command.name)
-        for key in [k for k, v in self._sequences.items() if v[0] == command.name]:
-            del self._sequences[key]
+        for planned in [k for k, v in self._sequences.items() if v[0] == command.name]:
+            del self._sequences[planned]
         self._push_added.pop(command.name, None)
         self._subscriptions_added.pop(command.name, None)
         return Planned(index)

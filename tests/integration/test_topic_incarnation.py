@@ -167,7 +167,10 @@ def test_master_killed_around_a_recreation_keeps_only_the_new_incarnation(
         trio.kill_node(first)  # between the re-creation and the new publishes
         second = trio.wait_for_master(exclude=first)
         response = _publish(publisher, "dd", [b"new-0", b"new-1", b"new-2"])
-        acked = {r.offset: p for r, p in zip(response.receipts, [b"new-0", b"new-1", b"new-2"])}
+        acked = {
+            r.offset: p
+            for r, p in zip(response.receipts, [b"new-0", b"new-1", b"new-2"], strict=True)
+        }
         assert sorted(acked) == [0, 1, 2]
         assert not any(r.duplicate for r in response.receipts)
         trio.start_node(first)

@@ -97,6 +97,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from services.common.errors import ServiceError
 from services.coordinator.election import node_sort_key
 from services.coordinator.messages import NodeState, PersistedState, Role, RoleCommand
 from services.replica.divergence import History, epoch_at, fork_lsn, truncate_history
@@ -122,6 +123,7 @@ from services.replica.replication import (
     batch_size_bytes,
     fit_batch,
 )
+from tests.sim import topic_state
 from tests.sim.election_checker import InvariantViolation
 from tests.sim.election_sim import (
     _CRASH,
@@ -134,8 +136,6 @@ from tests.sim.election_sim import (
     make_scenario,
     mark_initial_stores,
 )
-from services.common.errors import ServiceError
-from tests.sim import topic_state
 from tests.sim.replication_checker import Entry, ReplicationChecker
 
 __all__ = ["ReplResult", "ReplicationSimulation", "SimFailure", "repl_reproduce_hint", "run_seed"]
@@ -1066,12 +1066,11 @@ class ReplicationSimulation(Simulation):
                 state = self.topic_state(node)
                 info = state.store.get_topic(topic_state.TOPIC)
                 self.check_topic(
-                    lambda: self.rchecker.receipt_acked(
-                        node,
-                        receipt,
-                        info.topic_id if info is not None else 0,
-                        topic_state.event_at(state, receipt.offset),
-                    )
+                    self.rchecker.receipt_acked,
+                    node,
+                    receipt,
+                    info.topic_id if info is not None else 0,
+                    topic_state.event_at(state, receipt.offset),
                 )
             if receipt is None or not receipt.duplicate:
                 try:
@@ -1211,9 +1210,10 @@ class ReplicationSimulation(Simulation):
             receipt = planned.receipt
             if receipt is not None and receipt.duplicate:
                 self.check_topic(
-                    lambda: self.rchecker.duplicate_planned(
-                        node, receipt, topic_state.event_at(state, receipt.offset)
-                    )
+                    self.rchecker.duplicate_planned,
+                    node,
+                    receipt,
+                    topic_state.event_at(state, receipt.offset),
                 )
             if planned.operation is None:
                 lsn = len(self.stores[node].log)  # a duplicate waits for the master's log
@@ -1236,10 +1236,10 @@ class ReplicationSimulation(Simulation):
         self.topic_states[node] = state
         return state
 
-    def check_topic(self, check: Callable[[], None]) -> None:
+    def check_topic(self, check: Callable[..., None], *args: object) -> None:
         """Runs one of the checker's topic checks, turning a breach into a failure."""
         try:
-            check()
+            check(*args)
         except InvariantViolation as exc:
             raise self.violation(exc) from None
 

@@ -594,7 +594,7 @@ def test_destroy_and_recreate_with_the_same_sequences_in_one_batch(store: Store)
 def _drop_incarnation_index(store: Store) -> None:
     """Makes the store look written by the version before the index: dedupe records and
     high-water marks only (the index keys start with a 0 byte)."""
-    with store._kv.write(sync=False) as txn:  # noqa: SLF001 - building an old store
+    with store._kv.write(sync=False) as txn:  # building an old store
         txn.delete_range("publishers", b"\x00", b"\x01")
 
 
