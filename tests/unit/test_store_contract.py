@@ -591,6 +591,18 @@ def test_destroy_and_recreate_with_the_same_sequences_in_one_batch(store: Store)
     )
 
 
+def test_a_reader_of_a_destroyed_incarnation_never_reads_the_next(store: Store) -> None:
+    w = Writer(store)
+    w.append(epoch_start(1), create("t"), publish("t", 0, payloads(2)))
+    old_id = topic(store, "t").topic_id
+    assert len(store.read_events("t", 0, 10, topic_id=old_id)) == 2
+    w.append(destroy("t"), create("t"), publish("t", 0, payloads(3, start=50)))
+    with pytest.raises(UnknownTopicError, match="destroyed"):
+        store.read_events("t", 0, 10, topic_id=old_id)
+    new_id = topic(store, "t").topic_id
+    assert [e.payload for e in store.read_events("t", 2, 10, topic_id=new_id)] == [b"event-52"]
+
+
 def _drop_incarnation_index(store: Store) -> None:
     """Makes the store look written by the version before the index: dedupe records and
     high-water marks only (the index keys start with a 0 byte)."""
