@@ -199,9 +199,16 @@ def make_scenario(seed: int, faults: bool = True, sizes: tuple[int, ...] = (3, 5
         until = at + rng.randint(50, 900)
         if rng.random() < 0.7:
             side = set(rng.sample(nodes, rng.randint(1, n - 1)))
-            pairs = frozenset((a, b) for a in nodes for b in nodes if (a in side) != (b in side))
+            pairs = frozenset(
+                (a, b) for a in nodes for b in nodes if (a in side) != (b in side)
+            )
         else:
-            pairs = frozenset((a, b) for a in nodes for b in nodes if a != b and rng.random() < 0.3)
+            pairs = frozenset(
+                (a, b)
+                for a in nodes
+                for b in nodes
+                if a != b and rng.random() < 0.3
+            )
         scenario.faults.append((at, _CUT, "", pairs))
         scenario.faults.append((until, _UNCUT, "", pairs))
     for _ in range(rng.randint(0, majority)):
