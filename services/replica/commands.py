@@ -10,6 +10,7 @@ command it refuses leaves no trace in the batch.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 from services.common import names
@@ -18,8 +19,20 @@ from services.common.errors import Code, ServiceError, invalid, not_found
 from services.replica.store import PushSubscriber, Store, TopicInfo, make_entry
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
 
+_log = logging.getLogger(__name__)
+
 # The longest removal reason kept in the log.
 _REASON_CHARS_MAX = 500
+
+
+class InvariantError(ServiceError):
+    """A check of what the master is about to answer failed: a bug, never bad input.
+
+    INTERNAL, so a client classifies it as indeterminate and retries with the same ids.
+    """
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(Code.INTERNAL, f"invariant violated: {detail}")
 
 
 @dataclass(frozen=True)
@@ -230,6 +243,8 @@ class BatchBuilder:
         key = (topic, subscription)
         if key in self._cursors:
             return self._cursors[key]
+        if topic in self._destroyed:
+            return None  # the store's cursor is the destroyed incarnation's
         return self._store.get_cursor(topic, subscription)
 
     def push_subscriber(self, topic: str, subscriber_id: str) -> PushSubscriber | None:
@@ -298,8 +313,11 @@ class BatchBuilder:
             self._cursors[key] = None
         for key in [k for k in self._push if k[0] == command.name]:
             self._push[key] = None
-        # A topic created again later in the batch starts without push subscribers.
+        # A topic created again later in the batch starts without push subscribers, and
+        # its publishers' sequences are new there: the destroy deletes their dedupe state.
         self._destroyed.add(command.name)
+        for planned in [k for k, v in self._sequences.items() if v[0] == command.name]:
+            del self._sequences[planned]
         self._push_added.pop(command.name, None)
         self._subscriptions_added.pop(command.name, None)
         return Planned(index)
@@ -386,6 +404,7 @@ class BatchBuilder:
                             f"publisher '{publisher_id}' already used sequence {sequence} "
                             f"on topic '{hit_topic}'"
                         )
+                    self._check_duplicate(publisher_id, sequence, hit_offset, request.topic)
                     receipt.duplicates.add(
                         index=index, offset=hit_offset, lsn=hit_lsn, epoch=hit_epoch
                     )
@@ -394,6 +413,28 @@ class BatchBuilder:
                 new_sequences.append((sequence, offset + len(kept)))
             kept.append(event)
         return kept, new_sequences
+
+    def _check_duplicate(self, publisher_id: str, sequence: int, offset: int, topic: str) -> None:
+        """The invariant behind every duplicate receipt: it points at an event stored (or
+        planned in this batch) in the topic the publisher writes to, now.
+
+        The store's lookup checks the event itself; this catches what the batch's overlay
+        could get wrong. A breach is a bug: the publish fails with INTERNAL (retryable,
+        nothing stored) rather than answer a receipt for an event that is not there.
+        """
+        current = self.topic(topic)
+        if current is None or not current.first_offset <= offset < current.next_offset:
+            error = InvariantError(
+                f"a duplicate receipt for publisher '{publisher_id}' sequence {sequence} "
+                f"would point at offset {offset} of topic '{topic}', which holds "
+                + (
+                    "no such topic"
+                    if current is None
+                    else f"offsets {current.first_offset}..{current.next_offset - 1}"
+                )
+            )
+            _log.error("node %s epoch %d: %s", self._node_id, self._epoch, error.message)
+            raise error
 
     def _publisher_high_water(self, publisher_id: str) -> int:
         if publisher_id not in self._high_water:
@@ -417,7 +458,9 @@ class BatchBuilder:
         if planned is not None:
             return (planned[0], planned[1], planned[2], self._epoch)
         hit = self._store.lookup_sequence(publisher_id, sequence)
-        if hit is not None:
+        if hit is not None and hit.topic not in self._destroyed:
+            # (A hit in a topic destroyed earlier in this batch names the old incarnation,
+            # whose dedupe state the destroy deletes: the sequence is new.)
             return (hit.topic, hit.offset, hit.lsn, hit.epoch)
         if sequence + window <= high_water:
             # Below the window we can no longer tell a retry from a new event, and

@@ -736,7 +736,11 @@ class ReplicaNode:
             done: asyncio.Future[common_pb2.BatchReceipt] = loop.create_future()
             done.set_result(
                 self.transient.publish(
-                    request, epoch=self.epoch, now_ms=self.clock.wall_ms(), master_id=self.node.id
+                    request,
+                    topic_id=topic.topic_id,
+                    epoch=self.epoch,
+                    now_ms=self.clock.wall_ms(),
+                    master_id=self.node.id,
                 )
             )
             self._notify_committed()

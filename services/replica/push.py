@@ -91,7 +91,7 @@ def _tls_hint(node: ReplicaNode, error: grpc.aio.AioRpcError) -> str:
     if not node.config.tls.push_tls or not handshake_failure(error.details()):
         return ""
     return (
-        "; with tls.push = \"tls\" the endpoint must serve TLS with a certificate for its "
+        '; with tls.push = "tls" the endpoint must serve TLS with a certificate for its '
         "host from the cluster's push CA (squall.PushEndpoint(tls=...), docs/security.md)"
     )
 
@@ -283,14 +283,14 @@ class _Worker:
         if transient:
             # IceStorm's event model: a transient topic's events go to the subscribers
             # there are now, from the live end.
-            state.position = node.transient.next_offset(s.topic)
+            state.position = node.transient.next_offset(s.topic, topic_id=topic.topic_id)
         timeouts = node.config.timeouts
         # One round per pass; ends with the role or the subscription.
         while self._delivery.active(self._epoch):
             signal = node.commit_signal()
             if not self._subscribed():
                 return
-            batches = self._read(transient)
+            batches = self._read(transient, topic.topic_id)
             if not batches:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(signal.wait(), _IDLE_RECHECK_S)
@@ -332,18 +332,24 @@ class _Worker:
                 )
                 await asyncio.sleep(delay_ms / 1000)
 
-    def _read(self, transient: bool) -> list[tuple[int, int, list[common_pb2.Event]]]:
-        """The round's batches: failed ones again first, then new committed events."""
+    def _read(
+        self, transient: bool, topic_id: int
+    ) -> list[tuple[int, int, list[common_pb2.Event]]]:
+        """The round's batches: failed ones again first, then new committed events, all
+        of the topic's incarnation topic_id (a topic created again under its name is
+        another topic, with other subscribers)."""
         node, s, state = self._node, self._subscriber, self.state
         limits = node.config.limits
         batches: list[tuple[int, int, list[common_pb2.Event]]] = []
         try:
             for first, end in state.retry_batches():
                 if transient:
-                    events = node.transient.read(s.topic, first, end - first)
+                    events = node.transient.read(s.topic, first, end - first, topic_id=topic_id)
                     events = [e for e in events if e.offset < end]
                 else:
-                    events = node.store.read_events(s.topic, first, end - first, end)
+                    events = node.store.read_events(
+                        s.topic, first, end - first, end, topic_id=topic_id
+                    )
                 batches.append((first, end, events))
             position = state.position
             for _ in range(state.new_batches()):
@@ -352,6 +358,7 @@ class _Worker:
                         s.topic,
                         position,
                         limits.push_batch_max_events,
+                        topic_id=topic_id,
                         max_bytes=limits.push_batch_max_bytes,
                     )
                 else:
@@ -364,6 +371,7 @@ class _Worker:
                         limits.push_batch_max_events,
                         hidden,
                         max_bytes=limits.push_batch_max_bytes,
+                        topic_id=topic_id,
                     )
                 if not events:
                     break

@@ -79,7 +79,9 @@ class TopicManager(broker_pb2_grpc.TopicManagerServicer):
 
     def _message(self, topic: TopicInfo) -> common_pb2.Topic:
         if topic.kind == common_pb2.TOPIC_KIND_TRANSIENT:
-            return topic_message(topic, self.node.transient.next_offset(topic.name))
+            return topic_message(
+                topic, self.node.transient.next_offset(topic.name, topic_id=topic.topic_id)
+            )
         return topic_message(topic)
 
     async def CreateTopic(
@@ -297,7 +299,9 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
     async def _start_offset(self, request: broker_pb2.SubscribeRequest, topic: TopicInfo) -> int:
         transient = topic.kind == common_pb2.TOPIC_KIND_TRANSIENT
         next_offset = (
-            self.node.transient.next_offset(topic.name) if transient else topic.next_offset
+            self.node.transient.next_offset(topic.name, topic_id=topic.topic_id)
+            if transient
+            else topic.next_offset
         )
         start = request.start
         if start == broker_pb2.START_POSITION_LATEST:
@@ -357,7 +361,7 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
         if not request.follow:
             # Committed reads: events above the commit LSN are not served yet.
             now_end = (
-                node.transient.next_offset(topic.name)
+                node.transient.next_offset(topic.name, topic_id=topic.topic_id)
                 if transient
                 else node.visible_end(topic.name) or topic.next_offset
             )
@@ -369,7 +373,11 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
                 with _translating(self.node):
                     if transient:
                         events = node.transient.read(
-                            topic.name, position, count, max_bytes=batch_bytes
+                            topic.name,
+                            position,
+                            count,
+                            topic_id=topic.topic_id,
+                            max_bytes=batch_bytes,
                         )
                     else:
                         hidden = node.visible_end(topic.name)
@@ -378,7 +386,12 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
                             []
                             if stop and position >= stop
                             else node.store.read_events(
-                                topic.name, position, count, stop, max_bytes=batch_bytes
+                                topic.name,
+                                position,
+                                count,
+                                stop,
+                                max_bytes=batch_bytes,
+                                topic_id=topic.topic_id,
                             )
                         )
             except ServiceError as exc:
@@ -535,6 +548,7 @@ class ReplicaControl(replica_pb2_grpc.ReplicaControlServicer):
         except ServiceError as exc:
             await abort(context, exc)
         return self._state()
+
     async def PrepareHandoff(
         self, request: replica_pb2.PrepareHandoffRequest, context: Context
     ) -> replica_pb2.PrepareHandoffResponse:

@@ -57,7 +57,19 @@ The store runs on the ``kv.KV`` interface, with two twins: ``Store.open_lmdb`` a
   so a publish of n sequenced events costs one record, not n, and the first record at
   or above a sequence is the only one that can hold it.
 * ``publishers``: publisher id -> highest sequence stored (the dedupe high-water mark).
-  Sequences at or below high water - ``dedupe_window`` are forgotten (pruned).
+  Sequences at or below high water - ``dedupe_window`` are forgotten (pruned). The same
+  database holds the index that ties a publisher's dedupe state to topic incarnations,
+  under keys starting with a 0 byte (never the first byte of a publisher id, which is
+  printable ASCII): ``\x00t`` + topic id + publisher id (the publishers of a topic) and
+  ``\x00p`` + the publisher's dedupe prefix + topic id (the topics of a publisher).
+  Destroying a topic deletes, with its events, cursors and push subscribers, every dedupe
+  record naming it and its index entries, and a publisher's high-water mark once no
+  topic of it is left: a topic created again under the name starts clean (its id, the
+  incarnation, is new). Dedupe records written before the index existed, or any record
+  whose event is gone, are fenced off where they are read: ``lookup_sequence`` returns a
+  hit only when the event it names is stored at that offset, under that publisher,
+  sequence and LSN, and ``append`` replaces such a stale run instead of refusing the
+  entry (docs/architecture.md, "A topic's incarnation").
 * ``push``: topic id (8 bytes) + push subscriber id -> cursor (next offset to deliver)
   and the LSN of the entry that subscribed it (8 + 8 bytes), then the serialized
   ``PushSubscribeOp`` that registered it (docs/push-subscribers.md).
@@ -164,6 +176,12 @@ _U64X2 = struct.Struct(">QQ")
 _U16 = struct.Struct(">H")
 _TOPIC = struct.Struct(">QBQQq")  # topic_id, kind, next_offset, first_offset, created_ms
 _DEDUPE = struct.Struct(">QQQQ")  # first sequence, its offset, lsn, epoch; then topic
+# Index keys in DB_PUBLISHERS (a publisher id never starts with a 0 byte): the publishers
+# of a topic id, and the topic ids of a publisher. Values: a sealed empty body.
+_IDX_TOPIC = b"\x00t"
+_IDX_PUBLISHER = b"\x00p"
+# Above every dedupe key of a publisher prefix (a prefix + 8-byte sequence).
+_SEQ_END = b"\xff" * (8 + 1)
 # snapshot lsn, epoch, next chunk index, last chunk installed (0/1), db of the last record
 # installed (1 + its index in SNAPSHOT_DBS; 0: none yet); then the last record's key.
 _PENDING = struct.Struct(">QQQBB")
@@ -440,6 +458,24 @@ def _read_topic(txn: ReadTxn, name: str) -> _TopicRow | None:
         return None
     value = txn.get(DB_TOPICS, raw)
     return None if value is None else _decode_topic(raw, value)
+
+
+def _event_matches(
+    txn: ReadTxn, row: _TopicRow, offset: int, publisher_id: str, sequence: int, lsn: int
+) -> bool:
+    """Whether the topic holds, at offset, the event of (publisher_id, sequence) stored
+    by the entry at lsn: what a dedupe record must point at to count."""
+    if not row.first_offset <= offset < row.next_offset:
+        return False
+    key = _U64X2.pack(row.topic_id, offset)
+    value = txn.get(DB_EVENTS, key)
+    if value is None:
+        return False
+    try:
+        ev = common_pb2.Event.FromString(_unseal(DB_EVENTS, key, value))
+    except DecodeError:
+        raise CorruptRecordError(DB_EVENTS, key, "event does not parse") from None
+    return ev.publisher_id == publisher_id and ev.sequence == sequence and ev.lsn == lsn
 
 
 def _read_u64(txn: ReadTxn, db: str, key: bytes) -> int | None:
@@ -726,6 +762,8 @@ class _Batch:
         self.dirty_topics: dict[str, _TopicRow | None] = {}
         self.events: dict[int, list[tuple[bytes, bytes]]] = {}  # topic id -> new records
         self.high_water: dict[str, tuple[bytes, int, int]] = {}  # pid -> (prefix, old, new)
+        # (topic id, publisher id) -> dedupe prefix: the index entries the batch adds.
+        self.pairs: dict[tuple[int, str], bytes] = {}
         self.log: list[tuple[bytes, bytes]] = []
         self.lsn = self.entry_epoch = 0  # the entry being applied, for error messages
         # Reused messages and the serialized per-publisher Event fields, so that building
@@ -829,7 +867,53 @@ class _Batch:
         self.txn.delete_range(DB_EVENTS, lo, hi)
         self.txn.delete_range(DB_CURSORS, lo, hi)
         self.txn.delete_range(DB_PUSH, lo, hi)
+        self.forget_publishers(row)
         self.topics[op.name] = self.dirty_topics[op.name] = None
+
+    def forget_publishers(self, row: _TopicRow) -> None:
+        """Deletes the dedupe state of the topic's publishers that names the topic.
+
+        A publisher left with no topic (none in the index, no dedupe record naming another
+        topic) loses its high-water mark too, so it starts again from any sequence; one
+        that still has a topic keeps it (its sequences are one space across topics, and
+        a lower mark could let a pruned sequence of the other topic in twice).
+        """
+        txn, topic_id = self.txn, row.topic_id
+        lo = _IDX_TOPIC + _U64.pack(topic_id)
+        hi = _IDX_TOPIC + _U64.pack(topic_id + 1)
+        publishers = {key[len(lo) :].decode() for key, _ in txn.scan(DB_PUBLISHERS, lo, hi)}
+        publishers.update(pid for tid, pid in self.pairs if tid == topic_id)
+        txn.delete_range(DB_PUBLISHERS, lo, hi)
+        name = row.name.encode()
+        for publisher_id in sorted(publishers):
+            self.pairs.pop((topic_id, publisher_id), None)
+            prefix = _publisher_prefix(publisher_id)
+            txn.delete(DB_PUBLISHERS, _IDX_PUBLISHER + prefix + _U64.pack(topic_id))
+            other_topic = False
+            stale: list[bytes] = []
+            for key, value in txn.scan(DB_DEDUPE, prefix, prefix + _SEQ_END):
+                if _unseal(DB_DEDUPE, key, value)[_DEDUPE.size :] == name:
+                    stale.append(key)
+                else:
+                    other_topic = True
+            for key in stale:
+                txn.delete(DB_DEDUPE, key)
+            if other_topic or self.has_topics(publisher_id, prefix):
+                continue
+            if publisher_id in self.high_water:
+                old = self.high_water[publisher_id][1]
+            else:
+                old = _read_u64(txn, DB_PUBLISHERS, prefix[_U16.size :]) or 0
+            self.high_water[publisher_id] = (prefix, old, 0)  # finish deletes the mark
+
+    def has_topics(self, publisher_id: str, prefix: bytes) -> bool:
+        """Whether the index (stored or this batch's) ties the publisher to a topic."""
+        if any(pid == publisher_id for _, pid in self.pairs):
+            return True
+        lo = _IDX_PUBLISHER + prefix
+        for _ in self.txn.scan(DB_PUBLISHERS, lo, lo + _SEQ_END):
+            return True
+        return False
 
     def publish(self, op: replica_pb2.PublishOp, lsn: int, epoch: int) -> None:
         """Builds the event records at consecutive offsets and records their sequences."""
@@ -893,7 +977,7 @@ class _Batch:
         row.next_offset = offset
         self.dirty_topics[op.topic] = row
         if publisher_id and runs:
-            self.record_sequences(publisher_id, op.topic, runs, lsn, epoch)
+            self.record_sequences(publisher_id, row, runs, lsn, epoch)
 
     def flush_events(self) -> None:
         """Writes the batch's new events, topic by topic in key order."""
@@ -906,7 +990,7 @@ class _Batch:
     def record_sequences(
         self,
         publisher_id: str,
-        topic: str,
+        row: _TopicRow,
         runs: list[tuple[int, int, int]],
         lsn: int,
         epoch: int,
@@ -921,27 +1005,56 @@ class _Batch:
                 raise self.refuse(str(exc)) from None
             old = _read_u64(self.txn, DB_PUBLISHERS, prefix[_U16.size :]) or 0
             new = old
-        tail = topic.encode()
+        if (row.topic_id, publisher_id) not in self.pairs:
+            if len(_IDX_PUBLISHER + prefix) + _U64.size > MAX_KEY_BYTES:
+                raise self.refuse(f"publisher id of {len(prefix) - _U16.size} bytes is too long")
+            self.pairs[(row.topic_id, publisher_id)] = prefix
+        tail = row.name.encode()
         for run_first, run_last, run_offset in runs:
             # Sequences grow, so only a run starting at or below the high-water mark can
             # overlap a stored one; the master never stores a sequence twice.
             if run_first <= new:
-                for key, value in self.txn.scan(DB_DEDUPE, prefix + _U64.pack(run_first)):
-                    if key.startswith(prefix) and len(key) == len(prefix) + _U64.size:
-                        (stored_first,) = _unpack(
-                            DB_DEDUPE, key, _U64, _unseal(DB_DEDUPE, key, value)
-                        )
-                        if stored_first <= run_last:
-                            raise self.refuse(
-                                f"publisher {publisher_id!r} sequences "
-                                f"{run_first}..{run_last} are already stored"
-                            )
-                    break
+                self.replace_stale_runs(publisher_id, prefix, run_first, run_last)
             key = prefix + _U64.pack(run_last)
             body = _DEDUPE.pack(run_first, run_offset, lsn, epoch) + tail
             self.txn.put(DB_DEDUPE, key, _seal(key, body))
             new = max(new, run_last)
         self.high_water[publisher_id] = (prefix, old, new)
+
+    def replace_stale_runs(
+        self, publisher_id: str, prefix: bytes, run_first: int, run_last: int
+    ) -> None:
+        """Refuses the entry if a stored run overlapping run_first..run_last still names a
+        stored event; deletes the overlapping runs that do not (a destroyed incarnation's,
+        left by a store written before destroys removed them)."""
+        self.flush_events()  # so that a run stored earlier in this batch is seen as live
+        start = prefix + _U64.pack(run_first)
+        # Each pass deletes one stale run: bounded by the runs within the sequences.
+        for _ in range(run_last - run_first + 2):
+            found = None
+            for key, value in self.txn.scan(DB_DEDUPE, start, prefix + _SEQ_END):
+                found = key, _unseal(DB_DEDUPE, key, value)
+                break
+            if found is None:
+                return
+            key, body = found
+            stored_first, first_offset, stored_lsn, _ = _unpack(DB_DEDUPE, key, _DEDUPE, body)
+            if stored_first > run_last:
+                return
+            try:
+                name = body[_DEDUPE.size :].decode()
+            except UnicodeDecodeError:
+                raise CorruptRecordError(DB_DEDUPE, key, "topic is not UTF-8") from None
+            holder = self.topics[name] if name in self.topics else _read_topic(self.txn, name)
+            if holder is not None and _event_matches(
+                self.txn, holder, first_offset, publisher_id, stored_first, stored_lsn
+            ):
+                raise self.refuse(
+                    f"publisher {publisher_id!r} sequences {run_first}..{run_last} are "
+                    "already stored"
+                )
+            self.txn.delete(DB_DEDUPE, key)
+        raise self.refuse(f"publisher {publisher_id!r}: too many stale dedupe runs")
 
     def set_cursor(self, op: replica_pb2.SetCursorOp) -> None:
         """Creates a subscription or moves its cursor forward (a lower cursor is ignored)."""
@@ -1009,7 +1122,17 @@ class _Batch:
                 txn.delete(DB_TOPICS, name.encode())
             else:
                 txn.put(DB_TOPICS, row.key, row.encode())
+        for (topic_id, publisher_id), prefix in self.pairs.items():
+            by_topic = _IDX_TOPIC + _U64.pack(topic_id) + publisher_id.encode()
+            if txn.get(DB_PUBLISHERS, by_topic) is None:
+                txn.put(DB_PUBLISHERS, by_topic, _seal(by_topic, b""))
+                by_publisher = _IDX_PUBLISHER + prefix + _U64.pack(topic_id)
+                txn.put(DB_PUBLISHERS, by_publisher, _seal(by_publisher, b""))
         for prefix, old, new in self.high_water.values():
+            if new == 0:
+                # Every topic of the publisher was destroyed (forget_publishers).
+                txn.delete(DB_PUBLISHERS, prefix[_U16.size :])
+                continue
             if new != old:
                 _put_u64(txn, DB_PUBLISHERS, prefix[_U16.size :], new)
             if new > self.dedupe_window:
@@ -1132,9 +1255,13 @@ class Store:
             return _read_meta(txn)
 
     def counts(self) -> dict[str, int]:
-        """Records per database, from one read transaction (no scan)."""
+        """Records per database, from one read transaction; ``publishers`` counts the
+        publishers (high-water marks), not the topic index that shares their database."""
         with self._reading() as txn:
-            return {db: txn.count(db) for db in DATABASES}
+            counts = {db: txn.count(db) for db in DATABASES}
+            index = sum(1 for _ in txn.scan(DB_PUBLISHERS, b"\x00", b"\x01"))
+            counts[DB_PUBLISHERS] -= index
+            return counts
 
     def set_cluster_id(self, cluster_id: str) -> None:
         """Records the cluster id (flushed); refuses to replace a different one."""
@@ -1548,12 +1675,15 @@ class Store:
         end_offset: int = 0,
         *,
         max_bytes: int = 0,
+        topic_id: int = 0,
     ) -> list[common_pb2.Event]:
         """Verified events from from_offset up to (not including) end_offset (0: no end).
 
         Returns at most max_events events and, when max_bytes > 0, stops before the
         payloads and keys exceed it (but returns at least one event). Empty at or beyond
-        the topic's end; raises UnknownTopicError for a topic the store does not hold.
+        the topic's end; raises UnknownTopicError for a topic the store does not hold, or
+        (topic_id > 0) whose incarnation is not topic_id: a reader that began on a topic
+        destroyed since never reads the one created again under its name.
         """
         if max_events < 1:
             raise ValueError(f"max_events must be >= 1, got {max_events}")
@@ -1561,6 +1691,8 @@ class Store:
             row = None if _pending(txn) else _read_topic(txn, topic)
             if row is None:
                 raise UnknownTopicError(f"no topic {topic!r}")
+            if topic_id and row.topic_id != topic_id:
+                raise UnknownTopicError(f"topic {topic!r} was destroyed (and created again)")
             start = max(from_offset, row.first_offset)
             stop = row.next_offset if end_offset <= 0 else min(end_offset, row.next_offset)
             stop = min(stop, start + max_events)
@@ -1653,6 +1785,9 @@ class Store:
         """Where (publisher_id, sequence) was stored, if within the dedupe window.
 
         The window: sequences above the publisher's high-water mark minus dedupe_window.
+        A hit always names an event stored now, in the topic as it is now, with this
+        publisher id, sequence and LSN: a record whose event is not there (left by an
+        incarnation of the topic destroyed since) is not a hit.
         """
         if not publisher_id or sequence <= 0:
             return None
@@ -1679,7 +1814,14 @@ class Store:
                     topic = body[_DEDUPE.size :].decode()
                 except UnicodeDecodeError:
                     raise CorruptRecordError(DB_DEDUPE, key, "topic is not UTF-8") from None
-                return DedupeHit(topic, first_offset + sequence - first, lsn, epoch)
+                offset = first_offset + sequence - first
+                row = _read_topic(txn, topic)
+                if row is None or not _event_matches(txn, row, offset, publisher_id, sequence, lsn):
+                    # A record of a destroyed incarnation of the topic (a store written
+                    # before destroys removed them): its event is gone, so it proves
+                    # nothing and the sequence is new.
+                    return None
+                return DedupeHit(topic, offset, lsn, epoch)
             return None
 
     def publisher_high_water(self, publisher_id: str) -> int:

@@ -4,6 +4,10 @@ A transient topic's metadata is replicated like any other, but its events follow
 IceStorm's model: they reach whoever is subscribed now and are gone after. A bounded
 ring lets a subscriber that is briefly slower than the publishers catch up; one that
 falls further behind skips ahead to the oldest event still held.
+
+Rings are kept per topic incarnation (name and topic id): a topic destroyed and created
+again under the same name gets a new ring, and a reader of the old incarnation never
+sees the new one's events.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ class TransientTopics:
 
     def __init__(self, capacity_events: int) -> None:
         self._capacity = capacity_events
-        self._rings: dict[str, _Ring] = {}
+        self._rings: dict[tuple[str, int], _Ring] = {}  # (topic, topic id) -> its ring
         self._first_offset = 0
 
     def new_epoch(self, epoch: int) -> None:
@@ -38,17 +42,24 @@ class TransientTopics:
         self._rings.clear()
         self._first_offset = epoch << 32
 
-    def _ring(self, topic: str) -> _Ring:
-        ring = self._rings.get(topic)
+    def _ring(self, topic: str, topic_id: int) -> _Ring:
+        ring = self._rings.get((topic, topic_id))
         if ring is None:
-            ring = self._rings[topic] = _Ring(self._capacity, self._first_offset)
+            ring = self._rings[(topic, topic_id)] = _Ring(self._capacity, self._first_offset)
         return ring
 
     def publish(
-        self, request: broker_pb2.PublishRequest, *, epoch: int, now_ms: int, master_id: str
+        self,
+        request: broker_pb2.PublishRequest,
+        *,
+        topic_id: int,
+        epoch: int,
+        now_ms: int,
+        master_id: str,
     ) -> common_pb2.BatchReceipt:
-        """Hands the events to live subscribers; the receipt carries offsets but LSN 0."""
-        ring = self._ring(request.topic)
+        """Hands the events to live subscribers of the topic's incarnation topic_id; the
+        receipt carries offsets but LSN 0."""
+        ring = self._ring(request.topic, topic_id)
         receipt = common_pb2.BatchReceipt(
             count=len(request.events),
             first_offset=ring.next_offset,
@@ -74,19 +85,19 @@ class TransientTopics:
             )
         return receipt
 
-    def next_offset(self, topic: str) -> int:
-        """The offset the next transient event of `topic` gets."""
-        return self._ring(topic).next_offset
+    def next_offset(self, topic: str, *, topic_id: int) -> int:
+        """The offset the next transient event of `topic` (incarnation topic_id) gets."""
+        return self._ring(topic, topic_id).next_offset
 
     def read(
-        self, topic: str, from_offset: int, max_events: int, *, max_bytes: int = 0
+        self, topic: str, from_offset: int, max_events: int, *, topic_id: int, max_bytes: int = 0
     ) -> list[common_pb2.Event]:
         """Events at or after from_offset still in the ring (skipping ahead if needed).
 
         At most max_events and, when max_bytes > 0, no more keys and payloads than that
         (but at least one event), as Store.read_events.
         """
-        ring = self._ring(topic)
+        ring = self._ring(topic, topic_id)
         if not ring.events or from_offset >= ring.next_offset:
             return []
         first = ring.events[0].offset
@@ -102,5 +113,6 @@ class TransientTopics:
         return out
 
     def drop(self, topic: str) -> None:
-        """Forgets a destroyed topic's ring."""
-        self._rings.pop(topic, None)
+        """Forgets the rings of every incarnation of a destroyed topic."""
+        for key in [k for k in self._rings if k[0] == topic]:
+            del self._rings[key]

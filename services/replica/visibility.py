@@ -19,6 +19,12 @@ LSN (``uncommitted``: the first hidden offset and the last such LSN); the receiv
 tracks each as one publish at that last LSN (``restore``), which hides a little more
 than needed (committed events after the first uncommitted one, until the last commits)
 and never less.
+
+Topics are tracked by name, and a topic destroyed and created again starts again at
+offset 0: a publish of the new incarnation may be tracked after one of the old at a
+higher offset. Offsets then no longer grow with LSNs within the name, and the gate hides
+from the lowest offset tracked for it (more than needed until the old one commits, never
+less).
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ class CommitGate:
         # (lsn, first offset) of its tracked publishes (offsets grow with LSNs).
         self._order: deque[tuple[int, str]] = deque()
         self._topics: dict[str, deque[tuple[int, int]]] = {}
+        # Topics whose tracked offsets went down (a new incarnation of the name).
+        self._mixed: set[str] = set()
 
     @property
     def commit_lsn(self) -> int:
@@ -59,7 +67,10 @@ class CommitGate:
         if self._order and lsn < self._order[-1][0]:
             raise ValueError(f"publish at LSN {lsn} tracked after LSN {self._order[-1][0]}")
         self._order.append((lsn, topic))
-        self._topics.setdefault(topic, deque()).append((lsn, first_offset))
+        entries = self._topics.setdefault(topic, deque())
+        if entries and first_offset < entries[-1][1]:
+            self._mixed.add(topic)
+        entries.append((lsn, first_offset))
 
     def restore(self, uncommitted: Iterable[tuple[str, int, int]]) -> int:
         """Tracks a snapshot's uncommitted publishes, (topic, first offset, last LSN) per
@@ -84,10 +95,11 @@ class CommitGate:
             if first_lsn > up_to_lsn:
                 continue
             last_lsn = first_lsn
-            for lsn, _ in entries:
+            for lsn, offset in entries:
                 if lsn > up_to_lsn:
                     break
                 last_lsn = lsn
+                first_offset = min(first_offset, offset)
             out.append((topic, first_offset, last_lsn))
         out.sort(key=lambda item: item[2])
         return out
@@ -104,6 +116,7 @@ class CommitGate:
             entries.popleft()
             if not entries:
                 del self._topics[topic]
+                self._mixed.discard(topic)
         return True
 
     def truncated(self, after_lsn: int) -> None:
@@ -115,9 +128,14 @@ class CommitGate:
             entries.pop()
             if not entries:
                 del self._topics[topic]
+                self._mixed.discard(topic)
         self._commit_lsn = min(self._commit_lsn, after_lsn)
 
     def hidden_from(self, topic: str) -> int | None:
         """The first offset of topic not yet committed, or None when all are."""
         entries = self._topics.get(topic)
-        return entries[0][1] if entries else None
+        if not entries:
+            return None
+        if topic in self._mixed:
+            return min(offset for _, offset in entries)
+        return entries[0][1]

@@ -17,6 +17,14 @@ simulator reports each change, so the cost follows what changed rather than the 
   given (LSN, epoch) has one content on every node; epochs never decrease along a log; no
   node holds an entry newer than its persisted epoch; a node's role epochs never decrease.
 
+* **a duplicate receipt points at a stored event** (the topic workload, see
+  replication_sim.py): when a master answers a publish as a duplicate, the topic as that
+  master holds it now stores the publisher's event with that sequence at the receipt's
+  offset (a destroyed incarnation's state never answers); an acknowledged receipt names
+  the event at its offset while its incarnation lives, two acknowledged receipts never
+  name one offset of one incarnation for two events, and at the end every live replica
+  holds every acknowledged event of the topic's final incarnation at its offset.
+
 Under ``NO_SYNC`` a process crash may discard entries a slave acknowledged on receipt and
 had not written: the policy promises nothing then. The simulator reports that with
 ``degrade`` and the checks that depend on durability stop for the rest of the seed.
@@ -26,10 +34,27 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from tests.sim.election_checker import InvariantViolation
 
-__all__ = ["Entry", "InvariantViolation", "ReplicationChecker"]
+__all__ = ["Entry", "InvariantViolation", "ReplicationChecker", "TopicReceipt"]
+
+# What the topic checks see of a stored event: (topic id, publisher id, sequence).
+StoredEvent = tuple[int, str, int]
+
+
+class TopicReceipt(Protocol):
+    """A master's answer to one topic publish (``topic_state.Receipt``)."""
+
+    @property
+    def topic_id(self) -> int: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def sequence(self) -> int: ...
+    @property
+    def duplicate(self) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +93,9 @@ class ReplicationChecker:
         self.deposed_at: dict[tuple[str, int], int] = {}
         self.role_epoch: dict[str, int] = {node: 0 for node in nodes}
         self.degraded = ""
+        # (topic id, offset) -> sequence of every acknowledged topic receipt.
+        self.receipts: dict[tuple[int, int], int] = {}
+        self.duplicates_checked = 0
 
     # ----------------------------------------------------------------- entries and logs
 
@@ -253,6 +281,58 @@ class ReplicationChecker:
                 f"master {node} acknowledged {entry.short()}, which is not the committed entry "
                 f"at LSN {entry.lsn}"
             )
+
+    # ----------------------------------------------------------------- topics
+
+    def duplicate_planned(
+        self, node: str, receipt: TopicReceipt, stored: StoredEvent | None
+    ) -> None:
+        """A master answers a publish as a duplicate: the event must be in the topic now."""
+        self.duplicates_checked += 1
+        if stored is None or stored[0] != receipt.topic_id or stored[2] != receipt.sequence:
+            raise InvariantViolation(
+                f"master {node} answered sequence {receipt.sequence} as a duplicate at offset "
+                f"{receipt.offset} of topic incarnation {receipt.topic_id}, which holds "
+                + ("nothing there" if stored is None else f"{stored} there")
+            )
+
+    def receipt_acked(
+        self, node: str, receipt: TopicReceipt, topic_id: int, stored: StoredEvent | None
+    ) -> None:
+        """A topic publish was acknowledged; topic_id and stored: the master's state now."""
+        if self.degraded:
+            return
+        if topic_id == receipt.topic_id and (stored is None or stored[2] != receipt.sequence):
+            raise InvariantViolation(
+                f"master {node} acknowledged sequence {receipt.sequence} at offset "
+                f"{receipt.offset} of topic incarnation {receipt.topic_id}, which holds "
+                + ("nothing there" if stored is None else f"{stored} there")
+            )
+        key = (receipt.topic_id, receipt.offset)
+        prior = self.receipts.setdefault(key, receipt.sequence)
+        if prior != receipt.sequence:
+            raise InvariantViolation(
+                f"master {node} acknowledged sequence {receipt.sequence} at offset "
+                f"{receipt.offset} of topic incarnation {receipt.topic_id}, where sequence "
+                f"{prior} was acknowledged before"
+            )
+
+    def final_receipts(
+        self, node: str, topic_id: int, stored_at: Callable[[int], StoredEvent | None]
+    ) -> None:
+        """At the end: the node holds every acknowledged event of the topic's incarnation
+        topic_id (its current one; 0: no topic) at its offset."""
+        if self.degraded or not topic_id:
+            return
+        for (incarnation, offset), sequence in sorted(self.receipts.items()):
+            if incarnation != topic_id:
+                continue
+            stored = stored_at(offset)
+            if stored is None or stored[0] != topic_id or stored[2] != sequence:
+                raise InvariantViolation(
+                    f"after healing, node {node} holds {stored} at offset {offset} of topic "
+                    f"incarnation {topic_id}, not the acknowledged sequence {sequence}"
+                )
 
     def role_taken(self, node: str, epoch: int) -> None:
         """A replica took a role in ``epoch``: role epochs never decrease on a node."""

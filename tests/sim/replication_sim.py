@@ -60,9 +60,20 @@ What is modelled
   master, follow redirects, time out and try another node. A write is acknowledged when
   the master's ``ReplicationMaster`` completes its token; every acknowledged write
   (LSN, epoch, payload) goes to the checker.
+* **Topics.** In about half the seeds the clients also create, destroy and re-create one
+  topic and publish to it under one fixed publisher id with sequences drawn from a small
+  range, so retries, duplicates and a re-created topic reusing the old incarnation's
+  sequences are frequent. These commands are planned by the production ``BatchBuilder``
+  over a real in-memory ``Store`` that each node's topic entries build
+  (``topic_state.py``); a duplicate's token waits for the master's last entry. The checker
+  holds every duplicate receipt to the incarnation invariant when it is planned (it points
+  at the publisher's event, stored in the topic as the master holds it now), every
+  acknowledged receipt to the event at its offset, and at the end every live replica to
+  every acknowledged event of the topic's final incarnation.
 
 Simplifications: no machine (power) crashes, so written-but-unsynced entries never vanish;
-no publisher deduplication (each payload is written once, never retried); the master's own
+no deduplication of the plain writes (each payload is written once, never retried; the
+topic workload above is deduplicated); the master's own
 appends are written at once; a snapshot is one to three chunks of entries; every store is
 one that cannot undo applied entries (``truncate_by_snapshot=True``), so the Follower's
 truncation path is left to the unit tests; no operator controls (quorum override,
@@ -83,9 +94,10 @@ import heapq
 import random
 import zlib
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from services.common.errors import ServiceError
 from services.coordinator.election import node_sort_key
 from services.coordinator.messages import NodeState, PersistedState, Role, RoleCommand
 from services.replica.divergence import History, epoch_at, fork_lsn, truncate_history
@@ -111,6 +123,7 @@ from services.replica.replication import (
     batch_size_bytes,
     fit_batch,
 )
+from tests.sim import topic_state
 from tests.sim.election_checker import InvariantViolation
 from tests.sim.election_sim import (
     _CRASH,
@@ -261,10 +274,12 @@ class CatchUpReply:
 
 @dataclass(frozen=True, slots=True)
 class ClientWrite:
-    """Client -> node: append this payload."""
+    """Client -> node: append this payload, or (kind set) run this topic command."""
 
     client: str
     pid: int
+    kind: str = ""  # "", or a topic command: "create", "destroy", "publish"
+    sequence: int = 0  # a publish's sequence
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,7 +340,8 @@ def describe(body: Body) -> str:
     if isinstance(body, CatchUpRequest):
         return f"CatchUpRequest e{body.epoch} have={body.last_lsn}"
     if isinstance(body, ClientWrite):
-        return f"ClientWrite p{body.pid}"
+        topic = f" {body.kind} {body.sequence}" if body.kind else ""
+        return f"ClientWrite p{body.pid}{topic}"
     return f"ClientReply p{body.pid} {body.outcome} {body.hint}"
 
 
@@ -592,6 +608,12 @@ class ReplicationSimulation(Simulation):
         self.next_converge_check = 0
         self.snapshots = 0
         self.refusals = 0
+        # The topic workload draws from its own generator, so it leaves the other draws
+        # (and the seeds found before it existed) as they were.
+        self.trng = random.Random(seed * 7919 + 11)
+        self.topic_p = self.trng.choice((0.0, 0.6, 0.9))
+        self.topic_states: dict[str, topic_state.TopicState] = {}
+        self.topic_tokens: dict[int, topic_state.Receipt] = {}
 
     # ----------------------------------------------------------------- plumbing
 
@@ -1039,15 +1061,28 @@ class ReplicationSimulation(Simulation):
         for token in actions.completed:
             lsn, client, pid = rt.tokens.pop(token)
             entry = log[lsn - 1]
-            try:
-                self.rchecker.write_acked(node, entry, actions.commit_lsn, self.holders)
-            except InvariantViolation as exc:
-                raise self.violation(exc) from None
+            receipt = self.topic_tokens.pop(token, None)
+            if receipt is not None:
+                state = self.topic_state(node)
+                info = state.store.get_topic(topic_state.TOPIC)
+                self.check_topic(
+                    self.rchecker.receipt_acked,
+                    node,
+                    receipt,
+                    info.topic_id if info is not None else 0,
+                    topic_state.event_at(state, receipt.offset),
+                )
+            if receipt is None or not receipt.duplicate:
+                try:
+                    self.rchecker.write_acked(node, entry, actions.commit_lsn, self.holders)
+                except InvariantViolation as exc:
+                    raise self.violation(exc) from None
             if self.healed_at is not None:
                 self.acked_after_heal[(node, core.epoch)] += 1
             self.net_send(node, client, ClientReply(pid, "ok", node))
         for token in actions.failed:
             _, client, pid = rt.tokens.pop(token)
+            self.topic_tokens.pop(token, None)
             self.net_send(node, client, ClientReply(pid, "fail", ""))
         if actions.deposed:
             self.note(f"{node} deposed", actions.deposed)
@@ -1164,13 +1199,49 @@ class ReplicationSimulation(Simulation):
         if core.write_room <= 0:
             self.net_send(node, src, ClientReply(body.pid, "busy", node))
             return
-        lsn = self.master_append(node, core, f"p{body.pid}".encode())
+        receipt = None
+        if body.kind:
+            state = self.topic_state(node)
+            try:
+                planned = topic_state.plan(state, body.kind, body.sequence, core.epoch, node)
+            except ServiceError as exc:
+                self.net_send(node, src, ClientReply(body.pid, f"refused {exc.code.name}", ""))
+                return
+            receipt = planned.receipt
+            if receipt is not None and receipt.duplicate:
+                self.check_topic(
+                    self.rchecker.duplicate_planned,
+                    node,
+                    receipt,
+                    topic_state.event_at(state, receipt.offset),
+                )
+            if planned.operation is None:
+                lsn = len(self.stores[node].log)  # a duplicate waits for the master's log
+            else:
+                lsn = self.master_append(node, core, planned.operation)
+        else:
+            lsn = self.master_append(node, core, f"p{body.pid}".encode())
         if core.deposed:
             self.net_send(node, src, ClientReply(body.pid, "fail", ""))
             return
         self.next_token += 1
         rt.tokens[self.next_token] = (lsn, src, body.pid)
+        if receipt is not None:
+            self.topic_tokens[self.next_token] = receipt
         self.apply_master(node, core, core.register_write(lsn, self.next_token))
+
+    def topic_state(self, node: str) -> topic_state.TopicState:
+        """The topic state the node's log builds now (see topic_state.py)."""
+        state = topic_state.refreshed(self.topic_states.get(node), self.stores[node].log)
+        self.topic_states[node] = state
+        return state
+
+    def check_topic(self, check: Callable[..., None], *args: object) -> None:
+        """Runs one of the checker's topic checks, turning a breach into a failure."""
+        try:
+            check(*args)
+        except InvariantViolation as exc:
+            raise self.violation(exc) from None
 
     def master_tick(self, node: str) -> None:
         """Heartbeats, keepalive, reconnects, flushes and compaction of a serving master."""
@@ -1433,7 +1504,13 @@ class ReplicationSimulation(Simulation):
         if not self.quiesced and len(client.inflight) < self.params.client_inflight_max:
             self.next_pid += 1
             client.inflight[self.next_pid] = self.now_ms + CLIENT_TIMEOUT_MS
-            self.net_send(client.name, client.target, ClientWrite(client.name, self.next_pid))
+            kind, sequence = "", 0
+            if self.topic_p and self.trng.random() < self.topic_p:
+                kind = self.trng.choice(("create", "destroy", "publish", "publish", "publish"))
+                sequence = self.trng.randint(1, topic_state.SEQUENCES_MAX)
+            self.net_send(
+                client.name, client.target, ClientWrite(client.name, self.next_pid, kind, sequence)
+            )
         jitter = self.rrng.randint(0, self.params.client_interval_ms // 2)
         self.push(self.now_ms + self.params.client_interval_ms + jitter, _CLIENT, client.name)
 
@@ -1590,6 +1667,14 @@ class ReplicationSimulation(Simulation):
                 raise self.fail(f"after healing node {node}'s log differs from master {leader}'s")
         try:
             self.rchecker.final(live)
+            for node in live:
+                state = self.topic_state(node)
+                info = state.store.get_topic(topic_state.TOPIC)
+                self.rchecker.final_receipts(
+                    node,
+                    info.topic_id if info is not None else 0,
+                    lambda offset, state=state: topic_state.event_at(state, offset),  # type: ignore[misc]
+                )
         except InvariantViolation as exc:
             raise self.violation(exc) from None
 

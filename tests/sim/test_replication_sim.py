@@ -16,7 +16,7 @@ import pytest
 
 from services.coordinator.election import Election
 from services.coordinator.messages import MemberReport, Role, RoleCommand
-from services.replica import divergence
+from services.replica import commands, divergence, store
 from services.replica.replication import AckPolicy, SyncPolicy
 from tests.sim.election_checker import Checker
 from tests.sim.replication_checker import Entry, InvariantViolation, ReplicationChecker
@@ -154,7 +154,17 @@ def _bad_election(monkeypatch: pytest.MonkeyPatch) -> type[ReplicationSimulation
     return ReplicationSimulation
 
 
+def _dedupe_outlives_its_topic(monkeypatch: pytest.MonkeyPatch) -> type[ReplicationSimulation]:
+    """The bug of issue 14: a destroy leaves its publishers' dedupe state, and a stale
+    record counts as a hit (the master's own receipt check silenced)."""
+    monkeypatch.setattr(store._Batch, "forget_publishers", lambda self, row: None)
+    monkeypatch.setattr(store, "_event_matches", lambda *args: True)
+    monkeypatch.setattr(commands.BatchBuilder, "_check_duplicate", lambda *args: None)
+    return ReplicationSimulation
+
+
 MUTANTS: dict[str, Mutant] = {
+    "dedupe-outlives-its-topic": _dedupe_outlives_its_topic,
     "master-skips-catch-up": _plain(SkipCatchUp),
     "acks-none": _plain(AckNone),
     "master-counts-received": _plain(CountReceived),

@@ -226,6 +226,33 @@ def test_write_with_a_failed_and_retried_task_stores_each_row_once(
     assert len(_messages(gateway, topic)) == len(rows)
 
 
+def test_a_fixed_write_id_stores_its_rows_again_in_a_recreated_topic(
+    spark: SparkSession, spark_cluster: LocalCluster, new_topic: Callable[[], str]
+) -> None:
+    """Issue 14: a job re-run with its writeId after the topic was destroyed and created
+    again stores every row (the old incarnation's dedupe state is gone with it)."""
+    gateway = spark_cluster.gateway_address
+    topic = new_topic()
+    write_id = f"again-{topic}"[:64]
+
+    def write(prefix: str) -> None:
+        rows = [(f"k{i % 3}", f"{prefix}-{i}") for i in range(20)]
+        df = spark.createDataFrame(rows, "key string, payload string").coalesce(1)
+        df.write.format("squall").option("gateway", gateway).option("topic", topic).option(
+            "writeId", write_id
+        ).mode("append").save()
+
+    write("old")
+    assert len(_messages(gateway, topic)) == 20
+    with squall.connect(gateway) as client:
+        client.destroy_topic(topic)
+        client.create_topic(topic)
+    write("new")
+    stored = _messages(gateway, topic)
+    assert sorted(m.payload.decode() for m in stored) == sorted(f"new-{i}" for i in range(20))
+    assert [m.offset for m in stored] == list(range(20))
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [

@@ -12,8 +12,15 @@ import pytest
 import squall
 from services.common.config import LimitsConfig
 from services.common.errors import Code, ServiceError
-from services.replica.commands import BatchBuilder, CreateTopic, Publish, SetCursor, expand_receipt
-from services.replica.store import Store
+from services.replica.commands import (
+    BatchBuilder,
+    CreateTopic,
+    DestroyTopic,
+    Publish,
+    SetCursor,
+    expand_receipt,
+)
+from services.replica.store import DedupeHit, Store
 from squall._types import receipt_count, receipts_from_pb
 from squall.v1 import broker_pb2, common_pb2
 
@@ -248,3 +255,76 @@ def test_name_lengths_are_bounded_by_the_limits_and_a_refusal_stores_nothing() -
         )
     )
     assert len(builder.entries) == 2
+
+
+# --- a topic's incarnation
+
+
+def _stored(store: Store, topic: str) -> list[tuple[int, int, bytes]]:
+    return [(e.offset, e.sequence, e.payload) for e in store.read_events(topic, 0, 100)]
+
+
+def test_a_recreated_topic_takes_the_same_sequences_as_new_events(store: Store) -> None:
+    """The issue's reproduction at the master: after destroy + create, the publisher's
+    sequences 1..3 are stored again at offsets 0..2, not answered as duplicates."""
+    _commit(store, _publish("t", 1, 2, 3, publisher_id="pub-fixed"))
+    _commit(store, DestroyTopic("t"))
+    _commit(store, CreateTopic("t", common_pb2.TOPIC_KIND_REPLICATED))
+    (publish,) = _commit(store, _publish("t", 1, 2, 3, publisher_id="pub-fixed"))
+    assert [(r.offset, r.duplicate) for r in publish.receipts] == [  # type: ignore[union-attr]
+        (0, False),
+        (1, False),
+        (2, False),
+    ]
+    assert _stored(store, "t") == [(0, 1, b"s1"), (1, 2, b"s2"), (2, 3, b"s3")]
+    # ... and a retry now is a duplicate of the new incarnation's event.
+    (retry,) = _commit(store, _publish("t", 2, publisher_id="pub-fixed"))
+    assert [(r.offset, r.duplicate) for r in retry.receipts] == [(1, True)]  # type: ignore[union-attr]
+
+
+def test_destroy_and_recreate_in_one_batch_forget_the_old_sequences(store: Store) -> None:
+    _commit(store, _publish("t", 1, 2, publisher_id="p"))
+    plans = _commit(
+        store,
+        _publish("t", 3, publisher_id="p"),
+        DestroyTopic("t"),
+        CreateTopic("t", common_pb2.TOPIC_KIND_REPLICATED),
+        _publish("t", 1, 2, 3, publisher_id="p"),
+    )
+    assert not any(isinstance(p, ServiceError) for p in plans), plans
+    assert [(r.offset, r.duplicate) for r in plans[-1].receipts] == [  # type: ignore[union-attr]
+        (0, False),
+        (1, False),
+        (2, False),
+    ]
+    assert _stored(store, "t") == [(0, 1, b"s1"), (1, 2, b"s2"), (2, 3, b"s3")]
+
+
+def test_a_duplicate_receipt_never_points_outside_the_topic(store: Store) -> None:
+    """The invariant check: were the store to return a hit the topic does not hold, the
+    publish fails with INTERNAL (retryable) instead of answering duplicate=True."""
+    _commit(store, _publish("t", 1, 2, 3))
+    wrong = DedupeHit(topic="t", offset=7, lsn=3, epoch=1)
+    original = store.lookup_sequence
+    store.lookup_sequence = lambda publisher_id, sequence: wrong  # type: ignore[method-assign]
+    try:
+        (refused,) = _commit(store, _publish("t", 2))
+    finally:
+        store.lookup_sequence = original  # type: ignore[method-assign]
+    assert isinstance(refused, ServiceError)
+    assert refused.code == Code.INTERNAL
+    assert "invariant violated" in refused.message and "offset 7" in refused.message
+    assert len(store.read_events("t", 0, 10)) == 3
+
+
+def test_a_durable_subscription_of_a_destroyed_topic_is_not_found_again(store: Store) -> None:
+    _commit(store, _publish("t", 1, 2, 3))
+    _commit(store, SetCursor("t", "billing", 3, create=True))
+    plans = _commit(
+        store,
+        DestroyTopic("t"),
+        CreateTopic("t", common_pb2.TOPIC_KIND_REPLICATED),
+        SetCursor("t", "billing", 0, create=True),
+    )
+    assert plans[-1].cursor == 0  # type: ignore[union-attr]
+    assert store.get_cursor("t", "billing") == 0

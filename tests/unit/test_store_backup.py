@@ -182,8 +182,9 @@ def test_restore_refuses_over_a_store_and_a_damaged_or_mismatched_backup(
 def test_verify_copy_reads_every_record(source: Path) -> None:
     meta, topics, records = backup.verify_copy(source)
     assert (meta.last_lsn, topics) == (6, 2)
-    # 2 topics, 4 events, 1 cursor, 1 dedupe run, 1 publisher, the topic id counter.
-    assert records == 10
+    # 2 topics, 4 events, 1 cursor, 1 dedupe run, 1 publisher and its 2 topic index
+    # records, the topic id counter.
+    assert records == 12
 
 
 def test_store_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:

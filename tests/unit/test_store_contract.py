@@ -516,6 +516,126 @@ def test_dedupe_pruning(make_store: StoreFactory) -> None:
     assert store.lookup_sequence("p", 30) == DedupeHit("t", 9, w.lsn, 1)
 
 
+# --- a topic's incarnation: destroying a topic forgets its publishers' sequences
+
+
+def dedupe_state(store: Store, publisher_id: str, top: int = 10) -> tuple[Any, ...]:
+    """The publisher's high-water mark and where each of its first sequences went."""
+    return store.publisher_high_water(publisher_id), [
+        store.lookup_sequence(publisher_id, s) for s in range(1, top + 1)
+    ]
+
+
+def test_recreated_topic_starts_with_no_dedupe_state(store: Store) -> None:
+    """The issue's reproduction, at the store: the same publisher id and sequences in a
+    re-created topic are new events, stored at offsets 0, 1, 2."""
+    w = Writer(store)
+    w.append(epoch_start(1), create("dd"))
+    w.append(publish("dd", 0, payloads(3), publisher_id="pub-fixed", sequences=[1, 2, 3]))
+    assert store.lookup_sequence("pub-fixed", 2) == DedupeHit("dd", 1, w.lsn, 1)
+    w.append(destroy("dd"))
+    assert dedupe_state(store, "pub-fixed") == (0, [None] * 10)
+    assert store.counts()["dedupe"] == 0
+    w.append(create("dd"))
+    assert dedupe_state(store, "pub-fixed") == (0, [None] * 10)
+    ops = publish("dd", 0, payloads(3, start=10), publisher_id="pub-fixed", sequences=[1, 2, 3])
+    w.append(ops)
+    events = store.read_events("dd", 0, 10)
+    assert [(e.offset, e.sequence, e.payload) for e in events] == [
+        (0, 1, b"event-10"),
+        (1, 2, b"event-11"),
+        (2, 3, b"event-12"),
+    ]
+    assert store.lookup_sequence("pub-fixed", 3) == DedupeHit("dd", 2, w.lsn, 1)
+    assert store.publisher_high_water("pub-fixed") == 3
+
+
+def test_destroy_keeps_a_publishers_state_in_its_other_topics(store: Store) -> None:
+    w = Writer(store)
+    w.append(epoch_start(1), create("a"), create("b"))
+    w.append(publish("a", 0, payloads(3), publisher_id="p", sequences=[1, 2, 3]))
+    w.append(publish("b", 0, payloads(2), publisher_id="p", sequences=[4, 5]))
+    w.append(publish("a", 3, payloads(1), publisher_id="q", sequences=[7]))
+    w.append(destroy("a"))
+    high, hits = dedupe_state(store, "p", 5)
+    # Sequences are one space per publisher: the mark stays while "b" holds some.
+    assert high == 5
+    assert hits[:3] == [None] * 3
+    assert [h.topic if h else None for h in hits[3:]] == ["b", "b"]
+    assert dedupe_state(store, "q") == (0, [None] * 10)  # q wrote only to "a"
+    w.append(create("a"))
+    w.append(publish("a", 0, payloads(3), publisher_id="p", sequences=[1, 2, 3]))
+    assert store.lookup_sequence("p", 1) == DedupeHit("a", 0, w.lsn, 1)
+    w.append(destroy("b"))
+    assert dedupe_state(store, "p", 5)[0] == 5  # p still has the new "a"
+    w.append(destroy("a"))
+    assert dedupe_state(store, "p", 5) == (0, [None] * 5)
+    assert store.counts()["dedupe"] == 0
+    assert store.counts()["publishers"] == 0  # no mark and no index entry is left
+
+
+def test_destroy_and_recreate_with_the_same_sequences_in_one_batch(store: Store) -> None:
+    w = Writer(store)
+    w.append(
+        epoch_start(1),
+        create("t"),
+        publish("t", 0, payloads(3), publisher_id="p", sequences=[1, 2, 3]),
+        destroy("t"),
+        create("t"),
+        publish("t", 0, payloads(2, start=5), publisher_id="p", sequences=[1, 2]),
+    )
+    assert [e.payload for e in store.read_events("t", 0, 10)] == [b"event-5", b"event-6"]
+    assert dedupe_state(store, "p", 3) == (
+        2,
+        [DedupeHit("t", 0, w.lsn, 1), DedupeHit("t", 1, w.lsn, 1), None],
+    )
+
+
+def test_a_reader_of_a_destroyed_incarnation_never_reads_the_next(store: Store) -> None:
+    w = Writer(store)
+    w.append(epoch_start(1), create("t"), publish("t", 0, payloads(2)))
+    old_id = topic(store, "t").topic_id
+    assert len(store.read_events("t", 0, 10, topic_id=old_id)) == 2
+    w.append(destroy("t"), create("t"), publish("t", 0, payloads(3, start=50)))
+    with pytest.raises(UnknownTopicError, match="destroyed"):
+        store.read_events("t", 0, 10, topic_id=old_id)
+    new_id = topic(store, "t").topic_id
+    assert [e.payload for e in store.read_events("t", 2, 10, topic_id=new_id)] == [b"event-52"]
+
+
+def _drop_incarnation_index(store: Store) -> None:
+    """Makes the store look written by the version before the index: dedupe records and
+    high-water marks only (the index keys start with a 0 byte)."""
+    with store._kv.write(sync=False) as txn:  # building an old store
+        txn.delete_range("publishers", b"\x00", b"\x01")
+
+
+def test_stale_dedupe_records_of_an_older_store_are_fenced_off(store: Store) -> None:
+    """A store written before destroys removed dedupe state keeps records naming a
+    destroyed incarnation: they are no hit, and a publish of their sequences replaces
+    them instead of being refused."""
+    w = Writer(store)
+    w.append(epoch_start(1), create("dd"), create("other"))
+    w.append(publish("dd", 0, payloads(3), publisher_id="pub-fixed", sequences=[1, 2, 3]))
+    w.append(publish("other", 0, payloads(2), publisher_id="pub-fixed", sequences=[8, 9]))
+    _drop_incarnation_index(store)
+    w.append(destroy("dd"))
+    assert store.counts()["dedupe"] == 2  # the old version's leftovers (the index is gone)
+    assert dedupe_state(store, "pub-fixed", 3) == (9, [None] * 3)
+    w.append(create("dd"))
+    assert dedupe_state(store, "pub-fixed", 3) == (9, [None] * 3)
+    w.append(publish("dd", 0, payloads(2, start=20), publisher_id="pub-fixed", sequences=[1, 2]))
+    assert store.lookup_sequence("pub-fixed", 2) == DedupeHit("dd", 1, w.lsn, 1)
+    assert store.lookup_sequence("pub-fixed", 3) is None  # the stale run 1..3 is gone
+    assert store.lookup_sequence("pub-fixed", 9) == DedupeHit("other", 1, 5, 1)
+    # A live run is still refused.
+    with pytest.raises(InvalidEntryError, match="already stored"):
+        store.append(
+            w.entries(publish("dd", 2, payloads(1), publisher_id="pub-fixed", sequences=[2])),
+            sync=False,
+        )
+
+
 # --- cursors and subscriptions
 
 

@@ -204,7 +204,11 @@ def test_chunks_carry_every_state_record_and_nothing_else(stores: Stores) -> Non
     assert dbs.count("events") == 48
     assert dbs.count("topics") == 3
     assert dbs.count("cursors") == 3
-    assert dbs.count("publishers") == 3
+    # 3 high-water marks (p, q, r), and 2 index records per (publisher, topic) pair:
+    # p and r in orders, q in metrics (p's pair with the destroyed topic is gone).
+    marks = [r.key for r in records if r.db == "publishers" and not r.key.startswith(b"\x00")]
+    assert marks == [b"p", b"q", b"r"]
+    assert dbs.count("publishers") == 3 + 2 * 3
     for db in SNAPSHOT_DBS:
         keys = [r.key for r in records if r.db == db]
         assert keys == sorted(set(keys))
@@ -555,3 +559,28 @@ def test_memory_capacity_counts_what_an_install_clears() -> None:
     for _ in range(10):  # each install frees what the one before used
         install(target, chunks)
     assert view(target) == view(source)
+
+
+def test_a_topics_incarnation_survives_snapshots_and_restarts(stores: Stores) -> None:
+    """The index that ties dedupe state to a topic travels in the snapshot and survives a
+    restart, so a destroy on the receiver (or after a restart) forgets the same state the
+    sender forgets: the stores stay equal, and a re-created topic starts clean on both."""
+    source, target = stores.make(), stores.make()
+    w = fill(source)
+    lsn = append_both((source,), w.lsn, [destroy("orders"), create("orders")], epoch=3)
+    install(target, export(source))
+    target = stores.reopen(target)
+    source = stores.reopen(source)
+    assert view(target) == view(source)
+    # p and r wrote only to the destroyed orders: no state left; q keeps metrics'.
+    assert [source.publisher_high_water(p) for p in PUBLISHERS] == [0, 40, 0]
+    ops = [
+        publish("orders", 0, payloads(3), publisher_id="p", sequences=[1, 2, 3]),
+        destroy("metrics"),
+    ]
+    lsn = append_both((source, target), lsn, ops, epoch=3)
+    assert view(target) == view(source)
+    assert [target.publisher_high_water(p) for p in PUBLISHERS] == [3, 0, 0]
+    state = [db for db in SNAPSHOT_DBS if db != "meta"]
+    assert [target.counts()[db] for db in state] == [source.counts()[db] for db in state]
+    assert [e.sequence for e in target.read_events("orders", 0, 10)] == [1, 2, 3]

@@ -80,3 +80,20 @@ def test_a_receiver_hides_a_snapshots_uncommitted_publishes_until_the_last_commi
     # Conservative: the committed publish at 11 stays hidden until 13 commits too.
     assert gate.hidden_from("orders") == 100
     assert gate.advance(13) and gate.hidden_from("orders") == 110
+
+
+def test_a_recreated_topics_uncommitted_events_stay_hidden_behind_the_old_ones() -> None:
+    """An uncommitted publish of an old incarnation at offset 5, then the topic destroyed
+    and created again and a publish at offset 0: offsets 0.. of the new incarnation are
+    hidden too until their own LSN commits (the gate must never hide less)."""
+    gate = CommitGate(commit_lsn=9)
+    gate.appended(10, "dd", 5)
+    gate.appended(13, "dd", 0)  # LSNs 11 and 12: destroy and create
+    assert gate.hidden_from("dd") == 0
+    assert gate.uncommitted(13) == [("dd", 0, 13)]
+    assert gate.advance(10)
+    assert gate.hidden_from("dd") == 0
+    assert gate.advance(13)
+    assert gate.hidden_from("dd") is None
+    gate.appended(14, "dd", 3)
+    assert gate.hidden_from("dd") == 3  # one incarnation again: the usual order
