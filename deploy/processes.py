@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import tomli_w
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.tls import Transport, plain_or
@@ -221,33 +222,5 @@ def localize_config(source: Path, run_dir: Path) -> Path:
 
 
 def dump_toml(document: Mapping[str, Any]) -> str:
-    """Writes the subset of TOML a Squall config uses (tables, arrays of tables, scalars)."""
-    lines: list[str] = []
-    scalars = {k: v for k, v in document.items() if not isinstance(v, (dict, list))}
-    lines.extend(f"{k} = {_toml_value(v)}" for k, v in scalars.items())
-    for key, value in document.items():
-        if isinstance(value, dict):
-            lines.append(f"\n[{key}]")
-            lines.extend(f"{k} = {_toml_value(v)}" for k, v in value.items())
-        elif isinstance(value, list) and all(isinstance(item, dict) for item in value):
-            for item in value:
-                lines.append(f"\n[[{key}]]")
-                lines.extend(f"{k} = {_toml_value(v)}" for k, v in item.items())
-        elif isinstance(value, list):
-            lines.append(f"{key} = {_toml_value(value)}")
-    return "\n".join(lines) + "\n"
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
-        return f'"{escaped}"'
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):  # an inline table, as in [auth] principals = [{...}]
-        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
-    raise TypeError(f"cannot write {type(value).__name__} as TOML")
+    """A config document as TOML text, by a real TOML writer (quoting, escapes, tables)."""
+    return tomli_w.dumps(document)

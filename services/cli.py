@@ -18,7 +18,7 @@
     squall health ADDRESS                       exit 0 if the service there is SERVING
 
 Client commands find the gateway from --gateway, else the first gateway of --config, else
-$SQUALL_GATEWAY, else 127.0.0.1:7000. Errors print one line, `squall: <error>`, on stderr;
+$SQUALL_GATEWAY, else 127.0.0.1:7100 (the gateway of the shipped configs). Errors print one line, `squall: <error>`, on stderr;
 the exit status is 1 for a failed call and 2 for a usage or configuration error.
 """
 
@@ -46,7 +46,8 @@ from services import (
     cli_store_backup,
 )
 
-DEFAULT_GATEWAY = "127.0.0.1:7000"
+# The gateway address deploy/single.toml and deploy/cluster.example.toml give (`make run`).
+DEFAULT_GATEWAY = "127.0.0.1:7100"
 GATEWAY_ENV = "SQUALL_GATEWAY"
 SERVICE_MODULES = {
     "replica": "services.replica.__main__",

@@ -350,3 +350,18 @@ def test_compose_publishes_only_the_gateway_and_runs_every_container_locked_down
         assert str(service["restart"]).startswith("on-failure"), name
         for dependency in service.get("depends_on", {}):  # type: ignore[attr-defined]
             assert dependency in services, f"{name} depends on unknown {dependency}"
+
+
+def test_the_cluster_files_the_launcher_and_chaos_write_read_back_exactly() -> None:
+    """deploy.processes.dump_toml (used by the launcher, the chaos suite and the tests)
+    writes real TOML: strings a hand-escaper gets wrong read back unchanged."""
+    from deploy.processes import dump_toml
+
+    awkward = 'C:\\data\\n1 "quoted"\nnext line\ttab \u00e9 \x01 \'single\''
+    document = {
+        "cluster_name": awkward,
+        "nodes": [{"id": "n1", "data_dir": awkward, "priority": 3}],
+        "timeouts": {"replica_timeout_ms": 1500, "ratio": 0.5, "on": True},
+        "auth": {"principals": [{"name": "a b", "topics": ["x.*", "y"]}]},
+    }
+    assert tomllib.loads(dump_toml(document)) == document
