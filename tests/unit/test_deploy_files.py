@@ -75,7 +75,10 @@ def test_each_unit_starts_its_service_from_the_config_with_its_instance_id(kind:
     assert one(unit, "Service", "Environment") == f"SQUALL_CONFIG={CONFIG_PATH}"
     # An optional file may override the config path ("-": missing is fine).
     assert one(unit, "Service", "EnvironmentFile") == "-/etc/default/squall"
-    assert one(unit, "Service", "Type") == "exec"
+    # READY=1 / STOPPING=1 over $NOTIFY_SOCKET (tests/integration/test_sd_notify.py).
+    assert one(unit, "Service", "Type") == "notify"
+    assert one(unit, "Service", "NotifyAccess") == "main"
+    assert one(unit, "Service", "TimeoutStartSec").rstrip("s").isdigit()
     assert (one(unit, "Service", "User"), one(unit, "Service", "Group")) == ("squall", "squall")
 
 
