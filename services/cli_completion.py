@@ -102,8 +102,8 @@ def script(parser: argparse.ArgumentParser, shell: str) -> str:
                     value_cases[option] = reply
     value_lines = []
     for option, reply in sorted(value_cases.items()):
-        action = f'COMPREPLY=($({reply} -- "$cur"))' if reply else "COMPREPLY=()"
-        value_lines.append(f"        {option}) {action}; return ;;")
+        answer = f'COMPREPLY=($({reply} -- "$cur"))' if reply else "COMPREPLY=()"
+        value_lines.append(f"        {option}) {answer}; return ;;")
     body = _TEMPLATE.format(
         words="\n".join(words_cases),
         options="\n".join(options_cases),
