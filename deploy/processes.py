@@ -189,12 +189,25 @@ def tail(path: Path, lines: int = 30) -> str:
         return "(no log)"
 
 
-def localize_config(source: Path, run_dir: Path) -> Path:
+def port_is_free(address: str) -> bool:
+    """Whether host:port can be bound right now (a moment later it may not be)."""
+    host, _, port = address.rpartition(":")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, int(port)))
+        except (OSError, ValueError):
+            return False
+    return True
+
+
+def localize_config(source: Path, run_dir: Path, keep_gateway: bool = False) -> Path:
     """Copies a cluster config into run_dir with free loopback ports and local data dirs.
 
     Returns the new file's path. The source's structure and every other setting are
     kept, so what runs locally is what the file describes; Prometheus scrape ports become
-    0 (picked at start-up and logged), as every node shares the one host.
+    0 (picked at start-up and logged), as every node shares the one host. With
+    keep_gateway (`make run`), the first gateway keeps its configured loopback address if
+    that port is free, so the `squall` command's default gateway reaches it.
     """
     document: dict[str, Any] = tomllib.loads(source.read_text())
     nodes, gateways = document.get("nodes", []), document.get("gateways", [])
@@ -203,8 +216,11 @@ def localize_config(source: Path, run_dir: Path) -> Path:
         node["coordinator_address"] = f"127.0.0.1:{next(ports)}"
         node["replica_address"] = f"127.0.0.1:{next(ports)}"
         node["data_dir"] = str((run_dir / "data" / str(node["id"])).resolve())
-    for gateway in gateways:
-        gateway["address"] = f"127.0.0.1:{next(ports)}"
+    for index, gateway in enumerate(gateways):
+        configured = str(gateway.get("address", ""))
+        keep = keep_gateway and index == 0 and configured.startswith("127.")
+        if not (keep and port_is_free(configured)):
+            gateway["address"] = f"127.0.0.1:{next(ports)}"
     telemetry = document.get("telemetry", {})
     for key in (
         "coordinator_prometheus_port",

@@ -368,3 +368,28 @@ def test_the_cluster_files_the_launcher_and_chaos_write_read_back_exactly() -> N
         "auth": {"principals": [{"name": "a b", "topics": ["x.*", "y"]}]},
     }
     assert tomllib.loads(dump_toml(document)) == document
+
+
+def test_make_run_keeps_the_gateways_configured_port_unless_it_is_taken(tmp_path: Path) -> None:
+    """`make run`'s gateway listens where the shipped config (and the CLI's default) says,
+    when that port is free; otherwise, and for tests, on a free port."""
+    import socket
+
+    from deploy.processes import free_port, localize_config
+
+    port = free_port()
+    source = tmp_path / "template.toml"
+    text = (ROOT / "deploy" / "single.toml").read_text()
+    source.write_text(text.replace("127.0.0.1:7100", f"127.0.0.1:{port}"))
+
+    def gateway(keep: bool) -> str:
+        path = localize_config(source, tmp_path / "run", keep_gateway=keep)
+        return str(tomllib.loads(path.read_text())["gateways"][0]["address"])
+
+    assert gateway(keep=True) == f"127.0.0.1:{port}"
+    assert gateway(keep=False) != f"127.0.0.1:{port}"
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        taken = gateway(keep=True)
+    assert taken != f"127.0.0.1:{port}" and taken.startswith("127.0.0.1:")
