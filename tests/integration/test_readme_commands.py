@@ -14,6 +14,12 @@ Which README blocks are checked where:
 * *Two commands*: `make run` / `make stop` is tests/integration/test_launcher.py;
   `make test` is CI itself.
 * *Spark*: the same calls run in tests/spark/ (they need Java).
+* Every `squall COMMAND ...` line in a shell block of README.md, examples/README.md,
+  bench/README.md and docs/*.md names a real command with real options (checked here).
+  The `make` targets they show are the Makefile's; `python -m bench...` runs are
+  benchmarks (bench/README.md), and the systemd, docker and backup procedures of
+  docs/deployment.md are run by tests/integration/test_deploy_commands.py and
+  test_deployment_procedures.py.
 """
 
 from __future__ import annotations
@@ -33,8 +39,25 @@ README = (ROOT / "README.md").read_text()
 DOC_GATEWAY = "127.0.0.1:7100"
 
 
+def _fenced(text: str) -> list[tuple[str, str]]:
+    """Every fenced block of a Markdown text as (language, body), fences paired in order."""
+    blocks: list[tuple[str, str]] = []
+    language: str | None = None
+    body: list[str] = []
+    for line in text.splitlines():
+        if line.startswith("```"):
+            if language is None:
+                language, body = line[3:].strip(), []
+            else:
+                blocks.append((language, "\n".join(body) + "\n"))
+                language = None
+        elif language is not None:
+            body.append(line)
+    return blocks
+
+
 def _blocks(language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", README, flags=re.S)
+    return [body for lang, body in _fenced(README) if lang == language]
 
 
 def _python_block(containing: str) -> str:
@@ -149,3 +172,48 @@ def test_every_command_in_the_readme_synopsis_exists_with_its_options() -> None:
             option = word.strip("[]").split("=")[0]
             if option.startswith("--"):
                 assert option in options, f"`squall {' '.join(words)}`: no option {option}"
+
+
+DOC_PAGES = [
+    ROOT / "README.md",
+    ROOT / "examples" / "README.md",
+    ROOT / "bench" / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+]
+
+
+def _doc_command_lines() -> list[tuple[str, list[str]]]:
+    """Every `squall COMMAND ...` in a shell block of the docs, as (page, argv)."""
+    import argparse
+
+    top = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    found = []
+    for page in DOC_PAGES:
+        text = page.read_text()
+        for language, block in _fenced(text):
+            if language not in ("", "sh", "bash", "shell", "console"):
+                continue
+            for line in block.splitlines():
+                line = line.split(" #", 1)[0]
+                for match in re.finditer(r"(?:^|[\s/'\"(])squall\s+(\S.*)$", line):
+                    words = match.group(1).replace("'", " ").replace('"', " ").split()
+                    if words[0] in top.choices:
+                        found.append((page.name, words))
+    return found
+
+
+def test_every_squall_command_in_the_docs_exists_with_its_options() -> None:
+    """The docs' shell blocks (README, examples, bench, docs/*.md) name only commands and
+    options `squall` has: a renamed option fails here rather than in an operator's shell."""
+    import argparse
+
+    lines = _doc_command_lines()
+    assert len(lines) >= 40, len(lines)  # 50 when written
+    for page, words in lines:
+        path, parser = _command_parser(words)
+        assert isinstance(parser, argparse.ArgumentParser)
+        options = {o for action in parser._actions for o in action.option_strings}
+        for word in words[len(path) :]:
+            option = word.strip("[]").split("=")[0]
+            if re.fullmatch(r"--[a-z][a-z-]*", option):
+                assert option in options, f"{page}: `squall {' '.join(words)}`: no {option}"
