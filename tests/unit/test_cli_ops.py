@@ -114,7 +114,7 @@ def test_bash_completion_offers_commands_options_and_choices_from_the_parser() -
         "bash zsh",
         "deploy/single.toml",
         "deploy/cluster.example.toml",
-        "inspect mark-clean mark-dirty backup restore",
+        "inspect mark-clean mark-dirty backup restore verify",
     ]
 
 
