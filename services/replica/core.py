@@ -119,25 +119,30 @@ class Follow:
 
 @dataclass(frozen=True, slots=True)
 class Effects:
-    """Everything one input produced. The driver applies it in this order:
+    """Everything one input produced. The core's own state has changed already; the
+    driver applies the rest in this order:
 
-    1. ``refusal``: answer the input with it. Nothing below is set, and the core changed
-       nothing except, for a repeated master command whose background attempt failed,
-       the command seq it reports (the coordinator then knows the answer is fresh).
+    1. ``role_changed``: the role is not what it was (``ReplicaCore.role``): count the
+       change and wake whoever waits for a role (they read the core).
     2. ``cancel_taking``: stop the task taking the master role and wait until it and its
        store work have stopped (a store left mid-sync is re-read), before anything else.
-    3. ``drop_role``: the role was dropped (the text says why): stop the master's
+       The core abandoned the attempt (its epoch is now below the floor), even when the
+       command is then refused.
+    3. ``refusal``: answer the input with it; nothing below is set. A refusal changed
+       nothing else, except that a command repeating a finished master attempt records
+       its seq and consumes the attempt's outcome (the coordinator then knows the answer
+       is to its latest command).
+    4. ``drop_role``: the role was dropped (the text says why): stop the master's
        replication or the slave's stream, fail queued writes as not stored, stop push
        delivery, and wait until no batch is being written.
-    4. ``record_cluster_id``: store operation: an empty store records the group's cluster
+    5. ``record_cluster_id``: store operation: an empty store records the group's cluster
        id before it takes the role, so it can never be taken for another cluster's.
-    5. At most one of ``take_master`` (start the background task), ``follow`` (make the
-       follower now) or ``join_taking`` (the command repeats the one being carried out:
-       answer it when that task ends or within a heartbeat, as ``reorg`` says).
-    6. ``members``: a master renewal naming another group: tell the replication core.
-    7. ``faults``: record each and report it to the coordinator (it quarantines the node).
-    8. ``role_changed``: the role changed (to ``ReplicaCore.role``): wake waiters and
-       count the change.
+    6. At most one of ``take_master`` (start the background task), ``follow`` (make the
+       follower now, then report ``followed``; a failure is the command's refusal) or
+       ``join_taking`` (the command repeats the one being carried out: answer it when
+       that task ends or within a heartbeat, as ``reorg`` says).
+    7. ``members``: a master renewal naming another group: tell the replication core.
+    8. ``faults``: record each and report it to the coordinator (it quarantines the node).
     """
 
     refusal: RoleRefusal | None = None
@@ -301,6 +306,8 @@ class ReplicaCore:
             epoch, attempts = self._attempts
             attempt = attempts + 1 if epoch == order.epoch else 1
             self._attempts = (order.epoch, attempt)
+            # The replica is in the new epoch from now (its store records it first thing).
+            self.epoch = order.epoch
             self.taking = Taking(order.epoch, order.sync_source_id, order.lease_ms)
             # The lease runs from when the role is taken (a renewal may only come then).
             self.lease_until_ms = 0
