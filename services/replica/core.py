@@ -234,24 +234,10 @@ class ReplicaCore:
     def role_command(self, order: RoleOrder, now_ms: int, store: StoreFacts) -> Effects:
         """Decides what a role command does (see ``Effects`` for how it is applied)."""
         me = self.config.node_id
-        if order.role not in (Role.MASTER, Role.SLAVE, Role.INACTIVE):
-            return _refused(Code.INVALID_ARGUMENT, f"unknown role {order.role}")
+        malformed = self._malformed(order, store)
+        if malformed is not None:
+            return Effects(refusal=malformed)
         role = Role(order.role)
-        if role != Role.INACTIVE and order.epoch < store.epoch:
-            return _refused(
-                Code.FAILED_PRECONDITION,
-                f"role command for epoch {order.epoch} is older than replica {me}'s epoch "
-                f"{store.epoch}",
-                ((EPOCH_KEY, str(store.epoch)),),
-            )
-        if role == Role.SLAVE and (
-            order.master_id not in self.config.replica_addresses or order.master_id == me
-        ):
-            return _refused(Code.INVALID_ARGUMENT, f"unknown master node id '{order.master_id}'")
-        if role == Role.MASTER:
-            for member in order.members:
-                if member not in self.config.replica_addresses:
-                    return _refused(Code.INVALID_ARGUMENT, f"unknown member node id '{member}'")
         cancel = ""
         taking = self.taking
         if taking is not None:
@@ -333,6 +319,28 @@ class ReplicaCore:
             follow=Follow(order.epoch, order.master_id, order.reason, order.lease_ms),
             role_changed=dropped is not None,
         )
+
+    def _malformed(self, order: RoleOrder, store: StoreFacts) -> RoleRefusal | None:
+        """A command no replica could apply: an unknown role or node, a stale epoch."""
+        me = self.config.node_id
+        if order.role not in (Role.MASTER, Role.SLAVE, Role.INACTIVE):
+            return RoleRefusal(Code.INVALID_ARGUMENT, f"unknown role {order.role}")
+        if order.role != Role.INACTIVE and order.epoch < store.epoch:
+            return RoleRefusal(
+                Code.FAILED_PRECONDITION,
+                f"role command for epoch {order.epoch} is older than replica {me}'s epoch "
+                f"{store.epoch}",
+                ((EPOCH_KEY, str(store.epoch)),),
+            )
+        if order.role == Role.SLAVE and (
+            order.master_id not in self.config.replica_addresses or order.master_id == me
+        ):
+            return RoleRefusal(Code.INVALID_ARGUMENT, f"unknown master node id '{order.master_id}'")
+        if order.role == Role.MASTER:
+            for member in order.members:
+                if member not in self.config.replica_addresses:
+                    return RoleRefusal(Code.INVALID_ARGUMENT, f"unknown member node id '{member}'")
+        return None
 
     def _after_cancel(self, cancel: str, refusal: RoleRefusal) -> Effects:
         """A refusal after a running master attempt was abandoned: the driver still stops

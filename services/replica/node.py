@@ -1,4 +1,10 @@
-"""The replica node: its role and epoch, the group-commit writer, and committed reads.
+"""The replica node: the driver of the replica's cores, the group-commit writer, and
+committed reads.
+
+Roles: every role rule (role, epoch floor, lease, taking and dropping roles, the shutdown
+freeze, the hand-off fence, which writes are refused) is decided by the pure
+``ReplicaCore`` (``core``); this node feeds it role commands, ticks and what it saw, and
+carries out the ``Effects`` it returns in their documented order (``apply_effects``).
 
 All writes go through one writer task. It drains every command waiting (up to a bounded
 batch), plans them with a `BatchBuilder`, appends the whole batch to the store in one
