@@ -20,6 +20,7 @@ to LSN L):
     pause 3 / resume 3      node 3 stops (starts) reading its stream
     disconnect 3 / connect 3
                             node 3's stream breaks / a new one opens (a new Hello)
+    compact from=N          node 1's log now starts at LSN N (older entries deleted)
     tick ms=N               the master's clock reads N; heartbeats go out
     depose reason=why       the coordinator took the role away
     status                  commit LSN, each slave's state and log end
@@ -129,7 +130,10 @@ class TracedCluster(Cluster):
         return super().deliver_to_master()
 
     def status(self) -> list[str]:
-        lines = [f"master: epoch={self.epoch} log={len(self.log)} commit={self.master.commit_lsn}"]
+        lines = [
+            f"master: epoch={self.epoch} log={self.log_start}..{len(self.log)} "
+            f"commit={self.master.commit_lsn}"
+        ]
         for node, slave in self.slaves.items():
             p = self.master.progress(node)
             paused = " paused" if slave.paused else ""
@@ -175,6 +179,9 @@ def execute(c: TracedCluster | None, line: str) -> tuple[TracedCluster | None, l
         c.disconnect(positional[0])
     elif command == "connect":
         c.connect(positional[0])
+    elif command == "compact":
+        c.compact(int(options["from"]))
+        c.say(f"1 log starts at {c.log_start}")
     elif command == "tick":
         c.apply(c.master.tick(int(options["ms"])))
     elif command == "depose":
