@@ -207,20 +207,20 @@ class MasterTracker:
 
     async def wait_master(self, timeout_s: float) -> Master | None:
         """The master, waiting up to timeout_s for the views to name one (None if none)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + max(timeout_s, 0.0)
-        while True:
-            if not self._views.heard and self._probed is None:
-                await self._probe_once()
-            master = self.master
-            remaining_s = deadline - loop.time()
-            if master is not None or remaining_s <= 0:
-                return master
-            changed = self._changed
-            try:
-                await asyncio.wait_for(changed.wait(), remaining_s)
-            except TimeoutError:
-                return self.master
+        # The first probe runs even with no time to wait; the event loop keeps the
+        # deadline of the rest (no clock is read here).
+        if not self._views.heard and self._probed is None:
+            await self._probe_once()
+        try:
+            async with asyncio.timeout(max(timeout_s, 0.0)):
+                # Bounded by the timeout: each pass waits for the views to change.
+                while self.master is None:
+                    await self._changed.wait()
+                    if not self._views.heard and self._probed is None:
+                        await self._probe_once()
+        except TimeoutError:
+            pass
+        return self.master
 
     async def channel(self, timeout_s: float = 0.0) -> grpc.aio.Channel:
         """The master's channel, waiting up to timeout_s for one; NoMasterError if none."""

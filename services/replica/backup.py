@@ -22,9 +22,9 @@ import json
 import os
 import shutil
 import socket
-import time
 from pathlib import Path
 
+from services.common.clock import SYSTEM_CLOCK, Clock
 from services.replica.kv import KVError
 from services.replica.store import DATABASES, Store, StoreError, StoreMeta
 from services.replica.store_lmdb import LmdbKV
@@ -135,7 +135,7 @@ def verify_copy(path: Path) -> tuple[StoreMeta, int, int]:
     return meta, topics, records
 
 
-def backup(data_dir: Path, dest: Path) -> BackupInfo:
+def backup(data_dir: Path, dest: Path, clock: Clock = SYSTEM_CLOCK) -> BackupInfo:
     """Copies the (possibly live) store in data_dir into dest, verified, with a manifest.
 
     dest must be missing or empty; on any failure it is left as it was.
@@ -163,7 +163,7 @@ def backup(data_dir: Path, dest: Path) -> BackupInfo:
         info = BackupInfo(
             source=str(data_dir),
             host=socket.gethostname(),
-            created_unix_s=round(time.time(), 3),
+            created_unix_s=round(clock.wall_ms() / 1000, 3),
             cluster_id=meta.cluster_id,
             store_state=_state_name(meta.state),
             epoch=meta.epoch,

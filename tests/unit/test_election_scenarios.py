@@ -38,8 +38,6 @@ Commands:
 
 from __future__ import annotations
 
-import difflib
-import os
 import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -72,9 +70,9 @@ from services.coordinator.messages import (
     format_message,
     format_role_command,
 )
+from tests.unit.transcripts import check_or_rewrite, parse_transcript, render
 
 SCENARIOS = Path(__file__).parent / "scenarios"
-REWRITE = os.environ.get("SQUALL_REWRITE") == "1"
 # Deliveries per `run` or `deliver` before the harness calls it a message storm.
 STEPS_MAX = 100_000
 
@@ -446,54 +444,6 @@ def execute(cluster: Cluster | None, line: str) -> tuple[Cluster | None, list[st
     return cluster, cluster.out
 
 
-@dataclass
-class Block:
-    """One transcript block: its comments, command and expected output."""
-
-    comments: list[str]
-    command: str
-    expected: list[str]
-
-
-def parse_transcript(text: str) -> list[Block]:
-    """Split a transcript file into blocks."""
-    blocks: list[Block] = []
-    lines = text.splitlines()
-    i = 0
-    comments: list[str] = []
-    while i < len(lines):
-        line = lines[i]
-        i += 1
-        if not line.strip():
-            if comments and comments[-1] != "":
-                comments.append("")
-            continue
-        if line.startswith("#"):
-            comments.append(line)
-            continue
-        if i >= len(lines) or lines[i] != "----":
-            raise ValueError(f"line {i}: command {line!r} is not followed by '----'")
-        i += 1
-        expected: list[str] = []
-        while i < len(lines) and lines[i].strip():
-            expected.append(lines[i])
-            i += 1
-        while comments and comments[-1] == "":
-            comments.pop()
-        blocks.append(Block(comments, line, expected))
-        comments = []
-    return blocks
-
-
-def render(blocks: list[Block], outputs: list[list[str]]) -> str:
-    """Write blocks back with the given outputs."""
-    parts: list[str] = []
-    for block, output in zip(blocks, outputs, strict=True):
-        chunk = [*block.comments, block.command, "----", *output]
-        parts.append("\n".join(chunk))
-    return "\n\n".join(parts) + "\n"
-
-
 def scenario_files() -> list[Path]:
     """Every transcript, sorted."""
     return sorted(SCENARIOS.glob("*.txt"))
@@ -509,23 +459,7 @@ def test_scenario(path: Path) -> None:
     for block in blocks:
         cluster, output = execute(cluster, block.command)
         outputs.append(list(output))
-    actual = render(blocks, outputs)
-    if REWRITE:
-        path.write_text(actual)
-        return
-    if actual != text:
-        diff = "".join(
-            difflib.unified_diff(
-                text.splitlines(keepends=True),
-                actual.splitlines(keepends=True),
-                fromfile=f"{path.name} (expected)",
-                tofile=f"{path.name} (actual)",
-            )
-        )
-        pytest.fail(
-            f"transcript {path.name} differs; if the change is intended, rerun with "
-            f"SQUALL_REWRITE=1 and review the diff:\n{diff}"
-        )
+    check_or_rewrite(path, text, render(blocks, outputs))
 
 
 # ----------------------------------------------------------------------------- unit tests
@@ -782,9 +716,7 @@ def test_reports_older_than_the_last_command_are_not_used() -> None:
     election = make()  # node 1, replica reported after the start command (seq 1)
     election.step(PeerMessage("3", "1", Invitation("3:a", 3, 0)), 10)
     # Join, become a slave, then a newer coordinator invites: the replica must stop first.
-    ready = election.step(
-        PeerMessage("3", "1", GroupReady("3:a", 1, ("1", "3"), "3", "3", 2)), 11
-    )
+    ready = election.step(PeerMessage("3", "1", GroupReady("3:a", 1, ("1", "3"), "3", "3", 2)), 11)
     assert ready.role_command is not None and ready.role_command.kind is RoleCommandKind.FOLLOW
     ready = election.step(PeerMessage("3", "1", Invitation("3:b", 3, 1)), 20)
     assert ready.role_command is not None
