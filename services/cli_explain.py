@@ -26,6 +26,25 @@ def _record(record: squall.OperatorRecord) -> str:
     return f"by {record.operator} at {when(record.at_ms)}{reason}"
 
 
+def state_of(node: squall.NodeStatus) -> str:
+    """The state column: loud when the node is out of its groups (quarantine, replica)."""
+    if node.quarantine is not None:
+        return "QUARANTINED"
+    if node.replica_unreachable_since_ms:
+        return "REPLICA UNREACHABLE"
+    return node.state
+
+
+def reason_of(node: squall.NodeStatus) -> str:
+    """The reason column: why the node's state last changed; what failed to answer."""
+    reason = node.last_change_reason or "-"
+    if node.replica_unreachable_since_ms:
+        reason = f"replica unreachable since {when(node.replica_unreachable_since_ms)}: {reason}"
+    elif not node.reachable and node.error:
+        reason = f"{node.error}; {reason}"
+    return reason
+
+
 def notes(status: squall.ClusterStatus) -> list[str]:
     """One line per operator control in force, and per replica fault, for the table's foot."""
     lines: list[str] = []
@@ -40,6 +59,13 @@ def notes(status: squall.ClusterStatus) -> list[str]:
                 f"{node.node_id}: QUARANTINED {_record(node.quarantine)}; never master, never "
                 f"counted for acks; clear with `squall cluster unquarantine {node.node_id}`"
             )
+        elif node.replica_unreachable_since_ms:
+            lines.append(
+                f"{node.node_id}: replica unreachable since "
+                f"{when(node.replica_unreachable_since_ms)}; its coordinator keeps the node "
+                "out of every group (never master, never counted for acks or the quorum) "
+                "until the replica answers again"
+            )
         elif node.fault_reason:
             lines.append(f"{node.node_id}: its replica reports a fault: {node.fault_reason}")
         if node.transfer_target:
@@ -53,8 +79,9 @@ def facts(status: squall.ClusterStatus) -> list[NodeFacts]:
         NodeFacts(
             node_id=n.node_id,
             priority=n.priority,
-            up=n.reachable and not n.error,
+            up=n.reachable and not n.error and not n.replica_unreachable_since_ms,
             quarantined=n.quarantine is not None,
+            replica_unreachable=bool(n.replica_unreachable_since_ms),
             last_epoch=n.last_epoch,
             last_lsn=n.last_lsn,
             max_seen=n.max_seen,
@@ -124,7 +151,7 @@ def member_rows(status: squall.ClusterStatus) -> list[list[str]]:
         if not n.reachable:
             rows.append([n.node_id, "-", "unreachable", "-", "-", "-", "-", "-", "-"])
             continue
-        state = "QUARANTINED" if n.quarantine is not None else n.state
+        state = state_of(n)
         rows.append(
             [
                 n.node_id,
