@@ -32,17 +32,20 @@ def state_of(node: squall.NodeStatus) -> str:
         return "QUARANTINED"
     if node.replica_unreachable_since_ms:
         return "REPLICA UNREACHABLE"
+    if not node.coordinator_id:
+        return "COORDINATOR UNREACHABLE"
     return node.state
 
 
 def reason_of(node: squall.NodeStatus) -> str:
     """The reason column: why the node's state last changed; what failed to answer."""
-    reason = node.last_change_reason or "-"
+    parts = []
     if node.replica_unreachable_since_ms:
-        reason = f"replica unreachable since {when(node.replica_unreachable_since_ms)}: {reason}"
-    elif not node.reachable and node.error:
-        reason = f"{node.error}; {reason}"
-    return reason
+        parts.append(f"replica unreachable since {when(node.replica_unreachable_since_ms)}")
+    if node.error:
+        parts.append(node.error)
+    parts.append(node.last_change_reason or "-")
+    return "; ".join(parts)
 
 
 def notes(status: squall.ClusterStatus) -> list[str]:
