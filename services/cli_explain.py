@@ -151,19 +151,20 @@ def member_rows(status: squall.ClusterStatus) -> list[list[str]]:
     """The members' table for --explain: epoch, log position, priority, state."""
     rows = [["id", "prio", "state", "role", "epoch", "log (epoch/lsn)", "commit", "max", "coord"]]
     for n in status.nodes:
-        if not n.reachable:
+        if not n.reachable and not n.coordinator_id:
             rows.append([n.node_id, "-", "unreachable", "-", "-", "-", "-", "-", "-"])
             continue
-        state = state_of(n)
+        # The replica's columns only when it answered (its coordinator may answer alone).
+        replica = n.reachable
         rows.append(
             [
                 n.node_id,
                 str(n.priority),
-                state,
-                n.role,
+                state_of(n),
+                n.role if replica else "-",
                 str(n.epoch),
-                f"{n.last_epoch}/{n.last_lsn}",
-                str(n.commit_lsn),
+                f"{n.last_epoch}/{n.last_lsn}" if replica else "-",
+                str(n.commit_lsn) if replica else "-",
                 str(n.max_seen),
                 n.coordinator_id or "-",
             ]
