@@ -363,6 +363,9 @@ class CoordinatorNode:
     async def _role_loop(self) -> None:
         """Applies the newest role command to the replica, renewing it as a lease."""
         applied: RoleCommand | None = None
+        # The command whose failure was last logged: a replica that is down fails every
+        # renewal, and once per command says it (the election logs how long it is down).
+        warned: RoleCommand | None = None
         while True:
             command = self._role_wanted
             if command is None:
@@ -383,7 +386,8 @@ class CoordinatorNode:
                     self._recover(f"replica refused {command.kind.value}: {exc.details()}")
                     applied = None
                     continue
-                if command is not applied:
+                if command is not applied and command is not warned:
+                    warned = command
                     log.warning(
                         "coordinator %s: replica did not take %s (epoch=%d): %s: %s",
                         self.node.id,
