@@ -720,6 +720,8 @@ class Simulation:
                 self.drop_role(node, "role lease expired while the replica hung")
             self.note(f"{node} replica resumed")
         elif what == "coordinator-restart":
+            if self.healed_at is not None and node in self.down_for_liveness:
+                return  # kept down for the liveness phase, like a whole-node restart
             if self.elections[node] is None:
                 self.start_node(node)
         elif what == "coordinator-resume":
