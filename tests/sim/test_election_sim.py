@@ -1,5 +1,7 @@
-"""Deterministic simulation of the coordinator election: many seeds of faults, a checker after
-every step, then a liveness deadline; and the simulated failover time of the default timing.
+"""Deterministic simulation of the coordinator election: many seeds of faults (whole nodes and
+each process of a node alone), a checker after every step, then a liveness deadline; and the
+simulated failover time of the default timing per fault kind (one fate per node: the
+master's replica alone dying or hanging fails over as fast as its coordinator or the node).
 
 ``make sim SEEDS=N`` runs more seeds; a failure prints the seed and the replay command.
 """
