@@ -13,9 +13,9 @@ shows the rate of long operations without filling up with short ones.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import TextIO
+
+from services.common.clock import SYSTEM_CLOCK, Clock
 
 # Between two rewrites of the line on a terminal, and two lines in a log.
 TTY_INTERVAL_S = 0.25
@@ -47,7 +47,7 @@ class ProgressLine:
     def __init__(
         self,
         out: TextIO,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = SYSTEM_CLOCK,
         tty: bool | None = None,
     ) -> None:
         self._out = out
@@ -60,7 +60,7 @@ class ProgressLine:
         self._shown = False  # anything printed in this phase yet
 
     def __call__(self, phase: str, done: int, total: int) -> None:
-        now = self._clock()
+        now = self._clock.monotonic_ms() / 1000
         if phase != self._phase:
             self.finish()
             self._phase, self._started, self._last_print = phase, now, now

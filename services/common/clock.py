@@ -28,6 +28,15 @@ class Clock(Protocol):
         ...
 
 
+@runtime_checkable
+class PreciseClock(Protocol):
+    """A monotonic clock fine enough for sub-millisecond latencies (metrics only)."""
+
+    def monotonic_ns(self) -> int:
+        """Nanoseconds from an arbitrary start; never goes backwards."""
+        ...
+
+
 class SystemClock:
     """The operating system's clocks."""
 
@@ -38,6 +47,14 @@ class SystemClock:
     def wall_ms(self) -> int:
         """Milliseconds of time.time_ns()."""
         return time.time_ns() // 1_000_000
+
+    def monotonic_ns(self) -> int:
+        """time.perf_counter_ns(): the finest monotonic reading, for latencies."""
+        return time.perf_counter_ns()
+
+
+# The operating system's clocks, for code with no clock of its own to inject (a default).
+SYSTEM_CLOCK = SystemClock()
 
 
 class ManualClock:
@@ -57,6 +74,10 @@ class ManualClock:
     def monotonic_ms(self) -> int:
         """The current manual monotonic time."""
         return self._monotonic_ms
+
+    def monotonic_ns(self) -> int:
+        """The current manual monotonic time in nanoseconds."""
+        return self._monotonic_ms * 1_000_000
 
     def wall_ms(self) -> int:
         """The current manual wall time."""

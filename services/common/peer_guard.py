@@ -14,13 +14,13 @@ The pure election and replication cores never see a refused message.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from services.common.clock import SYSTEM_CLOCK, Clock
 from services.common.config import ClusterConfig
 from services.common.peer_identity import peer_identities
 from services.common.tls import ADMIN_ID
@@ -92,8 +92,12 @@ class Refused(Exception):
 class PeerGuard(_ServerInterceptor):
     """Checks the internal calls of one node's server (coordinator or replica)."""
 
-    def __init__(self, config: ClusterConfig, own_id: str, service: str) -> None:
+    def __init__(
+        self, config: ClusterConfig, own_id: str, service: str, clock: Clock = SYSTEM_CLOCK
+    ) -> None:
+        """clock: paces the refusal log (at most one line per interval per caller)."""
         self._own_id = own_id
+        self._clock = clock
         self._service = service
         self._nodes = frozenset(node.id for node in config.nodes)
         self._gateways = frozenset(gateway.id for gateway in config.gateways)
@@ -142,7 +146,7 @@ class PeerGuard(_ServerInterceptor):
     def _note(self, method: str, names: frozenset[str], refused: Refused) -> None:
         """Logs a refusal, at most once per interval per caller and method."""
         key = (method, ",".join(sorted(names)))
-        now = time.monotonic()
+        now = self._clock.monotonic_ms() / 1000
         if now - self._logged.get(key, -_LOG_INTERVAL_S) < _LOG_INTERVAL_S:
             return
         if len(self._logged) >= _LOGGED_MAX:

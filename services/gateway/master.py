@@ -122,7 +122,7 @@ def _names_master(view: coordinator_pb2.GroupView, master_id: str | None = None)
     return master_id is None or view.master.node_id == master_id
 
 
-def _reconnect_options(backoff_initial_ms: int, backoff_max_ms: int) -> list[tuple[str, int]]:
+def reconnect_options(backoff_initial_ms: int, backoff_max_ms: int) -> list[tuple[str, int]]:
     """Channel reconnect pacing: a restarted node is reached again within backoff_max_ms."""
     return [
         ("grpc.initial_reconnect_backoff_ms", backoff_initial_ms),
@@ -151,7 +151,7 @@ class MasterTracker:
         self._backoff_max_s = retry.retry_backoff_max_ms / 1000
         options = [
             *channel_options(config.limits.max_message_bytes),
-            *_reconnect_options(retry.retry_backoff_initial_ms, retry.retry_backoff_max_ms),
+            *reconnect_options(retry.retry_backoff_initial_ms, retry.retry_backoff_max_ms),
         ]
         # Every link presents this gateway's certificate when [tls] is on.
         self.transport = transport(config, gateway_id)
@@ -207,20 +207,20 @@ class MasterTracker:
 
     async def wait_master(self, timeout_s: float) -> Master | None:
         """The master, waiting up to timeout_s for the views to name one (None if none)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + max(timeout_s, 0.0)
-        while True:
-            if not self._views.heard and self._probed is None:
-                await self._probe_once()
-            master = self.master
-            remaining_s = deadline - loop.time()
-            if master is not None or remaining_s <= 0:
-                return master
-            changed = self._changed
-            try:
-                await asyncio.wait_for(changed.wait(), remaining_s)
-            except TimeoutError:
-                return self.master
+        # The first probe runs even with no time to wait; the event loop keeps the
+        # deadline of the rest (no clock is read here).
+        if not self._views.heard and self._probed is None:
+            await self._probe_once()
+        try:
+            async with asyncio.timeout(max(timeout_s, 0.0)):
+                # Bounded by the timeout: each pass waits for the views to change.
+                while self.master is None:
+                    await self._changed.wait()
+                    if not self._views.heard and self._probed is None:
+                        await self._probe_once()
+        except TimeoutError:
+            pass
+        return self.master
 
     async def channel(self, timeout_s: float = 0.0) -> grpc.aio.Channel:
         """The master's channel, waiting up to timeout_s for one; NoMasterError if none."""

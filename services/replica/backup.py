@@ -23,10 +23,10 @@ import os
 import shutil
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from services.common.clock import SYSTEM_CLOCK, Clock
 from services.replica.kv import KVError
 from services.replica.store import DATABASES, Store, StoreError, StoreMeta
 from services.replica.store_lmdb import LmdbKV
@@ -177,7 +177,12 @@ def _watch_size(path: Path, total: int, progress: Progress) -> Iterator[None]:
         progress("copy", size, size)
 
 
-def backup(data_dir: Path, dest: Path, progress: Progress = no_progress) -> BackupInfo:
+def backup(
+    data_dir: Path,
+    dest: Path,
+    progress: Progress = no_progress,
+    clock: Clock = SYSTEM_CLOCK,
+) -> BackupInfo:
     """Copies the (possibly live) store in data_dir into dest, verified, with a manifest.
 
     dest must be missing or empty; on any failure it is left as it was.
@@ -206,7 +211,7 @@ def backup(data_dir: Path, dest: Path, progress: Progress = no_progress) -> Back
         info = BackupInfo(
             source=str(data_dir),
             host=socket.gethostname(),
-            created_unix_s=round(time.time(), 3),
+            created_unix_s=round(clock.wall_ms() / 1000, 3),
             cluster_id=meta.cluster_id,
             store_state=_state_name(meta.state),
             epoch=meta.epoch,

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import lmdb
 
+from services.common.clock import SYSTEM_CLOCK, PreciseClock
+
 log = logging.getLogger("squall.replica")
 
 ENV_VAR = "SQUALL_FAULT_CONTROL"
@@ -59,15 +61,16 @@ def parse(text: str) -> Control:
 class FaultControl:
     """Reads the control file, at most every POLL_S seconds, from any thread."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, clock: PreciseClock = SYSTEM_CLOCK) -> None:
         self._path = path
+        self._clock = clock
         self._lock = threading.Lock()
         self._checked = float("-inf")
         self._control = Control()
 
     def current(self) -> Control:
         with self._lock:
-            now = time.monotonic()
+            now = self._clock.monotonic_ns() / 1e9
             if now - self._checked >= POLL_S:
                 self._checked = now
                 self._control = self._read()

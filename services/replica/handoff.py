@@ -10,7 +10,6 @@ did not), so a coordinator that dies mid-transfer cannot leave the master refusi
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.common.errors import Code, ServiceError
@@ -24,23 +23,6 @@ if TYPE_CHECKING:
 _POLL_S = 0.005
 # The longest fence a request may ask for.
 FENCE_MS_MAX = 60_000
-
-
-@dataclass
-class WriteFence:
-    """New writes refused until ``until_ms`` (monotonic) while the role stays as it was."""
-
-    until_ms: int = 0
-    target: str = ""
-    epoch: int = 0
-
-    def holds(self, now_ms: int, epoch: int) -> bool:
-        """Is the fence up for this epoch's writes now?"""
-        return self.until_ms > now_ms and self.epoch == epoch
-
-    def clear(self) -> None:
-        """Lift the fence."""
-        self.until_ms, self.target, self.epoch = 0, "", 0
 
 
 def _held_lsn(node: ReplicaNode, target: str) -> int | None:
@@ -60,8 +42,7 @@ async def prepare(
     clock = node.clock
     started = clock.monotonic_ms()
     if request.cancel:
-        if node.fence.epoch == request.epoch:
-            node.fence.clear()
+        node.core.lift_fence(request.epoch)
         return _response(node, request.target_node_id, started)
     who = f"replica {node.node.id}"
     if node.role != common_pb2.ROLE_MASTER or node.epoch != request.epoch:
@@ -82,7 +63,9 @@ async def prepare(
             Code.INVALID_ARGUMENT, f"timeout_ms must be 1..{FENCE_MS_MAX}, got {request.timeout_ms}"
         )
     deadline = started + request.timeout_ms
-    node.fence.until_ms, node.fence.target, node.fence.epoch = deadline, target, request.epoch
+    refusal = node.core.fence_writes(target, request.epoch, deadline)  # the rule: core.py
+    if refusal is not None:
+        raise refusal.error()
     # Bounded by the deadline: each pass waits at most _POLL_S (or until a commit).
     while True:
         if node.role != common_pb2.ROLE_MASTER or node.epoch != request.epoch:

@@ -34,7 +34,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +48,7 @@ from services.common.grpc_server import channel_options
 from services.common.telemetry import Telemetry, current
 from services.common.tls import transport
 from services.replica.commands import Planned
+from services.replica.core import EPOCH_KEY
 from services.replica.replication import (
     Actions,
     RejectCode,
@@ -69,8 +69,6 @@ log = logging.getLogger("squall.replica")
 
 _Call = grpc.aio.StreamStreamCall[replica_pb2.ReplicateRequest, replica_pb2.ReplicateResponse]
 
-# Trailing metadata key on a slave's refusal: the slave's epoch, so a stale master steps down.
-EPOCH_KEY = "squall-epoch"
 # Reconnect backoff to a slave: fast at first (failover time depends on it), bounded.
 _BACKOFF_MIN_S = 0.05
 _BACKOFF_MAX_S = 1.0
@@ -422,7 +420,7 @@ class MasterDriver:
         node_id = link.node.id
         bytes_max = snapshot_chunk_bytes_max(self.config.limits.max_message_bytes)
         chunks: Generator[replica_pb2.SnapshotChunk, None, None] | None = None
-        started_s = time.monotonic()
+        started_ms = self._clock.monotonic_ms()
         sent_bytes = 0
         try:
             async with self._commit_lock:
@@ -450,7 +448,7 @@ class MasterDriver:
                 link.outbox.put_nowait(replica_pb2.ReplicateRequest(snapshot=chunk))
                 await link.outbox.join()  # the stream took it: one chunk in memory at a time
                 if chunk.last:
-                    elapsed_s = max(time.monotonic() - started_s, 1e-9)
+                    elapsed_s = max(self._clock.monotonic_ms() - started_ms, 1) / 1000
                     log.info(
                         "replica %s (master, epoch %d): snapshot at LSN %d sent to %s: "
                         "%d chunks, %.1f MB in %.2f s (%.1f MB/s)",

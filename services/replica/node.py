@@ -1,4 +1,10 @@
-"""The replica node: its role and epoch, the group-commit writer, and committed reads.
+"""The replica node: the driver of the replica's cores, the group-commit writer, and
+committed reads.
+
+Roles: every role rule (role, epoch floor, lease, taking and dropping roles, the shutdown
+freeze, the hand-off fence, which writes are refused) is decided by the pure
+``ReplicaCore`` (``core``); this node feeds it role commands, ticks and what it saw, and
+carries out the ``Effects`` it returns in their documented order (``apply_effects``).
 
 All writes go through one writer task. It drains every command waiting (up to a bounded
 batch), plans them with a `BatchBuilder`, appends the whole batch to the store in one
@@ -37,7 +43,6 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
-import time
 import uuid
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterable, Sequence
@@ -55,6 +60,19 @@ from services.replica import commands, telemetry
 from services.replica.commands import BatchBuilder, Command, Planned
 from services.replica.committed import gate_from_store
 from services.replica.committed import track as _track
+from services.replica.core import (
+    EPOCH_KEY,
+    CoreConfig,
+    Effects,
+    Follow,
+    ReplicaCore,
+    Role,
+    RoleOrder,
+    RoleRefusal,
+    StoreFacts,
+    TakeMaster,
+    WriteFence,
+)
 from services.replica.divergence import HistoryError, fork_lsn
 from services.replica.faults import (
     REASON_CHARS_MAX,
@@ -64,9 +82,7 @@ from services.replica.faults import (
     save_fault,
 )
 from services.replica.follower import Follower, FollowerConfig, FollowerError, Refusal
-from services.replica.handoff import WriteFence
 from services.replica.master_driver import (
-    EPOCH_KEY,
     SNAPSHOT_CHUNKS_MAX,
     SNAPSHOT_RECORDS_MAX,
     MasterDriver,
@@ -102,8 +118,6 @@ from squall.v1 import broker_pb2, common_pb2, replica_pb2, replica_pb2_grpc
 
 log = logging.getLogger("squall.replica")
 
-# The master answers with this metadata key when a write reaches a non-master.
-MASTER_ADDRESS_KEY = "squall-master-address"
 # Request metadata from a publisher proxy: the replica addresses it just failed to reach,
 # comma-separated, so this replica does not redirect it back to a dead master.
 UNREACHABLE_KEY = "squall-unreachable"
@@ -116,6 +130,9 @@ _COMPACT_STEP_MAX = 10_000
 # time publishing pays twice per event (master and slave). Flushes and large batches go to
 # the store thread so the loop never waits on the disk or on a long copy.
 _INLINE_APPEND_BYTES_MAX = 64 * 1024
+# How often the lease watch asks the core whether the role lease ran out: a small part of
+# the shortest lease a coordinator gives (its member timeout).
+_LEASE_CHECK_S = 0.05
 
 
 @dataclass
@@ -152,14 +169,17 @@ class ReplicaNode:
         self._instruments = (
             telemetry.instruments(self.telemetry) if self.telemetry.metering else None
         )
-        self._role: common_pb2.Role.ValueType = common_pb2.ROLE_INACTIVE
-        self.epoch = store.meta().epoch
-        self.master: NodeConfig | None = None
-        self.failed_reason = ""
+        # The role rules (role, epoch and its floor, lease, shutdown freeze, hand-off fence,
+        # the write gate) live in the pure core; this driver carries out its effects.
+        self.core = ReplicaCore(
+            CoreConfig(node.id, {n.id: n.replica_address for n in config.nodes}),
+            stored_epoch=store.meta().epoch,
+        )
+        self._nodes = {n.id: n for n in config.nodes}
+        self._counted_role = Role.INACTIVE  # the role the role-change metric last saw
         # A fault that makes this node unfit to serve; reported to the coordinator, which
-        # quarantines the node (faults.py). A leadership transfer's write fence (handoff.py).
+        # quarantines the node (faults.py).
         self.fault: Fault | None = load_fault(node.data_dir)
-        self.fence = WriteFence()
         self.transient = TransientTopics(config.limits.subscribe_batch_max_events * 10)
         self.push = PushDelivery(self)  # runs while master, from the epoch start's commit
         self._queue: deque[_Pending] = deque()
@@ -187,49 +207,67 @@ class ReplicaNode:
         self.gate = CommitGate(self._last_lsn if recorded is None else recorded)
         self._commit_recorded = self.gate.commit_lsn
         self._commit_recording: asyncio.Task[None] | None = None
-        # A master role being taken in the background (its reorganization sync), and the
-        # attempt count of the latest sync per epoch.
+        # The task taking a master role in the background (its reorganization sync).
         self._taking: Taking | None = None
         self._stopping: asyncio.Task[None] | None = None  # an abandoned taking winding down
-        self._sync_attempts: tuple[int, int] = (0, 0)
         self._answer_wait_s = answer_wait_s(
             config.timeouts.heartbeat_interval_ms, config.timeouts.rpc_timeout_ms
         )
         # The master's replication for its epoch, and a slave's follower.
         self._driver: MasterDriver | None = None
-        self._deposed = ""
         self._follower: Follower | None = None
         # Each accepted replication stream gets a number; older streams are refused.
         self._stream_seq = 0
-        # The seq of the last role command applied, and when the role lapses unless renewed.
-        self.command_seq = 0
-        self._lease_until_ms = 0
-        # A role is taken afresh only in an epoch above every epoch this store has held a
-        # role in: a replica that restarted or dropped its role must not resume an epoch
-        # whose group may have moved on without it.
-        self._role_epoch_floor = store.meta().epoch
-        # Store lifecycle (docs/operations.md): whether this process has held a role (its
-        # store is then part of the running cluster), the cluster shutdown it is frozen
-        # for (no new role, no new write), the one it finished (it takes nothing any
-        # more), and how the process is stopped once finished.
-        self.joined = False
-        self.frozen_for = ""
-        self.shutdown_finished = ""
+        # How the process is stopped once a cluster shutdown finished (shutdown.py).
         self.on_shutdown: Callable[[], None] | None = None
 
-    # --- lifecycle and roles
+    # --- the core's state, as the servicers and the coordinator's reports read it
 
     @property
     def role(self) -> common_pb2.Role.ValueType:
         """The role this replica holds."""
-        return self._role
+        return common_pb2.Role.ValueType(int(self.core.role))
 
-    @role.setter
-    def role(self, role: common_pb2.Role.ValueType) -> None:
-        if role != self._role and self._instruments is not None:
-            name = telemetry.ROLE_NAMES.get(role, str(role))
-            self._instruments.role_changes.add(1, {"node": self.node.id, "role": name})
-        self._role = role
+    @property
+    def epoch(self) -> int:
+        """The epoch this replica is in (holds, or is taking, a role of)."""
+        return self.core.epoch
+
+    @property
+    def master(self) -> NodeConfig | None:
+        """The master of this replica's epoch while it holds a role, else None."""
+        return self._nodes.get(self.core.master_id)
+
+    @property
+    def failed_reason(self) -> str:
+        """Why this replica fail-stopped (empty: it did not)."""
+        return self.core.failed_reason
+
+    @property
+    def fence(self) -> WriteFence:
+        """A leadership transfer's write fence (handoff.py)."""
+        return self.core.fence
+
+    @property
+    def command_seq(self) -> int:
+        """The seq of the last role command applied."""
+        return self.core.command_seq
+
+    @property
+    def joined(self) -> bool:
+        """Whether this process has held a role (its store is part of the running
+        cluster, docs/operations.md "Store lifecycle")."""
+        return self.core.joined
+
+    @property
+    def frozen_for(self) -> str:
+        """The cluster shutdown this replica is frozen for (no new role, no new write)."""
+        return self.core.frozen_for
+
+    @property
+    def shutdown_finished(self) -> str:
+        """The cluster shutdown this replica finished (it takes nothing any more)."""
+        return self.core.shutdown_finished
 
     async def start(self) -> None:
         """Starts the writer and the lease watch; the role comes from the coordinator."""
@@ -300,24 +338,20 @@ class ReplicaNode:
         sync_source_id: str = "",
         progress: SyncProgress | None = None,
     ) -> None:
-        """Takes the master role in `epoch`: persists the epoch, brings the log to the sync
-        source's, starts replication to the members, then writes the epoch start.
+        """Takes the master role in `epoch` (the core's ``TakeMaster``, run by the task
+        ``_start_taking`` made): persists the epoch, brings the log to the sync source's,
+        starts replication to the members, then writes the epoch start.
 
         progress: where the reorganization sync reports how far it got (``reorg``)."""
         meta = self.store.meta()
-        if self.role == common_pb2.ROLE_MASTER and epoch == self.epoch:
-            return  # a renewal of the role it holds
         if epoch < meta.epoch:
             raise ServiceError(
                 Code.FAILED_PRECONDITION,
                 f"epoch {epoch} is older than this replica's epoch {meta.epoch}",
             )
         member_nodes = self._member_nodes(members)
-        if self.role != common_pb2.ROLE_INACTIVE:
-            await self.deactivate(f"taking the master role in epoch {epoch}")
         self.store.set_epoch(epoch)
         self._mark_dirty()  # before the fetch below changes the store
-        self.epoch = epoch
         self.transient.new_epoch(epoch)
         if sync_source_id and sync_source_id != self.node.id:
             await self._sync_from(
@@ -333,8 +367,7 @@ class ReplicaNode:
             meta = self.store.meta()
         self._last_lsn = meta.last_lsn
         core = self._new_core(epoch, [n.id for n in member_nodes], meta)
-        self._deposed = ""
-        self._driver = MasterDriver(
+        driver = MasterDriver(
             self.config,
             self.node,
             core,
@@ -350,12 +383,10 @@ class ReplicaNode:
             stamp_snapshot=self._stamp_snapshot,
             observability=self.telemetry,
         )
-        self.role = common_pb2.ROLE_MASTER
-        self.master = self.node
-        self.joined = True
-        self._driver.start()
         # The role may be taken long after its SetRole call (a reorganization sync).
-        self._notify_role_changed()
+        self._role_effects(self.core.master_taken(epoch))  # refused if abandoned meanwhile
+        self._driver = driver
+        driver.start()
         loop = asyncio.get_running_loop()
         appended: asyncio.Future[None] = loop.create_future()
         started = self._submit(
@@ -656,48 +687,17 @@ class ReplicaNode:
     # --- writes
 
     def check_writable(self) -> None:
-        if self.frozen_for:
-            raise ServiceError(
-                Code.UNAVAILABLE,
-                f"replica {self.node.id} is stopping for cluster shutdown {self.frozen_for}: "
-                "writes are refused",
-            )
-        if self.failed_reason:
-            raise ServiceError(
-                Code.UNAVAILABLE,
-                f"replica {self.node.id} stopped serving writes: {self.failed_reason}",
-            )
-        if self.role == common_pb2.ROLE_MASTER:
-            if self.fence.holds(self.clock.monotonic_ms(), self.epoch):
-                raise ServiceError(
-                    Code.UNAVAILABLE,
-                    f"replica {self.node.id} (master, epoch {self.epoch}) is handing the "
-                    f"leadership to {self.fence.target}; the write was not stored, retry",
-                )
-            return
-        if self.role == common_pb2.ROLE_SLAVE and self.master is not None:
-            raise ServiceError(
-                Code.UNAVAILABLE,
-                f"replica {self.node.id} is a slave; the master is {self.master.id} "
-                f"at {self.master.replica_address}",
-                metadata=((MASTER_ADDRESS_KEY, self.master.replica_address),),
-            )
-        if self._deposed:
-            raise ServiceError(
-                Code.UNAVAILABLE,
-                f"replica {self.node.id} was deposed as master of epoch {self.epoch}: "
-                f"{self._deposed}",
-            )
+        """Refuses a write this replica may not accept now (the core's write gate)."""
+        refusal = self.core.write_refusal(self.clock.monotonic_ms(), self._taking_progress)
+        if refusal is not None:
+            raise refusal.error()
+
+    def _taking_progress(self) -> str:
+        """How far the master role being taken got, for a refusal."""
         taking = self._taking
-        if taking is not None and not taking.task.done():
-            raise ServiceError(
-                Code.UNAVAILABLE,
-                f"replica {self.node.id} is not master yet: "
-                f"{taking.progress.describe(self.clock.monotonic_ms())}",
-            )
-        raise ServiceError(
-            Code.UNAVAILABLE, f"replica {self.node.id} has no role yet (no master elected)"
-        )
+        if taking is None:
+            return f"about to take the master role of epoch {self.epoch}"
+        return taking.progress.describe(self.clock.monotonic_ms())
 
     def _submit(
         self,
@@ -765,10 +765,9 @@ class ReplicaNode:
             return
         await asyncio.wait({taking.task}, timeout=self._answer_wait_s)
         if taking.task.done() and self._taking is taking:
+            self._observe_taking()
             self._taking = None
-            error = outcome(taking.task)
-            if error is not None:
-                raise error
+            self._role_effects(self.core.taking_answer(taking.epoch))
 
     def reorganization_progress(self) -> replica_pb2.ReorganizationProgress | None:
         """How far the master role being taken got (None when none is being taken)."""
@@ -778,134 +777,115 @@ class ReplicaNode:
         return taking.progress.to_proto(self.clock.monotonic_ms())
 
     async def _apply_role(self, command: replica_pb2.RoleCommand) -> Taking | None:
-        """Applies a role command; returns the task taking a master role, if any."""
+        """Applies a role command as the core decides; returns the task taking a master
+        role, if any."""
         await self._wait_stopped()
-        role = command.role
-        if role not in (common_pb2.ROLE_MASTER, common_pb2.ROLE_SLAVE, common_pb2.ROLE_INACTIVE):
-            raise ServiceError(Code.INVALID_ARGUMENT, f"unknown role {role}")
-        stored_epoch = self.store.meta().epoch
-        if role != common_pb2.ROLE_INACTIVE and command.epoch < stored_epoch:
-            raise ServiceError(
-                Code.FAILED_PRECONDITION,
-                f"role command for epoch {command.epoch} is older than replica "
-                f"{self.node.id}'s epoch {stored_epoch}",
-                metadata=((EPOCH_KEY, str(stored_epoch)),),
-            )
-        master: NodeConfig | None = None
-        if role == common_pb2.ROLE_SLAVE:
-            master = next((n for n in self.config.nodes if n.id == command.master.node_id), None)
-            if master is None or master.id == self.node.id:
-                raise ServiceError(
-                    Code.INVALID_ARGUMENT, f"unknown master node id '{command.master.node_id}'"
-                )
-        taking = self._taking
-        if taking is not None:
-            if taking.matches(role, command.epoch, command.sync_source_id, common_pb2.ROLE_MASTER):
-                self.command_seq = command.seq
-                taking.lease_ms = command.lease_ms
-                if not taking.task.done():
-                    return taking  # the same command repeated: join it
-                self._taking = None
-                error = outcome(taking.task)
-                if error is not None:
-                    raise error
-                # Taken: renewed below like any role held.
-            else:
-                await self._cancel_taking(
-                    f"role command {common_pb2.Role.Name(role)} for epoch {command.epoch}"
-                )
-        renewal = role == self.role and (
-            role == common_pb2.ROLE_INACTIVE or command.epoch == self.epoch
+        self._observe_taking()
+        meta = self.store.meta()
+        order = RoleOrder(
+            role=command.role,
+            epoch=command.epoch,
+            master_id=command.master.node_id,
+            members=tuple(m.node_id for m in command.members),
+            sync_source_id=command.sync_source_id,
+            reason=command.reason,
+            seq=command.seq,
+            lease_ms=command.lease_ms,
+            cluster_id=command.cluster_id,
         )
-        if (
-            not renewal
-            and role != common_pb2.ROLE_INACTIVE
-            and command.epoch <= self._role_epoch_floor
-        ):
-            deposed = f": {self._deposed}" if self._deposed else ""
-            raise ServiceError(
-                Code.FAILED_PRECONDITION,
-                f"replica {self.node.id} does not hold a role in epoch {command.epoch} (it "
-                f"restarted, dropped it or was deposed{deposed}); it takes a new role only "
-                f"in an epoch above {self._role_epoch_floor}",
-            )
-        if self.failed_reason and role != common_pb2.ROLE_INACTIVE:
-            raise ServiceError(
-                Code.FAILED_PRECONDITION,
-                f"replica {self.node.id} fail-stopped ({self.failed_reason}); it takes no "
-                "role until it is restarted",
-            )
-        if not renewal and role != common_pb2.ROLE_INACTIVE:
-            self._check_new_role(command)
-        self.command_seq = command.seq
-        if renewal:
-            self._renew_lease(command.lease_ms)
-            if role == common_pb2.ROLE_MASTER and command.members:
-                self._renew_members([m.node_id for m in command.members])
-            return None
-        if role == common_pb2.ROLE_INACTIVE:
-            await self.deactivate(command.reason or "coordinator")
-            return None
-        if command.cluster_id and not self.store.meta().cluster_id:
+        effects = self.core.role_command(
+            order, self.clock.monotonic_ms(), StoreFacts(meta.epoch, meta.cluster_id)
+        )
+        taking = self._taking
+        if self.core.taking is None and taking is not None and taking.task.done():
+            self._taking = None  # its outcome answered this command
+        return await self.apply_effects(effects)
+
+    async def apply_effects(self, effects: Effects) -> Taking | None:
+        """Carries out what the core decided, in the order ``Effects`` documents; returns
+        the task taking (or already taking) a master role, if any."""
+        if effects.role_changed:
+            self._role_changed_now()
+        if effects.cancel_taking:
+            await self._cancel_taking(effects.cancel_taking)
+        if effects.refusal is not None:
+            raise effects.refusal.error()
+        if effects.drop_role:
+            await self._drop_role(effects.drop_role, was_active=effects.role_changed)
+        if effects.record_cluster_id:
             # The group's coordinator chose it (at the first formation): recorded before
             # the role, so this store can never be taken for another cluster's.
-            self.store.set_cluster_id(command.cluster_id)
+            self.store.set_cluster_id(effects.record_cluster_id)
             log.info(
                 "replica %s joined cluster %s (epoch=%d)",
                 self.node.id,
-                command.cluster_id,
-                command.epoch,
+                effects.record_cluster_id,
+                self.epoch,
             )
-        if role == common_pb2.ROLE_MASTER:
-            return self._start_taking(command)
-        if master is None:
-            raise ServiceError(Code.INVALID_ARGUMENT, "a slave role needs a master")
-        await self._become_slave(command.epoch, master, command.reason)
-        self.joined = True
-        self._renew_lease(command.lease_ms)
-        return None
-
-    def _start_taking(self, command: replica_pb2.RoleCommand) -> Taking:
-        """Starts taking the master role in the background (``reorg``)."""
-        epoch, attempts = self._sync_attempts
-        attempt = attempts + 1 if epoch == command.epoch else 1
-        self._sync_attempts = (command.epoch, attempt)
-        progress = SyncProgress(
-            command.epoch,
-            command.sync_source_id or self.node.id,
-            self.clock.monotonic_ms(),
-            attempt=attempt,
-        )
-        # The lease runs from when the role is taken (a renewal may only come then).
-        self._lease_until_ms = 0
-        task = asyncio.get_running_loop().create_task(
-            self._take_master(command, progress), name=f"take-master-{self.node.id}"
-        )
-        task.add_done_callback(self._taking_done)
-        taking = Taking(
-            epoch=command.epoch,
-            source_id=command.sync_source_id,
-            task=task,
-            progress=progress,
-            lease_ms=command.lease_ms,
-        )
-        self._taking = taking
+        taking: Taking | None = None
+        if effects.take_master is not None:
+            taking = self._start_taking(effects.take_master)
+        elif effects.follow is not None:
+            await self._become_slave(effects.follow)
+        elif effects.join_taking:
+            taking = self._taking
+        if effects.members is not None:
+            self._renew_members(list(effects.members))
+        for fault in effects.faults:
+            self.report_fault(fault)
         return taking
 
-    async def _take_master(self, command: replica_pb2.RoleCommand, progress: SyncProgress) -> None:
+    def _role_effects(self, effects: Effects) -> None:
+        """Carries out an answer of the core that needs no waiting (a role taken, lost or
+        fail-stopped); raises its refusal."""
+        if effects.role_changed:
+            self._role_changed_now()
+        if effects.refusal is not None:
+            raise effects.refusal.error()
+        for fault in effects.faults:
+            self.report_fault(fault)
+
+    def _role_changed_now(self) -> None:
+        """Counts a role change and wakes whoever waits for one."""
+        role = self.core.role
+        if role != self._counted_role and self._instruments is not None:
+            name = telemetry.ROLE_NAMES.get(self.role, role.name)
+            self._instruments.role_changes.add(1, {"node": self.node.id, "role": name})
+        self._counted_role = role
+        self._notify_role_changed()
+
+    def _start_taking(self, take: TakeMaster) -> Taking:
+        """Starts taking the master role in the background (``reorg``)."""
+        progress = SyncProgress(
+            take.epoch,
+            take.sync_source_id or self.node.id,
+            self.clock.monotonic_ms(),
+            attempt=take.attempt,
+        )
+        task = asyncio.get_running_loop().create_task(
+            self._take_master(take, progress), name=f"take-master-{self.node.id}"
+        )
+        taking = Taking(
+            epoch=take.epoch, source_id=take.sync_source_id, task=task, progress=progress
+        )
+        self._taking = taking
+        task.add_done_callback(functools.partial(self._taking_done, taking))
+        return taking
+
+    async def _take_master(self, take: TakeMaster, progress: SyncProgress) -> None:
         await self.become_master(
-            command.epoch,
-            reason=command.reason or "elected",
-            members=[m.node_id for m in command.members],
-            sync_source_id=command.sync_source_id,
+            take.epoch,
+            reason=take.reason,
+            members=take.members,
+            sync_source_id=take.sync_source_id,
             progress=progress,
         )
-        taking = self._taking
-        current = taking is not None and taking.task is asyncio.current_task()
-        self._renew_lease(taking.lease_ms if taking is not None and current else command.lease_ms)
 
-    def _taking_done(self, task: asyncio.Task[None]) -> None:
-        """Logs a failed attempt (the coordinator hears of it at its next SetRole)."""
+    def _taking_done(self, taking: Taking, task: asyncio.Task[None]) -> None:
+        """Tells the core the attempt ended (its lease starts, or the next SetRole hears of
+        the failure) and logs a failure."""
+        if self._taking is taking:
+            self._observe_taking()
         if task.cancelled():
             return
         error = task.exception()
@@ -916,15 +896,24 @@ class ReplicaNode:
                 error.message if isinstance(error, ServiceError) else repr(error),
             )
 
+    def _observe_taking(self) -> None:
+        """Reports a finished attempt to take the master role to the core (once: the core
+        ignores repeats)."""
+        taking = self._taking
+        if taking is None or not taking.task.done():
+            return
+        error = outcome(taking.task)
+        refusal = None if error is None else RoleRefusal(error.code, error.message, error.metadata)
+        self._role_effects(
+            self.core.taking_finished(taking.epoch, refusal, self.clock.monotonic_ms())
+        )
+
     async def _cancel_taking(self, why: str) -> None:
         """Stops taking a master role (a newer command, deactivation, shutdown) and waits
         until the task has stopped, so no two role changes run at once."""
         taking, self._taking = self._taking, None
-        if taking is None:
-            return
-        # As with a role dropped: this epoch's master role is not taken up again.
-        self._role_epoch_floor = max(self._role_epoch_floor, taking.epoch)
-        if taking.task.done():
+        if taking is None or taking.task.done() or taking.task is asyncio.current_task():
+            await self._wait_stopped()
             return
         log.info(
             "replica %s abandons taking the master role: %s; %s",
@@ -958,22 +947,6 @@ class ReplicaNode:
         self._commit_recorded = self.gate.commit_lsn
         self._notify_committed()
 
-    def _check_new_role(self, command: replica_pb2.RoleCommand) -> None:
-        """Refuses a new role during a cluster shutdown, or for another cluster's group."""
-        if self.shutdown_finished or self.frozen_for:
-            raise ServiceError(
-                Code.FAILED_PRECONDITION,
-                f"replica {self.node.id} takes no new role: it is stopping for cluster "
-                f"shutdown {self.shutdown_finished or self.frozen_for}",
-            )
-        stored = self.store.meta().cluster_id
-        if command.cluster_id and stored and command.cluster_id != stored:
-            raise ServiceError(
-                Code.FAILED_PRECONDITION,
-                f"replica {self.node.id}'s store belongs to cluster {stored}, but the group "
-                f"of epoch {command.epoch} is cluster {command.cluster_id[:64]!r}: refused",
-            )
-
     def _mark_dirty(self) -> None:
         """A store in use is DIRTY: a restart must not take it for a clean or empty one."""
         if self.store.meta().state != common_pb2.STORE_STATE_DIRTY:
@@ -992,9 +965,6 @@ class ReplicaNode:
         """Runs one store write on the store thread, serialized with every other write."""
         async with self._commit_lock:
             await asyncio.get_running_loop().run_in_executor(self._io, write)
-
-    def _renew_lease(self, lease_ms: int) -> None:
-        self._lease_until_ms = self.clock.monotonic_ms() + lease_ms if lease_ms else 0
 
     def _renew_members(self, member_ids: list[str]) -> None:
         """A master renewal naming fewer members: the group shrank within the epoch."""
@@ -1016,10 +986,10 @@ class ReplicaNode:
             ",".join(member_ids),
         )
 
-    async def _become_slave(self, epoch: int, master: NodeConfig, reason: str) -> None:
-        """Follows master in epoch: the master's replication stream is accepted from now."""
-        if self.role == common_pb2.ROLE_MASTER:
-            await self.deactivate(f"following {master.id} in epoch {epoch}")
+    async def _become_slave(self, follow: Follow) -> None:
+        """Follows the master in its epoch (the core's ``Follow``): the master's
+        replication stream is accepted from now."""
+        epoch, master = follow.epoch, self._nodes[follow.master_id]
         self.store.set_epoch(epoch)
         self._mark_dirty()
         async with self._commit_lock:  # no batch half-applied while the follower is made
@@ -1044,9 +1014,9 @@ class ReplicaNode:
                     Code.FAILED_PRECONDITION,
                     f"replica {self.node.id} cannot follow {master.id} in epoch {epoch}: {exc}",
                 ) from exc
-            self.epoch = epoch
-            self.role = common_pb2.ROLE_SLAVE
-            self.master = master
+            self._role_effects(
+                self.core.followed(epoch, master.id, follow.lease_ms, self.clock.monotonic_ms())
+            )
             self._follower = follower
             self._stream_seq += 1
             self._last_lsn = meta.last_lsn
@@ -1056,22 +1026,19 @@ class ReplicaNode:
             master.id,
             epoch,
             self._last_lsn,
-            reason,
+            follow.reason,
         )
 
     async def deactivate(self, reason: str) -> None:
-        """Stops serving writes and replication; returns once no write is in progress."""
-        taking = self._taking
-        if taking is None:
-            await self._wait_stopped()
-        elif taking.task is not asyncio.current_task():
-            await self._cancel_taking(f"deactivated: {reason}")
-        was = self.role
-        self._role_epoch_floor = max(self._role_epoch_floor, self.epoch)
-        self.role = common_pb2.ROLE_INACTIVE
-        self.fence.clear()
-        self.master = None
-        self._lease_until_ms = 0
+        """Drops the role: stops serving writes and replication; returns once no write is
+        in progress."""
+        await self.apply_effects(self.core.drop_role(reason))
+
+    async def _drop_role(self, reason: str, *, was_active: bool) -> None:
+        """The core dropped the role (``Effects.drop_role``): stops the follower, fails the
+        writes not begun, stops push delivery and the master's replication, and waits for
+        the batch being written."""
+        await self._wait_stopped()
         self._follower = None
         self._stream_seq += 1
         while self._queue:  # never started: definitely not stored
@@ -1089,7 +1056,7 @@ class ReplicaNode:
         driver, self._driver = self._driver, None
         if driver is not None:
             await driver.stop(f"replica {self.node.id} deactivated: {reason}")
-        if was != common_pb2.ROLE_INACTIVE:
+        if was_active:
             log.info(
                 "replica %s inactive: epoch=%d lsn=%d commit_lsn=%d reason=%s",
                 self.node.id,
@@ -1101,16 +1068,10 @@ class ReplicaNode:
 
     def _master_deposed(self, reason: str) -> None:
         """The replication core deposed this master: no more writes in this epoch."""
-        self._deposed = reason
-        self.fence.clear()
-        self._role_epoch_floor = max(self._role_epoch_floor, self.epoch)
         self.push.stop()
-        if self.role == common_pb2.ROLE_MASTER:
-            self.role = common_pb2.ROLE_INACTIVE
-            self.master = None
         self._driver = None
         self._wakeup.set()
-        self._notify_role_changed()
+        self._role_effects(self.core.deposed_by(reason))
 
     def _notify_role_changed(self) -> None:
         changed, self._role_changed = self._role_changed, asyncio.Event()
@@ -1125,22 +1086,19 @@ class ReplicaNode:
         or redirected to the new master) the moment the coordinator's next role command
         lands, so the publisher's gap is the election's.
         """
-        deadline = time.monotonic() + timeout_s
-        # Bounded: each pass waits for a role change or the deadline.
-        while not self.failed_reason and self.role != common_pb2.ROLE_MASTER:
-            master = self.master
-            if (
-                self.role == common_pb2.ROLE_SLAVE
-                and master is not None
-                and master.replica_address not in unreachable
-            ):
-                return
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            changed = self._role_changed
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), remaining)
+        # Bounded by the timeout: each pass waits for a role change (the event loop keeps
+        # the deadline, so no clock is read here).
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                while not self.failed_reason and self.role != common_pb2.ROLE_MASTER:
+                    master = self.master
+                    if (
+                        self.role == common_pb2.ROLE_SLAVE
+                        and master is not None
+                        and master.replica_address not in unreachable
+                    ):
+                        return
+                    await self._role_changed.wait()
 
     def _advance_commit(self, commit_lsn: int) -> None:
         """The commit LSN moved: committed reads may serve more; wake subscribers."""
@@ -1559,7 +1517,7 @@ class ReplicaNode:
         loop = asyncio.get_running_loop()
         bytes_max = snapshot_chunk_bytes_max(self.config.limits.max_message_bytes)
         chunks: Generator[replica_pb2.SnapshotChunk, None, None] | None = None
-        started_s = time.monotonic()
+        started_ms = self.clock.monotonic_ms()
         sent_bytes = 0
         try:
             async with self._commit_lock:  # no batch half-applied under the snapshot's LSN
@@ -1582,7 +1540,7 @@ class ReplicaNode:
                 sent_bytes += chunk.ByteSize()
                 yield chunk
                 if chunk.last:
-                    elapsed_s = max(time.monotonic() - started_s, 1e-9)
+                    elapsed_s = max(self.clock.monotonic_ms() - started_ms, 1) / 1000
                     log.info(
                         "replica %s: snapshot at LSN %d sent to %s: %d chunks, %.1f MB in %.2f s",
                         self.node.id,
@@ -1602,11 +1560,13 @@ class ReplicaNode:
                 await close_export(self._io, chunks)
 
     async def _watch_lease(self) -> None:
-        """Drops the role when the coordinator stops renewing it (e.g. it died)."""
+        """Ticks the core, which drops the role when the coordinator stops renewing it
+        (e.g. it died)."""
         while True:
-            await asyncio.sleep(0.05)
-            if self._lease_until_ms and self.clock.monotonic_ms() > self._lease_until_ms:
-                await self.deactivate("role lease expired: no word from the coordinator")
+            await asyncio.sleep(_LEASE_CHECK_S)
+            effects = self.core.tick(self.clock.monotonic_ms())
+            if effects.drop_role:
+                await self.apply_effects(effects)
 
     async def _write_loop(self) -> None:
         max_commands = self.config.limits.commit_batch_max_entries
@@ -1782,10 +1742,7 @@ class ReplicaNode:
             self.epoch,
             self._last_lsn,
         )
-        self.failed_reason = reason
-        self.role = common_pb2.ROLE_INACTIVE
-        self._notify_role_changed()
-        self.report_fault(f"fail-stop: {reason}")
+        self._role_effects(self.core.fail_stop(reason))
 
     def report_fault(self, reason: str) -> None:
         """Records a fault that makes this node unfit to serve; the coordinator reads it in

@@ -83,17 +83,13 @@ class SyncProgress:
 @dataclass
 class Taking:
     """A master role being taken in the background: the command's epoch and sync source,
-    the task, its progress, and the lease the latest repetition asked for."""
+    the task and its progress. Which command it carries out, and when a repetition joins
+    it, is the role core's to say (``core.ReplicaCore.taking``)."""
 
     epoch: int
     source_id: str
     task: asyncio.Task[None]
     progress: SyncProgress
-    lease_ms: int
-
-    def matches(self, role: int, epoch: int, source_id: str, master_role: int) -> bool:
-        """Whether a role command repeats the one this task carries out."""
-        return role == master_role and epoch == self.epoch and source_id == self.source_id
 
 
 def answer_wait_s(heartbeat_interval_ms: int, rpc_timeout_ms: int) -> float:

@@ -43,19 +43,9 @@ async def freeze(node: ReplicaNode, shutdown_id: str, operator: str) -> None:
     """No new role, no new write; returns once the writes queued before are done."""
     _check_id(shutdown_id)
     name = node.node.id
-    if node.shutdown_finished:
-        raise ServiceError(
-            Code.FAILED_PRECONDITION,
-            f"replica {name} already finished cluster shutdown {node.shutdown_finished}",
-        )
-    if node.frozen_for and node.frozen_for != shutdown_id:
-        raise ServiceError(
-            Code.FAILED_PRECONDITION,
-            f"replica {name} is frozen for cluster shutdown {node.frozen_for}, not "
-            f"{shutdown_id}; abort that one first",
-        )
-    if not node.frozen_for:
-        node.frozen_for = shutdown_id
+    was_frozen = bool(node.frozen_for)
+    await node.apply_effects(node.core.freeze(shutdown_id))  # the rules: core.py
+    if not was_frozen:
         log.warning(
             "replica %s frozen for cluster shutdown %s (asked by %s): no new writes or "
             "roles; role=%s epoch=%d lsn=%d commit_lsn=%d",
@@ -83,15 +73,8 @@ async def finish(
     the process to stop."""
     _check_id(shutdown_id)
     name = node.node.id
-    if node.frozen_for != shutdown_id:
-        held = node.frozen_for or "none"
-        raise ServiceError(
-            Code.FAILED_PRECONDITION,
-            f"replica {name} is not frozen for cluster shutdown {shutdown_id} (frozen for: "
-            f"{held}); nothing was changed",
-        )
-    node.shutdown_finished = shutdown_id
-    await node.deactivate(f"cluster shutdown {shutdown_id}")
+    # Refused unless frozen for this shutdown; else the role is dropped for good.
+    await node.apply_effects(node.core.finish(shutdown_id))
     meta = node.store.meta()
     problems: list[str] = []
     if node.failed_reason:
@@ -144,17 +127,9 @@ def abort(node: ReplicaNode, shutdown_id: str) -> None:
     """Undoes a freeze: writes and roles are accepted again."""
     _check_id(shutdown_id)
     name = node.node.id
-    if node.shutdown_finished:
-        raise ServiceError(
-            Code.FAILED_PRECONDITION,
-            f"replica {name} already finished cluster shutdown {node.shutdown_finished}",
-        )
-    if node.frozen_for not in (shutdown_id, ""):
-        raise ServiceError(
-            Code.FAILED_PRECONDITION,
-            f"replica {name} is frozen for cluster shutdown {node.frozen_for}, not "
-            f"{shutdown_id}",
-        )
-    if node.frozen_for:
-        node.frozen_for = ""
+    was_frozen = bool(node.frozen_for)
+    refusal = node.core.abort(shutdown_id).refusal  # the rules: core.py
+    if refusal is not None:
+        raise refusal.error()
+    if was_frozen:
         log.warning("replica %s: cluster shutdown %s aborted, serving again", name, shutdown_id)

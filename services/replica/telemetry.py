@@ -21,7 +21,6 @@ node's loop when an exporter collects.
 from __future__ import annotations
 
 import asyncio
-import time
 import weakref
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -30,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from opentelemetry import metrics, trace
 
+from services.common.clock import SYSTEM_CLOCK, PreciseClock
 from services.common.telemetry import Telemetry, on_loop
 from squall.v1 import broker_pb2, common_pb2
 
@@ -87,14 +87,18 @@ def sample(node: ReplicaNode) -> ReplicaSample:
 class _Source:
     """A registered node and its last reading."""
 
-    def __init__(self, node: ReplicaNode, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, node: ReplicaNode, loop: asyncio.AbstractEventLoop, clock: PreciseClock
+    ) -> None:
         self.node = weakref.ref(node)
         self.loop = loop
+        self.clock = clock
         self.reading: ReplicaSample | None = None
         self.read_at = 0.0
 
     def read(self) -> ReplicaSample | None:
-        now = time.monotonic()
+        # The metrics exporter's thread asks; samples age in real time, not the node's.
+        now = self.clock.monotonic_ns() / 1e9
         if self.reading is None or now - self.read_at > _SAMPLE_MAX_AGE_S:
             node = self.node()
             if node is None:
@@ -153,7 +157,7 @@ class ReplicaInstruments:
 
     def watch(self, node: ReplicaNode) -> None:
         """Reports node's state in the gauges (call on its loop)."""
-        self._sources[id(node)] = _Source(node, asyncio.get_running_loop())
+        self._sources[id(node)] = _Source(node, asyncio.get_running_loop(), SYSTEM_CLOCK)
 
     def unwatch(self, node: ReplicaNode) -> None:
         """Stops reporting node."""
@@ -200,8 +204,8 @@ def instruments(telemetry: Telemetry) -> ReplicaInstruments:
 class PublishWatch:
     """One publish request's spans and metrics (made only while telemetry is on)."""
 
-    __slots__ = ("_commit_span", "_events", "_instruments", "_node_id", "_span", "_started_s",
-                 "_tracer")  # fmt: skip
+    __slots__ = ("_clock", "_commit_span", "_events", "_instruments", "_node_id", "_span",
+                 "_started_ns", "_tracer")  # fmt: skip
 
     def __init__(
         self,
@@ -209,8 +213,11 @@ class PublishWatch:
         request: broker_pb2.PublishRequest,
         node_id: str,
         epoch: int,
+        clock: PreciseClock = SYSTEM_CLOCK,
     ) -> None:
-        self._started_s = time.perf_counter()
+        """clock: the publish's latency is read from it (sub-millisecond)."""
+        self._clock = clock
+        self._started_ns = clock.monotonic_ns()
         self._events = len(request.events)
         self._node_id = node_id
         self._instruments = instruments(telemetry) if telemetry.metering else None
@@ -253,7 +260,7 @@ class PublishWatch:
         if self._instruments is not None:
             attributes = {"node": self._node_id}
             self._instruments.commit_latency.record(
-                (time.perf_counter() - self._started_s) * 1000, attributes
+                (self._clock.monotonic_ns() - self._started_ns) / 1e6, attributes
             )
             self._instruments.events_in.add(self._events, attributes)
         if self._span is not None:

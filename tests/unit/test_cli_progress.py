@@ -9,20 +9,13 @@ from pathlib import Path
 import pytest
 
 from services.cli_progress import LOG_INTERVAL_S, ProgressLine
+from services.common.clock import ManualClock
 from services.replica import backup
 from tests.unit.test_store_backup import run, source
 
 __all__ = ["source"]  # the filled-store fixture, shared with test_store_backup.py
 
 MIB = 1 << 20
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_the_line_says_done_total_rate_and_eta() -> None:
@@ -35,16 +28,16 @@ def test_the_line_says_done_total_rate_and_eta() -> None:
 
 
 def test_a_log_gets_a_line_every_interval_and_the_end_of_a_long_phase_only() -> None:
-    out, clock = io.StringIO(), FakeClock()
+    out, clock = io.StringIO(), ManualClock(100_000)
     progress = ProgressLine(out, clock, tty=False)
     progress("verify", 0, 100)
     progress("verify", 100, 100)  # a short phase: nothing
     assert out.getvalue() == ""
     progress("restore", 0, 100 * MIB)
     for step in range(1, 5):
-        clock.now += LOG_INTERVAL_S / 2
+        clock.advance(int(LOG_INTERVAL_S * 1000) // 2)
         progress("restore", step * 20 * MIB, 100 * MIB)
-    clock.now += 1
+    clock.advance(1000)
     progress("restore", 100 * MIB, 100 * MIB)
     progress.finish()
     assert out.getvalue().splitlines() == [
@@ -55,15 +48,15 @@ def test_a_log_gets_a_line_every_interval_and_the_end_of_a_long_phase_only() -> 
 
 
 def test_a_terminal_gets_one_line_rewritten_in_place_per_phase() -> None:
-    out, clock = io.StringIO(), FakeClock()
+    out, clock = io.StringIO(), ManualClock(100_000)
     progress = ProgressLine(out, clock, tty=True)
     progress("copy", 0, 4 * MIB)
-    clock.now += 1
+    clock.advance(1000)
     progress("copy", 2 * MIB, 4 * MIB)
-    clock.now += 1
+    clock.advance(1000)
     progress("copy", 4 * MIB, 4 * MIB)
     progress("verify", 0, 10)
-    clock.now += 1
+    clock.advance(1000)
     progress("verify", 10, 10)
     progress.finish()
     assert out.getvalue() == (

@@ -528,6 +528,18 @@ def test_member_timeout_must_outlast_heartbeats() -> None:
     assert message.endswith("got 400")
 
 
+def test_replica_timeout_must_outlast_two_heartbeats() -> None:
+    assert parse(VALID).timeouts.replica_timeout_ms == 300
+    message = error_of(VALID + "[timeouts]\nreplica_timeout_ms = 150\n")
+    assert message == (
+        "timeouts.replica_timeout_ms: must be at least twice timeouts.heartbeat_interval_ms "
+        "(100), so one slow role renewal does not take the node out of its group, got 150"
+    )
+    assert error_of(VALID + "[timeouts]\nreplica_timeout_ms = 0\n") == (
+        "timeouts.replica_timeout_ms: must be from 10 to 600000, got 0"
+    )
+
+
 def test_push_backoff_must_start_below_its_cap() -> None:
     message = error_of(VALID + "[timeouts]\npush_retry_backoff_initial_ms = 9000\n")
     assert message == (

@@ -32,14 +32,17 @@ Commands:
                                the replica twin is always caught up, as the driver ensures
     quarantine 2 on|off        operator: quarantine node 2, or clear it (by=who reason=why)
     fault 2 id=f1              node 2's replica reports a fault (reason=why)
+    replica 2 kill|pause       node 2's replica process alone dies (its role and joined flag
+                               are lost) or hangs; its coordinator stays up, and its driver
+                               reports the replica silent from now on
+    replica 2 restart|resume   the replica answers again (the driver reports it); the role
+                               commands it missed are applied from then on
     audit 1                    node 1's audit trail
     status [1 2 ...]           each node's status line
 """
 
 from __future__ import annotations
 
-import difflib
-import os
 import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -58,6 +61,7 @@ from services.coordinator.messages import (
     GroupReadyAck,
     Invitation,
     LeadershipTransfer,
+    Leave,
     LogLevel,
     MemberReport,
     NodeState,
@@ -72,9 +76,9 @@ from services.coordinator.messages import (
     format_message,
     format_role_command,
 )
+from tests.unit.transcripts import check_or_rewrite, parse_transcript, render
 
 SCENARIOS = Path(__file__).parent / "scenarios"
-REWRITE = os.environ.get("SQUALL_REWRITE") == "1"
 # Deliveries per `run` or `deliver` before the harness calls it a message storm.
 STEPS_MAX = 100_000
 
@@ -94,6 +98,8 @@ class Store:
     state: StoreState = StoreState.EMPTY
     shutdown_id: str = ""
     joined: bool = False
+    # The replica process alone is dead or hung: it applies no role command, reports nothing.
+    down: bool = False
 
     def report(self) -> ReplicaReport:
         """The replica's report as the driver would read it."""
@@ -172,7 +178,9 @@ class Cluster:
             lines.append(f"  persist epoch={p.epoch} max={p.max_seen}{extra}")
         self.queue.extend(ready.messages)
         follow_up: Ready | None = None
-        if ready.role_command is not None:
+        if ready.role_command is not None and store.down:
+            lines.append(f"  role {format_role_command(ready.role_command)} (replica down)")
+        elif ready.role_command is not None:
             cmd = ready.role_command
             lines.append(f"  role {format_role_command(cmd)}")
             election = self.nodes[node]
@@ -283,6 +291,8 @@ class Cluster:
             text += " QUARANTINED"
         if s.transfer_target:
             text += f" transfer-to={s.transfer_target}"
+        if s.replica_unreachable_since_ms is not None:
+            text += f" REPLICA-UNREACHABLE-SINCE={s.replica_unreachable_since_ms}"
         return text
 
 
@@ -331,6 +341,8 @@ def parse_body(kind: str, options: dict[str, str]) -> Body:
         )
     if kind == "ReadyAck":
         return GroupReadyAck(group, int(options.get("epoch", "0")))
+    if kind == "Leave":
+        return Leave(group, options.get("reason", ""))
     if kind == "LeadershipTransfer":
         return LeadershipTransfer(
             group,
@@ -427,6 +439,28 @@ def execute(cluster: Cluster | None, line: str) -> tuple[Cluster | None, list[st
             ready = election.replica_fault(options["id"], reason, now)
         cluster.apply(node, ready, f"{node} {line}")
         cluster.deliver_all()
+    elif command == "replica":
+        node, action = positional
+        election = cluster.nodes[node]
+        if election is None:
+            raise ValueError(f"replica: node {node}'s coordinator is down")
+        store = cluster.stores[node]
+        now = cluster.now_ms
+        if action in ("kill", "pause"):
+            store.down = True
+            if action == "kill":
+                store.role, store.joined = Role.INACTIVE, False
+            cluster.out.append(f"t={now} {node} replica {action}: silent from now on")
+            ready = election.replica_silent(now, now)
+        elif action in ("restart", "resume"):
+            # A hung replica's lease ran out meanwhile (scenarios pause it for longer).
+            store.down, store.role = False, Role.INACTIVE
+            cluster.out.append(f"t={now} {node} replica {action}: it answers again")
+            ready = election.replica_answered(now)
+        else:
+            raise ValueError(f"replica: unknown action {action!r}")
+        cluster.apply(node, ready, f"{node} {line}")
+        cluster.deliver_all()
     elif command == "audit":
         election = cluster.nodes[positional[0]]
         if election is None:
@@ -446,54 +480,6 @@ def execute(cluster: Cluster | None, line: str) -> tuple[Cluster | None, list[st
     return cluster, cluster.out
 
 
-@dataclass
-class Block:
-    """One transcript block: its comments, command and expected output."""
-
-    comments: list[str]
-    command: str
-    expected: list[str]
-
-
-def parse_transcript(text: str) -> list[Block]:
-    """Split a transcript file into blocks."""
-    blocks: list[Block] = []
-    lines = text.splitlines()
-    i = 0
-    comments: list[str] = []
-    while i < len(lines):
-        line = lines[i]
-        i += 1
-        if not line.strip():
-            if comments and comments[-1] != "":
-                comments.append("")
-            continue
-        if line.startswith("#"):
-            comments.append(line)
-            continue
-        if i >= len(lines) or lines[i] != "----":
-            raise ValueError(f"line {i}: command {line!r} is not followed by '----'")
-        i += 1
-        expected: list[str] = []
-        while i < len(lines) and lines[i].strip():
-            expected.append(lines[i])
-            i += 1
-        while comments and comments[-1] == "":
-            comments.pop()
-        blocks.append(Block(comments, line, expected))
-        comments = []
-    return blocks
-
-
-def render(blocks: list[Block], outputs: list[list[str]]) -> str:
-    """Write blocks back with the given outputs."""
-    parts: list[str] = []
-    for block, output in zip(blocks, outputs, strict=True):
-        chunk = [*block.comments, block.command, "----", *output]
-        parts.append("\n".join(chunk))
-    return "\n\n".join(parts) + "\n"
-
-
 def scenario_files() -> list[Path]:
     """Every transcript, sorted."""
     return sorted(SCENARIOS.glob("*.txt"))
@@ -509,23 +495,7 @@ def test_scenario(path: Path) -> None:
     for block in blocks:
         cluster, output = execute(cluster, block.command)
         outputs.append(list(output))
-    actual = render(blocks, outputs)
-    if REWRITE:
-        path.write_text(actual)
-        return
-    if actual != text:
-        diff = "".join(
-            difflib.unified_diff(
-                text.splitlines(keepends=True),
-                actual.splitlines(keepends=True),
-                fromfile=f"{path.name} (expected)",
-                tofile=f"{path.name} (actual)",
-            )
-        )
-        pytest.fail(
-            f"transcript {path.name} differs; if the change is intended, rerun with "
-            f"SQUALL_REWRITE=1 and review the diff:\n{diff}"
-        )
+    check_or_rewrite(path, text, render(blocks, outputs))
 
 
 # ----------------------------------------------------------------------------- unit tests
@@ -782,9 +752,7 @@ def test_reports_older_than_the_last_command_are_not_used() -> None:
     election = make()  # node 1, replica reported after the start command (seq 1)
     election.step(PeerMessage("3", "1", Invitation("3:a", 3, 0)), 10)
     # Join, become a slave, then a newer coordinator invites: the replica must stop first.
-    ready = election.step(
-        PeerMessage("3", "1", GroupReady("3:a", 1, ("1", "3"), "3", "3", 2)), 11
-    )
+    ready = election.step(PeerMessage("3", "1", GroupReady("3:a", 1, ("1", "3"), "3", "3", 2)), 11)
     assert ready.role_command is not None and ready.role_command.kind is RoleCommandKind.FOLLOW
     ready = election.step(PeerMessage("3", "1", Invitation("3:b", 3, 1)), 20)
     assert ready.role_command is not None

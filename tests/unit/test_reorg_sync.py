@@ -164,7 +164,11 @@ def test_a_long_sync_is_answered_at_once_joined_by_repeats_and_completes(tmp_pat
                 answers += 1
                 progress = node.reorganization_progress()
                 assert progress is None or progress.attempt == 1
-                return node.role == common_pb2.ROLE_MASTER
+                # Taken: the master role held and the task done (the role is held from
+                # just before the epoch-start entry is appended; its answer comes after).
+                return (
+                    node.role == common_pb2.ROLE_MASTER and node.reorganization_progress() is None
+                )
 
             await _until(taken, "n1 took the master role")
             assert answers > 2
@@ -226,7 +230,11 @@ def test_another_command_cancels_the_sync_and_a_failed_sync_is_reported_once(
 
             async def taken() -> bool:
                 await node.apply_role(take)
-                return node.role == common_pb2.ROLE_MASTER
+                # Taken: the master role held and the task done (the role is held from
+                # just before the epoch-start entry is appended; its answer comes after).
+                return (
+                    node.role == common_pb2.ROLE_MASTER and node.reorganization_progress() is None
+                )
 
             await _until(taken, "n1 took the master role of epoch 4")
             assert (node.epoch, node.store.meta().last_lsn) == (4, 43)
@@ -298,7 +306,11 @@ def test_a_new_master_sharing_no_entry_with_its_source_is_rebuilt_by_snapshot(
 
             async def taken() -> bool:
                 await node.apply_role(take)
-                return node.role == common_pb2.ROLE_MASTER
+                # Taken: the master role held and the task done (the role is held from
+                # just before the epoch-start entry is appended; its answer comes after).
+                return (
+                    node.role == common_pb2.ROLE_MASTER and node.reorganization_progress() is None
+                )
 
             await _until(taken, "n1 took the master role")
             meta = node.store.meta()

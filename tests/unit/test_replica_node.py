@@ -4,6 +4,8 @@
   the replication stream is fed the way replication_server does.
 * A publisher proxy's call is held while the replica can name no reachable master
   (issue 5's publish gap).
+* The role lease runs on the injected clock: the driver ticks the core, which drops a role
+  nobody renews; the lost epoch is then refused (issue 15's core and driver split).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from services.common.clock import ManualClock
 from services.common.config import load_config
 from services.common.errors import Code, ServiceError
 from services.replica.node import ReplicaNode
@@ -144,6 +147,47 @@ def test_a_held_call_is_released_at_its_deadline() -> None:
         try:
             await asyncio.wait_for(node.wait_for_role(frozenset({"127.0.0.1:1"}), 0.01), 5)
             assert node.role == common_pb2.ROLE_INACTIVE
+        finally:
+            await node.stop()
+
+    asyncio.run(scenario())
+
+
+def test_an_unrenewed_role_lapses_on_the_injected_clock_and_its_epoch_is_not_resumed() -> None:
+    async def scenario() -> None:
+        config = load_config(CONFIG)
+        clock = ManualClock()
+        node = ReplicaNode(config, config.node("n2"), Store.open_memory(), clock)
+        await node.start()
+        try:
+            follow = _slave_of("n1", epoch=3, seq=1)
+            follow.lease_ms = 3000
+            await node.apply_role(follow)
+            assert node.role == common_pb2.ROLE_SLAVE and node.master is not None
+            # Real time passes, the node's clock does not: the role holds.
+            await asyncio.sleep(0.3)
+            assert node.role == common_pb2.ROLE_SLAVE
+            clock.advance(2000)
+            follow.seq = 2
+            await node.apply_role(follow)  # the coordinator's renewal moves the lease on
+            clock.advance(2500)
+            await asyncio.sleep(0.3)
+            assert node.role == common_pb2.ROLE_SLAVE
+            clock.advance(501)
+            # Bounded: the lease watch ticks the core every 50 ms.
+            for _ in range(100):
+                if node.role == common_pb2.ROLE_INACTIVE:
+                    break
+                await asyncio.sleep(0.05)
+            assert node.role == common_pb2.ROLE_INACTIVE and node.master is None
+            with pytest.raises(ServiceError) as refused:
+                follow.seq = 3
+                await node.apply_role(follow)
+            assert refused.value.code is Code.FAILED_PRECONDITION
+            assert "does not hold a role in epoch 3" in refused.value.message
+            assert node.command_seq == 2
+            await node.apply_role(_slave_of("n3", epoch=4, seq=4))
+            assert node.role == common_pb2.ROLE_SLAVE and node.epoch == 4
         finally:
             await node.stop()
 

@@ -1,0 +1,96 @@
+"""The pure cores stay pure: no grpc, lmdb, asyncio, threads, clock or randomness inside,
+directly or through a module of the project they import (the charter's rule for election and
+replication logic, and issue 15's for the replica's role core).
+
+A static scan of import statements (``ast``), following imports of ``services.*`` modules
+transitively, so a core cannot become impure by importing a helper that is.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+# The pure state machines and the plain data they share.
+PURE_CORES = (
+    "services.coordinator.election",
+    "services.coordinator.messages",
+    "services.replica.core",
+    "services.replica.replication",
+    "services.replica.follower",
+    "services.replica.divergence",
+    "services.replica.visibility",
+)
+# Top-level packages a pure core must not reach: I/O, event loops, threads, clocks, chance.
+BANNED = {
+    "asyncio",
+    "concurrent",
+    "grpc",
+    "lmdb",
+    "os",
+    "random",
+    "secrets",
+    "selectors",
+    "socket",
+    "subprocess",
+    "threading",
+    "time",
+    "datetime",
+    "uuid",
+}
+
+
+def _imports(module: str) -> set[str]:
+    """The modules one project module imports (absolute names)."""
+    path = ROOT / (module.replace(".", "/") + ".py")
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            # "from services.replica import x" may name a module.
+            for alias in node.names:
+                candidate = f"{node.module}.{alias.name}"
+                if (ROOT / (candidate.replace(".", "/") + ".py")).exists():
+                    found.add(candidate)
+    return found
+
+
+def _reach(module: str) -> dict[str, str]:
+    """Every module reachable from `module` through project imports: name -> importer."""
+    seen: dict[str, str] = {}
+    todo = [module]
+    while todo:
+        current = todo.pop()
+        for imported in _imports(current):
+            if imported in seen:
+                continue
+            seen[imported] = current
+            if (
+                imported.startswith("services.")
+                and (ROOT / (imported.replace(".", "/") + ".py")).exists()
+            ):
+                todo.append(imported)
+    return seen
+
+
+@pytest.mark.parametrize("module", PURE_CORES)
+def test_a_pure_core_reaches_no_io_loop_thread_clock_or_randomness(module: str) -> None:
+    reached = _reach(module)
+    bad = sorted(
+        f"{name} (imported by {importer})"
+        for name, importer in reached.items()
+        if name.split(".")[0] in BANNED
+    )
+    assert not bad, f"{module} is no longer pure: it reaches {', '.join(bad)}"
+
+
+def test_the_scan_sees_an_impure_import() -> None:
+    """The scan itself works: the replica's driver is (rightly) impure."""
+    reached = _reach("services.replica.node")
+    assert "asyncio" in reached and "grpc" in reached

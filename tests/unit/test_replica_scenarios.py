@@ -1,0 +1,238 @@
+"""The replica-role protocol as readable transcripts: role commands, ticks and the driver's
+reports in, ``ReplicaCore`` effects out (``services/replica/core.py``).
+
+Each file under tests/unit/scenarios/replica/ is a list of blocks in the format of
+``tests/unit/transcripts.py``. The test replays every command on one ``ReplicaCore`` with a
+driver twin that applies its effects to a store twin (the epoch and cluster id the rules
+read). After an intended change of behaviour, regenerate the files with
+``SQUALL_REWRITE=1 .venv/bin/pytest tests/unit/test_replica_scenarios.py`` and review the
+diff like code.
+
+Commands (time only moves with ``tick``):
+    replica n2 nodes=n1,n2,n3 [epoch=N] [cluster=C]
+                              a started replica of node n2, its store at epoch N
+    role master|slave|inactive|<number> [epoch=N] [master=n1] [members=n1,n2] [sync=n1]
+         [seq=N] [lease=MS] [cluster=C] [reason=why]
+                              the coordinator's SetRole; a slave role is followed at once
+                              unless ``follow=fails`` (the follower cannot be made)
+    taken N                   the background task made the master of epoch N
+    finished N [error=CODE:message]
+                              the attempt to take epoch N's master role ended
+    answer N                  the SetRole that waited for it saw it end
+    tick ms=N                 N ms pass; the core is ticked
+    deposed reason=why        the replication core deposed this master
+    failstop reason=why       a store write failed
+    drop reason=why           the driver drops the role for its own reason
+    freeze S / finish S / abort S
+                              cluster shutdown S
+    fence target=n3 epoch=N ms=M / unfence epoch=N
+                              a leadership transfer's write fence for M ms
+    write                     the write gate's answer now
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+
+from services.common.errors import Code
+from services.replica.core import (
+    CoreConfig,
+    Effects,
+    ReplicaCore,
+    Role,
+    RoleOrder,
+    RoleRefusal,
+    StoreFacts,
+)
+from tests.unit.transcripts import check_or_rewrite, parse_transcript, render
+
+SCENARIOS = Path(__file__).parent / "scenarios" / "replica"
+ROLE_WORDS = {"master": Role.MASTER, "slave": Role.SLAVE, "inactive": Role.INACTIVE}
+
+
+class Harness:
+    """One replica core, its driver twin and its store twin."""
+
+    def __init__(self, node_id: str, nodes: list[str], epoch: int, cluster_id: str) -> None:
+        addresses = {n: f"127.0.0.1:{7100 + i}" for i, n in enumerate(nodes)}
+        self.core = ReplicaCore(CoreConfig(node_id, addresses), stored_epoch=epoch)
+        self.store = StoreFacts(epoch, cluster_id)
+        self.now_ms = 0
+        self.follow_fails = False
+
+    def effects(self, effects: Effects) -> list[str]:
+        """Applies effects as the driver does, in their documented order; says what."""
+        out: list[str] = []
+        if effects.role_changed:
+            out.append(f"role-changed to {self.core.role.name.lower()}")
+        if effects.cancel_taking:
+            out.append(f"cancel-taking: {effects.cancel_taking}")
+        if effects.refusal is not None:
+            out.append(refused(effects.refusal))
+            return out
+        if effects.drop_role:
+            out.append(f"drop-role: {effects.drop_role}")
+        if effects.record_cluster_id:
+            self.store = StoreFacts(self.store.epoch, effects.record_cluster_id)
+            out.append(f"record-cluster-id {effects.record_cluster_id}")
+        take = effects.take_master
+        if take is not None:
+            self.store = StoreFacts(take.epoch, self.store.cluster_id)
+            out.append(
+                f"take-master epoch={take.epoch} members={','.join(take.members)} "
+                f"sync={take.sync_source_id or '-'} attempt={take.attempt} reason={take.reason}"
+            )
+        follow = effects.follow
+        if follow is not None:
+            out.append(f"follow {follow.master_id} epoch={follow.epoch}")
+            self.store = StoreFacts(follow.epoch, self.store.cluster_id)
+            if self.follow_fails:
+                out.append("  (the follower cannot be made: the command is refused)")
+            else:
+                followed = self.core.followed(
+                    follow.epoch, follow.master_id, follow.lease_ms, self.now_ms
+                )
+                out.extend(f"  {line}" for line in self.effects(followed))
+        if effects.join_taking:
+            out.append("join-taking")
+        if effects.members is not None:
+            out.append(f"members {','.join(effects.members)}")
+        for fault in effects.faults:
+            out.append(f"fault: {fault}")
+        return out
+
+    def state(self) -> str:
+        """The core's state as one line."""
+        c = self.core
+        role = c.role.name.lower()
+        text = f"state: {role} epoch={c.epoch} floor={c.epoch_floor} seq={c.command_seq}"
+        if c.master_id:
+            text += f" master={c.master_id}"
+        if c.lease_until_ms:
+            text += f" lease-until={c.lease_until_ms}"
+        if c.taking is not None:
+            t = c.taking
+            text += f" taking={t.epoch}/{t.source_id or '-'}"
+            if t.finished:
+                text += "(failed)" if t.error is not None else "(done)"
+        if c.joined:
+            text += " joined"
+        if c.frozen_for:
+            text += f" frozen={c.frozen_for}"
+        if c.shutdown_finished:
+            text += f" finished={c.shutdown_finished}"
+        if c.fence.until_ms:
+            text += f" fence={c.fence.target}@{c.fence.until_ms}"
+        if c.deposed:
+            text += f" deposed={c.deposed!r}"
+        if c.failed_reason:
+            text += f" failed={c.failed_reason!r}"
+        return text
+
+
+def refused(refusal: RoleRefusal) -> str:
+    """A refusal as one line, with its metadata."""
+    meta = "".join(f" [{k}={v}]" for k, v in refusal.metadata)
+    return f"refused {refusal.code.value}: {refusal.message}{meta}"
+
+
+def options_of(words: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Split ``a b k=v`` into positionals and options."""
+    return [w for w in words if "=" not in w], dict(w.split("=", 1) for w in words if "=" in w)
+
+
+def execute(h: Harness | None, line: str) -> tuple[Harness | None, list[str]]:
+    """Run one transcript command; return the (possibly new) harness and its output."""
+    words = shlex.split(line)
+    command, (positional, options) = words[0], options_of(words[1:])
+    if command == "replica":
+        nodes = options["nodes"].split(",")
+        h = Harness(
+            positional[0], nodes, int(options.get("epoch", "0")), options.get("cluster", "")
+        )
+        return h, [h.state()]
+    if h is None:
+        raise ValueError(f"{command}: no replica yet")
+    core = h.core
+    out: list[str] = []
+    if command == "role":
+        word = positional[0]
+        role = int(ROLE_WORDS[word]) if word in ROLE_WORDS else int(word)
+        h.follow_fails = options.get("follow") == "fails"
+        order = RoleOrder(
+            role=role,
+            epoch=int(options.get("epoch", "0")),
+            master_id=options.get("master", ""),
+            members=tuple(m for m in options.get("members", "").split(",") if m),
+            sync_source_id=options.get("sync", ""),
+            reason=options.get("reason", ""),
+            seq=int(options.get("seq", "0")),
+            lease_ms=int(options.get("lease", "0")),
+            cluster_id=options.get("cluster", ""),
+        )
+        out += h.effects(core.role_command(order, h.now_ms, h.store))
+    elif command == "taken":
+        out += h.effects(core.master_taken(int(positional[0])))
+    elif command == "finished":
+        error = None
+        if "error" in options:
+            code, _, message = options["error"].partition(":")
+            error = RoleRefusal(Code(code), message)
+        out += h.effects(core.taking_finished(int(positional[0]), error, h.now_ms))
+    elif command == "answer":
+        out += h.effects(core.taking_answer(int(positional[0])))
+    elif command == "tick":
+        h.now_ms += int(options["ms"])
+        out.append(f"t={h.now_ms}")
+        out += h.effects(core.tick(h.now_ms))
+    elif command == "deposed":
+        out += h.effects(core.deposed_by(options["reason"]))
+    elif command == "failstop":
+        out += h.effects(core.fail_stop(options["reason"]))
+    elif command == "drop":
+        out += h.effects(core.drop_role(options["reason"]))
+    elif command == "freeze":
+        out += h.effects(core.freeze(positional[0]))
+    elif command == "finish":
+        out += h.effects(core.finish(positional[0]))
+    elif command == "abort":
+        out += h.effects(core.abort(positional[0]))
+    elif command == "fence":
+        until_ms = h.now_ms + int(options["ms"])
+        refusal = core.fence_writes(options["target"], int(options["epoch"]), until_ms)
+        out.append(refused(refusal) if refusal is not None else f"fenced until {until_ms}")
+    elif command == "unfence":
+        core.lift_fence(int(options["epoch"]))
+    elif command == "write":
+        refusal = core.write_refusal(h.now_ms, lambda: "fetching log from sync source (twin)")
+        out.append("write accepted" if refusal is None else refused(refusal))
+    else:
+        raise ValueError(f"unknown command {command!r}")
+    out.append(h.state())
+    return h, out
+
+
+def scenario_files() -> list[Path]:
+    """Every replica-role transcript, sorted."""
+    return sorted(SCENARIOS.glob("*.txt"))
+
+
+def test_there_are_replica_scenarios() -> None:
+    """The parametrized test below must not pass by finding no files."""
+    assert len(scenario_files()) >= 4
+
+
+@pytest.mark.parametrize("path", scenario_files(), ids=lambda p: p.stem)
+def test_replica_scenario(path: Path) -> None:
+    """Replays a transcript; SQUALL_REWRITE=1 rewrites it with the actual output."""
+    text = path.read_text()
+    blocks = parse_transcript(text)
+    harness: Harness | None = None
+    outputs: list[list[str]] = []
+    for block in blocks:
+        harness, output = execute(harness, block.command)
+        outputs.append(output)
+    check_or_rewrite(path, text, render(blocks, outputs))
