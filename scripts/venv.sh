@@ -35,8 +35,10 @@ if ! "$python" -c "import sys; sys.exit(sys.version_info < (${MIN_MAJOR}, ${MIN_
         "or pyenv install 3.11) and run 'make PYTHON=python3.11 ...'"
 fi
 
-# 2. A venv is reused only if its python runs, is new enough and has pip; anything else is
-# what an interrupted or failed attempt left behind, and is rebuilt from scratch.
+# 2. A venv is reused only if its python runs, is new enough and has pip, and no earlier
+# attempt on it stopped half-way (its marker is still there); anything else is what an
+# interrupted or failed attempt left behind, and is rebuilt from scratch.
+marker="$venv/.incomplete"
 venv_ok() {
     [ -x "$venv/bin/python" ] || return 1
     "$venv/bin/python" -c \
@@ -46,6 +48,9 @@ venv_ok() {
 }
 if [ -e "$venv" ] && ! venv_ok; then
     echo "make: $venv is incomplete or broken (a failed earlier attempt?); rebuilding it" >&2
+    rm -rf "$venv"
+elif [ -e "$marker" ]; then
+    echo "make: the last install into $venv did not finish; rebuilding it" >&2
     rm -rf "$venv"
 fi
 if [ ! -e "$venv" ]; then
@@ -61,7 +66,9 @@ if [ ! -e "$venv" ]; then
     fi
 fi
 
-# 3. Install. Any failure stops here, before the stamps, so the next make tries again.
+# 3. Install. Any failure (or Ctrl-C) stops here with the marker left, so the next make
+# starts again from a new venv; the stamps are written only after every step.
+touch "$marker"
 "$venv/bin/python" -m pip install --quiet --upgrade pip
 target="."
 if [ -n "$extras" ]; then
@@ -71,4 +78,5 @@ fi
 if [ ! -f clients/squall/v1/broker_pb2.py ]; then
     "$venv/bin/python" scripts/gen_protos.py
 fi
+rm -f "$marker"
 touch "$@"

@@ -65,6 +65,10 @@ def test_a_half_made_venv_is_rebuilt_and_a_failed_install_writes_no_stamp(
     )
     assert check.returncode == 0, "the rebuilt venv has a working pip"
     assert not (tmp_path / "stamp").exists(), "a failed install must not be marked done"
+    # The venv works now, but the install into it did not finish: not reused either.
+    again = _venv_sh(tmp_path, sys.executable)
+    assert "the last install into .venv did not finish; rebuilding it" in again.stderr
+    assert again.returncode != 0 and not (tmp_path / "stamp").exists()
 
 
 def test_make_run_installs_the_base_only_and_the_makefile_says_so() -> None:
