@@ -15,14 +15,15 @@
                                                 operator controls (services/cli_admin.py)
     squall store inspect DIR | mark-clean DIR | mark-dirty DIR   a stopped node's store
     squall store backup DATA_DIR DEST           a live store's verified copy (store restore: back)
+    squall store verify BACKUP                  read a backup back in full (progress on stderr)
     squall health ADDRESS                       exit 0 if the service there is SERVING
     squall config check FILE [--node ID]        validate a cluster file as the services do
     squall completion bash|zsh                  a shell completion script (docs/operations.md)
 
 Client commands find the gateway from --gateway, else the first gateway of --config, else
 $SQUALL_GATEWAY, else 127.0.0.1:7100 (the shipped configs' gateway). Errors print one
-line, `squall: <error>`, on stderr;
-the exit status is 1 for a failed call and 2 for a usage or configuration error.
+line, `squall: <error>`, on stderr; the exit status is 1 for a failed call and 2 for a
+usage or configuration error.
 """
 
 from __future__ import annotations
