@@ -393,3 +393,16 @@ def test_make_run_keeps_the_gateways_configured_port_unless_it_is_taken(tmp_path
         holder.listen()
         taken = gateway(keep=True)
     assert taken != f"127.0.0.1:{port}" and taken.startswith("127.0.0.1:")
+
+
+@pytest.mark.parametrize("nodes", [3, 5])
+def test_the_chaos_suites_cluster_file_is_one_the_services_accept(
+    nodes: int, tmp_path: Path
+) -> None:
+    from chaos.cluster import GATEWAY_IDS, ChaosCluster
+    from services.common.config import load_config
+
+    cluster = ChaosCluster.build(tmp_path, nodes, None)
+    config = load_config(cluster.config_path)
+    assert [node.id for node in config.nodes] == [f"n{i}" for i in range(1, nodes + 1)]
+    assert [gateway.id for gateway in config.gateways] == list(GATEWAY_IDS)
