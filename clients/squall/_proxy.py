@@ -88,6 +88,10 @@ class GatewayBinding:
         """Never lost."""
         return None
 
+    def take_redirect(self) -> bool:
+        """The gateway follows redirects itself: never one to follow here."""
+        return False
+
     def close(self) -> None:
         """The channel is the client's."""
 
@@ -111,6 +115,8 @@ class ProxyBinding:
         self._index = 0
         # Set by a slave's redirect; used instead of the list until it fails.
         self._redirect: Endpoint | None = None
+        # A redirect not yet followed: the next retry goes without a backoff.
+        self._redirect_fresh = False
         self._lost: str = ""
         self._channels: dict[str, grpc.Channel] = {}
         self._closed = False
@@ -180,6 +186,7 @@ class ProxyBinding:
                     return
                 known = [e for e in self._endpoints if e.address == redirect]
                 self._redirect = known[0] if known else Endpoint("", redirect)
+                self._redirect_fresh = True
                 return
             if code.name not in INDETERMINATE_AFTER_SEND:
                 return  # a definite answer: the endpoint is alive and still master
@@ -196,6 +203,12 @@ class ProxyBinding:
                     return  # back to the endpoint the list was on
                 self._index = positions[0]
             self._index = (self._index + 1) % len(self._endpoints)
+
+    def take_redirect(self) -> bool:
+        """True once after a slave's redirect named the master the next stream goes to."""
+        with self._lock:
+            fresh, self._redirect_fresh = self._redirect_fresh, False
+        return fresh
 
     def lost_error(self, error: SquallError) -> SquallError | None:
         """The error the app sees for a batch that failed with `error` once lost, else None."""

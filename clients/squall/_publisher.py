@@ -17,12 +17,13 @@ where per-publisher ordering may change).
 
 Retries (issue 5, STYLE.md point 6): a batch whose outcome is indeterminate is sent again,
 as the same request (same publisher id and sequences, so the master stores it once), on a
-fresh stream, under the `RetryPolicy` (tenacity: bounded attempts and total time, full-
-jitter exponential backoff). A definite failure is raised at once and never retried. Only
-when the retries run out does the app see `Indeterminate` (maybe_stored=True); a definite
-answer to a retry after an indeterminate attempt is still `Indeterminate`, because the
-earlier attempt may have stored the events (`squall._retry.overall`). Retried batches may
-land after later ones, so order across a retry can change, as across any failover.
+fresh stream, under the `RetryPolicy` (tenacity: a time budget, `total_ms_max`, and full-
+jitter exponential backoff; a retry after a slave's redirect goes at once). A definite
+failure is raised at once and never retried. Only when the budget runs out does the app
+see `Indeterminate` (maybe_stored=True); a definite answer to a retry after an
+indeterminate attempt is still `Indeterminate`, because the earlier attempt may have
+stored the events (`squall._retry.overall`). Retried batches may land after later ones,
+so order across a retry can change, as across any failover.
 
 Where streams go (issue 5, item 1; `squall._proxy`): through the gateway by default, or
 straight to a replica of a publisher proxy. A replicated proxy moves to another replica
@@ -42,6 +43,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, InvalidStateError
@@ -220,6 +222,8 @@ class Publisher:
         on_close: Callable[[Publisher], None] | None = None,
         retry: RetryPolicy | None = None,
         on_rebind: RebindCallback | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         if not publisher_id:
             raise ValueError("publisher_id must not be empty")
@@ -233,6 +237,9 @@ class Publisher:
             raise ValueError(f"timeout_s must be > 0, not {timeout_s}")
         self._retry = retry if retry is not None else RetryPolicy()
         self._retry.validate()
+        # The retry budget's clock and the backoff's sleep (a test passes fakes).
+        self._monotonic = monotonic
+        self._sleep = sleep
         self._binding: Binding = (
             stub if isinstance(stub, GatewayBinding | ProxyBinding) else GatewayBinding(stub)
         )
@@ -496,13 +503,24 @@ class Publisher:
         maybe: SquallError | None = first if first.maybe_stored else None
         if not policy.retries or not self._worth_retrying(first):
             raise first
+        started = self._monotonic()
+        backoff = tenacity.wait_random_exponential(
+            multiplier=policy.backoff_initial_ms / 1000, max=policy.backoff_max_ms / 1000
+        )
+
+        def spent(state: tenacity.RetryCallState) -> bool:
+            # The attempt already made counts; the budget is the time since it failed.
+            elapsed_ms = (self._monotonic() - started) * 1000
+            return policy.exhausted(state.attempt_number, elapsed_ms)
+
+        def wait_s(state: tenacity.RetryCallState) -> float:
+            # A slave's redirect names a master that can take the batch now.
+            return 0.0 if self._binding.take_redirect() else float(backoff(state))
+
         retrying = tenacity.Retrying(
-            # The attempt already made counts, so attempts_max is the total.
-            stop=tenacity.stop_after_attempt(policy.attempts_max)
-            | tenacity.stop_after_delay(policy.total_ms_max / 1000),
-            wait=tenacity.wait_random_exponential(
-                multiplier=policy.backoff_initial_ms / 1000, max=policy.backoff_max_ms / 1000
-            ),
+            stop=spent,
+            wait=wait_s,
+            sleep=self._sleep,
             retry=tenacity.retry_if_exception(self._worth_retrying),
             reraise=True,
         )

@@ -19,6 +19,7 @@ attempts' client spans, which carry the trace on to the master.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -108,6 +109,23 @@ class _DeadlineNear(tenacity.stop.stop_base):
         return remaining is not None and remaining <= _DEADLINE_SLACK_S
 
 
+class _BudgetSpent(tenacity.stop.stop_base):
+    """Stops retrying once the policy's time budget (or its optional attempt cap) is spent.
+
+    Made when a call's first attempt starts; time is read from `monotonic` (a test passes
+    a fake clock).
+    """
+
+    def __init__(self, policy: RetryPolicy, monotonic: Callable[[], float]) -> None:
+        self._policy = policy
+        self._monotonic = monotonic
+        self._started = monotonic()
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
+        elapsed_ms = (self._monotonic() - self._started) * 1000
+        return self._policy.exhausted(retry_state.attempt_number, elapsed_ms)
+
+
 @dataclass
 class _Failure:
     """How one attempt ended, as the app would see it if it is the last."""
@@ -160,8 +178,11 @@ class Forwarder:
         policy: RetryPolicy | None = None,
         gateway_id: str = "",
         observability: Telemetry | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._masters = masters
+        # The retry budget's clock (a test passes a fake).
+        self._monotonic = monotonic
         self._timeout_s = timeout_s
         self._master_wait_s = master_wait_s
         self._policy = policy or RetryPolicy()
@@ -286,11 +307,7 @@ class Forwarder:
             return 0.0 if call.redirect else float(backoff(state))
 
         retrying = tenacity.AsyncRetrying(
-            stop=tenacity.stop_any(
-                tenacity.stop_after_attempt(policy.attempts_max),
-                tenacity.stop_after_delay(policy.total_ms_max / 1000),
-                _DeadlineNear(context),
-            ),
+            stop=tenacity.stop_any(_BudgetSpent(policy, self._monotonic), _DeadlineNear(context)),
             wait=wait_s,
             retry=tenacity.retry_if_exception_type(_Retry),
             reraise=True,

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Iterator
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import grpc
 
@@ -292,7 +292,7 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
             reader.cancel()
 
 
-def _seen(future: asyncio.Future[object]) -> None:
+def _seen(future: asyncio.Future[Any]) -> None:
     """Marks a finished publish (or a stream's request reader) as observed.
 
     A pipelined stream answers in request order and ends at the first failure: when a
