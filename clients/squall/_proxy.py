@@ -120,7 +120,7 @@ class ProxyBinding:
         self._lost: str = ""
         self._channels: dict[str, grpc.Channel] = {}
         self._closed = False
-        # Addresses whose last stream ended indeterminately, until one answers again.
+        # Addresses whose last stream ended indeterminately since a stream last answered.
         self._unreachable: set[str] = set()
 
     @property
@@ -157,10 +157,15 @@ class ProxyBinding:
             return ((UNREACHABLE_KEY, ",".join(sorted(self._unreachable))),)
 
     def stream_answered(self, endpoint: Endpoint | None) -> None:
-        """A stream to `endpoint` answered: it is reachable again."""
+        """A stream answered: the failover is over, and what it found unreachable is stale.
+
+        A replica holds a call naming an unreachable master (see UNREACHABLE_KEY); a mark
+        kept from an older failover would make it hold the call for the master that has
+        since come back (a restarted node taking the lead back) until its hold times out.
+        """
         if endpoint is not None:
             with self._lock:
-                self._unreachable.discard(endpoint.address)
+                self._unreachable.clear()
 
     def stream_failed(
         self,

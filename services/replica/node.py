@@ -1119,16 +1119,19 @@ class ReplicaNode:
         A publisher proxy whose master just died otherwise bounces between this replica's
         redirect to the dead master and its own backoff; held here, its call goes on (served
         or redirected to the new master) the moment the coordinator's next role command
-        lands, so the publisher's gap is the election's.
+        lands, so the publisher's gap is the election's. A master named in an epoch newer
+        than the one the wait began in was elected after the caller found it unreachable
+        (its replica restarted, or the node took the lead back): the call goes to it.
         """
         deadline = time.monotonic() + timeout_s
+        held_in_epoch = self.epoch
         # Bounded: each pass waits for a role change or the deadline.
         while not self.failed_reason and self.role != common_pb2.ROLE_MASTER:
             master = self.master
             if (
                 self.role == common_pb2.ROLE_SLAVE
                 and master is not None
-                and master.replica_address not in unreachable
+                and (master.replica_address not in unreachable or self.epoch > held_in_epoch)
             ):
                 return
             remaining = deadline - time.monotonic()
