@@ -119,8 +119,11 @@ def connect(
     """Opens a client to the gateway at `address` ("host:port"); use it as a context manager.
 
     The retry_* parameters bound how an indeterminate publish batch is retried (same
-    names, meanings and defaults as the [retry] section of the cluster configuration);
-    `retry_attempts_max=1` turns retrying off. ValueError names a value out of bounds.
+    names, meanings and defaults as the [retry] section of the cluster configuration):
+    the budget is time, `retry_total_ms_max`; `retry_attempts_max` is an optional cap on
+    attempts (0: none, the default; 1 turns retrying off). The backoff bounds also pace
+    how fast every channel of the client dials a restarted gateway or replica again.
+    ValueError names a value out of bounds.
     `tracer_provider` records the client's spans (default: OpenTelemetry's global one).
     `tls` connects with TLS (`TlsOptions`: the cluster CA, and a client certificate for
     publisher proxies); plaintext without it.
