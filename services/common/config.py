@@ -131,7 +131,8 @@ class RetryConfig:
     """How the gateway retries indeterminate calls (the client library takes the same names).
 
     The defaults are the client library's (`squall.RetryPolicy`), so an app and the
-    gateway retry alike unless configured otherwise.
+    gateway retry alike unless configured otherwise. The budget is time
+    (`retry_total_ms_max`); `retry_attempts_max` is an optional cap (0: none, 1: no retry).
     """
 
     retry_attempts_max: int = RETRY_ATTEMPTS_MAX_DEFAULT

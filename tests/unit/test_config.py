@@ -715,7 +715,7 @@ def test_retry_defaults_are_the_client_librarys() -> None:
         config.retry.retry_backoff_initial_ms,
         config.retry.retry_backoff_max_ms,
         config.retry.retry_total_ms_max,
-    ) == (16, 50, 250, 10000)
+    ) == (0, 50, 250, 10000)
 
 
 def test_retry_section_is_read() -> None:
@@ -736,8 +736,11 @@ def test_example_file_spells_out_the_retry_defaults() -> None:
 @pytest.mark.parametrize(
     ("line", "expected"),
     [
-        ("retry_attempts_max = 0", "retry.retry_attempts_max: must be from 1 to 100, got 0"),
-        ("retry_attempts_max = 101", "retry.retry_attempts_max: must be from 1 to 100, got 101"),
+        ("retry_attempts_max = -1", "retry.retry_attempts_max: must be from 0 to 100000, got -1"),
+        (
+            "retry_attempts_max = 100001",
+            "retry.retry_attempts_max: must be from 0 to 100000, got 100001",
+        ),
         (
             "retry_backoff_initial_ms = 0",
             "retry.retry_backoff_initial_ms: must be from 1 to 60000, got 0",
