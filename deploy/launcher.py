@@ -88,7 +88,7 @@ def _app_tls(config: ClusterConfig) -> squall.TlsOptions | None:
     )
 
 
-def start(config_path: Path, demo: bool, tls: bool = False) -> int:
+def start(config_path: Path, demo: bool, tls: bool = False, free_ports: bool = False) -> int:
     """Starts the cluster described by config_path; returns an exit status."""
     if _running_pids():
         print(
@@ -98,7 +98,8 @@ def start(config_path: Path, demo: bool, tls: bool = False) -> int:
         )
         return 1
     load_config_or_exit(config_path)  # a broken file stops here with one clear line
-    local_path = processes.localize_config(config_path, RUN_DIR)
+    # The gateway keeps its configured port (the CLI's default) unless told or taken.
+    local_path = processes.localize_config(config_path, RUN_DIR, keep_gateway=not free_ports)
     if tls:
         enable_dev_tls(local_path, RUN_DIR / "certs")
     config = load_config_or_exit(local_path)
@@ -157,10 +158,21 @@ def start(config_path: Path, demo: bool, tls: bool = False) -> int:
     print_status(gateway_address, local_path)
     if demo:
         _demo(config, gateway_address, app_tls)
-    # --config brings the [tls] settings (and the admin certificate) along.
-    target = f"--config {local_path}" if app_tls else f"--gateway {gateway_address}"
-    print(f"\nTry:  .venv/bin/squall status {target}")
-    print(f"      .venv/bin/squall subscribe demo {target} --count 5")
+    # --config brings the [tls] settings (and the admin certificate) along; on the CLI's
+    # default gateway address no flag is needed.
+    from services.cli import DEFAULT_GATEWAY
+
+    if app_tls:
+        target = f" --config {local_path}"
+    elif gateway_address == DEFAULT_GATEWAY:
+        target = ""
+    else:
+        target = f" --gateway {gateway_address}"
+        configured = load_config(config_path).gateways[0].address
+        if configured == DEFAULT_GATEWAY and not free_ports:
+            print(f"\n(note: {configured} was in use, so the gateway listens on {gateway_address})")
+    print(f"\nTry:  .venv/bin/squall status{target}")
+    print(f"      .venv/bin/squall subscribe demo{target} --count 5")
     print("Stop: make stop")
     return 0
 
@@ -275,10 +287,16 @@ def main(argv: list[str] | None = None) -> int:
     start_parser.add_argument(
         "--tls", action="store_true", help="TLS on every link, with development certificates"
     )
+    start_parser.add_argument(
+        "--free-ports",
+        action="store_true",
+        help="put the gateway on a free port too (by default it keeps the configured one, "
+        "the `squall` command's default, when that port is free)",
+    )
     sub.add_parser("stop", help="stop the local cluster")
     args = parser.parse_args(argv)
     if args.command == "start":
-        return start(args.config, args.demo, args.tls)
+        return start(args.config, args.demo, args.tls, args.free_ports)
     return stop()
 
 

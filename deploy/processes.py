@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import tomli_w
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.tls import Transport, plain_or
@@ -188,12 +189,25 @@ def tail(path: Path, lines: int = 30) -> str:
         return "(no log)"
 
 
-def localize_config(source: Path, run_dir: Path) -> Path:
+def port_is_free(address: str) -> bool:
+    """Whether host:port can be bound right now (a moment later it may not be)."""
+    host, _, port = address.rpartition(":")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, int(port)))
+        except (OSError, ValueError):
+            return False
+    return True
+
+
+def localize_config(source: Path, run_dir: Path, keep_gateway: bool = False) -> Path:
     """Copies a cluster config into run_dir with free loopback ports and local data dirs.
 
     Returns the new file's path. The source's structure and every other setting are
     kept, so what runs locally is what the file describes; Prometheus scrape ports become
-    0 (picked at start-up and logged), as every node shares the one host.
+    0 (picked at start-up and logged), as every node shares the one host. With
+    keep_gateway (`make run`), the first gateway keeps its configured loopback address if
+    that port is free, so the `squall` command's default gateway reaches it.
     """
     document: dict[str, Any] = tomllib.loads(source.read_text())
     nodes, gateways = document.get("nodes", []), document.get("gateways", [])
@@ -202,8 +216,11 @@ def localize_config(source: Path, run_dir: Path) -> Path:
         node["coordinator_address"] = f"127.0.0.1:{next(ports)}"
         node["replica_address"] = f"127.0.0.1:{next(ports)}"
         node["data_dir"] = str((run_dir / "data" / str(node["id"])).resolve())
-    for gateway in gateways:
-        gateway["address"] = f"127.0.0.1:{next(ports)}"
+    for index, gateway in enumerate(gateways):
+        configured = str(gateway.get("address", ""))
+        keep = keep_gateway and index == 0 and configured.startswith("127.")
+        if not (keep and port_is_free(configured)):
+            gateway["address"] = f"127.0.0.1:{next(ports)}"
     telemetry = document.get("telemetry", {})
     for key in (
         "coordinator_prometheus_port",
@@ -221,33 +238,5 @@ def localize_config(source: Path, run_dir: Path) -> Path:
 
 
 def dump_toml(document: Mapping[str, Any]) -> str:
-    """Writes the subset of TOML a Squall config uses (tables, arrays of tables, scalars)."""
-    lines: list[str] = []
-    scalars = {k: v for k, v in document.items() if not isinstance(v, (dict, list))}
-    lines.extend(f"{k} = {_toml_value(v)}" for k, v in scalars.items())
-    for key, value in document.items():
-        if isinstance(value, dict):
-            lines.append(f"\n[{key}]")
-            lines.extend(f"{k} = {_toml_value(v)}" for k, v in value.items())
-        elif isinstance(value, list) and all(isinstance(item, dict) for item in value):
-            for item in value:
-                lines.append(f"\n[[{key}]]")
-                lines.extend(f"{k} = {_toml_value(v)}" for k, v in item.items())
-        elif isinstance(value, list):
-            lines.append(f"{key} = {_toml_value(value)}")
-    return "\n".join(lines) + "\n"
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
-        return f'"{escaped}"'
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):  # an inline table, as in [auth] principals = [{...}]
-        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
-    raise TypeError(f"cannot write {type(value).__name__} as TOML")
+    """A config document as TOML text, by a real TOML writer (quoting, escapes, tables)."""
+    return tomli_w.dumps(document)

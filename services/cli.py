@@ -4,8 +4,8 @@
     squall coordinator --config F --node N
     squall gateway --config F [--gateway ID]
     squall topic create NAME [--transient]      client commands, through a gateway
-    squall topic list | topic destroy NAME
-    squall topic subscribers NAME | topic unsubscribe NAME ID     push subscribers
+    squall topic list [--json] | topic destroy NAME
+    squall topic subscribers NAME [--json] | topic unsubscribe NAME ID     push subscribers
     squall publish TOPIC [MESSAGE ...]          no MESSAGE: one event per line of stdin
     squall subscribe TOPIC [--subscription S] [--from earliest|latest|N] [--follow] [--count N]
     squall status [--json] [--explain] [--wait-normal SECONDS]
@@ -15,11 +15,15 @@
                                                 operator controls (services/cli_admin.py)
     squall store inspect DIR | mark-clean DIR | mark-dirty DIR   a stopped node's store
     squall store backup DATA_DIR DEST           a live store's verified copy (store restore: back)
+    squall store verify BACKUP                  read a backup back in full (progress on stderr)
     squall health ADDRESS                       exit 0 if the service there is SERVING
+    squall config check FILE [--node ID]        validate a cluster file as the services do
+    squall completion bash|zsh                  a shell completion script (docs/operations.md)
 
 Client commands find the gateway from --gateway, else the first gateway of --config, else
-$SQUALL_GATEWAY, else 127.0.0.1:7000. Errors print one line, `squall: <error>`, on stderr;
-the exit status is 1 for a failed call and 2 for a usage or configuration error.
+$SQUALL_GATEWAY, else 127.0.0.1:7100 (the shipped configs' gateway). Errors print one
+line, `squall: <error>`, on stderr; the exit status is 1 for a failed call and 2 for a
+usage or configuration error.
 """
 
 from __future__ import annotations
@@ -39,14 +43,18 @@ from services import (
     cli_admin,
     cli_auth,
     cli_certs,
+    cli_completion,
+    cli_config,
     cli_explain,
     cli_health,
+    cli_listing,
     cli_status_wait,
     cli_store,
     cli_store_backup,
 )
 
-DEFAULT_GATEWAY = "127.0.0.1:7000"
+# The gateway address deploy/single.toml and deploy/cluster.example.toml give (`make run`).
+DEFAULT_GATEWAY = "127.0.0.1:7100"
 GATEWAY_ENV = "SQUALL_GATEWAY"
 SERVICE_MODULES = {
     "replica": "services.replica.__main__",
@@ -135,7 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument(
         "--transient", action="store_true", help="deliver live only, do not store events"
     )
-    topic_commands.add_parser("list", parents=[client], help="list topics")
+    cli_listing.add_json_flag(
+        topic_commands.add_parser("list", parents=[client], help="list topics")
+    )
     destroy = topic_commands.add_parser(
         "destroy", parents=[client], help="destroy a topic, its events and subscriptions"
     )
@@ -144,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         "subscribers", parents=[client], help="list a topic's push subscribers"
     )
     subscribers.add_argument("name")
+    cli_listing.add_json_flag(subscribers)
     unsubscribe = topic_commands.add_parser(
         "unsubscribe", parents=[client], help="remove a push subscriber"
     )
@@ -210,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     cli_health.add_parser(commands)
     cli_certs.add_parser(commands)
     cli_auth.add_parser(commands)
+    cli_config.add_parser(commands)
+    cli_completion.add_parser(commands)
     return parser
 
 
@@ -304,6 +317,11 @@ def _cmd_topic(client: squall.Client, args: argparse.Namespace, out: TextIO) -> 
     if args.topic_command == "create":
         info = client.create_topic(args.name, kind="transient" if args.transient else "replicated")
         print(f"created {info.kind} topic {info.name}", file=out)
+    elif args.topic_command == "list" and args.json:
+        cli_listing.print_json(cli_listing.topics_document(client.topics()), out)
+    elif args.topic_command == "subscribers" and args.json:
+        subscribers = client.topic(args.name).push_subscribers()
+        cli_listing.print_json(cli_listing.subscribers_document(args.name, subscribers), out)
     elif args.topic_command == "list":
         for info in client.topics():
             print(

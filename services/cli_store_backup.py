@@ -2,6 +2,9 @@
 
     squall store backup DATA_DIR DEST      copy the store in DATA_DIR (the replica may run)
     squall store restore BACKUP DATA_DIR   put a backup into a stopped node's empty DATA_DIR
+    squall store verify BACKUP             read a backup back in full (e.g. from cron)
+
+Each shows a progress line (rate, ETA) on stderr while it copies or reads (--quiet: none).
 
 Run them as the user the services run as (the backup opens the store's lock file to
 register as a reader). Exit status 0 on success, 1 if the copy failed, 2 for bad
@@ -16,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
+from services.cli_progress import ProgressLine
 from services.replica import backup as store_backup
 
 
@@ -56,6 +60,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     restore.add_argument("backup", type=Path, metavar="BACKUP", help="a `store backup` DEST")
     restore.add_argument("data_dir", type=Path, metavar="DATA_DIR", help="the node's data_dir")
     restore.set_defaults(handler=run)
+    verify = sub.add_parser(
+        "verify",
+        help="read a backup back in full: every entry's checksum, the manifest (exit 1 if bad)",
+    )
+    verify.add_argument("backup", type=Path, metavar="BACKUP", help="a `store backup` DEST")
+    verify.set_defaults(handler=run)
+    for command in (backup, restore, verify):
+        command.add_argument(
+            "--quiet", action="store_true", help="no progress line (the result line only)"
+        )
 
 
 def _describe(info: store_backup.BackupInfo) -> str:
@@ -70,24 +84,35 @@ def _describe(info: store_backup.BackupInfo) -> str:
 def run(args: argparse.Namespace, out: TextIO, err: TextIO | None = None) -> int:
     """Runs `store backup` or `store restore`; returns the exit status."""
     err = err if err is not None else sys.stderr
+    progress = ProgressLine(err)
+    report: store_backup.Progress = progress if not args.quiet else store_backup.no_progress
     try:
         if args.store_command == "backup":
-            info = store_backup.backup(args.data_dir, args.dest)
+            info = store_backup.backup(args.data_dir, args.dest, report)
+            progress.finish()
             print(f"backed up {args.data_dir} to {args.dest}: {_describe(info)}", file=out)
+        elif args.store_command == "verify":
+            info = store_backup.verify_backup(args.backup, report)
+            progress.finish()
+            print(f"verified {args.backup}: {_describe(info)}", file=out)
         else:
-            info = store_backup.restore(args.backup, args.data_dir)
+            info = store_backup.restore(args.backup, args.data_dir, report)
+            progress.finish()
             print(f"restored {args.backup} into {args.data_dir}: {_describe(info)}", file=out)
             print(
                 "start the node; it rejoins its group and catches up from the master",
                 file=out,
             )
     except store_backup.PreconditionError as exc:
+        progress.finish()
         print(f"squall: {exc}", file=err)
         return 2
     except store_backup.BackupError as exc:
+        progress.finish()
         print(f"squall: {exc}", file=err)
         return 1
     except OSError as exc:
+        progress.finish()
         print(f"squall: {exc}", file=err)
         return 1
     return 0

@@ -1,3 +1,5 @@
+from typing import Any
+
 import pytest
 
 
@@ -12,3 +14,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.chaos)
         elif "/spark/" in str(item.fspath):
             item.add_marker(pytest.mark.spark)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """One line per missing machine requirement (tests/requirements.py): how many tests
+    it skipped and what to install, so a skip is never silent."""
+    from tests.requirements import JAVA_PREFIX, NETNS_PREFIX
+
+    reasons: dict[str, int] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = getattr(report, "longrepr", None)
+        if not isinstance(longrepr, tuple) or len(longrepr) != 3:
+            continue
+        reason = str(longrepr[2]).removeprefix("Skipped: ")
+        if reason.startswith((JAVA_PREFIX, NETNS_PREFIX)):
+            reasons[reason] = reasons.get(reason, 0) + 1
+    for reason, count in sorted(reasons.items()):
+        terminalreporter.write_line(f"squall: {count} test(s) skipped: {reason}", yellow=True)

@@ -2,7 +2,7 @@
 
     import squall
 
-    with squall.connect("127.0.0.1:7000") as client:
+    with squall.connect("127.0.0.1:7100") as client:
         client.create_topic("orders")
         topic = client.topic("orders")
         with topic.publisher() as publisher:

@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from services.common import sd_notify
 from services.common.grpc_tracing import server_interceptors
 from services.common.request_decoding import DecodeGuard
 
@@ -102,9 +103,14 @@ class ServiceServer:
         )
         for name in ["", *self._service_names]:
             await self.health.set(name, status)
+        # Under a Type=notify systemd unit (deploy/systemd/), serving is "ready": units
+        # ordered after this one (a node's coordinator after its replica) start now.
+        if serving:
+            sd_notify.ready(f"serving on {self.address}")
 
     async def stop(self, grace_s: float = 1.0) -> None:
         """Stops accepting calls and waits up to grace_s for running ones."""
+        sd_notify.stopping(f"stopping (was serving on {self.address})")
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
 

@@ -22,6 +22,8 @@ import json
 import os
 import shutil
 import socket
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from services.common.clock import SYSTEM_CLOCK, Clock
@@ -36,6 +38,18 @@ MANIFEST_FILE = "squall-backup.json"
 MANIFEST_FORMAT = 1
 # Log entries read back per call while verifying a copy.
 _VERIFY_BATCH_ENTRIES = 4096
+# Bytes per read/write while restoring a data file (one progress report each).
+_RESTORE_CHUNK_BYTES = 8 << 20
+# How often the size of a copy LMDB is writing is looked at, for progress reports.
+_COPY_POLL_INTERVAL_S = 0.5
+
+# progress(phase, done, total): "copy" and "restore" count bytes, "verify" log entries.
+# The operator commands show it as a rate and an ETA (services/cli_progress.py).
+Progress = Callable[[str, int, int], None]
+
+
+def no_progress(phase: str, done: int, total: int) -> None:
+    pass
 
 
 class BackupError(Exception):
@@ -99,7 +113,7 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def verify_copy(path: Path) -> tuple[StoreMeta, int, int]:
+def verify_copy(path: Path, progress: Progress = no_progress) -> tuple[StoreMeta, int, int]:
     """Reads every log entry and state record of the store copy at path, checking each.
 
     Returns (meta, topics, state records). Opened without a lock file: only for a copy
@@ -117,12 +131,15 @@ def verify_copy(path: Path) -> tuple[StoreMeta, int, int]:
                 "back up another node, or this one once it is streaming"
             )
         lsn = meta.log_start_lsn
+        total = max(0, meta.last_lsn - meta.log_start_lsn + 1)
+        progress("verify", 0, total)
         # One step per batch of the log: bounded by its length.
         while lsn <= meta.last_lsn:
             entries = store.read_log(lsn, min(_VERIFY_BATCH_ENTRIES, meta.last_lsn - lsn + 1))
             if not entries or entries[0].lsn != lsn:
                 raise BackupError(f"the copy's log has no entry at LSN {lsn}")
             lsn = entries[-1].lsn + 1
+            progress("verify", lsn - meta.log_start_lsn, total)
         records = 0
         with contextlib.closing(store.snapshot_chunks()) as chunks:
             for chunk in chunks:  # every record's checksum is checked as it is read
@@ -135,7 +152,37 @@ def verify_copy(path: Path) -> tuple[StoreMeta, int, int]:
     return meta, topics, records
 
 
-def backup(data_dir: Path, dest: Path, clock: Clock = SYSTEM_CLOCK) -> BackupInfo:
+@contextlib.contextmanager
+def _watch_size(path: Path, total: int, progress: Progress) -> Iterator[None]:
+    """Reports path's growing size as "copy" progress while the body runs (LMDB's copy is
+    one call that reports nothing itself)."""
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(_COPY_POLL_INTERVAL_S):
+            with contextlib.suppress(OSError):
+                progress("copy", min(path.stat().st_size, total), total)
+
+    watcher = threading.Thread(target=watch, name="backup-progress", daemon=True)
+    progress("copy", 0, total)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+    with contextlib.suppress(OSError):
+        # A compacted copy is smaller than the pages in use: done is the copy's size.
+        size = path.stat().st_size
+        progress("copy", size, size)
+
+
+def backup(
+    data_dir: Path,
+    dest: Path,
+    progress: Progress = no_progress,
+    clock: Clock = SYSTEM_CLOCK,
+) -> BackupInfo:
     """Copies the (possibly live) store in data_dir into dest, verified, with a manifest.
 
     dest must be missing or empty; on any failure it is left as it was.
@@ -152,12 +199,13 @@ def backup(data_dir: Path, dest: Path, clock: Clock = SYSTEM_CLOCK) -> BackupInf
         except KVError as exc:
             raise BackupError(f"cannot open the store in {data_dir}: {exc}") from exc
         try:
-            source.copy(staging)
+            with _watch_size(staging / DATA_FILE, source.size_bytes(), progress):
+                source.copy(staging)
         except KVError as exc:
             raise BackupError(str(exc)) from exc
         finally:
             source.close()
-        meta, topics, records = verify_copy(staging)
+        meta, topics, records = verify_copy(staging, progress)
         data_file = staging / DATA_FILE
         _fsync_path(data_file)
         info = BackupInfo(
@@ -208,7 +256,39 @@ def read_manifest(backup_dir: Path) -> BackupInfo:
         raise BackupError(f"{path}: {exc}") from exc
 
 
-def restore(backup_dir: Path, data_dir: Path) -> BackupInfo:
+def verify_backup(backup_dir: Path, progress: Progress = no_progress) -> BackupInfo:
+    """Reads a backup back in full (`squall store verify`): its manifest, every log entry
+    and state record with its checksum, and that the store is the one the manifest names.
+    Returns the manifest; BackupError (PreconditionError: not a backup) if anything fails.
+    """
+    backup_dir = backup_dir.absolute()
+    info = read_manifest(backup_dir)
+    if not (backup_dir / DATA_FILE).is_file():
+        raise BackupError(f"{backup_dir} holds no {DATA_FILE}")
+    meta, _, _ = verify_copy(backup_dir, progress)
+    if (meta.cluster_id, meta.last_lsn) != (info.cluster_id, info.last_lsn):
+        raise BackupError(
+            f"{backup_dir}: the store (cluster {meta.cluster_id!r}, LSN {meta.last_lsn}) is "
+            f"not the one its manifest describes (cluster {info.cluster_id!r}, "
+            f"LSN {info.last_lsn})"
+        )
+    return info
+
+
+def _copy_file(source: Path, target: Path, progress: Progress) -> None:
+    """shutil.copyfile in chunks, reporting "restore" progress in bytes."""
+    total = source.stat().st_size
+    done = 0
+    progress("restore", 0, total)
+    with open(source, "rb") as reader, open(target, "wb") as writer:
+        # One step per chunk: bounded by the file's size.
+        while chunk := reader.read(_RESTORE_CHUNK_BYTES):
+            writer.write(chunk)
+            done += len(chunk)
+            progress("restore", done, total)
+
+
+def restore(backup_dir: Path, data_dir: Path, progress: Progress = no_progress) -> BackupInfo:
     """Puts a backup's store into data_dir, which must hold no store; returns its manifest.
 
     data_dir may be missing (its parent must exist) or hold other files (the node's
@@ -217,7 +297,7 @@ def restore(backup_dir: Path, data_dir: Path) -> BackupInfo:
     and renamed into place.
     """
     backup_dir, data_dir = backup_dir.absolute(), data_dir.absolute()
-    info = read_manifest(backup_dir)
+    read_manifest(backup_dir)
     if not (backup_dir / DATA_FILE).is_file():
         raise BackupError(f"{backup_dir} holds no {DATA_FILE}")
     if data_dir.exists():
@@ -232,17 +312,11 @@ def restore(backup_dir: Path, data_dir: Path) -> BackupInfo:
         raise PreconditionError(
             f"data directory {data_dir}: its parent {data_dir.parent} does not exist"
         )
-    meta, _, _ = verify_copy(backup_dir)
-    if (meta.cluster_id, meta.last_lsn) != (info.cluster_id, info.last_lsn):
-        raise BackupError(
-            f"{backup_dir}: the store (cluster {meta.cluster_id!r}, LSN {meta.last_lsn}) is "
-            f"not the one its manifest describes (cluster {info.cluster_id!r}, "
-            f"LSN {info.last_lsn})"
-        )
+    info = verify_backup(backup_dir, progress)
     data_dir.mkdir(mode=0o750, exist_ok=True)
     partial = data_dir / f"{DATA_FILE}.partial"
     try:
-        shutil.copyfile(backup_dir / DATA_FILE, partial)
+        _copy_file(backup_dir / DATA_FILE, partial, progress)
         _fsync_path(partial)
         (data_dir / LOCK_FILE).unlink(missing_ok=True)  # left by the store moved aside
         os.rename(partial, data_dir / DATA_FILE)

@@ -3,7 +3,6 @@ partitions that cut exactly the links asked for, and a teardown that leaves noth
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -11,10 +10,9 @@ from collections.abc import Iterator
 import pytest
 
 from chaos.netns import Topology, can_create, ip
+from tests.requirements import netns_missing
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0, reason="network namespaces need root (CAP_SYS_ADMIN, CAP_NET_ADMIN)"
-)
+pytestmark = pytest.mark.skipif(netns_missing() is not None, reason=str(netns_missing()))
 
 PORT = 7999
 # Listens on PORT in its namespace until killed; prints "ready" once it does.

@@ -55,7 +55,8 @@ def test_run_starts_every_service_shows_status_runs_the_demo_and_stop_is_clean(
     workdir: Path,
 ) -> None:
     config = str(ROOT / "deploy" / "cluster.example.toml")
-    started = _launcher(workdir, "start", "--config", config, "--demo")
+    # --free-ports: tests run side by side; the default port is kept by `make run` only.
+    started = _launcher(workdir, "start", "--config", config, "--demo", "--free-ports")
     assert started.returncode == 0, started.stdout + started.stderr
     out = started.stdout
     entries = json.loads((workdir / ".run" / "pids.json").read_text())

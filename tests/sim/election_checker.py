@@ -1,6 +1,6 @@
 """Invariant checker for the election simulator: runs after every simulated step.
 
-Safety invariants (ARCHITECTURE.md, "Election and membership"):
+Safety invariants (docs/architecture.md, "Election and membership"):
 
 * at most one coordinator is ever NORMAL in a given epoch, and at most one node is ever told
   MASTER in a given epoch;

@@ -1,6 +1,6 @@
 """Invariant checker for the replication simulator: runs after every simulated step.
 
-Safety invariants (ARCHITECTURE.md, "Invariants every change keeps"), checked as the
+Safety invariants (docs/architecture.md, "Invariants every change keeps"), checked as the
 simulator reports each change, so the cost follows what changed rather than the log length:
 
 * **acknowledged writes survive**: when a write is acknowledged its entry is committed and

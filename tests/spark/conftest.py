@@ -49,8 +49,12 @@ def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClu
 @pytest.fixture(scope="session")
 def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkSession]:
     """The one SparkSession: local[2,2], loopback, UI off, squall and squall_flaky registered."""
+    from tests.requirements import java_missing
     from tests.spark.flaky import FlakySquallDataSource
 
+    missing = java_missing()
+    if missing is not None:
+        pytest.skip(missing)
     os.environ[MARKER_DIR_ENV] = str(tmp_path_factory.mktemp("spark-markers"))
     paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))

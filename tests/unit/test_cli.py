@@ -205,9 +205,17 @@ def test_gateway_resolution(
 def test_default_gateway(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(cli.GATEWAY_ENV, raising=False)
     args = cli.build_parser().parse_args(["status"])
-    assert cli.resolve_gateway(args) == "127.0.0.1:7000"
+    assert cli.resolve_gateway(args) == "127.0.0.1:7100"
     monkeypatch.setenv(cli.GATEWAY_ENV, "10.0.0.5:7000")
     assert cli.resolve_gateway(args) == "10.0.0.5:7000"
+
+
+@pytest.mark.parametrize("name", ["single.toml", "cluster.example.toml"])
+def test_the_default_gateway_is_the_one_the_shipped_configs_use(name: str) -> None:
+    from services.common.config import load_config
+
+    root = Path(__file__).resolve().parents[2]
+    assert load_config(root / "deploy" / name).gateway().address == cli.DEFAULT_GATEWAY
 
 
 def test_unreachable_gateway_is_one_line_error(

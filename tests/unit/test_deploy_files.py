@@ -75,7 +75,10 @@ def test_each_unit_starts_its_service_from_the_config_with_its_instance_id(kind:
     assert one(unit, "Service", "Environment") == f"SQUALL_CONFIG={CONFIG_PATH}"
     # An optional file may override the config path ("-": missing is fine).
     assert one(unit, "Service", "EnvironmentFile") == "-/etc/default/squall"
-    assert one(unit, "Service", "Type") == "exec"
+    # READY=1 / STOPPING=1 over $NOTIFY_SOCKET (tests/integration/test_sd_notify.py).
+    assert one(unit, "Service", "Type") == "notify"
+    assert one(unit, "Service", "NotifyAccess") == "main"
+    assert one(unit, "Service", "TimeoutStartSec").rstrip("s").isdigit()
     assert (one(unit, "Service", "User"), one(unit, "Service", "Group")) == ("squall", "squall")
 
 
@@ -350,3 +353,56 @@ def test_compose_publishes_only_the_gateway_and_runs_every_container_locked_down
         assert str(service["restart"]).startswith("on-failure"), name
         for dependency in service.get("depends_on", {}):  # type: ignore[attr-defined]
             assert dependency in services, f"{name} depends on unknown {dependency}"
+
+
+def test_the_cluster_files_the_launcher_and_chaos_write_read_back_exactly() -> None:
+    """deploy.processes.dump_toml (used by the launcher, the chaos suite and the tests)
+    writes real TOML: strings a hand-escaper gets wrong read back unchanged."""
+    from deploy.processes import dump_toml
+
+    awkward = 'C:\\data\\n1 "quoted"\nnext line\ttab \u00e9 \x01 \'single\''
+    document = {
+        "cluster_name": awkward,
+        "nodes": [{"id": "n1", "data_dir": awkward, "priority": 3}],
+        "timeouts": {"replica_timeout_ms": 1500, "ratio": 0.5, "on": True},
+        "auth": {"principals": [{"name": "a b", "topics": ["x.*", "y"]}]},
+    }
+    assert tomllib.loads(dump_toml(document)) == document
+
+
+def test_make_run_keeps_the_gateways_configured_port_unless_it_is_taken(tmp_path: Path) -> None:
+    """`make run`'s gateway listens where the shipped config (and the CLI's default) says,
+    when that port is free; otherwise, and for tests, on a free port."""
+    import socket
+
+    from deploy.processes import free_port, localize_config
+
+    port = free_port()
+    source = tmp_path / "template.toml"
+    text = (ROOT / "deploy" / "single.toml").read_text()
+    source.write_text(text.replace("127.0.0.1:7100", f"127.0.0.1:{port}"))
+
+    def gateway(keep: bool) -> str:
+        path = localize_config(source, tmp_path / "run", keep_gateway=keep)
+        return str(tomllib.loads(path.read_text())["gateways"][0]["address"])
+
+    assert gateway(keep=True) == f"127.0.0.1:{port}"
+    assert gateway(keep=False) != f"127.0.0.1:{port}"
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        taken = gateway(keep=True)
+    assert taken != f"127.0.0.1:{port}" and taken.startswith("127.0.0.1:")
+
+
+@pytest.mark.parametrize("nodes", [3, 5])
+def test_the_chaos_suites_cluster_file_is_one_the_services_accept(
+    nodes: int, tmp_path: Path
+) -> None:
+    from chaos.cluster import GATEWAY_IDS, ChaosCluster
+    from services.common.config import load_config
+
+    cluster = ChaosCluster.build(tmp_path, nodes, None)
+    config = load_config(cluster.config_path)
+    assert [node.id for node in config.nodes] == [f"n{i}" for i in range(1, nodes + 1)]
+    assert [gateway.id for gateway in config.gateways] == list(GATEWAY_IDS)

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Makes (or repairs) the project's virtualenv for the Makefile: checks the Python it was
+# given, rebuilds a venv a failed attempt left half-made, installs the requested extras
+# with constraints.txt, and writes the stamp only once every step has succeeded.
+#
+#   scripts/venv.sh PYTHON VENV EXTRAS STAMP...
+#     EXTRAS: "" for what running a cluster needs (`make run`), "dev,spark" for everything.
+#     STAMP:  files touched at the very end (the Makefile's up-to-date markers).
+set -euo pipefail
+
+MIN_MAJOR=3
+MIN_MINOR=11
+
+python=$1
+venv=$2
+extras=$3
+shift 3
+
+fail() {
+    echo "make: $*" >&2
+    exit 1
+}
+
+# 1. The interpreter we were given must exist and be new enough.
+if ! command -v "$python" >/dev/null 2>&1; then
+    fail "no '$python' on PATH. Squall needs Python ${MIN_MAJOR}.${MIN_MINOR} or later: install" \
+        "it (Debian/Ubuntu: apt-get install python3.11 python3.11-venv) and run" \
+        "'make PYTHON=python3.11 ...'"
+fi
+version=$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])') \
+    || fail "'$python' does not run"
+if ! "$python" -c "import sys; sys.exit(sys.version_info < (${MIN_MAJOR}, ${MIN_MINOR}))"; then
+    fail "'$python' is Python $version; Squall needs Python ${MIN_MAJOR}.${MIN_MINOR} or later." \
+        "Install python3.11 or newer (Debian/Ubuntu: apt-get install python3.11 python3.11-venv;" \
+        "or pyenv install 3.11) and run 'make PYTHON=python3.11 ...'"
+fi
+
+# 2. A venv is reused only if its python runs, is new enough and has pip, and no earlier
+# attempt on it stopped half-way (its marker is still there); anything else is what an
+# interrupted or failed attempt left behind, and is rebuilt from scratch.
+marker="$venv/.incomplete"
+venv_ok() {
+    [ -x "$venv/bin/python" ] || return 1
+    "$venv/bin/python" -c \
+        "import sys; sys.exit(sys.version_info < (${MIN_MAJOR}, ${MIN_MINOR}))" 2>/dev/null \
+        || return 1
+    "$venv/bin/python" -m pip --version >/dev/null 2>&1 || return 1
+}
+if [ -e "$venv" ] && ! venv_ok; then
+    echo "make: $venv is incomplete or broken (a failed earlier attempt?); rebuilding it" >&2
+    rm -rf "$venv"
+elif [ -e "$marker" ]; then
+    echo "make: the last install into $venv did not finish; rebuilding it" >&2
+    rm -rf "$venv"
+fi
+if [ ! -e "$venv" ]; then
+    if ! "$python" -m venv "$venv"; then
+        rm -rf "$venv"
+        fail "'$python -m venv' failed. On Debian/Ubuntu install the venv module" \
+            "(apt-get install python${version}-venv) and run make again."
+    fi
+    if ! venv_ok; then
+        rm -rf "$venv"
+        fail "the new venv has no working pip. On Debian/Ubuntu install" \
+            "python${version}-venv and run make again."
+    fi
+fi
+
+# 3. Install. Any failure (or Ctrl-C) stops here with the marker left, so the next make
+# starts again from a new venv; the stamps are written only after every step.
+touch "$marker"
+"$venv/bin/python" -m pip install --quiet --upgrade pip
+target="."
+if [ -n "$extras" ]; then
+    target=".[$extras]"
+fi
+"$venv/bin/python" -m pip install --quiet -c constraints.txt -e "$target"
+if [ ! -f clients/squall/v1/broker_pb2.py ]; then
+    "$venv/bin/python" scripts/gen_protos.py
+fi
+rm -f "$marker"
+touch "$@"

@@ -1,0 +1,156 @@
+"""`squall completion bash|zsh`: a shell completion script made from the CLI's own parser.
+
+The script is generated from the argparse tree `squall` parses with (services.cli's
+build_parser), so every command, sub-command and option is offered as it exists in this
+version, with no dependency: sub-command names, each command's options, the choices of
+an option that has them, and file names after an option that takes a file or directory.
+zsh gets the same script through its bash-compatible completion (bashcompinit).
+
+    source <(squall completion bash)          # this shell; or install it once:
+    squall completion bash > /etc/bash_completion.d/squall
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from collections.abc import Iterator
+from typing import TextIO
+
+# Options whose value is a path: completed with file names. Anything named like these.
+_PATH_METAVARS = ("FILE", "DIR", "PATH", "DEST", "DATA_DIR")
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds `completion`."""
+    completion = commands.add_parser(
+        "completion",
+        help="print a shell completion script (source <(squall completion bash))",
+    )
+    completion.add_argument("shell", choices=("bash", "zsh"), help="the shell to complete for")
+    completion.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace, out: TextIO) -> int:
+    """Prints the script for args.shell."""
+    from services.cli import build_parser
+
+    out.write(script(build_parser(), args.shell))
+    return 0
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def _walk(
+    parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser]]:
+    yield path, parser
+    for name, child in _subparsers(parser).items():
+        yield from _walk(child, (*path, name))
+
+
+def _takes_value(action: argparse.Action) -> bool:
+    return bool(action.option_strings) and action.nargs != 0
+
+
+def _is_path(action: argparse.Action) -> bool:
+    metavar = action.metavar if isinstance(action.metavar, str) else ""
+    return any(word in metavar.upper() for word in _PATH_METAVARS)
+
+
+def _words(parser: argparse.ArgumentParser) -> list[str]:
+    """What may come next as a word: sub-commands, or a positional's fixed choices."""
+    words = list(_subparsers(parser))
+    for action in parser._actions:
+        if not action.option_strings and action.choices is not None and not words:
+            if not isinstance(action, argparse._SubParsersAction):
+                words.extend(str(choice) for choice in action.choices)
+    return words
+
+
+def script(parser: argparse.ArgumentParser, shell: str) -> str:
+    """The completion script for `squall`, as bash (zsh: with bashcompinit first)."""
+    words_cases: list[str] = []
+    options_cases: list[str] = []
+    value_cases: dict[str, str] = {}
+    for path, sub in _walk(parser):
+        key = shlex.quote(" ".join(path)) if path else '""'
+        words_cases.append(f"        {key}) echo {shlex.quote(' '.join(_words(sub)))} ;;")
+        options = [o for action in sub._actions for o in action.option_strings]
+        options_cases.append(f"        {key}) echo {shlex.quote(' '.join(options))} ;;")
+        for action in sub._actions:
+            if not _takes_value(action):
+                continue
+            if action.choices is not None:
+                reply = "compgen -W " + shlex.quote(" ".join(map(str, action.choices)))
+            elif _is_path(action):
+                reply = "compgen -f"
+            elif isinstance(action.metavar, str) and "|" in action.metavar:
+                # e.g. --from earliest|latest|N: offer the words, not the placeholder.
+                fixed = [w for w in action.metavar.split("|") if not w.isupper()]
+                reply = "compgen -W " + shlex.quote(" ".join(fixed))
+            else:
+                reply = ""  # a number, an address, a name: nothing to offer
+            for option in action.option_strings:
+                # One answer per option across commands; a path beats nothing.
+                if value_cases.get(option, "") in ("", reply) or reply == "compgen -f":
+                    value_cases[option] = reply
+    value_lines = []
+    for option, reply in sorted(value_cases.items()):
+        answer = f'COMPREPLY=($({reply} -- "$cur"))' if reply else "COMPREPLY=()"
+        value_lines.append(f"        {option}) {answer}; return ;;")
+    body = _TEMPLATE.format(
+        words="\n".join(words_cases),
+        options="\n".join(options_cases),
+        values="\n".join(value_lines),
+    )
+    if shell == "zsh":
+        return "autoload -U +X bashcompinit && bashcompinit\n" + body
+    return body
+
+
+_TEMPLATE = """\
+# squall shell completion, generated by `squall completion` from the CLI's parser.
+_squall_words() {{
+    case "$1" in
+{words}
+    esac
+}}
+_squall_options() {{
+    case "$1" in
+{options}
+    esac
+}}
+_squall() {{
+    local cur="${{COMP_WORDS[COMP_CWORD]}}" prev="${{COMP_WORDS[COMP_CWORD-1]}}"
+    local path="" word i
+    # The sub-commands typed so far, e.g. "topic list".
+    for ((i = 1; i < COMP_CWORD; i++)); do
+        word="${{COMP_WORDS[i]}}"
+        if [[ " $(_squall_words "$path") " == *" $word "* ]]; then
+            path="${{path:+$path }}$word"
+        fi
+    done
+    case "$prev" in
+{values}
+    esac
+    if [[ "$cur" == -* ]]; then
+        COMPREPLY=($(compgen -W "$(_squall_options "$path")" -- "$cur"))
+    else
+        # Sub-commands or fixed choices if there are any; else the argument is a name or
+        # a path (topics are not listed: that would call the cluster on every TAB).
+        word="$(_squall_words "$path")"
+        if [[ -n "$word" ]]; then
+            COMPREPLY=($(compgen -W "$word" -- "$cur"))
+        else
+            COMPREPLY=($(compgen -f -- "$cur"))
+        fi
+    fi
+}}
+complete -o default -F _squall squall
+"""

@@ -1,0 +1,45 @@
+"""`--json` for the CLI's listing commands (`topic list`, `topic subscribers`).
+
+Each prints one JSON object, keys sorted, for scripts and `jq`: the same fields the text
+table shows, with their full names and unabbreviated values (`status --json` and
+`store inspect --json` print their own documents).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from collections.abc import Iterable
+from typing import Any, TextIO
+
+import squall
+
+
+def add_json_flag(parser: argparse.ArgumentParser) -> None:
+    """The one --json option every listing command takes."""
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def topics_document(topics: Iterable[squall.TopicInfo]) -> dict[str, Any]:
+    """`topic list --json`: {"topics": [{name, kind, first_offset, next_offset, created_ms}]}."""
+    return {"topics": [dataclasses.asdict(info) for info in topics]}
+
+
+def subscribers_document(
+    topic: str, subscribers: Iterable[squall.PushSubscriberInfo]
+) -> dict[str, Any]:
+    """`topic subscribers NAME --json`: the topic and its push subscribers, QoS spelled out."""
+    rows = []
+    for sub in subscribers:
+        row = dataclasses.asdict(sub)
+        row["qos"] = dict(sub.qos)
+        row["retry_count"] = sub.retry_count
+        row["ordered"] = sub.ordered
+        rows.append(row)
+    return {"topic": topic, "subscribers": rows}
+
+
+def print_json(document: dict[str, Any], out: TextIO) -> None:
+    """One indented JSON document with sorted keys."""
+    print(json.dumps(document, indent=2, sort_keys=True), file=out)
