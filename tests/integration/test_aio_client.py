@@ -230,9 +230,7 @@ def test_master_kill_under_an_async_publisher_loses_nothing_acknowledged(
             offsets = [m.offset for m in delivered]
             assert offsets == sorted(set(offsets)), "a duplicate or out of order delivery"
             assert {m.offset for m in delivered} >= {r.offset for r in app.acked.values()}
-            assert [m.payload for m in delivered if m.offset <= last] == [
-                e.payload for e in events
-            ]
+            assert [m.payload for m in delivered if m.offset <= last] == [e.payload for e in events]
 
     asyncio.run(main())
 

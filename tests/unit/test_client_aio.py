@@ -1,0 +1,277 @@
+"""The asyncio client (`squall.aio`) against the fake brokers of the threaded client's tests.
+
+Goal: the same semantics as `squall`: topics and errors; publish and pipelined
+publish_many with receipts in input order and sequences on the wire in order even from
+several tasks at once; a lost answer (the stream ends UNAVAILABLE/UNKNOWN/DEADLINE after
+the broker stored the batch) is resent with the same (publisher_id, sequence) and stored
+once; a definite refusal is raised at once; `Indeterminate` comes only when the *time*
+budget ran out (a fake clock: far more than 16 attempts), and a definite answer after a
+lost one is still `Indeterminate`; subscriptions iterate, ack, and reconnect after a
+broken stream without handing the app a duplicate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+import squall
+import squall.aio
+from squall._proxy import GatewayBinding
+from squall.v1 import broker_pb2, broker_pb2_grpc
+from tests.unit.test_client import FakeBroker, serve_fake
+from tests.unit.test_client_retry import FAST, FlakyBroker
+
+
+@pytest.fixture
+def flaky() -> Iterator[FlakyBroker]:
+    fake = FlakyBroker()
+    server, address = serve_fake(fake)
+    fake.address = address  # type: ignore[attr-defined]
+    try:
+        yield fake
+    finally:
+        server.stop(grace=None)
+
+
+def _connect(broker: FakeBroker, **retry: int) -> squall.aio.Opening[squall.aio.Client]:
+    address: str = broker.address  # type: ignore[attr-defined]
+    return squall.aio.connect(address, timeout_s=5.0, **{**FAST, **retry})
+
+
+def _stored(broker: FakeBroker, topic: str = "t") -> collections.Counter[tuple[str, int]]:
+    with broker.cond:
+        events = list(broker.topics[topic].events)
+    return collections.Counter((e.publisher_id, e.sequence) for e in events)
+
+
+def test_topics_and_errors(flaky: FlakyBroker) -> None:
+    async def main() -> None:
+        client = await _connect(flaky)
+        try:
+            assert (await client.create_topic("t")).name == "t"
+            with pytest.raises(squall.AlreadyExists):
+                await client.create_topic("t")
+            assert [t.name for t in await client.topics()] == ["t"]
+            assert (await client.topic("t")).name == "t"
+            await client.destroy_topic("t")
+            with pytest.raises(squall.NotFound):
+                await client.topic("t")
+        finally:
+            await client.close()
+        with pytest.raises(ValueError, match="closed"):
+            await client.topics()
+
+    asyncio.run(main())
+
+
+def test_publish_many_from_several_tasks_keeps_sequences_in_wire_order(
+    flaky: FlakyBroker,
+) -> None:
+    async def main() -> list[list[squall.Receipt]]:
+        async with _connect(flaky) as client:
+            await client.create_topic("t")
+            topic = await client.topic("t")
+            async with topic.publisher("p", inflight_batches_max=3) as publisher:
+                batches = [[b"t%d-%d" % (t, i) for i in range(40)] for t in range(5)]
+                return list(
+                    await asyncio.gather(
+                        *(publisher.publish_many(b, batch_events=7) for b in batches)
+                    )
+                )
+
+    results = asyncio.run(main())
+    events = flaky.topics["t"].events
+    # Stored in sequence order (the wire order), each receipt at its own payload.
+    assert [e.sequence for e in events] == list(range(1, 201))
+    for t, receipts in enumerate(results):
+        assert [events[r.offset].payload for r in receipts] == [
+            b"t%d-%d" % (t, i) for i in range(40)
+        ]
+
+
+@pytest.mark.parametrize(
+    "code",
+    [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED],
+)
+def test_lost_answers_are_retried_and_stored_once(
+    flaky: FlakyBroker, code: grpc.StatusCode
+) -> None:
+    flaky.lose_answers, flaky.lose_code = 3, code
+    payloads = [b"e%d" % i for i in range(50)]
+
+    async def main() -> tuple[squall.Receipt, list[squall.Receipt], int]:
+        async with _connect(flaky) as client:
+            await client.create_topic("t")
+            topic = await client.topic("t")
+            async with topic.publisher("p") as publisher:
+                one = await publisher.publish(b"once")
+                many = await publisher.publish_many(payloads, batch_events=5)
+                return one, many, publisher.resends
+
+    one, many, resends = asyncio.run(main())
+    assert resends == 3
+    assert (one.offset, one.duplicate) == (0, True)
+    assert _stored(flaky) == {("p", s): 1 for s in range(1, 52)}
+    events = flaky.topics["t"].events
+    assert [events[r.offset].payload for r in many] == payloads
+
+
+def test_definite_failure_is_raised_at_once_and_not_retried(flaky: FlakyBroker) -> None:
+    flaky.refusals, flaky.refuse_code = 1, grpc.StatusCode.FAILED_PRECONDITION
+
+    async def main() -> None:
+        async with _connect(flaky) as client:
+            await client.create_topic("t")
+            topic = await client.topic("t")
+            async with topic.publisher("p") as publisher:
+                with pytest.raises(squall.FailedPrecondition) as err:
+                    await publisher.publish(b"refused")
+                assert not err.value.maybe_stored
+                assert publisher.resends == 0
+                assert (await publisher.publish(b"after")).offset == 0
+
+    asyncio.run(main())
+    assert _stored(flaky) == {("p", 2): 1}
+
+
+def test_definite_answer_after_a_lost_one_is_still_indeterminate(flaky: FlakyBroker) -> None:
+    flaky.lose_answers = 1
+    flaky.refuse_from_stream = 2
+
+    async def main() -> None:
+        async with _connect(flaky) as client:
+            await client.create_topic("t")
+            topic = await client.topic("t")
+            async with topic.publisher("p") as publisher:
+                with pytest.raises(squall.Indeterminate) as err:
+                    await publisher.publish(b"stored")
+                assert publisher.resends == 1
+        assert isinstance(err.value.__cause__, squall.FailedPrecondition)
+        assert "an earlier attempt may have stored the events" in err.value.details
+
+    asyncio.run(main())
+    assert _stored(flaky) == {("p", 1): 1}
+
+
+class _FakeClock:
+    """The retry budget's clock: it moves only when the publisher sleeps between retries."""
+
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def monotonic(self) -> float:
+        return self.now_s
+
+    async def sleep(self, seconds: float) -> None:
+        self.now_s += seconds
+
+
+def _fake_clock_publisher(
+    broker: FakeBroker, channel: grpc.aio.Channel, clock: _FakeClock, policy: squall.RetryPolicy
+) -> squall.aio.Publisher:
+    return squall.aio.Publisher(
+        GatewayBinding(broker_pb2_grpc.PublisherStub(channel)),
+        "t",
+        "p",
+        retry=policy,
+        monotonic=clock.monotonic,
+        sleep=clock.sleep,
+    )
+
+
+def test_indeterminate_only_after_the_time_budget(flaky: FlakyBroker) -> None:
+    # Every answer is lost: retrying goes on until 10 s of (fake) time have passed, far
+    # beyond the 16 attempts the old budget allowed.
+    flaky.lose_answers = 100_000
+    clock = _FakeClock()
+
+    async def main() -> int:
+        async with _connect(flaky) as client:
+            await client.create_topic("t")
+        async with grpc.aio.insecure_channel(flaky.address) as channel:  # type: ignore[attr-defined]
+            publisher = _fake_clock_publisher(flaky, channel, clock, squall.RetryPolicy())
+            with pytest.raises(squall.Indeterminate) as err:
+                await publisher.publish(b"lost")
+            assert err.value.maybe_stored
+            return publisher.resends
+
+    resends = asyncio.run(main())
+    assert squall.RETRY_TOTAL_MS_MAX_DEFAULT / 1000 <= clock.now_s
+    assert clock.now_s < squall.RETRY_TOTAL_MS_MAX_DEFAULT / 1000 + 0.25
+    assert resends > 16
+    assert _stored(flaky) == {("p", 1): 1}
+
+
+def test_a_publish_outlasting_many_attempts_succeeds_within_the_budget(flaky: FlakyBroker) -> None:
+    flaky.lose_answers = 40
+    clock = _FakeClock()
+
+    async def main() -> tuple[squall.Receipt, int]:
+        async with _connect(flaky) as client:
+            await client.create_topic("t")
+        async with grpc.aio.insecure_channel(flaky.address) as channel:  # type: ignore[attr-defined]
+            policy = squall.RetryPolicy(total_ms_max=60_000)
+            publisher = _fake_clock_publisher(flaky, channel, clock, policy)
+            receipt = await publisher.publish(b"late")
+            return receipt, publisher.resends
+
+    receipt, resends = asyncio.run(main())
+    assert resends == 40
+    assert (receipt.offset, receipt.duplicate) == (0, True)
+    assert _stored(flaky) == {("p", 1): 1}
+
+
+class _BreakingBroker(FakeBroker):
+    """Ends the first Subscribe stream with UNAVAILABLE after one response."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.subscribe_calls = 0
+
+    def Subscribe(
+        self, request: broker_pb2.SubscribeRequest, context: grpc.ServicerContext
+    ) -> Iterator[broker_pb2.SubscribeResponse]:
+        with self.cond:
+            self.subscribe_calls += 1
+            breaking = self.subscribe_calls == 1
+        for answered, response in enumerate(super().Subscribe(request, context)):
+            if breaking and answered == 1:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "the gateway went away")
+            yield response
+
+
+def test_subscription_iterates_acks_and_resumes_after_a_broken_stream() -> None:
+    broker = _BreakingBroker()
+    server, address = serve_fake(broker)
+    broker.address = address  # type: ignore[attr-defined]
+
+    async def main() -> tuple[list[int], int, int]:
+        async with _connect(broker) as client:
+            await client.create_topic("t")
+            topic = await client.topic("t")
+            async with topic.publisher("p") as publisher:
+                await publisher.publish_many([b"%d" % i for i in range(30)])
+            subscription = topic.subscribe(follow=False, max_batch_events=10)
+            offsets = [m.offset async for m in subscription]
+            # A durable subscription: ack moves the cursor the next one starts from.
+            async with topic.subscribe("billing", follow=False) as billing:
+                async for message in billing:
+                    if message.offset == 14:
+                        assert await billing.ack(message) == 15
+                        break
+            async with topic.subscribe("billing", follow=False) as billing:
+                first = (await billing.__anext__()).offset
+            return offsets, subscription.reconnects, first
+
+    try:
+        offsets, reconnects, first = asyncio.run(main())
+    finally:
+        server.stop(grace=None)
+    assert offsets == list(range(30))
+    assert reconnects == 1
+    assert first == 15
