@@ -9,7 +9,8 @@ fault the first acknowledgement came and the longest interval without one.
 
 Faults, in each trial: `kill`: kill -9 of the master node (both processes); `takeback`:
 the killed node, of higher priority, restarted and taking the lead back; `replica`: kill
--9 of the master's replica alone, restarted 2 s later.
+-9 of the master's replica alone, restarted 2 s later; `pause`: SIGSTOP of the master node
+(both processes) for 5 s, then SIGCONT.
 
     .venv/bin/python -m scripts.proxy_gap --trials 3
 """
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
+import signal
 import tempfile
 import threading
 import time
@@ -29,6 +32,7 @@ from tests.integration.conftest import ROOT, LocalCluster, make_cluster
 
 _SETTLE_S = 3.0
 _REPLICA_DOWN_S = 2.0
+_PAUSE_S = 5.0
 _WAIT_S = 60.0
 
 
@@ -125,6 +129,20 @@ def _trial(cluster: LocalCluster, apps: list[_App]) -> None:
     _wait(lambda: acked_since(time.monotonic() - 0.5), "every path acknowledged again")
     time.sleep(_SETTLE_S)
     _report("replica", apps, fault_at, time.monotonic())
+
+    master = cluster.wait_for_master()
+    pids = [cluster.services[(kind, master)].process.pid for kind in ("coordinator", "replica")]
+    fault_at = time.monotonic()
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(_PAUSE_S)
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    _wait(lambda: acked_since(time.monotonic() - 0.5), "every path acknowledged again")
+    time.sleep(_SETTLE_S)
+    _report("pause", apps, fault_at, time.monotonic())
 
 
 def main() -> None:

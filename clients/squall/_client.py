@@ -370,7 +370,15 @@ class Client:
                 tracer_provider,
             )
 
-        return ProxyBinding(endpoints, replicated=replicated, make_channel=make_channel)
+        def master_of(timeout_s: float) -> str:
+            # GetPublisher lists the master first; the gateway forwards it to the master
+            # its group views name.
+            answer = self._topic_manager.GetPublisher(request, timeout=timeout_s)
+            return next((e.replica_address for e in answer.endpoints if e.replica_address), "")
+
+        return ProxyBinding(
+            endpoints, replicated=replicated, make_channel=make_channel, master_of=master_of
+        )
 
     def _forget_publisher(self, publisher: Publisher) -> None:
         with self._lock:

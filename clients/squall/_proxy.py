@@ -93,6 +93,14 @@ class GatewayBinding:
         """The gateway follows redirects itself: never one to follow here."""
         return False
 
+    def can_check_master(self) -> bool:
+        """The gateway follows the master itself (and ends a stream when it moves)."""
+        return False
+
+    def check_master(self, timeout_s: float) -> str:
+        """Never asked (see can_check_master)."""
+        return ""
+
     def close(self) -> None:
         """The channel is the client's."""
 
@@ -106,10 +114,14 @@ class ProxyBinding:
         *,
         replicated: bool,
         make_channel: Callable[[str], Any],
+        master_of: Callable[[float], str] | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("a publisher proxy needs at least one endpoint")
         self.replicated = replicated
+        # Asks the gateway which replica is master (its address; "" if it cannot say
+        # within the timeout given).
+        self._master_of = master_of
         self._endpoints = list(endpoints)
         self._make_channel = make_channel
         self._lock = threading.Lock()
@@ -210,6 +222,20 @@ class ProxyBinding:
                     return  # back to the endpoint the list was on
                 self._index = positions[0]
             self._index = (self._index + 1) % len(self._endpoints)
+
+    def can_check_master(self) -> bool:
+        """True if this proxy can ask the gateway who the master is."""
+        return self._master_of is not None
+
+    def check_master(self, timeout_s: float) -> str:
+        """The master's replica address as the gateway knows it ("" if it cannot say)."""
+        if self._master_of is None:
+            return ""
+        try:
+            return self._master_of(timeout_s)
+        except Exception:
+            # Only a hint: a failed check leaves the stream to its own timeout.
+            return ""
 
     def take_redirect(self) -> bool:
         """True once after a slave's redirect named the master the next stream goes to."""

@@ -34,6 +34,10 @@ from squall.v1 import broker_pb2, common_pb2
 EventLike = bytes | tuple[bytes | None, bytes] | tuple[bytes | None, bytes, Mapping[str, str]] | Any
 
 INFLIGHT_BATCHES_MAX_DEFAULT = 8
+# A publisher proxy waiting this long for a receipt asks the gateway who the master is
+# (once per such wait): a master that hangs after the group elected another cannot end its
+# streams, and the receipt would otherwise be waited for until the publisher's timeout.
+RECEIPT_STALL_CHECK_S = 0.5
 BATCH_EVENTS_DEFAULT = 500
 # A batch is one gRPC message; with 100-byte events 10,000 is ~1.3 MB, far under the
 # 64 MiB message limit, and keeps one response's conversion short.

@@ -57,11 +57,19 @@ from squall._errors import (
     error_for,
     rpc_status,
 )
-from squall._proxy import Binding, Endpoint, GatewayBinding, ProxyBinding, RebindCallback
+from squall._proxy import (
+    MASTER_ADDRESS_KEY,
+    Binding,
+    Endpoint,
+    GatewayBinding,
+    ProxyBinding,
+    RebindCallback,
+)
 from squall._publish_rules import (
     BATCH_EVENTS_DEFAULT,
     BATCH_EVENTS_MAX,
     INFLIGHT_BATCHES_MAX_DEFAULT,
+    RECEIPT_STALL_CHECK_S,
     EventLike,
     NotSent,
     RetryRun,
@@ -86,6 +94,7 @@ __all__ = [
     "BATCH_EVENTS_DEFAULT",
     "BATCH_EVENTS_MAX",
     "INFLIGHT_BATCHES_MAX_DEFAULT",
+    "RECEIPT_STALL_CHECK_S",
     "EventLike",
     "Publisher",
     "new_publisher_id",
@@ -128,6 +137,9 @@ class _Stream:
         self.dead = False
         # Set before cancelling the call on purpose, so the reader reports why.
         self.abort_error: SquallError | None = None
+        # Set when the stream was abandoned because another replica is master now: the
+        # binding follows it as it would a slave's redirect.
+        self.moved_to = ""
         self.call: Any = None
         self.reader: threading.Thread | None = None
 
@@ -491,9 +503,14 @@ class Publisher:
             return stream, future
 
     def _result(self, stream: _Stream, future: Future[list[Receipt]]) -> list[Receipt]:
-        """Waits for one batch; on timeout abandons its stream, making it Indeterminate."""
+        """Waits for one batch; on timeout abandons its stream, making it Indeterminate.
+
+        A proxy's stream whose receipt is late is checked against the master the gateway
+        names: if that is another replica, the stream is abandoned at once and the batch
+        retried there (see RECEIPT_STALL_CHECK_S).
+        """
         try:
-            return future.result(self._timeout_s)
+            return self._result_or_move(stream, future)
         except FutureTimeoutError:
             with self._cond:
                 self._abort(
@@ -507,6 +524,42 @@ class Publisher:
             raise Indeterminate(
                 f"no receipt within {self._timeout_s} s", grpc.StatusCode.DEADLINE_EXCEEDED
             ) from None
+
+    def _result_or_move(self, stream: _Stream, future: Future[list[Receipt]]) -> list[Receipt]:
+        """future.result(timeout_s); while a proxy's receipt is late, checks every
+        RECEIPT_STALL_CHECK_S that the stream's replica is still the master, and abandons
+        the stream as soon as the gateway names another (FutureTimeoutError at the
+        timeout)."""
+        endpoint = stream.endpoint
+        if endpoint is None or not self._binding.can_check_master():
+            return future.result(self._timeout_s)
+        deadline = self._monotonic() + self._timeout_s
+        # Bounded by the deadline: each pass waits RECEIPT_STALL_CHECK_S or for the check.
+        while (remaining_s := deadline - self._monotonic()) > 0:
+            try:
+                return future.result(min(RECEIPT_STALL_CHECK_S, remaining_s))
+            except FutureTimeoutError:
+                pass
+            master = self._binding.check_master(RECEIPT_STALL_CHECK_S)
+            if not master or master == endpoint.address or future.done():
+                continue
+            log.info(
+                "publisher %s: no receipt from %s (%s) and the master is now %s: resending there",
+                self._publisher_id,
+                endpoint.node_id,
+                endpoint.address,
+                master,
+            )
+            with self._cond:
+                if not stream.dead and stream.abort_error is None:
+                    stream.moved_to = master
+                self._abort(
+                    stream,
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"no receipt from {endpoint.address}, and the master is now {master}",
+                )
+            return future.result(max(0.0, deadline - self._monotonic()))
+        return future.result(0)
 
     def _live_stream(self) -> _Stream:
         """The open stream, opening one if there is none (caller holds the lock)."""
@@ -646,6 +699,8 @@ class Publisher:
                 )
         if stream.abort_error is not None:
             code = stream.abort_error.code
+        if stream.moved_to:
+            trailing = ((MASTER_ADDRESS_KEY, stream.moved_to),)
         self._binding.stream_failed(stream.endpoint, code, trailing)
         self._fail(stream, code, details)
 

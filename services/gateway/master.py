@@ -231,6 +231,20 @@ class MasterTracker:
             )
         return self._channels[master.replica_address]
 
+    async def moved_from(self, address: str) -> Master:
+        """Waits until the views name a master other than the replica at `address`.
+
+        A publish stream forwarded to a master that was deposed meanwhile ends then: a
+        master that hangs (paused, a stuck disk) cannot end its streams itself.
+        """
+        # Bounded: each pass waits for the next change of master; the caller cancels it.
+        while True:
+            master = self.master
+            if master is not None and master.replica_address != address:
+                return master
+            changed = self._changed
+            await changed.wait()
+
     # --- the watches
 
     def start(self) -> None:

@@ -8,6 +8,11 @@ A real three-node cluster (deploy/cluster.example.toml) and its gateway. Goals:
   one after the app asks for a new proxy, as documented), the replicated one never hands
   the app an error, and every acknowledged event is stored once, readable at the offset
   its receipt names;
+* the master node paused (SIGSTOP of both its processes) while the group elects another:
+  every path (gateway, both proxies) publishes to the new master while the old one is
+  still paused — the receipt timeout is far longer than the pause, so only noticing the
+  new master (the gateway from its views, a proxy by asking the gateway when a receipt is
+  late) gets there;
 * a gateway restarted on the same port (down a few seconds) while a library publisher
   publishes through it: the retry budget (time, not a count of attempts) rides it out, so
   no `Indeterminate` reaches the app and nothing acknowledged is lost.
@@ -17,6 +22,8 @@ The tests assert on recovery, not on speed (scripts/proxy_gap.py measures the ga
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +40,9 @@ _ACKS_AFTER = 20
 _RECOVERY_S = 60.0
 _GATEWAY_DOWN_S = 3.0
 _REPLICA_DOWN_S = 2.0
+# Longer than any failover here, far shorter than the receipt timeout below.
+_PAUSE_S = 20.0
+_PATIENT_TIMEOUT_S = 120.0
 
 
 class _App(threading.Thread):
@@ -193,6 +203,64 @@ def test_proxies_resume_after_the_masters_replica_is_killed_and_restarted(
 
     new, apps = _run_proxies_across(trio, kill_replica, "kill-replica")
     _check_receipts(trio, new, "kill-replica", apps)
+
+
+def test_every_path_moves_to_the_new_master_while_the_old_one_is_paused(
+    trio: LocalCluster,  # noqa: F811
+) -> None:
+    old = trio.wait_for_master()
+    pids = [trio.services[(kind, old)].process.pid for kind in ("coordinator", "replica")]
+    # A receipt timeout far beyond the pause: a publisher that waited for it would still
+    # be waiting when the pause ends.
+    with squall.connect(trio.gateway_address, timeout_s=_PATIENT_TIMEOUT_S) as client:
+        client.create_topic("paused")
+        topic = client.topic("paused")
+        gateway = topic.publisher("gateway")
+        replicated = topic.publisher("replicated", replicated=True)
+        apps = [
+            _App("gateway", lambda s: gateway.publish(b"gateway %d" % s)),
+            _App("replicated", lambda s: replicated.publish(b"replicated %d" % s)),
+            _App("non-replicated", _non_replicated(topic, "non-replicated")),
+        ]
+        for app in apps:
+            app.start()
+        paused = False
+        try:
+            wait_for(
+                lambda: all(a.acked_since(0) >= _ACKS_BEFORE for a in apps),
+                _RECOVERY_S,
+                "every path publishing before the pause",
+            )
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+            paused = True
+            paused_at = time.monotonic()
+            new = trio.wait_for_master(timeout_s=_PAUSE_S, exclude=old)
+
+            def moved() -> bool:
+                with_new = [sum(r.master_id == new for r in list(a.acked.values())) for a in apps]
+                return all(n >= _ACKS_AFTER for n in with_new)
+
+            wait_for(
+                lambda: moved() or time.monotonic() - paused_at > _PAUSE_S,
+                _PAUSE_S + 10,
+                "the pause to end",
+            )
+            assert moved(), {
+                a.name: sum(r.master_id == new for r in list(a.acked.values())) for a in apps
+            }
+        finally:
+            if paused:
+                for pid in pids:
+                    os.kill(pid, signal.SIGCONT)
+            for app in apps:
+                app.halt()
+            gateway.close()
+            replicated.close()
+    assert not apps[0].errors and not apps[1].errors, [
+        repr(e) for e in (apps[0].errors + apps[1].errors)[:5]
+    ]
+    _check_receipts(trio, trio.wait_for_master(), "paused", apps)
 
 
 def test_a_library_publisher_rides_out_a_gateway_restart(trio: LocalCluster) -> None:  # noqa: F811
