@@ -306,3 +306,56 @@ def test_non_replicated_proxy_raises_publisher_lost_and_a_new_one_works(
         ]
 
     asyncio.run(main())
+
+
+def test_push_endpoint_on_the_event_loop_receives_every_event_in_order(
+    single: LocalCluster,
+) -> None:
+    async def main() -> None:
+        deliveries: list[squall.PushDelivery] = []
+        failures = 0
+
+        async def handle(delivery: squall.PushDelivery) -> None:
+            nonlocal failures
+            if failures == 0:
+                failures += 1
+                raise RuntimeError("down once")  # the master retries (retry_count=-1)
+            deliveries.append(delivery)
+
+        async with (
+            squall.aio.PushEndpoint() as endpoint,
+            squall.aio.connect(single.gateway_address) as client,
+        ):
+            await client.create_topic("orders")
+            topic = await client.topic("orders")
+            info = await topic.subscribe_push(
+                "billing",
+                endpoint,
+                reliability="ordered",
+                retry_count=-1,
+                start="earliest",
+                on_delivery=handle,
+            )
+            assert (info.subscriber_id, info.ordered) == ("billing", True)
+            with pytest.raises(squall.AlreadySubscribed):
+                await topic.subscribe_push("billing", endpoint)
+            async with topic.publisher() as publisher:
+                receipts = await publisher.publish_many([b"%d" % i for i in range(200)])
+            last = receipts[-1].offset
+            await _until(
+                lambda: any(m.offset == last for d in deliveries for m in d.messages),
+                WAIT_S,
+                "every event pushed",
+            )
+            assert [s.subscriber_id for s in await topic.push_subscribers()] == ["billing"]
+            await topic.unsubscribe_push("billing")
+            assert await topic.push_subscribers() == []
+        offsets = [m.offset for d in deliveries for m in d.messages]
+        # Ordered: each batch follows the last one handled; the failed one came again.
+        assert offsets == list(range(200))
+        assert [m.payload for d in deliveries for m in d.messages] == [
+            b"%d" % i for i in range(200)
+        ]
+        assert failures == 1
+
+    asyncio.run(main())
