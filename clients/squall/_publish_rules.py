@@ -23,7 +23,7 @@ import grpc
 import tenacity
 
 from squall._errors import Indeterminate, PublisherLost, SquallError, Unavailable, error_for
-from squall._proxy import Binding
+from squall._proxy import MASTER_ADDRESS_KEY, Binding, Endpoint
 from squall._retry import Outcome, RetryPolicy, overall
 from squall._types import Receipt, receipt_count
 from squall.v1 import broker_pb2, common_pb2
@@ -197,6 +197,33 @@ def stream_end_errors(
 def not_sent_error(details: str) -> NotSent:
     """The error of buffered events a broken stream never sent (safe to retry)."""
     return NotSent(f"not sent: the publish stream ended ({details})", grpc.StatusCode.CANCELLED)
+
+
+def stall_move(publisher_id: str, endpoint: Endpoint, master: str) -> str:
+    """Where a proxy's stream whose receipt is late moves, given the master the gateway
+    named ("" if it could not say): that master when it is another replica, else "" (keep
+    waiting). A move is logged; the stream is then abandoned with `stall_details`."""
+    if not master or master == endpoint.address:
+        return ""
+    log.info(
+        "publisher %s: no receipt from %s (%s) and the master is now %s: resending there",
+        publisher_id,
+        endpoint.node_id,
+        endpoint.address,
+        master,
+    )
+    return master
+
+
+def stall_details(endpoint: Endpoint, master: str) -> str:
+    """Why a stream was abandoned after a late receipt (see `stall_move`)."""
+    return f"no receipt from {endpoint.address}, and the master is now {master}"
+
+
+def moved_trailing(moved_to: str) -> tuple[tuple[str, str], ...] | None:
+    """The trailing metadata a stream abandoned for `moved_to` is treated as having: a
+    slave's redirect there, which a replicated proxy follows at once (None: no move)."""
+    return ((MASTER_ADDRESS_KEY, moved_to),) if moved_to else None
 
 
 def mark_rebound(receipts: list[Receipt]) -> None:

@@ -58,7 +58,6 @@ from squall._errors import (
     rpc_status,
 )
 from squall._proxy import (
-    MASTER_ADDRESS_KEY,
     Binding,
     Endpoint,
     GatewayBinding,
@@ -78,11 +77,14 @@ from squall._publish_rules import (
     check_publisher_args,
     copy_for_retry,
     mark_rebound,
+    moved_trailing,
     new_publisher_id,
     new_request,
     new_session_token,
     not_sent_error,
     response_mismatch,
+    stall_details,
+    stall_move,
     stream_end_errors,
     worth_retrying,
 )
@@ -540,23 +542,16 @@ class Publisher:
                 return future.result(min(RECEIPT_STALL_CHECK_S, remaining_s))
             except FutureTimeoutError:
                 pass
-            master = self._binding.check_master(RECEIPT_STALL_CHECK_S)
-            if not master or master == endpoint.address or future.done():
+            checked = self._binding.check_master(RECEIPT_STALL_CHECK_S)
+            if future.done() or not (master := stall_move(self._publisher_id, endpoint, checked)):
                 continue
-            log.info(
-                "publisher %s: no receipt from %s (%s) and the master is now %s: resending there",
-                self._publisher_id,
-                endpoint.node_id,
-                endpoint.address,
-                master,
-            )
             with self._cond:
                 if not stream.dead and stream.abort_error is None:
                     stream.moved_to = master
                 self._abort(
                     stream,
                     grpc.StatusCode.UNAVAILABLE,
-                    f"no receipt from {endpoint.address}, and the master is now {master}",
+                    stall_details(endpoint, master),
                 )
             return future.result(max(0.0, deadline - self._monotonic()))
         return future.result(0)
@@ -700,7 +695,7 @@ class Publisher:
         if stream.abort_error is not None:
             code = stream.abort_error.code
         if stream.moved_to:
-            trailing = ((MASTER_ADDRESS_KEY, stream.moved_to),)
+            trailing = moved_trailing(stream.moved_to)
         self._binding.stream_failed(stream.endpoint, code, trailing)
         self._fail(stream, code, details)
 

@@ -12,13 +12,20 @@ Goals, each a behaviour an app sees:
   published, each (publisher_id, sequence) stored once; a following async subscription
   hands the app every acknowledged event once, in offset order, across the kill;
 * the replicated proxy moves to the new master and says so (`on_rebind`, `rebound`);
-  the non-replicated proxy raises `PublisherLost` instead, and a new one works.
+  the non-replicated proxy raises `PublisherLost` instead, and a new one works;
+* the master node paused (SIGSTOP) while another is elected, with a receipt timeout far
+  longer than the pause: async publishers through the gateway and through a replicated
+  proxy (which asks the gateway who the master is when a receipt is late) publish to the
+  new master during the pause, nothing acknowledged lost;
+* `squall.aio.PushEndpoint` serves push deliveries to a coroutine callback.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import os
+import signal
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -191,7 +198,7 @@ def _check_nothing_acknowledged_lost(
     assert not wrong, f"acknowledged but not readable at the receipt's offset: {wrong[:10]}"
     counts = collections.Counter((e.publisher_id, e.sequence) for e in events)
     assert not [k for k, n in counts.items() if n > 1], "a sequence was stored twice"
-    assert {e.publisher_id for e in events} == {publisher_id}
+    assert publisher_id in {e.publisher_id for e in events}
     return events
 
 
@@ -357,5 +364,52 @@ def test_push_endpoint_on_the_event_loop_receives_every_event_in_order(
             b"%d" % i for i in range(200)
         ]
         assert failures == 1
+
+    asyncio.run(main())
+
+
+def test_async_publishers_move_to_the_new_master_while_the_old_one_is_paused(
+    cluster_factory: Callable[..., LocalCluster],
+) -> None:
+    trio = cluster_factory("cluster.example.toml")
+    trio.start_all()
+    pause_s = 20.0  # longer than any failover here, far shorter than the receipt timeout
+
+    async def main() -> None:
+        old = await asyncio.to_thread(trio.wait_for_master)
+        pids = [trio.services[(kind, old)].process.pid for kind in ("coordinator", "replica")]
+        async with squall.aio.connect(trio.gateway_address, timeout_s=120.0) as client:
+            await client.create_topic("paused")
+            topic = await client.topic("paused")
+            apps = [
+                _AsyncApp(await topic.publisher("gateway"), tasks=2),
+                _AsyncApp(await topic.publisher("replicated", replicated=True), tasks=2),
+            ]
+            running = [asyncio.create_task(app.run()) for app in apps]
+            try:
+                await _until(
+                    lambda: all(a.acked_by(old) >= 50 for a in apps), WAIT_S, "acks before"
+                )
+                for pid in pids:
+                    os.kill(pid, signal.SIGSTOP)
+                try:
+                    new = await asyncio.to_thread(trio.wait_for_master, pause_s, old)
+                    await _until(
+                        lambda: all(a.acked_by(new) >= 50 for a in apps),
+                        pause_s,
+                        f"both publishers acknowledged by {new} during the pause",
+                    )
+                finally:
+                    for pid in pids:
+                        os.kill(pid, signal.SIGCONT)
+            finally:
+                for app in apps:
+                    app.stop = True
+                await asyncio.wait_for(asyncio.gather(*running), 150.0)
+                for app in apps:
+                    await app.publisher.close()
+        assert all(not app.failed for app in apps), [app.failed[:3] for app in apps]
+        for app in apps:
+            _check_nothing_acknowledged_lost(trio, new, "paused", app, app.publisher.publisher_id)
 
     asyncio.run(main())

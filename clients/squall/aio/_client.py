@@ -41,7 +41,7 @@ from squall._subscriber import Start, subscribe_request
 from squall._tls import TlsOptions
 from squall._types import ClusterStatus, TopicInfo, kind_to_pb
 from squall.aio._channel import open_channel
-from squall.aio._publisher import Publisher
+from squall.aio._publisher import MasterCheck, Publisher
 from squall.aio._push import AsyncDeliveryCallback, PushEndpoint
 from squall.aio._subscriber import Subscription
 from squall.v1 import broker_pb2, broker_pb2_grpc, gateway_pb2, gateway_pb2_grpc
@@ -254,6 +254,7 @@ class Client:
     ) -> Publisher:
         self._check_open()
         binding: Binding
+        check_master: MasterCheck | None = None
         if replicated is None:
             if on_rebind is not None:
                 raise ValueError(
@@ -263,6 +264,7 @@ class Client:
             binding = GatewayBinding(self._publisher_stub)
         else:
             binding = await self._proxy(topic, replicated)
+            check_master = self._master_check(topic)
         publisher = Publisher(
             binding,
             topic,
@@ -273,6 +275,7 @@ class Client:
             on_close=self._publishers.discard,
             retry=self._retry,
             on_rebind=on_rebind,
+            check_master=check_master,
         )
         self._publishers.add(publisher)
         return publisher
@@ -303,6 +306,17 @@ class Client:
             )
 
         return ProxyBinding(endpoints, replicated=replicated, make_channel=make_channel)
+
+    def _master_check(self, topic: str) -> MasterCheck:
+        """How a proxy asks which replica is master: GetPublisher lists it first (the
+        gateway forwards the call to the master its group views name)."""
+        request = broker_pb2.GetPublisherRequest(topic=topic)
+
+        async def master_of(timeout_s: float) -> str:
+            answer = await self._topic_manager.GetPublisher(request, timeout=timeout_s)
+            return next((e.replica_address for e in answer.endpoints if e.replica_address), "")
+
+        return master_of
 
     def _new_subscription(self, request: broker_pb2.SubscribeRequest, dedupe: bool) -> Subscription:
         self._check_open()

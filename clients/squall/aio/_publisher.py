@@ -35,6 +35,7 @@ from squall._proxy import Binding, Endpoint, GatewayBinding, ProxyBinding, Rebin
 from squall._publish_rules import (
     BATCH_EVENTS_DEFAULT,
     INFLIGHT_BATCHES_MAX_DEFAULT,
+    RECEIPT_STALL_CHECK_S,
     EventLike,
     NotSent,
     RetryRun,
@@ -43,9 +44,12 @@ from squall._publish_rules import (
     check_publisher_args,
     copy_for_retry,
     mark_rebound,
+    moved_trailing,
     new_request,
     new_session_token,
     response_mismatch,
+    stall_details,
+    stall_move,
     stream_end_errors,
 )
 from squall._retry import RetryPolicy
@@ -55,6 +59,8 @@ from squall.v1 import broker_pb2
 log = logging.getLogger("squall")
 
 Sleep = Callable[[float], Awaitable[None]]
+# Asks the gateway which replica is master (its address; "" if it cannot say in time).
+MasterCheck = Callable[[float], Awaitable[str]]
 
 
 class _Batch:
@@ -84,6 +90,9 @@ class _Stream:
         self.dead = False
         # Set before cancelling the call on purpose, so the reader reports why.
         self.abort_error: SquallError | None = None
+        # Set when abandoned because another replica is master now: the binding follows
+        # it as it would a slave's redirect.
+        self.moved_to = ""
         self.call: Any = None
         self.reader: asyncio.Task[None] | None = None
 
@@ -120,6 +129,7 @@ class Publisher:
         on_rebind: RebindCallback | None = None,
         monotonic: Callable[[], float] = time.monotonic,
         sleep: Sleep = asyncio.sleep,
+        check_master: MasterCheck | None = None,
     ) -> None:
         check_publisher_args(publisher_id, start_sequence, inflight_batches_max, timeout_s)
         self._retry = retry if retry is not None else RetryPolicy()
@@ -129,6 +139,8 @@ class Publisher:
         self._sleep = sleep
         self._binding = binding
         self._on_rebind = on_rebind
+        # A proxy's check of the master when a receipt is late (RECEIPT_STALL_CHECK_S).
+        self._check_master = check_master if isinstance(binding, ProxyBinding) else None
         self._answered_endpoint: Endpoint | None = None
         self._rebinds = 0
         self._topic = topic
@@ -399,9 +411,14 @@ class Publisher:
     async def _result(
         self, stream: _Stream, future: asyncio.Future[list[Receipt]]
     ) -> list[Receipt]:
-        """Waits for one batch; on timeout abandons its stream, making it Indeterminate."""
+        """Waits for one batch; on timeout abandons its stream, making it Indeterminate.
+
+        A proxy's stream whose receipt is late is checked against the master the gateway
+        names: if that is another replica, the stream is abandoned at once and the batch
+        retried there (as the threaded publisher does; RECEIPT_STALL_CHECK_S).
+        """
         try:
-            return await asyncio.wait_for(asyncio.shield(future), self._timeout_s)
+            return await self._result_or_move(stream, future)
         except TimeoutError:
             self._abort(
                 stream, grpc.StatusCode.DEADLINE_EXCEEDED, f"no receipt within {self._timeout_s} s"
@@ -412,6 +429,40 @@ class Publisher:
             raise Indeterminate(
                 f"no receipt within {self._timeout_s} s", grpc.StatusCode.DEADLINE_EXCEEDED
             ) from None
+
+    async def _result_or_move(
+        self, stream: _Stream, future: asyncio.Future[list[Receipt]]
+    ) -> list[Receipt]:
+        """The batch's receipts within timeout_s (TimeoutError otherwise); while a proxy's
+        receipt is late, checks every RECEIPT_STALL_CHECK_S that the stream's replica is
+        still the master, and abandons the stream once the gateway names another."""
+        endpoint = stream.endpoint
+        if endpoint is None or self._check_master is None:
+            return await asyncio.wait_for(asyncio.shield(future), self._timeout_s)
+        deadline = self._monotonic() + self._timeout_s
+        # Bounded by the deadline: each pass waits RECEIPT_STALL_CHECK_S or for the check.
+        while (remaining_s := deadline - self._monotonic()) > 0:
+            try:
+                wait_s = min(RECEIPT_STALL_CHECK_S, remaining_s)
+                return await asyncio.wait_for(asyncio.shield(future), wait_s)
+            except TimeoutError:
+                pass
+            try:
+                checked = await asyncio.wait_for(
+                    self._check_master(RECEIPT_STALL_CHECK_S), 2 * RECEIPT_STALL_CHECK_S
+                )
+            except Exception:
+                checked = ""  # only a hint: a failed check leaves the stream to its timeout
+            if future.done() or not (master := stall_move(self._publisher_id, endpoint, checked)):
+                continue
+            if not stream.dead and stream.abort_error is None:
+                stream.moved_to = master
+            self._abort(stream, grpc.StatusCode.UNAVAILABLE, stall_details(endpoint, master))
+            remaining_s = max(0.0, deadline - self._monotonic())
+            return await asyncio.wait_for(asyncio.shield(future), remaining_s)
+        if future.done():
+            return future.result()
+        raise TimeoutError
 
     def _live_stream(self) -> _Stream:
         """The open stream, opening one if there is none."""
@@ -535,6 +586,8 @@ class Publisher:
             )
         if stream.abort_error is not None:
             code = stream.abort_error.code
+        if stream.moved_to:
+            trailing = moved_trailing(stream.moved_to)
         self._binding.stream_failed(stream.endpoint, code, trailing)
         self._fail(stream, code, details)
 
