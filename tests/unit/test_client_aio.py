@@ -7,7 +7,9 @@ the broker stored the batch) is resent with the same (publisher_id, sequence) an
 once; a definite refusal is raised at once; `Indeterminate` comes only when the *time*
 budget ran out (a fake clock: far more than 16 attempts), and a definite answer after a
 lost one is still `Indeterminate`; subscriptions iterate, ack, and reconnect after a
-broken stream without handing the app a duplicate.
+broken stream without handing the app a duplicate; the replicated proxy fails over,
+reports the move and follows a slave's redirect, the non-replicated one raises
+`PublisherLost` (with `maybe_stored` as the attempt left it) and a new one works.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import squall.aio
 from squall._proxy import GatewayBinding
 from squall.v1 import broker_pb2, broker_pb2_grpc
 from tests.unit.test_client import FakeBroker, serve_fake
+from tests.unit.test_client_failover import _Cluster
 from tests.unit.test_client_retry import FAST, FlakyBroker
 
 
@@ -275,3 +278,101 @@ def test_subscription_iterates_acks_and_resumes_after_a_broken_stream() -> None:
     assert offsets == list(range(30))
     assert reconnects == 1
     assert first == 15
+
+
+# -- publisher proxies (the threaded client's fake replicas) ------------------------------
+
+
+@pytest.fixture
+def replicas() -> Iterator[_Cluster]:
+    made = _Cluster(replicas=3)
+    try:
+        yield made
+    finally:
+        made.stop()
+
+
+def _proxy_client(replicas: _Cluster) -> squall.aio.Opening[squall.aio.Client]:
+    return squall.aio.connect(replicas.gateway, timeout_s=5.0, **FAST)
+
+
+def test_replicated_proxy_fails_over_and_reports_the_move(replicas: _Cluster) -> None:
+    moves: list[tuple[squall.Endpoint, squall.Endpoint]] = []
+    # Each stream answers 3 requests, then ends with UNAVAILABLE before storing the 4th.
+    replicas.broker.break_stream_after = 3
+
+    async def main() -> tuple[list[squall.Receipt], int]:
+        async with _proxy_client(replicas) as client:
+            await client.create_topic("t")
+            topic = await client.topic("t")
+            async with topic.publisher(
+                "p", replicated=True, on_rebind=lambda old, new: moves.append((old, new))
+            ) as publisher:
+                receipts = [await publisher.publish(b"%d" % i) for i in range(1, 6)]
+                return receipts, publisher.rebinds
+
+    receipts, rebinds = asyncio.run(main())
+    assert [r.rebound for r in receipts] == [False, False, False, True, False]
+    assert moves == [
+        (
+            squall.Endpoint("n1", replicas.addresses["n1"]),
+            squall.Endpoint("n2", replicas.addresses["n2"]),
+        )
+    ]
+    assert rebinds == 1
+    stored = _stored_tokens(replicas.broker)
+    assert [(p, s) for p, s, _ in stored] == [("p", s) for s in range(1, 6)]
+
+
+def test_replicated_proxy_follows_a_slaves_redirect(replicas: _Cluster) -> None:
+    # n1 is a slave naming n3 as master; n2 would be next in the list: the redirect wins.
+    replicas.broker.slave_addresses[replicas.addresses["n1"]] = replicas.addresses["n3"]
+
+    async def main() -> squall.Endpoint | None:
+        async with _proxy_client(replicas) as client:
+            await client.create_topic("t")
+            async with (await client.topic("t")).publisher("p", replicated=True) as publisher:
+                await publisher.publish(b"x")
+                return publisher.endpoint
+
+    assert asyncio.run(main()) == squall.Endpoint("n3", replicas.addresses["n3"])
+    assert replicas.broker.publish_peers == [replicas.addresses["n1"], replicas.addresses["n3"]]
+
+
+def test_non_replicated_proxy_raises_on_master_loss_and_a_new_one_works(
+    replicas: _Cluster,
+) -> None:
+    replicas.broker.break_stream_after = 2
+
+    async def main() -> None:
+        async with _proxy_client(replicas) as client:
+            await client.create_topic("t")
+            topic = await client.topic("t")
+            publisher = await topic.publisher("p", replicated=False)
+            await publisher.publish(b"1")
+            await publisher.publish(b"2")
+            with pytest.raises(squall.PublisherLost) as lost:
+                await publisher.publish(b"3")
+            assert lost.value.maybe_stored  # it was sent when the master went
+            with pytest.raises(squall.PublisherLost) as again:
+                await publisher.publish(b"4")
+            assert not again.value.maybe_stored  # never sent
+            await publisher.close()
+            assert replicas.broker.publish_peers == [replicas.addresses["n1"]]
+            replicas.broker.break_stream_after = 0
+            async with topic.publisher("p", replicated=False, start_sequence=3) as fresh:
+                await fresh.publish(b"3")
+            with pytest.raises(ValueError, match="on_rebind"):
+                await topic.publisher(on_rebind=lambda old, new: None)
+
+    asyncio.run(main())
+    assert [(p, s) for p, s, _ in _stored_tokens(replicas.broker)] == [
+        ("p", 1),
+        ("p", 2),
+        ("p", 3),
+    ]
+
+
+def _stored_tokens(broker: FakeBroker) -> list[tuple[str, int, str]]:
+    with broker.cond:
+        return [(e.publisher_id, e.sequence, e.session_token) for e in broker.topics["t"].events]
