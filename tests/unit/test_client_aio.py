@@ -376,3 +376,49 @@ def test_non_replicated_proxy_raises_on_master_loss_and_a_new_one_works(
 def _stored_tokens(broker: FakeBroker) -> list[tuple[str, int, str]]:
     with broker.cond:
         return [(e.publisher_id, e.sequence, e.session_token) for e in broker.topics["t"].events]
+
+
+class _TraceBroker(FakeBroker):
+    """Remembers the traceparent and authorization each CreateTopic call carried."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.headers: list[dict[str, str]] = []
+
+    def CreateTopic(
+        self, request: broker_pb2.CreateTopicRequest, context: grpc.ServicerContext
+    ) -> broker_pb2.CreateTopicResponse:
+        metadata = dict(context.invocation_metadata())
+        self.headers.append({k: str(metadata.get(k, "")) for k in ("traceparent", "authorization")})
+        return super().CreateTopic(request, context)
+
+
+def test_calls_are_traced_and_carry_the_token() -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    broker = _TraceBroker()
+    server, address = serve_fake(broker)
+
+    async def main() -> None:
+        async with squall.aio.connect(
+            address, tracer_provider=provider, token="s3cret-token-value"
+        ) as client:
+            await client.create_topic("t")
+            await asyncio.sleep(0.05)  # the span ends in a task once the status is read
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.stop(grace=None)
+    (span,) = [s for s in exporter.get_finished_spans() if s.name.endswith("CreateTopic")]
+    assert span.name == "squall.v1.TopicManager/CreateTopic"
+    assert span.attributes is not None and span.attributes["rpc.grpc.status_code"] == 0
+    (headers,) = broker.headers
+    assert headers["authorization"] == "Bearer s3cret-token-value"
+    # The server saw this span's context: the trace id is the span's.
+    assert f"{span.context.trace_id:032x}" in headers["traceparent"]
