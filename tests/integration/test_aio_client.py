@@ -137,7 +137,8 @@ class _AsyncApp:
         self.publisher = publisher
         self.tasks = tasks
         self.stop = False
-        # payload -> receipt, for every publish the app saw succeed.
+        # payload -> receipt, for every publish the app saw succeed (publish,
+        # publish_many and publish_async in turn).
         self.acked: dict[bytes, squall.Receipt] = {}
         self.failed: list[BaseException] = []
 
@@ -150,9 +151,19 @@ class _AsyncApp:
                 return
             payloads = [b"t%d-r%d-e%d" % (number, round_, i) for i in range(20)]
             try:
-                if round_ % 2:
+                if round_ % 3 == 1:
                     receipts = [await self.publisher.publish(payloads[0])]
                     payloads = payloads[:1]
+                elif round_ % 3 == 2:
+                    # Queued one by one, batched by the publisher, retried by its task.
+                    futures = [await self.publisher.publish_async(p) for p in payloads]
+                    outcomes = await asyncio.gather(*futures, return_exceptions=True)
+                    for payload, outcome in zip(payloads, outcomes, strict=True):
+                        if isinstance(outcome, squall.Receipt):
+                            self.acked[payload] = outcome
+                        else:
+                            self.failed.append(outcome)
+                    continue
                 else:
                     receipts = await self.publisher.publish_many(payloads, batch_events=5)
             except squall.SquallError as error:

@@ -161,6 +161,48 @@ def test_definite_answer_after_a_lost_one_is_still_indeterminate(flaky: FlakyBro
     assert _stored(flaky) == {("p", 1): 1}
 
 
+def test_publish_async_retries_lost_batches_and_every_future_succeeds(flaky: FlakyBroker) -> None:
+    flaky.lose_answers = 2
+
+    async def main() -> list[squall.Receipt]:
+        async with _connect(flaky) as client:
+            await client.create_topic("t")
+            topic = await client.topic("t")
+            async with topic.publisher("p", inflight_batches_max=2) as publisher:
+                futures = [await publisher.publish_async(b"a%d" % i) for i in range(200)]
+                await publisher.flush()
+                assert all(f.done() for f in futures)
+                # Events queued while the window was full went out batched.
+                assert flaky.requests_seen < 200
+                return [f.result() for f in futures]
+
+    receipts = asyncio.run(main())
+    assert len({r.offset for r in receipts}) == 200
+    assert _stored(flaky) == {("p", s): 1 for s in range(1, 201)}
+    events = flaky.topics["t"].events
+    assert [events[r.offset].payload for r in receipts] == [b"a%d" % i for i in range(200)]
+
+
+def test_events_buffered_when_the_stream_broke_are_sent_on_the_next(flaky: FlakyBroker) -> None:
+    # A one-batch window: while the first batch waits, later events queue in the buffer;
+    # the stream ends, and the buffer goes out on a fresh stream instead of failing.
+    flaky.lose_answers = 1
+
+    async def main() -> None:
+        async with _connect(flaky) as client:
+            await client.create_topic("t")
+            topic = await client.topic("t")
+            async with topic.publisher("p", inflight_batches_max=1) as publisher:
+                futures = [await publisher.publish_async(b"b%d" % i) for i in range(50)]
+                # Mixed with publish_many: its sequences follow the buffered ones.
+                receipts = await publisher.publish_many([b"m%d" % i for i in range(10)])
+                results = await asyncio.gather(*futures)
+                assert len(results) == 50 and len(receipts) == 10
+
+    asyncio.run(main())
+    assert _stored(flaky) == {("p", s): 1 for s in range(1, 61)}
+
+
 class _FakeClock:
     """The retry budget's clock: it moves only when the publisher sleeps between retries."""
 

@@ -34,6 +34,7 @@ from squall._errors import Indeterminate, SquallError, error_for, rpc_status
 from squall._proxy import Binding, Endpoint, GatewayBinding, ProxyBinding, RebindCallback
 from squall._publish_rules import (
     BATCH_EVENTS_DEFAULT,
+    BATCH_EVENTS_MAX,
     INFLIGHT_BATCHES_MAX_DEFAULT,
     RECEIPT_STALL_CHECK_S,
     EventLike,
@@ -47,14 +48,16 @@ from squall._publish_rules import (
     moved_trailing,
     new_request,
     new_session_token,
+    not_sent_error,
     response_mismatch,
     stall_details,
     stall_move,
     stream_end_errors,
+    worth_retrying,
 )
 from squall._retry import RetryPolicy
 from squall._types import Receipt, receipts_from_pb
-from squall.v1 import broker_pb2
+from squall.v1 import broker_pb2, common_pb2
 
 log = logging.getLogger("squall")
 
@@ -66,14 +69,21 @@ MasterCheck = Callable[[float], Awaitable[str]]
 class _Batch:
     """One sent request waiting for its response."""
 
-    __slots__ = ("count", "future", "request_id")
+    __slots__ = ("count", "future", "is_async", "request", "request_id")
 
     def __init__(
-        self, request: broker_pb2.PublishRequest, future: asyncio.Future[list[Receipt]]
+        self,
+        request: broker_pb2.PublishRequest,
+        future: asyncio.Future[list[Receipt]],
+        is_async: bool,
     ) -> None:
+        self.request = request
         self.request_id = request.request_id
         self.count = len(request.events)
         self.future = future
+        # Buffered events' batches are retried by a task of the publisher when their
+        # stream ends; any other batch is retried by the caller waiting on it.
+        self.is_async = is_async
 
 
 class _Stream:
@@ -100,6 +110,24 @@ class _Stream:
         """The request iterator gRPC consumes; ends at the None sentinel."""
         while (request := await self.requests.get()) is not None:
             yield request
+
+
+# A buffered batch to retry: its future, the request as sent, the error it ended with.
+_Retry = tuple[asyncio.Future[list[Receipt]], broker_pb2.PublishRequest, SquallError]
+
+
+def _dispatch(futures: list[asyncio.Future[Receipt]], batch: asyncio.Future[list[Receipt]]) -> None:
+    """Resolves the per-event futures of a buffered batch from the batch's outcome; a
+    future the app cancelled is skipped (the event is published anyway)."""
+    error = batch.exception()
+    if error is not None:
+        for future in futures:
+            if not future.done():
+                future.set_exception(error)
+        return
+    for future, receipt in zip(futures, batch.result(), strict=False):
+        if not future.done():
+            future.set_result(receipt)
 
 
 def _settled(future: asyncio.Future[Any]) -> None:
@@ -153,8 +181,13 @@ class Publisher:
         self._stream: _Stream | None = None
         self._closed = False
         self._streams_opened = 0
-        # Batches sent whose futures are not yet resolved (flush waits for zero).
+        # Batch futures not yet resolved, sent or buffered (flush waits for zero).
         self._unresolved = 0
+        # Events from publish_async waiting for a window slot, sequences assigned.
+        self._buffer: list[common_pb2.EventData] = []
+        self._buffer_futures: list[asyncio.Future[Receipt]] = []
+        # Tasks retrying buffered batches after their stream ended (kept referenced).
+        self._retry_tasks: set[asyncio.Task[None]] = set()
         self._resends = 0
         # Set and replaced on every change waiters care about (a slot freed, a stream
         # died, a batch resolved): one loop, so no check can miss a wake-up.
@@ -226,14 +259,49 @@ class Publisher:
         check_batch_events(batch_events)
         return await self._publish_batches(events, batch_events)
 
-    async def flush(self, timeout_s: float | None = None) -> None:
-        """Waits until every publish in flight (from any task) has its outcome.
+    async def publish_async(
+        self, payload: bytes, key: bytes | None = None, headers: Mapping[str, str] | None = None
+    ) -> asyncio.Future[Receipt]:
+        """Queues one event and returns a future for its receipt (await it, or `flush()`).
 
-        On timeout the stream is abandoned (its batches are retried by their callers
-        under the retry policy) and `Indeterminate` is raised.
+        The asyncio `publish_async` of the threaded client: events queued while the
+        in-flight window is full go out together as one batch when a slot frees, so many
+        small publishes batch themselves; their batches are retried like any other
+        (here by a task of the publisher). Awaiting this call waits only while
+        BATCH_EVENTS_MAX events are already queued (DeadlineExceeded after the timeout).
+        """
+        future: asyncio.Future[Receipt] = asyncio.get_running_loop().create_future()
+        while True:
+            self._check_open()
+            stream = self._live_stream()
+            if len(self._buffer) < BATCH_EVENTS_MAX:
+                break
+            # Buffer and window full: wait for the reader to drain it.
+            if not await self._wait_until(
+                lambda: len(self._buffer) < BATCH_EVENTS_MAX, self._timeout_s
+            ):
+                raise error_for(grpc.StatusCode.DEADLINE_EXCEEDED, "publish window stayed full")
+        # Built here so a bad payload type raises in the caller, not the reader task.
+        self._buffer.append(
+            common_pb2.EventData(
+                key=key or b"", payload=payload, headers=headers, sequence=self._next_sequence
+            )
+        )
+        self._next_sequence += 1
+        self._buffer_futures.append(future)
+        if len(stream.pending) < self._inflight_max:
+            self._send_buffer(stream)
+        return future
+
+    async def flush(self, timeout_s: float | None = None) -> None:
+        """Waits until every publish so far (from any task, publish_async's included) has
+        its outcome.
+
+        On timeout the stream is abandoned (its batches are retried under the retry
+        policy) and `Indeterminate` is raised.
         """
         wait_s = self._timeout_s if timeout_s is None else timeout_s
-        if await self._wait_until(lambda: self._unresolved == 0, wait_s):
+        if await self._wait_until(lambda: not self._buffer and self._unresolved == 0, wait_s):
             return
         if self._stream is not None:
             self._abort(
@@ -491,14 +559,21 @@ class Publisher:
         waited on died for someone else's batch; None also when the window stays full for
         the whole timeout.
         """
-        for _attempt in range(2):
+        dead_streams = 0
+        # Bounded: every pass waits for a slot (at most timeout_s), and sends the buffer
+        # or ends; buffered events hold earlier sequences and go out first.
+        for _pass in range(10_000):
             stream = self._live_stream()
             if current is not None and stream is not current:
                 return None
             waited = await self._wait_slot(stream)
+            if waited == "ok" and self._buffer:
+                self._send_buffer(stream)
+                continue
             if waited == "ok":
                 return stream
-            if waited == "timeout" or current is not None:
+            dead_streams += 1
+            if waited == "timeout" or current is not None or dead_streams >= 2:
                 return None
         return None
 
@@ -520,13 +595,46 @@ class Publisher:
         stream: _Stream,
         request: broker_pb2.PublishRequest,
         future: asyncio.Future[list[Receipt]],
+        *,
+        is_async: bool = False,
     ) -> None:
         """Queues one request on the stream."""
         request.request_id = self._next_request_id
         self._next_request_id += 1
-        stream.pending.append(_Batch(request, future))
-        self._unresolved += 1
+        stream.pending.append(_Batch(request, future, is_async))
+        self._track(future)
         stream.requests.put_nowait(request)
+
+    def _track(self, future: asyncio.Future[Any]) -> None:
+        """Counts a batch future until it resolves, for flush()."""
+        self._unresolved += 1
+        future.add_done_callback(self._resolved)
+
+    def _resolved(self, _future: asyncio.Future[Any]) -> None:
+        self._unresolved -= 1
+        self._notify()
+
+    def _send_buffer(self, stream: _Stream) -> None:
+        """Sends the buffered events as one batch (a slot is free)."""
+        buffered, futures = self._buffer, self._buffer_futures
+        self._buffer, self._buffer_futures = [], []
+        request = new_request(self._topic, self._publisher_id, stream.session_token)
+        request.events.extend(buffered)
+        batch = self._buffered_batch(futures)
+        self._send(stream, request, batch, is_async=True)
+
+    def _buffered_batch(
+        self, futures: list[asyncio.Future[Receipt]]
+    ) -> asyncio.Future[list[Receipt]]:
+        """A batch future that resolves the events' own futures when it resolves."""
+        batch: asyncio.Future[list[Receipt]] = asyncio.get_running_loop().create_future()
+
+        def done(finished: asyncio.Future[list[Receipt]]) -> None:
+            _dispatch(futures, finished)
+            _settled(finished)
+
+        batch.add_done_callback(done)
+        return batch
 
     def _abort(self, stream: _Stream, code: grpc.StatusCode, details: str) -> None:
         """Abandons a stream: its reader fails its batches with this reason."""
@@ -567,7 +675,8 @@ class Publisher:
                     self._report_rebind(moved_from, stream.endpoint)
                 if not batch.future.done():
                     batch.future.set_result(receipts)
-                self._unresolved -= 1
+                if self._buffer and self._stream is stream:
+                    self._send_buffer(stream)  # the slot this answer freed
                 self._notify()
         except grpc.aio.AioRpcError as err:
             code, details = rpc_status(err)
@@ -621,21 +730,61 @@ class Publisher:
             log.exception("publisher %s: on_rebind callback failed", self._publisher_id)
 
     def _fail(self, stream: _Stream, code: grpc.StatusCode, details: str) -> None:
-        """Ends a stream: its unanswered batches fail (their callers retry them)."""
+        """Ends a stream: its unanswered batches fail (their callers retry them; buffered
+        events' batches, and the events not yet sent, are retried by a task here)."""
         stream.dead = True
-        if self._stream is stream:
+        retries: list[_Retry] = []
+        # The unsent events hold later sequences than any sent batch: retried last.
+        unsent_retry: list[_Retry] = []
+        if self._stream is stream or self._stream is None:
+            # The buffer waits for the current stream; a newer stream keeps its own.
             self._stream = None
+            if self._buffer:
+                unsent_events, futures = self._buffer, self._buffer_futures
+                self._buffer, self._buffer_futures = [], []
+                buffered = self._buffered_batch(futures)
+                self._track(buffered)
+                unsent = not_sent_error(details)
+                if self._retry.retries and worth_retrying(unsent, self._closed):
+                    request = new_request(self._topic, self._publisher_id)
+                    request.events.extend(unsent_events)
+                    unsent_retry.append((buffered, request, unsent))
+                else:
+                    not_sent = error_for(unsent.code, unsent.details)
+                    buffered.set_exception(self._binding.lost_error(not_sent) or not_sent)
         pending = list(stream.pending)
         stream.pending.clear()
         stream.requests.put_nowait(None)  # ends gRPC's request consumer, waiting on our queue
         first, rest = stream_end_errors(code, details, stream.abort_error)
         for i, batch in enumerate(pending):
             error = first if i == 0 else rest
-            if not batch.future.done():
-                batch.future.set_exception(self._binding.lost_error(error) or error)
-                _settled(batch.future)
-        self._unresolved -= len(pending)
+            if batch.future.done():
+                continue
+            if batch.is_async and self._retry.retries and worth_retrying(error, self._closed):
+                retries.append((batch.future, batch.request, error))
+                continue
+            batch.future.set_exception(self._binding.lost_error(error) or error)
+            _settled(batch.future)
+        retries += unsent_retry
+        if retries:
+            task = asyncio.get_running_loop().create_task(self._retry_in_order(retries))
+            self._retry_tasks.add(task)
+            task.add_done_callback(self._retry_tasks.discard)
         self._notify()
+
+    async def _retry_in_order(self, retries: list[_Retry]) -> None:
+        """Retries buffered batches of an ended stream one after another, in sequence order,
+        and resolves each batch future with the final outcome."""
+        for future, request, error in retries:
+            try:
+                future.set_result(await self._retry_batch(request, error))
+            except SquallError as final:
+                future.set_exception(final)
+            except Exception as exc:
+                # A bug must not leave the app's futures waiting for ever.
+                future.set_exception(
+                    Indeterminate(f"client failed retrying a batch: {exc!r}", error.code)
+                )
 
 
 def gateway_binding(stub: Any) -> Binding:
