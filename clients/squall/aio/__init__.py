@@ -22,7 +22,9 @@ Everything behaves as in the threaded client, from the same code where it is not
   sequences within the client's retry time budget (`retry_total_ms_max`, 10 s by
   default); `Indeterminate` only once it ran out. `replicated=True` / `False` give the
   replicated and non-replicated publisher proxies (`on_rebind`, `PublisherLost`).
-  Several tasks awaiting `publish` at once pipeline their events on the one stream.
+  Several tasks awaiting `publish` at once pipeline their events on the one stream;
+  `await publisher.publish_async(...)` queues one event and returns a future for its
+  receipt (events queued while the window is full go out as one batch).
 * Subscriptions are async iterators that reconnect on a broken stream and resume from
   the durable cursor or the last offset delivered + 1, deduplicated by default.
 * `PushEndpoint` serves push deliveries on the event loop to coroutine callbacks.

@@ -13,7 +13,9 @@ What differs is waiting: one event loop, no threads. Sequences are assigned and 
 request queued with no `await` in between, so the order on the wire is the order of the
 sequences even when many tasks publish at once. A reader task per stream matches each
 response to the oldest unanswered batch. Publishing from several tasks at once pipelines
-their batches on the one stream (that is the asyncio counterpart of `publish_async`).
+their batches on the one stream; `publish_async` queues single events that go out as
+one batch when a slot frees, as in the threaded publisher, and a task of the publisher
+retries such batches (in sequence order) when their stream ends.
 """
 
 from __future__ import annotations
