@@ -43,6 +43,7 @@ _REPLICA_DOWN_S = 2.0
 # Longer than any failover here, far shorter than the receipt timeout below.
 _PAUSE_S = 20.0
 _PATIENT_TIMEOUT_S = 120.0
+_BUDGET_MS = 60_000
 
 
 class _App(threading.Thread):
@@ -150,7 +151,11 @@ def _run_proxies_across(
 ) -> tuple[str, list[_App]]:
     """Runs both proxies across `fault(master)`; returns the master after it and the apps."""
     old = cluster.wait_for_master()
-    with squall.connect(cluster.gateway_address, timeout_s=5.0) as client:
+    # The default budget (10 s) covers these faults on a quiet machine; a loaded one may
+    # take longer to restart a process, and what is tested here is recovery, not speed.
+    with squall.connect(
+        cluster.gateway_address, timeout_s=5.0, retry_total_ms_max=_BUDGET_MS
+    ) as client:
         client.create_topic(topic_name)
         topic = client.topic(topic_name)
         replicated = topic.publisher("replicated", replicated=True)
@@ -180,10 +185,10 @@ def _run_proxies_across(
             replicated.close()
     # The replicated proxy fails over silently: the app never saw an error.
     assert not apps[0].errors, [repr(e) for e in apps[0].errors[:5]]
-    # The non-replicated one only ever says it lost its master (then the app asks again).
-    unexpected = [
-        e for e in apps[1].errors if not isinstance(e, squall.PublisherLost | squall.Unavailable)
-    ]
+    # The non-replicated one only ever says it lost its master, or (asking for a new one
+    # during the election) that there is none yet; then the app asks again.
+    expected = squall.PublisherLost | squall.Unavailable | squall.DeadlineExceeded
+    unexpected = [e for e in apps[1].errors if not isinstance(e, expected)]
     assert not unexpected, [repr(e) for e in unexpected[:5]]
     return new, apps
 
@@ -212,7 +217,9 @@ def test_every_path_moves_to_the_new_master_while_the_old_one_is_paused(
     pids = [trio.services[(kind, old)].process.pid for kind in ("coordinator", "replica")]
     # A receipt timeout far beyond the pause: a publisher that waited for it would still
     # be waiting when the pause ends.
-    with squall.connect(trio.gateway_address, timeout_s=_PATIENT_TIMEOUT_S) as client:
+    with squall.connect(
+        trio.gateway_address, timeout_s=_PATIENT_TIMEOUT_S, retry_total_ms_max=_BUDGET_MS
+    ) as client:
         client.create_topic("paused")
         topic = client.topic("paused")
         gateway = topic.publisher("gateway")
