@@ -464,3 +464,30 @@ def test_calls_are_traced_and_carry_the_token() -> None:
     assert headers["authorization"] == "Bearer s3cret-token-value"
     # The server saw this span's context: the trace id is the span's.
     assert f"{span.context.trace_id:032x}" in headers["traceparent"]
+
+
+def test_replicated_proxy_leaves_a_hung_master_for_the_one_the_gateway_names(
+    replicas: _Cluster,
+) -> None:
+    # n1 hangs (paused) after the group elected n2: the receipt would be waited for until
+    # the timeout (60 s); a late receipt makes the proxy ask the gateway, which names n2
+    # first, and the batch goes there with the same id and sequence.
+    async def main() -> tuple[squall.Receipt, squall.Endpoint | None]:
+        async with squall.aio.connect(replicas.gateway, timeout_s=60.0, **FAST) as client:
+            await client.create_topic("t")
+            topic = await client.topic("t")
+            async with topic.publisher("p", replicated=True) as publisher:
+                replicas.broker.hung_addresses.add(replicas.addresses["n1"])
+                replicas.broker.endpoints = [
+                    ("n2", replicas.addresses["n2"]),
+                    ("n1", replicas.addresses["n1"]),
+                    ("n3", replicas.addresses["n3"]),
+                ]
+                receipt = await asyncio.wait_for(publisher.publish(b"x"), 30)
+                return receipt, publisher.endpoint
+
+    receipt, endpoint = asyncio.run(main())
+    assert not receipt.duplicate
+    assert endpoint == squall.Endpoint("n2", replicas.addresses["n2"])
+    assert replicas.broker.publish_peers == [replicas.addresses["n1"], replicas.addresses["n2"]]
+    assert [(p, s) for p, s, _ in _stored_tokens(replicas.broker)] == [("p", 1)]
