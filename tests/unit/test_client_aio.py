@@ -491,3 +491,87 @@ def test_replicated_proxy_leaves_a_hung_master_for_the_one_the_gateway_names(
     assert endpoint == squall.Endpoint("n2", replicas.addresses["n2"])
     assert replicas.broker.publish_peers == [replicas.addresses["n1"], replicas.addresses["n2"]]
     assert [(p, s) for p, s, _ in _stored_tokens(replicas.broker)] == [("p", 1)]
+
+
+# -- subscriptions across broken streams (the threaded client's fake replicas) ------------
+
+
+async def _fill_topic(client: squall.aio.Client, count: int) -> squall.aio.Topic:
+    await client.create_topic("t")
+    topic = await client.topic("t")
+    async with topic.publisher("filler") as publisher:
+        await publisher.publish_many(b"%d" % i for i in range(count))
+    return topic
+
+
+def test_durable_subscription_resumes_from_its_cursor_and_dedupe_decides_duplicates(
+    replicas: _Cluster,
+) -> None:
+    async def main() -> tuple[list[int], list[int], int]:
+        async with _proxy_client(replicas) as client:
+            topic = await _fill_topic(client, 6)
+            # Broken after 2 responses of 2: the durable cursor is still 0, so the new
+            # stream starts over; dedupe drops what the app already has.
+            replicas.broker.break_subscribes, replicas.broker.break_after_responses = 1, 2
+            async with topic.subscribe("a", follow=False, max_batch_events=2) as deduped:
+                kept = [m.offset async for m in deduped]
+            replicas.broker.break_subscribes, replicas.broker.break_after_responses = 1, 2
+            async with topic.subscribe("b", follow=False, max_batch_events=2, dedupe=False) as raw:
+                every = [m.offset async for m in raw]
+            return kept, every, deduped.duplicates_dropped
+
+    kept, every, dropped = asyncio.run(main())
+    assert kept == [0, 1, 2, 3, 4, 5]
+    assert dropped == 4
+    assert every == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5]
+
+
+def test_subscription_gives_up_after_the_budget_and_not_on_a_definite_error(
+    replicas: _Cluster,
+) -> None:
+    async def main() -> None:
+        async with squall.aio.connect(
+            replicas.gateway, timeout_s=5.0, retry_attempts_max=3, **FAST
+        ) as client:
+            topic = await _fill_topic(client, 4)
+            replicas.broker.break_subscribes, replicas.broker.break_after_responses = 100, 0
+            subscription = topic.subscribe(follow=False)
+            with pytest.raises(squall.Unavailable):
+                [m async for m in subscription]
+            assert subscription.reconnects == 2
+            replicas.broker.break_subscribes = 1
+            replicas.broker.break_code = grpc.StatusCode.PERMISSION_DENIED
+            refused = topic.subscribe(follow=False)
+            with pytest.raises(squall.PermissionDenied):
+                [m async for m in refused]
+            assert refused.reconnects == 0
+
+    asyncio.run(main())
+
+
+def test_close_during_the_reconnect_backoff_ends_iteration(replicas: _Cluster) -> None:
+    async def main() -> list[squall.Message]:
+        async with squall.aio.connect(
+            replicas.gateway,
+            timeout_s=5.0,
+            retry_backoff_initial_ms=30_000,
+            retry_backoff_max_ms=60_000,
+        ) as client:
+            topic = await _fill_topic(client, 1)
+            # The stream breaks at its first response: the subscription waits its
+            # (long) backoff before reconnecting.
+            replicas.broker.break_subscribes, replicas.broker.break_after_responses = 100, 0
+            subscription = topic.subscribe(follow=True)
+
+            async def drain() -> list[squall.Message]:
+                return [m async for m in subscription]
+
+            draining = asyncio.create_task(drain())
+            await asyncio.sleep(0.5)  # the first stream broke; the backoff is long
+            assert replicas.broker.subscribe_requests, "the subscription never subscribed"
+            await subscription.close()
+            # Ends now, not after the backoff (the draw is up to 30 s; a short one only
+            # means another broken stream and another backoff).
+            return await asyncio.wait_for(draining, 5)
+
+    assert asyncio.run(main()) == []
