@@ -117,6 +117,12 @@ def assemble(
         "pipelined_publish_runs_events_per_s": {},
         "one_at_a_time_events_per_s": {},
         "publish_latency_ms": {},
+        # The asyncio client (squall.aio) measured in the same run, and its rate over the
+        # threaded client's (1.0: as fast).
+        "aio_pipelined_publish_events_per_s": {},
+        "aio_one_at_a_time_events_per_s": {},
+        "aio_over_threaded_pipelined": {},
+        "aio_over_threaded_one_at_a_time": {},
         "subscribe_events_per_s": {},
         "memory_bytes": {},
         "catch_up_events_per_s": catch_up.get("events_per_s") if catch_up else None,
@@ -132,6 +138,17 @@ def assemble(
         one = figures.get("one_at_a_time") or {}
         summary["one_at_a_time_events_per_s"][policy] = one.get("events_per_s")
         summary["publish_latency_ms"][policy] = summarize(one.get("latency_ms_samples", []))
+        aio = figures.get("aio") or {}
+        aio_pipelined = (aio.get("pipelined_publish") or {}).get("events_per_s")
+        aio_one = (aio.get("one_at_a_time") or {}).get("events_per_s")
+        summary["aio_pipelined_publish_events_per_s"][policy] = aio_pipelined
+        summary["aio_one_at_a_time_events_per_s"][policy] = aio_one
+        summary["aio_over_threaded_pipelined"][policy] = _ratio(
+            aio_pipelined, pipelined.get("events_per_s")
+        )
+        summary["aio_over_threaded_one_at_a_time"][policy] = _ratio(
+            aio_one, one.get("events_per_s")
+        )
         summary["subscribe_events_per_s"][policy] = (figures.get("subscribe") or {}).get(
             "events_per_s"
         )
@@ -250,6 +267,13 @@ def _mib(value: Any) -> str:
     return "-" if value is None else f"{value / MIB:.1f}"
 
 
+def _ratio(numerator: Any, denominator: Any) -> float | None:
+    """numerator / denominator to two places, None when either is missing or zero."""
+    if not numerator or not denominator:
+        return None
+    return round(float(numerator) / float(denominator), 2)
+
+
 def markdown(report: dict[str, Any], plots: dict[str, str]) -> str:
     """The report as Markdown: tables of the summary, the plots embedded, the machine."""
     summary = report["summary"]
@@ -294,6 +318,22 @@ def markdown(report: dict[str, Any], plots: dict[str, str]) -> str:
             [
                 _num(summary["one_at_a_time_events_per_s"].get(p))
                 + _capped(report["policies"][p].get("one_at_a_time"))
+                for p in policies
+            ],
+        ),
+        _row(
+            "pipelined publish, asyncio client `squall.aio` (median of runs; x threaded)",
+            [
+                _num(summary.get("aio_pipelined_publish_events_per_s", {}).get(p))
+                + _times(summary.get("aio_over_threaded_pipelined", {}).get(p))
+                for p in policies
+            ],
+        ),
+        _row(
+            "one at a time, asyncio client (x threaded)",
+            [
+                _num(summary.get("aio_one_at_a_time_events_per_s", {}).get(p))
+                + _times(summary.get("aio_over_threaded_one_at_a_time", {}).get(p))
                 for p in policies
             ],
         ),
@@ -432,6 +472,10 @@ def _gap_section(report: dict[str, Any], plots: dict[str, str]) -> list[str]:
     lines.append("")
     lines += _image(plots, "fault_gaps", "Publisher-visible gap per fault kind and path")
     return lines
+
+
+def _times(ratio: Any) -> str:
+    return "" if ratio is None else f" ({ratio:.2f}x)"
 
 
 def _row(label: str, cells: Sequence[str]) -> str:

@@ -21,6 +21,7 @@ did so far and says so.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 import os
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import squall
+import squall.aio
 from deploy import processes
 from deploy.launcher import NODE_SERVICES
 
@@ -293,6 +295,81 @@ def pipelined_publish(
             done += len(chunk)
         elapsed_s = time.perf_counter() - started
         cpu = meter.stop()
+    return {
+        "events": done,
+        "batch_events": BATCH_EVENTS,
+        "seconds": round(elapsed_s, 3),
+        "events_per_s": round(done / elapsed_s),
+        "mb_per_s": round(done * EVENT_BYTES / elapsed_s / 1e6, 2),
+        "hit_deadline": done < count,
+        "cpu_pct": cpu,
+    }
+
+
+def aio_unary_publish(
+    address: str, topic: str, count: int, deadline_s: float, meter: CpuMeter
+) -> dict[str, Any]:
+    """`unary_publish` with the asyncio client (`squall.aio`): one `await publish()` at a
+    time, each waiting for its receipt, on one event loop in this process."""
+    events = payloads(count)
+    latencies_s: list[float] = []
+
+    async def run() -> float:
+        async with squall.aio.connect(address) as client:
+            async with (await client.topic(topic)).publisher() as publisher:
+                await publisher.publish(b"warm-up")
+                stop_at = time.monotonic() + deadline_s
+                meter.start()
+                started = time.perf_counter()
+                for payload in events:
+                    if time.monotonic() > stop_at:
+                        break
+                    t0 = time.perf_counter()
+                    await publisher.publish(payload)
+                    latencies_s.append(time.perf_counter() - t0)
+                return time.perf_counter() - started
+
+    elapsed_s = asyncio.run(run())
+    cpu = meter.stop()
+    latencies_s.sort()
+    return {
+        "events": len(latencies_s),
+        "seconds": round(elapsed_s, 3),
+        "events_per_s": round(len(latencies_s) / elapsed_s),
+        "latency_ms_p50": round(1000 * percentile(latencies_s, 0.50), 3),
+        "latency_ms_p99": round(1000 * percentile(latencies_s, 0.99), 3),
+        "latency_ms_max": round(1000 * (latencies_s[-1] if latencies_s else 0.0), 3),
+        "hit_deadline": len(latencies_s) < count,
+        "cpu_pct": cpu,
+    }
+
+
+def aio_pipelined_publish(
+    address: str, topic: str, count: int, deadline_s: float, meter: CpuMeter
+) -> dict[str, Any]:
+    """`pipelined_publish` with the asyncio client: `await publish_many` in batches of
+    BATCH_EVENTS (the same window of in-flight batches), in chunks so the deadline is
+    checked."""
+    events = payloads(count)
+
+    async def run() -> tuple[int, float]:
+        done = 0
+        async with squall.aio.connect(address) as client:
+            async with (await client.topic(topic)).publisher() as publisher:
+                await publisher.publish_many(payloads(WARMUP_EVENTS), batch_events=BATCH_EVENTS)
+                stop_at = time.monotonic() + deadline_s
+                meter.start()
+                started = time.perf_counter()
+                while done < count and time.monotonic() < stop_at:
+                    chunk = events[done : done + CHUNK_EVENTS]
+                    receipts = await publisher.publish_many(chunk, batch_events=BATCH_EVENTS)
+                    if len(receipts) != len(chunk):
+                        raise RuntimeError(f"{len(receipts)} receipts for {len(chunk)} events")
+                    done += len(chunk)
+                return done, time.perf_counter() - started
+
+    done, elapsed_s = asyncio.run(run())
+    cpu = meter.stop()
     return {
         "events": done,
         "batch_events": BATCH_EVENTS,

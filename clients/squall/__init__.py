@@ -36,6 +36,11 @@ settings) and resume from the durable cursor or from the last offset delivered +
 delivery is at-least-once; by default the library drops events at or below the last
 offset it delivered (`dedupe=False` hands every copy to the app).
 
+Asyncio apps use `squall.aio` (`await squall.aio.connect(...)` or `async with`): the same
+keyword arguments, topics, idempotent pipelined publishers (the same retry rules, from
+the same code in `squall._publish_rules`), both publisher proxies, subscriptions as async
+iterators, a `grpc.aio` push endpoint, and the same error classes.
+
 Push subscribers (`Topic.subscribe_push`, IceStorm's subscribeAndGetPublisher): the
 cluster's master calls the app's own `squall.v1.PushSubscriber` service with batches of
 committed events, with IceStorm's QoS (`reliability="ordered"`, `retry_count`);

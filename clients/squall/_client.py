@@ -103,6 +103,34 @@ def channel_options(
     return list(merged.items())
 
 
+def check_client_args(address: str, timeout_s: float, retry: RetryPolicy | None) -> RetryPolicy:
+    """Validates a client's address, timeout and retry policy; returns the policy to use.
+
+    ValueError names the first value out of bounds (shared by `connect` and
+    `squall.aio.connect`).
+    """
+    if not address:
+        raise ValueError("address must be host:port, not empty")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, not {timeout_s}")
+    policy = retry if retry is not None else RetryPolicy()
+    policy.validate()
+    return policy
+
+
+def proxy_endpoints(response: broker_pb2.GetPublisherResponse, topic: str) -> list[Endpoint]:
+    """The replicas a GetPublisher / GetNonReplicatedPublisher answer names.
+
+    Unavailable when it names none (no replica address known to the gateway).
+    """
+    endpoints = [
+        Endpoint(e.node_id, e.replica_address) for e in response.endpoints if e.replica_address
+    ]
+    if not endpoints:
+        raise Unavailable(f"the publisher proxy for topic '{topic}' has no endpoints")
+    return endpoints
+
+
 def connect(
     address: str,
     *,
@@ -161,12 +189,7 @@ class Client:
         tls: TlsOptions | None = None,
         token: str | None = None,
     ) -> None:
-        if not address:
-            raise ValueError("address must be host:port, not empty")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, not {timeout_s}")
-        self._retry = retry if retry is not None else RetryPolicy()
-        self._retry.validate()
+        self._retry = check_client_args(address, timeout_s, retry)
         self._address = address
         self._timeout_s = timeout_s
         self._options = list(options or ())
@@ -323,12 +346,7 @@ class Client:
             if replicated
             else self._topic_manager.GetNonReplicatedPublisher
         )
-        response = self._call(method, request)
-        endpoints = [
-            Endpoint(e.node_id, e.replica_address) for e in response.endpoints if e.replica_address
-        ]
-        if not endpoints:
-            raise Unavailable(f"the publisher proxy for topic '{topic}' has no endpoints")
+        endpoints = proxy_endpoints(self._call(method, request), topic)
         options = self._options
         retry = self._retry
         tracer_provider = self._tracer_provider

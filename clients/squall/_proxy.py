@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import grpc
 
@@ -112,7 +113,7 @@ class ProxyBinding:
         endpoints: Sequence[Endpoint],
         *,
         replicated: bool,
-        make_channel: Callable[[str], grpc.Channel],
+        make_channel: Callable[[str], Any],
         master_of: Callable[[float], str] | None = None,
     ) -> None:
         if not endpoints:
@@ -130,7 +131,8 @@ class ProxyBinding:
         # A redirect not yet followed: the next retry goes without a backoff.
         self._redirect_fresh = False
         self._lost: str = ""
-        self._channels: dict[str, grpc.Channel] = {}
+        # grpc.Channel, or grpc.aio.Channel for the asyncio client.
+        self._channels: dict[str, Any] = {}
         self._closed = False
         # Addresses whose last stream ended indeterminately since a stream last answered.
         self._unreachable: set[str] = set()
@@ -257,13 +259,18 @@ class ProxyBinding:
             "ask the topic for a new publisher"
         )
 
-    def close(self) -> None:
-        """Closes the channels this proxy opened."""
+    def release(self) -> list[Any]:
+        """Marks the proxy closed and hands over the channels it opened, for the caller to
+        close (an asyncio channel's close is a coroutine)."""
         with self._lock:
             self._closed = True
             channels = list(self._channels.values())
             self._channels.clear()
-        for channel in channels:
+        return channels
+
+    def close(self) -> None:
+        """Closes the channels this proxy opened."""
+        for channel in self.release():
             channel.close()
 
 

@@ -38,14 +38,12 @@ left it) and the app asks for a new publisher.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import logging
 import queue
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any, Literal
@@ -55,51 +53,56 @@ import tenacity
 
 from squall._errors import (
     Indeterminate,
-    PublisherLost,
     SquallError,
-    Unavailable,
     error_for,
     rpc_status,
 )
 from squall._proxy import (
-    MASTER_ADDRESS_KEY,
     Binding,
     Endpoint,
     GatewayBinding,
     ProxyBinding,
     RebindCallback,
 )
-from squall._retry import Outcome, RetryPolicy, overall
-from squall._types import Receipt, receipt_count, receipts_from_pb
+from squall._publish_rules import (
+    BATCH_EVENTS_DEFAULT,
+    BATCH_EVENTS_MAX,
+    INFLIGHT_BATCHES_MAX_DEFAULT,
+    RECEIPT_STALL_CHECK_S,
+    EventLike,
+    NotSent,
+    RetryRun,
+    add_events,
+    check_batch_events,
+    check_publisher_args,
+    copy_for_retry,
+    mark_rebound,
+    moved_trailing,
+    new_publisher_id,
+    new_request,
+    new_session_token,
+    not_sent_error,
+    response_mismatch,
+    stall_details,
+    stall_move,
+    stream_end_errors,
+    worth_retrying,
+)
+from squall._retry import RetryPolicy
+from squall._types import Receipt, receipts_from_pb
 from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2
 
-# What publish_many accepts per event: a payload, a (key, payload) or (key, payload,
-# headers) tuple, or any object with `payload` (and optionally `key`, `headers`)
-# attributes, such as common_pb2.EventData or squall.Message.
-EventLike = (
-    bytes | tuple[bytes | None, bytes] | tuple[bytes | None, bytes, Mapping[str, str]] | Any
-)
-
-INFLIGHT_BATCHES_MAX_DEFAULT = 8
-# A publisher proxy waiting this long for a receipt asks the gateway who the master is
-# (once per such wait): a master that hangs after the group elected another cannot end its
-# streams, and the receipt would otherwise be waited for until the publisher's timeout.
-RECEIPT_STALL_CHECK_S = 0.5
-BATCH_EVENTS_DEFAULT = 500
-# A batch is one gRPC message; with 100-byte events 10,000 is ~1.3 MB, far under the
-# 64 MiB message limit, and keeps one response's conversion short.
-BATCH_EVENTS_MAX = 10_000
+__all__ = [
+    "BATCH_EVENTS_DEFAULT",
+    "BATCH_EVENTS_MAX",
+    "INFLIGHT_BATCHES_MAX_DEFAULT",
+    "RECEIPT_STALL_CHECK_S",
+    "EventLike",
+    "Publisher",
+    "new_publisher_id",
+]
 
 log = logging.getLogger("squall")
-
-
-def new_publisher_id() -> str:
-    """A fresh random publisher id."""
-    return f"py-{uuid.uuid4().hex}"
-
-
-class _NotSent(Unavailable):
-    """An attempt that never left the client: nothing was applied, so retrying is safe."""
 
 
 class _Batch:
@@ -132,7 +135,7 @@ class _Stream:
         # Bounded by the in-flight window: a request is only queued with a free slot.
         self.requests: queue.SimpleQueue[broker_pb2.PublishRequest | None] = queue.SimpleQueue()
         self.pending: collections.deque[_Batch] = collections.deque()
-        self.session_token = f"{publisher_id}/{uuid.uuid4().hex[:12]}"
+        self.session_token = new_session_token(publisher_id)
         self.dead = False
         # Set before cancelling the call on purpose, so the reader reports why.
         self.abort_error: SquallError | None = None
@@ -158,49 +161,6 @@ def _ready_future() -> Future[Any]:
     future: Future[Any] = Future()
     future.set_running_or_notify_cancel()
     return future
-
-
-def _add_events(
-    request: broker_pb2.PublishRequest, events: Sequence[Any], first_sequence: int
-) -> None:
-    """Appends events to a request with consecutive sequences.
-
-    The homogeneous cases are list comprehensions over `events.add` (half the cost of
-    building EventData objects and copying them in); mixed input takes the general path.
-    """
-    add = request.events.add
-    sequences = itertools.count(first_sequence)
-    kinds = set(map(type, events))
-    if kinds == {bytes}:
-        [add(payload=p, sequence=s) for p, s in zip(events, sequences, strict=False)]
-    elif kinds == {tuple} and all(len(e) == 2 for e in events):
-        [add(key=k, payload=p, sequence=s) for (k, p), s in zip(events, sequences, strict=False)]
-    else:
-        for event, sequence in zip(events, sequences, strict=False):
-            _add_one(add, event, sequence)
-
-
-def _add_one(add: Callable[..., common_pb2.EventData], event: Any, sequence: int) -> None:
-    if isinstance(event, bytes | bytearray | memoryview):
-        add(payload=bytes(event), sequence=sequence)
-    elif isinstance(event, tuple | list):
-        if len(event) == 2:
-            add(key=event[0], payload=event[1], sequence=sequence)
-        elif len(event) == 3:
-            add(key=event[0], payload=event[1], headers=event[2], sequence=sequence)
-        else:
-            raise TypeError(f"an event tuple is (key, payload[, headers]), not {len(event)} items")
-    elif hasattr(event, "payload"):
-        add(
-            key=getattr(event, "key", None) or b"",
-            payload=event.payload,
-            headers=getattr(event, "headers", None) or None,
-            sequence=sequence,
-        )
-    else:
-        raise TypeError(
-            f"cannot publish {type(event).__name__}: give bytes, (key, payload) or an event"
-        )
 
 
 def _dispatch(futures: list[Future[Receipt]], batch: Future[list[Receipt]]) -> None:
@@ -239,16 +199,7 @@ class Publisher:
         monotonic: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        if not publisher_id:
-            raise ValueError("publisher_id must not be empty")
-        if start_sequence < 1:
-            raise ValueError(
-                f"start_sequence must be >= 1 (0 disables deduplication), not {start_sequence}"
-            )
-        if not 1 <= inflight_batches_max <= 1024:
-            raise ValueError(f"inflight_batches_max must be 1..1024, not {inflight_batches_max}")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, not {timeout_s}")
+        check_publisher_args(publisher_id, start_sequence, inflight_batches_max, timeout_s)
         self._retry = retry if retry is not None else RetryPolicy()
         self._retry.validate()
         # The retry budget's clock and the backoff's sleep (a test passes fakes).
@@ -345,8 +296,7 @@ class Publisher:
         `Indeterminate`, republishing the same events with the same sequences (a publisher
         with this id and `start_sequence`) stores each one at most once.
         """
-        if not 1 <= batch_events <= BATCH_EVENTS_MAX:
-            raise ValueError(f"batch_events must be 1..{BATCH_EVENTS_MAX}, not {batch_events}")
+        check_batch_events(batch_events)
         return self._publish_batches(events, batch_events)
 
     def publish_async(
@@ -453,13 +403,8 @@ class Publisher:
                 stream = self._stream_with_slot(sent[0][0] if sent else None)
                 if stream is not None:
                     future: Future[list[Receipt]] = _ready_future()
-                    request = broker_pb2.PublishRequest(
-                        topic=self._topic,
-                        publisher_id=self._publisher_id,
-                        session_token=stream.session_token,
-                        compact_receipts=True,
-                    )
-                    _add_events(request, chunk, self._next_sequence)
+                    request = new_request(self._topic, self._publisher_id, stream.session_token)
+                    add_events(request, chunk, self._next_sequence)
                     self._next_sequence += len(chunk)
                     self._send(stream, request, future)
             if stream is None:
@@ -497,108 +442,63 @@ class Publisher:
         """Only indeterminate or unsent attempts are repeated, and not once closed."""
         with self._cond:
             closed = self._closed
-        return isinstance(error, Indeterminate | _NotSent) and not closed
+        return worth_retrying(error, closed)
 
-    def _retry_batch(
-        self, request: broker_pb2.PublishRequest, first: SquallError
-    ) -> list[Receipt]:
+    def _retry_batch(self, request: broker_pb2.PublishRequest, first: SquallError) -> list[Receipt]:
         """Sends a batch again until it succeeds, fails definitely, or the policy runs out.
 
         `first` is the failure of the attempt already made (indeterminate, or not sent at
         all). Runs in the caller's thread (sync batches) or in the reader thread of the
         stream that ended (async batches), so a batch's retries happen in order.
         """
-        lost = self._binding.lost_error(first)
-        if lost is not None:
-            raise lost
-        policy = self._retry
-        outcomes: list[Outcome] = [_outcome(first)]
-        # The latest attempt that may have stored the events, for the final error's code.
-        maybe: SquallError | None = first if first.maybe_stored else None
-        if not policy.retries or not self._worth_retrying(first):
-            raise first
-        started = self._monotonic()
-        backoff = tenacity.wait_random_exponential(
-            multiplier=policy.backoff_initial_ms / 1000, max=policy.backoff_max_ms / 1000
+        run = RetryRun(
+            self._retry,
+            self._binding,
+            first,
+            monotonic=self._monotonic,
+            closed=self._is_closed,
+            publisher_id=self._publisher_id,
         )
-
-        def spent(state: tenacity.RetryCallState) -> bool:
-            # The attempt already made counts; the budget is the time since it failed.
-            elapsed_ms = (self._monotonic() - started) * 1000
-            return policy.exhausted(state.attempt_number, elapsed_ms)
-
-        def wait_s(state: tenacity.RetryCallState) -> float:
-            # A slave's redirect names a master that can take the batch now.
-            return 0.0 if self._binding.take_redirect() else float(backoff(state))
-
-        retrying = tenacity.Retrying(
-            stop=spent,
-            wait=wait_s,
-            sleep=self._sleep,
-            retry=tenacity.retry_if_exception(self._worth_retrying),
-            reraise=True,
-        )
+        run.begin()
         try:
-            for attempt in retrying:
+            for attempt in tenacity.Retrying(sleep=self._sleep, **run.tenacity_args()):
                 with attempt:
-                    if attempt.retry_state.attempt_number == 1:
+                    number = attempt.retry_state.attempt_number
+                    if number == 1:
                         raise first
                     try:
                         stream, future = self._resend(request)
-                        receipts = self._result(stream, future)
+                        return self._result(stream, future)
                     except SquallError as error:
-                        lost = self._binding.lost_error(error)
-                        if lost is not None:
-                            # The master went during the retries: say so, with what
-                            # any attempt may have stored.
-                            raise PublisherLost(
-                                lost.details,
-                                lost.code,
-                                maybe_stored=maybe is not None or error.maybe_stored,
-                            ) from error
-                        outcomes.append(_outcome(error))
-                        maybe = error if error.maybe_stored else maybe
-                        log.debug(
-                            "publisher %s: retry %d of sequences from %d failed: %s",
-                            self._publisher_id,
-                            attempt.retry_state.attempt_number - 1,
-                            request.events[0].sequence if request.events else 0,
-                            error,
-                        )
+                        run.failed(error, request, number)
                         raise
-                    return receipts
-        except PublisherLost:
-            raise
         except SquallError as error:
-            if overall(outcomes) == "indeterminate" and not isinstance(error, Indeterminate):
-                raise Indeterminate(
-                    f"{error.details} (after {len(outcomes)} attempts; an earlier attempt "
-                    "may have stored the events)",
-                    maybe.code if maybe is not None else grpc.StatusCode.UNKNOWN,
-                ) from error
-            raise
+            final = run.final(error)
+            if final is error:
+                raise
+            raise final from error
         raise AssertionError("unreachable: tenacity either returns or raises")
 
-    def _resend(
-        self, request: broker_pb2.PublishRequest
-    ) -> tuple[_Stream, Future[list[Receipt]]]:
+    def _is_closed(self) -> bool:
+        with self._cond:
+            return self._closed
+
+    def _resend(self, request: broker_pb2.PublishRequest) -> tuple[_Stream, Future[list[Receipt]]]:
         """Sends a copy of a batch (same events and sequences) on a live stream."""
         with self._cond:
             if self._closed:
-                raise _NotSent(
+                raise NotSent(
                     "the publisher was closed while a batch was being retried",
                     grpc.StatusCode.CANCELLED,
                 )
             stream = self._stream_with_slot(None)
             if stream is None:
-                raise _NotSent(
+                raise NotSent(
                     "no publish stream could take the retried batch",
                     grpc.StatusCode.UNAVAILABLE,
                 )
-            again = broker_pb2.PublishRequest()
-            again.CopyFrom(request)
             # The events now travel under the fresh stream's binding.
-            again.session_token = stream.session_token
+            again = copy_for_retry(request, stream.session_token)
             future: Future[list[Receipt]] = _ready_future()
             self._send(stream, again, future)
             self._resends += 1
@@ -642,23 +542,16 @@ class Publisher:
                 return future.result(min(RECEIPT_STALL_CHECK_S, remaining_s))
             except FutureTimeoutError:
                 pass
-            master = self._binding.check_master(RECEIPT_STALL_CHECK_S)
-            if not master or master == endpoint.address or future.done():
+            checked = self._binding.check_master(RECEIPT_STALL_CHECK_S)
+            if future.done() or not (master := stall_move(self._publisher_id, endpoint, checked)):
                 continue
-            log.info(
-                "publisher %s: no receipt from %s (%s) and the master is now %s: resending there",
-                self._publisher_id,
-                endpoint.node_id,
-                endpoint.address,
-                master,
-            )
             with self._cond:
                 if not stream.dead and stream.abort_error is None:
                     stream.moved_to = master
                 self._abort(
                     stream,
                     grpc.StatusCode.UNAVAILABLE,
-                    f"no receipt from {endpoint.address}, and the master is now {master}",
+                    stall_details(endpoint, master),
                 )
             return future.result(max(0.0, deadline - self._monotonic()))
         return future.result(0)
@@ -740,12 +633,7 @@ class Publisher:
         """Sends the buffered async events as one batch (lock held, slot free)."""
         buffered, futures = self._buffer, self._buffer_futures
         self._buffer, self._buffer_futures = [], []
-        request = broker_pb2.PublishRequest(
-            topic=self._topic,
-            publisher_id=self._publisher_id,
-            session_token=stream.session_token,
-            compact_receipts=True,
-        )
+        request = new_request(self._topic, self._publisher_id, stream.session_token)
         request.events.extend(buffered)
         batch: Future[list[Receipt]] = _ready_future()
         batch.add_done_callback(lambda done: _dispatch(futures, done))
@@ -770,18 +658,15 @@ class Publisher:
                 moved_from: Endpoint | None = None
                 with self._cond:
                     batch = stream.pending.popleft() if stream.pending else None
-                    if (
-                        batch is None
-                        or batch.request_id != response.request_id
-                        or batch.count != receipt_count(response)
-                    ):
+                    mismatch = response_mismatch(
+                        batch.request_id if batch is not None else None,
+                        batch.count if batch is not None else 0,
+                        response,
+                    )
+                    if batch is None or mismatch is not None:
                         if batch is not None:
                             stream.pending.appendleft(batch)
-                        stream.abort_error = Indeterminate(
-                            f"protocol error: answer to request {response.request_id} with "
-                            f"{receipt_count(response)} receipts does not match the oldest batch",
-                            grpc.StatusCode.INTERNAL,
-                        )
+                        stream.abort_error = mismatch
                         stream.call.cancel()
                         break
                     if self._buffer and self._stream is stream:
@@ -793,8 +678,7 @@ class Publisher:
                     self._cond.notify_all()
                 receipts = receipts_from_pb(response)
                 if moved_from is not None and stream.endpoint is not None:
-                    if receipts:
-                        receipts[0] = dataclasses.replace(receipts[0], rebound=True)
+                    mark_rebound(receipts)
                     self._report_rebind(moved_from, stream.endpoint)
                 batch.future.set_result(receipts)
                 self._resolved(1)
@@ -811,7 +695,7 @@ class Publisher:
         if stream.abort_error is not None:
             code = stream.abort_error.code
         if stream.moved_to:
-            trailing = ((MASTER_ADDRESS_KEY, stream.moved_to),)
+            trailing = moved_trailing(stream.moved_to)
         self._binding.stream_failed(stream.endpoint, code, trailing)
         self._fail(stream, code, details)
 
@@ -868,19 +752,7 @@ class Publisher:
             stream.pending.clear()
             self._cond.notify_all()
         stream.put(None)  # ends gRPC's request-consumer thread, which waits on our queue
-        first: SquallError
-        if stream.abort_error is not None:
-            first = rest = stream.abort_error
-        else:
-            first = error_for(code, details, sent=True)
-            rest = (
-                first
-                if isinstance(first, Indeterminate)
-                else Indeterminate(
-                    f"the stream ended after an earlier batch failed: {details}",
-                    grpc.StatusCode.CANCELLED,
-                )
-            )
+        first, rest = stream_end_errors(code, details, stream.abort_error)
         # Every waiting caller hears first, then the async batches are retried in order
         # (in this thread, which has nothing else left to do).
         retries: list[tuple[Future[list[Receipt]], broker_pb2.PublishRequest, SquallError]] = []
@@ -890,20 +762,17 @@ class Publisher:
                 retries.append((batch.future, batch.request, error))
             else:
                 batch.future.set_exception(self._binding.lost_error(error) or error)
-        not_sent = error_for(
-            grpc.StatusCode.CANCELLED, f"not sent: the publish stream ended ({details})"
-        )
         if unsent:
             buffered: Future[list[Receipt]] = _ready_future()
             buffered.add_done_callback(lambda done: _dispatch(unsent, done))
-            unsent_error = _NotSent(not_sent.details, not_sent.code)
+            unsent_error = not_sent_error(details)
             if self._retry.retries and self._worth_retrying(unsent_error):
-                request = broker_pb2.PublishRequest(
-                    topic=self._topic, publisher_id=self._publisher_id, compact_receipts=True
-                )
+                request = new_request(self._topic, self._publisher_id)
                 request.events.extend(unsent_events)
                 retries.append((buffered, request, unsent_error))
             else:
+                # Without retries the app sees the plain status: nothing was sent.
+                not_sent = error_for(unsent_error.code, unsent_error.details)
                 buffered.set_exception(self._binding.lost_error(not_sent) or not_sent)
         for future, request, error in retries:
             try:
@@ -916,8 +785,3 @@ class Publisher:
                     Indeterminate(f"client failed retrying a batch: {exc!r}", code)
                 )
         self._resolved(len(pending) + (1 if took_buffer else 0))
-
-
-def _outcome(error: SquallError) -> Outcome:
-    """The outcome of one failed attempt: indeterminate if the events may have been stored."""
-    return "indeterminate" if error.maybe_stored else "definite"

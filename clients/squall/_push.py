@@ -138,6 +138,36 @@ class PushDelivery:
 DeliveryCallback = Callable[[PushDelivery], None]
 
 
+def not_hosted(request: push_pb2.PushDeliverRequest) -> str:
+    """The NOT_FOUND details for a subscriber id the endpoint does not host (the master
+    then removes that subscription)."""
+    return f"no push subscriber '{request.subscriber_id}' at this endpoint"
+
+
+def delivery_from_pb(request: push_pb2.PushDeliverRequest) -> PushDelivery:
+    """The app's view of one Deliver call."""
+    return PushDelivery(
+        topic=request.topic,
+        subscriber_id=request.subscriber_id,
+        messages=messages_from_events(request.events),
+        attempt=request.attempt,
+        master_id=request.master_id,
+        epoch=request.epoch,
+    )
+
+
+def endpoint_bind_options(bind: str, max_message_bytes: int) -> tuple[str, list[tuple[str, Any]]]:
+    """The host of a push endpoint's bind address and its server options; ValueError for a
+    bind address that is not host:port."""
+    host, sep, _ = bind.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"bind must be host:port, not {bind!r}")
+    return host, [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+
+
 class _Servicer(push_pb2_grpc.PushSubscriberServicer):
     def __init__(self, endpoint: PushEndpoint) -> None:
         self._endpoint = endpoint
@@ -147,21 +177,11 @@ class _Servicer(push_pb2_grpc.PushSubscriberServicer):
     ) -> push_pb2.PushDeliverResponse:
         callback = self._endpoint.callback(request.subscriber_id)
         if callback is None:
-            context.abort(
-                grpc.StatusCode.NOT_FOUND,
-                f"no push subscriber '{request.subscriber_id}' at this endpoint",
-            )
+            context.abort(grpc.StatusCode.NOT_FOUND, not_hosted(request))
             raise AssertionError("unreachable: context.abort raises")
         if request.probe:
             return push_pb2.PushDeliverResponse()
-        delivery = PushDelivery(
-            topic=request.topic,
-            subscriber_id=request.subscriber_id,
-            messages=messages_from_events(request.events),
-            attempt=request.attempt,
-            master_id=request.master_id,
-            epoch=request.epoch,
-        )
+        delivery = delivery_from_pb(request)
         try:
             callback(delivery)
         except Exception as exc:  # the app's failure: the master retries per retry_count
@@ -196,17 +216,11 @@ class PushEndpoint:
         max_message_bytes: int = ENDPOINT_MESSAGE_BYTES_MAX,
         tls: TlsOptions | None = None,
     ) -> None:
-        host, sep, _ = bind.rpartition(":")
-        if not sep or not host:
-            raise ValueError(f"bind must be host:port, not {bind!r}")
+        host, options = endpoint_bind_options(bind, max_message_bytes)
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, not {max_workers}")
         self._lock = threading.Lock()
         self._callbacks: dict[str, DeliveryCallback] = {}
-        options: list[tuple[str, Any]] = [
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-        ]
         credentials = tls.server_credentials() if tls is not None else None
         self._server = grpc.server(
             concurrent.futures.ThreadPoolExecutor(

@@ -88,6 +88,60 @@ def subscribe_request(
     return request
 
 
+def drop_duplicates(batch: list[Message], last_offset: int) -> tuple[list[Message], int]:
+    """The messages of a batch after `last_offset` (the last one delivered), and how many
+    were dropped as redeliveries."""
+    if not batch or batch[0].offset > last_offset:
+        return batch, 0
+    kept = [m for m in batch if m.offset > last_offset]
+    return kept, len(batch) - len(kept)
+
+
+def reconnect_wait_s(
+    policy: RetryPolicy, code: grpc.StatusCode, failures: int, elapsed_ms: float
+) -> float | None:
+    """How long to wait before reopening a broken stream; None when it must raise instead.
+
+    `failures` counts the breaks of this outage (a response resets it) and `elapsed_ms`
+    the time since its first: a definite code, or the policy's budget spent, raises.
+    """
+    if code.name not in RECONNECT_CODES or policy.exhausted(failures, elapsed_ms):
+        return None
+    return random.uniform(0, policy.backoff_ceiling_ms(failures) / 1000)
+
+
+def resume_request(
+    request: broker_pb2.SubscribeRequest, last_offset: int
+) -> broker_pb2.SubscribeRequest:
+    """The request that continues where the app is: the durable cursor, or last + 1."""
+    again = broker_pb2.SubscribeRequest()
+    again.CopyFrom(request)
+    if not again.subscription and last_offset >= 0:
+        again.start = broker_pb2.START_POSITION_OFFSET
+        again.offset = last_offset + 1
+    return again
+
+
+def ack_request(
+    request: broker_pb2.SubscribeRequest, message_or_offset: Message | int
+) -> broker_pb2.AckRequest:
+    """The Ack moving a durable subscription's cursor past a message or offset.
+
+    ValueError for a non-durable subscription (it has no cursor) or a negative offset.
+    """
+    if not request.subscription:
+        raise ValueError("ack needs a durable subscription (subscribe with subscription=NAME)")
+    if isinstance(message_or_offset, Message):
+        offset = message_or_offset.offset
+    else:
+        offset = message_or_offset
+    if isinstance(offset, bool) or offset < 0:
+        raise ValueError(f"offset must be >= 0, not {offset!r}")
+    return broker_pb2.AckRequest(
+        topic=request.topic, subscription=request.subscription, offset=offset
+    )
+
+
 class Subscription:
     """A stream of one topic's messages; iterate it, ack what you handled, close it."""
 
@@ -182,10 +236,9 @@ class Subscription:
                 for response in self._calls[0]:
                     failures = 0
                     batch = messages_from_pb(response)
-                    if self._dedupe and batch and batch[0].offset <= self._last_offset:
-                        kept = [m for m in batch if m.offset > self._last_offset]
-                        self._duplicates_dropped += len(batch) - len(kept)
-                        batch = kept
+                    if self._dedupe:
+                        batch, dropped = drop_duplicates(batch, self._last_offset)
+                        self._duplicates_dropped += dropped
                     if batch:
                         self._last_offset = max(self._last_offset, batch[-1].offset)
                     yield batch
@@ -198,9 +251,9 @@ class Subscription:
                     outage_started = time.monotonic()
                 failures += 1
                 elapsed_ms = (time.monotonic() - outage_started) * 1000
-                if code.name not in RECONNECT_CODES or self._retry.exhausted(failures, elapsed_ms):
+                wait_s = reconnect_wait_s(self._retry, code, failures, elapsed_ms)
+                if wait_s is None:
                     raise from_rpc_error(err) from None
-                wait_s = random.uniform(0, self._retry.backoff_ceiling_ms(failures) / 1000)
                 log.info(
                     "subscription %s on %s: stream ended (%s: %s); reconnecting in %.3f s "
                     "from offset %d",
@@ -221,29 +274,14 @@ class Subscription:
 
     def _resume_request(self) -> broker_pb2.SubscribeRequest:
         """The request that continues where the app is: the durable cursor, or last + 1."""
-        request = broker_pb2.SubscribeRequest()
-        request.CopyFrom(self._request)
-        if not request.subscription and self._last_offset >= 0:
-            request.start = broker_pb2.START_POSITION_OFFSET
-            request.offset = self._last_offset + 1
-        return request
+        return resume_request(self._request, self._last_offset)
 
     def ack(self, message_or_offset: Message | int) -> int:
         """Moves the durable cursor past this message (and all before it); returns the cursor.
 
         ValueError for a non-durable subscription, which has no cursor to move.
         """
-        if not self.durable:
-            raise ValueError("ack needs a durable subscription (subscribe with subscription=NAME)")
-        if isinstance(message_or_offset, Message):
-            offset = message_or_offset.offset
-        else:
-            offset = message_or_offset
-        if isinstance(offset, bool) or offset < 0:
-            raise ValueError(f"offset must be >= 0, not {offset!r}")
-        request = broker_pb2.AckRequest(
-            topic=self._request.topic, subscription=self._request.subscription, offset=offset
-        )
+        request = ack_request(self._request, message_or_offset)
         try:
             response = self._stub.Ack(request, timeout=self._timeout_s)
         except grpc.RpcError as err:

@@ -18,6 +18,8 @@ from deploy import processes
 from services.common.config import ClusterConfig, load_config
 from services.common.tls import Transport, cli_transport, plain_or
 from squall.v1 import (
+    broker_pb2,
+    broker_pb2_grpc,
     common_pb2,
     coordinator_pb2,
     coordinator_pb2_grpc,
@@ -213,6 +215,23 @@ class LocalCluster:
     def channel(self, address: str | None = None) -> grpc.Channel:
         """A channel to an address (default: the gateway)."""
         return self.dial(address or self.gateway_address)
+
+
+def stored_events(cluster: LocalCluster, node_id: str, topic: str) -> list[common_pb2.Event]:
+    """Every committed event of a topic as one node's replica serves it, in offset order
+    (read straight from the replica, not through the gateway or a client library)."""
+    events: list[common_pb2.Event] = []
+    with cluster.dial(cluster.replica_address(node_id)) as channel:
+        stream = broker_pb2_grpc.SubscriberStub(channel).Subscribe(
+            broker_pb2.SubscribeRequest(
+                topic=topic, start=broker_pb2.START_POSITION_EARLIEST, max_batch_events=500
+            ),
+            timeout=30,
+            metadata=cluster.metadata or None,
+        )
+        for response in stream:
+            events.extend(response.events)
+    return events
 
 
 def make_cluster(template: Path, run_dir: Path, **overrides: dict[str, object]) -> LocalCluster:

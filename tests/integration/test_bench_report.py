@@ -70,6 +70,10 @@ def test_tiny_bench_run_writes_the_report(tmp_path: Path) -> None:
         "acks": "majority",
     }
     assert policy["pipelined_publish"]["events"] == 1000
+    # The asyncio client ran the same publish scenarios in the same run.
+    assert policy["aio"]["pipelined_publish"]["events"] == 1000
+    assert policy["aio"]["one_at_a_time"]["events"] > 0
+    assert built["summary"]["aio_over_threaded_pipelined"]["WRITE_NO_SYNC"] > 0
     # The consume pass reads the whole pipelined topic: the warm-up and the timed events.
     assert policy["subscribe"]["events"] == 1000 + single_node.WARMUP_EVENTS
     one = policy["one_at_a_time"]

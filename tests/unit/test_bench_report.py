@@ -151,6 +151,10 @@ def _policy(rate: int, latencies_ms: list[float], replica_rss_mib: int) -> dict[
             "hit_deadline": rate < 20_000,
         },
         "subscribe": {"events_per_s": 2 * rate},
+        "aio": {
+            "pipelined_publish": {"events_per_s": rate // 2},
+            "one_at_a_time": {"events_per_s": 250},
+        },
         "memory": {
             "idle": {"replica-n1": {"rss_bytes": 40 * MIB, "peak_rss_bytes": 41 * MIB}},
             "after_load": {"replica-n1": rss},
@@ -210,6 +214,10 @@ def test_assemble_summarizes_the_samples() -> None:
     summary = built["summary"]
     assert summary["pipelined_publish_events_per_s"] == {"SYNC": 10_000, "NO_SYNC": 30_000}
     assert summary["subscribe_events_per_s"] == {"SYNC": 20_000, "NO_SYNC": 60_000}
+    # The asyncio client's figures beside the threaded client's, as a ratio.
+    assert summary["aio_pipelined_publish_events_per_s"] == {"SYNC": 5_000, "NO_SYNC": 15_000}
+    assert summary["aio_over_threaded_pipelined"] == {"SYNC": 0.5, "NO_SYNC": 0.5}
+    assert summary["aio_over_threaded_one_at_a_time"] == {"SYNC": 1.25, "NO_SYNC": 1.25}
     sync = summary["publish_latency_ms"]["SYNC"]
     assert (sync["p50"], sync["p90"], sync["p99"], sync["max"], sync["count"]) == (
         5.0,
@@ -257,6 +265,8 @@ def test_write_produces_json_markdown_and_plots(tmp_path: Path) -> None:
         "| one at a time (each publish waits for its receipt) | 200 (deadline hit) | 200 |" in text
     )
     assert "(% of one core) | 12% | 12% |" in text
+    assert "asyncio client `squall.aio` (median of runs; x threaded) | 5,000 (0.50x) |" in text
+    assert "| one at a time, asyncio client (x threaded) | 250 (1.25x) | 250 (1.25x) |" in text
     assert "Test CPU (VM)" in text and "`aaaaaaaaaaaa`" in text
     assert "1.50 / 1.00 / 0.50" in text and "3.25 / 2.00 / 1.00" in text
     assert "machine-specific" in text and "make bench" in text
