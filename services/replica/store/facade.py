@@ -110,7 +110,7 @@ from services.replica.divergence import (
     check_history,
     epoch_at,
 )
-from services.replica.kv import (
+from services.replica.store.kv import (
     KV,
     MAX_KEY_BYTES,
     KVCorruptError,
@@ -119,8 +119,8 @@ from services.replica.kv import (
     ReadTxn,
     WriteTxn,
 )
-from services.replica.store_lmdb import LmdbKV
-from services.replica.store_memory import MemoryKV
+from services.replica.store.kv_lmdb import LmdbKV
+from services.replica.store.kv_memory import MemoryKV
 from squall.v1 import common_pb2, replica_pb2
 
 DB_META = "meta"
