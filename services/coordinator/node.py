@@ -20,6 +20,7 @@ import grpc
 from services.common.clock import Clock, SystemClock
 from services.common.config import ClusterConfig, NodeConfig
 from services.common.grpc_server import channel_options
+from services.common.ids import new_cluster_id
 from services.common.telemetry import Telemetry, current
 from services.common.tls import handshake_failure, transport
 from services.coordinator import codec, handoff
@@ -157,7 +158,7 @@ class CoordinatorNode:
 
     @staticmethod
     def _cluster_id() -> str:
-        return uuid.uuid4().hex
+        return new_cluster_id()
 
     def shutdown(self, shutdown_id: str, operator: str) -> None:
         """Clean cluster shutdown: stop electing and exit (the replica keeps its state)."""

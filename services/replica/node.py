@@ -43,7 +43,6 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
-import uuid
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -354,10 +353,13 @@ class ReplicaNode:
             )
         meta = self.store.meta()
         if not meta.cluster_id:
-            cluster_id = uuid.uuid4().hex
-            self.store.set_cluster_id(cluster_id)
-            log.info("replica %s: new cluster id %s", self.node.id, cluster_id)
-            meta = self.store.meta()
+            # The first group's coordinator mints the cluster id (services/common/ids.py)
+            # and every MASTER command carries it; a master without one is never heard.
+            raise ServiceError(
+                Code.FAILED_PRECONDITION,
+                f"replica {self.node.id}: the master role of epoch {epoch} names no cluster "
+                "id and this store holds none (the coordinator mints it)",
+            )
         self._last_lsn = meta.last_lsn
         core = self._new_core(epoch, [n.id for n in member_nodes], meta)
         driver = MasterDriver(
