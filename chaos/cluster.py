@@ -68,6 +68,8 @@ DEFAULT_SETTINGS: dict[str, dict[str, Any]] = {
     "timeouts": {
         "heartbeat_interval_ms": 100,
         "member_timeout_ms": 1000,
+        # The same allowance for a node's own replica: a stall is not a failed process.
+        "replica_timeout_ms": 1000,
         "probe_interval_ms": 200,
         "rpc_timeout_ms": 2000,
         "publish_timeout_ms": 10000,

@@ -203,7 +203,7 @@ class _Gateways:
                 client = self.clients[address] = squall.connect(
                     address,
                     timeout_s=self.timeout_s,
-                    retry_attempts_max=8,
+                    # The budget is time, as an app's is by default (no attempt cap).
                     retry_backoff_initial_ms=50,
                     retry_backoff_max_ms=250,
                     retry_total_ms_max=self.retry_total_ms,

@@ -436,20 +436,22 @@ def _cmd_status(client: squall.Client, args: argparse.Namespace, out: TextIO) ->
         ]
     ]
     for node in status.nodes:
-        if node.reachable:
+        # A coordinator that answered while its replica did not still says what it knows
+        # (one fate per node: why the node is out of its group).
+        if node.reachable or node.coordinator_id:
             rows.append(
                 [
                     node.node_id,
                     str(node.priority),
                     node.coordinator_id or "-",
                     node.group_name or "-",
-                    "QUARANTINED" if node.quarantine is not None else node.state,
+                    cli_explain.state_of(node),
                     ",".join(node.group) or "-",
                     str(node.max_seen),
                     str(node.epoch),
-                    node.role,
+                    node.role if node.reachable else "-",
                     _quorum(node),
-                    node.last_change_reason or "-",
+                    cli_explain.reason_of(node),
                 ]
             )
         else:

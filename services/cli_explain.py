@@ -26,6 +26,28 @@ def _record(record: squall.OperatorRecord) -> str:
     return f"by {record.operator} at {when(record.at_ms)}{reason}"
 
 
+def state_of(node: squall.NodeStatus) -> str:
+    """The state column: loud when the node is out of its groups (quarantine, replica)."""
+    if node.quarantine is not None:
+        return "QUARANTINED"
+    if node.replica_unreachable_since_ms:
+        return "REPLICA UNREACHABLE"
+    if not node.coordinator_id:
+        return "COORDINATOR UNREACHABLE"
+    return node.state
+
+
+def reason_of(node: squall.NodeStatus) -> str:
+    """The reason column: why the node's state last changed; what failed to answer."""
+    parts = []
+    if node.replica_unreachable_since_ms:
+        parts.append(f"replica unreachable since {when(node.replica_unreachable_since_ms)}")
+    if node.error:
+        parts.append(node.error)
+    parts.append(node.last_change_reason or "-")
+    return "; ".join(parts)
+
+
 def notes(status: squall.ClusterStatus) -> list[str]:
     """One line per operator control in force, and per replica fault, for the table's foot."""
     lines: list[str] = []
@@ -40,6 +62,13 @@ def notes(status: squall.ClusterStatus) -> list[str]:
                 f"{node.node_id}: QUARANTINED {_record(node.quarantine)}; never master, never "
                 f"counted for acks; clear with `squall cluster unquarantine {node.node_id}`"
             )
+        elif node.replica_unreachable_since_ms:
+            lines.append(
+                f"{node.node_id}: replica unreachable since "
+                f"{when(node.replica_unreachable_since_ms)}; its coordinator keeps the node "
+                "out of every group (never master, never counted for acks or the quorum) "
+                "until the replica answers again"
+            )
         elif node.fault_reason:
             lines.append(f"{node.node_id}: its replica reports a fault: {node.fault_reason}")
         if node.transfer_target:
@@ -53,8 +82,9 @@ def facts(status: squall.ClusterStatus) -> list[NodeFacts]:
         NodeFacts(
             node_id=n.node_id,
             priority=n.priority,
-            up=n.reachable and not n.error,
+            up=n.reachable and not n.error and not n.replica_unreachable_since_ms,
             quarantined=n.quarantine is not None,
+            replica_unreachable=bool(n.replica_unreachable_since_ms),
             last_epoch=n.last_epoch,
             last_lsn=n.last_lsn,
             max_seen=n.max_seen,
@@ -121,19 +151,20 @@ def member_rows(status: squall.ClusterStatus) -> list[list[str]]:
     """The members' table for --explain: epoch, log position, priority, state."""
     rows = [["id", "prio", "state", "role", "epoch", "log (epoch/lsn)", "commit", "max", "coord"]]
     for n in status.nodes:
-        if not n.reachable:
+        if not n.reachable and not n.coordinator_id:
             rows.append([n.node_id, "-", "unreachable", "-", "-", "-", "-", "-", "-"])
             continue
-        state = "QUARANTINED" if n.quarantine is not None else n.state
+        # The replica's columns only when it answered (its coordinator may answer alone).
+        replica = n.reachable
         rows.append(
             [
                 n.node_id,
                 str(n.priority),
-                state,
-                n.role,
+                state_of(n),
+                n.role if replica else "-",
                 str(n.epoch),
-                f"{n.last_epoch}/{n.last_lsn}",
-                str(n.commit_lsn),
+                f"{n.last_epoch}/{n.last_lsn}" if replica else "-",
+                str(n.commit_lsn) if replica else "-",
                 str(n.max_seen),
                 n.coordinator_id or "-",
             ]

@@ -14,12 +14,13 @@
 
 Everything public is gathered here; the underscore modules are private. Errors are
 `SquallError` subclasses (see `squall._errors` for the tree). A publish whose outcome is
-unknown is retried for you with the same publisher id and sequences (bounded by
-`connect(retry_attempts_max=..., retry_backoff_initial_ms=..., retry_backoff_max_ms=...,
-retry_total_ms_max=...)`); `Indeterminate` means those retries ran out and the events may
-or may not have been stored. `classify_code`, `retryable`, `overall` and `RetryPolicy` are
-the pure retry rules, shared with the gateway. The generated protobuf modules live in
-`squall.v1`.
+unknown is retried for you with the same publisher id and sequences, for as long as the
+time budget `connect(retry_total_ms_max=...)` allows (10 s by default; backoff from
+`retry_backoff_initial_ms` to `retry_backoff_max_ms`; `retry_attempts_max` is an optional
+cap on attempts, 0 for none, the default, and 1 to turn retrying off); `Indeterminate`
+means the budget ran out and the events may or may not have been stored.
+`classify_code`, `retryable`, `overall` and `RetryPolicy` are the pure retry rules, shared
+with the gateway. The generated protobuf modules live in `squall.v1`.
 
 Publishers (`Topic.publisher`): by default every publish goes through the gateway, which
 follows the master (the app needs to reach the gateway only). `replicated=True` asks for

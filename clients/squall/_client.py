@@ -60,8 +60,34 @@ ChannelOptions = Sequence[tuple[str, Any]]
 _Resp = TypeVar("_Resp")
 
 
-def channel_options(options: ChannelOptions | None = None) -> list[tuple[str, Any]]:
-    """Squall's channel defaults (64 MiB messages, keepalive), overridden by `options`."""
+# A connection attempt (TCP, then TLS) gets at least this long before gRPC gives it up.
+# gRPC uses its minimum reconnect backoff as that floor; the library's backoff is far
+# shorter (it paces attempts), so the floor is set on its own: long enough for a TLS
+# handshake across a slow network.
+CONNECT_TIMEOUT_MIN_MS = 1_000
+
+
+def reconnect_options(retry: RetryPolicy | None = None) -> list[tuple[str, int]]:
+    """How fast a channel dials a restarted gateway or replica again: the retry backoff.
+
+    gRPC's own default waits 1 s, then 1.6 times longer after each failure up to 120 s,
+    so a publisher proxy whose replica was down a few seconds used to wait seconds more
+    after it came back. Bounded like the gateway's channels (services/gateway/master.py):
+    first retry after backoff_initial_ms, never more than backoff_max_ms apart.
+    """
+    policy = retry or RetryPolicy()
+    return [
+        ("grpc.initial_reconnect_backoff_ms", policy.backoff_initial_ms),
+        ("grpc.max_reconnect_backoff_ms", policy.backoff_max_ms),
+        ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MIN_MS),
+    ]
+
+
+def channel_options(
+    options: ChannelOptions | None = None, retry: RetryPolicy | None = None
+) -> list[tuple[str, Any]]:
+    """Squall's channel defaults (64 MiB messages, keepalive, bounded reconnect backoff from
+    the retry policy), overridden by `options`."""
     merged: dict[str, Any] = {
         "grpc.max_send_message_length": MESSAGE_BYTES_MAX,
         "grpc.max_receive_message_length": MESSAGE_BYTES_MAX,
@@ -71,6 +97,7 @@ def channel_options(options: ChannelOptions | None = None) -> list[tuple[str, An
         "grpc.keepalive_timeout_ms": 5_000,
         "grpc.keepalive_permit_without_calls": 1,
         "grpc.http2.max_pings_without_data": 0,
+        **dict(reconnect_options(retry)),
     }
     merged.update(dict(options or ()))
     return list(merged.items())
@@ -92,8 +119,11 @@ def connect(
     """Opens a client to the gateway at `address` ("host:port"); use it as a context manager.
 
     The retry_* parameters bound how an indeterminate publish batch is retried (same
-    names, meanings and defaults as the [retry] section of the cluster configuration);
-    `retry_attempts_max=1` turns retrying off. ValueError names a value out of bounds.
+    names, meanings and defaults as the [retry] section of the cluster configuration):
+    the budget is time, `retry_total_ms_max`; `retry_attempts_max` is an optional cap on
+    attempts (0: none, the default; 1 turns retrying off). The backoff bounds also pace
+    how fast every channel of the client dials a restarted gateway or replica again.
+    ValueError names a value out of bounds.
     `tracer_provider` records the client's spans (default: OpenTelemetry's global one).
     `tls` connects with TLS (`TlsOptions`: the cluster CA, and a client certificate for
     publisher proxies); plaintext without it.
@@ -149,7 +179,7 @@ class Client:
             with_token(
                 open_channel(
                     address,
-                    channel_options(options),
+                    channel_options(options, self._retry),
                     tls,
                     self._credentials,
                     tls.server_name if tls is not None else None,
@@ -300,6 +330,7 @@ class Client:
         if not endpoints:
             raise Unavailable(f"the publisher proxy for topic '{topic}' has no endpoints")
         options = self._options
+        retry = self._retry
         tracer_provider = self._tracer_provider
         tls, credentials = self._tls, self._credentials
         token = self._token
@@ -310,14 +341,26 @@ class Client:
             return traced_channel(
                 with_token(
                     open_channel(
-                        address, channel_options(options), tls, credentials, names.get(address)
+                        address,
+                        channel_options(options, retry),
+                        tls,
+                        credentials,
+                        names.get(address),
                     ),
                     token,
                 ),
                 tracer_provider,
             )
 
-        return ProxyBinding(endpoints, replicated=replicated, make_channel=make_channel)
+        def master_of(timeout_s: float) -> str:
+            # GetPublisher lists the master first; the gateway forwards it to the master
+            # its group views name.
+            answer = self._topic_manager.GetPublisher(request, timeout=timeout_s)
+            return next((e.replica_address for e in answer.endpoints if e.replica_address), "")
+
+        return ProxyBinding(
+            endpoints, replicated=replicated, make_channel=make_channel, master_of=master_of
+        )
 
     def _forget_publisher(self, publisher: Publisher) -> None:
         with self._lock:

@@ -88,6 +88,18 @@ class GatewayBinding:
         """Never lost."""
         return None
 
+    def take_redirect(self) -> bool:
+        """The gateway follows redirects itself: never one to follow here."""
+        return False
+
+    def can_check_master(self) -> bool:
+        """The gateway follows the master itself (and ends a stream when it moves)."""
+        return False
+
+    def check_master(self, timeout_s: float) -> str:
+        """Never asked (see can_check_master)."""
+        return ""
+
     def close(self) -> None:
         """The channel is the client's."""
 
@@ -101,20 +113,26 @@ class ProxyBinding:
         *,
         replicated: bool,
         make_channel: Callable[[str], grpc.Channel],
+        master_of: Callable[[float], str] | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("a publisher proxy needs at least one endpoint")
         self.replicated = replicated
+        # Asks the gateway which replica is master (its address; "" if it cannot say
+        # within the timeout given).
+        self._master_of = master_of
         self._endpoints = list(endpoints)
         self._make_channel = make_channel
         self._lock = threading.Lock()
         self._index = 0
         # Set by a slave's redirect; used instead of the list until it fails.
         self._redirect: Endpoint | None = None
+        # A redirect not yet followed: the next retry goes without a backoff.
+        self._redirect_fresh = False
         self._lost: str = ""
         self._channels: dict[str, grpc.Channel] = {}
         self._closed = False
-        # Addresses whose last stream ended indeterminately, until one answers again.
+        # Addresses whose last stream ended indeterminately since a stream last answered.
         self._unreachable: set[str] = set()
 
     @property
@@ -151,10 +169,15 @@ class ProxyBinding:
             return ((UNREACHABLE_KEY, ",".join(sorted(self._unreachable))),)
 
     def stream_answered(self, endpoint: Endpoint | None) -> None:
-        """A stream to `endpoint` answered: it is reachable again."""
+        """A stream answered: the failover is over, and what it found unreachable is stale.
+
+        A replica holds a call naming an unreachable master (see UNREACHABLE_KEY); a mark
+        kept from an older failover would make it hold the call for the master that has
+        since come back (a restarted node taking the lead back) until its hold times out.
+        """
         if endpoint is not None:
             with self._lock:
-                self._unreachable.discard(endpoint.address)
+                self._unreachable.clear()
 
     def stream_failed(
         self,
@@ -180,6 +203,7 @@ class ProxyBinding:
                     return
                 known = [e for e in self._endpoints if e.address == redirect]
                 self._redirect = known[0] if known else Endpoint("", redirect)
+                self._redirect_fresh = True
                 return
             if code.name not in INDETERMINATE_AFTER_SEND:
                 return  # a definite answer: the endpoint is alive and still master
@@ -196,6 +220,26 @@ class ProxyBinding:
                     return  # back to the endpoint the list was on
                 self._index = positions[0]
             self._index = (self._index + 1) % len(self._endpoints)
+
+    def can_check_master(self) -> bool:
+        """True if this proxy can ask the gateway who the master is."""
+        return self._master_of is not None
+
+    def check_master(self, timeout_s: float) -> str:
+        """The master's replica address as the gateway knows it ("" if it cannot say)."""
+        if self._master_of is None:
+            return ""
+        try:
+            return self._master_of(timeout_s)
+        except Exception:
+            # Only a hint: a failed check leaves the stream to its own timeout.
+            return ""
+
+    def take_redirect(self) -> bool:
+        """True once after a slave's redirect named the master the next stream goes to."""
+        with self._lock:
+            fresh, self._redirect_fresh = self._redirect_fresh, False
+        return fresh
 
     def lost_error(self, error: SquallError) -> SquallError | None:
         """The error the app sees for a batch that failed with `error` once lost, else None."""

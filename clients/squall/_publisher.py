@@ -17,12 +17,13 @@ where per-publisher ordering may change).
 
 Retries (issue 5, STYLE.md point 6): a batch whose outcome is indeterminate is sent again,
 as the same request (same publisher id and sequences, so the master stores it once), on a
-fresh stream, under the `RetryPolicy` (tenacity: bounded attempts and total time, full-
-jitter exponential backoff). A definite failure is raised at once and never retried. Only
-when the retries run out does the app see `Indeterminate` (maybe_stored=True); a definite
-answer to a retry after an indeterminate attempt is still `Indeterminate`, because the
-earlier attempt may have stored the events (`squall._retry.overall`). Retried batches may
-land after later ones, so order across a retry can change, as across any failover.
+fresh stream, under the `RetryPolicy` (tenacity: a time budget, `total_ms_max`, and full-
+jitter exponential backoff; a retry after a slave's redirect goes at once). A definite
+failure is raised at once and never retried. Only when the budget runs out does the app
+see `Indeterminate` (maybe_stored=True); a definite answer to a retry after an
+indeterminate attempt is still `Indeterminate`, because the earlier attempt may have
+stored the events (`squall._retry.overall`). Retried batches may land after later ones,
+so order across a retry can change, as across any failover.
 
 Where streams go (issue 5, item 1; `squall._proxy`): through the gateway by default, or
 straight to a replica of a publisher proxy. A replicated proxy moves to another replica
@@ -42,6 +43,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, InvalidStateError
@@ -59,7 +61,14 @@ from squall._errors import (
     error_for,
     rpc_status,
 )
-from squall._proxy import Binding, Endpoint, GatewayBinding, ProxyBinding, RebindCallback
+from squall._proxy import (
+    MASTER_ADDRESS_KEY,
+    Binding,
+    Endpoint,
+    GatewayBinding,
+    ProxyBinding,
+    RebindCallback,
+)
 from squall._retry import Outcome, RetryPolicy, overall
 from squall._types import Receipt, receipt_count, receipts_from_pb
 from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2
@@ -72,6 +81,10 @@ EventLike = (
 )
 
 INFLIGHT_BATCHES_MAX_DEFAULT = 8
+# A publisher proxy waiting this long for a receipt asks the gateway who the master is
+# (once per such wait): a master that hangs after the group elected another cannot end its
+# streams, and the receipt would otherwise be waited for until the publisher's timeout.
+RECEIPT_STALL_CHECK_S = 0.5
 BATCH_EVENTS_DEFAULT = 500
 # A batch is one gRPC message; with 100-byte events 10,000 is ~1.3 MB, far under the
 # 64 MiB message limit, and keeps one response's conversion short.
@@ -123,6 +136,9 @@ class _Stream:
         self.dead = False
         # Set before cancelling the call on purpose, so the reader reports why.
         self.abort_error: SquallError | None = None
+        # Set when the stream was abandoned because another replica is master now: the
+        # binding follows it as it would a slave's redirect.
+        self.moved_to = ""
         self.call: Any = None
         self.reader: threading.Thread | None = None
 
@@ -220,6 +236,8 @@ class Publisher:
         on_close: Callable[[Publisher], None] | None = None,
         retry: RetryPolicy | None = None,
         on_rebind: RebindCallback | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         if not publisher_id:
             raise ValueError("publisher_id must not be empty")
@@ -233,6 +251,9 @@ class Publisher:
             raise ValueError(f"timeout_s must be > 0, not {timeout_s}")
         self._retry = retry if retry is not None else RetryPolicy()
         self._retry.validate()
+        # The retry budget's clock and the backoff's sleep (a test passes fakes).
+        self._monotonic = monotonic
+        self._sleep = sleep
         self._binding: Binding = (
             stub if isinstance(stub, GatewayBinding | ProxyBinding) else GatewayBinding(stub)
         )
@@ -496,13 +517,24 @@ class Publisher:
         maybe: SquallError | None = first if first.maybe_stored else None
         if not policy.retries or not self._worth_retrying(first):
             raise first
+        started = self._monotonic()
+        backoff = tenacity.wait_random_exponential(
+            multiplier=policy.backoff_initial_ms / 1000, max=policy.backoff_max_ms / 1000
+        )
+
+        def spent(state: tenacity.RetryCallState) -> bool:
+            # The attempt already made counts; the budget is the time since it failed.
+            elapsed_ms = (self._monotonic() - started) * 1000
+            return policy.exhausted(state.attempt_number, elapsed_ms)
+
+        def wait_s(state: tenacity.RetryCallState) -> float:
+            # A slave's redirect names a master that can take the batch now.
+            return 0.0 if self._binding.take_redirect() else float(backoff(state))
+
         retrying = tenacity.Retrying(
-            # The attempt already made counts, so attempts_max is the total.
-            stop=tenacity.stop_after_attempt(policy.attempts_max)
-            | tenacity.stop_after_delay(policy.total_ms_max / 1000),
-            wait=tenacity.wait_random_exponential(
-                multiplier=policy.backoff_initial_ms / 1000, max=policy.backoff_max_ms / 1000
-            ),
+            stop=spent,
+            wait=wait_s,
+            sleep=self._sleep,
             retry=tenacity.retry_if_exception(self._worth_retrying),
             reraise=True,
         )
@@ -573,9 +605,14 @@ class Publisher:
             return stream, future
 
     def _result(self, stream: _Stream, future: Future[list[Receipt]]) -> list[Receipt]:
-        """Waits for one batch; on timeout abandons its stream, making it Indeterminate."""
+        """Waits for one batch; on timeout abandons its stream, making it Indeterminate.
+
+        A proxy's stream whose receipt is late is checked against the master the gateway
+        names: if that is another replica, the stream is abandoned at once and the batch
+        retried there (see RECEIPT_STALL_CHECK_S).
+        """
         try:
-            return future.result(self._timeout_s)
+            return self._result_or_move(stream, future)
         except FutureTimeoutError:
             with self._cond:
                 self._abort(
@@ -589,6 +626,42 @@ class Publisher:
             raise Indeterminate(
                 f"no receipt within {self._timeout_s} s", grpc.StatusCode.DEADLINE_EXCEEDED
             ) from None
+
+    def _result_or_move(self, stream: _Stream, future: Future[list[Receipt]]) -> list[Receipt]:
+        """future.result(timeout_s); while a proxy's receipt is late, checks every
+        RECEIPT_STALL_CHECK_S that the stream's replica is still the master, and abandons
+        the stream as soon as the gateway names another (FutureTimeoutError at the
+        timeout)."""
+        endpoint = stream.endpoint
+        if endpoint is None or not self._binding.can_check_master():
+            return future.result(self._timeout_s)
+        deadline = self._monotonic() + self._timeout_s
+        # Bounded by the deadline: each pass waits RECEIPT_STALL_CHECK_S or for the check.
+        while (remaining_s := deadline - self._monotonic()) > 0:
+            try:
+                return future.result(min(RECEIPT_STALL_CHECK_S, remaining_s))
+            except FutureTimeoutError:
+                pass
+            master = self._binding.check_master(RECEIPT_STALL_CHECK_S)
+            if not master or master == endpoint.address or future.done():
+                continue
+            log.info(
+                "publisher %s: no receipt from %s (%s) and the master is now %s: resending there",
+                self._publisher_id,
+                endpoint.node_id,
+                endpoint.address,
+                master,
+            )
+            with self._cond:
+                if not stream.dead and stream.abort_error is None:
+                    stream.moved_to = master
+                self._abort(
+                    stream,
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"no receipt from {endpoint.address}, and the master is now {master}",
+                )
+            return future.result(max(0.0, deadline - self._monotonic()))
+        return future.result(0)
 
     def _live_stream(self) -> _Stream:
         """The open stream, opening one if there is none (caller holds the lock)."""
@@ -737,6 +810,8 @@ class Publisher:
                 )
         if stream.abort_error is not None:
             code = stream.abort_error.code
+        if stream.moved_to:
+            trailing = ((MASTER_ADDRESS_KEY, stream.moved_to),)
         self._binding.stream_failed(stream.endpoint, code, trailing)
         self._fail(stream, code, details)
 

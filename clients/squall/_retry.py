@@ -76,27 +76,32 @@ def overall(outcomes: Iterable[Outcome]) -> Outcome:
 # Inclusive bounds of each policy field, shared with the configuration file's [retry]
 # section (whose keys are these names with a "retry_" prefix).
 POLICY_BOUNDS: Mapping[str, tuple[int, int]] = {
-    "attempts_max": (1, 100),
+    "attempts_max": (0, 100_000),
     "backoff_initial_ms": (1, 60_000),
     "backoff_max_ms": (1, 600_000),
     "total_ms_max": (1, 3_600_000),
 }
 
-RETRY_ATTEMPTS_MAX_DEFAULT = 16
+# 0: no cap on the number of attempts; the time budget (total_ms_max) alone bounds
+# retrying. A count is a poor budget: with the backoff capped at 250 ms, 16 attempts used
+# to run out in about 2 s, shorter than a failover or a gateway restart on a loaded machine.
+RETRY_ATTEMPTS_MAX_DEFAULT = 0
 RETRY_BACKOFF_INITIAL_MS_DEFAULT = 50
 RETRY_BACKOFF_MAX_MS_DEFAULT = 250
 # Long enough to ride out a failover (detection ~0.4 s, election ~0.2 s, the gateway
-# waiting for the new master) several times over, short enough that an app hears back.
+# waiting for the new master) or a gateway restart several times over, short enough that
+# an app hears back.
 RETRY_TOTAL_MS_MAX_DEFAULT = 10_000
 
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How far an indeterminate call is retried: attempts, backoff and total time.
+    """How far an indeterminate call is retried: a time budget, with backoff between tries.
 
-    The wait before retry n (n = 1, 2, ...) is drawn uniformly from 0 to
-    min(backoff_max_ms, backoff_initial_ms * 2**(n-1)) ("full jitter"); retrying stops
-    after attempts_max attempts in all, or once total_ms_max has passed since the first.
+    The budget is time: no retry starts once total_ms_max has passed since the first
+    attempt began. The wait before retry n (n = 1, 2, ...) is drawn uniformly from 0 to
+    min(backoff_max_ms, backoff_initial_ms * 2**(n-1)) ("full jitter"). attempts_max is an
+    optional cap on the attempts in all: 0 (the default) is no cap, 1 turns retrying off.
     """
 
     attempts_max: int = RETRY_ATTEMPTS_MAX_DEFAULT
@@ -121,7 +126,17 @@ class RetryPolicy:
     @property
     def retries(self) -> bool:
         """False when the policy allows one attempt only (retrying is off)."""
-        return self.attempts_max > 1
+        return self.attempts_max != 1
+
+    def exhausted(self, attempts: int, elapsed_ms: float) -> bool:
+        """True once no further attempt may start.
+
+        `attempts` were made so far (the first included); `elapsed_ms` have passed since
+        the first one began. The time budget decides; attempts_max only when set.
+        """
+        if self.attempts_max and attempts >= self.attempts_max:
+            return True
+        return elapsed_ms >= self.total_ms_max
 
     def backoff_ceiling_ms(self, retry_number: int) -> int:
         """The longest wait before retry `retry_number` (1 for the first retry)."""

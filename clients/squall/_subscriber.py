@@ -175,8 +175,8 @@ class Subscription:
         """The server's batches across reconnects, duplicates dropped when deduplicating."""
         failures = 0
         outage_started = 0.0
-        # Bounded: each pass either reads a response (and resets `failures`) or counts a
-        # failure toward the policy's attempts_max.
+        # Bounded: each pass either reads a response (and resets `failures`) or spends
+        # part of the policy's time budget (and counts toward attempts_max when set).
         while True:
             try:
                 for response in self._calls[0]:
@@ -198,11 +198,7 @@ class Subscription:
                     outage_started = time.monotonic()
                 failures += 1
                 elapsed_ms = (time.monotonic() - outage_started) * 1000
-                if (
-                    code.name not in RECONNECT_CODES
-                    or failures >= self._retry.attempts_max
-                    or elapsed_ms >= self._retry.total_ms_max
-                ):
+                if code.name not in RECONNECT_CODES or self._retry.exhausted(failures, elapsed_ms):
                     raise from_rpc_error(err) from None
                 wait_s = random.uniform(0, self._retry.backoff_ceiling_ms(failures) / 1000)
                 log.info(

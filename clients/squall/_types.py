@@ -178,6 +178,9 @@ class NodeStatus:
     """A fault the node's replica reported (checksum error, failed store write)."""
     transfer_target: str = ""
     """On a master handing its group over: the node it hands it to."""
+    replica_unreachable_since_ms: int = 0
+    """Set while the node's coordinator holds it out of every group because its replica
+    stopped answering: wall-clock ms since the Unix epoch of the replica's last answer."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -241,6 +244,7 @@ class ClusterStatus:
                 sync_source_id=n.sync_source_id,
                 fault_reason=n.fault_reason,
                 transfer_target=n.transfer_target,
+                replica_unreachable_since_ms=n.replica_unreachable_since_ms,
             )
             for n in status.nodes
         )

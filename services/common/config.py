@@ -111,6 +111,9 @@ class TimeoutsConfig:
     member_timeout_ms: int = 400
     probe_interval_ms: int = 200
     merge_delay_ms_per_priority: int = 50
+    # One fate per node: a coordinator whose replica has not answered for this long takes
+    # the node out of its group until the replica answers again (docs/configuration.md).
+    replica_timeout_ms: int = 300
     rpc_timeout_ms: int = 2000
     publish_timeout_ms: int = 10000
     # Push subscribers (docs/push-subscribers.md): one Deliver call's deadline, and the
@@ -128,7 +131,8 @@ class RetryConfig:
     """How the gateway retries indeterminate calls (the client library takes the same names).
 
     The defaults are the client library's (`squall.RetryPolicy`), so an app and the
-    gateway retry alike unless configured otherwise.
+    gateway retry alike unless configured otherwise. The budget is time
+    (`retry_total_ms_max`); `retry_attempts_max` is an optional cap (0: none, 1: no retry).
     """
 
     retry_attempts_max: int = RETRY_ATTEMPTS_MAX_DEFAULT
@@ -784,6 +788,7 @@ _TIMEOUT_BOUNDS_MS: Mapping[str, tuple[int, int]] = {
     "member_timeout_ms": (10, 600_000),
     "probe_interval_ms": (5, 600_000),
     "merge_delay_ms_per_priority": (0, 10_000),
+    "replica_timeout_ms": (10, 600_000),
     "rpc_timeout_ms": (10, 600_000),
     "publish_timeout_ms": (10, 3_600_000),
     "push_deliver_timeout_ms": (10, 600_000),
@@ -802,6 +807,13 @@ def _validate_timeouts(timeouts: TimeoutsConfig) -> None:
             f"timeouts.member_timeout_ms: must be at least twice timeouts.heartbeat_interval_ms "
             f"({timeouts.heartbeat_interval_ms}), so one lost heartbeat does not fail a member, "
             f"got {timeouts.member_timeout_ms}"
+        )
+    if timeouts.replica_timeout_ms < 2 * timeouts.heartbeat_interval_ms:
+        raise ConfigError(
+            f"timeouts.replica_timeout_ms: must be at least twice "
+            f"timeouts.heartbeat_interval_ms ({timeouts.heartbeat_interval_ms}), so one slow "
+            f"role renewal does not take the node out of its group, got "
+            f"{timeouts.replica_timeout_ms}"
         )
     if timeouts.push_retry_backoff_initial_ms > timeouts.push_retry_backoff_max_ms:
         raise ConfigError(

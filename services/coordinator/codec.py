@@ -21,6 +21,7 @@ from services.coordinator.messages import (
     GroupReadyAck,
     Invitation,
     LeadershipTransfer,
+    Leave,
     MemberReport,
     NodeState,
     OperatorRecord,
@@ -161,6 +162,8 @@ def to_proto(msg: PeerMessage) -> coordinator_pb2.PeerMessage:
                 members=list(body.members),
             )
         )
+    elif isinstance(body, Leave):
+        pb.leave.CopyFrom(coordinator_pb2.Leave(group_name=body.group_name, reason=body.reason))
     else:
         pb.ready_ack.CopyFrom(
             coordinator_pb2.ReadyAck(group_name=body.group_name, epoch=body.epoch)
@@ -252,9 +255,14 @@ def from_proto(pb: coordinator_pb2.PeerMessage) -> PeerMessage:
             target=_require(t2.target, "leadership_transfer.target"),
             members=tuple(t2.members),
         )
+    elif kind == "leave":
+        body = Leave(
+            group_name=_require(pb.leave.group_name, "leave.group_name"),
+            reason=pb.leave.reason,
+        )
     else:
         raise ValueError(
-            "body: no message set (expected one of are_you_coordinator ... leadership_transfer)"
+            "body: no message set (expected one of are_you_coordinator ... leave)"
         )
     return PeerMessage(from_node=from_node, to_node=to_node, body=body)
 
@@ -277,6 +285,8 @@ def status_to_proto(status: ElectionStatus) -> coordinator_pb2.CoordinatorStatus
     pb.invited.extend(status.invited)
     pb.sync_source_id = status.sync_source_id
     pb.transfer_target = status.transfer_target
+    if status.replica_unreachable_since_ms is not None:
+        pb.replica_unreachable_since_ms = status.replica_unreachable_since_ms
     return pb
 
 

@@ -81,6 +81,20 @@ joined), ``lifecycle.decide_start`` checks the stores (clean, dirty, empty; shut
 a refused group is held, not formed, and every member learns why from its coordinator's
 answers to its heartbeats.
 
+One fate per node
+-----------------
+A node is a coordinator and a replica; it is a member only while both answer. The driver
+reports what it sees of its replica: ``replica_silent(since_ms)`` when a call to it failed
+or is still outstanding (``since_ms``: its last answer), ``replica_answered`` when it
+answers again. The machine decides: silent for ``replica_timeout_ms`` means the node leaves
+its group at once, telling the group (``Leave``: its members recover, or its coordinator
+drops it, without waiting out ``member_timeout_ms``), and stays out of every group as a
+quarantined node does (no probes, no positive probe replies, invitations ignored) until
+the replica answers again. Then it recovers into a group of its own, reads its replica's
+state afresh and is merged back in a new epoch like any returning node, so the replica
+never resumes an epoch it lost. The reverse fault needs nothing here: a replica whose
+coordinator is gone drops its role when its lease runs out.
+
 Time
 ----
 Every input carries ``now_ms`` from the driver's monotonic clock; going backwards is a
@@ -108,6 +122,7 @@ from services.coordinator.messages import (
     GroupReadyAck,
     Invitation,
     LeadershipTransfer,
+    Leave,
     LogEvent,
     LogLevel,
     MemberReport,
@@ -223,6 +238,7 @@ class ElectionConfig:
     member_timeout_ms: int = 400
     probe_interval_ms: int = 200
     merge_delay_ms_per_priority: int = 50
+    replica_timeout_ms: int = 300
 
     def validate(self) -> None:
         """Raise ElectionConfigError with a sentence naming the first bad value."""
@@ -248,7 +264,12 @@ class ElectionConfig:
             raise ElectionConfigError(
                 "priorities: every node has priority 0, so none can coordinate"
             )
-        for name in ("heartbeat_interval_ms", "member_timeout_ms", "probe_interval_ms"):
+        for name in (
+            "heartbeat_interval_ms",
+            "member_timeout_ms",
+            "probe_interval_ms",
+            "replica_timeout_ms",
+        ):
             if getattr(self, name) <= 0:
                 raise ElectionConfigError(f"{name}: {getattr(self, name)} must be positive")
         if self.merge_delay_ms_per_priority < 0:
@@ -260,6 +281,12 @@ class ElectionConfig:
                 f"member_timeout_ms: {self.member_timeout_ms} is less than twice "
                 f"heartbeat_interval_ms ({self.heartbeat_interval_ms}); one lost heartbeat "
                 "would break the group"
+            )
+        if self.replica_timeout_ms < 2 * self.heartbeat_interval_ms:
+            raise ElectionConfigError(
+                f"replica_timeout_ms: {self.replica_timeout_ms} is less than twice "
+                f"heartbeat_interval_ms ({self.heartbeat_interval_ms}); one slow role renewal "
+                "would take the node out of its group"
             )
 
 
@@ -401,6 +428,10 @@ class Election:
         self._held_note = ""
         self._transfer: _Transfer | None = None
         self._invited: tuple[str, ...] = ()
+        # One fate per node: since when the replica has not answered (None: it answers), and
+        # whether that lasted replica_timeout_ms, so the node is out of every group.
+        self._replica_silent_since: int | None = None
+        self._replica_lost = False
 
     # ----------------------------------------------------------------- public inputs
 
@@ -415,6 +446,16 @@ class Election:
     def replica_report(self, report: ReplicaReport, now_ms: int) -> Ready:
         """Take the local replica's (cluster_id, last_epoch, last_lsn, store_state)."""
         return self._run(now_ms, lambda: self._on_report(report))
+
+    def replica_silent(self, since_ms: int, now_ms: int) -> Ready:
+        """The driver saw no answer from its replica since ``since_ms`` (its last answer): a
+        call failed or is still outstanding. After ``replica_timeout_ms`` of that the node
+        leaves its group; ``replica_answered`` ends it. Repeating it is harmless."""
+        return self._run(now_ms, lambda: self._on_replica_silent(since_ms))
+
+    def replica_answered(self, now_ms: int) -> Ready:
+        """The replica answered a call again; a node out of its group for it rejoins."""
+        return self._run(now_ms, self._on_replica_answered)
 
     def set_designated_primary(self, enabled: bool, operator: str, now_ms: int) -> Ready:
         """Mark (or clear) this node as the designated primary of a two-node cluster."""
@@ -545,6 +586,11 @@ class Election:
             invited=self._invited if self._coord == self._me else (),
             sync_source_id=self._sync_source if self._state is NodeState.NORMAL else "",
             transfer_target=self._transfer.target if self._transfer is not None else "",
+            replica_unreachable_since_ms=(
+                self._replica_silent_since + self._wall_offset_ms
+                if self._replica_lost and self._replica_silent_since is not None
+                else None
+            ),
         )
 
     def next_deadline_ms(self) -> int | None:
@@ -552,6 +598,8 @@ class Election:
         if not self._started:
             return None
         due: list[int] = []
+        if self._replica_silent_since is not None and not self._replica_lost:
+            due.append(self._replica_silent_since + self._cfg.replica_timeout_ms)
         if self._coord != self._me:
             if self._pending is not None:
                 due.append(self._pending.deadline_ms)
@@ -728,7 +776,7 @@ class Election:
         coordinators above that a node is waiting to be invited, so a node that recovered
         just after their own probe round is not left out until the next one.
         """
-        if self._coord != self._me or self._quarantined():
+        if self._coord != self._me or self._out_of_groups():
             return False
         if self._state is NodeState.INACTIVE:
             return True
@@ -742,12 +790,16 @@ class Election:
             and self._coord == self._me
             and self._state in (NodeState.INACTIVE, NodeState.NORMAL)
             and self._transfer is None
-            and not self._quarantined()
+            and not self._out_of_groups()
         )
 
     def _quarantined(self) -> bool:
         """A quarantined node is in no group until an operator clears it."""
         return self._persisted.quarantine is not None
+
+    def _out_of_groups(self) -> bool:
+        """Quarantined, or its replica is unreachable: the node takes no part in any group."""
+        return self._replica_lost or self._quarantined()
 
     def _waiting_for_report(self) -> bool:
         """An idle coordinator without its replica's stopped state cannot lead a merge: it
@@ -756,7 +808,7 @@ class Election:
 
     def _answers_as_coordinator(self) -> bool:
         """Is this node a coordinator another may merge (IceStorm's areYouCoordinator)?"""
-        if self._coord != self._me or self._quarantined():
+        if self._coord != self._me or self._out_of_groups():
             return False
         if self._state is NodeState.NORMAL:
             return True
@@ -892,6 +944,10 @@ class Election:
         """Run whatever is due at ``now``; True if another timer may have become due."""
         now = self._now_ms
         cfg = self._cfg
+        silent = self._replica_silent_since
+        if silent is not None and not self._replica_lost and now - silent >= cfg.replica_timeout_ms:
+            self._lose_replica(silent)
+            return True
         if self._coord != self._me:
             if self._pending is not None:
                 if now >= self._pending.deadline_ms:
@@ -967,9 +1023,10 @@ class Election:
             )
         return expired
 
-    def _check_members(self) -> bool:
-        """Coordinator in NORMAL: drop silent members; recover below the quorum."""
-        expired = self._expire_members()
+    def _check_members(self, left: tuple[str, ...] = ()) -> bool:
+        """Coordinator in NORMAL: drop silent members (and those that ``left``); recover
+        below the quorum."""
+        expired = [*left, *self._expire_members()]
         required, why = self._quorum(self._persisted.max_seen)
         size = len(self._members) + 1
         if size < required:
@@ -1314,6 +1371,117 @@ class Election:
         self._last_yes_ms = self._now_ms
         self._next_heartbeat_ms = self._now_ms + self._cfg.heartbeat_interval_ms
 
+    # ----------------------------------------------------------------- one fate per node
+
+    def _on_replica_silent(self, since_ms: int) -> None:
+        """Note since when the replica has not answered; the timers decide."""
+        if since_ms > self._now_ms:
+            self._reject(
+                RejectCode.INVALID_ARGUMENT,
+                f"replica silent since {since_ms}, which is after now ({self._now_ms})",
+            )
+            return
+        if self._replica_silent_since is None:
+            self._replica_silent_since = since_ms
+
+    def _on_replica_answered(self) -> None:
+        """The replica answers: forget the silence; a node out for it rejoins."""
+        since = self._replica_silent_since
+        self._replica_silent_since = None
+        if not self._replica_lost:
+            return
+        self._replica_lost = False
+        silent_ms = self._now_ms - (since if since is not None else self._now_ms)
+        self._log(
+            LogLevel.INFO,
+            "replica-back",
+            f"replica answers again after {silent_ms} ms unreachable (epoch "
+            f"{self._persisted.epoch}); reading its state and rejoining",
+        )
+        self._recover(f"replica answers again after {silent_ms} ms unreachable")
+        # Whatever the replica reported before it went silent may be stale (it may have
+        # restarted): read its stopped state afresh before answering any invitation.
+        self._command(RoleCommandKind.DEACTIVATE)
+
+    def _lose_replica(self, since_ms: int) -> None:
+        """The replica has not answered for replica_timeout_ms: leave the group, telling it,
+        and stay out of every group until the replica answers again."""
+        silent_ms = self._now_ms - since_ms
+        group, epoch, role = self._group, self._group_epoch, self._role
+        if self._coord == self._me:
+            told: set[str] = set(self._members)
+            if self._merge is not None:
+                told |= self._merge.expected | self._merge.accepted.keys()
+            if self._reorg is not None:
+                told |= set(self._reorg.members)
+        else:
+            told = {self._coord}
+        told.discard(self._me)
+        reason = (
+            f"replica of node {self._me} has not answered for {silent_ms} ms "
+            f"(replica_timeout_ms {self._cfg.replica_timeout_ms})"
+        )
+        for node in sorted(told, key=node_sort_key):
+            self._send(node, Leave(group, reason))
+        self._replica_lost = True
+        in_group = f"{group} (epoch {epoch}, role {role.value})" if epoch else group
+        self._log(
+            LogLevel.WARNING,
+            "replica-unreachable",
+            f"replica has not answered for {silent_ms} ms (replica_timeout_ms "
+            f"{self._cfg.replica_timeout_ms}, epoch {self._persisted.epoch}); leaving "
+            f"{in_group} and every group until it answers"
+            + (f"; told {','.join(sorted(told, key=node_sort_key))}" if told else ""),
+        )
+        self._recover(
+            f"replica unreachable: no answer for {silent_ms} ms; out of every group until "
+            "it answers"
+        )
+
+    def _on_leave(self, frm: str, body: Leave) -> None:
+        """A node leaves our group: a member is dropped at once, a coordinator recovered from."""
+        coordinator = self._group_coordinator(body.group_name, frm)
+        if coordinator is None:
+            return
+        why = f": {_show(body.reason)}" if body.reason else ""
+        if body.group_name != self._group:
+            self._log(
+                LogLevel.DEBUG,
+                "leave-ignored",
+                f"{frm} left {body.group_name}, which is not our group {self._group}",
+            )
+            return
+        if self._coord != self._me:
+            if frm == self._coord:
+                self._recover(f"coordinator {frm} left {self._group}{why}", LogLevel.WARNING)
+            return
+        if coordinator != self._me:
+            return
+        self._log(
+            LogLevel.INFO,
+            "member-left",
+            f"member {frm} left {self._group} (epoch {self._group_epoch}){why}",
+        )
+        if self._merge is not None:
+            self._merge.expected.discard(frm)
+            self._merge.accepted.pop(frm, None)
+            self._maybe_reorganize()
+            return
+        reorg = self._reorg
+        if reorg is not None:
+            if frm in reorg.members:
+                reorg.members = tuple(x for x in reorg.members if x != frm)
+                reorg.reports.pop(frm, None)
+                reorg.acked.discard(frm)
+                if len(reorg.acked) == len(reorg.members) - 1:
+                    self._go_normal()
+            return
+        if frm not in self._members:
+            return
+        del self._members[frm]
+        if self._state is NodeState.NORMAL:
+            self._check_members(left=(frm,))
+
     # ----------------------------------------------------------------- operator
 
     def _on_designated_primary(self, enabled: bool, operator: str) -> None:
@@ -1516,6 +1684,8 @@ class Election:
             self._on_ready(frm, body)
         elif isinstance(body, LeadershipTransfer):
             self._on_transfer(frm, body)
+        elif isinstance(body, Leave):
+            self._on_leave(frm, body)
         else:
             self._on_ready_ack(frm, body)
 
@@ -1675,12 +1845,13 @@ class Election:
                 f"{_show(body.cluster_id)} refused: this node belongs to cluster {_show(mine)}",
             )
             return
-        if self._quarantined():
+        if self._out_of_groups():
+            why = "its replica is unreachable" if self._replica_lost else "it is quarantined"
             self._log(
                 LogLevel.INFO,
                 "invitation-ignored",
-                f"invitation from {inviter} to {body.group_name} ignored: this node is "
-                "quarantined",
+                f"invitation from {inviter} to {body.group_name} ignored: this node is out "
+                f"of every group ({why})",
             )
             return
         current = self._coord

@@ -209,6 +209,19 @@ class LeadershipTransfer:
     members: tuple[str, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class Leave:
+    """The sender leaves ``group_name`` now: its replica stopped answering, so it can be
+    neither master nor a slave whose acks count (``reason`` says so, for the log).
+
+    A member sends it to its coordinator, a coordinator to its members, so the group reacts
+    at once instead of after ``member_timeout_ms`` of silence.
+    """
+
+    group_name: str
+    reason: str = ""
+
+
 Body = (
     AreYouCoordinator
     | AreYouCoordinatorReply
@@ -219,6 +232,7 @@ Body = (
     | GroupReady
     | GroupReadyAck
     | LeadershipTransfer
+    | Leave
 )
 
 
@@ -378,6 +392,9 @@ class ElectionStatus:
     """The member whose log the group adopted when it formed (known once normal)."""
     transfer_target: str = ""
     """On a coordinator handing its group over: the node it hands it to."""
+    replica_unreachable_since_ms: int | None = None
+    """Set while the node is out of every group because its replica stopped answering:
+    wall-clock time (ms since the Unix epoch) of the replica's last answer."""
 
 
 def _cluster(cluster_id: str) -> str:
@@ -417,6 +434,8 @@ def _format_body(body: Body) -> str:
             f"LeadershipTransfer group={body.group_name} epoch={body.epoch} "
             f"target={body.target} members={','.join(body.members)}"
         )
+    if isinstance(body, Leave):
+        return f"Leave group={body.group_name} reason={body.reason!r}"
     if isinstance(body, Accept):
         r = body.report
         forwarded = ",".join(body.forwarded_to) or "-"

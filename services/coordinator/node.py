@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.clock import Clock, SystemClock
 from services.common.config import ClusterConfig, NodeConfig
@@ -73,6 +74,18 @@ _PEER_INFLIGHT_MAX = 16
 _WATCH_QUEUE_MAX = 16
 # A replica's reorganization progress is logged at most this often.
 _SYNC_LOG_INTERVAL_MS = 1000
+# One fate per node: the replica counts as quiet once this many heartbeat intervals pass
+# without an answer (a role renewal is answered about once per interval); the driver then
+# probes its health and tells the election since when it has been silent. The election
+# decides (after timeouts.replica_timeout_ms) that the node leaves its group.
+_QUIET_HEARTBEATS = 1.5
+# How often the watch looks at the replica's last answer, in heartbeat intervals.
+_WATCH_HEARTBEATS = 0.5
+# Role-call failures that may mean the replica did not answer at all (a dead or hung
+# process); any other status is an answer from a live replica.
+_NO_ANSWER = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+)
 # Reconnect quickly to a peer that restarts: failover time depends on it.
 _FAST_RECONNECT = [
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -91,6 +104,7 @@ def election_config(config: ClusterConfig, node_id: str) -> ElectionConfig:
         member_timeout_ms=t.member_timeout_ms,
         probe_interval_ms=t.probe_interval_ms,
         merge_delay_ms_per_priority=t.merge_delay_ms_per_priority,
+        replica_timeout_ms=t.replica_timeout_ms,
     )
 
 
@@ -139,6 +153,13 @@ class CoordinatorNode:
         }
         self._replica_channel = links.aio_channel(node.replica_address, options=options)
         self._replica = replica_pb2_grpc.ReplicaControlStub(self._replica_channel)
+        self._replica_health = health_pb2_grpc.HealthStub(self._replica_channel)
+        # One fate per node: when the replica last answered any call (monotonic ms; the
+        # start counts, so a replica starting after its coordinator has its grace), whether
+        # the election has been told it is silent, and the health probe in flight.
+        self._replica_seen_ms = self.clock.monotonic_ms()
+        self._silence_reported = False
+        self._probe: asyncio.Task[None] | None = None
         self._inflight = {peer: 0 for peer in self._peers}
         self._tls_refused: set[str] = set()  # peers whose TLS handshake failed (logged once)
         self._wakeup = asyncio.Event()
@@ -198,15 +219,17 @@ class CoordinatorNode:
         self._tasks = [
             asyncio.create_task(self._tick_loop(), name="tick"),
             asyncio.create_task(self._role_loop(), name="role"),
+            asyncio.create_task(self._replica_watch_loop(), name="replica-watch"),
         ]
 
     async def stop(self) -> None:
         """Stops the loops and closes channels."""
         if self._observer is not None:
             self._observer.instruments.unwatch(self)
-        for task in self._tasks:
+        tasks = [*self._tasks, *([self._probe] if self._probe is not None else [])]
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         for channel in [self._replica_channel, *self._channels.values()]:
@@ -341,6 +364,9 @@ class CoordinatorNode:
     async def _role_loop(self) -> None:
         """Applies the newest role command to the replica, renewing it as a lease."""
         applied: RoleCommand | None = None
+        # The command whose failure was last logged: a replica that is down fails every
+        # renewal, and once per command says it (the election logs how long it is down).
+        warned: RoleCommand | None = None
         while True:
             command = self._role_wanted
             if command is None:
@@ -352,6 +378,8 @@ class CoordinatorNode:
                     self._role_proto(command), timeout=self._rpc_timeout_s
                 )
             except grpc.aio.AioRpcError as exc:
+                if exc.code() not in _NO_ANSWER:
+                    self._replica_answered()
                 if (
                     exc.code() == grpc.StatusCode.FAILED_PRECONDITION
                     and command.kind is not RoleCommandKind.DEACTIVATE
@@ -359,7 +387,8 @@ class CoordinatorNode:
                     self._recover(f"replica refused {command.kind.value}: {exc.details()}")
                     applied = None
                     continue
-                if command is not applied:
+                if command is not applied and command is not warned:
+                    warned = command
                     log.warning(
                         "coordinator %s: replica did not take %s (epoch=%d): %s: %s",
                         self.node.id,
@@ -370,6 +399,7 @@ class CoordinatorNode:
                     )
                 await self._pause_role_loop()
                 continue
+            self._replica_answered()
             self._note_fault(state.state)
             if state.state.HasField("reorganization"):
                 self._note_sync(state.state.reorganization)
@@ -392,6 +422,46 @@ class CoordinatorNode:
                     continue
             applied = command
             await self._pause_role_loop()
+
+    # --- one fate per node: is the replica answering?
+
+    def _replica_answered(self) -> None:
+        """The replica answered a call: note it; a silence the election knows of is over."""
+        self._replica_seen_ms = self._now()
+        if self._silence_reported:
+            self._silence_reported = False
+            self.apply(self.election.replica_answered(self._replica_seen_ms))
+
+    async def _replica_watch_loop(self) -> None:
+        """Tells the election when the replica has gone quiet (it decides what that means),
+        probing the replica's health meanwhile: a role call can be slow for a live replica
+        (a deactivation waits for a write in progress), a health check is not."""
+        heartbeat_ms = self.config.timeouts.heartbeat_interval_ms
+        quiet_ms = heartbeat_ms * _QUIET_HEARTBEATS
+        while True:
+            await asyncio.sleep(heartbeat_ms * _WATCH_HEARTBEATS / 1000)
+            if self.shutting_down:
+                continue
+            now = self._now()
+            if now - self._replica_seen_ms <= quiet_ms:
+                continue
+            if self._probe is None or self._probe.done():
+                self._probe = asyncio.create_task(self._probe_replica(), name="replica-probe")
+            if not self._silence_reported:
+                self._silence_reported = True
+                self.apply(self.election.replica_silent(self._replica_seen_ms, now))
+
+    async def _probe_replica(self) -> None:
+        """One health check of the replica; any answer means it is alive."""
+        try:
+            await self._replica_health.Check(
+                health_pb2.HealthCheckRequest(),
+                timeout=self.config.timeouts.replica_timeout_ms / 1000,
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in _NO_ANSWER:
+                return
+        self._replica_answered()
 
     def _note_sync(self, progress: replica_pb2.ReorganizationProgress) -> None:
         """The replica answered a master role before taking it: its reorganization sync
@@ -431,6 +501,8 @@ class CoordinatorNode:
             wall_offset_ms=self._wall_offset_ms(),
         )
         self._role_wanted = None
+        # The new machine has not heard of a silence yet: the watch tells it again.
+        self._silence_reported = False
         self.apply(self.election.tick(self._now()))
 
     async def _pause_role_loop(self) -> None:

@@ -12,7 +12,9 @@ them, so an explanation cannot drift from what the coordinators do:
   not quarantined) invites the others: it leads if they make the quorum it computes (its
   own override and designated-primary flag count, the group's ``max`` decides between a
   majority and every node). The sync source is the survivor with the newest log.
-* A node that is unreachable or quarantined now counts as failed already.
+* A node that is unreachable or quarantined now counts as failed already, and so does a
+  node whose coordinator answers but whose replica does not (one fate per node: its
+  coordinator keeps it out of every group).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class NodeFacts:
     up: bool
     """Its coordinator and replica answered the status call."""
     quarantined: bool = False
+    replica_unreachable: bool = False
+    """Its coordinator holds it out of every group: its replica stopped answering."""
     last_epoch: int = 0
     last_lsn: int = 0
     max_seen: int = 0
@@ -196,7 +200,13 @@ def explain_master(facts: Sequence[NodeFacts], master: str) -> list[str]:
     for x in outside:
         f = by_id[x]
         status = (
-            "quarantined" if f.quarantined else "unreachable" if not f.up else f"{f.state}"
+            "quarantined"
+            if f.quarantined
+            else "its replica is unreachable"
+            if f.replica_unreachable
+            else "unreachable"
+            if not f.up
+            else f"{f.state}"
         )
         lines.append(f"{x} ranks higher but is not in the group ({status}).")
     if m.invited:

@@ -18,7 +18,9 @@ attempts' client spans, which carry the trace on to the master.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +34,13 @@ from services.common.call_guard import CLIENT_PEER_KEY
 from services.common.grpc_server import Context
 from services.common.telemetry import Telemetry, current
 from services.gateway import retry
-from services.gateway.master import MasterTracker, NoMasterError, pairs, redirect_address
+from services.gateway.master import (
+    Master,
+    MasterTracker,
+    NoMasterError,
+    pairs,
+    redirect_address,
+)
 from services.gateway.telemetry import GatewayInstruments, instruments
 from squall import Outcome, RetryPolicy, overall
 from squall.v1 import broker_pb2
@@ -108,6 +116,23 @@ class _DeadlineNear(tenacity.stop.stop_base):
         return remaining is not None and remaining <= _DEADLINE_SLACK_S
 
 
+class _BudgetSpent(tenacity.stop.stop_base):
+    """Stops retrying once the policy's time budget (or its optional attempt cap) is spent.
+
+    Made when a call's first attempt starts; time is read from `monotonic` (a test passes
+    a fake clock).
+    """
+
+    def __init__(self, policy: RetryPolicy, monotonic: Callable[[], float]) -> None:
+        self._policy = policy
+        self._monotonic = monotonic
+        self._started = monotonic()
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
+        elapsed_ms = (self._monotonic() - self._started) * 1000
+        return self._policy.exhausted(retry_state.attempt_number, elapsed_ms)
+
+
 @dataclass
 class _Failure:
     """How one attempt ended, as the app would see it if it is the last."""
@@ -160,8 +185,11 @@ class Forwarder:
         policy: RetryPolicy | None = None,
         gateway_id: str = "",
         observability: Telemetry | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._masters = masters
+        # The retry budget's clock (a test passes a fake).
+        self._monotonic = monotonic
         self._timeout_s = timeout_s
         self._master_wait_s = master_wait_s
         self._policy = policy or RetryPolicy()
@@ -286,11 +314,7 @@ class Forwarder:
             return 0.0 if call.redirect else float(backoff(state))
 
         retrying = tenacity.AsyncRetrying(
-            stop=tenacity.stop_any(
-                tenacity.stop_after_attempt(policy.attempts_max),
-                tenacity.stop_after_delay(policy.total_ms_max / 1000),
-                _DeadlineNear(context),
-            ),
+            stop=tenacity.stop_any(_BudgetSpent(policy, self._monotonic), _DeadlineNear(context)),
             wait=wait_s,
             retry=tenacity.retry_if_exception_type(_Retry),
             reraise=True,
@@ -402,9 +426,12 @@ class Forwarder:
 
     def _stream_stream(self, path: str) -> Callable[..., Any]:
         method = path.rpartition("/")[2]
+        # A publish stream ends when the master moves (see MasterTracker.moved_from).
+        follows_master = method == "PublishStream"
 
         async def forward(requests: AsyncIterator[bytes], context: Context) -> AsyncIterator[bytes]:
             channel = await self._master(context)
+            forwarded_to = self._masters.master
             stream = _Call(method=method, safe=False, effects=False, metadata=())
             span, token = self._start_span(method)
             try:
@@ -414,17 +441,47 @@ class Forwarder:
             finally:
                 if token is not None:
                     otel_context.detach(token)  # type: ignore[arg-type]
+            moved: asyncio.Task[Master] | None = None
+            if follows_master and forwarded_to is not None:
+                moved = asyncio.ensure_future(
+                    self._masters.moved_from(forwarded_to.replica_address)
+                )
+                moved.add_done_callback(lambda _done: call.cancel())
             try:
                 async for response in call:
                     yield response
+                if moved is not None and moved.done() and not moved.cancelled():
+                    await self._master_moved(context, forwarded_to, moved.result())
             except grpc.aio.AioRpcError as error:
                 stream.answered = error.code().name
                 if _lost_stream_status(error):
                     await context.abort(grpc.StatusCode.UNKNOWN, _LOST_STATUS_DETAILS)
                 await _relay_error(context, error)
+            except asyncio.CancelledError:
+                if moved is None or not moved.done() or moved.cancelled():
+                    raise  # the app went away
+                await self._master_moved(context, forwarded_to, moved.result())
             finally:
+                if moved is not None:
+                    moved.cancel()
                 call.cancel()
                 stream.outcomes.append("ok")
                 self._finish(span, None, stream)
 
         return forward
+
+    async def _master_moved(self, context: Context, old: Master | None, new: Master) -> None:
+        """Ends a publish stream whose master was replaced: the app retries on a new one."""
+        was = f"{old.node_id} (epoch {old.epoch})" if old is not None else "?"
+        log.info(
+            "gateway: publish stream to %s ended: the master is now %s (epoch=%d)",
+            was,
+            new.node_id,
+            new.epoch,
+        )
+        await context.abort(
+            grpc.StatusCode.UNAVAILABLE,
+            f"the master moved from {was} to {new.node_id} (epoch {new.epoch}) while this "
+            "publish stream was open; requests without a response may or may not have been "
+            "applied: retry them with the same publisher id and sequence",
+        )

@@ -122,7 +122,7 @@ def _names_master(view: coordinator_pb2.GroupView, master_id: str | None = None)
     return master_id is None or view.master.node_id == master_id
 
 
-def _reconnect_options(backoff_initial_ms: int, backoff_max_ms: int) -> list[tuple[str, int]]:
+def reconnect_options(backoff_initial_ms: int, backoff_max_ms: int) -> list[tuple[str, int]]:
     """Channel reconnect pacing: a restarted node is reached again within backoff_max_ms."""
     return [
         ("grpc.initial_reconnect_backoff_ms", backoff_initial_ms),
@@ -151,7 +151,7 @@ class MasterTracker:
         self._backoff_max_s = retry.retry_backoff_max_ms / 1000
         options = [
             *channel_options(config.limits.max_message_bytes),
-            *_reconnect_options(retry.retry_backoff_initial_ms, retry.retry_backoff_max_ms),
+            *reconnect_options(retry.retry_backoff_initial_ms, retry.retry_backoff_max_ms),
         ]
         # Every link presents this gateway's certificate when [tls] is on.
         self.transport = transport(config, gateway_id)
@@ -230,6 +230,20 @@ class MasterTracker:
                 "no master is elected (or reachable) right now; the call was not forwarded"
             )
         return self._channels[master.replica_address]
+
+    async def moved_from(self, address: str) -> Master:
+        """Waits until the views name a master other than the replica at `address`.
+
+        A publish stream forwarded to a master that was deposed meanwhile ends then: a
+        master that hangs (paused, a stuck disk) cannot end its streams itself.
+        """
+        # Bounded: each pass waits for the next change of master; the caller cancels it.
+        while True:
+            master = self.master
+            if master is not None and master.replica_address != address:
+                return master
+            changed = self._changed
+            await changed.wait()
 
     # --- the watches
 

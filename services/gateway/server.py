@@ -9,7 +9,7 @@ import grpc
 from services.common.auth import bearer_token
 from services.common.config import ClusterConfig, NodeConfig
 from services.common.grpc_server import Context, channel_options
-from services.gateway.master import MasterTracker
+from services.gateway.master import MasterTracker, reconnect_options
 from squall._auth import token_metadata
 from squall.v1 import (
     coordinator_pb2,
@@ -28,7 +28,13 @@ class ClusterAdmin(gateway_pb2_grpc.ClusterAdminServicer):
         self._config = config
         self._masters = masters
         self._timeout_s = timeout_s
-        options = channel_options(config.limits.max_message_bytes)
+        # Paced like the replica channels: a restarted coordinator shows in the status within
+        # the retry backoff's cap, not after gRPC's default backoff of up to two minutes.
+        retry = config.retry
+        options = [
+            *channel_options(config.limits.max_message_bytes),
+            *reconnect_options(retry.retry_backoff_initial_ms, retry.retry_backoff_max_ms),
+        ]
         self._coordinators = {
             node.id: masters.transport.aio_channel(node.coordinator_address, options=options)
             for node in config.nodes
@@ -82,6 +88,7 @@ class ClusterAdmin(gateway_pb2_grpc.ClusterAdminServicer):
             row.invited.extend(status.invited)
             row.sync_source_id = status.sync_source_id
             row.transfer_target = status.transfer_target
+            row.replica_unreachable_since_ms = status.replica_unreachable_since_ms
         else:
             errors.append(f"coordinator: {_reason(status)}")
         row.reachable = isinstance(state, replica_pb2.ReplicaState)

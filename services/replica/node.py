@@ -1079,8 +1079,11 @@ class ReplicaNode:
         A publisher proxy whose master just died otherwise bounces between this replica's
         redirect to the dead master and its own backoff; held here, its call goes on (served
         or redirected to the new master) the moment the coordinator's next role command
-        lands, so the publisher's gap is the election's.
+        lands, so the publisher's gap is the election's. A master named in an epoch newer
+        than the one the wait began in was elected after the caller found it unreachable
+        (its replica restarted, or the node took the lead back): the call goes to it.
         """
+        held_in_epoch = self.epoch
         # Bounded by the timeout: each pass waits for a role change (the event loop keeps
         # the deadline, so no clock is read here).
         with contextlib.suppress(TimeoutError):
@@ -1090,7 +1093,10 @@ class ReplicaNode:
                     if (
                         self.role == common_pb2.ROLE_SLAVE
                         and master is not None
-                        and master.replica_address not in unreachable
+                        and (
+                            master.replica_address not in unreachable
+                            or self.epoch > held_in_epoch
+                        )
                     ):
                         return
                     await self._role_changed.wait()

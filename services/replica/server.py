@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Iterator
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import grpc
 
@@ -235,7 +235,9 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
                 receipts=commands.expand_receipt(got), request_id=request_id
             )
 
-        return asyncio.ensure_future(respond())
+        answer = asyncio.ensure_future(respond())
+        answer.add_done_callback(_seen)
+        return answer
 
     def _where(self) -> tuple[str, int]:
         return self.node.node.id, self.node.epoch
@@ -270,11 +272,13 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
                     except ServiceError as exc:
                         future = loop.create_future()
                         future.set_exception(exc)
+                        future.add_done_callback(_seen)
                     await inflight.put(future)
             finally:
                 await inflight.put(None)
 
         reader = asyncio.create_task(read_requests())
+        reader.add_done_callback(_seen)
         try:
             while True:
                 future = await inflight.get()
@@ -288,6 +292,20 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
             await reader
         finally:
             reader.cancel()
+
+
+def _seen(future: asyncio.Future[Any]) -> None:
+    """Marks a finished publish (or a stream's request reader) as observed.
+
+    A pipelined stream answers in request order and ends at the first failure: when a
+    deposed master fails every write in flight at once, the first failure ends the stream
+    with its status (the client then treats every unanswered request as indeterminate and
+    retries it with the same ids), and the later failures have nobody left to tell. Without
+    this, each of them would be logged as "Task exception was never retrieved" when
+    collected; the stream's writer still awaits, and answers, every one it reaches.
+    """
+    if not future.cancelled():
+        future.exception()
 
 
 class Subscriber(broker_pb2_grpc.SubscriberServicer):

@@ -331,10 +331,20 @@ _LIMITS = {
 }
 
 
+# These tests stop a slave's replica process alone to get a slave that cannot keep up yet
+# stays a member of the group: its node must not leave, which with the default
+# replica_timeout_ms it would after 0.3 s (one fate per node: tests/integration/
+# test_node_fate.py covers that). What they look at is the replication layer's flow
+# control for a member that does not acknowledge.
+STUCK_SLAVE_STAYS = {"replica_timeout_ms": 60_000}
+
+
 def test_a_stopped_slave_with_majority_acks_neither_stalls_publishers_nor_grows_memory(
     cluster_factory: object,
 ) -> None:
-    trio = _started_trio(cluster_factory, limits=dict(_LIMITS))
+    trio = _started_trio(
+        cluster_factory, limits=dict(_LIMITS), timeouts=dict(STUCK_SLAVE_STAYS)
+    )
     master = trio.wait_for_master()
     slave = _slave_of(trio, master)
     slave_pid = trio.services[("replica", slave)].pid
@@ -396,7 +406,12 @@ def test_a_stopped_slave_with_majority_acks_neither_stalls_publishers_nor_grows_
 def test_a_stopped_slave_with_all_acks_holds_publishers_back_until_it_resumes(
     cluster_factory: object,
 ) -> None:
-    trio = _started_trio(cluster_factory, limits=dict(_LIMITS), durability={"acks": "all"})
+    trio = _started_trio(
+        cluster_factory,
+        limits=dict(_LIMITS),
+        durability={"acks": "all"},
+        timeouts=dict(STUCK_SLAVE_STAYS),
+    )
     master = trio.wait_for_master()
     slave = _slave_of(trio, master)
     slave_pid = trio.services[("replica", slave)].pid

@@ -10,6 +10,8 @@ Safety invariants (ARCHITECTURE.md, "Election and membership"):
 * a node's persisted epoch never decreases, across restarts included;
 * a priority-0 node never coordinates a group and never sends Invitation or Ready;
 * a quarantined node is in no group: never normal, its replica never serving a role;
+* a node whose replica is unreachable (one fate per node) is in no group either: it
+  coordinates only itself, inactive, its replica told to take no role;
 * a new master's sync source holds the newest log of the members still in its epoch.
 
 Only the node an event touched can have changed, so each step checks that node; the
@@ -72,6 +74,17 @@ class Checker:
             raise InvariantViolation(
                 f"node {node} is quarantined but {status.state.value} with role "
                 f"{status.role.value}"
+            )
+        if status.replica_unreachable_since_ms is not None and (
+            status.state is not NodeState.INACTIVE
+            or status.role.value != "inactive"
+            or status.coordinator_id != node
+            or status.group
+        ):
+            raise InvariantViolation(
+                f"node {node}'s replica is unreachable but it is {status.state.value} with "
+                f"role {status.role.value}, coordinator {status.coordinator_id}, group "
+                f"{','.join(status.group) or '-'}"
             )
         if status.coordinator_id != node:
             return

@@ -4,6 +4,16 @@ One seed decides everything: cluster size (3, 5 or 7), priorities (some 0), timi
 stores hold at start, and the faults — message loss, duplication, delay and reordering,
 symmetric and one-way partitions, crashes and restarts (only persisted state and the replica's
 log survive), and pauses (a node stops handling anything for a while, like a long GC).
+With per-process faults on (``run_seed``; ``make_scenario(processes=True)``) a node is two
+processes, hit alone: its replica is killed (and restarted) or paused, its coordinator is
+killed (and restarted) or paused, or the link between the two is cut, often on whoever is
+master at the time. The driver model is ``services/coordinator/node.py``'s: role commands
+reach the replica only while it answers (the newest one is applied when it answers again),
+the election hears ``replica_silent`` after a quiet spell and ``replica_answered`` when the
+replica is back; a replica keeps its role while its coordinator is gone only for the lease
+(``member_timeout_ms``), and a replica that restarted or dropped its role refuses a role in
+an epoch it held (the driver then recovers with a fresh Election). The whole-node crash and
+pause of before stay as they were.
 Operators act too: a leadership transfer from whoever leads to one of its members, and a
 quarantine of a node that an operator may clear later (every quarantine is cleared when
 the network heals). The only randomness is ``random.Random(seed)`` here; the election
@@ -68,7 +78,12 @@ from tests.sim.election_checker import Checker, InvariantViolation
     _SNAPSHOT,
     _TRANSFER,
     _QUARANTINE,
-) = range(14)
+    _PROC_FAULT,
+    _PROC_HEAL,
+    _SILENT,
+    _ANSWERED,
+    _LEASE,
+) = range(19)
 _KIND_NAMES = {
     _START: "start",
     _CRASH: "crash",
@@ -84,7 +99,22 @@ _KIND_NAMES = {
     _SNAPSHOT: "snapshot",
     _TRANSFER: "transfer",
     _QUARANTINE: "quarantine",
+    _PROC_FAULT: "process fault",
+    _PROC_HEAL: "process heal",
+    _SILENT: "replica silent",
+    _ANSWERED: "replica answered",
+    _LEASE: "lease",
 }
+# Per-process faults: (name, lasts for a while, healed by an event when it ends).
+PROCESS_FAULTS = (
+    "replica-kill",
+    "replica-kill-restart",
+    "replica-pause",
+    "coordinator-kill",
+    "coordinator-kill-restart",
+    "coordinator-pause",
+    "link-cut",
+)
 # Bounds: a run that needs more events than this is itself a bug (a message storm).
 EVENTS_MAX = 400_000
 TRACE_LINES = 80
@@ -128,6 +158,7 @@ class Scenario:
     liveness_deadline_ms: int = 3000
     stable_ms: int = 300
     keep_minority_down: bool = True
+    processes: bool = False
 
 
 def _rank_key(priorities: dict[str, int], node: str) -> tuple[int, tuple[int, int, str]]:
@@ -136,8 +167,17 @@ def _rank_key(priorities: dict[str, int], node: str) -> tuple[int, tuple[int, in
     return (-priorities[node], key)
 
 
-def make_scenario(seed: int, faults: bool = True, sizes: tuple[int, ...] = (3, 5, 7)) -> Scenario:
-    """Draw one scenario from the seed (the cluster size cycles through ``sizes``)."""
+def make_scenario(
+    seed: int,
+    faults: bool = True,
+    sizes: tuple[int, ...] = (3, 5, 7),
+    processes: bool = False,
+) -> Scenario:
+    """Draw one scenario from the seed (the cluster size cycles through ``sizes``).
+
+    ``processes`` adds per-process faults, drawn from a generator of their own so the rest
+    of the scenario is what the seed gave before.
+    """
     rng = random.Random(seed)
     n = sizes[seed % len(sizes)]
     nodes = [str(i) for i in range(1, n + 1)]
@@ -153,6 +193,7 @@ def make_scenario(seed: int, faults: bool = True, sizes: tuple[int, ...] = (3, 5
         "member_timeout_ms": 400,
         "probe_interval_ms": 200,
         "merge_delay_ms_per_priority": 50,
+        "replica_timeout_ms": 300,
     }
     if rng.random() < 0.2:
         heartbeat = rng.randint(20, 100)
@@ -162,6 +203,7 @@ def make_scenario(seed: int, faults: bool = True, sizes: tuple[int, ...] = (3, 5
             "probe_interval_ms": rng.randint(50, 300),
             "merge_delay_ms_per_priority": rng.randint(0, 60),
         }
+        timing["replica_timeout_ms"] = max(2 * heartbeat, timing["member_timeout_ms"] * 3 // 4)
     majority = n // 2 + 1
     initial = {node: PersistedState() for node in nodes}
     logs = {node: (0, 0) for node in nodes}
@@ -230,6 +272,15 @@ def make_scenario(seed: int, faults: bool = True, sizes: tuple[int, ...] = (3, 5
         scenario.faults.append((at, _QUARANTINE, node, 1))
         if rng.random() < 0.6:
             scenario.faults.append((at + rng.randint(1, 800), _QUARANTINE, node, 0))
+    if processes:
+        scenario.processes = True
+        prng = random.Random(seed * 7 + 3)
+        for _ in range(prng.randint(1, 3)):
+            # Half of them hit whoever is master then (node ""): the case that matters.
+            target = "" if prng.random() < 0.5 else prng.choice(nodes)
+            at = prng.randint(0, horizon)
+            fault = prng.choice(PROCESS_FAULTS)
+            scenario.faults.append((at, _PROC_FAULT, target, (fault, prng.randint(50, 900))))
     return scenario
 
 
@@ -338,6 +389,20 @@ class Simulation:
         self.manual_recoveries = 0
         # Nodes following a lower-ranked coordinator (after a transfer), until they recover.
         self.demoted: set[str] = set()
+        # Per-process model (scenario.processes): the replica process apart from its node.
+        self.processes = scenario.processes
+        self.replica_up = {node: True for node in self.nodes}
+        self.replica_paused_until = {node: 0 for node in self.nodes}
+        self.link_cut_until = {node: 0 for node in self.nodes}
+        # The newest role command the replica has not received (it did not answer).
+        self.pending_cmd: dict[str, RoleCommand | None] = {node: None for node in self.nodes}
+        # The replica takes a new role only above this epoch (it restarted or dropped one).
+        self.floor = {node: 0 for node in self.nodes}
+        self.held_max = {node: 0 for node in self.nodes}
+        # Since when the coordinator cannot renew its replica's role lease (None: it can).
+        self.renew_lost_at: dict[str, int | None] = {node: None for node in self.nodes}
+        # When the driver last heard from the replica (a silence starts no earlier).
+        self.answered_at = {node: 0 for node in self.nodes}
 
     # ----------------------------------------------------------------- plumbing
 
@@ -422,8 +487,16 @@ class Simulation:
             self.send(msg)
         election = self.elections[node]
         cmd = ready.role_command
-        if cmd is not None and election is not None:
+        if cmd is not None and election is not None and not self.reachable(node):
+            # The driver keeps trying; the replica gets the newest command when it answers.
+            self.note(f"{node} role (replica not answering)", format_role_command(cmd))
+            self.pending_cmd[node] = cmd
+        elif cmd is not None and election is not None:
+            self.pending_cmd[node] = None
             self.note(f"{node} role", format_role_command(cmd))
+            if self.refuses(node, cmd):
+                self.driver_recovers(node, f"replica refused {format_role_command(cmd)}")
+                return
             replica = self.replicas[node]
             replica.applied_seq = cmd.seq
             if cmd.kind is not RoleCommandKind.DEACTIVATE:
@@ -448,7 +521,217 @@ class Simulation:
                 self.become_master(node, cmd)
             else:
                 self.follow_master(node, cmd)
+            self.held_max[node] = max(self.held_max[node], cmd.epoch)
         self.check(node)
+
+    # ----------------------------------------------------------------- processes
+
+    def reachable(self, node: str) -> bool:
+        """Does the node's replica answer its coordinator now?"""
+        return (
+            self.replica_up[node]
+            and self.replica_paused_until[node] <= self.now_ms
+            and self.link_cut_until[node] <= self.now_ms
+        )
+
+    def refuses(self, node: str, cmd: RoleCommand) -> bool:
+        """Would the replica refuse this role (one in an epoch it restarted out of or
+        dropped, unless it is the renewal of the role it holds)?"""
+        if not self.processes or cmd.kind is RoleCommandKind.DEACTIVATE:
+            return False
+        replica = self.replicas[node]
+        want = Role.MASTER if cmd.kind is RoleCommandKind.MASTER else Role.SLAVE
+        renewal = replica.role is want and replica.epoch == cmd.epoch
+        return not renewal and cmd.epoch <= self.floor[node]
+
+    def drop_role(self, node: str, why: str) -> None:
+        """The replica loses its role (a restart, a lease that ran out): it takes no role
+        in an epoch it held any more."""
+        replica = self.replicas[node]
+        self.floor[node] = max(self.floor[node], self.held_max[node])
+        if replica.role is not Role.INACTIVE:
+            self.note(f"{node} replica drops its role", why)
+        replica.role, replica.epoch, replica.master = Role.INACTIVE, 0, ""
+
+    def driver_recovers(self, node: str, why: str) -> None:
+        """node.py's recovery on a refused role: a fresh Election from the persisted state."""
+        self.note(f"{node} driver recovers", why)
+        self.incarnation[node] += 1
+        self.elections[node] = None
+        self.tick_at[node] = None
+        self.start_node(node)
+
+    def went_quiet(self, node: str) -> None:
+        """The replica stopped answering: the driver tells the election after a while."""
+        if self.elections[node] is None:
+            return
+        delay = self.rng.randint(1, 2 * self.sc.timing["heartbeat_interval_ms"])
+        self.push(self.now_ms + delay, _SILENT, node, (self.incarnation[node], self.now_ms))
+
+    def answers_again(self, node: str) -> None:
+        """The replica answers again: the driver's next renewal or probe notices."""
+        if self.elections[node] is None or not self.reachable(node):
+            return
+        delay = self.rng.randint(1, self.sc.timing["heartbeat_interval_ms"])
+        self.push(self.now_ms + delay, _ANSWERED, node, self.incarnation[node])
+
+    def renewal_lost(self, node: str) -> None:
+        """The coordinator can no longer renew the replica's lease: it runs out later."""
+        if self.renew_lost_at[node] is None:
+            self.renew_lost_at[node] = self.now_ms
+        at = self.now_ms + self.sc.timing["member_timeout_ms"]
+        self.push(at, _LEASE, node, self.renew_lost_at[node])
+
+    def renewal_back(self, node: str) -> None:
+        """The coordinator renews the lease again (if it is up, running and linked)."""
+        if (
+            self.elections[node] is not None
+            and self.paused_until[node] <= self.now_ms
+            and self.link_cut_until[node] <= self.now_ms
+        ):
+            self.renew_lost_at[node] = None
+
+    def on_silent(self, node: str, payload: object) -> None:
+        """Hand the election what the driver saw: no answer since ``since``."""
+        election = self.elections[node]
+        if election is None or not isinstance(payload, tuple):
+            return
+        incarnation, since = payload
+        if incarnation != self.incarnation[node] or self.reachable(node):
+            return
+        if self.paused_until[node] > self.now_ms:
+            self.push(self.paused_until[node], _SILENT, node, payload)
+            return
+        since = max(int(since), self.answered_at[node])
+        self.note(f"{node} replica silent", f"since {since}")
+        self.apply(node, election.replica_silent(since, self.now_ms))
+        self.schedule_tick(node)
+
+    def on_answered(self, node: str, incarnation: object) -> None:
+        """The replica answered: the newest command reaches it (or is refused), and the
+        election hears it is back."""
+        election = self.elections[node]
+        if election is None or incarnation != self.incarnation[node] or not self.reachable(node):
+            return
+        if self.paused_until[node] > self.now_ms:
+            self.push(self.paused_until[node], _ANSWERED, node, incarnation)
+            return
+        self.note(f"{node} replica answers")
+        self.answered_at[node] = self.now_ms
+        pending = self.pending_cmd[node]
+        if pending is not None:
+            self.apply(node, Ready(role_command=pending))
+        else:
+            status = election.status()
+            held = {Role.MASTER: RoleCommandKind.MASTER, Role.SLAVE: RoleCommandKind.FOLLOW}
+            kind = held.get(status.role)
+            replica = self.replicas[node]
+            lost = replica.role is not status.role or replica.epoch != status.epoch
+            if kind is not None and lost:
+                # The renewal of a role the replica lost meanwhile is refused.
+                self.driver_recovers(node, f"replica no longer holds {status.role.value}")
+                return
+        election = self.elections[node]
+        if election is None or incarnation != self.incarnation[node]:
+            return
+        self.apply(node, election.replica_answered(self.now_ms))
+        self.schedule_tick(node)
+
+    def on_lease(self, node: str, lost_at: object) -> None:
+        """The replica's lease runs out if nothing renewed it since ``lost_at``."""
+        if self.renew_lost_at[node] != lost_at or not self.replica_up[node]:
+            return
+        if self.replica_paused_until[node] > self.now_ms:
+            return  # a paused replica notices when it resumes (see heal_process)
+        self.drop_role(node, "role lease expired: no word from the coordinator")
+
+    def process_fault(self, node: str, payload: object) -> None:
+        """Hit one process of ``node`` (or of the master now, when ``node`` is empty)."""
+        if not isinstance(payload, tuple):
+            return
+        fault, duration = payload
+        if not node:
+            leaders = [
+                (e.status().epoch, x)
+                for x in self.nodes
+                if (e := self.elections[x]) is not None
+                and e.status().state is NodeState.NORMAL
+                and e.status().coordinator_id == x
+            ]
+            if not leaders:
+                return
+            node = max(leaders)[1]
+        self.note(f"{node} {fault}", f"for {duration} ms")
+        end = self.now_ms + int(duration)
+        if fault.startswith("replica-kill"):
+            if not self.replica_up[node]:
+                return
+            self.replica_up[node] = False
+            self.drop_role(node, "killed")
+            replica = self.replicas[node]
+            replica.applied_seq, replica.joined = 0, False
+            self.went_quiet(node)
+            if fault.endswith("restart"):
+                self.push(end, _PROC_HEAL, node, "replica-restart")
+        elif fault == "replica-pause":
+            self.replica_paused_until[node] = max(self.replica_paused_until[node], end)
+            self.went_quiet(node)
+            self.push(end, _PROC_HEAL, node, ("replica-resume", self.now_ms))
+        elif fault.startswith("coordinator-kill"):
+            if self.elections[node] is None:
+                return
+            self.elections[node] = None
+            self.tick_at[node] = None
+            self.paused_until[node] = 0
+            self.incarnation[node] += 1
+            self.pending_cmd[node] = None
+            self.renewal_lost(node)
+            if fault.endswith("restart"):
+                self.push(end, _PROC_HEAL, node, "coordinator-restart")
+        elif fault == "coordinator-pause":
+            if self.elections[node] is None:
+                return
+            self.paused_until[node] = max(self.paused_until[node], end)
+            self.renewal_lost(node)
+            self.push(end, _PROC_HEAL, node, "coordinator-resume")
+        else:  # link-cut: coordinator and its own replica cannot reach each other
+            self.link_cut_until[node] = max(self.link_cut_until[node], end)
+            self.renewal_lost(node)
+            self.went_quiet(node)
+            self.push(end, _PROC_HEAL, node, "link-uncut")
+
+    def heal_process(self, node: str, what: object) -> None:
+        """The end of one process fault (also run for every node at the heal)."""
+        if what == "replica-restart":
+            if self.replica_up[node]:
+                return
+            self.replica_up[node] = True
+            self.note(f"{node} replica restarted")
+        elif isinstance(what, tuple) and what[0] == "replica-resume":
+            if self.replica_paused_until[node] > self.now_ms:
+                return
+            lost_at = self.renew_lost_at[node]
+            paused_at = int(what[1])
+            # The hung replica's lease ran out while it hung: it drops the role on resuming.
+            if self.now_ms - paused_at >= self.sc.timing["member_timeout_ms"] or (
+                lost_at is not None
+                and self.now_ms - lost_at >= self.sc.timing["member_timeout_ms"]
+            ):
+                self.drop_role(node, "role lease expired while the replica hung")
+            self.note(f"{node} replica resumed")
+        elif what == "coordinator-restart":
+            if self.healed_at is not None and node in self.down_for_liveness:
+                return  # kept down for the liveness phase, like a whole-node restart
+            if self.elections[node] is None:
+                self.start_node(node)
+        elif what == "coordinator-resume":
+            if self.paused_until[node] > self.now_ms:
+                return
+        elif what == "link-uncut":
+            if self.link_cut_until[node] > self.now_ms:
+                return
+        self.renewal_back(node)
+        self.answers_again(node)
 
     def track_demotions(self, node: str, ready: Ready) -> None:
         """Note nodes that follow a coordinator ranked below them (after a transfer, and
@@ -508,7 +791,9 @@ class Simulation:
     def write(self, node: str, epoch: int) -> None:
         """The master appends an entry; reachable followers of its epoch copy the log."""
         replica = self.replicas[node]
-        if self.elections[node] is None:
+        if self.elections[node] is None and not self.processes:
+            return
+        if not self.replica_up[node]:
             return
         if replica.role is not Role.MASTER or replica.epoch != epoch:
             return
@@ -520,7 +805,9 @@ class Simulation:
                 follower.role is Role.SLAVE
                 and follower.master == node
                 and follower.epoch == epoch
-                and self.elections[other] is not None
+                and (self.elections[other] is not None or self.processes)
+                and self.replica_up[other]
+                and self.replica_paused_until[other] <= self.now_ms
                 and not self.cut[(node, other)]
                 and self.rng.random() < 0.6
             ):
@@ -558,8 +845,12 @@ class Simulation:
         self.tick_at[node] = None
         self.note(f"{node} start", f"persisted {self.durable[node]}")
         self.check(node)
+        self.renewal_back(node)
         self.apply(node, election.tick(self.now_ms))
         self.schedule_tick(node)
+        if self.elections[node] is election and not self.reachable(node):
+            # A driver that starts while its replica does not answer counts from its start.
+            self.went_quiet(node)
 
     def crash(self, node: str) -> None:
         """Lose everything but the persisted state and the replica's log."""
@@ -570,6 +861,8 @@ class Simulation:
         self.paused_until[node] = 0
         self.incarnation[node] += 1
         replica = self.replicas[node]
+        if self.processes:
+            self.drop_role(node, "the whole node crashed")
         replica.role, replica.epoch, replica.master = Role.INACTIVE, 0, ""
         replica.applied_seq = 0
         replica.joined = False
@@ -606,13 +899,16 @@ class Simulation:
             self.apply(node, election.tick(self.now_ms))
             self.schedule_tick(node)
         elif kind == _WRITE:
-            if isinstance(payload, int) and self.paused_until[node] <= self.now_ms:
+            # The replica writes; in the per-process model its own pause stops it, not its
+            # coordinator's.
+            paused = self.replica_paused_until if self.processes else self.paused_until
+            if isinstance(payload, int) and paused[node] <= self.now_ms:
                 self.write(node, payload)
             elif isinstance(payload, int):
-                self.push(self.paused_until[node], _WRITE, node, payload)
+                self.push(paused[node], _WRITE, node, payload)
         elif kind == _REPORT:
             # The driver polls its replica; the answer can arrive after later commands.
-            if self.elections[node] is not None:
+            if self.elections[node] is not None and self.reachable(node):
                 self.push_snapshot(node, self.rng.randint(0, 60))
             self.push(self.now_ms + REPORT_INTERVAL_MS, _REPORT, node)
         elif kind == _SNAPSHOT:
@@ -629,10 +925,19 @@ class Simulation:
             self.schedule_tick(node)
         elif kind in (_START, _RESTART):
             if self.healed_at is None or node not in self.down_for_liveness:
+                if self.processes and self.elections[node] is None:
+                    # The whole node restarts: its replica process too.
+                    self.replica_up[node] = True
+                    self.replica_paused_until[node] = self.link_cut_until[node] = 0
+                    self.pending_cmd[node] = None
                 self.start_node(node)
         elif kind == _CRASH:
             if self.healed_at is None:
                 self.crash(node)
+        elif kind == _PAUSE and self.processes:
+            # The coordinator hangs; its replica runs on until its lease runs out.
+            if self.healed_at is None and isinstance(payload, int):
+                self.process_fault(node, ("coordinator-pause", payload))
         elif kind == _PAUSE:
             if self.healed_at is None and isinstance(payload, int):
                 self.paused_until[node] = self.now_ms + payload
@@ -653,6 +958,17 @@ class Simulation:
         elif kind == _QUARANTINE:
             if self.healed_at is None and isinstance(payload, int):
                 self.quarantine(node, bool(payload))
+        elif kind == _PROC_FAULT:
+            if self.healed_at is None:
+                self.process_fault(node, payload)
+        elif kind == _PROC_HEAL:
+            self.heal_process(node, payload)
+        elif kind == _SILENT:
+            self.on_silent(node, payload)
+        elif kind == _ANSWERED:
+            self.on_answered(node, payload)
+        elif kind == _LEASE:
+            self.on_lease(node, payload)
 
     def transfer(self, pick: int) -> None:
         """An operator hands the leadership of a normal group to one of its members."""
@@ -701,6 +1017,17 @@ class Simulation:
         self.delay_max_ms = min(self.delay_max_ms, self.sc.timing["member_timeout_ms"] // 8)
         for node in self.nodes:
             self.paused_until[node] = 0
+        if self.processes:
+            for node in self.nodes:
+                if not self.replica_up[node]:
+                    self.heal_process(node, "replica-restart")
+                if self.replica_paused_until[node] > self.now_ms:
+                    paused_at = self.now_ms - self.sc.timing["member_timeout_ms"]
+                    self.replica_paused_until[node] = self.now_ms
+                    self.heal_process(node, ("replica-resume", paused_at))
+                self.link_cut_until[node] = 0
+                self.renewal_back(node)
+                self.answers_again(node)
         # Keep a minority down when some node could vouch that a majority ran before
         # (otherwise the first-startup rule rightly needs every node) and an eligible node
         # stays up.
@@ -835,29 +1162,36 @@ class Simulation:
 
 
 def run_seed(seed: int) -> SimResult:
-    """Run one seed with faults."""
-    return Simulation(make_scenario(seed)).run()
+    """Run one seed with faults, per-process faults included."""
+    return Simulation(make_scenario(seed, processes=True)).run()
 
 
-def measure_failover(seed: int) -> int:
-    """Milliseconds from killing a settled master to a new normal majority group.
+def measure_failover(seed: int, fault: str = "node-kill") -> int:
+    """Milliseconds from ``fault`` hitting a settled master to a new normal majority group.
 
-    No faults besides the crash; message delays of 0-2 ms as on a loopback network.
+    ``fault`` is ``node-kill`` (both processes) or one of ``PROCESS_FAULTS`` hitting one
+    process alone, lasting 5 s. No other faults; message delays of 0-2 ms as on a loopback
+    network; the default timing.
     """
     scenario = make_scenario(seed, faults=False)
     scenario.keep_minority_down = False
+    scenario.processes = fault != "node-kill"
     scenario.timing = {
         "heartbeat_interval_ms": 100,
         "member_timeout_ms": 400,
         "probe_interval_ms": 200,
         "merge_delay_ms_per_priority": 50,
+        "replica_timeout_ms": 300,
     }
     sim = Simulation(scenario)
     result = sim.run()
     old_epoch = result.final_epoch
     killed_at = sim.now_ms
-    sim.healed_at = None  # allow the crash below
-    sim.crash(result.leader)
+    sim.healed_at = None  # allow the fault below
+    if fault == "node-kill":
+        sim.crash(result.leader)
+    else:
+        sim.process_fault(result.leader, (fault, 5000))
     sim.healed_at = killed_at
     sim.down_for_liveness.add(result.leader)  # no restart: measure failover, not rejoin
     limit = killed_at + 5000
@@ -879,4 +1213,4 @@ def measure_failover(seed: int) -> int:
                 and len(s.members) >= sim.majority
             ):
                 return sim.now_ms - killed_at
-    raise sim.fail(f"no new master within 5000 ms of killing {result.leader}")
+    raise sim.fail(f"no new master within 5000 ms of {fault} on {result.leader}")

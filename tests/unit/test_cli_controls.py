@@ -144,3 +144,28 @@ def test_cluster_bad_input_is_one_line_and_sends_nothing(
     code, out, err = run([*argv, "--config", _config(tmp_path)], capsys)
     assert code == 1 and out == ""
     assert err.startswith("squall: ") and phrase in err and err.count("\n") == 1, err
+
+
+def test_status_names_a_replica_that_does_not_answer(
+    broker: Any,  # noqa: F811
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """One fate per node: n2's coordinator answers, its replica does not."""
+    broker.status.Clear()
+    _three_nodes(broker.status)
+    n2 = broker.status.nodes[1]
+    n2.ClearField("quarantine")
+    n2.reachable = False
+    n2.error = "replica: UNAVAILABLE: connection refused"
+    n2.last_change_reason = "replica unreachable: no answer for 302 ms"
+    n2.replica_unreachable_since_ms = _AT_MS
+    code, out, _ = run(["status"], capsys)
+    assert code == 0
+    row = out.splitlines()[2]
+    assert row.startswith("n2 ") and "REPLICA UNREACHABLE" in row, row
+    assert "replica unreachable since 2025-11-22T03:05:41Z" in row, row
+    assert "replica: UNAVAILABLE: connection refused" in row, row
+    assert "n2: replica unreachable since 2025-11-22T03:05:41Z; its coordinator keeps" in out
+    code, out, _ = run(["status", "--explain"], capsys)
+    member = next(line for line in out.splitlines() if line.startswith("  n2  2"))
+    assert "REPLICA UNREACHABLE" in member, member

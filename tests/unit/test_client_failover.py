@@ -46,6 +46,9 @@ class ReplicaBroker(FakeBroker):
         self.publish_peers: list[str] = []
         # Each PublishStream's squall-unreachable request metadata ("" when absent).
         self.publish_unreachable: list[str] = []
+        # PublishStream calls arriving on these addresses are never answered (a hung
+        # master) until the caller gives up on them.
+        self.hung_addresses: set[str] = set()
 
     def GetPublisher(
         self, request: broker_pb2.GetPublisherRequest, context: grpc.ServicerContext
@@ -79,6 +82,11 @@ class ReplicaBroker(FakeBroker):
             self.publish_unreachable.append(
                 dict(context.invocation_metadata()).get("squall-unreachable", "")
             )
+        if local in self.hung_addresses:
+            gave_up = threading.Event()
+            context.add_callback(gave_up.set)
+            gave_up.wait(120)
+            return
         master = self.slave_addresses.get(local)
         if master is not None:
             context.set_trailing_metadata((("squall-master-address", master),))
@@ -233,6 +241,45 @@ def test_a_replica_that_answers_again_is_no_longer_named_unreachable() -> None:
     binding.stream_answered(n1)
     assert binding.metadata() == ()
     binding.close()
+
+
+def test_a_stream_that_answers_clears_marks_from_an_older_failover() -> None:
+    # Issue 14: a mark kept from the failover before made the next replica hold the call
+    # for a master that had come back (a restarted node taking the lead back).
+    n1, n2, n3 = (squall.Endpoint(f"n{i}", f"127.0.0.1:{i}") for i in (1, 2, 3))
+    binding = ProxyBinding([n1, n2, n3], replicated=True, make_channel=grpc.insecure_channel)
+    binding.stream_failed(n1, grpc.StatusCode.UNAVAILABLE, None)
+    binding.stream_answered(n2)
+    binding.stream_failed(n2, grpc.StatusCode.UNKNOWN, None)
+    assert binding.metadata() == (("squall-unreachable", "127.0.0.1:2"),)
+    binding.close()
+
+
+def test_replicated_proxy_leaves_a_hung_master_for_the_one_the_gateway_names(
+    cluster: _Cluster,
+) -> None:
+    # Issue 14: n1 hangs (paused) after the group elected n2. The receipt would be waited
+    # for until the timeout (60 s here); a late receipt makes the proxy ask the gateway,
+    # which names n2 first, and the batch goes there with the same id and sequence.
+    with squall.connect(cluster.gateway, timeout_s=60.0, **FAST) as client:
+        client.create_topic("t")
+        publisher = client.topic("t").publisher("p", replicated=True)
+        cluster.broker.hung_addresses.add(cluster.addresses["n1"])
+        cluster.broker.endpoints = [
+            ("n2", cluster.addresses["n2"]),
+            ("n1", cluster.addresses["n1"]),
+            ("n3", cluster.addresses["n3"]),
+        ]
+        result: list[squall.Receipt] = []
+        worker = threading.Thread(target=lambda: result.append(publisher.publish(b"x")))
+        worker.start()
+        worker.join(30)
+        assert not worker.is_alive(), "the proxy waited for its receipt timeout"
+        assert publisher.endpoint == squall.Endpoint("n2", cluster.addresses["n2"])
+        publisher.close()
+    assert result and not result[0].duplicate
+    assert cluster.broker.publish_peers == [cluster.addresses["n1"], cluster.addresses["n2"]]
+    assert [(p, s) for p, s, _ in _stored(cluster.broker, "t")] == [("p", 1)]
 
 
 def test_replicated_proxy_follows_a_slaves_redirect(

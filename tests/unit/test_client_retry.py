@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 import squall
-from squall.v1 import broker_pb2
+from squall.v1 import broker_pb2, broker_pb2_grpc
 from tests.unit.test_client import FakeBroker, serve_fake, wait_until
 
 FAST = {"retry_backoff_initial_ms": 1, "retry_backoff_max_ms": 5}
@@ -243,7 +243,7 @@ def test_async_events_buffered_when_the_stream_broke_are_sent_on_the_next(
 @pytest.mark.parametrize(
     ("retry", "message"),
     [
-        ({"retry_attempts_max": 0}, "retry_attempts_max must be from 1 to 100, got 0"),
+        ({"retry_attempts_max": -1}, "retry_attempts_max must be from 0 to 100000, got -1"),
         ({"retry_backoff_initial_ms": 0}, "retry_backoff_initial_ms must be from 1 to 60000"),
         (
             {"retry_backoff_initial_ms": 500, "retry_backoff_max_ms": 100},
@@ -262,3 +262,83 @@ def test_connect_defaults_match_the_policy_defaults() -> None:
     with squall.connect("127.0.0.1:1") as client:
         assert client.retry == squall.RetryPolicy()
         assert client.retry.attempts_max == squall.RETRY_ATTEMPTS_MAX_DEFAULT
+
+
+class _FakeClock:
+    """The retry budget's clock: it moves only when the publisher sleeps between retries."""
+
+    def __init__(self) -> None:
+        self.now_s = 0.0
+        self.sleeps = 0
+
+    def monotonic(self) -> float:
+        return self.now_s
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps += 1
+        self.now_s += seconds
+
+
+def _fake_clock_publisher(
+    broker: FlakyBroker, clock: _FakeClock, policy: squall.RetryPolicy
+) -> tuple[grpc.Channel, squall.Publisher]:
+    address: str = broker.address  # type: ignore[attr-defined]
+    channel = grpc.insecure_channel(address)
+    publisher = squall.Publisher(
+        broker_pb2_grpc.PublisherStub(channel),
+        "t",
+        "p",
+        retry=policy,
+        monotonic=clock.monotonic,
+        sleep=clock.sleep,
+    )
+    return channel, publisher
+
+
+def test_the_default_retry_budget_is_time_not_a_count_of_attempts(flaky: FlakyBroker) -> None:
+    # Issue 14: 16 attempts with backoff capped at 250 ms used to give up after about 2 s
+    # although the budget said 10 s. Every answer is lost here: the publisher keeps
+    # retrying until 10 s of (fake) time have passed, far beyond 16 attempts.
+    flaky.lose_answers = 100_000
+    clock = _FakeClock()
+    with _connect(flaky) as client:
+        client.create_topic("t")
+    channel, publisher = _fake_clock_publisher(flaky, clock, squall.RetryPolicy())
+    with channel, pytest.raises(squall.Indeterminate) as err:
+        publisher.publish(b"lost")
+    assert err.value.maybe_stored
+    assert clock.now_s >= squall.RETRY_TOTAL_MS_MAX_DEFAULT / 1000
+    # The last wait started before the budget ran out, and a wait is at most 250 ms.
+    assert clock.now_s < squall.RETRY_TOTAL_MS_MAX_DEFAULT / 1000 + 0.25
+    assert publisher.resends > 16
+    assert _stored(flaky) == {("p", 1): 1}
+
+
+def test_a_publish_outlasting_many_attempts_succeeds_within_the_time_budget(
+    flaky: FlakyBroker,
+) -> None:
+    # 40 lost answers in a row (an outage of several seconds at 250 ms backoff): the
+    # publish still succeeds, stored once, because 60 s of budget are left.
+    flaky.lose_answers = 40
+    clock = _FakeClock()
+    with _connect(flaky) as client:
+        client.create_topic("t")
+    policy = squall.RetryPolicy(total_ms_max=60_000)
+    channel, publisher = _fake_clock_publisher(flaky, clock, policy)
+    with channel:
+        receipt = publisher.publish(b"late")
+    assert publisher.resends == 40
+    assert (receipt.offset, receipt.duplicate) == (0, True)
+    assert _stored(flaky) == {("p", 1): 1}
+
+
+def test_an_attempt_cap_still_bounds_retrying_when_set(flaky: FlakyBroker) -> None:
+    flaky.lose_answers = 100_000
+    clock = _FakeClock()
+    with _connect(flaky) as client:
+        client.create_topic("t")
+    policy = squall.RetryPolicy(attempts_max=5, total_ms_max=3_600_000)
+    channel, publisher = _fake_clock_publisher(flaky, clock, policy)
+    with channel, pytest.raises(squall.Indeterminate):
+        publisher.publish(b"lost")
+    assert publisher.resends == 4

@@ -20,6 +20,7 @@ from services.coordinator.messages import (
     GroupReadyAck,
     Invitation,
     LeadershipTransfer,
+    Leave,
     MemberReport,
     NodeState,
     OperatorRecord,
@@ -73,6 +74,9 @@ BODIES: list[Body] = [
         ),
     ),
     GroupReady("3:ef56", 10, ("1", "2", "3"), "2", "3", 3, cluster_id="c-1"),
+    # One fate per node: a node whose replica stopped answering leaves its group.
+    Leave("1:ab12", "replica of node 1 has not answered for 300 ms"),
+    Leave("1:ab12"),
 ]
 
 
@@ -234,3 +238,32 @@ def test_status_carries_operator_records() -> None:
     assert (pb.sync_source_id, pb.transfer_target) == ("2", "3")
     plain = status_to_proto(replace(status, quorum_override_record=None, quarantine=None))
     assert not plain.HasField("quorum_override_record") and not plain.HasField("quarantine")
+
+
+def test_status_carries_the_replica_unreachable_time() -> None:
+    status = ElectionStatus(
+        node_id="1",
+        coordinator_id="1",
+        group_name="1:ab12",
+        state=NodeState.INACTIVE,
+        group=(),
+        max_seen=3,
+        epoch=4,
+        role=Role.INACTIVE,
+        last_change_reason="replica unreachable",
+        priority=3,
+        designated_primary=False,
+        quorum_override=0,
+        quorum_required=2,
+        replica_unreachable_since_ms=1_763_780_741_000,
+    )
+    assert status_to_proto(status).replica_unreachable_since_ms == 1_763_780_741_000
+    reachable = replace(status, replica_unreachable_since_ms=None)
+    assert status_to_proto(reachable).replica_unreachable_since_ms == 0
+
+
+def test_leave_without_a_group_is_refused() -> None:
+    pb = to_proto(PeerMessage("1", "2", Leave("1:ab12", "gone")))
+    pb.leave.group_name = ""
+    with pytest.raises(ValueError, match=r"leave\.group_name: required"):
+        from_proto(pb)

@@ -528,6 +528,18 @@ def test_member_timeout_must_outlast_heartbeats() -> None:
     assert message.endswith("got 400")
 
 
+def test_replica_timeout_must_outlast_two_heartbeats() -> None:
+    assert parse(VALID).timeouts.replica_timeout_ms == 300
+    message = error_of(VALID + "[timeouts]\nreplica_timeout_ms = 150\n")
+    assert message == (
+        "timeouts.replica_timeout_ms: must be at least twice timeouts.heartbeat_interval_ms "
+        "(100), so one slow role renewal does not take the node out of its group, got 150"
+    )
+    assert error_of(VALID + "[timeouts]\nreplica_timeout_ms = 0\n") == (
+        "timeouts.replica_timeout_ms: must be from 10 to 600000, got 0"
+    )
+
+
 def test_push_backoff_must_start_below_its_cap() -> None:
     message = error_of(VALID + "[timeouts]\npush_retry_backoff_initial_ms = 9000\n")
     assert message == (
@@ -703,7 +715,7 @@ def test_retry_defaults_are_the_client_librarys() -> None:
         config.retry.retry_backoff_initial_ms,
         config.retry.retry_backoff_max_ms,
         config.retry.retry_total_ms_max,
-    ) == (16, 50, 250, 10000)
+    ) == (0, 50, 250, 10000)
 
 
 def test_retry_section_is_read() -> None:
@@ -724,8 +736,11 @@ def test_example_file_spells_out_the_retry_defaults() -> None:
 @pytest.mark.parametrize(
     ("line", "expected"),
     [
-        ("retry_attempts_max = 0", "retry.retry_attempts_max: must be from 1 to 100, got 0"),
-        ("retry_attempts_max = 101", "retry.retry_attempts_max: must be from 1 to 100, got 101"),
+        ("retry_attempts_max = -1", "retry.retry_attempts_max: must be from 0 to 100000, got -1"),
+        (
+            "retry_attempts_max = 100001",
+            "retry.retry_attempts_max: must be from 0 to 100000, got 100001",
+        ),
         (
             "retry_backoff_initial_ms = 0",
             "retry.retry_backoff_initial_ms: must be from 1 to 60000, got 0",

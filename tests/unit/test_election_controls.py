@@ -273,3 +273,44 @@ def test_a_lone_group_under_override_keeps_it() -> None:
     election.tick(200)
     assert election.status().state is NodeState.NORMAL
     assert election.status().quorum_override == 1
+
+
+# --------------------------------------------------------------------------- one fate per node
+
+
+def test_a_node_whose_replica_is_silent_joins_no_group_until_it_answers() -> None:
+    """Out of every group like a quarantined node, and back (probing again) once the replica
+    answers; nothing happens before replica_timeout_ms (300 ms by default)."""
+    election = make()
+    election.replica_silent(0, 0)
+    assert election.tick(299).events == ()
+    lost = election.tick(300)
+    assert [e.event for e in lost.events] == ["replica-unreachable", "recovery"]
+    assert lost.events[0].level is LogLevel.WARNING
+    assert "has not answered for 300 ms" in lost.events[0].message
+    assert election.status().replica_unreachable_since_ms == 0
+    ready = election.step(PeerMessage("3", "1", Invitation("3:a", 3, 0)), 310)
+    assert ready.role_command is None and election.status().coordinator_id == "1"
+    for now in range(320, 2000, 50):
+        assert election.tick(now).messages == ()
+    answer = election.step(PeerMessage("2", "1", AreYouCoordinator("2:a", 2)), 2000)
+    replies = [m.body for m in answer.messages]
+    assert len(replies) == 1 and isinstance(replies[0], AreYouCoordinatorReply)
+    assert not replies[0].is_coordinator
+    back = election.replica_answered(2100)
+    assert [e.event for e in back.events] == ["replica-back", "recovery"]
+    assert back.role_command is not None  # the replica's state is read afresh
+    assert election.status().replica_unreachable_since_ms is None
+
+
+def test_a_short_silence_changes_nothing_and_a_silence_from_the_future_is_refused() -> None:
+    election = make()
+    election.replica_silent(100, 150)
+    election.replica_answered(350)
+    ticked = election.tick(1000)
+    assert all(e.event != "replica-unreachable" for e in ticked.events)
+    assert election.status().replica_unreachable_since_ms is None
+    refused = election.replica_silent(5000, 1100)
+    assert refused.rejection is not None
+    assert refused.rejection.code is RejectCode.INVALID_ARGUMENT
+    assert "after now" in refused.rejection.message

@@ -32,6 +32,11 @@ Commands:
                                the replica twin is always caught up, as the driver ensures
     quarantine 2 on|off        operator: quarantine node 2, or clear it (by=who reason=why)
     fault 2 id=f1              node 2's replica reports a fault (reason=why)
+    replica 2 kill|pause       node 2's replica process alone dies (its role and joined flag
+                               are lost) or hangs; its coordinator stays up, and its driver
+                               reports the replica silent from now on
+    replica 2 restart|resume   the replica answers again (the driver reports it); the role
+                               commands it missed are applied from then on
     audit 1                    node 1's audit trail
     status [1 2 ...]           each node's status line
 """
@@ -56,6 +61,7 @@ from services.coordinator.messages import (
     GroupReadyAck,
     Invitation,
     LeadershipTransfer,
+    Leave,
     LogLevel,
     MemberReport,
     NodeState,
@@ -92,6 +98,8 @@ class Store:
     state: StoreState = StoreState.EMPTY
     shutdown_id: str = ""
     joined: bool = False
+    # The replica process alone is dead or hung: it applies no role command, reports nothing.
+    down: bool = False
 
     def report(self) -> ReplicaReport:
         """The replica's report as the driver would read it."""
@@ -170,7 +178,9 @@ class Cluster:
             lines.append(f"  persist epoch={p.epoch} max={p.max_seen}{extra}")
         self.queue.extend(ready.messages)
         follow_up: Ready | None = None
-        if ready.role_command is not None:
+        if ready.role_command is not None and store.down:
+            lines.append(f"  role {format_role_command(ready.role_command)} (replica down)")
+        elif ready.role_command is not None:
             cmd = ready.role_command
             lines.append(f"  role {format_role_command(cmd)}")
             election = self.nodes[node]
@@ -281,6 +291,8 @@ class Cluster:
             text += " QUARANTINED"
         if s.transfer_target:
             text += f" transfer-to={s.transfer_target}"
+        if s.replica_unreachable_since_ms is not None:
+            text += f" REPLICA-UNREACHABLE-SINCE={s.replica_unreachable_since_ms}"
         return text
 
 
@@ -329,6 +341,8 @@ def parse_body(kind: str, options: dict[str, str]) -> Body:
         )
     if kind == "ReadyAck":
         return GroupReadyAck(group, int(options.get("epoch", "0")))
+    if kind == "Leave":
+        return Leave(group, options.get("reason", ""))
     if kind == "LeadershipTransfer":
         return LeadershipTransfer(
             group,
@@ -423,6 +437,28 @@ def execute(cluster: Cluster | None, line: str) -> tuple[Cluster | None, list[st
             ready = election.set_quarantine(positional[1] == "on", who, now, reason)
         else:
             ready = election.replica_fault(options["id"], reason, now)
+        cluster.apply(node, ready, f"{node} {line}")
+        cluster.deliver_all()
+    elif command == "replica":
+        node, action = positional
+        election = cluster.nodes[node]
+        if election is None:
+            raise ValueError(f"replica: node {node}'s coordinator is down")
+        store = cluster.stores[node]
+        now = cluster.now_ms
+        if action in ("kill", "pause"):
+            store.down = True
+            if action == "kill":
+                store.role, store.joined = Role.INACTIVE, False
+            cluster.out.append(f"t={now} {node} replica {action}: silent from now on")
+            ready = election.replica_silent(now, now)
+        elif action in ("restart", "resume"):
+            # A hung replica's lease ran out meanwhile (scenarios pause it for longer).
+            store.down, store.role = False, Role.INACTIVE
+            cluster.out.append(f"t={now} {node} replica {action}: it answers again")
+            ready = election.replica_answered(now)
+        else:
+            raise ValueError(f"replica: unknown action {action!r}")
         cluster.apply(node, ready, f"{node} {line}")
         cluster.deliver_all()
     elif command == "audit":

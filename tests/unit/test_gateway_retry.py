@@ -13,8 +13,11 @@ import ast
 import inspect
 
 import pytest
+import tenacity
 
+import squall
 from services.gateway import retry
+from services.gateway.forward import _BudgetSpent
 from services.gateway.master import GroupViews, Master
 from squall.v1 import broker_pb2, common_pb2, coordinator_pb2
 
@@ -228,3 +231,19 @@ def test_the_masters_own_higher_epoch_view_wins() -> None:
     assert views.master == Master("n1", "h:7201", 7)
     # n1 loses its group in epoch 7: n3's older claim (epoch 6) is below the floor.
     assert views.observe("n1", view("n1", INACTIVE, 7)) is None
+
+
+def test_the_gateways_retry_budget_is_time_with_an_optional_attempt_cap() -> None:
+    # Issue 14: the gateway's forwarded unary calls are retried for retry_total_ms_max,
+    # however many attempts that takes; retry_attempts_max caps them only when set.
+    now = [0.0]
+    stop = _BudgetSpent(squall.RetryPolicy(), lambda: now[0])
+    state = tenacity.RetryCallState(None, None, (), {})
+    state.attempt_number = 500
+    now[0] = 9.99
+    assert not stop(state)
+    now[0] = 10.0
+    assert stop(state)
+    capped = _BudgetSpent(squall.RetryPolicy(attempts_max=3), lambda: now[0])
+    state.attempt_number = 3
+    assert capped(state)

@@ -121,18 +121,47 @@ def test_a_replica_holds_a_proxy_call_until_it_can_name_a_reachable_master() -> 
             for _ in range(5):
                 await asyncio.sleep(0)
             assert not waiter.done()
-            # A slave of the master the caller cannot reach: still held.
-            await node.apply_role(_slave_of("n1", epoch=3, seq=1))
+            # The next role names another master: released at once, long before 60 s.
+            await node.apply_role(_slave_of("n3", epoch=4, seq=1))
+            await asyncio.wait_for(waiter, 5)
+            assert node.master is not None and node.master.id == "n3"
+            # A slave of the master the caller cannot reach, in the epoch the call found:
+            # held, also across a renewal of that role.
+            await node.apply_role(_slave_of("n1", epoch=5, seq=2))
+            waiter = asyncio.create_task(node.wait_for_role(frozenset({dead}), 60))
+            await node.apply_role(_slave_of("n1", epoch=5, seq=3))
             for _ in range(5):
                 await asyncio.sleep(0)
             assert not waiter.done()
-            # The next role names another master: released at once, long before 60 s.
-            await node.apply_role(_slave_of("n3", epoch=4, seq=2))
+            await node.apply_role(_slave_of("n3", epoch=6, seq=4))
             await asyncio.wait_for(waiter, 5)
-            assert node.master is not None and node.master.id == "n3"
             # A slave of a reachable master never holds; nor does a call naming nothing.
             await asyncio.wait_for(node.wait_for_role(frozenset({dead}), 60), 5)
             await asyncio.wait_for(node.wait_for_role(frozenset(), 60), 5)
+        finally:
+            await node.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_held_call_goes_to_the_unreachable_master_once_a_newer_epoch_names_it() -> None:
+    # Issue 14: the master's replica restarted (or the node took the lead back) and the
+    # group elected it again in a newer epoch. The caller still names it unreachable, from
+    # before; the call must not wait out its hold for a master that is back.
+    async def scenario() -> None:
+        config = load_config(CONFIG)
+        node = ReplicaNode(config, config.node("n2"), Store.open_memory())
+        await node.start()
+        back = config.node("n1").replica_address
+        try:
+            await node.apply_role(_slave_of("n1", epoch=3, seq=1))
+            waiter = asyncio.create_task(node.wait_for_role(frozenset({back}), 60))
+            for _ in range(5):
+                await asyncio.sleep(0)
+            assert not waiter.done()
+            await node.apply_role(_slave_of("n1", epoch=4, seq=2))
+            await asyncio.wait_for(waiter, 5)
+            assert node.master is not None and node.master.id == "n1"
         finally:
             await node.stop()
 

@@ -98,7 +98,7 @@ def test_overall_needs_an_attempt() -> None:
 def test_policy_defaults_and_backoff_ceilings() -> None:
     policy = squall.RetryPolicy()
     policy.validate()
-    assert (policy.attempts_max, policy.backoff_initial_ms) == (16, 50)
+    assert (policy.attempts_max, policy.backoff_initial_ms) == (0, 50)
     assert (policy.backoff_max_ms, policy.total_ms_max) == (250, 10_000)
     assert [policy.backoff_ceiling_ms(n) for n in range(1, 8)] == [
         50, 100, 200, 250, 250, 250, 250,
@@ -106,6 +106,19 @@ def test_policy_defaults_and_backoff_ceilings() -> None:
     assert policy.backoff_ceiling_ms(10_000) == 250
     assert policy.retries
     assert not squall.RetryPolicy(attempts_max=1).retries
+    assert squall.RetryPolicy(attempts_max=0).retries
+
+
+def test_the_retry_budget_is_time_and_the_attempt_cap_is_optional() -> None:
+    policy = squall.RetryPolicy()  # no attempt cap, 10 s
+    # Far more attempts than the old cap of 16 while time is left ...
+    assert not policy.exhausted(attempts=1_000, elapsed_ms=9_999)
+    # ... and none once the budget is spent, however few were made.
+    assert policy.exhausted(attempts=1, elapsed_ms=10_000)
+    capped = squall.RetryPolicy(attempts_max=3, total_ms_max=60_000)
+    assert not capped.exhausted(attempts=2, elapsed_ms=0)
+    assert capped.exhausted(attempts=3, elapsed_ms=0)
+    assert squall.RetryPolicy(attempts_max=1).exhausted(attempts=1, elapsed_ms=0)
     with pytest.raises(ValueError, match="starts at 1"):
         policy.backoff_ceiling_ms(0)
 
@@ -113,7 +126,10 @@ def test_policy_defaults_and_backoff_ceilings() -> None:
 @pytest.mark.parametrize(
     ("policy", "message"),
     [
-        (squall.RetryPolicy(attempts_max=0), "retry_attempts_max must be from 1 to 100, got 0"),
+        (
+            squall.RetryPolicy(attempts_max=-1),
+            "retry_attempts_max must be from 0 to 100000, got -1",
+        ),
         (
             squall.RetryPolicy(attempts_max=True),
             "retry_attempts_max must be an integer, got True",

@@ -389,6 +389,7 @@ class PeerMessage(_message.Message):
     READY_FIELD_NUMBER: _builtins.int
     READY_ACK_FIELD_NUMBER: _builtins.int
     LEADERSHIP_TRANSFER_FIELD_NUMBER: _builtins.int
+    LEAVE_FIELD_NUMBER: _builtins.int
     from_node: _builtins.str
     """Sender's node id; must be a configured node."""
     to_node: _builtins.str
@@ -429,6 +430,10 @@ class PeerMessage(_message.Message):
     def leadership_transfer(self) -> Global___LeadershipTransfer:
         """Leadership hand-over to the receiver."""
 
+    @_builtins.property
+    def leave(self) -> Global___Leave:
+        """The sender leaves the receiver's group (its replica stopped answering)."""
+
     def __init__(
         self,
         *,
@@ -443,12 +448,13 @@ class PeerMessage(_message.Message):
         ready: Global___Ready | None = ...,
         ready_ack: Global___ReadyAck | None = ...,
         leadership_transfer: Global___LeadershipTransfer | None = ...,
+        leave: Global___Leave | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["accept", b"accept", "are_you_coordinator", b"are_you_coordinator", "are_you_coordinator_reply", b"are_you_coordinator_reply", "are_you_there", b"are_you_there", "are_you_there_reply", b"are_you_there_reply", "body", b"body", "invitation", b"invitation", "leadership_transfer", b"leadership_transfer", "ready", b"ready", "ready_ack", b"ready_ack"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["accept", b"accept", "are_you_coordinator", b"are_you_coordinator", "are_you_coordinator_reply", b"are_you_coordinator_reply", "are_you_there", b"are_you_there", "are_you_there_reply", b"are_you_there_reply", "body", b"body", "invitation", b"invitation", "leadership_transfer", b"leadership_transfer", "leave", b"leave", "ready", b"ready", "ready_ack", b"ready_ack"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept", b"accept", "are_you_coordinator", b"are_you_coordinator", "are_you_coordinator_reply", b"are_you_coordinator_reply", "are_you_there", b"are_you_there", "are_you_there_reply", b"are_you_there_reply", "body", b"body", "from_node", b"from_node", "invitation", b"invitation", "leadership_transfer", b"leadership_transfer", "ready", b"ready", "ready_ack", b"ready_ack", "to_node", b"to_node"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept", b"accept", "are_you_coordinator", b"are_you_coordinator", "are_you_coordinator_reply", b"are_you_coordinator_reply", "are_you_there", b"are_you_there", "are_you_there_reply", b"are_you_there_reply", "body", b"body", "from_node", b"from_node", "invitation", b"invitation", "leadership_transfer", b"leadership_transfer", "leave", b"leave", "ready", b"ready", "ready_ack", b"ready_ack", "to_node", b"to_node"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["are_you_coordinator", "are_you_coordinator_reply", "are_you_there", "are_you_there_reply", "invitation", "accept", "ready", "ready_ack", "leadership_transfer"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["are_you_coordinator", "are_you_coordinator_reply", "are_you_there", "are_you_there_reply", "invitation", "accept", "ready", "ready_ack", "leadership_transfer", "leave"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
@@ -513,6 +519,7 @@ class CoordinatorStatus(_message.Message):
     INVITED_FIELD_NUMBER: _builtins.int
     SYNC_SOURCE_ID_FIELD_NUMBER: _builtins.int
     TRANSFER_TARGET_FIELD_NUMBER: _builtins.int
+    REPLICA_UNREACHABLE_SINCE_MS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """This node's id."""
     coordinator_id: _builtins.str
@@ -541,6 +548,11 @@ class CoordinatorStatus(_message.Message):
     """The member whose log the group adopted when it formed (set once normal)."""
     transfer_target: _builtins.str
     """On a master handing its group over: the node it hands it to."""
+    replica_unreachable_since_ms: _builtins.int
+    """Set while this node is out of every group because its replica stopped answering:
+    wall-clock milliseconds since the Unix epoch of the replica's last answer (0: it
+    answers).
+    """
     @_builtins.property
     def group(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The other members (only the coordinator knows them)."""
@@ -585,10 +597,11 @@ class CoordinatorStatus(_message.Message):
         invited: _abc.Iterable[_builtins.str] | None = ...,
         sync_source_id: _builtins.str = ...,
         transfer_target: _builtins.str = ...,
+        replica_unreachable_since_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["quarantine", b"quarantine", "quorum_override_record", b"quorum_override_record"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit", b"audit", "coordinator_id", b"coordinator_id", "designated_primary", b"designated_primary", "epoch", b"epoch", "group", b"group", "group_name", b"group_name", "invited", b"invited", "last_change_reason", b"last_change_reason", "max_seen", b"max_seen", "node_id", b"node_id", "priority", b"priority", "quarantine", b"quarantine", "quorum_override", b"quorum_override", "quorum_override_record", b"quorum_override_record", "quorum_required", b"quorum_required", "role", b"role", "state", b"state", "sync_source_id", b"sync_source_id", "transfer_target", b"transfer_target"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit", b"audit", "coordinator_id", b"coordinator_id", "designated_primary", b"designated_primary", "epoch", b"epoch", "group", b"group", "group_name", b"group_name", "invited", b"invited", "last_change_reason", b"last_change_reason", "max_seen", b"max_seen", "node_id", b"node_id", "priority", b"priority", "quarantine", b"quarantine", "quorum_override", b"quorum_override", "quorum_override_record", b"quorum_override_record", "quorum_required", b"quorum_required", "replica_unreachable_since_ms", b"replica_unreachable_since_ms", "role", b"role", "state", b"state", "sync_source_id", b"sync_source_id", "transfer_target", b"transfer_target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -824,6 +837,35 @@ class LeadershipTransfer(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LeadershipTransfer: _TypeAlias = LeadershipTransfer  # noqa: Y015
+
+@_typing.final
+class Leave(_message.Message):
+    """The sender leaves the group it names, at once: its replica stopped answering (a node's
+    coordinator and replica share one fate). A member receiving it from its coordinator
+    recovers; a coordinator receiving it from a member drops that member.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_NAME_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    group_name: _builtins.str
+    """The group left."""
+    reason: _builtins.str
+    """Why, for the receiver's log."""
+    def __init__(
+        self,
+        *,
+        group_name: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_name", b"group_name", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Leave: _TypeAlias = Leave  # noqa: Y015
 
 @_typing.final
 class OperatorRecord(_message.Message):

@@ -76,6 +76,7 @@ class NodeStatus(_message.Message):
     SYNC_SOURCE_ID_FIELD_NUMBER: _builtins.int
     FAULT_REASON_FIELD_NUMBER: _builtins.int
     TRANSFER_TARGET_FIELD_NUMBER: _builtins.int
+    REPLICA_UNREACHABLE_SINCE_MS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The node id."""
     coordinator_id: _builtins.str
@@ -124,6 +125,11 @@ class NodeStatus(_message.Message):
     """A fault its replica reported (checksum error, failed store write), if any."""
     transfer_target: _builtins.str
     """On a master handing its group over: the node it hands it to."""
+    replica_unreachable_since_ms: _builtins.int
+    """Set while the node's coordinator holds it out of every group because its replica
+    stopped answering: wall-clock milliseconds since the Unix epoch of the replica's last
+    answer (0: it answers, or the coordinator was not reached).
+    """
     @_builtins.property
     def group(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The other members of its group (reported by coordinators only)."""
@@ -180,10 +186,11 @@ class NodeStatus(_message.Message):
         sync_source_id: _builtins.str = ...,
         fault_reason: _builtins.str = ...,
         transfer_target: _builtins.str = ...,
+        replica_unreachable_since_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["quarantine", b"quarantine", "quorum_override_record", b"quorum_override_record"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit", b"audit", "commit_lsn", b"commit_lsn", "coordinator_id", b"coordinator_id", "designated_primary", b"designated_primary", "epoch", b"epoch", "error", b"error", "fault_reason", b"fault_reason", "group", b"group", "group_name", b"group_name", "invited", b"invited", "last_change_reason", b"last_change_reason", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "log_start_lsn", b"log_start_lsn", "max_seen", b"max_seen", "node_id", b"node_id", "priority", b"priority", "quarantine", b"quarantine", "quorum_override", b"quorum_override", "quorum_override_record", b"quorum_override_record", "quorum_required", b"quorum_required", "reachable", b"reachable", "replica_address", b"replica_address", "role", b"role", "slaves", b"slaves", "state", b"state", "store_state", b"store_state", "sync_source_id", b"sync_source_id", "transfer_target", b"transfer_target"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit", b"audit", "commit_lsn", b"commit_lsn", "coordinator_id", b"coordinator_id", "designated_primary", b"designated_primary", "epoch", b"epoch", "error", b"error", "fault_reason", b"fault_reason", "group", b"group", "group_name", b"group_name", "invited", b"invited", "last_change_reason", b"last_change_reason", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "log_start_lsn", b"log_start_lsn", "max_seen", b"max_seen", "node_id", b"node_id", "priority", b"priority", "quarantine", b"quarantine", "quorum_override", b"quorum_override", "quorum_override_record", b"quorum_override_record", "quorum_required", b"quorum_required", "reachable", b"reachable", "replica_address", b"replica_address", "replica_unreachable_since_ms", b"replica_unreachable_since_ms", "role", b"role", "slaves", b"slaves", "state", b"state", "store_state", b"store_state", "sync_source_id", b"sync_source_id", "transfer_target", b"transfer_target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
