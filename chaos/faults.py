@@ -67,7 +67,7 @@ from chaos.cluster import GATEWAY_IDS, NODE_PROCESSES, ChaosCluster, ClusterErro
 from chaos.history import HistoryWriter
 from services.replica.committed import gate_from_store
 from services.replica.store import DATABASES, DB_EVENTS, Store
-from services.replica.store_lmdb import LmdbKV
+from services.replica.store.kv_lmdb import LmdbKV
 from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2
 
 KINDS = (

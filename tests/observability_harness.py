@@ -34,6 +34,8 @@ from squall.v1 import broker_pb2_grpc, common_pb2, gateway_pb2_grpc, replica_pb2
 HOST = "127.0.0.1"
 # Roles never lapse in these tests: no coordinator renews them.
 _NO_LEASE = 0
+# The cluster id a coordinator would have minted and put in every role command.
+_CLUSTER_ID = "c-test"
 
 
 @dataclass
@@ -177,6 +179,7 @@ class InProcess:
                     seq=1,
                     lease_ms=_NO_LEASE,
                     reason="test",
+                    cluster_id=_CLUSTER_ID,
                 )
             )
         await self.nodes[master_id].apply_role(
@@ -187,6 +190,7 @@ class InProcess:
                 seq=1,
                 lease_ms=_NO_LEASE,
                 reason="test",
+                cluster_id=_CLUSTER_ID,
             )
         )
 

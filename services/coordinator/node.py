@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common.clock import Clock, SystemClock
 from services.common.config import ClusterConfig, NodeConfig
 from services.common.grpc_server import channel_options
+from services.common.ids import new_cluster_id
 from services.common.telemetry import Telemetry, current
 from services.common.tls import handshake_failure, transport
 from services.coordinator import codec, handoff
@@ -178,7 +179,7 @@ class CoordinatorNode:
 
     @staticmethod
     def _cluster_id() -> str:
-        return uuid.uuid4().hex
+        return new_cluster_id()
 
     def shutdown(self, shutdown_id: str, operator: str) -> None:
         """Clean cluster shutdown: stop electing and exit (the replica keeps its state)."""

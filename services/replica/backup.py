@@ -27,9 +27,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from services.common.clock import SYSTEM_CLOCK, Clock
-from services.replica.kv import KVError
 from services.replica.store import DATABASES, Store, StoreError, StoreMeta
-from services.replica.store_lmdb import LmdbKV
+from services.replica.store.kv import KVError
+from services.replica.store.kv_lmdb import LmdbKV
 from squall.v1 import common_pb2
 
 DATA_FILE = "data.mdb"

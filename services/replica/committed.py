@@ -1,7 +1,7 @@
 """What a store holds committed: the replica's start-up view, also read offline.
 
 A replica applies entries before they are committed and records, with each batch, the
-commit LSN it knew (store.py, visibility.py). ``gate_from_store`` rebuilds the
+commit LSN it knew (store/, visibility.py). ``gate_from_store`` rebuilds the
 ``CommitGate`` a replica starts with from the store alone: at the recorded commit LSN,
 hiding every publish above it (from the installed snapshot's list and from the log).
 The replica calls it at start-up; the chaos harness calls it on a stopped node's store

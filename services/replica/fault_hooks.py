@@ -1,7 +1,7 @@
 """Test hooks for the chaos suite (chaos/faults.py): a full LMDB map and a slow fsync.
 
 Off unless the replica process starts with ``SQUALL_FAULT_CONTROL=/path/file.json`` in
-its environment; then ``store_lmdb`` calls ``before_commit(txn)`` before each write
+its environment; then ``store.kv_lmdb`` calls ``before_commit(txn)`` before each write
 transaction commits and ``before_sync`` before each flush, and they act on the file's
 current content, re-read at most every ``POLL_S`` seconds::
 

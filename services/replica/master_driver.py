@@ -16,7 +16,7 @@ record never waits on the network; the queue is bounded by the core's in-flight 
 (plus one heartbeat per tick).
 
 Snapshots (a slave behind the retained log, or one whose divergent suffix cannot be
-truncated): one task per slave takes ``Store.snapshot_chunks`` on the store thread (its
+truncated): one task per slave streams it through ``snapshot_pump.pump_snapshot`` (its
 read transaction opens with the commit lock held, so the snapshot's LSN is one the core
 knows the log reached), tells the core ``on_snapshot_started`` with the first chunk's
 LSN, and streams the chunks one at a time: the next chunk is read only once the stream
@@ -35,7 +35,7 @@ import concurrent.futures
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -61,7 +61,8 @@ from services.replica.replication import (
     batch_size_bytes,
     fit_batch,
 )
-from services.replica.store import SNAPSHOT_BYTES_MAX_DEFAULT, Store, StoreError
+from services.replica.snapshot_pump import pump_snapshot
+from services.replica.store import Store, StoreError
 from services.replica.telemetry import ReplicationTracer
 from squall.v1 import common_pb2, replica_pb2, replica_pb2_grpc
 
@@ -78,39 +79,10 @@ _BACKOFF_MAX_S = 1.0
 _TAIL_CACHE_ENTRIES_MAX = 4096
 # Entries per store read when a catching-up slave's batch is built.
 _STORE_READ_ENTRIES = 64
-# Snapshot chunks: records per chunk (a few MB of 100-byte events), bytes per chunk.
-SNAPSHOT_RECORDS_MAX = 8192
-_SNAPSHOT_BYTES_MAX = SNAPSHOT_BYTES_MAX_DEFAULT
-# The most chunks one snapshot may have: a bound on the send loop far above any store
-# (2**32 chunks of at least one record each).
-SNAPSHOT_CHUNKS_MAX = 1 << 32
 # Progress samples for the catch-up rate: one every _RATE_SAMPLE_S, the last
 # _RATE_SAMPLES kept (a window of about 5 s).
 _RATE_SAMPLE_S = 0.5
 _RATE_SAMPLES = 11
-
-
-def snapshot_chunk_bytes_max(max_message_bytes: int) -> int:
-    """The byte budget of one snapshot chunk: it must fit in one gRPC message."""
-    return min(_SNAPSHOT_BYTES_MAX, max_message_bytes // 2)
-
-
-async def close_export(
-    io: concurrent.futures.Executor, chunks: Generator[replica_pb2.SnapshotChunk, None, None]
-) -> None:
-    """Releases a snapshot export's read transaction on the store thread.
-
-    ``contextlib.closing`` on the loop could run while the store thread is still
-    inside ``next`` (a cancelled await does not stop the thread): queued behind it
-    on the one store thread, the close waits its turn.
-    """
-    try:
-        await asyncio.shield(asyncio.get_running_loop().run_in_executor(io, chunks.close))
-    except (RuntimeError, asyncio.CancelledError):
-        # The store thread is shut down (nothing else runs the generator), or this
-        # task was cancelled again while waiting: close it here.
-        with contextlib.closing(chunks):
-            pass
 
 
 @dataclass(eq=False)
@@ -416,58 +388,34 @@ class MasterDriver:
 
     async def _send_snapshot(self, link: _Link, stream_id: int) -> None:
         """Streams one snapshot to a slave, a chunk at a time (see the module docstring)."""
-        loop = asyncio.get_running_loop()
         node_id = link.node.id
-        bytes_max = snapshot_chunk_bytes_max(self.config.limits.max_message_bytes)
-        chunks: Generator[replica_pb2.SnapshotChunk, None, None] | None = None
-        started_ms = self._clock.monotonic_ms()
-        sent_bytes = 0
+
+        def started(chunk: replica_pb2.SnapshotChunk) -> bool:
+            # With the writer held, the store's last LSN is the core's: the snapshot
+            # LSN is one on_snapshot_started accepts, and the log after it is kept.
+            if link.stream_id != stream_id or self.core.deposed:
+                return False
+            self.apply(self.core.on_snapshot_started(node_id, stream_id, chunk.snapshot_lsn))
+            return True
+
+        pump = pump_snapshot(
+            self._store,
+            io=self._io,
+            commit_lock=self._commit_lock,
+            clock=self._clock,
+            max_message_bytes=self.config.limits.max_message_bytes,
+            sender=f"replica {self.node.id} (master, epoch {self.core.epoch})",
+            recipient=f"node {node_id}",
+            started=started,
+            stamp=self._stamp_snapshot,
+        )
         try:
-            async with self._commit_lock:
-                # With the writer held, the store's last LSN is the core's: the snapshot
-                # LSN is one on_snapshot_started accepts, and the log after it is kept.
-                store = self._store()
-                chunks = store.snapshot_chunks(SNAPSHOT_RECORDS_MAX, bytes_max)
-                chunk = await loop.run_in_executor(self._io, next, chunks, None)
-                if chunk is None:
-                    raise StoreError("the snapshot export produced no chunk")
-                if link.stream_id != stream_id or self.core.deposed:
-                    return
-                self.apply(self.core.on_snapshot_started(node_id, stream_id, chunk.snapshot_lsn))
-            log.info(
-                "replica %s (master, epoch %d): sending node %s a snapshot at LSN %d",
-                self.node.id,
-                self.core.epoch,
-                node_id,
-                chunk.snapshot_lsn,
-            )
-            for count in range(1, SNAPSHOT_CHUNKS_MAX + 1):
-                if chunk.last and self._stamp_snapshot is not None:
-                    self._stamp_snapshot(chunk)
-                sent_bytes += chunk.ByteSize()
-                link.outbox.put_nowait(replica_pb2.ReplicateRequest(snapshot=chunk))
-                await link.outbox.join()  # the stream took it: one chunk in memory at a time
-                if chunk.last:
-                    elapsed_s = max(self._clock.monotonic_ms() - started_ms, 1) / 1000
-                    log.info(
-                        "replica %s (master, epoch %d): snapshot at LSN %d sent to %s: "
-                        "%d chunks, %.1f MB in %.2f s (%.1f MB/s)",
-                        self.node.id,
-                        self.core.epoch,
-                        chunk.snapshot_lsn,
-                        node_id,
-                        count,
-                        sent_bytes / 1e6,
-                        elapsed_s,
-                        sent_bytes / 1e6 / elapsed_s,
-                    )
-                    return
-                next_chunk = await loop.run_in_executor(self._io, next, chunks, None)
-                if next_chunk is None:
-                    raise StoreError("the snapshot export ended without its last chunk")
-                chunk = next_chunk
-                if link.stream_id != stream_id:
-                    return
+            async with contextlib.aclosing(pump) as chunks:
+                async for chunk in chunks:
+                    link.outbox.put_nowait(replica_pb2.ReplicateRequest(snapshot=chunk))
+                    await link.outbox.join()  # the stream took it: the pump reads the next
+                    if link.stream_id != stream_id:
+                        return
         except StoreError as exc:
             message = (
                 f"master {self.node.id} epoch {self.core.epoch}: the snapshot for node "
@@ -475,9 +423,6 @@ class MasterDriver:
             )
             log.error("replica %s: %s", self.node.id, message)
             self._close_stream(node_id, stream_id, message)
-        finally:
-            if chunks is not None:
-                await close_export(self._io, chunks)
 
     def _complete(self, done: Sequence[Waiting]) -> None:
         stamps: dict[int, bytes] = {}

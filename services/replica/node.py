@@ -43,9 +43,8 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
-import uuid
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -82,15 +81,7 @@ from services.replica.faults import (
     save_fault,
 )
 from services.replica.follower import Follower, FollowerConfig, FollowerError, Refusal
-from services.replica.master_driver import (
-    SNAPSHOT_CHUNKS_MAX,
-    SNAPSHOT_RECORDS_MAX,
-    MasterDriver,
-    SlaveStatus,
-    Waiting,
-    close_export,
-    snapshot_chunk_bytes_max,
-)
+from services.replica.master_driver import MasterDriver, SlaveStatus, Waiting
 from services.replica.push import PushDelivery
 from services.replica.rebuild import LmdbTruncator
 from services.replica.reorg import SyncProgress, Taking, answer_wait_s, outcome, read_within
@@ -103,6 +94,7 @@ from services.replica.replication import (
     SyncPolicy,
     batch_size_bytes,
 )
+from services.replica.snapshot_pump import pump_snapshot
 from services.replica.store import (
     CorruptRecordError,
     SnapshotError,
@@ -361,10 +353,13 @@ class ReplicaNode:
             )
         meta = self.store.meta()
         if not meta.cluster_id:
-            cluster_id = uuid.uuid4().hex
-            self.store.set_cluster_id(cluster_id)
-            log.info("replica %s: new cluster id %s", self.node.id, cluster_id)
-            meta = self.store.meta()
+            # The first group's coordinator mints the cluster id (services/common/ids.py)
+            # and every MASTER command carries it; a master without one is never heard.
+            raise ServiceError(
+                Code.FAILED_PRECONDITION,
+                f"replica {self.node.id}: the master role of epoch {epoch} names no cluster "
+                "id and this store holds none (the coordinator mints it)",
+            )
         self._last_lsn = meta.last_lsn
         core = self._new_core(epoch, [n.id for n in member_nodes], meta)
         driver = MasterDriver(
@@ -1518,52 +1513,23 @@ class ReplicaNode:
             next_lsn = entries[-1].lsn + 1
 
     async def _export_snapshot(self, requester: str) -> AsyncIterator[replica_pb2.SnapshotChunk]:
-        """This store's snapshot for a fetch, from one read transaction on the store
-        thread: the next chunk is read only once the caller took the last one."""
-        loop = asyncio.get_running_loop()
-        bytes_max = snapshot_chunk_bytes_max(self.config.limits.max_message_bytes)
-        chunks: Generator[replica_pb2.SnapshotChunk, None, None] | None = None
-        started_ms = self.clock.monotonic_ms()
-        sent_bytes = 0
-        try:
-            async with self._commit_lock:  # no batch half-applied under the snapshot's LSN
-                chunks = self.store.snapshot_chunks(SNAPSHOT_RECORDS_MAX, bytes_max)
-                chunk = await loop.run_in_executor(self._io, next, chunks, None)
-            if chunk is None:
-                raise StoreError("the snapshot export produced no chunk")
-            log.info(
-                "replica %s sending %s a snapshot at LSN %d for its reorganization",
-                self.node.id,
-                requester,
-                chunk.snapshot_lsn,
-            )
-            delay_s = self.config.timeouts.snapshot_chunk_delay_ms / 1000
-            for count in range(1, SNAPSHOT_CHUNKS_MAX + 1):
-                if chunk.last:
-                    self._stamp_snapshot(chunk)
-                if delay_s:
-                    await asyncio.sleep(delay_s)  # test-only (timeouts.snapshot_chunk_delay_ms)
-                sent_bytes += chunk.ByteSize()
+        """This store's snapshot for a fetch (``snapshot_pump``: one read transaction on
+        the store thread, the next chunk read only once the caller took the last one)."""
+        pump = pump_snapshot(
+            lambda: self.store,
+            io=self._io,
+            commit_lock=self._commit_lock,  # no batch half-applied under the snapshot's LSN
+            clock=self.clock,
+            max_message_bytes=self.config.limits.max_message_bytes,
+            sender=f"replica {self.node.id}",
+            recipient=requester,
+            purpose=" for its reorganization",
+            stamp=self._stamp_snapshot,
+            chunk_delay_s=self.config.timeouts.snapshot_chunk_delay_ms / 1000,  # test-only
+        )
+        async with contextlib.aclosing(pump) as chunks:
+            async for chunk in chunks:
                 yield chunk
-                if chunk.last:
-                    elapsed_s = max(self.clock.monotonic_ms() - started_ms, 1) / 1000
-                    log.info(
-                        "replica %s: snapshot at LSN %d sent to %s: %d chunks, %.1f MB in %.2f s",
-                        self.node.id,
-                        chunk.snapshot_lsn,
-                        requester,
-                        count,
-                        sent_bytes / 1e6,
-                        elapsed_s,
-                    )
-                    return
-                next_chunk = await loop.run_in_executor(self._io, next, chunks, None)
-                if next_chunk is None:
-                    raise StoreError("the snapshot export ended without its last chunk")
-                chunk = next_chunk
-        finally:
-            if chunks is not None:
-                await close_export(self._io, chunks)
 
     async def _watch_lease(self) -> None:
         """Ticks the core, which drops the role when the coordinator stops renewing it

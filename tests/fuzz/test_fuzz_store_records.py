@@ -37,9 +37,9 @@ from services.replica.store import (
     CorruptRecordError,
     Store,
     StoreError,
-    _seal,
     make_entry,
 )
+from services.replica.store.records import seal
 from squall.v1 import common_pb2, replica_pb2
 
 _op = replica_pb2.Operation
@@ -177,7 +177,7 @@ def test_a_hostile_body_behind_a_valid_checksum_never_crashes_a_read(
         at %= len(real) + 1
         body = real[:at] + patch + real[at + len(patch) :]
     store = _filled()
-    _put_raw(store, db, key, _seal(key, body))
+    _put_raw(store, db, key, seal(key, body))
     for name, read in READS.items():
         try:
             read(store)

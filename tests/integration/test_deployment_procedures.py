@@ -29,7 +29,7 @@ import pytest
 import squall
 from deploy import processes
 from services.replica.store import DATABASES, Store
-from services.replica.store_lmdb import LmdbKV
+from services.replica.store.kv_lmdb import LmdbKV
 from squall.v1 import common_pb2
 from tests.integration.conftest import ROOT, LocalCluster, make_cluster, wait_for
 from tests.integration.test_deploy_commands import launch

@@ -16,8 +16,10 @@ import pytest
 
 from services.coordinator.election import Election
 from services.coordinator.messages import MemberReport, Role, RoleCommand
-from services.replica import commands, divergence, store
+from services.replica import commands, divergence
 from services.replica.replication import AckPolicy, SyncPolicy
+from services.replica.store import apply as store_apply
+from services.replica.store import facade as store_facade
 from tests.sim.election_checker import Checker
 from tests.sim.replication_checker import Entry, InvariantViolation, ReplicationChecker
 from tests.sim.replication_sim import (
@@ -157,8 +159,9 @@ def _bad_election(monkeypatch: pytest.MonkeyPatch) -> type[ReplicationSimulation
 def _dedupe_outlives_its_topic(monkeypatch: pytest.MonkeyPatch) -> type[ReplicationSimulation]:
     """The bug of issue 14: a destroy leaves its publishers' dedupe state, and a stale
     record counts as a hit (the master's own receipt check silenced)."""
-    monkeypatch.setattr(store._Batch, "forget_publishers", lambda self, row: None)
-    monkeypatch.setattr(store, "_event_matches", lambda *args: True)
+    monkeypatch.setattr(store_apply.Batch, "forget_publishers", lambda self, row: None)
+    for module in (store_apply, store_facade):  # where appends and lookups read it
+        monkeypatch.setattr(module, "event_matches", lambda *args: True)
     monkeypatch.setattr(commands.BatchBuilder, "_check_duplicate", lambda *args: None)
     return ReplicationSimulation
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from services.replica import fault_hooks, store_lmdb
-from services.replica.store import Store, StoreFullError, make_entry
+from services.replica import fault_hooks
+from services.replica.store import Store, StoreFullError, kv_lmdb, make_entry
 from squall.v1 import replica_pb2
 
 
@@ -47,7 +47,7 @@ def test_map_full_refuses_commits_like_lmdb_until_cleared(
 ) -> None:
     control_path = tmp_path / "control.json"
     control = fault_hooks.FaultControl(str(control_path))
-    monkeypatch.setattr(store_lmdb.fault_hooks, "before_commit", control.before_commit)
+    monkeypatch.setattr(kv_lmdb.fault_hooks, "before_commit", control.before_commit)
     store = Store.open_lmdb(tmp_path / "store", 8 << 20)
     try:
         store.append([_entry(1)], sync=False)

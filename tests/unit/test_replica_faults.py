@@ -43,6 +43,7 @@ def _master_command(epoch: int) -> replica_pb2.RoleCommand:
         master=common_pb2.NodeEndpoint(node_id="n1"),
         members=[common_pb2.NodeEndpoint(node_id="n1")],
         seq=epoch,
+        cluster_id="c-test",  # the coordinator's, as every master role carries one
     )
 
 

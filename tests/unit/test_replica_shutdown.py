@@ -74,6 +74,22 @@ def test_a_role_records_the_groups_cluster_id_marks_the_store_dirty_and_joins() 
     _run(body)
 
 
+def test_a_master_role_naming_no_cluster_id_for_a_store_without_one_is_refused() -> None:
+    """Only the first group's coordinator mints a cluster id (services/common/ids.py): a
+    replica never makes one up, so a first master cannot leave a second id behind."""
+
+    async def body(node: ReplicaNode, stops: list[str]) -> None:
+        await _refused(
+            node.apply_role(_master(1, cluster_id="")),
+            Code.FAILED_PRECONDITION,
+            "the master role of epoch 1 names no cluster id and this store holds none",
+        )
+        assert node.store.meta().cluster_id == ""
+        assert node.role != common_pb2.ROLE_MASTER
+
+    _run(body)
+
+
 def test_a_role_for_another_cluster_is_refused_naming_both_ids_and_changes_nothing() -> None:
     async def body(node: ReplicaNode, stops: list[str]) -> None:
         node.store.set_cluster_id("ours")

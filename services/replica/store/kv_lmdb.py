@@ -27,7 +27,7 @@ from contextlib import AbstractContextManager, contextmanager
 import lmdb
 
 from services.replica import fault_hooks
-from services.replica.kv import KVCorruptError, KVError, KVFullError
+from services.replica.store.kv import KVCorruptError, KVError, KVFullError
 
 _CORRUPT_ERRORS = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadChecksumError)
 

@@ -1,6 +1,6 @@
 """The small key-value transaction interface the replica's store runs on.
 
-Two twins implement it: ``store_lmdb.LmdbKV`` (production) and ``store_memory.MemoryKV``
+Two twins implement it: ``kv_lmdb.LmdbKV`` (production) and ``kv_memory.MemoryKV``
 (tests and simulation). The store keeps all its logic above this line, so both twins
 behave the same as long as they honour these rules:
 

@@ -1,0 +1,681 @@
+"""``Store``: the replica's log and state on a KV, the one object the rest of the replica
+uses (the package docstring is its contract). It owns the KV and its transactions and
+leaves the records, the batch apply and the snapshots to ``records``, ``apply`` and
+``snapshot``."""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Generator, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+
+from google.protobuf.message import DecodeError
+
+from services.replica.divergence import (
+    UINT64_MAX,
+    BoundaryLike,
+)
+from services.replica.store.apply import Batch
+from services.replica.store.errors import (
+    CorruptRecordError,
+    InvalidEntryError,
+    LogCompactedError,
+    SnapshotError,
+    StaleEpochError,
+    StoreError,
+    StoreFullError,
+    StoreWriteError,
+    UnknownTopicError,
+)
+from services.replica.store.kv import (
+    KV,
+    MAX_KEY_BYTES,
+    KVCorruptError,
+    KVError,
+    KVFullError,
+    ReadTxn,
+    WriteTxn,
+)
+from services.replica.store.kv_lmdb import LmdbKV
+from services.replica.store.kv_memory import MemoryKV
+from services.replica.store.records import (
+    DATABASES,
+    DB_CURSORS,
+    DB_DEDUPE,
+    DB_EVENTS,
+    DB_LOG,
+    DB_META,
+    DB_PUBLISHERS,
+    DB_PUSH,
+    DB_TOPICS,
+    DEDUPE_RECORD,
+    META_CLUSTER_ID,
+    META_COMMIT,
+    META_EPOCH,
+    META_LOG_START,
+    META_MAX_SEEN,
+    META_SHUTDOWN_ID,
+    META_SNAPSHOT_PENDING,
+    META_STATE,
+    META_UNCOMMITTED,
+    STATES,
+    U16,
+    U64,
+    U64X2,
+    DedupeHit,
+    PushSubscriber,
+    StoreMeta,
+    TopicInfo,
+    clear_state,
+    decode_topic,
+    decode_uncommitted,
+    event_matches,
+    install_pending,
+    publisher_prefix,
+    push_subscriber,
+    put_text,
+    put_u64,
+    raise_commit,
+    read_log_start,
+    read_log_tail,
+    read_meta,
+    read_text,
+    read_topic,
+    read_u64,
+    unpack,
+    unseal,
+)
+from services.replica.store.snapshot import (
+    SNAPSHOT_BYTES_MAX_DEFAULT,
+    SNAPSHOT_RECORDS_MAX_DEFAULT,
+    SNAPSHOT_UNCOMMITTED_MAX,
+    abort_install,
+    begin_install,
+    export_chunks,
+    finish_install,
+    install_records,
+)
+from squall.v1 import common_pb2, replica_pb2
+
+DEDUPE_WINDOW_DEFAULT = 100_000
+
+
+COMPACT_BATCH_ENTRIES_DEFAULT = 10_000
+
+
+class Store:
+    """The replica's log and state on a KV (open it with open_lmdb or open_memory)."""
+
+    def __init__(self, kv: KV, *, dedupe_window: int = DEDUPE_WINDOW_DEFAULT) -> None:
+        """Wraps a KV opened with the names in DATABASES."""
+        if dedupe_window < 1:
+            raise ValueError(f"dedupe_window must be at least 1, got {dedupe_window}")
+        self._kv = kv
+        self._dedupe_window = dedupe_window
+        self._closed = False
+
+    @classmethod
+    def open_lmdb(
+        cls,
+        path: str | os.PathLike[str],
+        map_size_bytes: int,
+        *,
+        dedupe_window: int = DEDUPE_WINDOW_DEFAULT,
+        max_readers: int = 126,
+        readonly: bool = False,
+        lock: bool = True,
+    ) -> Store:
+        """Opens (or creates) an LMDB store in the directory path.
+
+        readonly: an existing store, read only (the offline tools); lock=False too when no
+        process has it open, so nothing at all is written.
+        """
+        try:
+            kv = LmdbKV(
+                path,
+                DATABASES,
+                map_size_bytes=map_size_bytes,
+                max_readers=max_readers,
+                readonly=readonly,
+                lock=lock,
+            )
+        except KVError as exc:
+            raise StoreError(str(exc)) from exc
+        return cls(kv, dedupe_window=dedupe_window)
+
+    @classmethod
+    def open_memory(
+        cls, capacity_bytes: int | None = None, *, dedupe_window: int = DEDUPE_WINDOW_DEFAULT
+    ) -> Store:
+        """Creates an empty in-memory store (capacity_bytes simulates a full map)."""
+        return cls(MemoryKV(DATABASES, capacity_bytes=capacity_bytes), dedupe_window=dedupe_window)
+
+    def close(self) -> None:
+        """Closes the store; safe to call twice."""
+        if not self._closed:
+            self._closed = True
+            self._kv.close()
+
+    def size_bytes(self) -> int:
+        """Bytes the store occupies (0 once closed)."""
+        if self._closed:
+            return 0
+        try:
+            return self._kv.size_bytes()
+        except KVError as exc:
+            raise StoreError(f"cannot read the store's size: {exc}") from exc
+
+    @contextmanager
+    def _reading(self, *, long_lived: bool = False) -> Iterator[ReadTxn]:
+        """A read transaction, with KV errors turned into store errors.
+
+        long_lived: a KV snapshot transaction, which never blocks the writer.
+        """
+        if self._closed:
+            raise StoreError("the store is closed")
+        try:
+            with self._kv.snapshot() if long_lived else self._kv.read() as txn:
+                yield txn
+        except KVCorruptError as exc:
+            raise CorruptRecordError(exc.db, b"", str(exc)) from exc
+        except KVError as exc:
+            raise StoreError(f"read failed: {exc}") from exc
+
+    @contextmanager
+    def _writing(self, *, sync: bool) -> Iterator[WriteTxn]:
+        """The write transaction, with KV errors turned into store errors."""
+        if self._closed:
+            raise StoreError("the store is closed")
+        try:
+            with self._kv.write(sync=sync) as txn:
+                yield txn
+        except KVFullError as exc:
+            raise StoreFullError(f"store full, write aborted: {exc}") from exc
+        except KVCorruptError as exc:
+            raise CorruptRecordError(exc.db, b"", str(exc)) from exc
+        except KVError as exc:
+            raise StoreWriteError(f"write failed: {exc}") from exc
+
+    # --- meta
+
+    def meta(self) -> StoreMeta:
+        """The store's metadata (an empty store: state EMPTY, everything else zero)."""
+        with self._reading() as txn:
+            return read_meta(txn)
+
+    def counts(self) -> dict[str, int]:
+        """Records per database, from one read transaction; ``publishers`` counts the
+        publishers (high-water marks), not the topic index that shares their database."""
+        with self._reading() as txn:
+            counts = {db: txn.count(db) for db in DATABASES}
+            index = sum(1 for _ in txn.scan(DB_PUBLISHERS, b"\x00", b"\x01"))
+            counts[DB_PUBLISHERS] -= index
+            return counts
+
+    def set_cluster_id(self, cluster_id: str) -> None:
+        """Records the cluster id (flushed); refuses to replace a different one."""
+        if not cluster_id:
+            raise ValueError("cluster_id must not be empty")
+        with self._writing(sync=True) as txn:
+            current = read_text(txn, META_CLUSTER_ID)
+            if current and current != cluster_id:
+                raise ValueError(f"store belongs to cluster {current!r}, not {cluster_id!r}")
+            put_text(txn, META_CLUSTER_ID, cluster_id)
+
+    def set_state(self, state: common_pb2.StoreState.ValueType, shutdown_id: str = "") -> None:
+        """Records the store state (flushed); CLEAN carries a shutdown id, others none."""
+        if state not in STATES:
+            raise ValueError(f"unknown store state {state}")
+        if (state == common_pb2.STORE_STATE_CLEAN) != bool(shutdown_id):
+            raise ValueError("a shutdown id goes with STORE_STATE_CLEAN and only with it")
+        with self._writing(sync=True) as txn:
+            put_u64(txn, DB_META, META_STATE, state)
+            put_text(txn, META_SHUTDOWN_ID, shutdown_id)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Records a newly accepted epoch (flushed); raises StaleEpochError if lower."""
+        if not 0 <= epoch < 1 << 64:
+            raise ValueError(f"epoch {epoch} is not a uint64")
+        with self._writing(sync=True) as txn:
+            current = read_u64(txn, DB_META, META_EPOCH) or 0
+            if epoch < current:
+                raise StaleEpochError(f"epoch {epoch} is older than the store's epoch {current}")
+            if epoch > current:
+                put_u64(txn, DB_META, META_EPOCH, epoch)
+
+    def set_max_seen(self, max_seen: int) -> None:
+        """Raises the max seen value (flushed); a lower value is ignored."""
+        if not 0 <= max_seen < 1 << 64:
+            raise ValueError(f"max_seen {max_seen} is not a uint64")
+        with self._writing(sync=True) as txn:
+            if max_seen > (read_u64(txn, DB_META, META_MAX_SEEN) or 0):
+                put_u64(txn, DB_META, META_MAX_SEEN, max_seen)
+
+    # --- the log
+
+    def append(
+        self,
+        entries: Sequence[replica_pb2.LogEntry],
+        *,
+        sync: bool,
+        commit_lsn: int | None = None,
+    ) -> None:
+        """Verifies, stores and applies entries in one transaction; flushed when sync.
+
+        Each entry needs a valid checksum, lsn == last LSN + 1 and an epoch no older than
+        the last entry's. An entry of a newer epoch adds an epoch history boundary and
+        raises the store's epoch. Any error: nothing of the batch is stored.
+        commit_lsn: the highest LSN the caller knows committed; the same transaction
+        raises the recorded commit LSN to it (at most the new last LSN), for
+        ``StoreMeta.commit_lsn`` after a restart.
+        """
+        if not entries:
+            return
+        with self._writing(sync=sync) as txn:
+            if install_pending(txn):
+                # An unfinished install left partial state in a store that reports itself
+                # empty: a master that still holds its whole log may fill it from LSN 1.
+                if entries[0].lsn != 1:
+                    raise InvalidEntryError(
+                        f"entry LSN {entries[0].lsn}: an unfinished snapshot install left "
+                        "this store empty, its log continues at LSN 1"
+                    )
+                clear_state(txn)
+                txn.delete(DB_META, META_SNAPSHOT_PENDING)
+            batch = Batch(txn, self._dedupe_window)
+            for entry in entries:
+                batch.entry(entry)
+            batch.finish()
+            if commit_lsn is not None:
+                raise_commit(txn, commit_lsn, batch.last_lsn)
+
+    def record_commit(self, commit_lsn: int, *, sync: bool = False) -> int:
+        """Raises the recorded commit LSN to commit_lsn (at most the last LSN); returns
+        the value recorded. A write like append: the caller serializes it."""
+        if not 0 <= commit_lsn <= UINT64_MAX:
+            raise ValueError(f"commit LSN {commit_lsn} is not a uint64")
+        with self._writing(sync=sync) as txn:
+            if install_pending(txn):
+                return 0
+            return raise_commit(txn, commit_lsn, read_log_tail(txn)[0])
+
+    def set_commit_lsn(self, commit_lsn: int, *, sync: bool = False) -> None:
+        """Records commit_lsn (at most the last LSN) as the commit LSN, even if lower:
+        for a store rebuilt by a truncation. Use record_commit otherwise."""
+        if not 0 <= commit_lsn <= UINT64_MAX:
+            raise ValueError(f"commit LSN {commit_lsn} is not a uint64")
+        with self._writing(sync=sync) as txn:
+            put_u64(txn, DB_META, META_COMMIT, min(commit_lsn, read_log_tail(txn)[0]))
+
+    def snapshot_uncommitted(self) -> list[tuple[str, int, int]]:
+        """What the installed snapshot held above its sender's commit LSN, per topic:
+        (topic, first offset, last LSN), by last LSN (see finish_snapshot)."""
+        with self._reading() as txn:
+            value = txn.get(DB_META, META_UNCOMMITTED)
+            if value is None or install_pending(txn):
+                return []
+            return decode_uncommitted(unseal(DB_META, META_UNCOMMITTED, value))
+
+    def read_log(self, from_lsn: int, max_entries: int) -> list[replica_pb2.LogEntry]:
+        """Up to max_entries verified entries from from_lsn (empty beyond the last).
+
+        Raises LogCompactedError when from_lsn is below the log's start (``log_start_lsn``).
+        """
+        if from_lsn < 1 or max_entries < 1:
+            raise ValueError(f"from_lsn and max_entries must be >= 1 ({from_lsn}, {max_entries})")
+        with self._reading() as txn:
+            last_lsn, _ = read_log_tail(txn)
+            log_start_lsn = read_log_start(txn)
+            if from_lsn < log_start_lsn:
+                raise LogCompactedError(from_lsn, log_start_lsn)
+            stop = min(last_lsn + 1, from_lsn + max_entries)
+            out: list[replica_pb2.LogEntry] = []
+            for key, value in txn.scan(DB_LOG, U64.pack(from_lsn), U64.pack(stop)):
+                lsn = from_lsn + len(out)
+                if key != U64.pack(lsn):
+                    raise CorruptRecordError(DB_LOG, U64.pack(lsn), "entry missing")
+                try:
+                    entry = replica_pb2.LogEntry.FromString(unseal(DB_LOG, key, value))
+                except DecodeError:
+                    raise CorruptRecordError(DB_LOG, key, "entry does not parse") from None
+                if entry.lsn != lsn or zlib.crc32(entry.operation) != entry.checksum:
+                    raise CorruptRecordError(DB_LOG, key, "entry LSN or checksum wrong")
+                out.append(entry)
+            if from_lsn + len(out) < stop:
+                raise CorruptRecordError(DB_LOG, U64.pack(from_lsn + len(out)), "entry missing")
+            return out
+
+    def log_start_lsn(self) -> int:
+        """The first LSN still in the log: 1 unless compacted or installed from a snapshot.
+
+        The log holds log_start_lsn..last_lsn; log_start_lsn == last_lsn + 1 is an empty
+        log continuing from a snapshot at last_lsn.
+        """
+        with self._reading() as txn:
+            return read_log_start(txn)
+
+    def compact_log(
+        self, keep_from_lsn: int, *, batch_entries: int = COMPACT_BATCH_ENTRIES_DEFAULT
+    ) -> int:
+        """Deletes the log entries below keep_from_lsn; returns how many it deleted.
+
+        Never deletes the last entry, so at most up to min(keep_from_lsn, last LSN).
+        Deletes batch_entries per write transaction (not flushed: a crash only leaves more
+        log), each also moving the recorded log start, so readers never see a gap. A write
+        like append: the caller serializes it with the other writes. Idempotent; nothing
+        while a snapshot install is pending.
+        """
+        if keep_from_lsn < 1 or batch_entries < 1:
+            raise ValueError(
+                f"keep_from_lsn and batch_entries must be >= 1 ({keep_from_lsn}, {batch_entries})"
+            )
+        with self._reading() as txn:
+            if install_pending(txn):
+                return 0
+            start = read_log_start(txn)
+            target = min(keep_from_lsn, read_log_tail(txn)[0])
+        deleted = 0
+        for _ in range(max(0, -(-(target - start) // batch_entries))):
+            with self._writing(sync=False) as txn:
+                start = read_log_start(txn)
+                if install_pending(txn) or start >= target:
+                    break  # another writer got here first
+                end = min(target, start + batch_entries)
+                deleted += txn.delete_range(DB_LOG, U64.pack(start), U64.pack(end))
+                put_u64(txn, DB_META, META_LOG_START, end)
+        return deleted
+
+    def sync(self) -> None:
+        """Flushes everything committed to disk."""
+        if self._closed:
+            raise StoreError("the store is closed")
+        try:
+            self._kv.sync()
+        except KVError as exc:
+            raise StoreWriteError(f"sync failed: {exc}") from exc
+
+    # --- snapshots
+
+    def snapshot_chunks(
+        self,
+        records_max: int = SNAPSHOT_RECORDS_MAX_DEFAULT,
+        bytes_max: int = SNAPSHOT_BYTES_MAX_DEFAULT,
+    ) -> Generator[replica_pb2.SnapshotChunk, None, None]:
+        """The store's state as snapshot chunks, all read from ONE read transaction.
+
+        The transaction opens when the first chunk is asked for, so the first chunk's
+        ``snapshot_lsn`` (the last LSN then) is the snapshot's; writes may go on while
+        the chunks are consumed and none of them shows. The generator holds the
+        transaction until it is exhausted or closed: the caller MUST close it if it stops
+        early (``with contextlib.closing(store.snapshot_chunks()) as chunks:``); on LMDB
+        an open export keeps the pages it reads from being reused.
+
+        Each chunk has at most records_max records and, unless one record alone is
+        bigger, serializes to at most bytes_max bytes. Records: every record of
+        ``SNAPSHOT_DBS`` in that order and key order (of meta only the state keys), each
+        verified before it is sent. Every chunk carries index (from 0), snapshot_lsn and
+        snapshot_epoch; the last one ``last`` and the epoch history. The log is not
+        included: the receiver's log continues from snapshot_lsn + 1. Raises
+        SnapshotError if this store itself holds an unfinished install.
+        """
+        if records_max < 1 or bytes_max < 1:
+            raise ValueError(f"records_max {records_max}, bytes_max {bytes_max}: both >= 1")
+        return self._export(records_max, bytes_max)
+
+    def _export(
+        self, records_max: int, bytes_max: int
+    ) -> Generator[replica_pb2.SnapshotChunk, None, None]:
+        """The generator behind snapshot_chunks; its with-block releases the transaction."""
+        with self._reading(long_lived=True) as txn:
+            yield from export_chunks(txn, records_max, bytes_max)
+
+    def begin_snapshot(self, snapshot_lsn: int, snapshot_epoch: int, *, sync: bool = True) -> None:
+        """Starts installing a snapshot: empties the state and the log, marks it pending.
+
+        One transaction (flushed when sync). Until finish_snapshot the store reports
+        itself empty (last LSN 0, no topics), across restarts too; a pending install
+        from before is discarded, and an append from LSN 1 abandons this one.
+        """
+        if (
+            not 0 <= snapshot_lsn <= UINT64_MAX
+            or not 0 <= snapshot_epoch <= UINT64_MAX
+            or (snapshot_lsn == 0) != (snapshot_epoch == 0)
+        ):
+            raise SnapshotError(
+                f"a snapshot at LSN {snapshot_lsn} epoch {snapshot_epoch}: LSN and epoch are "
+                "uint64s, both 0 or neither"
+            )
+        with self._writing(sync=sync) as txn:
+            begin_install(txn, snapshot_lsn, snapshot_epoch)
+
+    def install_chunk(self, chunk: replica_pb2.SnapshotChunk, *, sync: bool = False) -> int:
+        """Writes one chunk's records in one transaction; returns how many.
+
+        The chunk must be the next (index 0, 1, ...) of the snapshot begun, its records
+        in snapshot order and each with a valid checksum; otherwise SnapshotError (or
+        CorruptRecordError for a checksum) and nothing of the chunk is written. Install
+        every chunk, the last included, then call finish_snapshot.
+        """
+        with self._writing(sync=sync) as txn:
+            install_records(txn, chunk)
+        return len(chunk.records)
+
+    def finish_snapshot(
+        self,
+        history: Iterable[tuple[int, int] | BoundaryLike],
+        *,
+        sync: bool = True,
+        commit_lsn: int = 0,
+        uncommitted: Sequence[tuple[str, int, int]] = (),
+    ) -> None:
+        """Ends the install: the log ends at the snapshot's LSN and epoch, with history.
+
+        One transaction (flushed when sync): last LSN and epoch, the epoch history, log
+        start = snapshot LSN + 1, the store's epoch raised to the snapshot's if lower, and
+        the pending mark cleared. SnapshotError (nothing changed) if no install is
+        pending, its last chunk is not installed, or the history does not fit it.
+
+        commit_lsn: the sender's commit LSN (recorded, at most the snapshot's LSN);
+        uncommitted: (topic, first offset, last LSN) per topic with publishes in the
+        snapshot above it, recorded for ``snapshot_uncommitted``: the snapshot's state
+        cannot be hidden event by event from its log, which it does not include.
+        SnapshotError for a malformed list (a last LSN outside commit_lsn+1..snapshot
+        LSN, an empty topic, a topic twice, too many).
+        """
+        if len(uncommitted) > SNAPSHOT_UNCOMMITTED_MAX:
+            raise SnapshotError(
+                f"finish: {len(uncommitted)} topics with uncommitted publishes; at most "
+                f"{SNAPSHOT_UNCOMMITTED_MAX}"
+            )
+        with self._writing(sync=sync) as txn:
+            finish_install(txn, history, commit_lsn, uncommitted)
+
+    def abort_snapshot(self) -> bool:
+        """Abandons an unfinished install (flushed): the store is left empty of data.
+
+        Returns whether one was pending. Not needed before a new begin_snapshot (which
+        discards it too); for a replica that will take its log from LSN 1 instead.
+        """
+        with self._writing(sync=True) as txn:
+            return abort_install(txn)
+
+    # --- state
+
+    def get_topic(self, name: str) -> TopicInfo | None:
+        """The topic, or None."""
+        with self._reading() as txn:
+            row = None if install_pending(txn) else read_topic(txn, name)
+            return None if row is None else row.info()
+
+    def list_topics(self) -> list[TopicInfo]:
+        """Every topic, ordered by name."""
+        with self._reading() as txn:
+            if install_pending(txn):
+                return []
+            return [decode_topic(k, v).info() for k, v in txn.scan(DB_TOPICS)]
+
+    def read_events(
+        self,
+        topic: str,
+        from_offset: int,
+        max_events: int,
+        end_offset: int = 0,
+        *,
+        max_bytes: int = 0,
+        topic_id: int = 0,
+    ) -> list[common_pb2.Event]:
+        """Verified events from from_offset up to (not including) end_offset (0: no end).
+
+        Returns at most max_events events and, when max_bytes > 0, stops before the
+        payloads and keys exceed it (but returns at least one event). Empty at or beyond
+        the topic's end; raises UnknownTopicError for a topic the store does not hold, or
+        (topic_id > 0) whose incarnation is not topic_id: a reader that began on a topic
+        destroyed since never reads the one created again under its name.
+        """
+        if max_events < 1:
+            raise ValueError(f"max_events must be >= 1, got {max_events}")
+        with self._reading() as txn:
+            row = None if install_pending(txn) else read_topic(txn, topic)
+            if row is None:
+                raise UnknownTopicError(f"no topic {topic!r}")
+            if topic_id and row.topic_id != topic_id:
+                raise UnknownTopicError(f"topic {topic!r} was destroyed (and created again)")
+            start = max(from_offset, row.first_offset)
+            stop = row.next_offset if end_offset <= 0 else min(end_offset, row.next_offset)
+            stop = min(stop, start + max_events)
+            out: list[common_pb2.Event] = []
+            if start >= stop:
+                return out
+            size_bytes = 0
+            expect = start
+            lo, hi = U64X2.pack(row.topic_id, start), U64X2.pack(row.topic_id, stop)
+            for key, value in txn.scan(DB_EVENTS, lo, hi):
+                if key != U64X2.pack(row.topic_id, expect):
+                    break  # reported as missing below
+                try:
+                    ev = common_pb2.Event.FromString(unseal(DB_EVENTS, key, value))
+                except DecodeError:
+                    raise CorruptRecordError(DB_EVENTS, key, "event does not parse") from None
+                if ev.offset != expect or ev.topic != topic:
+                    raise CorruptRecordError(DB_EVENTS, key, "event topic or offset wrong")
+                size_bytes += len(ev.payload) + len(ev.key)
+                if max_bytes > 0 and out and size_bytes > max_bytes:
+                    return out
+                out.append(ev)
+                expect += 1
+            if expect < stop:
+                raise CorruptRecordError(
+                    DB_EVENTS, U64X2.pack(row.topic_id, expect), "event missing"
+                )
+            return out
+
+    def get_cursor(self, topic: str, subscription: str) -> int | None:
+        """The subscription's cursor (next offset to deliver), or None."""
+        with self._reading() as txn:
+            row = None if install_pending(txn) else read_topic(txn, topic)
+            raw = subscription.encode()
+            if row is None or not raw:
+                return None
+            return read_u64(txn, DB_CURSORS, U64.pack(row.topic_id) + raw)
+
+    def list_subscriptions(self, topic: str) -> list[tuple[str, int]]:
+        """(name, cursor) of every subscription of the topic, by name."""
+        with self._reading() as txn:
+            row = None if install_pending(txn) else read_topic(txn, topic)
+            if row is None:
+                raise UnknownTopicError(f"no topic {topic!r}")
+            lo, hi = U64.pack(row.topic_id), U64.pack(row.topic_id + 1)
+            out = []
+            for key, value in txn.scan(DB_CURSORS, lo, hi):
+                (cursor,) = unpack(DB_CURSORS, key, U64, unseal(DB_CURSORS, key, value))
+                try:
+                    out.append((key[U64.size :].decode(), cursor))
+                except UnicodeDecodeError:
+                    raise CorruptRecordError(DB_CURSORS, key, "name is not UTF-8") from None
+            return out
+
+    def get_push_subscriber(self, topic: str, subscriber_id: str) -> PushSubscriber | None:
+        """The topic's push subscriber with this id, or None."""
+        raw = subscriber_id.encode()
+        with self._reading() as txn:
+            row = None if install_pending(txn) else read_topic(txn, topic)
+            if row is None or not raw or len(raw) + U64.size > MAX_KEY_BYTES:
+                return None
+            key = U64.pack(row.topic_id) + raw
+            value = txn.get(DB_PUSH, key)
+            return None if value is None else push_subscriber(topic, key, value)
+
+    def list_push_subscribers(self, topic: str | None = None) -> list[PushSubscriber]:
+        """The push subscribers of one topic (by id), or of every topic (by topic, id).
+
+        Raises UnknownTopicError for a topic the store does not hold.
+        """
+        with self._reading() as txn:
+            if install_pending(txn):
+                if topic is not None:
+                    raise UnknownTopicError(f"no topic {topic!r}")
+                return []
+            if topic is None:
+                rows = [decode_topic(k, v) for k, v in txn.scan(DB_TOPICS)]
+            else:
+                row = read_topic(txn, topic)
+                if row is None:
+                    raise UnknownTopicError(f"no topic {topic!r}")
+                rows = [row]
+            out: list[PushSubscriber] = []
+            for row in rows:
+                lo, hi = U64.pack(row.topic_id), U64.pack(row.topic_id + 1)
+                out.extend(push_subscriber(row.name, k, v) for k, v in txn.scan(DB_PUSH, lo, hi))
+            return out
+
+    def lookup_sequence(self, publisher_id: str, sequence: int) -> DedupeHit | None:
+        """Where (publisher_id, sequence) was stored, if within the dedupe window.
+
+        The window: sequences above the publisher's high-water mark minus dedupe_window.
+        A hit always names an event stored now, in the topic as it is now, with this
+        publisher id, sequence and LSN: a record whose event is not there (left by an
+        incarnation of the topic destroyed since) is not a hit.
+        """
+        if not publisher_id or sequence <= 0:
+            return None
+        try:
+            prefix = publisher_prefix(publisher_id)
+        except InvalidEntryError:
+            return None  # an id too long to be stored was never stored
+        with self._reading() as txn:
+            if install_pending(txn):
+                return None
+            high_water = read_u64(txn, DB_PUBLISHERS, prefix[U16.size :]) or 0
+            if not high_water - self._dedupe_window < sequence <= high_water:
+                return None
+            # Records are keyed by the last sequence of a run: the first record at or
+            # above the sequence is the only run that can hold it.
+            for key, value in txn.scan(DB_DEDUPE, prefix + U64.pack(sequence)):
+                if not key.startswith(prefix) or len(key) != len(prefix) + U64.size:
+                    return None
+                body = unseal(DB_DEDUPE, key, value)
+                first, first_offset, lsn, epoch = unpack(DB_DEDUPE, key, DEDUPE_RECORD, body)
+                if first > sequence:
+                    return None
+                try:
+                    topic = body[DEDUPE_RECORD.size :].decode()
+                except UnicodeDecodeError:
+                    raise CorruptRecordError(DB_DEDUPE, key, "topic is not UTF-8") from None
+                offset = first_offset + sequence - first
+                row = read_topic(txn, topic)
+                if row is None or not event_matches(txn, row, offset, publisher_id, sequence, lsn):
+                    # A record of a destroyed incarnation of the topic (a store written
+                    # before destroys removed them): its event is gone, so it proves
+                    # nothing and the sequence is new.
+                    return None
+                return DedupeHit(topic, offset, lsn, epoch)
+            return None
+
+    def publisher_high_water(self, publisher_id: str) -> int:
+        """The highest sequence stored for the publisher (0 if none)."""
+        raw = publisher_id.encode()
+        if not raw or len(raw) > MAX_KEY_BYTES:
+            return 0
+        with self._reading() as txn:
+            return 0 if install_pending(txn) else read_u64(txn, DB_PUBLISHERS, raw) or 0
