@@ -875,9 +875,7 @@ class ReplicationSimulation(Simulation):
         self.note(f"{node} refuses master role", reason)
         self.teardown(node, reason)
         self.stores[node].role = Role.INACTIVE
-        self.incarnation[node] += 1  # reports read for the old Election instance are void
-        self.elections[node] = None
-        self.start_node(node)
+        self.driver_recovers(node, reason)
 
     def heal(self) -> None:
         """End of the safety phase; replication links behave like TCP from now on."""
