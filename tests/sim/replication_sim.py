@@ -135,6 +135,7 @@ from tests.sim.election_sim import (
     Simulation,
     make_scenario,
     mark_initial_stores,
+    quiet_coordinator_log,
 )
 from tests.sim.replication_checker import Entry, ReplicationChecker
 
@@ -1732,4 +1733,5 @@ class ReplicationSimulation(Simulation):
 
 def run_seed(seed: int) -> ReplResult:
     """Run one seed of the replication simulator."""
-    return ReplicationSimulation(seed).run_repl()
+    with quiet_coordinator_log():
+        return ReplicationSimulation(seed).run_repl()
