@@ -7,13 +7,26 @@ log survive), and pauses (a node stops handling anything for a while, like a lon
 With per-process faults on (``run_seed``; ``make_scenario(processes=True)``) a node is two
 processes, hit alone: its replica is killed (and restarted) or paused, its coordinator is
 killed (and restarted) or paused, or the link between the two is cut, often on whoever is
-master at the time. The driver model is ``services/coordinator/node.py``'s: role commands
-reach the replica only while it answers (the newest one is applied when it answers again),
-the election hears ``replica_silent`` after a quiet spell and ``replica_answered`` when the
-replica is back; a replica keeps its role while its coordinator is gone only for the lease
-(``member_timeout_ms``), and a replica that restarted or dropped its role refuses a role in
-an epoch it held (the driver then recovers with a fresh Election). The whole-node crash and
-pause of before stay as they were.
+master at the time. The whole-node crash and pause of before stay as they were.
+
+Each coordinator is the shipped driver, ``services/coordinator/driver.py``'s
+``CoordinatorDriver``, over a simulated peer transport (``SimPeers``: the lossy network
+above, the checker sees every send), clock (``SimClock``: the simulation's time) and
+state store (``SimStateStore``: survives crashes). The asyncio shell's three loops
+(``node.py``), which only wait, are events here: the tick loop sleeps what ``tick()``
+returns and wakes on the driver's ``wake`` hook; the role loop sends ``role_wanted()``
+over the simulated replica link and waits as ``role_outcome()`` says, or until the
+``role_changed`` hook; the watch loop calls ``watch()`` every ``watch_interval_ms`` and
+probes the replica's health when told to. Everything the driver decides (persisting,
+sending, reports after a deactivation, recovery on a refused role, ``replica_silent`` /
+``replica_answered``) is its own code. The replica twin (``Replica`` and
+``replica_set_role``) answers a role call when it reaches it: a dead replica refuses the
+connection, a hung one or one behind a cut link lets the call time out
+(``RPC_TIMEOUT_MS``; a call that reaches a paused replica is taken when it resumes, within
+the timeout). Every role command renews its lease (``member_timeout_ms``): a replica
+whose coordinator is gone, hung or cut off drops its role when the lease runs out, and a
+replica that restarted or dropped a role refuses one in an epoch it held (the driver then
+recovers with a fresh Election).
 Operators act too: a leadership transfer from whoever leads to one of its members, and a
 quarantine of a node that an operator may clear later (every quarantine is cleared when
 the network heals). The only randomness is ``random.Random(seed)`` here; the election
