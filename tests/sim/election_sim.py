@@ -523,6 +523,8 @@ class Simulation:
         self.held_max = {node: 0 for node in self.nodes}
         # When the replica's role lease was last renewed (it runs out lease_ms later).
         self.renewed_at = {node: 0 for node in self.nodes}
+        # The replica process's life: a call sent to a process that died since is lost.
+        self.replica_life: Counter[str] = Counter()
 
     # ----------------------------------------------------------------- plumbing
 
@@ -732,16 +734,17 @@ class Simulation:
             at = self.now_ms + self.rng.randint(0, 5)
             self.push(at, _ROLE_REPLY, node, (incarnation, gen, command, failure))
         else:
-            self.push(self.now_ms + delay, _REPLICA_CALL, node, (incarnation, gen, command))
+            call = (incarnation, gen, command, self.replica_life[node])
+            self.push(self.now_ms + delay, _REPLICA_CALL, node, call)
 
     def on_replica_call(self, node: str, payload: object) -> None:
         """A role command reaches the replica; the answer goes back at once."""
         if not isinstance(payload, tuple):
             return
-        incarnation, gen, command = payload
+        incarnation, gen, command, life = payload
         outcome: ReplicaAnswer | ReplicaFailure
         at = self.now_ms
-        if not self.replica_up[node]:
+        if not self.replica_up[node] or life != self.replica_life[node]:
             outcome = ReplicaFailure(Failure.NO_ANSWER, "UNAVAILABLE", "connection reset")
         elif (
             self.replica_paused_until[node] > self.now_ms
@@ -862,6 +865,7 @@ class Simulation:
             if not self.replica_up[node]:
                 return
             self.replica_up[node] = False
+            self.replica_life[node] += 1
             self.drop_role(node, "killed")
             replica = self.replicas[node]
             replica.applied_seq, replica.joined = 0, False
@@ -1036,6 +1040,7 @@ class Simulation:
         if self.drivers[node] is None:
             return
         self.stop_driver(node)
+        self.replica_life[node] += 1
         replica = self.replicas[node]
         if self.processes:
             self.drop_role(node, "the whole node crashed")
