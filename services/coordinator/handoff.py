@@ -72,8 +72,7 @@ async def transfer(
             f"node {node.node.id}: transfer to {target} abandoned, writes resumed: "
             f"{exc.details()}",
         ) from None
-    ready = node.election.transfer_leadership(target, operator, node.clock.monotonic_ms(), reason)
-    node.apply(ready)
+    ready = node.driver.transfer_leadership(target, operator, reason)
     if ready.rejection is not None:
         await _resume(replica, epoch, target, rpc_timeout_ms)
         return ready

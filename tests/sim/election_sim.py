@@ -7,13 +7,26 @@ log survive), and pauses (a node stops handling anything for a while, like a lon
 With per-process faults on (``run_seed``; ``make_scenario(processes=True)``) a node is two
 processes, hit alone: its replica is killed (and restarted) or paused, its coordinator is
 killed (and restarted) or paused, or the link between the two is cut, often on whoever is
-master at the time. The driver model is ``services/coordinator/node.py``'s: role commands
-reach the replica only while it answers (the newest one is applied when it answers again),
-the election hears ``replica_silent`` after a quiet spell and ``replica_answered`` when the
-replica is back; a replica keeps its role while its coordinator is gone only for the lease
-(``member_timeout_ms``), and a replica that restarted or dropped its role refuses a role in
-an epoch it held (the driver then recovers with a fresh Election). The whole-node crash and
-pause of before stay as they were.
+master at the time. The whole-node crash and pause of before stay as they were.
+
+Each coordinator is the shipped driver, ``services/coordinator/driver.py``'s
+``CoordinatorDriver``, over a simulated peer transport (``SimPeers``: the lossy network
+above, the checker sees every send), clock (``SimClock``: the simulation's time) and
+state store (``SimStateStore``: survives crashes). The asyncio shell's three loops
+(``node.py``), which only wait, are events here: the tick loop sleeps what ``tick()``
+returns and wakes on the driver's ``wake`` hook; the role loop sends ``role_wanted()``
+over the simulated replica link and waits as ``role_outcome()`` says, or until the
+``role_changed`` hook; the watch loop calls ``watch()`` every ``watch_interval_ms`` and
+probes the replica's health when told to. Everything the driver decides (persisting,
+sending, reports after a deactivation, recovery on a refused role, ``replica_silent`` /
+``replica_answered``) is its own code. The replica twin (``Replica`` and
+``replica_set_role``) answers a role call when it reaches it: a dead replica refuses the
+connection, a hung one or one behind a cut link lets the call time out
+(``RPC_TIMEOUT_MS``; a call that reaches a paused replica is taken when it resumes, within
+the timeout). Every role command renews its lease (``member_timeout_ms``): a replica
+whose coordinator is gone, hung or cut off drops its role when the lease runs out, and a
+replica that restarted or dropped a role refuses one in an epoch it held (the driver then
+recovers with a fresh Election).
 Operators act too: a leadership transfer from whoever leads to one of its members, and a
 quarantine of a node that an operator may clear later (every quarantine is cleared when
 the network heals). The only randomness is ``random.Random(seed)`` here; the election
@@ -39,11 +52,23 @@ A failure raises ``SimFailure`` whose message ends with the command that replays
 
 from __future__ import annotations
 
+import contextlib
 import heapq
+import logging
 import random
 from collections import Counter, deque
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
+from services.common.clock import MANUAL_CLOCK_WALL_START_MS
+from services.coordinator.driver import (
+    CoordinatorDriver,
+    DriverTimings,
+    Failure,
+    ReplicaAnswer,
+    ReplicaFailure,
+    RoleNext,
+)
 from services.coordinator.election import Election, ElectionConfig, node_sort_key
 from services.coordinator.lifecycle import decide_start
 from services.coordinator.messages import (
@@ -74,16 +99,17 @@ from tests.sim.election_checker import Checker, InvariantViolation
     _DELIVER,
     _TICK,
     _WRITE,
-    _REPORT,
-    _SNAPSHOT,
+    _ROLE,
+    _ROLE_REPLY,
     _TRANSFER,
     _QUARANTINE,
     _PROC_FAULT,
     _PROC_HEAL,
-    _SILENT,
-    _ANSWERED,
+    _WATCH,
+    _PROBE_REPLY,
     _LEASE,
-) = range(19)
+    _REPLICA_CALL,
+) = range(20)
 _KIND_NAMES = {
     _START: "start",
     _CRASH: "crash",
@@ -95,15 +121,16 @@ _KIND_NAMES = {
     _DELIVER: "deliver",
     _TICK: "tick",
     _WRITE: "write",
-    _REPORT: "report",
-    _SNAPSHOT: "snapshot",
+    _ROLE: "role call",
+    _ROLE_REPLY: "role answer",
     _TRANSFER: "transfer",
     _QUARANTINE: "quarantine",
     _PROC_FAULT: "process fault",
     _PROC_HEAL: "process heal",
-    _SILENT: "replica silent",
-    _ANSWERED: "replica answered",
+    _WATCH: "replica watch",
+    _PROBE_REPLY: "probe answer",
     _LEASE: "lease",
+    _REPLICA_CALL: "replica takes a call",
 }
 # Per-process faults: (name, lasts for a while, healed by an event when it ends).
 PROCESS_FAULTS = (
@@ -119,7 +146,9 @@ PROCESS_FAULTS = (
 EVENTS_MAX = 400_000
 TRACE_LINES = 80
 WRITE_INTERVAL_MS = 25
-REPORT_INTERVAL_MS = 40
+# The driver's role-call timeout (timeouts.rpc_timeout_ms): a call to a hung replica or
+# over a cut link fails after this long.
+RPC_TIMEOUT_MS = 1000
 
 
 def reproduce_hint(seed: int) -> str:
@@ -159,6 +188,7 @@ class Scenario:
     stable_ms: int = 300
     keep_minority_down: bool = True
     processes: bool = False
+    rpc_timeout_ms: int = RPC_TIMEOUT_MS
 
 
 def _rank_key(priorities: dict[str, int], node: str) -> tuple[int, tuple[int, int, str]]:
@@ -302,6 +332,8 @@ class Replica:
     state: StoreState = StoreState.EMPTY
     shutdown_id: str = ""
     joined: bool = False
+    # The role command last taken (a repeat of it is a lease renewal).
+    last_command: RoleCommand | None = None
 
     def report(self) -> ReplicaReport:
         """What the driver would read from the replica."""
@@ -349,6 +381,81 @@ class SimResult:
     final_epoch: int
 
 
+class SimClock:
+    """The simulation's virtual time, as the driver's clock."""
+
+    def __init__(self, sim: Simulation) -> None:
+        self.sim = sim
+
+    def monotonic_ms(self) -> int:
+        """Simulated milliseconds since the run started."""
+        return self.sim.now_ms
+
+    def wall_ms(self) -> int:
+        """A fixed wall-clock start plus simulated time."""
+        return MANUAL_CLOCK_WALL_START_MS + self.sim.now_ms
+
+
+class SimPeers:
+    """The simulated network, as one driver's peer transport (the checker sees every send)."""
+
+    def __init__(self, sim: Simulation) -> None:
+        self.sim = sim
+
+    def send(self, message: PeerMessage) -> None:
+        """Check the message, then hand it to the lossy network."""
+        try:
+            self.sim.checker.check_send(message)
+        except InvariantViolation as exc:
+            raise self.sim.fail(str(exc)) from None
+        self.sim.send(message)
+
+
+class SimStateStore:
+    """One node's state file, in memory (``Simulation.durable``): survives crashes."""
+
+    def __init__(self, sim: Simulation, node: str) -> None:
+        self.sim = sim
+        self.node = node
+
+    def load(self) -> PersistedState:
+        """The state last saved."""
+        return self.sim.durable[self.node]
+
+    def save(self, state: PersistedState) -> None:
+        """Saved at once (a crash after this keeps it)."""
+        self.sim.durable[self.node] = state
+
+
+class ElectionsView(Mapping[str, "Election | None"]):
+    """Each node's current Election (its driver's; None while the coordinator is down)."""
+
+    def __init__(self, drivers: dict[str, CoordinatorDriver | None]) -> None:
+        self.drivers = drivers
+
+    def __getitem__(self, node: str) -> Election | None:
+        driver = self.drivers[node]
+        return None if driver is None else driver.election
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.drivers)
+
+    def __len__(self) -> int:
+        return len(self.drivers)
+
+
+@contextlib.contextmanager
+def quiet_coordinator_log() -> Iterator[None]:
+    """The drivers log as in production; thousands of simulated recoveries need not."""
+    logger = logging.getLogger("squall.coordinator")
+    before = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = before
+
+
 class Simulation:
     """Runs one scenario; see the module docstring."""
 
@@ -362,7 +469,16 @@ class Simulation:
         self.now_ms = 0
         self.seq = 0
         self.queue: list[tuple[int, int, int, int, str, object]] = []
-        self.elections: dict[str, Election | None] = {node: None for node in self.nodes}
+        # The shipped driver of each node's coordinator (None while it is down).
+        self.drivers: dict[str, CoordinatorDriver | None] = {node: None for node in self.nodes}
+        self.elections = ElectionsView(self.drivers)
+        self.clock = SimClock(self)
+        self.timings = DriverTimings(
+            heartbeat_interval_ms=scenario.timing["heartbeat_interval_ms"],
+            lease_ms=scenario.timing["member_timeout_ms"],
+            rpc_timeout_ms=scenario.rpc_timeout_ms,
+            replica_timeout_ms=scenario.timing["replica_timeout_ms"],
+        )
         self.durable: dict[str, PersistedState] = dict(scenario.initial)
         self.replicas: dict[str, Replica] = {}
         for node in self.nodes:
@@ -370,9 +486,17 @@ class Simulation:
             self.replicas[node] = Replica(last_epoch=last_epoch, last_lsn=last_lsn)
         mark_initial_stores(self.replicas)
         self.group_ids: Counter[str] = Counter()
-        self.tick_at: dict[str, int | None] = {node: None for node in self.nodes}
         self.incarnation: Counter[str] = Counter()
         self.paused_until: dict[str, int] = {node: 0 for node in self.nodes}
+        # The driver's loops as the asyncio shell runs them (node.py): the tick loop's next
+        # wake-up, whether its wake-up event is set; the role loop's state, its event, and
+        # the generation of its pending wake-up; a health probe in flight.
+        self.tick_at: dict[str, int | None] = {node: None for node in self.nodes}
+        self.in_tick: dict[str, bool] = {node: False for node in self.nodes}
+        self.role_state = {node: "idle" for node in self.nodes}
+        self.role_flag = {node: False for node in self.nodes}
+        self.role_gen: Counter[str] = Counter()
+        self.probing = {node: False for node in self.nodes}
         self.cut: Counter[tuple[str, str]] = Counter()
         self.loss = scenario.loss
         self.delay_max_ms = scenario.delay_max_ms
@@ -394,15 +518,13 @@ class Simulation:
         self.replica_up = {node: True for node in self.nodes}
         self.replica_paused_until = {node: 0 for node in self.nodes}
         self.link_cut_until = {node: 0 for node in self.nodes}
-        # The newest role command the replica has not received (it did not answer).
-        self.pending_cmd: dict[str, RoleCommand | None] = {node: None for node in self.nodes}
         # The replica takes a new role only above this epoch (it restarted or dropped one).
         self.floor = {node: 0 for node in self.nodes}
         self.held_max = {node: 0 for node in self.nodes}
-        # Since when the coordinator cannot renew its replica's role lease (None: it can).
-        self.renew_lost_at: dict[str, int | None] = {node: None for node in self.nodes}
-        # When the driver last heard from the replica (a silence starts no earlier).
-        self.answered_at = {node: 0 for node in self.nodes}
+        # When the replica's role lease was last renewed (it runs out lease_ms later).
+        self.renewed_at = {node: 0 for node in self.nodes}
+        # The replica process's life: a call sent to a process that died since is lost.
+        self.replica_life: Counter[str] = Counter()
 
     # ----------------------------------------------------------------- plumbing
 
@@ -455,84 +577,244 @@ class Simulation:
         self.cluster_id_counter += 1
         return f"c-{node}-{self.cluster_id_counter}"
 
-    def schedule_tick(self, node: str) -> None:
-        """Make sure the node is ticked no later than its next deadline."""
-        election = self.elections[node]
-        if election is None:
-            return
-        deadline = election.next_deadline_ms()
-        if deadline is None:
-            return
-        at = max(deadline, self.now_ms)
-        current = self.tick_at[node]
-        if current is not None and self.now_ms <= current <= at:
-            return
-        if self.sc.tick_jitter_ms:
-            at += self.rng.randint(0, self.sc.tick_jitter_ms)
-        self.tick_at[node] = at
-        self.push(at, _TICK, node, at)
-
-    def apply(self, node: str, ready: Ready, depth: int = 0) -> None:
-        """The driver: persist, send, apply the role command, report after a deactivate."""
-        if depth > 4:
-            raise self.fail("Ready records chained more than 4 deep")
-        if ready.persist is not None:
-            self.durable[node] = ready.persist
+    def applied(self, node: str, ready: Ready) -> None:
+        """The driver applied a Ready: note demotions, run the checker."""
         self.track_demotions(node, ready)
-        for msg in ready.messages:
-            try:
-                self.checker.check_send(msg)
-            except InvariantViolation as exc:
-                raise self.fail(str(exc)) from None
-            self.send(msg)
-        election = self.elections[node]
-        cmd = ready.role_command
-        if cmd is not None and election is not None and not self.reachable(node):
-            # The driver keeps trying; the replica gets the newest command when it answers.
-            self.note(f"{node} role (replica not answering)", format_role_command(cmd))
-            self.pending_cmd[node] = cmd
-        elif cmd is not None and election is not None:
-            self.pending_cmd[node] = None
-            self.note(f"{node} role", format_role_command(cmd))
-            if self.refuses(node, cmd):
-                self.driver_recovers(node, f"replica refused {format_role_command(cmd)}")
-                return
-            replica = self.replicas[node]
-            replica.applied_seq = cmd.seq
-            if cmd.kind is not RoleCommandKind.DEACTIVATE:
-                self.cluster_ids.add(cmd.cluster_id)
-                if len(self.cluster_ids) > 1 or not cmd.cluster_id:
-                    raise self.fail(
-                        f"role commands name cluster ids {sorted(self.cluster_ids)}: the "
-                        "cluster id must be set once, at the first formation"
-                    )
-            if cmd.kind is RoleCommandKind.DEACTIVATE:
-                self.deactivate_replica(node)
-                self.check(node)
-                # The driver reads the stopped replica's state: at once, or after a while
-                # during which older reports may still arrive.
-                if self.rng.random() < 0.3:
-                    report = election.replica_report(replica.report(), self.now_ms)
-                    self.apply(node, report, depth + 1)
-                else:
-                    self.push_snapshot(node, self.rng.randint(1, 60))
-                return
-            if cmd.kind is RoleCommandKind.MASTER:
-                self.become_master(node, cmd)
-            else:
-                self.follow_master(node, cmd)
-            self.held_max[node] = max(self.held_max[node], cmd.epoch)
         self.check(node)
 
-    # ----------------------------------------------------------------- processes
+    # ----------------------------------------------------------------- the driver's loops
+    # Each mirrors one asyncio loop of node.py, which only waits: the decisions are the
+    # driver's. A paused coordinator runs none of them until its pause ends.
 
-    def reachable(self, node: str) -> bool:
-        """Does the node's replica answer its coordinator now?"""
-        return (
-            self.replica_up[node]
-            and self.replica_paused_until[node] <= self.now_ms
-            and self.link_cut_until[node] <= self.now_ms
+    def live_driver(self, node: str, incarnation: object) -> CoordinatorDriver | None:
+        """The node's driver if ``incarnation`` is still the running one."""
+        driver = self.drivers[node]
+        if driver is None or incarnation != self.incarnation[node]:
+            return None
+        return driver
+
+    def deferred(self, kind: int, node: str, payload: object) -> bool:
+        """A paused coordinator handles the event when it resumes."""
+        if self.paused_until[node] > self.now_ms:
+            self.push(self.paused_until[node], kind, node, payload)
+            return True
+        return False
+
+    def schedule_tick(self, node: str, at: int) -> None:
+        """The tick loop sleeps until ``at`` (a later wake-up replaces an earlier one)."""
+        if self.sc.tick_jitter_ms and at > self.now_ms:
+            at += self.rng.randint(0, self.sc.tick_jitter_ms)
+        self.tick_at[node] = at
+        self.push(at, _TICK, node, (self.incarnation[node], at))
+
+    def wake(self, node: str) -> None:
+        """The driver's wake hook: the tick loop runs again now (unless it is running: its
+        wake-up event is cleared after the tick, as in node.py)."""
+        if self.in_tick[node]:
+            return
+        current = self.tick_at[node]
+        if current is None or current > self.now_ms:
+            self.schedule_tick(node, self.now_ms)
+
+    def on_tick(self, node: str, payload: object) -> None:
+        """One turn of the tick loop."""
+        if not isinstance(payload, tuple):
+            return
+        incarnation, at = payload
+        driver = self.live_driver(node, incarnation)
+        if driver is None or self.tick_at[node] != at or self.deferred(_TICK, node, payload):
+            return
+        self.tick_at[node] = None
+        self.in_tick[node] = True
+        try:
+            wait_ms = driver.tick()
+        finally:
+            self.in_tick[node] = False
+        if self.drivers[node] is driver:
+            self.schedule_tick(node, self.now_ms + wait_ms)
+
+    def role_changed(self, node: str) -> None:
+        """The driver's role hook: sets the role loop's event (wakes it if it waits)."""
+        self.role_flag[node] = True
+        if self.role_state[node] != "calling":
+            self.role_gen[node] += 1
+            self.role_state[node] = "woken"
+            self.push(self.now_ms, _ROLE, node, (self.incarnation[node], self.role_gen[node], True))
+
+    def on_role(self, node: str, payload: object) -> None:
+        """One turn of the role loop: send the newest command to the replica."""
+        if not isinstance(payload, tuple):
+            return
+        incarnation, gen, clear = payload
+        driver = self.live_driver(node, incarnation)
+        if driver is None or gen != self.role_gen[node] or self.deferred(_ROLE, node, payload):
+            return
+        if clear:
+            self.role_flag[node] = False
+        command = driver.role_wanted()
+        if command is None:
+            self.role_state[node] = "idle"
+            return
+        self.role_state[node] = "calling"
+        self.call_set_role(node, incarnation, gen, command)
+
+    def on_role_reply(self, node: str, payload: object) -> None:
+        """The replica's answer (or the call's failure) reaches the role loop."""
+        if not isinstance(payload, tuple):
+            return
+        incarnation, gen, command, outcome = payload
+        driver = self.live_driver(node, incarnation)
+        if driver is None or self.deferred(_ROLE_REPLY, node, payload):
+            return
+        following = driver.role_outcome(command, outcome)
+        if self.drivers[node] is not driver:
+            return
+        self.role_gen[node] += 1
+        gen = self.role_gen[node]
+        if following is RoleNext.AGAIN:
+            self.role_state[node] = "woken"
+            self.push(self.now_ms, _ROLE, node, (incarnation, gen, False))
+        elif self.role_flag[node]:
+            self.role_state[node] = "woken"
+            self.push(self.now_ms, _ROLE, node, (incarnation, gen, True))
+        else:
+            self.role_state[node] = "waiting"
+            renew = self.timings.heartbeat_interval_ms
+            self.push(self.now_ms + renew, _ROLE, node, (incarnation, gen, True))
+
+    def on_watch(self, node: str, incarnation: object) -> None:
+        """One turn of the replica watch: maybe tell the election, maybe probe."""
+        driver = self.live_driver(node, incarnation)
+        if driver is None or self.deferred(_WATCH, node, incarnation):
+            return
+        if driver.watch() and not self.probing[node]:
+            self.probing[node] = True
+            delay, answered = self.call_health(node)
+            self.push(self.now_ms + delay, _PROBE_REPLY, node, (incarnation, answered))
+        if self.drivers[node] is driver:
+            self.push(self.now_ms + int(driver.watch_interval_ms), _WATCH, node, incarnation)
+
+    def on_probe_reply(self, node: str, payload: object) -> None:
+        """A health probe's result."""
+        if not isinstance(payload, tuple):
+            return
+        incarnation, answered = payload
+        driver = self.live_driver(node, incarnation)
+        if driver is None or self.deferred(_PROBE_REPLY, node, payload):
+            return
+        self.probing[node] = False
+        if answered:
+            self.note(f"{node} replica answers a probe")
+            driver.replica_answered()
+
+    # ----------------------------------------------------------------- the replica link
+
+    def call_delay(self, node: str, timeout_ms: int) -> int | None:
+        """When a call to the replica sent now is answered (None: it times out, or the
+        replica is dead and the connection is refused at once: -1)."""
+        if not self.replica_up[node]:
+            return -1
+        if self.link_cut_until[node] > self.now_ms:
+            return None
+        answer_at = max(self.now_ms, self.replica_paused_until[node]) + self.rng.randint(0, 10)
+        if answer_at - self.now_ms >= timeout_ms:
+            return None  # a hung replica; gRPC drops a call whose deadline passed
+        return answer_at - self.now_ms
+
+    def call_set_role(self, node: str, incarnation: int, gen: int, command: RoleCommand) -> None:
+        """SetRole over the simulated link: the replica takes it when the call reaches it
+        (a paused replica when it resumes), or the call fails."""
+        delay = self.call_delay(node, self.timings.rpc_timeout_ms)
+        if delay is None:
+            failure = ReplicaFailure(Failure.NO_ANSWER, "DEADLINE_EXCEEDED", "no answer")
+            at = self.now_ms + self.timings.rpc_timeout_ms
+            self.push(at, _ROLE_REPLY, node, (incarnation, gen, command, failure))
+        elif delay < 0:
+            failure = ReplicaFailure(Failure.NO_ANSWER, "UNAVAILABLE", "connection refused")
+            at = self.now_ms + self.rng.randint(0, 5)
+            self.push(at, _ROLE_REPLY, node, (incarnation, gen, command, failure))
+        else:
+            call = (incarnation, gen, command, self.replica_life[node])
+            self.push(self.now_ms + delay, _REPLICA_CALL, node, call)
+
+    def on_replica_call(self, node: str, payload: object) -> None:
+        """A role command reaches the replica; the answer goes back at once."""
+        if not isinstance(payload, tuple):
+            return
+        incarnation, gen, command, life = payload
+        outcome: ReplicaAnswer | ReplicaFailure
+        at = self.now_ms
+        if not self.replica_up[node] or life != self.replica_life[node]:
+            outcome = ReplicaFailure(Failure.NO_ANSWER, "UNAVAILABLE", "connection reset")
+        elif (
+            self.replica_paused_until[node] > self.now_ms
+            or self.link_cut_until[node] > self.now_ms
+        ):
+            outcome = ReplicaFailure(Failure.NO_ANSWER, "DEADLINE_EXCEEDED", "no answer")
+            at += self.timings.rpc_timeout_ms
+        else:
+            outcome = self.replica_set_role(node, command)
+        self.push(at, _ROLE_REPLY, node, (incarnation, gen, command, outcome))
+
+    def call_health(self, node: str) -> tuple[int, bool]:
+        """A health check over the simulated link: the delay and whether it answered."""
+        delay = self.call_delay(node, self.timings.replica_timeout_ms)
+        if delay is None:
+            return self.timings.replica_timeout_ms, False
+        if delay < 0:
+            return self.rng.randint(0, 5), False
+        return delay, True
+
+    def replica_set_role(self, node: str, cmd: RoleCommand) -> ReplicaAnswer | ReplicaFailure:
+        """The replica twin takes (or refuses) a role command; it renews the lease."""
+        replica = self.replicas[node]
+        if self.refuses(node, cmd):
+            self.note(f"{node} replica refuses", format_role_command(cmd))
+            return ReplicaFailure(
+                Failure.REFUSED, "FAILED_PRECONDITION", f"epoch {cmd.epoch} already held"
+            )
+        self.renew_lease(node)
+        renewal = cmd == replica.last_command and (
+            replica.role is not Role.INACTIVE or cmd.kind is RoleCommandKind.DEACTIVATE
         )
+        replica.applied_seq = cmd.seq
+        replica.last_command = cmd
+        if renewal:
+            return ReplicaAnswer(report=replica.report())
+        self.note(f"{node} role", format_role_command(cmd))
+        if cmd.kind is not RoleCommandKind.DEACTIVATE:
+            self.cluster_ids.add(cmd.cluster_id)
+            if len(self.cluster_ids) > 1 or not cmd.cluster_id:
+                raise self.fail(
+                    f"role commands name cluster ids {sorted(self.cluster_ids)}: the "
+                    "cluster id must be set once, at the first formation"
+                )
+        if cmd.kind is RoleCommandKind.DEACTIVATE:
+            self.deactivate_replica(node)
+        elif cmd.kind is RoleCommandKind.MASTER:
+            self.become_master(node, cmd)
+            self.held_max[node] = max(self.held_max[node], cmd.epoch)
+        else:
+            self.follow_master(node, cmd)
+            self.held_max[node] = max(self.held_max[node], cmd.epoch)
+        return ReplicaAnswer(report=replica.report())
+
+    def renew_lease(self, node: str) -> None:
+        """A role command renews the replica's lease (per-process model only)."""
+        if not self.processes:
+            return
+        self.renewed_at[node] = self.now_ms
+        self.push(self.now_ms + self.timings.lease_ms, _LEASE, node, self.now_ms)
+
+    def on_lease(self, node: str, renewed_at: object) -> None:
+        """The replica's lease runs out if nothing renewed it since ``renewed_at``."""
+        if self.renewed_at[node] != renewed_at or not self.replica_up[node]:
+            return
+        if self.replica_paused_until[node] > self.now_ms:
+            return  # a paused replica notices when it resumes (see heal_process)
+        self.drop_role(node, "role lease expired: no word from the coordinator")
+
+    # ----------------------------------------------------------------- processes
 
     def refuses(self, node: str, cmd: RoleCommand) -> bool:
         """Would the replica refuse this role (one in an epoch it restarted out of or
@@ -552,98 +834,14 @@ class Simulation:
         if replica.role is not Role.INACTIVE:
             self.note(f"{node} replica drops its role", why)
         replica.role, replica.epoch, replica.master = Role.INACTIVE, 0, ""
+        replica.last_command = None
 
     def driver_recovers(self, node: str, why: str) -> None:
-        """node.py's recovery on a refused role: a fresh Election from the persisted state."""
-        self.note(f"{node} driver recovers", why)
-        self.incarnation[node] += 1
-        self.elections[node] = None
-        self.tick_at[node] = None
-        self.start_node(node)
-
-    def went_quiet(self, node: str) -> None:
-        """The replica stopped answering: the driver tells the election after a while."""
-        if self.elections[node] is None:
-            return
-        delay = self.rng.randint(1, 2 * self.sc.timing["heartbeat_interval_ms"])
-        self.push(self.now_ms + delay, _SILENT, node, (self.incarnation[node], self.now_ms))
-
-    def answers_again(self, node: str) -> None:
-        """The replica answers again: the driver's next renewal or probe notices."""
-        if self.elections[node] is None or not self.reachable(node):
-            return
-        delay = self.rng.randint(1, self.sc.timing["heartbeat_interval_ms"])
-        self.push(self.now_ms + delay, _ANSWERED, node, self.incarnation[node])
-
-    def renewal_lost(self, node: str) -> None:
-        """The coordinator can no longer renew the replica's lease: it runs out later."""
-        if self.renew_lost_at[node] is None:
-            self.renew_lost_at[node] = self.now_ms
-        at = self.now_ms + self.sc.timing["member_timeout_ms"]
-        self.push(at, _LEASE, node, self.renew_lost_at[node])
-
-    def renewal_back(self, node: str) -> None:
-        """The coordinator renews the lease again (if it is up, running and linked)."""
-        if (
-            self.elections[node] is not None
-            and self.paused_until[node] <= self.now_ms
-            and self.link_cut_until[node] <= self.now_ms
-        ):
-            self.renew_lost_at[node] = None
-
-    def on_silent(self, node: str, payload: object) -> None:
-        """Hand the election what the driver saw: no answer since ``since``."""
-        election = self.elections[node]
-        if election is None or not isinstance(payload, tuple):
-            return
-        incarnation, since = payload
-        if incarnation != self.incarnation[node] or self.reachable(node):
-            return
-        if self.paused_until[node] > self.now_ms:
-            self.push(self.paused_until[node], _SILENT, node, payload)
-            return
-        since = max(int(since), self.answered_at[node])
-        self.note(f"{node} replica silent", f"since {since}")
-        self.apply(node, election.replica_silent(since, self.now_ms))
-        self.schedule_tick(node)
-
-    def on_answered(self, node: str, incarnation: object) -> None:
-        """The replica answered: the newest command reaches it (or is refused), and the
-        election hears it is back."""
-        election = self.elections[node]
-        if election is None or incarnation != self.incarnation[node] or not self.reachable(node):
-            return
-        if self.paused_until[node] > self.now_ms:
-            self.push(self.paused_until[node], _ANSWERED, node, incarnation)
-            return
-        self.note(f"{node} replica answers")
-        self.answered_at[node] = self.now_ms
-        pending = self.pending_cmd[node]
-        if pending is not None:
-            self.apply(node, Ready(role_command=pending))
-        else:
-            status = election.status()
-            held = {Role.MASTER: RoleCommandKind.MASTER, Role.SLAVE: RoleCommandKind.FOLLOW}
-            kind = held.get(status.role)
-            replica = self.replicas[node]
-            lost = replica.role is not status.role or replica.epoch != status.epoch
-            if kind is not None and lost:
-                # The renewal of a role the replica lost meanwhile is refused.
-                self.driver_recovers(node, f"replica no longer holds {status.role.value}")
-                return
-        election = self.elections[node]
-        if election is None or incarnation != self.incarnation[node]:
-            return
-        self.apply(node, election.replica_answered(self.now_ms))
-        self.schedule_tick(node)
-
-    def on_lease(self, node: str, lost_at: object) -> None:
-        """The replica's lease runs out if nothing renewed it since ``lost_at``."""
-        if self.renew_lost_at[node] != lost_at or not self.replica_up[node]:
-            return
-        if self.replica_paused_until[node] > self.now_ms:
-            return  # a paused replica notices when it resumes (see heal_process)
-        self.drop_role(node, "role lease expired: no word from the coordinator")
+        """The replica gave up a role it was given: the driver recovers (node.py's way)."""
+        driver = self.drivers[node]
+        if driver is not None:
+            self.note(f"{node} driver recovers", why)
+            driver.recover(why)
 
     def process_fault(self, node: str, payload: object) -> None:
         """Hit one process of ``node`` (or of the master now, when ``node`` is empty)."""
@@ -667,38 +865,27 @@ class Simulation:
             if not self.replica_up[node]:
                 return
             self.replica_up[node] = False
+            self.replica_life[node] += 1
             self.drop_role(node, "killed")
             replica = self.replicas[node]
             replica.applied_seq, replica.joined = 0, False
-            self.went_quiet(node)
             if fault.endswith("restart"):
                 self.push(end, _PROC_HEAL, node, "replica-restart")
         elif fault == "replica-pause":
             self.replica_paused_until[node] = max(self.replica_paused_until[node], end)
-            self.went_quiet(node)
-            self.push(end, _PROC_HEAL, node, ("replica-resume", self.now_ms))
+            self.push(end, _PROC_HEAL, node, "replica-resume")
         elif fault.startswith("coordinator-kill"):
-            if self.elections[node] is None:
+            if self.drivers[node] is None:
                 return
-            self.elections[node] = None
-            self.tick_at[node] = None
-            self.paused_until[node] = 0
-            self.incarnation[node] += 1
-            self.pending_cmd[node] = None
-            self.renewal_lost(node)
+            self.stop_driver(node)
             if fault.endswith("restart"):
                 self.push(end, _PROC_HEAL, node, "coordinator-restart")
         elif fault == "coordinator-pause":
-            if self.elections[node] is None:
+            if self.drivers[node] is None:
                 return
             self.paused_until[node] = max(self.paused_until[node], end)
-            self.renewal_lost(node)
-            self.push(end, _PROC_HEAL, node, "coordinator-resume")
         else:  # link-cut: coordinator and its own replica cannot reach each other
             self.link_cut_until[node] = max(self.link_cut_until[node], end)
-            self.renewal_lost(node)
-            self.went_quiet(node)
-            self.push(end, _PROC_HEAL, node, "link-uncut")
 
     def heal_process(self, node: str, what: object) -> None:
         """The end of one process fault (also run for every node at the heal)."""
@@ -707,31 +894,17 @@ class Simulation:
                 return
             self.replica_up[node] = True
             self.note(f"{node} replica restarted")
-        elif isinstance(what, tuple) and what[0] == "replica-resume":
+        elif what == "replica-resume":
             if self.replica_paused_until[node] > self.now_ms:
                 return
-            lost_at = self.renew_lost_at[node]
-            paused_at = int(what[1])
             # The hung replica's lease ran out while it hung: it drops the role on resuming.
-            if self.now_ms - paused_at >= self.sc.timing["member_timeout_ms"] or (
-                lost_at is not None
-                and self.now_ms - lost_at >= self.sc.timing["member_timeout_ms"]
-            ):
+            if self.now_ms - self.renewed_at[node] >= self.timings.lease_ms:
                 self.drop_role(node, "role lease expired while the replica hung")
             self.note(f"{node} replica resumed")
         elif what == "coordinator-restart":
             if self.healed_at is not None and node in self.down_for_liveness:
                 return  # kept down for the liveness phase, like a whole-node restart
-            if self.elections[node] is None:
-                self.start_node(node)
-        elif what == "coordinator-resume":
-            if self.paused_until[node] > self.now_ms:
-                return
-        elif what == "link-uncut":
-            if self.link_cut_until[node] > self.now_ms:
-                return
-        self.renewal_back(node)
-        self.answers_again(node)
+            self.start_node(node)
 
     def track_demotions(self, node: str, ready: Ready) -> None:
         """Note nodes that follow a coordinator ranked below them (after a transfer, and
@@ -757,11 +930,6 @@ class Simulation:
         replica = self.replicas[node]
         replica.take_role(cmd.cluster_id)
         replica.role, replica.epoch, replica.master = Role.SLAVE, cmd.epoch, cmd.master_id
-
-    def push_snapshot(self, node: str, delay_ms: int) -> None:
-        """Read the replica now; hand the report to this incarnation's driver later."""
-        report = self.replicas[node].report()
-        self.push(self.now_ms + delay_ms, _SNAPSHOT, node, (self.incarnation[node], report))
 
     def check(self, node: str) -> None:
         """Run the checker for one node; a violation becomes a SimFailure with the trace."""
@@ -831,41 +999,55 @@ class Simulation:
     # ----------------------------------------------------------------- events
 
     def start_node(self, node: str) -> None:
-        """Start or restart a node's coordinator from its persisted state."""
-        if self.elections[node] is not None:
+        """Start or restart a node's coordinator (the shipped driver) from its persisted
+        state, with its three loops."""
+        if self.drivers[node] is not None:
             return
+        self.incarnation[node] += 1
         config = ElectionConfig(node_id=node, priorities=self.priorities, **self.sc.timing)
-        election = Election(
+        driver = CoordinatorDriver(
             config,
-            self.durable[node],
+            self.timings,
+            self.clock,
+            SimPeers(self),
+            SimStateStore(self, node),
             lambda: self.new_group_id(node),
             lambda: self.new_cluster_id(node),
+            wake=lambda: self.wake(node),
+            role_changed=lambda: self.role_changed(node),
+            applied=lambda ready: self.applied(node, ready),
         )
-        self.elections[node] = election
+        self.drivers[node] = driver
         self.tick_at[node] = None
+        self.role_state[node] = "idle"
+        self.role_flag[node] = False
+        self.probing[node] = False
         self.note(f"{node} start", f"persisted {self.durable[node]}")
         self.check(node)
-        self.renewal_back(node)
-        self.apply(node, election.tick(self.now_ms))
-        self.schedule_tick(node)
-        if self.elections[node] is election and not self.reachable(node):
-            # A driver that starts while its replica does not answer counts from its start.
-            self.went_quiet(node)
+        incarnation = self.incarnation[node]
+        self.push(self.now_ms + int(driver.watch_interval_ms), _WATCH, node, incarnation)
+        self.schedule_tick(node, self.now_ms)
 
-    def crash(self, node: str) -> None:
-        """Lose everything but the persisted state and the replica's log."""
-        if self.elections[node] is None:
-            return
-        self.elections[node] = None
+    def stop_driver(self, node: str) -> None:
+        """The coordinator process is gone: its loops and calls in flight with it."""
+        self.drivers[node] = None
         self.tick_at[node] = None
         self.paused_until[node] = 0
         self.incarnation[node] += 1
+
+    def crash(self, node: str) -> None:
+        """Lose everything but the persisted state and the replica's log."""
+        if self.drivers[node] is None:
+            return
+        self.stop_driver(node)
+        self.replica_life[node] += 1
         replica = self.replicas[node]
         if self.processes:
             self.drop_role(node, "the whole node crashed")
         replica.role, replica.epoch, replica.master = Role.INACTIVE, 0, ""
         replica.applied_seq = 0
         replica.joined = False
+        replica.last_command = None
         self.note(f"{node} crash")
         self.check(node)
 
@@ -875,29 +1057,29 @@ class Simulation:
             if not isinstance(payload, PeerMessage):
                 raise TypeError("message expected")
             msg = payload
-            election = self.elections[node]
-            if election is None or self.cut[(msg.from_node, msg.to_node)]:
+            driver = self.drivers[node]
+            if driver is None or self.cut[(msg.from_node, msg.to_node)]:
                 return
-            if self.paused_until[node] > self.now_ms:
-                self.push(self.paused_until[node], _DELIVER, node, msg)
+            if self.deferred(_DELIVER, node, msg):
                 return
             self.note("deliver", format_message(msg))
-            ready = election.step(msg, self.now_ms)
-            if ready.rejection is not None:
+            ready = driver.deliver(msg)
+            if ready is not None and ready.rejection is not None:
                 self.note(f"{node} rejected", ready.rejection.message)
-            self.apply(node, ready)
-            self.schedule_tick(node)
         elif kind == _TICK:
-            election = self.elections[node]
-            if election is None or self.tick_at[node] != payload:
-                return
-            if self.paused_until[node] > self.now_ms:
-                self.tick_at[node] = self.paused_until[node]
-                self.push(self.paused_until[node], _TICK, node, self.paused_until[node])
-                return
-            self.tick_at[node] = None
-            self.apply(node, election.tick(self.now_ms))
-            self.schedule_tick(node)
+            self.on_tick(node, payload)
+        elif kind == _ROLE:
+            self.on_role(node, payload)
+        elif kind == _ROLE_REPLY:
+            self.on_role_reply(node, payload)
+        elif kind == _REPLICA_CALL:
+            self.on_replica_call(node, payload)
+        elif kind == _WATCH:
+            self.on_watch(node, payload)
+        elif kind == _PROBE_REPLY:
+            self.on_probe_reply(node, payload)
+        elif kind == _LEASE:
+            self.on_lease(node, payload)
         elif kind == _WRITE:
             # The replica writes; in the per-process model its own pause stops it, not its
             # coordinator's.
@@ -906,30 +1088,12 @@ class Simulation:
                 self.write(node, payload)
             elif isinstance(payload, int):
                 self.push(paused[node], _WRITE, node, payload)
-        elif kind == _REPORT:
-            # The driver polls its replica; the answer can arrive after later commands.
-            if self.elections[node] is not None and self.reachable(node):
-                self.push_snapshot(node, self.rng.randint(0, 60))
-            self.push(self.now_ms + REPORT_INTERVAL_MS, _REPORT, node)
-        elif kind == _SNAPSHOT:
-            election = self.elections[node]
-            if election is None or not isinstance(payload, tuple):
-                return
-            incarnation, report = payload
-            if incarnation != self.incarnation[node] or not isinstance(report, ReplicaReport):
-                return  # read by a driver that has since restarted
-            if self.paused_until[node] > self.now_ms:
-                self.push(self.paused_until[node], _SNAPSHOT, node, payload)
-                return
-            self.apply(node, election.replica_report(report, self.now_ms))
-            self.schedule_tick(node)
         elif kind in (_START, _RESTART):
             if self.healed_at is None or node not in self.down_for_liveness:
-                if self.processes and self.elections[node] is None:
+                if self.processes and self.drivers[node] is None:
                     # The whole node restarts: its replica process too.
                     self.replica_up[node] = True
                     self.replica_paused_until[node] = self.link_cut_until[node] = 0
-                    self.pending_cmd[node] = None
                 self.start_node(node)
         elif kind == _CRASH:
             if self.healed_at is None:
@@ -963,12 +1127,7 @@ class Simulation:
                 self.process_fault(node, payload)
         elif kind == _PROC_HEAL:
             self.heal_process(node, payload)
-        elif kind == _SILENT:
-            self.on_silent(node, payload)
-        elif kind == _ANSWERED:
-            self.on_answered(node, payload)
-        elif kind == _LEASE:
-            self.on_lease(node, payload)
+
 
     def transfer(self, pick: int) -> None:
         """An operator hands the leadership of a normal group to one of its members."""
@@ -990,22 +1149,21 @@ class Simulation:
         if not members:
             return
         target = members[pick % len(members)]
-        ready = election.transfer_leadership(target, "sim", self.now_ms)
-        self.note(
-            f"{leader} transfer to {target}",
-            ready.rejection.message if ready.rejection is not None else "",
-        )
-        self.apply(leader, ready)
-        self.schedule_tick(leader)
+        driver = self.drivers[leader]
+        if driver is None:
+            return
+        self.note(f"{leader} transfer to {target}")
+        ready = driver.transfer_leadership(target, "sim")
+        if ready.rejection is not None:
+            self.note(f"{leader} transfer refused", ready.rejection.message)
 
     def quarantine(self, node: str, enabled: bool) -> None:
         """An operator quarantines a node, or clears it."""
-        election = self.elections[node]
-        if election is None:
+        driver = self.drivers[node]
+        if driver is None:
             return
         self.note(f"{node} quarantine", "on" if enabled else "off")
-        self.apply(node, election.set_quarantine(enabled, "sim", self.now_ms))
-        self.schedule_tick(node)
+        driver.set_quarantine(enabled, "sim")
 
     def heal(self) -> None:
         """End of the safety phase: no more faults; restart nodes for the liveness check."""
@@ -1022,12 +1180,11 @@ class Simulation:
                 if not self.replica_up[node]:
                     self.heal_process(node, "replica-restart")
                 if self.replica_paused_until[node] > self.now_ms:
-                    paused_at = self.now_ms - self.sc.timing["member_timeout_ms"]
+                    # Resumed early: it has been paused for a lease at least.
                     self.replica_paused_until[node] = self.now_ms
-                    self.heal_process(node, ("replica-resume", paused_at))
+                    self.renewed_at[node] = self.now_ms - self.timings.lease_ms
+                    self.heal_process(node, "replica-resume")
                 self.link_cut_until[node] = 0
-                self.renewal_back(node)
-                self.answers_again(node)
         # Keep a minority down when some node could vouch that a majority ran before
         # (otherwise the first-startup rule rightly needs every node) and an eligible node
         # stays up.
@@ -1117,16 +1274,20 @@ class Simulation:
     # ----------------------------------------------------------------- run
 
     def schedule_scenario(self) -> None:
-        """Queue the starts, the replica polls, the faults and the end of the safety phase."""
+        """Queue the starts, the faults and the end of the safety phase."""
         for node in self.nodes:
             self.push(self.sc.start_ms[node], _START, node)
-            self.push(self.sc.start_ms[node] + REPORT_INTERVAL_MS, _REPORT, node)
         for fault_at, fault_kind, fault_node, fault_payload in self.sc.faults:
             self.push(fault_at, fault_kind, fault_node, fault_payload)
         self.push(self.sc.safety_ms, _HEAL)
 
     def run(self) -> SimResult:
         """Run both phases; raise SimFailure on any violation or a missed deadline."""
+        with quiet_coordinator_log():
+            return self.run_phases()
+
+    def run_phases(self) -> SimResult:
+        """See run()."""
         self.schedule_scenario()
         deadline = self.sc.safety_ms + self.sc.liveness_deadline_ms
         leader: str | None = None
@@ -1194,6 +1355,12 @@ def measure_failover(seed: int, fault: str = "node-kill") -> int:
         sim.process_fault(result.leader, (fault, 5000))
     sim.healed_at = killed_at
     sim.down_for_liveness.add(result.leader)  # no restart: measure failover, not rejoin
+    with quiet_coordinator_log():
+        return _failover_ms(sim, killed_at, old_epoch, fault, result.leader)
+
+
+def _failover_ms(sim: Simulation, killed_at: int, old_epoch: int, fault: str, leader: str) -> int:
+    """Run ``sim`` until a new normal majority group forms (see measure_failover)."""
     limit = killed_at + 5000
     while sim.queue:
         at, kind, _, _, node, payload = heapq.heappop(sim.queue)
@@ -1213,4 +1380,4 @@ def measure_failover(seed: int, fault: str = "node-kill") -> int:
                 and len(s.members) >= sim.majority
             ):
                 return sim.now_ms - killed_at
-    raise sim.fail(f"no new master within 5000 ms of {fault} on {result.leader}")
+    raise sim.fail(f"no new master within 5000 ms of {fault} on {leader}")

@@ -135,6 +135,7 @@ from tests.sim.election_sim import (
     Simulation,
     make_scenario,
     mark_initial_stores,
+    quiet_coordinator_log,
 )
 from tests.sim.replication_checker import Entry, ReplicationChecker
 
@@ -875,9 +876,7 @@ class ReplicationSimulation(Simulation):
         self.note(f"{node} refuses master role", reason)
         self.teardown(node, reason)
         self.stores[node].role = Role.INACTIVE
-        self.incarnation[node] += 1  # reports read for the old Election instance are void
-        self.elections[node] = None
-        self.start_node(node)
+        self.driver_recovers(node, reason)
 
     def heal(self) -> None:
         """End of the safety phase; replication links behave like TCP from now on."""
@@ -1734,4 +1733,5 @@ class ReplicationSimulation(Simulation):
 
 def run_seed(seed: int) -> ReplResult:
     """Run one seed of the replication simulator."""
-    return ReplicationSimulation(seed).run_repl()
+    with quiet_coordinator_log():
+        return ReplicationSimulation(seed).run_repl()

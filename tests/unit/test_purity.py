@@ -94,3 +94,22 @@ def test_the_scan_sees_an_impure_import() -> None:
     """The scan itself works: the replica's driver is (rightly) impure."""
     reached = _reach("services.replica.node")
     assert "asyncio" in reached and "grpc" in reached
+
+
+# The coordinator's synchronous driver (services/coordinator/driver.py) is not pure (it
+# logs, and its FileStateStore writes the state file through persist.py), but the
+# simulator runs it on virtual time, so it must reach no event loop, network, thread,
+# clock or randomness. It imports the Clock protocol from services.common.clock, whose
+# SystemClock alone reads the OS clocks (tests/unit/test_one_clock.py); the driver reads
+# only the clock it is given.
+DRIVER_BANNED = BANNED - {"os"}
+
+
+def test_the_coordinator_driver_reaches_no_event_loop_network_clock_or_randomness() -> None:
+    reached = _reach("services.coordinator.driver")
+    bad = sorted(
+        f"{name} (imported by {importer})"
+        for name, importer in reached.items()
+        if name.split(".")[0] in DRIVER_BANNED and importer != "services.common.clock"
+    )
+    assert not bad, f"the coordinator driver can no longer run simulated: {', '.join(bad)}"

@@ -1,0 +1,431 @@
+"""The coordinator's driver logic, synchronous: applies the Election's ``Ready`` records and
+decides what its loops do next, with no asyncio, gRPC or disk inside.
+
+``CoordinatorDriver`` owns the pure ``Election`` and everything the driver decides around
+it: it persists, sends and hands role commands on in the order ``Ready`` documents; it
+turns the replica's answers to role commands into reports, recoveries and the one fate per
+node watch (``replica_silent`` / ``replica_answered``); it recovers with a fresh Election
+when the replica refuses a role. What it needs from the world is injected: a ``Clock``, a
+``PeerTransport`` (send one peer message, fire and forget), a ``StateStore`` (the
+persisted state: a file, or memory in the simulator) and a few hooks that wake its loops.
+
+Two shells run it. ``services/coordinator/node.py`` (``CoordinatorNode``) runs three
+asyncio loops over gRPC: the tick loop sleeps ``tick()``'s answer, the role loop sends
+``role_wanted()`` to the replica and waits as ``role_outcome()`` says, the watch loop calls
+``watch()`` every ``watch_interval_ms`` and probes the replica's health when told to. The
+simulator (``tests/sim/election_sim.py``) runs the same calls as events on its virtual
+clock, with a simulated network, replica and in-memory state store. The loops hold no
+decisions of their own, so what the simulator runs is what ships. (A deterministic
+asyncio event loop with a virtual clock would run the shell itself too, but would cost a
+task switch per message over thousands of seeds, and its ordering would depend on
+asyncio's scheduler rather than on the seed.)
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from services.common.clock import Clock
+from services.coordinator.election import Election, ElectionConfig
+from services.coordinator.messages import (
+    LogLevel,
+    PeerMessage,
+    PersistedState,
+    Ready,
+    ReplicaReport,
+    RoleCommand,
+    RoleCommandKind,
+)
+from services.coordinator.persist import load_state, save_state
+
+log = logging.getLogger("squall.coordinator")
+
+_LEVELS = {
+    LogLevel.DEBUG: logging.DEBUG,
+    LogLevel.INFO: logging.INFO,
+    LogLevel.WARNING: logging.WARNING,
+    LogLevel.ERROR: logging.ERROR,
+}
+# A replica's reorganization progress is logged at most this often.
+SYNC_LOG_INTERVAL_MS = 1000
+# One fate per node: the replica counts as quiet once this many heartbeat intervals pass
+# without an answer (a role renewal is answered about once per interval); the driver then
+# probes its health and tells the election since when it has been silent. The election
+# decides (after timeouts.replica_timeout_ms) that the node leaves its group.
+QUIET_HEARTBEATS = 1.5
+# How often the watch looks at the replica's last answer, in heartbeat intervals.
+WATCH_HEARTBEATS = 0.5
+
+
+class PeerTransport(Protocol):
+    """Sends peer messages: fire and forget (the protocol tolerates loss)."""
+
+    def send(self, message: PeerMessage) -> None:
+        """Hand one message to the network; it may be dropped."""
+        ...
+
+
+class StateStore(Protocol):
+    """Where the coordinator's persisted state lives."""
+
+    def load(self) -> PersistedState:
+        """The state last saved (all zero for a node that never ran)."""
+        ...
+
+    def save(self, state: PersistedState) -> None:
+        """Save durably before anything that depends on it is sent."""
+        ...
+
+
+class FileStateStore:
+    """The state file in the node's data directory (``persist.py``)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def load(self) -> PersistedState:
+        """Reads the file (StateFileError if it is malformed)."""
+        return load_state(self.path)
+
+    def save(self, state: PersistedState) -> None:
+        """Writes the file atomically and durably."""
+        save_state(self.path, state)
+
+
+class MemoryStateStore:
+    """An in-memory twin of the state file (the simulator's; survives a simulated crash)."""
+
+    def __init__(self, state: PersistedState | None = None) -> None:
+        self.state = state or PersistedState()
+
+    def load(self) -> PersistedState:
+        """The state last saved."""
+        return self.state
+
+    def save(self, state: PersistedState) -> None:
+        """Keeps the state."""
+        self.state = state
+
+
+class Failure(enum.Enum):
+    """How a call to the replica failed."""
+
+    NO_ANSWER = "no-answer"  # unreachable, dead or hung: maybe no answer at all
+    REFUSED = "refused"  # the replica refused the role (FAILED_PRECONDITION)
+    ERROR = "error"  # any other answer from a live replica
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaFailure:
+    """A failed role call; ``code`` names the status (for the log)."""
+
+    kind: Failure
+    code: str
+    details: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaAnswer:
+    """The replica's state, as it answers a role command."""
+
+    report: ReplicaReport  # command_seq is filled in by the driver
+    fault_id: str = ""
+    fault_reason: str = ""
+    # A reorganization sync still running (the replica answered a master role before
+    # taking it), in one phrase for the log; empty when none.
+    syncing: str = ""
+    syncing_epoch: int = 0
+
+
+class RoleNext(enum.Enum):
+    """What the role loop does after a call."""
+
+    AGAIN = "again"  # call the replica again at once (with the newest command)
+    WAIT = "wait"  # wait for a new command or the renewal interval
+
+
+@dataclass(frozen=True, slots=True)
+class DriverTimings:
+    """The driver's intervals (from ``timeouts`` in the cluster configuration)."""
+
+    heartbeat_interval_ms: int
+    # The replica drops its role if the coordinator stops renewing it for this long.
+    lease_ms: int
+    rpc_timeout_ms: int
+    replica_timeout_ms: int
+
+
+def _nothing() -> None:
+    return None
+
+
+class CoordinatorDriver:
+    """Drives one Election: see the module docstring."""
+
+    def __init__(
+        self,
+        config: ElectionConfig,
+        timings: DriverTimings,
+        clock: Clock,
+        transport: PeerTransport,
+        store: StateStore,
+        new_group_id: Callable[[], str],
+        new_cluster_id: Callable[[], str],
+        *,
+        wake: Callable[[], None] = _nothing,
+        role_changed: Callable[[], None] = _nothing,
+        view_changed: Callable[[], None] = _nothing,
+        applied: Callable[[Ready], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.timings = timings
+        self.clock = clock
+        self.transport = transport
+        self.store = store
+        self._new_group_id = new_group_id
+        self._new_cluster_id = new_cluster_id
+        # Hooks: the tick loop's next deadline may have moved earlier; a new role command
+        # is wanted; the group view changed; a Ready was applied (observers, the simulator).
+        self._wake = wake
+        self._role_changed = role_changed
+        self._view_changed = view_changed
+        self._applied = applied
+        self.election = self._new_election(store.load())
+        self.shutting_down = ""
+        # The last report handed to the election, to notice a replica that restarted (or
+        # whose store an operator changed) while it was inactive.
+        self._last_report: ReplicaReport | None = None
+        self._role_wanted: RoleCommand | None = None
+        # The role loop's memory: the command the replica last took, and the one whose
+        # failure was last logged (a replica that is down fails every renewal, and once per
+        # command says it; the election logs how long it is down).
+        self._role_applied: RoleCommand | None = None
+        self._role_warned: RoleCommand | None = None
+        # One fate per node: when the replica last answered any call (the start counts, so
+        # a replica starting after its coordinator has its grace), and whether the election
+        # has been told it is silent.
+        self._replica_seen_ms = clock.monotonic_ms()
+        self._silence_reported = False
+        self._sync_noted_ms = 0
+
+    def _new_election(self, state: PersistedState) -> Election:
+        return Election(
+            self.config,
+            state,
+            self._new_group_id,
+            self._new_cluster_id,
+            wall_offset_ms=self.clock.wall_ms() - self.clock.monotonic_ms(),
+        )
+
+    @property
+    def node_id(self) -> str:
+        """This node's id."""
+        return self.config.node_id
+
+    def now(self) -> int:
+        """Monotonic milliseconds from the injected clock."""
+        return self.clock.monotonic_ms()
+
+    @property
+    def watch_interval_ms(self) -> float:
+        """How often the watch loop calls ``watch()``."""
+        return self.timings.heartbeat_interval_ms * WATCH_HEARTBEATS
+
+    # --- applying a Ready, in the documented order
+
+    def apply(self, ready: Ready) -> None:
+        """Persist, send, command the replica, publish the view, log."""
+        if ready.persist is not None:
+            self.store.save(ready.persist)
+        for message in ready.messages:
+            self.transport.send(message)
+        if ready.role_command is not None:
+            self._role_wanted = ready.role_command
+            self._role_changed()
+        if ready.view_changed:
+            self._view_changed()
+        for event in ready.events:
+            log.log(_LEVELS[event.level], "%s [%s]", event.message, event.event)
+        if self._applied is not None:
+            self._applied(ready)
+        if ready.messages or ready.role_command:
+            self._wake()  # the next deadline may have moved earlier
+
+    # --- inputs
+
+    def tick(self) -> int:
+        """Ticks the election; returns how long the tick loop may sleep (ms)."""
+        self.apply(self.election.tick(self.now()))
+        deadline = self.election.next_deadline_ms()
+        wait_ms = self.timings.heartbeat_interval_ms
+        if deadline is not None:
+            wait_ms = max(1, min(wait_ms, deadline - self.now()))
+        return wait_ms
+
+    def deliver(self, message: PeerMessage) -> Ready | None:
+        """Steps one decoded peer message (None while shutting down: as if it were lost)."""
+        if self.shutting_down:
+            return None
+        ready = self.election.step(message, self.now())
+        self.apply(ready)
+        return ready
+
+    def set_designated_primary(self, enabled: bool, operator: str) -> Ready:
+        """Operator control: see Election.set_designated_primary."""
+        ready = self.election.set_designated_primary(enabled, operator, self.now())
+        self.apply(ready)
+        return ready
+
+    def set_quorum_override(self, required: int, operator: str, reason: str = "") -> Ready:
+        """Operator control: see Election.set_quorum_override."""
+        ready = self.election.set_quorum_override(required, operator, self.now(), reason)
+        self.apply(ready)
+        return ready
+
+    def set_quarantine(self, enabled: bool, operator: str, reason: str = "") -> Ready:
+        """Operator control: see Election.set_quarantine."""
+        ready = self.election.set_quarantine(enabled, operator, self.now(), reason)
+        self.apply(ready)
+        return ready
+
+    def transfer_leadership(self, target: str, operator: str, reason: str = "") -> Ready:
+        """Operator control, once the replica is ready: see Election.transfer_leadership."""
+        ready = self.election.transfer_leadership(target, operator, self.now(), reason)
+        self.apply(ready)
+        return ready
+
+    # --- the role loop's decisions
+
+    def role_wanted(self) -> RoleCommand | None:
+        """The newest role command for the replica (None: wait for one)."""
+        return self._role_wanted
+
+    def role_outcome(
+        self, command: RoleCommand, outcome: ReplicaAnswer | ReplicaFailure
+    ) -> RoleNext:
+        """The replica answered (or not) ``command``: apply what that means."""
+        if isinstance(outcome, ReplicaFailure):
+            if outcome.kind is not Failure.NO_ANSWER:
+                self.replica_answered()
+            if outcome.kind is Failure.REFUSED and command.kind is not RoleCommandKind.DEACTIVATE:
+                self.recover(f"replica refused {command.kind.value}: {outcome.details}")
+                self._role_applied = None
+                return RoleNext.AGAIN
+            if command is not self._role_applied and command is not self._role_warned:
+                self._role_warned = command
+                log.warning(
+                    "coordinator %s: replica did not take %s (epoch=%d): %s: %s",
+                    self.node_id,
+                    command.kind.value,
+                    command.epoch,
+                    outcome.code,
+                    outcome.details,
+                )
+            return RoleNext.WAIT
+        self.replica_answered()
+        if outcome.fault_id:
+            # A fault the replica reports quarantines this node (once per fault).
+            self.apply(
+                self.election.replica_fault(outcome.fault_id, outcome.fault_reason, self.now())
+            )
+        if outcome.syncing:
+            self._note_sync(outcome.syncing_epoch, outcome.syncing)
+        if command.kind is RoleCommandKind.DEACTIVATE:
+            report = ReplicaReport(
+                cluster_id=outcome.report.cluster_id,
+                last_epoch=outcome.report.last_epoch,
+                last_lsn=outcome.report.last_lsn,
+                store_state=outcome.report.store_state,
+                active=outcome.report.active,
+                command_seq=command.seq,
+                shutdown_id=outcome.report.shutdown_id,
+                joined=outcome.report.joined,
+            )
+            if command is not self._role_applied:
+                # The replica has stopped: its log no longer grows, so this report may
+                # name a sync source or answer an invitation.
+                self._last_report = report
+                self.apply(self.election.replica_report(report, self.now()))
+            elif self._last_report is not None and changed(self._last_report, report):
+                # Only a restart (or an operator's offline change, e.g. `squall store
+                # mark-clean`) changes an inactive replica: what this node told its
+                # group is stale, so it recovers and is merged again with a new report.
+                self.recover(
+                    f"replica state changed while inactive: {summary(self._last_report)}"
+                    f" -> {summary(report)}"
+                )
+                self._role_applied = None
+                return RoleNext.AGAIN
+        self._role_applied = command
+        return RoleNext.WAIT
+
+    def _note_sync(self, epoch: int, progress: str) -> None:
+        """The replica answered a master role before taking it: its reorganization sync
+        outlives the call and goes on; each renewal asks again. Logged every few seconds."""
+        now = self.now()
+        if now < self._sync_noted_ms:
+            return
+        self._sync_noted_ms = now + SYNC_LOG_INTERVAL_MS
+        log.info(
+            "coordinator %s: replica still syncing for epoch %d: %s",
+            self.node_id,
+            epoch,
+            progress,
+        )
+
+    # --- one fate per node: is the replica answering?
+
+    def replica_answered(self) -> None:
+        """The replica answered a call: note it; a silence the election knows of is over."""
+        self._replica_seen_ms = self.now()
+        if self._silence_reported:
+            self._silence_reported = False
+            self.apply(self.election.replica_answered(self._replica_seen_ms))
+
+    def watch(self) -> bool:
+        """Tells the election when the replica has gone quiet (it decides what that
+        means); True when the replica's health should be probed meanwhile (a role call can
+        be slow for a live replica, as a deactivation waits for a write in progress; a
+        health check is not)."""
+        if self.shutting_down:
+            return False
+        now = self.now()
+        if now - self._replica_seen_ms <= self.timings.heartbeat_interval_ms * QUIET_HEARTBEATS:
+            return False
+        if not self._silence_reported:
+            self._silence_reported = True
+            self.apply(self.election.replica_silent(self._replica_seen_ms, now))
+        return True
+
+    def recover(self, reason: str) -> None:
+        """Any error sends the node back to a group of its own (IceStorm's recovery)."""
+        log.warning(
+            "coordinator %s: %s; recovering as a group of its own (epoch=%d)",
+            self.node_id,
+            reason,
+            self.election.persisted.epoch,
+        )
+        self.election = self._new_election(self.election.persisted)
+        self._role_wanted = None
+        # The new machine has not heard of a silence yet: the watch tells it again.
+        self._silence_reported = False
+        self.apply(self.election.tick(self.now()))
+
+
+def changed(before: ReplicaReport, after: ReplicaReport) -> bool:
+    """Did the replica's data or lifecycle change (not merely its command sequence)?"""
+    return summary(before) != summary(after)
+
+
+def summary(report: ReplicaReport) -> str:
+    """A report's data in one phrase, for the log."""
+    shutdown = f" {report.shutdown_id}" if report.shutdown_id else ""
+    return (
+        f"cluster {report.cluster_id or '-'}, store {report.store_state.value}{shutdown}, "
+        f"log {report.last_epoch}/{report.last_lsn}, joined={str(report.joined).lower()}"
+    )

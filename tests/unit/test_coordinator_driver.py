@@ -1,0 +1,133 @@
+"""The coordinator's synchronous driver (services/coordinator/driver.py) without gRPC or
+asyncio: a one-node cluster on a manual clock, a recording transport and an in-memory
+state store. What the asyncio shell and the simulator both rely on: a role command
+reaches the role loop, a deactivated replica's answer becomes the report that lets the
+group form, a refused role makes the driver recover with a fresh Election, and a quiet
+replica is reported to the election and cleared when it answers.
+"""
+
+from __future__ import annotations
+
+from services.common.clock import ManualClock
+from services.coordinator.driver import (
+    CoordinatorDriver,
+    DriverTimings,
+    Failure,
+    MemoryStateStore,
+    ReplicaAnswer,
+    ReplicaFailure,
+    RoleNext,
+)
+from services.coordinator.election import ElectionConfig
+from services.coordinator.messages import (
+    NodeState,
+    PeerMessage,
+    ReplicaReport,
+    RoleCommandKind,
+    StoreState,
+)
+
+HEARTBEAT_MS = 100
+
+
+class Recorder:
+    """A peer transport that keeps what it is given."""
+
+    def __init__(self) -> None:
+        self.sent: list[PeerMessage] = []
+
+    def send(self, message: PeerMessage) -> None:
+        self.sent.append(message)
+
+
+def _driver(clock: ManualClock, store: MemoryStateStore) -> CoordinatorDriver:
+    config = ElectionConfig(
+        node_id="1",
+        priorities={"1": 1},
+        heartbeat_interval_ms=HEARTBEAT_MS,
+        member_timeout_ms=400,
+        probe_interval_ms=200,
+        merge_delay_ms_per_priority=50,
+        replica_timeout_ms=300,
+    )
+    timings = DriverTimings(
+        heartbeat_interval_ms=HEARTBEAT_MS,
+        lease_ms=400,
+        rpc_timeout_ms=1000,
+        replica_timeout_ms=300,
+    )
+    ids = iter(f"g{i}" for i in range(100))
+    return CoordinatorDriver(
+        config, timings, clock, Recorder(), store, lambda: next(ids), lambda: "cluster-a"
+    )
+
+
+def _answer(active: bool = False, lsn: int = 0) -> ReplicaAnswer:
+    report = ReplicaReport(
+        cluster_id="",
+        last_epoch=0,
+        last_lsn=lsn,
+        store_state=StoreState.EMPTY,
+        active=active,
+        command_seq=0,
+    )
+    return ReplicaAnswer(report=report)
+
+
+def _to_master(driver: CoordinatorDriver, clock: ManualClock) -> None:
+    """Tick until the driver wants its replica deactivated, answer, and follow to MASTER."""
+    for _ in range(20):
+        driver.tick()
+        command = driver.role_wanted()
+        if command is not None and command.kind is RoleCommandKind.MASTER:
+            return
+        if command is not None:
+            assert driver.role_outcome(command, _answer()) is RoleNext.WAIT
+        clock.advance(HEARTBEAT_MS)
+    raise AssertionError(f"no master role: {driver.election.status()}")
+
+
+def test_a_deactivated_replica_s_answer_lets_a_one_node_group_form_and_persist() -> None:
+    clock, store = ManualClock(), MemoryStateStore()
+    driver = _driver(clock, store)
+    _to_master(driver, clock)
+    status = driver.election.status()
+    assert status.state is NodeState.NORMAL and status.epoch == 1
+    # The epoch was persisted before the master role was handed on, with the minted id.
+    assert store.state.epoch == 1 and store.state.cluster_id == "cluster-a"
+
+
+def test_a_refused_master_role_makes_the_driver_recover_with_a_fresh_election() -> None:
+    clock, store = ManualClock(), MemoryStateStore()
+    driver = _driver(clock, store)
+    _to_master(driver, clock)
+    before = driver.election
+    command = driver.role_wanted()
+    assert command is not None
+    refused = ReplicaFailure(Failure.REFUSED, "FAILED_PRECONDITION", "epoch 1 already held")
+    assert driver.role_outcome(command, refused) is RoleNext.AGAIN
+    assert driver.election is not before
+    assert driver.election.status().state is not NodeState.NORMAL
+    assert driver.election.persisted.epoch == 1  # recovery keeps the persisted vote
+
+
+def test_a_quiet_replica_is_reported_and_cleared_when_it_answers() -> None:
+    clock, store = ManualClock(), MemoryStateStore()
+    driver = _driver(clock, store)
+    _to_master(driver, clock)
+    command = driver.role_wanted()
+    assert command is not None
+    assert driver.role_outcome(command, _answer(active=True)) is RoleNext.WAIT
+    assert not driver.watch()  # it just answered
+    clock.advance(HEARTBEAT_MS * 2)
+    no_answer = ReplicaFailure(Failure.NO_ANSWER, "DEADLINE_EXCEEDED", "no answer")
+    assert driver.role_outcome(command, no_answer) is RoleNext.WAIT
+    assert driver.watch()  # quiet: probe it, and the election knows since when
+    assert driver.election.status().state is NodeState.NORMAL
+    clock.advance(300)  # replica_timeout_ms after its last answer: the node leaves
+    driver.tick()
+    assert driver.election.status().replica_unreachable_since_ms is not None
+    assert driver.election.status().state is not NodeState.NORMAL
+    driver.replica_answered()
+    assert driver.election.status().replica_unreachable_since_ms is None
+    assert not driver.watch()
