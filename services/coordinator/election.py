@@ -96,8 +96,8 @@ never resumes an epoch it lost. A replica that answers while its store cannot wr
 stuck disk: its oldest write has run past ``timeouts.store_stall_timeout_ms``, which the
 driver judges from the replica's answer) is reported the same way, with
 ``store_stalled=True`` and ``since_ms`` the stall's start, so the reasons name the disk;
-its end (writes complete again) is ``replica_answered``. The reverse fault needs nothing here: a replica whose
-coordinator is gone drops its role when its lease runs out.
+its end (writes complete again) is ``replica_answered``. The reverse fault needs nothing
+here: a replica whose coordinator is gone drops its role when its lease runs out.
 
 Time
 ----
