@@ -159,6 +159,10 @@ class CoordinatorNode:
         # the election has been told it is silent, and the health probe in flight.
         self._replica_seen_ms = self.clock.monotonic_ms()
         self._silence_reported = False
+        # Since when the replica's store has not completed a write, as its last answer to a
+        # role call said, once that passed timeouts.store_stall_timeout_ms (None: it
+        # writes). A stalled replica still answers, but counts as silent until it writes.
+        self._store_stalled_since_ms: int | None = None
         self._probe: asyncio.Task[None] | None = None
         self._inflight = {peer: 0 for peer in self._peers}
         self._tls_refused: set[str] = set()  # peers whose TLS handshake failed (logged once)
@@ -399,7 +403,7 @@ class CoordinatorNode:
                     )
                 await self._pause_role_loop()
                 continue
-            self._replica_answered()
+            self._replica_answered(state.state.store_stalled_ms)
             self._note_fault(state.state)
             if state.state.HasField("reorganization"):
                 self._note_sync(state.state.reorganization)
@@ -425,12 +429,48 @@ class CoordinatorNode:
 
     # --- one fate per node: is the replica answering?
 
-    def _replica_answered(self) -> None:
-        """The replica answered a call: note it; a silence the election knows of is over."""
-        self._replica_seen_ms = self._now()
+    def _replica_answered(self, store_stalled_ms: int | None = None) -> None:
+        """The replica answered a call: note it; a silence the election knows of is over,
+        unless the replica's store is stalled (a stuck disk).
+
+        store_stalled_ms: how long its store's oldest write has run, from an answer that
+        says (a role call's); None from one that does not (a health probe), which leaves a
+        known stall as it is."""
+        now = self._now()
+        self._replica_seen_ms = now
+        if store_stalled_ms is not None:
+            self._note_store_stall(store_stalled_ms, now)
+        if self._store_stalled_since_ms is not None:
+            return
         if self._silence_reported:
             self._silence_reported = False
-            self.apply(self.election.replica_answered(self._replica_seen_ms))
+            self.apply(self.election.replica_answered(now))
+
+    def _note_store_stall(self, stalled_ms: int, now: int) -> None:
+        """A store stalled past store_stall_timeout_ms is reported as a silent replica
+        (since the stall began); a store that writes again ends it."""
+        if stalled_ms <= self.config.timeouts.store_stall_timeout_ms:
+            if self._store_stalled_since_ms is not None:
+                log.warning(
+                    "coordinator %s: replica store writes again after a %d ms stall",
+                    self.node.id,
+                    now - self._store_stalled_since_ms,
+                )
+            self._store_stalled_since_ms = None
+            return
+        if self._store_stalled_since_ms is not None:
+            return
+        since = max(0, now - stalled_ms)
+        self._store_stalled_since_ms = since
+        log.warning(
+            "coordinator %s: replica store stalled: its oldest write has run %d ms "
+            "(store_stall_timeout_ms %d); the node leaves its group until writes complete",
+            self.node.id,
+            stalled_ms,
+            self.config.timeouts.store_stall_timeout_ms,
+        )
+        self._silence_reported = True
+        self.apply(self.election.replica_silent(since, now, store_stalled=True))
 
     async def _replica_watch_loop(self) -> None:
         """Tells the election when the replica has gone quiet (it decides what that means),
