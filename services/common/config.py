@@ -114,6 +114,10 @@ class TimeoutsConfig:
     # One fate per node: a coordinator whose replica has not answered for this long takes
     # the node out of its group until the replica answers again (docs/configuration.md).
     replica_timeout_ms: int = 300
+    # One fate per node, a stuck disk: a replica whose oldest store write (commit and
+    # flush) has run this long counts as not answering. Far above a busy disk's slowest
+    # fsync, so a slow but working disk does not fail over (docs/configuration.md).
+    store_stall_timeout_ms: int = 2000
     rpc_timeout_ms: int = 2000
     publish_timeout_ms: int = 10000
     # Push subscribers (docs/push-subscribers.md): one Deliver call's deadline, and the
@@ -789,6 +793,7 @@ _TIMEOUT_BOUNDS_MS: Mapping[str, tuple[int, int]] = {
     "probe_interval_ms": (5, 600_000),
     "merge_delay_ms_per_priority": (0, 10_000),
     "replica_timeout_ms": (10, 600_000),
+    "store_stall_timeout_ms": (100, 600_000),
     "rpc_timeout_ms": (10, 600_000),
     "publish_timeout_ms": (10, 3_600_000),
     "push_deliver_timeout_ms": (10, 600_000),
@@ -814,6 +819,13 @@ def _validate_timeouts(timeouts: TimeoutsConfig) -> None:
             f"timeouts.heartbeat_interval_ms ({timeouts.heartbeat_interval_ms}), so one slow "
             f"role renewal does not take the node out of its group, got "
             f"{timeouts.replica_timeout_ms}"
+        )
+    if timeouts.store_stall_timeout_ms < 2 * timeouts.heartbeat_interval_ms:
+        raise ConfigError(
+            f"timeouts.store_stall_timeout_ms: must be at least twice "
+            f"timeouts.heartbeat_interval_ms ({timeouts.heartbeat_interval_ms}), the "
+            f"interval at which the replica reports a stall, got "
+            f"{timeouts.store_stall_timeout_ms}"
         )
     if timeouts.push_retry_backoff_initial_ms > timeouts.push_retry_backoff_max_ms:
         raise ConfigError(

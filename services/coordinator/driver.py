@@ -140,6 +140,8 @@ class ReplicaAnswer:
     # taking it), in one phrase for the log; empty when none.
     syncing: str = ""
     syncing_epoch: int = 0
+    # How long the replica's oldest store write has run (0: none in progress).
+    store_stalled_ms: int = 0
 
 
 class RoleNext(enum.Enum):
@@ -158,6 +160,8 @@ class DriverTimings:
     lease_ms: int
     rpc_timeout_ms: int
     replica_timeout_ms: int
+    # A replica whose oldest store write has run longer counts as silent (a stuck disk).
+    store_stall_timeout_ms: int
 
 
 def _nothing() -> None:
@@ -211,6 +215,10 @@ class CoordinatorDriver:
         # has been told it is silent.
         self._replica_seen_ms = clock.monotonic_ms()
         self._silence_reported = False
+        # Since when the replica's store has not completed a write, as its last answer to a
+        # role call said, once that passed store_stall_timeout_ms (None: it writes). A
+        # stalled replica still answers, but counts as silent until it writes again.
+        self._store_stalled_since_ms: int | None = None
         self._sync_noted_ms = 0
 
     def _new_election(self, state: PersistedState) -> Election:
@@ -327,7 +335,7 @@ class CoordinatorDriver:
                     outcome.details,
                 )
             return RoleNext.WAIT
-        self.replica_answered()
+        self.replica_answered(outcome.store_stalled_ms)
         if outcome.fault_id:
             # A fault the replica reports quarantines this node (once per fault).
             self.apply(
@@ -380,12 +388,54 @@ class CoordinatorDriver:
 
     # --- one fate per node: is the replica answering?
 
-    def replica_answered(self) -> None:
-        """The replica answered a call: note it; a silence the election knows of is over."""
-        self._replica_seen_ms = self.now()
+    def replica_answered(self, store_stalled_ms: int | None = None) -> None:
+        """The replica answered a call: note it; a silence the election knows of is over,
+        unless the replica's store is stalled (a stuck disk).
+
+        store_stalled_ms: how long its store's oldest write has run, from an answer that
+        says (a role call's); None from one that does not (a health probe, an error),
+        which leaves a known stall as it is."""
+        now = self.now()
+        self._replica_seen_ms = now
+        if store_stalled_ms is not None:
+            self._note_store_stall(store_stalled_ms, now)
+        if self._store_stalled_since_ms is not None:
+            return
         if self._silence_reported:
             self._silence_reported = False
-            self.apply(self.election.replica_answered(self._replica_seen_ms))
+            self.apply(self.election.replica_answered(now))
+
+    def _note_store_stall(self, stalled_ms: int, now: int) -> None:
+        """A store stalled past store_stall_timeout_ms is reported as a silent replica
+        (since the stall began); a store that writes again ends it."""
+        if stalled_ms <= self.timings.store_stall_timeout_ms:
+            if self._store_stalled_since_ms is not None:
+                log.warning(
+                    "coordinator %s: replica store writes again after a %d ms stall",
+                    self.node_id,
+                    now - self._store_stalled_since_ms,
+                )
+            self._store_stalled_since_ms = None
+            return
+        if self._store_stalled_since_ms is not None:
+            return
+        self._store_stalled_since_ms = max(0, now - stalled_ms)
+        log.warning(
+            "coordinator %s: replica store stalled: its oldest write has run %d ms "
+            "(store_stall_timeout_ms %d); the node leaves its group until writes complete",
+            self.node_id,
+            stalled_ms,
+            self.timings.store_stall_timeout_ms,
+        )
+        self._report_stall(now)
+
+    def _report_stall(self, now: int) -> None:
+        """Tells the election the replica is silent since its store stalled, if it has."""
+        since = self._store_stalled_since_ms
+        if since is None:
+            return
+        self._silence_reported = True
+        self.apply(self.election.replica_silent(since, now, store_stalled=True))
 
     def watch(self) -> bool:
         """Tells the election when the replica has gone quiet (it decides what that
@@ -412,9 +462,11 @@ class CoordinatorDriver:
         )
         self.election = self._new_election(self.election.persisted)
         self._role_wanted = None
-        # The new machine has not heard of a silence yet: the watch tells it again.
+        # The new machine has not heard of a silence yet: the watch tells it again, and a
+        # stalled store (whose replica still answers, so the watch is quiet) is told here.
         self._silence_reported = False
         self.apply(self.election.tick(self.now()))
+        self._report_stall(self.now())
 
 
 def changed(before: ReplicaReport, after: ReplicaReport) -> bool:

@@ -92,8 +92,12 @@ drops it, without waiting out ``member_timeout_ms``), and stays out of every gro
 quarantined node does (no probes, no positive probe replies, invitations ignored) until
 the replica answers again. Then it recovers into a group of its own, reads its replica's
 state afresh and is merged back in a new epoch like any returning node, so the replica
-never resumes an epoch it lost. The reverse fault needs nothing here: a replica whose
-coordinator is gone drops its role when its lease runs out.
+never resumes an epoch it lost. A replica that answers while its store cannot write (a
+stuck disk: its oldest write has run past ``timeouts.store_stall_timeout_ms``, which the
+driver judges from the replica's answer) is reported the same way, with
+``store_stalled=True`` and ``since_ms`` the stall's start, so the reasons name the disk;
+its end (writes complete again) is ``replica_answered``. The reverse fault needs nothing
+here: a replica whose coordinator is gone drops its role when its lease runs out.
 
 Time
 ----
@@ -432,6 +436,8 @@ class Election:
         # whether that lasted replica_timeout_ms, so the node is out of every group.
         self._replica_silent_since: int | None = None
         self._replica_lost = False
+        # Whether the silence is a replica that answers but whose store does not write.
+        self._replica_store_stalled = False
 
     # ----------------------------------------------------------------- public inputs
 
@@ -447,11 +453,15 @@ class Election:
         """Take the local replica's (cluster_id, last_epoch, last_lsn, store_state)."""
         return self._run(now_ms, lambda: self._on_report(report))
 
-    def replica_silent(self, since_ms: int, now_ms: int) -> Ready:
+    def replica_silent(self, since_ms: int, now_ms: int, *, store_stalled: bool = False) -> Ready:
         """The driver saw no answer from its replica since ``since_ms`` (its last answer): a
         call failed or is still outstanding. After ``replica_timeout_ms`` of that the node
-        leaves its group; ``replica_answered`` ends it. Repeating it is harmless."""
-        return self._run(now_ms, lambda: self._on_replica_silent(since_ms))
+        leaves its group; ``replica_answered`` ends it. Repeating it is harmless.
+
+        store_stalled: the replica answers, but its store has not completed a write since
+        ``since_ms`` for longer than the driver's ``store_stall_timeout_ms`` (a stuck disk);
+        it counts as silence, and the reasons say so."""
+        return self._run(now_ms, lambda: self._on_replica_silent(since_ms, store_stalled))
 
     def replica_answered(self, now_ms: int) -> Ready:
         """The replica answered a call again; a node out of its group for it rejoins."""
@@ -1373,7 +1383,7 @@ class Election:
 
     # ----------------------------------------------------------------- one fate per node
 
-    def _on_replica_silent(self, since_ms: int) -> None:
+    def _on_replica_silent(self, since_ms: int, store_stalled: bool) -> None:
         """Note since when the replica has not answered; the timers decide."""
         if since_ms > self._now_ms:
             self._reject(
@@ -1383,22 +1393,29 @@ class Election:
             return
         if self._replica_silent_since is None:
             self._replica_silent_since = since_ms
+        self._replica_store_stalled = store_stalled
 
     def _on_replica_answered(self) -> None:
         """The replica answers: forget the silence; a node out for it rejoins."""
         since = self._replica_silent_since
+        stalled = self._replica_store_stalled
         self._replica_silent_since = None
+        self._replica_store_stalled = False
         if not self._replica_lost:
             return
         self._replica_lost = False
         silent_ms = self._now_ms - (since if since is not None else self._now_ms)
+        back = (
+            f"replica store writes complete again after {silent_ms} ms stalled"
+            if stalled
+            else f"replica answers again after {silent_ms} ms unreachable"
+        )
         self._log(
             LogLevel.INFO,
             "replica-back",
-            f"replica answers again after {silent_ms} ms unreachable (epoch "
-            f"{self._persisted.epoch}); reading its state and rejoining",
+            f"{back} (epoch {self._persisted.epoch}); reading its state and rejoining",
         )
-        self._recover(f"replica answers again after {silent_ms} ms unreachable")
+        self._recover(back)
         # Whatever the replica reported before it went silent may be stale (it may have
         # restarted): read its stopped state afresh before answering any invitation.
         self._command(RoleCommandKind.DEACTIVATE)
@@ -1417,25 +1434,37 @@ class Election:
         else:
             told = {self._coord}
         told.discard(self._me)
+        stalled = self._replica_store_stalled
         reason = (
-            f"replica of node {self._me} has not answered for {silent_ms} ms "
+            f"replica store of node {self._me} stalled: no write completed for {silent_ms} ms"
+            if stalled
+            else f"replica of node {self._me} has not answered for {silent_ms} ms "
             f"(replica_timeout_ms {self._cfg.replica_timeout_ms})"
         )
         for node in sorted(told, key=node_sort_key):
             self._send(node, Leave(group, reason))
         self._replica_lost = True
         in_group = f"{group} (epoch {epoch}, role {role.value})" if epoch else group
+        what = (
+            f"replica store stalled: no write completed for {silent_ms} ms"
+            if stalled
+            else f"replica has not answered for {silent_ms} ms (replica_timeout_ms "
+            f"{self._cfg.replica_timeout_ms}"
+        )
+        until = "its writes complete" if stalled else "it answers"
         self._log(
             LogLevel.WARNING,
-            "replica-unreachable",
-            f"replica has not answered for {silent_ms} ms (replica_timeout_ms "
-            f"{self._cfg.replica_timeout_ms}, epoch {self._persisted.epoch}); leaving "
-            f"{in_group} and every group until it answers"
+            "replica-store-stalled" if stalled else "replica-unreachable",
+            f"{what}{' (' if stalled else ', '}epoch {self._persisted.epoch}); leaving "
+            f"{in_group} and every group until {until}"
             + (f"; told {','.join(sorted(told, key=node_sort_key))}" if told else ""),
         )
         self._recover(
-            f"replica unreachable: no answer for {silent_ms} ms; out of every group until "
-            "it answers"
+            f"replica store stalled: no write completed for {silent_ms} ms; out of every "
+            "group until its writes complete"
+            if stalled
+            else f"replica unreachable: no answer for {silent_ms} ms; out of every group "
+            "until it answers"
         )
 
     def _on_leave(self, frm: str, body: Leave) -> None:

@@ -108,6 +108,7 @@ def election_config(config: ClusterConfig, node_id: str) -> ElectionConfig:
         probe_interval_ms=t.probe_interval_ms,
         merge_delay_ms_per_priority=t.merge_delay_ms_per_priority,
         replica_timeout_ms=t.replica_timeout_ms,
+        store_stall_timeout_ms=t.store_stall_timeout_ms,
     )
 
 
@@ -261,6 +262,7 @@ class GrpcReplicaLink:
             fault_reason=state.fault_reason,
             syncing=syncing,
             syncing_epoch=epoch,
+            store_stalled_ms=state.store_stalled_ms,
         )
 
     async def check_health(self) -> bool:

@@ -104,6 +104,7 @@ from services.replica.store import (
     StoreMeta,
     TopicInfo,
 )
+from services.replica.store.stall import StallMeter
 from services.replica.transient import TransientTopics
 from services.replica.visibility import CommitGate
 from squall.v1 import broker_pb2, common_pb2, replica_pb2, replica_pb2_grpc
@@ -154,6 +155,10 @@ class ReplicaNode:
         self.node = node
         self.store = store
         self.clock = clock or SystemClock()
+        # Times the store's writes so a stuck disk is reported to the coordinator; moves
+        # with the store when a truncation installs a new one.
+        self._stall = StallMeter(self.clock)
+        store.stall_meter = self._stall
         # Truncates a divergent log suffix; None: refuse truncation (the memory twin).
         self.truncator = truncator
         # Spans and metrics (services.replica.telemetry); off unless a service installed it.
@@ -219,6 +224,10 @@ class ReplicaNode:
     def role(self) -> common_pb2.Role.ValueType:
         """The role this replica holds."""
         return common_pb2.Role.ValueType(int(self.core.role))
+
+    def store_stalled_ms(self) -> int:
+        """How long the store's oldest write in progress has run (0: none is)."""
+        return self._stall.stalled_ms()
 
     @property
     def epoch(self) -> int:
@@ -668,6 +677,7 @@ class ReplicaNode:
                 self._io, lambda: truncator.stage(self.store, keep_lsn)
             )
             self.store = truncator.install(self.store, staging)
+            self.store.stall_meter = self._stall
         except (StoreError, OSError) as exc:
             self._fail_stop(f"truncating the log after LSN {keep_lsn} failed: {exc}")
             raise ServiceError(

@@ -511,6 +511,7 @@ class ReplicaControl(replica_pb2_grpc.ReplicaControlServicer):
             frozen_for_shutdown_id=self.node.frozen_for,
             fault_id=self.node.fault.fault_id if self.node.fault else "",
             fault_reason=self.node.fault.reason if self.node.fault else "",
+            store_stalled_ms=self.node.store_stalled_ms(),
         )
         progress = self.node.reorganization_progress()
         if progress is not None:

@@ -478,6 +478,9 @@ class Simulation:
             lease_ms=scenario.timing["member_timeout_ms"],
             rpc_timeout_ms=scenario.rpc_timeout_ms,
             replica_timeout_ms=scenario.timing["replica_timeout_ms"],
+            # The simulated replicas' stores never stall (a stuck disk is covered by
+            # tests/unit/test_coordinator_store_stall.py and a real-process test).
+            store_stall_timeout_ms=2000,
         )
         self.durable: dict[str, PersistedState] = dict(scenario.initial)
         self.replicas: dict[str, Replica] = {}

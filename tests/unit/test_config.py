@@ -540,6 +540,22 @@ def test_replica_timeout_must_outlast_two_heartbeats() -> None:
     )
 
 
+def test_store_stall_timeout_defaults_above_a_slow_disk_and_is_bounded() -> None:
+    assert parse(VALID).timeouts.store_stall_timeout_ms == 2000
+    custom = parse(VALID + "[timeouts]\nstore_stall_timeout_ms = 5000\n")
+    assert custom.timeouts.store_stall_timeout_ms == 5000
+    assert error_of(VALID + "[timeouts]\nstore_stall_timeout_ms = 50\n") == (
+        "timeouts.store_stall_timeout_ms: must be from 100 to 600000, got 50"
+    )
+    message = error_of(
+        VALID + "[timeouts]\nheartbeat_interval_ms = 100\nstore_stall_timeout_ms = 150\n"
+    )
+    assert message.startswith(
+        "timeouts.store_stall_timeout_ms: must be at least twice "
+        "timeouts.heartbeat_interval_ms (100)"
+    ), message
+
+
 def test_push_backoff_must_start_below_its_cap() -> None:
     message = error_of(VALID + "[timeouts]\npush_retry_backoff_initial_ms = 9000\n")
     assert message == (

@@ -55,6 +55,7 @@ def _driver(clock: ManualClock, store: MemoryStateStore) -> CoordinatorDriver:
         lease_ms=400,
         rpc_timeout_ms=1000,
         replica_timeout_ms=300,
+        store_stall_timeout_ms=2000,
     )
     ids = iter(f"g{i}" for i in range(100))
     return CoordinatorDriver(

@@ -71,6 +71,7 @@ def _master(epoch: int, seq: int, members: tuple[str, ...]) -> replica_pb2.RoleC
         members=[common_pb2.NodeEndpoint(node_id=m) for m in members],
         seq=seq,
         lease_ms=600_000,
+        cluster_id="c-test",  # the coordinator's, as every master role carries one
     )
 
 

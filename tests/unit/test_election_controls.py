@@ -314,3 +314,42 @@ def test_a_short_silence_changes_nothing_and_a_silence_from_the_future_is_refuse
     assert refused.rejection is not None
     assert refused.rejection.code is RejectCode.INVALID_ARGUMENT
     assert "after now" in refused.rejection.message
+
+
+def test_a_master_whose_store_stalls_leaves_its_group_and_rejoins_once_writes_complete() -> None:
+    """A stuck disk: the replica answers, but the driver reports its store stalled (since
+    the stall's start). The master leaves at once, telling its group; the others elect a
+    new master without it, the reasons name the store; a cleared stall brings it back."""
+    cluster = run_cluster({"1": 3, "2": 2, "3": 1}, 500)
+    assert _leader(cluster) == "1"
+    stalled_since = cluster.now_ms - 2500
+    ready = _election(cluster, "1").replica_silent(
+        stalled_since, cluster.now_ms, store_stalled=True
+    )
+    cluster.apply("1", ready, "store stalled")
+    cluster.run(1000)
+    n1, n2 = _election(cluster, "1").status(), _election(cluster, "2").status()
+    assert n2.role is Role.MASTER and n2.state is NodeState.NORMAL
+    assert "1" not in n2.members and set(n2.members) == {"2", "3"}
+    assert n1.replica_unreachable_since_ms is not None
+    assert n1.last_change_reason.startswith("replica store stalled: no write completed for")
+    assert "until its writes complete" in n1.last_change_reason
+    cluster.apply("1", _election(cluster, "1").replica_answered(cluster.now_ms), "writes back")
+    cluster.run(3000)
+    statuses = {n: _election(cluster, n).status() for n in "123"}
+    assert statuses["1"].replica_unreachable_since_ms is None
+    assert all(s.state is NodeState.NORMAL for s in statuses.values())
+    leader = _leader(cluster)
+    assert set(statuses[leader].members) == {"1", "2", "3"}
+
+
+def test_a_store_stall_is_named_in_the_leave_and_its_end_in_the_rejoin() -> None:
+    election = make()
+    # Reported once the stall passed the driver's timeout: the node leaves at once.
+    lost = election.replica_silent(0, 2100, store_stalled=True)
+    assert [e.event for e in lost.events] == ["replica-store-stalled", "recovery"]
+    assert "replica store stalled: no write completed for 2100 ms" in lost.events[0].message
+    back = election.replica_answered(4000)
+    assert [e.event for e in back.events] == ["replica-back", "recovery"]
+    assert "replica store writes complete again after 4000 ms stalled" in back.events[0].message
+    assert election.status().replica_unreachable_since_ms is None

@@ -11,8 +11,12 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,7 +25,9 @@ from services.common.config import load_config
 from services.common.errors import Code, ServiceError
 from services.replica.node import ReplicaNode
 from services.replica.replication_server import Replication
-from services.replica.store import Store, StoreWriteError
+from services.replica.server import ReplicaControl
+from services.replica.store import DATABASES, Store, StoreWriteError
+from services.replica.store.kv_memory import MemoryKV
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
 
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "cluster.example.toml"
@@ -263,5 +269,66 @@ def test_a_stream_dropped_at_an_ack_does_not_keep_the_commit_lock() -> None:
             del stream
         finally:
             await node.stop()
+
+    asyncio.run(scenario())
+
+
+class _StuckDiskKV(MemoryKV):
+    """An in-memory KV whose write commits and flushes hang until `disk_back` is set."""
+
+    def __init__(self) -> None:
+        super().__init__(DATABASES)
+        self.disk_back = threading.Event()
+        self.flushing = threading.Event()
+
+    @contextmanager
+    def write(self, *, sync: bool) -> Iterator[Any]:
+        # Before the transaction: the memory twin's readers wait for its writer (LMDB's
+        # do not), and the replica must still answer while its disk hangs.
+        self._hang()
+        with super().write(sync=sync) as txn:
+            yield txn
+
+    def sync(self) -> None:
+        self._hang()
+        super().sync()
+
+    def _hang(self) -> None:
+        self.flushing.set()
+        assert self.disk_back.wait(30), "the test never gave the disk back"
+
+
+def test_a_replica_reports_how_long_its_oldest_store_write_has_hung_on_its_clock() -> None:
+    """A stuck disk: the replica's answer to its coordinator says how long the store's
+    oldest write has run (read on the injected clock), and 0 once writes complete."""
+
+    async def scenario() -> None:
+        config = load_config(CONFIG)
+        clock = ManualClock()
+        kv = _StuckDiskKV()
+        store = Store(kv)
+        node = ReplicaNode(config, config.node("n2"), store, clock)
+        control = ReplicaControl(node)
+        request = replica_pb2.GetReplicaStateRequest()
+        state = await control.GetReplicaState(request, _Context())  # type: ignore[arg-type]
+        assert state.store_stalled_ms == 0
+        flush = threading.Thread(target=store.sync, name="stuck-flush")
+        flush.start()
+        try:
+            assert await asyncio.to_thread(kv.flushing.wait, 10)
+            clock.advance(1200)
+            commit = threading.Thread(target=store.record_commit, args=(0,), name="commit")
+            commit.start()
+            clock.advance(1800)
+            # The oldest write in progress counts: the flush, stuck for 3000 ms.
+            state = await control.GetReplicaState(request, _Context())  # type: ignore[arg-type]
+            assert state.store_stalled_ms == 3000
+        finally:
+            kv.disk_back.set()
+            await asyncio.to_thread(flush.join, 10)
+            await asyncio.to_thread(commit.join, 10)
+        assert not flush.is_alive() and not commit.is_alive()
+        state = await control.GetReplicaState(request, _Context())  # type: ignore[arg-type]
+        assert state.store_stalled_ms == 0
 
     asyncio.run(scenario())

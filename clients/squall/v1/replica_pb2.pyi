@@ -807,6 +807,7 @@ class ReplicaState(_message.Message):
     FAULT_ID_FIELD_NUMBER: _builtins.int
     FAULT_REASON_FIELD_NUMBER: _builtins.int
     REORGANIZATION_FIELD_NUMBER: _builtins.int
+    STORE_STALLED_MS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The replica's node id."""
     cluster_id: _builtins.str
@@ -846,6 +847,11 @@ class ReplicaState(_message.Message):
     """
     fault_reason: _builtins.str
     """What the fault was."""
+    store_stalled_ms: _builtins.int
+    """How long the store's oldest write or flush in progress has run, in milliseconds (0:
+    none is). A stuck disk shows here while the replica still answers; its coordinator
+    takes the node out of its group past timeouts.store_stall_timeout_ms.
+    """
     @_builtins.property
     def slaves(self) -> _containers.RepeatedCompositeFieldContainer[Global___SlaveProgress]:
         """On a master: each member slave's replication progress, by node id (empty otherwise)."""
@@ -877,10 +883,11 @@ class ReplicaState(_message.Message):
         fault_id: _builtins.str = ...,
         fault_reason: _builtins.str = ...,
         reorganization: Global___ReorganizationProgress | None = ...,
+        store_stalled_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["reorganization", b"reorganization"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "command_seq", b"command_seq", "commit_lsn", b"commit_lsn", "epoch", b"epoch", "fault_id", b"fault_id", "fault_reason", b"fault_reason", "frozen_for_shutdown_id", b"frozen_for_shutdown_id", "joined", b"joined", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "log_start_lsn", b"log_start_lsn", "master_id", b"master_id", "node_id", b"node_id", "reorganization", b"reorganization", "role", b"role", "shutdown_id", b"shutdown_id", "slaves", b"slaves", "store_state", b"store_state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "command_seq", b"command_seq", "commit_lsn", b"commit_lsn", "epoch", b"epoch", "fault_id", b"fault_id", "fault_reason", b"fault_reason", "frozen_for_shutdown_id", b"frozen_for_shutdown_id", "joined", b"joined", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "log_start_lsn", b"log_start_lsn", "master_id", b"master_id", "node_id", b"node_id", "reorganization", b"reorganization", "role", b"role", "shutdown_id", b"shutdown_id", "slaves", b"slaves", "store_stalled_ms", b"store_stalled_ms", "store_state", b"store_state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

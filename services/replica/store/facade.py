@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import zlib
 from collections.abc import Generator, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 from google.protobuf.message import DecodeError
 
@@ -96,6 +96,7 @@ from services.replica.store.snapshot import (
     finish_install,
     install_records,
 )
+from services.replica.store.stall import StallMeter
 from squall.v1 import common_pb2, replica_pb2
 
 DEDUPE_WINDOW_DEFAULT = 100_000
@@ -114,6 +115,13 @@ class Store:
         self._kv = kv
         self._dedupe_window = dedupe_window
         self._closed = False
+        # Times each write and flush, so a stuck disk is seen (stall.py); the replica
+        # installs one on its clock, a store without one is not timed.
+        self.stall_meter: StallMeter | None = None
+
+    def _timed(self) -> AbstractContextManager[None]:
+        """The stall meter's watch over one write or flush (nothing without a meter)."""
+        return nullcontext() if self.stall_meter is None else self.stall_meter.running()
 
     @classmethod
     def open_lmdb(
@@ -188,7 +196,7 @@ class Store:
         if self._closed:
             raise StoreError("the store is closed")
         try:
-            with self._kv.write(sync=sync) as txn:
+            with self._timed(), self._kv.write(sync=sync) as txn:
                 yield txn
         except KVFullError as exc:
             raise StoreFullError(f"store full, write aborted: {exc}") from exc
@@ -391,7 +399,8 @@ class Store:
         if self._closed:
             raise StoreError("the store is closed")
         try:
-            self._kv.sync()
+            with self._timed():
+                self._kv.sync()
         except KVError as exc:
             raise StoreWriteError(f"sync failed: {exc}") from exc
 
