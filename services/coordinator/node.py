@@ -108,7 +108,6 @@ def election_config(config: ClusterConfig, node_id: str) -> ElectionConfig:
         probe_interval_ms=t.probe_interval_ms,
         merge_delay_ms_per_priority=t.merge_delay_ms_per_priority,
         replica_timeout_ms=t.replica_timeout_ms,
-        store_stall_timeout_ms=t.store_stall_timeout_ms,
     )
 
 
@@ -120,6 +119,7 @@ def driver_timings(config: ClusterConfig) -> DriverTimings:
         lease_ms=t.member_timeout_ms,
         rpc_timeout_ms=t.rpc_timeout_ms,
         replica_timeout_ms=t.replica_timeout_ms,
+        store_stall_timeout_ms=t.store_stall_timeout_ms,
     )
 
 
