@@ -81,7 +81,15 @@ from services.replica.faults import (
     new_fault,
     save_fault,
 )
-from services.replica.follower import Follower, FollowerConfig, FollowerError, Refusal
+from services.replica.follower import (
+    EntryProblem,
+    Follower,
+    FollowerConfig,
+    FollowerError,
+    Refusal,
+    RefusalCode,
+    check_entries,
+)
 from services.replica.master_driver import (
     SNAPSHOT_CHUNKS_MAX,
     SNAPSHOT_RECORDS_MAX,
@@ -500,6 +508,8 @@ class ReplicaNode:
                     log_start_lsn=self.store.log_start_lsn(),
                 )
                 progress.phase = "fetching log"
+                # Where the log ends, as each fetched batch must continue it.
+                tail_lsn, tail_epoch = meta.last_lsn, meta.last_epoch
                 call = stub.FetchLog(request)
                 try:
                     # One step per message: bounded by the source's log and snapshot.
@@ -521,15 +531,28 @@ class ReplicaNode:
                             )
                             progress.snapshot_chunks += 1
                             progress.snapshot_records += len(response.snapshot.records)
-                            snapshots += snapshot_lsn is not None
+                            if snapshot_lsn is not None:
+                                snapshots += 1
+                                tail_lsn = snapshot_lsn
+                                tail_epoch = response.snapshot.snapshot_epoch
                             continue
                         batch = response.entries
                         if batch.truncate_after_lsn and batch.truncate_after_lsn < meta.last_lsn:
+                            self._check_fetched_truncation(
+                                batch.truncate_after_lsn, epoch, source_id
+                            )
                             raise _Diverged(batch.truncate_after_lsn)
                         entries = list(batch.entries)
                         if entries:
                             progress.phase = "fetching log"
+                            # Held to a streamed batch's rules before anything is stored.
+                            checked = check_entries(
+                                entries, prev_lsn=tail_lsn, prev_epoch=tail_epoch, max_epoch=epoch
+                            )
+                            if isinstance(checked, EntryProblem):
+                                raise self._fetch_refused(epoch, source_id, checked)
                             await self._store_fetched(entries, batch.commit_lsn, sync=sync)
+                            tail_lsn, tail_epoch = checked.last_lsn, checked.last_epoch
                             fetched += len(entries)
                             progress.entries_fetched = fetched
                         elif self.gate.advance(min(batch.commit_lsn, self._last_lsn)):
@@ -574,6 +597,39 @@ class ReplicaNode:
             self.gate.commit_lsn,
             self.gate.tracked,
             progress.describe(self.clock.monotonic_ms()),
+        )
+
+    def _check_fetched_truncation(self, keep_lsn: int, epoch: int, source_id: str) -> None:
+        """A sync source may not have this node truncate entries it knows committed."""
+        if keep_lsn < self.gate.commit_lsn:
+            raise self._fetch_refused(
+                epoch,
+                source_id,
+                EntryProblem(
+                    RefusalCode.TRUNCATE_BELOW_COMMIT,
+                    keep_lsn,
+                    f"truncate after LSN {keep_lsn} would remove committed entries "
+                    f"(commit LSN {self.gate.commit_lsn})",
+                ),
+            )
+
+    def _fetch_refused(self, epoch: int, source_id: str, problem: EntryProblem) -> ServiceError:
+        """A fetched log refused by the follower's rules (nothing of that batch stored)."""
+        log.warning(
+            "replica %s refused the log fetched from sync source %s for epoch %d at LSN %d: "
+            "%s (%s)",
+            self.node.id,
+            source_id,
+            epoch,
+            problem.lsn,
+            problem.detail,
+            problem.code.value,
+        )
+        return ServiceError(
+            Code.FAILED_PRECONDITION,
+            f"replica {self.node.id} cannot take the master role in epoch {epoch}: sync "
+            f"source {source_id} sent a log it refuses at LSN {problem.lsn} "
+            f"({problem.code.value}): {problem.detail}; nothing of that batch was stored",
         )
 
     def _adopt_cluster_id(self, cluster_id: str, source_id: str) -> None:
