@@ -38,9 +38,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from services.common.errors import Code, ServiceError
+from services.replica.replication import Ack
 
 # The master answers with this metadata key when a write reaches a non-master.
 MASTER_ADDRESS_KEY = "squall-master-address"
+# Compaction runs once the log holds this many entries beyond the retention (at most
+# COMPACT_STEP_MAX, at least 1): one bounded store transaction per step, not per batch.
+COMPACT_STEP_MAX = 10_000
 # Trailing metadata key on a slave's refusal: the slave's epoch, so a stale master steps down
 # (``master_driver``) and a stale role command names the epoch that superseded it.
 EPOCH_KEY = "squall-epoch"
@@ -143,6 +147,18 @@ class Effects:
        that task ends or within a heartbeat, as ``reorg`` says).
     7. ``members``: a master renewal naming another group: tell the replication core.
     8. ``faults``: record each and report it to the coordinator (it quarantines the node).
+
+    The log inputs (``log_*``, ``slave_*``, ``snapshot_*``, ``commit_record_*``) set only
+    the fields below, which the driver applies in this order, with the commit lock held
+    (the batch, snapshot or heartbeat that produced them is the stream's current one):
+
+    9. ``compact_from``: store operation: delete the log below this LSN (a failure
+       leaves more log than wanted; report the store's log start with ``log_compacted``).
+    10. ``record_commit``: store operation, in the background and ordered with appends:
+        record this commit LSN so a restart does not hide it; report
+        ``commit_record_done`` (or ``commit_record_failed``).
+    11. ``advance_commit``: committed reads may serve up to this LSN; wake subscribers.
+    12. ``acks``: send each to the master, in order.
     """
 
     refusal: RoleRefusal | None = None
@@ -155,6 +171,10 @@ class Effects:
     members: tuple[str, ...] | None = None
     faults: tuple[str, ...] = ()
     role_changed: bool = False
+    compact_from: int = 0
+    record_commit: int = 0
+    advance_commit: int | None = None
+    acks: tuple[Ack, ...] = ()
 
 
 @dataclass
@@ -195,21 +215,44 @@ class Taking:
         )
 
 
+@dataclass
+class LogPosition:
+    """Where this replica's log stands, as the role rules and the slave side read it:
+    its last LSN, the first LSN still in it, the commit LSN the store last recorded, and
+    the one being recorded in the background (0: none)."""
+
+    last_lsn: int = 0
+    log_start_lsn: int = 1
+    commit_recorded: int = 0
+    commit_recording: int = 0
+
+
+def compact_step(retention_entries: int) -> int:
+    """Entries beyond the retention that make compaction worth a store transaction."""
+    return max(1, min(retention_entries // 8, COMPACT_STEP_MAX))
+
+
 @dataclass(frozen=True, slots=True)
 class CoreConfig:
-    """This node's id and every configured node's replica address, by node id."""
+    """This node's id, every configured node's replica address by node id, and how many
+    log entries it keeps (``limits.log_retention_entries``)."""
 
     node_id: str
     replica_addresses: Mapping[str, str] = field(default_factory=dict)
+    log_retention_entries: int = 0
 
 
 class ReplicaCore:
     """The replica's role state machine (see the module docstring)."""
 
-    def __init__(self, config: CoreConfig, *, stored_epoch: int) -> None:
+    def __init__(
+        self, config: CoreConfig, *, stored_epoch: int, log: LogPosition | None = None
+    ) -> None:
         """A replica that just started: no role, in the epoch its store holds, which is
-        also its floor (it held no role in this process yet)."""
+        also its floor (it held no role in this process yet); ``log``: where its store's
+        log stands."""
         self.config = config
+        self.log = log if log is not None else LogPosition()
         self.role = Role.INACTIVE
         self.epoch = stored_epoch
         self.master_id = ""
@@ -551,6 +594,93 @@ class ReplicaCore:
                 Code.UNAVAILABLE, f"replica {me} is not master yet: {taking_progress()}"
             )
         return RoleRefusal(Code.UNAVAILABLE, f"replica {me} has no role yet (no master elected)")
+
+    # --- the log's position and commit-LSN record (the slave side and every append)
+
+    def log_reset(
+        self, last_lsn: int, log_start_lsn: int, commit_recorded: int | None = None
+    ) -> Effects:
+        """The driver re-read the store (a role taken, a write failed, a sync stopped):
+        its log ends at ``last_lsn`` and starts at ``log_start_lsn``; ``commit_recorded``
+        when the record is known anew."""
+        self.log.last_lsn, self.log.log_start_lsn = last_lsn, log_start_lsn
+        if commit_recorded is not None:
+            self.log.commit_recorded = commit_recorded
+        return Effects()
+
+    def log_appended(self, last_lsn: int, recorded_commit_lsn: int = 0) -> Effects:
+        """Entries up to ``last_lsn`` were appended (by the writer or a reorganization
+        fetch); the same transaction recorded ``recorded_commit_lsn`` (0: none)."""
+        self.log.last_lsn = last_lsn
+        self.log.commit_recorded = max(self.log.commit_recorded, recorded_commit_lsn)
+        return Effects()
+
+    def log_truncated(self, keep_lsn: int, log_start_lsn: int) -> Effects:
+        """The log after ``keep_lsn`` was removed: nothing above it is recorded committed."""
+        self.log.last_lsn, self.log.log_start_lsn = keep_lsn, log_start_lsn
+        self.log.commit_recorded = min(self.log.commit_recorded, keep_lsn)
+        return Effects()
+
+    def log_compacted(self, log_start_lsn: int) -> Effects:
+        """The log below ``log_start_lsn`` was deleted."""
+        self.log.log_start_lsn = log_start_lsn
+        return Effects()
+
+    def compaction(self, keep_lsn: int) -> int:
+        """The LSN to compact the log below now (0: not worth a store transaction yet);
+        ``keep_lsn`` is what the caller may delete below (never above a commit LSN)."""
+        step = compact_step(self.config.log_retention_entries)
+        return keep_lsn if keep_lsn - self.log.log_start_lsn >= step else 0
+
+    def slave_written(
+        self, *, last_lsn: int, batch_commit_lsn: int, commit_lsn: int, ack: Ack
+    ) -> Effects:
+        """A slave stored a batch up to ``last_lsn`` in one transaction recording the
+        master's ``batch_commit_lsn``; ``commit_lsn`` is the follower's (known committed
+        and written) and ``ack`` the follower's ack for it. Compacts the log beyond the
+        retention (never above the commit LSN: a restart hides what is above it by
+        reading the log), serves reads up to the commit LSN, then acknowledges."""
+        self.log.last_lsn = last_lsn
+        self.log.commit_recorded = max(self.log.commit_recorded, min(batch_commit_lsn, last_lsn))
+        keep = min(last_lsn - self.config.log_retention_entries + 1, commit_lsn + 1)
+        return Effects(compact_from=self.compaction(keep), advance_commit=commit_lsn, acks=(ack,))
+
+    def slave_commit_known(self, commit_lsn: int) -> Effects:
+        """A batch with nothing to write: reads may serve up to the follower's commit LSN."""
+        return Effects(advance_commit=commit_lsn)
+
+    def slave_heartbeat(self, *, commit_lsn: int, ack: Ack) -> Effects:
+        """An idle stream's heartbeat taught the follower ``commit_lsn``: serve reads up to
+        it, record it (no batch will, one record at a time: the next heartbeat records the
+        rest) and answer with ``ack``."""
+        record = 0
+        if commit_lsn > self.log.commit_recorded and not self.log.commit_recording:
+            record = self.log.commit_recording = commit_lsn
+        return Effects(record_commit=record, advance_commit=commit_lsn, acks=(ack,))
+
+    def commit_record_done(self, recorded_lsn: int) -> Effects:
+        """The store recorded commit LSN ``recorded_lsn`` (``record_commit``)."""
+        self.log.commit_recording = 0
+        self.log.commit_recorded = max(self.log.commit_recorded, recorded_lsn)
+        return Effects()
+
+    def commit_record_failed(self) -> Effects:
+        """Recording the commit LSN failed (only a hint for the next start): the next
+        heartbeat tries again."""
+        self.log.commit_recording = 0
+        return Effects()
+
+    def snapshot_begun(self) -> Effects:
+        """A snapshot install began: the store reports itself empty until it finishes."""
+        self.log.last_lsn, self.log.log_start_lsn, self.log.commit_recorded = 0, 1, 0
+        return Effects()
+
+    def snapshot_installed(self, snapshot_lsn: int, commit_lsn: int) -> Effects:
+        """The install finished: the log continues from ``snapshot_lsn`` and the store
+        recorded ``commit_lsn``; reads may serve up to it."""
+        self.log.last_lsn, self.log.log_start_lsn = snapshot_lsn, snapshot_lsn + 1
+        self.log.commit_recorded = commit_lsn
+        return Effects(advance_commit=commit_lsn)
 
     # --- internals
 

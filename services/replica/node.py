@@ -65,6 +65,7 @@ from services.replica.core import (
     CoreConfig,
     Effects,
     Follow,
+    LogPosition,
     ReplicaCore,
     Role,
     RoleOrder,
@@ -129,9 +130,6 @@ log = logging.getLogger("squall.replica")
 # Request metadata from a publisher proxy: the replica addresses it just failed to reach,
 # comma-separated, so this replica does not redirect it back to a dead master.
 UNREACHABLE_KEY = "squall-unreachable"
-# Compaction runs once the log holds this many entries beyond the retention (at most
-# _COMPACT_STEP_MAX, at least 1): one bounded store transaction per step, not per batch.
-_COMPACT_STEP_MAX = 10_000
 # Unflushed appends up to this size run on the event loop: an LMDB commit of a few
 # entries without fsync takes tens of microseconds, less than the hand-off to the store
 # thread and back (~0.3 ms per append measured on a busy 2-core machine), which one-at-a-
@@ -179,9 +177,15 @@ class ReplicaNode:
         )
         # The role rules (role, epoch and its floor, lease, shutdown freeze, hand-off fence,
         # the write gate) live in the pure core; this driver carries out its effects.
+        # The log's position and commit-LSN record too (``_last_lsn`` and its kin read it).
         self.core = ReplicaCore(
-            CoreConfig(node.id, {n.id: n.replica_address for n in config.nodes}),
+            CoreConfig(
+                node.id,
+                {n.id: n.replica_address for n in config.nodes},
+                config.limits.log_retention_entries,
+            ),
             stored_epoch=store.meta().epoch,
+            log=LogPosition(store.meta().last_lsn, store.log_start_lsn()),
         )
         self._nodes = {n.id: n for n in config.nodes}
         self._counted_role = Role.INACTIVE  # the role the role-change metric last saw
@@ -200,8 +204,6 @@ class ReplicaNode:
         )
         self._writer: asyncio.Task[None] | None = None
         self._lease_task: asyncio.Task[None] | None = None
-        self._last_lsn = store.meta().last_lsn
-        self._log_start_lsn = store.log_start_lsn()
         # Held while a batch is being written, so a deactivation can wait for it and then
         # report a log that no longer grows.
         self._commit_lock = asyncio.Lock()
@@ -213,8 +215,8 @@ class ReplicaNode:
         # the record existed) counts as committed throughout.
         recorded = store.meta().commit_lsn
         self.gate = CommitGate(self._last_lsn if recorded is None else recorded)
-        self._commit_recorded = self.gate.commit_lsn
-        self._commit_recording: asyncio.Task[None] | None = None
+        self.core.log_reset(self._last_lsn, self._log_start_lsn, self.gate.commit_lsn)
+        self._commit_recording: asyncio.Task[None] | None = None  # the core's record_commit
         # The task taking a master role in the background (its reorganization sync).
         self._taking: Taking | None = None
         self._stopping: asyncio.Task[None] | None = None  # an abandoned taking winding down
@@ -230,6 +232,16 @@ class ReplicaNode:
         self.on_shutdown: Callable[[], None] | None = None
 
     # --- the core's state, as the servicers and the coordinator's reports read it
+
+    @property
+    def _last_lsn(self) -> int:
+        """The log's last LSN (the core keeps it)."""
+        return self.core.log.last_lsn
+
+    @property
+    def _log_start_lsn(self) -> int:
+        """The first LSN still in the log (the core keeps it)."""
+        return self.core.log.log_start_lsn
 
     @property
     def role(self) -> common_pb2.Role.ValueType:
@@ -373,7 +385,7 @@ class ReplicaNode:
             self.store.set_cluster_id(cluster_id)
             log.info("replica %s: new cluster id %s", self.node.id, cluster_id)
             meta = self.store.meta()
-        self._last_lsn = meta.last_lsn
+        self.core.log_reset(meta.last_lsn, self._log_start_lsn)
         core = self._new_core(epoch, [n.id for n in member_nodes], meta)
         driver = MasterDriver(
             self.config,
@@ -582,7 +594,7 @@ class ReplicaNode:
                 finally:
                     call.cancel()  # a no-op once the stream ended
         meta = self.store.meta()
-        self._last_lsn = meta.last_lsn
+        self.core.log_reset(meta.last_lsn, self._log_start_lsn)
         log.info(
             "replica %s synced from %s for epoch %d: %s%d entries fetched, log at epoch %d "
             "LSN %d (from LSN %d), commit LSN %d, %d publishes hidden until committed: %s",
@@ -665,7 +677,7 @@ class ReplicaNode:
                 # (Cancelled: the store thread may still append; _cancel_taking rebuilds.)
                 self.gate.truncated(self.store.meta().last_lsn)
                 raise
-            self._last_lsn = entries[-1].lsn
+            self.core.log_appended(entries[-1].lsn)
             if self.gate.advance(min(source_commit_lsn, self._last_lsn)):
                 self._notify_committed()
 
@@ -734,10 +746,8 @@ class ReplicaNode:
             raise ServiceError(
                 Code.UNAVAILABLE, f"replica {self.node.id}: truncation failed: {exc}"
             ) from exc
-        self._last_lsn = keep_lsn
-        self._log_start_lsn = self.store.log_start_lsn()
+        self.core.log_truncated(keep_lsn, self.store.log_start_lsn())
         self.gate.truncated(keep_lsn)
-        self._commit_recorded = min(self._commit_recorded, keep_lsn)
         self._notify_committed()
 
     # --- writes
@@ -998,9 +1008,7 @@ class ReplicaNode:
             self._io, self._gate_from_store, "reorganization interrupted"
         )
         meta = self.store.meta()
-        self._last_lsn = meta.last_lsn
-        self._log_start_lsn = self.store.log_start_lsn()
-        self._commit_recorded = self.gate.commit_lsn
+        self.core.log_reset(meta.last_lsn, self.store.log_start_lsn(), self.gate.commit_lsn)
         self._notify_committed()
 
     def _mark_dirty(self) -> None:
@@ -1075,7 +1083,7 @@ class ReplicaNode:
             )
             self._follower = follower
             self._stream_seq += 1
-            self._last_lsn = meta.last_lsn
+            self.core.log_reset(meta.last_lsn, self._log_start_lsn)
         log.info(
             "replica %s follows %s: epoch=%d lsn=%d reason=%s",
             self.node.id,
@@ -1199,7 +1207,7 @@ class ReplicaNode:
             if follower.state().last_lsn != meta.last_lsn:
                 # An unfinished snapshot install left the store empty: report what it holds.
                 follower.reset(last_lsn=meta.last_lsn, history=meta.history)
-                self._last_lsn = meta.last_lsn
+                self.core.log_reset(meta.last_lsn, self.store.log_start_lsn())
                 self.gate.truncated(meta.last_lsn)
             result = follower.on_hello(
                 master_id=hello.master_id, epoch=hello.epoch, cluster_id=hello.cluster_id
@@ -1283,7 +1291,7 @@ class ReplicaNode:
                     meta = self.store.meta()
                     self.gate.truncated(meta.last_lsn)
                     follower.reset(last_lsn=meta.last_lsn, history=meta.history)
-                    self._last_lsn = meta.last_lsn
+                    self.core.log_reset(meta.last_lsn, self.store.log_start_lsn())
                     if isinstance(exc, ServiceError):
                         raise self._refused(exc.code, exc.message) from exc
                     if isinstance(exc, StoreFullError):
@@ -1295,21 +1303,17 @@ class ReplicaNode:
                     raise self._refused(
                         Code.UNAVAILABLE, f"replica {self.node.id}: store write failed: {exc}"
                     ) from exc
-                self._last_lsn = result.last_lsn
-                self._commit_recorded = max(
-                    self._commit_recorded, min(batch.commit_lsn, result.last_lsn)
+                ack = follower.on_written(result.last_lsn, synced=result.sync)
+                effects = self.core.slave_written(
+                    last_lsn=result.last_lsn,
+                    batch_commit_lsn=batch.commit_lsn,
+                    commit_lsn=follower.commit_lsn,
+                    ack=ack,
                 )
-                written = _ack(follower.on_written(result.last_lsn, synced=result.sync))
-                retention = self.config.limits.log_retention_entries
-                # Never above the commit LSN: a restart hides what is above it by reading
-                # the log.
-                keep = min(self._last_lsn - retention + 1, follower.commit_lsn + 1)
-                if keep - self._log_start_lsn >= _compact_step(retention):
-                    await self._compact(keep)
-                self._advance_commit(follower.commit_lsn)
-                yield written
+                for written in await self._apply_log_effects(effects):
+                    yield written
             else:
-                self._advance_commit(follower.commit_lsn)
+                await self._apply_log_effects(self.core.slave_commit_known(follower.commit_lsn))
 
     async def replication_snapshot(
         self, stream: int, chunk: replica_pb2.SnapshotChunk
@@ -1336,7 +1340,7 @@ class ReplicaNode:
             except (StoreError, FollowerError) as exc:
                 meta = self.store.meta()
                 follower.reset(last_lsn=meta.last_lsn, history=meta.history)
-                self._last_lsn = meta.last_lsn
+                self.core.log_reset(meta.last_lsn, self.store.log_start_lsn())
                 self.gate.truncated(meta.last_lsn)
                 if isinstance(exc, StoreFullError):
                     raise self._refused(
@@ -1386,10 +1390,8 @@ class ReplicaNode:
                 functools.partial(store.begin_snapshot, chunk.snapshot_lsn, chunk.snapshot_epoch),
             )
             # The store reports itself empty until the install finishes.
-            self._last_lsn = 0
-            self._log_start_lsn = 1
+            self.core.snapshot_begun()
             self.gate.truncated(0)
-            self._commit_recorded = 0
         await loop.run_in_executor(self._io, store.install_chunk, chunk)
         if not last:
             return None
@@ -1405,13 +1407,13 @@ class ReplicaNode:
                 uncommitted=uncommitted,
             ),
         )
-        self._last_lsn = lsn
-        self._log_start_lsn = lsn + 1
+        installed = self.core.snapshot_installed(lsn, commit_lsn)
         # The snapshot's state cannot be hidden entry by entry: what it holds above the
-        # sender's commit LSN is hidden per topic until this node's commit LSN passes it.
-        self.gate.advance(commit_lsn)
+        # sender's commit LSN is hidden per topic until this node's commit LSN passes it
+        # (the gate moves first, then hides).
+        if installed.advance_commit is not None:
+            self.gate.advance(installed.advance_commit)
         hidden = self.gate.restore(uncommitted)
-        self._commit_recorded = commit_lsn
         self._notify_committed()
         log.info(
             "replica %s installed the snapshot at LSN %d (epoch %d) from %s; the log "
@@ -1434,35 +1436,45 @@ class ReplicaNode:
         result = follower.on_heartbeat(epoch=heartbeat.epoch, commit_lsn=heartbeat.commit_lsn)
         if isinstance(result, Refusal):
             raise self._refusal(result)
-        self._advance_commit(follower.commit_lsn)
-        self._record_commit_soon(follower.commit_lsn)
-        return _ack(result)
+        effects = self.core.slave_heartbeat(commit_lsn=follower.commit_lsn, ack=result)
+        # No store operation but the background record: applied without the commit lock.
+        if effects.record_commit:
+            self._commit_recording = asyncio.get_running_loop().create_task(
+                self._record_commit(effects.record_commit), name=f"record-commit-{self.node.id}"
+            )
+        if effects.advance_commit is not None:
+            self._advance_commit(effects.advance_commit)
+        return _ack(effects.acks[0])
 
-    def _record_commit_soon(self, commit_lsn: int) -> None:
-        """Records a commit LSN learnt without a batch (a heartbeat: the stream is idle),
-        so a restart does not hide the last batch; one store write at a time."""
-        if commit_lsn <= self._commit_recorded:
-            return
-        running = self._commit_recording
-        if running is not None and not running.done():
-            return  # the next heartbeat records the rest
-        self._commit_recording = asyncio.get_running_loop().create_task(
-            self._record_commit(commit_lsn), name=f"record-commit-{self.node.id}"
-        )
+    async def _apply_log_effects(self, effects: Effects) -> list[replica_pb2.ReplicationAck]:
+        """Carries out the log effects of a batch (commit lock held), in the order of
+        ``Effects``: compaction, then commit advance; returns the acks to send."""
+        if effects.compact_from:
+            await self._compact(effects.compact_from)
+        if effects.advance_commit is not None:
+            self._advance_commit(effects.advance_commit)
+        return [_ack(ack) for ack in effects.acks]
 
     async def _record_commit(self, commit_lsn: int) -> None:
-        async with self._commit_lock:  # ordered with appends, truncations and installs
-            try:
+        """Records a commit LSN learnt without a batch (a heartbeat: the stream is idle),
+        so a restart does not hide the last batch (the core allows one at a time)."""
+        recorded = 0
+        try:
+            async with self._commit_lock:  # ordered with appends, truncations and installs
                 recorded = await asyncio.get_running_loop().run_in_executor(
                     self._io, functools.partial(self.store.record_commit, commit_lsn)
                 )
-            except StoreError as exc:
-                # Only a hint for the next start-up: a failure hides more after a restart.
-                log.warning(
-                    "replica %s: recording commit LSN %d failed: %s", self.node.id, commit_lsn, exc
-                )
-                return
-            self._commit_recorded = max(self._commit_recorded, recorded)
+        except StoreError as exc:
+            # Only a hint for the next start-up: a failure hides more after a restart.
+            log.warning(
+                "replica %s: recording commit LSN %d failed: %s", self.node.id, commit_lsn, exc
+            )
+        finally:
+            # Cancelled or failed: the next heartbeat records it.
+            if recorded:
+                self.core.commit_record_done(recorded)
+            else:
+                self.core.commit_record_failed()
 
     def _track(self, entry: replica_pb2.LogEntry) -> None:
         """Hides an uncommitted publish from committed reads until it commits."""
@@ -1723,8 +1735,7 @@ class ReplicaNode:
                 self._fail_stop(f"store write failed: {exc}")
                 _fail_all(planned, ServiceError(Code.UNKNOWN, f"write outcome unknown: {exc}"))
                 return
-            self._last_lsn = builder.entries[-1].lsn
-            self._commit_recorded = max(self._commit_recorded, commit_lsn)
+            self.core.log_appended(builder.entries[-1].lsn, commit_lsn)
         if driver is not self._driver or driver.deposed:
             _fail_all(
                 planned,
@@ -1755,7 +1766,7 @@ class ReplicaNode:
         retention = self.config.limits.log_retention_entries
         # Never above the commit LSN: a restart hides what is above it by reading the log.
         keep = min(driver.compaction_target(retention), self.gate.commit_lsn + 1)
-        if keep - self._log_start_lsn >= _compact_step(retention) and not driver.deposed:
+        if self.core.compaction(keep) and not driver.deposed:
             driver.set_log_start(keep)  # the core first: no batch is built below keep
             await self._compact(keep)
 
@@ -1786,7 +1797,7 @@ class ReplicaNode:
                 exc,
             )
             return
-        self._log_start_lsn = self.store.log_start_lsn()
+        self.core.log_compacted(self.store.log_start_lsn())
         log.debug(
             "replica %s compacted its log: %d entries deleted, now LSNs %d..%d",
             self.node.id,
@@ -1910,11 +1921,6 @@ class _Diverged(Exception):
     def __init__(self, fork_lsn: int) -> None:
         super().__init__(f"diverges after LSN {fork_lsn}")
         self.fork_lsn = fork_lsn
-
-
-def _compact_step(retention_entries: int) -> int:
-    """Entries beyond the retention that make compaction worth a store transaction."""
-    return max(1, min(retention_entries // 8, _COMPACT_STEP_MAX))
 
 
 def _ack(ack: Ack) -> replica_pb2.ReplicationAck:

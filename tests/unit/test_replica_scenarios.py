@@ -28,6 +28,23 @@ Commands (time only moves with ``tick``):
     fence target=n3 epoch=N ms=M / unfence epoch=N
                               a leadership transfer's write fence for M ms
     write                     the write gate's answer now
+
+The log's position and commit-LSN record (the slave side, and every append):
+    replica ... [last=N] [start=N] [recorded=N] [retention=N]
+                              the store's log ends at N, starts at N, recorded commit N;
+                              the node keeps ``retention`` entries
+    written last=N batch-commit=N commit=N [synced]
+                              a slave stored a batch up to N; the follower's commit LSN
+                              is ``commit`` (its ack: received = written = N)
+    commit-known N            a batch with nothing to write; the follower's commit LSN
+    heartbeat commit=N [ack=N]
+                              an idle stream's heartbeat; the follower's commit LSN
+    recorded N / record-failed
+                              the background commit record ended
+    appended last=N [recorded=N] / truncated keep=N start=N / compacted start=N
+    snapshot-begun / snapshot-installed lsn=N commit=N
+    reset last=N start=N [recorded=N]
+                              the driver re-read the store
 """
 
 from __future__ import annotations
@@ -41,12 +58,14 @@ from services.common.errors import Code
 from services.replica.core import (
     CoreConfig,
     Effects,
+    LogPosition,
     ReplicaCore,
     Role,
     RoleOrder,
     RoleRefusal,
     StoreFacts,
 )
+from services.replica.replication import Ack
 from tests.unit.transcripts import check_or_rewrite, parse_transcript, render
 
 SCENARIOS = Path(__file__).parent / "scenarios" / "replica"
@@ -56,9 +75,19 @@ ROLE_WORDS = {"master": Role.MASTER, "slave": Role.SLAVE, "inactive": Role.INACT
 class Harness:
     """One replica core, its driver twin and its store twin."""
 
-    def __init__(self, node_id: str, nodes: list[str], epoch: int, cluster_id: str) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        nodes: list[str],
+        epoch: int,
+        cluster_id: str,
+        log: LogPosition | None = None,
+        retention: int = 0,
+    ) -> None:
         addresses = {n: f"127.0.0.1:{7100 + i}" for i, n in enumerate(nodes)}
-        self.core = ReplicaCore(CoreConfig(node_id, addresses), stored_epoch=epoch)
+        self.core = ReplicaCore(
+            CoreConfig(node_id, addresses, retention), stored_epoch=epoch, log=log
+        )
         self.store = StoreFacts(epoch, cluster_id)
         self.now_ms = 0
         self.follow_fails = False
@@ -102,6 +131,16 @@ class Harness:
             out.append(f"members {','.join(effects.members)}")
         for fault in effects.faults:
             out.append(f"fault: {fault}")
+        if effects.compact_from:
+            out.append(f"compact-from {effects.compact_from}")
+        if effects.record_commit:
+            out.append(f"record-commit {effects.record_commit}")
+        if effects.advance_commit is not None:
+            out.append(f"advance-commit {effects.advance_commit}")
+        for ack in effects.acks:
+            out.append(
+                f"ack received={ack.received_lsn} written={ack.written_lsn} synced={ack.synced_lsn}"
+            )
         return out
 
     def state(self) -> str:
@@ -130,6 +169,10 @@ class Harness:
             text += f" deposed={c.deposed!r}"
         if c.failed_reason:
             text += f" failed={c.failed_reason!r}"
+        if c.log != LogPosition():
+            text += f" log={c.log.log_start_lsn}..{c.log.last_lsn} recorded={c.log.commit_recorded}"
+            if c.log.commit_recording:
+                text += f" recording={c.log.commit_recording}"
         return text
 
 
@@ -150,8 +193,18 @@ def execute(h: Harness | None, line: str) -> tuple[Harness | None, list[str]]:
     command, (positional, options) = words[0], options_of(words[1:])
     if command == "replica":
         nodes = options["nodes"].split(",")
+        log = LogPosition(
+            int(options.get("last", "0")),
+            int(options.get("start", "1")),
+            int(options.get("recorded", "0")),
+        )
         h = Harness(
-            positional[0], nodes, int(options.get("epoch", "0")), options.get("cluster", "")
+            positional[0],
+            nodes,
+            int(options.get("epoch", "0")),
+            options.get("cluster", ""),
+            log,
+            int(options.get("retention", "0")),
         )
         return h, [h.state()]
     if h is None:
@@ -209,6 +262,41 @@ def execute(h: Harness | None, line: str) -> tuple[Harness | None, list[str]]:
     elif command == "write":
         refusal = core.write_refusal(h.now_ms, lambda: "fetching log from sync source (twin)")
         out.append("write accepted" if refusal is None else refused(refusal))
+    elif command == "written":
+        last = int(options["last"])
+        ack = Ack(last, last, last if "synced" in positional else 0)
+        out += h.effects(
+            core.slave_written(
+                last_lsn=last,
+                batch_commit_lsn=int(options["batch-commit"]),
+                commit_lsn=int(options["commit"]),
+                ack=ack,
+            )
+        )
+    elif command == "commit-known":
+        out += h.effects(core.slave_commit_known(int(positional[0])))
+    elif command == "heartbeat":
+        last = int(options.get("ack", str(core.log.last_lsn)))
+        out += h.effects(
+            core.slave_heartbeat(commit_lsn=int(options["commit"]), ack=Ack(last, last, 0))
+        )
+    elif command == "recorded":
+        out += h.effects(core.commit_record_done(int(positional[0])))
+    elif command == "record-failed":
+        out += h.effects(core.commit_record_failed())
+    elif command == "appended":
+        out += h.effects(core.log_appended(int(options["last"]), int(options.get("recorded", "0"))))
+    elif command == "truncated":
+        out += h.effects(core.log_truncated(int(options["keep"]), int(options["start"])))
+    elif command == "compacted":
+        out += h.effects(core.log_compacted(int(options["start"])))
+    elif command == "snapshot-begun":
+        out += h.effects(core.snapshot_begun())
+    elif command == "snapshot-installed":
+        out += h.effects(core.snapshot_installed(int(options["lsn"]), int(options["commit"])))
+    elif command == "reset":
+        recorded = int(options["recorded"]) if "recorded" in options else None
+        out += h.effects(core.log_reset(int(options["last"]), int(options["start"]), recorded))
     else:
         raise ValueError(f"unknown command {command!r}")
     out.append(h.state())
@@ -222,7 +310,7 @@ def scenario_files() -> list[Path]:
 
 def test_there_are_replica_scenarios() -> None:
     """The parametrized test below must not pass by finding no files."""
-    assert len(scenario_files()) >= 4
+    assert len(scenario_files()) >= 5
 
 
 @pytest.mark.parametrize("path", scenario_files(), ids=lambda p: p.stem)
