@@ -25,6 +25,10 @@ The rules it holds:
   command abandons it (raising the floor to its epoch).
 * **Fail-stop, deposition, shutdown freeze and the hand-off fence** each close the write
   gate (``write_refusal``) with their own status and message.
+* **The log's position** (``log``): its last LSN, first LSN and the commit LSN the store
+  recorded. The driver reports every append, truncation, compaction and snapshot install;
+  for the slave side it decides compaction, the commit advance, the acks and when an idle
+  stream's commit LSN is recorded (``slave_written``, ``slave_heartbeat``).
 
 It wraps neither store nor network: the master's replication (``replication.py``) and the
 slave's ``Follower`` (``follower.py``) stay the pure cores of the replication protocol; the
