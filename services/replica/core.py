@@ -42,6 +42,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from services.common.errors import Code, ServiceError
+from services.replica.follower import Follower, HelloAccepted, Refusal
 from services.replica.replication import Ack
 
 # The master answers with this metadata key when a write reaches a non-master.
@@ -153,8 +154,16 @@ class Effects:
     8. ``faults``: record each and report it to the coordinator (it quarantines the node).
 
     The log inputs (``log_*``, ``slave_*``, ``snapshot_*``, ``commit_record_*``) set only
-    the fields below, which the driver applies in this order, with the commit lock held
-    (the batch, snapshot or heartbeat that produced them is the stream's current one):
+    ``refusal`` (answer the stream with it, logged as a warning when ``warn``; nothing else
+    is set) and the fields below, which the driver applies in this order, with the commit
+    lock held (the batch, snapshot or heartbeat that produced them is the stream's current
+    one):
+
+    ``slave_hello`` alone: ``log_reread`` first, even with a refusal (the follower was
+    reset to the store's log: an unfinished snapshot install left it empty; committed
+    reads forget what was above it), then ``hello``: persist ``adopt_cluster_id`` when
+    set, mark the store in use and answer with the position; ``stream`` numbers the
+    accepted stream (its later messages name it).
 
     9. ``compact_from``: store operation: delete the log below this LSN (a failure
        leaves more log than wanted; report the store's log start with ``log_compacted``).
@@ -175,6 +184,10 @@ class Effects:
     members: tuple[str, ...] | None = None
     faults: tuple[str, ...] = ()
     role_changed: bool = False
+    hello: HelloAccepted | None = None
+    stream: int = 0
+    log_reread: bool = False
+    warn: bool = False
     compact_from: int = 0
     record_commit: int = 0
     advance_commit: int | None = None
@@ -275,6 +288,10 @@ class ReplicaCore:
         self.fence = WriteFence()
         # The attempt count of the latest master role taken, per epoch (for progress).
         self._attempts: tuple[int, int] = (0, 0)
+        # A slave's follower (made by the driver, ``followed``) and the number of the
+        # stream it accepts: a newer Hello or role supersedes every older stream.
+        self.follower: Follower | None = None
+        self.stream_seq = 0
 
     # --- the coordinator's role commands
 
@@ -452,8 +469,17 @@ class ReplicaCore:
         self.taking = None
         return Effects(refusal=taking.error)
 
-    def followed(self, epoch: int, master_id: str, lease_ms: int, now_ms: int) -> Effects:
+    def followed(
+        self,
+        epoch: int,
+        master_id: str,
+        lease_ms: int,
+        now_ms: int,
+        follower: Follower | None = None,
+    ) -> Effects:
         """The driver made the follower: this replica is ``master_id``'s slave."""
+        self.follower = follower
+        self.stream_seq += 1
         self.role = Role.SLAVE
         self.epoch = epoch
         self.master_id = master_id
@@ -601,6 +627,60 @@ class ReplicaCore:
 
     # --- the log's position and commit-LSN record (the slave side and every append)
 
+    def slave_hello(
+        self,
+        *,
+        master_id: str,
+        epoch: int,
+        cluster_id: str,
+        store_last_lsn: int,
+        store_history: tuple[tuple[int, int], ...],
+        store_log_start_lsn: int,
+    ) -> Effects:
+        """A master opens a replication stream (``ReplicationHello``); ``store_*`` is what
+        the store holds now. Accepted only by a slave, from its epoch's master."""
+        follower = self.follower
+        if self.role != Role.SLAVE or follower is None:
+            stale = epoch < self.epoch
+            return Effects(
+                refusal=RoleRefusal(
+                    Code.FAILED_PRECONDITION if stale else Code.UNAVAILABLE,
+                    f"replica {self.config.node_id} (epoch {self.epoch}, last LSN "
+                    f"{self.log.last_lsn}) refused the stream of {master_id[:64]!r} (epoch "
+                    f"{epoch}): "
+                    + ("that epoch is stale" if stale else "it is not a slave of that epoch yet"),
+                    ((EPOCH_KEY, str(self.epoch)),),
+                ),
+                warn=stale,
+            )
+        reread = follower.state().last_lsn != store_last_lsn
+        if reread:
+            # An unfinished snapshot install left the store empty: report what it holds.
+            follower.reset(last_lsn=store_last_lsn, history=store_history)
+            self.log_reset(store_last_lsn, store_log_start_lsn)
+        result = follower.on_hello(master_id=master_id, epoch=epoch, cluster_id=cluster_id)
+        if isinstance(result, Refusal):
+            return Effects(refusal=self._stream_refusal(result), log_reread=reread, warn=True)
+        self.stream_seq += 1
+        return Effects(hello=result, stream=self.stream_seq, log_reread=reread)
+
+    def slave_stream(self, stream: int) -> Follower | RoleRefusal:
+        """The follower of replication stream ``stream``, or why that stream is over."""
+        follower = self.follower
+        if self.role != Role.SLAVE or follower is None or stream != self.stream_seq:
+            return RoleRefusal(
+                Code.FAILED_PRECONDITION,
+                f"replica {self.config.node_id} (epoch {self.epoch}, last LSN "
+                f"{self.log.last_lsn}): this replication stream was superseded (a newer "
+                "stream or role)",
+                ((EPOCH_KEY, str(self.epoch)),),
+            )
+        return follower
+
+    def _stream_refusal(self, refusal: Refusal) -> RoleRefusal:
+        """The follower's refusal, carrying this replica's epoch for a stale master."""
+        return RoleRefusal(refusal.status, refusal.message, ((EPOCH_KEY, str(self.epoch)),))
+
     def log_reset(
         self, last_lsn: int, log_start_lsn: int, commit_recorded: int | None = None
     ) -> Effects:
@@ -708,6 +788,8 @@ class ReplicaCore:
         self.fence.clear()
         self.master_id = ""
         self.lease_until_ms = 0
+        self.follower = None
+        self.stream_seq += 1
         return Effects(cancel_taking=cancel, drop_role=reason, role_changed=changed)
 
 

@@ -223,11 +223,9 @@ class ReplicaNode:
         self._answer_wait_s = answer_wait_s(
             config.timeouts.heartbeat_interval_ms, config.timeouts.rpc_timeout_ms
         )
-        # The master's replication for its epoch, and a slave's follower.
+        # The master's replication for its epoch (a slave's follower and the number of its
+        # current stream are the core's: ``core.follower``, ``core.stream_seq``).
         self._driver: MasterDriver | None = None
-        self._follower: Follower | None = None
-        # Each accepted replication stream gets a number; older streams are refused.
-        self._stream_seq = 0
         # How the process is stopped once a cluster shutdown finished (shutdown.py).
         self.on_shutdown: Callable[[], None] | None = None
 
@@ -1079,10 +1077,10 @@ class ReplicaNode:
                     f"replica {self.node.id} cannot follow {master.id} in epoch {epoch}: {exc}",
                 ) from exc
             self._role_effects(
-                self.core.followed(epoch, master.id, follow.lease_ms, self.clock.monotonic_ms())
+                self.core.followed(
+                    epoch, master.id, follow.lease_ms, self.clock.monotonic_ms(), follower
+                )
             )
-            self._follower = follower
-            self._stream_seq += 1
             self.core.log_reset(meta.last_lsn, self._log_start_lsn)
         log.info(
             "replica %s follows %s: epoch=%d lsn=%d reason=%s",
@@ -1103,8 +1101,6 @@ class ReplicaNode:
         writes not begun, stops push delivery and the master's replication, and waits for
         the batch being written."""
         await self._wait_stopped()
-        self._follower = None
-        self._stream_seq += 1
         while self._queue:  # never started: definitely not stored
             pending = self._queue.popleft()
             _fail_pending(
@@ -1190,30 +1186,20 @@ class ReplicaNode:
     ) -> tuple[int, replica_pb2.ReplicationPosition]:
         """Accepts a stream from this epoch's master; returns its number and our position."""
         async with self._commit_lock:
-            follower = self._follower
-            if self.role != common_pb2.ROLE_SLAVE or follower is None:
-                stale = hello.epoch < self.epoch
-                message = (
-                    f"replica {self.node.id} (epoch {self.epoch}, last LSN {self._last_lsn}) "
-                    f"refused the stream of {hello.master_id[:64]!r} (epoch {hello.epoch}): "
-                    + ("that epoch is stale" if stale else "it is not a slave of that epoch yet")
-                )
-                if stale:
-                    log.warning("replica %s: %s", self.node.id, message)
-                raise self._refused(
-                    Code.FAILED_PRECONDITION if stale else Code.UNAVAILABLE, message
-                )
             meta = self.store.meta()
-            if follower.state().last_lsn != meta.last_lsn:
-                # An unfinished snapshot install left the store empty: report what it holds.
-                follower.reset(last_lsn=meta.last_lsn, history=meta.history)
-                self.core.log_reset(meta.last_lsn, self.store.log_start_lsn())
-                self.gate.truncated(meta.last_lsn)
-            result = follower.on_hello(
-                master_id=hello.master_id, epoch=hello.epoch, cluster_id=hello.cluster_id
+            effects = self.core.slave_hello(
+                master_id=hello.master_id,
+                epoch=hello.epoch,
+                cluster_id=hello.cluster_id,
+                store_last_lsn=meta.last_lsn,
+                store_history=tuple((b.epoch, b.start_lsn) for b in meta.history),
+                store_log_start_lsn=self.store.log_start_lsn(),
             )
-            if isinstance(result, Refusal):
-                raise self._refusal(result)
+            if effects.log_reread:
+                self.gate.truncated(meta.last_lsn)
+            result = effects.hello
+            if effects.refusal is not None or result is None:
+                raise self._stream_refused(effects)
             if result.adopt_cluster_id:
                 self.store.set_cluster_id(result.adopt_cluster_id)
                 log.info(
@@ -1224,7 +1210,6 @@ class ReplicaNode:
                     hello.epoch,
                 )
             self._mark_dirty()
-            self._stream_seq += 1
             position = result.position
             log.info(
                 "replica %s accepted the stream of %s: epoch=%d last_epoch=%d lsn=%d",
@@ -1234,7 +1219,7 @@ class ReplicaNode:
                 position.last_epoch,
                 position.last_lsn,
             )
-            return self._stream_seq, replica_pb2.ReplicationPosition(
+            return effects.stream, replica_pb2.ReplicationPosition(
                 node_id=position.node_id,
                 last_epoch=position.last_epoch,
                 last_lsn=position.last_lsn,
@@ -1245,14 +1230,20 @@ class ReplicaNode:
             )
 
     def _stream_follower(self, stream: int) -> Follower:
-        follower = self._follower
-        if self.role != common_pb2.ROLE_SLAVE or follower is None or stream != self._stream_seq:
-            raise self._refused(
-                Code.FAILED_PRECONDITION,
-                f"replica {self.node.id} (epoch {self.epoch}, last LSN {self._last_lsn}): this "
-                f"replication stream was superseded (a newer stream or role)",
-            )
+        """The follower of the current stream (the core's); a superseded one is refused."""
+        follower = self.core.slave_stream(stream)
+        if isinstance(follower, RoleRefusal):
+            raise follower.error()
         return follower
+
+    def _stream_refused(self, effects: Effects) -> ServiceError:
+        """A refused Hello as the stream's status (logged when the core says so)."""
+        refusal = effects.refusal or RoleRefusal(
+            Code.INTERNAL, "a Hello neither accepted nor refused"
+        )
+        if effects.warn:
+            log.warning("replica %s: %s", self.node.id, refusal.message)
+        return refusal.error()
 
     async def replication_batch(
         self, stream: int, batch: replica_pb2.EntryBatch

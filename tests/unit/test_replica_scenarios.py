@@ -45,6 +45,10 @@ The log's position and commit-LSN record (the slave side, and every append):
     snapshot-begun / snapshot-installed lsn=N commit=N
     reset last=N start=N [recorded=N]
                               the driver re-read the store
+    hello master=n1 epoch=N cluster=C [store-last=N]
+                              a master opens a replication stream (the store's log ends
+                              at ``store-last``, by default where the core says)
+    stream N                  is stream N the current one?
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ from services.replica.core import (
     RoleRefusal,
     StoreFacts,
 )
+from services.replica.follower import Follower, FollowerConfig
 from services.replica.replication import Ack
 from tests.unit.transcripts import check_or_rewrite, parse_transcript, render
 
@@ -99,9 +104,19 @@ class Harness:
             out.append(f"role-changed to {self.core.role.name.lower()}")
         if effects.cancel_taking:
             out.append(f"cancel-taking: {effects.cancel_taking}")
+        if effects.log_reread:
+            out.append("log-reread")
         if effects.refusal is not None:
-            out.append(refused(effects.refusal))
+            out.append(("(warning) " if effects.warn else "") + refused(effects.refusal))
             return out
+        hello = effects.hello
+        if hello is not None:
+            p = hello.position
+            out.append(
+                f"hello accepted: stream={effects.stream} position last_epoch={p.last_epoch} "
+                f"last_lsn={p.last_lsn}"
+                + (f" adopt-cluster-id={hello.adopt_cluster_id}" if hello.adopt_cluster_id else "")
+            )
         if effects.drop_role:
             out.append(f"drop-role: {effects.drop_role}")
         if effects.record_cluster_id:
@@ -121,8 +136,17 @@ class Harness:
             if self.follow_fails:
                 out.append("  (the follower cannot be made: the command is refused)")
             else:
+                last = self.core.log.last_lsn
+                follower = Follower(
+                    FollowerConfig(self.core.config.node_id),
+                    cluster_id=self.store.cluster_id,
+                    epoch=follow.epoch,
+                    master_id=follow.master_id,
+                    last_lsn=last,
+                    history=((1, 1),) if last else (),
+                )
                 followed = self.core.followed(
-                    follow.epoch, follow.master_id, follow.lease_ms, self.now_ms
+                    follow.epoch, follow.master_id, follow.lease_ms, self.now_ms, follower
                 )
                 out.extend(f"  {line}" for line in self.effects(followed))
         if effects.join_taking:
@@ -294,6 +318,21 @@ def execute(h: Harness | None, line: str) -> tuple[Harness | None, list[str]]:
         out += h.effects(core.snapshot_begun())
     elif command == "snapshot-installed":
         out += h.effects(core.snapshot_installed(int(options["lsn"]), int(options["commit"])))
+    elif command == "hello":
+        last = int(options.get("store-last", str(core.log.last_lsn)))
+        out += h.effects(
+            core.slave_hello(
+                master_id=options["master"],
+                epoch=int(options["epoch"]),
+                cluster_id=options["cluster"],
+                store_last_lsn=last,
+                store_history=((1, 1),) if last else (),
+                store_log_start_lsn=1,
+            )
+        )
+    elif command == "stream":
+        current = core.slave_stream(int(positional[0]))
+        out.append(refused(current) if isinstance(current, RoleRefusal) else "current")
     elif command == "reset":
         recorded = int(options["recorded"]) if "recorded" in options else None
         out += h.effects(core.log_reset(int(options["last"]), int(options["start"]), recorded))
