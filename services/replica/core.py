@@ -38,12 +38,19 @@ driver makes them when this core says the role is taken (``take_master``, ``foll
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.common.errors import Code, ServiceError
-from services.replica.follower import Follower, HelloAccepted, Refusal
-from services.replica.replication import Ack
+from services.replica.follower import (
+    BatchAccepted,
+    Follower,
+    HelloAccepted,
+    Refusal,
+    SnapshotAccepted,
+)
+from services.replica.replication import Ack, EntryLike
 
 # The master answers with this metadata key when a write reaches a non-master.
 MASTER_ADDRESS_KEY = "squall-master-address"
@@ -165,6 +172,12 @@ class Effects:
     set, mark the store in use and answer with the position; ``stream`` numbers the
     accepted stream (its later messages name it).
 
+    ``slave_batch``: ``acks`` (the ack on receipt: send it before the write), then
+    ``batch``, written as ``BatchAccepted`` says (report ``slave_written``, or
+    ``slave_store_failed`` and close the stream), or ``advance_commit`` when it has
+    nothing to write. ``slave_snapshot_chunk``: ``snapshot``, installed as
+    ``SnapshotAccepted`` says (a failure: ``slave_store_failed``).
+
     9. ``compact_from``: store operation: delete the log below this LSN (a failure
        leaves more log than wanted; report the store's log start with ``log_compacted``).
     10. ``record_commit``: store operation, in the background and ordered with appends:
@@ -185,6 +198,8 @@ class Effects:
     faults: tuple[str, ...] = ()
     role_changed: bool = False
     hello: HelloAccepted | None = None
+    batch: BatchAccepted[Any] | None = None
+    snapshot: SnapshotAccepted | None = None
     stream: int = 0
     log_reread: bool = False
     warn: bool = False
@@ -677,6 +692,72 @@ class ReplicaCore:
             )
         return follower
 
+    def slave_batch(
+        self,
+        stream: int,
+        *,
+        epoch: int,
+        entries: Sequence[EntryLike],
+        commit_lsn: int,
+        truncate_after_lsn: int | None,
+    ) -> Effects:
+        """A batch on replication stream ``stream``: checked whole by the follower (a
+        refusal changes nothing and closes the stream)."""
+        follower = self.slave_stream(stream)
+        if isinstance(follower, RoleRefusal):
+            return Effects(refusal=follower)
+        result = follower.on_batch(
+            epoch=epoch,
+            entries=entries,
+            commit_lsn=commit_lsn,
+            truncate_after_lsn=truncate_after_lsn,
+        )
+        if isinstance(result, Refusal):
+            return Effects(refusal=self._stream_refusal(result), warn=True)
+        acks = () if result.ack_now is None else (result.ack_now,)
+        if not result.write_needed:
+            return Effects(acks=acks, advance_commit=follower.commit_lsn)
+        return Effects(acks=acks, batch=result)
+
+    def slave_snapshot_chunk(
+        self,
+        stream: int,
+        *,
+        index: int,
+        snapshot_lsn: int,
+        snapshot_epoch: int,
+        last: bool,
+        history: Sequence[tuple[int, int]],
+    ) -> Effects:
+        """A snapshot chunk on replication stream ``stream``, checked by the follower."""
+        follower = self.slave_stream(stream)
+        if isinstance(follower, RoleRefusal):
+            return Effects(refusal=follower)
+        result = follower.on_snapshot_chunk(
+            index=index,
+            snapshot_lsn=snapshot_lsn,
+            snapshot_epoch=snapshot_epoch,
+            last=last,
+            history=history,
+        )
+        if isinstance(result, Refusal):
+            return Effects(refusal=self._stream_refusal(result), warn=True)
+        return Effects(snapshot=result)
+
+    def slave_store_failed(
+        self,
+        follower: Follower,
+        *,
+        store_last_lsn: int,
+        store_history: tuple[tuple[int, int], ...],
+        store_log_start_lsn: int,
+    ) -> Effects:
+        """Writing what ``follower`` accepted failed (nothing of it stored): it and the log
+        position are re-read from the store; the driver closes the stream."""
+        follower.reset(last_lsn=store_last_lsn, history=store_history)
+        self.log_reset(store_last_lsn, store_log_start_lsn)
+        return Effects(log_reread=True)
+
     def _stream_refusal(self, refusal: Refusal) -> RoleRefusal:
         """The follower's refusal, carrying this replica's epoch for a stale master."""
         return RoleRefusal(refusal.status, refusal.message, ((EPOCH_KEY, str(self.epoch)),))
@@ -728,10 +809,6 @@ class ReplicaCore:
         self.log.commit_recorded = max(self.log.commit_recorded, min(batch_commit_lsn, last_lsn))
         keep = min(last_lsn - self.config.log_retention_entries + 1, commit_lsn + 1)
         return Effects(compact_from=self.compaction(keep), advance_commit=commit_lsn, acks=(ack,))
-
-    def slave_commit_known(self, commit_lsn: int) -> Effects:
-        """A batch with nothing to write: reads may serve up to the follower's commit LSN."""
-        return Effects(advance_commit=commit_lsn)
 
     def slave_heartbeat(self, *, commit_lsn: int, ack: Ack) -> Effects:
         """An idle stream's heartbeat taught the follower ``commit_lsn``: serve reads up to

@@ -1236,6 +1236,17 @@ class ReplicaNode:
             raise follower.error()
         return follower
 
+    def _slave_store_failed(self, follower: Follower) -> None:
+        """A slave's write or install failed: the core and the gate re-read the store."""
+        meta = self.store.meta()
+        self.core.slave_store_failed(
+            follower,
+            store_last_lsn=meta.last_lsn,
+            store_history=tuple((b.epoch, b.start_lsn) for b in meta.history),
+            store_log_start_lsn=self.store.log_start_lsn(),
+        )
+        self.gate.truncated(meta.last_lsn)
+
     def _stream_refused(self, effects: Effects) -> ServiceError:
         """A refused Hello as the stream's status (logged when the core says so)."""
         refusal = effects.refusal or RoleRefusal(
@@ -1254,18 +1265,20 @@ class ReplicaNode:
         count it without waiting for this store.
         """
         async with self._commit_lock:
-            follower = self._stream_follower(stream)
-            result = follower.on_batch(
+            accepted = self.core.slave_batch(
+                stream,
                 epoch=batch.epoch,
                 entries=list(batch.entries),
                 commit_lsn=batch.commit_lsn,
                 truncate_after_lsn=batch.truncate_after_lsn or None,
             )
-            if isinstance(result, Refusal):
-                raise self._refusal(result)
-            if result.ack_now is not None:
-                yield _ack(result.ack_now)
-            if result.write_needed:
+            if accepted.refusal is not None:
+                raise self._stream_refused(accepted)
+            follower = self._stream_follower(stream)
+            for ack_now in accepted.acks:
+                yield _ack(ack_now)
+            result = accepted.batch
+            if result is not None:
                 try:
                     if result.truncate_after_lsn is not None:
                         await self._truncate_locked(
@@ -1279,10 +1292,7 @@ class ReplicaNode:
                         result.entries, sync=result.sync, commit_lsn=batch.commit_lsn
                     )
                 except (StoreError, ServiceError) as exc:
-                    meta = self.store.meta()
-                    self.gate.truncated(meta.last_lsn)
-                    follower.reset(last_lsn=meta.last_lsn, history=meta.history)
-                    self.core.log_reset(meta.last_lsn, self.store.log_start_lsn())
+                    self._slave_store_failed(follower)
                     if isinstance(exc, ServiceError):
                         raise self._refused(exc.code, exc.message) from exc
                     if isinstance(exc, StoreFullError):
@@ -1304,23 +1314,25 @@ class ReplicaNode:
                 for written in await self._apply_log_effects(effects):
                     yield written
             else:
-                await self._apply_log_effects(self.core.slave_commit_known(follower.commit_lsn))
+                await self._apply_log_effects(accepted)
 
     async def replication_snapshot(
         self, stream: int, chunk: replica_pb2.SnapshotChunk
     ) -> list[replica_pb2.ReplicationAck]:
         """Installs one snapshot chunk from the master; after the last, returns the ack."""
         async with self._commit_lock:
-            follower = self._stream_follower(stream)
-            result = follower.on_snapshot_chunk(
+            accepted = self.core.slave_snapshot_chunk(
+                stream,
                 index=chunk.index,
                 snapshot_lsn=chunk.snapshot_lsn,
                 snapshot_epoch=chunk.snapshot_epoch,
                 last=chunk.last,
                 history=[(b.epoch, b.start_lsn) for b in chunk.history],
             )
-            if isinstance(result, Refusal):
-                raise self._refusal(result)
+            result = accepted.snapshot
+            if accepted.refusal is not None or result is None:
+                raise self._stream_refused(accepted)
+            follower = self._stream_follower(stream)
             try:
                 installed = await self._install_snapshot_chunk(
                     chunk,
@@ -1329,10 +1341,7 @@ class ReplicaNode:
                     source=f"master {follower.state().master_id}",
                 )
             except (StoreError, FollowerError) as exc:
-                meta = self.store.meta()
-                follower.reset(last_lsn=meta.last_lsn, history=meta.history)
-                self.core.log_reset(meta.last_lsn, self.store.log_start_lsn())
-                self.gate.truncated(meta.last_lsn)
+                self._slave_store_failed(follower)
                 if isinstance(exc, StoreFullError):
                     raise self._refused(
                         Code.RESOURCE_EXHAUSTED,

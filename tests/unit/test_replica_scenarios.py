@@ -35,8 +35,12 @@ The log's position and commit-LSN record (the slave side, and every append):
                               the node keeps ``retention`` entries
     written last=N batch-commit=N commit=N [synced]
                               a slave stored a batch up to N; the follower's commit LSN
-                              is ``commit`` (its ack: received = written = N)
-    commit-known N            a batch with nothing to write; the follower's commit LSN
+                              is ``commit`` (its ack: the follower's when it accepted
+                              those entries, else received = written = N)
+    batch stream=N epoch=N [entries=LSN:EPOCH,...] [commit=N] [truncate=N] [bad=LSN]
+                              a batch on stream N (``bad``: that entry's checksum is wrong)
+    snapshot stream=N index=N lsn=N epoch=N [last] [history=EPOCH:LSN,...]
+                              a snapshot chunk on stream N
     heartbeat commit=N [ack=N]
                               an idle stream's heartbeat; the follower's commit LSN
     recorded N / record-failed
@@ -54,6 +58,8 @@ The log's position and commit-LSN record (the slave side, and every append):
 from __future__ import annotations
 
 import shlex
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -109,6 +115,20 @@ class Harness:
         if effects.refusal is not None:
             out.append(("(warning) " if effects.warn else "") + refused(effects.refusal))
             return out
+        accepted = effects.batch
+        if accepted is not None:
+            lsns = [e.lsn for e in accepted.entries]
+            span = f"{lsns[0]}..{lsns[-1]}" if lsns else "none"
+            out.append(
+                f"write entries={span} truncate-after={accepted.truncate_after_lsn} "
+                f"sync={accepted.sync}"
+            )
+        snapshot = effects.snapshot
+        if snapshot is not None:
+            out.append(
+                f"snapshot chunk {snapshot.index} at LSN {snapshot.snapshot_lsn}: "
+                + ("install" if snapshot.install else "stage")
+            )
         hello = effects.hello
         if hello is not None:
             p = hello.position
@@ -200,6 +220,21 @@ class Harness:
         return text
 
 
+@dataclass(frozen=True)
+class _Entry:
+    """A log entry as the follower reads it."""
+
+    lsn: int
+    epoch: int
+    operation: bytes
+    checksum: int
+
+
+def _entry(lsn: int, epoch: int, *, bad: bool = False) -> _Entry:
+    operation = f"op {lsn}".encode()
+    return _Entry(lsn, epoch, operation, zlib.crc32(operation) ^ (1 if bad else 0))
+
+
 def refused(refusal: RoleRefusal) -> str:
     """A refusal as one line, with its metadata."""
     meta = "".join(f" [{k}={v}]" for k, v in refusal.metadata)
@@ -288,7 +323,11 @@ def execute(h: Harness | None, line: str) -> tuple[Harness | None, list[str]]:
         out.append("write accepted" if refusal is None else refused(refusal))
     elif command == "written":
         last = int(options["last"])
-        ack = Ack(last, last, last if "synced" in positional else 0)
+        synced = "synced" in positional
+        ack = Ack(last, last, last if synced else 0)
+        follower = core.follower
+        if follower is not None and follower.state().written_lsn < last <= follower.last_lsn:
+            ack = follower.on_written(last, synced=synced)  # it accepted them: its ack
         out += h.effects(
             core.slave_written(
                 last_lsn=last,
@@ -297,8 +336,37 @@ def execute(h: Harness | None, line: str) -> tuple[Harness | None, list[str]]:
                 ack=ack,
             )
         )
-    elif command == "commit-known":
-        out += h.effects(core.slave_commit_known(int(positional[0])))
+    elif command == "batch":
+        bad = int(options.get("bad", "0"))
+        entries = [
+            _entry(int(lsn), int(epoch), bad=int(lsn) == bad)
+            for lsn, epoch in (e.split(":") for e in options.get("entries", "").split(",") if e)
+        ]
+        truncate = int(options["truncate"]) if "truncate" in options else None
+        out += h.effects(
+            core.slave_batch(
+                int(options["stream"]),
+                epoch=int(options["epoch"]),
+                entries=entries,
+                commit_lsn=int(options.get("commit", "0")),
+                truncate_after_lsn=truncate,
+            )
+        )
+    elif command == "snapshot":
+        history = [
+            (int(e), int(lsn))
+            for e, lsn in (b.split(":") for b in options.get("history", "").split(",") if b)
+        ]
+        out += h.effects(
+            core.slave_snapshot_chunk(
+                int(options["stream"]),
+                index=int(options["index"]),
+                snapshot_lsn=int(options["lsn"]),
+                snapshot_epoch=int(options["epoch"]),
+                last="last" in positional,
+                history=history,
+            )
+        )
     elif command == "heartbeat":
         last = int(options.get("ack", str(core.log.last_lsn)))
         out += h.effects(
