@@ -810,6 +810,17 @@ class ReplicaCore:
         keep = min(last_lsn - self.config.log_retention_entries + 1, commit_lsn + 1)
         return Effects(compact_from=self.compaction(keep), advance_commit=commit_lsn, acks=(ack,))
 
+    def slave_heartbeat_message(self, stream: int, *, epoch: int, commit_lsn: int) -> Effects:
+        """A heartbeat on replication stream ``stream``: the follower learns the master's
+        ``commit_lsn`` (a refusal closes the stream), then as ``slave_heartbeat``."""
+        follower = self.slave_stream(stream)
+        if isinstance(follower, RoleRefusal):
+            return Effects(refusal=follower)
+        result = follower.on_heartbeat(epoch=epoch, commit_lsn=commit_lsn)
+        if isinstance(result, Refusal):
+            return Effects(refusal=self._stream_refusal(result), warn=True)
+        return self.slave_heartbeat(commit_lsn=follower.commit_lsn, ack=result)
+
     def slave_heartbeat(self, *, commit_lsn: int, ack: Ack) -> Effects:
         """An idle stream's heartbeat taught the follower ``commit_lsn``: serve reads up to
         it, record it (no batch will, one record at a time: the next heartbeat records the

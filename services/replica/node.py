@@ -87,7 +87,6 @@ from services.replica.follower import (
     Follower,
     FollowerConfig,
     FollowerError,
-    Refusal,
     RefusalCode,
     check_entries,
 )
@@ -1177,10 +1176,6 @@ class ReplicaNode:
         """A replication refusal carrying this replica's epoch for a stale master."""
         return ServiceError(code, message, metadata=((EPOCH_KEY, str(self.epoch)),))
 
-    def _refusal(self, refusal: Refusal) -> ServiceError:
-        log.warning("replica %s: %s", self.node.id, refusal.message)
-        return self._refused(refusal.status, refusal.message)
-
     async def replication_hello(
         self, hello: replica_pb2.ReplicationHello
     ) -> tuple[int, replica_pb2.ReplicationPosition]:
@@ -1432,11 +1427,11 @@ class ReplicaNode:
         self, stream: int, heartbeat: replica_pb2.ReplicationHeartbeat
     ) -> replica_pb2.ReplicationAck:
         """A heartbeat from the master: learns its commit LSN; returns the ack."""
-        follower = self._stream_follower(stream)
-        result = follower.on_heartbeat(epoch=heartbeat.epoch, commit_lsn=heartbeat.commit_lsn)
-        if isinstance(result, Refusal):
-            raise self._refusal(result)
-        effects = self.core.slave_heartbeat(commit_lsn=follower.commit_lsn, ack=result)
+        effects = self.core.slave_heartbeat_message(
+            stream, epoch=heartbeat.epoch, commit_lsn=heartbeat.commit_lsn
+        )
+        if effects.refusal is not None:
+            raise self._stream_refused(effects)
         # No store operation but the background record: applied without the commit lock.
         if effects.record_commit:
             self._commit_recording = asyncio.get_running_loop().create_task(

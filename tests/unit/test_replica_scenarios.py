@@ -43,6 +43,8 @@ The log's position and commit-LSN record (the slave side, and every append):
                               a snapshot chunk on stream N
     heartbeat commit=N [ack=N]
                               an idle stream's heartbeat; the follower's commit LSN
+    heartbeat stream=N epoch=N commit=N
+                              a heartbeat message on stream N, put to the follower
     recorded N / record-failed
                               the background commit record ended
     appended last=N [recorded=N] / truncated keep=N start=N / compacted start=N
@@ -365,6 +367,14 @@ def execute(h: Harness | None, line: str) -> tuple[Harness | None, list[str]]:
                 snapshot_epoch=int(options["epoch"]),
                 last="last" in positional,
                 history=history,
+            )
+        )
+    elif command == "heartbeat" and "stream" in options:
+        out += h.effects(
+            core.slave_heartbeat_message(
+                int(options["stream"]),
+                epoch=int(options["epoch"]),
+                commit_lsn=int(options["commit"]),
             )
         )
     elif command == "heartbeat":
