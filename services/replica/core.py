@@ -32,7 +32,9 @@ The rules it holds:
 
 It wraps neither store nor network: the master's replication (``replication.py``) and the
 slave's ``Follower`` (``follower.py``) stay the pure cores of the replication protocol; the
-driver makes them when this core says the role is taken (``take_master``, ``follow``).
+driver makes them when this core says the role is taken (``take_master``, ``follow``). A
+slave's ``Follower`` is then held here: the core numbers the streams and puts each Hello,
+batch, snapshot chunk and heartbeat to it (``slave_*``).
 """
 
 from __future__ import annotations
