@@ -25,22 +25,40 @@ The rules it holds:
   command abandons it (raising the floor to its epoch).
 * **Fail-stop, deposition, shutdown freeze and the hand-off fence** each close the write
   gate (``write_refusal``) with their own status and message.
+* **The log's position** (``log``): its last LSN, first LSN and the commit LSN the store
+  recorded. The driver reports every append, truncation, compaction and snapshot install;
+  for the slave side it decides compaction, the commit advance, the acks and when an idle
+  stream's commit LSN is recorded (``slave_written``, ``slave_heartbeat``).
 
 It wraps neither store nor network: the master's replication (``replication.py``) and the
 slave's ``Follower`` (``follower.py``) stay the pure cores of the replication protocol; the
-driver makes them when this core says the role is taken (``take_master``, ``follow``).
+driver makes them when this core says the role is taken (``take_master``, ``follow``). A
+slave's ``Follower`` is then held here: the core numbers the streams and puts each Hello,
+batch, snapshot chunk and heartbeat to it (``slave_*``).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.common.errors import Code, ServiceError
+from services.replica.follower import (
+    BatchAccepted,
+    Follower,
+    HelloAccepted,
+    Refusal,
+    SnapshotAccepted,
+)
+from services.replica.replication import Ack, EntryLike
 
 # The master answers with this metadata key when a write reaches a non-master.
 MASTER_ADDRESS_KEY = "squall-master-address"
+# Compaction runs once the log holds this many entries beyond the retention (at most
+# COMPACT_STEP_MAX, at least 1): one bounded store transaction per step, not per batch.
+COMPACT_STEP_MAX = 10_000
 # Trailing metadata key on a slave's refusal: the slave's epoch, so a stale master steps down
 # (``master_driver``) and a stale role command names the epoch that superseded it.
 EPOCH_KEY = "squall-epoch"
@@ -143,6 +161,32 @@ class Effects:
        that task ends or within a heartbeat, as ``reorg`` says).
     7. ``members``: a master renewal naming another group: tell the replication core.
     8. ``faults``: record each and report it to the coordinator (it quarantines the node).
+
+    The log inputs (``log_*``, ``slave_*``, ``snapshot_*``, ``commit_record_*``) set only
+    ``refusal`` (answer the stream with it, logged as a warning when ``warn``; nothing else
+    is set) and the fields below, which the driver applies in this order, with the commit
+    lock held (the batch, snapshot or heartbeat that produced them is the stream's current
+    one):
+
+    ``slave_hello`` alone: ``log_reread`` first, even with a refusal (the follower was
+    reset to the store's log: an unfinished snapshot install left it empty; committed
+    reads forget what was above it), then ``hello``: persist ``adopt_cluster_id`` when
+    set, mark the store in use and answer with the position; ``stream`` numbers the
+    accepted stream (its later messages name it).
+
+    ``slave_batch``: ``acks`` (the ack on receipt: send it before the write), then
+    ``batch``, written as ``BatchAccepted`` says (report ``slave_written``, or
+    ``slave_store_failed`` and close the stream), or ``advance_commit`` when it has
+    nothing to write. ``slave_snapshot_chunk``: ``snapshot``, installed as
+    ``SnapshotAccepted`` says (a failure: ``slave_store_failed``).
+
+    9. ``compact_from``: store operation: delete the log below this LSN (a failure
+       leaves more log than wanted; report the store's log start with ``log_compacted``).
+    10. ``record_commit``: store operation, in the background and ordered with appends:
+        record this commit LSN so a restart does not hide it; report
+        ``commit_record_done`` (or ``commit_record_failed``).
+    11. ``advance_commit``: committed reads may serve up to this LSN; wake subscribers.
+    12. ``acks``: send each to the master, in order.
     """
 
     refusal: RoleRefusal | None = None
@@ -155,6 +199,16 @@ class Effects:
     members: tuple[str, ...] | None = None
     faults: tuple[str, ...] = ()
     role_changed: bool = False
+    hello: HelloAccepted | None = None
+    batch: BatchAccepted[Any] | None = None
+    snapshot: SnapshotAccepted | None = None
+    stream: int = 0
+    log_reread: bool = False
+    warn: bool = False
+    compact_from: int = 0
+    record_commit: int = 0
+    advance_commit: int | None = None
+    acks: tuple[Ack, ...] = ()
 
 
 @dataclass
@@ -195,21 +249,44 @@ class Taking:
         )
 
 
+@dataclass
+class LogPosition:
+    """Where this replica's log stands, as the role rules and the slave side read it:
+    its last LSN, the first LSN still in it, the commit LSN the store last recorded, and
+    the one being recorded in the background (0: none)."""
+
+    last_lsn: int = 0
+    log_start_lsn: int = 1
+    commit_recorded: int = 0
+    commit_recording: int = 0
+
+
+def compact_step(retention_entries: int) -> int:
+    """Entries beyond the retention that make compaction worth a store transaction."""
+    return max(1, min(retention_entries // 8, COMPACT_STEP_MAX))
+
+
 @dataclass(frozen=True, slots=True)
 class CoreConfig:
-    """This node's id and every configured node's replica address, by node id."""
+    """This node's id, every configured node's replica address by node id, and how many
+    log entries it keeps (``limits.log_retention_entries``)."""
 
     node_id: str
     replica_addresses: Mapping[str, str] = field(default_factory=dict)
+    log_retention_entries: int = 0
 
 
 class ReplicaCore:
     """The replica's role state machine (see the module docstring)."""
 
-    def __init__(self, config: CoreConfig, *, stored_epoch: int) -> None:
+    def __init__(
+        self, config: CoreConfig, *, stored_epoch: int, log: LogPosition | None = None
+    ) -> None:
         """A replica that just started: no role, in the epoch its store holds, which is
-        also its floor (it held no role in this process yet)."""
+        also its floor (it held no role in this process yet); ``log``: where its store's
+        log stands."""
         self.config = config
+        self.log = log if log is not None else LogPosition()
         self.role = Role.INACTIVE
         self.epoch = stored_epoch
         self.master_id = ""
@@ -228,6 +305,10 @@ class ReplicaCore:
         self.fence = WriteFence()
         # The attempt count of the latest master role taken, per epoch (for progress).
         self._attempts: tuple[int, int] = (0, 0)
+        # A slave's follower (made by the driver, ``followed``) and the number of the
+        # stream it accepts: a newer Hello or role supersedes every older stream.
+        self.follower: Follower | None = None
+        self.stream_seq = 0
 
     # --- the coordinator's role commands
 
@@ -405,8 +486,17 @@ class ReplicaCore:
         self.taking = None
         return Effects(refusal=taking.error)
 
-    def followed(self, epoch: int, master_id: str, lease_ms: int, now_ms: int) -> Effects:
+    def followed(
+        self,
+        epoch: int,
+        master_id: str,
+        lease_ms: int,
+        now_ms: int,
+        follower: Follower | None = None,
+    ) -> Effects:
         """The driver made the follower: this replica is ``master_id``'s slave."""
+        self.follower = follower
+        self.stream_seq += 1
         self.role = Role.SLAVE
         self.epoch = epoch
         self.master_id = master_id
@@ -552,6 +642,220 @@ class ReplicaCore:
             )
         return RoleRefusal(Code.UNAVAILABLE, f"replica {me} has no role yet (no master elected)")
 
+    # --- the log's position and commit-LSN record (the slave side and every append)
+
+    def slave_hello(
+        self,
+        *,
+        master_id: str,
+        epoch: int,
+        cluster_id: str,
+        store_last_lsn: int,
+        store_history: tuple[tuple[int, int], ...],
+        store_log_start_lsn: int,
+    ) -> Effects:
+        """A master opens a replication stream (``ReplicationHello``); ``store_*`` is what
+        the store holds now. Accepted only by a slave, from its epoch's master."""
+        follower = self.follower
+        if self.role != Role.SLAVE or follower is None:
+            stale = epoch < self.epoch
+            return Effects(
+                refusal=RoleRefusal(
+                    Code.FAILED_PRECONDITION if stale else Code.UNAVAILABLE,
+                    f"replica {self.config.node_id} (epoch {self.epoch}, last LSN "
+                    f"{self.log.last_lsn}) refused the stream of {master_id[:64]!r} (epoch "
+                    f"{epoch}): "
+                    + ("that epoch is stale" if stale else "it is not a slave of that epoch yet"),
+                    ((EPOCH_KEY, str(self.epoch)),),
+                ),
+                warn=stale,
+            )
+        reread = follower.state().last_lsn != store_last_lsn
+        if reread:
+            # An unfinished snapshot install left the store empty: report what it holds.
+            follower.reset(last_lsn=store_last_lsn, history=store_history)
+            self.log_reset(store_last_lsn, store_log_start_lsn)
+        result = follower.on_hello(master_id=master_id, epoch=epoch, cluster_id=cluster_id)
+        if isinstance(result, Refusal):
+            return Effects(refusal=self._stream_refusal(result), log_reread=reread, warn=True)
+        self.stream_seq += 1
+        return Effects(hello=result, stream=self.stream_seq, log_reread=reread)
+
+    def slave_stream(self, stream: int) -> Follower | RoleRefusal:
+        """The follower of replication stream ``stream``, or why that stream is over."""
+        follower = self.follower
+        if self.role != Role.SLAVE or follower is None or stream != self.stream_seq:
+            return RoleRefusal(
+                Code.FAILED_PRECONDITION,
+                f"replica {self.config.node_id} (epoch {self.epoch}, last LSN "
+                f"{self.log.last_lsn}): this replication stream was superseded (a newer "
+                "stream or role)",
+                ((EPOCH_KEY, str(self.epoch)),),
+            )
+        return follower
+
+    def slave_batch(
+        self,
+        stream: int,
+        *,
+        epoch: int,
+        entries: Sequence[EntryLike],
+        commit_lsn: int,
+        truncate_after_lsn: int | None,
+    ) -> Effects:
+        """A batch on replication stream ``stream``: checked whole by the follower (a
+        refusal changes nothing and closes the stream)."""
+        follower = self.slave_stream(stream)
+        if isinstance(follower, RoleRefusal):
+            return Effects(refusal=follower)
+        result = follower.on_batch(
+            epoch=epoch,
+            entries=entries,
+            commit_lsn=commit_lsn,
+            truncate_after_lsn=truncate_after_lsn,
+        )
+        if isinstance(result, Refusal):
+            return Effects(refusal=self._stream_refusal(result), warn=True)
+        acks = () if result.ack_now is None else (result.ack_now,)
+        if not result.write_needed:
+            return Effects(acks=acks, advance_commit=follower.commit_lsn)
+        return Effects(acks=acks, batch=result)
+
+    def slave_snapshot_chunk(
+        self,
+        stream: int,
+        *,
+        index: int,
+        snapshot_lsn: int,
+        snapshot_epoch: int,
+        last: bool,
+        history: Sequence[tuple[int, int]],
+    ) -> Effects:
+        """A snapshot chunk on replication stream ``stream``, checked by the follower."""
+        follower = self.slave_stream(stream)
+        if isinstance(follower, RoleRefusal):
+            return Effects(refusal=follower)
+        result = follower.on_snapshot_chunk(
+            index=index,
+            snapshot_lsn=snapshot_lsn,
+            snapshot_epoch=snapshot_epoch,
+            last=last,
+            history=history,
+        )
+        if isinstance(result, Refusal):
+            return Effects(refusal=self._stream_refusal(result), warn=True)
+        return Effects(snapshot=result)
+
+    def slave_store_failed(
+        self,
+        follower: Follower,
+        *,
+        store_last_lsn: int,
+        store_history: tuple[tuple[int, int], ...],
+        store_log_start_lsn: int,
+    ) -> Effects:
+        """Writing what ``follower`` accepted failed (nothing of it stored): it and the log
+        position are re-read from the store; the driver closes the stream."""
+        follower.reset(last_lsn=store_last_lsn, history=store_history)
+        self.log_reset(store_last_lsn, store_log_start_lsn)
+        return Effects(log_reread=True)
+
+    def _stream_refusal(self, refusal: Refusal) -> RoleRefusal:
+        """The follower's refusal, carrying this replica's epoch for a stale master."""
+        return RoleRefusal(refusal.status, refusal.message, ((EPOCH_KEY, str(self.epoch)),))
+
+    def log_reset(
+        self, last_lsn: int, log_start_lsn: int, commit_recorded: int | None = None
+    ) -> Effects:
+        """The driver re-read the store (a role taken, a write failed, a sync stopped):
+        its log ends at ``last_lsn`` and starts at ``log_start_lsn``; ``commit_recorded``
+        when the record is known anew."""
+        self.log.last_lsn, self.log.log_start_lsn = last_lsn, log_start_lsn
+        if commit_recorded is not None:
+            self.log.commit_recorded = commit_recorded
+        return Effects()
+
+    def log_appended(self, last_lsn: int, recorded_commit_lsn: int = 0) -> Effects:
+        """Entries up to ``last_lsn`` were appended (by the writer or a reorganization
+        fetch); the same transaction recorded ``recorded_commit_lsn`` (0: none)."""
+        self.log.last_lsn = last_lsn
+        self.log.commit_recorded = max(self.log.commit_recorded, recorded_commit_lsn)
+        return Effects()
+
+    def log_truncated(self, keep_lsn: int, log_start_lsn: int) -> Effects:
+        """The log after ``keep_lsn`` was removed: nothing above it is recorded committed."""
+        self.log.last_lsn, self.log.log_start_lsn = keep_lsn, log_start_lsn
+        self.log.commit_recorded = min(self.log.commit_recorded, keep_lsn)
+        return Effects()
+
+    def log_compacted(self, log_start_lsn: int) -> Effects:
+        """The log below ``log_start_lsn`` was deleted."""
+        self.log.log_start_lsn = log_start_lsn
+        return Effects()
+
+    def compaction(self, keep_lsn: int) -> int:
+        """The LSN to compact the log below now (0: not worth a store transaction yet);
+        ``keep_lsn`` is what the caller may delete below (never above a commit LSN)."""
+        step = compact_step(self.config.log_retention_entries)
+        return keep_lsn if keep_lsn - self.log.log_start_lsn >= step else 0
+
+    def slave_written(
+        self, *, last_lsn: int, batch_commit_lsn: int, commit_lsn: int, ack: Ack
+    ) -> Effects:
+        """A slave stored a batch up to ``last_lsn`` in one transaction recording the
+        master's ``batch_commit_lsn``; ``commit_lsn`` is the follower's (known committed
+        and written) and ``ack`` the follower's ack for it. Compacts the log beyond the
+        retention (never above the commit LSN: a restart hides what is above it by
+        reading the log), serves reads up to the commit LSN, then acknowledges."""
+        self.log.last_lsn = last_lsn
+        self.log.commit_recorded = max(self.log.commit_recorded, min(batch_commit_lsn, last_lsn))
+        keep = min(last_lsn - self.config.log_retention_entries + 1, commit_lsn + 1)
+        return Effects(compact_from=self.compaction(keep), advance_commit=commit_lsn, acks=(ack,))
+
+    def slave_heartbeat_message(self, stream: int, *, epoch: int, commit_lsn: int) -> Effects:
+        """A heartbeat on replication stream ``stream``: the follower learns the master's
+        ``commit_lsn`` (a refusal closes the stream), then as ``slave_heartbeat``."""
+        follower = self.slave_stream(stream)
+        if isinstance(follower, RoleRefusal):
+            return Effects(refusal=follower)
+        result = follower.on_heartbeat(epoch=epoch, commit_lsn=commit_lsn)
+        if isinstance(result, Refusal):
+            return Effects(refusal=self._stream_refusal(result), warn=True)
+        return self.slave_heartbeat(commit_lsn=follower.commit_lsn, ack=result)
+
+    def slave_heartbeat(self, *, commit_lsn: int, ack: Ack) -> Effects:
+        """An idle stream's heartbeat taught the follower ``commit_lsn``: serve reads up to
+        it, record it (no batch will, one record at a time: the next heartbeat records the
+        rest) and answer with ``ack``."""
+        record = 0
+        if commit_lsn > self.log.commit_recorded and not self.log.commit_recording:
+            record = self.log.commit_recording = commit_lsn
+        return Effects(record_commit=record, advance_commit=commit_lsn, acks=(ack,))
+
+    def commit_record_done(self, recorded_lsn: int) -> Effects:
+        """The store recorded commit LSN ``recorded_lsn`` (``record_commit``)."""
+        self.log.commit_recording = 0
+        self.log.commit_recorded = max(self.log.commit_recorded, recorded_lsn)
+        return Effects()
+
+    def commit_record_failed(self) -> Effects:
+        """Recording the commit LSN failed (only a hint for the next start): the next
+        heartbeat tries again."""
+        self.log.commit_recording = 0
+        return Effects()
+
+    def snapshot_begun(self) -> Effects:
+        """A snapshot install began: the store reports itself empty until it finishes."""
+        self.log.last_lsn, self.log.log_start_lsn, self.log.commit_recorded = 0, 1, 0
+        return Effects()
+
+    def snapshot_installed(self, snapshot_lsn: int, commit_lsn: int) -> Effects:
+        """The install finished: the log continues from ``snapshot_lsn`` and the store
+        recorded ``commit_lsn``; reads may serve up to it."""
+        self.log.last_lsn, self.log.log_start_lsn = snapshot_lsn, snapshot_lsn + 1
+        self.log.commit_recorded = commit_lsn
+        return Effects(advance_commit=commit_lsn)
+
     # --- internals
 
     def _renew_lease(self, lease_ms: int, now_ms: int) -> None:
@@ -574,6 +878,8 @@ class ReplicaCore:
         self.fence.clear()
         self.master_id = ""
         self.lease_until_ms = 0
+        self.follower = None
+        self.stream_seq += 1
         return Effects(cancel_taking=cancel, drop_role=reason, role_changed=changed)
 
 

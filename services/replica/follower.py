@@ -258,6 +258,64 @@ class FollowerState:
     snapshot_staging_lsn: int
 
 
+@dataclass(frozen=True, slots=True)
+class EntryProblem:
+    """Why a run of entries cannot continue a log: the offending LSN and a sentence."""
+
+    code: RefusalCode
+    lsn: int
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class EntriesChecked:
+    """A run of entries that continues the log: where it ends and the epoch boundaries
+    it adds to the history (``(epoch, start_lsn)``, oldest first)."""
+
+    last_lsn: int
+    last_epoch: int
+    new_boundaries: list[tuple[int, int]]
+
+
+def check_entries(
+    entries: Sequence[EntryLike], *, prev_lsn: int, prev_epoch: int, max_epoch: int
+) -> EntriesChecked | EntryProblem:
+    """Checks that ``entries`` continue a log ending at ``prev_lsn`` (of ``prev_epoch``):
+    LSNs consecutive, epochs in 1..``max_epoch`` and never decreasing, each entry's
+    CRC-32 over its operation. The rules of a streamed batch (``Follower.on_batch``) and
+    of a reorganization fetch (``ReplicaNode._sync_from``) alike."""
+    new_boundaries: list[tuple[int, int]] = []
+    for entry in entries:
+        lsn, entry_epoch = entry.lsn, entry.epoch
+        if lsn != prev_lsn + 1:
+            return EntryProblem(
+                RefusalCode.LSN_GAP, lsn, f"entry LSN {lsn} does not follow LSN {prev_lsn}"
+            )
+        if not 0 < entry_epoch <= max_epoch:
+            return EntryProblem(
+                RefusalCode.BAD_ENTRY_EPOCH,
+                lsn,
+                f"entry of epoch {entry_epoch} from the master of epoch {max_epoch}",
+            )
+        if entry_epoch < prev_epoch:
+            return EntryProblem(
+                RefusalCode.OLD_EPOCH,
+                lsn,
+                f"entry of epoch {entry_epoch} after an entry of epoch {prev_epoch}",
+            )
+        if zlib.crc32(entry.operation) != entry.checksum:
+            return EntryProblem(
+                RefusalCode.BAD_CHECKSUM,
+                lsn,
+                f"checksum {entry.checksum:#010x} does not match the operation's "
+                f"{zlib.crc32(entry.operation):#010x}",
+            )
+        if entry_epoch > prev_epoch:
+            new_boundaries.append((entry_epoch, lsn))
+        prev_lsn, prev_epoch = lsn, entry_epoch
+    return EntriesChecked(prev_lsn, prev_epoch, new_boundaries)
+
+
 class Follower:
     """One slave's replication state: its epoch and master, its log's tail, its acks."""
 
@@ -497,36 +555,13 @@ class Follower:
                     lsn=t,
                 )
             truncate, base_lsn, history = t, t, truncate_history(self._history, t)
-        prev_lsn, prev_epoch = base_lsn, epoch_at(history, base_lsn)
-        new_boundaries: list[tuple[int, int]] = []
-        for entry in entries:
-            lsn, entry_epoch = entry.lsn, entry.epoch
-            if lsn != prev_lsn + 1:
-                return self._refuse(
-                    RefusalCode.LSN_GAP, f"entry LSN {lsn} does not follow LSN {prev_lsn}", lsn=lsn
-                )
-            if not 0 < entry_epoch <= epoch:
-                return self._refuse(
-                    RefusalCode.BAD_ENTRY_EPOCH,
-                    f"entry of epoch {entry_epoch} from the master of epoch {epoch}",
-                    lsn=lsn,
-                )
-            if entry_epoch < prev_epoch:
-                return self._refuse(
-                    RefusalCode.OLD_EPOCH,
-                    f"entry of epoch {entry_epoch} after an entry of epoch {prev_epoch}",
-                    lsn=lsn,
-                )
-            if zlib.crc32(entry.operation) != entry.checksum:
-                return self._refuse(
-                    RefusalCode.BAD_CHECKSUM,
-                    f"checksum {entry.checksum:#010x} does not match the operation's "
-                    f"{zlib.crc32(entry.operation):#010x}",
-                    lsn=lsn,
-                )
-            if entry_epoch > prev_epoch:
-                new_boundaries.append((entry_epoch, lsn))
-            prev_lsn, prev_epoch = lsn, entry_epoch
+        checked = check_entries(
+            entries, prev_lsn=base_lsn, prev_epoch=epoch_at(history, base_lsn), max_epoch=epoch
+        )
+        if isinstance(checked, EntryProblem):
+            return self._refuse(checked.code, checked.detail, lsn=checked.lsn)
+        new_boundaries = checked.new_boundaries
+        prev_lsn, prev_epoch = checked.last_lsn, checked.last_epoch
         if len(history) + len(new_boundaries) > HISTORY_BOUNDARIES_MAX:
             return self._refuse(RefusalCode.TOO_LARGE, "the epoch history would grow too long")
         # Everything checked: accept.

@@ -64,6 +64,7 @@ from services.replica.core import (
     CoreConfig,
     Effects,
     Follow,
+    LogPosition,
     ReplicaCore,
     Role,
     RoleOrder,
@@ -80,7 +81,14 @@ from services.replica.faults import (
     new_fault,
     save_fault,
 )
-from services.replica.follower import Follower, FollowerConfig, FollowerError, Refusal
+from services.replica.follower import (
+    EntryProblem,
+    Follower,
+    FollowerConfig,
+    FollowerError,
+    RefusalCode,
+    check_entries,
+)
 from services.replica.master_driver import MasterDriver, SlaveStatus, Waiting
 from services.replica.push import PushDelivery
 from services.replica.rebuild import LmdbTruncator
@@ -114,9 +122,6 @@ log = logging.getLogger("squall.replica")
 # Request metadata from a publisher proxy: the replica addresses it just failed to reach,
 # comma-separated, so this replica does not redirect it back to a dead master.
 UNREACHABLE_KEY = "squall-unreachable"
-# Compaction runs once the log holds this many entries beyond the retention (at most
-# _COMPACT_STEP_MAX, at least 1): one bounded store transaction per step, not per batch.
-_COMPACT_STEP_MAX = 10_000
 # Unflushed appends up to this size run on the event loop: an LMDB commit of a few
 # entries without fsync takes tens of microseconds, less than the hand-off to the store
 # thread and back (~0.3 ms per append measured on a busy 2-core machine), which one-at-a-
@@ -168,9 +173,15 @@ class ReplicaNode:
         )
         # The role rules (role, epoch and its floor, lease, shutdown freeze, hand-off fence,
         # the write gate) live in the pure core; this driver carries out its effects.
+        # The log's position and commit-LSN record too (``_last_lsn`` and its kin read it).
         self.core = ReplicaCore(
-            CoreConfig(node.id, {n.id: n.replica_address for n in config.nodes}),
+            CoreConfig(
+                node.id,
+                {n.id: n.replica_address for n in config.nodes},
+                config.limits.log_retention_entries,
+            ),
             stored_epoch=store.meta().epoch,
+            log=LogPosition(store.meta().last_lsn, store.log_start_lsn()),
         )
         self._nodes = {n.id: n for n in config.nodes}
         self._counted_role = Role.INACTIVE  # the role the role-change metric last saw
@@ -189,8 +200,6 @@ class ReplicaNode:
         )
         self._writer: asyncio.Task[None] | None = None
         self._lease_task: asyncio.Task[None] | None = None
-        self._last_lsn = store.meta().last_lsn
-        self._log_start_lsn = store.log_start_lsn()
         # Held while a batch is being written, so a deactivation can wait for it and then
         # report a log that no longer grows.
         self._commit_lock = asyncio.Lock()
@@ -202,23 +211,31 @@ class ReplicaNode:
         # the record existed) counts as committed throughout.
         recorded = store.meta().commit_lsn
         self.gate = CommitGate(self._last_lsn if recorded is None else recorded)
-        self._commit_recorded = self.gate.commit_lsn
-        self._commit_recording: asyncio.Task[None] | None = None
+        self.core.log_reset(self._last_lsn, self._log_start_lsn, self.gate.commit_lsn)
+        self._commit_recording: asyncio.Task[None] | None = None  # the core's record_commit
         # The task taking a master role in the background (its reorganization sync).
         self._taking: Taking | None = None
         self._stopping: asyncio.Task[None] | None = None  # an abandoned taking winding down
         self._answer_wait_s = answer_wait_s(
             config.timeouts.heartbeat_interval_ms, config.timeouts.rpc_timeout_ms
         )
-        # The master's replication for its epoch, and a slave's follower.
+        # The master's replication for its epoch (a slave's follower and the number of its
+        # current stream are the core's: ``core.follower``, ``core.stream_seq``).
         self._driver: MasterDriver | None = None
-        self._follower: Follower | None = None
-        # Each accepted replication stream gets a number; older streams are refused.
-        self._stream_seq = 0
         # How the process is stopped once a cluster shutdown finished (shutdown.py).
         self.on_shutdown: Callable[[], None] | None = None
 
     # --- the core's state, as the servicers and the coordinator's reports read it
+
+    @property
+    def _last_lsn(self) -> int:
+        """The log's last LSN (the core keeps it)."""
+        return self.core.log.last_lsn
+
+    @property
+    def _log_start_lsn(self) -> int:
+        """The first LSN still in the log (the core keeps it)."""
+        return self.core.log.log_start_lsn
 
     @property
     def role(self) -> common_pb2.Role.ValueType:
@@ -369,7 +386,7 @@ class ReplicaNode:
                 f"replica {self.node.id}: the master role of epoch {epoch} names no cluster "
                 "id and this store holds none (the coordinator mints it)",
             )
-        self._last_lsn = meta.last_lsn
+        self.core.log_reset(meta.last_lsn, self._log_start_lsn)
         core = self._new_core(epoch, [n.id for n in member_nodes], meta)
         driver = MasterDriver(
             self.config,
@@ -504,6 +521,8 @@ class ReplicaNode:
                     log_start_lsn=self.store.log_start_lsn(),
                 )
                 progress.phase = "fetching log"
+                # Where the log ends, as each fetched batch must continue it.
+                tail_lsn, tail_epoch = meta.last_lsn, meta.last_epoch
                 call = stub.FetchLog(request)
                 try:
                     # One step per message: bounded by the source's log and snapshot.
@@ -525,15 +544,28 @@ class ReplicaNode:
                             )
                             progress.snapshot_chunks += 1
                             progress.snapshot_records += len(response.snapshot.records)
-                            snapshots += snapshot_lsn is not None
+                            if snapshot_lsn is not None:
+                                snapshots += 1
+                                tail_lsn = snapshot_lsn
+                                tail_epoch = response.snapshot.snapshot_epoch
                             continue
                         batch = response.entries
                         if batch.truncate_after_lsn and batch.truncate_after_lsn < meta.last_lsn:
+                            self._check_fetched_truncation(
+                                batch.truncate_after_lsn, epoch, source_id
+                            )
                             raise _Diverged(batch.truncate_after_lsn)
                         entries = list(batch.entries)
                         if entries:
                             progress.phase = "fetching log"
+                            # Held to a streamed batch's rules before anything is stored.
+                            checked = check_entries(
+                                entries, prev_lsn=tail_lsn, prev_epoch=tail_epoch, max_epoch=epoch
+                            )
+                            if isinstance(checked, EntryProblem):
+                                raise self._fetch_refused(epoch, source_id, checked)
                             await self._store_fetched(entries, batch.commit_lsn, sync=sync)
+                            tail_lsn, tail_epoch = checked.last_lsn, checked.last_epoch
                             fetched += len(entries)
                             progress.entries_fetched = fetched
                         elif self.gate.advance(min(batch.commit_lsn, self._last_lsn)):
@@ -563,7 +595,7 @@ class ReplicaNode:
                 finally:
                     call.cancel()  # a no-op once the stream ended
         meta = self.store.meta()
-        self._last_lsn = meta.last_lsn
+        self.core.log_reset(meta.last_lsn, self._log_start_lsn)
         log.info(
             "replica %s synced from %s for epoch %d: %s%d entries fetched, log at epoch %d "
             "LSN %d (from LSN %d), commit LSN %d, %d publishes hidden until committed: %s",
@@ -578,6 +610,39 @@ class ReplicaNode:
             self.gate.commit_lsn,
             self.gate.tracked,
             progress.describe(self.clock.monotonic_ms()),
+        )
+
+    def _check_fetched_truncation(self, keep_lsn: int, epoch: int, source_id: str) -> None:
+        """A sync source may not have this node truncate entries it knows committed."""
+        if keep_lsn < self.gate.commit_lsn:
+            raise self._fetch_refused(
+                epoch,
+                source_id,
+                EntryProblem(
+                    RefusalCode.TRUNCATE_BELOW_COMMIT,
+                    keep_lsn,
+                    f"truncate after LSN {keep_lsn} would remove committed entries "
+                    f"(commit LSN {self.gate.commit_lsn})",
+                ),
+            )
+
+    def _fetch_refused(self, epoch: int, source_id: str, problem: EntryProblem) -> ServiceError:
+        """A fetched log refused by the follower's rules (nothing of that batch stored)."""
+        log.warning(
+            "replica %s refused the log fetched from sync source %s for epoch %d at LSN %d: "
+            "%s (%s)",
+            self.node.id,
+            source_id,
+            epoch,
+            problem.lsn,
+            problem.detail,
+            problem.code.value,
+        )
+        return ServiceError(
+            Code.FAILED_PRECONDITION,
+            f"replica {self.node.id} cannot take the master role in epoch {epoch}: sync "
+            f"source {source_id} sent a log it refuses at LSN {problem.lsn} "
+            f"({problem.code.value}): {problem.detail}; nothing of that batch was stored",
         )
 
     def _adopt_cluster_id(self, cluster_id: str, source_id: str) -> None:
@@ -613,7 +678,7 @@ class ReplicaNode:
                 # (Cancelled: the store thread may still append; _cancel_taking rebuilds.)
                 self.gate.truncated(self.store.meta().last_lsn)
                 raise
-            self._last_lsn = entries[-1].lsn
+            self.core.log_appended(entries[-1].lsn)
             if self.gate.advance(min(source_commit_lsn, self._last_lsn)):
                 self._notify_committed()
 
@@ -683,10 +748,8 @@ class ReplicaNode:
             raise ServiceError(
                 Code.UNAVAILABLE, f"replica {self.node.id}: truncation failed: {exc}"
             ) from exc
-        self._last_lsn = keep_lsn
-        self._log_start_lsn = self.store.log_start_lsn()
+        self.core.log_truncated(keep_lsn, self.store.log_start_lsn())
         self.gate.truncated(keep_lsn)
-        self._commit_recorded = min(self._commit_recorded, keep_lsn)
         self._notify_committed()
 
     # --- writes
@@ -947,9 +1010,7 @@ class ReplicaNode:
             self._io, self._gate_from_store, "reorganization interrupted"
         )
         meta = self.store.meta()
-        self._last_lsn = meta.last_lsn
-        self._log_start_lsn = self.store.log_start_lsn()
-        self._commit_recorded = self.gate.commit_lsn
+        self.core.log_reset(meta.last_lsn, self.store.log_start_lsn(), self.gate.commit_lsn)
         self._notify_committed()
 
     def _mark_dirty(self) -> None:
@@ -1020,11 +1081,11 @@ class ReplicaNode:
                     f"replica {self.node.id} cannot follow {master.id} in epoch {epoch}: {exc}",
                 ) from exc
             self._role_effects(
-                self.core.followed(epoch, master.id, follow.lease_ms, self.clock.monotonic_ms())
+                self.core.followed(
+                    epoch, master.id, follow.lease_ms, self.clock.monotonic_ms(), follower
+                )
             )
-            self._follower = follower
-            self._stream_seq += 1
-            self._last_lsn = meta.last_lsn
+            self.core.log_reset(meta.last_lsn, self._log_start_lsn)
         log.info(
             "replica %s follows %s: epoch=%d lsn=%d reason=%s",
             self.node.id,
@@ -1044,8 +1105,6 @@ class ReplicaNode:
         writes not begun, stops push delivery and the master's replication, and waits for
         the batch being written."""
         await self._wait_stopped()
-        self._follower = None
-        self._stream_seq += 1
         while self._queue:  # never started: definitely not stored
             pending = self._queue.popleft()
             _fail_pending(
@@ -1122,39 +1181,25 @@ class ReplicaNode:
         """A replication refusal carrying this replica's epoch for a stale master."""
         return ServiceError(code, message, metadata=((EPOCH_KEY, str(self.epoch)),))
 
-    def _refusal(self, refusal: Refusal) -> ServiceError:
-        log.warning("replica %s: %s", self.node.id, refusal.message)
-        return self._refused(refusal.status, refusal.message)
-
     async def replication_hello(
         self, hello: replica_pb2.ReplicationHello
     ) -> tuple[int, replica_pb2.ReplicationPosition]:
         """Accepts a stream from this epoch's master; returns its number and our position."""
         async with self._commit_lock:
-            follower = self._follower
-            if self.role != common_pb2.ROLE_SLAVE or follower is None:
-                stale = hello.epoch < self.epoch
-                message = (
-                    f"replica {self.node.id} (epoch {self.epoch}, last LSN {self._last_lsn}) "
-                    f"refused the stream of {hello.master_id[:64]!r} (epoch {hello.epoch}): "
-                    + ("that epoch is stale" if stale else "it is not a slave of that epoch yet")
-                )
-                if stale:
-                    log.warning("replica %s: %s", self.node.id, message)
-                raise self._refused(
-                    Code.FAILED_PRECONDITION if stale else Code.UNAVAILABLE, message
-                )
             meta = self.store.meta()
-            if follower.state().last_lsn != meta.last_lsn:
-                # An unfinished snapshot install left the store empty: report what it holds.
-                follower.reset(last_lsn=meta.last_lsn, history=meta.history)
-                self._last_lsn = meta.last_lsn
-                self.gate.truncated(meta.last_lsn)
-            result = follower.on_hello(
-                master_id=hello.master_id, epoch=hello.epoch, cluster_id=hello.cluster_id
+            effects = self.core.slave_hello(
+                master_id=hello.master_id,
+                epoch=hello.epoch,
+                cluster_id=hello.cluster_id,
+                store_last_lsn=meta.last_lsn,
+                store_history=tuple((b.epoch, b.start_lsn) for b in meta.history),
+                store_log_start_lsn=self.store.log_start_lsn(),
             )
-            if isinstance(result, Refusal):
-                raise self._refusal(result)
+            if effects.log_reread:
+                self.gate.truncated(meta.last_lsn)
+            result = effects.hello
+            if effects.refusal is not None or result is None:
+                raise self._stream_refused(effects)
             if result.adopt_cluster_id:
                 self.store.set_cluster_id(result.adopt_cluster_id)
                 log.info(
@@ -1165,7 +1210,6 @@ class ReplicaNode:
                     hello.epoch,
                 )
             self._mark_dirty()
-            self._stream_seq += 1
             position = result.position
             log.info(
                 "replica %s accepted the stream of %s: epoch=%d last_epoch=%d lsn=%d",
@@ -1175,7 +1219,7 @@ class ReplicaNode:
                 position.last_epoch,
                 position.last_lsn,
             )
-            return self._stream_seq, replica_pb2.ReplicationPosition(
+            return effects.stream, replica_pb2.ReplicationPosition(
                 node_id=position.node_id,
                 last_epoch=position.last_epoch,
                 last_lsn=position.last_lsn,
@@ -1186,14 +1230,31 @@ class ReplicaNode:
             )
 
     def _stream_follower(self, stream: int) -> Follower:
-        follower = self._follower
-        if self.role != common_pb2.ROLE_SLAVE or follower is None or stream != self._stream_seq:
-            raise self._refused(
-                Code.FAILED_PRECONDITION,
-                f"replica {self.node.id} (epoch {self.epoch}, last LSN {self._last_lsn}): this "
-                f"replication stream was superseded (a newer stream or role)",
-            )
+        """The follower of the current stream (the core's); a superseded one is refused."""
+        follower = self.core.slave_stream(stream)
+        if isinstance(follower, RoleRefusal):
+            raise follower.error()
         return follower
+
+    def _slave_store_failed(self, follower: Follower) -> None:
+        """A slave's write or install failed: the core and the gate re-read the store."""
+        meta = self.store.meta()
+        self.core.slave_store_failed(
+            follower,
+            store_last_lsn=meta.last_lsn,
+            store_history=tuple((b.epoch, b.start_lsn) for b in meta.history),
+            store_log_start_lsn=self.store.log_start_lsn(),
+        )
+        self.gate.truncated(meta.last_lsn)
+
+    def _stream_refused(self, effects: Effects) -> ServiceError:
+        """A refused Hello as the stream's status (logged when the core says so)."""
+        refusal = effects.refusal or RoleRefusal(
+            Code.INTERNAL, "a Hello neither accepted nor refused"
+        )
+        if effects.warn:
+            log.warning("replica %s: %s", self.node.id, refusal.message)
+        return refusal.error()
 
     async def replication_batch(
         self, stream: int, batch: replica_pb2.EntryBatch
@@ -1204,18 +1265,20 @@ class ReplicaNode:
         count it without waiting for this store.
         """
         async with self._commit_lock:
-            follower = self._stream_follower(stream)
-            result = follower.on_batch(
+            accepted = self.core.slave_batch(
+                stream,
                 epoch=batch.epoch,
                 entries=list(batch.entries),
                 commit_lsn=batch.commit_lsn,
                 truncate_after_lsn=batch.truncate_after_lsn or None,
             )
-            if isinstance(result, Refusal):
-                raise self._refusal(result)
-            if result.ack_now is not None:
-                yield _ack(result.ack_now)
-            if result.write_needed:
+            if accepted.refusal is not None:
+                raise self._stream_refused(accepted)
+            follower = self._stream_follower(stream)
+            for ack_now in accepted.acks:
+                yield _ack(ack_now)
+            result = accepted.batch
+            if result is not None:
                 try:
                     if result.truncate_after_lsn is not None:
                         await self._truncate_locked(
@@ -1229,10 +1292,7 @@ class ReplicaNode:
                         result.entries, sync=result.sync, commit_lsn=batch.commit_lsn
                     )
                 except (StoreError, ServiceError) as exc:
-                    meta = self.store.meta()
-                    self.gate.truncated(meta.last_lsn)
-                    follower.reset(last_lsn=meta.last_lsn, history=meta.history)
-                    self._last_lsn = meta.last_lsn
+                    self._slave_store_failed(follower)
                     if isinstance(exc, ServiceError):
                         raise self._refused(exc.code, exc.message) from exc
                     if isinstance(exc, StoreFullError):
@@ -1244,37 +1304,35 @@ class ReplicaNode:
                     raise self._refused(
                         Code.UNAVAILABLE, f"replica {self.node.id}: store write failed: {exc}"
                     ) from exc
-                self._last_lsn = result.last_lsn
-                self._commit_recorded = max(
-                    self._commit_recorded, min(batch.commit_lsn, result.last_lsn)
+                ack = follower.on_written(result.last_lsn, synced=result.sync)
+                effects = self.core.slave_written(
+                    last_lsn=result.last_lsn,
+                    batch_commit_lsn=batch.commit_lsn,
+                    commit_lsn=follower.commit_lsn,
+                    ack=ack,
                 )
-                written = _ack(follower.on_written(result.last_lsn, synced=result.sync))
-                retention = self.config.limits.log_retention_entries
-                # Never above the commit LSN: a restart hides what is above it by reading
-                # the log.
-                keep = min(self._last_lsn - retention + 1, follower.commit_lsn + 1)
-                if keep - self._log_start_lsn >= _compact_step(retention):
-                    await self._compact(keep)
-                self._advance_commit(follower.commit_lsn)
-                yield written
+                for written in await self._apply_log_effects(effects):
+                    yield written
             else:
-                self._advance_commit(follower.commit_lsn)
+                await self._apply_log_effects(accepted)
 
     async def replication_snapshot(
         self, stream: int, chunk: replica_pb2.SnapshotChunk
     ) -> list[replica_pb2.ReplicationAck]:
         """Installs one snapshot chunk from the master; after the last, returns the ack."""
         async with self._commit_lock:
-            follower = self._stream_follower(stream)
-            result = follower.on_snapshot_chunk(
+            accepted = self.core.slave_snapshot_chunk(
+                stream,
                 index=chunk.index,
                 snapshot_lsn=chunk.snapshot_lsn,
                 snapshot_epoch=chunk.snapshot_epoch,
                 last=chunk.last,
                 history=[(b.epoch, b.start_lsn) for b in chunk.history],
             )
-            if isinstance(result, Refusal):
-                raise self._refusal(result)
+            result = accepted.snapshot
+            if accepted.refusal is not None or result is None:
+                raise self._stream_refused(accepted)
+            follower = self._stream_follower(stream)
             try:
                 installed = await self._install_snapshot_chunk(
                     chunk,
@@ -1283,10 +1341,7 @@ class ReplicaNode:
                     source=f"master {follower.state().master_id}",
                 )
             except (StoreError, FollowerError) as exc:
-                meta = self.store.meta()
-                follower.reset(last_lsn=meta.last_lsn, history=meta.history)
-                self._last_lsn = meta.last_lsn
-                self.gate.truncated(meta.last_lsn)
+                self._slave_store_failed(follower)
                 if isinstance(exc, StoreFullError):
                     raise self._refused(
                         Code.RESOURCE_EXHAUSTED,
@@ -1335,10 +1390,8 @@ class ReplicaNode:
                 functools.partial(store.begin_snapshot, chunk.snapshot_lsn, chunk.snapshot_epoch),
             )
             # The store reports itself empty until the install finishes.
-            self._last_lsn = 0
-            self._log_start_lsn = 1
+            self.core.snapshot_begun()
             self.gate.truncated(0)
-            self._commit_recorded = 0
         await loop.run_in_executor(self._io, store.install_chunk, chunk)
         if not last:
             return None
@@ -1354,13 +1407,13 @@ class ReplicaNode:
                 uncommitted=uncommitted,
             ),
         )
-        self._last_lsn = lsn
-        self._log_start_lsn = lsn + 1
+        installed = self.core.snapshot_installed(lsn, commit_lsn)
         # The snapshot's state cannot be hidden entry by entry: what it holds above the
-        # sender's commit LSN is hidden per topic until this node's commit LSN passes it.
-        self.gate.advance(commit_lsn)
+        # sender's commit LSN is hidden per topic until this node's commit LSN passes it
+        # (the gate moves first, then hides).
+        if installed.advance_commit is not None:
+            self.gate.advance(installed.advance_commit)
         hidden = self.gate.restore(uncommitted)
-        self._commit_recorded = commit_lsn
         self._notify_committed()
         log.info(
             "replica %s installed the snapshot at LSN %d (epoch %d) from %s; the log "
@@ -1379,39 +1432,49 @@ class ReplicaNode:
         self, stream: int, heartbeat: replica_pb2.ReplicationHeartbeat
     ) -> replica_pb2.ReplicationAck:
         """A heartbeat from the master: learns its commit LSN; returns the ack."""
-        follower = self._stream_follower(stream)
-        result = follower.on_heartbeat(epoch=heartbeat.epoch, commit_lsn=heartbeat.commit_lsn)
-        if isinstance(result, Refusal):
-            raise self._refusal(result)
-        self._advance_commit(follower.commit_lsn)
-        self._record_commit_soon(follower.commit_lsn)
-        return _ack(result)
-
-    def _record_commit_soon(self, commit_lsn: int) -> None:
-        """Records a commit LSN learnt without a batch (a heartbeat: the stream is idle),
-        so a restart does not hide the last batch; one store write at a time."""
-        if commit_lsn <= self._commit_recorded:
-            return
-        running = self._commit_recording
-        if running is not None and not running.done():
-            return  # the next heartbeat records the rest
-        self._commit_recording = asyncio.get_running_loop().create_task(
-            self._record_commit(commit_lsn), name=f"record-commit-{self.node.id}"
+        effects = self.core.slave_heartbeat_message(
+            stream, epoch=heartbeat.epoch, commit_lsn=heartbeat.commit_lsn
         )
+        if effects.refusal is not None:
+            raise self._stream_refused(effects)
+        # No store operation but the background record: applied without the commit lock.
+        if effects.record_commit:
+            self._commit_recording = asyncio.get_running_loop().create_task(
+                self._record_commit(effects.record_commit), name=f"record-commit-{self.node.id}"
+            )
+        if effects.advance_commit is not None:
+            self._advance_commit(effects.advance_commit)
+        return _ack(effects.acks[0])
+
+    async def _apply_log_effects(self, effects: Effects) -> list[replica_pb2.ReplicationAck]:
+        """Carries out the log effects of a batch (commit lock held), in the order of
+        ``Effects``: compaction, then commit advance; returns the acks to send."""
+        if effects.compact_from:
+            await self._compact(effects.compact_from)
+        if effects.advance_commit is not None:
+            self._advance_commit(effects.advance_commit)
+        return [_ack(ack) for ack in effects.acks]
 
     async def _record_commit(self, commit_lsn: int) -> None:
-        async with self._commit_lock:  # ordered with appends, truncations and installs
-            try:
+        """Records a commit LSN learnt without a batch (a heartbeat: the stream is idle),
+        so a restart does not hide the last batch (the core allows one at a time)."""
+        recorded = 0
+        try:
+            async with self._commit_lock:  # ordered with appends, truncations and installs
                 recorded = await asyncio.get_running_loop().run_in_executor(
                     self._io, functools.partial(self.store.record_commit, commit_lsn)
                 )
-            except StoreError as exc:
-                # Only a hint for the next start-up: a failure hides more after a restart.
-                log.warning(
-                    "replica %s: recording commit LSN %d failed: %s", self.node.id, commit_lsn, exc
-                )
-                return
-            self._commit_recorded = max(self._commit_recorded, recorded)
+        except StoreError as exc:
+            # Only a hint for the next start-up: a failure hides more after a restart.
+            log.warning(
+                "replica %s: recording commit LSN %d failed: %s", self.node.id, commit_lsn, exc
+            )
+        finally:
+            # Cancelled or failed: the next heartbeat records it.
+            if recorded:
+                self.core.commit_record_done(recorded)
+            else:
+                self.core.commit_record_failed()
 
     def _track(self, entry: replica_pb2.LogEntry) -> None:
         """Hides an uncommitted publish from committed reads until it commits."""
@@ -1643,8 +1706,7 @@ class ReplicaNode:
                 self._fail_stop(f"store write failed: {exc}")
                 _fail_all(planned, ServiceError(Code.UNKNOWN, f"write outcome unknown: {exc}"))
                 return
-            self._last_lsn = builder.entries[-1].lsn
-            self._commit_recorded = max(self._commit_recorded, commit_lsn)
+            self.core.log_appended(builder.entries[-1].lsn, commit_lsn)
         if driver is not self._driver or driver.deposed:
             _fail_all(
                 planned,
@@ -1675,7 +1737,7 @@ class ReplicaNode:
         retention = self.config.limits.log_retention_entries
         # Never above the commit LSN: a restart hides what is above it by reading the log.
         keep = min(driver.compaction_target(retention), self.gate.commit_lsn + 1)
-        if keep - self._log_start_lsn >= _compact_step(retention) and not driver.deposed:
+        if self.core.compaction(keep) and not driver.deposed:
             driver.set_log_start(keep)  # the core first: no batch is built below keep
             await self._compact(keep)
 
@@ -1706,7 +1768,7 @@ class ReplicaNode:
                 exc,
             )
             return
-        self._log_start_lsn = self.store.log_start_lsn()
+        self.core.log_compacted(self.store.log_start_lsn())
         log.debug(
             "replica %s compacted its log: %d entries deleted, now LSNs %d..%d",
             self.node.id,
@@ -1830,11 +1892,6 @@ class _Diverged(Exception):
     def __init__(self, fork_lsn: int) -> None:
         super().__init__(f"diverges after LSN {fork_lsn}")
         self.fork_lsn = fork_lsn
-
-
-def _compact_step(retention_entries: int) -> int:
-    """Entries beyond the retention that make compaction worth a store transaction."""
-    return max(1, min(retention_entries // 8, _COMPACT_STEP_MAX))
 
 
 def _ack(ack: Ack) -> replica_pb2.ReplicationAck:

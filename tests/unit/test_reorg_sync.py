@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -322,5 +323,89 @@ def test_a_new_master_sharing_no_entry_with_its_source_is_rebuilt_by_snapshot(
             await node.stop()
             await server.stop()
             await source.stop()
+
+    _run(test, tmp_path)
+
+
+class _MalformedSource(replica_pb2_grpc.ReplicationServicer):
+    """A sync source whose FetchLog answers with the batches it is given, as they are."""
+
+    def __init__(self, batches: list[replica_pb2.EntryBatch]) -> None:
+        self.batches = batches
+        self.fetches = 0
+
+    async def FetchLog(
+        self, request: replica_pb2.FetchLogRequest, context: object
+    ) -> AsyncIterator[replica_pb2.FetchLogResponse]:
+        self.fetches += 1
+        for batch in self.batches:
+            yield replica_pb2.FetchLogResponse(entries=batch, cluster_id="cluster-1")
+
+
+def _topic(lsn: int, epoch: int) -> replica_pb2.LogEntry:
+    return make_entry(lsn, epoch, _op(create_topic=replica_pb2.CreateTopicOp(name=f"t{lsn}")))
+
+
+@pytest.mark.parametrize(
+    ("entries", "refused"),
+    [
+        # LSN 4 is missing.
+        ([_topic(3, 1), _topic(5, 1)], r"at LSN 5 \(LSN_GAP\): entry LSN 5 does not follow LSN 3"),
+        # Epoch 2, then back to epoch 1.
+        (
+            [_topic(3, 2), _topic(4, 1)],
+            r"at LSN 4 \(OLD_EPOCH\): entry of epoch 1 after an entry of epoch 2",
+        ),
+        # An entry of an epoch newer than the one being taken.
+        ([_topic(3, 9)], r"at LSN 3 \(BAD_ENTRY_EPOCH\): entry of epoch 9"),
+    ],
+)
+def test_a_malformed_fetched_log_is_refused_and_nothing_of_it_stored(
+    tmp_path: Path, entries: list[replica_pb2.LogEntry], refused: str
+) -> None:
+    """The reorganization fetch holds the source's log to a streamed batch's rules: a gap,
+    an epoch going backwards or one newer than the epoch taken refuses the master role
+    with a status naming the source and the LSN, and the store is as it was."""
+
+    async def test(config: ClusterConfig) -> None:
+        source = _MalformedSource([replica_pb2.EntryBatch(entries=entries, commit_lsn=2)])
+        server = ServiceServer(
+            config.node("n2").replica_address,
+            [replica_pb2.DESCRIPTOR.services_by_name["Replication"].full_name],
+            config.limits.max_message_bytes,
+        )
+        replica_pb2_grpc.add_ReplicationServicer_to_server(source, server.server)
+        await server.start()
+        store = Store.open_memory()
+        store.append([_topic(1, 1), _topic(2, 1)], sync=False, commit_lsn=2)
+        store.set_cluster_id("cluster-1")
+        store.set_epoch(1)
+        node = ReplicaNode(config, config.node("n1"), store)
+        await node.start()
+        try:
+            take = _command(common_pb2.ROLE_MASTER, 3, 1, master="n1", source="n2")
+            errors: list[ServiceError] = []
+
+            async def failed() -> bool:
+                try:
+                    await node.apply_role(take)
+                except ServiceError as exc:
+                    errors.append(exc)
+                return bool(errors)
+
+            await _until(failed, "the refused fetch was reported")
+            assert errors[0].code == Code.FAILED_PRECONDITION
+            assert "cannot take the master role in epoch 3: sync source n2" in errors[0].message
+            assert re.search(refused, errors[0].message), errors[0].message
+            assert source.fetches == 1
+            assert node.role == common_pb2.ROLE_INACTIVE
+            meta = node.store.meta()
+            assert (meta.last_lsn, meta.last_epoch) == (2, 1)
+            assert [t.name for t in node.store.list_topics()] == ["t1", "t2"]
+            with pytest.raises(ServiceError, match=r"not master yet|no role yet"):
+                node.check_writable()
+        finally:
+            await node.stop()
+            await server.stop()
 
     _run(test, tmp_path)
