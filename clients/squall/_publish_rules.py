@@ -34,10 +34,15 @@ from squall.v1 import broker_pb2, common_pb2
 EventLike = bytes | tuple[bytes | None, bytes] | tuple[bytes | None, bytes, Mapping[str, str]] | Any
 
 INFLIGHT_BATCHES_MAX_DEFAULT = 8
-# A publisher proxy waiting this long for a receipt asks the gateway who the master is
-# (once per such wait): a master that hangs after the group elected another cannot end its
-# streams, and the receipt would otherwise be waited for until the publisher's timeout.
-RECEIPT_STALL_CHECK_S = 0.5
+# A publisher proxy waiting this long for a receipt starts asking the gateway who the master
+# is: a master that hangs after the group elected another cannot end its streams, and the
+# receipt would otherwise be waited for until the publisher's timeout. A healthy receipt
+# takes milliseconds; a failover about 0.3-0.5 s (bench/README.md, fault gaps).
+RECEIPT_STALL_AFTER_S = 0.3
+# ...then asks again this often, each check with this deadline: the gateway forwards the
+# question to the master it knows, so until its view changes a check reaches the hung one
+# and must give up soon, and the first check after the view changes finds the new master.
+RECEIPT_STALL_CHECK_S = 0.1
 BATCH_EVENTS_DEFAULT = 500
 # A batch is one gRPC message; with 100-byte events 10,000 is ~1.3 MB, far under the
 # 64 MiB message limit, and keeps one response's conversion short.

@@ -68,6 +68,7 @@ from squall._publish_rules import (
     BATCH_EVENTS_DEFAULT,
     BATCH_EVENTS_MAX,
     INFLIGHT_BATCHES_MAX_DEFAULT,
+    RECEIPT_STALL_AFTER_S,
     RECEIPT_STALL_CHECK_S,
     EventLike,
     NotSent,
@@ -96,6 +97,7 @@ __all__ = [
     "BATCH_EVENTS_DEFAULT",
     "BATCH_EVENTS_MAX",
     "INFLIGHT_BATCHES_MAX_DEFAULT",
+    "RECEIPT_STALL_AFTER_S",
     "RECEIPT_STALL_CHECK_S",
     "EventLike",
     "Publisher",
@@ -528,20 +530,22 @@ class Publisher:
             ) from None
 
     def _result_or_move(self, stream: _Stream, future: Future[list[Receipt]]) -> list[Receipt]:
-        """future.result(timeout_s); while a proxy's receipt is late, checks every
-        RECEIPT_STALL_CHECK_S that the stream's replica is still the master, and abandons
+        """future.result(timeout_s); once a proxy's receipt is RECEIPT_STALL_AFTER_S late,
+        checks every RECEIPT_STALL_CHECK_S that the stream's replica is still the master, and
+        abandons
         the stream as soon as the gateway names another (FutureTimeoutError at the
         timeout)."""
         endpoint = stream.endpoint
         if endpoint is None or not self._binding.can_check_master():
             return future.result(self._timeout_s)
         deadline = self._monotonic() + self._timeout_s
-        # Bounded by the deadline: each pass waits RECEIPT_STALL_CHECK_S or for the check.
+        wait_s = RECEIPT_STALL_AFTER_S
+        # Bounded by the deadline: each pass waits for the receipt, then checks.
         while (remaining_s := deadline - self._monotonic()) > 0:
             try:
-                return future.result(min(RECEIPT_STALL_CHECK_S, remaining_s))
+                return future.result(min(wait_s, remaining_s))
             except FutureTimeoutError:
-                pass
+                wait_s = RECEIPT_STALL_CHECK_S
             checked = self._binding.check_master(RECEIPT_STALL_CHECK_S)
             if future.done() or not (master := stall_move(self._publisher_id, endpoint, checked)):
                 continue

@@ -38,6 +38,7 @@ from squall._publish_rules import (
     BATCH_EVENTS_DEFAULT,
     BATCH_EVENTS_MAX,
     INFLIGHT_BATCHES_MAX_DEFAULT,
+    RECEIPT_STALL_AFTER_S,
     RECEIPT_STALL_CHECK_S,
     EventLike,
     NotSent,
@@ -503,20 +504,21 @@ class Publisher:
     async def _result_or_move(
         self, stream: _Stream, future: asyncio.Future[list[Receipt]]
     ) -> list[Receipt]:
-        """The batch's receipts within timeout_s (TimeoutError otherwise); while a proxy's
-        receipt is late, checks every RECEIPT_STALL_CHECK_S that the stream's replica is
-        still the master, and abandons the stream once the gateway names another."""
+        """The batch's receipts within timeout_s (TimeoutError otherwise); once a proxy's
+        receipt is RECEIPT_STALL_AFTER_S late, checks every RECEIPT_STALL_CHECK_S that the
+        stream's replica is still the master, and abandons the stream once the gateway
+        names another."""
         endpoint = stream.endpoint
         if endpoint is None or self._check_master is None:
             return await asyncio.wait_for(asyncio.shield(future), self._timeout_s)
         deadline = self._monotonic() + self._timeout_s
-        # Bounded by the deadline: each pass waits RECEIPT_STALL_CHECK_S or for the check.
+        wait_s = RECEIPT_STALL_AFTER_S
+        # Bounded by the deadline: each pass waits for the receipt, then checks.
         while (remaining_s := deadline - self._monotonic()) > 0:
             try:
-                wait_s = min(RECEIPT_STALL_CHECK_S, remaining_s)
-                return await asyncio.wait_for(asyncio.shield(future), wait_s)
+                return await asyncio.wait_for(asyncio.shield(future), min(wait_s, remaining_s))
             except TimeoutError:
-                pass
+                wait_s = RECEIPT_STALL_CHECK_S
             try:
                 checked = await asyncio.wait_for(
                     self._check_master(RECEIPT_STALL_CHECK_S), 2 * RECEIPT_STALL_CHECK_S
