@@ -23,7 +23,7 @@ import grpc
 import tenacity
 
 from squall._errors import Indeterminate, PublisherLost, SquallError, Unavailable, error_for
-from squall._proxy import MASTER_ADDRESS_KEY, Binding, Endpoint
+from squall._proxy import MASTER_ADDRESS_KEY, Binding, Endpoint, RebindCallback
 from squall._retry import Outcome, RetryPolicy, overall
 from squall._types import Receipt, receipt_count
 from squall.v1 import broker_pb2, common_pb2
@@ -351,3 +351,43 @@ class RetryRun:
             "may have stored the events)",
             self.maybe.code if self.maybe is not None else grpc.StatusCode.UNKNOWN,
         )
+
+
+class Moves:
+    """Which replica a publisher's receipts come from, and its moves to another one."""
+
+    def __init__(self, publisher_id: str, on_rebind: RebindCallback | None) -> None:
+        self._publisher_id = publisher_id
+        self._on_rebind = on_rebind
+        self.endpoint: Endpoint | None = None  # the replica whose stream last answered
+        self.count = 0  # moves so far
+
+    def answered(self, endpoint: Endpoint | None) -> Endpoint | None:
+        """A stream to `endpoint` answered for the first time: the previous replica if
+        this is a move, else None."""
+        previous = self.endpoint
+        if endpoint is None:
+            return None
+        self.endpoint = endpoint
+        if previous is None or previous.address == endpoint.address:
+            return None
+        self.count += 1
+        return previous
+
+    def report(self, old: Endpoint, new: Endpoint) -> None:
+        """Tells the app its publisher moved (before it sees the receipt flagged rebound)."""
+        log.info(
+            "publisher %s moved from %s (%s) to %s (%s): order may change here",
+            self._publisher_id,
+            old.node_id,
+            old.address,
+            new.node_id,
+            new.address,
+        )
+        if self._on_rebind is None:
+            return
+        try:
+            self._on_rebind(old, new)
+        except Exception:
+            # The app's callback must not break the receipts of its own publishes.
+            log.exception("publisher %s: on_rebind callback failed", self._publisher_id)

@@ -41,6 +41,7 @@ from squall._publish_rules import (
     RECEIPT_STALL_AFTER_S,
     RECEIPT_STALL_CHECK_S,
     EventLike,
+    Moves,
     NotSent,
     RetryRun,
     add_events,
@@ -169,11 +170,9 @@ class Publisher:
         self._monotonic = monotonic
         self._sleep = sleep
         self._binding = binding
-        self._on_rebind = on_rebind
         # A proxy's check of the master when a receipt is late (RECEIPT_STALL_CHECK_S).
         self._check_master = check_master if isinstance(binding, ProxyBinding) else None
-        self._answered_endpoint: Endpoint | None = None
-        self._rebinds = 0
+        self._moves = Moves(publisher_id, on_rebind)
         self._topic = topic
         self._publisher_id = publisher_id
         self._timeout_s = timeout_s
@@ -226,12 +225,12 @@ class Publisher:
     @property
     def endpoint(self) -> Endpoint | None:
         """The replica whose stream last answered (None through the gateway, or before)."""
-        return self._answered_endpoint
+        return self._moves.endpoint
 
     @property
     def rebinds(self) -> int:
         """How many times this publisher moved to another replica."""
-        return self._rebinds
+        return self._moves.count
 
     @property
     def streams_opened(self) -> int:
@@ -672,11 +671,11 @@ class Publisher:
                 if not stream.answered:
                     stream.answered = True
                     self._binding.stream_answered(stream.endpoint)
-                    moved_from = self._bound(stream)
+                    moved_from = self._moves.answered(stream.endpoint)
                 receipts = receipts_from_pb(response)
                 if moved_from is not None and stream.endpoint is not None:
                     mark_rebound(receipts)
-                    self._report_rebind(moved_from, stream.endpoint)
+                    self._moves.report(moved_from, stream.endpoint)
                 if not batch.future.done():
                     batch.future.set_result(receipts)
                 if self._buffer and self._stream is stream:
@@ -703,35 +702,6 @@ class Publisher:
             trailing = moved_trailing(stream.moved_to)
         self._binding.stream_failed(stream.endpoint, code, trailing)
         self._fail(stream, code, details)
-
-    def _bound(self, stream: _Stream) -> Endpoint | None:
-        """Records the stream's endpoint as answering; the previous one if this is a move."""
-        previous = self._answered_endpoint
-        if stream.endpoint is None:
-            return None
-        self._answered_endpoint = stream.endpoint
-        if previous is None or previous.address == stream.endpoint.address:
-            return None
-        self._rebinds += 1
-        return previous
-
-    def _report_rebind(self, old: Endpoint, new: Endpoint) -> None:
-        """Tells the app its publisher moved (before it sees the receipt flagged rebound)."""
-        log.info(
-            "publisher %s moved from %s (%s) to %s (%s): order may change here",
-            self._publisher_id,
-            old.node_id,
-            old.address,
-            new.node_id,
-            new.address,
-        )
-        if self._on_rebind is None:
-            return
-        try:
-            self._on_rebind(old, new)
-        except Exception:
-            # The app's callback must not break the receipts of its own publishes.
-            log.exception("publisher %s: on_rebind callback failed", self._publisher_id)
 
     def _fail(self, stream: _Stream, code: grpc.StatusCode, details: str) -> None:
         """Ends a stream: its unanswered batches fail (their callers retry them; buffered
