@@ -1,0 +1,120 @@
+"""A coordinator reaches a peer that restarted within a few heartbeats.
+
+The lead-back benchmark (bench/fault_gaps.py) found slow trials where a member's Accept to
+a restarted master was dropped: its channel to that master, which had been down a few
+seconds, was still waiting out a reconnect backoff of up to a second, and gRPC fails
+every call at once meanwhile. The merge then waited out member_timeout_ms and a second
+election round followed. Real gRPC servers on loopback, free ports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+
+import grpc
+
+from services.common.config import ClusterConfig, parse_config
+from services.coordinator.messages import AreYouCoordinator, PeerMessage
+from services.coordinator.node import GrpcPeers, reconnect_options
+from squall.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+# How long the peer stays down, sent to every heartbeat: long enough for a backoff that
+# doubles from 100 ms to reach a one-second cap.
+_DOWN_S = 3.0
+_HEARTBEAT_S = 0.1
+# When, after the peer serves again, one message is sent: a few heartbeats.
+_SEND_AFTER_S = 0.35
+_WAIT_S = 5.0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _config(tmp_path: Path, peer_port: int) -> ClusterConfig:
+    text = (
+        '[cluster]\nname = "t"\n\n'
+        '[[nodes]]\nid = "n1"\npriority = 2\ncoordinator_address = "127.0.0.1:1"\n'
+        'replica_address = "127.0.0.1:2"\ndata_dir = "n1"\n\n'
+        f'[[nodes]]\nid = "n2"\npriority = 1\ncoordinator_address = "127.0.0.1:{peer_port}"\n'
+        'replica_address = "127.0.0.1:4"\ndata_dir = "n2"\n\n'
+        '[[gateways]]\nid = "g1"\naddress = "127.0.0.1:5"\n\n'
+        "[timeouts]\nheartbeat_interval_ms = 100\nmember_timeout_ms = 400\n"
+    )
+    return parse_config(text, tmp_path / "cluster.toml")
+
+
+class _Peer(coordinator_pb2_grpc.CoordinatorServicer):
+    """A coordinator that only counts what is delivered to it."""
+
+    def __init__(self) -> None:
+        self.delivered: list[coordinator_pb2.PeerMessage] = []
+
+    async def Deliver(
+        self, request: coordinator_pb2.PeerMessage, context: grpc.aio.ServicerContext
+    ) -> coordinator_pb2.DeliverResponse:
+        self.delivered.append(request)
+        return coordinator_pb2.DeliverResponse()
+
+
+async def _serve(port: int, peer: _Peer) -> grpc.aio.Server:
+    server = grpc.aio.server()
+    coordinator_pb2_grpc.add_CoordinatorServicer_to_server(peer, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server
+
+
+async def _delivered(peer: _Peer, count: int) -> bool:
+    for _ in range(int(_WAIT_S / 0.02)):
+        if len(peer.delivered) >= count:
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+def test_a_message_sent_soon_after_a_peer_restarts_is_delivered(tmp_path: Path) -> None:
+    port = _free_port()
+    message = PeerMessage("n1", "n2", AreYouCoordinator("n1:g", 2))
+
+    async def scenario() -> None:
+        peer = _Peer()
+        server = await _serve(port, peer)
+        peers = GrpcPeers(_config(tmp_path, port), "n1")
+        try:
+            peers.send(message)
+            assert await _delivered(peer, 1), "the peer never got the first message"
+            await server.stop(None)
+            # The peer is down; the node keeps sending, as probes and heartbeats do.
+            for _ in range(int(_DOWN_S / _HEARTBEAT_S)):
+                peers.send(message)
+                await asyncio.sleep(_HEARTBEAT_S)
+            restarted = _Peer()
+            server = await _serve(port, restarted)
+            await asyncio.sleep(_SEND_AFTER_S)
+            peers.send(message)
+            assert await _delivered(restarted, 1), (
+                f"a message sent {_SEND_AFTER_S} s after the peer was back was dropped: the "
+                "channel was still waiting out its reconnect backoff"
+            )
+        finally:
+            await peers.close()
+            await server.stop(None)
+
+    asyncio.run(scenario())
+
+
+def test_the_reconnect_backoff_follows_the_heartbeat_but_never_shortens_connects() -> None:
+    assert dict(reconnect_options(100)) == {
+        "grpc.initial_reconnect_backoff_ms": 100,
+        "grpc.min_reconnect_backoff_ms": 100,
+        "grpc.max_reconnect_backoff_ms": 100,
+    }
+    assert dict(reconnect_options(2000))["grpc.max_reconnect_backoff_ms"] == 2000
+    # gRPC reads the minimum as the shortest connect timeout: a fast heartbeat must not
+    # make connects to a distant peer time out.
+    assert dict(reconnect_options(20))["grpc.min_reconnect_backoff_ms"] == 100
