@@ -111,15 +111,19 @@ log = logging.getLogger("squall")
 class _Batch:
     """One sent request waiting for its response."""
 
-    __slots__ = ("count", "future", "is_async", "request", "request_id")
+    __slots__ = ("count", "future", "is_async", "request", "request_id", "sent_at")
 
     def __init__(
         self,
         request: broker_pb2.PublishRequest,
         future: Future[list[Receipt]],
         is_async: bool,
+        sent_at: float,
     ) -> None:
         self.request = request
+        # When it was queued (time.monotonic, the clock the watchdog waits on): a proxy
+        # asks who the master is once its oldest batch is RECEIPT_STALL_AFTER_S old.
+        self.sent_at = sent_at
         self.request_id = request.request_id
         self.count = len(request.events)
         self.future = future
@@ -147,6 +151,10 @@ class _Stream:
         self.moved_to = ""
         self.call: Any = None
         self.reader: threading.Thread | None = None
+        # A proxy stream's stall watchdog thread (see Publisher._watch), and what wakes
+        # it: a batch sent while none was pending, or the stream's end.
+        self.watchdog: threading.Thread | None = None
+        self.woken = threading.Event()
 
     def put(self, request: broker_pb2.PublishRequest | None) -> None:
         """Queues a request (None half-closes the stream)."""
@@ -508,12 +516,11 @@ class Publisher:
     def _result(self, stream: _Stream, future: Future[list[Receipt]]) -> list[Receipt]:
         """Waits for one batch; on timeout abandons its stream, making it Indeterminate.
 
-        A proxy's stream whose receipt is late is checked against the master the gateway
-        names: if that is another replica, the stream is abandoned at once and the batch
-        retried there (see RECEIPT_STALL_CHECK_S).
+        A proxy's stream whose receipt is late is abandoned sooner by its watchdog when
+        the gateway names another master (`_watch`); the batch is then retried there.
         """
         try:
-            return self._result_or_move(stream, future)
+            return future.result(self._timeout_s)
         except FutureTimeoutError:
             with self._cond:
                 self._abort(
@@ -528,36 +535,44 @@ class Publisher:
                 f"no receipt within {self._timeout_s} s", grpc.StatusCode.DEADLINE_EXCEEDED
             ) from None
 
-    def _result_or_move(self, stream: _Stream, future: Future[list[Receipt]]) -> list[Receipt]:
-        """future.result(timeout_s); once a proxy's receipt is RECEIPT_STALL_AFTER_S late,
-        checks every RECEIPT_STALL_CHECK_S that the stream's replica is still the master, and
-        abandons
-        the stream as soon as the gateway names another (FutureTimeoutError at the
-        timeout)."""
+    def _watch(self, stream: _Stream) -> None:
+        """A proxy stream's stall watchdog (its own thread): once the oldest unanswered
+        batch is RECEIPT_STALL_AFTER_S old, asks every RECEIPT_STALL_CHECK_S who the master
+        is and abandons the stream as soon as the gateway names another replica.
+
+        It watches the stream, not a caller, so every batch on it is covered, also the
+        ones of `publish_async` and of callers waiting for a slot: a master that hangs
+        after the group elected another cannot end its streams itself.
+        """
         endpoint = stream.endpoint
-        if endpoint is None or not self._binding.can_check_master():
-            return future.result(self._timeout_s)
-        deadline = self._monotonic() + self._timeout_s
-        wait_s = RECEIPT_STALL_AFTER_S
-        # Bounded by the deadline: each pass waits for the receipt, then checks.
-        while (remaining_s := deadline - self._monotonic()) > 0:
-            try:
-                return future.result(min(wait_s, remaining_s))
-            except FutureTimeoutError:
-                wait_s = RECEIPT_STALL_CHECK_S
-            checked = self._binding.check_master(RECEIPT_STALL_CHECK_S)
-            if future.done() or not (master := stall_move(self._publisher_id, endpoint, checked)):
-                continue
+        if endpoint is None:
+            return
+        # Ends with the stream (`_fail` sets dead and wakes this thread).
+        while not stream.dead:
+            stream.woken.clear()
             with self._cond:
-                if not stream.dead and stream.abort_error is None:
-                    stream.moved_to = master
-                self._abort(
-                    stream,
-                    grpc.StatusCode.UNAVAILABLE,
-                    stall_details(endpoint, master),
+                oldest = stream.pending[0] if stream.pending else None
+            if oldest is None:
+                stream.woken.wait()
+                continue
+            late_in_s = oldest.sent_at + RECEIPT_STALL_AFTER_S - time.monotonic()
+            if late_in_s > 0:
+                stream.woken.wait(late_in_s)
+                continue
+            checked = self._binding.check_master(RECEIPT_STALL_CHECK_S)
+            with self._cond:
+                still_waiting = (
+                    not stream.dead and bool(stream.pending) and stream.pending[0] is oldest
                 )
-            return future.result(max(0.0, deadline - self._monotonic()))
-        return future.result(0)
+                master = stall_move(self._publisher_id, endpoint, checked) if still_waiting else ""
+                if master:
+                    if stream.abort_error is None:
+                        stream.moved_to = master
+                    details = stall_details(endpoint, master)
+                    self._abort(stream, grpc.StatusCode.UNAVAILABLE, details)
+                    return
+            if still_waiting:
+                time.sleep(RECEIPT_STALL_CHECK_S)
 
     def _live_stream(self) -> _Stream:
         """The open stream, opening one if there is none (caller holds the lock)."""
@@ -575,6 +590,14 @@ class Publisher:
         self._stream = stream
         self._streams_opened += 1
         stream.reader.start()
+        if endpoint is not None and self._binding.can_check_master():
+            stream.watchdog = threading.Thread(
+                target=self._watch,
+                args=(stream,),
+                name=f"squall-publish-watch-{self._topic}",
+                daemon=True,
+            )
+            stream.watchdog.start()
         return stream
 
     def _stream_with_slot(self, current: _Stream | None) -> _Stream | None:
@@ -628,7 +651,9 @@ class Publisher:
         """Queues one request on the stream (lock held)."""
         request.request_id = self._next_request_id
         self._next_request_id += 1
-        stream.pending.append(_Batch(request, future, is_async))
+        if not stream.pending:
+            stream.woken.set()
+        stream.pending.append(_Batch(request, future, is_async, time.monotonic()))
         self._unresolved += 1
         stream.put(request)
 
@@ -712,6 +737,7 @@ class Publisher:
         """Ends a stream: fails (or retries) its unanswered batches and the unsent buffer."""
         with self._cond:
             stream.dead = True
+            stream.woken.set()
             unsent: list[Future[Receipt]] = []
             unsent_events: list[common_pb2.EventData] = []
             took_buffer = self._stream is stream or self._stream is None

@@ -493,6 +493,36 @@ def test_replicated_proxy_leaves_a_hung_master_for_the_one_the_gateway_names(
     assert [(p, s) for p, s, _ in _stored_tokens(replicas.broker)] == [("p", 1)]
 
 
+def test_replicated_proxy_moves_publish_async_batches_off_a_hung_master(
+    replicas: _Cluster,
+) -> None:
+    # Nobody awaits publish() here, only the futures of publish_async: the stream's
+    # watchdog, not a waiting caller, must notice the late receipt (before, such batches
+    # waited the whole receipt timeout, 60 s here).
+    async def main() -> tuple[list[squall.Receipt], squall.Endpoint | None]:
+        async with squall.aio.connect(replicas.gateway, timeout_s=60.0, **FAST) as client:
+            await client.create_topic("t")
+            topic = await client.topic("t")
+            async with topic.publisher("p", replicated=True) as publisher:
+                replicas.broker.hung_addresses.add(replicas.addresses["n1"])
+                replicas.broker.endpoints = [
+                    ("n2", replicas.addresses["n2"]),
+                    ("n1", replicas.addresses["n1"]),
+                    ("n3", replicas.addresses["n3"]),
+                ]
+                futures = [await publisher.publish_async(b"e%d" % i) for i in range(5)]
+                receipts = await asyncio.wait_for(asyncio.gather(*futures), 30)
+                return list(receipts), publisher.endpoint
+
+    receipts, endpoint = asyncio.run(main())
+    assert len(receipts) == 5 and not any(r.duplicate for r in receipts)
+    assert endpoint == squall.Endpoint("n2", replicas.addresses["n2"])
+    assert replicas.broker.publish_peers == [replicas.addresses["n1"], replicas.addresses["n2"]]
+    assert sorted((p, s) for p, s, _ in _stored_tokens(replicas.broker)) == [
+        ("p", s) for s in range(1, 6)
+    ]
+
+
 # -- subscriptions across broken streams (the threaded client's fake replicas) ------------
 
 

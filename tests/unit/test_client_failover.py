@@ -282,6 +282,31 @@ def test_replicated_proxy_leaves_a_hung_master_for_the_one_the_gateway_names(
     assert [(p, s) for p, s, _ in _stored(cluster.broker, "t")] == [("p", 1)]
 
 
+def test_replicated_proxy_moves_publish_async_batches_off_a_hung_master(
+    cluster: _Cluster,
+) -> None:
+    # Nobody waits on publish() here: the app only queued events and holds their futures.
+    # The stream's watchdog, not a waiting caller, must notice the late receipt; before it
+    # did, such batches waited the whole receipt timeout (60 s here).
+    with squall.connect(cluster.gateway, timeout_s=60.0, **FAST) as client:
+        client.create_topic("t")
+        publisher = client.topic("t").publisher("p", replicated=True)
+        cluster.broker.hung_addresses.add(cluster.addresses["n1"])
+        cluster.broker.endpoints = [
+            ("n2", cluster.addresses["n2"]),
+            ("n1", cluster.addresses["n1"]),
+            ("n3", cluster.addresses["n3"]),
+        ]
+        futures = [publisher.publish_async(b"e%d" % i) for i in range(5)]
+        receipts = [future.result(30) for future in futures]
+        assert publisher.endpoint == squall.Endpoint("n2", cluster.addresses["n2"])
+        publisher.close()
+    assert len(receipts) == 5 and not any(r.duplicate for r in receipts)
+    assert cluster.broker.publish_peers == [cluster.addresses["n1"], cluster.addresses["n2"]]
+    stored = [(p, s) for p, s, _ in _stored(cluster.broker, "t")]
+    assert stored == [("p", s) for s in range(1, 6)]
+
+
 def test_replicated_proxy_follows_a_slaves_redirect(
     cluster: _Cluster, client: squall.Client
 ) -> None:

@@ -73,15 +73,19 @@ MasterCheck = Callable[[float], Awaitable[str]]
 class _Batch:
     """One sent request waiting for its response."""
 
-    __slots__ = ("count", "future", "is_async", "request", "request_id")
+    __slots__ = ("count", "future", "is_async", "request", "request_id", "sent_at")
 
     def __init__(
         self,
         request: broker_pb2.PublishRequest,
         future: asyncio.Future[list[Receipt]],
         is_async: bool,
+        sent_at: float,
     ) -> None:
         self.request = request
+        # When it was queued, on the event loop's clock (the one the watchdog sleeps on):
+        # a proxy asks who the master is once its oldest batch is RECEIPT_STALL_AFTER_S old.
+        self.sent_at = sent_at
         self.request_id = request.request_id
         self.count = len(request.events)
         self.future = future
@@ -109,6 +113,10 @@ class _Stream:
         self.moved_to = ""
         self.call: Any = None
         self.reader: asyncio.Task[None] | None = None
+        # A proxy stream's stall watchdog (see Publisher._watch), and what wakes it: a
+        # batch sent while none was pending, or the stream's end.
+        self.watchdog: asyncio.Task[None] | None = None
+        self.woken = asyncio.Event()
 
     async def iter_requests(self) -> AsyncIterator[broker_pb2.PublishRequest]:
         """The request iterator gRPC consumes; ends at the None sentinel."""
@@ -483,12 +491,11 @@ class Publisher:
     ) -> list[Receipt]:
         """Waits for one batch; on timeout abandons its stream, making it Indeterminate.
 
-        A proxy's stream whose receipt is late is checked against the master the gateway
-        names: if that is another replica, the stream is abandoned at once and the batch
-        retried there (as the threaded publisher does; RECEIPT_STALL_CHECK_S).
+        A proxy's stream whose receipt is late is abandoned sooner by its watchdog when
+        the gateway names another master (`_watch`); the batch is then retried there.
         """
         try:
-            return await self._result_or_move(stream, future)
+            return await asyncio.wait_for(asyncio.shield(future), self._timeout_s)
         except TimeoutError:
             self._abort(
                 stream, grpc.StatusCode.DEADLINE_EXCEEDED, f"no receipt within {self._timeout_s} s"
@@ -500,40 +507,45 @@ class Publisher:
                 f"no receipt within {self._timeout_s} s", grpc.StatusCode.DEADLINE_EXCEEDED
             ) from None
 
-    async def _result_or_move(
-        self, stream: _Stream, future: asyncio.Future[list[Receipt]]
-    ) -> list[Receipt]:
-        """The batch's receipts within timeout_s (TimeoutError otherwise); once a proxy's
-        receipt is RECEIPT_STALL_AFTER_S late, checks every RECEIPT_STALL_CHECK_S that the
-        stream's replica is still the master, and abandons the stream once the gateway
-        names another."""
+    async def _watch(self, stream: _Stream) -> None:
+        """A proxy stream's stall watchdog: once its oldest unanswered batch is
+        RECEIPT_STALL_AFTER_S old, asks every RECEIPT_STALL_CHECK_S who the master is and
+        abandons the stream as soon as the gateway names another replica.
+
+        It watches the stream, not a caller, so every batch on it is covered, also the
+        ones of `publish_async` and of callers waiting for a slot: a master that hangs
+        after the group elected another cannot end its streams itself.
+        """
         endpoint = stream.endpoint
-        if endpoint is None or self._check_master is None:
-            return await asyncio.wait_for(asyncio.shield(future), self._timeout_s)
-        deadline = self._monotonic() + self._timeout_s
-        wait_s = RECEIPT_STALL_AFTER_S
-        # Bounded by the deadline: each pass waits for the receipt, then checks.
-        while (remaining_s := deadline - self._monotonic()) > 0:
-            try:
-                return await asyncio.wait_for(asyncio.shield(future), min(wait_s, remaining_s))
-            except TimeoutError:
-                wait_s = RECEIPT_STALL_CHECK_S
+        check = self._check_master
+        if endpoint is None or check is None:
+            return
+        loop = asyncio.get_running_loop()
+        # Ends with the stream (`_fail` sets dead and wakes this task).
+        while not stream.dead:
+            stream.woken.clear()
+            if not stream.pending:
+                await stream.woken.wait()
+                continue
+            oldest = stream.pending[0]
+            late_in_s = oldest.sent_at + RECEIPT_STALL_AFTER_S - loop.time()
+            if late_in_s > 0:
+                await asyncio.sleep(late_in_s)
+                continue
             try:
                 checked = await asyncio.wait_for(
-                    self._check_master(RECEIPT_STALL_CHECK_S), 2 * RECEIPT_STALL_CHECK_S
+                    check(RECEIPT_STALL_CHECK_S), 2 * RECEIPT_STALL_CHECK_S
                 )
             except Exception:
                 checked = ""  # only a hint: a failed check leaves the stream to its timeout
-            if future.done() or not (master := stall_move(self._publisher_id, endpoint, checked)):
-                continue
-            if not stream.dead and stream.abort_error is None:
-                stream.moved_to = master
-            self._abort(stream, grpc.StatusCode.UNAVAILABLE, stall_details(endpoint, master))
-            remaining_s = max(0.0, deadline - self._monotonic())
-            return await asyncio.wait_for(asyncio.shield(future), remaining_s)
-        if future.done():
-            return future.result()
-        raise TimeoutError
+            still_waiting = not stream.dead and stream.pending and stream.pending[0] is oldest
+            if still_waiting and (master := stall_move(self._publisher_id, endpoint, checked)):
+                if stream.abort_error is None:
+                    stream.moved_to = master
+                self._abort(stream, grpc.StatusCode.UNAVAILABLE, stall_details(endpoint, master))
+                return
+            if still_waiting:
+                await asyncio.sleep(RECEIPT_STALL_CHECK_S)
 
     def _live_stream(self) -> _Stream:
         """The open stream, opening one if there is none."""
@@ -549,9 +561,12 @@ class Publisher:
         )
         self._stream = stream
         self._streams_opened += 1
-        stream.reader = asyncio.get_running_loop().create_task(
-            self._read(stream), name=f"squall-publish-{self._topic}"
-        )
+        loop = asyncio.get_running_loop()
+        stream.reader = loop.create_task(self._read(stream), name=f"squall-publish-{self._topic}")
+        if endpoint is not None and self._check_master is not None:
+            stream.watchdog = loop.create_task(
+                self._watch(stream), name=f"squall-publish-watch-{self._topic}"
+            )
         return stream
 
     async def _stream_with_slot(self, current: _Stream | None) -> _Stream | None:
@@ -604,7 +619,10 @@ class Publisher:
         """Queues one request on the stream."""
         request.request_id = self._next_request_id
         self._next_request_id += 1
-        stream.pending.append(_Batch(request, future, is_async))
+        if not stream.pending:
+            stream.woken.set()
+        sent_at = asyncio.get_running_loop().time()
+        stream.pending.append(_Batch(request, future, is_async, sent_at))
         self._track(future)
         stream.requests.put_nowait(request)
 
@@ -707,6 +725,7 @@ class Publisher:
         """Ends a stream: its unanswered batches fail (their callers retry them; buffered
         events' batches, and the events not yet sent, are retried by a task here)."""
         stream.dead = True
+        stream.woken.set()
         retries: list[_Retry] = []
         # The unsent events hold later sequences than any sent batch: retried last.
         unsent_retry: list[_Retry] = []
