@@ -11,6 +11,7 @@ and says so.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import datetime
 import threading
@@ -19,6 +20,7 @@ import time
 import pytest
 
 import squall
+import squall.aio
 from tests.integration.conftest import LocalCluster, run_squall, wait_for
 from tests.integration.test_gateway import trio  # noqa: F401  (the fixture)
 
@@ -115,3 +117,40 @@ def test_seek_by_time_replays_from_there_and_survives_a_master_kill(
         assert early.clamped and early.cursor == 0 and "before the oldest event" in early.note
         subscription.close()
         reader.join(10)
+
+
+def test_the_asyncio_client_seeks_replays_and_fences_stale_acks(single: LocalCluster) -> None:
+    async def main() -> None:
+        async with squall.aio.connect(single.gateway_address, timeout_s=10.0) as client:
+            await client.create_topic("jobs")
+            topic = await client.topic("jobs")
+            async with topic.publisher("app") as publisher:
+                await publisher.publish_many([b"job %d" % i for i in range(6)])
+            async with topic.subscribe("workers", follow=True) as subscription:
+                seen: list[squall.Message] = []
+                async for message in subscription:
+                    seen.append(message)
+                    await subscription.ack(message)
+                    if message.offset == 5:
+                        break
+                moved = await topic.seek("workers", 2)
+                assert (moved.cursor, moved.previous_cursor, moved.clamped) == (2, 6, False)
+                # The open stream ends (ABORTED) and starts again at offset 2 by itself.
+                replay = [await asyncio.wait_for(anext(subscription), 20) for _ in range(4)]
+                assert [m.offset for m in replay] == [2, 3, 4, 5]
+                assert subscription.reconnects == 1
+                with pytest.raises(squall.Aborted):
+                    await subscription.ack(seen[-1])  # delivered before the seek
+                assert await subscription.ack(replay[-1]) == 6
+            info = await topic.subscription_info("workers")
+            assert (info.cursor, info.backlog, info.seek_generation) == (
+                6,
+                0,
+                moved.seek_generation,
+            )
+            with pytest.raises(squall.InvalidArgument, match="beyond the end"):
+                await topic.seek("workers", 99)
+            with pytest.raises(squall.NotFound):
+                await topic.subscription_info("nobody")
+
+    asyncio.run(main())
