@@ -192,3 +192,4 @@ def traced_channel(
 ) -> grpc.Channel:
     """channel with the library's tracing interceptor."""
     return grpc.intercept_channel(channel, ClientTracing(tracer_provider))
+

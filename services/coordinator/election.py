@@ -189,7 +189,8 @@ def quorum_rule(
     else:
         required = n
         why = (
-            f"all {n}: full startup, no member has seen a majority together (max {group_max_seen})"
+            f"all {n}: full startup, no member has seen a majority together "
+            f"(max {group_max_seen})"
         )
     if designated:
         required, why = 1, "1: designated primary of a two-node cluster"
@@ -521,7 +522,8 @@ class Election:
         if self._prio[target] == 0:
             return Rejection(
                 RejectCode.FAILED_PRECONDITION,
-                f"node {self._me}: transfer to {target} refused: it has priority 0 and never leads",
+                f"node {self._me}: transfer to {target} refused: it has priority 0 and "
+                "never leads",
             )
         if target not in self._view:
             return Rejection(
@@ -536,7 +538,9 @@ class Election:
         unless an operator already cleared that very fault."""
         return self._run(now_ms, lambda: self._on_replica_fault(fault_id, reason))
 
-    def set_quarantine(self, enabled: bool, operator: str, now_ms: int, reason: str = "") -> Ready:
+    def set_quarantine(
+        self, enabled: bool, operator: str, now_ms: int, reason: str = ""
+    ) -> Ready:
         """Quarantine this node (operator), or clear its quarantine.
 
         A quarantined node takes no part in any group: it never leads, its replica never
@@ -697,7 +701,9 @@ class Election:
         """Record new persisted state; epochs and max_seen only grow."""
         new = replace(self._persisted, **changes)  # type: ignore[arg-type]
         if new.epoch < self._persisted.epoch or new.max_seen < self._persisted.max_seen:
-            raise ElectionError(f"persisted state would go back from {self._persisted} to {new}")
+            raise ElectionError(
+                f"persisted state would go back from {self._persisted} to {new}"
+            )
         if new != self._persisted:
             self._persisted = new
             self._o().persist = new
@@ -1612,7 +1618,9 @@ class Election:
             return
         self._record(who, f"transfer to {target}", reason)
         self._transfer = _Transfer(target, self._now_ms + 2 * self._cfg.member_timeout_ms)
-        self._send(target, LeadershipTransfer(self._group, self._group_epoch, target, self._view))
+        self._send(
+            target, LeadershipTransfer(self._group, self._group_epoch, target, self._view)
+        )
         self._last_change_reason = f"handing {self._group} to {target} (transfer by {who})"
         why = f" ({reason})" if reason else ""
         self._log(
@@ -2107,7 +2115,8 @@ class Election:
         self._log(
             LogLevel.INFO,
             "normal",
-            f"reporting for duty in {body.group_name} with coordinator {frm}, epoch {body.epoch}",
+            f"reporting for duty in {body.group_name} with coordinator {frm}, epoch "
+            f"{body.epoch}",
         )
         self._revert_override_if_majority(body.members, body.epoch)
 

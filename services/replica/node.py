@@ -1163,7 +1163,8 @@ class ReplicaNode:
                         self.role == common_pb2.ROLE_SLAVE
                         and master is not None
                         and (
-                            master.replica_address not in unreachable or self.epoch > held_in_epoch
+                            master.replica_address not in unreachable
+                            or self.epoch > held_in_epoch
                         )
                     ):
                         return
