@@ -76,8 +76,10 @@ class UsageError(Exception):
 
 
 def _start(value: str) -> squall_seek.SeekTarget:
-    if value in ("earliest", "latest"):
-        return value
+    if value == "earliest":
+        return "earliest"
+    if value == "latest":
+        return "latest"
     if "T" in value or "t" in value:  # an ISO 8601 time: the first event at or after it
         return cli_subscription.parse_time(value)
     try:
