@@ -7,7 +7,10 @@
     squall topic list [--json] | topic destroy NAME
     squall topic subscribers NAME [--json] | topic unsubscribe NAME ID     push subscribers
     squall publish TOPIC [MESSAGE ...]          no MESSAGE: one event per line of stdin
-    squall subscribe TOPIC [--subscription S] [--from earliest|latest|N] [--follow] [--count N]
+    squall subscribe TOPIC [--subscription S] [--from earliest|latest|N|ISO8601] [--follow]
+                     [--count N]
+    squall subscription seek TOPIC S (--time ISO8601 | --offset N | --earliest | --latest)
+    squall subscription info TOPIC S [--json]   a durable subscription's cursor and backlog
     squall status [--json] [--explain] [--wait-normal SECONDS]
                                                 --explain: why the master leads, who would
                                                 lead if a node failed
@@ -39,6 +42,7 @@ from concurrent.futures import Future
 from typing import TextIO
 
 import squall
+import squall._seek as squall_seek
 from services import (
     cli_admin,
     cli_auth,
@@ -51,6 +55,7 @@ from services import (
     cli_status_wait,
     cli_store,
     cli_store_backup,
+    cli_subscription,
 )
 
 # The gateway address deploy/single.toml and deploy/cluster.example.toml give (`make run`).
@@ -70,14 +75,18 @@ class UsageError(Exception):
 # -- argument parsing -------------------------------------------------------------------
 
 
-def _start(value: str) -> str | int:
-    if value in ("earliest", "latest"):
-        return value
+def _start(value: str) -> squall_seek.SeekTarget:
+    if value == "earliest":
+        return "earliest"
+    if value == "latest":
+        return "latest"
+    if "T" in value or "t" in value:  # an ISO 8601 time: the first event at or after it
+        return cli_subscription.parse_time(value)
     try:
         offset = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"must be earliest, latest or an offset, not {value!r}"
+            f"must be earliest, latest, an offset or an ISO 8601 time, not {value!r}"
         ) from None
     if offset < 0:
         raise argparse.ArgumentTypeError(f"an offset must be >= 0, not {offset}")
@@ -186,8 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
         dest="start",
         type=_start,
         default="earliest",
-        metavar="earliest|latest|N",
-        help="where to start without a cursor (default: earliest)",
+        metavar="earliest|latest|N|TIME",
+        help="where to start without a cursor: TIME (ISO 8601 with a timezone) means the "
+        "first event published at or after it (default: earliest)",
     )
     subscribe.add_argument(
         "--follow", action="store_true", help="keep waiting for new events (Ctrl-C stops)"
@@ -215,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also say why the master leads and who would lead if each node failed",
     )
 
+    cli_subscription.add_parser(commands, client)
     cli_admin.add_parser(commands)
     cli_store.add_parser(commands)
     cli_store_backup.add_parser(commands)
@@ -538,6 +549,8 @@ def _run_client(args: argparse.Namespace, out: TextIO, stdin: TextIO) -> int:
             return _cmd_publish(client, args, out, stdin)
         if args.command == "subscribe":
             return _cmd_subscribe(client, args, out)
+        if args.command == "subscription":
+            return cli_subscription.run(client, args, out)
         return _cmd_status(client, args, out)
 
 

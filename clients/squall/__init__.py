@@ -51,6 +51,7 @@ replicated: after a failover the new master resumes from each one's durable curs
 
 from squall._client import MESSAGE_BYTES_MAX, Client, Topic, channel_options, connect
 from squall._errors import (
+    Aborted,
     AlreadyExists,
     AlreadySubscribed,
     DeadlineExceeded,
@@ -85,6 +86,7 @@ from squall._retry import (
     POLICY_BOUNDS as RETRY_POLICY_BOUNDS,
 )
 from squall._retry import classify as classify_code
+from squall._seek import SeekResult, SubscriptionInfo
 from squall._subscriber import Subscription
 from squall._tls import TlsOptions
 from squall._types import (
@@ -107,6 +109,7 @@ __all__ = [
     "RETRY_BACKOFF_MAX_MS_DEFAULT",
     "RETRY_POLICY_BOUNDS",
     "RETRY_TOTAL_MS_MAX_DEFAULT",
+    "Aborted",
     "AlreadyExists",
     "AlreadySubscribed",
     "Client",
@@ -131,8 +134,10 @@ __all__ = [
     "Receipt",
     "ResourceExhausted",
     "RetryPolicy",
+    "SeekResult",
     "SquallError",
     "Subscription",
+    "SubscriptionInfo",
     "TlsOptions",
     "Topic",
     "TopicInfo",

@@ -47,6 +47,7 @@ from squall._retry import (
     RETRY_TOTAL_MS_MAX_DEFAULT,
     RetryPolicy,
 )
+from squall._seek import SeekResult, SeekTarget, SubscriptionInfo, seek_request, subscription_named
 from squall._subscriber import Start, Subscription, subscribe_request
 from squall._tls import TlsOptions, open_channel
 from squall._tracing import traced_channel
@@ -482,9 +483,30 @@ class Topic:
 
     def subscriptions(self) -> list[tuple[str, int]]:
         """The topic's durable subscriptions as (name, cursor), ordered by name."""
+        return [(s.name, s.cursor) for s in self.subscription_infos()]
+
+    def subscription_infos(self) -> list[SubscriptionInfo]:
+        """The topic's durable subscriptions with cursor, backlog and seek generation."""
         request = broker_pb2.ListSubscriptionsRequest(topic=self.name)
         response = self._client._call(self._client._subscriber_stub.ListSubscriptions, request)
-        return [(s.name, s.cursor) for s in response.subscriptions]
+        return [SubscriptionInfo.from_pb(self.name, s) for s in response.subscriptions]
+
+    def subscription_info(self, name: str) -> SubscriptionInfo:
+        """One durable subscription; NotFound if the topic has none of that name."""
+        return subscription_named(self.subscription_infos(), self.name, name)
+
+    def seek(self, subscription: str, to: SeekTarget) -> SeekResult:
+        """Moves a durable subscription's cursor to `to`, creating it there if needed.
+
+        `to` is "earliest", "latest", an offset, or an aware datetime (the first event
+        published at or after it). A time or offset before the oldest event held lands on
+        that event (`SeekResult.clamped`, `note`); a time in the future is refused
+        (InvalidArgument, OUT_OF_RANGE) and changes nothing. Readers of the subscription
+        start again from the new cursor. A seek is replicated: it survives a failover.
+        """
+        request = seek_request(self.name, subscription, to)
+        response = self._client._call(self._client._subscriber_stub.Seek, request)
+        return SeekResult.from_pb(request, response)
 
     def delete_subscription(self, name: str) -> None:
         """Deletes a durable subscription; NotFound if it does not exist."""

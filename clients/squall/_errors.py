@@ -120,6 +120,10 @@ class PublisherLost(Unavailable):
         self.maybe_stored = maybe_stored
 
 
+class Aborted(SquallError):
+    """A concurrent change won (an ack of messages delivered before a seek): nothing changed."""
+
+
 class DeadlineExceeded(SquallError):
     """A read or admin call did not finish in time."""
 
@@ -141,6 +145,7 @@ _BY_CODE: dict[grpc.StatusCode, type[SquallError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.ABORTED: Aborted,
 }
 
 

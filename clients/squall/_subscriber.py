@@ -16,6 +16,12 @@ subscription sees again everything after its last ack. With `dedupe=True` (the d
 the library drops every event whose offset is at or below the last one it delivered, so
 the app sees each offset once, in order; `dedupe=False` hands every copy to the app. A
 definite error (NOT_FOUND, INVALID_ARGUMENT, ...) or running out of retries raises.
+
+Seek (docs/consumers.md): a seek of a durable subscription ends its streams with ABORTED;
+the subscription opens a new one at once from the new cursor and forgets the offsets it
+delivered (the seek means "deliver these again"). Each message carries the seek generation
+of the stream that delivered it, and `ack` sends it, so an ack of a message delivered
+before a seek is refused (`Aborted`) instead of moving the cursor past the replay.
 """
 
 from __future__ import annotations
@@ -26,16 +32,19 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any
 
 import grpc
 
 from squall._errors import from_rpc_error, rpc_status
 from squall._retry import INDETERMINATE_AFTER_SEND, RetryPolicy
+from squall._seek import SeekTarget, position_fields
 from squall._types import Message, messages_from_pb
 from squall.v1 import broker_pb2, broker_pb2_grpc
 
-Start = Literal["earliest", "latest"] | int
+# Where a subscription without a cursor starts: a position, an offset or an aware datetime
+# (the first event published at or after it).
+Start = SeekTarget
 
 # The server's batch size is bounded too; this only refuses nonsense from the caller.
 MAX_BATCH_EVENTS_MAX = 100_000
@@ -65,17 +74,10 @@ def subscribe_request(
     request = broker_pb2.SubscribeRequest(
         topic=topic, subscription=subscription or "", follow=follow
     )
-    if isinstance(start, bool) or not isinstance(start, str | int):
-        raise ValueError(f"start must be 'earliest', 'latest' or an offset, not {start!r}")
-    if start == "earliest":
-        request.start = broker_pb2.START_POSITION_EARLIEST
-    elif start == "latest":
-        request.start = broker_pb2.START_POSITION_LATEST
-    elif isinstance(start, int) and start >= 0:
-        request.start = broker_pb2.START_POSITION_OFFSET
-        request.offset = start
-    else:
-        raise ValueError(f"start must be 'earliest', 'latest' or an offset >= 0, not {start!r}")
+    try:
+        request.start, request.offset, request.timestamp_ms = position_fields(start)
+    except ValueError as exc:
+        raise ValueError(f"start: {exc}") from None
     if not 0 <= max_batch_events <= MAX_BATCH_EVENTS_MAX:
         raise ValueError(
             f"max_batch_events must be 0..{MAX_BATCH_EVENTS_MAX}, not {max_batch_events}"
@@ -122,24 +124,37 @@ def resume_request(
     return again
 
 
+def moved_by_seek(request: broker_pb2.SubscribeRequest, code: grpc.StatusCode) -> bool:
+    """True when a durable subscription's stream ended because a seek moved its cursor."""
+    return bool(request.subscription) and code == grpc.StatusCode.ABORTED
+
+
 def ack_request(
-    request: broker_pb2.SubscribeRequest, message_or_offset: Message | int
+    request: broker_pb2.SubscribeRequest,
+    message_or_offset: Message | int,
+    generation: int | None = None,
 ) -> broker_pb2.AckRequest:
     """The Ack moving a durable subscription's cursor past a message or offset.
 
+    A message's ack names the seek generation it was delivered under; an offset's names
+    `generation` (the current stream's; None before any response: no check).
     ValueError for a non-durable subscription (it has no cursor) or a negative offset.
     """
     if not request.subscription:
         raise ValueError("ack needs a durable subscription (subscribe with subscription=NAME)")
     if isinstance(message_or_offset, Message):
         offset = message_or_offset.offset
+        generation = message_or_offset.seek_generation
     else:
         offset = message_or_offset
     if isinstance(offset, bool) or offset < 0:
         raise ValueError(f"offset must be >= 0, not {offset!r}")
-    return broker_pb2.AckRequest(
+    ack = broker_pb2.AckRequest(
         topic=request.topic, subscription=request.subscription, offset=offset
     )
+    if generation is not None:
+        ack.seek_generation = generation
+    return ack
 
 
 class Subscription:
@@ -168,6 +183,8 @@ class Subscription:
         self._last_offset = -1
         self._reconnects = 0
         self._duplicates_dropped = 0
+        # The seek generation of the current stream (None until its first response).
+        self._generation: int | None = None
         # No deadline: a following subscription lives until the app closes it. The list
         # holds the one current call, so a reconnect can swap it under the finalizer.
         self._calls: list[Any] = [stub.Subscribe(request)]
@@ -235,6 +252,7 @@ class Subscription:
             try:
                 for response in self._calls[0]:
                     failures = 0
+                    self._generation = response.seek_generation
                     batch = messages_from_pb(response)
                     if self._dedupe:
                         batch, dropped = drop_duplicates(batch, self._last_offset)
@@ -247,6 +265,17 @@ class Subscription:
                 if self.closed:
                     return
                 code, details = rpc_status(err)
+                if moved_by_seek(self._request, code):
+                    # Not an outage: start again at once from the cursor the seek set.
+                    log.info("subscription %s on %s: %s", self.name, self.topic, details)
+                    with self._lock:
+                        if self._closed:
+                            return
+                        self._last_offset = -1
+                        self._generation = None
+                        self._calls[0] = self._stub.Subscribe(self._request)
+                        self._reconnects += 1
+                    continue
                 if failures == 0:
                     outage_started = time.monotonic()
                 failures += 1
@@ -279,9 +308,11 @@ class Subscription:
     def ack(self, message_or_offset: Message | int) -> int:
         """Moves the durable cursor past this message (and all before it); returns the cursor.
 
-        ValueError for a non-durable subscription, which has no cursor to move.
+        `Aborted` when a seek moved the subscription after the message was delivered (the
+        cursor is where the seek put it). ValueError for a non-durable subscription, which
+        has no cursor to move.
         """
-        request = ack_request(self._request, message_or_offset)
+        request = ack_request(self._request, message_or_offset, self._generation)
         try:
             response = self._stub.Ack(request, timeout=self._timeout_s)
         except grpc.RpcError as err:

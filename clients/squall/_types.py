@@ -102,6 +102,9 @@ class Message:
     lsn: int
     epoch: int
     topic: str = ""
+    seek_generation: int = dataclasses.field(default=0, compare=False)
+    """For a durable subscription, the seek generation of the stream that delivered it:
+    `ack` sends it, so an ack of a message delivered before a seek cannot undo the seek."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -378,16 +381,19 @@ def _receipts_from_batch(batch: common_pb2.BatchReceipt) -> list[Receipt]:
     _m_lsn,
     _m_epoch,
     _m_topic,
+    _m_generation,
 ) = _slot_setters(Message, [f.name for f in dataclasses.fields(Message)])
 _NO_HEADERS: Mapping[str, str] = types.MappingProxyType({})
 
 
 def messages_from_pb(response: broker_pb2.SubscribeResponse) -> list[Message]:
     """Converts one subscribe response's events, in offset order."""
-    return messages_from_events(response.events)
+    return messages_from_events(response.events, response.seek_generation)
 
 
-def messages_from_events(events: Iterable[common_pb2.Event]) -> list[Message]:
+def messages_from_events(
+    events: Iterable[common_pb2.Event], seek_generation: int = 0
+) -> list[Message]:
     """Converts wire events (a subscribe response's, a push delivery's), in their order."""
     out: list[Message] = []
     append = out.append
@@ -405,5 +411,6 @@ def messages_from_events(events: Iterable[common_pb2.Event]) -> list[Message]:
         _m_lsn(m, e.lsn)
         _m_epoch(m, e.epoch)
         _m_topic(m, e.topic)
+        _m_generation(m, seek_generation)
         append(m)
     return out

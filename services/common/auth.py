@@ -73,7 +73,7 @@ def _rules() -> dict[str, Rule]:
         rules["/squall.v1.Publisher/" + name] = Rule(
             Permission.PUBLISH, "topic", "publish to topic"
         )
-    for name in ("Subscribe", "Ack", "ListSubscriptions", "DeleteSubscription"):
+    for name in ("Subscribe", "Ack", "Seek", "ListSubscriptions", "DeleteSubscription"):
         rules["/squall.v1.Subscriber/" + name] = Rule(
             Permission.SUBSCRIBE, "topic", "subscribe to topic"
         )

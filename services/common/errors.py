@@ -22,6 +22,7 @@ class Code(enum.Enum):
     DATA_LOSS = "DATA_LOSS"
     INTERNAL = "INTERNAL"
     ABORTED = "ABORTED"
+    OUT_OF_RANGE = "OUT_OF_RANGE"
     # "May or may not have happened": the client may retry with the same
     # (publisher_id, sequence), and must not treat it as a definite failure.
     UNKNOWN = "UNKNOWN"

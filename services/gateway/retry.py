@@ -52,6 +52,9 @@ METHOD_KINDS: Mapping[str, MethodKind] = {
     "PublishStream": "stream",
     "Subscribe": "stream",
     "Ack": "idempotent",
+    # A repeated seek lands where the first did; at worst it moves the cursor back over
+    # acks made in between, which redelivers them (at-least-once, nothing lost).
+    "Seek": "idempotent",
     "ListSubscriptions": "read",
     "DeleteSubscription": "once",
     # A repeated subscribe would answer AlreadySubscribed for the app's own lost attempt,

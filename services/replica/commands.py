@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from services.common import names
 from services.common.config import LimitsConfig
 from services.common.errors import Code, ServiceError, invalid, not_found
-from services.replica.store import PushSubscriber, Store, TopicInfo, make_entry
+from services.replica import seek
+from services.replica.store import PushSubscriber, Store, TimeLookup, TopicInfo, make_entry
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
 
 _log = logging.getLogger(__name__)
@@ -65,6 +66,32 @@ class SetCursor:
     subscription: str
     cursor: int
     create: bool
+    # An ack's AckRequest.seek_generation: refused (ABORTED) when a seek has moved the
+    # cursor since. None: no check.
+    seek_generation: int | None = None
+
+
+@dataclass(frozen=True)
+class SeekCursor:
+    """Move a durable subscription's cursor anywhere (Subscriber.Seek), creating it."""
+
+    topic: str
+    subscription: str
+    position: broker_pb2.StartPosition.ValueType
+    offset: int = 0
+    timestamp_ms: int = 0
+
+
+@dataclass(frozen=True)
+class SeekOutcome:
+    """What a seek did (SeekResponse)."""
+
+    cursor: int
+    seek_generation: int
+    created: bool
+    previous_cursor: int
+    clamped: broker_pb2.SeekClamp.ValueType
+    note: str
 
 
 @dataclass(frozen=True)
@@ -123,6 +150,7 @@ Command = (
     | DestroyTopic
     | Publish
     | SetCursor
+    | SeekCursor
     | DeleteSubscription
     | PushSubscribe
     | PushUnsubscribe
@@ -143,6 +171,7 @@ class Planned:
     receipt: common_pb2.BatchReceipt | None = None
     cursor: int = 0
     push: PushSubscriber | None = None
+    seek: SeekOutcome | None = None
 
     @property
     def receipts(self) -> list[common_pb2.AckReceipt]:
@@ -197,6 +226,7 @@ class BatchBuilder:
         # Effects of earlier commands in this batch; None marks a destroyed topic.
         self._topics: dict[str, TopicInfo | None] = {}
         self._cursors: dict[tuple[str, str], int | None] = {}
+        self._generations: dict[tuple[str, str], int] = {}  # seeks planned in this batch
         self._sequences: dict[tuple[str, int], tuple[str, int, int]] = {}
         self._high_water: dict[str, int] = {}
         self._topic_count_delta = 0
@@ -211,6 +241,8 @@ class BatchBuilder:
             return self._publish(command.request)
         if isinstance(command, SetCursor):
             return self._set_cursor(command)
+        if isinstance(command, SeekCursor):
+            return self._seek_cursor(command)
         if isinstance(command, CreateTopic):
             return self._create_topic(command)
         if isinstance(command, DestroyTopic):
@@ -246,6 +278,16 @@ class BatchBuilder:
         if topic in self._destroyed:
             return None  # the store's cursor is the destroyed incarnation's
         return self._store.get_cursor(topic, subscription)
+
+    def _generation(self, topic: str, subscription: str) -> int:
+        """The subscription's seek generation after the commands planned so far."""
+        key = (topic, subscription)
+        if key in self._generations:
+            return self._generations[key]
+        if topic in self._destroyed or key in self._cursors:
+            return 0  # created (or deleted) in this batch without a seek
+        state = self._store.get_cursor_state(topic, subscription)
+        return 0 if state is None else state[1]
 
     def push_subscriber(self, topic: str, subscriber_id: str) -> PushSubscriber | None:
         """The push subscriber as it will be after the commands planned so far."""
@@ -311,6 +353,8 @@ class BatchBuilder:
         self._topic_count_delta -= 1
         for key in [k for k in self._cursors if k[0] == command.name]:
             self._cursors[key] = None
+        for key in [k for k in self._generations if k[0] == command.name]:
+            del self._generations[key]
         for key in [k for k in self._push if k[0] == command.name]:
             self._push[key] = None
         # A topic created again later in the batch starts without push subscribers, and
@@ -488,6 +532,17 @@ class BatchBuilder:
                 f"offset {command.cursor - 1} is beyond the end of topic '{command.topic}' "
                 f"(next offset {topic.next_offset})"
             )
+        if command.seek_generation is not None and current is not None:
+            generation = self._generation(command.topic, command.subscription)
+            if generation != command.seek_generation:
+                raise ServiceError(
+                    Code.ABORTED,
+                    f"ack of offset {command.cursor - 1} refused: subscription "
+                    f"'{command.subscription}' on topic '{command.topic}' was moved by a seek "
+                    f"(generation {generation}, the ack names {command.seek_generation}) "
+                    f"after these events were delivered; its cursor is {current} and they "
+                    "will be delivered again from there",
+                )
         if current is not None and command.cursor <= current:
             return Planned(None, cursor=current)  # acks may arrive out of order
         if current is None:
@@ -510,6 +565,60 @@ class BatchBuilder:
             added = self._subscriptions_added.get(command.topic, 0) + 1
             self._subscriptions_added[command.topic] = added
         return Planned(index, cursor=command.cursor)
+
+    def _seek_cursor(self, command: SeekCursor) -> Planned:
+        _check_name(names.validate_subscription_name, command.subscription)
+        topic = self._existing_topic(command.topic)
+        if topic.kind == common_pb2.TOPIC_KIND_TRANSIENT:
+            raise invalid(f"topic '{topic.name}' is transient: it has no durable subscriptions")
+        stored = self._store.get_topic(command.topic)
+        same = stored is not None and stored.topic_id == topic.topic_id
+
+        def lookup(timestamp_ms: int) -> TimeLookup:
+            if not same:  # created in this batch: no event is stored yet
+                return TimeLookup(topic.first_offset, topic.first_offset, None)
+            return self._store.offset_at_time(command.topic, timestamp_ms)
+
+        target = seek.resolve(
+            topic,
+            command.position,
+            offset=command.offset,
+            timestamp_ms=command.timestamp_ms,
+            now_ms=self._now_ms,
+            lookup=lookup,
+        )
+        current = self._cursor(command.topic, command.subscription)
+        if current is None:
+            _check_length(
+                command.subscription,
+                "subscription name",
+                "max_subscription_name_bytes",
+                self._limits,
+            )
+            self._check_subscription_room(command.topic)
+        generation = self._lsn
+        index = self._emit(
+            replica_pb2.Operation(
+                seek_cursor=replica_pb2.SeekCursorOp(
+                    topic=command.topic, subscription=command.subscription, cursor=target.cursor
+                )
+            )
+        )
+        key = (command.topic, command.subscription)
+        self._cursors[key] = target.cursor
+        self._generations[key] = generation
+        if current is None:
+            added = self._subscriptions_added.get(command.topic, 0) + 1
+            self._subscriptions_added[command.topic] = added
+        outcome = SeekOutcome(
+            cursor=target.cursor,
+            seek_generation=generation,
+            created=current is None,
+            previous_cursor=current or 0,
+            clamped=target.clamped,
+            note=target.note,
+        )
+        return Planned(index, cursor=target.cursor, seek=outcome)
 
     def _check_subscription_room(self, topic: str) -> None:
         """RESOURCE_EXHAUSTED when the topic already has limits.topic_subscriptions_max."""
@@ -536,6 +645,7 @@ class BatchBuilder:
             )
         )
         self._cursors[(command.topic, command.subscription)] = None
+        self._generations.pop((command.topic, command.subscription), None)
         return Planned(index)
 
     def _push_subscribe(self, command: PushSubscribe) -> Planned:

@@ -16,7 +16,7 @@ import grpc
 
 from services.common.errors import Code, ServiceError, invalid
 from services.common.grpc_server import Context
-from services.replica import commands, handoff, shutdown
+from services.replica import commands, handoff, seek, shutdown
 from services.replica.node import UNREACHABLE_KEY, ReplicaNode
 from services.replica.store import CorruptRecordError, TopicInfo, UnknownTopicError
 from services.replica.telemetry import DeliveryWatch, PublishWatch
@@ -36,6 +36,8 @@ _FOLLOW_RECHECK_S = 1.0
 _STREAM_INFLIGHT_MAX = 64
 # Left of a call's deadline for the answer after holding it for a role.
 _HOLD_SLACK_S = 0.2
+# Trailing metadata on a Subscribe stream ended (ABORTED) by a seek: the new cursor.
+SEEK_CURSOR_METADATA = "squall-seek-cursor"
 
 
 async def abort(context: Context, exc: ServiceError) -> NoReturn:
@@ -314,7 +316,10 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
     def __init__(self, node: ReplicaNode) -> None:
         self.node = node
 
-    async def _start_offset(self, request: broker_pb2.SubscribeRequest, topic: TopicInfo) -> int:
+    async def _start_offset(
+        self, request: broker_pb2.SubscribeRequest, topic: TopicInfo
+    ) -> tuple[int, int]:
+        """Where the stream starts, and the durable cursor's seek generation (0 if none)."""
         transient = topic.kind == common_pb2.TOPIC_KIND_TRANSIENT
         next_offset = (
             self.node.transient.next_offset(topic.name, topic_id=topic.topic_id)
@@ -335,21 +340,49 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
             # IceStorm's event model: a transient topic's events go to the subscribers
             # there are now; the ring only lets a briefly slow one catch up.
             offset = next_offset
+        elif start == broker_pb2.START_POSITION_TIMESTAMP:
+            # The first event at or after the time; clamped to the oldest held, as a seek.
+            offset = seek.resolve(
+                topic,
+                start,
+                offset=0,
+                timestamp_ms=request.timestamp_ms,
+                now_ms=self.node.clock.wall_ms(),
+                lookup=lambda ms: self.node.store.offset_at_time(topic.name, ms),
+            ).cursor
         elif start in (broker_pb2.START_POSITION_UNSPECIFIED, broker_pb2.START_POSITION_EARLIEST):
             offset = topic.first_offset
         else:
             raise invalid(f"unknown start position {start}")
         if not request.subscription:
-            return offset
+            return offset, 0
         if transient:
             raise invalid(f"topic '{topic.name}' is transient: it has no durable subscriptions")
-        cursor = self.node.store.get_cursor(topic.name, request.subscription)
-        if cursor is not None:
-            return cursor
+        state = self.node.store.get_cursor_state(topic.name, request.subscription)
+        if state is not None:
+            return state
         plan = await self.node.write(
             commands.SetCursor(topic.name, request.subscription, offset, create=True)
         )
-        return plan.cursor
+        state = self.node.store.get_cursor_state(topic.name, request.subscription)
+        return state if state is not None else (plan.cursor, 0)
+
+    def _moved_by_seek(self, topic: str, subscription: str, generation: int) -> ServiceError | None:
+        """ABORTED when a seek moved the durable cursor since the stream started.
+
+        The stream's position is no longer where the subscription is: its reader starts
+        again from the new cursor (the library does, at once) instead of reading on from
+        the old place.
+        """
+        state = self.node.store.get_cursor_state(topic, subscription)
+        if state is None or state[1] == generation:
+            return None
+        return ServiceError(
+            Code.ABORTED,
+            f"subscription '{subscription}' on topic '{topic}' was moved by a seek to "
+            f"offset {state[0]} (generation {state[1]}): subscribe again to read from there",
+            metadata=((SEEK_CURSOR_METADATA, str(state[0])),),
+        )
 
     async def Subscribe(
         self, request: broker_pb2.SubscribeRequest, context: Context
@@ -366,7 +399,7 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
         try:
             with _translating(self.node):
                 topic = node.topic(request.topic)
-                position = await self._start_offset(request, topic)
+                position, generation = await self._start_offset(request, topic)
         except ServiceError as exc:
             await abort(context, exc)
         transient = topic.kind == common_pb2.TOPIC_KIND_TRANSIENT
@@ -384,8 +417,13 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
                 else node.visible_end(topic.name) or topic.next_offset
             )
             end = min(end, now_end) if end else now_end
+        durable = request.subscription
         while not end or position < end:
             signal = node.commit_signal()
+            if durable:
+                moved = self._moved_by_seek(topic.name, durable, generation)
+                if moved is not None:
+                    await abort(context, moved)
             count = min(batch, end - position) if end else batch
             try:
                 with _translating(self.node):
@@ -418,7 +456,7 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
                 position = events[-1].offset + 1
                 span = delivery.start(events) if delivery is not None else None
                 try:
-                    yield broker_pb2.SubscribeResponse(events=events)
+                    yield broker_pb2.SubscribeResponse(events=events, seek_generation=generation)
                 finally:
                     if span is not None:
                         span.end()
@@ -439,26 +477,77 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
                 raise invalid("ack needs a durable subscription name")
             plan = await self.node.write(
                 commands.SetCursor(
-                    request.topic, request.subscription, request.offset + 1, create=False
+                    request.topic,
+                    request.subscription,
+                    request.offset + 1,
+                    create=False,
+                    seek_generation=(
+                        request.seek_generation if request.HasField("seek_generation") else None
+                    ),
                 )
             )
         except ServiceError as exc:
             await abort(context, exc)
         return broker_pb2.AckResponse(cursor=plan.cursor)
 
+    async def Seek(
+        self, request: broker_pb2.SeekRequest, context: Context
+    ) -> broker_pb2.SeekResponse:
+        try:
+            if not request.subscription:
+                raise invalid("seek needs a durable subscription name")
+            plan = await self.node.write(
+                commands.SeekCursor(
+                    request.topic,
+                    request.subscription,
+                    request.position,
+                    offset=request.offset,
+                    timestamp_ms=request.timestamp_ms,
+                )
+            )
+        except ServiceError as exc:
+            await abort(context, exc)
+        done = plan.seek
+        if done is None:  # the planner always says what a seek did
+            await abort(context, ServiceError(Code.INTERNAL, "seek planned without an outcome"))
+        log.info(
+            "node %s: subscription '%s' on topic '%s' sought from %s to offset %d "
+            "(generation %d%s)",
+            self.node.node.id,
+            request.subscription,
+            request.topic,
+            "(new)" if done.created else f"offset {done.previous_cursor}",
+            done.cursor,
+            done.seek_generation,
+            f"; {done.note}" if done.note else "",
+        )
+        return broker_pb2.SeekResponse(
+            cursor=done.cursor,
+            seek_generation=done.seek_generation,
+            created=done.created,
+            clamped=done.clamped,
+            note=done.note,
+            previous_cursor=done.previous_cursor,
+        )
+
     async def ListSubscriptions(
         self, request: broker_pb2.ListSubscriptionsRequest, context: Context
     ) -> broker_pb2.ListSubscriptionsResponse:
         try:
             with _translating(self.node):
-                self.node.topic(request.topic)
-                subscriptions = self.node.store.list_subscriptions(request.topic)
+                topic = self.node.topic(request.topic)
+                subscriptions = self.node.store.list_subscription_states(request.topic)
         except ServiceError as exc:
             await abort(context, exc)
         return broker_pb2.ListSubscriptionsResponse(
             subscriptions=[
-                broker_pb2.SubscriptionInfo(name=name, cursor=cursor)
-                for name, cursor in subscriptions
+                broker_pb2.SubscriptionInfo(
+                    name=name,
+                    cursor=cursor,
+                    seek_generation=generation,
+                    backlog=max(0, topic.next_offset - cursor),
+                )
+                for name, cursor, generation in subscriptions
             ]
         )
 

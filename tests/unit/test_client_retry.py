@@ -135,7 +135,7 @@ def test_publish_async_retries_lost_batches_and_every_future_succeeds(flaky: Fla
         (grpc.StatusCode.FAILED_PRECONDITION, squall.FailedPrecondition),
         (grpc.StatusCode.INVALID_ARGUMENT, squall.InvalidArgument),
         (grpc.StatusCode.RESOURCE_EXHAUSTED, squall.ResourceExhausted),
-        (grpc.StatusCode.ABORTED, squall.SquallError),
+        (grpc.StatusCode.ABORTED, squall.Aborted),
     ],
 )
 def test_definite_failure_is_raised_at_once_and_not_retried(

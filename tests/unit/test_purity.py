@@ -23,6 +23,7 @@ PURE_CORES = (
     "services.replica.follower",
     "services.replica.divergence",
     "services.replica.visibility",
+    "services.replica.shared",
 )
 # Top-level packages a pure core must not reach: I/O, event loops, threads, clocks, chance.
 BANNED = {

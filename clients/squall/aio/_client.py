@@ -37,6 +37,13 @@ from squall._retry import (
     RETRY_TOTAL_MS_MAX_DEFAULT,
     RetryPolicy,
 )
+from squall._seek import (
+    SeekResult,
+    SeekTarget,
+    SubscriptionInfo,
+    seek_request,
+    subscription_named,
+)
 from squall._subscriber import Start, subscribe_request
 from squall._tls import TlsOptions
 from squall._types import ClusterStatus, TopicInfo, kind_to_pb
@@ -409,11 +416,25 @@ class Topic:
 
     async def subscriptions(self) -> list[tuple[str, int]]:
         """The topic's durable subscriptions as (name, cursor), ordered by name."""
+        return [(s.name, s.cursor) for s in await self.subscription_infos()]
+
+    async def subscription_infos(self) -> list[SubscriptionInfo]:
+        """The topic's durable subscriptions with cursor, backlog and seek generation."""
         request = broker_pb2.ListSubscriptionsRequest(topic=self.name)
         response = await self._client._call(
             self._client._subscriber_stub.ListSubscriptions, request
         )
-        return [(s.name, s.cursor) for s in response.subscriptions]
+        return [SubscriptionInfo.from_pb(self.name, s) for s in response.subscriptions]
+
+    async def subscription_info(self, name: str) -> SubscriptionInfo:
+        """One durable subscription; NotFound if the topic has none of that name."""
+        return subscription_named(await self.subscription_infos(), self.name, name)
+
+    async def seek(self, subscription: str, to: SeekTarget) -> SeekResult:
+        """Moves a durable subscription's cursor to `to` (as `squall.Topic.seek`)."""
+        request = seek_request(self.name, subscription, to)
+        response = await self._client._call(self._client._subscriber_stub.Seek, request)
+        return SeekResult.from_pb(request, response)
 
     async def delete_subscription(self, name: str) -> None:
         """Deletes a durable subscription; NotFound if it does not exist."""

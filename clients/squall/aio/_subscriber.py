@@ -6,8 +6,10 @@ stream (UNAVAILABLE, UNKNOWN, INTERNAL, CANCELLED not asked for, DEADLINE_EXCEED
 opened again through the gateway after a jittered backoff, within the client's retry time
 budget per outage, from the durable cursor or the last offset delivered + 1; with
 `dedupe=True` (the default) offsets at or below the last one delivered are dropped. The
-decisions (`drop_duplicates`, `reconnect_wait_s`, `resume_request`, `ack_request`) are the
-threaded subscription's own.
+decisions (`drop_duplicates`, `reconnect_wait_s`, `resume_request`, `ack_request`,
+`moved_by_seek`) are the threaded subscription's own, and so is the handling of a seek: the
+stream a seek ended (ABORTED) is opened again at once from the new cursor, and acks name
+the seek generation their message was delivered under.
 """
 
 from __future__ import annotations
@@ -23,7 +25,13 @@ import grpc.aio
 
 from squall._errors import from_rpc_error, rpc_status
 from squall._retry import RetryPolicy
-from squall._subscriber import ack_request, drop_duplicates, reconnect_wait_s, resume_request
+from squall._subscriber import (
+    ack_request,
+    drop_duplicates,
+    moved_by_seek,
+    reconnect_wait_s,
+    resume_request,
+)
 from squall._types import Message, messages_from_pb
 from squall.v1 import broker_pb2
 
@@ -63,6 +71,8 @@ class Subscription:
         self._failures = 0
         self._outage_started = 0.0
         self._ended = False
+        # The seek generation of the current stream (None until its first response).
+        self._generation: int | None = None
 
     @property
     def topic(self) -> str:
@@ -137,6 +147,7 @@ class Subscription:
                 self._ended = True
                 return None
             self._failures = 0
+            self._generation = response.seek_generation
             batch = messages_from_pb(response)
             if self._dedupe:
                 batch, dropped = drop_duplicates(batch, self._last_offset)
@@ -152,6 +163,14 @@ class Subscription:
         if self._closed:
             return False
         code, details = rpc_status(err)
+        if moved_by_seek(self._request, code):
+            # Not an outage: start again at once from the cursor the seek set.
+            log.info("subscription %s on %s: %s", self.name, self.topic, details)
+            self._last_offset = -1
+            self._generation = None
+            self._call = self._stub.Subscribe(self._request)
+            self._reconnects += 1
+            return True
         if self._failures == 0:
             self._outage_started = time.monotonic()
         self._failures += 1
@@ -182,9 +201,10 @@ class Subscription:
     async def ack(self, message_or_offset: Message | int) -> int:
         """Moves the durable cursor past this message (and all before it); returns the cursor.
 
+        `Aborted` when a seek moved the subscription after the message was delivered.
         ValueError for a non-durable subscription, which has no cursor to move.
         """
-        request = ack_request(self._request, message_or_offset)
+        request = ack_request(self._request, message_or_offset, self._generation)
         try:
             response = await self._stub.Ack(request, timeout=self._timeout_s)
         except grpc.RpcError as err:

@@ -38,6 +38,10 @@ class _StartPositionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_StartPo
     """Only events published after the subscription starts."""
     START_POSITION_OFFSET: _StartPosition.ValueType  # 3
     """The offset given in SubscribeRequest.offset."""
+    START_POSITION_TIMESTAMP: _StartPosition.ValueType  # 4
+    """The first event published at or after SubscribeRequest.timestamp_ms (the events'
+    timestamp_ms); a time before the oldest event held means that event.
+    """
 
 class StartPosition(_StartPosition, metaclass=_StartPositionEnumTypeWrapper):
     """Where a subscription starts when it has no cursor yet."""
@@ -50,7 +54,31 @@ START_POSITION_LATEST: StartPosition.ValueType  # 2
 """Only events published after the subscription starts."""
 START_POSITION_OFFSET: StartPosition.ValueType  # 3
 """The offset given in SubscribeRequest.offset."""
+START_POSITION_TIMESTAMP: StartPosition.ValueType  # 4
+"""The first event published at or after SubscribeRequest.timestamp_ms (the events'
+timestamp_ms); a time before the oldest event held means that event.
+"""
 Global___StartPosition: _TypeAlias = StartPosition  # noqa: Y015
+
+class _SeekClamp:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _SeekClampEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SeekClamp.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SEEK_CLAMP_NONE: _SeekClamp.ValueType  # 0
+    """It landed where asked."""
+    SEEK_CLAMP_BEFORE_FIRST: _SeekClamp.ValueType  # 1
+    """The time or offset was before the oldest event held: the cursor is at that event."""
+
+class SeekClamp(_SeekClamp, metaclass=_SeekClampEnumTypeWrapper):
+    """Why a seek landed elsewhere than asked."""
+
+SEEK_CLAMP_NONE: SeekClamp.ValueType  # 0
+"""It landed where asked."""
+SEEK_CLAMP_BEFORE_FIRST: SeekClamp.ValueType  # 1
+"""The time or offset was before the oldest event held: the cursor is at that event."""
+Global___SeekClamp: _TypeAlias = SeekClamp  # noqa: Y015
 
 @_typing.final
 class CreateTopicRequest(_message.Message):
@@ -384,6 +412,7 @@ class SubscribeRequest(_message.Message):
     MAX_BATCH_EVENTS_FIELD_NUMBER: _builtins.int
     END_OFFSET_FIELD_NUMBER: _builtins.int
     MAX_BATCH_BYTES_FIELD_NUMBER: _builtins.int
+    TIMESTAMP_MS_FIELD_NUMBER: _builtins.int
     topic: _builtins.str
     """The topic to read."""
     subscription: _builtins.str
@@ -405,6 +434,10 @@ class SubscribeRequest(_message.Message):
     server's limits.max_batch_bytes: that limit). A response holds at least one event, so
     a reader must accept messages of max_event_bytes plus the event's other fields.
     """
+    timestamp_ms: _builtins.int
+    """The time to start at when start is START_POSITION_TIMESTAMP, milliseconds since the
+    Unix epoch. OUT_OF_RANGE when it is in the future.
+    """
     def __init__(
         self,
         *,
@@ -416,10 +449,11 @@ class SubscribeRequest(_message.Message):
         max_batch_events: _builtins.int = ...,
         end_offset: _builtins.int = ...,
         max_batch_bytes: _builtins.int = ...,
+        timestamp_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_offset", b"end_offset", "follow", b"follow", "max_batch_bytes", b"max_batch_bytes", "max_batch_events", b"max_batch_events", "offset", b"offset", "start", b"start", "subscription", b"subscription", "topic", b"topic"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_offset", b"end_offset", "follow", b"follow", "max_batch_bytes", b"max_batch_bytes", "max_batch_events", b"max_batch_events", "offset", b"offset", "start", b"start", "subscription", b"subscription", "timestamp_ms", b"timestamp_ms", "topic", b"topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -432,6 +466,12 @@ class SubscribeResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     EVENTS_FIELD_NUMBER: _builtins.int
+    SEEK_GENERATION_FIELD_NUMBER: _builtins.int
+    seek_generation: _builtins.int
+    """For a durable subscription: the generation of its cursor when the stream started (the
+    LSN of the seek that last moved it; 0 if it was never seeked). Send it back in
+    AckRequest.seek_generation so that an ack from before a seek cannot undo the seek.
+    """
     @_builtins.property
     def events(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Event]:
         """The events."""
@@ -440,10 +480,11 @@ class SubscribeResponse(_message.Message):
         self,
         *,
         events: _abc.Iterable[_common_pb2.Event] | None = ...,
+        seek_generation: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "seek_generation", b"seek_generation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -458,24 +499,33 @@ class AckRequest(_message.Message):
     TOPIC_FIELD_NUMBER: _builtins.int
     SUBSCRIPTION_FIELD_NUMBER: _builtins.int
     OFFSET_FIELD_NUMBER: _builtins.int
+    SEEK_GENERATION_FIELD_NUMBER: _builtins.int
     topic: _builtins.str
     """The topic."""
     subscription: _builtins.str
     """The durable subscription's name."""
     offset: _builtins.int
     """Every event at or below this offset has been handled; the cursor moves to offset + 1."""
+    seek_generation: _builtins.int
+    """The seek_generation of the stream that delivered the events. When set and a seek has
+    moved the cursor since, the ack is refused with ABORTED and changes nothing. Unset:
+    no check (clients written before Seek).
+    """
     def __init__(
         self,
         *,
         topic: _builtins.str = ...,
         subscription: _builtins.str = ...,
         offset: _builtins.int = ...,
+        seek_generation: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_seek_generation", b"_seek_generation", "seek_generation", b"seek_generation"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["offset", b"offset", "subscription", b"subscription", "topic", b"topic"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seek_generation", b"_seek_generation", "offset", b"offset", "seek_generation", b"seek_generation", "subscription", b"subscription", "topic", b"topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__seek_generation: _TypeAlias = _typing.Literal["seek_generation"]  # noqa: Y015
+    _WhichOneofArgType__seek_generation: _TypeAlias = _typing.Literal["_seek_generation", b"_seek_generation"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__seek_generation) -> _WhichOneofReturnType__seek_generation | None: ...
 
 Global___AckRequest: _TypeAlias = AckRequest  # noqa: Y015
 
@@ -531,19 +581,27 @@ class SubscriptionInfo(_message.Message):
 
     NAME_FIELD_NUMBER: _builtins.int
     CURSOR_FIELD_NUMBER: _builtins.int
+    SEEK_GENERATION_FIELD_NUMBER: _builtins.int
+    BACKLOG_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Its name."""
     cursor: _builtins.int
     """The next offset it will deliver."""
+    seek_generation: _builtins.int
+    """The LSN of the seek that last moved its cursor (0: never seeked)."""
+    backlog: _builtins.int
+    """Events from the cursor to the topic's end, committed or not: what is left to read."""
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
         cursor: _builtins.int = ...,
+        seek_generation: _builtins.int = ...,
+        backlog: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backlog", b"backlog", "cursor", b"cursor", "name", b"name", "seek_generation", b"seek_generation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -615,6 +673,92 @@ class DeleteSubscriptionResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DeleteSubscriptionResponse: _TypeAlias = DeleteSubscriptionResponse  # noqa: Y015
+
+@_typing.final
+class SeekRequest(_message.Message):
+    """Asks to move a durable subscription's cursor (Subscriber.Seek)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    SUBSCRIPTION_FIELD_NUMBER: _builtins.int
+    POSITION_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    TIMESTAMP_MS_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    """The topic."""
+    subscription: _builtins.str
+    """The durable subscription's name; created at the position if it does not exist."""
+    position: Global___StartPosition.ValueType
+    """Where to: EARLIEST, LATEST, OFFSET (`offset`) or TIMESTAMP (`timestamp_ms`).
+    UNSPECIFIED is refused with INVALID_ARGUMENT.
+    """
+    offset: _builtins.int
+    """The next offset to deliver when position is START_POSITION_OFFSET."""
+    timestamp_ms: _builtins.int
+    """When position is START_POSITION_TIMESTAMP: the cursor moves to the first event whose
+    timestamp_ms is at or after this (milliseconds since the Unix epoch).
+    """
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+        subscription: _builtins.str = ...,
+        position: Global___StartPosition.ValueType = ...,
+        offset: _builtins.int = ...,
+        timestamp_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["offset", b"offset", "position", b"position", "subscription", b"subscription", "timestamp_ms", b"timestamp_ms", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SeekRequest: _TypeAlias = SeekRequest  # noqa: Y015
+
+@_typing.final
+class SeekResponse(_message.Message):
+    """Where a seek moved the cursor."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CURSOR_FIELD_NUMBER: _builtins.int
+    SEEK_GENERATION_FIELD_NUMBER: _builtins.int
+    CREATED_FIELD_NUMBER: _builtins.int
+    CLAMPED_FIELD_NUMBER: _builtins.int
+    NOTE_FIELD_NUMBER: _builtins.int
+    PREVIOUS_CURSOR_FIELD_NUMBER: _builtins.int
+    cursor: _builtins.int
+    """The subscription's new cursor: the next offset it will deliver."""
+    seek_generation: _builtins.int
+    """The cursor's new generation (the LSN of the seek's log entry)."""
+    created: _builtins.bool
+    """True when the seek created the subscription."""
+    clamped: Global___SeekClamp.ValueType
+    """Set when the cursor is not where asked, with `note` saying why."""
+    note: _builtins.str
+    """A sentence on a clamp, e.g. "time ... is before the oldest event held (offset 0 at
+    ...)"; empty otherwise.
+    """
+    previous_cursor: _builtins.int
+    """The cursor before the seek (0 when the seek created the subscription)."""
+    def __init__(
+        self,
+        *,
+        cursor: _builtins.int = ...,
+        seek_generation: _builtins.int = ...,
+        created: _builtins.bool = ...,
+        clamped: Global___SeekClamp.ValueType = ...,
+        note: _builtins.str = ...,
+        previous_cursor: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["clamped", b"clamped", "created", b"created", "cursor", b"cursor", "note", b"note", "previous_cursor", b"previous_cursor", "seek_generation", b"seek_generation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SeekResponse: _TypeAlias = SeekResponse  # noqa: Y015
 
 @_typing.final
 class SubscribeAndGetPublisherRequest(_message.Message):

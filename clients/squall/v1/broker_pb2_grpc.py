@@ -468,6 +468,11 @@ class SubscriberStub:
                 request_serializer=squall_dot_v1_dot_broker__pb2.AckRequest.SerializeToString,
                 response_deserializer=squall_dot_v1_dot_broker__pb2.AckResponse.FromString,
                 _registered_method=True)
+        self.Seek = channel.unary_unary(
+                '/squall.v1.Subscriber/Seek',
+                request_serializer=squall_dot_v1_dot_broker__pb2.SeekRequest.SerializeToString,
+                response_deserializer=squall_dot_v1_dot_broker__pb2.SeekResponse.FromString,
+                _registered_method=True)
         self.ListSubscriptions = channel.unary_unary(
                 '/squall.v1.Subscriber/ListSubscriptions',
                 request_serializer=squall_dot_v1_dot_broker__pb2.ListSubscriptionsRequest.SerializeToString,
@@ -493,7 +498,23 @@ class SubscriberServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Ack(self, request, context):
-        """Moves a durable subscription's cursor past an offset. Cursors only move forward.
+        """Moves a durable subscription's cursor past an offset. Cursors only move forward, except
+        by Seek. ABORTED when AckRequest.seek_generation is set and a seek moved the cursor
+        since the acknowledged events were delivered (they will be delivered again).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Seek(self, request, context):
+        """Moves a durable subscription's cursor to a time, an offset, the earliest or the latest
+        event, backwards or forwards, creating the subscription there if it does not exist. A
+        seek is a replicated log entry: it survives a failover. Streams reading the
+        subscription end with ABORTED so that their readers start again at the new cursor.
+        INVALID_ARGUMENT for a missing position or an offset beyond the topic's end;
+        OUT_OF_RANGE for a time in the future; NOT_FOUND for an unknown topic. A time or an
+        offset before the oldest event held is clamped to it (SeekResponse.clamped says so).
+        See docs/consumers.md.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -525,6 +546,11 @@ def add_SubscriberServicer_to_server(servicer, server):
                     servicer.Ack,
                     request_deserializer=squall_dot_v1_dot_broker__pb2.AckRequest.FromString,
                     response_serializer=squall_dot_v1_dot_broker__pb2.AckResponse.SerializeToString,
+            ),
+            'Seek': grpc.unary_unary_rpc_method_handler(
+                    servicer.Seek,
+                    request_deserializer=squall_dot_v1_dot_broker__pb2.SeekRequest.FromString,
+                    response_serializer=squall_dot_v1_dot_broker__pb2.SeekResponse.SerializeToString,
             ),
             'ListSubscriptions': grpc.unary_unary_rpc_method_handler(
                     servicer.ListSubscriptions,
@@ -592,6 +618,33 @@ class Subscriber:
             '/squall.v1.Subscriber/Ack',
             squall_dot_v1_dot_broker__pb2.AckRequest.SerializeToString,
             squall_dot_v1_dot_broker__pb2.AckResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Seek(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/squall.v1.Subscriber/Seek',
+            squall_dot_v1_dot_broker__pb2.SeekRequest.SerializeToString,
+            squall_dot_v1_dot_broker__pb2.SeekResponse.FromString,
             options,
             channel_credentials,
             insecure,

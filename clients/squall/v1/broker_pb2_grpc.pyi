@@ -206,7 +206,20 @@ class SubscriberStub:
     cursor, then follows new events until the client cancels (unless follow is false).
     """
     Ack: _grpc.UnaryUnaryMultiCallable[_broker_pb2.AckRequest, _broker_pb2.AckResponse]
-    """Moves a durable subscription's cursor past an offset. Cursors only move forward."""
+    """Moves a durable subscription's cursor past an offset. Cursors only move forward, except
+    by Seek. ABORTED when AckRequest.seek_generation is set and a seek moved the cursor
+    since the acknowledged events were delivered (they will be delivered again).
+    """
+    Seek: _grpc.UnaryUnaryMultiCallable[_broker_pb2.SeekRequest, _broker_pb2.SeekResponse]
+    """Moves a durable subscription's cursor to a time, an offset, the earliest or the latest
+    event, backwards or forwards, creating the subscription there if it does not exist. A
+    seek is a replicated log entry: it survives a failover. Streams reading the
+    subscription end with ABORTED so that their readers start again at the new cursor.
+    INVALID_ARGUMENT for a missing position or an offset beyond the topic's end;
+    OUT_OF_RANGE for a time in the future; NOT_FOUND for an unknown topic. A time or an
+    offset before the oldest event held is clamped to it (SeekResponse.clamped says so).
+    See docs/consumers.md.
+    """
     ListSubscriptions: _grpc.UnaryUnaryMultiCallable[_broker_pb2.ListSubscriptionsRequest, _broker_pb2.ListSubscriptionsResponse]
     """Lists the durable subscriptions of one topic with their cursors."""
     DeleteSubscription: _grpc.UnaryUnaryMultiCallable[_broker_pb2.DeleteSubscriptionRequest, _broker_pb2.DeleteSubscriptionResponse]
@@ -222,7 +235,20 @@ class SubscriberAsyncStub(SubscriberStub):
     cursor, then follows new events until the client cancels (unless follow is false).
     """
     Ack: _aio.UnaryUnaryMultiCallable[_broker_pb2.AckRequest, _broker_pb2.AckResponse]  # type: ignore[assignment]
-    """Moves a durable subscription's cursor past an offset. Cursors only move forward."""
+    """Moves a durable subscription's cursor past an offset. Cursors only move forward, except
+    by Seek. ABORTED when AckRequest.seek_generation is set and a seek moved the cursor
+    since the acknowledged events were delivered (they will be delivered again).
+    """
+    Seek: _aio.UnaryUnaryMultiCallable[_broker_pb2.SeekRequest, _broker_pb2.SeekResponse]  # type: ignore[assignment]
+    """Moves a durable subscription's cursor to a time, an offset, the earliest or the latest
+    event, backwards or forwards, creating the subscription there if it does not exist. A
+    seek is a replicated log entry: it survives a failover. Streams reading the
+    subscription end with ABORTED so that their readers start again at the new cursor.
+    INVALID_ARGUMENT for a missing position or an offset beyond the topic's end;
+    OUT_OF_RANGE for a time in the future; NOT_FOUND for an unknown topic. A time or an
+    offset before the oldest event held is clamped to it (SeekResponse.clamped says so).
+    See docs/consumers.md.
+    """
     ListSubscriptions: _aio.UnaryUnaryMultiCallable[_broker_pb2.ListSubscriptionsRequest, _broker_pb2.ListSubscriptionsResponse]  # type: ignore[assignment]
     """Lists the durable subscriptions of one topic with their cursors."""
     DeleteSubscription: _aio.UnaryUnaryMultiCallable[_broker_pb2.DeleteSubscriptionRequest, _broker_pb2.DeleteSubscriptionResponse]  # type: ignore[assignment]
@@ -247,7 +273,26 @@ class SubscriberServicer(metaclass=_abc_1.ABCMeta):
         request: _broker_pb2.AckRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_broker_pb2.AckResponse, _abc.Awaitable[_broker_pb2.AckResponse]]:
-        """Moves a durable subscription's cursor past an offset. Cursors only move forward."""
+        """Moves a durable subscription's cursor past an offset. Cursors only move forward, except
+        by Seek. ABORTED when AckRequest.seek_generation is set and a seek moved the cursor
+        since the acknowledged events were delivered (they will be delivered again).
+        """
+
+    @_abc_1.abstractmethod
+    def Seek(
+        self,
+        request: _broker_pb2.SeekRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.SeekResponse, _abc.Awaitable[_broker_pb2.SeekResponse]]:
+        """Moves a durable subscription's cursor to a time, an offset, the earliest or the latest
+        event, backwards or forwards, creating the subscription there if it does not exist. A
+        seek is a replicated log entry: it survives a failover. Streams reading the
+        subscription end with ABORTED so that their readers start again at the new cursor.
+        INVALID_ARGUMENT for a missing position or an offset beyond the topic's end;
+        OUT_OF_RANGE for a time in the future; NOT_FOUND for an unknown topic. A time or an
+        offset before the oldest event held is clamped to it (SeekResponse.clamped says so).
+        See docs/consumers.md.
+        """
 
     @_abc_1.abstractmethod
     def ListSubscriptions(

@@ -39,6 +39,7 @@ class Operation(_message.Message):
     PUSH_SUBSCRIBE_FIELD_NUMBER: _builtins.int
     PUSH_UNSUBSCRIBE_FIELD_NUMBER: _builtins.int
     PUSH_CURSOR_FIELD_NUMBER: _builtins.int
+    SEEK_CURSOR_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def epoch_start(self) -> Global___EpochStartOp:
         """Starts a new epoch; a new master's first entry."""
@@ -75,6 +76,10 @@ class Operation(_message.Message):
     def push_cursor(self) -> Global___PushCursorOp:
         """Moves a push subscriber's cursor forward."""
 
+    @_builtins.property
+    def seek_cursor(self) -> Global___SeekCursorOp:
+        """Moves a durable subscription's cursor anywhere (Subscriber.Seek), creating it."""
+
     def __init__(
         self,
         *,
@@ -87,12 +92,13 @@ class Operation(_message.Message):
         push_subscribe: Global___PushSubscribeOp | None = ...,
         push_unsubscribe: Global___PushUnsubscribeOp | None = ...,
         push_cursor: Global___PushCursorOp | None = ...,
+        seek_cursor: Global___SeekCursorOp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["create_topic", b"create_topic", "delete_subscription", b"delete_subscription", "destroy_topic", b"destroy_topic", "epoch_start", b"epoch_start", "op", b"op", "publish", b"publish", "push_cursor", b"push_cursor", "push_subscribe", b"push_subscribe", "push_unsubscribe", b"push_unsubscribe", "set_cursor", b"set_cursor"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_topic", b"create_topic", "delete_subscription", b"delete_subscription", "destroy_topic", b"destroy_topic", "epoch_start", b"epoch_start", "op", b"op", "publish", b"publish", "push_cursor", b"push_cursor", "push_subscribe", b"push_subscribe", "push_unsubscribe", b"push_unsubscribe", "seek_cursor", b"seek_cursor", "set_cursor", b"set_cursor"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_topic", b"create_topic", "delete_subscription", b"delete_subscription", "destroy_topic", b"destroy_topic", "epoch_start", b"epoch_start", "op", b"op", "publish", b"publish", "push_cursor", b"push_cursor", "push_subscribe", b"push_subscribe", "push_unsubscribe", b"push_unsubscribe", "set_cursor", b"set_cursor"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_topic", b"create_topic", "delete_subscription", b"delete_subscription", "destroy_topic", b"destroy_topic", "epoch_start", b"epoch_start", "op", b"op", "publish", b"publish", "push_cursor", b"push_cursor", "push_subscribe", b"push_subscribe", "push_unsubscribe", b"push_unsubscribe", "seek_cursor", b"seek_cursor", "set_cursor", b"set_cursor"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["epoch_start", "create_topic", "destroy_topic", "publish", "set_cursor", "delete_subscription", "push_subscribe", "push_unsubscribe", "push_cursor"]  # noqa: Y015
+    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["epoch_start", "create_topic", "destroy_topic", "publish", "set_cursor", "delete_subscription", "push_subscribe", "push_unsubscribe", "push_cursor", "seek_cursor"]  # noqa: Y015
     _WhichOneofArgType_op: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_op) -> _WhichOneofReturnType_op | None: ...
 
@@ -251,6 +257,39 @@ class SetCursorOp(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SetCursorOp: _TypeAlias = SetCursorOp  # noqa: Y015
+
+@_typing.final
+class SeekCursorOp(_message.Message):
+    """Moves a durable subscription's cursor to an offset, backwards or forwards, creating the
+    subscription if it does not exist. The entry's LSN becomes the cursor's seek generation.
+    A replica that predates this op refuses the entry (no operation), never misapplies it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    SUBSCRIPTION_FIELD_NUMBER: _builtins.int
+    CURSOR_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    """The topic."""
+    subscription: _builtins.str
+    """The subscription's name."""
+    cursor: _builtins.int
+    """The next offset to deliver (resolved by the master: a time is never in the log)."""
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+        subscription: _builtins.str = ...,
+        cursor: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "subscription", b"subscription", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SeekCursorOp: _TypeAlias = SeekCursorOp  # noqa: Y015
 
 @_typing.final
 class DeleteSubscriptionOp(_message.Message):

@@ -50,7 +50,8 @@ The store runs on the ``kv.KV`` interface, with two twins: ``Store.open_lmdb`` a
 * ``log``: LSN (8 bytes big-endian) -> serialized ``LogEntry``.
 * ``topics``: name -> topic id, kind, next offset, first offset, creation time.
 * ``events``: topic id + offset (8 + 8 bytes big-endian) -> serialized ``common_pb2.Event``.
-* ``cursors``: topic id (8 bytes) + subscription name -> next offset to deliver.
+* ``cursors``: topic id (8 bytes) + subscription name -> next offset to deliver, followed
+  (16 bytes) by the LSN of the seek that last moved it once one has (its seek generation).
 * ``dedupe``: publisher id (2-byte length + UTF-8) + sequence (8 bytes) -> first
   sequence, its offset, LSN, epoch and topic. One record holds a run of consecutive
   sequences at consecutive offsets of one publish and is keyed by its LAST sequence,
@@ -114,6 +115,7 @@ from services.replica.store.facade import (
     COMPACT_BATCH_ENTRIES_DEFAULT,
     DEDUPE_WINDOW_DEFAULT,
     Store,
+    TimeLookup,
 )
 from services.replica.store.records import (
     DATABASES,
@@ -168,6 +170,7 @@ __all__ = [
     "StoreFullError",
     "StoreMeta",
     "StoreWriteError",
+    "TimeLookup",
     "TopicInfo",
     "UnknownTopicError",
     "make_entry",

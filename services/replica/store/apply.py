@@ -36,6 +36,7 @@ from services.replica.store.records import (
     U64X2,
     EpochBoundary,
     TopicRow,
+    cursor_state,
     event_matches,
     name_key,
     publisher_prefix,
@@ -128,6 +129,8 @@ class Batch:
             self.push_unsubscribe(op.push_unsubscribe)
         elif kind == "push_cursor":
             self.push_cursor(op.push_cursor)
+        elif kind == "seek_cursor":
+            self.seek_cursor(op.seek_cursor, lsn)
         else:
             raise self.refuse("no operation")
         key = U64.pack(lsn)
@@ -374,10 +377,27 @@ class Batch:
                 f"cursor {op.cursor} beyond topic {op.topic!r}'s end {row.next_offset}"
             )
         key = self.key("subscription name", op.subscription, U64.pack(row.topic_id))
-        old = read_u64(self.txn, DB_CURSORS, key)
-        # Acks can arrive out of order, so a lower cursor is normal, not an error.
-        if old is None or op.cursor > old:
+        value = self.txn.get(DB_CURSORS, key)
+        if value is None:
             put_u64(self.txn, DB_CURSORS, key, op.cursor)
+            return
+        old, generation = cursor_state(key, value)
+        # Acks can arrive out of order, so a lower cursor is normal, not an error.
+        if op.cursor > old:
+            if generation:
+                self.txn.put(DB_CURSORS, key, seal(key, U64X2.pack(op.cursor, generation)))
+            else:
+                put_u64(self.txn, DB_CURSORS, key, op.cursor)
+
+    def seek_cursor(self, op: replica_pb2.SeekCursorOp, lsn: int) -> None:
+        """Sets a subscription's cursor, backwards or forwards, creating it; generation = lsn."""
+        row = self.topic(op.topic)
+        if op.cursor > row.next_offset:
+            raise self.refuse(
+                f"seek to {op.cursor} beyond topic {op.topic!r}'s end {row.next_offset}"
+            )
+        key = self.key("subscription name", op.subscription, U64.pack(row.topic_id))
+        self.txn.put(DB_CURSORS, key, seal(key, U64X2.pack(op.cursor, lsn)))
 
     def delete_subscription(self, op: replica_pb2.DeleteSubscriptionOp) -> None:
         """Deletes a subscription's cursor."""

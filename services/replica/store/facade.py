@@ -9,6 +9,7 @@ import os
 import zlib
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
@@ -68,6 +69,7 @@ from services.replica.store.records import (
     StoreMeta,
     TopicInfo,
     clear_state,
+    cursor_state,
     decode_topic,
     decode_uncommitted,
     event_matches,
@@ -604,6 +606,63 @@ class Store:
                     raise CorruptRecordError(DB_CURSORS, key, "name is not UTF-8") from None
             return out
 
+    def get_cursor_state(self, topic: str, subscription: str) -> tuple[int, int] | None:
+        """(cursor, seek generation) of the subscription, or None; generation 0: never seeked.
+
+        A cursor record is the cursor (8 bytes), followed by the LSN of the seek that last
+        moved it once one has (16 bytes): readers of the cursor alone read its first 8.
+        """
+        with self._reading() as txn:
+            row = None if install_pending(txn) else read_topic(txn, topic)
+            raw = subscription.encode()
+            if row is None or not raw:
+                return None
+            key = U64.pack(row.topic_id) + raw
+            value = txn.get(DB_CURSORS, key)
+            return None if value is None else cursor_state(key, value)
+
+    def list_subscription_states(self, topic: str) -> list[tuple[str, int, int]]:
+        """(name, cursor, seek generation) of every subscription of the topic, by name."""
+        with self._reading() as txn:
+            row = None if install_pending(txn) else read_topic(txn, topic)
+            if row is None:
+                raise UnknownTopicError(f"no topic {topic!r}")
+            lo, hi = U64.pack(row.topic_id), U64.pack(row.topic_id + 1)
+            out = []
+            for key, value in txn.scan(DB_CURSORS, lo, hi):
+                cursor, generation = cursor_state(key, value)
+                try:
+                    out.append((key[U64.size :].decode(), cursor, generation))
+                except UnicodeDecodeError:
+                    raise CorruptRecordError(DB_CURSORS, key, "name is not UTF-8") from None
+            return out
+
+    def offset_at_time(self, topic: str, timestamp_ms: int) -> TimeLookup:
+        """The first offset whose event has timestamp_ms at or after the given time.
+
+        Binary search over the held events by offset, O(log n) reads. Timestamps are the
+        master's wall clock at publish time, so they grow with offsets except across a
+        failover to a master whose clock is behind: there the answer is an event at or
+        after the time whose predecessor is before it, off by at most the clocks' skew.
+        The topic's next offset when every held event is older.
+        """
+        with self._reading() as txn:
+            row = None if install_pending(txn) else read_topic(txn, topic)
+            if row is None:
+                raise UnknownTopicError(f"no topic {topic!r}")
+            lo, hi = row.first_offset, row.next_offset
+            if lo >= hi:
+                return TimeLookup(hi, row.first_offset, None)
+            first_ms = _event_at(txn, row.topic_id, lo).timestamp_ms
+            # Invariant: every offset below lo is older than the time, hi is at or after it.
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if _event_at(txn, row.topic_id, mid).timestamp_ms >= timestamp_ms:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            return TimeLookup(lo, row.first_offset, first_ms)
+
     def get_push_subscriber(self, topic: str, subscriber_id: str) -> PushSubscriber | None:
         """The topic's push subscriber with this id, or None."""
         raw = subscriber_id.encode()
@@ -688,3 +747,23 @@ class Store:
             return 0
         with self._reading() as txn:
             return 0 if install_pending(txn) else read_u64(txn, DB_PUBLISHERS, raw) or 0
+
+
+@dataclass(frozen=True)
+class TimeLookup:
+    """Where a time falls in a topic (Store.offset_at_time)."""
+
+    offset: int  # the first event at or after the time (the topic's end when none is)
+    first_offset: int  # the oldest event held
+    first_timestamp_ms: int | None  # its timestamp; None when the topic holds no event
+
+
+def _event_at(txn: ReadTxn, topic_id: int, offset: int) -> common_pb2.Event:
+    key = U64X2.pack(topic_id, offset)
+    value = txn.get(DB_EVENTS, key)
+    if value is None:
+        raise CorruptRecordError(DB_EVENTS, key, "event missing")
+    try:
+        return common_pb2.Event.FromString(unseal(DB_EVENTS, key, value))
+    except DecodeError:
+        raise CorruptRecordError(DB_EVENTS, key, "event does not parse") from None

@@ -376,6 +376,16 @@ def event_matches(
     return ev.publisher_id == publisher_id and ev.sequence == sequence and ev.lsn == lsn
 
 
+def cursor_state(key: bytes, value: bytes) -> tuple[int, int]:
+    """(cursor, seek generation) of a verified cursor record (8 or 16 bytes)."""
+    body = unseal(DB_CURSORS, key, value)
+    if len(body) >= U64X2.size:
+        cursor, generation = U64X2.unpack_from(body)
+        return int(cursor), int(generation)
+    (cursor,) = unpack(DB_CURSORS, key, U64, body)
+    return cursor, 0
+
+
 def read_u64(txn: ReadTxn, db: str, key: bytes) -> int | None:
     """Reads a sealed 8-byte counter."""
     value = txn.get(db, key)
