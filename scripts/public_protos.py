@@ -177,7 +177,8 @@ def breaking_changes(old: _Fds, new: _Fds) -> list[str]:
             if new_method is None:
                 problems.append(f"method {where} removed")
                 continue
-            if (new_method.input_type, new_method.output_type) != (method.input_type, method.output_type):
+            types = (new_method.input_type, new_method.output_type)
+            if types != (method.input_type, method.output_type):
                 problems.append(f"method {where} changed its request or response type")
             if (new_method.client_streaming, new_method.server_streaming) != (
                 method.client_streaming,

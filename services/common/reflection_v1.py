@@ -15,8 +15,8 @@ from typing import Any
 
 import grpc
 from grpc_reflection.v1alpha import reflection
-from grpc_reflection.v1alpha._async import ReflectionServicer
 from grpc_reflection.v1alpha import reflection_pb2 as _messages
+from grpc_reflection.v1alpha._async import ReflectionServicer
 
 SERVICE_NAME_V1 = "grpc.reflection.v1.ServerReflection"
 

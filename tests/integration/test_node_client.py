@@ -19,6 +19,7 @@ import pytest
 
 from scripts.public_protos import copy_public_protos
 from tests.integration.conftest import ROOT, LocalCluster, wait_for
+from tests.requirements import node_missing
 
 pytestmark = pytest.mark.integration
 
@@ -26,11 +27,11 @@ NODE_CLIENT = ROOT / "clients" / "node"
 
 
 def _node() -> str:
+    missing = node_missing(NODE_CLIENT)
+    if missing is not None:
+        pytest.skip(missing)
     node = shutil.which("node")
-    if node is None:
-        pytest.skip("node not found: install Node.js 18 or later to run the Node client test")
-    if not (NODE_CLIENT / "node_modules" / "@grpc" / "grpc-js").is_dir():
-        pytest.skip("clients/node has no node_modules: run `make node-deps` (make test does)")
+    assert node is not None
     return node
 
 
