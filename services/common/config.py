@@ -169,7 +169,8 @@ class LimitsConfig:
     subscribe_batch_max_events: int = 1000
     # Encoded event bytes per Subscribe response when the request does not set
     # max_batch_bytes: under gRPC's default 4 MiB receive limit, so a client in any language
-    # reads with default channel options. A request may ask for up to max_batch_bytes.
+    # reads with default channel options. A request may ask for up to max_batch_bytes, which
+    # also caps this (so a cluster with a smaller max_batch_bytes needs no change here).
     subscribe_batch_default_bytes: int = 3 * MiB
     log_retention_entries: int = 1000000
     replication_inflight_entries_max: int = 1024
@@ -914,11 +915,6 @@ def _validate_limits(limits: LimitsConfig) -> None:
             "replication_inflight_bytes_max",
             "max_message_bytes",
             "a full replication window must fit in one gRPC message",
-        ),
-        (
-            "subscribe_batch_default_bytes",
-            "max_message_bytes",
-            "a subscribe response must fit in one gRPC message",
         ),
         ("push_batch_max_events", "max_batch_events", "a push batch is a batch"),
         (
