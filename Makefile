@@ -20,7 +20,7 @@ NODES ?= 3
 BENCH_ARGS ?=
 
 .PHONY: install install-run run stop test unit integration sim fuzz bench protos protos-check lint clean \
-	test-spark pipeline-demo chaos
+	test-spark pipeline-demo chaos protos-release node-deps
 
 install: $(STAMP)
 
@@ -36,14 +36,33 @@ $(RUN_STAMP): pyproject.toml constraints.txt scripts/venv.sh
 protos: install
 	$(PY) scripts/gen_protos.py
 
+# Also: the public protos compile alone and break nothing against the last release's
+# descriptors (protos/released/); a release rewrites those with `make protos-release`.
 protos-check: install
 	$(PY) scripts/gen_protos.py --check
+	$(PY) scripts/public_protos.py check
+
+protos-release: install
+	$(PY) scripts/public_protos.py snapshot
+
+# The Node client test's packages (tests/integration/test_node_client.py), installed once
+# into clients/node/node_modules from its lockfile; skipped where npm is missing (the test
+# then skips with one line).
+NODE_STAMP := clients/node/node_modules/.installed
+node-deps: $(NODE_STAMP)
+
+$(NODE_STAMP): clients/node/package.json clients/node/package-lock.json
+	@if command -v npm >/dev/null 2>&1; then \
+		cd clients/node && npm ci --no-audit --no-fund --loglevel=error && touch node_modules/.installed; \
+	else \
+		echo "make: npm not found: the Node client test will skip (install Node.js 18+)"; \
+	fi
 
 lint: install
 	$(BIN)/ruff check services clients tests scripts deploy bench examples chaos
 	$(BIN)/mypy services clients/squall deploy scripts bench chaos
 
-test: install protos-check lint
+test: install protos-check lint node-deps
 	$(BIN)/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 unit: install

@@ -20,6 +20,7 @@ from pathlib import Path
 MIN_JAVA = 17
 JAVA_PREFIX = "needs Java"
 NETNS_PREFIX = "needs network namespaces"
+NODE_PREFIX = "needs Node.js"
 # How long `java -version` may take on a loaded machine.
 _JAVA_VERSION_TIMEOUT_S = 60.0
 
@@ -71,3 +72,18 @@ def netns_missing() -> str | None:
         f"{NETNS_PREFIX} (chaos partitions): {why}; run the tests as root with iproute2 "
         "installed (Debian/Ubuntu: apt-get install iproute2)"
     )
+
+
+def node_missing(client_dir: Path) -> str | None:
+    """None if node and the Node client's packages are here, else the skip reason."""
+    if shutil.which("node") is None:
+        return (
+            f"{NODE_PREFIX} 18+ for the Node client test: no `node` on PATH; install it "
+            "(Debian/Ubuntu: apt-get install nodejs npm) and run make test"
+        )
+    if not (client_dir / "node_modules" / "@grpc" / "grpc-js").is_dir():
+        return (
+            f"{NODE_PREFIX} packages for the Node client test: {client_dir}/node_modules is "
+            "missing; run `make node-deps` (make test does)"
+        )
+    return None

@@ -167,6 +167,11 @@ class LimitsConfig:
     max_topics: int = 10000
     commit_batch_max_entries: int = 256
     subscribe_batch_max_events: int = 1000
+    # Encoded event bytes per Subscribe response when the request does not set
+    # max_batch_bytes: under gRPC's default 4 MiB receive limit, so a client in any language
+    # reads with default channel options. A request may ask for up to max_batch_bytes, which
+    # also caps this (so a cluster with a smaller max_batch_bytes needs no change here).
+    subscribe_batch_default_bytes: int = 3 * MiB
     log_retention_entries: int = 1000000
     replication_inflight_entries_max: int = 1024
     replication_inflight_bytes_max: int = 8 * MiB
@@ -856,6 +861,7 @@ _LIMIT_BOUNDS: Mapping[str, tuple[int, int]] = {
     "max_topics": (1, 1_000_000),
     "commit_batch_max_entries": (1, 100_000),
     "subscribe_batch_max_events": (1, 1_000_000),
+    "subscribe_batch_default_bytes": (1, GRPC_MESSAGE_BYTES_MAX),
     "log_retention_entries": (1, 2**40),
     # The upper bounds are the replication core's (services/replica/replication.py).
     "replication_inflight_entries_max": (1, 1 << 20),

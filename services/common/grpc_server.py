@@ -15,9 +15,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
 
-from services.common import sd_notify
+from services.common import reflection_v1, sd_notify
 from services.common.grpc_tracing import server_interceptors
 from services.common.request_decoding import DecodeGuard
 
@@ -74,12 +73,9 @@ class ServiceServer:
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names = list(service_names)
-        reflection.enable_server_reflection(
-            [
-                *self._service_names,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ],
+        # Reflection v1 and v1alpha: grpcurl and the other languages' tools ask for either.
+        reflection_v1.enable(
+            [*self._service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name],
             self.server,
         )
         self.port = 0

@@ -34,6 +34,7 @@ from typing import Any, TextIO
 
 from opentelemetry import trace
 
+from services.common import grpc_log
 from services.common.config import LogConfig
 
 # The LogRecord attribute that carries structured fields.
@@ -163,6 +164,7 @@ def setup_logging(
             old.close()
     root.addHandler(handler)
     root.setLevel(config.level)
+    grpc_log.install()
 
 
 def log_fields(

@@ -267,9 +267,9 @@ def from_proto(pb: coordinator_pb2.PeerMessage) -> PeerMessage:
     return PeerMessage(from_node=from_node, to_node=to_node, body=body)
 
 
-def record_to_proto(record: OperatorRecord) -> coordinator_pb2.OperatorRecord:
+def record_to_proto(record: OperatorRecord) -> common_pb2.OperatorRecord:
     """An operator record as protobuf."""
-    return coordinator_pb2.OperatorRecord(
+    return common_pb2.OperatorRecord(
         at_ms=record.at_ms, operator=record.operator, action=record.action, reason=record.reason
     )
 

@@ -393,9 +393,12 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
             request.max_batch_events or limits.subscribe_batch_max_events,
             limits.subscribe_batch_max_events,
         )
-        # Keys and payloads per response: a batch of large events must still fit in one
-        # gRPC message (the server's and the app's).
-        batch_bytes = min(request.max_batch_bytes or limits.max_batch_bytes, limits.max_batch_bytes)
+        # Encoded bytes per response: by default under gRPC's default 4 MiB receive limit,
+        # so an app with default channel options reads large events; more only on request.
+        batch_bytes = min(
+            request.max_batch_bytes or limits.subscribe_batch_default_bytes,
+            limits.max_batch_bytes,
+        )
         try:
             with _translating(self.node):
                 topic = node.topic(request.topic)
@@ -582,7 +585,7 @@ class ReplicaControl(replica_pb2_grpc.ReplicaControlServicer):
             command_seq=self.node.command_seq,
             master_id=self.node.master.id if self.node.master else "",
             slaves=[
-                replica_pb2.SlaveProgress(
+                common_pb2.SlaveProgress(
                     node_id=s.progress.node_id,
                     state=s.progress.state.value,
                     received_lsn=s.progress.received_lsn,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from services.replica.batch_bytes import framed_event_bytes
 from squall.v1 import broker_pb2, common_pb2
 
 
@@ -94,7 +95,7 @@ class TransientTopics:
     ) -> list[common_pb2.Event]:
         """Events at or after from_offset still in the ring (skipping ahead if needed).
 
-        At most max_events and, when max_bytes > 0, no more keys and payloads than that
+        At most max_events and, when max_bytes > 0, no more encoded event bytes than that
         (but at least one event), as Store.read_events.
         """
         ring = self._ring(topic, topic_id)
@@ -106,7 +107,7 @@ class TransientTopics:
         size_bytes = 0
         for i in range(start, min(len(ring.events), start + max_events)):
             event = ring.events[i]
-            size_bytes += len(event.key) + len(event.payload)
+            size_bytes += framed_event_bytes(event.ByteSize())
             if max_bytes > 0 and out and size_bytes > max_bytes:
                 break
             out.append(event)

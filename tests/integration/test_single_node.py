@@ -287,4 +287,17 @@ def test_health_and_reflection_answer_on_every_service(single: LocalCluster) -> 
                 "squall.v1.Publisher",
                 "squall.v1.TopicManager",
                 "grpc.health.v1.Health",
+                "grpc.reflection.v1.ServerReflection",
             } <= names
+            # Reflection v1 (what grpcurl and grpc-java ask for first): same messages.
+            v1 = channel.stream_stream(
+                "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+            )
+            request = reflection_pb2.ServerReflectionRequest(
+                file_containing_symbol="squall.v1.Subscriber"
+            )
+            (answer,) = list(v1(iter([request]), timeout=5))
+            files = answer.file_descriptor_response.file_descriptor_proto
+            assert any(b"squall/v1/broker.proto" in f for f in files)

@@ -106,9 +106,9 @@ def test_stream_resumes_from_its_checkpoint_without_rereading(
         stream = (
             spark.readStream.format("squall")
             .option("gateway", gateway)
-            .option("topic", source)
+            .option("subscribe", source)  # Kafka's names: subscribe, maxOffsetsPerTrigger
             .option("startingOffsets", "earliest")
-            .option("maxEventsPerTrigger", 10)
+            .option("maxOffsetsPerTrigger", 10)
             .load()
             .selectExpr("key", "payload", "headers")
         )
@@ -123,7 +123,8 @@ def test_stream_resumes_from_its_checkpoint_without_rereading(
         )
 
     first = run()
-    # Admission control: maxEventsPerTrigger cuts the 30 events into three micro-batches.
+    # Admission control: maxOffsetsPerTrigger (maxEventsPerTrigger) cuts the 30 events into
+    # three micro-batches.
     assert [p["numInputRows"] for p in first] == [10, 10, 10]
     assert json.loads(first[-1]["sources"][0]["endOffset"]) == {"topic": source, "offset": 30}
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from squall.v1 import common_pb2, coordinator_pb2
+from squall.v1 import common_pb2
 from tests.unit.test_cli import broker, fakes, run  # noqa: F401  (broker is a fixture)
 
 _AT_MS = 1_763_780_741_000  # 2025-11-22T03:05:41Z
@@ -46,11 +46,11 @@ def _three_nodes(status: Any) -> None:
         priority=2,
         last_lsn=38,
         quorum_required=2,
-        quarantine=coordinator_pb2.OperatorRecord(
+        quarantine=common_pb2.OperatorRecord(
             at_ms=_AT_MS, operator="replica", action="quarantine", reason="replica fault: crc"
         ),
         audit=[
-            coordinator_pb2.OperatorRecord(
+            common_pb2.OperatorRecord(
                 at_ms=_AT_MS, operator="replica", action="quarantine", reason="replica fault: crc"
             )
         ],
@@ -67,7 +67,7 @@ def _three_nodes(status: Any) -> None:
         last_lsn=40,
         quorum_required=1,
         quorum_override=1,
-        quorum_override_record=coordinator_pb2.OperatorRecord(
+        quorum_override_record=common_pb2.OperatorRecord(
             at_ms=_AT_MS, operator="carol", action="quorum-override 1", reason="site A lost"
         ),
         **common,

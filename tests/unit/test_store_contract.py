@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from services.replica.batch_bytes import framed_event_bytes
 from services.replica.store import (
     DEDUPE_WINDOW_DEFAULT,
     DedupeHit,
@@ -711,7 +712,10 @@ def test_read_events_bounds(store: Store) -> None:
     assert offsets(3, 100, 5) == [3, 4]  # end_offset is exclusive
     assert offsets(3, 100, 3) == []
     assert offsets(8, 100, 50) == [8, 9]  # end_offset beyond the end
-    assert offsets(0, 100, max_bytes=len(b"event-0") * 3) == [0, 1, 2]
+    # The byte bound counts each event as it goes on the wire (services/replica/batch_bytes.py).
+    three = sum(framed_event_bytes(e.ByteSize()) for e in store.read_events("t", 0, 3))
+    assert offsets(0, 100, max_bytes=three) == [0, 1, 2]
+    assert offsets(0, 100, max_bytes=three - 1) == [0, 1]
     assert offsets(0, 100, max_bytes=1) == [0]  # at least one event
     with pytest.raises(ValueError):
         store.read_events("t", 0, 0)

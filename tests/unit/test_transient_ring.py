@@ -7,6 +7,7 @@ response of large transient events fits in one gRPC message as a stored topic's 
 
 from __future__ import annotations
 
+from services.replica.batch_bytes import framed_event_bytes
 from services.replica.transient import TransientTopics
 from squall.v1 import broker_pb2, common_pb2
 
@@ -23,10 +24,11 @@ def test_a_read_stops_before_its_bytes_are_exceeded_but_returns_one_event() -> N
     rings.new_epoch(1)
     first = rings.next_offset("live", topic_id=1)
     _publish(rings, b"a" * 400, b"b" * 400, b"c" * 400)
-    assert [len(e.payload) for e in rings.read("live", first, 10, max_bytes=800, topic_id=1)] == [
-        400,
-        400,
-    ]
+    # The byte bound counts each event as it goes on the wire (services/replica/batch_bytes.py).
+    two = sum(framed_event_bytes(e.ByteSize()) for e in rings.read("live", first, 2, topic_id=1))
+    read = rings.read("live", first, 10, max_bytes=two, topic_id=1)
+    assert [len(e.payload) for e in read] == [400, 400]
+    assert len(rings.read("live", first, 10, max_bytes=two - 1, topic_id=1)) == 1
     assert [e.offset for e in rings.read("live", first + 1, 10, max_bytes=100, topic_id=1)] == [
         first + 1
     ]

@@ -1,10 +1,10 @@
 """Squall topics in Spark: batch reads, a Structured Streaming source, and exactly-once writes.
 
 Install with the `spark` extra (`pip install 'squall[spark]'`: pyspark >= 4.2 and
-pyarrow; Spark needs Java 17 or later), then register the format once per session::
-
-    from squall.spark import register
-    register(spark)
+pyarrow; Spark needs Java 17 or later). PySpark finds the format by itself (the
+`pyspark_squall` module, PySpark's convention for installed data sources), so no
+registration is needed; `register(spark)` remains for sessions whose Python workers cannot
+see the installed package::
 
     df = (spark.read.format("squall")
           .option("gateway", "127.0.0.1:7100").option("topic", "orders")
@@ -58,14 +58,42 @@ __all__ = [
     "SquallSparkError",
     "WriteSummary",
     "local_session",
+    "make_discoverable",
     "publisher_id",
     "register",
 ]
 
 
 def register(spark: SparkSession) -> None:
-    """Registers the "squall" format with this session."""
+    """Registers the "squall" format with this session explicitly.
+
+    Not needed where PySpark discovers it (the package installed where Spark's Python
+    workers import from); harmless there too (Spark replaces the entry, with a warning).
+    """
     spark.dataSource.register(SquallDataSource)
+
+
+def make_discoverable() -> None:
+    """Puts pyspark_squall where PySpark's data-source lookup looks, if it is not there.
+
+    PySpark's lookup (a Python worker the JVM starts) lists top-level modules on its
+    sys.path with pkgutil, which does not see modules an editable install (`pip install
+    -e`) serves through an import hook. For such an install, the directory holding
+    pyspark_squall goes on PYTHONPATH, which the JVM started afterwards passes on to its
+    workers. A regular install needs nothing.
+    """
+    import importlib.util
+    import pkgutil
+
+    if any(module.name == "pyspark_squall" for module in pkgutil.iter_modules()):
+        return
+    spec = importlib.util.find_spec("pyspark_squall")
+    if spec is None or not spec.submodule_search_locations:
+        return
+    folder = os.path.dirname(next(iter(spec.submodule_search_locations)))
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if folder not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, folder])
 
 
 def local_session(
@@ -76,7 +104,7 @@ def local_session(
     quick_jvm: bool = True,
     conf: dict[str, str] | None = None,
 ) -> SparkSession:
-    """A local-mode SparkSession on loopback with the squall format registered.
+    """A local-mode SparkSession on loopback where the squall format is found by PySpark.
 
     For development, demos, tests and benchmarks on one machine: Python workers use this
     interpreter, the driver binds to 127.0.0.1, the web UI is off, shuffles use `cores`
@@ -90,6 +118,7 @@ def local_session(
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    make_discoverable()
     builder = (
         SparkSession.builder.appName(app_name)
         .master(f"local[{cores},{task_attempts_max}]")
@@ -105,6 +134,4 @@ def local_session(
         builder = builder.config("spark.driver.extraJavaOptions", "-XX:TieredStopAtLevel=1")
     for key, value in (conf or {}).items():
         builder = builder.config(key, value)
-    spark = builder.getOrCreate()
-    register(spark)
-    return spark
+    return builder.getOrCreate()

@@ -39,6 +39,16 @@ READ_OPTIONS = ("startingOffsets", "endingOffsets", "maxEventsPerSplit", "maxEve
 WRITE_OPTIONS = ("writeId", "batchEvents", "rowsPerPublisher")
 # Spark adds these itself (file-sink style paths, checkpoints); they are not ours to refuse.
 SPARK_OPTIONS = ("path", "checkpointLocation", "queryName")
+# Spark's Kafka source's names for options that mean the same here, so a query moved from
+# Kafka keeps its options: a Squall topic is one partition whose offsets count events, so
+# Kafka's offsets per trigger are events per trigger, and `subscribe` names the topic
+# (one: a query reads one Squall topic). startingOffsets and endingOffsets have Kafka's
+# names already. Options with no equal here (minPartitions, failOnDataLoss, ...) stay
+# errors rather than being silently ignored.
+KAFKA_ALIASES = {
+    "maxOffsetsPerTrigger": "maxEventsPerTrigger",
+    "subscribe": "topic",
+}
 
 TIMEOUT_MS_DEFAULT = 30_000
 TIMEOUT_MS_BOUNDS = (100, 3_600_000)
@@ -96,13 +106,30 @@ class WriteOptions:
     rows_per_publisher: int
 
 
+_ALIAS_OF = {alias.lower(): name for alias, name in KAFKA_ALIASES.items()}
+
+
 def _lower(options: Mapping[str, str]) -> dict[str, str]:
-    return {str(k).lower(): str(v) for k, v in options.items()}
+    """Lower-cased names (Spark's own convention), Kafka aliases under their Squall name."""
+    lowered: dict[str, str] = {}
+    given: dict[str, str] = {}
+    for key, value in options.items():
+        raw = str(key)
+        name = _ALIAS_OF.get(raw.lower(), raw).lower()
+        if name in lowered and lowered[name] != str(value):
+            raise ValueError(
+                f"options {given[name]!r} and {raw!r} mean the same and disagree "
+                f"({lowered[name]!r} vs {str(value)!r}): give one"
+            )
+        lowered[name] = str(value)
+        given[name] = raw
+    return lowered
 
 
 def check_known(options: Mapping[str, str], allowed: tuple[str, ...]) -> None:
     """Refuses an option no mode of the source knows (a typo would otherwise be ignored)."""
     known = {name.lower(): name for name in (*COMMON_OPTIONS, *SPARK_OPTIONS, *allowed)}
+    known |= {a.lower(): a for a, name in KAFKA_ALIASES.items() if name.lower() in known}
     for key in options:
         if key.lower() not in known:
             names = ", ".join(sorted((*COMMON_OPTIONS, *allowed)))
@@ -146,6 +173,11 @@ def parse_common(options: Mapping[str, str]) -> CommonOptions:
     topic = lowered.get("topic", "").strip()
     if not topic:
         raise ValueError("option 'topic' is required: the name of the Squall topic")
+    if "," in topic:
+        raise ValueError(
+            f"option 'topic' (or Kafka's 'subscribe') names one topic, not {topic!r}: "
+            "a query reads one Squall topic (union several queries' DataFrames instead)"
+        )
     timeout_ms = _int(lowered, "timeoutMs", TIMEOUT_MS_DEFAULT, TIMEOUT_MS_BOUNDS)
     return CommonOptions(
         gateway=gateway, topic=topic, timeout_ms=timeout_ms, tls=_parse_tls(lowered)

@@ -430,9 +430,12 @@ class SubscribeRequest(_message.Message):
     end_offset: _builtins.int
     """Stop after this offset (exclusive); 0 means no end. Used by batch readers."""
     max_batch_bytes: _builtins.int
-    """The most bytes of keys and payloads per response message (0, or more than the
-    server's limits.max_batch_bytes: that limit). A response holds at least one event, so
-    a reader must accept messages of max_event_bytes plus the event's other fields.
+    """The most bytes of encoded events per response message. 0: the server's
+    limits.subscribe_batch_default_bytes (3 MiB unless configured), which fits gRPC's
+    default 4 MiB receive limit; more than limits.max_batch_bytes: that limit. Set it
+    higher only when the channel's receive limit is higher. A response holds at least one
+    event, so a reader must accept messages of max_event_bytes plus the event's other
+    fields.
     """
     timestamp_ms: _builtins.int
     """The time to start at when start is START_POSITION_TIMESTAMP, milliseconds since the

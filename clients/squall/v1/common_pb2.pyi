@@ -564,3 +564,97 @@ class NodeEndpoint(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___NodeEndpoint: _TypeAlias = NodeEndpoint  # noqa: Y015
+
+@_typing.final
+class OperatorRecord(_message.Message):
+    """Who did what to a node's election, when and why (the audit trail of operator controls)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AT_MS_FIELD_NUMBER: _builtins.int
+    OPERATOR_FIELD_NUMBER: _builtins.int
+    ACTION_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    at_ms: _builtins.int
+    """Wall-clock time, milliseconds since the Unix epoch."""
+    operator: _builtins.str
+    """The user who asked; `replica` for a fault the replica reported; `auto` for a control
+    the election reverted itself.
+    """
+    action: _builtins.str
+    """What was done, e.g. `quorum-override 1`, `quarantine`, `transfer to n2`."""
+    reason: _builtins.str
+    """Why."""
+    def __init__(
+        self,
+        *,
+        at_ms: _builtins.int = ...,
+        operator: _builtins.str = ...,
+        action: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "at_ms", b"at_ms", "operator", b"operator", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OperatorRecord: _TypeAlias = OperatorRecord  # noqa: Y015
+
+@_typing.final
+class SlaveProgress(_message.Message):
+    """One slave as its master sees it (ReplicaState.slaves, NodeStatus.slaves)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    RECEIVED_LSN_FIELD_NUMBER: _builtins.int
+    WRITTEN_LSN_FIELD_NUMBER: _builtins.int
+    SYNCED_LSN_FIELD_NUMBER: _builtins.int
+    LAG_ENTRIES_FIELD_NUMBER: _builtins.int
+    CATCH_UP_ENTRIES_PER_S_FIELD_NUMBER: _builtins.int
+    ETA_S_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_LSN_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    """The slave's node id."""
+    state: _builtins.str
+    """disconnected, probing, streaming, paused (its in-flight window is full) or
+    snapshotting.
+    """
+    received_lsn: _builtins.int
+    """How far the slave's acks say it holds the log: received, written, flushed."""
+    written_lsn: _builtins.int
+    synced_lsn: _builtins.int
+    lag_entries: _builtins.int
+    """Entries the slave lacks: the master's last LSN minus what the slave holds at the
+    replica sync policy.
+    """
+    catch_up_entries_per_s: _builtins.float
+    """Entries per second the slave's acknowledged LSN grew over the last few seconds."""
+    eta_s: _builtins.float
+    """Seconds until the lag closes at the recent rate, if the master's log stopped growing
+    meanwhile (its log grows too: see the rate); -1 when the slave is not gaining.
+    """
+    snapshot_lsn: _builtins.int
+    """The LSN of the snapshot being sent to it (0: none)."""
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        state: _builtins.str = ...,
+        received_lsn: _builtins.int = ...,
+        written_lsn: _builtins.int = ...,
+        synced_lsn: _builtins.int = ...,
+        lag_entries: _builtins.int = ...,
+        catch_up_entries_per_s: _builtins.float = ...,
+        eta_s: _builtins.float = ...,
+        snapshot_lsn: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["catch_up_entries_per_s", b"catch_up_entries_per_s", "eta_s", b"eta_s", "lag_entries", b"lag_entries", "node_id", b"node_id", "received_lsn", b"received_lsn", "snapshot_lsn", b"snapshot_lsn", "state", b"state", "synced_lsn", b"synced_lsn", "written_lsn", b"written_lsn"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SlaveProgress: _TypeAlias = SlaveProgress  # noqa: Y015

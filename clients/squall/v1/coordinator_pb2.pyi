@@ -558,17 +558,17 @@ class CoordinatorStatus(_message.Message):
         """The other members (only the coordinator knows them)."""
 
     @_builtins.property
-    def quorum_override_record(self) -> Global___OperatorRecord:
+    def quorum_override_record(self) -> _common_pb2.OperatorRecord:
         """Who set the quorum override in force, when and why (unset: no override)."""
 
     @_builtins.property
-    def quarantine(self) -> Global___OperatorRecord:
+    def quarantine(self) -> _common_pb2.OperatorRecord:
         """Set while the node is quarantined: by whom (`replica` for a fault it reported),
         when and why.
         """
 
     @_builtins.property
-    def audit(self) -> _containers.RepeatedCompositeFieldContainer[Global___OperatorRecord]:
+    def audit(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.OperatorRecord]:
         """The newest operator actions and automatic reverts on this node, oldest first."""
 
     @_builtins.property
@@ -591,9 +591,9 @@ class CoordinatorStatus(_message.Message):
         designated_primary: _builtins.bool = ...,
         quorum_override: _builtins.int = ...,
         quorum_required: _builtins.int = ...,
-        quorum_override_record: Global___OperatorRecord | None = ...,
-        quarantine: Global___OperatorRecord | None = ...,
-        audit: _abc.Iterable[Global___OperatorRecord] | None = ...,
+        quorum_override_record: _common_pb2.OperatorRecord | None = ...,
+        quarantine: _common_pb2.OperatorRecord | None = ...,
+        audit: _abc.Iterable[_common_pb2.OperatorRecord] | None = ...,
         invited: _abc.Iterable[_builtins.str] | None = ...,
         sync_source_id: _builtins.str = ...,
         transfer_target: _builtins.str = ...,
@@ -866,42 +866,6 @@ class Leave(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Leave: _TypeAlias = Leave  # noqa: Y015
-
-@_typing.final
-class OperatorRecord(_message.Message):
-    """Who did what to a node's election, when and why (the audit trail of operator controls)."""
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    AT_MS_FIELD_NUMBER: _builtins.int
-    OPERATOR_FIELD_NUMBER: _builtins.int
-    ACTION_FIELD_NUMBER: _builtins.int
-    REASON_FIELD_NUMBER: _builtins.int
-    at_ms: _builtins.int
-    """Wall-clock time, milliseconds since the Unix epoch."""
-    operator: _builtins.str
-    """The user who asked; `replica` for a fault the replica reported; `auto` for a control
-    the election reverted itself.
-    """
-    action: _builtins.str
-    """What was done, e.g. `quorum-override 1`, `quarantine`, `transfer to n2`."""
-    reason: _builtins.str
-    """Why."""
-    def __init__(
-        self,
-        *,
-        at_ms: _builtins.int = ...,
-        operator: _builtins.str = ...,
-        action: _builtins.str = ...,
-        reason: _builtins.str = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "at_ms", b"at_ms", "operator", b"operator", "reason", b"reason"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___OperatorRecord: _TypeAlias = OperatorRecord  # noqa: Y015
 
 @_typing.final
 class TransferLeadershipRequest(_message.Message):

@@ -24,23 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 from squall.v1 import common_pb2 as squall_dot_v1_dot_common__pb2
-from squall.v1 import coordinator_pb2 as squall_dot_v1_dot_coordinator__pb2
-from squall.v1 import replica_pb2 as squall_dot_v1_dot_replica__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17squall/v1/gateway.proto\x12\tsquall.v1\x1a\x16squall/v1/common.proto\x1a\x1bsquall/v1/coordinator.proto\x1a\x17squall/v1/replica.proto\"\x19\n\x17GetClusterStatusRequest\"\xad\x06\n\nNodeStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63oordinator_id\x18\x02 \x01(\t\x12\x12\n\ngroup_name\x18\x03 \x01(\t\x12#\n\x05state\x18\x04 \x01(\x0e\x32\x14.squall.v1.NodeState\x12\r\n\x05group\x18\x05 \x03(\t\x12\x10\n\x08max_seen\x18\x06 \x01(\r\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x1d\n\x04role\x18\x08 \x01(\x0e\x32\x0f.squall.v1.Role\x12\x1a\n\x12last_change_reason\x18\t \x01(\t\x12\x10\n\x08last_lsn\x18\n \x01(\x04\x12\x12\n\ncommit_lsn\x18\x0b \x01(\x04\x12*\n\x0bstore_state\x18\x0c \x01(\x0e\x32\x15.squall.v1.StoreState\x12\x11\n\treachable\x18\r \x01(\x08\x12\r\n\x05\x65rror\x18\x0e \x01(\t\x12\x17\n\x0freplica_address\x18\x0f \x01(\t\x12\x10\n\x08priority\x18\x10 \x01(\r\x12\x1a\n\x12\x64\x65signated_primary\x18\x11 \x01(\x08\x12\x17\n\x0fquorum_override\x18\x12 \x01(\r\x12\x17\n\x0fquorum_required\x18\x13 \x01(\r\x12(\n\x06slaves\x18\x14 \x03(\x0b\x32\x18.squall.v1.SlaveProgress\x12\x15\n\rlog_start_lsn\x18\x15 \x01(\x04\x12\x12\n\nlast_epoch\x18\x16 \x01(\x04\x12\x39\n\x16quorum_override_record\x18\x17 \x01(\x0b\x32\x19.squall.v1.OperatorRecord\x12-\n\nquarantine\x18\x18 \x01(\x0b\x32\x19.squall.v1.OperatorRecord\x12(\n\x05\x61udit\x18\x19 \x03(\x0b\x32\x19.squall.v1.OperatorRecord\x12\x0f\n\x07invited\x18\x1a \x03(\t\x12\x16\n\x0esync_source_id\x18\x1b \x01(\t\x12\x14\n\x0c\x66\x61ult_reason\x18\x1c \x01(\t\x12\x17\n\x0ftransfer_target\x18\x1d \x01(\t\x12$\n\x1creplica_unreachable_since_ms\x18\x1e \x01(\x03\"W\n\rClusterStatus\x12$\n\x05nodes\x18\x01 \x03(\x0b\x32\x15.squall.v1.NodeStatus\x12\x11\n\tmaster_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x32`\n\x0c\x43lusterAdmin\x12P\n\x10GetClusterStatus\x12\".squall.v1.GetClusterStatusRequest\x1a\x18.squall.v1.ClusterStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17squall/v1/gateway.proto\x12\tsquall.v1\x1a\x16squall/v1/common.proto\"\x19\n\x17GetClusterStatusRequest\"\xad\x06\n\nNodeStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63oordinator_id\x18\x02 \x01(\t\x12\x12\n\ngroup_name\x18\x03 \x01(\t\x12#\n\x05state\x18\x04 \x01(\x0e\x32\x14.squall.v1.NodeState\x12\r\n\x05group\x18\x05 \x03(\t\x12\x10\n\x08max_seen\x18\x06 \x01(\r\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\x12\x1d\n\x04role\x18\x08 \x01(\x0e\x32\x0f.squall.v1.Role\x12\x1a\n\x12last_change_reason\x18\t \x01(\t\x12\x10\n\x08last_lsn\x18\n \x01(\x04\x12\x12\n\ncommit_lsn\x18\x0b \x01(\x04\x12*\n\x0bstore_state\x18\x0c \x01(\x0e\x32\x15.squall.v1.StoreState\x12\x11\n\treachable\x18\r \x01(\x08\x12\r\n\x05\x65rror\x18\x0e \x01(\t\x12\x17\n\x0freplica_address\x18\x0f \x01(\t\x12\x10\n\x08priority\x18\x10 \x01(\r\x12\x1a\n\x12\x64\x65signated_primary\x18\x11 \x01(\x08\x12\x17\n\x0fquorum_override\x18\x12 \x01(\r\x12\x17\n\x0fquorum_required\x18\x13 \x01(\r\x12(\n\x06slaves\x18\x14 \x03(\x0b\x32\x18.squall.v1.SlaveProgress\x12\x15\n\rlog_start_lsn\x18\x15 \x01(\x04\x12\x12\n\nlast_epoch\x18\x16 \x01(\x04\x12\x39\n\x16quorum_override_record\x18\x17 \x01(\x0b\x32\x19.squall.v1.OperatorRecord\x12-\n\nquarantine\x18\x18 \x01(\x0b\x32\x19.squall.v1.OperatorRecord\x12(\n\x05\x61udit\x18\x19 \x03(\x0b\x32\x19.squall.v1.OperatorRecord\x12\x0f\n\x07invited\x18\x1a \x03(\t\x12\x16\n\x0esync_source_id\x18\x1b \x01(\t\x12\x14\n\x0c\x66\x61ult_reason\x18\x1c \x01(\t\x12\x17\n\x0ftransfer_target\x18\x1d \x01(\t\x12$\n\x1creplica_unreachable_since_ms\x18\x1e \x01(\x03\"W\n\rClusterStatus\x12$\n\x05nodes\x18\x01 \x03(\x0b\x32\x15.squall.v1.NodeStatus\x12\x11\n\tmaster_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x32`\n\x0c\x43lusterAdmin\x12P\n\x10GetClusterStatus\x12\".squall.v1.GetClusterStatusRequest\x1a\x18.squall.v1.ClusterStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'squall.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=116
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=141
-  _globals['_NODESTATUS']._serialized_start=144
-  _globals['_NODESTATUS']._serialized_end=957
-  _globals['_CLUSTERSTATUS']._serialized_start=959
-  _globals['_CLUSTERSTATUS']._serialized_end=1046
-  _globals['_CLUSTERADMIN']._serialized_start=1048
-  _globals['_CLUSTERADMIN']._serialized_end=1144
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=62
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=87
+  _globals['_NODESTATUS']._serialized_start=90
+  _globals['_NODESTATUS']._serialized_end=903
+  _globals['_CLUSTERSTATUS']._serialized_start=905
+  _globals['_CLUSTERSTATUS']._serialized_end=992
+  _globals['_CLUSTERADMIN']._serialized_start=994
+  _globals['_CLUSTERADMIN']._serialized_end=1090
 # @@protoc_insertion_point(module_scope)

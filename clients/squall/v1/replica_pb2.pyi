@@ -892,7 +892,7 @@ class ReplicaState(_message.Message):
     takes the node out of its group past timeouts.store_stall_timeout_ms.
     """
     @_builtins.property
-    def slaves(self) -> _containers.RepeatedCompositeFieldContainer[Global___SlaveProgress]:
+    def slaves(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.SlaveProgress]:
         """On a master: each member slave's replication progress, by node id (empty otherwise)."""
 
     @_builtins.property
@@ -915,7 +915,7 @@ class ReplicaState(_message.Message):
         shutdown_id: _builtins.str = ...,
         command_seq: _builtins.int = ...,
         master_id: _builtins.str = ...,
-        slaves: _abc.Iterable[Global___SlaveProgress] | None = ...,
+        slaves: _abc.Iterable[_common_pb2.SlaveProgress] | None = ...,
         log_start_lsn: _builtins.int = ...,
         joined: _builtins.bool = ...,
         frozen_for_shutdown_id: _builtins.str = ...,
@@ -931,64 +931,6 @@ class ReplicaState(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReplicaState: _TypeAlias = ReplicaState  # noqa: Y015
-
-@_typing.final
-class SlaveProgress(_message.Message):
-    """One slave as its master sees it (ReplicaState.slaves)."""
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    NODE_ID_FIELD_NUMBER: _builtins.int
-    STATE_FIELD_NUMBER: _builtins.int
-    RECEIVED_LSN_FIELD_NUMBER: _builtins.int
-    WRITTEN_LSN_FIELD_NUMBER: _builtins.int
-    SYNCED_LSN_FIELD_NUMBER: _builtins.int
-    LAG_ENTRIES_FIELD_NUMBER: _builtins.int
-    CATCH_UP_ENTRIES_PER_S_FIELD_NUMBER: _builtins.int
-    ETA_S_FIELD_NUMBER: _builtins.int
-    SNAPSHOT_LSN_FIELD_NUMBER: _builtins.int
-    node_id: _builtins.str
-    """The slave's node id."""
-    state: _builtins.str
-    """disconnected, probing, streaming, paused (its in-flight window is full) or
-    snapshotting.
-    """
-    received_lsn: _builtins.int
-    """How far the slave's acks say it holds the log: received, written, flushed."""
-    written_lsn: _builtins.int
-    synced_lsn: _builtins.int
-    lag_entries: _builtins.int
-    """Entries the slave lacks: the master's last LSN minus what the slave holds at the
-    replica sync policy.
-    """
-    catch_up_entries_per_s: _builtins.float
-    """Entries per second the slave's acknowledged LSN grew over the last few seconds."""
-    eta_s: _builtins.float
-    """Seconds until the lag closes at the recent rate, if the master's log stopped growing
-    meanwhile (its log grows too: see the rate); -1 when the slave is not gaining.
-    """
-    snapshot_lsn: _builtins.int
-    """The LSN of the snapshot being sent to it (0: none)."""
-    def __init__(
-        self,
-        *,
-        node_id: _builtins.str = ...,
-        state: _builtins.str = ...,
-        received_lsn: _builtins.int = ...,
-        written_lsn: _builtins.int = ...,
-        synced_lsn: _builtins.int = ...,
-        lag_entries: _builtins.int = ...,
-        catch_up_entries_per_s: _builtins.float = ...,
-        eta_s: _builtins.float = ...,
-        snapshot_lsn: _builtins.int = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["catch_up_entries_per_s", b"catch_up_entries_per_s", "eta_s", b"eta_s", "lag_entries", b"lag_entries", "node_id", b"node_id", "received_lsn", b"received_lsn", "snapshot_lsn", b"snapshot_lsn", "state", b"state", "synced_lsn", b"synced_lsn", "written_lsn", b"written_lsn"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___SlaveProgress: _TypeAlias = SlaveProgress  # noqa: Y015
 
 @_typing.final
 class RoleCommand(_message.Message):

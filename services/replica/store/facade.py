@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
+from services.replica.batch_bytes import framed_event_bytes
 from services.replica.divergence import (
     UINT64_MAX,
     BoundaryLike,
@@ -539,7 +540,8 @@ class Store:
         """Verified events from from_offset up to (not including) end_offset (0: no end).
 
         Returns at most max_events events and, when max_bytes > 0, stops before the
-        payloads and keys exceed it (but returns at least one event). Empty at or beyond
+        events' encoded bytes in a response message exceed it (batch_bytes.py; but returns
+        at least one event). Empty at or beyond
         the topic's end; raises UnknownTopicError for a topic the store does not hold, or
         (topic_id > 0) whose incarnation is not topic_id: a reader that began on a topic
         destroyed since never reads the one created again under its name.
@@ -564,13 +566,14 @@ class Store:
             for key, value in txn.scan(DB_EVENTS, lo, hi):
                 if key != U64X2.pack(row.topic_id, expect):
                     break  # reported as missing below
+                encoded = unseal(DB_EVENTS, key, value)
                 try:
-                    ev = common_pb2.Event.FromString(unseal(DB_EVENTS, key, value))
+                    ev = common_pb2.Event.FromString(encoded)
                 except DecodeError:
                     raise CorruptRecordError(DB_EVENTS, key, "event does not parse") from None
                 if ev.offset != expect or ev.topic != topic:
                     raise CorruptRecordError(DB_EVENTS, key, "event topic or offset wrong")
-                size_bytes += len(ev.payload) + len(ev.key)
+                size_bytes += framed_event_bytes(len(encoded))
                 if max_bytes > 0 and out and size_bytes > max_bytes:
                     return out
                 out.append(ev)
