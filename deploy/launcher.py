@@ -257,7 +257,7 @@ def stop() -> int:
 
 def _clean_shutdown() -> None:
     """`squall cluster shutdown` on the local cluster; a failure is reported, not fatal."""
-    from services.cluster_shutdown import ShutdownError, shutdown_cluster
+    from services.cli.cluster_shutdown import ShutdownError, shutdown_cluster
 
     try:
         config = load_config(LOCAL_CONFIG)

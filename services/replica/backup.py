@@ -44,7 +44,7 @@ _RESTORE_CHUNK_BYTES = 8 << 20
 _COPY_POLL_INTERVAL_S = 0.5
 
 # progress(phase, done, total): "copy" and "restore" count bytes, "verify" log entries.
-# The operator commands show it as a rate and an ETA (services/cli_progress.py).
+# The operator commands show it as a rate and an ETA (services/cli/progress.py).
 Progress = Callable[[str, int, int], None]
 
 

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 import squall
-from services import cli, cli_listing
+from services import cli
+from services.cli import listing as cli_listing
 from tests.unit.test_cli import broker, run
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""The progress line of `squall store backup|restore|verify` (services/cli_progress.py),
+"""The progress line of `squall store backup|restore|verify` (services/cli/progress.py),
 and `squall store verify` on real LMDB backups."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cli_progress import LOG_INTERVAL_S, ProgressLine
+from services.cli.progress import LOG_INTERVAL_S, ProgressLine
 from services.common.clock import ManualClock
 from services.replica import backup
 from tests.unit.test_store_backup import run, source

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import io
 
-from services.cli_status_wait import group_problems, wait_until_normal
+from services.cli.status_wait import group_problems, wait_until_normal
 from squall import ClusterStatus, NodeStatus, Unavailable
 from squall._types import SlaveProgress
 

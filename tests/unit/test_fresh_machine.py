@@ -89,7 +89,7 @@ class Block:
             raise ImportError(f"{name} is not in the base install")
         return None
 sys.meta_path.insert(0, Block())
-import deploy.launcher, deploy.processes, services.cli, services.cluster_shutdown
+import deploy.launcher, deploy.processes, services.cli, services.cli.cluster_shutdown
 import services.common.dev_certs
 import services.replica.__main__, services.coordinator.__main__, services.gateway.__main__
 print("ok")

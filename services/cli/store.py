@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 from typing import TextIO, cast
 
-from services.cli_store_backup import store_commands
+from services.cli.store_backup import store_commands
 from services.coordinator.persist import STATE_FILE_NAME, StateFileError, load_state
 from services.replica.datadir import DataDirBusy, DataDirLock, is_locked
 from services.replica.store import Store, StoreError, StoreMeta

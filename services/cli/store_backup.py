@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from services.cli_progress import ProgressLine
+from services.cli.progress import ProgressLine
 from services.replica import backup as store_backup
 
 

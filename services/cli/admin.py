@@ -10,7 +10,7 @@
 Every control is loud: the coordinator logs it as a warning, persists it with who, when and
 why, and `squall status` shows it. A command against a node that is not configured or not
 reachable fails with a message naming the node, and changes nothing. `shutdown` stops
-every node at one point and marks the stores clean (services/cluster_shutdown.py).
+every node at one point and marks the stores clean (services/cli/cluster_shutdown.py).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import TextIO
 
 import grpc
 
-from services.cli_auth import add_token_argument, cli_token
-from services.cluster_shutdown import ShutdownError, shutdown_cluster
+from services.cli.auth import add_token_argument, cli_token
+from services.cli.cluster_shutdown import ShutdownError, shutdown_cluster
 from services.common.config import ClusterConfig, ConfigError, NodeConfig, load_config
 from services.common.tls import Transport, cli_transport, plain_or
 from squall._auth import with_token

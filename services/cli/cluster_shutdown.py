@@ -31,7 +31,7 @@ from typing import TextIO, TypeVar
 
 import grpc
 
-from services.cli_auth import cli_token
+from services.cli.auth import cli_token
 from services.common.config import ClusterConfig, NodeConfig
 from services.common.tls import Transport, cli_transport, plain_or
 from squall._auth import with_token

@@ -12,7 +12,7 @@
                                                 --explain: why the master leads, who would
                                                 lead if a node failed
     squall cluster shutdown | quorum-override N | designated-primary NODE | transfer ...
-                                                operator controls (services/cli_admin.py)
+                                                operator controls (services/cli/admin.py)
     squall store inspect DIR | mark-clean DIR | mark-dirty DIR   a stopped node's store
     squall store backup DATA_DIR DEST           a live store's verified copy (store restore: back)
     squall store verify BACKUP                  read a backup back in full (progress on stderr)
@@ -39,19 +39,17 @@ from concurrent.futures import Future
 from typing import TextIO
 
 import squall
-from services import (
-    cli_admin,
-    cli_auth,
-    cli_certs,
-    cli_completion,
-    cli_config,
-    cli_explain,
-    cli_health,
-    cli_listing,
-    cli_status_wait,
-    cli_store,
-    cli_store_backup,
-)
+from services.cli import admin as cli_admin
+from services.cli import auth as cli_auth
+from services.cli import certs as cli_certs
+from services.cli import completion as cli_completion
+from services.cli import config as cli_config
+from services.cli import explain as cli_explain
+from services.cli import health as cli_health
+from services.cli import listing as cli_listing
+from services.cli import status_wait as cli_status_wait
+from services.cli import store as cli_store
+from services.cli import store_backup as cli_store_backup
 
 # The gateway address deploy/single.toml and deploy/cluster.example.toml give (`make run`).
 DEFAULT_GATEWAY = "127.0.0.1:7100"
