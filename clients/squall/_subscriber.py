@@ -31,9 +31,9 @@ from typing import Any, Literal
 import grpc
 
 from squall._errors import from_rpc_error, rpc_status
-from squall._retry import INDETERMINATE_AFTER_SEND, RetryPolicy
 from squall._types import Message, messages_from_pb
 from squall.v1 import broker_pb2, broker_pb2_grpc
+from squall.wire.retry import INDETERMINATE_AFTER_SEND, RetryPolicy
 
 Start = Literal["earliest", "latest"] | int
 

@@ -27,7 +27,7 @@ from services.cli.auth import add_token_argument, cli_token
 from services.cli.cluster_shutdown import ShutdownError, shutdown_cluster
 from services.common.config import ClusterConfig, ConfigError, NodeConfig, load_config
 from services.common.tls import Transport, cli_transport, plain_or
-from squall._auth import with_token
+from squall import with_token
 from squall.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 # How often `transfer` polls the target while it takes over.

@@ -34,7 +34,7 @@ import grpc
 from services.cli.auth import cli_token
 from services.common.config import ClusterConfig, NodeConfig
 from services.common.tls import Transport, cli_transport, plain_or
-from squall._auth import with_token
+from squall import with_token
 from squall.v1 import (
     common_pb2,
     coordinator_pb2,

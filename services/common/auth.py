@@ -32,11 +32,12 @@ from fnmatch import fnmatchcase
 
 from services.common.auth_config import PrincipalConfig
 from services.common.names import show_name
+from squall.wire.auth import AUTHORIZATION_KEY, BEARER_PREFIX
 
 log = logging.getLogger("squall.auth")
 
-AUTHORIZATION_KEY = "authorization"
-_BEARER = "bearer "
+# The scheme matched case-insensitively, as HTTP does.
+_BEARER = BEARER_PREFIX.lower()
 
 
 class Permission(enum.Enum):

@@ -31,15 +31,15 @@ from services.common.names import (
     TOPIC_NAME_MAX_BYTES,
     validate_node_id,
 )
-from squall import (
+from squall.v1 import common_pb2
+from squall.wire.retry import POLICY_BOUNDS as RETRY_POLICY_BOUNDS
+from squall.wire.retry import (
     RETRY_ATTEMPTS_MAX_DEFAULT,
     RETRY_BACKOFF_INITIAL_MS_DEFAULT,
     RETRY_BACKOFF_MAX_MS_DEFAULT,
-    RETRY_POLICY_BOUNDS,
     RETRY_TOTAL_MS_MAX_DEFAULT,
     RetryPolicy,
 )
-from squall.v1 import common_pb2
 
 MiB = 1024 * 1024
 

@@ -29,9 +29,9 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from services.common import telemetry
-from squall._tracing import (
-    SERVER_ERROR_CODES,
+from squall.wire.trace_context import (
     end_call_span,
+    end_server_span,
     extract,
     method_name,
     rpc_attributes,
@@ -88,7 +88,7 @@ async def _end_client_span(span: trace.Span, call: Any) -> None:
         details = await call.details()
     except (asyncio.CancelledError, grpc.aio.AioRpcError):
         code, details = grpc.StatusCode.CANCELLED, "cancelled"
-    end_call_span(span, code, details or "")
+    end_call_span(span, code.name if code is not None else None, details or "")
 
 
 def _end_server_span(span: trace.Span, context: Any, error: BaseException | None) -> None:
@@ -108,10 +108,7 @@ def _end_server_span(span: trace.Span, context: Any, error: BaseException | None
             details = str(error)
     if isinstance(details, bytes):
         details = details.decode(errors="replace")
-    span.set_attribute("rpc.grpc.status_code", code.value[0])
-    if code in SERVER_ERROR_CODES:
-        span.set_status(trace.Status(trace.StatusCode.ERROR, f"{code.name}: {details}"))
-    span.end()
+    end_server_span(span, code.name, details)
 
 
 class ServerTracing(_ServerInterceptor):

@@ -42,8 +42,8 @@ from services.gateway.master import (
     redirect_address,
 )
 from services.gateway.telemetry import GatewayInstruments, instruments
-from squall import Outcome, RetryPolicy, overall
 from squall.v1 import broker_pb2
+from squall.wire.retry import Outcome, RetryPolicy, overall
 
 log = logging.getLogger("squall.gateway")
 

@@ -31,7 +31,6 @@ from services.common.grpc_server import channel_options
 from services.common.grpc_tracing import client_interceptors
 from services.common.logs import log_fields
 from services.common.tls import transport
-from squall._auth import resolve_token, token_metadata
 from squall.v1 import (
     common_pb2,
     coordinator_pb2,
@@ -39,6 +38,7 @@ from squall.v1 import (
     replica_pb2,
     replica_pb2_grpc,
 )
+from squall.wire.auth import resolve_token, token_metadata
 
 log = logging.getLogger("squall.gateway")
 

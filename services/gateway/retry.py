@@ -33,8 +33,9 @@ from typing import Literal
 
 from google.protobuf.message import DecodeError
 
-from squall import Outcome, classify_code, overall, retryable
 from squall.v1 import broker_pb2
+from squall.wire.retry import Outcome, overall, retryable
+from squall.wire.retry import classify as classify_code
 
 MethodKind = Literal["read", "idempotent", "publish", "once", "stream"]
 Action = Literal["answer", "retry"]

@@ -10,7 +10,6 @@ from services.common.auth import bearer_token
 from services.common.config import ClusterConfig, NodeConfig
 from services.common.grpc_server import Context, channel_options
 from services.gateway.master import MasterTracker, reconnect_options
-from squall._auth import token_metadata
 from squall.v1 import (
     coordinator_pb2,
     coordinator_pb2_grpc,
@@ -19,6 +18,7 @@ from squall.v1 import (
     replica_pb2,
     replica_pb2_grpc,
 )
+from squall.wire.auth import token_metadata
 
 
 class ClusterAdmin(gateway_pb2_grpc.ClusterAdminServicer):

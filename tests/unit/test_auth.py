@@ -26,8 +26,8 @@ from services.common.call_guard import (
     Request,
 )
 from services.common.config import ConfigError, LimitsConfig, parse_config
-from squall._auth import check_token, resolve_token
 from squall.v1 import broker_pb2, common_pb2
+from squall.wire.auth import check_token, resolve_token
 
 BASE = """
 [cluster]
