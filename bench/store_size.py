@@ -82,7 +82,10 @@ def measure(events: int, payload_bytes: int) -> dict[str, object]:
                 dest = run_dir / "backup"
                 started = time.monotonic()
                 result = subprocess.run(
-                    [sys.executable, "-m", "services", "store", "backup", str(data_dir), str(dest)],
+                    [
+                        *(sys.executable, "-m", "services"),
+                        *("store", "backup", str(data_dir), str(dest)),
+                    ],
                     capture_output=True,
                     text=True,
                     timeout=600,

@@ -1,4 +1,4 @@
-"""`python -m services.cli` runs the squall command line (as `python -m services` does)."""
+"""`python -m services.cli` runs the squall command line, as `python -m services` does."""
 
 import sys
 

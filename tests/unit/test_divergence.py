@@ -1,4 +1,4 @@
-"""Tests of services.replica.divergence: finding where two logs part from their epoch histories.
+"""Tests of services.replica.divergence: where two logs part, by their epoch histories.
 
 Besides hand-written cases (Raft's figure-7 shapes), two seeded property tests: logs that
 share a prefix and then diverge, and a small cluster whose masters append and whose

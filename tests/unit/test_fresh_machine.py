@@ -91,7 +91,8 @@ class Block:
 sys.meta_path.insert(0, Block())
 import deploy.launcher, deploy.processes, services.cli, services.cli.cluster_shutdown
 import services.common.dev_certs
-import services.replica.__main__, services.coordinator.__main__, services.gateway.__main__
+import services.replica.__main__, services.coordinator.__main__
+import services.gateway.__main__
 print("ok")
 """
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
