@@ -24,7 +24,7 @@ import grpc
 import tomli_w
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.tls import Transport, plain_or
+from squall_server.common.tls import Transport, plain_or
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -1,4 +1,4 @@
-"""The `squall` command line (the console script and `python -m services`): start a service,
+"""The `squall` command line (the console script and `python -m squall_server`): start a service,
 or talk to a cluster through a gateway.
 
 `command` holds the parser and the dispatch; each other module here is one command group
@@ -6,7 +6,7 @@ or talk to a cluster through a gateway.
 `cluster_shutdown` for `squall cluster shutdown`, ...). `main` is the entry point.
 """
 
-from services.cli.command import (
+from squall_server.cli.command import (
     DEFAULT_GATEWAY,
     GATEWAY_ENV,
     SERVICE_MODULES,

@@ -1,7 +1,7 @@
-"""`python -m services.cli` runs the squall command line, as `python -m services` does."""
+"""`python -m squall_server.cli` runs the squall command line, as `python -m squall_server` does."""
 
 import sys
 
-from services.cli import main
+from squall_server.cli import main
 
 sys.exit(main())

@@ -23,12 +23,12 @@ from typing import TextIO
 
 import grpc
 
-from services.cli.auth import add_token_argument, cli_token
-from services.cli.cluster_shutdown import ShutdownError, shutdown_cluster
-from services.common.config import ClusterConfig, ConfigError, NodeConfig, load_config
-from services.common.tls import Transport, cli_transport, plain_or
 from squall import with_token
 from squall.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from squall_server.cli.auth import add_token_argument, cli_token
+from squall_server.cli.cluster_shutdown import ShutdownError, shutdown_cluster
+from squall_server.common.config import ClusterConfig, ConfigError, NodeConfig, load_config
+from squall_server.common.tls import Transport, cli_transport, plain_or
 
 # How often `transfer` polls the target while it takes over.
 _TRANSFER_POLL_S = 0.01

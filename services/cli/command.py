@@ -39,25 +39,25 @@ from concurrent.futures import Future
 from typing import TextIO
 
 import squall
-from services.cli import admin as cli_admin
-from services.cli import auth as cli_auth
-from services.cli import certs as cli_certs
-from services.cli import completion as cli_completion
-from services.cli import config as cli_config
-from services.cli import explain as cli_explain
-from services.cli import health as cli_health
-from services.cli import listing as cli_listing
-from services.cli import status_wait as cli_status_wait
-from services.cli import store as cli_store
-from services.cli import store_backup as cli_store_backup
+from squall_server.cli import admin as cli_admin
+from squall_server.cli import auth as cli_auth
+from squall_server.cli import certs as cli_certs
+from squall_server.cli import completion as cli_completion
+from squall_server.cli import config as cli_config
+from squall_server.cli import explain as cli_explain
+from squall_server.cli import health as cli_health
+from squall_server.cli import listing as cli_listing
+from squall_server.cli import status_wait as cli_status_wait
+from squall_server.cli import store as cli_store
+from squall_server.cli import store_backup as cli_store_backup
 
 # The gateway address deploy/single.toml and deploy/cluster.example.toml give (`make run`).
 DEFAULT_GATEWAY = "127.0.0.1:7100"
 GATEWAY_ENV = "SQUALL_GATEWAY"
 SERVICE_MODULES = {
-    "replica": "services.replica.__main__",
-    "coordinator": "services.coordinator.__main__",
-    "gateway": "services.gateway.__main__",
+    "replica": "squall_server.replica.__main__",
+    "coordinator": "squall_server.coordinator.__main__",
+    "gateway": "squall_server.gateway.__main__",
 }
 
 
@@ -231,7 +231,7 @@ def gateway_from_config(path: str) -> str:
     """The first gateway address in a cluster configuration file (UsageError if unusable)."""
     # Imported here: service start-up and client commands that do not read a config
     # should not pay for it.
-    from services.common.config import ConfigError, load_config
+    from squall_server.common.config import ConfigError, load_config
 
     try:
         return load_config(path).gateway().address
@@ -256,8 +256,8 @@ def tls_from_config(args: argparse.Namespace, address: str) -> squall.TlsOptions
     """TLS options from --config's [tls] (the admin certificate when cert_dir has one)."""
     if not args.config:
         return None
-    from services.common.config import ConfigError, load_config
-    from services.common.tls import ADMIN_ID, address_owner, cli_identity
+    from squall_server.common.config import ConfigError, load_config
+    from squall_server.common.tls import ADMIN_ID, address_owner, cli_identity
 
     try:
         config = load_config(args.config)

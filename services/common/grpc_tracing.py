@@ -9,7 +9,7 @@ trace headers already in the metadata (the gateway forwards an app's metadata).
 Only the calls worth a trace are traced (`traced_method`): the broker API and the cluster
 status. Heartbeats, role renewals, health checks and the long-lived replication streams
 would be noise; replication is traced per batch by the master instead
-(`services.replica.telemetry`). Neither interceptor is installed while tracing is off
+(`squall_server.replica.telemetry`). Neither interceptor is installed while tracing is off
 (`server_interceptors`, `client_interceptors`), so then a call costs nothing extra.
 
 Written here rather than taken from opentelemetry-instrumentation-grpc: its asyncio server
@@ -28,7 +28,6 @@ import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from services.common import telemetry
 from squall.wire.trace_context import (
     end_call_span,
     end_server_span,
@@ -38,6 +37,7 @@ from squall.wire.trace_context import (
     span_name,
     with_context,
 )
+from squall_server.common import telemetry
 
 if TYPE_CHECKING:  # grpc's classes are generic in the stubs only
     _ServerInterceptor = grpc.aio.ServerInterceptor[Any, Any]

@@ -34,7 +34,7 @@ from typing import Any, TextIO
 
 from opentelemetry import trace
 
-from services.common.config import LogConfig
+from squall_server.common.config import LogConfig
 
 # The LogRecord attribute that carries structured fields.
 FIELDS_ATTR = "squall_fields"

@@ -28,9 +28,9 @@ import pytest
 
 import squall
 from deploy import processes
-from services.replica.store import DATABASES, Store
-from services.replica.store.kv_lmdb import LmdbKV
 from squall.v1 import common_pb2
+from squall_server.replica.store import DATABASES, Store
+from squall_server.replica.store.kv_lmdb import LmdbKV
 from tests.integration.conftest import ROOT, LocalCluster, make_cluster, wait_for
 from tests.integration.test_deploy_commands import launch
 from tests.unit.test_deploy_files import dockerfile_stages
@@ -43,7 +43,7 @@ TOPIC = "orders"
 def squall_cli(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
     """Runs the `squall` command as an operator would (its own process)."""
     return subprocess.run(
-        [sys.executable, "-m", "services", *args],
+        [sys.executable, "-m", "squall_server", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -361,7 +361,7 @@ def install_release(tmp_path: Path) -> Path:
     )
     assert result.returncode == 0, result.stderr
     where = subprocess.run(
-        [str(python), "-c", "import services, squall.v1; print(services.__file__)"],
+        [str(python), "-c", "import squall_server, squall.v1; print(squall_server.__file__)"],
         cwd=tmp_path,
         capture_output=True,
         text=True,

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.progress import LOG_INTERVAL_S, ProgressLine
-from services.common.clock import ManualClock
-from services.replica import backup
+from squall_server.cli.progress import LOG_INTERVAL_S, ProgressLine
+from squall_server.common.clock import ManualClock
+from squall_server.replica import backup
 from tests.unit.test_store_backup import run, source
 
 __all__ = ["source"]  # the filled-store fixture, shared with test_store_backup.py

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 import squall
-from services.common.config import load_config
+from squall_server.common.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SYSTEMD = ROOT / "deploy" / "systemd"
@@ -400,7 +400,7 @@ def test_the_chaos_suites_cluster_file_is_one_the_services_accept(
     nodes: int, tmp_path: Path
 ) -> None:
     from chaos.cluster import GATEWAY_IDS, ChaosCluster
-    from services.common.config import load_config
+    from squall_server.common.config import load_config
 
     cluster = ChaosCluster.build(tmp_path, nodes, None)
     config = load_config(cluster.config_path)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import squall
-from services import cli
+from squall_server import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 GENERATED = ROOT / "clients" / "squall" / "v1"

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from services.replica.store import (
+from squall.v1 import common_pb2, replica_pb2
+from squall_server.replica.store import (
     DEDUPE_WINDOW_DEFAULT,
     DedupeHit,
     EpochBoundary,
@@ -30,7 +31,6 @@ from services.replica.store import (
     UnknownTopicError,
     make_entry,
 )
-from squall.v1 import common_pb2, replica_pb2
 
 StoreFactory = Callable[..., Store]
 Op = replica_pb2.Operation

@@ -13,9 +13,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from services.common.auth import bearer_token
-from services.gateway import retry as gateway_retry
 from squall.wire import auth, retry, trace_context
+from squall_server.common.auth import bearer_token
+from squall_server.gateway import retry as gateway_retry
 
 ROOT = Path(__file__).resolve().parents[2]
 WIRE = ROOT / "clients" / "squall" / "wire"

@@ -3,7 +3,7 @@ metadata as the W3C Trace Context headers (`traceparent`, `tracestate`), so a ca
 client span is the parent of the callee's server span (docs/observability.md).
 
 Shared by the client library's interceptors (`squall._tracing`, `squall.aio`) and the
-services' (`services.common.grpc_tracing`): the span names and attributes, the headers,
+services' (`squall_server.common.grpc_tracing`): the span names and attributes, the headers,
 and which status codes mark a span as failed. It imports the OpenTelemetry API only, no
 grpc: status codes are their names ("UNAVAILABLE"), as in `squall.wire.retry`.
 """
