@@ -325,7 +325,8 @@ def install_release(tmp_path: Path) -> Path:
         (
             [
                 *(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps"),
-                *("--no-build-isolation", "-w", str(tmp_path / "dist"), str(context)),
+                *("--no-build-isolation", "-w", str(tmp_path / "dist")),
+                *(str(context / "clients"), str(context)),
             ],
             context,
         ),
@@ -348,11 +349,12 @@ def install_release(tmp_path: Path) -> Path:
     Path(purelib, "squall-test-dependencies.pth").write_text(
         sysconfig.get_paths()["purelib"] + "\n"
     )
-    (wheel,) = (tmp_path / "dist").glob("squall-*.whl")
+    wheels = sorted(str(wheel) for wheel in (tmp_path / "dist").glob("squall*.whl"))
+    assert len(wheels) == 2, wheels  # the client and the server
     result = subprocess.run(
         [
             *(sys.executable, "-m", "pip", "--python", str(python), "install", "-q"),
-            *("--no-deps", "--no-index", str(wheel)),
+            *("--no-deps", "--no-index", *wheels),
         ],
         capture_output=True,
         text=True,

@@ -247,7 +247,11 @@ def test_the_build_stage_generates_the_protos_with_the_pinned_tools() -> None:
     assert sorted(tools.split("pip install ")[1].split()) == sorted(pins.values())
     assert "RUN /opt/protoc/bin/python scripts/gen_protos.py" in build
     generate = build.index("RUN /opt/protoc/bin/python scripts/gen_protos.py")
-    install = next(i for i, line in enumerate(build) if "venv/bin/pip install ." in line)
+    install = next(
+        i
+        for i, line in enumerate(build)
+        if "venv/bin/pip install -c constraints.txt ./clients ." in line
+    )
     assert generate < install, "the package must be built from freshly generated code"
 
 
