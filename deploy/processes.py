@@ -70,7 +70,8 @@ class Service:
 def service_command(kind: str, config_path: Path, name: str) -> list[str]:
     """The command line that starts one service."""
     flag = "--gateway" if kind == "gateway" else "--node"
-    return [sys.executable, "-m", f"services.{kind}", "--config", str(config_path), flag, name]
+    module = f"services.{kind}"
+    return [sys.executable, "-m", module, "--config", str(config_path), flag, name]
 
 
 def start_service(
