@@ -70,7 +70,7 @@ class Service:
 def service_command(kind: str, config_path: Path, name: str) -> list[str]:
     """The command line that starts one service."""
     flag = "--gateway" if kind == "gateway" else "--node"
-    module = f"services.{kind}"
+    module = f"squall_server.{kind}"
     return [sys.executable, "-m", module, "--config", str(config_path), flag, name]
 
 

@@ -68,8 +68,8 @@ def rules() -> list[tuple[re.Pattern[str], str]]:
         (re.compile(rf"(-m\s+){OLD}\b(?![\w./-])"), rf"\1{NEW}"),
         # [sys.executable, "-m", "services", ...] and _run("-m", "services", ...)
         (re.compile(rf"""((["'])-m\2,\s*)(["']){OLD}\3"""), rf"\1\3{NEW}\3"),
-        # a module-name prefix as a string: name.startswith("services.")
-        (re.compile(rf"""(["']){OLD}\.(["'])"""), rf"\1{NEW}.\2"),
+        # a module-name prefix as a string: name.startswith("services."), f"services.{kind}"
+        (re.compile(rf"""(["']){OLD}\.(["'{{])"""), rf"\1{NEW}.\2"),
         # ruff's known-first-party list in pyproject.toml
         (re.compile(rf'(known-first-party = \[[^\]]*)"{OLD}"'), rf'\1"{NEW}"'),
     ]

@@ -130,3 +130,19 @@ def test_the_client_package_is_typed() -> None:
     assert (ROOT / "LICENSE").read_text().startswith(" " * 32 + "Apache License") or (
         "Apache License" in (ROOT / "LICENSE").read_text()[:200]
     )
+
+
+def test_nothing_still_imports_the_server_by_its_old_name() -> None:
+    # A branch written before the rename that says `services.` fails here after a merge:
+    # re-run `python3 scripts/rename_server_package.py`.
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "rename_server_package.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
