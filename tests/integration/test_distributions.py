@@ -132,7 +132,7 @@ def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return by_name
 
 
-def test_the_client_wheel_needs_only_what_a_client_needs(
+def test_the_client_wheel_needs_only_what_a_client_needs_and_spark_needs_its_extra(
     wheels: dict[str, Path], tmp_path: Path
 ) -> None:
     declared = {canonicalize_name(r.name) for r in _requirements_of_wheel(wheels["squall"])}
@@ -158,13 +158,9 @@ except ModuleNotFoundError as error:
     )
     assert out.splitlines() == [_version(), "spark needs the extra: True"]
 
-
-def test_the_client_spark_extra_brings_the_data_source(
-    wheels: dict[str, Path], tmp_path: Path
-) -> None:
-    python = _environment(
-        tmp_path, _closure([Requirement("squall[spark]")]), [wheels["squall"]]
-    )
+    # The same environment with what the `spark` extra adds: the data source loads.
+    _mirror(_closure([Requirement("squall[spark]")]), tmp_path / "deps")
+    _run([sys.executable, "-m", "pip", "--python", str(python), "check"], tmp_path)
     out = _run(
         [str(python), "-c", "import squall.spark; print(squall.spark.SquallDataSource.name())"],
         tmp_path,
