@@ -20,17 +20,17 @@ NODES ?= 3
 BENCH_ARGS ?=
 
 .PHONY: install install-run run stop test unit integration sim fuzz bench protos protos-check lint clean \
-	test-spark pipeline-demo chaos protos-release node-deps
+	test-spark pipeline-demo chaos protos-release node-deps dist
 
 install: $(STAMP)
 
 # The full install also satisfies `make run`, so it writes both stamps.
-$(STAMP): pyproject.toml constraints.txt scripts/venv.sh
+$(STAMP): pyproject.toml clients/pyproject.toml setup.py constraints.txt scripts/venv.sh
 	@bash scripts/venv.sh '$(PYTHON)' $(VENV) dev,spark $(STAMP) $(RUN_STAMP)
 
 install-run: $(RUN_STAMP)
 
-$(RUN_STAMP): pyproject.toml constraints.txt scripts/venv.sh
+$(RUN_STAMP): pyproject.toml clients/pyproject.toml setup.py constraints.txt scripts/venv.sh
 	@bash scripts/venv.sh '$(PYTHON)' $(VENV) '' $(RUN_STAMP)
 
 protos: install
@@ -60,7 +60,7 @@ $(NODE_STAMP): clients/node/package.json clients/node/package-lock.json
 
 lint: install
 	$(BIN)/ruff check services clients tests scripts deploy bench examples chaos
-	$(BIN)/mypy services clients/squall deploy scripts bench chaos
+	$(BIN)/mypy squall_server clients/squall deploy scripts bench chaos
 
 test: install protos-check lint node-deps
 	$(BIN)/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
@@ -105,5 +105,11 @@ bench: install
 chaos: install
 	$(PY) -m chaos run --seed $(SEED) --duration $(DURATION) --nodes $(NODES)
 
+# The two wheels, into dist/: the client `squall` (clients/pyproject.toml) and the server
+# `squall-server` (pyproject.toml, imported as squall_server). Built offline from a copy of
+# the tree; install a server with `pip install -c constraints.txt dist/*.whl`.
+dist: install
+	$(PY) scripts/build_dists.py dist
+
 clean:
-	rm -rf $(VENV) .run build *.egg-info
+	rm -rf $(VENV) .run build dist *.egg-info clients/build clients/*.egg-info

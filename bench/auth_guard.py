@@ -1,6 +1,6 @@
 """What the call guards cost per call, without gRPC: `python -m bench.auth_guard`.
 
-Every public call passes services.common.call_guard: the per-client limits always, the
+Every public call passes squall_server.common.call_guard: the per-client limits always, the
 token and permission check when [auth] is on (the gateway then also decodes the request
 to read its topic). This times one unary publish of a 1 KiB request, as the gateway sees
 it (serialized bytes), through the guards alone, with N principals configured. A
@@ -14,11 +14,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from services.common.auth import token_sha256
-from services.common.auth_config import AuthConfig, PrincipalConfig
-from services.common.call_guard import AuthGuard, Call, ClientLimitsGuard, Guard, Request
-from services.common.config import LimitsConfig
 from squall.v1 import broker_pb2, common_pb2
+from squall_server.common.auth import token_sha256
+from squall_server.common.auth_config import AuthConfig, PrincipalConfig
+from squall_server.common.call_guard import AuthGuard, Call, ClientLimitsGuard, Guard, Request
+from squall_server.common.config import LimitsConfig
 
 _METHOD = "/squall.v1.Publisher/Publish"
 _TOKEN = "bench-token"

@@ -19,7 +19,6 @@ from typing import Any
 import grpc
 
 from deploy import processes
-from services.common.config import ClusterConfig, load_config
 from squall.v1 import (
     common_pb2,
     coordinator_pb2,
@@ -27,6 +26,7 @@ from squall.v1 import (
     replica_pb2,
     replica_pb2_grpc,
 )
+from squall_server.common.config import ClusterConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 POLL_S = 0.005

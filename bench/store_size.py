@@ -26,7 +26,7 @@ from pathlib import Path
 import squall
 from deploy import processes
 from deploy.launcher import wait_for_master
-from services.common.config import load_config
+from squall_server.common.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,7 +82,10 @@ def measure(events: int, payload_bytes: int) -> dict[str, object]:
                 dest = run_dir / "backup"
                 started = time.monotonic()
                 result = subprocess.run(
-                    [sys.executable, "-m", "services", "store", "backup", str(data_dir), str(dest)],
+                    [
+                        *(sys.executable, "-m", "squall_server"),
+                        *("store", "backup", str(data_dir), str(dest)),
+                    ],
                     capture_output=True,
                     text=True,
                     timeout=600,

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import squall
 from deploy import processes
-from services.common import dev_certs
-from services.common.config import ClusterConfig, load_config
-from services.common.tls import cli_transport
+from squall_server.common import dev_certs
+from squall_server.common.config import ClusterConfig, load_config
+from squall_server.common.tls import cli_transport
 
 ROOT = Path(__file__).resolve().parents[1]
 PAYLOAD = b"x" * 100

@@ -36,9 +36,6 @@ import grpc
 
 from chaos.netns import Topology
 from deploy import processes
-from services.common.config import ClusterConfig, load_config
-from services.replica.committed import committed_events, gate_from_store
-from services.replica.store import Store, StoreError
 from squall.v1 import (
     common_pb2,
     coordinator_pb2,
@@ -46,6 +43,9 @@ from squall.v1 import (
     replica_pb2,
     replica_pb2_grpc,
 )
+from squall_server.common.config import ClusterConfig, load_config
+from squall_server.replica.committed import committed_events, gate_from_store
+from squall_server.replica.store import Store, StoreError
 
 log = logging.getLogger("chaos")
 
@@ -386,7 +386,7 @@ class ChaosCluster:
         command = [
             sys.executable,
             "-m",
-            "services",
+            "squall_server",
             "cluster",
             "shutdown",
             "--config",

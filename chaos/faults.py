@@ -65,10 +65,10 @@ import grpc
 
 from chaos.cluster import GATEWAY_IDS, NODE_PROCESSES, ChaosCluster, ClusterError
 from chaos.history import HistoryWriter
-from services.replica.committed import gate_from_store
-from services.replica.store import DATABASES, DB_EVENTS, Store
-from services.replica.store.kv_lmdb import LmdbKV
 from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2
+from squall_server.replica.committed import gate_from_store
+from squall_server.replica.store import DATABASES, DB_EVENTS, Store
+from squall_server.replica.store.kv_lmdb import LmdbKV
 
 KINDS = (
     "kill",
@@ -500,7 +500,7 @@ class FaultRunner:
             [
                 sys.executable,
                 "-m",
-                "services",
+                "squall_server",
                 "cluster",
                 "unquarantine",
                 node_id,

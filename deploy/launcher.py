@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from deploy import processes
-from services.common.config import ClusterConfig, ConfigError, load_config, load_config_or_exit
-from services.common.tls import cli_transport
+from squall_server.common.config import ClusterConfig, ConfigError, load_config, load_config_or_exit
+from squall_server.common.tls import cli_transport
 
 if TYPE_CHECKING:
     import squall
@@ -57,7 +57,7 @@ def enable_dev_tls(local_path: Path, certs_dir: Path) -> None:
     """Turns TLS on in the local config, with development certificates in certs_dir."""
     import tomllib
 
-    from services.common import dev_certs
+    from squall_server.common import dev_certs
 
     config = load_config_or_exit(local_path)
     wanted = dev_certs.subjects(config, [])
@@ -160,7 +160,7 @@ def start(config_path: Path, demo: bool, tls: bool = False, free_ports: bool = F
         _demo(config, gateway_address, app_tls)
     # --config brings the [tls] settings (and the admin certificate) along; on the CLI's
     # default gateway address no flag is needed.
-    from services.cli import DEFAULT_GATEWAY
+    from squall_server.cli import DEFAULT_GATEWAY
 
     if app_tls:
         target = f" --config {local_path}"
@@ -198,7 +198,7 @@ def wait_for_master(
 
 def print_status(gateway_address: str, config_path: Path | None = None) -> None:
     """Prints `squall status` (IceStorm's replica table) for the running cluster."""
-    from services import cli
+    from squall_server import cli
 
     extra = ["--config", str(config_path)] if config_path is not None else []
     cli.main(["status", "--gateway", gateway_address, "--timeout", "5", *extra])
@@ -257,7 +257,7 @@ def stop() -> int:
 
 def _clean_shutdown() -> None:
     """`squall cluster shutdown` on the local cluster; a failure is reported, not fatal."""
-    from services.cluster_shutdown import ShutdownError, shutdown_cluster
+    from squall_server.cli.cluster_shutdown import ShutdownError, shutdown_cluster
 
     try:
         config = load_config(LOCAL_CONFIG)

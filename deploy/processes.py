@@ -24,7 +24,7 @@ import grpc
 import tomli_w
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.tls import Transport, plain_or
+from squall_server.common.tls import Transport, plain_or
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -70,7 +70,8 @@ class Service:
 def service_command(kind: str, config_path: Path, name: str) -> list[str]:
     """The command line that starts one service."""
     flag = "--gateway" if kind == "gateway" else "--node"
-    return [sys.executable, "-m", f"services.{kind}", "--config", str(config_path), flag, name]
+    module = f"squall_server.{kind}"
+    return [sys.executable, "-m", module, "--config", str(config_path), flag, name]
 
 
 def start_service(

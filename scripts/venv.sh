@@ -70,11 +70,22 @@ fi
 # starts again from a new venv; the stamps are written only after every step.
 touch "$marker"
 "$venv/bin/python" -m pip install --quiet --upgrade pip
-target="."
-if [ -n "$extras" ]; then
-    target=".[$extras]"
+# Two distributions, both editable: the client (clients/, `squall`, with its `spark` extra
+# when asked for) and the server (the root, `squall-server`, with the other extras).
+client="./clients"
+server_extras=""
+for extra in ${extras//,/ }; do
+    if [ "$extra" = spark ]; then
+        client="./clients[spark]"
+    else
+        server_extras="${server_extras:+$server_extras,}$extra"
+    fi
+done
+server="."
+if [ -n "$server_extras" ]; then
+    server=".[$server_extras]"
 fi
-"$venv/bin/python" -m pip install --quiet -c constraints.txt -e "$target"
+"$venv/bin/python" -m pip install --quiet -c constraints.txt -e "$client" -e "$server"
 if [ ! -f clients/squall/v1/broker_pb2.py ]; then
     "$venv/bin/python" scripts/gen_protos.py
 fi

@@ -1,7 +1,7 @@
-"""`python -m services` runs the squall command line."""
+"""`python -m squall_server` runs the squall command line."""
 
 import sys
 
-from services.cli import main
+from squall_server.cli import main
 
 sys.exit(main())

@@ -20,16 +20,16 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from deploy.processes import free_port
-from services.common import telemetry
-from services.common.config import ClusterConfig, GatewayConfig, NodeConfig
-from services.common.grpc_server import ServiceServer
-from services.gateway.forward import Forwarder
-from services.gateway.master import MasterTracker
-from services.gateway.server import ClusterAdmin
-from services.replica import replication_server, server
-from services.replica.node import ReplicaNode
-from services.replica.store import Store
 from squall.v1 import broker_pb2_grpc, common_pb2, gateway_pb2_grpc, replica_pb2, replica_pb2_grpc
+from squall_server.common import telemetry
+from squall_server.common.config import ClusterConfig, GatewayConfig, NodeConfig
+from squall_server.common.grpc_server import ServiceServer
+from squall_server.gateway.forward import Forwarder
+from squall_server.gateway.master import MasterTracker
+from squall_server.gateway.server import ClusterAdmin
+from squall_server.replica import replication_server, server
+from squall_server.replica.node import ReplicaNode
+from squall_server.replica.store import Store
 
 HOST = "127.0.0.1"
 # Roles never lapse in these tests: no coordinator renews them.

@@ -20,7 +20,10 @@ time budget `connect(retry_total_ms_max=...)` allows (10 s by default; backoff f
 cap on attempts, 0 for none, the default, and 1 to turn retrying off); `Indeterminate`
 means the budget ran out and the events may or may not have been stored.
 `classify_code`, `retryable`, `overall` and `RetryPolicy` are the pure retry rules, shared
-with the gateway. The generated protobuf modules live in `squall.v1`.
+with the gateway (they live in `squall.wire.retry`; `squall.wire` holds what the library
+and the services agree on across the wire, without grpc). The generated protobuf modules
+live in `squall.v1`; `with_token(channel, token)` sends a bearer token on a channel of the
+app's own that calls them.
 
 Publishers (`Topic.publisher`): by default every publish goes through the gateway, which
 follows the master (the app needs to reach the gateway only). `replicated=True` asks for
@@ -49,6 +52,7 @@ committed events, with IceStorm's QoS (`reliability="ordered"`, `retry_count`);
 replicated: after a failover the new master resumes from each one's durable cursor.
 """
 
+from squall._auth import with_token
 from squall._client import MESSAGE_BYTES_MAX, Client, Topic, channel_options, connect
 from squall._errors import (
     Aborted,
@@ -71,21 +75,6 @@ from squall._errors import (
 from squall._proxy import Endpoint
 from squall._publisher import BATCH_EVENTS_MAX, Publisher
 from squall._push import PushDelivery, PushEndpoint, PushSubscriberInfo
-from squall._retry import (
-    INDETERMINATE_AFTER_SEND,
-    RETRY_ATTEMPTS_MAX_DEFAULT,
-    RETRY_BACKOFF_INITIAL_MS_DEFAULT,
-    RETRY_BACKOFF_MAX_MS_DEFAULT,
-    RETRY_TOTAL_MS_MAX_DEFAULT,
-    Outcome,
-    RetryPolicy,
-    overall,
-    retryable,
-)
-from squall._retry import (
-    POLICY_BOUNDS as RETRY_POLICY_BOUNDS,
-)
-from squall._retry import classify as classify_code
 from squall._seek import SeekResult, SubscriptionInfo
 from squall._subscriber import Subscription
 from squall._tls import TlsOptions
@@ -99,6 +88,21 @@ from squall._types import (
     TopicInfo,
 )
 from squall._version import __version__
+from squall.wire.retry import (
+    INDETERMINATE_AFTER_SEND,
+    RETRY_ATTEMPTS_MAX_DEFAULT,
+    RETRY_BACKOFF_INITIAL_MS_DEFAULT,
+    RETRY_BACKOFF_MAX_MS_DEFAULT,
+    RETRY_TOTAL_MS_MAX_DEFAULT,
+    Outcome,
+    RetryPolicy,
+    overall,
+    retryable,
+)
+from squall.wire.retry import (
+    POLICY_BOUNDS as RETRY_POLICY_BOUNDS,
+)
+from squall.wire.retry import classify as classify_code
 
 __all__ = [
     "BATCH_EVENTS_MAX",
@@ -151,4 +155,5 @@ __all__ = [
     "from_rpc_error",
     "overall",
     "retryable",
+    "with_token",
 ]

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import grpc
 from opentelemetry.trace import TracerProvider
 
-from squall._auth import resolve_token, with_token
+from squall._auth import with_token
 from squall._errors import (
     AlreadyExists,
     AlreadySubscribed,
@@ -40,19 +40,20 @@ from squall._push import (
     Reliability,
     subscribe_push_request,
 )
-from squall._retry import (
-    RETRY_ATTEMPTS_MAX_DEFAULT,
-    RETRY_BACKOFF_INITIAL_MS_DEFAULT,
-    RETRY_BACKOFF_MAX_MS_DEFAULT,
-    RETRY_TOTAL_MS_MAX_DEFAULT,
-    RetryPolicy,
-)
 from squall._seek import SeekResult, SeekTarget, SubscriptionInfo, seek_request, subscription_named
 from squall._subscriber import Start, Subscription, subscribe_request
 from squall._tls import TlsOptions, open_channel
 from squall._tracing import traced_channel
 from squall._types import ClusterStatus, TopicInfo, kind_to_pb
 from squall.v1 import broker_pb2, broker_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+from squall.wire.auth import resolve_token
+from squall.wire.retry import (
+    RETRY_ATTEMPTS_MAX_DEFAULT,
+    RETRY_BACKOFF_INITIAL_MS_DEFAULT,
+    RETRY_BACKOFF_MAX_MS_DEFAULT,
+    RETRY_TOTAL_MS_MAX_DEFAULT,
+    RetryPolicy,
+)
 
 MESSAGE_BYTES_MAX = 64 * 1024 * 1024
 

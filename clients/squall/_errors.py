@@ -26,7 +26,7 @@ Any other status code raises the base `SquallError`.
 `Indeterminate` is a result of its own, never folded into "failed": the events may be
 in the topic. Republishing them with the same publisher id and sequences is safe, because
 the master deduplicates on `(publisher_id, sequence)`. `classify` decides between success,
-definite failure and indeterminate; it wraps the pure `squall._retry.classify`, which works
+definite failure and indeterminate; it wraps the pure `squall.wire.retry.classify`, which works
 on code names so the gateway shares the very same rule.
 """
 
@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import grpc
 
-from squall import _retry
-from squall._retry import Outcome
+from squall.wire import retry as wire_retry
+from squall.wire.retry import Outcome
 
 
 def classify(code: grpc.StatusCode, sent: bool) -> Outcome:
@@ -43,9 +43,9 @@ def classify(code: grpc.StatusCode, sent: bool) -> Outcome:
 
     `sent` is whether the request may have reached a server; a request that never left
     the client failed definitely, whatever the code. The decision itself is the pure
-    `squall._retry.classify`, shared with the gateway.
+    `squall.wire.retry.classify`, shared with the gateway.
     """
-    return _retry.classify(code.name, sent)
+    return wire_retry.classify(code.name, sent)
 
 
 class SquallError(Exception):

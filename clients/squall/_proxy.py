@@ -28,8 +28,8 @@ from typing import Any
 import grpc
 
 from squall._errors import PublisherLost, SquallError
-from squall._retry import INDETERMINATE_AFTER_SEND
 from squall.v1 import broker_pb2_grpc
+from squall.wire.retry import INDETERMINATE_AFTER_SEND
 
 # The trailing metadata key a slave's write refusal names the master's address under.
 MASTER_ADDRESS_KEY = "squall-master-address"

@@ -24,9 +24,9 @@ import tenacity
 
 from squall._errors import Indeterminate, PublisherLost, SquallError, Unavailable, error_for
 from squall._proxy import MASTER_ADDRESS_KEY, Binding, Endpoint, RebindCallback
-from squall._retry import Outcome, RetryPolicy, overall
 from squall._types import Receipt, receipt_count
 from squall.v1 import broker_pb2, common_pb2
+from squall.wire.retry import Outcome, RetryPolicy, overall
 
 # What publish_many accepts per event: a payload, a (key, payload) or (key, payload,
 # headers) tuple, or any object with `payload` (and optionally `key`, `headers`)
@@ -340,7 +340,7 @@ class RetryRun:
         """The error the app sees once retrying stopped at `error`.
 
         `Indeterminate` when any attempt may have stored the events, even if the last one
-        failed definitely (`squall._retry.overall`); otherwise `error` itself.
+        failed definitely (`squall.wire.retry.overall`); otherwise `error` itself.
         """
         if isinstance(error, PublisherLost | Indeterminate):
             return error

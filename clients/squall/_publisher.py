@@ -22,7 +22,7 @@ jitter exponential backoff; a retry after a slave's redirect goes at once). A de
 failure is raised at once and never retried. Only when the budget runs out does the app
 see `Indeterminate` (maybe_stored=True); a definite answer to a retry after an
 indeterminate attempt is still `Indeterminate`, because the earlier attempt may have
-stored the events (`squall._retry.overall`). Retried batches may land after later ones,
+stored the events (`squall.wire.retry.overall`). Retried batches may land after later ones,
 so order across a retry can change, as across any failover.
 
 Where streams go (issue 5, item 1; `squall._proxy`): through the gateway by default, or
@@ -90,9 +90,9 @@ from squall._publish_rules import (
     stream_end_errors,
     worth_retrying,
 )
-from squall._retry import RetryPolicy
 from squall._types import Receipt, receipts_from_pb
 from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2
+from squall.wire.retry import RetryPolicy
 
 __all__ = [
     "BATCH_EVENTS_DEFAULT",

@@ -37,10 +37,10 @@ from typing import Any
 import grpc
 
 from squall._errors import from_rpc_error, rpc_status
-from squall._retry import INDETERMINATE_AFTER_SEND, RetryPolicy
 from squall._seek import SeekTarget, position_fields
 from squall._types import Message, messages_from_pb
 from squall.v1 import broker_pb2, broker_pb2_grpc
+from squall.wire.retry import INDETERMINATE_AFTER_SEND, RetryPolicy
 
 # Where a subscription without a cursor starts: a position, an offset or an aware datetime
 # (the first event published at or after it).

@@ -1,44 +1,28 @@
-"""Trace context in gRPC metadata (W3C `traceparent`/`tracestate`), and the client library's
-tracing interceptor.
+"""The client library's tracing interceptor for sync channels: one CLIENT span per call.
 
-Squall carries OpenTelemetry trace context between processes in gRPC metadata, as the W3C
-Trace Context headers: the caller's client span is the parent of the callee's server span.
-These helpers are shared by the library and the services' asyncio interceptors
-(`services.common.grpc_tracing`).
-
-The library's interceptor records one CLIENT span per call through the OpenTelemetry API:
-with no tracer provider configured by the app the API's tracer records nothing and sends
-no header, so an app that does not use OpenTelemetry pays one function call per RPC (a
-publish stream is one RPC, whatever it carries).
+It records spans through the OpenTelemetry API: with no tracer provider configured by the
+app the API's tracer records nothing and sends no header, so an app that does not use
+OpenTelemetry pays one function call per RPC (a publish stream is one RPC, whatever it
+carries). The headers, span names and attributes are `squall.wire.trace_context`, shared
+with the services.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-TRACE_HEADERS = ("traceparent", "tracestate")
-_PROPAGATOR = TraceContextTextMapPropagator()
-# Status codes that mean the server failed (OpenTelemetry's gRPC conventions mark only
-# these as errors on a server span; a client span is an error for any non-OK code).
-SERVER_ERROR_CODES = frozenset(
-    {
-        grpc.StatusCode.UNKNOWN,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.UNIMPLEMENTED,
-        grpc.StatusCode.INTERNAL,
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.DATA_LOSS,
-    }
+from squall.wire.trace_context import (
+    end_call_span,
+    method_name,
+    rpc_attributes,
+    span_name,
+    with_context,
 )
-
-Metadata = Sequence[tuple[str, str | bytes]]
 
 if TYPE_CHECKING:  # grpc's classes are generic in the stubs only
     _UnaryUnary = grpc.UnaryUnaryClientInterceptor[Any, Any]
@@ -50,48 +34,6 @@ else:
     _UnaryStream = grpc.UnaryStreamClientInterceptor
     _StreamUnary = grpc.StreamUnaryClientInterceptor
     _StreamStream = grpc.StreamStreamClientInterceptor
-
-
-def method_name(method: str | bytes) -> str:
-    """A call's full method name as text ("/squall.v1.Publisher/Publish")."""
-    return method.decode() if isinstance(method, bytes) else method
-
-
-def rpc_attributes(method: str) -> dict[str, str]:
-    """The OpenTelemetry RPC attributes of a full method name."""
-    service, _, name = method.lstrip("/").partition("/")
-    return {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name}
-
-
-def span_name(method: str) -> str:
-    """The span name for a call: "squall.v1.Publisher/Publish"."""
-    return method.lstrip("/")
-
-
-def extract(metadata: Iterable[tuple[str, str | bytes]] | None) -> otel_context.Context:
-    """The trace context a caller sent in its metadata (empty if none)."""
-    carrier: dict[str, str] = {}
-    for key, value in metadata or ():
-        if key in TRACE_HEADERS:
-            carrier[key] = value.decode() if isinstance(value, bytes) else value
-    return _PROPAGATOR.extract(carrier)
-
-
-def with_context(metadata: Iterable[tuple[str, Any]] | None, span: trace.Span) -> list[Any]:
-    """metadata with any trace headers replaced by span's context."""
-    carrier: dict[str, str] = {}
-    _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
-    kept = [(k, v) for k, v in (metadata or ()) if k not in TRACE_HEADERS]
-    return kept + list(carrier.items())
-
-
-def end_call_span(span: trace.Span, code: grpc.StatusCode | None, details: str = "") -> None:
-    """Ends a client span with the call's status."""
-    if code is not None:
-        span.set_attribute("rpc.grpc.status_code", code.value[0])
-        if code != grpc.StatusCode.OK:
-            span.set_status(trace.Status(trace.StatusCode.ERROR, f"{code.name}: {details}"))
-    span.end()
 
 
 class _Details(
@@ -134,7 +76,7 @@ class ClientTracing(_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream):
                 code, text = call.code(), call.details() or ""
             except Exception:  # a call that failed before it started has no status
                 code, text = grpc.StatusCode.UNKNOWN, "the call did not start"
-            end_call_span(span, code, text)
+            end_call_span(span, code.name if code is not None else None, text)
 
         return done
 

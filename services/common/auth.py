@@ -10,7 +10,7 @@ Three layers, the first two pure:
   refused before anything looks the topic up, so a denial does not reveal whether it
   exists;
 * ``TokenBook``: the bearer token of a call to its principal, comparing SHA-256 digests in
-  constant time, and ``AuthGuard``, the per-call adapter services.common.call_guard runs.
+  constant time, and ``AuthGuard``, the per-call adapter squall_server.common.call_guard runs.
 
 A call from a cluster member (a node or gateway whose certificate the mutual-TLS
 handshake verified, services/common/peer_identity.py) is trusted without a token: the
@@ -30,13 +30,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
-from services.common.auth_config import PrincipalConfig
-from services.common.names import show_name
+from squall.wire.auth import AUTHORIZATION_KEY, BEARER_PREFIX
+from squall_server.common.auth_config import PrincipalConfig
+from squall_server.common.names import show_name
 
 log = logging.getLogger("squall.auth")
 
-AUTHORIZATION_KEY = "authorization"
-_BEARER = "bearer "
+# The scheme matched case-insensitively, as HTTP does.
+_BEARER = BEARER_PREFIX.lower()
 
 
 class Permission(enum.Enum):

@@ -6,7 +6,7 @@ table names one principal, the hash of its token and what it may do: ``publish``
 ``subscribe`` list topic-name globs (fnmatch: ``*`` ``?`` ``[seq]``), ``admin`` allows topic
 creation and destruction, cluster status and the operator commands.
 
-This module raises ``ValueError`` with one sentence naming the key; services.common.config
+This module raises ``ValueError`` with one sentence naming the key; squall_server.common.config
 turns it into a ``ConfigError`` (kept apart so config.py stays one import and one call).
 """
 

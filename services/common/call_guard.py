@@ -21,19 +21,19 @@ import grpc
 from google.protobuf import descriptor_pool, message_factory
 from google.protobuf.message import DecodeError, Message
 
-from services.common.auth import (
+from squall.v1 import broker_pb2, coordinator_pb2, gateway_pb2  # noqa: F401  (registers types)
+from squall_server.common.auth import (
     METHOD_RULES,
     TokenBook,
     bearer_token,
     decide,
     may_see,
 )
-from services.common.auth_config import AuthConfig, PrincipalConfig
-from services.common.config import ClusterConfig, LimitsConfig
-from services.common.grpc_server import Context
-from services.common.names import show_name
-from services.common.peer_identity import HasAuthContext, peer_member_id
-from squall.v1 import broker_pb2, coordinator_pb2, gateway_pb2  # noqa: F401  (registers types)
+from squall_server.common.auth_config import AuthConfig, PrincipalConfig
+from squall_server.common.config import ClusterConfig, LimitsConfig
+from squall_server.common.grpc_server import Context
+from squall_server.common.names import show_name
+from squall_server.common.peer_identity import HasAuthContext, peer_member_id
 
 log = logging.getLogger("squall.guard")
 

@@ -24,22 +24,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
-from services.common.auth_config import AuthConfig, build_auth, require_tls, validate_auth
-from services.common.names import (
+from squall.v1 import common_pb2
+from squall.wire.retry import POLICY_BOUNDS as RETRY_POLICY_BOUNDS
+from squall.wire.retry import (
+    RETRY_ATTEMPTS_MAX_DEFAULT,
+    RETRY_BACKOFF_INITIAL_MS_DEFAULT,
+    RETRY_BACKOFF_MAX_MS_DEFAULT,
+    RETRY_TOTAL_MS_MAX_DEFAULT,
+    RetryPolicy,
+)
+from squall_server.common.auth_config import AuthConfig, build_auth, require_tls, validate_auth
+from squall_server.common.names import (
     PUBLISHER_ID_MAX_BYTES,
     SUBSCRIPTION_NAME_MAX_BYTES,
     TOPIC_NAME_MAX_BYTES,
     validate_node_id,
 )
-from squall import (
-    RETRY_ATTEMPTS_MAX_DEFAULT,
-    RETRY_BACKOFF_INITIAL_MS_DEFAULT,
-    RETRY_BACKOFF_MAX_MS_DEFAULT,
-    RETRY_POLICY_BOUNDS,
-    RETRY_TOTAL_MS_MAX_DEFAULT,
-    RetryPolicy,
-)
-from squall.v1 import common_pb2
 
 MiB = 1024 * 1024
 
@@ -732,7 +732,7 @@ def tls_path(path: Path | None, field_name: str) -> Path:
 
 def check_tls_identity(tls: TlsConfig, identity: str) -> None:
     """ConfigError unless cert_dir holds a certificate and key for identity, from the CA."""
-    from services.common import tls_files  # cryptography is loaded only when TLS is on
+    from squall_server.common import tls_files  # cryptography is loaded only when TLS is on
 
     try:
         tls_files.check_dir(tls_path(tls.cert_dir, "tls.cert_dir"))

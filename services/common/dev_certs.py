@@ -21,10 +21,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from services.common.config import ClusterConfig, parse_address
-from services.common.names import validate_node_id
-from services.common.tls import ADMIN_ID
-from services.common.tls_files import identity_paths, write_private
+from squall_server.common.config import ClusterConfig, parse_address
+from squall_server.common.names import validate_node_id
+from squall_server.common.tls import ADMIN_ID
+from squall_server.common.tls_files import identity_paths, write_private
 
 CA_NAME = "ca"
 _HOST_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from services.common.config import TlsConfig
+    from squall_server.common.config import TlsConfig
 
 log = logging.getLogger("squall.file_checks")
 

@@ -16,9 +16,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from services.common import reflection_v1, sd_notify
-from services.common.grpc_tracing import server_interceptors
-from services.common.request_decoding import DecodeGuard
+from squall_server.common import reflection_v1, sd_notify
+from squall_server.common.grpc_tracing import server_interceptors
+from squall_server.common.request_decoding import DecodeGuard
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class ServiceServer:
         metadata_bytes_max: int | None = None,
     ) -> None:
         self.address = address
-        # TLS when given (services.common.tls builds them from [tls]); plaintext otherwise.
+        # TLS when given (squall_server.common.tls builds them from [tls]); plaintext otherwise.
         self._credentials = credentials
         options: list[tuple[str, int]] = [
             *channel_options(max_message_bytes),

@@ -9,7 +9,7 @@ trace headers already in the metadata (the gateway forwards an app's metadata).
 Only the calls worth a trace are traced (`traced_method`): the broker API and the cluster
 status. Heartbeats, role renewals, health checks and the long-lived replication streams
 would be noise; replication is traced per batch by the master instead
-(`services.replica.telemetry`). Neither interceptor is installed while tracing is off
+(`squall_server.replica.telemetry`). Neither interceptor is installed while tracing is off
 (`server_interceptors`, `client_interceptors`), so then a call costs nothing extra.
 
 Written here rather than taken from opentelemetry-instrumentation-grpc: its asyncio server
@@ -28,16 +28,16 @@ import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from services.common import telemetry
-from squall._tracing import (
-    SERVER_ERROR_CODES,
+from squall.wire.trace_context import (
     end_call_span,
+    end_server_span,
     extract,
     method_name,
     rpc_attributes,
     span_name,
     with_context,
 )
+from squall_server.common import telemetry
 
 if TYPE_CHECKING:  # grpc's classes are generic in the stubs only
     _ServerInterceptor = grpc.aio.ServerInterceptor[Any, Any]
@@ -88,7 +88,7 @@ async def _end_client_span(span: trace.Span, call: Any) -> None:
         details = await call.details()
     except (asyncio.CancelledError, grpc.aio.AioRpcError):
         code, details = grpc.StatusCode.CANCELLED, "cancelled"
-    end_call_span(span, code, details or "")
+    end_call_span(span, code.name if code is not None else None, details or "")
 
 
 def _end_server_span(span: trace.Span, context: Any, error: BaseException | None) -> None:
@@ -108,10 +108,7 @@ def _end_server_span(span: trace.Span, context: Any, error: BaseException | None
             details = str(error)
     if isinstance(details, bytes):
         details = details.decode(errors="replace")
-    span.set_attribute("rpc.grpc.status_code", code.value[0])
-    if code in SERVER_ERROR_CODES:
-        span.set_status(trace.Status(trace.StatusCode.ERROR, f"{code.name}: {details}"))
-    span.end()
+    end_server_span(span, code.name, details)
 
 
 class ServerTracing(_ServerInterceptor):

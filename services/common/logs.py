@@ -34,8 +34,8 @@ from typing import Any, TextIO
 
 from opentelemetry import trace
 
-from services.common import grpc_log
-from services.common.config import LogConfig
+from squall_server.common import grpc_log
+from squall_server.common.config import LogConfig
 
 # The LogRecord attribute that carries structured fields.
 FIELDS_ATTR = "squall_fields"

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from services.common.clock import SYSTEM_CLOCK, Clock
-from services.common.config import ClusterConfig
-from services.common.peer_identity import peer_identities
-from services.common.tls import ADMIN_ID
+from squall_server.common.clock import SYSTEM_CLOCK, Clock
+from squall_server.common.config import ClusterConfig
+from squall_server.common.peer_identity import peer_identities
+from squall_server.common.tls import ADMIN_ID
 
 if TYPE_CHECKING:
     _ServerInterceptor = grpc.aio.ServerInterceptor[Any, Any]

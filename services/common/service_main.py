@@ -13,10 +13,10 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from services.common.config import ClusterConfig, NodeConfig, load_config_or_exit
-from services.common.grpc_server import run_until_signalled
-from services.common.logs import set_log_context, setup_logging
-from services.common.telemetry import TelemetryHandle, start_telemetry
+from squall_server.common.config import ClusterConfig, NodeConfig, load_config_or_exit
+from squall_server.common.grpc_server import run_until_signalled
+from squall_server.common.logs import set_log_context, setup_logging
+from squall_server.common.telemetry import TelemetryHandle, start_telemetry
 
 log = logging.getLogger("squall")
 

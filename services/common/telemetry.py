@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from opentelemetry import metrics, trace
 
-from services.common.config import ClusterConfig
-from services.common.logs import log_fields
+from squall_server.common.config import ClusterConfig
+from squall_server.common.logs import log_fields
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer

@@ -24,8 +24,8 @@ from typing import Any
 
 import grpc
 
-from services.common.config import ClusterConfig, TlsConfig, tls_path
-from services.common.tls_files import IdentityFiles, identity_paths, load_identity, read_ca
+from squall_server.common.config import ClusterConfig, TlsConfig, tls_path
+from squall_server.common.tls_files import IdentityFiles, identity_paths, load_identity, read_ca
 
 # The identity the command line presents when cert_dir holds admin.crt and admin.key.
 ADMIN_ID = "admin"

@@ -1,4 +1,4 @@
-"""Starts one node's coordinator: `python -m services.coordinator --config FILE --node ID`."""
+"""Starts one node's coordinator: `python -m squall_server.coordinator --config FILE --node ID`."""
 
 from __future__ import annotations
 
@@ -6,18 +6,18 @@ import asyncio
 import logging
 import sys
 
-from services.common.call_guard import guard_interceptors
-from services.common.config import ClusterConfig, NodeConfig
-from services.common.file_checks import check_data_dir, check_own_key, make_private_dir
-from services.common.grpc_server import ServiceServer
-from services.common.logs import set_log_context
-from services.common.peer_guard import guards
-from services.common.service_main import node_service_main
-from services.common.tls import transport
-from services.coordinator.node import CoordinatorNode
-from services.coordinator.persist import StateFileError
-from services.coordinator.server import Coordinator
 from squall.v1 import coordinator_pb2, coordinator_pb2_grpc
+from squall_server.common.call_guard import guard_interceptors
+from squall_server.common.config import ClusterConfig, NodeConfig
+from squall_server.common.file_checks import check_data_dir, check_own_key, make_private_dir
+from squall_server.common.grpc_server import ServiceServer
+from squall_server.common.logs import set_log_context
+from squall_server.common.peer_guard import guards
+from squall_server.common.service_main import node_service_main
+from squall_server.common.tls import transport
+from squall_server.coordinator.node import CoordinatorNode
+from squall_server.coordinator.persist import StateFileError
+from squall_server.coordinator.server import Coordinator
 
 log = logging.getLogger("squall.coordinator")
 

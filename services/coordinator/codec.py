@@ -9,7 +9,8 @@ logged and answered there.
 
 from __future__ import annotations
 
-from services.coordinator.messages import (
+from squall.v1 import common_pb2, coordinator_pb2
+from squall_server.coordinator.messages import (
     Accept,
     AreYouCoordinator,
     AreYouCoordinatorReply,
@@ -29,7 +30,6 @@ from services.coordinator.messages import (
     Role,
     StoreState,
 )
-from squall.v1 import common_pb2, coordinator_pb2
 
 _STORE_TO_PB: dict[StoreState, common_pb2.StoreState.ValueType] = {
     StoreState.EMPTY: common_pb2.STORE_STATE_EMPTY,

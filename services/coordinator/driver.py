@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from services.common.clock import Clock
-from services.coordinator.election import Election, ElectionConfig
-from services.coordinator.messages import (
+from squall_server.common.clock import Clock
+from squall_server.coordinator.election import Election, ElectionConfig
+from squall_server.coordinator.messages import (
     LogLevel,
     PeerMessage,
     PersistedState,
@@ -41,7 +41,7 @@ from services.coordinator.messages import (
     RoleCommand,
     RoleCommandKind,
 )
-from services.coordinator.persist import load_state, save_state
+from squall_server.coordinator.persist import load_state, save_state
 
 log = logging.getLogger("squall.coordinator")
 

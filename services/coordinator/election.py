@@ -112,8 +112,8 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
-from services.coordinator.lifecycle import decide_start
-from services.coordinator.messages import (
+from squall_server.coordinator.lifecycle import decide_start
+from squall_server.coordinator.messages import (
     AUDIT_RECORDS_MAX,
     Accept,
     AreYouCoordinator,
@@ -231,7 +231,7 @@ def _show(value: str) -> str:
 class ElectionConfig:
     """This node's id, every configured node's priority, and the election's timing.
 
-    The timing names match ``services.common.config.TimeoutsConfig``; the driver copies
+    The timing names match ``squall_server.common.config.TimeoutsConfig``; the driver copies
     them across. ``member_timeout_ms`` also bounds how long a coordinator waits for accepts
     and acknowledgements.
     """

@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from services.coordinator.messages import Ready
 from squall.v1 import replica_pb2, replica_pb2_grpc
+from squall_server.coordinator.messages import Ready
 
 if TYPE_CHECKING:
-    from services.coordinator.node import CoordinatorNode
+    from squall_server.coordinator.node import CoordinatorNode
 
 log = logging.getLogger("squall.coordinator")
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from services.coordinator.messages import MemberReport, StoreState
+from squall_server.coordinator.messages import MemberReport, StoreState
 
 # Where the refusal message sends the operator.
 RECOVERY_HINT = (

@@ -26,14 +26,21 @@ from typing import Protocol
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.clock import Clock, SystemClock
-from services.common.config import ClusterConfig, NodeConfig
-from services.common.grpc_server import channel_options
-from services.common.ids import new_cluster_id
-from services.common.telemetry import Telemetry, current
-from services.common.tls import handshake_failure, transport
-from services.coordinator import codec, handoff
-from services.coordinator.driver import (
+from squall.v1 import (
+    common_pb2,
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    replica_pb2,
+    replica_pb2_grpc,
+)
+from squall_server.common.clock import Clock, SystemClock
+from squall_server.common.config import ClusterConfig, NodeConfig
+from squall_server.common.grpc_server import channel_options
+from squall_server.common.ids import new_cluster_id
+from squall_server.common.telemetry import Telemetry, current
+from squall_server.common.tls import handshake_failure, transport
+from squall_server.coordinator import codec, handoff
+from squall_server.coordinator.driver import (
     CoordinatorDriver,
     DriverTimings,
     Failure,
@@ -44,8 +51,8 @@ from services.coordinator.driver import (
     RoleNext,
     StateStore,
 )
-from services.coordinator.election import Election, ElectionConfig
-from services.coordinator.messages import (
+from squall_server.coordinator.election import Election, ElectionConfig
+from squall_server.coordinator.messages import (
     ElectionStatus,
     NodeState,
     PeerMessage,
@@ -56,15 +63,8 @@ from services.coordinator.messages import (
     RoleCommandKind,
     StoreState,
 )
-from services.coordinator.persist import STATE_FILE_NAME
-from services.coordinator.telemetry import CoordinatorObserver
-from squall.v1 import (
-    common_pb2,
-    coordinator_pb2,
-    coordinator_pb2_grpc,
-    replica_pb2,
-    replica_pb2_grpc,
-)
+from squall_server.coordinator.persist import STATE_FILE_NAME
+from squall_server.coordinator.telemetry import CoordinatorObserver
 
 log = logging.getLogger("squall.coordinator")
 
@@ -351,7 +351,7 @@ class CoordinatorNode:
         self.node = node
         self.clock = clock or SystemClock()
         observed = observability or current()
-        # State and election counters (services.coordinator.telemetry); None while off.
+        # State and election counters (squall_server.coordinator.telemetry); None while off.
         self._observer = CoordinatorObserver(observed, node.id) if observed.metering else None
         self.state_path: Path = node.data_dir / STATE_FILE_NAME
         self._peers = peers if peers is not None else GrpcPeers(config, node.id)

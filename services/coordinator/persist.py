@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from services.coordinator.messages import AUDIT_RECORDS_MAX, OperatorRecord, PersistedState
+from squall_server.coordinator.messages import AUDIT_RECORDS_MAX, OperatorRecord, PersistedState
 
 STATE_FILE_NAME = "coordinator-state.json"
 # Every file has these; the others came later and default when missing (older files).

@@ -7,12 +7,12 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from services.common.grpc_server import Context
-from services.coordinator import codec
-from services.coordinator.handoff import HandoffError
-from services.coordinator.messages import Rejection
-from services.coordinator.node import CoordinatorNode
 from squall.v1 import coordinator_pb2, coordinator_pb2_grpc
+from squall_server.common.grpc_server import Context
+from squall_server.coordinator import codec
+from squall_server.coordinator.handoff import HandoffError
+from squall_server.coordinator.messages import Rejection
+from squall_server.coordinator.node import CoordinatorNode
 
 log = logging.getLogger("squall.coordinator")
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.coordinator.election import (
+from squall_server.coordinator.election import (
     node_sort_key,
     pick_sync_source,
     quorum_rule,

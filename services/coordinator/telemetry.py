@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 
 from opentelemetry import metrics
 
-from services.common.telemetry import Telemetry, on_loop
-from services.coordinator.messages import ElectionStatus, NodeState
+from squall_server.common.telemetry import Telemetry, on_loop
+from squall_server.coordinator.messages import ElectionStatus, NodeState
 
 if TYPE_CHECKING:
-    from services.coordinator.node import CoordinatorNode
+    from squall_server.coordinator.node import CoordinatorNode
 
 
 class CoordinatorInstruments:

@@ -1,4 +1,4 @@
-"""Starts a gateway: `python -m services.gateway --config FILE [--gateway ID]`."""
+"""Starts a gateway: `python -m squall_server.gateway --config FILE [--gateway ID]`."""
 
 from __future__ import annotations
 
@@ -7,16 +7,16 @@ import asyncio
 import logging
 import sys
 
-from services.common.call_guard import guard_interceptors
-from services.common.config import ClusterConfig, GatewayConfig, load_config_or_exit
-from services.common.file_checks import check_own_key
-from services.common.grpc_server import ServiceServer
-from services.common.logs import set_log_context, setup_logging
-from services.common.service_main import run_service
-from services.gateway.forward import FORWARDED_SERVICES, Forwarder
-from services.gateway.master import MasterTracker
-from services.gateway.server import ClusterAdmin
 from squall.v1 import broker_pb2, gateway_pb2, gateway_pb2_grpc
+from squall_server.common.call_guard import guard_interceptors
+from squall_server.common.config import ClusterConfig, GatewayConfig, load_config_or_exit
+from squall_server.common.file_checks import check_own_key
+from squall_server.common.grpc_server import ServiceServer
+from squall_server.common.logs import set_log_context, setup_logging
+from squall_server.common.service_main import run_service
+from squall_server.gateway.forward import FORWARDED_SERVICES, Forwarder
+from squall_server.gateway.master import MasterTracker
+from squall_server.gateway.server import ClusterAdmin
 
 log = logging.getLogger("squall.gateway")
 

@@ -4,7 +4,7 @@ The gateway does not re-encode what it forwards: a generic handler passes serial
 requests and responses through, so forwarding costs one hop, and a status from the replica
 (code, message, trailing metadata) reaches the app unchanged unless retrying changed it.
 
-Unary calls go through a tenacity loop (`services.gateway.retry` decides; this module
+Unary calls go through a tenacity loop (`squall_server.gateway.retry` decides; this module
 only calls and waits): each attempt goes to the master the group views name (waiting,
 bounded, while there is none) or to the master a slave's redirect names; an indeterminate
 attempt is retried only when the call is safe to repeat; retrying is bounded by the
@@ -30,20 +30,20 @@ import tenacity
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from services.common.call_guard import CLIENT_PEER_KEY
-from services.common.grpc_server import Context
-from services.common.telemetry import Telemetry, current
-from services.gateway import retry
-from services.gateway.master import (
+from squall.v1 import broker_pb2
+from squall.wire.retry import Outcome, RetryPolicy, overall
+from squall_server.common.call_guard import CLIENT_PEER_KEY
+from squall_server.common.grpc_server import Context
+from squall_server.common.telemetry import Telemetry, current
+from squall_server.gateway import retry
+from squall_server.gateway.master import (
     Master,
     MasterTracker,
     NoMasterError,
     pairs,
     redirect_address,
 )
-from services.gateway.telemetry import GatewayInstruments, instruments
-from squall import Outcome, RetryPolicy, overall
-from squall.v1 import broker_pb2
+from squall_server.gateway.telemetry import GatewayInstruments, instruments
 
 log = logging.getLogger("squall.gateway")
 

@@ -26,12 +26,6 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.common.config import ClusterConfig, NodeConfig
-from services.common.grpc_server import channel_options
-from services.common.grpc_tracing import client_interceptors
-from services.common.logs import log_fields
-from services.common.tls import transport
-from squall._auth import resolve_token, token_metadata
 from squall.v1 import (
     common_pb2,
     coordinator_pb2,
@@ -39,6 +33,12 @@ from squall.v1 import (
     replica_pb2,
     replica_pb2_grpc,
 )
+from squall.wire.auth import resolve_token, token_metadata
+from squall_server.common.config import ClusterConfig, NodeConfig
+from squall_server.common.grpc_server import channel_options
+from squall_server.common.grpc_tracing import client_interceptors
+from squall_server.common.logs import log_fields
+from squall_server.common.tls import transport
 
 log = logging.getLogger("squall.gateway")
 

@@ -4,7 +4,7 @@ A pure core (STYLE.md point 1): it works on method names, status code names and 
 bytes, and imports no grpc, asyncio, clock or randomness. The meaning of one attempt's
 status is the client library's rule (`squall.classify_code`, `squall.retryable`,
 `squall.overall`), so the gateway and the library cannot disagree. The driver that sleeps
-and calls is `services.gateway.forward`.
+and calls is `squall_server.gateway.forward`.
 
 The rules (issue 5, item 3; STYLE.md point 6):
 
@@ -33,8 +33,9 @@ from typing import Literal
 
 from google.protobuf.message import DecodeError
 
-from squall import Outcome, classify_code, overall, retryable
 from squall.v1 import broker_pb2
+from squall.wire.retry import Outcome, overall, retryable
+from squall.wire.retry import classify as classify_code
 
 MethodKind = Literal["read", "idempotent", "publish", "once", "stream"]
 Action = Literal["answer", "retry"]

@@ -6,11 +6,6 @@ import asyncio
 
 import grpc
 
-from services.common.auth import bearer_token
-from services.common.config import ClusterConfig, NodeConfig
-from services.common.grpc_server import Context, channel_options
-from services.gateway.master import MasterTracker, reconnect_options
-from squall._auth import token_metadata
 from squall.v1 import (
     coordinator_pb2,
     coordinator_pb2_grpc,
@@ -19,6 +14,11 @@ from squall.v1 import (
     replica_pb2,
     replica_pb2_grpc,
 )
+from squall.wire.auth import token_metadata
+from squall_server.common.auth import bearer_token
+from squall_server.common.config import ClusterConfig, NodeConfig
+from squall_server.common.grpc_server import Context, channel_options
+from squall_server.gateway.master import MasterTracker, reconnect_options
 
 
 class ClusterAdmin(gateway_pb2_grpc.ClusterAdminServicer):

@@ -1,13 +1,13 @@
 """The gateway's metrics: forwarded calls by outcome, and retries.
 
 Its spans (``gateway.forward``, one per forwarded call, around the attempts) are made in
-``services.gateway.forward``; the metrics are the ones an operator alerts on when the
+``squall_server.gateway.forward``; the metrics are the ones an operator alerts on when the
 cluster is healthy but apps see failures.
 """
 
 from __future__ import annotations
 
-from services.common.telemetry import Telemetry
+from squall_server.common.telemetry import Telemetry
 
 
 class GatewayInstruments:

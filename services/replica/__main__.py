@@ -1,4 +1,4 @@
-"""Starts one node's replica: `python -m services.replica --config FILE --node ID`."""
+"""Starts one node's replica: `python -m squall_server.replica --config FILE --node ID`."""
 
 from __future__ import annotations
 
@@ -6,21 +6,21 @@ import asyncio
 import logging
 import sys
 
-from services.common.call_guard import guard_interceptors
-from services.common.config import ClusterConfig, NodeConfig
-from services.common.file_checks import check_data_dir, check_own_key, make_private_dir
-from services.common.grpc_server import ServiceServer
-from services.common.logs import set_log_context
-from services.common.peer_guard import guards
-from services.common.service_main import node_service_main
-from services.common.tls import transport
-from services.replica import push_server, replication_server, server
-from services.replica.datadir import DataDirBusy, DataDirLock
-from services.replica.node import ReplicaNode
-from services.replica.rebuild import LmdbTruncator
-from services.replica.store import Store, StoreError
-from services.replica.telemetry import ROLE_NAMES
 from squall.v1 import broker_pb2, broker_pb2_grpc, replica_pb2, replica_pb2_grpc
+from squall_server.common.call_guard import guard_interceptors
+from squall_server.common.config import ClusterConfig, NodeConfig
+from squall_server.common.file_checks import check_data_dir, check_own_key, make_private_dir
+from squall_server.common.grpc_server import ServiceServer
+from squall_server.common.logs import set_log_context
+from squall_server.common.peer_guard import guards
+from squall_server.common.service_main import node_service_main
+from squall_server.common.tls import transport
+from squall_server.replica import push_server, replication_server, server
+from squall_server.replica.datadir import DataDirBusy, DataDirLock
+from squall_server.replica.node import ReplicaNode
+from squall_server.replica.rebuild import LmdbTruncator
+from squall_server.replica.store import Store, StoreError
+from squall_server.replica.telemetry import ROLE_NAMES
 
 log = logging.getLogger("squall.replica")
 

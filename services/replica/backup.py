@@ -26,11 +26,11 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from services.common.clock import SYSTEM_CLOCK, Clock
-from services.replica.store import DATABASES, Store, StoreError, StoreMeta
-from services.replica.store.kv import KVError
-from services.replica.store.kv_lmdb import LmdbKV
 from squall.v1 import common_pb2
+from squall_server.common.clock import SYSTEM_CLOCK, Clock
+from squall_server.replica.store import DATABASES, Store, StoreError, StoreMeta
+from squall_server.replica.store.kv import KVError
+from squall_server.replica.store.kv_lmdb import LmdbKV
 
 DATA_FILE = "data.mdb"
 LOCK_FILE = "lock.mdb"
@@ -44,7 +44,7 @@ _RESTORE_CHUNK_BYTES = 8 << 20
 _COPY_POLL_INTERVAL_S = 0.5
 
 # progress(phase, done, total): "copy" and "restore" count bytes, "verify" log entries.
-# The operator commands show it as a rate and an ETA (services/cli_progress.py).
+# The operator commands show it as a rate and an ETA (services/cli/progress.py).
 Progress = Callable[[str, int, int], None]
 
 

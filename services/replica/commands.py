@@ -13,12 +13,12 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from services.common import names
-from services.common.config import LimitsConfig
-from services.common.errors import Code, ServiceError, invalid, not_found
-from services.replica import seek
-from services.replica.store import PushSubscriber, Store, TimeLookup, TopicInfo, make_entry
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
+from squall_server.common import names
+from squall_server.common.config import LimitsConfig
+from squall_server.common.errors import Code, ServiceError, invalid, not_found
+from squall_server.replica import seek
+from squall_server.replica.store import PushSubscriber, Store, TimeLookup, TopicInfo, make_entry
 
 _log = logging.getLogger(__name__)
 

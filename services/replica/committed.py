@@ -10,9 +10,9 @@ to read exactly the events that node would serve (``committed_events``).
 
 from __future__ import annotations
 
-from services.replica.store import Store
-from services.replica.visibility import CommitGate
 from squall.v1 import common_pb2, replica_pb2
+from squall_server.replica.store import Store
+from squall_server.replica.visibility import CommitGate
 
 # Log entries read per step when rebuilding the gate (bounded memory on a long log).
 RESTORE_STEP_ENTRIES = 1024

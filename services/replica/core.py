@@ -44,15 +44,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common.errors import Code, ServiceError
-from services.replica.follower import (
+from squall_server.common.errors import Code, ServiceError
+from squall_server.replica.follower import (
     BatchAccepted,
     Follower,
     HelloAccepted,
     Refusal,
     SnapshotAccepted,
 )
-from services.replica.replication import Ack, EntryLike
+from squall_server.replica.replication import Ack, EntryLike
 
 # The master answers with this metadata key when a write reaches a non-master.
 MASTER_ADDRESS_KEY = "squall-master-address"

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import lmdb
 
-from services.common.clock import SYSTEM_CLOCK, PreciseClock
+from squall_server.common.clock import SYSTEM_CLOCK, PreciseClock
 
 log = logging.getLogger("squall.replica")
 

@@ -37,8 +37,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from services.common.errors import Code
-from services.replica.divergence import (
+from squall_server.common.errors import Code
+from squall_server.replica.divergence import (
     HISTORY_BOUNDARIES_MAX,
     UINT64_MAX,
     BoundaryLike,
@@ -50,7 +50,7 @@ from services.replica.divergence import (
     history_problem,
     truncate_history,
 )
-from services.replica.replication import (
+from squall_server.replica.replication import (
     INFLIGHT_BYTES_MAX_LIMIT,
     INFLIGHT_ENTRIES_MAX_LIMIT,
     Ack,

@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from services.common.errors import Code, ServiceError
-from services.replica.replication import Ack, SyncPolicy
 from squall.v1 import common_pb2, replica_pb2
+from squall_server.common.errors import Code, ServiceError
+from squall_server.replica.replication import Ack, SyncPolicy
 
 if TYPE_CHECKING:
-    from services.replica.node import ReplicaNode
+    from squall_server.replica.node import ReplicaNode
 
 # How often the wait rechecks the target's acks (it also wakes on every commit).
 _POLL_S = 0.005

@@ -41,15 +41,16 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry import trace
 
-from services.common.clock import Clock
-from services.common.config import ClusterConfig, NodeConfig
-from services.common.errors import Code, ServiceError
-from services.common.grpc_server import channel_options
-from services.common.telemetry import Telemetry, current
-from services.common.tls import transport
-from services.replica.commands import Planned
-from services.replica.core import EPOCH_KEY
-from services.replica.replication import (
+from squall.v1 import common_pb2, replica_pb2, replica_pb2_grpc
+from squall_server.common.clock import Clock
+from squall_server.common.config import ClusterConfig, NodeConfig
+from squall_server.common.errors import Code, ServiceError
+from squall_server.common.grpc_server import channel_options
+from squall_server.common.telemetry import Telemetry, current
+from squall_server.common.tls import transport
+from squall_server.replica.commands import Planned
+from squall_server.replica.core import EPOCH_KEY
+from squall_server.replica.replication import (
     Actions,
     RejectCode,
     ReplicationError,
@@ -61,10 +62,9 @@ from services.replica.replication import (
     batch_size_bytes,
     fit_batch,
 )
-from services.replica.snapshot_pump import pump_snapshot
-from services.replica.store import Store, StoreError
-from services.replica.telemetry import ReplicationTracer
-from squall.v1 import common_pb2, replica_pb2, replica_pb2_grpc
+from squall_server.replica.snapshot_pump import pump_snapshot
+from squall_server.replica.store import Store, StoreError
+from squall_server.replica.telemetry import ReplicationTracer
 
 log = logging.getLogger("squall.replica")
 

@@ -49,17 +49,18 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.common.clock import Clock, SystemClock
-from services.common.config import ClusterConfig, NodeConfig
-from services.common.errors import Code, ServiceError
-from services.common.grpc_server import channel_options
-from services.common.telemetry import Telemetry, current
-from services.common.tls import transport
-from services.replica import commands, telemetry
-from services.replica.commands import BatchBuilder, Command, Planned
-from services.replica.committed import gate_from_store
-from services.replica.committed import track as _track
-from services.replica.core import (
+from squall.v1 import broker_pb2, common_pb2, replica_pb2, replica_pb2_grpc
+from squall_server.common.clock import Clock, SystemClock
+from squall_server.common.config import ClusterConfig, NodeConfig
+from squall_server.common.errors import Code, ServiceError
+from squall_server.common.grpc_server import channel_options
+from squall_server.common.telemetry import Telemetry, current
+from squall_server.common.tls import transport
+from squall_server.replica import commands, telemetry
+from squall_server.replica.commands import BatchBuilder, Command, Planned
+from squall_server.replica.committed import gate_from_store
+from squall_server.replica.committed import track as _track
+from squall_server.replica.core import (
     EPOCH_KEY,
     CoreConfig,
     Effects,
@@ -73,15 +74,15 @@ from services.replica.core import (
     TakeMaster,
     WriteFence,
 )
-from services.replica.divergence import HistoryError, fork_lsn
-from services.replica.faults import (
+from squall_server.replica.divergence import HistoryError, fork_lsn
+from squall_server.replica.faults import (
     REASON_CHARS_MAX,
     Fault,
     load_fault,
     new_fault,
     save_fault,
 )
-from services.replica.follower import (
+from squall_server.replica.follower import (
     EntryProblem,
     Follower,
     FollowerConfig,
@@ -89,11 +90,11 @@ from services.replica.follower import (
     RefusalCode,
     check_entries,
 )
-from services.replica.master_driver import MasterDriver, SlaveStatus, Waiting
-from services.replica.push import PushDelivery
-from services.replica.rebuild import LmdbTruncator
-from services.replica.reorg import SyncProgress, Taking, answer_wait_s, outcome, read_within
-from services.replica.replication import (
+from squall_server.replica.master_driver import MasterDriver, SlaveStatus, Waiting
+from squall_server.replica.push import PushDelivery
+from squall_server.replica.rebuild import LmdbTruncator
+from squall_server.replica.reorg import SyncProgress, Taking, answer_wait_s, outcome, read_within
+from squall_server.replica.replication import (
     Ack,
     AckPolicy,
     MasterConfig,
@@ -102,8 +103,8 @@ from services.replica.replication import (
     SyncPolicy,
     batch_size_bytes,
 )
-from services.replica.snapshot_pump import pump_snapshot
-from services.replica.store import (
+from squall_server.replica.snapshot_pump import pump_snapshot
+from squall_server.replica.store import (
     CorruptRecordError,
     SnapshotError,
     Store,
@@ -112,10 +113,9 @@ from services.replica.store import (
     StoreMeta,
     TopicInfo,
 )
-from services.replica.store.stall import StallMeter
-from services.replica.transient import TransientTopics
-from services.replica.visibility import CommitGate
-from squall.v1 import broker_pb2, common_pb2, replica_pb2, replica_pb2_grpc
+from squall_server.replica.store.stall import StallMeter
+from squall_server.replica.transient import TransientTopics
+from squall_server.replica.visibility import CommitGate
 
 log = logging.getLogger("squall.replica")
 
@@ -139,7 +139,7 @@ class _Pending:
     future: asyncio.Future[Planned]
     # Set once the command's entry is appended locally (before it commits).
     appended: asyncio.Future[None] | None = None
-    # A traced publish: told when its entry is appended (services.replica.telemetry).
+    # A traced publish: told when its entry is appended (squall_server.replica.telemetry).
     trace: telemetry.PublishWatch | None = None
 
 
@@ -166,7 +166,7 @@ class ReplicaNode:
         store.stall_meter = self._stall
         # Truncates a divergent log suffix; None: refuse truncation (the memory twin).
         self.truncator = truncator
-        # Spans and metrics (services.replica.telemetry); off unless a service installed it.
+        # Spans and metrics (squall_server.replica.telemetry); off unless a service installed it.
         self.telemetry = observability or current()
         self._instruments = (
             telemetry.instruments(self.telemetry) if self.telemetry.metering else None

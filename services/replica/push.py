@@ -35,20 +35,20 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from services.common.errors import Code, ServiceError
-from services.common.tls import handshake_failure, transport
-from services.replica import commands
-from services.replica.push_policy import (
+from squall.v1 import common_pb2, push_pb2, push_pb2_grpc
+from squall_server.common.errors import Code, ServiceError
+from squall_server.common.tls import handshake_failure, transport
+from squall_server.replica import commands
+from squall_server.replica.push_policy import (
     DeliveryState,
     Offered,
     Qos,
     backoff_ms,
 )
-from services.replica.store import PushSubscriber, StoreError, UnknownTopicError
-from squall.v1 import common_pb2, push_pb2, push_pb2_grpc
+from squall_server.replica.store import PushSubscriber, StoreError, UnknownTopicError
 
 if TYPE_CHECKING:
-    from services.replica.node import ReplicaNode
+    from squall_server.replica.node import ReplicaNode
 
 log = logging.getLogger("squall.replica.push")
 

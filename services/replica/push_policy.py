@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from services.common.config import parse_address
+from squall_server.common.config import parse_address
 
 QOS_RELIABILITY = "reliability"
 QOS_RETRY_COUNT = "retryCount"

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import logging
 
-from services.common import names
-from services.common.errors import Code, ServiceError, invalid
-from services.common.grpc_server import Context
-from services.replica import commands, push_policy
-from services.replica.node import ReplicaNode
-from services.replica.server import TopicManager, abort
-from services.replica.store import CorruptRecordError, PushSubscriber, UnknownTopicError
 from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2
+from squall_server.common import names
+from squall_server.common.errors import Code, ServiceError, invalid
+from squall_server.common.grpc_server import Context
+from squall_server.replica import commands, push_policy
+from squall_server.replica.node import ReplicaNode
+from squall_server.replica.server import TopicManager, abort
+from squall_server.replica.store import CorruptRecordError, PushSubscriber, UnknownTopicError
 
 log = logging.getLogger("squall.replica")
 

@@ -18,8 +18,8 @@ import os
 import shutil
 from pathlib import Path
 
-from services.replica.store import Store, StoreError
 from squall.v1 import common_pb2
+from squall_server.replica.store import Store, StoreError
 
 # Entries copied per append while replaying.
 _REPLAY_BATCH_ENTRIES = 1024

@@ -33,8 +33,8 @@ from typing import Any
 
 import grpc
 
-from services.common.errors import Code, ServiceError
 from squall.v1 import replica_pb2
+from squall_server.common.errors import Code, ServiceError
 
 
 @dataclass

@@ -72,8 +72,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from services.common.errors import Code
-from services.replica.divergence import (
+from squall_server.common.errors import Code
+from squall_server.replica.divergence import (
     UINT64_MAX,
     BoundaryLike,
     History,

@@ -20,12 +20,12 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TypeVar
 
-from services.common.errors import Code, ServiceError
-from services.common.grpc_server import Context
-from services.replica.node import ReplicaNode
-from services.replica.server import abort
-from services.replica.store import CorruptRecordError, StoreError
 from squall.v1 import replica_pb2, replica_pb2_grpc
+from squall_server.common.errors import Code, ServiceError
+from squall_server.common.grpc_server import Context
+from squall_server.replica.node import ReplicaNode
+from squall_server.replica.server import abort
+from squall_server.replica.store import CorruptRecordError, StoreError
 
 log = logging.getLogger("squall.replica")
 

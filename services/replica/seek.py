@@ -27,9 +27,9 @@ import datetime
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.common.errors import Code, ServiceError, invalid
-from services.replica.store import TimeLookup, TopicInfo
 from squall.v1 import broker_pb2
+from squall_server.common.errors import Code, ServiceError, invalid
+from squall_server.replica.store import TimeLookup, TopicInfo
 
 # How far past the master's clock a seek time may be and still mean "now": the client's
 # clock may run ahead of the master's by this much.

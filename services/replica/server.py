@@ -14,12 +14,6 @@ from typing import Any, NoReturn
 
 import grpc
 
-from services.common.errors import Code, ServiceError, invalid
-from services.common.grpc_server import Context
-from services.replica import commands, handoff, seek, shutdown
-from services.replica.node import UNREACHABLE_KEY, ReplicaNode
-from services.replica.store import CorruptRecordError, TopicInfo, UnknownTopicError
-from services.replica.telemetry import DeliveryWatch, PublishWatch
 from squall.v1 import (
     broker_pb2,
     broker_pb2_grpc,
@@ -27,6 +21,12 @@ from squall.v1 import (
     replica_pb2,
     replica_pb2_grpc,
 )
+from squall_server.common.errors import Code, ServiceError, invalid
+from squall_server.common.grpc_server import Context
+from squall_server.replica import commands, handoff, seek, shutdown
+from squall_server.replica.node import UNREACHABLE_KEY, ReplicaNode
+from squall_server.replica.store import CorruptRecordError, TopicInfo, UnknownTopicError
+from squall_server.replica.telemetry import DeliveryWatch, PublishWatch
 
 log = logging.getLogger("squall.replica")
 

@@ -32,7 +32,7 @@ import heapq
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from services.common.errors import Code, ServiceError, invalid
+from squall_server.common.errors import Code, ServiceError, invalid
 
 # The error recorded for a delivery whose ack deadline passed.
 DEADLINE_ERROR = "ack deadline passed"

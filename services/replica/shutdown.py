@@ -14,9 +14,9 @@ import logging
 import re
 from dataclasses import dataclass
 
-from services.common.errors import Code, ServiceError
-from services.replica.node import ReplicaNode
 from squall.v1 import common_pb2
+from squall_server.common.errors import Code, ServiceError
+from squall_server.replica.node import ReplicaNode
 
 log = logging.getLogger("squall.replica")
 

@@ -25,9 +25,9 @@ import contextlib
 import logging
 from collections.abc import AsyncGenerator, Callable, Generator
 
-from services.common.clock import Clock
-from services.replica.store import SNAPSHOT_BYTES_MAX_DEFAULT, Store, StoreError
 from squall.v1 import replica_pb2
+from squall_server.common.clock import Clock
+from squall_server.replica.store import SNAPSHOT_BYTES_MAX_DEFAULT, Store, StoreError
 
 log = logging.getLogger("squall.replica")
 

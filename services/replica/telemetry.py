@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING
 
 from opentelemetry import metrics, trace
 
-from services.common.clock import SYSTEM_CLOCK, PreciseClock
-from services.common.telemetry import Telemetry, on_loop
 from squall.v1 import broker_pb2, common_pb2
+from squall_server.common.clock import SYSTEM_CLOCK, PreciseClock
+from squall_server.common.telemetry import Telemetry, on_loop
 
 if TYPE_CHECKING:
-    from services.replica.node import ReplicaNode
+    from squall_server.replica.node import ReplicaNode
 
 # Commit latency buckets, in milliseconds: sub-millisecond (no replication, NO_SYNC) to
 # seconds (a slave catching up under `all`).

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from services.replica.batch_bytes import framed_event_bytes
 from squall.v1 import broker_pb2, common_pb2
+from squall_server.replica.batch_bytes import framed_event_bytes
 
 
 class _Ring:

@@ -29,7 +29,7 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy.processes import free_port
-from services.common.config import ClusterConfig, parse_config
+from squall_server.common.config import ClusterConfig, parse_config
 
 T = TypeVar("T")
 

@@ -21,16 +21,6 @@ from typing import Any
 
 import grpc
 
-from services.common.grpc_server import ServiceServer
-from services.coordinator import __main__ as coordinator_main
-from services.coordinator.node import CoordinatorNode
-from services.coordinator.server import Coordinator
-from services.gateway import __main__ as gateway_main
-from services.replica import __main__ as replica_main
-from services.replica import replication_server, server
-from services.replica.backup import verify_copy
-from services.replica.node import ReplicaNode
-from services.replica.store import Store, make_entry
 from squall.v1 import (
     broker_pb2,
     broker_pb2_grpc,
@@ -40,6 +30,16 @@ from squall.v1 import (
     replica_pb2,
     replica_pb2_grpc,
 )
+from squall_server.common.grpc_server import ServiceServer
+from squall_server.coordinator import __main__ as coordinator_main
+from squall_server.coordinator.node import CoordinatorNode
+from squall_server.coordinator.server import Coordinator
+from squall_server.gateway import __main__ as gateway_main
+from squall_server.replica import __main__ as replica_main
+from squall_server.replica import replication_server, server
+from squall_server.replica.backup import verify_copy
+from squall_server.replica.node import ReplicaNode
+from squall_server.replica.store import Store, make_entry
 from tests.fuzz.harness import LoopThread, ServicerErrors, healthy, make_config, wait_until
 
 SEED_TOPIC = "keep.seed"

@@ -21,7 +21,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.common.config import ClusterConfig, ConfigError, load_config, parse_config
+from squall_server.common.config import ClusterConfig, ConfigError, load_config, parse_config
 from tests.fuzz.proto_strategies import ODD_STRINGS
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "cluster.example.toml"

@@ -27,8 +27,8 @@ from google.protobuf.message import Message
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.replica.node import UNREACHABLE_KEY
 from squall.v1 import broker_pb2, coordinator_pb2, gateway_pb2, replica_pb2
+from squall_server.replica.node import UNREACHABLE_KEY
 from tests.fuzz.harness import Method, Raw, methods, outcome, problem
 from tests.fuzz.proto_strategies import messages, parsed_bytes
 from tests.fuzz.targets import (
@@ -96,7 +96,7 @@ def _hello() -> st.SearchStrategy[Message]:
 def _checksummed_entries() -> st.SearchStrategy[Message]:
     """Entry batches whose checksums hold, with fuzzed operations, LSNs and epochs, so the
     stream gets past the checksum to what applies an entry."""
-    from services.replica.store import make_entry
+    from squall_server.replica.store import make_entry
 
     entry = st.builds(
         make_entry,

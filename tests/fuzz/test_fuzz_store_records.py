@@ -27,20 +27,20 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.common.config import parse_config
-from services.common.errors import Code, ServiceError
-from services.replica import server
-from services.replica.faults import load_fault
-from services.replica.node import ReplicaNode
-from services.replica.store import (
+from squall.v1 import common_pb2, replica_pb2
+from squall_server.common.config import parse_config
+from squall_server.common.errors import Code, ServiceError
+from squall_server.replica import server
+from squall_server.replica.faults import load_fault
+from squall_server.replica.node import ReplicaNode
+from squall_server.replica.store import (
     DATABASES,
     CorruptRecordError,
     Store,
     StoreError,
     make_entry,
 )
-from services.replica.store.records import seal
-from squall.v1 import common_pb2, replica_pb2
+from squall_server.replica.store.records import seal
 
 _op = replica_pb2.Operation
 _EVENTS = [

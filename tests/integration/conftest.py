@@ -15,8 +15,6 @@ import grpc
 import pytest
 
 from deploy import processes
-from services.common.config import ClusterConfig, load_config
-from services.common.tls import Transport, cli_transport, plain_or
 from squall.v1 import (
     broker_pb2,
     broker_pb2_grpc,
@@ -26,6 +24,8 @@ from squall.v1 import (
     replica_pb2,
     replica_pb2_grpc,
 )
+from squall_server.common.config import ClusterConfig, load_config
+from squall_server.common.tls import Transport, cli_transport, plain_or
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,9 +40,9 @@ def wait_for(condition: Callable[[], object], timeout_s: float, what: str) -> No
 
 
 def run_squall(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Runs the `squall` command line (`python -m services ARGS`) from the repository root."""
+    """Runs the `squall` command line (`python -m squall_server ARGS`) from the repository root."""
     return subprocess.run(
-        [sys.executable, "-m", "services", *args],
+        [sys.executable, "-m", "squall_server", *args],
         capture_output=True,
         text=True,
         timeout=60,

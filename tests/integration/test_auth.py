@@ -17,8 +17,6 @@ import grpc
 import pytest
 
 import squall
-from services.common import dev_certs
-from services.common.auth import token_sha256
 from squall.v1 import (
     broker_pb2,
     broker_pb2_grpc,
@@ -26,6 +24,8 @@ from squall.v1 import (
     coordinator_pb2,
     coordinator_pb2_grpc,
 )
+from squall_server.common import dev_certs
+from squall_server.common.auth import token_sha256
 from tests.integration.conftest import ROOT, LocalCluster, make_cluster, run_squall
 
 pytestmark = pytest.mark.integration

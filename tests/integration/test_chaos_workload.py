@@ -22,7 +22,7 @@ import pytest
 from chaos.checker import check
 from chaos.history import HistoryWriter, read_history
 from chaos.workload import Target, Workload
-from services.replica.store import Store
+from squall_server.replica.store import Store
 from tests.integration.conftest import ROOT, LocalCluster, wait_for
 
 pytestmark = pytest.mark.integration
@@ -142,7 +142,7 @@ def test_the_workload_across_a_master_kill_passes_the_checker(
             [
                 sys.executable,
                 "-m",
-                "services",
+                "squall_server",
                 "cluster",
                 "shutdown",
                 "--config",

@@ -19,19 +19,19 @@ def _run(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
 
 def test_topic_publish_subscribe_and_status_commands(single: LocalCluster) -> None:
     gateway = ["--gateway", single.gateway_address]
-    created = _run("-m", "services", "topic", "create", "cli-demo", *gateway)
+    created = _run("-m", "squall_server", "topic", "create", "cli-demo", *gateway)
     assert created.returncode == 0, created.stderr
-    published = _run("-m", "services", "publish", "cli-demo", *gateway, stdin="one\ntwo\n")
+    published = _run("-m", "squall_server", "publish", "cli-demo", *gateway, stdin="one\ntwo\n")
     assert published.returncode == 0, published.stderr
     assert [line.split()[0] for line in published.stdout.splitlines()] == ["offset=0", "offset=1"]
-    read = _run("-m", "services", "subscribe", "cli-demo", "--count", "2", *gateway)
+    read = _run("-m", "squall_server", "subscribe", "cli-demo", "--count", "2", *gateway)
     assert read.stdout.splitlines() == ["0\t\tone", "1\t\ttwo"]
-    listed = _run("-m", "services", "topic", "list", "--config", str(single.config_path))
+    listed = _run("-m", "squall_server", "topic", "list", "--config", str(single.config_path))
     assert "cli-demo" in listed.stdout
-    status = _run("-m", "services", "status", *gateway)
+    status = _run("-m", "squall_server", "status", *gateway)
     assert status.returncode == 0
     assert "master: n1" in status.stdout
-    duplicate = _run("-m", "services", "topic", "create", "cli-demo", *gateway)
+    duplicate = _run("-m", "squall_server", "topic", "create", "cli-demo", *gateway)
     assert duplicate.returncode == 1
     assert duplicate.stderr.startswith("squall: ") and "already exists" in duplicate.stderr
 

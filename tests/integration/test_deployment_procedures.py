@@ -28,9 +28,9 @@ import pytest
 
 import squall
 from deploy import processes
-from services.replica.store import DATABASES, Store
-from services.replica.store.kv_lmdb import LmdbKV
 from squall.v1 import common_pb2
+from squall_server.replica.store import DATABASES, Store
+from squall_server.replica.store.kv_lmdb import LmdbKV
 from tests.integration.conftest import ROOT, LocalCluster, make_cluster, wait_for
 from tests.integration.test_deploy_commands import launch
 from tests.unit.test_deploy_files import dockerfile_stages
@@ -43,7 +43,7 @@ TOPIC = "orders"
 def squall_cli(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
     """Runs the `squall` command as an operator would (its own process)."""
     return subprocess.run(
-        [sys.executable, "-m", "services", *args],
+        [sys.executable, "-m", "squall_server", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -325,7 +325,8 @@ def install_release(tmp_path: Path) -> Path:
         (
             [
                 *(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps"),
-                *("--no-build-isolation", "-w", str(tmp_path / "dist"), str(context)),
+                *("--no-build-isolation", "-w", str(tmp_path / "dist")),
+                *(str(context / "clients"), str(context)),
             ],
             context,
         ),
@@ -348,11 +349,12 @@ def install_release(tmp_path: Path) -> Path:
     Path(purelib, "squall-test-dependencies.pth").write_text(
         sysconfig.get_paths()["purelib"] + "\n"
     )
-    (wheel,) = (tmp_path / "dist").glob("squall-*.whl")
+    wheels = sorted(str(wheel) for wheel in (tmp_path / "dist").glob("squall*.whl"))
+    assert len(wheels) == 2, wheels  # the client and the server
     result = subprocess.run(
         [
             *(sys.executable, "-m", "pip", "--python", str(python), "install", "-q"),
-            *("--no-deps", "--no-index", str(wheel)),
+            *("--no-deps", "--no-index", *wheels),
         ],
         capture_output=True,
         text=True,
@@ -361,7 +363,7 @@ def install_release(tmp_path: Path) -> Path:
     )
     assert result.returncode == 0, result.stderr
     where = subprocess.run(
-        [str(python), "-c", "import services, squall.v1; print(services.__file__)"],
+        [str(python), "-c", "import squall_server, squall.v1; print(squall_server.__file__)"],
         cwd=tmp_path,
         capture_output=True,
         text=True,

@@ -5,7 +5,7 @@ Two settings, both with a real gateway process:
 * Scripted nodes: the gateway in front of in-process fake coordinators (which stream the
   group views a test sets) and fake replicas (which store a publish and then lose the
   answer, refuse definitely, or redirect as a slave). Goal: each retry rule of
-  `services.gateway.retry` holds on the wire, and the master comes from the watch.
+  `squall_server.gateway.retry` holds on the wire, and the master comes from the watch.
 * A real three-node cluster (deploy/cluster.example.toml): kill -9 the master while
   publishers with a publisher id publish through the gateway. Goal: the gateway switches
   to the new master because the group view says so (its log line), and every publish the

@@ -18,8 +18,8 @@ import grpc
 import pytest
 
 import squall
-from services.replica.store import Store
 from squall.v1 import common_pb2, replica_pb2, replica_pb2_grpc
+from squall_server.replica.store import Store
 from tests.integration.conftest import ROOT, LocalCluster, wait_for
 
 EVENTS = 20
@@ -27,7 +27,7 @@ EVENTS = 20
 
 def _squall(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "services", *args],
+        [sys.executable, "-m", "squall_server", *args],
         capture_output=True,
         text=True,
         timeout=120,

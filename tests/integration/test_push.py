@@ -28,8 +28,8 @@ import pytest
 
 import squall
 from deploy import processes
-from services import cli
 from squall.v1 import broker_pb2, broker_pb2_grpc
+from squall_server import cli
 from tests.integration.conftest import ROOT, LocalCluster, make_cluster, wait_for
 from tests.integration.test_gateway import _AppPublisher, _kill_master_while_publishing
 

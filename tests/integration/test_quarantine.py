@@ -18,9 +18,9 @@ import lmdb
 import pytest
 
 import squall
-from services.replica.faults import FAULT_FILE_NAME
-from services.replica.store import DATABASES
 from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2
+from squall_server.replica.faults import FAULT_FILE_NAME
+from squall_server.replica.store import DATABASES
 from tests.integration.conftest import LocalCluster, run_squall, wait_for
 from tests.integration.test_gateway import trio  # noqa: F401  (the fixture)
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from services import cli
+from squall_server import cli
 from tests.integration.conftest import ROOT, LocalCluster
 
 README = (ROOT / "README.md").read_text()

@@ -21,8 +21,8 @@ from pathlib import Path
 import grpc
 
 from deploy.processes import free_port
-from services.common import dev_certs
 from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2
+from squall_server.common import dev_certs
 from tests.integration.conftest import ROOT, LocalCluster, wait_for
 
 SECRET = "sq-FAKE-SECRET-3c9e71d05ab2"
@@ -156,7 +156,7 @@ def test_a_secret_never_reaches_a_log_or_the_status_output(cluster_factory: obje
             [
                 sys.executable,
                 "-m",
-                "services",
+                "squall_server",
                 "status",
                 "--gateway",
                 cluster.gateway_address,

@@ -23,8 +23,8 @@ import pytest
 
 import squall
 from deploy import processes
-from services.replica import fault_hooks
 from squall.v1 import common_pb2
+from squall_server.replica import fault_hooks
 from tests.integration.conftest import ROOT, LocalCluster, make_cluster, wait_for
 from tests.integration.test_node_fate import (
     ACKS_AFTER_FAULT,

@@ -19,10 +19,6 @@ import pytest
 
 import squall
 from deploy import processes
-from services import cli
-from services.common import dev_certs
-from services.common.config import ClusterConfig
-from services.common.tls import Transport
 from squall.v1 import (
     common_pb2,
     coordinator_pb2,
@@ -32,6 +28,10 @@ from squall.v1 import (
     replica_pb2,
     replica_pb2_grpc,
 )
+from squall_server import cli
+from squall_server.common import dev_certs
+from squall_server.common.config import ClusterConfig
+from squall_server.common.tls import Transport
 from tests.integration.conftest import LocalCluster, wait_for
 
 pytestmark = pytest.mark.integration
@@ -302,7 +302,7 @@ def _config_copy(cluster: LocalCluster, path: Path, ca_file: Path, cert_dir: Pat
 
 
 def _load(path: Path) -> ClusterConfig:
-    from services.common.config import load_config
+    from squall_server.common.config import load_config
 
     return load_config(path)
 

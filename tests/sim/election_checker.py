@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from services.coordinator.election import Election
-from services.coordinator.messages import (
+from squall_server.coordinator.election import Election
+from squall_server.coordinator.messages import (
     GroupReady,
     Invitation,
     NodeState,

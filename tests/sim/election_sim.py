@@ -60,8 +60,8 @@ from collections import Counter, deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
-from services.common.clock import MANUAL_CLOCK_WALL_START_MS
-from services.coordinator.driver import (
+from squall_server.common.clock import MANUAL_CLOCK_WALL_START_MS
+from squall_server.coordinator.driver import (
     CoordinatorDriver,
     DriverTimings,
     Failure,
@@ -69,9 +69,9 @@ from services.coordinator.driver import (
     ReplicaFailure,
     RoleNext,
 )
-from services.coordinator.election import Election, ElectionConfig, node_sort_key
-from services.coordinator.lifecycle import decide_start
-from services.coordinator.messages import (
+from squall_server.coordinator.election import Election, ElectionConfig, node_sort_key
+from squall_server.coordinator.lifecycle import decide_start
+from squall_server.coordinator.messages import (
     MemberReport,
     NodeState,
     PeerMessage,

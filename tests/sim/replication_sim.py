@@ -97,11 +97,11 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from services.common.errors import ServiceError
-from services.coordinator.election import node_sort_key
-from services.coordinator.messages import NodeState, PersistedState, Role, RoleCommand
-from services.replica.divergence import History, epoch_at, fork_lsn, truncate_history
-from services.replica.follower import (
+from squall_server.common.errors import ServiceError
+from squall_server.coordinator.election import node_sort_key
+from squall_server.coordinator.messages import NodeState, PersistedState, Role, RoleCommand
+from squall_server.replica.divergence import History, epoch_at, fork_lsn, truncate_history
+from squall_server.replica.follower import (
     BatchAccepted,
     Follower,
     FollowerConfig,
@@ -110,7 +110,7 @@ from services.replica.follower import (
     RefusalCode,
     SnapshotAccepted,
 )
-from services.replica.replication import (
+from squall_server.replica.replication import (
     Ack,
     AckPolicy,
     Actions,

@@ -14,12 +14,12 @@ from dataclasses import replace
 
 import pytest
 
-from services.coordinator.election import Election
-from services.coordinator.messages import MemberReport, Role, RoleCommand
-from services.replica import commands, divergence
-from services.replica.replication import AckPolicy, SyncPolicy
-from services.replica.store import apply as store_apply
-from services.replica.store import facade as store_facade
+from squall_server.coordinator.election import Election
+from squall_server.coordinator.messages import MemberReport, Role, RoleCommand
+from squall_server.replica import commands, divergence
+from squall_server.replica.replication import AckPolicy, SyncPolicy
+from squall_server.replica.store import apply as store_apply
+from squall_server.replica.store import facade as store_facade
 from tests.sim.election_checker import Checker
 from tests.sim.replication_checker import Entry, InvariantViolation, ReplicationChecker
 from tests.sim.replication_sim import (
@@ -143,7 +143,7 @@ def _fork(bug: Callable[[object, int, object, int], int]) -> Mutant:
     """A mutant of the master's divergence finder."""
 
     def install(monkeypatch: pytest.MonkeyPatch) -> type[ReplicationSimulation]:
-        monkeypatch.setattr("services.replica.replication.fork_lsn", bug)
+        monkeypatch.setattr("squall_server.replica.replication.fork_lsn", bug)
         return ReplicationSimulation
 
     return install

@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from services.common.config import LimitsConfig
-from services.replica import commands
-from services.replica.store import Store, make_entry
 from squall.v1 import broker_pb2, common_pb2
+from squall_server.common.config import LimitsConfig
+from squall_server.replica import commands
+from squall_server.replica.store import Store, make_entry
 from tests.sim.replication_checker import Entry
 
 TOPIC_OP = b"t"

@@ -20,7 +20,7 @@ import pytest
 from tests.integration.conftest import ROOT, LocalCluster, make_cluster
 
 pytest.importorskip(
-    "pyspark", reason="the spark extra is not installed (pip install -e '.[spark]')"
+    "pyspark", reason="the spark extra is not installed (pip install -e './clients[spark]')"
 )
 
 import squall

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip(
-    "pyspark", reason="the spark extra is not installed (pip install -e '.[spark]')"
+    "pyspark", reason="the spark extra is not installed (pip install -e './clients[spark]')"
 )
 
 import squall

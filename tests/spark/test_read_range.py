@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 
 pytest.importorskip(
-    "pyspark", reason="the spark extra is not installed (pip install -e '.[spark]')"
+    "pyspark", reason="the spark extra is not installed (pip install -e './clients[spark]')"
 )
 
 import squall

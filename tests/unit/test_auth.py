@@ -8,7 +8,9 @@ from typing import Any
 import grpc
 import pytest
 
-from services.common.auth import (
+from squall.v1 import broker_pb2, common_pb2
+from squall.wire.auth import check_token, resolve_token
+from squall_server.common.auth import (
     METHOD_RULES,
     TokenBook,
     Verdict,
@@ -16,8 +18,8 @@ from services.common.auth import (
     decide,
     token_sha256,
 )
-from services.common.auth_config import PrincipalConfig
-from services.common.call_guard import (
+from squall_server.common.auth_config import PrincipalConfig
+from squall_server.common.call_guard import (
     CLIENT_PEER_KEY,
     AuthGuard,
     Call,
@@ -25,9 +27,7 @@ from services.common.call_guard import (
     Refusal,
     Request,
 )
-from services.common.config import ConfigError, LimitsConfig, parse_config
-from squall._auth import check_token, resolve_token
-from squall.v1 import broker_pb2, common_pb2
+from squall_server.common.config import ConfigError, LimitsConfig, parse_config
 
 BASE = """
 [cluster]
@@ -264,7 +264,7 @@ def _call(
 
 
 def _auth_guard() -> AuthGuard:
-    from services.common.auth_config import AuthConfig
+    from squall_server.common.auth_config import AuthConfig
 
     return AuthGuard(AuthConfig(enabled=True, principals=(PUBLISHER, READER)))
 
@@ -357,7 +357,7 @@ def test_inflight_publishes_per_client_are_bounded() -> None:
 def test_squall_auth_new_token_prints_a_token_and_its_hash(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from services import cli
+    from squall_server import cli
 
     assert cli.main(["auth", "new-token"]) == 0
     token_line, hash_line = capsys.readouterr().out.splitlines()
@@ -371,7 +371,7 @@ def test_squall_auth_hash_token_reads_stdin(
 ) -> None:
     import io
 
-    from services import cli
+    from squall_server import cli
 
     monkeypatch.setattr("sys.stdin", io.StringIO("token-a\n"))
     assert cli.main(["auth", "hash-token"]) == 0
@@ -384,7 +384,7 @@ def test_squall_auth_hash_token_reads_stdin(
 def test_a_bad_token_file_is_a_usage_error(
     capsys: pytest.CaptureFixture[str], tmp_path: Any
 ) -> None:
-    from services import cli
+    from squall_server import cli
 
     missing = tmp_path / "nope"
     assert (
@@ -394,7 +394,7 @@ def test_a_bad_token_file_is_a_usage_error(
 
 
 def test_auth_requires_tls_once_both_sections_exist() -> None:
-    from services.common.auth_config import require_tls
+    from squall_server.common.auth_config import require_tls
 
     require_tls(auth_enabled=True, tls_enabled=True)
     require_tls(auth_enabled=False, tls_enabled=False)

@@ -13,8 +13,8 @@ import random
 from pathlib import Path
 
 from chaos.faults import Damage, flip_event_byte, judge_undetected
-from services.replica.store import Store, make_entry
 from squall.v1 import common_pb2, replica_pb2
+from squall_server.replica.store import Store, make_entry
 
 MAP_BYTES = 16 << 20
 

@@ -16,8 +16,8 @@ import grpc
 import pytest
 
 import squall
-from services import cli
 from squall.v1 import common_pb2
+from squall_server import cli
 
 
 def _load_fakes() -> types.ModuleType:
@@ -212,7 +212,7 @@ def test_default_gateway(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("name", ["single.toml", "cluster.example.toml"])
 def test_the_default_gateway_is_the_one_the_shipped_configs_use(name: str) -> None:
-    from services.common.config import load_config
+    from squall_server.common.config import load_config
 
     root = Path(__file__).resolve().parents[2]
     assert load_config(root / "deploy" / name).gateway().address == cli.DEFAULT_GATEWAY
@@ -252,14 +252,14 @@ def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_service_commands_forward_argv(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[list[str]] = []
-    module = types.ModuleType("services.replica.__main__")
+    module = types.ModuleType("squall_server.replica.__main__")
 
     def fake_main(argv: list[str]) -> int:
         seen.append(argv)
         return 3
 
     module.main = fake_main  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "services.replica.__main__", module)
+    monkeypatch.setitem(sys.modules, "squall_server.replica.__main__", module)
     argv = ["replica", "--config", "c.toml", "--node", "n1", "--log-level", "debug"]
     assert cli.main(argv) == 3
     assert seen == [["--config", "c.toml", "--node", "n1", "--log-level", "debug"]]
@@ -275,7 +275,7 @@ def test_missing_service_is_clear_error(
     code, _, err = run(["gateway", "--config", "c.toml"], capsys)
     assert code == 1
     assert err == (
-        "squall: the gateway service is not installed (services.gateway.__main__ not found)\n"
+        "squall: the gateway service is not installed (squall_server.gateway.__main__ not found)\n"
     )
 
 

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 import squall
-from services import cli, cli_listing
+from squall_server import cli
+from squall_server.cli import listing as cli_listing
 from tests.unit.test_cli import broker, run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +47,7 @@ def test_config_check_names_the_wrong_field_and_exits_2(
     assert "replica_timeout_ms" in err
     # The very line a service prints for the same file (it exits 2 the same way).
     service = subprocess.run(
-        [sys.executable, "-m", "services.replica", "--config", str(bad), "--node", "n1"],
+        [sys.executable, "-m", "squall_server.replica", "--config", str(bad), "--node", "n1"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -70,7 +71,7 @@ def test_config_check_as_a_node_refuses_an_id_the_file_does_not_have(
 # -- shell completion ---------------------------------------------------------------------
 
 COMPLETE = """
-source <("$SQUALL_PY" -m services.cli completion bash)
+source <("$SQUALL_PY" -m squall_server.cli completion bash)
 complete_line() {
     COMP_WORDS=($1); [[ "$1" == *" " ]] && COMP_WORDS+=("")
     COMP_CWORD=$((${#COMP_WORDS[@]} - 1)); COMPREPLY=(); _squall; echo "${COMPREPLY[*]}"

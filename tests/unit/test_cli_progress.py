@@ -1,4 +1,4 @@
-"""The progress line of `squall store backup|restore|verify` (services/cli_progress.py),
+"""The progress line of `squall store backup|restore|verify` (services/cli/progress.py),
 and `squall store verify` on real LMDB backups."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from services.cli_progress import LOG_INTERVAL_S, ProgressLine
-from services.common.clock import ManualClock
-from services.replica import backup
+from squall_server.cli.progress import LOG_INTERVAL_S, ProgressLine
+from squall_server.common.clock import ManualClock
+from squall_server.replica import backup
 from tests.unit.test_store_backup import run, source
 
 __all__ = ["source"]  # the filled-store fixture, shared with test_store_backup.py

@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 import io
 
-from services.cli_status_wait import group_problems, wait_until_normal
 from squall import ClusterStatus, NodeStatus, Unavailable
 from squall._types import SlaveProgress
+from squall_server.cli.status_wait import group_problems, wait_until_normal
 
 
 def slave(node_id: str, state: str = "streaming", lag: int = 0) -> SlaveProgress:

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from deploy import processes
-from services import cli
-from services.common.config import load_config
-from services.replica.datadir import DataDirLock
-from services.replica.store import Store
 from squall.v1 import common_pb2
+from squall_server import cli
+from squall_server.common.config import load_config
+from squall_server.replica.datadir import DataDirLock
+from squall_server.replica.store import Store
 from tests.unit.test_store_contract import Writer, create, epoch_start, publish, set_cursor
 
 CLUSTER = "c0ffee"

@@ -7,8 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from services.coordinator.codec import from_proto, status_to_proto, to_proto
-from services.coordinator.messages import (
+from squall.v1 import common_pb2, coordinator_pb2
+from squall_server.coordinator.codec import from_proto, status_to_proto, to_proto
+from squall_server.coordinator.messages import (
     Accept,
     AreYouCoordinator,
     AreYouCoordinatorReply,
@@ -28,7 +29,6 @@ from services.coordinator.messages import (
     Role,
     StoreState,
 )
-from squall.v1 import common_pb2, coordinator_pb2
 
 REPORT = MemberReport(
     node_id="2",

@@ -10,9 +10,11 @@ from __future__ import annotations
 import pytest
 
 import squall
-from services.common.config import LimitsConfig
-from services.common.errors import Code, ServiceError
-from services.replica.commands import (
+from squall._types import receipt_count, receipts_from_pb
+from squall.v1 import broker_pb2, common_pb2
+from squall_server.common.config import LimitsConfig
+from squall_server.common.errors import Code, ServiceError
+from squall_server.replica.commands import (
     BatchBuilder,
     CreateTopic,
     DestroyTopic,
@@ -20,9 +22,7 @@ from services.replica.commands import (
     SetCursor,
     expand_receipt,
 )
-from services.replica.store import DedupeHit, Store
-from squall._types import receipt_count, receipts_from_pb
-from squall.v1 import broker_pb2, common_pb2
+from squall_server.replica.store import DedupeHit, Store
 
 LIMITS = LimitsConfig(dedupe_window=10, max_batch_events=10)
 

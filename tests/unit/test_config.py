@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 import squall
-from services.common.config import (
+from squall.v1 import common_pb2
+from squall_server.common.config import (
     ClusterConfig,
     ConfigError,
     GatewayConfig,
@@ -26,7 +27,6 @@ from services.common.config import (
     parse_address,
     parse_config,
 )
-from squall.v1 import common_pb2
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -623,7 +623,7 @@ def test_error_carries_the_path(tmp_path: Path) -> None:
 def run_load_or_exit(path: Path) -> subprocess.CompletedProcess[str]:
     """Run load_config_or_exit(path) in a fresh interpreter, as a service's main would."""
     code = (
-        "from services.common.config import load_config_or_exit; "
+        "from squall_server.common.config import load_config_or_exit; "
         f"load_config_or_exit({str(path)!r})"
     )
     venv_python = REPO / ".venv" / "bin" / "python"

@@ -8,8 +8,8 @@ replica is reported to the election and cleared when it answers.
 
 from __future__ import annotations
 
-from services.common.clock import ManualClock
-from services.coordinator.driver import (
+from squall_server.common.clock import ManualClock
+from squall_server.coordinator.driver import (
     CoordinatorDriver,
     DriverTimings,
     Failure,
@@ -18,8 +18,8 @@ from services.coordinator.driver import (
     ReplicaFailure,
     RoleNext,
 )
-from services.coordinator.election import ElectionConfig
-from services.coordinator.messages import (
+from squall_server.coordinator.election import ElectionConfig
+from squall_server.coordinator.messages import (
     NodeState,
     PeerMessage,
     ReplicaReport,

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from services.coordinator.messages import OperatorRecord, PersistedState
-from services.coordinator.persist import StateFileError, load_state, save_state
+from squall_server.coordinator.messages import OperatorRecord, PersistedState
+from squall_server.coordinator.persist import StateFileError, load_state, save_state
 
 
 def test_round_trip_keeps_records_and_audit(tmp_path: Path) -> None:

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import grpc
 
-from services.common.config import ClusterConfig, parse_config
-from services.coordinator.messages import AreYouCoordinator, PeerMessage
-from services.coordinator.node import GrpcPeers, reconnect_options
 from squall.v1 import coordinator_pb2, coordinator_pb2_grpc
+from squall_server.common.config import ClusterConfig, parse_config
+from squall_server.coordinator.messages import AreYouCoordinator, PeerMessage
+from squall_server.coordinator.node import GrpcPeers, reconnect_options
 
 # How long the peer stays down, sent to every heartbeat: long enough for a backoff that
 # doubles from 100 ms to reach a one-second cap.

@@ -11,9 +11,9 @@ instead of sent (no network, no asyncio).
 
 from __future__ import annotations
 
-from services.common.clock import ManualClock
-from services.coordinator.driver import CoordinatorDriver, MemoryStateStore, ReplicaAnswer
-from services.coordinator.messages import Ready, ReplicaReport, StoreState
+from squall_server.common.clock import ManualClock
+from squall_server.coordinator.driver import CoordinatorDriver, MemoryStateStore, ReplicaAnswer
+from squall_server.coordinator.messages import Ready, ReplicaReport, StoreState
 from tests.unit.test_coordinator_driver import _driver, _to_master
 
 

@@ -20,12 +20,12 @@ from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.sdk.metrics import MeterProvider
 from prometheus_client import CollectorRegistry, generate_latest
 
-from services.common import telemetry
-from services.coordinator.messages import ElectionStatus, NodeState, Role
-from services.coordinator.telemetry import CoordinatorInstruments
-from services.gateway.telemetry import instruments as gateway_instruments
-from services.replica.telemetry import instruments as replica_instruments
 from squall.v1 import common_pb2
+from squall_server.common import telemetry
+from squall_server.coordinator.messages import ElectionStatus, NodeState, Role
+from squall_server.coordinator.telemetry import CoordinatorInstruments
+from squall_server.gateway.telemetry import instruments as gateway_instruments
+from squall_server.replica.telemetry import instruments as replica_instruments
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "squall-dashboard.json"

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 import squall
-from services.common.config import load_config
+from squall_server.common.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SYSTEMD = ROOT / "deploy" / "systemd"
@@ -247,7 +247,11 @@ def test_the_build_stage_generates_the_protos_with_the_pinned_tools() -> None:
     assert sorted(tools.split("pip install ")[1].split()) == sorted(pins.values())
     assert "RUN /opt/protoc/bin/python scripts/gen_protos.py" in build
     generate = build.index("RUN /opt/protoc/bin/python scripts/gen_protos.py")
-    install = next(i for i, line in enumerate(build) if "venv/bin/pip install ." in line)
+    install = next(
+        i
+        for i, line in enumerate(build)
+        if "venv/bin/pip install -c constraints.txt ./clients ." in line
+    )
     assert generate < install, "the package must be built from freshly generated code"
 
 
@@ -400,7 +404,7 @@ def test_the_chaos_suites_cluster_file_is_one_the_services_accept(
     nodes: int, tmp_path: Path
 ) -> None:
     from chaos.cluster import GATEWAY_IDS, ChaosCluster
-    from services.common.config import load_config
+    from squall_server.common.config import load_config
 
     cluster = ChaosCluster.build(tmp_path, nodes, None)
     config = load_config(cluster.config_path)

@@ -26,12 +26,12 @@ from typing import Any
 
 import grpc
 
-from services.common.config import ClusterConfig, parse_config
-from services.replica import commands, server
-from services.replica.node import ReplicaNode
-from services.replica.store import Store
 from squall import classify_code
 from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2, replica_pb2
+from squall_server.common.config import ClusterConfig, parse_config
+from squall_server.replica import commands, server
+from squall_server.replica.node import ReplicaNode
+from squall_server.replica.store import Store
 
 # Far beyond how long the test waits for the streams: a stream that only ended at its
 # deadline fails the test.

@@ -1,4 +1,4 @@
-"""Tests of services.replica.divergence: finding where two logs part from their epoch histories.
+"""Tests of squall_server.replica.divergence: where two logs part, by their epoch histories.
 
 Besides hand-written cases (Raft's figure-7 shapes), two seeded property tests: logs that
 share a prefix and then diverge, and a small cluster whose masters append and whose
@@ -13,7 +13,8 @@ import random
 
 import pytest
 
-from services.replica.divergence import (
+from squall.v1 import replica_pb2
+from squall_server.replica.divergence import (
     HistoryError,
     as_history,
     check_history,
@@ -22,8 +23,7 @@ from services.replica.divergence import (
     history_problem,
     truncate_history,
 )
-from services.replica.store import EpochBoundary
-from squall.v1 import replica_pb2
+from squall_server.replica.store import EpochBoundary
 
 SEEDS = range(300)
 

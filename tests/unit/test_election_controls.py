@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.coordinator.election import Election
-from services.coordinator.messages import (
+from squall_server.coordinator.election import Election
+from squall_server.coordinator.messages import (
     AreYouCoordinator,
     AreYouCoordinatorReply,
     Invitation,

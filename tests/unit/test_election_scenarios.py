@@ -49,8 +49,8 @@ from pathlib import Path
 
 import pytest
 
-from services.coordinator.election import Election, ElectionConfig, ElectionConfigError
-from services.coordinator.messages import (
+from squall_server.coordinator.election import Election, ElectionConfig, ElectionConfigError
+from squall_server.coordinator.messages import (
     Accept,
     AreYouCoordinator,
     AreYouCoordinatorReply,

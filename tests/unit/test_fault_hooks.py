@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from services.replica import fault_hooks
-from services.replica.store import Store, StoreFullError, kv_lmdb, make_entry
 from squall.v1 import replica_pb2
+from squall_server.replica import fault_hooks
+from squall_server.replica.store import Store, StoreFullError, kv_lmdb, make_entry
 
 
 def _entry(lsn: int) -> replica_pb2.LogEntry:
@@ -32,7 +32,7 @@ def _wait_for(condition: object, timeout_s: float = 5.0) -> None:
 def test_without_the_variable_the_hooks_are_no_ops() -> None:
     assert fault_hooks.ENV_VAR == "SQUALL_FAULT_CONTROL"
     code = (
-        "from services.replica import fault_hooks as h; "
+        "from squall_server.replica import fault_hooks as h; "
         "print(h.before_commit is h._commit_off, h.before_sync is h._sync_off)"
     )
     env = {"PATH": "/usr/bin:/bin"}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.file_checks import (
+from squall_server.common.file_checks import (
     check_data_dir,
     check_key_files,
     data_dir_problems,

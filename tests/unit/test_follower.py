@@ -1,4 +1,4 @@
-"""Tests of services.replica.follower: what a slave accepts from the replication stream,
+"""Tests of squall_server.replica.follower: what a slave accepts from the replication stream,
 what it asks the store to write or truncate, and when it acknowledges.
 
 Every refusal is checked to change nothing (the follower's whole state is compared
@@ -13,8 +13,9 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from services.common.errors import Code
-from services.replica.follower import (
+from squall.v1 import replica_pb2
+from squall_server.common.errors import Code
+from squall_server.replica.follower import (
     BatchAccepted,
     Follower,
     FollowerConfig,
@@ -25,9 +26,8 @@ from services.replica.follower import (
     RefusalCode,
     SnapshotAccepted,
 )
-from services.replica.replication import Ack, SyncPolicy
-from services.replica.store import make_entry
-from squall.v1 import replica_pb2
+from squall_server.replica.replication import Ack, SyncPolicy
+from squall_server.replica.store import make_entry
 
 NODE = "2"
 MASTER = "1"

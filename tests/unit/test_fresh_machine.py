@@ -89,9 +89,10 @@ class Block:
             raise ImportError(f"{name} is not in the base install")
         return None
 sys.meta_path.insert(0, Block())
-import deploy.launcher, deploy.processes, services.cli, services.cluster_shutdown
-import services.common.dev_certs
-import services.replica.__main__, services.coordinator.__main__, services.gateway.__main__
+import deploy.launcher, deploy.processes, squall_server.cli, squall_server.cli.cluster_shutdown
+import squall_server.common.dev_certs
+import squall_server.replica.__main__, squall_server.coordinator.__main__
+import squall_server.gateway.__main__
 print("ok")
 """
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

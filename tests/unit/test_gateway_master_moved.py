@@ -21,11 +21,11 @@ from pathlib import Path
 
 import grpc
 
-from services.common.config import ClusterConfig, parse_config
-from services.gateway.forward import Forwarder
-from services.gateway.master import MasterTracker
 from squall import classify_code
 from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2, coordinator_pb2
+from squall_server.common.config import ClusterConfig, parse_config
+from squall_server.gateway.forward import Forwarder
+from squall_server.gateway.master import MasterTracker
 
 _WAIT_S = 30.0
 

@@ -16,10 +16,10 @@ import pytest
 import tenacity
 
 import squall
-from services.gateway import retry
-from services.gateway.forward import _BudgetSpent
-from services.gateway.master import GroupViews, Master
 from squall.v1 import broker_pb2, common_pb2, coordinator_pb2
+from squall_server.gateway import retry
+from squall_server.gateway.forward import _BudgetSpent
+from squall_server.gateway.master import GroupViews, Master
 
 NORMAL = common_pb2.NODE_STATE_NORMAL
 ELECTION = common_pb2.NODE_STATE_ELECTION

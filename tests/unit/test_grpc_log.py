@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from services.common import grpc_log
+from squall_server.common import grpc_log
 
 
 def _record(msg: str, args: tuple[object, ...] = ()) -> logging.LogRecord:

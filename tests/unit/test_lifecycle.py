@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.coordinator.lifecycle import decide_start
-from services.coordinator.messages import MemberReport, StoreState
+from squall_server.coordinator.lifecycle import decide_start
+from squall_server.coordinator.messages import MemberReport, StoreState
 
 EMPTY, CLEAN, DIRTY = StoreState.EMPTY, StoreState.CLEAN, StoreState.DIRTY
 

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.common.config import LogConfig
-from services.common.logs import REDACTED, log_fields, redact, setup_logging
+from squall_server.common.config import LogConfig
+from squall_server.common.logs import REDACTED, log_fields, redact, setup_logging
 
 SECRET = "sq-FAKE-7f3a9c1e2b"
 

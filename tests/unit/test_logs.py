@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 
-from services.common.config import LogConfig
-from services.common.logs import bind, log_fields, set_log_context, setup_logging
+from squall_server.common.config import LogConfig
+from squall_server.common.logs import bind, log_fields, set_log_context, setup_logging
 
 
 @pytest.fixture

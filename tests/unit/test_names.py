@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from services.common.names import (
+from squall_server.common.names import (
     NODE_ID_MAX_CHARS,
     PUBLISHER_ID_MAX_BYTES,
     SUBSCRIPTION_NAME_MAX_BYTES,

@@ -20,13 +20,13 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
 
 import squall
-from services.common import grpc_tracing, telemetry
-from services.common.grpc_server import ServiceServer
-from services.coordinator.node import CoordinatorNode
-from services.coordinator.server import Coordinator
-from services.replica import server as replica_server
-from services.replica import telemetry as replica_telemetry
 from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2, coordinator_pb2_grpc
+from squall_server.common import grpc_tracing, telemetry
+from squall_server.common.grpc_server import ServiceServer
+from squall_server.coordinator.node import CoordinatorNode
+from squall_server.coordinator.server import Coordinator
+from squall_server.replica import server as replica_server
+from squall_server.replica import telemetry as replica_telemetry
 from tests.observability_harness import InProcess, Otel, cluster_config, otel
 
 __all__ = ["otel"]  # the fixture, imported for pytest

@@ -38,17 +38,16 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ): "a certificate's validity is real calendar time by definition (X.509 notBefore/"
     "notAfter), for development certificates made before any service runs",
     (
-        "cluster_shutdown.py",
+        "cli/cluster_shutdown.py",
         "time.monotonic",
     ): "the operator's `squall cluster shutdown` command (a CLI process, not a service): "
-    "its deadlines bound a human's wait; it moves with the CLI into services/cli/ "
-    "(issue 15 item 6), where it takes a clock like the services do",
+    "its deadlines bound a human's wait, not a service's timeout",
     (
-        "cli_status_wait.py",
+        "cli/status_wait.py",
         "time.monotonic",
     ): "the `squall status --wait` CLI command's deadline (as cluster_shutdown.py)",
     (
-        "cli_admin.py",
+        "cli/admin.py",
         "time.monotonic",
     ): "the `squall transfer` CLI command's deadline and reported duration (as "
     "cluster_shutdown.py)",

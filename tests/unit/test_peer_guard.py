@@ -9,10 +9,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from services.common.config import parse_config
-from services.common.peer_guard import PeerGuard, Refused, guards
-from services.common.tls import Transport, address_owner, handshake_failure
 from squall.v1 import coordinator_pb2, replica_pb2
+from squall_server.common.config import parse_config
+from squall_server.common.peer_guard import PeerGuard, Refused, guards
+from squall_server.common.tls import Transport, address_owner, handshake_failure
 from tests.unit.test_config import VALID
 
 DELIVER = "/squall.v1.Coordinator/Deliver"

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from services.coordinator.messages import PersistedState
-from services.coordinator.persist import StateFileError, load_state, save_state
+from squall_server.coordinator.messages import PersistedState
+from squall_server.coordinator.persist import StateFileError, load_state, save_state
 
 
 def test_round_trip_keeps_the_cluster_id(tmp_path: Path) -> None:

@@ -18,8 +18,8 @@ from scripts.public_protos import (
     compile_public,
     load_snapshot,
 )
-from services.replica.batch_bytes import framed_event_bytes
 from squall.v1 import broker_pb2, common_pb2
+from squall_server.replica.batch_bytes import framed_event_bytes
 
 Fds = descriptor_pb2.FileDescriptorSet
 

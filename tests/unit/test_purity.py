@@ -16,14 +16,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 # The pure state machines and the plain data they share.
 PURE_CORES = (
-    "services.coordinator.election",
-    "services.coordinator.messages",
-    "services.replica.core",
-    "services.replica.replication",
-    "services.replica.follower",
-    "services.replica.divergence",
-    "services.replica.visibility",
-    "services.replica.shared",
+    "squall_server.coordinator.election",
+    "squall_server.coordinator.messages",
+    "squall_server.replica.core",
+    "squall_server.replica.replication",
+    "squall_server.replica.follower",
+    "squall_server.replica.divergence",
+    "squall_server.replica.visibility",
+    "squall_server.replica.shared",
 )
 # Top-level packages a pure core must not reach: I/O, event loops, threads, clocks, chance.
 BANNED = {
@@ -54,7 +54,7 @@ def _imports(module: str) -> set[str]:
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
-            # "from services.replica import x" may name a module.
+            # "from squall_server.replica import x" may name a module.
             for alias in node.names:
                 candidate = f"{node.module}.{alias.name}"
                 if (ROOT / (candidate.replace(".", "/") + ".py")).exists():
@@ -73,7 +73,7 @@ def _reach(module: str) -> dict[str, str]:
                 continue
             seen[imported] = current
             if (
-                imported.startswith("services.")
+                imported.startswith("squall_server.")
                 and (ROOT / (imported.replace(".", "/") + ".py")).exists()
             ):
                 todo.append(imported)
@@ -93,24 +93,24 @@ def test_a_pure_core_reaches_no_io_loop_thread_clock_or_randomness(module: str) 
 
 def test_the_scan_sees_an_impure_import() -> None:
     """The scan itself works: the replica's driver is (rightly) impure."""
-    reached = _reach("services.replica.node")
+    reached = _reach("squall_server.replica.node")
     assert "asyncio" in reached and "grpc" in reached
 
 
 # The coordinator's synchronous driver (services/coordinator/driver.py) is not pure (it
 # logs, and its FileStateStore writes the state file through persist.py), but the
 # simulator runs it on virtual time, so it must reach no event loop, network, thread,
-# clock or randomness. It imports the Clock protocol from services.common.clock, whose
+# clock or randomness. It imports the Clock protocol from squall_server.common.clock, whose
 # SystemClock alone reads the OS clocks (tests/unit/test_one_clock.py); the driver reads
 # only the clock it is given.
 DRIVER_BANNED = BANNED - {"os"}
 
 
 def test_the_coordinator_driver_reaches_no_event_loop_network_clock_or_randomness() -> None:
-    reached = _reach("services.coordinator.driver")
+    reached = _reach("squall_server.coordinator.driver")
     bad = sorted(
         f"{name} (imported by {importer})"
         for name, importer in reached.items()
-        if name.split(".")[0] in DRIVER_BANNED and importer != "services.common.clock"
+        if name.split(".")[0] in DRIVER_BANNED and importer != "squall_server.common.clock"
     )
     assert not bad, f"the coordinator driver can no longer run simulated: {', '.join(bad)}"

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.config import LimitsConfig
-from services.common.errors import Code, ServiceError
-from services.replica.commands import (
+from squall.v1 import broker_pb2, common_pb2
+from squall_server.common.config import LimitsConfig
+from squall_server.common.errors import Code, ServiceError
+from squall_server.replica.commands import (
     BatchBuilder,
     Command,
     CreateTopic,
@@ -25,7 +26,7 @@ from services.replica.commands import (
     PushSubscribe,
     PushUnsubscribe,
 )
-from services.replica.push_policy import (
+from squall_server.replica.push_policy import (
     DeliveryState,
     Offered,
     Qos,
@@ -34,8 +35,7 @@ from services.replica.push_policy import (
     check_endpoint,
     parse_qos,
 )
-from services.replica.store import Store
-from squall.v1 import broker_pb2, common_pb2
+from squall_server.replica.store import Store
 
 # --- QoS
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from services.replica.rebuild import LmdbTruncator, TruncateError
-from services.replica.store import Store, make_entry
 from squall.v1 import common_pb2, replica_pb2
+from squall_server.replica.rebuild import LmdbTruncator, TruncateError
+from squall_server.replica.store import Store, make_entry
 
 MAP_BYTES = 16 << 20
 

@@ -21,13 +21,13 @@ from pathlib import Path
 import pytest
 
 from deploy.processes import free_port
-from services.common.config import ClusterConfig, parse_config
-from services.common.errors import Code, ServiceError
-from services.common.grpc_server import ServiceServer
-from services.replica import replication_server
-from services.replica.node import ReplicaNode
-from services.replica.store import Store, make_entry
 from squall.v1 import common_pb2, replica_pb2, replica_pb2_grpc
+from squall_server.common.config import ClusterConfig, parse_config
+from squall_server.common.errors import Code, ServiceError
+from squall_server.common.grpc_server import ServiceServer
+from squall_server.replica import replication_server
+from squall_server.replica.node import ReplicaNode
+from squall_server.replica.store import Store, make_entry
 
 _DELAY_MS = 150
 _BOUND_S = 30.0

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from services.common.clock import ManualClock
-from services.common.config import ClusterConfig, parse_config
-from services.common.errors import Code, ServiceError
-from services.replica import commands, handoff
-from services.replica.faults import FAULT_FILE_NAME, load_fault
-from services.replica.node import ReplicaNode
-from services.replica.store import Store, StoreError
 from squall.v1 import common_pb2, replica_pb2
+from squall_server.common.clock import ManualClock
+from squall_server.common.config import ClusterConfig, parse_config
+from squall_server.common.errors import Code, ServiceError
+from squall_server.replica import commands, handoff
+from squall_server.replica.faults import FAULT_FILE_NAME, load_fault
+from squall_server.replica.node import ReplicaNode
+from squall_server.replica.store import Store, StoreError
 
 
 def _config(tmp_path: Path) -> ClusterConfig:

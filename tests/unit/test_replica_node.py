@@ -20,15 +20,15 @@ from typing import Any
 
 import pytest
 
-from services.common.clock import ManualClock
-from services.common.config import load_config
-from services.common.errors import Code, ServiceError
-from services.replica.node import ReplicaNode
-from services.replica.replication_server import Replication
-from services.replica.server import ReplicaControl
-from services.replica.store import DATABASES, Store, StoreWriteError
-from services.replica.store.kv_memory import MemoryKV
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
+from squall_server.common.clock import ManualClock
+from squall_server.common.config import load_config
+from squall_server.common.errors import Code, ServiceError
+from squall_server.replica.node import ReplicaNode
+from squall_server.replica.replication_server import Replication
+from squall_server.replica.server import ReplicaControl
+from squall_server.replica.store import DATABASES, Store, StoreWriteError
+from squall_server.replica.store.kv_memory import MemoryKV
 
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "cluster.example.toml"
 

@@ -66,8 +66,8 @@ from pathlib import Path
 
 import pytest
 
-from services.common.errors import Code
-from services.replica.core import (
+from squall_server.common.errors import Code
+from squall_server.replica.core import (
     CoreConfig,
     Effects,
     LogPosition,
@@ -77,8 +77,8 @@ from services.replica.core import (
     RoleRefusal,
     StoreFacts,
 )
-from services.replica.follower import Follower, FollowerConfig
-from services.replica.replication import Ack
+from squall_server.replica.follower import Follower, FollowerConfig
+from squall_server.replica.replication import Ack
 from tests.unit.transcripts import check_or_rewrite, parse_transcript, render
 
 SCENARIOS = Path(__file__).parent / "scenarios" / "replica"

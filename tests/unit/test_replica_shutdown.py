@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from services.common.config import parse_config
-from services.common.errors import Code, ServiceError
-from services.replica import shutdown
-from services.replica.committed import gate_from_store
-from services.replica.node import ReplicaNode
-from services.replica.store import Store
 from squall.v1 import common_pb2, replica_pb2
+from squall_server.common.config import parse_config
+from squall_server.common.errors import Code, ServiceError
+from squall_server.replica import shutdown
+from squall_server.replica.committed import gate_from_store
+from squall_server.replica.node import ReplicaNode
+from squall_server.replica.store import Store
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = "c0ffee"

@@ -1,4 +1,4 @@
-"""Tests of services.replica.replication: the master's ack tracking, commit LSN, flow windows,
+"""Tests of squall_server.replica.replication: the master's ack tracking, commit LSN, flow windows,
 snapshot fallback and deposal.
 
 Two levels: direct calls on a ``ReplicationMaster`` for the precise rules (which ack
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from services.common.errors import Code
-from services.replica.divergence import epoch_at, truncate_history
-from services.replica.follower import (
+from squall_server.common.errors import Code
+from squall_server.replica.divergence import epoch_at, truncate_history
+from squall_server.replica.follower import (
     BatchAccepted,
     Follower,
     FollowerConfig,
@@ -33,7 +33,7 @@ from services.replica.follower import (
     RefusalCode,
     SnapshotAccepted,
 )
-from services.replica.replication import (
+from squall_server.replica.replication import (
     Ack,
     AckPolicy,
     Actions,

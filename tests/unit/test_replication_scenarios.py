@@ -33,8 +33,8 @@ from pathlib import Path
 
 import pytest
 
-from services.replica.follower import HelloAccepted
-from services.replica.replication import Ack, AckPolicy, Actions, SyncPolicy
+from squall_server.replica.follower import HelloAccepted
+from squall_server.replica.replication import Ack, AckPolicy, Actions, SyncPolicy
 from tests.unit.test_replication import Batch, Cluster, Entry, Heartbeat, Hello, Snapshot, entry
 from tests.unit.transcripts import check_or_rewrite, parse_transcript, render
 

@@ -1,4 +1,4 @@
-"""The shared retry classifier (`squall._retry`): a table of status code x sent -> outcome.
+"""The shared retry classifier (`squall.wire.retry`): a table of status code x sent -> outcome.
 
 Goal: the one rule the client library and the gateway both apply says "indeterminate" for
 exactly the codes that leave a sent request's fate unknown, "definite" for everything else
@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 import squall
-from squall import _retry
+from squall.wire import retry as _retry
 
 INDETERMINATE = {"UNKNOWN", "DEADLINE_EXCEEDED", "UNAVAILABLE", "CANCELLED", "INTERNAL"}
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common import sd_notify
+from squall_server.common import sd_notify
 
 
 def test_without_notify_socket_nothing_is_sent(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,10 +12,11 @@ from contextlib import closing
 
 import pytest
 
-from services.common.config import LimitsConfig
-from services.common.errors import Code, ServiceError
-from services.replica import seek
-from services.replica.commands import (
+from squall.v1 import broker_pb2, common_pb2
+from squall_server.common.config import LimitsConfig
+from squall_server.common.errors import Code, ServiceError
+from squall_server.replica import seek
+from squall_server.replica.commands import (
     BatchBuilder,
     CreateTopic,
     DeleteSubscription,
@@ -24,8 +25,7 @@ from services.replica.commands import (
     SeekCursor,
     SetCursor,
 )
-from services.replica.store import Store, TimeLookup, TopicInfo
-from squall.v1 import broker_pb2, common_pb2
+from squall_server.replica.store import Store, TimeLookup, TopicInfo
 
 LIMITS = LimitsConfig(topic_subscriptions_max=3)
 EARLIEST = broker_pb2.START_POSITION_EARLIEST

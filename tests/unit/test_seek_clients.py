@@ -14,11 +14,11 @@ import grpc
 import pytest
 
 import squall
-from services import cli, cli_subscription
 from squall._seek import SeekResult, position_fields, seek_request
 from squall._subscriber import ack_request, moved_by_seek, subscribe_request
 from squall._types import messages_from_pb
 from squall.v1 import broker_pb2, common_pb2
+from squall_server import cli, cli_subscription
 
 UTC = datetime.UTC
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.errors import Code, ServiceError
-from services.replica.shared import DEADLINE_ERROR, SharedConfig, SharedSubscription
+from squall_server.common.errors import Code, ServiceError
+from squall_server.replica.shared import DEADLINE_ERROR, SharedConfig, SharedSubscription
 
 CONFIG = SharedConfig(ack_deadline_ms=1_000, max_deliveries=3, outstanding_max=4)
 E = 7  # the master's epoch

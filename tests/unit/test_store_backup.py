@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from services import cli
-from services.replica import backup
-from services.replica.store import Store
+from squall_server import cli
+from squall_server.replica import backup
+from squall_server.replica.store import Store
 from tests.unit.test_store_contract import observe
 from tests.unit.test_store_lmdb import MAP_SIZE_BYTES, fill
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from services.replica.rebuild import LmdbTruncator
-from services.replica.store import SnapshotError, Store
 from squall.v1 import replica_pb2
+from squall_server.replica.rebuild import LmdbTruncator
+from squall_server.replica.store import SnapshotError, Store
 from tests.unit.test_store_contract import Writer, create, epoch_start, observe, payloads, publish
 from tests.unit.test_store_snapshot import Stores, export, wire
 

@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
-from services.replica.batch_bytes import framed_event_bytes
-from services.replica.store import (
+from squall.v1 import common_pb2, replica_pb2
+from squall_server.replica.batch_bytes import framed_event_bytes
+from squall_server.replica.store import (
     DEDUPE_WINDOW_DEFAULT,
     DedupeHit,
     EpochBoundary,
@@ -31,7 +32,6 @@ from services.replica.store import (
     UnknownTopicError,
     make_entry,
 )
-from squall.v1 import common_pb2, replica_pb2
 
 StoreFactory = Callable[..., Store]
 Op = replica_pb2.Operation

@@ -14,7 +14,8 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from services.replica.store import (
+from squall.v1 import common_pb2
+from squall_server.replica.store import (
     DATABASES,
     CorruptRecordError,
     LogCompactedError,
@@ -22,7 +23,6 @@ from services.replica.store import (
     StoreError,
     StoreFullError,
 )
-from squall.v1 import common_pb2
 from tests.unit.test_store_contract import (
     Writer,
     create,

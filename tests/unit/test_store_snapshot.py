@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from services.replica.store import (
+from squall.v1 import common_pb2, replica_pb2
+from squall_server.replica.store import (
     SNAPSHOT_DBS,
     CorruptRecordError,
     EpochBoundary,
@@ -25,7 +26,6 @@ from services.replica.store import (
     Store,
     UnknownTopicError,
 )
-from squall.v1 import common_pb2, replica_pb2
 from tests.unit.test_store_contract import (
     Op,
     Writer,

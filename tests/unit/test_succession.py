@@ -7,8 +7,8 @@ successor against a simulated cluster of real Election machines (the transcript 
 
 from __future__ import annotations
 
-from services.coordinator.messages import NodeState
-from services.coordinator.succession import NodeFacts, explain_master, if_failed, succession
+from squall_server.coordinator.messages import NodeState
+from squall_server.coordinator.succession import NodeFacts, explain_master, if_failed, succession
 from tests.unit.test_election_scenarios import Cluster, run_cluster
 
 

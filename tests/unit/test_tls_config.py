@@ -15,9 +15,9 @@ import pytest
 from cryptography import x509
 
 import squall
-from services import cli
-from services.common import dev_certs
-from services.common.config import (
+from squall_server import cli
+from squall_server.common import dev_certs
+from squall_server.common.config import (
     ConfigError,
     check_tls_identity,
     load_config,

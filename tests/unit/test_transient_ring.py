@@ -7,9 +7,9 @@ response of large transient events fits in one gRPC message as a stored topic's 
 
 from __future__ import annotations
 
-from services.replica.batch_bytes import framed_event_bytes
-from services.replica.transient import TransientTopics
 from squall.v1 import broker_pb2, common_pb2
+from squall_server.replica.batch_bytes import framed_event_bytes
+from squall_server.replica.transient import TransientTopics
 
 
 def _publish(rings: TransientTopics, *payloads: bytes) -> None:

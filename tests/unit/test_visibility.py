@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.replica.visibility import CommitGate
+from squall_server.replica.visibility import CommitGate
 
 
 def test_a_publish_is_hidden_until_committed() -> None:

@@ -15,7 +15,7 @@
 `connect` takes `squall.connect`'s keyword arguments and validates them the same way;
 `await squall.aio.connect(...)` gives a `Client` to close with `await client.close()`.
 Everything behaves as in the threaded client, from the same code where it is not I/O
-(`squall._publish_rules`, `squall._proxy`, `squall._retry`, `squall._subscriber`):
+(`squall._publish_rules`, `squall._proxy`, `squall.wire.retry`, `squall._subscriber`):
 
 * Publishers are idempotent and pipelined over one stream (`inflight_batches_max`
   batches unanswered); an indeterminate batch is resent with the same publisher id and

@@ -2,9 +2,10 @@
 
 The threaded client wraps a finished channel (`grpc.intercept_channel`); an asyncio
 channel takes its interceptors when it is made, so both are given here. The token and
-trace headers are the same as the threaded client's (`squall._auth`, `squall._tracing`):
-`authorization: Bearer <token>`, and W3C `traceparent` through the app's tracer provider
-(nothing is recorded or sent when the app has not configured OpenTelemetry).
+trace headers are the same as the threaded client's (`squall.wire.auth`,
+`squall.wire.trace_context`): `authorization: Bearer <token>`, and W3C `traceparent`
+through the app's tracer provider (nothing is recorded or sent when the app has not
+configured OpenTelemetry).
 """
 
 from __future__ import annotations
@@ -17,9 +18,15 @@ import grpc
 import grpc.aio
 from opentelemetry import trace
 
-from squall._auth import token_metadata
 from squall._tls import TlsOptions
-from squall._tracing import end_call_span, method_name, rpc_attributes, span_name, with_context
+from squall.wire.auth import token_metadata
+from squall.wire.trace_context import (
+    end_call_span,
+    method_name,
+    rpc_attributes,
+    span_name,
+    with_context,
+)
 
 if TYPE_CHECKING:  # grpc's classes are generic in the stubs only
     _UnaryUnary = grpc.aio.UnaryUnaryClientInterceptor[Any, Any]
@@ -73,11 +80,11 @@ async def _end_span(span: trace.Span, call: Any) -> None:
         details = await call.details()
     except (asyncio.CancelledError, grpc.aio.AioRpcError):
         code, details = grpc.StatusCode.CANCELLED, "cancelled"
-    end_call_span(span, code, details or "")
+    end_call_span(span, code.name if code is not None else None, details or "")
 
 
 class _Tracing(_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream):
-    """A CLIENT span per call, its context sent as `traceparent` (`squall._tracing`)."""
+    """A CLIENT span per call, its context sent as `traceparent` (`squall.wire.trace_context`)."""
 
     def __init__(self, tracer_provider: trace.TracerProvider | None) -> None:
         self._tracer = trace.get_tracer("squall.client", tracer_provider=tracer_provider)

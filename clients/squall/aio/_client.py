@@ -16,7 +16,6 @@ import grpc
 import grpc.aio
 from opentelemetry.trace import TracerProvider
 
-from squall._auth import resolve_token
 from squall._client import ChannelOptions, channel_options, check_client_args, proxy_endpoints
 from squall._errors import (
     AlreadyExists,
@@ -30,13 +29,6 @@ from squall._errors import (
 from squall._proxy import Binding, GatewayBinding, ProxyBinding, RebindCallback
 from squall._publish_rules import INFLIGHT_BATCHES_MAX_DEFAULT, new_publisher_id
 from squall._push import PushStart, PushSubscriberInfo, Reliability, subscribe_push_request
-from squall._retry import (
-    RETRY_ATTEMPTS_MAX_DEFAULT,
-    RETRY_BACKOFF_INITIAL_MS_DEFAULT,
-    RETRY_BACKOFF_MAX_MS_DEFAULT,
-    RETRY_TOTAL_MS_MAX_DEFAULT,
-    RetryPolicy,
-)
 from squall._seek import (
     SeekResult,
     SeekTarget,
@@ -52,6 +44,14 @@ from squall.aio._publisher import MasterCheck, Publisher
 from squall.aio._push import AsyncDeliveryCallback, PushEndpoint
 from squall.aio._subscriber import Subscription
 from squall.v1 import broker_pb2, broker_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+from squall.wire.auth import resolve_token
+from squall.wire.retry import (
+    RETRY_ATTEMPTS_MAX_DEFAULT,
+    RETRY_BACKOFF_INITIAL_MS_DEFAULT,
+    RETRY_BACKOFF_MAX_MS_DEFAULT,
+    RETRY_TOTAL_MS_MAX_DEFAULT,
+    RetryPolicy,
+)
 
 
 class _Closable(Protocol):

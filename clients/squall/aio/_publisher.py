@@ -59,9 +59,9 @@ from squall._publish_rules import (
     stream_end_errors,
     worth_retrying,
 )
-from squall._retry import RetryPolicy
 from squall._types import Receipt, receipts_from_pb
 from squall.v1 import broker_pb2, common_pb2
+from squall.wire.retry import RetryPolicy
 
 log = logging.getLogger("squall")
 

@@ -24,7 +24,6 @@ import grpc
 import grpc.aio
 
 from squall._errors import from_rpc_error, rpc_status
-from squall._retry import RetryPolicy
 from squall._subscriber import (
     ack_request,
     drop_duplicates,
@@ -34,6 +33,7 @@ from squall._subscriber import (
 )
 from squall._types import Message, messages_from_pb
 from squall.v1 import broker_pb2
+from squall.wire.retry import RetryPolicy
 
 log = logging.getLogger("squall")
 

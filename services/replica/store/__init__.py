@@ -100,7 +100,7 @@ key-value layer: ``kv`` (the interface), ``kv_lmdb`` and ``kv_memory`` (its twin
 what the rest of the code uses from the package itself.
 """
 
-from services.replica.store.errors import (
+from squall_server.replica.store.errors import (
     CorruptRecordError,
     InvalidEntryError,
     LogCompactedError,
@@ -111,13 +111,13 @@ from services.replica.store.errors import (
     StoreWriteError,
     UnknownTopicError,
 )
-from services.replica.store.facade import (
+from squall_server.replica.store.facade import (
     COMPACT_BATCH_ENTRIES_DEFAULT,
     DEDUPE_WINDOW_DEFAULT,
     Store,
     TimeLookup,
 )
-from services.replica.store.records import (
+from squall_server.replica.store.records import (
     DATABASES,
     DB_CURSORS,
     DB_DEDUPE,
@@ -135,7 +135,7 @@ from services.replica.store.records import (
     TopicInfo,
     make_entry,
 )
-from services.replica.store.snapshot import (
+from squall_server.replica.store.snapshot import (
     SNAPSHOT_BYTES_MAX_DEFAULT,
     SNAPSHOT_RECORDS_MAX_DEFAULT,
     SNAPSHOT_UNCOMMITTED_MAX,

@@ -7,12 +7,13 @@ import zlib
 
 from google.protobuf.message import DecodeError
 
-from services.replica.store.errors import CorruptRecordError, InvalidEntryError
-from services.replica.store.kv import (
+from squall.v1 import common_pb2, replica_pb2
+from squall_server.replica.store.errors import CorruptRecordError, InvalidEntryError
+from squall_server.replica.store.kv import (
     MAX_KEY_BYTES,
     WriteTxn,
 )
-from services.replica.store.records import (
+from squall_server.replica.store.records import (
     CRC,
     DB_CURSORS,
     DB_DEDUPE,
@@ -49,7 +50,6 @@ from services.replica.store.records import (
     unpack,
     unseal,
 )
-from squall.v1 import common_pb2, replica_pb2
 
 
 class Batch:

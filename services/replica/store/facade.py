@@ -13,13 +13,14 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
-from services.replica.batch_bytes import framed_event_bytes
-from services.replica.divergence import (
+from squall.v1 import common_pb2, replica_pb2
+from squall_server.replica.batch_bytes import framed_event_bytes
+from squall_server.replica.divergence import (
     UINT64_MAX,
     BoundaryLike,
 )
-from services.replica.store.apply import Batch
-from services.replica.store.errors import (
+from squall_server.replica.store.apply import Batch
+from squall_server.replica.store.errors import (
     CorruptRecordError,
     InvalidEntryError,
     LogCompactedError,
@@ -30,7 +31,7 @@ from services.replica.store.errors import (
     StoreWriteError,
     UnknownTopicError,
 )
-from services.replica.store.kv import (
+from squall_server.replica.store.kv import (
     KV,
     MAX_KEY_BYTES,
     KVCorruptError,
@@ -39,9 +40,9 @@ from services.replica.store.kv import (
     ReadTxn,
     WriteTxn,
 )
-from services.replica.store.kv_lmdb import LmdbKV
-from services.replica.store.kv_memory import MemoryKV
-from services.replica.store.records import (
+from squall_server.replica.store.kv_lmdb import LmdbKV
+from squall_server.replica.store.kv_memory import MemoryKV
+from squall_server.replica.store.records import (
     DATABASES,
     DB_CURSORS,
     DB_DEDUPE,
@@ -89,7 +90,7 @@ from services.replica.store.records import (
     unpack,
     unseal,
 )
-from services.replica.store.snapshot import (
+from squall_server.replica.store.snapshot import (
     SNAPSHOT_BYTES_MAX_DEFAULT,
     SNAPSHOT_RECORDS_MAX_DEFAULT,
     SNAPSHOT_UNCOMMITTED_MAX,
@@ -99,8 +100,7 @@ from services.replica.store.snapshot import (
     finish_install,
     install_records,
 )
-from services.replica.store.stall import StallMeter
-from squall.v1 import common_pb2, replica_pb2
+from squall_server.replica.store.stall import StallMeter
 
 DEDUPE_WINDOW_DEFAULT = 100_000
 

@@ -26,8 +26,8 @@ from contextlib import AbstractContextManager, contextmanager
 
 import lmdb
 
-from services.replica import fault_hooks
-from services.replica.store.kv import KVCorruptError, KVError, KVFullError
+from squall_server.replica import fault_hooks
+from squall_server.replica.store.kv import KVCorruptError, KVError, KVFullError
 
 _CORRUPT_ERRORS = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadChecksumError)
 

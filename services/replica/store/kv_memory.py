@@ -21,7 +21,7 @@ from bisect import bisect_left, insort
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
-from services.replica.store.kv import MAX_KEY_BYTES, KVError, KVFullError
+from squall_server.replica.store.kv import MAX_KEY_BYTES, KVError, KVFullError
 
 
 class _Db:

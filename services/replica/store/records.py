@@ -15,13 +15,13 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
-from services.replica.store.errors import CorruptRecordError, InvalidEntryError
-from services.replica.store.kv import (
+from squall.v1 import common_pb2, replica_pb2
+from squall_server.replica.store.errors import CorruptRecordError, InvalidEntryError
+from squall_server.replica.store.kv import (
     MAX_KEY_BYTES,
     ReadTxn,
     WriteTxn,
 )
-from squall.v1 import common_pb2, replica_pb2
 
 DB_META = "meta"
 

@@ -9,20 +9,21 @@ import zlib
 from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass
 
-from services.replica.divergence import (
+from squall.v1 import replica_pb2
+from squall_server.replica.divergence import (
     UINT64_MAX,
     BoundaryLike,
     HistoryError,
     check_history,
     epoch_at,
 )
-from services.replica.store.errors import CorruptRecordError, SnapshotError
-from services.replica.store.kv import (
+from squall_server.replica.store.errors import CorruptRecordError, SnapshotError
+from squall_server.replica.store.kv import (
     MAX_KEY_BYTES,
     ReadTxn,
     WriteTxn,
 )
-from services.replica.store.records import (
+from squall_server.replica.store.records import (
     CRC,
     DB_META,
     META_COMMIT,
@@ -47,7 +48,6 @@ from services.replica.store.records import (
     unpack,
     unseal,
 )
-from squall.v1 import replica_pb2
 
 SNAPSHOT_RECORDS_MAX_DEFAULT = 1000
 

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from services.common.clock import Clock
+from squall_server.common.clock import Clock
 
 
 class StallMeter:

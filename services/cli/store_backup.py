@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from services.cli_progress import ProgressLine
-from services.replica import backup as store_backup
+from squall_server.cli.progress import ProgressLine
+from squall_server.replica import backup as store_backup
 
 
 def store_commands(commands: argparse._SubParsersAction) -> argparse._SubParsersAction:  # type: ignore[type-arg]

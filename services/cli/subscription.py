@@ -14,8 +14,8 @@ import datetime
 from typing import TextIO
 
 import squall
-from services import cli_listing
 from squall._seek import SeekTarget
+from squall_server.cli import listing as cli_listing
 
 
 def parse_time(value: str) -> datetime.datetime:

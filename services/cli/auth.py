@@ -18,8 +18,8 @@ import sys
 from collections.abc import Iterator
 from typing import TextIO
 
-from services.common.auth import token_sha256
-from squall._auth import TOKEN_FILE_ENV, check_token, read_token_file, resolve_token
+from squall.wire.auth import TOKEN_FILE_ENV, check_token, read_token_file, resolve_token
+from squall_server.common.auth import token_sha256
 
 # 32 random bytes, URL-safe base64: 43 characters, 256 bits.
 _NEW_TOKEN_BYTES = 32

@@ -31,10 +31,7 @@ from typing import TextIO, TypeVar
 
 import grpc
 
-from services.cli_auth import cli_token
-from services.common.config import ClusterConfig, NodeConfig
-from services.common.tls import Transport, cli_transport, plain_or
-from squall._auth import with_token
+from squall import with_token
 from squall.v1 import (
     common_pb2,
     coordinator_pb2,
@@ -42,6 +39,9 @@ from squall.v1 import (
     replica_pb2,
     replica_pb2_grpc,
 )
+from squall_server.cli.auth import cli_token
+from squall_server.common.config import ClusterConfig, NodeConfig
+from squall_server.common.tls import Transport, cli_transport, plain_or
 
 # Per call when surveying and stopping; freezing waits for queued writes: the whole budget.
 _CALL_TIMEOUT_S = 3.0

@@ -14,7 +14,7 @@ from typing import TextIO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.tls import plain_or
+from squall_server.common.tls import plain_or
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -44,8 +44,8 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     """Checks one address; prints `ADDRESS: STATUS`; 0 only for SERVING."""
     links = None
     if args.config:
-        from services.common.config import ConfigError, load_config
-        from services.common.tls import cli_transport
+        from squall_server.common.config import ConfigError, load_config
+        from squall_server.common.tls import cli_transport
 
         try:
             links = cli_transport(load_config(args.config))

@@ -10,7 +10,7 @@
 Every control is loud: the coordinator logs it as a warning, persists it with who, when and
 why, and `squall status` shows it. A command against a node that is not configured or not
 reachable fails with a message naming the node, and changes nothing. `shutdown` stops
-every node at one point and marks the stores clean (services/cluster_shutdown.py).
+every node at one point and marks the stores clean (services/cli/cluster_shutdown.py).
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from typing import TextIO
 
 import grpc
 
-from services.cli_auth import add_token_argument, cli_token
-from services.cluster_shutdown import ShutdownError, shutdown_cluster
-from services.common.config import ClusterConfig, ConfigError, NodeConfig, load_config
-from services.common.tls import Transport, cli_transport, plain_or
-from squall._auth import with_token
+from squall import with_token
 from squall.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from squall_server.cli.auth import add_token_argument, cli_token
+from squall_server.cli.cluster_shutdown import ShutdownError, shutdown_cluster
+from squall_server.common.config import ClusterConfig, ConfigError, NodeConfig, load_config
+from squall_server.common.tls import Transport, cli_transport, plain_or
 
 # How often `transfer` polls the target while it takes over.
 _TRANSFER_POLL_S = 0.01

@@ -1,7 +1,7 @@
 """`squall status` additions: operator notes (overrides, quarantines, transfers, with who,
 when and why) and `--explain` (why the master leads, who would lead if a node failed).
 
-The verdicts come from ``services.coordinator.succession``, which applies the election's
+The verdicts come from ``squall_server.coordinator.succession``, which applies the election's
 own rules; this module only turns the status the gateway returned into its facts and the
 verdicts into lines.
 """
@@ -12,7 +12,7 @@ import datetime
 from typing import Any
 
 import squall
-from services.coordinator.succession import NodeFacts, explain_master, succession
+from squall_server.coordinator.succession import NodeFacts, explain_master, succession
 
 
 def when(at_ms: int) -> str:

@@ -15,7 +15,7 @@
                                                 --explain: why the master leads, who would
                                                 lead if a node failed
     squall cluster shutdown | quorum-override N | designated-primary NODE | transfer ...
-                                                operator controls (services/cli_admin.py)
+                                                operator controls (services/cli/admin.py)
     squall store inspect DIR | mark-clean DIR | mark-dirty DIR   a stopped node's store
     squall store backup DATA_DIR DEST           a live store's verified copy (store restore: back)
     squall store verify BACKUP                  read a backup back in full (progress on stderr)
@@ -43,28 +43,26 @@ from typing import TextIO
 
 import squall
 import squall._seek as squall_seek
-from services import (
-    cli_admin,
-    cli_auth,
-    cli_certs,
-    cli_completion,
-    cli_config,
-    cli_explain,
-    cli_health,
-    cli_listing,
-    cli_status_wait,
-    cli_store,
-    cli_store_backup,
-    cli_subscription,
-)
+from squall_server.cli import admin as cli_admin
+from squall_server.cli import auth as cli_auth
+from squall_server.cli import certs as cli_certs
+from squall_server.cli import completion as cli_completion
+from squall_server.cli import config as cli_config
+from squall_server.cli import explain as cli_explain
+from squall_server.cli import health as cli_health
+from squall_server.cli import listing as cli_listing
+from squall_server.cli import status_wait as cli_status_wait
+from squall_server.cli import store as cli_store
+from squall_server.cli import store_backup as cli_store_backup
+from squall_server.cli import subscription as cli_subscription
 
 # The gateway address deploy/single.toml and deploy/cluster.example.toml give (`make run`).
 DEFAULT_GATEWAY = "127.0.0.1:7100"
 GATEWAY_ENV = "SQUALL_GATEWAY"
 SERVICE_MODULES = {
-    "replica": "services.replica.__main__",
-    "coordinator": "services.coordinator.__main__",
-    "gateway": "services.gateway.__main__",
+    "replica": "squall_server.replica.__main__",
+    "coordinator": "squall_server.coordinator.__main__",
+    "gateway": "squall_server.gateway.__main__",
 }
 
 
@@ -244,7 +242,7 @@ def gateway_from_config(path: str) -> str:
     """The first gateway address in a cluster configuration file (UsageError if unusable)."""
     # Imported here: service start-up and client commands that do not read a config
     # should not pay for it.
-    from services.common.config import ConfigError, load_config
+    from squall_server.common.config import ConfigError, load_config
 
     try:
         return load_config(path).gateway().address
@@ -269,8 +267,8 @@ def tls_from_config(args: argparse.Namespace, address: str) -> squall.TlsOptions
     """TLS options from --config's [tls] (the admin certificate when cert_dir has one)."""
     if not args.config:
         return None
-    from services.common.config import ConfigError, load_config
-    from services.common.tls import ADMIN_ID, address_owner, cli_identity
+    from squall_server.common.config import ConfigError, load_config
+    from squall_server.common.tls import ADMIN_ID, address_owner, cli_identity
 
     try:
         config = load_config(args.config)

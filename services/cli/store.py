@@ -19,11 +19,11 @@ import uuid
 from pathlib import Path
 from typing import TextIO, cast
 
-from services.cli_store_backup import store_commands
-from services.coordinator.persist import STATE_FILE_NAME, StateFileError, load_state
-from services.replica.datadir import DataDirBusy, DataDirLock, is_locked
-from services.replica.store import Store, StoreError, StoreMeta
 from squall.v1 import common_pb2
+from squall_server.cli.store_backup import store_commands
+from squall_server.coordinator.persist import STATE_FILE_NAME, StateFileError, load_state
+from squall_server.replica.datadir import DataDirBusy, DataDirLock, is_locked
+from squall_server.replica.store import Store, StoreError, StoreMeta
 
 # Room above the data file's size when opening it to write the state record (LMDB copies
 # the pages it changes).

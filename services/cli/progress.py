@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TextIO
 
-from services.common.clock import SYSTEM_CLOCK, Clock
+from squall_server.common.clock import SYSTEM_CLOCK, Clock
 
 # Between two rewrites of the line on a terminal, and two lines in a log.
 TTY_INTERVAL_S = 0.25

@@ -1,6 +1,6 @@
 """`squall certs dev DIR`: a development CA and certificates for a cluster's members.
 
-The work is in services.common.dev_certs, imported only when the command runs, so other
+The work is in squall_server.common.dev_certs, imported only when the command runs, so other
 commands do not load the cryptography library.
 """
 
@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 from typing import TextIO
 
-from services.common.config import ConfigError, load_config
+from squall_server.common.config import ConfigError, load_config
 
 
 class CertsError(Exception):
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
             "squall certs dev: no --config given; only the CA and the admin certificate are made",
             file=out,
         )
-    from services.common import dev_certs
+    from squall_server.common import dev_certs
 
     directory = Path(args.dir).absolute()
     try:

@@ -1,6 +1,6 @@
 """`squall completion bash|zsh`: a shell completion script made from the CLI's own parser.
 
-The script is generated from the argparse tree `squall` parses with (services.cli's
+The script is generated from the argparse tree `squall` parses with (squall_server.cli's
 build_parser), so every command, sub-command and option is offered as it exists in this
 version, with no dependency: sub-command names, each command's options, the choices of
 an option that has them, and file names after an option that takes a file or directory.
@@ -33,7 +33,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
     """Prints the script for args.shell."""
-    from services.cli import build_parser
+    from squall_server.cli import build_parser
 
     out.write(script(build_parser(), args.shell))
     return 0

@@ -1,7 +1,7 @@
 """`squall config check FILE`: validates a cluster file with the loader the services use.
 
 Run it before a restart or a rollout: it reads the file exactly as `squall replica`,
-`squall coordinator` and `squall gateway` do at start-up (services.common.config's
+`squall coordinator` and `squall gateway` do at start-up (squall_server.common.config's
 load_config_or_exit), so a file it accepts is one they accept. A problem prints one line
 naming the field (`squall: config error: FILE: timeouts.replica_timeout_ms: ...`) and
 exits 2 — the same status the services exit with, which their systemd units never
@@ -32,7 +32,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
     """Loads the file as a service would; prints one OK line (exits 2 through the loader)."""
-    from services.common.config import load_config_or_exit
+    from squall_server.common.config import load_config_or_exit
 
     config = load_config_or_exit(args.file, node_id=args.node, gateway_id=args.gateway)
     nodes = ", ".join(node.id for node in config.nodes)

@@ -1,10 +1,10 @@
 """The retry policy's pure core: what a failed attempt means, and how far retrying may go.
 
-Shared by the client library and the gateway (`from squall import ...`), so both decide
+Shared by the client library and the gateway (both import this module), so both decide
 the same way. It works on status code *names* ("UNAVAILABLE") and plain numbers, and
 imports nothing but the standard library's typing helpers: no grpc, clock, randomness or
 threads (STYLE.md point 1). The drivers that sleep and call (tenacity in
-`squall._publisher` and `services.gateway.forward`) live elsewhere.
+`squall._publish_rules` and `squall_server.gateway.forward`) live elsewhere.
 
 Three outcomes, kept apart (STYLE.md point 6):
 
