@@ -75,7 +75,7 @@ from squall._errors import (
 from squall._proxy import Endpoint
 from squall._publisher import BATCH_EVENTS_MAX, Publisher
 from squall._push import PushDelivery, PushEndpoint, PushSubscriberInfo
-from squall._seek import SeekResult, SubscriptionInfo
+from squall._seek import SeekResult, SeekTarget, SubscriptionInfo
 from squall._subscriber import Subscription
 from squall._tls import TlsOptions
 from squall._types import (
@@ -139,6 +139,7 @@ __all__ = [
     "ResourceExhausted",
     "RetryPolicy",
     "SeekResult",
+    "SeekTarget",
     "SquallError",
     "Subscription",
     "SubscriptionInfo",

@@ -42,7 +42,6 @@ from concurrent.futures import Future
 from typing import TextIO
 
 import squall
-import squall._seek as squall_seek
 from squall_server.cli import admin as cli_admin
 from squall_server.cli import auth as cli_auth
 from squall_server.cli import certs as cli_certs
@@ -73,7 +72,7 @@ class UsageError(Exception):
 # -- argument parsing -------------------------------------------------------------------
 
 
-def _start(value: str) -> squall_seek.SeekTarget:
+def _start(value: str) -> squall.SeekTarget:
     if value == "earliest":
         return "earliest"
     if value == "latest":

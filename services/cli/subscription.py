@@ -14,7 +14,6 @@ import datetime
 from typing import TextIO
 
 import squall
-from squall._seek import SeekTarget
 from squall_server.cli import listing as cli_listing
 
 
@@ -82,7 +81,7 @@ def add_parser(
     cli_listing.add_json_flag(info)
 
 
-def seek_target(args: argparse.Namespace) -> SeekTarget:
+def seek_target(args: argparse.Namespace) -> squall.SeekTarget:
     """Where `subscription seek`'s options say to go."""
     if args.time is not None:
         moment: datetime.datetime = args.time

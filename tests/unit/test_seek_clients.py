@@ -18,7 +18,8 @@ from squall._seek import SeekResult, position_fields, seek_request
 from squall._subscriber import ack_request, moved_by_seek, subscribe_request
 from squall._types import messages_from_pb
 from squall.v1 import broker_pb2, common_pb2
-from squall_server import cli, cli_subscription
+from squall_server import cli
+from squall_server.cli import subscription as cli_subscription
 
 UTC = datetime.UTC
 
