@@ -20,8 +20,8 @@ each heal) with one fault kind while all three publish:
 ``coordinator_kill``   kill -9 of the master's coordinator alone; heal: restart it.
 ``coordinator_pause``  SIGSTOP of the master's coordinator alone; heal: SIGCONT.
 ``lead_back``          measured on every node_kill trial's heal: the restarted n1
-                       rejoins and takes the master role back from the node elected
-                       meanwhile.
+                       rejoins as a slave of the node elected meanwhile, catches up, and
+                       is handed the master role (docs/architecture.md, "Rejoin").
 
 A trial: wait until the cluster is normal (every coordinator NORMAL in one group, its
 master's replica master) and every path has `STEADY_ACKS` receipts from that master;
