@@ -389,6 +389,8 @@ class SimResult:
     converge_ms: int
     leader: str
     final_epoch: int
+    # Groups handed to a higher-ranked member that rejoined to catch up.
+    hand_overs: int = 0
 
 
 class SimClock:
@@ -526,6 +528,7 @@ class Simulation:
         self.manual_recoveries = 0
         # Nodes following a lower-ranked coordinator (after a transfer), until they recover.
         self.demoted: set[str] = set()
+        self.hand_overs = 0
         # Per-process model (scenario.processes): the replica process apart from its node.
         self.processes = scenario.processes
         self.replica_up = {node: True for node in self.nodes}
@@ -1192,6 +1195,8 @@ class Simulation:
         ready = driver.transfer_leadership(str(target), "auto", "caught up")
         if ready.rejection is not None:
             self.note(f"{node} hand-over refused", ready.rejection.message)
+        else:
+            self.hand_overs += 1
 
     def slave_lags(self, node: str) -> tuple[tuple[str, int], ...]:
         """What a master replica's answer says of its streaming slaves: those that hold its
@@ -1368,6 +1373,7 @@ class Simulation:
                         converge_ms=self.stable_since - self.sc.safety_ms,
                         leader=leader,
                         final_epoch=e.persisted.epoch if e is not None else 0,
+                        hand_overs=self.hand_overs,
                     )
         raise self.fail(
             f"liveness: live nodes did not form one normal group under the highest-ranked "
