@@ -20,8 +20,8 @@ each heal) with one fault kind while all three publish:
 ``coordinator_kill``   kill -9 of the master's coordinator alone; heal: restart it.
 ``coordinator_pause``  SIGSTOP of the master's coordinator alone; heal: SIGCONT.
 ``lead_back``          measured on every node_kill trial's heal: the restarted n1
-                       rejoins and takes the master role back from the node elected
-                       meanwhile.
+                       rejoins as a slave of the node elected meanwhile, catches up, and
+                       is handed the master role (docs/architecture.md, "Rejoin").
 
 A trial: wait until the cluster is normal (every coordinator NORMAL in one group, its
 master's replica master) and every path has `STEADY_ACKS` receipts from that master;
@@ -380,15 +380,32 @@ def _note(figures: dict[str, Any], path: str, one: dict[str, Any]) -> None:
     row["after_heal"] += 1 if one["after_heal"] else 0
 
 
+def prefill(address: str, events: int, log: Callable[[str], None]) -> None:
+    """Lengthen the log before the trials: `events` publishes, one log entry each
+    (pipelined one event per request), on a topic of their own. A lead back that must
+    truncate a divergent suffix replays the whole log (docs/replication.md, *Truncation*),
+    so its gap is measured with a long log and a short one."""
+    if events <= 0:
+        return
+    began = time.monotonic()
+    with squall.connect(address) as client:
+        client.create_topic("bench-gap-prefill")
+        with client.topic("bench-gap-prefill").publisher() as publisher:
+            publisher.publish_many(single_node.payloads(events), batch_events=1)
+    log(f"  prefill: {events} entries in {time.monotonic() - began:.1f} s")
+
+
 def run_kind(
     kind: str,
     trials: int,
     temp: Path,
     results: dict[str, dict[str, Any]],
     log: Callable[[str], None],
+    prefill_events: int = 0,
 ) -> dict[str, Any]:
     """`trials` trials of one injected kind on a fresh cluster (and lead_back's for
-    node_kill); fills results[kind] (and results["lead_back"]); returns the read-back."""
+    node_kill), after `prefill_events` log entries; fills results[kind] (and
+    results["lead_back"]); returns the read-back."""
     figures = results[kind]
     lead = results.get("lead_back") if kind == "node_kill" else None
     topics = {path: f"bench-gap-{kind}-{path}" for path in PATHS}
@@ -398,6 +415,7 @@ def run_kind(
         with squall.connect(address) as client:
             for topic in topics.values():
                 client.create_topic(topic)
+        prefill(address, prefill_events, log)
         group = _Group([PathPublisher(address, topics[path], path) for path in PATHS])
         for publisher in group.publishers:
             publisher.start()
@@ -511,8 +529,10 @@ def run(
     temp: Path,
     log: Callable[[str], None],
     kinds: Sequence[str] = INJECTED,
+    prefill_events: int = 0,
 ) -> dict[str, Any]:
-    """Every injected kind asked for (`trials` each; node_kill's heals give lead_back's)."""
+    """Every injected kind asked for (`trials` each; node_kill's heals give lead_back's),
+    each cluster's log first lengthened by `prefill_events` entries."""
     unknown = [k for k in kinds if k not in INJECTED]
     if unknown:
         raise ValueError(f"unknown fault kind(s) {unknown}; known: {list(INJECTED)}")
@@ -521,7 +541,7 @@ def run(
     read: dict[str, Any] = {"acknowledged": 0, "lost": 0, "stored_twice": 0, "examples": []}
     for kind in measured:
         log(f"bench: fault gaps, {kind} ({WHAT[kind]}), {trials} trials")
-        back = run_kind(kind, trials, temp, results, log)
+        back = run_kind(kind, trials, temp, results, log, prefill_events)
         results[kind]["read_back"] = back
         for key in ("acknowledged", "lost", "stored_twice"):
             read[key] += back[key]
@@ -532,6 +552,7 @@ def run(
         "aim_max_ms": AIM_MAX_MS,
         "template": "deploy/cluster.example.toml",
         "trials": trials,
+        "prefill_events": prefill_events,
         "hold_s": HOLD_S,
         "recover_s": RECOVER_S,
         "paths": list(PATHS),

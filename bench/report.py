@@ -441,7 +441,13 @@ def _gap_section(report: dict[str, Any], plots: dict[str, str]) -> list[str]:
         "(lead_back: the restarted n1 taking the role back, from its restart). *after "
         "heal*: trials whose first receipt came only after the heal (no failover: the gap "
         f"is the fault's length); *not recovered*: none within {gaps.get('recover_s')} s "
-        "of the heal. See bench/fault_gaps.py.",
+        "of the heal. See bench/fault_gaps.py."
+        + (
+            f" Each kind's log was first lengthened by {gaps['prefill_events']:,} entries "
+            "(`--gap-prefill`)."
+            if gaps.get("prefill_events")
+            else ""
+        ),
         "",
         "| fault kind | path | trials | first ack p50 / p90 / max ms "
         "| longest gap p50 / p90 / max ms | after heal | not recovered | aim |",

@@ -196,6 +196,14 @@ def main(argv: list[str] | None = None) -> int:
         "node_kill also gives lead_back)",
     )
     parser.add_argument(
+        "--gap-prefill",
+        type=int,
+        default=0,
+        metavar="N",
+        help="log entries published before a fault kind's trials (a long log for "
+        "lead_back's truncation; default 0)",
+    )
+    parser.add_argument(
         "--results-dir",
         type=Path,
         default=RESULTS_DIR,
@@ -244,7 +252,11 @@ def main(argv: list[str] | None = None) -> int:
             fail_figures = failover.run(sizes.failover_trials)
         if sizes.gap_trials > 0:
             gap_figures = fault_gaps.run(
-                sizes.gap_trials, Path(temp) / "gaps", log, args.gap_kind or fault_gaps.INJECTED
+                sizes.gap_trials,
+                Path(temp) / "gaps",
+                log,
+                args.gap_kind or fault_gaps.INJECTED,
+                max(0, args.gap_prefill),
             )
     assembled = report.assemble(
         started_at=started_at,

@@ -103,6 +103,7 @@ def to_proto(msg: PeerMessage) -> coordinator_pb2.PeerMessage:
                 priority=body.priority,
                 designated_primary=body.designated_primary,
                 cluster_id=body.cluster_id,
+                serving=body.serving,
             )
         )
     elif isinstance(body, AreYouCoordinatorReply):
@@ -113,6 +114,7 @@ def to_proto(msg: PeerMessage) -> coordinator_pb2.PeerMessage:
                 priority=body.priority,
                 designated_primary=body.designated_primary,
                 cluster_id=body.cluster_id,
+                serving=body.serving,
             )
         )
     elif isinstance(body, AreYouThere):
@@ -131,6 +133,7 @@ def to_proto(msg: PeerMessage) -> coordinator_pb2.PeerMessage:
                 epoch=body.epoch,
                 cluster_id=body.cluster_id,
                 transfer_group=body.transfer_group,
+                catch_up=body.catch_up,
             )
         )
     elif isinstance(body, Accept):
@@ -184,6 +187,7 @@ def from_proto(pb: coordinator_pb2.PeerMessage) -> PeerMessage:
             priority=m.priority,
             designated_primary=m.designated_primary,
             cluster_id=m.cluster_id,
+            serving=m.serving,
         )
     elif kind == "are_you_coordinator_reply":
         r = pb.are_you_coordinator_reply
@@ -193,6 +197,7 @@ def from_proto(pb: coordinator_pb2.PeerMessage) -> PeerMessage:
             priority=r.priority,
             designated_primary=r.designated_primary,
             cluster_id=r.cluster_id,
+            serving=r.serving,
         )
     elif kind == "are_you_there":
         body = AreYouThere(
@@ -213,6 +218,7 @@ def from_proto(pb: coordinator_pb2.PeerMessage) -> PeerMessage:
             epoch=i.epoch,
             cluster_id=i.cluster_id,
             transfer_group=i.transfer_group,
+            catch_up=tuple(i.catch_up),
         )
     elif kind == "accept":
         a = pb.accept

@@ -142,6 +142,8 @@ class ReplicaAnswer:
     syncing_epoch: int = 0
     # How long the replica's oldest store write has run (0: none in progress).
     store_stalled_ms: int = 0
+    # A master's streaming slaves and the entries each lacks (node id, lag).
+    slave_lags: tuple[tuple[str, int], ...] = ()
 
 
 class RoleNext(enum.Enum):
@@ -185,6 +187,7 @@ class CoordinatorDriver:
         role_changed: Callable[[], None] = _nothing,
         view_changed: Callable[[], None] = _nothing,
         applied: Callable[[Ready], None] | None = None,
+        hand_over: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
         self.timings = timings
@@ -199,6 +202,9 @@ class CoordinatorDriver:
         self._role_changed = role_changed
         self._view_changed = view_changed
         self._applied = applied
+        # Starts a hand-over of the group to that member in the background (node.py: the
+        # replica's PrepareHandoff, then transfer_leadership); None: nobody can.
+        self._hand_over = hand_over
         self.election = self._new_election(store.load())
         self.shutting_down = ""
         # The last report handed to the election, to notice a replica that restarted (or
@@ -261,6 +267,8 @@ class CoordinatorDriver:
             log.log(_LEVELS[event.level], "%s [%s]", event.message, event.event)
         if self._applied is not None:
             self._applied(ready)
+        if ready.hand_over_to and self._hand_over is not None:
+            self._hand_over(ready.hand_over_to)
         if ready.messages or ready.role_command:
             self._wake()  # the next deadline may have moved earlier
 
@@ -343,6 +351,8 @@ class CoordinatorDriver:
             )
         if outcome.syncing:
             self._note_sync(outcome.syncing_epoch, outcome.syncing)
+        if command.kind is RoleCommandKind.MASTER and outcome.slave_lags:
+            self.apply(self.election.slave_lags(dict(outcome.slave_lags), self.now()))
         if command.kind is RoleCommandKind.DEACTIVATE:
             report = ReplicaReport(
                 cluster_id=outcome.report.cluster_id,

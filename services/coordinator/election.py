@@ -61,11 +61,30 @@ persisted, logged as warnings and shown in ``status()``.
 
 Rejoin behaviour
 ----------------
-A restarted node of higher rank takes the leadership back, as in IceStorm: its probes find
-the running coordinator, which accepts its invitation, and the group re-forms around it in a
-new epoch. The cost is one short re-election (about ``merge_delay_ms_per_priority`` plus a
-few round trips); the gain is a predictable master. A restarted lower-ranked node also causes
-a re-formed group (new epoch), because it has to be invited in.
+A restarted node of higher rank takes the leadership back, as in IceStorm, but only once it
+has caught up. Its log may hold a suffix the running master lacks (it was killed as master
+holding uncommitted entries): taking the lead at once would make it truncate (a replay of its
+whole log) and fetch while no master serves, a publish gap that grows with the log. So:
+
+1. Probes say whether their sender coordinates a NORMAL group (``serving``). A coordinator
+   that serves no group does not merge a lower-ranked serving one; that group's coordinator,
+   seeing the higher-ranked node alone, invites it as a member to catch up
+   (``Invitation.catch_up`` names it), and it accepts although the inviter ranks below it.
+   The group re-forms in a new epoch as for any rejoining node; the returning node is a
+   slave, so its replica truncates and fetches from the master, which keeps serving.
+2. The master's coordinator hears from its replica how far each streaming slave is behind
+   (``slave_lags``, from every role renewal). Once the highest-ranked member that joined to
+   catch up lags at most ``CATCH_UP_LAG_ENTRIES_MAX`` entries, it asks the driver to hand the
+   group over (``Ready.hand_over_to``): the replica fences writes until the target holds the
+   whole log, then ``transfer_leadership`` runs the ordinary transfer, and the returning node
+   leads a new group in a new epoch, with nothing to fetch or truncate. A hand-over that
+   fails is asked for again after ``2 * member_timeout_ms`` (the transfer's own limit).
+
+The cost is two short re-formations (about ``merge_delay_ms_per_priority`` plus a few round
+trips each) instead of one whose length grew with the log; the gain is a predictable master.
+A restarted lower-ranked node also causes a re-formed group (new epoch), because it has to be
+invited in. A coordinator that does not serve (INACTIVE, or held short of the quorum) still
+merges lower-ranked coordinators at once, as before: nobody serves to catch up from.
 
 Cluster identity and cold starts
 --------------------------------
@@ -152,6 +171,10 @@ _SHOWN_CHARS_MAX = 80
 # Timer passes per input: a timer firing can make another due at the same instant
 # (recovery schedules an immediate probe), but never more than a few in a row.
 _TIMER_PASSES_MAX = 4
+# A member that joined to catch up is caught up when its replica lags the master by at most
+# this many entries: the hand-over's write fence then waits for the rest (a few batches),
+# not for a catch-up.
+CATCH_UP_LAG_ENTRIES_MAX = 256
 
 
 class ElectionError(RuntimeError):
@@ -343,6 +366,7 @@ class _Out:
     role_command: RoleCommand | None = None
     events: list[LogEvent] = field(default_factory=list)
     rejection: Rejection | None = None
+    hand_over_to: str = ""
 
 
 class Election:
@@ -438,6 +462,12 @@ class Election:
         self._replica_lost = False
         # Whether the silence is a replica that answers but whose store does not write.
         self._replica_store_stalled = False
+        # Rejoin: higher-ranked nodes found alone while this node serves (invited at the next
+        # merge), those invited to catch up (in the merge, then the view), and when a
+        # hand-over to one may be asked for again.
+        self._catch_up_candidates: set[str] = set()
+        self._catch_up: set[str] = set()
+        self._hand_over_next_ms = 0
 
     # ----------------------------------------------------------------- public inputs
 
@@ -466,6 +496,12 @@ class Election:
     def replica_answered(self, now_ms: int) -> Ready:
         """The replica answered a call again; a node out of its group for it rejoins."""
         return self._run(now_ms, self._on_replica_answered)
+
+    def slave_lags(self, lags: Mapping[str, int], now_ms: int) -> Ready:
+        """The master's replica's streaming slaves and how many entries each lacks, as its
+        answer to a role renewal says. A member that joined to catch up and lags at most
+        ``CATCH_UP_LAG_ENTRIES_MAX`` gets the group (``Ready.hand_over_to``)."""
+        return self._run(now_ms, lambda: self._on_slave_lags(lags))
 
     def set_designated_primary(self, enabled: bool, operator: str, now_ms: int) -> Ready:
         """Mark (or clear) this node as the designated primary of a two-node cluster."""
@@ -664,6 +700,7 @@ class Election:
             view_changed=before != self._view_key(),
             events=tuple(out.events),
             rejection=out.rejection,
+            hand_over_to=out.hand_over_to,
         )
 
     def _o(self) -> _Out:
@@ -816,6 +853,14 @@ class Election:
         could not name a sync source. Its probes and merges wait for ``replica_report``."""
         return self._state is NodeState.INACTIVE and not self._report_fresh
 
+    def _serving(self) -> bool:
+        """Does this node coordinate a NORMAL group (its master takes writes)?"""
+        return (
+            self._coord == self._me
+            and self._state is NodeState.NORMAL
+            and not self._out_of_groups()
+        )
+
     def _answers_as_coordinator(self) -> bool:
         """Is this node a coordinator another may merge (IceStorm's areYouCoordinator)?"""
         if self._coord != self._me or self._out_of_groups():
@@ -938,6 +983,8 @@ class Election:
         self._held_note = ""
         self._transfer = None
         self._invited = ()
+        self._catch_up_candidates = set()
+        self._catch_up = set()
 
     def _recover(self, reason: str, level: LogLevel = LogLevel.INFO) -> None:
         """Back to a group of our own (IceStorm's recovery), replica stopped."""
@@ -1073,6 +1120,7 @@ class Election:
                     self._prio[self._me],
                     self._persisted.designated_primary,
                     self._cluster_id(),
+                    serving=self._serving(),
                 ),
             )
         if (
@@ -1085,11 +1133,28 @@ class Election:
             self._merge_first_ms = self._now_ms
             self._merge_at_ms = self._now_ms + self._merge_delay_ms()
 
-    def _note_coordinator(self, node: str) -> None:
-        """``node`` coordinates a group of its own: merge it if it ranks below us."""
+    def _note_coordinator(self, node: str, serving: bool) -> None:
+        """``node`` coordinates a group of its own: merge it if it ranks below us. A serving
+        node below us, while we serve nothing, is left to invite us to catch up; a node above
+        us that serves nothing, while we serve, is invited to catch up (module docstring)."""
         if not self._can_merge():
             return
-        if self._rank[node] > self._rank[self._me]:
+        above = self._rank[node] > self._rank[self._me]
+        if above and not serving and self._serving():
+            self._catch_up_candidates.add(node)
+            if self._merge_at_ms is None:
+                self._merge_first_ms = self._now_ms
+                self._merge_at_ms = self._now_ms + self._merge_delay_ms()
+            return
+        if not above and serving and not self._serving():
+            self._log(
+                LogLevel.DEBUG,
+                "catch-up-wait",
+                f"{node} serves a group below this node's rank: waiting for its invitation "
+                "to catch up",
+            )
+            return
+        if above:
             if self._higher_seen is None or self._rank[node] > self._rank[self._higher_seen]:
                 self._higher_seen = node
                 if self._merge_at_ms is not None:
@@ -1105,20 +1170,30 @@ class Election:
         self._merge_at_ms = None
         invite = {x for x in self._candidates if self._rank[x] < self._rank[self._me]}
         self._candidates = set()
-        invite |= set(self._members)
+        catch_up: set[str] = set()
+        if self._serving():
+            # Higher-ranked nodes join to catch up; members that joined so and are still
+            # catching up keep that standing in the re-formed group.
+            catch_up = self._catch_up_candidates | (self._catch_up & set(self._members))
+        self._catch_up_candidates = set()
+        invite |= set(self._members) | catch_up
         alone_ok = self._quorum(self._persisted.max_seen)[0] <= 1
         if not invite and not alone_ok:
             return
-        self._start_merge(invite)
+        self._start_merge(invite, catch_up=catch_up)
 
-    def _start_merge(self, invite: set[str], transfer_from: str = "") -> None:
+    def _start_merge(
+        self, invite: set[str], transfer_from: str = "", catch_up: set[str] | None = None
+    ) -> None:
         """Leave the current group and invite ``invite`` into a fresh group of ours.
 
         ``transfer_from`` names the coordinator handing its group to us: the invitation
-        then carries that group's name, so its members accept it from below.
+        then carries that group's name, so its members accept it from below. ``catch_up``
+        names the invitees ranked above us that join to catch up before a hand-over.
         """
         old_group = self._group
         self._reset_group()
+        self._catch_up = set(catch_up or ())
         self._state = NodeState.ELECTION
         self._coord = self._me
         self._group = self._make_group_name()
@@ -1135,6 +1210,7 @@ class Election:
             self._persisted.epoch,
             cluster_id=self._cluster_id(),
             transfer_group=old_group if transfer_from else "",
+            catch_up=tuple(sorted(self._catch_up, key=node_sort_key)),
         )
         ordered = sorted(invite, key=node_sort_key)
         self._invited = tuple(ordered)
@@ -1152,8 +1228,17 @@ class Election:
             )
         else:
             self._last_change_reason = f"merging {invited} into a new group"
+            catching = ",".join(sorted(self._catch_up, key=node_sort_key))
             self._log(
-                LogLevel.INFO, "merge", f"leaving {old_group}; inviting {invited} to {self._group}"
+                LogLevel.INFO,
+                "merge",
+                f"leaving {old_group}; inviting {invited} to {self._group}"
+                + (
+                    f" ({catching} ranked above this node: to catch up, then take the group "
+                    "over)"
+                    if catching
+                    else ""
+                ),
             )
         self._maybe_reorganize()
 
@@ -1320,6 +1405,7 @@ class Election:
         self._group_epoch = reorg.epoch
         self._view = final
         self._sync_source = sync
+        self._catch_up &= set(final)
         self._members = {x: self._now_ms for x in final if x != self._me}
         self._next_probe_ms = self._now_ms + self._cfg.probe_interval_ms
         self._command(
@@ -1510,6 +1596,41 @@ class Election:
         del self._members[frm]
         if self._state is NodeState.NORMAL:
             self._check_members(left=(frm,))
+
+    # ----------------------------------------------------------------- rejoin
+
+    def _on_slave_lags(self, lags: Mapping[str, int]) -> None:
+        """Hand the group to the highest-ranked member that joined to catch up, once its
+        replica is close enough to the master's log."""
+        if any(lag < 0 for lag in lags.values()):
+            self._reject(
+                RejectCode.INVALID_ARGUMENT,
+                f"slave lags must not be negative: {dict(sorted(lags.items()))}",
+            )
+            return
+        waiting = [x for x in self._view if x in self._catch_up]
+        if (
+            not waiting
+            or not self._serving()
+            or self._transfer is not None
+            or self._now_ms < self._hand_over_next_ms
+        ):
+            return
+        target = max(waiting, key=lambda x: self._rank[x])
+        lag = lags.get(target)
+        if lag is None or lag > CATCH_UP_LAG_ENTRIES_MAX:
+            return
+        if self.transfer_refusal(target) is not None:
+            return
+        self._hand_over_next_ms = self._now_ms + 2 * self._cfg.member_timeout_ms
+        self._o().hand_over_to = target
+        self._log(
+            LogLevel.INFO,
+            "caught-up",
+            f"{target}, ranked above this node, joined {self._group} to catch up and lags "
+            f"{lag} entries (at most {CATCH_UP_LAG_ENTRIES_MAX}): handing the group over to "
+            f"it (epoch {self._group_epoch})",
+        )
 
     # ----------------------------------------------------------------- operator
 
@@ -1766,10 +1887,11 @@ class Election:
                 self._prio[self._me],
                 self._persisted.designated_primary,
                 self._cluster_id(),
+                serving=self._serving(),
             ),
         )
         if self._same_cluster(frm, body.cluster_id):
-            self._note_coordinator(frm)
+            self._note_coordinator(frm, body.serving)
 
     def _on_are_you_coordinator_reply(self, frm: str, body: AreYouCoordinatorReply) -> None:
         """A positive answer from a coordinator below us makes it a merge candidate."""
@@ -1789,7 +1911,7 @@ class Election:
             return
         self._learn_designation(frm, body.designated_primary)
         if self._same_cluster(frm, body.cluster_id) and body.is_coordinator:
-            self._note_coordinator(frm)
+            self._note_coordinator(frm, body.serving)
 
     def _learn_designation(self, node: str, designated: bool) -> None:
         """Track the other node's designated-primary flag; both set is a loud conflict."""
@@ -1864,6 +1986,18 @@ class Election:
             return
         if not self._cluster_id_ok(body.cluster_id, frm, "invitation"):
             return
+        bad = [
+            x
+            for x in body.catch_up
+            if x not in self._prio or self._rank[x] <= self._rank[inviter]
+        ]
+        if bad:
+            self._reject(
+                RejectCode.INVALID_MESSAGE,
+                f"invitation to {_show(body.group_name)} invites {_show(','.join(bad))} to "
+                f"catch up, which must be configured nodes ranked above the inviter {inviter}",
+            )
+            return
         if inviter == self._me or body.group_name == self._group:
             return
         mine = self._cluster_id()
@@ -1884,7 +2018,8 @@ class Election:
             )
             return
         current = self._coord
-        if self._transfer_invitation(inviter, body):
+        catching_up = self._catch_up_invitation(frm, body)
+        if self._transfer_invitation(inviter, body) or catching_up:
             pass
         elif inviter == current:
             # Our coordinator's new merge carries the epoch we share with it; one that
@@ -1934,13 +2069,29 @@ class Election:
             body.group_name, forwarded, self._now_ms + self._cfg.member_timeout_ms
         )
         self._last_change_reason = f"accepted invitation from {inviter} to {body.group_name}"
+        if catching_up and current == self._me:
+            self._last_change_reason += ", to catch up before taking the lead"
         self._log(
             LogLevel.INFO,
-            "invitation-accepted",
+            "catch-up-accepted" if catching_up and current == self._me else "invitation-accepted",
             f"leaving {old_group} for {body.group_name} (coordinator {inviter})"
+            + (
+                ": it serves; this node catches up as a member, then takes the group over"
+                if catching_up and current == self._me
+                else ""
+            )
             + (f"; forwarded to {','.join(forwarded)}" if forwarded else ""),
         )
         self._try_send_accept()
+
+    def _catch_up_invitation(self, frm: str, body: Invitation) -> bool:
+        """Is this a serving group's invitation to catch up that this node takes?
+
+        A coordinator named in it takes it while it serves no group; its members take it
+        when it forwards it to them (it accepted)."""
+        if self._coord == self._me:
+            return self._me in body.catch_up and self._state is NodeState.INACTIVE
+        return frm == self._coord and self._coord in body.catch_up
 
     def _transfer_invitation(self, inviter: str, body: Invitation) -> bool:
         """Is this the invitation of the node our group is being handed to?

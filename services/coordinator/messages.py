@@ -114,23 +114,30 @@ class MemberReport:
 
 @dataclass(frozen=True, slots=True)
 class AreYouCoordinator:
-    """Coordinator probe, sent periodically to find groups to merge."""
+    """Coordinator probe, sent periodically to find groups to merge.
+
+    ``serving``: the sender coordinates a NORMAL group (its master takes writes). A
+    higher-ranked node alone does not merge such a group; it waits for the group's
+    catch-up invitation (``Invitation.catch_up``)."""
 
     group_name: str
     priority: int
     designated_primary: bool = False
     cluster_id: str = ""
+    serving: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class AreYouCoordinatorReply:
-    """Answer to a probe: whether the replier coordinates a group that could be merged."""
+    """Answer to a probe: whether the replier coordinates a group that could be merged, and
+    whether that group is NORMAL (``serving``, as in ``AreYouCoordinator``)."""
 
     is_coordinator: bool
     group_name: str
     priority: int
     designated_primary: bool = False
     cluster_id: str = ""
+    serving: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +163,12 @@ class Invitation:
     ``transfer_group`` is set when the inviter takes over that group by a leadership
     transfer its coordinator ordered: the group's members (and its coordinator) accept
     it although the inviter ranks below their coordinator.
+
+    ``catch_up`` names the nodes ranked above the inviter (a serving coordinator) that it
+    invites as members to catch up: each accepts it while it coordinates no serving group,
+    and its own members accept it when it forwards it. Once one is caught up, the inviter
+    hands its group over to it (``Ready.hand_over_to``), so a restarted higher-ranked node
+    takes the lead back without truncating or fetching while no master serves.
     """
 
     group_name: str
@@ -163,6 +176,7 @@ class Invitation:
     epoch: int
     cluster_id: str = ""
     transfer_group: str = ""
+    catch_up: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,6 +362,9 @@ class Ready:
     4. ``view_changed``: publish the new ``Election.status()`` to group-view watchers.
     5. ``events``: log them (they say why), and ``rejection``: answer the RPC that carried
        the input with ``rejection.code.status``; a rejected input changed nothing.
+    6. ``hand_over_to``: a member that joined to catch up (``Invitation.catch_up``) is
+       caught up: hand the group to it as an operator's transfer does (the replica's
+       ``PrepareHandoff``, then ``Election.transfer_leadership``), in the background.
 
     When several role commands arise from one input only the last is returned; it
     supersedes the others (a replica told MASTER need not first be told DEACTIVATE).
@@ -359,6 +376,7 @@ class Ready:
     view_changed: bool = False
     events: tuple[LogEvent, ...] = ()
     rejection: Rejection | None = None
+    hand_over_to: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,12 +424,14 @@ def _format_body(body: Body) -> str:
     """One message body as ``Name key=value ...`` for logs and transcripts."""
     if isinstance(body, AreYouCoordinator):
         extra = " designated" if body.designated_primary else ""
+        extra += " serving" if body.serving else ""
         return (
             f"AreYouCoordinator group={body.group_name} priority={body.priority}{extra}"
             + _cluster(body.cluster_id)
         )
     if isinstance(body, AreYouCoordinatorReply):
         extra = " designated" if body.designated_primary else ""
+        extra += " serving" if body.serving else ""
         return (
             f"AreYouCoordinatorReply coordinator={str(body.is_coordinator).lower()} "
             f"group={body.group_name} priority={body.priority}{extra}"
@@ -424,6 +444,7 @@ def _format_body(body: Body) -> str:
         return f"AreYouThereReply group={body.group_name} yes={str(body.yes).lower()}{held}"
     if isinstance(body, Invitation):
         extra = f" transfer={body.transfer_group}" if body.transfer_group else ""
+        extra += f" catch-up={','.join(body.catch_up)}" if body.catch_up else ""
         return (
             f"Invitation group={body.group_name} priority={body.priority} epoch={body.epoch}"
             + _cluster(body.cluster_id)

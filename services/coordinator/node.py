@@ -286,6 +286,11 @@ class GrpcReplicaLink:
             syncing=syncing,
             syncing_epoch=epoch,
             store_stalled_ms=state.store_stalled_ms,
+            slave_lags=tuple(
+                (slave.node_id, slave.lag_entries)
+                for slave in state.slaves
+                if slave.state == "streaming"
+            ),
         )
 
     async def check_health(self) -> bool:
@@ -371,10 +376,13 @@ class CoordinatorNode:
             wake=self._wakeup.set,
             role_changed=self._role_changed.set,
             view_changed=self._view_changed,
+            hand_over=self._start_hand_over,
         )
         # Stops the process (a clean cluster shutdown asked for it).
         self._on_shutdown = on_shutdown
         self._probe: asyncio.Task[None] | None = None
+        # A hand-over the election asked for (a member that joined to catch up caught up).
+        self._hand_over: asyncio.Task[None] | None = None
         self._watchers: set[asyncio.Queue[coordinator_pb2.GroupView]] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._renew_s = config.timeouts.heartbeat_interval_ms / 1000
@@ -439,7 +447,10 @@ class CoordinatorNode:
         """Stops the loops and closes channels."""
         if self._observer is not None:
             self._observer.instruments.unwatch(self)
-        tasks = [*self._tasks, *([self._probe] if self._probe is not None else [])]
+        tasks = [
+            *self._tasks,
+            *(task for task in (self._probe, self._hand_over) if task is not None),
+        ]
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -496,6 +507,29 @@ class CoordinatorNode:
         return await handoff.transfer(
             self, self._replica.control, target, operator, reason, timeout_ms
         )
+
+    def _start_hand_over(self, target: str) -> None:
+        """The election's ``Ready.hand_over_to``: run the transfer in the background (one
+        at a time; the election asks again later if this one fails)."""
+        if self._hand_over is not None and not self._hand_over.done():
+            return
+        self._hand_over = asyncio.create_task(self._run_hand_over(target), name="hand-over")
+
+    async def _run_hand_over(self, target: str) -> None:
+        """Hand the group to a member that rejoined to catch up and has (handoff.py)."""
+        reason = f"{target} ranks above this node and has caught up after rejoining"
+        try:
+            ready = await self.transfer_leadership(target, "auto", reason, 0)
+        except handoff.HandoffError as exc:
+            log.warning("coordinator %s: hand-over to %s failed: %s", self.node.id, target, exc)
+            return
+        if ready.rejection is not None:
+            log.info(
+                "coordinator %s: hand-over to %s not started: %s",
+                self.node.id,
+                target,
+                ready.rejection.message,
+            )
 
     def status(self) -> ElectionStatus:
         """The election's status."""

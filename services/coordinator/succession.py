@@ -184,8 +184,9 @@ def explain_master(facts: Sequence[NodeFacts], master: str) -> list[str]:
     if better and better[0] != master:
         lines.append(
             f"Rank (priority, then the lower node id): {ranking}. {better[0]} ranks above "
-            f"{master} but is a member: the leadership was handed over (squall cluster "
-            "transfer), which lasts until the next election."
+            f"{master} but is a member: either it rejoined and is catching up, and {master} "
+            "hands the group to it once its replica holds the log, or the leadership was "
+            "handed over (squall cluster transfer), which lasts until the next election."
         )
     else:
         lines.append(

@@ -292,8 +292,8 @@ def test_a_rolling_restart_loses_no_acknowledged_event(
             20,
             f"publishing goes on after {node_id} restarted",
         )
-    # The highest-priority node leads again once it is back.
-    assert trio.wait_for_master() == first_master
+    # The highest-priority node leads again once it is back (and has caught up).
+    wait_for(lambda: trio.wait_for_master() == first_master, 30, f"{first_master} leads again")
     stop_publishers_and_check_every_replica(trio, publishers)
 
 
@@ -458,7 +458,7 @@ def upgrade_every_service(
         ]
         processes.wait_serving(started)
         wait_normal_and_progress(f"upgrading {node_id}")
-    assert trio.wait_for_master() == first_master
+    wait_for(lambda: trio.wait_for_master() == first_master, 30, f"{first_master} leads again")
     for gateway in trio.config.gateways:
         trio.stop("gateway", gateway.id)
         argv = [squall_release, "gateway", "--config", config, "--gateway", gateway.id]

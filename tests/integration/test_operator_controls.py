@@ -77,7 +77,18 @@ def test_quorum_override_lets_a_lone_survivor_serve_audited_and_reverting(
         return status is not None and status.quorum_override == 0
 
     wait_for(reverted, 30, "n3's override cleared once n2 is back")
-    assert cluster.wait_for_master(timeout_s=20) == "n2"
+
+    def n2_leads() -> bool:
+        # n2 ranks above n3: it rejoins as n3's slave, catches up, and is handed the group.
+        status = cluster.statuses().get("n2")
+        return (
+            status is not None
+            and status.state == common_pb2.NODE_STATE_NORMAL
+            and status.coordinator_id == "n2"
+            and cluster.replica_role("n2") == common_pb2.ROLE_MASTER
+        )
+
+    wait_for(n2_leads, 30, "n2 leads once caught up")
     assert "cleared automatically" in cluster.log("coordinator", "n3")
     persisted = json.loads(state_file.read_text())
     assert persisted["quorum_override"] == 0 and persisted["quorum_override_record"] is None

@@ -66,11 +66,13 @@ def test_a_reorganization_snapshot_that_outlasts_the_set_role_call_completes(
     cluster_factory: object,
 ) -> None:
     """n1 (highest priority) dies; the survivors write on and compact their logs past
-    n1's. When n1 comes back it takes the lead again, but must first install a snapshot
-    from its sync source that takes longer than rpc_timeout_ms (the source waits
-    snapshot_chunk_delay_ms before each of several chunks). SetRole used to carry the
-    whole sync and was abandoned at its deadline, for ever; now the sync goes on in the
-    background and completes in one attempt, and no acknowledged event is lost."""
+    n1's; then n3 dies too, so n2 serves nothing (a serving group would take n1 in as a
+    slave to catch up first, docs/architecture.md "Rejoin"). When n1 comes back it leads
+    n2 at once, but must first install a snapshot from its sync source n2 that takes
+    longer than rpc_timeout_ms (the source waits snapshot_chunk_delay_ms before each of
+    several chunks). SetRole used to carry the whole sync and was abandoned at its
+    deadline, for ever; now the sync goes on in the background and completes in one
+    attempt, and no acknowledged event is lost."""
     trio = _started_trio(
         cluster_factory,
         limits={
@@ -113,8 +115,16 @@ def test_a_reorganization_snapshot_that_outlasts_the_set_role_call_completes(
         30,
         "both survivors compacted their logs past n1's",
     )
+    trio.kill_node("n3")
+
+    def n2_serves_nothing() -> bool:
+        status = trio.statuses().get("n2")
+        return status is not None and status.state != common_pb2.NODE_STATE_NORMAL
+
+    _wait_for(n2_serves_nothing, 30, "n2 lost its quorum")
     trio.start_node("n1")
     _wait_for(lambda: _n1_leads(trio), 60, "n1 is master again after a long snapshot sync")
+    trio.start_node("n3")
 
     sources = [trio.log("replica", s) for s in ("n2", "n3")]
     sent = [int(m) for text in sources for m in re.findall(r"sent to n1: (\d+) chunks", text)]

@@ -488,13 +488,15 @@ def test_a_slave_behind_the_compacted_log_catches_up_by_snapshot_then_the_tail(
     assert all(view == views[0] for view in views[1:])
 
 
-def test_a_deposed_master_with_a_compacted_divergent_log_takes_the_lead_back_by_snapshot(
+def test_a_deposed_master_with_a_compacted_divergent_log_takes_the_lead_back_after_catching_up(
     cluster_factory: object,
 ) -> None:
     """n1 (highest priority) keeps an uncommitted suffix when it dies, every log is
-    compacted meanwhile, and n1 comes back: its reorganization cannot truncate by replay
-    nor fetch the entries it lacks, so its sync source answers with a snapshot. The group
-    becomes NORMAL with n1 as master; every acknowledged event is on every replica."""
+    compacted meanwhile, and n1 comes back. It does not lead at once: the serving master
+    takes it in as a slave, whose divergent compacted log cannot be truncated by replay, so
+    the master streams it a snapshot while it goes on committing. Only then is the group
+    handed over to n1 (the election's catch-up rule), which leads with nothing left to
+    fetch; every acknowledged event is on every replica."""
     trio = _started_trio(cluster_factory, limits={"log_retention_entries": 256})
     assert trio.wait_for_master() == "n1"
     slaves = ["n2", "n3"]
@@ -567,13 +569,21 @@ def test_a_deposed_master_with_a_compacted_divergent_log_takes_the_lead_back_by_
             and trio.replica_role("n1") == common_pb2.ROLE_MASTER
         )
 
-    _wait_for(n1_leads, 60, "n1 is master again after a reorganization by snapshot")
+    _wait_for(n1_leads, 60, "n1 is master again after catching up as a slave")
     replica_log = trio.log("replica", "n1")
-    assert "installed the snapshot at LSN" in replica_log and "from sync source" in replica_log
+    installed = replica_log.rfind("installed the snapshot at LSN")
+    assert installed >= 0, "n1 did not catch up by a snapshot"
+    assert replica_log[installed:].split("\n", 1)[0].find(f"from master {new_master}") >= 0, (
+        "n1 was to install the snapshot as a slave of the serving master, not while leading"
+    )
+    assert replica_log.rfind("replica n1 is master: epoch=") > installed, (
+        "n1 led before it caught up"
+    )
     assert "it needs a snapshot" not in replica_log, "a truncation by replay was attempted"
     assert _state(trio.replica_address("n1")).log_start_lsn > n1.last_lsn
-    sources = [trio.log("replica", s) for s in slaves]
-    assert any("sending n1 a snapshot" in text for text in sources), new_master
+    assert "sending node n1 a snapshot" in trio.log("replica", new_master)
+    coordinator_log = trio.log("coordinator", new_master)
+    assert "joined" in coordinator_log and "handing the group over to it" in coordinator_log
     with trio.channel() as channel:
         publisher = broker_pb2_grpc.PublisherStub(channel)
         publish(publisher, sequence, 20)  # the group commits under n1

@@ -29,15 +29,20 @@ replica that restarted or dropped a role refuses one in an epoch it held (the dr
 recovers with a fresh Election).
 Operators act too: a leadership transfer from whoever leads to one of its members, and a
 quarantine of a node that an operator may clear later (every quarantine is cleared when
-the network heals). The only randomness is ``random.Random(seed)`` here; the election
-itself is pure.
+the network heals). The drivers hand over too: a master's role answers report how far its
+slaves lag (those holding its epoch's log), and a hand-over the election asks for
+(``Ready.hand_over_to``, a higher-ranked node that rejoined to catch up) runs after a
+simulated ``PrepareHandoff`` of up to ``HAND_OVER_PREPARE_MS_MAX``, in both phases.
+The only randomness is ``random.Random(seed)`` here; the election itself is pure.
 
 A run has two phases. The safety phase injects faults while the checker
 (``election_checker.py``) runs after every step. Then the liveness phase heals the network,
 restarts nodes (keeping a minority down when the stores allow it) and requires that within
 ``liveness_deadline_ms`` of simulated time every live node is NORMAL in one group led by the
 highest-ranked live eligible node, and stays so for ``stable_ms``; a node that follows a
-lower-ranked coordinator (after a transfer) is no candidate until it next recovers.
+lower-ranked coordinator (after a transfer) is no candidate until it next recovers. A node
+that joined a lower-ranked coordinator to catch up is still a candidate: the liveness
+phase requires the hand-over to it.
 
 Stores follow the lifecycle (empty, clean, dirty): a cluster that ran before starts from a
 clean shutdown (the stores holding the newest log are clean, the others dirty), a replica
@@ -109,7 +114,8 @@ from tests.sim.election_checker import Checker, InvariantViolation
     _PROBE_REPLY,
     _LEASE,
     _REPLICA_CALL,
-) = range(20)
+    _HAND_OVER,
+) = range(21)
 _KIND_NAMES = {
     _START: "start",
     _CRASH: "crash",
@@ -131,6 +137,7 @@ _KIND_NAMES = {
     _PROBE_REPLY: "probe answer",
     _LEASE: "lease",
     _REPLICA_CALL: "replica takes a call",
+    _HAND_OVER: "hand-over",
 }
 # Per-process faults: (name, lasts for a while, healed by an event when it ends).
 PROCESS_FAULTS = (
@@ -149,6 +156,9 @@ WRITE_INTERVAL_MS = 25
 # The driver's role-call timeout (timeouts.rpc_timeout_ms): a call to a hung replica or
 # over a cut link fails after this long.
 RPC_TIMEOUT_MS = 1000
+# A hand-over's PrepareHandoff (the master fences writes until the target holds its log)
+# takes up to this long before the driver calls transfer_leadership.
+HAND_OVER_PREPARE_MS_MAX = 50
 
 
 def reproduce_hint(seed: int) -> str:
@@ -379,6 +389,8 @@ class SimResult:
     converge_ms: int
     leader: str
     final_epoch: int
+    # Groups handed to a higher-ranked member that rejoined to catch up.
+    hand_overs: int = 0
 
 
 class SimClock:
@@ -516,6 +528,7 @@ class Simulation:
         self.manual_recoveries = 0
         # Nodes following a lower-ranked coordinator (after a transfer), until they recover.
         self.demoted: set[str] = set()
+        self.hand_overs = 0
         # Per-process model (scenario.processes): the replica process apart from its node.
         self.processes = scenario.processes
         self.replica_up = {node: True for node in self.nodes}
@@ -783,7 +796,7 @@ class Simulation:
         replica.applied_seq = cmd.seq
         replica.last_command = cmd
         if renewal:
-            return ReplicaAnswer(report=replica.report())
+            return ReplicaAnswer(report=replica.report(), slave_lags=self.slave_lags(node))
         self.note(f"{node} role", format_role_command(cmd))
         if cmd.kind is not RoleCommandKind.DEACTIVATE:
             self.cluster_ids.add(cmd.cluster_id)
@@ -800,7 +813,7 @@ class Simulation:
         else:
             self.follow_master(node, cmd)
             self.held_max[node] = max(self.held_max[node], cmd.epoch)
-        return ReplicaAnswer(report=replica.report())
+        return ReplicaAnswer(report=replica.report(), slave_lags=self.slave_lags(node))
 
     def renew_lease(self, node: str) -> None:
         """A role command renews the replica's lease (per-process model only)."""
@@ -1019,6 +1032,7 @@ class Simulation:
             wake=lambda: self.wake(node),
             role_changed=lambda: self.role_changed(node),
             applied=lambda ready: self.applied(node, ready),
+            hand_over=lambda target: self.prepare_hand_over(node, target),
         )
         self.drivers[node] = driver
         self.tick_at[node] = None
@@ -1130,6 +1144,8 @@ class Simulation:
                 self.process_fault(node, payload)
         elif kind == _PROC_HEAL:
             self.heal_process(node, payload)
+        elif kind == _HAND_OVER:
+            self.on_hand_over(node, payload)
 
 
     def transfer(self, pick: int) -> None:
@@ -1159,6 +1175,45 @@ class Simulation:
         ready = driver.transfer_leadership(target, "sim")
         if ready.rejection is not None:
             self.note(f"{leader} transfer refused", ready.rejection.message)
+
+    def prepare_hand_over(self, node: str, target: str) -> None:
+        """The driver's hand-over hook: the replica's PrepareHandoff takes a little while,
+        then the driver calls transfer_leadership (node.py's background task)."""
+        delay = self.rng.randint(0, HAND_OVER_PREPARE_MS_MAX)
+        self.push(self.now_ms + delay, _HAND_OVER, node, (self.incarnation[node], target))
+
+    def on_hand_over(self, node: str, payload: object) -> None:
+        """The hand-over's replica is ready: the election hands the group over (or, if the
+        group changed meanwhile, refuses and nothing happens)."""
+        if not isinstance(payload, tuple):
+            return
+        incarnation, target = payload
+        driver = self.live_driver(node, incarnation)
+        if driver is None or self.deferred(_HAND_OVER, node, payload):
+            return
+        self.note(f"{node} hands over to {target}")
+        ready = driver.transfer_leadership(str(target), "auto", "caught up")
+        if ready.rejection is not None:
+            self.note(f"{node} hand-over refused", ready.rejection.message)
+        else:
+            self.hand_overs += 1
+
+    def slave_lags(self, node: str) -> tuple[tuple[str, int], ...]:
+        """What a master replica's answer says of its streaming slaves: those that hold its
+        epoch's log, and how far behind they are."""
+        master = self.replicas[node]
+        if master.role is not Role.MASTER:
+            return ()
+        return tuple(
+            (other, master.last_lsn - follower.last_lsn)
+            for other, follower in sorted(self.replicas.items())
+            if other != node
+            and follower.role is Role.SLAVE
+            and follower.master == node
+            and follower.epoch == master.epoch
+            and follower.last_epoch == master.last_epoch
+            and self.replica_up[other]
+        )
 
     def quarantine(self, node: str, enabled: bool) -> None:
         """An operator quarantines a node, or clears it."""
@@ -1318,6 +1373,7 @@ class Simulation:
                         converge_ms=self.stable_since - self.sc.safety_ms,
                         leader=leader,
                         final_epoch=e.persisted.epoch if e is not None else 0,
+                        hand_overs=self.hand_overs,
                     )
         raise self.fail(
             f"liveness: live nodes did not form one normal group under the highest-ranked "

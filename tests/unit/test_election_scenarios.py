@@ -25,6 +25,10 @@ Commands:
                                heartbeats and unanswered probes that change nothing are elided
     partition 1,2|3 / heal     messages across the cut are dropped
     write 3 n=5                node 3's replica (a master) appends n entries; followers copy
+    catchup 1 hold|done        node 1's replica, as a slave, copies nothing (hold: it is still
+                               truncating and fetching) or has caught up (done: it holds the
+                               master's log); a master reports only followers on its history
+    logs                       every replica's role and log (epoch/LSN)
     send 9->1 Body key=value   deliver a hand-made message and show what it produced
     designate 1 on|off         operator: designated primary (by=who)
     override 1 N               operator: quorum override (by=who reason=why)
@@ -100,6 +104,8 @@ class Store:
     joined: bool = False
     # The replica process alone is dead or hung: it applies no role command, reports nothing.
     down: bool = False
+    # As a slave it copies nothing yet (still truncating and fetching: ``catchup``).
+    catching_up: bool = False
 
     def report(self) -> ReplicaReport:
         """The replica's report as the driver would read it."""
@@ -201,11 +207,42 @@ class Cluster:
         for event in ready.events:
             if event.level is not LogLevel.DEBUG:
                 lines.append(f"  {event.level.value} {event.event}: {event.message}")
+        hand_over: Ready | None = None
+        if ready.hand_over_to:
+            # The driver's hand-over: the replica twin's target is caught up (it lags at most
+            # a few entries and copies at once), so the transfer follows at once.
+            lines.append(f"  hand over to {ready.hand_over_to}")
+            election = self.nodes[node]
+            if election is not None:
+                hand_over = election.transfer_leadership(
+                    ready.hand_over_to, "auto", self.now_ms, "caught up"
+                )
         if lines or not elide or self.trace_all:
             self.out.append(f"t={self.now_ms} {heading}")
             self.out.extend(lines)
         if follow_up is not None:
             self.apply(node, follow_up, f"{node} replica report", elide=True)
+        if hand_over is not None:
+            self.apply(node, hand_over, f"{node} transfer to {ready.hand_over_to}")
+
+    def report_lags(self, node: str) -> None:
+        """A master's role renewal answer, as the driver passes it on: how far each follower
+        that holds this epoch's log lags (one still on another history is not streaming)."""
+        store = self.stores[node]
+        election = self.nodes[node]
+        if election is None or store.down or store.role is not Role.MASTER:
+            return
+        lags = {
+            other: store.last_lsn - follower.last_lsn
+            for other, follower in self.stores.items()
+            if follower.role is Role.SLAVE
+            and follower.master == node
+            and follower.epoch == store.epoch
+            and follower.last_epoch == store.last_epoch
+            and self.nodes[other] is not None
+        }
+        if lags:
+            self.apply(node, election.slave_lags(lags, self.now_ms), f"{node} slave lags", True)
 
     def become_master(self, node: str, epoch: int, sync_source: str, cluster_id: str) -> None:
         """The replica twin: sync from the source, then write the epoch-start entry."""
@@ -229,6 +266,7 @@ class Cluster:
                 and follower.epoch == store.epoch
                 and self.nodes[other] is not None
                 and frozenset((node, other)) not in self.cut
+                and not follower.catching_up
             ):
                 follower.last_epoch, follower.last_lsn = store.last_epoch, store.last_lsn
                 follower.cluster_id = store.cluster_id
@@ -273,6 +311,7 @@ class Cluster:
                 nd = election.next_deadline_ms() if election is not None else None
                 if election is not None and nd is not None and nd <= self.now_ms:
                     self.apply(node, election.tick(self.now_ms), f"{node} tick", elide=True)
+                    self.report_lags(node)
         else:
             raise AssertionError("run did not settle within STEPS_MAX steps")
         self.now_ms = end
@@ -461,6 +500,24 @@ def execute(cluster: Cluster | None, line: str) -> tuple[Cluster | None, list[st
             raise ValueError(f"replica: unknown action {action!r}")
         cluster.apply(node, ready, f"{node} {line}")
         cluster.deliver_all()
+    elif command == "catchup":
+        node, action = positional
+        store = cluster.stores[node]
+        store.catching_up = action == "hold"
+        master = cluster.stores.get(store.master) if store.role is Role.SLAVE else None
+        if not store.catching_up and master is not None and master.epoch == store.epoch:
+            store.last_epoch, store.last_lsn = master.last_epoch, master.last_lsn
+        cluster.out.append(
+            f"t={cluster.now_ms} {node} replica "
+            + ("catching up: copies nothing yet" if store.catching_up else "caught up")
+            + f", log {store.last_epoch}/{store.last_lsn}"
+        )
+    elif command == "logs":
+        for node, store in cluster.stores.items():
+            cluster.out.append(
+                f"{node}: {store.role.value} log={store.last_epoch}/{store.last_lsn}"
+                + (f" master={store.master}" if store.role is Role.SLAVE else "")
+            )
     elif command == "audit":
         election = cluster.nodes[positional[0]]
         if election is None:
@@ -842,3 +899,26 @@ def test_the_minted_cluster_id_comes_from_the_injected_source() -> None:
     ]
     assert [m.cluster_id for m in masters] == ["minted-1"]
     assert election.persisted.cluster_id == "minted-1"
+
+
+def test_a_catch_up_invitation_naming_a_node_below_the_inviter_is_refused() -> None:
+    """Only nodes ranked above a serving inviter join to catch up; anything else is a bad
+    message, refused with the rule, and changes nothing."""
+    election = make("3")
+    before = election.status()
+    ready = election.step(
+        PeerMessage("2", "3", Invitation("2:g9", 2, 1, catch_up=("1",))), 10
+    )
+    assert ready.rejection is not None
+    assert ready.rejection.code is RejectCode.INVALID_MESSAGE
+    assert "ranked above the inviter 2" in ready.rejection.message
+    assert election.status() == before
+
+
+def test_negative_slave_lags_are_refused() -> None:
+    """A driver bug (a negative lag) is refused, not taken as caught up."""
+    election = make("3")
+    ready = election.slave_lags({"1": -1}, 10)
+    assert ready.rejection is not None
+    assert ready.rejection.code is RejectCode.INVALID_ARGUMENT
+    assert not ready.hand_over_to

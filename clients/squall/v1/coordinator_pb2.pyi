@@ -91,6 +91,7 @@ class AreYouCoordinator(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     DESIGNATED_PRIMARY_FIELD_NUMBER: _builtins.int
     CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    SERVING_FIELD_NUMBER: _builtins.int
     group_name: _builtins.str
     """The sender's group name."""
     priority: _builtins.int
@@ -103,6 +104,11 @@ class AreYouCoordinator(_message.Message):
     """The sender's cluster id (empty while it has none): a coordinator never merges a node
     of another cluster.
     """
+    serving: _builtins.bool
+    """True if the sender coordinates a NORMAL group (its master takes writes): a node
+    ranked above it that is alone waits for that group's catch-up invitation instead of
+    merging it.
+    """
     def __init__(
         self,
         *,
@@ -110,10 +116,11 @@ class AreYouCoordinator(_message.Message):
         priority: _builtins.int = ...,
         designated_primary: _builtins.bool = ...,
         cluster_id: _builtins.str = ...,
+        serving: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "designated_primary", b"designated_primary", "group_name", b"group_name", "priority", b"priority"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "designated_primary", b"designated_primary", "group_name", b"group_name", "priority", b"priority", "serving", b"serving"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -130,6 +137,7 @@ class AreYouCoordinatorReply(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     DESIGNATED_PRIMARY_FIELD_NUMBER: _builtins.int
     CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    SERVING_FIELD_NUMBER: _builtins.int
     is_coordinator: _builtins.bool
     """True if the sender of the reply coordinates its group."""
     group_name: _builtins.str
@@ -140,6 +148,8 @@ class AreYouCoordinatorReply(_message.Message):
     """True if the replier is the designated primary of a two-node cluster."""
     cluster_id: _builtins.str
     """The replier's cluster id (empty while it has none)."""
+    serving: _builtins.bool
+    """True if the replier coordinates a NORMAL group (as in AreYouCoordinator)."""
     def __init__(
         self,
         *,
@@ -148,10 +158,11 @@ class AreYouCoordinatorReply(_message.Message):
         priority: _builtins.int = ...,
         designated_primary: _builtins.bool = ...,
         cluster_id: _builtins.str = ...,
+        serving: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "designated_primary", b"designated_primary", "group_name", b"group_name", "is_coordinator", b"is_coordinator", "priority", b"priority"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "designated_primary", b"designated_primary", "group_name", b"group_name", "is_coordinator", b"is_coordinator", "priority", b"priority", "serving", b"serving"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -225,6 +236,7 @@ class Invitation(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     CLUSTER_ID_FIELD_NUMBER: _builtins.int
     TRANSFER_GROUP_FIELD_NUMBER: _builtins.int
+    CATCH_UP_FIELD_NUMBER: _builtins.int
     group_name: _builtins.str
     """The new group's name, `coordinator-id:uuid`."""
     priority: _builtins.int
@@ -241,6 +253,13 @@ class Invitation(_message.Message):
     """Set when the inviter takes over the group of this name by a leadership transfer its
     coordinator ordered: that group's members accept although the inviter ranks lower.
     """
+    @_builtins.property
+    def catch_up(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The nodes ranked above the inviter (a serving coordinator) it invites as members to
+        catch up; it hands its group over to one once its replica holds the log (a restarted
+        higher-priority node takes the lead back without truncating while no master serves).
+        """
+
     def __init__(
         self,
         *,
@@ -249,10 +268,11 @@ class Invitation(_message.Message):
         epoch: _builtins.int = ...,
         cluster_id: _builtins.str = ...,
         transfer_group: _builtins.str = ...,
+        catch_up: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "epoch", b"epoch", "group_name", b"group_name", "priority", b"priority", "transfer_group", b"transfer_group"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["catch_up", b"catch_up", "cluster_id", b"cluster_id", "epoch", b"epoch", "group_name", b"group_name", "priority", b"priority", "transfer_group", b"transfer_group"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
