@@ -116,6 +116,8 @@ from tests.sim.election_checker import Checker, InvariantViolation
     _REPLICA_CALL,
     _HAND_OVER,
 ) = range(21)
+# The first kind free for a simulator built on this one (tests/sim/replication_sim.py).
+KINDS_END = _HAND_OVER + 1
 _KIND_NAMES = {
     _START: "start",
     _CRASH: "crash",

@@ -130,6 +130,7 @@ from tests.sim.election_sim import (
     _CUT,
     _RESTART,
     _UNCUT,
+    KINDS_END,
     Replica,
     SimFailure,
     Simulation,
@@ -142,7 +143,8 @@ from tests.sim.replication_checker import Entry, ReplicationChecker
 __all__ = ["ReplResult", "ReplicationSimulation", "SimFailure", "repl_reproduce_hint", "run_seed"]
 
 # Event kinds of this module; they run after the election simulator's kinds at one instant.
-_NET, _RTICK, _STORE, _CLIENT, _MASTER_FAULT = 20, 21, 22, 23, 24
+# Numbered after them: a kind the election adds must not take one of these numbers.
+_NET, _RTICK, _STORE, _CLIENT, _MASTER_FAULT = range(KINDS_END, KINDS_END + 5)
 MASTER_FAULTS = ("crash", "crash-restart", "crash-slave", "pause", "isolate", "mute", "deaf")
 CLUSTER_ID = "c1"
 EVENTS_MAX = 300_000
