@@ -47,14 +47,10 @@ from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-import grpc
-
 from services.common.clock import Clock, SystemClock
 from services.common.config import ClusterConfig, NodeConfig
 from services.common.errors import Code, ServiceError
-from services.common.grpc_server import channel_options
 from services.common.telemetry import Telemetry, current
-from services.common.tls import transport
 from services.replica import commands, telemetry
 from services.replica.commands import BatchBuilder, Command, Planned
 from services.replica.committed import gate_from_store
@@ -114,8 +110,9 @@ from services.replica.store import (
 )
 from services.replica.store.stall import StallMeter
 from services.replica.transient import TransientTopics
+from services.replica.transport import GrpcReplicaTransport, ReplicaCallError, ReplicaTransport
 from services.replica.visibility import CommitGate
-from squall.v1 import broker_pb2, common_pb2, replica_pb2, replica_pb2_grpc
+from squall.v1 import broker_pb2, common_pb2, replica_pb2
 
 log = logging.getLogger("squall.replica")
 
@@ -155,11 +152,17 @@ class ReplicaNode:
         *,
         truncator: LmdbTruncator | None = None,
         observability: Telemetry | None = None,
+        transport: Callable[[], ReplicaTransport] | None = None,
     ) -> None:
+        """``transport`` makes the connections to the other replicas: one per master epoch
+        and one per reorganization sync, each closed when done (gRPC unless given)."""
         self.config = config
         self.node = node
         self.store = store
         self.clock = clock or SystemClock()
+        self._new_transport: Callable[[], ReplicaTransport] = transport or functools.partial(
+            GrpcReplicaTransport, config, node.id
+        )
         # Times the store's writes so a stuck disk is reported to the coordinator; moves
         # with the store when a truncation installs a new one.
         self._stall = StallMeter(self.clock)
@@ -395,6 +398,7 @@ class ReplicaNode:
             lambda: self.store,
             cluster_id=meta.cluster_id,
             members=member_nodes,
+            transport=self._new_transport(),
             clock=self.clock,
             on_commit=self._advance_commit,
             on_deposed=self._master_deposed,
@@ -498,13 +502,11 @@ class ReplicaNode:
         source = next((n for n in self.config.nodes if n.id == source_id), None)
         if source is None:
             raise ServiceError(Code.INVALID_ARGUMENT, f"unknown sync source '{source_id}'")
-        options = channel_options(self.config.limits.max_message_bytes)
         idle_timeout_s = self.config.timeouts.rpc_timeout_ms / 1000
         sync = self.config.durability.master_sync == common_pb2.SYNC_POLICY_SYNC
         fetched = snapshots = 0
-        links = transport(self.config, self.node.id)
-        async with links.aio_channel(source.replica_address, options=options) as channel:
-            stub = replica_pb2_grpc.ReplicationStub(channel)
+        links = self._new_transport()
+        try:
             # Twice at most: once more after truncating a divergent suffix.
             for _ in range(2):
                 meta = self.store.meta()
@@ -523,7 +525,7 @@ class ReplicaNode:
                 progress.phase = "fetching log"
                 # Where the log ends, as each fetched batch must continue it.
                 tail_lsn, tail_epoch = meta.last_lsn, meta.last_epoch
-                call = stub.FetchLog(request)
+                call = links.fetch_log(source_id, request)
                 try:
                     # One step per message: bounded by the source's log and snapshot.
                     while True:
@@ -574,17 +576,17 @@ class ReplicaNode:
                 except _Diverged as diverged:
                     progress.phase = "truncating"
                     await self._truncate_after(diverged.fork_lsn, f"sync source {source_id}")
-                except grpc.aio.AioRpcError as exc:
+                except ReplicaCallError as exc:
                     code = (
                         Code.FAILED_PRECONDITION
-                        if exc.code() == grpc.StatusCode.FAILED_PRECONDITION
+                        if exc.status == "FAILED_PRECONDITION"
                         else Code.UNAVAILABLE
                     )
                     raise ServiceError(
                         code,
                         f"replica {self.node.id} cannot take the master role in epoch {epoch}: "
                         f"fetching the log from sync source {source_id} failed: "
-                        f"{exc.code().name}: {exc.details()}",
+                        f"{exc.status}: {exc.details}",
                     ) from exc
                 except StoreError as exc:
                     raise ServiceError(
@@ -594,6 +596,8 @@ class ReplicaNode:
                     ) from exc
                 finally:
                     call.cancel()  # a no-op once the stream ended
+        finally:
+            await links.close()
         meta = self.store.meta()
         self.core.log_reset(meta.last_lsn, self._log_start_lsn)
         log.info(
@@ -1163,8 +1167,7 @@ class ReplicaNode:
                         self.role == common_pb2.ROLE_SLAVE
                         and master is not None
                         and (
-                            master.replica_address not in unreachable
-                            or self.epoch > held_in_epoch
+                            master.replica_address not in unreachable or self.epoch > held_in_epoch
                         )
                     ):
                         return
