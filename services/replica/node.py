@@ -1,5 +1,10 @@
-"""The replica node: the driver of the replica's cores, the group-commit writer, and
-committed reads.
+"""The replica node: the asyncio shell around the replica's cores and its synchronous
+driver, the group-commit writer, and committed reads.
+
+The synchronous ``ReplicaDriver`` (``driver.py``, ``self.driver``) owns the store and the
+commit gate and applies the core's slave-side effects and checks a reorganization fetch;
+this shell holds the commit lock, runs store writes on the store thread and talks to the
+other replicas through a ``ReplicaTransport`` (``transport.py``) between its steps.
 
 Roles: every role rule (role, epoch floor, lease, taking and dropping roles, the shutdown
 freeze, the hand-off fence, which writes are refused) is decided by the pure
@@ -54,9 +59,7 @@ from services.common.telemetry import Telemetry, current
 from services.replica import commands, telemetry
 from services.replica.commands import BatchBuilder, Command, Planned
 from services.replica.committed import gate_from_store
-from services.replica.committed import track as _track
 from services.replica.core import (
-    EPOCH_KEY,
     CoreConfig,
     Effects,
     Follow,
@@ -70,6 +73,7 @@ from services.replica.core import (
     WriteFence,
 )
 from services.replica.divergence import HistoryError, fork_lsn
+from services.replica.driver import ReplicaDriver
 from services.replica.faults import (
     REASON_CHARS_MAX,
     Fault,
@@ -78,19 +82,14 @@ from services.replica.faults import (
     save_fault,
 )
 from services.replica.follower import (
-    EntryProblem,
-    Follower,
     FollowerConfig,
     FollowerError,
-    RefusalCode,
-    check_entries,
 )
 from services.replica.master_driver import MasterDriver, SlaveStatus, Waiting
 from services.replica.push import PushDelivery
 from services.replica.rebuild import LmdbTruncator
 from services.replica.reorg import SyncProgress, Taking, answer_wait_s, outcome, read_within
 from services.replica.replication import (
-    Ack,
     AckPolicy,
     MasterConfig,
     ReplicationError,
@@ -101,7 +100,6 @@ from services.replica.replication import (
 from services.replica.snapshot_pump import pump_snapshot
 from services.replica.store import (
     CorruptRecordError,
-    SnapshotError,
     Store,
     StoreError,
     StoreFullError,
@@ -158,7 +156,6 @@ class ReplicaNode:
         and one per reorganization sync, each closed when done (gRPC unless given)."""
         self.config = config
         self.node = node
-        self.store = store
         self.clock = clock or SystemClock()
         self._new_transport: Callable[[], ReplicaTransport] = transport or functools.partial(
             GrpcReplicaTransport, config, node.id
@@ -213,8 +210,22 @@ class ReplicaNode:
         # master's commit LSN passes it. A store that never recorded one (written before
         # the record existed) counts as committed throughout.
         recorded = store.meta().commit_lsn
-        self.gate = CommitGate(self._last_lsn if recorded is None else recorded)
-        self.core.log_reset(self._last_lsn, self._log_start_lsn, self.gate.commit_lsn)
+        gate = CommitGate(self._last_lsn if recorded is None else recorded)
+        self.core.log_reset(self._last_lsn, self._log_start_lsn, gate.commit_lsn)
+        # Applies the core's slave-side effects to the store and the gate (both its own).
+        self.driver = ReplicaDriver(
+            node.id,
+            self.core,
+            store,
+            gate,
+            follower_config=FollowerConfig(
+                node_id=node.id,
+                sync_policy=SyncPolicy(int(config.durability.replica_sync)),
+                inflight_entries_max=config.limits.replication_inflight_entries_max,
+                inflight_bytes_max=config.limits.replication_inflight_bytes_max,
+            ),
+            on_committed=self._notify_committed,
+        )
         self._commit_recording: asyncio.Task[None] | None = None  # the core's record_commit
         # The task taking a master role in the background (its reorganization sync).
         self._taking: Taking | None = None
@@ -227,6 +238,26 @@ class ReplicaNode:
         self._driver: MasterDriver | None = None
         # How the process is stopped once a cluster shutdown finished (shutdown.py).
         self.on_shutdown: Callable[[], None] | None = None
+
+    # --- the store and the commit gate (the driver's)
+
+    @property
+    def store(self) -> Store:
+        """The store (replaced whole when a truncation installs a rebuilt one)."""
+        return self.driver.store
+
+    @store.setter
+    def store(self, store: Store) -> None:
+        self.driver.store = store
+
+    @property
+    def gate(self) -> CommitGate:
+        """Committed reads: what a subscriber may see."""
+        return self.driver.gate
+
+    @gate.setter
+    def gate(self, gate: CommitGate) -> None:
+        self.driver.gate = gate
 
     # --- the core's state, as the servicers and the coordinator's reports read it
 
@@ -505,23 +536,13 @@ class ReplicaNode:
         idle_timeout_s = self.config.timeouts.rpc_timeout_ms / 1000
         sync = self.config.durability.master_sync == common_pb2.SYNC_POLICY_SYNC
         fetched = snapshots = 0
+        driver = self.driver
         links = self._new_transport()
         try:
             # Twice at most: once more after truncating a divergent suffix.
             for _ in range(2):
                 meta = self.store.meta()
-                request = replica_pb2.FetchLogRequest(
-                    node_id=self.node.id,
-                    epoch=epoch,
-                    cluster_id=meta.cluster_id,
-                    last_lsn=meta.last_lsn,
-                    history=[
-                        replica_pb2.EpochBoundary(epoch=b.epoch, start_lsn=b.start_lsn)
-                        for b in meta.history
-                    ],
-                    max_entries=self.config.limits.commit_batch_max_entries,
-                    log_start_lsn=self.store.log_start_lsn(),
-                )
+                request = driver.fetch_request(epoch, self.config.limits.commit_batch_max_entries)
                 progress.phase = "fetching log"
                 # Where the log ends, as each fetched batch must continue it.
                 tail_lsn, tail_epoch = meta.last_lsn, meta.last_epoch
@@ -534,7 +555,7 @@ class ReplicaNode:
                         )
                         if response is None:
                             break
-                        self._adopt_cluster_id(response.cluster_id, source_id)
+                        driver.adopt_cluster_id(response.cluster_id, source_id)
                         if response.WhichOneof("body") == "snapshot":
                             # The source answers with a snapshot when this log cannot be
                             # truncated by replay, shares no entry with the source's, or
@@ -553,25 +574,26 @@ class ReplicaNode:
                             continue
                         batch = response.entries
                         if batch.truncate_after_lsn and batch.truncate_after_lsn < meta.last_lsn:
-                            self._check_fetched_truncation(
+                            driver.check_fetched_truncation(
                                 batch.truncate_after_lsn, epoch, source_id
                             )
                             raise _Diverged(batch.truncate_after_lsn)
                         entries = list(batch.entries)
                         if entries:
                             progress.phase = "fetching log"
-                            # Held to a streamed batch's rules before anything is stored.
-                            checked = check_entries(
-                                entries, prev_lsn=tail_lsn, prev_epoch=tail_epoch, max_epoch=epoch
+                            checked = driver.check_fetched_entries(
+                                entries,
+                                prev_lsn=tail_lsn,
+                                prev_epoch=tail_epoch,
+                                epoch=epoch,
+                                source_id=source_id,
                             )
-                            if isinstance(checked, EntryProblem):
-                                raise self._fetch_refused(epoch, source_id, checked)
                             await self._store_fetched(entries, batch.commit_lsn, sync=sync)
                             tail_lsn, tail_epoch = checked.last_lsn, checked.last_epoch
                             fetched += len(entries)
                             progress.entries_fetched = fetched
-                        elif self.gate.advance(min(batch.commit_lsn, self._last_lsn)):
-                            self._notify_committed()
+                        else:
+                            driver.fetched_commit(batch.commit_lsn)
                     break
                 except _Diverged as diverged:
                     progress.phase = "truncating"
@@ -616,89 +638,32 @@ class ReplicaNode:
             progress.describe(self.clock.monotonic_ms()),
         )
 
-    def _check_fetched_truncation(self, keep_lsn: int, epoch: int, source_id: str) -> None:
-        """A sync source may not have this node truncate entries it knows committed."""
-        if keep_lsn < self.gate.commit_lsn:
-            raise self._fetch_refused(
-                epoch,
-                source_id,
-                EntryProblem(
-                    RefusalCode.TRUNCATE_BELOW_COMMIT,
-                    keep_lsn,
-                    f"truncate after LSN {keep_lsn} would remove committed entries "
-                    f"(commit LSN {self.gate.commit_lsn})",
-                ),
-            )
-
-    def _fetch_refused(self, epoch: int, source_id: str, problem: EntryProblem) -> ServiceError:
-        """A fetched log refused by the follower's rules (nothing of that batch stored)."""
-        log.warning(
-            "replica %s refused the log fetched from sync source %s for epoch %d at LSN %d: "
-            "%s (%s)",
-            self.node.id,
-            source_id,
-            epoch,
-            problem.lsn,
-            problem.detail,
-            problem.code.value,
-        )
-        return ServiceError(
-            Code.FAILED_PRECONDITION,
-            f"replica {self.node.id} cannot take the master role in epoch {epoch}: sync "
-            f"source {source_id} sent a log it refuses at LSN {problem.lsn} "
-            f"({problem.code.value}): {problem.detail}; nothing of that batch was stored",
-        )
-
-    def _adopt_cluster_id(self, cluster_id: str, source_id: str) -> None:
-        """An empty store joins its sync source's cluster (as a slave does its master's)."""
-        if not cluster_id or self.store.meta().cluster_id:
-            return
-        self.store.set_cluster_id(cluster_id)
-        log.info(
-            "replica %s joined cluster %s (from sync source %s)",
-            self.node.id,
-            cluster_id,
-            source_id,
-        )
-
     async def _store_fetched(
         self, entries: list[replica_pb2.LogEntry], source_commit_lsn: int, *, sync: bool
     ) -> None:
         """Appends fetched entries; their publishes above the source's commit LSN stay
         hidden from committed reads until this node's own commit LSN passes them."""
         async with self._commit_lock:
-            visible = max(self.gate.commit_lsn, source_commit_lsn)
-            for entry in entries:
-                if entry.lsn > visible:
-                    self._track(entry)
+            self.driver.hide_uncommitted(entries, source_commit_lsn)
             try:
                 await asyncio.get_running_loop().run_in_executor(
                     self._io,
                     functools.partial(
-                        self.store.append, entries, sync=sync, commit_lsn=source_commit_lsn
+                        self.driver.store_append, entries, sync=sync, commit_lsn=source_commit_lsn
                     ),
                 )
             except Exception:
                 # (Cancelled: the store thread may still append; _cancel_taking rebuilds.)
-                self.gate.truncated(self.store.meta().last_lsn)
+                self.driver.fetched_store_failed()
                 raise
-            self.core.log_appended(entries[-1].lsn)
-            if self.gate.advance(min(source_commit_lsn, self._last_lsn)):
-                self._notify_committed()
+            self.driver.fetched_stored(entries[-1].lsn, source_commit_lsn)
 
     async def _fetched_snapshot_chunk(
         self, chunk: replica_pb2.SnapshotChunk, epoch: int, source_id: str, *, after_entries: bool
     ) -> int | None:
         """Installs one snapshot chunk of a reorganization fetch, as a slave does; returns
         the snapshot's LSN after the last chunk, else None. Store errors propagate."""
-        if after_entries or chunk.snapshot_epoch > epoch:
-            raise ServiceError(
-                Code.FAILED_PRECONDITION,
-                f"replica {self.node.id} cannot take the master role in epoch {epoch}: sync "
-                f"source {source_id} sent snapshot chunk {chunk.index} (LSN "
-                f"{chunk.snapshot_lsn}, epoch {chunk.snapshot_epoch}) "
-                + ("after log entries" if after_entries else "of a newer epoch"),
-            )
+        self.driver.check_fetched_snapshot(chunk, epoch, source_id, after_entries=after_entries)
         async with self._commit_lock:
             return await self._install_snapshot_chunk(
                 chunk,
@@ -1019,8 +984,7 @@ class ReplicaNode:
 
     def _mark_dirty(self) -> None:
         """A store in use is DIRTY: a restart must not take it for a clean or empty one."""
-        if self.store.meta().state != common_pb2.STORE_STATE_DIRTY:
-            self.store.set_state(common_pb2.STORE_STATE_DIRTY)
+        self.driver.mark_dirty()
 
     async def drain_writes(self) -> None:
         """Waits until every write queued now has finished (committed or failed) and no
@@ -1059,42 +1023,14 @@ class ReplicaNode:
     async def _become_slave(self, follow: Follow) -> None:
         """Follows the master in its epoch (the core's ``Follow``): the master's
         replication stream is accepted from now."""
-        epoch, master = follow.epoch, self._nodes[follow.master_id]
-        self.store.set_epoch(epoch)
-        self._mark_dirty()
+        self.driver.follow_persist(follow)
         async with self._commit_lock:  # no batch half-applied while the follower is made
-            meta = self.store.meta()
-            cfg = self.config
-            try:
-                follower = Follower(
-                    FollowerConfig(
-                        node_id=self.node.id,
-                        sync_policy=SyncPolicy(int(cfg.durability.replica_sync)),
-                        inflight_entries_max=cfg.limits.replication_inflight_entries_max,
-                        inflight_bytes_max=cfg.limits.replication_inflight_bytes_max,
-                    ),
-                    cluster_id=meta.cluster_id,
-                    epoch=epoch,
-                    master_id=master.id,
-                    last_lsn=meta.last_lsn,
-                    history=meta.history,
-                )
-            except FollowerError as exc:
-                raise ServiceError(
-                    Code.FAILED_PRECONDITION,
-                    f"replica {self.node.id} cannot follow {master.id} in epoch {epoch}: {exc}",
-                ) from exc
-            self._role_effects(
-                self.core.followed(
-                    epoch, master.id, follow.lease_ms, self.clock.monotonic_ms(), follower
-                )
-            )
-            self.core.log_reset(meta.last_lsn, self._log_start_lsn)
+            self._role_effects(self.driver.follow(follow, self.clock.monotonic_ms()))
         log.info(
             "replica %s follows %s: epoch=%d lsn=%d reason=%s",
             self.node.id,
-            master.id,
-            epoch,
+            follow.master_id,
+            follow.epoch,
             self._last_lsn,
             follow.reason,
         )
@@ -1175,89 +1111,21 @@ class ReplicaNode:
 
     def _advance_commit(self, commit_lsn: int) -> None:
         """The commit LSN moved: committed reads may serve more; wake subscribers."""
-        if self.gate.advance(commit_lsn):
-            self._notify_committed()
+        self.driver.advance_commit(commit_lsn)
 
-    # --- the slave side of replication (driven by the Replication servicer)
+    # --- the slave side of replication (driven by the Replication servicer; the driver
+    # applies the core's effects, this shell holds the commit lock and awaits the store)
 
     def _refused(self, code: Code, message: str) -> ServiceError:
         """A replication refusal carrying this replica's epoch for a stale master."""
-        return ServiceError(code, message, metadata=((EPOCH_KEY, str(self.epoch)),))
+        return self.driver.refused(code, message)
 
     async def replication_hello(
         self, hello: replica_pb2.ReplicationHello
     ) -> tuple[int, replica_pb2.ReplicationPosition]:
         """Accepts a stream from this epoch's master; returns its number and our position."""
         async with self._commit_lock:
-            meta = self.store.meta()
-            effects = self.core.slave_hello(
-                master_id=hello.master_id,
-                epoch=hello.epoch,
-                cluster_id=hello.cluster_id,
-                store_last_lsn=meta.last_lsn,
-                store_history=tuple((b.epoch, b.start_lsn) for b in meta.history),
-                store_log_start_lsn=self.store.log_start_lsn(),
-            )
-            if effects.log_reread:
-                self.gate.truncated(meta.last_lsn)
-            result = effects.hello
-            if effects.refusal is not None or result is None:
-                raise self._stream_refused(effects)
-            if result.adopt_cluster_id:
-                self.store.set_cluster_id(result.adopt_cluster_id)
-                log.info(
-                    "replica %s joined cluster %s (from master %s, epoch=%d)",
-                    self.node.id,
-                    result.adopt_cluster_id,
-                    hello.master_id,
-                    hello.epoch,
-                )
-            self._mark_dirty()
-            position = result.position
-            log.info(
-                "replica %s accepted the stream of %s: epoch=%d last_epoch=%d lsn=%d",
-                self.node.id,
-                hello.master_id,
-                hello.epoch,
-                position.last_epoch,
-                position.last_lsn,
-            )
-            return effects.stream, replica_pb2.ReplicationPosition(
-                node_id=position.node_id,
-                last_epoch=position.last_epoch,
-                last_lsn=position.last_lsn,
-                history=[
-                    replica_pb2.EpochBoundary(epoch=e, start_lsn=s) for e, s in position.history
-                ],
-                log_start_lsn=self.store.log_start_lsn(),
-            )
-
-    def _stream_follower(self, stream: int) -> Follower:
-        """The follower of the current stream (the core's); a superseded one is refused."""
-        follower = self.core.slave_stream(stream)
-        if isinstance(follower, RoleRefusal):
-            raise follower.error()
-        return follower
-
-    def _slave_store_failed(self, follower: Follower) -> None:
-        """A slave's write or install failed: the core and the gate re-read the store."""
-        meta = self.store.meta()
-        self.core.slave_store_failed(
-            follower,
-            store_last_lsn=meta.last_lsn,
-            store_history=tuple((b.epoch, b.start_lsn) for b in meta.history),
-            store_log_start_lsn=self.store.log_start_lsn(),
-        )
-        self.gate.truncated(meta.last_lsn)
-
-    def _stream_refused(self, effects: Effects) -> ServiceError:
-        """A refused Hello as the stream's status (logged when the core says so)."""
-        refusal = effects.refusal or RoleRefusal(
-            Code.INTERNAL, "a Hello neither accepted nor refused"
-        )
-        if effects.warn:
-            log.warning("replica %s: %s", self.node.id, refusal.message)
-        return refusal.error()
+            return self.driver.hello(hello)
 
     async def replication_batch(
         self, stream: int, batch: replica_pb2.EntryBatch
@@ -1267,19 +1135,11 @@ class ReplicaNode:
         A NO_SYNC replica's ack on receipt is yielded before the write, so the master can
         count it without waiting for this store.
         """
+        driver = self.driver
         async with self._commit_lock:
-            accepted = self.core.slave_batch(
-                stream,
-                epoch=batch.epoch,
-                entries=list(batch.entries),
-                commit_lsn=batch.commit_lsn,
-                truncate_after_lsn=batch.truncate_after_lsn or None,
-            )
-            if accepted.refusal is not None:
-                raise self._stream_refused(accepted)
-            follower = self._stream_follower(stream)
-            for ack_now in accepted.acks:
-                yield _ack(ack_now)
+            accepted, follower, acks_now = driver.batch(stream, batch)
+            for ack_now in acks_now:
+                yield ack_now
             result = accepted.batch
             if result is not None:
                 try:
@@ -1287,33 +1147,16 @@ class ReplicaNode:
                         await self._truncate_locked(
                             result.truncate_after_lsn, f"master {follower.state().master_id}"
                         )
-                    visible = max(self.gate.commit_lsn, batch.commit_lsn)
-                    for entry in result.entries:
-                        if entry.lsn > visible:
-                            self._track(entry)
+                    driver.hide_uncommitted(result.entries, batch.commit_lsn)
                     await self._append(
                         result.entries, sync=result.sync, commit_lsn=batch.commit_lsn
                     )
                 except (StoreError, ServiceError) as exc:
-                    self._slave_store_failed(follower)
-                    if isinstance(exc, ServiceError):
-                        raise self._refused(exc.code, exc.message) from exc
-                    if isinstance(exc, StoreFullError):
-                        raise self._refused(
-                            Code.RESOURCE_EXHAUSTED,
-                            f"replica {self.node.id}: store full, batch not stored: {exc}",
-                        ) from exc
-                    self._fail_stop(f"store write failed: {exc}")
-                    raise self._refused(
-                        Code.UNAVAILABLE, f"replica {self.node.id}: store write failed: {exc}"
-                    ) from exc
-                ack = follower.on_written(result.last_lsn, synced=result.sync)
-                effects = self.core.slave_written(
-                    last_lsn=result.last_lsn,
-                    batch_commit_lsn=batch.commit_lsn,
-                    commit_lsn=follower.commit_lsn,
-                    ack=ack,
-                )
+                    error, fail_stop = driver.batch_failed(follower, exc)
+                    if fail_stop:
+                        self._fail_stop(fail_stop)
+                    raise error from exc
+                effects = driver.batch_written(follower, result, batch.commit_lsn)
                 for written in await self._apply_log_effects(effects):
                     yield written
             else:
@@ -1324,18 +1167,7 @@ class ReplicaNode:
     ) -> list[replica_pb2.ReplicationAck]:
         """Installs one snapshot chunk from the master; after the last, returns the ack."""
         async with self._commit_lock:
-            accepted = self.core.slave_snapshot_chunk(
-                stream,
-                index=chunk.index,
-                snapshot_lsn=chunk.snapshot_lsn,
-                snapshot_epoch=chunk.snapshot_epoch,
-                last=chunk.last,
-                history=[(b.epoch, b.start_lsn) for b in chunk.history],
-            )
-            result = accepted.snapshot
-            if accepted.refusal is not None or result is None:
-                raise self._stream_refused(accepted)
-            follower = self._stream_follower(stream)
+            result, follower = self.driver.snapshot_chunk(stream, chunk)
             try:
                 installed = await self._install_snapshot_chunk(
                     chunk,
@@ -1344,25 +1176,13 @@ class ReplicaNode:
                     source=f"master {follower.state().master_id}",
                 )
             except (StoreError, FollowerError) as exc:
-                self._slave_store_failed(follower)
-                if isinstance(exc, StoreFullError):
-                    raise self._refused(
-                        Code.RESOURCE_EXHAUSTED,
-                        f"replica {self.node.id}: store full, snapshot not installed: {exc}",
-                    ) from exc
-                if isinstance(exc, (SnapshotError, CorruptRecordError)):
-                    raise self._refused(
-                        Code.INVALID_ARGUMENT,
-                        f"replica {self.node.id}: snapshot chunk {chunk.index} refused: {exc}",
-                    ) from exc
-                self._fail_stop(f"snapshot install failed: {exc}")
-                raise self._refused(
-                    Code.UNAVAILABLE, f"replica {self.node.id}: snapshot install failed: {exc}"
-                ) from exc
+                error, fail_stop = self.driver.snapshot_failed(follower, chunk.index, exc)
+                if fail_stop:
+                    self._fail_stop(fail_stop)
+                raise error from exc
             if installed is None:
                 return []
-            # finish_snapshot flushed the whole install.
-            return [_ack(follower.on_written(installed, synced=True))]
+            return [self.driver.snapshot_installed_ack(follower, installed)]
 
     async def _install_snapshot_chunk(
         self,
@@ -1393,8 +1213,7 @@ class ReplicaNode:
                 functools.partial(store.begin_snapshot, chunk.snapshot_lsn, chunk.snapshot_epoch),
             )
             # The store reports itself empty until the install finishes.
-            self.core.snapshot_begun()
-            self.gate.truncated(0)
+            self.driver.snapshot_begun()
         await loop.run_in_executor(self._io, store.install_chunk, chunk)
         if not last:
             return None
@@ -1410,14 +1229,7 @@ class ReplicaNode:
                 uncommitted=uncommitted,
             ),
         )
-        installed = self.core.snapshot_installed(lsn, commit_lsn)
-        # The snapshot's state cannot be hidden entry by entry: what it holds above the
-        # sender's commit LSN is hidden per topic until this node's commit LSN passes it
-        # (the gate moves first, then hides).
-        if installed.advance_commit is not None:
-            self.gate.advance(installed.advance_commit)
-        hidden = self.gate.restore(uncommitted)
-        self._notify_committed()
+        hidden = self.driver.snapshot_finished(lsn, commit_lsn, uncommitted)
         log.info(
             "replica %s installed the snapshot at LSN %d (epoch %d) from %s; the log "
             "continues from LSN %d; commit LSN %d, %d topics hold uncommitted events",
@@ -1435,28 +1247,22 @@ class ReplicaNode:
         self, stream: int, heartbeat: replica_pb2.ReplicationHeartbeat
     ) -> replica_pb2.ReplicationAck:
         """A heartbeat from the master: learns its commit LSN; returns the ack."""
-        effects = self.core.slave_heartbeat_message(
-            stream, epoch=heartbeat.epoch, commit_lsn=heartbeat.commit_lsn
-        )
-        if effects.refusal is not None:
-            raise self._stream_refused(effects)
+        record_commit, ack = self.driver.heartbeat(stream, heartbeat)
         # No store operation but the background record: applied without the commit lock.
-        if effects.record_commit:
+        if record_commit:
             self._commit_recording = asyncio.get_running_loop().create_task(
-                self._record_commit(effects.record_commit), name=f"record-commit-{self.node.id}"
+                self._record_commit(record_commit), name=f"record-commit-{self.node.id}"
             )
-        if effects.advance_commit is not None:
-            self._advance_commit(effects.advance_commit)
-        return _ack(effects.acks[0])
+        return ack
 
     async def _apply_log_effects(self, effects: Effects) -> list[replica_pb2.ReplicationAck]:
         """Carries out the log effects of a batch (commit lock held), in the order of
         ``Effects``: compaction, then commit advance; returns the acks to send."""
-        if effects.compact_from:
-            await self._compact(effects.compact_from)
-        if effects.advance_commit is not None:
-            self._advance_commit(effects.advance_commit)
-        return [_ack(ack) for ack in effects.acks]
+        compact_from, acks = self.driver.log_effects(effects)
+        if compact_from:
+            await self._compact(compact_from)
+        self.driver.advance(effects)
+        return acks
 
     async def _record_commit(self, commit_lsn: int) -> None:
         """Records a commit LSN learnt without a batch (a heartbeat: the stream is idle),
@@ -1465,7 +1271,7 @@ class ReplicaNode:
         try:
             async with self._commit_lock:  # ordered with appends, truncations and installs
                 recorded = await asyncio.get_running_loop().run_in_executor(
-                    self._io, functools.partial(self.store.record_commit, commit_lsn)
+                    self._io, self.driver.store_record_commit, commit_lsn
                 )
         except StoreError as exc:
             # Only a hint for the next start-up: a failure hides more after a restart.
@@ -1474,14 +1280,11 @@ class ReplicaNode:
             )
         finally:
             # Cancelled or failed: the next heartbeat records it.
-            if recorded:
-                self.core.commit_record_done(recorded)
-            else:
-                self.core.commit_record_failed()
+            self.driver.commit_recorded(recorded)
 
     def _track(self, entry: replica_pb2.LogEntry) -> None:
         """Hides an uncommitted publish from committed reads until it commits."""
-        _track(self.gate, entry)
+        self.driver.track(entry)
 
     async def fetch_log(
         self, request: replica_pb2.FetchLogRequest
@@ -1749,7 +1552,9 @@ class ReplicaNode:
     ) -> None:
         """Appends entries to the store (commit lock held), on the loop when small and
         unflushed, recording the commit LSN known with them."""
-        append = functools.partial(self.store.append, entries, sync=sync, commit_lsn=commit_lsn)
+        append = functools.partial(
+            self.driver.store_append, entries, sync=sync, commit_lsn=commit_lsn
+        )
         if not sync and batch_size_bytes(entries) <= _INLINE_APPEND_BYTES_MAX:
             append()
             return
@@ -1759,7 +1564,7 @@ class ReplicaNode:
         """Deletes the log below keep_from_lsn on the store thread (commit lock held)."""
         try:
             deleted = await asyncio.get_running_loop().run_in_executor(
-                self._io, functools.partial(self.store.compact_log, keep_from_lsn)
+                self._io, self.driver.store_compact, keep_from_lsn
             )
         except StoreError as exc:
             # Compaction only deletes: a failure leaves more log than wanted, not less.
@@ -1771,7 +1576,7 @@ class ReplicaNode:
                 exc,
             )
             return
-        self.core.log_compacted(self.store.log_start_lsn())
+        self.driver.compacted()
         log.debug(
             "replica %s compacted its log: %d entries deleted, now LSNs %d..%d",
             self.node.id,
@@ -1895,9 +1700,3 @@ class _Diverged(Exception):
     def __init__(self, fork_lsn: int) -> None:
         super().__init__(f"diverges after LSN {fork_lsn}")
         self.fork_lsn = fork_lsn
-
-
-def _ack(ack: Ack) -> replica_pb2.ReplicationAck:
-    return replica_pb2.ReplicationAck(
-        received_lsn=ack.received_lsn, written_lsn=ack.written_lsn, synced_lsn=ack.synced_lsn
-    )
