@@ -10,7 +10,8 @@ report, compaction and the commit advance), heartbeats, snapshot chunks (the gat
 when an install begins, restored from the snapshot's uncommitted topics when it ends),
 and the mapping of a store failure to the stream's status; and what a new master fetches
 from its sync source (the request, cluster id adoption, the checks of fetched entries,
-truncations and snapshots, the commit advance).
+truncations and snapshots, the commit advance); and the master writer's planning of a
+group-commit batch and the mapping of a failed append.
 
 Its methods come in two kinds. ``store_*`` methods only touch the store, so a shell may
 run them on a store thread (fsync must not block its event loop); every other method
@@ -20,16 +21,20 @@ batch and awaits the store thread); a simulator calls them one after the other. 
 readers is a hook (``on_committed``), as waking loops is the coordinator driver's.
 
 ``services/replica/node.py`` (``ReplicaNode``) is the asyncio shell that feeds it; the
-master side (the writer, the reorganization fetch's loop, role application) is still the
-shell's (issue 15).
+master side (the writer's queue and its hand-off to ``MasterDriver``, the reorganization
+fetch's loop, role application) is still the shell's (issue 15).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 
+from services.common.config import LimitsConfig
 from services.common.errors import Code, ServiceError
+from services.replica import commands
+from services.replica.commands import BatchBuilder, Command, Planned
 from services.replica.committed import track
 from services.replica.core import EPOCH_KEY, Effects, Follow, ReplicaCore, RoleRefusal
 from services.replica.follower import (
@@ -55,6 +60,20 @@ from services.replica.visibility import CommitGate
 from squall.v1 import common_pb2, replica_pb2
 
 log = logging.getLogger("squall.replica")
+
+
+@dataclass
+class PlannedBatch:
+    """One group-commit batch planned on the store's state: its entries, and for each
+    command (by its index in the input) its plan and the LSN it waits for (its entry's,
+    or for a command with no entry — a duplicate, an ack below the cursor — the last
+    LSN of the state it read), or why it was refused. ``faults``: checksum errors met
+    while planning, for the shell to report (the node is quarantined)."""
+
+    entries: list[replica_pb2.LogEntry]
+    planned: list[tuple[int, Planned, int]] = field(default_factory=list)
+    refused: list[tuple[int, ServiceError]] = field(default_factory=list)
+    faults: list[str] = field(default_factory=list)
 
 
 def ack_message(ack: Ack) -> replica_pb2.ReplicationAck:
@@ -372,6 +391,72 @@ class ReplicaDriver:
         hidden = self.gate.restore(uncommitted)
         self._on_committed()
         return hidden
+
+    # --- the master's writer: one group-commit batch at a time (commit lock held)
+
+    def plan_batch(
+        self, batch: Sequence[Command], *, limits: LimitsConfig, epoch: int, now_ms: int
+    ) -> PlannedBatch:
+        """Plans the commands on top of the store's state (``BatchBuilder``); publishes
+        are hidden from committed reads until their entries commit."""
+        first_lsn = self.core.log.last_lsn + 1
+        builder = BatchBuilder(
+            self.store,
+            limits=limits,
+            node_id=self.node_id,
+            epoch=epoch,
+            next_lsn=first_lsn,
+            now_ms=now_ms,
+        )
+        out = PlannedBatch(builder.entries)
+        for index, command in enumerate(batch):
+            try:
+                plan = builder.add(command)
+            except ServiceError as exc:
+                out.refused.append((index, exc))
+                continue
+            except CorruptRecordError as exc:
+                out.faults.append(f"checksum error planning a write: {exc}")
+                out.refused.append((index, ServiceError(Code.DATA_LOSS, str(exc))))
+                continue
+            out.planned.append((index, plan, first_lsn - 1 + len(builder.entries)))
+            if (
+                plan.entry_index is not None
+                and plan.receipt is not None
+                and isinstance(command, commands.Publish)
+            ):
+                self.gate.appended(
+                    first_lsn + plan.entry_index, command.request.topic, plan.receipt.first_offset
+                )
+        return out
+
+    def batch_appended(self, last_lsn: int, commit_lsn: int) -> None:
+        """The master's batch is stored (with the commit LSN known then)."""
+        self.core.log_appended(last_lsn, commit_lsn)
+
+    def append_failed(
+        self, exc: StoreError, entries: int, *, epoch: int, map_size_bytes: int
+    ) -> tuple[ServiceError, str]:
+        """The master's append failed: what its writers are told, and the reason to
+        fail-stop with ("" for a full store: nothing was stored, later writes may fit)."""
+        if isinstance(exc, StoreFullError):
+            self.gate.truncated(self.core.log.last_lsn)
+            log.warning(
+                "replica %s: store full, %d entries refused: epoch=%d lsn=%d: %s",
+                self.node_id,
+                entries,
+                epoch,
+                self.core.log.last_lsn,
+                exc,
+            )
+            return ServiceError(
+                Code.RESOURCE_EXHAUSTED,
+                f"store of replica {self.node_id} is full (map_size_bytes="
+                f"{map_size_bytes}); the write was not stored",
+            ), ""
+        return ServiceError(
+            Code.UNKNOWN, f"write outcome unknown: {exc}"
+        ), f"store write failed: {exc}"
 
     # --- the reorganization fetch: a new master syncing from its group's sync source
 

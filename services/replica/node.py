@@ -57,7 +57,7 @@ from services.common.config import ClusterConfig, NodeConfig
 from services.common.errors import Code, ServiceError
 from services.common.telemetry import Telemetry, current
 from services.replica import commands, telemetry
-from services.replica.commands import BatchBuilder, Command, Planned
+from services.replica.commands import Command, Planned
 from services.replica.committed import gate_from_store
 from services.replica.core import (
     CoreConfig,
@@ -99,10 +99,8 @@ from services.replica.replication import (
 )
 from services.replica.snapshot_pump import pump_snapshot
 from services.replica.store import (
-    CorruptRecordError,
     Store,
     StoreError,
-    StoreFullError,
     StoreMeta,
     TopicInfo,
 )
@@ -1450,69 +1448,38 @@ class ReplicaNode:
                 ),
             )
             return
-        first_lsn = self._last_lsn + 1
-        builder = BatchBuilder(
-            self.store,
+        # The caller may have given up (cancelled) before the write began.
+        live = [pending for pending in batch if not pending.future.done()]
+        planning = self.driver.plan_batch(
+            [pending.command for pending in live],
             limits=self.config.limits,
-            node_id=self.node.id,
             epoch=self.epoch,
-            next_lsn=first_lsn,
             now_ms=self.clock.wall_ms(),
         )
-        planned: list[tuple[_Pending, Planned]] = []
-        # The LSN each planned command waits for: its entry's, or (no entry: a duplicate,
-        # an ack below the cursor) the last LSN of the state it read.
-        lsns: list[int] = []
-        for pending in batch:
-            if pending.future.done():
-                continue  # the caller gave up (cancelled) before the write began
-            try:
-                plan = builder.add(pending.command)
-            except ServiceError as exc:
-                pending.future.set_exception(exc)
-                continue
-            except CorruptRecordError as exc:
-                self.report_fault(f"checksum error planning a write: {exc}")
-                pending.future.set_exception(ServiceError(Code.DATA_LOSS, str(exc)))
-                continue
-            planned.append((pending, plan))
-            lsns.append(first_lsn - 1 + len(builder.entries))
-            command = pending.command
-            if (
-                plan.entry_index is not None
-                and plan.receipt is not None
-                and isinstance(command, commands.Publish)
-            ):
-                self.gate.appended(
-                    first_lsn + plan.entry_index, command.request.topic, plan.receipt.first_offset
-                )
+        for fault in planning.faults:
+            self.report_fault(fault)
+        for index, refusal in planning.refused:
+            live[index].future.set_exception(refusal)
+        planned = [(live[index], plan) for index, plan, _ in planning.planned]
+        lsns = [lsn for _, _, lsn in planning.planned]
+        entries = planning.entries
         sync = self.config.durability.master_sync == common_pb2.SYNC_POLICY_SYNC
-        if builder.entries:
+        if entries:
             commit_lsn = self.gate.commit_lsn
             try:
-                await self._append(builder.entries, sync=sync, commit_lsn=commit_lsn)
-            except StoreFullError as exc:
-                self.gate.truncated(self._last_lsn)
-                log.warning(
-                    "replica %s: store full, %d entries refused: epoch=%d lsn=%d: %s",
-                    self.node.id,
-                    len(builder.entries),
-                    self.epoch,
-                    self._last_lsn,
+                await self._append(entries, sync=sync, commit_lsn=commit_lsn)
+            except StoreError as exc:
+                error, fail_stop = self.driver.append_failed(
                     exc,
+                    len(entries),
+                    epoch=self.epoch,
+                    map_size_bytes=self.config.limits.map_size_bytes,
                 )
-                error = ServiceError(
-                    Code.RESOURCE_EXHAUSTED,
-                    f"store of replica {self.node.id} is full (map_size_bytes="
-                    f"{self.config.limits.map_size_bytes}); the write was not stored",
-                )
+                if fail_stop:
+                    self._fail_stop(fail_stop)
                 _fail_all(planned, error)
                 return
-            except StoreError as exc:
-                self._fail_stop(f"store write failed: {exc}")
-                _fail_all(planned, ServiceError(Code.UNKNOWN, f"write outcome unknown: {exc}"))
-                return
-            self.core.log_appended(builder.entries[-1].lsn, commit_lsn)
+            self.driver.batch_appended(entries[-1].lsn, commit_lsn)
         if driver is not self._driver or driver.deposed:
             _fail_all(
                 planned,
@@ -1532,7 +1499,7 @@ class ReplicaNode:
                     if pending.trace is not None
                 ]
             )
-        driver.appended(builder.entries, synced=sync)
+        driver.appended(entries, synced=sync)
         floor = driver.core.epoch_start_lsn
         driver.register(
             [

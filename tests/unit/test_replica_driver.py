@@ -9,10 +9,13 @@ a stale master, and maps a failing disk to UNAVAILABLE plus a fail-stop reason.
 from __future__ import annotations
 
 import zlib
+from pathlib import Path
 
 import pytest
 
+from services.common.config import load_config
 from services.common.errors import Code, ServiceError
+from services.replica import commands
 from services.replica.core import (
     EPOCH_KEY,
     CoreConfig,
@@ -28,8 +31,9 @@ from services.replica.follower import FollowerConfig
 from services.replica.replication import SyncPolicy
 from services.replica.store import Store, StoreWriteError
 from services.replica.visibility import CommitGate
-from squall.v1 import replica_pb2
+from squall.v1 import broker_pb2, common_pb2, replica_pb2
 
+CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "cluster.example.toml"
 NOW_MS = 1_000
 
 
@@ -152,3 +156,42 @@ def test_a_failing_disk_is_unavailable_and_fail_stops_and_nothing_is_acknowledge
     assert fail_stop.startswith("store write failed")
     assert all(ack.synced_lsn <= 1 for ack in acks)  # SYNC: nothing on receipt beyond 1
     assert driver.core.log.last_lsn == 1 and store.meta().last_lsn == 1
+
+
+def test_the_writer_plans_a_batch_refusing_a_bad_command_without_losing_the_others() -> None:
+    store = Store.open_memory()
+    core = ReplicaCore(
+        CoreConfig("n1", {"n1": "127.0.0.1:1"}), stored_epoch=0, log=LogPosition(0, 1)
+    )
+    driver = ReplicaDriver(
+        "n1",
+        core,
+        store,
+        CommitGate(0),
+        follower_config=FollowerConfig(node_id="n1"),
+        on_committed=lambda: None,
+    )
+    limits = load_config(CONFIG).limits
+    batch = driver.plan_batch(
+        [
+            commands.CreateTopic("orders", common_pb2.TOPIC_KIND_REPLICATED),
+            commands.Publish(broker_pb2.PublishRequest(topic="nowhere")),
+            commands.Publish(
+                broker_pb2.PublishRequest(
+                    topic="orders", events=[common_pb2.EventData(payload=b"x")]
+                )
+            ),
+        ],
+        limits=limits,
+        epoch=1,
+        now_ms=NOW_MS,
+    )
+    assert [index for index, _, _ in batch.planned] == [0, 2]
+    assert [lsn for _, _, lsn in batch.planned] == [1, 2]
+    assert [(index, err.code) for index, err in batch.refused] == [(1, Code.NOT_FOUND)]
+    assert [e.lsn for e in batch.entries] == [1, 2] and not batch.faults
+    # The publish stays hidden from committed reads until its entry commits.
+    assert driver.gate.tracked == 1
+    driver.store_append(batch.entries, sync=True, commit_lsn=0)
+    driver.batch_appended(2, 0)
+    assert core.log.last_lsn == 2 and store.meta().last_lsn == 2
