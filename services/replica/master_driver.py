@@ -1,8 +1,9 @@
 """The master's replication driver: real streams, clock and store around ReplicationMaster.
 
 One ``MasterDriver`` lives for one master epoch (as its core does). It opens one
-bidirectional ``Replication.Replicate`` stream per member slave (grpc.aio client,
-reconnecting with bounded backoff while this node is master), feeds the core every
+bidirectional ``Replication.Replicate`` stream per member slave (through the injected
+``ReplicaTransport``: gRPC in the service, in process in the tests), reconnecting with
+bounded backoff while this node is master, feeds the core every
 input (local appends, client writes, Positions, acks, broken streams, ticks) and applies
 each ``Actions`` record in the order ``replication.Actions`` documents: rejection,
 sends (build the batch, ``on_sent``, queue it on the stream), snapshots, heartbeats,
@@ -38,16 +39,13 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-import grpc
 from opentelemetry import trace
 
-from squall.v1 import common_pb2, replica_pb2, replica_pb2_grpc
+from squall.v1 import common_pb2, replica_pb2
 from squall_server.common.clock import Clock
 from squall_server.common.config import ClusterConfig, NodeConfig
 from squall_server.common.errors import Code, ServiceError
-from squall_server.common.grpc_server import channel_options
 from squall_server.common.telemetry import Telemetry, current
-from squall_server.common.tls import transport
 from squall_server.replica.commands import Planned
 from squall_server.replica.core import EPOCH_KEY
 from squall_server.replica.replication import (
@@ -65,10 +63,9 @@ from squall_server.replica.replication import (
 from squall_server.replica.snapshot_pump import pump_snapshot
 from squall_server.replica.store import Store, StoreError
 from squall_server.replica.telemetry import ReplicationTracer
+from squall_server.replica.transport import ReplicaCallError, ReplicateCall, ReplicaTransport
 
 log = logging.getLogger("squall.replica")
-
-_Call = grpc.aio.StreamStreamCall[replica_pb2.ReplicateRequest, replica_pb2.ReplicateResponse]
 
 # Reconnect backoff to a slave: fast at first (failover time depends on it), bounded.
 _BACKOFF_MIN_S = 0.05
@@ -99,11 +96,10 @@ class _Link:
     """One member slave's stream."""
 
     node: NodeConfig
-    channel: grpc.aio.Channel
     stream_id: int = 0
     outbox: asyncio.Queue[replica_pb2.ReplicateRequest] = field(default_factory=asyncio.Queue)
     close_reason: str = ""
-    call: _Call | None = None
+    call: ReplicateCall | None = None
     task: asyncio.Task[None] | None = None
     snapshot_task: asyncio.Task[None] | None = None
     # (monotonic seconds, acknowledged LSN at the replica sync policy), newest last.
@@ -133,6 +129,7 @@ class MasterDriver:
         *,
         cluster_id: str,
         members: Sequence[NodeConfig],
+        transport: ReplicaTransport,
         clock: Clock,
         on_commit: Callable[[int], None],
         on_deposed: Callable[[str], None],
@@ -142,7 +139,8 @@ class MasterDriver:
         stamp_snapshot: Callable[[replica_pb2.SnapshotChunk], None] | None = None,
         observability: Telemetry | None = None,
     ) -> None:
-        """``io``: the store thread; ``commit_lock``: held by the writer while it appends;
+        """``transport``: this epoch's own (closed with the driver); ``io``: the store
+        thread; ``commit_lock``: held by the writer while it appends;
         ``stamp_snapshot``: adds the commit LSN and what the snapshot holds above it to a
         snapshot's last chunk (the node's committed-reads gate knows)."""
         self.config = config
@@ -150,6 +148,7 @@ class MasterDriver:
         self.core = core
         self._store = store
         self._cluster_id = cluster_id
+        self._transport = transport
         self._clock = clock
         self._on_commit = on_commit
         self._on_deposed = on_deposed
@@ -169,14 +168,9 @@ class MasterDriver:
         self._spans = (
             ReplicationTracer(observed.tracer, node.id, core.epoch) if observed.tracing else None
         )
-        options = channel_options(config.limits.max_message_bytes)
-        self._links: dict[str, _Link] = {}
-        links = transport(config, node.id)
-        for member in members:
-            if member.id == node.id:
-                continue
-            channel = links.aio_channel(member.replica_address, options=options)
-            self._links[member.id] = _Link(node=member, channel=channel)
+        self._links: dict[str, _Link] = {
+            member.id: _Link(node=member) for member in members if member.id != node.id
+        }
 
     # --- lifecycle
 
@@ -217,8 +211,7 @@ class MasterDriver:
             if task is not current:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        for link in self._links.values():
-            await link.channel.close(None)
+        await self._transport.close()
 
     # --- inputs from the writer
 
@@ -535,7 +528,7 @@ class MasterDriver:
             opened = False
             try:
                 opened = await self._stream(link)
-            except grpc.aio.AioRpcError as exc:
+            except ReplicaCallError as exc:
                 self._refused(link, exc)
             except asyncio.CancelledError:
                 if not link.close_reason:
@@ -546,26 +539,21 @@ class MasterDriver:
             await asyncio.sleep(backoff_s)
             backoff_s = min(backoff_s * 2, _BACKOFF_MAX_S)
 
-    def _refused(self, link: _Link, exc: grpc.aio.AioRpcError) -> None:
-        code = exc.code()
-        for key, value in _pairs(exc.trailing_metadata()):
-            if key == EPOCH_KEY and isinstance(value, str) and value.isdigit():
+    def _refused(self, link: _Link, exc: ReplicaCallError) -> None:
+        for key, value in exc.metadata:
+            if key == EPOCH_KEY and value.isdigit():
                 self.apply(self.core.observe_epoch(int(value)))
         if self.core.deposed:
             return
-        level = (
-            logging.DEBUG
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-            else logging.WARNING
-        )
+        level = logging.DEBUG if exc.status in ("UNAVAILABLE", "CANCELLED") else logging.WARNING
         log.log(
             level,
             "replica %s (master, epoch %d): stream to %s ended: %s: %s",
             self.node.id,
             self.core.epoch,
             link.node.id,
-            code.name,
-            exc.details(),
+            exc.status,
+            exc.details,
         )
 
     async def _stream(self, link: _Link) -> bool:
@@ -573,7 +561,7 @@ class MasterDriver:
         stream_id = self.core.connect(link.node.id)
         link.stream_id = stream_id
         link.outbox = asyncio.Queue()
-        call = replica_pb2_grpc.ReplicationStub(link.channel).Replicate(None)
+        call = self._transport.replicate(link.node.id)
         link.call = call
         writer: asyncio.Task[None] | None = None
         opened = False
@@ -588,7 +576,7 @@ class MasterDriver:
                 )
             )
             first = await call.read()
-            if not isinstance(first, replica_pb2.ReplicateResponse):
+            if first is None:
                 return False  # the slave closed the stream
             if first.WhichOneof("body") != "position":
                 log.warning(
@@ -620,7 +608,7 @@ class MasterDriver:
             )
             while not self.core.deposed:
                 message = await call.read()
-                if not isinstance(message, replica_pb2.ReplicateResponse):
+                if message is None:
                     break  # the slave closed the stream
                 if message.WhichOneof("body") == "ack":
                     ack = message.ack
@@ -648,7 +636,7 @@ class MasterDriver:
                     await snapshot
             if writer is not None:
                 writer.cancel()
-                with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                with contextlib.suppress(asyncio.CancelledError, ReplicaCallError):
                     await writer
             call.cancel()
             link.call = None
@@ -662,7 +650,7 @@ class MasterDriver:
     async def _pump(
         self,
         link: _Link,
-        call: _Call,
+        call: ReplicateCall,
     ) -> None:
         """Writes a stream's queued messages in order."""
         outbox = link.outbox
@@ -686,8 +674,3 @@ def _durable_lsn(policy: SyncPolicy, ack: replica_pb2.ReplicationAck) -> int:
     if policy == SyncPolicy.WRITE_NO_SYNC:
         return ack.written_lsn
     return ack.received_lsn
-
-
-def _pairs(metadata: object) -> list[tuple[str, str | bytes]]:
-    """Metadata as (key, value) pairs (grpc-stubs types its items too narrowly)."""
-    return [(str(k), v) for k, v in metadata or ()]  # type: ignore[attr-defined]

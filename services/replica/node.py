@@ -1,5 +1,10 @@
-"""The replica node: the driver of the replica's cores, the group-commit writer, and
-committed reads.
+"""The replica node: the asyncio shell around the replica's cores and its synchronous
+driver, the group-commit writer, and committed reads.
+
+The synchronous ``ReplicaDriver`` (``driver.py``, ``self.driver``) owns the store and the
+commit gate and applies the core's slave-side effects and checks a reorganization fetch;
+this shell holds the commit lock, runs store writes on the store thread and talks to the
+other replicas through a ``ReplicaTransport`` (``transport.py``) between its steps.
 
 Roles: every role rule (role, epoch floor, lease, taking and dropping roles, the shutdown
 freeze, the hand-off fence, which writes are refused) is decided by the pure
@@ -47,21 +52,15 @@ from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-import grpc
-
-from squall.v1 import broker_pb2, common_pb2, replica_pb2, replica_pb2_grpc
+from squall.v1 import broker_pb2, common_pb2, replica_pb2
 from squall_server.common.clock import Clock, SystemClock
 from squall_server.common.config import ClusterConfig, NodeConfig
 from squall_server.common.errors import Code, ServiceError
-from squall_server.common.grpc_server import channel_options
 from squall_server.common.telemetry import Telemetry, current
-from squall_server.common.tls import transport
 from squall_server.replica import commands, telemetry
-from squall_server.replica.commands import BatchBuilder, Command, Planned
+from squall_server.replica.commands import Command, Planned
 from squall_server.replica.committed import gate_from_store
-from squall_server.replica.committed import track as _track
 from squall_server.replica.core import (
-    EPOCH_KEY,
     CoreConfig,
     Effects,
     Follow,
@@ -75,6 +74,7 @@ from squall_server.replica.core import (
     WriteFence,
 )
 from squall_server.replica.divergence import HistoryError, fork_lsn
+from squall_server.replica.driver import ReplicaDriver
 from squall_server.replica.faults import (
     REASON_CHARS_MAX,
     Fault,
@@ -83,19 +83,14 @@ from squall_server.replica.faults import (
     save_fault,
 )
 from squall_server.replica.follower import (
-    EntryProblem,
-    Follower,
     FollowerConfig,
     FollowerError,
-    RefusalCode,
-    check_entries,
 )
 from squall_server.replica.master_driver import MasterDriver, SlaveStatus, Waiting
 from squall_server.replica.push import PushDelivery
 from squall_server.replica.rebuild import LmdbTruncator
 from squall_server.replica.reorg import SyncProgress, Taking, answer_wait_s, outcome, read_within
 from squall_server.replica.replication import (
-    Ack,
     AckPolicy,
     MasterConfig,
     ReplicationError,
@@ -105,16 +100,14 @@ from squall_server.replica.replication import (
 )
 from squall_server.replica.snapshot_pump import pump_snapshot
 from squall_server.replica.store import (
-    CorruptRecordError,
-    SnapshotError,
     Store,
     StoreError,
-    StoreFullError,
     StoreMeta,
     TopicInfo,
 )
 from squall_server.replica.store.stall import StallMeter
 from squall_server.replica.transient import TransientTopics
+from squall_server.replica.transport import GrpcReplicaTransport, ReplicaCallError, ReplicaTransport
 from squall_server.replica.visibility import CommitGate
 
 log = logging.getLogger("squall.replica")
@@ -155,11 +148,16 @@ class ReplicaNode:
         *,
         truncator: LmdbTruncator | None = None,
         observability: Telemetry | None = None,
+        transport: Callable[[], ReplicaTransport] | None = None,
     ) -> None:
+        """``transport`` makes the connections to the other replicas: one per master epoch
+        and one per reorganization sync, each closed when done (gRPC unless given)."""
         self.config = config
         self.node = node
-        self.store = store
         self.clock = clock or SystemClock()
+        self._new_transport: Callable[[], ReplicaTransport] = transport or functools.partial(
+            GrpcReplicaTransport, config, node.id
+        )
         # Times the store's writes so a stuck disk is reported to the coordinator; moves
         # with the store when a truncation installs a new one.
         self._stall = StallMeter(self.clock)
@@ -210,8 +208,22 @@ class ReplicaNode:
         # master's commit LSN passes it. A store that never recorded one (written before
         # the record existed) counts as committed throughout.
         recorded = store.meta().commit_lsn
-        self.gate = CommitGate(self._last_lsn if recorded is None else recorded)
-        self.core.log_reset(self._last_lsn, self._log_start_lsn, self.gate.commit_lsn)
+        gate = CommitGate(self._last_lsn if recorded is None else recorded)
+        self.core.log_reset(self._last_lsn, self._log_start_lsn, gate.commit_lsn)
+        # Applies the core's slave-side effects to the store and the gate (both its own).
+        self.driver = ReplicaDriver(
+            node.id,
+            self.core,
+            store,
+            gate,
+            follower_config=FollowerConfig(
+                node_id=node.id,
+                sync_policy=SyncPolicy(int(config.durability.replica_sync)),
+                inflight_entries_max=config.limits.replication_inflight_entries_max,
+                inflight_bytes_max=config.limits.replication_inflight_bytes_max,
+            ),
+            on_committed=self._notify_committed,
+        )
         self._commit_recording: asyncio.Task[None] | None = None  # the core's record_commit
         # The task taking a master role in the background (its reorganization sync).
         self._taking: Taking | None = None
@@ -224,6 +236,26 @@ class ReplicaNode:
         self._driver: MasterDriver | None = None
         # How the process is stopped once a cluster shutdown finished (shutdown.py).
         self.on_shutdown: Callable[[], None] | None = None
+
+    # --- the store and the commit gate (the driver's)
+
+    @property
+    def store(self) -> Store:
+        """The store (replaced whole when a truncation installs a rebuilt one)."""
+        return self.driver.store
+
+    @store.setter
+    def store(self, store: Store) -> None:
+        self.driver.store = store
+
+    @property
+    def gate(self) -> CommitGate:
+        """Committed reads: what a subscriber may see."""
+        return self.driver.gate
+
+    @gate.setter
+    def gate(self, gate: CommitGate) -> None:
+        self.driver.gate = gate
 
     # --- the core's state, as the servicers and the coordinator's reports read it
 
@@ -395,6 +427,7 @@ class ReplicaNode:
             lambda: self.store,
             cluster_id=meta.cluster_id,
             members=member_nodes,
+            transport=self._new_transport(),
             clock=self.clock,
             on_commit=self._advance_commit,
             on_deposed=self._master_deposed,
@@ -498,32 +531,20 @@ class ReplicaNode:
         source = next((n for n in self.config.nodes if n.id == source_id), None)
         if source is None:
             raise ServiceError(Code.INVALID_ARGUMENT, f"unknown sync source '{source_id}'")
-        options = channel_options(self.config.limits.max_message_bytes)
         idle_timeout_s = self.config.timeouts.rpc_timeout_ms / 1000
         sync = self.config.durability.master_sync == common_pb2.SYNC_POLICY_SYNC
         fetched = snapshots = 0
-        links = transport(self.config, self.node.id)
-        async with links.aio_channel(source.replica_address, options=options) as channel:
-            stub = replica_pb2_grpc.ReplicationStub(channel)
+        driver = self.driver
+        links = self._new_transport()
+        try:
             # Twice at most: once more after truncating a divergent suffix.
             for _ in range(2):
                 meta = self.store.meta()
-                request = replica_pb2.FetchLogRequest(
-                    node_id=self.node.id,
-                    epoch=epoch,
-                    cluster_id=meta.cluster_id,
-                    last_lsn=meta.last_lsn,
-                    history=[
-                        replica_pb2.EpochBoundary(epoch=b.epoch, start_lsn=b.start_lsn)
-                        for b in meta.history
-                    ],
-                    max_entries=self.config.limits.commit_batch_max_entries,
-                    log_start_lsn=self.store.log_start_lsn(),
-                )
+                request = driver.fetch_request(epoch, self.config.limits.commit_batch_max_entries)
                 progress.phase = "fetching log"
                 # Where the log ends, as each fetched batch must continue it.
                 tail_lsn, tail_epoch = meta.last_lsn, meta.last_epoch
-                call = stub.FetchLog(request)
+                call = links.fetch_log(source_id, request)
                 try:
                     # One step per message: bounded by the source's log and snapshot.
                     while True:
@@ -532,7 +553,7 @@ class ReplicaNode:
                         )
                         if response is None:
                             break
-                        self._adopt_cluster_id(response.cluster_id, source_id)
+                        driver.adopt_cluster_id(response.cluster_id, source_id)
                         if response.WhichOneof("body") == "snapshot":
                             # The source answers with a snapshot when this log cannot be
                             # truncated by replay, shares no entry with the source's, or
@@ -551,40 +572,41 @@ class ReplicaNode:
                             continue
                         batch = response.entries
                         if batch.truncate_after_lsn and batch.truncate_after_lsn < meta.last_lsn:
-                            self._check_fetched_truncation(
+                            driver.check_fetched_truncation(
                                 batch.truncate_after_lsn, epoch, source_id
                             )
                             raise _Diverged(batch.truncate_after_lsn)
                         entries = list(batch.entries)
                         if entries:
                             progress.phase = "fetching log"
-                            # Held to a streamed batch's rules before anything is stored.
-                            checked = check_entries(
-                                entries, prev_lsn=tail_lsn, prev_epoch=tail_epoch, max_epoch=epoch
+                            checked = driver.check_fetched_entries(
+                                entries,
+                                prev_lsn=tail_lsn,
+                                prev_epoch=tail_epoch,
+                                epoch=epoch,
+                                source_id=source_id,
                             )
-                            if isinstance(checked, EntryProblem):
-                                raise self._fetch_refused(epoch, source_id, checked)
                             await self._store_fetched(entries, batch.commit_lsn, sync=sync)
                             tail_lsn, tail_epoch = checked.last_lsn, checked.last_epoch
                             fetched += len(entries)
                             progress.entries_fetched = fetched
-                        elif self.gate.advance(min(batch.commit_lsn, self._last_lsn)):
-                            self._notify_committed()
+                        else:
+                            driver.fetched_commit(batch.commit_lsn)
                     break
                 except _Diverged as diverged:
                     progress.phase = "truncating"
                     await self._truncate_after(diverged.fork_lsn, f"sync source {source_id}")
-                except grpc.aio.AioRpcError as exc:
+                except ReplicaCallError as exc:
                     code = (
                         Code.FAILED_PRECONDITION
-                        if exc.code() == grpc.StatusCode.FAILED_PRECONDITION
+                        if exc.status == "FAILED_PRECONDITION"
                         else Code.UNAVAILABLE
                     )
                     raise ServiceError(
                         code,
                         f"replica {self.node.id} cannot take the master role in epoch {epoch}: "
                         f"fetching the log from sync source {source_id} failed: "
-                        f"{exc.code().name}: {exc.details()}",
+                        f"{exc.status}: {exc.details}",
                     ) from exc
                 except StoreError as exc:
                     raise ServiceError(
@@ -594,6 +616,8 @@ class ReplicaNode:
                     ) from exc
                 finally:
                     call.cancel()  # a no-op once the stream ended
+        finally:
+            await links.close()
         meta = self.store.meta()
         self.core.log_reset(meta.last_lsn, self._log_start_lsn)
         log.info(
@@ -612,89 +636,32 @@ class ReplicaNode:
             progress.describe(self.clock.monotonic_ms()),
         )
 
-    def _check_fetched_truncation(self, keep_lsn: int, epoch: int, source_id: str) -> None:
-        """A sync source may not have this node truncate entries it knows committed."""
-        if keep_lsn < self.gate.commit_lsn:
-            raise self._fetch_refused(
-                epoch,
-                source_id,
-                EntryProblem(
-                    RefusalCode.TRUNCATE_BELOW_COMMIT,
-                    keep_lsn,
-                    f"truncate after LSN {keep_lsn} would remove committed entries "
-                    f"(commit LSN {self.gate.commit_lsn})",
-                ),
-            )
-
-    def _fetch_refused(self, epoch: int, source_id: str, problem: EntryProblem) -> ServiceError:
-        """A fetched log refused by the follower's rules (nothing of that batch stored)."""
-        log.warning(
-            "replica %s refused the log fetched from sync source %s for epoch %d at LSN %d: "
-            "%s (%s)",
-            self.node.id,
-            source_id,
-            epoch,
-            problem.lsn,
-            problem.detail,
-            problem.code.value,
-        )
-        return ServiceError(
-            Code.FAILED_PRECONDITION,
-            f"replica {self.node.id} cannot take the master role in epoch {epoch}: sync "
-            f"source {source_id} sent a log it refuses at LSN {problem.lsn} "
-            f"({problem.code.value}): {problem.detail}; nothing of that batch was stored",
-        )
-
-    def _adopt_cluster_id(self, cluster_id: str, source_id: str) -> None:
-        """An empty store joins its sync source's cluster (as a slave does its master's)."""
-        if not cluster_id or self.store.meta().cluster_id:
-            return
-        self.store.set_cluster_id(cluster_id)
-        log.info(
-            "replica %s joined cluster %s (from sync source %s)",
-            self.node.id,
-            cluster_id,
-            source_id,
-        )
-
     async def _store_fetched(
         self, entries: list[replica_pb2.LogEntry], source_commit_lsn: int, *, sync: bool
     ) -> None:
         """Appends fetched entries; their publishes above the source's commit LSN stay
         hidden from committed reads until this node's own commit LSN passes them."""
         async with self._commit_lock:
-            visible = max(self.gate.commit_lsn, source_commit_lsn)
-            for entry in entries:
-                if entry.lsn > visible:
-                    self._track(entry)
+            self.driver.hide_uncommitted(entries, source_commit_lsn)
             try:
                 await asyncio.get_running_loop().run_in_executor(
                     self._io,
                     functools.partial(
-                        self.store.append, entries, sync=sync, commit_lsn=source_commit_lsn
+                        self.driver.store_append, entries, sync=sync, commit_lsn=source_commit_lsn
                     ),
                 )
             except Exception:
                 # (Cancelled: the store thread may still append; _cancel_taking rebuilds.)
-                self.gate.truncated(self.store.meta().last_lsn)
+                self.driver.fetched_store_failed()
                 raise
-            self.core.log_appended(entries[-1].lsn)
-            if self.gate.advance(min(source_commit_lsn, self._last_lsn)):
-                self._notify_committed()
+            self.driver.fetched_stored(entries[-1].lsn, source_commit_lsn)
 
     async def _fetched_snapshot_chunk(
         self, chunk: replica_pb2.SnapshotChunk, epoch: int, source_id: str, *, after_entries: bool
     ) -> int | None:
         """Installs one snapshot chunk of a reorganization fetch, as a slave does; returns
         the snapshot's LSN after the last chunk, else None. Store errors propagate."""
-        if after_entries or chunk.snapshot_epoch > epoch:
-            raise ServiceError(
-                Code.FAILED_PRECONDITION,
-                f"replica {self.node.id} cannot take the master role in epoch {epoch}: sync "
-                f"source {source_id} sent snapshot chunk {chunk.index} (LSN "
-                f"{chunk.snapshot_lsn}, epoch {chunk.snapshot_epoch}) "
-                + ("after log entries" if after_entries else "of a newer epoch"),
-            )
+        self.driver.check_fetched_snapshot(chunk, epoch, source_id, after_entries=after_entries)
         async with self._commit_lock:
             return await self._install_snapshot_chunk(
                 chunk,
@@ -1015,8 +982,7 @@ class ReplicaNode:
 
     def _mark_dirty(self) -> None:
         """A store in use is DIRTY: a restart must not take it for a clean or empty one."""
-        if self.store.meta().state != common_pb2.STORE_STATE_DIRTY:
-            self.store.set_state(common_pb2.STORE_STATE_DIRTY)
+        self.driver.mark_dirty()
 
     async def drain_writes(self) -> None:
         """Waits until every write queued now has finished (committed or failed) and no
@@ -1055,42 +1021,14 @@ class ReplicaNode:
     async def _become_slave(self, follow: Follow) -> None:
         """Follows the master in its epoch (the core's ``Follow``): the master's
         replication stream is accepted from now."""
-        epoch, master = follow.epoch, self._nodes[follow.master_id]
-        self.store.set_epoch(epoch)
-        self._mark_dirty()
+        self.driver.follow_persist(follow)
         async with self._commit_lock:  # no batch half-applied while the follower is made
-            meta = self.store.meta()
-            cfg = self.config
-            try:
-                follower = Follower(
-                    FollowerConfig(
-                        node_id=self.node.id,
-                        sync_policy=SyncPolicy(int(cfg.durability.replica_sync)),
-                        inflight_entries_max=cfg.limits.replication_inflight_entries_max,
-                        inflight_bytes_max=cfg.limits.replication_inflight_bytes_max,
-                    ),
-                    cluster_id=meta.cluster_id,
-                    epoch=epoch,
-                    master_id=master.id,
-                    last_lsn=meta.last_lsn,
-                    history=meta.history,
-                )
-            except FollowerError as exc:
-                raise ServiceError(
-                    Code.FAILED_PRECONDITION,
-                    f"replica {self.node.id} cannot follow {master.id} in epoch {epoch}: {exc}",
-                ) from exc
-            self._role_effects(
-                self.core.followed(
-                    epoch, master.id, follow.lease_ms, self.clock.monotonic_ms(), follower
-                )
-            )
-            self.core.log_reset(meta.last_lsn, self._log_start_lsn)
+            self._role_effects(self.driver.follow(follow, self.clock.monotonic_ms()))
         log.info(
             "replica %s follows %s: epoch=%d lsn=%d reason=%s",
             self.node.id,
-            master.id,
-            epoch,
+            follow.master_id,
+            follow.epoch,
             self._last_lsn,
             follow.reason,
         )
@@ -1163,8 +1101,7 @@ class ReplicaNode:
                         self.role == common_pb2.ROLE_SLAVE
                         and master is not None
                         and (
-                            master.replica_address not in unreachable
-                            or self.epoch > held_in_epoch
+                            master.replica_address not in unreachable or self.epoch > held_in_epoch
                         )
                     ):
                         return
@@ -1172,89 +1109,21 @@ class ReplicaNode:
 
     def _advance_commit(self, commit_lsn: int) -> None:
         """The commit LSN moved: committed reads may serve more; wake subscribers."""
-        if self.gate.advance(commit_lsn):
-            self._notify_committed()
+        self.driver.advance_commit(commit_lsn)
 
-    # --- the slave side of replication (driven by the Replication servicer)
+    # --- the slave side of replication (driven by the Replication servicer; the driver
+    # applies the core's effects, this shell holds the commit lock and awaits the store)
 
     def _refused(self, code: Code, message: str) -> ServiceError:
         """A replication refusal carrying this replica's epoch for a stale master."""
-        return ServiceError(code, message, metadata=((EPOCH_KEY, str(self.epoch)),))
+        return self.driver.refused(code, message)
 
     async def replication_hello(
         self, hello: replica_pb2.ReplicationHello
     ) -> tuple[int, replica_pb2.ReplicationPosition]:
         """Accepts a stream from this epoch's master; returns its number and our position."""
         async with self._commit_lock:
-            meta = self.store.meta()
-            effects = self.core.slave_hello(
-                master_id=hello.master_id,
-                epoch=hello.epoch,
-                cluster_id=hello.cluster_id,
-                store_last_lsn=meta.last_lsn,
-                store_history=tuple((b.epoch, b.start_lsn) for b in meta.history),
-                store_log_start_lsn=self.store.log_start_lsn(),
-            )
-            if effects.log_reread:
-                self.gate.truncated(meta.last_lsn)
-            result = effects.hello
-            if effects.refusal is not None or result is None:
-                raise self._stream_refused(effects)
-            if result.adopt_cluster_id:
-                self.store.set_cluster_id(result.adopt_cluster_id)
-                log.info(
-                    "replica %s joined cluster %s (from master %s, epoch=%d)",
-                    self.node.id,
-                    result.adopt_cluster_id,
-                    hello.master_id,
-                    hello.epoch,
-                )
-            self._mark_dirty()
-            position = result.position
-            log.info(
-                "replica %s accepted the stream of %s: epoch=%d last_epoch=%d lsn=%d",
-                self.node.id,
-                hello.master_id,
-                hello.epoch,
-                position.last_epoch,
-                position.last_lsn,
-            )
-            return effects.stream, replica_pb2.ReplicationPosition(
-                node_id=position.node_id,
-                last_epoch=position.last_epoch,
-                last_lsn=position.last_lsn,
-                history=[
-                    replica_pb2.EpochBoundary(epoch=e, start_lsn=s) for e, s in position.history
-                ],
-                log_start_lsn=self.store.log_start_lsn(),
-            )
-
-    def _stream_follower(self, stream: int) -> Follower:
-        """The follower of the current stream (the core's); a superseded one is refused."""
-        follower = self.core.slave_stream(stream)
-        if isinstance(follower, RoleRefusal):
-            raise follower.error()
-        return follower
-
-    def _slave_store_failed(self, follower: Follower) -> None:
-        """A slave's write or install failed: the core and the gate re-read the store."""
-        meta = self.store.meta()
-        self.core.slave_store_failed(
-            follower,
-            store_last_lsn=meta.last_lsn,
-            store_history=tuple((b.epoch, b.start_lsn) for b in meta.history),
-            store_log_start_lsn=self.store.log_start_lsn(),
-        )
-        self.gate.truncated(meta.last_lsn)
-
-    def _stream_refused(self, effects: Effects) -> ServiceError:
-        """A refused Hello as the stream's status (logged when the core says so)."""
-        refusal = effects.refusal or RoleRefusal(
-            Code.INTERNAL, "a Hello neither accepted nor refused"
-        )
-        if effects.warn:
-            log.warning("replica %s: %s", self.node.id, refusal.message)
-        return refusal.error()
+            return self.driver.hello(hello)
 
     async def replication_batch(
         self, stream: int, batch: replica_pb2.EntryBatch
@@ -1264,19 +1133,11 @@ class ReplicaNode:
         A NO_SYNC replica's ack on receipt is yielded before the write, so the master can
         count it without waiting for this store.
         """
+        driver = self.driver
         async with self._commit_lock:
-            accepted = self.core.slave_batch(
-                stream,
-                epoch=batch.epoch,
-                entries=list(batch.entries),
-                commit_lsn=batch.commit_lsn,
-                truncate_after_lsn=batch.truncate_after_lsn or None,
-            )
-            if accepted.refusal is not None:
-                raise self._stream_refused(accepted)
-            follower = self._stream_follower(stream)
-            for ack_now in accepted.acks:
-                yield _ack(ack_now)
+            accepted, follower, acks_now = driver.batch(stream, batch)
+            for ack_now in acks_now:
+                yield ack_now
             result = accepted.batch
             if result is not None:
                 try:
@@ -1284,33 +1145,16 @@ class ReplicaNode:
                         await self._truncate_locked(
                             result.truncate_after_lsn, f"master {follower.state().master_id}"
                         )
-                    visible = max(self.gate.commit_lsn, batch.commit_lsn)
-                    for entry in result.entries:
-                        if entry.lsn > visible:
-                            self._track(entry)
+                    driver.hide_uncommitted(result.entries, batch.commit_lsn)
                     await self._append(
                         result.entries, sync=result.sync, commit_lsn=batch.commit_lsn
                     )
                 except (StoreError, ServiceError) as exc:
-                    self._slave_store_failed(follower)
-                    if isinstance(exc, ServiceError):
-                        raise self._refused(exc.code, exc.message) from exc
-                    if isinstance(exc, StoreFullError):
-                        raise self._refused(
-                            Code.RESOURCE_EXHAUSTED,
-                            f"replica {self.node.id}: store full, batch not stored: {exc}",
-                        ) from exc
-                    self._fail_stop(f"store write failed: {exc}")
-                    raise self._refused(
-                        Code.UNAVAILABLE, f"replica {self.node.id}: store write failed: {exc}"
-                    ) from exc
-                ack = follower.on_written(result.last_lsn, synced=result.sync)
-                effects = self.core.slave_written(
-                    last_lsn=result.last_lsn,
-                    batch_commit_lsn=batch.commit_lsn,
-                    commit_lsn=follower.commit_lsn,
-                    ack=ack,
-                )
+                    error, fail_stop = driver.batch_failed(follower, exc)
+                    if fail_stop:
+                        self._fail_stop(fail_stop)
+                    raise error from exc
+                effects = driver.batch_written(follower, result, batch.commit_lsn)
                 for written in await self._apply_log_effects(effects):
                     yield written
             else:
@@ -1321,18 +1165,7 @@ class ReplicaNode:
     ) -> list[replica_pb2.ReplicationAck]:
         """Installs one snapshot chunk from the master; after the last, returns the ack."""
         async with self._commit_lock:
-            accepted = self.core.slave_snapshot_chunk(
-                stream,
-                index=chunk.index,
-                snapshot_lsn=chunk.snapshot_lsn,
-                snapshot_epoch=chunk.snapshot_epoch,
-                last=chunk.last,
-                history=[(b.epoch, b.start_lsn) for b in chunk.history],
-            )
-            result = accepted.snapshot
-            if accepted.refusal is not None or result is None:
-                raise self._stream_refused(accepted)
-            follower = self._stream_follower(stream)
+            result, follower = self.driver.snapshot_chunk(stream, chunk)
             try:
                 installed = await self._install_snapshot_chunk(
                     chunk,
@@ -1341,25 +1174,13 @@ class ReplicaNode:
                     source=f"master {follower.state().master_id}",
                 )
             except (StoreError, FollowerError) as exc:
-                self._slave_store_failed(follower)
-                if isinstance(exc, StoreFullError):
-                    raise self._refused(
-                        Code.RESOURCE_EXHAUSTED,
-                        f"replica {self.node.id}: store full, snapshot not installed: {exc}",
-                    ) from exc
-                if isinstance(exc, (SnapshotError, CorruptRecordError)):
-                    raise self._refused(
-                        Code.INVALID_ARGUMENT,
-                        f"replica {self.node.id}: snapshot chunk {chunk.index} refused: {exc}",
-                    ) from exc
-                self._fail_stop(f"snapshot install failed: {exc}")
-                raise self._refused(
-                    Code.UNAVAILABLE, f"replica {self.node.id}: snapshot install failed: {exc}"
-                ) from exc
+                error, fail_stop = self.driver.snapshot_failed(follower, chunk.index, exc)
+                if fail_stop:
+                    self._fail_stop(fail_stop)
+                raise error from exc
             if installed is None:
                 return []
-            # finish_snapshot flushed the whole install.
-            return [_ack(follower.on_written(installed, synced=True))]
+            return [self.driver.snapshot_installed_ack(follower, installed)]
 
     async def _install_snapshot_chunk(
         self,
@@ -1390,8 +1211,7 @@ class ReplicaNode:
                 functools.partial(store.begin_snapshot, chunk.snapshot_lsn, chunk.snapshot_epoch),
             )
             # The store reports itself empty until the install finishes.
-            self.core.snapshot_begun()
-            self.gate.truncated(0)
+            self.driver.snapshot_begun()
         await loop.run_in_executor(self._io, store.install_chunk, chunk)
         if not last:
             return None
@@ -1407,14 +1227,7 @@ class ReplicaNode:
                 uncommitted=uncommitted,
             ),
         )
-        installed = self.core.snapshot_installed(lsn, commit_lsn)
-        # The snapshot's state cannot be hidden entry by entry: what it holds above the
-        # sender's commit LSN is hidden per topic until this node's commit LSN passes it
-        # (the gate moves first, then hides).
-        if installed.advance_commit is not None:
-            self.gate.advance(installed.advance_commit)
-        hidden = self.gate.restore(uncommitted)
-        self._notify_committed()
+        hidden = self.driver.snapshot_finished(lsn, commit_lsn, uncommitted)
         log.info(
             "replica %s installed the snapshot at LSN %d (epoch %d) from %s; the log "
             "continues from LSN %d; commit LSN %d, %d topics hold uncommitted events",
@@ -1432,28 +1245,22 @@ class ReplicaNode:
         self, stream: int, heartbeat: replica_pb2.ReplicationHeartbeat
     ) -> replica_pb2.ReplicationAck:
         """A heartbeat from the master: learns its commit LSN; returns the ack."""
-        effects = self.core.slave_heartbeat_message(
-            stream, epoch=heartbeat.epoch, commit_lsn=heartbeat.commit_lsn
-        )
-        if effects.refusal is not None:
-            raise self._stream_refused(effects)
+        record_commit, ack = self.driver.heartbeat(stream, heartbeat)
         # No store operation but the background record: applied without the commit lock.
-        if effects.record_commit:
+        if record_commit:
             self._commit_recording = asyncio.get_running_loop().create_task(
-                self._record_commit(effects.record_commit), name=f"record-commit-{self.node.id}"
+                self._record_commit(record_commit), name=f"record-commit-{self.node.id}"
             )
-        if effects.advance_commit is not None:
-            self._advance_commit(effects.advance_commit)
-        return _ack(effects.acks[0])
+        return ack
 
     async def _apply_log_effects(self, effects: Effects) -> list[replica_pb2.ReplicationAck]:
         """Carries out the log effects of a batch (commit lock held), in the order of
         ``Effects``: compaction, then commit advance; returns the acks to send."""
-        if effects.compact_from:
-            await self._compact(effects.compact_from)
-        if effects.advance_commit is not None:
-            self._advance_commit(effects.advance_commit)
-        return [_ack(ack) for ack in effects.acks]
+        compact_from, acks = self.driver.log_effects(effects)
+        if compact_from:
+            await self._compact(compact_from)
+        self.driver.advance(effects)
+        return acks
 
     async def _record_commit(self, commit_lsn: int) -> None:
         """Records a commit LSN learnt without a batch (a heartbeat: the stream is idle),
@@ -1462,7 +1269,7 @@ class ReplicaNode:
         try:
             async with self._commit_lock:  # ordered with appends, truncations and installs
                 recorded = await asyncio.get_running_loop().run_in_executor(
-                    self._io, functools.partial(self.store.record_commit, commit_lsn)
+                    self._io, self.driver.store_record_commit, commit_lsn
                 )
         except StoreError as exc:
             # Only a hint for the next start-up: a failure hides more after a restart.
@@ -1471,14 +1278,11 @@ class ReplicaNode:
             )
         finally:
             # Cancelled or failed: the next heartbeat records it.
-            if recorded:
-                self.core.commit_record_done(recorded)
-            else:
-                self.core.commit_record_failed()
+            self.driver.commit_recorded(recorded)
 
     def _track(self, entry: replica_pb2.LogEntry) -> None:
         """Hides an uncommitted publish from committed reads until it commits."""
-        _track(self.gate, entry)
+        self.driver.track(entry)
 
     async def fetch_log(
         self, request: replica_pb2.FetchLogRequest
@@ -1644,69 +1448,38 @@ class ReplicaNode:
                 ),
             )
             return
-        first_lsn = self._last_lsn + 1
-        builder = BatchBuilder(
-            self.store,
+        # The caller may have given up (cancelled) before the write began.
+        live = [pending for pending in batch if not pending.future.done()]
+        planning = self.driver.plan_batch(
+            [pending.command for pending in live],
             limits=self.config.limits,
-            node_id=self.node.id,
             epoch=self.epoch,
-            next_lsn=first_lsn,
             now_ms=self.clock.wall_ms(),
         )
-        planned: list[tuple[_Pending, Planned]] = []
-        # The LSN each planned command waits for: its entry's, or (no entry: a duplicate,
-        # an ack below the cursor) the last LSN of the state it read.
-        lsns: list[int] = []
-        for pending in batch:
-            if pending.future.done():
-                continue  # the caller gave up (cancelled) before the write began
-            try:
-                plan = builder.add(pending.command)
-            except ServiceError as exc:
-                pending.future.set_exception(exc)
-                continue
-            except CorruptRecordError as exc:
-                self.report_fault(f"checksum error planning a write: {exc}")
-                pending.future.set_exception(ServiceError(Code.DATA_LOSS, str(exc)))
-                continue
-            planned.append((pending, plan))
-            lsns.append(first_lsn - 1 + len(builder.entries))
-            command = pending.command
-            if (
-                plan.entry_index is not None
-                and plan.receipt is not None
-                and isinstance(command, commands.Publish)
-            ):
-                self.gate.appended(
-                    first_lsn + plan.entry_index, command.request.topic, plan.receipt.first_offset
-                )
+        for fault in planning.faults:
+            self.report_fault(fault)
+        for index, refusal in planning.refused:
+            live[index].future.set_exception(refusal)
+        planned = [(live[index], plan) for index, plan, _ in planning.planned]
+        lsns = [lsn for _, _, lsn in planning.planned]
+        entries = planning.entries
         sync = self.config.durability.master_sync == common_pb2.SYNC_POLICY_SYNC
-        if builder.entries:
+        if entries:
             commit_lsn = self.gate.commit_lsn
             try:
-                await self._append(builder.entries, sync=sync, commit_lsn=commit_lsn)
-            except StoreFullError as exc:
-                self.gate.truncated(self._last_lsn)
-                log.warning(
-                    "replica %s: store full, %d entries refused: epoch=%d lsn=%d: %s",
-                    self.node.id,
-                    len(builder.entries),
-                    self.epoch,
-                    self._last_lsn,
+                await self._append(entries, sync=sync, commit_lsn=commit_lsn)
+            except StoreError as exc:
+                error, fail_stop = self.driver.append_failed(
                     exc,
+                    len(entries),
+                    epoch=self.epoch,
+                    map_size_bytes=self.config.limits.map_size_bytes,
                 )
-                error = ServiceError(
-                    Code.RESOURCE_EXHAUSTED,
-                    f"store of replica {self.node.id} is full (map_size_bytes="
-                    f"{self.config.limits.map_size_bytes}); the write was not stored",
-                )
+                if fail_stop:
+                    self._fail_stop(fail_stop)
                 _fail_all(planned, error)
                 return
-            except StoreError as exc:
-                self._fail_stop(f"store write failed: {exc}")
-                _fail_all(planned, ServiceError(Code.UNKNOWN, f"write outcome unknown: {exc}"))
-                return
-            self.core.log_appended(builder.entries[-1].lsn, commit_lsn)
+            self.driver.batch_appended(entries[-1].lsn, commit_lsn)
         if driver is not self._driver or driver.deposed:
             _fail_all(
                 planned,
@@ -1726,7 +1499,7 @@ class ReplicaNode:
                     if pending.trace is not None
                 ]
             )
-        driver.appended(builder.entries, synced=sync)
+        driver.appended(entries, synced=sync)
         floor = driver.core.epoch_start_lsn
         driver.register(
             [
@@ -1746,7 +1519,9 @@ class ReplicaNode:
     ) -> None:
         """Appends entries to the store (commit lock held), on the loop when small and
         unflushed, recording the commit LSN known with them."""
-        append = functools.partial(self.store.append, entries, sync=sync, commit_lsn=commit_lsn)
+        append = functools.partial(
+            self.driver.store_append, entries, sync=sync, commit_lsn=commit_lsn
+        )
         if not sync and batch_size_bytes(entries) <= _INLINE_APPEND_BYTES_MAX:
             append()
             return
@@ -1756,7 +1531,7 @@ class ReplicaNode:
         """Deletes the log below keep_from_lsn on the store thread (commit lock held)."""
         try:
             deleted = await asyncio.get_running_loop().run_in_executor(
-                self._io, functools.partial(self.store.compact_log, keep_from_lsn)
+                self._io, self.driver.store_compact, keep_from_lsn
             )
         except StoreError as exc:
             # Compaction only deletes: a failure leaves more log than wanted, not less.
@@ -1768,7 +1543,7 @@ class ReplicaNode:
                 exc,
             )
             return
-        self.core.log_compacted(self.store.log_start_lsn())
+        self.driver.compacted()
         log.debug(
             "replica %s compacted its log: %d entries deleted, now LSNs %d..%d",
             self.node.id,
@@ -1892,9 +1667,3 @@ class _Diverged(Exception):
     def __init__(self, fork_lsn: int) -> None:
         super().__init__(f"diverges after LSN {fork_lsn}")
         self.fork_lsn = fork_lsn
-
-
-def _ack(ack: Ack) -> replica_pb2.ReplicationAck:
-    return replica_pb2.ReplicationAck(
-        received_lsn=ack.received_lsn, written_lsn=ack.written_lsn, synced_lsn=ack.synced_lsn
-    )

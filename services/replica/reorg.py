@@ -29,12 +29,10 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any
-
-import grpc
 
 from squall.v1 import replica_pb2
 from squall_server.common.errors import Code, ServiceError
+from squall_server.replica.transport import FetchCall
 
 
 @dataclass
@@ -111,9 +109,9 @@ def outcome(task: asyncio.Task[None]) -> ServiceError | None:
 
 
 async def read_within(
-    call: Any, idle_timeout_s: float, what: str
+    call: FetchCall, idle_timeout_s: float, what: str
 ) -> replica_pb2.FetchLogResponse | None:
-    """The next message of a FetchLog stream (a ``grpc.aio`` call), or None at its end;
+    """The next message of a FetchLog stream (``transport.FetchCall``), or None at its end;
     UNAVAILABLE (the call cancelled) when nothing arrives within idle_timeout_s. What
     bounds a long transfer is then its progress, not its total time."""
     try:
@@ -124,8 +122,4 @@ async def read_within(
             Code.UNAVAILABLE,
             f"{what} sent nothing for {idle_timeout_s * 1000:.0f} ms (timeouts.rpc_timeout_ms)",
         ) from None
-    if message is grpc.aio.EOF:  # type: ignore[attr-defined]
-        return None
-    if not isinstance(message, replica_pb2.FetchLogResponse):
-        raise TypeError(f"{what} sent a {type(message).__name__}, not a FetchLogResponse")
     return message

@@ -11,6 +11,10 @@ epoch in the trailing metadata (``squall-epoch``) so a stale master steps down.
 ``FetchLog``: serves a new master's reorganization catch-up (``ReplicaNode.fetch_log``):
 log entries, or a snapshot and the log after it when the new master cannot truncate its
 compacted log or lacks entries this replica compacted.
+
+What each call does is in ``serve_replicate`` and ``serve_fetch_log``, which know no gRPC:
+the servicer here runs them for the network and the simulated transport
+(``tests/sim/replica_transport.py``) runs the same functions in process.
 """
 
 from __future__ import annotations
@@ -68,6 +72,65 @@ async def detached(source: AsyncIterator[T]) -> AsyncIterator[T]:
     await task
 
 
+async def serve_replicate(
+    node: ReplicaNode, requests: AsyncIterator[replica_pb2.ReplicateRequest]
+) -> AsyncIterator[replica_pb2.ReplicateResponse]:
+    """The slave side of one replication stream: answers each of the master's messages.
+
+    A refusal or a store error ends it with a ServiceError (a store error as UNAVAILABLE
+    naming this replica)."""
+    stream = 0
+    try:
+        # One step per message; the master ends the stream (or is refused).
+        async for request in requests:
+            kind = request.WhichOneof("body")
+            if not stream:
+                if kind != "hello":
+                    raise ServiceError(
+                        Code.INVALID_ARGUMENT,
+                        f"replica {node.node.id}: a replication stream opens with a Hello, "
+                        f"not {kind}",
+                    )
+                stream, position = await node.replication_hello(request.hello)
+                yield replica_pb2.ReplicateResponse(position=position)
+            elif kind == "entries":
+                # The batch holds the commit lock until it finishes, so it runs in its
+                # own task: a stream cancelled while this generator waits at a yield
+                # must not keep the lock (gRPC drops the generator without closing
+                # it, and only a garbage collection would; every later batch and
+                # stream of this replica waited for that).
+                async for ack in detached(node.replication_batch(stream, request.entries)):
+                    yield replica_pb2.ReplicateResponse(ack=ack)
+            elif kind == "heartbeat":
+                ack = node.replication_heartbeat(stream, request.heartbeat)
+                yield replica_pb2.ReplicateResponse(ack=ack)
+            elif kind == "snapshot":
+                for ack in await node.replication_snapshot(stream, request.snapshot):
+                    yield replica_pb2.ReplicateResponse(ack=ack)
+            else:
+                raise ServiceError(
+                    Code.INVALID_ARGUMENT,
+                    f"replica {node.node.id}: unexpected {kind or 'empty message'} on an "
+                    "open replication stream",
+                )
+    except StoreError as exc:
+        raise ServiceError(Code.UNAVAILABLE, f"replica {node.node.id}: store error: {exc}") from exc
+
+
+async def serve_fetch_log(
+    node: ReplicaNode, request: replica_pb2.FetchLogRequest
+) -> AsyncIterator[replica_pb2.FetchLogResponse]:
+    """Serves a new master's reorganization fetch; a refusal or store error ends it with a
+    ServiceError (a checksum error is reported as this node's fault first)."""
+    try:
+        async for response in node.fetch_log(request):
+            yield response
+    except StoreError as exc:
+        if isinstance(exc, CorruptRecordError):
+            node.report_fault(f"checksum error serving a fetch: {exc}")
+        raise ServiceError(Code.UNAVAILABLE, f"replica {node.node.id}: store error: {exc}") from exc
+
+
 class Replication(replica_pb2_grpc.ReplicationServicer):
     """Applies the master's replication stream; serves reorganization fetches."""
 
@@ -79,61 +142,17 @@ class Replication(replica_pb2_grpc.ReplicationServicer):
         request_iterator: AsyncIterator[replica_pb2.ReplicateRequest],
         context: Context,
     ) -> AsyncIterator[replica_pb2.ReplicateResponse]:
-        node = self.node
-        stream = 0
         try:
-            # One step per message; the master ends the stream (or is refused).
-            async for request in request_iterator:
-                kind = request.WhichOneof("body")
-                if not stream:
-                    if kind != "hello":
-                        raise ServiceError(
-                            Code.INVALID_ARGUMENT,
-                            f"replica {node.node.id}: a replication stream opens with a Hello, "
-                            f"not {kind}",
-                        )
-                    stream, position = await node.replication_hello(request.hello)
-                    yield replica_pb2.ReplicateResponse(position=position)
-                elif kind == "entries":
-                    # The batch holds the commit lock until it finishes, so it runs in its
-                    # own task: a stream cancelled while this generator waits at a yield
-                    # must not keep the lock (gRPC drops the generator without closing
-                    # it, and only a garbage collection would; every later batch and
-                    # stream of this replica waited for that).
-                    async for ack in detached(node.replication_batch(stream, request.entries)):
-                        yield replica_pb2.ReplicateResponse(ack=ack)
-                elif kind == "heartbeat":
-                    ack = node.replication_heartbeat(stream, request.heartbeat)
-                    yield replica_pb2.ReplicateResponse(ack=ack)
-                elif kind == "snapshot":
-                    for ack in await node.replication_snapshot(stream, request.snapshot):
-                        yield replica_pb2.ReplicateResponse(ack=ack)
-                else:
-                    raise ServiceError(
-                        Code.INVALID_ARGUMENT,
-                        f"replica {node.node.id}: unexpected {kind or 'empty message'} on an "
-                        "open replication stream",
-                    )
+            async for response in serve_replicate(self.node, request_iterator):
+                yield response
         except ServiceError as exc:
             await abort(context, exc)
-        except StoreError as exc:
-            await abort(
-                context,
-                ServiceError(Code.UNAVAILABLE, f"replica {node.node.id}: store error: {exc}"),
-            )
 
     async def FetchLog(
         self, request: replica_pb2.FetchLogRequest, context: Context
     ) -> AsyncIterator[replica_pb2.FetchLogResponse]:
         try:
-            async for response in self.node.fetch_log(request):
+            async for response in serve_fetch_log(self.node, request):
                 yield response
         except ServiceError as exc:
             await abort(context, exc)
-        except StoreError as exc:
-            if isinstance(exc, CorruptRecordError):
-                self.node.report_fault(f"checksum error serving a fetch: {exc}")
-            await abort(
-                context,
-                ServiceError(Code.UNAVAILABLE, f"replica {self.node.node.id}: store error: {exc}"),
-            )

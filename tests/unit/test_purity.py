@@ -114,3 +114,15 @@ def test_the_coordinator_driver_reaches_no_event_loop_network_clock_or_randomnes
         if name.split(".")[0] in DRIVER_BANNED and importer != "squall_server.common.clock"
     )
     assert not bad, f"the coordinator driver can no longer run simulated: {', '.join(bad)}"
+
+
+def test_the_replica_driver_reaches_no_event_loop_network_disk_clock_or_randomness() -> None:
+    """The replica's synchronous driver (services/replica/driver.py) is given its store, so
+    a simulator can run it over the in-memory twin: it reaches no LMDB either."""
+    reached = _reach("squall_server.replica.driver")
+    bad = sorted(
+        f"{name} (imported by {importer})"
+        for name, importer in reached.items()
+        if name.split(".")[0] in DRIVER_BANNED
+    )
+    assert not bad, f"the replica driver can no longer run simulated: {', '.join(bad)}"

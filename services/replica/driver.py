@@ -1,0 +1,580 @@
+"""The replica's driver logic, synchronous: applies ``ReplicaCore``'s effects against the
+store facade and the committed-reads gate, with no asyncio, gRPC or threads inside.
+
+``ReplicaDriver`` owns the store (``Store``, LMDB or the in-memory twin) and the commit
+gate (``CommitGate``) around the node's ``ReplicaCore``, and carries out, in the order
+``core.Effects`` documents, what the core decides for the slave side of replication:
+the Hello (position, cluster id adoption, the store marked in use), each batch (the
+refusal, the acks on receipt, hiding what is not committed yet, the follower's written
+report, compaction and the commit advance), heartbeats, snapshot chunks (the gate emptied
+when an install begins, restored from the snapshot's uncommitted topics when it ends),
+and the mapping of a store failure to the stream's status; and what a new master fetches
+from its sync source (the request, cluster id adoption, the checks of fetched entries,
+truncations and snapshots, the commit advance); and the master writer's planning of a
+group-commit batch and the mapping of a failed append.
+
+Its methods come in two kinds. ``store_*`` methods only touch the store, so a shell may
+run them on a store thread (fsync must not block its event loop); every other method
+reads or changes the core and the gate and runs where the shell feeds the core (its
+loop). Between the two a shell may wait (``ReplicaNode`` holds its commit lock across a
+batch and awaits the store thread); a simulator calls them one after the other. Waking
+readers is a hook (``on_committed``), as waking loops is the coordinator driver's.
+
+``services/replica/node.py`` (``ReplicaNode``) is the asyncio shell that feeds it; the
+master side (the writer's queue and its hand-off to ``MasterDriver``, the reorganization
+fetch's loop, role application) is still the shell's (issue 15).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from squall.v1 import common_pb2, replica_pb2
+from squall_server.common.config import LimitsConfig
+from squall_server.common.errors import Code, ServiceError
+from squall_server.replica import commands
+from squall_server.replica.commands import BatchBuilder, Command, Planned
+from squall_server.replica.committed import track
+from squall_server.replica.core import EPOCH_KEY, Effects, Follow, ReplicaCore, RoleRefusal
+from squall_server.replica.follower import (
+    BatchAccepted,
+    EntriesChecked,
+    EntryProblem,
+    Follower,
+    FollowerConfig,
+    FollowerError,
+    RefusalCode,
+    SnapshotAccepted,
+    check_entries,
+)
+from squall_server.replica.replication import Ack
+from squall_server.replica.store import (
+    CorruptRecordError,
+    SnapshotError,
+    Store,
+    StoreError,
+    StoreFullError,
+)
+from squall_server.replica.visibility import CommitGate
+
+log = logging.getLogger("squall.replica")
+
+
+@dataclass
+class PlannedBatch:
+    """One group-commit batch planned on the store's state: its entries, and for each
+    command (by its index in the input) its plan and the LSN it waits for (its entry's,
+    or for a command with no entry — a duplicate, an ack below the cursor — the last
+    LSN of the state it read), or why it was refused. ``faults``: checksum errors met
+    while planning, for the shell to report (the node is quarantined)."""
+
+    entries: list[replica_pb2.LogEntry]
+    planned: list[tuple[int, Planned, int]] = field(default_factory=list)
+    refused: list[tuple[int, ServiceError]] = field(default_factory=list)
+    faults: list[str] = field(default_factory=list)
+
+
+def ack_message(ack: Ack) -> replica_pb2.ReplicationAck:
+    """A core's ack as the wire message."""
+    return replica_pb2.ReplicationAck(
+        received_lsn=ack.received_lsn, written_lsn=ack.written_lsn, synced_lsn=ack.synced_lsn
+    )
+
+
+class ReplicaDriver:
+    """Applies the replica core's slave-side effects to the store and the commit gate."""
+
+    def __init__(
+        self,
+        node_id: str,
+        core: ReplicaCore,
+        store: Store,
+        gate: CommitGate,
+        *,
+        follower_config: FollowerConfig,
+        on_committed: Callable[[], None],
+    ) -> None:
+        """``follower_config``: the slave side's sync policy and in-flight limits;
+        ``on_committed``: committed reads may serve more (wake subscribers)."""
+        self.node_id = node_id
+        self.core = core
+        self.follower_config = follower_config
+        # Both replaced whole by the shell: a truncation installs a rebuilt store, a start
+        # re-reads the gate from the store.
+        self.store = store
+        self.gate = gate
+        self._on_committed = on_committed
+
+    # --- small steps shared by both sides
+
+    def refused(self, code: Code, message: str) -> ServiceError:
+        """A replication refusal carrying this replica's epoch for a stale master."""
+        return ServiceError(code, message, metadata=((EPOCH_KEY, str(self.core.epoch)),))
+
+    def advance_commit(self, commit_lsn: int) -> None:
+        """The commit LSN moved: committed reads may serve more; wake subscribers."""
+        if self.gate.advance(commit_lsn):
+            self._on_committed()
+
+    def mark_dirty(self) -> None:
+        """A store in use is DIRTY: a restart must not take it for a clean or empty one."""
+        if self.store.meta().state != common_pb2.STORE_STATE_DIRTY:
+            self.store.set_state(common_pb2.STORE_STATE_DIRTY)
+
+    def track(self, entry: replica_pb2.LogEntry) -> None:
+        """Hides an uncommitted publish from committed reads until it commits."""
+        track(self.gate, entry)
+
+    def hide_uncommitted(self, entries: Iterable[replica_pb2.LogEntry], source_commit: int) -> None:
+        """Hides the publishes of entries about to be stored that lie above both this
+        node's and their source's commit LSN."""
+        visible = max(self.gate.commit_lsn, source_commit)
+        for entry in entries:
+            if entry.lsn > visible:
+                self.track(entry)
+
+    def compacted(self) -> None:
+        """The store compacted its log: the core learns where it starts now."""
+        self.core.log_compacted(self.store.log_start_lsn())
+
+    # --- the slave side: taking the role (the core's ``Follow``)
+
+    def follow_persist(self, follow: Follow) -> None:
+        """Persists the epoch of the role about to be taken and marks the store in use."""
+        self.store.set_epoch(follow.epoch)
+        self.mark_dirty()
+
+    def follow(self, follow: Follow, now_ms: int) -> Effects:
+        """Makes the follower from the store (no batch half-applied: the shell holds its
+        commit lock) and reports it to the core; returns the core's effects. A store the
+        follower cannot continue is FAILED_PRECONDITION."""
+        meta = self.store.meta()
+        try:
+            follower = Follower(
+                self.follower_config,
+                cluster_id=meta.cluster_id,
+                epoch=follow.epoch,
+                master_id=follow.master_id,
+                last_lsn=meta.last_lsn,
+                history=meta.history,
+            )
+        except FollowerError as exc:
+            raise ServiceError(
+                Code.FAILED_PRECONDITION,
+                f"replica {self.node_id} cannot follow {follow.master_id} in epoch "
+                f"{follow.epoch}: {exc}",
+            ) from exc
+        effects = self.core.followed(
+            follow.epoch, follow.master_id, follow.lease_ms, now_ms, follower
+        )
+        self.core.log_reset(meta.last_lsn, self.store.log_start_lsn())
+        return effects
+
+    # --- the slave side, one stream message at a time (the shell holds its commit lock)
+
+    def hello(
+        self, hello: replica_pb2.ReplicationHello
+    ) -> tuple[int, replica_pb2.ReplicationPosition]:
+        """Accepts a stream from this epoch's master; returns its number and our position.
+        A refusal raises it (ServiceError)."""
+        meta = self.store.meta()
+        effects = self.core.slave_hello(
+            master_id=hello.master_id,
+            epoch=hello.epoch,
+            cluster_id=hello.cluster_id,
+            store_last_lsn=meta.last_lsn,
+            store_history=tuple((b.epoch, b.start_lsn) for b in meta.history),
+            store_log_start_lsn=self.store.log_start_lsn(),
+        )
+        if effects.log_reread:
+            self.gate.truncated(meta.last_lsn)
+        result = effects.hello
+        if effects.refusal is not None or result is None:
+            raise self.stream_refused(effects)
+        if result.adopt_cluster_id:
+            self.store.set_cluster_id(result.adopt_cluster_id)
+            log.info(
+                "replica %s joined cluster %s (from master %s, epoch=%d)",
+                self.node_id,
+                result.adopt_cluster_id,
+                hello.master_id,
+                hello.epoch,
+            )
+        self.mark_dirty()
+        position = result.position
+        log.info(
+            "replica %s accepted the stream of %s: epoch=%d last_epoch=%d lsn=%d",
+            self.node_id,
+            hello.master_id,
+            hello.epoch,
+            position.last_epoch,
+            position.last_lsn,
+        )
+        return effects.stream, replica_pb2.ReplicationPosition(
+            node_id=position.node_id,
+            last_epoch=position.last_epoch,
+            last_lsn=position.last_lsn,
+            history=[replica_pb2.EpochBoundary(epoch=e, start_lsn=s) for e, s in position.history],
+            log_start_lsn=self.store.log_start_lsn(),
+        )
+
+    def stream_follower(self, stream: int) -> Follower:
+        """The follower of the current stream (the core's); a superseded one is refused."""
+        follower = self.core.slave_stream(stream)
+        if isinstance(follower, RoleRefusal):
+            raise follower.error()
+        return follower
+
+    def stream_refused(self, effects: Effects) -> ServiceError:
+        """A refused stream message as the stream's status (logged when the core says so)."""
+        refusal = effects.refusal or RoleRefusal(
+            Code.INTERNAL, "a Hello neither accepted nor refused"
+        )
+        if effects.warn:
+            log.warning("replica %s: %s", self.node_id, refusal.message)
+        return refusal.error()
+
+    def batch(
+        self, stream: int, batch: replica_pb2.EntryBatch
+    ) -> tuple[Effects, Follower, list[replica_pb2.ReplicationAck]]:
+        """A batch from the master: the core's effects (their ``batch``, when set, is to
+        be stored: ``batch_storing``, then the store, then ``batch_written`` or
+        ``batch_failed``; else ``log_effects``), the stream's follower and the acks due
+        on receipt, before the write. A refusal raises it."""
+        accepted = self.core.slave_batch(
+            stream,
+            epoch=batch.epoch,
+            entries=list(batch.entries),
+            commit_lsn=batch.commit_lsn,
+            truncate_after_lsn=batch.truncate_after_lsn or None,
+        )
+        if accepted.refusal is not None:
+            raise self.stream_refused(accepted)
+        follower = self.stream_follower(stream)
+        return accepted, follower, [ack_message(ack) for ack in accepted.acks]
+
+    def batch_written(
+        self, follower: Follower, result: BatchAccepted[replica_pb2.LogEntry], batch_commit: int
+    ) -> Effects:
+        """The batch is stored: the follower's ack and the core's log effects (compaction,
+        commit advance, acks) for ``log_effects``."""
+        ack = follower.on_written(result.last_lsn, synced=result.sync)
+        return self.core.slave_written(
+            last_lsn=result.last_lsn,
+            batch_commit_lsn=batch_commit,
+            commit_lsn=follower.commit_lsn,
+            ack=ack,
+        )
+
+    def store_failed(self, follower: Follower) -> None:
+        """A slave's write or install failed: the core and the gate re-read the store."""
+        meta = self.store.meta()
+        self.core.slave_store_failed(
+            follower,
+            store_last_lsn=meta.last_lsn,
+            store_history=tuple((b.epoch, b.start_lsn) for b in meta.history),
+            store_log_start_lsn=self.store.log_start_lsn(),
+        )
+        self.gate.truncated(meta.last_lsn)
+
+    def batch_failed(self, follower: Follower, exc: Exception) -> tuple[ServiceError, str]:
+        """Storing a batch failed: the stream's status, and the reason to fail-stop this
+        replica with ("" when it may go on: a full store, a refused truncation)."""
+        self.store_failed(follower)
+        if isinstance(exc, ServiceError):
+            return self.refused(exc.code, exc.message), ""
+        if isinstance(exc, StoreFullError):
+            return self.refused(
+                Code.RESOURCE_EXHAUSTED,
+                f"replica {self.node_id}: store full, batch not stored: {exc}",
+            ), ""
+        return self.refused(
+            Code.UNAVAILABLE, f"replica {self.node_id}: store write failed: {exc}"
+        ), f"store write failed: {exc}"
+
+    def log_effects(self, effects: Effects) -> tuple[int, list[replica_pb2.ReplicationAck]]:
+        """A batch's log effects in the order of ``Effects``: returns the LSN to compact
+        below (0: none; the shell runs ``store_compact`` then ``compacted`` first), and
+        the acks to send once it did; the commit advance is applied by ``advance``."""
+        return effects.compact_from, [ack_message(ack) for ack in effects.acks]
+
+    def advance(self, effects: Effects) -> None:
+        """Applies an ``advance_commit`` effect (after any compaction)."""
+        if effects.advance_commit is not None:
+            self.advance_commit(effects.advance_commit)
+
+    def heartbeat(
+        self, stream: int, heartbeat: replica_pb2.ReplicationHeartbeat
+    ) -> tuple[int, replica_pb2.ReplicationAck]:
+        """A heartbeat from the master: learns its commit LSN. Returns the commit LSN to
+        record in the background (0: none; ``store_record_commit`` ordered with appends,
+        then ``commit_recorded``) and the ack to send. A refusal raises it."""
+        effects = self.core.slave_heartbeat_message(
+            stream, epoch=heartbeat.epoch, commit_lsn=heartbeat.commit_lsn
+        )
+        if effects.refusal is not None:
+            raise self.stream_refused(effects)
+        self.advance(effects)
+        return effects.record_commit, ack_message(effects.acks[0])
+
+    def commit_recorded(self, recorded_lsn: int) -> None:
+        """A background commit record finished (0: it failed or was cancelled; the next
+        heartbeat records it)."""
+        if recorded_lsn:
+            self.core.commit_record_done(recorded_lsn)
+        else:
+            self.core.commit_record_failed()
+
+    def snapshot_chunk(
+        self, stream: int, chunk: replica_pb2.SnapshotChunk
+    ) -> tuple[SnapshotAccepted, Follower]:
+        """A snapshot chunk from the master: how to install it and the stream's follower
+        (then ``install`` as the chunk says, and ``snapshot_failed`` on a store error).
+        A refusal raises it."""
+        accepted = self.core.slave_snapshot_chunk(
+            stream,
+            index=chunk.index,
+            snapshot_lsn=chunk.snapshot_lsn,
+            snapshot_epoch=chunk.snapshot_epoch,
+            last=chunk.last,
+            history=[(b.epoch, b.start_lsn) for b in chunk.history],
+        )
+        result = accepted.snapshot
+        if accepted.refusal is not None or result is None:
+            raise self.stream_refused(accepted)
+        return result, self.stream_follower(stream)
+
+    def snapshot_failed(
+        self, follower: Follower, index: int, exc: StoreError | FollowerError
+    ) -> tuple[ServiceError, str]:
+        """Installing a snapshot chunk failed: the stream's status and the reason to
+        fail-stop with ("" when the chunk was refused or the store is full)."""
+        self.store_failed(follower)
+        if isinstance(exc, StoreFullError):
+            return self.refused(
+                Code.RESOURCE_EXHAUSTED,
+                f"replica {self.node_id}: store full, snapshot not installed: {exc}",
+            ), ""
+        if isinstance(exc, (SnapshotError, CorruptRecordError)):
+            return self.refused(
+                Code.INVALID_ARGUMENT,
+                f"replica {self.node_id}: snapshot chunk {index} refused: {exc}",
+            ), ""
+        return self.refused(
+            Code.UNAVAILABLE, f"replica {self.node_id}: snapshot install failed: {exc}"
+        ), f"snapshot install failed: {exc}"
+
+    def snapshot_installed_ack(self, follower: Follower, lsn: int) -> replica_pb2.ReplicationAck:
+        """The ack of an installed snapshot (``store_finish_snapshot`` flushed it all)."""
+        return ack_message(follower.on_written(lsn, synced=True))
+
+    # --- snapshot installs (a slave's stream and a new master's fetch share them)
+
+    def snapshot_begun(self) -> None:
+        """Chunk 0 began an install: the store reports itself empty until it finishes."""
+        self.core.snapshot_begun()
+        self.gate.truncated(0)
+
+    def snapshot_finished(
+        self, lsn: int, commit_lsn: int, uncommitted: Sequence[tuple[str, int, int]]
+    ) -> int:
+        """The install finished at lsn; returns how many topics hold uncommitted events.
+
+        The snapshot's state cannot be hidden entry by entry: what it holds above the
+        sender's commit LSN is hidden per topic until this node's commit LSN passes it
+        (the gate moves first, then hides)."""
+        installed = self.core.snapshot_installed(lsn, commit_lsn)
+        if installed.advance_commit is not None:
+            self.gate.advance(installed.advance_commit)
+        hidden = self.gate.restore(uncommitted)
+        self._on_committed()
+        return hidden
+
+    # --- the master's writer: one group-commit batch at a time (commit lock held)
+
+    def plan_batch(
+        self, batch: Sequence[Command], *, limits: LimitsConfig, epoch: int, now_ms: int
+    ) -> PlannedBatch:
+        """Plans the commands on top of the store's state (``BatchBuilder``); publishes
+        are hidden from committed reads until their entries commit."""
+        first_lsn = self.core.log.last_lsn + 1
+        builder = BatchBuilder(
+            self.store,
+            limits=limits,
+            node_id=self.node_id,
+            epoch=epoch,
+            next_lsn=first_lsn,
+            now_ms=now_ms,
+        )
+        out = PlannedBatch(builder.entries)
+        for index, command in enumerate(batch):
+            try:
+                plan = builder.add(command)
+            except ServiceError as exc:
+                out.refused.append((index, exc))
+                continue
+            except CorruptRecordError as exc:
+                out.faults.append(f"checksum error planning a write: {exc}")
+                out.refused.append((index, ServiceError(Code.DATA_LOSS, str(exc))))
+                continue
+            out.planned.append((index, plan, first_lsn - 1 + len(builder.entries)))
+            if (
+                plan.entry_index is not None
+                and plan.receipt is not None
+                and isinstance(command, commands.Publish)
+            ):
+                self.gate.appended(
+                    first_lsn + plan.entry_index, command.request.topic, plan.receipt.first_offset
+                )
+        return out
+
+    def batch_appended(self, last_lsn: int, commit_lsn: int) -> None:
+        """The master's batch is stored (with the commit LSN known then)."""
+        self.core.log_appended(last_lsn, commit_lsn)
+
+    def append_failed(
+        self, exc: StoreError, entries: int, *, epoch: int, map_size_bytes: int
+    ) -> tuple[ServiceError, str]:
+        """The master's append failed: what its writers are told, and the reason to
+        fail-stop with ("" for a full store: nothing was stored, later writes may fit)."""
+        if isinstance(exc, StoreFullError):
+            self.gate.truncated(self.core.log.last_lsn)
+            log.warning(
+                "replica %s: store full, %d entries refused: epoch=%d lsn=%d: %s",
+                self.node_id,
+                entries,
+                epoch,
+                self.core.log.last_lsn,
+                exc,
+            )
+            return ServiceError(
+                Code.RESOURCE_EXHAUSTED,
+                f"store of replica {self.node_id} is full (map_size_bytes="
+                f"{map_size_bytes}); the write was not stored",
+            ), ""
+        return ServiceError(
+            Code.UNKNOWN, f"write outcome unknown: {exc}"
+        ), f"store write failed: {exc}"
+
+    # --- the reorganization fetch: a new master syncing from its group's sync source
+
+    def fetch_request(self, epoch: int, max_entries: int) -> replica_pb2.FetchLogRequest:
+        """What to ask the sync source for: the log after where this store's ends."""
+        meta = self.store.meta()
+        return replica_pb2.FetchLogRequest(
+            node_id=self.node_id,
+            epoch=epoch,
+            cluster_id=meta.cluster_id,
+            last_lsn=meta.last_lsn,
+            history=[
+                replica_pb2.EpochBoundary(epoch=b.epoch, start_lsn=b.start_lsn)
+                for b in meta.history
+            ],
+            max_entries=max_entries,
+            log_start_lsn=self.store.log_start_lsn(),
+        )
+
+    def adopt_cluster_id(self, cluster_id: str, source_id: str) -> None:
+        """An empty store joins its sync source's cluster (as a slave does its master's)."""
+        if not cluster_id or self.store.meta().cluster_id:
+            return
+        self.store.set_cluster_id(cluster_id)
+        log.info(
+            "replica %s joined cluster %s (from sync source %s)",
+            self.node_id,
+            cluster_id,
+            source_id,
+        )
+
+    def fetch_refused(self, epoch: int, source_id: str, problem: EntryProblem) -> ServiceError:
+        """A fetched log refused by the follower's rules (nothing of that batch stored)."""
+        log.warning(
+            "replica %s refused the log fetched from sync source %s for epoch %d at LSN %d: "
+            "%s (%s)",
+            self.node_id,
+            source_id,
+            epoch,
+            problem.lsn,
+            problem.detail,
+            problem.code.value,
+        )
+        return ServiceError(
+            Code.FAILED_PRECONDITION,
+            f"replica {self.node_id} cannot take the master role in epoch {epoch}: sync "
+            f"source {source_id} sent a log it refuses at LSN {problem.lsn} "
+            f"({problem.code.value}): {problem.detail}; nothing of that batch was stored",
+        )
+
+    def check_fetched_truncation(self, keep_lsn: int, epoch: int, source_id: str) -> None:
+        """A sync source may not have this node truncate entries it knows committed."""
+        if keep_lsn < self.gate.commit_lsn:
+            raise self.fetch_refused(
+                epoch,
+                source_id,
+                EntryProblem(
+                    RefusalCode.TRUNCATE_BELOW_COMMIT,
+                    keep_lsn,
+                    f"truncate after LSN {keep_lsn} would remove committed entries "
+                    f"(commit LSN {self.gate.commit_lsn})",
+                ),
+            )
+
+    def check_fetched_entries(
+        self,
+        entries: Sequence[replica_pb2.LogEntry],
+        *,
+        prev_lsn: int,
+        prev_epoch: int,
+        epoch: int,
+        source_id: str,
+    ) -> EntriesChecked:
+        """Holds fetched entries to a streamed batch's rules before anything is stored."""
+        checked = check_entries(entries, prev_lsn=prev_lsn, prev_epoch=prev_epoch, max_epoch=epoch)
+        if isinstance(checked, EntryProblem):
+            raise self.fetch_refused(epoch, source_id, checked)
+        return checked
+
+    def check_fetched_snapshot(
+        self, chunk: replica_pb2.SnapshotChunk, epoch: int, source_id: str, *, after_entries: bool
+    ) -> None:
+        """A fetch's snapshot comes first and never from a newer epoch."""
+        if after_entries or chunk.snapshot_epoch > epoch:
+            raise ServiceError(
+                Code.FAILED_PRECONDITION,
+                f"replica {self.node_id} cannot take the master role in epoch {epoch}: sync "
+                f"source {source_id} sent snapshot chunk {chunk.index} (LSN "
+                f"{chunk.snapshot_lsn}, epoch {chunk.snapshot_epoch}) "
+                + ("after log entries" if after_entries else "of a newer epoch"),
+            )
+
+    def fetched_stored(self, last_lsn: int, source_commit_lsn: int) -> None:
+        """Fetched entries are stored up to last_lsn: the core's log grows and committed
+        reads follow the source's commit LSN as far as this log reaches."""
+        self.core.log_appended(last_lsn)
+        self.advance_commit(min(source_commit_lsn, self.core.log.last_lsn))
+
+    def fetched_commit(self, source_commit_lsn: int) -> None:
+        """An empty fetched batch: committed reads follow the source's commit LSN."""
+        self.advance_commit(min(source_commit_lsn, self.core.log.last_lsn))
+
+    def fetched_store_failed(self) -> None:
+        """Storing fetched entries failed (or was cancelled): the gate re-reads the log."""
+        self.gate.truncated(self.store.meta().last_lsn)
+
+    # --- store operations: the store alone, so a shell may run them on a store thread
+
+    def store_append(
+        self, entries: Sequence[replica_pb2.LogEntry], *, sync: bool, commit_lsn: int
+    ) -> None:
+        """Appends entries, recording the commit LSN known with them."""
+        self.store.append(entries, sync=sync, commit_lsn=commit_lsn)
+
+    def store_compact(self, keep_from_lsn: int) -> int:
+        """Deletes the log below keep_from_lsn; returns how many entries went."""
+        return self.store.compact_log(keep_from_lsn)
+
+    def store_record_commit(self, commit_lsn: int) -> int:
+        """Records a commit LSN learnt without a batch; returns the LSN recorded."""
+        return self.store.record_commit(commit_lsn)

@@ -1,0 +1,140 @@
+"""Three shipped ReplicaNodes replicating over the simulated replica transport, no gRPC.
+
+The master's streams (``MasterDriver``), the slaves' servicer logic and a new master's
+reorganization fetch (``_sync_from``) all run as they ship, over
+``tests/sim/replica_transport.py``, with in-memory stores. A partition isolates the
+master mid-epoch; the next epoch's master fetches what it lacks from its sync source; the
+old master, healed, is refused by a slave of the newer epoch (the refusal carries the
+epoch through the transport) and steps down. Every acknowledged publish is in the new
+master's log and is readable there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from squall.v1 import broker_pb2, common_pb2, replica_pb2
+from squall_server.common.config import load_config
+from squall_server.replica import commands
+from squall_server.replica.node import ReplicaNode
+from squall_server.replica.store import Store
+from tests.sim.replica_transport import SimReplicaNetwork
+
+CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "cluster.example.toml"
+CLUSTER_ID = "c-sim-transport"
+WAIT_S = 20.0  # generous: the machine is shared
+
+
+def _endpoint(node_id: str) -> common_pb2.NodeEndpoint:
+    return common_pb2.NodeEndpoint(node_id=node_id)
+
+
+def _master(epoch: int, seq: int, members: list[str], source: str) -> replica_pb2.RoleCommand:
+    return replica_pb2.RoleCommand(
+        seq=seq,
+        epoch=epoch,
+        role=common_pb2.ROLE_MASTER,
+        master=_endpoint(members[0]),
+        members=[_endpoint(m) for m in members],
+        sync_source_id=source,
+        lease_ms=60_000,
+        cluster_id=CLUSTER_ID,
+    )
+
+
+def _slave(epoch: int, seq: int, master: str) -> replica_pb2.RoleCommand:
+    return replica_pb2.RoleCommand(
+        seq=seq,
+        epoch=epoch,
+        role=common_pb2.ROLE_SLAVE,
+        master=_endpoint(master),
+        lease_ms=60_000,
+        cluster_id=CLUSTER_ID,
+    )
+
+
+async def _until(what: str, check: object) -> None:
+    deadline = asyncio.get_running_loop().time() + WAIT_S
+    while not check():  # type: ignore[operator]
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+async def _publish(node: ReplicaNode, payload: bytes) -> common_pb2.BatchReceipt:
+    request = broker_pb2.PublishRequest(
+        topic="orders", events=[common_pb2.EventData(payload=payload)]
+    )
+    return await asyncio.wait_for(node.start_publish(request), WAIT_S)
+
+
+def _operations(node: ReplicaNode) -> list[tuple[int, int, bytes]]:
+    return [(e.lsn, e.epoch, e.operation) for e in node.store.read_log(1, 10_000)]
+
+
+def test_replicas_replicate_reorganize_and_depose_over_the_simulated_transport() -> None:
+    async def scenario() -> None:
+        config = load_config(CONFIG)
+        network = SimReplicaNetwork()
+        nodes = {
+            node_id: ReplicaNode(
+                config,
+                config.node(node_id),
+                Store.open_memory(),
+                transport=network.transport_for(node_id),
+            )
+            for node_id in ("n1", "n2", "n3")
+        }
+        for node in nodes.values():
+            network.add(node)
+            await node.start()
+        n1, n2, n3 = nodes["n1"], nodes["n2"], nodes["n3"]
+        try:
+            # Epoch 1: n1 masters n2 and n3; a write commits once a slave holds it.
+            await n2.apply_role(_slave(1, 1, "n1"))
+            await n3.apply_role(_slave(1, 1, "n1"))
+            await n1.apply_role(_master(1, 1, ["n1", "n2", "n3"], "n1"))
+            await _until("n1 master", lambda: n1.role == common_pb2.ROLE_MASTER)
+            await asyncio.wait_for(
+                n1.write(commands.CreateTopic("orders", common_pb2.TOPIC_KIND_REPLICATED)),
+                WAIT_S,
+            )
+            acked = [await _publish(n1, b"a%d" % i) for i in range(5)]
+            await _until("n2 and n3 caught up", lambda: n2.last_lsn == n3.last_lsn == n1.last_lsn)
+            assert _operations(n2) == _operations(n1) == _operations(n3)
+
+            # n3 is cut off: writes still commit with n2 alone (a majority with n1).
+            network.cut("n1", "n3", both=True)
+            acked += [await _publish(n1, b"b%d" % i) for i in range(5)]
+            await _until("n2 caught up", lambda: n2.last_lsn == n1.last_lsn)
+            assert n3.last_lsn < n1.last_lsn
+
+            # n1 is cut off from everyone; epoch 2 is n3's, synced from n2 (it lacks the
+            # b events: the reorganization fetch brings them over the transport).
+            network.cut("n1", "n2", both=True)
+            await n2.apply_role(_slave(2, 2, "n3"))
+            await n3.apply_role(_master(2, 2, ["n3", "n2"], "n2"))
+            await _until("n3 master", lambda: n3.role == common_pb2.ROLE_MASTER)
+            acked += [await _publish(n3, b"c%d" % i) for i in range(3)]
+            log3 = _operations(n3)
+            assert log3[: n1.last_lsn] == _operations(n1)  # all of epoch 1, b events too
+            await _until("n2 caught up with n3", lambda: n2.last_lsn == n3.last_lsn)
+            assert _operations(n2) == _operations(n3)
+            assert all(r.master_id in ("n1", "n3") for r in acked)
+            events = n3.store.read_events("orders", 0, 100)
+            assert [e.payload for e in events] == (
+                [b"a%d" % i for i in range(5)]
+                + [b"b%d" % i for i in range(5)]
+                + [b"c%d" % i for i in range(3)]
+            )
+
+            # Healed, n1 (still master of epoch 1) reconnects to n2, which refuses it with
+            # epoch 2 in the refusal's metadata: n1 steps down.
+            network.heal()
+            await _until("n1 deposed", lambda: n1.role != common_pb2.ROLE_MASTER)
+            assert network.closed >= 2  # n1's epoch transport and n3's sync were closed
+        finally:
+            for node in nodes.values():
+                await node.stop()
+
+    asyncio.run(scenario())

@@ -1,0 +1,197 @@
+"""The replica's synchronous driver alone: the slave side over the in-memory store, with
+no event loop, threads or gRPC (what a simulator runs).
+
+The driver follows a master, accepts its stream, stores a batch and acknowledges it,
+learns the commit LSN from a heartbeat, refuses a superseded stream with its epoch for
+a stale master, and maps a failing disk to UNAVAILABLE plus a fail-stop reason.
+"""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import pytest
+
+from squall.v1 import broker_pb2, common_pb2, replica_pb2
+from squall_server.common.config import load_config
+from squall_server.common.errors import Code, ServiceError
+from squall_server.replica import commands
+from squall_server.replica.core import (
+    EPOCH_KEY,
+    CoreConfig,
+    Follow,
+    LogPosition,
+    ReplicaCore,
+    Role,
+    RoleOrder,
+    StoreFacts,
+)
+from squall_server.replica.driver import ReplicaDriver
+from squall_server.replica.follower import FollowerConfig
+from squall_server.replica.replication import SyncPolicy
+from squall_server.replica.store import Store, StoreWriteError
+from squall_server.replica.visibility import CommitGate
+
+CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "cluster.example.toml"
+NOW_MS = 1_000
+
+
+def _entry(lsn: int, epoch: int) -> replica_pb2.LogEntry:
+    operation = replica_pb2.Operation(
+        create_topic=replica_pb2.CreateTopicOp(name=f"t{lsn}")
+    ).SerializeToString()
+    return replica_pb2.LogEntry(
+        lsn=lsn, epoch=epoch, checksum=zlib.crc32(operation), operation=operation
+    )
+
+
+class _Disk(Store):
+    """The in-memory store, whose appends fail once ``broken`` is set."""
+
+    broken = False
+
+    def append(self, entries, *, sync, commit_lsn=None):  # type: ignore[no-untyped-def]
+        if self.broken:
+            raise StoreWriteError("I/O error (simulated failing disk)")
+        super().append(entries, sync=sync, commit_lsn=commit_lsn)
+
+
+def _slave(epoch: int = 3) -> tuple[ReplicaDriver, _Disk, list[int]]:
+    store = _Disk.open_memory()
+    assert isinstance(store, _Disk)
+    core = ReplicaCore(
+        CoreConfig("n2", {"n1": "127.0.0.1:1", "n2": "127.0.0.1:2"}),
+        stored_epoch=0,
+        log=LogPosition(0, 1),
+    )
+    woken: list[int] = []
+    driver = ReplicaDriver(
+        "n2",
+        core,
+        store,
+        CommitGate(0),
+        follower_config=FollowerConfig(node_id="n2", sync_policy=SyncPolicy.SYNC),
+        on_committed=lambda: woken.append(driver.gate.commit_lsn),
+    )
+    effects = core.role_command(
+        RoleOrder(role=Role.SLAVE, epoch=epoch, master_id="n1", seq=1, lease_ms=60_000),
+        NOW_MS,
+        StoreFacts(0, ""),
+    )
+    assert effects.refusal is None and effects.follow is not None
+    follow: Follow = effects.follow
+    driver.follow_persist(follow)
+    driver.follow(follow, NOW_MS)
+    assert core.role == Role.SLAVE and store.meta().epoch == epoch
+    return driver, store, woken
+
+
+def _store_batch(
+    driver: ReplicaDriver, stream: int, batch: replica_pb2.EntryBatch
+) -> list[replica_pb2.ReplicationAck]:
+    """One batch as a shell carries it out, every step in line."""
+    accepted, follower, acks = driver.batch(stream, batch)
+    result = accepted.batch
+    assert result is not None
+    driver.hide_uncommitted(result.entries, batch.commit_lsn)
+    driver.store_append(result.entries, sync=result.sync, commit_lsn=batch.commit_lsn)
+    effects = driver.batch_written(follower, result, batch.commit_lsn)
+    compact_from, written = driver.log_effects(effects)
+    assert compact_from == 0
+    driver.advance(effects)
+    return acks + written
+
+
+def test_a_slave_driver_stores_acks_and_learns_the_commit_lsn_without_an_event_loop() -> None:
+    driver, store, woken = _slave()
+    stream, position = driver.hello(
+        replica_pb2.ReplicationHello(master_id="n1", epoch=3, cluster_id="c-1")
+    )
+    assert position.last_lsn == 0 and position.node_id == "n2"
+    assert store.meta().cluster_id == "c-1"  # an empty store joins the master's cluster
+
+    acks = _store_batch(
+        driver, stream, replica_pb2.EntryBatch(epoch=3, entries=[_entry(1, 3), _entry(2, 3)])
+    )
+    assert acks[-1].synced_lsn == 2
+    assert [e.lsn for e in store.read_log(1, 10)] == [1, 2]
+
+    record, ack = driver.heartbeat(stream, replica_pb2.ReplicationHeartbeat(epoch=3, commit_lsn=2))
+    assert ack.written_lsn == 2
+    assert driver.gate.commit_lsn == 2 and woken == [2]
+    if record:  # the idle stream's commit LSN, recorded as a shell would in the background
+        driver.commit_recorded(driver.store_record_commit(record))
+        assert store.meta().commit_lsn == 2
+
+
+def test_a_superseded_stream_is_refused_with_the_replicas_epoch() -> None:
+    driver, _, _ = _slave()
+    old, _ = driver.hello(replica_pb2.ReplicationHello(master_id="n1", epoch=3, cluster_id="c"))
+    driver.hello(replica_pb2.ReplicationHello(master_id="n1", epoch=3, cluster_id="c"))
+    with pytest.raises(ServiceError) as refused:
+        driver.batch(old, replica_pb2.EntryBatch(epoch=3, entries=[_entry(1, 3)]))
+    assert refused.value.code == Code.FAILED_PRECONDITION
+    assert "superseded" in refused.value.message
+    assert (EPOCH_KEY, "3") in refused.value.metadata
+    with pytest.raises(ServiceError) as stale:
+        driver.hello(replica_pb2.ReplicationHello(master_id="n1", epoch=2, cluster_id="c"))
+    assert stale.value.code == Code.FAILED_PRECONDITION
+    assert (EPOCH_KEY, "3") in stale.value.metadata
+
+
+def test_a_failing_disk_is_unavailable_and_fail_stops_and_nothing_is_acknowledged() -> None:
+    driver, store, _ = _slave()
+    stream, _ = driver.hello(replica_pb2.ReplicationHello(master_id="n1", epoch=3, cluster_id="c"))
+    _store_batch(driver, stream, replica_pb2.EntryBatch(epoch=3, entries=[_entry(1, 3)]))
+    store.broken = True
+    accepted, follower, acks = driver.batch(
+        stream, replica_pb2.EntryBatch(epoch=3, entries=[_entry(2, 3)], commit_lsn=1)
+    )
+    assert accepted.batch is not None
+    with pytest.raises(StoreWriteError) as raised:
+        driver.store_append(accepted.batch.entries, sync=True, commit_lsn=1)
+    error, fail_stop = driver.batch_failed(follower, raised.value)
+    assert error.code == Code.UNAVAILABLE and "n2: store write failed" in error.message
+    assert fail_stop.startswith("store write failed")
+    assert all(ack.synced_lsn <= 1 for ack in acks)  # SYNC: nothing on receipt beyond 1
+    assert driver.core.log.last_lsn == 1 and store.meta().last_lsn == 1
+
+
+def test_the_writer_plans_a_batch_refusing_a_bad_command_without_losing_the_others() -> None:
+    store = Store.open_memory()
+    core = ReplicaCore(
+        CoreConfig("n1", {"n1": "127.0.0.1:1"}), stored_epoch=0, log=LogPosition(0, 1)
+    )
+    driver = ReplicaDriver(
+        "n1",
+        core,
+        store,
+        CommitGate(0),
+        follower_config=FollowerConfig(node_id="n1"),
+        on_committed=lambda: None,
+    )
+    limits = load_config(CONFIG).limits
+    batch = driver.plan_batch(
+        [
+            commands.CreateTopic("orders", common_pb2.TOPIC_KIND_REPLICATED),
+            commands.Publish(broker_pb2.PublishRequest(topic="nowhere")),
+            commands.Publish(
+                broker_pb2.PublishRequest(
+                    topic="orders", events=[common_pb2.EventData(payload=b"x")]
+                )
+            ),
+        ],
+        limits=limits,
+        epoch=1,
+        now_ms=NOW_MS,
+    )
+    assert [index for index, _, _ in batch.planned] == [0, 2]
+    assert [lsn for _, _, lsn in batch.planned] == [1, 2]
+    assert [(index, err.code) for index, err in batch.refused] == [(1, Code.NOT_FOUND)]
+    assert [e.lsn for e in batch.entries] == [1, 2] and not batch.faults
+    # The publish stays hidden from committed reads until its entry commits.
+    assert driver.gate.tracked == 1
+    driver.store_append(batch.entries, sync=True, commit_lsn=0)
+    driver.batch_appended(2, 0)
+    assert core.log.last_lsn == 2 and store.meta().last_lsn == 2
