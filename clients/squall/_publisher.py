@@ -51,6 +51,7 @@ from typing import Any, Literal
 import grpc
 import tenacity
 
+from squall import _stages
 from squall._errors import (
     Indeterminate,
     SquallError,
@@ -156,7 +157,15 @@ class _Stream:
         """The request iterator gRPC consumes; ends at the None sentinel."""
         get = self.requests.get
         while (request := get()) is not None:
+            if _stages.ENABLED:
+                _stages.mark("c.wire", _request_key(request))
             yield request
+
+
+def _request_key(request: broker_pb2.PublishRequest) -> str:
+    """The request's key in the latency budget's stage marks (squall._stages)."""
+    first = request.events[0].sequence if request.events else 0
+    return _stages.request_key(request.publisher_id, first)
 
 
 def _ready_future() -> Future[Any]:
@@ -432,6 +441,8 @@ class Publisher:
                 receipts.extend(self._result(stream, future))
             except Indeterminate as error:
                 receipts.extend(self._retry_batch(request, error))
+            if _stages.ENABLED:
+                _stages.mark("c.return", _request_key(request))
         return receipts
 
     def _not_sent_error(self, why: str) -> SquallError:
@@ -630,6 +641,8 @@ class Publisher:
         self._next_request_id += 1
         stream.pending.append(_Batch(request, future, is_async))
         self._unresolved += 1
+        if _stages.ENABLED:
+            _stages.mark("c.queued", _request_key(request))
         stream.put(request)
 
     def _send_buffer(self, stream: _Stream) -> None:
@@ -679,6 +692,8 @@ class Publisher:
                         self._binding.stream_answered(stream.endpoint)
                         moved_from = self._moves.answered(stream.endpoint)
                     self._cond.notify_all()
+                if _stages.ENABLED:
+                    _stages.mark("c.resp", _request_key(batch.request))
                 receipts = receipts_from_pb(response)
                 if moved_from is not None and stream.endpoint is not None:
                     mark_rebound(receipts)

@@ -64,6 +64,7 @@ from services.replica.replication import (
 from services.replica.snapshot_pump import pump_snapshot
 from services.replica.store import Store, StoreError
 from services.replica.telemetry import ReplicationTracer
+from squall import _stages
 from squall.v1 import common_pb2, replica_pb2, replica_pb2_grpc
 
 log = logging.getLogger("squall.replica")
@@ -429,6 +430,8 @@ class MasterDriver:
         for waiting in done:
             if waiting.future.done():
                 continue
+            if _stages.ENABLED:
+                _stages.mark("m.commit", f"lsn/{waiting.lsn}")
             stamp = stamps.get(waiting.lsn)
             if stamp is None:
                 holders = self.core.holders(waiting.lsn) if waiting.lsn else ()
@@ -669,6 +672,9 @@ class MasterDriver:
         while True:
             message = await outbox.get()
             await call.write(message)
+            if _stages.ENABLED and message.HasField("entries"):
+                for entry in message.entries.entries:
+                    _stages.mark("m.sent", f"lsn/{entry.lsn}")
             outbox.task_done()  # a snapshot sender waits for its chunk to be taken
 
 

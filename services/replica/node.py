@@ -115,6 +115,7 @@ from services.replica.store import (
 from services.replica.store.stall import StallMeter
 from services.replica.transient import TransientTopics
 from services.replica.visibility import CommitGate
+from squall import _stages
 from squall.v1 import broker_pb2, common_pb2, replica_pb2, replica_pb2_grpc
 
 log = logging.getLogger("squall.replica")
@@ -1264,6 +1265,9 @@ class ReplicaNode:
         A NO_SYNC replica's ack on receipt is yielded before the write, so the master can
         count it without waiting for this store.
         """
+        if _stages.ENABLED:
+            for entry in batch.entries:
+                _stages.mark("s.in", f"lsn/{entry.lsn}")
         async with self._commit_lock:
             accepted = self.core.slave_batch(
                 stream,
@@ -1304,6 +1308,9 @@ class ReplicaNode:
                     raise self._refused(
                         Code.UNAVAILABLE, f"replica {self.node.id}: store write failed: {exc}"
                     ) from exc
+                if _stages.ENABLED:
+                    for entry in result.entries:
+                        _stages.mark("s.stored", f"lsn/{entry.lsn}")
                 ack = follower.on_written(result.last_lsn, synced=result.sync)
                 effects = self.core.slave_written(
                     last_lsn=result.last_lsn,
@@ -1644,6 +1651,8 @@ class ReplicaNode:
                 ),
             )
             return
+        if _stages.ENABLED:
+            _mark_publishes("m.plan", batch)
         first_lsn = self._last_lsn + 1
         builder = BatchBuilder(
             self.store,
@@ -1717,6 +1726,8 @@ class ReplicaNode:
                 ),
             )
             return
+        if _stages.ENABLED:
+            _mark_stored(planned, lsns)
         if self.telemetry.tracing:
             # Before the append reaches the driver: its sends may leave at once.
             driver.traced(
@@ -1898,3 +1909,26 @@ def _ack(ack: Ack) -> replica_pb2.ReplicationAck:
     return replica_pb2.ReplicationAck(
         received_lsn=ack.received_lsn, written_lsn=ack.written_lsn, synced_lsn=ack.synced_lsn
     )
+
+
+def _mark_publishes(stage: str, batch: Sequence[_Pending]) -> None:
+    """Marks each publish of a commit batch for the latency budget (squall._stages)."""
+    for pending in batch:
+        command = pending.command
+        if isinstance(command, commands.Publish) and command.request.events:
+            first = command.request.events[0].sequence
+            _stages.mark(stage, _stages.request_key(command.request.publisher_id, first))
+
+
+def _mark_stored(planned: Sequence[tuple[_Pending, Planned]], lsns: Sequence[int]) -> None:
+    """Marks the publishes just stored, linking each to its LSN and first offset."""
+    for (pending, plan), lsn in zip(planned, lsns, strict=True):
+        command = pending.command
+        if not isinstance(command, commands.Publish) or not command.request.events:
+            continue
+        request = command.request
+        key = _stages.request_key(request.publisher_id, request.events[0].sequence)
+        _stages.mark("m.stored", key)
+        _stages.link(key, f"lsn/{lsn}")
+        if plan.receipt is not None:
+            _stages.link(key, f"off/{request.topic}/{plan.receipt.first_offset}")

@@ -25,6 +25,7 @@ from services.common.grpc_server import Context
 from services.replica.node import ReplicaNode
 from services.replica.server import abort
 from services.replica.store import CorruptRecordError, StoreError
+from squall import _stages
 from squall.v1 import replica_pb2, replica_pb2_grpc
 
 log = logging.getLogger("squall.replica")
@@ -102,6 +103,9 @@ class Replication(replica_pb2_grpc.ReplicationServicer):
                     # stream of this replica waited for that).
                     async for ack in detached(node.replication_batch(stream, request.entries)):
                         yield replica_pb2.ReplicateResponse(ack=ack)
+                        if _stages.ENABLED:
+                            for entry in request.entries.entries:
+                                _stages.mark("s.ack", f"lsn/{entry.lsn}")
                 elif kind == "heartbeat":
                     ack = node.replication_heartbeat(stream, request.heartbeat)
                     yield replica_pb2.ReplicateResponse(ack=ack)

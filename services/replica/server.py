@@ -20,6 +20,7 @@ from services.replica import commands, handoff, shutdown
 from services.replica.node import UNREACHABLE_KEY, ReplicaNode
 from services.replica.store import CorruptRecordError, TopicInfo, UnknownTopicError
 from services.replica.telemetry import DeliveryWatch, PublishWatch
+from squall import _stages
 from squall.v1 import (
     broker_pb2,
     broker_pb2_grpc,
@@ -219,6 +220,7 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
             raise
         request_id = request.request_id
         compact = request.compact_receipts
+        key = _stage_key(request) if _stages.ENABLED else ""
 
         async def respond() -> broker_pb2.PublishResponse:
             try:
@@ -229,6 +231,8 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
                 raise
             if watch is not None:
                 watch.done(got)
+            if key:
+                _stages.mark("m.resp", key)
             if compact:
                 return broker_pb2.PublishResponse(batch=got, request_id=request_id)
             return broker_pb2.PublishResponse(
@@ -266,6 +270,8 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
         async def read_requests() -> None:
             try:
                 async for request in request_iterator:
+                    if _stages.ENABLED:
+                        _stages.mark("m.in", _stage_key(request))
                     try:
                         with _translating(self.node):
                             future = self._start(request)
@@ -292,6 +298,12 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
             await reader
         finally:
             reader.cancel()
+
+
+def _stage_key(request: broker_pb2.PublishRequest) -> str:
+    """A publish request's key in the latency budget's stage marks (squall._stages)."""
+    first = request.events[0].sequence if request.events else 0
+    return _stages.request_key(request.publisher_id, first)
 
 
 def _seen(future: asyncio.Future[Any]) -> None:
@@ -417,6 +429,9 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
             if events:
                 position = events[-1].offset + 1
                 span = delivery.start(events) if delivery is not None else None
+                if _stages.ENABLED:
+                    # The first event only: a following subscriber gets one per response.
+                    _stages.mark("d.out", f"off/{topic.name}/{events[0].offset}")
                 try:
                     yield broker_pb2.SubscribeResponse(events=events)
                 finally:
