@@ -79,7 +79,7 @@ def floor(count: int = 2000) -> dict[str, Any]:
         port = int(server.stdout.readline())
         payload = b"x" * 100
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            unary = channel.unary_unary("/echo.Echo/Unary")
+            unary = channel.unary_unary("/echo.Echo/Unary", None, None)
             for _ in range(50):
                 unary(payload, timeout=5)
             unary_s = []
@@ -98,7 +98,7 @@ def floor(count: int = 2000) -> dict[str, Any]:
                         return
                     yield requests.popleft()
 
-            call = channel.stream_stream("/echo.Echo/Stream")(feed(), timeout=60)
+            call: Any = channel.stream_stream("/echo.Echo/Stream", None, None)(feed(), timeout=60)
             stream_s = []
             for i in range(count + 50):
                 t0 = time.perf_counter()
@@ -190,13 +190,21 @@ def concurrent(
     seconds: float,
     replicated: bool | None = None,
     pids: dict[str, int] | None = None,
+    shared: bool = False,
+    one_request_per_call: bool = False,
 ) -> dict[str, Any]:
-    """`publishers` threads, each with its own publisher, one event at a time for `seconds`."""
+    """`publishers` threads, each with its own publisher (or all sharing one), one event at a
+    time for `seconds`. With one_request_per_call each call takes the path `publish()` took
+    before concurrent callers joined their events (one request per call, waiting for a
+    window slot), for a before/after in one run."""
     payload = payloads(1)[0]
     per_thread: list[list[float]] = [[] for _ in range(publishers)]
     errors: list[BaseException] = []
     with squall.connect(address) as client:
-        handles = [client.topic(topic).publisher(replicated=replicated) for _ in range(publishers)]
+        handles = [
+            client.topic(topic).publisher(replicated=replicated)
+            for _ in range(1 if shared else publishers)
+        ]
         try:
             for handle in handles:
                 handle.publish(b"warm-up")
@@ -204,12 +212,15 @@ def concurrent(
             stop_at = [0.0]
 
             def run(index: int) -> None:
-                publisher, samples = handles[index], per_thread[index]
+                publisher, samples = handles[0 if shared else index], per_thread[index]
                 start.wait()
                 try:
                     # Bounded by the deadline (and each call by the publisher's timeout).
                     while (t0 := time.perf_counter()) < stop_at[0]:
-                        publisher.publish(payload)
+                        if one_request_per_call:
+                            publisher._publish_batches([(None, payload, None)], 1)
+                        else:
+                            publisher.publish(payload)
                         samples.append(time.perf_counter() - t0)
                 except BaseException as exc:  # reported after the run
                     errors.append(exc)
@@ -233,6 +244,8 @@ def concurrent(
         raise RuntimeError(f"{len(errors)} publishers failed, the first: {errors[0]!r}")
     figures = _figures([s for samples in per_thread for s in samples], elapsed_s)
     figures["publishers"] = publishers
+    figures["shared_publisher"] = shared
+    figures["one_request_per_call"] = one_request_per_call
     # % of one core per process: which one is the bound (the client, the gateway, the master).
     figures["cpu_pct"] = {
         k: v for k, v in cpu.items() if k.startswith(("client", "gateway", "replica", "others"))
@@ -287,10 +300,10 @@ PUBLISH_STAGES = (
     ("gateway -> master (network, master read)", "g.in", "m.in"),
     ("master: read to commit start (writer wake-up)", "m.in", "m.plan"),
     ("master: plan + store write (+ fsync)", "m.plan", "m.stored"),
-    ("master: stored to sent to slaves", "m.stored", "m.sent"),
+    ("master: stored to the batch handed to gRPC", "m.stored", "m.sent"),
     ("master -> slave (network, slave read)", "m.sent", "s.in"),
     ("slave: store write (+ fsync)", "s.in", "s.stored"),
-    ("slave: stored to ack written", "s.stored", "s.ack"),
+    ("slave: stored to the ack handed to gRPC", "s.stored", "s.ack"),
     ("slave -> master (network, ack applied, commit)", "s.ack", "m.commit"),
     ("master: commit to response built", "m.commit", "m.resp"),
     ("master -> gateway (network, gateway read)", "m.resp", "g.resp"),
@@ -356,7 +369,7 @@ def budget(
         for label, first, last in PUBLISH_STAGES:
             samples[label].append((at[last] - at[first]) / 1000)
         totals.append((at["c.return"] - at["c.call"]) / 1000)
-    rows = [
+    rows: list[dict[str, Any]] = [
         {"stage": label, "us_p50": round(statistics.median(samples[label]), 1)}
         for label, _, _ in PUBLISH_STAGES
         if samples[label]
@@ -468,10 +481,25 @@ def measure(
     for n in sizes.concurrency:
         log(f"    latency: {n} concurrent one-at-a-time publishers, {sizes.concurrent_s} s")
         out["concurrent"][str(n)] = concurrent(
-            address, f"{topic_prefix}-c{n}", n, sizes.concurrent_s
+            address, f"{topic_prefix}-c{n}", n, sizes.concurrent_s, pids=pids
         )
         out["concurrent_proxy"][str(n)] = concurrent(
             address, f"{topic_prefix}-c{n}-proxy", n, sizes.concurrent_s, replicated=True, pids=pids
+        )
+    out["concurrent_shared"] = {}
+    for n in sizes.concurrency[1:]:
+        log(f"    latency: {n} threads sharing one publisher, {sizes.concurrent_s} s")
+        out["concurrent_shared"][str(n)] = concurrent(
+            address, f"{topic_prefix}-c{n}", n, sizes.concurrent_s, pids=pids, shared=True
+        )
+        out.setdefault("concurrent_shared_one_request_per_call", {})[str(n)] = concurrent(
+            address,
+            f"{topic_prefix}-c{n}",
+            n,
+            sizes.concurrent_s,
+            pids=pids,
+            shared=True,
+            one_request_per_call=True,
         )
     log(f"    latency: publish -> following subscriber, {sizes.delivery_events} events")
     out["delivery"] = delivery(
@@ -518,7 +546,14 @@ def table(policy_figures: dict[str, dict[str, Any]]) -> str:
     )
     row("one at a time, replicated proxy", lambda f: rate(f["one_at_a_time_proxy"]))
     for n in next(iter(policy_figures.values()))["concurrent"]:
-        for path, name in (("concurrent", "gateway"), ("concurrent_proxy", "proxy")):
+        for path, name in (
+            ("concurrent", "gateway"),
+            ("concurrent_proxy", "proxy"),
+            ("concurrent_shared_one_request_per_call", "gateway, one shared publisher, before"),
+            ("concurrent_shared", "gateway, one shared publisher"),
+        ):
+            if n not in next(iter(policy_figures.values()))[path]:
+                continue
             row(
                 f"{n} concurrent publishers, {name}: events/s, p50 / p99 ms",
                 lambda f, n=n, path=path: (
@@ -526,6 +561,14 @@ def table(policy_figures: dict[str, dict[str, Any]]) -> str:
                     f"{f[path][n]['latency_ms_p99']}"
                 ),
             )
+    last = list(next(iter(policy_figures.values()))["concurrent"])[-1]
+    for path, name in (("concurrent", "own publishers"), ("concurrent_shared", "one shared")):
+        if last not in next(iter(policy_figures.values())).get(path, {}):
+            continue
+        row(
+            f"CPU µs per event at {last} publishers ({name}): client / gateway / master",
+            lambda f, path=path: _cpu_per_event(f[path][last], f["one_at_a_time"]["master"]),
+        )
     row(
         "publish -> following subscriber, p50 / p99 ms",
         lambda f: f"{f['delivery']['latency_ms_p50']} / {f['delivery']['latency_ms_p99']}",
@@ -565,6 +608,15 @@ def table(policy_figures: dict[str, dict[str, Any]]) -> str:
             + " |"
         )
     return "\n".join(lines)
+
+
+def _cpu_per_event(figures: dict[str, Any], master: str) -> str:
+    """CPU time per acknowledged event of the client, the gateway and the master, in µs."""
+    rate = max(figures["events_per_s"], 1)
+    cpu = figures.get("cpu_pct", {})
+    gateway = sum(v for k, v in cpu.items() if k.startswith("gateway"))
+    cells = (cpu.get("client", 0.0), gateway, cpu.get(f"replica-{master}", 0.0))
+    return " / ".join(f"{10_000 * pct / rate:.0f}" for pct in cells)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -292,9 +292,52 @@ class Publisher:
     def publish(
         self, payload: bytes, key: bytes | None = None, headers: Mapping[str, str] | None = None
     ) -> Receipt:
-        """Publishes one event and waits for its receipt."""
+        """Publishes one event and waits for its receipt.
+
+        Callers in several threads share the publisher's stream: while its in-flight
+        window is full, an event waits with the others that arrive meanwhile and they go
+        out as one request when a slot frees (as `publish_async` events do), so many
+        threads publishing one event at a time share requests, commits and replication
+        batches instead of queuing one request each.
+        """
+        with self._cond:
+            stream = self._stream
+            crowded = (
+                stream is not None
+                and not stream.dead
+                and (bool(self._buffer) or len(stream.pending) >= self._inflight_max)
+            )
+        if crowded:
+            return self._publish_joined(payload, key, headers)
         receipts = self._publish_batches([(key, payload, headers)], BATCH_EVENTS_DEFAULT)
         return receipts[0]
+
+    def _publish_joined(
+        self, payload: bytes, key: bytes | None, headers: Mapping[str, str] | None
+    ) -> Receipt:
+        """One event sent with the others waiting for a slot; waits for its receipt.
+
+        Its batch is retried like an async batch (by the reader thread, under the retry
+        policy). Past the timeout the stream is abandoned, which settles every batch on it;
+        if even that outcome does not come within the retry budget, `Indeterminate`.
+        """
+        future = self.publish_async(payload, key, headers)
+        try:
+            return future.result(self._timeout_s)
+        except FutureTimeoutError:
+            with self._cond:
+                if self._stream is not None:
+                    self._abort(
+                        self._stream,
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"no receipt within {self._timeout_s} s",
+                    )
+        try:
+            return future.result(self._timeout_s + self._retry.total_ms_max / 1000)
+        except FutureTimeoutError:
+            raise Indeterminate(
+                f"no receipt within {self._timeout_s} s", grpc.StatusCode.DEADLINE_EXCEEDED
+            ) from None
 
     def publish_many(
         self, events: Iterable[EventLike], batch_events: int = BATCH_EVENTS_DEFAULT

@@ -671,10 +671,10 @@ class MasterDriver:
         outbox = link.outbox
         while True:
             message = await outbox.get()
-            await call.write(message)
             if _stages.ENABLED and message.HasField("entries"):
                 for entry in message.entries.entries:
                     _stages.mark("m.sent", f"lsn/{entry.lsn}")
+            await call.write(message)
             outbox.task_done()  # a snapshot sender waits for its chunk to be taken
 
 

@@ -102,10 +102,10 @@ class Replication(replica_pb2_grpc.ReplicationServicer):
                     # it, and only a garbage collection would; every later batch and
                     # stream of this replica waited for that).
                     async for ack in detached(node.replication_batch(stream, request.entries)):
-                        yield replica_pb2.ReplicateResponse(ack=ack)
                         if _stages.ENABLED:
                             for entry in request.entries.entries:
                                 _stages.mark("s.ack", f"lsn/{entry.lsn}")
+                        yield replica_pb2.ReplicateResponse(ack=ack)
                 elif kind == "heartbeat":
                     ack = node.replication_heartbeat(stream, request.heartbeat)
                     yield replica_pb2.ReplicateResponse(ack=ack)
