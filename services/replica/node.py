@@ -815,7 +815,11 @@ class ReplicaNode:
             self._notify_committed()
             return done
         planned = self._submit(commands.Publish(request), trace=trace)
-        return asyncio.ensure_future(_receipt(planned))
+        # Chained by callbacks, not a task: one publish at a time pays no task per event.
+        receipt: asyncio.Future[common_pb2.BatchReceipt] = loop.create_future()
+        planned.add_done_callback(functools.partial(_pass_receipt, receipt))
+        receipt.add_done_callback(functools.partial(_cancel_with, planned))
+        return receipt
 
     async def apply_role(self, command: replica_pb2.RoleCommand) -> None:
         """Takes (or renews) the role the coordinator commands, one command at a time.
@@ -1865,10 +1869,32 @@ class ReplicaNode:
         return self.gate.hidden_from(topic) or 0
 
 
-async def _receipt(planned: asyncio.Future[Planned]) -> common_pb2.BatchReceipt:
-    receipt = (await planned).receipt
-    assert receipt is not None, "a planned publish always has a receipt"
-    return receipt
+def _pass_receipt(
+    receipt: asyncio.Future[common_pb2.BatchReceipt], planned: asyncio.Future[Planned]
+) -> None:
+    """Settles a publish's receipt future as its planned write ended."""
+    if receipt.done():
+        return  # the caller gave up
+    if planned.cancelled():
+        receipt.cancel()
+        return
+    error = planned.exception()
+    if error is not None:
+        receipt.set_exception(error)
+        return
+    got = planned.result().receipt
+    if got is None:
+        receipt.set_exception(AssertionError("a planned publish always has a receipt"))
+        return
+    receipt.set_result(got)
+
+
+def _cancel_with(
+    planned: asyncio.Future[Planned], receipt: asyncio.Future[common_pb2.BatchReceipt]
+) -> None:
+    """A caller that gives up on its receipt cancels the write's wait (as awaiting did)."""
+    if receipt.cancelled():
+        planned.cancel()
 
 
 def _fail_all(planned: list[tuple[_Pending, Planned]], error: ServiceError) -> None:

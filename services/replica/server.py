@@ -221,26 +221,46 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
         request_id = request.request_id
         compact = request.compact_receipts
         key = _stage_key(request) if _stages.ENABLED else ""
+        # Chained by callbacks, not a task: one publish at a time pays no task per event.
+        answer: asyncio.Future[broker_pb2.PublishResponse] = (
+            asyncio.get_running_loop().create_future()
+        )
 
-        async def respond() -> broker_pb2.PublishResponse:
-            try:
-                got = await receipt
-            except BaseException as exc:
+        def respond(done: asyncio.Future[common_pb2.BatchReceipt]) -> None:
+            if answer.done():
+                return  # the caller gave up
+            if done.cancelled():
                 if watch is not None:
-                    watch.failed(exc)
-                raise
+                    watch.failed(asyncio.CancelledError())
+                answer.cancel()
+                return
+            error = done.exception()
+            if error is not None:
+                if watch is not None:
+                    watch.failed(error)
+                answer.set_exception(error)
+                return
+            got = done.result()
             if watch is not None:
                 watch.done(got)
             if key:
                 _stages.mark("m.resp", key)
-            if compact:
-                return broker_pb2.PublishResponse(batch=got, request_id=request_id)
-            return broker_pb2.PublishResponse(
-                receipts=commands.expand_receipt(got), request_id=request_id
-            )
+            try:
+                response = (
+                    broker_pb2.PublishResponse(batch=got, request_id=request_id)
+                    if compact
+                    else broker_pb2.PublishResponse(
+                        receipts=commands.expand_receipt(got), request_id=request_id
+                    )
+                )
+            except Exception as exc:  # the caller hears it rather than waiting for ever
+                answer.set_exception(exc)
+                return
+            answer.set_result(response)
 
-        answer = asyncio.ensure_future(respond())
+        receipt.add_done_callback(respond)
         answer.add_done_callback(_seen)
+        answer.add_done_callback(lambda ended: receipt.cancel() if ended.cancelled() else None)
         return answer
 
     def _where(self) -> tuple[str, int]:
