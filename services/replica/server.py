@@ -460,8 +460,10 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
                 continue
             if not request.follow:
                 return
+            # asyncio.timeout, not wait_for: no task per wait, the commit wakes this one.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(signal.wait(), _FOLLOW_RECHECK_S)
+                async with asyncio.timeout(_FOLLOW_RECHECK_S):
+                    await signal.wait()
             current = node.store.get_topic(topic.name)
             if current is None or current.topic_id != topic.topic_id:
                 await abort(
