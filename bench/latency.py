@@ -20,12 +20,14 @@ Scenarios (measurements, not tests; each bounded by a count and a deadline):
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import statistics
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -404,10 +406,25 @@ def stage_dir(run_dir: Path) -> Path:
     return directory
 
 
-def env_enable(directory: Path) -> None:
-    """Stage marks on for this process and every process it starts from now on."""
-    os.environ["SQUALL_STAGE_TIMINGS_DIR"] = str(directory)
+@contextlib.contextmanager
+def stage_marks(directory: Path | None) -> Iterator[None]:
+    """Stage marks on (into directory) for this process and every process started meanwhile;
+    as they were afterwards. None: leaves them as they are."""
+    if directory is None:
+        yield
+        return
+    key = "SQUALL_STAGE_TIMINGS_DIR"
+    before = os.environ.get(key)
+    os.environ[key] = str(directory)
     _stages.configure(str(directory))
+    try:
+        yield
+    finally:
+        _stages.configure(before or "")
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
 
 
 # --- one policy's latency figures on a running cluster, and the standalone entry point
@@ -427,8 +444,8 @@ class Sizes:
 
     @classmethod
     def tiny(cls) -> Sizes:
-        """The smoke run's sizes."""
-        return cls(50, 5.0, 1.0, (1, 16), 30, 5.0, 200)
+        """The smoke run's sizes (a few seconds per policy)."""
+        return cls(30, 5.0, 0.5, (1, 16), 20, 5.0, 200)
 
 
 def roles_of(pids: dict[str, int]) -> dict[int, str]:
@@ -644,10 +661,11 @@ def main(argv: list[str] | None = None) -> int:
         for policy in args.policy or ["WRITE_NO_SYNC", "SYNC"]:
             run_dir = Path(temp) / policy
             stages = None if args.no_stages else stage_dir(run_dir)
-            if stages is not None:
-                env_enable(stages)
             durability = {"master_sync": policy, "replica_sync": policy, "acks": "majority"}
-            with replicated.running(run_dir, durability=dict(durability)) as cluster:
+            with (
+                stage_marks(stages),
+                replicated.running(run_dir, durability=dict(durability)) as cluster,
+            ):
                 log(f"  {policy}")
                 results[policy] = measure(
                     cluster.gateway_address, cluster.pids(), stages, sizes, "lat", log

@@ -110,9 +110,10 @@ def measure_policy(
     # Stage marks (squall._stages) for the latency budget, from every process of this
     # cluster and this one; a per-event cost of about a microsecond per mark.
     stages = latency.stage_dir(run_dir) if sizes.latency is not None else None
-    if stages is not None:
-        latency.env_enable(stages)
-    with replicated.running(run_dir, durability=dict(durability)) as cluster:
+    with (
+        latency.stage_marks(stages),
+        replicated.running(run_dir, durability=dict(durability)) as cluster,
+    ):
         address = cluster.gateway_address
         topics = [f"bench-pipelined-{i}" for i in range(sizes.repeats)]
         aio_topics = [f"bench-aio-pipelined-{i}" for i in range(sizes.repeats)]
