@@ -12,6 +12,7 @@ Scenarios (measurements, not tests; each bounded by a count and a deadline):
   event at a time for a fixed time: aggregate rate and p50 / p99 per call.
 * `delivery`: a following subscriber through the gateway; one event published at a time;
   from the publish call to the subscriber's iterator yielding it: p50 / p99.
+* `push_delivery`: the same to an ordered push subscriber's callback (`PushEndpoint`).
 * `budget`: the stage marks (`squall._stages`) of the one-at-a-time run joined across the
   client, the gateway and the three replicas into the median time of each stage of one
   publish and of one delivery.
@@ -291,6 +292,42 @@ def delivery(address: str, topic: str, count: int, deadline_s: float) -> dict[st
     return _figures(latencies_s, elapsed_s)
 
 
+def push_delivery(address: str, topic: str, count: int, deadline_s: float) -> dict[str, Any]:
+    """One event published at a time; from the publish call to a push endpoint's callback
+    (an ordered push subscriber, `squall.PushEndpoint` in this process)."""
+    sent_at: dict[int, float] = {}
+    latencies_s: list[float] = []
+    received = threading.Semaphore(0)
+
+    def delivered(batch: squall.PushDelivery) -> None:
+        at = time.perf_counter()
+        for message in batch.messages:
+            index = int(message.payload[:12]) if message.payload[:1].isdigit() else -1
+            if index in sent_at:
+                latencies_s.append(at - sent_at.pop(index))
+                received.release()
+
+    with squall.connect(address) as client, squall.PushEndpoint() as endpoint:
+        handle = client.topic(topic)
+        handle.subscribe_push("bench-push", endpoint, reliability="ordered", on_delivery=delivered)
+        try:
+            with handle.publisher() as publisher:
+                publisher.publish(b"warm-up")
+                stop_at = time.monotonic() + deadline_s
+                started = time.perf_counter()
+                for index, payload in enumerate(payloads(count)):
+                    if time.monotonic() > stop_at:
+                        break
+                    sent_at[index] = time.perf_counter()
+                    publisher.publish(payload)
+                    if not received.acquire(timeout=10):
+                        break
+                elapsed_s = time.perf_counter() - started
+        finally:
+            handle.unsubscribe_push("bench-push")
+    return _figures(latencies_s, elapsed_s)
+
+
 # --- the budget: stage marks joined across processes
 
 # Publish stages in path order: (label, from mark, to mark); "s.*" marks are the first
@@ -388,14 +425,19 @@ def delivery_budget(directory: Path, roles: dict[int, str], master: str) -> dict
     """Median µs from a publish's commit to the master's Subscribe handler sending it."""
     on_master = read_marks(directory, roles).get(master, Marks())
     waits: list[float] = []
+    pushes: list[float] = []
     for key in on_master.links:
         committed = on_master.at.get(_linked(on_master, key, "lsn/"), {}).get("m.commit")
-        sent = on_master.at.get(_linked(on_master, key, "off/"), {}).get("d.out")
-        if committed and sent:
-            waits.append((sent - committed) / 1000)
+        marks = on_master.at.get(_linked(on_master, key, "off/"), {})
+        if committed and marks.get("d.out"):
+            waits.append((marks["d.out"] - committed) / 1000)
+        if committed and marks.get("p.out"):
+            pushes.append((marks["p.out"] - committed) / 1000)
     return {
         "events": len(waits),
         "commit_to_sent_us_p50": round(statistics.median(waits), 1) if waits else 0.0,
+        "push_events": len(pushes),
+        "commit_to_push_call_us_p50": round(statistics.median(pushes), 1) if pushes else 0.0,
     }
 
 
@@ -466,7 +508,7 @@ def measure(
 ) -> dict[str, Any]:
     """Every latency scenario on one running cluster (stage marks on when `stages` is set)."""
     with squall.connect(address) as client:
-        for suffix in ("one", "proxy", "delivery", *(f"c{n}" for n in sizes.concurrency)):
+        for suffix in ("one", "proxy", "delivery", "push", *(f"c{n}" for n in sizes.concurrency)):
             for path in ("", "-proxy"):
                 client.create_topic(f"{topic_prefix}-{suffix}{path}")
     out: dict[str, Any] = {}
@@ -521,6 +563,10 @@ def measure(
     log(f"    latency: publish -> following subscriber, {sizes.delivery_events} events")
     out["delivery"] = delivery(
         address, f"{topic_prefix}-delivery", sizes.delivery_events, sizes.delivery_deadline_s
+    )
+    log(f"    latency: publish -> push endpoint, {sizes.delivery_events} events")
+    out["push_delivery"] = push_delivery(
+        address, f"{topic_prefix}-push", sizes.delivery_events, sizes.delivery_deadline_s
     )
     if stages is not None:
         time.sleep(0.5)
@@ -590,6 +636,13 @@ def table(policy_figures: dict[str, dict[str, Any]]) -> str:
         "publish -> following subscriber, p50 / p99 ms",
         lambda f: f"{f['delivery']['latency_ms_p50']} / {f['delivery']['latency_ms_p99']}",
     )
+    if all("push_delivery" in f for f in policy_figures.values()):
+        row(
+            "publish -> push endpoint (ordered), p50 / p99 ms",
+            lambda f: (
+                f"{f['push_delivery']['latency_ms_p50']} / {f['push_delivery']['latency_ms_p99']}"
+            ),
+        )
     if all("budget" in f for f in policy_figures.values()):
         lines += [
             "",
@@ -620,6 +673,18 @@ def table(policy_figures: dict[str, dict[str, Any]]) -> str:
             "| delivery: commit to the master's Subscribe sending it | "
             + " | ".join(
                 str(policy_figures[p].get("delivery_budget", {}).get("commit_to_sent_us_p50", "-"))
+                for p in policies
+            )
+            + " |"
+        )
+        lines.append(
+            "| push: commit to the master's Deliver call | "
+            + " | ".join(
+                str(
+                    policy_figures[p]
+                    .get("delivery_budget", {})
+                    .get("commit_to_push_call_us_p50", "-")
+                )
                 for p in policies
             )
             + " |"
