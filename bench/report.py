@@ -26,6 +26,7 @@ matplotlib.use("Agg")  # no display: files only, also in CI and over ssh
 import matplotlib.pyplot as plt  # after use("Agg"): the backend is chosen first
 from matplotlib.ticker import MaxNLocator
 
+from bench import latency
 from bench.single_node import percentile
 
 REPORT_VERSION = 1
@@ -380,6 +381,7 @@ def markdown(report: dict[str, Any], plots: dict[str, str]) -> str:
         )
     else:
         lines.append("Not measured in this run.")
+    lines += _latency_section(report)
     lines += ["", "## Failover", ""]
     fail = report.get("failover")
     gap = summary.get("failover_ms")
@@ -421,6 +423,24 @@ def markdown(report: dict[str, Any], plots: dict[str, str]) -> str:
         lines.append("")
     lines += _image(plots, "memory", "RSS per service, idle and after load")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _latency_section(report: dict[str, Any]) -> list[str]:
+    """One publish at a time, concurrent publishers, delivery and the per-stage budget."""
+    measured = {p: f["latency"] for p, f in report["policies"].items() if f.get("latency")}
+    if not measured:
+        return []
+    return [
+        "",
+        "## Latency: one at a time, concurrent publishers, delivery (`bench/latency.py`)",
+        "",
+        "Against the floor measured in this run: one bare gRPC round trip between two "
+        "Python processes. Each thread publishes one event at a time, with its own "
+        'publisher or all sharing one ("before": one request per call, the path '
+        "`publish()` took before concurrent callers joined their events).",
+        "",
+        latency.table(measured),
+    ]
 
 
 def _gap_section(report: dict[str, Any], plots: dict[str, str]) -> list[str]:

@@ -41,13 +41,14 @@ from pathlib import Path
 from typing import Any
 
 import squall
-from bench import failover, fault_gaps, machine, memory, replicated, report, single_node
+from bench import failover, fault_gaps, latency, machine, memory, replicated, report, single_node
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 POLICIES = ("SYNC", "WRITE_NO_SYNC", "NO_SYNC")
 # Catch-up runs on this policy's cluster when it is measured (the default master policy).
 CATCH_UP_POLICY = "SYNC"
 ACKS = "majority"
+LATENCY_DEFAULT = latency.Sizes()
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,8 @@ class Sizes:
     catch_up_events: int
     failover_trials: int
     gap_trials: int
+    # The latency scenarios (bench/latency.py); None skips them.
+    latency: latency.Sizes | None = LATENCY_DEFAULT
 
     @classmethod
     def default(cls) -> Sizes:
@@ -93,6 +96,7 @@ class Sizes:
             catch_up_events=0,
             failover_trials=0,
             gap_trials=0,
+            latency=latency.Sizes.tiny(),
         )
 
 
@@ -103,7 +107,13 @@ def measure_policy(
     durability = {"master_sync": policy, "replica_sync": policy, "acks": ACKS}
     figures: dict[str, Any] = {"durability": durability}
     catch_figures: dict[str, Any] | None = None
-    with replicated.running(run_dir, durability=dict(durability)) as cluster:
+    # Stage marks (squall.wire.stages) for the latency budget, from every process of this
+    # cluster and this one; a per-event cost of about a microsecond per mark.
+    stages = latency.stage_dir(run_dir) if sizes.latency is not None else None
+    with (
+        latency.stage_marks(stages),
+        replicated.running(run_dir, durability=dict(durability)) as cluster,
+    ):
         address = cluster.gateway_address
         topics = [f"bench-pipelined-{i}" for i in range(sizes.repeats)]
         aio_topics = [f"bench-aio-pipelined-{i}" for i in range(sizes.repeats)]
@@ -154,6 +164,11 @@ def measure_policy(
         figures["subscribe"] = single_node.median_of(reads)
         # Before catch-up, which restarts a node: these are the processes that took the load.
         figures["memory"]["after_load"] = memory.sample(services)
+        if sizes.latency is not None:
+            log(f"  {policy}: latency (one at a time, concurrent publishers, delivery, budget)")
+            figures["latency"] = latency.measure(
+                address, cluster.pids(), stages, sizes.latency, "latency", log
+            )
         if catch_up:
             log(f"  {policy}: catch-up of a slave {sizes.catch_up_events:,} events behind")
             catch_figures = {
@@ -204,6 +219,11 @@ def main(argv: list[str] | None = None) -> int:
         "lead_back's truncation; default 0)",
     )
     parser.add_argument(
+        "--no-latency",
+        action="store_true",
+        help="skip the latency scenarios (bench/latency.py)",
+    )
+    parser.add_argument(
         "--results-dir",
         type=Path,
         default=RESULTS_DIR,
@@ -227,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(value < 0 for value in overrides.values()) or overrides.get("repeats") == 0:
         parser.error("sizes must be >= 0 (and --repeats >= 1)")
     sizes = replace(sizes, **overrides)
+    if args.no_latency:
+        sizes = replace(sizes, latency=None)
     policies = [p for p in POLICIES if p in (args.policy or POLICIES)]
     catch_up_policy = CATCH_UP_POLICY if CATCH_UP_POLICY in policies else policies[-1]
 
@@ -274,7 +296,10 @@ def main(argv: list[str] | None = None) -> int:
             "batch_events": single_node.BATCH_EVENTS,
             "acks": ACKS,
             "policies": policies,
-            "sizes": {k: v for k, v in asdict(sizes).items() if not k.endswith("_s")},
+            "sizes": {
+                k: v for k, v in asdict(sizes).items() if not k.endswith("_s") and k != "latency"
+            },
+            "latency_sizes": asdict(sizes.latency) if sizes.latency is not None else None,
             "deadlines_s": {k: v for k, v in asdict(sizes).items() if k.endswith("_s")},
         },
         policies=results,

@@ -92,6 +92,7 @@ from squall._publish_rules import (
 )
 from squall._types import Receipt, receipts_from_pb
 from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2
+from squall.wire import stages as _stages
 from squall.wire.retry import RetryPolicy
 
 __all__ = [
@@ -164,7 +165,15 @@ class _Stream:
         """The request iterator gRPC consumes; ends at the None sentinel."""
         get = self.requests.get
         while (request := get()) is not None:
+            if _stages.ENABLED:
+                _stages.mark("c.wire", _request_key(request))
             yield request
+
+
+def _request_key(request: broker_pb2.PublishRequest) -> str:
+    """The request's key in the latency budget's stage marks (squall.wire.stages)."""
+    first = request.events[0].sequence if request.events else 0
+    return _stages.request_key(request.publisher_id, first)
 
 
 def _ready_future() -> Future[Any]:
@@ -291,9 +300,52 @@ class Publisher:
     def publish(
         self, payload: bytes, key: bytes | None = None, headers: Mapping[str, str] | None = None
     ) -> Receipt:
-        """Publishes one event and waits for its receipt."""
+        """Publishes one event and waits for its receipt.
+
+        Callers in several threads share the publisher's stream: while its in-flight
+        window is full, an event waits with the others that arrive meanwhile and they go
+        out as one request when a slot frees (as `publish_async` events do), so many
+        threads publishing one event at a time share requests, commits and replication
+        batches instead of queuing one request each.
+        """
+        with self._cond:
+            stream = self._stream
+            crowded = (
+                stream is not None
+                and not stream.dead
+                and (bool(self._buffer) or len(stream.pending) >= self._inflight_max)
+            )
+        if crowded:
+            return self._publish_joined(payload, key, headers)
         receipts = self._publish_batches([(key, payload, headers)], BATCH_EVENTS_DEFAULT)
         return receipts[0]
+
+    def _publish_joined(
+        self, payload: bytes, key: bytes | None, headers: Mapping[str, str] | None
+    ) -> Receipt:
+        """One event sent with the others waiting for a slot; waits for its receipt.
+
+        Its batch is retried like an async batch (by the reader thread, under the retry
+        policy). Past the timeout the stream is abandoned, which settles every batch on it;
+        if even that outcome does not come within the retry budget, `Indeterminate`.
+        """
+        future = self.publish_async(payload, key, headers)
+        try:
+            return future.result(self._timeout_s)
+        except FutureTimeoutError:
+            with self._cond:
+                if self._stream is not None:
+                    self._abort(
+                        self._stream,
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"no receipt within {self._timeout_s} s",
+                    )
+        try:
+            return future.result(self._timeout_s + self._retry.total_ms_max / 1000)
+        except FutureTimeoutError:
+            raise Indeterminate(
+                f"no receipt within {self._timeout_s} s", grpc.StatusCode.DEADLINE_EXCEEDED
+            ) from None
 
     def publish_many(
         self, events: Iterable[EventLike], batch_events: int = BATCH_EVENTS_DEFAULT
@@ -440,6 +492,8 @@ class Publisher:
                 receipts.extend(self._result(stream, future))
             except Indeterminate as error:
                 receipts.extend(self._retry_batch(request, error))
+            if _stages.ENABLED:
+                _stages.mark("c.return", _request_key(request))
         return receipts
 
     def _not_sent_error(self, why: str) -> SquallError:
@@ -655,6 +709,8 @@ class Publisher:
             stream.woken.set()
         stream.pending.append(_Batch(request, future, is_async, time.monotonic()))
         self._unresolved += 1
+        if _stages.ENABLED:
+            _stages.mark("c.queued", _request_key(request))
         stream.put(request)
 
     def _send_buffer(self, stream: _Stream) -> None:
@@ -704,6 +760,8 @@ class Publisher:
                         self._binding.stream_answered(stream.endpoint)
                         moved_from = self._moves.answered(stream.endpoint)
                     self._cond.notify_all()
+                if _stages.ENABLED:
+                    _stages.mark("c.resp", _request_key(batch.request))
                 receipts = receipts_from_pb(response)
                 if moved_from is not None and stream.endpoint is not None:
                     mark_rebound(receipts)

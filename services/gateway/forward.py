@@ -19,6 +19,7 @@ attempts' client spans, which carry the trace on to the master.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -31,6 +32,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from squall.v1 import broker_pb2
+from squall.wire import stages as _stages
 from squall.wire.retry import Outcome, RetryPolicy, overall
 from squall_server.common.call_guard import CLIENT_PEER_KEY
 from squall_server.common.grpc_server import Context
@@ -171,6 +173,21 @@ class _Call:
     redirect: str = ""
     # The status the app got.
     answered: str = "OK"
+
+
+async def _marked(
+    requests: AsyncIterator[bytes], keys: collections.deque[str]
+) -> AsyncIterator[bytes]:
+    """A publish stream's requests, each marked for the latency budget (squall.wire.stages)
+    and its key queued for the response that answers it (responses come in order)."""
+    async for raw in requests:
+        request = broker_pb2.PublishRequest.FromString(raw)
+        key = _stages.request_key(
+            request.publisher_id, request.events[0].sequence if request.events else 0
+        )
+        _stages.mark("g.in", key)
+        keys.append(key)
+        yield raw
 
 
 class Forwarder:
@@ -430,6 +447,10 @@ class Forwarder:
         follows_master = method == "PublishStream"
 
         async def forward(requests: AsyncIterator[bytes], context: Context) -> AsyncIterator[bytes]:
+            keys: collections.deque[str] | None = None
+            if _stages.ENABLED and follows_master:
+                keys = collections.deque()
+                requests = _marked(requests, keys)
             channel = await self._master(context)
             forwarded_to = self._masters.master
             stream = _Call(method=method, safe=False, effects=False, metadata=())
@@ -449,6 +470,8 @@ class Forwarder:
                 moved.add_done_callback(lambda _done: call.cancel())
             try:
                 async for response in call:
+                    if keys:
+                        _stages.mark("g.resp", keys.popleft())
                     yield response
                 if moved is not None and moved.done() and not moved.cancelled():
                     await self._master_moved(context, forwarded_to, moved.result())

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 
 from squall.v1 import common_pb2, replica_pb2
+from squall.wire import stages as _stages
 from squall_server.common.clock import Clock
 from squall_server.common.config import ClusterConfig, NodeConfig
 from squall_server.common.errors import Code, ServiceError
@@ -422,6 +423,8 @@ class MasterDriver:
         for waiting in done:
             if waiting.future.done():
                 continue
+            if _stages.ENABLED:
+                _stages.mark("m.commit", f"lsn/{waiting.lsn}")
             stamp = stamps.get(waiting.lsn)
             if stamp is None:
                 holders = self.core.holders(waiting.lsn) if waiting.lsn else ()
@@ -656,6 +659,9 @@ class MasterDriver:
         outbox = link.outbox
         while True:
             message = await outbox.get()
+            if _stages.ENABLED and message.HasField("entries"):
+                for entry in message.entries.entries:
+                    _stages.mark("m.sent", f"lsn/{entry.lsn}")
             await call.write(message)
             outbox.task_done()  # a snapshot sender waits for its chunk to be taken
 

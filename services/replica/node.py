@@ -53,6 +53,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, S
 from dataclasses import dataclass
 
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
+from squall.wire import stages as _stages
 from squall_server.common.clock import Clock, SystemClock
 from squall_server.common.config import ClusterConfig, NodeConfig
 from squall_server.common.errors import Code, ServiceError
@@ -781,7 +782,11 @@ class ReplicaNode:
             self._notify_committed()
             return done
         planned = self._submit(commands.Publish(request), trace=trace)
-        return asyncio.ensure_future(_receipt(planned))
+        # Chained by callbacks, not a task: one publish at a time pays no task per event.
+        receipt: asyncio.Future[common_pb2.BatchReceipt] = loop.create_future()
+        planned.add_done_callback(functools.partial(_pass_receipt, receipt))
+        receipt.add_done_callback(functools.partial(_cancel_with, planned))
+        return receipt
 
     async def apply_role(self, command: replica_pb2.RoleCommand) -> None:
         """Takes (or renews) the role the coordinator commands, one command at a time.
@@ -1134,6 +1139,9 @@ class ReplicaNode:
         count it without waiting for this store.
         """
         driver = self.driver
+        if _stages.ENABLED:
+            for entry in batch.entries:
+                _stages.mark("s.in", f"lsn/{entry.lsn}")
         async with self._commit_lock:
             accepted, follower, acks_now = driver.batch(stream, batch)
             for ack_now in acks_now:
@@ -1154,6 +1162,9 @@ class ReplicaNode:
                     if fail_stop:
                         self._fail_stop(fail_stop)
                     raise error from exc
+                if _stages.ENABLED:
+                    for entry in result.entries:
+                        _stages.mark("s.stored", f"lsn/{entry.lsn}")
                 effects = driver.batch_written(follower, result, batch.commit_lsn)
                 for written in await self._apply_log_effects(effects):
                     yield written
@@ -1448,6 +1459,8 @@ class ReplicaNode:
                 ),
             )
             return
+        if _stages.ENABLED:
+            _mark_publishes("m.plan", batch)
         # The caller may have given up (cancelled) before the write began.
         live = [pending for pending in batch if not pending.future.done()]
         planning = self.driver.plan_batch(
@@ -1490,6 +1503,8 @@ class ReplicaNode:
                 ),
             )
             return
+        if _stages.ENABLED:
+            _mark_stored(planned, lsns)
         if self.telemetry.tracing:
             # Before the append reaches the driver: its sends may leave at once.
             driver.traced(
@@ -1629,10 +1644,32 @@ class ReplicaNode:
         return self.gate.hidden_from(topic) or 0
 
 
-async def _receipt(planned: asyncio.Future[Planned]) -> common_pb2.BatchReceipt:
-    receipt = (await planned).receipt
-    assert receipt is not None, "a planned publish always has a receipt"
-    return receipt
+def _pass_receipt(
+    receipt: asyncio.Future[common_pb2.BatchReceipt], planned: asyncio.Future[Planned]
+) -> None:
+    """Settles a publish's receipt future as its planned write ended."""
+    if receipt.done():
+        return  # the caller gave up
+    if planned.cancelled():
+        receipt.cancel()
+        return
+    error = planned.exception()
+    if error is not None:
+        receipt.set_exception(error)
+        return
+    got = planned.result().receipt
+    if got is None:
+        receipt.set_exception(AssertionError("a planned publish always has a receipt"))
+        return
+    receipt.set_result(got)
+
+
+def _cancel_with(
+    planned: asyncio.Future[Planned], receipt: asyncio.Future[common_pb2.BatchReceipt]
+) -> None:
+    """A caller that gives up on its receipt cancels the write's wait (as awaiting did)."""
+    if receipt.cancelled():
+        planned.cancel()
 
 
 def _fail_all(planned: list[tuple[_Pending, Planned]], error: ServiceError) -> None:
@@ -1667,3 +1704,26 @@ class _Diverged(Exception):
     def __init__(self, fork_lsn: int) -> None:
         super().__init__(f"diverges after LSN {fork_lsn}")
         self.fork_lsn = fork_lsn
+
+
+def _mark_publishes(stage: str, batch: Sequence[_Pending]) -> None:
+    """Marks each publish of a commit batch for the latency budget (squall.wire.stages)."""
+    for pending in batch:
+        command = pending.command
+        if isinstance(command, commands.Publish) and command.request.events:
+            first = command.request.events[0].sequence
+            _stages.mark(stage, _stages.request_key(command.request.publisher_id, first))
+
+
+def _mark_stored(planned: Sequence[tuple[_Pending, Planned]], lsns: Sequence[int]) -> None:
+    """Marks the publishes just stored, linking each to its LSN and first offset."""
+    for (pending, plan), lsn in zip(planned, lsns, strict=True):
+        command = pending.command
+        if not isinstance(command, commands.Publish) or not command.request.events:
+            continue
+        request = command.request
+        key = _stages.request_key(request.publisher_id, request.events[0].sequence)
+        _stages.mark("m.stored", key)
+        _stages.link(key, f"lsn/{lsn}")
+        if plan.receipt is not None:
+            _stages.link(key, f"off/{request.topic}/{plan.receipt.first_offset}")

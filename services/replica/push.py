@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from squall.v1 import common_pb2, push_pb2, push_pb2_grpc
+from squall.wire import stages as _stages
 from squall_server.common.errors import Code, ServiceError
 from squall_server.common.tls import handshake_failure, transport
 from squall_server.replica import commands
@@ -292,11 +293,19 @@ class _Worker:
                 return
             batches = self._read(transient, topic.topic_id)
             if not batches:
+                # asyncio.timeout, not wait_for: no task per wait, the commit wakes this one.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(signal.wait(), _IDLE_RECHECK_S)
+                    async with asyncio.timeout(_IDLE_RECHECK_S):
+                        await signal.wait()
                 continue
-            outcomes = await asyncio.gather(
-                *(self._offer(first, end, events) for first, end, events in batches)
+            # One batch (the usual case for a subscriber keeping up) is offered in this
+            # task; several at once, each in its own.
+            outcomes = (
+                [await self._offer(*batches[0])]
+                if len(batches) == 1
+                else await asyncio.gather(
+                    *(self._offer(first, end, events) for first, end, events in batches)
+                )
             )
             if not self._delivery.active(self._epoch):
                 return
@@ -395,6 +404,8 @@ class _Worker:
             master_id=node.node.id,
             epoch=self._epoch,
         )
+        if _stages.ENABLED:
+            _stages.mark("p.out", f"off/{s.topic}/{events[0].offset}")
         try:
             await self._stub.Deliver(
                 request, timeout=node.config.timeouts.push_deliver_timeout_ms / 1000

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 from typing import TypeVar
 
 from squall.v1 import replica_pb2, replica_pb2_grpc
+from squall.wire import stages as _stages
 from squall_server.common.errors import Code, ServiceError
 from squall_server.common.grpc_server import Context
 from squall_server.replica.node import ReplicaNode
@@ -100,6 +101,9 @@ async def serve_replicate(
                 # it, and only a garbage collection would; every later batch and
                 # stream of this replica waited for that).
                 async for ack in detached(node.replication_batch(stream, request.entries)):
+                    if _stages.ENABLED:
+                        for entry in request.entries.entries:
+                            _stages.mark("s.ack", f"lsn/{entry.lsn}")
                     yield replica_pb2.ReplicateResponse(ack=ack)
             elif kind == "heartbeat":
                 ack = node.replication_heartbeat(stream, request.heartbeat)

@@ -21,6 +21,7 @@ from squall.v1 import (
     replica_pb2,
     replica_pb2_grpc,
 )
+from squall.wire import stages as _stages
 from squall_server.common.errors import Code, ServiceError, invalid
 from squall_server.common.grpc_server import Context
 from squall_server.replica import commands, handoff, seek, shutdown
@@ -221,24 +222,47 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
             raise
         request_id = request.request_id
         compact = request.compact_receipts
+        key = _stage_key(request) if _stages.ENABLED else ""
+        # Chained by callbacks, not a task: one publish at a time pays no task per event.
+        answer: asyncio.Future[broker_pb2.PublishResponse] = (
+            asyncio.get_running_loop().create_future()
+        )
 
-        async def respond() -> broker_pb2.PublishResponse:
-            try:
-                got = await receipt
-            except BaseException as exc:
+        def respond(done: asyncio.Future[common_pb2.BatchReceipt]) -> None:
+            if answer.done():
+                return  # the caller gave up
+            if done.cancelled():
                 if watch is not None:
-                    watch.failed(exc)
-                raise
+                    watch.failed(asyncio.CancelledError())
+                answer.cancel()
+                return
+            error = done.exception()
+            if error is not None:
+                if watch is not None:
+                    watch.failed(error)
+                answer.set_exception(error)
+                return
+            got = done.result()
             if watch is not None:
                 watch.done(got)
-            if compact:
-                return broker_pb2.PublishResponse(batch=got, request_id=request_id)
-            return broker_pb2.PublishResponse(
-                receipts=commands.expand_receipt(got), request_id=request_id
-            )
+            if key:
+                _stages.mark("m.resp", key)
+            try:
+                response = (
+                    broker_pb2.PublishResponse(batch=got, request_id=request_id)
+                    if compact
+                    else broker_pb2.PublishResponse(
+                        receipts=commands.expand_receipt(got), request_id=request_id
+                    )
+                )
+            except Exception as exc:  # the caller hears it rather than waiting for ever
+                answer.set_exception(exc)
+                return
+            answer.set_result(response)
 
-        answer = asyncio.ensure_future(respond())
+        receipt.add_done_callback(respond)
         answer.add_done_callback(_seen)
+        answer.add_done_callback(lambda ended: receipt.cancel() if ended.cancelled() else None)
         return answer
 
     def _where(self) -> tuple[str, int]:
@@ -268,6 +292,8 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
         async def read_requests() -> None:
             try:
                 async for request in request_iterator:
+                    if _stages.ENABLED:
+                        _stages.mark("m.in", _stage_key(request))
                     try:
                         with _translating(self.node):
                             future = self._start(request)
@@ -294,6 +320,12 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
             await reader
         finally:
             reader.cancel()
+
+
+def _stage_key(request: broker_pb2.PublishRequest) -> str:
+    """A publish request's key in the latency budget's stage marks (squall.wire.stages)."""
+    first = request.events[0].sequence if request.events else 0
+    return _stages.request_key(request.publisher_id, first)
 
 
 def _seen(future: asyncio.Future[Any]) -> None:
@@ -458,6 +490,9 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
             if events:
                 position = events[-1].offset + 1
                 span = delivery.start(events) if delivery is not None else None
+                if _stages.ENABLED:
+                    # The first event only: a following subscriber gets one per response.
+                    _stages.mark("d.out", f"off/{topic.name}/{events[0].offset}")
                 try:
                     yield broker_pb2.SubscribeResponse(events=events, seek_generation=generation)
                 finally:
@@ -466,8 +501,10 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
                 continue
             if not request.follow:
                 return
+            # asyncio.timeout, not wait_for: no task per wait, the commit wakes this one.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(signal.wait(), _FOLLOW_RECHECK_S)
+                async with asyncio.timeout(_FOLLOW_RECHECK_S):
+                    await signal.wait()
             current = node.store.get_topic(topic.name)
             if current is None or current.topic_id != topic.topic_id:
                 await abort(

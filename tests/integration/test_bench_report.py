@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import single_node, suite
+from bench import latency, single_node, suite
 
 pytestmark = pytest.mark.integration
 
@@ -88,8 +88,21 @@ def test_tiny_bench_run_writes_the_report(tmp_path: Path) -> None:
     assert len(built["machine"]["git"]["commit"]) == 40
     assert built["failover"] is None and built["catch_up"] is None
 
+    # The latency scenarios, and the budget joined from the marks of every process on the
+    # path (client, gateway, master, a slave): every stage of one publish is measured.
+    lat = policy["latency"]
+    assert lat["floor"]["stream_ms_p50"] > 0 and lat["one_at_a_time"]["events"] > 0
+    assert lat["concurrent_shared"]["16"]["events"] > 0 and lat["delivery"]["events"] > 0
+    assert lat["budget"]["requests"] > 0
+    assert [r["stage"] for r in lat["budget"]["stages"]] == [
+        label for label, _, _ in latency.PUBLISH_STAGES
+    ]
+    assert lat["delivery_budget"]["events"] > 0
+    assert "SQUALL_STAGE_TIMINGS_DIR" not in os.environ  # the marks are off again
+
     text = (run_dir / "report.md").read_text()
     assert "| events/s | WRITE_NO_SYNC |" in text
+    assert "Where one publish goes" in text
     assert "![Publish latency CDF per sync policy](latency_cdf.png)" in text
     assert "| replica-n1 |" in text and "| gateway-g1 |" in text
 

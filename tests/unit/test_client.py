@@ -511,6 +511,39 @@ def test_inflight_batches_are_bounded(client: squall.Client, broker: FakeBroker)
     publisher.close()
 
 
+def test_threads_sharing_a_publisher_share_requests(
+    client: squall.Client, broker: FakeBroker
+) -> None:
+    """One-at-a-time publishes from many threads wait together while the window is full
+    and go out as one request, each caller still getting its own receipt."""
+    client.create_topic("t")
+    broker.gate = threading.Event()
+    publisher = client.topic("t").publisher("p", inflight_batches_max=2)
+    receipts: dict[int, squall.Receipt] = {}
+
+    def publish(index: int) -> None:
+        receipts[index] = publisher.publish(b"e%d" % index)
+
+    threads = [threading.Thread(target=publish, args=(i,)) for i in range(20)]
+    threads[0].start()
+    threads[1].start()
+    wait_until(lambda: publisher.next_sequence == 3)
+    for thread in threads[2:]:
+        thread.start()
+    # Every later caller waits in the publisher: the window is full.
+    wait_until(lambda: publisher.next_sequence == 21)
+    assert _stays(lambda: broker.requests_seen <= 2, duration_s=0.2)
+    broker.gate.set()
+    for thread in threads:
+        thread.join(10)
+    assert sorted(r.offset for r in receipts.values()) == list(range(20))
+    # The 18 waiting events took one request (two at most, had a slot freed mid-way).
+    assert broker.requests_seen <= 4
+    stored = {e.payload: e.offset for e in broker.topics["t"].events}
+    assert all(stored[b"e%d" % i] == receipts[i].offset for i in range(20))
+    publisher.close()
+
+
 def _stays(predicate: Callable[[], bool], duration_s: float) -> bool:
     """Checks that predicate() holds throughout a short window (a negative can only be timed)."""
     deadline = time.monotonic() + duration_s

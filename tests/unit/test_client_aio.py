@@ -183,6 +183,29 @@ def test_publish_async_retries_lost_batches_and_every_future_succeeds(flaky: Fla
     assert [events[r.offset].payload for r in receipts] == [b"a%d" % i for i in range(200)]
 
 
+def test_tasks_publishing_one_at_a_time_share_requests_and_survive_a_lost_answer(
+    flaky: FlakyBroker,
+) -> None:
+    # 100 tasks each awaiting publish() on one publisher with a two-request window: the
+    # events that wait for a slot go out together; a lost answer is retried, stored once.
+    flaky.lose_answers = 1
+
+    async def main() -> list[squall.Receipt]:
+        async with _connect(flaky) as client:
+            await client.create_topic("t")
+            topic = await client.topic("t")
+            async with topic.publisher("p", inflight_batches_max=2) as publisher:
+                return list(
+                    await asyncio.gather(*(publisher.publish(b"c%d" % i) for i in range(100)))
+                )
+
+    receipts = asyncio.run(main())
+    assert flaky.requests_seen < 50
+    assert _stored(flaky) == {("p", s): 1 for s in range(1, 101)}
+    events = flaky.topics["t"].events
+    assert [events[r.offset].payload for r in receipts] == [b"c%d" % i for i in range(100)]
+
+
 def test_events_buffered_when_the_stream_broke_are_sent_on_the_next(flaky: FlakyBroker) -> None:
     # A one-batch window: while the first batch waits, later events queue in the buffer;
     # the stream ends, and the buffer goes out on a fresh stream instead of failing.

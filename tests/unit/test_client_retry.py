@@ -10,6 +10,7 @@ and never resent; when the retries run out the app gets `Indeterminate` (maybe_s
 from __future__ import annotations
 
 import collections
+import threading
 import time
 from collections.abc import Iterator
 
@@ -238,6 +239,41 @@ def test_async_events_buffered_when_the_stream_broke_are_sent_on_the_next(
             wait_until(lambda: all(f.done() for f in futures))
             assert all(f.exception() is None for f in futures)
     assert _stored(flaky) == {("p", sequence): 1 for sequence in range(1, 51)}
+
+
+def test_threads_sharing_a_publisher_survive_lost_answers_each_event_stored_once(
+    flaky: FlakyBroker,
+) -> None:
+    # 40 threads publish one event at a time each on one publisher (a two-request window,
+    # so most events travel joined); two answers are lost after storing: every caller
+    # still gets its receipt, at its own event, and nothing is stored twice.
+    flaky.lose_answers = 2
+    receipts: dict[int, squall.Receipt] = {}
+    failures: list[BaseException] = []
+    with _connect(flaky) as client:
+        client.create_topic("t")
+        with client.topic("t").publisher("p", inflight_batches_max=2) as publisher:
+
+            def publish(index: int) -> None:
+                try:
+                    for round_ in range(3):
+                        receipts[index * 3 + round_] = publisher.publish(
+                            b"t%d" % (index * 3 + round_)
+                        )
+                except BaseException as exc:  # reported below
+                    failures.append(exc)
+
+            threads = [threading.Thread(target=publish, args=(i,)) for i in range(40)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(30)
+    assert not failures
+    assert _stored(flaky) == {("p", sequence): 1 for sequence in range(1, 121)}
+    events = flaky.topics["t"].events
+    assert all(events[r.offset].payload == b"t%d" % i for i, r in receipts.items())
+    assert len(receipts) == 120 and flaky.requests_seen < 120
+    assert flaky.lose_answers == 0  # both answers were lost, and their batches retried
 
 
 @pytest.mark.parametrize(

@@ -251,10 +251,48 @@ class Publisher:
         """Publishes one event and waits for its receipt.
 
         Many tasks awaiting `publish` at once share the stream: their events are
-        pipelined, up to `inflight_batches_max` unanswered.
+        pipelined, up to `inflight_batches_max` unanswered; while the window is full, an
+        event waits with the others that arrive meanwhile and they go out as one request
+        when a slot frees (as `publish_async` events do), so many tasks publishing one
+        event at a time share requests, commits and replication batches.
         """
+        stream = self._stream
+        if (
+            stream is not None
+            and not stream.dead
+            and (bool(self._buffer) or len(stream.pending) >= self._inflight_max)
+        ):
+            return await self._publish_joined(payload, key, headers)
         receipts = await self._publish_batches([(key, payload, headers)], BATCH_EVENTS_DEFAULT)
         return receipts[0]
+
+    async def _publish_joined(
+        self, payload: bytes, key: bytes | None, headers: Mapping[str, str] | None
+    ) -> Receipt:
+        """One event sent with the others waiting for a slot; waits for its receipt.
+
+        Its batch is retried like an async batch (by a task of the publisher, under the
+        retry policy). Past the timeout the stream is abandoned, which settles every batch
+        on it; if even that outcome does not come within the retry budget, `Indeterminate`.
+        """
+        future = await self.publish_async(payload, key, headers)
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), self._timeout_s)
+        except TimeoutError:
+            if self._stream is not None:
+                self._abort(
+                    self._stream,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"no receipt within {self._timeout_s} s",
+                )
+        try:
+            return await asyncio.wait_for(
+                asyncio.shield(future), self._timeout_s + self._retry.total_ms_max / 1000
+            )
+        except TimeoutError:
+            raise Indeterminate(
+                f"no receipt within {self._timeout_s} s", grpc.StatusCode.DEADLINE_EXCEEDED
+            ) from None
 
     async def publish_many(
         self, events: Iterable[EventLike], batch_events: int = BATCH_EVENTS_DEFAULT

@@ -1,0 +1,746 @@
+"""Latency of one publish at a time, of concurrent one-at-a-time publishers, of delivery.
+
+Scenarios (measurements, not tests; each bounded by a count and a deadline):
+
+* `floor`: one bare gRPC round trip between two Python processes, measured in the same
+  run: a grpc.aio server in a child process (as the services are) answering a sync
+  client (as `squall` is), unary and as ping-pong on one bidirectional stream (the
+  path `Publisher` takes). Every other figure is read against it.
+* `one_at_a_time`: `publish()` in a loop, each call waiting for its receipt, through the
+  gateway or a `replicated=True` proxy: rate and p50 / p90 / p99 / max.
+* `concurrent`: N threads, each with its own publisher (one client), each publishing one
+  event at a time for a fixed time: aggregate rate and p50 / p99 per call.
+* `delivery`: a following subscriber through the gateway; one event published at a time;
+  from the publish call to the subscriber's iterator yielding it: p50 / p99.
+* `push_delivery`: the same to an ordered push subscriber's callback (`PushEndpoint`).
+* `budget`: the stage marks (`squall.wire.stages`) of the one-at-a-time run joined across the
+  client, the gateway and the three replicas into the median time of each stage of one
+  publish and of one delivery.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+import squall
+from bench.single_node import CpuMeter, payloads, percentile
+from squall.wire import stages as _stages
+
+# --- the floor: a bare gRPC round trip between two Python processes
+
+_ECHO_SERVER = r"""
+import asyncio, sys
+import grpc
+
+async def unary(request, context):
+    return request
+
+async def stream(requests, context):
+    async for request in requests:
+        yield request
+
+async def main():
+    server = grpc.aio.server()
+    handler = grpc.method_handlers_generic_handler("echo.Echo", {
+        "Unary": grpc.unary_unary_rpc_method_handler(unary),
+        "Stream": grpc.stream_stream_rpc_method_handler(stream),
+    })
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(port, flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    await server.stop(0)
+
+asyncio.run(main())
+"""
+
+
+def floor(count: int = 2000) -> dict[str, Any]:
+    """Bare round trips to an echo server in another process: unary and stream ping-pong."""
+    server = subprocess.Popen(
+        [sys.executable, "-c", _ECHO_SERVER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        payload = b"x" * 100
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            unary = channel.unary_unary("/echo.Echo/Unary", None, None)
+            for _ in range(50):
+                unary(payload, timeout=5)
+            unary_s = []
+            for _ in range(count):
+                t0 = time.perf_counter()
+                unary(payload, timeout=5)
+                unary_s.append(time.perf_counter() - t0)
+            # Ping-pong on one stream: a queue feeds the request iterator, as Publisher does.
+            requests: collections.deque[bytes] = collections.deque()
+            ready = threading.Semaphore(0)
+
+            def feed() -> Any:
+                while True:
+                    ready.acquire()
+                    if not requests:
+                        return
+                    yield requests.popleft()
+
+            call: Any = channel.stream_stream("/echo.Echo/Stream", None, None)(feed(), timeout=60)
+            stream_s = []
+            for i in range(count + 50):
+                t0 = time.perf_counter()
+                requests.append(payload)
+                ready.release()
+                next(call)
+                if i >= 50:
+                    stream_s.append(time.perf_counter() - t0)
+            ready.release()  # the iterator ends: the stream half-closes
+            call.cancel()
+    finally:
+        if server.stdin is not None:
+            server.stdin.close()
+        try:
+            server.wait(5)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    unary_s.sort()
+    stream_s.sort()
+    return {
+        "calls": count,
+        "unary_ms_p50": _ms(percentile(unary_s, 0.5)),
+        "unary_ms_p99": _ms(percentile(unary_s, 0.99)),
+        "stream_ms_p50": _ms(percentile(stream_s, 0.5)),
+        "stream_ms_p99": _ms(percentile(stream_s, 0.99)),
+    }
+
+
+def _ms(seconds: float) -> float:
+    return round(1000 * seconds, 3)
+
+
+def _figures(latencies_s: list[float], elapsed_s: float) -> dict[str, Any]:
+    latencies_s.sort()
+    return {
+        "events": len(latencies_s),
+        "seconds": round(elapsed_s, 3),
+        "events_per_s": round(len(latencies_s) / elapsed_s) if elapsed_s else 0,
+        "latency_ms_p50": _ms(percentile(latencies_s, 0.50)),
+        "latency_ms_p90": _ms(percentile(latencies_s, 0.90)),
+        "latency_ms_p99": _ms(percentile(latencies_s, 0.99)),
+        "latency_ms_max": _ms(latencies_s[-1] if latencies_s else 0.0),
+    }
+
+
+# --- publishing
+
+
+def one_at_a_time(
+    address: str,
+    topic: str,
+    count: int,
+    deadline_s: float,
+    replicated: bool | None = None,
+    called_ns: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """publish() in a loop, each waiting for its receipt; with called_ns, each call's start
+    (monotonic ns) by its request key, for the budget."""
+    latencies_s: list[float] = []
+    master = ""
+    with (
+        squall.connect(address) as client,
+        client.topic(topic).publisher(replicated=replicated) as publisher,
+    ):
+        for _ in range(20):
+            master = publisher.publish(b"warm-up").master_id
+        stop_at = time.monotonic() + deadline_s
+        started = time.perf_counter()
+        for payload in payloads(count):
+            if time.monotonic() > stop_at:
+                break
+            if called_ns is not None:
+                key = _stages.request_key(publisher.publisher_id, publisher.next_sequence)
+                called_ns[key] = time.monotonic_ns()
+            t0 = time.perf_counter()
+            publisher.publish(payload)
+            latencies_s.append(time.perf_counter() - t0)
+        elapsed_s = time.perf_counter() - started
+    figures = _figures(latencies_s, elapsed_s)
+    figures["master"] = master
+    return figures
+
+
+def concurrent(
+    address: str,
+    topic: str,
+    publishers: int,
+    seconds: float,
+    replicated: bool | None = None,
+    pids: dict[str, int] | None = None,
+    shared: bool = False,
+    one_request_per_call: bool = False,
+) -> dict[str, Any]:
+    """`publishers` threads, each with its own publisher (or all sharing one), one event at a
+    time for `seconds`. With one_request_per_call each call takes the path `publish()` took
+    before concurrent callers joined their events (one request per call, waiting for a
+    window slot), for a before/after in one run."""
+    payload = payloads(1)[0]
+    per_thread: list[list[float]] = [[] for _ in range(publishers)]
+    errors: list[BaseException] = []
+    with squall.connect(address) as client:
+        handles = [
+            client.topic(topic).publisher(replicated=replicated)
+            for _ in range(1 if shared else publishers)
+        ]
+        try:
+            for handle in handles:
+                handle.publish(b"warm-up")
+            start = threading.Barrier(publishers + 1)
+            stop_at = [0.0]
+
+            def run(index: int) -> None:
+                publisher, samples = handles[0 if shared else index], per_thread[index]
+                start.wait()
+                try:
+                    # Bounded by the deadline (and each call by the publisher's timeout).
+                    while (t0 := time.perf_counter()) < stop_at[0]:
+                        if one_request_per_call:
+                            publisher._publish_batches([(None, payload, None)], 1)
+                        else:
+                            publisher.publish(payload)
+                        samples.append(time.perf_counter() - t0)
+                except BaseException as exc:  # reported after the run
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(publishers)]
+            for thread in threads:
+                thread.start()
+            meter = CpuMeter(pids or {})
+            stop_at[0] = time.perf_counter() + seconds
+            started = time.perf_counter()
+            meter.start()
+            start.wait()
+            for thread in threads:
+                thread.join(seconds + 60)
+            elapsed_s = time.perf_counter() - started
+            cpu = meter.stop()
+        finally:
+            for handle in handles:
+                handle.close()
+    if errors:
+        raise RuntimeError(f"{len(errors)} publishers failed, the first: {errors[0]!r}")
+    figures = _figures([s for samples in per_thread for s in samples], elapsed_s)
+    figures["publishers"] = publishers
+    figures["shared_publisher"] = shared
+    figures["one_request_per_call"] = one_request_per_call
+    # % of one core per process: which one is the bound (the client, the gateway, the master).
+    figures["cpu_pct"] = {
+        k: v for k, v in cpu.items() if k.startswith(("client", "gateway", "replica", "others"))
+    }
+    return figures
+
+
+def delivery(address: str, topic: str, count: int, deadline_s: float) -> dict[str, Any]:
+    """One event published at a time; from the publish call to a following subscriber."""
+    sent_at: dict[int, float] = {}
+    latencies_s: list[float] = []
+    received = threading.Semaphore(0)
+    with squall.connect(address) as client:
+        handle = client.topic(topic)
+        with handle.publisher() as publisher:
+            publisher.publish(b"warm-up")
+            subscription = handle.subscribe(start="latest", follow=True)
+
+            def read() -> None:
+                for message in subscription:
+                    at = time.perf_counter()
+                    index = int(message.payload[:12]) if message.payload[:1].isdigit() else -1
+                    if index in sent_at:
+                        latencies_s.append(at - sent_at[index])
+                        received.release()
+
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            time.sleep(0.3)  # the subscription is open before the first timed event
+            stop_at = time.monotonic() + deadline_s
+            started = time.perf_counter()
+            for index, payload in enumerate(payloads(count)):
+                if time.monotonic() > stop_at:
+                    break
+                sent_at[index] = time.perf_counter()
+                publisher.publish(payload)
+                if not received.acquire(timeout=10):
+                    break
+            elapsed_s = time.perf_counter() - started
+            subscription.close()
+    return _figures(latencies_s, elapsed_s)
+
+
+def push_delivery(address: str, topic: str, count: int, deadline_s: float) -> dict[str, Any]:
+    """One event published at a time; from the publish call to a push endpoint's callback
+    (an ordered push subscriber, `squall.PushEndpoint` in this process)."""
+    sent_at: dict[int, float] = {}
+    latencies_s: list[float] = []
+    received = threading.Semaphore(0)
+
+    def delivered(batch: squall.PushDelivery) -> None:
+        at = time.perf_counter()
+        for message in batch.messages:
+            index = int(message.payload[:12]) if message.payload[:1].isdigit() else -1
+            if index in sent_at:
+                latencies_s.append(at - sent_at.pop(index))
+                received.release()
+
+    with squall.connect(address) as client, squall.PushEndpoint() as endpoint:
+        handle = client.topic(topic)
+        handle.subscribe_push("bench-push", endpoint, reliability="ordered", on_delivery=delivered)
+        try:
+            with handle.publisher() as publisher:
+                publisher.publish(b"warm-up")
+                stop_at = time.monotonic() + deadline_s
+                started = time.perf_counter()
+                for index, payload in enumerate(payloads(count)):
+                    if time.monotonic() > stop_at:
+                        break
+                    sent_at[index] = time.perf_counter()
+                    publisher.publish(payload)
+                    if not received.acquire(timeout=10):
+                        break
+                elapsed_s = time.perf_counter() - started
+        finally:
+            handle.unsubscribe_push("bench-push")
+    return _figures(latencies_s, elapsed_s)
+
+
+# --- the budget: stage marks joined across processes
+
+# Publish stages in path order: (label, from mark, to mark); "s.*" marks are the first
+# slave's to ack (the one a majority of three counts).
+PUBLISH_STAGES = (
+    ("client: publish() to request queued", "c.call", "c.queued"),
+    ("client: queued to taken by gRPC's request thread", "c.queued", "c.wire"),
+    ("client -> gateway (network, gateway read)", "c.wire", "g.in"),
+    ("gateway -> master (network, master read)", "g.in", "m.in"),
+    ("master: read to commit start (writer wake-up)", "m.in", "m.plan"),
+    ("master: plan + store write (+ fsync)", "m.plan", "m.stored"),
+    ("master: stored to the batch handed to gRPC", "m.stored", "m.sent"),
+    ("master -> slave (network, slave read)", "m.sent", "s.in"),
+    ("slave: store write (+ fsync)", "s.in", "s.stored"),
+    ("slave: stored to the ack handed to gRPC", "s.stored", "s.ack"),
+    ("slave -> master (network, ack applied, commit)", "s.ack", "m.commit"),
+    ("master: commit to response built", "m.commit", "m.resp"),
+    ("master -> gateway (network, gateway read)", "m.resp", "g.resp"),
+    ("gateway -> client (network, client reader thread)", "g.resp", "c.resp"),
+    ("client: reader thread to caller returns", "c.resp", "c.return"),
+)
+
+
+@dataclass
+class Marks:
+    """Stage marks of one process: key -> stage -> the first time (ns), and its links."""
+
+    at: dict[str, dict[str, int]] = field(default_factory=dict)
+    links: dict[str, list[str]] = field(default_factory=dict)
+
+
+def read_marks(directory: Path, roles: dict[int, str]) -> dict[str, Marks]:
+    """Stage marks per process role ("client", "gateway", "replica-n1", ...)."""
+    marks: dict[str, Marks] = {}
+    for path in directory.glob("*.stages"):
+        found = marks.setdefault(roles.get(int(path.stem), f"pid-{path.stem}"), Marks())
+        with path.open(encoding="ascii") as lines:
+            for line in lines:
+                stage, key, value = line.split()
+                if stage == "=":
+                    found.links.setdefault(key, []).append(value)
+                    continue
+                stages = found.at.setdefault(key, {})
+                # A slave's counted ack is its first after the write (NO_SYNC's ack on
+                # receipt comes before it; the budget runs WRITE_NO_SYNC and SYNC).
+                late_ack = stage == "s.ack" and stages.get(stage, 0) < stages.get("s.stored", 0)
+                if stage not in stages or late_ack:
+                    stages[stage] = int(value)
+    return marks
+
+
+def _linked(marks: Marks, key: str, prefix: str) -> str:
+    return next((v for v in marks.links.get(key, ()) if v.startswith(prefix)), "")
+
+
+def budget(
+    directory: Path, roles: dict[int, str], called_ns: dict[str, int], master: str
+) -> dict[str, Any]:
+    """Median µs per publish stage over the requests whose every mark was found."""
+    marks = read_marks(directory, roles)
+    on_master = marks.get(master, Marks())
+    slaves = [m for role, m in marks.items() if role.startswith("replica-") and role != master]
+    samples: dict[str, list[float]] = collections.defaultdict(list)
+    totals: list[float] = []
+    for key, called in called_ns.items():
+        lsn = _linked(on_master, key, "lsn/")
+        if not lsn:
+            continue
+        at: dict[str, int] = {"c.call": called}
+        for role in ("client", "gateway", master):
+            at.update(marks.get(role, Marks()).at.get(key, {}))
+        at.update(on_master.at.get(lsn, {}))
+        acked = [s.at[lsn] for s in slaves if "s.ack" in s.at.get(lsn, {})]
+        if acked:
+            at.update(min(acked, key=lambda m: m["s.ack"]))
+        if any(not at.get(mark) for _, first, last in PUBLISH_STAGES for mark in (first, last)):
+            continue
+        for label, first, last in PUBLISH_STAGES:
+            samples[label].append((at[last] - at[first]) / 1000)
+        totals.append((at["c.return"] - at["c.call"]) / 1000)
+    rows: list[dict[str, Any]] = [
+        {"stage": label, "us_p50": round(statistics.median(samples[label]), 1)}
+        for label, _, _ in PUBLISH_STAGES
+        if samples[label]
+    ]
+    return {
+        "requests": len(totals),
+        "stages": rows,
+        "total_us_p50": round(statistics.median(totals), 1) if totals else 0.0,
+        "sum_of_stage_p50s_us": round(sum(r["us_p50"] for r in rows), 1),
+    }
+
+
+def delivery_budget(directory: Path, roles: dict[int, str], master: str) -> dict[str, Any]:
+    """Median µs from a publish's commit to the master's Subscribe handler sending it."""
+    on_master = read_marks(directory, roles).get(master, Marks())
+    waits: list[float] = []
+    pushes: list[float] = []
+    for key in on_master.links:
+        committed = on_master.at.get(_linked(on_master, key, "lsn/"), {}).get("m.commit")
+        marks = on_master.at.get(_linked(on_master, key, "off/"), {})
+        if committed and marks.get("d.out"):
+            waits.append((marks["d.out"] - committed) / 1000)
+        if committed and marks.get("p.out"):
+            pushes.append((marks["p.out"] - committed) / 1000)
+    return {
+        "events": len(waits),
+        "commit_to_sent_us_p50": round(statistics.median(waits), 1) if waits else 0.0,
+        "push_events": len(pushes),
+        "commit_to_push_call_us_p50": round(statistics.median(pushes), 1) if pushes else 0.0,
+    }
+
+
+def stage_dir(run_dir: Path) -> Path:
+    """Where this run's processes write their stage marks (created empty)."""
+    directory = run_dir / "stages"
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+@contextlib.contextmanager
+def stage_marks(directory: Path | None) -> Iterator[None]:
+    """Stage marks on (into directory) for this process and every process started meanwhile;
+    as they were afterwards. None: leaves them as they are."""
+    if directory is None:
+        yield
+        return
+    key = "SQUALL_STAGE_TIMINGS_DIR"
+    before = os.environ.get(key)
+    os.environ[key] = str(directory)
+    _stages.configure(str(directory))
+    try:
+        yield
+    finally:
+        _stages.configure(before or "")
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+
+
+# --- one policy's latency figures on a running cluster, and the standalone entry point
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much each latency scenario does."""
+
+    one_at_a_time_events: int = 2000
+    one_at_a_time_deadline_s: float = 15.0
+    concurrent_s: float = 4.0
+    concurrency: tuple[int, ...] = (1, 16, 64)
+    delivery_events: int = 500
+    delivery_deadline_s: float = 10.0
+    floor_calls: int = 2000
+
+    @classmethod
+    def tiny(cls) -> Sizes:
+        """The smoke run's sizes (a few seconds per policy)."""
+        return cls(30, 5.0, 0.5, (1, 16), 20, 5.0, 200)
+
+
+def roles_of(pids: dict[str, int]) -> dict[int, str]:
+    """Process id -> the role the budget names ("client", "gateway", "replica-n1")."""
+    roles = {}
+    for name, pid in pids.items():
+        roles[pid] = "gateway" if name.startswith("gateway") else name
+    return roles
+
+
+def measure(
+    address: str,
+    pids: dict[str, int],
+    stages: Path | None,
+    sizes: Sizes,
+    topic_prefix: str,
+    log: Any,
+) -> dict[str, Any]:
+    """Every latency scenario on one running cluster (stage marks on when `stages` is set)."""
+    with squall.connect(address) as client:
+        for suffix in ("one", "proxy", "delivery", "push", *(f"c{n}" for n in sizes.concurrency)):
+            for path in ("", "-proxy"):
+                client.create_topic(f"{topic_prefix}-{suffix}{path}")
+    out: dict[str, Any] = {}
+    log(f"    latency: bare gRPC floor, {sizes.floor_calls} calls")
+    out["floor"] = floor(sizes.floor_calls)
+    called_ns: dict[str, int] = {}
+    log(f"    latency: one at a time, {sizes.one_at_a_time_events} through the gateway")
+    out["one_at_a_time"] = one_at_a_time(
+        address,
+        f"{topic_prefix}-one",
+        sizes.one_at_a_time_events,
+        sizes.one_at_a_time_deadline_s,
+        called_ns=called_ns if stages else None,
+    )
+    if stages is not None:
+        _stages.flush()
+        time.sleep(0.5)  # every service writes its marks 0.2 s after its last
+        out["budget"] = budget(stages, roles_of(pids), called_ns, _master_role(out))
+    log("    latency: one at a time through a replicated=True proxy")
+    out["one_at_a_time_proxy"] = one_at_a_time(
+        address,
+        f"{topic_prefix}-proxy",
+        sizes.one_at_a_time_events,
+        sizes.one_at_a_time_deadline_s,
+        replicated=True,
+    )
+    out["concurrent"] = {}
+    out["concurrent_proxy"] = {}
+    for n in sizes.concurrency:
+        log(f"    latency: {n} concurrent one-at-a-time publishers, {sizes.concurrent_s} s")
+        out["concurrent"][str(n)] = concurrent(
+            address, f"{topic_prefix}-c{n}", n, sizes.concurrent_s, pids=pids
+        )
+        out["concurrent_proxy"][str(n)] = concurrent(
+            address, f"{topic_prefix}-c{n}-proxy", n, sizes.concurrent_s, replicated=True, pids=pids
+        )
+    out["concurrent_shared"] = {}
+    for n in sizes.concurrency[1:]:
+        log(f"    latency: {n} threads sharing one publisher, {sizes.concurrent_s} s")
+        out["concurrent_shared"][str(n)] = concurrent(
+            address, f"{topic_prefix}-c{n}", n, sizes.concurrent_s, pids=pids, shared=True
+        )
+        out.setdefault("concurrent_shared_one_request_per_call", {})[str(n)] = concurrent(
+            address,
+            f"{topic_prefix}-c{n}",
+            n,
+            sizes.concurrent_s,
+            pids=pids,
+            shared=True,
+            one_request_per_call=True,
+        )
+    log(f"    latency: publish -> following subscriber, {sizes.delivery_events} events")
+    out["delivery"] = delivery(
+        address, f"{topic_prefix}-delivery", sizes.delivery_events, sizes.delivery_deadline_s
+    )
+    log(f"    latency: publish -> push endpoint, {sizes.delivery_events} events")
+    out["push_delivery"] = push_delivery(
+        address, f"{topic_prefix}-push", sizes.delivery_events, sizes.delivery_deadline_s
+    )
+    if stages is not None:
+        time.sleep(0.5)
+        out["delivery_budget"] = delivery_budget(stages, roles_of(pids), _master_role(out))
+    return out
+
+
+def _master_role(figures: dict[str, Any]) -> str:
+    return f"replica-{figures['one_at_a_time']['master']}"
+
+
+def table(policy_figures: dict[str, dict[str, Any]]) -> str:
+    """Markdown: the latency figures and the budget per policy, against the floor."""
+    policies = list(policy_figures)
+    lines = [
+        "| latency, 100-byte events, 3 nodes | " + " | ".join(policies) + " |",
+        "|---|" + "---:|" * len(policies),
+    ]
+
+    def row(label: str, cell: Any) -> None:
+        lines.append(f"| {label} | " + " | ".join(cell(policy_figures[p]) for p in policies) + " |")
+
+    row(
+        "floor: bare gRPC round trip, unary / stream p50 ms",
+        lambda f: f"{f['floor']['unary_ms_p50']} / {f['floor']['stream_ms_p50']}",
+    )
+
+    def rate(fig: dict[str, Any]) -> str:
+        return (
+            f"{fig['events_per_s']:,}/s, p50 {fig['latency_ms_p50']} / p90 {fig['latency_ms_p90']}"
+            f" / p99 {fig['latency_ms_p99']} / max {fig['latency_ms_max']} ms"
+        )
+
+    row("one at a time, gateway", lambda f: rate(f["one_at_a_time"]))
+    row(
+        "one at a time, gateway: p50 / floor (stream)",
+        lambda f: (
+            f"{f['one_at_a_time']['latency_ms_p50'] / max(f['floor']['stream_ms_p50'], 1e-9):.1f}x"
+        ),
+    )
+    row("one at a time, replicated proxy", lambda f: rate(f["one_at_a_time_proxy"]))
+    for n in next(iter(policy_figures.values()))["concurrent"]:
+        for path, name in (
+            ("concurrent", "gateway"),
+            ("concurrent_proxy", "proxy"),
+            ("concurrent_shared_one_request_per_call", "gateway, one shared publisher, before"),
+            ("concurrent_shared", "gateway, one shared publisher"),
+        ):
+            if n not in next(iter(policy_figures.values()))[path]:
+                continue
+            row(
+                f"{n} concurrent publishers, {name}: events/s, p50 / p99 ms",
+                lambda f, n=n, path=path: (
+                    f"{f[path][n]['events_per_s']:,}, {f[path][n]['latency_ms_p50']} / "
+                    f"{f[path][n]['latency_ms_p99']}"
+                ),
+            )
+    last = list(next(iter(policy_figures.values()))["concurrent"])[-1]
+    for path, name in (("concurrent", "own publishers"), ("concurrent_shared", "one shared")):
+        if last not in next(iter(policy_figures.values())).get(path, {}):
+            continue
+        row(
+            f"CPU µs per event at {last} publishers ({name}): client / gateway / master",
+            lambda f, path=path: _cpu_per_event(f[path][last], f["one_at_a_time"]["master"]),
+        )
+    row(
+        "publish -> following subscriber, p50 / p99 ms",
+        lambda f: f"{f['delivery']['latency_ms_p50']} / {f['delivery']['latency_ms_p99']}",
+    )
+    if all("push_delivery" in f for f in policy_figures.values()):
+        row(
+            "publish -> push endpoint (ordered), p50 / p99 ms",
+            lambda f: (
+                f"{f['push_delivery']['latency_ms_p50']} / {f['push_delivery']['latency_ms_p99']}"
+            ),
+        )
+    if all("budget" in f for f in policy_figures.values()):
+        lines += [
+            "",
+            "Where one publish goes (median per stage, µs; one-at-a-time through the "
+            "gateway; stage marks, `squall.wire.stages`):",
+            "",
+        ]
+        lines.append("| stage | " + " | ".join(policies) + " |")
+        lines.append("|---|" + "---:|" * len(policies))
+        labels = [label for label, _, _ in PUBLISH_STAGES]
+        for label in labels:
+            cells = []
+            for p in policies:
+                found = {r["stage"]: r["us_p50"] for r in policy_figures[p]["budget"]["stages"]}
+                cells.append(str(found.get(label, "-")))
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        lines.append(
+            "| sum of the stage medians | "
+            + " | ".join(str(policy_figures[p]["budget"]["sum_of_stage_p50s_us"]) for p in policies)
+            + " |"
+        )
+        lines.append(
+            "| median whole publish (marked calls) | "
+            + " | ".join(str(policy_figures[p]["budget"]["total_us_p50"]) for p in policies)
+            + " |"
+        )
+        lines.append(
+            "| delivery: commit to the master's Subscribe sending it | "
+            + " | ".join(
+                str(policy_figures[p].get("delivery_budget", {}).get("commit_to_sent_us_p50", "-"))
+                for p in policies
+            )
+            + " |"
+        )
+        lines.append(
+            "| push: commit to the master's Deliver call | "
+            + " | ".join(
+                str(
+                    policy_figures[p]
+                    .get("delivery_budget", {})
+                    .get("commit_to_push_call_us_p50", "-")
+                )
+                for p in policies
+            )
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def _cpu_per_event(figures: dict[str, Any], master: str) -> str:
+    """CPU time per acknowledged event of the client, the gateway and the master, in µs."""
+    rate = max(figures["events_per_s"], 1)
+    cpu = figures.get("cpu_pct", {})
+    gateway = sum(v for k, v in cpu.items() if k.startswith("gateway"))
+    cells = (cpu.get("client", 0.0), gateway, cpu.get(f"replica-{master}", 0.0))
+    return " / ".join(f"{10_000 * pct / rate:.0f}" for pct in cells)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.latency`: the latency scenarios alone, one cluster per policy."""
+    import argparse
+    import json
+    import tempfile
+
+    from bench import replicated
+
+    parser = argparse.ArgumentParser(prog="bench.latency", description=__doc__)
+    parser.add_argument("--policy", action="append", choices=("SYNC", "WRITE_NO_SYNC", "NO_SYNC"))
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--no-stages", action="store_true", help="run without stage marks")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args(argv)
+    sizes = Sizes.tiny() if args.tiny else Sizes()
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    log(f"load average at start: {os.getloadavg()}")
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="squall-latency-") as temp:
+        for policy in args.policy or ["WRITE_NO_SYNC", "SYNC"]:
+            run_dir = Path(temp) / policy
+            stages = None if args.no_stages else stage_dir(run_dir)
+            durability = {"master_sync": policy, "replica_sync": policy, "acks": "majority"}
+            with (
+                stage_marks(stages),
+                replicated.running(run_dir, durability=dict(durability)) as cluster,
+            ):
+                log(f"  {policy}")
+                results[policy] = measure(
+                    cluster.gateway_address, cluster.pids(), stages, sizes, "lat", log
+                )
+    log(f"load average at end: {os.getloadavg()}")
+    print(table(results))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
