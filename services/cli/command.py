@@ -79,15 +79,11 @@ def _start(value: str) -> squall.SeekTarget:
         return "latest"
     if "T" in value or "t" in value:  # an ISO 8601 time: the first event at or after it
         return cli_subscription.parse_time(value)
-    try:
-        offset = int(value)
-    except ValueError:
+    if not value.lstrip("-").isdigit():
         raise argparse.ArgumentTypeError(
             f"must be earliest, latest, an offset or an ISO 8601 time, not {value!r}"
-        ) from None
-    if offset < 0:
-        raise argparse.ArgumentTypeError(f"an offset must be >= 0, not {offset}")
-    return offset
+        )
+    return cli_subscription.parse_offset(value)
 
 
 def _positive_int(value: str) -> int:

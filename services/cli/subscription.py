@@ -35,7 +35,8 @@ def parse_time(value: str) -> datetime.datetime:
     return moment
 
 
-def _offset(value: str) -> int:
+def parse_offset(value: str) -> int:
+    """An offset argument: a whole number >= 0."""
     try:
         offset = int(value)
     except ValueError:
@@ -70,7 +71,7 @@ def add_parser(
         metavar="ISO8601",
         help="the first event published at or after this time (with a timezone, e.g. ...Z)",
     )
-    where.add_argument("--offset", type=_offset, metavar="N", help="the event at offset N")
+    where.add_argument("--offset", type=parse_offset, metavar="N", help="the event at offset N")
     where.add_argument("--earliest", action="store_true", help="the oldest event held")
     where.add_argument("--latest", action="store_true", help="past every event published")
     info = actions.add_parser(
