@@ -73,6 +73,12 @@ def notes(status: squall.ClusterStatus) -> list[str]:
             lines.append(f"{node.node_id}: its replica reports a fault: {node.fault_reason}")
         if node.transfer_target:
             lines.append(f"{node.node_id}: handing the leadership to {node.transfer_target}")
+        for mismatch in node.config_mismatches:
+            lines.append(
+                f"{node.node_id}: REFUSES {mismatch.node_id}: configuration differs: "
+                f"{mismatch.key} is {mismatch.local_value!r} here, {mismatch.peer_value!r} on "
+                f"{mismatch.node_id} (fix the file and restart the node that is wrong)"
+            )
     return lines
 
 
