@@ -1945,28 +1945,35 @@ class Election:
                 "does not coordinate",
             )
             return
-        if not self._check_priority(frm, body.priority, frm):
-            return
         if not self._cluster_id_ok(body.cluster_id, frm, "probe"):
             return
+        if self._differs(body.settings_digest):
+            # Refused before its claims are held to our file (its priority may be what
+            # differs); it gets our values so that it can name the difference too.
+            self._agrees(frm, body.settings_digest, body.settings)
+            self._send(frm, self._probe_reply(with_settings=True))
+            return
+        if not self._check_priority(frm, body.priority, frm):
+            return
         self._learn_designation(frm, body.designated_primary)
-        self._send(
-            frm,
-            AreYouCoordinatorReply(
-                self._answers_as_coordinator(),
-                self._group,
-                self._prio[self._me],
-                self._persisted.designated_primary,
-                self._cluster_id(),
-                serving=self._serving(),
-                settings_digest=self._digest,
-                settings=self._settings if self._differs(body.settings_digest) else (),
-            ),
-        )
+        self._send(frm, self._probe_reply(with_settings=False))
         if self._same_cluster(frm, body.cluster_id) and self._agrees(
             frm, body.settings_digest, body.settings
         ):
             self._note_coordinator(frm, body.serving)
+
+    def _probe_reply(self, *, with_settings: bool) -> AreYouCoordinatorReply:
+        """Our answer to a probe (with our agreed settings for a node that differs)."""
+        return AreYouCoordinatorReply(
+            self._answers_as_coordinator(),
+            self._group,
+            self._prio[self._me],
+            self._persisted.designated_primary,
+            self._cluster_id(),
+            serving=self._serving(),
+            settings_digest=self._digest,
+            settings=self._settings if with_settings else (),
+        )
 
     def _on_are_you_coordinator_reply(self, frm: str, body: AreYouCoordinatorReply) -> None:
         """A positive answer from a coordinator below us makes it a merge candidate."""
@@ -1980,9 +1987,12 @@ class Election:
                 f"node {coordinator}",
             )
             return
-        if not self._check_priority(frm, body.priority, frm):
-            return
         if not self._cluster_id_ok(body.cluster_id, frm, "probe reply"):
+            return
+        if self._differs(body.settings_digest):
+            self._agrees(frm, body.settings_digest, body.settings)
+            return
+        if not self._check_priority(frm, body.priority, frm):
             return
         self._learn_designation(frm, body.designated_primary)
         if (
@@ -2054,6 +2064,16 @@ class Election:
         inviter = self._group_coordinator(body.group_name, frm)
         if inviter is None:
             return
+        if self._differs(body.settings_digest):
+            # Before the priority checks: the inviter's priority may be what differs.
+            self._agrees(inviter, body.settings_digest, ())
+            diffs = self._disagree[inviter][1]
+            self._reject(
+                RejectCode.FAILED_PRECONDITION,
+                f"invitation from {inviter} to {body.group_name} refused: the configuration "
+                f"differs ({'; '.join(d.describe(inviter) for d in diffs)})",
+            )
+            return
         if self._prio[inviter] == 0:
             self._reject(
                 RejectCode.INVALID_MESSAGE,
@@ -2061,9 +2081,9 @@ class Election:
                 "priority 0 and never coordinates",
             )
             return
-        if not self._check_priority(inviter, body.priority, frm):
-            return
         if not self._cluster_id_ok(body.cluster_id, frm, "invitation"):
+            return
+        if not self._check_priority(inviter, body.priority, frm):
             return
         bad = [
             x
@@ -2085,15 +2105,6 @@ class Election:
                 RejectCode.FAILED_PRECONDITION,
                 f"invitation from {inviter} to {body.group_name} of cluster "
                 f"{_show(body.cluster_id)} refused: this node belongs to cluster {_show(mine)}",
-            )
-            return
-        if self._differs(body.settings_digest):
-            self._agrees(inviter, body.settings_digest, ())
-            diffs = self._disagree[inviter][1]
-            self._reject(
-                RejectCode.FAILED_PRECONDITION,
-                f"invitation from {inviter} to {body.group_name} refused: the configuration "
-                f"differs ({'; '.join(d.describe(inviter) for d in diffs)})",
             )
             return
         if self._out_of_groups():

@@ -159,3 +159,34 @@ def test_an_invitation_with_the_same_settings_is_accepted() -> None:
     )
     assert ready.rejection is None
     assert election.status().coordinator_id == "3"
+
+
+def test_a_node_whose_file_gives_it_another_priority_is_named_not_just_rejected() -> None:
+    """A priority that differs is a setting that differs: the node is refused and named,
+    rather than its messages only bounced as a priority mismatch."""
+    election = node()
+    theirs = (("cluster.name", "prod"), ("durability.acks", "majority"), ("nodes.3", "p=9"))
+    digest = settings_digest(theirs)
+    ready = election.step(
+        PeerMessage(
+            "3",
+            "1",
+            AreYouCoordinatorReply(True, "3:a", 9, settings_digest=digest, settings=theirs),
+        ),
+        10,
+    )
+    assert ready.rejection is None
+    (row,) = election.status().config_mismatches
+    assert (row.node_id, row.key, row.local_value, row.peer_value) == ("3", "nodes.3", "", "p=9")
+    ready = election.step(
+        PeerMessage("3", "1", AreYouCoordinator("3:b", 9, settings_digest=digest)), 20
+    )
+    assert ready.rejection is None
+    (reply,) = [m.body for m in ready.messages if isinstance(m.body, AreYouCoordinatorReply)]
+    assert reply.settings == MINE
+    ready = election.step(
+        PeerMessage("3", "1", Invitation("3:c", 9, 0, settings_digest=digest)), 30
+    )
+    assert ready.rejection is not None
+    assert ready.rejection.code is RejectCode.FAILED_PRECONDITION
+    assert "nodes.3: this node (not set), 3 'p=9'" in ready.rejection.message
