@@ -84,6 +84,10 @@ def notes(status: squall.ClusterStatus) -> list[str]:
 
 def facts(status: squall.ClusterStatus) -> list[NodeFacts]:
     """The status rows as the succession rules want them."""
+    # Nodes the master refuses for differing settings never join its group.
+    refused = {
+        m.node_id for n in status.nodes if n.node_id == status.master_id for m in n.config_mismatches
+    }
     return [
         NodeFacts(
             node_id=n.node_id,
@@ -91,6 +95,7 @@ def facts(status: squall.ClusterStatus) -> list[NodeFacts]:
             up=n.reachable and not n.error and not n.replica_unreachable_since_ms,
             quarantined=n.quarantine is not None,
             replica_unreachable=bool(n.replica_unreachable_since_ms),
+            config_refused=n.node_id in refused,
             last_epoch=n.last_epoch,
             last_lsn=n.last_lsn,
             max_seen=n.max_seen,
