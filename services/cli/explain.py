@@ -86,7 +86,10 @@ def facts(status: squall.ClusterStatus) -> list[NodeFacts]:
     """The status rows as the succession rules want them."""
     # Nodes the master refuses for differing settings never join its group.
     refused = {
-        m.node_id for n in status.nodes if n.node_id == status.master_id for m in n.config_mismatches
+        m.node_id
+        for n in status.nodes
+        if n.node_id == status.master_id
+        for m in n.config_mismatches
     }
     return [
         NodeFacts(
