@@ -80,6 +80,7 @@ from squall._subscriber import Subscription
 from squall._tls import TlsOptions
 from squall._types import (
     ClusterStatus,
+    ConfigMismatch,
     Holder,
     Message,
     NodeStatus,
@@ -118,6 +119,7 @@ __all__ = [
     "AlreadySubscribed",
     "Client",
     "ClusterStatus",
+    "ConfigMismatch",
     "DeadlineExceeded",
     "Endpoint",
     "FailedPrecondition",

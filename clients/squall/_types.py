@@ -184,6 +184,20 @@ class NodeStatus:
     replica_unreachable_since_ms: int = 0
     """Set while the node's coordinator holds it out of every group because its replica
     stopped answering: wall-clock ms since the Unix epoch of the replica's last answer."""
+    config_mismatches: tuple[ConfigMismatch, ...] = ()
+    """Nodes this node refuses because settings every member must share differ from its
+    own, one row per differing setting."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ConfigMismatch:
+    """A node refused because a setting every member must share differs (its key, the
+    reporting node's value and the refused node's)."""
+
+    node_id: str
+    key: str
+    local_value: str
+    peer_value: str
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -248,6 +262,10 @@ class ClusterStatus:
                 fault_reason=n.fault_reason,
                 transfer_target=n.transfer_target,
                 replica_unreachable_since_ms=n.replica_unreachable_since_ms,
+                config_mismatches=tuple(
+                    ConfigMismatch(m.node_id, m.key, m.local_value, m.peer_value)
+                    for m in n.config_mismatches
+                ),
             )
             for n in status.nodes
         )

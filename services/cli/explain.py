@@ -73,11 +73,24 @@ def notes(status: squall.ClusterStatus) -> list[str]:
             lines.append(f"{node.node_id}: its replica reports a fault: {node.fault_reason}")
         if node.transfer_target:
             lines.append(f"{node.node_id}: handing the leadership to {node.transfer_target}")
+        for mismatch in node.config_mismatches:
+            lines.append(
+                f"{node.node_id}: REFUSES {mismatch.node_id}: configuration differs: "
+                f"{mismatch.key} is {mismatch.local_value!r} here, {mismatch.peer_value!r} on "
+                f"{mismatch.node_id} (fix the file and restart the node that is wrong)"
+            )
     return lines
 
 
 def facts(status: squall.ClusterStatus) -> list[NodeFacts]:
     """The status rows as the succession rules want them."""
+    # Nodes the master refuses for differing settings never join its group.
+    refused = {
+        m.node_id
+        for n in status.nodes
+        if n.node_id == status.master_id
+        for m in n.config_mismatches
+    }
     return [
         NodeFacts(
             node_id=n.node_id,
@@ -85,6 +98,7 @@ def facts(status: squall.ClusterStatus) -> list[NodeFacts]:
             up=n.reachable and not n.error and not n.replica_unreachable_since_ms,
             quarantined=n.quarantine is not None,
             replica_unreachable=bool(n.replica_unreachable_since_ms),
+            config_refused=n.node_id in refused,
             last_epoch=n.last_epoch,
             last_lsn=n.last_lsn,
             max_seen=n.max_seen,

@@ -307,6 +307,67 @@ class ClusterConfig:
         """Raise ConfigError for the first value or combination of values that is wrong."""
         _validate_cluster(self)
 
+    def agreed_settings(self) -> tuple[tuple[str, str], ...]:
+        """The settings every member must share, as (dotted key, value) pairs.
+
+        Members compare them when they form a group and refuse a node that differs
+        (squall_server.coordinator.agreement; docs/operations.md, "Consistency at start").
+        In: the cluster name; every node's id, priority and addresses (the election and
+        the replication streams dial them, and a priority decides who leads); the acks
+        policy and both sync policies (any node may become master or slave, so the
+        guarantee read from the file must hold whichever node leads); and the limits that
+        shape stored, replicated data — an event's and a message's size (a slave must
+        take every entry its master writes), the dedupe window (a new master with a
+        smaller one would apply a retried publish twice), the counts of topics,
+        subscriptions and push subscribers and the longest names (a new master must not
+        hold more, or longer, than it accepts). Out: data_dir and map_size_bytes (each
+        host's disk), timeouts, retry, batching and flow-control limits, per-client
+        limits, log retention, telemetry, logging, TLS and auth (local tuning, which may
+        differ during a rolling change; a TLS mismatch fails the connection first), and
+        the gateways (stateless, not members).
+        """
+        settings: list[tuple[str, str]] = [("cluster.name", self.name)]
+        for node in sorted(self.nodes, key=lambda n: n.id):
+            settings.append(
+                (
+                    f"nodes.{node.id}",
+                    f"priority={node.priority} coordinator={node.coordinator_address} "
+                    f"replica={node.replica_address}",
+                )
+            )
+        durability = self.durability
+        settings += [
+            ("durability.acks", _enum_name(ACK_POLICY_NAMES, durability.acks)),
+            ("durability.master_sync", _enum_name(SYNC_POLICY_NAMES, durability.master_sync)),
+            ("durability.replica_sync", _enum_name(SYNC_POLICY_NAMES, durability.replica_sync)),
+        ]
+        limits = self.limits
+        for key in _AGREED_LIMITS:
+            settings.append((f"limits.{key}", str(getattr(limits, key))))
+        return tuple(settings)
+
+
+# The [limits] keys members must share (ClusterConfig.agreed_settings says why).
+_AGREED_LIMITS = (
+    "max_event_bytes",
+    "max_message_bytes",
+    "dedupe_window",
+    "max_topics",
+    "topic_subscriptions_max",
+    "push_subscribers_max",
+    "max_topic_name_bytes",
+    "max_subscription_name_bytes",
+    "max_publisher_id_bytes",
+)
+
+
+def _enum_name(names: Mapping[str, int], value: int) -> str:
+    """The configuration file's name for an enum value (the number if it has none)."""
+    for name, number in names.items():
+        if number == value:
+            return name
+    return str(value)
+
 
 # --------------------------------------------------------------------------- loading
 

@@ -104,6 +104,10 @@ def to_proto(msg: PeerMessage) -> coordinator_pb2.PeerMessage:
                 designated_primary=body.designated_primary,
                 cluster_id=body.cluster_id,
                 serving=body.serving,
+                settings_digest=body.settings_digest,
+                settings=[
+                    coordinator_pb2.AgreedSetting(key=k, value=v) for k, v in body.settings
+                ],
             )
         )
     elif isinstance(body, AreYouCoordinatorReply):
@@ -115,6 +119,10 @@ def to_proto(msg: PeerMessage) -> coordinator_pb2.PeerMessage:
                 designated_primary=body.designated_primary,
                 cluster_id=body.cluster_id,
                 serving=body.serving,
+                settings_digest=body.settings_digest,
+                settings=[
+                    coordinator_pb2.AgreedSetting(key=k, value=v) for k, v in body.settings
+                ],
             )
         )
     elif isinstance(body, AreYouThere):
@@ -134,6 +142,7 @@ def to_proto(msg: PeerMessage) -> coordinator_pb2.PeerMessage:
                 cluster_id=body.cluster_id,
                 transfer_group=body.transfer_group,
                 catch_up=body.catch_up,
+                settings_digest=body.settings_digest,
             )
         )
     elif isinstance(body, Accept):
@@ -188,6 +197,8 @@ def from_proto(pb: coordinator_pb2.PeerMessage) -> PeerMessage:
             designated_primary=m.designated_primary,
             cluster_id=m.cluster_id,
             serving=m.serving,
+            settings_digest=m.settings_digest,
+            settings=tuple((s.key, s.value) for s in m.settings),
         )
     elif kind == "are_you_coordinator_reply":
         r = pb.are_you_coordinator_reply
@@ -198,6 +209,8 @@ def from_proto(pb: coordinator_pb2.PeerMessage) -> PeerMessage:
             designated_primary=r.designated_primary,
             cluster_id=r.cluster_id,
             serving=r.serving,
+            settings_digest=r.settings_digest,
+            settings=tuple((s.key, s.value) for s in r.settings),
         )
     elif kind == "are_you_there":
         body = AreYouThere(
@@ -219,6 +232,7 @@ def from_proto(pb: coordinator_pb2.PeerMessage) -> PeerMessage:
             cluster_id=i.cluster_id,
             transfer_group=i.transfer_group,
             catch_up=tuple(i.catch_up),
+            settings_digest=i.settings_digest,
         )
     elif kind == "accept":
         a = pb.accept
@@ -293,6 +307,12 @@ def status_to_proto(status: ElectionStatus) -> coordinator_pb2.CoordinatorStatus
     pb.transfer_target = status.transfer_target
     if status.replica_unreachable_since_ms is not None:
         pb.replica_unreachable_since_ms = status.replica_unreachable_since_ms
+    pb.config_mismatches.extend(
+        common_pb2.ConfigMismatch(
+            node_id=m.node_id, key=m.key, local_value=m.local_value, peer_value=m.peer_value
+        )
+        for m in status.config_mismatches
+    )
     return pb
 
 

@@ -100,6 +100,14 @@ joined), ``lifecycle.decide_start`` checks the stores (clean, dirty, empty; shut
 a refused group is held, not formed, and every member learns why from its coordinator's
 answers to its heartbeats.
 
+Consistency at start: probes and invitations also carry the digest of the sender's agreed
+settings (``ElectionConfig.agreed_settings``: cluster name, nodes, durability, the limits
+that shape stored data; see ``agreement.py``). A node whose digest differs is treated like
+a node of another cluster: never merged, its invitations refused, until its digest
+matches. A probe answered to a node that differs carries the replier's values, so both
+sides name each differing setting and both values, in the log (``config-mismatch``, once
+per difference) and in ``status().config_mismatches``.
+
 One fate per node
 -----------------
 A node is a coordinator and a replica; it is a member only while both answer. The driver
@@ -131,6 +139,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
+from squall_server.coordinator.agreement import SettingDifference, differences, settings_digest
 from squall_server.coordinator.lifecycle import decide_start
 from squall_server.coordinator.messages import (
     AUDIT_RECORDS_MAX,
@@ -140,6 +149,7 @@ from squall_server.coordinator.messages import (
     AreYouThere,
     AreYouThereReply,
     Body,
+    ConfigMismatch,
     ElectionStatus,
     GroupReady,
     GroupReadyAck,
@@ -266,6 +276,9 @@ class ElectionConfig:
     probe_interval_ms: int = 200
     merge_delay_ms_per_priority: int = 50
     replica_timeout_ms: int = 300
+    # The settings every member must share (ClusterConfig.agreed_settings): a node whose
+    # digest differs is never merged. Empty compares nothing (tests that do not care).
+    agreed_settings: tuple[tuple[str, str], ...] = ()
 
     def validate(self) -> None:
         """Raise ElectionConfigError with a sentence naming the first bad value."""
@@ -450,6 +463,11 @@ class Election:
         # Nodes known to belong to another cluster (node -> its cluster id): never merged
         # until they report another id.
         self._foreign: dict[str, str] = {}
+        # Consistency at start: this node's agreed settings and their digest, and the nodes
+        # refused because theirs differ (node -> (their digest, what differs)).
+        self._settings = config.agreed_settings
+        self._digest = settings_digest(config.agreed_settings)
+        self._disagree: dict[str, tuple[str, tuple[SettingDifference, ...]]] = {}
         # Coordinator: why the group is held instead of formed. Member: the last such
         # reason its coordinator gave.
         self._held_reason = ""
@@ -636,6 +654,11 @@ class Election:
                 self._replica_silent_since + self._wall_offset_ms
                 if self._replica_lost and self._replica_silent_since is not None
                 else None
+            ),
+            config_mismatches=tuple(
+                ConfigMismatch(node, d.key, d.local_value, d.peer_value)
+                for node in sorted(self._disagree, key=node_sort_key)
+                for d in self._disagree[node][1]
             ),
         )
 
@@ -959,6 +982,49 @@ class Election:
             )
         return False
 
+    def _differs(self, digest: str) -> bool:
+        """Do a peer's agreed settings (by digest) differ from ours? "" compares nothing."""
+        return bool(digest) and bool(self._digest) and digest != self._digest
+
+    def _agrees(self, node: str, digest: str, settings: tuple[tuple[str, str], ...]) -> bool:
+        """May ``node`` (whose agreed settings have ``digest``) be merged with us?
+
+        A node that differs is refused until its digest matches ours; the refusal is logged
+        once per difference when ``settings`` (the peer's values, carried by a probe reply)
+        name each setting and both values; until then status shows the two digests."""
+        if not self._differs(digest):
+            if self._disagree.pop(node, None) is not None:
+                self._log(
+                    LogLevel.WARNING,
+                    "config-agrees",
+                    f"node {node} now shares this node's agreed settings: it may be merged "
+                    "again",
+                )
+            return True
+        known = self._disagree.get(node)
+        if settings:
+            diffs = differences(self._settings, settings) or differences(
+                self._settings, (), their_digest=digest
+            )
+        elif known is not None and known[0] == digest:
+            diffs = known[1]
+        else:
+            diffs = differences(self._settings, (), their_digest=digest)
+        if known != (digest, diffs):
+            self._disagree[node] = (digest, diffs)
+            if not settings:
+                # Only the digest is known: the peer's answer to our next probe names the
+                # values, and that is the line worth logging.
+                return False
+            self._log(
+                LogLevel.ERROR,
+                "config-mismatch",
+                f"node {node} is refused: its configuration differs from this node's ("
+                + "; ".join(d.describe(node) for d in diffs)
+                + "); it joins no group with this node until both files agree",
+            )
+        return False
+
     def _sync_source_of(self, reports: Mapping[str, MemberReport]) -> str:
         """Highest (last_epoch, last_lsn); this node on a tie, then the lower node id."""
         return pick_sync_source(
@@ -1121,6 +1187,10 @@ class Election:
                     self._persisted.designated_primary,
                     self._cluster_id(),
                     serving=self._serving(),
+                    settings_digest=self._digest,
+                    # A node known to differ gets our values too, so a node that never
+                    # probes (a member) can name what differs.
+                    settings=self._settings if node in self._disagree else (),
                 ),
             )
         if (
@@ -1211,6 +1281,7 @@ class Election:
             cluster_id=self._cluster_id(),
             transfer_group=old_group if transfer_from else "",
             catch_up=tuple(sorted(self._catch_up, key=node_sort_key)),
+            settings_digest=self._digest,
         )
         ordered = sorted(invite, key=node_sort_key)
         self._invited = tuple(ordered)
@@ -1874,24 +1945,35 @@ class Election:
                 "does not coordinate",
             )
             return
-        if not self._check_priority(frm, body.priority, frm):
-            return
         if not self._cluster_id_ok(body.cluster_id, frm, "probe"):
             return
+        if self._differs(body.settings_digest):
+            # Refused before its claims are held to our file (its priority may be what
+            # differs); it gets our values so that it can name the difference too.
+            self._agrees(frm, body.settings_digest, body.settings)
+            self._send(frm, self._probe_reply(with_settings=True))
+            return
+        if not self._check_priority(frm, body.priority, frm):
+            return
         self._learn_designation(frm, body.designated_primary)
-        self._send(
-            frm,
-            AreYouCoordinatorReply(
-                self._answers_as_coordinator(),
-                self._group,
-                self._prio[self._me],
-                self._persisted.designated_primary,
-                self._cluster_id(),
-                serving=self._serving(),
-            ),
-        )
-        if self._same_cluster(frm, body.cluster_id):
+        self._send(frm, self._probe_reply(with_settings=False))
+        if self._same_cluster(frm, body.cluster_id) and self._agrees(
+            frm, body.settings_digest, body.settings
+        ):
             self._note_coordinator(frm, body.serving)
+
+    def _probe_reply(self, *, with_settings: bool) -> AreYouCoordinatorReply:
+        """Our answer to a probe (with our agreed settings for a node that differs)."""
+        return AreYouCoordinatorReply(
+            self._answers_as_coordinator(),
+            self._group,
+            self._prio[self._me],
+            self._persisted.designated_primary,
+            self._cluster_id(),
+            serving=self._serving(),
+            settings_digest=self._digest,
+            settings=self._settings if with_settings else (),
+        )
 
     def _on_are_you_coordinator_reply(self, frm: str, body: AreYouCoordinatorReply) -> None:
         """A positive answer from a coordinator below us makes it a merge candidate."""
@@ -1905,12 +1987,19 @@ class Election:
                 f"node {coordinator}",
             )
             return
-        if not self._check_priority(frm, body.priority, frm):
-            return
         if not self._cluster_id_ok(body.cluster_id, frm, "probe reply"):
             return
+        if self._differs(body.settings_digest):
+            self._agrees(frm, body.settings_digest, body.settings)
+            return
+        if not self._check_priority(frm, body.priority, frm):
+            return
         self._learn_designation(frm, body.designated_primary)
-        if self._same_cluster(frm, body.cluster_id) and body.is_coordinator:
+        if (
+            self._same_cluster(frm, body.cluster_id)
+            and self._agrees(frm, body.settings_digest, body.settings)
+            and body.is_coordinator
+        ):
             self._note_coordinator(frm, body.serving)
 
     def _learn_designation(self, node: str, designated: bool) -> None:
@@ -1975,6 +2064,16 @@ class Election:
         inviter = self._group_coordinator(body.group_name, frm)
         if inviter is None:
             return
+        if self._differs(body.settings_digest):
+            # Before the priority checks: the inviter's priority may be what differs.
+            self._agrees(inviter, body.settings_digest, ())
+            diffs = self._disagree[inviter][1]
+            self._reject(
+                RejectCode.FAILED_PRECONDITION,
+                f"invitation from {inviter} to {body.group_name} refused: the configuration "
+                f"differs ({'; '.join(d.describe(inviter) for d in diffs)})",
+            )
+            return
         if self._prio[inviter] == 0:
             self._reject(
                 RejectCode.INVALID_MESSAGE,
@@ -1982,9 +2081,9 @@ class Election:
                 "priority 0 and never coordinates",
             )
             return
-        if not self._check_priority(inviter, body.priority, frm):
-            return
         if not self._cluster_id_ok(body.cluster_id, frm, "invitation"):
+            return
+        if not self._check_priority(inviter, body.priority, frm):
             return
         bad = [
             x

@@ -125,6 +125,10 @@ class AreYouCoordinator:
     designated_primary: bool = False
     cluster_id: str = ""
     serving: bool = False
+    settings_digest: str = ""
+    """The digest of the sender's agreed settings (agreement.py); "" compares nothing."""
+    settings: tuple[tuple[str, str], ...] = ()
+    """The sender's agreed settings, sent only to a node it knows differs."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +142,10 @@ class AreYouCoordinatorReply:
     designated_primary: bool = False
     cluster_id: str = ""
     serving: bool = False
+    settings_digest: str = ""
+    settings: tuple[tuple[str, str], ...] = ()
+    """The replier's agreed settings, sent only when the probe's digest differs from its
+    own, so the prober can name what differs."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +185,8 @@ class Invitation:
     cluster_id: str = ""
     transfer_group: str = ""
     catch_up: tuple[str, ...] = ()
+    settings_digest: str = ""
+    """The inviter's agreed-settings digest: a node whose own differs refuses."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,6 +390,16 @@ class Ready:
 
 
 @dataclass(frozen=True, slots=True)
+class ConfigMismatch:
+    """A node refused because one of its agreed settings differs from this node's."""
+
+    node_id: str
+    key: str
+    local_value: str
+    peer_value: str
+
+
+@dataclass(frozen=True, slots=True)
 class ElectionStatus:
     """One node's view, as IceStorm's ``replica`` admin command shows it, plus epoch and role."""
 
@@ -413,11 +433,20 @@ class ElectionStatus:
     replica_unreachable_since_ms: int | None = None
     """Set while the node is out of every group because its replica stopped answering:
     wall-clock time (ms since the Unix epoch) of the replica's last answer."""
+    config_mismatches: tuple[ConfigMismatch, ...] = ()
+    """Nodes refused because their agreed settings differ from this node's, one row per
+    differing setting (docs/operations.md, "Consistency at start")."""
 
 
 def _cluster(cluster_id: str) -> str:
     """`` cluster=ID`` for a message that carries a cluster id, else nothing."""
     return f" cluster={cluster_id}" if cluster_id else ""
+
+
+def _digest(digest: str, settings: tuple[tuple[str, str], ...] = ()) -> str:
+    """`` settings=DIGEST`` (and the values, when carried), else nothing."""
+    values = " values=" + ",".join(f"{k}={v}" for k, v in settings) if settings else ""
+    return f" settings={digest}{values}" if digest else ""
 
 
 def _format_body(body: Body) -> str:
@@ -428,6 +457,7 @@ def _format_body(body: Body) -> str:
         return (
             f"AreYouCoordinator group={body.group_name} priority={body.priority}{extra}"
             + _cluster(body.cluster_id)
+            + _digest(body.settings_digest, body.settings)
         )
     if isinstance(body, AreYouCoordinatorReply):
         extra = " designated" if body.designated_primary else ""
@@ -436,6 +466,7 @@ def _format_body(body: Body) -> str:
             f"AreYouCoordinatorReply coordinator={str(body.is_coordinator).lower()} "
             f"group={body.group_name} priority={body.priority}{extra}"
             + _cluster(body.cluster_id)
+            + _digest(body.settings_digest, body.settings)
         )
     if isinstance(body, AreYouThere):
         return f"AreYouThere group={body.group_name}"
@@ -449,6 +480,7 @@ def _format_body(body: Body) -> str:
             f"Invitation group={body.group_name} priority={body.priority} epoch={body.epoch}"
             + _cluster(body.cluster_id)
             + extra
+            + _digest(body.settings_digest)
         )
     if isinstance(body, LeadershipTransfer):
         return (

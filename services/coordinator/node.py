@@ -125,6 +125,7 @@ def election_config(config: ClusterConfig, node_id: str) -> ElectionConfig:
         probe_interval_ms=t.probe_interval_ms,
         merge_delay_ms_per_priority=t.merge_delay_ms_per_priority,
         replica_timeout_ms=t.replica_timeout_ms,
+        agreed_settings=config.agreed_settings(),
     )
 
 

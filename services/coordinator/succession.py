@@ -41,6 +41,8 @@ class NodeFacts:
     quarantined: bool = False
     replica_unreachable: bool = False
     """Its coordinator holds it out of every group: its replica stopped answering."""
+    config_refused: bool = False
+    """The master refuses it: settings every member must share differ from its own."""
     last_epoch: int = 0
     last_lsn: int = 0
     max_seen: int = 0
@@ -95,7 +97,7 @@ def if_failed(facts: Sequence[NodeFacts], master: str, failed: str) -> Verdict:
     """Who would lead if ``failed`` failed now (``master``: the current master, or "")."""
     by_id = _by_id(facts)
     n = len(by_id)
-    gone = {x for x, f in by_id.items() if not f.up or f.quarantined}
+    gone = {x for x, f in by_id.items() if not f.up or f.quarantined or f.config_refused}
     alive = set(by_id) - gone - {failed}
     already = f" ({_names(gone - {failed})} already out)" if gone - {failed} else ""
     if master and master != failed and master in alive:
@@ -170,7 +172,9 @@ def explain_master(facts: Sequence[NodeFacts], master: str) -> list[str]:
     by_id = _by_id(facts)
     n = len(by_id)
     if not master or master not in by_id:
-        alive = {x for x, f in by_id.items() if f.up and not f.quarantined}
+        alive = {
+            x for x, f in by_id.items() if f.up and not f.quarantined and not f.config_refused
+        }
         verdict = _election(by_id, alive, "")
         return ["No master now.", f"If the reachable nodes formed a group: {verdict.why}"]
     m = by_id[master]
@@ -205,6 +209,8 @@ def explain_master(facts: Sequence[NodeFacts], master: str) -> list[str]:
             if f.quarantined
             else "its replica is unreachable"
             if f.replica_unreachable
+            else "refused: its configuration differs"
+            if f.config_refused
             else "unreachable"
             if not f.up
             else f"{f.state}"

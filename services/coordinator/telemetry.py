@@ -61,6 +61,13 @@ class CoordinatorInstruments:
             description="Nodes in this node's group while it is normal, itself included (0 "
             "otherwise)",
         )
+        meter.create_observable_gauge(
+            "squall.coordinator.config.refused",
+            callbacks=[self._observe_refused],
+            unit="{node}",
+            description="Nodes this coordinator refuses because settings every member must "
+            "share differ from its own",
+        )
 
     def watch(self, node: CoordinatorNode) -> None:
         """Reports node's status in the gauges (call on its loop)."""
@@ -90,6 +97,12 @@ class CoordinatorInstruments:
 
     def _observe_members(self, _: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
         return [metrics.Observation(len(s.members), {"node": s.node_id}) for s in self._statuses()]
+
+    def _observe_refused(self, _: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
+        return [
+            metrics.Observation(len({m.node_id for m in s.config_mismatches}), {"node": s.node_id})
+            for s in self._statuses()
+        ]
 
 
 class CoordinatorObserver:

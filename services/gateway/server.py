@@ -89,6 +89,7 @@ class ClusterAdmin(gateway_pb2_grpc.ClusterAdminServicer):
             row.sync_source_id = status.sync_source_id
             row.transfer_target = status.transfer_target
             row.replica_unreachable_since_ms = status.replica_unreachable_since_ms
+            row.config_mismatches.extend(status.config_mismatches)
         else:
             errors.append(f"coordinator: {_reason(status)}")
         row.reachable = isinstance(state, replica_pb2.ReplicaState)

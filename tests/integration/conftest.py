@@ -82,8 +82,11 @@ class LocalCluster:
         """One node's replica address."""
         return self.config.node(node_id).replica_address
 
-    def start(self, kind: str, name: str) -> processes.Service:
-        """Starts (or restarts) one service and waits until it is serving."""
+    def start(self, kind: str, name: str, config_path: Path | None = None) -> processes.Service:
+        """Starts (or restarts) one service and waits until it is serving.
+
+        ``config_path`` starts it from another file than the cluster's (a node whose file
+        differs)."""
         if kind == "gateway":
             address = self.config.gateway(name).address
         elif kind == "replica":
@@ -92,7 +95,7 @@ class LocalCluster:
             address = self.config.node(name).coordinator_address
         service = processes.start_service(
             kind,
-            self.config_path,
+            config_path or self.config_path,
             name,
             address,
             self.run_dir / "logs" / f"{kind}-{name}.log",
@@ -102,10 +105,11 @@ class LocalCluster:
         processes.wait_serving([service], links=self.links)
         return service
 
-    def start_node(self, node_id: str) -> None:
-        """Starts one node: its replica, then its coordinator."""
-        self.start("replica", node_id)
-        self.start("coordinator", node_id)
+    def start_node(self, node_id: str, config_path: Path | None = None) -> None:
+        """Starts one node: its replica, then its coordinator (from ``config_path`` if
+        given)."""
+        self.start("replica", node_id, config_path)
+        self.start("coordinator", node_id, config_path)
 
     def kill_node(self, node_id: str) -> None:
         """kill -9 both of a node's processes."""

@@ -201,6 +201,10 @@ class Scenario:
     keep_minority_down: bool = True
     processes: bool = False
     rpc_timeout_ms: int = RPC_TIMEOUT_MS
+    # Consistency at start: each node's agreed settings (none: nothing compared), and the
+    # node whose settings differ from the others' (it must never share a group with them).
+    agreed: dict[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)
+    odd_one_out: str = ""
 
 
 def _rank_key(priorities: dict[str, int], node: str) -> tuple[int, tuple[int, int, str]]:
@@ -955,6 +959,17 @@ class Simulation:
             self.checker.check_node(node, self.elections[node], self.durable)
         except InvariantViolation as exc:
             raise self.fail(str(exc)) from None
+        odd = self.sc.odd_one_out
+        election = self.elections[node]
+        if odd and election is not None:
+            s = election.status()
+            together = set(s.members) | set(s.group) | {s.coordinator_id, node}
+            if odd in together and len(together) > 1:
+                raise self.fail(
+                    f"node {odd}, whose settings differ, shares a group with "
+                    f"{sorted(together - {odd}, key=node_sort_key)} (seen from {node}: "
+                    f"{s.state.value}, group {s.group_name})"
+                )
 
     def become_master(self, node: str, cmd: RoleCommand) -> None:
         """Sync from the sync source, write the epoch-start entry, keep writing."""
@@ -1022,7 +1037,12 @@ class Simulation:
         if self.drivers[node] is not None:
             return
         self.incarnation[node] += 1
-        config = ElectionConfig(node_id=node, priorities=self.priorities, **self.sc.timing)
+        config = ElectionConfig(
+            node_id=node,
+            priorities=self.priorities,
+            agreed_settings=self.sc.agreed.get(node, ()),
+            **self.sc.timing,
+        )
         driver = CoordinatorDriver(
             config,
             self.timings,
@@ -1261,9 +1281,12 @@ class Simulation:
         for node in down:
             self.crash(node)
         up = [x for x in self.nodes if x not in down]
-        refusal = self.cold_start_refusal(up)
+        # A node whose settings differ never joins the others' group, so their stores alone
+        # decide a cold start (and the operator's manual recovery leaves it out).
+        agreeing = [x for x in up if x != self.sc.odd_one_out]
+        refusal = self.cold_start_refusal(agreeing)
         if refusal:
-            self.manual_recovery(up, refusal)
+            self.manual_recovery(agreeing, refusal)
         for node in up:
             self.start_node(node)
             self.quarantine(node, False)
@@ -1309,7 +1332,9 @@ class Simulation:
 
     def converged(self) -> str | None:
         """The leader if every live node is normal in one group under the right leader."""
-        live = [x for x in self.nodes if self.elections[x] is not None]
+        live = [
+            x for x in self.nodes if self.elections[x] is not None and x != self.sc.odd_one_out
+        ]
         eligible = [x for x in live if self.priorities[x] > 0 and x not in self.demoted]
         if not eligible:
             return None
@@ -1381,6 +1406,29 @@ class Simulation:
             f"liveness: live nodes did not form one normal group under the highest-ranked "
             f"live eligible node within {self.sc.liveness_deadline_ms} ms of healing"
         )
+
+
+def make_odd_one_out_scenario(seed: int) -> Scenario:
+    """A seed's scenario (faults included) in which one node's agreed settings differ: the
+    cluster ran before with every node (so the others are a majority without it), and the
+    odd node must never share a group with them while the others converge without it."""
+    scenario = make_scenario(seed)
+    scenario.keep_minority_down = False
+    nodes = sorted(scenario.priorities, key=node_sort_key)
+    rng = random.Random(seed ^ 0x5E77)
+    odd = rng.choice(nodes)
+    if not any(scenario.priorities[x] > 0 for x in nodes if x != odd):
+        scenario.priorities[nodes[0] if odd != nodes[0] else nodes[-1]] = 4
+    for node in nodes:
+        scenario.initial[node] = PersistedState(
+            epoch=3, max_seen=len(nodes), cluster_id=CLUSTER_ID
+        )
+        scenario.initial_logs[node] = (3, rng.randint(1, 20))
+    base = (("cluster.name", "sim"), ("durability.acks", "majority"))
+    scenario.agreed = {node: base for node in nodes}
+    scenario.agreed[odd] = (("cluster.name", "sim"), ("durability.acks", "all"))
+    scenario.odd_one_out = odd
+    return scenario
 
 
 def run_seed(seed: int) -> SimResult:

@@ -17,6 +17,8 @@ import pytest
 
 from tests.sim.election_sim import (
     SimFailure,
+    Simulation,
+    make_odd_one_out_scenario,
     measure_failover,
     reproduce_hint,
     run_seed,
@@ -66,6 +68,28 @@ def test_safety_and_liveness_over_seeds(sim_seeds: list[int]) -> None:
     # not "demoted" by a catch-up invitation): the seeds must exercise that path.
     if len(sim_seeds) >= HAND_OVER_SEEDS_MIN:
         assert hand_overs > 0, "no seed handed a group to a node that rejoined to catch up"
+
+
+# Seeds of the consistency-at-start check (3, 5 and 7 nodes in turn, faults included).
+ODD_ONE_OUT_SEEDS = 60
+
+
+def test_a_node_whose_settings_differ_never_joins_the_others() -> None:
+    """Under the seeds' faults, a node whose agreed settings differ never shares a group
+    with the others (checked after every step), and the others converge without it."""
+    for seed in range(ODD_ONE_OUT_SEEDS):
+        sim = Simulation(make_odd_one_out_scenario(seed))
+        try:
+            result = sim.run()
+        except SimFailure as exc:
+            pytest.fail(f"odd-one-out seed {seed}: {exc}", pytrace=False)
+        odd = sim.sc.odd_one_out
+        assert result.leader != odd
+        election = sim.elections[odd]
+        assert election is not None
+        refused = {m.node_id for m in election.status().config_mismatches}
+        assert refused and odd not in refused, f"seed {seed}: {odd} refuses {refused}"
+        assert all(m.key == "durability.acks" for m in election.status().config_mismatches)
 
 
 @pytest.mark.parametrize(

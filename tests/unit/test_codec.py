@@ -74,6 +74,12 @@ BODIES: list[Body] = [
         ),
     ),
     GroupReady("3:ef56", 10, ("1", "2", "3"), "2", "3", 3, cluster_id="c-1"),
+    # Consistency at start: the agreed-settings digest, and the values where carried.
+    AreYouCoordinator("1:ab12", 3, settings_digest="0123abcd", settings=(("a.b", "1"),)),
+    AreYouCoordinatorReply(
+        True, "2:cd34", 2, settings_digest="0123abcd", settings=(("durability.acks", "all"),)
+    ),
+    Invitation("3:ef56", 3, 9, settings_digest="0123abcd"),
     # One fate per node: a node whose replica stopped answering leaves its group.
     Leave("1:ab12", "replica of node 1 has not answered for 300 ms"),
     Leave("1:ab12"),

@@ -43,6 +43,8 @@ Commands:
                                commands it missed are applied from then on
     audit 1                    node 1's audit trail
     status [1 2 ...]           each node's status line
+    settings all|3 k=v ...     the agreed settings (cluster name, nodes, durability, limits)
+                               of every node, or of stopped node 3, from its next start
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from pathlib import Path
 
 import pytest
 
+from squall_server.coordinator.agreement import settings_digest
 from squall_server.coordinator.election import Election, ElectionConfig, ElectionConfigError
 from squall_server.coordinator.messages import (
     Accept,
@@ -140,6 +143,8 @@ class Cluster:
         self.cut: set[frozenset[str]] = set()
         self.out: list[str] = []
         self.trace_all = False
+        # Each node's agreed settings (the ``settings`` command); none: nothing compared.
+        self.settings: dict[str, dict[str, str]] = {node: {} for node in priorities}
 
     # -- driving
 
@@ -151,7 +156,11 @@ class Cluster:
             return f"g{self.group_counters[node]}"
 
         store = self.stores[node]
-        config = ElectionConfig(node_id=node, priorities=self.priorities)
+        config = ElectionConfig(
+            node_id=node,
+            priorities=self.priorities,
+            agreed_settings=tuple(sorted(self.settings[node].items())),
+        )
         election = Election(config, store.persisted, new_group_id)
         self.nodes[node] = election
         self.apply(node, election.tick(self.now_ms), f"{node} start")
@@ -332,6 +341,8 @@ class Cluster:
             text += f" transfer-to={s.transfer_target}"
         if s.replica_unreachable_since_ms is not None:
             text += f" REPLICA-UNREACHABLE-SINCE={s.replica_unreachable_since_ms}"
+        for m in s.config_mismatches:
+            text += f" REFUSES={m.node_id}:{m.key}={m.local_value!r}/{m.peer_value!r}"
         return text
 
 
@@ -366,6 +377,7 @@ def parse_body(kind: str, options: dict[str, str]) -> Body:
             int(options.get("priority", "0")),
             int(options.get("epoch", "0")),
             options.get("cluster", ""),
+            settings_digest=options.get("settings", ""),
         )
     if kind == "Ready":
         members = tuple(options.get("members", "").split(","))
@@ -416,6 +428,17 @@ def execute(cluster: Cluster | None, line: str) -> tuple[Cluster | None, list[st
             store.persisted = replace(store.persisted, **changes)  # type: ignore[arg-type]
             cluster.start(node)
         cluster.deliver_all()
+    elif command == "settings":
+        targets = list(cluster.nodes) if positional[0] == "all" else positional
+        for node in targets:
+            if cluster.nodes[node] is not None:
+                raise ValueError(f"settings: node {node} is running; crash it first")
+            cluster.settings[node].update(options)
+            agreed = tuple(sorted(cluster.settings[node].items()))
+            cluster.out.append(
+                f"{node}: settings {' '.join(f'{k}={v}' for k, v in agreed)} "
+                f"digest={settings_digest(agreed)}"
+            )
     elif command == "crash":
         for node in positional:
             cluster.crash(node)

@@ -319,3 +319,49 @@ def test_replication_spans_end_at_the_ack_or_in_error_when_the_stream_breaks(ote
     assert broken.status.status_code == trace.StatusCode.ERROR
     assert broken.status.description == "stream to n3 broke"
     assert len(otel.finished("replication.send")) == 2
+
+
+def test_coordinator_gauges_the_nodes_it_refuses_for_differing_settings(otel: Otel) -> None:
+    """squall.coordinator.config.refused counts refused nodes, not differing settings."""
+    from squall_server.coordinator.messages import (
+        ConfigMismatch,
+        ElectionStatus,
+        NodeState,
+        Role,
+    )
+    from squall_server.coordinator.telemetry import CoordinatorInstruments
+
+    status = ElectionStatus(
+        node_id="n1",
+        coordinator_id="n1",
+        group_name="n1:g",
+        state=NodeState.NORMAL,
+        group=("n2",),
+        max_seen=3,
+        epoch=2,
+        role=Role.MASTER,
+        last_change_reason="",
+        priority=3,
+        designated_primary=False,
+        quorum_override=0,
+        quorum_required=2,
+        config_mismatches=(
+            ConfigMismatch("n3", "durability.acks", "majority", "all"),
+            ConfigMismatch("n3", "limits.max_event_bytes", "1048576", "2048"),
+        ),
+    )
+
+    class Node:
+        def status(self) -> ElectionStatus:
+            return status
+
+    async def scenario() -> object:
+        instruments = telemetry.current().instruments("coordinator", CoordinatorInstruments)
+        node = Node()
+        instruments.watch(node)  # type: ignore[arg-type]
+        try:
+            return _value(otel.points("squall.coordinator.config.refused"), node="n1")
+        finally:
+            instruments.unwatch(node)  # type: ignore[arg-type]
+
+    assert asyncio.run(scenario()) == 1

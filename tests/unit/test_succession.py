@@ -156,3 +156,18 @@ def test_explain_without_a_master() -> None:
     lines = explain_master(facts, "")
     assert lines[0] == "No master now."
     assert "1 of 3 nodes left, 2 required" in lines[1]
+
+
+def test_a_node_refused_for_differing_settings_counts_as_failed() -> None:
+    """The master refuses node 3 (its file differs): it is out already, and ranking above
+    the master it is named as refused, not as a node that would lead."""
+    facts = [
+        NodeFacts("1", 2, up=True, max_seen=3, state="normal", coordinator_id="1",
+                  group=("2",), epoch=4),
+        NodeFacts("2", 1, up=True, max_seen=3, state="normal", coordinator_id="1", epoch=4),
+        NodeFacts("3", 3, up=True, config_refused=True, max_seen=3, state="inactive"),
+    ]
+    verdict = if_failed(facts, "1", "1")
+    assert verdict.leader == "" and "3 already out" in verdict.why
+    assert any("refused: its configuration differs" in line
+               for line in explain_master(facts, "1"))

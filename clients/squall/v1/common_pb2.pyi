@@ -566,6 +566,44 @@ class NodeEndpoint(_message.Message):
 Global___NodeEndpoint: _TypeAlias = NodeEndpoint  # noqa: Y015
 
 @_typing.final
+class ConfigMismatch(_message.Message):
+    """A node refused because one of the settings every member must share differs from the
+    reporting node's (docs/operations.md, "Consistency at start").
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    LOCAL_VALUE_FIELD_NUMBER: _builtins.int
+    PEER_VALUE_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    """The refused node."""
+    key: _builtins.str
+    """The setting, e.g. `durability.acks` (`settings digest` when the values are not known
+    yet).
+    """
+    local_value: _builtins.str
+    """The reporting node's value."""
+    peer_value: _builtins.str
+    """The refused node's value."""
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        key: _builtins.str = ...,
+        local_value: _builtins.str = ...,
+        peer_value: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "local_value", b"local_value", "node_id", b"node_id", "peer_value", b"peer_value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ConfigMismatch: _TypeAlias = ConfigMismatch  # noqa: Y015
+
+@_typing.final
 class OperatorRecord(_message.Message):
     """Who did what to a node's election, when and why (the audit trail of operator controls)."""
 

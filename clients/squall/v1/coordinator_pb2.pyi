@@ -92,6 +92,8 @@ class AreYouCoordinator(_message.Message):
     DESIGNATED_PRIMARY_FIELD_NUMBER: _builtins.int
     CLUSTER_ID_FIELD_NUMBER: _builtins.int
     SERVING_FIELD_NUMBER: _builtins.int
+    SETTINGS_DIGEST_FIELD_NUMBER: _builtins.int
+    SETTINGS_FIELD_NUMBER: _builtins.int
     group_name: _builtins.str
     """The sender's group name."""
     priority: _builtins.int
@@ -109,6 +111,17 @@ class AreYouCoordinator(_message.Message):
     ranked above it that is alone waits for that group's catch-up invitation instead of
     merging it.
     """
+    settings_digest: _builtins.str
+    """Digest of the sender's agreed settings (the options every member must share: cluster
+    name, nodes, durability, limits on stored data). A node whose own differs never merges
+    the sender. Empty compares nothing.
+    """
+    @_builtins.property
+    def settings(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgreedSetting]:
+        """The sender's agreed settings, sent only to a node it knows differs (from that node's
+        answer), so a node that does not probe can name what differs too.
+        """
+
     def __init__(
         self,
         *,
@@ -117,14 +130,42 @@ class AreYouCoordinator(_message.Message):
         designated_primary: _builtins.bool = ...,
         cluster_id: _builtins.str = ...,
         serving: _builtins.bool = ...,
+        settings_digest: _builtins.str = ...,
+        settings: _abc.Iterable[Global___AgreedSetting] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "designated_primary", b"designated_primary", "group_name", b"group_name", "priority", b"priority", "serving", b"serving"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "designated_primary", b"designated_primary", "group_name", b"group_name", "priority", b"priority", "serving", b"serving", "settings", b"settings", "settings_digest", b"settings_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AreYouCoordinator: _TypeAlias = AreYouCoordinator  # noqa: Y015
+
+@_typing.final
+class AgreedSetting(_message.Message):
+    """One agreed setting, as a dotted key and its value in text."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """E.g. `durability.acks`, `nodes.n1`, `limits.max_event_bytes`."""
+    value: _builtins.str
+    """The value, e.g. `majority`."""
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        value: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AgreedSetting: _TypeAlias = AgreedSetting  # noqa: Y015
 
 @_typing.final
 class AreYouCoordinatorReply(_message.Message):
@@ -138,6 +179,8 @@ class AreYouCoordinatorReply(_message.Message):
     DESIGNATED_PRIMARY_FIELD_NUMBER: _builtins.int
     CLUSTER_ID_FIELD_NUMBER: _builtins.int
     SERVING_FIELD_NUMBER: _builtins.int
+    SETTINGS_DIGEST_FIELD_NUMBER: _builtins.int
+    SETTINGS_FIELD_NUMBER: _builtins.int
     is_coordinator: _builtins.bool
     """True if the sender of the reply coordinates its group."""
     group_name: _builtins.str
@@ -150,6 +193,14 @@ class AreYouCoordinatorReply(_message.Message):
     """The replier's cluster id (empty while it has none)."""
     serving: _builtins.bool
     """True if the replier coordinates a NORMAL group (as in AreYouCoordinator)."""
+    settings_digest: _builtins.str
+    """Digest of the replier's agreed settings (as in AreYouCoordinator)."""
+    @_builtins.property
+    def settings(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgreedSetting]:
+        """The replier's agreed settings, sent only when the probe's digest differs from its own,
+        so the prober can name each differing setting and both values.
+        """
+
     def __init__(
         self,
         *,
@@ -159,10 +210,12 @@ class AreYouCoordinatorReply(_message.Message):
         designated_primary: _builtins.bool = ...,
         cluster_id: _builtins.str = ...,
         serving: _builtins.bool = ...,
+        settings_digest: _builtins.str = ...,
+        settings: _abc.Iterable[Global___AgreedSetting] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "designated_primary", b"designated_primary", "group_name", b"group_name", "is_coordinator", b"is_coordinator", "priority", b"priority", "serving", b"serving"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "designated_primary", b"designated_primary", "group_name", b"group_name", "is_coordinator", b"is_coordinator", "priority", b"priority", "serving", b"serving", "settings", b"settings", "settings_digest", b"settings_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -237,6 +290,7 @@ class Invitation(_message.Message):
     CLUSTER_ID_FIELD_NUMBER: _builtins.int
     TRANSFER_GROUP_FIELD_NUMBER: _builtins.int
     CATCH_UP_FIELD_NUMBER: _builtins.int
+    SETTINGS_DIGEST_FIELD_NUMBER: _builtins.int
     group_name: _builtins.str
     """The new group's name, `coordinator-id:uuid`."""
     priority: _builtins.int
@@ -252,6 +306,10 @@ class Invitation(_message.Message):
     transfer_group: _builtins.str
     """Set when the inviter takes over the group of this name by a leadership transfer its
     coordinator ordered: that group's members accept although the inviter ranks lower.
+    """
+    settings_digest: _builtins.str
+    """Digest of the inviter's agreed settings: a node whose own differs refuses
+    (FAILED_PRECONDITION naming each differing setting).
     """
     @_builtins.property
     def catch_up(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -269,10 +327,11 @@ class Invitation(_message.Message):
         cluster_id: _builtins.str = ...,
         transfer_group: _builtins.str = ...,
         catch_up: _abc.Iterable[_builtins.str] | None = ...,
+        settings_digest: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["catch_up", b"catch_up", "cluster_id", b"cluster_id", "epoch", b"epoch", "group_name", b"group_name", "priority", b"priority", "transfer_group", b"transfer_group"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["catch_up", b"catch_up", "cluster_id", b"cluster_id", "epoch", b"epoch", "group_name", b"group_name", "priority", b"priority", "settings_digest", b"settings_digest", "transfer_group", b"transfer_group"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -540,6 +599,7 @@ class CoordinatorStatus(_message.Message):
     SYNC_SOURCE_ID_FIELD_NUMBER: _builtins.int
     TRANSFER_TARGET_FIELD_NUMBER: _builtins.int
     REPLICA_UNREACHABLE_SINCE_MS_FIELD_NUMBER: _builtins.int
+    CONFIG_MISMATCHES_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """This node's id."""
     coordinator_id: _builtins.str
@@ -595,6 +655,12 @@ class CoordinatorStatus(_message.Message):
     def invited(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """On a coordinator: the nodes its last merge invited into the current group."""
 
+    @_builtins.property
+    def config_mismatches(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ConfigMismatch]:
+        """Nodes this node refuses because their agreed settings differ from its own, one row
+        per differing setting (they never form a group together until the files agree).
+        """
+
     def __init__(
         self,
         *,
@@ -618,10 +684,11 @@ class CoordinatorStatus(_message.Message):
         sync_source_id: _builtins.str = ...,
         transfer_target: _builtins.str = ...,
         replica_unreachable_since_ms: _builtins.int = ...,
+        config_mismatches: _abc.Iterable[_common_pb2.ConfigMismatch] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["quarantine", b"quarantine", "quorum_override_record", b"quorum_override_record"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit", b"audit", "coordinator_id", b"coordinator_id", "designated_primary", b"designated_primary", "epoch", b"epoch", "group", b"group", "group_name", b"group_name", "invited", b"invited", "last_change_reason", b"last_change_reason", "max_seen", b"max_seen", "node_id", b"node_id", "priority", b"priority", "quarantine", b"quarantine", "quorum_override", b"quorum_override", "quorum_override_record", b"quorum_override_record", "quorum_required", b"quorum_required", "replica_unreachable_since_ms", b"replica_unreachable_since_ms", "role", b"role", "state", b"state", "sync_source_id", b"sync_source_id", "transfer_target", b"transfer_target"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit", b"audit", "config_mismatches", b"config_mismatches", "coordinator_id", b"coordinator_id", "designated_primary", b"designated_primary", "epoch", b"epoch", "group", b"group", "group_name", b"group_name", "invited", b"invited", "last_change_reason", b"last_change_reason", "max_seen", b"max_seen", "node_id", b"node_id", "priority", b"priority", "quarantine", b"quarantine", "quorum_override", b"quorum_override", "quorum_override_record", b"quorum_override_record", "quorum_required", b"quorum_required", "replica_unreachable_since_ms", b"replica_unreachable_since_ms", "role", b"role", "state", b"state", "sync_source_id", b"sync_source_id", "transfer_target", b"transfer_target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
