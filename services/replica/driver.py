@@ -28,7 +28,7 @@ fetch's loop, role application) is still the shell's (issue 15).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from squall.v1 import common_pb2, replica_pb2
@@ -37,7 +37,14 @@ from squall_server.common.errors import Code, ServiceError
 from squall_server.replica import commands
 from squall_server.replica.commands import BatchBuilder, Command, Planned
 from squall_server.replica.committed import track
-from squall_server.replica.core import EPOCH_KEY, Effects, Follow, ReplicaCore, RoleRefusal
+from squall_server.replica.core import (
+    EPOCH_KEY,
+    Effects,
+    Follow,
+    ReplicaCore,
+    RoleRefusal,
+    TakeMaster,
+)
 from squall_server.replica.follower import (
     BatchAccepted,
     EntriesChecked,
@@ -76,6 +83,56 @@ class PlannedBatch:
     faults: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class CancelTaking:
+    """Role step: stop the task taking the master role and wait until it and its store
+    work stopped (``why`` says why), before the next step."""
+
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class DropRole:
+    """Role step: the role was dropped (``reason``): stop the master's replication or the
+    slave's stream, fail queued writes as not stored, stop push delivery, and wait until
+    no batch is being written (``was_active``: the role held was not INACTIVE)."""
+
+    reason: str
+    was_active: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StartTaking:
+    """Role step: start taking the master role in the background (``reorg``)."""
+
+    take: TakeMaster
+
+
+@dataclass(frozen=True, slots=True)
+class FollowMaster:
+    """Role step: the epoch is persisted; with no batch half-applied (the shell's commit
+    lock), make the follower (``ReplicaDriver.follow``)."""
+
+    follow: Follow
+
+
+@dataclass(frozen=True, slots=True)
+class JoinTaking:
+    """Role step: the command repeats the one being carried out: answer it when that
+    task ends or within a heartbeat (``reorg``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RenewMembers:
+    """Role step: a master renewal naming another group: tell the replication core."""
+
+    members: tuple[str, ...]
+
+
+# What a role change leaves to the shell, in the order ``core.Effects`` documents.
+RoleStep = CancelTaking | DropRole | StartTaking | FollowMaster | JoinTaking | RenewMembers
+
+
 def ack_message(ack: Ack) -> replica_pb2.ReplicationAck:
     """A core's ack as the wire message."""
     return replica_pb2.ReplicationAck(
@@ -95,9 +152,14 @@ class ReplicaDriver:
         *,
         follower_config: FollowerConfig,
         on_committed: Callable[[], None],
+        on_role_changed: Callable[[], None] = lambda: None,
+        on_fault: Callable[[str], None] | None = None,
     ) -> None:
         """``follower_config``: the slave side's sync policy and in-flight limits;
-        ``on_committed``: committed reads may serve more (wake subscribers)."""
+        ``on_committed``: committed reads may serve more (wake subscribers);
+        ``on_role_changed``: the core's role changed (count it, wake who waits for one);
+        ``on_fault``: a fault the node must record and report (its coordinator
+        quarantines it; unset: logged only)."""
         self.node_id = node_id
         self.core = core
         self.follower_config = follower_config
@@ -106,6 +168,8 @@ class ReplicaDriver:
         self.store = store
         self.gate = gate
         self._on_committed = on_committed
+        self._on_role_changed = on_role_changed
+        self._on_fault = on_fault or self._log_fault
 
     # --- small steps shared by both sides
 
@@ -139,6 +203,88 @@ class ReplicaDriver:
         """The store compacted its log: the core learns where it starts now."""
         self.core.log_compacted(self.store.log_start_lsn())
 
+    def _log_fault(self, reason: str) -> None:
+        log.error("replica %s FAULT: %s (no fault hook set)", self.node_id, reason)
+
+    # --- role changes: the core's role effects, in the order ``core.Effects`` documents
+
+    def role_steps(self, effects: Effects) -> Iterator[RoleStep]:
+        """Carries out a role change's effects, yielding each step that needs the shell
+        (a task to stop or start, a lock to wait for) in its place in the order; the
+        shell carries out each before asking for the next. A refusal raises it, after the
+        cancelled taking stopped and before anything else."""
+        if effects.role_changed:
+            self._on_role_changed()
+        if effects.cancel_taking:
+            yield CancelTaking(effects.cancel_taking)
+        if effects.refusal is not None:
+            raise effects.refusal.error()
+        if effects.drop_role:
+            yield DropRole(effects.drop_role, was_active=effects.role_changed)
+        if effects.record_cluster_id:
+            self.record_cluster_id(effects.record_cluster_id)
+        if effects.take_master is not None:
+            yield StartTaking(effects.take_master)
+        elif effects.follow is not None:
+            self.follow_persist(effects.follow)
+            yield FollowMaster(effects.follow)
+        elif effects.join_taking:
+            yield JoinTaking()
+        if effects.members is not None:
+            yield RenewMembers(effects.members)
+        for fault in effects.faults:
+            self._on_fault(fault)
+
+    def role_answer(self, effects: Effects) -> None:
+        """Carries out an answer of the core that needs no shell step (a role taken, lost
+        or fail-stopped); raises its refusal."""
+        if effects.role_changed:
+            self._on_role_changed()
+        if effects.refusal is not None:
+            raise effects.refusal.error()
+        for fault in effects.faults:
+            self._on_fault(fault)
+
+    def record_cluster_id(self, cluster_id: str) -> None:
+        """The group's coordinator chose the cluster id (at the first formation): recorded
+        before the role, so this store can never be taken for another cluster's."""
+        self.store.set_cluster_id(cluster_id)
+        log.info(
+            "replica %s joined cluster %s (epoch=%d)",
+            self.node_id,
+            cluster_id,
+            self.core.epoch,
+        )
+
+    def fail_stop(self, reason: str) -> None:
+        """A store that cannot write must not acknowledge anything again."""
+        log.error(
+            "replica %s FAIL-STOP: %s (epoch=%d lsn=%d)",
+            self.node_id,
+            reason,
+            self.core.epoch,
+            self.core.log.last_lsn,
+        )
+        self.role_answer(self.core.fail_stop(reason))
+
+    def deposed(self, reason: str) -> None:
+        """The replication core deposed this master: no more writes in this epoch."""
+        self.role_answer(self.core.deposed_by(reason))
+
+    def taking_finished(self, epoch: int, error: ServiceError | None, now_ms: int) -> None:
+        """An attempt to take the master role of epoch ended (error: why it failed); the
+        core ignores repeats."""
+        refusal = None if error is None else RoleRefusal(error.code, error.message, error.metadata)
+        self.role_answer(self.core.taking_finished(epoch, refusal, now_ms))
+
+    def taking_answer(self, epoch: int) -> None:
+        """A role command waiting for the master role's attempt heard its outcome."""
+        self.role_answer(self.core.taking_answer(epoch))
+
+    def master_taken(self, epoch: int) -> None:
+        """The master role of epoch is held (refused if abandoned meanwhile)."""
+        self.role_answer(self.core.master_taken(epoch))
+
     # --- the slave side: taking the role (the core's ``Follow``)
 
     def follow_persist(self, follow: Follow) -> None:
@@ -146,9 +292,9 @@ class ReplicaDriver:
         self.store.set_epoch(follow.epoch)
         self.mark_dirty()
 
-    def follow(self, follow: Follow, now_ms: int) -> Effects:
+    def follow(self, follow: Follow, now_ms: int) -> None:
         """Makes the follower from the store (no batch half-applied: the shell holds its
-        commit lock) and reports it to the core; returns the core's effects. A store the
+        commit lock) and reports it to the core, carrying out its answer. A store the
         follower cannot continue is FAILED_PRECONDITION."""
         meta = self.store.meta()
         try:
@@ -170,7 +316,7 @@ class ReplicaDriver:
             follow.epoch, follow.master_id, follow.lease_ms, now_ms, follower
         )
         self.core.log_reset(meta.last_lsn, self.store.log_start_lsn())
-        return effects
+        self.role_answer(effects)
 
     # --- the slave side, one stream message at a time (the shell holds its commit lock)
 

@@ -69,13 +69,20 @@ from squall_server.replica.core import (
     ReplicaCore,
     Role,
     RoleOrder,
-    RoleRefusal,
     StoreFacts,
     TakeMaster,
     WriteFence,
 )
 from squall_server.replica.divergence import HistoryError, fork_lsn
-from squall_server.replica.driver import ReplicaDriver
+from squall_server.replica.driver import (
+    CancelTaking,
+    DropRole,
+    FollowMaster,
+    JoinTaking,
+    RenewMembers,
+    ReplicaDriver,
+    StartTaking,
+)
 from squall_server.replica.faults import (
     REASON_CHARS_MAX,
     Fault,
@@ -224,6 +231,8 @@ class ReplicaNode:
                 inflight_bytes_max=config.limits.replication_inflight_bytes_max,
             ),
             on_committed=self._notify_committed,
+            on_role_changed=self._role_changed_now,
+            on_fault=self.report_fault,
         )
         self._commit_recording: asyncio.Task[None] | None = None  # the core's record_commit
         # The task taking a master role in the background (its reorganization sync).
@@ -439,7 +448,7 @@ class ReplicaNode:
             observability=self.telemetry,
         )
         # The role may be taken long after its SetRole call (a reorganization sync).
-        self._role_effects(self.core.master_taken(epoch))  # refused if abandoned meanwhile
+        self.driver.master_taken(epoch)  # refused if abandoned meanwhile
         self._driver = driver
         driver.start()
         loop = asyncio.get_running_loop()
@@ -807,7 +816,7 @@ class ReplicaNode:
         if taking.task.done() and self._taking is taking:
             self._observe_taking()
             self._taking = None
-            self._role_effects(self.core.taking_answer(taking.epoch))
+            self.driver.taking_answer(taking.epoch)
 
     def reorganization_progress(self) -> replica_pb2.ReorganizationProgress | None:
         """How far the master role being taken got (None when none is being taken)."""
@@ -842,48 +851,25 @@ class ReplicaNode:
         return await self.apply_effects(effects)
 
     async def apply_effects(self, effects: Effects) -> Taking | None:
-        """Carries out what the core decided, in the order ``Effects`` documents; returns
-        the task taking (or already taking) a master role, if any."""
-        if effects.role_changed:
-            self._role_changed_now()
-        if effects.cancel_taking:
-            await self._cancel_taking(effects.cancel_taking)
-        if effects.refusal is not None:
-            raise effects.refusal.error()
-        if effects.drop_role:
-            await self._drop_role(effects.drop_role, was_active=effects.role_changed)
-        if effects.record_cluster_id:
-            # The group's coordinator chose it (at the first formation): recorded before
-            # the role, so this store can never be taken for another cluster's.
-            self.store.set_cluster_id(effects.record_cluster_id)
-            log.info(
-                "replica %s joined cluster %s (epoch=%d)",
-                self.node.id,
-                effects.record_cluster_id,
-                self.epoch,
-            )
+        """Carries out what the core decided (the driver's ``role_steps``, in the order
+        ``Effects`` documents), doing each step it leaves to this shell; returns the task
+        taking (or already taking) a master role, if any."""
         taking: Taking | None = None
-        if effects.take_master is not None:
-            taking = self._start_taking(effects.take_master)
-        elif effects.follow is not None:
-            await self._become_slave(effects.follow)
-        elif effects.join_taking:
-            taking = self._taking
-        if effects.members is not None:
-            self._renew_members(list(effects.members))
-        for fault in effects.faults:
-            self.report_fault(fault)
+        for step in self.driver.role_steps(effects):
+            match step:
+                case CancelTaking(why):
+                    await self._cancel_taking(why)
+                case DropRole(reason, was_active):
+                    await self._drop_role(reason, was_active=was_active)
+                case StartTaking(take):
+                    taking = self._start_taking(take)
+                case FollowMaster(follow):
+                    await self._become_slave(follow)
+                case JoinTaking():
+                    taking = self._taking
+                case RenewMembers(members):
+                    self._renew_members(list(members))
         return taking
-
-    def _role_effects(self, effects: Effects) -> None:
-        """Carries out an answer of the core that needs no waiting (a role taken, lost or
-        fail-stopped); raises its refusal."""
-        if effects.role_changed:
-            self._role_changed_now()
-        if effects.refusal is not None:
-            raise effects.refusal.error()
-        for fault in effects.faults:
-            self.report_fault(fault)
 
     def _role_changed_now(self) -> None:
         """Counts a role change and wakes whoever waits for one."""
@@ -942,11 +928,7 @@ class ReplicaNode:
         taking = self._taking
         if taking is None or not taking.task.done():
             return
-        error = outcome(taking.task)
-        refusal = None if error is None else RoleRefusal(error.code, error.message, error.metadata)
-        self._role_effects(
-            self.core.taking_finished(taking.epoch, refusal, self.clock.monotonic_ms())
-        )
+        self.driver.taking_finished(taking.epoch, outcome(taking.task), self.clock.monotonic_ms())
 
     async def _cancel_taking(self, why: str) -> None:
         """Stops taking a master role (a newer command, deactivation, shutdown) and waits
@@ -1024,11 +1006,10 @@ class ReplicaNode:
         )
 
     async def _become_slave(self, follow: Follow) -> None:
-        """Follows the master in its epoch (the core's ``Follow``): the master's
-        replication stream is accepted from now."""
-        self.driver.follow_persist(follow)
+        """Follows the master in its epoch (the core's ``Follow``, its epoch persisted by
+        the driver): the master's replication stream is accepted from now."""
         async with self._commit_lock:  # no batch half-applied while the follower is made
-            self._role_effects(self.driver.follow(follow, self.clock.monotonic_ms()))
+            self.driver.follow(follow, self.clock.monotonic_ms())
         log.info(
             "replica %s follows %s: epoch=%d lsn=%d reason=%s",
             self.node.id,
@@ -1078,7 +1059,7 @@ class ReplicaNode:
         self.push.stop()
         self._driver = None
         self._wakeup.set()
-        self._role_effects(self.core.deposed_by(reason))
+        self.driver.deposed(reason)
 
     def _notify_role_changed(self) -> None:
         changed, self._role_changed = self._role_changed, asyncio.Event()
@@ -1568,15 +1549,8 @@ class ReplicaNode:
         )
 
     def _fail_stop(self, reason: str) -> None:
-        """A store that cannot write must not acknowledge anything again."""
-        log.error(
-            "replica %s FAIL-STOP: %s (epoch=%d lsn=%d)",
-            self.node.id,
-            reason,
-            self.epoch,
-            self._last_lsn,
-        )
-        self._role_effects(self.core.fail_stop(reason))
+        """A store that cannot write must not acknowledge anything again (the driver's)."""
+        self.driver.fail_stop(reason)
 
     def report_fault(self, reason: str) -> None:
         """Records a fault that makes this node unfit to serve; the coordinator reads it in
