@@ -30,9 +30,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from squall.v1 import common_pb2, replica_pb2
-from squall_server.common.config import LimitsConfig
+from squall_server.common.config import ClusterConfig, LimitsConfig
 from squall_server.common.errors import Code, ServiceError
 from squall_server.replica import commands
 from squall_server.replica.commands import BatchBuilder, Command, Planned
@@ -56,7 +57,14 @@ from squall_server.replica.follower import (
     SnapshotAccepted,
     check_entries,
 )
-from squall_server.replica.replication import Ack
+from squall_server.replica.replication import (
+    Ack,
+    AckPolicy,
+    MasterConfig,
+    ReplicationError,
+    ReplicationMaster,
+    SyncPolicy,
+)
 from squall_server.replica.store import (
     CorruptRecordError,
     SnapshotError,
@@ -67,6 +75,9 @@ from squall_server.replica.store import (
 from squall_server.replica.visibility import CommitGate
 
 log = logging.getLogger("squall.replica")
+
+# What a master's replication core waits on per write (the shell's futures).
+W = TypeVar("W")
 
 
 @dataclass
@@ -131,6 +142,34 @@ class RenewMembers:
 
 # What a role change leaves to the shell, in the order ``core.Effects`` documents.
 RoleStep = CancelTaking | DropRole | StartTaking | FollowMaster | JoinTaking | RenewMembers
+
+
+def master_config(
+    config: ClusterConfig, node_id: str, member_count: int, *, truncate_by_snapshot: bool
+) -> MasterConfig:
+    """The replication core's configuration for one master epoch of a group of
+    member_count nodes; ``truncate_by_snapshot``: this store cannot truncate its log (a
+    divergent slave gets a snapshot instead)."""
+    durability = config.durability
+    limits = config.limits
+    nodes = tuple(n.id for n in config.nodes)
+    majority = len(nodes) // 2 + 1
+    # The coordinator only forms a group smaller than a majority under an operator's
+    # quorum override or a designated primary; the commit count follows its decision.
+    override = member_count if member_count < majority else 0
+    return MasterConfig(
+        node_id=node_id,
+        nodes=nodes,
+        acks=AckPolicy(int(durability.acks)),
+        master_sync=SyncPolicy(int(durability.master_sync)),
+        replica_sync=SyncPolicy(int(durability.replica_sync)),
+        inflight_entries_max=limits.replication_inflight_entries_max,
+        inflight_bytes_max=limits.replication_inflight_bytes_max,
+        pending_writes_max=limits.replication_pending_writes_max,
+        heartbeat_interval_ms=config.timeouts.heartbeat_interval_ms,
+        quorum_override=override,
+        truncate_by_snapshot=truncate_by_snapshot,
+    )
 
 
 def ack_message(ack: Ack) -> replica_pb2.ReplicationAck:
@@ -284,6 +323,61 @@ class ReplicaDriver:
     def master_taken(self, epoch: int) -> None:
         """The master role of epoch is held (refused if abandoned meanwhile)."""
         self.role_answer(self.core.master_taken(epoch))
+
+    # --- taking the master role (the core's ``TakeMaster``, run by the shell's task)
+
+    def take_master_persist(self, epoch: int, members: Sequence[str]) -> list[str]:
+        """Checks a master role's epoch and members, then persists the epoch and marks
+        the store in use (before a reorganization fetch changes it); returns the group's
+        member ids (this node alone if none are named; this node always among them)."""
+        meta = self.store.meta()
+        if epoch < meta.epoch:
+            raise ServiceError(
+                Code.FAILED_PRECONDITION,
+                f"epoch {epoch} is older than this replica's epoch {meta.epoch}",
+            )
+        known = self.core.config.replica_addresses
+        member_ids: list[str] = []
+        for member in members or (self.node_id,):
+            if member not in known:
+                raise ServiceError(Code.INVALID_ARGUMENT, f"unknown member node id '{member}'")
+            member_ids.append(member)
+        if self.node_id not in member_ids:
+            member_ids.append(self.node_id)
+        self.store.set_epoch(epoch)
+        self.mark_dirty()
+        return member_ids
+
+    def master_core(
+        self, config: MasterConfig, epoch: int, member_ids: Sequence[str]
+    ) -> ReplicationMaster[W]:
+        """The replication core of a master epoch over the store's log as it is now (after
+        any reorganization fetch), which the replica's core takes as its log too. A store
+        with no cluster id, or a log the core refuses, is FAILED_PRECONDITION."""
+        meta = self.store.meta()
+        if not meta.cluster_id:
+            # The first group's coordinator mints the cluster id (services/common/ids.py)
+            # and every MASTER command carries it; a master without one is never heard.
+            raise ServiceError(
+                Code.FAILED_PRECONDITION,
+                f"replica {self.node_id}: the master role of epoch {epoch} names no cluster "
+                "id and this store holds none (the coordinator mints it)",
+            )
+        self.core.log_reset(meta.last_lsn, self.core.log.log_start_lsn)
+        try:
+            return ReplicationMaster(
+                config,
+                epoch=epoch,
+                members=list(member_ids),
+                last_lsn=meta.last_lsn,
+                history=meta.history,
+                log_start_lsn=self.core.log.log_start_lsn,
+            )
+        except ReplicationError as exc:
+            raise ServiceError(
+                Code.FAILED_PRECONDITION,
+                f"replica {self.node_id} cannot be master of epoch {epoch}: {exc}",
+            ) from exc
 
     # --- the slave side: taking the role (the core's ``Follow``)
 

@@ -82,6 +82,7 @@ from squall_server.replica.driver import (
     RenewMembers,
     ReplicaDriver,
     StartTaking,
+    master_config,
 )
 from squall_server.replica.faults import (
     REASON_CHARS_MAX,
@@ -99,8 +100,6 @@ from squall_server.replica.push import PushDelivery
 from squall_server.replica.rebuild import LmdbTruncator
 from squall_server.replica.reorg import SyncProgress, Taking, answer_wait_s, outcome, read_within
 from squall_server.replica.replication import (
-    AckPolicy,
-    MasterConfig,
     ReplicationError,
     ReplicationMaster,
     SyncPolicy,
@@ -110,7 +109,6 @@ from squall_server.replica.snapshot_pump import pump_snapshot
 from squall_server.replica.store import (
     Store,
     StoreError,
-    StoreMeta,
     TopicInfo,
 )
 from squall_server.replica.store.stall import StallMeter
@@ -403,15 +401,7 @@ class ReplicaNode:
         starts replication to the members, then writes the epoch start.
 
         progress: where the reorganization sync reports how far it got (``reorg``)."""
-        meta = self.store.meta()
-        if epoch < meta.epoch:
-            raise ServiceError(
-                Code.FAILED_PRECONDITION,
-                f"epoch {epoch} is older than this replica's epoch {meta.epoch}",
-            )
-        member_nodes = self._member_nodes(members)
-        self.store.set_epoch(epoch)
-        self._mark_dirty()  # before the fetch below changes the store
+        member_ids = self.driver.take_master_persist(epoch, members)
         self.transient.new_epoch(epoch)
         if sync_source_id and sync_source_id != self.node.id:
             await self._sync_from(
@@ -419,23 +409,24 @@ class ReplicaNode:
                 epoch,
                 progress or SyncProgress(epoch, sync_source_id, self.clock.monotonic_ms()),
             )
-        meta = self.store.meta()
-        if not meta.cluster_id:
-            # The first group's coordinator mints the cluster id (services/common/ids.py)
-            # and every MASTER command carries it; a master without one is never heard.
-            raise ServiceError(
-                Code.FAILED_PRECONDITION,
-                f"replica {self.node.id}: the master role of epoch {epoch} names no cluster "
-                "id and this store holds none (the coordinator mints it)",
-            )
-        self.core.log_reset(meta.last_lsn, self._log_start_lsn)
-        core = self._new_core(epoch, [n.id for n in member_nodes], meta)
+        core: ReplicationMaster[Waiting] = self.driver.master_core(
+            master_config(
+                self.config,
+                self.node.id,
+                len(member_ids),
+                truncate_by_snapshot=self.truncator is None,
+            ),
+            epoch,
+            member_ids,
+        )
+        # (This node's own config when the group names it without the configuration.)
+        member_nodes = [self._nodes.get(member, self.node) for member in member_ids]
         driver = MasterDriver(
             self.config,
             self.node,
             core,
             lambda: self.store,
-            cluster_id=meta.cluster_id,
+            cluster_id=self.store.meta().cluster_id,
             members=member_nodes,
             transport=self._new_transport(),
             clock=self.clock,
@@ -480,57 +471,6 @@ class ReplicaNode:
             )
         elif not future.cancelled() and self.role == common_pb2.ROLE_MASTER and self.epoch == epoch:
             self.push.start(epoch)  # all before the epoch start is committed: deliver it
-
-    def _member_nodes(self, members: Sequence[str]) -> list[NodeConfig]:
-        """The configured nodes of a role command's members (this node alone if none)."""
-        by_id = {n.id: n for n in self.config.nodes}
-        out: list[NodeConfig] = []
-        for member in members or (self.node.id,):
-            if member not in by_id:
-                raise ServiceError(Code.INVALID_ARGUMENT, f"unknown member node id '{member}'")
-            out.append(by_id[member])
-        if self.node.id not in {n.id for n in out}:
-            out.append(self.node)
-        return out
-
-    def _new_core(
-        self, epoch: int, member_ids: list[str], meta: StoreMeta
-    ) -> ReplicationMaster[Waiting]:
-        """The replication core for one master epoch, from the configuration."""
-        durability = self.config.durability
-        limits = self.config.limits
-        nodes = tuple(n.id for n in self.config.nodes)
-        majority = len(nodes) // 2 + 1
-        # The coordinator only forms a group smaller than a majority under an operator's
-        # quorum override or a designated primary; the commit count follows its decision.
-        override = len(member_ids) if len(member_ids) < majority else 0
-        config = MasterConfig(
-            node_id=self.node.id,
-            nodes=nodes,
-            acks=AckPolicy(int(durability.acks)),
-            master_sync=SyncPolicy(int(durability.master_sync)),
-            replica_sync=SyncPolicy(int(durability.replica_sync)),
-            inflight_entries_max=limits.replication_inflight_entries_max,
-            inflight_bytes_max=limits.replication_inflight_bytes_max,
-            pending_writes_max=limits.replication_pending_writes_max,
-            heartbeat_interval_ms=self.config.timeouts.heartbeat_interval_ms,
-            quorum_override=override,
-            truncate_by_snapshot=self.truncator is None,
-        )
-        try:
-            return ReplicationMaster(
-                config,
-                epoch=epoch,
-                members=member_ids,
-                last_lsn=meta.last_lsn,
-                history=meta.history,
-                log_start_lsn=self._log_start_lsn,
-            )
-        except ReplicationError as exc:
-            raise ServiceError(
-                Code.FAILED_PRECONDITION,
-                f"replica {self.node.id} cannot be master of epoch {epoch}: {exc}",
-            ) from exc
 
     async def _sync_from(self, source_id: str, epoch: int, progress: SyncProgress) -> None:
         """Reorganization: fetches the log after this node's from the sync source.

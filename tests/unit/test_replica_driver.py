@@ -6,7 +6,9 @@ learns the commit LSN from a heartbeat, refuses a superseded stream with its epo
 a stale master, and maps a failing disk to UNAVAILABLE plus a fail-stop reason. Role
 changes run as the core's ``Effects`` order them: the steps left to a shell come out
 in that order, a refusal only after an abandoned taking stopped, a new store records
-its cluster id and epoch before it follows, and a fail-stop reports its fault.
+its cluster id and epoch before it follows, and a fail-stop reports its fault; a
+master role checks its epoch and members before persisting anything and needs a
+cluster id.
 """
 
 from __future__ import annotations
@@ -40,9 +42,10 @@ from squall_server.replica.driver import (
     RenewMembers,
     ReplicaDriver,
     StartTaking,
+    master_config,
 )
 from squall_server.replica.follower import FollowerConfig
-from squall_server.replica.replication import SyncPolicy
+from squall_server.replica.replication import ReplicationMaster, SyncPolicy
 from squall_server.replica.store import Store, StoreWriteError
 from squall_server.replica.visibility import CommitGate
 
@@ -297,3 +300,27 @@ def test_a_new_store_records_cluster_and_epoch_before_it_follows_and_fail_stop_r
                 )
             )
         )
+
+
+def test_taking_the_master_role_checks_before_persisting_and_needs_a_cluster_id() -> None:
+    driver, _ = _fresh("n1")
+    with pytest.raises(ServiceError) as unknown:
+        driver.take_master_persist(2, ["n1", "n7"])
+    assert unknown.value.code == Code.INVALID_ARGUMENT and "'n7'" in unknown.value.message
+    assert driver.store.meta().epoch == 0  # refused before anything was persisted
+
+    assert driver.take_master_persist(2, ["n2"]) == ["n2", "n1"]  # this node always in
+    assert driver.store.meta().epoch == 2
+    assert driver.store.meta().state == common_pb2.STORE_STATE_DIRTY
+    with pytest.raises(ServiceError) as stale:
+        driver.take_master_persist(1, [])
+    assert stale.value.code == Code.FAILED_PRECONDITION and "older" in stale.value.message
+
+    config = master_config(load_config(CONFIG), "n1", 2, truncate_by_snapshot=True)
+    with pytest.raises(ServiceError) as no_cluster:
+        driver.master_core(config, 2, ["n1", "n2"])
+    assert no_cluster.value.code == Code.FAILED_PRECONDITION
+    assert "no cluster id" in no_cluster.value.message
+    driver.store.set_cluster_id("c-1")
+    core: ReplicationMaster[int] = driver.master_core(config, 2, ["n1", "n2"])
+    assert core.epoch == 2 and set(core.members) == {"n1", "n2"}
