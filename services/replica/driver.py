@@ -144,6 +144,49 @@ class RenewMembers:
 RoleStep = CancelTaking | DropRole | StartTaking | FollowMaster | JoinTaking | RenewMembers
 
 
+@dataclass
+class FetchTail:
+    """A reorganization fetch as it goes: where the log ends (each fetched batch must
+    continue it), where the store's log ended when this pass began (a truncation is
+    only below it), and what the fetch brought so far."""
+
+    last_lsn: int
+    last_epoch: int
+    store_last_lsn: int
+    entries: int = 0
+    snapshots: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class InstallFetched:
+    """Fetch step: install this snapshot chunk as a slave does (``check_fetched_snapshot``
+    first), then report ``fetched_chunk_installed``."""
+
+    chunk: replica_pb2.SnapshotChunk
+
+
+@dataclass(frozen=True, slots=True)
+class StoreFetched:
+    """Fetch step: append these checked entries (``hide_uncommitted`` first; then
+    ``fetched_stored``, or ``fetched_store_failed``), then report
+    ``fetched_entries_stored``."""
+
+    entries: list[replica_pb2.LogEntry]
+    commit_lsn: int
+    checked: EntriesChecked
+
+
+@dataclass(frozen=True, slots=True)
+class TruncateFetched:
+    """Fetch step: this log diverges from the source's after keep_lsn: truncate it there
+    and fetch again."""
+
+    keep_lsn: int
+
+
+FetchStep = InstallFetched | StoreFetched | TruncateFetched
+
+
 def master_config(
     config: ClusterConfig, node_id: str, member_count: int, *, truncate_by_snapshot: bool
 ) -> MasterConfig:
@@ -699,6 +742,58 @@ class ReplicaDriver:
         ), f"store write failed: {exc}"
 
     # --- the reorganization fetch: a new master syncing from its group's sync source
+
+    def fetch_begin(self, previous: FetchTail | None = None) -> FetchTail:
+        """A fetch pass begins where this store's log ends (keeping the counts of the
+        previous pass, when one was cut short by a truncation)."""
+        meta = self.store.meta()
+        tail = FetchTail(meta.last_lsn, meta.last_epoch, meta.last_lsn)
+        if previous is not None:
+            tail.entries, tail.snapshots = previous.entries, previous.snapshots
+        return tail
+
+    def fetch_step(
+        self, tail: FetchTail, response: replica_pb2.FetchLogResponse, epoch: int, source_id: str
+    ) -> FetchStep | None:
+        """One message of the sync source's answer: what the shell must do with it (None:
+        nothing, an empty batch only moved the commit LSN). The source answers with a
+        snapshot when this log cannot be truncated by replay, shares no entry with the
+        source's, or lacks entries the source compacted. A log the follower's rules
+        refuse raises FAILED_PRECONDITION with nothing of that batch stored."""
+        self.adopt_cluster_id(response.cluster_id, source_id)
+        if response.WhichOneof("body") == "snapshot":
+            return InstallFetched(response.snapshot)
+        batch = response.entries
+        if batch.truncate_after_lsn and batch.truncate_after_lsn < tail.store_last_lsn:
+            self.check_fetched_truncation(batch.truncate_after_lsn, epoch, source_id)
+            return TruncateFetched(batch.truncate_after_lsn)
+        entries = list(batch.entries)
+        if not entries:
+            self.fetched_commit(batch.commit_lsn)
+            return None
+        checked = self.check_fetched_entries(
+            entries,
+            prev_lsn=tail.last_lsn,
+            prev_epoch=tail.last_epoch,
+            epoch=epoch,
+            source_id=source_id,
+        )
+        return StoreFetched(entries, batch.commit_lsn, checked)
+
+    def fetched_chunk_installed(
+        self, tail: FetchTail, chunk: replica_pb2.SnapshotChunk, snapshot_lsn: int | None
+    ) -> None:
+        """A fetched snapshot chunk is installed (snapshot_lsn: after its last chunk):
+        the log continues from the snapshot."""
+        if snapshot_lsn is not None:
+            tail.snapshots += 1
+            tail.last_lsn = snapshot_lsn
+            tail.last_epoch = chunk.snapshot_epoch
+
+    def fetched_entries_stored(self, tail: FetchTail, step: StoreFetched) -> None:
+        """Fetched entries are stored: the log continues after them."""
+        tail.last_lsn, tail.last_epoch = step.checked.last_lsn, step.checked.last_epoch
+        tail.entries += len(step.entries)
 
     def fetch_request(self, epoch: int, max_entries: int) -> replica_pb2.FetchLogRequest:
         """What to ask the sync source for: the log after where this store's ends."""

@@ -77,11 +77,15 @@ from squall_server.replica.divergence import HistoryError, fork_lsn
 from squall_server.replica.driver import (
     CancelTaking,
     DropRole,
+    FetchTail,
     FollowMaster,
+    InstallFetched,
     JoinTaking,
     RenewMembers,
     ReplicaDriver,
     StartTaking,
+    StoreFetched,
+    TruncateFetched,
     master_config,
 )
 from squall_server.replica.faults import (
@@ -483,17 +487,15 @@ class ReplicaNode:
             raise ServiceError(Code.INVALID_ARGUMENT, f"unknown sync source '{source_id}'")
         idle_timeout_s = self.config.timeouts.rpc_timeout_ms / 1000
         sync = self.config.durability.master_sync == common_pb2.SYNC_POLICY_SYNC
-        fetched = snapshots = 0
+        tail: FetchTail | None = None
         driver = self.driver
         links = self._new_transport()
         try:
             # Twice at most: once more after truncating a divergent suffix.
             for _ in range(2):
-                meta = self.store.meta()
+                tail = driver.fetch_begin(tail)
                 request = driver.fetch_request(epoch, self.config.limits.commit_batch_max_entries)
                 progress.phase = "fetching log"
-                # Where the log ends, as each fetched batch must continue it.
-                tail_lsn, tail_epoch = meta.last_lsn, meta.last_epoch
                 call = links.fetch_log(source_id, request)
                 try:
                     # One step per message: bounded by the source's log and snapshot.
@@ -503,45 +505,23 @@ class ReplicaNode:
                         )
                         if response is None:
                             break
-                        driver.adopt_cluster_id(response.cluster_id, source_id)
-                        if response.WhichOneof("body") == "snapshot":
-                            # The source answers with a snapshot when this log cannot be
-                            # truncated by replay, shares no entry with the source's, or
-                            # lacks entries the source compacted.
+                        step = driver.fetch_step(tail, response, epoch, source_id)
+                        if isinstance(step, InstallFetched):
                             progress.phase = "installing snapshot"
-                            progress.snapshot_lsn = response.snapshot.snapshot_lsn
+                            progress.snapshot_lsn = step.chunk.snapshot_lsn
                             snapshot_lsn = await self._fetched_snapshot_chunk(
-                                response.snapshot, epoch, source_id, after_entries=fetched > 0
+                                step.chunk, epoch, source_id, after_entries=tail.entries > 0
                             )
                             progress.snapshot_chunks += 1
-                            progress.snapshot_records += len(response.snapshot.records)
-                            if snapshot_lsn is not None:
-                                snapshots += 1
-                                tail_lsn = snapshot_lsn
-                                tail_epoch = response.snapshot.snapshot_epoch
-                            continue
-                        batch = response.entries
-                        if batch.truncate_after_lsn and batch.truncate_after_lsn < meta.last_lsn:
-                            driver.check_fetched_truncation(
-                                batch.truncate_after_lsn, epoch, source_id
-                            )
-                            raise _Diverged(batch.truncate_after_lsn)
-                        entries = list(batch.entries)
-                        if entries:
+                            progress.snapshot_records += len(step.chunk.records)
+                            driver.fetched_chunk_installed(tail, step.chunk, snapshot_lsn)
+                        elif isinstance(step, TruncateFetched):
+                            raise _Diverged(step.keep_lsn)
+                        elif isinstance(step, StoreFetched):
                             progress.phase = "fetching log"
-                            checked = driver.check_fetched_entries(
-                                entries,
-                                prev_lsn=tail_lsn,
-                                prev_epoch=tail_epoch,
-                                epoch=epoch,
-                                source_id=source_id,
-                            )
-                            await self._store_fetched(entries, batch.commit_lsn, sync=sync)
-                            tail_lsn, tail_epoch = checked.last_lsn, checked.last_epoch
-                            fetched += len(entries)
-                            progress.entries_fetched = fetched
-                        else:
-                            driver.fetched_commit(batch.commit_lsn)
+                            await self._store_fetched(step.entries, step.commit_lsn, sync=sync)
+                            driver.fetched_entries_stored(tail, step)
+                            progress.entries_fetched = tail.entries
                     break
                 except _Diverged as diverged:
                     progress.phase = "truncating"
@@ -576,8 +556,8 @@ class ReplicaNode:
             self.node.id,
             source_id,
             epoch,
-            "a snapshot and " if snapshots else "",
-            fetched,
+            "a snapshot and " if tail is not None and tail.snapshots else "",
+            0 if tail is None else tail.entries,
             meta.last_epoch,
             meta.last_lsn,
             self._log_start_lsn,

@@ -8,7 +8,9 @@ changes run as the core's ``Effects`` order them: the steps left to a shell come
 in that order, a refusal only after an abandoned taking stopped, a new store records
 its cluster id and epoch before it follows, and a fail-stop reports its fault; a
 master role checks its epoch and members before persisting anything and needs a
-cluster id.
+cluster id. A reorganization fetch is stepped message by message: entries continue the
+log or are refused whole, a divergence is a truncation unless it reaches committed
+entries, an empty batch moves the commit LSN.
 """
 
 from __future__ import annotations
@@ -39,9 +41,12 @@ from squall_server.replica.driver import (
     CancelTaking,
     DropRole,
     FollowMaster,
+    InstallFetched,
     RenewMembers,
     ReplicaDriver,
     StartTaking,
+    StoreFetched,
+    TruncateFetched,
     master_config,
 )
 from squall_server.replica.follower import FollowerConfig
@@ -324,3 +329,48 @@ def test_taking_the_master_role_checks_before_persisting_and_needs_a_cluster_id(
     driver.store.set_cluster_id("c-1")
     core: ReplicationMaster[int] = driver.master_core(config, 2, ["n1", "n2"])
     assert core.epoch == 2 and set(core.members) == {"n1", "n2"}
+
+
+def test_a_fetch_steps_through_the_sources_answer_and_refuses_a_gap() -> None:
+    driver, _ = _fresh("n1")
+    driver.store.append([_entry(1, 1), _entry(2, 1)], sync=True)
+    driver.core.log_reset(2, 1)
+    tail = driver.fetch_begin()
+    assert (tail.last_lsn, tail.last_epoch) == (2, 1)
+
+    def answer(**batch: object) -> replica_pb2.FetchLogResponse:
+        return replica_pb2.FetchLogResponse(
+            entries=replica_pb2.EntryBatch(**batch),  # type: ignore[arg-type]
+            cluster_id="c-3",
+        )
+
+    step = driver.fetch_step(tail, answer(entries=[_entry(3, 2), _entry(4, 2)]), 2, "n2")
+    assert isinstance(step, StoreFetched) and step.checked.last_lsn == 4
+    assert driver.store.meta().cluster_id == "c-3"  # an empty-cluster store joins the source's
+    driver.hide_uncommitted(step.entries, step.commit_lsn)
+    driver.store_append(step.entries, sync=True, commit_lsn=step.commit_lsn)
+    driver.fetched_stored(step.entries[-1].lsn, step.commit_lsn)
+    driver.fetched_entries_stored(tail, step)
+    assert (tail.last_lsn, tail.last_epoch, tail.entries) == (4, 2, 2)
+
+    with pytest.raises(ServiceError) as gap:  # LSN 6 does not continue LSN 4
+        driver.fetch_step(tail, answer(entries=[_entry(6, 2)]), 2, "n2")
+    assert gap.value.code == Code.FAILED_PRECONDITION
+    assert "nothing of that batch was stored" in gap.value.message
+
+    assert driver.fetch_step(tail, answer(commit_lsn=3), 2, "n2") is None
+    assert driver.gate.commit_lsn == 3  # an empty batch moves the commit LSN only
+
+    again = driver.fetch_begin(tail)  # a second pass keeps the counts
+    assert again.entries == 2 and again.store_last_lsn == 4
+    assert driver.fetch_step(again, answer(truncate_after_lsn=3), 2, "n2") == TruncateFetched(3)
+    with pytest.raises(ServiceError) as below:  # LSN 3 is known committed here
+        driver.fetch_step(again, answer(truncate_after_lsn=2), 2, "n2")
+    assert "would remove committed entries" in below.value.message
+    snapshot = driver.fetch_step(
+        again,
+        replica_pb2.FetchLogResponse(snapshot=replica_pb2.SnapshotChunk(snapshot_lsn=9)),
+        2,
+        "n2",
+    )
+    assert isinstance(snapshot, InstallFetched) and snapshot.chunk.snapshot_lsn == 9
