@@ -28,16 +28,24 @@ fetch's loop, role application) is still the shell's (issue 15).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from squall.v1 import common_pb2, replica_pb2
-from squall_server.common.config import LimitsConfig
+from squall_server.common.config import ClusterConfig, LimitsConfig
 from squall_server.common.errors import Code, ServiceError
 from squall_server.replica import commands
 from squall_server.replica.commands import BatchBuilder, Command, Planned
 from squall_server.replica.committed import track
-from squall_server.replica.core import EPOCH_KEY, Effects, Follow, ReplicaCore, RoleRefusal
+from squall_server.replica.core import (
+    EPOCH_KEY,
+    Effects,
+    Follow,
+    ReplicaCore,
+    RoleRefusal,
+    TakeMaster,
+)
 from squall_server.replica.follower import (
     BatchAccepted,
     EntriesChecked,
@@ -49,7 +57,14 @@ from squall_server.replica.follower import (
     SnapshotAccepted,
     check_entries,
 )
-from squall_server.replica.replication import Ack
+from squall_server.replica.replication import (
+    Ack,
+    AckPolicy,
+    MasterConfig,
+    ReplicationError,
+    ReplicationMaster,
+    SyncPolicy,
+)
 from squall_server.replica.store import (
     CorruptRecordError,
     SnapshotError,
@@ -60,6 +75,9 @@ from squall_server.replica.store import (
 from squall_server.replica.visibility import CommitGate
 
 log = logging.getLogger("squall.replica")
+
+# What a master's replication core waits on per write (the shell's futures).
+W = TypeVar("W")
 
 
 @dataclass
@@ -74,6 +92,127 @@ class PlannedBatch:
     planned: list[tuple[int, Planned, int]] = field(default_factory=list)
     refused: list[tuple[int, ServiceError]] = field(default_factory=list)
     faults: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class CancelTaking:
+    """Role step: stop the task taking the master role and wait until it and its store
+    work stopped (``why`` says why), before the next step."""
+
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class DropRole:
+    """Role step: the role was dropped (``reason``): stop the master's replication or the
+    slave's stream, fail queued writes as not stored, stop push delivery, and wait until
+    no batch is being written (``was_active``: the role held was not INACTIVE)."""
+
+    reason: str
+    was_active: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StartTaking:
+    """Role step: start taking the master role in the background (``reorg``)."""
+
+    take: TakeMaster
+
+
+@dataclass(frozen=True, slots=True)
+class FollowMaster:
+    """Role step: the epoch is persisted; with no batch half-applied (the shell's commit
+    lock), make the follower (``ReplicaDriver.follow``)."""
+
+    follow: Follow
+
+
+@dataclass(frozen=True, slots=True)
+class JoinTaking:
+    """Role step: the command repeats the one being carried out: answer it when that
+    task ends or within a heartbeat (``reorg``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RenewMembers:
+    """Role step: a master renewal naming another group: tell the replication core."""
+
+    members: tuple[str, ...]
+
+
+# What a role change leaves to the shell, in the order ``core.Effects`` documents.
+RoleStep = CancelTaking | DropRole | StartTaking | FollowMaster | JoinTaking | RenewMembers
+
+
+@dataclass
+class FetchTail:
+    """A reorganization fetch as it goes: where the log ends (each fetched batch must
+    continue it), where the store's log ended when this pass began (a truncation is
+    only below it), and what the fetch brought so far."""
+
+    last_lsn: int
+    last_epoch: int
+    store_last_lsn: int
+    entries: int = 0
+    snapshots: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class InstallFetched:
+    """Fetch step: install this snapshot chunk as a slave does (``check_fetched_snapshot``
+    first), then report ``fetched_chunk_installed``."""
+
+    chunk: replica_pb2.SnapshotChunk
+
+
+@dataclass(frozen=True, slots=True)
+class StoreFetched:
+    """Fetch step: append these checked entries (``hide_uncommitted`` first; then
+    ``fetched_stored``, or ``fetched_store_failed``), then report
+    ``fetched_entries_stored``."""
+
+    entries: list[replica_pb2.LogEntry]
+    commit_lsn: int
+    checked: EntriesChecked
+
+
+@dataclass(frozen=True, slots=True)
+class TruncateFetched:
+    """Fetch step: this log diverges from the source's after keep_lsn: truncate it there
+    and fetch again."""
+
+    keep_lsn: int
+
+
+FetchStep = InstallFetched | StoreFetched | TruncateFetched
+
+
+def master_config(
+    config: ClusterConfig, node_id: str, member_count: int, *, truncate_by_snapshot: bool
+) -> MasterConfig:
+    """The replication core's configuration for one master epoch of a group of
+    member_count nodes; ``truncate_by_snapshot``: this store cannot truncate its log (a
+    divergent slave gets a snapshot instead)."""
+    durability = config.durability
+    limits = config.limits
+    nodes = tuple(n.id for n in config.nodes)
+    majority = len(nodes) // 2 + 1
+    # The coordinator only forms a group smaller than a majority under an operator's
+    # quorum override or a designated primary; the commit count follows its decision.
+    override = member_count if member_count < majority else 0
+    return MasterConfig(
+        node_id=node_id,
+        nodes=nodes,
+        acks=AckPolicy(int(durability.acks)),
+        master_sync=SyncPolicy(int(durability.master_sync)),
+        replica_sync=SyncPolicy(int(durability.replica_sync)),
+        inflight_entries_max=limits.replication_inflight_entries_max,
+        inflight_bytes_max=limits.replication_inflight_bytes_max,
+        pending_writes_max=limits.replication_pending_writes_max,
+        heartbeat_interval_ms=config.timeouts.heartbeat_interval_ms,
+        quorum_override=override,
+        truncate_by_snapshot=truncate_by_snapshot,
+    )
 
 
 def ack_message(ack: Ack) -> replica_pb2.ReplicationAck:
@@ -95,9 +234,14 @@ class ReplicaDriver:
         *,
         follower_config: FollowerConfig,
         on_committed: Callable[[], None],
+        on_role_changed: Callable[[], None] = lambda: None,
+        on_fault: Callable[[str], None] | None = None,
     ) -> None:
         """``follower_config``: the slave side's sync policy and in-flight limits;
-        ``on_committed``: committed reads may serve more (wake subscribers)."""
+        ``on_committed``: committed reads may serve more (wake subscribers);
+        ``on_role_changed``: the core's role changed (count it, wake who waits for one);
+        ``on_fault``: a fault the node must record and report (its coordinator
+        quarantines it; unset: logged only)."""
         self.node_id = node_id
         self.core = core
         self.follower_config = follower_config
@@ -106,6 +250,8 @@ class ReplicaDriver:
         self.store = store
         self.gate = gate
         self._on_committed = on_committed
+        self._on_role_changed = on_role_changed
+        self._on_fault = on_fault or self._log_fault
 
     # --- small steps shared by both sides
 
@@ -139,6 +285,143 @@ class ReplicaDriver:
         """The store compacted its log: the core learns where it starts now."""
         self.core.log_compacted(self.store.log_start_lsn())
 
+    def _log_fault(self, reason: str) -> None:
+        log.error("replica %s FAULT: %s (no fault hook set)", self.node_id, reason)
+
+    # --- role changes: the core's role effects, in the order ``core.Effects`` documents
+
+    def role_steps(self, effects: Effects) -> Iterator[RoleStep]:
+        """Carries out a role change's effects, yielding each step that needs the shell
+        (a task to stop or start, a lock to wait for) in its place in the order; the
+        shell carries out each before asking for the next. A refusal raises it, after the
+        cancelled taking stopped and before anything else."""
+        if effects.role_changed:
+            self._on_role_changed()
+        if effects.cancel_taking:
+            yield CancelTaking(effects.cancel_taking)
+        if effects.refusal is not None:
+            raise effects.refusal.error()
+        if effects.drop_role:
+            yield DropRole(effects.drop_role, was_active=effects.role_changed)
+        if effects.record_cluster_id:
+            self.record_cluster_id(effects.record_cluster_id)
+        if effects.take_master is not None:
+            yield StartTaking(effects.take_master)
+        elif effects.follow is not None:
+            self.follow_persist(effects.follow)
+            yield FollowMaster(effects.follow)
+        elif effects.join_taking:
+            yield JoinTaking()
+        if effects.members is not None:
+            yield RenewMembers(effects.members)
+        for fault in effects.faults:
+            self._on_fault(fault)
+
+    def role_answer(self, effects: Effects) -> None:
+        """Carries out an answer of the core that needs no shell step (a role taken, lost
+        or fail-stopped); raises its refusal."""
+        if effects.role_changed:
+            self._on_role_changed()
+        if effects.refusal is not None:
+            raise effects.refusal.error()
+        for fault in effects.faults:
+            self._on_fault(fault)
+
+    def record_cluster_id(self, cluster_id: str) -> None:
+        """The group's coordinator chose the cluster id (at the first formation): recorded
+        before the role, so this store can never be taken for another cluster's."""
+        self.store.set_cluster_id(cluster_id)
+        log.info(
+            "replica %s joined cluster %s (epoch=%d)",
+            self.node_id,
+            cluster_id,
+            self.core.epoch,
+        )
+
+    def fail_stop(self, reason: str) -> None:
+        """A store that cannot write must not acknowledge anything again."""
+        log.error(
+            "replica %s FAIL-STOP: %s (epoch=%d lsn=%d)",
+            self.node_id,
+            reason,
+            self.core.epoch,
+            self.core.log.last_lsn,
+        )
+        self.role_answer(self.core.fail_stop(reason))
+
+    def deposed(self, reason: str) -> None:
+        """The replication core deposed this master: no more writes in this epoch."""
+        self.role_answer(self.core.deposed_by(reason))
+
+    def taking_finished(self, epoch: int, error: ServiceError | None, now_ms: int) -> None:
+        """An attempt to take the master role of epoch ended (error: why it failed); the
+        core ignores repeats."""
+        refusal = None if error is None else RoleRefusal(error.code, error.message, error.metadata)
+        self.role_answer(self.core.taking_finished(epoch, refusal, now_ms))
+
+    def taking_answer(self, epoch: int) -> None:
+        """A role command waiting for the master role's attempt heard its outcome."""
+        self.role_answer(self.core.taking_answer(epoch))
+
+    def master_taken(self, epoch: int) -> None:
+        """The master role of epoch is held (refused if abandoned meanwhile)."""
+        self.role_answer(self.core.master_taken(epoch))
+
+    # --- taking the master role (the core's ``TakeMaster``, run by the shell's task)
+
+    def take_master_persist(self, epoch: int, members: Sequence[str]) -> list[str]:
+        """Checks a master role's epoch and members, then persists the epoch and marks
+        the store in use (before a reorganization fetch changes it); returns the group's
+        member ids (this node alone if none are named; this node always among them)."""
+        meta = self.store.meta()
+        if epoch < meta.epoch:
+            raise ServiceError(
+                Code.FAILED_PRECONDITION,
+                f"epoch {epoch} is older than this replica's epoch {meta.epoch}",
+            )
+        known = self.core.config.replica_addresses
+        member_ids: list[str] = []
+        for member in members or (self.node_id,):
+            if member not in known:
+                raise ServiceError(Code.INVALID_ARGUMENT, f"unknown member node id '{member}'")
+            member_ids.append(member)
+        if self.node_id not in member_ids:
+            member_ids.append(self.node_id)
+        self.store.set_epoch(epoch)
+        self.mark_dirty()
+        return member_ids
+
+    def master_core(
+        self, config: MasterConfig, epoch: int, member_ids: Sequence[str]
+    ) -> ReplicationMaster[W]:
+        """The replication core of a master epoch over the store's log as it is now (after
+        any reorganization fetch), which the replica's core takes as its log too. A store
+        with no cluster id, or a log the core refuses, is FAILED_PRECONDITION."""
+        meta = self.store.meta()
+        if not meta.cluster_id:
+            # The first group's coordinator mints the cluster id (services/common/ids.py)
+            # and every MASTER command carries it; a master without one is never heard.
+            raise ServiceError(
+                Code.FAILED_PRECONDITION,
+                f"replica {self.node_id}: the master role of epoch {epoch} names no cluster "
+                "id and this store holds none (the coordinator mints it)",
+            )
+        self.core.log_reset(meta.last_lsn, self.core.log.log_start_lsn)
+        try:
+            return ReplicationMaster(
+                config,
+                epoch=epoch,
+                members=list(member_ids),
+                last_lsn=meta.last_lsn,
+                history=meta.history,
+                log_start_lsn=self.core.log.log_start_lsn,
+            )
+        except ReplicationError as exc:
+            raise ServiceError(
+                Code.FAILED_PRECONDITION,
+                f"replica {self.node_id} cannot be master of epoch {epoch}: {exc}",
+            ) from exc
+
     # --- the slave side: taking the role (the core's ``Follow``)
 
     def follow_persist(self, follow: Follow) -> None:
@@ -146,9 +429,9 @@ class ReplicaDriver:
         self.store.set_epoch(follow.epoch)
         self.mark_dirty()
 
-    def follow(self, follow: Follow, now_ms: int) -> Effects:
+    def follow(self, follow: Follow, now_ms: int) -> None:
         """Makes the follower from the store (no batch half-applied: the shell holds its
-        commit lock) and reports it to the core; returns the core's effects. A store the
+        commit lock) and reports it to the core, carrying out its answer. A store the
         follower cannot continue is FAILED_PRECONDITION."""
         meta = self.store.meta()
         try:
@@ -170,7 +453,7 @@ class ReplicaDriver:
             follow.epoch, follow.master_id, follow.lease_ms, now_ms, follower
         )
         self.core.log_reset(meta.last_lsn, self.store.log_start_lsn())
-        return effects
+        self.role_answer(effects)
 
     # --- the slave side, one stream message at a time (the shell holds its commit lock)
 
@@ -459,6 +742,58 @@ class ReplicaDriver:
         ), f"store write failed: {exc}"
 
     # --- the reorganization fetch: a new master syncing from its group's sync source
+
+    def fetch_begin(self, previous: FetchTail | None = None) -> FetchTail:
+        """A fetch pass begins where this store's log ends (keeping the counts of the
+        previous pass, when one was cut short by a truncation)."""
+        meta = self.store.meta()
+        tail = FetchTail(meta.last_lsn, meta.last_epoch, meta.last_lsn)
+        if previous is not None:
+            tail.entries, tail.snapshots = previous.entries, previous.snapshots
+        return tail
+
+    def fetch_step(
+        self, tail: FetchTail, response: replica_pb2.FetchLogResponse, epoch: int, source_id: str
+    ) -> FetchStep | None:
+        """One message of the sync source's answer: what the shell must do with it (None:
+        nothing, an empty batch only moved the commit LSN). The source answers with a
+        snapshot when this log cannot be truncated by replay, shares no entry with the
+        source's, or lacks entries the source compacted. A log the follower's rules
+        refuse raises FAILED_PRECONDITION with nothing of that batch stored."""
+        self.adopt_cluster_id(response.cluster_id, source_id)
+        if response.WhichOneof("body") == "snapshot":
+            return InstallFetched(response.snapshot)
+        batch = response.entries
+        if batch.truncate_after_lsn and batch.truncate_after_lsn < tail.store_last_lsn:
+            self.check_fetched_truncation(batch.truncate_after_lsn, epoch, source_id)
+            return TruncateFetched(batch.truncate_after_lsn)
+        entries = list(batch.entries)
+        if not entries:
+            self.fetched_commit(batch.commit_lsn)
+            return None
+        checked = self.check_fetched_entries(
+            entries,
+            prev_lsn=tail.last_lsn,
+            prev_epoch=tail.last_epoch,
+            epoch=epoch,
+            source_id=source_id,
+        )
+        return StoreFetched(entries, batch.commit_lsn, checked)
+
+    def fetched_chunk_installed(
+        self, tail: FetchTail, chunk: replica_pb2.SnapshotChunk, snapshot_lsn: int | None
+    ) -> None:
+        """A fetched snapshot chunk is installed (snapshot_lsn: after its last chunk):
+        the log continues from the snapshot."""
+        if snapshot_lsn is not None:
+            tail.snapshots += 1
+            tail.last_lsn = snapshot_lsn
+            tail.last_epoch = chunk.snapshot_epoch
+
+    def fetched_entries_stored(self, tail: FetchTail, step: StoreFetched) -> None:
+        """Fetched entries are stored: the log continues after them."""
+        tail.last_lsn, tail.last_epoch = step.checked.last_lsn, step.checked.last_epoch
+        tail.entries += len(step.entries)
 
     def fetch_request(self, epoch: int, max_entries: int) -> replica_pb2.FetchLogRequest:
         """What to ask the sync source for: the log after where this store's ends."""

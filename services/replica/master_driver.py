@@ -4,12 +4,12 @@ One ``MasterDriver`` lives for one master epoch (as its core does). It opens one
 bidirectional ``Replication.Replicate`` stream per member slave (through the injected
 ``ReplicaTransport``: gRPC in the service, in process in the tests), reconnecting with
 bounded backoff while this node is master, feeds the core every
-input (local appends, client writes, Positions, acks, broken streams, ticks) and applies
-each ``Actions`` record in the order ``replication.Actions`` documents: rejection,
-sends (build the batch, ``on_sent``, queue it on the stream), snapshots, heartbeats,
-completed writes, failed writes, deposition, log lines. Actions returned by ``on_sent``
-are applied after the record that produced them, in order, so no recursion grows with
-the window.
+input (local appends, client writes, Positions, acks, broken streams, ticks) and has
+the synchronous ``MasterSteps`` (``master_steps.py``) apply each ``Actions`` record in
+the order ``replication.Actions`` documents: rejection, sends (build the batch,
+``on_sent``, queue it on the stream), snapshots, heartbeats, completed writes, failed
+writes, deposition, log lines. This shell carries out the steps' outputs: the streams'
+queues, snapshot tasks, the writes' futures.
 
 Everything runs on the node's event loop: inputs are applied one at a time. A stream's
 outgoing messages go through its own queue and writer task, so applying an Actions
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
-from squall.v1 import common_pb2, replica_pb2
+from squall.v1 import replica_pb2
 from squall.wire import stages as _stages
 from squall_server.common.clock import Clock
 from squall_server.common.config import ClusterConfig, NodeConfig
@@ -49,18 +49,8 @@ from squall_server.common.errors import Code, ServiceError
 from squall_server.common.telemetry import Telemetry, current
 from squall_server.replica.commands import Planned
 from squall_server.replica.core import EPOCH_KEY
-from squall_server.replica.replication import (
-    Actions,
-    RejectCode,
-    ReplicationError,
-    ReplicationMaster,
-    SendGrant,
-    SlaveProgress,
-    SlaveState,
-    SyncPolicy,
-    batch_size_bytes,
-    fit_batch,
-)
+from squall_server.replica.master_steps import MasterOutputs, MasterSteps, durable_lsn
+from squall_server.replica.replication import ReplicationMaster, SlaveProgress
 from squall_server.replica.snapshot_pump import pump_snapshot
 from squall_server.replica.store import Store, StoreError
 from squall_server.replica.telemetry import ReplicationTracer
@@ -71,12 +61,6 @@ log = logging.getLogger("squall.replica")
 # Reconnect backoff to a slave: fast at first (failover time depends on it), bounded.
 _BACKOFF_MIN_S = 0.05
 _BACKOFF_MAX_S = 1.0
-# Recently appended entries kept in memory, so streaming to an up-to-date slave does not
-# read the store; older entries (catch-up) are read from the store. Bounded by count and
-# by bytes (twice a slave's in-flight byte window): entries can be large.
-_TAIL_CACHE_ENTRIES_MAX = 4096
-# Entries per store read when a catching-up slave's batch is built.
-_STORE_READ_ENTRIES = 64
 # Progress samples for the catch-up rate: one every _RATE_SAMPLE_S, the last
 # _RATE_SAMPLES kept (a window of about 5 s).
 _RATE_SAMPLE_S = 0.5
@@ -151,17 +135,12 @@ class MasterDriver:
         self._cluster_id = cluster_id
         self._transport = transport
         self._clock = clock
-        self._on_commit = on_commit
         self._on_deposed = on_deposed
         self._io = io
         self._commit_lock = commit_lock
-        self.log_start_lsn = log_start_lsn
         self._stamp_snapshot = stamp_snapshot
         self._room = asyncio.Event()
         self._room.set()
-        self._tail: deque[replica_pb2.LogEntry] = deque(maxlen=_TAIL_CACHE_ENTRIES_MAX)
-        self._tail_bytes = 0
-        self._tail_bytes_max = 2 * config.limits.replication_inflight_bytes_max
         self._ticker: asyncio.Task[None] | None = None
         self._stopped = False
         observed = observability or current()
@@ -172,6 +151,27 @@ class MasterDriver:
         self._links: dict[str, _Link] = {
             member.id: _Link(node=member) for member in members if member.id != node.id
         }
+        spans = self._spans
+        # Applies the core's Actions and builds its batches; this shell does the rest.
+        self.steps = MasterSteps(
+            node.id,
+            core,
+            store,
+            MasterOutputs(
+                send=self._queue_batch,
+                heartbeat=self._queue_heartbeat,
+                snapshot=self._start_snapshot,
+                close_stream=self._close_stream,
+                completed=self._complete,
+                failed=self._fail,
+                committed=on_commit,
+                room=self._room.set,
+                deposed=self._deposed,
+                sent=None if spans is None else spans.sent,
+            ),
+            tail_bytes_max=2 * config.limits.replication_inflight_bytes_max,
+            log_start_lsn=log_start_lsn,
+        )
 
     # --- lifecycle
 
@@ -185,7 +185,7 @@ class MasterDriver:
 
     async def stop(self, reason: str) -> None:
         """Deposes the core (pending writes fail as indeterminate) and closes every stream."""
-        self.apply(self.core.depose(reason))
+        self.steps.apply(self.core.depose(reason))
         await self._close()
 
     async def _close(self) -> None:
@@ -230,18 +230,7 @@ class MasterDriver:
 
     def appended(self, entries: Sequence[replica_pb2.LogEntry], *, synced: bool) -> None:
         """The store appended entries (flushed when synced)."""
-        if not entries:
-            return
-        tail = self._tail
-        for entry in entries:
-            if len(tail) == tail.maxlen:
-                self._tail_bytes -= len(tail[0].operation)
-            tail.append(entry)
-            self._tail_bytes += len(entry.operation)
-        # Bounded by the tail's length: each pass drops one entry.
-        while len(tail) > 1 and self._tail_bytes > self._tail_bytes_max:
-            self._tail_bytes -= len(tail.popleft().operation)
-        self.apply(self.core.on_appended(entries[-1].lsn, synced=synced))
+        self.steps.appended(entries, synced=synced)
 
     def traced(self, writes: Iterable[tuple[int, trace.SpanContext | None]]) -> None:
         """Traced writes about to be appended, by LSN: their batches get replication spans."""
@@ -251,122 +240,46 @@ class MasterDriver:
     def register(self, writes: Sequence[Waiting]) -> None:
         """Client writes whose entries are appended: they resolve once committed."""
         if writes:
-            self.apply(self.core.register_writes((w.lsn, w) for w in writes))
+            self.steps.apply(self.core.register_writes((w.lsn, w) for w in writes))
 
     def set_members(self, member_ids: Sequence[str]) -> None:
         """The group shrank within the epoch (a renewal naming fewer members)."""
         gone = [n for n in self._links if n not in member_ids]
-        self.apply(self.core.set_members(member_ids))
+        self.steps.apply(self.core.set_members(member_ids))
         for node_id in gone:
             link = self._links[node_id]
             if link.task is not None:
                 link.task.cancel()
 
-    # --- applying Actions, in the documented order
+    # --- the steps' outputs, in the order ``replication.Actions`` documents
 
-    def apply(self, first: Actions[Waiting]) -> None:
-        """Applies an Actions record (and those its sends produce), in order."""
-        queue: deque[Actions[Waiting]] = deque([first])
-        while queue:
-            actions = queue.popleft()
-            rejection = actions.rejection
-            if rejection is not None and rejection.code not in (
-                RejectCode.STALE_STREAM,
-                RejectCode.DEPOSED,
-            ):
-                log.warning("replica %s: %s", self.node.id, rejection.message)
-                self._close_stream(rejection.node_id, rejection.stream_id, rejection.message)
-            for grant in actions.sends:
-                queue.append(self._send(grant))
-            for node_id in actions.snapshots:
-                self._start_snapshot(node_id)
-            for node_id in actions.heartbeats:
-                link = self._links.get(node_id)
-                if link is not None and link.stream_id:
-                    link.outbox.put_nowait(
-                        replica_pb2.ReplicateRequest(
-                            heartbeat=replica_pb2.ReplicationHeartbeat(
-                                commit_lsn=actions.commit_lsn, epoch=self.core.epoch
-                            )
-                        )
+    def _queue_batch(self, node_id: str, message: replica_pb2.ReplicateRequest) -> None:
+        """A granted batch: queued on the slave's stream."""
+        self._links[node_id].outbox.put_nowait(message)
+
+    def _queue_heartbeat(self, node_id: str, message: replica_pb2.ReplicateRequest) -> None:
+        """A heartbeat: queued on the slave's stream if one is open."""
+        link = self._links.get(node_id)
+        if link is not None and link.stream_id:
+            link.outbox.put_nowait(message)
+
+    def _fail(self, failed: Sequence[Waiting]) -> None:
+        """Writes the core failed: the master was deposed before they committed."""
+        for waiting in failed:
+            if not waiting.future.done():
+                waiting.future.set_exception(
+                    ServiceError(
+                        Code.UNKNOWN,
+                        f"indeterminate: master {self.node.id} (epoch {self.core.epoch}) was "
+                        f"deposed before LSN {waiting.lsn} committed; it may or may not "
+                        f"survive, retry with the same publisher id and sequence",
                     )
-            if actions.completed:
-                self._complete(actions.completed)
-            for waiting in actions.failed:
-                if not waiting.future.done():
-                    waiting.future.set_exception(
-                        ServiceError(
-                            Code.UNKNOWN,
-                            f"indeterminate: master {self.node.id} (epoch {self.core.epoch}) was "
-                            f"deposed before LSN {waiting.lsn} committed; it may or may not "
-                            f"survive, retry with the same publisher id and sequence",
-                        )
-                    )
-            self._on_commit(actions.commit_lsn)
-            if actions.completed or actions.failed or actions.deposed:
-                self._room.set()
-            if actions.deposed:
-                log.warning(
-                    "replica %s deposed as master: epoch=%d commit_lsn=%d: %s",
-                    self.node.id,
-                    self.core.epoch,
-                    actions.commit_lsn,
-                    actions.deposed,
                 )
-                self._on_deposed(actions.deposed)
-                asyncio.get_running_loop().create_task(self._close())
-            for event in actions.events:
-                log.info("replica %s: %s", self.node.id, event)
 
-    def _read(self, from_lsn: int, count: int, bytes_max: int) -> list[replica_pb2.LogEntry]:
-        """Up to count entries from from_lsn, reading little beyond bytes_max."""
-        tail = self._tail
-        if tail and tail[0].lsn <= from_lsn:
-            start = from_lsn - tail[0].lsn
-            return [tail[i] for i in range(start, min(len(tail), start + count))]
-        # From the store in small steps, so large entries are not read only to be cut
-        # by fit_batch; one step per _STORE_READ_ENTRIES entries, bounded by count.
-        store = self._store()
-        out: list[replica_pb2.LogEntry] = []
-        size = 0
-        while len(out) < count and size <= bytes_max:
-            step = store.read_log(from_lsn + len(out), min(_STORE_READ_ENTRIES, count - len(out)))
-            if not step:
-                break
-            out.extend(step)
-            size += batch_size_bytes(step)
-        return out
-
-    def _send(self, grant: SendGrant) -> Actions[Waiting]:
-        link = self._links[grant.node_id]
-        kept: Sequence[replica_pb2.LogEntry] = []
-        if grant.entries_max:
-            kept = fit_batch(
-                self._read(grant.from_lsn, grant.entries_max, grant.bytes_max), grant.bytes_max
-            )
-        last = kept[-1].lsn if kept else grant.from_lsn - 1
-        actions = self.core.on_sent(grant.node_id, grant.stream_id, last, batch_size_bytes(kept))
-        truncate = grant.truncate_after_lsn
-        if truncate == 0:
-            # The wire cannot say "truncate everything" (0 means no truncation); the core
-            # sends a log that shares no entry with ours a snapshot instead.
-            raise ReplicationError(
-                f"a grant to truncate node {grant.node_id}'s whole log (the core sends a "
-                "snapshot for a fork at LSN 0)"
-            )
-        if self._spans is not None and kept:
-            self._spans.sent(grant.node_id, kept[0].lsn, last, batch_size_bytes(kept))
-        link.outbox.put_nowait(
-            replica_pb2.ReplicateRequest(
-                entries=replica_pb2.EntryBatch(
-                    entries=kept,
-                    commit_lsn=grant.commit_lsn,
-                    truncate_after_lsn=truncate or 0,
-                    epoch=self.core.epoch,
-                )
-            )
-        )
-        return actions
+    def _deposed(self, reason: str) -> None:
+        """The core was deposed: the node hears it, and the streams close."""
+        self._on_deposed(reason)
+        asyncio.get_running_loop().create_task(self._close())
 
     def _start_snapshot(self, node_id: str) -> None:
         """The core wants a snapshot sent to node_id: one task streams it."""
@@ -389,7 +302,7 @@ class MasterDriver:
             # LSN is one on_snapshot_started accepts, and the log after it is kept.
             if link.stream_id != stream_id or self.core.deposed:
                 return False
-            self.apply(self.core.on_snapshot_started(node_id, stream_id, chunk.snapshot_lsn))
+            self.steps.apply(self.core.on_snapshot_started(node_id, stream_id, chunk.snapshot_lsn))
             return True
 
         pump = pump_snapshot(
@@ -427,17 +340,7 @@ class MasterDriver:
                 _stages.mark("m.commit", f"lsn/{waiting.lsn}")
             stamp = stamps.get(waiting.lsn)
             if stamp is None:
-                holders = self.core.holders(waiting.lsn) if waiting.lsn else ()
-                stamp = common_pb2.BatchReceipt(
-                    master_id=self.node.id,
-                    holders=[
-                        common_pb2.ReplicaDurability(
-                            node_id=node_id, durability=_SYNC_POLICIES[policy]
-                        )
-                        for node_id, policy in holders
-                    ],
-                ).SerializeToString()
-                stamps[waiting.lsn] = stamp
+                stamp = stamps[waiting.lsn] = self.steps.receipt_stamp(waiting.lsn)
             receipt = waiting.plan.receipt
             if receipt is not None:
                 receipt.MergeFromString(stamp)
@@ -456,7 +359,7 @@ class MasterDriver:
         interval_s = self.config.timeouts.heartbeat_interval_ms / 1000
         next_sample_s = 0.0
         while not self.core.deposed:
-            self.apply(self.core.tick(self._clock.monotonic_ms()))
+            self.steps.apply(self.core.tick(self._clock.monotonic_ms()))
             now_s = self._clock.monotonic_ms() / 1000
             if now_s >= next_sample_s:
                 next_sample_s = now_s + _RATE_SAMPLE_S
@@ -466,46 +369,25 @@ class MasterDriver:
     # --- log retention and status
 
     def compaction_target(self, retention_entries: int) -> int:
-        """The LSN to compact the master's log below: at most retention_entries kept.
-
-        Bounded whatever the slaves do: a slave further behind gets a snapshot. The one
-        exception is a slave receiving a snapshot at S: the log from S+1 is kept until
-        it has the snapshot, so it continues with the log (no endless chase).
-        """
-        keep = self.core.last_lsn - retention_entries + 1
-        for progress in self.core.status():
-            if progress.state == SlaveState.SNAPSHOTTING and progress.snapshot_lsn:
-                keep = min(keep, progress.snapshot_lsn + 1)
-        return max(keep, self.log_start_lsn)
+        """The LSN to compact the master's log below (``MasterSteps.compaction_target``)."""
+        return self.steps.compaction_target(retention_entries)
 
     def set_log_start(self, log_start_lsn: int) -> None:
-        """The log is about to be compacted below log_start_lsn: grant nothing below it.
-
-        Called before the store compacts, so no batch is ever built from deleted entries.
-        """
-        self.apply(self.core.set_log_start(log_start_lsn))
-        self.log_start_lsn = log_start_lsn
-
-    def _durable(self, progress: SlaveProgress) -> int:
-        policy = self.core.config.replica_sync
-        if policy == SyncPolicy.SYNC:
-            return progress.synced_lsn
-        if policy == SyncPolicy.WRITE_NO_SYNC:
-            return progress.written_lsn
-        return progress.received_lsn
+        """The log is about to be compacted below log_start_lsn: grant nothing below it."""
+        self.steps.set_log_start(log_start_lsn)
 
     def _sample_progress(self, now_s: float) -> None:
         for progress in self.core.status():
             link = self._links.get(progress.node_id)
             if link is not None:
-                link.samples.append((now_s, self._durable(progress)))
+                link.samples.append((now_s, self.steps.durable(progress)))
 
     def slave_status(self) -> list[SlaveStatus]:
         """Every member slave's progress, lag, recent catch-up rate and ETA, by node id."""
         out: list[SlaveStatus] = []
         last_lsn = self.core.last_lsn
         for progress in self.core.status():
-            held = self._durable(progress)
+            held = self.steps.durable(progress)
             lag = max(0, last_lsn - held)
             rate = 0.0
             link = self._links.get(progress.node_id)
@@ -545,7 +427,7 @@ class MasterDriver:
     def _refused(self, link: _Link, exc: ReplicaCallError) -> None:
         for key, value in exc.metadata:
             if key == EPOCH_KEY and value.isdigit():
-                self.apply(self.core.observe_epoch(int(value)))
+                self.steps.apply(self.core.observe_epoch(int(value)))
         if self.core.deposed:
             return
         level = logging.DEBUG if exc.status in ("UNAVAILABLE", "CANCELLED") else logging.WARNING
@@ -599,7 +481,7 @@ class MasterDriver:
                 position.last_lsn,
             )
             writer = asyncio.create_task(self._pump(link, call))
-            self.apply(
+            self.steps.apply(
                 self.core.on_position(
                     link.node.id,
                     stream_id,
@@ -619,9 +501,9 @@ class MasterDriver:
                         self._spans.acked(
                             link.node.id,
                             ack.received_lsn,
-                            _durable_lsn(self.core.config.replica_sync, ack),
+                            durable_lsn(self.core.config.replica_sync, ack),
                         )
-                    self.apply(
+                    self.steps.apply(
                         self.core.on_ack(
                             link.node.id,
                             stream_id,
@@ -648,7 +530,7 @@ class MasterDriver:
             if link.stream_id == stream_id:
                 link.stream_id = 0
                 if not self.core.deposed:
-                    self.apply(self.core.disconnected(link.node.id, stream_id))
+                    self.steps.apply(self.core.disconnected(link.node.id, stream_id))
 
     async def _pump(
         self,
@@ -664,19 +546,3 @@ class MasterDriver:
                     _stages.mark("m.sent", f"lsn/{entry.lsn}")
             await call.write(message)
             outbox.task_done()  # a snapshot sender waits for its chunk to be taken
-
-
-_SYNC_POLICIES = {
-    SyncPolicy.SYNC: common_pb2.SYNC_POLICY_SYNC,
-    SyncPolicy.WRITE_NO_SYNC: common_pb2.SYNC_POLICY_WRITE_NO_SYNC,
-    SyncPolicy.NO_SYNC: common_pb2.SYNC_POLICY_NO_SYNC,
-}
-
-
-def _durable_lsn(policy: SyncPolicy, ack: replica_pb2.ReplicationAck) -> int:
-    """The LSN an ack says the slave holds under the replica sync policy."""
-    if policy == SyncPolicy.SYNC:
-        return ack.synced_lsn
-    if policy == SyncPolicy.WRITE_NO_SYNC:
-        return ack.written_lsn
-    return ack.received_lsn

@@ -69,13 +69,25 @@ from squall_server.replica.core import (
     ReplicaCore,
     Role,
     RoleOrder,
-    RoleRefusal,
     StoreFacts,
     TakeMaster,
     WriteFence,
 )
 from squall_server.replica.divergence import HistoryError, fork_lsn
-from squall_server.replica.driver import ReplicaDriver
+from squall_server.replica.driver import (
+    CancelTaking,
+    DropRole,
+    FetchTail,
+    FollowMaster,
+    InstallFetched,
+    JoinTaking,
+    RenewMembers,
+    ReplicaDriver,
+    StartTaking,
+    StoreFetched,
+    TruncateFetched,
+    master_config,
+)
 from squall_server.replica.faults import (
     REASON_CHARS_MAX,
     Fault,
@@ -92,8 +104,6 @@ from squall_server.replica.push import PushDelivery
 from squall_server.replica.rebuild import LmdbTruncator
 from squall_server.replica.reorg import SyncProgress, Taking, answer_wait_s, outcome, read_within
 from squall_server.replica.replication import (
-    AckPolicy,
-    MasterConfig,
     ReplicationError,
     ReplicationMaster,
     SyncPolicy,
@@ -103,7 +113,6 @@ from squall_server.replica.snapshot_pump import pump_snapshot
 from squall_server.replica.store import (
     Store,
     StoreError,
-    StoreMeta,
     TopicInfo,
 )
 from squall_server.replica.store.stall import StallMeter
@@ -224,6 +233,8 @@ class ReplicaNode:
                 inflight_bytes_max=config.limits.replication_inflight_bytes_max,
             ),
             on_committed=self._notify_committed,
+            on_role_changed=self._role_changed_now,
+            on_fault=self.report_fault,
         )
         self._commit_recording: asyncio.Task[None] | None = None  # the core's record_commit
         # The task taking a master role in the background (its reorganization sync).
@@ -394,15 +405,7 @@ class ReplicaNode:
         starts replication to the members, then writes the epoch start.
 
         progress: where the reorganization sync reports how far it got (``reorg``)."""
-        meta = self.store.meta()
-        if epoch < meta.epoch:
-            raise ServiceError(
-                Code.FAILED_PRECONDITION,
-                f"epoch {epoch} is older than this replica's epoch {meta.epoch}",
-            )
-        member_nodes = self._member_nodes(members)
-        self.store.set_epoch(epoch)
-        self._mark_dirty()  # before the fetch below changes the store
+        member_ids = self.driver.take_master_persist(epoch, members)
         self.transient.new_epoch(epoch)
         if sync_source_id and sync_source_id != self.node.id:
             await self._sync_from(
@@ -410,23 +413,24 @@ class ReplicaNode:
                 epoch,
                 progress or SyncProgress(epoch, sync_source_id, self.clock.monotonic_ms()),
             )
-        meta = self.store.meta()
-        if not meta.cluster_id:
-            # The first group's coordinator mints the cluster id (services/common/ids.py)
-            # and every MASTER command carries it; a master without one is never heard.
-            raise ServiceError(
-                Code.FAILED_PRECONDITION,
-                f"replica {self.node.id}: the master role of epoch {epoch} names no cluster "
-                "id and this store holds none (the coordinator mints it)",
-            )
-        self.core.log_reset(meta.last_lsn, self._log_start_lsn)
-        core = self._new_core(epoch, [n.id for n in member_nodes], meta)
+        core: ReplicationMaster[Waiting] = self.driver.master_core(
+            master_config(
+                self.config,
+                self.node.id,
+                len(member_ids),
+                truncate_by_snapshot=self.truncator is None,
+            ),
+            epoch,
+            member_ids,
+        )
+        # (This node's own config when the group names it without the configuration.)
+        member_nodes = [self._nodes.get(member, self.node) for member in member_ids]
         driver = MasterDriver(
             self.config,
             self.node,
             core,
             lambda: self.store,
-            cluster_id=meta.cluster_id,
+            cluster_id=self.store.meta().cluster_id,
             members=member_nodes,
             transport=self._new_transport(),
             clock=self.clock,
@@ -439,7 +443,7 @@ class ReplicaNode:
             observability=self.telemetry,
         )
         # The role may be taken long after its SetRole call (a reorganization sync).
-        self._role_effects(self.core.master_taken(epoch))  # refused if abandoned meanwhile
+        self.driver.master_taken(epoch)  # refused if abandoned meanwhile
         self._driver = driver
         driver.start()
         loop = asyncio.get_running_loop()
@@ -472,57 +476,6 @@ class ReplicaNode:
         elif not future.cancelled() and self.role == common_pb2.ROLE_MASTER and self.epoch == epoch:
             self.push.start(epoch)  # all before the epoch start is committed: deliver it
 
-    def _member_nodes(self, members: Sequence[str]) -> list[NodeConfig]:
-        """The configured nodes of a role command's members (this node alone if none)."""
-        by_id = {n.id: n for n in self.config.nodes}
-        out: list[NodeConfig] = []
-        for member in members or (self.node.id,):
-            if member not in by_id:
-                raise ServiceError(Code.INVALID_ARGUMENT, f"unknown member node id '{member}'")
-            out.append(by_id[member])
-        if self.node.id not in {n.id for n in out}:
-            out.append(self.node)
-        return out
-
-    def _new_core(
-        self, epoch: int, member_ids: list[str], meta: StoreMeta
-    ) -> ReplicationMaster[Waiting]:
-        """The replication core for one master epoch, from the configuration."""
-        durability = self.config.durability
-        limits = self.config.limits
-        nodes = tuple(n.id for n in self.config.nodes)
-        majority = len(nodes) // 2 + 1
-        # The coordinator only forms a group smaller than a majority under an operator's
-        # quorum override or a designated primary; the commit count follows its decision.
-        override = len(member_ids) if len(member_ids) < majority else 0
-        config = MasterConfig(
-            node_id=self.node.id,
-            nodes=nodes,
-            acks=AckPolicy(int(durability.acks)),
-            master_sync=SyncPolicy(int(durability.master_sync)),
-            replica_sync=SyncPolicy(int(durability.replica_sync)),
-            inflight_entries_max=limits.replication_inflight_entries_max,
-            inflight_bytes_max=limits.replication_inflight_bytes_max,
-            pending_writes_max=limits.replication_pending_writes_max,
-            heartbeat_interval_ms=self.config.timeouts.heartbeat_interval_ms,
-            quorum_override=override,
-            truncate_by_snapshot=self.truncator is None,
-        )
-        try:
-            return ReplicationMaster(
-                config,
-                epoch=epoch,
-                members=member_ids,
-                last_lsn=meta.last_lsn,
-                history=meta.history,
-                log_start_lsn=self._log_start_lsn,
-            )
-        except ReplicationError as exc:
-            raise ServiceError(
-                Code.FAILED_PRECONDITION,
-                f"replica {self.node.id} cannot be master of epoch {epoch}: {exc}",
-            ) from exc
-
     async def _sync_from(self, source_id: str, epoch: int, progress: SyncProgress) -> None:
         """Reorganization: fetches the log after this node's from the sync source.
 
@@ -534,17 +487,15 @@ class ReplicaNode:
             raise ServiceError(Code.INVALID_ARGUMENT, f"unknown sync source '{source_id}'")
         idle_timeout_s = self.config.timeouts.rpc_timeout_ms / 1000
         sync = self.config.durability.master_sync == common_pb2.SYNC_POLICY_SYNC
-        fetched = snapshots = 0
+        tail: FetchTail | None = None
         driver = self.driver
         links = self._new_transport()
         try:
             # Twice at most: once more after truncating a divergent suffix.
             for _ in range(2):
-                meta = self.store.meta()
+                tail = driver.fetch_begin(tail)
                 request = driver.fetch_request(epoch, self.config.limits.commit_batch_max_entries)
                 progress.phase = "fetching log"
-                # Where the log ends, as each fetched batch must continue it.
-                tail_lsn, tail_epoch = meta.last_lsn, meta.last_epoch
                 call = links.fetch_log(source_id, request)
                 try:
                     # One step per message: bounded by the source's log and snapshot.
@@ -554,45 +505,23 @@ class ReplicaNode:
                         )
                         if response is None:
                             break
-                        driver.adopt_cluster_id(response.cluster_id, source_id)
-                        if response.WhichOneof("body") == "snapshot":
-                            # The source answers with a snapshot when this log cannot be
-                            # truncated by replay, shares no entry with the source's, or
-                            # lacks entries the source compacted.
+                        step = driver.fetch_step(tail, response, epoch, source_id)
+                        if isinstance(step, InstallFetched):
                             progress.phase = "installing snapshot"
-                            progress.snapshot_lsn = response.snapshot.snapshot_lsn
+                            progress.snapshot_lsn = step.chunk.snapshot_lsn
                             snapshot_lsn = await self._fetched_snapshot_chunk(
-                                response.snapshot, epoch, source_id, after_entries=fetched > 0
+                                step.chunk, epoch, source_id, after_entries=tail.entries > 0
                             )
                             progress.snapshot_chunks += 1
-                            progress.snapshot_records += len(response.snapshot.records)
-                            if snapshot_lsn is not None:
-                                snapshots += 1
-                                tail_lsn = snapshot_lsn
-                                tail_epoch = response.snapshot.snapshot_epoch
-                            continue
-                        batch = response.entries
-                        if batch.truncate_after_lsn and batch.truncate_after_lsn < meta.last_lsn:
-                            driver.check_fetched_truncation(
-                                batch.truncate_after_lsn, epoch, source_id
-                            )
-                            raise _Diverged(batch.truncate_after_lsn)
-                        entries = list(batch.entries)
-                        if entries:
+                            progress.snapshot_records += len(step.chunk.records)
+                            driver.fetched_chunk_installed(tail, step.chunk, snapshot_lsn)
+                        elif isinstance(step, TruncateFetched):
+                            raise _Diverged(step.keep_lsn)
+                        elif isinstance(step, StoreFetched):
                             progress.phase = "fetching log"
-                            checked = driver.check_fetched_entries(
-                                entries,
-                                prev_lsn=tail_lsn,
-                                prev_epoch=tail_epoch,
-                                epoch=epoch,
-                                source_id=source_id,
-                            )
-                            await self._store_fetched(entries, batch.commit_lsn, sync=sync)
-                            tail_lsn, tail_epoch = checked.last_lsn, checked.last_epoch
-                            fetched += len(entries)
-                            progress.entries_fetched = fetched
-                        else:
-                            driver.fetched_commit(batch.commit_lsn)
+                            await self._store_fetched(step.entries, step.commit_lsn, sync=sync)
+                            driver.fetched_entries_stored(tail, step)
+                            progress.entries_fetched = tail.entries
                     break
                 except _Diverged as diverged:
                     progress.phase = "truncating"
@@ -627,8 +556,8 @@ class ReplicaNode:
             self.node.id,
             source_id,
             epoch,
-            "a snapshot and " if snapshots else "",
-            fetched,
+            "a snapshot and " if tail is not None and tail.snapshots else "",
+            0 if tail is None else tail.entries,
             meta.last_epoch,
             meta.last_lsn,
             self._log_start_lsn,
@@ -807,7 +736,7 @@ class ReplicaNode:
         if taking.task.done() and self._taking is taking:
             self._observe_taking()
             self._taking = None
-            self._role_effects(self.core.taking_answer(taking.epoch))
+            self.driver.taking_answer(taking.epoch)
 
     def reorganization_progress(self) -> replica_pb2.ReorganizationProgress | None:
         """How far the master role being taken got (None when none is being taken)."""
@@ -842,48 +771,25 @@ class ReplicaNode:
         return await self.apply_effects(effects)
 
     async def apply_effects(self, effects: Effects) -> Taking | None:
-        """Carries out what the core decided, in the order ``Effects`` documents; returns
-        the task taking (or already taking) a master role, if any."""
-        if effects.role_changed:
-            self._role_changed_now()
-        if effects.cancel_taking:
-            await self._cancel_taking(effects.cancel_taking)
-        if effects.refusal is not None:
-            raise effects.refusal.error()
-        if effects.drop_role:
-            await self._drop_role(effects.drop_role, was_active=effects.role_changed)
-        if effects.record_cluster_id:
-            # The group's coordinator chose it (at the first formation): recorded before
-            # the role, so this store can never be taken for another cluster's.
-            self.store.set_cluster_id(effects.record_cluster_id)
-            log.info(
-                "replica %s joined cluster %s (epoch=%d)",
-                self.node.id,
-                effects.record_cluster_id,
-                self.epoch,
-            )
+        """Carries out what the core decided (the driver's ``role_steps``, in the order
+        ``Effects`` documents), doing each step it leaves to this shell; returns the task
+        taking (or already taking) a master role, if any."""
         taking: Taking | None = None
-        if effects.take_master is not None:
-            taking = self._start_taking(effects.take_master)
-        elif effects.follow is not None:
-            await self._become_slave(effects.follow)
-        elif effects.join_taking:
-            taking = self._taking
-        if effects.members is not None:
-            self._renew_members(list(effects.members))
-        for fault in effects.faults:
-            self.report_fault(fault)
+        for step in self.driver.role_steps(effects):
+            match step:
+                case CancelTaking(why):
+                    await self._cancel_taking(why)
+                case DropRole(reason, was_active):
+                    await self._drop_role(reason, was_active=was_active)
+                case StartTaking(take):
+                    taking = self._start_taking(take)
+                case FollowMaster(follow):
+                    await self._become_slave(follow)
+                case JoinTaking():
+                    taking = self._taking
+                case RenewMembers(members):
+                    self._renew_members(list(members))
         return taking
-
-    def _role_effects(self, effects: Effects) -> None:
-        """Carries out an answer of the core that needs no waiting (a role taken, lost or
-        fail-stopped); raises its refusal."""
-        if effects.role_changed:
-            self._role_changed_now()
-        if effects.refusal is not None:
-            raise effects.refusal.error()
-        for fault in effects.faults:
-            self.report_fault(fault)
 
     def _role_changed_now(self) -> None:
         """Counts a role change and wakes whoever waits for one."""
@@ -942,11 +848,7 @@ class ReplicaNode:
         taking = self._taking
         if taking is None or not taking.task.done():
             return
-        error = outcome(taking.task)
-        refusal = None if error is None else RoleRefusal(error.code, error.message, error.metadata)
-        self._role_effects(
-            self.core.taking_finished(taking.epoch, refusal, self.clock.monotonic_ms())
-        )
+        self.driver.taking_finished(taking.epoch, outcome(taking.task), self.clock.monotonic_ms())
 
     async def _cancel_taking(self, why: str) -> None:
         """Stops taking a master role (a newer command, deactivation, shutdown) and waits
@@ -1024,11 +926,10 @@ class ReplicaNode:
         )
 
     async def _become_slave(self, follow: Follow) -> None:
-        """Follows the master in its epoch (the core's ``Follow``): the master's
-        replication stream is accepted from now."""
-        self.driver.follow_persist(follow)
+        """Follows the master in its epoch (the core's ``Follow``, its epoch persisted by
+        the driver): the master's replication stream is accepted from now."""
         async with self._commit_lock:  # no batch half-applied while the follower is made
-            self._role_effects(self.driver.follow(follow, self.clock.monotonic_ms()))
+            self.driver.follow(follow, self.clock.monotonic_ms())
         log.info(
             "replica %s follows %s: epoch=%d lsn=%d reason=%s",
             self.node.id,
@@ -1078,7 +979,7 @@ class ReplicaNode:
         self.push.stop()
         self._driver = None
         self._wakeup.set()
-        self._role_effects(self.core.deposed_by(reason))
+        self.driver.deposed(reason)
 
     def _notify_role_changed(self) -> None:
         changed, self._role_changed = self._role_changed, asyncio.Event()
@@ -1568,15 +1469,8 @@ class ReplicaNode:
         )
 
     def _fail_stop(self, reason: str) -> None:
-        """A store that cannot write must not acknowledge anything again."""
-        log.error(
-            "replica %s FAIL-STOP: %s (epoch=%d lsn=%d)",
-            self.node.id,
-            reason,
-            self.epoch,
-            self._last_lsn,
-        )
-        self._role_effects(self.core.fail_stop(reason))
+        """A store that cannot write must not acknowledge anything again (the driver's)."""
+        self.driver.fail_stop(reason)
 
     def report_fault(self, reason: str) -> None:
         """Records a fault that makes this node unfit to serve; the coordinator reads it in

@@ -129,3 +129,16 @@ def test_the_replica_driver_reaches_no_event_loop_network_disk_clock_or_randomne
         and (name, importer) != ("datetime", "squall_server.replica.seek")
     )
     assert not bad, f"the replica driver can no longer run simulated: {', '.join(bad)}"
+
+
+def test_the_master_steps_reach_no_event_loop_network_disk_clock_or_randomness() -> None:
+    """The master's synchronous replication steps (services/replica/master_steps.py) are
+    given their store and outputs, so a simulator can run them over the in-memory twin."""
+    reached = _reach("squall_server.replica.master_steps")
+    bad = sorted(
+        f"{name} (imported by {importer})"
+        for name, importer in reached.items()
+        if name.split(".")[0] in DRIVER_BANNED
+        and (name, importer) != ("datetime", "squall_server.replica.seek")
+    )
+    assert not bad, f"the master steps can no longer run simulated: {', '.join(bad)}"

@@ -3,7 +3,14 @@ no event loop, threads or gRPC (what a simulator runs).
 
 The driver follows a master, accepts its stream, stores a batch and acknowledges it,
 learns the commit LSN from a heartbeat, refuses a superseded stream with its epoch for
-a stale master, and maps a failing disk to UNAVAILABLE plus a fail-stop reason.
+a stale master, and maps a failing disk to UNAVAILABLE plus a fail-stop reason. Role
+changes run as the core's ``Effects`` order them: the steps left to a shell come out
+in that order, a refusal only after an abandoned taking stopped, a new store records
+its cluster id and epoch before it follows, and a fail-stop reports its fault; a
+master role checks its epoch and members before persisting anything and needs a
+cluster id. A reorganization fetch is stepped message by message: entries continue the
+log or are refused whole, a divergence is a truncation unless it reaches committed
+entries, an empty batch moves the commit LSN.
 """
 
 from __future__ import annotations
@@ -20,16 +27,30 @@ from squall_server.replica import commands
 from squall_server.replica.core import (
     EPOCH_KEY,
     CoreConfig,
+    Effects,
     Follow,
     LogPosition,
     ReplicaCore,
     Role,
     RoleOrder,
+    RoleRefusal,
     StoreFacts,
+    TakeMaster,
 )
-from squall_server.replica.driver import ReplicaDriver
+from squall_server.replica.driver import (
+    CancelTaking,
+    DropRole,
+    FollowMaster,
+    InstallFetched,
+    RenewMembers,
+    ReplicaDriver,
+    StartTaking,
+    StoreFetched,
+    TruncateFetched,
+    master_config,
+)
 from squall_server.replica.follower import FollowerConfig
-from squall_server.replica.replication import SyncPolicy
+from squall_server.replica.replication import ReplicationMaster, SyncPolicy
 from squall_server.replica.store import Store, StoreWriteError
 from squall_server.replica.visibility import CommitGate
 
@@ -195,3 +216,161 @@ def test_the_writer_plans_a_batch_refusing_a_bad_command_without_losing_the_othe
     driver.store_append(batch.entries, sync=True, commit_lsn=0)
     driver.batch_appended(2, 0)
     assert core.log.last_lsn == 2 and store.meta().last_lsn == 2
+
+
+def _fresh(node_id: str = "n2") -> tuple[ReplicaDriver, list[str]]:
+    """A driver over an empty memory store that logs its hooks' calls."""
+    calls: list[str] = []
+    driver = ReplicaDriver(
+        node_id,
+        ReplicaCore(
+            CoreConfig(node_id, {"n1": "127.0.0.1:1", "n2": "127.0.0.1:2"}),
+            stored_epoch=0,
+            log=LogPosition(0, 1),
+        ),
+        Store.open_memory(),
+        CommitGate(0),
+        follower_config=FollowerConfig(node_id=node_id),
+        on_committed=lambda: None,
+        on_role_changed=lambda: calls.append("role changed"),
+        on_fault=lambda reason: calls.append(f"fault: {reason}"),
+    )
+    return driver, calls
+
+
+def test_role_steps_come_in_the_effects_order_and_a_refusal_waits_for_the_cancel() -> None:
+    driver, calls = _fresh()
+    take = TakeMaster(epoch=4, members=("n1", "n2"), sync_source_id="", reason="r", attempt=1)
+    steps = driver.role_steps(
+        Effects(
+            role_changed=True,
+            cancel_taking="newer command",
+            drop_role="lost",
+            take_master=take,
+            members=("n2",),
+            faults=("bad disk",),
+        )
+    )
+    assert next(steps) == CancelTaking("newer command")
+    assert calls == ["role changed"]  # counted before anything waits
+    assert list(steps) == [
+        DropRole("lost", was_active=True),
+        StartTaking(take),
+        RenewMembers(("n2",)),
+    ]
+    assert calls == ["role changed", "fault: bad disk"]  # faults last
+
+    refused = driver.role_steps(
+        Effects(
+            cancel_taking="stale",
+            refusal=RoleRefusal(Code.FAILED_PRECONDITION, "epoch 2 is stale"),
+            drop_role="never reached",
+        )
+    )
+    assert next(refused) == CancelTaking("stale")  # the abandoned taking stops first
+    with pytest.raises(ServiceError) as error:
+        next(refused)
+    assert error.value.code == Code.FAILED_PRECONDITION and "stale" in error.value.message
+
+
+def test_a_new_store_records_cluster_and_epoch_before_it_follows_and_fail_stop_reports() -> None:
+    driver, calls = _fresh()
+    effects = driver.core.role_command(
+        RoleOrder(
+            role=Role.SLAVE, epoch=5, master_id="n1", seq=1, lease_ms=60_000, cluster_id="c-9"
+        ),
+        NOW_MS,
+        StoreFacts(0, ""),
+    )
+    steps = driver.role_steps(effects)
+    step = next(steps)
+    assert isinstance(step, FollowMaster) and step.follow.epoch == 5
+    meta = driver.store.meta()  # persisted before the shell makes the follower
+    assert meta.cluster_id == "c-9" and meta.epoch == 5
+    assert meta.state == common_pb2.STORE_STATE_DIRTY
+    driver.follow(step.follow, NOW_MS)
+    assert list(steps) == []
+    assert driver.core.role == Role.SLAVE and calls.count("role changed") >= 1
+
+    driver.fail_stop("store write failed: I/O error")
+    assert driver.core.role == Role.INACTIVE
+    assert calls[-1] == "fault: fail-stop: store write failed: I/O error"
+    with pytest.raises(ServiceError):  # a fail-stopped replica takes no role again
+        list(
+            driver.role_steps(
+                driver.core.role_command(
+                    RoleOrder(role=Role.SLAVE, epoch=6, master_id="n1", seq=2, lease_ms=60_000),
+                    NOW_MS,
+                    StoreFacts(5, "c-9"),
+                )
+            )
+        )
+
+
+def test_taking_the_master_role_checks_before_persisting_and_needs_a_cluster_id() -> None:
+    driver, _ = _fresh("n1")
+    with pytest.raises(ServiceError) as unknown:
+        driver.take_master_persist(2, ["n1", "n7"])
+    assert unknown.value.code == Code.INVALID_ARGUMENT and "'n7'" in unknown.value.message
+    assert driver.store.meta().epoch == 0  # refused before anything was persisted
+
+    assert driver.take_master_persist(2, ["n2"]) == ["n2", "n1"]  # this node always in
+    assert driver.store.meta().epoch == 2
+    assert driver.store.meta().state == common_pb2.STORE_STATE_DIRTY
+    with pytest.raises(ServiceError) as stale:
+        driver.take_master_persist(1, [])
+    assert stale.value.code == Code.FAILED_PRECONDITION and "older" in stale.value.message
+
+    config = master_config(load_config(CONFIG), "n1", 2, truncate_by_snapshot=True)
+    with pytest.raises(ServiceError) as no_cluster:
+        driver.master_core(config, 2, ["n1", "n2"])
+    assert no_cluster.value.code == Code.FAILED_PRECONDITION
+    assert "no cluster id" in no_cluster.value.message
+    driver.store.set_cluster_id("c-1")
+    core: ReplicationMaster[int] = driver.master_core(config, 2, ["n1", "n2"])
+    assert core.epoch == 2 and set(core.members) == {"n1", "n2"}
+
+
+def test_a_fetch_steps_through_the_sources_answer_and_refuses_a_gap() -> None:
+    driver, _ = _fresh("n1")
+    driver.store.append([_entry(1, 1), _entry(2, 1)], sync=True)
+    driver.core.log_reset(2, 1)
+    tail = driver.fetch_begin()
+    assert (tail.last_lsn, tail.last_epoch) == (2, 1)
+
+    def answer(**batch: object) -> replica_pb2.FetchLogResponse:
+        return replica_pb2.FetchLogResponse(
+            entries=replica_pb2.EntryBatch(**batch),  # type: ignore[arg-type]
+            cluster_id="c-3",
+        )
+
+    step = driver.fetch_step(tail, answer(entries=[_entry(3, 2), _entry(4, 2)]), 2, "n2")
+    assert isinstance(step, StoreFetched) and step.checked.last_lsn == 4
+    assert driver.store.meta().cluster_id == "c-3"  # an empty-cluster store joins the source's
+    driver.hide_uncommitted(step.entries, step.commit_lsn)
+    driver.store_append(step.entries, sync=True, commit_lsn=step.commit_lsn)
+    driver.fetched_stored(step.entries[-1].lsn, step.commit_lsn)
+    driver.fetched_entries_stored(tail, step)
+    assert (tail.last_lsn, tail.last_epoch, tail.entries) == (4, 2, 2)
+
+    with pytest.raises(ServiceError) as gap:  # LSN 6 does not continue LSN 4
+        driver.fetch_step(tail, answer(entries=[_entry(6, 2)]), 2, "n2")
+    assert gap.value.code == Code.FAILED_PRECONDITION
+    assert "nothing of that batch was stored" in gap.value.message
+
+    assert driver.fetch_step(tail, answer(commit_lsn=3), 2, "n2") is None
+    assert driver.gate.commit_lsn == 3  # an empty batch moves the commit LSN only
+
+    again = driver.fetch_begin(tail)  # a second pass keeps the counts
+    assert again.entries == 2 and again.store_last_lsn == 4
+    assert driver.fetch_step(again, answer(truncate_after_lsn=3), 2, "n2") == TruncateFetched(3)
+    with pytest.raises(ServiceError) as below:  # LSN 3 is known committed here
+        driver.fetch_step(again, answer(truncate_after_lsn=2), 2, "n2")
+    assert "would remove committed entries" in below.value.message
+    snapshot = driver.fetch_step(
+        again,
+        replica_pb2.FetchLogResponse(snapshot=replica_pb2.SnapshotChunk(snapshot_lsn=9)),
+        2,
+        "n2",
+    )
+    assert isinstance(snapshot, InstallFetched) and snapshot.chunk.snapshot_lsn == 9

@@ -157,10 +157,18 @@ class Store:
 
     @classmethod
     def open_memory(
-        cls, capacity_bytes: int | None = None, *, dedupe_window: int = DEDUPE_WINDOW_DEFAULT
+        cls,
+        capacity_bytes: int | None = None,
+        *,
+        dedupe_window: int = DEDUPE_WINDOW_DEFAULT,
+        keep_unsynced: bool = False,
     ) -> Store:
-        """Creates an empty in-memory store (capacity_bytes simulates a full map)."""
-        return cls(MemoryKV(DATABASES, capacity_bytes=capacity_bytes), dedupe_window=dedupe_window)
+        """Creates an empty in-memory store (capacity_bytes simulates a full map;
+        keep_unsynced lets ``MemoryKV.lose_unsynced`` simulate a machine crash)."""
+        return cls(
+            MemoryKV(DATABASES, capacity_bytes=capacity_bytes, keep_unsynced=keep_unsynced),
+            dedupe_window=dedupe_window,
+        )
 
     def close(self) -> None:
         """Closes the store; safe to call twice."""

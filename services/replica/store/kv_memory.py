@@ -12,6 +12,13 @@ transaction rolls back.
 under the lock and then reads the copy without it: writes go on meanwhile, even from the
 thread consuming the export, and the copy costs a reference per record, not the bytes.
 ``clear(db)`` swaps in an empty database and keeps the old one for a rollback.
+
+A process crash loses nothing committed (as with LMDB, whose commits reach the operating
+system at once). A machine crash loses what was committed since the last flush: with
+``keep_unsynced`` the twin keeps the undo log of every transaction committed since the
+last ``write(sync=True)`` or ``sync()``, and ``lose_unsynced()`` rolls them back, newest
+first, to the state LMDB comes back to after a power loss (its last synced meta page);
+the damage a filesystem that reorders writes may add is not modelled.
 """
 
 from __future__ import annotations
@@ -204,12 +211,23 @@ class _WriteTxn(_ReadTxn):
 class MemoryKV:
     """Named ordered databases in memory, with the KV protocol's transactions."""
 
-    def __init__(self, dbs: Iterable[str], *, capacity_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        dbs: Iterable[str],
+        *,
+        capacity_bytes: int | None = None,
+        keep_unsynced: bool = False,
+    ) -> None:
+        """``keep_unsynced``: remember the transactions committed since the last flush so
+        ``lose_unsynced`` can drop them (off by default: that log grows until a flush)."""
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         self.dbs = {name: _Db() for name in dbs}
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
+        self.keep_unsynced = keep_unsynced
+        # Transactions committed since the last flush, oldest first (keep_unsynced only).
+        self._unsynced: list[_WriteTxn] = []
         self._lock = threading.Lock()
         self.closed = False
 
@@ -242,8 +260,8 @@ class MemoryKV:
 
     @contextmanager
     def write(self, *, sync: bool) -> Iterator[_WriteTxn]:
-        """Opens the write transaction; commits on normal exit (sync has no meaning here)."""
-        del sync  # nothing to flush in memory
+        """Opens the write transaction; commits on normal exit, flushed when sync (every
+        earlier commit with it, as LMDB's ``env.sync``)."""
         with self._lock:
             self._check_open()
             txn = _WriteTxn(self)
@@ -254,10 +272,27 @@ class MemoryKV:
                 raise
             finally:
                 txn.live = False
+            if sync:
+                self._unsynced.clear()
+            elif self.keep_unsynced:
+                self._unsynced.append(txn)
 
     def sync(self) -> None:
-        """Nothing to flush in memory."""
+        """Flushes every committed transaction (nothing is lost by ``lose_unsynced``)."""
         self._check_open()
+        # Not under the lock: a flush may come while a transaction is open (as LMDB's);
+        # one committing meanwhile is flushed or not, either is true of a disk.
+        self._unsynced.clear()
+
+    def lose_unsynced(self) -> int:
+        """A machine crash: rolls back every transaction committed since the last flush
+        (``keep_unsynced`` only), newest first; returns how many were lost. Reopen the
+        store over this KV afterwards, as a restarted process would."""
+        with self._lock:
+            lost, self._unsynced = self._unsynced, []
+            for txn in reversed(lost):
+                txn.rollback()
+            return len(lost)
 
     def size_bytes(self) -> int:
         """Bytes of keys and values held (what capacity_bytes is measured against)."""

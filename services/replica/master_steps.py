@@ -1,0 +1,274 @@
+"""The master's replication steps, synchronous: one master epoch's ``ReplicationMaster``
+``Actions`` applied in the order ``replication.Actions`` documents, each granted batch
+built as the message to send, and the log-retention arithmetic; no asyncio, gRPC or
+threads inside.
+
+``MasterSteps`` keeps a tail cache of the entries recently appended (streaming to an
+up-to-date slave reads no store; a catching-up slave's batch is read from the store in
+small steps and cut to the grant by ``fit_batch``). What needs streams, tasks or futures
+it leaves to its shell through ``MasterOutputs``: queue a message on a slave's stream,
+start a snapshot, close a stream, settle completed and failed writes, the commit LSN
+moved, the core was deposed. Actions returned by ``on_sent`` are applied after the
+record that produced them, in order, so no recursion grows with the window.
+
+``MasterDriver`` (``master_driver.py``) is the asyncio shell (streams, reconnection,
+snapshot pumps, ticks, progress sampling); a simulator gives its own outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from squall.v1 import common_pb2, replica_pb2
+from squall_server.replica.replication import (
+    Actions,
+    RejectCode,
+    ReplicationError,
+    ReplicationMaster,
+    SendGrant,
+    SlaveProgress,
+    SlaveState,
+    SyncPolicy,
+    batch_size_bytes,
+    fit_batch,
+)
+from squall_server.replica.store import Store
+
+log = logging.getLogger("squall.replica")
+
+# What the core waits on per write (the shell's futures).
+W = TypeVar("W")
+
+# Recently appended entries kept in memory, so streaming to an up-to-date slave does not
+# read the store; older entries (catch-up) are read from the store. Bounded by count and
+# by bytes (twice a slave's in-flight byte window): entries can be large.
+TAIL_CACHE_ENTRIES_MAX = 4096
+# Entries per store read when a catching-up slave's batch is built.
+STORE_READ_ENTRIES = 64
+
+_SYNC_POLICIES = {
+    SyncPolicy.SYNC: common_pb2.SYNC_POLICY_SYNC,
+    SyncPolicy.WRITE_NO_SYNC: common_pb2.SYNC_POLICY_WRITE_NO_SYNC,
+    SyncPolicy.NO_SYNC: common_pb2.SYNC_POLICY_NO_SYNC,
+}
+
+
+@dataclass(frozen=True)
+class MasterOutputs(Generic[W]):
+    """What the steps leave to the shell, each called in its place in the order.
+
+    ``send``: queue a batch on node_id's stream; ``heartbeat``: queue a heartbeat on it
+    if a stream is open; ``snapshot``: start sending node_id a snapshot; ``close_stream``:
+    close node_id's stream stream_id (a protocol violation, the text says which);
+    ``completed``/``failed``: writes committed, or failed as indeterminate (the master was
+    deposed); ``committed``: the commit LSN (each record's, moved or not); ``room``: the
+    core may admit more writes; ``deposed``: the core was deposed (the text says why);
+    ``sent``: a batch of LSNs first..last, of so many bytes, went to node_id (tracing)."""
+
+    send: Callable[[str, replica_pb2.ReplicateRequest], None]
+    heartbeat: Callable[[str, replica_pb2.ReplicateRequest], None]
+    snapshot: Callable[[str], None]
+    close_stream: Callable[[str, int, str], None]
+    completed: Callable[[Sequence[W]], None]
+    failed: Callable[[Sequence[W]], None]
+    committed: Callable[[int], None]
+    room: Callable[[], None]
+    deposed: Callable[[str], None]
+    sent: Callable[[str, int, int, int], None] | None = None
+
+
+class MasterSteps(Generic[W]):
+    """Applies one master epoch's ``Actions`` and builds the batches it grants."""
+
+    def __init__(
+        self,
+        node_id: str,
+        core: ReplicationMaster[W],
+        store: Callable[[], Store],
+        outputs: MasterOutputs[W],
+        *,
+        tail_bytes_max: int,
+        log_start_lsn: int = 1,
+    ) -> None:
+        """``store``: the node's current store (a truncation replaces it);
+        ``tail_bytes_max``: the tail cache's byte bound."""
+        self.node_id = node_id
+        self.core = core
+        self._store = store
+        self._out = outputs
+        self.log_start_lsn = log_start_lsn
+        self._tail: deque[replica_pb2.LogEntry] = deque(maxlen=TAIL_CACHE_ENTRIES_MAX)
+        self._tail_bytes = 0
+        self._tail_bytes_max = tail_bytes_max
+
+    # --- inputs from the writer
+
+    def appended(self, entries: Sequence[replica_pb2.LogEntry], *, synced: bool) -> None:
+        """The store appended entries (flushed when synced)."""
+        if not entries:
+            return
+        tail = self._tail
+        for entry in entries:
+            if len(tail) == tail.maxlen:
+                self._tail_bytes -= len(tail[0].operation)
+            tail.append(entry)
+            self._tail_bytes += len(entry.operation)
+        # Bounded by the tail's length: each pass drops one entry.
+        while len(tail) > 1 and self._tail_bytes > self._tail_bytes_max:
+            self._tail_bytes -= len(tail.popleft().operation)
+        self.apply(self.core.on_appended(entries[-1].lsn, synced=synced))
+
+    # --- applying Actions, in the documented order
+
+    def apply(self, first: Actions[W]) -> None:
+        """Applies an Actions record (and those its sends produce), in order."""
+        out = self._out
+        queue: deque[Actions[W]] = deque([first])
+        while queue:
+            actions = queue.popleft()
+            rejection = actions.rejection
+            if rejection is not None and rejection.code not in (
+                RejectCode.STALE_STREAM,
+                RejectCode.DEPOSED,
+            ):
+                log.warning("replica %s: %s", self.node_id, rejection.message)
+                out.close_stream(rejection.node_id, rejection.stream_id, rejection.message)
+            for grant in actions.sends:
+                queue.append(self._send(grant))
+            for node_id in actions.snapshots:
+                out.snapshot(node_id)
+            for node_id in actions.heartbeats:
+                out.heartbeat(
+                    node_id,
+                    replica_pb2.ReplicateRequest(
+                        heartbeat=replica_pb2.ReplicationHeartbeat(
+                            commit_lsn=actions.commit_lsn, epoch=self.core.epoch
+                        )
+                    ),
+                )
+            if actions.completed:
+                out.completed(actions.completed)
+            if actions.failed:
+                out.failed(actions.failed)
+            out.committed(actions.commit_lsn)
+            if actions.completed or actions.failed or actions.deposed:
+                out.room()
+            if actions.deposed:
+                log.warning(
+                    "replica %s deposed as master: epoch=%d commit_lsn=%d: %s",
+                    self.node_id,
+                    self.core.epoch,
+                    actions.commit_lsn,
+                    actions.deposed,
+                )
+                out.deposed(actions.deposed)
+            for event in actions.events:
+                log.info("replica %s: %s", self.node_id, event)
+
+    def _read(self, from_lsn: int, count: int, bytes_max: int) -> list[replica_pb2.LogEntry]:
+        """Up to count entries from from_lsn, reading little beyond bytes_max."""
+        tail = self._tail
+        if tail and tail[0].lsn <= from_lsn:
+            start = from_lsn - tail[0].lsn
+            return [tail[i] for i in range(start, min(len(tail), start + count))]
+        # From the store in small steps, so large entries are not read only to be cut
+        # by fit_batch; one step per STORE_READ_ENTRIES entries, bounded by count.
+        store = self._store()
+        out: list[replica_pb2.LogEntry] = []
+        size = 0
+        while len(out) < count and size <= bytes_max:
+            step = store.read_log(from_lsn + len(out), min(STORE_READ_ENTRIES, count - len(out)))
+            if not step:
+                break
+            out.extend(step)
+            size += batch_size_bytes(step)
+        return out
+
+    def _send(self, grant: SendGrant) -> Actions[W]:
+        """Builds a granted batch, reports it sent to the core and queues it."""
+        kept: Sequence[replica_pb2.LogEntry] = []
+        if grant.entries_max:
+            kept = fit_batch(
+                self._read(grant.from_lsn, grant.entries_max, grant.bytes_max), grant.bytes_max
+            )
+        last = kept[-1].lsn if kept else grant.from_lsn - 1
+        actions = self.core.on_sent(grant.node_id, grant.stream_id, last, batch_size_bytes(kept))
+        truncate = grant.truncate_after_lsn
+        if truncate == 0:
+            # The wire cannot say "truncate everything" (0 means no truncation); the core
+            # sends a log that shares no entry with ours a snapshot instead.
+            raise ReplicationError(
+                f"a grant to truncate node {grant.node_id}'s whole log (the core sends a "
+                "snapshot for a fork at LSN 0)"
+            )
+        if self._out.sent is not None and kept:
+            self._out.sent(grant.node_id, kept[0].lsn, last, batch_size_bytes(kept))
+        self._out.send(
+            grant.node_id,
+            replica_pb2.ReplicateRequest(
+                entries=replica_pb2.EntryBatch(
+                    entries=kept,
+                    commit_lsn=grant.commit_lsn,
+                    truncate_after_lsn=truncate or 0,
+                    epoch=self.core.epoch,
+                )
+            ),
+        )
+        return actions
+
+    def receipt_stamp(self, lsn: int) -> bytes:
+        """What a committed write's receipt gains: this master and the replicas holding
+        the entry, each with its sync policy (serialized, to merge into each receipt)."""
+        holders = self.core.holders(lsn) if lsn else ()
+        return common_pb2.BatchReceipt(
+            master_id=self.node_id,
+            holders=[
+                common_pb2.ReplicaDurability(node_id=node_id, durability=_SYNC_POLICIES[policy])
+                for node_id, policy in holders
+            ],
+        ).SerializeToString()
+
+    # --- log retention and progress
+
+    def compaction_target(self, retention_entries: int) -> int:
+        """The LSN to compact the master's log below: at most retention_entries kept.
+
+        Bounded whatever the slaves do: a slave further behind gets a snapshot. The one
+        exception is a slave receiving a snapshot at S: the log from S+1 is kept until
+        it has the snapshot, so it continues with the log (no endless chase).
+        """
+        keep = self.core.last_lsn - retention_entries + 1
+        for progress in self.core.status():
+            if progress.state == SlaveState.SNAPSHOTTING and progress.snapshot_lsn:
+                keep = min(keep, progress.snapshot_lsn + 1)
+        return max(keep, self.log_start_lsn)
+
+    def set_log_start(self, log_start_lsn: int) -> None:
+        """The log is about to be compacted below log_start_lsn: grant nothing below it.
+
+        Called before the store compacts, so no batch is ever built from deleted entries.
+        """
+        self.apply(self.core.set_log_start(log_start_lsn))
+        self.log_start_lsn = log_start_lsn
+
+    def durable(self, progress: SlaveProgress) -> int:
+        """The LSN a slave holds under the replica sync policy."""
+        policy = self.core.config.replica_sync
+        if policy == SyncPolicy.SYNC:
+            return progress.synced_lsn
+        if policy == SyncPolicy.WRITE_NO_SYNC:
+            return progress.written_lsn
+        return progress.received_lsn
+
+
+def durable_lsn(policy: SyncPolicy, ack: replica_pb2.ReplicationAck) -> int:
+    """The LSN an ack says the slave holds under the replica sync policy."""
+    if policy == SyncPolicy.SYNC:
+        return ack.synced_lsn
+    if policy == SyncPolicy.WRITE_NO_SYNC:
+        return ack.written_lsn
+    return ack.received_lsn

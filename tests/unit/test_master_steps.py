@@ -1,0 +1,104 @@
+"""The master's synchronous replication steps alone (``master_steps.py``), over the
+in-memory store with no event loop, streams or futures (what a simulator runs).
+
+A slave behind the master is sent the log it lacks read from the store, a new write is
+sent from the tail cache, the slave's ack commits the write with a receipt naming both
+holders, and a deposed master fails what is still waiting; each output comes in the
+order ``replication.Actions`` documents.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+
+from squall.v1 import common_pb2, replica_pb2
+from squall_server.replica.master_steps import MasterOutputs, MasterSteps
+from squall_server.replica.replication import MasterConfig, ReplicationMaster, SyncPolicy
+from squall_server.replica.store import Store
+
+
+def _entry(lsn: int, epoch: int) -> replica_pb2.LogEntry:
+    operation = replica_pb2.Operation(
+        create_topic=replica_pb2.CreateTopicOp(name=f"t{lsn}")
+    ).SerializeToString()
+    return replica_pb2.LogEntry(
+        lsn=lsn, epoch=epoch, checksum=zlib.crc32(operation), operation=operation
+    )
+
+
+def _steps() -> tuple[MasterSteps[str], Store, list[tuple[str, object]]]:
+    """A master of epoch 2 over a store holding LSNs 1..3 of epoch 1, recording outputs."""
+    store = Store.open_memory()
+    store.append([_entry(lsn, 1) for lsn in (1, 2, 3)], sync=True)
+    core: ReplicationMaster[str] = ReplicationMaster(
+        MasterConfig(node_id="n1", nodes=("n1", "n2"), replica_sync=SyncPolicy.SYNC),
+        epoch=2,
+        members=("n1", "n2"),
+        last_lsn=3,
+        history=[(1, 1)],
+    )
+    seen: list[tuple[str, object]] = []
+
+    def record(kind: str):  # type: ignore[no-untyped-def]
+        return lambda *args: seen.append((kind, args[0] if len(args) == 1 else args))
+
+    outputs: MasterOutputs[str] = MasterOutputs(
+        send=record("send"),
+        heartbeat=record("heartbeat"),
+        snapshot=record("snapshot"),
+        close_stream=record("close"),
+        completed=lambda done: seen.append(("completed", list(done))),
+        failed=lambda failed: seen.append(("failed", list(failed))),
+        committed=record("committed"),
+        room=lambda: seen.append(("room", None)),
+        deposed=record("deposed"),
+    )
+    return MasterSteps("n1", core, lambda: store, outputs, tail_bytes_max=1 << 20), store, seen
+
+
+def _batches(seen: Sequence[tuple[str, object]]) -> list[list[int]]:
+    out = []
+    for kind, value in seen:
+        if kind == "send":
+            node_id, message = value  # type: ignore[misc]
+            assert node_id == "n2"
+            out.append([e.lsn for e in message.entries.entries])
+    return out
+
+
+def test_a_slave_gets_the_log_it_lacks_then_a_new_write_commits_with_both_holders() -> None:
+    steps, store, seen = _steps()
+    core = steps.core
+    stream = core.connect("n2")
+    steps.apply(core.on_position("n2", stream, last_epoch=0, last_lsn=0, history=[]))
+    assert _batches(seen) == [[1, 2, 3]]  # read from the store: the tail cache is empty
+
+    seen.clear()
+    store.append([_entry(4, 2)], sync=True)
+    steps.appended([_entry(4, 2)], synced=True)
+    steps.apply(core.register_writes([(4, "write-4")]))
+    assert _batches(seen) == [[4]]
+    assert not any(kind == "completed" for kind, _ in seen)  # n2 has not acked yet
+
+    seen.clear()
+    steps.apply(core.on_ack("n2", stream, received_lsn=4, written_lsn=4, synced_lsn=4))
+    kinds = [kind for kind, _ in seen]
+    assert ("completed", ["write-4"]) in seen and ("committed", 4) in seen
+    assert kinds.index("completed") < kinds.index("committed") < kinds.index("room")
+    receipt = common_pb2.BatchReceipt.FromString(steps.receipt_stamp(4))
+    assert receipt.master_id == "n1"
+    assert {h.node_id for h in receipt.holders} == {"n1", "n2"}
+
+
+def test_a_deposed_master_fails_its_waiting_writes_and_says_why() -> None:
+    steps, store, seen = _steps()
+    store.append([_entry(4, 2)], sync=True)
+    steps.appended([_entry(4, 2)], synced=True)
+    steps.apply(steps.core.register_writes([(4, "write-4")]))
+    seen.clear()
+    steps.apply(steps.core.depose("a newer epoch exists"))
+    kinds = [kind for kind, _ in seen]
+    assert ("failed", ["write-4"]) in seen
+    assert kinds.index("failed") < kinds.index("room") < kinds.index("deposed")
+    assert ("deposed", "a newer epoch exists") in seen
