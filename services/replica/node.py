@@ -401,8 +401,8 @@ class ReplicaNode:
                 f"epoch {epoch} is older than this replica's epoch {meta.epoch}",
             )
         member_nodes = self._member_nodes(members)
-        self.store.set_epoch(epoch)
-        self._mark_dirty()  # before the fetch below changes the store
+        # Before the fetch below changes the store.
+        await self._persist_role(functools.partial(self._persist_master_epoch, epoch))
         self.transient.new_epoch(epoch)
         if sync_source_id and sync_source_id != self.node.id:
             await self._sync_from(
@@ -709,8 +709,12 @@ class ReplicaNode:
             staging = await loop.run_in_executor(
                 self._io, lambda: truncator.stage(self.store, keep_lsn)
             )
-            self.store = truncator.install(self.store, staging)
+            self.store = truncator.swap(self.store, staging)
             self.store.stall_meter = self._stall
+            # The rename's flush (a journal commit, long on a busy disk) off the loop; the
+            # commit lock held until it is done, so nothing is appended after the
+            # truncation before it is durable.
+            await loop.run_in_executor(self._io, truncator.settle, staging)
         except (StoreError, OSError) as exc:
             self._fail_stop(f"truncating the log after LSN {keep_lsn} failed: {exc}")
             raise ServiceError(
@@ -855,7 +859,8 @@ class ReplicaNode:
         if effects.record_cluster_id:
             # The group's coordinator chose it (at the first formation): recorded before
             # the role, so this store can never be taken for another cluster's.
-            self.store.set_cluster_id(effects.record_cluster_id)
+            cluster_id = effects.record_cluster_id
+            await self._persist_role(lambda: self.store.set_cluster_id(cluster_id))
             log.info(
                 "replica %s joined cluster %s (epoch=%d)",
                 self.node.id,
@@ -989,6 +994,21 @@ class ReplicaNode:
         """A store in use is DIRTY: a restart must not take it for a clean or empty one."""
         self.driver.mark_dirty()
 
+    def _persist_master_epoch(self, epoch: int) -> None:
+        """Records the epoch of the master role being taken and marks the store in use
+        (store thread)."""
+        self.store.set_epoch(epoch)
+        self._mark_dirty()
+
+    async def _persist_role(self, persist: Callable[[], None]) -> None:
+        """Runs a role's flushed store writes (its epoch, the DIRTY mark) on the store
+        thread, serialized with every other write. A flush also writes out every unsynced
+        append before it (a slave's WRITE_NO_SYNC batches): on a busy disk that outlasts
+        the coordinator's replica_timeout_ms, and the event loop must keep answering its
+        role renewals and health probes meanwhile (issue 14)."""
+        async with self._commit_lock:
+            await asyncio.get_running_loop().run_in_executor(self._io, persist)
+
     async def drain_writes(self) -> None:
         """Waits until every write queued now has finished (committed or failed) and no
         batch is being written."""
@@ -1026,7 +1046,7 @@ class ReplicaNode:
     async def _become_slave(self, follow: Follow) -> None:
         """Follows the master in its epoch (the core's ``Follow``): the master's
         replication stream is accepted from now."""
-        self.driver.follow_persist(follow)
+        await self._persist_role(functools.partial(self.driver.follow_persist, follow))
         async with self._commit_lock:  # no batch half-applied while the follower is made
             self._role_effects(self.driver.follow(follow, self.clock.monotonic_ms()))
         log.info(
