@@ -12,11 +12,19 @@ stuck in the write) until the write gives up waiting and records that it blocked
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import re
 import threading
+import time
 from pathlib import Path
 
+import pytest
+
 from squall.v1 import common_pb2, replica_pb2
+from squall_server.common.clock import SystemClock
 from squall_server.common.config import ClusterConfig, parse_config
+from squall_server.replica.loop_watch import watch_loop
 from squall_server.replica.node import ReplicaNode
 from squall_server.replica.rebuild import LmdbTruncator
 from squall_server.replica.store import Store, make_entry
@@ -170,3 +178,29 @@ def test_a_replica_truncating_its_log_on_a_slow_disk_keeps_its_event_loop_runnin
             reopened.close()
 
     asyncio.run(scenario())
+
+
+def test_a_stalled_event_loop_is_logged_with_how_long_it_was_held(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """What an operator reads when a replica was too busy to answer: the stall's length
+    beside replica_timeout_ms (loop_watch)."""
+
+    async def scenario() -> None:
+        watch = asyncio.create_task(watch_loop(SystemClock(), "n7", 300))
+        await asyncio.sleep(0.1)  # the watch is asleep on the loop
+        time.sleep(0.4)  # a synchronous call holding the loop (what must not happen)
+        await asyncio.sleep(0.2)
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
+
+    with caplog.at_level(logging.WARNING, logger="squall.replica"):
+        asyncio.run(scenario())
+    held = [
+        int(m.group(1))
+        for r in caplog.records
+        if (m := re.search(r"replica n7: event loop held for (\d+) ms", r.getMessage()))
+    ]
+    assert held and max(held) >= 300, caplog.text
+    assert "[loop-stall-over-timeout]" in caplog.text
