@@ -403,15 +403,17 @@ class BatchBuilder:
                     new_events = kept
         if count == 0:
             return Planned(None, receipt=receipt)
-        op = replica_pb2.PublishOp(
-            topic=request.topic,
-            first_offset=offset,
-            publisher_id=publisher_id,
-            session_token=request.session_token,
-            timestamp_ms=self._now_ms,
-        )
+        # Filled in place: Operation(publish=op) would copy every event once more, and a
+        # batch of large events is planned on the event loop (issue 14: it must not stall).
+        operation = replica_pb2.Operation()
+        op = operation.publish
+        op.topic = request.topic
+        op.first_offset = offset
+        op.publisher_id = publisher_id
+        op.session_token = request.session_token
+        op.timestamp_ms = self._now_ms
         op.events.extend(events if new_events is None else new_events)
-        index = self._emit(replica_pb2.Operation(publish=op))
+        index = self._emit(operation)
         self._topics[request.topic] = _with_next_offset(topic, offset + count)
         if new_sequences:
             self._sequences.update(
@@ -806,6 +808,11 @@ def _check_name(validate: object, value: str) -> None:
         raise invalid(str(exc)) from None
 
 
+# From this many events on, check_publish_limits first tries the encoded size (one C call
+# instead of a Python loop over the events).
+_SIZE_BY_ENCODING_EVENTS_MIN = 64
+
+
 def check_publish_limits(request: broker_pb2.PublishRequest, limits: LimitsConfig) -> None:
     """Refuses a publish that breaks a size limit, naming the limit (nothing is stored)."""
     events = request.events
@@ -815,8 +822,13 @@ def check_publish_limits(request: broker_pb2.PublishRequest, limits: LimitsConfi
         raise invalid(
             f"batch of {len(events)} events exceeds max_batch_events ({limits.max_batch_events})"
         )
-    if request.ByteSize() <= min(limits.max_event_bytes, limits.max_batch_bytes):
-        return  # the whole encoded request is within both limits, so every event is too
+    # Many small events: the encoded request's size (computed in C) is within both limits,
+    # so every event is too. Few events are summed directly: upb computes ByteSize by
+    # encoding the request, which for large events is a copy of megabytes on the loop.
+    if len(events) > _SIZE_BY_ENCODING_EVENTS_MIN and request.ByteSize() <= min(
+        limits.max_event_bytes, limits.max_batch_bytes
+    ):
+        return
     total_bytes = 0
     for i, event in enumerate(events):
         size = len(event.payload) + len(event.key)

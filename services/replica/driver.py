@@ -27,6 +27,7 @@ fetch's loop, role application) is still the shell's (issue 15).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -134,6 +135,16 @@ class JoinTaking:
 
 
 @dataclass(frozen=True, slots=True)
+class PersistRole:
+    """Role step: run ``write`` (a role's flushed store writes: its epoch, the DIRTY
+    mark, the cluster id) off the event loop, serialized with every other write. A flush
+    also writes out every unsynced append before it, which on a busy disk outlasts
+    ``replica_timeout_ms``; the shell's loop must keep answering its coordinator."""
+
+    write: Callable[[], None]
+
+
+@dataclass(frozen=True, slots=True)
 class RenewMembers:
     """Role step: a master renewal naming another group: tell the replication core."""
 
@@ -141,7 +152,9 @@ class RenewMembers:
 
 
 # What a role change leaves to the shell, in the order ``core.Effects`` documents.
-RoleStep = CancelTaking | DropRole | StartTaking | FollowMaster | JoinTaking | RenewMembers
+RoleStep = (
+    CancelTaking | DropRole | PersistRole | StartTaking | FollowMaster | JoinTaking | RenewMembers
+)
 
 
 @dataclass
@@ -304,11 +317,11 @@ class ReplicaDriver:
         if effects.drop_role:
             yield DropRole(effects.drop_role, was_active=effects.role_changed)
         if effects.record_cluster_id:
-            self.record_cluster_id(effects.record_cluster_id)
+            yield PersistRole(functools.partial(self.record_cluster_id, effects.record_cluster_id))
         if effects.take_master is not None:
             yield StartTaking(effects.take_master)
         elif effects.follow is not None:
-            self.follow_persist(effects.follow)
+            yield PersistRole(functools.partial(self.follow_persist, effects.follow))
             yield FollowMaster(effects.follow)
         elif effects.join_taking:
             yield JoinTaking()

@@ -51,6 +51,7 @@ import logging
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
 from squall.wire import stages as _stages
@@ -81,6 +82,7 @@ from squall_server.replica.driver import (
     FollowMaster,
     InstallFetched,
     JoinTaking,
+    PersistRole,
     RenewMembers,
     ReplicaDriver,
     StartTaking,
@@ -120,6 +122,7 @@ from squall_server.replica.transient import TransientTopics
 from squall_server.replica.transport import GrpcReplicaTransport, ReplicaCallError, ReplicaTransport
 from squall_server.replica.visibility import CommitGate
 
+T = TypeVar("T")
 log = logging.getLogger("squall.replica")
 
 # Request metadata from a publisher proxy: the replica addresses it just failed to reach,
@@ -405,7 +408,10 @@ class ReplicaNode:
         starts replication to the members, then writes the epoch start.
 
         progress: where the reorganization sync reports how far it got (``reorg``)."""
-        member_ids = self.driver.take_master_persist(epoch, members)
+        # Before the fetch below changes the store.
+        member_ids = await self._persist_role(
+            functools.partial(self.driver.take_master_persist, epoch, members)
+        )
         self.transient.new_epoch(epoch)
         if sync_source_id and sync_source_id != self.node.id:
             await self._sync_from(
@@ -638,8 +644,12 @@ class ReplicaNode:
             staging = await loop.run_in_executor(
                 self._io, lambda: truncator.stage(self.store, keep_lsn)
             )
-            self.store = truncator.install(self.store, staging)
+            self.store = truncator.swap(self.store, staging)
             self.store.stall_meter = self._stall
+            # The rename's flush (a journal commit, long on a busy disk) off the loop; the
+            # commit lock held until it is done, so nothing is appended after the
+            # truncation before it is durable.
+            await loop.run_in_executor(self._io, truncator.settle, staging)
         except (StoreError, OSError) as exc:
             self._fail_stop(f"truncating the log after LSN {keep_lsn} failed: {exc}")
             raise ServiceError(
@@ -783,6 +793,8 @@ class ReplicaNode:
                     await self._drop_role(reason, was_active=was_active)
                 case StartTaking(take):
                     taking = self._start_taking(take)
+                case PersistRole(write):
+                    await self._persist_role(write)
                 case FollowMaster(follow):
                     await self._become_slave(follow)
                 case JoinTaking():
@@ -890,6 +902,15 @@ class ReplicaNode:
     def _mark_dirty(self) -> None:
         """A store in use is DIRTY: a restart must not take it for a clean or empty one."""
         self.driver.mark_dirty()
+
+    async def _persist_role(self, persist: Callable[[], T]) -> T:
+        """Runs a role's flushed store writes (its epoch, the DIRTY mark) on the store
+        thread, serialized with every other write. A flush also writes out every unsynced
+        append before it (a slave's WRITE_NO_SYNC batches): on a busy disk that outlasts
+        the coordinator's replica_timeout_ms, and the event loop must keep answering its
+        role renewals and health probes meanwhile (issue 14)."""
+        async with self._commit_lock:
+            return await asyncio.get_running_loop().run_in_executor(self._io, persist)
 
     async def drain_writes(self) -> None:
         """Waits until every write queued now has finished (committed or failed) and no

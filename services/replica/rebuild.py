@@ -83,15 +83,28 @@ class LmdbTruncator:
 
     def install(self, store: Store, staging: Path) -> Store:
         """Closes store, swaps the staged file in atomically, and opens the result."""
+        installed = self.swap(store, staging)
+        self.settle(staging)
+        return installed
+
+    def swap(self, store: Store, staging: Path) -> Store:
+        """The quick half of ``install``: closes store, renames the staged file over it and
+        opens the result. The rename is durable only once ``settle`` returned; nothing may
+        be acknowledged from the truncated store before (a replica runs ``settle`` on its
+        store thread, so its event loop does not wait for the disk)."""
         store.close()
         os.replace(staging / _DATA_FILE, self.data_dir / _DATA_FILE)
+        return Store.open_lmdb(self.data_dir, self.map_size_bytes, dedupe_window=self.dedupe_window)
+
+    def settle(self, staging: Path) -> None:
+        """The slow half of ``install``: flushes the directory (the rename) and removes
+        the staging directory."""
         dir_fd = os.open(self.data_dir, os.O_RDONLY)
         try:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
         shutil.rmtree(staging, ignore_errors=True)
-        return Store.open_lmdb(self.data_dir, self.map_size_bytes, dedupe_window=self.dedupe_window)
 
     def discard(self) -> None:
         """Removes a staging directory left by a crash."""

@@ -42,6 +42,7 @@ from squall_server.replica.driver import (
     DropRole,
     FollowMaster,
     InstallFetched,
+    PersistRole,
     RenewMembers,
     ReplicaDriver,
     StartTaking,
@@ -283,6 +284,11 @@ def test_a_new_store_records_cluster_and_epoch_before_it_follows_and_fail_stop_r
         StoreFacts(0, ""),
     )
     steps = driver.role_steps(effects)
+    # The flushed writes are steps of their own, which the shell runs off its event loop.
+    for _ in range(2):
+        persist = next(steps)
+        assert isinstance(persist, PersistRole)
+        persist.write()
     step = next(steps)
     assert isinstance(step, FollowMaster) and step.follow.epoch == 5
     meta = driver.store.meta()  # persisted before the shell makes the follower

@@ -1,0 +1,206 @@
+"""A busy replica keeps answering its coordinator (issue 14: one fate per node).
+
+The coordinator takes its node out of the group when its replica does not answer for
+``timeouts.replica_timeout_ms`` (300 ms), so the replica's event loop must never wait for
+the disk: a role's flushed store writes (the epoch of every rejoin, the DIRTY mark, the
+cluster id) and a truncation's rename flush run on the store thread. The store here is a
+slow disk: each flushed write waits until a task on the event loop has run. Run on the
+store thread, the loop runs that task at once; run on the loop, nothing can (the loop is
+stuck in the write) until the write gives up waiting and records that it blocked the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from squall.v1 import common_pb2, replica_pb2
+from squall_server.common.clock import SystemClock
+from squall_server.common.config import ClusterConfig, parse_config
+from squall_server.replica.loop_watch import watch_loop
+from squall_server.replica.node import ReplicaNode
+from squall_server.replica.rebuild import LmdbTruncator
+from squall_server.replica.store import Store, make_entry
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTER = "c0ffee"
+# How long a flushed write waits for the event loop to run before it records that it
+# blocked it: generous for a loaded machine (the loop runs its task within milliseconds
+# when it is free); spent only when the write does block the loop.
+DISK_WAIT_S = 5.0
+MAP_BYTES = 16 << 20
+
+
+class _Disk:
+    """The slow disk: a flush completes once a task on the event loop has run."""
+
+    def __init__(self) -> None:
+        self.flushed = threading.Event()
+        self.blocked: list[str] = []  # flushed writes during which the loop could not run
+
+    def flush(self, what: str) -> None:
+        self.flushed.clear()
+        if not self.flushed.wait(DISK_WAIT_S):
+            self.blocked.append(what)
+
+    async def run(self) -> None:
+        """The event loop's side: lets each waiting flush complete (until cancelled)."""
+        while True:
+            await asyncio.sleep(0.005)
+            self.flushed.set()
+
+
+class _SlowDiskStore(Store):
+    """An in-memory store whose flushed writes wait for the slow disk."""
+
+    disk: _Disk
+
+    def set_epoch(self, epoch: int) -> None:
+        self.disk.flush(f"set_epoch({epoch})")
+        super().set_epoch(epoch)
+
+    def set_state(self, state: common_pb2.StoreState.ValueType, shutdown_id: str = "") -> None:
+        self.disk.flush(f"set_state({state})")
+        super().set_state(state, shutdown_id)
+
+    def set_cluster_id(self, cluster_id: str) -> None:
+        self.disk.flush("set_cluster_id")
+        super().set_cluster_id(cluster_id)
+
+
+def _config() -> ClusterConfig:
+    return parse_config(
+        (ROOT / "deploy" / "cluster.example.toml").read_text(), ROOT / "deploy" / "x"
+    )
+
+
+def _role(
+    role: common_pb2.Role.ValueType, epoch: int, master: str, seq: int
+) -> replica_pb2.RoleCommand:
+    return replica_pb2.RoleCommand(
+        role=role,
+        epoch=epoch,
+        master=common_pb2.NodeEndpoint(node_id=master),
+        members=[common_pb2.NodeEndpoint(node_id="n2")] if master == "n2" else [],
+        sync_source_id="n2" if master == "n2" else "",
+        seq=seq,
+        lease_ms=60_000,
+        cluster_id=CLUSTER,
+    )
+
+
+def test_a_replica_taking_roles_on_a_slow_disk_keeps_its_event_loop_running() -> None:
+    """Following a master in a new epoch (a rejoin) and taking the master role each flush
+    the store; the event loop runs throughout (it would answer health probes)."""
+
+    async def scenario() -> None:
+        disk = _Disk()
+        store = _SlowDiskStore.open_memory()
+        assert isinstance(store, _SlowDiskStore)
+        store.disk = disk
+        config = _config()
+        node = ReplicaNode(config, config.node("n2"), store)
+        await node.start()
+        loop_side = asyncio.create_task(disk.run())
+        try:
+            await node.apply_role(_role(common_pb2.ROLE_SLAVE, 3, "n1", 1))
+            assert node.role == common_pb2.ROLE_SLAVE and node.epoch == 3
+            await node.apply_role(_role(common_pb2.ROLE_MASTER, 4, "n2", 2))
+            assert node.role == common_pb2.ROLE_MASTER and node.epoch == 4
+        finally:
+            loop_side.cancel()
+            await node.stop()
+        meta = store.meta()
+        assert (meta.epoch, meta.cluster_id, meta.state) == (
+            4,
+            CLUSTER,
+            common_pb2.STORE_STATE_DIRTY,
+        )
+        assert disk.blocked == [], f"flushed writes run on the event loop: {disk.blocked}"
+
+    asyncio.run(scenario())
+
+
+class _SlowDiskTruncator(LmdbTruncator):
+    """Truncates for real; its rename flush waits for the slow disk."""
+
+    disk: _Disk
+
+    def settle(self, staging: Path) -> None:
+        self.disk.flush("truncation rename flush")
+        super().settle(staging)
+
+
+def test_a_replica_truncating_its_log_on_a_slow_disk_keeps_its_event_loop_running(
+    tmp_path: Path,
+) -> None:
+    """A rejoining node truncates its deposed suffix (rebuilding its store from its log on
+    the store thread); the flush that makes the new store durable runs there too."""
+
+    async def scenario() -> None:
+        disk = _Disk()
+        store = Store.open_lmdb(tmp_path, MAP_BYTES)
+        start = replica_pb2.Operation(epoch_start=replica_pb2.EpochStartOp(epoch=1, master_id="n1"))
+        create = [
+            replica_pb2.Operation(create_topic=replica_pb2.CreateTopicOp(name=f"t{i}"))
+            for i in range(5)
+        ]
+        store.append(
+            [make_entry(1, 1, start)] + [make_entry(2 + i, 1, op) for i, op in enumerate(create)],
+            sync=True,
+        )
+        truncator = _SlowDiskTruncator(tmp_path, map_size_bytes=MAP_BYTES, dedupe_window=100)
+        truncator.disk = disk
+        config = _config()
+        node = ReplicaNode(config, config.node("n2"), store, truncator=truncator)
+        await node.start()
+        loop_side = asyncio.create_task(disk.run())
+        try:
+            await node._truncate_after(3, "a test's deposed suffix")
+            assert node.last_lsn == 3
+            assert [t.name for t in node.store.list_topics()] == ["t0", "t1"]
+        finally:
+            loop_side.cancel()
+            await node.stop()
+            node.store.close()
+        assert disk.blocked == [], f"flushed writes run on the event loop: {disk.blocked}"
+        reopened = Store.open_lmdb(tmp_path, MAP_BYTES)  # the truncation is durable
+        try:
+            assert reopened.meta().last_lsn == 3
+        finally:
+            reopened.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_stalled_event_loop_is_logged_with_how_long_it_was_held(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """What an operator reads when a replica was too busy to answer: the stall's length
+    beside replica_timeout_ms (loop_watch)."""
+
+    async def scenario() -> None:
+        watch = asyncio.create_task(watch_loop(SystemClock(), "n7", 300))
+        await asyncio.sleep(0.1)  # the watch is asleep on the loop
+        time.sleep(0.4)  # a synchronous call holding the loop (what must not happen)
+        await asyncio.sleep(0.2)
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
+
+    with caplog.at_level(logging.WARNING, logger="squall.replica"):
+        asyncio.run(scenario())
+    held = [
+        int(m.group(1))
+        for r in caplog.records
+        if (m := re.search(r"replica n7: event loop held for (\d+) ms", r.getMessage()))
+    ]
+    assert held and max(held) >= 300, caplog.text
+    assert "[loop-stall-over-timeout]" in caplog.text
