@@ -36,6 +36,11 @@ from squall_server.common.errors import Code, ServiceError, invalid
 
 # The error recorded for a delivery whose ack deadline passed.
 DEADLINE_ERROR = "ack deadline passed"
+# Who acknowledged an offset is remembered this many offsets below the floor, so that a late
+# ack from another consumer (its lease lapsed, or a failover) is refused, not counted twice.
+ACKED_BY_RETAIN = 10_000
+# The `acked_by` value of a dead-lettered offset.
+DEAD_LETTERED = ""
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,7 @@ class SharedSubscription:
         acked: Iterable[int] = (),
         failures: Mapping[int, int] | None = None,
         last_errors: Mapping[int, str] | None = None,
+        acked_by: Mapping[int, str] | None = None,
     ) -> None:
         config.check()
         self.config = config
@@ -119,6 +125,9 @@ class SharedSubscription:
         self._done: set[int] = {o for o in acked if o >= floor}
         self._failures: dict[int, int] = {o: n for o, n in (failures or {}).items() if o >= floor}
         self._errors: dict[int, str] = dict(last_errors or {})
+        # offset -> the consumer that acked it (DEAD_LETTERED: dead-lettered), kept
+        # ACKED_BY_RETAIN offsets below the floor.
+        self._acked_by: dict[int, str] = dict(acked_by or {})
         self._leases: dict[int, _Lease] = {}
         self._due: list[tuple[int, int]] = []  # (ready_ms, offset), a heap
         self._due_at: dict[int, int] = {}  # offset -> ready_ms of its current due entry
@@ -202,6 +211,7 @@ class SharedSubscription:
             if self._is_done(offset):
                 continue  # a retried ack: already done
             self._finish(offset)
+            self._acked_by[offset] = consumer_id
             changes.acked.append(offset)
         self._advance_floor()
         return changes
@@ -253,6 +263,7 @@ class SharedSubscription:
         """A seek: the floor moves to `cursor`; every lease and count is dropped."""
         self._floor = self._next_new = cursor
         self._done.clear()
+        self._acked_by.clear()
         self._failures.clear()
         self._errors.clear()
         self._leases.clear()
@@ -266,6 +277,20 @@ class SharedSubscription:
 
     def _check_held(self, consumer_id: str, offset: int, epoch: int, what: str) -> None:
         if self._is_done(offset):
+            by = self._acked_by.get(offset)
+            if by == DEAD_LETTERED:
+                raise ServiceError(
+                    Code.FAILED_PRECONDITION,
+                    f"cannot {what} offset {offset}: it was dead-lettered after "
+                    f"{self.config.max_deliveries} failed deliveries",
+                )
+            if by is not None and by != consumer_id:
+                raise ServiceError(
+                    Code.FAILED_PRECONDITION,
+                    f"cannot {what} offset {offset}: consumer '{consumer_id}' does not hold "
+                    f"it, consumer '{by}' acknowledged it (it was delivered again after the "
+                    "ack deadline passed or a failover)",
+                )
             return
         handed_out = offset < self._next_new or offset in self._failures
         if offset >= self._end or (epoch == self._epoch and not handed_out):
@@ -299,6 +324,7 @@ class SharedSubscription:
             changes.dead_letters.append(DeadLetter(offset, count, error))
             self._dead_lettered += 1
             self._finish(offset)
+            self._acked_by[offset] = DEAD_LETTERED
         else:
             self._make_due(offset, ready_ms)
 
@@ -308,10 +334,14 @@ class SharedSubscription:
 
     def _advance_floor(self) -> None:
         # Bounded by the offsets marked done: each step removes one.
+        start = self._floor
         while self._floor in self._done:
             self._done.discard(self._floor)
             self._floor += 1
         self._next_new = max(self._next_new, self._floor)
+        # Bounded by the floor's move: forget ackers far below it.
+        for offset in range(max(0, start - ACKED_BY_RETAIN), self._floor - ACKED_BY_RETAIN):
+            self._acked_by.pop(offset, None)
 
     def _due_then_new(self, now_ms: int) -> Iterable[int]:
         while self._due and self._due[0][0] <= now_ms:
