@@ -17,7 +17,9 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from squall._errors import DeadlineExceeded, Indeterminate, Unavailable
+import grpc
+
+from squall._errors import DeadlineExceeded, Indeterminate, SquallError, Unavailable
 from squall._types import Message, messages_from_events
 from squall.v1 import broker_pb2
 
@@ -29,6 +31,15 @@ SHARED_RETRY_WAIT_S = 0.25
 PULL_WAIT_MS_DEFAULT = 1_000
 # The errors of a call that may be retried: the master moved or the answer was lost.
 RETRIED = (Unavailable, Indeterminate, DeadlineExceeded)
+
+
+def retried(error: SquallError, *, unknown: bool) -> bool:
+    """Whether a pull or ack may be sent again after `error`. An UNKNOWN answer (the
+    gateway's "an earlier attempt may have been applied") is retried for calls that are
+    safe to repeat: an ack repeated by the consumer that made it answers ok."""
+    if isinstance(error, RETRIED):
+        return True
+    return unknown and error.code == grpc.StatusCode.UNKNOWN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,12 +179,13 @@ class SharedConsumer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _retrying(self, method: Any, request: Any) -> Any:
+    def _retrying(self, method: Any, request: Any, *, unknown: bool = True) -> Any:
         for attempt in range(SHARED_RETRIES_MAX):
             try:
                 return self._call(method, request)
-            except RETRIED:
-                if attempt == SHARED_RETRIES_MAX - 1 or self._closed.is_set():
+            except SquallError as exc:
+                last = attempt == SHARED_RETRIES_MAX - 1 or self._closed.is_set()
+                if last or not retried(exc, unknown=unknown):
                     raise
                 time.sleep(SHARED_RETRY_WAIT_S)
         raise AssertionError("unreachable")
@@ -193,7 +205,8 @@ class SharedConsumer:
         request = settle_request(
             self.topic, self.name, self.consumer_id, message, ack, delay_ms, error
         )
-        self._retrying(self._stub.AckMessages if ack else self._stub.Nack, request)
+        # A nack is not repeated after an UNKNOWN answer: it would count a failure twice.
+        self._retrying(self._stub.AckMessages if ack else self._stub.Nack, request, unknown=ack)
 
     def __iter__(self) -> Iterator[SharedMessage]:
         while not self._closed.is_set():

@@ -11,6 +11,7 @@ settings are refused with a status naming the problem and create nothing.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 
 import pytest
@@ -66,13 +67,15 @@ def test_consumers_share_work_across_a_master_kill_and_poison_is_dead_lettered(
             try:
                 while not stop.is_set():
                     for message in consumer.pull(max_messages=4, wait_ms=500):
-                        try:
-                            if message.payload == b"poison":
+                        if message.payload == b"poison":
+                            # A nack that fails lets the lease lapse: delivered again.
+                            with contextlib.suppress(squall.SquallError):
                                 message.nack(error="poison")
-                                continue
+                            continue
+                        try:
                             message.ack()
                         except squall.FailedPrecondition:
-                            continue  # leased to another consumer meanwhile: not ours
+                            continue  # leased to or acked by another consumer meanwhile
                         with lock:
                             acked.append((consumer.consumer_id, message.offset))
             except BaseException as exc:  # reported by the test
@@ -112,7 +115,9 @@ def test_consumers_share_work_across_a_master_kill_and_poison_is_dead_lettered(
         for m in dead:
             assert m.payload == b"poison"
             assert m.headers["squall-dead-letter-deliveries"] == "2"
-            assert m.headers["squall-dead-letter-last-error"] == "poison"
+            # A nack lost in the failover lets the lease lapse instead.
+            last_error = m.headers["squall-dead-letter-last-error"]
+            assert last_error == "poison" or last_error.startswith("ack deadline passed")
             assert m.headers["squall-dead-letter-subscription"] == "workers"
         wait_for(
             lambda: topic.subscription_info("workers").cursor == EVENTS, 20, "the floor at the end"
