@@ -119,7 +119,12 @@ def shared_messages(
 
 
 def settle_request(
-    topic: str, name: str, consumer_id: str, message: SharedMessage, ack: bool, delay_ms: int,
+    topic: str,
+    name: str,
+    consumer_id: str,
+    message: SharedMessage,
+    ack: bool,
+    delay_ms: int,
     error: str,
 ) -> broker_pb2.AckMessagesRequest | broker_pb2.NackRequest:
     """The AckMessagesRequest or NackRequest settling one message."""
@@ -190,7 +195,9 @@ class SharedConsumer:
                 time.sleep(SHARED_RETRY_WAIT_S)
         raise AssertionError("unreachable")
 
-    def pull(self, max_messages: int | None = None, wait_ms: int | None = None) -> list[SharedMessage]:
+    def pull(
+        self, max_messages: int | None = None, wait_ms: int | None = None
+    ) -> list[SharedMessage]:
         """One pull: up to max_messages leased events (empty when none came in wait_ms)."""
         request = broker_pb2.PullRequest(
             topic=self.topic,

@@ -690,8 +690,10 @@ class BatchBuilder:
                 shared.settings.dead_letter_topic,
             ) == (command.ack_deadline_ms, command.max_deliveries, command.dead_letter_topic)
             if not same:
-                what = "a shared subscription with other settings" if shared else (
-                    "a plain durable subscription"
+                what = (
+                    "a shared subscription with other settings"
+                    if shared
+                    else ("a plain durable subscription")
                 )
                 raise ServiceError(
                     Code.ALREADY_EXISTS,
@@ -703,8 +705,9 @@ class BatchBuilder:
             command.subscription, "subscription name", "max_subscription_name_bytes", self._limits
         )
         self._check_subscription_room(command.topic)
-        cursor = self._start_cursor(topic, command.start or broker_pb2.START_POSITION_EARLIEST,
-                                    command.offset)
+        cursor = self._start_cursor(
+            topic, command.start or broker_pb2.START_POSITION_EARLIEST, command.offset
+        )
         index = self._emit(
             replica_pb2.Operation(
                 shared_create=replica_pb2.SharedCreateOp(

@@ -25,8 +25,8 @@ from squall.wire import stages as _stages
 from squall_server.common.errors import Code, ServiceError, invalid
 from squall_server.common.grpc_server import Context
 from squall_server.replica import commands, handoff, seek, shutdown
-from squall_server.replica.shared_master import SharedMaster
 from squall_server.replica.node import UNREACHABLE_KEY, ReplicaNode
+from squall_server.replica.shared_master import SharedMaster
 from squall_server.replica.store import CorruptRecordError, TopicInfo, UnknownTopicError
 from squall_server.replica.telemetry import DeliveryWatch, PublishWatch
 

@@ -33,6 +33,10 @@ from squall_server.replica.store.records import (
     META_LOG_TAIL,
     META_NEXT_TOPIC_ID,
     SEQ_END,
+    SHARED_ACKED,
+    SHARED_DEAD,
+    SHARED_PENDING,
+    SHARED_RETAIN,
     U16,
     U64,
     U64X2,
@@ -48,10 +52,6 @@ from squall_server.replica.store.records import (
     read_topic,
     read_u64,
     seal,
-    SHARED_ACKED,
-    SHARED_DEAD,
-    SHARED_PENDING,
-    SHARED_RETAIN,
     shared_offset_state,
     shared_offset_value,
     shared_prefix,
@@ -509,7 +509,9 @@ class Batch:
             raise self.refuse(f"offset {offset} beyond topic {row.name!r}'s end")
         key = prefix + U64.pack(offset)
         value = self.txn.get(DB_SHARED, key)
-        failures, was, _ = (0, SHARED_PENDING, "") if value is None else shared_offset_state(key, value)
+        failures, was, _ = (
+            (0, SHARED_PENDING, "") if value is None else shared_offset_state(key, value)
+        )
         if was != SHARED_PENDING:
             return
         if state != SHARED_ACKED:
