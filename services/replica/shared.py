@@ -371,7 +371,10 @@ class SharedSubscription:
     def _lease(self, offset: int, consumer_id: str, now_ms: int) -> Delivery:
         deadline = now_ms + self.config.ack_deadline_ms
         self._leases[offset] = _Lease(consumer_id, deadline)
-        self._next_new = max(self._next_new, offset + 1)
+        if offset not in self._failures:
+            # A redelivery (of a failure replicated from an earlier master) may lie above
+            # offsets never handed out: those must not be skipped.
+            self._next_new = max(self._next_new, offset + 1)
         attempt = self._failures.get(offset, 0) + 1
         return Delivery(offset, consumer_id, attempt, deadline, self._epoch)
 
