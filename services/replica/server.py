@@ -392,6 +392,12 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
             return offset, 0
         if transient:
             raise invalid(f"topic '{topic.name}' is transient: it has no durable subscriptions")
+        if self.node.store.get_shared(topic.name, request.subscription) is not None:
+            raise ServiceError(
+                Code.FAILED_PRECONDITION,
+                f"subscription '{request.subscription}' on topic '{topic.name}' is shared: "
+                "read it with Pull",
+            )
         state = self.node.store.get_cursor_state(topic.name, request.subscription)
         if state is not None:
             return state
@@ -642,9 +648,7 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
                 request.max_deliveries,
                 request.dead_letter_topic,
             )
-        return broker_pb2.CreateSharedSubscriptionResponse(
-            created=plan.created, cursor=plan.cursor
-        )
+        return broker_pb2.CreateSharedSubscriptionResponse(created=plan.created, cursor=plan.cursor)
 
     async def Pull(
         self, request: broker_pb2.PullRequest, context: Context

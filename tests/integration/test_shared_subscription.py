@@ -10,6 +10,7 @@ settings are refused with a status naming the problem and create nothing.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import threading
@@ -17,6 +18,7 @@ import threading
 import pytest
 
 import squall
+import squall.aio
 from squall.v1 import broker_pb2
 from tests.integration.conftest import LocalCluster, run_squall, wait_for
 from tests.integration.test_gateway import trio  # noqa: F401  (the fixture)
@@ -127,3 +129,51 @@ def test_consumers_share_work_across_a_master_kill_and_poison_is_dead_lettered(
         described = run_squall("subscription", "info", "work", "workers", "--gateway", gateway)
         assert described.returncode == 0, described.stderr
         assert "dead_lettered\t3" in described.stdout, described.stdout
+
+
+def test_the_cli_and_the_asyncio_client_consume_a_shared_subscription(
+    single: LocalCluster,
+) -> None:
+    gateway = single.gateway_address
+    with squall.connect(gateway, timeout_s=10.0) as client:
+        client.create_topic("jobs")
+        client.create_topic("jobs-dlq")
+        with client.topic("jobs").publisher("app") as publisher:
+            publisher.publish_many([(None, b"job %d" % i) for i in range(6)])
+    printed = run_squall(
+        "subscribe", "jobs", "--shared", "w", "--count", "2", "--max-deliveries", "1",
+        "--dead-letter-topic", "jobs-dlq", "--gateway", gateway,
+    )  # fmt: skip
+    assert printed.returncode == 0, printed.stderr
+    assert [line.split("\t")[0] for line in printed.stdout.splitlines()] == ["0", "1"]
+
+    async def main() -> None:
+        async with squall.aio.connect(gateway, timeout_s=10.0) as client:
+            topic = await client.topic("jobs")
+            # A plain read or ack of a shared subscription is refused, naming Pull.
+            with pytest.raises(squall.FailedPrecondition, match="is shared"):
+                async with topic.subscribe("w", follow=False) as plain:
+                    async for _ in plain:
+                        pass
+            async with topic.shared("w", consumer_id="a") as consumer:
+                messages = await consumer.pull(max_messages=10, wait_ms=2_000)
+                assert [m.offset for m in messages] == [2, 3, 4, 5]
+                info = await topic.subscription_info("w")
+                assert info.shared and info.outstanding == 4 and info.cursor == 2
+                other = topic.shared("w", consumer_id="b")
+                with pytest.raises(squall.FailedPrecondition, match="consumer 'a' does"):
+                    await other._settle(messages[0], True, 0, "")
+                await messages[1].nack(error="bad job")  # max_deliveries 1: dead-lettered
+                for message in (messages[0], messages[2], messages[3]):
+                    await message.ack()
+                assert await consumer.pull(max_messages=10, wait_ms=200) == []
+
+    asyncio.run(main())
+    described = run_squall("subscription", "info", "jobs", "w", "--gateway", gateway)
+    assert described.returncode == 0, described.stderr
+    assert "cursor\t6" in described.stdout and "dead_lettered\t1" in described.stdout
+    with squall.connect(gateway, timeout_s=10.0) as client:
+        (letter,) = list(client.topic("jobs-dlq").subscribe(None, follow=False))
+        assert letter.payload == b"job 3"
+        assert letter.headers["squall-dead-letter-last-error"] == "bad job"
+        assert letter.headers["squall-dead-letter-deliveries"] == "1"
