@@ -683,11 +683,11 @@ class BatchBuilder:
         key = (command.topic, command.subscription)
         current = self._cursor(command.topic, command.subscription)
         if current is not None:
-            shared = None if key in self._shared_added else self._store.get_shared(*key)
+            shared = None if key in self._shared_added else self._store.get_shared_settings(*key)
             same = shared is not None and (
-                shared.settings.ack_deadline_ms,
-                shared.settings.max_deliveries,
-                shared.settings.dead_letter_topic,
+                shared.ack_deadline_ms,
+                shared.max_deliveries,
+                shared.dead_letter_topic,
             ) == (command.ack_deadline_ms, command.max_deliveries, command.dead_letter_topic)
             if not same:
                 what = (
@@ -731,7 +731,7 @@ class BatchBuilder:
         key = (command.topic, command.subscription)
         self._existing_topic(command.topic)
         if self._cursor(*key) is None or (
-            key not in self._shared_added and self._store.get_shared(*key) is None
+            key not in self._shared_added and self._store.get_shared_settings(*key) is None
         ):
             raise not_found(
                 f"shared subscription '{command.subscription}' on topic '{command.topic}' "

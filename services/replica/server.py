@@ -392,7 +392,7 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
             return offset, 0
         if transient:
             raise invalid(f"topic '{topic.name}' is transient: it has no durable subscriptions")
-        if self.node.store.get_shared(topic.name, request.subscription) is not None:
+        if self.node.store.get_shared_settings(topic.name, request.subscription) is not None:
             raise ServiceError(
                 Code.FAILED_PRECONDITION,
                 f"subscription '{request.subscription}' on topic '{topic.name}' is shared: "
@@ -523,7 +523,7 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
         try:
             if not request.subscription:
                 raise invalid("ack needs a durable subscription name")
-            if self.node.store.get_shared(request.topic, request.subscription) is not None:
+            if self.node.store.get_shared_settings(request.topic, request.subscription) is not None:
                 raise ServiceError(
                     Code.FAILED_PRECONDITION,
                     f"subscription '{request.subscription}' on topic '{request.topic}' is "
@@ -607,13 +607,13 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
         )
 
     def _shared_counts(self, topic: str, name: str) -> dict[str, Any]:
-        state = self.node.store.get_shared(topic, name)
-        if state is None:
+        settings = self.node.store.get_shared_settings(topic, name)
+        if settings is None:
             return {}
         return {
             "shared": True,
             "outstanding": self.shared.outstanding(topic, name),
-            "dead_lettered": state.settings.dead_lettered,
+            "dead_lettered": settings.dead_lettered,
         }
 
     async def CreateSharedSubscription(

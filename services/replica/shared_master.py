@@ -66,11 +66,18 @@ class SharedMaster:
     def held(self, topic: str, subscription: str) -> _Held:
         """The master's core of the subscription, built or rebuilt from the store."""
         self.node.check_writable()
-        state = self._state(topic, subscription)
-        ident = (state.topic_id, state.generation, self.node.epoch)
         key = (topic, subscription)
         held = self._held.get(key)
-        if held is None or held.ident != ident:
+        # The cheap check first (a topic and a cursor read); the full state only to build.
+        info = self.node.store.get_topic(topic)
+        cursor = self.node.store.get_cursor_state(topic, subscription)
+        if info is None or cursor is None or held is None:
+            now = None
+        else:
+            now = (info.topic_id, cursor[1], self.node.epoch)
+        if held is None or held.ident != now:
+            state = self._state(topic, subscription)
+            ident = (state.topic_id, state.generation, self.node.epoch)
             settings = state.settings
             core = Core(
                 SharedConfig(

@@ -614,6 +614,24 @@ class Store:
                     raise CorruptRecordError(DB_CURSORS, key, "name is not UTF-8") from None
             return out
 
+    def get_shared_settings(
+        self, topic: str, subscription: str
+    ) -> replica_pb2.SharedCreateOp | None:
+        """A shared subscription's settings (one read, no scan), or None."""
+        with self._reading() as txn:
+            row = None if install_pending(txn) else read_topic(txn, topic)
+            raw = subscription.encode()
+            if row is None or not raw or len(raw) > 400:
+                return None
+            prefix = shared_prefix(row.topic_id, subscription)
+            value = txn.get(DB_SHARED, prefix)
+            if value is None:
+                return None
+            try:
+                return replica_pb2.SharedCreateOp.FromString(unseal(DB_SHARED, prefix, value))
+            except DecodeError:
+                raise CorruptRecordError(DB_SHARED, prefix, "settings do not parse") from None
+
     def get_shared(self, topic: str, subscription: str) -> SharedState | None:
         """A shared subscription's settings, cursor and per-offset state, or None."""
         with self._reading() as txn:
