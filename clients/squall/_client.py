@@ -522,12 +522,18 @@ class Topic:
         ack_deadline_ms: int = 30_000,
         max_deliveries: int = 5,
         dead_letter_topic: str = "",
+        exclusive: bool = False,
+        exclusive_takeover_ms: int = 0,
     ) -> bool:
         """Creates a shared subscription (competing consumers); False if it existed with
         the same settings. AlreadyExists: a plain subscription of that name, or other
         settings; NotFound: no dead-letter topic of that name; InvalidArgument: bad settings
-        or the dead-letter topic is this topic."""
-        settings = SharedSettings(ack_deadline_ms, max_deliveries, dead_letter_topic)
+        or the dead-letter topic is this topic. `exclusive`: one consumer at a time gets
+        the events, in offset order; another takes over once the holder has not pulled for
+        `exclusive_takeover_ms` (0: the ack deadline) and holds nothing."""
+        settings = SharedSettings(
+            ack_deadline_ms, max_deliveries, dead_letter_topic, exclusive, exclusive_takeover_ms
+        )
         request = create_request(self.name, name, settings)
         call = self._client._subscriber_stub.CreateSharedSubscription
         return bool(self._client._call(call, request).created)

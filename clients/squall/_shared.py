@@ -49,6 +49,8 @@ class SharedSettings:
     ack_deadline_ms: int = 30_000
     max_deliveries: int = 5
     dead_letter_topic: str = ""
+    exclusive: bool = False  # one consumer at a time, in offset order
+    exclusive_takeover_ms: int = 0  # a silent holder's grace (0: ack_deadline_ms)
 
 
 def create_request(
@@ -66,6 +68,8 @@ def create_request(
         max_deliveries=settings.max_deliveries,
         dead_letter_topic=settings.dead_letter_topic,
         start=broker_pb2.START_POSITION_EARLIEST,
+        exclusive=settings.exclusive,
+        exclusive_takeover_ms=settings.exclusive_takeover_ms,
     )
 
 

@@ -11,6 +11,7 @@
                      [--count N]
     squall subscribe TOPIC --shared S [--consumer ID] [--follow] [--count N]
                      [--ack-deadline-ms MS] [--max-deliveries N] [--dead-letter-topic T]
+                     [--exclusive]
                                                 one of S's competing consumers (created
                                                 with those settings if it does not exist)
     squall subscription seek TOPIC S (--time ISO8601 | --offset N | --earliest | --latest)
@@ -216,6 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="--shared, on creation: dead-letter an event after N failed deliveries (default 5)",
     )  # fmt: skip
     subscribe.add_argument(
+        "--exclusive",
+        action="store_true",
+        help="--shared, on creation: one consumer at a time, in offset order",
+    )
+    subscribe.add_argument(
         "--dead-letter-topic", default="", metavar="TOPIC",
         help="--shared, on creation: where dead-lettered events are published",
     )  # fmt: skip
@@ -411,6 +417,7 @@ def _cmd_subscribe_shared(client: squall.Client, args: argparse.Namespace, out: 
             ack_deadline_ms=args.ack_deadline_ms,
             max_deliveries=args.max_deliveries,
             dead_letter_topic=args.dead_letter_topic,
+            exclusive=args.exclusive,
         )
     elif not known[args.shared].shared:
         raise squall.AlreadyExists(

@@ -148,6 +148,8 @@ class CreateShared:
     dead_letter_topic: str
     start: broker_pb2.StartPosition.ValueType = broker_pb2.START_POSITION_EARLIEST
     offset: int = 0
+    exclusive: bool = False
+    exclusive_takeover_ms: int = 0  # 0: ack_deadline_ms
 
 
 @dataclass(frozen=True)
@@ -680,6 +682,9 @@ class BatchBuilder:
                 )
             if self.topic(command.dead_letter_topic) is None:
                 raise not_found(f"dead-letter topic '{command.dead_letter_topic}' does not exist")
+        takeover_ms = (command.exclusive_takeover_ms or command.ack_deadline_ms) * (
+            1 if command.exclusive else 0
+        )
         key = (command.topic, command.subscription)
         current = self._cursor(command.topic, command.subscription)
         if current is not None:
@@ -688,7 +693,15 @@ class BatchBuilder:
                 shared.ack_deadline_ms,
                 shared.max_deliveries,
                 shared.dead_letter_topic,
-            ) == (command.ack_deadline_ms, command.max_deliveries, command.dead_letter_topic)
+                shared.exclusive,
+                shared.exclusive_takeover_ms,
+            ) == (
+                command.ack_deadline_ms,
+                command.max_deliveries,
+                command.dead_letter_topic,
+                command.exclusive,
+                takeover_ms,
+            )
             if not same:
                 what = (
                     "a shared subscription with other settings"
@@ -717,6 +730,8 @@ class BatchBuilder:
                     ack_deadline_ms=command.ack_deadline_ms,
                     max_deliveries=command.max_deliveries,
                     dead_letter_topic=command.dead_letter_topic,
+                    exclusive=command.exclusive,
+                    exclusive_takeover_ms=takeover_ms,
                 )
             )
         )

@@ -631,6 +631,8 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
                     dead_letter_topic=request.dead_letter_topic,
                     start=request.start,
                     offset=request.offset,
+                    exclusive=request.exclusive,
+                    exclusive_takeover_ms=request.exclusive_takeover_ms,
                 )
             )
         except ServiceError as exc:

@@ -84,6 +84,8 @@ class SharedMaster:
                     ack_deadline_ms=settings.ack_deadline_ms,
                     max_deliveries=settings.max_deliveries,
                     outstanding_max=OUTSTANDING_MAX,
+                    exclusive=settings.exclusive,
+                    exclusive_takeover_ms=settings.exclusive_takeover_ms,
                 ),
                 epoch=self.node.epoch,
                 floor=state.cursor,

@@ -168,6 +168,28 @@ def test_the_cli_and_the_asyncio_client_consume_a_shared_subscription(
                     await message.ack()
                 assert await consumer.pull(max_messages=10, wait_ms=200) == []
 
+            # Exclusive mode: one consumer at a time, in order; a silent one is taken over.
+            assert await topic.create_shared_subscription(
+                "ordered", ack_deadline_ms=5_000, exclusive=True, exclusive_takeover_ms=500
+            )
+            first, second = (
+                topic.shared("ordered", consumer_id="a"),
+                topic.shared("ordered", consumer_id="b"),
+            )
+            held = await first.pull(max_messages=3, wait_ms=2_000)
+            assert [m.offset for m in held] == [0, 1, 2]
+            assert await second.pull(wait_ms=0) == []
+            for message in held:
+                await message.ack()
+            # "a" stops pulling: after the takeover time "b" gets the rest, from the floor.
+            taken: list[int] = []
+            for _ in range(40):  # bounded: 40 pulls of up to 250 ms
+                taken = [m.offset for m in await second.pull(max_messages=10, wait_ms=250)]
+                if taken:
+                    break
+            assert taken == [3, 4, 5]
+            assert await first.pull(wait_ms=0) == []
+
     asyncio.run(main())
     described = run_squall("subscription", "info", "jobs", "w", "--gateway", gateway)
     assert described.returncode == 0, described.stderr

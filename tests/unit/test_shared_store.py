@@ -165,3 +165,16 @@ def test_a_seek_forgets_the_state_and_a_destroy_deletes_it(store: Store) -> None
     _commit(store, DestroyTopic("t"))
     assert store.get_shared("t", "w") is None
     assert store.counts()["shared"] == 0
+
+
+def test_exclusive_settings_are_stored_and_compared(store: Store) -> None:
+    exclusive = CreateShared("t", "x", 2_000, 3, "", exclusive=True)
+    created = _commit(store, exclusive)[0]
+    assert isinstance(created, Planned) and created.created
+    settings = store.get_shared_settings("t", "x")
+    assert settings is not None and settings.exclusive
+    assert settings.exclusive_takeover_ms == 2_000  # 0: the ack deadline
+    again = _commit(store, exclusive)[0]
+    assert isinstance(again, Planned) and not again.created
+    shared_mode = CreateShared("t", "x", 2_000, 3, "")
+    _refused(_commit(store, shared_mode)[0], Code.ALREADY_EXISTS, "other settings")

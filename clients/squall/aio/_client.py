@@ -450,9 +450,13 @@ class Topic:
         ack_deadline_ms: int = 30_000,
         max_deliveries: int = 5,
         dead_letter_topic: str = "",
+        exclusive: bool = False,
+        exclusive_takeover_ms: int = 0,
     ) -> bool:
         """Creates a shared subscription (as `squall.Topic.create_shared_subscription`)."""
-        settings = SharedSettings(ack_deadline_ms, max_deliveries, dead_letter_topic)
+        settings = SharedSettings(
+            ack_deadline_ms, max_deliveries, dead_letter_topic, exclusive, exclusive_takeover_ms
+        )
         request = create_request(self.name, name, settings)
         call = self._client._subscriber_stub.CreateSharedSubscription
         return bool((await self._client._call(call, request)).created)

@@ -744,6 +744,8 @@ class CreateSharedSubscriptionRequest(_message.Message):
     DEAD_LETTER_TOPIC_FIELD_NUMBER: _builtins.int
     START_FIELD_NUMBER: _builtins.int
     OFFSET_FIELD_NUMBER: _builtins.int
+    EXCLUSIVE_FIELD_NUMBER: _builtins.int
+    EXCLUSIVE_TAKEOVER_MS_FIELD_NUMBER: _builtins.int
     topic: _builtins.str
     """The topic (replicated)."""
     subscription: _builtins.str
@@ -760,6 +762,12 @@ class CreateSharedSubscriptionRequest(_message.Message):
     """Where a new subscription starts: EARLIEST (also UNSPECIFIED), LATEST or OFFSET."""
     offset: _builtins.int
     """The first offset when start is START_POSITION_OFFSET."""
+    exclusive: _builtins.bool
+    """Exclusive mode: one consumer at a time gets the events, in offset order; another takes
+    over once the holder has not pulled for exclusive_takeover_ms and holds nothing.
+    """
+    exclusive_takeover_ms: _builtins.int
+    """Exclusive mode: how long a silent holder keeps the subscription (0: ack_deadline_ms)."""
     def __init__(
         self,
         *,
@@ -770,10 +778,12 @@ class CreateSharedSubscriptionRequest(_message.Message):
         dead_letter_topic: _builtins.str = ...,
         start: Global___StartPosition.ValueType = ...,
         offset: _builtins.int = ...,
+        exclusive: _builtins.bool = ...,
+        exclusive_takeover_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack_deadline_ms", b"ack_deadline_ms", "dead_letter_topic", b"dead_letter_topic", "max_deliveries", b"max_deliveries", "offset", b"offset", "start", b"start", "subscription", b"subscription", "topic", b"topic"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack_deadline_ms", b"ack_deadline_ms", "dead_letter_topic", b"dead_letter_topic", "exclusive", b"exclusive", "exclusive_takeover_ms", b"exclusive_takeover_ms", "max_deliveries", b"max_deliveries", "offset", b"offset", "start", b"start", "subscription", b"subscription", "topic", b"topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

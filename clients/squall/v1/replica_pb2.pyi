@@ -325,6 +325,8 @@ class SharedCreateOp(_message.Message):
     MAX_DELIVERIES_FIELD_NUMBER: _builtins.int
     DEAD_LETTER_TOPIC_FIELD_NUMBER: _builtins.int
     DEAD_LETTERED_FIELD_NUMBER: _builtins.int
+    EXCLUSIVE_FIELD_NUMBER: _builtins.int
+    EXCLUSIVE_TAKEOVER_MS_FIELD_NUMBER: _builtins.int
     topic: _builtins.str
     """The topic."""
     subscription: _builtins.str
@@ -339,6 +341,10 @@ class SharedCreateOp(_message.Message):
     """CreateSharedSubscriptionRequest.dead_letter_topic."""
     dead_lettered: _builtins.int
     """Offsets dead-lettered so far (kept by the replicas that apply SharedFailOp)."""
+    exclusive: _builtins.bool
+    """CreateSharedSubscriptionRequest.exclusive."""
+    exclusive_takeover_ms: _builtins.int
+    """CreateSharedSubscriptionRequest.exclusive_takeover_ms (0 resolved to ack_deadline_ms)."""
     def __init__(
         self,
         *,
@@ -349,10 +355,12 @@ class SharedCreateOp(_message.Message):
         max_deliveries: _builtins.int = ...,
         dead_letter_topic: _builtins.str = ...,
         dead_lettered: _builtins.int = ...,
+        exclusive: _builtins.bool = ...,
+        exclusive_takeover_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack_deadline_ms", b"ack_deadline_ms", "cursor", b"cursor", "dead_letter_topic", b"dead_letter_topic", "dead_lettered", b"dead_lettered", "max_deliveries", b"max_deliveries", "subscription", b"subscription", "topic", b"topic"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack_deadline_ms", b"ack_deadline_ms", "cursor", b"cursor", "dead_letter_topic", b"dead_letter_topic", "dead_lettered", b"dead_lettered", "exclusive", b"exclusive", "exclusive_takeover_ms", b"exclusive_takeover_ms", "max_deliveries", b"max_deliveries", "subscription", b"subscription", "topic", b"topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
