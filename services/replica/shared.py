@@ -1,9 +1,9 @@
 """The delivery rules of one shared subscription (competing consumers): a pure core.
 
-Not wired yet: no RPC, log entry or driver uses it (docs/consumers.md, "Shared
-subscriptions", says where it stands). It holds what the master decides for a shared
-subscription, with time and consumers as plain inputs, so that the rules are tested
-deterministically before they are served:
+The master's driver (services/replica/shared_master.py) serves it; docs/consumers.md,
+"Shared subscriptions", describes the whole. It holds what the master decides for a
+shared subscription, with time and consumers as plain inputs, so that the rules are tested
+deterministically:
 
 * `pull` hands a consumer offsets, each with a lease until `now + ack_deadline_ms`: first
   those due for redelivery (nacked after their delay, or whose lease lapsed), in the order
