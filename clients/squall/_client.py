@@ -545,6 +545,8 @@ class Topic:
         consumer_id: str | None = None,
         max_messages: int = 10,
         wait_ms: int = 1_000,
+        max_outstanding: int = 100,
+        max_outstanding_bytes: int = 0,
     ) -> SharedConsumer:
         """A consumer of the shared subscription `name`: iterate it for `SharedMessage`s
         and ack or nack each one (docs/consumers.md)."""
@@ -556,6 +558,8 @@ class Topic:
             consumer_id=consumer_id,
             max_messages=max_messages,
             wait_ms=wait_ms,
+            max_outstanding=max_outstanding,
+            max_outstanding_bytes=max_outstanding_bytes,
         )
 
     def subscribe_push(

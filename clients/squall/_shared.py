@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -29,6 +29,8 @@ SHARED_RETRIES_MAX = 40
 SHARED_RETRY_WAIT_S = 0.25
 # How long one pull waits on the server for an event.
 PULL_WAIT_MS_DEFAULT = 1_000
+# Events a consumer holds at once unless it says otherwise (its flow control).
+MAX_OUTSTANDING_DEFAULT = 100
 # The errors of a call that may be retried: the master moved or the answer was lost.
 RETRIED = (Unavailable, Indeterminate, DeadlineExceeded)
 
@@ -71,6 +73,39 @@ def create_request(
         exclusive=settings.exclusive,
         exclusive_takeover_ms=settings.exclusive_takeover_ms,
     )
+
+
+class Outstanding:
+    """What a consumer holds (unsettled, lease not passed): its byte budget for a pull."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._held: dict[int, tuple[int, int]] = {}  # offset -> (bytes, lease deadline ms)
+        self._lock = threading.Lock()
+
+    def room(self) -> int:
+        """Bytes a pull may bring: 0 means no limit, -1 that the budget is spent."""
+        if not self.max_bytes:
+            return 0
+        now_ms = int(time.time() * 1000)
+        with self._lock:
+            # A lapsed lease is the master's again: it no longer counts here.
+            for offset in [o for o, (_, d) in self._held.items() if d <= now_ms]:
+                del self._held[offset]
+            used = sum(size for size, _ in self._held.values())
+        return self.max_bytes - used if used < self.max_bytes else -1
+
+    def add(self, messages: list[SharedMessage]) -> None:
+        """Counts pulled messages."""
+        with self._lock:
+            for m in messages:
+                size = len(m.message.key) + len(m.payload)
+                self._held[m.offset] = (size, m.deadline_ms)
+
+    def settled(self, offset: int) -> None:
+        """Stops counting a message (acked, nacked, or refused as not ours)."""
+        with self._lock:
+            self._held.pop(offset, None)
 
 
 def new_consumer_id() -> str:
@@ -153,6 +188,37 @@ def settle_request(
     )
 
 
+def check_limits(max_messages: int, max_outstanding: int, max_outstanding_bytes: int) -> None:
+    """ValueError naming a bad flow-control setting."""
+    if max_messages < 1:
+        raise ValueError(f"max_messages must be >= 1, not {max_messages}")
+    if max_outstanding < 1:
+        raise ValueError(f"max_outstanding must be >= 1, not {max_outstanding}")
+    if max_outstanding_bytes < 0:
+        raise ValueError(f"max_outstanding_bytes must be >= 0, not {max_outstanding_bytes}")
+
+
+class _Named(Protocol):
+    topic: str
+    name: str
+    consumer_id: str
+
+
+def pull_request(
+    consumer: _Named, max_messages: int, wait_ms: int, max_outstanding: int, max_bytes: int
+) -> broker_pb2.PullRequest:
+    """The PullRequest of one pull."""
+    return broker_pb2.PullRequest(
+        topic=consumer.topic,
+        subscription=consumer.name,
+        consumer_id=consumer.consumer_id,
+        max_messages=max_messages,
+        wait_ms=wait_ms,
+        max_outstanding=max_outstanding,
+        max_bytes=max_bytes,
+    )
+
+
 class SharedConsumer:
     """Iterates the leased events of one shared subscription (sync library)."""
 
@@ -166,9 +232,12 @@ class SharedConsumer:
         consumer_id: str | None = None,
         max_messages: int = 10,
         wait_ms: int = PULL_WAIT_MS_DEFAULT,
+        max_outstanding: int = MAX_OUTSTANDING_DEFAULT,
+        max_outstanding_bytes: int = 0,
     ) -> None:
-        if max_messages < 1:
-            raise ValueError(f"max_messages must be >= 1, not {max_messages}")
+        check_limits(max_messages, max_outstanding, max_outstanding_bytes)
+        self._max_outstanding = max_outstanding
+        self._outstanding = Outstanding(max_outstanding_bytes)
         self._stub = subscriber_stub
         self._call = call
         self.topic = topic
@@ -202,22 +271,30 @@ class SharedConsumer:
     def pull(
         self, max_messages: int | None = None, wait_ms: int | None = None
     ) -> list[SharedMessage]:
-        """One pull: up to max_messages leased events (empty when none came in wait_ms)."""
-        request = broker_pb2.PullRequest(
-            topic=self.topic,
-            subscription=self.name,
-            consumer_id=self.consumer_id,
-            max_messages=max_messages or self._max,
-            wait_ms=self._wait_ms if wait_ms is None else wait_ms,
+        """One pull: up to max_messages leased events (empty when none came in wait_ms),
+        within max_outstanding events and max_outstanding_bytes held at once."""
+        room = self._outstanding.room()
+        wait = self._wait_ms if wait_ms is None else wait_ms
+        if room < 0:  # the byte budget is spent: settle something first
+            time.sleep(min(wait, PULL_WAIT_MS_DEFAULT) / 1000)
+            return []
+        request = pull_request(
+            self, max_messages or self._max, wait, self._max_outstanding, max(room, 0)
         )
-        return shared_messages(self._retrying(self._stub.Pull, request), self._settle)
+        messages = shared_messages(self._retrying(self._stub.Pull, request), self._settle)
+        self._outstanding.add(messages)
+        return messages
 
     def _settle(self, message: SharedMessage, ack: bool, delay_ms: int, error: str) -> None:
         request = settle_request(
             self.topic, self.name, self.consumer_id, message, ack, delay_ms, error
         )
-        # A nack is not repeated after an UNKNOWN answer: it would count a failure twice.
-        self._retrying(self._stub.AckMessages if ack else self._stub.Nack, request, unknown=ack)
+        try:
+            # A nack is not repeated after an UNKNOWN answer: it would count a failure twice.
+            method = self._stub.AckMessages if ack else self._stub.Nack
+            self._retrying(method, request, unknown=ack)
+        finally:
+            self._outstanding.settled(message.offset)
 
     def __iter__(self) -> Iterator[SharedMessage]:
         while not self._closed.is_set():

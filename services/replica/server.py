@@ -663,6 +663,8 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
                     request.consumer_id,
                     request.max_messages,
                     request.wait_ms,
+                    max_outstanding=request.max_outstanding,
+                    max_bytes=request.max_bytes,
                 )
         except ServiceError as exc:
             await abort(context, exc)

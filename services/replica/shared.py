@@ -259,6 +259,15 @@ class SharedSubscription:
         self._advance_floor()
         return changes
 
+    def release(self, consumer_id: str, offsets: Iterable[int]) -> None:
+        """Takes back leases never handed to the consumer (an answer's byte limit): due
+        again at once, no failure counted."""
+        for offset in offsets:
+            lease = self._leases.get(offset)
+            if lease is not None and lease.consumer_id == consumer_id:
+                del self._leases[offset]
+                self._make_due(offset, 0)
+
     def seek(self, cursor: int) -> None:
         """A seek: the floor moves to `cursor`; every lease and count is dropped."""
         self._floor = self._next_new = cursor

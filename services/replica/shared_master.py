@@ -124,19 +124,35 @@ class SharedMaster:
     # --- the calls
 
     async def pull(
-        self, topic: str, subscription: str, consumer_id: str, max_messages: int, wait_ms: int
+        self,
+        topic: str,
+        subscription: str,
+        consumer_id: str,
+        max_messages: int,
+        wait_ms: int,
+        *,
+        max_outstanding: int = 0,
+        max_bytes: int = 0,
     ) -> list[broker_pb2.SharedMessage]:
-        """Leases events to the consumer, waiting up to wait_ms for one."""
+        """Leases events to the consumer, waiting up to wait_ms for one, within its flow
+        control: max_outstanding leased to it in all, max_bytes in this answer."""
         if not consumer_id:
             raise ServiceError(Code.INVALID_ARGUMENT, "pull needs a consumer_id")
+        if max_messages < 1:
+            raise ServiceError(
+                Code.INVALID_ARGUMENT, f"max_messages must be >= 1, not {max_messages}"
+            )
         clock = self.node.clock
         give_up = clock.monotonic_ms() + min(wait_ms, PULL_WAIT_MAX_MS)
         for _ in range(PULL_WAIT_MAX_MS // SHARED_TICK_MS + 2):  # bounded by give_up
             signal = self.node.commit_signal()
             held = self.held(topic, subscription)
-            deliveries = held.core.pull(consumer_id, max_messages, clock.monotonic_ms())
+            room = max_messages
+            if max_outstanding:
+                room = min(room, max_outstanding - held.core.outstanding(consumer_id))
+            deliveries = held.core.pull(consumer_id, room, clock.monotonic_ms()) if room > 0 else []
             if deliveries:
-                return self._messages(topic, held, deliveries)
+                return self._messages(topic, held, deliveries, max_bytes)
             left = give_up - clock.monotonic_ms()
             if left <= 0:
                 break
@@ -147,17 +163,23 @@ class SharedMaster:
         return []
 
     def _messages(
-        self, topic: str, held: _Held, deliveries: list[Delivery]
+        self, topic: str, held: _Held, deliveries: list[Delivery], max_bytes: int
     ) -> list[broker_pb2.SharedMessage]:
-        out = []
+        out: list[broker_pb2.SharedMessage] = []
         lag = self.node.clock.wall_ms() - self.node.clock.monotonic_ms()
-        for delivery in deliveries:
+        size = 0
+        for index, delivery in enumerate(deliveries):
             events = self.node.store.read_events(
                 topic, delivery.offset, 1, delivery.offset + 1, topic_id=held.ident[0]
             )
             if not events:  # the offset was pruned: nothing to deliver, count it done
                 held.core.ack(delivery.consumer_id, [delivery.offset], delivery.epoch)
                 continue
+            size += len(events[0].key) + len(events[0].payload)
+            if max_bytes and out and size > max_bytes:
+                rest = [d.offset for d in deliveries[index:]]
+                held.core.release(delivery.consumer_id, rest)
+                break
             out.append(
                 broker_pb2.SharedMessage(
                     event=events[0],

@@ -168,6 +168,19 @@ def test_the_cli_and_the_asyncio_client_consume_a_shared_subscription(
                     await message.ack()
                 assert await consumer.pull(max_messages=10, wait_ms=200) == []
 
+            # Flow control: at most max_outstanding events held, max_outstanding_bytes of them.
+            assert await topic.create_shared_subscription("flow")
+            limited = topic.shared("flow", consumer_id="f", max_outstanding=2)
+            two = await limited.pull(max_messages=10, wait_ms=2_000)
+            assert [m.offset for m in two] == [0, 1]
+            assert await limited.pull(max_messages=10, wait_ms=0) == []
+            await two[0].ack()
+            assert [m.offset for m in await limited.pull(max_messages=10, wait_ms=0)] == [2]
+            assert await topic.create_shared_subscription("bytes")
+            small = topic.shared("bytes", consumer_id="s", max_outstanding_bytes=12)
+            first_two = await small.pull(max_messages=10, wait_ms=2_000)  # 5 bytes each
+            assert [m.offset for m in first_two] == [0, 1]
+
             # Exclusive mode: one consumer at a time, in order; a silent one is taken over.
             assert await topic.create_shared_subscription(
                 "ordered", ack_deadline_ms=5_000, exclusive=True, exclusive_takeover_ms=500

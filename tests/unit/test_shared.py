@@ -185,3 +185,12 @@ def test_a_late_ack_of_an_event_another_consumer_acked_is_refused() -> None:
 def test_failures_from_an_earlier_master_do_not_skip_offsets_never_delivered() -> None:
     sub = SharedSubscription(CONFIG, epoch=E, floor=0, committed_end=4, failures={2: 1})
     assert sorted(_offsets(sub.pull("a", 4, now_ms=0))) == [0, 1, 2, 3]
+
+
+def test_released_leases_are_due_again_without_counting_a_failure() -> None:
+    sub = SharedSubscription(CONFIG, epoch=E, floor=0, committed_end=3)
+    assert _offsets(sub.pull("a", 3, now_ms=0)) == [0, 1, 2]
+    sub.release("a", [1, 2])  # the answer's byte limit kept them from the consumer
+    assert sub.outstanding("a") == 1
+    again = sub.pull("b", 3, now_ms=0)
+    assert _offsets(again) == [1, 2] and [d.attempt for d in again] == [1, 1]

@@ -468,6 +468,8 @@ class Topic:
         consumer_id: str | None = None,
         max_messages: int = 10,
         wait_ms: int = 1_000,
+        max_outstanding: int = 100,
+        max_outstanding_bytes: int = 0,
     ) -> AsyncSharedConsumer:
         """A consumer of the shared subscription `name` (as `squall.Topic.shared`)."""
         return AsyncSharedConsumer(
@@ -478,6 +480,8 @@ class Topic:
             consumer_id=consumer_id,
             max_messages=max_messages,
             wait_ms=wait_ms,
+            max_outstanding=max_outstanding,
+            max_outstanding_bytes=max_outstanding_bytes,
         )
 
     async def subscribe_push(

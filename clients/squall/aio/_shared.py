@@ -13,16 +13,19 @@ from typing import Any
 
 from squall._errors import SquallError
 from squall._shared import (
+    MAX_OUTSTANDING_DEFAULT,
     PULL_WAIT_MS_DEFAULT,
     SHARED_RETRIES_MAX,
     SHARED_RETRY_WAIT_S,
+    Outstanding,
     SharedMessage,
+    check_limits,
     new_consumer_id,
+    pull_request,
     retried,
     settle_request,
     shared_messages,
 )
-from squall.v1 import broker_pb2
 
 
 class AsyncSharedConsumer:
@@ -38,9 +41,12 @@ class AsyncSharedConsumer:
         consumer_id: str | None = None,
         max_messages: int = 10,
         wait_ms: int = PULL_WAIT_MS_DEFAULT,
+        max_outstanding: int = MAX_OUTSTANDING_DEFAULT,
+        max_outstanding_bytes: int = 0,
     ) -> None:
-        if max_messages < 1:
-            raise ValueError(f"max_messages must be >= 1, not {max_messages}")
+        check_limits(max_messages, max_outstanding, max_outstanding_bytes)
+        self._max_outstanding = max_outstanding
+        self._outstanding = Outstanding(max_outstanding_bytes)
         self._stub = subscriber_stub
         self._call = call
         self.topic = topic
@@ -74,16 +80,19 @@ class AsyncSharedConsumer:
     async def pull(
         self, max_messages: int | None = None, wait_ms: int | None = None
     ) -> list[SharedMessage]:
-        """One pull: up to max_messages leased events (empty when none came in wait_ms)."""
-        request = broker_pb2.PullRequest(
-            topic=self.topic,
-            subscription=self.name,
-            consumer_id=self.consumer_id,
-            max_messages=max_messages or self._max,
-            wait_ms=self._wait_ms if wait_ms is None else wait_ms,
+        """One pull (as `squall.SharedConsumer.pull`)."""
+        room = self._outstanding.room()
+        wait = self._wait_ms if wait_ms is None else wait_ms
+        if room < 0:  # the byte budget is spent: settle something first
+            await asyncio.sleep(min(wait, PULL_WAIT_MS_DEFAULT) / 1000)
+            return []
+        request = pull_request(
+            self, max_messages or self._max, wait, self._max_outstanding, max(room, 0)
         )
         response = await self._retrying(self._stub.Pull, request)
-        return shared_messages(response, self._settle)
+        messages = shared_messages(response, self._settle)
+        self._outstanding.add(messages)
+        return messages
 
     async def _settle(self, message: SharedMessage, ack: bool, delay_ms: int, error: str) -> None:
         request = settle_request(
@@ -91,7 +100,10 @@ class AsyncSharedConsumer:
         )
         # A nack is not repeated after an UNKNOWN answer: it would count a failure twice.
         method = self._stub.AckMessages if ack else self._stub.Nack
-        await self._retrying(method, request, unknown=ack)
+        try:
+            await self._retrying(method, request, unknown=ack)
+        finally:
+            self._outstanding.settled(message.offset)
 
     async def __aiter__(self) -> AsyncIterator[SharedMessage]:
         while not self._closed:

@@ -826,6 +826,8 @@ class PullRequest(_message.Message):
     CONSUMER_ID_FIELD_NUMBER: _builtins.int
     MAX_MESSAGES_FIELD_NUMBER: _builtins.int
     WAIT_MS_FIELD_NUMBER: _builtins.int
+    MAX_OUTSTANDING_FIELD_NUMBER: _builtins.int
+    MAX_BYTES_FIELD_NUMBER: _builtins.int
     topic: _builtins.str
     """The topic."""
     subscription: _builtins.str
@@ -838,6 +840,14 @@ class PullRequest(_message.Message):
     """How long to wait for an event when none is ready, in milliseconds (capped by the
     server).
     """
+    max_outstanding: _builtins.int
+    """The consumer's flow control: at most this many events leased to it at once, counting
+    those it holds from earlier pulls (0: only the master's own cap).
+    """
+    max_bytes: _builtins.int
+    """At most this many bytes of events (key + payload) in this answer; 0: no limit. An
+    answer holds at least one event.
+    """
     def __init__(
         self,
         *,
@@ -846,10 +856,12 @@ class PullRequest(_message.Message):
         consumer_id: _builtins.str = ...,
         max_messages: _builtins.int = ...,
         wait_ms: _builtins.int = ...,
+        max_outstanding: _builtins.int = ...,
+        max_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["consumer_id", b"consumer_id", "max_messages", b"max_messages", "subscription", b"subscription", "topic", b"topic", "wait_ms", b"wait_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consumer_id", b"consumer_id", "max_bytes", b"max_bytes", "max_messages", b"max_messages", "max_outstanding", b"max_outstanding", "subscription", b"subscription", "topic", b"topic", "wait_ms", b"wait_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
