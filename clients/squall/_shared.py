@@ -102,6 +102,12 @@ class Outstanding:
                 size = len(m.message.key) + len(m.payload)
                 self._held[m.offset] = (size, m.deadline_ms)
 
+    def extended(self, offset: int, deadline_ms: int) -> None:
+        """A message's lease now ends later."""
+        with self._lock:
+            if offset in self._held:
+                self._held[offset] = (self._held[offset][0], deadline_ms)
+
     def settled(self, offset: int) -> None:
         """Stops counting a message (acked, nacked, or refused as not ours)."""
         with self._lock:
@@ -124,6 +130,9 @@ class SharedMessage:
     _settle: Callable[[SharedMessage, bool, int, str], Any] = dataclasses.field(
         repr=False, compare=False
     )
+    _extend: Callable[[SharedMessage, int], Any] | None = dataclasses.field(
+        default=None, repr=False, compare=False
+    )
 
     @property
     def offset(self) -> int:
@@ -139,6 +148,13 @@ class SharedMessage:
         """Acknowledges it (in the asyncio library: a coroutine)."""
         return self._settle(self, True, 0, "")
 
+    def extend(self, extension_ms: int) -> Any:
+        """Pushes its ack deadline back to now + extension_ms (long work); FailedPrecondition
+        once it is no longer held (its deadline passed)."""
+        if self._extend is None:
+            raise ValueError("this message cannot be extended")
+        return self._extend(self, extension_ms)
+
     def nack(self, delay_ms: int = 0, error: str = "") -> Any:
         """Gives it back: delivered again after delay_ms, or dead-lettered once it failed
         max_deliveries times; `error` becomes its last error."""
@@ -148,13 +164,30 @@ class SharedMessage:
 def shared_messages(
     response: broker_pb2.PullResponse,
     settle: Callable[[SharedMessage, bool, int, str], Any],
+    extend: Callable[[SharedMessage, int], Any] | None = None,
 ) -> list[SharedMessage]:
     """The leased events of a PullResponse, each settled through `settle`."""
     messages = messages_from_events(m.event for m in response.messages)
     return [
-        SharedMessage(message, pb.delivery_attempt, pb.lease_epoch, pb.deadline_ms, settle)
+        SharedMessage(message, pb.delivery_attempt, pb.lease_epoch, pb.deadline_ms, settle, extend)
         for message, pb in zip(messages, response.messages, strict=True)
     ]
+
+
+def extend_request(
+    topic: str, name: str, consumer_id: str, message: SharedMessage, extension_ms: int
+) -> broker_pb2.ExtendDeadlineRequest:
+    """The ExtendDeadlineRequest of one message."""
+    if extension_ms < 1:
+        raise ValueError(f"a deadline extension must be >= 1 ms, not {extension_ms}")
+    return broker_pb2.ExtendDeadlineRequest(
+        topic=topic,
+        subscription=name,
+        consumer_id=consumer_id,
+        offsets=[message.offset],
+        lease_epoch=message.lease_epoch,
+        extension_ms=extension_ms,
+    )
 
 
 def settle_request(
@@ -281,7 +314,8 @@ class SharedConsumer:
         request = pull_request(
             self, max_messages or self._max, wait, self._max_outstanding, max(room, 0)
         )
-        messages = shared_messages(self._retrying(self._stub.Pull, request), self._settle)
+        response = self._retrying(self._stub.Pull, request)
+        messages = shared_messages(response, self._settle, self._extend)
         self._outstanding.add(messages)
         return messages
 
@@ -295,6 +329,12 @@ class SharedConsumer:
             self._retrying(method, request, unknown=ack)
         finally:
             self._outstanding.settled(message.offset)
+
+    def _extend(self, message: SharedMessage, extension_ms: int) -> int:
+        request = extend_request(self.topic, self.name, self.consumer_id, message, extension_ms)
+        deadline = int(self._retrying(self._stub.ExtendDeadline, request).deadline_ms)
+        self._outstanding.extended(message.offset, deadline)
+        return deadline
 
     def __iter__(self) -> Iterator[SharedMessage]:
         while not self._closed.is_set():

@@ -66,6 +66,8 @@ METHOD_KINDS: Mapping[str, MethodKind] = {
     "AckMessages": "idempotent",
     # A repeated nack would count a failed delivery twice.
     "Nack": "once",
+    # A repeated extension sets the same kind of deadline again.
+    "ExtendDeadline": "idempotent",
     "DeleteSubscription": "once",
     # A repeated subscribe would answer AlreadySubscribed for the app's own lost attempt,
     # a repeated unsubscribe NOT_FOUND: the app decides (docs/push-subscribers.md).

@@ -704,6 +704,23 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
             await abort(context, exc)
         return broker_pb2.NackResponse(dead_lettered=dead)
 
+    async def ExtendDeadline(
+        self, request: broker_pb2.ExtendDeadlineRequest, context: Context
+    ) -> broker_pb2.ExtendDeadlineResponse:
+        try:
+            with _translating(self.node):
+                deadline = self.shared.extend(
+                    request.topic,
+                    request.subscription,
+                    request.consumer_id,
+                    list(request.offsets),
+                    request.lease_epoch,
+                    request.extension_ms,
+                )
+        except ServiceError as exc:
+            await abort(context, exc)
+        return broker_pb2.ExtendDeadlineResponse(deadline_ms=deadline)
+
     async def DeleteSubscription(
         self, request: broker_pb2.DeleteSubscriptionRequest, context: Context
     ) -> broker_pb2.DeleteSubscriptionResponse:

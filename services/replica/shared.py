@@ -259,6 +259,36 @@ class SharedSubscription:
         self._advance_floor()
         return changes
 
+    def extend(
+        self,
+        consumer_id: str,
+        offsets: Iterable[int],
+        epoch: int,
+        *,
+        extension_ms: int,
+        now_ms: int,
+    ) -> int:
+        """Moves the deadline of leases the consumer holds to now + extension_ms; returns it.
+
+        Nothing changes when any offset is not leased to the consumer now.
+        """
+        if extension_ms < 1:
+            raise invalid(f"a deadline extension must be >= 1 ms, not {extension_ms}")
+        wanted = sorted(set(offsets))
+        for offset in wanted:
+            self._check_held(consumer_id, offset, epoch, "extend the deadline of")
+            lease = self._leases.get(offset)
+            if lease is None or lease.consumer_id != consumer_id:
+                raise ServiceError(
+                    Code.FAILED_PRECONDITION,
+                    f"cannot extend the deadline of offset {offset}: consumer '{consumer_id}' "
+                    "does not hold it (acknowledged, or its deadline passed)",
+                )
+        deadline = now_ms + extension_ms
+        for offset in wanted:
+            self._leases[offset].deadline_ms = deadline
+        return deadline
+
     def release(self, consumer_id: str, offsets: Iterable[int]) -> None:
         """Takes back leases never handed to the consumer (an answer's byte limit): due
         again at once, no failure counted."""

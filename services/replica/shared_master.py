@@ -231,6 +231,27 @@ class SharedMaster:
             raise
         return len(changes.dead_letters)
 
+    def extend(
+        self,
+        topic: str,
+        subscription: str,
+        consumer_id: str,
+        offsets: list[int],
+        epoch: int,
+        extension_ms: int,
+    ) -> int:
+        """Extends leases (master memory only); the new deadline, wall clock ms."""
+        held = self.held(topic, subscription)
+        clock = self.node.clock
+        deadline = held.core.extend(
+            consumer_id,
+            offsets,
+            epoch or self.node.epoch,
+            extension_ms=extension_ms,
+            now_ms=clock.monotonic_ms(),
+        )
+        return deadline + clock.wall_ms() - clock.monotonic_ms()
+
     def _forget(self, topic: str, subscription: str, held: _Held) -> None:
         """Drops a core whose decisions did not all reach the log: the next call builds
         it again from what did (what was not recorded is delivered again)."""

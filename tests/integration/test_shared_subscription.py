@@ -163,6 +163,7 @@ def test_the_cli_and_the_asyncio_client_consume_a_shared_subscription(
                 other = topic.shared("w", consumer_id="b")
                 with pytest.raises(squall.FailedPrecondition, match="consumer 'a' does"):
                     await other._settle(messages[0], True, 0, "")
+                assert await messages[0].extend(60_000) > messages[0].deadline_ms
                 await messages[1].nack(error="bad job")  # max_deliveries 1: dead-lettered
                 for message in (messages[0], messages[2], messages[3]):
                     await message.ack()

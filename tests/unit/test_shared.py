@@ -194,3 +194,17 @@ def test_released_leases_are_due_again_without_counting_a_failure() -> None:
     assert sub.outstanding("a") == 1
     again = sub.pull("b", 3, now_ms=0)
     assert _offsets(again) == [1, 2] and [d.attempt for d in again] == [1, 1]
+
+
+def test_a_held_lease_can_be_extended_and_only_by_its_holder() -> None:
+    sub = SharedSubscription(CONFIG, epoch=E, floor=0, committed_end=2)
+    sub.pull("a", 1, now_ms=0)
+    assert sub.extend("a", [0], E, extension_ms=5_000, now_ms=900) == 5_900
+    assert sub.tick(1_000).failed == []  # the old deadline no longer applies
+    _refused(lambda: sub.extend("b", [0], E, extension_ms=10, now_ms=900), Code.FAILED_PRECONDITION)
+    _refused(lambda: sub.extend("a", [1], E, extension_ms=10, now_ms=900), Code.INVALID_ARGUMENT)
+    assert [o for o, _ in sub.tick(5_900).failed] == [0]
+    refused = _refused(
+        lambda: sub.extend("a", [0], E, extension_ms=10, now_ms=6_000), Code.FAILED_PRECONDITION
+    )
+    assert "does not hold it" in refused.message

@@ -20,6 +20,7 @@ from squall._shared import (
     Outstanding,
     SharedMessage,
     check_limits,
+    extend_request,
     new_consumer_id,
     pull_request,
     retried,
@@ -90,7 +91,7 @@ class AsyncSharedConsumer:
             self, max_messages or self._max, wait, self._max_outstanding, max(room, 0)
         )
         response = await self._retrying(self._stub.Pull, request)
-        messages = shared_messages(response, self._settle)
+        messages = shared_messages(response, self._settle, self._extend)
         self._outstanding.add(messages)
         return messages
 
@@ -104,6 +105,12 @@ class AsyncSharedConsumer:
             await self._retrying(method, request, unknown=ack)
         finally:
             self._outstanding.settled(message.offset)
+
+    async def _extend(self, message: SharedMessage, extension_ms: int) -> int:
+        request = extend_request(self.topic, self.name, self.consumer_id, message, extension_ms)
+        deadline = int((await self._retrying(self._stub.ExtendDeadline, request)).deadline_ms)
+        self._outstanding.extended(message.offset, deadline)
+        return deadline
 
     async def __aiter__(self) -> AsyncIterator[SharedMessage]:
         while not self._closed:

@@ -1060,6 +1060,72 @@ class NackResponse(_message.Message):
 Global___NackResponse: _TypeAlias = NackResponse  # noqa: Y015
 
 @_typing.final
+class ExtendDeadlineRequest(_message.Message):
+    """Extends leases of a shared subscription (Subscriber.ExtendDeadline)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    SUBSCRIPTION_FIELD_NUMBER: _builtins.int
+    CONSUMER_ID_FIELD_NUMBER: _builtins.int
+    OFFSETS_FIELD_NUMBER: _builtins.int
+    LEASE_EPOCH_FIELD_NUMBER: _builtins.int
+    EXTENSION_MS_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    """The topic."""
+    subscription: _builtins.str
+    """The shared subscription."""
+    consumer_id: _builtins.str
+    """The consumer that holds them."""
+    lease_epoch: _builtins.int
+    """SharedMessage.lease_epoch of the deliveries."""
+    extension_ms: _builtins.int
+    """The new deadline is this many milliseconds from now (1 or more)."""
+    @_builtins.property
+    def offsets(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The events' offsets."""
+
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+        subscription: _builtins.str = ...,
+        consumer_id: _builtins.str = ...,
+        offsets: _abc.Iterable[_builtins.int] | None = ...,
+        lease_epoch: _builtins.int = ...,
+        extension_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consumer_id", b"consumer_id", "extension_ms", b"extension_ms", "lease_epoch", b"lease_epoch", "offsets", b"offsets", "subscription", b"subscription", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExtendDeadlineRequest: _TypeAlias = ExtendDeadlineRequest  # noqa: Y015
+
+@_typing.final
+class ExtendDeadlineResponse(_message.Message):
+    """The new deadline."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEADLINE_MS_FIELD_NUMBER: _builtins.int
+    deadline_ms: _builtins.int
+    """When the leases now end, the master's wall clock in milliseconds since the Unix epoch."""
+    def __init__(
+        self,
+        *,
+        deadline_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_ms", b"deadline_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExtendDeadlineResponse: _TypeAlias = ExtendDeadlineResponse  # noqa: Y015
+
+@_typing.final
 class SeekResponse(_message.Message):
     """Where a seek moved the cursor."""
 

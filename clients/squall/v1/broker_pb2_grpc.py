@@ -503,6 +503,11 @@ class SubscriberStub:
                 request_serializer=squall_dot_v1_dot_broker__pb2.NackRequest.SerializeToString,
                 response_deserializer=squall_dot_v1_dot_broker__pb2.NackResponse.FromString,
                 _registered_method=True)
+        self.ExtendDeadline = channel.unary_unary(
+                '/squall.v1.Subscriber/ExtendDeadline',
+                request_serializer=squall_dot_v1_dot_broker__pb2.ExtendDeadlineRequest.SerializeToString,
+                response_deserializer=squall_dot_v1_dot_broker__pb2.ExtendDeadlineResponse.FromString,
+                _registered_method=True)
 
 
 class SubscriberServicer:
@@ -594,6 +599,15 @@ class SubscriberServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExtendDeadline(self, request, context):
+        """Pushes back the ack deadline of events a consumer holds (long work), to now +
+        extension_ms. Refusals as AckMessages; FAILED_PRECONDITION for an event it no longer
+        holds (its deadline passed, or it was acknowledged).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SubscriberServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -641,6 +655,11 @@ def add_SubscriberServicer_to_server(servicer, server):
                     servicer.Nack,
                     request_deserializer=squall_dot_v1_dot_broker__pb2.NackRequest.FromString,
                     response_serializer=squall_dot_v1_dot_broker__pb2.NackResponse.SerializeToString,
+            ),
+            'ExtendDeadline': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExtendDeadline,
+                    request_deserializer=squall_dot_v1_dot_broker__pb2.ExtendDeadlineRequest.FromString,
+                    response_serializer=squall_dot_v1_dot_broker__pb2.ExtendDeadlineResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -887,6 +906,33 @@ class Subscriber:
             '/squall.v1.Subscriber/Nack',
             squall_dot_v1_dot_broker__pb2.NackRequest.SerializeToString,
             squall_dot_v1_dot_broker__pb2.NackResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExtendDeadline(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/squall.v1.Subscriber/ExtendDeadline',
+            squall_dot_v1_dot_broker__pb2.ExtendDeadlineRequest.SerializeToString,
+            squall_dot_v1_dot_broker__pb2.ExtendDeadlineResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -248,6 +248,11 @@ class SubscriberStub:
     published to the dead-letter topic once it failed max_deliveries times. Refusals as
     AckMessages, and FAILED_PRECONDITION for an event already acknowledged.
     """
+    ExtendDeadline: _grpc.UnaryUnaryMultiCallable[_broker_pb2.ExtendDeadlineRequest, _broker_pb2.ExtendDeadlineResponse]
+    """Pushes back the ack deadline of events a consumer holds (long work), to now +
+    extension_ms. Refusals as AckMessages; FAILED_PRECONDITION for an event it no longer
+    holds (its deadline passed, or it was acknowledged).
+    """
 
 @_typing.type_check_only
 class SubscriberAsyncStub(SubscriberStub):
@@ -300,6 +305,11 @@ class SubscriberAsyncStub(SubscriberStub):
     """Gives back events a consumer holds: each is delivered again after delay_ms, or
     published to the dead-letter topic once it failed max_deliveries times. Refusals as
     AckMessages, and FAILED_PRECONDITION for an event already acknowledged.
+    """
+    ExtendDeadline: _aio.UnaryUnaryMultiCallable[_broker_pb2.ExtendDeadlineRequest, _broker_pb2.ExtendDeadlineResponse]  # type: ignore[assignment]
+    """Pushes back the ack deadline of events a consumer holds (long work), to now +
+    extension_ms. Refusals as AckMessages; FAILED_PRECONDITION for an event it no longer
+    holds (its deadline passed, or it was acknowledged).
     """
 
 class SubscriberServicer(metaclass=_abc_1.ABCMeta):
@@ -404,6 +414,17 @@ class SubscriberServicer(metaclass=_abc_1.ABCMeta):
         """Gives back events a consumer holds: each is delivered again after delay_ms, or
         published to the dead-letter topic once it failed max_deliveries times. Refusals as
         AckMessages, and FAILED_PRECONDITION for an event already acknowledged.
+        """
+
+    @_abc_1.abstractmethod
+    def ExtendDeadline(
+        self,
+        request: _broker_pb2.ExtendDeadlineRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.ExtendDeadlineResponse, _abc.Awaitable[_broker_pb2.ExtendDeadlineResponse]]:
+        """Pushes back the ack deadline of events a consumer holds (long work), to now +
+        extension_ms. Refusals as AckMessages; FAILED_PRECONDITION for an event it no longer
+        holds (its deadline passed, or it was acknowledged).
         """
 
 def add_SubscriberServicer_to_server(servicer: SubscriberServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
