@@ -76,6 +76,7 @@ from squall._proxy import Endpoint
 from squall._publisher import BATCH_EVENTS_MAX, Publisher
 from squall._push import PushDelivery, PushEndpoint, PushSubscriberInfo
 from squall._seek import SeekResult, SeekTarget, SubscriptionInfo
+from squall._shared import SharedConsumer, SharedMessage
 from squall._subscriber import Subscription
 from squall._tls import TlsOptions
 from squall._types import (
@@ -142,6 +143,8 @@ __all__ = [
     "RetryPolicy",
     "SeekResult",
     "SeekTarget",
+    "SharedConsumer",
+    "SharedMessage",
     "SquallError",
     "Subscription",
     "SubscriptionInfo",

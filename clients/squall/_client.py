@@ -41,6 +41,7 @@ from squall._push import (
     subscribe_push_request,
 )
 from squall._seek import SeekResult, SeekTarget, SubscriptionInfo, seek_request, subscription_named
+from squall._shared import SharedConsumer, SharedSettings, create_request
 from squall._subscriber import Start, Subscription, subscribe_request
 from squall._tls import TlsOptions, open_channel
 from squall._tracing import traced_channel
@@ -513,6 +514,53 @@ class Topic:
         """Deletes a durable subscription; NotFound if it does not exist."""
         request = broker_pb2.DeleteSubscriptionRequest(topic=self.name, subscription=name)
         self._client._call(self._client._subscriber_stub.DeleteSubscription, request)
+
+    def create_shared_subscription(
+        self,
+        name: str,
+        *,
+        ack_deadline_ms: int = 30_000,
+        max_deliveries: int = 5,
+        dead_letter_topic: str = "",
+        exclusive: bool = False,
+        exclusive_takeover_ms: int = 0,
+    ) -> bool:
+        """Creates a shared subscription (competing consumers); False if it existed with
+        the same settings. AlreadyExists: a plain subscription of that name, or other
+        settings; NotFound: no dead-letter topic of that name; InvalidArgument: bad settings
+        or the dead-letter topic is this topic. `exclusive`: one consumer at a time gets
+        the events, in offset order; another takes over once the holder has not pulled for
+        `exclusive_takeover_ms` (0: the ack deadline) and holds nothing."""
+        settings = SharedSettings(
+            ack_deadline_ms, max_deliveries, dead_letter_topic, exclusive, exclusive_takeover_ms
+        )
+        request = create_request(self.name, name, settings)
+        call = self._client._subscriber_stub.CreateSharedSubscription
+        return bool(self._client._call(call, request).created)
+
+    def shared(
+        self,
+        name: str,
+        *,
+        consumer_id: str | None = None,
+        max_messages: int = 10,
+        wait_ms: int = 1_000,
+        max_outstanding: int = 100,
+        max_outstanding_bytes: int = 0,
+    ) -> SharedConsumer:
+        """A consumer of the shared subscription `name`: iterate it for `SharedMessage`s
+        and ack or nack each one (docs/consumers.md)."""
+        return SharedConsumer(
+            self._client._subscriber_stub,
+            self._client._call,
+            self.name,
+            name,
+            consumer_id=consumer_id,
+            max_messages=max_messages,
+            wait_ms=wait_ms,
+            max_outstanding=max_outstanding,
+            max_outstanding_bytes=max_outstanding_bytes,
+        )
 
     def subscribe_push(
         self,

@@ -97,11 +97,23 @@ class SubscriptionInfo:
     cursor: int  # the next offset it will deliver
     backlog: int  # events from the cursor to the topic's end
     seek_generation: int  # the LSN of the seek that last moved it (0: never)
+    shared: bool = False  # a shared subscription (competing consumers)
+    outstanding: int = 0  # shared: events leased to consumers now
+    dead_lettered: int = 0  # shared: events published to its dead-letter topic
 
     @classmethod
     def from_pb(cls, topic: str, info: broker_pb2.SubscriptionInfo) -> SubscriptionInfo:
         """Builds it from ListSubscriptions' wire message."""
-        return cls(topic, info.name, info.cursor, info.backlog, info.seek_generation)
+        return cls(
+            topic,
+            info.name,
+            info.cursor,
+            info.backlog,
+            info.seek_generation,
+            info.shared,
+            info.outstanding,
+            info.dead_lettered,
+        )
 
 
 def subscription_named(infos: list[SubscriptionInfo], topic: str, name: str) -> SubscriptionInfo:

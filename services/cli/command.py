@@ -9,6 +9,11 @@
     squall publish TOPIC [MESSAGE ...]          no MESSAGE: one event per line of stdin
     squall subscribe TOPIC [--subscription S] [--from earliest|latest|N|ISO8601] [--follow]
                      [--count N]
+    squall subscribe TOPIC --shared S [--consumer ID] [--follow] [--count N]
+                     [--ack-deadline-ms MS] [--max-deliveries N] [--dead-letter-topic T]
+                     [--exclusive]
+                                                one of S's competing consumers (created
+                                                with those settings if it does not exist)
     squall subscription seek TOPIC S (--time ISO8601 | --offset N | --earliest | --latest)
     squall subscription info TOPIC S [--json]   a durable subscription's cursor and backlog
     squall status [--json] [--explain] [--wait-normal SECONDS]
@@ -196,6 +201,30 @@ def build_parser() -> argparse.ArgumentParser:
         "--follow", action="store_true", help="keep waiting for new events (Ctrl-C stops)"
     )
     subscribe.add_argument("--count", type=_positive_int, metavar="N", help="stop after N events")
+    subscribe.add_argument(
+        "--shared",
+        metavar="NAME",
+        help="consume a shared subscription (each event to one of its consumers, acked one "
+        "by one); created with the settings below if it does not exist",
+    )
+    subscribe.add_argument("--consumer", metavar="ID", help="--shared: this consumer's id")
+    subscribe.add_argument(
+        "--ack-deadline-ms", type=_positive_int, default=30_000, metavar="MS",
+        help="--shared, on creation: redeliver an event not acked within MS (default 30000)",
+    )  # fmt: skip
+    subscribe.add_argument(
+        "--max-deliveries", type=_positive_int, default=5, metavar="N",
+        help="--shared, on creation: dead-letter an event after N failed deliveries (default 5)",
+    )  # fmt: skip
+    subscribe.add_argument(
+        "--exclusive",
+        action="store_true",
+        help="--shared, on creation: one consumer at a time, in offset order",
+    )
+    subscribe.add_argument(
+        "--dead-letter-topic", default="", metavar="TOPIC",
+        help="--shared, on creation: where dead-lettered events are published",
+    )  # fmt: skip
 
     status = commands.add_parser("status", parents=[client], help="the cluster's replica table")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -378,7 +407,47 @@ def _cmd_publish(
     return 0
 
 
+def _cmd_subscribe_shared(client: squall.Client, args: argparse.Namespace, out: TextIO) -> int:
+    """`squall subscribe --shared`: print each leased event, then ack it (at-least-once)."""
+    topic = client.topic(args.topic)
+    known = {info.name: info for info in topic.subscription_infos()}
+    if args.shared not in known:
+        topic.create_shared_subscription(
+            args.shared,
+            ack_deadline_ms=args.ack_deadline_ms,
+            max_deliveries=args.max_deliveries,
+            dead_letter_topic=args.dead_letter_topic,
+            exclusive=args.exclusive,
+        )
+    elif not known[args.shared].shared:
+        raise squall.AlreadyExists(
+            f"subscription '{args.shared}' on topic '{args.topic}' is not shared: "
+            "read it with --subscription"
+        )
+    remaining: int | None = args.count
+    with topic.shared(args.shared, consumer_id=args.consumer) as consumer:
+        # Bounded: each round prints or (without --follow) ends; --follow runs until Ctrl-C.
+        while remaining is None or remaining > 0:
+            messages = consumer.pull(max_messages=min(remaining or 100, 100))
+            if not messages and not args.follow:
+                break
+            for message in messages:
+                out.write(
+                    f"{message.offset}\t{_escape(message.message.key)}\t"
+                    f"{_escape(message.payload)}\n"
+                )
+                out.flush()
+                message.ack()
+                if remaining is not None:
+                    remaining -= 1
+    return 0
+
+
 def _cmd_subscribe(client: squall.Client, args: argparse.Namespace, out: TextIO) -> int:
+    if args.shared:
+        if args.subscription:
+            raise UsageError("--shared and --subscription name different kinds of subscription")
+        return _cmd_subscribe_shared(client, args, out)
     topic = client.topic(args.topic)
     remaining: int | None = args.count
     with topic.subscribe(args.subscription, start=args.start, follow=args.follow) as sub:

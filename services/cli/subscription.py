@@ -107,7 +107,7 @@ def seek_lines(result: squall.SeekResult) -> list[str]:
 
 def info_document(info: squall.SubscriptionInfo, topic: squall.TopicInfo) -> dict[str, object]:
     """`subscription info`'s facts, as --json prints them."""
-    return {
+    document: dict[str, object] = {
         "topic": info.topic,
         "subscription": info.name,
         "cursor": info.cursor,
@@ -116,6 +116,10 @@ def info_document(info: squall.SubscriptionInfo, topic: squall.TopicInfo) -> dic
         "topic_first_offset": topic.first_offset,
         "topic_next_offset": topic.next_offset,
     }
+    if info.shared:
+        # Outstanding: leased by the master now; dead-lettered: sent to the dead-letter topic.
+        document.update(shared=True, outstanding=info.outstanding, dead_lettered=info.dead_lettered)
+    return document
 
 
 def run(client: squall.Client, args: argparse.Namespace, out: TextIO) -> int:

@@ -57,6 +57,17 @@ METHOD_KINDS: Mapping[str, MethodKind] = {
     # acks made in between, which redelivers them (at-least-once, nothing lost).
     "Seek": "idempotent",
     "ListSubscriptions": "read",
+    # Same settings answer ok, so a repeated create is harmless.
+    "CreateSharedSubscription": "idempotent",
+    # A repeated pull leases more events to the consumer; those its lost answer held are
+    # delivered again after their deadline (at-least-once, nothing lost).
+    "Pull": "idempotent",
+    # An offset already acknowledged answers ok.
+    "AckMessages": "idempotent",
+    # A repeated nack would count a failed delivery twice.
+    "Nack": "once",
+    # A repeated extension sets the same kind of deadline again.
+    "ExtendDeadline": "idempotent",
     "DeleteSubscription": "once",
     # A repeated subscribe would answer AlreadySubscribed for the app's own lost attempt,
     # a repeated unsubscribe NOT_FOUND: the app decides (docs/push-subscribers.md).

@@ -138,6 +138,42 @@ class PushCursor:
 
 
 @dataclass(frozen=True)
+class CreateShared:
+    """Create a shared subscription (Subscriber.CreateSharedSubscription)."""
+
+    topic: str
+    subscription: str
+    ack_deadline_ms: int
+    max_deliveries: int
+    dead_letter_topic: str
+    start: broker_pb2.StartPosition.ValueType = broker_pb2.START_POSITION_EARLIEST
+    offset: int = 0
+    exclusive: bool = False
+    exclusive_takeover_ms: int = 0  # 0: ack_deadline_ms
+
+
+@dataclass(frozen=True)
+class SharedAck:
+    """Record acks of a shared subscription's offsets (checked by the master's core)."""
+
+    topic: str
+    subscription: str
+    offsets: tuple[int, ...]
+    consumer_id: str = ""
+
+
+@dataclass(frozen=True)
+class SharedFail:
+    """Record one failed delivery of a shared subscription's offset."""
+
+    topic: str
+    subscription: str
+    offset: int
+    error: str
+    dead_lettered: bool
+
+
+@dataclass(frozen=True)
 class StartEpoch:
     """A new master's first entry."""
 
@@ -155,6 +191,9 @@ Command = (
     | PushSubscribe
     | PushUnsubscribe
     | PushCursor
+    | CreateShared
+    | SharedAck
+    | SharedFail
     | StartEpoch
 )
 
@@ -172,6 +211,7 @@ class Planned:
     cursor: int = 0
     push: PushSubscriber | None = None
     seek: SeekOutcome | None = None
+    created: bool = False  # CreateShared: False when it existed with the same settings
 
     @property
     def receipts(self) -> list[common_pb2.AckReceipt]:
@@ -227,6 +267,7 @@ class BatchBuilder:
         self._topics: dict[str, TopicInfo | None] = {}
         self._cursors: dict[tuple[str, str], int | None] = {}
         self._generations: dict[tuple[str, str], int] = {}  # seeks planned in this batch
+        self._shared_added: set[tuple[str, str]] = set()  # shared ones created in this batch
         self._sequences: dict[tuple[str, int], tuple[str, int, int]] = {}
         self._high_water: dict[str, int] = {}
         self._topic_count_delta = 0
@@ -243,6 +284,10 @@ class BatchBuilder:
             return self._set_cursor(command)
         if isinstance(command, SeekCursor):
             return self._seek_cursor(command)
+        if isinstance(command, CreateShared):
+            return self._create_shared(command)
+        if isinstance(command, SharedAck | SharedFail):
+            return self._shared_record(command)
         if isinstance(command, CreateTopic):
             return self._create_topic(command)
         if isinstance(command, DestroyTopic):
@@ -621,6 +666,116 @@ class BatchBuilder:
             note=target.note,
         )
         return Planned(index, cursor=target.cursor, seek=outcome)
+
+    def _create_shared(self, command: CreateShared) -> Planned:
+        _check_name(names.validate_subscription_name, command.subscription)
+        if command.max_deliveries < 1:
+            raise invalid(f"max_deliveries must be >= 1, not {command.max_deliveries}")
+        if command.ack_deadline_ms < 1:
+            raise invalid(f"ack_deadline_ms must be >= 1, not {command.ack_deadline_ms}")
+        topic = self._existing_topic(command.topic)
+        if topic.kind == common_pb2.TOPIC_KIND_TRANSIENT:
+            raise invalid(f"topic '{topic.name}' is transient: it has no durable subscriptions")
+        if command.dead_letter_topic:
+            if command.dead_letter_topic == command.topic:
+                raise invalid(
+                    f"dead-letter topic '{command.dead_letter_topic}' is the subscription's own "
+                    "topic: dead letters would be delivered to it again"
+                )
+            if self.topic(command.dead_letter_topic) is None:
+                raise not_found(f"dead-letter topic '{command.dead_letter_topic}' does not exist")
+        takeover_ms = (command.exclusive_takeover_ms or command.ack_deadline_ms) * (
+            1 if command.exclusive else 0
+        )
+        key = (command.topic, command.subscription)
+        current = self._cursor(command.topic, command.subscription)
+        if current is not None:
+            shared = None if key in self._shared_added else self._store.get_shared_settings(*key)
+            same = shared is not None and (
+                shared.ack_deadline_ms,
+                shared.max_deliveries,
+                shared.dead_letter_topic,
+                shared.exclusive,
+                shared.exclusive_takeover_ms,
+            ) == (
+                command.ack_deadline_ms,
+                command.max_deliveries,
+                command.dead_letter_topic,
+                command.exclusive,
+                takeover_ms,
+            )
+            if not same:
+                what = (
+                    "a shared subscription with other settings"
+                    if shared
+                    else ("a plain durable subscription")
+                )
+                raise ServiceError(
+                    Code.ALREADY_EXISTS,
+                    f"subscription '{command.subscription}' on topic '{command.topic}' "
+                    f"already exists as {what}",
+                )
+            return Planned(None, cursor=current)
+        _check_length(
+            command.subscription, "subscription name", "max_subscription_name_bytes", self._limits
+        )
+        self._check_subscription_room(command.topic)
+        cursor = self._start_cursor(
+            topic, command.start or broker_pb2.START_POSITION_EARLIEST, command.offset
+        )
+        index = self._emit(
+            replica_pb2.Operation(
+                shared_create=replica_pb2.SharedCreateOp(
+                    topic=command.topic,
+                    subscription=command.subscription,
+                    cursor=cursor,
+                    ack_deadline_ms=command.ack_deadline_ms,
+                    max_deliveries=command.max_deliveries,
+                    dead_letter_topic=command.dead_letter_topic,
+                    exclusive=command.exclusive,
+                    exclusive_takeover_ms=takeover_ms,
+                )
+            )
+        )
+        self._cursors[key] = cursor
+        self._shared_added.add(key)
+        self._subscriptions_added[command.topic] = (
+            self._subscriptions_added.get(command.topic, 0) + 1
+        )
+        return Planned(index, cursor=cursor, created=True)
+
+    def _shared_record(self, command: SharedAck | SharedFail) -> Planned:
+        key = (command.topic, command.subscription)
+        self._existing_topic(command.topic)
+        if self._cursor(*key) is None or (
+            key not in self._shared_added and self._store.get_shared_settings(*key) is None
+        ):
+            raise not_found(
+                f"shared subscription '{command.subscription}' on topic '{command.topic}' "
+                "does not exist"
+            )
+        if isinstance(command, SharedAck):
+            if not command.offsets:
+                return Planned(None)
+            op = replica_pb2.Operation(
+                shared_ack=replica_pb2.SharedAckOp(
+                    topic=command.topic,
+                    subscription=command.subscription,
+                    offsets=command.offsets,
+                    consumer_id=command.consumer_id,
+                )
+            )
+        else:
+            op = replica_pb2.Operation(
+                shared_fail=replica_pb2.SharedFailOp(
+                    topic=command.topic,
+                    subscription=command.subscription,
+                    offset=command.offset,
+                    error=command.error,
+                    dead_lettered=command.dead_lettered,
+                )
+            )
+        return Planned(self._emit(op))
 
     def _check_subscription_room(self, topic: str) -> None:
         """RESOURCE_EXHAUSTED when the topic already has limits.topic_subscriptions_max."""

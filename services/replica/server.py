@@ -26,6 +26,7 @@ from squall_server.common.errors import Code, ServiceError, invalid
 from squall_server.common.grpc_server import Context
 from squall_server.replica import commands, handoff, seek, shutdown
 from squall_server.replica.node import UNREACHABLE_KEY, ReplicaNode
+from squall_server.replica.shared_master import SharedMaster
 from squall_server.replica.store import CorruptRecordError, TopicInfo, UnknownTopicError
 from squall_server.replica.telemetry import DeliveryWatch, PublishWatch
 
@@ -347,6 +348,7 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
 
     def __init__(self, node: ReplicaNode) -> None:
         self.node = node
+        self.shared = SharedMaster(node)
 
     async def _start_offset(
         self, request: broker_pb2.SubscribeRequest, topic: TopicInfo
@@ -390,6 +392,12 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
             return offset, 0
         if transient:
             raise invalid(f"topic '{topic.name}' is transient: it has no durable subscriptions")
+        if self.node.store.get_shared_settings(topic.name, request.subscription) is not None:
+            raise ServiceError(
+                Code.FAILED_PRECONDITION,
+                f"subscription '{request.subscription}' on topic '{topic.name}' is shared: "
+                "read it with Pull",
+            )
         state = self.node.store.get_cursor_state(topic.name, request.subscription)
         if state is not None:
             return state
@@ -515,6 +523,12 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
         try:
             if not request.subscription:
                 raise invalid("ack needs a durable subscription name")
+            if self.node.store.get_shared_settings(request.topic, request.subscription) is not None:
+                raise ServiceError(
+                    Code.FAILED_PRECONDITION,
+                    f"subscription '{request.subscription}' on topic '{request.topic}' is "
+                    "shared: acknowledge its events with AckMessages",
+                )
             plan = await self.node.write(
                 commands.SetCursor(
                     request.topic,
@@ -586,10 +600,126 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
                     cursor=cursor,
                     seek_generation=generation,
                     backlog=max(0, topic.next_offset - cursor),
+                    **self._shared_counts(topic.name, name),
                 )
                 for name, cursor, generation in subscriptions
             ]
         )
+
+    def _shared_counts(self, topic: str, name: str) -> dict[str, Any]:
+        settings = self.node.store.get_shared_settings(topic, name)
+        if settings is None:
+            return {}
+        return {
+            "shared": True,
+            "outstanding": self.shared.outstanding(topic, name),
+            "dead_lettered": settings.dead_lettered,
+        }
+
+    async def CreateSharedSubscription(
+        self, request: broker_pb2.CreateSharedSubscriptionRequest, context: Context
+    ) -> broker_pb2.CreateSharedSubscriptionResponse:
+        try:
+            if not request.subscription:
+                raise invalid("a shared subscription needs a name")
+            plan = await self.node.write(
+                commands.CreateShared(
+                    request.topic,
+                    request.subscription,
+                    ack_deadline_ms=request.ack_deadline_ms,
+                    max_deliveries=request.max_deliveries,
+                    dead_letter_topic=request.dead_letter_topic,
+                    start=request.start,
+                    offset=request.offset,
+                    exclusive=request.exclusive,
+                    exclusive_takeover_ms=request.exclusive_takeover_ms,
+                )
+            )
+        except ServiceError as exc:
+            await abort(context, exc)
+        if plan.created:
+            log.info(
+                "node %s epoch %d: shared subscription '%s' on topic '%s' created at cursor %d "
+                "(ack deadline %d ms, max deliveries %d, dead letters to '%s')",
+                self.node.node.id,
+                self.node.epoch,
+                request.subscription,
+                request.topic,
+                plan.cursor,
+                request.ack_deadline_ms,
+                request.max_deliveries,
+                request.dead_letter_topic,
+            )
+        return broker_pb2.CreateSharedSubscriptionResponse(created=plan.created, cursor=plan.cursor)
+
+    async def Pull(
+        self, request: broker_pb2.PullRequest, context: Context
+    ) -> broker_pb2.PullResponse:
+        try:
+            with _translating(self.node):
+                messages = await self.shared.pull(
+                    request.topic,
+                    request.subscription,
+                    request.consumer_id,
+                    request.max_messages,
+                    request.wait_ms,
+                    max_outstanding=request.max_outstanding,
+                    max_bytes=request.max_bytes,
+                )
+        except ServiceError as exc:
+            await abort(context, exc)
+        return broker_pb2.PullResponse(messages=messages)
+
+    async def AckMessages(
+        self, request: broker_pb2.AckMessagesRequest, context: Context
+    ) -> broker_pb2.AckMessagesResponse:
+        try:
+            with _translating(self.node):
+                cursor = await self.shared.ack(
+                    request.topic,
+                    request.subscription,
+                    request.consumer_id,
+                    list(request.offsets),
+                    request.lease_epoch,
+                )
+        except ServiceError as exc:
+            await abort(context, exc)
+        return broker_pb2.AckMessagesResponse(cursor=cursor)
+
+    async def Nack(
+        self, request: broker_pb2.NackRequest, context: Context
+    ) -> broker_pb2.NackResponse:
+        try:
+            with _translating(self.node):
+                dead = await self.shared.nack(
+                    request.topic,
+                    request.subscription,
+                    request.consumer_id,
+                    list(request.offsets),
+                    request.lease_epoch,
+                    delay_ms=request.delay_ms,
+                    error=request.error,
+                )
+        except ServiceError as exc:
+            await abort(context, exc)
+        return broker_pb2.NackResponse(dead_lettered=dead)
+
+    async def ExtendDeadline(
+        self, request: broker_pb2.ExtendDeadlineRequest, context: Context
+    ) -> broker_pb2.ExtendDeadlineResponse:
+        try:
+            with _translating(self.node):
+                deadline = self.shared.extend(
+                    request.topic,
+                    request.subscription,
+                    request.consumer_id,
+                    list(request.offsets),
+                    request.lease_epoch,
+                    request.extension_ms,
+                )
+        except ServiceError as exc:
+            await abort(context, exc)
+        return broker_pb2.ExtendDeadlineResponse(deadline_ms=deadline)
 
     async def DeleteSubscription(
         self, request: broker_pb2.DeleteSubscriptionRequest, context: Context

@@ -1,9 +1,9 @@
 """The delivery rules of one shared subscription (competing consumers): a pure core.
 
-Not wired yet: no RPC, log entry or driver uses it (docs/consumers.md, "Shared
-subscriptions", says where it stands). It holds what the master decides for a shared
-subscription, with time and consumers as plain inputs, so that the rules are tested
-deterministically before they are served:
+The master's driver (services/replica/shared_master.py) serves it; docs/consumers.md,
+"Shared subscriptions", describes the whole. It holds what the master decides for a
+shared subscription, with time and consumers as plain inputs, so that the rules are tested
+deterministically:
 
 * `pull` hands a consumer offsets, each with a lease until `now + ack_deadline_ms`: first
   those due for redelivery (nacked after their delay, or whose lease lapsed), in the order
@@ -36,6 +36,11 @@ from squall_server.common.errors import Code, ServiceError, invalid
 
 # The error recorded for a delivery whose ack deadline passed.
 DEADLINE_ERROR = "ack deadline passed"
+# Who acknowledged an offset is remembered this many offsets below the floor, so that a late
+# ack from another consumer (its lease lapsed, or a failover) is refused, not counted twice.
+ACKED_BY_RETAIN = 10_000
+# The `acked_by` value of a dead-lettered offset.
+DEAD_LETTERED = ""
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,7 @@ class SharedSubscription:
         acked: Iterable[int] = (),
         failures: Mapping[int, int] | None = None,
         last_errors: Mapping[int, str] | None = None,
+        acked_by: Mapping[int, str] | None = None,
     ) -> None:
         config.check()
         self.config = config
@@ -119,6 +125,9 @@ class SharedSubscription:
         self._done: set[int] = {o for o in acked if o >= floor}
         self._failures: dict[int, int] = {o: n for o, n in (failures or {}).items() if o >= floor}
         self._errors: dict[int, str] = dict(last_errors or {})
+        # offset -> the consumer that acked it (DEAD_LETTERED: dead-lettered), kept
+        # ACKED_BY_RETAIN offsets below the floor.
+        self._acked_by: dict[int, str] = dict(acked_by or {})
         self._leases: dict[int, _Lease] = {}
         self._due: list[tuple[int, int]] = []  # (ready_ms, offset), a heap
         self._due_at: dict[int, int] = {}  # offset -> ready_ms of its current due entry
@@ -202,6 +211,7 @@ class SharedSubscription:
             if self._is_done(offset):
                 continue  # a retried ack: already done
             self._finish(offset)
+            self._acked_by[offset] = consumer_id
             changes.acked.append(offset)
         self._advance_floor()
         return changes
@@ -249,10 +259,50 @@ class SharedSubscription:
         self._advance_floor()
         return changes
 
+    def extend(
+        self,
+        consumer_id: str,
+        offsets: Iterable[int],
+        epoch: int,
+        *,
+        extension_ms: int,
+        now_ms: int,
+    ) -> int:
+        """Moves the deadline of leases the consumer holds to now + extension_ms; returns it.
+
+        Nothing changes when any offset is not leased to the consumer now.
+        """
+        if extension_ms < 1:
+            raise invalid(f"a deadline extension must be >= 1 ms, not {extension_ms}")
+        wanted = sorted(set(offsets))
+        for offset in wanted:
+            self._check_held(consumer_id, offset, epoch, "extend the deadline of")
+            lease = self._leases.get(offset)
+            if lease is None or lease.consumer_id != consumer_id:
+                raise ServiceError(
+                    Code.FAILED_PRECONDITION,
+                    f"cannot extend the deadline of offset {offset}: consumer '{consumer_id}' "
+                    "does not hold it (acknowledged, or its deadline passed)",
+                )
+        deadline = now_ms + extension_ms
+        for offset in wanted:
+            self._leases[offset].deadline_ms = deadline
+        return deadline
+
+    def release(self, consumer_id: str, offsets: Iterable[int]) -> None:
+        """Takes back leases never handed to the consumer (an answer's byte limit): due
+        again at once, no failure counted."""
+        for offset in offsets:
+            lease = self._leases.get(offset)
+            if lease is not None and lease.consumer_id == consumer_id:
+                del self._leases[offset]
+                self._make_due(offset, 0)
+
     def seek(self, cursor: int) -> None:
         """A seek: the floor moves to `cursor`; every lease and count is dropped."""
         self._floor = self._next_new = cursor
         self._done.clear()
+        self._acked_by.clear()
         self._failures.clear()
         self._errors.clear()
         self._leases.clear()
@@ -266,6 +316,20 @@ class SharedSubscription:
 
     def _check_held(self, consumer_id: str, offset: int, epoch: int, what: str) -> None:
         if self._is_done(offset):
+            by = self._acked_by.get(offset)
+            if by == DEAD_LETTERED:
+                raise ServiceError(
+                    Code.FAILED_PRECONDITION,
+                    f"cannot {what} offset {offset}: it was dead-lettered after "
+                    f"{self.config.max_deliveries} failed deliveries",
+                )
+            if by is not None and by != consumer_id:
+                raise ServiceError(
+                    Code.FAILED_PRECONDITION,
+                    f"cannot {what} offset {offset}: consumer '{consumer_id}' does not hold "
+                    f"it, consumer '{by}' acknowledged it (it was delivered again after the "
+                    "ack deadline passed or a failover)",
+                )
             return
         handed_out = offset < self._next_new or offset in self._failures
         if offset >= self._end or (epoch == self._epoch and not handed_out):
@@ -299,6 +363,7 @@ class SharedSubscription:
             changes.dead_letters.append(DeadLetter(offset, count, error))
             self._dead_lettered += 1
             self._finish(offset)
+            self._acked_by[offset] = DEAD_LETTERED
         else:
             self._make_due(offset, ready_ms)
 
@@ -308,10 +373,14 @@ class SharedSubscription:
 
     def _advance_floor(self) -> None:
         # Bounded by the offsets marked done: each step removes one.
+        start = self._floor
         while self._floor in self._done:
             self._done.discard(self._floor)
             self._floor += 1
         self._next_new = max(self._next_new, self._floor)
+        # Bounded by the floor's move: forget ackers far below it.
+        for offset in range(max(0, start - ACKED_BY_RETAIN), self._floor - ACKED_BY_RETAIN):
+            self._acked_by.pop(offset, None)
 
     def _due_then_new(self, now_ms: int) -> Iterable[int]:
         while self._due and self._due[0][0] <= now_ms:
@@ -341,7 +410,10 @@ class SharedSubscription:
     def _lease(self, offset: int, consumer_id: str, now_ms: int) -> Delivery:
         deadline = now_ms + self.config.ack_deadline_ms
         self._leases[offset] = _Lease(consumer_id, deadline)
-        self._next_new = max(self._next_new, offset + 1)
+        if offset not in self._failures:
+            # A redelivery (of a failure replicated from an earlier master) may lie above
+            # offsets never handed out: those must not be skipped.
+            self._next_new = max(self._next_new, offset + 1)
         attempt = self._failures.get(offset, 0) + 1
         return Delivery(offset, consumer_id, attempt, deadline, self._epoch)
 

@@ -169,3 +169,42 @@ def test_a_seek_drops_leases_and_counts() -> None:
     assert sub.floor == 1 and sub.outstanding() == 0
     got = sub.pull("b", 10, now_ms=0)
     assert _offsets(got) == [1, 2, 3, 4] and {d.attempt for d in got} == {1}
+
+
+def test_a_late_ack_of_an_event_another_consumer_acked_is_refused() -> None:
+    sub = SharedSubscription(CONFIG, epoch=E, floor=0, committed_end=1)
+    sub.pull("a", 1, now_ms=0)
+    sub.tick(1_000)  # a's lease lapsed
+    assert _offsets(sub.pull("b", 1, now_ms=1_000)) == [0]
+    assert sub.ack("b", [0], E).acked == [0] and sub.floor == 1
+    refused = _refused(lambda: sub.ack("a", [0], E), Code.FAILED_PRECONDITION)
+    assert "consumer 'b' acknowledged it" in refused.message
+    assert sub.ack("b", [0], E).acked == []  # b's own retry: ok
+
+
+def test_failures_from_an_earlier_master_do_not_skip_offsets_never_delivered() -> None:
+    sub = SharedSubscription(CONFIG, epoch=E, floor=0, committed_end=4, failures={2: 1})
+    assert sorted(_offsets(sub.pull("a", 4, now_ms=0))) == [0, 1, 2, 3]
+
+
+def test_released_leases_are_due_again_without_counting_a_failure() -> None:
+    sub = SharedSubscription(CONFIG, epoch=E, floor=0, committed_end=3)
+    assert _offsets(sub.pull("a", 3, now_ms=0)) == [0, 1, 2]
+    sub.release("a", [1, 2])  # the answer's byte limit kept them from the consumer
+    assert sub.outstanding("a") == 1
+    again = sub.pull("b", 3, now_ms=0)
+    assert _offsets(again) == [1, 2] and [d.attempt for d in again] == [1, 1]
+
+
+def test_a_held_lease_can_be_extended_and_only_by_its_holder() -> None:
+    sub = SharedSubscription(CONFIG, epoch=E, floor=0, committed_end=2)
+    sub.pull("a", 1, now_ms=0)
+    assert sub.extend("a", [0], E, extension_ms=5_000, now_ms=900) == 5_900
+    assert sub.tick(1_000).failed == []  # the old deadline no longer applies
+    _refused(lambda: sub.extend("b", [0], E, extension_ms=10, now_ms=900), Code.FAILED_PRECONDITION)
+    _refused(lambda: sub.extend("a", [1], E, extension_ms=10, now_ms=900), Code.INVALID_ARGUMENT)
+    assert [o for o, _ in sub.tick(5_900).failed] == [0]
+    refused = _refused(
+        lambda: sub.extend("a", [0], E, extension_ms=10, now_ms=6_000), Code.FAILED_PRECONDITION
+    )
+    assert "does not hold it" in refused.message

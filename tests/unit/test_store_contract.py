@@ -851,6 +851,7 @@ def test_counts_are_records_per_database(store: Store) -> None:
         "dedupe": 0,
         "publishers": 0,
         "push": 0,
+        "shared": 0,
     }
     w = Writer(store)
     w.append(

@@ -54,12 +54,14 @@ from squall._types import ClusterStatus, Message, Receipt, TopicInfo
 from squall.aio._client import Client, Opening, Topic, connect
 from squall.aio._publisher import Publisher
 from squall.aio._push import AsyncDeliveryCallback, PushEndpoint
+from squall.aio._shared import AsyncSharedConsumer
 from squall.aio._subscriber import Subscription
 
 __all__ = [
     "AlreadyExists",
     "AlreadySubscribed",
     "AsyncDeliveryCallback",
+    "AsyncSharedConsumer",
     "Client",
     "ClusterStatus",
     "DeadlineExceeded",

@@ -36,12 +36,14 @@ from squall._seek import (
     seek_request,
     subscription_named,
 )
+from squall._shared import SharedSettings, create_request
 from squall._subscriber import Start, subscribe_request
 from squall._tls import TlsOptions
 from squall._types import ClusterStatus, TopicInfo, kind_to_pb
 from squall.aio._channel import open_channel
 from squall.aio._publisher import MasterCheck, Publisher
 from squall.aio._push import AsyncDeliveryCallback, PushEndpoint
+from squall.aio._shared import AsyncSharedConsumer
 from squall.aio._subscriber import Subscription
 from squall.v1 import broker_pb2, broker_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from squall.wire.auth import resolve_token
@@ -440,6 +442,47 @@ class Topic:
         """Deletes a durable subscription; NotFound if it does not exist."""
         request = broker_pb2.DeleteSubscriptionRequest(topic=self.name, subscription=name)
         await self._client._call(self._client._subscriber_stub.DeleteSubscription, request)
+
+    async def create_shared_subscription(
+        self,
+        name: str,
+        *,
+        ack_deadline_ms: int = 30_000,
+        max_deliveries: int = 5,
+        dead_letter_topic: str = "",
+        exclusive: bool = False,
+        exclusive_takeover_ms: int = 0,
+    ) -> bool:
+        """Creates a shared subscription (as `squall.Topic.create_shared_subscription`)."""
+        settings = SharedSettings(
+            ack_deadline_ms, max_deliveries, dead_letter_topic, exclusive, exclusive_takeover_ms
+        )
+        request = create_request(self.name, name, settings)
+        call = self._client._subscriber_stub.CreateSharedSubscription
+        return bool((await self._client._call(call, request)).created)
+
+    def shared(
+        self,
+        name: str,
+        *,
+        consumer_id: str | None = None,
+        max_messages: int = 10,
+        wait_ms: int = 1_000,
+        max_outstanding: int = 100,
+        max_outstanding_bytes: int = 0,
+    ) -> AsyncSharedConsumer:
+        """A consumer of the shared subscription `name` (as `squall.Topic.shared`)."""
+        return AsyncSharedConsumer(
+            self._client._subscriber_stub,
+            self._client._call,
+            self.name,
+            name,
+            consumer_id=consumer_id,
+            max_messages=max_messages,
+            wait_ms=wait_ms,
+            max_outstanding=max_outstanding,
+            max_outstanding_bytes=max_outstanding_bytes,
+        )
 
     async def subscribe_push(
         self,

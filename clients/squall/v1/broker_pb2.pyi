@@ -586,6 +586,9 @@ class SubscriptionInfo(_message.Message):
     CURSOR_FIELD_NUMBER: _builtins.int
     SEEK_GENERATION_FIELD_NUMBER: _builtins.int
     BACKLOG_FIELD_NUMBER: _builtins.int
+    SHARED_FIELD_NUMBER: _builtins.int
+    OUTSTANDING_FIELD_NUMBER: _builtins.int
+    DEAD_LETTERED_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Its name."""
     cursor: _builtins.int
@@ -594,6 +597,12 @@ class SubscriptionInfo(_message.Message):
     """The LSN of the seek that last moved its cursor (0: never seeked)."""
     backlog: _builtins.int
     """Events from the cursor to the topic's end, committed or not: what is left to read."""
+    shared: _builtins.bool
+    """True for a shared subscription (CreateSharedSubscription)."""
+    outstanding: _builtins.int
+    """Shared: events leased to consumers now (the master's count; 0 on a slave)."""
+    dead_lettered: _builtins.int
+    """Shared: events published to the dead-letter topic."""
     def __init__(
         self,
         *,
@@ -601,10 +610,13 @@ class SubscriptionInfo(_message.Message):
         cursor: _builtins.int = ...,
         seek_generation: _builtins.int = ...,
         backlog: _builtins.int = ...,
+        shared: _builtins.bool = ...,
+        outstanding: _builtins.int = ...,
+        dead_lettered: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backlog", b"backlog", "cursor", b"cursor", "name", b"name", "seek_generation", b"seek_generation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backlog", b"backlog", "cursor", b"cursor", "dead_lettered", b"dead_lettered", "name", b"name", "outstanding", b"outstanding", "seek_generation", b"seek_generation", "shared", b"shared"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -718,6 +730,400 @@ class SeekRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SeekRequest: _TypeAlias = SeekRequest  # noqa: Y015
+
+@_typing.final
+class CreateSharedSubscriptionRequest(_message.Message):
+    """Asks to create a shared subscription (Subscriber.CreateSharedSubscription)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    SUBSCRIPTION_FIELD_NUMBER: _builtins.int
+    ACK_DEADLINE_MS_FIELD_NUMBER: _builtins.int
+    MAX_DELIVERIES_FIELD_NUMBER: _builtins.int
+    DEAD_LETTER_TOPIC_FIELD_NUMBER: _builtins.int
+    START_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    EXCLUSIVE_FIELD_NUMBER: _builtins.int
+    EXCLUSIVE_TAKEOVER_MS_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    """The topic (replicated)."""
+    subscription: _builtins.str
+    """The subscription's name."""
+    ack_deadline_ms: _builtins.int
+    """Milliseconds a consumer has to acknowledge an event before it is delivered again."""
+    max_deliveries: _builtins.int
+    """Failed deliveries (lapsed deadlines, nacks) after which an event is dead-lettered."""
+    dead_letter_topic: _builtins.str
+    """The topic dead-lettered events are published to; empty: none (such an event is
+    dropped after max_deliveries, and the log says so).
+    """
+    start: Global___StartPosition.ValueType
+    """Where a new subscription starts: EARLIEST (also UNSPECIFIED), LATEST or OFFSET."""
+    offset: _builtins.int
+    """The first offset when start is START_POSITION_OFFSET."""
+    exclusive: _builtins.bool
+    """Exclusive mode: one consumer at a time gets the events, in offset order; another takes
+    over once the holder has not pulled for exclusive_takeover_ms and holds nothing.
+    """
+    exclusive_takeover_ms: _builtins.int
+    """Exclusive mode: how long a silent holder keeps the subscription (0: ack_deadline_ms)."""
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+        subscription: _builtins.str = ...,
+        ack_deadline_ms: _builtins.int = ...,
+        max_deliveries: _builtins.int = ...,
+        dead_letter_topic: _builtins.str = ...,
+        start: Global___StartPosition.ValueType = ...,
+        offset: _builtins.int = ...,
+        exclusive: _builtins.bool = ...,
+        exclusive_takeover_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack_deadline_ms", b"ack_deadline_ms", "dead_letter_topic", b"dead_letter_topic", "exclusive", b"exclusive", "exclusive_takeover_ms", b"exclusive_takeover_ms", "max_deliveries", b"max_deliveries", "offset", b"offset", "start", b"start", "subscription", b"subscription", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateSharedSubscriptionRequest: _TypeAlias = CreateSharedSubscriptionRequest  # noqa: Y015
+
+@_typing.final
+class CreateSharedSubscriptionResponse(_message.Message):
+    """What CreateSharedSubscription did."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CREATED_FIELD_NUMBER: _builtins.int
+    CURSOR_FIELD_NUMBER: _builtins.int
+    created: _builtins.bool
+    """False when it already existed with the same settings."""
+    cursor: _builtins.int
+    """Its cursor: every offset below it is acknowledged or dead-lettered."""
+    def __init__(
+        self,
+        *,
+        created: _builtins.bool = ...,
+        cursor: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "cursor", b"cursor"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateSharedSubscriptionResponse: _TypeAlias = CreateSharedSubscriptionResponse  # noqa: Y015
+
+@_typing.final
+class PullRequest(_message.Message):
+    """Asks for events of a shared subscription (Subscriber.Pull)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    SUBSCRIPTION_FIELD_NUMBER: _builtins.int
+    CONSUMER_ID_FIELD_NUMBER: _builtins.int
+    MAX_MESSAGES_FIELD_NUMBER: _builtins.int
+    WAIT_MS_FIELD_NUMBER: _builtins.int
+    MAX_OUTSTANDING_FIELD_NUMBER: _builtins.int
+    MAX_BYTES_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    """The topic."""
+    subscription: _builtins.str
+    """The shared subscription."""
+    consumer_id: _builtins.str
+    """Who asks: acks and nacks must name the same consumer."""
+    max_messages: _builtins.int
+    """At most this many events (1 or more); the master also caps a consumer's outstanding."""
+    wait_ms: _builtins.int
+    """How long to wait for an event when none is ready, in milliseconds (capped by the
+    server).
+    """
+    max_outstanding: _builtins.int
+    """The consumer's flow control: at most this many events leased to it at once, counting
+    those it holds from earlier pulls (0: only the master's own cap).
+    """
+    max_bytes: _builtins.int
+    """At most this many bytes of events (key + payload) in this answer; 0: no limit. An
+    answer holds at least one event.
+    """
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+        subscription: _builtins.str = ...,
+        consumer_id: _builtins.str = ...,
+        max_messages: _builtins.int = ...,
+        wait_ms: _builtins.int = ...,
+        max_outstanding: _builtins.int = ...,
+        max_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consumer_id", b"consumer_id", "max_bytes", b"max_bytes", "max_messages", b"max_messages", "max_outstanding", b"max_outstanding", "subscription", b"subscription", "topic", b"topic", "wait_ms", b"wait_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PullRequest: _TypeAlias = PullRequest  # noqa: Y015
+
+@_typing.final
+class SharedMessage(_message.Message):
+    """One leased event."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENT_FIELD_NUMBER: _builtins.int
+    DELIVERY_ATTEMPT_FIELD_NUMBER: _builtins.int
+    LEASE_EPOCH_FIELD_NUMBER: _builtins.int
+    DEADLINE_MS_FIELD_NUMBER: _builtins.int
+    delivery_attempt: _builtins.int
+    """1 for the first delivery."""
+    lease_epoch: _builtins.int
+    """The master's epoch that leased it: send it back with the ack or nack."""
+    deadline_ms: _builtins.int
+    """When the lease ends, the master's wall clock in milliseconds since the Unix epoch."""
+    @_builtins.property
+    def event(self) -> _common_pb2.Event:
+        """The event."""
+
+    def __init__(
+        self,
+        *,
+        event: _common_pb2.Event | None = ...,
+        delivery_attempt: _builtins.int = ...,
+        lease_epoch: _builtins.int = ...,
+        deadline_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_ms", b"deadline_ms", "delivery_attempt", b"delivery_attempt", "event", b"event", "lease_epoch", b"lease_epoch"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SharedMessage: _TypeAlias = SharedMessage  # noqa: Y015
+
+@_typing.final
+class PullResponse(_message.Message):
+    """Leased events, in the order they were handed out."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___SharedMessage]:
+        """The events."""
+
+    def __init__(
+        self,
+        *,
+        messages: _abc.Iterable[Global___SharedMessage] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PullResponse: _TypeAlias = PullResponse  # noqa: Y015
+
+@_typing.final
+class AckMessagesRequest(_message.Message):
+    """Acknowledges events of a shared subscription (Subscriber.AckMessages)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    SUBSCRIPTION_FIELD_NUMBER: _builtins.int
+    CONSUMER_ID_FIELD_NUMBER: _builtins.int
+    OFFSETS_FIELD_NUMBER: _builtins.int
+    LEASE_EPOCH_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    """The topic."""
+    subscription: _builtins.str
+    """The shared subscription."""
+    consumer_id: _builtins.str
+    """The consumer that pulled them."""
+    lease_epoch: _builtins.int
+    """SharedMessage.lease_epoch of the deliveries."""
+    @_builtins.property
+    def offsets(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The events' offsets."""
+
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+        subscription: _builtins.str = ...,
+        consumer_id: _builtins.str = ...,
+        offsets: _abc.Iterable[_builtins.int] | None = ...,
+        lease_epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consumer_id", b"consumer_id", "lease_epoch", b"lease_epoch", "offsets", b"offsets", "subscription", b"subscription", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AckMessagesRequest: _TypeAlias = AckMessagesRequest  # noqa: Y015
+
+@_typing.final
+class AckMessagesResponse(_message.Message):
+    """The subscription's cursor after the ack."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CURSOR_FIELD_NUMBER: _builtins.int
+    cursor: _builtins.int
+    """Every offset below it is acknowledged or dead-lettered."""
+    def __init__(
+        self,
+        *,
+        cursor: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AckMessagesResponse: _TypeAlias = AckMessagesResponse  # noqa: Y015
+
+@_typing.final
+class NackRequest(_message.Message):
+    """Gives back events of a shared subscription (Subscriber.Nack)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    SUBSCRIPTION_FIELD_NUMBER: _builtins.int
+    CONSUMER_ID_FIELD_NUMBER: _builtins.int
+    OFFSETS_FIELD_NUMBER: _builtins.int
+    LEASE_EPOCH_FIELD_NUMBER: _builtins.int
+    DELAY_MS_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    """The topic."""
+    subscription: _builtins.str
+    """The shared subscription."""
+    consumer_id: _builtins.str
+    """The consumer that pulled them."""
+    lease_epoch: _builtins.int
+    """SharedMessage.lease_epoch of the deliveries."""
+    delay_ms: _builtins.int
+    """Deliver them again after this many milliseconds (0: at once)."""
+    error: _builtins.str
+    """Why the consumer failed; the dead-letter event's squall-dead-letter-last-error header."""
+    @_builtins.property
+    def offsets(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The events' offsets."""
+
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+        subscription: _builtins.str = ...,
+        consumer_id: _builtins.str = ...,
+        offsets: _abc.Iterable[_builtins.int] | None = ...,
+        lease_epoch: _builtins.int = ...,
+        delay_ms: _builtins.int = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consumer_id", b"consumer_id", "delay_ms", b"delay_ms", "error", b"error", "lease_epoch", b"lease_epoch", "offsets", b"offsets", "subscription", b"subscription", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NackRequest: _TypeAlias = NackRequest  # noqa: Y015
+
+@_typing.final
+class NackResponse(_message.Message):
+    """Confirms a nack."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEAD_LETTERED_FIELD_NUMBER: _builtins.int
+    dead_lettered: _builtins.int
+    """How many of the events were dead-lettered by this nack."""
+    def __init__(
+        self,
+        *,
+        dead_lettered: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead_lettered", b"dead_lettered"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NackResponse: _TypeAlias = NackResponse  # noqa: Y015
+
+@_typing.final
+class ExtendDeadlineRequest(_message.Message):
+    """Extends leases of a shared subscription (Subscriber.ExtendDeadline)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    SUBSCRIPTION_FIELD_NUMBER: _builtins.int
+    CONSUMER_ID_FIELD_NUMBER: _builtins.int
+    OFFSETS_FIELD_NUMBER: _builtins.int
+    LEASE_EPOCH_FIELD_NUMBER: _builtins.int
+    EXTENSION_MS_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    """The topic."""
+    subscription: _builtins.str
+    """The shared subscription."""
+    consumer_id: _builtins.str
+    """The consumer that holds them."""
+    lease_epoch: _builtins.int
+    """SharedMessage.lease_epoch of the deliveries."""
+    extension_ms: _builtins.int
+    """The new deadline is this many milliseconds from now (1 or more)."""
+    @_builtins.property
+    def offsets(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The events' offsets."""
+
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+        subscription: _builtins.str = ...,
+        consumer_id: _builtins.str = ...,
+        offsets: _abc.Iterable[_builtins.int] | None = ...,
+        lease_epoch: _builtins.int = ...,
+        extension_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consumer_id", b"consumer_id", "extension_ms", b"extension_ms", "lease_epoch", b"lease_epoch", "offsets", b"offsets", "subscription", b"subscription", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExtendDeadlineRequest: _TypeAlias = ExtendDeadlineRequest  # noqa: Y015
+
+@_typing.final
+class ExtendDeadlineResponse(_message.Message):
+    """The new deadline."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEADLINE_MS_FIELD_NUMBER: _builtins.int
+    deadline_ms: _builtins.int
+    """When the leases now end, the master's wall clock in milliseconds since the Unix epoch."""
+    def __init__(
+        self,
+        *,
+        deadline_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_ms", b"deadline_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExtendDeadlineResponse: _TypeAlias = ExtendDeadlineResponse  # noqa: Y015
 
 @_typing.final
 class SeekResponse(_message.Message):

@@ -483,6 +483,31 @@ class SubscriberStub:
                 request_serializer=squall_dot_v1_dot_broker__pb2.DeleteSubscriptionRequest.SerializeToString,
                 response_deserializer=squall_dot_v1_dot_broker__pb2.DeleteSubscriptionResponse.FromString,
                 _registered_method=True)
+        self.CreateSharedSubscription = channel.unary_unary(
+                '/squall.v1.Subscriber/CreateSharedSubscription',
+                request_serializer=squall_dot_v1_dot_broker__pb2.CreateSharedSubscriptionRequest.SerializeToString,
+                response_deserializer=squall_dot_v1_dot_broker__pb2.CreateSharedSubscriptionResponse.FromString,
+                _registered_method=True)
+        self.Pull = channel.unary_unary(
+                '/squall.v1.Subscriber/Pull',
+                request_serializer=squall_dot_v1_dot_broker__pb2.PullRequest.SerializeToString,
+                response_deserializer=squall_dot_v1_dot_broker__pb2.PullResponse.FromString,
+                _registered_method=True)
+        self.AckMessages = channel.unary_unary(
+                '/squall.v1.Subscriber/AckMessages',
+                request_serializer=squall_dot_v1_dot_broker__pb2.AckMessagesRequest.SerializeToString,
+                response_deserializer=squall_dot_v1_dot_broker__pb2.AckMessagesResponse.FromString,
+                _registered_method=True)
+        self.Nack = channel.unary_unary(
+                '/squall.v1.Subscriber/Nack',
+                request_serializer=squall_dot_v1_dot_broker__pb2.NackRequest.SerializeToString,
+                response_deserializer=squall_dot_v1_dot_broker__pb2.NackResponse.FromString,
+                _registered_method=True)
+        self.ExtendDeadline = channel.unary_unary(
+                '/squall.v1.Subscriber/ExtendDeadline',
+                request_serializer=squall_dot_v1_dot_broker__pb2.ExtendDeadlineRequest.SerializeToString,
+                response_deserializer=squall_dot_v1_dot_broker__pb2.ExtendDeadlineResponse.FromString,
+                _registered_method=True)
 
 
 class SubscriberServicer:
@@ -534,6 +559,55 @@ class SubscriberServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateSharedSubscription(self, request, context):
+        """Creates a shared subscription (competing consumers, docs/consumers.md): each event goes
+        to one consumer, is acknowledged on its own, redelivered after the ack deadline or a
+        Nack, and published to the dead-letter topic after max_deliveries failed deliveries.
+        Answers ok, changing nothing, when it exists with the same settings. INVALID_ARGUMENT:
+        max_deliveries or ack_deadline_ms below 1, a dead-letter topic equal to the topic, a
+        transient topic; NOT_FOUND: the topic or the dead-letter topic; ALREADY_EXISTS: the
+        name is a plain durable subscription or a shared one with other settings.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Pull(self, request, context):
+        """Leases up to max_messages committed events of a shared subscription to one consumer
+        until their ack deadline, waiting up to wait_ms for one. Empty when there is none.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AckMessages(self, request, context):
+        """Acknowledges events a consumer holds, in any order; a replicated log entry. An event
+        already acknowledged answers ok. FAILED_PRECONDITION: the event is leased to another
+        consumer (its deadline passed and it was delivered again); INVALID_ARGUMENT: never
+        delivered. Nothing is changed when any offset is refused.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Nack(self, request, context):
+        """Gives back events a consumer holds: each is delivered again after delay_ms, or
+        published to the dead-letter topic once it failed max_deliveries times. Refusals as
+        AckMessages, and FAILED_PRECONDITION for an event already acknowledged.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExtendDeadline(self, request, context):
+        """Pushes back the ack deadline of events a consumer holds (long work), to now +
+        extension_ms. Refusals as AckMessages; FAILED_PRECONDITION for an event it no longer
+        holds (its deadline passed, or it was acknowledged).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SubscriberServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -561,6 +635,31 @@ def add_SubscriberServicer_to_server(servicer, server):
                     servicer.DeleteSubscription,
                     request_deserializer=squall_dot_v1_dot_broker__pb2.DeleteSubscriptionRequest.FromString,
                     response_serializer=squall_dot_v1_dot_broker__pb2.DeleteSubscriptionResponse.SerializeToString,
+            ),
+            'CreateSharedSubscription': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateSharedSubscription,
+                    request_deserializer=squall_dot_v1_dot_broker__pb2.CreateSharedSubscriptionRequest.FromString,
+                    response_serializer=squall_dot_v1_dot_broker__pb2.CreateSharedSubscriptionResponse.SerializeToString,
+            ),
+            'Pull': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pull,
+                    request_deserializer=squall_dot_v1_dot_broker__pb2.PullRequest.FromString,
+                    response_serializer=squall_dot_v1_dot_broker__pb2.PullResponse.SerializeToString,
+            ),
+            'AckMessages': grpc.unary_unary_rpc_method_handler(
+                    servicer.AckMessages,
+                    request_deserializer=squall_dot_v1_dot_broker__pb2.AckMessagesRequest.FromString,
+                    response_serializer=squall_dot_v1_dot_broker__pb2.AckMessagesResponse.SerializeToString,
+            ),
+            'Nack': grpc.unary_unary_rpc_method_handler(
+                    servicer.Nack,
+                    request_deserializer=squall_dot_v1_dot_broker__pb2.NackRequest.FromString,
+                    response_serializer=squall_dot_v1_dot_broker__pb2.NackResponse.SerializeToString,
+            ),
+            'ExtendDeadline': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExtendDeadline,
+                    request_deserializer=squall_dot_v1_dot_broker__pb2.ExtendDeadlineRequest.FromString,
+                    response_serializer=squall_dot_v1_dot_broker__pb2.ExtendDeadlineResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -699,6 +798,141 @@ class Subscriber:
             '/squall.v1.Subscriber/DeleteSubscription',
             squall_dot_v1_dot_broker__pb2.DeleteSubscriptionRequest.SerializeToString,
             squall_dot_v1_dot_broker__pb2.DeleteSubscriptionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateSharedSubscription(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/squall.v1.Subscriber/CreateSharedSubscription',
+            squall_dot_v1_dot_broker__pb2.CreateSharedSubscriptionRequest.SerializeToString,
+            squall_dot_v1_dot_broker__pb2.CreateSharedSubscriptionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pull(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/squall.v1.Subscriber/Pull',
+            squall_dot_v1_dot_broker__pb2.PullRequest.SerializeToString,
+            squall_dot_v1_dot_broker__pb2.PullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AckMessages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/squall.v1.Subscriber/AckMessages',
+            squall_dot_v1_dot_broker__pb2.AckMessagesRequest.SerializeToString,
+            squall_dot_v1_dot_broker__pb2.AckMessagesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Nack(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/squall.v1.Subscriber/Nack',
+            squall_dot_v1_dot_broker__pb2.NackRequest.SerializeToString,
+            squall_dot_v1_dot_broker__pb2.NackResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExtendDeadline(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/squall.v1.Subscriber/ExtendDeadline',
+            squall_dot_v1_dot_broker__pb2.ExtendDeadlineRequest.SerializeToString,
+            squall_dot_v1_dot_broker__pb2.ExtendDeadlineResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -224,6 +224,35 @@ class SubscriberStub:
     """Lists the durable subscriptions of one topic with their cursors."""
     DeleteSubscription: _grpc.UnaryUnaryMultiCallable[_broker_pb2.DeleteSubscriptionRequest, _broker_pb2.DeleteSubscriptionResponse]
     """Deletes a durable subscription. NOT_FOUND if it does not exist."""
+    CreateSharedSubscription: _grpc.UnaryUnaryMultiCallable[_broker_pb2.CreateSharedSubscriptionRequest, _broker_pb2.CreateSharedSubscriptionResponse]
+    """Creates a shared subscription (competing consumers, docs/consumers.md): each event goes
+    to one consumer, is acknowledged on its own, redelivered after the ack deadline or a
+    Nack, and published to the dead-letter topic after max_deliveries failed deliveries.
+    Answers ok, changing nothing, when it exists with the same settings. INVALID_ARGUMENT:
+    max_deliveries or ack_deadline_ms below 1, a dead-letter topic equal to the topic, a
+    transient topic; NOT_FOUND: the topic or the dead-letter topic; ALREADY_EXISTS: the
+    name is a plain durable subscription or a shared one with other settings.
+    """
+    Pull: _grpc.UnaryUnaryMultiCallable[_broker_pb2.PullRequest, _broker_pb2.PullResponse]
+    """Leases up to max_messages committed events of a shared subscription to one consumer
+    until their ack deadline, waiting up to wait_ms for one. Empty when there is none.
+    """
+    AckMessages: _grpc.UnaryUnaryMultiCallable[_broker_pb2.AckMessagesRequest, _broker_pb2.AckMessagesResponse]
+    """Acknowledges events a consumer holds, in any order; a replicated log entry. An event
+    already acknowledged answers ok. FAILED_PRECONDITION: the event is leased to another
+    consumer (its deadline passed and it was delivered again); INVALID_ARGUMENT: never
+    delivered. Nothing is changed when any offset is refused.
+    """
+    Nack: _grpc.UnaryUnaryMultiCallable[_broker_pb2.NackRequest, _broker_pb2.NackResponse]
+    """Gives back events a consumer holds: each is delivered again after delay_ms, or
+    published to the dead-letter topic once it failed max_deliveries times. Refusals as
+    AckMessages, and FAILED_PRECONDITION for an event already acknowledged.
+    """
+    ExtendDeadline: _grpc.UnaryUnaryMultiCallable[_broker_pb2.ExtendDeadlineRequest, _broker_pb2.ExtendDeadlineResponse]
+    """Pushes back the ack deadline of events a consumer holds (long work), to now +
+    extension_ms. Refusals as AckMessages; FAILED_PRECONDITION for an event it no longer
+    holds (its deadline passed, or it was acknowledged).
+    """
 
 @_typing.type_check_only
 class SubscriberAsyncStub(SubscriberStub):
@@ -253,6 +282,35 @@ class SubscriberAsyncStub(SubscriberStub):
     """Lists the durable subscriptions of one topic with their cursors."""
     DeleteSubscription: _aio.UnaryUnaryMultiCallable[_broker_pb2.DeleteSubscriptionRequest, _broker_pb2.DeleteSubscriptionResponse]  # type: ignore[assignment]
     """Deletes a durable subscription. NOT_FOUND if it does not exist."""
+    CreateSharedSubscription: _aio.UnaryUnaryMultiCallable[_broker_pb2.CreateSharedSubscriptionRequest, _broker_pb2.CreateSharedSubscriptionResponse]  # type: ignore[assignment]
+    """Creates a shared subscription (competing consumers, docs/consumers.md): each event goes
+    to one consumer, is acknowledged on its own, redelivered after the ack deadline or a
+    Nack, and published to the dead-letter topic after max_deliveries failed deliveries.
+    Answers ok, changing nothing, when it exists with the same settings. INVALID_ARGUMENT:
+    max_deliveries or ack_deadline_ms below 1, a dead-letter topic equal to the topic, a
+    transient topic; NOT_FOUND: the topic or the dead-letter topic; ALREADY_EXISTS: the
+    name is a plain durable subscription or a shared one with other settings.
+    """
+    Pull: _aio.UnaryUnaryMultiCallable[_broker_pb2.PullRequest, _broker_pb2.PullResponse]  # type: ignore[assignment]
+    """Leases up to max_messages committed events of a shared subscription to one consumer
+    until their ack deadline, waiting up to wait_ms for one. Empty when there is none.
+    """
+    AckMessages: _aio.UnaryUnaryMultiCallable[_broker_pb2.AckMessagesRequest, _broker_pb2.AckMessagesResponse]  # type: ignore[assignment]
+    """Acknowledges events a consumer holds, in any order; a replicated log entry. An event
+    already acknowledged answers ok. FAILED_PRECONDITION: the event is leased to another
+    consumer (its deadline passed and it was delivered again); INVALID_ARGUMENT: never
+    delivered. Nothing is changed when any offset is refused.
+    """
+    Nack: _aio.UnaryUnaryMultiCallable[_broker_pb2.NackRequest, _broker_pb2.NackResponse]  # type: ignore[assignment]
+    """Gives back events a consumer holds: each is delivered again after delay_ms, or
+    published to the dead-letter topic once it failed max_deliveries times. Refusals as
+    AckMessages, and FAILED_PRECONDITION for an event already acknowledged.
+    """
+    ExtendDeadline: _aio.UnaryUnaryMultiCallable[_broker_pb2.ExtendDeadlineRequest, _broker_pb2.ExtendDeadlineResponse]  # type: ignore[assignment]
+    """Pushes back the ack deadline of events a consumer holds (long work), to now +
+    extension_ms. Refusals as AckMessages; FAILED_PRECONDITION for an event it no longer
+    holds (its deadline passed, or it was acknowledged).
+    """
 
 class SubscriberServicer(metaclass=_abc_1.ABCMeta):
     """Reads events and manages durable subscription cursors."""
@@ -309,6 +367,65 @@ class SubscriberServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_broker_pb2.DeleteSubscriptionResponse, _abc.Awaitable[_broker_pb2.DeleteSubscriptionResponse]]:
         """Deletes a durable subscription. NOT_FOUND if it does not exist."""
+
+    @_abc_1.abstractmethod
+    def CreateSharedSubscription(
+        self,
+        request: _broker_pb2.CreateSharedSubscriptionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.CreateSharedSubscriptionResponse, _abc.Awaitable[_broker_pb2.CreateSharedSubscriptionResponse]]:
+        """Creates a shared subscription (competing consumers, docs/consumers.md): each event goes
+        to one consumer, is acknowledged on its own, redelivered after the ack deadline or a
+        Nack, and published to the dead-letter topic after max_deliveries failed deliveries.
+        Answers ok, changing nothing, when it exists with the same settings. INVALID_ARGUMENT:
+        max_deliveries or ack_deadline_ms below 1, a dead-letter topic equal to the topic, a
+        transient topic; NOT_FOUND: the topic or the dead-letter topic; ALREADY_EXISTS: the
+        name is a plain durable subscription or a shared one with other settings.
+        """
+
+    @_abc_1.abstractmethod
+    def Pull(
+        self,
+        request: _broker_pb2.PullRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.PullResponse, _abc.Awaitable[_broker_pb2.PullResponse]]:
+        """Leases up to max_messages committed events of a shared subscription to one consumer
+        until their ack deadline, waiting up to wait_ms for one. Empty when there is none.
+        """
+
+    @_abc_1.abstractmethod
+    def AckMessages(
+        self,
+        request: _broker_pb2.AckMessagesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.AckMessagesResponse, _abc.Awaitable[_broker_pb2.AckMessagesResponse]]:
+        """Acknowledges events a consumer holds, in any order; a replicated log entry. An event
+        already acknowledged answers ok. FAILED_PRECONDITION: the event is leased to another
+        consumer (its deadline passed and it was delivered again); INVALID_ARGUMENT: never
+        delivered. Nothing is changed when any offset is refused.
+        """
+
+    @_abc_1.abstractmethod
+    def Nack(
+        self,
+        request: _broker_pb2.NackRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.NackResponse, _abc.Awaitable[_broker_pb2.NackResponse]]:
+        """Gives back events a consumer holds: each is delivered again after delay_ms, or
+        published to the dead-letter topic once it failed max_deliveries times. Refusals as
+        AckMessages, and FAILED_PRECONDITION for an event already acknowledged.
+        """
+
+    @_abc_1.abstractmethod
+    def ExtendDeadline(
+        self,
+        request: _broker_pb2.ExtendDeadlineRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.ExtendDeadlineResponse, _abc.Awaitable[_broker_pb2.ExtendDeadlineResponse]]:
+        """Pushes back the ack deadline of events a consumer holds (long work), to now +
+        extension_ms. Refusals as AckMessages; FAILED_PRECONDITION for an event it no longer
+        holds (its deadline passed, or it was acknowledged).
+        """
 
 def add_SubscriberServicer_to_server(servicer: SubscriberServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

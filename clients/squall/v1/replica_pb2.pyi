@@ -40,6 +40,9 @@ class Operation(_message.Message):
     PUSH_UNSUBSCRIBE_FIELD_NUMBER: _builtins.int
     PUSH_CURSOR_FIELD_NUMBER: _builtins.int
     SEEK_CURSOR_FIELD_NUMBER: _builtins.int
+    SHARED_CREATE_FIELD_NUMBER: _builtins.int
+    SHARED_ACK_FIELD_NUMBER: _builtins.int
+    SHARED_FAIL_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def epoch_start(self) -> Global___EpochStartOp:
         """Starts a new epoch; a new master's first entry."""
@@ -80,6 +83,18 @@ class Operation(_message.Message):
     def seek_cursor(self) -> Global___SeekCursorOp:
         """Moves a durable subscription's cursor anywhere (Subscriber.Seek), creating it."""
 
+    @_builtins.property
+    def shared_create(self) -> Global___SharedCreateOp:
+        """Creates a shared subscription (its cursor and settings)."""
+
+    @_builtins.property
+    def shared_ack(self) -> Global___SharedAckOp:
+        """Acknowledges offsets of a shared subscription."""
+
+    @_builtins.property
+    def shared_fail(self) -> Global___SharedFailOp:
+        """Counts a failed delivery of an offset of a shared subscription."""
+
     def __init__(
         self,
         *,
@@ -93,12 +108,15 @@ class Operation(_message.Message):
         push_unsubscribe: Global___PushUnsubscribeOp | None = ...,
         push_cursor: Global___PushCursorOp | None = ...,
         seek_cursor: Global___SeekCursorOp | None = ...,
+        shared_create: Global___SharedCreateOp | None = ...,
+        shared_ack: Global___SharedAckOp | None = ...,
+        shared_fail: Global___SharedFailOp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["create_topic", b"create_topic", "delete_subscription", b"delete_subscription", "destroy_topic", b"destroy_topic", "epoch_start", b"epoch_start", "op", b"op", "publish", b"publish", "push_cursor", b"push_cursor", "push_subscribe", b"push_subscribe", "push_unsubscribe", b"push_unsubscribe", "seek_cursor", b"seek_cursor", "set_cursor", b"set_cursor"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_topic", b"create_topic", "delete_subscription", b"delete_subscription", "destroy_topic", b"destroy_topic", "epoch_start", b"epoch_start", "op", b"op", "publish", b"publish", "push_cursor", b"push_cursor", "push_subscribe", b"push_subscribe", "push_unsubscribe", b"push_unsubscribe", "seek_cursor", b"seek_cursor", "set_cursor", b"set_cursor", "shared_ack", b"shared_ack", "shared_create", b"shared_create", "shared_fail", b"shared_fail"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_topic", b"create_topic", "delete_subscription", b"delete_subscription", "destroy_topic", b"destroy_topic", "epoch_start", b"epoch_start", "op", b"op", "publish", b"publish", "push_cursor", b"push_cursor", "push_subscribe", b"push_subscribe", "push_unsubscribe", b"push_unsubscribe", "seek_cursor", b"seek_cursor", "set_cursor", b"set_cursor"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_topic", b"create_topic", "delete_subscription", b"delete_subscription", "destroy_topic", b"destroy_topic", "epoch_start", b"epoch_start", "op", b"op", "publish", b"publish", "push_cursor", b"push_cursor", "push_subscribe", b"push_subscribe", "push_unsubscribe", b"push_unsubscribe", "seek_cursor", b"seek_cursor", "set_cursor", b"set_cursor", "shared_ack", b"shared_ack", "shared_create", b"shared_create", "shared_fail", b"shared_fail"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["epoch_start", "create_topic", "destroy_topic", "publish", "set_cursor", "delete_subscription", "push_subscribe", "push_unsubscribe", "push_cursor", "seek_cursor"]  # noqa: Y015
+    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["epoch_start", "create_topic", "destroy_topic", "publish", "set_cursor", "delete_subscription", "push_subscribe", "push_unsubscribe", "push_cursor", "seek_cursor", "shared_create", "shared_ack", "shared_fail"]  # noqa: Y015
     _WhichOneofArgType_op: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_op) -> _WhichOneofReturnType_op | None: ...
 
@@ -290,6 +308,141 @@ class SeekCursorOp(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SeekCursorOp: _TypeAlias = SeekCursorOp  # noqa: Y015
+
+@_typing.final
+class SharedCreateOp(_message.Message):
+    """Creates a shared subscription: a cursor (the floor: every offset below it is acked or
+    dead-lettered) and its settings. Stored as its settings record, with dead_lettered kept
+    up to date by the replicas (the master never sets it).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    SUBSCRIPTION_FIELD_NUMBER: _builtins.int
+    CURSOR_FIELD_NUMBER: _builtins.int
+    ACK_DEADLINE_MS_FIELD_NUMBER: _builtins.int
+    MAX_DELIVERIES_FIELD_NUMBER: _builtins.int
+    DEAD_LETTER_TOPIC_FIELD_NUMBER: _builtins.int
+    DEAD_LETTERED_FIELD_NUMBER: _builtins.int
+    EXCLUSIVE_FIELD_NUMBER: _builtins.int
+    EXCLUSIVE_TAKEOVER_MS_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    """The topic."""
+    subscription: _builtins.str
+    """The subscription's name."""
+    cursor: _builtins.int
+    """Its first offset."""
+    ack_deadline_ms: _builtins.int
+    """CreateSharedSubscriptionRequest.ack_deadline_ms."""
+    max_deliveries: _builtins.int
+    """CreateSharedSubscriptionRequest.max_deliveries."""
+    dead_letter_topic: _builtins.str
+    """CreateSharedSubscriptionRequest.dead_letter_topic."""
+    dead_lettered: _builtins.int
+    """Offsets dead-lettered so far (kept by the replicas that apply SharedFailOp)."""
+    exclusive: _builtins.bool
+    """CreateSharedSubscriptionRequest.exclusive."""
+    exclusive_takeover_ms: _builtins.int
+    """CreateSharedSubscriptionRequest.exclusive_takeover_ms (0 resolved to ack_deadline_ms)."""
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+        subscription: _builtins.str = ...,
+        cursor: _builtins.int = ...,
+        ack_deadline_ms: _builtins.int = ...,
+        max_deliveries: _builtins.int = ...,
+        dead_letter_topic: _builtins.str = ...,
+        dead_lettered: _builtins.int = ...,
+        exclusive: _builtins.bool = ...,
+        exclusive_takeover_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack_deadline_ms", b"ack_deadline_ms", "cursor", b"cursor", "dead_letter_topic", b"dead_letter_topic", "dead_lettered", b"dead_lettered", "exclusive", b"exclusive", "exclusive_takeover_ms", b"exclusive_takeover_ms", "max_deliveries", b"max_deliveries", "subscription", b"subscription", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SharedCreateOp: _TypeAlias = SharedCreateOp  # noqa: Y015
+
+@_typing.final
+class SharedAckOp(_message.Message):
+    """Acknowledges offsets of a shared subscription; the cursor moves over every acked prefix."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    SUBSCRIPTION_FIELD_NUMBER: _builtins.int
+    OFFSETS_FIELD_NUMBER: _builtins.int
+    CONSUMER_ID_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    """The topic."""
+    subscription: _builtins.str
+    """The subscription's name."""
+    consumer_id: _builtins.str
+    """The consumer that acknowledged them (remembered for a while below the cursor, so a late
+    ack from another consumer is refused).
+    """
+    @_builtins.property
+    def offsets(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The offsets (below the cursor: nothing to do)."""
+
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+        subscription: _builtins.str = ...,
+        offsets: _abc.Iterable[_builtins.int] | None = ...,
+        consumer_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consumer_id", b"consumer_id", "offsets", b"offsets", "subscription", b"subscription", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SharedAckOp: _TypeAlias = SharedAckOp  # noqa: Y015
+
+@_typing.final
+class SharedFailOp(_message.Message):
+    """One failed delivery of an offset of a shared subscription (a lapsed deadline or a nack)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    SUBSCRIPTION_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    DEAD_LETTERED_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    """The topic."""
+    subscription: _builtins.str
+    """The subscription's name."""
+    offset: _builtins.int
+    """The offset."""
+    error: _builtins.str
+    """The error recorded as the offset's last one."""
+    dead_lettered: _builtins.bool
+    """True when this failure exhausted max_deliveries and the event was dead-lettered: the
+    offset is done.
+    """
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+        subscription: _builtins.str = ...,
+        offset: _builtins.int = ...,
+        error: _builtins.str = ...,
+        dead_lettered: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead_lettered", b"dead_lettered", "error", b"error", "offset", b"offset", "subscription", b"subscription", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SharedFailOp: _TypeAlias = SharedFailOp  # noqa: Y015
 
 @_typing.final
 class DeleteSubscriptionOp(_message.Message):

@@ -50,6 +50,9 @@ The store runs on the ``kv.KV`` interface, with two twins: ``Store.open_lmdb`` a
 * ``log``: LSN (8 bytes big-endian) -> serialized ``LogEntry``.
 * ``topics``: name -> topic id, kind, next offset, first offset, creation time.
 * ``events``: topic id + offset (8 + 8 bytes big-endian) -> serialized ``common_pb2.Event``.
+* ``shared``: topic id + length-prefixed subscription name -> a shared subscription's
+  settings (``SharedCreateOp``); the same key + offset (8 bytes) -> failed deliveries,
+  done flag and last error of an offset above its cursor (deleted as the cursor passes).
 * ``cursors``: topic id (8 bytes) + subscription name -> next offset to deliver, followed
   (16 bytes) by the LSN of the seek that last moved it once one has (its seek generation).
 * ``dedupe``: publisher id (2-byte length + UTF-8) + sequence (8 bytes) -> first
@@ -114,6 +117,7 @@ from squall_server.replica.store.errors import (
 from squall_server.replica.store.facade import (
     COMPACT_BATCH_ENTRIES_DEFAULT,
     DEDUPE_WINDOW_DEFAULT,
+    SharedState,
     Store,
     TimeLookup,
 )
@@ -163,6 +167,7 @@ __all__ = [
     "InvalidEntryError",
     "LogCompactedError",
     "PushSubscriber",
+    "SharedState",
     "SnapshotError",
     "StaleEpochError",
     "Store",

@@ -22,6 +22,7 @@ from squall_server.replica.store.records import (
     DB_META,
     DB_PUBLISHERS,
     DB_PUSH,
+    DB_SHARED,
     DB_TOPICS,
     DEDUPE_RECORD,
     IDX_PUBLISHER,
@@ -32,6 +33,10 @@ from squall_server.replica.store.records import (
     META_LOG_TAIL,
     META_NEXT_TOPIC_ID,
     SEQ_END,
+    SHARED_ACKED,
+    SHARED_DEAD,
+    SHARED_PENDING,
+    SHARED_RETAIN,
     U16,
     U64,
     U64X2,
@@ -47,9 +52,18 @@ from squall_server.replica.store.records import (
     read_topic,
     read_u64,
     seal,
+    shared_offset_state,
+    shared_offset_value,
+    shared_prefix,
     unpack,
     unseal,
 )
+
+
+def read_cursor(txn: WriteTxn, key: bytes) -> int:
+    """A subscription's cursor (0 when it has none)."""
+    value = txn.get(DB_CURSORS, key)
+    return 0 if value is None else cursor_state(key, value)[0]
 
 
 class Batch:
@@ -131,6 +145,12 @@ class Batch:
             self.push_cursor(op.push_cursor)
         elif kind == "seek_cursor":
             self.seek_cursor(op.seek_cursor, lsn)
+        elif kind == "shared_create":
+            self.shared_create(op.shared_create)
+        elif kind == "shared_ack":
+            self.shared_ack(op.shared_ack)
+        elif kind == "shared_fail":
+            self.shared_fail(op.shared_fail)
         else:
             raise self.refuse("no operation")
         key = U64.pack(lsn)
@@ -180,6 +200,7 @@ class Batch:
         self.txn.delete_range(DB_EVENTS, lo, hi)
         self.txn.delete_range(DB_CURSORS, lo, hi)
         self.txn.delete_range(DB_PUSH, lo, hi)
+        self.txn.delete_range(DB_SHARED, lo, hi)
         self.forget_publishers(row)
         self.topics[op.name] = self.dirty_topics[op.name] = None
 
@@ -398,6 +419,9 @@ class Batch:
             )
         key = self.key("subscription name", op.subscription, U64.pack(row.topic_id))
         self.txn.put(DB_CURSORS, key, seal(key, U64X2.pack(op.cursor, lsn)))
+        # A shared subscription forgets every offset's state: all is delivered again.
+        prefix = self.shared_key(row, op.subscription)
+        self.txn.delete_range(DB_SHARED, prefix + U64.pack(0), prefix + b"\xff" * 9)
 
     def delete_subscription(self, op: replica_pb2.DeleteSubscriptionOp) -> None:
         """Deletes a subscription's cursor."""
@@ -405,6 +429,121 @@ class Batch:
         key = self.key("subscription name", op.subscription, U64.pack(row.topic_id))
         if not self.txn.delete(DB_CURSORS, key):
             raise self.refuse(f"no subscription {op.subscription!r} on {op.topic!r}")
+        prefix = self.shared_key(row, op.subscription)
+        self.txn.delete_range(DB_SHARED, prefix, prefix + b"\xff" * 9)
+
+    def shared_key(self, row: TopicRow, subscription: str) -> bytes:
+        """A shared subscription's settings key, refusing a name that cannot be one."""
+        try:
+            return shared_prefix(row.topic_id, subscription)
+        except InvalidEntryError as exc:
+            raise self.refuse(str(exc)) from None
+
+    def shared_settings(
+        self, op_topic: str, subscription: str
+    ) -> tuple[TopicRow, bytes, replica_pb2.SharedCreateOp]:
+        """The topic, settings key and settings of a shared subscription, or refuses."""
+        row = self.topic(op_topic)
+        prefix = self.shared_key(row, subscription)
+        value = self.txn.get(DB_SHARED, prefix)
+        if value is None:
+            raise self.refuse(f"no shared subscription {subscription!r} on {op_topic!r}")
+        try:
+            settings = replica_pb2.SharedCreateOp.FromString(unseal(DB_SHARED, prefix, value))
+        except DecodeError:
+            raise CorruptRecordError(DB_SHARED, prefix, "settings do not parse") from None
+        return row, prefix, settings
+
+    def shared_create(self, op: replica_pb2.SharedCreateOp) -> None:
+        """Creates a shared subscription: its cursor and its settings."""
+        row = self.topic(op.topic)
+        if op.cursor > row.next_offset:
+            raise self.refuse(f"cursor {op.cursor} beyond topic {op.topic!r}'s end")
+        key = self.key("subscription name", op.subscription, U64.pack(row.topic_id))
+        if self.txn.get(DB_CURSORS, key) is not None:
+            raise self.refuse(f"subscription {op.subscription!r} on {op.topic!r} exists")
+        if op.max_deliveries < 1:
+            raise self.refuse("max_deliveries below 1")
+        put_u64(self.txn, DB_CURSORS, key, op.cursor)
+        prefix = self.shared_key(row, op.subscription)
+        settings = replica_pb2.SharedCreateOp()
+        settings.CopyFrom(op)
+        settings.dead_lettered = 0
+        self.txn.put(DB_SHARED, prefix, seal(prefix, settings.SerializeToString()))
+
+    def shared_ack(self, op: replica_pb2.SharedAckOp) -> None:
+        """Marks offsets done; the cursor moves over the done prefix."""
+        row, prefix, _ = self.shared_settings(op.topic, op.subscription)
+        for offset in op.offsets:
+            self.shared_mark(
+                row, prefix, op.subscription, offset, state=SHARED_ACKED, text=op.consumer_id
+            )
+        self.shared_advance(row, prefix, op.subscription)
+
+    def shared_fail(self, op: replica_pb2.SharedFailOp) -> None:
+        """Counts a failed delivery; a dead-lettered offset is done."""
+        row, prefix, settings = self.shared_settings(op.topic, op.subscription)
+        state = SHARED_DEAD if op.dead_lettered else SHARED_PENDING
+        self.shared_mark(row, prefix, op.subscription, op.offset, state=state, text=op.error)
+        if op.dead_lettered:
+            settings.dead_lettered += 1
+            self.txn.put(DB_SHARED, prefix, seal(prefix, settings.SerializeToString()))
+        self.shared_advance(row, prefix, op.subscription)
+
+    def shared_mark(
+        self,
+        row: TopicRow,
+        prefix: bytes,
+        subscription: str,
+        offset: int,
+        *,
+        state: int,
+        text: str,
+    ) -> None:
+        """Updates one offset's record (offsets below the cursor are done already)."""
+        cursor_key = self.key("subscription name", subscription, U64.pack(row.topic_id))
+        cursor = read_cursor(self.txn, cursor_key)
+        if offset < cursor:
+            return
+        if offset >= row.next_offset:
+            raise self.refuse(f"offset {offset} beyond topic {row.name!r}'s end")
+        key = prefix + U64.pack(offset)
+        value = self.txn.get(DB_SHARED, key)
+        failures, was, _ = (
+            (0, SHARED_PENDING, "") if value is None else shared_offset_state(key, value)
+        )
+        if was != SHARED_PENDING:
+            return
+        if state != SHARED_ACKED:
+            failures += 1  # a failed delivery (dead-lettered or not)
+        self.txn.put(DB_SHARED, key, seal(key, shared_offset_value(failures, state, text)))
+
+    def shared_advance(self, row: TopicRow, prefix: bytes, subscription: str) -> None:
+        """Moves the cursor over done offsets (bounded by them); deletes the records that
+        fall SHARED_RETAIN below it."""
+        cursor_key = self.key("subscription name", subscription, U64.pack(row.topic_id))
+        value = self.txn.get(DB_CURSORS, cursor_key)
+        if value is None:
+            raise self.refuse(f"no subscription {subscription!r} on {row.name!r}")
+        cursor, generation = cursor_state(cursor_key, value)
+        start = cursor
+        while True:
+            key = prefix + U64.pack(cursor)
+            record = self.txn.get(DB_SHARED, key)
+            if record is None or shared_offset_state(key, record)[1] == SHARED_PENDING:
+                break
+            cursor += 1
+        if cursor == start:
+            return
+        self.txn.delete_range(
+            DB_SHARED,
+            prefix + U64.pack(max(0, start - SHARED_RETAIN)),
+            prefix + U64.pack(max(0, cursor - SHARED_RETAIN)),
+        )
+        if generation:
+            self.txn.put(DB_CURSORS, cursor_key, seal(cursor_key, U64X2.pack(cursor, generation)))
+        else:
+            put_u64(self.txn, DB_CURSORS, cursor_key, cursor)
 
     def push_subscribe(self, op: replica_pb2.PushSubscribeOp, lsn: int) -> None:
         """Registers a push subscriber at its start cursor."""

@@ -51,6 +51,7 @@ from squall_server.replica.store.records import (
     DB_META,
     DB_PUBLISHERS,
     DB_PUSH,
+    DB_SHARED,
     DB_TOPICS,
     DEDUPE_RECORD,
     META_CLUSTER_ID,
@@ -62,6 +63,8 @@ from squall_server.replica.store.records import (
     META_SNAPSHOT_PENDING,
     META_STATE,
     META_UNCOMMITTED,
+    SHARED_ACKED,
+    SHARED_PENDING,
     STATES,
     U16,
     U64,
@@ -87,6 +90,8 @@ from squall_server.replica.store.records import (
     read_text,
     read_topic,
     read_u64,
+    shared_offset_state,
+    shared_prefix,
     unpack,
     unseal,
 )
@@ -617,6 +622,56 @@ class Store:
                     raise CorruptRecordError(DB_CURSORS, key, "name is not UTF-8") from None
             return out
 
+    def get_shared_settings(
+        self, topic: str, subscription: str
+    ) -> replica_pb2.SharedCreateOp | None:
+        """A shared subscription's settings (one read, no scan), or None."""
+        with self._reading() as txn:
+            row = None if install_pending(txn) else read_topic(txn, topic)
+            raw = subscription.encode()
+            if row is None or not raw or len(raw) > 400:
+                return None
+            prefix = shared_prefix(row.topic_id, subscription)
+            value = txn.get(DB_SHARED, prefix)
+            if value is None:
+                return None
+            try:
+                return replica_pb2.SharedCreateOp.FromString(unseal(DB_SHARED, prefix, value))
+            except DecodeError:
+                raise CorruptRecordError(DB_SHARED, prefix, "settings do not parse") from None
+
+    def get_shared(self, topic: str, subscription: str) -> SharedState | None:
+        """A shared subscription's settings, cursor and per-offset state, or None."""
+        with self._reading() as txn:
+            row = None if install_pending(txn) else read_topic(txn, topic)
+            raw = subscription.encode()
+            if row is None or not raw or len(raw) > 400:
+                return None
+            prefix = shared_prefix(row.topic_id, subscription)
+            value = txn.get(DB_SHARED, prefix)
+            cursor_value = txn.get(DB_CURSORS, U64.pack(row.topic_id) + raw)
+            if value is None or cursor_value is None:
+                return None
+            try:
+                settings = replica_pb2.SharedCreateOp.FromString(unseal(DB_SHARED, prefix, value))
+            except DecodeError:
+                raise CorruptRecordError(DB_SHARED, prefix, "settings do not parse") from None
+            cursor, generation = cursor_state(U64.pack(row.topic_id) + raw, cursor_value)
+            state = SharedState(settings, row.topic_id, cursor, generation, set(), {}, {}, {})
+            lo, hi = prefix + U64.pack(0), prefix + b"\xff" * 9
+            for key, record in txn.scan(DB_SHARED, lo, hi):
+                (offset,) = U64.unpack_from(key, len(prefix))
+                failures, kind, text = shared_offset_state(key, record)
+                if kind == SHARED_PENDING:
+                    if failures and offset >= cursor:
+                        state.failures[offset] = failures
+                        state.errors[offset] = text
+                    continue
+                state.acked_by[offset] = text if kind == SHARED_ACKED else ""
+                if offset >= cursor:
+                    state.done.add(offset)
+            return state
+
     def get_cursor_state(self, topic: str, subscription: str) -> tuple[int, int] | None:
         """(cursor, seek generation) of the subscription, or None; generation 0: never seeked.
 
@@ -758,6 +813,20 @@ class Store:
             return 0
         with self._reading() as txn:
             return 0 if install_pending(txn) else read_u64(txn, DB_PUBLISHERS, raw) or 0
+
+
+@dataclass(frozen=True)
+class SharedState:
+    """A shared subscription as replicated (Store.get_shared)."""
+
+    settings: replica_pb2.SharedCreateOp
+    topic_id: int
+    cursor: int  # every offset below it is acked or dead-lettered
+    generation: int  # the cursor's seek generation
+    done: set[int]  # acked or dead-lettered offsets above the cursor
+    failures: dict[int, int]  # failed deliveries of offsets not done
+    errors: dict[int, str]  # their last errors
+    acked_by: dict[int, str]  # done offsets (also just below the cursor): who acked ("": dead)
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,12 @@ DB_PUBLISHERS = "publishers"
 DB_PUSH = "push"
 
 
+# Shared subscriptions (docs/consumers.md): topic id + length-prefixed name -> settings
+# (a serialized SharedCreateOp); the same key + offset -> that offset's state above the
+# floor (shared_offset_value).
+DB_SHARED = "shared"
+
+
 # The databases a KV must hold for the store.
 DATABASES = (
     DB_META,
@@ -57,16 +63,35 @@ DATABASES = (
     DB_DEDUPE,
     DB_PUBLISHERS,
     DB_PUSH,
+    DB_SHARED,
 )
 
 
 # The databases a snapshot carries, in the order it carries them (meta: only the keys
 # in META_SNAPSHOT_KEYS). Everything but the log and the receiving node's own meta.
-SNAPSHOT_DBS = (DB_META, DB_TOPICS, DB_EVENTS, DB_CURSORS, DB_DEDUPE, DB_PUBLISHERS, DB_PUSH)
+SNAPSHOT_DBS = (
+    DB_META,
+    DB_TOPICS,
+    DB_EVENTS,
+    DB_CURSORS,
+    DB_DEDUPE,
+    DB_PUBLISHERS,
+    DB_PUSH,
+    DB_SHARED,
+)
 
 
 # The state databases a snapshot install (and an abandoned one) empties, with the log.
-CLEARED_DBS = (DB_TOPICS, DB_EVENTS, DB_CURSORS, DB_DEDUPE, DB_PUBLISHERS, DB_PUSH, DB_LOG)
+CLEARED_DBS = (
+    DB_TOPICS,
+    DB_EVENTS,
+    DB_CURSORS,
+    DB_DEDUPE,
+    DB_PUBLISHERS,
+    DB_PUSH,
+    DB_SHARED,
+    DB_LOG,
+)
 
 
 META_CLUSTER_ID = b"cluster_id"
@@ -531,3 +556,39 @@ def put_text(txn: WriteTxn, key: bytes, text: str) -> None:
 
 # Longest peer-supplied text quoted in an error.
 SHOWN_CHARS_MAX = 40
+
+
+# A shared subscription's per-offset state: failed deliveries, a state byte
+# (SHARED_PENDING, SHARED_ACKED, SHARED_DEAD), then text (UTF-8): the last error, or for an
+# acked offset the consumer that acked it.
+SHARED_OFFSET = struct.Struct(">QB")
+SHARED_PENDING = 0
+SHARED_ACKED = 1
+SHARED_DEAD = 2
+# Done offsets' records are kept this many offsets below the cursor (who acked them), then
+# deleted (services/replica/shared.py, ACKED_BY_RETAIN).
+SHARED_RETAIN = 10_000
+
+
+def shared_prefix(topic_id: int, subscription: str) -> bytes:
+    """A shared subscription's settings key; its offsets' keys add 8 bytes."""
+    raw = subscription.encode()
+    if not 0 < len(raw) <= MAX_KEY_BYTES - U64.size * 2 - U16.size:
+        raise InvalidEntryError(f"subscription name of {len(raw)} bytes")
+    return U64.pack(topic_id) + U16.pack(len(raw)) + raw
+
+
+def shared_offset_value(failures: int, state: int, text: str) -> bytes:
+    """The body of a per-offset record."""
+    return SHARED_OFFSET.pack(failures, state) + text.encode()
+
+
+def shared_offset_state(key: bytes, value: bytes) -> tuple[int, int, str]:
+    """(failures, state, text) of a verified per-offset record."""
+    body = unseal(DB_SHARED, key, value)
+    failures, state = unpack(DB_SHARED, key, SHARED_OFFSET, body)
+    try:
+        text = body[SHARED_OFFSET.size :].decode()
+    except UnicodeDecodeError:
+        raise CorruptRecordError(DB_SHARED, key, "text is not UTF-8") from None
+    return failures, state, text
