@@ -252,7 +252,32 @@ def pull_request(
     )
 
 
-class SharedConsumer:
+class ConsumerSettings:
+    """What a shared subscription's consumer is, in both libraries: where it pulls from,
+    as whom, how many at a time, and its flow-control limits (checked here)."""
+
+    def __init__(
+        self,
+        topic: str,
+        name: str,
+        *,
+        consumer_id: str | None,
+        max_messages: int,
+        wait_ms: int,
+        max_outstanding: int,
+        max_outstanding_bytes: int,
+    ) -> None:
+        check_limits(max_messages, max_outstanding, max_outstanding_bytes)
+        self._max_outstanding = max_outstanding
+        self._outstanding = Outstanding(max_outstanding_bytes)
+        self.topic = topic
+        self.name = name
+        self.consumer_id = consumer_id or new_consumer_id()
+        self._max = max_messages
+        self._wait_ms = wait_ms
+
+
+class SharedConsumer(ConsumerSettings):
     """Iterates the leased events of one shared subscription (sync library)."""
 
     def __init__(
@@ -268,16 +293,17 @@ class SharedConsumer:
         max_outstanding: int = MAX_OUTSTANDING_DEFAULT,
         max_outstanding_bytes: int = 0,
     ) -> None:
-        check_limits(max_messages, max_outstanding, max_outstanding_bytes)
-        self._max_outstanding = max_outstanding
-        self._outstanding = Outstanding(max_outstanding_bytes)
+        super().__init__(
+            topic,
+            name,
+            consumer_id=consumer_id,
+            max_messages=max_messages,
+            wait_ms=wait_ms,
+            max_outstanding=max_outstanding,
+            max_outstanding_bytes=max_outstanding_bytes,
+        )
         self._stub = subscriber_stub
         self._call = call
-        self.topic = topic
-        self.name = name
-        self.consumer_id = consumer_id or new_consumer_id()
-        self._max = max_messages
-        self._wait_ms = wait_ms
         self._closed = threading.Event()
 
     def close(self) -> None:

@@ -17,11 +17,9 @@ from squall._shared import (
     PULL_WAIT_MS_DEFAULT,
     SHARED_RETRIES_MAX,
     SHARED_RETRY_WAIT_S,
-    Outstanding,
+    ConsumerSettings,
     SharedMessage,
-    check_limits,
     extend_request,
-    new_consumer_id,
     pull_request,
     retried,
     settle_request,
@@ -29,7 +27,7 @@ from squall._shared import (
 )
 
 
-class AsyncSharedConsumer:
+class AsyncSharedConsumer(ConsumerSettings):
     """Iterates the leased events of one shared subscription (asyncio library)."""
 
     def __init__(
@@ -45,16 +43,17 @@ class AsyncSharedConsumer:
         max_outstanding: int = MAX_OUTSTANDING_DEFAULT,
         max_outstanding_bytes: int = 0,
     ) -> None:
-        check_limits(max_messages, max_outstanding, max_outstanding_bytes)
-        self._max_outstanding = max_outstanding
-        self._outstanding = Outstanding(max_outstanding_bytes)
+        super().__init__(
+            topic,
+            name,
+            consumer_id=consumer_id,
+            max_messages=max_messages,
+            wait_ms=wait_ms,
+            max_outstanding=max_outstanding,
+            max_outstanding_bytes=max_outstanding_bytes,
+        )
         self._stub = subscriber_stub
         self._call = call
-        self.topic = topic
-        self.name = name
-        self.consumer_id = consumer_id or new_consumer_id()
-        self._max = max_messages
-        self._wait_ms = wait_ms
         self._closed = False
 
     def close(self) -> None:
