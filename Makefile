@@ -63,7 +63,7 @@ lint: install
 	$(BIN)/mypy squall_server clients/squall deploy scripts bench chaos
 
 test: install protos-check lint node-deps
-	$(BIN)/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(BIN)/pytest -q -p no:cacheprovider --durations=25 $(PYTEST_ARGS)
 
 unit: install
 	$(BIN)/pytest -q tests/unit $(PYTEST_ARGS)
