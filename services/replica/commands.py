@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
@@ -968,6 +969,10 @@ def _check_name(validate: object, value: str) -> None:
 _SIZE_BY_ENCODING_EVENTS_MIN = 64
 
 
+def _headers_bytes(headers: Mapping[str, str]) -> int:
+    return sum(len(name.encode()) + len(value.encode()) for name, value in headers.items())
+
+
 def check_publish_limits(request: broker_pb2.PublishRequest, limits: LimitsConfig) -> None:
     """Refuses a publish that breaks a size limit, naming the limit (nothing is stored)."""
     events = request.events
@@ -987,9 +992,13 @@ def check_publish_limits(request: broker_pb2.PublishRequest, limits: LimitsConfi
     total_bytes = 0
     for i, event in enumerate(events):
         size = len(event.payload) + len(event.key)
+        if event.headers:
+            # Headers are stored and delivered with the event, so they count against the
+            # same limit: otherwise a small payload could carry megabytes beside it.
+            size += _headers_bytes(event.headers)
         if size > limits.max_event_bytes:
             raise invalid(
-                f"event {i} is {size} bytes (key + payload); "
+                f"event {i} is {size} bytes (key + payload + headers); "
                 f"max_event_bytes is {limits.max_event_bytes}"
             )
         total_bytes += size
