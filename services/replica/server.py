@@ -24,6 +24,7 @@ from squall.v1 import (
 from squall.wire import stages as _stages
 from squall_server.common.errors import Code, ServiceError, invalid
 from squall_server.common.grpc_server import Context
+from squall_server.common.loss import loss_to_proto
 from squall_server.replica import commands, handoff, seek, shutdown
 from squall_server.replica.node import UNREACHABLE_KEY, ReplicaNode
 from squall_server.replica.shared_master import SharedMaster
@@ -770,6 +771,7 @@ class ReplicaControl(replica_pb2_grpc.ReplicaControlServicer):
             frozen_for_shutdown_id=self.node.frozen_for,
             fault_id=self.node.fault.fault_id if self.node.fault else "",
             fault_reason=self.node.fault.reason if self.node.fault else "",
+            losses=[loss_to_proto(r) for r in self.node.losses],
             store_stalled_ms=self.node.store_stalled_ms(),
         )
         progress = self.node.reorganization_progress()

@@ -135,6 +135,18 @@ class ReplicaInstruments:
             unit="{change}",
             description="Role changes of this replica, by the role taken",
         )
+        self.loss_reports = meter.create_counter(
+            "squall.replica.loss.reports",
+            unit="{report}",
+            description="Loss reports this replica recorded: acknowledged events it discarded "
+            "(SQUALL-LOSS-001), by cause",
+        )
+        self.loss_events = meter.create_counter(
+            "squall.replica.loss.events",
+            unit="{event}",
+            description="Acknowledged events this replica discarded (truncations below the "
+            "commit LSN it knew)",
+        )
         self._sources: dict[int, _Source] = {}
         gauges = (
             ("squall.replica.role", "", "1 for the role this replica holds, 0 for the others",

@@ -1000,6 +1000,7 @@ class ReplicaState(_message.Message):
     FAULT_REASON_FIELD_NUMBER: _builtins.int
     REORGANIZATION_FIELD_NUMBER: _builtins.int
     STORE_STALLED_MS_FIELD_NUMBER: _builtins.int
+    LOSSES_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The replica's node id."""
     cluster_id: _builtins.str
@@ -1054,6 +1055,13 @@ class ReplicaState(_message.Message):
         outlives the SetRole call): how far it got. Unset otherwise.
         """
 
+    @_builtins.property
+    def losses(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.LossEvent]:
+        """Acknowledged events this node's store discarded (docs/operations.md, "Loss
+        reports"), kept in `loss-events.json` beside the store; the coordinator records each
+        once and shows it until an operator acknowledges it.
+        """
+
     def __init__(
         self,
         *,
@@ -1076,10 +1084,11 @@ class ReplicaState(_message.Message):
         fault_reason: _builtins.str = ...,
         reorganization: Global___ReorganizationProgress | None = ...,
         store_stalled_ms: _builtins.int = ...,
+        losses: _abc.Iterable[_common_pb2.LossEvent] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["reorganization", b"reorganization"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "command_seq", b"command_seq", "commit_lsn", b"commit_lsn", "epoch", b"epoch", "fault_id", b"fault_id", "fault_reason", b"fault_reason", "frozen_for_shutdown_id", b"frozen_for_shutdown_id", "joined", b"joined", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "log_start_lsn", b"log_start_lsn", "master_id", b"master_id", "node_id", b"node_id", "reorganization", b"reorganization", "role", b"role", "shutdown_id", b"shutdown_id", "slaves", b"slaves", "store_stalled_ms", b"store_stalled_ms", "store_state", b"store_state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "command_seq", b"command_seq", "commit_lsn", b"commit_lsn", "epoch", b"epoch", "fault_id", b"fault_id", "fault_reason", b"fault_reason", "frozen_for_shutdown_id", b"frozen_for_shutdown_id", "joined", b"joined", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "log_start_lsn", b"log_start_lsn", "losses", b"losses", "master_id", b"master_id", "node_id", b"node_id", "reorganization", b"reorganization", "role", b"role", "shutdown_id", b"shutdown_id", "slaves", b"slaves", "store_stalled_ms", b"store_stalled_ms", "store_state", b"store_state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
