@@ -920,7 +920,12 @@ class Election:
             self._n == 2
             and self._eligible
             and self._persisted.designated_primary
-            and not any(self._peer_designated.values())
+            # A lower-ranked peer that holds the flag too gives it up when the two meet
+            # (_learn_designation), so only a higher-ranked holder stops this node.
+            and not any(
+                flag and self._rank[node] > self._rank[self._me]
+                for node, flag in self._peer_designated.items()
+            )
         )
 
     def _quorum(self, group_max_seen: int) -> tuple[int, str]:
