@@ -55,7 +55,8 @@ def loss_line(loss: squall.LossEvent) -> str:
         parts.append(f"allowed by {loss.operator_action}")
     if loss.first_lsn:
         epochs = f" (epochs {loss.first_epoch}..{loss.last_epoch})" if loss.first_epoch else ""
-        parts.append(f"LSN {loss.first_lsn}..{loss.last_lsn}{epochs}")
+        upto = loss.last_lsn if loss.last_lsn else "(end unknown)"
+        parts.append(f"LSN {loss.first_lsn}..{upto}{epochs}")
     if loss.topics:
         total = sum(count for _, count in loss.topics)
         listed = ", ".join(f"{topic}={count}" for topic, count in loss.topics)

@@ -61,7 +61,8 @@ class LossRecord:
             parts.append(f"epoch {self.epoch}")
         if self.first_lsn:
             epochs = f" (epochs {self.first_epoch}..{self.last_epoch})" if self.first_epoch else ""
-            parts.append(f"LSN {self.first_lsn}..{self.last_lsn}{epochs}")
+            upto = self.last_lsn if self.last_lsn else "(end unknown)"
+            parts.append(f"LSN {self.first_lsn}..{upto}{epochs}")
         if self.topics:
             listed = ", ".join(f"{topic}={count}" for topic, count in self.topics)
             parts.append(f"{self.events()} events: {listed}")

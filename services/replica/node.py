@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections import deque
@@ -204,7 +205,11 @@ class ReplicaNode:
         self.fault: Fault | None = load_fault(node.data_dir)
         # Loss reports beside the store (acknowledged entries this node discarded); reported
         # to the coordinator in every ReplicaState (services/common/loss.py).
-        self.losses: tuple[LossRecord, ...] = load_losses(node.data_dir)
+        # The offline store tools name the node after its directory: the file is this
+        # node's, so its id is what the reports carry.
+        self.losses: tuple[LossRecord, ...] = tuple(
+            dataclasses.replace(r, node_id=node.id) for r in load_losses(node.data_dir)
+        )
         self.transient = TransientTopics(config.limits.subscribe_batch_max_events * 10)
         self.push = PushDelivery(self)  # runs while master, from the epoch start's commit
         self._queue: deque[_Pending] = deque()
