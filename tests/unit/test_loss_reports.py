@@ -36,6 +36,7 @@ from squall_server.replica.node import ReplicaNode
 from squall_server.replica.rebuild import LmdbTruncator
 from squall_server.replica.server import ReplicaControl
 from squall_server.replica.store import Store
+from tests.observability_harness import Otel, otel
 from tests.unit.test_store_contract import (
     Writer,
     create,
@@ -47,6 +48,7 @@ from tests.unit.test_store_contract import (
 
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "cluster.example.toml"
 MAP_BYTES = 16 << 20
+__all__ = ["otel"]  # the fixture, imported for pytest
 
 
 def _slave_of(master: str, epoch: int, seq: int) -> replica_pb2.RoleCommand:
@@ -122,7 +124,7 @@ def _truncating_slave(
 
 
 def test_a_slave_truncating_what_it_knew_committed_records_a_loss_report(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, otel: Otel
 ) -> None:
     with caplog.at_level(logging.ERROR, logger="squall.replica"):
         node, state = _truncating_slave(tmp_path, commit_lsn=5)
@@ -139,6 +141,10 @@ def test_a_slave_truncating_what_it_knew_committed_records_a_loss_report(
     assert any(LOSS_MESSAGE_ID in m and loss.loss_id in m and "LSN 4..5" in m for m in errors)
     assert [(s.loss_id, s.first_lsn, s.last_lsn) for s in state.losses] == [(loss.loss_id, 4, 5)]
     assert [(t.topic, t.events) for t in state.losses[0].topics] == [("orders", 5)]
+    # Counted in the replica's metrics.
+    reports = otel.points("squall.replica.loss.reports")
+    assert reports == [({"node": "n2", "cause": "truncation"}, 1)]
+    assert otel.points("squall.replica.loss.events") == [({"node": "n2"}, 5)]
 
 
 def test_truncating_only_what_was_never_known_committed_records_nothing(
