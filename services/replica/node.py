@@ -186,6 +186,8 @@ class ReplicaNode:
         self._instruments = (
             telemetry.instruments(self.telemetry) if self.telemetry.metering else None
         )
+        # The newest traced publishes, for delivery spans to link to (telemetry.py).
+        self.published_traces = telemetry.PublishedTraces()
         # The role rules (role, epoch and its floor, lease, shutdown freeze, hand-off fence,
         # the write gate) live in the pure core; this driver carries out its effects.
         # The log's position and commit-LSN record too (``_last_lsn`` and its kin read it).
@@ -681,6 +683,7 @@ class ReplicaNode:
             ) from exc
         self.core.log_truncated(keep_lsn, self.store.log_start_lsn())
         self.gate.truncated(keep_lsn)
+        self.published_traces.clear()  # their offsets may be reused by the new log
         self._notify_committed()
 
     # --- writes
@@ -1455,8 +1458,8 @@ class ReplicaNode:
             # Before the append reaches the driver: its sends may leave at once.
             driver.traced(
                 [
-                    (lsn, pending.trace.appended(lsn, self.epoch))
-                    for (pending, _), lsn in zip(planned, lsns, strict=True)
+                    (lsn, pending.trace.appended(lsn, self.epoch, plan.receipt))
+                    for (pending, plan), lsn in zip(planned, lsns, strict=True)
                     if pending.trace is not None
                 ]
             )

@@ -39,6 +39,7 @@ import grpc
 
 from squall.v1 import common_pb2, push_pb2, push_pb2_grpc
 from squall.wire import stages as _stages
+from squall.wire.trace_context import end_call_span, with_context
 from squall_server.common.errors import Code, ServiceError
 from squall_server.common.tls import handshake_failure, transport
 from squall_server.replica import commands
@@ -49,6 +50,7 @@ from squall_server.replica.push_policy import (
     backoff_ms,
 )
 from squall_server.replica.store import PushSubscriber, StoreError, UnknownTopicError
+from squall_server.replica.telemetry import push_span
 
 if TYPE_CHECKING:
     from squall_server.replica.node import ReplicaNode
@@ -414,13 +416,30 @@ class _Worker:
         )
         if _stages.ENABLED:
             _stages.mark("p.out", f"off/{s.topic}/{events[0].offset}")
+        span = push_span(
+            node.telemetry,
+            node.published_traces,
+            node.node.id,
+            s.subscriber_id,
+            s.topic,
+            events,
+            request.attempt,
+        )
+        code, detail = "CANCELLED", "the delivery was cancelled (the role went)"
         try:
             await self._stub.Deliver(
-                request, timeout=node.config.timeouts.push_deliver_timeout_ms / 1000
+                request,
+                timeout=node.config.timeouts.push_deliver_timeout_ms / 1000,
+                # The app's server span (if it traces) joins the delivery's trace.
+                metadata=with_context(None, span) if span is not None else None,
             )
+            code, detail = "OK", ""
         except grpc.aio.AioRpcError as exc:
-            return Offered(first, end, exc.code().name, _detail(exc))
-        return Offered(first, end, "OK")
+            code, detail = exc.code().name, _detail(exc)
+        finally:
+            if span is not None:
+                end_call_span(span, code, detail)
+        return Offered(first, end, code, detail)
 
     async def _remove(self, reason: str) -> None:
         """Removes the subscriber through the log (replicated, like any unsubscribe)."""

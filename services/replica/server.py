@@ -215,7 +215,13 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
     ) -> asyncio.Future[broker_pb2.PublishResponse]:
         """Begins one publish; the future resolves to its response once committed."""
         observed = self.node.telemetry
-        watch = PublishWatch(observed, request, *self._where()) if observed.active else None
+        watch = (
+            PublishWatch(
+                observed, request, *self._where(), published=self.node.published_traces
+            )
+            if observed.active
+            else None
+        )
         try:
             receipt = self.node.start_publish(request, watch.traced if watch else None)
         except BaseException as exc:
@@ -449,7 +455,7 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
         transient = topic.kind == common_pb2.TOPIC_KIND_TRANSIENT
         end = request.end_offset
         delivery = (
-            DeliveryWatch(node.telemetry, node.node.id, topic.name)
+            DeliveryWatch(node.telemetry, node.node.id, topic.name, node.published_traces)
             if node.telemetry.active
             else None
         )
