@@ -1541,7 +1541,10 @@ class ReplicaNode:
     def _record_loss(self, record: LossRecord) -> None:
         """Keeps a loss report beside the store, logs it (SQUALL-LOSS-001) and counts it;
         the coordinator hears of it in the next ReplicaState."""
-        self.losses = record_loss(self.node.data_dir, record, log)
+        self.losses = tuple(
+            dataclasses.replace(r, node_id=self.node.id)
+            for r in record_loss(self.node.data_dir, record, log)
+        )
         if self._instruments is not None:
             self._instruments.loss_reports.add(1, {"node": self.node.id, "cause": record.cause})
             self._instruments.loss_events.add(record.events(), {"node": self.node.id})
