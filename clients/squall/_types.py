@@ -140,6 +140,46 @@ class OperatorRecord:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class LossEvent:
+    """Acknowledged events a node discarded, and the operator action that allowed it
+    (docs/operations.md, "Loss reports"); shown until `squall cluster ack-loss ID`."""
+
+    loss_id: str
+    node_id: str
+    at_ms: int
+    cause: str
+    """`truncation`, `manual-recovery`, `restore` or `designated-primary-conflict`."""
+    operator_action: str
+    detail: str
+    epoch: int = 0
+    first_epoch: int = 0
+    last_epoch: int = 0
+    first_lsn: int = 0
+    """The discarded LSN range (0: unknown)."""
+    last_lsn: int = 0
+    topics: tuple[tuple[str, int], ...] = ()
+    """(topic, events discarded) per topic; empty when unknown."""
+
+    @classmethod
+    def from_pb(cls, pb: Any) -> LossEvent:
+        """From a `squall.v1.LossEvent`."""
+        return cls(
+            loss_id=pb.loss_id,
+            node_id=pb.node_id,
+            at_ms=pb.at_ms,
+            cause=pb.cause,
+            operator_action=pb.operator_action,
+            detail=pb.detail,
+            epoch=pb.epoch,
+            first_epoch=pb.first_epoch,
+            last_epoch=pb.last_epoch,
+            first_lsn=pb.first_lsn,
+            last_lsn=pb.last_lsn,
+            topics=tuple((t.topic, t.events) for t in pb.topics),
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class NodeStatus:
     """One node's row of the cluster status table (IceStorm's `replica` command, and more)."""
 
@@ -187,6 +227,8 @@ class NodeStatus:
     config_mismatches: tuple[ConfigMismatch, ...] = ()
     """Nodes this node refuses because settings every member must share differ from its
     own, one row per differing setting."""
+    losses: tuple[LossEvent, ...] = ()
+    """Acknowledged events the node discarded that no operator acknowledged yet."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -266,6 +308,7 @@ class ClusterStatus:
                     ConfigMismatch(m.node_id, m.key, m.local_value, m.peer_value)
                     for m in n.config_mismatches
                 ),
+                losses=tuple(LossEvent.from_pb(e) for e in n.losses),
             )
             for n in status.nodes
         )

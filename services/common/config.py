@@ -58,10 +58,29 @@ SYNC_POLICY_NAMES: Mapping[str, common_pb2.SyncPolicy.ValueType] = {
     "WRITE_NO_SYNC": common_pb2.SYNC_POLICY_WRITE_NO_SYNC,
     "NO_SYNC": common_pb2.SYNC_POLICY_NO_SYNC,
 }
+# "all" stays first for ACK_POLICY_ALL: it is the name the agreed-settings digest uses, so
+# nodes of this version and older ones agree (ClusterConfig.agreed_settings).
 ACK_POLICY_NAMES: Mapping[str, common_pb2.AckPolicy.ValueType] = {
     "majority": common_pb2.ACK_POLICY_MAJORITY,
     "all": common_pb2.ACK_POLICY_ALL,
     "none": common_pb2.ACK_POLICY_NONE,
+    "group": common_pb2.ACK_POLICY_ALL,
+}
+# Names that still load but say less than they seem to (issue 20): what each does, and
+# the name to write instead.
+DEPRECATED_ACKS = {
+    "all": (
+        'durability.acks = "all" is deprecated: it waits for every member of the current '
+        "group, not every configured node (a node out of the group is not waited for); "
+        'write acks = "group"'
+    ),
+}
+DEPRECATED_MASTER_SYNC = {
+    "NO_SYNC": (
+        'durability.master_sync = "NO_SYNC" is deprecated: a master must write an entry to '
+        "its log before it can replicate it, so it behaves as WRITE_NO_SYNC (and is loaded "
+        'as that); write master_sync = "WRITE_NO_SYNC"'
+    ),
 }
 TELEMETRY_EXPORTERS = ("none", "console", "otlp", "prometheus")
 # Bind-only addresses (the Prometheus endpoint) may listen on every interface.
@@ -277,6 +296,8 @@ class ClusterConfig:
     auth: AuthConfig = field(default_factory=AuthConfig)
     path: Path = Path("<memory>")
     tls: TlsConfig = field(default_factory=TlsConfig)
+    # Deprecated names the file used, one sentence each (logged as warnings at start).
+    deprecations: tuple[str, ...] = field(default=(), compare=False)
 
     def node(self, node_id: str) -> NodeConfig:
         """The node with this id; ConfigError listing the configured ids if there is none."""
@@ -426,6 +447,8 @@ def load_config_or_exit(
             check_tls_identity(config.tls, identity)
     except ConfigError as error:
         _exit_with_error(path, error.message)
+    for deprecation in config.deprecations:
+        print(f"squall: config warning: {os.fspath(path)}: {deprecation}", file=sys.stderr)
     return config
 
 
@@ -480,6 +503,7 @@ def _build(document: Mapping[str, Any], config_path: Path) -> ClusterConfig:
     _require(cluster, "name", "cluster.name")
 
     base_dir = config_path.absolute().parent
+    deprecations: list[str] = []
     nodes = tuple(
         _build_node(index, entry, base_dir) for index, entry in enumerate(document.get("nodes", []))
     )
@@ -493,7 +517,7 @@ def _build(document: Mapping[str, Any], config_path: Path) -> ClusterConfig:
         timeouts=_build_plain(document, "timeouts", TimeoutsConfig),
         retry=_build_plain(document, "retry", RetryConfig),
         limits=_build_plain(document, "limits", LimitsConfig),
-        durability=_build_durability(document.get("durability", {})),
+        durability=_build_durability(document.get("durability", {}), deprecations),
         telemetry=_build_plain(
             document, "telemetry", TelemetryConfig, choices={"exporter": TELEMETRY_EXPORTERS}
         ),
@@ -503,6 +527,7 @@ def _build(document: Mapping[str, Any], config_path: Path) -> ClusterConfig:
         auth=_build_auth(document.get("auth", {})),
         path=config_path.absolute(),
         tls=_build_tls(document.get("tls", {}), base_dir),
+        deprecations=tuple(deprecations),
     )
 
 
@@ -643,8 +668,9 @@ def _build_auth(table: Mapping[str, Any]) -> AuthConfig:
         raise ConfigError(str(error)) from None
 
 
-def _build_durability(table: Mapping[str, Any]) -> DurabilityConfig:
-    """[durability], turning the policy strings into common_pb2 enum values."""
+def _build_durability(table: Mapping[str, Any], deprecations: list[str]) -> DurabilityConfig:
+    """[durability], turning the policy strings into common_pb2 enum values; a deprecated
+    name is loaded as what it does, with a sentence in deprecations."""
     known = [f.name for f in dataclasses.fields(DurabilityConfig)]
     _check_keys(table, known, "[durability]", "durability")
     defaults = DurabilityConfig()
@@ -659,6 +685,12 @@ def _build_durability(table: Mapping[str, Any]) -> DurabilityConfig:
         )
     if "acks" in table:
         acks = _parse_enum(table["acks"], "durability.acks", ACK_POLICY_NAMES)
+        if isinstance(table["acks"], str) and table["acks"].lower() in DEPRECATED_ACKS:
+            deprecations.append(DEPRECATED_ACKS[table["acks"].lower()])
+    given = table.get("master_sync")
+    if isinstance(given, str) and given.upper() in DEPRECATED_MASTER_SYNC:
+        deprecations.append(DEPRECATED_MASTER_SYNC[given.upper()])
+        master_sync = common_pb2.SYNC_POLICY_WRITE_NO_SYNC
     return DurabilityConfig(master_sync=master_sync, replica_sync=replica_sync, acks=acks)
 
 

@@ -10,6 +10,7 @@ logged and answered there.
 from __future__ import annotations
 
 from squall.v1 import common_pb2, coordinator_pb2
+from squall_server.common.loss import loss_to_proto
 from squall_server.coordinator.messages import (
     Accept,
     AreYouCoordinator,
@@ -313,6 +314,7 @@ def status_to_proto(status: ElectionStatus) -> coordinator_pb2.CoordinatorStatus
         )
         for m in status.config_mismatches
     )
+    pb.losses.extend(loss_to_proto(r) for r in status.losses)
     return pb
 
 

@@ -139,6 +139,13 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
+from squall_server.common.loss_record import (
+    LOSS_ACK_MESSAGE_ID,
+    LOSS_ACKED_IDS_MAX,
+    LOSS_MESSAGE_ID,
+    LOSS_RECORDS_MAX,
+    LossRecord,
+)
 from squall_server.coordinator.agreement import SettingDifference, differences, settings_digest
 from squall_server.coordinator.lifecycle import decide_start
 from squall_server.coordinator.messages import (
@@ -457,7 +464,11 @@ class Election:
         self._higher_seen: str | None = None
         self._last_yes_ms = 0
         self._next_heartbeat_ms = 0
-        self._peer_designated: dict[str, bool] = {}
+        # The other node's designated-primary flag as last heard, seeded from the persisted
+        # state so a restart keeps refusing the flag while the peer was last seen holding it.
+        self._peer_designated: dict[str, bool] = {
+            node: True for node in persisted.peer_designated if node in self._prio
+        }
         self._conflict_logged = False
         self._last_change_reason = "not started"
         # Nodes known to belong to another cluster (node -> its cluster id): never merged
@@ -602,6 +613,16 @@ class Election:
         """
         return self._run(now_ms, lambda: self._on_set_quarantine(enabled, operator, reason))
 
+    def replica_losses(self, losses: tuple[LossRecord, ...], now_ms: int) -> Ready:
+        """The replica reports the loss reports beside its store: keep each new one (not
+        held, not acknowledged) until an operator acknowledges it."""
+        return self._run(now_ms, lambda: self._on_replica_losses(losses))
+
+    def ack_loss(self, loss_id: str, operator: str, now_ms: int, reason: str = "") -> Ready:
+        """An operator acknowledges a loss report (audited); NOT_FOUND for an id this node
+        does not hold, and nothing changes then."""
+        return self._run(now_ms, lambda: self._on_ack_loss(loss_id, operator, reason))
+
     # ----------------------------------------------------------------- queries
 
     @property
@@ -660,6 +681,7 @@ class Election:
                 for node in sorted(self._disagree, key=node_sort_key)
                 for d in self._disagree[node][1]
             ),
+            losses=self._persisted.losses,
         )
 
     def next_deadline_ms(self) -> int | None:
@@ -898,7 +920,12 @@ class Election:
             self._n == 2
             and self._eligible
             and self._persisted.designated_primary
-            and not any(self._peer_designated.values())
+            # A lower-ranked peer that holds the flag too gives it up when the two meet
+            # (_learn_designation), so only a higher-ranked holder stops this node.
+            and not any(
+                flag and self._rank[node] > self._rank[self._me]
+                for node, flag in self._peer_designated.items()
+            )
         )
 
     def _quorum(self, group_max_seen: int) -> tuple[int, str]:
@@ -1871,6 +1898,48 @@ class Election:
         )
         self._recover(f"quarantined: {reason}", level)
 
+    def _on_replica_losses(self, losses: tuple[LossRecord, ...]) -> None:
+        """Keep each loss report not yet held or acknowledged."""
+        p = self._persisted
+        known = {r.loss_id for r in p.losses} | set(p.acked_loss_ids)
+        new = tuple(r for r in losses if r.loss_id not in known)
+        if not new:
+            return
+        self._persist(losses=(*p.losses, *new)[-LOSS_RECORDS_MAX:])
+        for record in new:
+            self._log(
+                LogLevel.ERROR,
+                "loss",
+                f"{LOSS_MESSAGE_ID} acknowledged events discarded: {record.summary()} "
+                f"[{record.loss_id}]; shown in `squall status` until `squall cluster "
+                f"ack-loss {record.loss_id}`",
+            )
+
+    def _on_ack_loss(self, loss_id: str, operator: str, reason: str) -> None:
+        """Acknowledge one loss report, audited; an unknown id changes nothing."""
+        who = operator or "unknown operator"
+        p = self._persisted
+        record = next((r for r in p.losses if r.loss_id == loss_id), None)
+        if record is None:
+            held = ", ".join(r.loss_id for r in p.losses) or "none"
+            self._reject(
+                RejectCode.NOT_FOUND,
+                f"no loss report {_show(loss_id)} on this node (unacknowledged: {held})",
+            )
+            return
+        self._record(who, f"ack-loss {loss_id}", reason or record.summary())
+        self._persist(
+            losses=tuple(r for r in p.losses if r.loss_id != loss_id),
+            acked_loss_ids=(*p.acked_loss_ids, loss_id)[-LOSS_ACKED_IDS_MAX:],
+        )
+        why = f" ({reason})" if reason else ""
+        self._log(
+            LogLevel.WARNING,
+            "loss-acknowledged",
+            f"{LOSS_ACK_MESSAGE_ID} loss report {loss_id} acknowledged by {who}{why}: "
+            f"{record.summary()}",
+        )
+
     # ----------------------------------------------------------------- messages
 
     def _on_message(self, msg: PeerMessage) -> None:
@@ -2003,19 +2072,67 @@ class Election:
             self._note_coordinator(frm, body.serving)
 
     def _learn_designation(self, node: str, designated: bool) -> None:
-        """Track the other node's designated-primary flag; both set is a loud conflict."""
+        """Track the other node's designated-primary flag (persisted); both set is a
+        conflict: the lower-ranked node gives its flag up and stops running alone."""
         self._peer_designated[node] = designated
-        if designated and self._persisted.designated_primary:
+        holders = tuple(sorted(x for x, flag in self._peer_designated.items() if flag))
+        if holders != self._persisted.peer_designated:
+            self._persist(peer_designated=holders)
+        if not (designated and self._persisted.designated_primary):
+            self._conflict_logged = False
+            return
+        if self._rank[self._me] > self._rank[node]:
             if not self._conflict_logged:
                 self._conflict_logged = True
                 self._log(
                     LogLevel.ERROR,
                     "designated-primary-conflict",
-                    f"node {node} is ALSO designated primary; neither may run alone until "
-                    "an operator clears one flag",
+                    f"node {node} is ALSO designated primary: both may have run alone; "
+                    f"{node} ranks lower, so it clears its flag and stops running alone, and "
+                    "this node keeps serving; what the two groups wrote apart is decided by "
+                    "the newest log when they merge",
                 )
-        else:
-            self._conflict_logged = False
+            return
+        self._designation_conflict(node)
+
+    def _designation_conflict(self, node: str) -> None:
+        """Both nodes of a two-node cluster hold the flag, and the other ranks higher: give
+        the flag up (audited as ``auto``), record the divergence as a loss report, and stop
+        serving alone (the higher-ranked node keeps serving and invites this one)."""
+        epoch = self._persisted.epoch
+        at_ms = self._now_ms + self._wall_offset_ms
+        detail = (
+            f"nodes {self._me} and {node} both held the designated-primary flag, so both may "
+            f"have run alone and acknowledged writes the other never saw; {self._me} (ranked "
+            f"below {node}) cleared its flag and stopped serving alone in epoch {epoch}; when "
+            "the two merge, the newest log is kept and the other side's writes since the "
+            "split are discarded (the truncating node reports its LSN range and topics)"
+        )
+        record = LossRecord(
+            loss_id=f"loss-{self._me}-dp-{epoch}-{at_ms}",
+            node_id=self._me,
+            at_ms=at_ms,
+            cause="designated-primary-conflict",
+            operator_action=f"designated primary set on both {self._me} and {node}",
+            detail=detail,
+            epoch=epoch,
+        )
+        self._record("auto", "designated-primary cleared", f"conflict with {node}")
+        self._persist(
+            designated_primary=False,
+            losses=(*self._persisted.losses, record)[-LOSS_RECORDS_MAX:],
+        )
+        self._log(
+            LogLevel.ERROR,
+            "designated-primary-conflict",
+            f"{LOSS_MESSAGE_ID} acknowledged events may be discarded: {record.summary()} "
+            f"[{record.loss_id}]",
+        )
+        if self._state is NodeState.NORMAL and len(self._view) < 2:
+            self._recover(
+                f"designated-primary conflict with {node}: stopped running alone",
+                LogLevel.ERROR,
+            )
 
     def _on_are_you_there(self, frm: str, body: AreYouThere) -> None:
         """Answer a member's check; it doubles as the member's heartbeat."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from squall_server.common.loss_record import LossRecord
+
 
 class NodeState(enum.Enum):
     """A node's election state (IceStorm's replica states)."""
@@ -65,12 +67,16 @@ class RejectCode(enum.Enum):
     STALE_EPOCH = "stale-epoch"
     INVALID_ARGUMENT = "invalid-argument"
     FAILED_PRECONDITION = "failed-precondition"
+    NOT_FOUND = "not-found"
 
     @property
     def status(self) -> str:
-        """The gRPC status code name: ``INVALID_ARGUMENT`` or ``FAILED_PRECONDITION``."""
+        """The gRPC status code name: ``INVALID_ARGUMENT``, ``FAILED_PRECONDITION`` or
+        ``NOT_FOUND``."""
         if self in (RejectCode.STALE_EPOCH, RejectCode.FAILED_PRECONDITION):
             return "FAILED_PRECONDITION"
+        if self is RejectCode.NOT_FOUND:
+            return "NOT_FOUND"
         return "INVALID_ARGUMENT"
 
 
@@ -305,6 +311,12 @@ class PersistedState:
     ``cleared_fault_id`` the last fault an operator cleared, so the replica reporting that
     same fault again does not quarantine the node again. ``audit`` holds the newest
     ``AUDIT_RECORDS_MAX`` operator actions and automatic reverts.
+
+    ``losses`` holds the loss reports of this node no operator acknowledged yet (its
+    replica's, and a designated-primary conflict this election found), ``acked_loss_ids``
+    the newest acknowledged ids, so a replica still reporting one does not bring it back.
+    ``peer_designated`` names the other node of a two-node cluster when it was last heard
+    holding the designated-primary flag (persisted, so a restart does not forget it).
     """
 
     epoch: int = 0
@@ -317,6 +329,9 @@ class PersistedState:
     quarantine_fault_id: str = ""
     cleared_fault_id: str = ""
     audit: tuple[OperatorRecord, ...] = ()
+    losses: tuple[LossRecord, ...] = ()
+    acked_loss_ids: tuple[str, ...] = ()
+    peer_designated: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -436,6 +451,8 @@ class ElectionStatus:
     config_mismatches: tuple[ConfigMismatch, ...] = ()
     """Nodes refused because their agreed settings differ from this node's, one row per
     differing setting (docs/operations.md, "Consistency at start")."""
+    losses: tuple[LossRecord, ...] = ()
+    """Loss reports of this node no operator acknowledged yet, oldest first."""
 
 
 def _cluster(cluster_id: str) -> str:

@@ -37,6 +37,8 @@ from squall_server.common.clock import Clock, SystemClock
 from squall_server.common.config import ClusterConfig, NodeConfig
 from squall_server.common.grpc_server import channel_options
 from squall_server.common.ids import new_cluster_id
+from squall_server.common.loss import loss_from_proto
+from squall_server.common.loss_record import LOSS_RECORDS_MAX
 from squall_server.common.telemetry import Telemetry, current
 from squall_server.common.tls import handshake_failure, transport
 from squall_server.coordinator import codec, handoff
@@ -292,6 +294,7 @@ class GrpcReplicaLink:
                 for slave in state.slaves
                 if slave.state == "streaming"
             ),
+            losses=tuple(loss_from_proto(loss) for loss in state.losses[:LOSS_RECORDS_MAX]),
         )
 
     async def check_health(self) -> bool:
@@ -498,6 +501,10 @@ class CoordinatorNode:
     def set_quarantine(self, enabled: bool, operator: str, reason: str = "") -> Ready:
         """Operator control: see Election.set_quarantine."""
         return self.driver.set_quarantine(enabled, operator, reason)
+
+    def ack_loss(self, loss_id: str, operator: str, reason: str = "") -> Ready:
+        """Operator control: see Election.ack_loss."""
+        return self.driver.ack_loss(loss_id, operator, reason)
 
     async def transfer_leadership(
         self, target: str, operator: str, reason: str, timeout_ms: int

@@ -14,6 +14,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from squall_server.common.loss_record import (
+    LOSS_ACKED_IDS_MAX,
+    LOSS_RECORDS_MAX,
+    LossRecordError,
+    loss_from_dict,
+)
 from squall_server.coordinator.messages import AUDIT_RECORDS_MAX, OperatorRecord, PersistedState
 
 STATE_FILE_NAME = "coordinator-state.json"
@@ -26,6 +32,9 @@ _OPTIONAL = (
     "cleared_fault_id",
     "audit",
     "cluster_id",
+    "losses",
+    "acked_loss_ids",
+    "peer_designated",
 )
 # Longest string kept in a record read back (operator names and reasons are short).
 _TEXT_CHARS_MAX = 4096
@@ -69,6 +78,23 @@ def load_state(path: Path) -> PersistedState:
     audit = document.get("audit", [])
     if not isinstance(audit, list) or len(audit) > AUDIT_RECORDS_MAX:
         raise StateFileError(f"{path}: audit must be a list of at most {AUDIT_RECORDS_MAX} records")
+    losses = document.get("losses", [])
+    if not isinstance(losses, list) or len(losses) > LOSS_RECORDS_MAX:
+        raise StateFileError(f"{path}: losses must be a list of at most {LOSS_RECORDS_MAX}")
+    try:
+        loss_records = tuple(loss_from_dict(r, f"losses[{i}]") for i, r in enumerate(losses))
+    except LossRecordError as exc:
+        raise StateFileError(f"{path}: {exc}") from exc
+    names: dict[str, tuple[str, ...]] = {}
+    for key, most in (("acked_loss_ids", LOSS_ACKED_IDS_MAX), ("peer_designated", 64)):
+        value = document.get(key, [])
+        if (
+            not isinstance(value, list)
+            or len(value) > most
+            or not all(isinstance(v, str) and len(v) <= 128 for v in value)
+        ):
+            raise StateFileError(f"{path}: {key} must be a list of at most {most} strings")
+        names[key] = tuple(value)
     return PersistedState(
         epoch=document["epoch"],
         max_seen=document["max_seen"],
@@ -80,6 +106,9 @@ def load_state(path: Path) -> PersistedState:
         cleared_fault_id=document.get("cleared_fault_id", ""),
         audit=tuple(_parse_record(path, f"audit[{i}]", r) for i, r in enumerate(audit)),
         cluster_id=document.get("cluster_id", ""),
+        losses=loss_records,
+        acked_loss_ids=names["acked_loss_ids"],
+        peer_designated=names["peer_designated"],
     )
 
 

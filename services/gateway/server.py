@@ -90,6 +90,7 @@ class ClusterAdmin(gateway_pb2_grpc.ClusterAdminServicer):
             row.transfer_target = status.transfer_target
             row.replica_unreachable_since_ms = status.replica_unreachable_since_ms
             row.config_mismatches.extend(status.config_mismatches)
+            row.losses.extend(status.losses)
         else:
             errors.append(f"coordinator: {_reason(status)}")
         row.reachable = isinstance(state, replica_pb2.ReplicaState)

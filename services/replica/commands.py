@@ -25,6 +25,8 @@ _log = logging.getLogger(__name__)
 
 # The longest removal reason kept in the log.
 _REASON_CHARS_MAX = 500
+# The largest count a uint32 proto field holds (PushCursorOp.failures).
+UINT32_MAX = 2**32 - 1
 
 
 class InvariantError(ServiceError):
@@ -130,12 +132,13 @@ class PushUnsubscribe:
 
 @dataclass(frozen=True)
 class PushCursor:
-    """Move a push subscriber's cursor forward."""
+    """Move a push subscriber's cursor forward and record its failure count."""
 
     topic: str
     subscriber_id: str
     cursor: int
     lsn: int  # the LSN that subscribed it, as in PushUnsubscribe
+    failures: int = 0  # failed delivery rounds in a row (replicated for the next master)
 
 
 @dataclass(frozen=True)
@@ -906,21 +909,25 @@ class BatchBuilder:
                 f"push cursor {command.cursor} is beyond the end of topic '{command.topic}' "
                 f"(next offset {topic.next_offset})"
             )
-        if command.cursor <= subscriber.cursor:
+        if not 0 <= command.failures <= UINT32_MAX:
+            raise invalid(f"push failure count {command.failures} is not a uint32")
+        if command.cursor <= subscriber.cursor and command.failures == subscriber.failures:
             return Planned(None, cursor=subscriber.cursor)
+        cursor = max(command.cursor, subscriber.cursor)
         index = self._emit(
             replica_pb2.Operation(
                 push_cursor=replica_pb2.PushCursorOp(
                     topic=command.topic,
                     subscriber_id=command.subscriber_id,
-                    cursor=command.cursor,
+                    cursor=cursor,
+                    failures=command.failures,
                 )
             )
         )
         self._push[(command.topic, command.subscriber_id)] = dataclasses.replace(
-            subscriber, cursor=command.cursor
+            subscriber, cursor=cursor, failures=command.failures
         )
-        return Planned(index, cursor=command.cursor)
+        return Planned(index, cursor=cursor)
 
     def _start_epoch(self, command: StartEpoch) -> Planned:
         index = self._emit(

@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections import deque
@@ -58,6 +59,8 @@ from squall.wire import stages as _stages
 from squall_server.common.clock import Clock, SystemClock
 from squall_server.common.config import ClusterConfig, NodeConfig
 from squall_server.common.errors import Code, ServiceError
+from squall_server.common.loss import load_losses, record_loss
+from squall_server.common.loss_record import LossRecord
 from squall_server.common.telemetry import Telemetry, current
 from squall_server.replica import commands, telemetry
 from squall_server.replica.commands import Command, Planned
@@ -101,6 +104,7 @@ from squall_server.replica.follower import (
     FollowerConfig,
     FollowerError,
 )
+from squall_server.replica.loss_scan import scan_discarded, truncation_loss
 from squall_server.replica.master_driver import MasterDriver, SlaveStatus, Waiting
 from squall_server.replica.push import PushDelivery
 from squall_server.replica.rebuild import LmdbTruncator
@@ -182,6 +186,8 @@ class ReplicaNode:
         self._instruments = (
             telemetry.instruments(self.telemetry) if self.telemetry.metering else None
         )
+        # The newest traced publishes, for delivery spans to link to (telemetry.py).
+        self.published_traces = telemetry.PublishedTraces()
         # The role rules (role, epoch and its floor, lease, shutdown freeze, hand-off fence,
         # the write gate) live in the pure core; this driver carries out its effects.
         # The log's position and commit-LSN record too (``_last_lsn`` and its kin read it).
@@ -199,6 +205,13 @@ class ReplicaNode:
         # A fault that makes this node unfit to serve; reported to the coordinator, which
         # quarantines the node (faults.py).
         self.fault: Fault | None = load_fault(node.data_dir)
+        # Loss reports beside the store (acknowledged entries this node discarded); reported
+        # to the coordinator in every ReplicaState (services/common/loss.py).
+        # The offline store tools name the node after its directory: the file is this
+        # node's, so its id is what the reports carry.
+        self.losses: tuple[LossRecord, ...] = tuple(
+            dataclasses.replace(r, node_id=node.id) for r in load_losses(node.data_dir)
+        )
         self.transient = TransientTopics(config.limits.subscribe_batch_max_events * 10)
         self.push = PushDelivery(self)  # runs while master, from the epoch start's commit
         self._queue: deque[_Pending] = deque()
@@ -640,6 +653,19 @@ class ReplicaNode:
             self.epoch,
         )
         loop = asyncio.get_running_loop()
+        known_commit = self.gate.commit_lsn
+        if keep_lsn < known_commit:
+            # Entries this node knew committed (acknowledged to publishers) go: only a group
+            # formed without a majority holding them can ask that. Reported before the
+            # truncation, so a crash in between cannot lose the report.
+            discarded = await loop.run_in_executor(
+                self._io, lambda: scan_discarded(self.store, keep_lsn, known_commit)
+            )
+            self._record_loss(
+                truncation_loss(
+                    self.node.id, self.epoch, why, discarded, at_ms=self.clock.wall_ms()
+                )
+            )
         try:
             staging = await loop.run_in_executor(
                 self._io, lambda: truncator.stage(self.store, keep_lsn)
@@ -657,6 +683,7 @@ class ReplicaNode:
             ) from exc
         self.core.log_truncated(keep_lsn, self.store.log_start_lsn())
         self.gate.truncated(keep_lsn)
+        self.published_traces.clear()  # their offsets may be reused by the new log
         self._notify_committed()
 
     # --- writes
@@ -1431,8 +1458,8 @@ class ReplicaNode:
             # Before the append reaches the driver: its sends may leave at once.
             driver.traced(
                 [
-                    (lsn, pending.trace.appended(lsn, self.epoch))
-                    for (pending, _), lsn in zip(planned, lsns, strict=True)
+                    (lsn, pending.trace.appended(lsn, self.epoch, plan.receipt))
+                    for (pending, plan), lsn in zip(planned, lsns, strict=True)
                     if pending.trace is not None
                 ]
             )
@@ -1510,6 +1537,17 @@ class ReplicaNode:
             self._last_lsn,
         )
         save_fault(self.node.data_dir, self.fault)
+
+    def _record_loss(self, record: LossRecord) -> None:
+        """Keeps a loss report beside the store, logs it (SQUALL-LOSS-001) and counts it;
+        the coordinator hears of it in the next ReplicaState."""
+        self.losses = tuple(
+            dataclasses.replace(r, node_id=self.node.id)
+            for r in record_loss(self.node.data_dir, record, log)
+        )
+        if self._instruments is not None:
+            self._instruments.loss_reports.add(1, {"node": self.node.id, "cause": record.cause})
+            self._instruments.loss_events.add(record.events(), {"node": self.node.id})
 
     def writes_idle(self) -> bool:
         """No write queued or being committed (a fenced master's log has stopped growing)."""

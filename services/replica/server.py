@@ -24,6 +24,7 @@ from squall.v1 import (
 from squall.wire import stages as _stages
 from squall_server.common.errors import Code, ServiceError, invalid
 from squall_server.common.grpc_server import Context
+from squall_server.common.loss import loss_to_proto
 from squall_server.replica import commands, handoff, seek, shutdown
 from squall_server.replica.node import UNREACHABLE_KEY, ReplicaNode
 from squall_server.replica.shared_master import SharedMaster
@@ -214,7 +215,13 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
     ) -> asyncio.Future[broker_pb2.PublishResponse]:
         """Begins one publish; the future resolves to its response once committed."""
         observed = self.node.telemetry
-        watch = PublishWatch(observed, request, *self._where()) if observed.active else None
+        watch = (
+            PublishWatch(
+                observed, request, *self._where(), published=self.node.published_traces
+            )
+            if observed.active
+            else None
+        )
         try:
             receipt = self.node.start_publish(request, watch.traced if watch else None)
         except BaseException as exc:
@@ -448,7 +455,7 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
         transient = topic.kind == common_pb2.TOPIC_KIND_TRANSIENT
         end = request.end_offset
         delivery = (
-            DeliveryWatch(node.telemetry, node.node.id, topic.name)
+            DeliveryWatch(node.telemetry, node.node.id, topic.name, node.published_traces)
             if node.telemetry.active
             else None
         )
@@ -770,6 +777,7 @@ class ReplicaControl(replica_pb2_grpc.ReplicaControlServicer):
             frozen_for_shutdown_id=self.node.frozen_for,
             fault_id=self.node.fault.fault_id if self.node.fault else "",
             fault_reason=self.node.fault.reason if self.node.fault else "",
+            losses=[loss_to_proto(r) for r in self.node.losses],
             store_stalled_ms=self.node.store_stalled_ms(),
         )
         progress = self.node.reorganization_progress()

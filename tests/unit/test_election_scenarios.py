@@ -190,6 +190,12 @@ class Cluster:
                 extra += f" cluster={p.cluster_id}"
             if p.quarantine is not None:
                 extra += " quarantined"
+            if p.peer_designated:
+                extra += f" peer-designated={','.join(p.peer_designated)}"
+            if p.losses:
+                extra += f" losses={','.join(r.loss_id for r in p.losses)}"
+            if p.acked_loss_ids:
+                extra += f" acked-losses={len(p.acked_loss_ids)}"
             lines.append(f"  persist epoch={p.epoch} max={p.max_seen}{extra}")
         self.queue.extend(ready.messages)
         follow_up: Ready | None = None
@@ -481,7 +487,7 @@ def execute(cluster: Cluster | None, line: str) -> tuple[Cluster | None, list[st
         msg = PeerMessage(sender, receiver, parse_body(positional[1], options))
         cluster.deliver(msg)
         cluster.deliver_all()
-    elif command in ("designate", "override", "transfer", "quarantine", "fault"):
+    elif command in ("designate", "override", "transfer", "quarantine", "fault", "ackloss"):
         node = positional[0]
         election = cluster.nodes[node]
         if election is None:
@@ -497,6 +503,8 @@ def execute(cluster: Cluster | None, line: str) -> tuple[Cluster | None, list[st
             ready = election.transfer_leadership(options["to"], who, now, reason)
         elif command == "quarantine":
             ready = election.set_quarantine(positional[1] == "on", who, now, reason)
+        elif command == "ackloss":
+            ready = election.ack_loss(options["id"], who, now, reason)
         else:
             ready = election.replica_fault(options["id"], reason, now)
         cluster.apply(node, ready, f"{node} {line}")
@@ -550,6 +558,12 @@ def execute(cluster: Cluster | None, line: str) -> tuple[Cluster | None, list[st
                 f"{positional[0]}: t={record.at_ms} {record.operator}: {record.action}"
                 + (f" ({record.reason})" if record.reason else "")
             )
+    elif command == "losses":
+        election = cluster.nodes[positional[0]]
+        if election is None:
+            raise ValueError(f"losses: node {positional[0]} is down")
+        for record in election.status().losses:
+            cluster.out.append(f"{positional[0]}: {record.loss_id}: {record.summary()}")
     elif command == "status":
         for node in positional or list(cluster.nodes):
             election = cluster.nodes[node]

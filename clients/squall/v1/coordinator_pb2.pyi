@@ -600,6 +600,7 @@ class CoordinatorStatus(_message.Message):
     TRANSFER_TARGET_FIELD_NUMBER: _builtins.int
     REPLICA_UNREACHABLE_SINCE_MS_FIELD_NUMBER: _builtins.int
     CONFIG_MISMATCHES_FIELD_NUMBER: _builtins.int
+    LOSSES_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """This node's id."""
     coordinator_id: _builtins.str
@@ -661,6 +662,10 @@ class CoordinatorStatus(_message.Message):
         per differing setting (they never form a group together until the files agree).
         """
 
+    @_builtins.property
+    def losses(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.LossEvent]:
+        """Loss reports of this node no operator acknowledged yet, oldest first."""
+
     def __init__(
         self,
         *,
@@ -685,10 +690,11 @@ class CoordinatorStatus(_message.Message):
         transfer_target: _builtins.str = ...,
         replica_unreachable_since_ms: _builtins.int = ...,
         config_mismatches: _abc.Iterable[_common_pb2.ConfigMismatch] | None = ...,
+        losses: _abc.Iterable[_common_pb2.LossEvent] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["quarantine", b"quarantine", "quorum_override_record", b"quorum_override_record"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit", b"audit", "config_mismatches", b"config_mismatches", "coordinator_id", b"coordinator_id", "designated_primary", b"designated_primary", "epoch", b"epoch", "group", b"group", "group_name", b"group_name", "invited", b"invited", "last_change_reason", b"last_change_reason", "max_seen", b"max_seen", "node_id", b"node_id", "priority", b"priority", "quarantine", b"quarantine", "quorum_override", b"quorum_override", "quorum_override_record", b"quorum_override_record", "quorum_required", b"quorum_required", "replica_unreachable_since_ms", b"replica_unreachable_since_ms", "role", b"role", "state", b"state", "sync_source_id", b"sync_source_id", "transfer_target", b"transfer_target"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit", b"audit", "config_mismatches", b"config_mismatches", "coordinator_id", b"coordinator_id", "designated_primary", b"designated_primary", "epoch", b"epoch", "group", b"group", "group_name", b"group_name", "invited", b"invited", "last_change_reason", b"last_change_reason", "losses", b"losses", "max_seen", b"max_seen", "node_id", b"node_id", "priority", b"priority", "quarantine", b"quarantine", "quorum_override", b"quorum_override", "quorum_override_record", b"quorum_override_record", "quorum_required", b"quorum_required", "replica_unreachable_since_ms", b"replica_unreachable_since_ms", "role", b"role", "state", b"state", "sync_source_id", b"sync_source_id", "transfer_target", b"transfer_target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1017,3 +1023,33 @@ class SetQuarantineRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SetQuarantineRequest: _TypeAlias = SetQuarantineRequest  # noqa: Y015
+
+@_typing.final
+class AckLossRequest(_message.Message):
+    """Acknowledges one loss report of the receiving node."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LOSS_ID_FIELD_NUMBER: _builtins.int
+    OPERATOR_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    loss_id: _builtins.str
+    """The report's id (LossEvent.loss_id)."""
+    operator: _builtins.str
+    """Who asks, for the audit log."""
+    reason: _builtins.str
+    """Why, for the audit log."""
+    def __init__(
+        self,
+        *,
+        loss_id: _builtins.str = ...,
+        operator: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["loss_id", b"loss_id", "operator", b"operator", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AckLossRequest: _TypeAlias = AckLossRequest  # noqa: Y015

@@ -76,6 +76,11 @@ class CoordinatorStub:
     never counted for acks), or clears its quarantine so it rejoins. A replica that hits
     a checksum error or a failing disk quarantines its node by itself.
     """
+    AckLoss: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.AckLossRequest, _coordinator_pb2.OperatorControlResponse]
+    """Acknowledges a loss report of this node (it leaves `squall status`; the audit trail
+    keeps who acknowledged it). NOT_FOUND for an id the node does not hold; nothing
+    changes then.
+    """
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -120,6 +125,11 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """Quarantines the receiving node (it leaves its group and joins none: never master,
     never counted for acks), or clears its quarantine so it rejoins. A replica that hits
     a checksum error or a failing disk quarantines its node by itself.
+    """
+    AckLoss: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.AckLossRequest, _coordinator_pb2.OperatorControlResponse]  # type: ignore[assignment]
+    """Acknowledges a loss report of this node (it leaves `squall status`; the audit trail
+    keeps who acknowledged it). NOT_FOUND for an id the node does not hold; nothing
+    changes then.
     """
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
@@ -210,6 +220,17 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         """Quarantines the receiving node (it leaves its group and joins none: never master,
         never counted for acks), or clears its quarantine so it rejoins. A replica that hits
         a checksum error or a failing disk quarantines its node by itself.
+        """
+
+    @_abc_1.abstractmethod
+    def AckLoss(
+        self,
+        request: _coordinator_pb2.AckLossRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.OperatorControlResponse, _abc.Awaitable[_coordinator_pb2.OperatorControlResponse]]:
+        """Acknowledges a loss report of this node (it leaves `squall status`; the audit trail
+        keeps who acknowledged it). NOT_FOUND for an id the node does not hold; nothing
+        changes then.
         """
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

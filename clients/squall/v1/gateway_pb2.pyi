@@ -76,6 +76,7 @@ class NodeStatus(_message.Message):
     TRANSFER_TARGET_FIELD_NUMBER: _builtins.int
     REPLICA_UNREACHABLE_SINCE_MS_FIELD_NUMBER: _builtins.int
     CONFIG_MISMATCHES_FIELD_NUMBER: _builtins.int
+    LOSSES_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The node id."""
     coordinator_id: _builtins.str
@@ -159,6 +160,12 @@ class NodeStatus(_message.Message):
         (cluster name, nodes, durability, limits on stored data), one row per setting.
         """
 
+    @_builtins.property
+    def losses(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.LossEvent]:
+        """Acknowledged events the node discarded that no operator acknowledged yet
+        (`squall cluster ack-loss ID`), oldest first.
+        """
+
     def __init__(
         self,
         *,
@@ -193,10 +200,11 @@ class NodeStatus(_message.Message):
         transfer_target: _builtins.str = ...,
         replica_unreachable_since_ms: _builtins.int = ...,
         config_mismatches: _abc.Iterable[_common_pb2.ConfigMismatch] | None = ...,
+        losses: _abc.Iterable[_common_pb2.LossEvent] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["quarantine", b"quarantine", "quorum_override_record", b"quorum_override_record"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit", b"audit", "commit_lsn", b"commit_lsn", "config_mismatches", b"config_mismatches", "coordinator_id", b"coordinator_id", "designated_primary", b"designated_primary", "epoch", b"epoch", "error", b"error", "fault_reason", b"fault_reason", "group", b"group", "group_name", b"group_name", "invited", b"invited", "last_change_reason", b"last_change_reason", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "log_start_lsn", b"log_start_lsn", "max_seen", b"max_seen", "node_id", b"node_id", "priority", b"priority", "quarantine", b"quarantine", "quorum_override", b"quorum_override", "quorum_override_record", b"quorum_override_record", "quorum_required", b"quorum_required", "reachable", b"reachable", "replica_address", b"replica_address", "replica_unreachable_since_ms", b"replica_unreachable_since_ms", "role", b"role", "slaves", b"slaves", "state", b"state", "store_state", b"store_state", "sync_source_id", b"sync_source_id", "transfer_target", b"transfer_target"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit", b"audit", "commit_lsn", b"commit_lsn", "config_mismatches", b"config_mismatches", "coordinator_id", b"coordinator_id", "designated_primary", b"designated_primary", "epoch", b"epoch", "error", b"error", "fault_reason", b"fault_reason", "group", b"group", "group_name", b"group_name", "invited", b"invited", "last_change_reason", b"last_change_reason", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "log_start_lsn", b"log_start_lsn", "losses", b"losses", "max_seen", b"max_seen", "node_id", b"node_id", "priority", b"priority", "quarantine", b"quarantine", "quorum_override", b"quorum_override", "quorum_override_record", b"quorum_override_record", "quorum_required", b"quorum_required", "reachable", b"reachable", "replica_address", b"replica_address", "replica_unreachable_since_ms", b"replica_unreachable_since_ms", "role", b"role", "slaves", b"slaves", "state", b"state", "store_state", b"store_state", "sync_source_id", b"sync_source_id", "transfer_target", b"transfer_target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

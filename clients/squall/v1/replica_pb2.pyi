@@ -1000,6 +1000,7 @@ class ReplicaState(_message.Message):
     FAULT_REASON_FIELD_NUMBER: _builtins.int
     REORGANIZATION_FIELD_NUMBER: _builtins.int
     STORE_STALLED_MS_FIELD_NUMBER: _builtins.int
+    LOSSES_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The replica's node id."""
     cluster_id: _builtins.str
@@ -1054,6 +1055,13 @@ class ReplicaState(_message.Message):
         outlives the SetRole call): how far it got. Unset otherwise.
         """
 
+    @_builtins.property
+    def losses(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.LossEvent]:
+        """Acknowledged events this node's store discarded (docs/operations.md, "Loss
+        reports"), kept in `loss-events.json` beside the store; the coordinator records each
+        once and shows it until an operator acknowledges it.
+        """
+
     def __init__(
         self,
         *,
@@ -1076,10 +1084,11 @@ class ReplicaState(_message.Message):
         fault_reason: _builtins.str = ...,
         reorganization: Global___ReorganizationProgress | None = ...,
         store_stalled_ms: _builtins.int = ...,
+        losses: _abc.Iterable[_common_pb2.LossEvent] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["reorganization", b"reorganization"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "command_seq", b"command_seq", "commit_lsn", b"commit_lsn", "epoch", b"epoch", "fault_id", b"fault_id", "fault_reason", b"fault_reason", "frozen_for_shutdown_id", b"frozen_for_shutdown_id", "joined", b"joined", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "log_start_lsn", b"log_start_lsn", "master_id", b"master_id", "node_id", b"node_id", "reorganization", b"reorganization", "role", b"role", "shutdown_id", b"shutdown_id", "slaves", b"slaves", "store_stalled_ms", b"store_stalled_ms", "store_state", b"store_state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "command_seq", b"command_seq", "commit_lsn", b"commit_lsn", "epoch", b"epoch", "fault_id", b"fault_id", "fault_reason", b"fault_reason", "frozen_for_shutdown_id", b"frozen_for_shutdown_id", "joined", b"joined", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "log_start_lsn", b"log_start_lsn", "losses", b"losses", "master_id", b"master_id", "node_id", b"node_id", "reorganization", b"reorganization", "role", b"role", "shutdown_id", b"shutdown_id", "slaves", b"slaves", "store_stalled_ms", b"store_stalled_ms", "store_state", b"store_state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1305,6 +1314,7 @@ class PushSubscribeOp(_message.Message):
     RETRY_COUNT_FIELD_NUMBER: _builtins.int
     CURSOR_FIELD_NUMBER: _builtins.int
     CREATED_MS_FIELD_NUMBER: _builtins.int
+    FAILURES_FIELD_NUMBER: _builtins.int
     topic: _builtins.str
     """The topic."""
     subscriber_id: _builtins.str
@@ -1319,6 +1329,10 @@ class PushSubscribeOp(_message.Message):
     """The first offset to deliver."""
     created_ms: _builtins.int
     """When the master accepted it, milliseconds since the Unix epoch."""
+    failures: _builtins.int
+    """Failed delivery rounds in a row, as the last PushCursorOp recorded it (kept in the
+    store's push record, so a new master continues the count; 0 in the subscribe entry).
+    """
     def __init__(
         self,
         *,
@@ -1329,10 +1343,11 @@ class PushSubscribeOp(_message.Message):
         retry_count: _builtins.int = ...,
         cursor: _builtins.int = ...,
         created_ms: _builtins.int = ...,
+        failures: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_ms", b"created_ms", "cursor", b"cursor", "endpoint", b"endpoint", "ordered", b"ordered", "retry_count", b"retry_count", "subscriber_id", b"subscriber_id", "topic", b"topic"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_ms", b"created_ms", "cursor", b"cursor", "endpoint", b"endpoint", "failures", b"failures", "ordered", b"ordered", "retry_count", b"retry_count", "subscriber_id", b"subscriber_id", "topic", b"topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1370,29 +1385,37 @@ Global___PushUnsubscribeOp: _TypeAlias = PushUnsubscribeOp  # noqa: Y015
 
 @_typing.final
 class PushCursorOp(_message.Message):
-    """Moves a push subscriber's cursor forward (a lower cursor is ignored)."""
+    """Moves a push subscriber's cursor forward (a lower cursor is ignored) and records its
+    failure count.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     TOPIC_FIELD_NUMBER: _builtins.int
     SUBSCRIBER_ID_FIELD_NUMBER: _builtins.int
     CURSOR_FIELD_NUMBER: _builtins.int
+    FAILURES_FIELD_NUMBER: _builtins.int
     topic: _builtins.str
     """The topic."""
     subscriber_id: _builtins.str
     """The subscriber's id."""
     cursor: _builtins.int
     """The next offset to deliver."""
+    failures: _builtins.int
+    """Failed delivery rounds in a row when it was written (0 after a round that all
+    succeeded): replicated, so a new master continues the count towards retryCount.
+    """
     def __init__(
         self,
         *,
         topic: _builtins.str = ...,
         subscriber_id: _builtins.str = ...,
         cursor: _builtins.int = ...,
+        failures: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "subscriber_id", b"subscriber_id", "topic", b"topic"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "failures", b"failures", "subscriber_id", b"subscriber_id", "topic", b"topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -43,6 +43,7 @@ from squall_server.replica.store.records import (
     EpochBoundary,
     TopicRow,
     cursor_state,
+    decode_push,
     event_matches,
     name_key,
     publisher_prefix,
@@ -566,7 +567,8 @@ class Batch:
             raise self.refuse(f"no push subscriber {op.subscriber_id!r} on {op.topic!r}")
 
     def push_cursor(self, op: replica_pb2.PushCursorOp) -> None:
-        """Moves a push subscriber's cursor forward (a lower cursor is ignored)."""
+        """Moves a push subscriber's cursor forward (a lower cursor is ignored) and records
+        its failure count."""
         row = self.topic(op.topic)
         if op.cursor > row.next_offset:
             raise self.refuse(
@@ -576,11 +578,12 @@ class Batch:
         value = self.txn.get(DB_PUSH, key)
         if value is None:
             raise self.refuse(f"no push subscriber {op.subscriber_id!r} on {op.topic!r}")
-        body = unseal(DB_PUSH, key, value)
-        cursor, lsn = unpack(DB_PUSH, key, U64X2, body)
-        if op.cursor > cursor:
-            body = U64X2.pack(op.cursor, lsn) + body[U64X2.size :]
-            self.txn.put(DB_PUSH, key, seal(key, body))
+        cursor, lsn, stored = decode_push(key, value)
+        if op.cursor <= cursor and op.failures == stored.failures:
+            return
+        stored.failures = op.failures
+        body = U64X2.pack(max(op.cursor, cursor), lsn) + stored.SerializeToString()
+        self.txn.put(DB_PUSH, key, seal(key, body))
 
     def finish(self) -> None:
         """Writes what the batch cached: events, topics, high-water marks, log and meta."""

@@ -203,6 +203,7 @@ class PushSubscriber:
     cursor: int  # the next offset to deliver
     created_ms: int
     lsn: int  # the entry that subscribed it: tells a re-subscription from the old one
+    failures: int = 0  # failed delivery rounds in a row, as the log last recorded it
 
 
 @dataclass(frozen=True)
@@ -358,6 +359,7 @@ def push_subscriber(topic: str, key: bytes, value: bytes) -> PushSubscriber:
         cursor=cursor,
         created_ms=op.created_ms,
         lsn=lsn,
+        failures=op.failures,
     )
 
 
