@@ -45,7 +45,7 @@ from squall._shared import SharedConsumer, SharedSettings, create_request
 from squall._subscriber import Start, Subscription, subscribe_request
 from squall._tls import TlsOptions, open_channel
 from squall._tracing import traced_channel
-from squall._types import ClusterStatus, TopicInfo, kind_to_pb
+from squall._types import ClusterStatus, LinkInfo, TopicInfo, kind_to_pb
 from squall.v1 import broker_pb2, broker_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from squall.wire.auth import resolve_token
 from squall.wire.retry import (
@@ -627,6 +627,31 @@ class Topic:
         request = broker_pb2.GetSubscribersRequest(topic=self.name)
         response = self._client._call(self._client._push_stub.GetSubscribers, request)
         return [PushSubscriberInfo.from_pb(s) for s in response.subscribers]
+
+    def link(self, to: str | Topic, cost: int = 0) -> LinkInfo:
+        """Links this topic to another of the cluster (IceStorm's Topic.link): its events
+        published from now on are forwarded there exactly once, in order, unless the cost
+        rules stop them (a link of cost N > 0 forwards events of cost at most N; an event
+        that arrived over a link is never forwarded again). AlreadyExists if linked,
+        NotFound for a missing topic, InvalidArgument for itself or a negative cost."""
+        request = broker_pb2.LinkTopicRequest(
+            from_topic=self.name, to_topic=to if isinstance(to, str) else to.name, cost=cost
+        )
+        response = self._client._call(self._client._topic_manager.LinkTopic, request)
+        return LinkInfo.from_pb(response.link)
+
+    def unlink(self, to: str | Topic) -> None:
+        """Removes the link to another topic; NotFound if there is none."""
+        request = broker_pb2.UnlinkTopicRequest(
+            from_topic=self.name, to_topic=to if isinstance(to, str) else to.name
+        )
+        self._client._call(self._client._topic_manager.UnlinkTopic, request)
+
+    def links(self) -> list[LinkInfo]:
+        """This topic's links, ordered by destination (IceStorm's getLinkInfoSeq)."""
+        request = broker_pb2.GetLinkInfoRequest(topic=self.name)
+        response = self._client._call(self._client._topic_manager.GetLinkInfo, request)
+        return [LinkInfo.from_pb(link) for link in response.links]
 
     def __repr__(self) -> str:
         return f"Topic({self.name!r})"

@@ -17,7 +17,7 @@ from squall.v1 import broker_pb2, common_pb2, replica_pb2
 from squall_server.common import names
 from squall_server.common.config import LimitsConfig
 from squall_server.common.errors import Code, ServiceError, invalid, not_found
-from squall_server.replica import seek
+from squall_server.replica import link_rules, seek
 from squall_server.replica.store import PushSubscriber, Store, TimeLookup, TopicInfo, make_entry
 
 _log = logging.getLogger(__name__)
@@ -56,6 +56,25 @@ class Publish:
     """Append a batch of events to a replicated topic."""
 
     request: broker_pb2.PublishRequest
+    # Made by a topic link's forwarder: only it may use the reserved link publisher ids.
+    forwarded: bool = False
+
+
+@dataclass(frozen=True)
+class LinkTopic:
+    """Link one topic to another (TopicManager.LinkTopic)."""
+
+    from_topic: str
+    to_topic: str
+    cost: int
+
+
+@dataclass(frozen=True)
+class UnlinkTopic:
+    """Remove a topic link (TopicManager.UnlinkTopic)."""
+
+    from_topic: str
+    to_topic: str
 
 
 @dataclass(frozen=True)
@@ -194,6 +213,8 @@ Command = (
     | CreateShared
     | SharedAck
     | SharedFail
+    | LinkTopic
+    | UnlinkTopic
     | StartEpoch
 )
 
@@ -212,6 +233,7 @@ class Planned:
     push: PushSubscriber | None = None
     seek: SeekOutcome | None = None
     created: bool = False  # CreateShared: False when it existed with the same settings
+    link: replica_pb2.LinkTopicOp | None = None  # LinkTopic: the link, created_lsn set
 
     @property
     def receipts(self) -> list[common_pb2.AckReceipt]:
@@ -275,11 +297,13 @@ class BatchBuilder:
         self._push_added: dict[str, int] = {}  # push subscribers planned per topic
         self._subscriptions_added: dict[str, int] = {}  # durable subscriptions planned
         self._destroyed: set[str] = set()  # topics destroyed earlier in the batch
+        # Links made (the op) or removed (None) earlier in the batch: (from, to) -> link.
+        self._links: dict[tuple[str, str], replica_pb2.LinkTopicOp | None] = {}
 
     def add(self, command: Command) -> Planned:
         """Plans one command; raises ServiceError (and changes nothing) if it is refused."""
         if isinstance(command, Publish):
-            return self._publish(command.request)
+            return self._publish(command.request, forwarded=command.forwarded)
         if isinstance(command, SetCursor):
             return self._set_cursor(command)
         if isinstance(command, SeekCursor):
@@ -300,6 +324,10 @@ class BatchBuilder:
             return self._push_subscribe(command)
         if isinstance(command, PushUnsubscribe):
             return self._push_unsubscribe(command)
+        if isinstance(command, LinkTopic):
+            return self._link_topic(command)
+        if isinstance(command, UnlinkTopic):
+            return self._unlink_topic(command)
         return self._start_epoch(command)
 
     # --- reads through the batch's overlay
@@ -409,9 +437,15 @@ class BatchBuilder:
             del self._sequences[planned]
         self._push_added.pop(command.name, None)
         self._subscriptions_added.pop(command.name, None)
+        for key in list(self._links):
+            if command.name in key:
+                self._links[key] = None
+        for link in self._store.list_links():
+            if command.name in (link.from_topic, link.to_topic):
+                self._links[(link.from_topic, link.to_topic)] = None
         return Planned(index)
 
-    def _publish(self, request: broker_pb2.PublishRequest) -> Planned:
+    def _publish(self, request: broker_pb2.PublishRequest, *, forwarded: bool = False) -> Planned:
         topic = self._existing_topic(request.topic)
         events = request.events
         limits = self._limits
@@ -419,6 +453,11 @@ class BatchBuilder:
         publisher_id = request.publisher_id
         if publisher_id:
             _check_name(names.validate_publisher_id, publisher_id)
+            if link_rules.is_forwarded(publisher_id) and not forwarded:
+                raise invalid(
+                    f"publisher id '{publisher_id}': the prefix "
+                    f"'{link_rules.LINK_PUBLISHER_PREFIX}' is reserved for topic links"
+                )
             _check_length(publisher_id, "publisher id", "max_publisher_id_bytes", limits)
         lsn = self._lsn
         offset = topic.next_offset
@@ -920,6 +959,60 @@ class BatchBuilder:
             subscriber, cursor=command.cursor
         )
         return Planned(index, cursor=command.cursor)
+
+    def links(self, from_topic: str) -> dict[str, replica_pb2.LinkTopicOp]:
+        """The topic's links as they will be after the commands planned so far."""
+        out = {
+            link.to_topic: link
+            for link in self._store.list_links(from_topic)
+            if self._links.get((from_topic, link.to_topic), link) is not None
+        }
+        for (source, to_topic), link in self._links.items():
+            if source == from_topic and link is not None:
+                out[to_topic] = link
+        return out
+
+    def _link_topic(self, command: LinkTopic) -> Planned:
+        source, destination = self.topic(command.from_topic), self.topic(command.to_topic)
+        try:
+            link_rules.check_link(
+                command.from_topic,
+                command.to_topic,
+                command.cost,
+                from_kind=None if source is None else source.kind,
+                to_kind=None if destination is None else destination.kind,
+                existing=self.links(command.from_topic) if source is not None else (),
+            )
+        except link_rules.LinkRefused as exc:
+            raise ServiceError(Code(exc.code), exc.message) from None
+        assert source is not None  # check_link refused a missing topic
+        lsn = self._lsn
+        op = replica_pb2.LinkTopicOp(
+            from_topic=command.from_topic,
+            to_topic=command.to_topic,
+            cost=command.cost,
+            start_offset=source.next_offset,
+        )
+        index = self._emit(replica_pb2.Operation(link_topic=op))
+        link = replica_pb2.LinkTopicOp()
+        link.CopyFrom(op)
+        link.created_lsn = lsn
+        self._links[(command.from_topic, command.to_topic)] = link
+        return Planned(index, link=link)
+
+    def _unlink_topic(self, command: UnlinkTopic) -> Planned:
+        self._existing_topic(command.from_topic)
+        if command.to_topic not in self.links(command.from_topic):
+            raise not_found(f"topic '{command.from_topic}' is not linked to '{command.to_topic}'")
+        index = self._emit(
+            replica_pb2.Operation(
+                unlink_topic=replica_pb2.UnlinkTopicOp(
+                    from_topic=command.from_topic, to_topic=command.to_topic
+                )
+            )
+        )
+        self._links[(command.from_topic, command.to_topic)] = None
+        return Planned(index)
 
     def _start_epoch(self, command: StartEpoch) -> Planned:
         index = self._emit(

@@ -24,7 +24,7 @@ from squall.v1 import (
 from squall.wire import stages as _stages
 from squall_server.common.errors import Code, ServiceError, invalid
 from squall_server.common.grpc_server import Context
-from squall_server.replica import commands, handoff, seek, shutdown
+from squall_server.replica import commands, handoff, link_rules, seek, shutdown
 from squall_server.replica.node import UNREACHABLE_KEY, ReplicaNode
 from squall_server.replica.shared_master import SharedMaster
 from squall_server.replica.store import CorruptRecordError, TopicInfo, UnknownTopicError
@@ -139,6 +139,72 @@ class TopicManager(broker_pb2_grpc.TopicManagerServicer):
             self.node.last_lsn,
         )
         return broker_pb2.DestroyTopicResponse()
+
+    async def LinkTopic(
+        self, request: broker_pb2.LinkTopicRequest, context: Context
+    ) -> broker_pb2.LinkTopicResponse:
+        try:
+            plan = await self.node.write(
+                commands.LinkTopic(request.from_topic, request.to_topic, request.cost)
+            )
+        except ServiceError as exc:
+            await abort(context, exc)
+        assert plan.link is not None
+        self.node.links.refresh()
+        log.info(
+            "linked topic '%s' to '%s' with cost %d from offset %d (epoch=%d lsn=%d)",
+            request.from_topic,
+            request.to_topic,
+            request.cost,
+            plan.link.start_offset,
+            self.node.epoch,
+            plan.link.created_lsn,
+        )
+        return broker_pb2.LinkTopicResponse(link=self._link_info(plan.link))
+
+    async def UnlinkTopic(
+        self, request: broker_pb2.UnlinkTopicRequest, context: Context
+    ) -> broker_pb2.UnlinkTopicResponse:
+        try:
+            await self.node.write(commands.UnlinkTopic(request.from_topic, request.to_topic))
+        except ServiceError as exc:
+            await abort(context, exc)
+        self.node.links.refresh()
+        log.info(
+            "unlinked topic '%s' from '%s' (epoch=%d lsn=%d)",
+            request.from_topic,
+            request.to_topic,
+            self.node.epoch,
+            self.node.last_lsn,
+        )
+        return broker_pb2.UnlinkTopicResponse()
+
+    async def GetLinkInfo(
+        self, request: broker_pb2.GetLinkInfoRequest, context: Context
+    ) -> broker_pb2.GetLinkInfoResponse:
+        try:
+            with _translating(self.node):
+                self.node.topic(request.topic)
+                links = self.node.store.list_links(request.topic)
+                infos = [self._link_info(link) for link in links]
+        except ServiceError as exc:
+            await abort(context, exc)
+        return broker_pb2.GetLinkInfoResponse(links=sorted(infos, key=lambda i: i.to_topic))
+
+    def _link_info(self, link: replica_pb2.LinkTopicOp) -> broker_pb2.LinkInfo:
+        position = self.node.links.position(link)
+        source = self.node.store.get_topic(link.from_topic)
+        end = 0 if source is None else source.next_offset
+        return broker_pb2.LinkInfo(
+            from_topic=link.from_topic,
+            to_topic=link.to_topic,
+            cost=link.cost,
+            start_offset=link.start_offset,
+            next_offset=position,
+            lag_events=max(0, end - position),
+            publisher_id=link_rules.link_publisher_id(link.created_lsn),
+            created_lsn=link.created_lsn,
+        )
 
     def _proxy(self, topic: str, replicated: bool) -> broker_pb2.GetPublisherResponse:
         self.node.topic(topic)

@@ -43,6 +43,8 @@ class Operation(_message.Message):
     SHARED_CREATE_FIELD_NUMBER: _builtins.int
     SHARED_ACK_FIELD_NUMBER: _builtins.int
     SHARED_FAIL_FIELD_NUMBER: _builtins.int
+    LINK_TOPIC_FIELD_NUMBER: _builtins.int
+    UNLINK_TOPIC_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def epoch_start(self) -> Global___EpochStartOp:
         """Starts a new epoch; a new master's first entry."""
@@ -95,6 +97,14 @@ class Operation(_message.Message):
     def shared_fail(self) -> Global___SharedFailOp:
         """Counts a failed delivery of an offset of a shared subscription."""
 
+    @_builtins.property
+    def link_topic(self) -> Global___LinkTopicOp:
+        """Links one topic to another (IceStorm's Topic.link)."""
+
+    @_builtins.property
+    def unlink_topic(self) -> Global___UnlinkTopicOp:
+        """Removes a topic link."""
+
     def __init__(
         self,
         *,
@@ -111,12 +121,14 @@ class Operation(_message.Message):
         shared_create: Global___SharedCreateOp | None = ...,
         shared_ack: Global___SharedAckOp | None = ...,
         shared_fail: Global___SharedFailOp | None = ...,
+        link_topic: Global___LinkTopicOp | None = ...,
+        unlink_topic: Global___UnlinkTopicOp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["create_topic", b"create_topic", "delete_subscription", b"delete_subscription", "destroy_topic", b"destroy_topic", "epoch_start", b"epoch_start", "op", b"op", "publish", b"publish", "push_cursor", b"push_cursor", "push_subscribe", b"push_subscribe", "push_unsubscribe", b"push_unsubscribe", "seek_cursor", b"seek_cursor", "set_cursor", b"set_cursor", "shared_ack", b"shared_ack", "shared_create", b"shared_create", "shared_fail", b"shared_fail"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_topic", b"create_topic", "delete_subscription", b"delete_subscription", "destroy_topic", b"destroy_topic", "epoch_start", b"epoch_start", "link_topic", b"link_topic", "op", b"op", "publish", b"publish", "push_cursor", b"push_cursor", "push_subscribe", b"push_subscribe", "push_unsubscribe", b"push_unsubscribe", "seek_cursor", b"seek_cursor", "set_cursor", b"set_cursor", "shared_ack", b"shared_ack", "shared_create", b"shared_create", "shared_fail", b"shared_fail", "unlink_topic", b"unlink_topic"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_topic", b"create_topic", "delete_subscription", b"delete_subscription", "destroy_topic", b"destroy_topic", "epoch_start", b"epoch_start", "op", b"op", "publish", b"publish", "push_cursor", b"push_cursor", "push_subscribe", b"push_subscribe", "push_unsubscribe", b"push_unsubscribe", "seek_cursor", b"seek_cursor", "set_cursor", b"set_cursor", "shared_ack", b"shared_ack", "shared_create", b"shared_create", "shared_fail", b"shared_fail"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_topic", b"create_topic", "delete_subscription", b"delete_subscription", "destroy_topic", b"destroy_topic", "epoch_start", b"epoch_start", "link_topic", b"link_topic", "op", b"op", "publish", b"publish", "push_cursor", b"push_cursor", "push_subscribe", b"push_subscribe", "push_unsubscribe", b"push_unsubscribe", "seek_cursor", b"seek_cursor", "set_cursor", b"set_cursor", "shared_ack", b"shared_ack", "shared_create", b"shared_create", "shared_fail", b"shared_fail", "unlink_topic", b"unlink_topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["epoch_start", "create_topic", "destroy_topic", "publish", "set_cursor", "delete_subscription", "push_subscribe", "push_unsubscribe", "push_cursor", "seek_cursor", "shared_create", "shared_ack", "shared_fail"]  # noqa: Y015
+    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["epoch_start", "create_topic", "destroy_topic", "publish", "set_cursor", "delete_subscription", "push_subscribe", "push_unsubscribe", "push_cursor", "seek_cursor", "shared_create", "shared_ack", "shared_fail", "link_topic", "unlink_topic"]  # noqa: Y015
     _WhichOneofArgType_op: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_op) -> _WhichOneofReturnType_op | None: ...
 
@@ -365,6 +377,76 @@ class SharedCreateOp(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SharedCreateOp: _TypeAlias = SharedCreateOp  # noqa: Y015
+
+@_typing.final
+class LinkTopicOp(_message.Message):
+    """Links from_topic to to_topic (docs/federation.md). Stored as this record, keyed by
+    from_topic's id and to_topic's name, with created_lsn set by the replicas (the master
+    leaves it 0): the link's forwarded events carry the publisher id
+    "squall-link/<created_lsn>", and their sequence is from_topic's offset + 1, so the
+    publisher's high-water mark on to_topic is the link's durable cursor. A replica that
+    predates this op refuses the entry (no operation), never misapplies it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FROM_TOPIC_FIELD_NUMBER: _builtins.int
+    TO_TOPIC_FIELD_NUMBER: _builtins.int
+    COST_FIELD_NUMBER: _builtins.int
+    START_OFFSET_FIELD_NUMBER: _builtins.int
+    CREATED_LSN_FIELD_NUMBER: _builtins.int
+    from_topic: _builtins.str
+    """The linked topic."""
+    to_topic: _builtins.str
+    """The destination topic."""
+    cost: _builtins.int
+    """The link's cost (0 or more; checked by the master)."""
+    start_offset: _builtins.int
+    """The first offset of from_topic the link forwards (its end when the link was made)."""
+    created_lsn: _builtins.int
+    """LSN of the entry that created the link (set by the replicas when storing it)."""
+    def __init__(
+        self,
+        *,
+        from_topic: _builtins.str = ...,
+        to_topic: _builtins.str = ...,
+        cost: _builtins.int = ...,
+        start_offset: _builtins.int = ...,
+        created_lsn: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost", b"cost", "created_lsn", b"created_lsn", "from_topic", b"from_topic", "start_offset", b"start_offset", "to_topic", b"to_topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LinkTopicOp: _TypeAlias = LinkTopicOp  # noqa: Y015
+
+@_typing.final
+class UnlinkTopicOp(_message.Message):
+    """Removes the link from_topic -> to_topic."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FROM_TOPIC_FIELD_NUMBER: _builtins.int
+    TO_TOPIC_FIELD_NUMBER: _builtins.int
+    from_topic: _builtins.str
+    """The linked topic."""
+    to_topic: _builtins.str
+    """The destination topic."""
+    def __init__(
+        self,
+        *,
+        from_topic: _builtins.str = ...,
+        to_topic: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_topic", b"from_topic", "to_topic", b"to_topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnlinkTopicOp: _TypeAlias = UnlinkTopicOp  # noqa: Y015
 
 @_typing.final
 class SharedAckOp(_message.Message):
