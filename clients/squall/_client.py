@@ -275,6 +275,11 @@ class Client:
         """Destroys a topic with its events and subscriptions; NotFound if it does not exist."""
         self._call(self._topic_manager.DestroyTopic, broker_pb2.DestroyTopicRequest(name=name))
 
+    def links(self) -> list[LinkInfo]:
+        """Every topic link of the cluster, ordered by source then destination."""
+        response = self._call(self._topic_manager.GetLinkInfo, broker_pb2.GetLinkInfoRequest())
+        return [LinkInfo.from_pb(link) for link in response.links]
+
     def status(self) -> ClusterStatus:
         """The cluster status table as the gateway sees it."""
         request = gateway_pb2.GetClusterStatusRequest()

@@ -184,12 +184,14 @@ class TopicManager(broker_pb2_grpc.TopicManagerServicer):
     ) -> broker_pb2.GetLinkInfoResponse:
         try:
             with _translating(self.node):
-                self.node.topic(request.topic)
-                links = self.node.store.list_links(request.topic)
+                if request.topic:
+                    self.node.topic(request.topic)
+                links = self.node.store.list_links(request.topic or None)
                 infos = [self._link_info(link) for link in links]
         except ServiceError as exc:
             await abort(context, exc)
-        return broker_pb2.GetLinkInfoResponse(links=sorted(infos, key=lambda i: i.to_topic))
+        infos.sort(key=lambda i: (i.from_topic, i.to_topic))
+        return broker_pb2.GetLinkInfoResponse(links=infos)
 
     def _link_info(self, link: replica_pb2.LinkTopicOp) -> broker_pb2.LinkInfo:
         position = self.node.links.position(link)

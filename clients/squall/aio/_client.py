@@ -225,6 +225,12 @@ class Client:
         request = broker_pb2.DestroyTopicRequest(name=name)
         await self._call(self._topic_manager.DestroyTopic, request)
 
+    async def links(self) -> list[LinkInfo]:
+        """Every topic link of the cluster, ordered by source then destination."""
+        request = broker_pb2.GetLinkInfoRequest()
+        response = await self._call(self._topic_manager.GetLinkInfo, request)
+        return [LinkInfo.from_pb(link) for link in response.links]
+
     async def status(self) -> ClusterStatus:
         """The cluster status table as the gateway sees it."""
         request = gateway_pb2.GetClusterStatusRequest()

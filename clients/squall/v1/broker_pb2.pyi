@@ -363,7 +363,7 @@ class GetLinkInfoRequest(_message.Message):
 
     TOPIC_FIELD_NUMBER: _builtins.int
     topic: _builtins.str
-    """The topic."""
+    """The topic; empty: every topic."""
     def __init__(
         self,
         *,
@@ -386,7 +386,7 @@ class GetLinkInfoResponse(_message.Message):
     LINKS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def links(self) -> _containers.RepeatedCompositeFieldContainer[Global___LinkInfo]:
-        """The links, ordered by to_topic."""
+        """The links, ordered by from_topic, then to_topic."""
 
     def __init__(
         self,

@@ -152,7 +152,8 @@ class TopicManagerServicer:
 
     def GetLinkInfo(self, request, context):
         """A topic's outgoing links (IceStorm's getLinkInfoSeq), ordered by destination name,
-        with each link's forwarding position. NOT_FOUND if the topic does not exist.
+        with each link's forwarding position; with no topic, every link of the cluster ordered
+        by source then destination. NOT_FOUND if the topic does not exist.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

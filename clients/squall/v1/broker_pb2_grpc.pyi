@@ -66,7 +66,8 @@ class TopicManagerStub:
     """
     GetLinkInfo: _grpc.UnaryUnaryMultiCallable[_broker_pb2.GetLinkInfoRequest, _broker_pb2.GetLinkInfoResponse]
     """A topic's outgoing links (IceStorm's getLinkInfoSeq), ordered by destination name,
-    with each link's forwarding position. NOT_FOUND if the topic does not exist.
+    with each link's forwarding position; with no topic, every link of the cluster ordered
+    by source then destination. NOT_FOUND if the topic does not exist.
     """
 
 @_typing.type_check_only
@@ -103,7 +104,8 @@ class TopicManagerAsyncStub(TopicManagerStub):
     """
     GetLinkInfo: _aio.UnaryUnaryMultiCallable[_broker_pb2.GetLinkInfoRequest, _broker_pb2.GetLinkInfoResponse]  # type: ignore[assignment]
     """A topic's outgoing links (IceStorm's getLinkInfoSeq), ordered by destination name,
-    with each link's forwarding position. NOT_FOUND if the topic does not exist.
+    with each link's forwarding position; with no topic, every link of the cluster ordered
+    by source then destination. NOT_FOUND if the topic does not exist.
     """
 
 class TopicManagerServicer(metaclass=_abc_1.ABCMeta):
@@ -191,7 +193,8 @@ class TopicManagerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_broker_pb2.GetLinkInfoResponse, _abc.Awaitable[_broker_pb2.GetLinkInfoResponse]]:
         """A topic's outgoing links (IceStorm's getLinkInfoSeq), ordered by destination name,
-        with each link's forwarding position. NOT_FOUND if the topic does not exist.
+        with each link's forwarding position; with no topic, every link of the cluster ordered
+        by source then destination. NOT_FOUND if the topic does not exist.
         """
 
 def add_TopicManagerServicer_to_server(servicer: TopicManagerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
