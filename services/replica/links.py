@@ -209,6 +209,17 @@ class _Worker:
                     async with asyncio.timeout(_IDLE_RECHECK_S):
                         await signal.wait()
                 continue
+            if events[0].offset > self.position:
+                # Retention dropped them before the link got to them: say so, once.
+                log.warning(
+                    "replica %s: %s: offsets %d..%d were dropped by retention before they "
+                    "were forwarded (epoch=%d)",
+                    node.node.id,
+                    self._where,
+                    self.position,
+                    events[0].offset - 1,
+                    self._epoch,
+                )
             plan = link_rules.plan_forward(events, link.cost)
             if plan.events:
                 request = link_rules.publish_request(link.to_topic, link.created_lsn, plan)
