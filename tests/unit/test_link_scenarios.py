@@ -174,3 +174,22 @@ def test_link_transcript(path: Path) -> None:
     machine = Machine()
     outputs = [machine.run(block.command) for block in blocks]
     check_or_rewrite(path, text, render(blocks, outputs))
+
+
+def test_links_and_the_forwarding_position_survive_a_restart(tmp_path: Path) -> None:
+    """What a restarted replica (or a new master on it) finds in its LMDB store."""
+    machine = Machine()
+    machine.store.close()
+    machine.store = Store.open_lmdb(tmp_path, 64 << 20)
+    machine.store.set_epoch(1)
+    for command in ("create a", "create b", "link a b 0", "publish a one two", "forward"):
+        machine.run(command)
+    before = machine.store.list_links()
+    machine.store.close()
+    again = Machine()
+    again.store.close()
+    again.store = Store.open_lmdb(tmp_path, 64 << 20)
+    assert again.store.list_links() == before and len(before) == 1
+    assert again.run("links a") == ["a -> b cost 0 next 2"]  # after 'two', from the store
+    assert again.run("forward") == ["a -> b: nothing from 2"]
+    again.store.close()
