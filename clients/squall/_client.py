@@ -633,22 +633,31 @@ class Topic:
         response = self._client._call(self._client._push_stub.GetSubscribers, request)
         return [PushSubscriberInfo.from_pb(s) for s in response.subscribers]
 
-    def link(self, to: str | Topic, cost: int = 0) -> LinkInfo:
+    def link(self, to: str | Topic, cost: int = 0, cluster: str = "") -> LinkInfo:
         """Links this topic to another of the cluster (IceStorm's Topic.link): its events
         published from now on are forwarded there exactly once, in order, unless the cost
         rules stop them (a link of cost N > 0 forwards events of cost at most N; an event
         that arrived over a link is never forwarded again). AlreadyExists if linked,
-        NotFound for a missing topic, InvalidArgument for itself or a negative cost."""
+        NotFound for a missing topic, InvalidArgument for itself or a negative cost.
+
+        With `cluster`, `to` is a topic of another cluster: the name of a [[remotes]] entry
+        of this cluster's file; the remote is checked first (FailedPrecondition names an
+        unreachable cluster, a wrong TLS identity or a refused token)."""
         request = broker_pb2.LinkTopicRequest(
-            from_topic=self.name, to_topic=to if isinstance(to, str) else to.name, cost=cost
+            from_topic=self.name,
+            to_topic=to if isinstance(to, str) else to.name,
+            cost=cost,
+            to_cluster=cluster,
         )
         response = self._client._call(self._client._topic_manager.LinkTopic, request)
         return LinkInfo.from_pb(response.link)
 
-    def unlink(self, to: str | Topic) -> None:
+    def unlink(self, to: str | Topic, cluster: str = "") -> None:
         """Removes the link to another topic; NotFound if there is none."""
         request = broker_pb2.UnlinkTopicRequest(
-            from_topic=self.name, to_topic=to if isinstance(to, str) else to.name
+            from_topic=self.name,
+            to_topic=to if isinstance(to, str) else to.name,
+            to_cluster=cluster,
         )
         self._client._call(self._client._topic_manager.UnlinkTopic, request)
 

@@ -73,6 +73,8 @@ class LinkInfo:
     lag_events: int  # events of from_topic not yet examined
     publisher_id: str  # the forwarded events' publisher id on to_topic
     created_lsn: int
+    to_cluster: str = ""  # another cluster's name ([[remotes]]); empty: this cluster
+    lag_ms: int = 0  # how long the oldest event not yet examined has waited
 
     @classmethod
     def from_pb(cls, link: broker_pb2.LinkInfo) -> LinkInfo:
@@ -86,6 +88,8 @@ class LinkInfo:
             link.lag_events,
             link.publisher_id,
             link.created_lsn,
+            link.to_cluster,
+            link.lag_ms,
         )
 
 

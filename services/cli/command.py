@@ -6,7 +6,7 @@
     squall topic create NAME [--transient]      client commands, through a gateway
     squall topic list [--json] | topic destroy NAME
     squall topic subscribers NAME [--json] | topic unsubscribe NAME ID     push subscribers
-    squall topic link NAME TO [--cost N] | topic unlink NAME TO     IceStorm's topic links
+    squall topic link NAME TO [--cost N] [--cluster R] | topic unlink NAME TO [--cluster R]
     squall topic links [NAME] [--json] | topic info NAME [--json]   links and where they are
     squall publish TOPIC [MESSAGE ...]          no MESSAGE: one event per line of stdin
     squall subscribe TOPIC [--subscription S] [--from earliest|latest|N|ISO8601] [--follow]
@@ -188,6 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
     unlink = topic_commands.add_parser("unlink", parents=[client], help="remove a topic link")
     unlink.add_argument("name")
     unlink.add_argument("to")
+    for link_parser in (link, unlink):
+        link_parser.add_argument(
+            "--cluster",
+            default="",
+            metavar="REMOTE",
+            help="TO is a topic of another cluster (a [[remotes]] name of the cluster file)",
+        )
     links = topic_commands.add_parser(
         "links", parents=[client], help="a topic's links (every link without NAME)"
     )
@@ -413,15 +420,17 @@ def _cmd_topic(client: squall.Client, args: argparse.Namespace, out: TextIO) -> 
 
 def _cmd_topic_links(client: squall.Client, args: argparse.Namespace, out: TextIO) -> int:
     if args.topic_command == "link":
-        link = client.topic(args.name).link(args.to, cost=args.cost)
+        link = client.topic(args.name).link(args.to, cost=args.cost, cluster=args.cluster)
+        target = f"{link.to_topic}@{link.to_cluster}" if link.to_cluster else link.to_topic
         print(
-            f"linked topic {link.from_topic} to {link.to_topic} with cost {link.cost} "
+            f"linked topic {link.from_topic} to {target} with cost {link.cost} "
             f"(forwarding from offset {link.start_offset} as {link.publisher_id})",
             file=out,
         )
     elif args.topic_command == "unlink":
-        client.topic(args.name).unlink(args.to)
-        print(f"unlinked topic {args.name} from {args.to}", file=out)
+        client.topic(args.name).unlink(args.to, cluster=args.cluster)
+        target = f"{args.to}@{args.cluster}" if args.cluster else args.to
+        print(f"unlinked topic {args.name} from {target}", file=out)
     elif args.topic_command == "links":
         links = client.topic(args.name).links() if args.name else client.links()
         if args.json:

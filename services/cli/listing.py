@@ -49,8 +49,9 @@ def links_document(links: Iterable[squall.LinkInfo]) -> dict[str, Any]:
 def link_lines(links: Iterable[squall.LinkInfo]) -> list[str]:
     """The text rows of `topic links`, `topic info` and `status`."""
     return [
-        f"{link.from_topic} -> {link.to_topic}\tcost={link.cost}\tnext_offset={link.next_offset}"
-        f"\tlag_events={link.lag_events}\tpublisher_id={link.publisher_id}"
+        f"{link.from_topic} -> {link.to_topic}{'@' + link.to_cluster if link.to_cluster else ''}"
+        f"\tcost={link.cost}\tnext_offset={link.next_offset}\tlag_events={link.lag_events}"
+        f"\tlag_ms={link.lag_ms}\tpublisher_id={link.publisher_id}"
         for link in links
     ]
 

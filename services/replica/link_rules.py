@@ -43,15 +43,32 @@ class LinkRefused(Exception):
         self.message = message
 
 
-def link_publisher_id(created_lsn: int) -> str:
+def link_publisher_id(created_lsn: int, source_cluster: str = "") -> str:
     """The publisher id of a link's forwarded events: unique per link in the cluster's
-    log (a link removed and made again is another link, with new sequences)."""
+    log (a link removed and made again is another link, with new sequences); a link to
+    another cluster adds this cluster's name, so that links from several clusters into
+    one never share an id there."""
+    if source_cluster:
+        return f"{LINK_PUBLISHER_PREFIX}{source_cluster}/{created_lsn}"
     return f"{LINK_PUBLISHER_PREFIX}{created_lsn}"
 
 
 def is_forwarded(publisher_id: str) -> bool:
-    """Whether an event with this publisher id arrived over a link."""
+    """Whether an event with this publisher id arrived over a link (of this cluster or
+    from another one)."""
     return publisher_id.startswith(LINK_PUBLISHER_PREFIX)
+
+
+def is_local_link_id(publisher_id: str) -> bool:
+    """Whether the id has the form of this cluster's own links' ids: only its forwarder
+    may publish under one (ids of other clusters' links arrive through Publish)."""
+    return is_forwarded(publisher_id) and "/" not in publisher_id[len(LINK_PUBLISHER_PREFIX) :]
+
+
+def link_target(to_cluster: str, to_topic: str) -> str:
+    """A link's destination as messages and sets name it: the topic's name in this
+    cluster, topic@cluster in another."""
+    return f"{to_topic}@{to_cluster}" if to_cluster else to_topic
 
 
 def forwards(link_cost: int, event_cost: int, publisher_id: str) -> bool:
@@ -81,10 +98,13 @@ def check_link(
     from_kind: common_pb2.TopicKind.ValueType | None,
     to_kind: common_pb2.TopicKind.ValueType | None,
     existing: Iterable[str],
+    to_cluster: str = "",
 ) -> None:
-    """Refuses a link that may not be made (LinkRefused); existing holds the names the
-    topic already links to. Kinds are None for a missing topic."""
-    if from_topic == to_topic:
+    """Refuses a link that may not be made (LinkRefused); existing holds the targets
+    (`link_target`) the topic already links to. Kinds are None for a missing topic; for
+    another cluster's topic, the kind its gateway answered."""
+    target = link_target(to_cluster, to_topic)
+    if from_topic == to_topic and not to_cluster:
         raise LinkRefused(
             "INVALID_ARGUMENT",
             f"topic '{from_topic}' cannot be linked to itself (it would store each event twice)",
@@ -92,9 +112,9 @@ def check_link(
     if cost < 0:
         raise LinkRefused(
             "INVALID_ARGUMENT",
-            f"link cost {cost} from '{from_topic}' to '{to_topic}' is negative; 0 or more",
+            f"link cost {cost} from '{from_topic}' to '{target}' is negative; 0 or more",
         )
-    for name, kind in ((from_topic, from_kind), (to_topic, to_kind)):
+    for name, kind in ((from_topic, from_kind), (target, to_kind)):
         if kind is None:
             raise LinkRefused("NOT_FOUND", f"topic '{name}' does not exist")
         if kind == common_pb2.TOPIC_KIND_TRANSIENT:
@@ -104,10 +124,8 @@ def check_link(
                 "(a link forwards stored events exactly once)",
             )
     names = set(existing)
-    if to_topic in names:
-        raise LinkRefused(
-            "ALREADY_EXISTS", f"topic '{from_topic}' is already linked to '{to_topic}'"
-        )
+    if target in names:
+        raise LinkRefused("ALREADY_EXISTS", f"topic '{from_topic}' is already linked to '{target}'")
     if len(names) >= LINKS_PER_TOPIC_MAX:
         raise LinkRefused(
             "RESOURCE_EXHAUSTED",
@@ -145,9 +163,11 @@ def plan_forward(events: Sequence[common_pb2.Event], link_cost: int) -> ForwardP
 
 
 def publish_request(
-    to_topic: str, created_lsn: int, plan: ForwardPlan
+    to_topic: str, created_lsn: int, plan: ForwardPlan, source_cluster: str = ""
 ) -> broker_pb2.PublishRequest:
     """The publish that stores a plan's events on the destination under the link's id."""
     return broker_pb2.PublishRequest(
-        topic=to_topic, publisher_id=link_publisher_id(created_lsn), events=plan.events
+        topic=to_topic,
+        publisher_id=link_publisher_id(created_lsn, source_cluster),
+        events=plan.events,
     )

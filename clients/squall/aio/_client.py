@@ -547,18 +547,23 @@ class Topic:
         response = await self._client._call(self._client._push_stub.GetSubscribers, request)
         return [PushSubscriberInfo.from_pb(s) for s in response.subscribers]
 
-    async def link(self, to: str | Topic, cost: int = 0) -> LinkInfo:
+    async def link(self, to: str | Topic, cost: int = 0, cluster: str = "") -> LinkInfo:
         """Links this topic to another (see the sync `Topic.link`)."""
         request = broker_pb2.LinkTopicRequest(
-            from_topic=self.name, to_topic=to if isinstance(to, str) else to.name, cost=cost
+            from_topic=self.name,
+            to_topic=to if isinstance(to, str) else to.name,
+            cost=cost,
+            to_cluster=cluster,
         )
         response = await self._client._call(self._client._topic_manager.LinkTopic, request)
         return LinkInfo.from_pb(response.link)
 
-    async def unlink(self, to: str | Topic) -> None:
+    async def unlink(self, to: str | Topic, cluster: str = "") -> None:
         """Removes the link to another topic; NotFound if there is none."""
         request = broker_pb2.UnlinkTopicRequest(
-            from_topic=self.name, to_topic=to if isinstance(to, str) else to.name
+            from_topic=self.name,
+            to_topic=to if isinstance(to, str) else to.name,
+            to_cluster=cluster,
         )
         await self._client._call(self._client._topic_manager.UnlinkTopic, request)
 

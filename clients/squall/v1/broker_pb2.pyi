@@ -265,6 +265,7 @@ class LinkTopicRequest(_message.Message):
     FROM_TOPIC_FIELD_NUMBER: _builtins.int
     TO_TOPIC_FIELD_NUMBER: _builtins.int
     COST_FIELD_NUMBER: _builtins.int
+    TO_CLUSTER_FIELD_NUMBER: _builtins.int
     from_topic: _builtins.str
     """The topic whose events are forwarded."""
     to_topic: _builtins.str
@@ -273,16 +274,23 @@ class LinkTopicRequest(_message.Message):
     """The link's cost (IceStorm's): 0 forwards every event published on from_topic; N > 0
     forwards only the events whose EventData.cost is at most N. Negative: INVALID_ARGUMENT.
     """
+    to_cluster: _builtins.str
+    """The cluster of to_topic: the name of a [[remotes]] entry of this cluster's file
+    (docs/federation.md); empty: this cluster. The remote is checked first (the topic
+    exists there, its TLS identity and the token are accepted): FAILED_PRECONDITION or
+    NOT_FOUND naming the problem otherwise, and nothing is created.
+    """
     def __init__(
         self,
         *,
         from_topic: _builtins.str = ...,
         to_topic: _builtins.str = ...,
         cost: _builtins.int = ...,
+        to_cluster: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost", b"cost", "from_topic", b"from_topic", "to_topic", b"to_topic"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost", b"cost", "from_topic", b"from_topic", "to_cluster", b"to_cluster", "to_topic", b"to_topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -320,19 +328,23 @@ class UnlinkTopicRequest(_message.Message):
 
     FROM_TOPIC_FIELD_NUMBER: _builtins.int
     TO_TOPIC_FIELD_NUMBER: _builtins.int
+    TO_CLUSTER_FIELD_NUMBER: _builtins.int
     from_topic: _builtins.str
     """The linked topic."""
     to_topic: _builtins.str
     """The topic it forwards to."""
+    to_cluster: _builtins.str
+    """The cluster of to_topic (empty: this cluster)."""
     def __init__(
         self,
         *,
         from_topic: _builtins.str = ...,
         to_topic: _builtins.str = ...,
+        to_cluster: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_topic", b"from_topic", "to_topic", b"to_topic"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_topic", b"from_topic", "to_cluster", b"to_cluster", "to_topic", b"to_topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -415,6 +427,8 @@ class LinkInfo(_message.Message):
     LAG_EVENTS_FIELD_NUMBER: _builtins.int
     PUBLISHER_ID_FIELD_NUMBER: _builtins.int
     CREATED_LSN_FIELD_NUMBER: _builtins.int
+    TO_CLUSTER_FIELD_NUMBER: _builtins.int
+    LAG_MS_FIELD_NUMBER: _builtins.int
     from_topic: _builtins.str
     """The linked topic."""
     to_topic: _builtins.str
@@ -435,6 +449,10 @@ class LinkInfo(_message.Message):
     """
     created_lsn: _builtins.int
     """LSN of the log entry that created the link."""
+    to_cluster: _builtins.str
+    """The cluster of to_topic (empty: this cluster)."""
+    lag_ms: _builtins.int
+    """How long the oldest event not yet examined has waited, in milliseconds (0: none)."""
     def __init__(
         self,
         *,
@@ -446,10 +464,12 @@ class LinkInfo(_message.Message):
         lag_events: _builtins.int = ...,
         publisher_id: _builtins.str = ...,
         created_lsn: _builtins.int = ...,
+        to_cluster: _builtins.str = ...,
+        lag_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost", b"cost", "created_lsn", b"created_lsn", "from_topic", b"from_topic", "lag_events", b"lag_events", "next_offset", b"next_offset", "publisher_id", b"publisher_id", "start_offset", b"start_offset", "to_topic", b"to_topic"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost", b"cost", "created_lsn", b"created_lsn", "from_topic", b"from_topic", "lag_events", b"lag_events", "lag_ms", b"lag_ms", "next_offset", b"next_offset", "publisher_id", b"publisher_id", "start_offset", b"start_offset", "to_cluster", b"to_cluster", "to_topic", b"to_topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
