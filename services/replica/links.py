@@ -123,6 +123,30 @@ class LinkForwarding:
         )
         return durable if worker is None else max(durable, worker.position)
 
+    def lag(self, link: replica_pb2.LinkTopicOp) -> tuple[int, int, int]:
+        """(next offset, events waiting, ms the oldest of them has waited) of a link."""
+        node = self._node
+        position = self.position(link)
+        source = node.store.get_topic(link.from_topic)
+        end = 0 if source is None else source.next_offset
+        lag_ms = 0
+        if source is not None and position < end:
+            waiting = node.store.read_events(link.from_topic, position, 1)
+            if waiting:
+                lag_ms = max(0, node.clock.wall_ms() - waiting[0].timestamp_ms)
+        return position, max(0, end - position), lag_ms
+
+    def lags(self) -> list[tuple[str, str, int, int]]:
+        """(source, destination, events waiting, ms) of every link, while forwarding."""
+        if self._supervisor is None:
+            return []
+        out = []
+        for link in self._node.store.list_links():
+            _, events, lag_ms = self.lag(link)
+            target = link_rules.link_target(link.to_cluster, link.to_topic)
+            out.append((link.from_topic, target, events, lag_ms))
+        return out
+
     async def _supervise(self, epoch: int) -> None:
         # Bounded per pass by the store's links; ends with the role.
         while self.active(epoch):
@@ -322,7 +346,13 @@ class _RemoteWorker:
 
     async def _run(self) -> None:
         node = self._node
-        channel = remote.remote_channel(self._remote, node.config.limits.max_message_bytes)
+        try:
+            channel = remote.remote_channel(self._remote, node.config.limits.max_message_bytes)
+        except OSError as exc:  # the CA file: the supervisor retries at its next scan
+            log.warning(
+                "replica %s: %s: cannot reach the remote: %s", node.node.id, self._where, exc
+            )
+            return
         try:
             await self._forward_loop(broker_pb2_grpc.PublisherStub(channel))
         except asyncio.CancelledError:

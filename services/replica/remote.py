@@ -84,12 +84,19 @@ async def probe(
     remote: RemoteConfig, topic: str, max_message_bytes: int
 ) -> common_pb2.TopicKind.ValueType:
     """The kind of `topic` on the remote; ServiceError naming the problem otherwise."""
-    async with remote_channel(remote, max_message_bytes) as channel:
+    try:
+        metadata = remote_metadata(remote)
+        channel = remote_channel(remote, max_message_bytes)
+    except (ValueError, OSError) as exc:  # an unreadable token or CA file
+        raise ServiceError(
+            Code.FAILED_PRECONDITION, f"remote cluster '{remote.name}': {exc}"
+        ) from None
+    async with channel:
         try:
             response = await broker_pb2_grpc.TopicManagerStub(channel).RetrieveTopic(
                 broker_pb2.RetrieveTopicRequest(name=topic),
                 timeout=REMOTE_CALL_TIMEOUT_MS / 1000,
-                metadata=remote_metadata(remote) or None,
+                metadata=metadata or None,
                 wait_for_ready=False,
             )
         except grpc.aio.AioRpcError as exc:

@@ -225,21 +225,14 @@ class TopicManager(broker_pb2_grpc.TopicManagerServicer):
             raise ServiceError(exc.code, f"{exc.message}; nothing was linked") from None
 
     def _link_info(self, link: replica_pb2.LinkTopicOp) -> broker_pb2.LinkInfo:
-        position = self.node.links.position(link)
-        source = self.node.store.get_topic(link.from_topic)
-        end = 0 if source is None else source.next_offset
-        lag_ms = 0
-        if source is not None and position < end:
-            waiting = self.node.store.read_events(link.from_topic, position, 1)
-            if waiting:
-                lag_ms = max(0, self.node.clock.wall_ms() - waiting[0].timestamp_ms)
+        position, lag_events, lag_ms = self.node.links.lag(link)
         return broker_pb2.LinkInfo(
             from_topic=link.from_topic,
             to_topic=link.to_topic,
             cost=link.cost,
             start_offset=link.start_offset,
             next_offset=position,
-            lag_events=max(0, end - position),
+            lag_events=lag_events,
             publisher_id=link_rules.link_publisher_id(
                 link.created_lsn, self.node.config.name if link.to_cluster else ""
             ),
