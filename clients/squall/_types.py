@@ -62,6 +62,38 @@ class TopicInfo:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class LinkInfo:
+    """A link from one topic to another (IceStorm's LinkInfo), with where forwarding is."""
+
+    from_topic: str
+    to_topic: str
+    cost: int
+    start_offset: int  # from_topic's end when the link was made: forwarding starts there
+    next_offset: int  # every event of from_topic below it was examined (forwarded or not)
+    lag_events: int  # events of from_topic not yet examined
+    publisher_id: str  # the forwarded events' publisher id on to_topic
+    created_lsn: int
+    to_cluster: str = ""  # another cluster's name ([[remotes]]); empty: this cluster
+    lag_ms: int = 0  # how long the oldest event not yet examined has waited
+
+    @classmethod
+    def from_pb(cls, link: broker_pb2.LinkInfo) -> LinkInfo:
+        """Builds a LinkInfo from the wire message."""
+        return cls(
+            link.from_topic,
+            link.to_topic,
+            link.cost,
+            link.start_offset,
+            link.next_offset,
+            link.lag_events,
+            link.publisher_id,
+            link.created_lsn,
+            link.to_cluster,
+            link.lag_ms,
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Holder:
     """One replica holding a published event, and how durably ("sync", "write_no_sync", ...)."""
 
@@ -105,6 +137,9 @@ class Message:
     seek_generation: int = dataclasses.field(default=0, compare=False)
     """For a durable subscription, the seek generation of the stream that delivered it:
     `ack` sends it, so an ack of a message delivered before a seek cannot undo the seek."""
+    cost: int = 0
+    """The event's cost (IceStorm's): a topic link of cost N > 0 forwards it only when it
+    is at most N. Published with `publish_many` events that have a `cost` attribute."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -443,6 +478,7 @@ def _receipts_from_batch(batch: common_pb2.BatchReceipt) -> list[Receipt]:
     _m_epoch,
     _m_topic,
     _m_generation,
+    _m_cost,
 ) = _slot_setters(Message, [f.name for f in dataclasses.fields(Message)])
 _NO_HEADERS: Mapping[str, str] = types.MappingProxyType({})
 
@@ -473,5 +509,6 @@ def messages_from_events(
         _m_epoch(m, e.epoch)
         _m_topic(m, e.topic)
         _m_generation(m, seek_generation)
+        _m_cost(m, e.cost)
         append(m)
     return out

@@ -6,6 +6,8 @@
     squall topic create NAME [--transient]      client commands, through a gateway
     squall topic list [--json] | topic destroy NAME
     squall topic subscribers NAME [--json] | topic unsubscribe NAME ID     push subscribers
+    squall topic link NAME TO [--cost N] [--cluster R] | topic unlink NAME TO [--cluster R]
+    squall topic links [NAME] [--json] | topic info NAME [--json]   links and where they are
     squall publish TOPIC [MESSAGE ...]          no MESSAGE: one event per line of stdin
     squall subscribe TOPIC [--subscription S] [--from earliest|latest|N|ISO8601] [--follow]
                      [--count N]
@@ -37,6 +39,7 @@ usage or configuration error.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -167,6 +170,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     unsubscribe.add_argument("name")
     unsubscribe.add_argument("subscriber_id")
+
+    link = topic_commands.add_parser(
+        "link",
+        parents=[client],
+        help="forward a topic's new events to another topic (IceStorm's link)",
+    )
+    link.add_argument("name")
+    link.add_argument("to")
+    link.add_argument(
+        "--cost",
+        type=int,
+        default=0,
+        metavar="N",
+        help="0 forwards every event; N > 0 only events of cost at most N",
+    )
+    unlink = topic_commands.add_parser("unlink", parents=[client], help="remove a topic link")
+    unlink.add_argument("name")
+    unlink.add_argument("to")
+    for link_parser in (link, unlink):
+        link_parser.add_argument(
+            "--cluster",
+            default="",
+            metavar="REMOTE",
+            help="TO is a topic of another cluster (a [[remotes]] name of the cluster file)",
+        )
+    links = topic_commands.add_parser(
+        "links", parents=[client], help="a topic's links (every link without NAME)"
+    )
+    links.add_argument("name", nargs="?", default="")
+    cli_listing.add_json_flag(links)
+    info = topic_commands.add_parser("info", parents=[client], help="a topic and its links")
+    info.add_argument("name")
+    cli_listing.add_json_flag(info)
 
     publish = commands.add_parser(
         "publish", parents=[client], help="publish messages (or stdin lines) to a topic"
@@ -371,12 +407,52 @@ def _cmd_topic(client: squall.Client, args: argparse.Namespace, out: TextIO) -> 
                 + (f"\tlast_error={sub.last_error}" if sub.last_error else ""),
                 file=out,
             )
+    elif args.topic_command in ("link", "unlink", "links", "info"):
+        return _cmd_topic_links(client, args, out)
     elif args.topic_command == "unsubscribe":
         client.topic(args.name).unsubscribe_push(args.subscriber_id)
         print(f"unsubscribed {args.subscriber_id} from topic {args.name}", file=out)
     else:
         client.destroy_topic(args.name)
         print(f"destroyed topic {args.name}", file=out)
+    return 0
+
+
+def _cmd_topic_links(client: squall.Client, args: argparse.Namespace, out: TextIO) -> int:
+    if args.topic_command == "link":
+        link = client.topic(args.name).link(args.to, cost=args.cost, cluster=args.cluster)
+        target = f"{link.to_topic}@{link.to_cluster}" if link.to_cluster else link.to_topic
+        print(
+            f"linked topic {link.from_topic} to {target} with cost {link.cost} "
+            f"(forwarding from offset {link.start_offset} as {link.publisher_id})",
+            file=out,
+        )
+    elif args.topic_command == "unlink":
+        client.topic(args.name).unlink(args.to, cluster=args.cluster)
+        target = f"{args.to}@{args.cluster}" if args.cluster else args.to
+        print(f"unlinked topic {args.name} from {target}", file=out)
+    elif args.topic_command == "links":
+        links = client.topic(args.name).links() if args.name else client.links()
+        if args.json:
+            cli_listing.print_json(cli_listing.links_document(links), out)
+        for line in [] if args.json else cli_listing.link_lines(links):
+            print(line, file=out)
+    else:
+        topic = client.topic(args.name)
+        links = topic.links()
+        if args.json:
+            document = dataclasses.asdict(topic.info)
+            document.update(cli_listing.links_document(links))
+            cli_listing.print_json(document, out)
+            return 0
+        info = topic.info
+        print(
+            f"{info.name}\t{info.kind}\tfirst_offset={info.first_offset}"
+            f"\tnext_offset={info.next_offset}\tlinks={len(links)}",
+            file=out,
+        )
+        for line in cli_listing.link_lines(links):
+            print(f"  {line}", file=out)
     return 0
 
 
@@ -497,6 +573,15 @@ def _quorum(node: squall.NodeStatus) -> str:
     return text
 
 
+def _status_links(client: squall.Client) -> list[squall.LinkInfo] | None:
+    """The cluster's topic links for status, None when they cannot be read (no replica
+    answers reads): status still shows the replica table."""
+    try:
+        return client.links()
+    except squall.SquallError:
+        return None
+
+
 def _cmd_status(client: squall.Client, args: argparse.Namespace, out: TextIO) -> int:
     if args.wait_normal is not None:
         waited = cli_status_wait.wait_until_normal(
@@ -505,8 +590,11 @@ def _cmd_status(client: squall.Client, args: argparse.Namespace, out: TextIO) ->
         if waited:
             return waited
     status = client.status()
+    links = _status_links(client)
     if args.json:
         document = status.to_dict()
+        if links is not None:
+            document.update(cli_listing.links_document(links))
         if args.explain:
             document["explain"] = cli_explain.explain(status)
         print(json.dumps(document, indent=2, sort_keys=True), file=out)
@@ -586,6 +674,10 @@ def _cmd_status(client: squall.Client, args: argparse.Namespace, out: TextIO) ->
             )
         for line in _format_table(table):
             print(line, file=out)
+    if links:
+        print("topic links:", file=out)
+        for line in cli_listing.link_lines(links):
+            print(f"  {line}", file=out)
     for line in cli_explain.notes(status):
         print(line, file=out)
     if args.explain:

@@ -215,9 +215,7 @@ def _node_of(path: Path) -> str:
 
 
 def _describe(meta: StoreMeta) -> str:
-    return (
-        f"cluster {meta.cluster_id or '-'}, log epoch {meta.last_epoch} LSN {meta.last_lsn}"
-    )
+    return f"cluster {meta.cluster_id or '-'}, log epoch {meta.last_epoch} LSN {meta.last_lsn}"
 
 
 def mark_clean(path_text: str, shutdown_id: str | None, out: TextIO) -> None:
@@ -313,5 +311,3 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         return 0
     mark_dirty(args.dir, out)
     return 0
-
-

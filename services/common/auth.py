@@ -68,6 +68,10 @@ def _rules() -> dict[str, Rule]:
     rules[manager + "DestroyTopic"] = Rule(Permission.ADMIN, "name", "destroy topic")
     rules[manager + "RetrieveTopic"] = Rule(Permission.SEE, "name", "look up topic")
     rules[manager + "ListTopics"] = Rule(Permission.AUTHENTICATED)
+    # Links move events between topics (and out of the cluster): the operator's call.
+    rules[manager + "LinkTopic"] = Rule(Permission.ADMIN, "from_topic", "link topic")
+    rules[manager + "UnlinkTopic"] = Rule(Permission.ADMIN, "from_topic", "unlink topic")
+    rules[manager + "GetLinkInfo"] = Rule(Permission.ADMIN, action="read topic links")
     for name in ("GetPublisher", "GetNonReplicatedPublisher"):
         rules[manager + name] = Rule(Permission.PUBLISH, "topic", "publish to topic")
     for name in ("Publish", "PublishStream"):

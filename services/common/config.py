@@ -281,6 +281,22 @@ class TlsConfig:
 
 
 @dataclass(frozen=True)
+class RemoteConfig:
+    """Another Squall cluster this one's topics may link to (docs/federation.md).
+
+    Reached through its gateways: over TLS when ca_file is set (its gateways' certificates
+    verified against that CA, for server_name when given, else each address's host), with
+    the token in token_file when set (the remote's [auth]).
+    """
+
+    name: str
+    gateways: tuple[str, ...]
+    ca_file: Path | None = None
+    server_name: str = ""
+    token_file: Path | None = None
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     """The whole cluster as every service sees it."""
 
@@ -298,6 +314,11 @@ class ClusterConfig:
     tls: TlsConfig = field(default_factory=TlsConfig)
     # Deprecated names the file used, one sentence each (logged as warnings at start).
     deprecations: tuple[str, ...] = field(default=(), compare=False)
+    remotes: tuple[RemoteConfig, ...] = ()
+
+    def remote(self, name: str) -> RemoteConfig | None:
+        """The [[remotes]] entry of that name, or None."""
+        return next((r for r in self.remotes if r.name == name), None)
 
     def node(self, node_id: str) -> NodeConfig:
         """The node with this id; ConfigError listing the configured ids if there is none."""
@@ -473,6 +494,7 @@ _SECTIONS: Mapping[str, str] = {
     "logging": "table",
     "tls": "table",
     "auth": "table",
+    "remotes": "array",
 }
 _CLUSTER_KEYS = ("name",)
 _NODE_KEYS = tuple(f.name for f in dataclasses.fields(NodeConfig))
@@ -528,6 +550,51 @@ def _build(document: Mapping[str, Any], config_path: Path) -> ClusterConfig:
         path=config_path.absolute(),
         tls=_build_tls(document.get("tls", {}), base_dir),
         deprecations=tuple(deprecations),
+        remotes=tuple(
+            _build_remote(index, entry, base_dir)
+            for index, entry in enumerate(document.get("remotes", []))
+        ),
+    )
+
+
+def _build_remote(index: int, table: Mapping[str, Any], base_dir: Path) -> RemoteConfig:
+    """One [[remotes]] entry; paths resolve against the config file's directory."""
+    where = f"remotes[{index}]"
+    known = [f.name for f in dataclasses.fields(RemoteConfig)]
+    _check_keys(table, known, f"[[remotes]] entry {index}", "remotes")
+    _require(table, "name", f"{where}.name")
+    _require(table, "gateways", f"{where}.gateways")
+    name = table["name"]
+    if not isinstance(name, str):
+        raise ConfigError(f"{where}.name: must be a string, got {_describe(name)}")
+    _check_id(name, f"{where}.name", "cluster name")
+    gateways = table["gateways"]
+    if (
+        not isinstance(gateways, list)
+        or not gateways
+        or not all(isinstance(g, str) for g in gateways)
+    ):
+        raise ConfigError(
+            f'{where}.gateways: must be a non-empty list of "host:port" strings, '
+            f"got {_describe(gateways)}"
+        )
+    for address in gateways:
+        try:
+            parse_address(address)
+        except ValueError as error:
+            raise ConfigError(f"{where}.gateways: {_show(address)}: {error}") from None
+    server_name = table.get("server_name", "")
+    if not isinstance(server_name, str):
+        raise ConfigError(f"{where}.server_name: must be a string, got {_describe(server_name)}")
+    paths: dict[str, Path | None] = {}
+    for key in ("ca_file", "token_file"):
+        paths[key] = _resolve_dir(table[key], f"{where}.{key}", base_dir) if key in table else None
+    return RemoteConfig(
+        name=name,
+        gateways=tuple(gateways),
+        ca_file=paths["ca_file"],
+        server_name=server_name,
+        token_file=paths["token_file"],
     )
 
 
@@ -775,6 +842,16 @@ def _validate_cluster(config: ClusterConfig) -> None:
         gateway_ids[gateway.id] = f"gateways[{index}]"
         _claim_address(gateway.address, f"gateways[{index}].address{label}", listeners)
     _validate_data_dirs(config.nodes)
+    remote_names: set[str] = set()
+    for index, remote in enumerate(config.remotes):
+        if remote.name == config.name:
+            raise ConfigError(
+                f"remotes[{index}].name: {_show(remote.name)} is this cluster's own name; "
+                "a topic of this cluster links to another of its topics without a remote"
+            )
+        if remote.name in remote_names:
+            raise ConfigError(f"remotes[{index}].name: {_show(remote.name)} is listed twice")
+        remote_names.add(remote.name)
 
     if all(node.priority == 0 for node in config.nodes):
         raise ConfigError(
@@ -1073,9 +1150,7 @@ def _validate_telemetry(telemetry: TelemetryConfig, listeners: dict[tuple[str, i
         ports[port] = field_name
         for (listener_host, listener_port), owner in listeners.items():
             if listener_port == port and (wildcard or listener_host == host.lower()):
-                raise ConfigError(
-                    f"{field_name}: port {port} on {host} is already used by {owner}"
-                )
+                raise ConfigError(f"{field_name}: port {port} on {host} is already used by {owner}")
     ratio = telemetry.trace_sample_ratio
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
         raise ConfigError(

@@ -104,6 +104,7 @@ from squall_server.replica.follower import (
     FollowerConfig,
     FollowerError,
 )
+from squall_server.replica.links import LinkForwarding
 from squall_server.replica.loss_scan import scan_discarded, truncation_loss
 from squall_server.replica.master_driver import MasterDriver, SlaveStatus, Waiting
 from squall_server.replica.push import PushDelivery
@@ -214,6 +215,7 @@ class ReplicaNode:
         )
         self.transient = TransientTopics(config.limits.subscribe_batch_max_events * 10)
         self.push = PushDelivery(self)  # runs while master, from the epoch start's commit
+        self.links = LinkForwarding(self)  # likewise
         self._queue: deque[_Pending] = deque()
         self._wakeup = asyncio.Event()
         self._committed = asyncio.Event()
@@ -386,6 +388,7 @@ class ReplicaNode:
     async def stop(self) -> None:
         """Stops the writer and fails anything still queued as indeterminate."""
         await self.push.close()
+        await self.links.close()
         await self._cancel_taking(f"replica {self.node.id} stopping")
         if self._instruments is not None:
             self._instruments.unwatch(self)
@@ -494,6 +497,7 @@ class ReplicaNode:
             )
         elif not future.cancelled() and self.role == common_pb2.ROLE_MASTER and self.epoch == epoch:
             self.push.start(epoch)  # all before the epoch start is committed: deliver it
+            self.links.start(epoch)
 
     async def _sync_from(self, source_id: str, epoch: int, progress: SyncProgress) -> None:
         """Reorganization: fetches the log after this node's from the sync source.
@@ -1007,6 +1011,7 @@ class ReplicaNode:
                 ),
             )
         self.push.stop()
+        self.links.stop()
         async with self._commit_lock:
             pass
         driver, self._driver = self._driver, None
@@ -1025,6 +1030,7 @@ class ReplicaNode:
     def _master_deposed(self, reason: str) -> None:
         """The replication core deposed this master: no more writes in this epoch."""
         self.push.stop()
+        self.links.stop()
         self._driver = None
         self._wakeup.set()
         self.driver.deposed(reason)

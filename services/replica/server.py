@@ -25,7 +25,7 @@ from squall.wire import stages as _stages
 from squall_server.common.errors import Code, ServiceError, invalid
 from squall_server.common.grpc_server import Context
 from squall_server.common.loss import loss_to_proto
-from squall_server.replica import commands, handoff, seek, shutdown
+from squall_server.replica import commands, handoff, link_rules, remote, seek, shutdown
 from squall_server.replica.node import UNREACHABLE_KEY, ReplicaNode
 from squall_server.replica.shared_master import SharedMaster
 from squall_server.replica.store import CorruptRecordError, TopicInfo, UnknownTopicError
@@ -140,6 +140,107 @@ class TopicManager(broker_pb2_grpc.TopicManagerServicer):
             self.node.last_lsn,
         )
         return broker_pb2.DestroyTopicResponse()
+
+    async def LinkTopic(
+        self, request: broker_pb2.LinkTopicRequest, context: Context
+    ) -> broker_pb2.LinkTopicResponse:
+        try:
+            to_kind = None
+            if request.to_cluster:
+                to_kind = await self._probe_remote(request.to_cluster, request.to_topic)
+            plan = await self.node.write(
+                commands.LinkTopic(
+                    request.from_topic,
+                    request.to_topic,
+                    request.cost,
+                    to_cluster=request.to_cluster,
+                    to_kind=to_kind,
+                )
+            )
+        except ServiceError as exc:
+            await abort(context, exc)
+        assert plan.link is not None
+        self.node.links.refresh()
+        log.info(
+            "linked topic '%s' to '%s' with cost %d from offset %d (epoch=%d lsn=%d)",
+            request.from_topic,
+            link_rules.link_target(request.to_cluster, request.to_topic),
+            request.cost,
+            plan.link.start_offset,
+            self.node.epoch,
+            plan.link.created_lsn,
+        )
+        return broker_pb2.LinkTopicResponse(link=self._link_info(plan.link))
+
+    async def UnlinkTopic(
+        self, request: broker_pb2.UnlinkTopicRequest, context: Context
+    ) -> broker_pb2.UnlinkTopicResponse:
+        try:
+            await self.node.write(
+                commands.UnlinkTopic(request.from_topic, request.to_topic, request.to_cluster)
+            )
+        except ServiceError as exc:
+            await abort(context, exc)
+        self.node.links.refresh()
+        log.info(
+            "unlinked topic '%s' from '%s' (epoch=%d lsn=%d)",
+            request.from_topic,
+            link_rules.link_target(request.to_cluster, request.to_topic),
+            self.node.epoch,
+            self.node.last_lsn,
+        )
+        return broker_pb2.UnlinkTopicResponse()
+
+    async def GetLinkInfo(
+        self, request: broker_pb2.GetLinkInfoRequest, context: Context
+    ) -> broker_pb2.GetLinkInfoResponse:
+        try:
+            with _translating(self.node):
+                if request.topic:
+                    self.node.topic(request.topic)
+                links = self.node.store.list_links(request.topic or None)
+                infos = [self._link_info(link) for link in links]
+        except ServiceError as exc:
+            await abort(context, exc)
+        infos.sort(key=lambda i: (i.from_topic, i.to_cluster, i.to_topic))
+        return broker_pb2.GetLinkInfoResponse(links=infos)
+
+    async def _probe_remote(
+        self, to_cluster: str, to_topic: str
+    ) -> common_pb2.TopicKind.ValueType | None:
+        """The remote topic's kind (None: it does not exist there), checked before the
+        link is written; ServiceError naming an unknown remote or what the remote said."""
+        config = self.node.config.remote(to_cluster)
+        if config is None:
+            configured = ", ".join(r.name for r in self.node.config.remotes) or "none"
+            raise invalid(
+                f"no [[remotes]] entry named '{to_cluster}' in the cluster file "
+                f"(configured: {configured}); nothing was linked"
+            )
+        self.node.check_writable()  # a slave redirects before calling anyone
+        try:
+            return await remote.probe(config, to_topic, self.node.config.limits.max_message_bytes)
+        except ServiceError as exc:
+            if exc.code == Code.NOT_FOUND:
+                return None
+            raise ServiceError(exc.code, f"{exc.message}; nothing was linked") from None
+
+    def _link_info(self, link: replica_pb2.LinkTopicOp) -> broker_pb2.LinkInfo:
+        position, lag_events, lag_ms = self.node.links.lag(link)
+        return broker_pb2.LinkInfo(
+            from_topic=link.from_topic,
+            to_topic=link.to_topic,
+            cost=link.cost,
+            start_offset=link.start_offset,
+            next_offset=position,
+            lag_events=lag_events,
+            publisher_id=link_rules.link_publisher_id(
+                link.created_lsn, self.node.config.name if link.to_cluster else ""
+            ),
+            created_lsn=link.created_lsn,
+            to_cluster=link.to_cluster,
+            lag_ms=lag_ms,
+        )
 
     def _proxy(self, topic: str, replicated: bool) -> broker_pb2.GetPublisherResponse:
         self.node.topic(topic)

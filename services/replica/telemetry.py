@@ -77,6 +77,8 @@ class ReplicaSample:
     commit_lsn: int
     store_bytes: int
     lags: tuple[tuple[str, str, int], ...]  # (slave id, slave state, lag in entries)
+    # (source topic, destination, events waiting, ms waited) per topic link, on the master.
+    link_lags: tuple[tuple[str, str, int, int], ...] = ()
 
 
 def sample(node: ReplicaNode) -> ReplicaSample:
@@ -91,6 +93,7 @@ def sample(node: ReplicaNode) -> ReplicaSample:
         lags=tuple(
             (s.progress.node_id, s.progress.state.value, s.lag_entries) for s in node.slave_status()
         ),
+        link_lags=tuple(node.links.lags()),
     )
 
 
@@ -171,6 +174,12 @@ class ReplicaInstruments:
             ("squall.replica.replication.lag", "{entry}",
              "Log entries a slave lacks at the replica sync policy (reported by the master)",
              self._observe_lag),
+            ("squall.replica.link.lag", "{event}",
+             "Events of a linked topic its link has not forwarded yet (reported by the master)",
+             self._observe_link_lag),
+            ("squall.replica.link.lag_time", "ms",
+             "How long the oldest event a link has not forwarded yet has waited",
+             self._observe_link_lag_time),
         )  # fmt: skip
         for name, unit, description, callback in gauges:
             meter.create_observable_gauge(
@@ -216,6 +225,20 @@ class ReplicaInstruments:
                 yield metrics.Observation(
                     lag, {"node": r.node_id, "replica": slave, "state": state}
                 )
+
+    def _observe_link_lag(self, _: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
+        for r in self._readings():
+            for source, target, events, _ms in r.link_lags:
+                yield metrics.Observation(events, _link_labels(r.node_id, source, target))
+
+    def _observe_link_lag_time(self, _: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
+        for r in self._readings():
+            for source, target, _events, lag_ms in r.link_lags:
+                yield metrics.Observation(lag_ms, _link_labels(r.node_id, source, target))
+
+
+def _link_labels(node_id: str, source: str, target: str) -> dict[str, str]:
+    return {"node": node_id, "topic": source, "link": target}
 
 
 def instruments(telemetry: Telemetry) -> ReplicaInstruments:

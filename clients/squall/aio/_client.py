@@ -39,7 +39,7 @@ from squall._seek import (
 from squall._shared import SharedSettings, create_request
 from squall._subscriber import Start, subscribe_request
 from squall._tls import TlsOptions
-from squall._types import ClusterStatus, TopicInfo, kind_to_pb
+from squall._types import ClusterStatus, LinkInfo, TopicInfo, kind_to_pb
 from squall.aio._channel import open_channel
 from squall.aio._publisher import MasterCheck, Publisher
 from squall.aio._push import AsyncDeliveryCallback, PushEndpoint
@@ -224,6 +224,12 @@ class Client:
         """Destroys a topic with its events and subscriptions; NotFound if it does not exist."""
         request = broker_pb2.DestroyTopicRequest(name=name)
         await self._call(self._topic_manager.DestroyTopic, request)
+
+    async def links(self) -> list[LinkInfo]:
+        """Every topic link of the cluster, ordered by source then destination."""
+        request = broker_pb2.GetLinkInfoRequest()
+        response = await self._call(self._topic_manager.GetLinkInfo, request)
+        return [LinkInfo.from_pb(link) for link in response.links]
 
     async def status(self) -> ClusterStatus:
         """The cluster status table as the gateway sees it."""
@@ -540,6 +546,32 @@ class Topic:
         request = broker_pb2.GetSubscribersRequest(topic=self.name)
         response = await self._client._call(self._client._push_stub.GetSubscribers, request)
         return [PushSubscriberInfo.from_pb(s) for s in response.subscribers]
+
+    async def link(self, to: str | Topic, cost: int = 0, cluster: str = "") -> LinkInfo:
+        """Links this topic to another (see the sync `Topic.link`)."""
+        request = broker_pb2.LinkTopicRequest(
+            from_topic=self.name,
+            to_topic=to if isinstance(to, str) else to.name,
+            cost=cost,
+            to_cluster=cluster,
+        )
+        response = await self._client._call(self._client._topic_manager.LinkTopic, request)
+        return LinkInfo.from_pb(response.link)
+
+    async def unlink(self, to: str | Topic, cluster: str = "") -> None:
+        """Removes the link to another topic; NotFound if there is none."""
+        request = broker_pb2.UnlinkTopicRequest(
+            from_topic=self.name,
+            to_topic=to if isinstance(to, str) else to.name,
+            to_cluster=cluster,
+        )
+        await self._client._call(self._client._topic_manager.UnlinkTopic, request)
+
+    async def links(self) -> list[LinkInfo]:
+        """This topic's links, ordered by destination (IceStorm's getLinkInfoSeq)."""
+        request = broker_pb2.GetLinkInfoRequest(topic=self.name)
+        response = await self._client._call(self._client._topic_manager.GetLinkInfo, request)
+        return [LinkInfo.from_pb(link) for link in response.links]
 
     def __repr__(self) -> str:
         return f"aio.Topic({self.name!r})"

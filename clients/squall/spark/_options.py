@@ -197,9 +197,7 @@ def _parse_tls(lowered: Mapping[str, str]) -> squall.TlsOptions | None:
             )
         return None
     if bool(cert_file) != bool(key_file):
-        raise ValueError(
-            "options 'tlsCertFile' and 'tlsKeyFile' go together: give both or neither"
-        )
+        raise ValueError("options 'tlsCertFile' and 'tlsKeyFile' go together: give both or neither")
     return squall.TlsOptions(
         ca_file=ca_file,
         cert_file=cert_file or None,

@@ -257,6 +257,225 @@ class DestroyTopicResponse(_message.Message):
 Global___DestroyTopicResponse: _TypeAlias = DestroyTopicResponse  # noqa: Y015
 
 @_typing.final
+class LinkTopicRequest(_message.Message):
+    """Asks to link from_topic to to_topic."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FROM_TOPIC_FIELD_NUMBER: _builtins.int
+    TO_TOPIC_FIELD_NUMBER: _builtins.int
+    COST_FIELD_NUMBER: _builtins.int
+    TO_CLUSTER_FIELD_NUMBER: _builtins.int
+    from_topic: _builtins.str
+    """The topic whose events are forwarded."""
+    to_topic: _builtins.str
+    """The topic they are forwarded to (same cluster)."""
+    cost: _builtins.int
+    """The link's cost (IceStorm's): 0 forwards every event published on from_topic; N > 0
+    forwards only the events whose EventData.cost is at most N. Negative: INVALID_ARGUMENT.
+    """
+    to_cluster: _builtins.str
+    """The cluster of to_topic: the name of a [[remotes]] entry of this cluster's file
+    (docs/federation.md); empty: this cluster. The remote is checked first (the topic
+    exists there, its TLS identity and the token are accepted): FAILED_PRECONDITION or
+    NOT_FOUND naming the problem otherwise, and nothing is created.
+    """
+    def __init__(
+        self,
+        *,
+        from_topic: _builtins.str = ...,
+        to_topic: _builtins.str = ...,
+        cost: _builtins.int = ...,
+        to_cluster: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost", b"cost", "from_topic", b"from_topic", "to_cluster", b"to_cluster", "to_topic", b"to_topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LinkTopicRequest: _TypeAlias = LinkTopicRequest  # noqa: Y015
+
+@_typing.final
+class LinkTopicResponse(_message.Message):
+    """The link that was created."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LINK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def link(self) -> Global___LinkInfo:
+        """The new link."""
+
+    def __init__(
+        self,
+        *,
+        link: Global___LinkInfo | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["link", b"link"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["link", b"link"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LinkTopicResponse: _TypeAlias = LinkTopicResponse  # noqa: Y015
+
+@_typing.final
+class UnlinkTopicRequest(_message.Message):
+    """Asks to remove the link from_topic -> to_topic."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FROM_TOPIC_FIELD_NUMBER: _builtins.int
+    TO_TOPIC_FIELD_NUMBER: _builtins.int
+    TO_CLUSTER_FIELD_NUMBER: _builtins.int
+    from_topic: _builtins.str
+    """The linked topic."""
+    to_topic: _builtins.str
+    """The topic it forwards to."""
+    to_cluster: _builtins.str
+    """The cluster of to_topic (empty: this cluster)."""
+    def __init__(
+        self,
+        *,
+        from_topic: _builtins.str = ...,
+        to_topic: _builtins.str = ...,
+        to_cluster: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_topic", b"from_topic", "to_cluster", b"to_cluster", "to_topic", b"to_topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnlinkTopicRequest: _TypeAlias = UnlinkTopicRequest  # noqa: Y015
+
+@_typing.final
+class UnlinkTopicResponse(_message.Message):
+    """Confirms a removed link."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnlinkTopicResponse: _TypeAlias = UnlinkTopicResponse  # noqa: Y015
+
+@_typing.final
+class GetLinkInfoRequest(_message.Message):
+    """Asks for a topic's outgoing links."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    """The topic; empty: every topic."""
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetLinkInfoRequest: _TypeAlias = GetLinkInfoRequest  # noqa: Y015
+
+@_typing.final
+class GetLinkInfoResponse(_message.Message):
+    """A topic's outgoing links."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LINKS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def links(self) -> _containers.RepeatedCompositeFieldContainer[Global___LinkInfo]:
+        """The links, ordered by from_topic, then to_topic."""
+
+    def __init__(
+        self,
+        *,
+        links: _abc.Iterable[Global___LinkInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["links", b"links"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetLinkInfoResponse: _TypeAlias = GetLinkInfoResponse  # noqa: Y015
+
+@_typing.final
+class LinkInfo(_message.Message):
+    """One link from a topic to another (IceStorm's LinkInfo, with its forwarding state)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FROM_TOPIC_FIELD_NUMBER: _builtins.int
+    TO_TOPIC_FIELD_NUMBER: _builtins.int
+    COST_FIELD_NUMBER: _builtins.int
+    START_OFFSET_FIELD_NUMBER: _builtins.int
+    NEXT_OFFSET_FIELD_NUMBER: _builtins.int
+    LAG_EVENTS_FIELD_NUMBER: _builtins.int
+    PUBLISHER_ID_FIELD_NUMBER: _builtins.int
+    CREATED_LSN_FIELD_NUMBER: _builtins.int
+    TO_CLUSTER_FIELD_NUMBER: _builtins.int
+    LAG_MS_FIELD_NUMBER: _builtins.int
+    from_topic: _builtins.str
+    """The linked topic."""
+    to_topic: _builtins.str
+    """The topic events are forwarded to."""
+    cost: _builtins.int
+    """The link's cost."""
+    start_offset: _builtins.int
+    """The offset of from_topic where forwarding started (its end when the link was made)."""
+    next_offset: _builtins.int
+    """The next offset of from_topic the link examines: every event below it was forwarded
+    to to_topic (or is not to be forwarded), as the replica answering knows it.
+    """
+    lag_events: _builtins.int
+    """Events of from_topic at or above next_offset (not yet examined): the link's lag."""
+    publisher_id: _builtins.str
+    """The publisher id the forwarded events carry on to_topic (stable for the link's life;
+    with sequence = from_topic's offset + 1 it makes forwarding exactly once).
+    """
+    created_lsn: _builtins.int
+    """LSN of the log entry that created the link."""
+    to_cluster: _builtins.str
+    """The cluster of to_topic (empty: this cluster)."""
+    lag_ms: _builtins.int
+    """How long the oldest event not yet examined has waited, in milliseconds (0: none)."""
+    def __init__(
+        self,
+        *,
+        from_topic: _builtins.str = ...,
+        to_topic: _builtins.str = ...,
+        cost: _builtins.int = ...,
+        start_offset: _builtins.int = ...,
+        next_offset: _builtins.int = ...,
+        lag_events: _builtins.int = ...,
+        publisher_id: _builtins.str = ...,
+        created_lsn: _builtins.int = ...,
+        to_cluster: _builtins.str = ...,
+        lag_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost", b"cost", "created_lsn", b"created_lsn", "from_topic", b"from_topic", "lag_events", b"lag_events", "lag_ms", b"lag_ms", "next_offset", b"next_offset", "publisher_id", b"publisher_id", "start_offset", b"start_offset", "to_cluster", b"to_cluster", "to_topic", b"to_topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LinkInfo: _TypeAlias = LinkInfo  # noqa: Y015
+
+@_typing.final
 class GetPublisherRequest(_message.Message):
     """Asks for a publisher proxy for a topic."""
 

@@ -258,6 +258,7 @@ class EventData(_message.Message):
     PAYLOAD_FIELD_NUMBER: _builtins.int
     SEQUENCE_FIELD_NUMBER: _builtins.int
     HEADERS_FIELD_NUMBER: _builtins.int
+    COST_FIELD_NUMBER: _builtins.int
     key: _builtins.bytes
     """Optional key, used by subscribers and the Spark source for grouping."""
     payload: _builtins.bytes
@@ -265,6 +266,10 @@ class EventData(_message.Message):
     sequence: _builtins.int
     """Per-publisher sequence number; with the request's publisher_id it makes a publish
     idempotent. 0 means "no deduplication" for this event.
+    """
+    cost: _builtins.int
+    """The event's cost (IceStorm's "cost" request context): a topic link with a cost N > 0
+    forwards only events whose cost is at most N; 0 (the default) passes every link.
     """
     @_builtins.property
     def headers(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
@@ -277,10 +282,11 @@ class EventData(_message.Message):
         payload: _builtins.bytes = ...,
         sequence: _builtins.int = ...,
         headers: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        cost: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["headers", b"headers", "key", b"key", "payload", b"payload", "sequence", b"sequence"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost", b"cost", "headers", b"headers", "key", b"key", "payload", b"payload", "sequence", b"sequence"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -323,6 +329,7 @@ class Event(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     SESSION_TOKEN_FIELD_NUMBER: _builtins.int
     HEADERS_FIELD_NUMBER: _builtins.int
+    COST_FIELD_NUMBER: _builtins.int
     topic: _builtins.str
     """The topic the event belongs to."""
     offset: _builtins.int
@@ -345,6 +352,8 @@ class Event(_message.Message):
     """The publisher binding's session token: changes when a publisher moves to another
     replica, so subscribers can see where per-publisher ordering may have changed.
     """
+    cost: _builtins.int
+    """The cost given by the publisher (EventData.cost); kept when a link forwards it."""
     @_builtins.property
     def headers(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Application headers, as published."""
@@ -363,10 +372,11 @@ class Event(_message.Message):
         epoch: _builtins.int = ...,
         session_token: _builtins.str = ...,
         headers: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        cost: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "headers", b"headers", "key", b"key", "lsn", b"lsn", "offset", b"offset", "payload", b"payload", "publisher_id", b"publisher_id", "sequence", b"sequence", "session_token", b"session_token", "timestamp_ms", b"timestamp_ms", "topic", b"topic"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost", b"cost", "epoch", b"epoch", "headers", b"headers", "key", b"key", "lsn", b"lsn", "offset", b"offset", "payload", b"payload", "publisher_id", b"publisher_id", "sequence", b"sequence", "session_token", b"session_token", "timestamp_ms", b"timestamp_ms", "topic", b"topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -53,6 +53,11 @@ DB_PUSH = "push"
 DB_SHARED = "shared"
 
 
+# Topic links (docs/federation.md): source topic id + destination name -> the link (a
+# serialized LinkTopicOp with created_lsn set).
+DB_LINKS = "links"
+
+
 # The databases a KV must hold for the store.
 DATABASES = (
     DB_META,
@@ -64,6 +69,7 @@ DATABASES = (
     DB_PUBLISHERS,
     DB_PUSH,
     DB_SHARED,
+    DB_LINKS,
 )
 
 
@@ -78,6 +84,7 @@ SNAPSHOT_DBS = (
     DB_PUBLISHERS,
     DB_PUSH,
     DB_SHARED,
+    DB_LINKS,
 )
 
 
@@ -90,6 +97,7 @@ CLEARED_DBS = (
     DB_PUBLISHERS,
     DB_PUSH,
     DB_SHARED,
+    DB_LINKS,
     DB_LOG,
 )
 
