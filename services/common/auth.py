@@ -17,7 +17,8 @@ handshake verified, services/common/peer_identity.py) is trusted without a token
 gateway has already checked the app's token before forwarding. Without TLS there are no
 member identities, so every guarded call needs a token. Methods not listed here (the
 internal Coordinator.Deliver, Replication.*, ReplicaControl.*, health, reflection) are
-not this module's to guard.
+not this module's to guard; every other method of a public service must have a rule
+(tests/unit/test_auth.py checks it against the protos, so a new RPC cannot ship unguarded).
 """
 
 from __future__ import annotations
@@ -78,7 +79,18 @@ def _rules() -> dict[str, Rule]:
         rules["/squall.v1.Publisher/" + name] = Rule(
             Permission.PUBLISH, "topic", "publish to topic"
         )
-    for name in ("Subscribe", "Ack", "Seek", "ListSubscriptions", "DeleteSubscription"):
+    for name in (
+        "Subscribe",
+        "Ack",
+        "Seek",
+        "ListSubscriptions",
+        "DeleteSubscription",
+        "CreateSharedSubscription",
+        "Pull",
+        "AckMessages",
+        "Nack",
+        "ExtendDeadline",
+    ):
         rules["/squall.v1.Subscriber/" + name] = Rule(
             Permission.SUBSCRIBE, "topic", "subscribe to topic"
         )
@@ -97,6 +109,7 @@ def _rules() -> dict[str, Rule]:
         ("Shutdown", "run cluster commands"),
         ("TransferLeadership", "run cluster commands"),
         ("SetQuarantine", "run cluster commands"),
+        ("AckLoss", "run cluster commands"),
     ):
         rules["/squall.v1.Coordinator/" + name] = Rule(Permission.ADMIN, action=action)
     return rules
