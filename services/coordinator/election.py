@@ -44,10 +44,51 @@ The algorithm
   no "yes" for ``member_timeout_ms``, or a "no", sends the member back to recovery. The
   coordinator counts those questions as its members' heartbeats: a member silent for
   ``member_timeout_ms`` is dropped, and a coordinator left below the quorum recovers.
+  A member that loses its coordinator does not wait for a probe round: see "Succession".
 * Epochs: every node votes for an epoch at most once, by persisting it (the coordinator for
   its own group, members on ``Ready``), and a group goes NORMAL only with a quorum of votes,
   so two majority groups can never go NORMAL in the same epoch, and epochs never decrease,
   across restarts too.
+
+Succession
+----------
+When a coordinator fails, its members recover (no "yes" for ``member_timeout_ms``, or its
+``Leave``). Left to probes, each survivor would then form a group of its own, probe, and
+the highest one would invite the others after a merge window: a probe round trip plus
+``merge_delay_ms_per_priority`` (50 ms) spent after the last survivor noticed, about a
+fifth of a node kill's publish gap. Instead:
+
+* The highest-ranked eligible node of the lost group's view, less the failed coordinator
+  (the successor), starts a merge at once when it recovers so (``_succeed``), inviting the
+  view's other members; it needs no probe to know them, they were its group. The merge is
+  the ordinary one: the same invitation, accept reports, quorum, epoch, sync source.
+* A member that gets the successor's invitation while its own coordinator still answers
+  it (its heartbeats run at another phase, so it notices up to a heartbeat later) does not
+  accept: the rule that membership only moves up the ranking until a failure stands. It
+  keeps the invitation for ``member_timeout_ms`` and takes it, through the ordinary
+  checks, the moment it recovers from that group itself (timeout, ``Leave``, or its
+  coordinator's "no"). If the coordinator never fails for it (a partial partition), the
+  invitation lapses and the successor's merge times out short of the quorum, held
+  INACTIVE until the ordinary probes merge it, as a recovered node would have been.
+* The view is only as fresh as the group's ``Ready``: a member dropped since (dead) is
+  still in it. So the successor probes its invitees too; any message from one proves it
+  alive, and once a heartbeat interval has passed with the accepts making the quorum, the
+  merge stops waiting for invitees it heard nothing from (``_prune_silent_invitees``)
+  instead of waiting out ``member_timeout_ms``. A live invitee whose answer was slower is
+  merged back in by the ordinary probes, in a new epoch.
+
+Why this and not a shorter merge window: the window is there so the highest coordinator
+invites first and merges do not collide; a successor is already the highest of the group
+and invites nobody ranked above it, so it has nothing to wait for, while a window ending
+when every probe is answered would still wait on the dead coordinator's probe. Safety is
+untouched because only who invites and when changes: every group still needs the quorum's
+accepts, persisted epochs only grow, the sync source is still the newest log, and a node
+out of every group (quarantine, lost replica) neither succeeds nor takes an invitation.
+What remains of a node kill's failover is detection: members notice a dead coordinator
+``member_timeout_ms`` after its last answer, which came up to a heartbeat before the kill,
+so 300-400 ms after it with the defaults (the second survivor's, which the new group
+waits for, is on average the later of two such draws); only a shorter timeout, or another
+signal than silence, would shorten that.
 
 Quorum
 ------
