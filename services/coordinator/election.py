@@ -375,10 +375,10 @@ class ElectionConfig:
 class _Merge:
     """A coordinator collecting accepts for its new group (ELECTION).
 
-    A successor's merge (``successor_of`` names the failed coordinator) invites members
-    known only from the old group's view, which may name a node that died unnoticed: at
-    ``prune_at_ms``, if the accepts already make the quorum, it stops waiting for invitees
-    it has heard nothing from (``heard``: any message since the merge began).
+    A successor's merge (``successor_of`` names the group whose coordinator failed) invites
+    members known only from the old group's view, which may name a node that died
+    unnoticed: at ``prune_at_ms``, if the accepts already make the quorum, it stops waiting
+    for invitees it has heard nothing from (``heard``: any message since the merge began).
     """
 
     invited: set[str]
@@ -413,8 +413,9 @@ class _Transfer:
 
 @dataclass
 class _DeferredInvitation:
-    """An invitation a member refused because its coordinator ranks above the inviter, kept
-    until ``until_ms`` in case this member loses that coordinator first (successor)."""
+    """A successor's invitation a member got while its coordinator (ranked above the
+    inviter) still answered it: taken if the member loses that coordinator too by
+    ``until_ms`` (``_succeed``), forgotten otherwise."""
 
     frm: str
     body: Invitation
