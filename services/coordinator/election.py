@@ -44,10 +44,51 @@ The algorithm
   no "yes" for ``member_timeout_ms``, or a "no", sends the member back to recovery. The
   coordinator counts those questions as its members' heartbeats: a member silent for
   ``member_timeout_ms`` is dropped, and a coordinator left below the quorum recovers.
+  A member that loses its coordinator does not wait for a probe round: see "Succession".
 * Epochs: every node votes for an epoch at most once, by persisting it (the coordinator for
   its own group, members on ``Ready``), and a group goes NORMAL only with a quorum of votes,
   so two majority groups can never go NORMAL in the same epoch, and epochs never decrease,
   across restarts too.
+
+Succession
+----------
+When a coordinator fails, its members recover (no "yes" for ``member_timeout_ms``, or its
+``Leave``). Left to probes, each survivor would then form a group of its own, probe, and
+the highest one would invite the others after a merge window: a probe round trip plus
+``merge_delay_ms_per_priority`` (50 ms) spent after the last survivor noticed, about a
+fifth of a node kill's publish gap. Instead:
+
+* The highest-ranked eligible node of the lost group's view, less the failed coordinator
+  (the successor), starts a merge at once when it recovers so (``_succeed``), inviting the
+  view's other members; it needs no probe to know them, they were its group. The merge is
+  the ordinary one: the same invitation, accept reports, quorum, epoch, sync source.
+* A member that gets the successor's invitation while its own coordinator still answers
+  it (its heartbeats run at another phase, so it notices up to a heartbeat later) does not
+  accept: the rule that membership only moves up the ranking until a failure stands. It
+  keeps the invitation for ``member_timeout_ms`` and takes it, through the ordinary
+  checks, the moment it recovers from that group itself (timeout, ``Leave``, or its
+  coordinator's "no"). If the coordinator never fails for it (a partial partition), the
+  invitation lapses and the successor's merge times out short of the quorum, held
+  INACTIVE until the ordinary probes merge it, as a recovered node would have been.
+* The view is only as fresh as the group's ``Ready``: a member dropped since (dead) is
+  still in it. So the successor probes its invitees too; any message from one proves it
+  alive, and once a heartbeat interval has passed with the accepts making the quorum, the
+  merge stops waiting for invitees it heard nothing from (``_prune_silent_invitees``)
+  instead of waiting out ``member_timeout_ms``. A live invitee whose answer was slower is
+  merged back in by the ordinary probes, in a new epoch.
+
+Why this and not a shorter merge window: the window is there so the highest coordinator
+invites first and merges do not collide; a successor is already the highest of the group
+and invites nobody ranked above it, so it has nothing to wait for, while a window ending
+when every probe is answered would still wait on the dead coordinator's probe. Safety is
+untouched because only who invites and when changes: every group still needs the quorum's
+accepts, persisted epochs only grow, the sync source is still the newest log, and a node
+out of every group (quarantine, lost replica) neither succeeds nor takes an invitation.
+What remains of a node kill's failover is detection: members notice a dead coordinator
+``member_timeout_ms`` after its last answer, which came up to a heartbeat before the kill,
+so 300-400 ms after it with the defaults (the second survivor's, which the new group
+waits for, is on average the later of two such draws); only a shorter timeout, or another
+signal than silence, would shorten that.
 
 Quorum
 ------
@@ -338,12 +379,21 @@ class ElectionConfig:
 
 @dataclass
 class _Merge:
-    """A coordinator collecting accepts for its new group (ELECTION)."""
+    """A coordinator collecting accepts for its new group (ELECTION).
+
+    A successor's merge (``successor_of`` names the group whose coordinator failed) invites
+    members known only from the old group's view, which may name a node that died
+    unnoticed: at ``prune_at_ms``, if the accepts already make the quorum, it stops waiting
+    for invitees it has heard nothing from (``heard``: any message since the merge began).
+    """
 
     invited: set[str]
     expected: set[str]
     accepted: dict[str, MemberReport]
     deadline_ms: int
+    successor_of: str = ""
+    heard: set[str] = field(default_factory=set)
+    prune_at_ms: int | None = None
 
 
 @dataclass
@@ -365,6 +415,17 @@ class _Transfer:
 
     target: str
     deadline_ms: int
+
+
+@dataclass
+class _DeferredInvitation:
+    """A successor's invitation a member got while its coordinator (ranked above the
+    inviter) still answered it: taken if the member loses that coordinator too by
+    ``until_ms`` (``_succeed``), forgotten otherwise."""
+
+    frm: str
+    body: Invitation
+    until_ms: int
 
 
 @dataclass
@@ -484,6 +545,8 @@ class Election:
         self._held_note = ""
         self._transfer: _Transfer | None = None
         self._invited: tuple[str, ...] = ()
+        # Member: a successor's invitation received while our coordinator still answered.
+        self._deferred: _DeferredInvitation | None = None
         # One fate per node: since when the replica has not answered (None: it answers), and
         # whether that lasted replica_timeout_ms, so the node is out of every group.
         self._replica_silent_since: int | None = None
@@ -696,6 +759,8 @@ class Election:
         else:
             if self._merge is not None:
                 due.append(self._merge.deadline_ms)
+                if self._merge.prune_at_ms is not None:
+                    due.append(self._merge.prune_at_ms)
             if self._transfer is not None:
                 due.append(self._transfer.deadline_ms)
             if self._reorg is not None:
@@ -1069,6 +1134,7 @@ class Election:
         self._held_note = ""
         self._transfer = None
         self._invited = ()
+        self._deferred = None
         self._catch_up_candidates = set()
         self._catch_up = set()
 
@@ -1101,10 +1167,13 @@ class Election:
                     return True
                 return False
             if now - self._last_yes_ms > cfg.member_timeout_ms:
+                failed, group, view = self._coord, self._group, self._view
+                deferred = self._deferred
                 self._recover(
                     f"coordinator {self._coord} of {self._group} has not answered for "
                     f"{now - self._last_yes_ms} ms"
                 )
+                self._succeed(failed, group, view, deferred)
                 return True
             if now >= self._next_heartbeat_ms:
                 self._send(self._coord, AreYouThere(self._group))
@@ -1112,8 +1181,13 @@ class Election:
             return False
 
         if self._state is NodeState.ELECTION and self._merge is not None:
-            if now >= self._merge.deadline_ms:
+            merge = self._merge
+            if now >= merge.deadline_ms:
                 self._maybe_reorganize()
+                return True
+            if merge.prune_at_ms is not None and now >= merge.prune_at_ms:
+                merge.prune_at_ms = None
+                self._prune_silent_invitees(merge)
                 return True
             return False
         if self._state is NodeState.REORGANIZATION and self._reorg is not None:
@@ -1199,20 +1273,7 @@ class Election:
         self._next_probe_ms = self._now_ms + self._cfg.probe_interval_ms
         self._higher_seen = None
         for node in self._others:
-            self._send(
-                node,
-                AreYouCoordinator(
-                    self._group,
-                    self._prio[self._me],
-                    self._persisted.designated_primary,
-                    self._cluster_id(),
-                    serving=self._serving(),
-                    settings_digest=self._digest,
-                    # A node known to differ gets our values too, so a node that never
-                    # probes (a member) can name what differs.
-                    settings=self._settings if node in self._disagree else (),
-                ),
-            )
+            self._send_probe(node)
         if (
             self._can_merge()
             and self._state is NodeState.INACTIVE
@@ -1222,6 +1283,23 @@ class Election:
             # We may run alone; still wait one window so reachable nodes join at once.
             self._merge_first_ms = self._now_ms
             self._merge_at_ms = self._now_ms + self._merge_delay_ms()
+
+    def _send_probe(self, node: str) -> None:
+        """One AreYouCoordinator for ``node``."""
+        self._send(
+            node,
+            AreYouCoordinator(
+                self._group,
+                self._prio[self._me],
+                self._persisted.designated_primary,
+                self._cluster_id(),
+                serving=self._serving(),
+                settings_digest=self._digest,
+                # A node known to differ gets our values too, so a node that never
+                # probes (a member) can name what differs.
+                settings=self._settings if node in self._disagree else (),
+            ),
+        )
 
     def _note_coordinator(self, node: str, serving: bool) -> None:
         """``node`` coordinates a group of its own: merge it if it ranks below us. A serving
@@ -1273,13 +1351,19 @@ class Election:
         self._start_merge(invite, catch_up=catch_up)
 
     def _start_merge(
-        self, invite: set[str], transfer_from: str = "", catch_up: set[str] | None = None
+        self,
+        invite: set[str],
+        transfer_from: str = "",
+        catch_up: set[str] | None = None,
+        successor_of: str = "",
     ) -> None:
         """Leave the current group and invite ``invite`` into a fresh group of ours.
 
         ``transfer_from`` names the coordinator handing its group to us: the invitation
         then carries that group's name, so its members accept it from below. ``catch_up``
         names the invitees ranked above us that join to catch up before a hand-over.
+        ``successor_of`` names the group whose failed coordinator we succeed
+        (``_succeed``): the invitees are probed too, so the merge learns which are alive.
         """
         old_group = self._group
         self._reset_group()
@@ -1293,6 +1377,10 @@ class Election:
             expected=set(invite),
             accepted={},
             deadline_ms=self._now_ms + self._cfg.member_timeout_ms,
+            successor_of=successor_of,
+            prune_at_ms=(
+                self._now_ms + self._cfg.heartbeat_interval_ms if successor_of and invite else None
+            ),
         )
         invitation = Invitation(
             self._group,
@@ -1308,7 +1396,22 @@ class Election:
         for node in ordered:
             self._send(node, invitation)
         invited = ",".join(ordered) or "nobody"
-        if transfer_from:
+        if successor_of:
+            # Any answer proves an invitee alive; one still waiting out its own timeout
+            # answers a probe at once, so silence marks a node that is gone.
+            for node in ordered:
+                self._send_probe(node)
+            failed = successor_of.partition(":")[0]
+            self._last_change_reason = (
+                f"succeeding coordinator {failed} of {successor_of}: inviting {invited}"
+            )
+            self._log(
+                LogLevel.INFO,
+                "successor",
+                f"coordinator {failed} of {successor_of} is gone and this node ranks highest "
+                f"of its members left: inviting {invited} to {self._group} at once",
+            )
+        elif transfer_from:
             self._last_change_reason = (
                 f"taking over {old_group} from {transfer_from} by leadership transfer"
             )
@@ -1330,6 +1433,63 @@ class Election:
                     else ""
                 ),
             )
+        self._maybe_reorganize()
+
+    def _succeed(
+        self,
+        failed: str,
+        group: str,
+        view: tuple[str, ...],
+        deferred: _DeferredInvitation | None,
+        *,
+        invite: bool = True,
+    ) -> None:
+        """Just recovered because coordinator ``failed`` of our NORMAL ``group`` (members
+        ``view``) is gone: its highest-ranked eligible survivor invites the other survivors
+        at once; any other survivor takes a successor's invitation it received while
+        ``failed`` still answered it (module docstring, "Succession"). Without ``invite``
+        (the coordinator answers, but no longer leads the group) only the latter."""
+        if self._out_of_groups():
+            return
+        survivors = [x for x in view if x != failed]
+        if (
+            invite
+            and self._eligible
+            and survivors
+            and max(survivors, key=self._rank.__getitem__) == self._me
+        ):
+            others = set(survivors) - {self._me}
+            if others or self._quorum(self._persisted.max_seen)[0] <= 1:
+                self._start_merge(others, successor_of=group)
+            return
+        if deferred is not None and self._now_ms <= deferred.until_ms:
+            self._log(
+                LogLevel.INFO,
+                "invitation-resumed",
+                f"taking {deferred.frm}'s invitation to {deferred.body.group_name} kept "
+                f"while coordinator {failed} still answered",
+            )
+            self._on_invitation(deferred.frm, deferred.body)
+
+    def _prune_silent_invitees(self, merge: _Merge) -> None:
+        """A successor's merge stops waiting for invitees it never heard from, once the
+        accepts make the quorum; they were dead in the old view (``_Merge``)."""
+        silent = merge.expected - merge.heard - merge.accepted.keys()
+        if not silent:
+            return
+        group_max = max(
+            [self._persisted.max_seen, *(r.max_seen for r in merge.accepted.values())]
+        )
+        if len(merge.accepted) + 1 < self._quorum(group_max)[0]:
+            return
+        merge.expected -= silent
+        self._log(
+            LogLevel.INFO,
+            "invitees-silent",
+            f"{','.join(sorted(silent, key=node_sort_key))} answered nothing within "
+            f"{self._cfg.heartbeat_interval_ms} ms of the invitation to {self._group}: not "
+            "waiting for them",
+        )
         self._maybe_reorganize()
 
     def _maybe_reorganize(self) -> None:
@@ -1658,7 +1818,9 @@ class Election:
             return
         if self._coord != self._me:
             if frm == self._coord:
+                group, view, deferred = self._group, self._view, self._deferred
                 self._recover(f"coordinator {frm} left {self._group}{why}", LogLevel.WARNING)
+                self._succeed(frm, group, view, deferred)
             return
         if coordinator != self._me:
             return
@@ -1948,6 +2110,8 @@ class Election:
             return
         body = msg.body
         frm = msg.from_node
+        if self._merge is not None:
+            self._merge.heard.add(frm)
         if isinstance(body, AreYouCoordinator):
             self._on_are_you_coordinator(frm, body)
         elif isinstance(body, AreYouCoordinatorReply):
@@ -2164,7 +2328,9 @@ class Election:
                         f"{body.held_reason}",
                     )
         else:
+            group, view, deferred = self._group, self._view, self._deferred
             self._recover(f"coordinator {frm} says this node is not in {self._group}")
+            self._succeed(frm, group, view, deferred, invite=False)
 
     def _on_invitation(self, frm: str, body: Invitation) -> None:
         """Join a group led by a node ranked above our coordinator; forward to our members."""
@@ -2237,6 +2403,25 @@ class Election:
                 )
                 return
         elif self._rank[inviter] <= self._rank[current]:
+            if (
+                frm == inviter
+                and current != self._me
+                and self._state is NodeState.NORMAL
+                and inviter in self._view
+            ):
+                # A member of our group succeeds a coordinator it lost: we will likely
+                # lose it too within a heartbeat, and then join at once (``_succeed``).
+                self._deferred = _DeferredInvitation(
+                    frm, body, self._now_ms + self._cfg.member_timeout_ms
+                )
+                self._log(
+                    LogLevel.INFO,
+                    "invitation-deferred",
+                    f"invitation from {inviter} to {body.group_name} kept for "
+                    f"{self._cfg.member_timeout_ms} ms: coordinator {current} still answers; "
+                    f"taken if this node loses {current} first",
+                )
+                return
             self._log(
                 LogLevel.DEBUG,
                 "invitation-ignored",
