@@ -461,6 +461,10 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
             )
             end = min(end, now_end) if end else now_end
         durable = request.subscription
+        # A follow stream a slave serves ends when the slave loses its role (cut off from its
+        # master it would learn no commit, and its reader would wait for ever): the reader
+        # subscribes again and is served by a replica that has a master.
+        slave_read = request.follow and node.role == common_pb2.ROLE_SLAVE
         while not end or position < end:
             signal = node.commit_signal()
             if durable:
@@ -517,6 +521,15 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
             if current is None or current.topic_id != topic.topic_id:
                 await abort(
                     context, ServiceError(Code.NOT_FOUND, f"topic '{topic.name}' was destroyed")
+                )
+            if slave_read and node.role not in (common_pb2.ROLE_SLAVE, common_pb2.ROLE_MASTER):
+                await abort(
+                    context,
+                    ServiceError(
+                        Code.UNAVAILABLE,
+                        f"replica {node.node.id} lost its slave role (epoch {node.epoch}, "
+                        f"commit LSN {node.commit_lsn}): subscribe again from offset {position}",
+                    ),
                 )
 
     async def Ack(self, request: broker_pb2.AckRequest, context: Context) -> broker_pb2.AckResponse:
