@@ -430,6 +430,7 @@ class Forwarder:
 
         async def forward(request: bytes, context: Context) -> AsyncIterator[bytes]:
             replica = await self._read_replica(request, context) if reads else None
+            channel = await self._master(context) if replica is None else None
             stream = _Call(method=method, safe=False, effects=False, metadata=())
             span, token = self._start_span(method)
             # The first call starts (and its client span takes its parent) with the span's
@@ -441,7 +442,7 @@ class Forwarder:
                     async for response in spread:
                         yield response
                     return
-                channel = await self._master(context)
+                assert channel is not None  # no replica chosen: the master's channel
                 relayed = self._relayed(path, request, context, channel, stream, tokens)
                 async for response in relayed:
                     yield response

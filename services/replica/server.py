@@ -362,7 +362,12 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
         )
         start = request.start
         if start == broker_pb2.START_POSITION_LATEST:
-            offset = next_offset
+            # The committed end: events stored above it (a slave holds them before it
+            # learns their commit) may still be truncated and their offsets reused by the
+            # next master's events, which a reader placed past them would skip.
+            offset = (
+                next_offset if transient else (self.node.visible_end(topic.name) or next_offset)
+            )
         elif start == broker_pb2.START_POSITION_OFFSET:
             if request.offset > next_offset and not transient:
                 raise invalid(

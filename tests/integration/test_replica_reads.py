@@ -28,16 +28,16 @@ pytestmark = pytest.mark.integration
 class _Follower(threading.Thread):
     """A following raw-stub reader of one replica, remembering every offset it got."""
 
-    def __init__(self, address: str, topic: str) -> None:
+    def __init__(
+        self, address: str, topic: str, start: int = broker_pb2.START_POSITION_EARLIEST
+    ) -> None:
         super().__init__(daemon=True)
         self.lock = threading.Lock()
         self.events: list[tuple[int, bytes]] = []
         self.error: BaseException | None = None
         self._channel = grpc.insecure_channel(address)
         self._call = broker_pb2_grpc.SubscriberStub(self._channel).Subscribe(
-            broker_pb2.SubscribeRequest(
-                topic=topic, start=broker_pb2.START_POSITION_EARLIEST, follow=True
-            ),
+            broker_pb2.SubscribeRequest(topic=topic, start=start, follow=True),
             timeout=120,
         )
 
@@ -114,6 +114,7 @@ def test_a_slave_serves_only_what_the_master_committed_and_more_as_it_learns_com
         publisher.close()
     follower = _Follower(reader_address, "t")
     follower.start()
+    latest: _Follower | None = None
     try:
         wait_for(lambda: len(follower.offsets()) == 5, 20, "the slave's follower reads 0..4")
         os.kill(all_acks.services[("replica", stopped)].pid, signal.SIGSTOP)
@@ -130,6 +131,10 @@ def test_a_slave_serves_only_what_the_master_committed_and_more_as_it_learns_com
                 10,
                 f"{reader} holds the uncommitted publish",
             )
+            # A reader starting at the latest offset starts at the committed end, not past
+            # the held events: they may be truncated and their offsets reused.
+            latest = _Follower(reader_address, "t", broker_pb2.START_POSITION_LATEST)
+            latest.start()
             seen_now = _read_once(reader_address, "t")
             still_withheld = _state(reader_address)
             # The slave holds the events (its log is past its commit LSN) and the commit was
@@ -145,8 +150,14 @@ def test_a_slave_serves_only_what_the_master_committed_and_more_as_it_learns_com
         wait_for(lambda: len(follower.offsets()) == 8, 30, "the follower reads 5..7")
         assert follower.offsets() == list(range(8))
         assert follower.error is None, repr(follower.error)
+        assert latest is not None
+        started_late = latest
+        wait_for(lambda: started_late.offsets() == [5, 6, 7], 30, "the latest reader reads 5..7")
+        assert started_late.error is None, repr(started_late.error)
     finally:
         follower.close()
+        if latest is not None:
+            latest.close()
 
 
 def test_a_reader_spread_to_a_slave_that_is_killed_goes_on_without_loss_or_gap(
