@@ -438,7 +438,7 @@ class Forwarder:
             tokens = [token] if token is not None else []
             try:
                 if replica is not None:
-                    spread = self._spread_stream(path, request, context, replica, tokens)
+                    spread = self._spread_stream(path, request, context, replica, stream, tokens)
                     async for response in spread:
                         yield response
                     return
@@ -498,6 +498,7 @@ class Forwarder:
         request: bytes,
         context: Context,
         replica: Replica,
+        stream: _Call,
         tokens: list[object],
     ) -> AsyncIterator[bytes]:
         """A Subscribe served by `replica`; if it fails before its first response (a slave
@@ -532,6 +533,7 @@ class Forwarder:
                 return
             except grpc.aio.AioRpcError as error:
                 if answered or last:
+                    stream.answered = error.code().name
                     if _lost_stream_status(error):
                         await context.abort(grpc.StatusCode.UNKNOWN, _LOST_STATUS_DETAILS)
                     await _relay_error(context, error)

@@ -243,3 +243,34 @@ def test_a_reader_spread_to_a_slave_that_is_killed_goes_on_without_loss_or_gap(
             10,
             "the cursor (moved by acks to the master) is past the last event read",
         )
+
+
+def test_a_follow_stream_on_a_slave_that_loses_its_role_ends_so_its_reader_moves(
+    all_acks: LocalCluster,
+) -> None:
+    """Runs last: its slave's coordinator is killed, so the replica loses its role (a slave
+    cut off from its master would otherwise keep its followers waiting for ever)."""
+    master = all_acks.wait_for_master()
+    others = [n.id for n in all_acks.config.nodes if n.id != master]
+
+    def slaves() -> list[str]:
+        return [n for n in others if all_acks.replica_role(n) == common_pb2.ROLE_SLAVE]
+
+    wait_for(slaves, 15, "a slave")
+    slave = slaves()[0]
+    with squall.connect(all_acks.gateway_address, timeout_s=10) as client:
+        client.create_topic("v")
+        with client.topic("v").publisher("v") as publisher:
+            publisher.publish_many([b"v"] * 3)
+    follower = _Follower(all_acks.replica_address(slave), "v")
+    follower.start()
+    try:
+        wait_for(lambda: len(follower.offsets()) == 3, 20, "the follower reads what is there")
+        all_acks.kill("coordinator", slave)
+        follower.join(15)
+        assert not follower.is_alive(), "the stream did not end"
+        assert isinstance(follower.error, grpc.RpcError)
+        assert follower.error.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+        assert "lost its slave role" in follower.error.details()  # type: ignore[attr-defined]
+    finally:
+        follower.close()

@@ -479,8 +479,8 @@ class SubscribeRequest(_message.Message):
     Unix epoch. OUT_OF_RANGE when it is in the future.
     """
     read_from: Global___ReadFrom.ValueType
-    """Through a gateway: which replicas may serve this stream. The gateway names the node it
-    chose in the initial metadata `squall-read-node`.
+    """Through a gateway: which replicas may serve this stream. When it may choose, the
+    gateway names the node serving the stream in the initial metadata `squall-read-node`.
     """
     def __init__(
         self,
