@@ -412,6 +412,22 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
         state = self.node.store.get_cursor_state(topic.name, request.subscription)
         return state if state is not None else (plan.cursor, 0)
 
+    def _transient_here(self, topic: str) -> None:
+        """Refuses a transient topic's stream anywhere but on the master: its events live
+        in the master's memory only, so a slave would serve nothing. The refusal names the
+        master (a gateway then reads from it)."""
+        if self.node.role == common_pb2.ROLE_MASTER:
+            return
+        try:
+            self.node.check_writable()
+        except ServiceError as exc:
+            raise ServiceError(
+                exc.code,
+                f"topic '{topic}' is transient: its events are only on the master; "
+                f"{exc.message}",
+                metadata=exc.metadata,
+            ) from None
+
     def _moved_by_seek(self, topic: str, subscription: str, generation: int) -> ServiceError | None:
         """ABORTED when a seek moved the durable cursor since the stream started.
 
@@ -447,6 +463,8 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
         try:
             with _translating(self.node):
                 topic = node.topic(request.topic)
+                if topic.kind == common_pb2.TOPIC_KIND_TRANSIENT:
+                    self._transient_here(topic.name)
                 position, generation = await self._start_offset(request, topic)
         except ServiceError as exc:
             await abort(context, exc)

@@ -112,6 +112,16 @@ def test_a_slave_serves_only_what_the_master_committed_and_more_as_it_learns_com
         for i in range(5):
             publisher.publish(b"committed %d" % i)
         publisher.close()
+    # A transient topic's events are only in the master's memory: a slave refuses to
+    # serve it and names the master.
+    with squall.connect(all_acks.gateway_address, timeout_s=10) as client:
+        client.create_topic("live", kind="transient")
+    with pytest.raises(grpc.RpcError) as refused:
+        _read_once(reader_address, "live")
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+    assert "transient" in refused.value.details()  # type: ignore[attr-defined]
+    trailers = dict(refused.value.trailing_metadata())  # type: ignore[attr-defined]
+    assert trailers["squall-master-address"] == all_acks.replica_address(master)
     follower = _Follower(reader_address, "t")
     follower.start()
     latest: _Follower | None = None
@@ -216,9 +226,19 @@ def test_a_reader_spread_to_a_slave_that_is_killed_goes_on_without_loss_or_gap(
             calls.append(created)
             spread.append(dict(created.initial_metadata()).get("squall-read-node"))
             assert [e.offset for e in next(created).events] == [0, 1, 2, 3, 4]
+            # A transient topic is served by the master only.
+            client.create_topic("live-u", kind="transient")
+            live = stub.Subscribe(
+                broker_pb2.SubscribeRequest(
+                    topic="live-u", read_from=broker_pb2.READ_FROM_REPLICAS
+                ),
+                timeout=30,
+            )
+            assert list(live) == []
+            spread.append(dict(live.initial_metadata()).get("squall-read-node"))
             for call in calls:
                 call.cancel()
-        assert spread == [second, master, master]
+        assert spread == [second, master, master, master]
         app.start()
         try:
             wait_for(lambda: len(got) >= 30, 30, "30 events read from a slave")
