@@ -42,7 +42,7 @@ from squall._push import (
 )
 from squall._seek import SeekResult, SeekTarget, SubscriptionInfo, seek_request, subscription_named
 from squall._shared import SharedConsumer, SharedSettings, create_request
-from squall._subscriber import Start, Subscription, subscribe_request
+from squall._subscriber import ReadFrom, Start, Subscription, subscribe_request
 from squall._tls import TlsOptions, open_channel
 from squall._tracing import traced_channel
 from squall._types import ClusterStatus, LinkInfo, TopicInfo, kind_to_pb
@@ -474,6 +474,7 @@ class Topic:
         *,
         end_offset: int | None = None,
         dedupe: bool = True,
+        read_from: ReadFrom | None = None,
     ) -> Subscription:
         """Streams messages from `start` (or a durable subscription's cursor).
 
@@ -482,9 +483,12 @@ class Topic:
         gateway (bounded by the client's retry settings) from the durable cursor or the
         last offset delivered + 1: delivery is at-least-once, and with `dedupe=True` (the
         default) the library drops redelivered offsets so the app sees each once, in order.
+        `read_from="replicas"` lets the gateway serve the stream from any replica of the
+        master's group (committed events only; docs/consumers.md), `"master"` only from the
+        master; None: the gateway's `read_from` setting. Acks go to the master either way.
         """
         request = subscribe_request(
-            self.name, subscription, start, follow, max_batch_events, end_offset
+            self.name, subscription, start, follow, max_batch_events, end_offset, read_from
         )
         return self._client._new_subscription(request, dedupe)
 

@@ -10,7 +10,7 @@
     squall topic links [NAME] [--json] | topic info NAME [--json]   links and where they are
     squall publish TOPIC [MESSAGE ...]          no MESSAGE: one event per line of stdin
     squall subscribe TOPIC [--subscription S] [--from earliest|latest|N|ISO8601] [--follow]
-                     [--count N]
+                     [--count N] [--read-from master|replicas]
     squall subscribe TOPIC --shared S [--consumer ID] [--follow] [--count N]
                      [--ack-deadline-ms MS] [--max-deliveries N] [--dead-letter-topic T]
                      [--exclusive]
@@ -237,6 +237,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--follow", action="store_true", help="keep waiting for new events (Ctrl-C stops)"
     )
     subscribe.add_argument("--count", type=_positive_int, metavar="N", help="stop after N events")
+    subscribe.add_argument(
+        "--read-from",
+        choices=("master", "replicas"),
+        default=None,
+        help="which replicas the gateway may read from (default: the gateway's read_from "
+        "setting); replicas serve committed events only",
+    )
     subscribe.add_argument(
         "--shared",
         metavar="NAME",
@@ -526,7 +533,9 @@ def _cmd_subscribe(client: squall.Client, args: argparse.Namespace, out: TextIO)
         return _cmd_subscribe_shared(client, args, out)
     topic = client.topic(args.topic)
     remaining: int | None = args.count
-    with topic.subscribe(args.subscription, start=args.start, follow=args.follow) as sub:
+    with topic.subscribe(
+        args.subscription, start=args.start, follow=args.follow, read_from=args.read_from
+    ) as sub:
         printed: int | None = None  # the last offset printed and not yet acked
         try:
             for batch in sub.batches():

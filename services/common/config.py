@@ -115,6 +115,9 @@ class GatewayConfig:
 
     id: str
     address: str
+    # Where it forwards a Subscribe that does not say (READ_FROM_UNSPECIFIED): "master",
+    # or "replicas" (spread over the master's group, docs/consumers.md).
+    read_from: str = "master"
 
 
 @dataclass(frozen=True)
@@ -499,6 +502,8 @@ _SECTIONS: Mapping[str, str] = {
 _CLUSTER_KEYS = ("name",)
 _NODE_KEYS = tuple(f.name for f in dataclasses.fields(NodeConfig))
 _GATEWAY_KEYS = tuple(f.name for f in dataclasses.fields(GatewayConfig))
+_GATEWAY_REQUIRED_KEYS = ("id", "address")
+GATEWAY_READ_FROM = ("master", "replicas")
 # Keys that look configurable but are fixed elsewhere, with the reason given instead of
 # "unknown key".
 _FIXED_KEYS: Mapping[tuple[str, str], str] = {
@@ -677,9 +682,15 @@ def _build_gateway(index: int, entry: Mapping[str, Any]) -> GatewayConfig:
     """One [[gateways]] entry."""
     label = _label("gateway", entry.get("id"))
     _check_keys(entry, _GATEWAY_KEYS, f"gateways[{index}]{label}", "gateways")
-    for key in _GATEWAY_KEYS:
+    for key in _GATEWAY_REQUIRED_KEYS:
         _require(entry, key, f"gateways[{index}].{key}{label}")
-    return GatewayConfig(id=entry["id"], address=entry["address"])
+    read_from = entry.get("read_from", "master")
+    if read_from not in GATEWAY_READ_FROM:
+        raise ConfigError(
+            f"gateways[{index}].read_from{label}: must be one of "
+            f"{', '.join(repr(v) for v in GATEWAY_READ_FROM)}, got {_show(read_from)}"
+        )
+    return GatewayConfig(id=entry["id"], address=entry["address"], read_from=read_from)
 
 
 def _resolve_dir(value: object, field_name: str, base_dir: Path) -> Path:

@@ -39,6 +39,7 @@ async def serve(config: ClusterConfig, gateway: GatewayConfig, stop: asyncio.Eve
         master_wait_s=rpc_timeout_s,
         policy=config.retry.policy(),
         gateway_id=gateway.id,
+        read_from=gateway.read_from,
     )
     # Apps connect without a client certificate: TLS, not mutual TLS, on the gateway.
     grpc_server = ServiceServer(

@@ -28,6 +28,7 @@ from typing import Any
 
 import grpc
 import tenacity
+from google.protobuf.message import DecodeError
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
@@ -45,6 +46,7 @@ from squall_server.gateway.master import (
     pairs,
     redirect_address,
 )
+from squall_server.gateway.reads import READ_NODE_KEY, ReadSpread, Replica, spreads
 from squall_server.gateway.telemetry import GatewayInstruments, instruments
 
 log = logging.getLogger("squall.gateway")
@@ -99,6 +101,12 @@ _LOST_STATUS_DETAILS = (
 def _lost_stream_status(error: grpc.aio.AioRpcError) -> bool:
     """The forwarded stream's own status was overwritten by a failed write (see above)."""
     return error.code() == grpc.StatusCode.INTERNAL and error.details() == _CORE_WRITE_ERROR
+
+
+def _detach(tokens: list[object]) -> None:
+    """Detaches the span context a forwarded stream attached, once."""
+    while tokens:
+        otel_context.detach(tokens.pop())  # type: ignore[arg-type]
 
 
 def _remaining_s(context: Context) -> float | None:
@@ -203,8 +211,13 @@ class Forwarder:
         gateway_id: str = "",
         observability: Telemetry | None = None,
         monotonic: Callable[[], float] = time.monotonic,
+        read_from: str = "master",
     ) -> None:
         self._masters = masters
+        # Where a Subscribe that does not say goes ("master" or "replicas"), and the
+        # streams open per replica that spreading them counts.
+        self._read_from = read_from
+        self._spread = ReadSpread()
         # The retry budget's clock (a test passes a fake).
         self._monotonic = monotonic
         self._timeout_s = timeout_s
@@ -413,33 +426,129 @@ class Forwarder:
 
     def _unary_stream(self, path: str) -> Callable[..., Any]:
         method = path.rpartition("/")[2]
+        reads = method == "Subscribe"
 
         async def forward(request: bytes, context: Context) -> AsyncIterator[bytes]:
-            channel = await self._master(context)
+            replica = await self._read_replica(request, context) if reads else None
+            channel = await self._master(context) if replica is None else None
             stream = _Call(method=method, safe=False, effects=False, metadata=())
             span, token = self._start_span(method)
+            # The first call starts (and its client span takes its parent) with the span's
+            # context attached; it is detached right after.
+            tokens = [token] if token is not None else []
             try:
-                # The call starts (and its client span takes its parent) here.
-                call = channel.unary_stream(path, None, None)(
-                    request, metadata=_forwardable(context)
-                )
-            finally:
-                if token is not None:
-                    otel_context.detach(token)  # type: ignore[arg-type]
-            try:
-                async for response in call:
+                if replica is not None:
+                    spread = self._spread_stream(path, request, context, replica, stream, tokens)
+                    async for response in spread:
+                        yield response
+                    return
+                assert channel is not None  # no replica chosen: the master's channel
+                relayed = self._relayed(path, request, context, channel, stream, tokens)
+                async for response in relayed:
                     yield response
-            except grpc.aio.AioRpcError as error:
-                stream.answered = error.code().name
-                if _lost_stream_status(error):
-                    await context.abort(grpc.StatusCode.UNKNOWN, _LOST_STATUS_DETAILS)
-                await _relay_error(context, error)
             finally:
-                call.cancel()
+                _detach(tokens)
                 stream.outcomes.append("ok")
                 self._finish(span, None, stream)
 
         return forward
+
+    async def _relayed(
+        self,
+        path: str,
+        request: bytes,
+        context: Context,
+        channel: grpc.aio.Channel,
+        stream: _Call,
+        tokens: list[object],
+    ) -> AsyncIterator[bytes]:
+        """One forwarded server stream, its status relayed to the app."""
+        try:
+            call = channel.unary_stream(path, None, None)(request, metadata=_forwardable(context))
+        finally:
+            _detach(tokens)
+        try:
+            async for response in call:
+                yield response
+        except grpc.aio.AioRpcError as error:
+            stream.answered = error.code().name
+            if _lost_stream_status(error):
+                await context.abort(grpc.StatusCode.UNKNOWN, _LOST_STATUS_DETAILS)
+            await _relay_error(context, error)
+        finally:
+            call.cancel()
+
+    async def _read_replica(self, request: bytes, context: Context) -> Replica | None:
+        """The replica a Subscribe that may be spread goes to (None: the master's path)."""
+        try:
+            parsed = broker_pb2.SubscribeRequest.FromString(request)
+        except DecodeError:
+            return None  # the replica answers a bad request
+        if not spreads(parsed.read_from, self._read_from):
+            return None
+        master = await self._masters.wait_master(self._master_wait(context))
+        if master is None:
+            return None  # the master's path says so
+        members = [Replica(node_id, address) for node_id, address in self._masters.group()]
+        return self._spread.choose(members, master.node_id)
+
+    async def _spread_stream(
+        self,
+        path: str,
+        request: bytes,
+        context: Context,
+        replica: Replica,
+        stream: _Call,
+        tokens: list[object],
+    ) -> AsyncIterator[bytes]:
+        """A Subscribe served by `replica`; if it fails before its first response (a slave
+        that died, that has not yet applied the topic, or is asked to create a durable
+        subscription, which only the master can), once more by the master.
+
+        Nothing was delivered before the first response, so the master starts the stream
+        exactly where the replica would have.
+        """
+        metadata = _forwardable(context)
+        attempts = [replica]
+        master = self._masters.master
+        if master is not None and master.node_id != replica.node_id:
+            attempts.append(Replica(master.node_id, master.replica_address))
+        for index, target in enumerate(attempts):
+            last = index == len(attempts) - 1
+            channel = self._masters.channel_to(target.address)
+            try:
+                call = channel.unary_stream(path, None, None)(request, metadata=metadata)
+            finally:
+                _detach(tokens)
+            self._spread.opened(target.node_id)
+            answered = False
+            try:
+                async for response in call:
+                    if not answered:
+                        answered = True
+                        await context.send_initial_metadata(((READ_NODE_KEY, target.node_id),))
+                    yield response
+                if not answered:
+                    await context.send_initial_metadata(((READ_NODE_KEY, target.node_id),))
+                return
+            except grpc.aio.AioRpcError as error:
+                if answered or last:
+                    stream.answered = error.code().name
+                    if _lost_stream_status(error):
+                        await context.abort(grpc.StatusCode.UNKNOWN, _LOST_STATUS_DETAILS)
+                    await _relay_error(context, error)
+                log.info(
+                    "gateway %s: read from %s failed before its first response (%s: %s); "
+                    "reading from the master %s",
+                    self._gateway_id,
+                    target.node_id,
+                    error.code().name,
+                    error.details(),
+                    attempts[-1].node_id,
+                )
+            finally:
+                call.cancel()
+                self._spread.closed(target.node_id)
 
     def _stream_stream(self, path: str) -> Callable[..., Any]:
         method = path.rpartition("/")[2]

@@ -470,7 +470,12 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
         )
         start = request.start
         if start == broker_pb2.START_POSITION_LATEST:
-            offset = next_offset
+            # The committed end: events stored above it (a slave holds them before it
+            # learns their commit) may still be truncated and their offsets reused by the
+            # next master's events, which a reader placed past them would skip.
+            offset = (
+                next_offset if transient else (self.node.visible_end(topic.name) or next_offset)
+            )
         elif start == broker_pb2.START_POSITION_OFFSET:
             if request.offset > next_offset and not transient:
                 raise invalid(
@@ -515,6 +520,22 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
         state = self.node.store.get_cursor_state(topic.name, request.subscription)
         return state if state is not None else (plan.cursor, 0)
 
+    def _transient_here(self, topic: str) -> None:
+        """Refuses a transient topic's stream anywhere but on the master: its events live
+        in the master's memory only, so a slave would serve nothing. The refusal names the
+        master (a gateway then reads from it)."""
+        if self.node.role == common_pb2.ROLE_MASTER:
+            return
+        try:
+            self.node.check_writable()
+        except ServiceError as exc:
+            raise ServiceError(
+                exc.code,
+                f"topic '{topic}' is transient: its events are only on the master; "
+                f"{exc.message}",
+                metadata=exc.metadata,
+            ) from None
+
     def _moved_by_seek(self, topic: str, subscription: str, generation: int) -> ServiceError | None:
         """ABORTED when a seek moved the durable cursor since the stream started.
 
@@ -550,6 +571,8 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
         try:
             with _translating(self.node):
                 topic = node.topic(request.topic)
+                if topic.kind == common_pb2.TOPIC_KIND_TRANSIENT:
+                    self._transient_here(topic.name)
                 position, generation = await self._start_offset(request, topic)
         except ServiceError as exc:
             await abort(context, exc)
@@ -569,6 +592,10 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
             )
             end = min(end, now_end) if end else now_end
         durable = request.subscription
+        # A follow stream a slave serves ends when the slave loses its role (cut off from its
+        # master it would learn no commit, and its reader would wait for ever): the reader
+        # subscribes again and is served by a replica that has a master.
+        slave_read = request.follow and node.role == common_pb2.ROLE_SLAVE
         while not end or position < end:
             signal = node.commit_signal()
             if durable:
@@ -625,6 +652,15 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
             if current is None or current.topic_id != topic.topic_id:
                 await abort(
                     context, ServiceError(Code.NOT_FOUND, f"topic '{topic.name}' was destroyed")
+                )
+            if slave_read and node.role not in (common_pb2.ROLE_SLAVE, common_pb2.ROLE_MASTER):
+                await abort(
+                    context,
+                    ServiceError(
+                        Code.UNAVAILABLE,
+                        f"replica {node.node.id} lost its slave role (epoch {node.epoch}, "
+                        f"commit LSN {node.commit_lsn}): subscribe again from offset {position}",
+                    ),
                 )
 
     async def Ack(self, request: broker_pb2.AckRequest, context: Context) -> broker_pb2.AckResponse:

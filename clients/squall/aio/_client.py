@@ -37,7 +37,7 @@ from squall._seek import (
     subscription_named,
 )
 from squall._shared import SharedSettings, create_request
-from squall._subscriber import Start, subscribe_request
+from squall._subscriber import ReadFrom, Start, subscribe_request
 from squall._tls import TlsOptions
 from squall._types import ClusterStatus, LinkInfo, TopicInfo, kind_to_pb
 from squall.aio._channel import open_channel
@@ -409,6 +409,7 @@ class Topic:
         *,
         end_offset: int | None = None,
         dedupe: bool = True,
+        read_from: ReadFrom | None = None,
     ) -> Subscription:
         """Streams messages from `start` (or a durable subscription's cursor): `async for`.
 
@@ -416,9 +417,10 @@ class Topic:
         committed when it started; `end_offset` (exclusive) stops it earlier. A broken
         stream is reopened (bounded by the client's retry settings) from the durable
         cursor or the last offset delivered + 1; `dedupe=True` drops redelivered offsets.
+        `read_from`: as in `squall.Topic.subscribe`.
         """
         request = subscribe_request(
-            self.name, subscription, start, follow, max_batch_events, end_offset
+            self.name, subscription, start, follow, max_batch_events, end_offset, read_from
         )
         return self._client._new_subscription(request, dedupe)
 

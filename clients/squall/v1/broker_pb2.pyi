@@ -60,6 +60,42 @@ timestamp_ms); a time before the oldest event held means that event.
 """
 Global___StartPosition: _TypeAlias = StartPosition  # noqa: Y015
 
+class _ReadFrom:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ReadFromEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ReadFrom.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    READ_FROM_UNSPECIFIED: _ReadFrom.ValueType  # 0
+    """Not set: the gateway's setting (`read_from` of its [[gateways]] entry; "master"
+    unless configured).
+    """
+    READ_FROM_MASTER: _ReadFrom.ValueType  # 1
+    """The master only."""
+    READ_FROM_REPLICAS: _ReadFrom.ValueType  # 2
+    """Any replica of the master's group, the one this gateway has the fewest open reads on
+    (slaves before the master on a tie). Committed events only, as from the master; a
+    slave's end of the topic may be behind the master's by its replication lag.
+    """
+
+class ReadFrom(_ReadFrom, metaclass=_ReadFromEnumTypeWrapper):
+    """Which replicas a gateway may forward a Subscribe to (docs/consumers.md, "Reads from
+    replicas"). A replica answers every Subscribe sent to it straight, whatever this says.
+    """
+
+READ_FROM_UNSPECIFIED: ReadFrom.ValueType  # 0
+"""Not set: the gateway's setting (`read_from` of its [[gateways]] entry; "master"
+unless configured).
+"""
+READ_FROM_MASTER: ReadFrom.ValueType  # 1
+"""The master only."""
+READ_FROM_REPLICAS: ReadFrom.ValueType  # 2
+"""Any replica of the master's group, the one this gateway has the fewest open reads on
+(slaves before the master on a tie). Committed events only, as from the master; a
+slave's end of the topic may be behind the master's by its replication lag.
+"""
+Global___ReadFrom: _TypeAlias = ReadFrom  # noqa: Y015
+
 class _SeekClamp:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -632,6 +668,7 @@ class SubscribeRequest(_message.Message):
     END_OFFSET_FIELD_NUMBER: _builtins.int
     MAX_BATCH_BYTES_FIELD_NUMBER: _builtins.int
     TIMESTAMP_MS_FIELD_NUMBER: _builtins.int
+    READ_FROM_FIELD_NUMBER: _builtins.int
     topic: _builtins.str
     """The topic to read."""
     subscription: _builtins.str
@@ -660,6 +697,10 @@ class SubscribeRequest(_message.Message):
     """The time to start at when start is START_POSITION_TIMESTAMP, milliseconds since the
     Unix epoch. OUT_OF_RANGE when it is in the future.
     """
+    read_from: Global___ReadFrom.ValueType
+    """Through a gateway: which replicas may serve this stream. When it may choose, the
+    gateway names the node serving the stream in the initial metadata `squall-read-node`.
+    """
     def __init__(
         self,
         *,
@@ -672,10 +713,11 @@ class SubscribeRequest(_message.Message):
         end_offset: _builtins.int = ...,
         max_batch_bytes: _builtins.int = ...,
         timestamp_ms: _builtins.int = ...,
+        read_from: Global___ReadFrom.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_offset", b"end_offset", "follow", b"follow", "max_batch_bytes", b"max_batch_bytes", "max_batch_events", b"max_batch_events", "offset", b"offset", "start", b"start", "subscription", b"subscription", "timestamp_ms", b"timestamp_ms", "topic", b"topic"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_offset", b"end_offset", "follow", b"follow", "max_batch_bytes", b"max_batch_bytes", "max_batch_events", b"max_batch_events", "offset", b"offset", "read_from", b"read_from", "start", b"start", "subscription", b"subscription", "timestamp_ms", b"timestamp_ms", "topic", b"topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
