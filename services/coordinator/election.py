@@ -136,11 +136,21 @@ due; ticking more often is harmless.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 
 from squall_server.coordinator.agreement import SettingDifference, differences, settings_digest
 from squall_server.coordinator.lifecycle import decide_start
+from squall_server.coordinator.membership import (
+    ChangeKind,
+    ChangeRefused,
+    Member,
+    Membership,
+    MembershipChange,
+    apply_change,
+    in_force,
+    newest,
+)
 from squall_server.coordinator.messages import (
     AUDIT_RECORDS_MAX,
     Accept,
@@ -279,6 +289,16 @@ class ElectionConfig:
     # The settings every member must share (ClusterConfig.agreed_settings): a node whose
     # digest differs is never merged. Empty compares nothing (tests that do not care).
     agreed_settings: tuple[tuple[str, str], ...] = ()
+    # Each node's (coordinator, replica) address from the config file: the bootstrap node
+    # set's addresses (a membership change checks new addresses against them).
+    addresses: Mapping[str, tuple[str, str]] | None = None
+
+    def bootstrap(self) -> Membership:
+        """The config file's node set (version 0)."""
+        addresses = self.addresses or {}
+        return Membership.bootstrap(
+            [Member(x, p, *addresses.get(x, ("", ""))) for x, p in self.priorities.items()]
+        )
 
     def validate(self) -> None:
         """Raise ElectionConfigError with a sentence naming the first bad value."""
@@ -351,6 +371,7 @@ class _Reorg:
     deadline_ms: int
     next_resend_ms: int
     cluster_id: str = ""
+    membership: Membership | None = None
 
 
 @dataclass
@@ -404,7 +425,14 @@ class Election:
         (the driver's wall clock minus its monotonic clock; 0 in tests).
         """
         config.validate()
-        n = len(config.priorities)
+        self._bootstrap = config.bootstrap()
+        membership = in_force(persisted.membership, self._bootstrap)
+        if config.node_id not in membership.ids:
+            raise ElectionConfigError(
+                f"persisted state: node {config.node_id} is not in the node set it persisted "
+                f"({membership.describe()}): it was removed from the cluster"
+            )
+        n = len(membership.members)
         if persisted.epoch < 0 or persisted.max_seen < 0:
             raise ElectionConfigError(
                 f"persisted state: epoch {persisted.epoch} and max_seen {persisted.max_seen} "
@@ -417,17 +445,30 @@ class Election:
             )
         self._cfg = config
         self._me = config.node_id
-        self._prio: dict[str, int] = dict(config.priorities)
+        # The agreed settings without the node set: compared with a node that holds another
+        # version of the set (the invitation brings it the newer one).
+        self._base_settings = tuple(
+            x for x in config.agreed_settings if not x[0].startswith("nodes.")
+        )
+        self._base_digest = settings_digest(self._base_settings)
+        self._prio: dict[str, int] = {}
+        # Nodes a membership change removed, as seen here: their messages are refused
+        # quietly after one log line (they may run on until an operator stops them).
+        self._removed: set[str] = set()
+        self._removed_logged: set[str] = set()
         self._n = n
         self._majority = n // 2 + 1
-        order = rank_order(self._prio)
-        # Higher is better; a rank is a position, so merge delays do not depend on the
-        # spacing of configured priority values.
-        self._rank: dict[str, int] = {node: n - i for i, node in enumerate(order)}
-        self._others: tuple[str, ...] = tuple(
-            sorted((x for x in self._prio if x != self._me), key=node_sort_key)
-        )
-        self._eligible = self._prio[self._me] > 0
+        self._rank: dict[str, int] = {}
+        self._others: tuple[str, ...] = ()
+        self._eligible = False
+        self._membership = membership
+        self._settings = config.agreed_settings
+        self._digest = settings_digest(config.agreed_settings)
+        self._apply_membership(membership)
+        # Membership change: the new set while this coordinator re-forms its group under it
+        # (in force in memory, persisted with the new epoch), and what became of the last.
+        self._proposal: MembershipChange | None = None
+        self._membership_note = ""
         self._persisted = persisted
         self._new_group_id = new_group_id
         self._new_cluster_id = new_cluster_id
@@ -463,10 +504,8 @@ class Election:
         # Nodes known to belong to another cluster (node -> its cluster id): never merged
         # until they report another id.
         self._foreign: dict[str, str] = {}
-        # Consistency at start: this node's agreed settings and their digest, and the nodes
-        # refused because theirs differ (node -> (their digest, what differs)).
-        self._settings = config.agreed_settings
-        self._digest = settings_digest(config.agreed_settings)
+        # Consistency at start: the nodes refused because their agreed settings differ
+        # (node -> (their digest, what differs)); ours are set by _apply_membership.
         self._disagree: dict[str, tuple[str, tuple[SettingDifference, ...]]] = {}
         # Coordinator: why the group is held instead of formed. Member: the last such
         # reason its coordinator gave.
@@ -587,6 +626,19 @@ class Election:
             )
         return None
 
+    def change_membership(
+        self, change: MembershipChange, operator: str, now_ms: int, reason: str = ""
+    ) -> Ready:
+        """Add, remove, re-address or re-prioritize one node (the coordinator of the serving
+        group only; refused with the reason in ``Ready.rejection`` when unsafe).
+
+        The coordinator re-forms its group under the new set: the ``Ready`` of the new
+        epoch carries it and every member persists it with the epoch. The change is done
+        when that group goes normal with a majority of the old set and of the new one;
+        ``status().membership_change`` says where it stands.
+        """
+        return self._run(now_ms, lambda: self._on_membership_change(change, operator, reason))
+
     def replica_fault(self, fault_id: str, reason: str, now_ms: int) -> Ready:
         """The replica reported a fault (checksum error, failing disk): quarantine this node,
         unless an operator already cleared that very fault."""
@@ -660,6 +712,8 @@ class Election:
                 for node in sorted(self._disagree, key=node_sort_key)
                 for d in self._disagree[node][1]
             ),
+            membership=self._membership,
+            membership_change=self._membership_note,
         )
 
     def next_deadline_ms(self) -> int | None:
@@ -784,6 +838,54 @@ class Election:
         """Stop the replica serving, unless it already stopped."""
         if self._role is not Role.INACTIVE:
             self._command(RoleCommandKind.DEACTIVATE)
+
+    def _apply_membership(self, membership: Membership) -> None:
+        """Use ``membership`` (in memory): priorities, ranks, the majority and the agreed
+        settings follow it. Persisting it is the caller's business."""
+        gone = set(self._prio) - set(membership.ids)
+        self._removed = (self._removed | gone) - set(membership.ids)
+        self._membership = membership
+        self._prio = membership.priorities
+        n = len(self._prio)
+        self._n = n
+        self._majority = n // 2 + 1
+        # Higher is better; a rank is a position, so merge delays do not depend on the
+        # spacing of configured priority values.
+        self._rank = {node: n - i for i, node in enumerate(rank_order(self._prio))}
+        self._others = tuple(sorted((x for x in self._prio if x != self._me), key=node_sort_key))
+        self._eligible = self._prio.get(self._me, 0) > 0
+        if membership.version == 0:
+            self._settings = self._cfg.agreed_settings
+        elif self._cfg.agreed_settings:
+            self._settings = self._base_settings + membership.settings()
+        else:
+            self._settings = ()
+        self._digest = settings_digest(self._settings)
+
+    def _wire_membership(self) -> Membership | None:
+        """The node set messages carry: None while it is the config file's."""
+        return self._membership if self._membership.version else None
+
+    def _is_newer(self, membership: Membership | None) -> bool:
+        """Is ``membership`` newer than the set in force here?"""
+        if membership is None:
+            return False
+        mine = self._membership
+        return (membership.epoch, membership.version) > (mine.epoch, mine.version)
+
+    def _abandon_proposal(self, why: str) -> None:
+        """The membership change in progress failed: back to the persisted set."""
+        change = self._proposal
+        if change is None:
+            return
+        self._proposal = None
+        self._membership_note = f"{change.describe()}: FAILED ({why}); nothing changed"
+        self._log(
+            LogLevel.WARNING,
+            "membership-change-failed",
+            f"membership change {change.describe()} failed: {why}; the node set stays "
+            f"{in_force(self._persisted.membership, self._bootstrap).describe()}",
+        )
 
     def _record(self, operator: str, action: str, reason: str) -> OperatorRecord:
         """An operator record stamped now; also appended to the persisted audit trail."""
@@ -932,6 +1034,7 @@ class Election:
             epoch=self._persisted.epoch,
             shutdown_id=r.shutdown_id,
             joined=r.joined,
+            membership=self._persisted.membership,
         )
 
     def _cluster_id(self) -> str:
@@ -982,17 +1085,29 @@ class Election:
             )
         return False
 
-    def _differs(self, digest: str) -> bool:
-        """Do a peer's agreed settings (by digest) differ from ours? "" compares nothing."""
+    def _differs(self, digest: str, version: int | None = None, base: str = "") -> bool:
+        """Do a peer's agreed settings (by digest) differ from ours? "" compares nothing.
+
+        A peer holding another version of the node set (``version``) is compared without
+        the node set (``base``): the newer set reaches the other in an invitation."""
+        if version is not None and version != self._membership.version and base:
+            return bool(self._base_digest) and base != self._base_digest
         return bool(digest) and bool(self._digest) and digest != self._digest
 
-    def _agrees(self, node: str, digest: str, settings: tuple[tuple[str, str], ...]) -> bool:
+    def _agrees(
+        self,
+        node: str,
+        digest: str,
+        settings: tuple[tuple[str, str], ...],
+        version: int | None = None,
+        base: str = "",
+    ) -> bool:
         """May ``node`` (whose agreed settings have ``digest``) be merged with us?
 
         A node that differs is refused until its digest matches ours; the refusal is logged
         once per difference when ``settings`` (the peer's values, carried by a probe reply)
         name each setting and both values; until then status shows the two digests."""
-        if not self._differs(digest):
+        if not self._differs(digest, version, base):
             if self._disagree.pop(node, None) is not None:
                 self._log(
                     LogLevel.WARNING,
@@ -1055,6 +1170,9 @@ class Election:
     def _recover(self, reason: str, level: LogLevel = LogLevel.INFO) -> None:
         """Back to a group of our own (IceStorm's recovery), replica stopped."""
         self._reset_group()
+        self._abandon_proposal(reason)
+        # A set adopted in memory from an invitation or a change counts only once persisted.
+        self._apply_membership(in_force(self._persisted.membership, self._bootstrap))
         self._state = NodeState.INACTIVE
         self._coord = self._me
         self._group = self._make_group_name()
@@ -1171,8 +1289,13 @@ class Election:
                 sync_source_id=self._sync_source,
                 group_name=self._group,
                 cluster_id=self._persisted.cluster_id,
+                nodes=self._voting_nodes(),
             )
         return False
+
+    def _voting_nodes(self) -> tuple[str, ...]:
+        """The node set a master counts its commit majority from (empty: the file's)."""
+        return self._membership.ids if self._membership.version else ()
 
     def _probe(self) -> None:
         """Ask every other node whether it coordinates a group we could merge."""
@@ -1191,6 +1314,8 @@ class Election:
                     # A node known to differ gets our values too, so a node that never
                     # probes (a member) can name what differs.
                     settings=self._settings if node in self._disagree else (),
+                    membership_version=self._membership.version,
+                    base_digest=self._base_digest,
                 ),
             )
         if (
@@ -1282,6 +1407,8 @@ class Election:
             transfer_group=old_group if transfer_from else "",
             catch_up=tuple(sorted(self._catch_up, key=node_sort_key)),
             settings_digest=self._digest,
+            base_digest=self._base_digest,
+            membership=self._wire_membership(),
         )
         ordered = sorted(invite, key=node_sort_key)
         self._invited = tuple(ordered)
@@ -1357,14 +1484,20 @@ class Election:
                     f"{_show(reference)}; leaving it out of {self._group} and refusing it "
                     "until its cluster id changes",
                 )
+        self._adopt_newest(reports)
+        for node in sorted(reports, key=node_sort_key):
+            if node not in self._prio:
+                # Not in the group's node set (removed): it takes no part.
+                del reports[node]
         size = len(reports)
         group_max = max(r.max_seen for r in reports.values())
         required, why = self._quorum(group_max)
-        if size < required:
+        old_short = self._old_set_short(reports.keys())
+        if size < required or old_short:
             self._hold(
                 merge.accepted.keys() & reports.keys(),
                 f"not enough nodes for replication to commence: {size} of {self._n} in "
-                f"{self._group}, {required} required ({why})",
+                f"{self._group}, {required} required ({why})" + old_short,
             )
             return
         decision = decide_start(reports, self._n)
@@ -1387,7 +1520,14 @@ class Election:
             self._log(LogLevel.INFO, "cold-start", decision.reason)
         epoch = max(r.epoch for r in reports.values()) + 1
         members = tuple(sorted(reports, key=node_sort_key))
-        self._persist(epoch=epoch, cluster_id=cluster_id)
+        wire: Membership | None = None
+        if self._membership.version:
+            # The set is persisted with the epoch (this node's vote), by every member on Ready.
+            wire = replace(self._membership, epoch=epoch)
+            self._apply_membership(wire)
+            self._persist(epoch=epoch, cluster_id=cluster_id, membership=wire)
+        else:
+            self._persist(epoch=epoch, cluster_id=cluster_id)
         self._state = NodeState.REORGANIZATION
         reorg = _Reorg(
             epoch=epoch,
@@ -1397,6 +1537,7 @@ class Election:
             deadline_ms=self._now_ms + self._cfg.member_timeout_ms,
             next_resend_ms=self._now_ms + self._cfg.heartbeat_interval_ms,
             cluster_id=cluster_id,
+            membership=wire,
         )
         self._reorg = reorg
         sync = self._sync_source_of(reports)
@@ -1413,6 +1554,42 @@ class Election:
         if size == 1:
             self._go_normal()
 
+    def _adopt_newest(self, reports: Mapping[str, MemberReport]) -> None:
+        """A member that persisted a newer node set than this node brings it in (the set of
+        the newest group wins, as Raft's newest log term): a change in progress here is
+        dropped, since it was made from an older set."""
+        candidates = {x: r.membership for x, r in reports.items() if r.membership is not None}
+        best = newest(candidates)
+        if not best:
+            return
+        found = candidates[best]
+        if not self._is_newer(found) or self._me not in found.ids:
+            return
+        mine = self._membership
+        if self._proposal is not None:
+            self._abandon_proposal(f"member {best} holds the newer node set {found.describe()}")
+        self._apply_membership(found)
+        self._log(
+            LogLevel.INFO,
+            "membership-adopted",
+            f"member {best} persisted node set {found.describe()}, newer than this node's "
+            f"{mine.describe()}; {self._group} forms under it",
+        )
+
+    def _old_set_short(self, nodes: Collection[str]) -> str:
+        """While a change is in progress the group also needs a majority of the set it
+        changes from; why it falls short, or ""."""
+        if self._proposal is None:
+            return ""
+        old = in_force(self._persisted.membership, self._bootstrap)
+        have = len(set(nodes) & set(old.ids))
+        if have >= old.majority:
+            return ""
+        return (
+            f"; the membership change {self._proposal.describe()} also needs "
+            f"{old.majority} of the old set {','.join(old.ids)}, and {have} are here"
+        )
+
     def _hold(
         self,
         members: set[str],
@@ -1428,6 +1605,7 @@ class Election:
         them lets the next merge take the waiting members and the newcomer at once. The
         members hear ``reason`` in the answers to their heartbeats.
         """
+        self._abandon_proposal(reason)
         self._state = NodeState.INACTIVE
         self._members = {x: self._now_ms for x in members}
         self._next_probe_ms = self._now_ms
@@ -1451,6 +1629,7 @@ class Election:
             coordinator_id=self._me,
             max_seen=max(group_max, len(reorg.members)),
             cluster_id=reorg.cluster_id,
+            membership=reorg.membership,
         )
 
     def _go_normal(self) -> None:
@@ -1462,11 +1641,12 @@ class Election:
         reports = {x: reorg.reports[x] for x in final}
         group_max = max(r.max_seen for r in reports.values())
         required, why = self._quorum(group_max)
-        if len(final) < required:
+        old_short = self._old_set_short(final)
+        if len(final) < required or old_short:
             missing = ",".join(x for x in reorg.members if x not in final)
             self._recover(
                 f"only {len(final)} of {len(reorg.members)} members persisted epoch "
-                f"{reorg.epoch} (missing {missing}), {required} required ({why})"
+                f"{reorg.epoch} (missing {missing}), {required} required ({why})" + old_short
             )
             return
         sync = self._sync_source_of(reports)
@@ -1487,10 +1667,28 @@ class Election:
             sync_source_id=sync,
             group_name=self._group,
             cluster_id=reorg.cluster_id,
+            nodes=self._voting_nodes(),
         )
         self._last_change_reason = (
             f"coordinator of {self._group} in epoch {reorg.epoch} with {','.join(final)}"
         )
+        change = self._proposal
+        if change is not None:
+            self._proposal = None
+            # A member the new set ranks above this node takes the lead once caught up
+            # (the rejoin hand-over): priority decides who leads.
+            self._catch_up |= {x for x in final if self._rank[x] > self._rank[self._me]}
+            self._membership_note = (
+                f"{change.describe()}: done in epoch {reorg.epoch} "
+                f"(node set {self._membership.describe()})"
+            )
+            self._log(
+                LogLevel.WARNING,
+                "membership-changed",
+                f"membership change {change.describe()} done: group {self._group} formed in "
+                f"epoch {reorg.epoch} under node set {self._membership.describe()}, persisted "
+                f"by {','.join(final)}",
+            )
         self._log(
             LogLevel.INFO,
             "normal",
@@ -1705,6 +1903,67 @@ class Election:
 
     # ----------------------------------------------------------------- operator
 
+    def _on_membership_change(
+        self, change: MembershipChange, operator: str, reason: str
+    ) -> None:
+        """Check a membership change and re-form the group under the new set."""
+        who = operator or "unknown operator"
+        refused = f"membership change {change.describe()} refused ({who})"
+        if self._proposal is not None:
+            self._reject(
+                RejectCode.FAILED_PRECONDITION,
+                f"{refused}: the change {self._proposal.describe()} is in progress; one change "
+                "at a time (see squall status)",
+            )
+            return
+        if not self._serving():
+            self._reject(
+                RejectCode.FAILED_PRECONDITION,
+                f"{refused}: only the coordinator of the serving group changes the node set; "
+                f"this node is {self._state.value} (coordinator {self._coord})",
+            )
+            return
+        if self._transfer is not None:
+            self._reject(
+                RejectCode.FAILED_PRECONDITION,
+                f"{refused}: a leadership transfer to {self._transfer.target} is in progress",
+            )
+            return
+        if self._persisted.quorum_override or self._persisted.designated_primary:
+            control = "quorum override" if self._persisted.quorum_override else (
+                "designated primary"
+            )
+            self._reject(
+                RejectCode.FAILED_PRECONDITION,
+                f"{refused}: the {control} is in force; clear it first, a change counts "
+                "majorities",
+            )
+            return
+        try:
+            new = apply_change(
+                self._membership, change, live=self._view, coordinator=self._me
+            )
+        except ChangeRefused as exc:
+            self._reject(RejectCode.FAILED_PRECONDITION, f"{refused}: {exc}")
+            return
+        old = self._membership
+        self._record(who, f"membership {change.describe()}", reason)
+        self._proposal = change
+        self._membership_note = f"{change.describe()}: in progress (v{new.version})"
+        self._log(
+            LogLevel.WARNING,
+            "membership-change",
+            f"MEMBERSHIP CHANGE by {who}: {change.describe()}; node set {old.describe()} -> "
+            f"v{new.version} {','.join(f'{m.node_id}:{m.priority}' for m in new.members)}; "
+            f"re-forming {self._group} under it"
+            + (f" ({reason})" if reason else ""),
+        )
+        self._apply_membership(new)
+        invite = {x for x in self._view if x != self._me and x in self._prio}
+        if change.kind in (ChangeKind.ADD, ChangeKind.REPLACE):
+            invite.add(change.node_id)
+        self._start_merge(invite)
+
     def _on_designated_primary(self, enabled: bool, operator: str) -> None:
         """Set or clear the designated primary flag (two-node clusters only)."""
         who = operator or "unknown operator"
@@ -1881,6 +2140,25 @@ class Election:
                 f"message for node {_show(msg.to_node)} delivered here",
             )
             return
+        body = msg.body
+        if isinstance(body, Invitation) and self._is_newer(body.membership):
+            self._invitation_with_newer_set(msg.from_node, body)
+            return
+        if msg.from_node in self._removed:
+            self._o().rejection = Rejection(
+                RejectCode.UNKNOWN_SENDER,
+                f"node {self._me}: message from {msg.from_node}, which was removed from the "
+                f"cluster (node set {self._membership.describe()})",
+            )
+            if msg.from_node not in self._removed_logged:
+                self._removed_logged.add(msg.from_node)
+                self._log(
+                    LogLevel.WARNING,
+                    "removed-node-heard",
+                    f"node {msg.from_node} was removed from the cluster but still runs; its "
+                    "messages are refused: stop it, or add it again (squall cluster add-node)",
+                )
+            return
         if msg.from_node not in self._prio or msg.from_node == self._me:
             self._reject(
                 RejectCode.UNKNOWN_SENDER,
@@ -1909,6 +2187,23 @@ class Election:
             self._on_leave(frm, body)
         else:
             self._on_ready_ack(frm, body)
+
+    def _invitation_with_newer_set(self, frm: str, body: Invitation) -> None:
+        """An invitation carrying a newer node set than ours: judge it under that set (its
+        sender may be a node we do not know yet); if we do not join, ours stays."""
+        newer = body.membership
+        if newer is None or frm not in newer.ids or self._me not in newer.ids or frm == self._me:
+            self._reject(
+                RejectCode.UNKNOWN_SENDER,
+                f"invitation from {_show(frm)} carries a node set that does not hold both "
+                "the sender and this node",
+            )
+            return
+        before = self._membership
+        self._apply_membership(newer)
+        self._on_invitation(frm, body)
+        if self._group != body.group_name or self._o().rejection is not None:
+            self._apply_membership(before)
 
     def _group_coordinator(self, name: str, frm: str) -> str | None:
         """The coordinator a group name names, or None after rejecting a malformed name."""
@@ -1947,18 +2242,22 @@ class Election:
             return
         if not self._cluster_id_ok(body.cluster_id, frm, "probe"):
             return
-        if self._differs(body.settings_digest):
+        version, base = body.membership_version, body.base_digest
+        if self._differs(body.settings_digest, version, base):
             # Refused before its claims are held to our file (its priority may be what
             # differs); it gets our values so that it can name the difference too.
-            self._agrees(frm, body.settings_digest, body.settings)
+            self._agrees(frm, body.settings_digest, body.settings, version, base)
             self._send(frm, self._probe_reply(with_settings=True))
             return
-        if not self._check_priority(frm, body.priority, frm):
+        # A node holding another version of the node set may know another priority for
+        # itself: the invitation settles it.
+        same_set = version == self._membership.version
+        if same_set and not self._check_priority(frm, body.priority, frm):
             return
         self._learn_designation(frm, body.designated_primary)
         self._send(frm, self._probe_reply(with_settings=False))
         if self._same_cluster(frm, body.cluster_id) and self._agrees(
-            frm, body.settings_digest, body.settings
+            frm, body.settings_digest, body.settings, version, base
         ):
             self._note_coordinator(frm, body.serving)
 
@@ -1973,6 +2272,8 @@ class Election:
             serving=self._serving(),
             settings_digest=self._digest,
             settings=self._settings if with_settings else (),
+            membership_version=self._membership.version,
+            base_digest=self._base_digest,
         )
 
     def _on_are_you_coordinator_reply(self, frm: str, body: AreYouCoordinatorReply) -> None:
@@ -1989,15 +2290,17 @@ class Election:
             return
         if not self._cluster_id_ok(body.cluster_id, frm, "probe reply"):
             return
-        if self._differs(body.settings_digest):
-            self._agrees(frm, body.settings_digest, body.settings)
+        version, base = body.membership_version, body.base_digest
+        if self._differs(body.settings_digest, version, base):
+            self._agrees(frm, body.settings_digest, body.settings, version, base)
             return
-        if not self._check_priority(frm, body.priority, frm):
+        same_set = version == self._membership.version
+        if same_set and not self._check_priority(frm, body.priority, frm):
             return
         self._learn_designation(frm, body.designated_primary)
         if (
             self._same_cluster(frm, body.cluster_id)
-            and self._agrees(frm, body.settings_digest, body.settings)
+            and self._agrees(frm, body.settings_digest, body.settings, version, base)
             and body.is_coordinator
         ):
             self._note_coordinator(frm, body.serving)
@@ -2064,9 +2367,10 @@ class Election:
         inviter = self._group_coordinator(body.group_name, frm)
         if inviter is None:
             return
-        if self._differs(body.settings_digest):
+        version = body.membership.version if body.membership is not None else 0
+        if self._differs(body.settings_digest, version, body.base_digest):
             # Before the priority checks: the inviter's priority may be what differs.
-            self._agrees(inviter, body.settings_digest, ())
+            self._agrees(inviter, body.settings_digest, (), version, body.base_digest)
             diffs = self._disagree[inviter][1]
             self._reject(
                 RejectCode.FAILED_PRECONDITION,
@@ -2083,7 +2387,8 @@ class Election:
             return
         if not self._cluster_id_ok(body.cluster_id, frm, "invitation"):
             return
-        if not self._check_priority(inviter, body.priority, frm):
+        same_set = version == self._membership.version
+        if same_set and not self._check_priority(inviter, body.priority, frm):
             return
         bad = [
             x
@@ -2159,6 +2464,11 @@ class Election:
             self._send(node, body)
         old_group = self._group
         self._reset_group()
+        self._abandon_proposal(f"this node joined {body.group_name} of {inviter}")
+        if body.membership != self._membership:
+            # The group forms under the inviter's set (a newer one was adopted before the
+            # checks): a set of ours only in memory (a change in progress) is dropped.
+            self._apply_membership(in_force(self._persisted.membership, self._bootstrap))
         self._state = NodeState.REORGANIZATION
         self._group = body.group_name
         self._coord = inviter
@@ -2289,10 +2599,19 @@ class Election:
             )
             return
         members = set(body.members)
+        carried = body.membership
+        known = set(carried.ids) if carried is not None else set(self._prio)
+        if carried is not None and (carried.epoch != body.epoch or self._me not in known):
+            self._reject(
+                RejectCode.INVALID_MESSAGE,
+                f"Ready from {frm} for epoch {body.epoch} carries node set "
+                f"{carried.describe()}, which must be of that epoch and hold this node",
+            )
+            return
         if (
             body.epoch < 1
             or len(members) != len(body.members)
-            or not members <= self._prio.keys()
+            or not members <= known
             or frm not in members
             or body.sync_source_id not in members
         ):
@@ -2341,10 +2660,13 @@ class Election:
                 f"Ready from {frm} for {body.group_name} ignored: not our pending group",
             )
             return
+        if carried is not None:
+            self._apply_membership(carried)
         self._persist(
             epoch=body.epoch,
             max_seen=max(self._persisted.max_seen, body.max_seen, len(body.members)),
             cluster_id=body.cluster_id or self._persisted.cluster_id,
+            membership=carried if carried is not None else self._persisted.membership,
         )
         self._state = NodeState.NORMAL
         self._group_epoch = body.epoch
