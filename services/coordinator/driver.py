@@ -32,6 +32,7 @@ from typing import Protocol
 
 from squall_server.common.clock import Clock
 from squall_server.coordinator.election import Election, ElectionConfig
+from squall_server.coordinator.membership import MembershipChange
 from squall_server.coordinator.messages import (
     LogLevel,
     PeerMessage,
@@ -312,6 +313,14 @@ class CoordinatorDriver:
     def transfer_leadership(self, target: str, operator: str, reason: str = "") -> Ready:
         """Operator control, once the replica is ready: see Election.transfer_leadership."""
         ready = self.election.transfer_leadership(target, operator, self.now(), reason)
+        self.apply(ready)
+        return ready
+
+    def change_membership(
+        self, change: MembershipChange, operator: str, reason: str = ""
+    ) -> Ready:
+        """Operator control: see Election.change_membership."""
+        ready = self.election.change_membership(change, operator, self.now(), reason)
         self.apply(ready)
         return ready
 

@@ -292,12 +292,21 @@ class ElectionConfig:
     # Each node's (coordinator, replica) address from the config file: the bootstrap node
     # set's addresses (a membership change checks new addresses against them).
     addresses: Mapping[str, tuple[str, str]] | None = None
+    # The version and epoch of the node set the file lists: 0 for a file written by hand;
+    # a file written by ``squall cluster config export`` records the running set's, so a
+    # node started from it (a replacement, an added node) never takes an older set for
+    # newer, such as the one a removed node still runs with.
+    membership_version: int = 0
+    membership_epoch: int = 0
 
     def bootstrap(self) -> Membership:
-        """The config file's node set (version 0)."""
+        """The config file's node set."""
         addresses = self.addresses or {}
-        return Membership.bootstrap(
+        members = Membership.bootstrap(
             [Member(x, p, *addresses.get(x, ("", ""))) for x, p in self.priorities.items()]
+        )
+        return replace(
+            members, version=self.membership_version, epoch=self.membership_epoch
         )
 
     def validate(self) -> None:
@@ -332,6 +341,11 @@ class ElectionConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ElectionConfigError(f"{name}: {getattr(self, name)} must be positive")
+        if self.membership_version < 0 or self.membership_epoch < 0:
+            raise ElectionConfigError(
+                f"membership_version {self.membership_version} and membership_epoch "
+                f"{self.membership_epoch} must not be negative"
+            )
         if self.merge_delay_ms_per_priority < 0:
             raise ElectionConfigError(
                 f"merge_delay_ms_per_priority: {self.merge_delay_ms_per_priority} is negative"
@@ -862,6 +876,15 @@ class Election:
             self._settings = ()
         self._digest = settings_digest(self._settings)
 
+    def _set_key(self) -> tuple[int, int]:
+        """(epoch, version) of the set in force: how probes tell sets apart."""
+        return (self._membership.epoch, self._membership.version)
+
+    def _rank_of(self, node: str) -> int:
+        """A node's rank (higher is better); 0 for a node outside the set in force (one a
+        membership change removed), below every member."""
+        return self._rank.get(node, 0)
+
     def _wire_membership(self) -> Membership | None:
         """The node set messages carry: None while it is the config file's."""
         return self._membership if self._membership.version else None
@@ -1016,7 +1039,7 @@ class Election:
         """Collection window before a merge: longer the further below a seen coordinator."""
         steps = 0
         if self._higher_seen is not None:
-            steps = self._rank[self._higher_seen] - self._rank[self._me]
+            steps = self._rank_of(self._higher_seen) - self._rank_of(self._me)
         return self._cfg.merge_delay_ms_per_priority * (1 + steps)
 
     def _my_report(self) -> MemberReport:
@@ -1085,12 +1108,14 @@ class Election:
             )
         return False
 
-    def _differs(self, digest: str, version: int | None = None, base: str = "") -> bool:
+    def _differs(
+        self, digest: str, version: tuple[int, int] | None = None, base: str = ""
+    ) -> bool:
         """Do a peer's agreed settings (by digest) differ from ours? "" compares nothing.
 
         A peer holding another version of the node set (``version``) is compared without
         the node set (``base``): the newer set reaches the other in an invitation."""
-        if version is not None and version != self._membership.version and base:
+        if version is not None and version != self._set_key() and base:
             return bool(self._base_digest) and base != self._base_digest
         return bool(digest) and bool(self._digest) and digest != self._digest
 
@@ -1099,7 +1124,7 @@ class Election:
         node: str,
         digest: str,
         settings: tuple[tuple[str, str], ...],
-        version: int | None = None,
+        version: tuple[int, int] | None = None,
         base: str = "",
     ) -> bool:
         """May ``node`` (whose agreed settings have ``digest``) be merged with us?
@@ -1315,6 +1340,7 @@ class Election:
                     # probes (a member) can name what differs.
                     settings=self._settings if node in self._disagree else (),
                     membership_version=self._membership.version,
+                    membership_epoch=self._membership.epoch,
                     base_digest=self._base_digest,
                 ),
             )
@@ -1334,7 +1360,7 @@ class Election:
         us that serves nothing, while we serve, is invited to catch up (module docstring)."""
         if not self._can_merge():
             return
-        above = self._rank[node] > self._rank[self._me]
+        above = self._rank_of(node) > self._rank_of(self._me)
         if above and not serving and self._serving():
             self._catch_up_candidates.add(node)
             if self._merge_at_ms is None:
@@ -1350,7 +1376,8 @@ class Election:
             )
             return
         if above:
-            if self._higher_seen is None or self._rank[node] > self._rank[self._higher_seen]:
+            higher = self._higher_seen
+            if higher is None or self._rank_of(node) > self._rank_of(higher):
                 self._higher_seen = node
                 if self._merge_at_ms is not None:
                     self._merge_at_ms = self._merge_first_ms + self._merge_delay_ms()
@@ -1363,7 +1390,11 @@ class Election:
     def _do_merge(self) -> None:
         """Invite the lower coordinators found and our members into a fresh group."""
         self._merge_at_ms = None
-        invite = {x for x in self._candidates if self._rank[x] < self._rank[self._me]}
+        invite = {
+            x
+            for x in self._candidates
+            if x in self._prio and self._rank_of(x) < self._rank_of(self._me)
+        }
         self._candidates = set()
         catch_up: set[str] = set()
         if self._serving():
@@ -1606,8 +1637,11 @@ class Election:
         members hear ``reason`` in the answers to their heartbeats.
         """
         self._abandon_proposal(reason)
+        # A set only in memory (a change, or adopted from a report) counts once a group
+        # persists it; the next merge adopts the newest reported set again.
+        self._apply_membership(in_force(self._persisted.membership, self._bootstrap))
         self._state = NodeState.INACTIVE
-        self._members = {x: self._now_ms for x in members}
+        self._members = {x: self._now_ms for x in members if x in self._prio}
         self._next_probe_ms = self._now_ms
         self._last_change_reason = reason
         self._held_reason = reason
@@ -1677,7 +1711,7 @@ class Election:
             self._proposal = None
             # A member the new set ranks above this node takes the lead once caught up
             # (the rejoin hand-over): priority decides who leads.
-            self._catch_up |= {x for x in final if self._rank[x] > self._rank[self._me]}
+            self._catch_up |= {x for x in final if self._rank_of(x) > self._rank_of(self._me)}
             self._membership_note = (
                 f"{change.describe()}: done in epoch {reorg.epoch} "
                 f"(node set {self._membership.describe()})"
@@ -1885,7 +1919,7 @@ class Election:
             or self._now_ms < self._hand_over_next_ms
         ):
             return
-        target = max(waiting, key=lambda x: self._rank[x])
+        target = max(waiting, key=lambda x: self._rank_of(x))
         lag = lags.get(target)
         if lag is None or lag > CATCH_UP_LAG_ENTRIES_MAX:
             return
@@ -2159,6 +2193,15 @@ class Election:
                     "messages are refused: stop it, or add it again (squall cluster add-node)",
                 )
             return
+        if (
+            isinstance(body, AreYouCoordinator)
+            and msg.from_node not in self._prio
+            and (body.membership_epoch, body.membership_version) > self._set_key()
+        ):
+            # A node added while this one was away probes it: answer, so that it learns this
+            # node is here and invites it with the newer node set.
+            self._send(msg.from_node, self._probe_reply(with_settings=False))
+            return
         if msg.from_node not in self._prio or msg.from_node == self._me:
             self._reject(
                 RejectCode.UNKNOWN_SENDER,
@@ -2242,7 +2285,7 @@ class Election:
             return
         if not self._cluster_id_ok(body.cluster_id, frm, "probe"):
             return
-        version, base = body.membership_version, body.base_digest
+        version, base = (body.membership_epoch, body.membership_version), body.base_digest
         if self._differs(body.settings_digest, version, base):
             # Refused before its claims are held to our file (its priority may be what
             # differs); it gets our values so that it can name the difference too.
@@ -2251,7 +2294,7 @@ class Election:
             return
         # A node holding another version of the node set may know another priority for
         # itself: the invitation settles it.
-        same_set = version == self._membership.version
+        same_set = version == self._set_key()
         if same_set and not self._check_priority(frm, body.priority, frm):
             return
         self._learn_designation(frm, body.designated_primary)
@@ -2273,11 +2316,27 @@ class Election:
             settings_digest=self._digest,
             settings=self._settings if with_settings else (),
             membership_version=self._membership.version,
+            membership_epoch=self._membership.epoch,
             base_digest=self._base_digest,
         )
 
     def _on_are_you_coordinator_reply(self, frm: str, body: AreYouCoordinatorReply) -> None:
         """A positive answer from a coordinator below us makes it a merge candidate."""
+        parsed = parse_group_name(body.group_name)
+        if parsed is not None and parsed[0] not in self._prio and parsed[0] != frm:
+            # frm is held in a group whose coordinator is not in our node set (a membership
+            # change removed it): nobody else will invite it, so it is a candidate itself.
+            if (
+                self._cluster_id_ok(body.cluster_id, frm, "probe reply")
+                and not self._differs(
+                    body.settings_digest,
+                    (body.membership_epoch, body.membership_version),
+                    body.base_digest,
+                )
+                and self._same_cluster(frm, body.cluster_id)
+            ):
+                self._note_coordinator(frm, False)
+            return
         coordinator = self._group_coordinator(body.group_name, frm)
         if coordinator is None:
             return
@@ -2290,11 +2349,11 @@ class Election:
             return
         if not self._cluster_id_ok(body.cluster_id, frm, "probe reply"):
             return
-        version, base = body.membership_version, body.base_digest
+        version, base = (body.membership_epoch, body.membership_version), body.base_digest
         if self._differs(body.settings_digest, version, base):
             self._agrees(frm, body.settings_digest, body.settings, version, base)
             return
-        same_set = version == self._membership.version
+        same_set = version == self._set_key()
         if same_set and not self._check_priority(frm, body.priority, frm):
             return
         self._learn_designation(frm, body.designated_primary)
@@ -2367,7 +2426,8 @@ class Election:
         inviter = self._group_coordinator(body.group_name, frm)
         if inviter is None:
             return
-        version = body.membership.version if body.membership is not None else 0
+        carried = body.membership
+        version = (carried.epoch, carried.version) if carried is not None else (0, 0)
         if self._differs(body.settings_digest, version, body.base_digest):
             # Before the priority checks: the inviter's priority may be what differs.
             self._agrees(inviter, body.settings_digest, (), version, body.base_digest)
@@ -2387,13 +2447,13 @@ class Election:
             return
         if not self._cluster_id_ok(body.cluster_id, frm, "invitation"):
             return
-        same_set = version == self._membership.version
+        same_set = version == self._set_key()
         if same_set and not self._check_priority(inviter, body.priority, frm):
             return
         bad = [
             x
             for x in body.catch_up
-            if x not in self._prio or self._rank[x] <= self._rank[inviter]
+            if x not in self._prio or self._rank_of(x) <= self._rank_of(inviter)
         ]
         if bad:
             self._reject(
@@ -2436,7 +2496,7 @@ class Election:
                     f"{self._group_epoch}: delayed from an older merge",
                 )
                 return
-        elif self._rank[inviter] <= self._rank[current]:
+        elif self._rank_of(inviter) <= self._rank_of(current):
             self._log(
                 LogLevel.DEBUG,
                 "invitation-ignored",

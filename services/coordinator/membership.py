@@ -200,6 +200,11 @@ def apply_change(
             )
         else:
             _check_priority(change.priority)
+            if node == coordinator and change.priority == 0:
+                raise ChangeRefused(
+                    f"node {node} coordinates the serving group and priority 0 never "
+                    "coordinates; hand the leadership to another node first"
+                )
             if change.priority == existing.priority:
                 raise ChangeRefused(f"node {node} already has priority {change.priority}")
             members = tuple(

@@ -136,6 +136,9 @@ class AreYouCoordinator:
     """The sender's agreed settings, sent only to a node it knows differs."""
     membership_version: int = 0
     """The version of the sender's node set (0: its config file's)."""
+    membership_epoch: int = 0
+    """The epoch of the newest group that carried that set (two sets of one version made
+    by competing changes differ here)."""
     base_digest: str = ""
     """The digest of the agreed settings without the node set: compared instead of
     ``settings_digest`` when the two nodes hold different versions of the node set."""
@@ -157,6 +160,7 @@ class AreYouCoordinatorReply:
     """The replier's agreed settings, sent only when the probe's digest differs from its
     own, so the prober can name what differs."""
     membership_version: int = 0
+    membership_epoch: int = 0
     base_digest: str = ""
 
 
