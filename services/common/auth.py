@@ -93,6 +93,7 @@ def _rules() -> dict[str, Rule]:
         ("Shutdown", "run cluster commands"),
         ("TransferLeadership", "run cluster commands"),
         ("SetQuarantine", "run cluster commands"),
+        ("ChangeMembership", "change the cluster membership"),
     ):
         rules["/squall.v1.Coordinator/" + name] = Rule(Permission.ADMIN, action=action)
     return rules

@@ -277,6 +277,12 @@ class ClusterConfig:
     auth: AuthConfig = field(default_factory=AuthConfig)
     path: Path = Path("<memory>")
     tls: TlsConfig = field(default_factory=TlsConfig)
+    # The version and epoch of the node set listed, as `squall cluster config export`
+    # writes them (0 for a file written by hand): a node started from an exported file
+    # never takes an older running node set for newer (docs/operations.md, "Changing the
+    # membership").
+    membership_version: int = 0
+    membership_epoch: int = 0
 
     def node(self, node_id: str) -> NodeConfig:
         """The node with this id; ConfigError listing the configured ids if there is none."""
@@ -451,7 +457,7 @@ _SECTIONS: Mapping[str, str] = {
     "tls": "table",
     "auth": "table",
 }
-_CLUSTER_KEYS = ("name",)
+_CLUSTER_KEYS = ("name", "membership_version", "membership_epoch")
 _NODE_KEYS = tuple(f.name for f in dataclasses.fields(NodeConfig))
 _GATEWAY_KEYS = tuple(f.name for f in dataclasses.fields(GatewayConfig))
 # Keys that look configurable but are fixed elsewhere, with the reason given instead of
@@ -486,9 +492,19 @@ def _build(document: Mapping[str, Any], config_path: Path) -> ClusterConfig:
     gateways = tuple(
         _build_gateway(index, entry) for index, entry in enumerate(document.get("gateways", []))
     )
+    set_key: dict[str, int] = {}
+    for key in ("membership_version", "membership_epoch"):
+        value = cluster.get(key, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(
+                f"cluster.{key}: must be a non-negative integer (written by squall cluster "
+                f"config export), got {_show(value)}"
+            )
+        set_key[key] = value
     return ClusterConfig(
         name=cluster["name"],
         nodes=nodes,
+        **set_key,
         gateways=gateways,
         timeouts=_build_plain(document, "timeouts", TimeoutsConfig),
         retry=_build_plain(document, "retry", RetryConfig),
