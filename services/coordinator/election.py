@@ -2742,6 +2742,7 @@ class Election:
             sync_source_id=body.sync_source_id,
             group_name=body.group_name,
             cluster_id=self._persisted.cluster_id,
+            nodes=self._voting_nodes(),
         )
         self._last_change_reason = f"slave of {frm} in {body.group_name}, epoch {body.epoch}"
         self._log(
