@@ -1,0 +1,98 @@
+"""Runtime membership changes with real processes (issue 20, item 1).
+
+Goal: while an app publishes through the gateway, the operator grows the three-node
+cluster to four (`squall cluster add-node n4`), writes the running node set out
+(`squall cluster config export`) and starts n4 from that file; n4 catches up and joins the
+group, and every acknowledged event is stored exactly once on all four replicas. Then n4
+is removed again (`squall cluster remove-node n4`): the group re-forms without it, and
+`squall status` shows the running node set. The unsafe requests are refused with the
+reason and change nothing.
+"""
+
+from __future__ import annotations
+
+import squall
+from deploy import processes
+from squall.v1 import common_pb2
+from tests.integration.conftest import LocalCluster, run_squall, wait_for
+from tests.integration.test_gateway import (
+    _AppPublisher,
+    _stored_on,
+    trio,  # noqa: F401  (the fixture)
+)
+
+
+def test_grow_to_four_under_load_then_remove(trio: LocalCluster) -> None:  # noqa: F811
+    master = trio.wait_for_master()
+    config = str(trio.config_path)
+    coordinator_port, replica_port = processes.free_ports(2)
+    coordinator_address = f"127.0.0.1:{coordinator_port}"
+    replica_address = f"127.0.0.1:{replica_port}"
+    # Refused, changing nothing: an address taken, a change asked while a node is short.
+    taken = run_squall(
+        "cluster", "add-node", "n4", "--coordinator-address",
+        trio.config.node("n2").coordinator_address, "--replica-address", replica_address,
+        "--config", config,
+    )  # fmt: skip
+    assert taken.returncode == 1, taken.stdout
+    assert "already node n2's coordinator address" in taken.stderr, taken.stderr
+    with squall.connect(trio.gateway_address, timeout_s=5.0) as client:
+        client.create_topic("orders")
+        publisher = client.topic("orders").publisher("app-1")
+        app = _AppPublisher(lambda sequence: publisher.publish(b"order %d" % sequence))
+        app.start()
+        try:
+            wait_for(lambda: app.acked_by(master) >= 20, 20, "20 publishes acknowledged")
+            added = run_squall(
+                "cluster", "add-node", "n4", "--coordinator-address", coordinator_address,
+                "--replica-address", replica_address, "--priority", "1",
+                "--reason", "grow", "--config", config,
+            )  # fmt: skip
+            assert added.returncode == 0, added.stderr + added.stdout
+            assert "add-node n4" in added.stdout and "done in epoch" in added.stdout
+            exported = trio.run_dir / "exported.toml"
+            export = run_squall(
+                "cluster", "config", "export", "--config", config, "--out", str(exported),
+                "--data-dir", f"n4={trio.run_dir / 'data-n4'}",
+            )  # fmt: skip
+            assert export.returncode == 0, export.stderr
+            for kind, address in (("replica", replica_address), ("coordinator", coordinator_address)):
+                service = processes.start_service(
+                    kind, exported, "n4", address, trio.run_dir / "logs" / f"{kind}-n4.log",
+                    env=trio.env,
+                )  # fmt: skip
+                trio.services[(kind, "n4")] = service
+                processes.wait_serving([service], links=trio.links)
+            wait_for(
+                lambda: "n4" in trio.statuses()[master].group, 20, "n4 joins the master's group"
+            )
+            before = app.acked_by(master)
+            wait_for(lambda: app.acked_by(master) >= before + 20, 20, "20 more acknowledged")
+        finally:
+            app.stop.set()
+            app.join(30)
+        publisher.close()
+    assert app.error is None, repr(app.error)
+    assert not app.failed, {s: repr(e) for s, e in list(app.failed.items())[:5]}
+    acked = sorted(app.acked)
+    for address in [trio.replica_address(n) for n in ("n1", "n2", "n3")] + [replica_address]:
+
+        def holds_all(address: str = address) -> bool:
+            stored = _stored_on(address, "orders")
+            return all(stored[("app-1", s)] == 1 for s in acked)
+
+        wait_for(holds_all, 20, f"{address} holds every acknowledged event exactly once")
+    status = trio.statuses()[master]
+    assert [m.node_id for m in status.membership.members] == ["n1", "n2", "n3", "n4"]
+    shown = run_squall("status", "--gateway", trio.gateway_address)
+    assert "node set: v1" in shown.stdout and "n4:1" in shown.stdout, shown.stdout
+    # Removing the master's own node is refused; removing n4 re-forms the group without it.
+    own = run_squall("cluster", "remove-node", master, "--config", config)
+    assert own.returncode == 1 and "hand the leadership" in own.stderr, own.stderr
+    removed = run_squall("cluster", "remove-node", "n4", "--reason", "shrink", "--config", config)
+    assert removed.returncode == 0, removed.stderr + removed.stdout
+    assert "remove-node n4: done" in removed.stdout, removed.stdout
+    status = trio.statuses()[master]
+    assert status.state == common_pb2.NODE_STATE_NORMAL and "n4" not in status.group
+    assert [m.node_id for m in status.membership.members] == ["n1", "n2", "n3"]
+    assert status.audit[-1].action == "membership remove-node n4"
