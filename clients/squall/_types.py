@@ -187,6 +187,12 @@ class NodeStatus:
     config_mismatches: tuple[ConfigMismatch, ...] = ()
     """Nodes this node refuses because settings every member must share differ from its
     own, one row per differing setting."""
+    membership: str = ""
+    """The node set this node runs with (``v2 (epoch 7): 1:3,2:2,4:1``; v0 is the config
+    file's); a runtime membership change moves it."""
+    membership_change: str = ""
+    """On the master's coordinator: the membership change in progress, or how the last
+    one ended."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -266,6 +272,8 @@ class ClusterStatus:
                     ConfigMismatch(m.node_id, m.key, m.local_value, m.peer_value)
                     for m in n.config_mismatches
                 ),
+                membership=n.membership,
+                membership_change=n.membership_change,
             )
             for n in status.nodes
         )
