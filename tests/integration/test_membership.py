@@ -5,9 +5,9 @@ cluster to four (`squall cluster add-node n4`), writes the running node set out
 (`squall cluster config export`) and starts n4 from that file; n4 catches up and joins the
 group, and every acknowledged event is stored exactly once on all four replicas. Then n4
 is removed again (`squall cluster remove-node n4`): the group re-forms without it, and
-`squall status` shows the running node set. The unsafe requests are refused with the
-reason and change nothing (the other refusals are the transcripts' and
-tests/unit/test_membership.py's).
+`squall status` shows the running node set; raising n3's priority moves the lead to it.
+Removing the master's own node is refused with the reason and changes nothing (the other
+refusals are the transcripts' and tests/unit/test_membership.py's).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from tests.integration.test_gateway import (
 )
 
 
-def test_grow_to_four_under_load_then_remove(trio: LocalCluster) -> None:  # noqa: F811
+def test_grow_under_load_remove_and_move_the_lead_by_priority(trio: LocalCluster) -> None:  # noqa: F811
     master = trio.wait_for_master()
     config = str(trio.config_path)
     coordinator_port, replica_port = processes.free_ports(2)
@@ -49,7 +49,8 @@ def test_grow_to_four_under_load_then_remove(trio: LocalCluster) -> None:  # noq
                 "--data-dir", f"n4={trio.run_dir / 'data-n4'}",
             )  # fmt: skip
             assert export.returncode == 0, export.stderr
-            for kind, address in (("replica", replica_address), ("coordinator", coordinator_address)):
+            n4 = (("replica", replica_address), ("coordinator", coordinator_address))
+            for kind, address in n4:
                 service = processes.start_service(
                     kind, exported, "n4", address, trio.run_dir / "logs" / f"{kind}-n4.log",
                     env=trio.env,
@@ -89,3 +90,8 @@ def test_grow_to_four_under_load_then_remove(trio: LocalCluster) -> None:  # noq
     assert status.state == common_pb2.NODE_STATE_NORMAL and "n4" not in status.group
     assert [m.node_id for m in status.membership.members] == ["n1", "n2", "n3"]
     assert status.audit[-1].action == "membership remove-node n4"
+    # Priority decides who leads: raising n3 above the master hands the lead to n3 once it
+    # is caught up (it is: it took every write above).
+    raised = run_squall("cluster", "set-priority", "n3", "9", "--config", config)
+    assert raised.returncode == 0 and "set-priority n3 9: done" in raised.stdout, raised.stdout
+    wait_for(lambda: trio.wait_for_master(timeout_s=10) == "n3", 20, "n3 leads")
