@@ -3,6 +3,8 @@ change is refused with a sentence naming the problem, and a safe one changes one
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from squall_server.coordinator.membership import (
@@ -75,3 +77,48 @@ def test_the_set_of_the_newest_group_wins() -> None:
 
 def test_bootstrap_set_has_the_config_files_node_entries() -> None:
     assert THREE.settings()[0] == ("nodes.1", "priority=3 coordinator=h1:1 replica=h1:2")
+
+
+def test_config_export_writes_a_file_the_services_load(tmp_path: Path) -> None:
+    """`squall cluster config export`: the running set replaces [[nodes]], its version and
+    epoch go in [cluster], the rest of the file is kept; a bad version is refused."""
+    from squall.v1 import coordinator_pb2
+    from squall_server.cli.membership import export_text
+    from squall_server.common.config import ConfigError, load_config
+
+    source = Path(__file__).resolve().parents[2] / "deploy" / "cluster.example.toml"
+    config = load_config(source)
+    running = coordinator_pb2.NodeSet(
+        version=2,
+        epoch=9,
+        members=[
+            coordinator_pb2.MemberSpec(
+                node_id=n.id,
+                priority=n.priority,
+                coordinator_address=n.coordinator_address,
+                replica_address=n.replica_address,
+            )
+            for n in config.nodes
+        ]
+        + [
+            coordinator_pb2.MemberSpec(
+                node_id="n4",
+                priority=1,
+                coordinator_address="127.0.0.1:7999",
+                replica_address="127.0.0.1:7998",
+            )
+        ],
+    )
+    exported = tmp_path / "exported.toml"
+    exported.write_text(export_text(config, running, {"n4": str(tmp_path / "n4")}))
+    again = load_config(exported)
+    assert [n.id for n in again.nodes] == [*(n.id for n in config.nodes), "n4"]
+    assert (again.membership_version, again.membership_epoch) == (2, 9)
+    assert again.node("n4").data_dir == tmp_path / "n4"
+    assert again.agreed_settings()[1:] != config.agreed_settings()[1:]
+    assert again.durability == config.durability and again.timeouts == config.timeouts
+    exported.write_text(
+        exported.read_text().replace("membership_version = 2", "membership_version = -1")
+    )
+    with pytest.raises(ConfigError, match=r"cluster\.membership_version"):
+        load_config(exported)
