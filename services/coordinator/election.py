@@ -676,6 +676,11 @@ class Election:
         return self._me
 
     @property
+    def membership(self) -> Membership:
+        """The node set in force here (the config file's until a change)."""
+        return self._membership
+
+    @property
     def persisted(self) -> PersistedState:
         """The state the driver has been told to persist, as of the last input."""
         return self._persisted

@@ -432,7 +432,7 @@ class CoordinatorNode:
         if isinstance(self._peers, GrpcPeers):
             self._peers.address_of = self._coordinator_address
         if isinstance(self._replica, GrpcReplicaLink):
-            self._replica.running_set = lambda: self.election.status().membership
+            self._replica.running_set = lambda: self.election.membership
         # Stops the process (a clean cluster shutdown asked for it).
         self._on_shutdown = on_shutdown
         self._probe: asyncio.Task[None] | None = None
@@ -444,9 +444,9 @@ class CoordinatorNode:
 
     def _coordinator_address(self, node_id: str) -> str:
         """Where the running node set says ``node_id``'s coordinator is ("" if unknown)."""
-        membership = self.election.status().membership
-        member = membership.member(node_id) if membership is not None else None
-        return member.coordinator_address if member is not None and membership else ""
+        membership = self.election.membership
+        member = membership.member(node_id) if membership.version else None
+        return member.coordinator_address if member is not None else ""
 
     @staticmethod
     def _group_id() -> str:

@@ -3,7 +3,7 @@ never two masters or two normal coordinators in one epoch, every normal group a 
 its own node set, node sets moving one node at a time and never back, and convergence under
 the newest set after healing.
 
-Runs a tenth of ``--sim-seeds`` (100 by default, ``make sim SEEDS=N`` scales it);
+Runs a twentieth of ``--sim-seeds`` (50 by default, ``make sim SEEDS=N`` scales it);
 ``--sim-seed=S`` replays one.
 """
 
@@ -19,7 +19,7 @@ from tests.sim.membership_sim import membership_reproduce_hint, run_membership_s
 pytestmark = pytest.mark.sim
 
 # Membership seeds per election seed (each costs about as much as an election seed).
-SEEDS_PER_SIM_SEED = 0.1
+SEEDS_PER_SIM_SEED = 0.05
 
 
 def test_membership_changes_under_faults(
