@@ -126,6 +126,28 @@ driver judges from the replica's answer) is reported the same way, with
 its end (writes complete again) is ``replica_answered``. The reverse fault needs nothing
 here: a replica whose coordinator is gone drops its role when its lease runs out.
 
+Membership changes
+------------------
+The config file is the bootstrap node set (``ElectionConfig.priorities``, version 0, or
+the version and epoch an exported file records). ``change_membership`` (the coordinator of
+the serving group only) checks one change (``membership.apply_change``: add, remove,
+replace or re-prioritize one node; refusals name the reason), applies the new set in
+memory and re-forms the group under it: invitations carry it (an invitee holding an older
+set judges the invitation under it, so a node it does not know yet may invite it), the
+group's ``Ready`` carries it with the new epoch, and every member persists it with the
+epoch vote. While a change is in progress the group needs a majority of the old set and
+of the new one; the change is done when the group goes NORMAL, and failed (the persisted
+set stays in force) when it is held or recovers. Single-server changes keep any majority
+of the old set and any of the new one overlapping, so the epoch votes stay exclusive
+(docs/replication.md, "Membership changes"). When groups form, the set of the newest group
+among the members' reports wins (``_adopt_newest``), so a node that missed a change learns
+it and a later group never goes back to an older set. Probes carry the set's (epoch,
+version): nodes holding different sets compare their agreed settings without the node
+set, and a node of the set that is held by a removed coordinator is invited directly. A
+member the new set ranks above the coordinator takes the group once caught up (the rejoin
+hand-over), so ``set-priority`` moves the leader. Messages from a node the set removed
+are refused, logged once per node.
+
 Time
 ----
 Every input carries ``now_ms`` from the driver's monotonic clock; going backwards is a
