@@ -2350,7 +2350,12 @@ class Election:
     def _on_are_you_coordinator_reply(self, frm: str, body: AreYouCoordinatorReply) -> None:
         """A positive answer from a coordinator below us makes it a merge candidate."""
         parsed = parse_group_name(body.group_name)
-        if parsed is not None and parsed[0] not in self._prio and parsed[0] != frm:
+        if (
+            parsed is not None
+            and parsed[0] not in self._prio
+            and parsed[0] != frm
+            and (body.membership_epoch, body.membership_version) != self._set_key()
+        ):
             # frm is held in a group whose coordinator is not in our node set (a membership
             # change removed it): nobody else will invite it, so it is a candidate itself.
             if (
