@@ -264,6 +264,12 @@ class NodeStatus:
     own, one row per differing setting."""
     losses: tuple[LossEvent, ...] = ()
     """Acknowledged events the node discarded that no operator acknowledged yet."""
+    membership: str = ""
+    """The node set this node runs with (``v2 (epoch 7): 1:3,2:2,4:1``; v0 is the config
+    file's); a runtime membership change moves it."""
+    membership_change: str = ""
+    """On the master's coordinator: the membership change in progress, or how the last
+    one ended."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -344,6 +350,8 @@ class ClusterStatus:
                     for m in n.config_mismatches
                 ),
                 losses=tuple(LossEvent.from_pb(e) for e in n.losses),
+                membership=n.membership,
+                membership_change=n.membership_change,
             )
             for n in status.nodes
         )

@@ -7,6 +7,8 @@
     squall cluster quarantine ID [--reason WHY]
     squall cluster unquarantine ID [--reason WHY]
     squall cluster ack-loss LOSS_ID [--reason WHY]
+    squall cluster add-node | remove-node | replace-node | set-priority | config export
+                               (runtime membership changes: services/cli/membership.py)
 
 Every control is loud: the coordinator logs it as a warning, persists it with who, when and
 why, and `squall status` shows it. A command against a node that is not configured or not
@@ -26,6 +28,7 @@ import grpc
 
 from squall import with_token
 from squall.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from squall_server.cli import membership as cli_membership
 from squall_server.cli.auth import add_token_argument, cli_token
 from squall_server.cli.cluster_shutdown import ShutdownError, shutdown_cluster
 from squall_server.common.config import ClusterConfig, ConfigError, NodeConfig, load_config
@@ -93,6 +96,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "audit trail keeps who acknowledged it)",
     )
     ack_loss.add_argument("loss_id", metavar="LOSS_ID")
+    cli_membership.add_parsers(sub)
     for parser in (primary, override, transfer, quarantine, unquarantine, ack_loss):
         parser.add_argument("--config", required=True, metavar="FILE", help="cluster TOML file")
         add_token_argument(parser)
@@ -177,6 +181,8 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     _LINKS.set(cli_transport(config))
     operator = getpass.getuser()
     command = args.cluster_command
+    if command in ("add-node", "remove-node", "replace-node", "set-priority", "config"):
+        return cli_membership.run(config, args, out)
     if command == "shutdown":
         if args.timeout <= 0:
             raise AdminError(f"--timeout must be > 0, not {args.timeout}")

@@ -665,6 +665,24 @@ def _cmd_status(client: squall.Client, args: argparse.Namespace, out: TextIO) ->
         f"  (squall {squall.__version__})",
         file=out,
     )
+    # The running node set (a membership change moves it away from the file's).
+    master_row = next((n for n in status.nodes if n.node_id == status.master_id), None)
+    if master_row is not None and master_row.membership:
+        print(f"node set: {master_row.membership}", file=out)
+        listed = {n.node_id for n in status.nodes}
+        running = {
+            item.split(":")[0] for item in master_row.membership.split(": ", 1)[-1].split(",")
+        }
+        if running != listed:
+            print(
+                "  the config file lists "
+                + ",".join(sorted(listed))
+                + ": bring it up to date with `squall cluster config export`",
+                file=out,
+            )
+    changes = [n.membership_change for n in status.nodes if n.membership_change]
+    for change in changes:
+        print(f"membership change: {change}", file=out)
     # The master's view of its slaves: what each lacks and how fast it is closing the gap.
     slaves = [slave for node in status.nodes if node.reachable for slave in node.slaves]
     if slaves:

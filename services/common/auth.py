@@ -110,6 +110,7 @@ def _rules() -> dict[str, Rule]:
         ("TransferLeadership", "run cluster commands"),
         ("SetQuarantine", "run cluster commands"),
         ("AckLoss", "run cluster commands"),
+        ("ChangeMembership", "change the cluster membership"),
     ):
         rules["/squall.v1.Coordinator/" + name] = Rule(Permission.ADMIN, action=action)
     return rules

@@ -322,6 +322,12 @@ class ClusterConfig:
     def remote(self, name: str) -> RemoteConfig | None:
         """The [[remotes]] entry of that name, or None."""
         return next((r for r in self.remotes if r.name == name), None)
+    # The version and epoch of the node set listed, as `squall cluster config export`
+    # writes them (0 for a file written by hand): a node started from an exported file
+    # never takes an older running node set for newer (docs/operations.md, "Changing the
+    # membership").
+    membership_version: int = 0
+    membership_epoch: int = 0
 
     def node(self, node_id: str) -> NodeConfig:
         """The node with this id; ConfigError listing the configured ids if there is none."""
@@ -499,7 +505,7 @@ _SECTIONS: Mapping[str, str] = {
     "auth": "table",
     "remotes": "array",
 }
-_CLUSTER_KEYS = ("name",)
+_CLUSTER_KEYS = ("name", "membership_version", "membership_epoch")
 _NODE_KEYS = tuple(f.name for f in dataclasses.fields(NodeConfig))
 _GATEWAY_KEYS = tuple(f.name for f in dataclasses.fields(GatewayConfig))
 _GATEWAY_REQUIRED_KEYS = ("id", "address")
@@ -537,9 +543,19 @@ def _build(document: Mapping[str, Any], config_path: Path) -> ClusterConfig:
     gateways = tuple(
         _build_gateway(index, entry) for index, entry in enumerate(document.get("gateways", []))
     )
+    set_key: dict[str, int] = {}
+    for key in ("membership_version", "membership_epoch"):
+        value = cluster.get(key, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(
+                f"cluster.{key}: must be a non-negative integer (written by squall cluster "
+                f"config export), got {_show(value)}"
+            )
+        set_key[key] = value
     return ClusterConfig(
         name=cluster["name"],
         nodes=nodes,
+        **set_key,
         gateways=gateways,
         timeouts=_build_plain(document, "timeouts", TimeoutsConfig),
         retry=_build_plain(document, "retry", RetryConfig),

@@ -33,6 +33,7 @@ from typing import Protocol
 from squall_server.common.clock import Clock
 from squall_server.common.loss_record import LossRecord
 from squall_server.coordinator.election import Election, ElectionConfig
+from squall_server.coordinator.membership import MembershipChange
 from squall_server.coordinator.messages import (
     LogLevel,
     PeerMessage,
@@ -321,6 +322,14 @@ class CoordinatorDriver:
     def transfer_leadership(self, target: str, operator: str, reason: str = "") -> Ready:
         """Operator control, once the replica is ready: see Election.transfer_leadership."""
         ready = self.election.transfer_leadership(target, operator, self.now(), reason)
+        self.apply(ready)
+        return ready
+
+    def change_membership(
+        self, change: MembershipChange, operator: str, reason: str = ""
+    ) -> Ready:
+        """Operator control: see Election.change_membership."""
+        ready = self.election.change_membership(change, operator, self.now(), reason)
         self.apply(ready)
         return ready
 

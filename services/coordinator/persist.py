@@ -1,5 +1,5 @@
 """The coordinator's persisted state on disk: epoch, max seen, cluster id, operator controls
-and their audit trail.
+and their audit trail, and the running node set once a membership change made one.
 
 The election promises never to go back to an older epoch, also across restarts, so the
 state is written atomically (temporary file, fsync, rename, fsync of the directory)
@@ -20,6 +20,7 @@ from squall_server.common.loss_record import (
     LossRecordError,
     loss_from_dict,
 )
+from squall_server.coordinator.membership import MEMBERS_MAX, Member, Membership
 from squall_server.coordinator.messages import AUDIT_RECORDS_MAX, OperatorRecord, PersistedState
 
 STATE_FILE_NAME = "coordinator-state.json"
@@ -35,6 +36,7 @@ _OPTIONAL = (
     "losses",
     "acked_loss_ids",
     "peer_designated",
+    "membership",
 )
 # Longest string kept in a record read back (operator names and reasons are short).
 _TEXT_CHARS_MAX = 4096
@@ -109,7 +111,49 @@ def load_state(path: Path) -> PersistedState:
         losses=loss_records,
         acked_loss_ids=names["acked_loss_ids"],
         peer_designated=names["peer_designated"],
+        membership=_membership(path, document.get("membership")),
     )
+
+
+def _membership(path: Path, value: object) -> Membership | None:
+    """The persisted node set (None: the config file's); StateFileError names the bad field."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"version", "epoch", "members"}:
+        raise StateFileError(f"{path}: membership must hold version, epoch and members")
+    for key in ("version", "epoch"):
+        number = value[key]
+        if not isinstance(number, int) or isinstance(number, bool) or number < 0:
+            raise StateFileError(f"{path}: membership.{key} must be a non-negative integer")
+    members = value["members"]
+    if not isinstance(members, list) or not 1 <= len(members) <= MEMBERS_MAX:
+        raise StateFileError(f"{path}: membership.members must list 1 to {MEMBERS_MAX} nodes")
+    parsed: list[Member] = []
+    fields = {"node_id", "priority", "coordinator_address", "replica_address"}
+    for i, member in enumerate(members):
+        if not isinstance(member, dict) or set(member) != fields:
+            raise StateFileError(f"{path}: membership.members[{i}] must hold {sorted(fields)}")
+        priority = member["priority"]
+        texts = [member[k] for k in fields - {"priority"}]
+        if (
+            not isinstance(priority, int)
+            or isinstance(priority, bool)
+            or priority < 0
+            or not all(isinstance(t, str) and len(t) <= _TEXT_CHARS_MAX for t in texts)
+        ):
+            raise StateFileError(f"{path}: membership.members[{i}] is malformed: {member!r}")
+        parsed.append(
+            Member(
+                member["node_id"],
+                priority,
+                member["coordinator_address"],
+                member["replica_address"],
+            )
+        )
+    ids = [m.node_id for m in parsed]
+    if len(set(ids)) != len(ids):
+        raise StateFileError(f"{path}: membership.members repeats a node id: {ids}")
+    return Membership(value["version"], value["epoch"], tuple(parsed))
 
 
 def _record(path: Path, key: str, document: dict[str, Any]) -> OperatorRecord | None:

@@ -173,8 +173,10 @@ class ReplicaNode:
         self.config = config
         self.node = node
         self.clock = clock or SystemClock()
-        self._new_transport: Callable[[], ReplicaTransport] = transport or functools.partial(
-            GrpcReplicaTransport, config, node.id
+        # (The running node set may move a node's address: a transport is made from the
+        # configuration in force when it is needed.)
+        self._new_transport: Callable[[], ReplicaTransport] = transport or (
+            lambda: GrpcReplicaTransport(self.config, node.id)
         )
         # Times the store's writes so a stuck disk is reported to the coordinator; moves
         # with the store when a truncation installs a new one.
@@ -791,6 +793,7 @@ class ReplicaNode:
         role, if any."""
         await self._wait_stopped()
         self._observe_taking()
+        self._adopt_running_set(command)
         meta = self.store.meta()
         order = RoleOrder(
             role=command.role,
@@ -860,6 +863,37 @@ class ReplicaNode:
         self._taking = taking
         task.add_done_callback(functools.partial(self._taking_done, taking))
         return taking
+
+    def _adopt_running_set(self, command: replica_pb2.RoleCommand) -> None:
+        """A membership change made a running node set: take its nodes and addresses in
+        place of the config file's, so the commit majority is counted from it and the
+        master streams to the nodes it added (docs/operations.md, "Changing the
+        membership")."""
+        if not command.voting_nodes:
+            return
+        nodes = tuple(
+            NodeConfig(
+                e.node_id,
+                e.priority,
+                e.coordinator_address,
+                e.replica_address,
+                self._nodes[e.node_id].data_dir if e.node_id in self._nodes else self.node.data_dir,
+            )
+            for e in command.voting_nodes
+        )
+        if nodes == self.config.nodes:
+            return
+        log.warning(
+            "replica %s: running node set %s (was %s): commits count a majority of it",
+            self.node.id,
+            ",".join(n.id for n in nodes),
+            ",".join(n.id for n in self.config.nodes),
+        )
+        self.config = dataclasses.replace(self.config, nodes=nodes)
+        self._nodes = {n.id: n for n in nodes}
+        self.core.config = dataclasses.replace(
+            self.core.config, replica_addresses={n.id: n.replica_address for n in nodes}
+        )
 
     async def _take_master(self, take: TakeMaster, progress: SyncProgress) -> None:
         await self.become_master(

@@ -118,6 +118,7 @@ def test_admin_methods_need_admin() -> None:
     for method in (
         CREATE,
         "/squall.v1.Coordinator/SetQuarantine",
+        "/squall.v1.Coordinator/ChangeMembership",
         "/squall.v1.ClusterAdmin/GetClusterStatus",
     ):
         denied = decide(method, "orders.eu", PUBLISHER, None)

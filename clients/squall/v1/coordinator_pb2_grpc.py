@@ -81,6 +81,11 @@ class CoordinatorStub:
                 request_serializer=squall_dot_v1_dot_coordinator__pb2.AckLossRequest.SerializeToString,
                 response_deserializer=squall_dot_v1_dot_coordinator__pb2.OperatorControlResponse.FromString,
                 _registered_method=True)
+        self.ChangeMembership = channel.unary_unary(
+                '/squall.v1.Coordinator/ChangeMembership',
+                request_serializer=squall_dot_v1_dot_coordinator__pb2.ChangeMembershipRequest.SerializeToString,
+                response_deserializer=squall_dot_v1_dot_coordinator__pb2.OperatorControlResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -169,6 +174,18 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ChangeMembership(self, request, context):
+        """Changes the running node set by one node (add, remove, replace, set a priority); only
+        the coordinator of the serving group takes it. The group re-forms under the new set,
+        which every member persists with the new epoch. Returns at once: the status's
+        membership_change says where the change stands. FAILED_PRECONDITION with the reason
+        for an unsafe change (too few members left for a majority, an id or address taken, a
+        change in progress, not the coordinator), INVALID_ARGUMENT for a malformed one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -215,6 +232,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'AckLoss': grpc.unary_unary_rpc_method_handler(
                     servicer.AckLoss,
                     request_deserializer=squall_dot_v1_dot_coordinator__pb2.AckLossRequest.FromString,
+                    response_serializer=squall_dot_v1_dot_coordinator__pb2.OperatorControlResponse.SerializeToString,
+            ),
+            'ChangeMembership': grpc.unary_unary_rpc_method_handler(
+                    servicer.ChangeMembership,
+                    request_deserializer=squall_dot_v1_dot_coordinator__pb2.ChangeMembershipRequest.FromString,
                     response_serializer=squall_dot_v1_dot_coordinator__pb2.OperatorControlResponse.SerializeToString,
             ),
     }
@@ -461,6 +483,33 @@ class Coordinator:
             target,
             '/squall.v1.Coordinator/AckLoss',
             squall_dot_v1_dot_coordinator__pb2.AckLossRequest.SerializeToString,
+            squall_dot_v1_dot_coordinator__pb2.OperatorControlResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ChangeMembership(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/squall.v1.Coordinator/ChangeMembership',
+            squall_dot_v1_dot_coordinator__pb2.ChangeMembershipRequest.SerializeToString,
             squall_dot_v1_dot_coordinator__pb2.OperatorControlResponse.FromString,
             options,
             channel_credentials,

@@ -1255,6 +1255,7 @@ class RoleCommand(_message.Message):
     SEQ_FIELD_NUMBER: _builtins.int
     LEASE_MS_FIELD_NUMBER: _builtins.int
     CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    VOTING_NODES_FIELD_NUMBER: _builtins.int
     role: _common_pb2.Role.ValueType
     """The role to take."""
     epoch: _builtins.int
@@ -1284,6 +1285,12 @@ class RoleCommand(_message.Message):
     def members(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.NodeEndpoint]:
         """Every member of the group, master included."""
 
+    @_builtins.property
+    def voting_nodes(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.NodeEndpoint]:
+        """ROLE_MASTER: the running node set the commit majority is counted from, with its
+        addresses, once a membership change made one (empty: the config file's nodes).
+        """
+
     def __init__(
         self,
         *,
@@ -1296,10 +1303,11 @@ class RoleCommand(_message.Message):
         seq: _builtins.int = ...,
         lease_ms: _builtins.int = ...,
         cluster_id: _builtins.str = ...,
+        voting_nodes: _abc.Iterable[_common_pb2.NodeEndpoint] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["master", b"master"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "epoch", b"epoch", "lease_ms", b"lease_ms", "master", b"master", "members", b"members", "reason", b"reason", "role", b"role", "seq", b"seq", "sync_source_id", b"sync_source_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "epoch", b"epoch", "lease_ms", b"lease_ms", "master", b"master", "members", b"members", "reason", b"reason", "role", b"role", "seq", b"seq", "sync_source_id", b"sync_source_id", "voting_nodes", b"voting_nodes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
