@@ -95,6 +95,31 @@ class FakeReplica(broker_pb2_grpc.PublisherServicer, broker_pb2_grpc.TopicManage
         step = self._step("Publish")
         if step is not None and not step.store:
             self._fail(context, step)
+        response = self._store(request)
+        if step is not None:
+            self._fail(context, step)
+        return response
+
+    def PublishStream(
+        self,
+        requests: Iterator[broker_pb2.PublishRequest],
+        context: grpc.ServicerContext,
+    ) -> Iterator[broker_pb2.PublishResponse]:
+        # The gateway sends a deduplicated unary publish as one request of a stream it
+        # shares between callers: the script applies to each request as to a unary call,
+        # and a failure ends the stream, as the real master's does.
+        with self.lock:
+            self.attempts["streams opened"] += 1
+        for request in requests:
+            step = self._step("Publish")
+            if step is not None and not step.store:
+                self._fail(context, step)
+            response = self._store(request)
+            if step is not None:
+                self._fail(context, step)
+            yield response
+
+    def _store(self, request: broker_pb2.PublishRequest) -> broker_pb2.PublishResponse:
         response = broker_pb2.PublishResponse(request_id=request.request_id)
         with self.lock:
             for event in request.events:
@@ -108,8 +133,6 @@ class FakeReplica(broker_pb2_grpc.PublisherServicer, broker_pb2_grpc.TopicManage
                 if request.publisher_id and event.sequence:
                     self.offsets[key] = offset
                 response.receipts.add(offset=offset, master_id=self.node_id)
-        if step is not None:
-            self._fail(context, step)
         return response
 
     def CreateTopic(
@@ -281,6 +304,9 @@ def test_gateway_retries_a_lost_publish_answer_and_stores_once(
     assert [r.duplicate for r in response.receipts] == [True, True]
     assert master.attempts["Publish"] == 3
     assert master.stored == {("p", 1): 1, ("p", 2): 1}
+    # Each attempt was a request on the gateway's shared publish stream; each lost
+    # answer ended that stream, so the next attempt went on a new one.
+    assert master.attempts["streams opened"] == 3
 
 
 def test_gateway_does_not_retry_a_publish_without_sequences(scripted: ScriptedCluster) -> None:
