@@ -214,10 +214,21 @@ class PublishLink:
                 # hear an indeterminate failure and are sent again).
                 self._end(stream, None, "a caller was cancelled while its request was written")
                 raise
-            except grpc.aio.AioRpcError:
-                # The stream has ended: its reader hands the status to every pending
-                # caller, this one included.
-                pass
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                # The stream has ended (grpc.aio raises InvalidStateError once it has):
+                # its reader hands the status to the requests it carried. This one is
+                # taken back (the last queued: the lock is held) and heard as
+                # indeterminate, which a deduplicated publish survives by being sent again.
+                if stream.pending and stream.pending[-1] is answer:
+                    stream.pending.pop()
+                if not answer.done():
+                    answer.set_exception(
+                        LinkError(
+                            "UNAVAILABLE",
+                            "the gateway's publish stream to the master ended while this "
+                            "request was being written; it may or may not have been applied",
+                        )
+                    )
             except (grpc.aio.UsageError, RuntimeError) as exc:
                 self._end(stream, None, f"the request could not be written: {exc!r}")
         finally:
