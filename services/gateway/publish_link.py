@@ -12,7 +12,12 @@ What a caller can hear (`LinkError`, read like a forwarded call's status by
 `squall_server.gateway.forward`, which retries under the same rules):
 
 * its response, byte for byte;
-* the stream's status when the stream ended at its request: the master answers every
+* its own failure, answered inline (`PublishResponse.error`): the stream asks the master
+  for that (`squall-publish-errors: inline`), so one caller's refusal (a missing topic, a
+  sequence below the dedupe window) does not end the others' requests;
+* the stream's status when the stream ended at its request (a master that does not
+  answer inline, or a failure that is not one request's: a guard's refusal, a
+  deposition): the master answers every
   earlier request before it ends a stream with one request's failure (`PublishStream`'s
   contract; a guard's refusal also answers the requests it took first), so the oldest
   unanswered request is the one that failed, and gets the status as it came (a definite
@@ -45,7 +50,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from squall.v1 import broker_pb2
 from squall.wire.retry import classify
+from squall_server.common.errors import INLINE_ERRORS, PUBLISH_ERRORS_KEY
 from squall_server.gateway.master import Master, MasterTracker, pairs
 
 log = logging.getLogger("squall.gateway")
@@ -81,6 +88,15 @@ class LinkError(Exception):
         self.collateral = collateral
 
 
+def _inline_error(response: bytes) -> LinkError | None:
+    """The failure a master answered inline (PublishResponse.error), None for receipts."""
+    parsed = broker_pb2.PublishResponse.FromString(response)
+    if not parsed.HasField("error"):
+        return None
+    error = parsed.error
+    return LinkError(error.code or "UNKNOWN", error.message, tuple(error.metadata.items()))
+
+
 def _seen(future: asyncio.Future[bytes]) -> None:
     """Marks an answer whose caller gave up as observed (no "never retrieved" warning)."""
     if not future.cancelled():
@@ -111,7 +127,9 @@ class PublishLink:
     ) -> None:
         self._masters = masters
         self.address = address
-        self._metadata = metadata
+        # The master answers a failed request inline and goes on (a master that does not
+        # know the key ends the stream at it instead; both are handled).
+        self._metadata = (*metadata, (PUBLISH_ERRORS_KEY, INLINE_ERRORS))
         self._slots = asyncio.Semaphore(inflight_max)
         self._write_lock = asyncio.Lock()
         self._stream: _Stream | None = None
@@ -247,8 +265,14 @@ class PublishLink:
                     )
                     break
                 answer = stream.pending.popleft()
-                if not answer.done():
+                if answer.done():
+                    continue
+                # A receipt comes first on the wire (field 1); anything else is read.
+                failed = None if response[:1] == b"\x0a" else _inline_error(response)
+                if failed is None:
                     answer.set_result(response)
+                else:
+                    answer.set_exception(failed)
         except grpc.aio.AioRpcError as exc:
             error = exc
         except asyncio.CancelledError:
