@@ -176,6 +176,21 @@ class PublishLink:
         """
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
+        answer = await self.submit(request, deadline)
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await asyncio.shield(answer)
+        except TimeoutError:
+            raise LinkError(
+                "DEADLINE_EXCEEDED",
+                "the master did not answer the publish within the call's deadline; it may "
+                "or may not have been applied",
+            ) from None
+
+    async def submit(self, request: bytes, deadline: float | None = None) -> asyncio.Future[bytes]:
+        """Writes one serialized PublishRequest (waiting for a slot until `deadline`, loop
+        time); returns the future of its response, which fails with a LinkError."""
+        loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout_at(deadline):
                 await self._slots.acquire()
@@ -197,15 +212,7 @@ class PublishLink:
             if not answer.done():
                 answer.cancel()
             raise
-        try:
-            async with asyncio.timeout_at(deadline):
-                return await asyncio.shield(answer)
-        except TimeoutError:
-            raise LinkError(
-                "DEADLINE_EXCEEDED",
-                "the master did not answer the publish within the call's deadline; it may "
-                "or may not have been applied",
-            ) from None
+        return answer
 
     async def _write(
         self, request: bytes, answer: asyncio.Future[bytes], deadline: float | None
