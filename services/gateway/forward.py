@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -39,7 +38,6 @@ from opentelemetry import trace
 from squall.v1 import broker_pb2
 from squall.wire import stages as _stages
 from squall.wire.retry import Outcome, RetryPolicy, overall
-from squall.wire.retry import classify as classify_code
 from squall_server.common.call_guard import CLIENT_PEER_KEY
 from squall_server.common.grpc_server import Context
 from squall_server.common.telemetry import Telemetry, current
@@ -51,7 +49,7 @@ from squall_server.gateway.master import (
     pairs,
     redirect_address,
 )
-from squall_server.gateway.publish_link import LinkError, PublishLink, PublishLinks
+from squall_server.gateway.publish_link import LinkError, PublishLinks
 from squall_server.gateway.telemetry import GatewayInstruments, instruments
 
 log = logging.getLogger("squall.gateway")
@@ -61,8 +59,6 @@ _RESERVED_PREFIXES = (":", "grpc-")
 _RESERVED_KEYS = {"user-agent", "content-type", "te", "host"}
 
 FORWARDED_SERVICES = ("TopicManager", "Publisher", "Subscriber", "PushSubscriptions")
-
-_SHARE_APP_STREAMS = os.environ.get("SQUALL_GATEWAY_SHARE_APP_STREAMS") == "1"  # experiment
 
 # A retry is not started with less of the caller's deadline left than this.
 _DEADLINE_SLACK_S = 0.01
@@ -509,20 +505,6 @@ class Forwarder:
                 requests = _marked(requests, keys)
             channel = await self._master(context)
             forwarded_to = self._masters.master
-            if (
-                follows_master
-                and _SHARE_APP_STREAMS
-                and self._links is not None
-                and self._tracer is None
-                and forwarded_to is not None
-            ):
-                link = self._links.link(
-                    forwarded_to.replica_address, _forwardable(context)[:-1], CLIENT_PEER_KEY
-                )
-                if link is not None:
-                    async for response in self._over_link(link, requests, context, keys):
-                        yield response
-                    return
             stream = _Call(method=method, safe=False, effects=False, metadata=())
             span, token = self._start_span(method)
             try:
@@ -562,50 +544,6 @@ class Forwarder:
                 self._finish(span, None, stream)
 
         return forward
-
-    async def _over_link(
-        self,
-        link: PublishLink,
-        requests: AsyncIterator[bytes],
-        context: Context,
-        keys: collections.deque[str] | None,
-    ) -> AsyncIterator[bytes]:
-        """An app's PublishStream carried on the master's shared publish stream: its
-        requests written in order, its answers yielded in order; the first failure ends
-        the app's stream with that status, as the master would have ended it."""
-        answers: asyncio.Queue[asyncio.Future[bytes] | None] = asyncio.Queue()
-
-        async def pump() -> None:
-            try:
-                async for raw in requests:
-                    await answers.put(await link.submit(raw))
-            finally:
-                await answers.put(None)
-
-        pumping = asyncio.create_task(pump())
-        try:
-            while True:
-                answer = await answers.get()
-                if answer is None:
-                    break
-                try:
-                    response = await asyncio.shield(answer)
-                except LinkError as error:
-                    if error.trailing:
-                        context.set_trailing_metadata(error.trailing)
-                    if classify_code(error.code, sent=True) == "definite" or error.trailing:
-                        await context.abort(grpc.StatusCode[error.code], error.details)
-                    await context.abort(
-                        grpc.StatusCode.UNAVAILABLE,
-                        f"{error.details}; requests without a response may or may not have "
-                        "been applied: retry them with the same publisher id and sequence",
-                    )
-                if keys:
-                    _stages.mark("g.resp", keys.popleft())
-                yield response
-            await pumping
-        finally:
-            pumping.cancel()
 
     async def _master_moved(self, context: Context, old: Master | None, new: Master) -> None:
         """Ends a publish stream whose master was replaced: the app retries on a new one."""
