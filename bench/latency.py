@@ -682,7 +682,8 @@ def _master_of(figures: dict[str, Any]) -> str:
     """The master's node id (the busiest replica when the library scenarios did not run)."""
     if "one_at_a_time" in figures:
         return str(figures["one_at_a_time"]["master"])
-    cpu = next(iter(figures.get("unary", {}).values()), {}).get("cpu_pct", {})
+    runs: list[dict[str, Any]] = list(figures.get("unary", {}).values())
+    cpu: dict[str, float] = runs[0].get("cpu_pct", {}) if runs else {}
     replicas = {k: v for k, v in cpu.items() if k.startswith("replica-")}
     return max(replicas, key=replicas.__getitem__).removeprefix("replica-") if replicas else ""
 
