@@ -260,19 +260,17 @@ def concurrent(
     return figures
 
 
-# How long the cluster's idle CPU is measured before a raw unary run.
-_IDLE_S = 2.0
-
-
 def unary(
     address: str,
     topic: str,
     publishers: int,
     seconds: float,
     pids: dict[str, int] | None = None,
+    idle_pct: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """Raw unary `Publish` calls through the gateway, one event each, from `publishers`
-    threads (each its own publisher id and sequences) over one channel, for `seconds`."""
+    threads (each its own publisher id and sequences) over one channel, for `seconds`;
+    `idle_pct` is what each process burnt idle (`idle_cpu`), kept with the figures."""
     from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2
 
     payload = payloads(1)[0]
@@ -294,12 +292,6 @@ def unary(
 
         for index in range(publishers):
             call(f"unary-{run_id}-{index}", 1)  # warm-up
-        # What the cluster burns idle (heartbeats, watches), to take off the per-event CPU:
-        # at a few hundred events/s on a loaded machine it is most of the raw figure.
-        idle = CpuMeter(pids or {})
-        idle.start()
-        time.sleep(_IDLE_S)
-        idle_pct = idle.stop()
         start = threading.Barrier(publishers + 1)
         stop_at = [0.0]
 
@@ -337,9 +329,19 @@ def unary(
         k: v for k, v in cpu.items() if k.startswith(("client", "gateway", "replica", "others"))
     }
     figures["cpu_pct_idle"] = {
-        k: v for k, v in idle_pct.items() if k.startswith(("gateway", "replica"))
+        k: v for k, v in (idle_pct or {}).items() if k.startswith(("gateway", "replica"))
     }
     return figures
+
+
+def idle_cpu(pids: dict[str, int], seconds: float) -> dict[str, float]:
+    """What each process burns with nothing to do (heartbeats, watches), % of a core: taken
+    off the per-event CPU, where at a few hundred events/s on a loaded machine it is most
+    of the raw figure."""
+    meter = CpuMeter(pids)
+    meter.start()
+    time.sleep(seconds)
+    return meter.stop()
 
 
 def delivery(address: str, topic: str, count: int, deadline_s: float) -> dict[str, Any]:
@@ -569,11 +571,13 @@ class Sizes:
     delivery_events: int = 500
     delivery_deadline_s: float = 10.0
     floor_calls: int = 2000
+    # How long the cluster's idle CPU is measured before the raw unary runs.
+    idle_s: float = 2.0
 
     @classmethod
     def tiny(cls) -> Sizes:
         """The smoke run's sizes (a few seconds per policy)."""
-        return cls(30, 5.0, 0.5, (1, 16), 20, 5.0, 200)
+        return cls(30, 5.0, 0.5, (1, 16), 20, 5.0, 200, 0.2)
 
 
 def roles_of(pids: dict[str, int]) -> dict[int, str]:
@@ -611,10 +615,11 @@ def measure(
     out["floor"] = floor(sizes.floor_calls)
     if not only or "unary" in only:
         out["unary"] = {}
+        idle = idle_cpu(pids, sizes.idle_s)
         for n in sizes.concurrency:
             log(f"    latency: {n} raw unary Publish callers, {sizes.concurrent_s} s")
             out["unary"][str(n)] = unary(
-                address, f"{topic_prefix}-unary", n, sizes.concurrent_s, pids=pids
+                address, f"{topic_prefix}-unary", n, sizes.concurrent_s, pids=pids, idle_pct=idle
             )
     if only and "library" not in only:
         return out
