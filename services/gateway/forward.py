@@ -8,8 +8,12 @@ Unary calls go through a tenacity loop (`squall_server.gateway.retry` decides; t
 only calls and waits): each attempt goes to the master the group views name (waiting,
 bounded, while there is none) or to the master a slave's redirect names; an indeterminate
 attempt is retried only when the call is safe to repeat; retrying is bounded by the
-[retry] section and by the caller's deadline. Streams are forwarded once and not retried:
-the client library retries them on a fresh stream.
+[retry] section and by the caller's deadline. A deduplicated `Publish` (publisher id and a
+sequence on every event) is not a call of its own to the master: each attempt is one
+request on the stream the gateway keeps open to that master and shares between callers
+(`squall_server.gateway.publish_link`), which spares the master and the gateway a call's
+setup per event. Streams are forwarded once and not retried: the client library retries
+them on a fresh stream.
 
 With tracing on, each forwarded call gets a ``gateway.forward`` span (the master, its
 epoch, the attempts and the status answered) between the call's server span and the
@@ -24,7 +28,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 import tenacity
@@ -47,6 +51,7 @@ from squall_server.gateway.master import (
     redirect_address,
 )
 from squall_server.gateway.reads import READ_NODE_KEY, ReadSpread, Replica, spreads
+from squall_server.gateway.publish_link import LinkError, PublishLinks
 from squall_server.gateway.telemetry import GatewayInstruments, instruments
 
 log = logging.getLogger("squall.gateway")
@@ -133,10 +138,12 @@ class _BudgetSpent(tenacity.stop.stop_base):
     a fake clock).
     """
 
-    def __init__(self, policy: RetryPolicy, monotonic: Callable[[], float]) -> None:
+    def __init__(
+        self, policy: RetryPolicy, monotonic: Callable[[], float], started: float | None = None
+    ) -> None:
         self._policy = policy
         self._monotonic = monotonic
-        self._started = monotonic()
+        self._started = monotonic() if started is None else started
 
     def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
         elapsed_ms = (self._monotonic() - self._started) * 1000
@@ -179,6 +186,12 @@ class _Call:
     outcomes: list[Outcome] = field(default_factory=list)
     # The master a slave named on the last attempt: the next attempt goes there.
     redirect: str = ""
+    # The next attempt goes without backoff (a shared stream ended on another call).
+    at_once: bool = False
+    # Set for a publish that goes over the master's shared publish stream
+    # (squall_server.gateway.publish_link): the forwarded metadata without the app's
+    # connection, which names the stream's link.
+    link_metadata: _Metadata | None = None
     # The status the app got.
     answered: str = "OK"
 
@@ -212,8 +225,11 @@ class Forwarder:
         observability: Telemetry | None = None,
         monotonic: Callable[[], float] = time.monotonic,
         read_from: str = "master",
+        links: PublishLinks | None = None,
     ) -> None:
         self._masters = masters
+        # Deduplicated unary publishes share one stream per master (None: unary calls).
+        self._links = links
         # Where a Subscribe that does not say goes ("master" or "replicas"), and the
         # streams open per replica that spreading them counts.
         self._read_from = read_from
@@ -277,6 +293,7 @@ class Forwarder:
 
     def _unary_unary(self, path: str, method: str) -> Callable[..., Any]:
         effects = retry.has_effects(method)
+        shareable = method == "Publish"
 
         async def forward(request: bytes, context: Context) -> bytes:
             call = _Call(
@@ -285,6 +302,11 @@ class Forwarder:
                 effects=effects,
                 metadata=_forwardable(context),
             )
+            if shareable and call.safe and self._links is not None and self._tracer is None:
+                # Only a deduplicated publish: a stream shared with other callers can end
+                # on another call's failure, and this one is then sent again. With
+                # tracing on, each call keeps its own (traced) call to the master.
+                call.link_metadata = call.metadata[:-1]
             span, token = self._start_span(method)
             try:
                 return await self._attempts(path, request, context, call)
@@ -333,24 +355,43 @@ class Forwarder:
         span.end()
 
     async def _attempts(self, path: str, request: bytes, context: Context, call: _Call) -> bytes:
-        """Runs attempts until one answers or the policy stops; raises the last failure."""
+        """Runs attempts until one answers or the policy stops; raises the last failure.
+
+        The first attempt runs outside tenacity: setting up its loop costs about as much
+        as the forwarding itself, and nearly every call answers at the first attempt.
+        A first attempt to retry is handed to tenacity as its own first attempt (raised
+        again there), so the stop rules and the wait see exactly what they would have.
+        """
+        started = self._monotonic()
+        try:
+            return await self._attempt(path, request, context, call)
+        except _Retry as failed:
+            first: _Retry | None = failed
         policy = self._policy
         backoff = tenacity.wait_random_exponential(
             multiplier=policy.backoff_initial_ms / 1000, max=policy.backoff_max_ms / 1000
         )
 
         def wait_s(state: tenacity.RetryCallState) -> float:
-            # A slave's redirect names a master that can take the call now.
-            return 0.0 if call.redirect else float(backoff(state))
+            # A slave's redirect names a master that can take the call now; a shared
+            # stream that ended on another call's definite failure left the master fine.
+            if call.redirect or call.at_once:
+                return 0.0
+            return float(backoff(state))
 
         retrying = tenacity.AsyncRetrying(
-            stop=tenacity.stop_any(_BudgetSpent(policy, self._monotonic), _DeadlineNear(context)),
+            stop=tenacity.stop_any(
+                _BudgetSpent(policy, self._monotonic, started), _DeadlineNear(context)
+            ),
             wait=wait_s,
             retry=tenacity.retry_if_exception_type(_Retry),
             reraise=True,
         )
         async for attempt in retrying:
             with attempt:
+                if first is not None:
+                    replayed, first = first, None
+                    raise replayed
                 return await self._attempt(path, request, context, call)
         raise AssertionError("unreachable: tenacity either returns or raises")
 
@@ -372,33 +413,62 @@ class Forwarder:
             address = master.replica_address
         remaining = _remaining_s(context)
         timeout_s = self._timeout_s if remaining is None else min(self._timeout_s, remaining)
+        call.at_once = False
+        link = (
+            self._links.link(address, call.link_metadata, CLIENT_PEER_KEY)
+            if self._links is not None and call.link_metadata is not None
+            else None
+        )
+        if link is not None:
+            try:
+                shared: bytes = await link.publish(request, timeout_s)
+            except LinkError as error:
+                call.at_once = error.collateral
+                self._failed(
+                    call, address, error.code, error.details, error.trailing, error.forwarded
+                )
+            call.outcomes.append("ok")
+            return shared
         try:
             response: bytes = await self._masters.channel_to(address).unary_unary(path, None, None)(
                 request, timeout=timeout_s, metadata=call.metadata
             )
         except grpc.aio.AioRpcError as error:
-            code = error.code().name
             trailing = tuple(pairs(error.trailing_metadata()))
-            target = redirect_address(trailing)
-            redirected = bool(target) and self._masters.knows(target) and target != address
-            call.outcomes.append(retry.attempt_outcome(code, redirected=redirected))
-            failure = _Failure(code, error.details() or "", trailing)
-            if code == "UNAVAILABLE" and not redirected:
-                self._masters.suspect(address)
-            if retry.after_attempt(code, redirected=redirected, safe=call.safe) == "retry":
-                call.redirect = target if redirected else ""
-                log.debug(
-                    "gateway: %s attempt %d to %s failed with %s; retrying%s",
-                    call.method,
-                    len(call.outcomes),
-                    address,
-                    code,
-                    f" at {target}" if redirected else "",
-                )
-                raise _Retry(failure) from None
-            raise _Answer(failure) from None
+            self._failed(call, address, error.code().name, error.details() or "", trailing)
         call.outcomes.append("ok")
         return response
+
+    def _failed(
+        self,
+        call: _Call,
+        address: str,
+        code: str,
+        details: str,
+        trailing: _Metadata,
+        forwarded: bool = True,
+    ) -> NoReturn:
+        """Records a failed attempt and raises _Retry or _Answer as the policy says."""
+        target = redirect_address(trailing)
+        redirected = bool(target) and self._masters.knows(target) and target != address
+        call.outcomes.append(
+            retry.attempt_outcome(code, redirected=redirected, forwarded=forwarded)
+        )
+        failure = _Failure(code, details, trailing)
+        if code == "UNAVAILABLE" and not redirected and not call.at_once:
+            self._masters.suspect(address)
+        if retry.after_attempt(code, redirected=redirected, safe=call.safe) == "retry":
+            call.redirect = target if redirected else ""
+            log.debug(
+                "gateway: %s attempt %d to %s failed with %s; retrying%s",
+                call.method,
+                len(call.outcomes),
+                address,
+                code,
+                f" at {target}" if redirected else "",
+            )
+            raise _Retry(failure) from None
+        raise _Answer(failure) from None
 
     async def _answer(self, context: Context, call: _Call, failure: _Failure) -> None:
         """Ends the call with the last failure, marked indeterminate where it must be."""

@@ -22,7 +22,13 @@ from squall.v1 import (
     replica_pb2_grpc,
 )
 from squall.wire import stages as _stages
-from squall_server.common.errors import Code, ServiceError, invalid
+from squall_server.common.errors import (
+    INLINE_ERRORS,
+    PUBLISH_ERRORS_KEY,
+    Code,
+    ServiceError,
+    invalid,
+)
 from squall_server.common.grpc_server import Context
 from squall_server.common.loss import loss_to_proto
 from squall_server.replica import commands, handoff, link_rules, remote, seek, shutdown
@@ -397,6 +403,10 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
         )
         loop = asyncio.get_running_loop()
         await self._hold(context)
+        inline = any(
+            key == PUBLISH_ERRORS_KEY and value == INLINE_ERRORS
+            for key, value in context.invocation_metadata() or ()
+        )
 
         async def read_requests() -> None:
             try:
@@ -424,7 +434,13 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
                 try:
                     response = await future
                 except ServiceError as exc:
-                    await abort(context, exc)
+                    if not inline:
+                        await abort(context, exc)
+                    response = broker_pb2.PublishResponse(
+                        error=broker_pb2.PublishError(
+                            code=exc.code.value, message=exc.message, metadata=dict(exc.metadata)
+                        )
+                    )
                 yield response
             await reader
         finally:

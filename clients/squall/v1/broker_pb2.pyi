@@ -628,6 +628,7 @@ class PublishResponse(_message.Message):
     RECEIPTS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     BATCH_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
     request_id: _builtins.int
     """The request_id of the request this answers."""
     @_builtins.property
@@ -638,20 +639,81 @@ class PublishResponse(_message.Message):
     def batch(self) -> _common_pb2.BatchReceipt:
         """The receipts of every event at once, when the request asked for compact_receipts."""
 
+    @_builtins.property
+    def error(self) -> Global___PublishError:
+        """Set instead of receipts when this request failed and the stream asked for failures
+        inline (metadata `squall-publish-errors: inline`, which the gateway sends on the
+        stream it shares between callers): the stream goes on. Without it, a failure ends the
+        stream with the request's status.
+        """
+
     def __init__(
         self,
         *,
         receipts: _abc.Iterable[_common_pb2.AckReceipt] | None = ...,
         request_id: _builtins.int = ...,
         batch: _common_pb2.BatchReceipt | None = ...,
+        error: Global___PublishError | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "error", b"error"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "receipts", b"receipts", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "error", b"error", "receipts", b"receipts", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PublishResponse: _TypeAlias = PublishResponse  # noqa: Y015
+
+@_typing.final
+class PublishError(_message.Message):
+    """How one request of a PublishStream failed: what its status would have been."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class MetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
+    code: _builtins.str
+    """The gRPC status code's name, e.g. "NOT_FOUND"."""
+    message: _builtins.str
+    """The status message."""
+    @_builtins.property
+    def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The trailing metadata the status would have carried (e.g. squall-master-address)."""
+
+    def __init__(
+        self,
+        *,
+        code: _builtins.str = ...,
+        message: _builtins.str = ...,
+        metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "metadata", b"metadata"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PublishError: _TypeAlias = PublishError  # noqa: Y015
 
 @_typing.final
 class SubscribeRequest(_message.Message):
