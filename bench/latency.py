@@ -13,7 +13,7 @@ Scenarios (measurements, not tests; each bounded by a count and a deadline):
 * `unary`: a raw-stub app (no `squall` library) calling the unary `Publish` with a
   publisher id and a sequence, one event per call, one at a time and from N threads, each
   with its own publisher id, over one channel: the path the gateway carries over its
-  shared publish stream to the master (`squall_server.gateway.publish_link`).
+  shared publish stream to the master (`squall_server.gateway.shared_publish`).
 * `delivery`: a following subscriber through the gateway; one event published at a time;
   from the publish call to the subscriber's iterator yielding it: p50 / p99.
 * `push_delivery`: the same to an ordered push subscriber's callback (`PushEndpoint`).

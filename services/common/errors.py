@@ -30,7 +30,7 @@ class Code(enum.Enum):
 
 # Set (to INLINE_ERRORS) on a PublishStream whose failed requests are answered with a
 # PublishResponse.error and do not end the stream: the gateway's stream shared between
-# callers (services/gateway/publish_link.py), where one caller's refusal must not end
+# callers (services/gateway/shared_publish.py), where one caller's refusal must not end
 # the others' requests.
 PUBLISH_ERRORS_KEY = "squall-publish-errors"
 INLINE_ERRORS = "inline"

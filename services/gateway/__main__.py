@@ -16,8 +16,8 @@ from squall_server.common.logs import set_log_context, setup_logging
 from squall_server.common.service_main import run_service
 from squall_server.gateway.forward import FORWARDED_SERVICES, Forwarder
 from squall_server.gateway.master import MasterTracker
-from squall_server.gateway.publish_link import PublishLinks
 from squall_server.gateway.server import ClusterAdmin
+from squall_server.gateway.shared_publish import SharedPublishStreams
 
 log = logging.getLogger("squall.gateway")
 
@@ -36,7 +36,7 @@ async def serve(config: ClusterConfig, gateway: GatewayConfig, stop: asyncio.Eve
     admin = ClusterAdmin(config, masters, timeout_s=rpc_timeout_s)
     # Each shared publish stream is one client to a replica: it stays within that
     # client's limit of publishes awaiting receipts.
-    links = PublishLinks(masters, config.limits.client_inflight_publishes_max)
+    shared = SharedPublishStreams(masters, config.limits.client_inflight_publishes_max)
     forwarder = Forwarder(
         masters,
         timeout_s,
@@ -44,7 +44,7 @@ async def serve(config: ClusterConfig, gateway: GatewayConfig, stop: asyncio.Eve
         policy=config.retry.policy(),
         gateway_id=gateway.id,
         read_from=gateway.read_from,
-        links=links,
+        shared=shared,
     )
     # Apps connect without a client certificate: TLS, not mutual TLS, on the gateway.
     grpc_server = ServiceServer(
@@ -67,7 +67,7 @@ async def serve(config: ClusterConfig, gateway: GatewayConfig, stop: asyncio.Eve
         log.info("gateway %s stopping", gateway.id)
     finally:
         await grpc_server.stop()
-        await links.close()
+        await shared.close()
         await admin.close()
         await masters.close()
 

@@ -11,7 +11,7 @@ attempt is retried only when the call is safe to repeat; retrying is bounded by 
 [retry] section and by the caller's deadline. A deduplicated `Publish` (publisher id and a
 sequence on every event) is not a call of its own to the master: each attempt is one
 request on the stream the gateway keeps open to that master and shares between callers
-(`squall_server.gateway.publish_link`), which spares the master and the gateway a call's
+(`squall_server.gateway.shared_publish`), which spares the master and the gateway a call's
 setup per event. Streams are forwarded once and not retried: the client library retries
 them on a fresh stream.
 
@@ -51,7 +51,7 @@ from squall_server.gateway.master import (
     redirect_address,
 )
 from squall_server.gateway.reads import READ_NODE_KEY, ReadSpread, Replica, spreads
-from squall_server.gateway.publish_link import LinkError, PublishLinks
+from squall_server.gateway.shared_publish import SharedPublishStreams, SharedStreamError
 from squall_server.gateway.telemetry import GatewayInstruments, instruments
 
 log = logging.getLogger("squall.gateway")
@@ -189,9 +189,9 @@ class _Call:
     # The next attempt goes without backoff (a shared stream ended on another call).
     at_once: bool = False
     # Set for a publish that goes over the master's shared publish stream
-    # (squall_server.gateway.publish_link): the forwarded metadata without the app's
+    # (squall_server.gateway.shared_publish): the forwarded metadata without the app's
     # connection, which names the stream's link.
-    link_metadata: _Metadata | None = None
+    shared_metadata: _Metadata | None = None
     # The status the app got.
     answered: str = "OK"
 
@@ -225,11 +225,11 @@ class Forwarder:
         observability: Telemetry | None = None,
         monotonic: Callable[[], float] = time.monotonic,
         read_from: str = "master",
-        links: PublishLinks | None = None,
+        shared: SharedPublishStreams | None = None,
     ) -> None:
         self._masters = masters
         # Deduplicated unary publishes share one stream per master (None: unary calls).
-        self._links = links
+        self._shared = shared
         # Where a Subscribe that does not say goes ("master" or "replicas"), and the
         # streams open per replica that spreading them counts.
         self._read_from = read_from
@@ -302,11 +302,11 @@ class Forwarder:
                 effects=effects,
                 metadata=_forwardable(context),
             )
-            if shareable and call.safe and self._links is not None and self._tracer is None:
+            if shareable and call.safe and self._shared is not None and self._tracer is None:
                 # Only a deduplicated publish: a stream shared with other callers can end
                 # on another call's failure, and this one is then sent again. With
                 # tracing on, each call keeps its own (traced) call to the master.
-                call.link_metadata = call.metadata[:-1]
+                call.shared_metadata = call.metadata[:-1]
             span, token = self._start_span(method)
             try:
                 return await self._attempts(path, request, context, call)
@@ -415,14 +415,14 @@ class Forwarder:
         timeout_s = self._timeout_s if remaining is None else min(self._timeout_s, remaining)
         call.at_once = False
         link = (
-            self._links.link(address, call.link_metadata, CLIENT_PEER_KEY)
-            if self._links is not None and call.link_metadata is not None
+            self._shared.stream(address, call.shared_metadata, CLIENT_PEER_KEY)
+            if self._shared is not None and call.shared_metadata is not None
             else None
         )
         if link is not None:
             try:
                 shared: bytes = await link.publish(request, timeout_s)
-            except LinkError as error:
+            except SharedStreamError as error:
                 call.at_once = error.collateral
                 self._failed(
                     call, address, error.code, error.details, error.trailing, error.forwarded

@@ -22,7 +22,7 @@ import grpc
 from squall.v1 import broker_pb2, common_pb2
 from squall_server.common.errors import INLINE_ERRORS, PUBLISH_ERRORS_KEY
 from squall_server.gateway.master import Master
-from squall_server.gateway.publish_link import LinkError, PublishLink
+from squall_server.gateway.shared_publish import SharedPublishStream, SharedStreamError
 
 ADDRESS = "127.0.0.1:1"
 _END = object()
@@ -121,10 +121,14 @@ def inline_error(code: str, message: str) -> bytes:
     ).SerializeToString()
 
 
-def run(test: Callable[[FakeMasters, PublishLink], Awaitable[None]], inflight: int = 8) -> None:
+def run(
+    test: Callable[[FakeMasters, SharedPublishStream], Awaitable[None]], inflight: int = 8
+) -> None:
     async def main() -> None:
         masters = FakeMasters()
-        link = PublishLink(masters, ADDRESS, (("authorization", "Bearer x"),), inflight, "l1")  # type: ignore[arg-type]
+        link = SharedPublishStream(
+            masters, ADDRESS, (("authorization", "Bearer x"),), inflight, "l1"
+        )  # type: ignore[arg-type]
         try:
             await asyncio.wait_for(test(masters, link), 10)
         finally:
@@ -138,15 +142,15 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
-async def outcome(task: asyncio.Task[bytes]) -> bytes | LinkError:
+async def outcome(task: asyncio.Task[bytes]) -> bytes | SharedStreamError:
     try:
         return await task
-    except LinkError as exc:
+    except SharedStreamError as exc:
         return exc
 
 
 def test_each_caller_gets_the_response_to_its_own_request() -> None:
-    async def body(masters: FakeMasters, link: PublishLink) -> None:
+    async def body(masters: FakeMasters, link: SharedPublishStream) -> None:
         calls = [asyncio.create_task(link.publish(request(f"p{i}", 1), 5)) for i in range(5)]
         await settle()
         [call] = masters.calls
@@ -163,7 +167,7 @@ def test_each_caller_gets_the_response_to_its_own_request() -> None:
 
 
 def test_a_refusal_answered_inline_goes_to_its_caller_and_the_stream_goes_on() -> None:
-    async def body(masters: FakeMasters, link: PublishLink) -> None:
+    async def body(masters: FakeMasters, link: SharedPublishStream) -> None:
         calls = [asyncio.create_task(link.publish(request(f"p{i}", 1), 5)) for i in range(3)]
         await settle()
         [call] = masters.calls
@@ -171,7 +175,7 @@ def test_a_refusal_answered_inline_goes_to_its_caller_and_the_stream_goes_on() -
         call.answer(inline_error("NOT_FOUND", "topic 'nope' does not exist"))
         call.answer(receipt(2))
         first, refused, third = [await outcome(c) for c in calls]
-        assert isinstance(refused, LinkError)
+        assert isinstance(refused, SharedStreamError)
         assert (refused.code, refused.details) == ("NOT_FOUND", "topic 'nope' does not exist")
         assert not refused.collateral
         assert isinstance(first, bytes) and isinstance(third, bytes)
@@ -185,7 +189,7 @@ def test_a_refusal_answered_inline_goes_to_its_caller_and_the_stream_goes_on() -
 
 
 def test_a_stream_ended_at_one_request_gives_it_the_status_and_the_rest_indeterminate() -> None:
-    async def body(masters: FakeMasters, link: PublishLink) -> None:
+    async def body(masters: FakeMasters, link: SharedPublishStream) -> None:
         calls = [asyncio.create_task(link.publish(request(f"p{i}", 1), 5)) for i in range(4)]
         await settle()
         [call] = masters.calls
@@ -194,11 +198,11 @@ def test_a_stream_ended_at_one_request_gives_it_the_status_and_the_rest_indeterm
         call.end(grpc.StatusCode.FAILED_PRECONDITION, "below the dedupe window", redirect)
         answered, failed, *rest = [await outcome(c) for c in calls]
         assert isinstance(answered, bytes)
-        assert isinstance(failed, LinkError)
+        assert isinstance(failed, SharedStreamError)
         assert failed.code == "FAILED_PRECONDITION" and failed.trailing == redirect
         for later in rest:
             # May have been started by the master: sent again (at once: the master is fine).
-            assert isinstance(later, LinkError)
+            assert isinstance(later, SharedStreamError)
             assert later.code == "UNAVAILABLE" and later.collateral and not later.trailing
             assert "may or may not have been applied" in later.details
         again = asyncio.create_task(link.publish(request("p1", 1), 5))
@@ -211,41 +215,41 @@ def test_a_stream_ended_at_one_request_gives_it_the_status_and_the_rest_indeterm
 
 
 def test_a_broken_stream_leaves_every_unanswered_request_indeterminate() -> None:
-    async def body(masters: FakeMasters, link: PublishLink) -> None:
+    async def body(masters: FakeMasters, link: SharedPublishStream) -> None:
         calls = [asyncio.create_task(link.publish(request(f"p{i}", 1), 5)) for i in range(3)]
         await settle()
         masters.calls[0].end(grpc.StatusCode.UNAVAILABLE, "connection reset")
         results = [await outcome(c) for c in calls]
-        assert all(isinstance(r, LinkError) for r in results)
-        assert [r.code for r in results if isinstance(r, LinkError)] == ["UNAVAILABLE"] * 3
-        assert not any(r.collateral for r in results if isinstance(r, LinkError))
+        assert all(isinstance(r, SharedStreamError) for r in results)
+        assert [r.code for r in results if isinstance(r, SharedStreamError)] == ["UNAVAILABLE"] * 3
+        assert not any(r.collateral for r in results if isinstance(r, SharedStreamError))
 
     run(body)
 
 
 def test_the_master_moving_away_ends_the_stream_with_everything_unanswered_indeterminate() -> None:
-    async def body(masters: FakeMasters, link: PublishLink) -> None:
+    async def body(masters: FakeMasters, link: SharedPublishStream) -> None:
         calls = [asyncio.create_task(link.publish(request(f"p{i}", 1), 5)) for i in range(3)]
         await settle()
         masters.moved.set()  # the views name n2: a hung n1 cannot end its streams
         results = [await outcome(c) for c in calls]
         assert masters.calls[0].cancelled
         for result in results:
-            assert isinstance(result, LinkError) and result.code == "UNAVAILABLE"
+            assert isinstance(result, SharedStreamError) and result.code == "UNAVAILABLE"
             assert result.forwarded and not result.collateral
 
     run(body)
 
 
 def test_a_deadline_is_indeterminate_and_the_slot_stays_taken_until_the_answer() -> None:
-    async def body(masters: FakeMasters, link: PublishLink) -> None:
+    async def body(masters: FakeMasters, link: SharedPublishStream) -> None:
         late = await outcome(asyncio.create_task(link.publish(request("p0", 1), 0.05)))
-        assert isinstance(late, LinkError) and late.code == "DEADLINE_EXCEEDED"
+        assert isinstance(late, SharedStreamError) and late.code == "DEADLINE_EXCEEDED"
         assert late.forwarded  # it was written: may or may not have been applied
         # The one slot is still the master's: the next caller waits, and is refused as
         # not forwarded (definite) when its time runs out first.
         waiting = await outcome(asyncio.create_task(link.publish(request("p1", 1), 0.05)))
-        assert isinstance(waiting, LinkError) and waiting.code == "DEADLINE_EXCEEDED"
+        assert isinstance(waiting, SharedStreamError) and waiting.code == "DEADLINE_EXCEEDED"
         assert not waiting.forwarded
         [call] = masters.calls
         assert len(call.written) == 1
@@ -260,7 +264,7 @@ def test_a_deadline_is_indeterminate_and_the_slot_stays_taken_until_the_answer()
 
 
 def test_back_pressure_holds_callers_beyond_the_inflight_bound() -> None:
-    async def body(masters: FakeMasters, link: PublishLink) -> None:
+    async def body(masters: FakeMasters, link: SharedPublishStream) -> None:
         calls = [asyncio.create_task(link.publish(request(f"p{i}", 1), 5)) for i in range(5)]
         await settle()
         [call] = masters.calls
@@ -278,29 +282,29 @@ def test_back_pressure_holds_callers_beyond_the_inflight_bound() -> None:
 
 
 def test_a_write_to_an_ended_stream_is_taken_back_as_indeterminate() -> None:
-    async def body(masters: FakeMasters, link: PublishLink) -> None:
+    async def body(masters: FakeMasters, link: SharedPublishStream) -> None:
         first = asyncio.create_task(link.publish(request("p0", 1), 5))
         await settle()
         [call] = masters.calls
         call.done = True  # the master ended it; the reader has not seen the status yet
         second = await outcome(asyncio.create_task(link.publish(request("p1", 1), 5)))
-        assert isinstance(second, LinkError) and second.code == "UNAVAILABLE"
+        assert isinstance(second, SharedStreamError) and second.code == "UNAVAILABLE"
         assert call.written == [request("p0", 1)]
         call.done = False
         call.end(grpc.StatusCode.UNAVAILABLE, "gone")
         result = await outcome(first)
-        assert isinstance(result, LinkError) and result.code == "UNAVAILABLE"
+        assert isinstance(result, SharedStreamError) and result.code == "UNAVAILABLE"
 
     run(body)
 
 
 def test_a_status_lost_in_transit_is_unknown_not_internal() -> None:
     # grpc/grpc#36066: a stream's status overwritten by a write in flight.
-    async def body(masters: FakeMasters, link: PublishLink) -> None:
+    async def body(masters: FakeMasters, link: SharedPublishStream) -> None:
         call_task = asyncio.create_task(link.publish(request("p0", 1), 5))
         await settle()
         masters.calls[0].end(grpc.StatusCode.INTERNAL, "Internal error from Core")
         result = await outcome(call_task)
-        assert isinstance(result, LinkError) and result.code == "UNKNOWN"
+        assert isinstance(result, SharedStreamError) and result.code == "UNKNOWN"
 
     run(body)

@@ -8,7 +8,7 @@ same forwarded credentials, and hands each caller the response that answers its 
 (the master answers a stream's requests in order, so the n-th response answers the n-th
 request written).
 
-What a caller can hear (`LinkError`, read like a forwarded call's status by
+What a caller can hear (`SharedStreamError`, read like a forwarded call's status by
 `squall_server.gateway.forward`, which retries under the same rules):
 
 * its response, byte for byte;
@@ -66,7 +66,7 @@ _Metadata = tuple[tuple[str, str | bytes], ...]
 _CORE_WRITE_ERROR = "Internal error from Core"
 
 
-class LinkError(Exception):
+class SharedStreamError(Exception):
     """How one request on a shared publish stream ended, read as a forwarded call's status."""
 
     def __init__(
@@ -88,13 +88,13 @@ class LinkError(Exception):
         self.collateral = collateral
 
 
-def _inline_error(response: bytes) -> LinkError | None:
+def _inline_error(response: bytes) -> SharedStreamError | None:
     """The failure a master answered inline (PublishResponse.error), None for receipts."""
     parsed = broker_pb2.PublishResponse.FromString(response)
     if not parsed.HasField("error"):
         return None
     error = parsed.error
-    return LinkError(error.code or "UNKNOWN", error.message, tuple(error.metadata.items()))
+    return SharedStreamError(error.code or "UNKNOWN", error.message, tuple(error.metadata.items()))
 
 
 def _seen(future: asyncio.Future[bytes]) -> None:
@@ -114,7 +114,7 @@ class _Stream:
     ended: bool = False
 
 
-class PublishLink:
+class SharedPublishStream:
     """The shared publish stream to one replica for one set of forwarded credentials."""
 
     def __init__(
@@ -172,7 +172,7 @@ class PublishLink:
     async def publish(self, request: bytes, timeout_s: float | None) -> bytes:
         """Writes one serialized PublishRequest and returns the serialized response.
 
-        Raises LinkError (see the module docstring) for every other ending.
+        Raises SharedStreamError (see the module docstring) for every other ending.
         """
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
@@ -181,7 +181,7 @@ class PublishLink:
             async with asyncio.timeout_at(deadline):
                 return await asyncio.shield(answer)
         except TimeoutError:
-            raise LinkError(
+            raise SharedStreamError(
                 "DEADLINE_EXCEEDED",
                 "the master did not answer the publish within the call's deadline; it may "
                 "or may not have been applied",
@@ -189,13 +189,13 @@ class PublishLink:
 
     async def submit(self, request: bytes, deadline: float | None = None) -> asyncio.Future[bytes]:
         """Writes one serialized PublishRequest (waiting for a slot until `deadline`, loop
-        time); returns the future of its response, which fails with a LinkError."""
+        time); returns the future of its response, which fails with a SharedStreamError."""
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout_at(deadline):
                 await self._slots.acquire()
         except TimeoutError:
-            raise LinkError(
+            raise SharedStreamError(
                 "DEADLINE_EXCEEDED",
                 "the gateway's publish stream to the master stayed full until the call's "
                 "deadline; the request was not forwarded",
@@ -222,7 +222,7 @@ class PublishLink:
             async with asyncio.timeout_at(deadline):
                 await self._write_lock.acquire()
         except TimeoutError:
-            raise LinkError(
+            raise SharedStreamError(
                 "DEADLINE_EXCEEDED",
                 "the gateway's publish stream to the master stayed busy until the call's "
                 "deadline; the request was not forwarded",
@@ -248,7 +248,7 @@ class PublishLink:
                     stream.pending.pop()
                 if not answer.done():
                     answer.set_exception(
-                        LinkError(
+                        SharedStreamError(
                             "UNAVAILABLE",
                             "the gateway's publish stream to the master ended while this "
                             "request was being written; it may or may not have been applied",
@@ -322,10 +322,10 @@ class PublishLink:
             if answer.done():
                 continue
             if index == 0 and error is not None:
-                answer.set_exception(LinkError(code, details, trailing))
+                answer.set_exception(SharedStreamError(code, details, trailing))
             else:
                 answer.set_exception(
-                    LinkError(
+                    SharedStreamError(
                         "UNAVAILABLE",
                         f"the gateway's shared publish stream to the master ended ({code}: "
                         f"{details}) before this request was answered; it may or may not "
@@ -344,7 +344,7 @@ class PublishLink:
             await asyncio.gather(stream.reader, return_exceptions=True)
 
 
-class PublishLinks:
+class SharedPublishStreams:
     """The shared publish streams: one per replica and set of forwarded credentials."""
 
     def __init__(
@@ -359,10 +359,12 @@ class PublishLinks:
         self._inflight_max = inflight_max
         self._links_max = links_per_replica_max
         self._client_key = client_key
-        self._links: dict[tuple[str, _Metadata], PublishLink] = {}
+        self._links: dict[tuple[str, _Metadata], SharedPublishStream] = {}
         self._made = 0
 
-    def link(self, address: str, metadata: _Metadata, peer_key: str) -> PublishLink | None:
+    def stream(
+        self, address: str, metadata: _Metadata, peer_key: str
+    ) -> SharedPublishStream | None:
         """The link for these credentials to that replica (None: too many; go unary).
 
         `metadata` is what the call would forward, without the app's connection (under
@@ -377,7 +379,7 @@ class PublishLinks:
             return None
         self._made += 1
         name = self._client_key(self._made)
-        link = PublishLink(
+        link = SharedPublishStream(
             self._masters, address, (*metadata, (peer_key, name)), self._inflight_max, name
         )
         self._links[key] = link
