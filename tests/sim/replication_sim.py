@@ -8,7 +8,7 @@ everything; the only randomness is ``random.Random`` seeded from it.
 
 What is modelled
 ----------------
-* **Store.** A log of ``Entry(lsn, epoch, checksum, operation)`` per node; a snapshot is the
+* **Store.** A log of real ``replica_pb2.LogEntry`` per node; a snapshot is the
   master's log prefix up to the snapshot LSN (the state entries build *is* the entries
   here). Crashes are process crashes: what the store wrote survives, under every policy.
   A slave's store write completes after a store delay (0-3 ms), so a slave holds entries
@@ -27,7 +27,10 @@ What is modelled
   ``services/coordinator/node.py`` does when its replica refuses a role. Then a
   ``ReplicationMaster`` is created (``truncate_by_snapshot=True``) with the log position,
   history, the commit LSN the node knew and its retained log start; the first append is the
-  epoch-start entry. The driver applies every ``Actions`` record in its documented order,
+  epoch-start entry. The shipped ``MasterSteps`` (``services/replica/master_steps.py``)
+  applies every ``Actions`` record in its documented order and builds each granted batch
+  (from its tail cache, or the store's log); this module gives its outputs (the part
+  ``MasterDriver`` does with streams and tasks). The simulator's shell
   reconnects broken streams after a short backoff, closes streams silent for four heartbeat
   intervals (gRPC keepalive) or whose in-flight entries stop being received for as long
   (see Network), flushes, and sometimes compacts its log (so lagging slaves get
@@ -97,6 +100,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from squall.v1 import replica_pb2
 from squall_server.common.errors import ServiceError
 from squall_server.coordinator.election import node_sort_key
 from squall_server.coordinator.messages import NodeState, PersistedState, Role, RoleCommand
@@ -110,18 +114,16 @@ from squall_server.replica.follower import (
     RefusalCode,
     SnapshotAccepted,
 )
+from squall_server.replica.master_steps import MasterOutputs, MasterSteps
 from squall_server.replica.replication import (
     Ack,
     AckPolicy,
     Actions,
     MasterConfig,
-    RejectCode,
     ReplicationMaster,
     SlaveProgress,
     SlaveState,
     SyncPolicy,
-    batch_size_bytes,
-    fit_batch,
 )
 from tests.sim import topic_state
 from tests.sim.election_checker import InvariantViolation
@@ -138,7 +140,7 @@ from tests.sim.election_sim import (
     mark_initial_stores,
     quiet_coordinator_log,
 )
-from tests.sim.replication_checker import Entry, ReplicationChecker
+from tests.sim.replication_checker import Entry, ReplicationChecker, short
 
 __all__ = ["ReplResult", "ReplicationSimulation", "SimFailure", "repl_reproduce_hint", "run_seed"]
 
@@ -148,7 +150,6 @@ _NET, _RTICK, _STORE, _CLIENT, _MASTER_FAULT = range(KINDS_END, KINDS_END + 5)
 MASTER_FAULTS = ("crash", "crash-restart", "crash-slave", "pause", "isolate", "mute", "deaf")
 CLUSTER_ID = "c1"
 EVENTS_MAX = 300_000
-ACTIONS_DEPTH_MAX = 64
 RTICK_MS = 10
 CLIENT_TIMEOUT_MS = 200
 LIVENESS_DEADLINE_MS = 5000
@@ -167,7 +168,7 @@ def repl_reproduce_hint(seed: int) -> str:
 
 def make_entry(lsn: int, epoch: int, operation: bytes) -> Entry:
     """An entry with its checksum."""
-    return Entry(lsn, epoch, zlib.crc32(operation), operation)
+    return Entry(lsn=lsn, epoch=epoch, checksum=zlib.crc32(operation), operation=operation)
 
 
 def history_of(log: Sequence[Entry]) -> History:
@@ -392,6 +393,23 @@ class NodeStore(Replica):
             self.cluster_id = CLUSTER_ID
 
 
+class SimLogReader:
+    """What ``MasterSteps`` reads of a master's store: its log from the log start."""
+
+    def __init__(self, sim: ReplicationSimulation, node: str) -> None:
+        self.sim = sim
+        self.node = node
+
+    def read_log(self, from_lsn: int, max_entries: int) -> list[Entry]:
+        store = self.sim.stores[self.node]
+        if from_lsn < store.log_start:
+            raise self.sim.fail(
+                f"node {self.node}: a batch read from LSN {from_lsn}, below its log start "
+                f"{store.log_start}"
+            )
+        return store.log[from_lsn - 1 : from_lsn - 1 + max_entries]
+
+
 @dataclass
 class CatchUp:
     """A new master fetching the sync source's log."""
@@ -419,6 +437,8 @@ class Runtime:
     reconnect_at: dict[str, int] = field(default_factory=dict)
     stalled: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     """Slave -> (stream, received LSN, since when) while entries are in flight unreceived."""
+    steps: dict[int, MasterSteps[int]] = field(default_factory=dict)
+    """The ``MasterSteps`` of each master core this process made (by the core's id)."""
     tokens: dict[int, tuple[int, str, int]] = field(default_factory=dict)
     """Write token -> (LSN, client, payload id); a duplicated request gets its own token."""
     follower: Follower | None = None
@@ -635,7 +655,7 @@ class ReplicationSimulation(Simulation):
         ]
         for node in self.nodes:
             store, rt = self.stores[node], self.rt[node]
-            tail = ",".join(e.short() for e in store.log[-4:])
+            tail = ",".join(short(e) for e in store.log[-4:])
             role = "-"
             if rt.core is not None:
                 core = rt.core
@@ -979,7 +999,8 @@ class ReplicationSimulation(Simulation):
         synced = self.params.master_sync == SyncPolicy.SYNC
         if synced:
             store.synced_lsn = len(store.log)
-        self.apply_master(node, core, core.on_appended(entry.lsn, synced=synced))
+        self.master_report(node, core)
+        self.steps_of(node, core).appended((entry,), synced=synced)
         return entry.lsn
 
     def open_stream(self, node: str, core: ReplicationMaster[int], slave: str) -> None:
@@ -1007,59 +1028,109 @@ class ReplicationSimulation(Simulation):
                 return core
         return None
 
-    def apply_master(
-        self, node: str, core: ReplicationMaster[int], actions: Actions[int], depth: int = 0
-    ) -> None:
-        """The driver: apply one Actions record in its documented order."""
-        if depth > ACTIONS_DEPTH_MAX:
-            raise self.fail(f"Actions records chained more than {ACTIONS_DEPTH_MAX} deep")
-        store, rt = self.stores[node], self.rt[node]
-        log = store.log
+    def steps_of(self, node: str, core: ReplicationMaster[int]) -> MasterSteps[int]:
+        """The shipped ``MasterSteps`` that apply this master core's Actions, made once per
+        core with this simulator's outputs (the part ``MasterDriver`` does with streams)."""
+        rt = self.rt[node]
+        steps = rt.steps.get(id(core))
+        if steps is not None and steps.core is core:
+            return steps
+        store = self.stores[node]
+
+        def completed(tokens: Sequence[int]) -> None:
+            self.master_report(node, core)
+            self.writes_completed(node, core, tokens)
+
+        def failed(tokens: Sequence[int]) -> None:
+            for token in tokens:
+                _, client, pid = rt.tokens.pop(token)
+                self.topic_tokens.pop(token, None)
+                self.net_send(node, client, ClientReply(pid, "fail", ""))
+
+        def close_stream(slave: str, stream: int, reason: str) -> None:
+            self.net_send(node, slave, Close(core.epoch, stream, reason, to_master=False))
+            self.stream_broken(node, core, slave, stream)
+
+        steps = MasterSteps(
+            node,
+            core,
+            lambda: SimLogReader(self, node),  # type: ignore[arg-type, return-value]
+            MasterOutputs(
+                send=lambda slave, request: self.send_request(node, core, slave, request),
+                heartbeat=lambda slave, request: self.send_request(node, core, slave, request),
+                snapshot=lambda slave: self.send_snapshot(node, core, slave),
+                close_stream=close_stream,
+                completed=completed,
+                failed=failed,
+                committed=lambda _lsn: self.master_report(node, core),
+                room=lambda: None,
+                deposed=lambda why: self.note(f"{node} deposed", why),
+            ),
+            tail_bytes_max=2 * self.params.window_bytes,
+            log_start_lsn=store.log_start,
+        )
+        rt.steps[id(core)] = steps
+        return steps
+
+    def apply_master(self, node: str, core: ReplicationMaster[int], actions: Actions[int]) -> None:
+        """One Actions record, applied by the shipped ``MasterSteps`` in its documented
+        order; the checker first hears the commit LSN the core reports with it."""
+        self.master_report(node, core, actions.commit_lsn)
+        self.steps_of(node, core).apply(actions)
+
+    def master_report(self, node: str, core: ReplicationMaster[int], commit_lsn: int = -1) -> None:
+        """The checker hears a master core's commit LSN (by default its current one): it
+        never goes back, never moves once deposed, and whoever it counts holds the entries."""
+        if commit_lsn < 0:
+            commit_lsn = core.commit_lsn
+        log = self.stores[node].log
         before = self.rchecker.core_commit.get((node, core.epoch), 0)
         try:
             self.rchecker.master_reported(
-                node, core.epoch, actions.commit_lsn, bool(core.deposed), log, self.holders
+                node, core.epoch, commit_lsn, bool(core.deposed), log, self.holders
             )
         except InvariantViolation as exc:
             raise self.violation(exc) from None
-        if actions.commit_lsn > before and not self.rchecker.degraded:
-            self.check_vouched(node, core, before, actions.commit_lsn)
+        if commit_lsn > before and not self.rchecker.degraded:
+            self.check_vouched(node, core, before, commit_lsn)
         if not core.deposed:
-            self.claim_commit(node, actions.commit_lsn)
-        rejection = actions.rejection
-        if rejection is not None:
-            if rejection.code is not RejectCode.STALE_STREAM:
-                self.note(f"{node} master rejected", rejection.message)
-            if rejection.code in (RejectCode.BAD_POSITION, RejectCode.BAD_ACK):
-                self.net_send(
-                    node,
-                    rejection.node_id,
-                    Close(core.epoch, rejection.stream_id, rejection.code.value, to_master=False),
-                )
-                self.stream_broken(node, core, rejection.node_id, rejection.stream_id)
-        for grant in actions.sends:
-            if grant.from_lsn < store.log_start:
-                raise self.fail(
-                    f"grant from LSN {grant.from_lsn} below log start {store.log_start}"
-                )
-            entries = log[grant.from_lsn - 1 : grant.from_lsn - 1 + grant.entries_max]
-            batch = tuple(fit_batch(entries, grant.bytes_max)) if entries else ()
-            last = grant.from_lsn - 1 + len(batch)
-            follow = core.on_sent(grant.node_id, grant.stream_id, last, batch_size_bytes(batch))
-            self.net_send(
-                node,
-                grant.node_id,
-                Batch(
-                    core.epoch, grant.stream_id, batch, grant.commit_lsn, grant.truncate_after_lsn
-                ),
-            )
-            self.apply_master(node, core, follow, depth + 1)
-        for slave in actions.snapshots:
-            self.send_snapshot(node, core, slave, depth)
-        for slave in actions.heartbeats:
-            stream = core.progress(slave).stream_id
-            self.net_send(node, slave, Heartbeat(core.epoch, stream, actions.commit_lsn))
-        for token in actions.completed:
+            self.claim_commit(node, commit_lsn)
+
+    def send_request(
+        self,
+        node: str,
+        core: ReplicationMaster[int],
+        slave: str,
+        request: replica_pb2.ReplicateRequest,
+    ) -> None:
+        """A batch or heartbeat ``MasterSteps`` built, sent on the slave's current stream."""
+        stream = core.progress(slave).stream_id
+        if not stream:
+            return  # no stream open: the real driver's heartbeat is dropped as well
+        if request.WhichOneof("body") == "heartbeat":
+            hb = request.heartbeat
+            self.net_send(node, slave, Heartbeat(hb.epoch, stream, hb.commit_lsn))
+            return
+        batch = request.entries
+        self.net_send(
+            node,
+            slave,
+            Batch(
+                batch.epoch,
+                stream,
+                tuple(batch.entries),
+                batch.commit_lsn,
+                batch.truncate_after_lsn or None,
+            ),
+        )
+
+    def writes_completed(
+        self, node: str, core: ReplicationMaster[int], tokens: Sequence[int]
+    ) -> None:
+        """Committed writes: checked, then answered."""
+        rt = self.rt[node]
+        log = self.stores[node].log
+        for token in tokens:
             lsn, client, pid = rt.tokens.pop(token)
             entry = log[lsn - 1]
             receipt = self.topic_tokens.pop(token, None)
@@ -1075,21 +1146,12 @@ class ReplicationSimulation(Simulation):
                 )
             if receipt is None or not receipt.duplicate:
                 try:
-                    self.rchecker.write_acked(node, entry, actions.commit_lsn, self.holders)
+                    self.rchecker.write_acked(node, entry, core.commit_lsn, self.holders)
                 except InvariantViolation as exc:
                     raise self.violation(exc) from None
             if self.healed_at is not None:
                 self.acked_after_heal[(node, core.epoch)] += 1
             self.net_send(node, client, ClientReply(pid, "ok", node))
-        for token in actions.failed:
-            _, client, pid = rt.tokens.pop(token)
-            self.topic_tokens.pop(token, None)
-            self.net_send(node, client, ClientReply(pid, "fail", ""))
-        if actions.deposed:
-            self.note(f"{node} deposed", actions.deposed)
-        for event in actions.events:
-            if "WARNING" in event or "snapshot" in event:
-                self.note(f"{node} master", event)
 
     def check_vouched(
         self, node: str, core: ReplicationMaster[int], low: int, commit_lsn: int
@@ -1113,13 +1175,11 @@ class ReplicationSimulation(Simulation):
                     continue
                 raise self.fail(
                     f"invariant: master {node} epoch {core.epoch} commits LSN {lsn} "
-                    f"({entry.short()}) counting node {holder} as holding it ({level.name}), "
+                    f"({short(entry)}) counting node {holder} as holding it ({level.name}), "
                     "but that node does not hold it"
                 )
 
-    def send_snapshot(
-        self, node: str, core: ReplicationMaster[int], slave: str, depth: int
-    ) -> None:
+    def send_snapshot(self, node: str, core: ReplicationMaster[int], slave: str) -> None:
         """Take a snapshot at the master's last LSN and send it in one to three chunks."""
         progress = core.progress(slave)
         if progress.state is not SlaveState.SNAPSHOTTING or progress.snapshot_lsn:
@@ -1127,9 +1187,7 @@ class ReplicationSimulation(Simulation):
         log = self.stores[node].log
         lsn = len(log)
         self.snapshots += 1
-        self.apply_master(
-            node, core, core.on_snapshot_started(slave, progress.stream_id, lsn), depth + 1
-        )
+        self.apply_master(node, core, core.on_snapshot_started(slave, progress.stream_id, lsn))
         history = truncate_history(core.history, lsn)
         snap_epoch = epoch_at(history, lsn)
         count = self.rrng.randint(1, 3)
@@ -1288,8 +1346,10 @@ class ReplicationSimulation(Simulation):
             if self.rrng.random() < 0.5:
                 start = min(start, core.retain_from_lsn())  # no slave needs a snapshot
             if start > store.log_start and not core.deposed:
+                # The steps hear of the new log start before the store deletes below it.
+                self.master_report(node, core)
+                self.steps_of(node, core).set_log_start(start)
                 store.log_start = start
-                self.apply_master(node, core, core.set_log_start(start))
 
     # ----------------------------------------------------------------- slave side
 
