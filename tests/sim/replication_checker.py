@@ -35,6 +35,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
+from google.protobuf.message import DecodeError
+
 from squall.v1 import replica_pb2
 from tests.sim.election_checker import InvariantViolation
 
@@ -62,8 +64,22 @@ Entry = replica_pb2.LogEntry
 
 
 def short(entry: Entry) -> str:
-    """``lsn/epoch:operation`` of an entry, for failure messages."""
-    return f"{entry.lsn}/{entry.epoch}:{entry.operation.decode(errors='replace')}"
+    """``lsn/epoch:operation`` of an entry, for failure messages (a plain write by the
+    topic it creates, an epoch start as ``start``)."""
+    try:
+        op = replica_pb2.Operation.FromString(entry.operation)
+        kind = op.WhichOneof("op")
+    except DecodeError:
+        kind = None
+    if kind == "create_topic":
+        what = op.create_topic.name
+    elif kind == "epoch_start":
+        what = f"start-{op.epoch_start.epoch}"
+    elif kind is not None:
+        what = kind
+    else:
+        what = entry.operation.decode(errors="replace")
+    return f"{entry.lsn}/{entry.epoch}:{what}"
 
 
 Holders = Callable[[int, Entry], int]
@@ -199,6 +215,13 @@ class ReplicationChecker:
                 committed.append(entry)
                 self.committed_by.append(node)
         self.claimed[node] = commit_lsn
+
+    def store_emptied(self, node: str) -> None:
+        """A snapshot install that did not finish left the node's store empty (as the
+        shipped store does, by design): the commit LSN it reported no longer binds its log.
+        Acknowledged writes stay checked where it matters: held by a majority when
+        acknowledged, and by every live replica at the end."""
+        self.claimed[node] = 0
 
     def master_started(self, node: str, epoch: int, commit_lsn: int) -> None:
         """A ReplicationMaster was created with an initial (already committed) commit LSN."""

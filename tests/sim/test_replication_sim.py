@@ -15,9 +15,11 @@ from dataclasses import replace
 import pytest
 
 from squall_server.coordinator.election import Election
-from squall_server.coordinator.messages import MemberReport, Role, RoleCommand
+from squall_server.coordinator.messages import MemberReport, RoleCommand
 from squall_server.replica import commands, divergence
-from squall_server.replica.replication import AckPolicy, SyncPolicy
+from squall_server.replica.core import Role as CoreRole
+from squall_server.replica.driver import ReplicaDriver
+from squall_server.replica.replication import AckPolicy
 from squall_server.replica.store import apply as store_apply
 from squall_server.replica.store import facade as store_facade
 from tests.sim.election_checker import Checker
@@ -78,17 +80,9 @@ def test_replication_safety_and_liveness_over_seeds(repl_seeds: list[int]) -> No
 class SkipCatchUp(ReplicationSimulation):
     """Planted bug: a new master serves from its own log, ignoring the sync source."""
 
-    def become_master(self, node: str, cmd: RoleCommand) -> None:
-        """Take the role without the catch-up."""
-        store = self.stores[node]
-        if store.role is Role.MASTER and store.epoch == cmd.epoch:
-            super().become_master(node, cmd)
-            return
-        self.teardown(node, "new role")
-        store.role, store.epoch, store.master = Role.MASTER, cmd.epoch, node
-        rt = self.rt[node]
-        rt.epoch, rt.members = cmd.epoch, cmd.members
-        self.start_serving(node)
+    def catch_up_needed(self, node: str, cmd: RoleCommand) -> bool:
+        """Never."""
+        return False
 
 
 class AckNone(ReplicationSimulation):
@@ -100,15 +94,20 @@ class AckNone(ReplicationSimulation):
         self.master_cfg = {k: replace(v, acks=AckPolicy.NONE) for k, v in self.master_cfg.items()}
 
 
-class CountReceived(ReplicationSimulation):
-    """Planted bug: the master counts what slaves received, though they ack after writing."""
+def _slave_drops_writes(monkeypatch: pytest.MonkeyPatch) -> type[ReplicationSimulation]:
+    """Planted bug: a slave's driver acknowledges batches its store never appended.
 
-    def __init__(self, seed: int) -> None:
-        """Masters believe the slaves run NO_SYNC."""
-        super().__init__(seed)
-        self.master_cfg = {
-            k: replace(v, replica_sync=SyncPolicy.NO_SYNC) for k, v in self.master_cfg.items()
-        }
+    (A master counting what slaves received, the planted bug this replaced, cannot show
+    under the shipped slave: it takes one message at a time, so what it acknowledges
+    as received it has already written.)"""
+    append = ReplicaDriver.store_append
+
+    def store_append(self: ReplicaDriver, entries: object, *, sync: bool, commit_lsn: int) -> None:
+        if self.core.role != CoreRole.SLAVE:
+            append(self, entries, sync=sync, commit_lsn=commit_lsn)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ReplicaDriver, "store_append", store_append)
+    return ReplicationSimulation
 
 
 def _fork_one_too_far(
@@ -170,7 +169,7 @@ MUTANTS: dict[str, Mutant] = {
     "dedupe-outlives-its-topic": _dedupe_outlives_its_topic,
     "master-skips-catch-up": _plain(SkipCatchUp),
     "acks-none": _plain(AckNone),
-    "master-counts-received": _plain(CountReceived),
+    "slave-drops-writes": _slave_drops_writes,
     "fork-one-too-far": _fork(_fork_one_too_far),
     "fork-assumes-agreement": _fork(_fork_assumes_agreement),
     "election-picks-oldest-sync-source": _bad_election,
