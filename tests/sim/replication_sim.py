@@ -111,11 +111,13 @@ the replay command.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
+import logging
 import random
 import zlib
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from squall.v1 import common_pb2, replica_pb2
@@ -2048,7 +2050,20 @@ class ReplicationSimulation(Simulation):
         )
 
 
+@contextlib.contextmanager
+def quiet_replica_log() -> Iterator[None]:
+    """The replica's drivers log as in production; thousands of simulated refusals, role
+    changes and depositions need not (a failure's trace names what happened)."""
+    logger = logging.getLogger("squall.replica")
+    before = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = before
+
+
 def run_seed(seed: int) -> ReplResult:
     """Run one seed of the replication simulator."""
-    with quiet_coordinator_log():
+    with quiet_coordinator_log(), quiet_replica_log():
         return ReplicationSimulation(seed).run_repl()
