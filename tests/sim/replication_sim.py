@@ -130,6 +130,7 @@ from squall_server.coordinator.messages import (
     RoleCommand,
     RoleCommandKind,
 )
+from squall_server.replica.committed import gate_from_store
 from squall_server.replica.core import (
     EPOCH_KEY,
     CoreConfig,
@@ -140,14 +141,23 @@ from squall_server.replica.core import (
     StoreFacts,
 )
 from squall_server.replica.core import Role as CoreRole
-from squall_server.replica.divergence import History, fork_lsn
-from squall_server.replica.driver import FollowMaster, PersistRole, ReplicaDriver, StartTaking
+from squall_server.replica.divergence import History
+from squall_server.replica.driver import (
+    FollowMaster,
+    InstallFetched,
+    PersistRole,
+    ReplicaDriver,
+    StartTaking,
+    StoreFetched,
+    TruncateFetched,
+)
 from squall_server.replica.follower import (
     BatchAccepted,
     Follower,
     FollowerConfig,
 )
 from squall_server.replica.master_steps import MasterOutputs, MasterSteps
+from squall_server.replica.rebuild import rebuild_into
 from squall_server.replica.replication import (
     AckPolicy,
     Actions,
@@ -157,8 +167,7 @@ from squall_server.replica.replication import (
     SlaveState,
     SyncPolicy,
 )
-from squall_server.replica.store import Store
-from squall_server.replica.visibility import CommitGate
+from squall_server.replica.store import Store, StoreError
 from tests.sim import topic_state
 from tests.sim.election_checker import InvariantViolation
 from tests.sim.election_sim import (
@@ -190,6 +199,8 @@ LIVENESS_DEADLINE_MS = 5000
 # Writes the converged master must acknowledge after healing before the clients stop.
 LIVENESS_WRITES = 8
 CONVERGE_CHECK_MS = 5
+# Entries per batch of a reorganization fetch (the service: commit_batch_max_entries).
+FETCH_STEP_ENTRIES = 64
 
 
 def repl_reproduce_hint(seed: int) -> str:
@@ -306,24 +317,25 @@ class Close:
 
 @dataclass(frozen=True, slots=True)
 class CatchUpRequest:
-    """New master -> its sync source: where my log ends."""
+    """New master -> its sync source: where my log ends (``ReplicaDriver.fetch_request``)."""
 
     epoch: int
-    last_lsn: int
-    history: History
+    request: replica_pb2.FetchLogRequest
 
 
 @dataclass(frozen=True, slots=True)
 class CatchUpReply:
-    """Sync source -> new master: the entries after the fork, or a snapshot of its store
-    (its chunks, and ``entries`` the log they were built from, for the checker)."""
+    """Sync source -> new master: the ``FetchLog`` stream's messages as the source's driver
+    decided them (``fetch_answer``), or its refusal; ``ghost``: the source's log as the
+    checker sees it (what a snapshot's state was built from); ``request_last_lsn``: where
+    the requester's log ended when it asked."""
 
     epoch: int
-    snapshot: bool
-    base_lsn: int
-    entries: tuple[Entry, ...]
-    chunks: tuple[replica_pb2.SnapshotChunk, ...] = ()
-    commit_lsn: int = 0
+    request_last_lsn: int
+    responses: tuple[replica_pb2.FetchLogResponse, ...]
+    ghost: tuple[Entry, ...]
+    error_code: str = ""
+    error: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -393,10 +405,10 @@ def describe(body: Body) -> str:
     if isinstance(body, Hello | Heartbeat):
         return f"{name} e{body.epoch} s{body.stream}"
     if isinstance(body, CatchUpReply):
-        kind = "snapshot" if body.snapshot else f"after {body.base_lsn}"
-        return f"CatchUpReply e{body.epoch} {kind} +{len(body.entries)}"
+        kinds = Counter(r.WhichOneof("body") for r in body.responses)
+        return f"CatchUpReply e{body.epoch} {dict(kinds)} {body.error_code}"
     if isinstance(body, CatchUpRequest):
-        return f"CatchUpRequest e{body.epoch} have={body.last_lsn}"
+        return f"CatchUpRequest e{body.epoch} have={body.request.last_lsn}"
     if isinstance(body, ClientWrite):
         topic = f" {body.kind} {body.sequence}" if body.kind else ""
         return f"ClientWrite p{body.pid}{topic}"
@@ -642,7 +654,10 @@ class ReplicationSimulation(Simulation):
             store.synced_lsn = len(store.log)
             store.refresh()
             if store.log:
-                store.db.append(store.log, sync=True)
+                # What the earlier cluster committed is not known: nothing counts as
+                # committed (a store with no record would count its whole log).
+                store.db.append(store.log, sync=True, commit_lsn=0)
+                store.db.set_commit_lsn(0)
                 store.db.set_cluster_id(CLUSTER_ID)
             self.stores[node] = store
             self.replicas[node] = store
@@ -651,6 +666,9 @@ class ReplicationSimulation(Simulation):
                 self.rchecker.writer.setdefault(entry.epoch, f"prehistory-{entry.epoch}")
         mark_initial_stores(self.replicas)
         self.rt: dict[str, Runtime] = {node: Runtime() for node in self.nodes}
+        # Half the seeds: the stores cannot truncate (a divergent slave gets a snapshot);
+        # the others truncate by rebuilding from their own log, as LMDB stores do.
+        self.truncate_by_snapshot = random.Random(seed * 613 + 3).random() < 0.5
         self.master_cfg = {
             node: MasterConfig(
                 node_id=node,
@@ -662,7 +680,7 @@ class ReplicationSimulation(Simulation):
                 inflight_bytes_max=self.params.window_bytes,
                 pending_writes_max=self.params.pending_max,
                 heartbeat_interval_ms=scenario.timing["heartbeat_interval_ms"],
-                truncate_by_snapshot=True,
+                truncate_by_snapshot=self.truncate_by_snapshot,
             )
             for node in self.nodes
         }
@@ -838,17 +856,16 @@ class ReplicationSimulation(Simulation):
             self.reconcile(node)
             db = store.db
             meta = db.meta()
-            commit = meta.commit_lsn if meta.commit_lsn is not None else meta.last_lsn
             core = ReplicaCore(
-                CoreConfig(node, {x: x for x in self.nodes}),
+                CoreConfig(node, {x: x for x in self.nodes}, self.slave_retention),
                 stored_epoch=meta.epoch,
-                log=LogPosition(meta.last_lsn, db.log_start_lsn(), commit),
+                log=LogPosition(meta.last_lsn, db.log_start_lsn()),
             )
             rt.driver = ReplicaDriver(
                 node,
                 core,
                 db,
-                CommitGate(min(commit, meta.last_lsn)),
+                gate_from_store(db),
                 follower_config=self.follower_cfg[node],
                 on_committed=lambda: None,
                 on_fault=lambda why: self.note(f"{node} fault", why),
@@ -1067,25 +1084,63 @@ class ReplicationSimulation(Simulation):
         rt = self.rt[node]
         if rt.catchup is None:
             return
-        request = self.driver_of(node).fetch_request(rt.epoch, 0)
+        request = self.driver_of(node).fetch_request(rt.epoch, FETCH_STEP_ENTRIES)
         rt.catchup.next_try_ms = self.now_ms + 4 * RTICK_MS
-        history = tuple((b.epoch, b.start_lsn) for b in request.history)
-        self.net_send(node, rt.catchup.source, CatchUpRequest(rt.epoch, request.last_lsn, history))
+        self.net_send(node, rt.catchup.source, CatchUpRequest(rt.epoch, request))
 
-    def serve_catchup(self, node: str, src: str, req: CatchUpRequest) -> None:
-        """The sync source answers from its store (reading it changes nothing): the log
-        after the fork, or a snapshot of its store when the requester's log diverges (no
-        store here can truncate) or lacks entries this one compacted."""
+    def serve_catchup(self, node: str, src: str, body: CatchUpRequest) -> None:
+        """The sync source answers from its store as ``ReplicaNode.fetch_log`` does: its
+        driver decides (``fetch_answer``); the answer is read at once (nothing changes
+        the store meanwhile in this simulator)."""
         store = self.stores[node]
-        log = store.log
-        fork = fork_lsn(history_of(log), len(log), req.history, req.last_lsn)
-        commit = self.driver_of(node).gate.commit_lsn
-        if req.last_lsn > fork or fork < store.log_start - 1:
+        driver = self.driver_of(node)
+        request = body.request
+        try:
+            answer = driver.fetch_answer(
+                request,
+                is_master=driver.core.role == CoreRole.MASTER,
+                step_max=FETCH_STEP_ENTRIES,
+            )
+        except ServiceError as exc:
+            reply = CatchUpReply(body.epoch, request.last_lsn, (), (), exc.code.name, exc.message)
+            self.net_send(node, src, reply)
+            return
+        meta = answer.meta
+        commit = driver.gate.commit_lsn
+        responses: list[replica_pb2.FetchLogResponse] = []
+        if answer.why_snapshot:
             chunks = self.export_snapshot(node)
-            reply = CatchUpReply(req.epoch, True, 0, tuple(log), tuple(chunks), commit)
+            responses.extend(
+                replica_pb2.FetchLogResponse(snapshot=chunk, cluster_id=meta.cluster_id)
+                for chunk in chunks
+            )
+            next_lsn = chunks[0].snapshot_lsn + 1
         else:
-            entries = store.db.read_log(fork + 1, len(log) - fork) if len(log) > fork else []
-            reply = CatchUpReply(req.epoch, False, fork, tuple(entries), (), commit)
+            responses.append(
+                replica_pb2.FetchLogResponse(
+                    entries=replica_pb2.EntryBatch(
+                        epoch=meta.epoch,
+                        truncate_after_lsn=answer.fork if answer.diverged else 0,
+                        commit_lsn=commit,
+                    ),
+                    cluster_id=meta.cluster_id,
+                )
+            )
+            next_lsn = answer.fork + 1
+        # One batch per step: bounded by the log's end.
+        while next_lsn <= meta.last_lsn:
+            count = min(answer.step, meta.last_lsn - next_lsn + 1)
+            entries = store.db.read_log(next_lsn, count)
+            responses.append(
+                replica_pb2.FetchLogResponse(
+                    entries=replica_pb2.EntryBatch(
+                        entries=entries, epoch=meta.epoch, commit_lsn=commit
+                    ),
+                    cluster_id=meta.cluster_id,
+                )
+            )
+            next_lsn += count
+        reply = CatchUpReply(body.epoch, request.last_lsn, tuple(responses), tuple(store.log))
         self.net_send(node, src, reply)
 
     def export_snapshot(self, node: str) -> list[replica_pb2.SnapshotChunk]:
@@ -1157,13 +1212,17 @@ class ReplicationSimulation(Simulation):
             )
 
     def on_catchup_reply(self, node: str, src: str, reply: CatchUpReply) -> None:
-        """Bring the master's store to the source's state, then serve."""
+        """The sync source's answer, stepped by the driver (``fetch_step``) in the order
+        ``ReplicaNode._sync_from`` applies it; then serve."""
         rt = self.rt[node]
         if rt.catchup is None or rt.catchup.source != src or reply.epoch != rt.epoch:
             return
         store = self.stores[node]
-        driver = self.driver_of(node)
-        moved = reply.entries[-1].epoch if reply.entries else 0
+        if reply.error_code:
+            if reply.error_code == "FAILED_PRECONDITION":
+                self.give_up(node, f"sync source {src} refused the fetch: {reply.error}")
+            return  # anything else: the next attempt asks again
+        moved = reply.ghost[-1].epoch if reply.ghost else 0
         if moved >= rt.epoch:
             self.give_up(
                 node,
@@ -1171,44 +1230,73 @@ class ReplicationSimulation(Simulation):
                 f"{rt.epoch}: it moved on",
             )
             return
+        driver = self.driver_of(node)
+        tail = driver.fetch_begin()
+        if tail.last_lsn != reply.request_last_lsn:
+            return  # an answer to a request from another log state: wait for the retry
+        sync = self.params.master_sync == SyncPolicy.SYNC
         try:
-            if reply.snapshot:
-                for chunk in reply.chunks:
-                    driver.check_fetched_snapshot(chunk, rt.epoch, src, after_entries=False)
-                    self.install_chunk(
+            for response in reply.responses:
+                step = driver.fetch_step(tail, response, rt.epoch, src)
+                if isinstance(step, InstallFetched):
+                    chunk = step.chunk
+                    driver.check_fetched_snapshot(
+                        chunk, rt.epoch, src, after_entries=tail.entries > 0
+                    )
+                    lsn = self.install_chunk(
                         node,
                         chunk,
                         last=chunk.last,
                         history=[(b.epoch, b.start_lsn) for b in chunk.history],
-                        ghost=reply.entries,
+                        ghost=reply.ghost,
                     )
-            else:
-                if reply.base_lsn != len(store.log):
-                    return  # an answer to a request from another log state: wait for the retry
-                entries = list(reply.entries)
-                if entries:
-                    last_epoch = store.log[-1].epoch if store.log else 0
-                    driver.check_fetched_entries(
-                        entries,
-                        prev_lsn=len(store.log),
-                        prev_epoch=last_epoch,
-                        epoch=rt.epoch,
-                        source_id=src,
-                    )
-                    driver.hide_uncommitted(entries, reply.commit_lsn)
-                    store.db.append(entries, sync=True)
-                    self.append_log(node, entries)
-                    driver.fetched_stored(entries[-1].lsn, reply.commit_lsn)
-                else:
-                    driver.fetched_commit(reply.commit_lsn)
+                    driver.fetched_chunk_installed(tail, chunk, lsn)
+                elif isinstance(step, TruncateFetched):
+                    self.truncate(node, step.keep_lsn)
+                    self.request_catchup(node)  # and fetch again, from the truncated log
+                    return
+                elif isinstance(step, StoreFetched):
+                    driver.hide_uncommitted(step.entries, step.commit_lsn)
+                    driver.store_append(step.entries, sync=sync, commit_lsn=step.commit_lsn)
+                    self.append_log(node, step.entries)
+                    driver.fetched_stored(step.entries[-1].lsn, step.commit_lsn)
+                    driver.fetched_entries_stored(tail, step)
         except ServiceError as exc:
             self.give_up(node, exc.message)
             return
+        except StoreError as exc:
+            self.give_up(node, f"storing the log fetched from {src} failed: {exc}")
+            return
+        meta = store.db.meta()
+        driver.core.log_reset(meta.last_lsn, store.db.log_start_lsn())
         self.check_store(node)
         store.synced_lsn = len(store.log)
         self.note(f"{node} caught up", f"from {src}: log now ends at {len(store.log)}")
         rt.catchup = None
         self.start_serving(node)
+
+    def truncate(self, node: str, keep_lsn: int) -> None:
+        """Truncates the node's log after keep_lsn as ``ReplicaNode._truncate_locked`` does:
+        the store is rebuilt from its own log (``rebuild.rebuild_into``, here into a fresh
+        in-memory store) and the driver follows; a log that no longer starts at LSN 1
+        cannot be replayed (FAILED_PRECONDITION: it needs a snapshot)."""
+        store = self.stores[node]
+        driver = self.driver_of(node)
+        log_start = store.db.log_start_lsn()
+        if log_start > 1:
+            raise ServiceError(
+                Code.FAILED_PRECONDITION,
+                f"replica {node} must truncate its log after LSN {keep_lsn}, but its log "
+                f"starts at LSN {log_start}: it needs a snapshot",
+            )
+        fresh = Store.open_memory(keep_unsynced=True)
+        rebuild_into(store.db, fresh, keep_lsn)
+        store.db = fresh
+        driver.truncated(keep_lsn, fresh)
+        self.note(f"{node} truncated", f"after LSN {keep_lsn}")
+        self.set_log(node, store.log[:keep_lsn], keep_lsn)
+        store.synced_lsn = min(store.synced_lsn, keep_lsn)
+        self.check_store(node)
 
     def start_serving(self, node: str) -> None:
         """The replica's driver makes the ReplicationMaster over the store; append the
@@ -1765,7 +1853,23 @@ class ReplicationSimulation(Simulation):
         store = self.stores[node]
         result = write.accepted
         if result.truncate_after_lsn is not None:
-            raise self.fail(f"node {node}: a truncation reached a store that cannot truncate")
+            try:
+                self.truncate(node, result.truncate_after_lsn)
+            except (ServiceError, StoreError) as exc:
+                error, fail_stop = driver.batch_failed(write.follower, exc)
+                if fail_stop:
+                    raise self.fail(f"node {node} fail-stopped: {fail_stop}") from None
+                if send_ack and rt.stream == write.key:
+                    master, epoch, stream = write.key
+                    rt.stream = None
+                    slave_epoch = next((int(v) for k, v in error.metadata if k == EPOCH_KEY), 0)
+                    self.net_send(
+                        node, master, Close(epoch, stream, error.code.name, True, slave_epoch)
+                    )
+                if send_ack:
+                    while rt.deferred and not rt.writes:
+                        self.slave_receive(node, rt.deferred.popleft())
+                return
         commit = write.batch.commit_lsn
         driver.hide_uncommitted(result.entries, commit)
         driver.store_append(result.entries, sync=result.sync, commit_lsn=commit)

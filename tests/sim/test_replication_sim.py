@@ -2,7 +2,8 @@
 faults with clients writing, the replication checker after every step, then a liveness
 deadline; and planted bugs the checker must catch, so a green run means something.
 
-``make sim SEEDS=N`` runs N/5 replication seeds (or ``--repl-seeds=N``); a failure prints the
+``make sim SEEDS=N`` runs N replication seeds (or ``--repl-seeds=N``; ``make test`` runs
+1000); a failure prints the
 seed and the replay command (``make sim SEEDS=1 SEED=<seed>``).
 """
 
