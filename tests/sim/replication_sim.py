@@ -168,6 +168,7 @@ from squall_server.replica.replication import (
     SyncPolicy,
 )
 from squall_server.replica.store import Store, StoreError
+from squall_server.replica.store.kv_memory import MemoryKV
 from tests.sim import topic_state
 from tests.sim.election_checker import InvariantViolation
 from tests.sim.election_sim import (
@@ -669,6 +670,13 @@ class ReplicationSimulation(Simulation):
         # Half the seeds: the stores cannot truncate (a divergent slave gets a snapshot);
         # the others truncate by rebuilding from their own log, as LMDB stores do.
         self.truncate_by_snapshot = random.Random(seed * 613 + 3).random() < 0.5
+        # Machine crashes (unflushed writes lost): half the crashes of master faults where
+        # the master flushes every write. Only where the replicas do too must no
+        # acknowledged entry be lost; otherwise a loss degrades the seed (the policy
+        # promises nothing then).
+        self.power_loss = self.params.master_sync == SyncPolicy.SYNC
+        self.power_safe = self.power_loss and self.params.replica_sync == SyncPolicy.SYNC
+        self.frng = random.Random(seed * 31 + 17)
         self.master_cfg = {
             node: MasterConfig(
                 node_id=node,
@@ -873,15 +881,28 @@ class ReplicationSimulation(Simulation):
         return rt.driver
 
     def reconcile(self, node: str) -> None:
-        """The checker's view follows a store an unfinished install left empty."""
+        """The checker's view follows a store an unfinished install left empty, or one
+        a machine crash took back to its last flush."""
         store = self.stores[node]
-        if store.log and store.db.meta().last_lsn == 0:
+        meta = store.db.meta()
+        if store.log and meta.last_lsn == 0 and meta.snapshot_pending:
             self.note(f"{node} store empty", "an unfinished snapshot install")
             self.rchecker.store_emptied(node)
             store.log = []
             store.refresh()
             store.log_start, store.snapshot_lsn = 1, 0
+        elif meta.last_lsn < len(store.log):
+            self.note(f"{node} store lost", f"LSNs {meta.last_lsn + 1}..{len(store.log)}")
+            if not self.power_safe:
+                self.rchecker.degrade(
+                    f"t={self.now_ms}: node {node}'s machine crashed and lost LSNs "
+                    f"{meta.last_lsn + 1}..{len(store.log)} it had written without a flush "
+                    f"({self.params.replica_sync.name})"
+                )
+            self.set_log(node, store.log[: meta.last_lsn], meta.last_lsn)
+        store.log_start = store.db.log_start_lsn()
         store.installing = False
+        self.check_store(node)
 
     def order(self, node: str, cmd: RoleCommand | None, reason: str = "") -> Effects:
         """A role command (None: DEACTIVATE) put to the node's ``ReplicaCore``."""
@@ -1291,6 +1312,7 @@ class ReplicationSimulation(Simulation):
             )
         fresh = Store.open_memory(keep_unsynced=True)
         rebuild_into(store.db, fresh, keep_lsn)
+        fresh.sync()  # as the LMDB truncator flushes the staged store before the swap
         store.db = fresh
         driver.truncated(keep_lsn, fresh)
         self.note(f"{node} truncated", f"after LSN {keep_lsn}")
@@ -1964,10 +1986,14 @@ class ReplicationSimulation(Simulation):
             # Whichever slave is busiest writing: under NO_SYNC it loses acknowledged entries.
             slave = max(others, key=lambda x: (len(self.rt[x].writes), x))
             self.crash(slave)
+            if self.power_loss and self.frng.random() < 0.5:
+                self.lose_unsynced(slave)
             self.push(self.now_ms + duration_ms, _RESTART, slave)
             return
         if fault.startswith("crash"):
             self.crash(master)
+            if self.power_loss and self.frng.random() < 0.5:
+                self.lose_unsynced(master)
             if fault == "crash-restart":
                 self.push(self.now_ms + duration_ms, _RESTART, master)
             return
@@ -1981,6 +2007,18 @@ class ReplicationSimulation(Simulation):
             pairs |= {(x, master) for x in others}
         self.push(self.now_ms, _CUT, "", frozenset(pairs))
         self.push(self.now_ms + duration_ms, _UNCUT, "", frozenset(pairs))
+
+    def lose_unsynced(self, node: str) -> None:
+        """The crashed node's machine lost power: its store goes back to its last flush
+        (``MemoryKV.lose_unsynced``) and the restarted process reopens it."""
+        store = self.stores[node]
+        kv = store.db._kv  # the MemoryKV under the store (a test may reach it)
+        if not isinstance(kv, MemoryKV):
+            raise TypeError("the simulator's stores are in memory")
+        lost = kv.lose_unsynced()
+        store.db = Store(kv)
+        self.note(f"{node} power loss", f"{lost} unflushed transactions lost")
+        self.reconcile(node)
 
     def source_fault(self, source: str) -> None:
         """The sync source fails as the new master asks it: crashed, or cut off, a while."""

@@ -37,10 +37,17 @@ pytestmark = pytest.mark.sim
 
 # A planted bug must be caught within this many seeds (each is caught within 15 today).
 MUTANT_SEEDS_MAX = 40
+# The seeds run as this many tests (every CHUNKS-th seed each), so each stays well inside
+# the suite's per-test timeout on a loaded machine and a failure names its part.
+CHUNKS = 10
 
 
-def test_replication_safety_and_liveness_over_seeds(repl_seeds: list[int]) -> None:
+@pytest.mark.parametrize("chunk", range(CHUNKS))
+def test_replication_safety_and_liveness_over_seeds(repl_seeds: list[int], chunk: int) -> None:
     """Every seed keeps the replication invariants under faults and catches up after healing."""
+    repl_seeds = repl_seeds[chunk::CHUNKS]
+    if not repl_seeds:
+        pytest.skip("no seed of this part (one seed replayed)")
     started = time.monotonic()
     converge_ms: list[int] = []
     sizes: dict[int, int] = {}
@@ -67,11 +74,12 @@ def test_replication_safety_and_liveness_over_seeds(repl_seeds: list[int]) -> No
     print(
         f"\nreplication sim: {len(repl_seeds)} seeds ({sizes}) in {elapsed:.1f} s; "
         f"{acked} writes acknowledged, {snapshots} snapshots, {degraded} seeds degraded "
-        f"(NO_SYNC lost acknowledged entries in a crash); caught up after healing p50 "
+        f"(a crash lost acknowledged entries the sync policy allowed it to); caught up after "
+        f"healing p50 "
         f"{ordered[len(ordered) // 2]} ms, p99 {ordered[int(len(ordered) * 0.99)]} ms, "
         f"max {ordered[-1]} ms"
     )
-    if len(repl_seeds) >= 20:
+    if len(repl_seeds) >= 10:
         assert acked >= len(repl_seeds), "the clients barely wrote: the sim tests little"
 
 
