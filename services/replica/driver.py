@@ -979,6 +979,15 @@ class ReplicaDriver:
         """An empty fetched batch: committed reads follow the source's commit LSN."""
         self.advance_commit(min(source_commit_lsn, self.core.log.last_lsn))
 
+    def stamp_snapshot(self, chunk: replica_pb2.SnapshotChunk) -> None:
+        """On a snapshot's last chunk: this node's commit LSN, and per topic the publishes
+        the snapshot holds above it, so the receiver hides them until they commit."""
+        chunk.commit_lsn = min(self.gate.commit_lsn, chunk.snapshot_lsn)
+        chunk.uncommitted.extend(
+            replica_pb2.UncommittedPublish(topic=topic, first_offset=offset, last_lsn=lsn)
+            for topic, offset, lsn in self.gate.uncommitted(chunk.snapshot_lsn)
+        )
+
     def truncated(self, keep_lsn: int, store: Store) -> None:
         """The log was truncated after keep_lsn (``store``: the rebuilt store, which
         replaces this one): the core's log position and committed reads follow."""

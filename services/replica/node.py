@@ -1254,13 +1254,8 @@ class ReplicaNode:
             yield replica_pb2.FetchLogResponse(entries=batch, cluster_id=meta.cluster_id)
 
     def _stamp_snapshot(self, chunk: replica_pb2.SnapshotChunk) -> None:
-        """On a snapshot's last chunk: this node's commit LSN, and per topic the publishes
-        the snapshot holds above it, so the receiver hides them until they commit."""
-        chunk.commit_lsn = min(self.gate.commit_lsn, chunk.snapshot_lsn)
-        chunk.uncommitted.extend(
-            replica_pb2.UncommittedPublish(topic=topic, first_offset=offset, last_lsn=lsn)
-            for topic, offset, lsn in self.gate.uncommitted(chunk.snapshot_lsn)
-        )
+        """On a snapshot's last chunk: what the receiver must hide (the driver's)."""
+        self.driver.stamp_snapshot(chunk)
 
     async def _log_batches(
         self, from_lsn: int, to_lsn: int, step: int, epoch: int

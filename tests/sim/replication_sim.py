@@ -1169,13 +1169,7 @@ class ReplicationSimulation(Simulation):
         last chunk stamped with this node's commit LSN as ``ReplicaNode`` does."""
         db = self.stores[node].db
         chunks = list(db.snapshot_chunks(records_max=self.snapshot_records))
-        last = chunks[-1]
-        gate = self.driver_of(node).gate
-        last.commit_lsn = min(gate.commit_lsn, last.snapshot_lsn)
-        last.uncommitted.extend(
-            replica_pb2.UncommittedPublish(topic=topic, first_offset=offset, last_lsn=lsn)
-            for topic, offset, lsn in gate.uncommitted(last.snapshot_lsn)
-        )
+        self.driver_of(node).stamp_snapshot(chunks[-1])
         return chunks
 
     def install_chunk(
@@ -1426,13 +1420,22 @@ class ReplicationSimulation(Simulation):
                 failed=failed,
                 committed=lambda _lsn: self.master_report(node, core),
                 room=lambda: None,
-                deposed=lambda why: self.note(f"{node} deposed", why),
+                deposed=lambda why: self.master_deposed(node, core, why),
             ),
             tail_bytes_max=2 * self.params.window_bytes,
             log_start_lsn=store.log_start,
         )
         rt.steps[id(core)] = steps
         return steps
+
+    def master_deposed(self, node: str, core: ReplicationMaster[int], why: str) -> None:
+        """The replication core deposed itself (a slave of a newer epoch, a lost group):
+        the replica's core drops the role as ``ReplicaNode`` has it do, and the report
+        the coordinator reads says so. (A role change deposes the core on its own.)"""
+        self.note(f"{node} deposed", why)
+        if self.rt[node].core is core:
+            self.driver_of(node).deposed(why)
+            self.stores[node].role = Role.INACTIVE
 
     def apply_master(self, node: str, core: ReplicationMaster[int], actions: Actions[int]) -> None:
         """One Actions record, applied by the shipped ``MasterSteps`` in its documented
