@@ -74,31 +74,43 @@ What is modelled
   keep writing to an isolated master, so deposed masters hold uncommitted suffixes that
   later rejoin as divergent logs.
 * **Clients.** One to three clients write unique payloads to the node they believe is
-  master, follow redirects, time out and try another node. A write is acknowledged when
+  master, follow redirects, time out and try another node. Every write is planned by the
+  shipped writer planning (``ReplicaDriver.plan_batch``: a plain write creates a topic
+  named after it, a topic command is the workload's below), one command per batch, and
+  stored before the steps hear of it. A write is acknowledged when
   the master's ``ReplicationMaster`` completes its token; every acknowledged write
   (LSN, epoch, payload) goes to the checker.
 * **Topics.** In about half the seeds the clients also create, destroy and re-create one
   topic and publish to it under one fixed publisher id with sequences drawn from a small
   range, so retries, duplicates and a re-created topic reusing the old incarnation's
-  sequences are frequent. These commands are planned by the production ``BatchBuilder``
-  over the master's store (``topic_state.py``); a duplicate's token waits for the
-  master's last entry. The checker
+  sequences are frequent. These commands are planned like every write, by the production
+  ``BatchBuilder`` over the master's store (``topic_state.py``); a duplicate's token
+  waits for the master's last entry. The checker
   holds every duplicate receipt to the incarnation invariant when it is planned (it points
   at the publisher's event, stored in the topic as the master holds it now), every
   acknowledged receipt to the event at its offset, and at the end every live replica to
   every acknowledged event of the topic's final incarnation.
 
-Simplifications: no machine (power) crashes, so written-but-unsynced entries never vanish
-(``MemoryKV.lose_unsynced`` is kept ready for them); no deduplication of the plain writes
-(each payload is written once, never retried; the topic workload above is deduplicated);
-the master's own appends are written at once; every store is one that cannot undo applied
-entries (``truncate_by_snapshot=True``), so the truncation path is left to the unit tests;
-no operator controls (quorum override, designated primary) and no storage faults. Still
-the simulator's own (issue 15): the sync source's side of the reorganization fetch
-(``serve_catchup``, ``ReplicaNode.fetch_log`` in the service), the order in which a new
-master's fetch is applied (``on_catchup_reply``; ``ReplicaNode._sync_from`` steps
-``ReplicaDriver.fetch_step``) and the streams, reconnection and keepalive of
-``MasterDriver``.
+Faults on the store: in seeds where the master flushes every write, half the crashes of
+master faults are machine crashes (``MemoryKV.lose_unsynced``: the store goes back to its
+last flush and is reopened); a loss of unflushed entries degrades the seed unless the
+replicas flush every write too, where it is a failure. Half the seeds' stores truncate a
+divergent log by rebuilding it from their own log (``rebuild.rebuild_into``), the others
+cannot (``truncate_by_snapshot``: a divergent slave gets a snapshot).
+
+Simplifications: no deduplication of the plain writes (each payload is written once,
+never retried; the topic workload above is deduplicated); one command per writer batch;
+no operator controls (quorum override, designated primary); no slow or failing disk.
+What is still this module's own and not shipped code (issue 15): the shells' plumbing
+around the drivers, in the order the shells have it — the streams, reconnection,
+keepalive and stall detection of ``MasterDriver`` (``open_stream``, ``stream_broken``,
+``master_tick``), the sync source's answer stream (``serve_catchup``: its decisions are
+``ReplicaDriver.fetch_answer``'s, the messages built as ``ReplicaNode.fetch_log`` builds
+them) and the new master's read loop (``on_catchup_reply``, as ``ReplicaNode._sync_from``
+steps ``fetch_step``), the store calls of a slave's batch, install and truncation
+(``finish_write``, ``install_chunk``, ``truncate``: ``ReplicaNode.replication_batch``,
+``_install_snapshot_chunk``, ``_truncate_locked``), and the taking of the master role
+(``become_master``, ``start_serving``: ``reorg``'s task).
 
 Phases: the safety phase injects the election simulator's faults while the checker
 (``replication_checker.py``) runs after every step; then the network heals and within
@@ -130,6 +142,7 @@ from squall_server.coordinator.messages import (
     RoleCommand,
     RoleCommandKind,
 )
+from squall_server.replica import commands
 from squall_server.replica.committed import gate_from_store
 from squall_server.replica.core import (
     EPOCH_KEY,
@@ -1344,6 +1357,14 @@ class ReplicationSimulation(Simulation):
         """Append one entry of this master's epoch; returns its LSN."""
         store = self.stores[node]
         entry = make_entry(len(store.log) + 1, core.epoch, operation)
+        self.master_store(node, core, entry)
+        return entry.lsn
+
+    def master_store(
+        self, node: str, core: ReplicationMaster[int], entry: replica_pb2.LogEntry
+    ) -> None:
+        """The writer stores one entry of this master's epoch and hands it to the steps."""
+        store = self.stores[node]
         try:
             self.rchecker.entry_created(node, entry)
         except InvariantViolation as exc:
@@ -1357,7 +1378,6 @@ class ReplicationSimulation(Simulation):
             store.synced_lsn = len(store.log)
         self.master_report(node, core)
         self.steps_of(node, core).appended((entry,), synced=synced)
-        return entry.lsn
 
     def open_stream(self, node: str, core: ReplicationMaster[int], slave: str) -> None:
         """Connect to a member slave: a new stream and its Hello."""
@@ -1615,29 +1635,39 @@ class ReplicationSimulation(Simulation):
             self.net_send(node, src, ClientReply(body.pid, "busy", node))
             return
         receipt = None
+        db = self.stores[node].db
         if body.kind:
-            state = self.topic_state(node)
-            try:
-                planned = topic_state.plan(state, body.kind, body.sequence, core.epoch, node)
-            except ServiceError as exc:
-                self.net_send(node, src, ClientReply(body.pid, f"refused {exc.code.name}", ""))
-                return
-            receipt = planned.receipt
-            if receipt is not None and receipt.duplicate:
+            command = topic_state.command(body.kind, body.sequence)
+        else:
+            # A duplicated request is written again: the name is unique per entry.
+            name = f"p{body.pid}-{len(self.stores[node].log) + 1}"
+            command = commands.CreateTopic(name, common_pb2.TOPIC_KIND_REPLICATED)
+        # The writer's planning (one command per batch here): the production planner over
+        # the master's store, publishes hidden from committed reads until they commit.
+        planned = self.driver_of(node).plan_batch(
+            [command], limits=topic_state.LIMITS, epoch=core.epoch, now_ms=0
+        )
+        if planned.faults:
+            raise self.fail(f"node {node}: {planned.faults}")
+        if planned.refused:
+            code = planned.refused[0][1].code.name
+            self.net_send(node, src, ClientReply(body.pid, f"refused {code}", ""))
+            return
+        _, plan, lsn = planned.planned[0]
+        if body.kind and plan.receipt is not None:
+            (ack,) = commands.expand_receipt(plan.receipt)
+            info = db.get_topic(topic_state.TOPIC)
+            topic_id = info.topic_id if info is not None else 0
+            receipt = topic_state.Receipt(topic_id, ack.offset, body.sequence, ack.duplicate)
+            if receipt.duplicate:
                 self.check_topic(
                     self.rchecker.duplicate_planned,
                     node,
                     receipt,
-                    topic_state.event_at(state, receipt.offset),
+                    topic_state.event_at(db, receipt.offset),
                 )
-            if planned.operation is None:
-                lsn = len(self.stores[node].log)  # a duplicate waits for the master's log
-            else:
-                lsn = self.master_append(node, core, planned.operation)
-        else:
-            # A duplicated request is written again: the name is unique per entry.
-            name = f"p{body.pid}@{len(self.stores[node].log) + 1}"
-            lsn = self.master_append(node, core, write_operation(name))
+        for entry in planned.entries:
+            self.master_store(node, core, entry)
         if core.deposed:
             self.net_send(node, src, ClientReply(body.pid, "fail", ""))
             return

@@ -1,8 +1,8 @@
 """Topics, events and publisher dedupe in the replication simulator, with the real code.
 
-A topic command's entry carries a real serialized ``replica_pb2.Operation``, planned by the
-production ``BatchBuilder`` over the master's real store (the simulator's nodes each keep
-one, ``Store`` over ``MemoryKV``), so deduplication, destroy and re-creation run the
+A topic command is planned by the shipped writer planning (``ReplicaDriver.plan_batch``,
+the production ``BatchBuilder``) over the master's real store (the simulator's nodes each
+keep one, ``Store`` over ``MemoryKV``), so deduplication, destroy and re-creation run the
 production code, and what a node holds of the topic is read from its store.
 """
 
@@ -46,38 +46,6 @@ def command(kind: str, sequence: int) -> commands.Command:
             events=[common_pb2.EventData(payload=b"s%d" % sequence, sequence=sequence)],
         )
     )
-
-
-@dataclass(frozen=True)
-class Planned:
-    """A planned topic command: the entry's operation (None: no entry), the receipt."""
-
-    operation: bytes | None
-    receipt: Receipt | None
-
-
-def plan(store: Store, kind: str, sequence: int, epoch: int, node_id: str) -> Planned:
-    """Plans one command on the master's store with the production planner; raises
-    ServiceError when the master refuses it (nothing planned)."""
-    meta = store.meta()
-    builder = commands.BatchBuilder(
-        store,
-        limits=LIMITS,
-        node_id=node_id,
-        epoch=max(epoch, meta.last_epoch),
-        next_lsn=meta.last_lsn + 1,
-        now_ms=0,
-    )
-    planned = builder.add(command(kind, sequence))
-    operation = builder.entries[0].operation if builder.entries else None
-    receipt = None
-    if planned.receipt is not None:
-        (ack,) = commands.expand_receipt(planned.receipt)
-        topic = builder.topic(TOPIC)
-        # A topic created in this very plan has no id yet: the next one the store gives.
-        topic_id = topic.topic_id if topic is not None else 0
-        receipt = Receipt(topic_id, ack.offset, sequence, ack.duplicate)
-    return Planned(operation, receipt)
 
 
 def event_at(store: Store, offset: int) -> tuple[int, str, int] | None:
