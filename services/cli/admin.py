@@ -66,7 +66,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--wait-ms",
         type=int,
         default=5000,
-        help="longest wait for NODE to catch up before the transfer is abandoned (default 5000)",
+        help="longest wait for NODE to catch up before the transfer is abandoned "
+        "(default 5000)",
     )
     quarantine = sub.add_parser(
         "quarantine", help="take NODE out of every group until it is unquarantined"
@@ -82,7 +83,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         parser.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
     shutdown = sub.add_parser(
         "shutdown",
-        help="stop every node at one point and mark the stores clean (restart needs no operator)",
+        help="stop every node at one point and mark the stores clean (restart needs no "
+        "operator)",
     )
     shutdown.add_argument("--config", required=True, metavar="FILE", help="cluster TOML file")
     add_token_argument(shutdown)
@@ -130,7 +132,9 @@ def _call(
             if links is not None and links.enabled and links.identity is None:
                 # Coordinators and replicas require a client certificate.
                 hint = " (no admin.crt and admin.key in tls.cert_dir to present)"
-            raise AdminError(f"node {node_id}: {exc.code().name}: {exc.details()}{hint}") from None
+            raise AdminError(
+                f"node {node_id}: {exc.code().name}: {exc.details()}{hint}"
+            ) from None
 
 
 def _status(node: NodeConfig, timeout: float) -> coordinator_pb2.CoordinatorStatus | None:

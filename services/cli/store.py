@@ -177,7 +177,9 @@ def _print_inspection(report: dict[str, object], out: TextIO) -> None:
 
 
 def _describe(meta: StoreMeta) -> str:
-    return f"cluster {meta.cluster_id or '-'}, log epoch {meta.last_epoch} LSN {meta.last_lsn}"
+    return (
+        f"cluster {meta.cluster_id or '-'}, log epoch {meta.last_epoch} LSN {meta.last_lsn}"
+    )
 
 
 def mark_clean(path_text: str, shutdown_id: str | None, out: TextIO) -> None:
@@ -262,3 +264,5 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         return 0
     mark_dirty(args.dir, out)
     return 0
+
+

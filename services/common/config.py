@@ -1041,7 +1041,9 @@ def _validate_telemetry(telemetry: TelemetryConfig, listeners: dict[tuple[str, i
         ports[port] = field_name
         for (listener_host, listener_port), owner in listeners.items():
             if listener_port == port and (wildcard or listener_host == host.lower()):
-                raise ConfigError(f"{field_name}: port {port} on {host} is already used by {owner}")
+                raise ConfigError(
+                    f"{field_name}: port {port} on {host} is already used by {owner}"
+                )
     ratio = telemetry.trace_sample_ratio
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
         raise ConfigError(

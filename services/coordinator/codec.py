@@ -76,7 +76,9 @@ def _report_from_pb(pb: coordinator_pb2.MemberReport, field: str) -> MemberRepor
     """A member report from protobuf; ValueError names the bad field."""
     store_state = _STORE_FROM_PB.get(pb.store_state)
     if store_state is None:
-        raise ValueError(f"{field}.store_state: {pb.store_state} is not EMPTY, CLEAN or DIRTY")
+        raise ValueError(
+            f"{field}.store_state: {pb.store_state} is not EMPTY, CLEAN or DIRTY"
+        )
     return MemberReport(
         node_id=_require(pb.node_id, f"{field}.node_id"),
         cluster_id=pb.cluster_id,
@@ -103,7 +105,9 @@ def to_proto(msg: PeerMessage) -> coordinator_pb2.PeerMessage:
                 cluster_id=body.cluster_id,
                 serving=body.serving,
                 settings_digest=body.settings_digest,
-                settings=[coordinator_pb2.AgreedSetting(key=k, value=v) for k, v in body.settings],
+                settings=[
+                    coordinator_pb2.AgreedSetting(key=k, value=v) for k, v in body.settings
+                ],
             )
         )
     elif isinstance(body, AreYouCoordinatorReply):
@@ -116,7 +120,9 @@ def to_proto(msg: PeerMessage) -> coordinator_pb2.PeerMessage:
                 cluster_id=body.cluster_id,
                 serving=body.serving,
                 settings_digest=body.settings_digest,
-                settings=[coordinator_pb2.AgreedSetting(key=k, value=v) for k, v in body.settings],
+                settings=[
+                    coordinator_pb2.AgreedSetting(key=k, value=v) for k, v in body.settings
+                ],
             )
         )
     elif isinstance(body, AreYouThere):
@@ -275,7 +281,9 @@ def from_proto(pb: coordinator_pb2.PeerMessage) -> PeerMessage:
             reason=pb.leave.reason,
         )
     else:
-        raise ValueError("body: no message set (expected one of are_you_coordinator ... leave)")
+        raise ValueError(
+            "body: no message set (expected one of are_you_coordinator ... leave)"
+        )
     return PeerMessage(from_node=from_node, to_node=to_node, body=body)
 
 

@@ -222,7 +222,8 @@ def quorum_rule(
     else:
         required = n
         why = (
-            f"all {n}: full startup, no member has seen a majority together (max {group_max_seen})"
+            f"all {n}: full startup, no member has seen a majority together "
+            f"(max {group_max_seen})"
         )
     if designated:
         required, why = 1, "1: designated primary of a two-node cluster"
@@ -575,7 +576,8 @@ class Election:
         if self._prio[target] == 0:
             return Rejection(
                 RejectCode.FAILED_PRECONDITION,
-                f"node {self._me}: transfer to {target} refused: it has priority 0 and never leads",
+                f"node {self._me}: transfer to {target} refused: it has priority 0 and "
+                "never leads",
             )
         if target not in self._view:
             return Rejection(
@@ -590,7 +592,9 @@ class Election:
         unless an operator already cleared that very fault."""
         return self._run(now_ms, lambda: self._on_replica_fault(fault_id, reason))
 
-    def set_quarantine(self, enabled: bool, operator: str, now_ms: int, reason: str = "") -> Ready:
+    def set_quarantine(
+        self, enabled: bool, operator: str, now_ms: int, reason: str = ""
+    ) -> Ready:
         """Quarantine this node (operator), or clear its quarantine.
 
         A quarantined node takes no part in any group: it never leads, its replica never
@@ -757,7 +761,9 @@ class Election:
         """Record new persisted state; epochs and max_seen only grow."""
         new = replace(self._persisted, **changes)  # type: ignore[arg-type]
         if new.epoch < self._persisted.epoch or new.max_seen < self._persisted.max_seen:
-            raise ElectionError(f"persisted state would go back from {self._persisted} to {new}")
+            raise ElectionError(
+                f"persisted state would go back from {self._persisted} to {new}"
+            )
         if new != self._persisted:
             self._persisted = new
             self._o().persist = new
@@ -991,7 +997,8 @@ class Election:
                 self._log(
                     LogLevel.WARNING,
                     "config-agrees",
-                    f"node {node} now shares this node's agreed settings: it may be merged again",
+                    f"node {node} now shares this node's agreed settings: it may be merged "
+                    "again",
                 )
             return True
         known = self._disagree.get(node)
@@ -1298,7 +1305,8 @@ class Election:
                 "merge",
                 f"leaving {old_group}; inviting {invited} to {self._group}"
                 + (
-                    f" ({catching} ranked above this node: to catch up, then take the group over)"
+                    f" ({catching} ranked above this node: to catch up, then take the group "
+                    "over)"
                     if catching
                     else ""
                 ),
@@ -1802,7 +1810,9 @@ class Election:
             return
         self._record(who, f"transfer to {target}", reason)
         self._transfer = _Transfer(target, self._now_ms + 2 * self._cfg.member_timeout_ms)
-        self._send(target, LeadershipTransfer(self._group, self._group_epoch, target, self._view))
+        self._send(
+            target, LeadershipTransfer(self._group, self._group_epoch, target, self._view)
+        )
         self._last_change_reason = f"handing {self._group} to {target} (transfer by {who})"
         why = f" ({reason})" if reason else ""
         self._log(
@@ -2076,7 +2086,9 @@ class Election:
         if not self._check_priority(inviter, body.priority, frm):
             return
         bad = [
-            x for x in body.catch_up if x not in self._prio or self._rank[x] <= self._rank[inviter]
+            x
+            for x in body.catch_up
+            if x not in self._prio or self._rank[x] <= self._rank[inviter]
         ]
         if bad:
             self._reject(
@@ -2353,7 +2365,8 @@ class Election:
         self._log(
             LogLevel.INFO,
             "normal",
-            f"reporting for duty in {body.group_name} with coordinator {frm}, epoch {body.epoch}",
+            f"reporting for duty in {body.group_name} with coordinator {frm}, epoch "
+            f"{body.epoch}",
         )
         self._revert_override_if_majority(body.members, body.epoch)
 

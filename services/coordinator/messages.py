@@ -498,7 +498,8 @@ def _format_body(body: Body) -> str:
         joined = " joined" if r.joined else ""
         return (
             f"Accept group={body.group_name} epoch={r.epoch} log={r.last_epoch}/{r.last_lsn} "
-            f"store={store}{joined} max={r.max_seen} forwarded={forwarded}" + _cluster(r.cluster_id)
+            f"store={store}{joined} max={r.max_seen} forwarded={forwarded}"
+            + _cluster(r.cluster_id)
         )
     if isinstance(body, GroupReady):
         return (
@@ -519,5 +520,8 @@ def format_role_command(cmd: RoleCommand) -> str:
     if cmd.kind is RoleCommandKind.DEACTIVATE:
         return "deactivate"
     if cmd.kind is RoleCommandKind.MASTER:
-        return f"master epoch={cmd.epoch} members={','.join(cmd.members)} sync={cmd.sync_source_id}"
+        return (
+            f"master epoch={cmd.epoch} members={','.join(cmd.members)} "
+            f"sync={cmd.sync_source_id}"
+        )
     return f"follow master={cmd.master_id} epoch={cmd.epoch}"

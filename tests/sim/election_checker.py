@@ -72,7 +72,8 @@ class Checker:
             status.state is not NodeState.INACTIVE or status.role.value != "inactive"
         ):
             raise InvariantViolation(
-                f"node {node} is quarantined but {status.state.value} with role {status.role.value}"
+                f"node {node} is quarantined but {status.state.value} with role "
+                f"{status.role.value}"
             )
         if status.replica_unreachable_since_ms is not None and (
             status.state is not NodeState.INACTIVE
@@ -132,7 +133,9 @@ class Checker:
         """One master per epoch; the sync source is at least as new as every member."""
         first = self.master_by_epoch.setdefault(command.epoch, node)
         if first != node:
-            raise InvariantViolation(f"two masters in epoch {command.epoch}: {first} and {node}")
+            raise InvariantViolation(
+                f"two masters in epoch {command.epoch}: {first} and {node}"
+            )
         if reissue:
             return
         source = command.sync_source_id

@@ -287,9 +287,16 @@ def make_scenario(
         until = at + rng.randint(50, 900)
         if rng.random() < 0.7:
             side = set(rng.sample(nodes, rng.randint(1, n - 1)))
-            pairs = frozenset((a, b) for a in nodes for b in nodes if (a in side) != (b in side))
+            pairs = frozenset(
+                (a, b) for a in nodes for b in nodes if (a in side) != (b in side)
+            )
         else:
-            pairs = frozenset((a, b) for a in nodes for b in nodes if a != b and rng.random() < 0.3)
+            pairs = frozenset(
+                (a, b)
+                for a in nodes
+                for b in nodes
+                if a != b and rng.random() < 0.3
+            )
         scenario.faults.append((at, _CUT, "", pairs))
         scenario.faults.append((until, _UNCUT, "", pairs))
     for _ in range(rng.randint(0, majority)):
@@ -762,7 +769,8 @@ class Simulation:
         if not self.replica_up[node] or life != self.replica_life[node]:
             outcome = ReplicaFailure(Failure.NO_ANSWER, "UNAVAILABLE", "connection reset")
         elif (
-            self.replica_paused_until[node] > self.now_ms or self.link_cut_until[node] > self.now_ms
+            self.replica_paused_until[node] > self.now_ms
+            or self.link_cut_until[node] > self.now_ms
         ):
             outcome = ReplicaFailure(Failure.NO_ANSWER, "DEADLINE_EXCEEDED", "no answer")
             at += self.timings.rpc_timeout_ms
@@ -1161,6 +1169,7 @@ class Simulation:
         elif kind == _HAND_OVER:
             self.on_hand_over(node, payload)
 
+
     def transfer(self, pick: int) -> None:
         """An operator hands the leadership of a normal group to one of its members."""
         leaders = [
@@ -1323,7 +1332,9 @@ class Simulation:
 
     def converged(self) -> str | None:
         """The leader if every live node is normal in one group under the right leader."""
-        live = [x for x in self.nodes if self.elections[x] is not None and x != self.sc.odd_one_out]
+        live = [
+            x for x in self.nodes if self.elections[x] is not None and x != self.sc.odd_one_out
+        ]
         eligible = [x for x in live if self.priorities[x] > 0 and x not in self.demoted]
         if not eligible:
             return None
@@ -1409,7 +1420,9 @@ def make_odd_one_out_scenario(seed: int) -> Scenario:
     if not any(scenario.priorities[x] > 0 for x in nodes if x != odd):
         scenario.priorities[nodes[0] if odd != nodes[0] else nodes[-1]] = 4
     for node in nodes:
-        scenario.initial[node] = PersistedState(epoch=3, max_seen=len(nodes), cluster_id=CLUSTER_ID)
+        scenario.initial[node] = PersistedState(
+            epoch=3, max_seen=len(nodes), cluster_id=CLUSTER_ID
+        )
         scenario.initial_logs[node] = (3, rng.randint(1, 20))
     base = (("cluster.name", "sim"), ("durability.acks", "majority"))
     scenario.agreed = {node: base for node in nodes}
