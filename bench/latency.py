@@ -10,6 +10,10 @@ Scenarios (measurements, not tests; each bounded by a count and a deadline):
   gateway or a `replicated=True` proxy: rate and p50 / p90 / p99 / max.
 * `concurrent`: N threads, each with its own publisher (one client), each publishing one
   event at a time for a fixed time: aggregate rate and p50 / p99 per call.
+* `unary`: a raw-stub app (no `squall` library) calling the unary `Publish` with a
+  publisher id and a sequence, one event per call, one at a time and from N threads, each
+  with its own publisher id, over one channel: the path the gateway carries over its
+  shared publish stream to the master (`squall_server.gateway.shared_publish`).
 * `delivery`: a following subscriber through the gateway; one event published at a time;
   from the publish call to the subscriber's iterator yielding it: p50 / p99.
 * `push_delivery`: the same to an ordered push subscriber's callback (`PushEndpoint`).
@@ -256,6 +260,90 @@ def concurrent(
     return figures
 
 
+def unary(
+    address: str,
+    topic: str,
+    publishers: int,
+    seconds: float,
+    pids: dict[str, int] | None = None,
+    idle_pct: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """Raw unary `Publish` calls through the gateway, one event each, from `publishers`
+    threads (each its own publisher id and sequences) over one channel, for `seconds`;
+    `idle_pct` is what each process burnt idle (`idle_cpu`), kept with the figures."""
+    from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2
+
+    payload = payloads(1)[0]
+    per_thread: list[list[float]] = [[] for _ in range(publishers)]
+    errors: list[BaseException] = []
+    run_id = f"{os.getpid()}-{time.monotonic_ns()}"
+    with grpc.insecure_channel(address) as channel:
+        stub = broker_pb2_grpc.PublisherStub(channel)
+
+        def call(publisher_id: str, sequence: int) -> None:
+            stub.Publish(
+                broker_pb2.PublishRequest(
+                    topic=topic,
+                    publisher_id=publisher_id,
+                    events=[common_pb2.EventData(payload=payload, sequence=sequence)],
+                ),
+                timeout=30,
+            )
+
+        for index in range(publishers):
+            call(f"unary-{run_id}-{index}", 1)  # warm-up
+        start = threading.Barrier(publishers + 1)
+        stop_at = [0.0]
+
+        def run(index: int) -> None:
+            publisher_id, samples = f"unary-{run_id}-{index}", per_thread[index]
+            start.wait()
+            try:
+                # Bounded by the deadline (and each call by its timeout).
+                for sequence in range(2, 10_000_000):
+                    t0 = time.perf_counter()
+                    if t0 >= stop_at[0]:
+                        return
+                    call(publisher_id, sequence)
+                    samples.append(time.perf_counter() - t0)
+            except BaseException as exc:  # reported after the run
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(publishers)]
+        for thread in threads:
+            thread.start()
+        meter = CpuMeter(pids or {})
+        stop_at[0] = time.perf_counter() + seconds
+        started = time.perf_counter()
+        meter.start()
+        start.wait()
+        for thread in threads:
+            thread.join(seconds + 60)
+        elapsed_s = time.perf_counter() - started
+        cpu = meter.stop()
+    if errors:
+        raise RuntimeError(f"{len(errors)} unary publishers failed, the first: {errors[0]!r}")
+    figures = _figures([s for samples in per_thread for s in samples], elapsed_s)
+    figures["publishers"] = publishers
+    figures["cpu_pct"] = {
+        k: v for k, v in cpu.items() if k.startswith(("client", "gateway", "replica", "others"))
+    }
+    figures["cpu_pct_idle"] = {
+        k: v for k, v in (idle_pct or {}).items() if k.startswith(("gateway", "replica"))
+    }
+    return figures
+
+
+def idle_cpu(pids: dict[str, int], seconds: float) -> dict[str, float]:
+    """What each process burns with nothing to do (heartbeats, watches), % of a core: taken
+    off the per-event CPU, where at a few hundred events/s on a loaded machine it is most
+    of the raw figure."""
+    meter = CpuMeter(pids)
+    meter.start()
+    time.sleep(seconds)
+    return meter.stop()
+
+
 def delivery(address: str, topic: str, count: int, deadline_s: float) -> dict[str, Any]:
     """One event published at a time; from the publish call to a following subscriber."""
     sent_at: dict[int, float] = {}
@@ -483,11 +571,13 @@ class Sizes:
     delivery_events: int = 500
     delivery_deadline_s: float = 10.0
     floor_calls: int = 2000
+    # How long the cluster's idle CPU is measured before the raw unary runs.
+    idle_s: float = 2.0
 
     @classmethod
     def tiny(cls) -> Sizes:
         """The smoke run's sizes (a few seconds per policy)."""
-        return cls(30, 5.0, 0.5, (1, 16), 20, 5.0, 200)
+        return cls(30, 5.0, 0.5, (1, 16), 20, 5.0, 200, 0.2)
 
 
 def roles_of(pids: dict[str, int]) -> dict[int, str]:
@@ -505,15 +595,34 @@ def measure(
     sizes: Sizes,
     topic_prefix: str,
     log: Any,
+    only: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """Every latency scenario on one running cluster (stage marks on when `stages` is set)."""
+    """Every latency scenario on one running cluster (stage marks on when `stages` is set);
+    with `only`, just those groups ("unary", "library") after the floor."""
     with squall.connect(address) as client:
-        for suffix in ("one", "proxy", "delivery", "push", *(f"c{n}" for n in sizes.concurrency)):
+        for suffix in (
+            "one",
+            "proxy",
+            "delivery",
+            "push",
+            "unary",
+            *(f"c{n}" for n in sizes.concurrency),
+        ):
             for path in ("", "-proxy"):
                 client.create_topic(f"{topic_prefix}-{suffix}{path}")
     out: dict[str, Any] = {}
     log(f"    latency: bare gRPC floor, {sizes.floor_calls} calls")
     out["floor"] = floor(sizes.floor_calls)
+    if not only or "unary" in only:
+        out["unary"] = {}
+        idle = idle_cpu(pids, sizes.idle_s)
+        for n in sizes.concurrency:
+            log(f"    latency: {n} raw unary Publish callers, {sizes.concurrent_s} s")
+            out["unary"][str(n)] = unary(
+                address, f"{topic_prefix}-unary", n, sizes.concurrent_s, pids=pids, idle_pct=idle
+            )
+    if only and "library" not in only:
+        return out
     called_ns: dict[str, int] = {}
     log(f"    latency: one at a time, {sizes.one_at_a_time_events} through the gateway")
     out["one_at_a_time"] = one_at_a_time(
@@ -574,6 +683,16 @@ def measure(
     return out
 
 
+def _master_of(figures: dict[str, Any]) -> str:
+    """The master's node id (the busiest replica when the library scenarios did not run)."""
+    if "one_at_a_time" in figures:
+        return str(figures["one_at_a_time"]["master"])
+    runs: list[dict[str, Any]] = list(figures.get("unary", {}).values())
+    cpu: dict[str, float] = runs[0].get("cpu_pct", {}) if runs else {}
+    replicas = {k: v for k, v in cpu.items() if k.startswith("replica-")}
+    return max(replicas, key=replicas.__getitem__).removeprefix("replica-") if replicas else ""
+
+
 def _master_role(figures: dict[str, Any]) -> str:
     return f"replica-{figures['one_at_a_time']['master']}"
 
@@ -593,6 +712,21 @@ def table(policy_figures: dict[str, dict[str, Any]]) -> str:
         "floor: bare gRPC round trip, unary / stream p50 ms",
         lambda f: f"{f['floor']['unary_ms_p50']} / {f['floor']['stream_ms_p50']}",
     )
+
+    for n in next(iter(policy_figures.values())).get("unary", {}):
+        row(
+            f"{n} raw unary Publish callers (one event a call), gateway: events/s, p50 / p99 ms",
+            lambda f, n=n: (
+                f"{f['unary'][n]['events_per_s']:,}, {f['unary'][n]['latency_ms_p50']} / "
+                f"{f['unary'][n]['latency_ms_p99']}"
+            ),
+        )
+        row(
+            f"CPU µs per event, {n} raw unary callers: client / gateway / master (above idle)",
+            lambda f, n=n: _cpu_per_event(f["unary"][n], _master_of(f), idle=True),
+        )
+    if not all("one_at_a_time" in f for f in policy_figures.values()):
+        return "\n".join(lines)
 
     def rate(fig: dict[str, Any]) -> str:
         return (
@@ -692,12 +826,15 @@ def table(policy_figures: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _cpu_per_event(figures: dict[str, Any], master: str) -> str:
-    """CPU time per acknowledged event of the client, the gateway and the master, in µs."""
+def _cpu_per_event(figures: dict[str, Any], master: str, idle: bool = False) -> str:
+    """CPU time per acknowledged event of the client, the gateway and the master, in µs
+    (with `idle`, less what the gateway and the master used idle just before)."""
     rate = max(figures["events_per_s"], 1)
     cpu = figures.get("cpu_pct", {})
-    gateway = sum(v for k, v in cpu.items() if k.startswith("gateway"))
-    cells = (cpu.get("client", 0.0), gateway, cpu.get(f"replica-{master}", 0.0))
+    before = figures.get("cpu_pct_idle", {}) if idle else {}
+    gateway = sum(v - before.get(k, 0.0) for k, v in cpu.items() if k.startswith("gateway"))
+    key = f"replica-{master}"
+    cells = (cpu.get("client", 0.0), gateway, cpu.get(key, 0.0) - before.get(key, 0.0))
     return " / ".join(f"{10_000 * pct / rate:.0f}" for pct in cells)
 
 
@@ -714,6 +851,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--no-stages", action="store_true", help="run without stage marks")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=("unary", "library"),
+        help="just these scenario groups after the floor (repeatable; default all)",
+    )
     args = parser.parse_args(argv)
     sizes = Sizes.tiny() if args.tiny else Sizes()
 
@@ -733,7 +876,13 @@ def main(argv: list[str] | None = None) -> int:
             ):
                 log(f"  {policy}")
                 results[policy] = measure(
-                    cluster.gateway_address, cluster.pids(), stages, sizes, "lat", log
+                    cluster.gateway_address,
+                    cluster.pids(),
+                    stages,
+                    sizes,
+                    "lat",
+                    log,
+                    tuple(args.only or ()),
                 )
     log(f"load average at end: {os.getloadavg()}")
     print(table(results))

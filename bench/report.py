@@ -27,6 +27,7 @@ import matplotlib.pyplot as plt  # after use("Agg"): the backend is chosen first
 from matplotlib.ticker import MaxNLocator
 
 from bench import latency
+from bench.consumers import section as consumer_section
 from bench.single_node import percentile
 
 REPORT_VERSION = 1
@@ -104,6 +105,7 @@ def assemble(
     catch_up: dict[str, Any] | None,
     failover: dict[str, Any] | None,
     fault_gaps: dict[str, Any] | None = None,
+    consumers: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The report: what was measured (with samples) plus a `summary` of headline figures.
 
@@ -111,7 +113,8 @@ def assemble(
     (`pipelined_publish`, `one_at_a_time` with `latency_ms_samples`, `subscribe`,
     `memory` with `idle` and `after_load`); failover: `bench.failover.run`'s figures
     (`all_ms`); catch_up: `bench.replicated.catch_up`'s plus the policy it ran under;
-    fault_gaps: `bench.fault_gaps.run`'s figures (per kind and path, every trial's).
+    fault_gaps: `bench.fault_gaps.run`'s figures (per kind and path, every trial's);
+    consumers: `bench.consumers.run`'s figures (shared subscriptions, reads from replicas).
     """
     summary: dict[str, Any] = {
         "pipelined_publish_events_per_s": {},
@@ -169,6 +172,7 @@ def assemble(
         "catch_up": catch_up,
         "failover": failover,
         "fault_gaps": fault_gaps,
+        "consumers": consumers,
         "plots": dict(PLOTS),
     }
 
@@ -401,6 +405,7 @@ def markdown(report: dict[str, Any], plots: dict[str, str]) -> str:
     else:
         lines += ["Not measured in this run.", ""]
     lines += _gap_section(report, plots)
+    lines += consumer_section(report.get("consumers"))
     lines += ["## Memory per service", ""]
     for policy in policies:
         table = summary["memory_bytes"][policy]

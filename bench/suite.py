@@ -41,7 +41,17 @@ from pathlib import Path
 from typing import Any
 
 import squall
-from bench import failover, fault_gaps, latency, machine, memory, replicated, report, single_node
+from bench import (
+    consumers,
+    failover,
+    fault_gaps,
+    latency,
+    machine,
+    memory,
+    replicated,
+    report,
+    single_node,
+)
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 POLICIES = ("SYNC", "WRITE_NO_SYNC", "NO_SYNC")
@@ -66,6 +76,9 @@ class Sizes:
     gap_trials: int
     # The latency scenarios (bench/latency.py); None skips them.
     latency: latency.Sizes | None = LATENCY_DEFAULT
+    # The consumer scenarios (bench/consumers.py: shared subscriptions, reads from
+    # replicas); None skips them.
+    consumers: consumers.Sizes | None = None
 
     @classmethod
     def default(cls) -> Sizes:
@@ -80,6 +93,7 @@ class Sizes:
             catch_up_events=300_000,
             failover_trials=30,
             gap_trials=fault_gaps.TRIALS_DEFAULT,
+            consumers=consumers.Sizes.default(),
         )
 
     @classmethod
@@ -219,6 +233,12 @@ def main(argv: list[str] | None = None) -> int:
         "lead_back's truncation; default 0)",
     )
     parser.add_argument(
+        "--consumers",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the consumer scenarios (bench/consumers.py; default: on, off with --tiny)",
+    )
+    parser.add_argument(
         "--no-latency",
         action="store_true",
         help="skip the latency scenarios (bench/latency.py)",
@@ -249,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     sizes = replace(sizes, **overrides)
     if args.no_latency:
         sizes = replace(sizes, latency=None)
+    if args.consumers is not None:
+        wanted = consumers.Sizes.tiny() if args.tiny else consumers.Sizes.default()
+        sizes = replace(sizes, consumers=wanted if args.consumers else None)
     policies = [p for p in POLICIES if p in (args.policy or POLICIES)]
     catch_up_policy = CATCH_UP_POLICY if CATCH_UP_POLICY in policies else policies[-1]
 
@@ -258,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     catch_figures: dict[str, Any] | None = None
     fail_figures: dict[str, Any] | None = None
     gap_figures: dict[str, Any] | None = None
+    consumer_figures: dict[str, Any] | None = None
     with tempfile.TemporaryDirectory(prefix="squall-bench-report-") as temp:
         described = machine.describe(Path(temp))
         log(f"bench: {machine.summary(described)}; load average {described['load_average']}")
@@ -280,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
                 args.gap_kind or fault_gaps.INJECTED,
                 max(0, args.gap_prefill),
             )
+        if sizes.consumers is not None:
+            log("bench: consumers (shared subscriptions; reads from replicas), 3 nodes")
+            consumer_figures = consumers.run(sizes.consumers, Path(temp) / "consumers", log)
     assembled = report.assemble(
         started_at=started_at,
         seconds=time.monotonic() - started,
@@ -297,15 +324,19 @@ def main(argv: list[str] | None = None) -> int:
             "acks": ACKS,
             "policies": policies,
             "sizes": {
-                k: v for k, v in asdict(sizes).items() if not k.endswith("_s") and k != "latency"
+                k: v
+                for k, v in asdict(sizes).items()
+                if not k.endswith("_s") and k not in ("latency", "consumers")
             },
             "latency_sizes": asdict(sizes.latency) if sizes.latency is not None else None,
+            "consumer_sizes": asdict(sizes.consumers) if sizes.consumers is not None else None,
             "deadlines_s": {k: v for k, v in asdict(sizes).items() if k.endswith("_s")},
         },
         policies=results,
         catch_up=catch_figures,
         failover=fail_figures,
         fault_gaps=gap_figures,
+        consumers=consumer_figures,
     )
     run_dir = args.results_dir / started_at
     paths = report.write(assembled, run_dir)

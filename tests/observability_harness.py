@@ -27,7 +27,7 @@ from squall_server.common.grpc_server import ServiceServer
 from squall_server.gateway.forward import Forwarder
 from squall_server.gateway.master import MasterTracker
 from squall_server.gateway.server import ClusterAdmin
-from squall_server.replica import replication_server, server
+from squall_server.replica import push_server, replication_server, server
 from squall_server.replica.node import ReplicaNode
 from squall_server.replica.store import Store
 
@@ -138,6 +138,9 @@ class InProcess:
             )
             broker_pb2_grpc.add_SubscriberServicer_to_server(
                 server.Subscriber(node), grpc_server.server
+            )
+            broker_pb2_grpc.add_PushSubscriptionsServicer_to_server(
+                push_server.PushSubscriptions(node), grpc_server.server
             )
             replica_pb2_grpc.add_ReplicaControlServicer_to_server(
                 server.ReplicaControl(node), grpc_server.server

@@ -42,10 +42,10 @@ from squall._push import (
 )
 from squall._seek import SeekResult, SeekTarget, SubscriptionInfo, seek_request, subscription_named
 from squall._shared import SharedConsumer, SharedSettings, create_request
-from squall._subscriber import Start, Subscription, subscribe_request
+from squall._subscriber import ReadFrom, Start, Subscription, subscribe_request
 from squall._tls import TlsOptions, open_channel
 from squall._tracing import traced_channel
-from squall._types import ClusterStatus, TopicInfo, kind_to_pb
+from squall._types import ClusterStatus, LinkInfo, TopicInfo, kind_to_pb
 from squall.v1 import broker_pb2, broker_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from squall.wire.auth import resolve_token
 from squall.wire.retry import (
@@ -275,6 +275,11 @@ class Client:
         """Destroys a topic with its events and subscriptions; NotFound if it does not exist."""
         self._call(self._topic_manager.DestroyTopic, broker_pb2.DestroyTopicRequest(name=name))
 
+    def links(self) -> list[LinkInfo]:
+        """Every topic link of the cluster, ordered by source then destination."""
+        response = self._call(self._topic_manager.GetLinkInfo, broker_pb2.GetLinkInfoRequest())
+        return [LinkInfo.from_pb(link) for link in response.links]
+
     def status(self) -> ClusterStatus:
         """The cluster status table as the gateway sees it."""
         request = gateway_pb2.GetClusterStatusRequest()
@@ -469,6 +474,7 @@ class Topic:
         *,
         end_offset: int | None = None,
         dedupe: bool = True,
+        read_from: ReadFrom | None = None,
     ) -> Subscription:
         """Streams messages from `start` (or a durable subscription's cursor).
 
@@ -477,9 +483,12 @@ class Topic:
         gateway (bounded by the client's retry settings) from the durable cursor or the
         last offset delivered + 1: delivery is at-least-once, and with `dedupe=True` (the
         default) the library drops redelivered offsets so the app sees each once, in order.
+        `read_from="replicas"` lets the gateway serve the stream from any replica of the
+        master's group (committed events only; docs/consumers.md), `"master"` only from the
+        master; None: the gateway's `read_from` setting. Acks go to the master either way.
         """
         request = subscribe_request(
-            self.name, subscription, start, follow, max_batch_events, end_offset
+            self.name, subscription, start, follow, max_batch_events, end_offset, read_from
         )
         return self._client._new_subscription(request, dedupe)
 
@@ -627,6 +636,40 @@ class Topic:
         request = broker_pb2.GetSubscribersRequest(topic=self.name)
         response = self._client._call(self._client._push_stub.GetSubscribers, request)
         return [PushSubscriberInfo.from_pb(s) for s in response.subscribers]
+
+    def link(self, to: str | Topic, cost: int = 0, cluster: str = "") -> LinkInfo:
+        """Links this topic to another of the cluster (IceStorm's Topic.link): its events
+        published from now on are forwarded there exactly once, in order, unless the cost
+        rules stop them (a link of cost N > 0 forwards events of cost at most N; an event
+        that arrived over a link is never forwarded again). AlreadyExists if linked,
+        NotFound for a missing topic, InvalidArgument for itself or a negative cost.
+
+        With `cluster`, `to` is a topic of another cluster: the name of a [[remotes]] entry
+        of this cluster's file; the remote is checked first (FailedPrecondition names an
+        unreachable cluster, a wrong TLS identity or a refused token)."""
+        request = broker_pb2.LinkTopicRequest(
+            from_topic=self.name,
+            to_topic=to if isinstance(to, str) else to.name,
+            cost=cost,
+            to_cluster=cluster,
+        )
+        response = self._client._call(self._client._topic_manager.LinkTopic, request)
+        return LinkInfo.from_pb(response.link)
+
+    def unlink(self, to: str | Topic, cluster: str = "") -> None:
+        """Removes the link to another topic; NotFound if there is none."""
+        request = broker_pb2.UnlinkTopicRequest(
+            from_topic=self.name,
+            to_topic=to if isinstance(to, str) else to.name,
+            to_cluster=cluster,
+        )
+        self._client._call(self._client._topic_manager.UnlinkTopic, request)
+
+    def links(self) -> list[LinkInfo]:
+        """This topic's links, ordered by destination (IceStorm's getLinkInfoSeq)."""
+        request = broker_pb2.GetLinkInfoRequest(topic=self.name)
+        response = self._client._call(self._client._topic_manager.GetLinkInfo, request)
+        return [LinkInfo.from_pb(link) for link in response.links]
 
     def __repr__(self) -> str:
         return f"Topic({self.name!r})"

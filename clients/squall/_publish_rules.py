@@ -148,6 +148,7 @@ def _add_one(add: Callable[..., common_pb2.EventData], event: Any, sequence: int
             payload=event.payload,
             headers=getattr(event, "headers", None) or None,
             sequence=sequence,
+            cost=getattr(event, "cost", 0) or 0,
         )
     else:
         raise TypeError(

@@ -32,7 +32,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 
@@ -62,6 +62,14 @@ def _cancel(calls: list[Any]) -> None:
         call.cancel()
 
 
+# Which replicas a gateway may serve a subscription from (None: the gateway's setting).
+ReadFrom = Literal["master", "replicas"]
+READ_FROM: dict[str, broker_pb2.ReadFrom.ValueType] = {
+    "master": broker_pb2.READ_FROM_MASTER,
+    "replicas": broker_pb2.READ_FROM_REPLICAS,
+}
+
+
 def subscribe_request(
     topic: str,
     subscription: str | None,
@@ -69,11 +77,19 @@ def subscribe_request(
     follow: bool,
     max_batch_events: int,
     end_offset: int | None = None,
+    read_from: ReadFrom | None = None,
 ) -> broker_pb2.SubscribeRequest:
     """Builds and validates a SubscribeRequest; ValueError names the bad argument."""
     request = broker_pb2.SubscribeRequest(
         topic=topic, subscription=subscription or "", follow=follow
     )
+    if read_from is not None:
+        if read_from not in READ_FROM:
+            raise ValueError(
+                f"read_from must be one of {', '.join(map(repr, READ_FROM))} or None, "
+                f"not {read_from!r}"
+            )
+        request.read_from = READ_FROM[read_from]
     try:
         request.start, request.offset, request.timestamp_ms = position_fields(start)
     except ValueError as exc:

@@ -134,4 +134,3 @@ def traced_channel(
 ) -> grpc.Channel:
     """channel with the library's tracing interceptor."""
     return grpc.intercept_channel(channel, ClientTracing(tracer_provider))
-

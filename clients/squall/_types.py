@@ -62,6 +62,38 @@ class TopicInfo:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class LinkInfo:
+    """A link from one topic to another (IceStorm's LinkInfo), with where forwarding is."""
+
+    from_topic: str
+    to_topic: str
+    cost: int
+    start_offset: int  # from_topic's end when the link was made: forwarding starts there
+    next_offset: int  # every event of from_topic below it was examined (forwarded or not)
+    lag_events: int  # events of from_topic not yet examined
+    publisher_id: str  # the forwarded events' publisher id on to_topic
+    created_lsn: int
+    to_cluster: str = ""  # another cluster's name ([[remotes]]); empty: this cluster
+    lag_ms: int = 0  # how long the oldest event not yet examined has waited
+
+    @classmethod
+    def from_pb(cls, link: broker_pb2.LinkInfo) -> LinkInfo:
+        """Builds a LinkInfo from the wire message."""
+        return cls(
+            link.from_topic,
+            link.to_topic,
+            link.cost,
+            link.start_offset,
+            link.next_offset,
+            link.lag_events,
+            link.publisher_id,
+            link.created_lsn,
+            link.to_cluster,
+            link.lag_ms,
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Holder:
     """One replica holding a published event, and how durably ("sync", "write_no_sync", ...)."""
 
@@ -105,6 +137,9 @@ class Message:
     seek_generation: int = dataclasses.field(default=0, compare=False)
     """For a durable subscription, the seek generation of the stream that delivered it:
     `ack` sends it, so an ack of a message delivered before a seek cannot undo the seek."""
+    cost: int = 0
+    """The event's cost (IceStorm's): a topic link of cost N > 0 forwards it only when it
+    is at most N. Published with `publish_many` events that have a `cost` attribute."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -137,6 +172,46 @@ class OperatorRecord:
     def from_pb(cls, pb: Any) -> OperatorRecord:
         """From a `squall.v1.OperatorRecord`."""
         return cls(pb.at_ms, pb.operator, pb.action, pb.reason)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LossEvent:
+    """Acknowledged events a node discarded, and the operator action that allowed it
+    (docs/operations.md, "Loss reports"); shown until `squall cluster ack-loss ID`."""
+
+    loss_id: str
+    node_id: str
+    at_ms: int
+    cause: str
+    """`truncation`, `manual-recovery`, `restore` or `designated-primary-conflict`."""
+    operator_action: str
+    detail: str
+    epoch: int = 0
+    first_epoch: int = 0
+    last_epoch: int = 0
+    first_lsn: int = 0
+    """The discarded LSN range (0: unknown)."""
+    last_lsn: int = 0
+    topics: tuple[tuple[str, int], ...] = ()
+    """(topic, events discarded) per topic; empty when unknown."""
+
+    @classmethod
+    def from_pb(cls, pb: Any) -> LossEvent:
+        """From a `squall.v1.LossEvent`."""
+        return cls(
+            loss_id=pb.loss_id,
+            node_id=pb.node_id,
+            at_ms=pb.at_ms,
+            cause=pb.cause,
+            operator_action=pb.operator_action,
+            detail=pb.detail,
+            epoch=pb.epoch,
+            first_epoch=pb.first_epoch,
+            last_epoch=pb.last_epoch,
+            first_lsn=pb.first_lsn,
+            last_lsn=pb.last_lsn,
+            topics=tuple((t.topic, t.events) for t in pb.topics),
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -187,6 +262,14 @@ class NodeStatus:
     config_mismatches: tuple[ConfigMismatch, ...] = ()
     """Nodes this node refuses because settings every member must share differ from its
     own, one row per differing setting."""
+    losses: tuple[LossEvent, ...] = ()
+    """Acknowledged events the node discarded that no operator acknowledged yet."""
+    membership: str = ""
+    """The node set this node runs with (``v2 (epoch 7): 1:3,2:2,4:1``; v0 is the config
+    file's); a runtime membership change moves it."""
+    membership_change: str = ""
+    """On the master's coordinator: the membership change in progress, or how the last
+    one ended."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -266,6 +349,9 @@ class ClusterStatus:
                     ConfigMismatch(m.node_id, m.key, m.local_value, m.peer_value)
                     for m in n.config_mismatches
                 ),
+                losses=tuple(LossEvent.from_pb(e) for e in n.losses),
+                membership=n.membership,
+                membership_change=n.membership_change,
             )
             for n in status.nodes
         )
@@ -400,6 +486,7 @@ def _receipts_from_batch(batch: common_pb2.BatchReceipt) -> list[Receipt]:
     _m_epoch,
     _m_topic,
     _m_generation,
+    _m_cost,
 ) = _slot_setters(Message, [f.name for f in dataclasses.fields(Message)])
 _NO_HEADERS: Mapping[str, str] = types.MappingProxyType({})
 
@@ -430,5 +517,6 @@ def messages_from_events(
         _m_epoch(m, e.epoch)
         _m_topic(m, e.topic)
         _m_generation(m, seek_generation)
+        _m_cost(m, e.cost)
         append(m)
     return out

@@ -6,6 +6,9 @@
     squall cluster transfer --to ID [--reason WHY] [--wait-ms MS]
     squall cluster quarantine ID [--reason WHY]
     squall cluster unquarantine ID [--reason WHY]
+    squall cluster ack-loss LOSS_ID [--reason WHY]
+    squall cluster add-node | remove-node | replace-node | set-priority | config export
+                               (runtime membership changes: services/cli/membership.py)
 
 Every control is loud: the coordinator logs it as a warning, persists it with who, when and
 why, and `squall status` shows it. A command against a node that is not configured or not
@@ -25,11 +28,22 @@ import grpc
 
 from squall import with_token
 from squall.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from squall_server.cli import membership as cli_membership
 from squall_server.cli.auth import add_token_argument, cli_token
 from squall_server.cli.cluster_shutdown import ShutdownError, shutdown_cluster
 from squall_server.common.config import ClusterConfig, ConfigError, NodeConfig, load_config
 from squall_server.common.tls import Transport, cli_transport, plain_or
 
+# Printed after setting the flag: what no protocol can prevent with two nodes.
+_DESIGNATED_DANGER = (
+    "WARNING: {node} will now run ALONE whenever it cannot reach the other node. Never set "
+    "the flag on the other node as well: the nodes refuse it while they can see each "
+    "other's flag, but on both sides of a partition both would run alone and accept writes "
+    "the other never sees; when they meet again the lower-ranked one gives its flag up and "
+    "one side's writes since the split are discarded (reported in `squall status` as a "
+    "loss). Clear it with `squall cluster designated-primary {node} --off` once the other "
+    "node is back."
+)
 # How often `transfer` polls the target while it takes over.
 _TRANSFER_POLL_S = 0.01
 
@@ -66,8 +80,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--wait-ms",
         type=int,
         default=5000,
-        help="longest wait for NODE to catch up before the transfer is abandoned "
-        "(default 5000)",
+        help="longest wait for NODE to catch up before the transfer is abandoned (default 5000)",
     )
     quarantine = sub.add_parser(
         "quarantine", help="take NODE out of every group until it is unquarantined"
@@ -77,14 +90,20 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "unquarantine", help="let a quarantined NODE rejoin (repair its store first)"
     )
     unquarantine.add_argument("node")
-    for parser in (primary, override, transfer, quarantine, unquarantine):
+    ack_loss = sub.add_parser(
+        "ack-loss",
+        help="acknowledge a loss report shown by `squall status` (it leaves the status; the "
+        "audit trail keeps who acknowledged it)",
+    )
+    ack_loss.add_argument("loss_id", metavar="LOSS_ID")
+    cli_membership.add_parsers(sub)
+    for parser in (primary, override, transfer, quarantine, unquarantine, ack_loss):
         parser.add_argument("--config", required=True, metavar="FILE", help="cluster TOML file")
         add_token_argument(parser)
         parser.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
     shutdown = sub.add_parser(
         "shutdown",
-        help="stop every node at one point and mark the stores clean (restart needs no "
-        "operator)",
+        help="stop every node at one point and mark the stores clean (restart needs no operator)",
     )
     shutdown.add_argument("--config", required=True, metavar="FILE", help="cluster TOML file")
     add_token_argument(shutdown)
@@ -94,7 +113,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         default=30.0,
         help="seconds for the members to reach the master's last entry (default 30)",
     )
-    for parser in (override, transfer, quarantine, unquarantine):
+    for parser in (override, transfer, quarantine, unquarantine, ack_loss):
         parser.add_argument("--reason", default="", help="why, for the audit trail")
 
 
@@ -132,9 +151,7 @@ def _call(
             if links is not None and links.enabled and links.identity is None:
                 # Coordinators and replicas require a client certificate.
                 hint = " (no admin.crt and admin.key in tls.cert_dir to present)"
-            raise AdminError(
-                f"node {node_id}: {exc.code().name}: {exc.details()}{hint}"
-            ) from None
+            raise AdminError(f"node {node_id}: {exc.code().name}: {exc.details()}{hint}") from None
 
 
 def _status(node: NodeConfig, timeout: float) -> coordinator_pb2.CoordinatorStatus | None:
@@ -164,6 +181,8 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     _LINKS.set(cli_transport(config))
     operator = getpass.getuser()
     command = args.cluster_command
+    if command in ("add-node", "remove-node", "replace-node", "set-priority", "config"):
+        return cli_membership.run(config, args, out)
     if command == "shutdown":
         if args.timeout <= 0:
             raise AdminError(f"--timeout must be > 0, not {args.timeout}")
@@ -179,9 +198,14 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         reply = _call(
             node.coordinator_address, node.id, "SetDesignatedPrimary", request, args.timeout
         )
-        flag = "set" if reply.status.designated_primary else "cleared"
-        print(f"{node.id}: designated primary {flag}", file=out)
+        if reply.status.designated_primary:
+            print(f"{node.id}: designated primary set", file=out)
+            print(_DESIGNATED_DANGER.format(node=node.id), file=out)
+        else:
+            print(f"{node.id}: designated primary cleared", file=out)
         return 0
+    if command == "ack-loss":
+        return _ack_loss(config, args.loss_id, operator, args.reason, args.timeout, out)
     if command == "transfer":
         return _transfer(config, args, operator, out)
     if command in ("quarantine", "unquarantine"):
@@ -219,6 +243,34 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
             file=out,
         )
     return 1 if failures == len(targets) else 0
+
+
+def _ack_loss(
+    config: ClusterConfig, loss_id: str, operator: str, reason: str, timeout: float, out: TextIO
+) -> int:
+    """Finds the node holding the loss report and acknowledges it there."""
+    held: list[str] = []
+    unreachable: list[str] = []
+    for node in config.nodes:
+        status = _status(node, timeout)
+        if status is None:
+            unreachable.append(node.id)
+            continue
+        ids = [loss.loss_id for loss in status.losses]
+        held.extend(f"{node.id}:{i}" for i in ids)
+        if loss_id in ids:
+            request = coordinator_pb2.AckLossRequest(
+                loss_id=loss_id, operator=operator, reason=reason
+            )
+            _call(node.coordinator_address, node.id, "AckLoss", request, timeout)
+            print(f"{node.id}: loss report {loss_id} acknowledged", file=out)
+            return 0
+    raise AdminError(
+        f"no unacknowledged loss report {loss_id!r} on any reachable node (unacknowledged: "
+        f"{', '.join(held) or 'none'}"
+        + (f"; unreachable: {', '.join(unreachable)}" if unreachable else "")
+        + "); nothing changed"
+    )
 
 
 def _transfer(config: ClusterConfig, args: argparse.Namespace, operator: str, out: TextIO) -> int:

@@ -214,9 +214,7 @@ def _wait_for_point(
                 continue
             member.replica = held
             if (held.last_epoch, held.last_lsn) != (state.last_epoch, state.last_lsn):
-                behind.append(
-                    f"{member.config.id} at {held.last_epoch}/{held.last_lsn}"
-                )
+                behind.append(f"{member.config.id} at {held.last_epoch}/{held.last_lsn}")
         if not behind:
             return state
         lagging = ", ".join(behind)
@@ -248,9 +246,7 @@ def _stop_coordinators(nodes: list[_Node], shutdown_id: str, operator: str) -> N
             node.notes.append(f"coordinator not stopped ({_rpc_error(exc)})")
 
 
-def _finish(
-    node: _Node, shutdown_id: str, point: replica_pb2.ReplicaState, operator: str
-) -> bool:
+def _finish(node: _Node, shutdown_id: str, point: replica_pb2.ReplicaState, operator: str) -> bool:
     try:
         done = _call(
             node.config.replica_address,

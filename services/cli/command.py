@@ -6,9 +6,11 @@
     squall topic create NAME [--transient]      client commands, through a gateway
     squall topic list [--json] | topic destroy NAME
     squall topic subscribers NAME [--json] | topic unsubscribe NAME ID     push subscribers
+    squall topic link NAME TO [--cost N] [--cluster R] | topic unlink NAME TO [--cluster R]
+    squall topic links [NAME] [--json] | topic info NAME [--json]   links and where they are
     squall publish TOPIC [MESSAGE ...]          no MESSAGE: one event per line of stdin
     squall subscribe TOPIC [--subscription S] [--from earliest|latest|N|ISO8601] [--follow]
-                     [--count N]
+                     [--count N] [--read-from master|replicas]
     squall subscribe TOPIC --shared S [--consumer ID] [--follow] [--count N]
                      [--ack-deadline-ms MS] [--max-deliveries N] [--dead-letter-topic T]
                      [--exclusive]
@@ -37,6 +39,7 @@ usage or configuration error.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -168,6 +171,39 @@ def build_parser() -> argparse.ArgumentParser:
     unsubscribe.add_argument("name")
     unsubscribe.add_argument("subscriber_id")
 
+    link = topic_commands.add_parser(
+        "link",
+        parents=[client],
+        help="forward a topic's new events to another topic (IceStorm's link)",
+    )
+    link.add_argument("name")
+    link.add_argument("to")
+    link.add_argument(
+        "--cost",
+        type=int,
+        default=0,
+        metavar="N",
+        help="0 forwards every event; N > 0 only events of cost at most N",
+    )
+    unlink = topic_commands.add_parser("unlink", parents=[client], help="remove a topic link")
+    unlink.add_argument("name")
+    unlink.add_argument("to")
+    for link_parser in (link, unlink):
+        link_parser.add_argument(
+            "--cluster",
+            default="",
+            metavar="REMOTE",
+            help="TO is a topic of another cluster (a [[remotes]] name of the cluster file)",
+        )
+    links = topic_commands.add_parser(
+        "links", parents=[client], help="a topic's links (every link without NAME)"
+    )
+    links.add_argument("name", nargs="?", default="")
+    cli_listing.add_json_flag(links)
+    info = topic_commands.add_parser("info", parents=[client], help="a topic and its links")
+    info.add_argument("name")
+    cli_listing.add_json_flag(info)
+
     publish = commands.add_parser(
         "publish", parents=[client], help="publish messages (or stdin lines) to a topic"
     )
@@ -201,6 +237,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--follow", action="store_true", help="keep waiting for new events (Ctrl-C stops)"
     )
     subscribe.add_argument("--count", type=_positive_int, metavar="N", help="stop after N events")
+    subscribe.add_argument(
+        "--read-from",
+        choices=("master", "replicas"),
+        default=None,
+        help="which replicas the gateway may read from (default: the gateway's read_from "
+        "setting); replicas serve committed events only",
+    )
     subscribe.add_argument(
         "--shared",
         metavar="NAME",
@@ -371,12 +414,52 @@ def _cmd_topic(client: squall.Client, args: argparse.Namespace, out: TextIO) -> 
                 + (f"\tlast_error={sub.last_error}" if sub.last_error else ""),
                 file=out,
             )
+    elif args.topic_command in ("link", "unlink", "links", "info"):
+        return _cmd_topic_links(client, args, out)
     elif args.topic_command == "unsubscribe":
         client.topic(args.name).unsubscribe_push(args.subscriber_id)
         print(f"unsubscribed {args.subscriber_id} from topic {args.name}", file=out)
     else:
         client.destroy_topic(args.name)
         print(f"destroyed topic {args.name}", file=out)
+    return 0
+
+
+def _cmd_topic_links(client: squall.Client, args: argparse.Namespace, out: TextIO) -> int:
+    if args.topic_command == "link":
+        link = client.topic(args.name).link(args.to, cost=args.cost, cluster=args.cluster)
+        target = f"{link.to_topic}@{link.to_cluster}" if link.to_cluster else link.to_topic
+        print(
+            f"linked topic {link.from_topic} to {target} with cost {link.cost} "
+            f"(forwarding from offset {link.start_offset} as {link.publisher_id})",
+            file=out,
+        )
+    elif args.topic_command == "unlink":
+        client.topic(args.name).unlink(args.to, cluster=args.cluster)
+        target = f"{args.to}@{args.cluster}" if args.cluster else args.to
+        print(f"unlinked topic {args.name} from {target}", file=out)
+    elif args.topic_command == "links":
+        links = client.topic(args.name).links() if args.name else client.links()
+        if args.json:
+            cli_listing.print_json(cli_listing.links_document(links), out)
+        for line in [] if args.json else cli_listing.link_lines(links):
+            print(line, file=out)
+    else:
+        topic = client.topic(args.name)
+        links = topic.links()
+        if args.json:
+            document = dataclasses.asdict(topic.info)
+            document.update(cli_listing.links_document(links))
+            cli_listing.print_json(document, out)
+            return 0
+        info = topic.info
+        print(
+            f"{info.name}\t{info.kind}\tfirst_offset={info.first_offset}"
+            f"\tnext_offset={info.next_offset}\tlinks={len(links)}",
+            file=out,
+        )
+        for line in cli_listing.link_lines(links):
+            print(f"  {line}", file=out)
     return 0
 
 
@@ -450,7 +533,9 @@ def _cmd_subscribe(client: squall.Client, args: argparse.Namespace, out: TextIO)
         return _cmd_subscribe_shared(client, args, out)
     topic = client.topic(args.topic)
     remaining: int | None = args.count
-    with topic.subscribe(args.subscription, start=args.start, follow=args.follow) as sub:
+    with topic.subscribe(
+        args.subscription, start=args.start, follow=args.follow, read_from=args.read_from
+    ) as sub:
         printed: int | None = None  # the last offset printed and not yet acked
         try:
             for batch in sub.batches():
@@ -497,6 +582,15 @@ def _quorum(node: squall.NodeStatus) -> str:
     return text
 
 
+def _status_links(client: squall.Client) -> list[squall.LinkInfo] | None:
+    """The cluster's topic links for status, None when they cannot be read (no replica
+    answers reads): status still shows the replica table."""
+    try:
+        return client.links()
+    except squall.SquallError:
+        return None
+
+
 def _cmd_status(client: squall.Client, args: argparse.Namespace, out: TextIO) -> int:
     if args.wait_normal is not None:
         waited = cli_status_wait.wait_until_normal(
@@ -505,8 +599,11 @@ def _cmd_status(client: squall.Client, args: argparse.Namespace, out: TextIO) ->
         if waited:
             return waited
     status = client.status()
+    links = _status_links(client)
     if args.json:
         document = status.to_dict()
+        if links is not None:
+            document.update(cli_listing.links_document(links))
         if args.explain:
             document["explain"] = cli_explain.explain(status)
         print(json.dumps(document, indent=2, sort_keys=True), file=out)
@@ -568,6 +665,24 @@ def _cmd_status(client: squall.Client, args: argparse.Namespace, out: TextIO) ->
         f"  (squall {squall.__version__})",
         file=out,
     )
+    # The running node set (a membership change moves it away from the file's).
+    master_row = next((n for n in status.nodes if n.node_id == status.master_id), None)
+    if master_row is not None and master_row.membership:
+        print(f"node set: {master_row.membership}", file=out)
+        listed = {n.node_id for n in status.nodes}
+        running = {
+            item.split(":")[0] for item in master_row.membership.split(": ", 1)[-1].split(",")
+        }
+        if running != listed:
+            print(
+                "  the config file lists "
+                + ",".join(sorted(listed))
+                + ": bring it up to date with `squall cluster config export`",
+                file=out,
+            )
+    changes = [n.membership_change for n in status.nodes if n.membership_change]
+    for change in changes:
+        print(f"membership change: {change}", file=out)
     # The master's view of its slaves: what each lacks and how fast it is closing the gap.
     slaves = [slave for node in status.nodes if node.reachable for slave in node.slaves]
     if slaves:
@@ -586,6 +701,10 @@ def _cmd_status(client: squall.Client, args: argparse.Namespace, out: TextIO) ->
             )
         for line in _format_table(table):
             print(line, file=out)
+    if links:
+        print("topic links:", file=out)
+        for line in cli_listing.link_lines(links):
+            print(f"  {line}", file=out)
     for line in cli_explain.notes(status):
         print(line, file=out)
     if args.explain:

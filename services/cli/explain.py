@@ -48,6 +48,24 @@ def reason_of(node: squall.NodeStatus) -> str:
     return "; ".join(parts)
 
 
+def loss_line(loss: squall.LossEvent) -> str:
+    """One loss report: what was discarded, where, what allowed it, how to acknowledge."""
+    parts = [f"{loss.loss_id} at {when(loss.at_ms)}: {loss.cause}"]
+    if loss.operator_action:
+        parts.append(f"allowed by {loss.operator_action}")
+    if loss.first_lsn:
+        epochs = f" (epochs {loss.first_epoch}..{loss.last_epoch})" if loss.first_epoch else ""
+        upto = loss.last_lsn if loss.last_lsn else "(end unknown)"
+        parts.append(f"LSN {loss.first_lsn}..{upto}{epochs}")
+    if loss.topics:
+        total = sum(count for _, count in loss.topics)
+        listed = ", ".join(f"{topic}={count}" for topic, count in loss.topics)
+        parts.append(f"{total} acknowledged events discarded ({listed})")
+    parts.append(loss.detail)
+    parts.append(f"acknowledge with `squall cluster ack-loss {loss.loss_id}`")
+    return "; ".join(p for p in parts if p)
+
+
 def notes(status: squall.ClusterStatus) -> list[str]:
     """One line per operator control in force, and per replica fault, for the table's foot."""
     lines: list[str] = []
@@ -73,6 +91,8 @@ def notes(status: squall.ClusterStatus) -> list[str]:
             lines.append(f"{node.node_id}: its replica reports a fault: {node.fault_reason}")
         if node.transfer_target:
             lines.append(f"{node.node_id}: handing the leadership to {node.transfer_target}")
+        for loss in node.losses:
+            lines.append(f"{node.node_id}: LOSS {loss_line(loss)}")
         for mismatch in node.config_mismatches:
             lines.append(
                 f"{node.node_id}: REFUSES {mismatch.node_id}: configuration differs: "

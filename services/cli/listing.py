@@ -1,4 +1,4 @@
-"""`--json` for the CLI's listing commands (`topic list`, `topic subscribers`).
+"""`--json` for the CLI's listing commands (`topic list`, `topic subscribers`, `topic links`).
 
 Each prints one JSON object, keys sorted, for scripts and `jq`: the same fields the text
 table shows, with their full names and unabbreviated values (`status --json` and
@@ -38,6 +38,22 @@ def subscribers_document(
         row["ordered"] = sub.ordered
         rows.append(row)
     return {"topic": topic, "subscribers": rows}
+
+
+def links_document(links: Iterable[squall.LinkInfo]) -> dict[str, Any]:
+    """`topic links [NAME] --json`: {"links": [{from_topic, to_topic, cost, start_offset,
+    next_offset, lag_events, publisher_id, created_lsn}]}."""
+    return {"links": [dataclasses.asdict(link) for link in links]}
+
+
+def link_lines(links: Iterable[squall.LinkInfo]) -> list[str]:
+    """The text rows of `topic links`, `topic info` and `status`."""
+    return [
+        f"{link.from_topic} -> {link.to_topic}{'@' + link.to_cluster if link.to_cluster else ''}"
+        f"\tcost={link.cost}\tnext_offset={link.next_offset}\tlag_events={link.lag_events}"
+        f"\tlag_ms={link.lag_ms}\tpublisher_id={link.publisher_id}"
+        for link in links
+    ]
 
 
 def print_json(document: dict[str, Any], out: TextIO) -> None:

@@ -14,13 +14,18 @@ state and shutdown id.
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
+import logging
 import uuid
 from pathlib import Path
 from typing import TextIO, cast
 
 from squall.v1 import common_pb2
 from squall_server.cli.store_backup import store_commands
+from squall_server.common.clock import SYSTEM_CLOCK
+from squall_server.common.loss import new_loss_id, record_loss
+from squall_server.common.loss_record import LossRecord
 from squall_server.coordinator.persist import STATE_FILE_NAME, StateFileError, load_state
 from squall_server.replica.datadir import DataDirBusy, DataDirLock, is_locked
 from squall_server.replica.store import Store, StoreError, StoreMeta
@@ -36,6 +41,34 @@ _STATE_NAMES = {
     common_pb2.STORE_STATE_CLEAN: "clean",
     common_pb2.STORE_STATE_DIRTY: "dirty",
 }
+
+
+log = logging.getLogger("squall.cli")
+
+
+def manual_recovery_loss(
+    node_id: str, meta: StoreMeta, shutdown_id: str, operator: str, at_ms: int
+) -> LossRecord:
+    """The loss report of `store mark-clean` on a dirty store: the cluster restarts from this
+    log, so whatever acknowledged entries came after it on other stores are given up."""
+    known = f", knew LSN {meta.commit_lsn} committed" if meta.commit_lsn is not None else ""
+    return LossRecord(
+        loss_id=new_loss_id(),
+        node_id=node_id,
+        at_ms=at_ms,
+        cause="manual-recovery",
+        operator_action=f"squall store mark-clean by {operator} (shutdown id {shutdown_id})",
+        detail=(
+            f"a dirty store (log epoch {meta.last_epoch} LSN {meta.last_lsn}{known}) was "
+            "marked clean: the cluster restarts from its log, and any acknowledged event "
+            "after it that only other stores held is given up (how many is unknown here; a "
+            "store with a newer log that starts is refused, so start every store you have)"
+        ),
+        epoch=meta.epoch,
+        first_epoch=meta.last_epoch,
+        last_epoch=meta.last_epoch,
+        first_lsn=meta.last_lsn + 1,
+    )
 
 
 class StoreToolError(Exception):
@@ -176,10 +209,13 @@ def _print_inspection(report: dict[str, object], out: TextIO) -> None:
         print(f"{label + ':':<{_LABEL_WIDTH}} {value}", file=out)
 
 
+def _node_of(path: Path) -> str:
+    """The node whose data directory this is, as far as the tool can tell (its name)."""
+    return path.resolve().name
+
+
 def _describe(meta: StoreMeta) -> str:
-    return (
-        f"cluster {meta.cluster_id or '-'}, log epoch {meta.last_epoch} LSN {meta.last_lsn}"
-    )
+    return f"cluster {meta.cluster_id or '-'}, log epoch {meta.last_epoch} LSN {meta.last_lsn}"
 
 
 def mark_clean(path_text: str, shutdown_id: str | None, out: TextIO) -> None:
@@ -217,6 +253,17 @@ def mark_clean(path_text: str, shutdown_id: str | None, out: TextIO) -> None:
     except DataDirBusy as exc:
         raise StoreToolError(f"{exc}; nothing was changed") from None
     was = _STATE_NAMES.get(meta.state, str(meta.state))
+    if meta.state == common_pb2.STORE_STATE_DIRTY:
+        record = manual_recovery_loss(
+            _node_of(path), meta, chosen, getpass.getuser(), SYSTEM_CLOCK.wall_ms()
+        )
+        record_loss(path, record, log)
+        print(
+            f"{path}: recorded loss report {record.loss_id} (a manual recovery may give up "
+            "acknowledged events; shown in `squall status` until `squall cluster ack-loss "
+            f"{record.loss_id}`)",
+            file=out,
+        )
     print(
         f"{path}: marked clean with shutdown id {chosen} (was {was}); {_describe(meta)}.\n"
         "Start every node: the cluster restarts from this store, the others are updated "
@@ -264,5 +311,3 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         return 0
     mark_dirty(args.dir, out)
     return 0
-
-

@@ -15,12 +15,47 @@ failure nothing is left behind. See docs/deployment.md for the procedures.
 from __future__ import annotations
 
 import argparse
+import getpass
+import logging
 import sys
 from pathlib import Path
 from typing import TextIO
 
 from squall_server.cli.progress import ProgressLine
+from squall_server.common.clock import SYSTEM_CLOCK
+from squall_server.common.loss import new_loss_id, record_loss
+from squall_server.common.loss_record import LossRecord
+from squall_server.coordinator.persist import STATE_FILE_NAME, StateFileError, load_state
 from squall_server.replica import backup as store_backup
+
+log = logging.getLogger("squall.cli")
+
+
+def restore_loss(
+    node_id: str, info: store_backup.BackupInfo, node_epoch: int, operator: str, at_ms: int
+) -> LossRecord | None:
+    """The loss report of restoring a backup older than what the node had run: its
+    coordinator had accepted an epoch above the backup's, so the store it replaced held
+    entries the backup lacks. None when nothing says the backup is older."""
+    if node_epoch <= info.epoch:
+        return None
+    return LossRecord(
+        loss_id=new_loss_id(),
+        node_id=node_id,
+        at_ms=at_ms,
+        cause="restore",
+        operator_action=f"squall store restore by {operator}",
+        detail=(
+            f"a backup of epoch {info.epoch} (log up to LSN {info.last_lsn}, last entry's "
+            f"epoch {info.last_epoch}) replaced a store that had run up to epoch "
+            f"{node_epoch}: its entries after LSN {info.last_lsn} are gone from this node; "
+            "the running cluster gives them back if a majority of the other stores holds "
+            "them, otherwise acknowledged events after the backup are lost"
+        ),
+        epoch=node_epoch,
+        first_epoch=info.last_epoch,
+        first_lsn=info.last_lsn + 1,
+    )
 
 
 def store_commands(commands: argparse._SubParsersAction) -> argparse._SubParsersAction:  # type: ignore[type-arg]
@@ -72,6 +107,27 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         )
 
 
+def _report_restore_loss(data_dir: Path, info: store_backup.BackupInfo, out: TextIO) -> None:
+    """Records a loss report when the node's coordinator state shows it ran past the
+    backup (the epoch it accepted is newer than the backup's)."""
+    try:
+        node_epoch = load_state(data_dir / STATE_FILE_NAME).epoch
+    except StateFileError:
+        node_epoch = 0
+    record = restore_loss(
+        data_dir.resolve().name, info, node_epoch, getpass.getuser(), SYSTEM_CLOCK.wall_ms()
+    )
+    if record is None:
+        return
+    record_loss(data_dir, record, log)
+    print(
+        f"{data_dir}: the node had run up to epoch {node_epoch}, past this backup (epoch "
+        f"{info.epoch}): recorded loss report {record.loss_id}, shown in `squall status` "
+        f"until `squall cluster ack-loss {record.loss_id}`",
+        file=out,
+    )
+
+
 def _describe(info: store_backup.BackupInfo) -> str:
     return (
         f"cluster {info.cluster_id or '(none yet)'}, {info.store_state} store, "
@@ -99,6 +155,7 @@ def run(args: argparse.Namespace, out: TextIO, err: TextIO | None = None) -> int
             info = store_backup.restore(args.backup, args.data_dir, report)
             progress.finish()
             print(f"restored {args.backup} into {args.data_dir}: {_describe(info)}", file=out)
+            _report_restore_loss(args.data_dir, info, out)
             print(
                 "start the node; it rejoins its group and catches up from the master",
                 file=out,

@@ -75,7 +75,9 @@ def add_parser(
     where.add_argument("--earliest", action="store_true", help="the oldest event held")
     where.add_argument("--latest", action="store_true", help="past every event published")
     info = actions.add_parser(
-        "info", parents=[client], help="a durable subscription's cursor and backlog"
+        "info",
+        parents=[client],
+        help="a durable subscription's cursor and backlog (shared: outstanding, dead-lettered)",
     )
     info.add_argument("topic")
     info.add_argument("name", metavar="SUBSCRIPTION")

@@ -17,7 +17,8 @@ handshake verified, services/common/peer_identity.py) is trusted without a token
 gateway has already checked the app's token before forwarding. Without TLS there are no
 member identities, so every guarded call needs a token. Methods not listed here (the
 internal Coordinator.Deliver, Replication.*, ReplicaControl.*, health, reflection) are
-not this module's to guard.
+not this module's to guard; every other method of a public service must have a rule
+(tests/unit/test_auth.py checks it against the protos, so a new RPC cannot ship unguarded).
 """
 
 from __future__ import annotations
@@ -68,13 +69,28 @@ def _rules() -> dict[str, Rule]:
     rules[manager + "DestroyTopic"] = Rule(Permission.ADMIN, "name", "destroy topic")
     rules[manager + "RetrieveTopic"] = Rule(Permission.SEE, "name", "look up topic")
     rules[manager + "ListTopics"] = Rule(Permission.AUTHENTICATED)
+    # Links move events between topics (and out of the cluster): the operator's call.
+    rules[manager + "LinkTopic"] = Rule(Permission.ADMIN, "from_topic", "link topic")
+    rules[manager + "UnlinkTopic"] = Rule(Permission.ADMIN, "from_topic", "unlink topic")
+    rules[manager + "GetLinkInfo"] = Rule(Permission.ADMIN, action="read topic links")
     for name in ("GetPublisher", "GetNonReplicatedPublisher"):
         rules[manager + name] = Rule(Permission.PUBLISH, "topic", "publish to topic")
     for name in ("Publish", "PublishStream"):
         rules["/squall.v1.Publisher/" + name] = Rule(
             Permission.PUBLISH, "topic", "publish to topic"
         )
-    for name in ("Subscribe", "Ack", "Seek", "ListSubscriptions", "DeleteSubscription"):
+    for name in (
+        "Subscribe",
+        "Ack",
+        "Seek",
+        "ListSubscriptions",
+        "DeleteSubscription",
+        "CreateSharedSubscription",
+        "Pull",
+        "AckMessages",
+        "Nack",
+        "ExtendDeadline",
+    ):
         rules["/squall.v1.Subscriber/" + name] = Rule(
             Permission.SUBSCRIBE, "topic", "subscribe to topic"
         )
@@ -93,6 +109,8 @@ def _rules() -> dict[str, Rule]:
         ("Shutdown", "run cluster commands"),
         ("TransferLeadership", "run cluster commands"),
         ("SetQuarantine", "run cluster commands"),
+        ("AckLoss", "run cluster commands"),
+        ("ChangeMembership", "change the cluster membership"),
     ):
         rules["/squall.v1.Coordinator/" + name] = Rule(Permission.ADMIN, action=action)
     return rules

@@ -58,10 +58,29 @@ SYNC_POLICY_NAMES: Mapping[str, common_pb2.SyncPolicy.ValueType] = {
     "WRITE_NO_SYNC": common_pb2.SYNC_POLICY_WRITE_NO_SYNC,
     "NO_SYNC": common_pb2.SYNC_POLICY_NO_SYNC,
 }
+# "all" stays first for ACK_POLICY_ALL: it is the name the agreed-settings digest uses, so
+# nodes of this version and older ones agree (ClusterConfig.agreed_settings).
 ACK_POLICY_NAMES: Mapping[str, common_pb2.AckPolicy.ValueType] = {
     "majority": common_pb2.ACK_POLICY_MAJORITY,
     "all": common_pb2.ACK_POLICY_ALL,
     "none": common_pb2.ACK_POLICY_NONE,
+    "group": common_pb2.ACK_POLICY_ALL,
+}
+# Names that still load but say less than they seem to (issue 20): what each does, and
+# the name to write instead.
+DEPRECATED_ACKS = {
+    "all": (
+        'durability.acks = "all" is deprecated: it waits for every member of the current '
+        "group, not every configured node (a node out of the group is not waited for); "
+        'write acks = "group"'
+    ),
+}
+DEPRECATED_MASTER_SYNC = {
+    "NO_SYNC": (
+        'durability.master_sync = "NO_SYNC" is deprecated: a master must write an entry to '
+        "its log before it can replicate it, so it behaves as WRITE_NO_SYNC (and is loaded "
+        'as that); write master_sync = "WRITE_NO_SYNC"'
+    ),
 }
 TELEMETRY_EXPORTERS = ("none", "console", "otlp", "prometheus")
 # Bind-only addresses (the Prometheus endpoint) may listen on every interface.
@@ -96,15 +115,18 @@ class GatewayConfig:
 
     id: str
     address: str
+    # Where it forwards a Subscribe that does not say (READ_FROM_UNSPECIFIED): "master",
+    # or "replicas" (spread over the master's group, docs/consumers.md).
+    read_from: str = "master"
 
 
 @dataclass(frozen=True)
 class TimeoutsConfig:
     """Election, membership and RPC timing, in milliseconds.
 
-    The defaults detect a failed node in about member_timeout_ms (0.4 s) and elect a new
-    master within roughly another probe interval plus merge delays (about 0.5-0.7 s in
-    all on a LAN).
+    The defaults detect a failed node 0.3-0.4 s after it fails (member_timeout_ms from its
+    last answer) and, when it was the master, have the next node in rank invite the others
+    at once (about 0.4-0.5 s in all on a LAN; docs/configuration.md).
     """
 
     heartbeat_interval_ms: int = 100
@@ -262,6 +284,22 @@ class TlsConfig:
 
 
 @dataclass(frozen=True)
+class RemoteConfig:
+    """Another Squall cluster this one's topics may link to (docs/federation.md).
+
+    Reached through its gateways: over TLS when ca_file is set (its gateways' certificates
+    verified against that CA, for server_name when given, else each address's host), with
+    the token in token_file when set (the remote's [auth]).
+    """
+
+    name: str
+    gateways: tuple[str, ...]
+    ca_file: Path | None = None
+    server_name: str = ""
+    token_file: Path | None = None
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     """The whole cluster as every service sees it."""
 
@@ -277,6 +315,19 @@ class ClusterConfig:
     auth: AuthConfig = field(default_factory=AuthConfig)
     path: Path = Path("<memory>")
     tls: TlsConfig = field(default_factory=TlsConfig)
+    # Deprecated names the file used, one sentence each (logged as warnings at start).
+    deprecations: tuple[str, ...] = field(default=(), compare=False)
+    remotes: tuple[RemoteConfig, ...] = ()
+
+    def remote(self, name: str) -> RemoteConfig | None:
+        """The [[remotes]] entry of that name, or None."""
+        return next((r for r in self.remotes if r.name == name), None)
+    # The version and epoch of the node set listed, as `squall cluster config export`
+    # writes them (0 for a file written by hand): a node started from an exported file
+    # never takes an older running node set for newer (docs/operations.md, "Changing the
+    # membership").
+    membership_version: int = 0
+    membership_epoch: int = 0
 
     def node(self, node_id: str) -> NodeConfig:
         """The node with this id; ConfigError listing the configured ids if there is none."""
@@ -426,6 +477,8 @@ def load_config_or_exit(
             check_tls_identity(config.tls, identity)
     except ConfigError as error:
         _exit_with_error(path, error.message)
+    for deprecation in config.deprecations:
+        print(f"squall: config warning: {os.fspath(path)}: {deprecation}", file=sys.stderr)
     return config
 
 
@@ -450,10 +503,13 @@ _SECTIONS: Mapping[str, str] = {
     "logging": "table",
     "tls": "table",
     "auth": "table",
+    "remotes": "array",
 }
-_CLUSTER_KEYS = ("name",)
+_CLUSTER_KEYS = ("name", "membership_version", "membership_epoch")
 _NODE_KEYS = tuple(f.name for f in dataclasses.fields(NodeConfig))
 _GATEWAY_KEYS = tuple(f.name for f in dataclasses.fields(GatewayConfig))
+_GATEWAY_REQUIRED_KEYS = ("id", "address")
+GATEWAY_READ_FROM = ("master", "replicas")
 # Keys that look configurable but are fixed elsewhere, with the reason given instead of
 # "unknown key".
 _FIXED_KEYS: Mapping[tuple[str, str], str] = {
@@ -480,20 +536,31 @@ def _build(document: Mapping[str, Any], config_path: Path) -> ClusterConfig:
     _require(cluster, "name", "cluster.name")
 
     base_dir = config_path.absolute().parent
+    deprecations: list[str] = []
     nodes = tuple(
         _build_node(index, entry, base_dir) for index, entry in enumerate(document.get("nodes", []))
     )
     gateways = tuple(
         _build_gateway(index, entry) for index, entry in enumerate(document.get("gateways", []))
     )
+    set_key: dict[str, int] = {}
+    for key in ("membership_version", "membership_epoch"):
+        value = cluster.get(key, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(
+                f"cluster.{key}: must be a non-negative integer (written by squall cluster "
+                f"config export), got {_show(value)}"
+            )
+        set_key[key] = value
     return ClusterConfig(
         name=cluster["name"],
         nodes=nodes,
+        **set_key,
         gateways=gateways,
         timeouts=_build_plain(document, "timeouts", TimeoutsConfig),
         retry=_build_plain(document, "retry", RetryConfig),
         limits=_build_plain(document, "limits", LimitsConfig),
-        durability=_build_durability(document.get("durability", {})),
+        durability=_build_durability(document.get("durability", {}), deprecations),
         telemetry=_build_plain(
             document, "telemetry", TelemetryConfig, choices={"exporter": TELEMETRY_EXPORTERS}
         ),
@@ -503,6 +570,52 @@ def _build(document: Mapping[str, Any], config_path: Path) -> ClusterConfig:
         auth=_build_auth(document.get("auth", {})),
         path=config_path.absolute(),
         tls=_build_tls(document.get("tls", {}), base_dir),
+        deprecations=tuple(deprecations),
+        remotes=tuple(
+            _build_remote(index, entry, base_dir)
+            for index, entry in enumerate(document.get("remotes", []))
+        ),
+    )
+
+
+def _build_remote(index: int, table: Mapping[str, Any], base_dir: Path) -> RemoteConfig:
+    """One [[remotes]] entry; paths resolve against the config file's directory."""
+    where = f"remotes[{index}]"
+    known = [f.name for f in dataclasses.fields(RemoteConfig)]
+    _check_keys(table, known, f"[[remotes]] entry {index}", "remotes")
+    _require(table, "name", f"{where}.name")
+    _require(table, "gateways", f"{where}.gateways")
+    name = table["name"]
+    if not isinstance(name, str):
+        raise ConfigError(f"{where}.name: must be a string, got {_describe(name)}")
+    _check_id(name, f"{where}.name", "cluster name")
+    gateways = table["gateways"]
+    if (
+        not isinstance(gateways, list)
+        or not gateways
+        or not all(isinstance(g, str) for g in gateways)
+    ):
+        raise ConfigError(
+            f'{where}.gateways: must be a non-empty list of "host:port" strings, '
+            f"got {_describe(gateways)}"
+        )
+    for address in gateways:
+        try:
+            parse_address(address)
+        except ValueError as error:
+            raise ConfigError(f"{where}.gateways: {_show(address)}: {error}") from None
+    server_name = table.get("server_name", "")
+    if not isinstance(server_name, str):
+        raise ConfigError(f"{where}.server_name: must be a string, got {_describe(server_name)}")
+    paths: dict[str, Path | None] = {}
+    for key in ("ca_file", "token_file"):
+        paths[key] = _resolve_dir(table[key], f"{where}.{key}", base_dir) if key in table else None
+    return RemoteConfig(
+        name=name,
+        gateways=tuple(gateways),
+        ca_file=paths["ca_file"],
+        server_name=server_name,
+        token_file=paths["token_file"],
     )
 
 
@@ -585,9 +698,15 @@ def _build_gateway(index: int, entry: Mapping[str, Any]) -> GatewayConfig:
     """One [[gateways]] entry."""
     label = _label("gateway", entry.get("id"))
     _check_keys(entry, _GATEWAY_KEYS, f"gateways[{index}]{label}", "gateways")
-    for key in _GATEWAY_KEYS:
+    for key in _GATEWAY_REQUIRED_KEYS:
         _require(entry, key, f"gateways[{index}].{key}{label}")
-    return GatewayConfig(id=entry["id"], address=entry["address"])
+    read_from = entry.get("read_from", "master")
+    if read_from not in GATEWAY_READ_FROM:
+        raise ConfigError(
+            f"gateways[{index}].read_from{label}: must be one of "
+            f"{', '.join(repr(v) for v in GATEWAY_READ_FROM)}, got {_show(read_from)}"
+        )
+    return GatewayConfig(id=entry["id"], address=entry["address"], read_from=read_from)
 
 
 def _resolve_dir(value: object, field_name: str, base_dir: Path) -> Path:
@@ -643,8 +762,9 @@ def _build_auth(table: Mapping[str, Any]) -> AuthConfig:
         raise ConfigError(str(error)) from None
 
 
-def _build_durability(table: Mapping[str, Any]) -> DurabilityConfig:
-    """[durability], turning the policy strings into common_pb2 enum values."""
+def _build_durability(table: Mapping[str, Any], deprecations: list[str]) -> DurabilityConfig:
+    """[durability], turning the policy strings into common_pb2 enum values; a deprecated
+    name is loaded as what it does, with a sentence in deprecations."""
     known = [f.name for f in dataclasses.fields(DurabilityConfig)]
     _check_keys(table, known, "[durability]", "durability")
     defaults = DurabilityConfig()
@@ -659,6 +779,12 @@ def _build_durability(table: Mapping[str, Any]) -> DurabilityConfig:
         )
     if "acks" in table:
         acks = _parse_enum(table["acks"], "durability.acks", ACK_POLICY_NAMES)
+        if isinstance(table["acks"], str) and table["acks"].lower() in DEPRECATED_ACKS:
+            deprecations.append(DEPRECATED_ACKS[table["acks"].lower()])
+    given = table.get("master_sync")
+    if isinstance(given, str) and given.upper() in DEPRECATED_MASTER_SYNC:
+        deprecations.append(DEPRECATED_MASTER_SYNC[given.upper()])
+        master_sync = common_pb2.SYNC_POLICY_WRITE_NO_SYNC
     return DurabilityConfig(master_sync=master_sync, replica_sync=replica_sync, acks=acks)
 
 
@@ -743,6 +869,16 @@ def _validate_cluster(config: ClusterConfig) -> None:
         gateway_ids[gateway.id] = f"gateways[{index}]"
         _claim_address(gateway.address, f"gateways[{index}].address{label}", listeners)
     _validate_data_dirs(config.nodes)
+    remote_names: set[str] = set()
+    for index, remote in enumerate(config.remotes):
+        if remote.name == config.name:
+            raise ConfigError(
+                f"remotes[{index}].name: {_show(remote.name)} is this cluster's own name; "
+                "a topic of this cluster links to another of its topics without a remote"
+            )
+        if remote.name in remote_names:
+            raise ConfigError(f"remotes[{index}].name: {_show(remote.name)} is listed twice")
+        remote_names.add(remote.name)
 
     if all(node.priority == 0 for node in config.nodes):
         raise ConfigError(
@@ -1041,9 +1177,7 @@ def _validate_telemetry(telemetry: TelemetryConfig, listeners: dict[tuple[str, i
         ports[port] = field_name
         for (listener_host, listener_port), owner in listeners.items():
             if listener_port == port and (wildcard or listener_host == host.lower()):
-                raise ConfigError(
-                    f"{field_name}: port {port} on {host} is already used by {owner}"
-                )
+                raise ConfigError(f"{field_name}: port {port} on {host} is already used by {owner}")
     ratio = telemetry.trace_sample_ratio
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
         raise ConfigError(

@@ -166,9 +166,7 @@ def make_dev_certs(
         key = ec.generate_private_key(ec.SECP256R1())
         cert = (
             x509.CertificateBuilder()
-            .subject_name(
-                x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject.identity)])
-            )
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject.identity)]))
             .issuer_name(ca_name)
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
@@ -193,5 +191,3 @@ def make_dev_certs(
         write_private(key_path, _key_pem(key))
         written.extend([cert_path, key_path])
     return written
-
-

@@ -28,6 +28,14 @@ class Code(enum.Enum):
     UNKNOWN = "UNKNOWN"
 
 
+# Set (to INLINE_ERRORS) on a PublishStream whose failed requests are answered with a
+# PublishResponse.error and do not end the stream: the gateway's stream shared between
+# callers (services/gateway/shared_publish.py), where one caller's refusal must not end
+# the others' requests.
+PUBLISH_ERRORS_KEY = "squall-publish-errors"
+INLINE_ERRORS = "inline"
+
+
 class ServiceError(Exception):
     """A refusal with the status code and one-sentence message the client receives."""
 

@@ -41,9 +41,7 @@ class SettingDifference:
 
     def describe(self, peer: str) -> str:
         """``key: this node 'a', n3 'b'``."""
-        return (
-            f"{self.key}: this node {_shown(self.local_value)}, {peer} {_shown(self.peer_value)}"
-        )
+        return f"{self.key}: this node {_shown(self.local_value)}, {peer} {_shown(self.peer_value)}"
 
 
 def _shown(value: str) -> str:

@@ -10,6 +10,14 @@ logged and answered there.
 from __future__ import annotations
 
 from squall.v1 import common_pb2, coordinator_pb2
+from squall_server.common.loss import loss_to_proto
+from squall_server.coordinator.membership import (
+    MEMBERS_MAX,
+    ChangeKind,
+    Member,
+    Membership,
+    MembershipChange,
+)
 from squall_server.coordinator.messages import (
     Accept,
     AreYouCoordinator,
@@ -57,6 +65,73 @@ def _require(value: str, field: str) -> str:
     return value
 
 
+def set_to_pb(membership: Membership) -> coordinator_pb2.NodeSet:
+    """A node set as protobuf."""
+    return coordinator_pb2.NodeSet(
+        version=membership.version,
+        epoch=membership.epoch,
+        members=[
+            coordinator_pb2.MemberSpec(
+                node_id=m.node_id,
+                priority=m.priority,
+                coordinator_address=m.coordinator_address,
+                replica_address=m.replica_address,
+            )
+            for m in membership.members
+        ],
+    )
+
+
+def _set_from_pb(pb: coordinator_pb2.NodeSet, field: str) -> Membership:
+    """A node set from protobuf; ValueError names the bad field."""
+    if not 1 <= len(pb.members) <= MEMBERS_MAX:
+        raise ValueError(f"{field}.members: 1 to {MEMBERS_MAX} nodes, got {len(pb.members)}")
+    members = tuple(
+        Member(
+            _require(m.node_id, f"{field}.members[{i}].node_id"),
+            m.priority,
+            m.coordinator_address,
+            m.replica_address,
+        )
+        for i, m in enumerate(pb.members)
+    )
+    if len({m.node_id for m in members}) != len(members):
+        raise ValueError(f"{field}.members: a node id appears twice")
+    return Membership(pb.version, pb.epoch, members)
+
+
+def _optional_set(pb: object, field: str) -> Membership | None:
+    """The message's ``membership`` node set, None when unset."""
+    if not pb.HasField("membership"):  # type: ignore[attr-defined]
+        return None
+    return _set_from_pb(pb.membership, field)  # type: ignore[attr-defined]
+
+
+_CHANGE_FROM_PB = {
+    coordinator_pb2.MEMBERSHIP_CHANGE_KIND_ADD_NODE: ChangeKind.ADD,
+    coordinator_pb2.MEMBERSHIP_CHANGE_KIND_REMOVE_NODE: ChangeKind.REMOVE,
+    coordinator_pb2.MEMBERSHIP_CHANGE_KIND_REPLACE_NODE: ChangeKind.REPLACE,
+    coordinator_pb2.MEMBERSHIP_CHANGE_KIND_SET_PRIORITY: ChangeKind.SET_PRIORITY,
+}
+CHANGE_TO_PB = {v: k for k, v in _CHANGE_FROM_PB.items()}
+
+
+def change_from_proto(pb: coordinator_pb2.ChangeMembershipRequest) -> MembershipChange:
+    """A membership change request; ValueError names the bad field."""
+    kind = _CHANGE_FROM_PB.get(pb.kind)
+    if kind is None:
+        raise ValueError(
+            f"kind: {pb.kind} is not ADD_NODE, REMOVE_NODE, REPLACE_NODE or SET_PRIORITY"
+        )
+    return MembershipChange(
+        kind,
+        _require(pb.node_id, "node_id"),
+        pb.priority,
+        pb.coordinator_address,
+        pb.replica_address,
+    )
+
+
 def _report_to_pb(report: MemberReport) -> coordinator_pb2.MemberReport:
     """A member report as protobuf."""
     return coordinator_pb2.MemberReport(
@@ -69,6 +144,7 @@ def _report_to_pb(report: MemberReport) -> coordinator_pb2.MemberReport:
         epoch=report.epoch,
         shutdown_id=report.shutdown_id,
         joined=report.joined,
+        membership=set_to_pb(report.membership) if report.membership is not None else None,
     )
 
 
@@ -76,9 +152,7 @@ def _report_from_pb(pb: coordinator_pb2.MemberReport, field: str) -> MemberRepor
     """A member report from protobuf; ValueError names the bad field."""
     store_state = _STORE_FROM_PB.get(pb.store_state)
     if store_state is None:
-        raise ValueError(
-            f"{field}.store_state: {pb.store_state} is not EMPTY, CLEAN or DIRTY"
-        )
+        raise ValueError(f"{field}.store_state: {pb.store_state} is not EMPTY, CLEAN or DIRTY")
     return MemberReport(
         node_id=_require(pb.node_id, f"{field}.node_id"),
         cluster_id=pb.cluster_id,
@@ -89,6 +163,7 @@ def _report_from_pb(pb: coordinator_pb2.MemberReport, field: str) -> MemberRepor
         epoch=pb.epoch,
         shutdown_id=pb.shutdown_id,
         joined=pb.joined,
+        membership=_optional_set(pb, f"{field}.membership"),
     )
 
 
@@ -108,6 +183,9 @@ def to_proto(msg: PeerMessage) -> coordinator_pb2.PeerMessage:
                 settings=[
                     coordinator_pb2.AgreedSetting(key=k, value=v) for k, v in body.settings
                 ],
+                membership_version=body.membership_version,
+                membership_epoch=body.membership_epoch,
+                base_digest=body.base_digest,
             )
         )
     elif isinstance(body, AreYouCoordinatorReply):
@@ -123,6 +201,9 @@ def to_proto(msg: PeerMessage) -> coordinator_pb2.PeerMessage:
                 settings=[
                     coordinator_pb2.AgreedSetting(key=k, value=v) for k, v in body.settings
                 ],
+                membership_version=body.membership_version,
+                membership_epoch=body.membership_epoch,
+                base_digest=body.base_digest,
             )
         )
     elif isinstance(body, AreYouThere):
@@ -143,6 +224,8 @@ def to_proto(msg: PeerMessage) -> coordinator_pb2.PeerMessage:
                 transfer_group=body.transfer_group,
                 catch_up=body.catch_up,
                 settings_digest=body.settings_digest,
+                base_digest=body.base_digest,
+                membership=set_to_pb(body.membership) if body.membership is not None else None,
             )
         )
     elif isinstance(body, Accept):
@@ -163,6 +246,7 @@ def to_proto(msg: PeerMessage) -> coordinator_pb2.PeerMessage:
                 coordinator_id=body.coordinator_id,
                 max_seen=body.max_seen,
                 cluster_id=body.cluster_id,
+                membership=set_to_pb(body.membership) if body.membership is not None else None,
             )
         )
     elif isinstance(body, LeadershipTransfer):
@@ -199,6 +283,9 @@ def from_proto(pb: coordinator_pb2.PeerMessage) -> PeerMessage:
             serving=m.serving,
             settings_digest=m.settings_digest,
             settings=tuple((s.key, s.value) for s in m.settings),
+            membership_version=m.membership_version,
+            membership_epoch=m.membership_epoch,
+            base_digest=m.base_digest,
         )
     elif kind == "are_you_coordinator_reply":
         r = pb.are_you_coordinator_reply
@@ -211,6 +298,9 @@ def from_proto(pb: coordinator_pb2.PeerMessage) -> PeerMessage:
             serving=r.serving,
             settings_digest=r.settings_digest,
             settings=tuple((s.key, s.value) for s in r.settings),
+            membership_version=r.membership_version,
+            membership_epoch=r.membership_epoch,
+            base_digest=r.base_digest,
         )
     elif kind == "are_you_there":
         body = AreYouThere(
@@ -233,6 +323,8 @@ def from_proto(pb: coordinator_pb2.PeerMessage) -> PeerMessage:
             transfer_group=i.transfer_group,
             catch_up=tuple(i.catch_up),
             settings_digest=i.settings_digest,
+            base_digest=i.base_digest,
+            membership=_optional_set(i, "invitation.membership"),
         )
     elif kind == "accept":
         a = pb.accept
@@ -259,6 +351,7 @@ def from_proto(pb: coordinator_pb2.PeerMessage) -> PeerMessage:
             coordinator_id=_require(g.coordinator_id, "ready.coordinator_id"),
             max_seen=g.max_seen,
             cluster_id=g.cluster_id,
+            membership=_optional_set(g, "ready.membership"),
         )
     elif kind == "ready_ack":
         k = pb.ready_ack
@@ -281,9 +374,7 @@ def from_proto(pb: coordinator_pb2.PeerMessage) -> PeerMessage:
             reason=pb.leave.reason,
         )
     else:
-        raise ValueError(
-            "body: no message set (expected one of are_you_coordinator ... leave)"
-        )
+        raise ValueError("body: no message set (expected one of are_you_coordinator ... leave)")
     return PeerMessage(from_node=from_node, to_node=to_node, body=body)
 
 
@@ -313,6 +404,10 @@ def status_to_proto(status: ElectionStatus) -> coordinator_pb2.CoordinatorStatus
         )
         for m in status.config_mismatches
     )
+    pb.losses.extend(loss_to_proto(r) for r in status.losses)
+    if status.membership is not None:
+        pb.membership.CopyFrom(set_to_pb(status.membership))
+    pb.membership_change = status.membership_change
     return pb
 
 

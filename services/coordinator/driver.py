@@ -31,7 +31,9 @@ from pathlib import Path
 from typing import Protocol
 
 from squall_server.common.clock import Clock
+from squall_server.common.loss_record import LossRecord
 from squall_server.coordinator.election import Election, ElectionConfig
+from squall_server.coordinator.membership import MembershipChange
 from squall_server.coordinator.messages import (
     LogLevel,
     PeerMessage,
@@ -144,6 +146,8 @@ class ReplicaAnswer:
     store_stalled_ms: int = 0
     # A master's streaming slaves and the entries each lacks (node id, lag).
     slave_lags: tuple[tuple[str, int], ...] = ()
+    # The loss reports beside the replica's store (docs/operations.md, "Loss reports").
+    losses: tuple[LossRecord, ...] = ()
 
 
 class RoleNext(enum.Enum):
@@ -309,9 +313,23 @@ class CoordinatorDriver:
         self.apply(ready)
         return ready
 
+    def ack_loss(self, loss_id: str, operator: str, reason: str = "") -> Ready:
+        """Operator control: see Election.ack_loss."""
+        ready = self.election.ack_loss(loss_id, operator, self.now(), reason)
+        self.apply(ready)
+        return ready
+
     def transfer_leadership(self, target: str, operator: str, reason: str = "") -> Ready:
         """Operator control, once the replica is ready: see Election.transfer_leadership."""
         ready = self.election.transfer_leadership(target, operator, self.now(), reason)
+        self.apply(ready)
+        return ready
+
+    def change_membership(
+        self, change: MembershipChange, operator: str, reason: str = ""
+    ) -> Ready:
+        """Operator control: see Election.change_membership."""
+        ready = self.election.change_membership(change, operator, self.now(), reason)
         self.apply(ready)
         return ready
 
@@ -349,6 +367,11 @@ class CoordinatorDriver:
             self.apply(
                 self.election.replica_fault(outcome.fault_id, outcome.fault_reason, self.now())
             )
+        if outcome.losses:
+            persisted = self.election.persisted
+            known = {r.loss_id for r in persisted.losses} | set(persisted.acked_loss_ids)
+            if any(r.loss_id not in known for r in outcome.losses):
+                self.apply(self.election.replica_losses(outcome.losses, self.now()))
         if outcome.syncing:
             self._note_sync(outcome.syncing_epoch, outcome.syncing)
         if command.kind is RoleCommandKind.MASTER and outcome.slave_lags:

@@ -44,10 +44,51 @@ The algorithm
   no "yes" for ``member_timeout_ms``, or a "no", sends the member back to recovery. The
   coordinator counts those questions as its members' heartbeats: a member silent for
   ``member_timeout_ms`` is dropped, and a coordinator left below the quorum recovers.
+  A member that loses its coordinator does not wait for a probe round: see "Succession".
 * Epochs: every node votes for an epoch at most once, by persisting it (the coordinator for
   its own group, members on ``Ready``), and a group goes NORMAL only with a quorum of votes,
   so two majority groups can never go NORMAL in the same epoch, and epochs never decrease,
   across restarts too.
+
+Succession
+----------
+When a coordinator fails, its members recover (no "yes" for ``member_timeout_ms``, or its
+``Leave``). Left to probes, each survivor would then form a group of its own, probe, and
+the highest one would invite the others after a merge window: a probe round trip plus
+``merge_delay_ms_per_priority`` (50 ms) spent after the last survivor noticed, about a
+fifth of a node kill's publish gap. Instead:
+
+* The highest-ranked eligible node of the lost group's view, less the failed coordinator
+  (the successor), starts a merge at once when it recovers so (``_succeed``), inviting the
+  view's other members; it needs no probe to know them, they were its group. The merge is
+  the ordinary one: the same invitation, accept reports, quorum, epoch, sync source.
+* A member that gets the successor's invitation while its own coordinator still answers
+  it (its heartbeats run at another phase, so it notices up to a heartbeat later) does not
+  accept: the rule that membership only moves up the ranking until a failure stands. It
+  keeps the invitation for ``member_timeout_ms`` and takes it, through the ordinary
+  checks, the moment it recovers from that group itself (timeout, ``Leave``, or its
+  coordinator's "no"). If the coordinator never fails for it (a partial partition), the
+  invitation lapses and the successor's merge times out short of the quorum, held
+  INACTIVE until the ordinary probes merge it, as a recovered node would have been.
+* The view is only as fresh as the group's ``Ready``: a member dropped since (dead) is
+  still in it. So the successor probes its invitees too; any message from one proves it
+  alive, and once a heartbeat interval has passed with the accepts making the quorum, the
+  merge stops waiting for invitees it heard nothing from (``_prune_silent_invitees``)
+  instead of waiting out ``member_timeout_ms``. A live invitee whose answer was slower is
+  merged back in by the ordinary probes, in a new epoch.
+
+Why this and not a shorter merge window: the window is there so the highest coordinator
+invites first and merges do not collide; a successor is already the highest of the group
+and invites nobody ranked above it, so it has nothing to wait for, while a window ending
+when every probe is answered would still wait on the dead coordinator's probe. Safety is
+untouched because only who invites and when changes: every group still needs the quorum's
+accepts, persisted epochs only grow, the sync source is still the newest log, and a node
+out of every group (quarantine, lost replica) neither succeeds nor takes an invitation.
+What remains of a node kill's failover is detection: members notice a dead coordinator
+``member_timeout_ms`` after its last answer, which came up to a heartbeat before the kill,
+so 300-400 ms after it with the defaults (the second survivor's, which the new group
+waits for, is on average the later of two such draws); only a shorter timeout, or another
+signal than silence, would shorten that.
 
 Quorum
 ------
@@ -126,6 +167,28 @@ driver judges from the replica's answer) is reported the same way, with
 its end (writes complete again) is ``replica_answered``. The reverse fault needs nothing
 here: a replica whose coordinator is gone drops its role when its lease runs out.
 
+Membership changes
+------------------
+The config file is the bootstrap node set (``ElectionConfig.priorities``, version 0, or
+the version and epoch an exported file records). ``change_membership`` (the coordinator of
+the serving group only) checks one change (``membership.apply_change``: add, remove,
+replace or re-prioritize one node; refusals name the reason), applies the new set in
+memory and re-forms the group under it: invitations carry it (an invitee holding an older
+set judges the invitation under it, so a node it does not know yet may invite it), the
+group's ``Ready`` carries it with the new epoch, and every member persists it with the
+epoch vote. While a change is in progress the group needs a majority of the old set and
+of the new one; the change is done when the group goes NORMAL, and failed (the persisted
+set stays in force) when it is held or recovers. Single-server changes keep any majority
+of the old set and any of the new one overlapping, so the epoch votes stay exclusive
+(docs/replication.md, "Membership changes"). When groups form, the set of the newest group
+among the members' reports wins (``_adopt_newest``), so a node that missed a change learns
+it and a later group never goes back to an older set. Probes carry the set's (epoch,
+version): nodes holding different sets compare their agreed settings without the node
+set, and a node of the set that is held by a removed coordinator is invited directly. A
+member the new set ranks above the coordinator takes the group once caught up (the rejoin
+hand-over), so ``set-priority`` moves the leader. Messages from a node the set removed
+are refused, logged once per node.
+
 Time
 ----
 Every input carries ``now_ms`` from the driver's monotonic clock; going backwards is a
@@ -136,11 +199,28 @@ due; ticking more often is harmless.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 
+from squall_server.common.loss_record import (
+    LOSS_ACK_MESSAGE_ID,
+    LOSS_ACKED_IDS_MAX,
+    LOSS_MESSAGE_ID,
+    LOSS_RECORDS_MAX,
+    LossRecord,
+)
 from squall_server.coordinator.agreement import SettingDifference, differences, settings_digest
 from squall_server.coordinator.lifecycle import decide_start
+from squall_server.coordinator.membership import (
+    ChangeKind,
+    ChangeRefused,
+    Member,
+    Membership,
+    MembershipChange,
+    apply_change,
+    in_force,
+    newest,
+)
 from squall_server.coordinator.messages import (
     AUDIT_RECORDS_MAX,
     Accept,
@@ -222,8 +302,7 @@ def quorum_rule(
     else:
         required = n
         why = (
-            f"all {n}: full startup, no member has seen a majority together "
-            f"(max {group_max_seen})"
+            f"all {n}: full startup, no member has seen a majority together (max {group_max_seen})"
         )
     if designated:
         required, why = 1, "1: designated primary of a two-node cluster"
@@ -279,6 +358,25 @@ class ElectionConfig:
     # The settings every member must share (ClusterConfig.agreed_settings): a node whose
     # digest differs is never merged. Empty compares nothing (tests that do not care).
     agreed_settings: tuple[tuple[str, str], ...] = ()
+    # Each node's (coordinator, replica) address from the config file: the bootstrap node
+    # set's addresses (a membership change checks new addresses against them).
+    addresses: Mapping[str, tuple[str, str]] | None = None
+    # The version and epoch of the node set the file lists: 0 for a file written by hand;
+    # a file written by ``squall cluster config export`` records the running set's, so a
+    # node started from it (a replacement, an added node) never takes an older set for
+    # newer, such as the one a removed node still runs with.
+    membership_version: int = 0
+    membership_epoch: int = 0
+
+    def bootstrap(self) -> Membership:
+        """The config file's node set."""
+        addresses = self.addresses or {}
+        members = Membership.bootstrap(
+            [Member(x, p, *addresses.get(x, ("", ""))) for x, p in self.priorities.items()]
+        )
+        return replace(
+            members, version=self.membership_version, epoch=self.membership_epoch
+        )
 
     def validate(self) -> None:
         """Raise ElectionConfigError with a sentence naming the first bad value."""
@@ -312,6 +410,11 @@ class ElectionConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ElectionConfigError(f"{name}: {getattr(self, name)} must be positive")
+        if self.membership_version < 0 or self.membership_epoch < 0:
+            raise ElectionConfigError(
+                f"membership_version {self.membership_version} and membership_epoch "
+                f"{self.membership_epoch} must not be negative"
+            )
         if self.merge_delay_ms_per_priority < 0:
             raise ElectionConfigError(
                 f"merge_delay_ms_per_priority: {self.merge_delay_ms_per_priority} is negative"
@@ -332,12 +435,21 @@ class ElectionConfig:
 
 @dataclass
 class _Merge:
-    """A coordinator collecting accepts for its new group (ELECTION)."""
+    """A coordinator collecting accepts for its new group (ELECTION).
+
+    A successor's merge (``successor_of`` names the group whose coordinator failed) invites
+    members known only from the old group's view, which may name a node that died
+    unnoticed: at ``prune_at_ms``, if the accepts already make the quorum, it stops waiting
+    for invitees it has heard nothing from (``heard``: any message since the merge began).
+    """
 
     invited: set[str]
     expected: set[str]
     accepted: dict[str, MemberReport]
     deadline_ms: int
+    successor_of: str = ""
+    heard: set[str] = field(default_factory=set)
+    prune_at_ms: int | None = None
 
 
 @dataclass
@@ -351,6 +463,7 @@ class _Reorg:
     deadline_ms: int
     next_resend_ms: int
     cluster_id: str = ""
+    membership: Membership | None = None
 
 
 @dataclass
@@ -359,6 +472,17 @@ class _Transfer:
 
     target: str
     deadline_ms: int
+
+
+@dataclass
+class _DeferredInvitation:
+    """A successor's invitation a member got while its coordinator (ranked above the
+    inviter) still answered it: taken if the member loses that coordinator too by
+    ``until_ms`` (``_succeed``), forgotten otherwise."""
+
+    frm: str
+    body: Invitation
+    until_ms: int
 
 
 @dataclass
@@ -404,7 +528,14 @@ class Election:
         (the driver's wall clock minus its monotonic clock; 0 in tests).
         """
         config.validate()
-        n = len(config.priorities)
+        self._bootstrap = config.bootstrap()
+        membership = in_force(persisted.membership, self._bootstrap)
+        if config.node_id not in membership.ids:
+            raise ElectionConfigError(
+                f"persisted state: node {config.node_id} is not in the node set it persisted "
+                f"({membership.describe()}): it was removed from the cluster"
+            )
+        n = len(membership.members)
         if persisted.epoch < 0 or persisted.max_seen < 0:
             raise ElectionConfigError(
                 f"persisted state: epoch {persisted.epoch} and max_seen {persisted.max_seen} "
@@ -417,17 +548,30 @@ class Election:
             )
         self._cfg = config
         self._me = config.node_id
-        self._prio: dict[str, int] = dict(config.priorities)
+        # The agreed settings without the node set: compared with a node that holds another
+        # version of the set (the invitation brings it the newer one).
+        self._base_settings = tuple(
+            x for x in config.agreed_settings if not x[0].startswith("nodes.")
+        )
+        self._base_digest = settings_digest(self._base_settings)
+        self._prio: dict[str, int] = {}
+        # Nodes a membership change removed, as seen here: their messages are refused
+        # quietly after one log line (they may run on until an operator stops them).
+        self._removed: set[str] = set()
+        self._removed_logged: set[str] = set()
         self._n = n
         self._majority = n // 2 + 1
-        order = rank_order(self._prio)
-        # Higher is better; a rank is a position, so merge delays do not depend on the
-        # spacing of configured priority values.
-        self._rank: dict[str, int] = {node: n - i for i, node in enumerate(order)}
-        self._others: tuple[str, ...] = tuple(
-            sorted((x for x in self._prio if x != self._me), key=node_sort_key)
-        )
-        self._eligible = self._prio[self._me] > 0
+        self._rank: dict[str, int] = {}
+        self._others: tuple[str, ...] = ()
+        self._eligible = False
+        self._membership = membership
+        self._settings = config.agreed_settings
+        self._digest = settings_digest(config.agreed_settings)
+        self._apply_membership(membership)
+        # Membership change: the new set while this coordinator re-forms its group under it
+        # (in force in memory, persisted with the new epoch), and what became of the last.
+        self._proposal: MembershipChange | None = None
+        self._membership_note = ""
         self._persisted = persisted
         self._new_group_id = new_group_id
         self._new_cluster_id = new_cluster_id
@@ -457,16 +601,18 @@ class Election:
         self._higher_seen: str | None = None
         self._last_yes_ms = 0
         self._next_heartbeat_ms = 0
-        self._peer_designated: dict[str, bool] = {}
+        # The other node's designated-primary flag as last heard, seeded from the persisted
+        # state so a restart keeps refusing the flag while the peer was last seen holding it.
+        self._peer_designated: dict[str, bool] = {
+            node: True for node in persisted.peer_designated if node in self._prio
+        }
         self._conflict_logged = False
         self._last_change_reason = "not started"
         # Nodes known to belong to another cluster (node -> its cluster id): never merged
         # until they report another id.
         self._foreign: dict[str, str] = {}
-        # Consistency at start: this node's agreed settings and their digest, and the nodes
-        # refused because theirs differ (node -> (their digest, what differs)).
-        self._settings = config.agreed_settings
-        self._digest = settings_digest(config.agreed_settings)
+        # Consistency at start: the nodes refused because their agreed settings differ
+        # (node -> (their digest, what differs)); ours are set by _apply_membership.
         self._disagree: dict[str, tuple[str, tuple[SettingDifference, ...]]] = {}
         # Coordinator: why the group is held instead of formed. Member: the last such
         # reason its coordinator gave.
@@ -474,6 +620,8 @@ class Election:
         self._held_note = ""
         self._transfer: _Transfer | None = None
         self._invited: tuple[str, ...] = ()
+        # Member: a successor's invitation received while our coordinator still answered.
+        self._deferred: _DeferredInvitation | None = None
         # One fate per node: since when the replica has not answered (None: it answers), and
         # whether that lasted replica_timeout_ms, so the node is out of every group.
         self._replica_silent_since: int | None = None
@@ -576,8 +724,7 @@ class Election:
         if self._prio[target] == 0:
             return Rejection(
                 RejectCode.FAILED_PRECONDITION,
-                f"node {self._me}: transfer to {target} refused: it has priority 0 and "
-                "never leads",
+                f"node {self._me}: transfer to {target} refused: it has priority 0 and never leads",
             )
         if target not in self._view:
             return Rejection(
@@ -587,14 +734,25 @@ class Election:
             )
         return None
 
+    def change_membership(
+        self, change: MembershipChange, operator: str, now_ms: int, reason: str = ""
+    ) -> Ready:
+        """Add, remove, re-address or re-prioritize one node (the coordinator of the serving
+        group only; refused with the reason in ``Ready.rejection`` when unsafe).
+
+        The coordinator re-forms its group under the new set: the ``Ready`` of the new
+        epoch carries it and every member persists it with the epoch. The change is done
+        when that group goes normal with a majority of the old set and of the new one;
+        ``status().membership_change`` says where it stands.
+        """
+        return self._run(now_ms, lambda: self._on_membership_change(change, operator, reason))
+
     def replica_fault(self, fault_id: str, reason: str, now_ms: int) -> Ready:
         """The replica reported a fault (checksum error, failing disk): quarantine this node,
         unless an operator already cleared that very fault."""
         return self._run(now_ms, lambda: self._on_replica_fault(fault_id, reason))
 
-    def set_quarantine(
-        self, enabled: bool, operator: str, now_ms: int, reason: str = ""
-    ) -> Ready:
+    def set_quarantine(self, enabled: bool, operator: str, now_ms: int, reason: str = "") -> Ready:
         """Quarantine this node (operator), or clear its quarantine.
 
         A quarantined node takes no part in any group: it never leads, its replica never
@@ -602,12 +760,27 @@ class Election:
         """
         return self._run(now_ms, lambda: self._on_set_quarantine(enabled, operator, reason))
 
+    def replica_losses(self, losses: tuple[LossRecord, ...], now_ms: int) -> Ready:
+        """The replica reports the loss reports beside its store: keep each new one (not
+        held, not acknowledged) until an operator acknowledges it."""
+        return self._run(now_ms, lambda: self._on_replica_losses(losses))
+
+    def ack_loss(self, loss_id: str, operator: str, now_ms: int, reason: str = "") -> Ready:
+        """An operator acknowledges a loss report (audited); NOT_FOUND for an id this node
+        does not hold, and nothing changes then."""
+        return self._run(now_ms, lambda: self._on_ack_loss(loss_id, operator, reason))
+
     # ----------------------------------------------------------------- queries
 
     @property
     def node_id(self) -> str:
         """This node's id."""
         return self._me
+
+    @property
+    def membership(self) -> Membership:
+        """The node set in force here (the config file's until a change)."""
+        return self._membership
 
     @property
     def persisted(self) -> PersistedState:
@@ -660,6 +833,9 @@ class Election:
                 for node in sorted(self._disagree, key=node_sort_key)
                 for d in self._disagree[node][1]
             ),
+            losses=self._persisted.losses,
+            membership=self._membership,
+            membership_change=self._membership_note,
         )
 
     def next_deadline_ms(self) -> int | None:
@@ -678,6 +854,8 @@ class Election:
         else:
             if self._merge is not None:
                 due.append(self._merge.deadline_ms)
+                if self._merge.prune_at_ms is not None:
+                    due.append(self._merge.prune_at_ms)
             if self._transfer is not None:
                 due.append(self._transfer.deadline_ms)
             if self._reorg is not None:
@@ -761,9 +939,7 @@ class Election:
         """Record new persisted state; epochs and max_seen only grow."""
         new = replace(self._persisted, **changes)  # type: ignore[arg-type]
         if new.epoch < self._persisted.epoch or new.max_seen < self._persisted.max_seen:
-            raise ElectionError(
-                f"persisted state would go back from {self._persisted} to {new}"
-            )
+            raise ElectionError(f"persisted state would go back from {self._persisted} to {new}")
         if new != self._persisted:
             self._persisted = new
             self._o().persist = new
@@ -784,6 +960,63 @@ class Election:
         """Stop the replica serving, unless it already stopped."""
         if self._role is not Role.INACTIVE:
             self._command(RoleCommandKind.DEACTIVATE)
+
+    def _apply_membership(self, membership: Membership) -> None:
+        """Use ``membership`` (in memory): priorities, ranks, the majority and the agreed
+        settings follow it. Persisting it is the caller's business."""
+        gone = set(self._prio) - set(membership.ids)
+        self._removed = (self._removed | gone) - set(membership.ids)
+        self._membership = membership
+        self._prio = membership.priorities
+        n = len(self._prio)
+        self._n = n
+        self._majority = n // 2 + 1
+        # Higher is better; a rank is a position, so merge delays do not depend on the
+        # spacing of configured priority values.
+        self._rank = {node: n - i for i, node in enumerate(rank_order(self._prio))}
+        self._others = tuple(sorted((x for x in self._prio if x != self._me), key=node_sort_key))
+        self._eligible = self._prio.get(self._me, 0) > 0
+        if membership.version == 0:
+            self._settings = self._cfg.agreed_settings
+        elif self._cfg.agreed_settings:
+            self._settings = self._base_settings + membership.settings()
+        else:
+            self._settings = ()
+        self._digest = settings_digest(self._settings)
+
+    def _set_key(self) -> tuple[int, int]:
+        """(epoch, version) of the set in force: how probes tell sets apart."""
+        return (self._membership.epoch, self._membership.version)
+
+    def _rank_of(self, node: str) -> int:
+        """A node's rank (higher is better); 0 for a node outside the set in force (one a
+        membership change removed), below every member."""
+        return self._rank.get(node, 0)
+
+    def _wire_membership(self) -> Membership | None:
+        """The node set messages carry: None while it is the config file's."""
+        return self._membership if self._membership.version else None
+
+    def _is_newer(self, membership: Membership | None) -> bool:
+        """Is ``membership`` newer than the set in force here?"""
+        if membership is None:
+            return False
+        mine = self._membership
+        return (membership.epoch, membership.version) > (mine.epoch, mine.version)
+
+    def _abandon_proposal(self, why: str) -> None:
+        """The membership change in progress failed: back to the persisted set."""
+        change = self._proposal
+        if change is None:
+            return
+        self._proposal = None
+        self._membership_note = f"{change.describe()}: FAILED ({why}); nothing changed"
+        self._log(
+            LogLevel.WARNING,
+            "membership-change-failed",
+            f"membership change {change.describe()} failed: {why}; the node set stays "
+            f"{in_force(self._persisted.membership, self._bootstrap).describe()}",
+        )
 
     def _record(self, operator: str, action: str, reason: str) -> OperatorRecord:
         """An operator record stamped now; also appended to the persisted audit trail."""
@@ -898,7 +1131,12 @@ class Election:
             self._n == 2
             and self._eligible
             and self._persisted.designated_primary
-            and not any(self._peer_designated.values())
+            # A lower-ranked peer that holds the flag too gives it up when the two meet
+            # (_learn_designation), so only a higher-ranked holder stops this node.
+            and not any(
+                flag and self._rank_of(node) > self._rank_of(self._me)
+                for node, flag in self._peer_designated.items()
+            )
         )
 
     def _quorum(self, group_max_seen: int) -> tuple[int, str]:
@@ -914,7 +1152,7 @@ class Election:
         """Collection window before a merge: longer the further below a seen coordinator."""
         steps = 0
         if self._higher_seen is not None:
-            steps = self._rank[self._higher_seen] - self._rank[self._me]
+            steps = self._rank_of(self._higher_seen) - self._rank_of(self._me)
         return self._cfg.merge_delay_ms_per_priority * (1 + steps)
 
     def _my_report(self) -> MemberReport:
@@ -932,6 +1170,7 @@ class Election:
             epoch=self._persisted.epoch,
             shutdown_id=r.shutdown_id,
             joined=r.joined,
+            membership=self._persisted.membership,
         )
 
     def _cluster_id(self) -> str:
@@ -982,23 +1221,36 @@ class Election:
             )
         return False
 
-    def _differs(self, digest: str) -> bool:
-        """Do a peer's agreed settings (by digest) differ from ours? "" compares nothing."""
+    def _differs(
+        self, digest: str, version: tuple[int, int] | None = None, base: str = ""
+    ) -> bool:
+        """Do a peer's agreed settings (by digest) differ from ours? "" compares nothing.
+
+        A peer holding another version of the node set (``version``) is compared without
+        the node set (``base``): the newer set reaches the other in an invitation."""
+        if version is not None and version != self._set_key() and base:
+            return bool(self._base_digest) and base != self._base_digest
         return bool(digest) and bool(self._digest) and digest != self._digest
 
-    def _agrees(self, node: str, digest: str, settings: tuple[tuple[str, str], ...]) -> bool:
+    def _agrees(
+        self,
+        node: str,
+        digest: str,
+        settings: tuple[tuple[str, str], ...],
+        version: tuple[int, int] | None = None,
+        base: str = "",
+    ) -> bool:
         """May ``node`` (whose agreed settings have ``digest``) be merged with us?
 
         A node that differs is refused until its digest matches ours; the refusal is logged
         once per difference when ``settings`` (the peer's values, carried by a probe reply)
         name each setting and both values; until then status shows the two digests."""
-        if not self._differs(digest):
+        if not self._differs(digest, version, base):
             if self._disagree.pop(node, None) is not None:
                 self._log(
                     LogLevel.WARNING,
                     "config-agrees",
-                    f"node {node} now shares this node's agreed settings: it may be merged "
-                    "again",
+                    f"node {node} now shares this node's agreed settings: it may be merged again",
                 )
             return True
         known = self._disagree.get(node)
@@ -1049,12 +1301,16 @@ class Election:
         self._held_note = ""
         self._transfer = None
         self._invited = ()
+        self._deferred = None
         self._catch_up_candidates = set()
         self._catch_up = set()
 
     def _recover(self, reason: str, level: LogLevel = LogLevel.INFO) -> None:
         """Back to a group of our own (IceStorm's recovery), replica stopped."""
         self._reset_group()
+        self._abandon_proposal(reason)
+        # A set adopted in memory from an invitation or a change counts only once persisted.
+        self._apply_membership(in_force(self._persisted.membership, self._bootstrap))
         self._state = NodeState.INACTIVE
         self._coord = self._me
         self._group = self._make_group_name()
@@ -1081,10 +1337,13 @@ class Election:
                     return True
                 return False
             if now - self._last_yes_ms > cfg.member_timeout_ms:
+                failed, group, view = self._coord, self._group, self._view
+                deferred = self._deferred
                 self._recover(
                     f"coordinator {self._coord} of {self._group} has not answered for "
                     f"{now - self._last_yes_ms} ms"
                 )
+                self._succeed(failed, group, view, deferred)
                 return True
             if now >= self._next_heartbeat_ms:
                 self._send(self._coord, AreYouThere(self._group))
@@ -1092,8 +1351,13 @@ class Election:
             return False
 
         if self._state is NodeState.ELECTION and self._merge is not None:
-            if now >= self._merge.deadline_ms:
+            merge = self._merge
+            if now >= merge.deadline_ms:
                 self._maybe_reorganize()
+                return True
+            if merge.prune_at_ms is not None and now >= merge.prune_at_ms:
+                merge.prune_at_ms = None
+                self._prune_silent_invitees(merge)
                 return True
             return False
         if self._state is NodeState.REORGANIZATION and self._reorg is not None:
@@ -1171,28 +1435,20 @@ class Election:
                 sync_source_id=self._sync_source,
                 group_name=self._group,
                 cluster_id=self._persisted.cluster_id,
+                nodes=self._voting_nodes(),
             )
         return False
+
+    def _voting_nodes(self) -> tuple[str, ...]:
+        """The node set a master counts its commit majority from (empty: the file's)."""
+        return self._membership.ids if self._membership.version else ()
 
     def _probe(self) -> None:
         """Ask every other node whether it coordinates a group we could merge."""
         self._next_probe_ms = self._now_ms + self._cfg.probe_interval_ms
         self._higher_seen = None
         for node in self._others:
-            self._send(
-                node,
-                AreYouCoordinator(
-                    self._group,
-                    self._prio[self._me],
-                    self._persisted.designated_primary,
-                    self._cluster_id(),
-                    serving=self._serving(),
-                    settings_digest=self._digest,
-                    # A node known to differ gets our values too, so a node that never
-                    # probes (a member) can name what differs.
-                    settings=self._settings if node in self._disagree else (),
-                ),
-            )
+            self._send_probe(node)
         if (
             self._can_merge()
             and self._state is NodeState.INACTIVE
@@ -1203,13 +1459,33 @@ class Election:
             self._merge_first_ms = self._now_ms
             self._merge_at_ms = self._now_ms + self._merge_delay_ms()
 
+    def _send_probe(self, node: str) -> None:
+        """One AreYouCoordinator for ``node``."""
+        self._send(
+            node,
+            AreYouCoordinator(
+                self._group,
+                self._prio[self._me],
+                self._persisted.designated_primary,
+                self._cluster_id(),
+                serving=self._serving(),
+                settings_digest=self._digest,
+                # A node known to differ gets our values too, so a node that never
+                # probes (a member) can name what differs.
+                settings=self._settings if node in self._disagree else (),
+                membership_version=self._membership.version,
+                membership_epoch=self._membership.epoch,
+                base_digest=self._base_digest,
+            ),
+        )
+
     def _note_coordinator(self, node: str, serving: bool) -> None:
         """``node`` coordinates a group of its own: merge it if it ranks below us. A serving
         node below us, while we serve nothing, is left to invite us to catch up; a node above
         us that serves nothing, while we serve, is invited to catch up (module docstring)."""
         if not self._can_merge():
             return
-        above = self._rank[node] > self._rank[self._me]
+        above = self._rank_of(node) > self._rank_of(self._me)
         if above and not serving and self._serving():
             self._catch_up_candidates.add(node)
             if self._merge_at_ms is None:
@@ -1225,7 +1501,8 @@ class Election:
             )
             return
         if above:
-            if self._higher_seen is None or self._rank[node] > self._rank[self._higher_seen]:
+            higher = self._higher_seen
+            if higher is None or self._rank_of(node) > self._rank_of(higher):
                 self._higher_seen = node
                 if self._merge_at_ms is not None:
                     self._merge_at_ms = self._merge_first_ms + self._merge_delay_ms()
@@ -1238,7 +1515,11 @@ class Election:
     def _do_merge(self) -> None:
         """Invite the lower coordinators found and our members into a fresh group."""
         self._merge_at_ms = None
-        invite = {x for x in self._candidates if self._rank[x] < self._rank[self._me]}
+        invite = {
+            x
+            for x in self._candidates
+            if x in self._prio and self._rank_of(x) < self._rank_of(self._me)
+        }
         self._candidates = set()
         catch_up: set[str] = set()
         if self._serving():
@@ -1253,13 +1534,19 @@ class Election:
         self._start_merge(invite, catch_up=catch_up)
 
     def _start_merge(
-        self, invite: set[str], transfer_from: str = "", catch_up: set[str] | None = None
+        self,
+        invite: set[str],
+        transfer_from: str = "",
+        catch_up: set[str] | None = None,
+        successor_of: str = "",
     ) -> None:
         """Leave the current group and invite ``invite`` into a fresh group of ours.
 
         ``transfer_from`` names the coordinator handing its group to us: the invitation
         then carries that group's name, so its members accept it from below. ``catch_up``
         names the invitees ranked above us that join to catch up before a hand-over.
+        ``successor_of`` names the group whose failed coordinator we succeed
+        (``_succeed``): the invitees are probed too, so the merge learns which are alive.
         """
         old_group = self._group
         self._reset_group()
@@ -1273,6 +1560,10 @@ class Election:
             expected=set(invite),
             accepted={},
             deadline_ms=self._now_ms + self._cfg.member_timeout_ms,
+            successor_of=successor_of,
+            prune_at_ms=(
+                self._now_ms + self._cfg.heartbeat_interval_ms if successor_of and invite else None
+            ),
         )
         invitation = Invitation(
             self._group,
@@ -1282,13 +1573,30 @@ class Election:
             transfer_group=old_group if transfer_from else "",
             catch_up=tuple(sorted(self._catch_up, key=node_sort_key)),
             settings_digest=self._digest,
+            base_digest=self._base_digest,
+            membership=self._wire_membership(),
         )
         ordered = sorted(invite, key=node_sort_key)
         self._invited = tuple(ordered)
         for node in ordered:
             self._send(node, invitation)
         invited = ",".join(ordered) or "nobody"
-        if transfer_from:
+        if successor_of:
+            # Any answer proves an invitee alive; one still waiting out its own timeout
+            # answers a probe at once, so silence marks a node that is gone.
+            for node in ordered:
+                self._send_probe(node)
+            failed = successor_of.partition(":")[0]
+            self._last_change_reason = (
+                f"succeeding coordinator {failed} of {successor_of}: inviting {invited}"
+            )
+            self._log(
+                LogLevel.INFO,
+                "successor",
+                f"coordinator {failed} of {successor_of} is gone and this node ranks highest "
+                f"of its members left: inviting {invited} to {self._group} at once",
+            )
+        elif transfer_from:
             self._last_change_reason = (
                 f"taking over {old_group} from {transfer_from} by leadership transfer"
             )
@@ -1305,12 +1613,69 @@ class Election:
                 "merge",
                 f"leaving {old_group}; inviting {invited} to {self._group}"
                 + (
-                    f" ({catching} ranked above this node: to catch up, then take the group "
-                    "over)"
+                    f" ({catching} ranked above this node: to catch up, then take the group over)"
                     if catching
                     else ""
                 ),
             )
+        self._maybe_reorganize()
+
+    def _succeed(
+        self,
+        failed: str,
+        group: str,
+        view: tuple[str, ...],
+        deferred: _DeferredInvitation | None,
+        *,
+        invite: bool = True,
+    ) -> None:
+        """Just recovered because coordinator ``failed`` of our NORMAL ``group`` (members
+        ``view``) is gone: its highest-ranked eligible survivor invites the other survivors
+        at once; any other survivor takes a successor's invitation it received while
+        ``failed`` still answered it (module docstring, "Succession"). Without ``invite``
+        (the coordinator answers, but no longer leads the group) only the latter."""
+        if self._out_of_groups():
+            return
+        # A node a membership change removed since the view formed is no survivor.
+        survivors = [x for x in view if x != failed and x in self._prio]
+        if (
+            invite
+            and self._eligible
+            and survivors
+            and max(survivors, key=self._rank_of) == self._me
+        ):
+            others = set(survivors) - {self._me}
+            if others or self._quorum(self._persisted.max_seen)[0] <= 1:
+                self._start_merge(others, successor_of=group)
+            return
+        if deferred is not None and self._now_ms <= deferred.until_ms:
+            self._log(
+                LogLevel.INFO,
+                "invitation-resumed",
+                f"taking {deferred.frm}'s invitation to {deferred.body.group_name} kept "
+                f"while coordinator {failed} still answered",
+            )
+            self._on_invitation(deferred.frm, deferred.body)
+
+    def _prune_silent_invitees(self, merge: _Merge) -> None:
+        """A successor's merge stops waiting for invitees it never heard from, once the
+        accepts make the quorum; they were dead in the old view (``_Merge``)."""
+        silent = merge.expected - merge.heard - merge.accepted.keys()
+        if not silent:
+            return
+        group_max = max(
+            [self._persisted.max_seen, *(r.max_seen for r in merge.accepted.values())]
+        )
+        if len(merge.accepted) + 1 < self._quorum(group_max)[0]:
+            return
+        merge.expected -= silent
+        self._log(
+            LogLevel.INFO,
+            "invitees-silent",
+            f"{','.join(sorted(silent, key=node_sort_key))} answered nothing within "
+            f"{self._cfg.heartbeat_interval_ms} ms of the invitation to {self._group}: not "
+            "waiting for them",
+        )
         self._maybe_reorganize()
 
     def _maybe_reorganize(self) -> None:
@@ -1357,14 +1722,20 @@ class Election:
                     f"{_show(reference)}; leaving it out of {self._group} and refusing it "
                     "until its cluster id changes",
                 )
+        self._adopt_newest(reports)
+        for node in sorted(reports, key=node_sort_key):
+            if node not in self._prio:
+                # Not in the group's node set (removed): it takes no part.
+                del reports[node]
         size = len(reports)
         group_max = max(r.max_seen for r in reports.values())
         required, why = self._quorum(group_max)
-        if size < required:
+        old_short = self._old_set_short(reports.keys())
+        if size < required or old_short:
             self._hold(
                 merge.accepted.keys() & reports.keys(),
                 f"not enough nodes for replication to commence: {size} of {self._n} in "
-                f"{self._group}, {required} required ({why})",
+                f"{self._group}, {required} required ({why})" + old_short,
             )
             return
         decision = decide_start(reports, self._n)
@@ -1387,7 +1758,14 @@ class Election:
             self._log(LogLevel.INFO, "cold-start", decision.reason)
         epoch = max(r.epoch for r in reports.values()) + 1
         members = tuple(sorted(reports, key=node_sort_key))
-        self._persist(epoch=epoch, cluster_id=cluster_id)
+        wire: Membership | None = None
+        if self._membership.version:
+            # The set is persisted with the epoch (this node's vote), by every member on Ready.
+            wire = replace(self._membership, epoch=epoch)
+            self._apply_membership(wire)
+            self._persist(epoch=epoch, cluster_id=cluster_id, membership=wire)
+        else:
+            self._persist(epoch=epoch, cluster_id=cluster_id)
         self._state = NodeState.REORGANIZATION
         reorg = _Reorg(
             epoch=epoch,
@@ -1397,6 +1775,7 @@ class Election:
             deadline_ms=self._now_ms + self._cfg.member_timeout_ms,
             next_resend_ms=self._now_ms + self._cfg.heartbeat_interval_ms,
             cluster_id=cluster_id,
+            membership=wire,
         )
         self._reorg = reorg
         sync = self._sync_source_of(reports)
@@ -1413,6 +1792,42 @@ class Election:
         if size == 1:
             self._go_normal()
 
+    def _adopt_newest(self, reports: Mapping[str, MemberReport]) -> None:
+        """A member that persisted a newer node set than this node brings it in (the set of
+        the newest group wins, as Raft's newest log term): a change in progress here is
+        dropped, since it was made from an older set."""
+        candidates = {x: r.membership for x, r in reports.items() if r.membership is not None}
+        best = newest(candidates)
+        if not best:
+            return
+        found = candidates[best]
+        if not self._is_newer(found) or self._me not in found.ids:
+            return
+        mine = self._membership
+        if self._proposal is not None:
+            self._abandon_proposal(f"member {best} holds the newer node set {found.describe()}")
+        self._apply_membership(found)
+        self._log(
+            LogLevel.INFO,
+            "membership-adopted",
+            f"member {best} persisted node set {found.describe()}, newer than this node's "
+            f"{mine.describe()}; {self._group} forms under it",
+        )
+
+    def _old_set_short(self, nodes: Collection[str]) -> str:
+        """While a change is in progress the group also needs a majority of the set it
+        changes from; why it falls short, or ""."""
+        if self._proposal is None:
+            return ""
+        old = in_force(self._persisted.membership, self._bootstrap)
+        have = len(set(nodes) & set(old.ids))
+        if have >= old.majority:
+            return ""
+        return (
+            f"; the membership change {self._proposal.describe()} also needs "
+            f"{old.majority} of the old set {','.join(old.ids)}, and {have} are here"
+        )
+
     def _hold(
         self,
         members: set[str],
@@ -1428,8 +1843,12 @@ class Election:
         them lets the next merge take the waiting members and the newcomer at once. The
         members hear ``reason`` in the answers to their heartbeats.
         """
+        self._abandon_proposal(reason)
+        # A set only in memory (a change, or adopted from a report) counts once a group
+        # persists it; the next merge adopts the newest reported set again.
+        self._apply_membership(in_force(self._persisted.membership, self._bootstrap))
         self._state = NodeState.INACTIVE
-        self._members = {x: self._now_ms for x in members}
+        self._members = {x: self._now_ms for x in members if x in self._prio}
         self._next_probe_ms = self._now_ms
         self._last_change_reason = reason
         self._held_reason = reason
@@ -1451,6 +1870,7 @@ class Election:
             coordinator_id=self._me,
             max_seen=max(group_max, len(reorg.members)),
             cluster_id=reorg.cluster_id,
+            membership=reorg.membership,
         )
 
     def _go_normal(self) -> None:
@@ -1462,11 +1882,12 @@ class Election:
         reports = {x: reorg.reports[x] for x in final}
         group_max = max(r.max_seen for r in reports.values())
         required, why = self._quorum(group_max)
-        if len(final) < required:
+        old_short = self._old_set_short(final)
+        if len(final) < required or old_short:
             missing = ",".join(x for x in reorg.members if x not in final)
             self._recover(
                 f"only {len(final)} of {len(reorg.members)} members persisted epoch "
-                f"{reorg.epoch} (missing {missing}), {required} required ({why})"
+                f"{reorg.epoch} (missing {missing}), {required} required ({why})" + old_short
             )
             return
         sync = self._sync_source_of(reports)
@@ -1487,10 +1908,28 @@ class Election:
             sync_source_id=sync,
             group_name=self._group,
             cluster_id=reorg.cluster_id,
+            nodes=self._voting_nodes(),
         )
         self._last_change_reason = (
             f"coordinator of {self._group} in epoch {reorg.epoch} with {','.join(final)}"
         )
+        change = self._proposal
+        if change is not None:
+            self._proposal = None
+            # A member the new set ranks above this node takes the lead once caught up
+            # (the rejoin hand-over): priority decides who leads.
+            self._catch_up |= {x for x in final if self._rank_of(x) > self._rank_of(self._me)}
+            self._membership_note = (
+                f"{change.describe()}: done in epoch {reorg.epoch} "
+                f"(node set {self._membership.describe()})"
+            )
+            self._log(
+                LogLevel.WARNING,
+                "membership-changed",
+                f"membership change {change.describe()} done: group {self._group} formed in "
+                f"epoch {reorg.epoch} under node set {self._membership.describe()}, persisted "
+                f"by {','.join(final)}",
+            )
         self._log(
             LogLevel.INFO,
             "normal",
@@ -1639,7 +2078,9 @@ class Election:
             return
         if self._coord != self._me:
             if frm == self._coord:
+                group, view, deferred = self._group, self._view, self._deferred
                 self._recover(f"coordinator {frm} left {self._group}{why}", LogLevel.WARNING)
+                self._succeed(frm, group, view, deferred)
             return
         if coordinator != self._me:
             return
@@ -1687,7 +2128,7 @@ class Election:
             or self._now_ms < self._hand_over_next_ms
         ):
             return
-        target = max(waiting, key=lambda x: self._rank[x])
+        target = max(waiting, key=lambda x: self._rank_of(x))
         lag = lags.get(target)
         if lag is None or lag > CATCH_UP_LAG_ENTRIES_MAX:
             return
@@ -1704,6 +2145,67 @@ class Election:
         )
 
     # ----------------------------------------------------------------- operator
+
+    def _on_membership_change(
+        self, change: MembershipChange, operator: str, reason: str
+    ) -> None:
+        """Check a membership change and re-form the group under the new set."""
+        who = operator or "unknown operator"
+        refused = f"membership change {change.describe()} refused ({who})"
+        if self._proposal is not None:
+            self._reject(
+                RejectCode.FAILED_PRECONDITION,
+                f"{refused}: the change {self._proposal.describe()} is in progress; one change "
+                "at a time (see squall status)",
+            )
+            return
+        if not self._serving():
+            self._reject(
+                RejectCode.FAILED_PRECONDITION,
+                f"{refused}: only the coordinator of the serving group changes the node set; "
+                f"this node is {self._state.value} (coordinator {self._coord})",
+            )
+            return
+        if self._transfer is not None:
+            self._reject(
+                RejectCode.FAILED_PRECONDITION,
+                f"{refused}: a leadership transfer to {self._transfer.target} is in progress",
+            )
+            return
+        if self._persisted.quorum_override or self._persisted.designated_primary:
+            control = "quorum override" if self._persisted.quorum_override else (
+                "designated primary"
+            )
+            self._reject(
+                RejectCode.FAILED_PRECONDITION,
+                f"{refused}: the {control} is in force; clear it first, a change counts "
+                "majorities",
+            )
+            return
+        try:
+            new = apply_change(
+                self._membership, change, live=self._view, coordinator=self._me
+            )
+        except ChangeRefused as exc:
+            self._reject(RejectCode.FAILED_PRECONDITION, f"{refused}: {exc}")
+            return
+        old = self._membership
+        self._record(who, f"membership {change.describe()}", reason)
+        self._proposal = change
+        self._membership_note = f"{change.describe()}: in progress (v{new.version})"
+        self._log(
+            LogLevel.WARNING,
+            "membership-change",
+            f"MEMBERSHIP CHANGE by {who}: {change.describe()}; node set {old.describe()} -> "
+            f"v{new.version} {','.join(f'{m.node_id}:{m.priority}' for m in new.members)}; "
+            f"re-forming {self._group} under it"
+            + (f" ({reason})" if reason else ""),
+        )
+        self._apply_membership(new)
+        invite = {x for x in self._view if x != self._me and x in self._prio}
+        if change.kind in (ChangeKind.ADD, ChangeKind.REPLACE):
+            invite.add(change.node_id)
+        self._start_merge(invite)
 
     def _on_designated_primary(self, enabled: bool, operator: str) -> None:
         """Set or clear the designated primary flag (two-node clusters only)."""
@@ -1810,9 +2312,7 @@ class Election:
             return
         self._record(who, f"transfer to {target}", reason)
         self._transfer = _Transfer(target, self._now_ms + 2 * self._cfg.member_timeout_ms)
-        self._send(
-            target, LeadershipTransfer(self._group, self._group_epoch, target, self._view)
-        )
+        self._send(target, LeadershipTransfer(self._group, self._group_epoch, target, self._view))
         self._last_change_reason = f"handing {self._group} to {target} (transfer by {who})"
         why = f" ({reason})" if reason else ""
         self._log(
@@ -1871,6 +2371,48 @@ class Election:
         )
         self._recover(f"quarantined: {reason}", level)
 
+    def _on_replica_losses(self, losses: tuple[LossRecord, ...]) -> None:
+        """Keep each loss report not yet held or acknowledged."""
+        p = self._persisted
+        known = {r.loss_id for r in p.losses} | set(p.acked_loss_ids)
+        new = tuple(r for r in losses if r.loss_id not in known)
+        if not new:
+            return
+        self._persist(losses=(*p.losses, *new)[-LOSS_RECORDS_MAX:])
+        for record in new:
+            self._log(
+                LogLevel.ERROR,
+                "loss",
+                f"{LOSS_MESSAGE_ID} acknowledged events discarded: {record.summary()} "
+                f"[{record.loss_id}]; shown in `squall status` until `squall cluster "
+                f"ack-loss {record.loss_id}`",
+            )
+
+    def _on_ack_loss(self, loss_id: str, operator: str, reason: str) -> None:
+        """Acknowledge one loss report, audited; an unknown id changes nothing."""
+        who = operator or "unknown operator"
+        p = self._persisted
+        record = next((r for r in p.losses if r.loss_id == loss_id), None)
+        if record is None:
+            held = ", ".join(r.loss_id for r in p.losses) or "none"
+            self._reject(
+                RejectCode.NOT_FOUND,
+                f"no loss report {_show(loss_id)} on this node (unacknowledged: {held})",
+            )
+            return
+        self._record(who, f"ack-loss {loss_id}", reason or record.summary())
+        self._persist(
+            losses=tuple(r for r in p.losses if r.loss_id != loss_id),
+            acked_loss_ids=(*p.acked_loss_ids, loss_id)[-LOSS_ACKED_IDS_MAX:],
+        )
+        why = f" ({reason})" if reason else ""
+        self._log(
+            LogLevel.WARNING,
+            "loss-acknowledged",
+            f"{LOSS_ACK_MESSAGE_ID} loss report {loss_id} acknowledged by {who}{why}: "
+            f"{record.summary()}",
+        )
+
     # ----------------------------------------------------------------- messages
 
     def _on_message(self, msg: PeerMessage) -> None:
@@ -1881,6 +2423,34 @@ class Election:
                 f"message for node {_show(msg.to_node)} delivered here",
             )
             return
+        body = msg.body
+        if isinstance(body, Invitation) and self._is_newer(body.membership):
+            self._invitation_with_newer_set(msg.from_node, body)
+            return
+        if msg.from_node in self._removed:
+            self._o().rejection = Rejection(
+                RejectCode.UNKNOWN_SENDER,
+                f"node {self._me}: message from {msg.from_node}, which was removed from the "
+                f"cluster (node set {self._membership.describe()})",
+            )
+            if msg.from_node not in self._removed_logged:
+                self._removed_logged.add(msg.from_node)
+                self._log(
+                    LogLevel.WARNING,
+                    "removed-node-heard",
+                    f"node {msg.from_node} was removed from the cluster but still runs; its "
+                    "messages are refused: stop it, or add it again (squall cluster add-node)",
+                )
+            return
+        if (
+            isinstance(body, AreYouCoordinator)
+            and msg.from_node not in self._prio
+            and (body.membership_epoch, body.membership_version) > self._set_key()
+        ):
+            # A node added while this one was away probes it: answer, so that it learns this
+            # node is here and invites it with the newer node set.
+            self._send(msg.from_node, self._probe_reply(with_settings=False))
+            return
         if msg.from_node not in self._prio or msg.from_node == self._me:
             self._reject(
                 RejectCode.UNKNOWN_SENDER,
@@ -1889,6 +2459,8 @@ class Election:
             return
         body = msg.body
         frm = msg.from_node
+        if self._merge is not None:
+            self._merge.heard.add(frm)
         if isinstance(body, AreYouCoordinator):
             self._on_are_you_coordinator(frm, body)
         elif isinstance(body, AreYouCoordinatorReply):
@@ -1909,6 +2481,23 @@ class Election:
             self._on_leave(frm, body)
         else:
             self._on_ready_ack(frm, body)
+
+    def _invitation_with_newer_set(self, frm: str, body: Invitation) -> None:
+        """An invitation carrying a newer node set than ours: judge it under that set (its
+        sender may be a node we do not know yet); if we do not join, ours stays."""
+        newer = body.membership
+        if newer is None or frm not in newer.ids or self._me not in newer.ids or frm == self._me:
+            self._reject(
+                RejectCode.UNKNOWN_SENDER,
+                f"invitation from {_show(frm)} carries a node set that does not hold both "
+                "the sender and this node",
+            )
+            return
+        before = self._membership
+        self._apply_membership(newer)
+        self._on_invitation(frm, body)
+        if self._group != body.group_name or self._o().rejection is not None:
+            self._apply_membership(before)
 
     def _group_coordinator(self, name: str, frm: str) -> str | None:
         """The coordinator a group name names, or None after rejecting a malformed name."""
@@ -1947,18 +2536,22 @@ class Election:
             return
         if not self._cluster_id_ok(body.cluster_id, frm, "probe"):
             return
-        if self._differs(body.settings_digest):
+        version, base = (body.membership_epoch, body.membership_version), body.base_digest
+        if self._differs(body.settings_digest, version, base):
             # Refused before its claims are held to our file (its priority may be what
             # differs); it gets our values so that it can name the difference too.
-            self._agrees(frm, body.settings_digest, body.settings)
+            self._agrees(frm, body.settings_digest, body.settings, version, base)
             self._send(frm, self._probe_reply(with_settings=True))
             return
-        if not self._check_priority(frm, body.priority, frm):
+        # A node holding another version of the node set may know another priority for
+        # itself: the invitation settles it.
+        same_set = version == self._set_key()
+        if same_set and not self._check_priority(frm, body.priority, frm):
             return
         self._learn_designation(frm, body.designated_primary)
         self._send(frm, self._probe_reply(with_settings=False))
         if self._same_cluster(frm, body.cluster_id) and self._agrees(
-            frm, body.settings_digest, body.settings
+            frm, body.settings_digest, body.settings, version, base
         ):
             self._note_coordinator(frm, body.serving)
 
@@ -1973,10 +2566,33 @@ class Election:
             serving=self._serving(),
             settings_digest=self._digest,
             settings=self._settings if with_settings else (),
+            membership_version=self._membership.version,
+            membership_epoch=self._membership.epoch,
+            base_digest=self._base_digest,
         )
 
     def _on_are_you_coordinator_reply(self, frm: str, body: AreYouCoordinatorReply) -> None:
         """A positive answer from a coordinator below us makes it a merge candidate."""
+        parsed = parse_group_name(body.group_name)
+        if (
+            parsed is not None
+            and parsed[0] not in self._prio
+            and parsed[0] != frm
+            and (body.membership_epoch, body.membership_version) != self._set_key()
+        ):
+            # frm is held in a group whose coordinator is not in our node set (a membership
+            # change removed it): nobody else will invite it, so it is a candidate itself.
+            if (
+                self._cluster_id_ok(body.cluster_id, frm, "probe reply")
+                and not self._differs(
+                    body.settings_digest,
+                    (body.membership_epoch, body.membership_version),
+                    body.base_digest,
+                )
+                and self._same_cluster(frm, body.cluster_id)
+            ):
+                self._note_coordinator(frm, False)
+            return
         coordinator = self._group_coordinator(body.group_name, frm)
         if coordinator is None:
             return
@@ -1989,33 +2605,83 @@ class Election:
             return
         if not self._cluster_id_ok(body.cluster_id, frm, "probe reply"):
             return
-        if self._differs(body.settings_digest):
-            self._agrees(frm, body.settings_digest, body.settings)
+        version, base = (body.membership_epoch, body.membership_version), body.base_digest
+        if self._differs(body.settings_digest, version, base):
+            self._agrees(frm, body.settings_digest, body.settings, version, base)
             return
-        if not self._check_priority(frm, body.priority, frm):
+        same_set = version == self._set_key()
+        if same_set and not self._check_priority(frm, body.priority, frm):
             return
         self._learn_designation(frm, body.designated_primary)
         if (
             self._same_cluster(frm, body.cluster_id)
-            and self._agrees(frm, body.settings_digest, body.settings)
+            and self._agrees(frm, body.settings_digest, body.settings, version, base)
             and body.is_coordinator
         ):
             self._note_coordinator(frm, body.serving)
 
     def _learn_designation(self, node: str, designated: bool) -> None:
-        """Track the other node's designated-primary flag; both set is a loud conflict."""
+        """Track the other node's designated-primary flag (persisted); both set is a
+        conflict: the lower-ranked node gives its flag up and stops running alone."""
         self._peer_designated[node] = designated
-        if designated and self._persisted.designated_primary:
+        holders = tuple(sorted(x for x, flag in self._peer_designated.items() if flag))
+        if holders != self._persisted.peer_designated:
+            self._persist(peer_designated=holders)
+        if not (designated and self._persisted.designated_primary):
+            self._conflict_logged = False
+            return
+        if self._rank_of(self._me) > self._rank_of(node):
             if not self._conflict_logged:
                 self._conflict_logged = True
                 self._log(
                     LogLevel.ERROR,
                     "designated-primary-conflict",
-                    f"node {node} is ALSO designated primary; neither may run alone until "
-                    "an operator clears one flag",
+                    f"node {node} is ALSO designated primary: both may have run alone; "
+                    f"{node} ranks lower, so it clears its flag and stops running alone, and "
+                    "this node keeps serving; what the two groups wrote apart is decided by "
+                    "the newest log when they merge",
                 )
-        else:
-            self._conflict_logged = False
+            return
+        self._designation_conflict(node)
+
+    def _designation_conflict(self, node: str) -> None:
+        """Both nodes of a two-node cluster hold the flag, and the other ranks higher: give
+        the flag up (audited as ``auto``), record the divergence as a loss report, and stop
+        serving alone (the higher-ranked node keeps serving and invites this one)."""
+        epoch = self._persisted.epoch
+        at_ms = self._now_ms + self._wall_offset_ms
+        detail = (
+            f"nodes {self._me} and {node} both held the designated-primary flag, so both may "
+            f"have run alone and acknowledged writes the other never saw; {self._me} (ranked "
+            f"below {node}) cleared its flag and stopped serving alone in epoch {epoch}; when "
+            "the two merge, the newest log is kept and the other side's writes since the "
+            "split are discarded (the truncating node reports its LSN range and topics)"
+        )
+        record = LossRecord(
+            loss_id=f"loss-{self._me}-dp-{epoch}-{at_ms}",
+            node_id=self._me,
+            at_ms=at_ms,
+            cause="designated-primary-conflict",
+            operator_action=f"designated primary set on both {self._me} and {node}",
+            detail=detail,
+            epoch=epoch,
+        )
+        self._record("auto", "designated-primary cleared", f"conflict with {node}")
+        self._persist(
+            designated_primary=False,
+            losses=(*self._persisted.losses, record)[-LOSS_RECORDS_MAX:],
+        )
+        self._log(
+            LogLevel.ERROR,
+            "designated-primary-conflict",
+            f"{LOSS_MESSAGE_ID} acknowledged events may be discarded: {record.summary()} "
+            f"[{record.loss_id}]",
+        )
+        if self._state is NodeState.NORMAL and len(self._view) < 2:
+            self._recover(
+                f"designated-primary conflict with {node}: stopped running alone",
+                LogLevel.ERROR,
+            )
 
     def _on_are_you_there(self, frm: str, body: AreYouThere) -> None:
         """Answer a member's check; it doubles as the member's heartbeat."""
@@ -2057,16 +2723,20 @@ class Election:
                         f"{body.held_reason}",
                     )
         else:
+            group, view, deferred = self._group, self._view, self._deferred
             self._recover(f"coordinator {frm} says this node is not in {self._group}")
+            self._succeed(frm, group, view, deferred, invite=False)
 
     def _on_invitation(self, frm: str, body: Invitation) -> None:
         """Join a group led by a node ranked above our coordinator; forward to our members."""
         inviter = self._group_coordinator(body.group_name, frm)
         if inviter is None:
             return
-        if self._differs(body.settings_digest):
+        carried = body.membership
+        version = (carried.epoch, carried.version) if carried is not None else (0, 0)
+        if self._differs(body.settings_digest, version, body.base_digest):
             # Before the priority checks: the inviter's priority may be what differs.
-            self._agrees(inviter, body.settings_digest, ())
+            self._agrees(inviter, body.settings_digest, (), version, body.base_digest)
             diffs = self._disagree[inviter][1]
             self._reject(
                 RejectCode.FAILED_PRECONDITION,
@@ -2083,12 +2753,13 @@ class Election:
             return
         if not self._cluster_id_ok(body.cluster_id, frm, "invitation"):
             return
-        if not self._check_priority(inviter, body.priority, frm):
+        same_set = version == self._set_key()
+        if same_set and not self._check_priority(inviter, body.priority, frm):
             return
         bad = [
             x
             for x in body.catch_up
-            if x not in self._prio or self._rank[x] <= self._rank[inviter]
+            if x not in self._prio or self._rank_of(x) <= self._rank_of(inviter)
         ]
         if bad:
             self._reject(
@@ -2131,7 +2802,26 @@ class Election:
                     f"{self._group_epoch}: delayed from an older merge",
                 )
                 return
-        elif self._rank[inviter] <= self._rank[current]:
+        elif self._rank_of(inviter) <= self._rank_of(current):
+            if (
+                frm == inviter
+                and current != self._me
+                and self._state is NodeState.NORMAL
+                and inviter in self._view
+            ):
+                # A member of our group succeeds a coordinator it lost: we will likely
+                # lose it too within a heartbeat, and then join at once (``_succeed``).
+                self._deferred = _DeferredInvitation(
+                    frm, body, self._now_ms + self._cfg.member_timeout_ms
+                )
+                self._log(
+                    LogLevel.INFO,
+                    "invitation-deferred",
+                    f"invitation from {inviter} to {body.group_name} kept for "
+                    f"{self._cfg.member_timeout_ms} ms: coordinator {current} still answers; "
+                    f"taken if this node loses {current} first",
+                )
+                return
             self._log(
                 LogLevel.DEBUG,
                 "invitation-ignored",
@@ -2159,6 +2849,11 @@ class Election:
             self._send(node, body)
         old_group = self._group
         self._reset_group()
+        self._abandon_proposal(f"this node joined {body.group_name} of {inviter}")
+        if body.membership != self._membership:
+            # The group forms under the inviter's set (a newer one was adopted before the
+            # checks): a set of ours only in memory (a change in progress) is dropped.
+            self._apply_membership(in_force(self._persisted.membership, self._bootstrap))
         self._state = NodeState.REORGANIZATION
         self._group = body.group_name
         self._coord = inviter
@@ -2289,10 +2984,19 @@ class Election:
             )
             return
         members = set(body.members)
+        carried = body.membership
+        known = set(carried.ids) if carried is not None else set(self._prio)
+        if carried is not None and (carried.epoch != body.epoch or self._me not in known):
+            self._reject(
+                RejectCode.INVALID_MESSAGE,
+                f"Ready from {frm} for epoch {body.epoch} carries node set "
+                f"{carried.describe()}, which must be of that epoch and hold this node",
+            )
+            return
         if (
             body.epoch < 1
             or len(members) != len(body.members)
-            or not members <= self._prio.keys()
+            or not members <= known
             or frm not in members
             or body.sync_source_id not in members
         ):
@@ -2341,10 +3045,13 @@ class Election:
                 f"Ready from {frm} for {body.group_name} ignored: not our pending group",
             )
             return
+        if carried is not None:
+            self._apply_membership(carried)
         self._persist(
             epoch=body.epoch,
             max_seen=max(self._persisted.max_seen, body.max_seen, len(body.members)),
             cluster_id=body.cluster_id or self._persisted.cluster_id,
+            membership=carried if carried is not None else self._persisted.membership,
         )
         self._state = NodeState.NORMAL
         self._group_epoch = body.epoch
@@ -2360,13 +3067,13 @@ class Election:
             sync_source_id=body.sync_source_id,
             group_name=body.group_name,
             cluster_id=self._persisted.cluster_id,
+            nodes=self._voting_nodes(),
         )
         self._last_change_reason = f"slave of {frm} in {body.group_name}, epoch {body.epoch}"
         self._log(
             LogLevel.INFO,
             "normal",
-            f"reporting for duty in {body.group_name} with coordinator {frm}, epoch "
-            f"{body.epoch}",
+            f"reporting for duty in {body.group_name} with coordinator {frm}, epoch {body.epoch}",
         )
         self._revert_override_if_majority(body.members, body.epoch)
 

@@ -63,14 +63,11 @@ async def transfer(
         epoch=epoch, target_node_id=target, timeout_ms=wait_ms
     )
     try:
-        prepared = await replica.PrepareHandoff(
-            request, timeout=(wait_ms + rpc_timeout_ms) / 1000
-        )
+        prepared = await replica.PrepareHandoff(request, timeout=(wait_ms + rpc_timeout_ms) / 1000)
     except grpc.aio.AioRpcError as exc:
         raise HandoffError(
             exc.code().name,
-            f"node {node.node.id}: transfer to {target} abandoned, writes resumed: "
-            f"{exc.details()}",
+            f"node {node.node.id}: transfer to {target} abandoned, writes resumed: {exc.details()}",
         ) from None
     ready = node.driver.transfer_leadership(target, operator, reason)
     if ready.rejection is not None:

@@ -75,9 +75,7 @@ def decide_start(reports: Mapping[str, MemberReport], nodes_configured: int) -> 
     ordered = [reports[x] for x in sorted(reports, key=_node_key)]
     joined = [r.node_id for r in ordered if r.joined]
     if joined:
-        return StartDecision(
-            True, f"running cluster: {','.join(joined)} served since starting"
-        )
+        return StartDecision(True, f"running cluster: {','.join(joined)} served since starting")
     if nodes_configured == 1:
         return StartDecision(True, "one-node cluster: its store is the only copy", cold=True)
     used = [r for r in ordered if r.store_state is not StoreState.EMPTY]

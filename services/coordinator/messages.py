@@ -11,6 +11,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from squall_server.common.loss_record import LossRecord
+from squall_server.coordinator.membership import Membership
+
 
 class NodeState(enum.Enum):
     """A node's election state (IceStorm's replica states)."""
@@ -65,12 +68,16 @@ class RejectCode(enum.Enum):
     STALE_EPOCH = "stale-epoch"
     INVALID_ARGUMENT = "invalid-argument"
     FAILED_PRECONDITION = "failed-precondition"
+    NOT_FOUND = "not-found"
 
     @property
     def status(self) -> str:
-        """The gRPC status code name: ``INVALID_ARGUMENT`` or ``FAILED_PRECONDITION``."""
+        """The gRPC status code name: ``INVALID_ARGUMENT``, ``FAILED_PRECONDITION`` or
+        ``NOT_FOUND``."""
         if self in (RejectCode.STALE_EPOCH, RejectCode.FAILED_PRECONDITION):
             return "FAILED_PRECONDITION"
+        if self is RejectCode.NOT_FOUND:
+            return "NOT_FOUND"
         return "INVALID_ARGUMENT"
 
 
@@ -110,6 +117,9 @@ class MemberReport:
     epoch: int
     shutdown_id: str = ""
     joined: bool = False
+    membership: Membership | None = None
+    """The node set the member persisted (None: its config file's); the coordinator
+    adopts the newest set among the reports (membership.py)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +139,14 @@ class AreYouCoordinator:
     """The digest of the sender's agreed settings (agreement.py); "" compares nothing."""
     settings: tuple[tuple[str, str], ...] = ()
     """The sender's agreed settings, sent only to a node it knows differs."""
+    membership_version: int = 0
+    """The version of the sender's node set (0: its config file's)."""
+    membership_epoch: int = 0
+    """The epoch of the newest group that carried that set (two sets of one version made
+    by competing changes differ here)."""
+    base_digest: str = ""
+    """The digest of the agreed settings without the node set: compared instead of
+    ``settings_digest`` when the two nodes hold different versions of the node set."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +164,9 @@ class AreYouCoordinatorReply:
     settings: tuple[tuple[str, str], ...] = ()
     """The replier's agreed settings, sent only when the probe's digest differs from its
     own, so the prober can name what differs."""
+    membership_version: int = 0
+    membership_epoch: int = 0
+    base_digest: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +208,10 @@ class Invitation:
     catch_up: tuple[str, ...] = ()
     settings_digest: str = ""
     """The inviter's agreed-settings digest: a node whose own differs refuses."""
+    base_digest: str = ""
+    membership: Membership | None = None
+    """The node set the group forms under (a change in progress included): an invitee
+    that holds an older set uses it for this group, and persists it with the epoch."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +234,8 @@ class GroupReady:
     coordinator_id: str
     max_seen: int
     cluster_id: str = ""
+    membership: Membership | None = None
+    """The group's node set, persisted by each member with the epoch."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,6 +332,12 @@ class PersistedState:
     ``cleared_fault_id`` the last fault an operator cleared, so the replica reporting that
     same fault again does not quarantine the node again. ``audit`` holds the newest
     ``AUDIT_RECORDS_MAX`` operator actions and automatic reverts.
+
+    ``losses`` holds the loss reports of this node no operator acknowledged yet (its
+    replica's, and a designated-primary conflict this election found), ``acked_loss_ids``
+    the newest acknowledged ids, so a replica still reporting one does not bring it back.
+    ``peer_designated`` names the other node of a two-node cluster when it was last heard
+    holding the designated-primary flag (persisted, so a restart does not forget it).
     """
 
     epoch: int = 0
@@ -317,6 +350,10 @@ class PersistedState:
     quarantine_fault_id: str = ""
     cleared_fault_id: str = ""
     audit: tuple[OperatorRecord, ...] = ()
+    losses: tuple[LossRecord, ...] = ()
+    acked_loss_ids: tuple[str, ...] = ()
+    peer_designated: tuple[str, ...] = ()
+    membership: Membership | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,6 +376,9 @@ class RoleCommand:
     sync_source_id: str = ""
     group_name: str = ""
     cluster_id: str = ""
+    nodes: tuple[str, ...] = ()
+    """MASTER: the voting node set the commit majority is counted from (empty: the
+    config file's nodes)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -436,6 +476,13 @@ class ElectionStatus:
     config_mismatches: tuple[ConfigMismatch, ...] = ()
     """Nodes refused because their agreed settings differ from this node's, one row per
     differing setting (docs/operations.md, "Consistency at start")."""
+    losses: tuple[LossRecord, ...] = ()
+    """Loss reports of this node no operator acknowledged yet, oldest first."""
+    membership: Membership | None = None
+    """The node set this node uses (the config file's until a change)."""
+    membership_change: str = ""
+    """The membership change in progress on this coordinator, or the outcome of the last
+    one (``add-node 4: done in epoch 7``)."""
 
 
 def _cluster(cluster_id: str) -> str:
@@ -447,6 +494,14 @@ def _digest(digest: str, settings: tuple[tuple[str, str], ...] = ()) -> str:
     """`` settings=DIGEST`` (and the values, when carried), else nothing."""
     values = " values=" + ",".join(f"{k}={v}" for k, v in settings) if settings else ""
     return f" settings={digest}{values}" if digest else ""
+
+
+def _membership(membership: Membership | None) -> str:
+    """`` nodes=v1@3:1:3,2:2,4:1`` for a message that carries a changed node set."""
+    if membership is None or membership.version == 0:
+        return ""
+    nodes = ",".join(f"{m.node_id}:{m.priority}" for m in membership.members)
+    return f" nodes=v{membership.version}@{membership.epoch}:{nodes}"
 
 
 def _format_body(body: Body) -> str:
@@ -481,6 +536,7 @@ def _format_body(body: Body) -> str:
             + _cluster(body.cluster_id)
             + extra
             + _digest(body.settings_digest)
+            + _membership(body.membership)
         )
     if isinstance(body, LeadershipTransfer):
         return (
@@ -500,12 +556,14 @@ def _format_body(body: Body) -> str:
             f"Accept group={body.group_name} epoch={r.epoch} log={r.last_epoch}/{r.last_lsn} "
             f"store={store}{joined} max={r.max_seen} forwarded={forwarded}"
             + _cluster(r.cluster_id)
+            + _membership(r.membership)
         )
     if isinstance(body, GroupReady):
         return (
             f"Ready group={body.group_name} epoch={body.epoch} "
             f"members={','.join(body.members)} sync={body.sync_source_id} max={body.max_seen}"
             + _cluster(body.cluster_id)
+            + _membership(body.membership)
         )
     return f"ReadyAck group={body.group_name} epoch={body.epoch}"
 
@@ -520,8 +578,5 @@ def format_role_command(cmd: RoleCommand) -> str:
     if cmd.kind is RoleCommandKind.DEACTIVATE:
         return "deactivate"
     if cmd.kind is RoleCommandKind.MASTER:
-        return (
-            f"master epoch={cmd.epoch} members={','.join(cmd.members)} "
-            f"sync={cmd.sync_source_id}"
-        )
+        return f"master epoch={cmd.epoch} members={','.join(cmd.members)} sync={cmd.sync_source_id}"
     return f"follow master={cmd.master_id} epoch={cmd.epoch}"

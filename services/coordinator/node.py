@@ -37,6 +37,8 @@ from squall_server.common.clock import Clock, SystemClock
 from squall_server.common.config import ClusterConfig, NodeConfig
 from squall_server.common.grpc_server import channel_options
 from squall_server.common.ids import new_cluster_id
+from squall_server.common.loss import loss_from_proto
+from squall_server.common.loss_record import LOSS_RECORDS_MAX
 from squall_server.common.telemetry import Telemetry, current
 from squall_server.common.tls import handshake_failure, transport
 from squall_server.coordinator import codec, handoff
@@ -52,6 +54,7 @@ from squall_server.coordinator.driver import (
     StateStore,
 )
 from squall_server.coordinator.election import Election, ElectionConfig
+from squall_server.coordinator.membership import Membership, MembershipChange
 from squall_server.coordinator.messages import (
     ElectionStatus,
     NodeState,
@@ -126,6 +129,9 @@ def election_config(config: ClusterConfig, node_id: str) -> ElectionConfig:
         merge_delay_ms_per_priority=t.merge_delay_ms_per_priority,
         replica_timeout_ms=t.replica_timeout_ms,
         agreed_settings=config.agreed_settings(),
+        addresses={n.id: (n.coordinator_address, n.replica_address) for n in config.nodes},
+        membership_version=config.membership_version,
+        membership_epoch=config.membership_epoch,
     )
 
 
@@ -166,17 +172,22 @@ class GrpcPeers:
             *channel_options(config.limits.max_message_bytes),
             *reconnect_options(config.timeouts.heartbeat_interval_ms),
         ]
-        links = transport(config, node_id)
+        self._links = transport(config, node_id)
+        self._options = options
+        self._addresses = {n.id: n.coordinator_address for n in config.nodes if n.id != node_id}
         self._channels = {
-            n.id: links.aio_channel(n.coordinator_address, options=options)
-            for n in config.nodes
-            if n.id != node_id
+            peer: self._links.aio_channel(address, options=options)
+            for peer, address in self._addresses.items()
         }
         self._peers = {
             peer: coordinator_pb2_grpc.CoordinatorStub(channel)
             for peer, channel in self._channels.items()
         }
         self._inflight = {peer: 0 for peer in self._peers}
+        # The running node set's coordinator addresses (a membership change adds a node or
+        # moves one); set by CoordinatorNode once its election exists.
+        self.address_of: Callable[[str], str] | None = None
+        self._closing: list[grpc.aio.Channel] = []
         self._tls_refused: set[str] = set()  # peers whose TLS handshake failed (logged once)
         # A message not delivered within the lease is of no use any more.
         self._timeout_s = config.timeouts.member_timeout_ms / 1000
@@ -184,11 +195,28 @@ class GrpcPeers:
     def send(self, message: PeerMessage) -> None:
         """Starts delivering one message (dropped if the peer has too many in flight)."""
         peer = message.to_node
+        self._follow_address(peer)
         if peer not in self._peers or self._inflight[peer] >= _PEER_INFLIGHT_MAX:
             return
         self._inflight[peer] += 1
         task = asyncio.ensure_future(self._deliver_to(peer, codec.to_proto(message)))
         task.add_done_callback(lambda _: self._sent(peer))
+
+    def _follow_address(self, peer: str) -> None:
+        """Dial the address the running node set gives ``peer`` (a node added, or one
+        replaced on a new machine, since the config file was written)."""
+        address = self.address_of(peer) if self.address_of is not None else ""
+        if not address or address == self._addresses.get(peer) or peer == self.node_id:
+            return
+        old = self._channels.get(peer)
+        if old is not None:
+            self._closing.append(old)
+        log.info("coordinator %s: node %s is at %s (running node set)", self.node_id, peer, address)
+        channel = self._links.aio_channel(address, options=self._options)
+        self._addresses[peer] = address
+        self._channels[peer] = channel
+        self._peers[peer] = coordinator_pb2_grpc.CoordinatorStub(channel)
+        self._inflight.setdefault(peer, 0)
 
     def _sent(self, peer: str) -> None:
         self._inflight[peer] -= 1
@@ -224,7 +252,7 @@ class GrpcPeers:
 
     async def close(self) -> None:
         """Closes every channel."""
-        for channel in self._channels.values():
+        for channel in [*self._channels.values(), *self._closing]:
             await channel.close(None)
 
 
@@ -233,6 +261,8 @@ class GrpcReplicaLink:
 
     def __init__(self, config: ClusterConfig, node: NodeConfig) -> None:
         self.config = config
+        # The running node set (set by CoordinatorNode): role commands carry its addresses.
+        self.running_set: Callable[[], Membership | None] | None = None
         options = [
             *channel_options(config.limits.max_message_bytes),
             *reconnect_options(config.timeouts.heartbeat_interval_ms),
@@ -292,6 +322,7 @@ class GrpcReplicaLink:
                 for slave in state.slaves
                 if slave.state == "streaming"
             ),
+            losses=tuple(loss_from_proto(loss) for loss in state.losses[:LOSS_RECORDS_MAX]),
         )
 
     async def check_health(self) -> bool:
@@ -311,7 +342,12 @@ class GrpcReplicaLink:
         await self._channel.close(None)
 
     def _role_proto(self, command: RoleCommand, reason: str) -> replica_pb2.RoleCommand:
-        known = {n.id for n in self.config.nodes}
+        running = self.running_set() if self.running_set is not None else None
+        known = {n.id for n in self.config.nodes} | set(running.ids if running else ())
+
+        def endpoint_of(node_id: str) -> common_pb2.NodeEndpoint:
+            return running_endpoint(self.config, running, node_id)
+
         message = replica_pb2.RoleCommand(
             role=_ROLES[command.kind],
             epoch=command.epoch,
@@ -322,9 +358,26 @@ class GrpcReplicaLink:
             cluster_id=command.cluster_id,
         )
         if command.master_id:
-            message.master.CopyFrom(endpoint(self.config, command.master_id))
-        message.members.extend(endpoint(self.config, m) for m in command.members if m in known)
+            message.master.CopyFrom(endpoint_of(command.master_id))
+        message.members.extend(endpoint_of(m) for m in command.members if m in known)
+        message.voting_nodes.extend(endpoint_of(m) for m in command.nodes if m in known)
         return message
+
+
+def running_endpoint(
+    config: ClusterConfig, running: Membership | None, node_id: str
+) -> common_pb2.NodeEndpoint:
+    """A node's addresses and priority from the running node set (a membership change),
+    else from the config file."""
+    member = running.member(node_id) if running is not None and running.version else None
+    if member is None:
+        return endpoint(config, node_id)
+    return common_pb2.NodeEndpoint(
+        node_id=member.node_id,
+        replica_address=member.replica_address,
+        coordinator_address=member.coordinator_address,
+        priority=member.priority,
+    )
 
 
 def endpoint(config: ClusterConfig, node_id: str) -> common_pb2.NodeEndpoint:
@@ -379,6 +432,10 @@ class CoordinatorNode:
             view_changed=self._view_changed,
             hand_over=self._start_hand_over,
         )
+        if isinstance(self._peers, GrpcPeers):
+            self._peers.address_of = self._coordinator_address
+        if isinstance(self._replica, GrpcReplicaLink):
+            self._replica.running_set = lambda: self.election.membership
         # Stops the process (a clean cluster shutdown asked for it).
         self._on_shutdown = on_shutdown
         self._probe: asyncio.Task[None] | None = None
@@ -387,6 +444,12 @@ class CoordinatorNode:
         self._watchers: set[asyncio.Queue[coordinator_pb2.GroupView]] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._renew_s = config.timeouts.heartbeat_interval_ms / 1000
+
+    def _coordinator_address(self, node_id: str) -> str:
+        """Where the running node set says ``node_id``'s coordinator is ("" if unknown)."""
+        membership = self.election.membership
+        member = membership.member(node_id) if membership.version else None
+        return member.coordinator_address if member is not None else ""
 
     @staticmethod
     def _group_id() -> str:
@@ -499,6 +562,15 @@ class CoordinatorNode:
         """Operator control: see Election.set_quarantine."""
         return self.driver.set_quarantine(enabled, operator, reason)
 
+    def ack_loss(self, loss_id: str, operator: str, reason: str = "") -> Ready:
+        """Operator control: see Election.ack_loss."""
+        return self.driver.ack_loss(loss_id, operator, reason)
+    def change_membership(
+        self, change: MembershipChange, operator: str, reason: str = ""
+    ) -> Ready:
+        """Operator control: see Election.change_membership."""
+        return self.driver.change_membership(change, operator, reason)
+
     async def transfer_leadership(
         self, target: str, operator: str, reason: str, timeout_ms: int
     ) -> Ready:
@@ -572,16 +644,19 @@ class CoordinatorNode:
     def group_view(self) -> coordinator_pb2.GroupView:
         """This node's view of its group, as gateways watch it."""
         status = self.election.status()
-        known = {n.id for n in self.config.nodes}
+        running = status.membership
+        known = {n.id for n in self.config.nodes} | set(running.ids if running else ())
         view = coordinator_pb2.GroupView(
             node_id=self.node.id,
             state=codec.status_to_proto(status).state,
             epoch=status.epoch,
             group_name=status.group_name,
-            members=[endpoint(self.config, m) for m in status.members if m in known],
+            members=[
+                running_endpoint(self.config, running, m) for m in status.members if m in known
+            ],
         )
         if status.state is NodeState.NORMAL and status.coordinator_id in known:
-            view.master.CopyFrom(endpoint(self.config, status.coordinator_id))
+            view.master.CopyFrom(running_endpoint(self.config, running, status.coordinator_id))
         return view
 
     def _view_changed(self) -> None:

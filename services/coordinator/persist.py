@@ -1,5 +1,5 @@
 """The coordinator's persisted state on disk: epoch, max seen, cluster id, operator controls
-and their audit trail.
+and their audit trail, and the running node set once a membership change made one.
 
 The election promises never to go back to an older epoch, also across restarts, so the
 state is written atomically (temporary file, fsync, rename, fsync of the directory)
@@ -14,6 +14,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from squall_server.common.loss_record import (
+    LOSS_ACKED_IDS_MAX,
+    LOSS_RECORDS_MAX,
+    LossRecordError,
+    loss_from_dict,
+)
+from squall_server.coordinator.membership import MEMBERS_MAX, Member, Membership
 from squall_server.coordinator.messages import AUDIT_RECORDS_MAX, OperatorRecord, PersistedState
 
 STATE_FILE_NAME = "coordinator-state.json"
@@ -26,6 +33,10 @@ _OPTIONAL = (
     "cleared_fault_id",
     "audit",
     "cluster_id",
+    "losses",
+    "acked_loss_ids",
+    "peer_designated",
+    "membership",
 )
 # Longest string kept in a record read back (operator names and reasons are short).
 _TEXT_CHARS_MAX = 4096
@@ -69,6 +80,23 @@ def load_state(path: Path) -> PersistedState:
     audit = document.get("audit", [])
     if not isinstance(audit, list) or len(audit) > AUDIT_RECORDS_MAX:
         raise StateFileError(f"{path}: audit must be a list of at most {AUDIT_RECORDS_MAX} records")
+    losses = document.get("losses", [])
+    if not isinstance(losses, list) or len(losses) > LOSS_RECORDS_MAX:
+        raise StateFileError(f"{path}: losses must be a list of at most {LOSS_RECORDS_MAX}")
+    try:
+        loss_records = tuple(loss_from_dict(r, f"losses[{i}]") for i, r in enumerate(losses))
+    except LossRecordError as exc:
+        raise StateFileError(f"{path}: {exc}") from exc
+    names: dict[str, tuple[str, ...]] = {}
+    for key, most in (("acked_loss_ids", LOSS_ACKED_IDS_MAX), ("peer_designated", 64)):
+        value = document.get(key, [])
+        if (
+            not isinstance(value, list)
+            or len(value) > most
+            or not all(isinstance(v, str) and len(v) <= 128 for v in value)
+        ):
+            raise StateFileError(f"{path}: {key} must be a list of at most {most} strings")
+        names[key] = tuple(value)
     return PersistedState(
         epoch=document["epoch"],
         max_seen=document["max_seen"],
@@ -80,7 +108,52 @@ def load_state(path: Path) -> PersistedState:
         cleared_fault_id=document.get("cleared_fault_id", ""),
         audit=tuple(_parse_record(path, f"audit[{i}]", r) for i, r in enumerate(audit)),
         cluster_id=document.get("cluster_id", ""),
+        losses=loss_records,
+        acked_loss_ids=names["acked_loss_ids"],
+        peer_designated=names["peer_designated"],
+        membership=_membership(path, document.get("membership")),
     )
+
+
+def _membership(path: Path, value: object) -> Membership | None:
+    """The persisted node set (None: the config file's); StateFileError names the bad field."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"version", "epoch", "members"}:
+        raise StateFileError(f"{path}: membership must hold version, epoch and members")
+    for key in ("version", "epoch"):
+        number = value[key]
+        if not isinstance(number, int) or isinstance(number, bool) or number < 0:
+            raise StateFileError(f"{path}: membership.{key} must be a non-negative integer")
+    members = value["members"]
+    if not isinstance(members, list) or not 1 <= len(members) <= MEMBERS_MAX:
+        raise StateFileError(f"{path}: membership.members must list 1 to {MEMBERS_MAX} nodes")
+    parsed: list[Member] = []
+    fields = {"node_id", "priority", "coordinator_address", "replica_address"}
+    for i, member in enumerate(members):
+        if not isinstance(member, dict) or set(member) != fields:
+            raise StateFileError(f"{path}: membership.members[{i}] must hold {sorted(fields)}")
+        priority = member["priority"]
+        texts = [member[k] for k in fields - {"priority"}]
+        if (
+            not isinstance(priority, int)
+            or isinstance(priority, bool)
+            or priority < 0
+            or not all(isinstance(t, str) and len(t) <= _TEXT_CHARS_MAX for t in texts)
+        ):
+            raise StateFileError(f"{path}: membership.members[{i}] is malformed: {member!r}")
+        parsed.append(
+            Member(
+                member["node_id"],
+                priority,
+                member["coordinator_address"],
+                member["replica_address"],
+            )
+        )
+    ids = [m.node_id for m in parsed]
+    if len(set(ids)) != len(ids):
+        raise StateFileError(f"{path}: membership.members repeats a node id: {ids}")
+    return Membership(value["version"], value["epoch"], tuple(parsed))
 
 
 def _record(path: Path, key: str, document: dict[str, Any]) -> OperatorRecord | None:

@@ -95,6 +95,29 @@ class Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
             await _refuse(context, ready.rejection)
         return coordinator_pb2.OperatorControlResponse(status=self._status())
 
+    async def AckLoss(
+        self, request: coordinator_pb2.AckLossRequest, context: Context
+    ) -> coordinator_pb2.OperatorControlResponse:
+        ready = self.node.ack_loss(
+            request.loss_id[:128], request.operator or "unknown", request.reason[:1024]
+        )
+        if ready.rejection is not None:
+            await _refuse(context, ready.rejection)
+        return coordinator_pb2.OperatorControlResponse(status=self._status())
+
+    async def ChangeMembership(
+        self, request: coordinator_pb2.ChangeMembershipRequest, context: Context
+    ) -> coordinator_pb2.OperatorControlResponse:
+        try:
+            change = codec.change_from_proto(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"membership change: {exc}")
+            raise
+        ready = self.node.change_membership(change, request.operator or "unknown", request.reason)
+        if ready.rejection is not None:
+            await _refuse(context, ready.rejection)
+        return coordinator_pb2.OperatorControlResponse(status=self._status())
+
     async def Shutdown(
         self, request: coordinator_pb2.CoordinatorShutdownRequest, context: Context
     ) -> coordinator_pb2.CoordinatorShutdownResponse:

@@ -172,9 +172,7 @@ def explain_master(facts: Sequence[NodeFacts], master: str) -> list[str]:
     by_id = _by_id(facts)
     n = len(by_id)
     if not master or master not in by_id:
-        alive = {
-            x for x, f in by_id.items() if f.up and not f.quarantined and not f.config_refused
-        }
+        alive = {x for x, f in by_id.items() if f.up and not f.quarantined and not f.config_refused}
         verdict = _election(by_id, alive, "")
         return ["No master now.", f"If the reachable nodes formed a group: {verdict.why}"]
     m = by_id[master]

@@ -17,6 +17,7 @@ from squall_server.common.service_main import run_service
 from squall_server.gateway.forward import FORWARDED_SERVICES, Forwarder
 from squall_server.gateway.master import MasterTracker
 from squall_server.gateway.server import ClusterAdmin
+from squall_server.gateway.shared_publish import SharedPublishStreams
 
 log = logging.getLogger("squall.gateway")
 
@@ -33,12 +34,17 @@ async def serve(config: ClusterConfig, gateway: GatewayConfig, stop: asyncio.Eve
     rpc_timeout_s = config.timeouts.rpc_timeout_ms / 1000
     masters = MasterTracker(config, gateway.id, probe_timeout_s=rpc_timeout_s)
     admin = ClusterAdmin(config, masters, timeout_s=rpc_timeout_s)
+    # Each shared publish stream is one client to a replica: it stays within that
+    # client's limit of publishes awaiting receipts.
+    shared = SharedPublishStreams(masters, config.limits.client_inflight_publishes_max)
     forwarder = Forwarder(
         masters,
         timeout_s,
         master_wait_s=rpc_timeout_s,
         policy=config.retry.policy(),
         gateway_id=gateway.id,
+        read_from=gateway.read_from,
+        shared=shared,
     )
     # Apps connect without a client certificate: TLS, not mutual TLS, on the gateway.
     grpc_server = ServiceServer(
@@ -61,6 +67,7 @@ async def serve(config: ClusterConfig, gateway: GatewayConfig, stop: asyncio.Eve
         log.info("gateway %s stopping", gateway.id)
     finally:
         await grpc_server.stop()
+        await shared.close()
         await admin.close()
         await masters.close()
 

@@ -8,8 +8,12 @@ Unary calls go through a tenacity loop (`squall_server.gateway.retry` decides; t
 only calls and waits): each attempt goes to the master the group views name (waiting,
 bounded, while there is none) or to the master a slave's redirect names; an indeterminate
 attempt is retried only when the call is safe to repeat; retrying is bounded by the
-[retry] section and by the caller's deadline. Streams are forwarded once and not retried:
-the client library retries them on a fresh stream.
+[retry] section and by the caller's deadline. A deduplicated `Publish` (publisher id and a
+sequence on every event) is not a call of its own to the master: each attempt is one
+request on the stream the gateway keeps open to that master and shares between callers
+(`squall_server.gateway.shared_publish`), which spares the master and the gateway a call's
+setup per event. Streams are forwarded once and not retried: the client library retries
+them on a fresh stream.
 
 With tracing on, each forwarded call gets a ``gateway.forward`` span (the master, its
 epoch, the attempts and the status answered) between the call's server span and the
@@ -24,10 +28,11 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 import tenacity
+from google.protobuf.message import DecodeError
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
@@ -45,6 +50,8 @@ from squall_server.gateway.master import (
     pairs,
     redirect_address,
 )
+from squall_server.gateway.reads import READ_NODE_KEY, ReadSpread, Replica, spreads
+from squall_server.gateway.shared_publish import SharedPublishStreams, SharedStreamError
 from squall_server.gateway.telemetry import GatewayInstruments, instruments
 
 log = logging.getLogger("squall.gateway")
@@ -101,6 +108,12 @@ def _lost_stream_status(error: grpc.aio.AioRpcError) -> bool:
     return error.code() == grpc.StatusCode.INTERNAL and error.details() == _CORE_WRITE_ERROR
 
 
+def _detach(tokens: list[object]) -> None:
+    """Detaches the span context a forwarded stream attached, once."""
+    while tokens:
+        otel_context.detach(tokens.pop())  # type: ignore[arg-type]
+
+
 def _remaining_s(context: Context) -> float | None:
     """The caller's deadline, in seconds from now (None: no deadline)."""
     remaining: float | None = context.time_remaining()
@@ -125,10 +138,12 @@ class _BudgetSpent(tenacity.stop.stop_base):
     a fake clock).
     """
 
-    def __init__(self, policy: RetryPolicy, monotonic: Callable[[], float]) -> None:
+    def __init__(
+        self, policy: RetryPolicy, monotonic: Callable[[], float], started: float | None = None
+    ) -> None:
         self._policy = policy
         self._monotonic = monotonic
-        self._started = monotonic()
+        self._started = monotonic() if started is None else started
 
     def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
         elapsed_ms = (self._monotonic() - self._started) * 1000
@@ -171,6 +186,12 @@ class _Call:
     outcomes: list[Outcome] = field(default_factory=list)
     # The master a slave named on the last attempt: the next attempt goes there.
     redirect: str = ""
+    # The next attempt goes without backoff (a shared stream ended on another call).
+    at_once: bool = False
+    # Set for a publish that goes over the master's shared publish stream
+    # (squall_server.gateway.shared_publish): the forwarded metadata without the app's
+    # connection, which names the stream's link.
+    shared_metadata: _Metadata | None = None
     # The status the app got.
     answered: str = "OK"
 
@@ -203,8 +224,16 @@ class Forwarder:
         gateway_id: str = "",
         observability: Telemetry | None = None,
         monotonic: Callable[[], float] = time.monotonic,
+        read_from: str = "master",
+        shared: SharedPublishStreams | None = None,
     ) -> None:
         self._masters = masters
+        # Deduplicated unary publishes share one stream per master (None: unary calls).
+        self._shared = shared
+        # Where a Subscribe that does not say goes ("master" or "replicas"), and the
+        # streams open per replica that spreading them counts.
+        self._read_from = read_from
+        self._spread = ReadSpread()
         # The retry budget's clock (a test passes a fake).
         self._monotonic = monotonic
         self._timeout_s = timeout_s
@@ -264,6 +293,7 @@ class Forwarder:
 
     def _unary_unary(self, path: str, method: str) -> Callable[..., Any]:
         effects = retry.has_effects(method)
+        shareable = method == "Publish"
 
         async def forward(request: bytes, context: Context) -> bytes:
             call = _Call(
@@ -272,6 +302,11 @@ class Forwarder:
                 effects=effects,
                 metadata=_forwardable(context),
             )
+            if shareable and call.safe and self._shared is not None and self._tracer is None:
+                # Only a deduplicated publish: a stream shared with other callers can end
+                # on another call's failure, and this one is then sent again. With
+                # tracing on, each call keeps its own (traced) call to the master.
+                call.shared_metadata = call.metadata[:-1]
             span, token = self._start_span(method)
             try:
                 return await self._attempts(path, request, context, call)
@@ -320,24 +355,43 @@ class Forwarder:
         span.end()
 
     async def _attempts(self, path: str, request: bytes, context: Context, call: _Call) -> bytes:
-        """Runs attempts until one answers or the policy stops; raises the last failure."""
+        """Runs attempts until one answers or the policy stops; raises the last failure.
+
+        The first attempt runs outside tenacity: setting up its loop costs about as much
+        as the forwarding itself, and nearly every call answers at the first attempt.
+        A first attempt to retry is handed to tenacity as its own first attempt (raised
+        again there), so the stop rules and the wait see exactly what they would have.
+        """
+        started = self._monotonic()
+        try:
+            return await self._attempt(path, request, context, call)
+        except _Retry as failed:
+            first: _Retry | None = failed
         policy = self._policy
         backoff = tenacity.wait_random_exponential(
             multiplier=policy.backoff_initial_ms / 1000, max=policy.backoff_max_ms / 1000
         )
 
         def wait_s(state: tenacity.RetryCallState) -> float:
-            # A slave's redirect names a master that can take the call now.
-            return 0.0 if call.redirect else float(backoff(state))
+            # A slave's redirect names a master that can take the call now; a shared
+            # stream that ended on another call's definite failure left the master fine.
+            if call.redirect or call.at_once:
+                return 0.0
+            return float(backoff(state))
 
         retrying = tenacity.AsyncRetrying(
-            stop=tenacity.stop_any(_BudgetSpent(policy, self._monotonic), _DeadlineNear(context)),
+            stop=tenacity.stop_any(
+                _BudgetSpent(policy, self._monotonic, started), _DeadlineNear(context)
+            ),
             wait=wait_s,
             retry=tenacity.retry_if_exception_type(_Retry),
             reraise=True,
         )
         async for attempt in retrying:
             with attempt:
+                if first is not None:
+                    replayed, first = first, None
+                    raise replayed
                 return await self._attempt(path, request, context, call)
         raise AssertionError("unreachable: tenacity either returns or raises")
 
@@ -359,33 +413,62 @@ class Forwarder:
             address = master.replica_address
         remaining = _remaining_s(context)
         timeout_s = self._timeout_s if remaining is None else min(self._timeout_s, remaining)
+        call.at_once = False
+        link = (
+            self._shared.stream(address, call.shared_metadata, CLIENT_PEER_KEY)
+            if self._shared is not None and call.shared_metadata is not None
+            else None
+        )
+        if link is not None:
+            try:
+                shared: bytes = await link.publish(request, timeout_s)
+            except SharedStreamError as error:
+                call.at_once = error.collateral
+                self._failed(
+                    call, address, error.code, error.details, error.trailing, error.forwarded
+                )
+            call.outcomes.append("ok")
+            return shared
         try:
             response: bytes = await self._masters.channel_to(address).unary_unary(path, None, None)(
                 request, timeout=timeout_s, metadata=call.metadata
             )
         except grpc.aio.AioRpcError as error:
-            code = error.code().name
             trailing = tuple(pairs(error.trailing_metadata()))
-            target = redirect_address(trailing)
-            redirected = bool(target) and self._masters.knows(target) and target != address
-            call.outcomes.append(retry.attempt_outcome(code, redirected=redirected))
-            failure = _Failure(code, error.details() or "", trailing)
-            if code == "UNAVAILABLE" and not redirected:
-                self._masters.suspect(address)
-            if retry.after_attempt(code, redirected=redirected, safe=call.safe) == "retry":
-                call.redirect = target if redirected else ""
-                log.debug(
-                    "gateway: %s attempt %d to %s failed with %s; retrying%s",
-                    call.method,
-                    len(call.outcomes),
-                    address,
-                    code,
-                    f" at {target}" if redirected else "",
-                )
-                raise _Retry(failure) from None
-            raise _Answer(failure) from None
+            self._failed(call, address, error.code().name, error.details() or "", trailing)
         call.outcomes.append("ok")
         return response
+
+    def _failed(
+        self,
+        call: _Call,
+        address: str,
+        code: str,
+        details: str,
+        trailing: _Metadata,
+        forwarded: bool = True,
+    ) -> NoReturn:
+        """Records a failed attempt and raises _Retry or _Answer as the policy says."""
+        target = redirect_address(trailing)
+        redirected = bool(target) and self._masters.knows(target) and target != address
+        call.outcomes.append(
+            retry.attempt_outcome(code, redirected=redirected, forwarded=forwarded)
+        )
+        failure = _Failure(code, details, trailing)
+        if code == "UNAVAILABLE" and not redirected and not call.at_once:
+            self._masters.suspect(address)
+        if retry.after_attempt(code, redirected=redirected, safe=call.safe) == "retry":
+            call.redirect = target if redirected else ""
+            log.debug(
+                "gateway: %s attempt %d to %s failed with %s; retrying%s",
+                call.method,
+                len(call.outcomes),
+                address,
+                code,
+                f" at {target}" if redirected else "",
+            )
+            raise _Retry(failure) from None
+        raise _Answer(failure) from None
 
     async def _answer(self, context: Context, call: _Call, failure: _Failure) -> None:
         """Ends the call with the last failure, marked indeterminate where it must be."""
@@ -413,33 +496,129 @@ class Forwarder:
 
     def _unary_stream(self, path: str) -> Callable[..., Any]:
         method = path.rpartition("/")[2]
+        reads = method == "Subscribe"
 
         async def forward(request: bytes, context: Context) -> AsyncIterator[bytes]:
-            channel = await self._master(context)
+            replica = await self._read_replica(request, context) if reads else None
+            channel = await self._master(context) if replica is None else None
             stream = _Call(method=method, safe=False, effects=False, metadata=())
             span, token = self._start_span(method)
+            # The first call starts (and its client span takes its parent) with the span's
+            # context attached; it is detached right after.
+            tokens = [token] if token is not None else []
             try:
-                # The call starts (and its client span takes its parent) here.
-                call = channel.unary_stream(path, None, None)(
-                    request, metadata=_forwardable(context)
-                )
-            finally:
-                if token is not None:
-                    otel_context.detach(token)  # type: ignore[arg-type]
-            try:
-                async for response in call:
+                if replica is not None:
+                    spread = self._spread_stream(path, request, context, replica, stream, tokens)
+                    async for response in spread:
+                        yield response
+                    return
+                assert channel is not None  # no replica chosen: the master's channel
+                relayed = self._relayed(path, request, context, channel, stream, tokens)
+                async for response in relayed:
                     yield response
-            except grpc.aio.AioRpcError as error:
-                stream.answered = error.code().name
-                if _lost_stream_status(error):
-                    await context.abort(grpc.StatusCode.UNKNOWN, _LOST_STATUS_DETAILS)
-                await _relay_error(context, error)
             finally:
-                call.cancel()
+                _detach(tokens)
                 stream.outcomes.append("ok")
                 self._finish(span, None, stream)
 
         return forward
+
+    async def _relayed(
+        self,
+        path: str,
+        request: bytes,
+        context: Context,
+        channel: grpc.aio.Channel,
+        stream: _Call,
+        tokens: list[object],
+    ) -> AsyncIterator[bytes]:
+        """One forwarded server stream, its status relayed to the app."""
+        try:
+            call = channel.unary_stream(path, None, None)(request, metadata=_forwardable(context))
+        finally:
+            _detach(tokens)
+        try:
+            async for response in call:
+                yield response
+        except grpc.aio.AioRpcError as error:
+            stream.answered = error.code().name
+            if _lost_stream_status(error):
+                await context.abort(grpc.StatusCode.UNKNOWN, _LOST_STATUS_DETAILS)
+            await _relay_error(context, error)
+        finally:
+            call.cancel()
+
+    async def _read_replica(self, request: bytes, context: Context) -> Replica | None:
+        """The replica a Subscribe that may be spread goes to (None: the master's path)."""
+        try:
+            parsed = broker_pb2.SubscribeRequest.FromString(request)
+        except DecodeError:
+            return None  # the replica answers a bad request
+        if not spreads(parsed.read_from, self._read_from):
+            return None
+        master = await self._masters.wait_master(self._master_wait(context))
+        if master is None:
+            return None  # the master's path says so
+        members = [Replica(node_id, address) for node_id, address in self._masters.group()]
+        return self._spread.choose(members, master.node_id)
+
+    async def _spread_stream(
+        self,
+        path: str,
+        request: bytes,
+        context: Context,
+        replica: Replica,
+        stream: _Call,
+        tokens: list[object],
+    ) -> AsyncIterator[bytes]:
+        """A Subscribe served by `replica`; if it fails before its first response (a slave
+        that died, that has not yet applied the topic, or is asked to create a durable
+        subscription, which only the master can), once more by the master.
+
+        Nothing was delivered before the first response, so the master starts the stream
+        exactly where the replica would have.
+        """
+        metadata = _forwardable(context)
+        attempts = [replica]
+        master = self._masters.master
+        if master is not None and master.node_id != replica.node_id:
+            attempts.append(Replica(master.node_id, master.replica_address))
+        for index, target in enumerate(attempts):
+            last = index == len(attempts) - 1
+            channel = self._masters.channel_to(target.address)
+            try:
+                call = channel.unary_stream(path, None, None)(request, metadata=metadata)
+            finally:
+                _detach(tokens)
+            self._spread.opened(target.node_id)
+            answered = False
+            try:
+                async for response in call:
+                    if not answered:
+                        answered = True
+                        await context.send_initial_metadata(((READ_NODE_KEY, target.node_id),))
+                    yield response
+                if not answered:
+                    await context.send_initial_metadata(((READ_NODE_KEY, target.node_id),))
+                return
+            except grpc.aio.AioRpcError as error:
+                if answered or last:
+                    stream.answered = error.code().name
+                    if _lost_stream_status(error):
+                        await context.abort(grpc.StatusCode.UNKNOWN, _LOST_STATUS_DETAILS)
+                    await _relay_error(context, error)
+                log.info(
+                    "gateway %s: read from %s failed before its first response (%s: %s); "
+                    "reading from the master %s",
+                    self._gateway_id,
+                    target.node_id,
+                    error.code().name,
+                    error.details(),
+                    attempts[-1].node_id,
+                )
+            finally:
+                call.cancel()
+                self._spread.closed(target.node_id)
 
     def _stream_stream(self, path: str) -> Callable[..., Any]:
         method = path.rpartition("/")[2]

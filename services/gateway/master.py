@@ -68,6 +68,8 @@ class GroupViews:
         # The highest epoch in which any coordinator reported a master.
         self.epoch_floor = 0
         self.master: Master | None = None
+        # The node ids of the master's group (from the view that named it), master first.
+        self.members: tuple[str, ...] = ()
         # Set once any coordinator has reported a view.
         self.heard = False
 
@@ -87,6 +89,10 @@ class GroupViews:
         self.master = self._derive()
         return self.master
 
+    def address(self, node_id: str) -> str:
+        """A configured node's replica address."""
+        return self._addresses[node_id]
+
     def forget(self, node_id: str) -> Master | None:
         """Drops node_id's view (its stream ended); returns the master implied now."""
         self._views.pop(node_id, None)
@@ -95,6 +101,7 @@ class GroupViews:
 
     def _derive(self) -> Master | None:
         best: tuple[int, bool, str] | None = None
+        best_view: coordinator_pb2.GroupView | None = None
         for reporter, view in self._views.items():
             if not _names_master(view) or view.epoch < self.epoch_floor:
                 continue
@@ -108,10 +115,15 @@ class GroupViews:
             # master's own word when there is a choice.
             candidate = (view.epoch, reporter == master_id, master_id)
             if best is None or candidate > best:
-                best = candidate
-        if best is None:
+                best, best_view = candidate, view
+        if best is None or best_view is None:
+            self.members = ()
             return None
         epoch, _, master_id = best
+        others = sorted(
+            {m.node_id for m in best_view.members if m.node_id in self._addresses} - {master_id}
+        )
+        self.members = (master_id, *others)
         return Master(master_id, self._addresses[master_id], epoch)
 
 
@@ -196,6 +208,16 @@ class MasterTracker:
         """The current master's epoch (0 when none)."""
         master = self.master
         return master.epoch if master else 0
+
+    def group(self) -> list[tuple[str, str]]:
+        """(node id, replica address) of every member of the master's group, master first
+        ([] while none is known; only the master before any coordinator answered)."""
+        master = self.master
+        if master is None:
+            return []
+        if not self._views.heard:
+            return [(master.node_id, master.replica_address)]
+        return [(node_id, self._views.address(node_id)) for node_id in self._views.members]
 
     def channel_to(self, address: str) -> grpc.aio.Channel:
         """The channel to one replica."""

@@ -49,6 +49,11 @@ METHOD_KINDS: Mapping[str, MethodKind] = {
     "DestroyTopic": "once",
     "GetPublisher": "read",
     "GetNonReplicatedPublisher": "read",
+    # A repeated link would answer ALREADY_EXISTS for the app's own lost attempt, and a
+    # repeated unlink could remove a link made again in between: the app decides.
+    "LinkTopic": "once",
+    "UnlinkTopic": "once",
+    "GetLinkInfo": "read",
     "Publish": "publish",
     "PublishStream": "stream",
     "Subscribe": "stream",

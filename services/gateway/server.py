@@ -90,6 +90,13 @@ class ClusterAdmin(gateway_pb2_grpc.ClusterAdminServicer):
             row.transfer_target = status.transfer_target
             row.replica_unreachable_since_ms = status.replica_unreachable_since_ms
             row.config_mismatches.extend(status.config_mismatches)
+            row.losses.extend(status.losses)
+            if status.HasField("membership"):
+                running = status.membership
+                row.membership = f"v{running.version} (epoch {running.epoch}): " + ",".join(
+                    f"{m.node_id}:{m.priority}" for m in running.members
+                )
+            row.membership_change = status.membership_change
         else:
             errors.append(f"coordinator: {_reason(status)}")
         row.reachable = isinstance(state, replica_pb2.ReplicaState)

@@ -11,19 +11,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
 from squall_server.common import names
 from squall_server.common.config import LimitsConfig
 from squall_server.common.errors import Code, ServiceError, invalid, not_found
-from squall_server.replica import seek
+from squall_server.replica import link_rules, seek
 from squall_server.replica.store import PushSubscriber, Store, TimeLookup, TopicInfo, make_entry
 
 _log = logging.getLogger(__name__)
 
 # The longest removal reason kept in the log.
 _REASON_CHARS_MAX = 500
+# The largest count a uint32 proto field holds (PushCursorOp.failures).
+UINT32_MAX = 2**32 - 1
 
 
 class InvariantError(ServiceError):
@@ -56,6 +59,40 @@ class Publish:
     """Append a batch of events to a replicated topic."""
 
     request: broker_pb2.PublishRequest
+    # Made by a topic link's forwarder: only it may use the reserved link publisher ids.
+    forwarded: bool = False
+
+
+@dataclass(frozen=True)
+class LinkTopic:
+    """Link one topic to another (TopicManager.LinkTopic)."""
+
+    from_topic: str
+    to_topic: str
+    cost: int
+    to_cluster: str = ""  # a [[remotes]] name; empty: this cluster
+    # to_topic's kind as the remote cluster answered the probe (a remote link only).
+    to_kind: common_pb2.TopicKind.ValueType | None = None
+
+
+@dataclass(frozen=True)
+class UnlinkTopic:
+    """Remove a topic link (TopicManager.UnlinkTopic)."""
+
+    from_topic: str
+    to_topic: str
+    to_cluster: str = ""
+
+
+@dataclass(frozen=True)
+class LinkCursor:
+    """Move a link to another cluster forward (its forwarder, after the other side acked)."""
+
+    from_topic: str
+    to_cluster: str
+    to_topic: str
+    created_lsn: int
+    cursor: int
 
 
 @dataclass(frozen=True)
@@ -129,12 +166,13 @@ class PushUnsubscribe:
 
 @dataclass(frozen=True)
 class PushCursor:
-    """Move a push subscriber's cursor forward."""
+    """Move a push subscriber's cursor forward and record its failure count."""
 
     topic: str
     subscriber_id: str
     cursor: int
     lsn: int  # the LSN that subscribed it, as in PushUnsubscribe
+    failures: int = 0  # failed delivery rounds in a row (replicated for the next master)
 
 
 @dataclass(frozen=True)
@@ -194,6 +232,9 @@ Command = (
     | CreateShared
     | SharedAck
     | SharedFail
+    | LinkTopic
+    | UnlinkTopic
+    | LinkCursor
     | StartEpoch
 )
 
@@ -212,6 +253,7 @@ class Planned:
     push: PushSubscriber | None = None
     seek: SeekOutcome | None = None
     created: bool = False  # CreateShared: False when it existed with the same settings
+    link: replica_pb2.LinkTopicOp | None = None  # LinkTopic: the link, created_lsn set
 
     @property
     def receipts(self) -> list[common_pb2.AckReceipt]:
@@ -275,11 +317,14 @@ class BatchBuilder:
         self._push_added: dict[str, int] = {}  # push subscribers planned per topic
         self._subscriptions_added: dict[str, int] = {}  # durable subscriptions planned
         self._destroyed: set[str] = set()  # topics destroyed earlier in the batch
+        # Links made (the op) or removed (None) earlier in the batch: (from, to, to
+        # cluster) -> link.
+        self._links: dict[tuple[str, str, str], replica_pb2.LinkTopicOp | None] = {}
 
     def add(self, command: Command) -> Planned:
         """Plans one command; raises ServiceError (and changes nothing) if it is refused."""
         if isinstance(command, Publish):
-            return self._publish(command.request)
+            return self._publish(command.request, forwarded=command.forwarded)
         if isinstance(command, SetCursor):
             return self._set_cursor(command)
         if isinstance(command, SeekCursor):
@@ -300,6 +345,12 @@ class BatchBuilder:
             return self._push_subscribe(command)
         if isinstance(command, PushUnsubscribe):
             return self._push_unsubscribe(command)
+        if isinstance(command, LinkTopic):
+            return self._link_topic(command)
+        if isinstance(command, UnlinkTopic):
+            return self._unlink_topic(command)
+        if isinstance(command, LinkCursor):
+            return self._link_cursor(command)
         return self._start_epoch(command)
 
     # --- reads through the batch's overlay
@@ -409,9 +460,15 @@ class BatchBuilder:
             del self._sequences[planned]
         self._push_added.pop(command.name, None)
         self._subscriptions_added.pop(command.name, None)
+        for link_key in list(self._links):
+            if command.name in (link_key[0], link_key[1] if not link_key[2] else ""):
+                self._links[link_key] = None
+        for link in self._store.list_links():
+            if command.name in (link.from_topic, link.to_topic if not link.to_cluster else ""):
+                self._links[(link.from_topic, link.to_topic, link.to_cluster)] = None
         return Planned(index)
 
-    def _publish(self, request: broker_pb2.PublishRequest) -> Planned:
+    def _publish(self, request: broker_pb2.PublishRequest, *, forwarded: bool = False) -> Planned:
         topic = self._existing_topic(request.topic)
         events = request.events
         limits = self._limits
@@ -419,6 +476,11 @@ class BatchBuilder:
         publisher_id = request.publisher_id
         if publisher_id:
             _check_name(names.validate_publisher_id, publisher_id)
+            if link_rules.is_local_link_id(publisher_id) and not forwarded:
+                raise invalid(
+                    f"publisher id '{publisher_id}': the prefix "
+                    f"'{link_rules.LINK_PUBLISHER_PREFIX}' is reserved for topic links"
+                )
             _check_length(publisher_id, "publisher id", "max_publisher_id_bytes", limits)
         lsn = self._lsn
         offset = topic.next_offset
@@ -905,20 +967,125 @@ class BatchBuilder:
                 f"push cursor {command.cursor} is beyond the end of topic '{command.topic}' "
                 f"(next offset {topic.next_offset})"
             )
-        if command.cursor <= subscriber.cursor:
+        if not 0 <= command.failures <= UINT32_MAX:
+            raise invalid(f"push failure count {command.failures} is not a uint32")
+        if command.cursor <= subscriber.cursor and command.failures == subscriber.failures:
             return Planned(None, cursor=subscriber.cursor)
+        cursor = max(command.cursor, subscriber.cursor)
         index = self._emit(
             replica_pb2.Operation(
                 push_cursor=replica_pb2.PushCursorOp(
                     topic=command.topic,
                     subscriber_id=command.subscriber_id,
-                    cursor=command.cursor,
+                    cursor=cursor,
+                    failures=command.failures,
                 )
             )
         )
         self._push[(command.topic, command.subscriber_id)] = dataclasses.replace(
-            subscriber, cursor=command.cursor
+            subscriber, cursor=cursor, failures=command.failures
         )
+        return Planned(index, cursor=cursor)
+
+    def links(self, from_topic: str) -> dict[str, replica_pb2.LinkTopicOp]:
+        """The topic's links as they will be after the commands planned so far, by
+        target (`link_rules.link_target`)."""
+        out = {
+            link_rules.link_target(link.to_cluster, link.to_topic): link
+            for link in self._store.list_links(from_topic)
+            if self._links.get((from_topic, link.to_topic, link.to_cluster), link) is not None
+        }
+        for (source, to_topic, to_cluster), link in self._links.items():
+            target = link_rules.link_target(to_cluster, to_topic)
+            if source != from_topic:
+                continue
+            if link is None:
+                out.pop(target, None)
+            else:
+                out[target] = link
+        return out
+
+    def _link_topic(self, command: LinkTopic) -> Planned:
+        source = self.topic(command.from_topic)
+        if command.to_cluster:
+            to_kind = command.to_kind
+        else:
+            destination = self.topic(command.to_topic)
+            to_kind = None if destination is None else destination.kind
+        try:
+            link_rules.check_link(
+                command.from_topic,
+                command.to_topic,
+                command.cost,
+                from_kind=None if source is None else source.kind,
+                to_kind=to_kind,
+                existing=self.links(command.from_topic) if source is not None else (),
+                to_cluster=command.to_cluster,
+            )
+        except link_rules.LinkRefused as exc:
+            raise ServiceError(Code(exc.code), exc.message) from None
+        assert source is not None  # check_link refused a missing topic
+        lsn = self._lsn
+        op = replica_pb2.LinkTopicOp(
+            from_topic=command.from_topic,
+            to_topic=command.to_topic,
+            cost=command.cost,
+            start_offset=source.next_offset,
+            to_cluster=command.to_cluster,
+        )
+        index = self._emit(replica_pb2.Operation(link_topic=op))
+        link = replica_pb2.LinkTopicOp()
+        link.CopyFrom(op)
+        link.created_lsn = lsn
+        link.cursor = op.start_offset
+        self._links[(command.from_topic, command.to_topic, command.to_cluster)] = link
+        return Planned(index, link=link)
+
+    def _unlink_topic(self, command: UnlinkTopic) -> Planned:
+        self._existing_topic(command.from_topic)
+        target = link_rules.link_target(command.to_cluster, command.to_topic)
+        if target not in self.links(command.from_topic):
+            raise not_found(f"topic '{command.from_topic}' is not linked to '{target}'")
+        index = self._emit(
+            replica_pb2.Operation(
+                unlink_topic=replica_pb2.UnlinkTopicOp(
+                    from_topic=command.from_topic,
+                    to_topic=command.to_topic,
+                    to_cluster=command.to_cluster,
+                )
+            )
+        )
+        self._links[(command.from_topic, command.to_topic, command.to_cluster)] = None
+        return Planned(index)
+
+    def _link_cursor(self, command: LinkCursor) -> Planned:
+        target = link_rules.link_target(command.to_cluster, command.to_topic)
+        link = self.links(command.from_topic).get(target)
+        if link is None or link.created_lsn != command.created_lsn:
+            raise not_found(
+                f"topic '{command.from_topic}' has no link to '{target}' of LSN "
+                f"{command.created_lsn} (unlinked meanwhile)"
+            )
+        source = self._existing_topic(command.from_topic)
+        if command.cursor > source.next_offset:
+            raise invalid(f"link cursor {command.cursor} beyond the source's end")
+        if command.cursor <= link.cursor:
+            return Planned(None, cursor=link.cursor)
+        index = self._emit(
+            replica_pb2.Operation(
+                link_cursor=replica_pb2.LinkCursorOp(
+                    from_topic=command.from_topic,
+                    to_cluster=command.to_cluster,
+                    to_topic=command.to_topic,
+                    created_lsn=command.created_lsn,
+                    cursor=command.cursor,
+                )
+            )
+        )
+        moved = replica_pb2.LinkTopicOp()
+        moved.CopyFrom(link)
+        moved.cursor = command.cursor
+        self._links[(command.from_topic, command.to_topic, command.to_cluster)] = moved
         return Planned(index, cursor=command.cursor)
 
     def _start_epoch(self, command: StartEpoch) -> Planned:
@@ -968,6 +1135,10 @@ def _check_name(validate: object, value: str) -> None:
 _SIZE_BY_ENCODING_EVENTS_MIN = 64
 
 
+def _headers_bytes(headers: Mapping[str, str]) -> int:
+    return sum(len(name.encode()) + len(value.encode()) for name, value in headers.items())
+
+
 def check_publish_limits(request: broker_pb2.PublishRequest, limits: LimitsConfig) -> None:
     """Refuses a publish that breaks a size limit, naming the limit (nothing is stored)."""
     events = request.events
@@ -987,9 +1158,13 @@ def check_publish_limits(request: broker_pb2.PublishRequest, limits: LimitsConfi
     total_bytes = 0
     for i, event in enumerate(events):
         size = len(event.payload) + len(event.key)
+        if event.headers:
+            # Headers are stored and delivered with the event, so they count against the
+            # same limit: otherwise a small payload could carry megabytes beside it.
+            size += _headers_bytes(event.headers)
         if size > limits.max_event_bytes:
             raise invalid(
-                f"event {i} is {size} bytes (key + payload); "
+                f"event {i} is {size} bytes (key + payload + headers); "
                 f"max_event_bytes is {limits.max_event_bytes}"
             )
         total_bytes += size

@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections import deque
@@ -58,6 +59,8 @@ from squall.wire import stages as _stages
 from squall_server.common.clock import Clock, SystemClock
 from squall_server.common.config import ClusterConfig, NodeConfig
 from squall_server.common.errors import Code, ServiceError
+from squall_server.common.loss import load_losses, record_loss
+from squall_server.common.loss_record import LossRecord
 from squall_server.common.telemetry import Telemetry, current
 from squall_server.replica import commands, telemetry
 from squall_server.replica.commands import Command, Planned
@@ -100,6 +103,8 @@ from squall_server.replica.follower import (
     FollowerConfig,
     FollowerError,
 )
+from squall_server.replica.links import LinkForwarding
+from squall_server.replica.loss_scan import scan_discarded, truncation_loss
 from squall_server.replica.master_driver import MasterDriver, SlaveStatus, Waiting
 from squall_server.replica.push import PushDelivery
 from squall_server.replica.rebuild import LmdbTruncator
@@ -167,8 +172,10 @@ class ReplicaNode:
         self.config = config
         self.node = node
         self.clock = clock or SystemClock()
-        self._new_transport: Callable[[], ReplicaTransport] = transport or functools.partial(
-            GrpcReplicaTransport, config, node.id
+        # (The running node set may move a node's address: a transport is made from the
+        # configuration in force when it is needed.)
+        self._new_transport: Callable[[], ReplicaTransport] = transport or (
+            lambda: GrpcReplicaTransport(self.config, node.id)
         )
         # Times the store's writes so a stuck disk is reported to the coordinator; moves
         # with the store when a truncation installs a new one.
@@ -181,6 +188,8 @@ class ReplicaNode:
         self._instruments = (
             telemetry.instruments(self.telemetry) if self.telemetry.metering else None
         )
+        # The newest traced publishes, for delivery spans to link to (telemetry.py).
+        self.published_traces = telemetry.PublishedTraces()
         # The role rules (role, epoch and its floor, lease, shutdown freeze, hand-off fence,
         # the write gate) live in the pure core; this driver carries out its effects.
         # The log's position and commit-LSN record too (``_last_lsn`` and its kin read it).
@@ -198,8 +207,16 @@ class ReplicaNode:
         # A fault that makes this node unfit to serve; reported to the coordinator, which
         # quarantines the node (faults.py).
         self.fault: Fault | None = load_fault(node.data_dir)
+        # Loss reports beside the store (acknowledged entries this node discarded); reported
+        # to the coordinator in every ReplicaState (services/common/loss.py).
+        # The offline store tools name the node after its directory: the file is this
+        # node's, so its id is what the reports carry.
+        self.losses: tuple[LossRecord, ...] = tuple(
+            dataclasses.replace(r, node_id=node.id) for r in load_losses(node.data_dir)
+        )
         self.transient = TransientTopics(config.limits.subscribe_batch_max_events * 10)
         self.push = PushDelivery(self)  # runs while master, from the epoch start's commit
+        self.links = LinkForwarding(self)  # likewise
         self._queue: deque[_Pending] = deque()
         self._wakeup = asyncio.Event()
         self._committed = asyncio.Event()
@@ -372,6 +389,7 @@ class ReplicaNode:
     async def stop(self) -> None:
         """Stops the writer and fails anything still queued as indeterminate."""
         await self.push.close()
+        await self.links.close()
         await self._cancel_taking(f"replica {self.node.id} stopping")
         if self._instruments is not None:
             self._instruments.unwatch(self)
@@ -480,6 +498,7 @@ class ReplicaNode:
             )
         elif not future.cancelled() and self.role == common_pb2.ROLE_MASTER and self.epoch == epoch:
             self.push.start(epoch)  # all before the epoch start is committed: deliver it
+            self.links.start(epoch)
 
     async def _sync_from(self, source_id: str, epoch: int, progress: SyncProgress) -> None:
         """Reorganization: fetches the log after this node's from the sync source.
@@ -639,6 +658,19 @@ class ReplicaNode:
             self.epoch,
         )
         loop = asyncio.get_running_loop()
+        known_commit = self.gate.commit_lsn
+        if keep_lsn < known_commit:
+            # Entries this node knew committed (acknowledged to publishers) go: only a group
+            # formed without a majority holding them can ask that. Reported before the
+            # truncation, so a crash in between cannot lose the report.
+            discarded = await loop.run_in_executor(
+                self._io, lambda: scan_discarded(self.store, keep_lsn, known_commit)
+            )
+            self._record_loss(
+                truncation_loss(
+                    self.node.id, self.epoch, why, discarded, at_ms=self.clock.wall_ms()
+                )
+            )
         try:
             staging = await loop.run_in_executor(
                 self._io, lambda: truncator.stage(self.store, keep_lsn)
@@ -654,6 +686,7 @@ class ReplicaNode:
             raise ServiceError(
                 Code.UNAVAILABLE, f"replica {self.node.id}: truncation failed: {exc}"
             ) from exc
+        self.published_traces.clear()  # their offsets may be reused by the new log
         self.driver.truncated(keep_lsn, self.store)
 
     # --- writes
@@ -757,6 +790,7 @@ class ReplicaNode:
         role, if any."""
         await self._wait_stopped()
         self._observe_taking()
+        self._adopt_running_set(command)
         meta = self.store.meta()
         order = RoleOrder(
             role=command.role,
@@ -826,6 +860,37 @@ class ReplicaNode:
         self._taking = taking
         task.add_done_callback(functools.partial(self._taking_done, taking))
         return taking
+
+    def _adopt_running_set(self, command: replica_pb2.RoleCommand) -> None:
+        """A membership change made a running node set: take its nodes and addresses in
+        place of the config file's, so the commit majority is counted from it and the
+        master streams to the nodes it added (docs/operations.md, "Changing the
+        membership")."""
+        if not command.voting_nodes:
+            return
+        nodes = tuple(
+            NodeConfig(
+                e.node_id,
+                e.priority,
+                e.coordinator_address,
+                e.replica_address,
+                self._nodes[e.node_id].data_dir if e.node_id in self._nodes else self.node.data_dir,
+            )
+            for e in command.voting_nodes
+        )
+        if nodes == self.config.nodes:
+            return
+        log.warning(
+            "replica %s: running node set %s (was %s): commits count a majority of it",
+            self.node.id,
+            ",".join(n.id for n in nodes),
+            ",".join(n.id for n in self.config.nodes),
+        )
+        self.config = dataclasses.replace(self.config, nodes=nodes)
+        self._nodes = {n.id: n for n in nodes}
+        self.core.config = dataclasses.replace(
+            self.core.config, replica_addresses={n.id: n.replica_address for n in nodes}
+        )
 
     async def _take_master(self, take: TakeMaster, progress: SyncProgress) -> None:
         await self.become_master(
@@ -977,6 +1042,7 @@ class ReplicaNode:
                 ),
             )
         self.push.stop()
+        self.links.stop()
         async with self._commit_lock:
             pass
         driver, self._driver = self._driver, None
@@ -995,6 +1061,7 @@ class ReplicaNode:
     def _master_deposed(self, reason: str) -> None:
         """The replication core deposed this master: no more writes in this epoch."""
         self.push.stop()
+        self.links.stop()
         self._driver = None
         self._wakeup.set()
         self.driver.deposed(reason)
@@ -1384,8 +1451,8 @@ class ReplicaNode:
             # Before the append reaches the driver: its sends may leave at once.
             driver.traced(
                 [
-                    (lsn, pending.trace.appended(lsn, self.epoch))
-                    for (pending, _), lsn in zip(planned, lsns, strict=True)
+                    (lsn, pending.trace.appended(lsn, self.epoch, plan.receipt))
+                    for (pending, plan), lsn in zip(planned, lsns, strict=True)
                     if pending.trace is not None
                 ]
             )
@@ -1463,6 +1530,17 @@ class ReplicaNode:
             self._last_lsn,
         )
         save_fault(self.node.data_dir, self.fault)
+
+    def _record_loss(self, record: LossRecord) -> None:
+        """Keeps a loss report beside the store, logs it (SQUALL-LOSS-001) and counts it;
+        the coordinator hears of it in the next ReplicaState."""
+        self.losses = tuple(
+            dataclasses.replace(r, node_id=self.node.id)
+            for r in record_loss(self.node.data_dir, record, log)
+        )
+        if self._instruments is not None:
+            self._instruments.loss_reports.add(1, {"node": self.node.id, "cause": record.cause})
+            self._instruments.loss_events.add(record.events(), {"node": self.node.id})
 
     def writes_idle(self) -> bool:
         """No write queued or being committed (a fenced master's log has stopped growing)."""

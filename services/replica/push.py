@@ -20,9 +20,11 @@ made here, and every `_RESCAN_S`); each worker:
   and offers the failed batches again; when the QoS says so (`push_policy.after_failure`)
   it removes the subscriber with a logged `PushUnsubscribe` and stops.
 
-The failure count lives in memory on the master: a new master starts it at 0. Delivery
-is at-least-once: batches delivered but not yet covered by a committed cursor are offered
-again by the next master.
+The failure count is replicated: every cursor write carries it (`PushCursorOp.failures`),
+and a failed round writes it even when the cursor did not move, so a new master continues
+the count where the log left it (at most the rounds whose write had not committed when the
+old master failed are not counted). Delivery is at-least-once: batches delivered but not
+yet covered by a committed cursor are offered again by the next master.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import grpc
 
 from squall.v1 import common_pb2, push_pb2, push_pb2_grpc
 from squall.wire import stages as _stages
+from squall.wire.trace_context import end_call_span, with_context
 from squall_server.common.errors import Code, ServiceError
 from squall_server.common.tls import handshake_failure, transport
 from squall_server.replica import commands
@@ -47,6 +50,7 @@ from squall_server.replica.push_policy import (
     backoff_ms,
 )
 from squall_server.replica.store import PushSubscriber, StoreError, UnknownTopicError
+from squall_server.replica.telemetry import push_span
 
 if TYPE_CHECKING:
     from squall_server.replica.node import ReplicaNode
@@ -232,8 +236,12 @@ class _Worker:
         limits = self._node.config.limits
         qos = Qos(ordered=subscriber.ordered, retry_count=subscriber.retry_count)
         self.state = DeliveryState(subscriber.cursor, qos, limits.push_inflight_batches_max)
+        # The failures the log recorded (under an earlier master too) count on here.
+        self.state.failures = subscriber.failures
         self._durable = subscriber.cursor  # the cursor the log holds (or will)
         self._wanted = subscriber.cursor  # the newest cursor to write
+        self._durable_failures = subscriber.failures  # the failure count the log holds
+        self._wanted_failures = subscriber.failures  # the newest failure count to write
         self._cursor_task: asyncio.Task[None] | None = None
         self._attempts: dict[int, int] = {}  # first offset of a failed batch -> failures
         timeouts = self._node.config.timeouts
@@ -318,8 +326,10 @@ class _Worker:
             if result.action == "remove":
                 await self._remove(result.reason)
                 return
-            if not transient and result.cursor > self._wanted:
-                self._advance(result.cursor)
+            if not transient and (
+                result.cursor > self._wanted or result.failures != self._wanted_failures
+            ):
+                self._advance(max(result.cursor, self._wanted), result.failures)
             if result.action == "backoff":
                 delay_ms = backoff_ms(
                     result.failures,
@@ -406,13 +416,30 @@ class _Worker:
         )
         if _stages.ENABLED:
             _stages.mark("p.out", f"off/{s.topic}/{events[0].offset}")
+        span = push_span(
+            node.telemetry,
+            node.published_traces,
+            node.node.id,
+            s.subscriber_id,
+            s.topic,
+            events,
+            request.attempt,
+        )
+        code, detail = "CANCELLED", "the delivery was cancelled (the role went)"
         try:
             await self._stub.Deliver(
-                request, timeout=node.config.timeouts.push_deliver_timeout_ms / 1000
+                request,
+                timeout=node.config.timeouts.push_deliver_timeout_ms / 1000,
+                # The app's server span (if it traces) joins the delivery's trace.
+                metadata=with_context(None, span) if span is not None else None,
             )
+            code, detail = "OK", ""
         except grpc.aio.AioRpcError as exc:
-            return Offered(first, end, exc.code().name, _detail(exc))
-        return Offered(first, end, "OK")
+            code, detail = exc.code().name, _detail(exc)
+        finally:
+            if span is not None:
+                end_call_span(span, code, detail)
+        return Offered(first, end, code, detail)
 
     async def _remove(self, reason: str) -> None:
         """Removes the subscriber through the log (replicated, like any unsubscribe)."""
@@ -426,20 +453,24 @@ class _Worker:
 
     # --- the durable cursor
 
-    def _advance(self, cursor: int) -> None:
+    def _advance(self, cursor: int, failures: int) -> None:
         self._wanted = cursor
+        self._wanted_failures = failures
         if self._cursor_task is None or self._cursor_task.done():
             self._cursor_task = asyncio.get_running_loop().create_task(self._write_cursor())
 
     async def _write_cursor(self) -> None:
-        """Writes the newest wanted cursor until the log holds it; one write at a time."""
+        """Writes the newest wanted cursor and failure count until the log holds them; one
+        write at a time."""
         node, s = self._node, self._subscriber
-        # Each pass writes a newer cursor than the last: bounded by the deliveries made.
-        while self._wanted > self._durable and self._delivery.active(self._epoch):
-            target = self._wanted
+        # Each pass writes a newer cursor or count than the last: bounded by the rounds made.
+        while (
+            self._wanted > self._durable or self._wanted_failures != self._durable_failures
+        ) and self._delivery.active(self._epoch):
+            target, failures = self._wanted, self._wanted_failures
             try:
                 plan = await node.write(
-                    commands.PushCursor(s.topic, s.subscriber_id, target, s.lsn)
+                    commands.PushCursor(s.topic, s.subscriber_id, target, s.lsn, failures)
                 )
             except ServiceError as exc:
                 log.debug(
@@ -451,3 +482,4 @@ class _Worker:
                 )
                 return
             self._durable = max(self._durable, plan.cursor)
+            self._durable_failures = failures

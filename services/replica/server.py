@@ -22,9 +22,16 @@ from squall.v1 import (
     replica_pb2_grpc,
 )
 from squall.wire import stages as _stages
-from squall_server.common.errors import Code, ServiceError, invalid
+from squall_server.common.errors import (
+    INLINE_ERRORS,
+    PUBLISH_ERRORS_KEY,
+    Code,
+    ServiceError,
+    invalid,
+)
 from squall_server.common.grpc_server import Context
-from squall_server.replica import commands, handoff, seek, shutdown
+from squall_server.common.loss import loss_to_proto
+from squall_server.replica import commands, handoff, link_rules, remote, seek, shutdown
 from squall_server.replica.node import UNREACHABLE_KEY, ReplicaNode
 from squall_server.replica.shared_master import SharedMaster
 from squall_server.replica.store import CorruptRecordError, TopicInfo, UnknownTopicError
@@ -140,6 +147,107 @@ class TopicManager(broker_pb2_grpc.TopicManagerServicer):
         )
         return broker_pb2.DestroyTopicResponse()
 
+    async def LinkTopic(
+        self, request: broker_pb2.LinkTopicRequest, context: Context
+    ) -> broker_pb2.LinkTopicResponse:
+        try:
+            to_kind = None
+            if request.to_cluster:
+                to_kind = await self._probe_remote(request.to_cluster, request.to_topic)
+            plan = await self.node.write(
+                commands.LinkTopic(
+                    request.from_topic,
+                    request.to_topic,
+                    request.cost,
+                    to_cluster=request.to_cluster,
+                    to_kind=to_kind,
+                )
+            )
+        except ServiceError as exc:
+            await abort(context, exc)
+        assert plan.link is not None
+        self.node.links.refresh()
+        log.info(
+            "linked topic '%s' to '%s' with cost %d from offset %d (epoch=%d lsn=%d)",
+            request.from_topic,
+            link_rules.link_target(request.to_cluster, request.to_topic),
+            request.cost,
+            plan.link.start_offset,
+            self.node.epoch,
+            plan.link.created_lsn,
+        )
+        return broker_pb2.LinkTopicResponse(link=self._link_info(plan.link))
+
+    async def UnlinkTopic(
+        self, request: broker_pb2.UnlinkTopicRequest, context: Context
+    ) -> broker_pb2.UnlinkTopicResponse:
+        try:
+            await self.node.write(
+                commands.UnlinkTopic(request.from_topic, request.to_topic, request.to_cluster)
+            )
+        except ServiceError as exc:
+            await abort(context, exc)
+        self.node.links.refresh()
+        log.info(
+            "unlinked topic '%s' from '%s' (epoch=%d lsn=%d)",
+            request.from_topic,
+            link_rules.link_target(request.to_cluster, request.to_topic),
+            self.node.epoch,
+            self.node.last_lsn,
+        )
+        return broker_pb2.UnlinkTopicResponse()
+
+    async def GetLinkInfo(
+        self, request: broker_pb2.GetLinkInfoRequest, context: Context
+    ) -> broker_pb2.GetLinkInfoResponse:
+        try:
+            with _translating(self.node):
+                if request.topic:
+                    self.node.topic(request.topic)
+                links = self.node.store.list_links(request.topic or None)
+                infos = [self._link_info(link) for link in links]
+        except ServiceError as exc:
+            await abort(context, exc)
+        infos.sort(key=lambda i: (i.from_topic, i.to_cluster, i.to_topic))
+        return broker_pb2.GetLinkInfoResponse(links=infos)
+
+    async def _probe_remote(
+        self, to_cluster: str, to_topic: str
+    ) -> common_pb2.TopicKind.ValueType | None:
+        """The remote topic's kind (None: it does not exist there), checked before the
+        link is written; ServiceError naming an unknown remote or what the remote said."""
+        config = self.node.config.remote(to_cluster)
+        if config is None:
+            configured = ", ".join(r.name for r in self.node.config.remotes) or "none"
+            raise invalid(
+                f"no [[remotes]] entry named '{to_cluster}' in the cluster file "
+                f"(configured: {configured}); nothing was linked"
+            )
+        self.node.check_writable()  # a slave redirects before calling anyone
+        try:
+            return await remote.probe(config, to_topic, self.node.config.limits.max_message_bytes)
+        except ServiceError as exc:
+            if exc.code == Code.NOT_FOUND:
+                return None
+            raise ServiceError(exc.code, f"{exc.message}; nothing was linked") from None
+
+    def _link_info(self, link: replica_pb2.LinkTopicOp) -> broker_pb2.LinkInfo:
+        position, lag_events, lag_ms = self.node.links.lag(link)
+        return broker_pb2.LinkInfo(
+            from_topic=link.from_topic,
+            to_topic=link.to_topic,
+            cost=link.cost,
+            start_offset=link.start_offset,
+            next_offset=position,
+            lag_events=lag_events,
+            publisher_id=link_rules.link_publisher_id(
+                link.created_lsn, self.node.config.name if link.to_cluster else ""
+            ),
+            created_lsn=link.created_lsn,
+            to_cluster=link.to_cluster,
+            lag_ms=lag_ms,
+        )
+
     def _proxy(self, topic: str, replicated: bool) -> broker_pb2.GetPublisherResponse:
         self.node.topic(topic)
         master = self.node.master
@@ -214,7 +322,13 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
     ) -> asyncio.Future[broker_pb2.PublishResponse]:
         """Begins one publish; the future resolves to its response once committed."""
         observed = self.node.telemetry
-        watch = PublishWatch(observed, request, *self._where()) if observed.active else None
+        watch = (
+            PublishWatch(
+                observed, request, *self._where(), published=self.node.published_traces
+            )
+            if observed.active
+            else None
+        )
         try:
             receipt = self.node.start_publish(request, watch.traced if watch else None)
         except BaseException as exc:
@@ -289,6 +403,10 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
         )
         loop = asyncio.get_running_loop()
         await self._hold(context)
+        inline = any(
+            key == PUBLISH_ERRORS_KEY and value == INLINE_ERRORS
+            for key, value in context.invocation_metadata() or ()
+        )
 
         async def read_requests() -> None:
             try:
@@ -316,7 +434,13 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
                 try:
                     response = await future
                 except ServiceError as exc:
-                    await abort(context, exc)
+                    if not inline:
+                        await abort(context, exc)
+                    response = broker_pb2.PublishResponse(
+                        error=broker_pb2.PublishError(
+                            code=exc.code.value, message=exc.message, metadata=dict(exc.metadata)
+                        )
+                    )
                 yield response
             await reader
         finally:
@@ -362,7 +486,12 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
         )
         start = request.start
         if start == broker_pb2.START_POSITION_LATEST:
-            offset = next_offset
+            # The committed end: events stored above it (a slave holds them before it
+            # learns their commit) may still be truncated and their offsets reused by the
+            # next master's events, which a reader placed past them would skip.
+            offset = (
+                next_offset if transient else (self.node.visible_end(topic.name) or next_offset)
+            )
         elif start == broker_pb2.START_POSITION_OFFSET:
             if request.offset > next_offset and not transient:
                 raise invalid(
@@ -407,6 +536,22 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
         state = self.node.store.get_cursor_state(topic.name, request.subscription)
         return state if state is not None else (plan.cursor, 0)
 
+    def _transient_here(self, topic: str) -> None:
+        """Refuses a transient topic's stream anywhere but on the master: its events live
+        in the master's memory only, so a slave would serve nothing. The refusal names the
+        master (a gateway then reads from it)."""
+        if self.node.role == common_pb2.ROLE_MASTER:
+            return
+        try:
+            self.node.check_writable()
+        except ServiceError as exc:
+            raise ServiceError(
+                exc.code,
+                f"topic '{topic}' is transient: its events are only on the master; "
+                f"{exc.message}",
+                metadata=exc.metadata,
+            ) from None
+
     def _moved_by_seek(self, topic: str, subscription: str, generation: int) -> ServiceError | None:
         """ABORTED when a seek moved the durable cursor since the stream started.
 
@@ -442,13 +587,15 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
         try:
             with _translating(self.node):
                 topic = node.topic(request.topic)
+                if topic.kind == common_pb2.TOPIC_KIND_TRANSIENT:
+                    self._transient_here(topic.name)
                 position, generation = await self._start_offset(request, topic)
         except ServiceError as exc:
             await abort(context, exc)
         transient = topic.kind == common_pb2.TOPIC_KIND_TRANSIENT
         end = request.end_offset
         delivery = (
-            DeliveryWatch(node.telemetry, node.node.id, topic.name)
+            DeliveryWatch(node.telemetry, node.node.id, topic.name, node.published_traces)
             if node.telemetry.active
             else None
         )
@@ -461,6 +608,10 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
             )
             end = min(end, now_end) if end else now_end
         durable = request.subscription
+        # A follow stream a slave serves ends when the slave loses its role (cut off from its
+        # master it would learn no commit, and its reader would wait for ever): the reader
+        # subscribes again and is served by a replica that has a master.
+        slave_read = request.follow and node.role == common_pb2.ROLE_SLAVE
         while not end or position < end:
             signal = node.commit_signal()
             if durable:
@@ -517,6 +668,15 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
             if current is None or current.topic_id != topic.topic_id:
                 await abort(
                     context, ServiceError(Code.NOT_FOUND, f"topic '{topic.name}' was destroyed")
+                )
+            if slave_read and node.role not in (common_pb2.ROLE_SLAVE, common_pb2.ROLE_MASTER):
+                await abort(
+                    context,
+                    ServiceError(
+                        Code.UNAVAILABLE,
+                        f"replica {node.node.id} lost its slave role (epoch {node.epoch}, "
+                        f"commit LSN {node.commit_lsn}): subscribe again from offset {position}",
+                    ),
                 )
 
     async def Ack(self, request: broker_pb2.AckRequest, context: Context) -> broker_pb2.AckResponse:
@@ -770,6 +930,7 @@ class ReplicaControl(replica_pb2_grpc.ReplicaControlServicer):
             frozen_for_shutdown_id=self.node.frozen_for,
             fault_id=self.node.fault.fault_id if self.node.fault else "",
             fault_reason=self.node.fault.reason if self.node.fault else "",
+            losses=[loss_to_proto(r) for r in self.node.losses],
             store_stalled_ms=self.node.store_stalled_ms(),
         )
         progress = self.node.reorganization_progress()

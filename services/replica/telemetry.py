@@ -13,6 +13,14 @@ Spans (each only while tracing is on, and only for sampled traces):
   entries, bytes. Its parent is the commit wait of the batch's first traced write and it
   links to the others' (at most ``_LINKS_MAX``), so a publish trace shows its replication.
 * ``subscribe.deliver`` — one per batch of events a subscription sends.
+* ``push.deliver`` — on the master, one per ``PushSubscriber.Deliver`` call to an app's
+  endpoint; its context goes to the app in the call's ``traceparent`` metadata.
+
+Both delivery spans link to the traces that published their events, as far as this
+replica knows them: the master remembers its newest traced publishes (``PublishedTraces``,
+a bounded window by topic name and offsets), so deliveries from the master that took the
+publishes link to them; a slave's, or a delivery of events older than the window, has no
+links (events carry no trace context in the store).
 
 Never one per event. Metrics are listed in ``ReplicaInstruments``; gauges are read on the
 node's loop when an exporter collects.
@@ -52,6 +60,8 @@ ROLE_NAMES = {
 _TRACED_WRITES_MAX = 4096
 # Links on one replication span (each is a traced write in the batch).
 _LINKS_MAX = 32
+# Traced publishes the master remembers for linking delivery spans (per request, newest).
+_TRACED_PUBLISHES_MAX = 4096
 # Gauge readings are shared by the instruments of one collection.
 _SAMPLE_MAX_AGE_S = 0.2
 
@@ -67,6 +77,8 @@ class ReplicaSample:
     commit_lsn: int
     store_bytes: int
     lags: tuple[tuple[str, str, int], ...]  # (slave id, slave state, lag in entries)
+    # (source topic, destination, events waiting, ms waited) per topic link, on the master.
+    link_lags: tuple[tuple[str, str, int, int], ...] = ()
 
 
 def sample(node: ReplicaNode) -> ReplicaSample:
@@ -81,6 +93,7 @@ def sample(node: ReplicaNode) -> ReplicaSample:
         lags=tuple(
             (s.progress.node_id, s.progress.state.value, s.lag_entries) for s in node.slave_status()
         ),
+        link_lags=tuple(node.links.lags()),
     )
 
 
@@ -135,6 +148,18 @@ class ReplicaInstruments:
             unit="{change}",
             description="Role changes of this replica, by the role taken",
         )
+        self.loss_reports = meter.create_counter(
+            "squall.replica.loss.reports",
+            unit="{report}",
+            description="Loss reports this replica recorded: acknowledged events it discarded "
+            "(SQUALL-LOSS-001), by cause",
+        )
+        self.loss_events = meter.create_counter(
+            "squall.replica.loss.events",
+            unit="{event}",
+            description="Acknowledged events this replica discarded (truncations below the "
+            "commit LSN it knew)",
+        )
         self._sources: dict[int, _Source] = {}
         gauges = (
             ("squall.replica.role", "", "1 for the role this replica holds, 0 for the others",
@@ -149,6 +174,12 @@ class ReplicaInstruments:
             ("squall.replica.replication.lag", "{entry}",
              "Log entries a slave lacks at the replica sync policy (reported by the master)",
              self._observe_lag),
+            ("squall.replica.link.lag", "{event}",
+             "Events of a linked topic its link has not forwarded yet (reported by the master)",
+             self._observe_link_lag),
+            ("squall.replica.link.lag_time", "ms",
+             "How long the oldest event a link has not forwarded yet has waited",
+             self._observe_link_lag_time),
         )  # fmt: skip
         for name, unit, description, callback in gauges:
             meter.create_observable_gauge(
@@ -195,17 +226,59 @@ class ReplicaInstruments:
                     lag, {"node": r.node_id, "replica": slave, "state": state}
                 )
 
+    def _observe_link_lag(self, _: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
+        for r in self._readings():
+            for source, target, events, _ms in r.link_lags:
+                yield metrics.Observation(events, _link_labels(r.node_id, source, target))
+
+    def _observe_link_lag_time(self, _: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
+        for r in self._readings():
+            for source, target, _events, lag_ms in r.link_lags:
+                yield metrics.Observation(lag_ms, _link_labels(r.node_id, source, target))
+
+
+def _link_labels(node_id: str, source: str, target: str) -> dict[str, str]:
+    return {"node": node_id, "topic": source, "link": target}
+
 
 def instruments(telemetry: Telemetry) -> ReplicaInstruments:
     """The replica instruments of this telemetry."""
     return telemetry.instruments("replica", ReplicaInstruments)
 
 
+class PublishedTraces:
+    """The master's newest traced publishes, (topic, first offset, events) -> the publish
+    span's context, so a delivery span can link to the traces that published its events."""
+
+    def __init__(self, limit: int = _TRACED_PUBLISHES_MAX) -> None:
+        self._entries: deque[tuple[str, int, int, trace.SpanContext]] = deque(maxlen=limit)
+
+    def note(self, topic: str, first_offset: int, count: int, context: trace.SpanContext) -> None:
+        """A traced publish of count events from first_offset was acknowledged."""
+        if count > 0:
+            self._entries.append((topic, first_offset, first_offset + count, context))
+
+    def clear(self) -> None:
+        """Forgets every publish (a truncation: their offsets may be reused)."""
+        self._entries.clear()
+
+    def links(self, topic: str, first: int, end: int) -> list[trace.Link]:
+        """Links to the publishes of offsets first..end-1 of topic (at most _LINKS_MAX)."""
+        out: list[trace.Link] = []
+        for name, start, stop, context in reversed(self._entries):
+            if name == topic and start < end and first < stop:
+                out.append(trace.Link(context, {"squall.first_offset": start}))
+                if len(out) >= _LINKS_MAX:
+                    break
+        out.reverse()
+        return out
+
+
 class PublishWatch:
     """One publish request's spans and metrics (made only while telemetry is on)."""
 
-    __slots__ = ("_clock", "_commit_span", "_events", "_instruments", "_node_id", "_span",
-                 "_started_ns", "_tracer")  # fmt: skip
+    __slots__ = ("_clock", "_commit_span", "_events", "_instruments", "_node_id", "_published",
+                 "_span", "_started_ns", "_topic", "_tracer")  # fmt: skip
 
     def __init__(
         self,
@@ -214,9 +287,13 @@ class PublishWatch:
         node_id: str,
         epoch: int,
         clock: PreciseClock = SYSTEM_CLOCK,
+        published: PublishedTraces | None = None,
     ) -> None:
-        """clock: the publish's latency is read from it (sub-millisecond)."""
+        """clock: the publish's latency is read from it (sub-millisecond); published: where
+        a traced publish is remembered for delivery spans to link to."""
         self._clock = clock
+        self._topic = request.topic
+        self._published = published
         self._started_ns = clock.monotonic_ns()
         self._events = len(request.events)
         self._node_id = node_id
@@ -241,13 +318,20 @@ class PublishWatch:
         """Itself when its trace is recorded (the node then reports the append to it)."""
         return self if self._span is not None else None
 
-    def appended(self, lsn: int, epoch: int) -> trace.SpanContext | None:
-        """The entry is in the local log at lsn: the commit wait starts."""
+    def appended(
+        self, lsn: int, epoch: int, receipt: common_pb2.BatchReceipt | None = None
+    ) -> trace.SpanContext | None:
+        """The entry is in the local log at lsn: the commit wait starts. A traced publish
+        is remembered now (before its commit can wake a delivery) for delivery links."""
         span = self._span
         if span is None:
             return None
         span.set_attribute("squall.first_lsn", lsn)
         span.set_attribute("squall.epoch", epoch)
+        if self._published is not None and receipt is not None and receipt.count:
+            self._published.note(
+                self._topic, receipt.first_offset, receipt.count, span.get_span_context()
+            )
         self._commit_span = self._tracer.start_span(
             "replica.commit_wait",
             context=trace.set_span_in_context(span),
@@ -370,7 +454,15 @@ class ReplicationTracer:
 class DeliveryWatch:
     """A subscription's delivery spans and the events-out counter."""
 
-    def __init__(self, telemetry: Telemetry, node_id: str, topic: str) -> None:
+    def __init__(
+        self,
+        telemetry: Telemetry,
+        node_id: str,
+        topic: str,
+        published: PublishedTraces | None = None,
+    ) -> None:
+        self._topic = topic
+        self._published = published
         self._tracer = telemetry.tracer if telemetry.tracing else None
         self._counter = instruments(telemetry).events_out if telemetry.metering else None
         self._attributes = {"node": node_id}
@@ -385,12 +477,43 @@ class DeliveryWatch:
             self._counter.add(len(events), self._attributes)
         if self._tracer is None:
             return None
+        first, end = events[0].offset, events[-1].offset + 1
         return self._tracer.start_span(
             "subscribe.deliver",
             kind=trace.SpanKind.PRODUCER,
             attributes={
                 **self._span_attributes,
-                "squall.first_offset": events[0].offset,
+                "squall.first_offset": first,
                 "squall.events": len(events),
             },
+            links=self._published.links(self._topic, first, end) if self._published else None,
         )
+
+
+def push_span(
+    telemetry: Telemetry,
+    published: PublishedTraces | None,
+    node_id: str,
+    subscriber_id: str,
+    topic: str,
+    events: Sequence[common_pb2.Event],
+    attempt: int,
+) -> trace.Span | None:
+    """A push delivery's span (None while tracing is off): one Deliver call to an app's
+    endpoint, linked to the publishes of its events; end it with the call's status."""
+    if not telemetry.tracing:
+        return None
+    first, end = events[0].offset, events[-1].offset + 1
+    return telemetry.tracer.start_span(
+        "push.deliver",
+        kind=trace.SpanKind.PRODUCER,
+        attributes={
+            "squall.node": node_id,
+            "squall.topic": topic,
+            "squall.subscriber": subscriber_id,
+            "squall.first_offset": first,
+            "squall.events": len(events),
+            "squall.attempt": attempt,
+        },
+        links=published.links(topic, first, end) if published else None,
+    )

@@ -95,6 +95,31 @@ class FakeReplica(broker_pb2_grpc.PublisherServicer, broker_pb2_grpc.TopicManage
         step = self._step("Publish")
         if step is not None and not step.store:
             self._fail(context, step)
+        response = self._store(request)
+        if step is not None:
+            self._fail(context, step)
+        return response
+
+    def PublishStream(
+        self,
+        requests: Iterator[broker_pb2.PublishRequest],
+        context: grpc.ServicerContext,
+    ) -> Iterator[broker_pb2.PublishResponse]:
+        # The gateway sends a deduplicated unary publish as one request of a stream it
+        # shares between callers: the script applies to each request as to a unary call,
+        # and a failure ends the stream, as the real master's does.
+        with self.lock:
+            self.attempts["streams opened"] += 1
+        for request in requests:
+            step = self._step("Publish")
+            if step is not None and not step.store:
+                self._fail(context, step)
+            response = self._store(request)
+            if step is not None:
+                self._fail(context, step)
+            yield response
+
+    def _store(self, request: broker_pb2.PublishRequest) -> broker_pb2.PublishResponse:
         response = broker_pb2.PublishResponse(request_id=request.request_id)
         with self.lock:
             for event in request.events:
@@ -108,8 +133,6 @@ class FakeReplica(broker_pb2_grpc.PublisherServicer, broker_pb2_grpc.TopicManage
                 if request.publisher_id and event.sequence:
                     self.offsets[key] = offset
                 response.receipts.add(offset=offset, master_id=self.node_id)
-        if step is not None:
-            self._fail(context, step)
         return response
 
     def CreateTopic(
@@ -281,6 +304,9 @@ def test_gateway_retries_a_lost_publish_answer_and_stores_once(
     assert [r.duplicate for r in response.receipts] == [True, True]
     assert master.attempts["Publish"] == 3
     assert master.stored == {("p", 1): 1, ("p", 2): 1}
+    # Each attempt was a request on the gateway's shared publish stream; each lost
+    # answer ended that stream, so the next attempt went on a new one.
+    assert master.attempts["streams opened"] == 3
 
 
 def test_gateway_does_not_retry_a_publish_without_sequences(scripted: ScriptedCluster) -> None:
@@ -577,3 +603,100 @@ def test_unary_publishes_through_the_gateway_are_retried_by_it_exactly_once(
     _gateway_switched_by_the_watch(trio, old, new)
     _check_exactly_once(trio, new, "ledger", app)
     assert not app.failed, {s: repr(e) for s, e in list(app.failed.items())[:5]}
+
+
+def _stored_at(address: str, topic: str) -> dict[int, tuple[str, int]]:
+    """Offset -> (publisher_id, sequence) of every event of the topic, read from one replica."""
+    at: dict[int, tuple[str, int]] = {}
+    with grpc.insecure_channel(address) as channel:
+        stream = broker_pb2_grpc.SubscriberStub(channel).Subscribe(
+            broker_pb2.SubscribeRequest(
+                topic=topic, start=broker_pb2.START_POSITION_EARLIEST, max_batch_events=500
+            ),
+            timeout=20,
+        )
+        for response in stream:
+            at.update((e.offset, (e.publisher_id, e.sequence)) for e in response.events)
+    return at
+
+
+def test_many_unary_callers_on_the_shared_stream_survive_a_master_kill_exactly_once(
+    trio: LocalCluster,
+) -> None:
+    # Sixteen raw-stub callers (each its own publisher id, one channel) publish one event
+    # per unary call; the gateway carries them all as requests on its one publish stream
+    # to the master, many unanswered at any time. kill -9 the master: every request in
+    # flight on that stream is sent again to the new master under the same ids.
+    callers, topic = 16, "shared"
+    acked: dict[tuple[str, int], broker_pb2.AckReceipt] = {}
+    failed: dict[tuple[str, int], grpc.RpcError] = {}
+    lock = threading.Lock()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    old = trio.wait_for_master()
+    with grpc.insecure_channel(trio.gateway_address) as channel:
+        broker_pb2_grpc.TopicManagerStub(channel).CreateTopic(
+            broker_pb2.CreateTopicRequest(name=topic), timeout=10
+        )
+        stub = broker_pb2_grpc.PublisherStub(channel)
+
+        def run(index: int) -> None:
+            publisher_id = f"caller-{index}"
+            try:
+                for sequence in range(1, 100_000):  # bounded; stopped much earlier
+                    if stop.is_set():
+                        return
+                    key = (publisher_id, sequence)
+                    try:
+                        response = stub.Publish(
+                            broker_pb2.PublishRequest(
+                                topic=topic,
+                                publisher_id=publisher_id,
+                                events=[common_pb2.EventData(payload=b"x", sequence=sequence)],
+                            ),
+                            timeout=20,
+                        )
+                    except grpc.RpcError as exc:
+                        with lock:
+                            failed[key] = exc
+                        continue
+                    with lock:
+                        acked[key] = response.receipts[0]
+            except BaseException as exc:  # reported by the test
+                errors.append(exc)
+
+        def acked_by(master_id: str) -> int:
+            with lock:
+                return sum(r.master_id == master_id for r in acked.values())
+
+        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(callers)]
+        for thread in threads:
+            thread.start()
+        try:
+            _wait_for(lambda: acked_by(old) >= 200, 30, f"200 publishes acknowledged by {old}")
+            trio.kill_node(old)
+            new = trio.wait_for_master(exclude=old)
+            _wait_for(lambda: acked_by(new) >= 200, 40, f"200 publishes acknowledged by {new}")
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(30)
+    assert not errors, repr(errors[0])
+    # The kill ended the shared stream with requests of several callers unanswered.
+    log = trio.log("gateway", "g1")
+    assert "shared publish stream to" in log and "requests unanswered" in log, log[-2000:]
+    stored = _stored_at(trio.replica_address(new), topic)
+    counts = collections.Counter(stored.values())
+    duplicates = {key: n for key, n in counts.items() if n > 1}
+    assert not duplicates, f"stored more than once: {list(duplicates.items())[:10]}"
+    # Every acknowledged event is there once, at the offset its receipt names (a
+    # duplicate receipt names the offset of the first store).
+    misplaced = {
+        key: (receipt.offset, stored.get(receipt.offset))
+        for key, receipt in acked.items()
+        if stored.get(receipt.offset) != key
+    }
+    assert not misplaced, f"not where the receipt says: {list(misplaced.items())[:10]}"
+    # The gateway's retries absorbed the failover: no caller saw a failure.
+    assert not failed, {k: repr(e) for k, e in list(failed.items())[:5]}
+    assert len(acked) >= 400

@@ -3,18 +3,65 @@
 Goal: an operator can keep a cluster writable when too few nodes remain — a quorum
 override for disaster recovery, a designated primary for a two-node cluster — and both
 are visible in status, persisted, and refused where they would allow split brain. The
-override is recorded (who, when, why) and clears itself once a majority is back.
+override is recorded (who, when, why) and clears itself once a majority is back. Events
+acknowledged by the majority the override left behind are discarded when that majority's
+node rejoins: the cluster reports the loss (status, JSON, SQUALL-LOSS-001 in the logs)
+until an operator acknowledges it with `squall cluster ack-loss` (issue 20).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import tomllib
 from pathlib import Path
 
+import grpc
+
+import squall
 from deploy import processes
-from squall.v1 import common_pb2
+from squall.v1 import common_pb2, replica_pb2, replica_pb2_grpc
 from tests.integration.conftest import ROOT, LocalCluster, make_cluster, run_squall, wait_for
+
+
+def _replica_state(cluster: LocalCluster, node_id: str) -> replica_pb2.ReplicaState | None:
+    with cluster.dial(cluster.replica_address(node_id)) as channel:
+        try:
+            state: replica_pb2.ReplicaState = replica_pb2_grpc.ReplicaControlStub(
+                channel
+            ).GetReplicaState(replica_pb2.GetReplicaStateRequest(), timeout=2)
+            return state
+        except grpc.RpcError:
+            return None
+
+
+def _signal_node(cluster: LocalCluster, node_id: str, sig: signal.Signals) -> None:
+    for kind in ("replica", "coordinator"):
+        os.kill(cluster.services[(kind, node_id)].pid, sig)
+
+
+def _publish_while_n3_is_paused(cluster: LocalCluster, count: int) -> None:
+    """n1 and n2 acknowledge `count` events of topic `orders` while n3 is paused (SIGSTOP,
+    so it stays a joined member: a restart alone would be a cold start), and n2 learns they
+    are committed: it then discards acknowledged events when it follows a master that
+    lacks them. The caller resumes n3."""
+    _signal_node(cluster, "n3", signal.SIGSTOP)
+    with squall.connect(cluster.gateway_address, timeout_s=20) as client:
+        client.create_topic("orders")
+        with client.topic("orders").publisher() as publisher:
+            for i in range(count):
+                publisher.publish(f"event {i}".encode())
+
+    def n2_knows_committed() -> bool:
+        master, slave = _replica_state(cluster, "n1"), _replica_state(cluster, "n2")
+        return (
+            master is not None
+            and slave is not None
+            and slave.commit_lsn == master.last_lsn == slave.last_lsn
+        )
+
+    wait_for(n2_knows_committed, 20, "n2 knows the events committed")
 
 
 def test_quorum_override_lets_a_lone_survivor_serve_audited_and_reverting(
@@ -36,8 +83,12 @@ def test_quorum_override_lets_a_lone_survivor_serve_audited_and_reverting(
     assert "n2 fails -> n1 would lead: n1 keeps leading" in text
     assert "n3 fails -> n1 would lead" in text
 
-    cluster.kill_node("n1")
-    cluster.kill_node("n2")
+    try:
+        _publish_while_n3_is_paused(cluster, 5)
+        cluster.kill_node("n1")
+        cluster.kill_node("n2")
+    finally:
+        _signal_node(cluster, "n3", signal.SIGCONT)
     # n3 alone is no majority: it must not become master on its own.
     try:
         cluster.wait_for_master(timeout_s=2)
@@ -89,6 +140,34 @@ def test_quorum_override_lets_a_lone_survivor_serve_audited_and_reverting(
         )
 
     wait_for(n2_leads, 30, "n2 leads once caught up")
+    # n2 followed n3, whose log lacks the 5 events n1 and n2 had acknowledged: n2 truncated
+    # them, and the cluster says so until an operator acknowledges it.
+    shown = run_squall("status", "--config", config).stdout
+    assert "n2: LOSS loss-" in shown and ": truncation;" in shown, shown
+    assert "5 acknowledged events discarded (orders=5)" in shown, shown
+    assert "allowed by a quorum override or a designated primary" in shown
+    document = json.loads(run_squall("status", "--json", "--config", config).stdout)
+    [n2_row] = [n for n in document["nodes"] if n["node_id"] == "n2"]
+    [loss] = n2_row["losses"]
+    assert loss["cause"] == "truncation" and loss["topics"] == [["orders", 5]], loss
+    assert loss["first_lsn"] > 0 and loss["last_lsn"] - loss["first_lsn"] >= 4, loss
+    assert "SQUALL-LOSS-001 acknowledged events discarded" in cluster.log("replica", "n2")
+    assert loss["loss_id"] in cluster.log("coordinator", "n2")
+    # An unknown id: a clear error, nothing changed.
+    wrong = run_squall("cluster", "ack-loss", "loss-nope", "--config", config)
+    assert wrong.returncode == 1, wrong.stdout + wrong.stderr
+    assert "no unacknowledged loss report 'loss-nope'" in wrong.stderr, wrong.stderr
+    assert f"n2:{loss['loss_id']}" in wrong.stderr
+    still = cluster.statuses()["n2"]
+    assert [held.loss_id for held in still.losses] == [loss["loss_id"]]
+    acked = run_squall(
+        "cluster", "ack-loss", loss["loss_id"], "--reason", "replayed", "--config", config
+    )
+    assert acked.returncode == 0, acked.stderr
+    assert f"n2: loss report {loss['loss_id']} acknowledged" in acked.stdout
+    cleared = run_squall("status", "--explain", "--config", config).stdout
+    assert "LOSS" not in cleared, cleared
+    assert f"ack-loss {loss['loss_id']}: replayed" in cleared, cleared
     assert "cleared automatically" in cluster.log("coordinator", "n3")
     persisted = json.loads(state_file.read_text())
     assert persisted["quorum_override"] == 0 and persisted["quorum_override_record"] is None

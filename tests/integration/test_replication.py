@@ -409,7 +409,7 @@ def test_a_stopped_slave_with_all_acks_holds_publishers_back_until_it_resumes(
     trio = _started_trio(
         cluster_factory,
         limits=dict(_LIMITS),
-        durability={"acks": "all"},
+        durability={"acks": "group"},
         timeouts=dict(STUCK_SLAVE_STAYS),
     )
     master = trio.wait_for_master()

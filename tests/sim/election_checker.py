@@ -4,9 +4,14 @@ Safety invariants (docs/architecture.md, "Election and membership"):
 
 * at most one coordinator is ever NORMAL in a given epoch, and at most one node is ever told
   MASTER in a given epoch;
-* a NORMAL group holds the quorum: a majority of all configured nodes (less only when an
-  operator override or designated primary is in force), and a majority of nodes has
-  persisted the group's epoch (the votes that make the first point true);
+* a NORMAL group holds the quorum: a majority of its node set (the configured nodes, or the
+  set a membership change made; less only when an operator override or designated primary
+  is in force), and a majority of that set has persisted the group's epoch (the votes that
+  make the first point true);
+* membership changes: the node sets NORMAL groups use move one node at a time (two sets
+  in force one after the other differ by at most one node, so their majorities overlap),
+  and a later epoch never goes back to an older set (a change a group went normal with is
+  never lost);
 * a node's persisted epoch never decreases, across restarts included;
 * a priority-0 node never coordinates a group and never sends Invitation or Ready;
 * a quarantined node is in no group: never normal, its replica never serving a role;
@@ -23,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from squall_server.coordinator.election import Election
+from squall_server.coordinator.membership import Membership
 from squall_server.coordinator.messages import (
     GroupReady,
     Invitation,
@@ -48,6 +54,8 @@ class Checker:
         self.normal_by_epoch: dict[int, str] = {}
         self.master_by_epoch: dict[int, str] = {}
         self.epoch_seen: dict[str, int] = {node: 0 for node in priorities}
+        # The node set each NORMAL epoch used (membership changes).
+        self.set_by_epoch: dict[int, Membership] = {}
 
     def check_node(
         self, node: str, election: Election | None, durable: Mapping[str, PersistedState]
@@ -88,7 +96,12 @@ class Checker:
             )
         if status.coordinator_id != node:
             return
-        if self.priorities[node] == 0 and status.state is not NodeState.INACTIVE:
+        membership = status.membership
+        priority = (
+            membership.priorities.get(node, 0) if membership is not None
+            else self.priorities[node]
+        )
+        if priority == 0 and status.state is not NodeState.INACTIVE:
             raise InvariantViolation(
                 f"node {node} has priority 0 but coordinates in state {status.state.value}"
             )
@@ -100,24 +113,60 @@ class Checker:
             raise InvariantViolation(
                 f"two coordinators normal in epoch {epoch}: {first} and {node}"
             )
-        required = self.majority
+        ids = set(membership.ids) if membership is not None else set(self.priorities)
+        majority = len(ids) // 2 + 1
+        required = majority
         if stored.quorum_override or stored.designated_primary:
             required = 1
-        if len(status.members) < required:
+        if len(set(status.members) & ids) < required or not set(status.members) <= ids:
             raise InvariantViolation(
                 f"node {node} is normal in epoch {epoch} with {len(status.members)} members "
-                f"({','.join(status.members)}); a majority is {self.majority}"
+                f"({','.join(status.members)}); a majority of its node set "
+                f"{','.join(sorted(ids))} is {majority}"
             )
-        voters = sum(1 for p in durable.values() if p.epoch >= epoch)
+        if membership is not None:
+            self.check_set(node, epoch, membership)
+        voters = sum(1 for x, p in durable.items() if x in ids and p.epoch >= epoch)
         if voters < required:
             raise InvariantViolation(
                 f"node {node} is normal in epoch {epoch} but only {voters} nodes have "
                 f"persisted an epoch >= {epoch}"
             )
 
+    def check_set(self, node: str, epoch: int, membership: Membership) -> None:
+        """The set of a NORMAL epoch: one node from its neighbours' sets, never older."""
+        known = self.set_by_epoch.setdefault(epoch, membership)
+        if known.ids != membership.ids or known.version != membership.version:
+            raise InvariantViolation(
+                f"epoch {epoch} is normal under two node sets: {known.describe()} and "
+                f"{membership.describe()} (seen at {node})"
+            )
+        before = [e for e in self.set_by_epoch if e < epoch]
+        after = [e for e in self.set_by_epoch if e > epoch]
+        for other in ([max(before)] if before else []) + ([min(after)] if after else []):
+            earlier, later = sorted((epoch, other))
+            a, b = self.set_by_epoch[earlier], self.set_by_epoch[later]
+            if len(set(a.ids) ^ set(b.ids)) > 1:
+                raise InvariantViolation(
+                    f"normal epochs {earlier} and {later} use node sets {a.describe()} and "
+                    f"{b.describe()}, which differ by more than one node"
+                )
+            if b.version < a.version:
+                raise InvariantViolation(
+                    f"normal epoch {later} went back to node set {b.describe()} after epoch "
+                    f"{earlier} used {a.describe()}: a membership change was lost"
+                )
+
     def check_send(self, msg: PeerMessage) -> None:
         """Priority-0 nodes never invite or form groups."""
-        if self.priorities[msg.from_node] == 0 and isinstance(msg.body, Invitation | GroupReady):
+        body = msg.body
+        carried = body.membership if isinstance(body, Invitation | GroupReady) else None
+        priority = (
+            carried.priorities.get(msg.from_node, 0)
+            if carried is not None
+            else self.priorities[msg.from_node]
+        )
+        if priority == 0 and isinstance(msg.body, Invitation | GroupReady):
             raise InvariantViolation(
                 f"node {msg.from_node} has priority 0 but sent {type(msg.body).__name__}"
             )

@@ -1039,8 +1039,10 @@ class Simulation:
         self.incarnation[node] += 1
         config = ElectionConfig(
             node_id=node,
-            priorities=self.priorities,
+            priorities=self.config_priorities(node),
             agreed_settings=self.sc.agreed.get(node, ()),
+            addresses={x: (f"c{x}:1", f"r{x}:1") for x in self.config_priorities(node)},
+            **self.config_set_key(node),
             **self.sc.timing,
         )
         driver = CoordinatorDriver(
@@ -1066,6 +1068,15 @@ class Simulation:
         incarnation = self.incarnation[node]
         self.push(self.now_ms + int(driver.watch_interval_ms), _WATCH, node, incarnation)
         self.schedule_tick(node, self.now_ms)
+
+    def config_priorities(self, node: str) -> dict[str, int]:
+        """The node set of ``node``'s config file (every node; the membership simulator's
+        spare nodes list the cluster and themselves)."""
+        return self.priorities
+
+    def config_set_key(self, node: str) -> dict[str, int]:
+        """The node set version and epoch ``node``'s config file records (none: 0)."""
+        return {}
 
     def stop_driver(self, node: str) -> None:
         """The coordinator process is gone: its loops and calls in flight with it."""

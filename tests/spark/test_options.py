@@ -49,6 +49,24 @@ def test_offsets_accept_names_numbers_and_the_checkpoint_json() -> None:
     assert offset_from_json({"topic": "orders", "offset": "9"}, "orders") == 9
 
 
+def test_a_time_range_takes_kafkas_milliseconds_or_an_iso_time() -> None:
+    read = parse_read(
+        {
+            **BASE,
+            "startingTimestamp": "1764061200000",
+            "endingTimestamp": "2025-11-25T10:00:00+01:00",
+        },
+        streaming=False,
+    )
+    assert (read.starting_timestamp_ms, read.ending_timestamp_ms) == (
+        1_764_061_200_000,
+        1_764_061_200_000,
+    )
+    # Spark lower-cases option names; a stream may start at a time too.
+    assert parse_read({**BASE, "startingtimestamp": "5"}, streaming=True).starting_timestamp_ms == 5
+    assert parse_read(BASE, streaming=False).starting_timestamp_ms is None
+
+
 @pytest.mark.parametrize(
     ("options", "streaming", "message"),
     [
@@ -68,6 +86,24 @@ def test_offsets_accept_names_numbers_and_the_checkpoint_json() -> None:
         ({**BASE, "endingOffsets": "latest"}, True, "is for batch reads"),
         ({**BASE, "timeoutMs": "5"}, False, "'timeoutMs' must be 100.."),
         ({**BASE, "writeId": "x"}, False, "unknown squall option 'writeId'"),
+        ({**BASE, "startingTimestamp": "yesterday"}, False, "milliseconds since the Unix"),
+        ({**BASE, "endingTimestamp": "2026-11-25T09:00:00"}, False, "with a zone"),
+        (
+            {**BASE, "startingTimestamp": "1000", "startingOffsets": "3"},
+            False,
+            "options 'startingOffsets' and 'startingTimestamp' both place the read's start",
+        ),
+        (
+            {**BASE, "endingTimestamp": "1000", "endingOffsets": "3"},
+            False,
+            "options 'endingOffsets' and 'endingTimestamp' both place the read's end",
+        ),
+        (
+            {**BASE, "startingTimestamp": "2000", "endingTimestamp": "1000"},
+            False,
+            "'endingTimestamp' (1000) is before 'startingTimestamp' (2000)",
+        ),
+        ({**BASE, "endingTimestamp": "1000"}, True, "is for batch reads"),
     ],
 )
 def test_bad_read_options_are_refused_with_a_sentence(

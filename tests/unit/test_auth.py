@@ -73,6 +73,25 @@ def test_auth_without_tls_is_refused_naming_both_keys() -> None:
 # --- the decision (pure)
 
 
+# The methods an app or operator may call; everything else is cluster-internal.
+_INTERNAL_METHODS = {"/squall.v1.Coordinator/Deliver"}
+
+
+def test_every_public_and_operator_method_has_a_rule() -> None:
+    # A method without a rule passes the guard untouched, so a new RPC that nobody added
+    # here would skip the token check: found once for the shared-subscription calls.
+    from squall.v1 import broker_pb2, coordinator_pb2, gateway_pb2
+
+    methods = {
+        f"/{service.full_name}/{method.name}"
+        for module in (broker_pb2, gateway_pb2, coordinator_pb2)
+        for service in module.DESCRIPTOR.services_by_name.values()
+        for method in service.methods
+    }
+    unguarded = sorted(methods - set(METHOD_RULES) - _INTERNAL_METHODS)
+    assert not unguarded, f"methods with no auth rule: {unguarded}"
+
+
 def test_no_principal_is_unauthenticated_whatever_the_method() -> None:
     for method in METHOD_RULES:
         decision = decide(method, "orders.eu", None, None)
@@ -99,6 +118,7 @@ def test_admin_methods_need_admin() -> None:
     for method in (
         CREATE,
         "/squall.v1.Coordinator/SetQuarantine",
+        "/squall.v1.Coordinator/ChangeMembership",
         "/squall.v1.ClusterAdmin/GetClusterStatus",
     ):
         denied = decide(method, "orders.eu", PUBLISHER, None)

@@ -70,6 +70,38 @@ def test_topic_commands(broker: Any, capsys: pytest.CaptureFixture[str]) -> None
     assert err.startswith("squall: ") and "NOT_FOUND" in err and err.count("\n") == 1
 
 
+def test_topic_link_commands(broker: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    run(["topic", "create", "a"], capsys)
+    run(["topic", "create", "b"], capsys)
+    assert run(["topic", "link", "a", "b", "--cost", "3"], capsys)[:2] == (
+        0,
+        "linked topic a to b with cost 3 (forwarding from offset 0 as squall-link/1)\n",
+    )
+    linked = run(["topic", "link", "a", "orders", "--cluster", "site-b"], capsys)[1]
+    assert linked.startswith("linked topic a to orders@site-b with cost 0")
+    code, out, _ = run(["topic", "links", "a"], capsys)
+    assert code == 0 and out.splitlines() == [
+        "a -> b\tcost=3\tnext_offset=0\tlag_events=0\tlag_ms=0\tpublisher_id=squall-link/1",
+        "a -> orders@site-b\tcost=0\tnext_offset=0\tlag_events=0\tlag_ms=0"
+        "\tpublisher_id=squall-link/2",
+    ]
+    code, out, _ = run(["topic", "info", "a"], capsys)
+    assert out.splitlines()[0] == "a\treplicated\tfirst_offset=0\tnext_offset=0\tlinks=2"
+    code, out, _ = run(["topic", "info", "a", "--json"], capsys)
+    document = json.loads(out)
+    assert document["name"] == "a" and [x["to_topic"] for x in document["links"]] == [
+        "b",
+        "orders",
+    ]
+    assert run(["topic", "unlink", "a", "orders", "--cluster", "site-b"], capsys)[1] == (
+        "unlinked topic a from orders@site-b\n"
+    )
+    code, out, _ = run(["topic", "links", "--json"], capsys)
+    assert [x["to_topic"] for x in json.loads(out)["links"]] == ["b"]
+    code, _, err = run(["topic", "unlink", "a", "orders"], capsys)
+    assert code == 1 and "NOT_FOUND" in err
+
+
 def test_publish_arguments_and_subscribe(broker: Any, capsys: pytest.CaptureFixture[str]) -> None:
     run(["topic", "create", "t"], capsys)
     code, out, _ = run(["publish", "t", "hello", "wörld", "--key", "k1"], capsys)
@@ -190,9 +222,9 @@ def test_gateway_resolution(
     assert run(["topic", "list", "--config", str(config)], capsys)[0] == 0
     # A valid file (its [tls] is read) whose gateway is not there: --gateway wins.
     config.write_text(_cluster_toml("127.0.0.1:3"))
-    assert run(["topic", "list", "--config", str(config), "--gateway", broker.address], capsys)[
-        0
-    ] == 0
+    assert (
+        run(["topic", "list", "--config", str(config), "--gateway", broker.address], capsys)[0] == 0
+    )
     config.write_text(_cluster_toml(None))
     code, _, err = run(["topic", "list", "--config", str(config)], capsys)
     assert code == 2 and err.startswith(f"squall: config error: {config}: ") and "gateways" in err

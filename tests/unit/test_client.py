@@ -57,6 +57,7 @@ class FakeBroker(
         # When > 0, PublishStream ends with UNAVAILABLE after answering this many requests.
         self.break_stream_after = 0
         self.status = gateway_pb2.ClusterStatus(master_id="n1", epoch=7)
+        self.links: list[broker_pb2.LinkInfo] = []
 
     # -- TopicManager -------------------------------------------------------------------
 
@@ -99,6 +100,42 @@ class FakeBroker(
             self._topic(request.name, context)
             del self.topics[request.name]
             return broker_pb2.DestroyTopicResponse()
+
+    def LinkTopic(
+        self, request: broker_pb2.LinkTopicRequest, context: grpc.ServicerContext
+    ) -> broker_pb2.LinkTopicResponse:
+        with self.cond:
+            source = self._topic(request.from_topic, context)
+            link = broker_pb2.LinkInfo(
+                from_topic=request.from_topic,
+                to_topic=request.to_topic,
+                to_cluster=request.to_cluster,
+                cost=request.cost,
+                start_offset=source.info.next_offset,
+                next_offset=source.info.next_offset,
+                created_lsn=len(self.links) + 1,
+                publisher_id=f"squall-link/{len(self.links) + 1}",
+            )
+            self.links.append(link)
+            return broker_pb2.LinkTopicResponse(link=link)
+
+    def UnlinkTopic(
+        self, request: broker_pb2.UnlinkTopicRequest, context: grpc.ServicerContext
+    ) -> broker_pb2.UnlinkTopicResponse:
+        with self.cond:
+            key = (request.from_topic, request.to_topic, request.to_cluster)
+            kept = [x for x in self.links if (x.from_topic, x.to_topic, x.to_cluster) != key]
+            if len(kept) == len(self.links):
+                context.abort(grpc.StatusCode.NOT_FOUND, "no such link")
+            self.links = kept
+            return broker_pb2.UnlinkTopicResponse()
+
+    def GetLinkInfo(
+        self, request: broker_pb2.GetLinkInfoRequest, context: grpc.ServicerContext
+    ) -> broker_pb2.GetLinkInfoResponse:
+        with self.cond:
+            links = [x for x in self.links if not request.topic or x.from_topic == request.topic]
+            return broker_pb2.GetLinkInfoResponse(links=links)
 
     def GetPublisher(
         self, request: broker_pb2.GetPublisherRequest, context: grpc.ServicerContext

@@ -9,6 +9,7 @@ import pytest
 
 from squall.v1 import common_pb2, coordinator_pb2
 from squall_server.coordinator.codec import from_proto, status_to_proto, to_proto
+from squall_server.coordinator.membership import Member, Membership
 from squall_server.coordinator.messages import (
     Accept,
     AreYouCoordinator,
@@ -40,6 +41,7 @@ REPORT = MemberReport(
     epoch=5,
 )
 
+_SET = Membership(2, 7, (Member("1", 3, "h1:1", "h1:2"), Member("4", 1, "h4:1", "h4:2")))
 BODIES: list[Body] = [
     AreYouCoordinator("1:ab12", 3, designated_primary=True),
     AreYouCoordinatorReply(True, "2:cd34", 2),
@@ -83,6 +85,16 @@ BODIES: list[Body] = [
     # One fate per node: a node whose replica stopped answering leaves its group.
     Leave("1:ab12", "replica of node 1 has not answered for 300 ms"),
     Leave("1:ab12"),
+    # Runtime membership: node sets in invitations, Ready and reports; set keys in probes.
+    Invitation("3:ef56", 3, 9, base_digest="99ff", membership=_SET),
+    GroupReady("3:ef56", 10, ("1", "2", "3"), "2", "3", 3, membership=_SET),
+    Accept(
+        "3:ef56",
+        MemberReport("2", "c-1", 4, 7, StoreState.DIRTY, 3, 9, membership=_SET),
+        (),
+    ),
+    AreYouCoordinator("1:ab12", 3, membership_version=2, membership_epoch=7, base_digest="9f"),
+    AreYouCoordinatorReply(True, "2:cd34", 2, membership_version=2, membership_epoch=7),
 ]
 
 

@@ -20,6 +20,7 @@ from squall_server.replica.commands import (
     DestroyTopic,
     Publish,
     SetCursor,
+    check_publish_limits,
     expand_receipt,
 )
 from squall_server.replica.store import DedupeHit, Store
@@ -133,6 +134,17 @@ def test_refused_command_leaves_no_trace_in_its_batch(store: Store) -> None:
     assert isinstance(refused, ServiceError) and refused.code == Code.INVALID_ARGUMENT
     assert "max_event_bytes" in refused.message
     assert [r.offset for r in after.receipts] == [1]  # type: ignore[union-attr]
+
+
+def test_headers_count_against_max_event_bytes() -> None:
+    limits = LimitsConfig(max_event_bytes=100)
+    small = common_pb2.EventData(payload=b"x" * 40, headers={"trace": "y" * 40})
+    check_publish_limits(broker_pb2.PublishRequest(topic="t", events=[small]), limits)
+    heavy = common_pb2.EventData(payload=b"x" * 40, headers={"trace": "y" * 60})
+    with pytest.raises(ServiceError) as refused:
+        check_publish_limits(broker_pb2.PublishRequest(topic="t", events=[heavy]), limits)
+    assert refused.value.code == Code.INVALID_ARGUMENT
+    assert "105 bytes (key + payload + headers)" in refused.value.message
 
 
 def test_cursor_moves_only_forward_and_never_past_the_end(store: Store) -> None:

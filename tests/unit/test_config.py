@@ -399,7 +399,30 @@ def test_priority_zero_nodes_are_fine_with_one_eligible() -> None:
 
 def test_bad_enum_acks() -> None:
     message = error_of(VALID + '[durability]\nacks = "most"\n')
-    assert message == "durability.acks: must be one of majority, all, none, got 'most'"
+    assert message == "durability.acks: must be one of majority, all, none, group, got 'most'"
+
+
+def test_deprecated_durability_names_load_as_what_they_do_and_say_so() -> None:
+    """acks "all" waits for the current group only: "group" names it; master NO_SYNC
+    behaves as WRITE_NO_SYNC (a master writes before it replicates) and is loaded as it."""
+    group = parse(VALID + '[durability]\nacks = "group"\n')
+    assert group.durability.acks == common_pb2.ACK_POLICY_ALL and group.deprecations == ()
+    old = parse(VALID + '[durability]\nacks = "all"\nmaster_sync = "no_sync"\n')
+    assert old.durability.acks == common_pb2.ACK_POLICY_ALL
+    assert old.durability.master_sync == common_pb2.SYNC_POLICY_WRITE_NO_SYNC
+    assert len(old.deprecations) == 2
+    assert 'write acks = "group"' in old.deprecations[0]
+    assert "every member of the current group, not every configured node" in old.deprecations[0]
+    assert "behaves as WRITE_NO_SYNC" in old.deprecations[1]
+    # A replica's NO_SYNC is real (it acknowledges on receipt): kept, not deprecated.
+    replica = parse(VALID + '[durability]\nreplica_sync = "NO_SYNC"\n')
+    assert replica.durability.replica_sync == common_pb2.SYNC_POLICY_NO_SYNC
+    assert replica.deprecations == ()
+    # Old and new names agree between members (a rolling upgrade is not refused).
+    assert dict(old.agreed_settings())["durability.acks"] == "all"
+    assert old.agreed_settings() == parse(
+        VALID + '[durability]\nacks = "group"\nmaster_sync = "WRITE_NO_SYNC"\n'
+    ).agreed_settings()
 
 
 def test_bad_enum_sync() -> None:

@@ -70,3 +70,20 @@ def test_damaged_files_are_refused_with_the_reason(
     path.write_text(json.dumps(document))
     with pytest.raises(StateFileError, match=phrase.replace("[", r"\[").replace("]", r"\]")):
         load_state(path)
+
+
+def test_the_running_node_set_survives_a_restart(tmp_path: Path) -> None:
+    """A membership change's node set is read back as written; a damaged one is refused."""
+    from squall_server.coordinator.membership import Member, Membership
+
+    membership = Membership(
+        2, 7, (Member("1", 3, "h1:1", "h1:2"), Member("4", 1, "h4:1", "h4:2"))
+    )
+    path = tmp_path / "coordinator-state.json"
+    save_state(path, PersistedState(epoch=7, max_seen=2, membership=membership))
+    assert load_state(path).membership == membership
+    document = json.loads(path.read_text())
+    document["membership"]["members"].append(dict(document["membership"]["members"][0]))
+    path.write_text(json.dumps(document))
+    with pytest.raises(StateFileError, match="repeats a node id"):
+        load_state(path)

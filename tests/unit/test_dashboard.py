@@ -60,6 +60,8 @@ class _ReplicaNode:
     commit_lsn = 9
     store = _Store()
 
+    links = type("L", (), {"lags": staticmethod(lambda: [("a", "b@site-b", 3, 1200)])})()
+
     def slave_status(self) -> list[_Slave]:
         return [_Slave()]
 

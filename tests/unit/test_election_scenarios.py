@@ -45,6 +45,12 @@ Commands:
     status [1 2 ...]           each node's status line
     settings all|3 k=v ...     the agreed settings (cluster name, nodes, durability, limits)
                                of every node, or of stopped node 3, from its next start
+    spare 4:1                  a node not in the cluster yet (not started); its config file
+                               lists the cluster's nodes and itself, as an exported file does
+    member 1 add 4 prio=1      operator: node 1 (the master) changes the node set: add 4,
+    member 1 remove 3          remove 3, replace 3 (new addresses: coord=h:p replica=h:p;
+    member 1 replace 3         the defaults are h<id>b:1 and h<id>b:2) or set 3's priority
+    member 1 priority 3 5      (by=who reason=why); node addresses are h<id>:1 and h<id>:2
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ import pytest
 
 from squall_server.coordinator.agreement import settings_digest
 from squall_server.coordinator.election import Election, ElectionConfig, ElectionConfigError
+from squall_server.coordinator.membership import ChangeKind, MembershipChange
 from squall_server.coordinator.messages import (
     Accept,
     AreYouCoordinator,
@@ -145,6 +152,16 @@ class Cluster:
         self.trace_all = False
         # Each node's agreed settings (the ``settings`` command); none: nothing compared.
         self.settings: dict[str, dict[str, str]] = {node: {} for node in priorities}
+        # Each node's config file's node set (a spare's adds itself).
+        self.files: dict[str, dict[str, int]] = {node: dict(priorities) for node in priorities}
+
+    def add_spare(self, node: str, priority: int) -> None:
+        """A node started later from a file that lists the cluster and itself."""
+        self.nodes[node] = None
+        self.stores[node] = Store()
+        self.group_counters[node] = 0
+        self.settings[node] = {}
+        self.files[node] = {**self.priorities, node: priority}
 
     # -- driving
 
@@ -158,8 +175,9 @@ class Cluster:
         store = self.stores[node]
         config = ElectionConfig(
             node_id=node,
-            priorities=self.priorities,
+            priorities=self.files[node],
             agreed_settings=tuple(sorted(self.settings[node].items())),
+            addresses={x: (f"h{x}:1", f"h{x}:2") for x in self.files[node]},
         )
         election = Election(config, store.persisted, new_group_id)
         self.nodes[node] = election
@@ -190,6 +208,17 @@ class Cluster:
                 extra += f" cluster={p.cluster_id}"
             if p.quarantine is not None:
                 extra += " quarantined"
+            if p.peer_designated:
+                extra += f" peer-designated={','.join(p.peer_designated)}"
+            if p.losses:
+                extra += f" losses={','.join(r.loss_id for r in p.losses)}"
+            if p.acked_loss_ids:
+                extra += f" acked-losses={len(p.acked_loss_ids)}"
+            if p.membership is not None:
+                m = p.membership
+                extra += f" nodes=v{m.version}@{m.epoch}:" + ",".join(
+                    f"{x.node_id}:{x.priority}" for x in m.members
+                )
             lines.append(f"  persist epoch={p.epoch} max={p.max_seen}{extra}")
         self.queue.extend(ready.messages)
         follow_up: Ready | None = None
@@ -343,6 +372,8 @@ class Cluster:
             text += f" REPLICA-UNREACHABLE-SINCE={s.replica_unreachable_since_ms}"
         for m in s.config_mismatches:
             text += f" REFUSES={m.node_id}:{m.key}={m.local_value!r}/{m.peer_value!r}"
+        if s.membership is not None and s.membership.version:
+            text += f" nodes=v{s.membership.version}:{','.join(s.membership.ids)}"
         return text
 
 
@@ -481,7 +512,7 @@ def execute(cluster: Cluster | None, line: str) -> tuple[Cluster | None, list[st
         msg = PeerMessage(sender, receiver, parse_body(positional[1], options))
         cluster.deliver(msg)
         cluster.deliver_all()
-    elif command in ("designate", "override", "transfer", "quarantine", "fault"):
+    elif command in ("designate", "override", "transfer", "quarantine", "fault", "ackloss"):
         node = positional[0]
         election = cluster.nodes[node]
         if election is None:
@@ -497,8 +528,39 @@ def execute(cluster: Cluster | None, line: str) -> tuple[Cluster | None, list[st
             ready = election.transfer_leadership(options["to"], who, now, reason)
         elif command == "quarantine":
             ready = election.set_quarantine(positional[1] == "on", who, now, reason)
+        elif command == "ackloss":
+            ready = election.ack_loss(options["id"], who, now, reason)
         else:
             ready = election.replica_fault(options["id"], reason, now)
+        cluster.apply(node, ready, f"{node} {line}")
+        cluster.deliver_all()
+    elif command == "spare":
+        for spec in positional:
+            node, _, priority = spec.partition(":")
+            cluster.add_spare(node, int(priority))
+            cluster.out.append(f"{node}: spare, priority {priority}, not started")
+    elif command == "member":
+        node, verb, target = positional[:3]
+        election = cluster.nodes[node]
+        if election is None:
+            raise ValueError(f"member: node {node} is down")
+        kinds = {
+            "add": ChangeKind.ADD,
+            "remove": ChangeKind.REMOVE,
+            "replace": ChangeKind.REPLACE,
+            "priority": ChangeKind.SET_PRIORITY,
+        }
+        suffix = "b" if verb == "replace" else ""
+        change = MembershipChange(
+            kinds[verb],
+            target,
+            priority=int(positional[3] if verb == "priority" else options.get("prio", "0")),
+            coordinator_address=options.get("coord", f"h{target}{suffix}:1"),
+            replica_address=options.get("replica", f"h{target}{suffix}:2"),
+        )
+        ready = election.change_membership(
+            change, options.get("by", "operator"), cluster.now_ms, options.get("reason", "")
+        )
         cluster.apply(node, ready, f"{node} {line}")
         cluster.deliver_all()
     elif command == "replica":
@@ -550,6 +612,12 @@ def execute(cluster: Cluster | None, line: str) -> tuple[Cluster | None, list[st
                 f"{positional[0]}: t={record.at_ms} {record.operator}: {record.action}"
                 + (f" ({record.reason})" if record.reason else "")
             )
+    elif command == "losses":
+        election = cluster.nodes[positional[0]]
+        if election is None:
+            raise ValueError(f"losses: node {positional[0]} is down")
+        for record in election.status().losses:
+            cluster.out.append(f"{positional[0]}: {record.loss_id}: {record.summary()}")
     elif command == "status":
         for node in positional or list(cluster.nodes):
             election = cluster.nodes[node]

@@ -3,7 +3,8 @@
 Goal: a publish an app makes through the gateway is one trace — the app's call, the
 gateway's forward, the master's publish and commit wait, the replication of its batch to
 each slave (ended by the slave's ack) — and a subscription's deliveries are spans of the
-subscriber's trace; the metrics an operator watches (commit latency, events in and out,
+subscriber's trace linked to the publishing trace, as are push deliveries, whose context
+reaches the app; the metrics an operator watches (commit latency, events in and out,
 per-replica lag, roles, store size, elections) carry the values the traffic implies; and
 with telemetry off, nothing of it is even built on the publish path.
 """
@@ -11,16 +12,25 @@ with telemetry off, nothing of it is even built on the publish path.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
 
 import squall
-from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2, coordinator_pb2_grpc
+from squall.v1 import (
+    broker_pb2,
+    broker_pb2_grpc,
+    common_pb2,
+    coordinator_pb2_grpc,
+    push_pb2,
+    push_pb2_grpc,
+)
 from squall_server.common import grpc_tracing, telemetry
 from squall_server.common.grpc_server import ServiceServer
 from squall_server.coordinator.node import CoordinatorNode
@@ -185,6 +195,82 @@ def test_publish_is_one_trace_from_the_app_through_the_gateway_to_each_slaves_ac
         "squall.v1.Subscriber/Subscribe",
         trace.SpanKind.SERVER,
     )
+    # It links to the publish that stored its events (issue 20): the publisher's trace.
+    assert [link.context.span_id for link in delivery.links] == [publish.context.span_id]
+    assert delivery.links[0].context.trace_id == root.context.trace_id
+
+
+class _App(push_pb2_grpc.PushSubscriberServicer):
+    """An app's push endpoint that keeps the trace headers of each delivery."""
+
+    def __init__(self) -> None:
+        self.traceparents: list[str] = []
+
+    def Deliver(
+        self, request: push_pb2.PushDeliverRequest, context: grpc.ServicerContext
+    ) -> push_pb2.PushDeliverResponse:
+        if request.events:
+            headers = dict(context.invocation_metadata())
+            self.traceparents.append(str(headers.get("traceparent", "")))
+        return push_pb2.PushDeliverResponse()
+
+
+def test_a_push_delivery_is_traced_linked_to_the_publish_and_its_context_reaches_the_app(
+    otel: Otel, tmp_path: Path
+) -> None:
+    """push.deliver: one PRODUCER span per Deliver call on the master, linked to the trace
+    that published its events; its context is the call's traceparent, so an app that
+    traces continues it."""
+    cluster = InProcess(cluster_config(tmp_path, ["n1"]))
+    app_tracer = otel.tracer_provider.get_tracer("app")
+    endpoint = _App()
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2))
+    push_pb2_grpc.add_PushSubscriberServicer_to_server(endpoint, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+
+    def app() -> None:
+        with squall.connect(
+            cluster.gateway_address, tracer_provider=otel.tracer_provider
+        ) as client:
+            client.create_topic("orders")
+            client.topic("orders").subscribe_push("app-1", f"127.0.0.1:{port}", start="earliest")
+            stub = broker_pb2_grpc.PublisherStub(client.channel)
+            with app_tracer.start_as_current_span("app.publish"):
+                stub.Publish(
+                    broker_pb2.PublishRequest(
+                        topic="orders", events=[common_pb2.EventData(payload=b"p")] * 2
+                    ),
+                    timeout=10,
+                )
+
+    async def scenario() -> None:
+        await cluster.start()
+        try:
+            await cluster.elect("n1")
+            await asyncio.to_thread(app)
+            await _until(lambda: otel.finished("push.deliver"), "a push delivery")
+        finally:
+            await cluster.stop()
+            server.stop(None)
+
+    asyncio.run(scenario())
+    root = _one(otel.finished("app.publish"), "the app's span")
+    in_trace = [s for s in otel.finished() if s.context.trace_id == root.context.trace_id]
+    publish = _one([s for s in in_trace if s.name == "replica.publish"], "the publish")
+    delivery = _one(otel.finished("push.deliver"), "one push delivery")
+    assert delivery.kind == trace.SpanKind.PRODUCER
+    attributes = delivery.attributes or {}
+    assert attributes["squall.subscriber"] == "app-1" and attributes["squall.topic"] == "orders"
+    assert (attributes["squall.first_offset"], attributes["squall.events"]) == (0, 2)
+    assert attributes["rpc.grpc.status_code"] == 0
+    assert [link.context.span_id for link in delivery.links] == [publish.context.span_id]
+    # The app received the delivery's own context (trace id and span id).
+    [traceparent] = endpoint.traceparents
+    assert traceparent.split("-")[1:3] == [
+        f"{delivery.context.trace_id:032x}",
+        f"{delivery.context.span_id:016x}",
+    ]
 
 
 def test_a_refused_publish_ends_its_spans_with_the_error(otel: Otel, tmp_path: Path) -> None:

@@ -368,3 +368,42 @@ def test_every_replica_applies_the_log_alike_and_a_snapshot_carries_it(store: St
     installed.finish_snapshot([(b.epoch, b.start_lsn) for b in chunks[-1].history])
     [b] = installed.list_push_subscribers()
     assert (b.subscriber_id, b.cursor) == ("b", 3)
+
+
+def test_the_failure_count_is_replicated_for_the_next_master(store: Store) -> None:
+    """A failed round writes the count even when the cursor stays (issue 20): a replica
+    applying the log, or a snapshot, holds it, so a new master's worker continues it;
+    a round that succeeds writes 0."""
+    _plan(store, _subscribe("s", start=broker_pb2.START_POSITION_EARLIEST))
+    lsn = store.get_push_subscriber("t", "s").lsn  # type: ignore[union-attr]
+    before = store.meta().last_lsn
+    failed, same, behind = _plan(
+        store,
+        PushCursor("t", "s", 0, lsn, failures=2),
+        PushCursor("t", "s", 0, lsn, failures=2),  # nothing new: no entry
+        PushCursor("t", "s", 0, lsn, failures=3),  # a count, never a cursor moved back
+    )
+    assert isinstance(failed, Planned) and failed.entry_index is not None
+    assert isinstance(same, Planned) and same.entry_index is None
+    assert isinstance(behind, Planned) and behind.entry_index is not None
+    assert store.meta().last_lsn == before + 2
+    held = store.get_push_subscriber("t", "s")
+    assert held is not None and (held.cursor, held.failures) == (0, 3)
+    replica = Store.open_memory()
+    replica.append(store.read_log(1, 1000), sync=False)
+    assert replica.get_push_subscriber("t", "s") == held
+    installed = Store.open_memory()
+    chunks = list(store.snapshot_chunks())
+    installed.begin_snapshot(chunks[0].snapshot_lsn, chunks[0].snapshot_epoch)
+    for chunk in chunks:
+        installed.install_chunk(chunk)
+    installed.finish_snapshot([(b.epoch, b.start_lsn) for b in chunks[-1].history])
+    assert installed.get_push_subscriber("t", "s") == held
+    # The worker a new master starts counts on from there: one more failure removes a
+    # subscriber with retryCount 4 (it took 3 under the old master).
+    state = DeliveryState(held.cursor, Qos(ordered=True, retry_count=4), 1)
+    state.failures = held.failures
+    assert state.finish_round([_failed(0, 5)]).action == "remove"
+    _plan(store, PushCursor("t", "s", 5, lsn, failures=0))
+    held = store.get_push_subscriber("t", "s")
+    assert held is not None and (held.cursor, held.failures) == (5, 0)

@@ -852,6 +852,7 @@ def test_counts_are_records_per_database(store: Store) -> None:
         "publishers": 0,
         "push": 0,
         "shared": 0,
+        "links": 0,
     }
     w = Writer(store)
     w.append(

@@ -37,9 +37,9 @@ from squall._seek import (
     subscription_named,
 )
 from squall._shared import SharedSettings, create_request
-from squall._subscriber import Start, subscribe_request
+from squall._subscriber import ReadFrom, Start, subscribe_request
 from squall._tls import TlsOptions
-from squall._types import ClusterStatus, TopicInfo, kind_to_pb
+from squall._types import ClusterStatus, LinkInfo, TopicInfo, kind_to_pb
 from squall.aio._channel import open_channel
 from squall.aio._publisher import MasterCheck, Publisher
 from squall.aio._push import AsyncDeliveryCallback, PushEndpoint
@@ -225,6 +225,12 @@ class Client:
         request = broker_pb2.DestroyTopicRequest(name=name)
         await self._call(self._topic_manager.DestroyTopic, request)
 
+    async def links(self) -> list[LinkInfo]:
+        """Every topic link of the cluster, ordered by source then destination."""
+        request = broker_pb2.GetLinkInfoRequest()
+        response = await self._call(self._topic_manager.GetLinkInfo, request)
+        return [LinkInfo.from_pb(link) for link in response.links]
+
     async def status(self) -> ClusterStatus:
         """The cluster status table as the gateway sees it."""
         request = gateway_pb2.GetClusterStatusRequest()
@@ -403,6 +409,7 @@ class Topic:
         *,
         end_offset: int | None = None,
         dedupe: bool = True,
+        read_from: ReadFrom | None = None,
     ) -> Subscription:
         """Streams messages from `start` (or a durable subscription's cursor): `async for`.
 
@@ -410,9 +417,10 @@ class Topic:
         committed when it started; `end_offset` (exclusive) stops it earlier. A broken
         stream is reopened (bounded by the client's retry settings) from the durable
         cursor or the last offset delivered + 1; `dedupe=True` drops redelivered offsets.
+        `read_from`: as in `squall.Topic.subscribe`.
         """
         request = subscribe_request(
-            self.name, subscription, start, follow, max_batch_events, end_offset
+            self.name, subscription, start, follow, max_batch_events, end_offset, read_from
         )
         return self._client._new_subscription(request, dedupe)
 
@@ -540,6 +548,32 @@ class Topic:
         request = broker_pb2.GetSubscribersRequest(topic=self.name)
         response = await self._client._call(self._client._push_stub.GetSubscribers, request)
         return [PushSubscriberInfo.from_pb(s) for s in response.subscribers]
+
+    async def link(self, to: str | Topic, cost: int = 0, cluster: str = "") -> LinkInfo:
+        """Links this topic to another (see the sync `Topic.link`)."""
+        request = broker_pb2.LinkTopicRequest(
+            from_topic=self.name,
+            to_topic=to if isinstance(to, str) else to.name,
+            cost=cost,
+            to_cluster=cluster,
+        )
+        response = await self._client._call(self._client._topic_manager.LinkTopic, request)
+        return LinkInfo.from_pb(response.link)
+
+    async def unlink(self, to: str | Topic, cluster: str = "") -> None:
+        """Removes the link to another topic; NotFound if there is none."""
+        request = broker_pb2.UnlinkTopicRequest(
+            from_topic=self.name,
+            to_topic=to if isinstance(to, str) else to.name,
+            to_cluster=cluster,
+        )
+        await self._client._call(self._client._topic_manager.UnlinkTopic, request)
+
+    async def links(self) -> list[LinkInfo]:
+        """This topic's links, ordered by destination (IceStorm's getLinkInfoSeq)."""
+        request = broker_pb2.GetLinkInfoRequest(topic=self.name)
+        response = await self._client._call(self._client._topic_manager.GetLinkInfo, request)
+        return [LinkInfo.from_pb(link) for link in response.links]
 
     def __repr__(self) -> str:
         return f"aio.Topic({self.name!r})"

@@ -15,12 +15,14 @@ is refused instead of silently skipping or re-reading events). Options take `ear
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
 import squall
+from squall._seek import time_ms as squall_time_ms
 
 Position = Literal["earliest", "latest"] | int
 
@@ -35,7 +37,14 @@ COMMON_OPTIONS = (
     "tlsKeyFile",
     "tlsServerName",
 )
-READ_OPTIONS = ("startingOffsets", "endingOffsets", "maxEventsPerSplit", "maxEventsPerTrigger")
+READ_OPTIONS = (
+    "startingOffsets",
+    "endingOffsets",
+    "startingTimestamp",
+    "endingTimestamp",
+    "maxEventsPerSplit",
+    "maxEventsPerTrigger",
+)
 WRITE_OPTIONS = ("writeId", "batchEvents", "rowsPerPublisher")
 # Spark adds these itself (file-sink style paths, checkpoints); they are not ours to refuse.
 SPARK_OPTIONS = ("path", "checkpointLocation", "queryName")
@@ -43,8 +52,9 @@ SPARK_OPTIONS = ("path", "checkpointLocation", "queryName")
 # Kafka keeps its options: a Squall topic is one partition whose offsets count events, so
 # Kafka's offsets per trigger are events per trigger, and `subscribe` names the topic
 # (one: a query reads one Squall topic). startingOffsets and endingOffsets have Kafka's
-# names already. Options with no equal here (minPartitions, failOnDataLoss, ...) stay
-# errors rather than being silently ignored.
+# names already, and so have startingTimestamp and endingTimestamp (Kafka's milliseconds
+# since the epoch; an ISO 8601 time with a zone is also taken). Options with no equal
+# here (minPartitions, failOnDataLoss, ...) stay errors rather than being silently ignored.
 KAFKA_ALIASES = {
     "maxOffsetsPerTrigger": "maxEventsPerTrigger",
     "subscribe": "topic",
@@ -94,6 +104,11 @@ class ReadOptions:
     ending: Position
     max_events_per_split: int
     max_events_per_trigger: int | None
+    # A time range instead of offsets (ms since the Unix epoch): the read starts at the
+    # first event published at or after starting_timestamp_ms and ends before the first at
+    # or after ending_timestamp_ms; resolved on the driver when the query is planned.
+    starting_timestamp_ms: int | None = None
+    ending_timestamp_ms: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,9 +212,7 @@ def _parse_tls(lowered: Mapping[str, str]) -> squall.TlsOptions | None:
             )
         return None
     if bool(cert_file) != bool(key_file):
-        raise ValueError(
-            "options 'tlsCertFile' and 'tlsKeyFile' go together: give both or neither"
-        )
+        raise ValueError("options 'tlsCertFile' and 'tlsKeyFile' go together: give both or neither")
     return squall.TlsOptions(
         ca_file=ca_file,
         cert_file=cert_file or None,
@@ -227,11 +240,54 @@ def parse_position(raw: str, name: str, topic: str | None = None) -> Position:
     )
 
 
+def parse_timestamp(raw: str, name: str) -> int:
+    """A time option as milliseconds since the Unix epoch: Kafka's form (a number of
+    milliseconds) or an ISO 8601 time with a zone (`2026-11-25T09:00:00Z`)."""
+    text = raw.strip()
+    if text.isdigit():
+        return int(text)
+    try:
+        moment = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        moment = None
+    if moment is None or moment.tzinfo is None:
+        raise ValueError(
+            f"option {name!r} must be milliseconds since the Unix epoch or an ISO 8601 time "
+            f"with a zone (2026-11-25T09:00:00Z), not {raw!r}"
+        )
+    return squall_time_ms(moment)
+
+
 def parse_read(options: Mapping[str, str], *, streaming: bool) -> ReadOptions:
     """A read's options; a batch read defaults to earliest..latest, a stream to latest."""
     check_known(options, READ_OPTIONS)
     common = parse_common(options)
     lowered = _lower(options)
+    for side, what in (("starting", "start"), ("ending", "end")):
+        if f"{side}offsets" in lowered and f"{side}timestamp" in lowered:
+            raise ValueError(
+                f"options '{side}Offsets' and '{side}Timestamp' both place the read's {what}: "
+                "give one"
+            )
+    starting_ms = (
+        parse_timestamp(lowered["startingtimestamp"], "startingTimestamp")
+        if "startingtimestamp" in lowered
+        else None
+    )
+    if streaming and "endingtimestamp" in lowered:
+        raise ValueError(
+            "option 'endingTimestamp' is for batch reads; a stream reads on "
+            "(use trigger(availableNow=True) to stop at the end that exists at start)"
+        )
+    ending_ms = (
+        parse_timestamp(lowered["endingtimestamp"], "endingTimestamp")
+        if "endingtimestamp" in lowered
+        else None
+    )
+    if starting_ms is not None and ending_ms is not None and ending_ms < starting_ms:
+        raise ValueError(
+            f"option 'endingTimestamp' ({ending_ms}) is before 'startingTimestamp' ({starting_ms})"
+        )
     starting = parse_position(
         lowered.get("startingoffsets", "latest" if streaming else "earliest"),
         "startingOffsets",
@@ -257,7 +313,7 @@ def parse_read(options: Mapping[str, str], *, streaming: bool) -> ReadOptions:
         if not streaming:
             raise ValueError("option 'maxEventsPerTrigger' is for streams, not batch reads")
         per_trigger = _int(lowered, "maxEventsPerTrigger", None, MAX_EVENTS_PER_TRIGGER_BOUNDS)
-    return ReadOptions(common, starting, ending, per_split, per_trigger)
+    return ReadOptions(common, starting, ending, per_split, per_trigger, starting_ms, ending_ms)
 
 
 def parse_write(options: Mapping[str, str]) -> WriteOptions:

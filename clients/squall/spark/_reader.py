@@ -49,7 +49,13 @@ from squall.spark._options import (
     resolve,
     split,
 )
-from squall.spark._topic import SquallSparkError, connected, retrieve, topic_info
+from squall.spark._topic import (
+    SquallSparkError,
+    connected,
+    offset_at_time,
+    retrieve,
+    topic_info,
+)
 
 log = logging.getLogger("squall.spark")
 
@@ -234,6 +240,15 @@ def read_range(
         )
 
 
+def _start(options: ReadOptions, info: squall.TopicInfo) -> int:
+    """The first offset to read: startingTimestamp's, else startingOffsets'."""
+    if options.starting_timestamp_ms is not None:
+        return offset_at_time(
+            options.common, info, options.starting_timestamp_ms, "startingTimestamp", ending=False
+        )
+    return resolve(options.starting, info.first_offset, info.next_offset, "startingOffsets")
+
+
 class SquallReader(DataSourceReader):
     """A batch read: the topic's range fixed when the query is planned, split by offsets."""
 
@@ -242,8 +257,13 @@ class SquallReader(DataSourceReader):
         self._options = options
         self._schema = schema
         info = topic_info(options.common, readable=True)
-        start = resolve(options.starting, info.first_offset, info.next_offset, "startingOffsets")
-        end = resolve(options.ending, info.first_offset, info.next_offset, "endingOffsets")
+        start = _start(options, info)
+        if options.ending_timestamp_ms is not None:
+            end = offset_at_time(
+                options.common, info, options.ending_timestamp_ms, "endingTimestamp", ending=True
+            )
+        else:
+            end = resolve(options.ending, info.first_offset, info.next_offset, "endingOffsets")
         if end < start:
             raise ValueError(
                 f"option 'endingOffsets' resolves to {end}, below 'startingOffsets' ({start})"
@@ -276,9 +296,7 @@ class SquallStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._schema = schema
         info = topic_info(options.common, readable=True)
         # Used only by a query without a checkpoint; a restarted query resumes from it.
-        self._initial = resolve(
-            options.starting, info.first_offset, info.next_offset, "startingOffsets"
-        )
+        self._initial = _start(options, info)
         self._target: int | None = None
         self._client: squall.Client | None = None
 

@@ -10,6 +10,7 @@ shows them to the user wrapped in a long JVM stack.
 from __future__ import annotations
 
 import contextlib
+import datetime
 from collections.abc import Iterator
 
 import squall
@@ -57,3 +58,39 @@ def topic_info(common: CommonOptions, *, readable: bool) -> squall.TopicInfo:
             "never stored, so Spark cannot read them by offset"
         )
     return info
+
+
+def offset_at_time(
+    common: CommonOptions, info: squall.TopicInfo, timestamp_ms: int, name: str, *, ending: bool
+) -> int:
+    """The offset of the first event published at or after timestamp_ms, within the topic
+    as `info` saw it: its next offset when no held event is that late.
+
+    The replica finds it (a binary search over the events' timestamps, the seek-by-time
+    machinery: services/replica/seek.py) for a non-following subscription started at that
+    time; a time before the oldest event held gives that event. A time in the future of
+    the master's clock is refused by the replica: as an end it means the topic's end (a
+    batch read stops at what exists), as a start it is an error naming the option.
+    """
+    if info.next_offset <= info.first_offset:
+        return info.next_offset
+    moment = datetime.datetime.fromtimestamp(timestamp_ms / 1000, tz=datetime.UTC)
+    with connected(common) as client:
+        topic = retrieve(client, common)
+        try:
+            with topic.subscribe(
+                None, start=moment, follow=False, max_batch_events=1, dedupe=False
+            ) as subscription:
+                first = next(iter(subscription), None)
+        except squall.InvalidArgument as exc:
+            if ending:
+                return info.next_offset
+            raise ValueError(f"option {name!r} ({timestamp_ms}): {exc.details}") from None
+        except (squall.Unavailable, squall.DeadlineExceeded) as exc:
+            raise SquallSparkError(
+                f"cannot find the offset at {name} {timestamp_ms} through the gateway at "
+                f"{common.gateway}: {exc.details}"
+            ) from None
+    if first is None:
+        return info.next_offset
+    return min(first.offset, info.next_offset)

@@ -60,6 +60,42 @@ timestamp_ms); a time before the oldest event held means that event.
 """
 Global___StartPosition: _TypeAlias = StartPosition  # noqa: Y015
 
+class _ReadFrom:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ReadFromEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ReadFrom.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    READ_FROM_UNSPECIFIED: _ReadFrom.ValueType  # 0
+    """Not set: the gateway's setting (`read_from` of its [[gateways]] entry; "master"
+    unless configured).
+    """
+    READ_FROM_MASTER: _ReadFrom.ValueType  # 1
+    """The master only."""
+    READ_FROM_REPLICAS: _ReadFrom.ValueType  # 2
+    """Any replica of the master's group, the one this gateway has the fewest open reads on
+    (slaves before the master on a tie). Committed events only, as from the master; a
+    slave's end of the topic may be behind the master's by its replication lag.
+    """
+
+class ReadFrom(_ReadFrom, metaclass=_ReadFromEnumTypeWrapper):
+    """Which replicas a gateway may forward a Subscribe to (docs/consumers.md, "Reads from
+    replicas"). A replica answers every Subscribe sent to it straight, whatever this says.
+    """
+
+READ_FROM_UNSPECIFIED: ReadFrom.ValueType  # 0
+"""Not set: the gateway's setting (`read_from` of its [[gateways]] entry; "master"
+unless configured).
+"""
+READ_FROM_MASTER: ReadFrom.ValueType  # 1
+"""The master only."""
+READ_FROM_REPLICAS: ReadFrom.ValueType  # 2
+"""Any replica of the master's group, the one this gateway has the fewest open reads on
+(slaves before the master on a tie). Committed events only, as from the master; a
+slave's end of the topic may be behind the master's by its replication lag.
+"""
+Global___ReadFrom: _TypeAlias = ReadFrom  # noqa: Y015
+
 class _SeekClamp:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -257,6 +293,225 @@ class DestroyTopicResponse(_message.Message):
 Global___DestroyTopicResponse: _TypeAlias = DestroyTopicResponse  # noqa: Y015
 
 @_typing.final
+class LinkTopicRequest(_message.Message):
+    """Asks to link from_topic to to_topic."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FROM_TOPIC_FIELD_NUMBER: _builtins.int
+    TO_TOPIC_FIELD_NUMBER: _builtins.int
+    COST_FIELD_NUMBER: _builtins.int
+    TO_CLUSTER_FIELD_NUMBER: _builtins.int
+    from_topic: _builtins.str
+    """The topic whose events are forwarded."""
+    to_topic: _builtins.str
+    """The topic they are forwarded to (same cluster)."""
+    cost: _builtins.int
+    """The link's cost (IceStorm's): 0 forwards every event published on from_topic; N > 0
+    forwards only the events whose EventData.cost is at most N. Negative: INVALID_ARGUMENT.
+    """
+    to_cluster: _builtins.str
+    """The cluster of to_topic: the name of a [[remotes]] entry of this cluster's file
+    (docs/federation.md); empty: this cluster. The remote is checked first (the topic
+    exists there, its TLS identity and the token are accepted): FAILED_PRECONDITION or
+    NOT_FOUND naming the problem otherwise, and nothing is created.
+    """
+    def __init__(
+        self,
+        *,
+        from_topic: _builtins.str = ...,
+        to_topic: _builtins.str = ...,
+        cost: _builtins.int = ...,
+        to_cluster: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost", b"cost", "from_topic", b"from_topic", "to_cluster", b"to_cluster", "to_topic", b"to_topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LinkTopicRequest: _TypeAlias = LinkTopicRequest  # noqa: Y015
+
+@_typing.final
+class LinkTopicResponse(_message.Message):
+    """The link that was created."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LINK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def link(self) -> Global___LinkInfo:
+        """The new link."""
+
+    def __init__(
+        self,
+        *,
+        link: Global___LinkInfo | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["link", b"link"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["link", b"link"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LinkTopicResponse: _TypeAlias = LinkTopicResponse  # noqa: Y015
+
+@_typing.final
+class UnlinkTopicRequest(_message.Message):
+    """Asks to remove the link from_topic -> to_topic."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FROM_TOPIC_FIELD_NUMBER: _builtins.int
+    TO_TOPIC_FIELD_NUMBER: _builtins.int
+    TO_CLUSTER_FIELD_NUMBER: _builtins.int
+    from_topic: _builtins.str
+    """The linked topic."""
+    to_topic: _builtins.str
+    """The topic it forwards to."""
+    to_cluster: _builtins.str
+    """The cluster of to_topic (empty: this cluster)."""
+    def __init__(
+        self,
+        *,
+        from_topic: _builtins.str = ...,
+        to_topic: _builtins.str = ...,
+        to_cluster: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_topic", b"from_topic", "to_cluster", b"to_cluster", "to_topic", b"to_topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnlinkTopicRequest: _TypeAlias = UnlinkTopicRequest  # noqa: Y015
+
+@_typing.final
+class UnlinkTopicResponse(_message.Message):
+    """Confirms a removed link."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnlinkTopicResponse: _TypeAlias = UnlinkTopicResponse  # noqa: Y015
+
+@_typing.final
+class GetLinkInfoRequest(_message.Message):
+    """Asks for a topic's outgoing links."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    """The topic; empty: every topic."""
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetLinkInfoRequest: _TypeAlias = GetLinkInfoRequest  # noqa: Y015
+
+@_typing.final
+class GetLinkInfoResponse(_message.Message):
+    """A topic's outgoing links."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LINKS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def links(self) -> _containers.RepeatedCompositeFieldContainer[Global___LinkInfo]:
+        """The links, ordered by from_topic, then to_topic."""
+
+    def __init__(
+        self,
+        *,
+        links: _abc.Iterable[Global___LinkInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["links", b"links"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetLinkInfoResponse: _TypeAlias = GetLinkInfoResponse  # noqa: Y015
+
+@_typing.final
+class LinkInfo(_message.Message):
+    """One link from a topic to another (IceStorm's LinkInfo, with its forwarding state)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FROM_TOPIC_FIELD_NUMBER: _builtins.int
+    TO_TOPIC_FIELD_NUMBER: _builtins.int
+    COST_FIELD_NUMBER: _builtins.int
+    START_OFFSET_FIELD_NUMBER: _builtins.int
+    NEXT_OFFSET_FIELD_NUMBER: _builtins.int
+    LAG_EVENTS_FIELD_NUMBER: _builtins.int
+    PUBLISHER_ID_FIELD_NUMBER: _builtins.int
+    CREATED_LSN_FIELD_NUMBER: _builtins.int
+    TO_CLUSTER_FIELD_NUMBER: _builtins.int
+    LAG_MS_FIELD_NUMBER: _builtins.int
+    from_topic: _builtins.str
+    """The linked topic."""
+    to_topic: _builtins.str
+    """The topic events are forwarded to."""
+    cost: _builtins.int
+    """The link's cost."""
+    start_offset: _builtins.int
+    """The offset of from_topic where forwarding started (its end when the link was made)."""
+    next_offset: _builtins.int
+    """The next offset of from_topic the link examines: every event below it was forwarded
+    to to_topic (or is not to be forwarded), as the replica answering knows it.
+    """
+    lag_events: _builtins.int
+    """Events of from_topic at or above next_offset (not yet examined): the link's lag."""
+    publisher_id: _builtins.str
+    """The publisher id the forwarded events carry on to_topic (stable for the link's life;
+    with sequence = from_topic's offset + 1 it makes forwarding exactly once).
+    """
+    created_lsn: _builtins.int
+    """LSN of the log entry that created the link."""
+    to_cluster: _builtins.str
+    """The cluster of to_topic (empty: this cluster)."""
+    lag_ms: _builtins.int
+    """How long the oldest event not yet examined has waited, in milliseconds (0: none)."""
+    def __init__(
+        self,
+        *,
+        from_topic: _builtins.str = ...,
+        to_topic: _builtins.str = ...,
+        cost: _builtins.int = ...,
+        start_offset: _builtins.int = ...,
+        next_offset: _builtins.int = ...,
+        lag_events: _builtins.int = ...,
+        publisher_id: _builtins.str = ...,
+        created_lsn: _builtins.int = ...,
+        to_cluster: _builtins.str = ...,
+        lag_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost", b"cost", "created_lsn", b"created_lsn", "from_topic", b"from_topic", "lag_events", b"lag_events", "lag_ms", b"lag_ms", "next_offset", b"next_offset", "publisher_id", b"publisher_id", "start_offset", b"start_offset", "to_cluster", b"to_cluster", "to_topic", b"to_topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LinkInfo: _TypeAlias = LinkInfo  # noqa: Y015
+
+@_typing.final
 class GetPublisherRequest(_message.Message):
     """Asks for a publisher proxy for a topic."""
 
@@ -373,6 +628,7 @@ class PublishResponse(_message.Message):
     RECEIPTS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     BATCH_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
     request_id: _builtins.int
     """The request_id of the request this answers."""
     @_builtins.property
@@ -383,20 +639,81 @@ class PublishResponse(_message.Message):
     def batch(self) -> _common_pb2.BatchReceipt:
         """The receipts of every event at once, when the request asked for compact_receipts."""
 
+    @_builtins.property
+    def error(self) -> Global___PublishError:
+        """Set instead of receipts when this request failed and the stream asked for failures
+        inline (metadata `squall-publish-errors: inline`, which the gateway sends on the
+        stream it shares between callers): the stream goes on. Without it, a failure ends the
+        stream with the request's status.
+        """
+
     def __init__(
         self,
         *,
         receipts: _abc.Iterable[_common_pb2.AckReceipt] | None = ...,
         request_id: _builtins.int = ...,
         batch: _common_pb2.BatchReceipt | None = ...,
+        error: Global___PublishError | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "error", b"error"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "receipts", b"receipts", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "error", b"error", "receipts", b"receipts", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PublishResponse: _TypeAlias = PublishResponse  # noqa: Y015
+
+@_typing.final
+class PublishError(_message.Message):
+    """How one request of a PublishStream failed: what its status would have been."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class MetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
+    code: _builtins.str
+    """The gRPC status code's name, e.g. "NOT_FOUND"."""
+    message: _builtins.str
+    """The status message."""
+    @_builtins.property
+    def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The trailing metadata the status would have carried (e.g. squall-master-address)."""
+
+    def __init__(
+        self,
+        *,
+        code: _builtins.str = ...,
+        message: _builtins.str = ...,
+        metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "metadata", b"metadata"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PublishError: _TypeAlias = PublishError  # noqa: Y015
 
 @_typing.final
 class SubscribeRequest(_message.Message):
@@ -413,6 +730,7 @@ class SubscribeRequest(_message.Message):
     END_OFFSET_FIELD_NUMBER: _builtins.int
     MAX_BATCH_BYTES_FIELD_NUMBER: _builtins.int
     TIMESTAMP_MS_FIELD_NUMBER: _builtins.int
+    READ_FROM_FIELD_NUMBER: _builtins.int
     topic: _builtins.str
     """The topic to read."""
     subscription: _builtins.str
@@ -441,6 +759,10 @@ class SubscribeRequest(_message.Message):
     """The time to start at when start is START_POSITION_TIMESTAMP, milliseconds since the
     Unix epoch. OUT_OF_RANGE when it is in the future.
     """
+    read_from: Global___ReadFrom.ValueType
+    """Through a gateway: which replicas may serve this stream. When it may choose, the
+    gateway names the node serving the stream in the initial metadata `squall-read-node`.
+    """
     def __init__(
         self,
         *,
@@ -453,10 +775,11 @@ class SubscribeRequest(_message.Message):
         end_offset: _builtins.int = ...,
         max_batch_bytes: _builtins.int = ...,
         timestamp_ms: _builtins.int = ...,
+        read_from: Global___ReadFrom.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_offset", b"end_offset", "follow", b"follow", "max_batch_bytes", b"max_batch_bytes", "max_batch_events", b"max_batch_events", "offset", b"offset", "start", b"start", "subscription", b"subscription", "timestamp_ms", b"timestamp_ms", "topic", b"topic"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_offset", b"end_offset", "follow", b"follow", "max_batch_bytes", b"max_batch_bytes", "max_batch_events", b"max_batch_events", "offset", b"offset", "read_from", b"read_from", "start", b"start", "subscription", b"subscription", "timestamp_ms", b"timestamp_ms", "topic", b"topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

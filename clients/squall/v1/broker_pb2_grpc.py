@@ -66,6 +66,21 @@ class TopicManagerStub:
                 request_serializer=squall_dot_v1_dot_broker__pb2.GetPublisherRequest.SerializeToString,
                 response_deserializer=squall_dot_v1_dot_broker__pb2.GetPublisherResponse.FromString,
                 _registered_method=True)
+        self.LinkTopic = channel.unary_unary(
+                '/squall.v1.TopicManager/LinkTopic',
+                request_serializer=squall_dot_v1_dot_broker__pb2.LinkTopicRequest.SerializeToString,
+                response_deserializer=squall_dot_v1_dot_broker__pb2.LinkTopicResponse.FromString,
+                _registered_method=True)
+        self.UnlinkTopic = channel.unary_unary(
+                '/squall.v1.TopicManager/UnlinkTopic',
+                request_serializer=squall_dot_v1_dot_broker__pb2.UnlinkTopicRequest.SerializeToString,
+                response_deserializer=squall_dot_v1_dot_broker__pb2.UnlinkTopicResponse.FromString,
+                _registered_method=True)
+        self.GetLinkInfo = channel.unary_unary(
+                '/squall.v1.TopicManager/GetLinkInfo',
+                request_serializer=squall_dot_v1_dot_broker__pb2.GetLinkInfoRequest.SerializeToString,
+                response_deserializer=squall_dot_v1_dot_broker__pb2.GetLinkInfoResponse.FromString,
+                _registered_method=True)
 
 
 class TopicManagerServicer:
@@ -116,6 +131,34 @@ class TopicManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LinkTopic(self, request, context):
+        """Links one topic to another with a cost (IceStorm's Topic.link): events published on
+        from_topic from now on are forwarded to to_topic, durably and exactly once, unless
+        the cost rules stop them (docs/federation.md). Replicated in the log. ALREADY_EXISTS
+        when the link exists (IceStorm's LinkExists); NOT_FOUND for a missing topic;
+        INVALID_ARGUMENT for a link to itself, a negative cost or a transient from_topic.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnlinkTopic(self, request, context):
+        """Removes a link (IceStorm's Topic.unlink); events not yet forwarded stay on from_topic
+        only. NOT_FOUND when there is no such link (IceStorm's NoSuchLink).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetLinkInfo(self, request, context):
+        """A topic's outgoing links (IceStorm's getLinkInfoSeq), ordered by destination name,
+        with each link's forwarding position; with no topic, every link of the cluster ordered
+        by source then destination. NOT_FOUND if the topic does not exist.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TopicManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -148,6 +191,21 @@ def add_TopicManagerServicer_to_server(servicer, server):
                     servicer.GetNonReplicatedPublisher,
                     request_deserializer=squall_dot_v1_dot_broker__pb2.GetPublisherRequest.FromString,
                     response_serializer=squall_dot_v1_dot_broker__pb2.GetPublisherResponse.SerializeToString,
+            ),
+            'LinkTopic': grpc.unary_unary_rpc_method_handler(
+                    servicer.LinkTopic,
+                    request_deserializer=squall_dot_v1_dot_broker__pb2.LinkTopicRequest.FromString,
+                    response_serializer=squall_dot_v1_dot_broker__pb2.LinkTopicResponse.SerializeToString,
+            ),
+            'UnlinkTopic': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnlinkTopic,
+                    request_deserializer=squall_dot_v1_dot_broker__pb2.UnlinkTopicRequest.FromString,
+                    response_serializer=squall_dot_v1_dot_broker__pb2.UnlinkTopicResponse.SerializeToString,
+            ),
+            'GetLinkInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLinkInfo,
+                    request_deserializer=squall_dot_v1_dot_broker__pb2.GetLinkInfoRequest.FromString,
+                    response_serializer=squall_dot_v1_dot_broker__pb2.GetLinkInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -313,6 +371,87 @@ class TopicManager:
             '/squall.v1.TopicManager/GetNonReplicatedPublisher',
             squall_dot_v1_dot_broker__pb2.GetPublisherRequest.SerializeToString,
             squall_dot_v1_dot_broker__pb2.GetPublisherResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LinkTopic(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/squall.v1.TopicManager/LinkTopic',
+            squall_dot_v1_dot_broker__pb2.LinkTopicRequest.SerializeToString,
+            squall_dot_v1_dot_broker__pb2.LinkTopicResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnlinkTopic(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/squall.v1.TopicManager/UnlinkTopic',
+            squall_dot_v1_dot_broker__pb2.UnlinkTopicRequest.SerializeToString,
+            squall_dot_v1_dot_broker__pb2.UnlinkTopicResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLinkInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/squall.v1.TopicManager/GetLinkInfo',
+            squall_dot_v1_dot_broker__pb2.GetLinkInfoRequest.SerializeToString,
+            squall_dot_v1_dot_broker__pb2.GetLinkInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -53,6 +53,22 @@ class TopicManagerStub:
     """Returns the current master's endpoint only: no silent failover (IceStorm's
     getNonReplicatedPublisher).
     """
+    LinkTopic: _grpc.UnaryUnaryMultiCallable[_broker_pb2.LinkTopicRequest, _broker_pb2.LinkTopicResponse]
+    """Links one topic to another with a cost (IceStorm's Topic.link): events published on
+    from_topic from now on are forwarded to to_topic, durably and exactly once, unless
+    the cost rules stop them (docs/federation.md). Replicated in the log. ALREADY_EXISTS
+    when the link exists (IceStorm's LinkExists); NOT_FOUND for a missing topic;
+    INVALID_ARGUMENT for a link to itself, a negative cost or a transient from_topic.
+    """
+    UnlinkTopic: _grpc.UnaryUnaryMultiCallable[_broker_pb2.UnlinkTopicRequest, _broker_pb2.UnlinkTopicResponse]
+    """Removes a link (IceStorm's Topic.unlink); events not yet forwarded stay on from_topic
+    only. NOT_FOUND when there is no such link (IceStorm's NoSuchLink).
+    """
+    GetLinkInfo: _grpc.UnaryUnaryMultiCallable[_broker_pb2.GetLinkInfoRequest, _broker_pb2.GetLinkInfoResponse]
+    """A topic's outgoing links (IceStorm's getLinkInfoSeq), ordered by destination name,
+    with each link's forwarding position; with no topic, every link of the cluster ordered
+    by source then destination. NOT_FOUND if the topic does not exist.
+    """
 
 @_typing.type_check_only
 class TopicManagerAsyncStub(TopicManagerStub):
@@ -74,6 +90,22 @@ class TopicManagerAsyncStub(TopicManagerStub):
     GetNonReplicatedPublisher: _aio.UnaryUnaryMultiCallable[_broker_pb2.GetPublisherRequest, _broker_pb2.GetPublisherResponse]  # type: ignore[assignment]
     """Returns the current master's endpoint only: no silent failover (IceStorm's
     getNonReplicatedPublisher).
+    """
+    LinkTopic: _aio.UnaryUnaryMultiCallable[_broker_pb2.LinkTopicRequest, _broker_pb2.LinkTopicResponse]  # type: ignore[assignment]
+    """Links one topic to another with a cost (IceStorm's Topic.link): events published on
+    from_topic from now on are forwarded to to_topic, durably and exactly once, unless
+    the cost rules stop them (docs/federation.md). Replicated in the log. ALREADY_EXISTS
+    when the link exists (IceStorm's LinkExists); NOT_FOUND for a missing topic;
+    INVALID_ARGUMENT for a link to itself, a negative cost or a transient from_topic.
+    """
+    UnlinkTopic: _aio.UnaryUnaryMultiCallable[_broker_pb2.UnlinkTopicRequest, _broker_pb2.UnlinkTopicResponse]  # type: ignore[assignment]
+    """Removes a link (IceStorm's Topic.unlink); events not yet forwarded stay on from_topic
+    only. NOT_FOUND when there is no such link (IceStorm's NoSuchLink).
+    """
+    GetLinkInfo: _aio.UnaryUnaryMultiCallable[_broker_pb2.GetLinkInfoRequest, _broker_pb2.GetLinkInfoResponse]  # type: ignore[assignment]
+    """A topic's outgoing links (IceStorm's getLinkInfoSeq), ordered by destination name,
+    with each link's forwarding position; with no topic, every link of the cluster ordered
+    by source then destination. NOT_FOUND if the topic does not exist.
     """
 
 class TopicManagerServicer(metaclass=_abc_1.ABCMeta):
@@ -129,6 +161,40 @@ class TopicManagerServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_broker_pb2.GetPublisherResponse, _abc.Awaitable[_broker_pb2.GetPublisherResponse]]:
         """Returns the current master's endpoint only: no silent failover (IceStorm's
         getNonReplicatedPublisher).
+        """
+
+    @_abc_1.abstractmethod
+    def LinkTopic(
+        self,
+        request: _broker_pb2.LinkTopicRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.LinkTopicResponse, _abc.Awaitable[_broker_pb2.LinkTopicResponse]]:
+        """Links one topic to another with a cost (IceStorm's Topic.link): events published on
+        from_topic from now on are forwarded to to_topic, durably and exactly once, unless
+        the cost rules stop them (docs/federation.md). Replicated in the log. ALREADY_EXISTS
+        when the link exists (IceStorm's LinkExists); NOT_FOUND for a missing topic;
+        INVALID_ARGUMENT for a link to itself, a negative cost or a transient from_topic.
+        """
+
+    @_abc_1.abstractmethod
+    def UnlinkTopic(
+        self,
+        request: _broker_pb2.UnlinkTopicRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.UnlinkTopicResponse, _abc.Awaitable[_broker_pb2.UnlinkTopicResponse]]:
+        """Removes a link (IceStorm's Topic.unlink); events not yet forwarded stay on from_topic
+        only. NOT_FOUND when there is no such link (IceStorm's NoSuchLink).
+        """
+
+    @_abc_1.abstractmethod
+    def GetLinkInfo(
+        self,
+        request: _broker_pb2.GetLinkInfoRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.GetLinkInfoResponse, _abc.Awaitable[_broker_pb2.GetLinkInfoResponse]]:
+        """A topic's outgoing links (IceStorm's getLinkInfoSeq), ordered by destination name,
+        with each link's forwarding position; with no topic, every link of the cluster ordered
+        by source then destination. NOT_FOUND if the topic does not exist.
         """
 
 def add_TopicManagerServicer_to_server(servicer: TopicManagerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

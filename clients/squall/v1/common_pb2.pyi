@@ -258,6 +258,7 @@ class EventData(_message.Message):
     PAYLOAD_FIELD_NUMBER: _builtins.int
     SEQUENCE_FIELD_NUMBER: _builtins.int
     HEADERS_FIELD_NUMBER: _builtins.int
+    COST_FIELD_NUMBER: _builtins.int
     key: _builtins.bytes
     """Optional key, used by subscribers and the Spark source for grouping."""
     payload: _builtins.bytes
@@ -265,6 +266,10 @@ class EventData(_message.Message):
     sequence: _builtins.int
     """Per-publisher sequence number; with the request's publisher_id it makes a publish
     idempotent. 0 means "no deduplication" for this event.
+    """
+    cost: _builtins.int
+    """The event's cost (IceStorm's "cost" request context): a topic link with a cost N > 0
+    forwards only events whose cost is at most N; 0 (the default) passes every link.
     """
     @_builtins.property
     def headers(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
@@ -277,10 +282,11 @@ class EventData(_message.Message):
         payload: _builtins.bytes = ...,
         sequence: _builtins.int = ...,
         headers: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        cost: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["headers", b"headers", "key", b"key", "payload", b"payload", "sequence", b"sequence"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost", b"cost", "headers", b"headers", "key", b"key", "payload", b"payload", "sequence", b"sequence"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -323,6 +329,7 @@ class Event(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     SESSION_TOKEN_FIELD_NUMBER: _builtins.int
     HEADERS_FIELD_NUMBER: _builtins.int
+    COST_FIELD_NUMBER: _builtins.int
     topic: _builtins.str
     """The topic the event belongs to."""
     offset: _builtins.int
@@ -345,6 +352,8 @@ class Event(_message.Message):
     """The publisher binding's session token: changes when a publisher moves to another
     replica, so subscribers can see where per-publisher ordering may have changed.
     """
+    cost: _builtins.int
+    """The cost given by the publisher (EventData.cost); kept when a link forwards it."""
     @_builtins.property
     def headers(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Application headers, as published."""
@@ -363,10 +372,11 @@ class Event(_message.Message):
         epoch: _builtins.int = ...,
         session_token: _builtins.str = ...,
         headers: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        cost: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "headers", b"headers", "key", b"key", "lsn", b"lsn", "offset", b"offset", "payload", b"payload", "publisher_id", b"publisher_id", "sequence", b"sequence", "session_token", b"session_token", "timestamp_ms", b"timestamp_ms", "topic", b"topic"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost", b"cost", "epoch", b"epoch", "headers", b"headers", "key", b"key", "lsn", b"lsn", "offset", b"offset", "payload", b"payload", "publisher_id", b"publisher_id", "sequence", b"sequence", "session_token", b"session_token", "timestamp_ms", b"timestamp_ms", "topic", b"topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -638,6 +648,105 @@ class OperatorRecord(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___OperatorRecord: _TypeAlias = OperatorRecord  # noqa: Y015
+
+@_typing.final
+class LossEvent(_message.Message):
+    """Acknowledged events a node discarded, and the operator action that allowed it
+    (docs/operations.md, "Loss reports"). Shown in `squall status` until an operator
+    acknowledges it (`squall cluster ack-loss ID`).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LOSS_ID_FIELD_NUMBER: _builtins.int
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    AT_MS_FIELD_NUMBER: _builtins.int
+    CAUSE_FIELD_NUMBER: _builtins.int
+    OPERATOR_ACTION_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    FIRST_EPOCH_FIELD_NUMBER: _builtins.int
+    LAST_EPOCH_FIELD_NUMBER: _builtins.int
+    FIRST_LSN_FIELD_NUMBER: _builtins.int
+    LAST_LSN_FIELD_NUMBER: _builtins.int
+    TOPICS_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    loss_id: _builtins.str
+    """Unique id, the argument of `squall cluster ack-loss`."""
+    node_id: _builtins.str
+    """The node whose store discarded the events."""
+    at_ms: _builtins.int
+    """Wall-clock time of the discard, milliseconds since the Unix epoch."""
+    cause: _builtins.str
+    """What discarded them: `truncation` (a new master's log replaced a suffix this node knew
+    committed), `manual-recovery` (`squall store mark-clean`), `restore` (`squall store
+    restore` of an older backup) or `designated-primary-conflict` (both nodes of a
+    two-node cluster ran alone).
+    """
+    operator_action: _builtins.str
+    """The operator action that allowed it, e.g. `quorum override`, `designated primary`."""
+    epoch: _builtins.int
+    """The epoch the node was in (the new master's epoch for a truncation; 0: unknown)."""
+    first_epoch: _builtins.int
+    """The epochs of the first and last discarded entries (0: unknown)."""
+    last_epoch: _builtins.int
+    first_lsn: _builtins.int
+    """The discarded LSN range (first 0: unknown)."""
+    last_lsn: _builtins.int
+    detail: _builtins.str
+    """One sentence on what happened."""
+    @_builtins.property
+    def topics(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopicLoss]:
+        """Per topic, the events discarded (empty: unknown or none)."""
+
+    def __init__(
+        self,
+        *,
+        loss_id: _builtins.str = ...,
+        node_id: _builtins.str = ...,
+        at_ms: _builtins.int = ...,
+        cause: _builtins.str = ...,
+        operator_action: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        first_epoch: _builtins.int = ...,
+        last_epoch: _builtins.int = ...,
+        first_lsn: _builtins.int = ...,
+        last_lsn: _builtins.int = ...,
+        topics: _abc.Iterable[Global___TopicLoss] | None = ...,
+        detail: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at_ms", b"at_ms", "cause", b"cause", "detail", b"detail", "epoch", b"epoch", "first_epoch", b"first_epoch", "first_lsn", b"first_lsn", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "loss_id", b"loss_id", "node_id", b"node_id", "operator_action", b"operator_action", "topics", b"topics"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LossEvent: _TypeAlias = LossEvent  # noqa: Y015
+
+@_typing.final
+class TopicLoss(_message.Message):
+    """Events of one topic a loss discarded."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    """The topic's name."""
+    events: _builtins.int
+    """How many events."""
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+        events: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TopicLoss: _TypeAlias = TopicLoss  # noqa: Y015
 
 @_typing.final
 class SlaveProgress(_message.Message):

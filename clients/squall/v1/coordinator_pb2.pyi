@@ -11,6 +11,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from squall.v1 import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
@@ -22,6 +23,148 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _MembershipChangeKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _MembershipChangeKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_MembershipChangeKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    MEMBERSHIP_CHANGE_KIND_UNSPECIFIED: _MembershipChangeKind.ValueType  # 0
+    MEMBERSHIP_CHANGE_KIND_ADD_NODE: _MembershipChangeKind.ValueType  # 1
+    """A new node (id, priority, addresses)."""
+    MEMBERSHIP_CHANGE_KIND_REMOVE_NODE: _MembershipChangeKind.ValueType  # 2
+    """A node leaves the set."""
+    MEMBERSHIP_CHANGE_KIND_REPLACE_NODE: _MembershipChangeKind.ValueType  # 3
+    """A node that is gone keeps its id on a new machine (new addresses, empty store)."""
+    MEMBERSHIP_CHANGE_KIND_SET_PRIORITY: _MembershipChangeKind.ValueType  # 4
+    """A node's priority changes (priority decides who leads)."""
+
+class MembershipChangeKind(_MembershipChangeKind, metaclass=_MembershipChangeKindEnumTypeWrapper):
+    """The kinds of membership change."""
+
+MEMBERSHIP_CHANGE_KIND_UNSPECIFIED: MembershipChangeKind.ValueType  # 0
+MEMBERSHIP_CHANGE_KIND_ADD_NODE: MembershipChangeKind.ValueType  # 1
+"""A new node (id, priority, addresses)."""
+MEMBERSHIP_CHANGE_KIND_REMOVE_NODE: MembershipChangeKind.ValueType  # 2
+"""A node leaves the set."""
+MEMBERSHIP_CHANGE_KIND_REPLACE_NODE: MembershipChangeKind.ValueType  # 3
+"""A node that is gone keeps its id on a new machine (new addresses, empty store)."""
+MEMBERSHIP_CHANGE_KIND_SET_PRIORITY: MembershipChangeKind.ValueType  # 4
+"""A node's priority changes (priority decides who leads)."""
+Global___MembershipChangeKind: _TypeAlias = MembershipChangeKind  # noqa: Y015
+
+@_typing.final
+class MemberSpec(_message.Message):
+    """One node of the running node set."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    COORDINATOR_ADDRESS_FIELD_NUMBER: _builtins.int
+    REPLICA_ADDRESS_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    """The node id."""
+    priority: _builtins.int
+    """Its priority (0: votes and replicates, never coordinates)."""
+    coordinator_address: _builtins.str
+    """Its coordinator's address, host:port."""
+    replica_address: _builtins.str
+    """Its replica's address, host:port."""
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.str = ...,
+        priority: _builtins.int = ...,
+        coordinator_address: _builtins.str = ...,
+        replica_address: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_address", b"coordinator_address", "node_id", b"node_id", "priority", b"priority", "replica_address", b"replica_address"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MemberSpec: _TypeAlias = MemberSpec  # noqa: Y015
+
+@_typing.final
+class NodeSet(_message.Message):
+    """The running node set (docs/operations.md, "Changing the membership")."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    MEMBERS_FIELD_NUMBER: _builtins.int
+    version: _builtins.int
+    """Changes since the config file's set (0: the file's)."""
+    epoch: _builtins.int
+    """The epoch of the newest group that carried this set."""
+    @_builtins.property
+    def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___MemberSpec]:
+        """Every node, in node order."""
+
+    def __init__(
+        self,
+        *,
+        version: _builtins.int = ...,
+        epoch: _builtins.int = ...,
+        members: _abc.Iterable[Global___MemberSpec] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "members", b"members", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeSet: _TypeAlias = NodeSet  # noqa: Y015
+
+@_typing.final
+class ChangeMembershipRequest(_message.Message):
+    """One membership change, asked of the coordinator of the serving group."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KIND_FIELD_NUMBER: _builtins.int
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    COORDINATOR_ADDRESS_FIELD_NUMBER: _builtins.int
+    REPLICA_ADDRESS_FIELD_NUMBER: _builtins.int
+    OPERATOR_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    kind: Global___MembershipChangeKind.ValueType
+    """What changes."""
+    node_id: _builtins.str
+    """The node it changes."""
+    priority: _builtins.int
+    """ADD_NODE, SET_PRIORITY: the priority."""
+    coordinator_address: _builtins.str
+    """ADD_NODE, REPLACE_NODE: the node's coordinator address."""
+    replica_address: _builtins.str
+    """ADD_NODE, REPLACE_NODE: the node's replica address."""
+    operator: _builtins.str
+    """Who asks, for the audit log."""
+    reason: _builtins.str
+    """Why, for the audit log."""
+    def __init__(
+        self,
+        *,
+        kind: Global___MembershipChangeKind.ValueType = ...,
+        node_id: _builtins.str = ...,
+        priority: _builtins.int = ...,
+        coordinator_address: _builtins.str = ...,
+        replica_address: _builtins.str = ...,
+        operator: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_address", b"coordinator_address", "kind", b"kind", "node_id", b"node_id", "operator", b"operator", "priority", b"priority", "reason", b"reason", "replica_address", b"replica_address"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChangeMembershipRequest: _TypeAlias = ChangeMembershipRequest  # noqa: Y015
 
 @_typing.final
 class MemberReport(_message.Message):
@@ -40,6 +183,7 @@ class MemberReport(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     SHUTDOWN_ID_FIELD_NUMBER: _builtins.int
     JOINED_FIELD_NUMBER: _builtins.int
+    MEMBERSHIP_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The member's node id."""
     cluster_id: _builtins.str
@@ -60,6 +204,12 @@ class MemberReport(_message.Message):
     """True if the member's replica has held a role since its process started (its store is
     part of the running cluster); a group of members that all report false is a cold start.
     """
+    @_builtins.property
+    def membership(self) -> Global___NodeSet:
+        """The node set the member persisted (unset: its config file's); the coordinator adopts
+        the newest set among the reports.
+        """
+
     def __init__(
         self,
         *,
@@ -72,10 +222,11 @@ class MemberReport(_message.Message):
         epoch: _builtins.int = ...,
         shutdown_id: _builtins.str = ...,
         joined: _builtins.bool = ...,
+        membership: Global___NodeSet | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["membership", b"membership"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "epoch", b"epoch", "joined", b"joined", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "max_seen", b"max_seen", "node_id", b"node_id", "shutdown_id", b"shutdown_id", "store_state", b"store_state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "epoch", b"epoch", "joined", b"joined", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "max_seen", b"max_seen", "membership", b"membership", "node_id", b"node_id", "shutdown_id", b"shutdown_id", "store_state", b"store_state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -94,6 +245,9 @@ class AreYouCoordinator(_message.Message):
     SERVING_FIELD_NUMBER: _builtins.int
     SETTINGS_DIGEST_FIELD_NUMBER: _builtins.int
     SETTINGS_FIELD_NUMBER: _builtins.int
+    MEMBERSHIP_VERSION_FIELD_NUMBER: _builtins.int
+    MEMBERSHIP_EPOCH_FIELD_NUMBER: _builtins.int
+    BASE_DIGEST_FIELD_NUMBER: _builtins.int
     group_name: _builtins.str
     """The sender's group name."""
     priority: _builtins.int
@@ -116,6 +270,12 @@ class AreYouCoordinator(_message.Message):
     name, nodes, durability, limits on stored data). A node whose own differs never merges
     the sender. Empty compares nothing.
     """
+    membership_version: _builtins.int
+    """The version and epoch of the sender's node set: nodes holding different sets compare
+    base_digest (the settings without the node set) instead of settings_digest.
+    """
+    membership_epoch: _builtins.int
+    base_digest: _builtins.str
     @_builtins.property
     def settings(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgreedSetting]:
         """The sender's agreed settings, sent only to a node it knows differs (from that node's
@@ -132,10 +292,13 @@ class AreYouCoordinator(_message.Message):
         serving: _builtins.bool = ...,
         settings_digest: _builtins.str = ...,
         settings: _abc.Iterable[Global___AgreedSetting] | None = ...,
+        membership_version: _builtins.int = ...,
+        membership_epoch: _builtins.int = ...,
+        base_digest: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "designated_primary", b"designated_primary", "group_name", b"group_name", "priority", b"priority", "serving", b"serving", "settings", b"settings", "settings_digest", b"settings_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_digest", b"base_digest", "cluster_id", b"cluster_id", "designated_primary", b"designated_primary", "group_name", b"group_name", "membership_epoch", b"membership_epoch", "membership_version", b"membership_version", "priority", b"priority", "serving", b"serving", "settings", b"settings", "settings_digest", b"settings_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -181,6 +344,9 @@ class AreYouCoordinatorReply(_message.Message):
     SERVING_FIELD_NUMBER: _builtins.int
     SETTINGS_DIGEST_FIELD_NUMBER: _builtins.int
     SETTINGS_FIELD_NUMBER: _builtins.int
+    MEMBERSHIP_VERSION_FIELD_NUMBER: _builtins.int
+    MEMBERSHIP_EPOCH_FIELD_NUMBER: _builtins.int
+    BASE_DIGEST_FIELD_NUMBER: _builtins.int
     is_coordinator: _builtins.bool
     """True if the sender of the reply coordinates its group."""
     group_name: _builtins.str
@@ -195,6 +361,10 @@ class AreYouCoordinatorReply(_message.Message):
     """True if the replier coordinates a NORMAL group (as in AreYouCoordinator)."""
     settings_digest: _builtins.str
     """Digest of the replier's agreed settings (as in AreYouCoordinator)."""
+    membership_version: _builtins.int
+    """As in AreYouCoordinator."""
+    membership_epoch: _builtins.int
+    base_digest: _builtins.str
     @_builtins.property
     def settings(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgreedSetting]:
         """The replier's agreed settings, sent only when the probe's digest differs from its own,
@@ -212,10 +382,13 @@ class AreYouCoordinatorReply(_message.Message):
         serving: _builtins.bool = ...,
         settings_digest: _builtins.str = ...,
         settings: _abc.Iterable[Global___AgreedSetting] | None = ...,
+        membership_version: _builtins.int = ...,
+        membership_epoch: _builtins.int = ...,
+        base_digest: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "designated_primary", b"designated_primary", "group_name", b"group_name", "is_coordinator", b"is_coordinator", "priority", b"priority", "serving", b"serving", "settings", b"settings", "settings_digest", b"settings_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_digest", b"base_digest", "cluster_id", b"cluster_id", "designated_primary", b"designated_primary", "group_name", b"group_name", "is_coordinator", b"is_coordinator", "membership_epoch", b"membership_epoch", "membership_version", b"membership_version", "priority", b"priority", "serving", b"serving", "settings", b"settings", "settings_digest", b"settings_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -291,6 +464,8 @@ class Invitation(_message.Message):
     TRANSFER_GROUP_FIELD_NUMBER: _builtins.int
     CATCH_UP_FIELD_NUMBER: _builtins.int
     SETTINGS_DIGEST_FIELD_NUMBER: _builtins.int
+    BASE_DIGEST_FIELD_NUMBER: _builtins.int
+    MEMBERSHIP_FIELD_NUMBER: _builtins.int
     group_name: _builtins.str
     """The new group's name, `coordinator-id:uuid`."""
     priority: _builtins.int
@@ -311,11 +486,19 @@ class Invitation(_message.Message):
     """Digest of the inviter's agreed settings: a node whose own differs refuses
     (FAILED_PRECONDITION naming each differing setting).
     """
+    base_digest: _builtins.str
+    """The inviter's settings without the node set (as in AreYouCoordinator)."""
     @_builtins.property
     def catch_up(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The nodes ranked above the inviter (a serving coordinator) it invites as members to
         catch up; it hands its group over to one once its replica holds the log (a restarted
         higher-priority node takes the lead back without truncating while no master serves).
+        """
+
+    @_builtins.property
+    def membership(self) -> Global___NodeSet:
+        """The node set the group forms under, when it is not the config file's: an invitee
+        holding an older one uses it for this group.
         """
 
     def __init__(
@@ -328,10 +511,12 @@ class Invitation(_message.Message):
         transfer_group: _builtins.str = ...,
         catch_up: _abc.Iterable[_builtins.str] | None = ...,
         settings_digest: _builtins.str = ...,
+        base_digest: _builtins.str = ...,
+        membership: Global___NodeSet | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["membership", b"membership"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["catch_up", b"catch_up", "cluster_id", b"cluster_id", "epoch", b"epoch", "group_name", b"group_name", "priority", b"priority", "settings_digest", b"settings_digest", "transfer_group", b"transfer_group"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_digest", b"base_digest", "catch_up", b"catch_up", "cluster_id", b"cluster_id", "epoch", b"epoch", "group_name", b"group_name", "membership", b"membership", "priority", b"priority", "settings_digest", b"settings_digest", "transfer_group", b"transfer_group"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -386,6 +571,7 @@ class Ready(_message.Message):
     COORDINATOR_ID_FIELD_NUMBER: _builtins.int
     MAX_SEEN_FIELD_NUMBER: _builtins.int
     CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    MEMBERSHIP_FIELD_NUMBER: _builtins.int
     group_name: _builtins.str
     """The group's name."""
     epoch: _builtins.int
@@ -406,6 +592,12 @@ class Ready(_message.Message):
     def members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The members, coordinator included."""
 
+    @_builtins.property
+    def membership(self) -> Global___NodeSet:
+        """The group's node set when it is not the config file's; members persist it with the
+        epoch.
+        """
+
     def __init__(
         self,
         *,
@@ -416,10 +608,11 @@ class Ready(_message.Message):
         coordinator_id: _builtins.str = ...,
         max_seen: _builtins.int = ...,
         cluster_id: _builtins.str = ...,
+        membership: Global___NodeSet | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["membership", b"membership"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "coordinator_id", b"coordinator_id", "epoch", b"epoch", "group_name", b"group_name", "max_seen", b"max_seen", "members", b"members", "sync_source_id", b"sync_source_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "coordinator_id", b"coordinator_id", "epoch", b"epoch", "group_name", b"group_name", "max_seen", b"max_seen", "members", b"members", "membership", b"membership", "sync_source_id", b"sync_source_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -600,6 +793,9 @@ class CoordinatorStatus(_message.Message):
     TRANSFER_TARGET_FIELD_NUMBER: _builtins.int
     REPLICA_UNREACHABLE_SINCE_MS_FIELD_NUMBER: _builtins.int
     CONFIG_MISMATCHES_FIELD_NUMBER: _builtins.int
+    LOSSES_FIELD_NUMBER: _builtins.int
+    MEMBERSHIP_FIELD_NUMBER: _builtins.int
+    MEMBERSHIP_CHANGE_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """This node's id."""
     coordinator_id: _builtins.str
@@ -633,6 +829,8 @@ class CoordinatorStatus(_message.Message):
     wall-clock milliseconds since the Unix epoch of the replica's last answer (0: it
     answers).
     """
+    membership_change: _builtins.str
+    """On the coordinator: the membership change in progress, or how the last one ended."""
     @_builtins.property
     def group(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The other members (only the coordinator knows them)."""
@@ -661,6 +859,14 @@ class CoordinatorStatus(_message.Message):
         per differing setting (they never form a group together until the files agree).
         """
 
+    @_builtins.property
+    def losses(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.LossEvent]:
+        """Loss reports of this node no operator acknowledged yet, oldest first."""
+
+    @_builtins.property
+    def membership(self) -> Global___NodeSet:
+        """The node set this node uses (the config file's until a membership change)."""
+
     def __init__(
         self,
         *,
@@ -685,10 +891,13 @@ class CoordinatorStatus(_message.Message):
         transfer_target: _builtins.str = ...,
         replica_unreachable_since_ms: _builtins.int = ...,
         config_mismatches: _abc.Iterable[_common_pb2.ConfigMismatch] | None = ...,
+        losses: _abc.Iterable[_common_pb2.LossEvent] | None = ...,
+        membership: Global___NodeSet | None = ...,
+        membership_change: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["quarantine", b"quarantine", "quorum_override_record", b"quorum_override_record"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["membership", b"membership", "quarantine", b"quarantine", "quorum_override_record", b"quorum_override_record"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit", b"audit", "config_mismatches", b"config_mismatches", "coordinator_id", b"coordinator_id", "designated_primary", b"designated_primary", "epoch", b"epoch", "group", b"group", "group_name", b"group_name", "invited", b"invited", "last_change_reason", b"last_change_reason", "max_seen", b"max_seen", "node_id", b"node_id", "priority", b"priority", "quarantine", b"quarantine", "quorum_override", b"quorum_override", "quorum_override_record", b"quorum_override_record", "quorum_required", b"quorum_required", "replica_unreachable_since_ms", b"replica_unreachable_since_ms", "role", b"role", "state", b"state", "sync_source_id", b"sync_source_id", "transfer_target", b"transfer_target"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit", b"audit", "config_mismatches", b"config_mismatches", "coordinator_id", b"coordinator_id", "designated_primary", b"designated_primary", "epoch", b"epoch", "group", b"group", "group_name", b"group_name", "invited", b"invited", "last_change_reason", b"last_change_reason", "losses", b"losses", "max_seen", b"max_seen", "membership", b"membership", "membership_change", b"membership_change", "node_id", b"node_id", "priority", b"priority", "quarantine", b"quarantine", "quorum_override", b"quorum_override", "quorum_override_record", b"quorum_override_record", "quorum_required", b"quorum_required", "replica_unreachable_since_ms", b"replica_unreachable_since_ms", "role", b"role", "state", b"state", "sync_source_id", b"sync_source_id", "transfer_target", b"transfer_target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1017,3 +1226,33 @@ class SetQuarantineRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SetQuarantineRequest: _TypeAlias = SetQuarantineRequest  # noqa: Y015
+
+@_typing.final
+class AckLossRequest(_message.Message):
+    """Acknowledges one loss report of the receiving node."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LOSS_ID_FIELD_NUMBER: _builtins.int
+    OPERATOR_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    loss_id: _builtins.str
+    """The report's id (LossEvent.loss_id)."""
+    operator: _builtins.str
+    """Who asks, for the audit log."""
+    reason: _builtins.str
+    """Why, for the audit log."""
+    def __init__(
+        self,
+        *,
+        loss_id: _builtins.str = ...,
+        operator: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["loss_id", b"loss_id", "operator", b"operator", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AckLossRequest: _TypeAlias = AckLossRequest  # noqa: Y015

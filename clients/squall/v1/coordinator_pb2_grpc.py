@@ -76,6 +76,16 @@ class CoordinatorStub:
                 request_serializer=squall_dot_v1_dot_coordinator__pb2.SetQuarantineRequest.SerializeToString,
                 response_deserializer=squall_dot_v1_dot_coordinator__pb2.OperatorControlResponse.FromString,
                 _registered_method=True)
+        self.AckLoss = channel.unary_unary(
+                '/squall.v1.Coordinator/AckLoss',
+                request_serializer=squall_dot_v1_dot_coordinator__pb2.AckLossRequest.SerializeToString,
+                response_deserializer=squall_dot_v1_dot_coordinator__pb2.OperatorControlResponse.FromString,
+                _registered_method=True)
+        self.ChangeMembership = channel.unary_unary(
+                '/squall.v1.Coordinator/ChangeMembership',
+                request_serializer=squall_dot_v1_dot_coordinator__pb2.ChangeMembershipRequest.SerializeToString,
+                response_deserializer=squall_dot_v1_dot_coordinator__pb2.OperatorControlResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -155,6 +165,27 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AckLoss(self, request, context):
+        """Acknowledges a loss report of this node (it leaves `squall status`; the audit trail
+        keeps who acknowledged it). NOT_FOUND for an id the node does not hold; nothing
+        changes then.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ChangeMembership(self, request, context):
+        """Changes the running node set by one node (add, remove, replace, set a priority); only
+        the coordinator of the serving group takes it. The group re-forms under the new set,
+        which every member persists with the new epoch. Returns at once: the status's
+        membership_change says where the change stands. FAILED_PRECONDITION with the reason
+        for an unsafe change (too few members left for a majority, an id or address taken, a
+        change in progress, not the coordinator), INVALID_ARGUMENT for a malformed one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -196,6 +227,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'SetQuarantine': grpc.unary_unary_rpc_method_handler(
                     servicer.SetQuarantine,
                     request_deserializer=squall_dot_v1_dot_coordinator__pb2.SetQuarantineRequest.FromString,
+                    response_serializer=squall_dot_v1_dot_coordinator__pb2.OperatorControlResponse.SerializeToString,
+            ),
+            'AckLoss': grpc.unary_unary_rpc_method_handler(
+                    servicer.AckLoss,
+                    request_deserializer=squall_dot_v1_dot_coordinator__pb2.AckLossRequest.FromString,
+                    response_serializer=squall_dot_v1_dot_coordinator__pb2.OperatorControlResponse.SerializeToString,
+            ),
+            'ChangeMembership': grpc.unary_unary_rpc_method_handler(
+                    servicer.ChangeMembership,
+                    request_deserializer=squall_dot_v1_dot_coordinator__pb2.ChangeMembershipRequest.FromString,
                     response_serializer=squall_dot_v1_dot_coordinator__pb2.OperatorControlResponse.SerializeToString,
             ),
     }
@@ -415,6 +456,60 @@ class Coordinator:
             target,
             '/squall.v1.Coordinator/SetQuarantine',
             squall_dot_v1_dot_coordinator__pb2.SetQuarantineRequest.SerializeToString,
+            squall_dot_v1_dot_coordinator__pb2.OperatorControlResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AckLoss(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/squall.v1.Coordinator/AckLoss',
+            squall_dot_v1_dot_coordinator__pb2.AckLossRequest.SerializeToString,
+            squall_dot_v1_dot_coordinator__pb2.OperatorControlResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ChangeMembership(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/squall.v1.Coordinator/ChangeMembership',
+            squall_dot_v1_dot_coordinator__pb2.ChangeMembershipRequest.SerializeToString,
             squall_dot_v1_dot_coordinator__pb2.OperatorControlResponse.FromString,
             options,
             channel_credentials,

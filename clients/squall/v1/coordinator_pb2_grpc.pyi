@@ -76,6 +76,19 @@ class CoordinatorStub:
     never counted for acks), or clears its quarantine so it rejoins. A replica that hits
     a checksum error or a failing disk quarantines its node by itself.
     """
+    AckLoss: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.AckLossRequest, _coordinator_pb2.OperatorControlResponse]
+    """Acknowledges a loss report of this node (it leaves `squall status`; the audit trail
+    keeps who acknowledged it). NOT_FOUND for an id the node does not hold; nothing
+    changes then.
+    """
+    ChangeMembership: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ChangeMembershipRequest, _coordinator_pb2.OperatorControlResponse]
+    """Changes the running node set by one node (add, remove, replace, set a priority); only
+    the coordinator of the serving group takes it. The group re-forms under the new set,
+    which every member persists with the new epoch. Returns at once: the status's
+    membership_change says where the change stands. FAILED_PRECONDITION with the reason
+    for an unsafe change (too few members left for a majority, an id or address taken, a
+    change in progress, not the coordinator), INVALID_ARGUMENT for a malformed one.
+    """
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -120,6 +133,19 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """Quarantines the receiving node (it leaves its group and joins none: never master,
     never counted for acks), or clears its quarantine so it rejoins. A replica that hits
     a checksum error or a failing disk quarantines its node by itself.
+    """
+    AckLoss: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.AckLossRequest, _coordinator_pb2.OperatorControlResponse]  # type: ignore[assignment]
+    """Acknowledges a loss report of this node (it leaves `squall status`; the audit trail
+    keeps who acknowledged it). NOT_FOUND for an id the node does not hold; nothing
+    changes then.
+    """
+    ChangeMembership: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ChangeMembershipRequest, _coordinator_pb2.OperatorControlResponse]  # type: ignore[assignment]
+    """Changes the running node set by one node (add, remove, replace, set a priority); only
+    the coordinator of the serving group takes it. The group re-forms under the new set,
+    which every member persists with the new epoch. Returns at once: the status's
+    membership_change says where the change stands. FAILED_PRECONDITION with the reason
+    for an unsafe change (too few members left for a majority, an id or address taken, a
+    change in progress, not the coordinator), INVALID_ARGUMENT for a malformed one.
     """
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
@@ -210,6 +236,31 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         """Quarantines the receiving node (it leaves its group and joins none: never master,
         never counted for acks), or clears its quarantine so it rejoins. A replica that hits
         a checksum error or a failing disk quarantines its node by itself.
+        """
+
+    @_abc_1.abstractmethod
+    def AckLoss(
+        self,
+        request: _coordinator_pb2.AckLossRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.OperatorControlResponse, _abc.Awaitable[_coordinator_pb2.OperatorControlResponse]]:
+        """Acknowledges a loss report of this node (it leaves `squall status`; the audit trail
+        keeps who acknowledged it). NOT_FOUND for an id the node does not hold; nothing
+        changes then.
+        """
+
+    @_abc_1.abstractmethod
+    def ChangeMembership(
+        self,
+        request: _coordinator_pb2.ChangeMembershipRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.OperatorControlResponse, _abc.Awaitable[_coordinator_pb2.OperatorControlResponse]]:
+        """Changes the running node set by one node (add, remove, replace, set a priority); only
+        the coordinator of the serving group takes it. The group re-forms under the new set,
+        which every member persists with the new epoch. Returns at once: the status's
+        membership_change says where the change stands. FAILED_PRECONDITION with the reason
+        for an unsafe change (too few members left for a majority, an id or address taken, a
+        change in progress, not the coordinator), INVALID_ARGUMENT for a malformed one.
         """
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

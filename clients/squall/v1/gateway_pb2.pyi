@@ -76,6 +76,9 @@ class NodeStatus(_message.Message):
     TRANSFER_TARGET_FIELD_NUMBER: _builtins.int
     REPLICA_UNREACHABLE_SINCE_MS_FIELD_NUMBER: _builtins.int
     CONFIG_MISMATCHES_FIELD_NUMBER: _builtins.int
+    LOSSES_FIELD_NUMBER: _builtins.int
+    MEMBERSHIP_FIELD_NUMBER: _builtins.int
+    MEMBERSHIP_CHANGE_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The node id."""
     coordinator_id: _builtins.str
@@ -129,6 +132,14 @@ class NodeStatus(_message.Message):
     stopped answering: wall-clock milliseconds since the Unix epoch of the replica's last
     answer (0: it answers, or the coordinator was not reached).
     """
+    membership: _builtins.str
+    """The node set this node runs with, as `v2 (epoch 7): 1:3,2:2,4:1` (id:priority; v0 is
+    the config file's); a membership change moves it (docs/operations.md).
+    """
+    membership_change: _builtins.str
+    """On the master's coordinator: the membership change in progress, or how the last one
+    ended.
+    """
     @_builtins.property
     def group(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The other members of its group (reported by coordinators only)."""
@@ -157,6 +168,12 @@ class NodeStatus(_message.Message):
     def config_mismatches(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ConfigMismatch]:
         """Nodes this node refuses because settings every member must share differ from its own
         (cluster name, nodes, durability, limits on stored data), one row per setting.
+        """
+
+    @_builtins.property
+    def losses(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.LossEvent]:
+        """Acknowledged events the node discarded that no operator acknowledged yet
+        (`squall cluster ack-loss ID`), oldest first.
         """
 
     def __init__(
@@ -193,10 +210,13 @@ class NodeStatus(_message.Message):
         transfer_target: _builtins.str = ...,
         replica_unreachable_since_ms: _builtins.int = ...,
         config_mismatches: _abc.Iterable[_common_pb2.ConfigMismatch] | None = ...,
+        losses: _abc.Iterable[_common_pb2.LossEvent] | None = ...,
+        membership: _builtins.str = ...,
+        membership_change: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["quarantine", b"quarantine", "quorum_override_record", b"quorum_override_record"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit", b"audit", "commit_lsn", b"commit_lsn", "config_mismatches", b"config_mismatches", "coordinator_id", b"coordinator_id", "designated_primary", b"designated_primary", "epoch", b"epoch", "error", b"error", "fault_reason", b"fault_reason", "group", b"group", "group_name", b"group_name", "invited", b"invited", "last_change_reason", b"last_change_reason", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "log_start_lsn", b"log_start_lsn", "max_seen", b"max_seen", "node_id", b"node_id", "priority", b"priority", "quarantine", b"quarantine", "quorum_override", b"quorum_override", "quorum_override_record", b"quorum_override_record", "quorum_required", b"quorum_required", "reachable", b"reachable", "replica_address", b"replica_address", "replica_unreachable_since_ms", b"replica_unreachable_since_ms", "role", b"role", "slaves", b"slaves", "state", b"state", "store_state", b"store_state", "sync_source_id", b"sync_source_id", "transfer_target", b"transfer_target"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit", b"audit", "commit_lsn", b"commit_lsn", "config_mismatches", b"config_mismatches", "coordinator_id", b"coordinator_id", "designated_primary", b"designated_primary", "epoch", b"epoch", "error", b"error", "fault_reason", b"fault_reason", "group", b"group", "group_name", b"group_name", "invited", b"invited", "last_change_reason", b"last_change_reason", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "log_start_lsn", b"log_start_lsn", "losses", b"losses", "max_seen", b"max_seen", "membership", b"membership", "membership_change", b"membership_change", "node_id", b"node_id", "priority", b"priority", "quarantine", b"quarantine", "quorum_override", b"quorum_override", "quorum_override_record", b"quorum_override_record", "quorum_required", b"quorum_required", "reachable", b"reachable", "replica_address", b"replica_address", "replica_unreachable_since_ms", b"replica_unreachable_since_ms", "role", b"role", "slaves", b"slaves", "state", b"state", "store_state", b"store_state", "sync_source_id", b"sync_source_id", "transfer_target", b"transfer_target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

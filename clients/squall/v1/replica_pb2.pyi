@@ -43,6 +43,9 @@ class Operation(_message.Message):
     SHARED_CREATE_FIELD_NUMBER: _builtins.int
     SHARED_ACK_FIELD_NUMBER: _builtins.int
     SHARED_FAIL_FIELD_NUMBER: _builtins.int
+    LINK_TOPIC_FIELD_NUMBER: _builtins.int
+    UNLINK_TOPIC_FIELD_NUMBER: _builtins.int
+    LINK_CURSOR_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def epoch_start(self) -> Global___EpochStartOp:
         """Starts a new epoch; a new master's first entry."""
@@ -95,6 +98,18 @@ class Operation(_message.Message):
     def shared_fail(self) -> Global___SharedFailOp:
         """Counts a failed delivery of an offset of a shared subscription."""
 
+    @_builtins.property
+    def link_topic(self) -> Global___LinkTopicOp:
+        """Links one topic to another (IceStorm's Topic.link)."""
+
+    @_builtins.property
+    def unlink_topic(self) -> Global___UnlinkTopicOp:
+        """Removes a topic link."""
+
+    @_builtins.property
+    def link_cursor(self) -> Global___LinkCursorOp:
+        """Moves a link to another cluster forward (the next source offset to forward)."""
+
     def __init__(
         self,
         *,
@@ -111,12 +126,15 @@ class Operation(_message.Message):
         shared_create: Global___SharedCreateOp | None = ...,
         shared_ack: Global___SharedAckOp | None = ...,
         shared_fail: Global___SharedFailOp | None = ...,
+        link_topic: Global___LinkTopicOp | None = ...,
+        unlink_topic: Global___UnlinkTopicOp | None = ...,
+        link_cursor: Global___LinkCursorOp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["create_topic", b"create_topic", "delete_subscription", b"delete_subscription", "destroy_topic", b"destroy_topic", "epoch_start", b"epoch_start", "op", b"op", "publish", b"publish", "push_cursor", b"push_cursor", "push_subscribe", b"push_subscribe", "push_unsubscribe", b"push_unsubscribe", "seek_cursor", b"seek_cursor", "set_cursor", b"set_cursor", "shared_ack", b"shared_ack", "shared_create", b"shared_create", "shared_fail", b"shared_fail"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_topic", b"create_topic", "delete_subscription", b"delete_subscription", "destroy_topic", b"destroy_topic", "epoch_start", b"epoch_start", "link_cursor", b"link_cursor", "link_topic", b"link_topic", "op", b"op", "publish", b"publish", "push_cursor", b"push_cursor", "push_subscribe", b"push_subscribe", "push_unsubscribe", b"push_unsubscribe", "seek_cursor", b"seek_cursor", "set_cursor", b"set_cursor", "shared_ack", b"shared_ack", "shared_create", b"shared_create", "shared_fail", b"shared_fail", "unlink_topic", b"unlink_topic"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_topic", b"create_topic", "delete_subscription", b"delete_subscription", "destroy_topic", b"destroy_topic", "epoch_start", b"epoch_start", "op", b"op", "publish", b"publish", "push_cursor", b"push_cursor", "push_subscribe", b"push_subscribe", "push_unsubscribe", b"push_unsubscribe", "seek_cursor", b"seek_cursor", "set_cursor", b"set_cursor", "shared_ack", b"shared_ack", "shared_create", b"shared_create", "shared_fail", b"shared_fail"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_topic", b"create_topic", "delete_subscription", b"delete_subscription", "destroy_topic", b"destroy_topic", "epoch_start", b"epoch_start", "link_cursor", b"link_cursor", "link_topic", b"link_topic", "op", b"op", "publish", b"publish", "push_cursor", b"push_cursor", "push_subscribe", b"push_subscribe", "push_unsubscribe", b"push_unsubscribe", "seek_cursor", b"seek_cursor", "set_cursor", b"set_cursor", "shared_ack", b"shared_ack", "shared_create", b"shared_create", "shared_fail", b"shared_fail", "unlink_topic", b"unlink_topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["epoch_start", "create_topic", "destroy_topic", "publish", "set_cursor", "delete_subscription", "push_subscribe", "push_unsubscribe", "push_cursor", "seek_cursor", "shared_create", "shared_ack", "shared_fail"]  # noqa: Y015
+    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["epoch_start", "create_topic", "destroy_topic", "publish", "set_cursor", "delete_subscription", "push_subscribe", "push_unsubscribe", "push_cursor", "seek_cursor", "shared_create", "shared_ack", "shared_fail", "link_topic", "unlink_topic", "link_cursor"]  # noqa: Y015
     _WhichOneofArgType_op: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_op) -> _WhichOneofReturnType_op | None: ...
 
@@ -365,6 +383,134 @@ class SharedCreateOp(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SharedCreateOp: _TypeAlias = SharedCreateOp  # noqa: Y015
+
+@_typing.final
+class LinkTopicOp(_message.Message):
+    """Links from_topic to to_topic (docs/federation.md). Stored as this record, keyed by
+    from_topic's id and to_topic's name, with created_lsn set by the replicas (the master
+    leaves it 0): the link's forwarded events carry the publisher id
+    "squall-link/<created_lsn>", and their sequence is from_topic's offset + 1, so the
+    publisher's high-water mark on to_topic is the link's durable cursor. A replica that
+    predates this op refuses the entry (no operation), never misapplies it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FROM_TOPIC_FIELD_NUMBER: _builtins.int
+    TO_TOPIC_FIELD_NUMBER: _builtins.int
+    COST_FIELD_NUMBER: _builtins.int
+    START_OFFSET_FIELD_NUMBER: _builtins.int
+    CREATED_LSN_FIELD_NUMBER: _builtins.int
+    TO_CLUSTER_FIELD_NUMBER: _builtins.int
+    CURSOR_FIELD_NUMBER: _builtins.int
+    from_topic: _builtins.str
+    """The linked topic."""
+    to_topic: _builtins.str
+    """The destination topic."""
+    cost: _builtins.int
+    """The link's cost (0 or more; checked by the master)."""
+    start_offset: _builtins.int
+    """The first offset of from_topic the link forwards (its end when the link was made)."""
+    created_lsn: _builtins.int
+    """LSN of the entry that created the link (set by the replicas when storing it)."""
+    to_cluster: _builtins.str
+    """The destination's cluster: a [[remotes]] name; empty: this cluster. A link to another
+    cluster keeps its cursor in this record (LinkCursorOp), since the destination's
+    high-water mark is not in this cluster's store; its events carry the publisher id
+    "squall-link/<this cluster's name>/<created_lsn>".
+    """
+    cursor: _builtins.int
+    """A link to another cluster: every source offset below it was forwarded and
+    acknowledged there (kept by the replicas; starts at start_offset).
+    """
+    def __init__(
+        self,
+        *,
+        from_topic: _builtins.str = ...,
+        to_topic: _builtins.str = ...,
+        cost: _builtins.int = ...,
+        start_offset: _builtins.int = ...,
+        created_lsn: _builtins.int = ...,
+        to_cluster: _builtins.str = ...,
+        cursor: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost", b"cost", "created_lsn", b"created_lsn", "cursor", b"cursor", "from_topic", b"from_topic", "start_offset", b"start_offset", "to_cluster", b"to_cluster", "to_topic", b"to_topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LinkTopicOp: _TypeAlias = LinkTopicOp  # noqa: Y015
+
+@_typing.final
+class LinkCursorOp(_message.Message):
+    """Moves a link to another cluster forward: its events below cursor were acknowledged by
+    the other cluster. Ignored below the stored cursor; refused for a link of another LSN.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FROM_TOPIC_FIELD_NUMBER: _builtins.int
+    TO_CLUSTER_FIELD_NUMBER: _builtins.int
+    TO_TOPIC_FIELD_NUMBER: _builtins.int
+    CREATED_LSN_FIELD_NUMBER: _builtins.int
+    CURSOR_FIELD_NUMBER: _builtins.int
+    from_topic: _builtins.str
+    """The linked topic."""
+    to_cluster: _builtins.str
+    """The destination's cluster."""
+    to_topic: _builtins.str
+    """The destination topic."""
+    created_lsn: _builtins.int
+    """The link's created_lsn (a link made again is another link)."""
+    cursor: _builtins.int
+    """The next source offset to forward."""
+    def __init__(
+        self,
+        *,
+        from_topic: _builtins.str = ...,
+        to_cluster: _builtins.str = ...,
+        to_topic: _builtins.str = ...,
+        created_lsn: _builtins.int = ...,
+        cursor: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_lsn", b"created_lsn", "cursor", b"cursor", "from_topic", b"from_topic", "to_cluster", b"to_cluster", "to_topic", b"to_topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LinkCursorOp: _TypeAlias = LinkCursorOp  # noqa: Y015
+
+@_typing.final
+class UnlinkTopicOp(_message.Message):
+    """Removes the link from_topic -> to_topic."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FROM_TOPIC_FIELD_NUMBER: _builtins.int
+    TO_TOPIC_FIELD_NUMBER: _builtins.int
+    TO_CLUSTER_FIELD_NUMBER: _builtins.int
+    from_topic: _builtins.str
+    """The linked topic."""
+    to_topic: _builtins.str
+    """The destination topic."""
+    to_cluster: _builtins.str
+    """The destination's cluster (empty: this cluster)."""
+    def __init__(
+        self,
+        *,
+        from_topic: _builtins.str = ...,
+        to_topic: _builtins.str = ...,
+        to_cluster: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_topic", b"from_topic", "to_cluster", b"to_cluster", "to_topic", b"to_topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnlinkTopicOp: _TypeAlias = UnlinkTopicOp  # noqa: Y015
 
 @_typing.final
 class SharedAckOp(_message.Message):
@@ -1000,6 +1146,7 @@ class ReplicaState(_message.Message):
     FAULT_REASON_FIELD_NUMBER: _builtins.int
     REORGANIZATION_FIELD_NUMBER: _builtins.int
     STORE_STALLED_MS_FIELD_NUMBER: _builtins.int
+    LOSSES_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The replica's node id."""
     cluster_id: _builtins.str
@@ -1054,6 +1201,13 @@ class ReplicaState(_message.Message):
         outlives the SetRole call): how far it got. Unset otherwise.
         """
 
+    @_builtins.property
+    def losses(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.LossEvent]:
+        """Acknowledged events this node's store discarded (docs/operations.md, "Loss
+        reports"), kept in `loss-events.json` beside the store; the coordinator records each
+        once and shows it until an operator acknowledges it.
+        """
+
     def __init__(
         self,
         *,
@@ -1076,10 +1230,11 @@ class ReplicaState(_message.Message):
         fault_reason: _builtins.str = ...,
         reorganization: Global___ReorganizationProgress | None = ...,
         store_stalled_ms: _builtins.int = ...,
+        losses: _abc.Iterable[_common_pb2.LossEvent] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["reorganization", b"reorganization"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "command_seq", b"command_seq", "commit_lsn", b"commit_lsn", "epoch", b"epoch", "fault_id", b"fault_id", "fault_reason", b"fault_reason", "frozen_for_shutdown_id", b"frozen_for_shutdown_id", "joined", b"joined", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "log_start_lsn", b"log_start_lsn", "master_id", b"master_id", "node_id", b"node_id", "reorganization", b"reorganization", "role", b"role", "shutdown_id", b"shutdown_id", "slaves", b"slaves", "store_stalled_ms", b"store_stalled_ms", "store_state", b"store_state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "command_seq", b"command_seq", "commit_lsn", b"commit_lsn", "epoch", b"epoch", "fault_id", b"fault_id", "fault_reason", b"fault_reason", "frozen_for_shutdown_id", b"frozen_for_shutdown_id", "joined", b"joined", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "log_start_lsn", b"log_start_lsn", "losses", b"losses", "master_id", b"master_id", "node_id", b"node_id", "reorganization", b"reorganization", "role", b"role", "shutdown_id", b"shutdown_id", "slaves", b"slaves", "store_stalled_ms", b"store_stalled_ms", "store_state", b"store_state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1100,6 +1255,7 @@ class RoleCommand(_message.Message):
     SEQ_FIELD_NUMBER: _builtins.int
     LEASE_MS_FIELD_NUMBER: _builtins.int
     CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    VOTING_NODES_FIELD_NUMBER: _builtins.int
     role: _common_pb2.Role.ValueType
     """The role to take."""
     epoch: _builtins.int
@@ -1129,6 +1285,12 @@ class RoleCommand(_message.Message):
     def members(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.NodeEndpoint]:
         """Every member of the group, master included."""
 
+    @_builtins.property
+    def voting_nodes(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.NodeEndpoint]:
+        """ROLE_MASTER: the running node set the commit majority is counted from, with its
+        addresses, once a membership change made one (empty: the config file's nodes).
+        """
+
     def __init__(
         self,
         *,
@@ -1141,10 +1303,11 @@ class RoleCommand(_message.Message):
         seq: _builtins.int = ...,
         lease_ms: _builtins.int = ...,
         cluster_id: _builtins.str = ...,
+        voting_nodes: _abc.Iterable[_common_pb2.NodeEndpoint] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["master", b"master"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "epoch", b"epoch", "lease_ms", b"lease_ms", "master", b"master", "members", b"members", "reason", b"reason", "role", b"role", "seq", b"seq", "sync_source_id", b"sync_source_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "epoch", b"epoch", "lease_ms", b"lease_ms", "master", b"master", "members", b"members", "reason", b"reason", "role", b"role", "seq", b"seq", "sync_source_id", b"sync_source_id", "voting_nodes", b"voting_nodes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1305,6 +1468,7 @@ class PushSubscribeOp(_message.Message):
     RETRY_COUNT_FIELD_NUMBER: _builtins.int
     CURSOR_FIELD_NUMBER: _builtins.int
     CREATED_MS_FIELD_NUMBER: _builtins.int
+    FAILURES_FIELD_NUMBER: _builtins.int
     topic: _builtins.str
     """The topic."""
     subscriber_id: _builtins.str
@@ -1319,6 +1483,10 @@ class PushSubscribeOp(_message.Message):
     """The first offset to deliver."""
     created_ms: _builtins.int
     """When the master accepted it, milliseconds since the Unix epoch."""
+    failures: _builtins.int
+    """Failed delivery rounds in a row, as the last PushCursorOp recorded it (kept in the
+    store's push record, so a new master continues the count; 0 in the subscribe entry).
+    """
     def __init__(
         self,
         *,
@@ -1329,10 +1497,11 @@ class PushSubscribeOp(_message.Message):
         retry_count: _builtins.int = ...,
         cursor: _builtins.int = ...,
         created_ms: _builtins.int = ...,
+        failures: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_ms", b"created_ms", "cursor", b"cursor", "endpoint", b"endpoint", "ordered", b"ordered", "retry_count", b"retry_count", "subscriber_id", b"subscriber_id", "topic", b"topic"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_ms", b"created_ms", "cursor", b"cursor", "endpoint", b"endpoint", "failures", b"failures", "ordered", b"ordered", "retry_count", b"retry_count", "subscriber_id", b"subscriber_id", "topic", b"topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1370,29 +1539,37 @@ Global___PushUnsubscribeOp: _TypeAlias = PushUnsubscribeOp  # noqa: Y015
 
 @_typing.final
 class PushCursorOp(_message.Message):
-    """Moves a push subscriber's cursor forward (a lower cursor is ignored)."""
+    """Moves a push subscriber's cursor forward (a lower cursor is ignored) and records its
+    failure count.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     TOPIC_FIELD_NUMBER: _builtins.int
     SUBSCRIBER_ID_FIELD_NUMBER: _builtins.int
     CURSOR_FIELD_NUMBER: _builtins.int
+    FAILURES_FIELD_NUMBER: _builtins.int
     topic: _builtins.str
     """The topic."""
     subscriber_id: _builtins.str
     """The subscriber's id."""
     cursor: _builtins.int
     """The next offset to deliver."""
+    failures: _builtins.int
+    """Failed delivery rounds in a row when it was written (0 after a round that all
+    succeeded): replicated, so a new master continues the count towards retryCount.
+    """
     def __init__(
         self,
         *,
         topic: _builtins.str = ...,
         subscriber_id: _builtins.str = ...,
         cursor: _builtins.int = ...,
+        failures: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "subscriber_id", b"subscriber_id", "topic", b"topic"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "failures", b"failures", "subscriber_id", b"subscriber_id", "topic", b"topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

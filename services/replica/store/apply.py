@@ -18,6 +18,7 @@ from squall_server.replica.store.records import (
     DB_CURSORS,
     DB_DEDUPE,
     DB_EVENTS,
+    DB_LINKS,
     DB_LOG,
     DB_META,
     DB_PUBLISHERS,
@@ -43,6 +44,7 @@ from squall_server.replica.store.records import (
     EpochBoundary,
     TopicRow,
     cursor_state,
+    decode_push,
     event_matches,
     name_key,
     publisher_prefix,
@@ -151,6 +153,12 @@ class Batch:
             self.shared_ack(op.shared_ack)
         elif kind == "shared_fail":
             self.shared_fail(op.shared_fail)
+        elif kind == "link_topic":
+            self.link_topic(op.link_topic, lsn)
+        elif kind == "unlink_topic":
+            self.unlink_topic(op.unlink_topic)
+        elif kind == "link_cursor":
+            self.link_cursor(op.link_cursor)
         else:
             raise self.refuse("no operation")
         key = U64.pack(lsn)
@@ -201,6 +209,12 @@ class Batch:
         self.txn.delete_range(DB_CURSORS, lo, hi)
         self.txn.delete_range(DB_PUSH, lo, hi)
         self.txn.delete_range(DB_SHARED, lo, hi)
+        self.txn.delete_range(DB_LINKS, lo, hi)
+        # Links into the topic go with it (IceStorm drops a link whose topic is gone).
+        for key, value in list(self.txn.scan(DB_LINKS, b"", None)):
+            link = replica_pb2.LinkTopicOp.FromString(unseal(DB_LINKS, key, value))
+            if link.to_topic == op.name and not link.to_cluster:
+                self.txn.delete(DB_LINKS, key)
         self.forget_publishers(row)
         self.topics[op.name] = self.dirty_topics[op.name] = None
 
@@ -290,6 +304,8 @@ class Batch:
             sequence = ev.sequence = data.sequence
             if data.headers:
                 ev.headers.update(data.headers)
+            if data.cost:
+                ev.cost = data.cost
             body = common + ev.SerializeToString()
             key = pack_key(topic_id, offset)
             items.append((key, pack_crc(crc32(body, crc32(key))) + body))
@@ -471,6 +487,60 @@ class Batch:
         settings.dead_lettered = 0
         self.txn.put(DB_SHARED, prefix, seal(prefix, settings.SerializeToString()))
 
+    def link_key(self, from_topic: str, to_cluster: str, to_topic: str) -> bytes:
+        """A link's key: its source topic's id and its destination (NUL never occurs in a
+        name, so a remote destination cannot collide with a local one)."""
+        row = self.topic(from_topic)
+        target = f"{to_cluster}\0{to_topic}" if to_cluster else to_topic
+        return self.key("link destination", target, U64.pack(row.topic_id))
+
+    def read_link(self, key: bytes) -> replica_pb2.LinkTopicOp | None:
+        """The stored link under key, or None."""
+        value = self.txn.get(DB_LINKS, key)
+        if value is None:
+            return None
+        try:
+            return replica_pb2.LinkTopicOp.FromString(unseal(DB_LINKS, key, value))
+        except DecodeError:
+            raise CorruptRecordError(DB_LINKS, key, "link does not parse") from None
+
+    def link_topic(self, op: replica_pb2.LinkTopicOp, lsn: int) -> None:
+        """Stores a link, with the LSN that names its forwarded events' publisher."""
+        source = self.topic(op.from_topic)
+        if not op.to_cluster:
+            self.topic(op.to_topic)
+        if (op.from_topic == op.to_topic and not op.to_cluster) or op.cost < 0:
+            raise self.refuse(f"link {op.from_topic!r} -> {op.to_topic!r} cost {op.cost}")
+        if op.start_offset > source.next_offset:
+            raise self.refuse(f"link start {op.start_offset} beyond {op.from_topic!r}'s end")
+        key = self.link_key(op.from_topic, op.to_cluster, op.to_topic)
+        if self.txn.get(DB_LINKS, key) is not None:
+            raise self.refuse(f"link {op.from_topic!r} -> {op.to_topic!r} exists")
+        record = replica_pb2.LinkTopicOp()
+        record.CopyFrom(op)
+        record.created_lsn = lsn
+        record.cursor = op.start_offset
+        self.txn.put(DB_LINKS, key, seal(key, record.SerializeToString()))
+
+    def unlink_topic(self, op: replica_pb2.UnlinkTopicOp) -> None:
+        """Removes a link."""
+        key = self.link_key(op.from_topic, op.to_cluster, op.to_topic)
+        if self.txn.get(DB_LINKS, key) is None:
+            raise self.refuse(f"no link {op.from_topic!r} -> {op.to_topic!r}")
+        self.txn.delete(DB_LINKS, key)
+
+    def link_cursor(self, op: replica_pb2.LinkCursorOp) -> None:
+        """Moves a link's cursor forward (never back: a late repeat changes nothing)."""
+        key = self.link_key(op.from_topic, op.to_cluster, op.to_topic)
+        link = self.read_link(key)
+        if link is None or link.created_lsn != op.created_lsn:
+            raise self.refuse(
+                f"no link {op.from_topic!r} -> {op.to_topic!r} of LSN {op.created_lsn}"
+            )
+        if op.cursor > link.cursor:
+            link.cursor = op.cursor
+            self.txn.put(DB_LINKS, key, seal(key, link.SerializeToString()))
+
     def shared_ack(self, op: replica_pb2.SharedAckOp) -> None:
         """Marks offsets done; the cursor moves over the done prefix."""
         row, prefix, _ = self.shared_settings(op.topic, op.subscription)
@@ -566,7 +636,8 @@ class Batch:
             raise self.refuse(f"no push subscriber {op.subscriber_id!r} on {op.topic!r}")
 
     def push_cursor(self, op: replica_pb2.PushCursorOp) -> None:
-        """Moves a push subscriber's cursor forward (a lower cursor is ignored)."""
+        """Moves a push subscriber's cursor forward (a lower cursor is ignored) and records
+        its failure count."""
         row = self.topic(op.topic)
         if op.cursor > row.next_offset:
             raise self.refuse(
@@ -576,11 +647,12 @@ class Batch:
         value = self.txn.get(DB_PUSH, key)
         if value is None:
             raise self.refuse(f"no push subscriber {op.subscriber_id!r} on {op.topic!r}")
-        body = unseal(DB_PUSH, key, value)
-        cursor, lsn = unpack(DB_PUSH, key, U64X2, body)
-        if op.cursor > cursor:
-            body = U64X2.pack(op.cursor, lsn) + body[U64X2.size :]
-            self.txn.put(DB_PUSH, key, seal(key, body))
+        cursor, lsn, stored = decode_push(key, value)
+        if op.cursor <= cursor and op.failures == stored.failures:
+            return
+        stored.failures = op.failures
+        body = U64X2.pack(max(op.cursor, cursor), lsn) + stored.SerializeToString()
+        self.txn.put(DB_PUSH, key, seal(key, body))
 
     def finish(self) -> None:
         """Writes what the batch cached: events, topics, high-water marks, log and meta."""

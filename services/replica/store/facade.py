@@ -47,6 +47,7 @@ from squall_server.replica.store.records import (
     DB_CURSORS,
     DB_DEDUPE,
     DB_EVENTS,
+    DB_LINKS,
     DB_LOG,
     DB_META,
     DB_PUBLISHERS,
@@ -639,6 +640,26 @@ class Store:
                 return replica_pb2.SharedCreateOp.FromString(unseal(DB_SHARED, prefix, value))
             except DecodeError:
                 raise CorruptRecordError(DB_SHARED, prefix, "settings do not parse") from None
+
+    def list_links(self, topic: str | None = None) -> list[replica_pb2.LinkTopicOp]:
+        """The topic links (each with created_lsn set), of one source topic or all,
+        ordered by source topic id and destination name."""
+        with self._reading() as txn:
+            if install_pending(txn):
+                return []
+            lo, hi = b"", None
+            if topic is not None:
+                row = read_topic(txn, topic)
+                if row is None:
+                    return []
+                lo, hi = U64.pack(row.topic_id), U64.pack(row.topic_id + 1)
+            links: list[replica_pb2.LinkTopicOp] = []
+            for key, value in txn.scan(DB_LINKS, lo, hi):
+                try:
+                    links.append(replica_pb2.LinkTopicOp.FromString(unseal(DB_LINKS, key, value)))
+                except DecodeError:
+                    raise CorruptRecordError(DB_LINKS, key, "link does not parse") from None
+            return links
 
     def get_shared(self, topic: str, subscription: str) -> SharedState | None:
         """A shared subscription's settings, cursor and per-offset state, or None."""

@@ -53,6 +53,11 @@ DB_PUSH = "push"
 DB_SHARED = "shared"
 
 
+# Topic links (docs/federation.md): source topic id + destination name -> the link (a
+# serialized LinkTopicOp with created_lsn set).
+DB_LINKS = "links"
+
+
 # The databases a KV must hold for the store.
 DATABASES = (
     DB_META,
@@ -64,6 +69,7 @@ DATABASES = (
     DB_PUBLISHERS,
     DB_PUSH,
     DB_SHARED,
+    DB_LINKS,
 )
 
 
@@ -78,6 +84,7 @@ SNAPSHOT_DBS = (
     DB_PUBLISHERS,
     DB_PUSH,
     DB_SHARED,
+    DB_LINKS,
 )
 
 
@@ -90,6 +97,7 @@ CLEARED_DBS = (
     DB_PUBLISHERS,
     DB_PUSH,
     DB_SHARED,
+    DB_LINKS,
     DB_LOG,
 )
 
@@ -203,6 +211,7 @@ class PushSubscriber:
     cursor: int  # the next offset to deliver
     created_ms: int
     lsn: int  # the entry that subscribed it: tells a re-subscription from the old one
+    failures: int = 0  # failed delivery rounds in a row, as the log last recorded it
 
 
 @dataclass(frozen=True)
@@ -358,6 +367,7 @@ def push_subscriber(topic: str, key: bytes, value: bytes) -> PushSubscriber:
         cursor=cursor,
         created_ms=op.created_ms,
         lsn=lsn,
+        failures=op.failures,
     )
 
 

@@ -1,0 +1,477 @@
+"""Topic link forwarding on the master: publishes a linked topic's events to its links.
+
+Runs only while this replica is the master of an epoch whose start entry committed (the
+node starts it then and stops it when the role goes), like push delivery
+(`services/replica/push.py`). A supervisor keeps one worker per link in the store
+(rescanning when a link is made or removed here, and every `_RESCAN_S`); each worker:
+
+* resumes where the destination says: the link's forwarded events carry the publisher id
+  `link_rules.link_publisher_id(created_lsn)` and sequence = source offset + 1, so that
+  publisher's high-water mark on the destination, replicated with the events it covers,
+  is the link's durable cursor (`link_rules.resume_offset`); no cursor entry of its own;
+* reads committed events of the source (below the commit gate, as `Subscribe` does), at
+  most `limits.push_batch_max_events` / `push_batch_max_bytes` at a time;
+* keeps those the cost rules forward (`link_rules.plan_forward`) and publishes them to
+  the destination through the log, one write at a time, so they keep the source's order.
+
+A write that commits on the destination is deduplicated by sequence if a new master
+offers it again, and one that did not commit is offered again: every event of the
+source is stored once on the destination, in source order, whatever fails
+(docs/federation.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING
+
+import grpc
+
+from squall.v1 import broker_pb2_grpc, common_pb2, replica_pb2
+from squall_server.common.config import RemoteConfig
+from squall_server.common.errors import ServiceError
+from squall_server.replica import commands, link_rules, remote
+from squall_server.replica.store import StoreError, UnknownTopicError
+
+if TYPE_CHECKING:
+    from squall_server.replica.node import ReplicaNode
+
+log = logging.getLogger("squall.replica.links")
+
+# How often the supervisor rescans the store for links without being told.
+_RESCAN_S = 1.0
+# How long an idle worker waits for a commit before it rechecks its link.
+_IDLE_RECHECK_S = 1.0
+# How long a worker waits after a forwarding write failed (lost role, full store...).
+_RETRY_S = 0.5
+# A link to another cluster that cannot reach it waits this long after the first failed
+# call, doubling up to the cap (its source's publishers never wait for it).
+_REMOTE_RETRY_INITIAL_S = 0.2
+_REMOTE_RETRY_MAX_S = 5.0
+
+_LinkKey = tuple[str, str, int]  # source, destination, LSN of the link's entry
+
+
+class LinkForwarding:
+    """The master's link forwarding: a supervisor and one worker per link."""
+
+    def __init__(self, node: ReplicaNode) -> None:
+        self._node = node
+        self._epoch = 0
+        self._supervisor: asyncio.Task[None] | None = None
+        self._workers: dict[_LinkKey, _Worker | _RemoteWorker] = {}
+        self._wake = asyncio.Event()
+
+    def start(self, epoch: int) -> None:
+        """Starts forwarding as the master of `epoch` (its start entry has committed)."""
+        self.stop()
+        self._epoch = epoch
+        self._supervisor = asyncio.get_running_loop().create_task(
+            self._supervise(epoch), name=f"links-{self._node.node.id}-{epoch}"
+        )
+
+    def stop(self) -> None:
+        """Stops every worker now (the role is gone); a write in flight is cancelled."""
+        supervisor, self._supervisor = self._supervisor, None
+        if supervisor is not None:
+            supervisor.cancel()
+        for worker in self._workers.values():
+            worker.task.cancel()
+        self._workers.clear()
+
+    async def close(self) -> None:
+        """Stops and waits for the tasks to end."""
+        tasks = [w.task for w in self._workers.values()]
+        if self._supervisor is not None:
+            tasks.append(self._supervisor)
+        self.stop()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def refresh(self) -> None:
+        """A link was made or removed here: rescan now."""
+        self._wake.set()
+
+    def active(self, epoch: int) -> bool:
+        """Whether this replica still forwards as the master of `epoch`."""
+        node = self._node
+        return (
+            self._supervisor is not None
+            and self._epoch == epoch
+            and node.role == common_pb2.ROLE_MASTER
+            and node.epoch == epoch
+            and not node.failed_reason
+        )
+
+    def position(self, link: replica_pb2.LinkTopicOp) -> int:
+        """The next source offset the link examines, as this replica knows it."""
+        key = (
+            link.from_topic,
+            link_rules.link_target(link.to_cluster, link.to_topic),
+            link.created_lsn,
+        )
+        worker = self._workers.get(key)
+        if link.to_cluster:
+            durable = max(link.start_offset, link.cursor)
+            return durable if worker is None else max(durable, worker.position)
+        durable = link_rules.resume_offset(
+            link.start_offset,
+            self._node.store.publisher_high_water(link_rules.link_publisher_id(link.created_lsn)),
+        )
+        return durable if worker is None else max(durable, worker.position)
+
+    def lag(self, link: replica_pb2.LinkTopicOp) -> tuple[int, int, int]:
+        """(next offset, events waiting, ms the oldest of them has waited) of a link."""
+        node = self._node
+        position = self.position(link)
+        source = node.store.get_topic(link.from_topic)
+        end = 0 if source is None else source.next_offset
+        lag_ms = 0
+        if source is not None and position < end:
+            waiting = node.store.read_events(link.from_topic, position, 1)
+            if waiting:
+                lag_ms = max(0, node.clock.wall_ms() - waiting[0].timestamp_ms)
+        return position, max(0, end - position), lag_ms
+
+    def lags(self) -> list[tuple[str, str, int, int]]:
+        """(source, destination, events waiting, ms) of every link, while forwarding."""
+        if self._supervisor is None:
+            return []
+        out = []
+        for link in self._node.store.list_links():
+            _, events, lag_ms = self.lag(link)
+            target = link_rules.link_target(link.to_cluster, link.to_topic)
+            out.append((link.from_topic, target, events, lag_ms))
+        return out
+
+    async def _supervise(self, epoch: int) -> None:
+        # Bounded per pass by the store's links; ends with the role.
+        while self.active(epoch):
+            self._wake.clear()
+            try:
+                links = self._node.store.list_links()
+            except StoreError as exc:
+                log.warning("replica %s: reading links failed: %s", self._node.node.id, exc)
+                links = []
+            wanted = {
+                (x.from_topic, link_rules.link_target(x.to_cluster, x.to_topic), x.created_lsn): x
+                for x in links
+            }
+            for key in list(self._workers):
+                worker = self._workers[key]
+                if key not in wanted or worker.task.done():
+                    worker.task.cancel()
+                    del self._workers[key]
+            for key, link in wanted.items():
+                if key in self._workers:
+                    continue
+                if not link.to_cluster:
+                    self._workers[key] = _Worker(self, link, epoch)
+                    continue
+                config = self._node.config.remote(link.to_cluster)
+                if config is None:
+                    log.warning(
+                        "replica %s: link '%s' -> '%s': no [[remotes]] entry named '%s' in "
+                        "this node's file; not forwarding",
+                        self._node.node.id,
+                        link.from_topic,
+                        link.to_topic,
+                        link.to_cluster,
+                    )
+                    continue
+                self._workers[key] = _RemoteWorker(self, link, config, epoch)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), _RESCAN_S)
+
+
+class _Worker:
+    """Forwards one link's events while this replica is master."""
+
+    def __init__(
+        self, forwarding: LinkForwarding, link: replica_pb2.LinkTopicOp, epoch: int
+    ) -> None:
+        self._forwarding = forwarding
+        self._node = forwarding._node
+        self._link = link
+        self._epoch = epoch
+        self._publisher_id = link_rules.link_publisher_id(link.created_lsn)
+        self.position = link.start_offset
+        self.task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"link-{link.from_topic}-{link.to_topic}"
+        )
+
+    @property
+    def _where(self) -> str:
+        link = self._link
+        return f"link '{link.from_topic}' -> '{link.to_topic}' (cost {link.cost})"
+
+    def _linked(self) -> bool:
+        return any(
+            x.to_topic == self._link.to_topic and x.created_lsn == self._link.created_lsn
+            for x in self._node.store.list_links(self._link.from_topic)
+        )
+
+    async def _run(self) -> None:
+        try:
+            await self._forward_loop()
+        except asyncio.CancelledError:
+            raise
+        except StoreError as exc:
+            # The supervisor starts a new worker at its next scan if still linked.
+            log.warning(
+                "replica %s: %s: forwarding stopped: %s", self._node.node.id, self._where, exc
+            )
+
+    async def _forward_loop(self) -> None:
+        node, link = self._node, self._link
+        topic = node.store.get_topic(link.from_topic)
+        if topic is None:
+            return
+        limits = node.config.limits
+        self.position = link_rules.resume_offset(
+            link.start_offset, node.store.publisher_high_water(self._publisher_id)
+        )
+        log.info(
+            "replica %s: %s: forwarding from offset %d (epoch=%d)",
+            node.node.id,
+            self._where,
+            self.position,
+            self._epoch,
+        )
+        # One read and at most one write per pass; ends with the role or the link.
+        while self._forwarding.active(self._epoch):
+            signal = node.commit_signal()
+            if not self._linked():
+                return
+            hidden = node.visible_end(link.from_topic)
+            events: list[common_pb2.Event] = []
+            if not hidden or self.position < hidden:
+                try:
+                    events = node.store.read_events(
+                        link.from_topic,
+                        self.position,
+                        min(limits.push_batch_max_events, limits.max_batch_events),
+                        hidden,
+                        max_bytes=min(limits.push_batch_max_bytes, limits.max_batch_bytes),
+                        topic_id=topic.topic_id,
+                    )
+                except UnknownTopicError:
+                    return  # destroyed meanwhile: its links went with it
+            if not events:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(_IDLE_RECHECK_S):
+                        await signal.wait()
+                continue
+            if events[0].offset > self.position:
+                # Retention dropped them before the link got to them: say so, once.
+                log.warning(
+                    "replica %s: %s: offsets %d..%d were dropped by retention before they "
+                    "were forwarded (epoch=%d)",
+                    node.node.id,
+                    self._where,
+                    self.position,
+                    events[0].offset - 1,
+                    self._epoch,
+                )
+            plan = link_rules.plan_forward(events, link.cost)
+            if plan.events:
+                request = link_rules.publish_request(link.to_topic, link.created_lsn, plan)
+                try:
+                    await node.write(commands.Publish(request, forwarded=True))
+                except ServiceError as exc:
+                    # Lost the role, the destination is gone or full: read again from the
+                    # same position (the sequences make a repeat harmless).
+                    log.info(
+                        "replica %s: %s: forwarding offsets %d..%d failed: %s",
+                        node.node.id,
+                        self._where,
+                        self.position,
+                        plan.next_offset - 1,
+                        exc.message,
+                    )
+                    await asyncio.sleep(_RETRY_S)
+                    continue
+            self.position = plan.next_offset
+
+
+class _RemoteWorker:
+    """Forwards one link to another cluster's gateways while this replica is master.
+
+    Its cursor is in the link's record here (the other cluster's dedupe state is not in
+    this store): after the other side acknowledged a batch, the cursor moves through the
+    log, at most one write in flight, each carrying the newest position. A new master
+    resumes at the cursor and offers again what was acknowledged after it; the other side
+    answers those as duplicates (same publisher id, sequence = source offset + 1).
+    """
+
+    def __init__(
+        self,
+        forwarding: LinkForwarding,
+        link: replica_pb2.LinkTopicOp,
+        config: RemoteConfig,
+        epoch: int,
+    ) -> None:
+        self._forwarding = forwarding
+        self._node = forwarding._node
+        self._link = link
+        self._remote = config
+        self._epoch = epoch
+        self.position = max(link.start_offset, link.cursor)
+        self._durable = self.position  # the cursor the log holds (or will)
+        self._cursor_task: asyncio.Task[None] | None = None
+        self.failures = 0
+        self.last_error = ""
+        self.task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"link-{link.from_topic}-{link.to_topic}@{link.to_cluster}"
+        )
+
+    @property
+    def _where(self) -> str:
+        link = self._link
+        return (
+            f"link '{link.from_topic}' -> '{link.to_topic}' on cluster '{link.to_cluster}' "
+            f"(cost {link.cost})"
+        )
+
+    def _linked(self) -> bool:
+        return any(
+            x.to_topic == self._link.to_topic
+            and x.to_cluster == self._link.to_cluster
+            and x.created_lsn == self._link.created_lsn
+            for x in self._node.store.list_links(self._link.from_topic)
+        )
+
+    async def _run(self) -> None:
+        node = self._node
+        try:
+            channel = remote.remote_channel(self._remote, node.config.limits.max_message_bytes)
+        except OSError as exc:  # the CA file: the supervisor retries at its next scan
+            log.warning(
+                "replica %s: %s: cannot reach the remote: %s", node.node.id, self._where, exc
+            )
+            return
+        try:
+            await self._forward_loop(broker_pb2_grpc.PublisherStub(channel))
+        except asyncio.CancelledError:
+            raise
+        except StoreError as exc:
+            log.warning("replica %s: %s: forwarding stopped: %s", node.node.id, self._where, exc)
+        finally:
+            if self._cursor_task is not None:
+                self._cursor_task.cancel()
+            await channel.close(None)
+
+    async def _forward_loop(self, stub: broker_pb2_grpc.PublisherAsyncStub) -> None:
+        node, link = self._node, self._link
+        topic = node.store.get_topic(link.from_topic)
+        if topic is None:
+            return
+        limits = node.config.limits
+        source_cluster = node.config.name
+        log.info(
+            "replica %s: %s: forwarding from offset %d (epoch=%d)",
+            node.node.id,
+            self._where,
+            self.position,
+            self._epoch,
+        )
+        # One read and at most one call per pass; ends with the role or the link.
+        while self._forwarding.active(self._epoch):
+            signal = node.commit_signal()
+            if not self._linked():
+                return
+            hidden = node.visible_end(link.from_topic)
+            events: list[common_pb2.Event] = []
+            if not hidden or self.position < hidden:
+                try:
+                    events = node.store.read_events(
+                        link.from_topic,
+                        self.position,
+                        min(limits.push_batch_max_events, limits.max_batch_events),
+                        hidden,
+                        max_bytes=min(limits.push_batch_max_bytes, limits.max_batch_bytes),
+                        topic_id=topic.topic_id,
+                    )
+                except UnknownTopicError:
+                    return
+            if not events:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(_IDLE_RECHECK_S):
+                        await signal.wait()
+                continue
+            plan = link_rules.plan_forward(events, link.cost)
+            if plan.events:
+                request = link_rules.publish_request(
+                    link.to_topic, link.created_lsn, plan, source_cluster
+                )
+                try:
+                    metadata = remote.remote_metadata(self._remote)
+                    await stub.Publish(
+                        request,
+                        timeout=remote.REMOTE_CALL_TIMEOUT_MS / 1000,
+                        metadata=metadata or None,
+                    )
+                except (grpc.aio.AioRpcError, OSError, ValueError) as exc:
+                    await self._failed(exc, plan.next_offset)
+                    continue
+            if self.failures:
+                log.info(
+                    "replica %s: %s: the other cluster answers again after %d failed calls",
+                    node.node.id,
+                    self._where,
+                    self.failures,
+                )
+            self.failures, self.last_error = 0, ""
+            self.position = plan.next_offset
+            self._advance()
+
+    async def _failed(self, exc: Exception, end: int) -> None:
+        """Logs a failed call (a warning the first time) and waits before the next."""
+        self.failures += 1
+        if isinstance(exc, grpc.aio.AioRpcError):
+            error = remote.remote_error(self._remote, exc, "store forwarded events")
+            self.last_error = error.message
+        else:
+            self.last_error = f"cannot read the token for '{self._remote.name}': {exc}"
+        log.log(
+            logging.WARNING if self.failures == 1 else logging.DEBUG,
+            "replica %s: %s: forwarding offsets %d..%d failed (%d in a row): %s",
+            self._node.node.id,
+            self._where,
+            self.position,
+            end - 1,
+            self.failures,
+            self.last_error,
+        )
+        delay_s = min(_REMOTE_RETRY_MAX_S, _REMOTE_RETRY_INITIAL_S * 2 ** (self.failures - 1))
+        await asyncio.sleep(delay_s)
+
+    def _advance(self) -> None:
+        if self._cursor_task is None or self._cursor_task.done():
+            self._cursor_task = asyncio.get_running_loop().create_task(self._write_cursor())
+
+    async def _write_cursor(self) -> None:
+        """Writes the newest position until the log holds it; one write at a time."""
+        node, link = self._node, self._link
+        # Each pass writes a newer cursor than the last: bounded by the batches forwarded.
+        while self.position > self._durable and self._forwarding.active(self._epoch):
+            target = self.position
+            try:
+                await node.write(
+                    commands.LinkCursor(
+                        link.from_topic, link.to_cluster, link.to_topic, link.created_lsn, target
+                    )
+                )
+            except ServiceError as exc:
+                log.debug(
+                    "replica %s: %s: cursor %d not written: %s",
+                    node.node.id,
+                    self._where,
+                    target,
+                    exc.message,
+                )
+                return
+            self._durable = max(self._durable, target)
