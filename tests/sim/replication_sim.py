@@ -181,6 +181,7 @@ from squall_server.replica.replication import (
     SyncPolicy,
 )
 from squall_server.replica.store import Store, StoreError
+from squall_server.replica.store.errors import InvalidEntryError
 from squall_server.replica.store.kv_memory import MemoryKV
 from tests.sim import topic_state
 from tests.sim.election_checker import InvariantViolation
@@ -1927,7 +1928,12 @@ class ReplicationSimulation(Simulation):
                 return
         commit = write.batch.commit_lsn
         driver.hide_uncommitted(result.entries, commit)
-        driver.store_append(result.entries, sync=result.sync, commit_lsn=commit)
+        try:
+            driver.store_append(result.entries, sync=result.sync, commit_lsn=commit)
+        except InvalidEntryError as exc:
+            # A replicated entry the store cannot apply (a topic created twice, say) means
+            # this log and the master's diverged: the replica would fail-stop on it.
+            raise self.fail(f"invariant: node {node}'s store refused a replicated entry: {exc}")
         self.append_log(node, result.entries)
         if result.sync:
             store.synced_lsn = len(store.log)
