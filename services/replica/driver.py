@@ -47,6 +47,7 @@ from squall_server.replica.core import (
     RoleRefusal,
     TakeMaster,
 )
+from squall_server.replica.divergence import HistoryError, fork_lsn
 from squall_server.replica.follower import (
     BatchAccepted,
     EntriesChecked,
@@ -72,6 +73,7 @@ from squall_server.replica.store import (
     Store,
     StoreError,
     StoreFullError,
+    StoreMeta,
 )
 from squall_server.replica.visibility import CommitGate
 
@@ -198,6 +200,20 @@ class TruncateFetched:
 
 
 FetchStep = InstallFetched | StoreFetched | TruncateFetched
+
+
+@dataclass(frozen=True, slots=True)
+class FetchAnswer:
+    """How a sync source answers a new master's fetch: the log after ``fork`` (a
+    ``diverged`` requester truncates after it first), or, when ``why_snapshot`` says why,
+    a snapshot of this store and the log after it; ``meta``: this store as the answer
+    began, ``step``: entries per batch."""
+
+    meta: StoreMeta
+    fork: int
+    diverged: bool
+    why_snapshot: str
+    step: int
 
 
 def master_config(
@@ -836,6 +852,62 @@ class ReplicaDriver:
             source_id,
         )
 
+    def fetch_answer(
+        self, request: replica_pb2.FetchLogRequest, *, is_master: bool, step_max: int
+    ) -> FetchAnswer:
+        """The sync source's side of a fetch: whether this store may serve it (a master's
+        log still grows; another cluster's or an older epoch's fetch is refused), where
+        the two logs part, and whether only a snapshot brings the requester to this
+        store's state (truncation by rebuild replays its log from LSN 1, and what it
+        lacks must still be in this log). Raises the refusal."""
+        meta = self.store.meta()
+        who = f"replica {self.node_id} (epoch {meta.epoch}, last LSN {meta.last_lsn})"
+        if is_master:
+            raise self.refused(Code.FAILED_PRECONDITION, f"{who} is a master: its log still grows")
+        if request.cluster_id and meta.cluster_id and request.cluster_id != meta.cluster_id:
+            raise ServiceError(
+                Code.FAILED_PRECONDITION,
+                f"{who} belongs to cluster {meta.cluster_id}, not {request.cluster_id[:64]!r}",
+            )
+        if request.epoch < meta.epoch:
+            raise self.refused(
+                Code.FAILED_PRECONDITION, f"{who}: a fetch for epoch {request.epoch} is stale"
+            )
+        try:
+            fork = fork_lsn(meta.history, meta.last_lsn, request.history, request.last_lsn)
+        except HistoryError as exc:
+            raise ServiceError(Code.INVALID_ARGUMENT, f"{who}: bad position: {exc}") from exc
+        diverged = request.last_lsn > fork
+        if diverged and meta.last_lsn == 0:
+            raise ServiceError(
+                Code.FAILED_PRECONDITION,
+                f"{who}: node {request.node_id[:64]!r} holds a log and this one is empty: "
+                "this replica cannot be its sync source",
+            )
+        log_start = self.store.log_start_lsn()
+        why_snapshot = ""
+        if diverged and fork == 0:
+            # truncate_after_lsn 0 means "no truncation" on the wire: a log that shares
+            # no entry with ours is replaced whole.
+            why_snapshot = "its log shares no entry with this one"
+        elif diverged and max(request.log_start_lsn, 1) > 1:
+            why_snapshot = (
+                f"it must truncate after LSN {fork} and its log starts at LSN "
+                f"{request.log_start_lsn}"
+            )
+        elif fork + 1 < log_start:
+            why_snapshot = f"it lacks LSNs from {fork + 1} and this log starts at {log_start}"
+        log.info(
+            "replica %s serves a fetch to %s for epoch %d: %s%s",
+            self.node_id,
+            request.node_id[:64],
+            request.epoch,
+            f"a snapshot ({why_snapshot})" if why_snapshot else f"LSNs {fork + 1}..{meta.last_lsn}",
+            f" (it truncates after {fork})" if diverged and not why_snapshot else "",
+        )
+        step = min(request.max_entries or step_max, self.follower_config.inflight_entries_max)
+        return FetchAnswer(meta, fork, diverged, why_snapshot, step)
+
     def fetch_refused(self, epoch: int, source_id: str, problem: EntryProblem) -> ServiceError:
         """A fetched log refused by the follower's rules (nothing of that batch stored)."""
         log.warning(
@@ -906,6 +978,23 @@ class ReplicaDriver:
     def fetched_commit(self, source_commit_lsn: int) -> None:
         """An empty fetched batch: committed reads follow the source's commit LSN."""
         self.advance_commit(min(source_commit_lsn, self.core.log.last_lsn))
+
+    def stamp_snapshot(self, chunk: replica_pb2.SnapshotChunk) -> None:
+        """On a snapshot's last chunk: this node's commit LSN, and per topic the publishes
+        the snapshot holds above it, so the receiver hides them until they commit."""
+        chunk.commit_lsn = min(self.gate.commit_lsn, chunk.snapshot_lsn)
+        chunk.uncommitted.extend(
+            replica_pb2.UncommittedPublish(topic=topic, first_offset=offset, last_lsn=lsn)
+            for topic, offset, lsn in self.gate.uncommitted(chunk.snapshot_lsn)
+        )
+
+    def truncated(self, keep_lsn: int, store: Store) -> None:
+        """The log was truncated after keep_lsn (``store``: the rebuilt store, which
+        replaces this one): the core's log position and committed reads follow."""
+        self.store = store
+        self.core.log_truncated(keep_lsn, store.log_start_lsn())
+        self.gate.truncated(keep_lsn)
+        self._on_committed()
 
     def fetched_store_failed(self) -> None:
         """Storing fetched entries failed (or was cancelled): the gate re-reads the log."""

@@ -77,7 +77,6 @@ from squall_server.replica.core import (
     TakeMaster,
     WriteFence,
 )
-from squall_server.replica.divergence import HistoryError, fork_lsn
 from squall_server.replica.driver import (
     CancelTaking,
     DropRole,
@@ -687,10 +686,8 @@ class ReplicaNode:
             raise ServiceError(
                 Code.UNAVAILABLE, f"replica {self.node.id}: truncation failed: {exc}"
             ) from exc
-        self.core.log_truncated(keep_lsn, self.store.log_start_lsn())
-        self.gate.truncated(keep_lsn)
         self.published_traces.clear()  # their offsets may be reused by the new log
-        self._notify_committed()
+        self.driver.truncated(keep_lsn, self.store)
 
     # --- writes
 
@@ -1289,56 +1286,17 @@ class ReplicaNode:
     ) -> AsyncIterator[replica_pb2.FetchLogResponse]:
         """Serves a new master's reorganization fetch: the log after where ours part, or a
         snapshot and the log after it when the requester cannot take the log alone."""
-        meta = self.store.meta()
-        who = f"replica {self.node.id} (epoch {meta.epoch}, last LSN {meta.last_lsn})"
-        if self.role == common_pb2.ROLE_MASTER:
-            raise self._refused(Code.FAILED_PRECONDITION, f"{who} is a master: its log still grows")
-        if request.cluster_id and meta.cluster_id and request.cluster_id != meta.cluster_id:
-            raise ServiceError(
-                Code.FAILED_PRECONDITION,
-                f"{who} belongs to cluster {meta.cluster_id}, not {request.cluster_id[:64]!r}",
-            )
-        if request.epoch < meta.epoch:
-            raise self._refused(
-                Code.FAILED_PRECONDITION, f"{who}: a fetch for epoch {request.epoch} is stale"
-            )
-        try:
-            fork = fork_lsn(meta.history, meta.last_lsn, request.history, request.last_lsn)
-        except HistoryError as exc:
-            raise ServiceError(Code.INVALID_ARGUMENT, f"{who}: bad position: {exc}") from exc
-        diverged = request.last_lsn > fork
-        if diverged and meta.last_lsn == 0:
-            raise ServiceError(
-                Code.FAILED_PRECONDITION,
-                f"{who}: node {request.node_id[:64]!r} holds a log and this one is empty: "
-                "this replica cannot be its sync source",
-            )
-        log_start = self.store.log_start_lsn()
-        # Truncation by rebuild replays the requester's log from LSN 1; and what it lacks
-        # must still be in our log. Otherwise only a snapshot brings it to our state.
-        why_snapshot = ""
-        if diverged and fork == 0:
-            # truncate_after_lsn 0 means "no truncation" on the wire: a log that shares
-            # no entry with ours is replaced whole.
-            why_snapshot = "its log shares no entry with this one"
-        elif diverged and max(request.log_start_lsn, 1) > 1:
-            why_snapshot = (
-                f"it must truncate after LSN {fork} and its log starts at LSN "
-                f"{request.log_start_lsn}"
-            )
-        elif fork + 1 < log_start:
-            why_snapshot = f"it lacks LSNs from {fork + 1} and this log starts at {log_start}"
-        log.info(
-            "replica %s serves a fetch to %s for epoch %d: %s%s",
-            self.node.id,
-            request.node_id[:64],
-            request.epoch,
-            f"a snapshot ({why_snapshot})" if why_snapshot else f"LSNs {fork + 1}..{meta.last_lsn}",
-            f" (it truncates after {fork})" if diverged and not why_snapshot else "",
+        answer = self.driver.fetch_answer(
+            request,
+            is_master=self.role == common_pb2.ROLE_MASTER,
+            step_max=self.config.limits.commit_batch_max_entries,
         )
-        step = min(
-            request.max_entries or self.config.limits.commit_batch_max_entries,
-            self.config.limits.replication_inflight_entries_max,
+        meta, fork, diverged, why_snapshot, step = (
+            answer.meta,
+            answer.fork,
+            answer.diverged,
+            answer.why_snapshot,
+            answer.step,
         )
         if why_snapshot:
             snapshot_lsn = 0
@@ -1363,13 +1321,8 @@ class ReplicaNode:
             yield replica_pb2.FetchLogResponse(entries=batch, cluster_id=meta.cluster_id)
 
     def _stamp_snapshot(self, chunk: replica_pb2.SnapshotChunk) -> None:
-        """On a snapshot's last chunk: this node's commit LSN, and per topic the publishes
-        the snapshot holds above it, so the receiver hides them until they commit."""
-        chunk.commit_lsn = min(self.gate.commit_lsn, chunk.snapshot_lsn)
-        chunk.uncommitted.extend(
-            replica_pb2.UncommittedPublish(topic=topic, first_offset=offset, last_lsn=lsn)
-            for topic, offset, lsn in self.gate.uncommitted(chunk.snapshot_lsn)
-        )
+        """On a snapshot's last chunk: what the receiver must hide (the driver's)."""
+        self.driver.stamp_snapshot(chunk)
 
     async def _log_batches(
         self, from_lsn: int, to_lsn: int, step: int, epoch: int

@@ -31,6 +31,40 @@ class TruncateError(StoreError):
     """The store could not be truncated; it is unchanged."""
 
 
+def rebuild_into(store: Store, fresh: Store, keep_lsn: int) -> None:
+    """Replays store's log up to keep_lsn into the empty store fresh, and carries its
+    metadata over (cluster id, epoch, commit record, state); raises TruncateError when the
+    log no longer holds those entries. The LMDB truncator stages a file with it; an
+    in-memory store (the simulator's) is rebuilt with it in place."""
+    meta = store.meta()
+    if not 0 <= keep_lsn <= meta.last_lsn:
+        raise TruncateError(f"truncate after LSN {keep_lsn}: the log ends at {meta.last_lsn}")
+    next_lsn = 1
+    # One replay step per batch of entries: bounded by the log's length.
+    while next_lsn <= keep_lsn:
+        count = min(_REPLAY_BATCH_ENTRIES, keep_lsn - next_lsn + 1)
+        entries = store.read_log(next_lsn, count)
+        if len(entries) != count:
+            raise TruncateError(
+                f"the log is missing entries from LSN {next_lsn} (compacted?): "
+                "a truncation this far back needs a snapshot"
+            )
+        fresh.append(entries, sync=False)
+        next_lsn += count
+    if meta.cluster_id:
+        fresh.set_cluster_id(meta.cluster_id)
+    fresh.set_epoch(meta.epoch)
+    fresh.set_max_seen(meta.max_seen)
+    if meta.commit_lsn is not None:
+        # Truncation never removes a committed entry; the record stays a fact.
+        fresh.set_commit_lsn(min(meta.commit_lsn, keep_lsn))
+    state = meta.state
+    if state == common_pb2.STORE_STATE_CLEAN:
+        fresh.set_state(state, meta.shutdown_id)
+    elif keep_lsn or state != common_pb2.STORE_STATE_EMPTY:
+        fresh.set_state(common_pb2.STORE_STATE_DIRTY)
+
+
 class LmdbTruncator:
     """Truncates an LMDB store's log by rebuilding it from its own log."""
 
@@ -49,30 +83,7 @@ class LmdbTruncator:
         staging.mkdir(parents=True)
         fresh = Store.open_lmdb(staging, self.map_size_bytes, dedupe_window=self.dedupe_window)
         try:
-            next_lsn = 1
-            # One replay step per batch of entries: bounded by the log's length.
-            while next_lsn <= keep_lsn:
-                count = min(_REPLAY_BATCH_ENTRIES, keep_lsn - next_lsn + 1)
-                entries = store.read_log(next_lsn, count)
-                if len(entries) != count:
-                    raise TruncateError(
-                        f"the log is missing entries from LSN {next_lsn} (compacted?): "
-                        "a truncation this far back needs a snapshot"
-                    )
-                fresh.append(entries, sync=False)
-                next_lsn += count
-            if meta.cluster_id:
-                fresh.set_cluster_id(meta.cluster_id)
-            fresh.set_epoch(meta.epoch)
-            fresh.set_max_seen(meta.max_seen)
-            if meta.commit_lsn is not None:
-                # Truncation never removes a committed entry; the record stays a fact.
-                fresh.set_commit_lsn(min(meta.commit_lsn, keep_lsn))
-            state = meta.state
-            if state == common_pb2.STORE_STATE_CLEAN:
-                fresh.set_state(state, meta.shutdown_id)
-            elif keep_lsn or state != common_pb2.STORE_STATE_EMPTY:
-                fresh.set_state(common_pb2.STORE_STATE_DIRTY)
+            rebuild_into(store, fresh, keep_lsn)
             fresh.sync()
         except BaseException:
             fresh.close()

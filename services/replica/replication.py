@@ -776,6 +776,9 @@ class ReplicationMaster(Generic[T]):
                 f"ack received={received_lsn} written={written_lsn} synced={synced_lsn} "
                 f"is not ordered synced <= written <= received <= {sent} (sent)",
             )
+        if slave.phase == _Phase.SNAPSHOTTING and received_lsn < slave.snapshot_lsn:
+            # Sent before the install began: it describes the log the install replaces.
+            return self._actions()
         slave.received_lsn = max(slave.received_lsn, received_lsn)
         slave.written_lsn = max(slave.written_lsn, written_lsn)
         slave.synced_lsn = max(slave.synced_lsn, synced_lsn)
@@ -840,6 +843,11 @@ class ReplicationMaster(Generic[T]):
         slave.clear_window()
         slave.snapshot_lsn = snapshot_lsn
         slave.next_lsn = snapshot_lsn + 1
+        # The slave empties its store when the first chunk arrives (``begin_snapshot``)
+        # and holds nothing until it acknowledges the installed snapshot; an install cut
+        # short leaves it empty. What it acknowledged before counts no more (a commit
+        # counting it would rely on entries it no longer holds).
+        slave.received_lsn = slave.written_lsn = slave.synced_lsn = 0
         return self._actions()
 
     # --- group, log and epoch changes

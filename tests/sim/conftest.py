@@ -1,10 +1,11 @@
 """Options for the simulators: how many seeds, or one seed to replay.
 
 ``--sim-seeds=N`` runs election seeds 0..N-1 (default 1000; ``make sim SEEDS=N``).
-``--repl-seeds=N`` runs replication seeds 0..N-1 (each costs far more than an election
-seed); when it is not given, the replication count is a fifth of ``--sim-seeds`` (200 by
-default), so ``make sim SEEDS=N`` scales both. ``--sim-seed=S`` (or the ``SEED``
-environment variable, which ``make sim SEED=S`` exports) replays one seed in both.
+``--repl-seeds=N`` runs replication seeds 0..N-1 (each runs the shipped replica driver
+and store of every node); when it is not given, the replication count is ``--sim-seeds``
+(1000 by default, so ``make test`` runs 1000 of each), and ``make sim SEEDS=N`` scales
+both. ``--sim-seed=S`` (or the ``SEED`` environment variable, which ``make sim SEED=S``
+exports) replays one seed in both.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 
 DEFAULT_SEEDS = 1000
 # Replication seeds per election seed when --repl-seeds is not given.
-REPL_SEEDS_PER_SIM_SEED = 0.2
+REPL_SEEDS_PER_SIM_SEED = 1.0
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -37,7 +38,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--repl-seeds",
         type=int,
         default=None,
-        help="number of replication simulator seeds (default: a fifth of --sim-seeds)",
+        help="number of replication simulator seeds (default: as many as --sim-seeds)",
     )
 
 

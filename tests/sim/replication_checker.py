@@ -33,12 +33,14 @@ had not written: the policy promises nothing then. The simulator reports that wi
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
+from google.protobuf.message import DecodeError
+
+from squall.v1 import replica_pb2
 from tests.sim.election_checker import InvariantViolation
 
-__all__ = ["Entry", "InvariantViolation", "ReplicationChecker", "TopicReceipt"]
+__all__ = ["Entry", "InvariantViolation", "ReplicationChecker", "TopicReceipt", "short"]
 
 # What the topic checks see of a stored event: (topic id, publisher id, sequence).
 StoredEvent = tuple[int, str, int]
@@ -57,18 +59,27 @@ class TopicReceipt(Protocol):
     def duplicate(self) -> bool: ...
 
 
-@dataclass(frozen=True, slots=True)
-class Entry:
-    """A log entry of the simulated store (satisfies ``replication.EntryLike``)."""
+# A log entry as the replicas store and send it: the real ``replica_pb2.LogEntry``.
+Entry = replica_pb2.LogEntry
 
-    lsn: int
-    epoch: int
-    checksum: int
-    operation: bytes
 
-    def short(self) -> str:
-        """``lsn/epoch:operation`` for failure messages."""
-        return f"{self.lsn}/{self.epoch}:{self.operation.decode(errors='replace')}"
+def short(entry: Entry) -> str:
+    """``lsn/epoch:operation`` of an entry, for failure messages (a plain write by the
+    topic it creates, an epoch start as ``start``)."""
+    try:
+        op = replica_pb2.Operation.FromString(entry.operation)
+        kind = op.WhichOneof("op")
+    except DecodeError:
+        kind = None
+    if kind == "create_topic":
+        what = op.create_topic.name
+    elif kind == "epoch_start":
+        what = f"start-{op.epoch_start.epoch}"
+    elif kind is not None:
+        what = kind
+    else:
+        what = entry.operation.decode(errors="replace")
+    return f"{entry.lsn}/{entry.epoch}:{what}"
 
 
 Holders = Callable[[int, Entry], int]
@@ -104,7 +115,7 @@ class ReplicationChecker:
         writer = self.writer.setdefault(entry.epoch, node)
         if writer != node:
             raise InvariantViolation(
-                f"node {node} wrote entry {entry.short()} but node {writer} already wrote "
+                f"node {node} wrote entry {short(entry)} but node {writer} already wrote "
                 f"entries of epoch {entry.epoch}: two masters in one epoch"
             )
         key = (entry.lsn, entry.epoch)
@@ -132,21 +143,21 @@ class ReplicationChecker:
             entry = log[index]
             if entry.lsn != index + 1:
                 raise InvariantViolation(
-                    f"node {node}: entry {entry.short()} stored at position {index + 1}"
+                    f"node {node}: entry {short(entry)} stored at position {index + 1}"
                 )
             if self.created.get((entry.lsn, entry.epoch)) != entry.operation:
                 raise InvariantViolation(
-                    f"node {node} holds {entry.short()}, which epoch {entry.epoch}'s master "
+                    f"node {node} holds {short(entry)}, which epoch {entry.epoch}'s master "
                     "never wrote (log matching broken)"
                 )
             if entry.epoch < prev_epoch:
                 raise InvariantViolation(
-                    f"node {node}: entry {entry.short()} follows an entry of epoch {prev_epoch}"
+                    f"node {node}: entry {short(entry)} follows an entry of epoch {prev_epoch}"
                 )
             prev_epoch = entry.epoch
         if log and log[-1].epoch > durable_epoch:
             raise InvariantViolation(
-                f"node {node} holds {log[-1].short()} but has persisted only epoch {durable_epoch}"
+                f"node {node} holds {short(log[-1])} but has persisted only epoch {durable_epoch}"
             )
         if self.degraded:
             return
@@ -155,11 +166,11 @@ class ReplicationChecker:
                 len(log) < entry.lsn or log[entry.lsn - 1] != entry
             ):
                 raise InvariantViolation(
-                    f"node {node} lost acknowledged write {entry.short()}: "
+                    f"node {node} lost acknowledged write {short(entry)}: "
                     + (
                         f"its log now ends at LSN {len(log)}"
                         if len(log) < entry.lsn
-                        else f"LSN {entry.lsn} now holds {log[entry.lsn - 1].short()}"
+                        else f"LSN {entry.lsn} now holds {short(log[entry.lsn - 1])}"
                     )
                 )
         claimed = self.claimed[node]
@@ -173,8 +184,8 @@ class ReplicationChecker:
                 if log[index] != self.committed[index]:
                     raise InvariantViolation(
                         f"node {node}'s log diverges below its commit LSN {claimed}: LSN "
-                        f"{index + 1} now holds {log[index].short()}, committed "
-                        f"{self.committed[index].short()}"
+                        f"{index + 1} now holds {short(log[index])}, committed "
+                        f"{short(self.committed[index])}"
                     )
 
     # ----------------------------------------------------------------- commits and acks
@@ -197,13 +208,20 @@ class ReplicationChecker:
                 if committed[index] != entry:
                     raise InvariantViolation(
                         f"committed prefixes differ at LSN {index + 1}: node {node} has "
-                        f"{entry.short()} committed, node {self.committed_by[index]} had "
-                        f"{committed[index].short()}"
+                        f"{short(entry)} committed, node {self.committed_by[index]} had "
+                        f"{short(committed[index])}"
                     )
             else:
                 committed.append(entry)
                 self.committed_by.append(node)
         self.claimed[node] = commit_lsn
+
+    def store_emptied(self, node: str) -> None:
+        """A snapshot install that did not finish left the node's store empty (as the
+        shipped store does, by design): the commit LSN it reported no longer binds its log.
+        Acknowledged writes stay checked where it matters: held by a majority when
+        acknowledged, and by every live replica at the end."""
+        self.claimed[node] = 0
 
     def master_started(self, node: str, epoch: int, commit_lsn: int) -> None:
         """A ReplicationMaster was created with an initial (already committed) commit LSN."""
@@ -249,7 +267,7 @@ class ReplicationChecker:
             count = holders(lsn, entry)
             if count < self.majority:
                 raise InvariantViolation(
-                    f"master {node} epoch {epoch} counts LSN {lsn} ({entry.short()}) as "
+                    f"master {node} epoch {epoch} counts LSN {lsn} ({short(entry)}) as "
                     f"committed, but only {count} nodes hold it; a majority is {self.majority}"
                 )
         self.commit_reported(node, log, commit_lsn)
@@ -261,24 +279,24 @@ class ReplicationChecker:
             return
         if entry.lsn > commit_lsn:
             raise InvariantViolation(
-                f"master {node} acknowledged {entry.short()} above its commit LSN {commit_lsn}"
+                f"master {node} acknowledged {short(entry)} above its commit LSN {commit_lsn}"
             )
         prior = self.acked.get(entry.lsn)
         if prior is not None and prior != entry:
             raise InvariantViolation(
-                f"two writes acknowledged at LSN {entry.lsn}: {prior.short()} and "
-                f"{entry.short()} (by {node}); the first was lost"
+                f"two writes acknowledged at LSN {entry.lsn}: {short(prior)} and "
+                f"{short(entry)} (by {node}); the first was lost"
             )
         self.acked[entry.lsn] = entry
         count = holders(entry.lsn, entry)
         if count < self.majority:
             raise InvariantViolation(
-                f"master {node} acknowledged {entry.short()} held by only {count} nodes; "
+                f"master {node} acknowledged {short(entry)} held by only {count} nodes; "
                 f"a majority is {self.majority}"
             )
         if entry.lsn > len(self.committed) or self.committed[entry.lsn - 1] != entry:
             raise InvariantViolation(
-                f"master {node} acknowledged {entry.short()}, which is not the committed entry "
+                f"master {node} acknowledged {short(entry)}, which is not the committed entry "
                 f"at LSN {entry.lsn}"
             )
 
@@ -357,8 +375,8 @@ class ReplicationChecker:
         for node, log in live_logs.items():
             for lsn, entry in self.acked.items():
                 if len(log) < lsn or log[lsn - 1] != entry:
-                    held = log[lsn - 1].short() if len(log) >= lsn else "nothing"
+                    held = short(log[lsn - 1]) if len(log) >= lsn else "nothing"
                     raise InvariantViolation(
                         f"after healing, node {node} holds {held} at LSN {lsn}, not the "
-                        f"acknowledged write {entry.short()}"
+                        f"acknowledged write {short(entry)}"
                     )

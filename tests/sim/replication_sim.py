@@ -1,45 +1,62 @@
-"""Deterministic simulator for the election and replication cores together (a small VOPR).
+"""Deterministic simulator for the election and replication together (a small VOPR).
 
 Every node runs the real ``Election`` (through the election simulator's driver, network and
-faults, which this module extends) and a replica twin driven as the gRPC replica will drive
-the pure cores: a ``ReplicationMaster`` while the election makes it master, a ``Follower``
-while it follows. Clients write to whichever node they believe is master. One seed decides
-everything; the only randomness is ``random.Random`` seeded from it.
+faults, which this module extends) and the shipped replica code: a ``ReplicaDriver``
+(``services/replica/driver.py``) with its ``ReplicaCore`` over a real ``Store`` on
+``MemoryKV``, and, while the election makes it master, a ``ReplicationMaster`` made by that
+driver whose ``Actions`` the shipped ``MasterSteps`` apply. This module is the shell
+``ReplicaNode`` and ``MasterDriver`` are in the service: it carries messages, timers and
+store delays, in the order the shell documents. Clients write to whichever node they
+believe is master. One seed decides everything; the only randomness is
+``random.Random`` seeded from it.
 
 What is modelled
 ----------------
-* **Store.** A log of ``Entry(lsn, epoch, checksum, operation)`` per node; a snapshot is the
-  master's log prefix up to the snapshot LSN (the state entries build *is* the entries
-  here). Crashes are process crashes: what the store wrote survives, under every policy.
-  A slave's store write completes after a store delay (0-3 ms), so a slave holds entries
-  it has *received* and not yet *written*; a crash discards those. ``SYNC``,
-  ``WRITE_NO_SYNC`` and ``NO_SYNC`` differ in what the acks say (flushes come from a
-  periodic flush); only ``NO_SYNC`` acknowledges received entries, so only it can lose an
-  acknowledged entry in a crash: the checker is told (``degrade``) and stops the checks that
-  rely on durability for that seed (reported as "degraded" seeds).
-* **Master.** On a MASTER command the node first brings its log to the sync source's state
-  (the reorganization rule) by a **transfer over the simulated network**: a request to the
-  source, retried until an answer arrives; the source answers from its store with the
-  entries after the fork, or with its whole log as a snapshot when the master's own log
-  diverges (the store cannot undo applied entries) or the source no longer retains them.
-  A master that cannot finish the transfer (timeout, the source left the group, the source
-  moved to a newer epoch) refuses the role and its coordinator recovers, as
-  ``services/coordinator/node.py`` does when its replica refuses a role. Then a
-  ``ReplicationMaster`` is created (``truncate_by_snapshot=True``) with the log position,
-  history, the commit LSN the node knew and its retained log start; the first append is the
-  epoch-start entry. The driver applies every ``Actions`` record in its documented order,
-  reconnects broken streams after a short backoff, closes streams silent for four heartbeat
-  intervals (gRPC keepalive) or whose in-flight entries stop being received for as long
-  (see Network), flushes, and sometimes compacts its log (so lagging slaves get
-  snapshots). A reissued MASTER command of the same epoch only shrinks the members.
-  Deposed masters are kept, as the real driver's late stream input would reach them, so
-  late acks still arrive and must not move their commit LSN.
-* **Slave.** A FOLLOW command makes a fresh ``Follower`` over the store. Hello, batches,
-  heartbeats and snapshot chunks go through it; refusals close the stream (a ``Close`` to
-  the master, which reconnects, and for STALE_EPOCH learns the newer epoch). A Hello or a
-  snapshot's first chunk waits until pending store writes finish (the core requires it).
-  A DEACTIVATE waits for pending writes (so the report it triggers describes a log that no
-  longer grows) and drops the role.
+* **Store.** Each node's real store (``Store.open_memory``): every entry is a real
+  ``replica_pb2.LogEntry`` whose operation the store applies (a plain write creates a topic
+  named after it, so the store's state says which writes it holds); snapshots are the
+  store's own export and install (``snapshot_chunks``, ``begin_snapshot``,
+  ``install_chunk``, ``finish_snapshot``); compaction is the store's. Next to it the
+  simulator keeps the checker's view of each log (``NodeStore.log``: the entries the state
+  was built from, also those a snapshot or compaction took out of the store's log), checked
+  against the store after each install and fetch, and in full at the end. Crashes are
+  process crashes: what the store wrote survives, under every policy. A slave's store
+  write completes after a store delay (0-3 ms), and the slave takes its next message only
+  then (``ReplicaNode`` holds its commit lock across a batch); a crash discards the batch
+  being written. Only ``NO_SYNC`` acknowledges received entries, so only it can lose an
+  acknowledged entry in a crash: the checker is told (``degrade``) and stops the checks
+  that rely on durability for that seed (reported as "degraded" seeds). A snapshot install
+  cut short leaves the store empty, as the shipped store does.
+* **Roles.** Every role command goes to the node's ``ReplicaCore`` (``role_command``) and
+  its effects are carried out by ``ReplicaDriver.role_steps`` (persisting the epoch and
+  cluster id, making the follower); a command the core refuses is answered as refused and
+  the coordinator recovers.
+* **Master.** On a MASTER command the node first brings its store to the sync source's
+  state (the reorganization rule) by a **transfer over the simulated network**: a request
+  (``ReplicaDriver.fetch_request``) to the source, retried until an answer arrives; the
+  source answers from its store with the entries after the fork, or with a snapshot of its
+  store when the master's own log diverges (no store here can truncate) or the source no
+  longer retains them. The new master checks the fetched entries with the driver's checks
+  and installs a snapshot as a slave does. A master that cannot finish the transfer
+  (timeout, the source left the group, the source moved to a newer epoch) refuses the role
+  and its coordinator recovers, as ``services/coordinator/node.py`` does when its replica
+  refuses a role. Then the driver makes the ``ReplicationMaster`` (``master_core``;
+  ``truncate_by_snapshot=True``); the first append is the epoch-start entry. The shipped
+  ``MasterSteps`` (``services/replica/master_steps.py``) applies every ``Actions`` record
+  in its documented order and builds each granted batch (from its tail cache, or the
+  store's log); this module gives its outputs (the part ``MasterDriver`` does with streams
+  and tasks). The simulator's shell reconnects broken streams after a short backoff, closes
+  streams silent for four heartbeat intervals (gRPC keepalive) or whose in-flight entries
+  stop being received for as long (see Network), and sometimes compacts the master's log
+  (so lagging slaves get snapshots). A reissued MASTER command of the same epoch only
+  shrinks the members. Deposed masters are kept, as the real driver's late stream input
+  would reach them, so late acks still arrive and must not move their commit LSN.
+* **Slave.** Hello, batches, heartbeats and snapshot chunks go to the node's
+  ``ReplicaDriver`` (``hello``, ``batch``, ``batch_written``, ``log_effects``,
+  ``heartbeat``, ``snapshot_chunk``) in the order ``ReplicaNode.replication_*`` applies
+  them; a refusal closes the stream (a ``Close`` to the master, carrying the slave's epoch,
+  which reconnects, and for a newer epoch steps down). Slaves compact their logs beyond a
+  per-seed retention in seeds where masters compact.
 * **Network.** Replication messages share the election's faulty network: partitions,
   pauses, delay, loss, duplication and, when the seed says so, reordering (otherwise each
   link is FIFO). That is harsher than gRPC, whose stream never drops or reorders a message
@@ -57,27 +74,43 @@ What is modelled
   keep writing to an isolated master, so deposed masters hold uncommitted suffixes that
   later rejoin as divergent logs.
 * **Clients.** One to three clients write unique payloads to the node they believe is
-  master, follow redirects, time out and try another node. A write is acknowledged when
+  master, follow redirects, time out and try another node. Every write is planned by the
+  shipped writer planning (``ReplicaDriver.plan_batch``: a plain write creates a topic
+  named after it, a topic command is the workload's below), one command per batch, and
+  stored before the steps hear of it. A write is acknowledged when
   the master's ``ReplicationMaster`` completes its token; every acknowledged write
   (LSN, epoch, payload) goes to the checker.
 * **Topics.** In about half the seeds the clients also create, destroy and re-create one
   topic and publish to it under one fixed publisher id with sequences drawn from a small
   range, so retries, duplicates and a re-created topic reusing the old incarnation's
-  sequences are frequent. These commands are planned by the production ``BatchBuilder``
-  over a real in-memory ``Store`` that each node's topic entries build
-  (``topic_state.py``); a duplicate's token waits for the master's last entry. The checker
+  sequences are frequent. These commands are planned like every write, by the production
+  ``BatchBuilder`` over the master's store (``topic_state.py``); a duplicate's token
+  waits for the master's last entry. The checker
   holds every duplicate receipt to the incarnation invariant when it is planned (it points
   at the publisher's event, stored in the topic as the master holds it now), every
   acknowledged receipt to the event at its offset, and at the end every live replica to
   every acknowledged event of the topic's final incarnation.
 
-Simplifications: no machine (power) crashes, so written-but-unsynced entries never vanish;
-no deduplication of the plain writes (each payload is written once, never retried; the
-topic workload above is deduplicated); the master's own
-appends are written at once; a snapshot is one to three chunks of entries; every store is
-one that cannot undo applied entries (``truncate_by_snapshot=True``), so the Follower's
-truncation path is left to the unit tests; no operator controls (quorum override,
-designated primary) and no storage faults.
+Faults on the store: in seeds where the master flushes every write, half the crashes of
+master faults are machine crashes (``MemoryKV.lose_unsynced``: the store goes back to its
+last flush and is reopened); a loss of unflushed entries degrades the seed unless the
+replicas flush every write too, where it is a failure. Half the seeds' stores truncate a
+divergent log by rebuilding it from their own log (``rebuild.rebuild_into``), the others
+cannot (``truncate_by_snapshot``: a divergent slave gets a snapshot).
+
+Simplifications: no deduplication of the plain writes (each payload is written once,
+never retried; the topic workload above is deduplicated); one command per writer batch;
+no operator controls (quorum override, designated primary); no slow or failing disk.
+What is still this module's own and not shipped code (issue 15): the shells' plumbing
+around the drivers, in the order the shells have it — the streams, reconnection,
+keepalive and stall detection of ``MasterDriver`` (``open_stream``, ``stream_broken``,
+``master_tick``), the sync source's answer stream (``serve_catchup``: its decisions are
+``ReplicaDriver.fetch_answer``'s, the messages built as ``ReplicaNode.fetch_log`` builds
+them) and the new master's read loop (``on_catchup_reply``, as ``ReplicaNode._sync_from``
+steps ``fetch_step``), the store calls of a slave's batch, install and truncation
+(``finish_write``, ``install_chunk``, ``truncate``: ``ReplicaNode.replication_batch``,
+``_install_snapshot_chunk``, ``_truncate_locked``), and the taking of the master role
+(``become_master``, ``start_serving``: ``reorg``'s task).
 
 Phases: the safety phase injects the election simulator's faults while the checker
 (``replication_checker.py``) runs after every step; then the network heals and within
@@ -90,39 +123,66 @@ the replay command.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
+import logging
 import random
 import zlib
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from squall_server.common.errors import ServiceError
+from squall.v1 import common_pb2, replica_pb2
+from squall_server.common.errors import Code, ServiceError
 from squall_server.coordinator.election import node_sort_key
-from squall_server.coordinator.messages import NodeState, PersistedState, Role, RoleCommand
-from squall_server.replica.divergence import History, epoch_at, fork_lsn, truncate_history
+from squall_server.coordinator.messages import (
+    NodeState,
+    PersistedState,
+    Role,
+    RoleCommand,
+    RoleCommandKind,
+)
+from squall_server.replica import commands
+from squall_server.replica.committed import gate_from_store
+from squall_server.replica.core import (
+    EPOCH_KEY,
+    CoreConfig,
+    Effects,
+    LogPosition,
+    ReplicaCore,
+    RoleOrder,
+    StoreFacts,
+)
+from squall_server.replica.core import Role as CoreRole
+from squall_server.replica.divergence import History
+from squall_server.replica.driver import (
+    FollowMaster,
+    InstallFetched,
+    PersistRole,
+    ReplicaDriver,
+    StartTaking,
+    StoreFetched,
+    TruncateFetched,
+)
 from squall_server.replica.follower import (
     BatchAccepted,
     Follower,
     FollowerConfig,
-    Position,
-    Refusal,
-    RefusalCode,
-    SnapshotAccepted,
 )
+from squall_server.replica.master_steps import MasterOutputs, MasterSteps
+from squall_server.replica.rebuild import rebuild_into
 from squall_server.replica.replication import (
-    Ack,
     AckPolicy,
     Actions,
     MasterConfig,
-    RejectCode,
     ReplicationMaster,
     SlaveProgress,
     SlaveState,
     SyncPolicy,
-    batch_size_bytes,
-    fit_batch,
 )
+from squall_server.replica.store import Store, StoreError
+from squall_server.replica.store.errors import InvalidEntryError
+from squall_server.replica.store.kv_memory import MemoryKV
 from tests.sim import topic_state
 from tests.sim.election_checker import InvariantViolation
 from tests.sim.election_sim import (
@@ -138,7 +198,7 @@ from tests.sim.election_sim import (
     mark_initial_stores,
     quiet_coordinator_log,
 )
-from tests.sim.replication_checker import Entry, ReplicationChecker
+from tests.sim.replication_checker import Entry, ReplicationChecker, short
 
 __all__ = ["ReplResult", "ReplicationSimulation", "SimFailure", "repl_reproduce_hint", "run_seed"]
 
@@ -148,13 +208,14 @@ _NET, _RTICK, _STORE, _CLIENT, _MASTER_FAULT = range(KINDS_END, KINDS_END + 5)
 MASTER_FAULTS = ("crash", "crash-restart", "crash-slave", "pause", "isolate", "mute", "deaf")
 CLUSTER_ID = "c1"
 EVENTS_MAX = 300_000
-ACTIONS_DEPTH_MAX = 64
 RTICK_MS = 10
 CLIENT_TIMEOUT_MS = 200
 LIVENESS_DEADLINE_MS = 5000
 # Writes the converged master must acknowledge after healing before the clients stop.
 LIVENESS_WRITES = 8
 CONVERGE_CHECK_MS = 5
+# Entries per batch of a reorganization fetch (the service: commit_batch_max_entries).
+FETCH_STEP_ENTRIES = 64
 
 
 def repl_reproduce_hint(seed: int) -> str:
@@ -167,7 +228,22 @@ def repl_reproduce_hint(seed: int) -> str:
 
 def make_entry(lsn: int, epoch: int, operation: bytes) -> Entry:
     """An entry with its checksum."""
-    return Entry(lsn, epoch, zlib.crc32(operation), operation)
+    return Entry(lsn=lsn, epoch=epoch, checksum=zlib.crc32(operation), operation=operation)
+
+
+def write_operation(name: str) -> bytes:
+    """A plain write's operation: it creates a topic of that (unique) name, so the real
+    store holds one record per write whatever snapshots and compactions do to the log."""
+    return replica_pb2.Operation(
+        create_topic=replica_pb2.CreateTopicOp(name=name, kind=common_pb2.TOPIC_KIND_REPLICATED)
+    ).SerializeToString()
+
+
+def epoch_start_operation(epoch: int, master_id: str) -> bytes:
+    """A new master's first entry of its epoch."""
+    return replica_pb2.Operation(
+        epoch_start=replica_pb2.EpochStartOp(epoch=epoch, master_id=master_id)
+    ).SerializeToString()
 
 
 def history_of(log: Sequence[Entry]) -> History:
@@ -199,7 +275,7 @@ class PositionMsg:
 
     epoch: int
     stream: int
-    position: Position
+    position: replica_pb2.ReplicationPosition
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,12 +304,10 @@ class Chunk:
 
     epoch: int
     stream: int
-    index: int
-    snapshot_lsn: int
-    snapshot_epoch: int
-    last: bool
-    entries: tuple[Entry, ...]
-    history: History
+    chunk: replica_pb2.SnapshotChunk
+    ghost: tuple[Entry, ...]
+    """On the last chunk: the log the snapshot's state was built from (the checker's view;
+    the real store receives only the chunk's records)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,7 +316,7 @@ class AckMsg:
 
     epoch: int
     stream: int
-    ack: Ack
+    ack: replica_pb2.ReplicationAck
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,21 +332,25 @@ class Close:
 
 @dataclass(frozen=True, slots=True)
 class CatchUpRequest:
-    """New master -> its sync source: where my log ends."""
+    """New master -> its sync source: where my log ends (``ReplicaDriver.fetch_request``)."""
 
     epoch: int
-    last_lsn: int
-    history: History
+    request: replica_pb2.FetchLogRequest
 
 
 @dataclass(frozen=True, slots=True)
 class CatchUpReply:
-    """Sync source -> new master: the entries after the fork, or a whole-log snapshot."""
+    """Sync source -> new master: the ``FetchLog`` stream's messages as the source's driver
+    decided them (``fetch_answer``), or its refusal; ``ghost``: the source's log as the
+    checker sees it (what a snapshot's state was built from); ``request_last_lsn``: where
+    the requester's log ended when it asked."""
 
     epoch: int
-    snapshot: bool
-    base_lsn: int
-    entries: tuple[Entry, ...]
+    request_last_lsn: int
+    responses: tuple[replica_pb2.FetchLogResponse, ...]
+    ghost: tuple[Entry, ...]
+    error_code: str = ""
+    error: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,18 +408,22 @@ def describe(body: Body) -> str:
         return f"Ack e{body.epoch} s{body.stream} {a.received_lsn}/{a.written_lsn}/{a.synced_lsn}"
     if isinstance(body, PositionMsg):
         p = body.position
-        return f"Position e{body.epoch} s{body.stream} log={p.last_epoch}/{p.last_lsn}"
+        return (
+            f"Position e{body.epoch} s{body.stream} log={p.last_epoch}/{p.last_lsn} "
+            f"start={p.log_start_lsn}"
+        )
     if isinstance(body, Chunk):
-        return f"Chunk e{body.epoch} s{body.stream} #{body.index} at={body.snapshot_lsn}"
+        c = body.chunk
+        return f"Chunk e{body.epoch} s{body.stream} #{c.index} at={c.snapshot_lsn}"
     if isinstance(body, Close):
         return f"Close e{body.epoch} s{body.stream} {body.reason} slave_epoch={body.slave_epoch}"
     if isinstance(body, Hello | Heartbeat):
         return f"{name} e{body.epoch} s{body.stream}"
     if isinstance(body, CatchUpReply):
-        kind = "snapshot" if body.snapshot else f"after {body.base_lsn}"
-        return f"CatchUpReply e{body.epoch} {kind} +{len(body.entries)}"
+        kinds = Counter(r.WhichOneof("body") for r in body.responses)
+        return f"CatchUpReply e{body.epoch} {dict(kinds)} {body.error_code}"
     if isinstance(body, CatchUpRequest):
-        return f"CatchUpRequest e{body.epoch} have={body.last_lsn}"
+        return f"CatchUpRequest e{body.epoch} have={body.request.last_lsn}"
     if isinstance(body, ClientWrite):
         topic = f" {body.kind} {body.sequence}" if body.kind else ""
         return f"ClientWrite p{body.pid}{topic}"
@@ -383,6 +465,12 @@ class NodeStore(Replica):
     snapshot_lsn: int = 0
     log_start: int = 1
     synced_lsn: int = 0
+    db: Store = field(default_factory=lambda: Store.open_memory(keep_unsynced=True))
+    """The real store (``MemoryKV``): what the drivers read and write. ``log`` is the
+    checker's view of it: the entries its state was built from, also those a snapshot
+    or a compaction took out of the store's log."""
+    installing: bool = False
+    """A snapshot install began and has not finished: the store reports itself empty."""
 
     def refresh(self) -> None:
         """Keep the position the coordinator reads in step with the log."""
@@ -406,6 +494,17 @@ StreamKey = tuple[str, int, int]
 
 
 @dataclass
+class PendingWrite:
+    """A batch the slave's core accepted, being written (the store's delay): what the
+    driver said to store, the stream's follower, the batch and its stream."""
+
+    accepted: BatchAccepted[Entry]
+    follower: Follower
+    batch: Batch
+    key: StreamKey
+
+
+@dataclass
 class Runtime:
     """One node's volatile replica state: gone when the process crashes."""
 
@@ -419,15 +518,21 @@ class Runtime:
     reconnect_at: dict[str, int] = field(default_factory=dict)
     stalled: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     """Slave -> (stream, received LSN, since when) while entries are in flight unreceived."""
+    steps: dict[int, MasterSteps[int]] = field(default_factory=dict)
+    """The ``MasterSteps`` of each master core this process made (by the core's id)."""
     tokens: dict[int, tuple[int, str, int]] = field(default_factory=dict)
     """Write token -> (LSN, client, payload id); a duplicated request gets its own token."""
-    follower: Follower | None = None
+    driver: ReplicaDriver | None = None
+    """The shipped replica driver over this node's store (made when the process starts)."""
+    taking: int = 0
+    """The epoch whose master role the driver's core is taking (0: none)."""
     master_id: str = ""
     stream: StreamKey | None = None
+    core_stream: int = 0
+    """The driver's number for ``stream`` (its later messages name it)."""
     last_hello: StreamKey | None = None
-    writes: deque[tuple[BatchAccepted[Entry], StreamKey]] = field(default_factory=deque)
+    writes: deque[PendingWrite] = field(default_factory=deque)
     deferred: deque[Packet] = field(default_factory=deque)
-    staged: list[Entry] = field(default_factory=list)
     known_commit: int = 0
 
 
@@ -477,7 +582,7 @@ def _prehistory(
         mine = logs[leader]
         start = len(mine) + 1
         mine = mine + [
-            make_entry(lsn, epoch, f"h{epoch}-{lsn}".encode())
+            make_entry(lsn, epoch, write_operation(f"h{epoch}-{lsn}"))
             for lsn in range(start, start + rng.randint(1, 8))
         ]
         logs[leader] = mine
@@ -563,6 +668,12 @@ class ReplicationSimulation(Simulation):
             store = NodeStore(log=list(logs[node]))
             store.synced_lsn = len(store.log)
             store.refresh()
+            if store.log:
+                # What the earlier cluster committed is not known: nothing counts as
+                # committed (a store with no record would count its whole log).
+                store.db.append(store.log, sync=True, commit_lsn=0)
+                store.db.set_commit_lsn(0)
+                store.db.set_cluster_id(CLUSTER_ID)
             self.stores[node] = store
             self.replicas[node] = store
             for entry in store.log:
@@ -570,6 +681,16 @@ class ReplicationSimulation(Simulation):
                 self.rchecker.writer.setdefault(entry.epoch, f"prehistory-{entry.epoch}")
         mark_initial_stores(self.replicas)
         self.rt: dict[str, Runtime] = {node: Runtime() for node in self.nodes}
+        # Half the seeds: the stores cannot truncate (a divergent slave gets a snapshot);
+        # the others truncate by rebuilding from their own log, as LMDB stores do.
+        self.truncate_by_snapshot = random.Random(seed * 613 + 3).random() < 0.5
+        # Machine crashes (unflushed writes lost): half the crashes of master faults where
+        # the master flushes every write. Only where the replicas do too must no
+        # acknowledged entry be lost; otherwise a loss degrades the seed (the policy
+        # promises nothing then).
+        self.power_loss = self.params.master_sync == SyncPolicy.SYNC
+        self.power_safe = self.power_loss and self.params.replica_sync == SyncPolicy.SYNC
+        self.frng = random.Random(seed * 31 + 17)
         self.master_cfg = {
             node: MasterConfig(
                 node_id=node,
@@ -581,7 +702,7 @@ class ReplicationSimulation(Simulation):
                 inflight_bytes_max=self.params.window_bytes,
                 pending_writes_max=self.params.pending_max,
                 heartbeat_interval_ms=scenario.timing["heartbeat_interval_ms"],
-                truncate_by_snapshot=True,
+                truncate_by_snapshot=self.truncate_by_snapshot,
             )
             for node in self.nodes
         }
@@ -615,7 +736,10 @@ class ReplicationSimulation(Simulation):
         # (and the seeds found before it existed) as they were.
         self.trng = random.Random(seed * 7919 + 11)
         self.topic_p = self.trng.choice((0.0, 0.6, 0.9))
-        self.topic_states: dict[str, topic_state.TopicState] = {}
+        # Snapshot chunks hold at most this many records (several chunks per snapshot).
+        self.snapshot_records = self.rrng.choice((4, 32, 8192))
+        # The slaves' own log retention (their cores compact beyond it).
+        self.slave_retention = self.rrng.choice((8, 64)) if self.params.compaction_p else 10**9
         self.topic_tokens: dict[int, topic_state.Receipt] = {}
 
     # ----------------------------------------------------------------- plumbing
@@ -635,7 +759,7 @@ class ReplicationSimulation(Simulation):
         ]
         for node in self.nodes:
             store, rt = self.stores[node], self.rt[node]
-            tail = ",".join(e.short() for e in store.log[-4:])
+            tail = ",".join(short(e) for e in store.log[-4:])
             role = "-"
             if rt.core is not None:
                 core = rt.core
@@ -648,11 +772,11 @@ class ReplicationSimulation(Simulation):
                 )
             elif rt.catchup is not None:
                 role = f"master e{rt.epoch} catching up from {rt.catchup.source}"
-            elif rt.follower is not None:
-                fs = rt.follower.state()
+            elif rt.driver is not None and (follower := rt.driver.core.follower) is not None:
+                fs = follower.state()
                 role = (
                     f"slave of {fs.master_id} e{fs.epoch} stream={rt.stream} "
-                    f"commit={rt.follower.commit_lsn} pending_writes={len(rt.writes)}"
+                    f"commit={follower.commit_lsn} pending_writes={len(rt.writes)}"
                 )
             lines.append(
                 f"  {node}: log len={len(store.log)} start={store.log_start} "
@@ -690,16 +814,19 @@ class ReplicationSimulation(Simulation):
             return sum(1 for node in self.nodes if self.holds_received(node, lsn, entry))
         count = 0
         for node in self.nodes:
-            log = self.stores[node].log
-            if len(log) >= lsn and log[lsn - 1] == entry:
+            store = self.stores[node]
+            log = store.log
+            if not store.installing and len(log) >= lsn and log[lsn - 1] == entry:
                 count += 1
         return count
 
     def holds_received(self, node: str, lsn: int, entry: Entry) -> bool:
         """Does the node hold ``entry`` in its store or among its received, unwritten batches?"""
-        log = self.stores[node].log
-        held: Entry | None = log[lsn - 1] if lsn <= len(log) else None
-        for batch, _ in self.rt[node].writes:
+        store = self.stores[node]
+        log = store.log
+        held: Entry | None = log[lsn - 1] if lsn <= len(log) and not store.installing else None
+        for write in self.rt[node].writes:
+            batch = write.accepted
             cut = batch.truncate_after_lsn
             if cut is not None and cut < lsn:
                 held = None
@@ -742,30 +869,112 @@ class ReplicationSimulation(Simulation):
 
     # ----------------------------------------------------------------- election hooks
 
+    def driver_of(self, node: str) -> ReplicaDriver:
+        """The node's ``ReplicaDriver`` and ``ReplicaCore``, made over its store as a
+        starting replica process makes them (the core's floor is the stored epoch)."""
+        rt = self.rt[node]
+        if rt.driver is None:
+            store = self.stores[node]
+            self.reconcile(node)
+            db = store.db
+            meta = db.meta()
+            core = ReplicaCore(
+                CoreConfig(node, {x: x for x in self.nodes}, self.slave_retention),
+                stored_epoch=meta.epoch,
+                log=LogPosition(meta.last_lsn, db.log_start_lsn()),
+            )
+            rt.driver = ReplicaDriver(
+                node,
+                core,
+                db,
+                gate_from_store(db),
+                follower_config=self.follower_cfg[node],
+                on_committed=lambda: None,
+                on_fault=lambda why: self.note(f"{node} fault", why),
+            )
+        return rt.driver
+
+    def reconcile(self, node: str) -> None:
+        """The checker's view follows a store an unfinished install left empty, or one
+        a machine crash took back to its last flush."""
+        store = self.stores[node]
+        meta = store.db.meta()
+        if store.log and meta.last_lsn == 0 and meta.snapshot_pending:
+            self.note(f"{node} store empty", "an unfinished snapshot install")
+            self.rchecker.store_emptied(node)
+            store.log = []
+            store.refresh()
+            store.log_start, store.snapshot_lsn = 1, 0
+        elif meta.last_lsn < len(store.log):
+            self.note(f"{node} store lost", f"LSNs {meta.last_lsn + 1}..{len(store.log)}")
+            if not self.power_safe:
+                self.rchecker.degrade(
+                    f"t={self.now_ms}: node {node}'s machine crashed and lost LSNs "
+                    f"{meta.last_lsn + 1}..{len(store.log)} it had written without a flush "
+                    f"({self.params.replica_sync.name})"
+                )
+            self.set_log(node, store.log[: meta.last_lsn], meta.last_lsn)
+        store.log_start = store.db.log_start_lsn()
+        store.installing = False
+        self.check_store(node)
+
+    def order(self, node: str, cmd: RoleCommand | None, reason: str = "") -> Effects:
+        """A role command (None: DEACTIVATE) put to the node's ``ReplicaCore``."""
+        driver = self.driver_of(node)
+        meta = driver.store.meta()
+        if cmd is None or cmd.kind is RoleCommandKind.DEACTIVATE:
+            order = RoleOrder(int(CoreRole.INACTIVE), reason=reason or "coordinator")
+        else:
+            role = CoreRole.MASTER if cmd.kind is RoleCommandKind.MASTER else CoreRole.SLAVE
+            order = RoleOrder(
+                int(role),
+                epoch=cmd.epoch,
+                master_id=cmd.master_id,
+                members=tuple(cmd.members),
+                sync_source_id=cmd.sync_source_id,
+                seq=cmd.seq,
+                cluster_id=cmd.cluster_id,
+            )
+        return driver.core.role_command(order, self.now_ms, StoreFacts(meta.epoch, meta.cluster_id))
+
+    def role_steps(self, node: str, effects: Effects) -> str:
+        """Carries out a role change's steps (``ReplicaDriver.role_steps``) as the replica
+        node does; returns the core's refusal ("" when none)."""
+        driver = self.driver_of(node)
+        try:
+            for step in driver.role_steps(effects):
+                if isinstance(step, PersistRole):
+                    step.write()
+                elif isinstance(step, FollowMaster):
+                    driver.follow(step.follow, self.now_ms)
+                elif isinstance(step, StartTaking):
+                    self.rt[node].taking = step.take.epoch
+                    driver.take_master_persist(step.take.epoch, step.take.members)
+        except ServiceError as exc:
+            return exc.message
+        return ""
+
     def deactivate_replica(self, node: str) -> None:
         """Stop serving: depose a master, wait for a slave's pending writes, drop the role."""
         self.teardown(node, "the coordinator deactivated the replica")
+        self.role_steps(node, self.order(node, None))
         super().deactivate_replica(node)
 
     def follow_master(self, node: str, cmd: RoleCommand) -> None:
-        """A fresh Follower over the store, obeying ``cmd.master_id`` in ``cmd.epoch``."""
+        """The replica's core takes the slave role (the driver makes its Follower)."""
         self.teardown(node, f"now following {cmd.master_id}")
+        refusal = self.role_steps(node, self.order(node, cmd))
+        if refusal:
+            self.note(f"{node} refuses slave role", refusal)
+            self.stores[node].role = Role.INACTIVE
+            self.driver_recovers(node, refusal)
+            return
         super().follow_master(node, cmd)
         self.role_taken(node, cmd.epoch)
-        store, rt = self.stores[node], self.rt[node]
-        rt.follower = Follower(
-            self.follower_cfg[node],
-            cluster_id=store.cluster_id,
-            epoch=cmd.epoch,
-            master_id=cmd.master_id,
-            last_lsn=len(store.log),
-            history=history_of(store.log),
-            commit_lsn=rt.known_commit,
-            synced_lsn=min(store.synced_lsn, len(store.log)),
-            snapshot_lsn=store.snapshot_lsn,
-        )
+        rt = self.rt[node]
         rt.master_id, rt.epoch = cmd.master_id, cmd.epoch
         rt.stream = rt.last_hello = None
+        rt.core_stream = 0
 
     def become_master(self, node: str, cmd: RoleCommand) -> None:
         """Catch up from the sync source, then serve as master of ``cmd.epoch``."""
@@ -778,14 +987,22 @@ class ReplicationSimulation(Simulation):
             raise self.fail(str(exc)) from None
         rt = self.rt[node]
         if reissue:
+            refusal = self.role_steps(node, self.order(node, cmd))
+            if refusal:
+                self.give_up(node, refusal)
+                return
             self.members_shrank(node, cmd)
             return
         self.teardown(node, f"now master of epoch {cmd.epoch}")
+        refusal = self.role_steps(node, self.order(node, cmd))
+        if refusal:
+            self.give_up(node, refusal)
+            return
         self.role_taken(node, cmd.epoch)
         replica.take_role(cmd.cluster_id)
         replica.role, replica.epoch, replica.master = Role.MASTER, cmd.epoch, node
         rt.epoch, rt.members = cmd.epoch, cmd.members
-        if cmd.sync_source_id == node:
+        if cmd.sync_source_id == node or not self.catch_up_needed(node, cmd):
             self.start_serving(node)
             return
         rt.catchup = CatchUp(cmd.sync_source_id, self.now_ms + self.catchup_timeout_ms, 0)
@@ -793,6 +1010,11 @@ class ReplicationSimulation(Simulation):
         if self.healed_at is None and self.rrng.random() < self.params.source_fault_p:
             self.source_fault(cmd.sync_source_id)
         self.request_catchup(node)
+
+    def catch_up_needed(self, node: str, cmd: RoleCommand) -> bool:
+        """A new master brings its store to its sync source's state first (a planted bug
+        skips it)."""
+        return True
 
     def role_taken(self, node: str, epoch: int) -> None:
         """Role epochs never decrease."""
@@ -844,13 +1066,11 @@ class ReplicationSimulation(Simulation):
         rt.last_heard.clear()
         rt.reconnect_at.clear()
         rt.stalled.clear()
-        if rt.follower is not None:
-            while rt.writes:
-                self.finish_write(node, send_ack=False)
-            rt.follower = None
+        while rt.writes:  # the node waits for the batch being written
+            self.finish_write(node, send_ack=False)
         rt.stream = rt.last_hello = None
+        rt.core_stream = 0
         rt.deferred.clear()
-        rt.staged = []
 
     def crash(self, node: str) -> None:
         """A process crash: the store stays, the replica's volatile state goes."""
@@ -858,7 +1078,7 @@ class ReplicationSimulation(Simulation):
             return
         super().crash(node)
         rt = self.rt[node]
-        lost = sum(len(batch.entries) for batch, _ in rt.writes)
+        lost = sum(len(w.accepted.entries) for w in rt.writes)
         if lost and self.params.replica_sync == SyncPolicy.NO_SYNC:
             self.rchecker.degrade(
                 f"t={self.now_ms}: node {node} crashed holding {lost} received, unwritten "
@@ -877,6 +1097,11 @@ class ReplicationSimulation(Simulation):
         """The replica refuses the master role; its coordinator recovers (node.py's way)."""
         self.note(f"{node} refuses master role", reason)
         self.teardown(node, reason)
+        rt = self.rt[node]
+        if rt.taking:
+            epoch, rt.taking = rt.taking, 0
+            error = ServiceError(Code.FAILED_PRECONDITION, reason)
+            self.driver_of(node).taking_finished(epoch, error, self.now_ms)
         self.stores[node].role = Role.INACTIVE
         self.driver_recovers(node, reason)
 
@@ -890,79 +1115,241 @@ class ReplicationSimulation(Simulation):
     # ----------------------------------------------------------------- master side
 
     def request_catchup(self, node: str) -> None:
-        """Ask the sync source for its log after ours."""
+        """Ask the sync source for its log after ours (``ReplicaDriver.fetch_request``)."""
         rt = self.rt[node]
         if rt.catchup is None:
             return
-        log = self.stores[node].log
+        request = self.driver_of(node).fetch_request(rt.epoch, FETCH_STEP_ENTRIES)
         rt.catchup.next_try_ms = self.now_ms + 4 * RTICK_MS
-        self.net_send(node, rt.catchup.source, CatchUpRequest(rt.epoch, len(log), history_of(log)))
+        self.net_send(node, rt.catchup.source, CatchUpRequest(rt.epoch, request))
 
-    def serve_catchup(self, node: str, src: str, req: CatchUpRequest) -> None:
-        """The sync source answers from its store (reading it changes nothing)."""
+    def serve_catchup(self, node: str, src: str, body: CatchUpRequest) -> None:
+        """The sync source answers from its store as ``ReplicaNode.fetch_log`` does: its
+        driver decides (``fetch_answer``); the answer is read at once (nothing changes
+        the store meanwhile in this simulator)."""
         store = self.stores[node]
-        log = store.log
-        fork = fork_lsn(history_of(log), len(log), req.history, req.last_lsn)
-        if req.last_lsn > fork or fork < store.log_start - 1:
-            reply = CatchUpReply(req.epoch, True, 0, tuple(log))
+        driver = self.driver_of(node)
+        request = body.request
+        try:
+            answer = driver.fetch_answer(
+                request,
+                is_master=driver.core.role == CoreRole.MASTER,
+                step_max=FETCH_STEP_ENTRIES,
+            )
+        except ServiceError as exc:
+            reply = CatchUpReply(body.epoch, request.last_lsn, (), (), exc.code.name, exc.message)
+            self.net_send(node, src, reply)
+            return
+        meta = answer.meta
+        commit = driver.gate.commit_lsn
+        responses: list[replica_pb2.FetchLogResponse] = []
+        if answer.why_snapshot:
+            chunks = self.export_snapshot(node)
+            responses.extend(
+                replica_pb2.FetchLogResponse(snapshot=chunk, cluster_id=meta.cluster_id)
+                for chunk in chunks
+            )
+            next_lsn = chunks[0].snapshot_lsn + 1
         else:
-            reply = CatchUpReply(req.epoch, False, fork, tuple(log[fork:]))
+            responses.append(
+                replica_pb2.FetchLogResponse(
+                    entries=replica_pb2.EntryBatch(
+                        epoch=meta.epoch,
+                        truncate_after_lsn=answer.fork if answer.diverged else 0,
+                        commit_lsn=commit,
+                    ),
+                    cluster_id=meta.cluster_id,
+                )
+            )
+            next_lsn = answer.fork + 1
+        # One batch per step: bounded by the log's end.
+        while next_lsn <= meta.last_lsn:
+            count = min(answer.step, meta.last_lsn - next_lsn + 1)
+            entries = store.db.read_log(next_lsn, count)
+            responses.append(
+                replica_pb2.FetchLogResponse(
+                    entries=replica_pb2.EntryBatch(
+                        entries=entries, epoch=meta.epoch, commit_lsn=commit
+                    ),
+                    cluster_id=meta.cluster_id,
+                )
+            )
+            next_lsn += count
+        reply = CatchUpReply(body.epoch, request.last_lsn, tuple(responses), tuple(store.log))
         self.net_send(node, src, reply)
 
+    def export_snapshot(self, node: str) -> list[replica_pb2.SnapshotChunk]:
+        """The store's snapshot as the snapshot pump reads it (one read transaction), its
+        last chunk stamped with this node's commit LSN as ``ReplicaNode`` does."""
+        db = self.stores[node].db
+        chunks = list(db.snapshot_chunks(records_max=self.snapshot_records))
+        self.driver_of(node).stamp_snapshot(chunks[-1])
+        return chunks
+
+    def install_chunk(
+        self,
+        node: str,
+        chunk: replica_pb2.SnapshotChunk,
+        *,
+        last: bool,
+        history: Sequence[tuple[int, int]],
+        ghost: Sequence[Entry],
+    ) -> int | None:
+        """One snapshot chunk into the store as ``ReplicaNode._install_snapshot_chunk``
+        does (a slave's stream and a new master's fetch share it); after the last, the
+        checker's view becomes the log the snapshot was built from. Returns the
+        snapshot's LSN once installed."""
+        store = self.stores[node]
+        driver = self.driver_of(node)
+        db = store.db
+        if chunk.index == 0:
+            db.begin_snapshot(chunk.snapshot_lsn, chunk.snapshot_epoch)
+            driver.snapshot_begun()
+            store.installing = True
+        db.install_chunk(chunk)
+        if not last:
+            return None
+        lsn = chunk.snapshot_lsn
+        commit_lsn = min(chunk.commit_lsn, lsn)
+        uncommitted = [(u.topic, u.first_offset, u.last_lsn) for u in chunk.uncommitted]
+        db.finish_snapshot(list(history), commit_lsn=commit_lsn, uncommitted=uncommitted)
+        driver.snapshot_finished(lsn, commit_lsn, uncommitted)
+        staged = list(ghost)
+        if len(staged) != lsn or any(e.lsn != i + 1 for i, e in enumerate(staged)):
+            raise self.fail(f"node {node}: snapshot at {lsn} built from {len(staged)} entries")
+        store.installing = False
+        first = 0
+        limit = min(len(staged), len(store.log))
+        while first < limit and staged[first] == store.log[first]:
+            first += 1
+        self.set_log(node, staged, first)
+        store.snapshot_lsn = lsn
+        store.log_start = lsn + 1
+        store.synced_lsn = lsn
+        self.check_store(node)
+        return lsn
+
+    def check_store(self, node: str) -> None:
+        """The real store's log ends where the checker's view of it does."""
+        store = self.stores[node]
+        meta = store.db.meta()
+        last_epoch = store.log[-1].epoch if store.log else 0
+        if (meta.last_lsn, meta.last_epoch) != (len(store.log), last_epoch):
+            raise self.fail(
+                f"invariant: node {node}'s store's log ends at {meta.last_epoch}/{meta.last_lsn}, "
+                f"the simulator's view at {last_epoch}/{len(store.log)}"
+            )
+
     def on_catchup_reply(self, node: str, src: str, reply: CatchUpReply) -> None:
-        """Bring the master's log to the source's state, then serve."""
+        """The sync source's answer, stepped by the driver (``fetch_step``) in the order
+        ``ReplicaNode._sync_from`` applies it; then serve."""
         rt = self.rt[node]
         if rt.catchup is None or rt.catchup.source != src or reply.epoch != rt.epoch:
             return
         store = self.stores[node]
-        if reply.snapshot:
-            new_log = list(reply.entries)
-        else:
-            if reply.base_lsn > len(store.log):
-                return  # an answer to a request from another log state: wait for the retry
-            new_log = store.log[: reply.base_lsn] + list(reply.entries)
-        if new_log and new_log[-1].epoch >= rt.epoch:
+        if reply.error_code:
+            if reply.error_code == "FAILED_PRECONDITION":
+                self.give_up(node, f"sync source {src} refused the fetch: {reply.error}")
+            return  # anything else: the next attempt asks again
+        moved = reply.ghost[-1].epoch if reply.ghost else 0
+        if moved >= rt.epoch:
             self.give_up(
                 node,
-                f"sync source {src} holds entries of epoch {new_log[-1].epoch}, not older than "
+                f"sync source {src} holds entries of epoch {moved}, not older than "
                 f"{rt.epoch}: it moved on",
             )
             return
-        first = 0
-        limit = min(len(new_log), len(store.log))
-        while first < limit and new_log[first] == store.log[first]:
-            first += 1
-        if first < len(store.log) or first < len(new_log):
-            self.set_log(node, new_log, first)
-        if reply.snapshot:
-            store.snapshot_lsn = len(new_log)
-            store.log_start = len(new_log) + 1
+        driver = self.driver_of(node)
+        tail = driver.fetch_begin()
+        if tail.last_lsn != reply.request_last_lsn:
+            return  # an answer to a request from another log state: wait for the retry
+        sync = self.params.master_sync == SyncPolicy.SYNC
+        try:
+            for response in reply.responses:
+                step = driver.fetch_step(tail, response, rt.epoch, src)
+                if isinstance(step, InstallFetched):
+                    chunk = step.chunk
+                    driver.check_fetched_snapshot(
+                        chunk, rt.epoch, src, after_entries=tail.entries > 0
+                    )
+                    lsn = self.install_chunk(
+                        node,
+                        chunk,
+                        last=chunk.last,
+                        history=[(b.epoch, b.start_lsn) for b in chunk.history],
+                        ghost=reply.ghost,
+                    )
+                    driver.fetched_chunk_installed(tail, chunk, lsn)
+                elif isinstance(step, TruncateFetched):
+                    self.truncate(node, step.keep_lsn)
+                    self.request_catchup(node)  # and fetch again, from the truncated log
+                    return
+                elif isinstance(step, StoreFetched):
+                    driver.hide_uncommitted(step.entries, step.commit_lsn)
+                    driver.store_append(step.entries, sync=sync, commit_lsn=step.commit_lsn)
+                    self.append_log(node, step.entries)
+                    driver.fetched_stored(step.entries[-1].lsn, step.commit_lsn)
+                    driver.fetched_entries_stored(tail, step)
+        except ServiceError as exc:
+            self.give_up(node, exc.message)
+            return
+        except StoreError as exc:
+            self.give_up(node, f"storing the log fetched from {src} failed: {exc}")
+            return
+        meta = store.db.meta()
+        driver.core.log_reset(meta.last_lsn, store.db.log_start_lsn())
+        self.check_store(node)
         store.synced_lsn = len(store.log)
         self.note(f"{node} caught up", f"from {src}: log now ends at {len(store.log)}")
         rt.catchup = None
         self.start_serving(node)
 
+    def truncate(self, node: str, keep_lsn: int) -> None:
+        """Truncates the node's log after keep_lsn as ``ReplicaNode._truncate_locked`` does:
+        the store is rebuilt from its own log (``rebuild.rebuild_into``, here into a fresh
+        in-memory store) and the driver follows; a log that no longer starts at LSN 1
+        cannot be replayed (FAILED_PRECONDITION: it needs a snapshot)."""
+        store = self.stores[node]
+        driver = self.driver_of(node)
+        log_start = store.db.log_start_lsn()
+        if log_start > 1:
+            raise ServiceError(
+                Code.FAILED_PRECONDITION,
+                f"replica {node} must truncate its log after LSN {keep_lsn}, but its log "
+                f"starts at LSN {log_start}: it needs a snapshot",
+            )
+        fresh = Store.open_memory(keep_unsynced=True)
+        rebuild_into(store.db, fresh, keep_lsn)
+        fresh.sync()  # as the LMDB truncator flushes the staged store before the swap
+        store.db = fresh
+        driver.truncated(keep_lsn, fresh)
+        self.note(f"{node} truncated", f"after LSN {keep_lsn}")
+        self.set_log(node, store.log[:keep_lsn], keep_lsn)
+        store.synced_lsn = min(store.synced_lsn, keep_lsn)
+        self.check_store(node)
+
     def start_serving(self, node: str) -> None:
-        """Create the ReplicationMaster, append the epoch-start entry, open the streams."""
+        """The replica's driver makes the ReplicationMaster over the store; append the
+        epoch-start entry, open the streams, and tell the core the role is held."""
         store, rt = self.stores[node], self.rt[node]
-        log = store.log
-        commit = min(rt.known_commit, len(log))
-        core: ReplicationMaster[int] = ReplicationMaster(
-            self.master_cfg[node],
-            epoch=rt.epoch,
-            members=rt.members,
-            last_lsn=len(log),
-            history=history_of(log),
-            commit_lsn=commit,
-            log_start_lsn=store.log_start,
-        )
+        driver = self.driver_of(node)
+        try:
+            core: ReplicationMaster[int] = driver.master_core(
+                self.master_cfg[node], rt.epoch, rt.members
+            )
+        except ServiceError as exc:
+            self.give_up(node, exc.message)
+            return
         rt.core = core
         rt.zombie = None
-        self.rchecker.master_started(node, rt.epoch, commit)
-        if not store.cluster_id:
-            store.cluster_id = CLUSTER_ID
+        self.rchecker.master_started(node, rt.epoch, core.commit_lsn)
+        log = store.log
         self.note(f"{node} serving", f"master of epoch {rt.epoch}, log ends at {len(log)}")
-        self.master_append(node, core, f"start-{rt.epoch}".encode())
+        self.master_append(node, core, epoch_start_operation(rt.epoch, node))
+        if rt.taking:
+            epoch, rt.taking = rt.taking, 0
+            driver.master_taken(epoch)
+            driver.taking_finished(epoch, None, self.now_ms)
         for slave in core.members:
             if slave != node:
                 self.open_stream(node, core, slave)
@@ -971,16 +1358,27 @@ class ReplicationSimulation(Simulation):
         """Append one entry of this master's epoch; returns its LSN."""
         store = self.stores[node]
         entry = make_entry(len(store.log) + 1, core.epoch, operation)
+        self.master_store(node, core, entry)
+        return entry.lsn
+
+    def master_store(
+        self, node: str, core: ReplicationMaster[int], entry: replica_pb2.LogEntry
+    ) -> None:
+        """The writer stores one entry of this master's epoch and hands it to the steps."""
+        store = self.stores[node]
         try:
             self.rchecker.entry_created(node, entry)
         except InvariantViolation as exc:
             raise self.violation(exc) from None
-        self.append_log(node, (entry,))
         synced = self.params.master_sync == SyncPolicy.SYNC
+        driver = self.driver_of(node)
+        driver.store_append((entry,), sync=synced, commit_lsn=core.commit_lsn)
+        driver.batch_appended(entry.lsn, core.commit_lsn)
+        self.append_log(node, (entry,))
         if synced:
             store.synced_lsn = len(store.log)
-        self.apply_master(node, core, core.on_appended(entry.lsn, synced=synced))
-        return entry.lsn
+        self.master_report(node, core)
+        self.steps_of(node, core).appended((entry,), synced=synced)
 
     def open_stream(self, node: str, core: ReplicationMaster[int], slave: str) -> None:
         """Connect to a member slave: a new stream and its Hello."""
@@ -1007,65 +1405,124 @@ class ReplicationSimulation(Simulation):
                 return core
         return None
 
-    def apply_master(
-        self, node: str, core: ReplicationMaster[int], actions: Actions[int], depth: int = 0
-    ) -> None:
-        """The driver: apply one Actions record in its documented order."""
-        if depth > ACTIONS_DEPTH_MAX:
-            raise self.fail(f"Actions records chained more than {ACTIONS_DEPTH_MAX} deep")
-        store, rt = self.stores[node], self.rt[node]
-        log = store.log
+    def steps_of(self, node: str, core: ReplicationMaster[int]) -> MasterSteps[int]:
+        """The shipped ``MasterSteps`` that apply this master core's Actions, made once per
+        core with this simulator's outputs (the part ``MasterDriver`` does with streams)."""
+        rt = self.rt[node]
+        steps = rt.steps.get(id(core))
+        if steps is not None and steps.core is core:
+            return steps
+        store = self.stores[node]
+
+        def completed(tokens: Sequence[int]) -> None:
+            self.master_report(node, core)
+            self.writes_completed(node, core, tokens)
+
+        def failed(tokens: Sequence[int]) -> None:
+            for token in tokens:
+                _, client, pid = rt.tokens.pop(token)
+                self.topic_tokens.pop(token, None)
+                self.net_send(node, client, ClientReply(pid, "fail", ""))
+
+        def close_stream(slave: str, stream: int, reason: str) -> None:
+            self.net_send(node, slave, Close(core.epoch, stream, reason, to_master=False))
+            self.stream_broken(node, core, slave, stream)
+
+        steps = MasterSteps(
+            node,
+            core,
+            lambda: store.db,
+            MasterOutputs(
+                send=lambda slave, request: self.send_request(node, core, slave, request),
+                heartbeat=lambda slave, request: self.send_request(node, core, slave, request),
+                snapshot=lambda slave: self.send_snapshot(node, core, slave),
+                close_stream=close_stream,
+                completed=completed,
+                failed=failed,
+                committed=lambda _lsn: self.master_report(node, core),
+                room=lambda: None,
+                deposed=lambda why: self.master_deposed(node, core, why),
+            ),
+            tail_bytes_max=2 * self.params.window_bytes,
+            log_start_lsn=store.log_start,
+        )
+        rt.steps[id(core)] = steps
+        return steps
+
+    def master_deposed(self, node: str, core: ReplicationMaster[int], why: str) -> None:
+        """The replication core deposed itself (a slave of a newer epoch, a lost group):
+        the replica's core drops the role as ``ReplicaNode`` has it do, and the report
+        the coordinator reads says so. (A role change deposes the core on its own.)"""
+        self.note(f"{node} deposed", why)
+        if self.rt[node].core is core:
+            self.driver_of(node).deposed(why)
+            self.stores[node].role = Role.INACTIVE
+
+    def apply_master(self, node: str, core: ReplicationMaster[int], actions: Actions[int]) -> None:
+        """One Actions record, applied by the shipped ``MasterSteps`` in its documented
+        order; the checker first hears the commit LSN the core reports with it."""
+        self.master_report(node, core, actions.commit_lsn)
+        self.steps_of(node, core).apply(actions)
+
+    def master_report(self, node: str, core: ReplicationMaster[int], commit_lsn: int = -1) -> None:
+        """The checker hears a master core's commit LSN (by default its current one): it
+        never goes back, never moves once deposed, and whoever it counts holds the entries."""
+        if commit_lsn < 0:
+            commit_lsn = core.commit_lsn
+        log = self.stores[node].log
         before = self.rchecker.core_commit.get((node, core.epoch), 0)
         try:
             self.rchecker.master_reported(
-                node, core.epoch, actions.commit_lsn, bool(core.deposed), log, self.holders
+                node, core.epoch, commit_lsn, bool(core.deposed), log, self.holders
             )
         except InvariantViolation as exc:
             raise self.violation(exc) from None
-        if actions.commit_lsn > before and not self.rchecker.degraded:
-            self.check_vouched(node, core, before, actions.commit_lsn)
+        if commit_lsn > before and not self.rchecker.degraded:
+            self.check_vouched(node, core, before, commit_lsn)
         if not core.deposed:
-            self.claim_commit(node, actions.commit_lsn)
-        rejection = actions.rejection
-        if rejection is not None:
-            if rejection.code is not RejectCode.STALE_STREAM:
-                self.note(f"{node} master rejected", rejection.message)
-            if rejection.code in (RejectCode.BAD_POSITION, RejectCode.BAD_ACK):
-                self.net_send(
-                    node,
-                    rejection.node_id,
-                    Close(core.epoch, rejection.stream_id, rejection.code.value, to_master=False),
-                )
-                self.stream_broken(node, core, rejection.node_id, rejection.stream_id)
-        for grant in actions.sends:
-            if grant.from_lsn < store.log_start:
-                raise self.fail(
-                    f"grant from LSN {grant.from_lsn} below log start {store.log_start}"
-                )
-            entries = log[grant.from_lsn - 1 : grant.from_lsn - 1 + grant.entries_max]
-            batch = tuple(fit_batch(entries, grant.bytes_max)) if entries else ()
-            last = grant.from_lsn - 1 + len(batch)
-            follow = core.on_sent(grant.node_id, grant.stream_id, last, batch_size_bytes(batch))
-            self.net_send(
-                node,
-                grant.node_id,
-                Batch(
-                    core.epoch, grant.stream_id, batch, grant.commit_lsn, grant.truncate_after_lsn
-                ),
-            )
-            self.apply_master(node, core, follow, depth + 1)
-        for slave in actions.snapshots:
-            self.send_snapshot(node, core, slave, depth)
-        for slave in actions.heartbeats:
-            stream = core.progress(slave).stream_id
-            self.net_send(node, slave, Heartbeat(core.epoch, stream, actions.commit_lsn))
-        for token in actions.completed:
+            self.claim_commit(node, commit_lsn)
+
+    def send_request(
+        self,
+        node: str,
+        core: ReplicationMaster[int],
+        slave: str,
+        request: replica_pb2.ReplicateRequest,
+    ) -> None:
+        """A batch or heartbeat ``MasterSteps`` built, sent on the slave's current stream."""
+        stream = core.progress(slave).stream_id
+        if not stream:
+            return  # no stream open: the real driver's heartbeat is dropped as well
+        if request.WhichOneof("body") == "heartbeat":
+            hb = request.heartbeat
+            self.net_send(node, slave, Heartbeat(hb.epoch, stream, hb.commit_lsn))
+            return
+        batch = request.entries
+        self.net_send(
+            node,
+            slave,
+            Batch(
+                batch.epoch,
+                stream,
+                tuple(batch.entries),
+                batch.commit_lsn,
+                batch.truncate_after_lsn or None,
+            ),
+        )
+
+    def writes_completed(
+        self, node: str, core: ReplicationMaster[int], tokens: Sequence[int]
+    ) -> None:
+        """Committed writes: checked, then answered."""
+        rt = self.rt[node]
+        log = self.stores[node].log
+        for token in tokens:
             lsn, client, pid = rt.tokens.pop(token)
             entry = log[lsn - 1]
             receipt = self.topic_tokens.pop(token, None)
             if receipt is not None:
                 state = self.topic_state(node)
-                info = state.store.get_topic(topic_state.TOPIC)
+                info = state.get_topic(topic_state.TOPIC)
                 self.check_topic(
                     self.rchecker.receipt_acked,
                     node,
@@ -1075,21 +1532,12 @@ class ReplicationSimulation(Simulation):
                 )
             if receipt is None or not receipt.duplicate:
                 try:
-                    self.rchecker.write_acked(node, entry, actions.commit_lsn, self.holders)
+                    self.rchecker.write_acked(node, entry, core.commit_lsn, self.holders)
                 except InvariantViolation as exc:
                     raise self.violation(exc) from None
             if self.healed_at is not None:
                 self.acked_after_heal[(node, core.epoch)] += 1
             self.net_send(node, client, ClientReply(pid, "ok", node))
-        for token in actions.failed:
-            _, client, pid = rt.tokens.pop(token)
-            self.topic_tokens.pop(token, None)
-            self.net_send(node, client, ClientReply(pid, "fail", ""))
-        if actions.deposed:
-            self.note(f"{node} deposed", actions.deposed)
-        for event in actions.events:
-            if "WARNING" in event or "snapshot" in event:
-                self.note(f"{node} master", event)
 
     def check_vouched(
         self, node: str, core: ReplicationMaster[int], low: int, commit_lsn: int
@@ -1113,43 +1561,25 @@ class ReplicationSimulation(Simulation):
                     continue
                 raise self.fail(
                     f"invariant: master {node} epoch {core.epoch} commits LSN {lsn} "
-                    f"({entry.short()}) counting node {holder} as holding it ({level.name}), "
+                    f"({short(entry)}) counting node {holder} as holding it ({level.name}), "
                     "but that node does not hold it"
                 )
 
-    def send_snapshot(
-        self, node: str, core: ReplicationMaster[int], slave: str, depth: int
-    ) -> None:
-        """Take a snapshot at the master's last LSN and send it in one to three chunks."""
+    def send_snapshot(self, node: str, core: ReplicationMaster[int], slave: str) -> None:
+        """Export the master's store (one read) and send its chunks on the slave's stream."""
         progress = core.progress(slave)
         if progress.state is not SlaveState.SNAPSHOTTING or progress.snapshot_lsn:
             return
-        log = self.stores[node].log
-        lsn = len(log)
+        chunks = self.export_snapshot(node)
+        lsn = chunks[0].snapshot_lsn
         self.snapshots += 1
-        self.apply_master(
-            node, core, core.on_snapshot_started(slave, progress.stream_id, lsn), depth + 1
-        )
-        history = truncate_history(core.history, lsn)
-        snap_epoch = epoch_at(history, lsn)
-        count = self.rrng.randint(1, 3)
-        size = -(-lsn // count)
-        for index in range(count):
-            part = tuple(log[index * size : (index + 1) * size])
-            last = index == count - 1
+        self.apply_master(node, core, core.on_snapshot_started(slave, progress.stream_id, lsn))
+        ghost = tuple(self.stores[node].log[:lsn])
+        for chunk in chunks:
             self.net_send(
                 node,
                 slave,
-                Chunk(
-                    core.epoch,
-                    progress.stream_id,
-                    index,
-                    lsn,
-                    snap_epoch,
-                    last,
-                    part,
-                    history if last else (),
-                ),
+                Chunk(core.epoch, progress.stream_id, chunk, ghost if chunk.last else ()),
             )
 
     def master_receive(self, node: str, src: str, body: PositionMsg | AckMsg | Close) -> None:
@@ -1163,7 +1593,12 @@ class ReplicationSimulation(Simulation):
         if isinstance(body, PositionMsg):
             p = body.position
             actions = core.on_position(
-                src, body.stream, last_epoch=p.last_epoch, last_lsn=p.last_lsn, history=p.history
+                src,
+                body.stream,
+                last_epoch=p.last_epoch,
+                last_lsn=p.last_lsn,
+                history=[(b.epoch, b.start_lsn) for b in p.history],
+                log_start_lsn=p.log_start_lsn or 1,
             )
             self.apply_master(node, core, actions)
         elif isinstance(body, AckMsg):
@@ -1201,27 +1636,39 @@ class ReplicationSimulation(Simulation):
             self.net_send(node, src, ClientReply(body.pid, "busy", node))
             return
         receipt = None
+        db = self.stores[node].db
         if body.kind:
-            state = self.topic_state(node)
-            try:
-                planned = topic_state.plan(state, body.kind, body.sequence, core.epoch, node)
-            except ServiceError as exc:
-                self.net_send(node, src, ClientReply(body.pid, f"refused {exc.code.name}", ""))
-                return
-            receipt = planned.receipt
-            if receipt is not None and receipt.duplicate:
+            command = topic_state.command(body.kind, body.sequence)
+        else:
+            # A duplicated request is written again: the name is unique per entry.
+            name = f"p{body.pid}-{len(self.stores[node].log) + 1}"
+            command = commands.CreateTopic(name, common_pb2.TOPIC_KIND_REPLICATED)
+        # The writer's planning (one command per batch here): the production planner over
+        # the master's store, publishes hidden from committed reads until they commit.
+        planned = self.driver_of(node).plan_batch(
+            [command], limits=topic_state.LIMITS, epoch=core.epoch, now_ms=0
+        )
+        if planned.faults:
+            raise self.fail(f"node {node}: {planned.faults}")
+        if planned.refused:
+            code = planned.refused[0][1].code.name
+            self.net_send(node, src, ClientReply(body.pid, f"refused {code}", ""))
+            return
+        _, plan, lsn = planned.planned[0]
+        if body.kind and plan.receipt is not None:
+            (ack,) = commands.expand_receipt(plan.receipt)
+            info = db.get_topic(topic_state.TOPIC)
+            topic_id = info.topic_id if info is not None else 0
+            receipt = topic_state.Receipt(topic_id, ack.offset, body.sequence, ack.duplicate)
+            if receipt.duplicate:
                 self.check_topic(
                     self.rchecker.duplicate_planned,
                     node,
                     receipt,
-                    topic_state.event_at(state, receipt.offset),
+                    topic_state.event_at(db, receipt.offset),
                 )
-            if planned.operation is None:
-                lsn = len(self.stores[node].log)  # a duplicate waits for the master's log
-            else:
-                lsn = self.master_append(node, core, planned.operation)
-        else:
-            lsn = self.master_append(node, core, f"p{body.pid}".encode())
+        for entry in planned.entries:
+            self.master_store(node, core, entry)
         if core.deposed:
             self.net_send(node, src, ClientReply(body.pid, "fail", ""))
             return
@@ -1231,11 +1678,9 @@ class ReplicationSimulation(Simulation):
             self.topic_tokens[self.next_token] = receipt
         self.apply_master(node, core, core.register_write(lsn, self.next_token))
 
-    def topic_state(self, node: str) -> topic_state.TopicState:
-        """The topic state the node's log builds now (see topic_state.py)."""
-        state = topic_state.refreshed(self.topic_states.get(node), self.stores[node].log)
-        self.topic_states[node] = state
-        return state
+    def topic_state(self, node: str) -> Store:
+        """The node's real store, which its log built (see topic_state.py)."""
+        return self.stores[node].db
 
     def check_topic(self, check: Callable[..., None], *args: object) -> None:
         """Runs one of the checker's topic checks, turning a breach into a failure."""
@@ -1288,8 +1733,13 @@ class ReplicationSimulation(Simulation):
             if self.rrng.random() < 0.5:
                 start = min(start, core.retain_from_lsn())  # no slave needs a snapshot
             if start > store.log_start and not core.deposed:
+                # The steps hear of the new log start before the store deletes below it.
+                self.master_report(node, core)
+                self.steps_of(node, core).set_log_start(start)
+                driver = self.driver_of(node)
+                driver.store_compact(start)
+                driver.compacted()
                 store.log_start = start
-                self.apply_master(node, core, core.set_log_start(start))
 
     # ----------------------------------------------------------------- slave side
 
@@ -1312,14 +1762,15 @@ class ReplicationSimulation(Simulation):
         return True
 
     def slave_receive(self, node: str, pkt: Packet) -> None:
-        """Stream input for this node's Follower."""
+        """Stream input for the node's ``ReplicaDriver`` (its core's Follower judges it),
+        one message at a time, as ``serve_replicate`` and ``ReplicaNode`` take them."""
         rt = self.rt[node]
         body = pkt.body
         src = pkt.src
         if not isinstance(body, Hello | Batch | Heartbeat | Chunk | Close):
             return
-        follower = rt.follower
-        if follower is None:
+        driver = self.driver_of(node)
+        if driver.core.role != CoreRole.SLAVE:
             if not isinstance(body, Close):
                 reply = Close(body.epoch, body.stream, "inactive", True, self.durable[node].epoch)
                 self.net_send(node, src, reply)
@@ -1329,115 +1780,117 @@ class ReplicationSimulation(Simulation):
             if rt.stream == key:
                 rt.stream = None
             return
+        if rt.writes:
+            # The node holds its commit lock while a batch is written: the next message
+            # (of this stream or another) waits.
+            rt.deferred.append(pkt)
+            return
         if isinstance(body, Hello):
-            if rt.writes:
-                rt.deferred.append(pkt)
-                return
             last = rt.last_hello
             if last is not None and last[:2] == key[:2] and body.stream <= last[2]:
                 return  # an old or repeated stream: gRPC would not deliver it
-            hello = follower.on_hello(master_id=src, epoch=body.epoch, cluster_id=body.cluster_id)
-            if isinstance(hello, Refusal):
-                self.slave_refused(node, src, body, hello)
+            hello = replica_pb2.ReplicationHello(
+                master_id=src, epoch=body.epoch, cluster_id=body.cluster_id
+            )
+            try:
+                stream, position = driver.hello(hello)
+            except ServiceError as exc:
+                self.reconcile(node)
+                self.slave_refused(node, src, body, exc)
                 return
+            self.reconcile(node)
             rt.stream = rt.last_hello = key
-            if hello.adopt_cluster_id:
-                self.stores[node].cluster_id = hello.adopt_cluster_id
-            if hello.discard_snapshot:
-                rt.staged = []
-            self.net_send(node, src, PositionMsg(body.epoch, body.stream, hello.position))
+            rt.core_stream = stream
+            self.net_send(node, src, PositionMsg(body.epoch, body.stream, position))
             return
-        if key != rt.stream and src == rt.master_id and body.epoch == rt.epoch:
-            self.net_send(node, src, Close(body.epoch, body.stream, "no-stream", True, rt.epoch))
+        if key != rt.stream:
+            # A message of a stream that is not this replica's current one: gRPC would
+            # have ended that stream; the master hears this replica's epoch.
+            self.net_send(
+                node, src, Close(body.epoch, body.stream, "no-stream", True, driver.core.epoch)
+            )
             return
-        if isinstance(body, Batch):
-            batch = follower.on_batch(
-                epoch=body.epoch,
-                entries=body.entries,
-                commit_lsn=body.commit_lsn,
-                truncate_after_lsn=body.truncate_after_lsn,
-            )
-            if isinstance(batch, Refusal):
-                self.slave_refused(node, src, body, batch)
-                return
-            if batch.ack_now is not None:
-                self.net_send(node, src, AckMsg(body.epoch, body.stream, batch.ack_now))
-            if batch.write_needed:
-                rt.writes.append((batch, key))
-                if len(rt.writes) == 1:
-                    self.schedule_write(node)
-            self.claim_commit(node, follower.commit_lsn)
-        elif isinstance(body, Heartbeat):
-            ack = follower.on_heartbeat(epoch=body.epoch, commit_lsn=body.commit_lsn)
-            if isinstance(ack, Refusal):
-                self.slave_refused(node, src, body, ack)
-                return
-            self.net_send(node, src, AckMsg(body.epoch, body.stream, ack))
-            self.claim_commit(node, follower.commit_lsn)
-        else:
-            if body.index == 0 and rt.writes:
-                rt.deferred.append(pkt)
-                return
-            chunk = follower.on_snapshot_chunk(
-                index=body.index,
-                snapshot_lsn=body.snapshot_lsn,
-                snapshot_epoch=body.snapshot_epoch,
-                last=body.last,
-                history=body.history,
-            )
-            if isinstance(chunk, Refusal):
-                self.slave_refused(node, src, body, chunk)
-                return
-            self.install_chunk(node, src, body, chunk)
+        try:
+            if isinstance(body, Batch):
+                self.slave_batch(node, body, key)
+            elif isinstance(body, Heartbeat):
+                heartbeat = replica_pb2.ReplicationHeartbeat(
+                    epoch=body.epoch, commit_lsn=body.commit_lsn
+                )
+                record, ack = driver.heartbeat(rt.core_stream, heartbeat)
+                if record:
+                    driver.commit_recorded(driver.store_record_commit(record))
+                self.net_send(node, src, AckMsg(body.epoch, body.stream, ack))
+                self.claim_slave_commit(node)
+            else:
+                result, follower = driver.snapshot_chunk(rt.core_stream, body.chunk)
+                installed = self.install_chunk(
+                    node,
+                    body.chunk,
+                    last=result.install,
+                    history=result.history,
+                    ghost=body.ghost,
+                )
+                if installed is not None:
+                    ack = driver.snapshot_installed_ack(follower, installed)
+                    self.net_send(node, src, AckMsg(body.epoch, body.stream, ack))
+                    self.claim_slave_commit(node)
+        except ServiceError as exc:
+            self.slave_refused(node, src, body, exc)
 
-    def install_chunk(self, node: str, src: str, body: Chunk, chunk: SnapshotAccepted) -> None:
-        """Stage a chunk; on the last, replace the store's log with the snapshot."""
+    def slave_batch(self, node: str, body: Batch, key: StreamKey) -> None:
+        """A batch for the driver: the acks due on receipt go out, the write is queued
+        (the store's delay), or with nothing to write the commit LSN moves."""
         rt = self.rt[node]
-        follower = rt.follower
-        if follower is None:
+        driver = self.driver_of(node)
+        batch = replica_pb2.EntryBatch(
+            entries=body.entries,
+            epoch=body.epoch,
+            commit_lsn=body.commit_lsn,
+            truncate_after_lsn=body.truncate_after_lsn or 0,
+        )
+        accepted, follower, acks_now = driver.batch(rt.core_stream, batch)
+        for ack in acks_now:
+            self.net_send(node, key[0], AckMsg(body.epoch, body.stream, ack))
+        if accepted.batch is not None:
+            rt.writes.append(PendingWrite(accepted.batch, follower, body, key))
+            self.schedule_write(node)
             return
-        if chunk.index == 0:
-            rt.staged = []
-        rt.staged.extend(body.entries)
-        if not chunk.install:
+        compact_from, _ = driver.log_effects(accepted)
+        self.compact_slave(node, compact_from)
+        driver.advance(accepted)
+        self.claim_slave_commit(node)
+
+    def compact_slave(self, node: str, compact_from: int) -> None:
+        """The slave's core asked for its log to be compacted below compact_from."""
+        if not compact_from:
             return
-        staged, rt.staged = rt.staged, []
-        if len(staged) != chunk.snapshot_lsn or any(e.lsn != i + 1 for i, e in enumerate(staged)):
-            raise self.fail(f"node {node}: snapshot at {chunk.snapshot_lsn} staged {len(staged)}")
-        store = self.stores[node]
-        first = 0
-        limit = min(len(staged), len(store.log))
-        while first < limit and staged[first] == store.log[first]:
-            first += 1
-        self.set_log(node, staged, first)
-        store.snapshot_lsn = chunk.snapshot_lsn
-        store.log_start = chunk.snapshot_lsn + 1
-        sync = self.params.replica_sync == SyncPolicy.SYNC
-        if sync:
-            store.synced_lsn = len(store.log)
-        else:
-            store.synced_lsn = min(store.synced_lsn, len(store.log))
-        self.note(f"{node} installed snapshot", f"at {chunk.snapshot_lsn} from {src}")
-        ack = follower.on_written(chunk.snapshot_lsn, synced=sync)
-        self.net_send(node, src, AckMsg(body.epoch, body.stream, ack))
-        self.claim_commit(node, follower.commit_lsn)
+        driver = self.driver_of(node)
+        driver.store_compact(compact_from)
+        driver.compacted()
+        self.stores[node].log_start = driver.store.log_start_lsn()
+
+    def claim_slave_commit(self, node: str) -> None:
+        """The slave's follower knows this much committed (and written)."""
+        follower = self.driver_of(node).core.follower
+        if follower is not None:
+            self.claim_commit(node, follower.commit_lsn)
 
     def slave_refused(
-        self, node: str, src: str, body: Hello | Batch | Heartbeat | Chunk, refusal: Refusal
+        self, node: str, src: str, body: Hello | Batch | Heartbeat | Chunk, exc: ServiceError
     ) -> None:
         """Close the stream with the refusal; the master learns the slave's epoch."""
         self.refusals += 1
         rt = self.rt[node]
-        if refusal.code is not RefusalCode.NO_STREAM:
-            self.note(f"{node} refused", refusal.message)
+        epoch = next((int(v) for k, v in exc.metadata if k == EPOCH_KEY), 0)
+        if "superseded" not in exc.message:
+            self.note(f"{node} refused", exc.message)
         if rt.stream == (src, body.epoch, body.stream):
             rt.stream = None
-        self.net_send(
-            node, src, Close(body.epoch, body.stream, refusal.code.value, True, refusal.epoch)
-        )
+        self.net_send(node, src, Close(body.epoch, body.stream, exc.code.name, True, epoch))
 
     def schedule_write(self, node: str) -> None:
-        """The store finishes the oldest pending write after a store delay."""
+        """The store finishes the pending write after a store delay."""
         rt = self.rt[node]
         delay = self.rrng.randint(0, self.params.store_delay_max_ms)
         if delay == 0:
@@ -1446,53 +1899,57 @@ class ReplicationSimulation(Simulation):
         self.push(self.now_ms + delay, _STORE, node, rt.gen)
 
     def finish_write(self, node: str, *, send_ack: bool) -> None:
-        """One store transaction: truncate, append, then ``on_written`` and its ack."""
+        """The store's transaction (``ReplicaNode.replication_batch``): hide what is not
+        committed, append, then the core's log effects (compaction, commit) and acks."""
         rt = self.rt[node]
-        follower = rt.follower
-        if follower is None or not rt.writes:
+        if not rt.writes:
             return
-        batch, key = rt.writes.popleft()
+        write = rt.writes.popleft()
+        driver = self.driver_of(node)
         store = self.stores[node]
-        cut = batch.truncate_after_lsn
-        if cut is not None:
-            self.set_log(node, store.log[:cut] + list(batch.entries), cut)
-            store.synced_lsn = min(store.synced_lsn, cut)
-        else:
-            if batch.entries and batch.entries[0].lsn != len(store.log) + 1:
-                raise self.fail(
-                    f"node {node}: a write of LSN {batch.entries[0].lsn} after LSN {len(store.log)}"
-                )
-            self.append_log(node, batch.entries)
-        if len(store.log) != batch.last_lsn:
-            raise self.fail(f"node {node}: log ends at {len(store.log)}, batch at {batch.last_lsn}")
-        if batch.sync:
+        result = write.accepted
+        if result.truncate_after_lsn is not None:
+            try:
+                self.truncate(node, result.truncate_after_lsn)
+            except (ServiceError, StoreError) as exc:
+                error, fail_stop = driver.batch_failed(write.follower, exc)
+                if fail_stop:
+                    raise self.fail(f"node {node} fail-stopped: {fail_stop}") from None
+                if send_ack and rt.stream == write.key:
+                    master, epoch, stream = write.key
+                    rt.stream = None
+                    slave_epoch = next((int(v) for k, v in error.metadata if k == EPOCH_KEY), 0)
+                    self.net_send(
+                        node, master, Close(epoch, stream, error.code.name, True, slave_epoch)
+                    )
+                if send_ack:
+                    while rt.deferred and not rt.writes:
+                        self.slave_receive(node, rt.deferred.popleft())
+                return
+        commit = write.batch.commit_lsn
+        driver.hide_uncommitted(result.entries, commit)
+        try:
+            driver.store_append(result.entries, sync=result.sync, commit_lsn=commit)
+        except InvalidEntryError as exc:
+            # A replicated entry the store cannot apply (a topic created twice, say) means
+            # this log and the master's diverged: the replica would fail-stop on it.
+            raise self.fail(f"invariant: node {node}'s store refused a replicated entry: {exc}")
+        self.append_log(node, result.entries)
+        if result.sync:
             store.synced_lsn = len(store.log)
-        ack = follower.on_written(batch.last_lsn, synced=batch.sync)
-        if send_ack:
-            if rt.stream == key:
-                self.net_send(node, key[0], AckMsg(key[1], key[2], ack))
-            self.claim_commit(node, follower.commit_lsn)
-            if rt.writes:
-                self.schedule_write(node)
-            else:
-                while rt.deferred and not rt.writes:
-                    self.slave_receive(node, rt.deferred.popleft())
-
-    def slave_tick(self, node: str) -> None:
-        """A periodic flush of a non-SYNC slave; the ack says what is now synced."""
-        rt = self.rt[node]
-        follower = rt.follower
-        store = self.stores[node]
-        if follower is None or self.params.replica_sync == SyncPolicy.SYNC:
+        effects = driver.batch_written(write.follower, result, commit)
+        compact_from, acks = driver.log_effects(effects)
+        self.compact_slave(node, compact_from)
+        driver.advance(effects)
+        if not send_ack:
             return
-        written = follower.ack().written_lsn
-        if store.synced_lsn >= written or self.rrng.random() < 0.5:
-            return
-        store.synced_lsn = written
-        ack = follower.on_synced(written)
-        if rt.stream is not None:
-            master, epoch, stream = rt.stream
-            self.net_send(node, master, AckMsg(epoch, stream, ack))
+        if rt.stream == write.key:
+            master, epoch, stream = write.key
+            for ack in acks:
+                self.net_send(node, master, AckMsg(epoch, stream, ack))
+        self.claim_commit(node, write.follower.commit_lsn)
+        while rt.deferred and not rt.writes:
+            self.slave_receive(node, rt.deferred.popleft())
 
     # ----------------------------------------------------------------- clients
 
@@ -1536,7 +1993,6 @@ class ReplicationSimulation(Simulation):
                     self.push(self.paused_until[node], _RTICK, node)
                     return
                 self.master_tick(node)
-                self.slave_tick(node)
             self.push(self.now_ms + RTICK_MS, _RTICK, node)
         elif kind == _STORE:
             if not self.alive(node) or payload != self.rt[node].gen:
@@ -1569,10 +2025,14 @@ class ReplicationSimulation(Simulation):
             # Whichever slave is busiest writing: under NO_SYNC it loses acknowledged entries.
             slave = max(others, key=lambda x: (len(self.rt[x].writes), x))
             self.crash(slave)
+            if self.power_loss and self.frng.random() < 0.5:
+                self.lose_unsynced(slave)
             self.push(self.now_ms + duration_ms, _RESTART, slave)
             return
         if fault.startswith("crash"):
             self.crash(master)
+            if self.power_loss and self.frng.random() < 0.5:
+                self.lose_unsynced(master)
             if fault == "crash-restart":
                 self.push(self.now_ms + duration_ms, _RESTART, master)
             return
@@ -1586,6 +2046,18 @@ class ReplicationSimulation(Simulation):
             pairs |= {(x, master) for x in others}
         self.push(self.now_ms, _CUT, "", frozenset(pairs))
         self.push(self.now_ms + duration_ms, _UNCUT, "", frozenset(pairs))
+
+    def lose_unsynced(self, node: str) -> None:
+        """The crashed node's machine lost power: its store goes back to its last flush
+        (``MemoryKV.lose_unsynced``) and the restarted process reopens it."""
+        store = self.stores[node]
+        kv = store.db._kv  # the MemoryKV under the store (a test may reach it)
+        if not isinstance(kv, MemoryKV):
+            raise TypeError("the simulator's stores are in memory")
+        lost = kv.lose_unsynced()
+        store.db = Store(kv)
+        self.note(f"{node} power loss", f"{lost} unflushed transactions lost")
+        self.reconcile(node)
 
     def source_fault(self, source: str) -> None:
         """The sync source fails as the new master asks it: crashed, or cut off, a while."""
@@ -1648,7 +2120,7 @@ class ReplicationSimulation(Simulation):
             if node == leader or not self.alive(node):
                 continue
             other = self.rt[node]
-            follower = other.follower
+            follower = other.driver.core.follower if other.driver is not None else None
             if (
                 follower is None
                 or other.epoch != core.epoch
@@ -1666,11 +2138,13 @@ class ReplicationSimulation(Simulation):
         for node, other in live.items():
             if other != log:
                 raise self.fail(f"after healing node {node}'s log differs from master {leader}'s")
+        for node in live:
+            self.final_store_check(node)
         try:
             self.rchecker.final(live)
             for node in live:
                 state = self.topic_state(node)
-                info = state.store.get_topic(topic_state.TOPIC)
+                info = state.get_topic(topic_state.TOPIC)
                 self.rchecker.final_receipts(
                     node,
                     info.topic_id if info is not None else 0,
@@ -1678,6 +2152,30 @@ class ReplicationSimulation(Simulation):
                 )
         except InvariantViolation as exc:
             raise self.violation(exc) from None
+
+    def final_store_check(self, node: str) -> None:
+        """The real store holds what the checker's view says: the same log from its log
+        start, and the record of every acknowledged plain write (snapshots included)."""
+        store = self.stores[node]
+        self.check_store(node)
+        start = store.db.log_start_lsn()
+        count = len(store.log) - start + 1
+        held = store.db.read_log(start, count) if count > 0 else []
+        if held != store.log[start - 1 :]:
+            raise self.fail(
+                f"invariant: after healing node {node}'s store holds another log than it was sent"
+            )
+        if self.rchecker.degraded:
+            return
+        for lsn, entry in sorted(self.rchecker.acked.items()):
+            op = replica_pb2.Operation.FromString(entry.operation)
+            name = op.create_topic.name
+            # A plain write's topic (the topic workload's may be destroyed since).
+            if name and name != topic_state.TOPIC and store.db.get_topic(name) is None:
+                raise self.fail(
+                    f"invariant: after healing node {node}'s store lacks the acknowledged "
+                    f"write {short(entry)} (LSN {lsn})"
+                )
 
     def run_repl(self) -> ReplResult:
         """Run both phases; raise SimFailure on any violation or a missed deadline."""
@@ -1733,7 +2231,20 @@ class ReplicationSimulation(Simulation):
         )
 
 
+@contextlib.contextmanager
+def quiet_replica_log() -> Iterator[None]:
+    """The replica's drivers log as in production; thousands of simulated refusals, role
+    changes and depositions need not (a failure's trace names what happened)."""
+    logger = logging.getLogger("squall.replica")
+    before = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = before
+
+
 def run_seed(seed: int) -> ReplResult:
     """Run one seed of the replication simulator."""
-    with quiet_coordinator_log():
+    with quiet_coordinator_log(), quiet_replica_log():
         return ReplicationSimulation(seed).run_repl()

@@ -1101,3 +1101,39 @@ def test_random_divergent_logs_are_brought_to_the_new_masters(seed: int) -> None
     for slave in cluster.slaves.values():
         assert slave.follower.state().history == cluster.master.history, where
     assert sorted(cluster.completed, key=lambda t: int(t[1:])) == cluster.completed, where
+
+
+def test_a_slave_sent_a_snapshot_counts_for_nothing_until_it_installed_it() -> None:
+    # Regression (found by the replication simulator running the shipped slave, seed 635):
+    # a slave empties its store when a snapshot's first chunk arrives (begin_snapshot) and
+    # stays empty if the install is cut short; the master kept counting what it had
+    # acknowledged before, and a new master committed old entries counting a replica that
+    # no longer held them.
+    cfg = config(truncate_by_snapshot=True, replica_sync=SyncPolicy.NO_SYNC)
+    master = new_master(cfg, last_lsn=5, epoch=2)
+    sid3 = stream(master, "3", last_lsn=5)
+    ack(master, "3", sid3, 5, 5, 5)
+    sid2 = master.connect("2")
+    # Node 2 holds LSNs 1..5 as the master does, and 6..7 of epoch 1 the master never had.
+    actions = master.on_position(
+        "2", sid2, last_epoch=1, last_lsn=7, history=[(1, 1)], log_start_lsn=1
+    )
+    assert actions.rejection is None
+    assert master.progress("2").received_lsn == 5  # it holds the common prefix
+    assert "2" in dict(master.holders(5))
+    appended = master.on_appended(6, synced=True)  # the epoch-start entry
+    assert "2" in actions.snapshots + appended.snapshots
+    send_all(master, appended)
+    actions = master.on_snapshot_started("2", sid2, 6)
+    progress = master.progress("2")
+    assert (progress.received_lsn, progress.written_lsn, progress.synced_lsn) == (0, 0, 0)
+    assert "2" not in dict(master.holders(5))
+    # An ack node 2 sent before the first chunk reached it counts for nothing either.
+    ack(master, "2", sid2, 5, 5, 5)
+    assert "2" not in dict(master.holders(5))
+    # Only node 3 and the master hold LSN 6: it commits with them, not with node 2.
+    assert ack(master, "3", sid3, 6, 6, 6).commit_lsn == 6
+    # The installed snapshot's ack makes node 2 a holder again.
+    ack(master, "2", sid2, 6, 6, 6)
+    assert "2" in dict(master.holders(6))
+    assert master.progress("2").state == SlaveState.STREAMING
