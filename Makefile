@@ -62,8 +62,16 @@ lint: install
 	$(BIN)/ruff check services clients tests scripts deploy bench examples chaos
 	$(BIN)/mypy squall_server clients/squall deploy scripts bench chaos
 
+# The in-process tests (unit, simulator seeds: CPU-bound, no timing) run on two workers, a
+# file per worker at a time; the tests that start real processes then run one at a time,
+# as their failover bounds assume. With PYTEST_ARGS, one run of what they select.
 test: install protos-check lint node-deps
+ifeq ($(strip $(PYTEST_ARGS)),)
+	$(BIN)/pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=10 tests/unit tests/sim
+	$(BIN)/pytest -q -p no:cacheprovider --durations=25 --ignore=tests/unit --ignore=tests/sim
+else
 	$(BIN)/pytest -q -p no:cacheprovider --durations=25 $(PYTEST_ARGS)
+endif
 
 unit: install
 	$(BIN)/pytest -q tests/unit $(PYTEST_ARGS)
