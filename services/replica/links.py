@@ -230,7 +230,6 @@ class _Worker:
         topic = node.store.get_topic(link.from_topic)
         if topic is None:
             return
-        limits = node.config.limits
         self.position = link_rules.resume_offset(
             link.start_offset, node.store.publisher_high_water(self._publisher_id)
         )
@@ -246,24 +245,10 @@ class _Worker:
             signal = node.commit_signal()
             if not self._linked():
                 return
-            hidden = node.visible_end(link.from_topic)
-            events: list[common_pb2.Event] = []
-            if not hidden or self.position < hidden:
-                try:
-                    events = node.store.read_events(
-                        link.from_topic,
-                        self.position,
-                        min(limits.push_batch_max_events, limits.max_batch_events),
-                        hidden,
-                        max_bytes=min(limits.push_batch_max_bytes, limits.max_batch_bytes),
-                        topic_id=topic.topic_id,
-                    )
-                except UnknownTopicError:
-                    return  # destroyed meanwhile: its links went with it
+            events = await _next_events(node, link, topic.topic_id, self.position, signal)
+            if events is None:
+                return  # destroyed meanwhile: its links went with it
             if not events:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(_IDLE_RECHECK_S):
-                        await signal.wait()
                 continue
             if events[0].offset > self.position:
                 # Retention dropped them before the link got to them: say so, once.
@@ -369,7 +354,6 @@ class _RemoteWorker:
         topic = node.store.get_topic(link.from_topic)
         if topic is None:
             return
-        limits = node.config.limits
         source_cluster = node.config.name
         log.info(
             "replica %s: %s: forwarding from offset %d (epoch=%d)",
@@ -383,24 +367,10 @@ class _RemoteWorker:
             signal = node.commit_signal()
             if not self._linked():
                 return
-            hidden = node.visible_end(link.from_topic)
-            events: list[common_pb2.Event] = []
-            if not hidden or self.position < hidden:
-                try:
-                    events = node.store.read_events(
-                        link.from_topic,
-                        self.position,
-                        min(limits.push_batch_max_events, limits.max_batch_events),
-                        hidden,
-                        max_bytes=min(limits.push_batch_max_bytes, limits.max_batch_bytes),
-                        topic_id=topic.topic_id,
-                    )
-                except UnknownTopicError:
-                    return
+            events = await _next_events(node, link, topic.topic_id, self.position, signal)
+            if events is None:
+                return  # destroyed meanwhile: its links went with it
             if not events:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(_IDLE_RECHECK_S):
-                        await signal.wait()
                 continue
             plan = link_rules.plan_forward(events, link.cost)
             if plan.events:
@@ -475,3 +445,35 @@ class _RemoteWorker:
                 )
                 return
             self._durable = max(self._durable, target)
+
+
+async def _next_events(
+    node: ReplicaNode,
+    link: replica_pb2.LinkTopicOp,
+    topic_id: int,
+    position: int,
+    signal: asyncio.Event,
+) -> list[common_pb2.Event] | None:
+    """The committed events of the link's source from ``position`` on, one batch; empty
+    after waiting (at most _IDLE_RECHECK_S) for a commit when there are none yet; None when
+    the source topic is gone. Shared by the in-cluster and the remote forwarder."""
+    limits = node.config.limits
+    hidden = node.visible_end(link.from_topic)
+    events: list[common_pb2.Event] = []
+    if not hidden or position < hidden:
+        try:
+            events = node.store.read_events(
+                link.from_topic,
+                position,
+                min(limits.push_batch_max_events, limits.max_batch_events),
+                hidden,
+                max_bytes=min(limits.push_batch_max_bytes, limits.max_batch_bytes),
+                topic_id=topic_id,
+            )
+        except UnknownTopicError:
+            return None
+    if not events:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_IDLE_RECHECK_S):
+                await signal.wait()
+    return events
