@@ -1933,7 +1933,9 @@ class ReplicationSimulation(Simulation):
         except InvalidEntryError as exc:
             # A replicated entry the store cannot apply (a topic created twice, say) means
             # this log and the master's diverged: the replica would fail-stop on it.
-            raise self.fail(f"invariant: node {node}'s store refused a replicated entry: {exc}")
+            raise self.fail(
+                f"invariant: node {node}'s store refused a replicated entry: {exc}"
+            ) from None
         self.append_log(node, result.entries)
         if result.sync:
             store.synced_lsn = len(store.log)
