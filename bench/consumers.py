@@ -358,8 +358,8 @@ def section(figures: dict[str, Any] | None) -> list[str]:
         )
     lines += [
         "",
-        f"Median ratios, replicas / master: consume {reads['consume_ratio_median']}, publish "
-        f"while reading {reads['publish_ratio_median']}. See bench/consumers.py.",
+        f"Median ratios, replicas / master: consume {reads['consume_ratio_median']:.2f}, publish "
+        f"while reading {reads['publish_ratio_median']:.2f}. See bench/consumers.py.",
         "",
     ]
     return lines

@@ -108,6 +108,10 @@ __all__ = [
 
 log = logging.getLogger("squall")
 
+# A call that has sent nothing moves to a fresh stream at most this many times (within the
+# retry policy's time budget): a loop bound, far above the streams that die in one outage.
+_UNSENT_MOVES_MAX = 100
+
 
 class _Batch:
     """One sent request waiting for its response."""
@@ -658,11 +662,15 @@ class Publisher:
         """A live stream with a free slot and no older async events queued (lock held).
 
         `current` is the stream this call already sent on; if it dies, None (the call
-        stops). A call that has sent nothing yet moves to a new stream once if the one it
-        waited on died for someone else's batch; None also when the window stays full for
-        the whole timeout.
+        stops). A call that has sent nothing yet moves to a new stream each time the one it
+        waited on died for someone else's batch (under many threads, several streams may
+        die while one waits), as the retry policy allows: its time budget and attempts,
+        once without retries; None also when the window stays full for the whole timeout.
         """
-        for _attempt in range(2):
+        started = self._monotonic()
+        attempt = 0
+        while True:
+            attempt += 1
             stream = self._live_stream()
             if current is not None and stream is not current:
                 return None
@@ -679,7 +687,14 @@ class Publisher:
                 return stream
             if waited == "timeout" or current is not None:
                 return None
-        return None
+            # Nothing of this call was sent: moving to a fresh stream is always safe.
+            if not self._retry.retries:
+                if attempt >= 2:
+                    return None
+            elif attempt >= _UNSENT_MOVES_MAX or self._retry.exhausted(
+                attempt, (self._monotonic() - started) * 1000
+            ):
+                return None
 
     def _wait_slot(self, stream: _Stream) -> Literal["ok", "dead", "timeout"]:
         """Waits for a free in-flight slot on the stream (lock held)."""

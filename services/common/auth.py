@@ -60,6 +60,11 @@ class Rule:
     permission: Permission
     topic_field: str = ""
     action: str = ""
+    # A second topic the call makes the cluster publish into (a shared subscription's
+    # dead-letter topic): the caller needs `publish` on it too, or the call would let it
+    # write where it may not.
+    publish_field: str = ""
+    publish_action: str = ""
 
 
 def _rules() -> dict[str, Rule]:
@@ -79,13 +84,19 @@ def _rules() -> dict[str, Rule]:
         rules["/squall.v1.Publisher/" + name] = Rule(
             Permission.PUBLISH, "topic", "publish to topic"
         )
+    rules["/squall.v1.Subscriber/CreateSharedSubscription"] = Rule(
+        Permission.SUBSCRIBE,
+        "topic",
+        "subscribe to topic",
+        publish_field="dead_letter_topic",
+        publish_action="send dead letters to topic",
+    )
     for name in (
         "Subscribe",
         "Ack",
         "Seek",
         "ListSubscriptions",
         "DeleteSubscription",
-        "CreateSharedSubscription",
         "Pull",
         "AckMessages",
         "Nack",
@@ -191,6 +202,23 @@ def decide(
     needs = " (admin only)" if permission is Permission.ADMIN else ""
     return Decision(
         Verdict.PERMISSION_DENIED, f"principal '{principal.name}' may not {what}{needs}"
+    )
+
+
+def decide_publish_into(
+    method: str, topic: str, principal: PrincipalConfig | None, member: str | None
+) -> Decision:
+    """May this caller make the cluster publish into ``topic`` (its rule's publish_field)?
+    Pure, as decide; asked only for a non-empty topic of a method whose rule names one."""
+    rule = METHOD_RULES[method]
+    if member is not None or principal is None or not rule.publish_field:
+        # No principal was refused by decide already; members are trusted.
+        return ALLOWED
+    if principal.admin or matches(principal.publish, topic):
+        return ALLOWED
+    return Decision(
+        Verdict.PERMISSION_DENIED,
+        f"principal '{principal.name}' may not {rule.publish_action} {show_name(topic)}",
     )
 
 

@@ -24,9 +24,11 @@ from google.protobuf.message import DecodeError, Message
 from squall.v1 import broker_pb2, coordinator_pb2, gateway_pb2  # noqa: F401  (registers types)
 from squall_server.common.auth import (
     METHOD_RULES,
+    Decision,
     TokenBook,
     bearer_token,
     decide,
+    decide_publish_into,
     may_see,
 )
 from squall_server.common.auth_config import AuthConfig, PrincipalConfig
@@ -129,18 +131,35 @@ def _member(context: Context, members: frozenset[str]) -> str | None:
 
 
 class _AuthSession:
-    def __init__(self, call: Call, principal: PrincipalConfig | None, field_name: str) -> None:
+    def __init__(
+        self,
+        call: Call,
+        principal: PrincipalConfig | None,
+        field_name: str,
+        publish_field: str = "",
+    ) -> None:
         self._call = call
         self._principal = principal
         self._field = field_name
+        self._publish_field = publish_field
 
     def request(self, request: Request) -> None:
         if self._field:  # methods without a topic were decided when the call opened
-            self.check(str(getattr(request.message(), self._field)))
+            message = request.message()
+            self.check(str(getattr(message, self._field)))
+            into = str(getattr(message, self._publish_field)) if self._publish_field else ""
+            if into:
+                call = self._call
+                decision = decide_publish_into(call.method, into, self._principal, call.member)
+                self._refuse_unless(decision, into)
 
     def check(self, topic: str) -> None:
         """Refusal unless the caller may make this call on this topic; logs a refusal."""
-        decision = decide(self._call.method, topic, self._principal, self._call.member)
+        self._refuse_unless(
+            decide(self._call.method, topic, self._principal, self._call.member), topic
+        )
+
+    def _refuse_unless(self, decision: Decision, topic: str) -> None:
         if decision.allowed:
             return
         # The principal's name, never its token.
@@ -182,7 +201,7 @@ class AuthGuard:
         principal = None
         if call.member is None:
             principal = self._book.principal(bearer_token(call.context.invocation_metadata()))
-        session = _AuthSession(call, principal, rule.topic_field)
+        session = _AuthSession(call, principal, rule.topic_field, rule.publish_field)
         if not rule.topic_field or (principal is None and call.member is None):
             # Decided without the request: no topic, or refused whatever the topic.
             session.check("")

@@ -16,6 +16,7 @@ from squall_server.common.auth import (
     Verdict,
     bearer_token,
     decide,
+    decide_publish_into,
     token_sha256,
 )
 from squall_server.common.auth_config import PrincipalConfig
@@ -307,6 +308,26 @@ def test_the_auth_guard_checks_each_request_topic_from_bytes_or_messages() -> No
         session.request(Request(PUBLISH, raw))
     assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED
     assert "payroll" in refused.value.message
+
+
+def test_dead_letters_go_only_where_the_subscriptions_creator_may_publish() -> None:
+    create = "/squall.v1.Subscriber/CreateSharedSubscription"
+    session = _auth_guard().open(_call(create, [("authorization", "Bearer token-b")]))
+    assert session is not None
+    # The reader may subscribe to orders.*, but publish nowhere.
+    session.request(Request(create, broker_pb2.CreateSharedSubscriptionRequest(topic="audit")))
+    request = broker_pb2.CreateSharedSubscriptionRequest(
+        topic="orders.eu", dead_letter_topic="orders.dead"
+    )
+    with pytest.raises(Refusal) as refused:
+        session.request(Request(create, request.SerializeToString()))
+    assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED
+    assert refused.value.message == (
+        "principal 'reader' may not send dead letters to topic 'orders.dead'"
+    )
+    both = PrincipalConfig("worker", HASH_A, publish=("orders.dead",), subscribe=("orders.*",))
+    assert decide_publish_into(create, "orders.dead", both, None).allowed
+    assert decide_publish_into(create, "orders.dead", ADMIN, None).allowed
 
 
 def test_list_topics_answers_only_visible_topics() -> None:
