@@ -34,6 +34,10 @@ from squall.wire.retry import Outcome, RetryPolicy, overall
 EventLike = bytes | tuple[bytes | None, bytes] | tuple[bytes | None, bytes, Mapping[str, str]] | Any
 
 INFLIGHT_BATCHES_MAX_DEFAULT = 8
+# A call that has sent nothing moves to a fresh stream at most this many times (within the
+# retry policy's time budget) when the streams it waits on die for other callers' batches:
+# a loop bound, far above the streams that die in one outage.
+UNSENT_STREAM_MOVES_MAX = 100
 # A publisher proxy waiting this long for a receipt starts asking the gateway who the master
 # is: a master that hangs after the group elected another cannot end its streams, and the
 # receipt would otherwise be waited for until the publisher's timeout. A healthy receipt

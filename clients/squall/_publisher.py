@@ -70,6 +70,7 @@ from squall._publish_rules import (
     INFLIGHT_BATCHES_MAX_DEFAULT,
     RECEIPT_STALL_AFTER_S,
     RECEIPT_STALL_CHECK_S,
+    UNSENT_STREAM_MOVES_MAX,
     EventLike,
     Moves,
     NotSent,
@@ -107,10 +108,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("squall")
-
-# A call that has sent nothing moves to a fresh stream at most this many times (within the
-# retry policy's time budget): a loop bound, far above the streams that die in one outage.
-_UNSENT_MOVES_MAX = 100
 
 
 class _Batch:
@@ -691,7 +688,7 @@ class Publisher:
             if not self._retry.retries:
                 if attempt >= 2:
                     return None
-            elif attempt >= _UNSENT_MOVES_MAX or self._retry.exhausted(
+            elif attempt >= UNSENT_STREAM_MOVES_MAX or self._retry.exhausted(
                 attempt, (self._monotonic() - started) * 1000
             ):
                 return None

@@ -40,6 +40,7 @@ from squall._publish_rules import (
     INFLIGHT_BATCHES_MAX_DEFAULT,
     RECEIPT_STALL_AFTER_S,
     RECEIPT_STALL_CHECK_S,
+    UNSENT_STREAM_MOVES_MAX,
     EventLike,
     Moves,
     NotSent,
@@ -611,11 +612,13 @@ class Publisher:
         """A live stream with a free slot.
 
         `current` is the stream this call already sent on; if it dies, None (the call
-        stops). A call that has sent nothing yet moves to a new stream once if the one it
-        waited on died for someone else's batch; None also when the window stays full for
-        the whole timeout.
+        stops). A call that has sent nothing yet moves to a new stream each time the one it
+        waited on died for someone else's batch, as the retry policy allows (its time
+        budget and attempts; once without retries), as the threaded publisher does; None
+        also when the window stays full for the whole timeout.
         """
         dead_streams = 0
+        started = self._monotonic()
         # Bounded: every pass waits for a slot (at most timeout_s), and sends the buffer
         # or ends; buffered events hold earlier sequences and go out first.
         for _pass in range(10_000):
@@ -629,7 +632,15 @@ class Publisher:
             if waited == "ok":
                 return stream
             dead_streams += 1
-            if waited == "timeout" or current is not None or dead_streams >= 2:
+            if waited == "timeout" or current is not None:
+                return None
+            # Nothing of this call was sent: moving to a fresh stream is always safe.
+            if not self._retry.retries:
+                if dead_streams >= 2:
+                    return None
+            elif dead_streams >= UNSENT_STREAM_MOVES_MAX or self._retry.exhausted(
+                dead_streams, (self._monotonic() - started) * 1000
+            ):
                 return None
         return None
 
