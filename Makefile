@@ -105,8 +105,10 @@ pipeline-demo: install
 # The benchmark report (bench/results/<UTC stamp>/report.{json,md} + PNGs, ~20 minutes on
 # 2 cores: ~9 for the throughput, latency and failover figures, ~10 for the fault gaps);
 # the single-node figures alone: $(PY) -m bench.run (bench/README.md).
+# The report, then what a topic link costs (two one-node clusters; its figures print).
 bench: install
 	$(PY) -m bench.suite $(BENCH_ARGS)
+	$(PY) -m bench.links
 
 # One chaos run (docs/chaos.md): real processes in network namespaces (needs root for
 # partitions), a recorded workload, seeded faults, then the history checker.
