@@ -1181,9 +1181,9 @@ class Simulation:
             self.on_hand_over(node, payload)
 
 
-    def transfer(self, pick: int) -> None:
-        """An operator hands the leadership of a normal group to one of its members."""
-        leaders = [
+    def leaders(self) -> list[str]:
+        """The running, unpaused nodes that coordinate a normal group now."""
+        return [
             x
             for x in self.nodes
             if (e := self.elections[x]) is not None
@@ -1191,6 +1191,10 @@ class Simulation:
             and e.status().state is NodeState.NORMAL
             and e.status().coordinator_id == x
         ]
+
+    def transfer(self, pick: int) -> None:
+        """An operator hands the leadership of a normal group to one of its members."""
+        leaders = self.leaders()
         if not leaders:
             return
         leader = leaders[pick % len(leaders)]

@@ -148,14 +148,7 @@ class MembershipSimulation(Simulation):
 
     def change(self, pick: int) -> None:
         """An operator asks whichever node leads now for one membership change."""
-        leaders = [
-            x
-            for x in self.nodes
-            if (e := self.elections[x]) is not None
-            and self.paused_until[x] <= self.now_ms
-            and e.status().state is NodeState.NORMAL
-            and e.status().coordinator_id == x
-        ]
+        leaders = self.leaders()
         if not leaders:
             return
         leader = leaders[pick % len(leaders)]
