@@ -68,7 +68,7 @@ def _text_or_none(data: bytes) -> str | None:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         return None
-    if any(ord(c) < 0x20 and c not in "\t\n\r" or ord(c) == 0x7F for c in text):
+    if any((ord(c) < 0x20 and c not in "\t\n\r") or ord(c) == 0x7F for c in text):
         return None
     return text
 
@@ -272,7 +272,7 @@ class ConsoleBackend:
         except squall.SquallError as err:
             return {"topics_error": f"topics: {err}", "topics": [], "subscriptions": [], "push": []}
         topics, subscriptions, pushes = [], [], []
-        keys = set()
+        keys: set[str] = set()
         for index, info in enumerate(infos):
             consumed: int | None = None
             if index < TOPICS_DETAIL_MAX:

@@ -42,7 +42,8 @@ def _node_state(node: squall.NodeStatus) -> str:
         return "QUARANTINED"
     if node.replica_unreachable_since_ms:
         return "REPLICA UNREACHABLE"
-    return f"{node.state} {node.role if node.reachable else '-'}"
+    # The role is left out: a role change is a master change, recorded as such.
+    return node.state if node.reachable else f"{node.state} (replica not answering)"
 
 
 class Timeline:

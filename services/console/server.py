@@ -80,7 +80,8 @@ class ConsoleServer(http.server.ThreadingHTTPServer):
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
-        shown = f"[{host}]" if ":" in str(host) else str(host)
+        text = host.decode() if isinstance(host, bytes) else str(host)
+        shown = f"[{text}]" if ":" in text else text
         return f"{'https' if self.secure else 'http'}://{shown}:{port}/"
 
     def stop(self) -> None:
@@ -97,7 +98,7 @@ class ConsoleHandler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "squall-console"
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
+    def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s %s", self.address_string(), format % args)
 
     # -- plumbing ---------------------------------------------------------------------------
@@ -231,9 +232,7 @@ class ConsoleHandler(http.server.BaseHTTPRequestHandler):
         if path == "/login":
             self._login()
         elif path == "/logout":
-            self._send(
-                303, b"", "text/plain", Location="/login", Set_Cookie=self._cookie("", 0)
-            )
+            self._send(303, b"", "text/plain", Location="/login", Set_Cookie=self._cookie("", 0))
         elif path.startswith("/api/topics/") and path.endswith("/publish"):
             name = urllib.parse.unquote(path[len("/api/topics/") : -len("/publish")])
             body = self._json_body()
