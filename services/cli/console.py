@@ -11,7 +11,6 @@ cluster` does. Stops on Ctrl-C or SIGTERM.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import signal
 import ssl
 import sys
@@ -21,15 +20,13 @@ from typing import TYPE_CHECKING, TextIO
 
 import squall
 from squall_server.cli import auth as cli_auth
+from squall_server.common.config import CONSOLE_POLL_MS_MAX, CONSOLE_POLL_MS_MIN, is_loopback_host
 
 if TYPE_CHECKING:
     from squall_server.console.backend import ConsoleBackend
     from squall_server.console.server import ConsoleServer
 
 DEFAULT_LISTEN = "127.0.0.1:7180"
-# The fastest and slowest status polling a console accepts (the page asks for <= 2 s).
-POLL_MS_MIN = 200
-POLL_MS_MAX = 10_000
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -45,16 +42,6 @@ def parse_listen(value: str) -> tuple[str, int]:
     if not 0 <= port <= 65535:
         raise ValueError(f"--listen port must be 0-65535, not {port}")
     return host, port
-
-
-def is_loopback(host: str) -> bool:
-    """True for localhost and 127.0.0.0/8 and ::1."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def add_parser(
@@ -76,7 +63,8 @@ def add_parser(
         type=int,
         default=1000,
         metavar="MS",
-        help=f"how often to poll the gateway ({POLL_MS_MIN}-{POLL_MS_MAX}, default 1000)",
+        help=f"how often to poll the gateway ({CONSOLE_POLL_MS_MIN}-{CONSOLE_POLL_MS_MAX}, "
+        "default 1000)",
     )
     console.add_argument("--https-cert", metavar="FILE", help="serve HTTPS with this cert (PEM)")
     console.add_argument("--https-key", metavar="FILE", help="and this private key (PEM)")
@@ -110,10 +98,12 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         context = https_context(args.https_cert, args.https_key)
     except ValueError as err:
         raise UsageError(str(err)) from None
-    if not POLL_MS_MIN <= args.poll_ms <= POLL_MS_MAX:
-        raise UsageError(f"--poll-ms must be {POLL_MS_MIN}-{POLL_MS_MAX}, not {args.poll_ms}")
+    if not CONSOLE_POLL_MS_MIN <= args.poll_ms <= CONSOLE_POLL_MS_MAX:
+        raise UsageError(
+            f"--poll-ms must be {CONSOLE_POLL_MS_MIN}-{CONSOLE_POLL_MS_MAX}, not {args.poll_ms}"
+        )
     token = cli_auth.cli_token()
-    if not is_loopback(host) and token is None:
+    if not is_loopback_host(host) and token is None:
         raise UsageError(
             f"--listen {args.listen} is not a loopback address: give the console a token "
             "(--token-file) so the page asks for it, or listen on 127.0.0.1"

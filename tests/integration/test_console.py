@@ -11,6 +11,7 @@ Screenshots after each step go to test-artifacts/console/ (gitignored).
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -42,11 +43,15 @@ def console(cluster_factory: object, tmp_path: Path) -> Iterator[tuple[LocalClus
     reason = chromium_missing()
     if reason:
         pytest.skip(reason)
-    cluster = cluster_factory("cluster.example.toml")  # type: ignore[operator]
-    assert isinstance(cluster, LocalCluster)
     token_file = tmp_path / "console.token"
     token_file.write_text(TOKEN + "\n")
     token_file.chmod(0o600)
+    # The gateway serves a console of its own too ([console]), with the same token.
+    cluster = cluster_factory(  # type: ignore[operator]
+        "cluster.example.toml",
+        console={"enabled": True, "token_file": str(token_file), "poll_interval_ms": 500},
+    )
+    assert isinstance(cluster, LocalCluster)
     log_path = tmp_path / "console.log"
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(
@@ -186,3 +191,18 @@ def test_console_in_a_browser(console: tuple[LocalCluster, str]) -> None:
         )
         browser.screenshot(shots / "4-after-failover.png")
         print(f"console showed master {new_master} {seen_after_s:.2f}s after {master} was killed")
+
+    # 6. The gateway's own console ([console]) answers with the same token and sees the
+    # same cluster; without the token it refuses.
+    hosted = f"http://{cluster.config.console.address}"
+    assert _status(f"{hosted}/api/snapshot") == 401
+    request = urllib.request.Request(f"{hosted}/api/snapshot")
+    request.add_header("Authorization", f"Bearer {TOKEN}")
+    deadline = time.monotonic() + FAILOVER_BOUND_S
+    while True:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            snapshot = json.loads(response.read())
+        if snapshot.get("master_id") == new_master or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert snapshot["master_id"] == new_master, snapshot.get("error")
