@@ -19,7 +19,7 @@ from squall_server.cli import admin as cli_admin
 from squall_server.cli import explain as cli_explain
 from squall_server.common.clock import Clock, SystemClock
 from squall_server.common.names import validate_node_id, validate_topic_name
-from squall_server.console.history import RateMeter, Timeline
+from squall_server.console.history import REASON_CHARS_MAX, RateMeter, Timeline
 
 # How often the console asks the gateway for the status (the page updates as often).
 DEFAULT_POLL_INTERVAL_MS = 1_000
@@ -236,7 +236,7 @@ class ConsoleBackend:
         except squall.SquallError as err:
             message = f"the gateway at {self._client.address} did not answer: {err}"
             if self._snapshot.get("error") != message:
-                self._timeline.note(now_ms, "console", message)
+                self._timeline.note(now_ms, "console", message[:REASON_CHARS_MAX])
             snapshot.update(self._snapshot_data_only())
             snapshot["error"] = message
             snapshot["stale"] = True

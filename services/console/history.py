@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import squall
+from squall_server.cli import explain as cli_explain
 
 # How far back the timeline reaches (the issue asks for the last hour).
 TIMELINE_WINDOW_MS = 3_600_000
@@ -21,6 +22,8 @@ TIMELINE_WINDOW_MS = 3_600_000
 TIMELINE_ENTRIES_MAX = 2_000
 # Rates are measured over this window of polls (long enough to smooth one poll's jitter).
 RATE_WINDOW_MS = 10_000
+# Longest reason quoted in a timeline line.
+REASON_CHARS_MAX = 160
 
 
 @dataclass(frozen=True)
@@ -36,14 +39,15 @@ class TimelineEntry:
 
 
 def _node_state(node: squall.NodeStatus) -> str:
+    """The state column of the replica table (the same words the page and the CLI show)."""
     if not node.reachable and not node.coordinator_id:
         return "unreachable"
-    if node.quarantine is not None:
-        return "QUARANTINED"
-    if node.replica_unreachable_since_ms:
-        return "REPLICA UNREACHABLE"
-    # The role is left out: a role change is a master change, recorded as such.
-    return node.state if node.reachable else f"{node.state} (replica not answering)"
+    return cli_explain.state_of(node)
+
+
+def _short(text: str) -> str:
+    """A reason cut to one readable line (gRPC errors run long)."""
+    return text if len(text) <= REASON_CHARS_MAX else text[: REASON_CHARS_MAX - 1] + "…"
 
 
 class Timeline:
@@ -84,9 +88,8 @@ class Timeline:
             state = _node_state(node)
             before = self._states.get(node.node_id)
             if before is not None and before != state:
-                reason = f": {node.last_change_reason}" if node.last_change_reason else ""
-                if state == "unreachable" and node.error:
-                    reason = f": {node.error}"
+                cause = node.error if state == "unreachable" else node.last_change_reason
+                reason = f": {_short(cause)}" if cause else ""
                 self.note(at_ms, "state", f"{node.node_id} {before} -> {state}{reason}")
             self._states[node.node_id] = state
             # The coordinators' audit trail is the one history the cluster keeps: merge

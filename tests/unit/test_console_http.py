@@ -25,8 +25,10 @@ import squall
 from squall._types import SlaveProgress  # not exported: only status builds it
 from squall_server.cli import admin as cli_admin
 from squall_server.common.clock import ManualClock
+from squall_server.common.config import ClusterConfig, ConfigError, parse_config
 from squall_server.console.backend import ConsoleBackend
 from squall_server.console.history import RATE_WINDOW_MS, TIMELINE_WINDOW_MS, RateMeter, Timeline
+from squall_server.console.hosted import serves_console
 from squall_server.console.server import ConsoleServer
 
 MAX_EVENT_BYTES = 64
@@ -461,3 +463,63 @@ def test_rate_meter_measures_over_its_window_and_restarts_on_a_reset() -> None:
     assert meter.sample("t", 1000, 10) == pytest.approx(10.0)
     assert meter.sample("t", RATE_WINDOW_MS + 2000, 10) == pytest.approx(0.0)
     assert meter.sample("t", RATE_WINDOW_MS + 3000, 0) == 0.0  # a recreated topic
+
+
+_CLUSTER_FILE = """
+[cluster]
+name = "c"
+[[nodes]]
+id = "n1"
+priority = 1
+coordinator_address = "127.0.0.1:7101"
+replica_address = "127.0.0.1:7201"
+data_dir = "d1"
+[[gateways]]
+id = "g1"
+address = "127.0.0.1:7100"
+[[gateways]]
+id = "g2"
+address = "127.0.0.1:7110"
+"""
+
+
+def _console_config(section: str) -> ClusterConfig:
+    return parse_config(_CLUSTER_FILE + "[console]\n" + section, "/etc/squall/c.toml")
+
+
+def test_console_section_defaults_and_which_gateway_serves_it() -> None:
+    config = parse_config(_CLUSTER_FILE, "/etc/squall/c.toml")
+    assert config.console.enabled is False
+    assert not serves_console(config, config.gateways[0])
+    config = _console_config('enabled = true\ntoken_file = "console.token"\ngateway = "g2"')
+    assert config.console.address == "127.0.0.1:7180"
+    assert str(config.console.token_file) == "/etc/squall/console.token"
+    assert not serves_console(config, config.gateways[0])
+    assert serves_console(config, config.gateways[1])
+
+
+@pytest.mark.parametrize(
+    ("section", "words"),
+    [
+        ('enabled = true\ngateway = "g9"', "console.gateway: no gateway 'g9'; configured: g1, g2"),
+        ('enabled = true\naddress = "localhost"', "console.address: 'localhost': must be"),
+        ('enabled = true\naddress = "10.1.2.3:7180"', "is not a loopback address"),
+        ("enabled = true\npoll_interval_ms = 50", "console.poll_interval_ms: must be an integer"),
+        ('enabled = "yes"', "console.enabled: must be true or false"),
+        ("enable = true", "unknown key 'enable' in [console]"),
+    ],
+)
+def test_console_section_errors_name_the_key(section: str, words: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        _console_config(section)
+    assert words in error.value.message
+
+
+def test_console_section_needs_a_token_when_auth_is_on() -> None:
+    auth = (
+        '[auth]\nenabled = true\n[[auth.principals]]\nname = "ops"\n'
+        f'token_sha256 = "{"a" * 64}"\nadmin = true\n'
+    )
+    with pytest.raises(ConfigError) as error:
+        parse_config(_CLUSTER_FILE + auth + "[console]\nenabled = true\n", "/c.toml")
+    assert "console.token_file: required when [auth] is on" in error.value.message
