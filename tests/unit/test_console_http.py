@@ -24,6 +24,7 @@ import pytest
 import squall
 from squall._types import SlaveProgress  # not exported: only status builds it
 from squall_server.cli import admin as cli_admin
+from squall_server.cli import main
 from squall_server.common.clock import ManualClock
 from squall_server.common.config import ClusterConfig, ConfigError, parse_config
 from squall_server.console.backend import ConsoleBackend
@@ -523,3 +524,22 @@ def test_console_section_needs_a_token_when_auth_is_on() -> None:
     with pytest.raises(ConfigError) as error:
         parse_config(_CLUSTER_FILE + auth + "[console]\nenabled = true\n", "/c.toml")
     assert "console.token_file: required when [auth] is on" in error.value.message
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--listen", "7180"], "--listen must be HOST:PORT, not '7180'"),
+        (["--listen", "127.0.0.1:http"], "--listen port must be a number"),
+        (["--listen", "0.0.0.0:7180"], "is not a loopback address: give the console a token"),
+        (["--poll-ms", "5"], "--poll-ms must be 200-10000, not 5"),
+        (["--https-cert", "c.pem"], "--https-cert and --https-key go together"),
+    ],
+)
+def test_squall_console_refuses_a_bad_command_line(
+    args: list[str], words: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SQUALL_TOKEN", raising=False)
+    monkeypatch.delenv("SQUALL_TOKEN_FILE", raising=False)
+    assert main(["console", "--gateway", "127.0.0.1:1", *args]) == 2
+    assert words in capsys.readouterr().err
