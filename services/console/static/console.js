@@ -127,6 +127,9 @@ async function api(method, path, body) {
 }
 
 let reading = false;
+// Only the newest read may fill the table: an older answer arriving late (a refresh of
+// the previous topic) must not overwrite what the person asked for since.
+let readSequence = 0;
 
 async function readEvents(quiet) {
   const topic = $("topic-name").value.trim();
@@ -134,9 +137,11 @@ async function readEvents(quiet) {
   const params = new URLSearchParams();
   if ($("topic-from").value.trim()) params.set("from", $("topic-from").value.trim());
   if ($("topic-count").value.trim()) params.set("count", $("topic-count").value.trim());
+  const mine = ++readSequence;
   reading = true;
   try {
     const d = await api("GET", "/api/topics/" + encodeURIComponent(topic) + "/events?" + params);
+    if (mine !== readSequence) return;
     const hex = $("show-hex").checked;
     fill("events", d.events, (row, e) => {
       row.dataset.offset = e.offset;
@@ -150,10 +155,11 @@ async function readEvents(quiet) {
     if (!quiet) show("topic-message", d.note || (d.events.length + " event(s) of " + d.topic +
       " (offsets " + d.first_offset + ".." + d.next_offset + ")"), false);
   } catch (err) {
+    if (mine !== readSequence) return;
     fill("events", [], () => {});
     show("topic-message", err.message, true);
   } finally {
-    reading = false;
+    if (mine === readSequence) reading = false;
   }
 }
 
@@ -198,15 +204,13 @@ function askAction(action, node) {
   const dialog = $("confirm");
   dialog.onclose = async () => {
     if (dialog.returnValue !== "go") return;
+    show("action-message", action + " " + node + "…", false);
     try {
       const result = await api("POST", "/api/actions", {action: action, node: node,
         reason: $("confirm-reason").value, confirm: $("confirm-node").value.trim()});
-      show("publish-message", "", false);
-      $("banner").hidden = false;
-      $("banner").textContent = result.result;
+      show("action-message", result.result, false);
     } catch (err) {
-      $("banner").hidden = false;
-      $("banner").textContent = err.message;
+      show("action-message", err.message, true);
     }
   };
   dialog.showModal();
