@@ -66,8 +66,16 @@ async def serve(config: ClusterConfig, gateway: GatewayConfig, stop: asyncio.Eve
         await grpc_server.set_serving(True)
         log.info("gateway %s serving on %s", gateway.id, gateway.address)
         if serves_console(config, gateway):
-            # [console]: the page's threads call this gateway's own address.
-            console = await asyncio.to_thread(HostedConsole, config, gateway)
+            # [console]: the page's threads call this gateway's own address. A console that
+            # cannot start (its port taken, its token file unreadable) is logged; the
+            # gateway, the apps' endpoint, keeps serving without it.
+            try:
+                console = await asyncio.to_thread(HostedConsole, config, gateway)
+            except (OSError, ValueError) as err:
+                log.error(
+                    "gateway %s: the console cannot start on %s: %s; serving without it",
+                    gateway.id, config.console.address, err,
+                )  # fmt: skip
         await stop.wait()
         log.info("gateway %s stopping", gateway.id)
     finally:
