@@ -20,7 +20,7 @@ NODES ?= 3
 BENCH_ARGS ?=
 
 .PHONY: install install-run run stop test unit integration sim fuzz bench protos protos-check lint clean \
-	test-spark pipeline-demo chaos protos-release node-deps dist
+	test-spark pipeline-demo chaos protos-release node-deps browser-deps dist
 
 install: $(STAMP)
 
@@ -58,6 +58,20 @@ $(NODE_STAMP): clients/node/package.json clients/node/package-lock.json
 		echo "make: npm not found: the Node client test will skip (install Node.js 18+)"; \
 	fi
 
+# The console's browser test (tests/integration/test_console.py) drives headless Chromium.
+# Installed from Debian's packages where it is missing, only as root with apt-get (a
+# developer's own machine is left alone); without it the test skips with one line.
+browser-deps:
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then \
+		:; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "make: installing chromium for the console's browser test (apt-get)"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium \
+			>/dev/null) || echo "make: chromium did not install: the console's browser test will skip"; \
+	else \
+		echo "make: chromium not found: the console's browser test will skip (apt-get install chromium)"; \
+	fi
+
 lint: install
 	$(BIN)/ruff check services clients tests scripts deploy bench examples chaos
 	$(BIN)/mypy squall_server clients/squall deploy scripts bench chaos
@@ -65,7 +79,7 @@ lint: install
 # The in-process tests (unit, simulator seeds: CPU-bound, no timing) run on two workers, a
 # file per worker at a time; the tests that start real processes then run one at a time,
 # as their failover bounds assume. With PYTEST_ARGS, one run of what they select.
-test: install protos-check lint node-deps
+test: install protos-check lint node-deps browser-deps
 ifeq ($(strip $(PYTEST_ARGS)),)
 	$(BIN)/pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=10 tests/unit tests/sim
 	$(BIN)/pytest -q -p no:cacheprovider --durations=25 --ignore=tests/unit --ignore=tests/sim

@@ -222,6 +222,12 @@ def localize_config(source: Path, run_dir: Path, keep_gateway: bool = False) -> 
         keep = keep_gateway and index == 0 and configured.startswith("127.")
         if not (keep and port_is_free(configured)):
             gateway["address"] = f"127.0.0.1:{next(ports)}"
+    console = document.get("console", {})
+    if isinstance(console, dict) and console.get("enabled"):
+        # The gateway-served console ([console]) gets a free loopback port too.
+        configured = str(console.get("address", "127.0.0.1:7180"))
+        if not (keep_gateway and configured.startswith("127.") and port_is_free(configured)):
+            console["address"] = f"127.0.0.1:{free_port()}"
     telemetry = document.get("telemetry", {})
     for key in (
         "coordinator_prometheus_port",

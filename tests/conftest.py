@@ -19,6 +19,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     """One line per missing machine requirement (tests/requirements.py): how many tests
     it skipped and what to install, so a skip is never silent."""
+    from tests.chromium import CHROMIUM_PREFIX
     from tests.requirements import JAVA_PREFIX, NETNS_PREFIX, NODE_PREFIX
 
     reasons: dict[str, int] = {}
@@ -27,7 +28,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         if not isinstance(longrepr, tuple) or len(longrepr) != 3:
             continue
         reason = str(longrepr[2]).removeprefix("Skipped: ")
-        if reason.startswith((JAVA_PREFIX, NETNS_PREFIX, NODE_PREFIX)):
+        if reason.startswith((JAVA_PREFIX, NETNS_PREFIX, NODE_PREFIX, CHROMIUM_PREFIX)):
             reasons[reason] = reasons.get(reason, 0) + 1
     for reason, count in sorted(reasons.items()):
         terminalreporter.write_line(f"squall: {count} test(s) skipped: {reason}", yellow=True)

@@ -29,6 +29,7 @@
     squall health ADDRESS                       exit 0 if the service there is SERVING
     squall config check FILE [--node ID]        validate a cluster file as the services do
     squall completion bash|zsh                  a shell completion script (docs/operations.md)
+    squall console [--listen HOST:PORT]         serve the web console (docs/console.md)
 
 Client commands find the gateway from --gateway, else the first gateway of --config, else
 $SQUALL_GATEWAY, else 127.0.0.1:7100 (the shipped configs' gateway). Errors print one
@@ -55,6 +56,7 @@ from squall_server.cli import auth as cli_auth
 from squall_server.cli import certs as cli_certs
 from squall_server.cli import completion as cli_completion
 from squall_server.cli import config as cli_config
+from squall_server.cli import console as cli_console
 from squall_server.cli import explain as cli_explain
 from squall_server.cli import health as cli_health
 from squall_server.cli import listing as cli_listing
@@ -291,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     cli_subscription.add_parser(commands, client)
+    cli_console.add_parser(commands, client)
     cli_admin.add_parser(commands)
     cli_store.add_parser(commands)
     cli_store_backup.add_parser(commands)

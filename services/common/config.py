@@ -261,6 +261,35 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class ConsoleConfig:
+    """[console]: one gateway also serves the web console (docs/console.md)."""
+
+    enabled: bool = False
+    # The id of the gateway that serves it; empty: the first [[gateways]] entry.
+    gateway: str = ""
+    # host:port of the page; a non-loopback address needs token_file.
+    address: str = "127.0.0.1:7180"
+    # The token the console sends to its gateway and asks of every browser.
+    token_file: Path | None = None
+    poll_interval_ms: int = 1000
+
+
+# The fastest and slowest status polling a console takes (the page asks for <= 2 s).
+CONSOLE_POLL_MS_MIN = 200
+CONSOLE_POLL_MS_MAX = 10_000
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for localhost, 127.0.0.0/8 and ::1 (brackets allowed)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
 class TlsConfig:
     """Transport security (docs/security.md): the cluster CA and the per-identity certificates.
 
@@ -318,10 +347,12 @@ class ClusterConfig:
     # Deprecated names the file used, one sentence each (logged as warnings at start).
     deprecations: tuple[str, ...] = field(default=(), compare=False)
     remotes: tuple[RemoteConfig, ...] = ()
+    console: ConsoleConfig = field(default_factory=ConsoleConfig)
 
     def remote(self, name: str) -> RemoteConfig | None:
         """The [[remotes]] entry of that name, or None."""
         return next((r for r in self.remotes if r.name == name), None)
+
     # The version and epoch of the node set listed, as `squall cluster config export`
     # writes them (0 for a file written by hand): a node started from an exported file
     # never takes an older running node set for newer (docs/operations.md, "Changing the
@@ -504,6 +535,7 @@ _SECTIONS: Mapping[str, str] = {
     "tls": "table",
     "auth": "table",
     "remotes": "array",
+    "console": "table",
 }
 _CLUSTER_KEYS = ("name", "membership_version", "membership_epoch")
 _NODE_KEYS = tuple(f.name for f in dataclasses.fields(NodeConfig))
@@ -575,6 +607,65 @@ def _build(document: Mapping[str, Any], config_path: Path) -> ClusterConfig:
             _build_remote(index, entry, base_dir)
             for index, entry in enumerate(document.get("remotes", []))
         ),
+        console=_build_console(document, gateways, base_dir),
+    )
+
+
+def _build_console(
+    document: Mapping[str, Any], gateways: tuple[GatewayConfig, ...], base_dir: Path
+) -> ConsoleConfig:
+    """[console]: which gateway serves the page, where, with which token."""
+    table = document.get("console", {})
+    known = [f.name for f in dataclasses.fields(ConsoleConfig)]
+    _check_keys(table, known, "[console]", "console")
+    enabled = table.get("enabled", False)
+    if not isinstance(enabled, bool):
+        raise ConfigError(f"console.enabled: must be true or false, got {_describe(enabled)}")
+    gateway = table.get("gateway", "")
+    if not isinstance(gateway, str):
+        raise ConfigError(f"console.gateway: must be a gateway id, got {_describe(gateway)}")
+    if gateway and gateway not in {g.id for g in gateways}:
+        listed = ", ".join(g.id for g in gateways)
+        raise ConfigError(f"console.gateway: no gateway {_show(gateway)}; configured: {listed}")
+    address = table.get("address", ConsoleConfig.address)
+    if not isinstance(address, str):
+        raise ConfigError(f"console.address: must be a host:port string, got {_describe(address)}")
+    try:
+        host, _ = parse_address(address)
+    except ValueError as error:
+        raise ConfigError(f"console.address: {_show(address)}: {error}") from None
+    token_file = (
+        _resolve_dir(table["token_file"], "console.token_file", base_dir)
+        if "token_file" in table
+        else None
+    )
+    if enabled and token_file is None and not is_loopback_host(host):
+        raise ConfigError(
+            f"console.address: {_show(address)} is not a loopback address: set "
+            "console.token_file so the page asks for a token, or serve it on 127.0.0.1"
+        )
+    auth = document.get("auth", {})
+    if enabled and token_file is None and isinstance(auth, dict) and auth.get("enabled"):
+        raise ConfigError(
+            "console.token_file: required when [auth] is on (the console calls its gateway "
+            "with the token of an admin principal)"
+        )
+    poll = table.get("poll_interval_ms", ConsoleConfig.poll_interval_ms)
+    if (
+        not isinstance(poll, int)
+        or isinstance(poll, bool)
+        or not CONSOLE_POLL_MS_MIN <= poll <= CONSOLE_POLL_MS_MAX
+    ):
+        raise ConfigError(
+            f"console.poll_interval_ms: must be an integer from {CONSOLE_POLL_MS_MIN} to "
+            f"{CONSOLE_POLL_MS_MAX}, got {_show(poll)}"
+        )
+    return ConsoleConfig(
+        enabled=enabled,
+        gateway=gateway,
+        address=address,
+        token_file=token_file,
+        poll_interval_ms=poll,
     )
 
 

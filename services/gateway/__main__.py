@@ -14,6 +14,7 @@ from squall_server.common.file_checks import check_own_key
 from squall_server.common.grpc_server import ServiceServer
 from squall_server.common.logs import set_log_context, setup_logging
 from squall_server.common.service_main import run_service
+from squall_server.console.hosted import HostedConsole, serves_console
 from squall_server.gateway.forward import FORWARDED_SERVICES, Forwarder
 from squall_server.gateway.master import MasterTracker
 from squall_server.gateway.server import ClusterAdmin
@@ -59,13 +60,27 @@ async def serve(config: ClusterConfig, gateway: GatewayConfig, stop: asyncio.Eve
     gateway_pb2_grpc.add_ClusterAdminServicer_to_server(admin, grpc_server.server)
     masters.start()
     set_log_context(lambda: {"master": masters.master_id or "-", "epoch": masters.epoch})
+    console: HostedConsole | None = None
     try:
         await grpc_server.start()
         await grpc_server.set_serving(True)
         log.info("gateway %s serving on %s", gateway.id, gateway.address)
+        if serves_console(config, gateway):
+            # [console]: the page's threads call this gateway's own address. A console that
+            # cannot start (its port taken, its token file unreadable) is logged; the
+            # gateway, the apps' endpoint, keeps serving without it.
+            try:
+                console = await asyncio.to_thread(HostedConsole, config, gateway)
+            except (OSError, ValueError) as err:
+                log.error(
+                    "gateway %s: the console cannot start on %s: %s; serving without it",
+                    gateway.id, config.console.address, err,
+                )  # fmt: skip
         await stop.wait()
         log.info("gateway %s stopping", gateway.id)
     finally:
+        if console is not None:
+            await asyncio.to_thread(console.close)
         await grpc_server.stop()
         await shared.close()
         await admin.close()
