@@ -1,32 +1,33 @@
-"""The replica node: the asyncio shell around the replica's cores and its synchronous
-driver, the group-commit writer, and committed reads.
+"""The replica node: the composition root and adapter around the replica's cores, its
+synchronous driver and the asyncio shells that do the waiting.
 
 The synchronous ``ReplicaDriver`` (``driver.py``, ``self.driver``) owns the store and the
-commit gate and applies the core's slave-side effects and checks a reorganization fetch;
-this shell holds the commit lock, runs store writes on the store thread and talks to the
-other replicas through a ``ReplicaTransport`` (``transport.py``) between its steps.
+commit gate and applies the pure ``ReplicaCore``'s effects. The asyncio work around it
+lives in small classes, each given what it uses (the driver, the commit lock, the store
+thread, the clock, a fault callback), not the node:
+
+* ``Writer`` (``writer.py``): the write queue, group commit (a batch appended in one
+  transaction, registered with the master's ``MasterDriver`` and acknowledged once
+  committed) and log compaction;
+* ``SlaveSide`` (``slave_side.py``): a slave's hello, batches, snapshot chunks and
+  heartbeats from its master;
+* ``SyncSource`` (``sync_source.py``): answering a new master's reorganization fetch;
+* ``TakingMaster`` (``taking_master.py``): taking the master role in a background task
+  (``reorg``): the reorganization fetch from the sync source, then the epoch start;
+* ``Truncation`` (``truncation.py``): removing a divergent suffix, and the loss reports
+  it leaves.
+
+This node owns the commit lock (held while a batch, a truncation, an install or a role's
+store write runs, so a deactivation can wait for it and report a log that no longer
+grows) and the one store thread (so fsync never blocks the event loop), talks to the
+other replicas through a ``ReplicaTransport`` (``transport.py``), and keeps the public
+methods the servicers call (through the narrow protocols of ``endpoints.py``) and the
+coordinator's reports read.
 
 Roles: every role rule (role, epoch floor, lease, taking and dropping roles, the shutdown
-freeze, the hand-off fence, which writes are refused) is decided by the pure
-``ReplicaCore`` (``core``); this node feeds it role commands, ticks and what it saw, and
-carries out the ``Effects`` it returns in their documented order (``apply_effects``).
-
-All writes go through one writer task. It drains every command waiting (up to a bounded
-batch), plans them with a `BatchBuilder`, appends the whole batch to the store in one
-transaction on a dedicated thread (so fsync never blocks the event loop), and only then
-registers each command with the replication core (``master_driver``): a write is
-acknowledged only once its entry is committed (held by the replicas the ack policy
-requires, each under its sync policy). As a slave the node applies the master's stream
-(``replication_hello``/``replication_batch``, driven by the pure ``Follower``). Readers
-on either side see only committed entries (``CommitGate``).
-
-Reorganization: before a new master writes its epoch-start entry it fetches the log it
-lacks from the group's sync source (``Replication.FetchLog``), truncating a divergent
-suffix of its own first (by rebuilding the store from its log, ``rebuild``). When that
-cannot work (its log is compacted or shares no entry with the source's, or the source's
-no longer holds what it lacks) the source sends a snapshot and the log after it,
-installed as a slave installs one. The master role is taken in a background task that
-outlives the coordinator's SetRole call (``reorg``): a large snapshot may take long.
+freeze, the hand-off fence, which writes are refused) is decided by ``ReplicaCore``
+(``core``); this node feeds it role commands, ticks and what it saw, and carries out the
+``Effects`` it returns in their documented order (``apply_effects``).
 
 Committed reads across restarts: the store records the commit LSN this node knew (with
 each appended batch, and a slave's idle heartbeats); ``start`` hides every publish above
@@ -38,7 +39,7 @@ most ``limits.log_retention_entries`` entries (plus one compaction step), on the
 thread with the commit lock held; the master never compacts the log after a snapshot it
 is sending (``MasterDriver.compaction_target``). A slave behind the retained log, or
 one whose own log no longer starts at LSN 1 and holds a divergent suffix, gets a
-snapshot (``replication_snapshot`` installs it).
+snapshot.
 """
 
 from __future__ import annotations
@@ -89,23 +90,15 @@ from squall_server.replica.faults import (
     new_fault,
     save_fault,
 )
-from squall_server.replica.follower import (
-    FollowerConfig,
-)
+from squall_server.replica.follower import FollowerConfig
 from squall_server.replica.links import LinkForwarding
 from squall_server.replica.master_driver import MasterDriver, SlaveStatus
 from squall_server.replica.push import PushDelivery
 from squall_server.replica.rebuild import LmdbTruncator
 from squall_server.replica.reorg import SyncProgress, Taking, answer_wait_s
-from squall_server.replica.replication import (
-    ReplicationError,
-    SyncPolicy,
-)
+from squall_server.replica.replication import ReplicationError, SyncPolicy
 from squall_server.replica.slave_side import SlaveSide
-from squall_server.replica.store import (
-    Store,
-    TopicInfo,
-)
+from squall_server.replica.store import Store, TopicInfo
 from squall_server.replica.store.stall import StallMeter
 from squall_server.replica.sync_source import SyncSource
 from squall_server.replica.taking_master import TakingMaster
