@@ -181,7 +181,7 @@ class TakingMaster:
         progress: SyncProgress | None = None,
     ) -> None:
         """Takes the master role in `epoch` (the core's ``TakeMaster``, run by the task
-        ``_start_taking`` made): persists the epoch, brings the log to the sync source's,
+        ``start`` made): persists the epoch, brings the log to the sync source's,
         starts replication to the members, then writes the epoch start.
 
         progress: where the reorganization sync reports how far it got (``reorg``)."""
@@ -364,7 +364,7 @@ class TakingMaster:
                     ),
                 )
             except Exception:
-                # (Cancelled: the store thread may still append; _cancel_taking rebuilds.)
+                # (Cancelled: the store thread may still append; cancel rebuilds.)
                 self.driver.fetched_store_failed()
                 raise
             self.driver.fetched_stored(entries[-1].lsn, source_commit_lsn)
@@ -462,7 +462,7 @@ class TakingMaster:
         )
         taking.task.cancel()
         # Its own task: a caller cancelled meanwhile (a SetRole past its deadline) must not
-        # cut it short; the next role command waits for it (_wait_stopped).
+        # cut it short; the next role command waits for it (wait_stopped).
         self._stopping = asyncio.get_running_loop().create_task(self._stopped(taking))
         await self.wait_stopped()
 
