@@ -283,7 +283,7 @@ def check_entries(
     """Checks that ``entries`` continue a log ending at ``prev_lsn`` (of ``prev_epoch``):
     LSNs consecutive, epochs in 1..``max_epoch`` and never decreasing, each entry's
     CRC-32 over its operation. The rules of a streamed batch (``Follower.on_batch``) and
-    of a reorganization fetch (``ReplicaNode._sync_from``) alike."""
+    of a reorganization fetch (``TakingMaster._sync_from``) alike."""
     new_boundaries: list[tuple[int, int]] = []
     for entry in entries:
         lsn, entry_epoch = entry.lsn, entry.epoch

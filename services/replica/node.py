@@ -1,32 +1,33 @@
-"""The replica node: the asyncio shell around the replica's cores and its synchronous
-driver, the group-commit writer, and committed reads.
+"""The replica node: the composition root and adapter around the replica's cores, its
+synchronous driver and the asyncio shells that do the waiting.
 
 The synchronous ``ReplicaDriver`` (``driver.py``, ``self.driver``) owns the store and the
-commit gate and applies the core's slave-side effects and checks a reorganization fetch;
-this shell holds the commit lock, runs store writes on the store thread and talks to the
-other replicas through a ``ReplicaTransport`` (``transport.py``) between its steps.
+commit gate and applies the pure ``ReplicaCore``'s effects. The asyncio work around it
+lives in small classes, each given what it uses (the driver, the commit lock, the store
+thread, the clock, a fault callback), not the node:
+
+* ``Writer`` (``writer.py``): the write queue, group commit (a batch appended in one
+  transaction, registered with the master's ``MasterDriver`` and acknowledged once
+  committed) and log compaction;
+* ``SlaveSide`` (``slave_side.py``): a slave's hello, batches, snapshot chunks and
+  heartbeats from its master;
+* ``SyncSource`` (``sync_source.py``): answering a new master's reorganization fetch;
+* ``TakingMaster`` (``taking_master.py``): taking the master role in a background task
+  (``reorg``): the reorganization fetch from the sync source, then the epoch start;
+* ``Truncation`` (``truncation.py``): removing a divergent suffix, and the loss reports
+  it leaves.
+
+This node owns the commit lock (held while a batch, a truncation, an install or a role's
+store write runs, so a deactivation can wait for it and report a log that no longer
+grows) and the one store thread (so fsync never blocks the event loop), talks to the
+other replicas through a ``ReplicaTransport`` (``transport.py``), and keeps the public
+methods the servicers call (through the narrow protocols of ``endpoints.py``) and the
+coordinator's reports read.
 
 Roles: every role rule (role, epoch floor, lease, taking and dropping roles, the shutdown
-freeze, the hand-off fence, which writes are refused) is decided by the pure
-``ReplicaCore`` (``core``); this node feeds it role commands, ticks and what it saw, and
-carries out the ``Effects`` it returns in their documented order (``apply_effects``).
-
-All writes go through one writer task. It drains every command waiting (up to a bounded
-batch), plans them with a `BatchBuilder`, appends the whole batch to the store in one
-transaction on a dedicated thread (so fsync never blocks the event loop), and only then
-registers each command with the replication core (``master_driver``): a write is
-acknowledged only once its entry is committed (held by the replicas the ack policy
-requires, each under its sync policy). As a slave the node applies the master's stream
-(``replication_hello``/``replication_batch``, driven by the pure ``Follower``). Readers
-on either side see only committed entries (``CommitGate``).
-
-Reorganization: before a new master writes its epoch-start entry it fetches the log it
-lacks from the group's sync source (``Replication.FetchLog``), truncating a divergent
-suffix of its own first (by rebuilding the store from its log, ``rebuild``). When that
-cannot work (its log is compacted or shares no entry with the source's, or the source's
-no longer holds what it lacks) the source sends a snapshot and the log after it,
-installed as a slave installs one. The master role is taken in a background task that
-outlives the coordinator's SetRole call (``reorg``): a large snapshot may take long.
+freeze, the hand-off fence, which writes are refused) is decided by ``ReplicaCore``
+(``core``); this node feeds it role commands, ticks and what it saw, and carries out the
+``Effects`` it returns in their documented order (``apply_effects``).
 
 Committed reads across restarts: the store records the commit LSN this node knew (with
 each appended batch, and a slave's idle heartbeats); ``start`` hides every publish above
@@ -38,7 +39,7 @@ most ``limits.log_retention_entries`` entries (plus one compaction step), on the
 thread with the commit lock held; the master never compacts the log after a snapshot it
 is sending (``MasterDriver.compaction_target``). A slave behind the retained log, or
 one whose own log no longer starts at LSN 1 and holds a divergent suffix, gets a
-snapshot (``replication_snapshot`` installs it).
+snapshot.
 """
 
 from __future__ import annotations
@@ -49,17 +50,13 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import TypeVar
 
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
-from squall.wire import stages as _stages
 from squall_server.common.clock import Clock, SystemClock
 from squall_server.common.config import ClusterConfig, NodeConfig
 from squall_server.common.errors import Code, ServiceError
-from squall_server.common.loss import load_losses, record_loss
 from squall_server.common.loss_record import LossRecord
 from squall_server.common.telemetry import Telemetry, current
 from squall_server.replica import commands, telemetry
@@ -74,23 +71,17 @@ from squall_server.replica.core import (
     Role,
     RoleOrder,
     StoreFacts,
-    TakeMaster,
     WriteFence,
 )
 from squall_server.replica.driver import (
     CancelTaking,
     DropRole,
-    FetchTail,
     FollowMaster,
-    InstallFetched,
     JoinTaking,
     PersistRole,
     RenewMembers,
     ReplicaDriver,
     StartTaking,
-    StoreFetched,
-    TruncateFetched,
-    master_config,
 )
 from squall_server.replica.faults import (
     REASON_CHARS_MAX,
@@ -99,32 +90,23 @@ from squall_server.replica.faults import (
     new_fault,
     save_fault,
 )
-from squall_server.replica.follower import (
-    FollowerConfig,
-    FollowerError,
-)
+from squall_server.replica.follower import FollowerConfig
 from squall_server.replica.links import LinkForwarding
-from squall_server.replica.loss_scan import scan_discarded, truncation_loss
-from squall_server.replica.master_driver import MasterDriver, SlaveStatus, Waiting
+from squall_server.replica.master_driver import MasterDriver, SlaveStatus
 from squall_server.replica.push import PushDelivery
 from squall_server.replica.rebuild import LmdbTruncator
-from squall_server.replica.reorg import SyncProgress, Taking, answer_wait_s, outcome, read_within
-from squall_server.replica.replication import (
-    ReplicationError,
-    ReplicationMaster,
-    SyncPolicy,
-    batch_size_bytes,
-)
-from squall_server.replica.snapshot_pump import pump_snapshot
-from squall_server.replica.store import (
-    Store,
-    StoreError,
-    TopicInfo,
-)
+from squall_server.replica.reorg import SyncProgress, Taking, answer_wait_s
+from squall_server.replica.replication import ReplicationError, SyncPolicy
+from squall_server.replica.slave_side import SlaveSide
+from squall_server.replica.store import Store, TopicInfo
 from squall_server.replica.store.stall import StallMeter
+from squall_server.replica.sync_source import SyncSource
+from squall_server.replica.taking_master import TakingMaster
 from squall_server.replica.transient import TransientTopics
-from squall_server.replica.transport import GrpcReplicaTransport, ReplicaCallError, ReplicaTransport
+from squall_server.replica.transport import GrpcReplicaTransport, ReplicaTransport
+from squall_server.replica.truncation import Truncation
 from squall_server.replica.visibility import CommitGate
+from squall_server.replica.writer import Writer, cancel_with, pass_receipt
 
 T = TypeVar("T")
 log = logging.getLogger("squall.replica")
@@ -132,25 +114,9 @@ log = logging.getLogger("squall.replica")
 # Request metadata from a publisher proxy: the replica addresses it just failed to reach,
 # comma-separated, so this replica does not redirect it back to a dead master.
 UNREACHABLE_KEY = "squall-unreachable"
-# Unflushed appends up to this size run on the event loop: an LMDB commit of a few
-# entries without fsync takes tens of microseconds, less than the hand-off to the store
-# thread and back (~0.3 ms per append measured on a busy 2-core machine), which one-at-a-
-# time publishing pays twice per event (master and slave). Flushes and large batches go to
-# the store thread so the loop never waits on the disk or on a long copy.
-_INLINE_APPEND_BYTES_MAX = 64 * 1024
 # How often the lease watch asks the core whether the role lease ran out: a small part of
 # the shortest lease a coordinator gives (its member timeout).
 _LEASE_CHECK_S = 0.05
-
-
-@dataclass
-class _Pending:
-    command: Command
-    future: asyncio.Future[Planned]
-    # Set once the command's entry is appended locally (before it commits).
-    appended: asyncio.Future[None] | None = None
-    # A traced publish: told when its entry is appended (squall_server.replica.telemetry).
-    trace: telemetry.PublishWatch | None = None
 
 
 class ReplicaNode:
@@ -207,25 +173,15 @@ class ReplicaNode:
         # A fault that makes this node unfit to serve; reported to the coordinator, which
         # quarantines the node (faults.py).
         self.fault: Fault | None = load_fault(node.data_dir)
-        # Loss reports beside the store (acknowledged entries this node discarded); reported
-        # to the coordinator in every ReplicaState (services/common/loss.py).
-        # The offline store tools name the node after its directory: the file is this
-        # node's, so its id is what the reports carry.
-        self.losses: tuple[LossRecord, ...] = tuple(
-            dataclasses.replace(r, node_id=node.id) for r in load_losses(node.data_dir)
-        )
         self.transient = TransientTopics(config.limits.subscribe_batch_max_events * 10)
         self.push = PushDelivery(self)  # runs while master, from the epoch start's commit
         self.links = LinkForwarding(self)  # likewise
-        self._queue: deque[_Pending] = deque()
-        self._wakeup = asyncio.Event()
         self._committed = asyncio.Event()
         # Set (and replaced) whenever a role command was applied or the role was lost.
         self._role_changed = asyncio.Event()
         self._io = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"store-{node.id}"
         )
-        self._writer: asyncio.Task[None] | None = None
         self._lease_task: asyncio.Task[None] | None = None
         # Held while a batch is being written, so a deactivation can wait for it and then
         # report a log that no longer grows.
@@ -255,10 +211,81 @@ class ReplicaNode:
             on_role_changed=self._role_changed_now,
             on_fault=self.report_fault,
         )
-        self._commit_recording: asyncio.Task[None] | None = None  # the core's record_commit
-        # The task taking a master role in the background (its reorganization sync).
-        self._taking: Taking | None = None
-        self._stopping: asyncio.Task[None] | None = None  # an abandoned taking winding down
+        # Truncation of a divergent suffix and the loss reports it leaves (truncation.py).
+        self.truncation = Truncation(
+            node.id,
+            node.data_dir,
+            self.core,
+            self.driver,
+            truncator,
+            stall=self._stall,
+            io=self._io,
+            commit_lock=self._commit_lock,
+            clock=self.clock,
+            published_traces=self.published_traces,
+            instruments=self._instruments,
+            fail_stop=self._fail_stop,
+        )
+        # The write queue, group commit and compaction (writer.py).
+        self.writer = Writer(
+            node,
+            lambda: self.config,
+            self.core,
+            self.driver,
+            lambda: self._driver,
+            clock=self.clock,
+            io=self._io,
+            commit_lock=self._commit_lock,
+            observability=self.telemetry,
+            report_fault=self.report_fault,
+            fail_stop=self._fail_stop,
+        )
+        # Answers a new master's reorganization fetch (sync_source.py).
+        self.sync_source = SyncSource(
+            node.id,
+            self.driver,
+            lambda: self.config,
+            is_master=lambda: self.role == common_pb2.ROLE_MASTER,
+            io=self._io,
+            commit_lock=self._commit_lock,
+            clock=self.clock,
+        )
+        # What a slave does with its master's stream (slave_side.py).
+        self.slave = SlaveSide(
+            node.id,
+            self.core,
+            self.driver,
+            io=self._io,
+            commit_lock=self._commit_lock,
+            append=self.writer.append_entries,
+            compact=self.writer.compact,
+            truncate_locked=self.truncation.truncate_locked,
+            fail_stop=self._fail_stop,
+        )
+        # Taking the master role: the reorganization fetch, the epoch start (taking_master.py).
+        self.taking = TakingMaster(
+            node,
+            lambda: self.config,
+            lambda: self._nodes,
+            self.core,
+            self.driver,
+            transport=lambda: self._new_transport(),
+            clock=self.clock,
+            io=self._io,
+            commit_lock=self._commit_lock,
+            observability=self.telemetry,
+            truncate_by_snapshot=truncator is None,
+            persist_role=self._persist_role,
+            submit=self.writer.submit,
+            install_snapshot_chunk=self.slave.install_snapshot_chunk,
+            truncate_after=self.truncation.truncate_after,
+            gate_from_store=self._gate_from_store,
+            new_epoch=self.transient.new_epoch,
+            set_master=self._set_master,
+            on_deposed=self._master_deposed,
+            on_epoch_started=self._epoch_started,
+            on_committed=self._notify_committed,
+        )
         self._answer_wait_s = answer_wait_s(
             config.timeouts.heartbeat_interval_ms, config.timeouts.rpc_timeout_ms
         )
@@ -357,7 +384,7 @@ class ReplicaNode:
         )
         if self._instruments is not None:
             self._instruments.watch(self)
-        self._writer = asyncio.create_task(self._write_loop(), name=f"writer-{self.node.id}")
+        self.writer.start()
         self._lease_task = asyncio.create_task(self._watch_lease(), name=f"lease-{self.node.id}")
         meta = self.store.meta()
         log.info(
@@ -390,337 +417,33 @@ class ReplicaNode:
         """Stops the writer and fails anything still queued as indeterminate."""
         await self.push.close()
         await self.links.close()
-        await self._cancel_taking(f"replica {self.node.id} stopping")
+        await self.taking.cancel(f"replica {self.node.id} stopping")
         if self._instruments is not None:
             self._instruments.unwatch(self)
         if self._driver is not None:
             await self._driver.stop(f"replica {self.node.id} stopping")
             self._driver = None
-        for task in (self._lease_task, self._writer):
-            if task is not None:
-                task.cancel()
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
-        while self._queue:
-            pending = self._queue.popleft()
-            if not pending.future.done():
-                pending.future.set_exception(
-                    ServiceError(Code.UNKNOWN, "replica stopped before the write committed")
-                )
-        self._io.shutdown(wait=True)
-
-    async def become_master(
-        self,
-        epoch: int,
-        *,
-        reason: str,
-        members: Sequence[str] = (),
-        sync_source_id: str = "",
-        progress: SyncProgress | None = None,
-    ) -> None:
-        """Takes the master role in `epoch` (the core's ``TakeMaster``, run by the task
-        ``_start_taking`` made): persists the epoch, brings the log to the sync source's,
-        starts replication to the members, then writes the epoch start.
-
-        progress: where the reorganization sync reports how far it got (``reorg``)."""
-        # Before the fetch below changes the store.
-        member_ids = await self._persist_role(
-            functools.partial(self.driver.take_master_persist, epoch, members)
-        )
-        self.transient.new_epoch(epoch)
-        if sync_source_id and sync_source_id != self.node.id:
-            await self._sync_from(
-                sync_source_id,
-                epoch,
-                progress or SyncProgress(epoch, sync_source_id, self.clock.monotonic_ms()),
-            )
-        core: ReplicationMaster[Waiting] = self.driver.master_core(
-            master_config(
-                self.config,
-                self.node.id,
-                len(member_ids),
-                truncate_by_snapshot=self.truncator is None,
-            ),
-            epoch,
-            member_ids,
-        )
-        # (This node's own config when the group names it without the configuration.)
-        member_nodes = [self._nodes.get(member, self.node) for member in member_ids]
-        driver = MasterDriver(
-            self.config,
-            self.node,
-            core,
-            lambda: self.store,
-            cluster_id=self.store.meta().cluster_id,
-            members=member_nodes,
-            transport=self._new_transport(),
-            clock=self.clock,
-            on_commit=self._advance_commit,
-            on_deposed=self._master_deposed,
-            io=self._io,
-            commit_lock=self._commit_lock,
-            log_start_lsn=self._log_start_lsn,
-            stamp_snapshot=self._stamp_snapshot,
-            observability=self.telemetry,
-        )
-        # The role may be taken long after its SetRole call (a reorganization sync).
-        self.driver.master_taken(epoch)  # refused if abandoned meanwhile
-        self._driver = driver
-        driver.start()
-        loop = asyncio.get_running_loop()
-        appended: asyncio.Future[None] = loop.create_future()
-        started = self._submit(
-            commands.StartEpoch(epoch=epoch, master_id=self.node.id), appended=appended
-        )
-        started.add_done_callback(functools.partial(self._epoch_start_done, epoch))
-        # Wait for the local append only: the commit needs the slaves, which take their
-        # role from their own coordinators meanwhile.
-        await appended
-        log.info(
-            "replica %s is master: epoch=%d lsn=%d members=%s sync_source=%s reason=%s",
-            self.node.id,
-            epoch,
-            self._last_lsn,
-            ",".join(n.id for n in member_nodes),
-            sync_source_id or self.node.id,
-            reason,
-        )
-
-    def _epoch_start_done(self, epoch: int, future: asyncio.Future[Planned]) -> None:
-        if not future.cancelled() and future.exception() is not None:
-            log.warning(
-                "replica %s: epoch %d start entry did not commit: %s",
-                self.node.id,
-                self.epoch,
-                future.exception(),
-            )
-        elif not future.cancelled() and self.role == common_pb2.ROLE_MASTER and self.epoch == epoch:
-            self.push.start(epoch)  # all before the epoch start is committed: deliver it
-            self.links.start(epoch)
-
-    async def _sync_from(self, source_id: str, epoch: int, progress: SyncProgress) -> None:
-        """Reorganization: fetches the log after this node's from the sync source.
-
-        Runs in the background of the SetRole call (``reorg``): no deadline on the whole
-        fetch, but the source must send each message within ``timeouts.rpc_timeout_ms``.
-        """
-        source = next((n for n in self.config.nodes if n.id == source_id), None)
-        if source is None:
-            raise ServiceError(Code.INVALID_ARGUMENT, f"unknown sync source '{source_id}'")
-        idle_timeout_s = self.config.timeouts.rpc_timeout_ms / 1000
-        sync = self.config.durability.master_sync == common_pb2.SYNC_POLICY_SYNC
-        tail: FetchTail | None = None
-        driver = self.driver
-        links = self._new_transport()
-        try:
-            # Twice at most: once more after truncating a divergent suffix.
-            for _ in range(2):
-                tail = driver.fetch_begin(tail)
-                request = driver.fetch_request(epoch, self.config.limits.commit_batch_max_entries)
-                progress.phase = "fetching log"
-                call = links.fetch_log(source_id, request)
-                try:
-                    # One step per message: bounded by the source's log and snapshot.
-                    while True:
-                        response = await read_within(
-                            call, idle_timeout_s, f"sync source {source_id}"
-                        )
-                        if response is None:
-                            break
-                        step = driver.fetch_step(tail, response, epoch, source_id)
-                        if isinstance(step, InstallFetched):
-                            progress.phase = "installing snapshot"
-                            progress.snapshot_lsn = step.chunk.snapshot_lsn
-                            snapshot_lsn = await self._fetched_snapshot_chunk(
-                                step.chunk, epoch, source_id, after_entries=tail.entries > 0
-                            )
-                            progress.snapshot_chunks += 1
-                            progress.snapshot_records += len(step.chunk.records)
-                            driver.fetched_chunk_installed(tail, step.chunk, snapshot_lsn)
-                        elif isinstance(step, TruncateFetched):
-                            raise _Diverged(step.keep_lsn)
-                        elif isinstance(step, StoreFetched):
-                            progress.phase = "fetching log"
-                            await self._store_fetched(step.entries, step.commit_lsn, sync=sync)
-                            driver.fetched_entries_stored(tail, step)
-                            progress.entries_fetched = tail.entries
-                    break
-                except _Diverged as diverged:
-                    progress.phase = "truncating"
-                    await self._truncate_after(diverged.fork_lsn, f"sync source {source_id}")
-                except ReplicaCallError as exc:
-                    code = (
-                        Code.FAILED_PRECONDITION
-                        if exc.status == "FAILED_PRECONDITION"
-                        else Code.UNAVAILABLE
-                    )
-                    raise ServiceError(
-                        code,
-                        f"replica {self.node.id} cannot take the master role in epoch {epoch}: "
-                        f"fetching the log from sync source {source_id} failed: "
-                        f"{exc.status}: {exc.details}",
-                    ) from exc
-                except StoreError as exc:
-                    raise ServiceError(
-                        Code.FAILED_PRECONDITION,
-                        f"replica {self.node.id} cannot take the master role in epoch {epoch}: "
-                        f"storing the log fetched from {source_id} failed: {exc}",
-                    ) from exc
-                finally:
-                    call.cancel()  # a no-op once the stream ended
-        finally:
-            await links.close()
-        meta = self.store.meta()
-        self.core.log_reset(meta.last_lsn, self._log_start_lsn)
-        log.info(
-            "replica %s synced from %s for epoch %d: %s%d entries fetched, log at epoch %d "
-            "LSN %d (from LSN %d), commit LSN %d, %d publishes hidden until committed: %s",
-            self.node.id,
-            source_id,
-            epoch,
-            "a snapshot and " if tail is not None and tail.snapshots else "",
-            0 if tail is None else tail.entries,
-            meta.last_epoch,
-            meta.last_lsn,
-            self._log_start_lsn,
-            self.gate.commit_lsn,
-            self.gate.tracked,
-            progress.describe(self.clock.monotonic_ms()),
-        )
-
-    async def _store_fetched(
-        self, entries: list[replica_pb2.LogEntry], source_commit_lsn: int, *, sync: bool
-    ) -> None:
-        """Appends fetched entries; their publishes above the source's commit LSN stay
-        hidden from committed reads until this node's own commit LSN passes them."""
-        async with self._commit_lock:
-            self.driver.hide_uncommitted(entries, source_commit_lsn)
+        if self._lease_task is not None:
+            self._lease_task.cancel()
             try:
-                await asyncio.get_running_loop().run_in_executor(
-                    self._io,
-                    functools.partial(
-                        self.driver.store_append, entries, sync=sync, commit_lsn=source_commit_lsn
-                    ),
-                )
-            except Exception:
-                # (Cancelled: the store thread may still append; _cancel_taking rebuilds.)
-                self.driver.fetched_store_failed()
-                raise
-            self.driver.fetched_stored(entries[-1].lsn, source_commit_lsn)
-
-    async def _fetched_snapshot_chunk(
-        self, chunk: replica_pb2.SnapshotChunk, epoch: int, source_id: str, *, after_entries: bool
-    ) -> int | None:
-        """Installs one snapshot chunk of a reorganization fetch, as a slave does; returns
-        the snapshot's LSN after the last chunk, else None. Store errors propagate."""
-        self.driver.check_fetched_snapshot(chunk, epoch, source_id, after_entries=after_entries)
-        async with self._commit_lock:
-            return await self._install_snapshot_chunk(
-                chunk,
-                last=chunk.last,
-                history=[(b.epoch, b.start_lsn) for b in chunk.history],
-                source=f"sync source {source_id}",
-            )
-
-    async def _truncate_after(self, keep_lsn: int, why: str) -> None:
-        """Removes the log after keep_lsn (a deposed master's uncommitted suffix)."""
-        async with self._commit_lock:
-            await self._truncate_locked(keep_lsn, why)
-
-    async def _truncate_locked(self, keep_lsn: int, why: str) -> None:
-        """_truncate_after with the commit lock held."""
-        truncator = self.truncator
-        meta = self.store.meta()
-        log_start = self.store.log_start_lsn()
-        if log_start > 1:
-            # Replaying needs the log from LSN 1; only a snapshot can undo applied entries
-            # now (a master sends one to a slave whose Position shows a compacted log).
-            raise ServiceError(
-                Code.FAILED_PRECONDITION,
-                f"replica {self.node.id} (epoch {self.epoch}, last LSN {meta.last_lsn}) must "
-                f"truncate its log after LSN {keep_lsn} ({why}), but its log starts at LSN "
-                f"{log_start} (compacted or installed from a snapshot): it needs a snapshot",
-            )
-        if truncator is None:
-            raise ServiceError(
-                Code.FAILED_PRECONDITION,
-                f"replica {self.node.id} (epoch {self.epoch}, last LSN {meta.last_lsn}) must "
-                f"truncate its log after LSN {keep_lsn} ({why}), and this store cannot",
-            )
-        log.warning(
-            "replica %s truncating its log after LSN %d (it ends at %d; %s): epoch=%d",
-            self.node.id,
-            keep_lsn,
-            meta.last_lsn,
-            why,
-            self.epoch,
-        )
-        loop = asyncio.get_running_loop()
-        known_commit = self.gate.commit_lsn
-        if keep_lsn < known_commit:
-            # Entries this node knew committed (acknowledged to publishers) go: only a group
-            # formed without a majority holding them can ask that. Reported before the
-            # truncation, so a crash in between cannot lose the report.
-            discarded = await loop.run_in_executor(
-                self._io, lambda: scan_discarded(self.store, keep_lsn, known_commit)
-            )
-            self._record_loss(
-                truncation_loss(
-                    self.node.id, self.epoch, why, discarded, at_ms=self.clock.wall_ms()
-                )
-            )
-        try:
-            staging = await loop.run_in_executor(
-                self._io, lambda: truncator.stage(self.store, keep_lsn)
-            )
-            self.store = truncator.swap(self.store, staging)
-            self.store.stall_meter = self._stall
-            # The rename's flush (a journal commit, long on a busy disk) off the loop; the
-            # commit lock held until it is done, so nothing is appended after the
-            # truncation before it is durable.
-            await loop.run_in_executor(self._io, truncator.settle, staging)
-        except (StoreError, OSError) as exc:
-            self._fail_stop(f"truncating the log after LSN {keep_lsn} failed: {exc}")
-            raise ServiceError(
-                Code.UNAVAILABLE, f"replica {self.node.id}: truncation failed: {exc}"
-            ) from exc
-        self.published_traces.clear()  # their offsets may be reused by the new log
-        self.driver.truncated(keep_lsn, self.store)
+                await self._lease_task
+            except asyncio.CancelledError:
+                pass
+        await self.writer.stop()
+        self._io.shutdown(wait=True)
 
     # --- writes
 
     def check_writable(self) -> None:
         """Refuses a write this replica may not accept now (the core's write gate)."""
-        refusal = self.core.write_refusal(self.clock.monotonic_ms(), self._taking_progress)
+        refusal = self.core.write_refusal(self.clock.monotonic_ms(), self.taking.describe_progress)
         if refusal is not None:
             raise refusal.error()
-
-    def _taking_progress(self) -> str:
-        """How far the master role being taken got, for a refusal."""
-        taking = self._taking
-        if taking is None:
-            return f"about to take the master role of epoch {self.epoch}"
-        return taking.progress.describe(self.clock.monotonic_ms())
-
-    def _submit(
-        self,
-        command: Command,
-        *,
-        appended: asyncio.Future[None] | None = None,
-        trace: telemetry.PublishWatch | None = None,
-    ) -> asyncio.Future[Planned]:
-        """Queues a command for the writer; the future resolves once it committed."""
-        future: asyncio.Future[Planned] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Pending(command, future, appended, trace))
-        self._wakeup.set()
-        return future
 
     async def write(self, command: Command) -> Planned:
         """Commits one command on the master and returns what it produced."""
         self.check_writable()
-        return await self._submit(command)
+        return await self.writer.submit(command)
 
     def start_publish(
         self,
@@ -750,12 +473,36 @@ class ReplicaNode:
             )
             self._notify_committed()
             return done
-        planned = self._submit(commands.Publish(request), trace=trace)
+        planned = self.writer.submit(commands.Publish(request), trace=trace)
         # Chained by callbacks, not a task: one publish at a time pays no task per event.
         receipt: asyncio.Future[common_pb2.BatchReceipt] = loop.create_future()
-        planned.add_done_callback(functools.partial(_pass_receipt, receipt))
-        receipt.add_done_callback(functools.partial(_cancel_with, planned))
+        planned.add_done_callback(functools.partial(pass_receipt, receipt))
+        receipt.add_done_callback(functools.partial(cancel_with, planned))
         return receipt
+
+    async def become_master(
+        self,
+        epoch: int,
+        *,
+        reason: str,
+        members: Sequence[str] = (),
+        sync_source_id: str = "",
+        progress: SyncProgress | None = None,
+    ) -> None:
+        """Takes the master role in `epoch` (taking_master.py): persists the epoch, brings
+        the log to the sync source's, starts replication to the members, then writes the
+        epoch start."""
+        await self.taking.become_master(
+            epoch,
+            reason=reason,
+            members=members,
+            sync_source_id=sync_source_id,
+            progress=progress,
+        )
+
+    def reorganization_progress(self) -> replica_pb2.ReorganizationProgress | None:
+        """How far the master role being taken got (None when none is being taken)."""
+        return self.taking.reorganization_progress()
 
     async def apply_role(self, command: replica_pb2.RoleCommand) -> None:
         """Takes (or renews) the role the coordinator commands, one command at a time.
@@ -773,23 +520,16 @@ class ReplicaNode:
         if taking is None:
             return
         await asyncio.wait({taking.task}, timeout=self._answer_wait_s)
-        if taking.task.done() and self._taking is taking:
-            self._observe_taking()
-            self._taking = None
+        if taking.task.done() and self.taking.current is taking:
+            self.taking.observe()
+            self.taking.current = None
             self.driver.taking_answer(taking.epoch)
-
-    def reorganization_progress(self) -> replica_pb2.ReorganizationProgress | None:
-        """How far the master role being taken got (None when none is being taken)."""
-        taking = self._taking
-        if taking is None or taking.task.done():
-            return None
-        return taking.progress.to_proto(self.clock.monotonic_ms())
 
     async def _apply_role(self, command: replica_pb2.RoleCommand) -> Taking | None:
         """Applies a role command as the core decides; returns the task taking a master
         role, if any."""
-        await self._wait_stopped()
-        self._observe_taking()
+        await self.taking.wait_stopped()
+        self.taking.observe()
         self._adopt_running_set(command)
         meta = self.store.meta()
         order = RoleOrder(
@@ -806,9 +546,9 @@ class ReplicaNode:
         effects = self.core.role_command(
             order, self.clock.monotonic_ms(), StoreFacts(meta.epoch, meta.cluster_id)
         )
-        taking = self._taking
+        taking = self.taking.current
         if self.core.taking is None and taking is not None and taking.task.done():
-            self._taking = None  # its outcome answered this command
+            self.taking.current = None  # its outcome answered this command
         return await self.apply_effects(effects)
 
     async def apply_effects(self, effects: Effects) -> Taking | None:
@@ -819,17 +559,17 @@ class ReplicaNode:
         for step in self.driver.role_steps(effects):
             match step:
                 case CancelTaking(why):
-                    await self._cancel_taking(why)
+                    await self.taking.cancel(why)
                 case DropRole(reason, was_active):
                     await self._drop_role(reason, was_active=was_active)
                 case StartTaking(take):
-                    taking = self._start_taking(take)
+                    taking = self.taking.start(take)
                 case PersistRole(write):
                     await self._persist_role(write)
                 case FollowMaster(follow):
                     await self._become_slave(follow)
                 case JoinTaking():
-                    taking = self._taking
+                    taking = self.taking.current
                 case RenewMembers(members):
                     self._renew_members(list(members))
         return taking
@@ -842,24 +582,6 @@ class ReplicaNode:
             self._instruments.role_changes.add(1, {"node": self.node.id, "role": name})
         self._counted_role = role
         self._notify_role_changed()
-
-    def _start_taking(self, take: TakeMaster) -> Taking:
-        """Starts taking the master role in the background (``reorg``)."""
-        progress = SyncProgress(
-            take.epoch,
-            take.sync_source_id or self.node.id,
-            self.clock.monotonic_ms(),
-            attempt=take.attempt,
-        )
-        task = asyncio.get_running_loop().create_task(
-            self._take_master(take, progress), name=f"take-master-{self.node.id}"
-        )
-        taking = Taking(
-            epoch=take.epoch, source_id=take.sync_source_id, task=task, progress=progress
-        )
-        self._taking = taking
-        task.add_done_callback(functools.partial(self._taking_done, taking))
-        return taking
 
     def _adopt_running_set(self, command: replica_pb2.RoleCommand) -> None:
         """A membership change made a running node set: take its nodes and addresses in
@@ -892,79 +614,6 @@ class ReplicaNode:
             self.core.config, replica_addresses={n.id: n.replica_address for n in nodes}
         )
 
-    async def _take_master(self, take: TakeMaster, progress: SyncProgress) -> None:
-        await self.become_master(
-            take.epoch,
-            reason=take.reason,
-            members=take.members,
-            sync_source_id=take.sync_source_id,
-            progress=progress,
-        )
-
-    def _taking_done(self, taking: Taking, task: asyncio.Task[None]) -> None:
-        """Tells the core the attempt ended (its lease starts, or the next SetRole hears of
-        the failure) and logs a failure."""
-        if self._taking is taking:
-            self._observe_taking()
-        if task.cancelled():
-            return
-        error = task.exception()
-        if error is not None:
-            log.warning(
-                "replica %s did not take the master role: %s",
-                self.node.id,
-                error.message if isinstance(error, ServiceError) else repr(error),
-            )
-
-    def _observe_taking(self) -> None:
-        """Reports a finished attempt to take the master role to the core (once: the core
-        ignores repeats)."""
-        taking = self._taking
-        if taking is None or not taking.task.done():
-            return
-        self.driver.taking_finished(taking.epoch, outcome(taking.task), self.clock.monotonic_ms())
-
-    async def _cancel_taking(self, why: str) -> None:
-        """Stops taking a master role (a newer command, deactivation, shutdown) and waits
-        until the task has stopped, so no two role changes run at once."""
-        taking, self._taking = self._taking, None
-        if taking is None or taking.task.done() or taking.task is asyncio.current_task():
-            await self._wait_stopped()
-            return
-        log.info(
-            "replica %s abandons taking the master role: %s; %s",
-            self.node.id,
-            taking.progress.describe(self.clock.monotonic_ms()),
-            why,
-        )
-        taking.task.cancel()
-        # Its own task: a caller cancelled meanwhile (a SetRole past its deadline) must not
-        # cut it short; the next role command waits for it (_wait_stopped).
-        self._stopping = asyncio.get_running_loop().create_task(self._stopped(taking))
-        await self._wait_stopped()
-
-    async def _wait_stopped(self) -> None:
-        """Waits until an abandoned master role's task and its store work have stopped."""
-        stopping = self._stopping
-        if stopping is not None:
-            await asyncio.shield(stopping)
-
-    async def _stopped(self, taking: Taking) -> None:
-        await asyncio.wait({taking.task})
-        # A cancelled await does not stop the store thread: what it was doing finishes
-        # before this job runs, so the log no longer grows once this returns (a
-        # deactivation's report says so), and the gate is rebuilt from what was stored.
-        self.gate = await asyncio.get_running_loop().run_in_executor(
-            self._io, self._gate_from_store, "reorganization interrupted"
-        )
-        meta = self.store.meta()
-        self.core.log_reset(meta.last_lsn, self.store.log_start_lsn(), self.gate.commit_lsn)
-        self._notify_committed()
-
-    def _mark_dirty(self) -> None:
-        """A store in use is DIRTY: a restart must not take it for a clean or empty one."""
-        self.driver.mark_dirty()
-
     async def _persist_role(self, persist: Callable[[], T]) -> T:
         """Runs a role's flushed store writes (its epoch, the DIRTY mark) on the store
         thread, serialized with every other write. A flush also writes out every unsynced
@@ -977,11 +626,7 @@ class ReplicaNode:
     async def drain_writes(self) -> None:
         """Waits until every write queued now has finished (committed or failed) and no
         batch is being written."""
-        queued = [pending.future for pending in self._queue]
-        if queued:
-            await asyncio.wait(queued)
-        async with self._commit_lock:
-            pass
+        await self.writer.drain()
 
     async def store_write(self, write: Callable[[], None]) -> None:
         """Runs one store write on the store thread, serialized with every other write."""
@@ -1031,16 +676,13 @@ class ReplicaNode:
         """The core dropped the role (``Effects.drop_role``): stops the follower, fails the
         writes not begun, stops push delivery and the master's replication, and waits for
         the batch being written."""
-        await self._wait_stopped()
-        while self._queue:  # never started: definitely not stored
-            pending = self._queue.popleft()
-            _fail_pending(
-                pending,
-                ServiceError(
-                    Code.UNAVAILABLE,
-                    f"replica {self.node.id} lost its role before the write began (not stored)",
-                ),
+        await self.taking.wait_stopped()
+        self.writer.fail_queued(
+            ServiceError(
+                Code.UNAVAILABLE,
+                f"replica {self.node.id} lost its role before the write began (not stored)",
             )
+        )
         self.push.stop()
         self.links.stop()
         async with self._commit_lock:
@@ -1058,12 +700,22 @@ class ReplicaNode:
                 reason,
             )
 
+    def _set_master(self, driver: MasterDriver) -> None:
+        """The master's replication of the epoch just taken (taking_master.py)."""
+        self._driver = driver
+
+    def _epoch_started(self, epoch: int) -> None:
+        """The epoch start committed and this node is still its master: everything before
+        it is committed, so push delivery and topic links start."""
+        self.push.start(epoch)
+        self.links.start(epoch)
+
     def _master_deposed(self, reason: str) -> None:
         """The replication core deposed this master: no more writes in this epoch."""
         self.push.stop()
         self.links.stop()
         self._driver = None
-        self._wakeup.set()
+        self.writer.wake()
         self.driver.deposed(reason)
 
     def _notify_role_changed(self) -> None:
@@ -1098,268 +750,37 @@ class ReplicaNode:
                         return
                     await self._role_changed.wait()
 
-    def _advance_commit(self, commit_lsn: int) -> None:
-        """The commit LSN moved: committed reads may serve more; wake subscribers."""
-        self.driver.advance_commit(commit_lsn)
-
-    # --- the slave side of replication (driven by the Replication servicer; the driver
-    # applies the core's effects, this shell holds the commit lock and awaits the store)
-
-    def _refused(self, code: Code, message: str) -> ServiceError:
-        """A replication refusal carrying this replica's epoch for a stale master."""
-        return self.driver.refused(code, message)
+    # --- the slave side of replication (slave_side.py; driven by the Replication servicer)
 
     async def replication_hello(
         self, hello: replica_pb2.ReplicationHello
     ) -> tuple[int, replica_pb2.ReplicationPosition]:
         """Accepts a stream from this epoch's master; returns its number and our position."""
-        async with self._commit_lock:
-            return self.driver.hello(hello)
+        return await self.slave.hello(hello)
 
-    async def replication_batch(
+    def replication_batch(
         self, stream: int, batch: replica_pb2.EntryBatch
     ) -> AsyncGenerator[replica_pb2.ReplicationAck, None]:
-        """Checks and stores one batch from the master, yielding each ack as it is due.
-
-        A NO_SYNC replica's ack on receipt is yielded before the write, so the master can
-        count it without waiting for this store.
-        """
-        driver = self.driver
-        if _stages.ENABLED:
-            for entry in batch.entries:
-                _stages.mark("s.in", f"lsn/{entry.lsn}")
-        async with self._commit_lock:
-            accepted, follower, acks_now = driver.batch(stream, batch)
-            for ack_now in acks_now:
-                yield ack_now
-            result = accepted.batch
-            if result is not None:
-                try:
-                    if result.truncate_after_lsn is not None:
-                        await self._truncate_locked(
-                            result.truncate_after_lsn, f"master {follower.state().master_id}"
-                        )
-                    driver.hide_uncommitted(result.entries, batch.commit_lsn)
-                    await self._append(
-                        result.entries, sync=result.sync, commit_lsn=batch.commit_lsn
-                    )
-                except (StoreError, ServiceError) as exc:
-                    error, fail_stop = driver.batch_failed(follower, exc)
-                    if fail_stop:
-                        self._fail_stop(fail_stop)
-                    raise error from exc
-                if _stages.ENABLED:
-                    for entry in result.entries:
-                        _stages.mark("s.stored", f"lsn/{entry.lsn}")
-                effects = driver.batch_written(follower, result, batch.commit_lsn)
-                for written in await self._apply_log_effects(effects):
-                    yield written
-            else:
-                await self._apply_log_effects(accepted)
+        """Checks and stores one batch from the master, yielding each ack as it is due."""
+        return self.slave.batch(stream, batch)
 
     async def replication_snapshot(
         self, stream: int, chunk: replica_pb2.SnapshotChunk
     ) -> list[replica_pb2.ReplicationAck]:
         """Installs one snapshot chunk from the master; after the last, returns the ack."""
-        async with self._commit_lock:
-            result, follower = self.driver.snapshot_chunk(stream, chunk)
-            try:
-                installed = await self._install_snapshot_chunk(
-                    chunk,
-                    last=result.install,
-                    history=result.history,
-                    source=f"master {follower.state().master_id}",
-                )
-            except (StoreError, FollowerError) as exc:
-                error, fail_stop = self.driver.snapshot_failed(follower, chunk.index, exc)
-                if fail_stop:
-                    self._fail_stop(fail_stop)
-                raise error from exc
-            if installed is None:
-                return []
-            return [self.driver.snapshot_installed_ack(follower, installed)]
-
-    async def _install_snapshot_chunk(
-        self,
-        chunk: replica_pb2.SnapshotChunk,
-        *,
-        last: bool,
-        history: Iterable[tuple[int, int]],
-        source: str,
-    ) -> int | None:
-        """Installs one snapshot chunk on the store thread (commit lock held): chunk 0
-        begins the install, the last (`last`) finishes it with `history`. Returns the
-        snapshot's LSN once installed, else None. A slave's stream and a new master's
-        reorganization fetch share it; store errors are the caller's to map."""
-        loop = asyncio.get_running_loop()
-        store = self.store
-        if chunk.index == 0:
-            log.warning(
-                "replica %s installing a snapshot at LSN %d (epoch %d) from %s: its state "
-                "and log (last LSN %d) are replaced",
-                self.node.id,
-                chunk.snapshot_lsn,
-                chunk.snapshot_epoch,
-                source,
-                self._last_lsn,
-            )
-            await loop.run_in_executor(
-                self._io,
-                functools.partial(store.begin_snapshot, chunk.snapshot_lsn, chunk.snapshot_epoch),
-            )
-            # The store reports itself empty until the install finishes.
-            self.driver.snapshot_begun()
-        await loop.run_in_executor(self._io, store.install_chunk, chunk)
-        if not last:
-            return None
-        lsn = chunk.snapshot_lsn
-        commit_lsn = min(chunk.commit_lsn, lsn)
-        uncommitted = [(u.topic, u.first_offset, u.last_lsn) for u in chunk.uncommitted]
-        await loop.run_in_executor(
-            self._io,
-            functools.partial(
-                store.finish_snapshot,
-                list(history),
-                commit_lsn=commit_lsn,
-                uncommitted=uncommitted,
-            ),
-        )
-        hidden = self.driver.snapshot_finished(lsn, commit_lsn, uncommitted)
-        log.info(
-            "replica %s installed the snapshot at LSN %d (epoch %d) from %s; the log "
-            "continues from LSN %d; commit LSN %d, %d topics hold uncommitted events",
-            self.node.id,
-            lsn,
-            chunk.snapshot_epoch,
-            source,
-            lsn + 1,
-            commit_lsn,
-            hidden,
-        )
-        return lsn
+        return await self.slave.snapshot(stream, chunk)
 
     def replication_heartbeat(
         self, stream: int, heartbeat: replica_pb2.ReplicationHeartbeat
     ) -> replica_pb2.ReplicationAck:
         """A heartbeat from the master: learns its commit LSN; returns the ack."""
-        record_commit, ack = self.driver.heartbeat(stream, heartbeat)
-        # No store operation but the background record: applied without the commit lock.
-        if record_commit:
-            self._commit_recording = asyncio.get_running_loop().create_task(
-                self._record_commit(record_commit), name=f"record-commit-{self.node.id}"
-            )
-        return ack
+        return self.slave.heartbeat(stream, heartbeat)
 
-    async def _apply_log_effects(self, effects: Effects) -> list[replica_pb2.ReplicationAck]:
-        """Carries out the log effects of a batch (commit lock held), in the order of
-        ``Effects``: compaction, then commit advance; returns the acks to send."""
-        compact_from, acks = self.driver.log_effects(effects)
-        if compact_from:
-            await self._compact(compact_from)
-        self.driver.advance(effects)
-        return acks
-
-    async def _record_commit(self, commit_lsn: int) -> None:
-        """Records a commit LSN learnt without a batch (a heartbeat: the stream is idle),
-        so a restart does not hide the last batch (the core allows one at a time)."""
-        recorded = 0
-        try:
-            async with self._commit_lock:  # ordered with appends, truncations and installs
-                recorded = await asyncio.get_running_loop().run_in_executor(
-                    self._io, self.driver.store_record_commit, commit_lsn
-                )
-        except StoreError as exc:
-            # Only a hint for the next start-up: a failure hides more after a restart.
-            log.warning(
-                "replica %s: recording commit LSN %d failed: %s", self.node.id, commit_lsn, exc
-            )
-        finally:
-            # Cancelled or failed: the next heartbeat records it.
-            self.driver.commit_recorded(recorded)
-
-    def _track(self, entry: replica_pb2.LogEntry) -> None:
-        """Hides an uncommitted publish from committed reads until it commits."""
-        self.driver.track(entry)
-
-    async def fetch_log(
+    def fetch_log(
         self, request: replica_pb2.FetchLogRequest
     ) -> AsyncIterator[replica_pb2.FetchLogResponse]:
-        """Serves a new master's reorganization fetch: the log after where ours part, or a
-        snapshot and the log after it when the requester cannot take the log alone."""
-        answer = self.driver.fetch_answer(
-            request,
-            is_master=self.role == common_pb2.ROLE_MASTER,
-            step_max=self.config.limits.commit_batch_max_entries,
-        )
-        meta, fork, diverged, why_snapshot, step = (
-            answer.meta,
-            answer.fork,
-            answer.diverged,
-            answer.why_snapshot,
-            answer.step,
-        )
-        if why_snapshot:
-            snapshot_lsn = 0
-            async for chunk in self._export_snapshot(request.node_id[:64]):
-                snapshot_lsn = chunk.snapshot_lsn
-                yield replica_pb2.FetchLogResponse(snapshot=chunk, cluster_id=meta.cluster_id)
-            # The log after the snapshot, as far as it reached when the fetch began (our
-            # log may have grown while the snapshot was read: the rest is its tail).
-            last_lsn = max(meta.last_lsn, self.store.meta().last_lsn)
-            async for batch in self._log_batches(snapshot_lsn + 1, last_lsn, step, meta.epoch):
-                yield replica_pb2.FetchLogResponse(entries=batch, cluster_id=meta.cluster_id)
-            return
-        yield replica_pb2.FetchLogResponse(
-            entries=replica_pb2.EntryBatch(
-                epoch=meta.epoch,
-                truncate_after_lsn=fork if diverged else 0,
-                commit_lsn=self.gate.commit_lsn,
-            ),
-            cluster_id=meta.cluster_id,
-        )
-        async for batch in self._log_batches(fork + 1, meta.last_lsn, step, meta.epoch):
-            yield replica_pb2.FetchLogResponse(entries=batch, cluster_id=meta.cluster_id)
-
-    def _stamp_snapshot(self, chunk: replica_pb2.SnapshotChunk) -> None:
-        """On a snapshot's last chunk: what the receiver must hide (the driver's)."""
-        self.driver.stamp_snapshot(chunk)
-
-    async def _log_batches(
-        self, from_lsn: int, to_lsn: int, step: int, epoch: int
-    ) -> AsyncIterator[replica_pb2.EntryBatch]:
-        """The log from from_lsn to to_lsn in batches of at most step entries."""
-        store = self.store
-        next_lsn = from_lsn
-        # One batch per step: bounded by to_lsn.
-        while next_lsn <= to_lsn:
-            count = min(step, to_lsn - next_lsn + 1)
-            entries = await asyncio.to_thread(store.read_log, next_lsn, count)
-            if not entries:
-                break
-            # Our commit LSN as of now: what the requester may show its subscribers.
-            yield replica_pb2.EntryBatch(
-                entries=entries, epoch=epoch, commit_lsn=self.gate.commit_lsn
-            )
-            next_lsn = entries[-1].lsn + 1
-
-    async def _export_snapshot(self, requester: str) -> AsyncIterator[replica_pb2.SnapshotChunk]:
-        """This store's snapshot for a fetch (``snapshot_pump``: one read transaction on
-        the store thread, the next chunk read only once the caller took the last one)."""
-        pump = pump_snapshot(
-            lambda: self.store,
-            io=self._io,
-            commit_lock=self._commit_lock,  # no batch half-applied under the snapshot's LSN
-            clock=self.clock,
-            max_message_bytes=self.config.limits.max_message_bytes,
-            sender=f"replica {self.node.id}",
-            recipient=requester,
-            purpose=" for its reorganization",
-            stamp=self._stamp_snapshot,
-            chunk_delay_s=self.config.timeouts.snapshot_chunk_delay_ms / 1000,  # test-only
-        )
-        async with contextlib.aclosing(pump) as chunks:
-            async for chunk in chunks:
-                yield chunk
+        """Serves a new master's reorganization fetch (sync_source.py)."""
+        return self.sync_source.fetch_log(request)
 
     async def _watch_lease(self) -> None:
         """Ticks the core, which drops the role when the coordinator stops renewing it
@@ -1369,145 +790,6 @@ class ReplicaNode:
             effects = self.core.tick(self.clock.monotonic_ms())
             if effects.drop_role:
                 await self.apply_effects(effects)
-
-    async def _write_loop(self) -> None:
-        max_commands = self.config.limits.commit_batch_max_entries
-        while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            while self._queue:
-                room = max_commands
-                driver = self._driver
-                if driver is not None and self.role == common_pb2.ROLE_MASTER:
-                    # Publishers wait here while the replicas hold back commits (a full
-                    # pending-write table), instead of the master growing memory.
-                    room = min(room, await driver.wait_room()) or max_commands
-                count = min(room, len(self._queue))
-                batch = [self._queue.popleft() for _ in range(count)]
-                async with self._commit_lock:
-                    try:
-                        await self._commit(batch)
-                    finally:
-                        _finish_appended(batch)
-
-    async def _commit(self, batch: list[_Pending]) -> None:
-        driver = self._driver
-        if self.role != common_pb2.ROLE_MASTER or driver is None or driver.deposed:
-            _fail_all(
-                [(p, Planned(None)) for p in batch],
-                ServiceError(
-                    Code.UNAVAILABLE,
-                    f"replica {self.node.id} lost its role before the write began (not stored)",
-                ),
-            )
-            return
-        if _stages.ENABLED:
-            _mark_publishes("m.plan", batch)
-        # The caller may have given up (cancelled) before the write began.
-        live = [pending for pending in batch if not pending.future.done()]
-        planning = self.driver.plan_batch(
-            [pending.command for pending in live],
-            limits=self.config.limits,
-            epoch=self.epoch,
-            now_ms=self.clock.wall_ms(),
-        )
-        for fault in planning.faults:
-            self.report_fault(fault)
-        for index, refusal in planning.refused:
-            live[index].future.set_exception(refusal)
-        planned = [(live[index], plan) for index, plan, _ in planning.planned]
-        lsns = [lsn for _, _, lsn in planning.planned]
-        entries = planning.entries
-        sync = self.config.durability.master_sync == common_pb2.SYNC_POLICY_SYNC
-        if entries:
-            commit_lsn = self.gate.commit_lsn
-            try:
-                await self._append(entries, sync=sync, commit_lsn=commit_lsn)
-            except StoreError as exc:
-                error, fail_stop = self.driver.append_failed(
-                    exc,
-                    len(entries),
-                    epoch=self.epoch,
-                    map_size_bytes=self.config.limits.map_size_bytes,
-                )
-                if fail_stop:
-                    self._fail_stop(fail_stop)
-                _fail_all(planned, error)
-                return
-            self.driver.batch_appended(entries[-1].lsn, commit_lsn)
-        if driver is not self._driver or driver.deposed:
-            _fail_all(
-                planned,
-                ServiceError(
-                    Code.UNKNOWN,
-                    f"indeterminate: replica {self.node.id} lost the master role of epoch "
-                    f"{self.epoch} after storing the write locally; it may or may not survive",
-                ),
-            )
-            return
-        if _stages.ENABLED:
-            _mark_stored(planned, lsns)
-        if self.telemetry.tracing:
-            # Before the append reaches the driver: its sends may leave at once.
-            driver.traced(
-                [
-                    (lsn, pending.trace.appended(lsn, self.epoch, plan.receipt))
-                    for (pending, plan), lsn in zip(planned, lsns, strict=True)
-                    if pending.trace is not None
-                ]
-            )
-        driver.appended(entries, synced=sync)
-        floor = driver.core.epoch_start_lsn
-        driver.register(
-            [
-                Waiting(pending.future, plan, max(lsn, floor))
-                for (pending, plan), lsn in zip(planned, lsns, strict=True)
-            ]
-        )
-        retention = self.config.limits.log_retention_entries
-        # Never above the commit LSN: a restart hides what is above it by reading the log.
-        keep = min(driver.compaction_target(retention), self.gate.commit_lsn + 1)
-        if self.core.compaction(keep) and not driver.deposed:
-            driver.set_log_start(keep)  # the core first: no batch is built below keep
-            await self._compact(keep)
-
-    async def _append(
-        self, entries: Sequence[replica_pb2.LogEntry], *, sync: bool, commit_lsn: int
-    ) -> None:
-        """Appends entries to the store (commit lock held), on the loop when small and
-        unflushed, recording the commit LSN known with them."""
-        append = functools.partial(
-            self.driver.store_append, entries, sync=sync, commit_lsn=commit_lsn
-        )
-        if not sync and batch_size_bytes(entries) <= _INLINE_APPEND_BYTES_MAX:
-            append()
-            return
-        await asyncio.get_running_loop().run_in_executor(self._io, append)
-
-    async def _compact(self, keep_from_lsn: int) -> None:
-        """Deletes the log below keep_from_lsn on the store thread (commit lock held)."""
-        try:
-            deleted = await asyncio.get_running_loop().run_in_executor(
-                self._io, self.driver.store_compact, keep_from_lsn
-            )
-        except StoreError as exc:
-            # Compaction only deletes: a failure leaves more log than wanted, not less.
-            log.warning(
-                "replica %s: compacting the log below LSN %d failed: epoch=%d: %s",
-                self.node.id,
-                keep_from_lsn,
-                self.epoch,
-                exc,
-            )
-            return
-        self.driver.compacted()
-        log.debug(
-            "replica %s compacted its log: %d entries deleted, now LSNs %d..%d",
-            self.node.id,
-            deleted,
-            self._log_start_lsn,
-            self._last_lsn,
-        )
 
     def _fail_stop(self, reason: str) -> None:
         """A store that cannot write must not acknowledge anything again (the driver's)."""
@@ -1531,20 +813,15 @@ class ReplicaNode:
         )
         save_fault(self.node.data_dir, self.fault)
 
-    def _record_loss(self, record: LossRecord) -> None:
-        """Keeps a loss report beside the store, logs it (SQUALL-LOSS-001) and counts it;
-        the coordinator hears of it in the next ReplicaState."""
-        self.losses = tuple(
-            dataclasses.replace(r, node_id=self.node.id)
-            for r in record_loss(self.node.data_dir, record, log)
-        )
-        if self._instruments is not None:
-            self._instruments.loss_reports.add(1, {"node": self.node.id, "cause": record.cause})
-            self._instruments.loss_events.add(record.events(), {"node": self.node.id})
+    @property
+    def losses(self) -> tuple[LossRecord, ...]:
+        """Loss reports beside the store (acknowledged entries this node discarded),
+        reported to the coordinator in every ReplicaState (truncation.py)."""
+        return self.truncation.losses
 
     def writes_idle(self) -> bool:
         """No write queued or being committed (a fenced master's log has stopped growing)."""
-        return not self._queue and not self._commit_lock.locked()
+        return self.writer.idle()
 
     def _notify_committed(self) -> None:
         committed, self._committed = self._committed, asyncio.Event()
@@ -1588,88 +865,3 @@ class ReplicaNode:
     def visible_end(self, topic: str) -> int:
         """The first offset of topic that committed reads may not serve yet (0: none)."""
         return self.gate.hidden_from(topic) or 0
-
-
-def _pass_receipt(
-    receipt: asyncio.Future[common_pb2.BatchReceipt], planned: asyncio.Future[Planned]
-) -> None:
-    """Settles a publish's receipt future as its planned write ended."""
-    if receipt.done():
-        return  # the caller gave up
-    if planned.cancelled():
-        receipt.cancel()
-        return
-    error = planned.exception()
-    if error is not None:
-        receipt.set_exception(error)
-        return
-    got = planned.result().receipt
-    if got is None:
-        receipt.set_exception(AssertionError("a planned publish always has a receipt"))
-        return
-    receipt.set_result(got)
-
-
-def _cancel_with(
-    planned: asyncio.Future[Planned], receipt: asyncio.Future[common_pb2.BatchReceipt]
-) -> None:
-    """A caller that gives up on its receipt cancels the write's wait (as awaiting did)."""
-    if receipt.cancelled():
-        planned.cancel()
-
-
-def _fail_all(planned: list[tuple[_Pending, Planned]], error: ServiceError) -> None:
-    for pending, _ in planned:
-        _fail_pending(pending, error)
-
-
-def _fail_pending(pending: _Pending, error: ServiceError) -> None:
-    if not pending.future.done():
-        pending.future.set_exception(error)
-    if pending.appended is not None and not pending.appended.done():
-        pending.appended.set_exception(error)
-
-
-def _finish_appended(batch: list[_Pending]) -> None:
-    """Answers become_master's wait for the epoch start: appended, or why not."""
-    for pending in batch:
-        appended = pending.appended
-        if appended is None or appended.done():
-            continue
-        future = pending.future
-        if future.done() and not future.cancelled() and future.exception() is not None:
-            error = future.exception()
-            appended.set_exception(error if error is not None else RuntimeError("write failed"))
-        else:
-            appended.set_result(None)
-
-
-class _Diverged(Exception):
-    """The sync source's log parts from ours at fork_lsn: ours must be truncated."""
-
-    def __init__(self, fork_lsn: int) -> None:
-        super().__init__(f"diverges after LSN {fork_lsn}")
-        self.fork_lsn = fork_lsn
-
-
-def _mark_publishes(stage: str, batch: Sequence[_Pending]) -> None:
-    """Marks each publish of a commit batch for the latency budget (squall.wire.stages)."""
-    for pending in batch:
-        command = pending.command
-        if isinstance(command, commands.Publish) and command.request.events:
-            first = command.request.events[0].sequence
-            _stages.mark(stage, _stages.request_key(command.request.publisher_id, first))
-
-
-def _mark_stored(planned: Sequence[tuple[_Pending, Planned]], lsns: Sequence[int]) -> None:
-    """Marks the publishes just stored, linking each to its LSN and first offset."""
-    for (pending, plan), lsn in zip(planned, lsns, strict=True):
-        command = pending.command
-        if not isinstance(command, commands.Publish) or not command.request.events:
-            continue
-        request = command.request
-        key = _stages.request_key(request.publisher_id, request.events[0].sequence)
-        _stages.mark("m.stored", key)
-        _stages.link(key, f"lsn/{lsn}")
-        if plan.receipt is not None:
-            _stages.link(key, f"off/{request.topic}/{plan.receipt.first_offset}")

@@ -18,7 +18,7 @@ from squall_server.common import names
 from squall_server.common.errors import Code, ServiceError, invalid
 from squall_server.common.grpc_server import Context
 from squall_server.replica import commands, push_policy
-from squall_server.replica.node import ReplicaNode
+from squall_server.replica.endpoints import PushEndpoint
 from squall_server.replica.server import TopicManager, abort
 from squall_server.replica.store import CorruptRecordError, PushSubscriber, UnknownTopicError
 
@@ -27,7 +27,9 @@ log = logging.getLogger("squall.replica")
 _START_POSITIONS = frozenset(broker_pb2.StartPosition.values())
 
 
-def subscriber_info(node: ReplicaNode, subscriber: PushSubscriber) -> broker_pb2.PushSubscriberInfo:
+def subscriber_info(
+    node: PushEndpoint, subscriber: PushSubscriber
+) -> broker_pb2.PushSubscriberInfo:
     """The wire form of a push subscriber, with the master's delivery status if it is here."""
     failures, last_error = node.push.status(subscriber.topic, subscriber.subscriber_id)
     qos = push_policy.Qos(ordered=subscriber.ordered, retry_count=subscriber.retry_count)
@@ -59,7 +61,7 @@ def _checked(request: broker_pb2.SubscribeAndGetPublisherRequest) -> push_policy
 class PushSubscriptions(broker_pb2_grpc.PushSubscriptionsServicer):
     """SubscribeAndGetPublisher, Unsubscribe and GetSubscribers."""
 
-    def __init__(self, node: ReplicaNode) -> None:
+    def __init__(self, node: PushEndpoint) -> None:
         self.node = node
 
     async def SubscribeAndGetPublisher(

@@ -1,7 +1,7 @@
 """A new master's reorganization sync, run in the background of the SetRole call.
 
 Before a replica takes the master role it brings its log to the sync source's state
-(``ReplicaNode._sync_from``: a ``FetchLog`` of the entries it lacks, a truncation of a
+(``TakingMaster._sync_from``: a ``FetchLog`` of the entries it lacks, a truncation of a
 divergent suffix, or a whole snapshot). That can take far longer than the coordinator's
 ``SetRole`` deadline (``timeouts.rpc_timeout_ms``) for a large store, so the replica runs
 it as a task that outlives the call:

@@ -1,4 +1,5 @@
-"""The slave side of replication as a gRPC servicer: a thin adapter over the ReplicaNode.
+"""The slave side of replication as a gRPC servicer: a thin adapter over the node's
+``ReplicationEndpoint`` (``endpoints``).
 
 ``Replicate``: the first message must be a Hello from the master of this replica's
 current epoch (``ReplicaNode.replication_hello`` asks the Follower); it is answered with
@@ -28,7 +29,11 @@ from squall.v1 import replica_pb2, replica_pb2_grpc
 from squall.wire import stages as _stages
 from squall_server.common.errors import Code, ServiceError
 from squall_server.common.grpc_server import Context
-from squall_server.replica.node import ReplicaNode
+from squall_server.replica.endpoints import (
+    ReplicationEndpoint,
+    SlaveEndpoint,
+    SyncSourceEndpoint,
+)
 from squall_server.replica.server import abort
 from squall_server.replica.store import CorruptRecordError, StoreError
 
@@ -74,7 +79,7 @@ async def detached(source: AsyncIterator[T]) -> AsyncIterator[T]:
 
 
 async def serve_replicate(
-    node: ReplicaNode, requests: AsyncIterator[replica_pb2.ReplicateRequest]
+    node: SlaveEndpoint, requests: AsyncIterator[replica_pb2.ReplicateRequest]
 ) -> AsyncIterator[replica_pb2.ReplicateResponse]:
     """The slave side of one replication stream: answers each of the master's messages.
 
@@ -122,7 +127,7 @@ async def serve_replicate(
 
 
 async def serve_fetch_log(
-    node: ReplicaNode, request: replica_pb2.FetchLogRequest
+    node: SyncSourceEndpoint, request: replica_pb2.FetchLogRequest
 ) -> AsyncIterator[replica_pb2.FetchLogResponse]:
     """Serves a new master's reorganization fetch; a refusal or store error ends it with a
     ServiceError (a checksum error is reported as this node's fault first)."""
@@ -138,7 +143,7 @@ async def serve_fetch_log(
 class Replication(replica_pb2_grpc.ReplicationServicer):
     """Applies the master's replication stream; serves reorganization fetches."""
 
-    def __init__(self, node: ReplicaNode) -> None:
+    def __init__(self, node: ReplicationEndpoint) -> None:
         self.node = node
 
     async def Replicate(

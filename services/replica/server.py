@@ -1,4 +1,6 @@
-"""The replica's gRPC servicers: thin adapters from requests to the ReplicaNode.
+"""The replica's gRPC servicers: thin adapters from requests to the node, each through
+the narrow interface it names (``endpoints``: ``TopicsEndpoint``, ``PublishEndpoint``,
+``SubscribeEndpoint``); ``ReplicaControl`` commands the whole ``ReplicaNode``.
 
 Every refusal is a ServiceError raised where the reason is known; `_answering` turns it
 into the status the client sees. Nothing here decides anything about the data.
@@ -32,6 +34,12 @@ from squall_server.common.errors import (
 from squall_server.common.grpc_server import Context
 from squall_server.common.loss import loss_to_proto
 from squall_server.replica import commands, handoff, link_rules, remote, seek, shutdown
+from squall_server.replica.endpoints import (
+    FaultSink,
+    PublishEndpoint,
+    SubscribeEndpoint,
+    TopicsEndpoint,
+)
 from squall_server.replica.node import UNREACHABLE_KEY, ReplicaNode
 from squall_server.replica.shared_master import SharedMaster
 from squall_server.replica.store import CorruptRecordError, TopicInfo, UnknownTopicError
@@ -58,7 +66,7 @@ async def abort(context: Context, exc: ServiceError) -> NoReturn:
 
 
 @contextlib.contextmanager
-def _translating(node: ReplicaNode) -> Iterator[None]:
+def _translating(node: FaultSink) -> Iterator[None]:
     """Maps store errors that reach a handler to ServiceErrors; a checksum error is also a
     fault of this node's store, which quarantines the node."""
     try:
@@ -85,7 +93,7 @@ def topic_message(topic: TopicInfo, next_offset: int | None = None) -> common_pb
 class TopicManager(broker_pb2_grpc.TopicManagerServicer):
     """Topic administration and publisher proxies."""
 
-    def __init__(self, node: ReplicaNode) -> None:
+    def __init__(self, node: TopicsEndpoint) -> None:
         self.node = node
 
     def _message(self, topic: TopicInfo) -> common_pb2.Topic:
@@ -291,7 +299,7 @@ class TopicManager(broker_pb2_grpc.TopicManagerServicer):
 class Publisher(broker_pb2_grpc.PublisherServicer):
     """Unary and pipelined publishing."""
 
-    def __init__(self, node: ReplicaNode) -> None:
+    def __init__(self, node: PublishEndpoint) -> None:
         self.node = node
 
     async def _hold(self, context: Context) -> None:
@@ -470,7 +478,7 @@ def _seen(future: asyncio.Future[Any]) -> None:
 class Subscriber(broker_pb2_grpc.SubscriberServicer):
     """Committed reads from an offset or a durable cursor, and acks."""
 
-    def __init__(self, node: ReplicaNode) -> None:
+    def __init__(self, node: SubscribeEndpoint) -> None:
         self.node = node
         self.shared = SharedMaster(node)
 

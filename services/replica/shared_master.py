@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from squall.v1 import broker_pb2, common_pb2
 from squall_server.common.errors import Code, ServiceError, not_found
 from squall_server.replica import commands
-from squall_server.replica.node import ReplicaNode
+from squall_server.replica.endpoints import SubscribeEndpoint
 from squall_server.replica.shared import Changes, DeadLetter, Delivery, SharedConfig
 from squall_server.replica.shared import SharedSubscription as Core
 from squall_server.replica.store import SharedState
@@ -47,7 +47,7 @@ class _Held:
 class SharedMaster:
     """The shared subscriptions this master serves (see the module docstring)."""
 
-    def __init__(self, node: ReplicaNode) -> None:
+    def __init__(self, node: SubscribeEndpoint) -> None:
         self.node = node
         self._held: dict[tuple[str, str], _Held] = {}
         self._ticker: asyncio.Task[None] | None = None

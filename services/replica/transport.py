@@ -2,7 +2,7 @@
 stream to each slave and a new master's reorganization fetch from its sync source.
 
 ``ReplicaTransport`` is all the replica's drivers (``master_driver.MasterDriver`` and
-``ReplicaNode._sync_from``) know of the network, as ``PeerTransport`` is all the
+``TakingMaster._sync_from``) know of the network, as ``PeerTransport`` is all the
 coordinator's driver knows (``services/coordinator/driver.py``). Two implementations:
 
 * ``GrpcReplicaTransport`` (here): ``Replication.Replicate`` and ``Replication.FetchLog``

@@ -163,7 +163,7 @@ def test_a_replica_truncating_its_log_on_a_slow_disk_keeps_its_event_loop_runnin
         await node.start()
         loop_side = asyncio.create_task(disk.run())
         try:
-            await node._truncate_after(3, "a test's deposed suffix")
+            await node.truncation.truncate_after(3, "a test's deposed suffix")
             assert node.last_lsn == 3
             assert [t.name for t in node.store.list_topics()] == ["t0", "t1"]
         finally:

@@ -1,0 +1,169 @@
+"""The narrow interfaces the replica's servicers use of the node, one per kind of caller.
+
+A servicer is a thin adapter: it names here just what it calls, and ``ReplicaNode``
+(``node.py``) is the one implementation (``__main__`` hands it to each servicer, where
+mypy checks that it fits). A test or a simulator may hand a servicer anything else that
+does. ``ReplicaControl`` (the coordinator's role commands, cluster shutdown and
+hand-off) is the exception: it commands the whole node and takes ``ReplicaNode``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Protocol
+
+from squall.v1 import broker_pb2, common_pb2, replica_pb2
+from squall_server.common.clock import Clock
+from squall_server.common.config import ClusterConfig, NodeConfig
+from squall_server.common.telemetry import Telemetry
+from squall_server.replica.commands import Command, Planned
+from squall_server.replica.store import Store, TopicInfo
+from squall_server.replica.transient import TransientTopics
+
+if TYPE_CHECKING:  # (these import the node's module for their own annotations)
+    from squall_server.replica.links import LinkForwarding
+    from squall_server.replica.push import PushDelivery
+    from squall_server.replica.telemetry import PublishedTraces, PublishWatch
+
+
+class FaultSink(Protocol):
+    """Where a servicer reports a fault of this node's store (a checksum error)."""
+
+    def report_fault(self, reason: str) -> None: ...
+
+
+class SlaveEndpoint(Protocol):
+    """What a slave does with its master's replication stream (``slave_side``)."""
+
+    @property
+    def node(self) -> NodeConfig: ...
+
+    async def replication_hello(
+        self, hello: replica_pb2.ReplicationHello
+    ) -> tuple[int, replica_pb2.ReplicationPosition]: ...
+
+    def replication_batch(
+        self, stream: int, batch: replica_pb2.EntryBatch
+    ) -> AsyncIterator[replica_pb2.ReplicationAck]: ...
+
+    async def replication_snapshot(
+        self, stream: int, chunk: replica_pb2.SnapshotChunk
+    ) -> list[replica_pb2.ReplicationAck]: ...
+
+    def replication_heartbeat(
+        self, stream: int, heartbeat: replica_pb2.ReplicationHeartbeat
+    ) -> replica_pb2.ReplicationAck: ...
+
+
+class SyncSourceEndpoint(FaultSink, Protocol):
+    """A sync source answering a new master's reorganization fetch (``sync_source``)."""
+
+    @property
+    def node(self) -> NodeConfig: ...
+
+    def fetch_log(
+        self, request: replica_pb2.FetchLogRequest
+    ) -> AsyncIterator[replica_pb2.FetchLogResponse]: ...
+
+
+class ReplicationEndpoint(SlaveEndpoint, SyncSourceEndpoint, Protocol):
+    """The Replication servicer's: both sides a replica serves to the other replicas."""
+
+
+class Reads(FaultSink, Protocol):
+    """Committed reads: topics, events, cursors and what is not committed yet."""
+
+    @property
+    def node(self) -> NodeConfig: ...
+
+    @property
+    def config(self) -> ClusterConfig: ...
+
+    @property
+    def clock(self) -> Clock: ...
+
+    @property
+    def store(self) -> Store: ...
+
+    @property
+    def transient(self) -> TransientTopics: ...
+
+    @property
+    def telemetry(self) -> Telemetry: ...
+
+    @property
+    def published_traces(self) -> PublishedTraces: ...
+
+    @property
+    def role(self) -> common_pb2.Role.ValueType: ...
+
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def commit_lsn(self) -> int: ...
+
+    def topic(self, name: str) -> TopicInfo: ...
+
+    def visible_end(self, topic: str) -> int: ...
+
+    def commit_signal(self) -> asyncio.Event: ...
+
+
+class Writes(Protocol):
+    """Writes through the master's writer (``writer``), refused where the core says."""
+
+    def check_writable(self) -> None: ...
+
+    async def write(self, command: Command) -> Planned: ...
+
+
+class SubscribeEndpoint(Reads, Writes, Protocol):
+    """The Subscriber servicer's and its shared subscriptions' (``shared_master``): reads,
+    and the cursor and acknowledgement writes."""
+
+
+class PublishEndpoint(FaultSink, Protocol):
+    """The Publisher servicer's: queue publishes in order; hold a call for a role."""
+
+    @property
+    def node(self) -> NodeConfig: ...
+
+    @property
+    def config(self) -> ClusterConfig: ...
+
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def telemetry(self) -> Telemetry: ...
+
+    @property
+    def published_traces(self) -> PublishedTraces: ...
+
+    def start_publish(
+        self, request: broker_pb2.PublishRequest, trace: PublishWatch | None = None
+    ) -> asyncio.Future[common_pb2.BatchReceipt]: ...
+
+    async def wait_for_role(self, unreachable: frozenset[str], timeout_s: float) -> None: ...
+
+
+class TopicsEndpoint(Reads, Writes, Protocol):
+    """The TopicManager servicer's: topics and topic links, and where the master is."""
+
+    @property
+    def master(self) -> NodeConfig | None: ...
+
+    @property
+    def last_lsn(self) -> int: ...
+
+    @property
+    def links(self) -> LinkForwarding: ...
+
+
+class PushEndpoint(TopicsEndpoint, Protocol):
+    """The PushSubscriptions servicer's: the topics' and the master's push delivery."""
+
+    @property
+    def push(self) -> PushDelivery: ...
