@@ -50,6 +50,18 @@ _RETRY_S = 0.5
 # call, doubling up to the cap (its source's publishers never wait for it).
 _REMOTE_RETRY_INITIAL_S = 0.2
 _REMOTE_RETRY_MAX_S = 5.0
+# What another cluster answers when it will never take a batch (the destination topic is
+# gone, an event breaks its limits, the token's principal lacks a permission): the link
+# stops there, with the reason in GetLinkInfo and an ERROR log line, instead of offering
+# it again for ever. Everything else (unreachable, no master, full, an unknown token,
+# which a rotated token file fixes) is retried with backoff.
+REFUSED_FOR_GOOD = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.NOT_FOUND,
+    }
+)
 
 _LinkKey = tuple[str, str, int]  # source, destination, LSN of the link's entry
 
@@ -123,6 +135,16 @@ class LinkForwarding:
         )
         return durable if worker is None else max(durable, worker.position)
 
+    def stopped_reason(self, link: replica_pb2.LinkTopicOp) -> str:
+        """Why the link's forwarding stopped on this master ("" while it goes on)."""
+        key = (
+            link.from_topic,
+            link_rules.link_target(link.to_cluster, link.to_topic),
+            link.created_lsn,
+        )
+        worker = self._workers.get(key)
+        return "" if worker is None else worker.stopped_reason
+
     def lag(self, link: replica_pb2.LinkTopicOp) -> tuple[int, int, int]:
         """(next offset, events waiting, ms the oldest of them has waited) of a link."""
         node = self._node
@@ -162,7 +184,8 @@ class LinkForwarding:
             }
             for key in list(self._workers):
                 worker = self._workers[key]
-                if key not in wanted or worker.task.done():
+                # A link stopped for good stays stopped while this replica is master.
+                if key not in wanted or (worker.task.done() and not worker.stopped_reason):
                     worker.task.cancel()
                     del self._workers[key]
             for key, link in wanted.items():
@@ -189,6 +212,8 @@ class LinkForwarding:
 
 class _Worker:
     """Forwards one link's events while this replica is master."""
+
+    stopped_reason = ""  # a link within the cluster is never refused for good
 
     def __init__(
         self, forwarding: LinkForwarding, link: replica_pb2.LinkTopicOp, epoch: int
@@ -309,6 +334,7 @@ class _RemoteWorker:
         self._cursor_task: asyncio.Task[None] | None = None
         self.failures = 0
         self.last_error = ""
+        self.stopped_reason = ""
         self.task = asyncio.get_running_loop().create_task(
             self._run(), name=f"link-{link.from_topic}-{link.to_topic}@{link.to_cluster}"
         )
@@ -385,6 +411,9 @@ class _RemoteWorker:
                         metadata=metadata or None,
                     )
                 except (grpc.aio.AioRpcError, OSError, ValueError) as exc:
+                    if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in REFUSED_FOR_GOOD:
+                        await self._stop(exc, plan.next_offset)
+                        return
                     await self._failed(exc, plan.next_offset)
                     continue
             if self.failures:
@@ -397,6 +426,24 @@ class _RemoteWorker:
             self.failures, self.last_error = 0, ""
             self.position = plan.next_offset
             self._advance()
+
+    async def _stop(self, exc: grpc.aio.AioRpcError, end: int) -> None:
+        """The other cluster refused a batch for good: forwarding stops here, says why."""
+        error = remote.remote_error(self._remote, exc, "store forwarded events")
+        self.stopped_reason = (
+            f"stopped at offset {self.position} (offsets {self.position}..{end - 1} refused "
+            f"for good, not retried): {error.message}; fix the cause, then move the master "
+            "role or restart this replica to retry from there"
+        )
+        log.error(
+            "replica %s: %s: forwarding stopped (epoch=%d): %s",
+            self._node.node.id,
+            self._where,
+            self._epoch,
+            self.stopped_reason,
+        )
+        if self._cursor_task is not None:  # what was acknowledged before stays acknowledged
+            await self._cursor_task
 
     async def _failed(self, exc: Exception, end: int) -> None:
         """Logs a failed call (a warning the first time) and waits before the next."""
