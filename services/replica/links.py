@@ -2,8 +2,9 @@
 
 Runs only while this replica is the master of an epoch whose start entry committed (the
 node starts it then and stops it when the role goes), like push delivery
-(`services/replica/push.py`). A supervisor keeps one worker per link in the store
-(rescanning when a link is made or removed here, and every `_RESCAN_S`); each worker:
+(`services/replica/push.py`); both share that lifecycle (`master_tasks.MasterTasks`). A
+supervisor keeps one worker per link in the store (rescanning when a link is made or
+removed here, and every `_RESCAN_S`); each worker:
 
 * resumes where the destination says: the link's forwarded events carry the publisher id
   `link_rules.link_publisher_id(created_lsn)` and sequence = source offset + 1, so that
