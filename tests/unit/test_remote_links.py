@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -143,11 +144,18 @@ def _one_node_with_remote(tmp_path: Path, remote_address: str) -> ClusterConfig:
     return config
 
 
+# Bounds on the waits below (a loaded machine is slow, never wrong).
+_WAIT_MAX_S = 20.0
+# How long a stopped link is watched for a call it should not make (many rescans).
+_STILL_S = 0.5
+
+
 def _run_link_against(
-    tmp_path: Path, answers: list[grpc.StatusCode], wait_s: float
+    tmp_path: Path, answers: list[grpc.StatusCode], enough: Callable[[int, str], bool]
 ) -> tuple[_RefusingRemote, str, int]:
     """One master forwarding one event of `a` to orders@site-b; returns the remote, the
-    link's stopped reason and its next offset after `wait_s`."""
+    link's stopped reason and its next offset once `enough(calls, reason)` holds (or
+    _WAIT_MAX_S passed), and _STILL_S more."""
     remote_server = _RefusingRemote(answers)
 
     async def scenario() -> tuple[str, int]:
@@ -177,8 +185,12 @@ def _run_link_against(
             )
             request = broker_pb2.PublishRequest(topic="a", events=[common_pb2.EventData()])
             await node.write(commands.Publish(request))
-            await asyncio.sleep(wait_s)
             (link,) = node.store.list_links("a")
+            for _ in range(int(_WAIT_MAX_S / 0.05)):  # bounded
+                if enough(remote_server.calls, node.links.stopped_reason(link)):
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(_STILL_S)
             return node.links.stopped_reason(link), node.links.position(link)
         finally:
             await node.stop()
@@ -199,7 +211,7 @@ def test_a_batch_refused_for_good_stops_the_link_with_the_reason_and_an_error_li
 ) -> None:
     caplog.set_level(logging.INFO, logger="squall.replica.links")
     answers = [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INVALID_ARGUMENT]
-    remote_server, reason, position = _run_link_against(tmp_path, answers, 1.5)
+    remote_server, reason, position = _run_link_against(tmp_path, answers, lambda _, why: bool(why))
     # Offered again after the transient failure, then never after the refusal.
     assert remote_server.calls == 2
     assert position == 0, "the cursor moved past a batch the remote never took"
@@ -221,6 +233,7 @@ def test_a_batch_refused_for_good_stops_the_link_with_the_reason_and_an_error_li
 def test_transient_refusals_are_retried_and_never_stop_the_link(
     tmp_path: Path, code: grpc.StatusCode
 ) -> None:
-    remote_server, reason, position = _run_link_against(tmp_path, [code], 1.5)
+    retried = _run_link_against(tmp_path, [code], lambda calls, _: calls >= 3)
+    remote_server, reason, position = retried
     assert remote_server.calls >= 3, "not retried"  # after 0.2 s, 0.4 s, ... of backoff
     assert reason == "" and position == 0
