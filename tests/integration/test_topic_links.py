@@ -93,7 +93,7 @@ def _run(cluster_factory: object, site_b: LocalCluster, proxy: TcpProxy) -> None
         file.write(f'\n[[remotes]]\nname = "site-b"\ngateways = ["{proxy.address}"]\n')
     site_a.config = load_config(site_a.config_path)
     site_a.start_all()
-    wait_for(lambda: _settled(site_a), 30, "site-a's three nodes in one group led by n1")
+    wait_for(lambda: _settled(site_a), 60, "site-a's three nodes in one group led by n1")
     gateway = site_a.gateway_address
 
     with (
@@ -158,7 +158,7 @@ def _run(cluster_factory: object, site_b: LocalCluster, proxy: TcpProxy) -> None
             # 1. site-a's master loses its replica process alone; its coordinator stays up.
             old = site_a.wait_for_master()
             site_a.kill("replica", old)
-            site_a.wait_for_master(exclude=old)
+            site_a.wait_for_master(60, exclude=old)
             acks_go_on("after the source master's replica was killed")
             site_a.start("replica", old)  # so site-a keeps a majority of replicas for 4.
             # 2. The link between the sites is partitioned: the link waits, a's
@@ -168,7 +168,7 @@ def _run(cluster_factory: object, site_b: LocalCluster, proxy: TcpProxy) -> None
             acks_go_on("while the link is partitioned")
             wait_for(
                 lambda: any(x.to_cluster and x.lag_events > 0 for x in client.links()),
-                10,
+                30,
                 "the partitioned link's lag shown",
             )
             reached = len(_forwarded(remote, "orders"))  # a batch sent before the cut is in
@@ -182,12 +182,12 @@ def _run(cluster_factory: object, site_b: LocalCluster, proxy: TcpProxy) -> None
             far_master = site_b.wait_for_master()
             site_b.kill_node(far_master)
             acks_go_on("while site-b has no master")
-            site_b.wait_for_master(exclude=far_master)
+            site_b.wait_for_master(60, exclude=far_master)
             # 4. site-a's master node is killed -9 mid-stream.
             wait_for(lambda: _replica_back(site_a, old), 30, f"site-a's {old} replica rejoined")
             master = site_a.wait_for_master()
             site_a.kill_node(master)
-            site_a.wait_for_master(exclude=master)
+            site_a.wait_for_master(60, exclude=master)
             acks_go_on("after the source master was killed")
         finally:
             done.set()
@@ -209,7 +209,7 @@ def _run(cluster_factory: object, site_b: LocalCluster, proxy: TcpProxy) -> None
 
         links = {link.to_topic: link for link in client.topic("a").links()}
         assert links["b"].cost == 0 and links["c"].cost == 2 and links["orders"].to_cluster
-        wait_for(lambda: all(x.lag_events == 0 for x in client.links()), 10, "no lag left")
+        wait_for(lambda: all(x.lag_events == 0 for x in client.links()), 30, "no lag left")
         client.topic("a").unlink("b")
     status = run_squall("status", "--gateway", gateway)
     assert "topic links:" in status.stdout and "a -> c\tcost=2" in status.stdout, status.stdout
