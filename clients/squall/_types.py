@@ -75,6 +75,7 @@ class LinkInfo:
     created_lsn: int
     to_cluster: str = ""  # another cluster's name ([[remotes]]); empty: this cluster
     lag_ms: int = 0  # how long the oldest event not yet examined has waited
+    stopped_reason: str = ""  # why forwarding stopped for good; empty while it goes on
 
     @classmethod
     def from_pb(cls, link: broker_pb2.LinkInfo) -> LinkInfo:
@@ -90,6 +91,7 @@ class LinkInfo:
             link.created_lsn,
             link.to_cluster,
             link.lag_ms,
+            link.stopped_reason,
         )
 
 

@@ -52,6 +52,7 @@ def link_lines(links: Iterable[squall.LinkInfo]) -> list[str]:
         f"{link.from_topic} -> {link.to_topic}{'@' + link.to_cluster if link.to_cluster else ''}"
         f"\tcost={link.cost}\tnext_offset={link.next_offset}\tlag_events={link.lag_events}"
         f"\tlag_ms={link.lag_ms}\tpublisher_id={link.publisher_id}"
+        + (f"\tSTOPPED: {link.stopped_reason}" if link.stopped_reason else "")
         for link in links
     ]
 

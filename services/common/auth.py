@@ -39,6 +39,12 @@ log = logging.getLogger("squall.auth")
 
 # The scheme matched case-insensitively, as HTTP does.
 _BEARER = BEARER_PREFIX.lower()
+# The publisher ids of events forwarded by topic links (link_rules.LINK_PUBLISHER_PREFIX;
+# tests/unit/test_auth.py checks they agree): `squall-link/<source cluster>/<LSN>` arrive
+# through the public Publish from another cluster's link, so only the principal that
+# cluster's link uses may publish under them, or an app could make a link's later events
+# look like duplicates.
+LINK_PUBLISHER_PREFIX = "squall-link/"
 
 
 class Permission(enum.Enum):
@@ -65,6 +71,9 @@ class Rule:
     # write where it may not.
     publish_field: str = ""
     publish_action: str = ""
+    # The request field holding a publisher id: ids under LINK_PUBLISHER_PREFIX need the
+    # principal's link_from (decide_publisher_id).
+    publisher_field: str = ""
 
 
 def _rules() -> dict[str, Rule]:
@@ -82,7 +91,7 @@ def _rules() -> dict[str, Rule]:
         rules[manager + name] = Rule(Permission.PUBLISH, "topic", "publish to topic")
     for name in ("Publish", "PublishStream"):
         rules["/squall.v1.Publisher/" + name] = Rule(
-            Permission.PUBLISH, "topic", "publish to topic"
+            Permission.PUBLISH, "topic", "publish to topic", publisher_field="publisher_id"
         )
     rules["/squall.v1.Subscriber/CreateSharedSubscription"] = Rule(
         Permission.SUBSCRIBE,
@@ -219,6 +228,33 @@ def decide_publish_into(
     return Decision(
         Verdict.PERMISSION_DENIED,
         f"principal '{principal.name}' may not {rule.publish_action} {show_name(topic)}",
+    )
+
+
+def decide_publisher_id(
+    publisher_id: str, principal: PrincipalConfig | None, member: str | None
+) -> Decision:
+    """May this caller publish under ``publisher_id``? Pure, as decide; only ids under
+    LINK_PUBLISHER_PREFIX are restricted: `squall-link/<cluster>/...` needs a link_from
+    glob matching <cluster>; this cluster's own `squall-link/<LSN>` no principal may use
+    (the replica writes those itself)."""
+    if member is not None or principal is None or not publisher_id.startswith(
+        LINK_PUBLISHER_PREFIX
+    ):
+        return ALLOWED
+    cluster, slash, _ = publisher_id[len(LINK_PUBLISHER_PREFIX) :].partition("/")
+    if slash and cluster and matches(principal.link_from, cluster):
+        return ALLOWED
+    needs = (
+        f"a principal needs link_from matching '{cluster}' to carry that cluster's links"
+        if slash and cluster
+        else "this cluster's links write those themselves"
+    )
+    return Decision(
+        Verdict.PERMISSION_DENIED,
+        f"principal '{principal.name}' may not publish under publisher id "
+        f"{show_name(publisher_id)}: the prefix '{LINK_PUBLISHER_PREFIX}' is reserved for "
+        f"topic links ({needs})",
     )
 
 

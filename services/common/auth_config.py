@@ -4,7 +4,9 @@ Clients authenticate with bearer tokens (docs/auth.md). The file never holds a t
 its SHA-256, so a leaked configuration file grants nothing. Each ``[[auth.principals]]``
 table names one principal, the hash of its token and what it may do: ``publish`` and
 ``subscribe`` list topic-name globs (fnmatch: ``*`` ``?`` ``[seq]``), ``admin`` allows topic
-creation and destruction, cluster status and the operator commands.
+creation and destruction, cluster status and the operator commands, and ``link_from``
+lists globs of the other clusters whose topic links the principal carries (the only
+principals that may publish under ``squall-link/`` publisher ids).
 
 This module raises ``ValueError`` with one sentence naming the key; squall_server.common.config
 turns it into a ``ConfigError`` (kept apart so config.py stays one import and one call).
@@ -28,7 +30,7 @@ _SHA256_HEX_RE = re.compile(r"[0-9a-f]{64}")
 # Topic names are [A-Za-z0-9._-]; a glob adds fnmatch's * ? [ ] and ! (negated set).
 _GLOB_CHAR_RE = re.compile(r"[A-Za-z0-9._\-*?\[\]!]+")
 _AUTH_KEYS = ("enabled", "principals")
-_PRINCIPAL_KEYS = ("name", "token_sha256", "publish", "subscribe", "admin")
+_PRINCIPAL_KEYS = ("name", "token_sha256", "publish", "subscribe", "admin", "link_from")
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,9 @@ class PrincipalConfig:
     publish: tuple[str, ...] = ()
     subscribe: tuple[str, ...] = ()
     admin: bool = False
+    # Globs of the source clusters whose topic links this principal carries: it may
+    # publish under `squall-link/<cluster>/...` publisher ids (docs/federation.md).
+    link_from: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,7 @@ def build_auth(table: Mapping[str, Any]) -> AuthConfig:
                 publish=_tuple(entry.get("publish", []), f"{where}.publish"),
                 subscribe=_tuple(entry.get("subscribe", []), f"{where}.subscribe"),
                 admin=entry.get("admin", False),
+                link_from=_tuple(entry.get("link_from", []), f"{where}.link_from"),
             )
         )
     return AuthConfig(enabled=table.get("enabled", False), principals=tuple(principals))
@@ -124,7 +130,7 @@ def validate_auth(auth: AuthConfig) -> None:
                 f"[{hashes[digest]}]; a token must name exactly one principal"
             )
         hashes[digest] = index
-        for key in ("publish", "subscribe"):
+        for key in ("publish", "subscribe", "link_from"):
             _validate_globs(getattr(principal, key), f"{where}.{key}")
         if not isinstance(principal.admin, bool):
             raise ValueError(f"{where}.admin: must be true or false, got {principal.admin!r}")

@@ -29,6 +29,7 @@ from squall_server.common.auth import (
     bearer_token,
     decide,
     decide_publish_into,
+    decide_publisher_id,
     may_see,
 )
 from squall_server.common.auth_config import AuthConfig, PrincipalConfig
@@ -137,11 +138,13 @@ class _AuthSession:
         principal: PrincipalConfig | None,
         field_name: str,
         publish_field: str = "",
+        publisher_field: str = "",
     ) -> None:
         self._call = call
         self._principal = principal
         self._field = field_name
         self._publish_field = publish_field
+        self._publisher_field = publisher_field
 
     def request(self, request: Request) -> None:
         if self._field:  # methods without a topic were decided when the call opened
@@ -152,6 +155,10 @@ class _AuthSession:
                 call = self._call
                 decision = decide_publish_into(call.method, into, self._principal, call.member)
                 self._refuse_unless(decision, into)
+            if self._publisher_field:
+                publisher_id = str(getattr(message, self._publisher_field))
+                decision = decide_publisher_id(publisher_id, self._principal, self._call.member)
+                self._refuse_unless(decision, str(getattr(message, self._field)))
 
     def check(self, topic: str) -> None:
         """Refusal unless the caller may make this call on this topic; logs a refusal."""
@@ -201,7 +208,9 @@ class AuthGuard:
         principal = None
         if call.member is None:
             principal = self._book.principal(bearer_token(call.context.invocation_metadata()))
-        session = _AuthSession(call, principal, rule.topic_field, rule.publish_field)
+        session = _AuthSession(
+            call, principal, rule.topic_field, rule.publish_field, rule.publisher_field
+        )
         if not rule.topic_field or (principal is None and call.member is None):
             # Decided without the request: no topic, or refused whatever the topic.
             session.check("")

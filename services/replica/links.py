@@ -2,8 +2,9 @@
 
 Runs only while this replica is the master of an epoch whose start entry committed (the
 node starts it then and stops it when the role goes), like push delivery
-(`services/replica/push.py`). A supervisor keeps one worker per link in the store
-(rescanning when a link is made or removed here, and every `_RESCAN_S`); each worker:
+(`services/replica/push.py`); both share that lifecycle (`master_tasks.MasterTasks`). A
+supervisor keeps one worker per link in the store (rescanning when a link is made or
+removed here, and every `_RESCAN_S`); each worker:
 
 * resumes where the destination says: the link's forwarded events carry the publisher id
   `link_rules.link_publisher_id(created_lsn)` and sequence = source offset + 1, so that
@@ -33,6 +34,7 @@ from squall.v1 import broker_pb2_grpc, common_pb2, replica_pb2
 from squall_server.common.config import RemoteConfig
 from squall_server.common.errors import ServiceError
 from squall_server.replica import commands, link_rules, remote
+from squall_server.replica.master_tasks import MasterTasks
 from squall_server.replica.store import StoreError, UnknownTopicError
 
 if TYPE_CHECKING:
@@ -50,61 +52,59 @@ _RETRY_S = 0.5
 # call, doubling up to the cap (its source's publishers never wait for it).
 _REMOTE_RETRY_INITIAL_S = 0.2
 _REMOTE_RETRY_MAX_S = 5.0
+# What another cluster answers when it will never take a batch (the destination topic is
+# gone, an event breaks its limits, the token's principal lacks a permission): the link
+# stops there, with the reason in GetLinkInfo and an ERROR log line, instead of offering
+# it again for ever. Everything else (unreachable, no master, full, an unknown token,
+# which a rotated token file fixes) is retried with backoff.
+REFUSED_FOR_GOOD = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.NOT_FOUND,
+    }
+)
 
 _LinkKey = tuple[str, str, int]  # source, destination, LSN of the link's entry
 
 
-class LinkForwarding:
-    """The master's link forwarding: a supervisor and one worker per link."""
+class LinkForwarding(MasterTasks[_LinkKey, replica_pb2.LinkTopicOp, "_Worker | _RemoteWorker"]):
+    """The master's link forwarding: a supervisor and one worker per link (the lifecycle,
+    `start`/`stop`/`close`/`refresh`/`active`, is `MasterTasks`', shared with push)."""
 
     def __init__(self, node: ReplicaNode) -> None:
-        self._node = node
-        self._epoch = 0
-        self._supervisor: asyncio.Task[None] | None = None
-        self._workers: dict[_LinkKey, _Worker | _RemoteWorker] = {}
-        self._wake = asyncio.Event()
+        super().__init__(node, "link forwarding", log)
 
-    def start(self, epoch: int) -> None:
-        """Starts forwarding as the master of `epoch` (its start entry has committed)."""
-        self.stop()
-        self._epoch = epoch
-        self._supervisor = asyncio.get_running_loop().create_task(
-            self._supervise(epoch), name=f"links-{self._node.node.id}-{epoch}"
-        )
+    def rescan_s(self) -> float:
+        return _RESCAN_S
 
-    def stop(self) -> None:
-        """Stops every worker now (the role is gone); a write in flight is cancelled."""
-        supervisor, self._supervisor = self._supervisor, None
-        if supervisor is not None:
-            supervisor.cancel()
-        for worker in self._workers.values():
-            worker.task.cancel()
-        self._workers.clear()
+    def wanted(self) -> dict[_LinkKey, replica_pb2.LinkTopicOp]:
+        return {
+            (x.from_topic, link_rules.link_target(x.to_cluster, x.to_topic), x.created_lsn): x
+            for x in self._node.store.list_links()
+        }
 
-    async def close(self) -> None:
-        """Stops and waits for the tasks to end."""
-        tasks = [w.task for w in self._workers.values()]
-        if self._supervisor is not None:
-            tasks.append(self._supervisor)
-        self.stop()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    def make(
+        self, key: _LinkKey, item: replica_pb2.LinkTopicOp, epoch: int
+    ) -> _Worker | _RemoteWorker | None:
+        if not item.to_cluster:
+            return _Worker(self, item, epoch)
+        config = self._node.config.remote(item.to_cluster)
+        if config is None:
+            log.warning(
+                "replica %s: link '%s' -> '%s': no [[remotes]] entry named '%s' in "
+                "this node's file; not forwarding",
+                self._node.node.id,
+                item.from_topic,
+                item.to_topic,
+                item.to_cluster,
+            )
+            return None
+        return _RemoteWorker(self, item, config, epoch)
 
-    def refresh(self) -> None:
-        """A link was made or removed here: rescan now."""
-        self._wake.set()
-
-    def active(self, epoch: int) -> bool:
-        """Whether this replica still forwards as the master of `epoch`."""
-        node = self._node
-        return (
-            self._supervisor is not None
-            and self._epoch == epoch
-            and node.role == common_pb2.ROLE_MASTER
-            and node.epoch == epoch
-            and not node.failed_reason
-        )
+    def restart(self, worker: _Worker | _RemoteWorker) -> bool:
+        # A link stopped for good stays stopped while this replica is master.
+        return not worker.stopped_reason
 
     def position(self, link: replica_pb2.LinkTopicOp) -> int:
         """The next source offset the link examines, as this replica knows it."""
@@ -123,6 +123,16 @@ class LinkForwarding:
         )
         return durable if worker is None else max(durable, worker.position)
 
+    def stopped_reason(self, link: replica_pb2.LinkTopicOp) -> str:
+        """Why the link's forwarding stopped on this master ("" while it goes on)."""
+        key = (
+            link.from_topic,
+            link_rules.link_target(link.to_cluster, link.to_topic),
+            link.created_lsn,
+        )
+        worker = self._workers.get(key)
+        return "" if worker is None else worker.stopped_reason
+
     def lag(self, link: replica_pb2.LinkTopicOp) -> tuple[int, int, int]:
         """(next offset, events waiting, ms the oldest of them has waited) of a link."""
         node = self._node
@@ -138,7 +148,7 @@ class LinkForwarding:
 
     def lags(self) -> list[tuple[str, str, int, int]]:
         """(source, destination, events waiting, ms) of every link, while forwarding."""
-        if self._supervisor is None:
+        if not self.running:
             return []
         out = []
         for link in self._node.store.list_links():
@@ -147,48 +157,14 @@ class LinkForwarding:
             out.append((link.from_topic, target, events, lag_ms))
         return out
 
-    async def _supervise(self, epoch: int) -> None:
-        # Bounded per pass by the store's links; ends with the role.
-        while self.active(epoch):
-            self._wake.clear()
-            try:
-                links = self._node.store.list_links()
-            except StoreError as exc:
-                log.warning("replica %s: reading links failed: %s", self._node.node.id, exc)
-                links = []
-            wanted = {
-                (x.from_topic, link_rules.link_target(x.to_cluster, x.to_topic), x.created_lsn): x
-                for x in links
-            }
-            for key in list(self._workers):
-                worker = self._workers[key]
-                if key not in wanted or worker.task.done():
-                    worker.task.cancel()
-                    del self._workers[key]
-            for key, link in wanted.items():
-                if key in self._workers:
-                    continue
-                if not link.to_cluster:
-                    self._workers[key] = _Worker(self, link, epoch)
-                    continue
-                config = self._node.config.remote(link.to_cluster)
-                if config is None:
-                    log.warning(
-                        "replica %s: link '%s' -> '%s': no [[remotes]] entry named '%s' in "
-                        "this node's file; not forwarding",
-                        self._node.node.id,
-                        link.from_topic,
-                        link.to_topic,
-                        link.to_cluster,
-                    )
-                    continue
-                self._workers[key] = _RemoteWorker(self, link, config, epoch)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), _RESCAN_S)
-
 
 class _Worker:
     """Forwards one link's events while this replica is master."""
+
+    stopped_reason = ""  # a link within the cluster is never refused for good
+
+    def cancel(self) -> None:
+        self.task.cancel()
 
     def __init__(
         self, forwarding: LinkForwarding, link: replica_pb2.LinkTopicOp, epoch: int
@@ -309,9 +285,15 @@ class _RemoteWorker:
         self._cursor_task: asyncio.Task[None] | None = None
         self.failures = 0
         self.last_error = ""
+        self.stopped_reason = ""
         self.task = asyncio.get_running_loop().create_task(
             self._run(), name=f"link-{link.from_topic}-{link.to_topic}@{link.to_cluster}"
         )
+
+    def cancel(self) -> None:
+        self.task.cancel()
+        if self._cursor_task is not None:
+            self._cursor_task.cancel()
 
     @property
     def _where(self) -> str:
@@ -385,6 +367,9 @@ class _RemoteWorker:
                         metadata=metadata or None,
                     )
                 except (grpc.aio.AioRpcError, OSError, ValueError) as exc:
+                    if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in REFUSED_FOR_GOOD:
+                        await self._stop(exc, plan.next_offset)
+                        return
                     await self._failed(exc, plan.next_offset)
                     continue
             if self.failures:
@@ -397,6 +382,24 @@ class _RemoteWorker:
             self.failures, self.last_error = 0, ""
             self.position = plan.next_offset
             self._advance()
+
+    async def _stop(self, exc: grpc.aio.AioRpcError, end: int) -> None:
+        """The other cluster refused a batch for good: forwarding stops here, says why."""
+        error = remote.remote_error(self._remote, exc, "store forwarded events")
+        self.stopped_reason = (
+            f"stopped at offset {self.position} (offsets {self.position}..{end - 1} refused "
+            f"for good, not retried): {error.message}; fix the cause, then move the master "
+            "role or restart this replica to retry from there"
+        )
+        log.error(
+            "replica %s: %s: forwarding stopped (epoch=%d): %s",
+            self._node.node.id,
+            self._where,
+            self._epoch,
+            self.stopped_reason,
+        )
+        if self._cursor_task is not None:  # what was acknowledged before stays acknowledged
+            await self._cursor_task
 
     async def _failed(self, exc: Exception, end: int) -> None:
         """Logs a failed call (a warning the first time) and waits before the next."""

@@ -43,6 +43,7 @@ from squall.wire.trace_context import end_call_span, with_context
 from squall_server.common.errors import Code, ServiceError
 from squall_server.common.tls import handshake_failure, transport
 from squall_server.replica import commands
+from squall_server.replica.master_tasks import MasterTasks
 from squall_server.replica.push_policy import (
     DeliveryState,
     Offered,
@@ -101,64 +102,24 @@ def _tls_hint(node: ReplicaNode, error: grpc.aio.AioRpcError) -> str:
     )
 
 
-class PushDelivery:
-    """The master's push delivery: a supervisor and one worker per push subscriber."""
+class PushDelivery(MasterTasks[_WorkerKey, PushSubscriber, "_Worker"]):
+    """The master's push delivery: a supervisor and one worker per push subscriber
+    (the lifecycle, `start`/`stop`/`close`/`refresh`/`active`, is `MasterTasks`')."""
 
     def __init__(self, node: ReplicaNode, rng: random.Random | None = None) -> None:
-        self._node = node
+        super().__init__(node, "push delivery", log)
         self._rng = rng or random.Random()
-        self._epoch = 0
-        self._supervisor: asyncio.Task[None] | None = None
-        self._workers: dict[_WorkerKey, _Worker] = {}
-        self._wake = asyncio.Event()
 
-    # --- lifecycle (called by the node on role changes)
+    def rescan_s(self) -> float:
+        return _RESCAN_S
 
-    def start(self, epoch: int) -> None:
-        """Starts delivering as the master of `epoch` (its start entry has committed)."""
-        self.stop()
-        self._epoch = epoch
-        self._supervisor = asyncio.get_running_loop().create_task(
-            self._supervise(epoch), name=f"push-{self._node.node.id}-{epoch}"
-        )
-        log.info("replica %s: push delivery started (epoch=%d)", self._node.node.id, epoch)
+    def wanted(self) -> dict[_WorkerKey, PushSubscriber]:
+        return {
+            (s.topic, s.subscriber_id, s.lsn): s for s in self._node.store.list_push_subscribers()
+        }
 
-    def stop(self) -> None:
-        """Stops every delivery now (the role is gone); calls in flight are cancelled."""
-        supervisor, self._supervisor = self._supervisor, None
-        if supervisor is not None:
-            supervisor.cancel()
-            log.info(
-                "replica %s: push delivery stopped (epoch=%d)", self._node.node.id, self._epoch
-            )
-        for worker in self._workers.values():
-            worker.cancel()
-        self._workers.clear()
-
-    async def close(self) -> None:
-        """Stops and waits for the tasks to end."""
-        tasks = [w.task for w in self._workers.values()]
-        if self._supervisor is not None:
-            tasks.append(self._supervisor)
-        self.stop()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    def refresh(self) -> None:
-        """A push subscriber was added or removed here: rescan now."""
-        self._wake.set()
-
-    def active(self, epoch: int) -> bool:
-        """Whether this replica still delivers as the master of `epoch`."""
-        node = self._node
-        return (
-            self._supervisor is not None
-            and self._epoch == epoch
-            and node.role == common_pb2.ROLE_MASTER
-            and node.epoch == epoch
-            and not node.failed_reason
-        )
+    def make(self, key: _WorkerKey, item: PushSubscriber, epoch: int) -> _Worker:
+        return _Worker(self, item, epoch)
 
     def status(self, topic: str, subscriber_id: str) -> tuple[int, str]:
         """(failed rounds in a row, last error) of a subscriber delivered from here."""
@@ -195,31 +156,6 @@ class PushDelivery:
                     f"refused the subscribe probe ({exc.code().name}: {_detail(exc)})"
                     f"{_tls_hint(node, exc)}; nothing was registered",
                 ) from None
-
-    # --- supervision
-
-    async def _supervise(self, epoch: int) -> None:
-        # Bounded per pass by the store's subscribers; ends with the role.
-        while self.active(epoch):
-            self._wake.clear()
-            try:
-                subscribers = self._node.store.list_push_subscribers()
-            except StoreError as exc:
-                log.warning(
-                    "replica %s: reading push subscribers failed: %s", self._node.node.id, exc
-                )
-                subscribers = []
-            wanted = {(s.topic, s.subscriber_id, s.lsn): s for s in subscribers}
-            for key in list(self._workers):
-                worker = self._workers[key]
-                if key not in wanted or worker.task.done():
-                    worker.cancel()
-                    del self._workers[key]
-            for key, subscriber in wanted.items():
-                if key not in self._workers:
-                    self._workers[key] = _Worker(self, subscriber, epoch)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), _RESCAN_S)
 
     def _jitter(self) -> float:
         return self._rng.random()

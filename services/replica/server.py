@@ -254,6 +254,7 @@ class TopicManager(broker_pb2_grpc.TopicManagerServicer):
             created_lsn=link.created_lsn,
             to_cluster=link.to_cluster,
             lag_ms=lag_ms,
+            stopped_reason=self.node.links.stopped_reason(link),
         )
 
     def _proxy(self, topic: str, replicated: bool) -> broker_pb2.GetPublisherResponse:

@@ -26,7 +26,8 @@ from squall.v1 import (
 )
 from squall_server.common import dev_certs
 from squall_server.common.auth import token_sha256
-from tests.integration.conftest import ROOT, LocalCluster, make_cluster, run_squall
+from squall_server.common.config import load_config
+from tests.integration.conftest import ROOT, LocalCluster, make_cluster, run_squall, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -35,6 +36,7 @@ TOKENS = {
     "ops": "tok-ops-a8d3e61c0b97f245",
     "app": "tok-app-3c9e0f7a21d84b66",
     "reader": "tok-reader-e47b2d19c6a05f38",
+    "link": "tok-link-5b0d93e8a1c47f26",
 }
 PRINCIPALS = [
     {"name": "ops", "token_sha256": token_sha256(TOKENS["ops"]), "admin": True},
@@ -45,6 +47,15 @@ PRINCIPALS = [
         "subscribe": ["orders.*"],
     },
     {"name": "reader", "token_sha256": token_sha256(TOKENS["reader"]), "subscribe": ["audit"]},
+    # What a cluster's topic links present here (docs/federation.md); the link tests
+    # below use this cluster as its own remote, so its own name.
+    {
+        "name": "link-from-site-a",
+        "token_sha256": token_sha256(TOKENS["link"]),
+        "publish": ["linked"],
+        "subscribe": ["linked"],
+        "link_from": ["squall-single"],
+    },
 ]
 
 
@@ -68,6 +79,26 @@ def _connect(cluster: LocalCluster, token: str | None, timeout_s: float = 10) ->
     return squall.connect(cluster.gateway_address, token=token, tls=tls, timeout_s=timeout_s)
 
 
+def _add_remotes(cluster: LocalCluster, token_dir: Path) -> None:
+    """[[remotes]] entries naming this cluster's own gateway, reached like another
+    cluster's: TLS from its CA, with a token per entry (the link tests below)."""
+    (token_dir / "unknown").write_text("tok-nobody-knows-this-one\n")
+    ca_file = cluster.config.tls.ca_file
+    gateway = cluster.gateway_address
+    entries = {
+        # The gateway's certificate names g1 and its address, not n1.
+        "wrong-id": f'ca_file = "{ca_file}"\nserver_name = "n1"\n',
+        "no-token": f'ca_file = "{ca_file}"\n',
+        "bad-token": f'ca_file = "{ca_file}"\ntoken_file = "{token_dir / "unknown"}"\n',
+        "reader": f'ca_file = "{ca_file}"\ntoken_file = "{token_dir / "reader"}"\n',
+        "here": f'ca_file = "{ca_file}"\ntoken_file = "{token_dir / "link"}"\n',
+    }
+    with cluster.config_path.open("a") as file:
+        for name, keys in entries.items():
+            file.write(f'\n[[remotes]]\nname = "{name}"\ngateways = ["{gateway}"]\n{keys}')
+    cluster.config = load_config(cluster.config_path)
+
+
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, Path]]:
     """One single-node cluster with [auth] on, shared by this module; stopped by PID."""
@@ -84,11 +115,12 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalClu
     )
     # The gateway is trusted by its member certificate, so it has no token of its own.
     dev_certs.make_dev_certs(certs, dev_certs.subjects(cluster.config, ["app"]))
+    _add_remotes(cluster, token_dir)
     cluster.metadata = (("authorization", f"Bearer {TOKENS['ops']}"),)
     try:
         cluster.start_all()
         with _connect(cluster, TOKENS["ops"]) as ops:
-            for name in ("orders.eu", "payroll", "audit"):
+            for name in ("orders.eu", "payroll", "audit", "linked", "orders.source"):
                 ops.create_topic(name)
         yield cluster, token_dir
     finally:
@@ -206,9 +238,9 @@ def test_topics_are_listed_only_where_the_principal_may_see_them(
     for name in ("app", "reader", "ops"):
         with _connect(cluster, TOKENS[name]) as client:
             seen[name] = sorted(t.name for t in client.topics())
-    assert seen["app"] == ["orders.eu"]
+    assert seen["app"] == ["orders.eu", "orders.source"]
     assert seen["reader"] == ["audit"]
-    assert {"audit", "orders.eu", "payroll"} <= set(seen["ops"])
+    assert {"audit", "orders.eu", "payroll", "linked"} <= set(seen["ops"])
 
 
 def test_topic_admin_and_cluster_commands_need_admin(
@@ -262,3 +294,54 @@ def test_tokens_never_reach_logs_or_status_output(secured: tuple[LocalCluster, P
         assert token not in status.stdout + status.stderr
         for name, text in logs.items():
             assert token not in text, f"a token is in {name}"
+
+
+def test_a_link_to_a_remote_needs_its_tls_identity_a_known_token_and_a_link_principal(
+    secured: tuple[LocalCluster, Path],
+) -> None:
+    """Issue 19 items 2 and 6 with real processes. The remote is this TLS + auth cluster's
+    own gateway, named in [[remotes]] (`_add_remotes`) and reached exactly as another
+    cluster's would be: a gateway presenting the wrong TLS identity, no token, a token it
+    does not know, or a token whose principal may not see the topic: LinkTopic fails naming
+    the problem and nothing is created. With the link principal's token the link forwards
+    through the public Publish; an app may not publish under the link's publisher id."""
+    cluster, token_dir = secured
+    gateway = cluster.gateway_address
+    ca_file = cluster.config.tls.ca_file
+    with _connect(cluster, TOKENS["ops"]) as ops:
+        source = ops.topic("orders.source")
+        handshake = "the TLS handshake failed: its gateways must present a certificate for n1"
+        for remote, said in [
+            ("wrong-id", [handshake, f"from the CA in {ca_file}"]),
+            ("no-token", ["refused find topic 'linked': no token is configured"]),
+            ("bad-token", [f"the token in {token_dir / 'unknown'} was refused (UNAUTHENTICATED"]),
+            ("reader", ["refused find topic 'linked'", "may not look up topic 'linked'"]),
+        ]:
+            with pytest.raises(squall.FailedPrecondition) as refused:
+                source.link("linked", cluster=remote)
+            for words in [f"remote cluster '{remote}' at {gateway}", *said]:
+                assert words in str(refused.value), str(refused.value)
+            assert ops.links() == [], f"{remote}: a refused link left an entry behind"
+        made = source.link("linked", cluster="here")
+        assert made.publisher_id == f"squall-link/squall-single/{made.created_lsn}"
+        assert [x.to_cluster for x in ops.links()] == ["here"]
+    with _connect(cluster, TOKENS["app"]) as app:
+        # The app may publish on orders.*, but not as a link.
+        with pytest.raises(squall.PermissionDenied, match="the prefix 'squall-link/' is reserved"):
+            with app.topic("orders.eu").publisher(made.publisher_id) as forger:
+                forger.publish(b"forged")
+        with app.topic("orders.source").publisher("app") as publisher:
+            publisher.publish(b"over the link")
+    with _connect(cluster, TOKENS["link"]) as reader:
+        forwarded: list[squall.Message] = []
+
+        def arrived() -> bool:
+            forwarded[:] = list(reader.topic("linked").subscribe(None, follow=False))
+            return bool(forwarded)
+
+        wait_for(arrived, 20, "the event forwarded through the gateway with the link's token")
+    with _connect(cluster, TOKENS["ops"]) as ops:
+        ops.topic("orders.source").unlink("linked", cluster="here")
+    assert [(m.payload, m.publisher_id, m.sequence) for m in forwarded] == [
+        (b"over the link", made.publisher_id, 1)
+    ]

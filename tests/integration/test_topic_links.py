@@ -1,12 +1,16 @@
-"""Topic links on real processes: within a three-node cluster and to a second, one-node
-cluster on loopback, across kill -9 of either side's master (issue 19 items 1-3).
+"""Topic links on real processes: within a three-node cluster and to a second three-node
+cluster on loopback, across faults of either side and of the network between them
+(issue 19 items 1-3).
 
 Goal: site-a's topic a is linked to b (cost 0) and c (cost 2) in site-a and to orders on
-site-b. While an app publishes on a, site-a's master is killed -9 (another node takes
-over and resumes every link), then site-b's node is killed -9 (site-a's publishers go
-on; the link waits) and restarted: every event a holds since the links is on b once in
+site-b, reached through a TCP proxy the test can partition (`tests/integration/tcp_proxy.py`).
+While an app publishes on a: site-a's master loses its replica process alone (its
+coordinator stays up; another node takes over and resumes every link), the link between
+the sites is partitioned for a while and healed (site-a's publishers keep being
+acknowledged meanwhile), site-b's master is killed -9 (site-b elects another), then
+site-a's master node is killed -9. Every event a holds since the links is on b once in
 a's order, on c exactly those of cost at most 2, and on site-b's orders once in a's
-order. The links survive the failover and show in `topic links`, `topic info` and
+order. The links survive the failovers and show in `topic links`, `topic info` and
 `status`; bad links (itself, a negative cost, a missing topic, an unknown remote, a topic
 missing on the remote) are refused naming the problem, and create nothing.
 """
@@ -14,6 +18,7 @@ missing on the remote) are refused naming the problem, and create nothing.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -22,10 +27,16 @@ import squall
 from squall.v1 import common_pb2
 from squall_server.common.config import load_config
 from tests.integration.conftest import LocalCluster, run_squall, wait_for
+from tests.integration.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.integration
 
-EVENTS = 80
+# The app publishes until the faults are over; this only bounds its loop.
+EVENTS_MAX = 5000
+# Acknowledgements the app must get while each fault lasts (its publishers not held up).
+ACKS_PER_FAULT = 10
+# How long the link between the sites stays partitioned, at least.
+PARTITION_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -58,19 +69,31 @@ def _settled(cluster: LocalCluster) -> bool:
     )
 
 
-def test_links_forward_each_event_once_in_order_across_kills_of_either_side(
+def _replica_back(cluster: LocalCluster, node_id: str) -> bool:
+    return "replica answers again" in cluster.log("coordinator", node_id)
+
+
+def test_links_forward_each_event_once_in_order_across_faults_of_either_side_and_the_link(
     cluster_factory: object,
 ) -> None:
-    site_b = cluster_factory(cluster={"name": "site-b"})  # type: ignore[operator]
+    site_b = cluster_factory("cluster.example.toml", cluster={"name": "site-b"})  # type: ignore[operator]
     assert isinstance(site_b, LocalCluster)
     site_b.start_all()
+    proxy = TcpProxy(site_b.gateway_address)  # site-a reaches site-b only through it
+    try:
+        _run(cluster_factory, site_b, proxy)
+    finally:
+        proxy.stop()
+
+
+def _run(cluster_factory: object, site_b: LocalCluster, proxy: TcpProxy) -> None:
     site_a = cluster_factory("cluster.example.toml", cluster={"name": "site-a"})  # type: ignore[operator]
     assert isinstance(site_a, LocalCluster)
     with site_a.config_path.open("a") as file:
-        file.write(f'\n[[remotes]]\nname = "site-b"\ngateways = ["{site_b.gateway_address}"]\n')
+        file.write(f'\n[[remotes]]\nname = "site-b"\ngateways = ["{proxy.address}"]\n')
     site_a.config = load_config(site_a.config_path)
     site_a.start_all()
-    wait_for(lambda: _settled(site_a), 30, "site-a's three nodes in one group led by n1")
+    wait_for(lambda: _settled(site_a), 60, "site-a's three nodes in one group led by n1")
     gateway = site_a.gateway_address
 
     with (
@@ -106,11 +129,14 @@ def test_links_forward_each_event_once_in_order_across_kills_of_either_side(
 
         acked: list[int] = []  # a's offsets the app saw acknowledged
         errors: list[BaseException] = []
+        done = threading.Event()
 
         def publish() -> None:
             try:
                 with client.topic("a").publisher("app") as publisher:
-                    for i in range(EVENTS):  # bounded
+                    for i in range(EVENTS_MAX):  # bounded; ends when the faults are over
+                        if done.is_set():
+                            return
                         event = _Costly(b"e%d" % i, 0 if i % 2 else 5)
                         try:
                             (receipt,) = publisher.publish_many([event])
@@ -120,19 +146,53 @@ def test_links_forward_each_event_once_in_order_across_kills_of_either_side(
             except BaseException as exc:  # reported by the test
                 errors.append(exc)
 
+        def acks_go_on(what: str) -> None:
+            target = len(acked) + ACKS_PER_FAULT
+            wait_for(lambda: len(acked) >= target or errors, 30, f"a's publishes acked {what}")
+            assert not errors, repr(errors[0])
+
         thread = threading.Thread(target=publish, daemon=True)
         thread.start()
-        wait_for(lambda: len(_forwarded(client, "b")) >= 15 or errors, 20, "forwarding to b")
-        old = site_a.wait_for_master()
-        site_a.kill_node(old)  # the source's master, mid-stream
-        site_a.wait_for_master(exclude=old)
-        wait_for(lambda: len(acked) >= EVENTS // 2 or errors, 30, "publishing after the kill")
-        site_b.kill_node("n1")  # the destination cluster's master: a's publishers go on
-        thread.join(60)
+        try:
+            wait_for(lambda: len(_forwarded(client, "b")) >= 15 or errors, 20, "forwarding to b")
+            # 1. site-a's master loses its replica process alone; its coordinator stays up.
+            old = site_a.wait_for_master()
+            site_a.kill("replica", old)
+            site_a.wait_for_master(60, exclude=old)
+            acks_go_on("after the source master's replica was killed")
+            site_a.start("replica", old)  # so site-a keeps a majority of replicas for 4.
+            # 2. The link between the sites is partitioned: the link waits, a's
+            # publishers do not.
+            proxy.cut()
+            cut_at = time.monotonic()
+            acks_go_on("while the link is partitioned")
+            wait_for(
+                lambda: any(x.to_cluster and x.lag_events > 0 for x in client.links()),
+                30,
+                "the partitioned link's lag shown",
+            )
+            reached = len(_forwarded(remote, "orders"))  # a batch sent before the cut is in
+            time.sleep(max(0.5, PARTITION_S - (time.monotonic() - cut_at)))
+            assert len(_forwarded(remote, "orders")) == reached, "events crossed the partition"
+            proxy.restore()
+            wait_for(
+                lambda: len(_forwarded(remote, "orders")) > reached, 30, "the link after healing"
+            )
+            # 3. site-b's master is killed -9: site-b elects another, a's publishers go on.
+            far_master = site_b.wait_for_master()
+            site_b.kill_node(far_master)
+            acks_go_on("while site-b has no master")
+            site_b.wait_for_master(60, exclude=far_master)
+            # 4. site-a's master node is killed -9 mid-stream.
+            wait_for(lambda: _replica_back(site_a, old), 30, f"site-a's {old} replica rejoined")
+            master = site_a.wait_for_master()
+            site_a.kill_node(master)
+            site_a.wait_for_master(60, exclude=master)
+            acks_go_on("after the source master was killed")
+        finally:
+            done.set()
+            thread.join(60)
         assert not errors, repr(errors[0])
-        assert len(acked) >= EVENTS - 5, "a's publishers were held up"
-        site_b.start_node("n1")
-        site_b.wait_for_master()
 
         source = list(client.topic("a").subscribe(None, follow=False))[1:]  # since the links
         assert set(acked) <= {m.offset for m in source}
@@ -149,7 +209,7 @@ def test_links_forward_each_event_once_in_order_across_kills_of_either_side(
 
         links = {link.to_topic: link for link in client.topic("a").links()}
         assert links["b"].cost == 0 and links["c"].cost == 2 and links["orders"].to_cluster
-        wait_for(lambda: all(x.lag_events == 0 for x in client.links()), 10, "no lag left")
+        wait_for(lambda: all(x.lag_events == 0 for x in client.links()), 30, "no lag left")
         client.topic("a").unlink("b")
     status = run_squall("status", "--gateway", gateway)
     assert "topic links:" in status.stdout and "a -> c\tcost=2" in status.stdout, status.stdout

@@ -17,6 +17,7 @@ from squall_server.common.auth import (
     bearer_token,
     decide,
     decide_publish_into,
+    decide_publisher_id,
     token_sha256,
 )
 from squall_server.common.auth_config import PrincipalConfig
@@ -56,6 +57,7 @@ SUBSCRIBE = "/squall.v1.Subscriber/Subscribe"
 CREATE = "/squall.v1.TopicManager/CreateTopic"
 LIST = "/squall.v1.TopicManager/ListTopics"
 RETRIEVE = "/squall.v1.TopicManager/RetrieveTopic"
+STREAM = "/squall.v1.Publisher/PublishStream"
 
 
 # [auth] needs [tls]; only the paths are read when the file is parsed.
@@ -200,12 +202,12 @@ def test_a_valid_auth_section_is_read() -> None:
     config = _config(
         "[auth]\nenabled = true\n"
         + _principal(publish='["orders.*"]', subscribe='["a", "b?"]')
-        + _principal(name='"ops"', token_sha256=f'"{HASH_B}"', admin="true")
+        + _principal(name='"ops"', token_sha256=f'"{HASH_B}"', admin="true", link_from='["s*"]')
     )
     auth = config.auth  # type: ignore[attr-defined]
     assert auth.enabled
     assert auth.principals[0] == PrincipalConfig("app", HASH_A, ("orders.*",), ("a", "b?"), False)
-    assert auth.principals[1].admin
+    assert auth.principals[1].admin and auth.principals[1].link_from == ("s*",)
 
 
 def test_auth_is_off_by_default() -> None:
@@ -229,6 +231,8 @@ def test_auth_is_off_by_default() -> None:
         (_principal(token_sha256='"abc"'), r"auth.principals\[0\].token_sha256: must be 64"),
         (_principal(token_sha256=f'"{HASH_A.upper()}"'), r"token_sha256: must be 64 lowercase"),
         (_principal(admin='"yes"'), r"auth.principals\[0\].admin: must be true or false"),
+        (_principal(link_from='"site-a"'), r"auth.principals\[0\].link_from: must be an array"),
+        (_principal(link_from='["a b"]'), r"auth.principals\[0\].link_from\[0\]: .*not a"),
         (_principal(name='"-x"'), r"auth.principals\[0\].name: principal names"),
         (_principal(token='"t"'), r"unknown key 'token' in auth.principals\[0\]"),
         ("[auth]\nenabled = true\n", r"auth.enabled: is true but no \[\[auth.principals\]\]"),
@@ -328,6 +332,54 @@ def test_dead_letters_go_only_where_the_subscriptions_creator_may_publish() -> N
     both = PrincipalConfig("worker", HASH_A, publish=("orders.dead",), subscribe=("orders.*",))
     assert decide_publish_into(create, "orders.dead", both, None).allowed
     assert decide_publish_into(create, "orders.dead", ADMIN, None).allowed
+
+
+def test_link_publisher_ids_are_reserved_for_the_principal_carrying_that_clusters_links() -> None:
+    from squall_server.common import auth
+    from squall_server.replica import link_rules
+
+    assert auth.LINK_PUBLISHER_PREFIX == link_rules.LINK_PUBLISHER_PREFIX
+    site_a = link_rules.link_publisher_id(7, "site-a")
+    link = PrincipalConfig("site-a-link", HASH_B, publish=("orders.*",), link_from=("site-a",))
+    guard = AuthGuard(_auth_config(PUBLISHER, link))
+    # An app allowed to publish on the topic may not pose as site-a's link...
+    session = guard.open(_call(PUBLISH, [("authorization", "Bearer token-a")]))
+    assert session is not None
+    session.request(Request(PUBLISH, broker_pb2.PublishRequest(topic="orders.eu")))
+    session.request(
+        Request(PUBLISH, broker_pb2.PublishRequest(topic="orders.eu", publisher_id="squall-linker"))
+    )
+    forged = broker_pb2.PublishRequest(topic="orders.eu", publisher_id=site_a)
+    with pytest.raises(Refusal) as refused:
+        session.request(Request(PUBLISH, forged.SerializeToString()))
+    assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED
+    assert refused.value.message == (
+        f"principal 'orders-app' may not publish under publisher id '{site_a}': the prefix "
+        "'squall-link/' is reserved for topic links (a principal needs link_from matching "
+        "'site-a' to carry that cluster's links)"
+    )
+    # ...on a stream either; the link's own principal may, for site-a only.
+    stream = guard.open(_call(STREAM, [("authorization", "Bearer token-b")], streaming=True))
+    assert stream is not None
+    stream.request(Request(STREAM, forged))
+    other = broker_pb2.PublishRequest(topic="orders.eu", publisher_id="squall-link/site-c/7")
+    with pytest.raises(Refusal, match="link_from matching 'site-c'"):
+        stream.request(Request(STREAM, other))
+    # This cluster's own link ids: nobody (its replicas write them through the log).
+    assert not decide_publisher_id("squall-link/7", link, None).allowed
+    assert "write those themselves" in decide_publisher_id("squall-link/7", link, None).message
+    assert not decide_publisher_id("squall-link/site-a/7", ADMIN, None).allowed
+    # A cluster member (a gateway forwarding a call it already checked) is trusted.
+    assert decide_publisher_id(site_a, None, "g1").allowed
+    wildcard = PrincipalConfig("hub", HASH_A, link_from=("site-*",))
+    assert decide_publisher_id("squall-link/site-zz/1", wildcard, None).allowed
+    assert not decide_publisher_id("squall-link/other/1", wildcard, None).allowed
+
+
+def _auth_config(*principals: PrincipalConfig) -> Any:
+    from squall_server.common.auth_config import AuthConfig
+
+    return AuthConfig(enabled=True, principals=principals)
 
 
 def test_list_topics_answers_only_visible_topics() -> None:

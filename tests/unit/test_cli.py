@@ -93,6 +93,11 @@ def test_topic_link_commands(broker: Any, capsys: pytest.CaptureFixture[str]) ->
         "b",
         "orders",
     ]
+    broker.links[1].stopped_reason = "stopped at offset 0 (...): NOT_FOUND"
+    code, out, _ = run(["topic", "links", "a"], capsys)
+    assert out.splitlines()[1].endswith("\tSTOPPED: stopped at offset 0 (...): NOT_FOUND")
+    code, out, _ = run(["topic", "links", "--json"], capsys)
+    assert json.loads(out)["links"][1]["stopped_reason"].endswith("NOT_FOUND")
     assert run(["topic", "unlink", "a", "orders", "--cluster", "site-b"], capsys)[1] == (
         "unlinked topic a from orders@site-b\n"
     )

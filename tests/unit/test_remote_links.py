@@ -4,19 +4,30 @@ items 2 and 6).
 
 Goal: a remote is configured with a clear error naming the field for each mistake, and a
 remote that is unreachable, presents the wrong TLS identity or refuses the token is
-reported naming the remote and the cause.
+reported naming the remote and the cause. A link whose remote refuses a batch for good
+stops with the reason and an ERROR line; transient failures are retried (one master over
+the in-memory store, the remote an in-process gRPC server on loopback).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import socket
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
-from squall_server.common.config import RemoteConfig
+from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2, replica_pb2
+from squall_server.common.config import ClusterConfig, RemoteConfig, parse_config
 from squall_server.common.errors import Code
+from squall_server.replica import commands, links
+from squall_server.replica.node import ReplicaNode
 from squall_server.replica.remote import remote_error
+from squall_server.replica.store import Store
 from tests.unit.test_config import VALID, error_of, parse
 
 REMOTE = '\n[[remotes]]\nname = "site-b"\ngateways = ["10.0.0.5:7100", "10.0.0.6:7100"]\n'
@@ -92,3 +103,137 @@ def test_an_unreachable_remote_and_a_missing_topic() -> None:
         _remote(), _rpc_error(grpc.StatusCode.NOT_FOUND, "topic 'o' does not exist"), "find"
     )
     assert missing.code == Code.NOT_FOUND and "site-b" in missing.message
+
+
+# --- a remote that refuses a batch for good (issue 19: the link stops, it does not spin)
+
+
+class _RefusingRemote(broker_pb2_grpc.PublisherServicer):
+    """Another cluster's gateway answering each forwarded batch with the next status."""
+
+    def __init__(self, answers: list[grpc.StatusCode]) -> None:
+        self.answers = answers
+        self.calls = 0
+
+    async def Publish(
+        self, request: broker_pb2.PublishRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> broker_pb2.PublishResponse:
+        code = self.answers[min(self.calls, len(self.answers) - 1)]
+        self.calls += 1
+        await context.abort(code, f"answer {self.calls}: event 0 breaks limits.max_event_bytes")
+        raise AssertionError("abort returned")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _one_node_with_remote(tmp_path: Path, remote_address: str) -> ClusterConfig:
+    text = (
+        '[cluster]\nname = "site-a"\n\n[[nodes]]\nid = "n1"\npriority = 1\n'
+        f'coordinator_address = "127.0.0.1:{_free_port()}"\n'
+        f'replica_address = "127.0.0.1:{_free_port()}"\ndata_dir = "n1"\n'
+        f'\n[[gateways]]\nid = "g1"\naddress = "127.0.0.1:{_free_port()}"\n'
+        f'\n[[remotes]]\nname = "site-b"\ngateways = ["{remote_address}"]\n'
+    )
+    config = parse_config(text, tmp_path / "cluster.toml")
+    config.nodes[0].data_dir.mkdir(parents=True, exist_ok=True)
+    return config
+
+
+# Bounds on the waits below (a loaded machine is slow, never wrong).
+_WAIT_MAX_S = 20.0
+# How long a stopped link is watched for a call it should not make (many rescans).
+_STILL_S = 0.5
+
+
+def _run_link_against(
+    tmp_path: Path, answers: list[grpc.StatusCode], enough: Callable[[int, str], bool]
+) -> tuple[_RefusingRemote, str, int]:
+    """One master forwarding one event of `a` to orders@site-b; returns the remote, the
+    link's stopped reason and its next offset once `enough(calls, reason)` holds (or
+    _WAIT_MAX_S passed), and _STILL_S more."""
+    remote_server = _RefusingRemote(answers)
+
+    async def scenario() -> tuple[str, int]:
+        grpc_server = grpc.aio.server()
+        broker_pb2_grpc.add_PublisherServicer_to_server(remote_server, grpc_server)
+        address = f"127.0.0.1:{_free_port()}"
+        grpc_server.add_insecure_port(address)
+        await grpc_server.start()
+        config = _one_node_with_remote(tmp_path, address)
+        node = ReplicaNode(config, config.node("n1"), Store.open_memory())
+        await node.start()
+        try:
+            await node.apply_role(
+                replica_pb2.RoleCommand(
+                    role=common_pb2.ROLE_MASTER,
+                    epoch=1,
+                    master=common_pb2.NodeEndpoint(node_id="n1"),
+                    members=[common_pb2.NodeEndpoint(node_id="n1")],
+                    seq=1,
+                    lease_ms=600_000,
+                    cluster_id="c-test",
+                )
+            )
+            await node.write(commands.CreateTopic("a", common_pb2.TOPIC_KIND_REPLICATED))
+            await node.write(
+                commands.LinkTopic("a", "orders", 0, "site-b", common_pb2.TOPIC_KIND_REPLICATED)
+            )
+            request = broker_pb2.PublishRequest(topic="a", events=[common_pb2.EventData()])
+            await node.write(commands.Publish(request))
+            (link,) = node.store.list_links("a")
+            for _ in range(int(_WAIT_MAX_S / 0.05)):  # bounded
+                if enough(remote_server.calls, node.links.stopped_reason(link)):
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(_STILL_S)
+            return node.links.stopped_reason(link), node.links.position(link)
+        finally:
+            await node.stop()
+            await grpc_server.stop(None)
+
+    reason, position = asyncio.run(scenario())
+    return remote_server, reason, position
+
+
+@pytest.fixture(autouse=True)
+def _rescan_often(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The supervisor finds the new link at once, and would restart a stopped one soon.
+    monkeypatch.setattr(links, "_RESCAN_S", 0.05)
+
+
+def test_a_batch_refused_for_good_stops_the_link_with_the_reason_and_an_error_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="squall.replica.links")
+    answers = [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INVALID_ARGUMENT]
+    remote_server, reason, position = _run_link_against(tmp_path, answers, lambda _, why: bool(why))
+    # Offered again after the transient failure, then never after the refusal.
+    assert remote_server.calls == 2
+    assert position == 0, "the cursor moved past a batch the remote never took"
+    assert reason.startswith("stopped at offset 0 (offsets 0..0 refused for good")
+    assert "remote cluster 'site-b'" in reason and "INVALID_ARGUMENT: answer 2" in reason
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "forwarding stopped (epoch=1)" in errors[0].getMessage()
+    assert "link 'a' -> 'orders' on cluster 'site-b'" in errors[0].getMessage()
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.UNAUTHENTICATED,
+    ],
+)
+def test_transient_refusals_are_retried_and_never_stop_the_link(
+    tmp_path: Path, code: grpc.StatusCode
+) -> None:
+    retried = _run_link_against(tmp_path, [code], lambda calls, _: calls >= 3)
+    remote_server, reason, position = retried
+    assert remote_server.calls >= 3, "not retried"  # after 0.2 s, 0.4 s, ... of backoff
+    assert reason == "" and position == 0

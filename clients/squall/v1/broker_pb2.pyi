@@ -465,6 +465,7 @@ class LinkInfo(_message.Message):
     CREATED_LSN_FIELD_NUMBER: _builtins.int
     TO_CLUSTER_FIELD_NUMBER: _builtins.int
     LAG_MS_FIELD_NUMBER: _builtins.int
+    STOPPED_REASON_FIELD_NUMBER: _builtins.int
     from_topic: _builtins.str
     """The linked topic."""
     to_topic: _builtins.str
@@ -489,6 +490,11 @@ class LinkInfo(_message.Message):
     """The cluster of to_topic (empty: this cluster)."""
     lag_ms: _builtins.int
     """How long the oldest event not yet examined has waited, in milliseconds (0: none)."""
+    stopped_reason: _builtins.str
+    """Why forwarding stopped, when the other cluster refused a batch for good (the
+    destination topic is gone, an event it will never take, a permission it lacks);
+    empty while the link forwards or retries. The cursor stays at next_offset.
+    """
     def __init__(
         self,
         *,
@@ -502,10 +508,11 @@ class LinkInfo(_message.Message):
         created_lsn: _builtins.int = ...,
         to_cluster: _builtins.str = ...,
         lag_ms: _builtins.int = ...,
+        stopped_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost", b"cost", "created_lsn", b"created_lsn", "from_topic", b"from_topic", "lag_events", b"lag_events", "lag_ms", b"lag_ms", "next_offset", b"next_offset", "publisher_id", b"publisher_id", "start_offset", b"start_offset", "to_cluster", b"to_cluster", "to_topic", b"to_topic"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost", b"cost", "created_lsn", b"created_lsn", "from_topic", b"from_topic", "lag_events", b"lag_events", "lag_ms", b"lag_ms", "next_offset", b"next_offset", "publisher_id", b"publisher_id", "start_offset", b"start_offset", "stopped_reason", b"stopped_reason", "to_cluster", b"to_cluster", "to_topic", b"to_topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
