@@ -1422,7 +1422,10 @@ class ReplicaNode:
         if entries:
             commit_lsn = self.gate.commit_lsn
             try:
-                await self._append(entries, sync=sync, commit_lsn=commit_lsn)
+                # Written unflushed: under SYNC the flush runs below while the batch is
+                # already on its way to the slaves (docs/replication.md, "Send before the
+                # flush"); the commit still waits for it.
+                await self._append(entries, sync=False, commit_lsn=commit_lsn)
             except StoreError as exc:
                 error, fail_stop = self.driver.append_failed(
                     exc,
@@ -1456,7 +1459,7 @@ class ReplicaNode:
                     if pending.trace is not None
                 ]
             )
-        driver.appended(entries, synced=sync)
+        driver.appended(entries, synced=False)
         floor = driver.core.epoch_start_lsn
         driver.register(
             [
@@ -1464,6 +1467,8 @@ class ReplicaNode:
                 for (pending, plan), lsn in zip(planned, lsns, strict=True)
             ]
         )
+        if sync and entries:
+            await self._flush(driver, entries[-1].lsn)
         retention = self.config.limits.log_retention_entries
         # Never above the commit LSN: a restart hides what is above it by reading the log.
         keep = min(driver.compaction_target(retention), self.gate.commit_lsn + 1)
@@ -1483,6 +1488,26 @@ class ReplicaNode:
             append()
             return
         await asyncio.get_running_loop().run_in_executor(self._io, append)
+
+    async def _flush(self, driver: MasterDriver, last_lsn: int) -> None:
+        """Flushes the appended batch (commit lock held) while its sends are out; the
+        core counts it locally once flushed. A failed flush after sending deposes the
+        master (its writes fail as indeterminate) and fail-stops the store."""
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._io, self.driver.store_sync)
+        except StoreError as exc:
+            log.error(
+                "replica %s: flushing the log to LSN %d failed after the batch was sent: "
+                "epoch=%d: %s",
+                self.node.id,
+                last_lsn,
+                self.epoch,
+                exc,
+            )
+            driver.sync_failed(str(exc))
+            self._fail_stop(f"store flush failed: {exc}")
+            return
+        driver.synced(last_lsn)
 
     async def _compact(self, keep_from_lsn: int) -> None:
         """Deletes the log below keep_from_lsn on the store thread (commit lock held)."""
