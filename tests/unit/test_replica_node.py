@@ -351,9 +351,7 @@ class _FlushFailingStore(Store):
         super().sync()
 
 
-def test_a_master_whose_flush_fails_after_sending_is_deposed_and_its_write_indeterminate() -> (
-    None
-):
+def test_a_master_flush_failing_after_sending_deposes_it_and_fail_stops() -> None:
     """Under SYNC the master hands its written batch to replication before the flush: the
     flush runs with the entry counted as written but not committed; when it fails, the
     publish is indeterminate (UNKNOWN), the master gives up its role and fail-stops."""
