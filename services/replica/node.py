@@ -1507,6 +1507,8 @@ class ReplicaNode:
             driver.sync_failed(str(exc))
             self._fail_stop(f"store flush failed: {exc}")
             return
+        if _stages.ENABLED:
+            _stages.mark("m.synced", f"lsn/{last_lsn}")
         driver.synced(last_lsn)
 
     async def _compact(self, keep_from_lsn: int) -> None:
