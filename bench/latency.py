@@ -431,7 +431,11 @@ PUBLISH_STAGES = (
     ("master -> slave (network, slave read)", "m.sent", "s.in"),
     ("slave: store write (+ fsync)", "s.in", "s.stored"),
     ("slave: stored to the ack handed to gRPC", "s.stored", "s.ack"),
-    ("slave -> master (network, ack applied, commit)", "s.ack", "m.commit"),
+    (
+        "slave -> master (network, ack applied, commit; SYNC: and the master's fsync)",
+        "s.ack",
+        "m.commit",
+    ),
     ("master: commit to response built", "m.commit", "m.resp"),
     ("master -> gateway (network, gateway read)", "m.resp", "g.resp"),
     ("gateway -> client (network, client reader thread)", "g.resp", "c.resp"),
