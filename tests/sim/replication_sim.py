@@ -97,11 +97,13 @@ last flush and is reopened); a loss of unflushed entries degrades the seed unles
 replicas flush every write too, where it is a failure. Half the seeds' stores truncate a
 divergent log by rebuilding it from their own log (``rebuild.rebuild_into``), the others
 cannot (``truncate_by_snapshot``: a divergent slave gets a snapshot). Such a master
-sends each batch before its flush, as ``ReplicaNode._commit`` does; in three seeds of four
-(its own generator) a flush fails after sending with a per-write chance of 2 %, 10 % or
-30 % during the safety phase (``flush_failed``): the steps depose the master, its machine
-loses the unflushed write and the process restarts later, so the slaves hold entries
-their old master never made durable.
+sends each batch before its flush, as ``ReplicaNode._commit`` does, and the flush ends up
+to a store delay later (``master_flush``), so slaves' acks can come back before it and a
+crash (with the machine's loss of what was not flushed) can fall in between; in three
+seeds of four (its own generator) a flush fails after sending with a per-flush chance of
+2 %, 10 % or 30 % during the safety phase (``flush_failed``): the steps depose the
+master, its machine loses the unflushed write and the process restarts later, so the
+slaves hold entries their old master never made durable.
 
 Simplifications: no deduplication of the plain writes (each payload is written once,
 never retried; the topic workload above is deduplicated); one command per writer batch;
@@ -210,7 +212,9 @@ __all__ = ["ReplResult", "ReplicationSimulation", "SimFailure", "repl_reproduce_
 
 # Event kinds of this module; they run after the election simulator's kinds at one instant.
 # Numbered after them: a kind the election adds must not take one of these numbers.
-_NET, _RTICK, _STORE, _CLIENT, _MASTER_FAULT, _FLUSH_FAILED = range(KINDS_END, KINDS_END + 6)
+_NET, _RTICK, _STORE, _CLIENT, _MASTER_FAULT, _FLUSH_FAILED, _FLUSH = range(
+    KINDS_END, KINDS_END + 7
+)
 MASTER_FAULTS = ("crash", "crash-restart", "crash-slave", "pause", "isolate", "mute", "deaf")
 CLUSTER_ID = "c1"
 EVENTS_MAX = 300_000
@@ -1380,7 +1384,6 @@ class ReplicationSimulation(Simulation):
         self, node: str, core: ReplicationMaster[int], entry: replica_pb2.LogEntry
     ) -> None:
         """The writer stores one entry of this master's epoch and hands it to the steps."""
-        store = self.stores[node]
         try:
             self.rchecker.entry_created(node, entry)
         except InvariantViolation as exc:
@@ -1392,16 +1395,28 @@ class ReplicationSimulation(Simulation):
         driver.batch_appended(entry.lsn, core.commit_lsn)
         self.append_log(node, (entry,))
         self.master_report(node, core)
-        steps = self.steps_of(node, core)
-        steps.appended((entry,), synced=False)
+        self.steps_of(node, core).appended((entry,), synced=False)
         if self.params.master_sync != SyncPolicy.SYNC or core.deposed:
             return
-        if self.healed_at is None and self.flush_rng.random() < self.flush_fail_p:
-            self.flush_failed(node, core, entry.lsn)
+        # The flush runs on the store thread while the batch is out, and ends a store
+        # delay later: acks may come back before it, a crash may fall in between.
+        delay = self.flush_rng.randint(0, self.params.store_delay_max_ms)
+        self.push(self.now_ms + delay, _FLUSH, node, (self.rt[node].gen, core.epoch))
+
+    def master_flush(self, node: str, epoch: int) -> None:
+        """The master's flush ends: it succeeded (the core counts what it covers) or
+        failed after the batch went out (``flush_failed``). A deposed master's flush
+        still runs, as ``ReplicaNode._flush`` does, and tells the core nothing new."""
+        store = self.stores[node]
+        core = self.core_for(node, epoch)
+        if core is None or store.synced_lsn >= len(store.log):
             return
-        driver.store_sync()
+        if self.healed_at is None and self.flush_rng.random() < self.flush_fail_p:
+            self.flush_failed(node, core, core.last_lsn)
+            return
+        self.driver_of(node).store_sync()
         store.synced_lsn = len(store.log)
-        steps.synced(entry.lsn)
+        self.steps_of(node, core).synced(core.last_lsn)
 
     def flush_failed(self, node: str, core: ReplicationMaster[int], lsn: int) -> None:
         """The master's flush failed after the batch went out: the writer deposes the
@@ -2038,6 +2053,16 @@ class ReplicationSimulation(Simulation):
             self.finish_write(node, send_ack=True)
         elif kind == _CLIENT:
             self.client_tick(self.client_by_name[node])
+        elif kind == _FLUSH:
+            if not isinstance(payload, tuple) or not self.alive(node):
+                return
+            gen, epoch = payload
+            if gen != self.rt[node].gen:
+                return  # the process restarted: that flush never ran
+            if self.paused_until[node] > self.now_ms:
+                self.push(self.paused_until[node], _FLUSH, node, payload)
+                return
+            self.master_flush(node, epoch)
         elif kind == _FLUSH_FAILED:
             if self.alive(node) and payload == self.rt[node].gen:
                 self.crash(node)
