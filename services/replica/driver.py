@@ -1008,6 +1008,10 @@ class ReplicaDriver:
         """Appends entries, recording the commit LSN known with them."""
         self.store.append(entries, sync=sync, commit_lsn=commit_lsn)
 
+    def store_sync(self) -> None:
+        """Flushes every appended entry to disk."""
+        self.store.sync()
+
     def store_compact(self, keep_from_lsn: int) -> int:
         """Deletes the log below keep_from_lsn; returns how many entries went."""
         return self.store.compact_log(keep_from_lsn)

@@ -232,6 +232,14 @@ class MasterDriver:
         """The store appended entries (flushed when synced)."""
         self.steps.appended(entries, synced=synced)
 
+    def synced(self, lsn: int) -> None:
+        """The store flushed everything up to lsn."""
+        self.steps.synced(lsn)
+
+    def sync_failed(self, reason: str) -> None:
+        """The store's flush failed after the batch was sent: deposes the master."""
+        self.steps.sync_failed(reason)
+
     def traced(self, writes: Iterable[tuple[int, trace.SpanContext | None]]) -> None:
         """Traced writes about to be appended, by LSN: their batches get replication spans."""
         if self._spans is not None:

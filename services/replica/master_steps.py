@@ -122,6 +122,19 @@ class MasterSteps(Generic[W]):
             self._tail_bytes -= len(tail.popleft().operation)
         self.apply(self.core.on_appended(entries[-1].lsn, synced=synced))
 
+    def synced(self, lsn: int) -> None:
+        """The store flushed everything up to lsn (the fsync that runs while the batch
+        appended unflushed is already on its way to the slaves)."""
+        self.apply(self.core.on_local_synced(lsn))
+
+    def sync_failed(self, reason: str) -> None:
+        """The store's flush failed after the batch went to the slaves: the master is
+        deposed at once (its waiting writes fail as indeterminate, it commits and sends
+        nothing more). The slaves may hold entries this master never made durable; they
+        are uncommitted (the commit needs the master's own flush under ``SYNC``), so the
+        next master keeps or truncates them by the epoch rules."""
+        self.apply(self.core.depose(f"local store flush failed after sending: {reason}"))
+
     # --- applying Actions, in the documented order
 
     def apply(self, first: Actions[W]) -> None:

@@ -232,7 +232,10 @@ class Writer:
         if entries:
             commit_lsn = self.gate.commit_lsn
             try:
-                await self._append(entries, sync=sync, commit_lsn=commit_lsn)
+                # Written unflushed: under SYNC the flush runs below while the batch is
+                # already on its way to the slaves (docs/replication.md, "Send before the
+                # flush"); the commit still waits for it.
+                await self._append(entries, sync=False, commit_lsn=commit_lsn)
             except StoreError as exc:
                 error, fail_stop = self.driver.append_failed(
                     exc,
@@ -266,7 +269,7 @@ class Writer:
                     if pending.trace is not None
                 ]
             )
-        driver.appended(entries, synced=sync)
+        driver.appended(entries, synced=False)
         floor = driver.core.epoch_start_lsn
         driver.register(
             [
@@ -274,6 +277,8 @@ class Writer:
                 for (pending, plan), lsn in zip(planned, lsns, strict=True)
             ]
         )
+        if sync and entries:
+            await self._flush(driver, entries[-1].lsn)
         retention = self.config.limits.log_retention_entries
         # Never above the commit LSN: a restart hides what is above it by reading the log.
         keep = min(driver.compaction_target(retention), self.gate.commit_lsn + 1)
@@ -293,6 +298,28 @@ class Writer:
             append()
             return
         await asyncio.get_running_loop().run_in_executor(self._io, append)
+
+    async def _flush(self, driver: MasterDriver, last_lsn: int) -> None:
+        """Flushes the appended batch (commit lock held) while its sends are out; the
+        core counts it locally once flushed. A failed flush after sending deposes the
+        master (its writes fail as indeterminate) and fail-stops the store."""
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._io, self.driver.store_sync)
+        except StoreError as exc:
+            log.error(
+                "replica %s: flushing the log to LSN %d failed after the batch was sent: "
+                "epoch=%d: %s",
+                self.node.id,
+                last_lsn,
+                self.epoch,
+                exc,
+            )
+            driver.sync_failed(str(exc))
+            self._fail_stop(f"store flush failed: {exc}")
+            return
+        if _stages.ENABLED:
+            _stages.mark("m.synced", f"lsn/{last_lsn}")
+        driver.synced(last_lsn)
 
     async def _compact(self, keep_from_lsn: int) -> None:
         """Deletes the log below keep_from_lsn on the store thread (commit lock held)."""

@@ -96,11 +96,19 @@ master faults are machine crashes (``MemoryKV.lose_unsynced``: the store goes ba
 last flush and is reopened); a loss of unflushed entries degrades the seed unless the
 replicas flush every write too, where it is a failure. Half the seeds' stores truncate a
 divergent log by rebuilding it from their own log (``rebuild.rebuild_into``), the others
-cannot (``truncate_by_snapshot``: a divergent slave gets a snapshot).
+cannot (``truncate_by_snapshot``: a divergent slave gets a snapshot). Such a master
+sends each batch before its flush, as ``ReplicaNode._commit`` does, and the flush ends up
+to a store delay later (``master_flush``), so slaves' acks can come back before it and a
+crash (with the machine's loss of what was not flushed) can fall in between; in three
+seeds of four (its own generator) a flush fails after sending with a per-flush chance of
+2 %, 10 % or 30 % during the safety phase (``flush_failed``): the steps depose the
+master, its machine loses the unflushed write and the process restarts later, so the
+slaves hold entries their old master never made durable.
 
 Simplifications: no deduplication of the plain writes (each payload is written once,
 never retried; the topic workload above is deduplicated); one command per writer batch;
-no operator controls (quorum override, designated primary); no slow or failing disk.
+no operator controls (quorum override, designated primary); no slow disk, and no failing
+one beyond the master's flush above.
 What is still this module's own and not shipped code (issue 15): the shells' plumbing
 around the drivers, in the order the shells have it — the streams, reconnection,
 keepalive and stall detection of ``MasterDriver`` (``open_stream``, ``stream_broken``,
@@ -204,7 +212,9 @@ __all__ = ["ReplResult", "ReplicationSimulation", "SimFailure", "repl_reproduce_
 
 # Event kinds of this module; they run after the election simulator's kinds at one instant.
 # Numbered after them: a kind the election adds must not take one of these numbers.
-_NET, _RTICK, _STORE, _CLIENT, _MASTER_FAULT = range(KINDS_END, KINDS_END + 5)
+_NET, _RTICK, _STORE, _CLIENT, _MASTER_FAULT, _FLUSH_FAILED, _FLUSH = range(
+    KINDS_END, KINDS_END + 7
+)
 MASTER_FAULTS = ("crash", "crash-restart", "crash-slave", "pause", "isolate", "mute", "deaf")
 CLUSTER_ID = "c1"
 EVENTS_MAX = 300_000
@@ -559,6 +569,8 @@ class ReplResult:
     snapshots: int
     refusals: int
     policies: str
+    flush_failures: int = 0
+    """The master's flushes that failed after its batch went out (the seed's fault)."""
 
 
 def _prehistory(
@@ -691,6 +703,11 @@ class ReplicationSimulation(Simulation):
         self.power_loss = self.params.master_sync == SyncPolicy.SYNC
         self.power_safe = self.power_loss and self.params.replica_sync == SyncPolicy.SYNC
         self.frng = random.Random(seed * 31 + 17)
+        # A master that flushes every write sends each batch before its flush; in some
+        # seeds the flush then fails (its own generator: the other draws stay as they were).
+        self.flush_rng = random.Random(seed * 7907 + 5)
+        self.flush_fail_p = self.flush_rng.choice((0.0, 0.02, 0.1, 0.3)) if self.power_loss else 0.0
+        self.flush_failures = 0
         self.master_cfg = {
             node: MasterConfig(
                 node_id=node,
@@ -1346,6 +1363,8 @@ class ReplicationSimulation(Simulation):
         log = store.log
         self.note(f"{node} serving", f"master of epoch {rt.epoch}, log ends at {len(log)}")
         self.master_append(node, core, epoch_start_operation(rt.epoch, node))
+        if core.deposed:
+            return  # the epoch start's flush failed (flush_failed): the process goes down
         if rt.taking:
             epoch, rt.taking = rt.taking, 0
             driver.master_taken(epoch)
@@ -1365,20 +1384,49 @@ class ReplicationSimulation(Simulation):
         self, node: str, core: ReplicationMaster[int], entry: replica_pb2.LogEntry
     ) -> None:
         """The writer stores one entry of this master's epoch and hands it to the steps."""
-        store = self.stores[node]
         try:
             self.rchecker.entry_created(node, entry)
         except InvariantViolation as exc:
             raise self.violation(exc) from None
-        synced = self.params.master_sync == SyncPolicy.SYNC
         driver = self.driver_of(node)
-        driver.store_append((entry,), sync=synced, commit_lsn=core.commit_lsn)
+        # As ``ReplicaNode._commit``: written unflushed and handed to the steps (the batch
+        # leaves for the slaves), then, under SYNC, flushed and reported flushed.
+        driver.store_append((entry,), sync=False, commit_lsn=core.commit_lsn)
         driver.batch_appended(entry.lsn, core.commit_lsn)
         self.append_log(node, (entry,))
-        if synced:
-            store.synced_lsn = len(store.log)
         self.master_report(node, core)
-        self.steps_of(node, core).appended((entry,), synced=synced)
+        self.steps_of(node, core).appended((entry,), synced=False)
+        if self.params.master_sync != SyncPolicy.SYNC or core.deposed:
+            return
+        # The flush runs on the store thread while the batch is out, and ends a store
+        # delay later: acks may come back before it, a crash may fall in between.
+        delay = self.flush_rng.randint(0, self.params.store_delay_max_ms)
+        self.push(self.now_ms + delay, _FLUSH, node, (self.rt[node].gen, core.epoch))
+
+    def master_flush(self, node: str, epoch: int) -> None:
+        """The master's flush ends: it succeeded (the core counts what it covers) or
+        failed after the batch went out (``flush_failed``). A deposed master's flush
+        still runs, as ``ReplicaNode._flush`` does, and tells the core nothing new."""
+        store = self.stores[node]
+        core = self.core_for(node, epoch)
+        if core is None or store.synced_lsn >= len(store.log):
+            return
+        if self.healed_at is None and self.flush_rng.random() < self.flush_fail_p:
+            self.flush_failed(node, core, core.last_lsn)
+            return
+        self.driver_of(node).store_sync()
+        store.synced_lsn = len(store.log)
+        self.steps_of(node, core).synced(core.last_lsn)
+
+    def flush_failed(self, node: str, core: ReplicationMaster[int], lsn: int) -> None:
+        """The master's flush failed after the batch went out: the writer deposes the
+        master (``MasterSteps.sync_failed``: its writes fail as indeterminate) and fails
+        the store; the disk never got the write (its machine loses what was not flushed)
+        and the process is restarted later, as an operator clears the fault."""
+        self.flush_failures += 1
+        self.note(f"{node} flush failed", f"after sending LSN {lsn} (epoch {core.epoch})")
+        self.steps_of(node, core).sync_failed("simulated EIO")
+        self.push(self.now_ms, _FLUSH_FAILED, node, self.rt[node].gen)
 
     def open_stream(self, node: str, core: ReplicationMaster[int], slave: str) -> None:
         """Connect to a member slave: a new stream and its Hello."""
@@ -2005,6 +2053,21 @@ class ReplicationSimulation(Simulation):
             self.finish_write(node, send_ack=True)
         elif kind == _CLIENT:
             self.client_tick(self.client_by_name[node])
+        elif kind == _FLUSH:
+            if not isinstance(payload, tuple) or not self.alive(node):
+                return
+            gen, epoch = payload
+            if gen != self.rt[node].gen:
+                return  # the process restarted: that flush never ran
+            if self.paused_until[node] > self.now_ms:
+                self.push(self.paused_until[node], _FLUSH, node, payload)
+                return
+            self.master_flush(node, epoch)
+        elif kind == _FLUSH_FAILED:
+            if self.alive(node) and payload == self.rt[node].gen:
+                self.crash(node)
+                self.lose_unsynced(node)
+                self.push(self.now_ms + self.flush_rng.randint(30, 900), _RESTART, node)
         elif kind == _MASTER_FAULT:
             if self.healed_at is None and isinstance(payload, tuple):
                 self.master_fault(*payload)
@@ -2230,6 +2293,7 @@ class ReplicationSimulation(Simulation):
             snapshots=self.snapshots,
             refusals=self.refusals,
             policies=f"{p.acks.name}/{p.master_sync.name}/{p.replica_sync.name}",
+            flush_failures=self.flush_failures,
         )
 
 

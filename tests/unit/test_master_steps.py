@@ -102,3 +102,27 @@ def test_a_deposed_master_fails_its_waiting_writes_and_says_why() -> None:
     assert ("failed", ["write-4"]) in seen
     assert kinds.index("failed") < kinds.index("room") < kinds.index("deposed")
     assert ("deposed", "a newer epoch exists") in seen
+
+
+def test_an_unflushed_batch_goes_out_and_commits_once_flushed_or_a_failed_flush_deposes() -> None:
+    for flush_ok in (True, False):
+        steps, store, seen = _steps()
+        core = steps.core
+        stream = core.connect("n2")
+        steps.apply(core.on_position("n2", stream, last_epoch=1, last_lsn=3, history=[(1, 1)]))
+        seen.clear()
+        store.append([_entry(4, 2)], sync=False)
+        steps.appended([_entry(4, 2)], synced=False)  # sent before the master's flush
+        steps.apply(core.register_writes([(4, "write-4")]))
+        assert _batches(seen) == [[4]]
+        steps.apply(core.on_ack("n2", stream, received_lsn=4, written_lsn=4, synced_lsn=4))
+        assert not any(kind == "completed" for kind, _ in seen)  # the master's flush counts
+        seen.clear()
+        if flush_ok:
+            steps.synced(4)
+            assert ("completed", ["write-4"]) in seen and ("committed", 4) in seen
+        else:
+            steps.sync_failed("EIO")
+            assert ("failed", ["write-4"]) in seen
+            assert ("deposed", "local store flush failed after sending: EIO") in seen
+            assert core.commit_lsn < 4 and core.deposed

@@ -332,3 +332,80 @@ def test_a_replica_reports_how_long_its_oldest_store_write_has_hung_on_its_clock
         assert state.store_stalled_ms == 0
 
     asyncio.run(scenario())
+
+
+class _FlushFailingStore(Store):
+    """An in-memory store whose flushes fail once `broken` is set; each flush records
+    what the master's replication core had counted when it began."""
+
+    broken = False
+    node: ReplicaNode | None = None
+    seen: list[tuple[int, int]] = []
+
+    def sync(self) -> None:
+        driver = self.node._driver if self.node is not None else None
+        if driver is not None:
+            self.seen.append((driver.core.last_lsn, driver.core.commit_lsn))
+        if self.broken:
+            raise StoreWriteError("I/O error (simulated failing flush)")
+        super().sync()
+
+
+def test_a_master_flush_failing_after_sending_deposes_it_and_fail_stops() -> None:
+    """Under SYNC the master hands its written batch to replication before the flush: the
+    flush runs with the entry counted as written but not committed; when it fails, the
+    publish is indeterminate (UNKNOWN), the master gives up its role and fail-stops."""
+
+    async def scenario() -> None:
+        from squall_server.replica import commands
+
+        config = load_config(CONFIG)
+        assert config.durability.master_sync == common_pb2.SYNC_POLICY_SYNC
+        store = _FlushFailingStore.open_memory()
+        assert isinstance(store, _FlushFailingStore)
+        store.seen = []
+        node = ReplicaNode(config, config.node("n2"), store)
+        store.node = node
+        await node.start()
+        try:
+            await node.apply_role(
+                replica_pb2.RoleCommand(
+                    role=common_pb2.ROLE_MASTER,
+                    epoch=4,
+                    master=common_pb2.NodeEndpoint(node_id="n2"),
+                    members=[common_pb2.NodeEndpoint(node_id="n2")],
+                    seq=1,
+                    lease_ms=60_000,
+                    cluster_id="c-test",
+                )
+            )
+            assert node.role == common_pb2.ROLE_MASTER
+            await node.write(commands.CreateTopic("t", common_pb2.TOPIC_KIND_REPLICATED))
+            last = node.last_lsn
+            store.seen.clear()
+            store.broken = True
+            with pytest.raises(ServiceError) as raised:
+                await asyncio.wait_for(
+                    node.start_publish(
+                        broker_pb2.PublishRequest(
+                            topic="t",
+                            publisher_id="p",
+                            events=[common_pb2.EventData(payload=b"x", sequence=1)],
+                        )
+                    ),
+                    10,
+                )
+            # The flush began with the entry appended (sent) and not committed.
+            assert store.seen and store.seen[0][0] == last + 1 and store.seen[0][1] <= last
+            assert raised.value.code == Code.UNKNOWN
+            assert "indeterminate" in raised.value.message
+            assert "retry with the same publisher id" in raised.value.message
+            assert node.role == common_pb2.ROLE_INACTIVE
+            assert "store flush failed" in node.failed_reason
+            with pytest.raises(ServiceError) as refused:
+                node.start_publish(broker_pb2.PublishRequest(topic="t"))
+            assert refused.value.code == Code.UNAVAILABLE
+        finally:
+            await node.stop()
+
+    asyncio.run(scenario())

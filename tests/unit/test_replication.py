@@ -499,6 +499,7 @@ class Cluster:
             truncate_by_snapshot=truncate_by_snapshot,
         )
         self.log: list[Entry] = list(master_log or [])
+        self.synced_lsn = len(self.log)
         self.master: ReplicationMaster[str] = ReplicationMaster(
             self.cfg,
             epoch=epoch,
@@ -551,14 +552,23 @@ class Cluster:
         self.apply(self.master.disconnected(node, slave.stream_id))
         slave.stream_id = 0
 
-    def append(self, n: int, *, tokens: bool = True, size: int = 8) -> None:
+    def append(self, n: int, *, tokens: bool = True, size: int = 8, synced: bool = True) -> None:
+        """Appends n entries (flushed unless synced=False: then they go to the slaves
+        before the master's own flush, as the writer sends them, and `flush` follows)."""
         first = len(self.log) + 1
         self.log.extend(entry(lsn, self.epoch, size) for lsn in range(first, first + n))
-        self.apply(self.master.on_appended(len(self.log), synced=True))
+        if synced:
+            self.synced_lsn = len(self.log)
+        self.apply(self.master.on_appended(len(self.log), synced=synced))
         if tokens:
             self.apply(
                 self.master.register_writes((lsn, f"w{lsn}") for lsn in range(first, first + n))
             )
+
+    def flush(self) -> None:
+        """The master's own flush of what it appended unflushed succeeded."""
+        self.synced_lsn = len(self.log)
+        self.apply(self.master.on_local_synced(self.synced_lsn))
 
     def compact(self, log_start: int) -> None:
         self.log_start = log_start
@@ -606,7 +616,8 @@ class Cluster:
 
     def check_held(self, lsn: int) -> None:
         """A completed write is held by the required count at the required durability."""
-        holders = 1  # the master, which syncs every append here
+        # The master counts once flushed (its sync policy here is SYNC).
+        holders = 1 if self.synced_lsn >= lsn else 0
         for slave in self.slaves.values():
             state = slave.follower.state()
             durable = slave.follower.ack().durable_lsn(self.cfg.replica_sync)
@@ -827,6 +838,75 @@ def test_a_divergent_suffix_from_a_deposed_master_is_truncated() -> None:
     assert cluster.converged()
     assert [e.epoch for e in cluster.slaves["3"].log] == [1] * 5 + [3] * 7
     assert cluster.slaves["3"].follower.state().history == ((1, 1), (3, 6))
+
+
+def test_a_sync_master_sends_before_its_flush_and_commits_only_once_flushed() -> None:
+    master = new_master()  # SYNC master, WRITE_NO_SYNC replicas, majority of 3
+    sid2 = stream(master, "2")
+    sid3 = stream(master, "3")
+    # Appended unflushed: the batch is granted to both slaves at once, before the flush.
+    actions = master.on_appended(3, synced=False)
+    assert sorted((g.node_id, g.from_lsn, g.entries_max) for g in actions.sends) == [
+        ("2", 1, 3),
+        ("3", 1, 3),
+    ]
+    send_all(master, actions)
+    master.register_writes([(2, "w2"), (3, "w3")])
+    # Both slaves hold everything written: still no commit without the master's flush.
+    ack(master, "2", sid2, 3, 3, 3)
+    actions = ack(master, "3", sid3, 3, 3, 3)
+    assert actions.commit_lsn == 0 and actions.completed == ()
+    assert master.holders(3) == (
+        ("1", SyncPolicy.WRITE_NO_SYNC),
+        ("2", SyncPolicy.SYNC),
+        ("3", SyncPolicy.SYNC),
+    )
+    actions = master.on_local_synced(3)
+    assert actions.commit_lsn == 3 and actions.completed == ("w2", "w3")
+
+
+def test_a_flush_failing_after_sending_deposes_the_master_and_commits_nothing_of_it() -> None:
+    cluster = Cluster(epoch=1)
+    cluster.start()
+    cluster.run()
+    assert cluster.master.commit_lsn == 1
+    cluster.append(3, synced=False)
+    cluster.run()
+    # The slaves hold and acknowledge LSNs 2..4; the master never flushed them.
+    assert all(len(s.log) == 4 for s in cluster.slaves.values())
+    assert cluster.master.commit_lsn == 1 and cluster.completed == []
+    # The flush fails: the writer deposes the master (MasterSteps.sync_failed).
+    cluster.apply(cluster.master.depose("local store flush failed after sending: EIO"))
+    assert cluster.failed == ["w2", "w3", "w4"]  # indeterminate, never acknowledged
+    assert cluster.master.commit_lsn == 1 and cluster.master.write_room == 0
+    assert cluster.master.on_local_synced(4).commit_lsn == 1  # a late flush commits nothing
+
+
+@pytest.mark.parametrize("next_master", ["the old master", "a slave holding the suffix"])
+def test_entries_sent_before_a_failed_flush_are_settled_by_the_next_masters_epoch(
+    next_master: str,
+) -> None:
+    # Epoch 1: LSN 1 committed everywhere; LSNs 2..4 went to both slaves, the master's
+    # flush failed and its machine lost them (it holds LSN 1 only).
+    committed = [entry(1, 1)]
+    suffix = committed + [entry(lsn, 1) for lsn in range(2, 5)]
+    if next_master == "the old master":
+        # It lacks the suffix: the slaves' copies (never acknowledged) are truncated.
+        cluster = Cluster(master_log=committed, slave_logs={"2": suffix, "3": suffix}, epoch=2)
+        kept = committed
+    else:
+        # A slave with the suffix leads (node "1" here); the old master ("2") gets it, and
+        # the epoch-2 start entry commits it (Raft's rule), as any uncommitted suffix.
+        cluster = Cluster(master_log=suffix, slave_logs={"2": committed, "3": suffix}, epoch=2)
+        kept = suffix
+    cluster.start()
+    cluster.append(2)
+    cluster.run()
+    assert cluster.converged()
+    assert cluster.log[: len(kept)] == kept
+    assert [e.epoch for e in cluster.log] == [1] * len(kept) + [2] * 3
+    assert cluster.master.commit_lsn == len(cluster.log)
+    assert cluster.completed == [f"w{lsn}" for lsn in range(len(kept) + 2, len(kept) + 4)]
 
 
 def test_a_store_that_cannot_undo_gets_a_snapshot_instead_of_a_truncation() -> None:
