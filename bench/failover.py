@@ -48,7 +48,8 @@ class _Cluster:
             for n in self.config.nodes
         }
 
-    def start_node(self, node_id: str) -> None:
+    def spawn_node(self, node_id: str) -> list[processes.Service]:
+        """Starts a node's replica and coordinator without waiting for them to serve."""
         node = self.config.node(node_id)
         started = []
         for kind, address in (
@@ -59,13 +60,21 @@ class _Cluster:
             service = processes.start_service(kind, self.config_path, node_id, address, log)
             self.services[(kind, node_id)] = service
             started.append(service)
-        processes.wait_serving(started)
+        return started
+
+    def start_node(self, node_id: str) -> None:
+        processes.wait_serving(self.spawn_node(node_id))
 
     def kill_node(self, node_id: str) -> None:
         for kind in ("coordinator", "replica"):
             processes.kill_service(self.services[(kind, node_id)])
 
     def stop_all(self) -> None:
+        """SIGTERM to every process at once, then waits for each (stopped one after the
+        other, each coordinator waited out its server's grace for its peers' streams)."""
+        running = [s for s in self.services.values() if s.process.poll() is None]
+        for service in running:
+            service.process.terminate()
         for service in self.services.values():
             processes.stop_service(service)
 

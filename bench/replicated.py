@@ -71,6 +71,8 @@ AIMS = {
 LATENCY_GROUP_EVENTS = 500
 CATCH_UP_TIMEOUT_S = 300.0
 POLL_S = 0.05
+# How long every process of the cluster, started at once, may take to serve.
+_START_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -102,9 +104,9 @@ class _Bench(_Cluster):
     gateway_address = ""
 
     def start_all(self) -> None:
-        """Starts every node, then the first gateway."""
-        for node in self.config.nodes:
-            self.start_node(node.id)
+        """Starts every node and the first gateway at once (as `make run` does), and waits
+        until each serves."""
+        started = [s for node in self.config.nodes for s in self.spawn_node(node.id)]
         gateway = self.config.gateways[0]
         service = processes.start_service(
             "gateway",
@@ -114,7 +116,8 @@ class _Bench(_Cluster):
             self.run_dir / "logs" / f"gateway-{gateway.id}.log",
         )
         self.services[("gateway", gateway.id)] = service
-        processes.wait_serving([service])
+        started.append(service)
+        processes.wait_serving(started, timeout_s=_START_TIMEOUT_S)
         self.gateway_address = gateway.address
 
     def state(self, node_id: str) -> replica_pb2.ReplicaState | None:

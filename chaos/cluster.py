@@ -199,11 +199,13 @@ class ChaosCluster:
         processes.wait_serving([self._start("gateway", gateway_id)], timeout_s)
 
     def start_all(self, timeout_s: float = _SERVE_TIMEOUT_S) -> None:
-        """Starts every node and gateway and waits for a normal cluster."""
-        for node_id in self.node_ids:
-            self.start_node(node_id, timeout_s)
-        for gateway_id in GATEWAY_IDS:
-            self.start_gateway(gateway_id, timeout_s)
+        """Starts every node and gateway at once (as deploy/launcher.py does), waits until
+        each serves, then for a normal cluster."""
+        started = [
+            self._start(kind, node_id) for node_id in self.node_ids for kind in NODE_PROCESSES
+        ]
+        started += [self._start("gateway", gateway_id) for gateway_id in GATEWAY_IDS]
+        processes.wait_serving(started, timeout_s)
         self.wait_normal(timeout_s)
 
     def node_services(self, node_id: str) -> list[processes.Service]:
