@@ -48,8 +48,7 @@ class _Cluster:
             for n in self.config.nodes
         }
 
-    def spawn_node(self, node_id: str) -> list[processes.Service]:
-        """Starts a node's replica and coordinator without waiting for them to serve."""
+    def start_node(self, node_id: str) -> None:
         node = self.config.node(node_id)
         started = []
         for kind, address in (
@@ -60,10 +59,7 @@ class _Cluster:
             service = processes.start_service(kind, self.config_path, node_id, address, log)
             self.services[(kind, node_id)] = service
             started.append(service)
-        return started
-
-    def start_node(self, node_id: str) -> None:
-        processes.wait_serving(self.spawn_node(node_id))
+        processes.wait_serving(started)
 
     def kill_node(self, node_id: str) -> None:
         for kind in ("coordinator", "replica"):

@@ -125,19 +125,24 @@ class LocalCluster:
         self.kill("replica", node_id)
 
     def start_all(self, wait_for_master: bool = True) -> None:
-        """Starts every process at once, as `make run` does (deploy/launcher.py), and waits
-        until each serves, then until a master is elected.
+        """Starts every node and gateway, then waits until a master is elected.
 
-        Started one at a time, each waiting for the one before, a three-node cluster took
-        three times as long to start on two cores (each process spends its first second
-        importing, mostly on one core)."""
-        started = []
-        for node in self.config.nodes:
-            started.append(self.spawn("replica", node.id))
-            started.append(self.spawn("coordinator", node.id))
-        for gateway in self.config.gateways:
-            started.append(self.spawn("gateway", gateway.id))
-        processes.wait_serving(started, timeout_s=_START_ALL_TIMEOUT_S, links=self.links)
+        In three steps, each starting its processes at once and waiting until they all
+        serve: every replica; the first node's coordinator; the other coordinators and the
+        gateways. As one at a time did, each coordinator finds its replica serving and
+        the highest-ranked node is there first (tests expect it to lead); started one at a
+        time, each waiting for the one before, a three-node cluster took about three times
+        as long on two cores (each process spends its first second importing)."""
+        nodes, gateways = self.config.nodes, self.config.gateways
+        steps = [
+            [("replica", node.id) for node in nodes],
+            [("coordinator", node.id) for node in nodes[:1]],
+            [("coordinator", node.id) for node in nodes[1:]]
+            + [("gateway", gateway.id) for gateway in gateways],
+        ]
+        for step in steps:
+            started = [self.spawn(kind, name) for kind, name in step]
+            processes.wait_serving(started, timeout_s=_START_ALL_TIMEOUT_S, links=self.links)
         if wait_for_master:
             self.wait_for_master()
             self.wait_for_one_cluster_id()
