@@ -66,6 +66,11 @@ class _Cluster:
             processes.kill_service(self.services[(kind, node_id)])
 
     def stop_all(self) -> None:
+        """SIGTERM to every process at once, then waits for each (stopped one after the
+        other, each coordinator waited out its server's grace for its peers' streams)."""
+        running = [s for s in self.services.values() if s.process.poll() is None]
+        for service in running:
+            service.process.terminate()
         for service in self.services.values():
             processes.stop_service(service)
 

@@ -145,8 +145,15 @@ async def run_chaos(
     kinds: list[str] | None = None,
     topics: list[str] | None = None,
     drain_timeout_s: float = DRAIN_TIMEOUT_S,
+    quiet_after_faults_s: float | None = None,
 ) -> RunResult:
-    """One chaos run into out_dir (history.jsonl, cluster logs, timeline.png)."""
+    """One chaos run into out_dir (history.jsonl, cluster logs, timeline.png).
+
+    The load runs for duration_s; with quiet_after_faults_s, only that long (and never
+    past duration_s) once the schedule has been played: the schedule sets aside time for
+    slow recoveries (faults.py, _RECOVERY_ALLOWANCE_S) that a fast one leaves idle, and a
+    short run (tests/chaos/test_chaos_short.py) need not wait it out. The same seed plays
+    the same faults either way."""
     out_dir.mkdir(parents=True, exist_ok=True)
     history_path = out_dir / "history.jsonl"
     if history_path.exists():
@@ -193,7 +200,10 @@ async def run_chaos(
         await runner.run(specs, deadline)
         result.outcomes = runner.outcomes
         # The rest of the duration runs fault-free (bounded by the deadline).
-        await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+        end = deadline
+        if quiet_after_faults_s is not None:
+            end = min(deadline, time.monotonic() + quiet_after_faults_s)
+        await asyncio.sleep(max(0.0, end - time.monotonic()))
         await asyncio.to_thread(runner.heal_all)
         await asyncio.to_thread(cluster.wait_normal, _FINAL_NORMAL_TIMEOUT_S)
         workload_stopped = True

@@ -627,7 +627,8 @@ class Publisher:
                     self._abort(stream, grpc.StatusCode.UNAVAILABLE, details)
                     return
             if still_waiting:
-                time.sleep(RECEIPT_STALL_CHECK_S)
+                # On the wake event, not a sleep: the thread ends as soon as its stream does.
+                stream.woken.wait(RECEIPT_STALL_CHECK_S)
 
     def _live_stream(self) -> _Stream:
         """The open stream, opening one if there is none (caller holds the lock)."""

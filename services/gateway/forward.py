@@ -50,7 +50,13 @@ from squall_server.gateway.master import (
     pairs,
     redirect_address,
 )
-from squall_server.gateway.reads import READ_NODE_KEY, ReadSpread, Replica, spreads
+from squall_server.gateway.reads import (
+    READ_NODE_KEY,
+    ReadSpread,
+    Replica,
+    UnknownReadFrom,
+    spreads,
+)
 from squall_server.gateway.shared_publish import SharedPublishStreams, SharedStreamError
 from squall_server.gateway.telemetry import GatewayInstruments, instruments
 
@@ -554,7 +560,11 @@ class Forwarder:
             parsed = broker_pb2.SubscribeRequest.FromString(request)
         except DecodeError:
             return None  # the replica answers a bad request
-        if not spreads(parsed.read_from, self._read_from):
+        try:
+            spread = spreads(parsed.read_from, self._read_from)
+        except UnknownReadFrom as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not spread:
             return None
         master = await self._masters.wait_master(self._master_wait(context))
         if master is None:

@@ -28,13 +28,25 @@ class Replica:
     address: str
 
 
+class UnknownReadFrom(ValueError):
+    """A Subscribe's `read_from` is a value this gateway does not know (a newer client's)."""
+
+
 def spreads(read_from: int, gateway_default: str) -> bool:
-    """True when a Subscribe asking `read_from` may go to any replica of the group."""
+    """True when a Subscribe asking `read_from` may go to any replica of the group.
+
+    Raises UnknownReadFrom for a value the enum does not name: proto3 enums are open, and
+    guessing (the gateway's default) could send a reader somewhere it asked not to go."""
     if read_from == broker_pb2.READ_FROM_REPLICAS:
         return True
     if read_from == broker_pb2.READ_FROM_MASTER:
         return False
-    return gateway_default == "replicas"
+    if read_from == broker_pb2.READ_FROM_UNSPECIFIED:
+        return gateway_default == "replicas"
+    known = ", ".join(f"{name} ({number})" for name, number in broker_pb2.ReadFrom.items())
+    raise UnknownReadFrom(
+        f"SubscribeRequest.read_from: unknown value {read_from}; this gateway knows {known}"
+    )
 
 
 class ReadSpread:

@@ -3,7 +3,8 @@
 Goal: a subscriber reading from a slave sees committed events only — never one the master
 has not committed, though the slave holds it — and sees it once the slave learns that it
 committed; and a reader the gateway spread to a slave that is then killed goes on from
-another replica with no event lost, none out of order, no gap.
+another replica with no event lost, none out of order, no gap — also when only the slave's
+replica dies and its coordinator lives on (the node leaves its group as one).
 """
 
 from __future__ import annotations
@@ -294,3 +295,75 @@ def test_a_follow_stream_on_a_slave_that_loses_its_role_ends_so_its_reader_moves
         assert "lost its slave role" in follower.error.details()  # type: ignore[attr-defined]
     finally:
         follower.close()
+
+
+@pytest.fixture(scope="module")
+def one_fate(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """Three nodes with the default replica timeout (all_acks' slave would stay a member
+    for a minute with its replica gone); acks = all, so every slave holds a durable
+    subscription once it is created."""
+    cluster = make_cluster(
+        ROOT / "deploy" / "cluster.example.toml",
+        tmp_path_factory.mktemp("replica-reads-fate"),
+        durability={"acks": "all"},
+    )
+    try:
+        cluster.start_all()
+        yield cluster
+    finally:
+        cluster.stop_all()
+
+
+def test_a_reader_on_a_slave_whose_replica_alone_dies_goes_on_from_another_replica(
+    one_fate: LocalCluster,
+) -> None:
+    # Per-process fault: the slave's coordinator lives on and takes the node out of its
+    # group; the reader's stream breaks, and it must go on elsewhere with every
+    # acknowledged event once, in order.
+    master = one_fate.wait_for_master()
+    first, second = _slaves(one_fate, master)
+    with squall.connect(one_fate.gateway_address, timeout_s=10) as client:
+        client.create_topic("w")
+        topic = client.topic("w")
+        topic.seek("app", "earliest")
+        publisher = topic.publisher("app-w")
+        app = _AppPublisher(lambda sequence: publisher.publish(b"event %d" % sequence))
+        got: list[int] = []
+        subscription = topic.subscribe("app", follow=True, read_from="replicas")
+
+        def read() -> None:
+            for message in subscription:
+                got.append(message.offset)
+                subscription.ack(message)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        app.start()
+        try:
+            wait_for(lambda: len(got) >= 20, 30, "20 events read")
+            # The reader took the lowest-id slave (no reads open anywhere: slaves first,
+            # by id); so the next read the gateway spreads goes to the other slave.
+            with grpc.insecure_channel(one_fate.gateway_address) as channel:
+                probe = broker_pb2_grpc.SubscriberStub(channel).Subscribe(
+                    broker_pb2.SubscribeRequest(
+                        topic="w", follow=True, read_from=broker_pb2.READ_FROM_REPLICAS
+                    ),
+                    timeout=30,
+                )
+                assert dict(probe.initial_metadata()).get("squall-read-node") == second
+                probe.cancel()
+            before_kill = subscription.reconnects
+            one_fate.kill("replica", first)
+            wait_for(lambda: len(app.acked) >= len(got) + 30, 30, "30 more events published")
+        finally:
+            app.stop.set()
+            app.join(30)
+        assert app.error is None, repr(app.error)
+        acked = {receipt.offset for receipt in app.acked.values()}
+        wait_for(lambda: set(got) >= acked, 30, "the reader got every acknowledged event")
+        subscription.close()
+        reader.join(10)
+        publisher.close()
+    assert got == list(range(len(got))), got
+    assert subscription.reconnects > before_kill
+    assert "replica has not answered for" in one_fate.log("coordinator", first)

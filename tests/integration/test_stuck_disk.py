@@ -46,9 +46,10 @@ class _FaultControlledCluster(LocalCluster):
     def control_path(self, node_id: str) -> Path:
         return self.run_dir / "control" / f"{node_id}.json"
 
-    def start(self, kind: str, name: str, config_path: Path | None = None) -> processes.Service:
+    def spawn(self, kind: str, name: str, config_path: Path | None = None) -> processes.Service:
+        # Every start goes through spawn (start_all's too): each replica gets its file.
         self.env = {fault_hooks.ENV_VAR: str(self.control_path(name))} if kind == "replica" else {}
-        return super().start(kind, name, config_path)
+        return super().spawn(kind, name, config_path)
 
     def set_fault_control(self, node_id: str, **control: object) -> None:
         path = self.control_path(node_id)

@@ -137,11 +137,13 @@ def _wait_on_every_replica(cluster: LocalCluster, name: str, node_ids: list[str]
     assert not missing, f"transient topic {name!r} not on replicas {missing}"
 
 
-def test_following_subscriber_gets_transient_events_live_in_order(single: LocalCluster) -> None:
-    with squall.connect(single.gateway_address, timeout_s=10.0) as client:
-        info = client.create_topic("ticks", kind="transient")
+def test_following_subscriber_gets_transient_events_live_in_order(
+    shared_single: LocalCluster,
+) -> None:
+    with squall.connect(shared_single.gateway_address, timeout_s=10.0) as client:
+        info = client.create_topic("ticks-live", kind="transient")
         assert info.kind == "transient"
-        topic = client.topic("ticks")
+        topic = client.topic("ticks-live")
         with topic.publisher() as publisher:
             follower, first = _follow_live(topic, publisher)
             try:
@@ -157,10 +159,10 @@ def test_following_subscriber_gets_transient_events_live_in_order(single: LocalC
     assert {r.lsn for r in receipts} == {0}
 
 
-def test_a_later_subscriber_does_not_get_earlier_events(single: LocalCluster) -> None:
-    with squall.connect(single.gateway_address, timeout_s=10.0) as client:
-        client.create_topic("ticks", kind="transient")
-        topic = client.topic("ticks")
+def test_a_later_subscriber_does_not_get_earlier_events(shared_single: LocalCluster) -> None:
+    with squall.connect(shared_single.gateway_address, timeout_s=10.0) as client:
+        client.create_topic("ticks-later", kind="transient")
+        topic = client.topic("ticks-later")
         with topic.publisher() as publisher:
             early, _ = _follow_live(topic, publisher)
             try:
@@ -187,12 +189,12 @@ def test_a_later_subscriber_does_not_get_earlier_events(single: LocalCluster) ->
 
 
 def test_a_later_subscriber_from_earliest_does_not_get_earlier_events(
-    single: LocalCluster,
+    shared_single: LocalCluster,
 ) -> None:
     """The default start ("earliest") on a transient topic must not replay past events."""
-    with squall.connect(single.gateway_address, timeout_s=10.0) as client:
-        client.create_topic("ticks", kind="transient")
-        topic = client.topic("ticks")
+    with squall.connect(shared_single.gateway_address, timeout_s=10.0) as client:
+        client.create_topic("ticks-earliest", kind="transient")
+        topic = client.topic("ticks-earliest")
         with topic.publisher() as publisher:
             for i in range(20):
                 publisher.publish(b"before %d" % i)
@@ -296,17 +298,17 @@ def test_following_subscriber_gets_transient_events_after_a_master_kill(
     assert {r.master_id for r in after} != {old}
 
 
-def test_durable_subscription_on_a_transient_topic_is_refused(single: LocalCluster) -> None:
-    with squall.connect(single.gateway_address, timeout_s=10.0) as client:
-        client.create_topic("ticks", kind="transient")
-        topic = client.topic("ticks")
+def test_durable_subscription_on_a_transient_topic_is_refused(shared_single: LocalCluster) -> None:
+    with squall.connect(shared_single.gateway_address, timeout_s=10.0) as client:
+        client.create_topic("ticks-durable", kind="transient")
+        topic = client.topic("ticks-durable")
         with pytest.raises(squall.InvalidArgument, match="transient"):
             with topic.subscribe("billing", follow=True) as subscription:
                 next(iter(subscription))
         assert topic.subscriptions() == []
-    with single.channel() as channel:
+    with shared_single.channel() as channel:
         stream = broker_pb2_grpc.SubscriberStub(channel).Subscribe(
-            broker_pb2.SubscribeRequest(topic="ticks", subscription="billing"), timeout=10
+            broker_pb2.SubscribeRequest(topic="ticks-durable", subscription="billing"), timeout=10
         )
         with pytest.raises(grpc.RpcError) as raised:
             next(iter(stream))

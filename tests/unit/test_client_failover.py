@@ -16,12 +16,14 @@ each port plays a replica of the same data:
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import grpc
 import pytest
 
 import squall
+import squall._publisher as publisher_module
 from squall._proxy import ProxyBinding
 from squall.v1 import broker_pb2, common_pb2
 from tests.unit.test_client import FakeBroker, serve_fake
@@ -305,6 +307,47 @@ def test_replicated_proxy_moves_publish_async_batches_off_a_hung_master(
     assert cluster.broker.publish_peers == [cluster.addresses["n1"], cluster.addresses["n2"]]
     stored = [(p, s) for p, s, _ in _stored(cluster.broker, "t")]
     assert stored == [("p", s) for s in range(1, 6)]
+
+
+def test_a_stall_watchdog_ends_with_its_stream_not_after_its_check_interval(
+    cluster: _Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Between two checks of the master the watchdog waits on its stream's wake event, so
+    # it ends as soon as the stream does; it used to sleep the interval out. With a
+    # 60 s interval: the gateway keeps naming the hung n1 (no move), the caller gives up
+    # on its receipt after its 3 s timeout and abandons the stream.
+    monkeypatch.setattr(publisher_module, "RECEIPT_STALL_CHECK_S", 60.0)
+    with squall.connect(cluster.gateway, timeout_s=3.0, **FAST) as client:
+        client.create_topic("t")
+        publisher = client.topic("t").publisher("p", replicated=True)
+        cluster.broker.hung_addresses.add(cluster.addresses["n1"])
+        outcome: list[object] = []
+
+        def publish() -> None:
+            try:
+                outcome.append(publisher.publish(b"x"))
+            except squall.SquallError as exc:
+                outcome.append(exc)
+
+        worker = threading.Thread(target=publish, daemon=True)
+        worker.start()
+
+        def watchdogs() -> list[threading.Thread]:
+            return [t for t in threading.enumerate() if t.name == "squall-publish-watch-t"]
+
+        deadline = time.monotonic() + 10
+        while not watchdogs() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        [first] = watchdogs()
+        # The caller abandons the stream after its 3 s timeout (the first check of the
+        # master was 0.3 s in); the watchdog ends with it, not 60 s later.
+        first.join(15)
+        assert not first.is_alive(), "the watchdog outlived its stream"
+        worker.join(30)
+        publisher.close()
+    # The batch itself went on as before (retried on a fresh stream, or failed): the
+    # caller got an answer.
+    assert not worker.is_alive() and len(outcome) == 1
 
 
 def test_replicated_proxy_follows_a_slaves_redirect(

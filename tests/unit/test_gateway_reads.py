@@ -12,7 +12,7 @@ from squall._subscriber import subscribe_request
 from squall.v1 import broker_pb2, common_pb2, coordinator_pb2
 from squall_server.common.config import ConfigError, parse_config
 from squall_server.gateway.master import GroupViews
-from squall_server.gateway.reads import ReadSpread, Replica, spreads
+from squall_server.gateway.reads import ReadSpread, Replica, UnknownReadFrom, spreads
 from tests.unit.test_config import VALID
 
 N1, N2, N3 = Replica("n1", "h:1"), Replica("n2", "h:2"), Replica("n3", "h:3")
@@ -56,6 +56,17 @@ def test_the_request_overrides_the_gateway_setting() -> None:
     assert not spreads(broker_pb2.READ_FROM_MASTER, "replicas")
     assert spreads(broker_pb2.READ_FROM_UNSPECIFIED, "replicas")
     assert not spreads(broker_pb2.READ_FROM_UNSPECIFIED, "master")
+
+
+@pytest.mark.parametrize("default", ["master", "replicas"])
+def test_a_read_from_the_gateway_does_not_know_is_refused_not_guessed(default: str) -> None:
+    # A newer client's value (proto3 enums are open) used to fall back to the gateway's
+    # default, sending the reader where it may have asked not to go.
+    with pytest.raises(UnknownReadFrom) as refused:
+        spreads(99, default)
+    assert "SubscribeRequest.read_from" in str(refused.value)
+    assert "unknown value 99" in str(refused.value)
+    assert "READ_FROM_REPLICAS" in str(refused.value)
 
 
 def _view(node: str, epoch: int, master: str, members: list[str]) -> coordinator_pb2.GroupView:

@@ -5,7 +5,9 @@ and answered bytes that do not parse with ``UNKNOWN "Unexpected <class 'DecodeEr
 and a logged traceback; UNKNOWN means "may or may not have happened", so the gateway
 retried it and a client would too. Real services in process on loopback
 (tests/fuzz/targets.py): the replica and the gateway in front of it, a unary call and a
-client stream whose second message is garbage; the node still serves afterwards.
+client stream whose second message is garbage; the node still serves afterwards. Also a
+request that parses but carries an enum value the gateway does not know (a newer
+client's `SubscribeRequest.read_from`): refused, not guessed.
 """
 
 from __future__ import annotations
@@ -49,4 +51,26 @@ def test_garbage_bytes_are_invalid_argument_not_unknown(node: FullNode, via: str
     stream = outcome(channel, _method("Publisher", "PublishStream"), [good, Raw(_GARBAGE)])
     assert stream.code == grpc.StatusCode.INVALID_ARGUMENT, stream
     assert "does not parse" in stream.details
+    assert node.check() == []
+
+
+def test_a_subscribe_with_an_unknown_read_from_is_refused_by_the_gateway(node: FullNode) -> None:
+    subscribe = _method("Subscriber", "Subscribe")
+    unknown = broker_pb2.SubscribeRequest(
+        topic="keep.seed", start=broker_pb2.START_POSITION_EARLIEST
+    )
+    unknown.read_from = 99  # type: ignore[assignment]  # a value a newer client may send
+    result = outcome(node.gateway_channel, subscribe, [unknown])
+    assert result.code == grpc.StatusCode.INVALID_ARGUMENT, result
+    assert "SubscribeRequest.read_from" in result.details
+    assert "unknown value 99" in result.details
+    assert result.responses == 0
+    # The same read with a known value is served.
+    known = broker_pb2.SubscribeRequest(
+        topic="keep.seed",
+        start=broker_pb2.START_POSITION_EARLIEST,
+        read_from=broker_pb2.READ_FROM_REPLICAS,
+    )
+    served = outcome(node.gateway_channel, subscribe, [known])
+    assert served.code == grpc.StatusCode.OK and served.responses > 0, served
     assert node.check() == []
