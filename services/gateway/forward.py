@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -112,6 +113,10 @@ _LOST_STATUS_DETAILS = (
 def _lost_stream_status(error: grpc.aio.AioRpcError) -> bool:
     """The forwarded stream's own status was overwritten by a failed write (see above)."""
     return error.code() == grpc.StatusCode.INTERNAL and error.details() == _CORE_WRITE_ERROR
+
+
+def _cancel_call(call: grpc.aio.Call, _done: object) -> None:
+    call.cancel()
 
 
 def _detach(tokens: list[object]) -> None:
@@ -602,6 +607,10 @@ class Forwarder:
                 _detach(tokens)
             self._spread.opened(target.node_id)
             answered = False
+            left: asyncio.Future[Master] | None = None
+            if master is None or target.node_id != master.node_id:
+                left = asyncio.ensure_future(self._masters.left_group(target.node_id))
+                left.add_done_callback(functools.partial(_cancel_call, call))
             try:
                 async for response in call:
                     if not answered:
@@ -611,6 +620,24 @@ class Forwarder:
                 if not answered:
                     await context.send_initial_metadata(((READ_NODE_KEY, target.node_id),))
                 return
+            except asyncio.CancelledError:
+                if left is None or not left.done() or left.cancelled():
+                    raise  # the app went away
+                now = left.result()
+                if answered or last:
+                    await context.abort(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"the replica {target.node_id} serving this read left the master's "
+                        f"group (master {now.node_id}, epoch {now.epoch}); subscribe again "
+                        "from the last offset read",
+                    )
+                log.info(
+                    "gateway %s: read from %s ended before its first response: it left the "
+                    "master's group; reading from the master %s",
+                    self._gateway_id,
+                    target.node_id,
+                    attempts[-1].node_id,
+                )
             except grpc.aio.AioRpcError as error:
                 if answered or last:
                     stream.answered = error.code().name
@@ -627,6 +654,8 @@ class Forwarder:
                     attempts[-1].node_id,
                 )
             finally:
+                if left is not None:
+                    left.cancel()
                 call.cancel()
                 self._spread.closed(target.node_id)
 

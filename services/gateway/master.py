@@ -184,6 +184,9 @@ class MasterTracker:
         self._views = GroupViews({node.id: node.replica_address for node in config.nodes})
         # Set on every change of master; waiters take the current event before waiting.
         self._changed = asyncio.Event()
+        # Set on every view a coordinator reports or loses (a group's members can change
+        # without its master changing).
+        self._views_changed = asyncio.Event()
         self._probed: Master | None = None
         self._probe_lock = asyncio.Lock()
         self._watches: list[asyncio.Task[None]] = []
@@ -267,6 +270,21 @@ class MasterTracker:
             changed = self._changed
             await changed.wait()
 
+    async def left_group(self, node_id: str) -> Master:
+        """Waits until the views name a master whose group leaves out `node_id`.
+
+        A read spread to a slave ends then: a slave whose replica hangs (paused, a stuck
+        disk) cannot end its streams itself, but its coordinator takes the node out of the
+        group within the replica timeout, and its readers must go on elsewhere.
+        """
+        # Bounded: each pass waits for the next view; the caller cancels it.
+        while True:
+            master = self.master
+            if master is not None and self._views.heard and node_id not in self._views.members:
+                return master
+            changed = self._views_changed
+            await changed.wait()
+
     # --- the watches
 
     def start(self) -> None:
@@ -316,12 +334,18 @@ class MasterTracker:
             return
         before = self.master
         self._views.observe(node_id, view)
+        self._views_seen()
         self._announce(before, f"group view of {node_id}")
 
     def _forget(self, node_id: str) -> None:
         before = self.master
         self._views.forget(node_id)
+        self._views_seen()
         self._announce(before, f"watch of {node_id} ended")
+
+    def _views_seen(self) -> None:
+        changed, self._views_changed = self._views_changed, asyncio.Event()
+        changed.set()
 
     def _announce(self, before: Master | None, source: str) -> None:
         """Logs a change of master and wakes the calls waiting for one."""

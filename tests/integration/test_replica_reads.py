@@ -314,17 +314,22 @@ def one_fate(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]
         cluster.stop_all()
 
 
-def test_a_reader_on_a_slave_whose_replica_alone_dies_goes_on_from_another_replica(
-    one_fate: LocalCluster,
+# The pause runs first: its replica is resumed and rejoins, so the kill has two slaves too.
+@pytest.mark.parametrize("fault", ["pause", "kill"])
+def test_a_reader_on_a_slave_whose_replica_alone_dies_or_hangs_goes_on_from_another_replica(
+    one_fate: LocalCluster, fault: str
 ) -> None:
     # Per-process fault: the slave's coordinator lives on and takes the node out of its
-    # group; the reader's stream breaks, and it must go on elsewhere with every
-    # acknowledged event once, in order.
+    # group. A killed replica's stream breaks; a hung one's stays open and silent, so the
+    # gateway ends it when the node leaves the master's group. Either way the reader must
+    # go on elsewhere with every acknowledged event once, in order.
     master = one_fate.wait_for_master()
     first, second = _slaves(one_fate, master)
+    name = f"w-{fault}"
+    paused: int | None = None
     with squall.connect(one_fate.gateway_address, timeout_s=10) as client:
-        client.create_topic("w")
-        topic = client.topic("w")
+        client.create_topic(name)
+        topic = client.topic(name)
         topic.seek("app", "earliest")
         publisher = topic.publisher("app-w")
         app = _AppPublisher(lambda sequence: publisher.publish(b"event %d" % sequence))
@@ -346,18 +351,27 @@ def test_a_reader_on_a_slave_whose_replica_alone_dies_goes_on_from_another_repli
             with grpc.insecure_channel(one_fate.gateway_address) as channel:
                 probe = broker_pb2_grpc.SubscriberStub(channel).Subscribe(
                     broker_pb2.SubscribeRequest(
-                        topic="w", follow=True, read_from=broker_pb2.READ_FROM_REPLICAS
+                        topic=name, follow=True, read_from=broker_pb2.READ_FROM_REPLICAS
                     ),
                     timeout=30,
                 )
                 assert dict(probe.initial_metadata()).get("squall-read-node") == second
                 probe.cancel()
             before_kill = subscription.reconnects
-            one_fate.kill("replica", first)
+            if fault == "kill":
+                one_fate.kill("replica", first)
+            else:
+                paused = one_fate.services[("replica", first)].process.pid
+                os.kill(paused, signal.SIGSTOP)
             wait_for(lambda: len(app.acked) >= len(got) + 30, 30, "30 more events published")
+            acked = {receipt.offset for receipt in app.acked.values()}
+            # While the replica is still hung: the reader must not wait for it to return.
+            wait_for(lambda: set(got) >= acked, 30, "the reader got every acknowledged event")
         finally:
             app.stop.set()
             app.join(30)
+            if paused is not None:
+                os.kill(paused, signal.SIGCONT)
         assert app.error is None, repr(app.error)
         acked = {receipt.offset for receipt in app.acked.values()}
         wait_for(lambda: set(got) >= acked, 30, "the reader got every acknowledged event")
