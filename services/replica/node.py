@@ -166,9 +166,12 @@ class ReplicaNode:
         truncator: LmdbTruncator | None = None,
         observability: Telemetry | None = None,
         transport: Callable[[], ReplicaTransport] | None = None,
+        io: concurrent.futures.Executor | None = None,
     ) -> None:
         """``transport`` makes the connections to the other replicas: one per master epoch
-        and one per reorganization sync, each closed when done (gRPC unless given)."""
+        and one per reorganization sync, each closed when done (gRPC unless given).
+        ``io`` runs the store's writes one at a time (the store thread unless given; the
+        simulator's runs them on its virtual loop, ``tests/sim/virtual_loop.py``)."""
         self.config = config
         self.node = node
         self.clock = clock or SystemClock()
@@ -222,7 +225,7 @@ class ReplicaNode:
         self._committed = asyncio.Event()
         # Set (and replaced) whenever a role command was applied or the role was lost.
         self._role_changed = asyncio.Event()
-        self._io = concurrent.futures.ThreadPoolExecutor(
+        self._io: concurrent.futures.Executor = io or concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"store-{node.id}"
         )
         self._writer: asyncio.Task[None] | None = None
