@@ -35,7 +35,7 @@ from squall_server.common.errors import ServiceError
 from squall_server.replica.node import ReplicaNode
 from squall_server.replica.replication_server import serve_fetch_log, serve_replicate
 from squall_server.replica.transport import ReplicaCallError
-from tests.sim.virtual_loop import PROCESS, VirtualLoop
+from tests.sim.virtual_loop import VirtualLoop
 
 R = TypeVar("R")
 _CANCELLED = object()  # a pending read raises asyncio.CancelledError, as grpc.aio's does

@@ -204,9 +204,7 @@ class ShellSim:
             [common_pb2.SYNC_POLICY_WRITE_NO_SYNC, common_pb2.SYNC_POLICY_SYNC]
         )
         base = load_config(CONFIG)
-        self.members = {
-            node_id: Member(node_id, Disk(), root / node_id) for node_id in NODE_IDS
-        }
+        self.members = {node_id: Member(node_id, Disk(), root / node_id) for node_id in NODE_IDS}
         for member in self.members.values():
             member.data_dir.mkdir(parents=True, exist_ok=True)
         self.config: ClusterConfig = dataclasses.replace(
@@ -522,7 +520,9 @@ class ShellSim:
             command.sync_source_id = self.sync_source
         self.loop.spawn(member.process, self._apply(replica, command, renew))
 
-    async def _apply(self, replica: ReplicaNode, command: replica_pb2.RoleCommand, renew: bool) -> None:
+    async def _apply(
+        self, replica: ReplicaNode, command: replica_pb2.RoleCommand, renew: bool
+    ) -> None:
         try:
             await replica.apply_role(command)
         except ServiceError as exc:
@@ -567,7 +567,7 @@ class ShellSim:
                     PUBLISH_WAIT_S,
                 )
             receipt = await asyncio.wait_for(replica.start_publish(request), PUBLISH_WAIT_S)
-        except (ServiceError, TimeoutError, asyncio.TimeoutError):
+        except (ServiceError, TimeoutError):
             self.stats.failed_publishes += 1
             return False
         self.acked.append(Acked(payload, receipt))
@@ -639,9 +639,11 @@ class ShellSim:
         for member in self.members.values():
             replica = member.replica
             assert replica is not None
-            events = {
-                e.offset: e.payload for e in replica.store.read_events(TOPIC, 0, 1_000_000)
-            } if self.acked else {}
+            events = (
+                {e.offset: e.payload for e in replica.store.read_events(TOPIC, 0, 1_000_000)}
+                if self.acked
+                else {}
+            )
             for acked in self.acked:
                 if events.get(acked.receipt.first_offset) != acked.payload:
                     raise self.fail(

@@ -137,7 +137,10 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         return super().call_at(when, self._fire, callback, args, context, context=context)
 
     def _fire(
-        self, callback: Callable[..., object], args: tuple[object, ...], context: contextvars.Context
+        self,
+        callback: Callable[..., object],
+        args: tuple[object, ...],
+        context: contextvars.Context,
     ) -> None:
         process = context.get(PROCESS, "")
         if process in self._killed or process in self._paused:
@@ -257,7 +260,7 @@ class SimExecutor(concurrent.futures.Executor):
             self.jobs += 1
             try:
                 result = job()
-            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting side
+            except BaseException as exc:  # handed to the awaiting side
                 future.set_exception(exc)
             else:
                 future.set_result(result)
