@@ -20,7 +20,7 @@ from tests.sim.shell_sim import ShellSimFailure, replay_command, run_seed
 pytestmark = pytest.mark.sim
 
 # The seeds run as this many tests (every CHUNKS-th seed each): a failure names its part.
-CHUNKS = 4
+CHUNKS = 8
 # The planted bug must be caught within this many seeds (caught in the second today).
 MUTANT_SEEDS_MAX = 10
 
