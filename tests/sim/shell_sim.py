@@ -60,7 +60,7 @@ from squall_server.common.errors import ServiceError
 from squall_server.replica import commands, replication_server
 from squall_server.replica.faults import FAULT_FILE_NAME
 from squall_server.replica.node import ReplicaNode
-from squall_server.replica.store import Store
+from squall_server.replica.store import DATABASES, Store
 from squall_server.replica.store.kv import KVError, ReadTxn, WriteTxn
 from squall_server.replica.store.kv_memory import MemoryKV
 from tests.sim.shell_network import ShellNetwork
@@ -97,8 +97,6 @@ class Disk:
     """One node's disk: the MemoryKV that outlives processes, and its injected faults."""
 
     def __init__(self) -> None:
-        from squall_server.replica.store.records import DATABASES  # the store's layout
-
         self.kv = MemoryKV(DATABASES, keep_unsynced=True)
         self.failing = False  # every write transaction raises (EIO)
         self.slow = False  # store-thread jobs take up to SLOW_DISK_S
