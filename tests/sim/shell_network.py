@@ -170,7 +170,7 @@ class SimReplicate(_Call[replica_pb2.ReplicateResponse]):
     def __init__(self, network: ShellNetwork, src: str, dst: str) -> None:
         super().__init__(network, src, dst)
         self._inbox: asyncio.Queue[replica_pb2.ReplicateRequest] = asyncio.Queue()
-        self.forth = _Link(self, src, dst, self._inbox.put_nowait)  # type: ignore[arg-type]
+        self.forth = _Link(self, src, dst, self._inbox.put_nowait)
         problem = network.unreachable(src, dst)
         if problem:
             self.fail(problem)

@@ -307,7 +307,7 @@ class ShellSim:
             member.process,
             lambda: rng.random() * (SLOW_DISK_S if disk.slow else 0.002),
         )
-        store = Store(member.kv)  # type: ignore[arg-type]
+        store = Store(member.kv)
         replica = ReplicaNode(
             self.config,
             self.config.node(member.node_id),

@@ -103,7 +103,7 @@ class VirtualLoop(asyncio.SelectorEventLoop):
     def _process_of(self, context: contextvars.Context | None) -> str:
         return PROCESS.get() if context is None else context.get(PROCESS, "")
 
-    def _call_soon(  # type: ignore[override]
+    def _call_soon(
         self,
         callback: Callable[..., object],
         args: tuple[object, ...],
@@ -121,9 +121,10 @@ class VirtualLoop(asyncio.SelectorEventLoop):
                 handle = asyncio.Handle(callback, args, self, context)
                 held.append(handle)
                 return handle
-        return super()._call_soon(callback, args, context)  # type: ignore[misc]
+        ready: asyncio.Handle = super()._call_soon(callback, args, context)  # type: ignore[misc]
+        return ready
 
-    def call_at(  # type: ignore[override]
+    def call_at(
         self,
         when: float,
         callback: Callable[..., object],
@@ -205,7 +206,7 @@ class VirtualLoop(asyncio.SelectorEventLoop):
 
     # --- threads
 
-    def run_in_executor(  # type: ignore[override]
+    def run_in_executor(
         self, executor: concurrent.futures.Executor | None, func: Callable[..., T], *args: object
     ) -> asyncio.Future[T]:
         """``asyncio.to_thread`` and the default executor: the job runs as a callback."""
@@ -229,7 +230,7 @@ class SimExecutor(concurrent.futures.Executor):
         self._dead = False
         self.jobs = 0
 
-    def submit(  # type: ignore[override]
+    def submit(
         self, fn: Callable[..., T], /, *args: object, **kwargs: object
     ) -> concurrent.futures.Future[T]:
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
