@@ -17,8 +17,8 @@ import os
 import pytest
 
 DEFAULT_SEEDS = 1000
-# Shell simulator seeds in make test: about 0.3 s of CPU each, ~35 s in all.
-SHELL_SEEDS_DEFAULT = 120
+# Shell simulator seeds in make test: 0.3-0.4 s of CPU each, 30-40 s in all.
+SHELL_SEEDS_DEFAULT = 100
 # Replication seeds per election seed when --repl-seeds is not given.
 REPL_SEEDS_PER_SIM_SEED = 1.0
 
