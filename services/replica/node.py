@@ -132,9 +132,12 @@ class ReplicaNode:
         truncator: LmdbTruncator | None = None,
         observability: Telemetry | None = None,
         transport: Callable[[], ReplicaTransport] | None = None,
+        io: concurrent.futures.Executor | None = None,
     ) -> None:
         """``transport`` makes the connections to the other replicas: one per master epoch
-        and one per reorganization sync, each closed when done (gRPC unless given)."""
+        and one per reorganization sync, each closed when done (gRPC unless given).
+        ``io`` runs the store's writes one at a time (the store thread unless given; the
+        simulator's runs them on its virtual loop, ``tests/sim/virtual_loop.py``)."""
         self.config = config
         self.node = node
         self.clock = clock or SystemClock()
@@ -179,7 +182,7 @@ class ReplicaNode:
         self._committed = asyncio.Event()
         # Set (and replaced) whenever a role command was applied or the role was lost.
         self._role_changed = asyncio.Event()
-        self._io = concurrent.futures.ThreadPoolExecutor(
+        self._io: concurrent.futures.Executor = io or concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"store-{node.id}"
         )
         self._lease_task: asyncio.Task[None] | None = None
@@ -619,9 +622,23 @@ class ReplicaNode:
         thread, serialized with every other write. A flush also writes out every unsynced
         append before it (a slave's WRITE_NO_SYNC batches): on a busy disk that outlasts
         the coordinator's replica_timeout_ms, and the event loop must keep answering its
-        role renewals and health probes meanwhile (issue 14)."""
+        role renewals and health probes meanwhile (issue 14).
+
+        A store that cannot persist the role's epoch must not hold it (nor acknowledge
+        anything again): the replica fail-stops and the command is refused, UNAVAILABLE
+        naming the store's error (found by tests/sim/shell_sim.py: it escaped SetRole as
+        an unexpected exception and left the role held on an unpersisted epoch)."""
         async with self._commit_lock:
-            return await asyncio.get_running_loop().run_in_executor(self._io, persist)
+            try:
+                return await asyncio.get_running_loop().run_in_executor(self._io, persist)
+            except StoreError as exc:
+                epoch = self.epoch  # the one its store holds (the new role's is not stored)
+                self._fail_stop(f"store write failed persisting a new role: {exc}")
+                raise ServiceError(
+                    Code.UNAVAILABLE,
+                    f"replica {self.node.id} could not persist its new role (store write "
+                    f"failed: {exc}); it stopped serving, its store still at epoch {epoch}",
+                ) from exc
 
     async def drain_writes(self) -> None:
         """Waits until every write queued now has finished (committed or failed) and no

@@ -5,7 +5,9 @@
 and store of every node); when it is not given, the replication count is ``--sim-seeds``
 (1000 by default, so ``make test`` runs 1000 of each), and ``make sim SEEDS=N`` scales
 both. ``--sim-seed=S`` (or the ``SEED`` environment variable, which ``make sim SEED=S``
-exports) replays one seed in both.
+exports) replays one seed in both. ``--shell-seeds=N`` (or ``$SHELL_SEEDS``) runs seeds
+0..N-1 of the shipped-shell simulator (``shell_sim.py``, default ``SHELL_SEEDS_DEFAULT``,
+what fits in ``make test``); ``SEED`` replays one there too.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import os
 import pytest
 
 DEFAULT_SEEDS = 1000
+# Shell simulator seeds in make test: 0.3-0.4 s of CPU each, 30-40 s in all.
+SHELL_SEEDS_DEFAULT = 100
 # Replication seeds per election seed when --repl-seeds is not given.
 REPL_SEEDS_PER_SIM_SEED = 1.0
 
@@ -39,6 +43,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         type=int,
         default=None,
         help="number of replication simulator seeds (default: as many as --sim-seeds)",
+    )
+    group.addoption(
+        "--shell-seeds",
+        type=int,
+        default=None,
+        help=f"number of shipped-shell simulator seeds (default $SHELL_SEEDS or "
+        f"{SHELL_SEEDS_DEFAULT})",
     )
 
 
@@ -70,4 +81,16 @@ def repl_seeds(request: pytest.FixtureRequest) -> list[int]:
     if count is None:
         sim = int(request.config.getoption("sim_seeds", default=DEFAULT_SEEDS))
         count = max(1, round(sim * REPL_SEEDS_PER_SIM_SEED))
+    return list(range(int(count)))
+
+
+@pytest.fixture
+def shell_seeds(request: pytest.FixtureRequest) -> list[int]:
+    """The shipped-shell simulator's seeds: one replayed seed, or 0..N-1."""
+    single = _replayed_seed(request)
+    if single is not None:
+        return [single]
+    count = request.config.getoption("shell_seeds", default=None)
+    if count is None:
+        count = int(os.environ.get("SHELL_SEEDS", "").strip() or SHELL_SEEDS_DEFAULT)
     return list(range(int(count)))

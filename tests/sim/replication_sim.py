@@ -109,16 +109,21 @@ Simplifications: no deduplication of the plain writes (each payload is written o
 never retried; the topic workload above is deduplicated); one command per writer batch;
 no operator controls (quorum override, designated primary); no slow disk, and no failing
 one beyond the master's flush above.
-What is still this module's own and not shipped code (issue 15): the shells' plumbing
+Still the simulator's own here, not shipped code (issue 15): the shells' plumbing
 around the drivers, in the order the shells have it — the streams, reconnection,
 keepalive and stall detection of ``MasterDriver`` (``open_stream``, ``stream_broken``,
 ``master_tick``), the sync source's answer stream (``serve_catchup``: its decisions are
 ``ReplicaDriver.fetch_answer``'s, the messages built as ``ReplicaNode.fetch_log`` builds
-them) and the new master's read loop (``on_catchup_reply``, as ``ReplicaNode._sync_from``
+them) and the new master's read loop (``on_catchup_reply``, as ``TakingMaster._sync_from``
 steps ``fetch_step``), the store calls of a slave's batch, install and truncation
-(``finish_write``, ``install_chunk``, ``truncate``: ``ReplicaNode.replication_batch``,
-``_install_snapshot_chunk``, ``_truncate_locked``), and the taking of the master role
-(``become_master``, ``start_serving``: ``reorg``'s task).
+(``finish_write``, ``install_chunk``, ``truncate``: ``SlaveSide``'s batch and
+``install_snapshot_chunk``, ``Truncation.truncate_locked``), and the taking of the master
+role (``become_master``, ``start_serving``: ``TakingMaster``'s task). That plumbing is run as shipped
+by ``shell_sim.py``: three whole ``ReplicaNode``s (``MasterDriver``, the writer queue,
+``TakingMaster``/``SyncSource``, the slave servicer path, the lease watch) on a virtual-time
+event loop (``virtual_loop.py``) over the transport's twin (``shell_network.py``), with
+crashes, pauses, cuts, resets and slow and failing disks; its roles come from a seeded
+script following the coordinator's rules, where this module runs the shipped election.
 
 Phases: the safety phase injects the election simulator's faults while the checker
 (``replication_checker.py``) runs after every step; then the network heals and within

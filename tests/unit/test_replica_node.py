@@ -105,6 +105,49 @@ def test_a_slave_whose_store_fails_stops_serving_and_never_acks_the_batch() -> N
     asyncio.run(scenario())
 
 
+class _EpochFailingStore(Store):
+    """An in-memory store whose epoch writes fail once `broken` is set."""
+
+    broken = False
+
+    def set_epoch(self, epoch: int) -> None:
+        if self.broken:
+            raise StoreWriteError("I/O error (simulated failing disk)")
+        super().set_epoch(epoch)
+
+
+def test_a_role_whose_epoch_cannot_be_persisted_is_refused_and_the_replica_stops() -> None:
+    """Regression (found by tests/sim/shell_sim.py, seed 174): a store error persisting a
+    slave role's epoch escaped apply_role raw (SetRole answered UNKNOWN) and the replica
+    went on holding a role whose epoch its store did not have."""
+
+    async def scenario() -> None:
+        config = load_config(CONFIG)
+        store = _EpochFailingStore.open_memory()
+        assert isinstance(store, _EpochFailingStore)
+        node = ReplicaNode(config, config.node("n2"), store)
+        await node.start()
+        try:
+            await node.apply_role(_slave_of("n1", 3, 1))
+            assert node.role == common_pb2.ROLE_SLAVE
+            store.broken = True
+            with pytest.raises(ServiceError) as raised:
+                await node.apply_role(_slave_of("n3", 4, 2))
+            assert raised.value.code == Code.UNAVAILABLE
+            assert "could not persist its new role" in raised.value.message
+            assert "n2" in raised.value.message and "epoch 3" in raised.value.message
+            assert node.role == common_pb2.ROLE_INACTIVE
+            assert "persisting a new role" in node.failed_reason
+            assert store.meta().epoch == 3
+            with pytest.raises(ServiceError) as refused:  # and takes no role again
+                await node.apply_role(_slave_of("n3", 5, 3))
+            assert "fail-stopped" in refused.value.message
+        finally:
+            await node.stop()
+
+    asyncio.run(scenario())
+
+
 def _slave_of(master: str, epoch: int, seq: int) -> replica_pb2.RoleCommand:
     return replica_pb2.RoleCommand(
         seq=seq,

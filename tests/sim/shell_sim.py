@@ -1,0 +1,687 @@
+"""Seeded simulator of three shipped ``ReplicaNode``s: the whole async shell under faults.
+
+Where ``replication_sim.py`` runs the replica's synchronous driver and cores and carries
+their messages itself, this runs the shells as they ship: ``ReplicaNode`` (writer queue,
+group commit, role taking with its reorganization fetch ``_sync_from``, slave servicer
+path, lease watch, fail-stop), ``MasterDriver`` (streams, reconnection backoff, stall
+detection, snapshots) and the servicers' logic (``replication_server``), over
+``shell_network.py`` (the replica transport's simulated twin) on a deterministic virtual
+event loop (``virtual_loop.py``): virtual time, the injected ``Clock`` reads it
+(``LoopClock``), the store thread is a ``SimExecutor`` (``ReplicaNode(io=...)``), every
+store a real ``Store`` over ``MemoryKV``. One seed decides everything (``random.Random``).
+
+Role commands come from a small seeded role-assignment script (``RoleScript``), not the
+shipped coordinator: it follows the coordinator's rules (one master per epoch, epochs
+increase past every epoch a replica has seen, a group is a connected majority of healthy
+replicas, the sync source is the member with the highest ``(last_epoch, last_lsn)`` as
+``election.pick_sync_source`` picks it, leases renewed every ``RENEW_S`` only to members
+connected to the master, a new epoch when the master stops serving or a healthy node is
+outside the group). The master is the sync source or, in a quarter of elections, another
+member (so reorganization fetches run). Coordinator faults are not modelled here
+(``replication_sim.py`` runs the shipped election).
+
+Faults, during a safety phase of ``FAULT_PHASE_S``: links cut one way or both (held
+messages, then a keepalive break), connection resets, replica process crashes (the
+process and its store thread vanish mid-step; the store keeps what it committed, and in
+seeds whose replicas flush every write, half the crashes are machine crashes,
+``MemoryKV.lose_unsynced``) and restarts, pauses, a slow disk (store-thread jobs take up
+to ``SLOW_DISK_S``) and a failing disk (every write transaction raises, so the replica
+fail-stops or refuses as in production; the operator clears the fault at its restart).
+Then everything heals, crashed nodes restart, and liveness is checked.
+
+Clients publish through ``ReplicaNode.start_publish`` on whichever node they believe is
+master, each payload unique; a receipt is an acknowledgement.
+
+Checks: at most one master per epoch (sampled and from the logs' epoch-start entries);
+after healing a master serves and a publish is acknowledged within ``LIVENESS_S``; then
+every live replica catches up and the logs are identical, and every acknowledged event is
+in every log and readable at its receipt's offset. A failure raises ``ShellSimFailure``
+whose message ends with the command that replays the seed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+import logging
+import random
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from squall.v1 import broker_pb2, common_pb2, replica_pb2
+from squall_server.common.config import ClusterConfig, load_config
+from squall_server.common.errors import ServiceError
+from squall_server.replica import commands, replication_server
+from squall_server.replica.faults import FAULT_FILE_NAME
+from squall_server.replica.node import ReplicaNode
+from squall_server.replica.store import DATABASES, Store
+from squall_server.replica.store.kv import KVError, ReadTxn, WriteTxn
+from squall_server.replica.store.kv_memory import MemoryKV
+from tests.sim.shell_network import ShellNetwork
+from tests.sim.virtual_loop import LoopClock, SimExecutor, VirtualLoop
+
+CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "cluster.example.toml"
+NODE_IDS = ("n1", "n2", "n3")
+TOPIC = "orders"
+CLUSTER_ID = "c-shell-sim"
+FAULT_PHASE_S = 12.0  # simulated seconds of faults
+LIVENESS_S = 20.0  # after healing: a master serves and a publish is acknowledged by then
+CATCH_UP_S = 20.0  # then every replica holds the master's log by then
+RENEW_S = 0.2  # the role script's tick (lease renewal, election)
+LEASE_MS = 1200  # the lease each role command gives
+TAKE_GRACE_S = 4.0  # a master not serving this long after its command: elect again
+BREAK_AFTER_S = 1.0  # a cut held this long breaks the call (gRPC keepalive)
+SLOW_DISK_S = 0.8  # the longest store-thread job of a slow disk
+PUBLISH_WAIT_S = 3.0  # a client gives up on a publish after this long
+SAMPLE_S = 0.01  # how often the one-master-per-epoch check samples roles
+
+log = logging.getLogger("squall.sim.shell")
+
+
+class ShellSimFailure(AssertionError):
+    """A check failed; the message ends with the command that replays the seed."""
+
+
+def replay_command(seed: int) -> str:
+    """The command that replays one seed."""
+    return f"SEED={seed} .venv/bin/pytest -q -p no:cacheprovider tests/sim/test_shell_sim.py"
+
+
+class Disk:
+    """One node's disk: the MemoryKV that outlives processes, and its injected faults."""
+
+    def __init__(self) -> None:
+        self.kv = MemoryKV(DATABASES, keep_unsynced=True)
+        self.failing = False  # every write transaction raises (EIO)
+        self.slow = False  # store-thread jobs take up to SLOW_DISK_S
+
+
+class ProcessKV:
+    """One process's handle on its disk: fails writes while the disk fails, and every
+    call once the process is gone (a dead process must not touch the store again)."""
+
+    def __init__(self, disk: Disk) -> None:
+        self._disk = disk
+        self.dead = False
+
+    def _check(self) -> None:
+        if self.dead:
+            raise KVError("the process is gone")
+
+    def read(self) -> AbstractContextManager[ReadTxn]:
+        self._check()
+        return self._disk.kv.read()
+
+    def snapshot(self) -> AbstractContextManager[ReadTxn]:
+        self._check()
+        return self._disk.kv.snapshot()
+
+    @contextmanager
+    def write(self, *, sync: bool) -> Iterator[WriteTxn]:
+        self._check()
+        if self._disk.failing:
+            raise KVError("injected disk failure: EIO")
+        with self._disk.kv.write(sync=sync) as txn:
+            yield txn
+
+    def sync(self) -> None:
+        self._check()
+        if self._disk.failing:
+            raise KVError("injected disk failure: EIO on fsync")
+        self._disk.kv.sync()
+
+    def size_bytes(self) -> int:
+        return self._disk.kv.size_bytes()
+
+    def close(self) -> None:
+        self.dead = True
+
+
+@dataclass
+class Member:
+    """One node: its disk, and its running incarnation (None while down)."""
+
+    node_id: str
+    disk: Disk
+    data_dir: Path
+    incarnation: int = 0
+    replica: ReplicaNode | None = None
+    kv: ProcessKV | None = None
+    io: SimExecutor | None = None
+    paused: bool = False
+    seq: int = 0
+
+    @property
+    def process(self) -> str:
+        return f"{self.node_id}.{self.incarnation}"
+
+
+@dataclass
+class Acked:
+    payload: bytes
+    receipt: common_pb2.BatchReceipt
+
+
+@dataclass
+class Stats:
+    acked: int = 0
+    failed_publishes: int = 0
+    elections: int = 0
+    crashes: int = 0
+    disk_failures: int = 0
+    fail_stops: int = 0
+    callbacks: int = 0
+    sim_s: float = 0.0
+    events: list[str] = field(default_factory=list)
+
+
+class ShellSim:
+    """One seed's run (``run``)."""
+
+    def __init__(
+        self,
+        seed: int,
+        root: Path,
+        *,
+        acks: common_pb2.AckPolicy.ValueType = common_pb2.ACK_POLICY_MAJORITY,
+    ) -> None:
+        """acks: the ack policy (a test plants ACK_POLICY_NONE, which the checks must catch)."""
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.loop = VirtualLoop()
+        self.loop.set_exception_handler(self._loop_error)
+        self.clock = LoopClock(self.loop)
+        rng = self.rng
+        self.replica_sync = rng.choice(
+            [common_pb2.SYNC_POLICY_WRITE_NO_SYNC, common_pb2.SYNC_POLICY_SYNC]
+        )
+        base = load_config(CONFIG)
+        self.members = {node_id: Member(node_id, Disk(), root / node_id) for node_id in NODE_IDS}
+        for member in self.members.values():
+            member.data_dir.mkdir(parents=True, exist_ok=True)
+        self.config: ClusterConfig = dataclasses.replace(
+            base,
+            nodes=tuple(
+                dataclasses.replace(n, data_dir=self.members[n.id].data_dir) for n in base.nodes
+            ),
+            durability=dataclasses.replace(
+                base.durability, replica_sync=self.replica_sync, acks=acks
+            ),
+        )
+        max_delay_s = rng.choice([0.001, 0.005, 0.03])
+        self.net = ShellNetwork(
+            self.loop, lambda: rng.random() * max_delay_s, break_after_s=BREAK_AFTER_S
+        )
+        self.epoch = 0
+        self.group: list[str] = []
+        self.master_id = ""
+        self.commanded_at = 0.0
+        self.healing = False
+        self.acked: list[Acked] = []
+        self.masters: dict[int, set[str]] = {}
+        self.stats = Stats()
+        self.loop_errors: list[str] = []
+        self.payloads = 0
+        self.script_error: Exception | None = None
+
+    # --- the harness
+
+    def _loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        message = str(context.get("message", ""))
+        if "was destroyed but it is pending" in message:
+            return  # a killed process's tasks
+        exc = context.get("exception")
+        if isinstance(exc, RuntimeError) and "generator is already running" in str(exc):
+            return  # the finalizer of a generator whose process was killed mid-await
+        self.loop_errors.append(f"{message}: {exc!r} in {context.get('future')!r}")
+
+    def note(self, what: str) -> None:
+        self.stats.events.append(f"{self.loop.time():8.3f} {what}")
+
+    def fail(self, what: str) -> ShellSimFailure:
+        tail = "\n".join(self.stats.events[-40:])
+        return ShellSimFailure(
+            f"seed {self.seed}: {what}\nlast events:\n{tail}\nreplay: {replay_command(self.seed)}"
+        )
+
+    def run(self) -> Stats:
+        try:
+            self.loop.run_until_complete(self._main())
+        finally:
+            self.stats.callbacks = self.loop.callbacks_run
+            self.stats.sim_s = self.loop.time()
+            self.loop.wind_down()
+            self.loop.close()
+            for pump in list(replication_server._PUMPS):
+                if pump.get_loop() is self.loop:
+                    replication_server._PUMPS.discard(pump)
+        return self.stats
+
+    async def _main(self) -> None:
+        for member in self.members.values():
+            await self._start(member)
+        tasks = [
+            self.loop.create_task(self._role_script()),
+            self.loop.create_task(self._network_ticker()),
+            self.loop.create_task(self._sample_masters()),
+        ]
+        clients = [self.loop.create_task(self._client(i)) for i in range(2)]
+        await self._faults()
+        # Heal everything: links, disks, pauses; crashed nodes restart.
+        self.healing = True
+        self.note("heal")
+        self.net.heal()
+        for member in self.members.values():
+            member.disk.failing = False
+            member.disk.slow = False
+            if member.paused:
+                self._resume(member)
+            if member.replica is None or member.replica.failed_reason:
+                await self._restart(member)
+        healed_at = self.loop.time()
+        await self._liveness(healed_at)
+        for task in clients:
+            task.cancel()
+        await self._catch_up()
+        for task in tasks:
+            task.cancel()
+        self._check_logs()
+        if self.loop_errors:
+            raise self.fail(f"unexpected errors on the loop: {self.loop_errors[:3]}")
+
+    # --- processes
+
+    async def _start(self, member: Member) -> None:
+        member.incarnation += 1
+        disk = member.disk
+        member.kv = ProcessKV(disk)
+        rng = self.rng
+        member.io = SimExecutor(
+            self.loop,
+            member.process,
+            lambda: rng.random() * (SLOW_DISK_S if disk.slow else 0.002),
+        )
+        store = Store(member.kv)
+        replica = ReplicaNode(
+            self.config,
+            self.config.node(member.node_id),
+            store,
+            self.clock,
+            transport=self.net.transport_for(member.node_id),
+            io=member.io,
+        )
+        member.replica = replica
+        await self.loop.spawn(member.process, replica.start())
+        self.net.up(replica, member.process)
+        self.note(f"start {member.process}")
+
+    def _crash(self, member: Member, *, machine: bool) -> None:
+        assert member.replica is not None and member.kv is not None and member.io is not None
+        self.stats.crashes += 1
+        self.loop.kill(member.process)
+        member.io.kill()
+        member.kv.dead = True
+        self.net.down(member.node_id)
+        member.replica = None
+        member.paused = False
+        lost = member.disk.kv.lose_unsynced() if machine else 0
+        self.note(f"crash {member.process} ({'machine' if machine else 'process'}, lost {lost})")
+
+    async def _restart(self, member: Member) -> None:
+        if member.replica is not None:
+            self._crash(member, machine=False)
+        # The operator replaced the failing disk's fault report (it was injected).
+        (member.data_dir / FAULT_FILE_NAME).unlink(missing_ok=True)
+        await self._start(member)
+
+    def _pause(self, member: Member) -> None:
+        member.paused = True
+        self.loop.pause(member.process)
+        self.note(f"pause {member.process}")
+
+    def _resume(self, member: Member) -> None:
+        member.paused = False
+        self.loop.resume(member.process)
+        self.note(f"resume {member.process}")
+
+    # --- faults
+
+    async def _faults(self) -> None:
+        rng = self.rng
+        end = self.loop.time() + FAULT_PHASE_S
+        while self.loop.time() < end:
+            await asyncio.sleep(rng.uniform(0.2, 1.5))
+            member = self.members[rng.choice(NODE_IDS)]
+            if rng.random() < 0.5 and self.master_id:
+                member = self.members[self.master_id]  # aim at the master half the time
+            others = [n for n in NODE_IDS if n != member.node_id]
+            kind = rng.randrange(10)
+            if kind == 0 and member.replica is not None:
+                machine = self.replica_sync == common_pb2.SYNC_POLICY_SYNC and rng.random() < 0.5
+                self._crash(member, machine=machine)
+            elif kind == 1 and (member.replica is None or member.replica.failed_reason):
+                await self._restart(member)
+            elif kind == 2 and member.replica is not None and not member.paused:
+                self._pause(member)
+                self.loop.call_later(rng.uniform(0.1, 2.5), self._resume_if, member, member.process)
+            elif kind == 3:
+                peer = rng.choice(others)
+                both = rng.random() < 0.5
+                self.net.cut(member.node_id, peer, both=both)
+                self.note(f"cut {member.node_id}->{peer}{' both ways' if both else ''}")
+            elif kind == 4:
+                self.net.heal()
+                self.note("heal links")
+            elif kind == 5:
+                self.net.break_calls(member.node_id)
+                self.note(f"reset connections of {member.node_id}")
+            elif kind == 6:
+                member.disk.slow = not member.disk.slow
+                self.note(f"disk of {member.node_id} {'slow' if member.disk.slow else 'fast'}")
+            elif kind == 7 and rng.random() < 0.3:
+                member.disk.failing = True
+                self.stats.disk_failures += 1
+                self.note(f"disk of {member.node_id} fails")
+                self.loop.call_later(rng.uniform(0.05, 1.0), self._disk_ok, member)
+            elif kind == 8:
+                for peer in others:  # isolate
+                    self.net.cut(member.node_id, peer, both=True)
+                self.note(f"isolate {member.node_id}")
+            # (kind 9: quiet)
+
+    def _resume_if(self, member: Member, process: str) -> None:
+        if member.paused and member.process == process:
+            self._resume(member)
+
+    def _disk_ok(self, member: Member) -> None:
+        member.disk.failing = False
+        self.note(f"disk of {member.node_id} works again")
+
+    async def _network_ticker(self) -> None:
+        while True:
+            await asyncio.sleep(0.1)
+            self.net.tick()
+
+    # --- the role script (the coordinator's rules)
+
+    def _healthy(self, node_id: str) -> bool:
+        member = self.members[node_id]
+        replica = member.replica
+        return (
+            replica is not None
+            and not member.paused
+            and not replica.failed_reason
+            and replica.fault is None
+        )
+
+    def _connected(self, a: str, b: str) -> bool:
+        return (a, b) not in self.net.cuts and (b, a) not in self.net.cuts
+
+    def _position(self, node_id: str) -> tuple[int, int]:
+        """(last_epoch, last_lsn) as the replica reports it to its coordinator."""
+        replica = self.members[node_id].replica
+        assert replica is not None
+        meta = replica.store.meta()
+        return (meta.last_epoch, meta.last_lsn)
+
+    def _serving(self) -> bool:
+        if not self.master_id:
+            return False
+        replica = self.members[self.master_id].replica
+        return (
+            replica is not None
+            and replica.role == common_pb2.ROLE_MASTER
+            and replica.epoch == self.epoch
+        )
+
+    def _holds_role(self, node_id: str) -> bool:
+        replica = self.members[node_id].replica
+        want = common_pb2.ROLE_MASTER if node_id == self.master_id else common_pb2.ROLE_SLAVE
+        return replica is not None and replica.role == want and replica.epoch == self.epoch
+
+    async def _role_script(self) -> None:
+        while True:
+            try:
+                self._role_tick()
+            except Exception as exc:
+                self.script_error = exc  # the harness's own bug: fail the seed with it
+                raise
+            await asyncio.sleep(RENEW_S)
+
+    def _role_tick(self) -> None:
+        healthy = [n for n in NODE_IDS if self._healthy(n)]
+        master = self.master_id
+        if master and master in healthy:
+            reach = [n for n in self.group if n in healthy and self._connected(master, n)]
+            grow = [n for n in healthy if n not in self.group and self._connected(master, n)]
+            taking = self.loop.time() - self.commanded_at < TAKE_GRACE_S
+            # A member that lost its role (restarted, lease ran out) rejoins in a new epoch.
+            lost = [n for n in reach if not self._holds_role(n)]
+            if (
+                len(reach) * 2 > len(NODE_IDS)
+                and not grow
+                and (taking or (self._serving() and not lost))
+            ):
+                for node_id in reach:
+                    self._command(node_id, renew=True)
+                return
+        self._elect(healthy)
+
+    def _elect(self, healthy: list[str]) -> None:
+        rng = self.rng
+        # The largest connected group of healthy replicas (three nodes: small search).
+        best: list[str] = []
+        for group in ([*healthy], *([a, b] for a in healthy for b in healthy if a < b)):
+            if len(group) > len(best) and all(
+                self._connected(a, b) for a in group for b in group if a < b
+            ):
+                best = group
+        if len(best) * 2 <= len(NODE_IDS):
+            return  # no majority: nothing can be elected
+        epochs = [self.members[n].replica.epoch for n in best]  # type: ignore[union-attr]
+        self.epoch = max(self.epoch, *epochs) + 1
+        positions = {n: self._position(n) for n in best}
+        source = max(best, key=lambda n: (positions[n], -NODE_IDS.index(n)))
+        master = source if rng.random() < 0.75 else rng.choice(best)
+        self.master_id = master
+        self.sync_source = source
+        self.group = [master, *[n for n in best if n != master]]
+        self.commanded_at = self.loop.time()
+        self.stats.elections += 1
+        self.note(f"elect epoch {self.epoch}: master {master} group {self.group} source {source}")
+        for node_id in self.group:
+            self._command(node_id, renew=False)
+
+    def _command(self, node_id: str, *, renew: bool) -> None:
+        member = self.members[node_id]
+        replica = member.replica
+        if replica is None:
+            return
+        member.seq += 1
+        master = node_id == self.master_id
+        command = replica_pb2.RoleCommand(
+            seq=member.seq,
+            epoch=self.epoch,
+            role=common_pb2.ROLE_MASTER if master else common_pb2.ROLE_SLAVE,
+            master=common_pb2.NodeEndpoint(node_id=self.master_id),
+            lease_ms=LEASE_MS,
+            cluster_id=CLUSTER_ID,
+        )
+        if master:
+            command.members.extend(common_pb2.NodeEndpoint(node_id=n) for n in self.group)
+            command.sync_source_id = self.sync_source
+        self.loop.spawn(member.process, self._apply(replica, command, renew))
+
+    async def _apply(
+        self, replica: ReplicaNode, command: replica_pb2.RoleCommand, renew: bool
+    ) -> None:
+        try:
+            await replica.apply_role(command)
+        except ServiceError as exc:
+            if not renew:
+                self.note(f"{replica.node.id} refused epoch {command.epoch}: {exc.message[:80]}")
+
+    async def _sample_masters(self) -> None:
+        while True:
+            for member in self.members.values():
+                replica = member.replica
+                if replica is not None and replica.role == common_pb2.ROLE_MASTER:
+                    holders = self.masters.setdefault(replica.epoch, set())
+                    holders.add(member.node_id)
+                    if len(holders) > 1:
+                        raise self.fail(f"two masters in epoch {replica.epoch}: {holders}")
+            await asyncio.sleep(SAMPLE_S)
+
+    # --- clients
+
+    async def _client(self, index: int) -> None:
+        rng = random.Random(self.seed * 7919 + index)
+        while True:
+            await asyncio.sleep(rng.uniform(0.005, 0.1))
+            await self._publish_once(rng)
+
+    async def _publish_once(self, rng: random.Random) -> bool:
+        target = self.master_id or rng.choice(NODE_IDS)
+        replica = self.members[target].replica
+        if replica is None:
+            return False
+        self.payloads += 1
+        payload = b"e%d-%d" % (self.seed, self.payloads)
+        request = broker_pb2.PublishRequest(
+            topic=TOPIC, events=[common_pb2.EventData(payload=payload)]
+        )
+        try:
+            try:
+                replica.topic(TOPIC)
+            except ServiceError:
+                await asyncio.wait_for(
+                    replica.write(commands.CreateTopic(TOPIC, common_pb2.TOPIC_KIND_REPLICATED)),
+                    PUBLISH_WAIT_S,
+                )
+            receipt = await asyncio.wait_for(replica.start_publish(request), PUBLISH_WAIT_S)
+        except (ServiceError, TimeoutError):
+            self.stats.failed_publishes += 1
+            return False
+        self.acked.append(Acked(payload, receipt))
+        self.stats.acked += 1
+        return True
+
+    # --- checks
+
+    async def _liveness(self, healed_at: float) -> None:
+        rng = random.Random(self.seed)
+        deadline = healed_at + LIVENESS_S
+        while self.loop.time() < deadline:
+            if self._serving() and await self._publish_once(rng):
+                self.note("liveness: a publish was acknowledged after healing")
+                return
+            await asyncio.sleep(0.05)
+        states = {
+            m.node_id: (m.replica.role, m.replica.epoch, m.replica.failed_reason)
+            if m.replica
+            else None
+            for m in self.members.values()
+        }
+        if self.script_error is not None:
+            raise self.script_error
+        raise self.fail(
+            f"no publish acknowledged within {LIVENESS_S} s of healing "
+            f"(epoch {self.epoch}, master {self.master_id}, replicas {states})"
+        )
+
+    async def _catch_up(self) -> None:
+        deadline = self.loop.time() + CATCH_UP_S
+        while self.loop.time() < deadline:
+            replicas = [m.replica for m in self.members.values() if m.replica is not None]
+            master = self.members[self.master_id].replica
+            if (
+                master is not None
+                and len(replicas) == len(NODE_IDS)
+                and master.writes_idle()
+                and all(r.last_lsn == master.last_lsn for r in replicas)
+                and all(r.commit_lsn == master.last_lsn for r in replicas)
+            ):
+                return
+            await asyncio.sleep(0.05)
+        lsns = {
+            m.node_id: (m.replica.last_lsn, m.replica.commit_lsn) if m.replica else None
+            for m in self.members.values()
+        }
+        raise self.fail(f"replicas did not catch up within {CATCH_UP_S} s: {lsns}")
+
+    def _check_logs(self) -> None:
+        logs: dict[str, list[tuple[int, int, bytes]]] = {}
+        for member in self.members.values():
+            replica = member.replica
+            assert replica is not None
+            start = replica.log_start_lsn
+            count = replica.last_lsn - start + 1  # 0: all in an installed snapshot
+            entries = replica.store.read_log(start, count) if count > 0 else []
+            logs[member.node_id] = [(e.lsn, e.epoch, e.operation) for e in entries]
+        # Compaction may have taken different prefixes: compare what both still hold.
+        first = {lsn: (epoch, op) for lsn, epoch, op in logs[NODE_IDS[0]]}
+        for node_id, entries in logs.items():
+            for lsn, epoch, operation in entries:
+                theirs = first.get(lsn)
+                if theirs is not None and theirs != (epoch, operation):
+                    raise self.fail(
+                        f"logs differ at LSN {lsn}: {NODE_IDS[0]} has epoch {theirs[0]} "
+                        f"{theirs[1][:40]!r}, {node_id} epoch {epoch} {operation[:40]!r}"
+                    )
+        for member in self.members.values():
+            replica = member.replica
+            assert replica is not None
+            events = (
+                {e.offset: e.payload for e in replica.store.read_events(TOPIC, 0, 1_000_000)}
+                if self.acked
+                else {}
+            )
+            for acked in self.acked:
+                if events.get(acked.receipt.first_offset) != acked.payload:
+                    raise self.fail(
+                        f"acknowledged event {acked.payload!r} (offset "
+                        f"{acked.receipt.first_offset}, lsn {acked.receipt.lsn}, epoch "
+                        f"{acked.receipt.epoch}) is not readable on {member.node_id}"
+                    )
+
+
+def _quiet_dropped_coroutines(
+    hook: Callable[[sys.UnraisableHookArgs], object],
+) -> Callable[[sys.UnraisableHookArgs], object]:
+    def quiet(args: sys.UnraisableHookArgs) -> object:
+        if isinstance(args.exc_value, RuntimeError) and "ignored GeneratorExit" in str(
+            args.exc_value
+        ):
+            return None
+        return hook(args)
+
+    return quiet
+
+
+def run_seed(
+    seed: int, *, acks: common_pb2.AckPolicy.ValueType = common_pb2.ACK_POLICY_MAJORITY
+) -> Stats:
+    """Runs one seed in a temporary directory (the replicas' fault and loss files)."""
+    with tempfile.TemporaryDirectory(prefix=f"shell-sim-{seed}-") as root:
+        sim = ShellSim(seed, Path(root), acks=acks)
+        try:
+            return sim.run()
+        except ShellSimFailure as exc:
+            # A fresh exception: the caught one's frames would keep the run alive.
+            raise ShellSimFailure(str(exc)) from None
+        finally:
+            # The coroutines of killed processes were dropped mid-await: collected now,
+            # Python reports that they ignored their GeneratorExit (they never finished).
+            del sim
+            hook = sys.unraisablehook
+            sys.unraisablehook = _quiet_dropped_coroutines(hook)
+            try:
+                gc.collect()
+            finally:
+                sys.unraisablehook = hook
