@@ -98,7 +98,7 @@ from squall_server.replica.rebuild import LmdbTruncator
 from squall_server.replica.reorg import SyncProgress, Taking, answer_wait_s
 from squall_server.replica.replication import ReplicationError, SyncPolicy
 from squall_server.replica.slave_side import SlaveSide
-from squall_server.replica.store import Store, TopicInfo
+from squall_server.replica.store import Store, StoreError, TopicInfo
 from squall_server.replica.store.stall import StallMeter
 from squall_server.replica.sync_source import SyncSource
 from squall_server.replica.taking_master import TakingMaster
