@@ -132,6 +132,7 @@ def election_config(config: ClusterConfig, node_id: str) -> ElectionConfig:
         addresses={n.id: (n.coordinator_address, n.replica_address) for n in config.nodes},
         membership_version=config.membership_version,
         membership_epoch=config.membership_epoch,
+        learners=frozenset(n.id for n in config.nodes if n.learner),
     )
 
 
@@ -361,6 +362,7 @@ class GrpcReplicaLink:
             message.master.CopyFrom(endpoint_of(command.master_id))
         message.members.extend(endpoint_of(m) for m in command.members if m in known)
         message.voting_nodes.extend(endpoint_of(m) for m in command.nodes if m in known)
+        message.learner_nodes.extend(endpoint_of(m) for m in command.learners if m in known)
         return message
 
 

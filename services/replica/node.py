@@ -440,7 +440,7 @@ class ReplicaNode:
             master_config(
                 self.config,
                 self.node.id,
-                len(member_ids),
+                sum(1 for m in member_ids if not self._is_learner(m)),
                 truncate_by_snapshot=self.truncator is None,
             ),
             epoch,
@@ -875,22 +875,29 @@ class ReplicaNode:
                 e.coordinator_address,
                 e.replica_address,
                 self._nodes[e.node_id].data_dir if e.node_id in self._nodes else self.node.data_dir,
+                learner,
             )
-            for e in command.voting_nodes
+            for entries, learner in ((command.voting_nodes, False), (command.learner_nodes, True))
+            for e in entries
         )
         if nodes == self.config.nodes:
             return
         log.warning(
-            "replica %s: running node set %s (was %s): commits count a majority of it",
+            "replica %s: running node set %s (was %s): commits count a majority of its voters",
             self.node.id,
-            ",".join(n.id for n in nodes),
-            ",".join(n.id for n in self.config.nodes),
+            ",".join(n.id + (" (learner)" if n.learner else "") for n in nodes),
+            ",".join(n.id + (" (learner)" if n.learner else "") for n in self.config.nodes),
         )
         self.config = dataclasses.replace(self.config, nodes=nodes)
         self._nodes = {n.id: n for n in nodes}
         self.core.config = dataclasses.replace(
             self.core.config, replica_addresses={n.id: n.replica_address for n in nodes}
         )
+
+    def _is_learner(self, node_id: str) -> bool:
+        """Is ``node_id`` a learner of the running set (its acks count for no commit)?"""
+        node = self._nodes.get(node_id)
+        return node is not None and node.learner
 
     async def _take_master(self, take: TakeMaster, progress: SyncProgress) -> None:
         await self.become_master(

@@ -64,6 +64,7 @@ class MemberSpec(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     COORDINATOR_ADDRESS_FIELD_NUMBER: _builtins.int
     REPLICA_ADDRESS_FIELD_NUMBER: _builtins.int
+    LEARNER_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The node id."""
     priority: _builtins.int
@@ -72,6 +73,10 @@ class MemberSpec(_message.Message):
     """Its coordinator's address, host:port."""
     replica_address: _builtins.str
     """Its replica's address, host:port."""
+    learner: _builtins.bool
+    """A learner: it gets the log but neither votes, counts for a commit nor coordinates
+    until the coordinator promotes it (it came in empty: add-node, replace-node).
+    """
     def __init__(
         self,
         *,
@@ -79,10 +84,11 @@ class MemberSpec(_message.Message):
         priority: _builtins.int = ...,
         coordinator_address: _builtins.str = ...,
         replica_address: _builtins.str = ...,
+        learner: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_address", b"coordinator_address", "node_id", b"node_id", "priority", b"priority", "replica_address", b"replica_address"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_address", b"coordinator_address", "learner", b"learner", "node_id", b"node_id", "priority", b"priority", "replica_address", b"replica_address"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
