@@ -380,9 +380,7 @@ class ElectionConfig:
                 for x, p in self.priorities.items()
             ]
         )
-        return replace(
-            members, version=self.membership_version, epoch=self.membership_epoch
-        )
+        return replace(members, version=self.membership_version, epoch=self.membership_epoch)
 
     def validate(self) -> None:
         """Raise ElectionConfigError with a sentence naming the first bad value."""
@@ -980,17 +978,13 @@ class Election:
         self._membership = membership
         self._learners = frozenset(membership.learners)
         # A learner ranks as priority 0 until promoted: it is invited, never invites.
-        self._prio = {
-            x: 0 if x in self._learners else p for x, p in membership.priorities.items()
-        }
+        self._prio = {x: 0 if x in self._learners else p for x, p in membership.priorities.items()}
         n = len(membership.voters)
         self._n = n
         self._majority = n // 2 + 1
         # Higher is better; a rank is a position, so merge delays do not depend on the
         # spacing of configured priority values.
-        self._rank = {
-            node: len(self._prio) - i for i, node in enumerate(rank_order(self._prio))
-        }
+        self._rank = {node: len(self._prio) - i for i, node in enumerate(rank_order(self._prio))}
         self._others = tuple(sorted((x for x in self._prio if x != self._me), key=node_sort_key))
         self._eligible = self._prio.get(self._me, 0) > 0
         if membership.version == 0:
@@ -1242,9 +1236,7 @@ class Election:
             )
         return False
 
-    def _differs(
-        self, digest: str, version: tuple[int, int] | None = None, base: str = ""
-    ) -> bool:
+    def _differs(self, digest: str, version: tuple[int, int] | None = None, base: str = "") -> bool:
         """Do a peer's agreed settings (by digest) differ from ours? "" compares nothing.
 
         A peer holding another version of the node set (``version``) is compared without
@@ -1457,7 +1449,7 @@ class Election:
                 group_name=self._group,
                 cluster_id=self._persisted.cluster_id,
                 nodes=self._voting_nodes(),
-            learners=self._learner_nodes(),
+                learners=self._learner_nodes(),
             )
         return False
 
@@ -1505,14 +1497,20 @@ class Election:
             ),
         )
 
-    def _note_coordinator(self, node: str, serving: bool) -> None:
+    def _note_coordinator(self, node: str, serving: bool, *, older_set: bool = False) -> None:
         """``node`` coordinates a group of its own: merge it if it ranks below us. A serving
         node below us, while we serve nothing, is left to invite us to catch up; a node above
-        us that serves nothing, while we serve, is invited to catch up (module docstring)."""
+        us that serves nothing, while we serve, is invited to catch up (module docstring).
+
+        ``older_set``: ``node`` holds an older node set than ours, under which it may rank
+        us above itself and so wait for our invitation while we wait for its (a change of
+        priorities that failed left some nodes on the old set): it is invited to catch up
+        too, judges the invitation under its set, learns ours from it, and takes the group
+        over once caught up if ours ranks it first."""
         if not self._can_merge():
             return
         above = self._rank_of(node) > self._rank_of(self._me)
-        if above and not serving and self._serving():
+        if above and not serving and (self._serving() or older_set):
             self._catch_up_candidates.add(node)
             if self._merge_at_ms is None:
                 self._merge_first_ms = self._now_ms
@@ -1552,6 +1550,9 @@ class Election:
             # Higher-ranked nodes join to catch up; members that joined so and are still
             # catching up keep that standing in the re-formed group.
             catch_up = self._catch_up_candidates | (self._catch_up & set(self._members))
+        else:
+            # Only those holding an older node set (_note_coordinator) while we serve nothing.
+            catch_up = set(self._catch_up_candidates)
         self._catch_up_candidates = set()
         invite |= set(self._members) | catch_up
         alone_ok = self._quorum(self._persisted.max_seen)[0] <= 1
@@ -1689,9 +1690,7 @@ class Election:
         silent = merge.expected - merge.heard - merge.accepted.keys()
         if not silent:
             return
-        group_max = max(
-            [self._persisted.max_seen, *(r.max_seen for r in merge.accepted.values())]
-        )
+        group_max = max([self._persisted.max_seen, *(r.max_seen for r in merge.accepted.values())])
         if self._voters_in([*merge.accepted, self._me]) < self._quorum(group_max)[0]:
             return
         merge.expected -= silent
@@ -1922,9 +1921,7 @@ class Election:
             return
         sync = self._sync_source_of(reports)
         self._reorg = None
-        self._persist(
-            max_seen=max(self._persisted.max_seen, group_max, self._voters_in(final))
-        )
+        self._persist(max_seen=max(self._persisted.max_seen, group_max, self._voters_in(final)))
         self._state = NodeState.NORMAL
         self._group_epoch = reorg.epoch
         self._view = final
@@ -2194,8 +2191,8 @@ class Election:
         ready = [
             x
             for x in self._view
-            if x in self._learners and lags.get(x, CATCH_UP_LAG_ENTRIES_MAX + 1)
-            <= CATCH_UP_LAG_ENTRIES_MAX
+            if x in self._learners
+            and lags.get(x, CATCH_UP_LAG_ENTRIES_MAX + 1) <= CATCH_UP_LAG_ENTRIES_MAX
         ]
         if (
             not ready
@@ -2228,9 +2225,7 @@ class Election:
 
     # ----------------------------------------------------------------- operator
 
-    def _on_membership_change(
-        self, change: MembershipChange, operator: str, reason: str
-    ) -> None:
+    def _on_membership_change(self, change: MembershipChange, operator: str, reason: str) -> None:
         """Check an operator's membership change and re-form the group under the new set."""
         if change.kind not in OPERATOR_CHANGES:
             self._reject(
@@ -2259,21 +2254,16 @@ class Election:
                 f"this node is {self._state.value} (coordinator {self._coord})"
             )
         if self._transfer is not None:
-            return (
-                f"{refused}: a leadership transfer to {self._transfer.target} is in progress"
-            )
+            return f"{refused}: a leadership transfer to {self._transfer.target} is in progress"
         if self._persisted.quorum_override or self._persisted.designated_primary:
-            control = "quorum override" if self._persisted.quorum_override else (
-                "designated primary"
+            control = (
+                "quorum override" if self._persisted.quorum_override else ("designated primary")
             )
             return (
-                f"{refused}: the {control} is in force; clear it first, a change counts "
-                "majorities"
+                f"{refused}: the {control} is in force; clear it first, a change counts majorities"
             )
         try:
-            new = apply_change(
-                self._membership, change, live=self._view, coordinator=self._me
-            )
+            new = apply_change(self._membership, change, live=self._view, coordinator=self._me)
         except ChangeRefused as exc:
             return f"{refused}: {exc}"
         old = self._membership
@@ -2285,8 +2275,7 @@ class Election:
             "membership-change",
             f"MEMBERSHIP CHANGE by {who}: {change.describe()}; node set {old.describe()} -> "
             f"v{new.version} {new.describe().split(': ', 1)[1]}; "
-            f"re-forming {self._group} under it"
-            + (f" ({reason})" if reason else ""),
+            f"re-forming {self._group} under it" + (f" ({reason})" if reason else ""),
         )
         self._apply_membership(new)
         invite = {x for x in self._view if x != self._me and x in self._prio}
@@ -2641,7 +2630,7 @@ class Election:
         if self._same_cluster(frm, body.cluster_id) and self._agrees(
             frm, body.settings_digest, body.settings, version, base
         ):
-            self._note_coordinator(frm, body.serving)
+            self._note_coordinator(frm, body.serving, older_set=version < self._set_key())
 
     def _probe_reply(self, *, with_settings: bool) -> AreYouCoordinatorReply:
         """Our answer to a probe (with our agreed settings for a node that differs)."""
@@ -2706,7 +2695,7 @@ class Election:
             and self._agrees(frm, body.settings_digest, body.settings, version, base)
             and body.is_coordinator
         ):
-            self._note_coordinator(frm, body.serving)
+            self._note_coordinator(frm, body.serving, older_set=version < self._set_key())
 
     def _learn_designation(self, node: str, designated: bool) -> None:
         """Track the other node's designated-primary flag (persisted); both set is a
@@ -3137,9 +3126,7 @@ class Election:
             self._apply_membership(carried)
         self._persist(
             epoch=body.epoch,
-            max_seen=max(
-                self._persisted.max_seen, body.max_seen, self._voters_in(body.members)
-            ),
+            max_seen=max(self._persisted.max_seen, body.max_seen, self._voters_in(body.members)),
             cluster_id=body.cluster_id or self._persisted.cluster_id,
             membership=carried if carried is not None else self._persisted.membership,
         )

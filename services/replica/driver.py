@@ -220,8 +220,8 @@ def master_config(
     config: ClusterConfig, node_id: str, member_count: int, *, truncate_by_snapshot: bool
 ) -> MasterConfig:
     """The replication core's configuration for one master epoch of a group of
-    member_count voting nodes (learners not counted); ``truncate_by_snapshot``: this store cannot truncate its log (a
-    divergent slave gets a snapshot instead)."""
+    member_count voting nodes (learners not counted); ``truncate_by_snapshot``: this
+    store cannot truncate its log (a divergent slave gets a snapshot instead)."""
     durability = config.durability
     limits = config.limits
     nodes = tuple(n.id for n in config.nodes if not n.learner)

@@ -225,9 +225,7 @@ class MasterConfig:
             raise ReplicationConfigError(f"nodes: duplicate node id in {list(self.nodes)}")
         if self.node_id not in self.nodes:
             raise ReplicationConfigError(f"node_id {self.node_id!r} is not one of the nodes")
-        if set(self.learners) & set(self.nodes) or len(set(self.learners)) != len(
-            self.learners
-        ):
+        if set(self.learners) & set(self.nodes) or len(set(self.learners)) != len(self.learners):
             raise ReplicationConfigError(
                 f"learners {list(self.learners)} must be distinct and not voting nodes"
             )

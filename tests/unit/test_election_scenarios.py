@@ -997,9 +997,7 @@ def test_a_catch_up_invitation_naming_a_node_below_the_inviter_is_refused() -> N
     message, refused with the rule, and changes nothing."""
     election = make("3")
     before = election.status()
-    ready = election.step(
-        PeerMessage("2", "3", Invitation("2:g9", 2, 1, catch_up=("1",))), 10
-    )
+    ready = election.step(PeerMessage("2", "3", Invitation("2:g9", 2, 1, catch_up=("1",))), 10)
     assert ready.rejection is not None
     assert ready.rejection.code is RejectCode.INVALID_MESSAGE
     assert "ranked above the inviter 2" in ready.rejection.message
