@@ -94,7 +94,7 @@ class ClusterAdmin(gateway_pb2_grpc.ClusterAdminServicer):
             if status.HasField("membership"):
                 running = status.membership
                 row.membership = f"v{running.version} (epoch {running.epoch}): " + ",".join(
-                    f"{m.node_id}:{m.priority}" for m in running.members
+                    f"{m.node_id}:{m.priority}{'L' if m.learner else ''}" for m in running.members
                 )
             row.membership_change = status.membership_change
         else:
