@@ -61,6 +61,7 @@ from squall_server.common.config import ClusterConfig, NodeConfig
 from squall_server.common.errors import Code, ServiceError
 from squall_server.common.loss import load_losses, record_loss
 from squall_server.common.loss_record import LossRecord
+from squall_server.common.running_nodes import RunningNodes
 from squall_server.common.telemetry import Telemetry, current
 from squall_server.replica import commands, telemetry
 from squall_server.replica.commands import Command, Planned
@@ -166,10 +167,16 @@ class ReplicaNode:
         truncator: LmdbTruncator | None = None,
         observability: Telemetry | None = None,
         transport: Callable[[], ReplicaTransport] | None = None,
+        running_nodes: RunningNodes | None = None,
     ) -> None:
         """``transport`` makes the connections to the other replicas: one per master epoch
-        and one per reorganization sync, each closed when done (gRPC unless given)."""
+        and one per reorganization sync, each closed when done (gRPC unless given).
+        ``running_nodes``: the node ids the server's call guards accept; the role
+        commands' running node set moves them (so an added node is taken at once)."""
         self.config = config
+        self.running_nodes = running_nodes or RunningNodes(
+            (n.id for n in config.nodes), (g.id for g in config.gateways)
+        )
         self.node = node
         self.clock = clock or SystemClock()
         # (The running node set may move a node's address: a transport is made from the
@@ -868,6 +875,16 @@ class ReplicaNode:
         membership")."""
         if not command.voting_nodes:
             return
+        added, removed = self.running_nodes.follow(
+            [e.node_id for e in (*command.voting_nodes, *command.learner_nodes)]
+        )
+        if added or removed:
+            log.info(
+                "replica %s: call guards follow the running node set: %s added, %s removed",
+                self.node.id,
+                ",".join(sorted(added)) or "none",
+                ",".join(sorted(removed)) or "none",
+            )
         nodes = tuple(
             NodeConfig(
                 e.node_id,
