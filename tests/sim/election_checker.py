@@ -161,8 +161,12 @@ class Checker:
                 )
 
     def check_send(self, msg: PeerMessage) -> None:
-        """Priority-0 nodes never invite or form groups."""
+        """Priority-0 nodes and learners never invite or form groups (a coordinator that
+        accepted forwards its inviter's invitation to its members: that names the
+        inviter's group, not the sender's)."""
         body = msg.body
+        if isinstance(body, Invitation) and body.group_name.split(":")[0] != msg.from_node:
+            return
         carried = body.membership if isinstance(body, Invitation | GroupReady) else None
         priority = (
             carried.priorities.get(msg.from_node, 0)
