@@ -626,6 +626,7 @@ def _cmd_status(client: squall.Client, args: argparse.Namespace, out: TextIO) ->
             "reason",
         ]
     ]
+    learners = _learners(status)
     for node in status.nodes:
         # A coordinator that answered while its replica did not still says what it knows
         # (one fate per node: why the node is out of its group).
@@ -640,7 +641,9 @@ def _cmd_status(client: squall.Client, args: argparse.Namespace, out: TextIO) ->
                     ",".join(node.group) or "-",
                     str(node.max_seen),
                     str(node.epoch),
-                    node.role if node.reachable else "-",
+                    (f"{node.role} (learner)" if node.node_id in learners else node.role)
+                    if node.reachable
+                    else "-",
                     _quorum(node),
                     cli_explain.reason_of(node),
                 ]
@@ -672,6 +675,12 @@ def _cmd_status(client: squall.Client, args: argparse.Namespace, out: TextIO) ->
     master_row = next((n for n in status.nodes if n.node_id == status.master_id), None)
     if master_row is not None and master_row.membership:
         print(f"node set: {master_row.membership}", file=out)
+        if learners:
+            print(
+                f"  learners (L): {','.join(sorted(learners))} get the log but do not vote "
+                "until they have caught up (lag and ETA below)",
+                file=out,
+            )
         listed = {n.node_id for n in status.nodes}
         running = {
             item.split(":")[0] for item in master_row.membership.split(": ", 1)[-1].split(",")
@@ -694,7 +703,7 @@ def _cmd_status(client: squall.Client, args: argparse.Namespace, out: TextIO) ->
             eta = "-" if slave.eta_s < 0 else f"{slave.eta_s:.1f}s"
             table.append(
                 [
-                    slave.node_id,
+                    f"{slave.node_id} (learner)" if slave.node_id in learners else slave.node_id,
                     slave.state,
                     str(slave.written_lsn),
                     str(slave.lag_entries),
@@ -715,6 +724,16 @@ def _cmd_status(client: squall.Client, args: argparse.Namespace, out: TextIO) ->
         for line in cli_explain.explain_lines(status, members):
             print(line, file=out)
     return 0
+
+
+def _learners(status: squall.ClusterStatus) -> set[str]:
+    """The learners of the running node set the master's coordinator shows (``4:1L`` in
+    ``v2 (epoch 7): 1:3,2:2,4:1L``)."""
+    master_row = next((n for n in status.nodes if n.node_id == status.master_id), None)
+    if master_row is None or not master_row.membership:
+        return set()
+    items = master_row.membership.split(": ", 1)[-1].split(",")
+    return {item.split(":")[0] for item in items if item.endswith("L")}
 
 
 def _run_client(args: argparse.Namespace, out: TextIO, stdin: TextIO) -> int:

@@ -195,6 +195,7 @@ def export_text(
             "replica_address": m.replica_address,
             "data_dir": data_dirs.get(m.node_id)
             or str(known[m.node_id].data_dir if m.node_id in known else parent / m.node_id),
+            **({"learner": True} if m.learner else {}),
         }
         for m in running.members
     ]

@@ -37,6 +37,7 @@ from squall_server.common.config import ClusterConfig, LimitsConfig
 from squall_server.common.grpc_server import Context
 from squall_server.common.names import show_name
 from squall_server.common.peer_identity import HasAuthContext, peer_member_id
+from squall_server.common.running_nodes import RunningNodes
 
 log = logging.getLogger("squall.guard")
 
@@ -357,12 +358,12 @@ class _Sessions:
 class GuardInterceptor(_ServerInterceptor):
     """Runs the guards around every call they guard."""
 
-    def __init__(self, guards: Sequence[Guard], members: frozenset[str]) -> None:
+    def __init__(self, guards: Sequence[Guard], members: RunningNodes) -> None:
         self._guards = list(guards)
         self._members = members
 
     def _open(self, method: str, context: Context, streaming: bool) -> _Sessions:
-        call = Call(method, context, streaming, _member(context, self._members))
+        call = Call(method, context, streaming, _member(context, self._members.members))
         opened: list[Session] = []
         try:
             for guard in self._guards:
@@ -469,6 +470,10 @@ class GuardInterceptor(_ServerInterceptor):
         return behaviour
 
 
-def guard_interceptors(config: ClusterConfig) -> list[_ServerInterceptor]:
-    """The interceptor a service's ServiceServer takes (see guards_for)."""
-    return [GuardInterceptor(guards_for(config), members_of(config))]
+def guard_interceptors(
+    config: ClusterConfig, nodes: RunningNodes | None = None
+) -> list[_ServerInterceptor]:
+    """The interceptor a service's ServiceServer takes (see guards_for); ``nodes``: the
+    node ids in force, following the running node set (the file's when not given)."""
+    running = nodes or RunningNodes((n.id for n in config.nodes), (g.id for g in config.gateways))
+    return [GuardInterceptor(guards_for(config), running)]

@@ -107,6 +107,10 @@ class NodeConfig:
     coordinator_address: str
     replica_address: str
     data_dir: Path
+    # A learner (a node added or replaced at runtime that has not caught up yet): it gets
+    # the log but does not vote; `squall cluster config export` writes it, hand-written
+    # files leave it out.
+    learner: bool = False
 
 
 @dataclass(frozen=True)
@@ -414,7 +418,7 @@ class ClusterConfig:
                 (
                     f"nodes.{node.id}",
                     f"priority={node.priority} coordinator={node.coordinator_address} "
-                    f"replica={node.replica_address}",
+                    f"replica={node.replica_address}" + (" learner" if node.learner else ""),
                 )
             )
         durability = self.durability
@@ -539,6 +543,7 @@ _SECTIONS: Mapping[str, str] = {
 }
 _CLUSTER_KEYS = ("name", "membership_version", "membership_epoch")
 _NODE_KEYS = tuple(f.name for f in dataclasses.fields(NodeConfig))
+_NODE_REQUIRED_KEYS = tuple(k for k in _NODE_KEYS if k != "learner")
 _GATEWAY_KEYS = tuple(f.name for f in dataclasses.fields(GatewayConfig))
 _GATEWAY_REQUIRED_KEYS = ("id", "address")
 GATEWAY_READ_FROM = ("master", "replicas")
@@ -773,15 +778,21 @@ def _build_node(index: int, entry: Mapping[str, Any], base_dir: Path) -> NodeCon
     """One [[nodes]] entry; data_dir becomes an absolute path."""
     label = _label("node", entry.get("id"))
     _check_keys(entry, _NODE_KEYS, f"nodes[{index}]{label}", "nodes")
-    for key in _NODE_KEYS:
+    for key in _NODE_REQUIRED_KEYS:
         _require(entry, key, f"nodes[{index}].{key}{label}")
     data_dir = _resolve_dir(entry["data_dir"], f"nodes[{index}].data_dir{label}", base_dir)
+    learner = entry.get("learner", False)
+    if not isinstance(learner, bool):
+        raise ConfigError(
+            f"nodes[{index}].learner{label}: must be true or false, got {_describe(learner)}"
+        )
     return NodeConfig(
         id=entry["id"],
         priority=entry["priority"],
         coordinator_address=entry["coordinator_address"],
         replica_address=entry["replica_address"],
         data_dir=data_dir,
+        learner=learner,
     )
 
 

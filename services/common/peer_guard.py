@@ -23,6 +23,7 @@ import grpc
 from squall_server.common.clock import SYSTEM_CLOCK, Clock
 from squall_server.common.config import ClusterConfig
 from squall_server.common.peer_identity import peer_identities
+from squall_server.common.running_nodes import RunningNodes
 from squall_server.common.tls import ADMIN_ID
 
 if TYPE_CHECKING:
@@ -93,13 +94,20 @@ class PeerGuard(_ServerInterceptor):
     """Checks the internal calls of one node's server (coordinator or replica)."""
 
     def __init__(
-        self, config: ClusterConfig, own_id: str, service: str, clock: Clock = SYSTEM_CLOCK
+        self,
+        config: ClusterConfig,
+        own_id: str,
+        service: str,
+        clock: Clock = SYSTEM_CLOCK,
+        nodes: RunningNodes | None = None,
     ) -> None:
-        """clock: paces the refusal log (at most one line per interval per caller)."""
+        """clock: paces the refusal log (at most one line per interval per caller);
+        nodes: the node ids in force, which follow the running node set (the file's when
+        not given)."""
         self._own_id = own_id
         self._clock = clock
         self._service = service
-        self._nodes = frozenset(node.id for node in config.nodes)
+        self._running = nodes or RunningNodes(node.id for node in config.nodes)
         self._gateways = frozenset(gateway.id for gateway in config.gateways)
         self._logged: dict[tuple[str, str], float] = {}
 
@@ -112,7 +120,7 @@ class PeerGuard(_ServerInterceptor):
                 grpc.StatusCode.UNAUTHENTICATED,
                 f"{short} needs a client certificate from the cluster CA; none was presented",
             )
-        node = _one(names & self._nodes)
+        node = _one(names & self._running.ids)
         shown = ", ".join(sorted(names))
         if SELF in rule.allowed:
             if node != self._own_id:
@@ -245,6 +253,8 @@ def _one(names: frozenset[str]) -> str | None:
     return next(iter(names)) if len(names) == 1 else None
 
 
-def guards(config: ClusterConfig, own_id: str, service: str) -> list[Any]:
+def guards(
+    config: ClusterConfig, own_id: str, service: str, nodes: RunningNodes | None = None
+) -> list[Any]:
     """The interceptors a node's server takes: the guard while TLS is on, none otherwise."""
-    return [PeerGuard(config, own_id, service)] if config.tls.enabled else []
+    return [PeerGuard(config, own_id, service, nodes=nodes)] if config.tls.enabled else []

@@ -13,6 +13,7 @@ from squall_server.common.file_checks import check_data_dir, check_own_key, make
 from squall_server.common.grpc_server import ServiceServer
 from squall_server.common.logs import set_log_context
 from squall_server.common.peer_guard import guards
+from squall_server.common.running_nodes import RunningNodes
 from squall_server.common.service_main import node_service_main
 from squall_server.common.tls import transport
 from squall_server.coordinator.node import CoordinatorNode
@@ -29,7 +30,9 @@ async def serve(config: ClusterConfig, node_config: NodeConfig, stop: asyncio.Ev
     make_private_dir(node_config.data_dir)
     check_data_dir(node_config.data_dir, f"coordinator {node_config.id}")
     check_own_key(config.tls, node_config.id, f"coordinator {node_config.id}")
-    node = CoordinatorNode(config, node_config, on_shutdown=stop.set)
+    # The node ids both guards accept, following the running node set (node.py).
+    running = RunningNodes((n.id for n in config.nodes), (g.id for g in config.gateways))
+    node = CoordinatorNode(config, node_config, on_shutdown=stop.set, running_nodes=running)
     set_log_context(
         lambda: {
             "state": node.election.status().state.value,
@@ -41,7 +44,10 @@ async def serve(config: ClusterConfig, node_config: NodeConfig, stop: asyncio.Ev
         SERVICE_NAMES,
         config.limits.max_message_bytes,
         credentials=transport(config, node_config.id).server_credentials(require_client_cert=True),
-        interceptors=[*guards(config, node_config.id, "coordinator"), *guard_interceptors(config)],
+        interceptors=[
+            *guards(config, node_config.id, "coordinator", running),
+            *guard_interceptors(config, running),
+        ],
         metadata_bytes_max=config.limits.metadata_bytes_max,
     )
     coordinator_pb2_grpc.add_CoordinatorServicer_to_server(Coordinator(node), grpc_server.server)

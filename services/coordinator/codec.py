@@ -76,6 +76,7 @@ def set_to_pb(membership: Membership) -> coordinator_pb2.NodeSet:
                 priority=m.priority,
                 coordinator_address=m.coordinator_address,
                 replica_address=m.replica_address,
+                learner=m.learner,
             )
             for m in membership.members
         ],
@@ -92,6 +93,7 @@ def _set_from_pb(pb: coordinator_pb2.NodeSet, field: str) -> Membership:
             m.priority,
             m.coordinator_address,
             m.replica_address,
+            m.learner,
         )
         for i, m in enumerate(pb.members)
     )

@@ -212,6 +212,7 @@ from squall_server.common.loss_record import (
 from squall_server.coordinator.agreement import SettingDifference, differences, settings_digest
 from squall_server.coordinator.lifecycle import decide_start
 from squall_server.coordinator.membership import (
+    OPERATOR_CHANGES,
     ChangeKind,
     ChangeRefused,
     Member,
@@ -367,16 +368,19 @@ class ElectionConfig:
     # newer, such as the one a removed node still runs with.
     membership_version: int = 0
     membership_epoch: int = 0
+    # The nodes the file marks as learners (an exported running set that had some).
+    learners: frozenset[str] = frozenset()
 
     def bootstrap(self) -> Membership:
         """The config file's node set."""
         addresses = self.addresses or {}
         members = Membership.bootstrap(
-            [Member(x, p, *addresses.get(x, ("", ""))) for x, p in self.priorities.items()]
+            [
+                Member(x, p, *addresses.get(x, ("", "")), learner=x in self.learners)
+                for x, p in self.priorities.items()
+            ]
         )
-        return replace(
-            members, version=self.membership_version, epoch=self.membership_epoch
-        )
+        return replace(members, version=self.membership_version, epoch=self.membership_epoch)
 
     def validate(self) -> None:
         """Raise ElectionConfigError with a sentence naming the first bad value."""
@@ -535,7 +539,7 @@ class Election:
                 f"persisted state: node {config.node_id} is not in the node set it persisted "
                 f"({membership.describe()}): it was removed from the cluster"
             )
-        n = len(membership.members)
+        n = len(membership.voters)
         if persisted.epoch < 0 or persisted.max_seen < 0:
             raise ElectionConfigError(
                 f"persisted state: epoch {persisted.epoch} and max_seen {persisted.max_seen} "
@@ -555,6 +559,11 @@ class Election:
         )
         self._base_digest = settings_digest(self._base_settings)
         self._prio: dict[str, int] = {}
+        # Learners of the set in force: members that count for no majority and never
+        # coordinate until promoted (membership.py).
+        self._learners: frozenset[str] = frozenset()
+        # When a caught-up learner's promotion may be asked for again after one failed.
+        self._promote_next_ms = 0
         # Nodes a membership change removed, as seen here: their messages are refused
         # quietly after one log line (they may run on until an operator stops them).
         self._removed: set[str] = set()
@@ -967,13 +976,15 @@ class Election:
         gone = set(self._prio) - set(membership.ids)
         self._removed = (self._removed | gone) - set(membership.ids)
         self._membership = membership
-        self._prio = membership.priorities
-        n = len(self._prio)
+        self._learners = frozenset(membership.learners)
+        # A learner ranks as priority 0 until promoted: it is invited, never invites.
+        self._prio = {x: 0 if x in self._learners else p for x, p in membership.priorities.items()}
+        n = len(membership.voters)
         self._n = n
         self._majority = n // 2 + 1
         # Higher is better; a rank is a position, so merge delays do not depend on the
         # spacing of configured priority values.
-        self._rank = {node: n - i for i, node in enumerate(rank_order(self._prio))}
+        self._rank = {node: len(self._prio) - i for i, node in enumerate(rank_order(self._prio))}
         self._others = tuple(sorted((x for x in self._prio if x != self._me), key=node_sort_key))
         self._eligible = self._prio.get(self._me, 0) > 0
         if membership.version == 0:
@@ -983,6 +994,10 @@ class Election:
         else:
             self._settings = ()
         self._digest = settings_digest(self._settings)
+
+    def _voters_in(self, nodes: Collection[str]) -> int:
+        """How many of ``nodes`` vote (learners count for no majority)."""
+        return sum(1 for x in nodes if x not in self._learners)
 
     def _set_key(self) -> tuple[int, int]:
         """(epoch, version) of the set in force: how probes tell sets apart."""
@@ -1221,9 +1236,7 @@ class Election:
             )
         return False
 
-    def _differs(
-        self, digest: str, version: tuple[int, int] | None = None, base: str = ""
-    ) -> bool:
+    def _differs(self, digest: str, version: tuple[int, int] | None = None, base: str = "") -> bool:
         """Do a peer's agreed settings (by digest) differ from ours? "" compares nothing.
 
         A peer holding another version of the node set (``version``) is compared without
@@ -1415,7 +1428,7 @@ class Election:
         below the quorum."""
         expired = [*left, *self._expire_members()]
         required, why = self._quorum(self._persisted.max_seen)
-        size = len(self._members) + 1
+        size = self._voters_in([*self._members, self._me])
         if size < required:
             self._recover(
                 f"lost the quorum of group {self._group} (epoch {self._group_epoch}): "
@@ -1436,12 +1449,17 @@ class Election:
                 group_name=self._group,
                 cluster_id=self._persisted.cluster_id,
                 nodes=self._voting_nodes(),
+                learners=self._learner_nodes(),
             )
         return False
 
     def _voting_nodes(self) -> tuple[str, ...]:
         """The node set a master counts its commit majority from (empty: the file's)."""
-        return self._membership.ids if self._membership.version else ()
+        return self._membership.voters if self._membership.version else ()
+
+    def _learner_nodes(self) -> tuple[str, ...]:
+        """The learners a master streams to without counting their acks."""
+        return self._membership.learners
 
     def _probe(self) -> None:
         """Ask every other node whether it coordinates a group we could merge."""
@@ -1479,14 +1497,20 @@ class Election:
             ),
         )
 
-    def _note_coordinator(self, node: str, serving: bool) -> None:
+    def _note_coordinator(self, node: str, serving: bool, *, older_set: bool = False) -> None:
         """``node`` coordinates a group of its own: merge it if it ranks below us. A serving
         node below us, while we serve nothing, is left to invite us to catch up; a node above
-        us that serves nothing, while we serve, is invited to catch up (module docstring)."""
+        us that serves nothing, while we serve, is invited to catch up (module docstring).
+
+        ``older_set``: ``node`` holds an older node set than ours, under which it may rank
+        us above itself and so wait for our invitation while we wait for its (a change of
+        priorities that failed left some nodes on the old set): it is invited to catch up
+        too, judges the invitation under its set, learns ours from it, and takes the group
+        over once caught up if ours ranks it first."""
         if not self._can_merge():
             return
         above = self._rank_of(node) > self._rank_of(self._me)
-        if above and not serving and self._serving():
+        if above and not serving and (self._serving() or older_set):
             self._catch_up_candidates.add(node)
             if self._merge_at_ms is None:
                 self._merge_first_ms = self._now_ms
@@ -1526,6 +1550,9 @@ class Election:
             # Higher-ranked nodes join to catch up; members that joined so and are still
             # catching up keep that standing in the re-formed group.
             catch_up = self._catch_up_candidates | (self._catch_up & set(self._members))
+        else:
+            # Only those holding an older node set (_note_coordinator) while we serve nothing.
+            catch_up = set(self._catch_up_candidates)
         self._catch_up_candidates = set()
         invite |= set(self._members) | catch_up
         alone_ok = self._quorum(self._persisted.max_seen)[0] <= 1
@@ -1663,10 +1690,8 @@ class Election:
         silent = merge.expected - merge.heard - merge.accepted.keys()
         if not silent:
             return
-        group_max = max(
-            [self._persisted.max_seen, *(r.max_seen for r in merge.accepted.values())]
-        )
-        if len(merge.accepted) + 1 < self._quorum(group_max)[0]:
+        group_max = max([self._persisted.max_seen, *(r.max_seen for r in merge.accepted.values())])
+        if self._voters_in([*merge.accepted, self._me]) < self._quorum(group_max)[0]:
             return
         merge.expected -= silent
         self._log(
@@ -1727,7 +1752,7 @@ class Election:
             if node not in self._prio:
                 # Not in the group's node set (removed): it takes no part.
                 del reports[node]
-        size = len(reports)
+        size = self._voters_in(reports)
         group_max = max(r.max_seen for r in reports.values())
         required, why = self._quorum(group_max)
         old_short = self._old_set_short(reports.keys())
@@ -1738,7 +1763,10 @@ class Election:
                 f"{self._group}, {required} required ({why})" + old_short,
             )
             return
-        decision = decide_start(reports, self._n)
+        # A learner's store holds nothing the cluster needs: the voters' stores decide.
+        decision = decide_start(
+            {x: r for x, r in reports.items() if x not in self._learners}, self._n
+        )
         if not decision.ok:
             self._hold(
                 merge.accepted.keys() & reports.keys(),
@@ -1820,12 +1848,13 @@ class Election:
         if self._proposal is None:
             return ""
         old = in_force(self._persisted.membership, self._bootstrap)
-        have = len(set(nodes) & set(old.ids))
+        have = len(set(nodes) & set(old.voters))
         if have >= old.majority:
             return ""
         return (
             f"; the membership change {self._proposal.describe()} also needs "
-            f"{old.majority} of the old set {','.join(old.ids)}, and {have} are here"
+            f"{old.majority} of the old set's voters {','.join(old.voters)}, and {have} are "
+            "here"
         )
 
     def _hold(
@@ -1868,7 +1897,7 @@ class Election:
             members=reorg.members,
             sync_source_id=self._sync_source_of(reorg.reports),
             coordinator_id=self._me,
-            max_seen=max(group_max, len(reorg.members)),
+            max_seen=max(group_max, self._voters_in(reorg.members)),
             cluster_id=reorg.cluster_id,
             membership=reorg.membership,
         )
@@ -1883,7 +1912,7 @@ class Election:
         group_max = max(r.max_seen for r in reports.values())
         required, why = self._quorum(group_max)
         old_short = self._old_set_short(final)
-        if len(final) < required or old_short:
+        if self._voters_in(final) < required or old_short:
             missing = ",".join(x for x in reorg.members if x not in final)
             self._recover(
                 f"only {len(final)} of {len(reorg.members)} members persisted epoch "
@@ -1892,7 +1921,7 @@ class Election:
             return
         sync = self._sync_source_of(reports)
         self._reorg = None
-        self._persist(max_seen=max(self._persisted.max_seen, group_max, len(final)))
+        self._persist(max_seen=max(self._persisted.max_seen, group_max, self._voters_in(final)))
         self._state = NodeState.NORMAL
         self._group_epoch = reorg.epoch
         self._view = final
@@ -1909,6 +1938,7 @@ class Election:
             group_name=self._group,
             cluster_id=reorg.cluster_id,
             nodes=self._voting_nodes(),
+            learners=self._learner_nodes(),
         )
         self._last_change_reason = (
             f"coordinator of {self._group} in epoch {reorg.epoch} with {','.join(final)}"
@@ -1934,7 +1964,13 @@ class Election:
             LogLevel.INFO,
             "normal",
             f"reporting for duty as coordinator of {self._group}: epoch {reorg.epoch}, "
-            f"members {','.join(final)} ({len(final)}/{self._n}), sync source {sync}",
+            f"members {','.join(final)} ({self._voters_in(final)}/{self._n}"
+            + (
+                f"; learners {','.join(x for x in final if x in self._learners)}"
+                if self._learners & set(final)
+                else ""
+            )
+            + f"), sync source {sync}",
         )
         self._revert_override_if_majority(final, reorg.epoch)
 
@@ -2112,13 +2148,16 @@ class Election:
     # ----------------------------------------------------------------- rejoin
 
     def _on_slave_lags(self, lags: Mapping[str, int]) -> None:
-        """Hand the group to the highest-ranked member that joined to catch up, once its
-        replica is close enough to the master's log."""
+        """Promote a learner whose replica has caught up; hand the group to the
+        highest-ranked member that joined to catch up, once its replica is close enough to
+        the master's log."""
         if any(lag < 0 for lag in lags.values()):
             self._reject(
                 RejectCode.INVALID_ARGUMENT,
                 f"slave lags must not be negative: {dict(sorted(lags.items()))}",
             )
+            return
+        if self._promote_caught_up(lags):
             return
         waiting = [x for x in self._view if x in self._catch_up]
         if (
@@ -2144,51 +2183,89 @@ class Election:
             f"it (epoch {self._group_epoch})",
         )
 
+    def _promote_caught_up(self, lags: Mapping[str, int]) -> bool:
+        """A learner of the serving group whose replica lags at most
+        ``CATCH_UP_LAG_ENTRIES_MAX`` entries becomes a voter: the coordinator makes the
+        change itself (one voter more, a single-server change like the operator's). Was a
+        promotion started?"""
+        ready = [
+            x
+            for x in self._view
+            if x in self._learners
+            and lags.get(x, CATCH_UP_LAG_ENTRIES_MAX + 1) <= CATCH_UP_LAG_ENTRIES_MAX
+        ]
+        if (
+            not ready
+            or not self._serving()
+            or self._proposal is not None
+            or self._transfer is not None
+            or self._now_ms < self._promote_next_ms
+        ):
+            return False
+        target = ready[0]
+        # One try per window: a promotion that fails (the group did not re-form) is asked
+        # for again after the merge's own limit.
+        self._promote_next_ms = self._now_ms + 2 * self._cfg.member_timeout_ms
+        self._log(
+            LogLevel.INFO,
+            "learner-caught-up",
+            f"learner {target} lags {lags[target]} entries (at most "
+            f"{CATCH_UP_LAG_ENTRIES_MAX}) behind the master of epoch {self._group_epoch}: "
+            "promoting it to voter",
+        )
+        refusal = self._propose(
+            MembershipChange(ChangeKind.PROMOTE, target),
+            "coordinator",
+            f"learner caught up ({lags[target]} entries behind)",
+        )
+        if refusal:
+            self._log(LogLevel.INFO, "learner-not-promoted", f"learner {target}: {refusal}")
+            return False
+        return True
+
     # ----------------------------------------------------------------- operator
 
-    def _on_membership_change(
-        self, change: MembershipChange, operator: str, reason: str
-    ) -> None:
-        """Check a membership change and re-form the group under the new set."""
+    def _on_membership_change(self, change: MembershipChange, operator: str, reason: str) -> None:
+        """Check an operator's membership change and re-form the group under the new set."""
+        if change.kind not in OPERATOR_CHANGES:
+            self._reject(
+                RejectCode.INVALID_ARGUMENT,
+                f"membership change {change.describe()} refused: the coordinator promotes a "
+                "learner itself once it has caught up",
+            )
+            return
+        refusal = self._propose(change, operator, reason)
+        if refusal:
+            self._reject(RejectCode.FAILED_PRECONDITION, refusal)
+
+    def _propose(self, change: MembershipChange, operator: str, reason: str) -> str:
+        """Check a membership change and re-form the group under the new set; the refusal,
+        or "" once the change is in progress."""
         who = operator or "unknown operator"
         refused = f"membership change {change.describe()} refused ({who})"
         if self._proposal is not None:
-            self._reject(
-                RejectCode.FAILED_PRECONDITION,
+            return (
                 f"{refused}: the change {self._proposal.describe()} is in progress; one change "
-                "at a time (see squall status)",
+                "at a time (see squall status)"
             )
-            return
         if not self._serving():
-            self._reject(
-                RejectCode.FAILED_PRECONDITION,
+            return (
                 f"{refused}: only the coordinator of the serving group changes the node set; "
-                f"this node is {self._state.value} (coordinator {self._coord})",
+                f"this node is {self._state.value} (coordinator {self._coord})"
             )
-            return
         if self._transfer is not None:
-            self._reject(
-                RejectCode.FAILED_PRECONDITION,
-                f"{refused}: a leadership transfer to {self._transfer.target} is in progress",
-            )
-            return
+            return f"{refused}: a leadership transfer to {self._transfer.target} is in progress"
         if self._persisted.quorum_override or self._persisted.designated_primary:
-            control = "quorum override" if self._persisted.quorum_override else (
-                "designated primary"
+            control = (
+                "quorum override" if self._persisted.quorum_override else ("designated primary")
             )
-            self._reject(
-                RejectCode.FAILED_PRECONDITION,
-                f"{refused}: the {control} is in force; clear it first, a change counts "
-                "majorities",
+            return (
+                f"{refused}: the {control} is in force; clear it first, a change counts majorities"
             )
-            return
         try:
-            new = apply_change(
-                self._membership, change, live=self._view, coordinator=self._me
-            )
+            new = apply_change(self._membership, change, live=self._view, coordinator=self._me)
         except ChangeRefused as exc:
-            self._reject(RejectCode.FAILED_PRECONDITION, f"{refused}: {exc}")
-            return
+            return f"{refused}: {exc}"
         old = self._membership
         self._record(who, f"membership {change.describe()}", reason)
         self._proposal = change
@@ -2197,15 +2274,15 @@ class Election:
             LogLevel.WARNING,
             "membership-change",
             f"MEMBERSHIP CHANGE by {who}: {change.describe()}; node set {old.describe()} -> "
-            f"v{new.version} {','.join(f'{m.node_id}:{m.priority}' for m in new.members)}; "
-            f"re-forming {self._group} under it"
-            + (f" ({reason})" if reason else ""),
+            f"v{new.version} {new.describe().split(': ', 1)[1]}; "
+            f"re-forming {self._group} under it" + (f" ({reason})" if reason else ""),
         )
         self._apply_membership(new)
         invite = {x for x in self._view if x != self._me and x in self._prio}
         if change.kind in (ChangeKind.ADD, ChangeKind.REPLACE):
             invite.add(change.node_id)
         self._start_merge(invite)
+        return ""
 
     def _on_designated_primary(self, enabled: bool, operator: str) -> None:
         """Set or clear the designated primary flag (two-node clusters only)."""
@@ -2287,7 +2364,7 @@ class Election:
         majority of the configured nodes, it is no longer needed and would only risk a split
         brain at the next partition, so it clears itself."""
         override = self._persisted.quorum_override
-        if not override or len(members) < self._majority:
+        if not override or self._voters_in(members) < self._majority:
             return
         record = self._persisted.quorum_override_record
         set_by = f" (set by {record.operator} at {record.at_ms})" if record is not None else ""
@@ -2553,7 +2630,7 @@ class Election:
         if self._same_cluster(frm, body.cluster_id) and self._agrees(
             frm, body.settings_digest, body.settings, version, base
         ):
-            self._note_coordinator(frm, body.serving)
+            self._note_coordinator(frm, body.serving, older_set=version < self._set_key())
 
     def _probe_reply(self, *, with_settings: bool) -> AreYouCoordinatorReply:
         """Our answer to a probe (with our agreed settings for a node that differs)."""
@@ -2618,7 +2695,7 @@ class Election:
             and self._agrees(frm, body.settings_digest, body.settings, version, base)
             and body.is_coordinator
         ):
-            self._note_coordinator(frm, body.serving)
+            self._note_coordinator(frm, body.serving, older_set=version < self._set_key())
 
     def _learn_designation(self, node: str, designated: bool) -> None:
         """Track the other node's designated-primary flag (persisted); both set is a
@@ -3049,7 +3126,7 @@ class Election:
             self._apply_membership(carried)
         self._persist(
             epoch=body.epoch,
-            max_seen=max(self._persisted.max_seen, body.max_seen, len(body.members)),
+            max_seen=max(self._persisted.max_seen, body.max_seen, self._voters_in(body.members)),
             cluster_id=body.cluster_id or self._persisted.cluster_id,
             membership=carried if carried is not None else self._persisted.membership,
         )
@@ -3068,6 +3145,7 @@ class Election:
             group_name=body.group_name,
             cluster_id=self._persisted.cluster_id,
             nodes=self._voting_nodes(),
+            learners=self._learner_nodes(),
         )
         self._last_change_reason = f"slave of {frm} in {body.group_name}, epoch {body.epoch}"
         self._log(

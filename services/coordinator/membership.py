@@ -9,6 +9,14 @@ changes"). Every change adds, removes or re-addresses at most one voting node, s
 majority of the old set and any majority of the new set share a node (the single-server
 changes of Raft's thesis, section 4.1; docs/replication.md says why not joint consensus).
 
+A node that arrives empty (``add-node``, ``replace-node``) comes in as a *learner* (Raft's
+non-voting member, thesis section 4.2.1): it is a member of the group and receives the
+log, but it neither counts for a group's majority nor for a commit, and never
+coordinates. Once its replica is within the catch-up bound of the master's log the
+coordinator makes it a voter with one more change (``PROMOTE``), again one voter at a time.
+So a new node never stalls commits or weakens the majority while it copies the log, and a
+node that never catches up simply stays a learner.
+
 Pure: no I/O; the refusals are sentences an operator can act on.
 """
 
@@ -33,12 +41,14 @@ def _order(node_id: str) -> tuple[int, int, str]:
 
 @dataclass(frozen=True, slots=True)
 class Member:
-    """One voting node: its id, priority and the addresses its peers dial."""
+    """One node: its id, priority and the addresses its peers dial; a ``learner`` gets the
+    log but neither votes, counts for a commit nor coordinates until it is promoted."""
 
     node_id: str
     priority: int
     coordinator_address: str = ""
     replica_address: str = ""
+    learner: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,9 +82,19 @@ class Membership:
         return {m.node_id: m.priority for m in self.members}
 
     @property
+    def voters(self) -> tuple[str, ...]:
+        """The ids of the nodes that vote (every member but the learners), in node order."""
+        return tuple(m.node_id for m in self.members if not m.learner)
+
+    @property
+    def learners(self) -> tuple[str, ...]:
+        """The ids of the learners, in node order."""
+        return tuple(m.node_id for m in self.members if m.learner)
+
+    @property
     def majority(self) -> int:
-        """Nodes a majority of this set needs."""
-        return len(self.members) // 2 + 1
+        """Voters a majority of this set needs."""
+        return len(self.voters) // 2 + 1
 
     def member(self, node_id: str) -> Member | None:
         """The member with this id, or None."""
@@ -87,24 +107,32 @@ class Membership:
             (
                 f"nodes.{m.node_id}",
                 f"priority={m.priority} coordinator={m.coordinator_address} "
-                f"replica={m.replica_address}",
+                f"replica={m.replica_address}" + (" learner" if m.learner else ""),
             )
             for m in sorted(self.members, key=lambda m: m.node_id)
         )
 
     def describe(self) -> str:
-        """``v2 (epoch 7): 1:3,2:2,4:1`` for logs and status."""
-        nodes = ",".join(f"{m.node_id}:{m.priority}" for m in self.members)
+        """``v2 (epoch 7): 1:3,2:2,4:1L`` for logs and status (``L``: a learner)."""
+        nodes = ",".join(
+            f"{m.node_id}:{m.priority}{'L' if m.learner else ''}" for m in self.members
+        )
         return f"v{self.version} (epoch {self.epoch}): {nodes}"
 
 
 class ChangeKind(enum.Enum):
-    """The four runtime membership changes."""
+    """The four runtime membership changes an operator asks for, and ``PROMOTE``, which
+    the coordinator makes itself when a learner has caught up."""
 
     ADD = "add-node"
     REMOVE = "remove-node"
     REPLACE = "replace-node"
     SET_PRIORITY = "set-priority"
+    PROMOTE = "promote-learner"
+
+
+# What an operator may ask for (PROMOTE is the coordinator's own).
+OPERATOR_CHANGES = (ChangeKind.ADD, ChangeKind.REMOVE, ChangeKind.REPLACE, ChangeKind.SET_PRIORITY)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +148,7 @@ class MembershipChange:
 
     def describe(self) -> str:
         """``add-node 4 (priority 1, coordinator h:1, replica h:2)``."""
-        if self.kind is ChangeKind.REMOVE:
+        if self.kind in (ChangeKind.REMOVE, ChangeKind.PROMOTE):
             return f"{self.kind.value} {self.node_id}"
         if self.kind is ChangeKind.SET_PRIORITY:
             return f"{self.kind.value} {self.node_id} {self.priority}"
@@ -144,7 +172,9 @@ def apply_change(
     be up; the change must leave them a majority of both the old and the new set, so the
     group can re-form at once and no acknowledged write depends on a node that leaves.
     ``coordinator``: the node applying it, which can neither be removed nor replaced
-    while it leads (transfer the leadership first).
+    while it leads (transfer the leadership first). ADD and REPLACE make the node a
+    learner; PROMOTE makes a learner a voter (the coordinator asks for it once the
+    learner has caught up).
     """
     node = change.node_id
     if not _ID_RE.fullmatch(node):
@@ -161,7 +191,9 @@ def apply_change(
             raise ChangeRefused(f"the cluster already has {MEMBERS_MAX} nodes, the most it may")
         _check_priority(change.priority)
         _check_addresses(current, change, ignore=None)
-        new = Member(node, change.priority, change.coordinator_address, change.replica_address)
+        new = Member(
+            node, change.priority, change.coordinator_address, change.replica_address, True
+        )
         members = (*current.members, new)
     else:
         if existing is None:
@@ -188,15 +220,28 @@ def apply_change(
                     "an empty store)"
                 )
             _check_addresses(current, change, ignore=node)
+            # The new machine's store is empty: it learns before it votes again.
             members = tuple(
                 replace(
                     m,
                     coordinator_address=change.coordinator_address,
                     replica_address=change.replica_address,
+                    learner=True,
                 )
                 if m.node_id == node
                 else m
                 for m in current.members
+            )
+        elif change.kind is ChangeKind.PROMOTE:
+            if not existing.learner:
+                raise ChangeRefused(f"node {node} already votes; only a learner is promoted")
+            if node not in live:
+                raise ChangeRefused(
+                    f"node {node} is not in the serving group; a learner is promoted once "
+                    "it has caught up there"
+                )
+            members = tuple(
+                replace(m, learner=False) if m.node_id == node else m for m in current.members
             )
         else:
             _check_priority(change.priority)
@@ -211,8 +256,10 @@ def apply_change(
                 replace(m, priority=change.priority) if m.node_id == node else m
                 for m in current.members
             )
-    if all(m.priority == 0 for m in members):
-        raise ChangeRefused("every node would have priority 0, so none could coordinate")
+    if all(m.priority == 0 or m.learner for m in members):
+        raise ChangeRefused(
+            "every voting node would have priority 0, so none could coordinate"
+        )
     new_set = Membership(current.version + 1, current.epoch, members)
     _check_quorum(current, new_set, live, change)
     return new_set
@@ -255,18 +302,19 @@ def _check_addresses(current: Membership, change: MembershipChange, *, ignore: s
 def _check_quorum(
     old: Membership, new: Membership, live: Collection[str], change: MembershipChange
 ) -> None:
-    """The live members must make a majority of the old set and of the new one."""
+    """The live voters must make a majority of the old voters and of the new ones."""
     up = set(live)
     if change.kind in (ChangeKind.REMOVE, ChangeKind.REPLACE):
         up.discard(change.node_id)
-    old_up = len(up & set(old.ids))
-    new_up = len(up & set(new.ids))
+    old_up = len(up & set(old.voters))
+    new_up = len(up & set(new.voters))
     if old_up < old.majority or new_up < new.majority:
-        up_names = ",".join(sorted(up, key=_order)) or "none"
+        up_names = ",".join(sorted(up & set(old.voters) | up & set(new.voters), key=_order))
         raise ChangeRefused(
             f"{change.describe()} would leave the cluster unable to form a majority: "
-            f"{len(old.members)} -> {len(new.members)} nodes needs {old.majority} of the old "
-            f"and {new.majority} of the new set up, and the serving group has {up_names} "
+            f"{len(old.voters)} -> {len(new.voters)} voters needs {old.majority} of the old "
+            f"and {new.majority} of the new set up, and the serving group has "
+            f"{up_names or 'none'} "
             f"({old_up} of the old, {new_up} of the new); bring members back first"
         )
 

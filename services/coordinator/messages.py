@@ -379,6 +379,9 @@ class RoleCommand:
     nodes: tuple[str, ...] = ()
     """MASTER: the voting node set the commit majority is counted from (empty: the
     config file's nodes)."""
+    learners: tuple[str, ...] = ()
+    """MASTER: the running set's learners: members it streams to whose acks count for no
+    commit (membership.py)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -497,10 +500,11 @@ def _digest(digest: str, settings: tuple[tuple[str, str], ...] = ()) -> str:
 
 
 def _membership(membership: Membership | None) -> str:
-    """`` nodes=v1@3:1:3,2:2,4:1`` for a message that carries a changed node set."""
+    """`` nodes=v1@3:1:3,2:2,4:1L`` for a message that carries a changed node set (``L``:
+    a learner)."""
     if membership is None or membership.version == 0:
         return ""
-    nodes = ",".join(f"{m.node_id}:{m.priority}" for m in membership.members)
+    nodes = membership.describe().split("): ", 1)[1]
     return f" nodes=v{membership.version}@{membership.epoch}:{nodes}"
 
 
@@ -578,5 +582,9 @@ def format_role_command(cmd: RoleCommand) -> str:
     if cmd.kind is RoleCommandKind.DEACTIVATE:
         return "deactivate"
     if cmd.kind is RoleCommandKind.MASTER:
-        return f"master epoch={cmd.epoch} members={','.join(cmd.members)} sync={cmd.sync_source_id}"
+        learners = f" learners={','.join(cmd.learners)}" if cmd.learners else ""
+        return (
+            f"master epoch={cmd.epoch} members={','.join(cmd.members)} "
+            f"sync={cmd.sync_source_id}{learners}"
+        )
     return f"follow master={cmd.master_id} epoch={cmd.epoch}"

@@ -39,6 +39,7 @@ from squall_server.common.grpc_server import channel_options
 from squall_server.common.ids import new_cluster_id
 from squall_server.common.loss import loss_from_proto
 from squall_server.common.loss_record import LOSS_RECORDS_MAX
+from squall_server.common.running_nodes import RunningNodes
 from squall_server.common.telemetry import Telemetry, current
 from squall_server.common.tls import handshake_failure, transport
 from squall_server.coordinator import codec, handoff
@@ -132,6 +133,7 @@ def election_config(config: ClusterConfig, node_id: str) -> ElectionConfig:
         addresses={n.id: (n.coordinator_address, n.replica_address) for n in config.nodes},
         membership_version=config.membership_version,
         membership_epoch=config.membership_epoch,
+        learners=frozenset(n.id for n in config.nodes if n.learner),
     )
 
 
@@ -361,6 +363,7 @@ class GrpcReplicaLink:
             message.master.CopyFrom(endpoint_of(command.master_id))
         message.members.extend(endpoint_of(m) for m in command.members if m in known)
         message.voting_nodes.extend(endpoint_of(m) for m in command.nodes if m in known)
+        message.learner_nodes.extend(endpoint_of(m) for m in command.learners if m in known)
         return message
 
 
@@ -405,8 +408,13 @@ class CoordinatorNode:
         peers: PeerTransport | None = None,
         replica: ReplicaLink | None = None,
         store: StateStore | None = None,
+        running_nodes: RunningNodes | None = None,
     ) -> None:
         self.config = config
+        # The node ids the server's call guards accept: the election's node set in force.
+        self.running_nodes = running_nodes or RunningNodes(
+            (n.id for n in config.nodes), (g.id for g in config.gateways)
+        )
         self.node = node
         self.clock = clock or SystemClock()
         observed = observability or current()
@@ -436,6 +444,7 @@ class CoordinatorNode:
             self._peers.address_of = self._coordinator_address
         if isinstance(self._replica, GrpcReplicaLink):
             self._replica.running_set = lambda: self.election.membership
+        self._follow_running_set()
         # Stops the process (a clean cluster shutdown asked for it).
         self._on_shutdown = on_shutdown
         self._probe: asyncio.Task[None] | None = None
@@ -657,9 +666,29 @@ class CoordinatorNode:
         )
         if status.state is NodeState.NORMAL and status.coordinator_id in known:
             view.master.CopyFrom(running_endpoint(self.config, running, status.coordinator_id))
+        if running is not None and running.version:
+            view.nodes.extend(running_endpoint(self.config, running, m) for m in running.ids)
+            view.membership_version = running.version
+            view.membership_epoch = running.epoch
         return view
 
+    def _follow_running_set(self) -> None:
+        """The call guards take the node set in force (a membership change moved it)."""
+        membership = self.election.membership
+        if not membership.version:
+            return
+        added, removed = self.running_nodes.follow(membership.ids)
+        if added or removed:
+            log.info(
+                "coordinator %s: call guards follow node set %s: %s added, %s removed",
+                self.node.id,
+                membership.describe(),
+                ",".join(sorted(added)) or "none",
+                ",".join(sorted(removed)) or "none",
+            )
+
     def _view_changed(self) -> None:
+        self._follow_running_set()
         view = self.group_view()
         for queue in self._watchers:
             if queue.full():

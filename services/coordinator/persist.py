@@ -131,9 +131,13 @@ def _membership(path: Path, value: object) -> Membership | None:
     parsed: list[Member] = []
     fields = {"node_id", "priority", "coordinator_address", "replica_address"}
     for i, member in enumerate(members):
-        if not isinstance(member, dict) or set(member) != fields:
+        # ``learner`` came later: a file written before it holds voters only.
+        if not isinstance(member, dict) or set(member) - {"learner"} != fields:
             raise StateFileError(f"{path}: membership.members[{i}] must hold {sorted(fields)}")
         priority = member["priority"]
+        learner = member.get("learner", False)
+        if not isinstance(learner, bool):
+            raise StateFileError(f"{path}: membership.members[{i}].learner must be true/false")
         texts = [member[k] for k in fields - {"priority"}]
         if (
             not isinstance(priority, int)
@@ -148,6 +152,7 @@ def _membership(path: Path, value: object) -> Membership | None:
                 priority,
                 member["coordinator_address"],
                 member["replica_address"],
+                learner,
             )
         )
     ids = [m.node_id for m in parsed]

@@ -13,6 +13,7 @@ from squall_server.common.config import ClusterConfig, GatewayConfig, load_confi
 from squall_server.common.file_checks import check_own_key
 from squall_server.common.grpc_server import ServiceServer
 from squall_server.common.logs import set_log_context, setup_logging
+from squall_server.common.running_nodes import RunningNodes
 from squall_server.common.service_main import run_service
 from squall_server.console.hosted import HostedConsole, serves_console
 from squall_server.gateway.forward import FORWARDED_SERVICES, Forwarder
@@ -33,7 +34,11 @@ async def serve(config: ClusterConfig, gateway: GatewayConfig, stop: asyncio.Eve
     check_own_key(config.tls, gateway.id, f"gateway {gateway.id}")
     timeout_s = config.timeouts.publish_timeout_ms / 1000
     rpc_timeout_s = config.timeouts.rpc_timeout_ms / 1000
-    masters = MasterTracker(config, gateway.id, probe_timeout_s=rpc_timeout_s)
+    # The node ids the call guard takes for members, following the running node set.
+    running = RunningNodes((n.id for n in config.nodes), (g.id for g in config.gateways))
+    masters = MasterTracker(
+        config, gateway.id, probe_timeout_s=rpc_timeout_s, running_nodes=running
+    )
     admin = ClusterAdmin(config, masters, timeout_s=rpc_timeout_s)
     # Each shared publish stream is one client to a replica: it stays within that
     # client's limit of publishes awaiting receipts.
@@ -53,7 +58,7 @@ async def serve(config: ClusterConfig, gateway: GatewayConfig, stop: asyncio.Eve
         SERVICE_NAMES,
         config.limits.max_message_bytes,
         credentials=masters.transport.server_credentials(require_client_cert=False),
-        interceptors=guard_interceptors(config),
+        interceptors=guard_interceptors(config, running),
         metadata_bytes_max=config.limits.metadata_bytes_max,
     )
     grpc_server.server.add_generic_rpc_handlers(forwarder.handlers())

@@ -15,6 +15,11 @@ While no master is known, calls wait for one (bounded; `MasterTracker.wait_maste
 IceStorm's clients block while the group is inactive. Only when no coordinator has
 answered at all since start-up does the gateway fall back to asking every replica for its
 role (highest epoch wins). Every change of master is logged with node and epoch.
+
+The node list is the config file's at start; a view that carries a running node set (a
+membership change made one) newer than any seen teaches the gateway the nodes it adds and
+the addresses it moves (``GroupViews.learn``), and the tracker then opens channels to them
+and watches their coordinators: an added node is reached without restarting the gateway.
 """
 
 from __future__ import annotations
@@ -34,10 +39,11 @@ from squall.v1 import (
     replica_pb2_grpc,
 )
 from squall.wire.auth import resolve_token, token_metadata
-from squall_server.common.config import ClusterConfig, NodeConfig
+from squall_server.common.config import ClusterConfig
 from squall_server.common.grpc_server import channel_options
 from squall_server.common.grpc_tracing import client_interceptors
 from squall_server.common.logs import log_fields
+from squall_server.common.running_nodes import RunningNodes
 from squall_server.common.tls import transport
 
 log = logging.getLogger("squall.gateway")
@@ -61,9 +67,18 @@ class Master:
 class GroupViews:
     """The newest group view of each coordinator, and the master they imply (pure)."""
 
-    def __init__(self, replica_addresses: dict[str, str]) -> None:
-        # node id -> replica address, from the configuration: a view can only name these.
+    def __init__(
+        self,
+        replica_addresses: dict[str, str],
+        coordinator_addresses: dict[str, str] | None = None,
+    ) -> None:
+        # node id -> replica address, from the configuration and then the running node
+        # set (learn): a view can only name these.
         self._addresses = dict(replica_addresses)
+        # node id -> coordinator address (the nodes whose views the gateway watches).
+        self.coordinators = dict(coordinator_addresses or {})
+        # (epoch, version) of the newest running node set learned; (0, 0): the file's.
+        self._set_key = (0, 0)
         self._views: dict[str, coordinator_pb2.GroupView] = {}
         # The highest epoch in which any coordinator reported a master.
         self.epoch_floor = 0
@@ -90,8 +105,30 @@ class GroupViews:
         return self.master
 
     def address(self, node_id: str) -> str:
-        """A configured node's replica address."""
+        """A known node's replica address."""
         return self._addresses[node_id]
+
+    def learn(self, view: coordinator_pb2.GroupView) -> tuple[str, ...]:
+        """Takes the running node set a view carries when it is newer than any learned:
+        its nodes' addresses replace the known ones (an added node, a replaced node's new
+        machine). Returns the ids added or moved, in order ("" none). Nodes the set no
+        longer holds stay known: their views still count, and epochs sort them out."""
+        key = (view.membership_epoch, view.membership_version)
+        if not view.membership_version or not view.nodes or key <= self._set_key:
+            return ()
+        self._set_key = key
+        changed: list[str] = []
+        for node in view.nodes:
+            if not node.node_id or not node.replica_address or not node.coordinator_address:
+                continue
+            known = (self._addresses.get(node.node_id), self.coordinators.get(node.node_id))
+            if known != (node.replica_address, node.coordinator_address):
+                self._addresses[node.node_id] = node.replica_address
+                self.coordinators[node.node_id] = node.coordinator_address
+                changed.append(node.node_id)
+        if changed:
+            self.master = self._derive()
+        return tuple(sorted(changed))
 
     def forget(self, node_id: str) -> Master | None:
         """Drops node_id's view (its stream ended); returns the master implied now."""
@@ -153,8 +190,13 @@ class MasterTracker:
         *,
         probe_timeout_s: float = 1.0,
         rng: random.Random | None = None,
+        running_nodes: RunningNodes | None = None,
     ) -> None:
         self._config = config
+        # The node ids the gateway's call guard takes: the file's, and the running set's.
+        self.running_nodes = running_nodes or RunningNodes(
+            (n.id for n in config.nodes), (g.id for g in config.gateways)
+        )
         self._gateway_id = gateway_id
         self._probe_timeout_s = probe_timeout_s
         self._rng = rng or random.Random()
@@ -181,7 +223,12 @@ class MasterTracker:
         # With [auth] on, a coordinator trusts this gateway by its TLS certificate; without
         # TLS it needs a token, taken from $SQUALL_TOKEN or $SQUALL_TOKEN_FILE (docs/auth.md).
         self._own_metadata = token_metadata(resolve_token())
-        self._views = GroupViews({node.id: node.replica_address for node in config.nodes})
+        self._options = options
+        self._views = GroupViews(
+            {node.id: node.replica_address for node in config.nodes},
+            {node.id: node.coordinator_address for node in config.nodes},
+        )
+        self._watch_by_node: dict[str, asyncio.Task[None]] = {}
         # Set on every change of master; waiters take the current event before waiting.
         self._changed = asyncio.Event()
         # Set on every view a coordinator reports or loses (a group's members can change
@@ -190,6 +237,8 @@ class MasterTracker:
         self._probed: Master | None = None
         self._probe_lock = asyncio.Lock()
         self._watches: list[asyncio.Task[None]] = []
+        # Coordinator channels replaced by a moved address, closed with the rest.
+        self._retired: list[grpc.aio.Channel] = []
 
     # --- what the forwarder and the status view use
 
@@ -290,12 +339,57 @@ class MasterTracker:
     def start(self) -> None:
         """Opens a group-view watch to every coordinator."""
         for node in self._config.nodes:
-            task = asyncio.create_task(self._watch(node), name=f"watch-{node.id}")
-            self._watches.append(task)
+            self._start_watch(node.id)
 
-    async def _watch(self, node: NodeConfig) -> None:
+    def _start_watch(self, node_id: str) -> None:
+        task = asyncio.create_task(self._watch(node_id), name=f"watch-{node_id}")
+        self._watches.append(task)
+        self._watch_by_node[node_id] = task
+
+    def nodes(self) -> list[tuple[str, str, str]]:
+        """(node id, coordinator address, replica address) of every node known: the file's
+        and those the running node set added, by id."""
+        return sorted(
+            (node_id, address, self._views.address(node_id))
+            for node_id, address in self._views.coordinators.items()
+        )
+
+    def coordinator_channel(self, node_id: str) -> grpc.aio.Channel:
+        """The channel to a known node's coordinator."""
+        return self._coordinator_channels[node_id]
+
+    def _follow(self, changed: tuple[str, ...]) -> None:
+        """Nodes the running node set added or moved: channels to their replica and
+        coordinator, and a watch of the coordinator (restarted at a moved address)."""
+        for node_id in changed:
+            replica = self._views.address(node_id)
+            coordinator = self._views.coordinators[node_id]
+            if replica not in self._channels:
+                self._channels[replica] = self.transport.aio_channel(
+                    replica, options=self._options, interceptors=client_interceptors()
+                )
+            old = self._coordinator_channels.get(node_id)
+            self._coordinator_channels[node_id] = self.transport.aio_channel(
+                coordinator, options=self._options
+            )
+            watch = self._watch_by_node.get(node_id)
+            if watch is not None:
+                watch.cancel()
+            if old is not None:
+                self._retired.append(old)
+            self._start_watch(node_id)
+            log.info(
+                "gateway %s: node %s (coordinator %s, replica %s) from the running node set: "
+                "watching it",
+                self._gateway_id,
+                node_id,
+                coordinator,
+                replica,
+            )
+
+    async def _watch(self, node_id: str) -> None:
         """Follows one coordinator's views for ever, reconnecting with bounded backoff."""
-        stub = coordinator_pb2_grpc.CoordinatorStub(self._coordinator_channels[node.id])
+        stub = coordinator_pb2_grpc.CoordinatorStub(self._coordinator_channels[node_id])
         failures = 0
         while True:
             call = stub.WatchGroupView(
@@ -304,19 +398,19 @@ class MasterTracker:
             try:
                 async for view in call:
                     failures = 0
-                    self._observe(node.id, view)
+                    self._observe(node_id, view)
             except grpc.aio.AioRpcError as error:
                 if failures == 0:
                     log.info(
                         "gateway %s: group-view watch of %s ended: %s",
                         self._gateway_id,
-                        node.id,
+                        node_id,
                         error.code().name,
                     )
             finally:
                 # On cancellation (the gateway stopping) too: never leave a stream open.
                 call.cancel()
-            self._forget(node.id)
+            self._forget(node_id)
             failures += 1
             # Full jitter below a doubling ceiling, capped: a dead coordinator costs one
             # cheap connection attempt per backoff_max at most.
@@ -334,6 +428,10 @@ class MasterTracker:
             return
         before = self.master
         self._views.observe(node_id, view)
+        changed = self._views.learn(view)
+        if changed:
+            self._follow(changed)
+            self.running_nodes.follow(self._views.coordinators)
         self._views_seen()
         self._announce(before, f"group view of {node_id}")
 
@@ -429,7 +527,11 @@ class MasterTracker:
                 await task
             except asyncio.CancelledError:
                 pass
-        channels = [*self._channels.values(), *self._coordinator_channels.values()]
+        channels = [
+            *self._channels.values(),
+            *self._coordinator_channels.values(),
+            *self._retired,
+        ]
         await asyncio.gather(*(c.close(None) for c in channels))
 
 

@@ -16,39 +16,29 @@ from squall.v1 import (
 )
 from squall.wire.auth import token_metadata
 from squall_server.common.auth import bearer_token
-from squall_server.common.config import ClusterConfig, NodeConfig
-from squall_server.common.grpc_server import Context, channel_options
-from squall_server.gateway.master import MasterTracker, reconnect_options
+from squall_server.common.config import ClusterConfig
+from squall_server.common.grpc_server import Context
+from squall_server.gateway.master import MasterTracker
 
 
 class ClusterAdmin(gateway_pb2_grpc.ClusterAdminServicer):
-    """Answers `squall status`: one row per configured node."""
+    """Answers `squall status`: one row per known node (the file's, and those the running
+    node set added)."""
 
     def __init__(self, config: ClusterConfig, masters: MasterTracker, timeout_s: float) -> None:
         self._config = config
         self._masters = masters
         self._timeout_s = timeout_s
-        # Paced like the replica channels: a restarted coordinator shows in the status within
-        # the retry backoff's cap, not after gRPC's default backoff of up to two minutes.
-        retry = config.retry
-        options = [
-            *channel_options(config.limits.max_message_bytes),
-            *reconnect_options(retry.retry_backoff_initial_ms, retry.retry_backoff_max_ms),
-        ]
-        self._coordinators = {
-            node.id: masters.transport.aio_channel(node.coordinator_address, options=options)
-            for node in config.nodes
-        }
 
     async def _row(
-        self, node: NodeConfig, metadata: tuple[tuple[str, str], ...]
+        self, node_id: str, replica_address: str, metadata: tuple[tuple[str, str], ...]
     ) -> gateway_pb2.NodeStatus:
-        row = gateway_pb2.NodeStatus(node_id=node.id, replica_address=node.replica_address)
+        row = gateway_pb2.NodeStatus(node_id=node_id, replica_address=replica_address)
         errors = []
-        replica = replica_pb2_grpc.ReplicaControlStub(
-            self._masters.channel_to(node.replica_address)
+        replica = replica_pb2_grpc.ReplicaControlStub(self._masters.channel_to(replica_address))
+        coordinator = coordinator_pb2_grpc.CoordinatorStub(
+            self._masters.coordinator_channel(node_id)
         )
-        coordinator = coordinator_pb2_grpc.CoordinatorStub(self._coordinators[node.id])
         state_call = replica.GetReplicaState(
             replica_pb2.GetReplicaStateRequest(), timeout=self._timeout_s
         )
@@ -94,7 +84,7 @@ class ClusterAdmin(gateway_pb2_grpc.ClusterAdminServicer):
             if status.HasField("membership"):
                 running = status.membership
                 row.membership = f"v{running.version} (epoch {running.epoch}): " + ",".join(
-                    f"{m.node_id}:{m.priority}" for m in running.members
+                    f"{m.node_id}:{m.priority}{'L' if m.learner else ''}" for m in running.members
                 )
             row.membership_change = status.membership_change
         else:
@@ -106,13 +96,15 @@ class ClusterAdmin(gateway_pb2_grpc.ClusterAdminServicer):
     async def GetClusterStatus(
         self, request: gateway_pb2.GetClusterStatusRequest, context: Context
     ) -> gateway_pb2.ClusterStatus:
-        nodes = sorted(self._config.nodes, key=lambda n: n.id)
+        # The file's nodes and those a membership change added (the gateway follows it).
+        nodes = self._masters.nodes()
         # The caller's token (already checked: status is admin-only) goes on to the
         # coordinators, which check it again when they cannot see this gateway's certificate.
         token = bearer_token(context.invocation_metadata())
         metadata = token_metadata(token)
         rows, master = await asyncio.gather(
-            asyncio.gather(*(self._row(n, metadata) for n in nodes)), self._masters.wait_master(0.0)
+            asyncio.gather(*(self._row(n, replica, metadata) for n, _, replica in nodes)),
+            self._masters.wait_master(0.0),
         )
         return gateway_pb2.ClusterStatus(
             nodes=rows,
@@ -121,8 +113,7 @@ class ClusterAdmin(gateway_pb2_grpc.ClusterAdminServicer):
         )
 
     async def close(self) -> None:
-        """Closes the coordinator channels."""
-        await asyncio.gather(*(c.close(None) for c in self._coordinators.values()))
+        """Nothing of its own to close: the coordinator channels are the tracker's."""
 
 
 def _reason(error: BaseException | object) -> str:

@@ -13,6 +13,7 @@ from squall_server.common.file_checks import check_data_dir, check_own_key, make
 from squall_server.common.grpc_server import ServiceServer
 from squall_server.common.logs import set_log_context
 from squall_server.common.peer_guard import guards
+from squall_server.common.running_nodes import RunningNodes
 from squall_server.common.service_main import node_service_main
 from squall_server.common.tls import transport
 from squall_server.replica import push_server, replication_server, server
@@ -70,7 +71,9 @@ async def _serve_locked(
         dedupe_window=config.limits.dedupe_window,
     )
     truncator.discard()  # a truncation interrupted by a crash is redone when needed
-    node = ReplicaNode(config, node_config, store, truncator=truncator)
+    # The node ids both guards accept, following the running node set (node.py).
+    running = RunningNodes((n.id for n in config.nodes), (g.id for g in config.gateways))
+    node = ReplicaNode(config, node_config, store, truncator=truncator, running_nodes=running)
     node.on_shutdown = stop.set  # a finished cluster shutdown stops the process
     set_log_context(
         lambda: {
@@ -84,7 +87,10 @@ async def _serve_locked(
         SERVICE_NAMES,
         config.limits.max_message_bytes,
         credentials=transport(config, node_config.id).server_credentials(require_client_cert=True),
-        interceptors=[*guards(config, node_config.id, "replica"), *guard_interceptors(config)],
+        interceptors=[
+            *guards(config, node_config.id, "replica", running),
+            *guard_interceptors(config, running),
+        ],
         metadata_bytes_max=config.limits.metadata_bytes_max,
     )
     broker_pb2_grpc.add_TopicManagerServicer_to_server(

@@ -220,11 +220,12 @@ def master_config(
     config: ClusterConfig, node_id: str, member_count: int, *, truncate_by_snapshot: bool
 ) -> MasterConfig:
     """The replication core's configuration for one master epoch of a group of
-    member_count nodes; ``truncate_by_snapshot``: this store cannot truncate its log (a
-    divergent slave gets a snapshot instead)."""
+    member_count voting nodes (learners not counted); ``truncate_by_snapshot``: this
+    store cannot truncate its log (a divergent slave gets a snapshot instead)."""
     durability = config.durability
     limits = config.limits
-    nodes = tuple(n.id for n in config.nodes)
+    nodes = tuple(n.id for n in config.nodes if not n.learner)
+    learners = tuple(n.id for n in config.nodes if n.learner)
     majority = len(nodes) // 2 + 1
     # The coordinator only forms a group smaller than a majority under an operator's
     # quorum override or a designated primary; the commit count follows its decision.
@@ -241,6 +242,7 @@ def master_config(
         heartbeat_interval_ms=config.timeouts.heartbeat_interval_ms,
         quorum_override=override,
         truncate_by_snapshot=truncate_by_snapshot,
+        learners=learners,
     )
 
 

@@ -58,6 +58,7 @@ from squall_server.common.clock import Clock, SystemClock
 from squall_server.common.config import ClusterConfig, NodeConfig
 from squall_server.common.errors import Code, ServiceError
 from squall_server.common.loss_record import LossRecord
+from squall_server.common.running_nodes import RunningNodes
 from squall_server.common.telemetry import Telemetry, current
 from squall_server.replica import commands, telemetry
 from squall_server.replica.commands import Command, Planned
@@ -133,12 +134,18 @@ class ReplicaNode:
         observability: Telemetry | None = None,
         transport: Callable[[], ReplicaTransport] | None = None,
         io: concurrent.futures.Executor | None = None,
+        running_nodes: RunningNodes | None = None,
     ) -> None:
         """``transport`` makes the connections to the other replicas: one per master epoch
         and one per reorganization sync, each closed when done (gRPC unless given).
         ``io`` runs the store's writes one at a time (the store thread unless given; the
-        simulator's runs them on its virtual loop, ``tests/sim/virtual_loop.py``)."""
+        simulator's runs them on its virtual loop, ``tests/sim/virtual_loop.py``).
+        ``running_nodes``: the node ids the server's call guards accept; the role
+        commands' running node set moves them (so an added node is taken at once)."""
         self.config = config
+        self.running_nodes = running_nodes or RunningNodes(
+            (n.id for n in config.nodes), (g.id for g in config.gateways)
+        )
         self.node = node
         self.clock = clock or SystemClock()
         # (The running node set may move a node's address: a transport is made from the
@@ -593,6 +600,16 @@ class ReplicaNode:
         membership")."""
         if not command.voting_nodes:
             return
+        added, removed = self.running_nodes.follow(
+            [e.node_id for e in (*command.voting_nodes, *command.learner_nodes)]
+        )
+        if added or removed:
+            log.info(
+                "replica %s: call guards follow the running node set: %s added, %s removed",
+                self.node.id,
+                ",".join(sorted(added)) or "none",
+                ",".join(sorted(removed)) or "none",
+            )
         nodes = tuple(
             NodeConfig(
                 e.node_id,
@@ -600,16 +617,18 @@ class ReplicaNode:
                 e.coordinator_address,
                 e.replica_address,
                 self._nodes[e.node_id].data_dir if e.node_id in self._nodes else self.node.data_dir,
+                learner,
             )
-            for e in command.voting_nodes
+            for entries, learner in ((command.voting_nodes, False), (command.learner_nodes, True))
+            for e in entries
         )
         if nodes == self.config.nodes:
             return
         log.warning(
-            "replica %s: running node set %s (was %s): commits count a majority of it",
+            "replica %s: running node set %s (was %s): commits count a majority of its voters",
             self.node.id,
-            ",".join(n.id for n in nodes),
-            ",".join(n.id for n in self.config.nodes),
+            ",".join(n.id + (" (learner)" if n.learner else "") for n in nodes),
+            ",".join(n.id + (" (learner)" if n.learner else "") for n in self.config.nodes),
         )
         self.config = dataclasses.replace(self.config, nodes=nodes)
         self._nodes = {n.id: n for n in nodes}

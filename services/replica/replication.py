@@ -207,6 +207,10 @@ class MasterConfig:
     truncate_by_snapshot: bool = False
     """Send a slave with a divergent suffix a snapshot instead of a truncation: for a
     store that cannot undo the state its applied entries built."""
+    learners: tuple[str, ...] = ()
+    """Members that are not ``nodes`` (the running set's learners): they get the log, but
+    their acks count for no commit, MAJORITY or ALL, until the coordinator makes them
+    voters (services/coordinator/membership.py)."""
 
     @property
     def quorum(self) -> int:
@@ -221,6 +225,10 @@ class MasterConfig:
             raise ReplicationConfigError(f"nodes: duplicate node id in {list(self.nodes)}")
         if self.node_id not in self.nodes:
             raise ReplicationConfigError(f"node_id {self.node_id!r} is not one of the nodes")
+        if set(self.learners) & set(self.nodes) or len(set(self.learners)) != len(self.learners):
+            raise ReplicationConfigError(
+                f"learners {list(self.learners)} must be distinct and not voting nodes"
+            )
         if self.acks not in set(AckPolicy):
             raise ReplicationConfigError(f"acks: unknown policy {self.acks!r}")
         for name, policy in (
@@ -476,9 +484,10 @@ class ReplicationMaster(Generic[T]):
         if not 1 <= log_start_lsn <= last_lsn + 1:
             raise ReplicationError(f"log start {log_start_lsn} outside 1..{last_lsn + 1}")
         self._members = self._check_members(members, initial=True)
-        if len(self._members) < config.quorum:
+        if self._voting_members() < config.quorum:
             raise ReplicationError(
-                f"a group of {len(self._members)} cannot replicate: the quorum is {config.quorum}"
+                f"a group of {self._voting_members()} voting nodes cannot replicate: the "
+                f"quorum is {config.quorum}"
             )
         self._slaves = {n: _Slave(n) for n in self._members if n != config.node_id}
         self._epoch_start_lsn = last_lsn + 1
@@ -859,9 +868,10 @@ class ReplicationMaster(Generic[T]):
         for node_id in set(self._slaves) - set(new):
             del self._slaves[node_id]
         self._members = new
-        if not self._deposed and len(new) < self.config.quorum:
+        if not self._deposed and self._voting_members() < self.config.quorum:
             return self._depose(
-                f"the group shrank to {len(new)} of {len(self.config.nodes)} nodes, "
+                f"the group shrank to {self._voting_members()} of {len(self.config.nodes)} "
+                "voting nodes, "
                 f"below the quorum {self.config.quorum}"
             )
         return self._actions()
@@ -913,7 +923,7 @@ class ReplicationMaster(Generic[T]):
             if len(out) >= NODES_MAX:
                 raise ReplicationError(f"more than {NODES_MAX} members")
             out.append(node_id)
-        known = self.config.nodes if initial else self._members
+        known = (*self.config.nodes, *self.config.learners) if initial else self._members
         for node_id in out:
             if node_id not in known:
                 raise ReplicationError(
@@ -978,16 +988,28 @@ class ReplicationMaster(Generic[T]):
         # The master only counts entries once appended: received and written coincide.
         return self._written_lsn
 
+    def _voting_members(self) -> int:
+        """Members whose acks count (learners' do not)."""
+        return sum(1 for x in self._members if x not in self.config.learners)
+
     def _quorum_lsn(self) -> int:
-        """The highest LSN the master and enough member slaves hold, per the policies."""
+        """The highest LSN the master and enough voting member slaves hold, per the
+        policies; a learner's acks count for nothing, so a learner still copying the log
+        never holds a commit back and never stands in for a voter."""
         local = self._local_durable_lsn()
         if self.config.acks == AckPolicy.NONE:
             return local
-        need = (len(self._members) if self.config.acks == AckPolicy.ALL else self.config.quorum) - 1
+        need = (
+            self._voting_members() if self.config.acks == AckPolicy.ALL else self.config.quorum
+        ) - 1
         if need <= 0:
             return local
         others = sorted(
-            (s.durable_lsn(self.config.replica_sync) for s in self._slaves.values()),
+            (
+                s.durable_lsn(self.config.replica_sync)
+                for s in self._slaves.values()
+                if s.node_id not in self.config.learners
+            ),
             reverse=True,
         )
         if need > len(others):

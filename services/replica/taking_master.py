@@ -171,6 +171,11 @@ class TakingMaster:
     def _log_start_lsn(self) -> int:
         return self.core.log.log_start_lsn
 
+    def _is_learner(self, node_id: str) -> bool:
+        """Is ``node_id`` a learner of the running set (its acks count for no commit)?"""
+        node = self._nodes().get(node_id)
+        return node is not None and node.learner
+
     async def become_master(
         self,
         epoch: int,
@@ -200,7 +205,8 @@ class TakingMaster:
             master_config(
                 self.config,
                 self.node.id,
-                len(member_ids),
+                # Learners get the log but their acks count for no commit.
+                sum(1 for m in member_ids if not self._is_learner(m)),
                 truncate_by_snapshot=self._truncate_by_snapshot,
             ),
             epoch,

@@ -1,24 +1,30 @@
 """Runtime membership changes with real processes (issue 20, item 1).
 
 Goal: while an app publishes through the gateway, the operator grows the three-node
-cluster to four (`squall cluster add-node n4`), writes the running node set out
-(`squall cluster config export`) and starts n4 from that file; n4 catches up and joins the
-group, and every acknowledged event is stored exactly once on all four replicas. Then n4
-is removed again (`squall cluster remove-node n4`): the group re-forms without it, and
-`squall status` shows the running node set; raising n3's priority moves the lead to it;
-n2's machine dies and `squall cluster replace-node n2` gives its id to a new machine (new
-addresses, an empty store) that catches up.
-Removing the master's own node is refused with the reason and changes nothing (the other
-refusals are the transcripts' and tests/unit/test_membership.py's).
+cluster to four (`squall cluster add-node n4`): n4 is a learner (`n4:1L` in `squall
+status`) until it has caught up. It is started from the exported running set
+(`squall cluster config export`); its replica alone is killed while it catches up and
+restarted, and it still finishes catching up and is promoted to voter. The gateway,
+started from the three-node file, follows the running set: `squall status` lists n4, and
+when `set-priority n4 9` hands n4 the lead, publishes go on through the gateway to the
+master on the added node. Then the cluster shrinks back to three under publishing
+(`remove-node n1`, the old master): every acknowledged event is stored exactly once on
+the three nodes left. Removing the master's own node is refused. Last, n2's machine dies
+and `replace-node n2` gives its id to a new machine (new addresses, an empty store) that
+comes in as a learner, catches up and is promoted. (The other refusals are the
+transcripts' and tests/unit/test_membership.py's.)
 """
 
 from __future__ import annotations
+
+import re
 
 import grpc
 
 import squall
 from deploy import processes
-from squall.v1 import common_pb2
+from squall.v1 import common_pb2, coordinator_pb2
+from squall_server.common.config import load_config
 from tests.integration.conftest import LocalCluster, run_squall, wait_for
 from tests.integration.test_gateway import (
     _AppPublisher,
@@ -27,8 +33,29 @@ from tests.integration.test_gateway import (
 )
 
 
+def _member(status: coordinator_pb2.CoordinatorStatus, node_id: str) -> coordinator_pb2.MemberSpec:
+    return next(m for m in status.membership.members if m.node_id == node_id)
+
+
+def _voter(cluster: LocalCluster, leader: str, node_id: str) -> bool:
+    """Has the leader's node set made ``node_id`` a voter (promoted from learner)?"""
+    status = cluster.statuses().get(leader)
+    if status is None or not any(m.node_id == node_id for m in status.membership.members):
+        return False
+    return not _member(status, node_id).learner
+
+
+def _holds(address: str, acked: list[int]) -> bool:
+    try:
+        stored = _stored_on(address, "orders")
+    except grpc.RpcError:  # the topic is not there yet: still fetching
+        return False
+    return all(stored[("app-1", s)] == 1 for s in acked)
+
+
 def test_grow_remove_reprioritize_and_replace(trio: LocalCluster) -> None:  # noqa: F811
     master = trio.wait_for_master()
+    assert master == "n1"
     config = str(trio.config_path)
     coordinator_port, replica_port = processes.free_ports(2)
     coordinator_address = f"127.0.0.1:{coordinator_port}"
@@ -47,12 +74,19 @@ def test_grow_remove_reprioritize_and_replace(trio: LocalCluster) -> None:  # no
             )  # fmt: skip
             assert added.returncode == 0, added.stderr + added.stdout
             assert "add-node n4" in added.stdout and "done in epoch" in added.stdout
+            # Not started yet: a learner, which changes no majority.
+            shown = run_squall("status", "--gateway", trio.gateway_address)
+            assert "n4:1L" in shown.stdout and "learners (L): n4" in shown.stdout, shown.stdout
             exported = trio.run_dir / "exported.toml"
             export = run_squall(
                 "cluster", "config", "export", "--config", config, "--out", str(exported),
                 "--data-dir", f"n4={trio.run_dir / 'data-n4'}",
             )  # fmt: skip
             assert export.returncode == 0, export.stderr
+            assert "learner = true" in exported.read_text()
+            # The operator's file is brought up to date (the test's view of the nodes too).
+            config = str(exported)
+            trio.config = load_config(exported)
             n4 = (("replica", replica_address), ("coordinator", coordinator_address))
             for kind, address in n4:
                 service = processes.start_service(
@@ -61,11 +95,39 @@ def test_grow_remove_reprioritize_and_replace(trio: LocalCluster) -> None:  # no
                 )  # fmt: skip
                 trio.services[(kind, "n4")] = service
                 processes.wait_serving([service], links=trio.links)
-            wait_for(
-                lambda: "n4" in trio.statuses()[master].group, 20, "n4 joins the master's group"
-            )
+            # n4's replica alone dies while it catches up, and comes back on its store.
+            wait_for(lambda: "n4" in trio.statuses()[master].group, 20, "n4 joins as learner")
+            trio.kill("replica", "n4")
+            service = processes.start_service(
+                "replica", exported, "n4", replica_address,
+                trio.run_dir / "logs" / "replica-n4-again.log", env=trio.env,
+            )  # fmt: skip
+            trio.services[("replica", "n4-again")] = service
+            processes.wait_serving([service], links=trio.links)
+            wait_for(lambda: _voter(trio, master, "n4"), 30, "n4 caught up and promoted")
             before = app.acked_by(master)
             wait_for(lambda: app.acked_by(master) >= before + 20, 20, "20 more acknowledged")
+            # The gateway follows the running set: it lists n4, and reaches a master on it.
+            def lists_n4_as_voter() -> bool:
+                shown = run_squall("status", "--gateway", trio.gateway_address).stdout
+                rows = [line.split()[0] for line in shown.splitlines() if line.strip()]
+                return "n4" in rows and re.search(r"\bn4:1(?![L0-9])", shown) is not None
+
+            wait_for(lists_n4_as_voter, 10, "squall status lists n4 as a voter")
+            raised = run_squall("cluster", "set-priority", "n4", "9", "--config", config)
+            assert raised.returncode == 0, raised.stderr + raised.stdout
+            assert "set-priority n4 9: done" in raised.stdout, raised.stdout
+            wait_for(lambda: trio.wait_for_master(timeout_s=10) == "n4", 20, "n4 leads")
+            wait_for(lambda: app.acked_by("n4") >= 20, 20, "20 acknowledged by the master n4")
+            # Shrink back to three under publishing: the old master leaves.
+            removed = run_squall(
+                "cluster", "remove-node", "n1", "--reason", "shrink", "--config", config
+            )
+            assert removed.returncode == 0, removed.stderr + removed.stdout
+            assert "remove-node n1: done" in removed.stdout, removed.stdout
+            trio.kill_node("n1")
+            before = app.acked_by("n4")
+            wait_for(lambda: app.acked_by("n4") >= before + 20, 20, "20 acknowledged after")
         finally:
             app.stop.set()
             app.join(30)
@@ -73,36 +135,23 @@ def test_grow_remove_reprioritize_and_replace(trio: LocalCluster) -> None:  # no
     assert app.error is None, repr(app.error)
     assert not app.failed, {s: repr(e) for s, e in list(app.failed.items())[:5]}
     acked = sorted(app.acked)
-    for address in [trio.replica_address(n) for n in ("n1", "n2", "n3")] + [replica_address]:
-
-        def holds_all(address: str = address) -> bool:
-            stored = _stored_on(address, "orders")
-            return all(stored[("app-1", s)] == 1 for s in acked)
-
-        wait_for(holds_all, 20, f"{address} holds every acknowledged event exactly once")
-    status = trio.statuses()[master]
-    assert [m.node_id for m in status.membership.members] == ["n1", "n2", "n3", "n4"]
-    shown = run_squall("status", "--gateway", trio.gateway_address)
-    assert "node set: v1" in shown.stdout and "n4:1" in shown.stdout, shown.stdout
-    # Removing the master's own node is refused; removing n4 re-forms the group without it.
-    own = run_squall("cluster", "remove-node", master, "--config", config)
+    for address in [trio.replica_address(n) for n in ("n2", "n3")] + [replica_address]:
+        wait_for(
+            lambda address=address: _holds(address, acked),  # type: ignore[misc]
+            20,
+            f"{address} holds every acknowledged event exactly once",
+        )
+    status = trio.statuses()["n4"]
+    assert status.state == common_pb2.NODE_STATE_NORMAL and "n1" not in status.group
+    assert [m.node_id for m in status.membership.members] == ["n2", "n3", "n4"]
+    assert status.audit[-1].action == "membership remove-node n1"
+    # Removing the master's own node is refused and changes nothing.
+    own = run_squall("cluster", "remove-node", "n4", "--config", config)
     assert own.returncode == 1 and "hand the leadership" in own.stderr, own.stderr
-    removed = run_squall("cluster", "remove-node", "n4", "--reason", "shrink", "--config", config)
-    assert removed.returncode == 0, removed.stderr + removed.stdout
-    assert "remove-node n4: done" in removed.stdout, removed.stdout
-    status = trio.statuses()[master]
-    assert status.state == common_pb2.NODE_STATE_NORMAL and "n4" not in status.group
-    assert [m.node_id for m in status.membership.members] == ["n1", "n2", "n3"]
-    assert status.audit[-1].action == "membership remove-node n4"
-    # Priority decides who leads: raising n3 above the master hands the lead to n3 once it
-    # is caught up (it is: it took every write above).
-    raised = run_squall("cluster", "set-priority", "n3", "9", "--config", config)
-    assert raised.returncode == 0 and "set-priority n3 9: done" in raised.stdout, raised.stdout
-    wait_for(lambda: trio.wait_for_master(timeout_s=10) == "n3", 20, "n3 leads")
     # n2's machine dies for good: its id moves to a new machine (new addresses, an empty
-    # store) started from the exported file; the master brings it up to date.
+    # store) started from the exported file; it learns, then votes.
     trio.kill_node("n2")
-    wait_for(lambda: "n2" not in trio.statuses()["n3"].group, 20, "n3 drops n2")
+    wait_for(lambda: "n2" not in trio.statuses()["n4"].group, 20, "n4 drops n2")
     coordinator_port, replica_port = processes.free_ports(2)
     new_coordinator, new_replica = f"127.0.0.1:{coordinator_port}", f"127.0.0.1:{replica_port}"
     replaced = run_squall(
@@ -110,12 +159,14 @@ def test_grow_remove_reprioritize_and_replace(trio: LocalCluster) -> None:  # no
         "--replica-address", new_replica, "--config", config,
     )  # fmt: skip
     assert replaced.returncode == 0 and "replace-node n2" in replaced.stdout, replaced.stdout
+    assert _member(trio.statuses()["n4"], "n2").learner
     exported = trio.run_dir / "exported-2.toml"
     export = run_squall(
         "cluster", "config", "export", "--config", config, "--out", str(exported),
         "--data-dir", f"n2={trio.run_dir / 'data-n2-new'}",
     )  # fmt: skip
     assert export.returncode == 0, export.stderr
+    trio.config = load_config(exported)
     for kind, address in (("replica", new_replica), ("coordinator", new_coordinator)):
         service = processes.start_service(
             kind, exported, "n2", address, trio.run_dir / "logs" / f"{kind}-n2-new.log",
@@ -123,15 +174,6 @@ def test_grow_remove_reprioritize_and_replace(trio: LocalCluster) -> None:  # no
         )  # fmt: skip
         trio.services[(kind, "n2-new")] = service
         processes.wait_serving([service], links=trio.links)
-    wait_for(lambda: "n2" in trio.statuses()["n3"].group, 20, "the new n2 joins n3's group")
-
-    def caught_up() -> bool:
-        try:
-            stored = _stored_on(new_replica, "orders")
-        except grpc.RpcError:  # the topic is not there yet: still fetching
-            return False
-        return all(stored[("app-1", s)] == 1 for s in acked)
-
-    wait_for(caught_up, 20, "the new n2 holds every acknowledged event exactly once")
-    member = next(m for m in trio.statuses()["n3"].membership.members if m.node_id == "n2")
-    assert member.replica_address == new_replica
+    wait_for(lambda: _holds(new_replica, acked), 30, "the new n2 holds every acked event")
+    wait_for(lambda: _voter(trio, "n4", "n2"), 30, "the new n2 is promoted to voter")
+    assert _member(trio.statuses()["n4"], "n2").replica_address == new_replica

@@ -13,7 +13,8 @@ Safety invariants (docs/architecture.md, "Election and membership"):
   and a later epoch never goes back to an older set (a change a group went normal with is
   never lost);
 * a node's persisted epoch never decreases, across restarts included;
-* a priority-0 node never coordinates a group and never sends Invitation or Ready;
+* a priority-0 node, and a learner, never coordinates a group and never sends Invitation
+  or Ready; a learner counts for no group's majority and no epoch vote;
 * a quarantined node is in no group: never normal, its replica never serving a role;
 * a node whose replica is unreachable (one fate per node) is in no group either: it
   coordinates only itself, inactive, its replica told to take no role;
@@ -80,8 +81,7 @@ class Checker:
             status.state is not NodeState.INACTIVE or status.role.value != "inactive"
         ):
             raise InvariantViolation(
-                f"node {node} is quarantined but {status.state.value} with role "
-                f"{status.role.value}"
+                f"node {node} is quarantined but {status.state.value} with role {status.role.value}"
             )
         if status.replica_unreachable_since_ms is not None and (
             status.state is not NodeState.INACTIVE
@@ -98,12 +98,13 @@ class Checker:
             return
         membership = status.membership
         priority = (
-            membership.priorities.get(node, 0) if membership is not None
-            else self.priorities[node]
+            membership.priorities.get(node, 0) if membership is not None else self.priorities[node]
         )
-        if priority == 0 and status.state is not NodeState.INACTIVE:
+        learner = membership is not None and node in membership.learners
+        if (priority == 0 or learner) and status.state is not NodeState.INACTIVE:
             raise InvariantViolation(
-                f"node {node} has priority 0 but coordinates in state {status.state.value}"
+                f"node {node} has priority 0 or is a learner but coordinates in state "
+                f"{status.state.value}"
             )
         if status.state is not NodeState.NORMAL:
             return
@@ -114,19 +115,21 @@ class Checker:
                 f"two coordinators normal in epoch {epoch}: {first} and {node}"
             )
         ids = set(membership.ids) if membership is not None else set(self.priorities)
-        majority = len(ids) // 2 + 1
+        # Learners count for no majority: only the voters do.
+        voting = set(membership.voters) if membership is not None else ids
+        majority = len(voting) // 2 + 1
         required = majority
         if stored.quorum_override or stored.designated_primary:
             required = 1
-        if len(set(status.members) & ids) < required or not set(status.members) <= ids:
+        if len(set(status.members) & voting) < required or not set(status.members) <= ids:
             raise InvariantViolation(
                 f"node {node} is normal in epoch {epoch} with {len(status.members)} members "
-                f"({','.join(status.members)}); a majority of its node set "
-                f"{','.join(sorted(ids))} is {majority}"
+                f"({','.join(status.members)}); a majority of its node set's voters "
+                f"{','.join(sorted(voting))} is {majority}"
             )
         if membership is not None:
             self.check_set(node, epoch, membership)
-        voters = sum(1 for x, p in durable.items() if x in ids and p.epoch >= epoch)
+        voters = sum(1 for x, p in durable.items() if x in voting and p.epoch >= epoch)
         if voters < required:
             raise InvariantViolation(
                 f"node {node} is normal in epoch {epoch} but only {voters} nodes have "
@@ -146,10 +149,10 @@ class Checker:
         for other in ([max(before)] if before else []) + ([min(after)] if after else []):
             earlier, later = sorted((epoch, other))
             a, b = self.set_by_epoch[earlier], self.set_by_epoch[later]
-            if len(set(a.ids) ^ set(b.ids)) > 1:
+            if len(set(a.ids) ^ set(b.ids)) > 1 or len(set(a.voters) ^ set(b.voters)) > 1:
                 raise InvariantViolation(
                     f"normal epochs {earlier} and {later} use node sets {a.describe()} and "
-                    f"{b.describe()}, which differ by more than one node"
+                    f"{b.describe()}, which differ by more than one node or voter"
                 )
             if b.version < a.version:
                 raise InvariantViolation(
@@ -158,11 +161,17 @@ class Checker:
                 )
 
     def check_send(self, msg: PeerMessage) -> None:
-        """Priority-0 nodes never invite or form groups."""
+        """Priority-0 nodes and learners never invite or form groups (a coordinator that
+        accepted forwards its inviter's invitation to its members: that names the
+        inviter's group, not the sender's)."""
         body = msg.body
+        if isinstance(body, Invitation) and body.group_name.split(":")[0] != msg.from_node:
+            return
         carried = body.membership if isinstance(body, Invitation | GroupReady) else None
         priority = (
             carried.priorities.get(msg.from_node, 0)
+            if carried is not None and msg.from_node not in carried.learners
+            else 0
             if carried is not None
             else self.priorities[msg.from_node]
         )
@@ -182,9 +191,7 @@ class Checker:
         """One master per epoch; the sync source is at least as new as every member."""
         first = self.master_by_epoch.setdefault(command.epoch, node)
         if first != node:
-            raise InvariantViolation(
-                f"two masters in epoch {command.epoch}: {first} and {node}"
-            )
+            raise InvariantViolation(f"two masters in epoch {command.epoch}: {first} and {node}")
         if reissue:
             return
         source = command.sync_source_id

@@ -64,6 +64,7 @@ import random
 from collections import Counter, deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from squall_server.common.clock import MANUAL_CLOCK_WALL_START_MS
 from squall_server.coordinator.driver import (
@@ -287,16 +288,9 @@ def make_scenario(
         until = at + rng.randint(50, 900)
         if rng.random() < 0.7:
             side = set(rng.sample(nodes, rng.randint(1, n - 1)))
-            pairs = frozenset(
-                (a, b) for a in nodes for b in nodes if (a in side) != (b in side)
-            )
+            pairs = frozenset((a, b) for a in nodes for b in nodes if (a in side) != (b in side))
         else:
-            pairs = frozenset(
-                (a, b)
-                for a in nodes
-                for b in nodes
-                if a != b and rng.random() < 0.3
-            )
+            pairs = frozenset((a, b) for a in nodes for b in nodes if a != b and rng.random() < 0.3)
         scenario.faults.append((at, _CUT, "", pairs))
         scenario.faults.append((until, _UNCUT, "", pairs))
     for _ in range(rng.randint(0, majority)):
@@ -769,8 +763,7 @@ class Simulation:
         if not self.replica_up[node] or life != self.replica_life[node]:
             outcome = ReplicaFailure(Failure.NO_ANSWER, "UNAVAILABLE", "connection reset")
         elif (
-            self.replica_paused_until[node] > self.now_ms
-            or self.link_cut_until[node] > self.now_ms
+            self.replica_paused_until[node] > self.now_ms or self.link_cut_until[node] > self.now_ms
         ):
             outcome = ReplicaFailure(Failure.NO_ANSWER, "DEADLINE_EXCEEDED", "no answer")
             at += self.timings.rpc_timeout_ms
@@ -1010,12 +1003,18 @@ class Simulation:
                 and self.replica_up[other]
                 and self.replica_paused_until[other] <= self.now_ms
                 and not self.cut[(node, other)]
+                and self.copies(other)
                 and self.rng.random() < 0.6
             ):
                 # Followers lag at random, so logs differ and the sync source matters.
                 follower.last_epoch, follower.last_lsn = replica.last_epoch, replica.last_lsn
                 follower.cluster_id = replica.cluster_id
         self.push(self.now_ms + WRITE_INTERVAL_MS, _WRITE, node, epoch)
+
+    def copies(self, node: str) -> bool:
+        """Can ``node``'s replica copy its master's log at all? (A subclass models one
+        that never catches up.)"""
+        return True
 
     def send(self, msg: PeerMessage) -> None:
         """Hand a message to the network: maybe lost, maybe twice, each copy delayed."""
@@ -1074,8 +1073,9 @@ class Simulation:
         spare nodes list the cluster and themselves)."""
         return self.priorities
 
-    def config_set_key(self, node: str) -> dict[str, int]:
-        """The node set version and epoch ``node``'s config file records (none: 0)."""
+    def config_set_key(self, node: str) -> dict[str, Any]:
+        """The node set version and epoch ``node``'s config file records (none: 0), and
+        the learners it marks."""
         return {}
 
     def stop_driver(self, node: str) -> None:
@@ -1179,7 +1179,6 @@ class Simulation:
             self.heal_process(node, payload)
         elif kind == _HAND_OVER:
             self.on_hand_over(node, payload)
-
 
     def leaders(self) -> list[str]:
         """The running, unpaused nodes that coordinate a normal group now."""
@@ -1347,9 +1346,7 @@ class Simulation:
 
     def converged(self) -> str | None:
         """The leader if every live node is normal in one group under the right leader."""
-        live = [
-            x for x in self.nodes if self.elections[x] is not None and x != self.sc.odd_one_out
-        ]
+        live = [x for x in self.nodes if self.elections[x] is not None and x != self.sc.odd_one_out]
         eligible = [x for x in live if self.priorities[x] > 0 and x not in self.demoted]
         if not eligible:
             return None
@@ -1435,9 +1432,7 @@ def make_odd_one_out_scenario(seed: int) -> Scenario:
     if not any(scenario.priorities[x] > 0 for x in nodes if x != odd):
         scenario.priorities[nodes[0] if odd != nodes[0] else nodes[-1]] = 4
     for node in nodes:
-        scenario.initial[node] = PersistedState(
-            epoch=3, max_seen=len(nodes), cluster_id=CLUSTER_ID
-        )
+        scenario.initial[node] = PersistedState(epoch=3, max_seen=len(nodes), cluster_id=CLUSTER_ID)
         scenario.initial_logs[node] = (3, rng.randint(1, 20))
     base = (("cluster.name", "sim"), ("durability.acks", "majority"))
     scenario.agreed = {node: base for node in nodes}

@@ -8,6 +8,15 @@ membership changes at random times of the safety phase, each asked of whichever 
 then: add a spare, remove a member (not the leader), replace a member that is down (a new
 machine: its store and state are wiped and it starts again), or set a member's priority.
 The changes the election refuses (unsafe, one in progress, not the leader) are counted.
+Added and replaced nodes are learners until their replica is within the catch-up bound;
+on some seeds one spare's replica never copies anything (a learner that never catches
+up), and the scenario's faults (crashes, replica kills and pauses, partitions) hit
+learners while they catch up like any node.
+
+Acknowledged writes: an entry the master appended counts as acknowledged once a majority
+of the voters its role command names (learners excluded) hold it; every later master,
+after its sync, must hold every acknowledged entry (no acknowledged loss), and a node
+whose replica never copies must never become a voter.
 
 The checker (``election_checker.py``) holds every step to its invariants with the node set
 each group uses: one coordinator NORMAL and one master per epoch, a NORMAL group holds a
@@ -22,15 +31,22 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any
 
 from squall_server.coordinator.election import node_sort_key
 from squall_server.coordinator.lifecycle import decide_start
-from squall_server.coordinator.membership import ChangeKind, Membership, MembershipChange
+from squall_server.coordinator.membership import (
+    OPERATOR_CHANGES,
+    ChangeKind,
+    Membership,
+    MembershipChange,
+)
 from squall_server.coordinator.messages import (
     MemberReport,
     NodeState,
     PersistedState,
     Role,
+    RoleCommand,
     StoreState,
 )
 from tests.sim.election_sim import (
@@ -43,8 +59,14 @@ from tests.sim.election_sim import (
 )
 
 _MEMBERSHIP = KINDS_END
+# A replacement machine starts once its replace-node change is done (the CLI waits).
+_REPLACED = KINDS_END + 1
+# How long after a replace-node the operator looks whether it is done.
+REPLACE_CHECK_MS = 1500
 # Spare nodes per seed (started from the beginning, added by a change or never).
 SPARES_MAX = 2
+# The chance a follower copies at a write (times the election simulator's own 0.6).
+LAG_COPY_P = 0.5
 
 
 def membership_reproduce_hint(seed: int) -> str:
@@ -90,6 +112,12 @@ class MembershipSimulation(Simulation):
         ]
         self.changes_done = 0
         self.changes_refused = 0
+        # One spare in three seeds whose replica never copies: a learner never caught up.
+        self.stuck = spares[0] if rng.random() < 1 / 3 else ""
+        # The newest acknowledged LSN of each epoch, and the voters each master counts.
+        self.acked: dict[int, int] = {}
+        self.master_voters: dict[str, tuple[str, ...]] = {}
+        self.starting: tuple[str, RoleCommand] | None = None
         # Replaced nodes: the running set exported for the new machine's config file.
         self.exported: dict[str, Membership] = {}
         super().__init__(scenario)
@@ -108,12 +136,86 @@ class MembershipSimulation(Simulation):
             return self.bootstrap
         return {**self.bootstrap, node: self.priorities[node]}
 
-    def config_set_key(self, node: str) -> dict[str, int]:
-        """An exported file records its set's version and epoch."""
+    def config_set_key(self, node: str) -> dict[str, Any]:
+        """An exported file records its set's version and epoch, and marks its learners."""
         exported = self.exported.get(node)
         if exported is None:
             return {}
-        return {"membership_version": exported.version, "membership_epoch": exported.epoch}
+        return {
+            "membership_version": exported.version,
+            "membership_epoch": exported.epoch,
+            "learners": frozenset(exported.learners),
+        }
+
+    def copies(self, node: str) -> bool:
+        """The stuck spare's replica copies nothing; the others lag more than in the
+        election's seeds (half the copies skipped), so entries acknowledged by a bare
+        majority, and new masters that must fetch them, are common."""
+        return node != self.stuck and self.rng.random() < LAG_COPY_P
+
+    def become_master(self, node: str, cmd: RoleCommand) -> None:
+        """The master syncs and writes its epoch-start entry (base class); its voters are
+        the role command's (learners excluded), and its synced log must hold every
+        acknowledged entry (checked in ``write``, before the epoch-start entry)."""
+        self.master_voters[node] = cmd.nodes or tuple(
+            x for x in self.config_priorities(node) if x not in cmd.learners
+        )
+        if set(cmd.learners) & set(self.master_voters[node]):
+            raise self.fail(f"master {node} counts learners {cmd.learners} as voters")
+        self.starting = (node, cmd)
+        try:
+            super().become_master(node, cmd)
+        finally:
+            self.starting = None
+
+    def override_seen(self) -> bool:
+        """An operator override may give acknowledged entries up (the sim sets none)."""
+        return any(p.quorum_override or p.designated_primary for p in self.durable.values())
+
+    def write(self, node: str, epoch: int) -> None:
+        """The master appends (base class); an entry a majority of its voters hold is
+        acknowledged."""
+        replica = self.replicas[node]
+        if self.starting is not None and self.starting[0] == node:
+            cmd = self.starting[1]
+            self.starting = None
+            synced = (replica.last_epoch, replica.last_lsn)
+            # Only entries of older epochs bind a master (a late command of an older epoch
+            # owes nothing to a newer one; the checker's one-master-per-epoch stands).
+            needed = max(
+                ((e, lsn) for e, lsn in self.acked.items() if e < cmd.epoch), default=(0, 0)
+            )
+            if synced < needed and not self.override_seen():
+                raise self.fail(
+                    f"acknowledged entry {needed[0]}/{needed[1]} lost: master {node} "
+                    f"of epoch {cmd.epoch} synced from {cmd.sync_source_id} holds only "
+                    f"{synced[0]}/{synced[1]}"
+                )
+        super().write(node, epoch)
+        voters = self.master_voters.get(node, ())
+        if replica.role is not Role.MASTER or replica.epoch != epoch or not voters:
+            return
+        entry = (replica.last_epoch, replica.last_lsn)
+        holders = [
+            x
+            for x in voters
+            if x == node
+            or (
+                self.replicas[x].role is Role.SLAVE
+                and self.replicas[x].master == node
+                and self.replicas[x].epoch == epoch
+                and (self.replicas[x].last_epoch, self.replicas[x].last_lsn) >= entry
+            )
+        ]
+        if len(holders) >= len(voters) // 2 + 1 and entry[1] > self.acked.get(entry[0], 0):
+            self.acked[entry[0]] = entry[1]
+        if self.stuck:
+            for membership in (p.membership for p in self.durable.values()):
+                if membership is not None and self.stuck in membership.voters:
+                    raise self.fail(
+                        f"node {self.stuck}, whose replica never copied, became a voter "
+                        f"({membership.describe()})"
+                    )
 
     def schedule_scenario(self) -> None:
         """The election's events, and the operator's changes."""
@@ -126,6 +228,9 @@ class MembershipSimulation(Simulation):
         if kind == _MEMBERSHIP:
             if self.healed_at is None and isinstance(payload, int):
                 self.change(payload)
+            return
+        if kind == _REPLACED:
+            self.start_replacement(node)
             return
         super().handle(kind, node, payload)
 
@@ -160,7 +265,7 @@ class MembershipSimulation(Simulation):
         if current is None:
             return
         rng = random.Random(pick)
-        kind = rng.choice(list(ChangeKind))
+        kind = rng.choice(OPERATOR_CHANGES)
         others = [x for x in current.ids if x != leader]
         outside = [x for x in self.spares if x not in current.ids]
         wiped = ""
@@ -189,7 +294,18 @@ class MembershipSimulation(Simulation):
             return
         self.changes_done += 1
         if wiped:
-            self.replace_machine(wiped, driver.election.status().membership or current)
+            self.push(self.now_ms + REPLACE_CHECK_MS, _REPLACED, wiped, None)
+
+    def start_replacement(self, node: str) -> None:
+        """The operator starts the new machine from the exported running set once the
+        replace-node is done (a node set some group went normal with names the node's new
+        addresses); a change that failed leaves the old machine's place empty."""
+        newest = self.newest_set()
+        member = newest.member(node)
+        if member is None or member.coordinator_address != f"c{node}:2" or not newest.epoch:
+            self.note(f"{node} not replaced", f"the change did not complete: {newest.describe()}")
+            return
+        self.replace_machine(node, newest)
 
     def replace_machine(self, node: str, exported: Membership) -> None:
         """The replaced node is a new machine: an empty store and no state, started now."""
@@ -234,8 +350,11 @@ class MembershipSimulation(Simulation):
         no node outside the set in that group."""
         ids = self.set_ids()
         priorities = self.set_priorities()
+        learners = set(self.newest_set().learners)
         live = [x for x in ids if self.elections[x] is not None]
-        eligible = [x for x in live if priorities[x] > 0 and x not in self.demoted]
+        eligible = [
+            x for x in live if priorities[x] > 0 and x not in self.demoted and x not in learners
+        ]
         if not eligible:
             return None
         leader = min(eligible, key=lambda x: _rank_key(priorities, x))

@@ -118,8 +118,8 @@ them) and the new master's read loop (``on_catchup_reply``, as ``TakingMaster._s
 steps ``fetch_step``), the store calls of a slave's batch, install and truncation
 (``finish_write``, ``install_chunk``, ``truncate``: ``SlaveSide``'s batch and
 ``install_snapshot_chunk``, ``Truncation.truncate_locked``), and the taking of the master
-role (``become_master``, ``start_serving``: ``TakingMaster``'s task). That plumbing is run as shipped
-by ``shell_sim.py``: three whole ``ReplicaNode``s (``MasterDriver``, the writer queue,
+role (``become_master``, ``start_serving``: ``TakingMaster``'s task). That plumbing is run
+as shipped by ``shell_sim.py``: three whole ``ReplicaNode``s (``MasterDriver``, the writer queue,
 ``TakingMaster``/``SyncSource``, the slave servicer path, the lease watch) on a virtual-time
 event loop (``virtual_loop.py``) over the transport's twin (``shell_network.py``), with
 crashes, pauses, cuts, resets and slow and failing disks; its roles come from a seeded

@@ -2,8 +2,8 @@
 
 Where ``replication_sim.py`` runs the replica's synchronous driver and cores and carries
 their messages itself, this runs the shells as they ship: ``ReplicaNode`` (writer queue,
-group commit, role taking with its reorganization fetch (``TakingMaster._sync_from``), slave servicer
-path, lease watch, fail-stop), ``MasterDriver`` (streams, reconnection backoff, stall
+group commit, role taking with its reorganization fetch (``TakingMaster._sync_from``),
+slave servicer path, lease watch, fail-stop), ``MasterDriver`` (streams, reconnection backoff, stall
 detection, snapshots) and the servicers' logic (``replication_server``), over
 ``shell_network.py`` (the replica transport's simulated twin) on a deterministic virtual
 event loop (``virtual_loop.py``): virtual time, the injected ``Clock`` reads it

@@ -216,9 +216,7 @@ class Cluster:
                 extra += f" acked-losses={len(p.acked_loss_ids)}"
             if p.membership is not None:
                 m = p.membership
-                extra += f" nodes=v{m.version}@{m.epoch}:" + ",".join(
-                    f"{x.node_id}:{x.priority}" for x in m.members
-                )
+                extra += f" nodes=v{m.version}@{m.epoch}:" + m.describe().split("): ", 1)[1]
             lines.append(f"  persist epoch={p.epoch} max={p.max_seen}{extra}")
         self.queue.extend(ready.messages)
         follow_up: Ready | None = None
@@ -373,7 +371,9 @@ class Cluster:
         for m in s.config_mismatches:
             text += f" REFUSES={m.node_id}:{m.key}={m.local_value!r}/{m.peer_value!r}"
         if s.membership is not None and s.membership.version:
-            text += f" nodes=v{s.membership.version}:{','.join(s.membership.ids)}"
+            text += f" nodes=v{s.membership.version}:" + ",".join(
+                x + ("L" if x in s.membership.learners else "") for x in s.membership.ids
+            )
         return text
 
 
@@ -997,9 +997,7 @@ def test_a_catch_up_invitation_naming_a_node_below_the_inviter_is_refused() -> N
     message, refused with the rule, and changes nothing."""
     election = make("3")
     before = election.status()
-    ready = election.step(
-        PeerMessage("2", "3", Invitation("2:g9", 2, 1, catch_up=("1",))), 10
-    )
+    ready = election.step(PeerMessage("2", "3", Invitation("2:g9", 2, 1, catch_up=("1",))), 10)
     assert ready.rejection is not None
     assert ready.rejection.code is RejectCode.INVALID_MESSAGE
     assert "ranked above the inviter 2" in ready.rejection.message

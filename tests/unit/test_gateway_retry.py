@@ -247,3 +247,40 @@ def test_the_gateways_retry_budget_is_time_with_an_optional_attempt_cap() -> Non
     capped = _BudgetSpent(squall.RetryPolicy(attempts_max=3), lambda: now[0])
     state.attempt_number = 3
     assert capped(state)
+
+
+def _with_set(
+    message: coordinator_pb2.GroupView, version: int, epoch: int, *nodes: str
+) -> coordinator_pb2.GroupView:
+    """A view carrying a running node set: node ``nX`` at coordinator cX:1, replica rX:1
+    (``nX@2``: moved to cX:2/rX:2)."""
+    message.membership_version, message.membership_epoch = version, epoch
+    for spec in nodes:
+        node, _, where = spec.partition("@")
+        port = where or "1"
+        message.nodes.add(
+            node_id=node,
+            coordinator_address=f"c{node}:{port}",
+            replica_address=f"r{node}:{port}",
+        )
+    return message
+
+
+def test_a_gateway_learns_added_and_moved_nodes_from_the_newest_running_set() -> None:
+    """An added node (n4) becomes known with its addresses, so a master on it is reached
+    without a restart; a replaced node's new machine moves its addresses; an older set
+    reported later (a lagging coordinator) changes nothing."""
+    views = GroupViews(ADDRESSES, {n: f"c{n}:0" for n in ADDRESSES})
+    views.observe("n1", view("n1", NORMAL, 7, "n4"))
+    assert views.master is None  # n4 is not known yet: the view cannot name it
+    grown = _with_set(view("n1", NORMAL, 8, "n4"), 1, 8, "n1", "n2", "n3", "n4")
+    views.observe("n1", grown)
+    assert views.learn(grown) == ("n1", "n2", "n3", "n4")  # every address differs here
+    assert views.master == Master("n4", "rn4:1", 8)
+    assert views.coordinators["n4"] == "cn4:1"
+    older = _with_set(view("n2", NORMAL, 8, "n4"), 1, 7, "n1", "n2", "n3")
+    assert views.learn(older) == ()
+    moved = _with_set(view("n4", NORMAL, 9, "n4"), 2, 9, "n1", "n2@2", "n3", "n4")
+    assert views.learn(moved) == ("n2",)
+    assert views.address("n2") == "rn2:2" and views.coordinators["n2"] == "cn2:2"
+    assert views.learn(view("n3", NORMAL, 9, "n4")) == ()  # no set carried: the file's

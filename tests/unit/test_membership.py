@@ -36,7 +36,7 @@ def change(
         (change(ChangeKind.ADD, "4", coord="x", rep="h4:2"), ("1", "2", "3"), "is not host:port"),
         (change(ChangeKind.ADD, "4", priority=-1), ("1", "2", "3"), "is negative"),
         (change(ChangeKind.ADD, "bad id"), ("1", "2", "3"), "is not 1 to 64 characters"),
-        (change(ChangeKind.ADD, "4"), ("1", "2"), "unable to form a majority"),
+        (change(ChangeKind.PROMOTE, "2"), ("1", "2", "3"), "already votes"),
         (change(ChangeKind.REMOVE, "2"), ("1", "2"), "unable to form a majority"),
         (change(ChangeKind.REMOVE, "1"), ("1", "2", "3"), "coordinates the serving group"),
         (change(ChangeKind.REMOVE, "9"), ("1", "2", "3"), "node 9 is not a member"),
@@ -62,6 +62,7 @@ def test_every_change_moves_one_node_and_one_version() -> None:
     moved = apply_change(THREE, change(ChangeKind.REPLACE, "3"), live=("1", "2"), coordinator="1")
     member = moved.member("3")
     assert member is not None and member.coordinator_address == "h3x:1" and member.priority == 1
+    assert member.learner and moved.voters == ("1", "2")
     raised = apply_change(
         THREE, change(ChangeKind.SET_PRIORITY, "3", priority=9), live=("1", "2"), coordinator="1"
     )
@@ -106,6 +107,7 @@ def test_config_export_writes_a_file_the_services_load(tmp_path: Path) -> None:
                 priority=1,
                 coordinator_address="127.0.0.1:7999",
                 replica_address="127.0.0.1:7998",
+                learner=True,
             )
         ],
     )
@@ -115,6 +117,7 @@ def test_config_export_writes_a_file_the_services_load(tmp_path: Path) -> None:
     assert [n.id for n in again.nodes] == [*(n.id for n in config.nodes), "n4"]
     assert (again.membership_version, again.membership_epoch) == (2, 9)
     assert again.node("n4").data_dir == tmp_path / "n4"
+    assert again.node("n4").learner and not again.node(config.nodes[0].id).learner
     assert again.agreed_settings()[1:] != config.agreed_settings()[1:]
     assert again.durability == config.durability and again.timeouts == config.timeouts
     exported.write_text(
@@ -122,3 +125,26 @@ def test_config_export_writes_a_file_the_services_load(tmp_path: Path) -> None:
     )
     with pytest.raises(ConfigError, match=r"cluster\.membership_version"):
         load_config(exported)
+
+
+def test_a_new_node_learns_before_it_votes() -> None:
+    """add-node and replace-node bring a learner: the voters, and so every majority, stay
+    as they were until the coordinator promotes it (one voter more); a learner counts for
+    no quorum check, and an empty-handed promotion is refused."""
+    live = ("1", "2")  # node 3 is down: adding a learner is still safe
+    grown = apply_change(THREE, change(ChangeKind.ADD, "4"), live=live, coordinator="1")
+    assert grown.voters == ("1", "2", "3") and grown.learners == ("4",)
+    assert grown.majority == 2 and grown.describe().endswith("3:1,4:1L")
+    with pytest.raises(ChangeRefused, match="not in the serving group"):
+        apply_change(grown, change(ChangeKind.PROMOTE, "4"), live=live, coordinator="1")
+    promoted = apply_change(
+        grown, change(ChangeKind.PROMOTE, "4"), live=("1", "2", "3", "4"), coordinator="1"
+    )
+    assert promoted.voters == ("1", "2", "3", "4") and promoted.learners == ()
+    # 2 of 4 voters would not be a majority of the new set: refused.
+    with pytest.raises(ChangeRefused, match="unable to form a majority"):
+        apply_change(grown, change(ChangeKind.PROMOTE, "4"), live=("1", "4"), coordinator="1")
+    # A learner's absence never blocks removing a voter that keeps the majority.
+    shrunk = apply_change(grown, change(ChangeKind.REMOVE, "3"), live=live, coordinator="1")
+    assert shrunk.voters == ("1", "2") and shrunk.learners == ("4",)
+    assert ("nodes.4", "priority=1 coordinator=h4x:1 replica=h4x:2 learner") in grown.settings()

@@ -12,6 +12,7 @@ import pytest
 from squall.v1 import coordinator_pb2, replica_pb2
 from squall_server.common.config import parse_config
 from squall_server.common.peer_guard import PeerGuard, Refused, guards
+from squall_server.common.running_nodes import RunningNodes
 from squall_server.common.tls import Transport, address_owner, handshake_failure
 from tests.unit.test_config import VALID
 
@@ -109,3 +110,21 @@ def test_tls_off_builds_plaintext_servers_and_no_guard() -> None:
     config = parse_config(VALID, "cluster.toml")
     assert Transport(config, "n1").server_credentials(require_client_cert=True) is None
     assert guards(config, "n1", "replica") == []
+
+
+def test_the_guard_follows_the_running_node_set() -> None:
+    """A node added at runtime is taken as a node as soon as the running set names it,
+    a removed one is refused from then on, with no restart (RunningNodes)."""
+    config = parse_config(VALID, "cluster.toml")
+    running = RunningNodes((n.id for n in config.nodes), (g.id for g in config.gateways))
+    guard = PeerGuard(config, "n1", "coordinator", nodes=running)
+    hello = coordinator_pb2.PeerMessage(from_node="n4")
+    assert _refused(guard, DELIVER, _names("n4"), hello).code == grpc.StatusCode.PERMISSION_DENIED
+    assert running.follow(["n1", "n2", "n3", "n4"]) == (frozenset({"n4"}), frozenset())
+    assert guard.check(DELIVER, _names("n4"), hello) == "n4"
+    assert running.follow(["n1", "n2", "n4"]) == (frozenset(), frozenset({"n3"}))
+    gone = coordinator_pb2.PeerMessage(from_node="n3")
+    assert _refused(guard, DELIVER, _names("n3"), gone).code == grpc.StatusCode.PERMISSION_DENIED
+    # No set known (empty): nothing changes; gateways stay members throughout.
+    assert running.follow([]) == (frozenset(), frozenset())
+    assert "g1" in running.members and "n4" in running.members

@@ -238,6 +238,30 @@ def test_majority_is_counted_over_all_configured_nodes() -> None:
     assert ack(master, "3", sid3, 2, 1, 1).commit_lsn == 1
 
 
+def test_a_learners_acks_count_for_no_commit() -> None:
+    """A learner (a node added or replaced at runtime, still copying the log) gets the
+    stream, but its acks neither make a majority nor hold an ALL commit back; a group
+    that is a quorum only with the learner cannot master."""
+    three = config(nodes=("1", "2", "3"), learners=("4",))
+    master = new_master(three, members=["1", "2", "4"])
+    sid2, sid4 = stream(master, "2"), stream(master, "4")
+    send_all(master, master.on_appended(2, synced=True))
+    # The learner holds both entries, the voter 2 nothing yet: no commit.
+    assert ack(master, "4", sid4, 2, 2, 2).commit_lsn == 0
+    assert ack(master, "2", sid2, 2, 1, 1).commit_lsn == 1
+    every = new_master(
+        config(nodes=("1", "2"), learners=("3",), acks=AckPolicy.ALL), members=["1", "2", "3"]
+    )
+    sid2 = stream(every, "2")
+    stream(every, "3")  # the learner never acks: ALL still commits on the voters
+    send_all(every, every.on_appended(2, synced=True))
+    assert ack(every, "2", sid2, 2, 2, 2).commit_lsn == 2
+    with pytest.raises(ReplicationError, match="2 voting nodes cannot replicate"):
+        new_master(config(nodes=("1", "2", "3", "5"), learners=("4",)), members=["1", "2", "4"])
+    # Losing a voter deposes the master even while the learner stays.
+    assert master.set_members(["1", "4"]).deposed
+
+
 def test_all_waits_for_every_member_and_none_for_the_master_alone() -> None:
     master = new_master(config(acks=AckPolicy.ALL))
     sid2, sid3 = stream(master, "2"), stream(master, "3")

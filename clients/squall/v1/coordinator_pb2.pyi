@@ -64,6 +64,7 @@ class MemberSpec(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     COORDINATOR_ADDRESS_FIELD_NUMBER: _builtins.int
     REPLICA_ADDRESS_FIELD_NUMBER: _builtins.int
+    LEARNER_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The node id."""
     priority: _builtins.int
@@ -72,6 +73,10 @@ class MemberSpec(_message.Message):
     """Its coordinator's address, host:port."""
     replica_address: _builtins.str
     """Its replica's address, host:port."""
+    learner: _builtins.bool
+    """A learner: it gets the log but neither votes, counts for a commit nor coordinates
+    until the coordinator promotes it (it came in empty: add-node, replace-node).
+    """
     def __init__(
         self,
         *,
@@ -79,10 +84,11 @@ class MemberSpec(_message.Message):
         priority: _builtins.int = ...,
         coordinator_address: _builtins.str = ...,
         replica_address: _builtins.str = ...,
+        learner: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_address", b"coordinator_address", "node_id", b"node_id", "priority", b"priority", "replica_address", b"replica_address"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_address", b"coordinator_address", "learner", b"learner", "node_id", b"node_id", "priority", b"priority", "replica_address", b"replica_address"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -932,6 +938,9 @@ class GroupView(_message.Message):
     MASTER_FIELD_NUMBER: _builtins.int
     MEMBERS_FIELD_NUMBER: _builtins.int
     GROUP_NAME_FIELD_NUMBER: _builtins.int
+    NODES_FIELD_NUMBER: _builtins.int
+    MEMBERSHIP_VERSION_FIELD_NUMBER: _builtins.int
+    MEMBERSHIP_EPOCH_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The node reporting."""
     state: _common_pb2.NodeState.ValueType
@@ -940,6 +949,11 @@ class GroupView(_message.Message):
     """The group's epoch."""
     group_name: _builtins.str
     """The group's name."""
+    membership_version: _builtins.int
+    """That set's version and the epoch of the newest group that carried it: a gateway takes
+    the newest set any coordinator reports.
+    """
+    membership_epoch: _builtins.int
     @_builtins.property
     def master(self) -> _common_pb2.NodeEndpoint:
         """The master (the group's coordinator) when the group is normal; empty otherwise."""
@@ -947,6 +961,13 @@ class GroupView(_message.Message):
     @_builtins.property
     def members(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.NodeEndpoint]:
         """The group's members, when known."""
+
+    @_builtins.property
+    def nodes(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.NodeEndpoint]:
+        """The running node set (learners included) with every node's addresses, once a
+        membership change made one (empty: the config file's nodes): gateways follow it, so
+        a node added at runtime is watched and reached without restarting them.
+        """
 
     def __init__(
         self,
@@ -957,10 +978,13 @@ class GroupView(_message.Message):
         master: _common_pb2.NodeEndpoint | None = ...,
         members: _abc.Iterable[_common_pb2.NodeEndpoint] | None = ...,
         group_name: _builtins.str = ...,
+        nodes: _abc.Iterable[_common_pb2.NodeEndpoint] | None = ...,
+        membership_version: _builtins.int = ...,
+        membership_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["master", b"master"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "group_name", b"group_name", "master", b"master", "members", b"members", "node_id", b"node_id", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "group_name", b"group_name", "master", b"master", "members", b"members", "membership_epoch", b"membership_epoch", "membership_version", b"membership_version", "node_id", b"node_id", "nodes", b"nodes", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

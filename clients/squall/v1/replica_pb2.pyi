@@ -1256,6 +1256,7 @@ class RoleCommand(_message.Message):
     LEASE_MS_FIELD_NUMBER: _builtins.int
     CLUSTER_ID_FIELD_NUMBER: _builtins.int
     VOTING_NODES_FIELD_NUMBER: _builtins.int
+    LEARNER_NODES_FIELD_NUMBER: _builtins.int
     role: _common_pb2.Role.ValueType
     """The role to take."""
     epoch: _builtins.int
@@ -1291,6 +1292,12 @@ class RoleCommand(_message.Message):
         addresses, once a membership change made one (empty: the config file's nodes).
         """
 
+    @_builtins.property
+    def learner_nodes(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.NodeEndpoint]:
+        """ROLE_MASTER: the members of the running node set that are learners (they get the
+        log; their acks count for no commit), with their addresses.
+        """
+
     def __init__(
         self,
         *,
@@ -1304,10 +1311,11 @@ class RoleCommand(_message.Message):
         lease_ms: _builtins.int = ...,
         cluster_id: _builtins.str = ...,
         voting_nodes: _abc.Iterable[_common_pb2.NodeEndpoint] | None = ...,
+        learner_nodes: _abc.Iterable[_common_pb2.NodeEndpoint] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["master", b"master"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "epoch", b"epoch", "lease_ms", b"lease_ms", "master", b"master", "members", b"members", "reason", b"reason", "role", b"role", "seq", b"seq", "sync_source_id", b"sync_source_id", "voting_nodes", b"voting_nodes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "epoch", b"epoch", "learner_nodes", b"learner_nodes", "lease_ms", b"lease_ms", "master", b"master", "members", b"members", "reason", b"reason", "role", b"role", "seq", b"seq", "sync_source_id", b"sync_source_id", "voting_nodes", b"voting_nodes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
