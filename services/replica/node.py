@@ -99,7 +99,7 @@ from squall_server.replica.rebuild import LmdbTruncator
 from squall_server.replica.reorg import SyncProgress, Taking, answer_wait_s
 from squall_server.replica.replication import ReplicationError, SyncPolicy
 from squall_server.replica.slave_side import SlaveSide
-from squall_server.replica.store import Store, StoreError, TopicInfo
+from squall_server.replica.store import Store, StoreError, StoreFullError, TopicInfo
 from squall_server.replica.store.stall import StallMeter
 from squall_server.replica.sync_source import SyncSource
 from squall_server.replica.taking_master import TakingMaster
@@ -575,7 +575,14 @@ class ReplicaNode:
                 case StartTaking(take):
                     taking = self.taking.start(take)
                 case PersistRole(write):
-                    await self._persist_role(write)
+                    try:
+                        await self._persist_role(write)
+                    except ServiceError as refusal:
+                        if refusal.code == Code.RESOURCE_EXHAUSTED:
+                            # No role on an epoch the store does not hold; the coordinator
+                            # asks again, and the role is taken once the write fits.
+                            await self.deactivate(refusal.message)
+                        raise
                 case FollowMaster(follow):
                     await self._become_slave(follow)
                 case JoinTaking():
@@ -650,6 +657,14 @@ class ReplicaNode:
         async with self._commit_lock:
             try:
                 return await asyncio.get_running_loop().run_in_executor(self._io, persist)
+            except StoreFullError as exc:
+                # Nothing was written and space may come back (as a full store refuses a
+                # batch): the role is refused, the replica keeps serving what it can.
+                raise ServiceError(
+                    Code.RESOURCE_EXHAUSTED,
+                    f"replica {self.node.id} could not persist its new role: store full "
+                    f"({exc}); its store still at epoch {self.epoch}",
+                ) from exc
             except StoreError as exc:
                 epoch = self.epoch  # the one its store holds (the new role's is not stored)
                 self._fail_stop(f"store write failed persisting a new role: {exc}")

@@ -27,7 +27,7 @@ from squall_server.common.errors import Code, ServiceError
 from squall_server.replica.node import ReplicaNode
 from squall_server.replica.replication_server import Replication
 from squall_server.replica.server import ReplicaControl
-from squall_server.replica.store import DATABASES, Store, StoreWriteError
+from squall_server.replica.store import DATABASES, Store, StoreFullError, StoreWriteError
 from squall_server.replica.store.kv_memory import MemoryKV
 
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "cluster.example.toml"
@@ -142,6 +142,48 @@ def test_a_role_whose_epoch_cannot_be_persisted_is_refused_and_the_replica_stops
             with pytest.raises(ServiceError) as refused:  # and takes no role again
                 await node.apply_role(_slave_of("n3", 5, 3))
             assert "fail-stopped" in refused.value.message
+        finally:
+            await node.stop()
+
+    asyncio.run(scenario())
+
+
+class _EpochFullStore(Store):
+    """An in-memory store whose epoch writes find the store full once `full` is set."""
+
+    full = False
+
+    def set_epoch(self, epoch: int) -> None:
+        if self.full:
+            raise StoreFullError("LMDB map full (simulated)")
+        super().set_epoch(epoch)
+
+
+def test_a_role_a_full_store_cannot_persist_is_refused_and_taken_once_it_fits() -> None:
+    """A full store is not a failing disk (chaos seed 24's map_full fault): the role is
+    refused RESOURCE_EXHAUSTED and dropped, the replica does not fail-stop (its coordinator
+    would quarantine it), and the next command is taken once the write fits."""
+
+    async def scenario() -> None:
+        config = load_config(CONFIG)
+        store = _EpochFullStore.open_memory()
+        assert isinstance(store, _EpochFullStore)
+        node = ReplicaNode(config, config.node("n2"), store)
+        await node.start()
+        try:
+            await node.apply_role(_slave_of("n1", 3, 1))
+            store.full = True
+            with pytest.raises(ServiceError) as raised:
+                await node.apply_role(_slave_of("n3", 4, 2))
+            assert raised.value.code == Code.RESOURCE_EXHAUSTED
+            assert "store full" in raised.value.message and "epoch 3" in raised.value.message
+            assert node.role == common_pb2.ROLE_INACTIVE
+            assert node.failed_reason == ""
+            assert store.meta().epoch == 3
+            store.full = False
+            await node.apply_role(_slave_of("n3", 5, 3))
+            assert node.role == common_pb2.ROLE_SLAVE
+            assert store.meta().epoch == 5
         finally:
             await node.stop()
 
