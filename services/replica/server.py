@@ -89,7 +89,8 @@ def topic_message(topic: TopicInfo, next_offset: int | None = None) -> common_pb
         created_ms=topic.created_ms,
         size_bytes=topic.size_bytes or 0,
         # A transient topic's events are not stored, so its store count means nothing.
-        size_known=topic.size_bytes is not None and topic.kind != common_pb2.TOPIC_KIND_TRANSIENT,
+        size_known=topic.size_bytes is not None
+        and topic.kind != common_pb2.TOPIC_KIND_TRANSIENT,
     )
 
 
@@ -335,7 +336,9 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
         """Begins one publish; the future resolves to its response once committed."""
         observed = self.node.telemetry
         watch = (
-            PublishWatch(observed, request, *self._where(), published=self.node.published_traces)
+            PublishWatch(
+                observed, request, *self._where(), published=self.node.published_traces
+            )
             if observed.active
             else None
         )
@@ -557,7 +560,8 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
         except ServiceError as exc:
             raise ServiceError(
                 exc.code,
-                f"topic '{topic}' is transient: its events are only on the master; {exc.message}",
+                f"topic '{topic}' is transient: its events are only on the master; "
+                f"{exc.message}",
                 metadata=exc.metadata,
             ) from None
 
