@@ -51,6 +51,9 @@ class TopicInfo:
     next_offset: int
     first_offset: int
     created_ms: int
+    # Bytes of the topic's stored event records on the answering replica; None when not
+    # counted (a transient topic, a store record older than the count, an older server).
+    size_bytes: int | None = None
 
     @classmethod
     def from_pb(cls, topic: common_pb2.Topic) -> TopicInfo:
@@ -58,7 +61,8 @@ class TopicInfo:
         kind: TopicKindName = (
             "transient" if topic.kind == common_pb2.TOPIC_KIND_TRANSIENT else "replicated"
         )
-        return cls(topic.name, kind, topic.next_offset, topic.first_offset, topic.created_ms)
+        size = topic.size_bytes if topic.size_known else None
+        return cls(topic.name, kind, topic.next_offset, topic.first_offset, topic.created_ms, size)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -405,7 +405,7 @@ def _cmd_topic(client: squall.Client, args: argparse.Namespace, out: TextIO) -> 
         for info in client.topics():
             print(
                 f"{info.name}\t{info.kind}\tfirst_offset={info.first_offset}"
-                f"\tnext_offset={info.next_offset}",
+                f"\tnext_offset={info.next_offset}\tsize_bytes={cli_listing.size_text(info)}",
                 file=out,
             )
     elif args.topic_command == "subscribers":
@@ -458,7 +458,8 @@ def _cmd_topic_links(client: squall.Client, args: argparse.Namespace, out: TextI
         info = topic.info
         print(
             f"{info.name}\t{info.kind}\tfirst_offset={info.first_offset}"
-            f"\tnext_offset={info.next_offset}\tlinks={len(links)}",
+            f"\tnext_offset={info.next_offset}\tsize_bytes={cli_listing.size_text(info)}"
+            f"\tlinks={len(links)}",
             file=out,
         )
         for line in cli_listing.link_lines(links):

@@ -22,8 +22,14 @@ def add_json_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def topics_document(topics: Iterable[squall.TopicInfo]) -> dict[str, Any]:
-    """`topic list --json`: {"topics": [{name, kind, first_offset, next_offset, created_ms}]}."""
+    """`topic list --json`: {"topics": [{name, kind, first_offset, next_offset, created_ms,
+    size_bytes}]} (size_bytes null when the server does not count it)."""
     return {"topics": [dataclasses.asdict(info) for info in topics]}
+
+
+def size_text(info: squall.TopicInfo) -> str:
+    """A topic's size_bytes as the text tables show it: n/a when not counted."""
+    return "n/a" if info.size_bytes is None else str(info.size_bytes)
 
 
 def subscribers_document(

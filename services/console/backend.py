@@ -318,8 +318,8 @@ class ConsoleBackend:
                     "events": info.next_offset - info.first_offset,
                     "first_offset": info.first_offset,
                     "next_offset": info.next_offset,
-                    # The public API reports no byte size per topic (docs/console.md).
-                    "size_bytes": None,
+                    # None (shown n/a) when the replica does not count it (docs/console.md).
+                    "size_bytes": info.size_bytes,
                     "publish_rate": self._rates.sample(publish_key, now_ms, info.next_offset),
                     "consume_rate": (
                         self._rates.sample(consume_key, now_ms, consumed)

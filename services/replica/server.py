@@ -87,6 +87,10 @@ def topic_message(topic: TopicInfo, next_offset: int | None = None) -> common_pb
         next_offset=topic.next_offset if next_offset is None else next_offset,
         first_offset=topic.first_offset,
         created_ms=topic.created_ms,
+        size_bytes=topic.size_bytes or 0,
+        # A transient topic's events are not stored, so its store count means nothing.
+        size_known=topic.size_bytes is not None
+        and topic.kind != common_pb2.TOPIC_KIND_TRANSIENT,
     )
 
 

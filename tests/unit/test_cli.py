@@ -61,9 +61,12 @@ def test_topic_commands(broker: Any, capsys: pytest.CaptureFixture[str]) -> None
     code, out, _ = run(["topic", "list"], capsys)
     assert code == 0
     assert out.splitlines() == [
-        "live\ttransient\tfirst_offset=0\tnext_offset=0",
-        "orders\treplicated\tfirst_offset=0\tnext_offset=0",
+        "live\ttransient\tfirst_offset=0\tnext_offset=0\tsize_bytes=n/a",
+        "orders\treplicated\tfirst_offset=0\tnext_offset=0\tsize_bytes=0",
     ]
+    code, out, _ = run(["topic", "list", "--json"], capsys)
+    sizes = {t["name"]: t["size_bytes"] for t in json.loads(out)["topics"]}
+    assert sizes == {"live": None, "orders": 0}
     assert run(["topic", "destroy", "orders"], capsys)[:2] == (0, "destroyed topic orders\n")
     code, out, err = run(["topic", "destroy", "orders"], capsys)
     assert (code, out) == (1, "")
@@ -86,10 +89,13 @@ def test_topic_link_commands(broker: Any, capsys: pytest.CaptureFixture[str]) ->
         "\tpublisher_id=squall-link/2",
     ]
     code, out, _ = run(["topic", "info", "a"], capsys)
-    assert out.splitlines()[0] == "a\treplicated\tfirst_offset=0\tnext_offset=0\tlinks=2"
+    assert out.splitlines()[0] == (
+        "a\treplicated\tfirst_offset=0\tnext_offset=0\tsize_bytes=0\tlinks=2"
+    )
     code, out, _ = run(["topic", "info", "a", "--json"], capsys)
     document = json.loads(out)
-    assert document["name"] == "a" and [x["to_topic"] for x in document["links"]] == [
+    assert document["name"] == "a" and document["size_bytes"] == 0
+    assert [x["to_topic"] for x in document["links"]] == [
         "b",
         "orders",
     ]

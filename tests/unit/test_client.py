@@ -70,7 +70,13 @@ class FakeBroker(
             if request.name in self.topics:
                 context.abort(grpc.StatusCode.ALREADY_EXISTS, f"topic {request.name} exists")
             kind = request.kind or common_pb2.TOPIC_KIND_REPLICATED
-            info = common_pb2.Topic(name=request.name, kind=kind, created_ms=1_700_000_000_000)
+            # As the replica answers: a replicated topic's size is counted, a transient's not.
+            info = common_pb2.Topic(
+                name=request.name,
+                kind=kind,
+                created_ms=1_700_000_000_000,
+                size_known=kind == common_pb2.TOPIC_KIND_REPLICATED,
+            )
             self.topics[request.name] = _FakeTopic(info)
             return broker_pb2.CreateTopicResponse(topic=info)
 
@@ -350,7 +356,7 @@ def single_attempt(broker: FakeBroker) -> Iterator[squall.Client]:
 
 def test_topic_lifecycle(client: squall.Client) -> None:
     info = client.create_topic("orders")
-    assert info == squall.TopicInfo("orders", "replicated", 0, 0, 1_700_000_000_000)
+    assert info == squall.TopicInfo("orders", "replicated", 0, 0, 1_700_000_000_000, 0)
     client.create_topic("alerts", kind="transient")
     assert [(t.name, t.kind) for t in client.topics()] == [
         ("alerts", "transient"),

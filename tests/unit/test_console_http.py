@@ -98,7 +98,13 @@ class FakePublisher:
             squall.Message(offset, key or b"", payload, 1_767_225_600_000, "console-x", 1,
                            dict(headers or {}), "", 11 + offset, 4)
         )  # fmt: skip
-        self._topic.info = dataclasses.replace(self._topic.info, next_offset=offset + 1)
+        # The replica counts the stored record; the fake counts the payload and key.
+        size = self._topic.info.size_bytes
+        self._topic.info = dataclasses.replace(
+            self._topic.info,
+            next_offset=offset + 1,
+            size_bytes=None if size is None else size + len(payload) + len(key or b""),
+        )
         return squall.Receipt(offset, 11 + offset, 4, False, (), "n1")
 
 
@@ -118,7 +124,9 @@ class FakeSubscription:
 
 class FakeTopic:
     def __init__(self, name: str, kind: str = "replicated") -> None:
-        self.info = squall.TopicInfo(name, kind, 0, 0, 0)  # type: ignore[arg-type]
+        # A transient topic's size is not counted (None), a replicated one's starts at 0.
+        size = None if kind == "transient" else 0
+        self.info = squall.TopicInfo(name, kind, 0, 0, 0, size)  # type: ignore[arg-type]
         self.events: list[squall.Message] = []
 
     def subscription_infos(self) -> list[squall.SubscriptionInfo]:
@@ -260,6 +268,9 @@ def test_rates_and_backlog_follow_the_polls(console: Console) -> None:
     snap = console.backend.poll()
     orders = next(t for t in snap["topics"] if t["name"] == "orders")
     assert orders["events"] == 5
+    assert orders["size_bytes"] == 5  # what the topic info reports, no longer n/a
+    ticks = next(t for t in snap["topics"] if t["name"] == "ticks")
+    assert ticks["size_bytes"] is None  # not counted: the page shows n/a
     assert orders["publish_rate"] == pytest.approx(5.0)
     subscription = next(s for s in snap["subscriptions"] if s["topic"] == "orders")
     assert subscription["backlog"] == 4

@@ -254,6 +254,7 @@ def test_append_and_read_back(store: Store) -> None:
         op,
         set_cursor("orders", "billing", 1),
     )
+    events = store.read_events("orders", 0, 10)
     assert store.get_topic("orders") == TopicInfo(
         name="orders",
         topic_id=1,
@@ -261,10 +262,11 @@ def test_append_and_read_back(store: Store) -> None:
         next_offset=2,
         first_offset=0,
         created_ms=123,
+        # Each stored record: the serialized event and its 4-byte checksum.
+        size_bytes=sum(4 + event.ByteSize() for event in events),
     )
     assert [t.name for t in store.list_topics()] == ["audit", "orders"]
     assert store.get_topic("audit") is not None
-    events = store.read_events("orders", 0, 10)
     assert events[0] == common_pb2.Event(
         topic="orders",
         offset=0,

@@ -201,6 +201,8 @@ class Topic(_message.Message):
     NEXT_OFFSET_FIELD_NUMBER: _builtins.int
     FIRST_OFFSET_FIELD_NUMBER: _builtins.int
     CREATED_MS_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    SIZE_KNOWN_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """The topic's name; see docs/configuration.md ("Names") for the grammar."""
     kind: Global___TopicKind.ValueType
@@ -211,6 +213,16 @@ class Topic(_message.Message):
     """The offset of the oldest event still held (0 when none was ever dropped)."""
     created_ms: _builtins.int
     """Milliseconds since the Unix epoch at which the topic was created."""
+    size_bytes: _builtins.int
+    """Bytes of the events the answering replica's store holds for the topic: each stored
+    event record (the serialized event — payload, key, headers and its offset, LSN,
+    publisher and times — plus a 4-byte checksum); keys and page overhead not counted.
+    Meaningful only when size_known is set.
+    """
+    size_known: _builtins.bool
+    """False when the size is not counted: a transient topic (its events are not stored),
+    a topic whose store record predates the count, or a server that does not report it.
+    """
     def __init__(
         self,
         *,
@@ -219,10 +231,12 @@ class Topic(_message.Message):
         next_offset: _builtins.int = ...,
         first_offset: _builtins.int = ...,
         created_ms: _builtins.int = ...,
+        size_bytes: _builtins.int = ...,
+        size_known: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_ms", b"created_ms", "first_offset", b"first_offset", "kind", b"kind", "name", b"name", "next_offset", b"next_offset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_ms", b"created_ms", "first_offset", b"first_offset", "kind", b"kind", "name", b"name", "next_offset", b"next_offset", "size_bytes", b"size_bytes", "size_known", b"size_known"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

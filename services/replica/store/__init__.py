@@ -48,7 +48,13 @@ The store runs on the ``kv.KV`` interface, with two twins: ``Store.open_lmdb`` a
   held above its sender's commit LSN (``snapshot_uncommitted``). A restarted replica
   hides everything above the recorded commit LSN from committed reads.
 * ``log``: LSN (8 bytes big-endian) -> serialized ``LogEntry``.
-* ``topics``: name -> topic id, kind, next offset, first offset, creation time.
+* ``topics``: name -> topic id, kind, next offset, first offset, creation time and the
+  topic's size: the bytes of its records in ``events`` (each sealed value: the serialized
+  event and its checksum), kept in the same transaction as the events — a publish adds
+  its records' bytes, a destroy deletes the record with the events, a snapshot carries
+  it with the events it counts (one read transaction), a truncation replays the log. A
+  record written before the count existed has no size field: the size reads as unknown
+  (``TopicInfo.size_bytes`` None) until the topic is destroyed, never recounted.
 * ``events``: topic id + offset (8 + 8 bytes big-endian) -> serialized ``common_pb2.Event``.
 * ``shared``: topic id + length-prefixed subscription name -> a shared subscription's
   settings (``SharedCreateOp``); the same key + offset (8 bytes) -> failed deliveries,

@@ -296,6 +296,7 @@ class Batch:
         runs: list[tuple[int, int, int]] = []
         run_first = run_last = run_offset = 0
         offset = first
+        size_bytes = 0
         for data in op.events:
             ev.Clear()
             ev.offset = offset
@@ -309,6 +310,7 @@ class Batch:
             body = common + ev.SerializeToString()
             key = pack_key(topic_id, offset)
             items.append((key, pack_crc(crc32(body, crc32(key))) + body))
+            size_bytes += CRC.size + len(body)
             if sequence:
                 if (
                     run_last
@@ -325,6 +327,7 @@ class Batch:
         if run_last:
             runs.append((run_first, run_last, run_offset))
         row.next_offset = offset
+        row.add_events(size_bytes)
         self.dirty_topics[op.topic] = row
         if publisher_id and runs:
             self.record_sequences(publisher_id, row, runs, lsn, epoch)

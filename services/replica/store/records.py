@@ -158,6 +158,11 @@ U16 = struct.Struct(">H")
 TOPIC_RECORD = struct.Struct(">QBQQq")  # topic_id, kind, next_offset, first_offset, created_ms
 
 
+# Then the bytes of the topic's stored event records (TOPIC_RECORD + 8 bytes); a record
+# written before the count existed ends at TOPIC_RECORD.size and its size is unknown.
+TOPIC_RECORD_SIZED = struct.Struct(">QBQQqQ")
+
+
 DEDUPE_RECORD = struct.Struct(">QQQQ")  # first sequence, its offset, lsn, epoch; then topic
 
 
@@ -197,6 +202,10 @@ class TopicInfo:
     next_offset: int
     first_offset: int
     created_ms: int
+    # The bytes of the event records the store holds for the topic (each sealed value in
+    # ``events``: the serialized event with its checksum; keys and page overhead not
+    # counted); None for a topic whose record predates the count (docs/console.md).
+    size_bytes: int | None = 0
 
 
 @dataclass(frozen=True)
@@ -304,7 +313,16 @@ def publisher_prefix(publisher_id: str) -> bytes:
 class TopicRow:
     """A topic record being read or changed."""
 
-    __slots__ = ("created_ms", "first_offset", "key", "kind", "name", "next_offset", "topic_id")
+    __slots__ = (
+        "created_ms",
+        "first_offset",
+        "key",
+        "kind",
+        "name",
+        "next_offset",
+        "size_bytes",
+        "topic_id",
+    )
 
     def __init__(
         self,
@@ -315,6 +333,7 @@ class TopicRow:
         next_offset: int,
         first_offset: int,
         created_ms: int,
+        size_bytes: int | None = 0,
     ) -> None:
         self.name = name
         self.key = key
@@ -323,13 +342,19 @@ class TopicRow:
         self.next_offset = next_offset
         self.first_offset = first_offset
         self.created_ms = created_ms
+        self.size_bytes = size_bytes
 
     def encode(self) -> bytes:
-        """The sealed record."""
-        body = TOPIC_RECORD.pack(
-            self.topic_id, self.kind, self.next_offset, self.first_offset, self.created_ms
-        )
-        return seal(self.key, body)
+        """The sealed record (without the byte count while that is unknown)."""
+        fields = (self.topic_id, self.kind, self.next_offset, self.first_offset, self.created_ms)
+        if self.size_bytes is None:
+            return seal(self.key, TOPIC_RECORD.pack(*fields))
+        return seal(self.key, TOPIC_RECORD_SIZED.pack(*fields, self.size_bytes))
+
+    def add_events(self, size_bytes: int) -> None:
+        """Counts new event records of size_bytes in all (an unknown count stays unknown)."""
+        if self.size_bytes is not None:
+            self.size_bytes += size_bytes
 
     def info(self) -> TopicInfo:
         """The public, frozen view."""
@@ -340,6 +365,7 @@ class TopicRow:
             next_offset=self.next_offset,
             first_offset=self.first_offset,
             created_ms=self.created_ms,
+            size_bytes=self.size_bytes,
         )
 
 
@@ -377,11 +403,14 @@ def decode_topic(key: bytes, value: bytes) -> TopicRow:
     topic_id, kind, next_offset, first_offset, created_ms = unpack(
         DB_TOPICS, key, TOPIC_RECORD, body
     )
+    size_bytes: int | None = None  # a record from before the count: unknown
+    if len(body) >= TOPIC_RECORD_SIZED.size:
+        size_bytes = unpack(DB_TOPICS, key, TOPIC_RECORD_SIZED, body)[-1]
     try:
         name = key.decode()
     except UnicodeDecodeError:
         raise CorruptRecordError(DB_TOPICS, key, "topic name is not UTF-8") from None
-    return TopicRow(name, key, topic_id, kind, next_offset, first_offset, created_ms)
+    return TopicRow(name, key, topic_id, kind, next_offset, first_offset, created_ms, size_bytes)
 
 
 def read_topic(txn: ReadTxn, name: str) -> TopicRow | None:
