@@ -15,7 +15,13 @@ thread, the clock, a fault callback), not the node:
 * ``TakingMaster`` (``taking_master.py``): taking the master role in a background task
   (``reorg``): the reorganization fetch from the sync source, then the epoch start;
 * ``Truncation`` (``truncation.py``): removing a divergent suffix, and the loss reports
-  it leaves.
+  it leaves;
+* ``RoleApplication`` (``roles.py``): the coordinator's role commands and the core's role
+  effects (taking, following and dropping a role, a membership change's running node
+  set, the lease watch), with ``RolePersistence`` (a role's store write) and
+  ``RoleChanges`` (the role-changed signal). What a role command replaces while the
+  node runs (the configuration in force, its nodes, the master's ``MasterDriver``) is
+  the ``NodeState`` (``self.state``) this node shares with them.
 
 This node owns the commit lock (held while a batch, a truncation, an install or a role's
 store write runs, so a deactivation can wait for it and report a log that no longer
@@ -26,8 +32,9 @@ coordinator's reports read.
 
 Roles: every role rule (role, epoch floor, lease, taking and dropping roles, the shutdown
 freeze, the hand-off fence, which writes are refused) is decided by ``ReplicaCore``
-(``core``); this node feeds it role commands, ticks and what it saw, and carries out the
-``Effects`` it returns in their documented order (``apply_effects``).
+(``core``); ``RoleApplication`` feeds it role commands and ticks and carries out the
+``Effects`` it returns in their documented order (``apply_effects``); this node's
+``apply_role``, ``apply_effects``, ``deactivate`` and ``wait_for_role`` delegate to it.
 
 Committed reads across restarts: the store records the commit LSN this node knew (with
 each appended batch, and a slave's idle heartbeats); ``start`` hides every publish above
@@ -46,8 +53,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
-import dataclasses
 import functools
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
@@ -63,27 +68,8 @@ from squall_server.common.telemetry import Telemetry, current
 from squall_server.replica import commands, telemetry
 from squall_server.replica.commands import Command, Planned
 from squall_server.replica.committed import gate_from_store
-from squall_server.replica.core import (
-    CoreConfig,
-    Effects,
-    Follow,
-    LogPosition,
-    ReplicaCore,
-    Role,
-    RoleOrder,
-    StoreFacts,
-    WriteFence,
-)
-from squall_server.replica.driver import (
-    CancelTaking,
-    DropRole,
-    FollowMaster,
-    JoinTaking,
-    PersistRole,
-    RenewMembers,
-    ReplicaDriver,
-    StartTaking,
-)
+from squall_server.replica.core import CoreConfig, Effects, LogPosition, ReplicaCore, WriteFence
+from squall_server.replica.driver import ReplicaDriver
 from squall_server.replica.faults import (
     REASON_CHARS_MAX,
     Fault,
@@ -97,9 +83,10 @@ from squall_server.replica.master_driver import MasterDriver, SlaveStatus
 from squall_server.replica.push import PushDelivery
 from squall_server.replica.rebuild import LmdbTruncator
 from squall_server.replica.reorg import SyncProgress, Taking, answer_wait_s
-from squall_server.replica.replication import ReplicationError, SyncPolicy
+from squall_server.replica.replication import SyncPolicy
+from squall_server.replica.roles import NodeState, RoleApplication, RoleChanges, RolePersistence
 from squall_server.replica.slave_side import SlaveSide
-from squall_server.replica.store import Store, StoreError, StoreFullError, TopicInfo
+from squall_server.replica.store import Store, TopicInfo
 from squall_server.replica.store.stall import StallMeter
 from squall_server.replica.sync_source import SyncSource
 from squall_server.replica.taking_master import TakingMaster
@@ -115,9 +102,6 @@ log = logging.getLogger("squall.replica")
 # Request metadata from a publisher proxy: the replica addresses it just failed to reach,
 # comma-separated, so this replica does not redirect it back to a dead master.
 UNREACHABLE_KEY = "squall-unreachable"
-# How often the lease watch asks the core whether the role lease ran out: a small part of
-# the shortest lease a coordinator gives (its member timeout).
-_LEASE_CHECK_S = 0.05
 
 
 class ReplicaNode:
@@ -142,7 +126,8 @@ class ReplicaNode:
         simulator's runs them on its virtual loop, ``tests/sim/virtual_loop.py``).
         ``running_nodes``: the node ids the server's call guards accept; the role
         commands' running node set moves them (so an added node is taken at once)."""
-        self.config = config
+        # The configuration in force and the master's replication (roles.py replaces them).
+        self.state = NodeState.of(config)
         self.running_nodes = running_nodes or RunningNodes(
             (n.id for n in config.nodes), (g.id for g in config.gateways)
         )
@@ -151,7 +136,7 @@ class ReplicaNode:
         # (The running node set may move a node's address: a transport is made from the
         # configuration in force when it is needed.)
         self._new_transport: Callable[[], ReplicaTransport] = transport or (
-            lambda: GrpcReplicaTransport(self.config, node.id)
+            lambda: GrpcReplicaTransport(self.state.config, node.id)
         )
         # Times the store's writes so a stuck disk is reported to the coordinator; moves
         # with the store when a truncation installs a new one.
@@ -178,8 +163,8 @@ class ReplicaNode:
             stored_epoch=store.meta().epoch,
             log=LogPosition(store.meta().last_lsn, store.log_start_lsn()),
         )
-        self._nodes = {n.id: n for n in config.nodes}
-        self._counted_role = Role.INACTIVE  # the role the role-change metric last saw
+        # Set (and replaced) whenever a role command was applied or the role was lost.
+        self._role_changes = RoleChanges(node.id, self.core, self._instruments)
         # A fault that makes this node unfit to serve; reported to the coordinator, which
         # quarantines the node (faults.py).
         self.fault: Fault | None = load_fault(node.data_dir)
@@ -187,8 +172,6 @@ class ReplicaNode:
         self.push = PushDelivery(self)  # runs while master, from the epoch start's commit
         self.links = LinkForwarding(self)  # likewise
         self._committed = asyncio.Event()
-        # Set (and replaced) whenever a role command was applied or the role was lost.
-        self._role_changed = asyncio.Event()
         self._io: concurrent.futures.Executor = io or concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"store-{node.id}"
         )
@@ -196,8 +179,6 @@ class ReplicaNode:
         # Held while a batch is being written, so a deactivation can wait for it and then
         # report a log that no longer grows.
         self._commit_lock = asyncio.Lock()
-        # Role commands are applied one at a time (a become_master may wait on a fetch).
-        self._role_lock = asyncio.Lock()
         # Committed reads: what a subscriber may see. The store records the commit LSN
         # this node knew; what it holds above it stays hidden (start() tracks it) until a
         # master's commit LSN passes it. A store that never recorded one (written before
@@ -218,7 +199,7 @@ class ReplicaNode:
                 inflight_bytes_max=config.limits.replication_inflight_bytes_max,
             ),
             on_committed=self._notify_committed,
-            on_role_changed=self._role_changed_now,
+            on_role_changed=self._role_changes.changed_now,
             on_fault=self.report_fault,
         )
         # Truncation of a divergent suffix and the loss reports it leaves (truncation.py).
@@ -239,10 +220,10 @@ class ReplicaNode:
         # The write queue, group commit and compaction (writer.py).
         self.writer = Writer(
             node,
-            lambda: self.config,
+            lambda: self.state.config,
             self.core,
             self.driver,
-            lambda: self._driver,
+            lambda: self.state.master,
             clock=self.clock,
             io=self._io,
             commit_lock=self._commit_lock,
@@ -254,7 +235,7 @@ class ReplicaNode:
         self.sync_source = SyncSource(
             node.id,
             self.driver,
-            lambda: self.config,
+            lambda: self.state.config,
             is_master=lambda: self.role == common_pb2.ROLE_MASTER,
             io=self._io,
             commit_lock=self._commit_lock,
@@ -272,11 +253,19 @@ class ReplicaNode:
             truncate_locked=self.truncation.truncate_locked,
             fail_stop=self._fail_stop,
         )
+        # A role's flushed store writes (its epoch, the DIRTY mark), on the store thread.
+        persistence = RolePersistence(
+            node.id,
+            self.core,
+            io=self._io,
+            commit_lock=self._commit_lock,
+            fail_stop=self._fail_stop,
+        )
         # Taking the master role: the reorganization fetch, the epoch start (taking_master.py).
         self.taking = TakingMaster(
             node,
-            lambda: self.config,
-            lambda: self._nodes,
+            lambda: self.state.config,
+            lambda: self.state.nodes,
             self.core,
             self.driver,
             transport=lambda: self._new_transport(),
@@ -285,7 +274,7 @@ class ReplicaNode:
             commit_lock=self._commit_lock,
             observability=self.telemetry,
             truncate_by_snapshot=truncator is None,
-            persist_role=self._persist_role,
+            persist_role=persistence.persist,
             submit=self.writer.submit,
             install_snapshot_chunk=self.slave.install_snapshot_chunk,
             truncate_after=self.truncation.truncate_after,
@@ -296,12 +285,26 @@ class ReplicaNode:
             on_epoch_started=self._epoch_started,
             on_committed=self._notify_committed,
         )
-        self._answer_wait_s = answer_wait_s(
-            config.timeouts.heartbeat_interval_ms, config.timeouts.rpc_timeout_ms
+        # Role commands and the core's role effects (roles.py). (The master's replication
+        # for its epoch is ``state.master``; a slave's follower and the number of its
+        # current stream are the core's: ``core.follower``, ``core.stream_seq``.)
+        self.roles = RoleApplication(
+            node,
+            self.core,
+            self.driver,
+            self.state,
+            clock=self.clock,
+            commit_lock=self._commit_lock,
+            writer=self.writer,
+            taking=self.taking,
+            persistence=persistence,
+            changes=self._role_changes,
+            running_nodes=self.running_nodes,
+            stop_delivery=self._stop_delivery,
+            answer_wait_s=answer_wait_s(
+                config.timeouts.heartbeat_interval_ms, config.timeouts.rpc_timeout_ms
+            ),
         )
-        # The master's replication for its epoch (a slave's follower and the number of its
-        # current stream are the core's: ``core.follower``, ``core.stream_seq``).
-        self._driver: MasterDriver | None = None
         # How the process is stopped once a cluster shutdown finished (shutdown.py).
         self.on_shutdown: Callable[[], None] | None = None
 
@@ -354,7 +357,7 @@ class ReplicaNode:
     @property
     def master(self) -> NodeConfig | None:
         """The master of this replica's epoch while it holds a role, else None."""
-        return self._nodes.get(self.core.master_id)
+        return self.state.nodes.get(self.core.master_id)
 
     @property
     def failed_reason(self) -> str:
@@ -395,7 +398,9 @@ class ReplicaNode:
         if self._instruments is not None:
             self._instruments.watch(self)
         self.writer.start()
-        self._lease_task = asyncio.create_task(self._watch_lease(), name=f"lease-{self.node.id}")
+        self._lease_task = asyncio.create_task(
+            self.roles.watch_lease(), name=f"lease-{self.node.id}"
+        )
         meta = self.store.meta()
         log.info(
             "replica %s opened store: cluster_id=%s epoch=%d last_lsn=%d",
@@ -430,9 +435,9 @@ class ReplicaNode:
         await self.taking.cancel(f"replica {self.node.id} stopping")
         if self._instruments is not None:
             self._instruments.unwatch(self)
-        if self._driver is not None:
-            await self._driver.stop(f"replica {self.node.id} stopping")
-            self._driver = None
+        if self.state.master is not None:
+            await self.state.master.stop(f"replica {self.node.id} stopping")
+            self.state.master = None
         if self._lease_task is not None:
             self._lease_task.cancel()
             try:
@@ -514,165 +519,43 @@ class ReplicaNode:
         """How far the master role being taken got (None when none is being taken)."""
         return self.taking.reorganization_progress()
 
+    # --- roles (roles.py)
+
     async def apply_role(self, command: replica_pb2.RoleCommand) -> None:
-        """Takes (or renews) the role the coordinator commands, one command at a time.
-
-        A master role is taken by a background task (its reorganization sync may take
-        long, see ``reorg``): this waits for it at most a heartbeat interval; if it is
-        still running, ``reorganization_progress`` says how far it got and the same
-        command repeated joins it.
-        """
-        async with self._role_lock:
-            try:
-                taking = await self._apply_role(command)
-            finally:
-                self._notify_role_changed()
-        if taking is None:
-            return
-        await asyncio.wait({taking.task}, timeout=self._answer_wait_s)
-        if taking.task.done() and self.taking.current is taking:
-            self.taking.observe()
-            self.taking.current = None
-            self.driver.taking_answer(taking.epoch)
-
-    async def _apply_role(self, command: replica_pb2.RoleCommand) -> Taking | None:
-        """Applies a role command as the core decides; returns the task taking a master
-        role, if any."""
-        await self.taking.wait_stopped()
-        self.taking.observe()
-        self._adopt_running_set(command)
-        meta = self.store.meta()
-        order = RoleOrder(
-            role=command.role,
-            epoch=command.epoch,
-            master_id=command.master.node_id,
-            members=tuple(m.node_id for m in command.members),
-            sync_source_id=command.sync_source_id,
-            reason=command.reason,
-            seq=command.seq,
-            lease_ms=command.lease_ms,
-            cluster_id=command.cluster_id,
-        )
-        effects = self.core.role_command(
-            order, self.clock.monotonic_ms(), StoreFacts(meta.epoch, meta.cluster_id)
-        )
-        taking = self.taking.current
-        if self.core.taking is None and taking is not None and taking.task.done():
-            self.taking.current = None  # its outcome answered this command
-        return await self.apply_effects(effects)
+        """Takes (or renews) the role the coordinator commands, one command at a time
+        (``RoleApplication.apply_role``)."""
+        await self.roles.apply_role(command)
 
     async def apply_effects(self, effects: Effects) -> Taking | None:
-        """Carries out what the core decided (the driver's ``role_steps``, in the order
-        ``Effects`` documents), doing each step it leaves to this shell; returns the task
-        taking (or already taking) a master role, if any."""
-        taking: Taking | None = None
-        for step in self.driver.role_steps(effects):
-            match step:
-                case CancelTaking(why):
-                    await self.taking.cancel(why)
-                case DropRole(reason, was_active):
-                    await self._drop_role(reason, was_active=was_active)
-                case StartTaking(take):
-                    taking = self.taking.start(take)
-                case PersistRole(write):
-                    try:
-                        await self._persist_role(write)
-                    except ServiceError as refusal:
-                        if refusal.code == Code.RESOURCE_EXHAUSTED:
-                            # No role on an epoch the store does not hold; the coordinator
-                            # asks again, and the role is taken once the write fits.
-                            await self.deactivate(refusal.message)
-                        raise
-                case FollowMaster(follow):
-                    await self._become_slave(follow)
-                case JoinTaking():
-                    taking = self.taking.current
-                case RenewMembers(members):
-                    self._renew_members(list(members))
-        return taking
+        """Carries out what the core decided, in the order ``Effects`` documents; returns
+        the task taking (or already taking) a master role, if any."""
+        return await self.roles.apply_effects(effects)
 
-    def _role_changed_now(self) -> None:
-        """Counts a role change and wakes whoever waits for one."""
-        role = self.core.role
-        if role != self._counted_role and self._instruments is not None:
-            name = telemetry.ROLE_NAMES.get(self.role, role.name)
-            self._instruments.role_changes.add(1, {"node": self.node.id, "role": name})
-        self._counted_role = role
-        self._notify_role_changed()
+    async def deactivate(self, reason: str) -> None:
+        """Drops the role: stops serving writes and replication; returns once no write is
+        in progress."""
+        await self.roles.deactivate(reason)
 
-    def _adopt_running_set(self, command: replica_pb2.RoleCommand) -> None:
-        """A membership change made a running node set: take its nodes and addresses in
-        place of the config file's, so the commit majority is counted from it and the
-        master streams to the nodes it added (docs/operations.md, "Changing the
-        membership")."""
-        if not command.voting_nodes:
-            return
-        added, removed = self.running_nodes.follow(
-            [e.node_id for e in (*command.voting_nodes, *command.learner_nodes)]
-        )
-        if added or removed:
-            log.info(
-                "replica %s: call guards follow the running node set: %s added, %s removed",
-                self.node.id,
-                ",".join(sorted(added)) or "none",
-                ",".join(sorted(removed)) or "none",
-            )
-        nodes = tuple(
-            NodeConfig(
-                e.node_id,
-                e.priority,
-                e.coordinator_address,
-                e.replica_address,
-                self._nodes[e.node_id].data_dir if e.node_id in self._nodes else self.node.data_dir,
-                learner,
-            )
-            for entries, learner in ((command.voting_nodes, False), (command.learner_nodes, True))
-            for e in entries
-        )
-        if nodes == self.config.nodes:
-            return
-        log.warning(
-            "replica %s: running node set %s (was %s): commits count a majority of its voters",
-            self.node.id,
-            ",".join(n.id + (" (learner)" if n.learner else "") for n in nodes),
-            ",".join(n.id + (" (learner)" if n.learner else "") for n in self.config.nodes),
-        )
-        self.config = dataclasses.replace(self.config, nodes=nodes)
-        self._nodes = {n.id: n for n in nodes}
-        self.core.config = dataclasses.replace(
-            self.core.config, replica_addresses={n.id: n.replica_address for n in nodes}
-        )
+    async def wait_for_role(self, unreachable: frozenset[str], timeout_s: float) -> None:
+        """Waits (up to timeout_s) while this replica can neither serve a write nor name a
+        master the caller can reach (``RoleApplication.wait_for_role``)."""
+        await self.roles.wait_for_role(unreachable, timeout_s)
 
-    async def _persist_role(self, persist: Callable[[], T]) -> T:
-        """Runs a role's flushed store writes (its epoch, the DIRTY mark) on the store
-        thread, serialized with every other write. A flush also writes out every unsynced
-        append before it (a slave's WRITE_NO_SYNC batches): on a busy disk that outlasts
-        the coordinator's replica_timeout_ms, and the event loop must keep answering its
-        role renewals and health probes meanwhile (issue 14).
+    @property
+    def config(self) -> ClusterConfig:
+        """The configuration in force (a membership change's running node set replaces
+        the config file's nodes)."""
+        return self.state.config
 
-        A store that cannot persist the role's epoch must not hold it (nor acknowledge
-        anything again): the replica fail-stops and the command is refused, UNAVAILABLE
-        naming the store's error (found by tests/sim/shell_sim.py: it escaped SetRole as
-        an unexpected exception and left the role held on an unpersisted epoch)."""
-        async with self._commit_lock:
-            try:
-                return await asyncio.get_running_loop().run_in_executor(self._io, persist)
-            except StoreFullError as exc:
-                # Nothing was written and space may come back (as a full store refuses a
-                # batch): the role is refused, the replica keeps serving what it can.
-                raise ServiceError(
-                    Code.RESOURCE_EXHAUSTED,
-                    f"replica {self.node.id} could not persist its new role: store full "
-                    f"({exc}); its store still at epoch {self.epoch}",
-                ) from exc
-            except StoreError as exc:
-                epoch = self.epoch  # the one its store holds (the new role's is not stored)
-                self._fail_stop(f"store write failed persisting a new role: {exc}")
-                raise ServiceError(
-                    Code.UNAVAILABLE,
-                    f"replica {self.node.id} could not persist its new role (store write "
-                    f"failed: {exc}); it stopped serving, its store still at epoch {epoch}",
-                ) from exc
+    @property
+    def _nodes(self) -> dict[str, NodeConfig]:
+        """The nodes of the configuration in force, by id."""
+        return self.state.nodes
+
+    @property
+    def _driver(self) -> MasterDriver | None:
+        """The master's replication for its epoch (None unless master)."""
+        return self.state.master
 
     async def drain_writes(self) -> None:
         """Waits until every write queued now has finished (committed or failed) and no
@@ -684,76 +567,9 @@ class ReplicaNode:
         async with self._commit_lock:
             await asyncio.get_running_loop().run_in_executor(self._io, write)
 
-    def _renew_members(self, member_ids: list[str]) -> None:
-        """A master renewal naming fewer members: the group shrank within the epoch."""
-        driver = self._driver
-        if driver is None or set(member_ids) == set(driver.core.members):
-            return
-        try:
-            driver.set_members(member_ids)
-        except ReplicationError as exc:
-            raise ServiceError(
-                Code.FAILED_PRECONDITION,
-                f"replica {self.node.id} (master, epoch {self.epoch}) cannot take members "
-                f"{','.join(member_ids)}: {exc}",
-            ) from exc
-        log.info(
-            "replica %s (master, epoch %d): group now %s",
-            self.node.id,
-            self.epoch,
-            ",".join(member_ids),
-        )
-
-    async def _become_slave(self, follow: Follow) -> None:
-        """Follows the master in its epoch (the core's ``Follow``, its epoch persisted by
-        the driver): the master's replication stream is accepted from now."""
-        async with self._commit_lock:  # no batch half-applied while the follower is made
-            self.driver.follow(follow, self.clock.monotonic_ms())
-        log.info(
-            "replica %s follows %s: epoch=%d lsn=%d reason=%s",
-            self.node.id,
-            follow.master_id,
-            follow.epoch,
-            self._last_lsn,
-            follow.reason,
-        )
-
-    async def deactivate(self, reason: str) -> None:
-        """Drops the role: stops serving writes and replication; returns once no write is
-        in progress."""
-        await self.apply_effects(self.core.drop_role(reason))
-
-    async def _drop_role(self, reason: str, *, was_active: bool) -> None:
-        """The core dropped the role (``Effects.drop_role``): stops the follower, fails the
-        writes not begun, stops push delivery and the master's replication, and waits for
-        the batch being written."""
-        await self.taking.wait_stopped()
-        self.writer.fail_queued(
-            ServiceError(
-                Code.UNAVAILABLE,
-                f"replica {self.node.id} lost its role before the write began (not stored)",
-            )
-        )
-        self.push.stop()
-        self.links.stop()
-        async with self._commit_lock:
-            pass
-        driver, self._driver = self._driver, None
-        if driver is not None:
-            await driver.stop(f"replica {self.node.id} deactivated: {reason}")
-        if was_active:
-            log.info(
-                "replica %s inactive: epoch=%d lsn=%d commit_lsn=%d reason=%s",
-                self.node.id,
-                self.epoch,
-                self._last_lsn,
-                self.gate.commit_lsn,
-                reason,
-            )
-
     def _set_master(self, driver: MasterDriver) -> None:
         """The master's replication of the epoch just taken (taking_master.py)."""
-        self._driver = driver
+        self.state.master = driver
 
     def _epoch_started(self, epoch: int) -> None:
         """The epoch start committed and this node is still its master: everything before
@@ -761,45 +577,17 @@ class ReplicaNode:
         self.push.start(epoch)
         self.links.start(epoch)
 
-    def _master_deposed(self, reason: str) -> None:
-        """The replication core deposed this master: no more writes in this epoch."""
+    def _stop_delivery(self) -> None:
+        """Stops push delivery and topic links (they run while master)."""
         self.push.stop()
         self.links.stop()
-        self._driver = None
+
+    def _master_deposed(self, reason: str) -> None:
+        """The replication core deposed this master: no more writes in this epoch."""
+        self._stop_delivery()
+        self.state.master = None
         self.writer.wake()
         self.driver.deposed(reason)
-
-    def _notify_role_changed(self) -> None:
-        changed, self._role_changed = self._role_changed, asyncio.Event()
-        changed.set()
-
-    async def wait_for_role(self, unreachable: frozenset[str], timeout_s: float) -> None:
-        """Waits (up to timeout_s) while this replica can neither serve a write nor name a
-        master the caller can reach: no role, or a slave of a master in `unreachable`.
-
-        A publisher proxy whose master just died otherwise bounces between this replica's
-        redirect to the dead master and its own backoff; held here, its call goes on (served
-        or redirected to the new master) the moment the coordinator's next role command
-        lands, so the publisher's gap is the election's. A master named in an epoch newer
-        than the one the wait began in was elected after the caller found it unreachable
-        (its replica restarted, or the node took the lead back): the call goes to it.
-        """
-        held_in_epoch = self.epoch
-        # Bounded by the timeout: each pass waits for a role change (the event loop keeps
-        # the deadline, so no clock is read here).
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout_s):
-                while not self.failed_reason and self.role != common_pb2.ROLE_MASTER:
-                    master = self.master
-                    if (
-                        self.role == common_pb2.ROLE_SLAVE
-                        and master is not None
-                        and (
-                            master.replica_address not in unreachable or self.epoch > held_in_epoch
-                        )
-                    ):
-                        return
-                    await self._role_changed.wait()
 
     # --- the slave side of replication (slave_side.py; driven by the Replication servicer)
 
@@ -832,15 +620,6 @@ class ReplicaNode:
     ) -> AsyncIterator[replica_pb2.FetchLogResponse]:
         """Serves a new master's reorganization fetch (sync_source.py)."""
         return self.sync_source.fetch_log(request)
-
-    async def _watch_lease(self) -> None:
-        """Ticks the core, which drops the role when the coordinator stops renewing it
-        (e.g. it died)."""
-        while True:
-            await asyncio.sleep(_LEASE_CHECK_S)
-            effects = self.core.tick(self.clock.monotonic_ms())
-            if effects.drop_role:
-                await self.apply_effects(effects)
 
     def _fail_stop(self, reason: str) -> None:
         """A store that cannot write must not acknowledge anything again (the driver's)."""
@@ -903,7 +682,7 @@ class ReplicaNode:
 
     def slave_status(self) -> list[SlaveStatus]:
         """As master: each member slave's progress, lag, catch-up rate and ETA; else []."""
-        driver = self._driver
+        driver = self.state.master
         if driver is None or self.role != common_pb2.ROLE_MASTER:
             return []
         return driver.slave_status()

@@ -74,7 +74,7 @@ class InstallSnapshotChunk(Protocol):
 
 class PersistRole(Protocol):
     """Runs a role's flushed store write on the store thread, serialized with every other
-    write (``ReplicaNode._persist_role``)."""
+    write (``RolePersistence.persist``, ``roles.py``)."""
 
     def __call__(self, persist: Callable[[], T]) -> Awaitable[T]: ...
 
