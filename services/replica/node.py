@@ -69,6 +69,7 @@ from squall_server.replica import commands, telemetry
 from squall_server.replica.commands import Command, Planned
 from squall_server.replica.committed import gate_from_store
 from squall_server.replica.core import CoreConfig, Effects, LogPosition, ReplicaCore, WriteFence
+from squall_server.replica.core_view import CoreView
 from squall_server.replica.driver import ReplicaDriver
 from squall_server.replica.faults import (
     REASON_CHARS_MAX,
@@ -104,7 +105,7 @@ log = logging.getLogger("squall.replica")
 UNREACHABLE_KEY = "squall-unreachable"
 
 
-class ReplicaNode:
+class ReplicaNode(CoreView):
     """One node's replica: owns the store, takes roles, serializes and commits writes."""
 
     def __init__(
@@ -308,51 +309,11 @@ class ReplicaNode:
         # How the process is stopped once a cluster shutdown finished (shutdown.py).
         self.on_shutdown: Callable[[], None] | None = None
 
-    # --- the store and the commit gate (the driver's)
-
-    @property
-    def store(self) -> Store:
-        """The store (replaced whole when a truncation installs a rebuilt one)."""
-        return self.driver.store
-
-    @store.setter
-    def store(self, store: Store) -> None:
-        self.driver.store = store
-
-    @property
-    def gate(self) -> CommitGate:
-        """Committed reads: what a subscriber may see."""
-        return self.driver.gate
-
-    @gate.setter
-    def gate(self, gate: CommitGate) -> None:
-        self.driver.gate = gate
-
-    # --- the core's state, as the servicers and the coordinator's reports read it
-
-    @property
-    def _last_lsn(self) -> int:
-        """The log's last LSN (the core keeps it)."""
-        return self.core.log.last_lsn
-
-    @property
-    def _log_start_lsn(self) -> int:
-        """The first LSN still in the log (the core keeps it)."""
-        return self.core.log.log_start_lsn
-
-    @property
-    def role(self) -> common_pb2.Role.ValueType:
-        """The role this replica holds."""
-        return common_pb2.Role.ValueType(int(self.core.role))
+    # --- the store, the commit gate, the role, epoch and log bounds: CoreView's
 
     def store_stalled_ms(self) -> int:
         """How long the store's oldest write in progress has run (0: none is)."""
         return self._stall.stalled_ms()
-
-    @property
-    def epoch(self) -> int:
-        """The epoch this replica is in (holds, or is taking, a role of)."""
-        return self.core.epoch
 
     @property
     def master(self) -> NodeConfig | None:

@@ -26,9 +26,10 @@ from squall.v1 import replica_pb2
 from squall.wire import stages as _stages
 from squall_server.common.errors import ServiceError
 from squall_server.replica.core import Effects, ReplicaCore
+from squall_server.replica.core_view import CoreView
 from squall_server.replica.driver import ReplicaDriver
 from squall_server.replica.follower import FollowerError
-from squall_server.replica.store import Store, StoreError
+from squall_server.replica.store import StoreError
 
 log = logging.getLogger("squall.replica")
 
@@ -41,7 +42,7 @@ class AppendEntries(Protocol):
     ) -> Awaitable[None]: ...
 
 
-class SlaveSide:
+class SlaveSide(CoreView):
     """Applies the master's replication stream to this node's store."""
 
     def __init__(
@@ -69,14 +70,6 @@ class SlaveSide:
         self._truncate_locked = truncate_locked
         self._fail_stop = fail_stop
         self._commit_recording: asyncio.Task[None] | None = None  # the core's record_commit
-
-    @property
-    def store(self) -> Store:
-        return self.driver.store
-
-    @property
-    def _last_lsn(self) -> int:
-        return self.core.log.last_lsn
 
     async def hello(
         self, hello: replica_pb2.ReplicationHello

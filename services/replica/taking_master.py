@@ -32,6 +32,7 @@ from squall_server.common.telemetry import Telemetry
 from squall_server.replica import commands
 from squall_server.replica.commands import Command, Planned
 from squall_server.replica.core import ReplicaCore, TakeMaster
+from squall_server.replica.core_view import CoreView
 from squall_server.replica.driver import (
     FetchTail,
     InstallFetched,
@@ -43,7 +44,7 @@ from squall_server.replica.driver import (
 from squall_server.replica.master_driver import MasterDriver, Waiting
 from squall_server.replica.reorg import SyncProgress, Taking, outcome, read_within
 from squall_server.replica.replication import ReplicationMaster
-from squall_server.replica.store import Store, StoreError
+from squall_server.replica.store import StoreError
 from squall_server.replica.transport import ReplicaCallError, ReplicaTransport
 from squall_server.replica.visibility import CommitGate
 
@@ -79,7 +80,7 @@ class PersistRole(Protocol):
     def __call__(self, persist: Callable[[], T]) -> Awaitable[T]: ...
 
 
-class TakingMaster:
+class TakingMaster(CoreView):
     """Takes the master role in the background and winds down an abandoned attempt."""
 
     def __init__(
@@ -142,34 +143,6 @@ class TakingMaster:
     @property
     def config(self) -> ClusterConfig:
         return self._config()
-
-    @property
-    def store(self) -> Store:
-        return self.driver.store
-
-    @property
-    def gate(self) -> CommitGate:
-        return self.driver.gate
-
-    @gate.setter
-    def gate(self, gate: CommitGate) -> None:
-        self.driver.gate = gate
-
-    @property
-    def role(self) -> common_pb2.Role.ValueType:
-        return common_pb2.Role.ValueType(int(self.core.role))
-
-    @property
-    def epoch(self) -> int:
-        return self.core.epoch
-
-    @property
-    def _last_lsn(self) -> int:
-        return self.core.log.last_lsn
-
-    @property
-    def _log_start_lsn(self) -> int:
-        return self.core.log.log_start_lsn
 
     def _is_learner(self, node_id: str) -> bool:
         """Is ``node_id`` a learner of the running set (its acks count for no commit)?"""

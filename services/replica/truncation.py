@@ -26,18 +26,18 @@ from squall_server.common.errors import Code, ServiceError
 from squall_server.common.loss import load_losses, record_loss
 from squall_server.common.loss_record import LossRecord
 from squall_server.replica.core import ReplicaCore
+from squall_server.replica.core_view import CoreView
 from squall_server.replica.driver import ReplicaDriver
 from squall_server.replica.loss_scan import scan_discarded, truncation_loss
 from squall_server.replica.rebuild import LmdbTruncator
-from squall_server.replica.store import Store, StoreError
+from squall_server.replica.store import StoreError
 from squall_server.replica.store.stall import StallMeter
 from squall_server.replica.telemetry import PublishedTraces, ReplicaInstruments
-from squall_server.replica.visibility import CommitGate
 
 log = logging.getLogger("squall.replica")
 
 
-class Truncation:
+class Truncation(CoreView):
     """Truncates this node's log after an LSN and keeps its loss reports."""
 
     def __init__(
@@ -76,22 +76,6 @@ class Truncation:
         self.losses: tuple[LossRecord, ...] = tuple(
             dataclasses.replace(r, node_id=node_id) for r in load_losses(data_dir)
         )
-
-    @property
-    def store(self) -> Store:
-        return self.driver.store
-
-    @store.setter
-    def store(self, store: Store) -> None:
-        self.driver.store = store
-
-    @property
-    def gate(self) -> CommitGate:
-        return self.driver.gate
-
-    @property
-    def epoch(self) -> int:
-        return self.core.epoch
 
     async def truncate_after(self, keep_lsn: int, why: str) -> None:
         """Removes the log after keep_lsn (a deposed master's uncommitted suffix)."""

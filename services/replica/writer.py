@@ -32,11 +32,11 @@ from squall_server.common.telemetry import Telemetry
 from squall_server.replica import commands, telemetry
 from squall_server.replica.commands import Command, Planned
 from squall_server.replica.core import ReplicaCore
+from squall_server.replica.core_view import CoreView
 from squall_server.replica.driver import ReplicaDriver
 from squall_server.replica.master_driver import MasterDriver, Waiting
 from squall_server.replica.replication import batch_size_bytes
 from squall_server.replica.store import StoreError
-from squall_server.replica.visibility import CommitGate
 
 log = logging.getLogger("squall.replica")
 
@@ -58,7 +58,7 @@ class _Pending:
     trace: telemetry.PublishWatch | None = None
 
 
-class Writer:
+class Writer(CoreView):
     """The write queue and its one writer task; appends and compactions of the log."""
 
     def __init__(
@@ -102,26 +102,6 @@ class Writer:
     @property
     def _driver(self) -> MasterDriver | None:
         return self._master()
-
-    @property
-    def role(self) -> common_pb2.Role.ValueType:
-        return common_pb2.Role.ValueType(int(self.core.role))
-
-    @property
-    def epoch(self) -> int:
-        return self.core.epoch
-
-    @property
-    def gate(self) -> CommitGate:
-        return self.driver.gate
-
-    @property
-    def _last_lsn(self) -> int:
-        return self.core.log.last_lsn
-
-    @property
-    def _log_start_lsn(self) -> int:
-        return self.core.log.log_start_lsn
 
     # --- the queue
 
