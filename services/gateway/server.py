@@ -46,8 +46,8 @@ class ClusterAdmin(gateway_pb2_grpc.ClusterAdminServicer):
         self,
         node_id: str,
         replica_address: str,
-        replica: replica_pb2_grpc.ReplicaControlStub,
-        coordinator: coordinator_pb2_grpc.CoordinatorStub,
+        replica: replica_pb2_grpc.ReplicaControlAsyncStub,
+        coordinator: coordinator_pb2_grpc.CoordinatorAsyncStub,
         metadata: tuple[tuple[str, str], ...],
     ) -> gateway_pb2.NodeStatus:
         row = gateway_pb2.NodeStatus(node_id=node_id, replica_address=replica_address)
