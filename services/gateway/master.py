@@ -20,6 +20,8 @@ The node list is the config file's at start; a view that carries a running node 
 membership change made one) newer than any seen teaches the gateway the nodes it adds and
 the addresses it moves (``GroupViews.learn``), and the tracker then opens channels to them
 and watches their coordinators: an added node is reached without restarting the gateway.
+A node that set no longer holds (removed) is dropped: its view no longer counts, its
+watch stops, and `squall status` no longer lists it.
 """
 
 from __future__ import annotations
@@ -53,6 +55,16 @@ MASTER_ADDRESS_KEY = "squall-master-address"
 
 class NoMasterError(Exception):
     """No replica currently holds the master role."""
+
+
+@dataclass(frozen=True)
+class NodeSetChange:
+    """What a newer running node set changed in the gateway's node list."""
+
+    # Ids added or given new addresses (a replaced node's new machine), sorted.
+    moved: tuple[str, ...] = ()
+    # Ids the set no longer holds (removed), sorted.
+    removed: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -108,27 +120,36 @@ class GroupViews:
         """A known node's replica address."""
         return self._addresses[node_id]
 
-    def learn(self, view: coordinator_pb2.GroupView) -> tuple[str, ...]:
+    def learn(self, view: coordinator_pb2.GroupView) -> NodeSetChange:
         """Takes the running node set a view carries when it is newer than any learned:
         its nodes' addresses replace the known ones (an added node, a replaced node's new
-        machine). Returns the ids added or moved, in order ("" none). Nodes the set no
-        longer holds stay known: their views still count, and epochs sort them out."""
+        machine), and the nodes it no longer holds are dropped with their views (a removed
+        node is never the master of a newer set, and a stale view of it must not name
+        it). An older set, or a view carrying none, changes nothing."""
         key = (view.membership_epoch, view.membership_version)
         if not view.membership_version or not view.nodes or key <= self._set_key:
-            return ()
+            return NodeSetChange()
         self._set_key = key
         changed: list[str] = []
+        held: set[str] = set()
         for node in view.nodes:
             if not node.node_id or not node.replica_address or not node.coordinator_address:
                 continue
+            held.add(node.node_id)
             known = (self._addresses.get(node.node_id), self.coordinators.get(node.node_id))
             if known != (node.replica_address, node.coordinator_address):
                 self._addresses[node.node_id] = node.replica_address
                 self.coordinators[node.node_id] = node.coordinator_address
                 changed.append(node.node_id)
-        if changed:
+        # A set whose entries were all unusable names no node: keep the ones known.
+        removed = sorted(set(self._addresses) - held) if held else []
+        for node_id in removed:
+            self._addresses.pop(node_id, None)
+            self.coordinators.pop(node_id, None)
+            self._views.pop(node_id, None)
+        if changed or removed:
             self.master = self._derive()
-        return tuple(sorted(changed))
+        return NodeSetChange(tuple(sorted(changed)), tuple(removed))
 
     def forget(self, node_id: str) -> Master | None:
         """Drops node_id's view (its stream ended); returns the master implied now."""
@@ -358,10 +379,25 @@ class MasterTracker:
         """The channel to a known node's coordinator."""
         return self._coordinator_channels[node_id]
 
-    def _follow(self, changed: tuple[str, ...]) -> None:
+    def _follow(self, change: NodeSetChange) -> None:
         """Nodes the running node set added or moved: channels to their replica and
-        coordinator, and a watch of the coordinator (restarted at a moved address)."""
-        for node_id in changed:
+        coordinator, and a watch of the coordinator (restarted at a moved address). Nodes
+        it removed: their watch stops and their coordinator channel is retired (closed
+        with the rest; a status call may still hold it). Replica channels stay: a call
+        forwarded there before the change ends on its own."""
+        for node_id in change.removed:
+            watch = self._watch_by_node.pop(node_id, None)
+            if watch is not None:
+                watch.cancel()  # the watch running this very call too: it ends at its next await
+            old = self._coordinator_channels.pop(node_id, None)
+            if old is not None:
+                self._retired.append(old)
+            log.info(
+                "gateway %s: node %s is not in the running node set any more: dropped",
+                self._gateway_id,
+                node_id,
+            )
+        for node_id in change.moved:
             replica = self._views.address(node_id)
             coordinator = self._views.coordinators[node_id]
             if replica not in self._channels:
@@ -426,11 +462,13 @@ class MasterTracker:
                 view.node_id,
             )
             return
+        if node_id not in self._views.coordinators:
+            return  # dropped by a newer running node set; its watch is ending
         before = self.master
         self._views.observe(node_id, view)
-        changed = self._views.learn(view)
-        if changed:
-            self._follow(changed)
+        change = self._views.learn(view)
+        if change.moved or change.removed:
+            self._follow(change)
             self.running_nodes.follow(self._views.coordinators)
         self._views_seen()
         self._announce(before, f"group view of {node_id}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
 
 import grpc
 
@@ -30,15 +31,27 @@ class ClusterAdmin(gateway_pb2_grpc.ClusterAdminServicer):
         self._masters = masters
         self._timeout_s = timeout_s
 
-    async def _row(
+    def _row(
         self, node_id: str, replica_address: str, metadata: tuple[tuple[str, str], ...]
-    ) -> gateway_pb2.NodeStatus:
-        row = gateway_pb2.NodeStatus(node_id=node_id, replica_address=replica_address)
-        errors = []
+    ) -> Coroutine[object, object, gateway_pb2.NodeStatus]:
+        # The channels are taken now, not when the row's task first runs: a newer running
+        # node set may drop the node meanwhile (the row then shows the call's error).
         replica = replica_pb2_grpc.ReplicaControlStub(self._masters.channel_to(replica_address))
         coordinator = coordinator_pb2_grpc.CoordinatorStub(
             self._masters.coordinator_channel(node_id)
         )
+        return self._fill_row(node_id, replica_address, replica, coordinator, metadata)
+
+    async def _fill_row(
+        self,
+        node_id: str,
+        replica_address: str,
+        replica: replica_pb2_grpc.ReplicaControlAsyncStub,
+        coordinator: coordinator_pb2_grpc.CoordinatorAsyncStub,
+        metadata: tuple[tuple[str, str], ...],
+    ) -> gateway_pb2.NodeStatus:
+        row = gateway_pb2.NodeStatus(node_id=node_id, replica_address=replica_address)
+        errors = []
         state_call = replica.GetReplicaState(
             replica_pb2.GetReplicaStateRequest(), timeout=self._timeout_s
         )
@@ -96,7 +109,8 @@ class ClusterAdmin(gateway_pb2_grpc.ClusterAdminServicer):
     async def GetClusterStatus(
         self, request: gateway_pb2.GetClusterStatusRequest, context: Context
     ) -> gateway_pb2.ClusterStatus:
-        # The file's nodes and those a membership change added (the gateway follows it).
+        # The file's nodes and those a membership change added, less those it removed (the
+        # gateway follows the running node set).
         nodes = self._masters.nodes()
         # The caller's token (already checked: status is admin-only) goes on to the
         # coordinators, which check it again when they cannot see this gateway's certificate.

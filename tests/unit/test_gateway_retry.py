@@ -19,7 +19,7 @@ import squall
 from squall.v1 import broker_pb2, common_pb2, coordinator_pb2
 from squall_server.gateway import retry
 from squall_server.gateway.forward import _BudgetSpent
-from squall_server.gateway.master import GroupViews, Master
+from squall_server.gateway.master import GroupViews, Master, NodeSetChange
 
 NORMAL = common_pb2.NODE_STATE_NORMAL
 ELECTION = common_pb2.NODE_STATE_ELECTION
@@ -275,12 +275,39 @@ def test_a_gateway_learns_added_and_moved_nodes_from_the_newest_running_set() ->
     assert views.master is None  # n4 is not known yet: the view cannot name it
     grown = _with_set(view("n1", NORMAL, 8, "n4"), 1, 8, "n1", "n2", "n3", "n4")
     views.observe("n1", grown)
-    assert views.learn(grown) == ("n1", "n2", "n3", "n4")  # every address differs here
+    assert views.learn(grown) == NodeSetChange(("n1", "n2", "n3", "n4"))  # all addresses differ
     assert views.master == Master("n4", "rn4:1", 8)
     assert views.coordinators["n4"] == "cn4:1"
     older = _with_set(view("n2", NORMAL, 8, "n4"), 1, 7, "n1", "n2", "n3")
-    assert views.learn(older) == ()
+    assert views.learn(older) == NodeSetChange()
     moved = _with_set(view("n4", NORMAL, 9, "n4"), 2, 9, "n1", "n2@2", "n3", "n4")
-    assert views.learn(moved) == ("n2",)
+    assert views.learn(moved) == NodeSetChange(("n2",))
     assert views.address("n2") == "rn2:2" and views.coordinators["n2"] == "cn2:2"
-    assert views.learn(view("n3", NORMAL, 9, "n4")) == ()  # no set carried: the file's
+    assert views.learn(view("n3", NORMAL, 9, "n4")) == NodeSetChange()  # no set: the file's
+
+
+def test_a_gateway_drops_nodes_the_newest_running_set_removed() -> None:
+    """Issue 20: after `remove-node n1` a gateway no longer lists n1 (in `squall status`)
+    nor lets n1's stale view name a master; an older set reported later by a lagging
+    coordinator does not bring n1 back, and a set that adds it again does."""
+    views = GroupViews(ADDRESSES, {n: f"c{n}:0" for n in ADDRESSES})
+    views.observe("n1", view("n1", NORMAL, 7, "n1"))
+    views.observe("n2", view("n2", NORMAL, 7, "n1"))
+    assert views.master == Master("n1", "h:7201", 7)
+    shrunk = _with_set(view("n2", INACTIVE, 8), 3, 8, "n2", "n3")
+    views.observe("n2", shrunk)
+    assert views.learn(shrunk) == NodeSetChange(("n2", "n3"), ("n1",))
+    assert sorted(views.coordinators) == ["n2", "n3"] and "n1" not in views.views
+    # n1's own view (epoch 7, naming itself) no longer counts: no master until n2/n3 elect.
+    assert views.master is None
+    with pytest.raises(ValueError, match="unknown node 'n1'"):
+        views.observe("n1", view("n1", NORMAL, 7, "n1"))
+    lagging = _with_set(view("n3", NORMAL, 8, "n3"), 2, 8, "n1", "n2", "n3")
+    for member in ("n3", "n1"):
+        lagging.members.add(node_id=member)
+    assert views.learn(lagging) == NodeSetChange()
+    assert views.observe("n3", lagging) == Master("n3", "rn3:1", 8)
+    assert views.members == ("n3",)  # n1, named by the lagging view, is not known
+    regrown = _with_set(view("n3", NORMAL, 9, "n3"), 4, 9, "n1", "n2", "n3")
+    assert views.learn(regrown) == NodeSetChange(("n1",))
+    assert views.coordinators["n1"] == "cn1:1"
