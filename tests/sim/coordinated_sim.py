@@ -86,9 +86,7 @@ FOLLOW_S = 0.02  # how often clients look up who is master (the gateways' view)
 
 def replay_command(seed: int) -> str:
     """The command that replays one seed."""
-    return (
-        f"SEED={seed} .venv/bin/pytest -q -p no:cacheprovider tests/sim/test_coordinated_sim.py"
-    )
+    return f"SEED={seed} .venv/bin/pytest -q -p no:cacheprovider tests/sim/test_coordinated_sim.py"
 
 
 class _Aborted(Exception):
@@ -186,7 +184,7 @@ class SimReplicaLink:
         request = role_proto(self.sim.config, None, command, reason, self.lease_ms)
         try:
             response = await self._call(
-                lambda servicer: servicer.SetRole(request, _ServicerContext()),  # type: ignore[arg-type]
+                lambda servicer: servicer.SetRole(request, _ServicerContext()),
                 self.rpc_timeout_s,
             )
         except _Aborted as exc:

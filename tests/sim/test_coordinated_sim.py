@@ -60,12 +60,32 @@ def test_shipped_nodes_keep_acknowledged_events_and_recover(
 
 def test_planted_early_acknowledgement_is_caught() -> None:
     """With ACK_POLICY_NONE a master acknowledges what no replica holds: some seed must
-    lose an acknowledged event, or the checks prove nothing."""
+    lose an acknowledged event, or the checks prove nothing. (Seeds that end in the
+    livelock of ``test_acks_none_cluster_recovers_after_a_partition`` first are passed.)"""
     for seed in range(MUTANT_SEEDS_MAX):
         try:
             run_seed(seed, acks=common_pb2.ACK_POLICY_NONE)
         except ShellSimFailure as exc:
+            if "no publish acknowledged" in str(exc):
+                continue
             assert "acknowledged event" in str(exc)
             assert replay_command(seed) in str(exc)
             return
     pytest.fail(f"no seed of {MUTANT_SEEDS_MAX} caught an acknowledgement without replicas")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known bug: with acks = none, a highest-priority node whose replica knows "
+    "entries committed that the sync source lacks refuses the master role "
+    "(TRUNCATE_BELOW_COMMIT), its coordinator recovers and elects itself again, forever",
+)
+def test_acks_none_cluster_recovers_after_a_partition() -> None:
+    """acks = "none" may lose acknowledged events (documented), but after the faults heal
+    the cluster must still elect a master that serves; seed 0 livelocks today."""
+    try:
+        run_seed(0, acks=common_pb2.ACK_POLICY_NONE)
+    except ShellSimFailure as exc:
+        if "acknowledged event" in str(exc):
+            return  # the documented loss, not the livelock
+        raise
