@@ -228,6 +228,12 @@ class SimReplicaLink:
         except TimeoutError:
             call.cancel()
             raise _Aborted(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer in time") from None
+        except _Aborted:
+            raise
+        except Exception as exc:
+            if member.process != process:  # it crashed mid-call: the connection reset
+                raise _Aborted(grpc.StatusCode.UNAVAILABLE, "replica crashed") from None
+            raise _Aborted(grpc.StatusCode.UNKNOWN, f"servicer raised {exc!r}") from None
         if (node_id, "up") in sim.own_cuts or member.process != process:
             await asyncio.sleep(max(0.0, timeout_s - (sim.loop.time() - started)))
             raise _Aborted(grpc.StatusCode.DEADLINE_EXCEEDED, "answer lost (link cut)")
