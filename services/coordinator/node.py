@@ -149,6 +149,55 @@ def driver_timings(config: ClusterConfig) -> DriverTimings:
     )
 
 
+def replica_failure(code: grpc.StatusCode, details: str) -> ReplicaFailure:
+    """A failed role call as the driver takes it: no answer (maybe a dead or hung
+    replica), a refusal of the role, or another error from a live replica."""
+    kind = (
+        Failure.NO_ANSWER
+        if code in _NO_ANSWER
+        else Failure.REFUSED
+        if code == grpc.StatusCode.FAILED_PRECONDITION
+        else Failure.ERROR
+    )
+    return ReplicaFailure(kind, code.name, details)
+
+
+def replica_answer(command: RoleCommand, state: replica_pb2.ReplicaState) -> ReplicaAnswer:
+    """The replica's answer to ``command`` (its state after the call), as the driver takes it."""
+    syncing, epoch = "", 0
+    if state.HasField("reorganization"):
+        p = state.reorganization
+        epoch = p.epoch
+        syncing = (
+            f"{p.phase} from {p.sync_source_id}, {p.entries_fetched} entries, snapshot at "
+            f"LSN {p.snapshot_lsn}: {p.snapshot_chunks} chunks, {p.snapshot_records} "
+            f"records, {p.elapsed_ms} ms (attempt {p.attempt})"
+        )
+    return ReplicaAnswer(
+        report=ReplicaReport(
+            cluster_id=state.cluster_id,
+            last_epoch=state.last_epoch,
+            last_lsn=state.last_lsn,
+            store_state=_STORE_STATES.get(state.store_state, StoreState.EMPTY),
+            active=state.role != common_pb2.ROLE_INACTIVE,
+            command_seq=command.seq,
+            shutdown_id=state.shutdown_id,
+            joined=state.joined,
+        ),
+        fault_id=state.fault_id,
+        fault_reason=state.fault_reason,
+        syncing=syncing,
+        syncing_epoch=epoch,
+        store_stalled_ms=state.store_stalled_ms,
+        slave_lags=tuple(
+            (slave.node_id, slave.lag_entries)
+            for slave in state.slaves
+            if slave.state == "streaming"
+        ),
+        losses=tuple(loss_from_proto(loss) for loss in state.losses[:LOSS_RECORDS_MAX]),
+    )
+
+
 class ReplicaLink(Protocol):
     """The coordinator's calls to its own replica."""
 
@@ -284,48 +333,8 @@ class GrpcReplicaLink:
                 self._role_proto(command, reason), timeout=self._rpc_timeout_s
             )
         except grpc.aio.AioRpcError as exc:
-            code = exc.code()
-            kind = (
-                Failure.NO_ANSWER
-                if code in _NO_ANSWER
-                else Failure.REFUSED
-                if code == grpc.StatusCode.FAILED_PRECONDITION
-                else Failure.ERROR
-            )
-            return ReplicaFailure(kind, code.name, exc.details() or "")
-        state = answer.state
-        syncing, epoch = "", 0
-        if state.HasField("reorganization"):
-            p = state.reorganization
-            epoch = p.epoch
-            syncing = (
-                f"{p.phase} from {p.sync_source_id}, {p.entries_fetched} entries, snapshot at "
-                f"LSN {p.snapshot_lsn}: {p.snapshot_chunks} chunks, {p.snapshot_records} "
-                f"records, {p.elapsed_ms} ms (attempt {p.attempt})"
-            )
-        return ReplicaAnswer(
-            report=ReplicaReport(
-                cluster_id=state.cluster_id,
-                last_epoch=state.last_epoch,
-                last_lsn=state.last_lsn,
-                store_state=_STORE_STATES.get(state.store_state, StoreState.EMPTY),
-                active=state.role != common_pb2.ROLE_INACTIVE,
-                command_seq=command.seq,
-                shutdown_id=state.shutdown_id,
-                joined=state.joined,
-            ),
-            fault_id=state.fault_id,
-            fault_reason=state.fault_reason,
-            syncing=syncing,
-            syncing_epoch=epoch,
-            store_stalled_ms=state.store_stalled_ms,
-            slave_lags=tuple(
-                (slave.node_id, slave.lag_entries)
-                for slave in state.slaves
-                if slave.state == "streaming"
-            ),
-            losses=tuple(loss_from_proto(loss) for loss in state.losses[:LOSS_RECORDS_MAX]),
-        )
+            return replica_failure(exc.code(), exc.details() or "")
+        return replica_answer(command, answer.state)
 
     async def check_health(self) -> bool:
         """Any answer, even NOT_SERVING or an error status, means the replica is alive."""
@@ -345,26 +354,37 @@ class GrpcReplicaLink:
 
     def _role_proto(self, command: RoleCommand, reason: str) -> replica_pb2.RoleCommand:
         running = self.running_set() if self.running_set is not None else None
-        known = {n.id for n in self.config.nodes} | set(running.ids if running else ())
+        return role_proto(self.config, running, command, reason, self._lease_ms)
 
-        def endpoint_of(node_id: str) -> common_pb2.NodeEndpoint:
-            return running_endpoint(self.config, running, node_id)
 
-        message = replica_pb2.RoleCommand(
-            role=_ROLES[command.kind],
-            epoch=command.epoch,
-            sync_source_id=command.sync_source_id,
-            reason=reason,
-            seq=command.seq,
-            lease_ms=self._lease_ms,
-            cluster_id=command.cluster_id,
-        )
-        if command.master_id:
-            message.master.CopyFrom(endpoint_of(command.master_id))
-        message.members.extend(endpoint_of(m) for m in command.members if m in known)
-        message.voting_nodes.extend(endpoint_of(m) for m in command.nodes if m in known)
-        message.learner_nodes.extend(endpoint_of(m) for m in command.learners if m in known)
-        return message
+def role_proto(
+    config: ClusterConfig,
+    running: Membership | None,
+    command: RoleCommand,
+    reason: str,
+    lease_ms: int,
+) -> replica_pb2.RoleCommand:
+    """The SetRole request for ``command``: endpoints from the running node set."""
+    known = {n.id for n in config.nodes} | set(running.ids if running else ())
+
+    def endpoint_of(node_id: str) -> common_pb2.NodeEndpoint:
+        return running_endpoint(config, running, node_id)
+
+    message = replica_pb2.RoleCommand(
+        role=_ROLES[command.kind],
+        epoch=command.epoch,
+        sync_source_id=command.sync_source_id,
+        reason=reason,
+        seq=command.seq,
+        lease_ms=lease_ms,
+        cluster_id=command.cluster_id,
+    )
+    if command.master_id:
+        message.master.CopyFrom(endpoint_of(command.master_id))
+    message.members.extend(endpoint_of(m) for m in command.members if m in known)
+    message.voting_nodes.extend(endpoint_of(m) for m in command.nodes if m in known)
+    message.learner_nodes.extend(endpoint_of(m) for m in command.learners if m in known)
+    return message
 
 
 def running_endpoint(

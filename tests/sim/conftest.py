@@ -7,7 +7,9 @@ and store of every node); when it is not given, the replication count is ``--sim
 both. ``--sim-seed=S`` (or the ``SEED`` environment variable, which ``make sim SEED=S``
 exports) replays one seed in both. ``--shell-seeds=N`` (or ``$SHELL_SEEDS``) runs seeds
 0..N-1 of the shipped-shell simulator (``shell_sim.py``, default ``SHELL_SEEDS_DEFAULT``,
-what fits in ``make test``); ``SEED`` replays one there too.
+what fits in ``make test``); ``SEED`` replays one there too. ``--coord-seeds=N`` (or
+``$COORD_SEEDS``) does the same for the whole-node simulator (``coordinated_sim.py``,
+default ``COORD_SEEDS_DEFAULT``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import pytest
 DEFAULT_SEEDS = 1000
 # Shell simulator seeds in make test: 0.3-0.4 s of CPU each, 30-40 s in all.
 SHELL_SEEDS_DEFAULT = 100
+# Whole-node (coordinator + replica) simulator seeds in make test: about 0.3 s of CPU each.
+COORD_SEEDS_DEFAULT = 50
 # Replication seeds per election seed when --repl-seeds is not given.
 REPL_SEEDS_PER_SIM_SEED = 1.0
 
@@ -50,6 +54,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         help=f"number of shipped-shell simulator seeds (default $SHELL_SEEDS or "
         f"{SHELL_SEEDS_DEFAULT})",
+    )
+    group.addoption(
+        "--coord-seeds",
+        type=int,
+        default=None,
+        help=f"number of whole-node simulator seeds (default $COORD_SEEDS or "
+        f"{COORD_SEEDS_DEFAULT})",
     )
 
 
@@ -93,4 +104,16 @@ def shell_seeds(request: pytest.FixtureRequest) -> list[int]:
     count = request.config.getoption("shell_seeds", default=None)
     if count is None:
         count = int(os.environ.get("SHELL_SEEDS", "").strip() or SHELL_SEEDS_DEFAULT)
+    return list(range(int(count)))
+
+
+@pytest.fixture
+def coord_seeds(request: pytest.FixtureRequest) -> list[int]:
+    """The whole-node simulator's seeds: one replayed seed, or 0..N-1."""
+    single = _replayed_seed(request)
+    if single is not None:
+        return [single]
+    count = request.config.getoption("coord_seeds", default=None)
+    if count is None:
+        count = int(os.environ.get("COORD_SEEDS", "").strip() or COORD_SEEDS_DEFAULT)
     return list(range(int(count)))

@@ -17,8 +17,9 @@ replicas, the sync source is the member with the highest ``(last_epoch, last_lsn
 ``election.pick_sync_source`` picks it, leases renewed every ``RENEW_S`` only to members
 connected to the master, a new epoch when the master stops serving or a healthy node is
 outside the group). The master is the sync source or, in a quarter of elections, another
-member (so reorganization fetches run). Coordinator faults are not modelled here
-(``replication_sim.py`` runs the shipped election).
+member (so reorganization fetches run). Coordinator faults are not modelled here:
+``coordinated_sim.py`` runs this harness with the shipped coordinator in place of the
+script (``_start_roles``, ``_heal_roles``, ``_inject`` and ``_truncator`` are its hooks).
 
 Faults, during a safety phase of ``FAULT_PHASE_S``: links cut one way or both (held
 messages, then a keepalive break), connection resets, replica process crashes (the
@@ -60,6 +61,7 @@ from squall_server.common.errors import ServiceError
 from squall_server.replica import commands, replication_server
 from squall_server.replica.faults import FAULT_FILE_NAME
 from squall_server.replica.node import ReplicaNode
+from squall_server.replica.rebuild import LmdbTruncator
 from squall_server.replica.store import DATABASES, Store
 from squall_server.replica.store.kv import KVError, ReadTxn, WriteTxn
 from squall_server.replica.store.kv_memory import MemoryKV
@@ -267,7 +269,7 @@ class ShellSim:
         for member in self.members.values():
             await self._start(member)
         tasks = [
-            self.loop.create_task(self._role_script()),
+            *self._start_roles(),
             self.loop.create_task(self._network_ticker()),
             self.loop.create_task(self._sample_masters()),
         ]
@@ -284,6 +286,7 @@ class ShellSim:
                 self._resume(member)
             if member.replica is None or member.replica.failed_reason:
                 await self._restart(member)
+        await self._heal_roles()
         healed_at = self.loop.time()
         await self._liveness(healed_at)
         for task in clients:
@@ -315,11 +318,16 @@ class ShellSim:
             self.clock,
             transport=self.net.transport_for(member.node_id),
             io=member.io,
+            truncator=self._truncator(member),
         )
         member.replica = replica
         await self.loop.spawn(member.process, replica.start())
         self.net.up(replica, member.process)
         self.note(f"start {member.process}")
+
+    def _truncator(self, member: Member) -> LmdbTruncator | None:
+        """None: the replicas refuse a truncation (a slave's log is replaced by a snapshot)."""
+        return None
 
     def _crash(self, member: Member, *, machine: bool) -> None:
         assert member.replica is not None and member.kv is not None and member.io is not None
@@ -360,40 +368,47 @@ class ShellSim:
             member = self.members[rng.choice(NODE_IDS)]
             if rng.random() < 0.5 and self.master_id:
                 member = self.members[self.master_id]  # aim at the master half the time
-            others = [n for n in NODE_IDS if n != member.node_id]
-            kind = rng.randrange(10)
-            if kind == 0 and member.replica is not None:
-                machine = self.replica_sync == common_pb2.SYNC_POLICY_SYNC and rng.random() < 0.5
-                self._crash(member, machine=machine)
-            elif kind == 1 and (member.replica is None or member.replica.failed_reason):
-                await self._restart(member)
-            elif kind == 2 and member.replica is not None and not member.paused:
-                self._pause(member)
-                self.loop.call_later(rng.uniform(0.1, 2.5), self._resume_if, member, member.process)
-            elif kind == 3:
-                peer = rng.choice(others)
-                both = rng.random() < 0.5
-                self.net.cut(member.node_id, peer, both=both)
-                self.note(f"cut {member.node_id}->{peer}{' both ways' if both else ''}")
-            elif kind == 4:
-                self.net.heal()
-                self.note("heal links")
-            elif kind == 5:
-                self.net.break_calls(member.node_id)
-                self.note(f"reset connections of {member.node_id}")
-            elif kind == 6:
-                member.disk.slow = not member.disk.slow
-                self.note(f"disk of {member.node_id} {'slow' if member.disk.slow else 'fast'}")
-            elif kind == 7 and rng.random() < 0.3:
-                member.disk.failing = True
-                self.stats.disk_failures += 1
-                self.note(f"disk of {member.node_id} fails")
-                self.loop.call_later(rng.uniform(0.05, 1.0), self._disk_ok, member)
-            elif kind == 8:
-                for peer in others:  # isolate
-                    self.net.cut(member.node_id, peer, both=True)
-                self.note(f"isolate {member.node_id}")
-            # (kind 9: quiet)
+            await self._inject(member, rng.randrange(self.fault_kinds))
+
+    # Fault kinds _inject draws from (a subclass adds its own above these).
+    fault_kinds = 10
+
+    async def _inject(self, member: Member, kind: int) -> None:
+        """One fault of kind ``kind`` aimed at ``member``'s replica or its links."""
+        rng = self.rng
+        others = [n for n in NODE_IDS if n != member.node_id]
+        if kind == 0 and member.replica is not None:
+            machine = self.replica_sync == common_pb2.SYNC_POLICY_SYNC and rng.random() < 0.5
+            self._crash(member, machine=machine)
+        elif kind == 1 and (member.replica is None or member.replica.failed_reason):
+            await self._restart(member)
+        elif kind == 2 and member.replica is not None and not member.paused:
+            self._pause(member)
+            self.loop.call_later(rng.uniform(0.1, 2.5), self._resume_if, member, member.process)
+        elif kind == 3:
+            peer = rng.choice(others)
+            both = rng.random() < 0.5
+            self.net.cut(member.node_id, peer, both=both)
+            self.note(f"cut {member.node_id}->{peer}{' both ways' if both else ''}")
+        elif kind == 4:
+            self.net.heal()
+            self.note("heal links")
+        elif kind == 5:
+            self.net.break_calls(member.node_id)
+            self.note(f"reset connections of {member.node_id}")
+        elif kind == 6:
+            member.disk.slow = not member.disk.slow
+            self.note(f"disk of {member.node_id} {'slow' if member.disk.slow else 'fast'}")
+        elif kind == 7 and rng.random() < 0.3:
+            member.disk.failing = True
+            self.stats.disk_failures += 1
+            self.note(f"disk of {member.node_id} fails")
+            self.loop.call_later(rng.uniform(0.05, 1.0), self._disk_ok, member)
+        elif kind == 8:
+            for peer in others:  # isolate
+                self.net.cut(member.node_id, peer, both=True)
+            self.note(f"isolate {member.node_id}")
+        # (kind 9: quiet)
 
     def _resume_if(self, member: Member, process: str) -> None:
         if member.paused and member.process == process:
@@ -409,6 +424,13 @@ class ShellSim:
             self.net.tick()
 
     # --- the role script (the coordinator's rules)
+
+    def _start_roles(self) -> list[asyncio.Task[None]]:
+        """What commands the replicas' roles: here the role script."""
+        return [self.loop.create_task(self._role_script())]
+
+    async def _heal_roles(self) -> None:
+        """Heals what commands roles (the script has nothing to heal)."""
 
     def _healthy(self, node_id: str) -> bool:
         member = self.members[node_id]
@@ -679,9 +701,15 @@ def run_seed(
             # The coroutines of killed processes were dropped mid-await: collected now,
             # Python reports that they ignored their GeneratorExit (they never finished).
             del sim
-            hook = sys.unraisablehook
-            sys.unraisablehook = _quiet_dropped_coroutines(hook)
-            try:
-                gc.collect()
-            finally:
-                sys.unraisablehook = hook
+            collect_dropped()
+
+
+def collect_dropped() -> None:
+    """Collects a finished run: the coroutines of killed processes were dropped
+    mid-await, and Python reports that they ignored their GeneratorExit."""
+    hook = sys.unraisablehook
+    sys.unraisablehook = _quiet_dropped_coroutines(hook)
+    try:
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook

@@ -1,0 +1,498 @@
+"""Seeded simulator of three whole shipped nodes: each a ``CoordinatorNode`` and a
+``ReplicaNode``, on one virtual-time loop, faults hitting each process alone.
+
+``shell_sim.py``'s harness (virtual loop, ``ShellNetwork`` between the replicas,
+``MemoryKV`` disks, clients, checks) with its role script replaced by the shipped
+coordinator: per node a ``CoordinatorNode`` (``services/coordinator/node.py``: the tick,
+role and watch loops around ``CoordinatorDriver`` and the pure ``Election``) runs as its
+own simulated process (``n1.c1``, ``n1.c2`` ... beside the replica's ``n1.1``), with the
+loop's clock, an in-memory state store that survives its crashes (``MemoryStateStore``),
+group and cluster ids drawn from the seed, and two simulated links:
+
+* ``SimPeers`` (its ``PeerTransport``): each peer message goes through the shipped codec
+  (``codec.to_proto`` / ``CoordinatorNode.deliver``) after a seeded delay, is lost with a
+  seeded probability or when the link is cut (one way or both), and runs in the
+  receiving coordinator's process (held while it is paused, gone once it crashed).
+* ``SimReplicaLink`` (its ``ReplicaLink``): a role command becomes the SetRole request
+  the gRPC link sends (``node.role_proto``), is served by the replica's shipped servicer
+  (``server.ReplicaControl.SetRole``) in the replica's process, and its answer or status
+  becomes what the gRPC link returns (``node.replica_answer`` / ``replica_failure``); a
+  health check is answered by the replica's process. The link can be cut on its own, one
+  way or both (coordinator↔own-replica partition): a request lost on the way down, or an
+  answer lost on the way up, ends as ``DEADLINE_EXCEEDED`` after ``rpc_timeout_ms``; a
+  replica that is down refuses the connection (``UNAVAILABLE``).
+
+Faults, besides ``shell_sim``'s replica faults (crash, restart, pause, replica link cuts
+and resets, slow and failing disks): a coordinator crashes alone (restarted later from
+its persisted state), pauses, has its peer links cut one way or both, or loses its link to
+its own replica; a whole node crashes (both processes) or is partitioned (both networks).
+At the heal every link heals, every process restarts or resumes, and the coordinators lift
+quarantines (an operator's ``set_quarantine(False)`` after replacing a failing disk).
+
+Clients publish to the replica that is master in the highest epoch. Checks as in
+``shell_sim``: at most one master per epoch, a publish acknowledged within ``LIVENESS_S``
+of the heal, every replica caught up, identical logs, every acknowledged event readable at
+its receipt's offset. A failure raises ``ShellSimFailure`` ending with the replay command.
+
+Not modelled yet: the coordinator's hand-over (``transfer_leadership`` needs the gRPC
+link's PrepareHandoff: here it fails and is logged, as for a replica that cannot hand
+off), membership changes, cluster shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import dataclasses
+import logging
+import random
+import tempfile
+from pathlib import Path
+from typing import NoReturn
+
+import grpc
+
+from squall.v1 import common_pb2, coordinator_pb2, replica_pb2
+from squall_server.common.clock import Clock
+from squall_server.common.config import ClusterConfig, NodeConfig
+from squall_server.coordinator import codec
+from squall_server.coordinator.driver import (
+    MemoryStateStore,
+    ReplicaAnswer,
+    ReplicaFailure,
+)
+from squall_server.coordinator.messages import PeerMessage, RoleCommand
+from squall_server.coordinator.node import (
+    CoordinatorNode,
+    replica_answer,
+    replica_failure,
+    role_proto,
+)
+from squall_server.replica.rebuild import LmdbTruncator, TruncateError, rebuild_into
+from squall_server.replica.server import ReplicaControl
+from squall_server.replica.store import DATABASES, Store, StoreError
+from squall_server.replica.store.kv_memory import MemoryKV
+from tests.sim import shell_sim
+from tests.sim.shell_sim import NODE_IDS, Member, ShellSim, ShellSimFailure, Stats
+
+log = logging.getLogger("squall.sim.coordinated")
+
+# Fault kinds of this simulator, after shell_sim's ten.
+_COORD_CRASH, _COORD_RESTART, _COORD_PAUSE, _COORD_CUT, _OWN_CUT = 10, 11, 12, 13, 14
+_NODE_CRASH, _NODE_PARTITION, _COORD_HEAL = 15, 16, 17
+FAULT_KINDS = 18
+FOLLOW_S = 0.02  # how often clients look up who is master (the gateways' view)
+
+
+def replay_command(seed: int) -> str:
+    """The command that replays one seed."""
+    return f"SEED={seed} .venv/bin/pytest -q -p no:cacheprovider tests/sim/test_coordinated_sim.py"
+
+
+class _Aborted(Exception):
+    """A servicer ended the call with a status (``context.abort``)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class _ServicerContext:
+    """The part of a gRPC servicer context that ``ReplicaControl.SetRole`` uses."""
+
+    def set_trailing_metadata(self, metadata: object) -> None:
+        return None
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> NoReturn:
+        raise _Aborted(code, details)
+
+
+@dataclasses.dataclass
+class Coordinator:
+    """One node's coordinator: its persisted state (outlives crashes) and incarnation."""
+
+    node_id: str
+    state: MemoryStateStore = dataclasses.field(default_factory=MemoryStateStore)
+    incarnation: int = 0
+    node: CoordinatorNode | None = None
+    paused: bool = False
+
+    @property
+    def process(self) -> str:
+        return f"{self.node_id}.c{self.incarnation}"
+
+
+class SimCoordinatorNode(CoordinatorNode):
+    """The shipped shell with its group and cluster ids drawn from the seed (uuid4 would
+    make a replay differ)."""
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        node: NodeConfig,
+        clock: Clock,
+        ids: random.Random,
+        **links: object,
+    ) -> None:
+        self._ids = ids
+        super().__init__(config, node, clock, **links)  # type: ignore[arg-type]
+
+    def _group_id(self) -> str:  # type: ignore[override]
+        return f"{self._ids.getrandbits(64):016x}"
+
+    def _cluster_id(self) -> str:  # type: ignore[override]
+        return f"{self._ids.getrandbits(128):032x}"
+
+
+class SimPeers:
+    """One coordinator's PeerTransport over the simulated coordinator network."""
+
+    def __init__(self, sim: CoordinatedSim, node_id: str) -> None:
+        self.sim = sim
+        self.node_id = node_id
+
+    def send(self, message: PeerMessage) -> None:
+        sim = self.sim
+        dst = message.to_node
+        if (self.node_id, dst) in sim.coord_cuts or sim.rng_net.random() < sim.loss:
+            return
+        proto = codec.to_proto(message)
+        # Scheduled by the network, not the sender: a sender paused after sending does
+        # not hold its message.
+        sim.loop.call_later(
+            sim.rng_net.random() * sim.max_delay_s,
+            sim.arrive,
+            dst,
+            proto,
+            context=contextvars.Context(),
+        )
+
+
+class SimReplicaLink:
+    """One coordinator's ReplicaLink: its own replica's servicer, over a cuttable link."""
+
+    def __init__(self, sim: CoordinatedSim, member: Member) -> None:
+        self.sim = sim
+        self.member = member
+        timeouts = sim.config.timeouts
+        self.rpc_timeout_s = timeouts.rpc_timeout_ms / 1000
+        self.health_timeout_s = timeouts.replica_timeout_ms / 1000
+        self.lease_ms = timeouts.member_timeout_ms
+
+    async def set_role(self, command: RoleCommand, reason: str) -> ReplicaAnswer | ReplicaFailure:
+        request = role_proto(self.sim.config, None, command, reason, self.lease_ms)
+        try:
+            response = await self._call(
+                lambda servicer: servicer.SetRole(request, _ServicerContext()),
+                self.rpc_timeout_s,
+            )
+        except _Aborted as exc:
+            return replica_failure(exc.code, exc.details)
+        assert isinstance(response, replica_pb2.RoleCommandResponse)
+        return replica_answer(command, response.state)
+
+    async def check_health(self) -> bool:
+        try:
+            await self._call(lambda servicer: _alive(), self.health_timeout_s)
+        except _Aborted as exc:
+            return exc.code not in (
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+            )
+        return True
+
+    async def close(self) -> None:
+        return None
+
+    async def _call(self, serve: object, timeout_s: float) -> object:
+        """One call to the replica as gRPC makes it: refused by a replica that is down,
+        lost (a deadline) on a cut link either way, served in the replica's process."""
+        sim, member = self.sim, self.member
+        node_id = member.node_id
+        await asyncio.sleep(sim.rng_net.random() * sim.max_delay_s)
+        replica = member.replica
+        if replica is None:
+            raise _Aborted(grpc.StatusCode.UNAVAILABLE, f"replica {node_id} is down")
+        process = member.process
+        if (node_id, "down") in sim.own_cuts:
+            await asyncio.sleep(timeout_s)
+            raise _Aborted(grpc.StatusCode.DEADLINE_EXCEEDED, "request lost (link cut)")
+        assert callable(serve)
+        call = sim.loop.spawn(process, serve(ReplicaControl(replica)))
+        started = sim.loop.time()
+        try:
+            # Shielded: the caller must not wait for a killed or paused process to unwind
+            # the call; the server learns of the deadline on its own (cancelled, unawaited).
+            result = await asyncio.wait_for(asyncio.shield(call), timeout_s)
+        except TimeoutError:
+            call.cancel()
+            raise _Aborted(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer in time") from None
+        except _Aborted:
+            raise
+        except Exception as exc:
+            if member.process != process:  # it crashed mid-call: the connection reset
+                raise _Aborted(grpc.StatusCode.UNAVAILABLE, "replica crashed") from None
+            raise _Aborted(grpc.StatusCode.UNKNOWN, f"servicer raised {exc!r}") from None
+        if (node_id, "up") in sim.own_cuts or member.process != process:
+            await asyncio.sleep(max(0.0, timeout_s - (sim.loop.time() - started)))
+            raise _Aborted(grpc.StatusCode.DEADLINE_EXCEEDED, "answer lost (link cut)")
+        return result
+
+
+async def _alive() -> None:
+    """A health check's answer: the replica's process ran it."""
+    return None
+
+
+class MemoryTruncator(LmdbTruncator):
+    """The LMDB truncator's twin over a node's ``Disk``: rebuilds the log up to the kept
+    LSN into a fresh ``MemoryKV`` (``rebuild_into``, as production does) and swaps it in
+    at once (the rename); a crash before the swap leaves the old store."""
+
+    def __init__(self, member: Member) -> None:
+        super().__init__(member.data_dir, map_size_bytes=0, dedupe_window=0)
+        self.member = member
+        self._staged: MemoryKV | None = None
+
+    def stage(self, store: Store, keep_lsn: int) -> Path:
+        meta = store.meta()
+        if not 0 <= keep_lsn <= meta.last_lsn:
+            raise TruncateError(f"truncate after LSN {keep_lsn}: the log ends at {meta.last_lsn}")
+        fresh = MemoryKV(DATABASES, keep_unsynced=True)
+        rebuild_into(store, Store(fresh), keep_lsn)
+        fresh.sync()
+        self._staged = fresh
+        return self.data_dir
+
+    def swap(self, store: Store, staging: Path) -> Store:
+        assert self._staged is not None and self.member.kv is not None
+        if self.member.kv.dead:
+            raise StoreError("the process is gone")
+        self.member.disk.kv = self._staged
+        self._staged = None
+        return Store(self.member.kv)
+
+    def settle(self, staging: Path) -> None:
+        return None
+
+    def discard(self) -> None:
+        self._staged = None
+
+
+class CoordinatedSim(ShellSim):
+    """One seed's run of three whole nodes (``run``)."""
+
+    fault_kinds = FAULT_KINDS
+
+    def __init__(
+        self,
+        seed: int,
+        root: Path,
+        *,
+        acks: common_pb2.AckPolicy.ValueType = common_pb2.ACK_POLICY_MAJORITY,
+    ) -> None:
+        super().__init__(seed, root, acks=acks)
+        self.rng_net = random.Random(seed * 104729 + 1)
+        self.rng_ids = random.Random(seed * 104729 + 2)
+        self.loss = self.rng.choice([0.0, 0.01, 0.05])
+        self.max_delay_s = self.rng.choice([0.001, 0.005, 0.02])
+        self.coordinators = {n: Coordinator(n) for n in NODE_IDS}
+        self.coord_cuts: set[tuple[str, str]] = set()
+        # (node, "down"): requests to the replica are lost; (node, "up"): its answers are.
+        self.own_cuts: set[tuple[str, str]] = set()
+        self.master_epochs: set[int] = set()
+
+    def fail(self, what: str) -> ShellSimFailure:
+        tail = "\n".join(self.stats.events[-40:])
+        return ShellSimFailure(
+            f"seed {self.seed}: {what}\nlast events:\n{tail}\nreplay: {replay_command(self.seed)}"
+        )
+
+    def _truncator(self, member: Member) -> LmdbTruncator:
+        return MemoryTruncator(member)
+
+    # --- the coordinators
+
+    def _start_roles(self) -> list[asyncio.Task[None]]:
+        for coordinator in self.coordinators.values():
+            self._start_coordinator(coordinator)
+        return [self.loop.create_task(self._follow_master())]
+
+    def _start_coordinator(self, coordinator: Coordinator) -> None:
+        coordinator.incarnation += 1
+        coordinator.paused = False
+        node = SimCoordinatorNode(
+            self.config,
+            self.config.node(coordinator.node_id),
+            self.clock,
+            self.rng_ids,
+            peers=SimPeers(self, coordinator.node_id),
+            replica=SimReplicaLink(self, self.members[coordinator.node_id]),
+            store=coordinator.state,
+        )
+        coordinator.node = node
+        self.loop.spawn(coordinator.process, node.start())
+        self.note(f"start {coordinator.process}")
+
+    def _crash_coordinator(self, coordinator: Coordinator) -> None:
+        self.stats.crashes += 1
+        self.loop.kill(coordinator.process)
+        coordinator.node = None
+        coordinator.paused = False
+        self.note(f"crash {coordinator.process}")
+
+    def arrive(self, dst: str, message: coordinator_pb2.PeerMessage) -> None:
+        """A peer message reaches dst's coordinator (if it runs): delivered in its process."""
+        coordinator = self.coordinators[dst]
+        node = coordinator.node
+        if node is None:
+            return
+        self.loop.spawn(coordinator.process, _deliver(node, message))
+
+    async def _heal_roles(self) -> None:
+        self.coord_cuts.clear()
+        self.own_cuts.clear()
+        for coordinator in self.coordinators.values():
+            if coordinator.node is None:
+                self._start_coordinator(coordinator)
+            elif coordinator.paused:
+                coordinator.paused = False
+                self.loop.resume(coordinator.process)
+            node = coordinator.node
+            assert node is not None
+            if node.election.persisted.quarantine is not None:
+                # The operator replaced the failing disk and lifts the quarantine.
+                node.set_quarantine(False, "sim-operator", "disk replaced")
+        await self._manual_recovery()
+
+    async def _manual_recovery(self) -> None:
+        """After a total failure (every replica restarted since it last took a role, no
+        store clean) the coordinators refuse a cold start, by design; the simulator does
+        what docs/operations.md ("Manual recovery") tells an operator: stop the replica
+        with the newest log, ``squall store mark-clean`` its store, start it again."""
+        replicas = {m.node_id: m.replica for m in self.members.values()}
+        if any(r is None or r.joined for r in replicas.values()):
+            return
+        metas = {n: r.store.meta() for n, r in replicas.items() if r is not None}
+        if any(meta.state == common_pb2.STORE_STATE_CLEAN for meta in metas.values()):
+            return
+        best = max(NODE_IDS, key=lambda n: (metas[n].last_epoch, metas[n].last_lsn))
+        member = self.members[best]
+        self._crash(member, machine=False)
+        store = Store(member.disk.kv)
+        store.sync()
+        store.set_state(common_pb2.STORE_STATE_CLEAN, f"sim-recovery-{self.seed}")
+        self.note(f"total failure: operator marks {best}'s store clean")
+        await self._restart(member)
+
+    async def _follow_master(self) -> None:
+        """The clients' view: the replica that is master in the highest epoch."""
+        while True:
+            best: tuple[int, str] | None = None
+            for member in self.members.values():
+                replica = member.replica
+                if replica is not None and replica.role == common_pb2.ROLE_MASTER:
+                    if best is None or replica.epoch > best[0]:
+                        best = (replica.epoch, member.node_id)
+            if best is not None and best != (self.epoch, self.master_id):
+                self.epoch, self.master_id = best
+                if best[0] not in self.master_epochs:
+                    self.master_epochs.add(best[0])
+                    self.stats.elections += 1
+                self.note(f"master {self.master_id} epoch {self.epoch}")
+            await asyncio.sleep(FOLLOW_S)
+
+    # --- faults
+
+    async def _inject(self, member: Member, kind: int) -> None:
+        if kind < shell_sim_kinds():
+            await super()._inject(member, kind)
+            return
+        rng = self.rng
+        node_id = member.node_id
+        coordinator = self.coordinators[node_id]
+        others = [n for n in NODE_IDS if n != node_id]
+        if kind == _COORD_CRASH and coordinator.node is not None:
+            self._crash_coordinator(coordinator)
+        elif kind == _COORD_RESTART and coordinator.node is None:
+            self._start_coordinator(coordinator)
+        elif kind == _COORD_PAUSE and coordinator.node is not None and not coordinator.paused:
+            coordinator.paused = True
+            self.loop.pause(coordinator.process)
+            self.note(f"pause {coordinator.process}")
+            self.loop.call_later(
+                rng.uniform(0.1, 2.5), self._resume_coordinator, coordinator, coordinator.process
+            )
+        elif kind == _COORD_CUT:
+            peer = rng.choice(others)
+            self.coord_cuts.add((node_id, peer))
+            both = rng.random() < 0.5
+            if both:
+                self.coord_cuts.add((peer, node_id))
+            self.note(f"cut coordinator {node_id}->{peer}{' both ways' if both else ''}")
+        elif kind == _OWN_CUT:
+            ways = rng.choice([("down",), ("up",), ("down", "up")])
+            self.own_cuts.update((node_id, way) for way in ways)
+            self.note(f"cut {node_id}'s coordinator<->replica link {'/'.join(ways)}")
+            self.loop.call_later(rng.uniform(0.2, 3.0), self._heal_own, node_id)
+        elif kind == _NODE_CRASH:
+            if coordinator.node is not None:
+                self._crash_coordinator(coordinator)
+            if member.replica is not None:
+                self._crash(member, machine=False)
+            self.loop.call_later(rng.uniform(0.5, 3.0), self._restart_node, node_id)
+        elif kind == _NODE_PARTITION:
+            for peer in others:
+                self.net.cut(node_id, peer, both=True)
+                self.coord_cuts.update({(node_id, peer), (peer, node_id)})
+            self.note(f"partition node {node_id}")
+        elif kind == _COORD_HEAL:
+            self.coord_cuts.clear()
+            self.note("heal coordinator links")
+
+    def _resume_coordinator(self, coordinator: Coordinator, process: str) -> None:
+        if coordinator.paused and coordinator.process == process and coordinator.node:
+            coordinator.paused = False
+            self.loop.resume(process)
+            self.note(f"resume {process}")
+
+    def _heal_own(self, node_id: str) -> None:
+        if self.healing:
+            return
+        self.own_cuts = {cut for cut in self.own_cuts if cut[0] != node_id}
+        self.note(f"heal {node_id}'s coordinator<->replica link")
+
+    def _restart_node(self, node_id: str) -> None:
+        if self.healing:
+            return  # the heal restarts it
+        member = self.members[node_id]
+        coordinator = self.coordinators[node_id]
+        if member.replica is None:
+            self.loop.create_task(self._restart(member))
+        if coordinator.node is None:
+            self._start_coordinator(coordinator)
+
+
+def shell_sim_kinds() -> int:
+    """How many fault kinds shell_sim's own _inject knows."""
+    return ShellSim.fault_kinds
+
+
+async def _deliver(node: CoordinatorNode, message: coordinator_pb2.PeerMessage) -> None:
+    node.deliver(message)
+
+
+def run_seed(
+    seed: int, *, acks: common_pb2.AckPolicy.ValueType = common_pb2.ACK_POLICY_MAJORITY
+) -> Stats:
+    """Runs one seed in a temporary directory (the replicas' fault and loss files)."""
+    with tempfile.TemporaryDirectory(prefix=f"coord-sim-{seed}-") as root:
+        sim = CoordinatedSim(seed, Path(root), acks=acks)
+        try:
+            return sim.run()
+        except ShellSimFailure as exc:
+            raise ShellSimFailure(str(exc)) from None
+        finally:
+            del sim
+            shell_sim.collect_dropped()

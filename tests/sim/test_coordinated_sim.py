@@ -1,0 +1,91 @@
+"""Seeded simulation of three whole shipped nodes: coordinators and replicas, each process
+hit alone (``tests/sim/coordinated_sim.py``).
+
+Each seed runs the shipped ``CoordinatorNode`` (driver and Election) and ``ReplicaNode``
+of every node on one virtual-time loop, with coordinator crashes, pauses and cuts, cuts of
+a node's coordinator↔replica link, replica crashes, pauses, cuts and disk faults, whole-
+node crashes and partitions; then healing and the checks (one master per epoch, a publish
+acknowledged soon after healing, identical logs, every acknowledged event readable on
+every replica). ``make test`` runs ``COORD_SEEDS_DEFAULT`` seeds; a long run is
+``--coord-seeds=N`` (or ``COORD_SEEDS=N``); ``SEED=S`` replays one seed. A planted bug
+(acknowledging before any replica holds the write) must be caught.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from squall.v1 import common_pb2
+from tests.sim.coordinated_sim import replay_command, run_seed
+from tests.sim.shell_sim import ShellSimFailure
+
+pytestmark = pytest.mark.sim
+
+# The seeds run as this many tests (every CHUNKS-th seed each): a failure names its part.
+CHUNKS = 4
+# The planted bug must be caught within this many seeds.
+MUTANT_SEEDS_MAX = 10
+
+
+@pytest.mark.parametrize("chunk", range(CHUNKS))
+def test_shipped_nodes_keep_acknowledged_events_and_recover(
+    coord_seeds: list[int], chunk: int
+) -> None:
+    """Every seed: no acknowledged event lost, identical logs, one master per epoch, and
+    a publish acknowledged within the liveness bound after healing."""
+    seeds = coord_seeds[chunk::CHUNKS]
+    if not seeds:
+        pytest.skip("no seed of this part (one seed replayed)")
+    started = time.process_time()
+    acked = elections = crashes = 0
+    for seed in seeds:
+        try:
+            stats = run_seed(seed)
+        except ShellSimFailure as exc:
+            pytest.fail(str(exc), pytrace=False)
+        except Exception as exc:  # the shipped code or the harness raising fails the seed
+            raise AssertionError(f"seed {seed} raised {exc!r}\n{replay_command(seed)}") from exc
+        acked += stats.acked
+        elections += stats.elections
+        crashes += stats.crashes
+    cpu = time.process_time() - started
+    print(
+        f"\ncoordinated sim: {len(seeds)} seeds in {cpu:.1f} s CPU "
+        f"({cpu / len(seeds):.2f} s a seed): {acked} publishes acknowledged, "
+        f"{elections} master epochs, {crashes} crashes"
+    )
+
+
+def test_planted_early_acknowledgement_is_caught() -> None:
+    """With ACK_POLICY_NONE a master acknowledges what no replica holds: some seed must
+    lose an acknowledged event, or the checks prove nothing. (Seeds that end in the
+    livelock of ``test_acks_none_cluster_recovers_after_a_partition`` first are passed.)"""
+    for seed in range(MUTANT_SEEDS_MAX):
+        try:
+            run_seed(seed, acks=common_pb2.ACK_POLICY_NONE)
+        except ShellSimFailure as exc:
+            if "no publish acknowledged" in str(exc):
+                continue
+            assert "acknowledged event" in str(exc)
+            assert replay_command(seed) in str(exc)
+            return
+    pytest.fail(f"no seed of {MUTANT_SEEDS_MAX} caught an acknowledgement without replicas")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known bug: with acks = none, a highest-priority node whose replica knows "
+    "entries committed that the sync source lacks refuses the master role "
+    "(TRUNCATE_BELOW_COMMIT), its coordinator recovers and elects itself again, forever",
+)
+def test_acks_none_cluster_recovers_after_a_partition() -> None:
+    """acks = "none" may lose acknowledged events (documented), but after the faults heal
+    the cluster must still elect a master that serves; seed 0 livelocks today."""
+    try:
+        run_seed(0, acks=common_pb2.ACK_POLICY_NONE)
+    except ShellSimFailure as exc:
+        if "acknowledged event" in str(exc):
+            return  # the documented loss, not the livelock
+        raise
