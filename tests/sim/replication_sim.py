@@ -97,7 +97,7 @@ last flush and is reopened); a loss of unflushed entries degrades the seed unles
 replicas flush every write too, where it is a failure. Half the seeds' stores truncate a
 divergent log by rebuilding it from their own log (``rebuild.rebuild_into``), the others
 cannot (``truncate_by_snapshot``: a divergent slave gets a snapshot). Such a master
-sends each batch before its flush, as ``ReplicaNode._commit`` does, and the flush ends up
+sends each batch before its flush, as ``Writer._commit`` does, and the flush ends up
 to a store delay later (``master_flush``), so slaves' acks can come back before it and a
 crash (with the machine's loss of what was not flushed) can fall in between; in three
 seeds of four (its own generator) a flush fails after sending with a per-flush chance of
@@ -1217,7 +1217,7 @@ class ReplicationSimulation(Simulation):
         history: Sequence[tuple[int, int]],
         ghost: Sequence[Entry],
     ) -> int | None:
-        """One snapshot chunk into the store as ``ReplicaNode._install_snapshot_chunk``
+        """One snapshot chunk into the store as ``SlaveSide.install_snapshot_chunk``
         does (a slave's stream and a new master's fetch share it); after the last, the
         checker's view becomes the log the snapshot was built from. Returns the
         snapshot's LSN once installed."""
@@ -1264,7 +1264,7 @@ class ReplicationSimulation(Simulation):
 
     def on_catchup_reply(self, node: str, src: str, reply: CatchUpReply) -> None:
         """The sync source's answer, stepped by the driver (``fetch_step``) in the order
-        ``ReplicaNode._sync_from`` applies it; then serve."""
+        ``TakingMaster._sync_from`` applies it; then serve."""
         rt = self.rt[node]
         if rt.catchup is None or rt.catchup.source != src or reply.epoch != rt.epoch:
             return
@@ -1327,7 +1327,7 @@ class ReplicationSimulation(Simulation):
         self.start_serving(node)
 
     def truncate(self, node: str, keep_lsn: int) -> None:
-        """Truncates the node's log after keep_lsn as ``ReplicaNode._truncate_locked`` does:
+        """Truncates the node's log after keep_lsn as ``Truncation.truncate_locked`` does:
         the store is rebuilt from its own log (``rebuild.rebuild_into``, here into a fresh
         in-memory store) and the driver follows; a log that no longer starts at LSN 1
         cannot be replayed (FAILED_PRECONDITION: it needs a snapshot)."""
@@ -1394,7 +1394,7 @@ class ReplicationSimulation(Simulation):
         except InvariantViolation as exc:
             raise self.violation(exc) from None
         driver = self.driver_of(node)
-        # As ``ReplicaNode._commit``: written unflushed and handed to the steps (the batch
+        # As ``Writer._commit``: written unflushed and handed to the steps (the batch
         # leaves for the slaves), then, under SYNC, flushed and reported flushed.
         driver.store_append((entry,), sync=False, commit_lsn=core.commit_lsn)
         driver.batch_appended(entry.lsn, core.commit_lsn)
@@ -1411,7 +1411,7 @@ class ReplicationSimulation(Simulation):
     def master_flush(self, node: str, epoch: int) -> None:
         """The master's flush ends: it succeeded (the core counts what it covers) or
         failed after the batch went out (``flush_failed``). A deposed master's flush
-        still runs, as ``ReplicaNode._flush`` does, and tells the core nothing new."""
+        still runs, as ``Writer._flush`` does, and tells the core nothing new."""
         store = self.stores[node]
         core = self.core_for(node, epoch)
         if core is None or store.synced_lsn >= len(store.log):
