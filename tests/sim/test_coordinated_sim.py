@@ -13,12 +13,11 @@ every replica). ``make test`` runs ``COORD_SEEDS_DEFAULT`` seeds; a long run is
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from squall.v1 import common_pb2
 from tests.sim.coordinated_sim import replay_command, run_seed
+from tests.sim.seed_runs import run_seeds
 from tests.sim.shell_sim import ShellSimFailure
 
 pytestmark = pytest.mark.sim
@@ -35,27 +34,7 @@ def test_shipped_nodes_keep_acknowledged_events_and_recover(
 ) -> None:
     """Every seed: no acknowledged event lost, identical logs, one master per epoch, and
     a publish acknowledged within the liveness bound after healing."""
-    seeds = coord_seeds[chunk::CHUNKS]
-    if not seeds:
-        pytest.skip("no seed of this part (one seed replayed)")
-    started = time.process_time()
-    acked = elections = crashes = 0
-    for seed in seeds:
-        try:
-            stats = run_seed(seed)
-        except ShellSimFailure as exc:
-            pytest.fail(str(exc), pytrace=False)
-        except Exception as exc:  # the shipped code or the harness raising fails the seed
-            raise AssertionError(f"seed {seed} raised {exc!r}\n{replay_command(seed)}") from exc
-        acked += stats.acked
-        elections += stats.elections
-        crashes += stats.crashes
-    cpu = time.process_time() - started
-    print(
-        f"\ncoordinated sim: {len(seeds)} seeds in {cpu:.1f} s CPU "
-        f"({cpu / len(seeds):.2f} s a seed): {acked} publishes acknowledged, "
-        f"{elections} master epochs, {crashes} crashes"
-    )
+    run_seeds("coordinated sim", coord_seeds[chunk::CHUNKS], run_seed, replay_command)
 
 
 def test_planted_early_acknowledgement_is_caught() -> None:

@@ -10,11 +10,10 @@ bug (acknowledging before any replica holds the write) must be caught.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from squall.v1 import common_pb2
+from tests.sim.seed_runs import run_seeds
 from tests.sim.shell_sim import ShellSimFailure, replay_command, run_seed
 
 pytestmark = pytest.mark.sim
@@ -31,28 +30,7 @@ def test_shipped_replicas_keep_acknowledged_events_and_recover(
 ) -> None:
     """Every seed: no acknowledged event lost, identical logs, one master per epoch, and
     a publish acknowledged within the liveness bound after healing."""
-    seeds = shell_seeds[chunk::CHUNKS]
-    if not seeds:
-        pytest.skip("no seed of this part (one seed replayed)")
-    started = time.process_time()
-    acked = elections = crashes = disk_failures = 0
-    for seed in seeds:
-        try:
-            stats = run_seed(seed)
-        except ShellSimFailure as exc:
-            pytest.fail(str(exc), pytrace=False)
-        except Exception as exc:  # the shipped code or the harness raising fails the seed
-            raise AssertionError(f"seed {seed} raised {exc!r}\n{replay_command(seed)}") from exc
-        acked += stats.acked
-        elections += stats.elections
-        crashes += stats.crashes
-        disk_failures += stats.disk_failures
-    cpu = time.process_time() - started
-    print(
-        f"\nshell sim: {len(seeds)} seeds in {cpu:.1f} s CPU ({cpu / len(seeds):.2f} s a seed): "
-        f"{acked} publishes acknowledged, {elections} elections, {crashes} crashes, "
-        f"{disk_failures} disk failures"
-    )
+    run_seeds("shell sim", shell_seeds[chunk::CHUNKS], run_seed, replay_command)
 
 
 def test_planted_early_acknowledgement_is_caught() -> None:
