@@ -267,8 +267,11 @@ class ReplicaDriver:
         on_committed: Callable[[], None],
         on_role_changed: Callable[[], None] = lambda: None,
         on_fault: Callable[[str], None] | None = None,
+        local_commits: bool = False,
     ) -> None:
         """``follower_config``: the slave side's sync policy and in-flight limits;
+        ``local_commits``: a commit here needs no other replica (``acks = "none"``), so
+        a sync source may lack entries this node knew committed;
         ``on_committed``: committed reads may serve more (wake subscribers);
         ``on_role_changed``: the core's role changed (count it, wake who waits for one);
         ``on_fault``: a fault the node must record and report (its coordinator
@@ -283,6 +286,7 @@ class ReplicaDriver:
         self._on_committed = on_committed
         self._on_role_changed = on_role_changed
         self._on_fault = on_fault or self._log_fault
+        self.local_commits = local_commits
 
     # --- small steps shared by both sides
 
@@ -930,8 +934,12 @@ class ReplicaDriver:
         )
 
     def check_fetched_truncation(self, keep_lsn: int, epoch: int, source_id: str) -> None:
-        """A sync source may not have this node truncate entries it knows committed."""
-        if keep_lsn < self.gate.commit_lsn:
+        """A sync source may not have this node truncate entries it knows committed,
+        unless commits here were this node's alone (``acks = "none"``): then the sync
+        source, the group's most up-to-date log, rightly lacks them, and refusing would
+        have this node refuse the master role its coordinator gives it again and again.
+        The truncation records them as lost (``truncation.py``)."""
+        if keep_lsn < self.gate.commit_lsn and not self.local_commits:
             raise self.fetch_refused(
                 epoch,
                 source_id,

@@ -3,7 +3,8 @@ the LSN range, the epochs it spans and the events per topic (for its loss report
 
 A replica truncates below the commit LSN it knew only when a new master's log lacks
 entries this node knew committed — a group that formed without a majority holding every
-acknowledged write (a quorum override or a designated primary). docs/operations.md,
+acknowledged write (a quorum override or a designated primary), or under ``acks = "none"``,
+where a commit needs no other replica. docs/operations.md,
 "Loss reports".
 """
 
@@ -64,19 +65,30 @@ def scan_discarded(store: Store, after_lsn: int, up_to_lsn: int) -> Discarded:
 
 
 def truncation_loss(
-    node_id: str, epoch: int, why: str, discarded: Discarded, *, at_ms: int
+    node_id: str,
+    epoch: int,
+    why: str,
+    discarded: Discarded,
+    *,
+    at_ms: int,
+    local_commits: bool = False,
 ) -> LossRecord:
-    """The loss report of a truncation below the commit LSN this node knew."""
+    """The loss report of a truncation below the commit LSN this node knew
+    (``local_commits``: under ``acks = "none"``, where no operator action is needed)."""
     counted = "" if discarded.complete else f" (counted over the first {SCAN_ENTRIES_MAX})"
+    allowed_by = (
+        'acks = "none" (a commit needed no other replica, and the group\'s sync source '
+        "never had these entries)"
+        if local_commits
+        else "a quorum override or a designated primary (a group formed without a majority "
+        "holding every acknowledged event; see the new master's audit trail)"
+    )
     return LossRecord(
         loss_id=new_loss_id(),
         node_id=node_id,
         at_ms=at_ms,
         cause="truncation",
-        operator_action=(
-            "a quorum override or a designated primary (a group formed without a majority "
-            "holding every acknowledged event; see the new master's audit trail)"
-        ),
+        operator_action=allowed_by,
         detail=(
             f"replica {node_id} truncated entries it knew committed, LSN "
             f"{discarded.first_lsn}..{discarded.last_lsn}, to follow {why} in epoch {epoch}"

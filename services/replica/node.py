@@ -202,6 +202,7 @@ class ReplicaNode(CoreView):
             on_committed=self._notify_committed,
             on_role_changed=self._role_changes.changed_now,
             on_fault=self.report_fault,
+            local_commits=config.durability.acks == common_pb2.ACK_POLICY_NONE,
         )
         # Truncation of a divergent suffix and the loss reports it leaves (truncation.py).
         self.truncation = Truncation(

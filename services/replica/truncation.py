@@ -114,14 +114,20 @@ class Truncation(CoreView):
         known_commit = self.gate.commit_lsn
         if keep_lsn < known_commit:
             # Entries this node knew committed (acknowledged to publishers) go: only a group
-            # formed without a majority holding them can ask that. Reported before the
+            # formed without a majority holding them (or acks = "none", where a commit
+            # needs no other replica) can ask that. Reported before the
             # truncation, so a crash in between cannot lose the report.
             discarded = await loop.run_in_executor(
                 self._io, lambda: scan_discarded(self.store, keep_lsn, known_commit)
             )
             self.record_loss(
                 truncation_loss(
-                    self.node_id, self.epoch, why, discarded, at_ms=self.clock.wall_ms()
+                    self.node_id,
+                    self.epoch,
+                    why,
+                    discarded,
+                    at_ms=self.clock.wall_ms(),
+                    local_commits=self.driver.local_commits,
                 )
             )
         try:

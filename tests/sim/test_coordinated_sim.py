@@ -53,15 +53,11 @@ def test_planted_early_acknowledgement_is_caught() -> None:
     pytest.fail(f"no seed of {MUTANT_SEEDS_MAX} caught an acknowledgement without replicas")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug: with acks = none, a highest-priority node whose replica knows "
-    "entries committed that the sync source lacks refuses the master role "
-    "(TRUNCATE_BELOW_COMMIT), its coordinator recovers and elects itself again, forever",
-)
 def test_acks_none_cluster_recovers_after_a_partition() -> None:
     """acks = "none" may lose acknowledged events (documented), but after the faults heal
-    the cluster must still elect a master that serves; seed 0 livelocks today."""
+    the cluster must still elect a master that serves. Regression: seed 0 livelocked — the
+    highest-ranked node knew entries committed that its sync source lacked, refused the
+    master role (TRUNCATE_BELOW_COMMIT), and its coordinator elected it again, for ever."""
     try:
         run_seed(0, acks=common_pb2.ACK_POLICY_NONE)
     except ShellSimFailure as exc:

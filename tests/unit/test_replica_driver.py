@@ -373,6 +373,11 @@ def test_a_fetch_steps_through_the_sources_answer_and_refuses_a_gap() -> None:
     with pytest.raises(ServiceError) as below:  # LSN 3 is known committed here
         driver.fetch_step(again, answer(truncate_after_lsn=2), 2, "n2")
     assert "would remove committed entries" in below.value.message
+    # Under acks = "none" a commit was this node's alone: its sync source rightly lacks
+    # it, and refusing would refuse every master role its coordinator gives it again.
+    driver.local_commits = True
+    assert driver.fetch_step(again, answer(truncate_after_lsn=2), 2, "n2") == TruncateFetched(2)
+    driver.local_commits = False
     snapshot = driver.fetch_step(
         again,
         replica_pb2.FetchLogResponse(snapshot=replica_pb2.SnapshotChunk(snapshot_lsn=9)),
