@@ -22,7 +22,7 @@ DEFAULT_SEEDS = 1000
 # Shell simulator seeds in make test: 0.3-0.4 s of CPU each, 30-40 s in all.
 SHELL_SEEDS_DEFAULT = 100
 # Whole-node (coordinator + replica) simulator seeds in make test: about 0.3 s of CPU each.
-COORD_SEEDS_DEFAULT = 50
+COORD_SEEDS_DEFAULT = 200
 # Replication seeds per election seed when --repl-seeds is not given.
 REPL_SEEDS_PER_SIM_SEED = 1.0
 
