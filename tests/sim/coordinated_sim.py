@@ -46,7 +46,6 @@ import contextvars
 import dataclasses
 import logging
 import random
-import tempfile
 from pathlib import Path
 from typing import NoReturn
 
@@ -487,12 +486,4 @@ def run_seed(
     seed: int, *, acks: common_pb2.AckPolicy.ValueType = common_pb2.ACK_POLICY_MAJORITY
 ) -> Stats:
     """Runs one seed in a temporary directory (the replicas' fault and loss files)."""
-    with tempfile.TemporaryDirectory(prefix=f"coord-sim-{seed}-") as root:
-        sim = CoordinatedSim(seed, Path(root), acks=acks)
-        try:
-            return sim.run()
-        except ShellSimFailure as exc:
-            raise ShellSimFailure(str(exc)) from None
-        finally:
-            del sim
-            shell_sim.collect_dropped()
+    return shell_sim.run_sim(CoordinatedSim, "coord-sim", seed, acks)

@@ -690,8 +690,15 @@ def run_seed(
     seed: int, *, acks: common_pb2.AckPolicy.ValueType = common_pb2.ACK_POLICY_MAJORITY
 ) -> Stats:
     """Runs one seed in a temporary directory (the replicas' fault and loss files)."""
-    with tempfile.TemporaryDirectory(prefix=f"shell-sim-{seed}-") as root:
-        sim = ShellSim(seed, Path(root), acks=acks)
+    return run_sim(ShellSim, "shell-sim", seed, acks)
+
+
+def run_sim(
+    kind: type[ShellSim], prefix: str, seed: int, acks: common_pb2.AckPolicy.ValueType
+) -> Stats:
+    """One seed of a ShellSim (or a subclass) in a temporary directory, then collected."""
+    with tempfile.TemporaryDirectory(prefix=f"{prefix}-{seed}-") as root:
+        sim = kind(seed, Path(root), acks=acks)
         try:
             return sim.run()
         except ShellSimFailure as exc:
