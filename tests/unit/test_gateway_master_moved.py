@@ -137,3 +137,49 @@ def test_a_forwarded_publish_stream_ends_when_the_views_name_a_new_master(
             await masters.close()
 
     asyncio.run(scenario())
+
+
+def _view_with(
+    node: str, epoch: int, master: str, members: tuple[str, ...]
+) -> coordinator_pb2.GroupView:
+    view = _view(node, epoch, master)
+    for member in members:
+        view.members.add(node_id=member)
+    return view
+
+
+def test_a_read_spread_to_a_slave_is_released_when_the_slave_leaves_the_group(
+    tmp_path: Path,
+) -> None:
+    """`left_group` is what ends a read the gateway spread to a slave whose replica hangs:
+    it must wait while the slave is still a member (also across a renewal of the same
+    master) and answer with the master once the views leave the slave out."""
+
+    async def scenario() -> None:
+        config = _config(tmp_path, f"127.0.0.1:{_free_port()}")
+        masters = MasterTracker(config, "g1")
+        try:
+            masters._observe("n1", _view_with("n1", 3, "n1", ("n1", "n2", "n3")))
+            waiting = asyncio.ensure_future(masters.left_group("n3"))
+            await asyncio.sleep(0.2)
+            assert not waiting.done()
+
+            # n2's view of the same group, n3 still in it: the read goes on.
+            masters._observe("n2", _view_with("n2", 3, "n1", ("n1", "n2", "n3")))
+            await asyncio.sleep(0.2)
+            assert not waiting.done()
+
+            # n3's replica hung; its coordinator dropped it from the group.
+            masters._observe("n1", _view_with("n1", 3, "n1", ("n1", "n2")))
+            master = await asyncio.wait_for(waiting, _WAIT_S)
+            assert (master.node_id, master.epoch) == ("n1", 3)
+
+            # A member that stays in the group is never released.
+            staying = asyncio.ensure_future(masters.left_group("n2"))
+            await asyncio.sleep(0.2)
+            assert not staying.done()
+            staying.cancel()
+        finally:
+            await masters.close()
+
+    asyncio.run(scenario())
