@@ -28,6 +28,7 @@ from squall_server.gateway.forward import Forwarder
 from squall_server.gateway.master import MasterTracker
 from squall_server.gateway.server import ClusterAdmin
 from squall_server.replica import push_server, replication_server, server
+from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.node import ReplicaNode
 from squall_server.replica.store import Store
 
@@ -126,7 +127,7 @@ class InProcess:
         """Starts every replica and the gateway (no roles yet)."""
         config = self.config
         for node_config in config.nodes:
-            node = ReplicaNode(config, node_config, Store.open_memory())
+            node = build_replica_node(config, node_config, Store.open_memory())
             grpc_server = ServiceServer(
                 node_config.replica_address, [], config.limits.max_message_bytes
             )

@@ -17,9 +17,9 @@ from squall_server.common.running_nodes import RunningNodes
 from squall_server.common.service_main import node_service_main
 from squall_server.common.tls import transport
 from squall_server.replica import push_server, replication_server, server
+from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.datadir import DataDirBusy, DataDirLock
 from squall_server.replica.loop_watch import watch_loop
-from squall_server.replica.node import ReplicaNode
 from squall_server.replica.rebuild import LmdbTruncator
 from squall_server.replica.store import Store, StoreError
 from squall_server.replica.telemetry import ROLE_NAMES
@@ -73,7 +73,9 @@ async def _serve_locked(
     truncator.discard()  # a truncation interrupted by a crash is redone when needed
     # The node ids both guards accept, following the running node set (node.py).
     running = RunningNodes((n.id for n in config.nodes), (g.id for g in config.gateways))
-    node = ReplicaNode(config, node_config, store, truncator=truncator, running_nodes=running)
+    node = build_replica_node(
+        config, node_config, store, truncator=truncator, running_nodes=running
+    )
     node.on_shutdown = stop.set  # a finished cluster shutdown stops the process
     set_log_context(
         lambda: {

@@ -4,15 +4,20 @@ A replica applies entries before they are committed and records, with each batch
 commit LSN it knew (store/, visibility.py). ``gate_from_store`` rebuilds the
 ``CommitGate`` a replica starts with from the store alone: at the recorded commit LSN,
 hiding every publish above it (from the installed snapshot's list and from the log).
-The replica calls it at start-up; the chaos harness calls it on a stopped node's store
-to read exactly the events that node would serve (``committed_events``).
+The replica calls it at start-up (``reopen_gate``, which also logs what it hides); the
+chaos harness calls it on a stopped node's store to read exactly the events that node
+would serve (``committed_events``).
 """
 
 from __future__ import annotations
 
+import logging
+
 from squall.v1 import common_pb2, replica_pb2
 from squall_server.replica.store import Store
 from squall_server.replica.visibility import CommitGate
+
+log = logging.getLogger("squall.replica")
 
 # Log entries read per step when rebuilding the gate (bounded memory on a long log).
 RESTORE_STEP_ENTRIES = 1024
@@ -44,6 +49,24 @@ def gate_from_store(store: Store) -> CommitGate:
         for entry in entries:
             track(gate, entry)
         next_lsn = entries[-1].lsn + 1
+    return gate
+
+
+def reopen_gate(store: Store, node_id: str, why: str) -> CommitGate:
+    """``gate_from_store`` for a replica opening its store (on the store thread): at
+    start-up and after an interrupted reorganization; logs what it hides."""
+    gate = gate_from_store(store)
+    meta = store.meta()
+    if gate.commit_lsn < meta.last_lsn:
+        log.info(
+            "replica %s (%s): LSNs %d..%d are not known committed: %d publishes hidden "
+            "from reads until a master commits them",
+            node_id,
+            why,
+            gate.commit_lsn + 1,
+            meta.last_lsn,
+            gate.tracked,
+        )
     return gate
 
 

@@ -1,10 +1,13 @@
-"""The narrow interfaces the replica's servicers use of the node, one per kind of caller.
+"""The narrow interfaces the replica's servicers and its master's work use of the node, one
+per kind of caller.
 
 A servicer is a thin adapter: it names here just what it calls, and ``ReplicaNode``
 (``node.py``) is the one implementation (``__main__`` hands it to each servicer, where
 mypy checks that it fits). A test or a simulator may hand a servicer anything else that
-does. ``ReplicaControl`` (the coordinator's role commands, cluster shutdown and
-hand-off) is the exception: it commands the whole node and takes ``ReplicaNode``.
+does. The master's work (``MasterWork``: push delivery, topic links) takes the node the
+same way (``ReplicaNode`` hands itself over, checked there). What the coordinator's
+``ReplicaControl`` servicer, cluster shutdown, hand-off and the metrics sampler use is in
+``control_endpoints.py``.
 """
 
 from __future__ import annotations
@@ -167,3 +170,57 @@ class PushEndpoint(TopicsEndpoint, Protocol):
 
     @property
     def push(self) -> PushDelivery: ...
+
+
+class MasterWorkEndpoint(Protocol):
+    """What every task of the master's work (``master_tasks``) checks: is this replica
+    still the master of the epoch it started in?"""
+
+    @property
+    def node(self) -> NodeConfig: ...
+
+    @property
+    def role(self) -> common_pb2.Role.ValueType: ...
+
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def failed_reason(self) -> str: ...
+
+
+class CommittedLog(Protocol):
+    """Reading committed events as they commit, and writing through the master's log."""
+
+    @property
+    def config(self) -> ClusterConfig: ...
+
+    @property
+    def store(self) -> Store: ...
+
+    def visible_end(self, topic: str) -> int: ...
+
+    def commit_signal(self) -> asyncio.Event: ...
+
+    async def write(self, command: Command) -> Planned: ...
+
+
+class ForwardingEndpoint(MasterWorkEndpoint, CommittedLog, Protocol):
+    """Topic link forwarding's (``links``): a link's lag is measured on the clock."""
+
+    @property
+    def clock(self) -> Clock: ...
+
+
+class DeliveryEndpoint(MasterWorkEndpoint, CommittedLog, Protocol):
+    """Push delivery's (``push``): transient topics' live events, and the delivery spans
+    that link to the traced publishes."""
+
+    @property
+    def transient(self) -> TransientTopics: ...
+
+    @property
+    def telemetry(self) -> Telemetry: ...
+
+    @property
+    def published_traces(self) -> PublishedTraces: ...

@@ -17,8 +17,13 @@ import json
 import logging
 import os
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from squall_server.common.clock import Clock
 
 log = logging.getLogger("squall.replica")
 
@@ -83,3 +88,41 @@ def save_fault(data_dir: Path, fault: Fault) -> None:
         os.replace(temporary, path)
     except OSError as exc:
         log.error("could not record the fault in %s (it is reported all the same): %s", path, exc)
+
+
+class FaultReports:
+    """One node's fault record: the fault in force (``fault``, loaded from beside the
+    store at start-up) and the reporting of a new one."""
+
+    def __init__(
+        self,
+        node_id: str,
+        data_dir: Path,
+        clock: Clock,
+        position: Callable[[], tuple[int, int]],
+    ) -> None:
+        """``position``: the node's (epoch, last LSN), for the log line."""
+        self._node_id = node_id
+        self._data_dir = data_dir
+        self._clock = clock
+        self._position = position
+        self.fault: Fault | None = load_fault(data_dir)
+
+    def report(self, reason: str) -> None:
+        """Records a fault that makes this node unfit to serve; the coordinator reads it in
+        the replica's state and quarantines the node. The same fault hit again (the same
+        bad record read by every subscriber) is one fault: an operator who cleared it is
+        not overruled; a different one is new and quarantines the node again."""
+        if self.fault is not None and self.fault.reason == reason[:REASON_CHARS_MAX]:
+            return
+        self.fault = new_fault(reason, self._clock.wall_ms())
+        epoch, last_lsn = self._position()
+        log.error(
+            "replica %s FAULT: %s (epoch=%d lsn=%d); reporting it to the coordinator, which "
+            "quarantines this node",
+            self._node_id,
+            reason,
+            epoch,
+            last_lsn,
+        )
+        save_fault(self._data_dir, self.fault)

@@ -17,7 +17,7 @@ from squall_server.common.errors import Code, ServiceError
 from squall_server.replica.replication import Ack, SyncPolicy
 
 if TYPE_CHECKING:
-    from squall_server.replica.node import ReplicaNode
+    from squall_server.replica.control_endpoints import HandoffEndpoint
 
 # How often the wait rechecks the target's acks (it also wakes on every commit).
 _POLL_S = 0.005
@@ -25,7 +25,7 @@ _POLL_S = 0.005
 FENCE_MS_MAX = 60_000
 
 
-def _held_lsn(node: ReplicaNode, target: str) -> int | None:
+def _held_lsn(node: HandoffEndpoint, target: str) -> int | None:
     """What ``target`` holds at the replica sync policy, or None if it is not our slave."""
     policy = SyncPolicy(int(node.config.durability.replica_sync))
     for slave in node.slave_status():
@@ -36,7 +36,7 @@ def _held_lsn(node: ReplicaNode, target: str) -> int | None:
 
 
 async def prepare(
-    node: ReplicaNode, request: replica_pb2.PrepareHandoffRequest
+    node: HandoffEndpoint, request: replica_pb2.PrepareHandoffRequest
 ) -> replica_pb2.PrepareHandoffResponse:
     """Fences writes and waits for the target (see the module docstring)."""
     clock = node.clock
@@ -69,7 +69,7 @@ async def prepare(
     # Bounded by the deadline: each pass waits at most _POLL_S (or until a commit).
     while True:
         if node.role != common_pb2.ROLE_MASTER or node.epoch != request.epoch:
-            node.fence.clear()
+            node.core.fence.clear()
             raise ServiceError(
                 Code.FAILED_PRECONDITION, f"{who} lost the master role of epoch {request.epoch}"
             )
@@ -77,7 +77,7 @@ async def prepare(
         if node.writes_idle() and held >= node.last_lsn and node.commit_lsn >= node.last_lsn:
             return _response(node, target, started)
         if clock.monotonic_ms() >= deadline:
-            node.fence.clear()
+            node.core.fence.clear()
             raise ServiceError(
                 Code.FAILED_PRECONDITION,
                 f"{who}: {target} holds LSN {held} of {node.last_lsn} (commit LSN "
@@ -91,7 +91,7 @@ async def prepare(
 
 
 def _response(
-    node: ReplicaNode, target: str, started_ms: int
+    node: HandoffEndpoint, target: str, started_ms: int
 ) -> replica_pb2.PrepareHandoffResponse:
     return replica_pb2.PrepareHandoffResponse(
         last_lsn=node.last_lsn,

@@ -38,7 +38,7 @@ from squall_server.replica.master_tasks import MasterTasks
 from squall_server.replica.store import StoreError, UnknownTopicError
 
 if TYPE_CHECKING:
-    from squall_server.replica.node import ReplicaNode
+    from squall_server.replica.endpoints import ForwardingEndpoint
 
 log = logging.getLogger("squall.replica.links")
 
@@ -68,11 +68,13 @@ REFUSED_FOR_GOOD = frozenset(
 _LinkKey = tuple[str, str, int]  # source, destination, LSN of the link's entry
 
 
-class LinkForwarding(MasterTasks[_LinkKey, replica_pb2.LinkTopicOp, "_Worker | _RemoteWorker"]):
+class LinkForwarding(
+    MasterTasks[_LinkKey, replica_pb2.LinkTopicOp, "_Worker | _RemoteWorker", "ForwardingEndpoint"]
+):
     """The master's link forwarding: a supervisor and one worker per link (the lifecycle,
     `start`/`stop`/`close`/`refresh`/`active`, is `MasterTasks`', shared with push)."""
 
-    def __init__(self, node: ReplicaNode) -> None:
+    def __init__(self, node: ForwardingEndpoint) -> None:
         super().__init__(node, "link forwarding", log)
 
     def rescan_s(self) -> float:
@@ -451,7 +453,7 @@ class _RemoteWorker:
 
 
 async def _next_events(
-    node: ReplicaNode,
+    node: ForwardingEndpoint,
     link: replica_pb2.LinkTopicOp,
     topic_id: int,
     position: int,

@@ -8,6 +8,10 @@ and every `rescan_s()`; it starts a worker for each new item, cancels the worker
 items gone, and replaces a worker whose task ended unless the subclass says it ended for
 good (`restart`). `active(epoch)` is what every worker checks before each step: a worker
 of a deposed master stops at its next step, even before `stop` cancels it.
+
+Each kind of work names what it uses of the node (`endpoints.MasterWorkEndpoint` and its
+kin). `MasterWork` starts and stops all of them together, for the role shells that are
+built before the node the tasks read (`assembly.py`).
 """
 
 from __future__ import annotations
@@ -16,13 +20,11 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from squall.v1 import common_pb2
+from squall_server.replica.endpoints import MasterWorkEndpoint
 from squall_server.replica.store import StoreError
-
-if TYPE_CHECKING:
-    from squall_server.replica.node import ReplicaNode
 
 
 class Worker(Protocol):
@@ -37,12 +39,13 @@ class Worker(Protocol):
 K = TypeVar("K", bound=Hashable)
 W = TypeVar("W", bound=Worker)
 I = TypeVar("I")  # noqa: E741  (the store's item: a subscriber, a link)
+E = TypeVar("E", bound=MasterWorkEndpoint)  # what the work uses of the node
 
 
-class MasterTasks(Generic[K, I, W]):
+class MasterTasks(Generic[K, I, W, E]):
     """A supervisor and its workers while this replica is the master of one epoch."""
 
-    def __init__(self, node: ReplicaNode, what: str, log: logging.Logger) -> None:
+    def __init__(self, node: E, what: str, log: logging.Logger) -> None:
         self._node = node
         self._what = what  # "push delivery", "link forwarding": for the log lines
         self._log = log
@@ -148,3 +151,33 @@ class MasterTasks(Generic[K, I, W]):
                         self._workers[key] = made
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.rescan_s())
+
+
+class MasterWork:
+    """Every kind of work that runs while this replica is master (push delivery, topic
+    links): started once the epoch's start entry commits, stopped with the role.
+
+    The role shells that start and stop it are built before the node the tasks read, so
+    the node attaches its tasks once it exists (``attach``)."""
+
+    def __init__(self) -> None:
+        self._tasks: list[MasterTasks[Any, Any, Any, Any]] = []
+
+    def attach(self, *tasks: MasterTasks[Any, Any, Any, Any]) -> None:
+        """Adds the node's tasks (once, when the node is made)."""
+        self._tasks.extend(tasks)
+
+    def start(self, epoch: int) -> None:
+        """The epoch start committed and this node is still its master."""
+        for tasks in self._tasks:
+            tasks.start(epoch)
+
+    def stop(self) -> None:
+        """The role is gone: every task stops now."""
+        for tasks in self._tasks:
+            tasks.stop()
+
+    async def close(self) -> None:
+        """Stops and waits for every task to end (the node is stopping)."""
+        for tasks in self._tasks:
+            await tasks.close()

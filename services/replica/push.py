@@ -54,7 +54,7 @@ from squall_server.replica.store import PushSubscriber, StoreError, UnknownTopic
 from squall_server.replica.telemetry import push_span
 
 if TYPE_CHECKING:
-    from squall_server.replica.node import ReplicaNode
+    from squall_server.replica.endpoints import DeliveryEndpoint
 
 log = logging.getLogger("squall.replica.push")
 
@@ -86,13 +86,13 @@ def _detail(error: grpc.aio.AioRpcError) -> str:
 
 
 def _push_channel(
-    node: ReplicaNode, endpoint: str, options: list[tuple[str, int]]
+    node: DeliveryEndpoint, endpoint: str, options: list[tuple[str, int]]
 ) -> grpc.aio.Channel:
     """A channel to an app's endpoint: TLS unless [tls] is off or tls.push is "plaintext"."""
     return transport(node.config, node.node.id).push_channel(endpoint, options=options)
 
 
-def _tls_hint(node: ReplicaNode, error: grpc.aio.AioRpcError) -> str:
+def _tls_hint(node: DeliveryEndpoint, error: grpc.aio.AioRpcError) -> str:
     """What an app must serve when a probe failed in the TLS handshake."""
     if not node.config.tls.push_tls or not handshake_failure(error.details()):
         return ""
@@ -102,11 +102,11 @@ def _tls_hint(node: ReplicaNode, error: grpc.aio.AioRpcError) -> str:
     )
 
 
-class PushDelivery(MasterTasks[_WorkerKey, PushSubscriber, "_Worker"]):
+class PushDelivery(MasterTasks[_WorkerKey, PushSubscriber, "_Worker", "DeliveryEndpoint"]):
     """The master's push delivery: a supervisor and one worker per push subscriber
     (the lifecycle, `start`/`stop`/`close`/`refresh`/`active`, is `MasterTasks`')."""
 
-    def __init__(self, node: ReplicaNode, rng: random.Random | None = None) -> None:
+    def __init__(self, node: DeliveryEndpoint, rng: random.Random | None = None) -> None:
         super().__init__(node, "push delivery", log)
         self._rng = rng or random.Random()
 

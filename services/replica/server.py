@@ -1,6 +1,6 @@
 """The replica's gRPC servicers: thin adapters from requests to the node, each through
 the narrow interface it names (``endpoints``: ``TopicsEndpoint``, ``PublishEndpoint``,
-``SubscribeEndpoint``); ``ReplicaControl`` commands the whole ``ReplicaNode``.
+``SubscribeEndpoint``; ``control_endpoints``: ``ControlEndpoint`` for ``ReplicaControl``).
 
 Every refusal is a ServiceError raised where the reason is known; `_answering` turns it
 into the status the client sees. Nothing here decides anything about the data.
@@ -34,13 +34,14 @@ from squall_server.common.errors import (
 from squall_server.common.grpc_server import Context
 from squall_server.common.loss import loss_to_proto
 from squall_server.replica import commands, handoff, link_rules, remote, seek, shutdown
+from squall_server.replica.control_endpoints import ControlEndpoint
 from squall_server.replica.endpoints import (
     FaultSink,
     PublishEndpoint,
     SubscribeEndpoint,
     TopicsEndpoint,
 )
-from squall_server.replica.node import UNREACHABLE_KEY, ReplicaNode
+from squall_server.replica.node import UNREACHABLE_KEY
 from squall_server.replica.shared_master import SharedMaster
 from squall_server.replica.store import CorruptRecordError, TopicInfo, UnknownTopicError
 from squall_server.replica.telemetry import DeliveryWatch, PublishWatch
@@ -907,7 +908,7 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
 class ReplicaControl(replica_pb2_grpc.ReplicaControlServicer):
     """Role commands from this node's coordinator."""
 
-    def __init__(self, node: ReplicaNode) -> None:
+    def __init__(self, node: ControlEndpoint) -> None:
         self.node = node
 
     def _state(self) -> replica_pb2.ReplicaState:

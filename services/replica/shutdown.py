@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from squall.v1 import common_pb2
 from squall_server.common.errors import Code, ServiceError
-from squall_server.replica.node import ReplicaNode
+from squall_server.replica.control_endpoints import ShutdownEndpoint
 
 log = logging.getLogger("squall.replica")
 
@@ -39,7 +39,7 @@ def _check_id(shutdown_id: str) -> None:
         )
 
 
-async def freeze(node: ReplicaNode, shutdown_id: str, operator: str) -> None:
+async def freeze(node: ShutdownEndpoint, shutdown_id: str, operator: str) -> None:
     """No new role, no new write; returns once the writes queued before are done."""
     _check_id(shutdown_id)
     name = node.node.id
@@ -61,7 +61,7 @@ async def freeze(node: ReplicaNode, shutdown_id: str, operator: str) -> None:
 
 
 async def finish(
-    node: ReplicaNode,
+    node: ShutdownEndpoint,
     shutdown_id: str,
     *,
     lsn: int,
@@ -123,7 +123,7 @@ async def finish(
     return Finished(clean, "; ".join(problems))
 
 
-def abort(node: ReplicaNode, shutdown_id: str) -> None:
+def abort(node: ShutdownEndpoint, shutdown_id: str) -> None:
     """Undoes a freeze: writes and roles are accepted again."""
     _check_id(shutdown_id)
     name = node.node.id

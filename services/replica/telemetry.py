@@ -42,7 +42,7 @@ from squall_server.common.clock import SYSTEM_CLOCK, PreciseClock
 from squall_server.common.telemetry import Telemetry, on_loop
 
 if TYPE_CHECKING:
-    from squall_server.replica.node import ReplicaNode
+    from squall_server.replica.control_endpoints import SampledReplica
 
 # Commit latency buckets, in milliseconds: sub-millisecond (no replication, NO_SYNC) to
 # seconds (a slave catching up under `all`).
@@ -81,7 +81,7 @@ class ReplicaSample:
     link_lags: tuple[tuple[str, str, int, int], ...] = ()
 
 
-def sample(node: ReplicaNode) -> ReplicaSample:
+def sample(node: SampledReplica) -> ReplicaSample:
     """Reads the node's state (on its loop)."""
     return ReplicaSample(
         node_id=node.node.id,
@@ -101,7 +101,7 @@ class _Source:
     """A registered node and its last reading."""
 
     def __init__(
-        self, node: ReplicaNode, loop: asyncio.AbstractEventLoop, clock: PreciseClock
+        self, node: SampledReplica, loop: asyncio.AbstractEventLoop, clock: PreciseClock
     ) -> None:
         self.node = weakref.ref(node)
         self.loop = loop
@@ -186,11 +186,11 @@ class ReplicaInstruments:
                 name, callbacks=[callback], unit=unit, description=description
             )
 
-    def watch(self, node: ReplicaNode) -> None:
+    def watch(self, node: SampledReplica) -> None:
         """Reports node's state in the gauges (call on its loop)."""
         self._sources[id(node)] = _Source(node, asyncio.get_running_loop(), SYSTEM_CLOCK)
 
-    def unwatch(self, node: ReplicaNode) -> None:
+    def unwatch(self, node: SampledReplica) -> None:
         """Stops reporting node."""
         self._sources.pop(id(node), None)
 

@@ -37,6 +37,7 @@ from squall_server.coordinator.server import Coordinator
 from squall_server.gateway import __main__ as gateway_main
 from squall_server.replica import __main__ as replica_main
 from squall_server.replica import replication_server, server
+from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.backup import verify_copy
 from squall_server.replica.node import ReplicaNode
 from squall_server.replica.store import Store, make_entry
@@ -248,7 +249,7 @@ class PeerReplica(_Target):
 
     async def _start(self) -> None:
         store = _peer_store(self.data_dir, self.config)
-        node = ReplicaNode(self.config, self.node_config, store)
+        node = build_replica_node(self.config, self.node_config, store)
         self.node = node
         await node.start()
         await node.apply_role(

@@ -31,6 +31,7 @@ from squall.v1 import common_pb2, replica_pb2
 from squall_server.common.config import parse_config
 from squall_server.common.errors import Code, ServiceError
 from squall_server.replica import server
+from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.faults import load_fault
 from squall_server.replica.node import ReplicaNode
 from squall_server.replica.store import (
@@ -195,7 +196,7 @@ def _node(tmp_path: Path) -> ReplicaNode:
     )
     config = parse_config(text, tmp_path / "cluster.toml")
     config.nodes[0].data_dir.mkdir(parents=True, exist_ok=True)
-    return ReplicaNode(config, config.nodes[0], _filled())
+    return build_replica_node(config, config.nodes[0], _filled())
 
 
 EVENT_RECORDS = [r for r in RECORDS if r[0] == "events"]

@@ -1,7 +1,7 @@
 """The replica transport's simulated twin: replication calls between in-process replicas.
 
-``SimReplicaNetwork`` holds the ``ReplicaNode`` of each node id; each node's
-``transport`` (``ReplicaNode(transport=network.transport_for(node_id))``) opens its calls
+``SimReplicaNetwork`` holds the ``ReplicaNode`` of each node id; each node's ``transport``
+(``build_replica_node(transport=network.transport_for(node_id))``) opens its calls
 against the peer's shipped servicer logic (``replication_server.serve_replicate`` and
 ``serve_fetch_log``) in process, with no gRPC. Faults are injected by the test:
 

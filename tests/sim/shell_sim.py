@@ -59,6 +59,7 @@ from squall.v1 import broker_pb2, common_pb2, replica_pb2
 from squall_server.common.config import ClusterConfig, load_config
 from squall_server.common.errors import ServiceError
 from squall_server.replica import commands, replication_server
+from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.faults import FAULT_FILE_NAME
 from squall_server.replica.node import ReplicaNode
 from squall_server.replica.rebuild import LmdbTruncator
@@ -311,7 +312,7 @@ class ShellSim:
             lambda: rng.random() * (SLOW_DISK_S if disk.slow else 0.002),
         )
         store = Store(member.kv)
-        replica = ReplicaNode(
+        replica = build_replica_node(
             self.config,
             self.config.node(member.node_id),
             store,

@@ -17,6 +17,7 @@ from pathlib import Path
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
 from squall_server.common.config import load_config
 from squall_server.replica import commands
+from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.node import ReplicaNode
 from squall_server.replica.store import Store
 from tests.sim.replica_transport import SimReplicaNetwork
@@ -77,7 +78,7 @@ def test_replicas_replicate_reorganize_and_depose_over_the_simulated_transport()
         config = load_config(CONFIG)
         network = SimReplicaNetwork()
         nodes = {
-            node_id: ReplicaNode(
+            node_id: build_replica_node(
                 config,
                 config.node(node_id),
                 Store.open_memory(),

@@ -30,7 +30,7 @@ from squall import classify_code
 from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2, replica_pb2
 from squall_server.common.config import ClusterConfig, parse_config
 from squall_server.replica import commands, server
-from squall_server.replica.node import ReplicaNode
+from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.store import Store
 
 # Far beyond how long the test waits for the streams: a stream that only ended at its
@@ -119,7 +119,7 @@ def test_a_deposed_master_ends_every_stream_at_once_as_indeterminate(tmp_path: P
     async def scenario() -> list[_StreamClient]:
         loop = asyncio.get_running_loop()
         loop.set_exception_handler(lambda _loop, context: unobserved.append(context))
-        node = ReplicaNode(config, config.node("n1"), Store.open_memory())
+        node = build_replica_node(config, config.node("n1"), Store.open_memory())
         await node.start()
         grpc_server = grpc.aio.server()
         broker_pb2_grpc.add_PublisherServicer_to_server(server.Publisher(node), grpc_server)
@@ -135,7 +135,7 @@ def test_a_deposed_master_ends_every_stream_at_once_as_indeterminate(tmp_path: P
             for client in clients:
                 client.thread.start()
             for _ in range(600):  # bounded: until every request is waiting for its commit
-                driver = node._driver
+                driver = node.state.master
                 if driver is not None and driver.core.pending_writes >= (
                     _STREAMS * _REQUESTS_PER_STREAM
                 ):

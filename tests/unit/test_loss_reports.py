@@ -32,6 +32,7 @@ from squall_server.coordinator.election import Election, ElectionConfig
 from squall_server.coordinator.messages import PersistedState
 from squall_server.coordinator.persist import load_state, save_state
 from squall_server.replica import backup as store_backup
+from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.node import ReplicaNode
 from squall_server.replica.rebuild import LmdbTruncator
 from squall_server.replica.server import ReplicaControl
@@ -79,7 +80,7 @@ def _truncating_slave(
     async def scenario() -> tuple[ReplicaNode, replica_pb2.ReplicaState]:
         store = Store.open_lmdb(tmp_path, MAP_BYTES)
         truncator = LmdbTruncator(tmp_path, map_size_bytes=MAP_BYTES, dedupe_window=1000)
-        node = ReplicaNode(config, node_config, store, truncator=truncator)
+        node = build_replica_node(config, node_config, store, truncator=truncator)
         await node.start()
         try:
             await node.apply_role(_slave_of("n1", epoch=3, seq=1))

@@ -25,7 +25,7 @@ from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2, replica_pb2
 from squall_server.common.config import ClusterConfig, RemoteConfig, parse_config
 from squall_server.common.errors import Code
 from squall_server.replica import commands, links
-from squall_server.replica.node import ReplicaNode
+from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.remote import remote_error
 from squall_server.replica.store import Store
 from tests.unit.test_config import VALID, error_of, parse
@@ -165,7 +165,7 @@ def _run_link_against(
         grpc_server.add_insecure_port(address)
         await grpc_server.start()
         config = _one_node_with_remote(tmp_path, address)
-        node = ReplicaNode(config, config.node("n1"), Store.open_memory())
+        node = build_replica_node(config, config.node("n1"), Store.open_memory())
         await node.start()
         try:
             await node.apply_role(

@@ -26,6 +26,7 @@ from squall_server.common.config import ClusterConfig, parse_config
 from squall_server.common.errors import Code, ServiceError
 from squall_server.common.grpc_server import ServiceServer
 from squall_server.replica import replication_server
+from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.node import ReplicaNode
 from squall_server.replica.store import Store, make_entry
 
@@ -143,10 +144,10 @@ def _run(test: Callable[[ClusterConfig], Awaitable[None]], tmp_path: Path) -> No
 
 def test_a_long_sync_is_answered_at_once_joined_by_repeats_and_completes(tmp_path: Path) -> None:
     async def test(config: ClusterConfig) -> None:
-        source = ReplicaNode(config, config.node("n2"), _source_store())
+        source = build_replica_node(config, config.node("n2"), _source_store())
         await source.start()
         server = await _serve(config, source)
-        node = ReplicaNode(config, config.node("n1"), Store.open_memory())
+        node = build_replica_node(config, config.node("n1"), Store.open_memory())
         await node.start()
         try:
             take = _command(common_pb2.ROLE_MASTER, 2, 1, master="n1", source="n2")
@@ -190,10 +191,10 @@ def test_another_command_cancels_the_sync_and_a_failed_sync_is_reported_once(
     tmp_path: Path,
 ) -> None:
     async def test(config: ClusterConfig) -> None:
-        source = ReplicaNode(config, config.node("n2"), _source_store())
+        source = build_replica_node(config, config.node("n2"), _source_store())
         await source.start()
         server = await _serve(config, source)
-        node = ReplicaNode(config, config.node("n1"), Store.open_memory())
+        node = build_replica_node(config, config.node("n1"), Store.open_memory())
         await node.start()
         try:
             await node.apply_role(_command(common_pb2.ROLE_MASTER, 2, 1, master="n1", source="n2"))
@@ -251,7 +252,7 @@ def test_a_started_replica_hides_what_it_never_knew_committed(tmp_path: Path) ->
     async def test(config: ClusterConfig) -> None:
         store = _source_store()  # LSNs 1..42, commit recorded at 42
         store.append([_publish(43, 200, 5), _publish(44, 205, 5)], sync=False, commit_lsn=42)
-        node = ReplicaNode(config, config.node("n2"), store)
+        node = build_replica_node(config, config.node("n2"), store)
         await node.start()
         try:
             assert (node.commit_lsn, node.visible_end("t")) == (42, 200)
@@ -265,7 +266,7 @@ def test_a_started_replica_hides_what_it_never_knew_committed(tmp_path: Path) ->
         for chunk in chunks:
             target.install_chunk(chunk)
         target.finish_snapshot(chunks[-1].history, commit_lsn=42, uncommitted=[("t", 200, 44)])
-        node = ReplicaNode(config, config.node("n3"), target)
+        node = build_replica_node(config, config.node("n3"), target)
         await node.start()
         try:
             assert (node.commit_lsn, node.visible_end("t")) == (42, 200)
@@ -288,7 +289,9 @@ def test_a_new_master_sharing_no_entry_with_its_source_is_rebuilt_by_snapshot(
     caplog.set_level(logging.INFO, logger="squall.replica")
 
     async def test(config: ClusterConfig) -> None:
-        source = ReplicaNode(config, config.node("n2"), _source_store(epoch=2, commit_lsn=40))
+        source = build_replica_node(
+            config, config.node("n2"), _source_store(epoch=2, commit_lsn=40)
+        )
         await source.start()
         server = await _serve(config, source)
         own = Store.open_memory()
@@ -300,7 +303,7 @@ def test_a_new_master_sharing_no_entry_with_its_source_is_rebuilt_by_snapshot(
             commit_lsn=0,
         )
         own.set_cluster_id("cluster-1")
-        node = ReplicaNode(config, config.node("n1"), own)
+        node = build_replica_node(config, config.node("n1"), own)
         await node.start()
         try:
             take = _command(common_pb2.ROLE_MASTER, 3, 1, master="n1", source="n2", others=("n3",))
@@ -380,7 +383,7 @@ def test_a_malformed_fetched_log_is_refused_and_nothing_of_it_stored(
         store.append([_topic(1, 1), _topic(2, 1)], sync=False, commit_lsn=2)
         store.set_cluster_id("cluster-1")
         store.set_epoch(1)
-        node = ReplicaNode(config, config.node("n1"), store)
+        node = build_replica_node(config, config.node("n1"), store)
         await node.start()
         try:
             take = _command(common_pb2.ROLE_MASTER, 3, 1, master="n1", source="n2")

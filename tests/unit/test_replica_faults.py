@@ -20,8 +20,8 @@ from squall_server.common.clock import ManualClock
 from squall_server.common.config import ClusterConfig, parse_config
 from squall_server.common.errors import Code, ServiceError
 from squall_server.replica import commands, handoff
+from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.faults import FAULT_FILE_NAME, load_fault
-from squall_server.replica.node import ReplicaNode
 from squall_server.replica.store import Store, StoreError
 
 
@@ -71,7 +71,7 @@ def test_a_failed_store_write_fail_stops_records_a_fault_and_refuses_roles(
 
     async def run() -> None:
         store = Store.open_memory()
-        node = ReplicaNode(config, config.nodes[0], store, ManualClock())
+        node = build_replica_node(config, config.nodes[0], store, ManualClock())
         await node.start()
         try:
             await node.apply_role(_master_command(1))
@@ -112,7 +112,7 @@ def test_the_write_fence_refuses_writes_until_cancelled_or_expired(tmp_path: Pat
 
     async def run() -> None:
         clock = ManualClock()
-        node = ReplicaNode(config, config.nodes[0], Store.open_memory(), clock)
+        node = build_replica_node(config, config.nodes[0], Store.open_memory(), clock)
         await node.start()
         try:
             await node.apply_role(_master_command(1))
@@ -132,7 +132,7 @@ def test_the_write_fence_refuses_writes_until_cancelled_or_expired(tmp_path: Pat
                 )
             assert "not the master of epoch 7" in wrong_epoch.value.message
             # The fence itself (set as prepare sets it once the target is known).
-            node.fence.until_ms, node.fence.target, node.fence.epoch = (
+            node.core.fence.until_ms, node.core.fence.target, node.core.fence.epoch = (
                 clock.monotonic_ms() + 1000,
                 "n2",
                 1,
@@ -145,12 +145,12 @@ def test_the_write_fence_refuses_writes_until_cancelled_or_expired(tmp_path: Pat
                 node, replica_pb2.PrepareHandoffRequest(epoch=1, target_node_id="n2", cancel=True)
             )
             node.check_writable()
-            node.fence.until_ms, node.fence.epoch = clock.monotonic_ms() + 1000, 1
+            node.core.fence.until_ms, node.core.fence.epoch = clock.monotonic_ms() + 1000, 1
             clock.advance(1001)
             node.check_writable()  # expired: writes resume by themselves
-            node.fence.until_ms, node.fence.epoch = clock.monotonic_ms() + 1000, 1
-            await node.deactivate("test")
-            assert node.fence.until_ms == 0
+            node.core.fence.until_ms, node.core.fence.epoch = clock.monotonic_ms() + 1000, 1
+            await node.roles.deactivate("test")
+            assert node.core.fence.until_ms == 0
         finally:
             await node.stop()
 

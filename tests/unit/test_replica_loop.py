@@ -24,8 +24,8 @@ import pytest
 from squall.v1 import common_pb2, replica_pb2
 from squall_server.common.clock import SystemClock
 from squall_server.common.config import ClusterConfig, parse_config
+from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.loop_watch import watch_loop
-from squall_server.replica.node import ReplicaNode
 from squall_server.replica.rebuild import LmdbTruncator
 from squall_server.replica.store import Store, make_entry
 
@@ -106,7 +106,7 @@ def test_a_replica_taking_roles_on_a_slow_disk_keeps_its_event_loop_running() ->
         assert isinstance(store, _SlowDiskStore)
         store.disk = disk
         config = _config()
-        node = ReplicaNode(config, config.node("n2"), store)
+        node = build_replica_node(config, config.node("n2"), store)
         await node.start()
         loop_side = asyncio.create_task(disk.run())
         try:
@@ -159,7 +159,7 @@ def test_a_replica_truncating_its_log_on_a_slow_disk_keeps_its_event_loop_runnin
         truncator = _SlowDiskTruncator(tmp_path, map_size_bytes=MAP_BYTES, dedupe_window=100)
         truncator.disk = disk
         config = _config()
-        node = ReplicaNode(config, config.node("n2"), store, truncator=truncator)
+        node = build_replica_node(config, config.node("n2"), store, truncator=truncator)
         await node.start()
         loop_side = asyncio.create_task(disk.run())
         try:

@@ -24,6 +24,7 @@ from squall.v1 import broker_pb2, common_pb2, replica_pb2
 from squall_server.common.clock import ManualClock
 from squall_server.common.config import load_config
 from squall_server.common.errors import Code, ServiceError
+from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.node import ReplicaNode
 from squall_server.replica.replication_server import Replication
 from squall_server.replica.server import ReplicaControl
@@ -62,7 +63,7 @@ def test_a_slave_whose_store_fails_stops_serving_and_never_acks_the_batch() -> N
         config = load_config(CONFIG)
         store = _FailingStore.open_memory()
         assert isinstance(store, _FailingStore)
-        node = ReplicaNode(config, config.node("n2"), store)
+        node = build_replica_node(config, config.node("n2"), store)
         await node.start()
         try:
             await node.apply_role(
@@ -125,7 +126,7 @@ def test_a_role_whose_epoch_cannot_be_persisted_is_refused_and_the_replica_stops
         config = load_config(CONFIG)
         store = _EpochFailingStore.open_memory()
         assert isinstance(store, _EpochFailingStore)
-        node = ReplicaNode(config, config.node("n2"), store)
+        node = build_replica_node(config, config.node("n2"), store)
         await node.start()
         try:
             await node.apply_role(_slave_of("n1", 3, 1))
@@ -168,7 +169,7 @@ def test_a_role_a_full_store_cannot_persist_is_refused_and_taken_once_it_fits() 
         config = load_config(CONFIG)
         store = _EpochFullStore.open_memory()
         assert isinstance(store, _EpochFullStore)
-        node = ReplicaNode(config, config.node("n2"), store)
+        node = build_replica_node(config, config.node("n2"), store)
         await node.start()
         try:
             await node.apply_role(_slave_of("n1", 3, 1))
@@ -203,7 +204,7 @@ def _slave_of(master: str, epoch: int, seq: int) -> replica_pb2.RoleCommand:
 def test_a_replica_holds_a_proxy_call_until_it_can_name_a_reachable_master() -> None:
     async def scenario() -> None:
         config = load_config(CONFIG)
-        node = ReplicaNode(config, config.node("n2"), Store.open_memory())
+        node = build_replica_node(config, config.node("n2"), Store.open_memory())
         await node.start()
         dead = config.node("n1").replica_address
         try:
@@ -241,7 +242,7 @@ def test_a_held_call_goes_to_the_unreachable_master_once_a_newer_epoch_names_it(
     # before; the call must not wait out its hold for a master that is back.
     async def scenario() -> None:
         config = load_config(CONFIG)
-        node = ReplicaNode(config, config.node("n2"), Store.open_memory())
+        node = build_replica_node(config, config.node("n2"), Store.open_memory())
         await node.start()
         back = config.node("n1").replica_address
         try:
@@ -262,7 +263,7 @@ def test_a_held_call_goes_to_the_unreachable_master_once_a_newer_epoch_names_it(
 def test_a_held_call_is_released_at_its_deadline() -> None:
     async def scenario() -> None:
         config = load_config(CONFIG)
-        node = ReplicaNode(config, config.node("n2"), Store.open_memory())
+        node = build_replica_node(config, config.node("n2"), Store.open_memory())
         await node.start()
         try:
             await asyncio.wait_for(node.wait_for_role(frozenset({"127.0.0.1:1"}), 0.01), 5)
@@ -277,7 +278,7 @@ def test_an_unrenewed_role_lapses_on_the_injected_clock_and_its_epoch_is_not_res
     async def scenario() -> None:
         config = load_config(CONFIG)
         clock = ManualClock()
-        node = ReplicaNode(config, config.node("n2"), Store.open_memory(), clock)
+        node = build_replica_node(config, config.node("n2"), Store.open_memory(), clock)
         await node.start()
         try:
             follow = _slave_of("n1", epoch=3, seq=1)
@@ -329,7 +330,7 @@ def test_a_stream_dropped_at_an_ack_does_not_keep_the_commit_lock() -> None:
 
     async def scenario() -> None:
         config = load_config(CONFIG)
-        node = ReplicaNode(config, config.node("n2"), Store.open_memory())
+        node = build_replica_node(config, config.node("n2"), Store.open_memory())
         await node.start()
         try:
             await node.apply_role(_slave_of("n1", epoch=3, seq=1))
@@ -392,7 +393,7 @@ def test_a_replica_reports_how_long_its_oldest_store_write_has_hung_on_its_clock
         clock = ManualClock()
         kv = _StuckDiskKV()
         store = Store(kv)
-        node = ReplicaNode(config, config.node("n2"), store, clock)
+        node = build_replica_node(config, config.node("n2"), store, clock)
         control = ReplicaControl(node)
         request = replica_pb2.GetReplicaStateRequest()
         state = await control.GetReplicaState(request, _Context())  # type: ignore[arg-type]
@@ -428,7 +429,7 @@ class _FlushFailingStore(Store):
     seen: list[tuple[int, int]] = []
 
     def sync(self) -> None:
-        driver = self.node._driver if self.node is not None else None
+        driver = self.node.state.master if self.node is not None else None
         if driver is not None:
             self.seen.append((driver.core.last_lsn, driver.core.commit_lsn))
         if self.broken:
@@ -449,7 +450,7 @@ def test_a_master_flush_failing_after_sending_deposes_it_and_fail_stops() -> Non
         store = _FlushFailingStore.open_memory()
         assert isinstance(store, _FlushFailingStore)
         store.seen = []
-        node = ReplicaNode(config, config.node("n2"), store)
+        node = build_replica_node(config, config.node("n2"), store)
         store.node = node
         await node.start()
         try:

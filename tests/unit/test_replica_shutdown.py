@@ -14,6 +14,7 @@ from squall.v1 import common_pb2, replica_pb2
 from squall_server.common.config import parse_config
 from squall_server.common.errors import Code, ServiceError
 from squall_server.replica import shutdown
+from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.committed import gate_from_store
 from squall_server.replica.node import ReplicaNode
 from squall_server.replica.store import Store
@@ -24,7 +25,7 @@ CLUSTER = "c0ffee"
 
 def _node() -> ReplicaNode:
     config = parse_config((ROOT / "deploy" / "single.toml").read_text(), ROOT / "deploy" / "x")
-    return ReplicaNode(config, config.node("n1"), Store.open_memory())
+    return build_replica_node(config, config.node("n1"), Store.open_memory())
 
 
 def _run(body: Callable[[ReplicaNode, list[str]], Awaitable[None]]) -> None:
