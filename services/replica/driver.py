@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -81,6 +81,23 @@ log = logging.getLogger("squall.replica")
 
 # What a master's replication core waits on per write (the shell's futures).
 W = TypeVar("W")
+T = TypeVar("T")
+
+StoreCall = Callable[[], object]
+"""A store operation a driver step yields: the shell runs it where it runs store writes
+(a store thread: fsync must not block its event loop) before resuming the step."""
+
+
+def run_store_steps(steps: Generator[StoreCall, None, T]) -> T:
+    """Runs a driver step's store operations at once, in order (a caller with no store
+    thread: the simulator, a test); returns what the step returns."""
+    try:
+        call = next(steps)
+        while True:
+            call()
+            call = steps.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
 
 
 @dataclass
@@ -689,6 +706,57 @@ class ReplicaDriver:
         return ack_message(follower.on_written(lsn, synced=True))
 
     # --- snapshot installs (a slave's stream and a new master's fetch share them)
+
+    def install_snapshot(
+        self,
+        chunk: replica_pb2.SnapshotChunk,
+        *,
+        last: bool,
+        history: Iterable[tuple[int, int]],
+        source: str,
+    ) -> Generator[StoreCall, None, int | None]:
+        """Installs one snapshot chunk (no batch half-applied: the shell's commit lock):
+        chunk 0 begins the install, the last (``last``) finishes it with ``history``.
+        Yields each store operation for the shell to run where it runs store writes (its
+        store thread; ``run_store_steps`` at once) before asking for the next; returns
+        the snapshot's LSN once installed, else None. A slave's stream and a new
+        master's reorganization fetch share it; store errors are the caller's to map."""
+        store = self.store
+        if chunk.index == 0:
+            log.warning(
+                "replica %s installing a snapshot at LSN %d (epoch %d) from %s: its state "
+                "and log (last LSN %d) are replaced",
+                self.node_id,
+                chunk.snapshot_lsn,
+                chunk.snapshot_epoch,
+                source,
+                self.core.log.last_lsn,
+            )
+            yield functools.partial(store.begin_snapshot, chunk.snapshot_lsn, chunk.snapshot_epoch)
+            # The store reports itself empty until the install finishes.
+            self.snapshot_begun()
+        yield functools.partial(store.install_chunk, chunk)
+        if not last:
+            return None
+        lsn = chunk.snapshot_lsn
+        commit_lsn = min(chunk.commit_lsn, lsn)
+        uncommitted = [(u.topic, u.first_offset, u.last_lsn) for u in chunk.uncommitted]
+        yield functools.partial(
+            store.finish_snapshot, list(history), commit_lsn=commit_lsn, uncommitted=uncommitted
+        )
+        hidden = self.snapshot_finished(lsn, commit_lsn, uncommitted)
+        log.info(
+            "replica %s installed the snapshot at LSN %d (epoch %d) from %s; the log "
+            "continues from LSN %d; commit LSN %d, %d topics hold uncommitted events",
+            self.node_id,
+            lsn,
+            chunk.snapshot_epoch,
+            source,
+            lsn + 1,
+            commit_lsn,
+            hidden,
+        )
+        return lsn
 
     def snapshot_begun(self) -> None:
         """Chunk 0 began an install: the store reports itself empty until it finishes."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
 from typing import Protocol
@@ -149,56 +148,22 @@ class SlaveSide(CoreView):
         history: Iterable[tuple[int, int]],
         source: str,
     ) -> int | None:
-        """Installs one snapshot chunk on the store thread (commit lock held): chunk 0
-        begins the install, the last (`last`) finishes it with `history`. Returns the
-        snapshot's LSN once installed, else None. A slave's stream and a new master's
-        reorganization fetch share it; store errors are the caller's to map."""
+        """Installs one snapshot chunk (commit lock held) as ``ReplicaDriver.install_snapshot``
+        says, its store operations on the store thread: chunk 0 begins the install, the
+        last (`last`) finishes it with `history`. Returns the snapshot's LSN once
+        installed, else None. A slave's stream and a new master's reorganization fetch
+        share it; store errors are the caller's to map."""
+        steps = self.driver.install_snapshot(chunk, last=last, history=history, source=source)
         loop = asyncio.get_running_loop()
-        store = self.store
-        if chunk.index == 0:
-            log.warning(
-                "replica %s installing a snapshot at LSN %d (epoch %d) from %s: its state "
-                "and log (last LSN %d) are replaced",
-                self.node_id,
-                chunk.snapshot_lsn,
-                chunk.snapshot_epoch,
-                source,
-                self._last_lsn,
-            )
-            await loop.run_in_executor(
-                self._io,
-                functools.partial(store.begin_snapshot, chunk.snapshot_lsn, chunk.snapshot_epoch),
-            )
-            # The store reports itself empty until the install finishes.
-            self.driver.snapshot_begun()
-        await loop.run_in_executor(self._io, store.install_chunk, chunk)
-        if not last:
-            return None
-        lsn = chunk.snapshot_lsn
-        commit_lsn = min(chunk.commit_lsn, lsn)
-        uncommitted = [(u.topic, u.first_offset, u.last_lsn) for u in chunk.uncommitted]
-        await loop.run_in_executor(
-            self._io,
-            functools.partial(
-                store.finish_snapshot,
-                list(history),
-                commit_lsn=commit_lsn,
-                uncommitted=uncommitted,
-            ),
-        )
-        hidden = self.driver.snapshot_finished(lsn, commit_lsn, uncommitted)
-        log.info(
-            "replica %s installed the snapshot at LSN %d (epoch %d) from %s; the log "
-            "continues from LSN %d; commit LSN %d, %d topics hold uncommitted events",
-            self.node_id,
-            lsn,
-            chunk.snapshot_epoch,
-            source,
-            lsn + 1,
-            commit_lsn,
-            hidden,
-        )
-        return lsn
+        try:
+            call = next(steps)
+            # One store operation per step of the install: at most three.
+            while True:
+                await loop.run_in_executor(self._io, call)
+                call = steps.send(None)
+        except StopIteration as done:
+            installed: int | None = done.value
+            return installed
 
     def heartbeat(
         self, stream: int, heartbeat: replica_pb2.ReplicationHeartbeat

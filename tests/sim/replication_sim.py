@@ -174,9 +174,11 @@ from squall_server.replica.driver import (
     PersistRole,
     ReplicaDriver,
     StartTaking,
+    run_store_steps,
     StoreFetched,
     TruncateFetched,
 )
+from squall_server.replica.fetch_serving import FetchServing
 from squall_server.replica.follower import (
     BatchAccepted,
     Follower,
@@ -1146,9 +1148,10 @@ class ReplicationSimulation(Simulation):
         self.net_send(node, rt.catchup.source, CatchUpRequest(rt.epoch, request))
 
     def serve_catchup(self, node: str, src: str, body: CatchUpRequest) -> None:
-        """The sync source answers from its store as ``ReplicaNode.fetch_log`` does: its
-        driver decides (``fetch_answer``); the answer is read at once (nothing changes
-        the store meanwhile in this simulator)."""
+        """The sync source answers from its store as ``SyncSource.fetch_log`` does: its
+        driver decides (``fetch_answer``) and ``FetchServing`` builds the messages; the
+        answer is read at once (nothing changes the store meanwhile in this simulator)
+        and travels as one network message."""
         store = self.stores[node]
         driver = self.driver_of(node)
         request = body.request
@@ -1162,41 +1165,19 @@ class ReplicationSimulation(Simulation):
             reply = CatchUpReply(body.epoch, request.last_lsn, (), (), exc.code.name, exc.message)
             self.net_send(node, src, reply)
             return
-        meta = answer.meta
-        commit = driver.gate.commit_lsn
+        # The messages of the answer, as ``SyncSource.fetch_log`` sends them.
+        serving = FetchServing(answer, lambda: driver.gate.commit_lsn)
         responses: list[replica_pb2.FetchLogResponse] = []
-        if answer.why_snapshot:
-            chunks = self.export_snapshot(node)
-            responses.extend(
-                replica_pb2.FetchLogResponse(snapshot=chunk, cluster_id=meta.cluster_id)
-                for chunk in chunks
-            )
-            next_lsn = chunks[0].snapshot_lsn + 1
+        if serving.snapshot:
+            responses.extend(serving.snapshot_chunk(c) for c in self.export_snapshot(node))
+            serving.snapshot_sent(store.db.meta().last_lsn)
         else:
-            responses.append(
-                replica_pb2.FetchLogResponse(
-                    entries=replica_pb2.EntryBatch(
-                        epoch=meta.epoch,
-                        truncate_after_lsn=answer.fork if answer.diverged else 0,
-                        commit_lsn=commit,
-                    ),
-                    cluster_id=meta.cluster_id,
-                )
-            )
-            next_lsn = answer.fork + 1
-        # One batch per step: bounded by the log's end.
-        while next_lsn <= meta.last_lsn:
-            count = min(answer.step, meta.last_lsn - next_lsn + 1)
-            entries = store.db.read_log(next_lsn, count)
-            responses.append(
-                replica_pb2.FetchLogResponse(
-                    entries=replica_pb2.EntryBatch(
-                        entries=entries, epoch=meta.epoch, commit_lsn=commit
-                    ),
-                    cluster_id=meta.cluster_id,
-                )
-            )
-            next_lsn += count
+            responses.append(serving.opening())
+        while (read := serving.next_read()) is not None:
+            response = serving.entries_read(driver.store.read_log(*read))
+            if response is None:
+                break
+            responses.append(response)
         reply = CatchUpReply(body.epoch, request.last_lsn, tuple(responses), tuple(store.log))
         self.net_send(node, src, reply)
 
@@ -1216,26 +1197,22 @@ class ReplicationSimulation(Simulation):
         last: bool,
         history: Sequence[tuple[int, int]],
         ghost: Sequence[Entry],
+        source: str,
     ) -> int | None:
-        """One snapshot chunk into the store as ``SlaveSide.install_snapshot_chunk``
-        does (a slave's stream and a new master's fetch share it); after the last, the
+        """One snapshot chunk into the store by ``ReplicaDriver.install_snapshot``, as
+        ``SlaveSide.install_snapshot_chunk`` installs it (a slave's stream and a new
+        master's fetch share it), its store operations run at once; after the last, the
         checker's view becomes the log the snapshot was built from. Returns the
         snapshot's LSN once installed."""
         store = self.stores[node]
         driver = self.driver_of(node)
-        db = store.db
         if chunk.index == 0:
-            db.begin_snapshot(chunk.snapshot_lsn, chunk.snapshot_epoch)
-            driver.snapshot_begun()
-            store.installing = True
-        db.install_chunk(chunk)
-        if not last:
+            store.installing = True  # the store reports itself empty from the begin on
+        lsn = run_store_steps(
+            driver.install_snapshot(chunk, last=last, history=history, source=source)
+        )
+        if lsn is None:
             return None
-        lsn = chunk.snapshot_lsn
-        commit_lsn = min(chunk.commit_lsn, lsn)
-        uncommitted = [(u.topic, u.first_offset, u.last_lsn) for u in chunk.uncommitted]
-        db.finish_snapshot(list(history), commit_lsn=commit_lsn, uncommitted=uncommitted)
-        driver.snapshot_finished(lsn, commit_lsn, uncommitted)
         staged = list(ghost)
         if len(staged) != lsn or any(e.lsn != i + 1 for i, e in enumerate(staged)):
             raise self.fail(f"node {node}: snapshot at {lsn} built from {len(staged)} entries")
@@ -1300,6 +1277,7 @@ class ReplicationSimulation(Simulation):
                         last=chunk.last,
                         history=[(b.epoch, b.start_lsn) for b in chunk.history],
                         ghost=reply.ghost,
+                        source=f"sync source {src}",
                     )
                     driver.fetched_chunk_installed(tail, chunk, lsn)
                 elif isinstance(step, TruncateFetched):
@@ -1883,6 +1861,7 @@ class ReplicationSimulation(Simulation):
                     last=result.install,
                     history=result.history,
                     ghost=body.ghost,
+                    source=f"master {follower.state().master_id}",
                 )
                 if installed is not None:
                     ack = driver.snapshot_installed_ack(follower, installed)
