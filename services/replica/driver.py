@@ -199,9 +199,8 @@ class InstallFetched:
 
 @dataclass(frozen=True, slots=True)
 class StoreFetched:
-    """Fetch step: append these checked entries (``hide_uncommitted`` first; then
-    ``fetched_stored``, or ``fetched_store_failed``), then report
-    ``fetched_entries_stored``."""
+    """Fetch step: append these checked entries (``ReplicaDriver.store_fetched``, or
+    ``fetched_store_failed`` when the append fails)."""
 
     entries: list[replica_pb2.LogEntry]
     commit_lsn: int
@@ -897,6 +896,28 @@ class ReplicaDriver:
         """Fetched entries are stored: the log continues after them."""
         tail.last_lsn, tail.last_epoch = step.checked.last_lsn, step.checked.last_epoch
         tail.entries += len(step.entries)
+
+    def store_fetched(
+        self, tail: FetchTail, step: StoreFetched, *, sync: bool
+    ) -> Generator[StoreCall, None, None]:
+        """Stores fetched entries (no batch half-applied: the shell's commit lock): their
+        publishes above the source's commit LSN stay hidden from committed reads until
+        this node's own commit LSN passes them; yields the append for the shell to run
+        on its store thread (``run_store_steps``: at once), whose failure the shell
+        reports with ``fetched_store_failed``; then the log continues after them."""
+        self.hide_uncommitted(step.entries, step.commit_lsn)
+        yield functools.partial(
+            self.store_append, step.entries, sync=sync, commit_lsn=step.commit_lsn
+        )
+        self.fetched_stored(step.entries[-1].lsn, step.commit_lsn)
+        self.fetched_entries_stored(tail, step)
+
+    def fetch_finished(self) -> StoreMeta:
+        """The fetch is done: the core's log is where the store's ends now; returns the
+        store as it is."""
+        meta = self.store.meta()
+        self.core.log_reset(meta.last_lsn, self.core.log.log_start_lsn)
+        return meta
 
     def fetch_request(self, epoch: int, max_entries: int) -> replica_pb2.FetchLogRequest:
         """What to ask the sync source for: the log after where this store's ends."""

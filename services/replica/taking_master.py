@@ -281,8 +281,7 @@ class TakingMaster(CoreView):
                             raise _Diverged(step.keep_lsn)
                         elif isinstance(step, StoreFetched):
                             progress.phase = "fetching log"
-                            await self._store_fetched(step.entries, step.commit_lsn, sync=sync)
-                            driver.fetched_entries_stored(tail, step)
+                            await self._store_fetched(tail, step, sync=sync)
                             progress.entries_fetched = tail.entries
                     break
                 except _Diverged as diverged:
@@ -310,8 +309,7 @@ class TakingMaster(CoreView):
                     call.cancel()  # a no-op once the stream ended
         finally:
             await links.close()
-        meta = self.store.meta()
-        self.core.log_reset(meta.last_lsn, self._log_start_lsn)
+        meta = self.driver.fetch_finished()
         log.info(
             "replica %s synced from %s for epoch %d: %s%d entries fetched, log at epoch %d "
             "LSN %d (from LSN %d), commit LSN %d, %d publishes hidden until committed: %s",
@@ -328,25 +326,25 @@ class TakingMaster(CoreView):
             progress.describe(self.clock.monotonic_ms()),
         )
 
-    async def _store_fetched(
-        self, entries: list[replica_pb2.LogEntry], source_commit_lsn: int, *, sync: bool
-    ) -> None:
-        """Appends fetched entries; their publishes above the source's commit LSN stay
-        hidden from committed reads until this node's own commit LSN passes them."""
+    async def _store_fetched(self, tail: FetchTail, step: StoreFetched, *, sync: bool) -> None:
+        """Appends fetched entries as ``ReplicaDriver.store_fetched`` says (commit lock
+        held, the append on the store thread)."""
+        steps = self.driver.store_fetched(tail, step, sync=sync)
+        loop = asyncio.get_running_loop()
         async with self._commit_lock:
-            self.driver.hide_uncommitted(entries, source_commit_lsn)
             try:
-                await asyncio.get_running_loop().run_in_executor(
-                    self._io,
-                    functools.partial(
-                        self.driver.store_append, entries, sync=sync, commit_lsn=source_commit_lsn
-                    ),
-                )
-            except Exception:
-                # (Cancelled: the store thread may still append; cancel rebuilds.)
-                self.driver.fetched_store_failed()
-                raise
-            self.driver.fetched_stored(entries[-1].lsn, source_commit_lsn)
+                call = next(steps)
+                # One store operation: the append.
+                while True:
+                    try:
+                        await loop.run_in_executor(self._io, call)
+                    except Exception:
+                        # (Cancelled: the store thread may still append; cancel rebuilds.)
+                        self.driver.fetched_store_failed()
+                        raise
+                    call = steps.send(None)
+            except StopIteration:
+                return
 
     async def _fetched_snapshot_chunk(
         self, chunk: replica_pb2.SnapshotChunk, epoch: int, source_id: str, *, after_entries: bool

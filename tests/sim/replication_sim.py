@@ -1285,19 +1285,15 @@ class ReplicationSimulation(Simulation):
                     self.request_catchup(node)  # and fetch again, from the truncated log
                     return
                 elif isinstance(step, StoreFetched):
-                    driver.hide_uncommitted(step.entries, step.commit_lsn)
-                    driver.store_append(step.entries, sync=sync, commit_lsn=step.commit_lsn)
+                    run_store_steps(driver.store_fetched(tail, step, sync=sync))
                     self.append_log(node, step.entries)
-                    driver.fetched_stored(step.entries[-1].lsn, step.commit_lsn)
-                    driver.fetched_entries_stored(tail, step)
         except ServiceError as exc:
             self.give_up(node, exc.message)
             return
         except StoreError as exc:
             self.give_up(node, f"storing the log fetched from {src} failed: {exc}")
             return
-        meta = store.db.meta()
-        driver.core.log_reset(meta.last_lsn, store.db.log_start_lsn())
+        driver.fetch_finished()
         self.check_store(node)
         store.synced_lsn = len(store.log)
         self.note(f"{node} caught up", f"from {src}: log now ends at {len(store.log)}")
