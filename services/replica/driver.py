@@ -418,6 +418,15 @@ class ReplicaDriver:
         """The master role of epoch is held (refused if abandoned meanwhile)."""
         self.role_answer(self.core.master_taken(epoch))
 
+    def taking_stopped(self, gate: CommitGate) -> None:
+        """An abandoned attempt to take the master role and its store work stopped:
+        committed reads and the core's log follow what was stored (``gate``: read from
+        the store on the store thread)."""
+        self.gate = gate
+        meta = self.store.meta()
+        self.core.log_reset(meta.last_lsn, self.store.log_start_lsn(), gate.commit_lsn)
+        self._on_committed()
+
     # --- taking the master role (the core's ``TakeMaster``, run by the shell's task)
 
     def take_master_persist(self, epoch: int, members: Sequence[str]) -> list[str]:

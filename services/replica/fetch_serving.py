@@ -58,9 +58,7 @@ class FetchServing:
     def snapshot_chunk(self, chunk: replica_pb2.SnapshotChunk) -> replica_pb2.FetchLogResponse:
         """The message carrying one chunk of this store's snapshot."""
         self._snapshot_lsn = chunk.snapshot_lsn
-        return replica_pb2.FetchLogResponse(
-            snapshot=chunk, cluster_id=self.answer.meta.cluster_id
-        )
+        return replica_pb2.FetchLogResponse(snapshot=chunk, cluster_id=self.answer.meta.cluster_id)
 
     def snapshot_sent(self, store_last_lsn: int) -> None:
         """The snapshot is sent: the log after it follows, as far as it reached when the

@@ -454,12 +454,10 @@ class TakingMaster(CoreView):
         # A cancelled await does not stop the store thread: what it was doing finishes
         # before this job runs, so the log no longer grows once this returns (a
         # deactivation's report says so), and the gate is rebuilt from what was stored.
-        self.gate = await asyncio.get_running_loop().run_in_executor(
+        gate = await asyncio.get_running_loop().run_in_executor(
             self._io, self._gate_from_store, "reorganization interrupted"
         )
-        meta = self.store.meta()
-        self.core.log_reset(meta.last_lsn, self.store.log_start_lsn(), self.gate.commit_lsn)
-        self._notify_committed()
+        self.driver.taking_stopped(gate)
 
 
 class _Diverged(Exception):

@@ -165,18 +165,22 @@ from squall_server.replica.core import (
     ReplicaCore,
     RoleOrder,
     StoreFacts,
+    TakeMaster,
 )
 from squall_server.replica.core import Role as CoreRole
 from squall_server.replica.divergence import History
 from squall_server.replica.driver import (
+    CancelTaking,
+    DropRole,
     FollowMaster,
     InstallFetched,
     PersistRole,
+    RenewMembers,
     ReplicaDriver,
     StartTaking,
-    run_store_steps,
     StoreFetched,
     TruncateFetched,
+    run_store_steps,
 )
 from squall_server.replica.fetch_serving import FetchServing
 from squall_server.replica.follower import (
@@ -190,6 +194,7 @@ from squall_server.replica.replication import (
     AckPolicy,
     Actions,
     MasterConfig,
+    ReplicationError,
     ReplicationMaster,
     SlaveProgress,
     SlaveState,
@@ -961,33 +966,60 @@ class ReplicationSimulation(Simulation):
             )
         return driver.core.role_command(order, self.now_ms, StoreFacts(meta.epoch, meta.cluster_id))
 
-    def role_steps(self, node: str, effects: Effects) -> str:
-        """Carries out a role change's steps (``ReplicaDriver.role_steps``) as the replica
-        node does; returns the core's refusal ("" when none)."""
+    def apply_role(self, node: str, cmd: RoleCommand | None) -> tuple[str, TakeMaster | None]:
+        """A role command (None: DEACTIVATE) put to the node's ``ReplicaCore``, its effects
+        carried out by ``ReplicaDriver.role_steps`` in the order ``core.Effects``
+        documents, each step the driver leaves to the shell done as
+        ``RoleApplication.apply_effects`` does it, over this simulator's streams and
+        catch-up; returns the core's refusal ("" when none) and the master role to take
+        (the shell's background task, which the caller starts once the command is
+        applied)."""
         driver = self.driver_of(node)
+        take: TakeMaster | None = None
         try:
-            for step in driver.role_steps(effects):
-                if isinstance(step, PersistRole):
+            for step in driver.role_steps(self.order(node, cmd)):
+                if isinstance(step, CancelTaking):
+                    self.cancel_taking(node, step.why)
+                elif isinstance(step, DropRole):
+                    self.teardown(node, step.reason)
+                elif isinstance(step, PersistRole):
                     step.write()
-                elif isinstance(step, FollowMaster):
-                    driver.follow(step.follow, self.now_ms)
                 elif isinstance(step, StartTaking):
-                    self.rt[node].taking = step.take.epoch
-                    driver.take_master_persist(step.take.epoch, step.take.members)
+                    # What the role before left in this shell goes (a deposed master's
+                    # streams, a slave's stream and the batch being written).
+                    self.teardown(node, f"now master of epoch {step.take.epoch}")
+                    take = step.take
+                elif isinstance(step, FollowMaster):
+                    # The commit lock: the batch being written finishes, the stream ends.
+                    self.teardown(node, f"now following {step.follow.master_id}")
+                    driver.follow(step.follow, self.now_ms)
+                elif isinstance(step, RenewMembers):
+                    self.renew_members(node, step.members)
+                # JoinTaking: the catch-up under way answers the command.
         except ServiceError as exc:
-            return exc.message
-        return ""
+            return exc.message, None
+        return "", take
+
+    def cancel_taking(self, node: str, why: str) -> None:
+        """The core abandoned the master role being taken (``TakingMaster.cancel``): the
+        catch-up stops, and the driver re-reads committed reads from what was stored."""
+        rt = self.rt[node]
+        if rt.catchup is None and not rt.taking:
+            return  # the attempt ended already
+        self.note(f"{node} abandons taking the master role", why)
+        rt.catchup = None
+        rt.taking = 0
+        driver = self.driver_of(node)
+        driver.taking_stopped(gate_from_store(driver.store))
 
     def deactivate_replica(self, node: str) -> None:
         """Stop serving: depose a master, wait for a slave's pending writes, drop the role."""
-        self.teardown(node, "the coordinator deactivated the replica")
-        self.role_steps(node, self.order(node, None))
+        self.apply_role(node, None)
         super().deactivate_replica(node)
 
     def follow_master(self, node: str, cmd: RoleCommand) -> None:
         """The replica's core takes the slave role (the driver makes its Follower)."""
-        self.teardown(node, f"now following {cmd.master_id}")
-        refusal = self.role_steps(node, self.order(node, cmd))
+        refusal, _ = self.apply_role(node, cmd)
         if refusal:
             self.note(f"{node} refuses slave role", refusal)
             self.stores[node].role = Role.INACTIVE
@@ -1001,7 +1033,9 @@ class ReplicationSimulation(Simulation):
         rt.core_stream = 0
 
     def become_master(self, node: str, cmd: RoleCommand) -> None:
-        """Catch up from the sync source, then serve as master of ``cmd.epoch``."""
+        """Take the master role as the core says: catch up from the sync source, then
+        serve as master of ``cmd.epoch``; a reissued command of the epoch renews the
+        members or joins the catch-up under way."""
         replica = self.stores[node]
         reissue = replica.role is Role.MASTER and replica.epoch == cmd.epoch
         logs = {x: (r.last_epoch, r.last_lsn) for x, r in self.replicas.items()}
@@ -1009,33 +1043,39 @@ class ReplicationSimulation(Simulation):
             self.checker.check_master(node, cmd, logs, self.durable, reissue)
         except InvariantViolation as exc:
             raise self.fail(str(exc)) from None
-        rt = self.rt[node]
-        if reissue:
-            refusal = self.role_steps(node, self.order(node, cmd))
-            if refusal:
-                self.give_up(node, refusal)
-                return
-            self.members_shrank(node, cmd)
-            return
-        self.teardown(node, f"now master of epoch {cmd.epoch}")
-        refusal = self.role_steps(node, self.order(node, cmd))
+        refusal, take = self.apply_role(node, cmd)
         if refusal:
             self.give_up(node, refusal)
             return
-        self.role_taken(node, cmd.epoch)
+        if take is None:
+            return  # members renewed, or the catch-up under way continues
+        self.role_taken(node, take.epoch)
         replica.take_role(cmd.cluster_id)
-        replica.role, replica.epoch, replica.master = Role.MASTER, cmd.epoch, node
-        rt.epoch, rt.members = cmd.epoch, cmd.members
-        if cmd.sync_source_id == node or not self.catch_up_needed(node, cmd):
+        replica.role, replica.epoch, replica.master = Role.MASTER, take.epoch, node
+        self.start_taking(node, take)
+
+    def start_taking(self, node: str, take: TakeMaster) -> None:
+        """The task taking the master role (``TakingMaster.become_master``): persist the
+        epoch, catch up from the sync source unless this node is it, then serve."""
+        rt = self.rt[node]
+        rt.taking = take.epoch
+        try:
+            self.driver_of(node).take_master_persist(take.epoch, take.members)
+        except ServiceError as exc:
+            self.give_up(node, exc.message)
+            return
+        rt.epoch, rt.members = take.epoch, take.members
+        source = take.sync_source_id
+        if not source or source == node or not self.catch_up_needed(node, take):
             self.start_serving(node)
             return
-        rt.catchup = CatchUp(cmd.sync_source_id, self.now_ms + self.catchup_timeout_ms, 0)
-        self.note(f"{node} catch-up", f"from {cmd.sync_source_id} for epoch {cmd.epoch}")
+        rt.catchup = CatchUp(source, self.now_ms + self.catchup_timeout_ms, 0)
+        self.note(f"{node} catch-up", f"from {source} for epoch {take.epoch}")
         if self.healed_at is None and self.rrng.random() < self.params.source_fault_p:
-            self.source_fault(cmd.sync_source_id)
+            self.source_fault(source)
         self.request_catchup(node)
 
-    def catch_up_needed(self, node: str, cmd: RoleCommand) -> bool:
+    def catch_up_needed(self, node: str, take: TakeMaster) -> bool:
         """A new master brings its store to its sync source's state first (a planted bug
         skips it)."""
         return True
@@ -1047,33 +1087,28 @@ class ReplicationSimulation(Simulation):
         except InvariantViolation as exc:
             raise self.violation(exc) from None
 
-    def members_shrank(self, node: str, cmd: RoleCommand) -> None:
-        """A reissued MASTER command: the group lost members.
-
-        Its sync source is taken at its word, as the RoleCommand docstring puts it: another
-        node means "bring the store to that node's state first"; this node means "the store
-        is the reference". (The election once reissued with this node as the source although
-        the epoch's source was another, and such a driver then lost acknowledged writes.)
-        """
+    def renew_members(self, node: str, members: tuple[str, ...]) -> None:
+        """A master renewal naming another group (the core's ``RenewMembers``), as
+        ``RoleApplication._renew_members`` tells the epoch's replication: the group
+        shrank within the epoch. (A command repeating the master role being taken joins
+        it instead: that attempt keeps the members it was given.)"""
         rt = self.rt[node]
-        rt.members = cmd.members
-        if rt.catchup is not None and cmd.sync_source_id == node:
-            rt.catchup = None
-            self.start_serving(node)
-            return
-        if rt.catchup is not None:
-            rt.catchup.source = cmd.sync_source_id
-            if cmd.sync_source_id not in cmd.members:
-                self.give_up(
-                    node, f"sync source {rt.catchup.source} left the group before the catch-up"
-                )
-            return
         core = rt.core
-        if core is not None and not core.deposed:
-            for gone in set(core.members) - set(cmd.members):
-                rt.last_heard.pop(gone, None)
-                rt.reconnect_at.pop(gone, None)
-            self.apply_master(node, core, core.set_members(cmd.members))
+        if core is None or core.deposed or set(members) == set(core.members):
+            return
+        rt.members = members
+        for gone in set(core.members) - set(members):
+            rt.last_heard.pop(gone, None)
+            rt.reconnect_at.pop(gone, None)
+        try:
+            actions = core.set_members(list(members))
+        except ReplicationError as exc:
+            raise ServiceError(
+                Code.FAILED_PRECONDITION,
+                f"replica {node} (master, epoch {core.epoch}) cannot take members "
+                f"{','.join(members)}: {exc}",
+            ) from exc
+        self.apply_master(node, core, actions)
 
     def teardown(self, node: str, reason: str) -> None:
         """Drop whatever role the replica had (in-process: deposes, flushes pending writes)."""
