@@ -170,6 +170,36 @@ class RenewMembers:
     members: tuple[str, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class TruncateLog:
+    """Batch step: truncate the log after keep_lsn, the master's batch diverging from it
+    (``truncation``); a failure is the stream's (``batch_failed``)."""
+
+    keep_lsn: int
+
+
+@dataclass(frozen=True, slots=True)
+class AppendBatch:
+    """Batch step: append the accepted entries, recording the commit LSN known with them
+    (the store thread; ``sync``: flushed); a failure is the stream's (``batch_failed``)."""
+
+    entries: Sequence[replica_pb2.LogEntry]
+    sync: bool
+    commit_lsn: int
+
+
+@dataclass(frozen=True, slots=True)
+class CompactLog:
+    """Batch step: delete the log below keep_from_lsn (the store thread), then report
+    ``compacted``; a failure only leaves more log than wanted."""
+
+    keep_from_lsn: int
+
+
+# What writing a slave's batch leaves to the shell, in the order ``core.Effects`` documents.
+BatchStep = TruncateLog | AppendBatch | CompactLog
+
+
 # What a role change leaves to the shell, in the order ``core.Effects`` documents.
 RoleStep = (
     CancelTaking | DropRole | PersistRole | StartTaking | FollowMaster | JoinTaking | RenewMembers
@@ -582,10 +612,9 @@ class ReplicaDriver:
     def batch(
         self, stream: int, batch: replica_pb2.EntryBatch
     ) -> tuple[Effects, Follower, list[replica_pb2.ReplicationAck]]:
-        """A batch from the master: the core's effects (their ``batch``, when set, is to
-        be stored: ``batch_storing``, then the store, then ``batch_written`` or
-        ``batch_failed``; else ``log_effects``), the stream's follower and the acks due
-        on receipt, before the write. A refusal raises it."""
+        """A batch from the master: the core's effects (written by ``write_batch``; a
+        failed step is ``batch_failed``), the stream's follower and the acks due on
+        receipt, before the write. A refusal raises it."""
         accepted = self.core.slave_batch(
             stream,
             epoch=batch.epoch,
@@ -597,6 +626,39 @@ class ReplicaDriver:
             raise self.stream_refused(accepted)
         follower = self.stream_follower(stream)
         return accepted, follower, [ack_message(ack) for ack in accepted.acks]
+
+    def write_batch(
+        self, accepted: Effects, follower: Follower, commit_lsn: int
+    ) -> Generator[BatchStep, None, list[replica_pb2.ReplicationAck]]:
+        """Writes a batch the core accepted (``batch``'s effects; no other batch
+        half-applied: the shell's commit lock), in the order ``core.Effects`` documents:
+        yields the truncation a diverged log needs, then the append (its publishes above
+        the commit LSN hidden from committed reads first), then, once the follower heard
+        it written, the log effects (``apply_log_effects``); returns the acks to send.
+        A batch with nothing to write has only its log effects (its acks went out on
+        receipt). The shell carries out each step before asking for the next."""
+        result = accepted.batch
+        if result is None:
+            yield from self.apply_log_effects(accepted)
+            return []
+        if result.truncate_after_lsn is not None:
+            yield TruncateLog(result.truncate_after_lsn)
+        self.hide_uncommitted(result.entries, commit_lsn)
+        yield AppendBatch(result.entries, result.sync, commit_lsn)
+        effects = self.batch_written(follower, result, commit_lsn)
+        return (yield from self.apply_log_effects(effects))
+
+    def apply_log_effects(
+        self, effects: Effects
+    ) -> Generator[BatchStep, None, list[replica_pb2.ReplicationAck]]:
+        """The log effects of a batch (commit lock held), in the order of ``Effects``:
+        yields the compaction the core asks for, then moves the commit LSN; returns the
+        acks to send."""
+        compact_from, acks = self.log_effects(effects)
+        if compact_from:
+            yield CompactLog(compact_from)
+        self.advance(effects)
+        return acks
 
     def batch_written(
         self, follower: Follower, result: BatchAccepted[replica_pb2.LogEntry], batch_commit: int

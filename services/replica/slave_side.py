@@ -18,16 +18,22 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Iterable, Sequence
 from typing import Protocol
 
 from squall.v1 import replica_pb2
 from squall.wire import stages as _stages
 from squall_server.common.errors import ServiceError
-from squall_server.replica.core import Effects, ReplicaCore
+from squall_server.replica.core import ReplicaCore
 from squall_server.replica.core_view import CoreView
-from squall_server.replica.driver import ReplicaDriver
-from squall_server.replica.follower import FollowerError
+from squall_server.replica.driver import (
+    AppendBatch,
+    BatchStep,
+    CompactLog,
+    ReplicaDriver,
+    TruncateLog,
+)
+from squall_server.replica.follower import Follower, FollowerError
 from squall_server.replica.store import StoreError
 
 log = logging.getLogger("squall.replica")
@@ -93,30 +99,9 @@ class SlaveSide(CoreView):
             accepted, follower, acks_now = driver.batch(stream, batch)
             for ack_now in acks_now:
                 yield ack_now
-            result = accepted.batch
-            if result is not None:
-                try:
-                    if result.truncate_after_lsn is not None:
-                        await self._truncate_locked(
-                            result.truncate_after_lsn, f"master {follower.state().master_id}"
-                        )
-                    driver.hide_uncommitted(result.entries, batch.commit_lsn)
-                    await self._append(
-                        result.entries, sync=result.sync, commit_lsn=batch.commit_lsn
-                    )
-                except (StoreError, ServiceError) as exc:
-                    error, fail_stop = driver.batch_failed(follower, exc)
-                    if fail_stop:
-                        self._fail_stop(fail_stop)
-                    raise error from exc
-                if _stages.ENABLED:
-                    for entry in result.entries:
-                        _stages.mark("s.stored", f"lsn/{entry.lsn}")
-                effects = driver.batch_written(follower, result, batch.commit_lsn)
-                for written in await self._apply_log_effects(effects):
-                    yield written
-            else:
-                await self._apply_log_effects(accepted)
+            steps = driver.write_batch(accepted, follower, batch.commit_lsn)
+            for written in await self._batch_steps(steps, follower):
+                yield written
 
     async def snapshot(
         self, stream: int, chunk: replica_pb2.SnapshotChunk
@@ -177,14 +162,42 @@ class SlaveSide(CoreView):
             )
         return ack
 
-    async def _apply_log_effects(self, effects: Effects) -> list[replica_pb2.ReplicationAck]:
-        """Carries out the log effects of a batch (commit lock held), in the order of
-        ``Effects``: compaction, then commit advance; returns the acks to send."""
-        compact_from, acks = self.driver.log_effects(effects)
-        if compact_from:
-            await self._compact(compact_from)
-        self.driver.advance(effects)
-        return acks
+    async def _batch_steps(
+        self,
+        steps: Generator[BatchStep, None, list[replica_pb2.ReplicationAck]],
+        follower: Follower,
+    ) -> list[replica_pb2.ReplicationAck]:
+        """Carries out a batch's store steps (commit lock held) in the driver's order
+        (``ReplicaDriver.write_batch``); returns the acks to send. A failed truncation
+        or append closes the stream with the driver's status (and may fail-stop)."""
+        try:
+            step = next(steps)
+            # At most three steps: truncate, append, compact.
+            while True:
+                if isinstance(step, CompactLog):
+                    await self._compact(step.keep_from_lsn)
+                else:
+                    try:
+                        if isinstance(step, TruncateLog):
+                            await self._truncate_locked(
+                                step.keep_lsn, f"master {follower.state().master_id}"
+                            )
+                        else:
+                            await self._append(
+                                step.entries, sync=step.sync, commit_lsn=step.commit_lsn
+                            )
+                    except (StoreError, ServiceError) as exc:
+                        error, fail_stop = self.driver.batch_failed(follower, exc)
+                        if fail_stop:
+                            self._fail_stop(fail_stop)
+                        raise error from exc
+                    if _stages.ENABLED and isinstance(step, AppendBatch):
+                        for entry in step.entries:
+                            _stages.mark("s.stored", f"lsn/{entry.lsn}")
+                step = steps.send(None)
+        except StopIteration as done:
+            acks: list[replica_pb2.ReplicationAck] = done.value
+            return acks
 
     async def _record_commit(self, commit_lsn: int) -> None:
         """Records a commit LSN learnt without a batch (a heartbeat: the stream is idle),

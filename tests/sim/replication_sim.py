@@ -142,7 +142,7 @@ import logging
 import random
 import zlib
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from squall.v1 import common_pb2, replica_pb2
@@ -170,6 +170,8 @@ from squall_server.replica.core import (
 from squall_server.replica.core import Role as CoreRole
 from squall_server.replica.divergence import History
 from squall_server.replica.driver import (
+    AppendBatch,
+    BatchStep,
     CancelTaking,
     DropRole,
     FollowMaster,
@@ -180,6 +182,7 @@ from squall_server.replica.driver import (
     StartTaking,
     StoreFetched,
     TruncateFetched,
+    TruncateLog,
     run_store_steps,
 )
 from squall_server.replica.fetch_serving import FetchServing
@@ -521,6 +524,8 @@ class PendingWrite:
     driver said to store, the stream's follower, the batch and its stream."""
 
     accepted: BatchAccepted[Entry]
+    effects: Effects
+    """The core's effects that accepted it (``ReplicaDriver.write_batch`` writes them)."""
     follower: Follower
     batch: Batch
     key: StreamKey
@@ -1916,18 +1921,16 @@ class ReplicationSimulation(Simulation):
         for ack in acks_now:
             self.net_send(node, key[0], AckMsg(body.epoch, body.stream, ack))
         if accepted.batch is not None:
-            rt.writes.append(PendingWrite(accepted.batch, follower, body, key))
+            rt.writes.append(PendingWrite(accepted.batch, accepted, follower, body, key))
             self.schedule_write(node)
             return
-        compact_from, _ = driver.log_effects(accepted)
-        self.compact_slave(node, compact_from)
-        driver.advance(accepted)
+        # Nothing to write: only the log effects (the acks went out on receipt).
+        self.batch_steps(node, driver.write_batch(accepted, follower, body.commit_lsn))
         self.claim_slave_commit(node)
 
     def compact_slave(self, node: str, compact_from: int) -> None:
-        """The slave's core asked for its log to be compacted below compact_from."""
-        if not compact_from:
-            return
+        """The slave's core asked for its log to be compacted below compact_from (as
+        ``Writer.compact``)."""
         driver = self.driver_of(node)
         driver.store_compact(compact_from)
         driver.compacted()
@@ -1962,50 +1965,32 @@ class ReplicationSimulation(Simulation):
         self.push(self.now_ms + delay, _STORE, node, rt.gen)
 
     def finish_write(self, node: str, *, send_ack: bool) -> None:
-        """The store's transaction (``ReplicaNode.replication_batch``): hide what is not
-        committed, append, then the core's log effects (compaction, commit) and acks."""
+        """The store's transaction (``SlaveSide.batch``): the driver's ``write_batch``
+        steps (truncate, append, compact), then the acks go out on the stream."""
         rt = self.rt[node]
         if not rt.writes:
             return
         write = rt.writes.popleft()
         driver = self.driver_of(node)
-        store = self.stores[node]
-        result = write.accepted
-        if result.truncate_after_lsn is not None:
-            try:
-                self.truncate(node, result.truncate_after_lsn)
-            except (ServiceError, StoreError) as exc:
-                error, fail_stop = driver.batch_failed(write.follower, exc)
-                if fail_stop:
-                    raise self.fail(f"node {node} fail-stopped: {fail_stop}") from None
-                if send_ack and rt.stream == write.key:
-                    master, epoch, stream = write.key
-                    rt.stream = None
-                    slave_epoch = next((int(v) for k, v in error.metadata if k == EPOCH_KEY), 0)
-                    self.net_send(
-                        node, master, Close(epoch, stream, error.code.name, True, slave_epoch)
-                    )
-                if send_ack:
-                    while rt.deferred and not rt.writes:
-                        self.slave_receive(node, rt.deferred.popleft())
-                return
-        commit = write.batch.commit_lsn
-        driver.hide_uncommitted(result.entries, commit)
+        steps = driver.write_batch(write.effects, write.follower, write.batch.commit_lsn)
         try:
-            driver.store_append(result.entries, sync=result.sync, commit_lsn=commit)
-        except InvalidEntryError as exc:
-            # A replicated entry the store cannot apply (a topic created twice, say) means
-            # this log and the master's diverged: the replica would fail-stop on it.
-            raise self.fail(
-                f"invariant: node {node}'s store refused a replicated entry: {exc}"
-            ) from None
-        self.append_log(node, result.entries)
-        if result.sync:
-            store.synced_lsn = len(store.log)
-        effects = driver.batch_written(write.follower, result, commit)
-        compact_from, acks = driver.log_effects(effects)
-        self.compact_slave(node, compact_from)
-        driver.advance(effects)
+            acks = self.batch_steps(node, steps)
+        except (ServiceError, StoreError) as exc:
+            # The truncation failed: the stream closes with the driver's status.
+            error, fail_stop = driver.batch_failed(write.follower, exc)
+            if fail_stop:
+                raise self.fail(f"node {node} fail-stopped: {fail_stop}") from None
+            if send_ack and rt.stream == write.key:
+                master, epoch, stream = write.key
+                rt.stream = None
+                slave_epoch = next((int(v) for k, v in error.metadata if k == EPOCH_KEY), 0)
+                self.net_send(
+                    node, master, Close(epoch, stream, error.code.name, True, slave_epoch)
+                )
+            if send_ack:
+                while rt.deferred and not rt.writes:
+                    self.slave_receive(node, rt.deferred.popleft())
+            return
         if not send_ack:
             return
         if rt.stream == write.key:
@@ -2015,6 +2000,42 @@ class ReplicationSimulation(Simulation):
         self.claim_commit(node, write.follower.commit_lsn)
         while rt.deferred and not rt.writes:
             self.slave_receive(node, rt.deferred.popleft())
+
+    def batch_steps(
+        self, node: str, steps: Generator[BatchStep, None, list[replica_pb2.ReplicationAck]]
+    ) -> list[replica_pb2.ReplicationAck]:
+        """Carries out a batch's store steps in the driver's order
+        (``ReplicaDriver.write_batch``), as ``SlaveSide`` does, over this simulator's
+        store (a truncation by rebuild, the store's delay already taken); returns the
+        acks to send."""
+        store = self.stores[node]
+        driver = self.driver_of(node)
+        try:
+            step = next(steps)
+            while True:
+                if isinstance(step, TruncateLog):
+                    self.truncate(node, step.keep_lsn)
+                elif isinstance(step, AppendBatch):
+                    try:
+                        driver.store_append(
+                            step.entries, sync=step.sync, commit_lsn=step.commit_lsn
+                        )
+                    except InvalidEntryError as exc:
+                        # A replicated entry the store cannot apply (a topic created twice,
+                        # say) means this log and the master's diverged: the replica would
+                        # fail-stop on it.
+                        raise self.fail(
+                            f"invariant: node {node}'s store refused a replicated entry: {exc}"
+                        ) from None
+                    self.append_log(node, step.entries)
+                    if step.sync:
+                        store.synced_lsn = len(store.log)
+                else:
+                    self.compact_slave(node, step.keep_from_lsn)
+                step = steps.send(None)
+        except StopIteration as done:
+            acks: list[replica_pb2.ReplicationAck] = done.value
+            return acks
 
     # ----------------------------------------------------------------- clients
 
