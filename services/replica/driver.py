@@ -512,6 +512,17 @@ class ReplicaDriver:
                 f"replica {self.node_id} cannot be master of epoch {epoch}: {exc}",
             ) from exc
 
+    def hold_master(
+        self, config: MasterConfig, epoch: int, member_ids: Sequence[str]
+    ) -> ReplicationMaster[W]:
+        """The last step of taking the master role of epoch, after any reorganization
+        fetch: the epoch's replication core over the store's log (``master_core``), and
+        the role held (``master_taken``: refused if the attempt was abandoned meanwhile).
+        The shell then starts replicating with it and appends the epoch start."""
+        core: ReplicationMaster[W] = self.master_core(config, epoch, member_ids)
+        self.master_taken(epoch)
+        return core
+
     # --- the slave side: taking the role (the core's ``Follow``)
 
     def follow_persist(self, follow: Follow) -> None:

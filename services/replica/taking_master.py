@@ -174,7 +174,9 @@ class TakingMaster(CoreView):
                 epoch,
                 progress or SyncProgress(epoch, sync_source_id, self.clock.monotonic_ms()),
             )
-        core: ReplicationMaster[Waiting] = self.driver.master_core(
+        # The role may be taken long after its SetRole call (a reorganization sync):
+        # refused if abandoned meanwhile.
+        core: ReplicationMaster[Waiting] = self.driver.hold_master(
             master_config(
                 self.config,
                 self.node.id,
@@ -204,8 +206,6 @@ class TakingMaster(CoreView):
             stamp_snapshot=self.driver.stamp_snapshot,
             observability=self.telemetry,
         )
-        # The role may be taken long after its SetRole call (a reorganization sync).
-        self.driver.master_taken(epoch)  # refused if abandoned meanwhile
         self._set_master(driver)
         driver.start()
         loop = asyncio.get_running_loop()

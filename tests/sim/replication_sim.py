@@ -264,13 +264,6 @@ def write_operation(name: str) -> bytes:
     ).SerializeToString()
 
 
-def epoch_start_operation(epoch: int, master_id: str) -> bytes:
-    """A new master's first entry of its epoch."""
-    return replica_pb2.Operation(
-        epoch_start=replica_pb2.EpochStartOp(epoch=epoch, master_id=master_id)
-    ).SerializeToString()
-
-
 def history_of(log: Sequence[Entry]) -> History:
     """The epoch history of a log: where each epoch's entries start."""
     out: list[tuple[int, int]] = []
@@ -1365,12 +1358,14 @@ class ReplicationSimulation(Simulation):
         self.check_store(node)
 
     def start_serving(self, node: str) -> None:
-        """The replica's driver makes the ReplicationMaster over the store; append the
-        epoch-start entry, open the streams, and tell the core the role is held."""
+        """The end of ``TakingMaster.become_master``: the driver makes the epoch's
+        ReplicationMaster over the store and holds the role (``hold_master``); the
+        streams open and the writer plans and appends the epoch start (``StartEpoch``);
+        once appended the attempt has ended (``taking_finished``)."""
         store, rt = self.stores[node], self.rt[node]
         driver = self.driver_of(node)
         try:
-            core: ReplicationMaster[int] = driver.master_core(
+            core: ReplicationMaster[int] = driver.hold_master(
                 self.master_cfg[node], rt.epoch, rt.members
             )
         except ServiceError as exc:
@@ -1379,25 +1374,25 @@ class ReplicationSimulation(Simulation):
         rt.core = core
         rt.zombie = None
         self.rchecker.master_started(node, rt.epoch, core.commit_lsn)
-        log = store.log
-        self.note(f"{node} serving", f"master of epoch {rt.epoch}, log ends at {len(log)}")
-        self.master_append(node, core, epoch_start_operation(rt.epoch, node))
+        self.note(f"{node} serving", f"master of epoch {rt.epoch}, log ends at {len(store.log)}")
+        for slave in core.members:
+            if slave != node:
+                self.open_stream(node, core, slave)
+        planned = driver.plan_batch(
+            [commands.StartEpoch(epoch=rt.epoch, master_id=node)],
+            limits=topic_state.LIMITS,
+            epoch=core.epoch,
+            now_ms=0,
+        )
+        if planned.refused or planned.faults:
+            raise self.fail(f"node {node}: the epoch start was refused: {planned}")
+        for entry in planned.entries:
+            self.master_store(node, core, entry)
         if core.deposed:
             return  # the epoch start's flush failed (flush_failed): the process goes down
         if rt.taking:
             epoch, rt.taking = rt.taking, 0
-            driver.master_taken(epoch)
             driver.taking_finished(epoch, None, self.now_ms)
-        for slave in core.members:
-            if slave != node:
-                self.open_stream(node, core, slave)
-
-    def master_append(self, node: str, core: ReplicationMaster[int], operation: bytes) -> int:
-        """Append one entry of this master's epoch; returns its LSN."""
-        store = self.stores[node]
-        entry = make_entry(len(store.log) + 1, core.epoch, operation)
-        self.master_store(node, core, entry)
-        return entry.lsn
 
     def master_store(
         self, node: str, core: ReplicationMaster[int], entry: replica_pb2.LogEntry
