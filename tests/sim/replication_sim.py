@@ -1280,16 +1280,8 @@ class ReplicationSimulation(Simulation):
             return
         store = self.stores[node]
         if reply.error_code:
-            if reply.error_code == "FAILED_PRECONDITION":
-                self.give_up(node, f"sync source {src} refused the fetch: {reply.error}")
-            return  # anything else: the next attempt asks again
-        moved = reply.ghost[-1].epoch if reply.ghost else 0
-        if moved >= rt.epoch:
-            self.give_up(
-                node,
-                f"sync source {src} holds entries of epoch {moved}, not older than "
-                f"{rt.epoch}: it moved on",
-            )
+            # As ``TakingMaster._sync_from``: a refused fetch fails the attempt.
+            self.give_up(node, f"sync source {src} refused the fetch: {reply.error}")
             return
         driver = self.driver_of(node)
         tail = driver.fetch_begin()
