@@ -17,12 +17,17 @@ Its methods come in two kinds. ``store_*`` methods only touch the store, so a sh
 run them on a store thread (fsync must not block its event loop); every other method
 reads or changes the core and the gate and runs where the shell feeds the core (its
 loop). Between the two a shell may wait (``ReplicaNode`` holds its commit lock across a
-batch and awaits the store thread); a simulator calls them one after the other. Waking
-readers is a hook (``on_committed``), as waking loops is the coordinator driver's.
+batch and awaits the store thread); a simulator calls them one after the other. A
+sequence that interleaves both is a generator of steps (``role_steps``,
+``install_snapshot``, ``write_batch``, ``store_fetched``): it yields each store operation
+or shell step in its place in the order, and the shell carries it out before asking for
+the next (``run_store_steps`` runs store operations at once), so the asyncio shells
+(``roles.py``, ``slave_side.py``, ``taking_master.py``) and the replication simulator
+(``tests/sim/replication_sim.py``) run the same sequence. Waking readers is a hook
+(``on_committed``), as waking loops is the coordinator driver's.
 
 ``services/replica/node.py`` (``ReplicaNode``) is the asyncio shell that feeds it; the
-master side (the writer's queue and its hand-off to ``MasterDriver``, the reorganization
-fetch's loop, role application) is still the shell's (issue 15).
+master's streams (``MasterDriver``) and the writer's queue are the shell's.
 """
 
 from __future__ import annotations

@@ -4,9 +4,19 @@ Every node runs the real ``Election`` (through the election simulator's driver, 
 faults, which this module extends) and the shipped replica code: a ``ReplicaDriver``
 (``services/replica/driver.py``) with its ``ReplicaCore`` over a real ``Store`` on
 ``MemoryKV``, and, while the election makes it master, a ``ReplicationMaster`` made by that
-driver whose ``Actions`` the shipped ``MasterSteps`` apply. This module is the shell
-``ReplicaNode`` and ``MasterDriver`` are in the service: it carries messages, timers and
-store delays, in the order the shell documents. Clients write to whichever node they
+driver whose ``Actions`` the shipped ``MasterSteps`` apply. The replica's decisions are
+shipped code: role commands go to the core and are carried out through the driver's role
+steps; a sync source's answer is the driver's (``fetch_answer``), sent message by message
+as ``FetchServing`` says; a new master's fetch is stepped by the driver (``fetch_step``,
+``store_fetched``, ``fetch_finished``); snapshot chunks are installed and slaves' batches
+written by the driver's store steps (``install_snapshot``, ``write_batch``); the master
+role is held by ``hold_master`` and its epoch start planned by the writer's planning. What
+this module carries itself is what the asyncio shells carry around those calls, over its
+own network and clock: messages and their faults, streams and their reconnection,
+keepalive and stall detection (``MasterDriver``'s part), the store's delays, timers,
+the catch-up's retry and timeout (the shell bounds each message of the fetch instead),
+when masters compact (a fault: lagging slaves get snapshots), and the checker's view of
+every log. Clients write to whichever node they
 believe is master. One seed decides everything; the only randomness is
 ``random.Random`` seeded from it.
 
@@ -28,35 +38,44 @@ What is modelled
   that rely on durability for that seed (reported as "degraded" seeds). A snapshot install
   cut short leaves the store empty, as the shipped store does.
 * **Roles.** Every role command goes to the node's ``ReplicaCore`` (``role_command``) and
-  its effects are carried out by ``ReplicaDriver.role_steps`` (persisting the epoch and
-  cluster id, making the follower); a command the core refuses is answered as refused and
-  the coordinator recovers.
-* **Master.** On a MASTER command the node first brings its store to the sync source's
-  state (the reorganization rule) by a **transfer over the simulated network**: a request
-  (``ReplicaDriver.fetch_request``) to the source, retried until an answer arrives; the
-  source answers from its store with the entries after the fork, or with a snapshot of its
-  store when the master's own log diverges (no store here can truncate) or the source no
-  longer retains them. The new master checks the fetched entries with the driver's checks
-  and installs a snapshot as a slave does. A master that cannot finish the transfer
-  (timeout, the source left the group, the source moved to a newer epoch) refuses the role
-  and its coordinator recovers, as ``services/coordinator/node.py`` does when its replica
-  refuses a role. Then the driver makes the ``ReplicationMaster`` (``master_core``;
-  ``truncate_by_snapshot=True``); the first append is the epoch-start entry. The shipped
-  ``MasterSteps`` (``services/replica/master_steps.py``) applies every ``Actions`` record
-  in its documented order and builds each granted batch (from its tail cache, or the
-  store's log); this module gives its outputs (the part ``MasterDriver`` does with streams
-  and tasks). The simulator's shell reconnects broken streams after a short backoff, closes
+  its effects are carried out by ``ReplicaDriver.role_steps`` in the order ``core.Effects``
+  documents, each step the driver leaves to the shell done as ``RoleApplication`` does it
+  (``CancelTaking``: the catch-up stops and ``taking_stopped`` re-reads the gate;
+  ``DropRole``: the master is deposed, the slave's stream ends once the batch being
+  written is written; ``PersistRole``; ``StartTaking``: the master role is taken after
+  the command; ``FollowMaster``: ``follow``; ``RenewMembers``: the master's group
+  shrinks); a command the core refuses is answered as refused and the coordinator
+  recovers.
+* **Master.** Taking the master role runs ``TakingMaster.become_master``'s sequence: the
+  epoch persisted (``take_master_persist``), then, unless the node is its own sync
+  source, the store brought to the sync source's state (the reorganization rule) by a
+  **transfer over the simulated network**: a request (``ReplicaDriver.fetch_request``) to
+  the source, retried until an answer arrives; the source answers as ``SyncSource``
+  does (``fetch_answer`` decides: the entries after the fork, or a snapshot of its store
+  when the master's own log diverges and cannot be truncated or the source no longer
+  retains them; ``FetchServing`` builds the messages). The new master steps each message
+  through the driver as ``TakingMaster._sync_from`` does; any refusal, a failed check or
+  store write, or no answer within the catch-up timeout fails the attempt and its
+  coordinator recovers, as ``services/coordinator/node.py`` does when its replica refuses
+  a role. Then the driver holds the role (``hold_master``: the ``ReplicationMaster`` over
+  the store, ``truncate_by_snapshot=True``), the streams open and the writer's planning
+  (``plan_batch``) builds the epoch-start entry. The shipped ``MasterSteps``
+  (``services/replica/master_steps.py``) applies every ``Actions`` record in its
+  documented order and builds each granted batch (from its tail cache, or the store's
+  log); this module gives its outputs (the part ``MasterDriver`` does with streams and
+  tasks). The simulator's shell reconnects broken streams after a short backoff, closes
   streams silent for four heartbeat intervals (gRPC keepalive) or whose in-flight entries
   stop being received for as long (see Network), and sometimes compacts the master's log
-  (so lagging slaves get snapshots). A reissued MASTER command of the same epoch only
-  shrinks the members. Deposed masters are kept, as the real driver's late stream input
-  would reach them, so late acks still arrive and must not move their commit LSN.
+  (so lagging slaves get snapshots). A reissued MASTER command of the same epoch renews
+  the group (the core's ``RenewMembers``) or joins the attempt under way. Deposed masters
+  are kept, as the real driver's late stream input would reach them, so late acks still
+  arrive and must not move their commit LSN.
 * **Slave.** Hello, batches, heartbeats and snapshot chunks go to the node's
-  ``ReplicaDriver`` (``hello``, ``batch``, ``batch_written``, ``log_effects``,
-  ``heartbeat``, ``snapshot_chunk``) in the order ``ReplicaNode.replication_*`` applies
-  them; a refusal closes the stream (a ``Close`` to the master, carrying the slave's epoch,
-  which reconnects, and for a newer epoch steps down). Slaves compact their logs beyond a
-  per-seed retention in seeds where masters compact.
+  ``ReplicaDriver`` (``hello``, ``batch`` then its ``write_batch`` store steps,
+  ``heartbeat``, ``snapshot_chunk`` then its ``install_snapshot`` steps) in the order
+  ``SlaveSide`` applies them; a refusal closes the stream (a ``Close`` to the master,
+  carrying the slave's epoch, which reconnects, and for a newer epoch steps down). Slaves
+  compact their logs beyond a per-seed retention in seeds where masters compact.
 * **Network.** Replication messages share the election's faulty network: partitions,
   pauses, delay, loss, duplication and, when the seed says so, reordering (otherwise each
   link is FIFO). That is harsher than gRPC, whose stream never drops or reorders a message
@@ -109,21 +128,21 @@ Simplifications: no deduplication of the plain writes (each payload is written o
 never retried; the topic workload above is deduplicated); one command per writer batch;
 no operator controls (quorum override, designated primary); no slow disk, and no failing
 one beyond the master's flush above.
-Still the simulator's own here, not shipped code (issue 15): the shells' plumbing
-around the drivers, in the order the shells have it — the streams, reconnection,
-keepalive and stall detection of ``MasterDriver`` (``open_stream``, ``stream_broken``,
-``master_tick``), the sync source's answer stream (``serve_catchup``: its decisions are
-``ReplicaDriver.fetch_answer``'s, the messages built as ``ReplicaNode.fetch_log`` builds
-them) and the new master's read loop (``on_catchup_reply``, as ``TakingMaster._sync_from``
-steps ``fetch_step``), the store calls of a slave's batch, install and truncation
-(``finish_write``, ``install_chunk``, ``truncate``: ``SlaveSide``'s batch and
-``install_snapshot_chunk``, ``Truncation.truncate_locked``), and the taking of the master
-role (``become_master``, ``start_serving``: ``TakingMaster``'s task). That plumbing is run
-as shipped by ``shell_sim.py``: three whole ``ReplicaNode``s (``MasterDriver``, the writer queue,
-``TakingMaster``/``SyncSource``, the slave servicer path, the lease watch) on a virtual-time
-event loop (``virtual_loop.py``) over the transport's twin (``shell_network.py``), with
-crashes, pauses, cuts, resets and slow and failing disks; its roles come from a seeded
-script following the coordinator's rules, where this module runs the shipped election.
+What this module still carries of the shells, beside the network (issue 15): the
+streams, reconnection, keepalive and stall detection of ``MasterDriver``
+(``open_stream``, ``stream_broken``, ``master_tick``); the loops that carry the driver's
+steps out (``serve_catchup``, ``on_catchup_reply``, ``batch_steps``, ``apply_role``), each
+a few lines of plumbing around shipped decisions; the writer's hand-off of a stored
+entry to the steps (``master_store``, as ``Writer._commit``: send before the flush);
+and the truncation of a divergent log (``truncate``: the shipped ``Truncation`` rebuilds
+an LMDB store through ``LmdbTruncator`` and refuses on the memory twin, so this module
+rebuilds the memory store with the shipped ``rebuild_into`` and hands it to the driver's
+``truncated``). The asyncio shells themselves run as shipped in ``shell_sim.py``: three
+whole ``ReplicaNode``s (``MasterDriver``, the writer queue, ``TakingMaster``/``SyncSource``,
+the slave servicer path, the lease watch) on a virtual-time event loop
+(``virtual_loop.py``) over the transport's twin (``shell_network.py``), with crashes,
+pauses, cuts, resets and slow and failing disks; its roles come from a seeded script
+following the coordinator's rules, where this module runs the shipped election.
 
 Phases: the safety phase injects the election simulator's faults while the checker
 (``replication_checker.py``) runs after every step; then the network heals and within
