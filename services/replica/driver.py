@@ -1174,6 +1174,29 @@ class ReplicaDriver:
             for topic, offset, lsn in self.gate.uncommitted(chunk.snapshot_lsn)
         )
 
+    def check_truncation(self, keep_lsn: int, why: str, *, can_truncate: bool) -> None:
+        """Whether this log may be truncated after keep_lsn (``why``: who asks): replaying
+        needs the log from LSN 1, so a compacted or snapshot-installed log needs a
+        snapshot instead, and a store with no truncator (``can_truncate`` False: the
+        memory twin) cannot. Raises FAILED_PRECONDITION naming the reason."""
+        log_start = self.store.log_start_lsn()
+        if log_start <= 1 and can_truncate:
+            return
+        meta = self.store.meta()
+        who = (
+            f"replica {self.node_id} (epoch {self.core.epoch}, last LSN {meta.last_lsn}) must "
+            f"truncate its log after LSN {keep_lsn} ({why})"
+        )
+        if log_start > 1:
+            # Only a snapshot can undo applied entries now (a master sends one to a slave
+            # whose Position shows a compacted log).
+            raise ServiceError(
+                Code.FAILED_PRECONDITION,
+                f"{who}, but its log starts at LSN {log_start} (compacted or installed from "
+                "a snapshot): it needs a snapshot",
+            )
+        raise ServiceError(Code.FAILED_PRECONDITION, f"{who}, and this store cannot")
+
     def truncated(self, keep_lsn: int, store: Store) -> None:
         """The log was truncated after keep_lsn (``store``: the rebuilt store, which
         replaces this one): the core's log position and committed reads follow."""

@@ -1346,18 +1346,14 @@ class ReplicationSimulation(Simulation):
 
     def truncate(self, node: str, keep_lsn: int) -> None:
         """Truncates the node's log after keep_lsn as ``Truncation.truncate_locked`` does:
-        the store is rebuilt from its own log (``rebuild.rebuild_into``, here into a fresh
-        in-memory store) and the driver follows; a log that no longer starts at LSN 1
-        cannot be replayed (FAILED_PRECONDITION: it needs a snapshot)."""
+        the driver's check (a log that no longer starts at LSN 1 cannot be replayed:
+        FAILED_PRECONDITION, it needs a snapshot), then the store is rebuilt from its
+        own log (``rebuild.rebuild_into``, here into a fresh in-memory store, where the
+        shipped code stages and swaps an LMDB store) and the driver follows."""
         store = self.stores[node]
         driver = self.driver_of(node)
-        log_start = store.db.log_start_lsn()
-        if log_start > 1:
-            raise ServiceError(
-                Code.FAILED_PRECONDITION,
-                f"replica {node} must truncate its log after LSN {keep_lsn}, but its log "
-                f"starts at LSN {log_start}: it needs a snapshot",
-            )
+        # This store can truncate: it is rebuilt here as the LMDB truncator rebuilds.
+        driver.check_truncation(keep_lsn, "simulated", can_truncate=True)
         fresh = Store.open_memory(keep_unsynced=True)
         rebuild_into(store.db, fresh, keep_lsn)
         fresh.sync()  # as the LMDB truncator flushes the staged store before the swap
