@@ -17,19 +17,24 @@ Its methods come in two kinds. ``store_*`` methods only touch the store, so a sh
 run them on a store thread (fsync must not block its event loop); every other method
 reads or changes the core and the gate and runs where the shell feeds the core (its
 loop). Between the two a shell may wait (``ReplicaNode`` holds its commit lock across a
-batch and awaits the store thread); a simulator calls them one after the other. Waking
-readers is a hook (``on_committed``), as waking loops is the coordinator driver's.
+batch and awaits the store thread); a simulator calls them one after the other. A
+sequence that interleaves both is a generator of steps (``role_steps``,
+``install_snapshot``, ``write_batch``, ``store_fetched``): it yields each store operation
+or shell step in its place in the order, and the shell carries it out before asking for
+the next (``run_store_steps`` runs store operations at once), so the asyncio shells
+(``roles.py``, ``slave_side.py``, ``taking_master.py``) and the replication simulator
+(``tests/sim/replication_sim.py``) run the same sequence. Waking readers is a hook
+(``on_committed``), as waking loops is the coordinator driver's.
 
 ``services/replica/node.py`` (``ReplicaNode``) is the asyncio shell that feeds it; the
-master side (the writer's queue and its hand-off to ``MasterDriver``, the reorganization
-fetch's loop, role application) is still the shell's (issue 15).
+master's streams (``MasterDriver``) and the writer's queue are the shell's.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -81,6 +86,23 @@ log = logging.getLogger("squall.replica")
 
 # What a master's replication core waits on per write (the shell's futures).
 W = TypeVar("W")
+T = TypeVar("T")
+
+StoreCall = Callable[[], object]
+"""A store operation a driver step yields: the shell runs it where it runs store writes
+(a store thread: fsync must not block its event loop) before resuming the step."""
+
+
+def run_store_steps(steps: Generator[StoreCall, None, T]) -> T:
+    """Runs a driver step's store operations at once, in order (a caller with no store
+    thread: the simulator, a test); returns what the step returns."""
+    try:
+        call = next(steps)
+        while True:
+            call()
+            call = steps.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
 
 
 @dataclass
@@ -153,6 +175,36 @@ class RenewMembers:
     members: tuple[str, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class TruncateLog:
+    """Batch step: truncate the log after keep_lsn, the master's batch diverging from it
+    (``truncation``); a failure is the stream's (``batch_failed``)."""
+
+    keep_lsn: int
+
+
+@dataclass(frozen=True, slots=True)
+class AppendBatch:
+    """Batch step: append the accepted entries, recording the commit LSN known with them
+    (the store thread; ``sync``: flushed); a failure is the stream's (``batch_failed``)."""
+
+    entries: Sequence[replica_pb2.LogEntry]
+    sync: bool
+    commit_lsn: int
+
+
+@dataclass(frozen=True, slots=True)
+class CompactLog:
+    """Batch step: delete the log below keep_from_lsn (the store thread), then report
+    ``compacted``; a failure only leaves more log than wanted."""
+
+    keep_from_lsn: int
+
+
+# What writing a slave's batch leaves to the shell, in the order ``core.Effects`` documents.
+BatchStep = TruncateLog | AppendBatch | CompactLog
+
+
 # What a role change leaves to the shell, in the order ``core.Effects`` documents.
 RoleStep = (
     CancelTaking | DropRole | PersistRole | StartTaking | FollowMaster | JoinTaking | RenewMembers
@@ -182,9 +234,8 @@ class InstallFetched:
 
 @dataclass(frozen=True, slots=True)
 class StoreFetched:
-    """Fetch step: append these checked entries (``hide_uncommitted`` first; then
-    ``fetched_stored``, or ``fetched_store_failed``), then report
-    ``fetched_entries_stored``."""
+    """Fetch step: append these checked entries (``ReplicaDriver.store_fetched``, or
+    ``fetched_store_failed`` when the append fails)."""
 
     entries: list[replica_pb2.LogEntry]
     commit_lsn: int
@@ -402,6 +453,15 @@ class ReplicaDriver:
         """The master role of epoch is held (refused if abandoned meanwhile)."""
         self.role_answer(self.core.master_taken(epoch))
 
+    def taking_stopped(self, gate: CommitGate) -> None:
+        """An abandoned attempt to take the master role and its store work stopped:
+        committed reads and the core's log follow what was stored (``gate``: read from
+        the store on the store thread)."""
+        self.gate = gate
+        meta = self.store.meta()
+        self.core.log_reset(meta.last_lsn, self.store.log_start_lsn(), gate.commit_lsn)
+        self._on_committed()
+
     # --- taking the master role (the core's ``TakeMaster``, run by the shell's task)
 
     def take_master_persist(self, epoch: int, members: Sequence[str]) -> list[str]:
@@ -456,6 +516,17 @@ class ReplicaDriver:
                 Code.FAILED_PRECONDITION,
                 f"replica {self.node_id} cannot be master of epoch {epoch}: {exc}",
             ) from exc
+
+    def hold_master(
+        self, config: MasterConfig, epoch: int, member_ids: Sequence[str]
+    ) -> ReplicationMaster[W]:
+        """The last step of taking the master role of epoch, after any reorganization
+        fetch: the epoch's replication core over the store's log (``master_core``), and
+        the role held (``master_taken``: refused if the attempt was abandoned meanwhile).
+        The shell then starts replicating with it and appends the epoch start."""
+        core: ReplicationMaster[W] = self.master_core(config, epoch, member_ids)
+        self.master_taken(epoch)
+        return core
 
     # --- the slave side: taking the role (the core's ``Follow``)
 
@@ -557,10 +628,9 @@ class ReplicaDriver:
     def batch(
         self, stream: int, batch: replica_pb2.EntryBatch
     ) -> tuple[Effects, Follower, list[replica_pb2.ReplicationAck]]:
-        """A batch from the master: the core's effects (their ``batch``, when set, is to
-        be stored: ``batch_storing``, then the store, then ``batch_written`` or
-        ``batch_failed``; else ``log_effects``), the stream's follower and the acks due
-        on receipt, before the write. A refusal raises it."""
+        """A batch from the master: the core's effects (written by ``write_batch``; a
+        failed step is ``batch_failed``), the stream's follower and the acks due on
+        receipt, before the write. A refusal raises it."""
         accepted = self.core.slave_batch(
             stream,
             epoch=batch.epoch,
@@ -572,6 +642,39 @@ class ReplicaDriver:
             raise self.stream_refused(accepted)
         follower = self.stream_follower(stream)
         return accepted, follower, [ack_message(ack) for ack in accepted.acks]
+
+    def write_batch(
+        self, accepted: Effects, follower: Follower, commit_lsn: int
+    ) -> Generator[BatchStep, None, list[replica_pb2.ReplicationAck]]:
+        """Writes a batch the core accepted (``batch``'s effects; no other batch
+        half-applied: the shell's commit lock), in the order ``core.Effects`` documents:
+        yields the truncation a diverged log needs, then the append (its publishes above
+        the commit LSN hidden from committed reads first), then, once the follower heard
+        it written, the log effects (``apply_log_effects``); returns the acks to send.
+        A batch with nothing to write has only its log effects (its acks went out on
+        receipt). The shell carries out each step before asking for the next."""
+        result = accepted.batch
+        if result is None:
+            yield from self.apply_log_effects(accepted)
+            return []
+        if result.truncate_after_lsn is not None:
+            yield TruncateLog(result.truncate_after_lsn)
+        self.hide_uncommitted(result.entries, commit_lsn)
+        yield AppendBatch(result.entries, result.sync, commit_lsn)
+        effects = self.batch_written(follower, result, commit_lsn)
+        return (yield from self.apply_log_effects(effects))
+
+    def apply_log_effects(
+        self, effects: Effects
+    ) -> Generator[BatchStep, None, list[replica_pb2.ReplicationAck]]:
+        """The log effects of a batch (commit lock held), in the order of ``Effects``:
+        yields the compaction the core asks for, then moves the commit LSN; returns the
+        acks to send."""
+        compact_from, acks = self.log_effects(effects)
+        if compact_from:
+            yield CompactLog(compact_from)
+        self.advance(effects)
+        return acks
 
     def batch_written(
         self, follower: Follower, result: BatchAccepted[replica_pb2.LogEntry], batch_commit: int
@@ -689,6 +792,57 @@ class ReplicaDriver:
         return ack_message(follower.on_written(lsn, synced=True))
 
     # --- snapshot installs (a slave's stream and a new master's fetch share them)
+
+    def install_snapshot(
+        self,
+        chunk: replica_pb2.SnapshotChunk,
+        *,
+        last: bool,
+        history: Iterable[tuple[int, int]],
+        source: str,
+    ) -> Generator[StoreCall, None, int | None]:
+        """Installs one snapshot chunk (no batch half-applied: the shell's commit lock):
+        chunk 0 begins the install, the last (``last``) finishes it with ``history``.
+        Yields each store operation for the shell to run where it runs store writes (its
+        store thread; ``run_store_steps`` at once) before asking for the next; returns
+        the snapshot's LSN once installed, else None. A slave's stream and a new
+        master's reorganization fetch share it; store errors are the caller's to map."""
+        store = self.store
+        if chunk.index == 0:
+            log.warning(
+                "replica %s installing a snapshot at LSN %d (epoch %d) from %s: its state "
+                "and log (last LSN %d) are replaced",
+                self.node_id,
+                chunk.snapshot_lsn,
+                chunk.snapshot_epoch,
+                source,
+                self.core.log.last_lsn,
+            )
+            yield functools.partial(store.begin_snapshot, chunk.snapshot_lsn, chunk.snapshot_epoch)
+            # The store reports itself empty until the install finishes.
+            self.snapshot_begun()
+        yield functools.partial(store.install_chunk, chunk)
+        if not last:
+            return None
+        lsn = chunk.snapshot_lsn
+        commit_lsn = min(chunk.commit_lsn, lsn)
+        uncommitted = [(u.topic, u.first_offset, u.last_lsn) for u in chunk.uncommitted]
+        yield functools.partial(
+            store.finish_snapshot, list(history), commit_lsn=commit_lsn, uncommitted=uncommitted
+        )
+        hidden = self.snapshot_finished(lsn, commit_lsn, uncommitted)
+        log.info(
+            "replica %s installed the snapshot at LSN %d (epoch %d) from %s; the log "
+            "continues from LSN %d; commit LSN %d, %d topics hold uncommitted events",
+            self.node_id,
+            lsn,
+            chunk.snapshot_epoch,
+            source,
+            lsn + 1,
+            commit_lsn,
+            hidden,
+        )
+        return lsn
 
     def snapshot_begun(self) -> None:
         """Chunk 0 began an install: the store reports itself empty until it finishes."""
@@ -829,6 +983,28 @@ class ReplicaDriver:
         """Fetched entries are stored: the log continues after them."""
         tail.last_lsn, tail.last_epoch = step.checked.last_lsn, step.checked.last_epoch
         tail.entries += len(step.entries)
+
+    def store_fetched(
+        self, tail: FetchTail, step: StoreFetched, *, sync: bool
+    ) -> Generator[StoreCall, None, None]:
+        """Stores fetched entries (no batch half-applied: the shell's commit lock): their
+        publishes above the source's commit LSN stay hidden from committed reads until
+        this node's own commit LSN passes them; yields the append for the shell to run
+        on its store thread (``run_store_steps``: at once), whose failure the shell
+        reports with ``fetched_store_failed``; then the log continues after them."""
+        self.hide_uncommitted(step.entries, step.commit_lsn)
+        yield functools.partial(
+            self.store_append, step.entries, sync=sync, commit_lsn=step.commit_lsn
+        )
+        self.fetched_stored(step.entries[-1].lsn, step.commit_lsn)
+        self.fetched_entries_stored(tail, step)
+
+    def fetch_finished(self) -> StoreMeta:
+        """The fetch is done: the core's log is where the store's ends now; returns the
+        store as it is."""
+        meta = self.store.meta()
+        self.core.log_reset(meta.last_lsn, self.core.log.log_start_lsn)
+        return meta
 
     def fetch_request(self, epoch: int, max_entries: int) -> replica_pb2.FetchLogRequest:
         """What to ask the sync source for: the log after where this store's ends."""
@@ -997,6 +1173,29 @@ class ReplicaDriver:
             replica_pb2.UncommittedPublish(topic=topic, first_offset=offset, last_lsn=lsn)
             for topic, offset, lsn in self.gate.uncommitted(chunk.snapshot_lsn)
         )
+
+    def check_truncation(self, keep_lsn: int, why: str, *, can_truncate: bool) -> None:
+        """Whether this log may be truncated after keep_lsn (``why``: who asks): replaying
+        needs the log from LSN 1, so a compacted or snapshot-installed log needs a
+        snapshot instead, and a store with no truncator (``can_truncate`` False: the
+        memory twin) cannot. Raises FAILED_PRECONDITION naming the reason."""
+        log_start = self.store.log_start_lsn()
+        if log_start <= 1 and can_truncate:
+            return
+        meta = self.store.meta()
+        who = (
+            f"replica {self.node_id} (epoch {self.core.epoch}, last LSN {meta.last_lsn}) must "
+            f"truncate its log after LSN {keep_lsn} ({why})"
+        )
+        if log_start > 1:
+            # Only a snapshot can undo applied entries now (a master sends one to a slave
+            # whose Position shows a compacted log).
+            raise ServiceError(
+                Code.FAILED_PRECONDITION,
+                f"{who}, but its log starts at LSN {log_start} (compacted or installed from "
+                "a snapshot): it needs a snapshot",
+            )
+        raise ServiceError(Code.FAILED_PRECONDITION, f"{who}, and this store cannot")
 
     def truncated(self, keep_lsn: int, store: Store) -> None:
         """The log was truncated after keep_lsn (``store``: the rebuilt store, which

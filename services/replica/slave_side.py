@@ -17,18 +17,23 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Iterable, Sequence
 from typing import Protocol
 
 from squall.v1 import replica_pb2
 from squall.wire import stages as _stages
 from squall_server.common.errors import ServiceError
-from squall_server.replica.core import Effects, ReplicaCore
+from squall_server.replica.core import ReplicaCore
 from squall_server.replica.core_view import CoreView
-from squall_server.replica.driver import ReplicaDriver
-from squall_server.replica.follower import FollowerError
+from squall_server.replica.driver import (
+    AppendBatch,
+    BatchStep,
+    CompactLog,
+    ReplicaDriver,
+    TruncateLog,
+)
+from squall_server.replica.follower import Follower, FollowerError
 from squall_server.replica.store import StoreError
 
 log = logging.getLogger("squall.replica")
@@ -94,30 +99,9 @@ class SlaveSide(CoreView):
             accepted, follower, acks_now = driver.batch(stream, batch)
             for ack_now in acks_now:
                 yield ack_now
-            result = accepted.batch
-            if result is not None:
-                try:
-                    if result.truncate_after_lsn is not None:
-                        await self._truncate_locked(
-                            result.truncate_after_lsn, f"master {follower.state().master_id}"
-                        )
-                    driver.hide_uncommitted(result.entries, batch.commit_lsn)
-                    await self._append(
-                        result.entries, sync=result.sync, commit_lsn=batch.commit_lsn
-                    )
-                except (StoreError, ServiceError) as exc:
-                    error, fail_stop = driver.batch_failed(follower, exc)
-                    if fail_stop:
-                        self._fail_stop(fail_stop)
-                    raise error from exc
-                if _stages.ENABLED:
-                    for entry in result.entries:
-                        _stages.mark("s.stored", f"lsn/{entry.lsn}")
-                effects = driver.batch_written(follower, result, batch.commit_lsn)
-                for written in await self._apply_log_effects(effects):
-                    yield written
-            else:
-                await self._apply_log_effects(accepted)
+            steps = driver.write_batch(accepted, follower, batch.commit_lsn)
+            for written in await self._batch_steps(steps, follower):
+                yield written
 
     async def snapshot(
         self, stream: int, chunk: replica_pb2.SnapshotChunk
@@ -149,56 +133,22 @@ class SlaveSide(CoreView):
         history: Iterable[tuple[int, int]],
         source: str,
     ) -> int | None:
-        """Installs one snapshot chunk on the store thread (commit lock held): chunk 0
-        begins the install, the last (`last`) finishes it with `history`. Returns the
-        snapshot's LSN once installed, else None. A slave's stream and a new master's
-        reorganization fetch share it; store errors are the caller's to map."""
+        """Installs one snapshot chunk (commit lock held) as ``ReplicaDriver.install_snapshot``
+        says, its store operations on the store thread: chunk 0 begins the install, the
+        last (`last`) finishes it with `history`. Returns the snapshot's LSN once
+        installed, else None. A slave's stream and a new master's reorganization fetch
+        share it; store errors are the caller's to map."""
+        steps = self.driver.install_snapshot(chunk, last=last, history=history, source=source)
         loop = asyncio.get_running_loop()
-        store = self.store
-        if chunk.index == 0:
-            log.warning(
-                "replica %s installing a snapshot at LSN %d (epoch %d) from %s: its state "
-                "and log (last LSN %d) are replaced",
-                self.node_id,
-                chunk.snapshot_lsn,
-                chunk.snapshot_epoch,
-                source,
-                self._last_lsn,
-            )
-            await loop.run_in_executor(
-                self._io,
-                functools.partial(store.begin_snapshot, chunk.snapshot_lsn, chunk.snapshot_epoch),
-            )
-            # The store reports itself empty until the install finishes.
-            self.driver.snapshot_begun()
-        await loop.run_in_executor(self._io, store.install_chunk, chunk)
-        if not last:
-            return None
-        lsn = chunk.snapshot_lsn
-        commit_lsn = min(chunk.commit_lsn, lsn)
-        uncommitted = [(u.topic, u.first_offset, u.last_lsn) for u in chunk.uncommitted]
-        await loop.run_in_executor(
-            self._io,
-            functools.partial(
-                store.finish_snapshot,
-                list(history),
-                commit_lsn=commit_lsn,
-                uncommitted=uncommitted,
-            ),
-        )
-        hidden = self.driver.snapshot_finished(lsn, commit_lsn, uncommitted)
-        log.info(
-            "replica %s installed the snapshot at LSN %d (epoch %d) from %s; the log "
-            "continues from LSN %d; commit LSN %d, %d topics hold uncommitted events",
-            self.node_id,
-            lsn,
-            chunk.snapshot_epoch,
-            source,
-            lsn + 1,
-            commit_lsn,
-            hidden,
-        )
-        return lsn
+        try:
+            call = next(steps)
+            # One store operation per step of the install: at most three.
+            while True:
+                await loop.run_in_executor(self._io, call)
+                call = steps.send(None)
+        except StopIteration as done:
+            installed: int | None = done.value
+            return installed
 
     def heartbeat(
         self, stream: int, heartbeat: replica_pb2.ReplicationHeartbeat
@@ -212,14 +162,42 @@ class SlaveSide(CoreView):
             )
         return ack
 
-    async def _apply_log_effects(self, effects: Effects) -> list[replica_pb2.ReplicationAck]:
-        """Carries out the log effects of a batch (commit lock held), in the order of
-        ``Effects``: compaction, then commit advance; returns the acks to send."""
-        compact_from, acks = self.driver.log_effects(effects)
-        if compact_from:
-            await self._compact(compact_from)
-        self.driver.advance(effects)
-        return acks
+    async def _batch_steps(
+        self,
+        steps: Generator[BatchStep, None, list[replica_pb2.ReplicationAck]],
+        follower: Follower,
+    ) -> list[replica_pb2.ReplicationAck]:
+        """Carries out a batch's store steps (commit lock held) in the driver's order
+        (``ReplicaDriver.write_batch``); returns the acks to send. A failed truncation
+        or append closes the stream with the driver's status (and may fail-stop)."""
+        try:
+            step = next(steps)
+            # At most three steps: truncate, append, compact.
+            while True:
+                if isinstance(step, CompactLog):
+                    await self._compact(step.keep_from_lsn)
+                else:
+                    try:
+                        if isinstance(step, TruncateLog):
+                            await self._truncate_locked(
+                                step.keep_lsn, f"master {follower.state().master_id}"
+                            )
+                        else:
+                            await self._append(
+                                step.entries, sync=step.sync, commit_lsn=step.commit_lsn
+                            )
+                    except (StoreError, ServiceError) as exc:
+                        error, fail_stop = self.driver.batch_failed(follower, exc)
+                        if fail_stop:
+                            self._fail_stop(fail_stop)
+                        raise error from exc
+                    if _stages.ENABLED and isinstance(step, AppendBatch):
+                        for entry in step.entries:
+                            _stages.mark("s.stored", f"lsn/{entry.lsn}")
+                step = steps.send(None)
+        except StopIteration as done:
+            acks: list[replica_pb2.ReplicationAck] = done.value
+            return acks
 
     async def _record_commit(self, commit_lsn: int) -> None:
         """Records a commit LSN learnt without a batch (a heartbeat: the stream is idle),

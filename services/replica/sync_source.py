@@ -3,8 +3,9 @@ with the log after where the two logs part, or with a snapshot and the log after
 the new master cannot take the log alone (its log is compacted, shares no entry with
 ours, or lacks entries ours compacted).
 
-The synchronous ``ReplicaDriver`` decides the answer (``fetch_answer``); ``SyncSource``
-reads the log on a worker thread and pumps the snapshot (``snapshot_pump``) under the
+The synchronous ``ReplicaDriver`` decides the answer (``fetch_answer``) and
+``FetchServing`` which messages carry it (the replication simulator sends the same);
+``SyncSource`` reads the log on a worker thread and pumps the snapshot (``snapshot_pump``) under the
 commit lock, so no batch is half-applied under the snapshot's LSN.
 """
 
@@ -19,6 +20,7 @@ from squall.v1 import replica_pb2
 from squall_server.common.clock import Clock
 from squall_server.common.config import ClusterConfig
 from squall_server.replica.driver import ReplicaDriver
+from squall_server.replica.fetch_serving import FetchServing
 from squall_server.replica.snapshot_pump import pump_snapshot
 from squall_server.replica.store import Store
 from squall_server.replica.visibility import CommitGate
@@ -70,56 +72,24 @@ class SyncSource:
             is_master=self._is_master(),
             step_max=self.config.limits.commit_batch_max_entries,
         )
-        meta, fork, diverged, why_snapshot, step = (
-            answer.meta,
-            answer.fork,
-            answer.diverged,
-            answer.why_snapshot,
-            answer.step,
-        )
-        if why_snapshot:
-            snapshot_lsn = 0
+        serving = FetchServing(answer, lambda: self.gate.commit_lsn)
+        if serving.snapshot:
             async for chunk in self._export_snapshot(request.node_id[:64]):
-                snapshot_lsn = chunk.snapshot_lsn
-                yield replica_pb2.FetchLogResponse(snapshot=chunk, cluster_id=meta.cluster_id)
-            # The log after the snapshot, as far as it reached when the fetch began (our
-            # log may have grown while the snapshot was read: the rest is its tail).
-            last_lsn = max(meta.last_lsn, self.store.meta().last_lsn)
-            async for batch in self._log_batches(snapshot_lsn + 1, last_lsn, step, meta.epoch):
-                yield replica_pb2.FetchLogResponse(entries=batch, cluster_id=meta.cluster_id)
-            return
-        yield replica_pb2.FetchLogResponse(
-            entries=replica_pb2.EntryBatch(
-                epoch=meta.epoch,
-                truncate_after_lsn=fork if diverged else 0,
-                commit_lsn=self.gate.commit_lsn,
-            ),
-            cluster_id=meta.cluster_id,
-        )
-        async for batch in self._log_batches(fork + 1, meta.last_lsn, step, meta.epoch):
-            yield replica_pb2.FetchLogResponse(entries=batch, cluster_id=meta.cluster_id)
+                yield serving.snapshot_chunk(chunk)
+            serving.snapshot_sent(self.store.meta().last_lsn)
+        else:
+            yield serving.opening()
+        # One read per batch of the answer: bounded by where the log ended.
+        while (read := serving.next_read()) is not None:
+            entries = await asyncio.to_thread(self.store.read_log, *read)
+            response = serving.entries_read(entries)
+            if response is None:
+                break
+            yield response
 
     def stamp_snapshot(self, chunk: replica_pb2.SnapshotChunk) -> None:
         """On a snapshot's last chunk: what the receiver must hide (the driver's)."""
         self.driver.stamp_snapshot(chunk)
-
-    async def _log_batches(
-        self, from_lsn: int, to_lsn: int, step: int, epoch: int
-    ) -> AsyncIterator[replica_pb2.EntryBatch]:
-        """The log from from_lsn to to_lsn in batches of at most step entries."""
-        store = self.store
-        next_lsn = from_lsn
-        # One batch per step: bounded by to_lsn.
-        while next_lsn <= to_lsn:
-            count = min(step, to_lsn - next_lsn + 1)
-            entries = await asyncio.to_thread(store.read_log, next_lsn, count)
-            if not entries:
-                break
-            # Our commit LSN as of now: what the requester may show its subscribers.
-            yield replica_pb2.EntryBatch(
-                entries=entries, epoch=epoch, commit_lsn=self.gate.commit_lsn
-            )
-            next_lsn = entries[-1].lsn + 1
 
     async def _export_snapshot(self, requester: str) -> AsyncIterator[replica_pb2.SnapshotChunk]:
         """This store's snapshot for a fetch (``snapshot_pump``: one read transaction on

@@ -174,7 +174,9 @@ class TakingMaster(CoreView):
                 epoch,
                 progress or SyncProgress(epoch, sync_source_id, self.clock.monotonic_ms()),
             )
-        core: ReplicationMaster[Waiting] = self.driver.master_core(
+        # The role may be taken long after its SetRole call (a reorganization sync):
+        # refused if abandoned meanwhile.
+        core: ReplicationMaster[Waiting] = self.driver.hold_master(
             master_config(
                 self.config,
                 self.node.id,
@@ -204,8 +206,6 @@ class TakingMaster(CoreView):
             stamp_snapshot=self.driver.stamp_snapshot,
             observability=self.telemetry,
         )
-        # The role may be taken long after its SetRole call (a reorganization sync).
-        self.driver.master_taken(epoch)  # refused if abandoned meanwhile
         self._set_master(driver)
         driver.start()
         loop = asyncio.get_running_loop()
@@ -281,8 +281,7 @@ class TakingMaster(CoreView):
                             raise _Diverged(step.keep_lsn)
                         elif isinstance(step, StoreFetched):
                             progress.phase = "fetching log"
-                            await self._store_fetched(step.entries, step.commit_lsn, sync=sync)
-                            driver.fetched_entries_stored(tail, step)
+                            await self._store_fetched(tail, step, sync=sync)
                             progress.entries_fetched = tail.entries
                     break
                 except _Diverged as diverged:
@@ -310,8 +309,7 @@ class TakingMaster(CoreView):
                     call.cancel()  # a no-op once the stream ended
         finally:
             await links.close()
-        meta = self.store.meta()
-        self.core.log_reset(meta.last_lsn, self._log_start_lsn)
+        meta = self.driver.fetch_finished()
         log.info(
             "replica %s synced from %s for epoch %d: %s%d entries fetched, log at epoch %d "
             "LSN %d (from LSN %d), commit LSN %d, %d publishes hidden until committed: %s",
@@ -328,25 +326,25 @@ class TakingMaster(CoreView):
             progress.describe(self.clock.monotonic_ms()),
         )
 
-    async def _store_fetched(
-        self, entries: list[replica_pb2.LogEntry], source_commit_lsn: int, *, sync: bool
-    ) -> None:
-        """Appends fetched entries; their publishes above the source's commit LSN stay
-        hidden from committed reads until this node's own commit LSN passes them."""
+    async def _store_fetched(self, tail: FetchTail, step: StoreFetched, *, sync: bool) -> None:
+        """Appends fetched entries as ``ReplicaDriver.store_fetched`` says (commit lock
+        held, the append on the store thread)."""
+        steps = self.driver.store_fetched(tail, step, sync=sync)
+        loop = asyncio.get_running_loop()
         async with self._commit_lock:
-            self.driver.hide_uncommitted(entries, source_commit_lsn)
             try:
-                await asyncio.get_running_loop().run_in_executor(
-                    self._io,
-                    functools.partial(
-                        self.driver.store_append, entries, sync=sync, commit_lsn=source_commit_lsn
-                    ),
-                )
-            except Exception:
-                # (Cancelled: the store thread may still append; cancel rebuilds.)
-                self.driver.fetched_store_failed()
-                raise
-            self.driver.fetched_stored(entries[-1].lsn, source_commit_lsn)
+                call = next(steps)
+                # One store operation: the append.
+                while True:
+                    try:
+                        await loop.run_in_executor(self._io, call)
+                    except Exception:
+                        # (Cancelled: the store thread may still append; cancel rebuilds.)
+                        self.driver.fetched_store_failed()
+                        raise
+                    call = steps.send(None)
+            except StopIteration:
+                return
 
     async def _fetched_snapshot_chunk(
         self, chunk: replica_pb2.SnapshotChunk, epoch: int, source_id: str, *, after_entries: bool
@@ -456,12 +454,10 @@ class TakingMaster(CoreView):
         # A cancelled await does not stop the store thread: what it was doing finishes
         # before this job runs, so the log no longer grows once this returns (a
         # deactivation's report says so), and the gate is rebuilt from what was stored.
-        self.gate = await asyncio.get_running_loop().run_in_executor(
+        gate = await asyncio.get_running_loop().run_in_executor(
             self._io, self._gate_from_store, "reorganization interrupted"
         )
-        meta = self.store.meta()
-        self.core.log_reset(meta.last_lsn, self.store.log_start_lsn(), self.gate.commit_lsn)
-        self._notify_committed()
+        self.driver.taking_stopped(gate)
 
 
 class _Diverged(Exception):

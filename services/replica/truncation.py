@@ -85,23 +85,9 @@ class Truncation(CoreView):
     async def truncate_locked(self, keep_lsn: int, why: str) -> None:
         """truncate_after with the commit lock held."""
         truncator = self.truncator
+        self.driver.check_truncation(keep_lsn, why, can_truncate=truncator is not None)
+        assert truncator is not None  # (check_truncation refused otherwise)
         meta = self.store.meta()
-        log_start = self.store.log_start_lsn()
-        if log_start > 1:
-            # Replaying needs the log from LSN 1; only a snapshot can undo applied entries
-            # now (a master sends one to a slave whose Position shows a compacted log).
-            raise ServiceError(
-                Code.FAILED_PRECONDITION,
-                f"replica {self.node_id} (epoch {self.epoch}, last LSN {meta.last_lsn}) must "
-                f"truncate its log after LSN {keep_lsn} ({why}), but its log starts at LSN "
-                f"{log_start} (compacted or installed from a snapshot): it needs a snapshot",
-            )
-        if truncator is None:
-            raise ServiceError(
-                Code.FAILED_PRECONDITION,
-                f"replica {self.node_id} (epoch {self.epoch}, last LSN {meta.last_lsn}) must "
-                f"truncate its log after LSN {keep_lsn} ({why}), and this store cannot",
-            )
         log.warning(
             "replica %s truncating its log after LSN %d (it ends at %d; %s): epoch=%d",
             self.node_id,

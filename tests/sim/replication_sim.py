@@ -4,9 +4,19 @@ Every node runs the real ``Election`` (through the election simulator's driver, 
 faults, which this module extends) and the shipped replica code: a ``ReplicaDriver``
 (``services/replica/driver.py``) with its ``ReplicaCore`` over a real ``Store`` on
 ``MemoryKV``, and, while the election makes it master, a ``ReplicationMaster`` made by that
-driver whose ``Actions`` the shipped ``MasterSteps`` apply. This module is the shell
-``ReplicaNode`` and ``MasterDriver`` are in the service: it carries messages, timers and
-store delays, in the order the shell documents. Clients write to whichever node they
+driver whose ``Actions`` the shipped ``MasterSteps`` apply. The replica's decisions are
+shipped code: role commands go to the core and are carried out through the driver's role
+steps; a sync source's answer is the driver's (``fetch_answer``), sent message by message
+as ``FetchServing`` says; a new master's fetch is stepped by the driver (``fetch_step``,
+``store_fetched``, ``fetch_finished``); snapshot chunks are installed and slaves' batches
+written by the driver's store steps (``install_snapshot``, ``write_batch``); the master
+role is held by ``hold_master`` and its epoch start planned by the writer's planning. What
+this module carries itself is what the asyncio shells carry around those calls, over its
+own network and clock: messages and their faults, streams and their reconnection,
+keepalive and stall detection (``MasterDriver``'s part), the store's delays, timers,
+the catch-up's retry and timeout (the shell bounds each message of the fetch instead),
+when masters compact (a fault: lagging slaves get snapshots), and the checker's view of
+every log. Clients write to whichever node they
 believe is master. One seed decides everything; the only randomness is
 ``random.Random`` seeded from it.
 
@@ -28,35 +38,44 @@ What is modelled
   that rely on durability for that seed (reported as "degraded" seeds). A snapshot install
   cut short leaves the store empty, as the shipped store does.
 * **Roles.** Every role command goes to the node's ``ReplicaCore`` (``role_command``) and
-  its effects are carried out by ``ReplicaDriver.role_steps`` (persisting the epoch and
-  cluster id, making the follower); a command the core refuses is answered as refused and
-  the coordinator recovers.
-* **Master.** On a MASTER command the node first brings its store to the sync source's
-  state (the reorganization rule) by a **transfer over the simulated network**: a request
-  (``ReplicaDriver.fetch_request``) to the source, retried until an answer arrives; the
-  source answers from its store with the entries after the fork, or with a snapshot of its
-  store when the master's own log diverges (no store here can truncate) or the source no
-  longer retains them. The new master checks the fetched entries with the driver's checks
-  and installs a snapshot as a slave does. A master that cannot finish the transfer
-  (timeout, the source left the group, the source moved to a newer epoch) refuses the role
-  and its coordinator recovers, as ``services/coordinator/node.py`` does when its replica
-  refuses a role. Then the driver makes the ``ReplicationMaster`` (``master_core``;
-  ``truncate_by_snapshot=True``); the first append is the epoch-start entry. The shipped
-  ``MasterSteps`` (``services/replica/master_steps.py``) applies every ``Actions`` record
-  in its documented order and builds each granted batch (from its tail cache, or the
-  store's log); this module gives its outputs (the part ``MasterDriver`` does with streams
-  and tasks). The simulator's shell reconnects broken streams after a short backoff, closes
+  its effects are carried out by ``ReplicaDriver.role_steps`` in the order ``core.Effects``
+  documents, each step the driver leaves to the shell done as ``RoleApplication`` does it
+  (``CancelTaking``: the catch-up stops and ``taking_stopped`` re-reads the gate;
+  ``DropRole``: the master is deposed, the slave's stream ends once the batch being
+  written is written; ``PersistRole``; ``StartTaking``: the master role is taken after
+  the command; ``FollowMaster``: ``follow``; ``RenewMembers``: the master's group
+  shrinks); a command the core refuses is answered as refused and the coordinator
+  recovers.
+* **Master.** Taking the master role runs ``TakingMaster.become_master``'s sequence: the
+  epoch persisted (``take_master_persist``), then, unless the node is its own sync
+  source, the store brought to the sync source's state (the reorganization rule) by a
+  **transfer over the simulated network**: a request (``ReplicaDriver.fetch_request``) to
+  the source, retried until an answer arrives; the source answers as ``SyncSource``
+  does (``fetch_answer`` decides: the entries after the fork, or a snapshot of its store
+  when the master's own log diverges and cannot be truncated or the source no longer
+  retains them; ``FetchServing`` builds the messages). The new master steps each message
+  through the driver as ``TakingMaster._sync_from`` does; any refusal, a failed check or
+  store write, or no answer within the catch-up timeout fails the attempt and its
+  coordinator recovers, as ``services/coordinator/node.py`` does when its replica refuses
+  a role. Then the driver holds the role (``hold_master``: the ``ReplicationMaster`` over
+  the store, ``truncate_by_snapshot=True``), the streams open and the writer's planning
+  (``plan_batch``) builds the epoch-start entry. The shipped ``MasterSteps``
+  (``services/replica/master_steps.py``) applies every ``Actions`` record in its
+  documented order and builds each granted batch (from its tail cache, or the store's
+  log); this module gives its outputs (the part ``MasterDriver`` does with streams and
+  tasks). The simulator's shell reconnects broken streams after a short backoff, closes
   streams silent for four heartbeat intervals (gRPC keepalive) or whose in-flight entries
   stop being received for as long (see Network), and sometimes compacts the master's log
-  (so lagging slaves get snapshots). A reissued MASTER command of the same epoch only
-  shrinks the members. Deposed masters are kept, as the real driver's late stream input
-  would reach them, so late acks still arrive and must not move their commit LSN.
+  (so lagging slaves get snapshots). A reissued MASTER command of the same epoch renews
+  the group (the core's ``RenewMembers``) or joins the attempt under way. Deposed masters
+  are kept, as the real driver's late stream input would reach them, so late acks still
+  arrive and must not move their commit LSN.
 * **Slave.** Hello, batches, heartbeats and snapshot chunks go to the node's
-  ``ReplicaDriver`` (``hello``, ``batch``, ``batch_written``, ``log_effects``,
-  ``heartbeat``, ``snapshot_chunk``) in the order ``ReplicaNode.replication_*`` applies
-  them; a refusal closes the stream (a ``Close`` to the master, carrying the slave's epoch,
-  which reconnects, and for a newer epoch steps down). Slaves compact their logs beyond a
-  per-seed retention in seeds where masters compact.
+  ``ReplicaDriver`` (``hello``, ``batch`` then its ``write_batch`` store steps,
+  ``heartbeat``, ``snapshot_chunk`` then its ``install_snapshot`` steps) in the order
+  ``SlaveSide`` applies them; a refusal closes the stream (a ``Close`` to the master,
+  carrying the slave's epoch, which reconnects, and for a newer epoch steps down). Slaves
+  compact their logs beyond a per-seed retention in seeds where masters compact.
 * **Network.** Replication messages share the election's faulty network: partitions,
   pauses, delay, loss, duplication and, when the seed says so, reordering (otherwise each
   link is FIFO). That is harsher than gRPC, whose stream never drops or reorders a message
@@ -109,21 +128,21 @@ Simplifications: no deduplication of the plain writes (each payload is written o
 never retried; the topic workload above is deduplicated); one command per writer batch;
 no operator controls (quorum override, designated primary); no slow disk, and no failing
 one beyond the master's flush above.
-Still the simulator's own here, not shipped code (issue 15): the shells' plumbing
-around the drivers, in the order the shells have it — the streams, reconnection,
-keepalive and stall detection of ``MasterDriver`` (``open_stream``, ``stream_broken``,
-``master_tick``), the sync source's answer stream (``serve_catchup``: its decisions are
-``ReplicaDriver.fetch_answer``'s, the messages built as ``ReplicaNode.fetch_log`` builds
-them) and the new master's read loop (``on_catchup_reply``, as ``TakingMaster._sync_from``
-steps ``fetch_step``), the store calls of a slave's batch, install and truncation
-(``finish_write``, ``install_chunk``, ``truncate``: ``SlaveSide``'s batch and
-``install_snapshot_chunk``, ``Truncation.truncate_locked``), and the taking of the master
-role (``become_master``, ``start_serving``: ``TakingMaster``'s task). That plumbing is run
-as shipped by ``shell_sim.py``: three whole ``ReplicaNode``s (``MasterDriver``, the writer queue,
-``TakingMaster``/``SyncSource``, the slave servicer path, the lease watch) on a virtual-time
-event loop (``virtual_loop.py``) over the transport's twin (``shell_network.py``), with
-crashes, pauses, cuts, resets and slow and failing disks; its roles come from a seeded
-script following the coordinator's rules, where this module runs the shipped election.
+What this module still carries of the shells, beside the network (issue 15): the
+streams, reconnection, keepalive and stall detection of ``MasterDriver``
+(``open_stream``, ``stream_broken``, ``master_tick``); the loops that carry the driver's
+steps out (``serve_catchup``, ``on_catchup_reply``, ``batch_steps``, ``apply_role``), each
+a few lines of plumbing around shipped decisions; the writer's hand-off of a stored
+entry to the steps (``master_store``, as ``Writer._commit``: send before the flush);
+and the truncation of a divergent log (``truncate``: the shipped ``Truncation`` rebuilds
+an LMDB store through ``LmdbTruncator`` and refuses on the memory twin, so this module
+rebuilds the memory store with the shipped ``rebuild_into`` and hands it to the driver's
+``truncated``). The asyncio shells themselves run as shipped in ``shell_sim.py``: three
+whole ``ReplicaNode``s (``MasterDriver``, the writer queue, ``TakingMaster``/``SyncSource``,
+the slave servicer path, the lease watch) on a virtual-time event loop
+(``virtual_loop.py``) over the transport's twin (``shell_network.py``), with crashes,
+pauses, cuts, resets and slow and failing disks; its roles come from a seeded script
+following the coordinator's rules, where this module runs the shipped election.
 
 Phases: the safety phase injects the election simulator's faults while the checker
 (``replication_checker.py``) runs after every step; then the network heals and within
@@ -142,7 +161,7 @@ import logging
 import random
 import zlib
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from squall.v1 import common_pb2, replica_pb2
@@ -165,18 +184,27 @@ from squall_server.replica.core import (
     ReplicaCore,
     RoleOrder,
     StoreFacts,
+    TakeMaster,
 )
 from squall_server.replica.core import Role as CoreRole
 from squall_server.replica.divergence import History
 from squall_server.replica.driver import (
+    AppendBatch,
+    BatchStep,
+    CancelTaking,
+    DropRole,
     FollowMaster,
     InstallFetched,
     PersistRole,
+    RenewMembers,
     ReplicaDriver,
     StartTaking,
     StoreFetched,
     TruncateFetched,
+    TruncateLog,
+    run_store_steps,
 )
+from squall_server.replica.fetch_serving import FetchServing
 from squall_server.replica.follower import (
     BatchAccepted,
     Follower,
@@ -188,6 +216,7 @@ from squall_server.replica.replication import (
     AckPolicy,
     Actions,
     MasterConfig,
+    ReplicationError,
     ReplicationMaster,
     SlaveProgress,
     SlaveState,
@@ -251,13 +280,6 @@ def write_operation(name: str) -> bytes:
     store holds one record per write whatever snapshots and compactions do to the log."""
     return replica_pb2.Operation(
         create_topic=replica_pb2.CreateTopicOp(name=name, kind=common_pb2.TOPIC_KIND_REPLICATED)
-    ).SerializeToString()
-
-
-def epoch_start_operation(epoch: int, master_id: str) -> bytes:
-    """A new master's first entry of its epoch."""
-    return replica_pb2.Operation(
-        epoch_start=replica_pb2.EpochStartOp(epoch=epoch, master_id=master_id)
     ).SerializeToString()
 
 
@@ -514,6 +536,8 @@ class PendingWrite:
     driver said to store, the stream's follower, the batch and its stream."""
 
     accepted: BatchAccepted[Entry]
+    effects: Effects
+    """The core's effects that accepted it (``ReplicaDriver.write_batch`` writes them)."""
     follower: Follower
     batch: Batch
     key: StreamKey
@@ -959,33 +983,60 @@ class ReplicationSimulation(Simulation):
             )
         return driver.core.role_command(order, self.now_ms, StoreFacts(meta.epoch, meta.cluster_id))
 
-    def role_steps(self, node: str, effects: Effects) -> str:
-        """Carries out a role change's steps (``ReplicaDriver.role_steps``) as the replica
-        node does; returns the core's refusal ("" when none)."""
+    def apply_role(self, node: str, cmd: RoleCommand | None) -> tuple[str, TakeMaster | None]:
+        """A role command (None: DEACTIVATE) put to the node's ``ReplicaCore``, its effects
+        carried out by ``ReplicaDriver.role_steps`` in the order ``core.Effects``
+        documents, each step the driver leaves to the shell done as
+        ``RoleApplication.apply_effects`` does it, over this simulator's streams and
+        catch-up; returns the core's refusal ("" when none) and the master role to take
+        (the shell's background task, which the caller starts once the command is
+        applied)."""
         driver = self.driver_of(node)
+        take: TakeMaster | None = None
         try:
-            for step in driver.role_steps(effects):
-                if isinstance(step, PersistRole):
+            for step in driver.role_steps(self.order(node, cmd)):
+                if isinstance(step, CancelTaking):
+                    self.cancel_taking(node, step.why)
+                elif isinstance(step, DropRole):
+                    self.teardown(node, step.reason)
+                elif isinstance(step, PersistRole):
                     step.write()
-                elif isinstance(step, FollowMaster):
-                    driver.follow(step.follow, self.now_ms)
                 elif isinstance(step, StartTaking):
-                    self.rt[node].taking = step.take.epoch
-                    driver.take_master_persist(step.take.epoch, step.take.members)
+                    # What the role before left in this shell goes (a deposed master's
+                    # streams, a slave's stream and the batch being written).
+                    self.teardown(node, f"now master of epoch {step.take.epoch}")
+                    take = step.take
+                elif isinstance(step, FollowMaster):
+                    # The commit lock: the batch being written finishes, the stream ends.
+                    self.teardown(node, f"now following {step.follow.master_id}")
+                    driver.follow(step.follow, self.now_ms)
+                elif isinstance(step, RenewMembers):
+                    self.renew_members(node, step.members)
+                # JoinTaking: the catch-up under way answers the command.
         except ServiceError as exc:
-            return exc.message
-        return ""
+            return exc.message, None
+        return "", take
+
+    def cancel_taking(self, node: str, why: str) -> None:
+        """The core abandoned the master role being taken (``TakingMaster.cancel``): the
+        catch-up stops, and the driver re-reads committed reads from what was stored."""
+        rt = self.rt[node]
+        if rt.catchup is None and not rt.taking:
+            return  # the attempt ended already
+        self.note(f"{node} abandons taking the master role", why)
+        rt.catchup = None
+        rt.taking = 0
+        driver = self.driver_of(node)
+        driver.taking_stopped(gate_from_store(driver.store))
 
     def deactivate_replica(self, node: str) -> None:
         """Stop serving: depose a master, wait for a slave's pending writes, drop the role."""
-        self.teardown(node, "the coordinator deactivated the replica")
-        self.role_steps(node, self.order(node, None))
+        self.apply_role(node, None)
         super().deactivate_replica(node)
 
     def follow_master(self, node: str, cmd: RoleCommand) -> None:
         """The replica's core takes the slave role (the driver makes its Follower)."""
-        self.teardown(node, f"now following {cmd.master_id}")
-        refusal = self.role_steps(node, self.order(node, cmd))
+        refusal, _ = self.apply_role(node, cmd)
         if refusal:
             self.note(f"{node} refuses slave role", refusal)
             self.stores[node].role = Role.INACTIVE
@@ -999,7 +1050,9 @@ class ReplicationSimulation(Simulation):
         rt.core_stream = 0
 
     def become_master(self, node: str, cmd: RoleCommand) -> None:
-        """Catch up from the sync source, then serve as master of ``cmd.epoch``."""
+        """Take the master role as the core says: catch up from the sync source, then
+        serve as master of ``cmd.epoch``; a reissued command of the epoch renews the
+        members or joins the catch-up under way."""
         replica = self.stores[node]
         reissue = replica.role is Role.MASTER and replica.epoch == cmd.epoch
         logs = {x: (r.last_epoch, r.last_lsn) for x, r in self.replicas.items()}
@@ -1007,33 +1060,39 @@ class ReplicationSimulation(Simulation):
             self.checker.check_master(node, cmd, logs, self.durable, reissue)
         except InvariantViolation as exc:
             raise self.fail(str(exc)) from None
-        rt = self.rt[node]
-        if reissue:
-            refusal = self.role_steps(node, self.order(node, cmd))
-            if refusal:
-                self.give_up(node, refusal)
-                return
-            self.members_shrank(node, cmd)
-            return
-        self.teardown(node, f"now master of epoch {cmd.epoch}")
-        refusal = self.role_steps(node, self.order(node, cmd))
+        refusal, take = self.apply_role(node, cmd)
         if refusal:
             self.give_up(node, refusal)
             return
-        self.role_taken(node, cmd.epoch)
+        if take is None:
+            return  # members renewed, or the catch-up under way continues
+        self.role_taken(node, take.epoch)
         replica.take_role(cmd.cluster_id)
-        replica.role, replica.epoch, replica.master = Role.MASTER, cmd.epoch, node
-        rt.epoch, rt.members = cmd.epoch, cmd.members
-        if cmd.sync_source_id == node or not self.catch_up_needed(node, cmd):
+        replica.role, replica.epoch, replica.master = Role.MASTER, take.epoch, node
+        self.start_taking(node, take)
+
+    def start_taking(self, node: str, take: TakeMaster) -> None:
+        """The task taking the master role (``TakingMaster.become_master``): persist the
+        epoch, catch up from the sync source unless this node is it, then serve."""
+        rt = self.rt[node]
+        rt.taking = take.epoch
+        try:
+            self.driver_of(node).take_master_persist(take.epoch, take.members)
+        except ServiceError as exc:
+            self.give_up(node, exc.message)
+            return
+        rt.epoch, rt.members = take.epoch, take.members
+        source = take.sync_source_id
+        if not source or source == node or not self.catch_up_needed(node, take):
             self.start_serving(node)
             return
-        rt.catchup = CatchUp(cmd.sync_source_id, self.now_ms + self.catchup_timeout_ms, 0)
-        self.note(f"{node} catch-up", f"from {cmd.sync_source_id} for epoch {cmd.epoch}")
+        rt.catchup = CatchUp(source, self.now_ms + self.catchup_timeout_ms, 0)
+        self.note(f"{node} catch-up", f"from {source} for epoch {take.epoch}")
         if self.healed_at is None and self.rrng.random() < self.params.source_fault_p:
-            self.source_fault(cmd.sync_source_id)
+            self.source_fault(source)
         self.request_catchup(node)
 
-    def catch_up_needed(self, node: str, cmd: RoleCommand) -> bool:
+    def catch_up_needed(self, node: str, take: TakeMaster) -> bool:
         """A new master brings its store to its sync source's state first (a planted bug
         skips it)."""
         return True
@@ -1045,33 +1104,28 @@ class ReplicationSimulation(Simulation):
         except InvariantViolation as exc:
             raise self.violation(exc) from None
 
-    def members_shrank(self, node: str, cmd: RoleCommand) -> None:
-        """A reissued MASTER command: the group lost members.
-
-        Its sync source is taken at its word, as the RoleCommand docstring puts it: another
-        node means "bring the store to that node's state first"; this node means "the store
-        is the reference". (The election once reissued with this node as the source although
-        the epoch's source was another, and such a driver then lost acknowledged writes.)
-        """
+    def renew_members(self, node: str, members: tuple[str, ...]) -> None:
+        """A master renewal naming another group (the core's ``RenewMembers``), as
+        ``RoleApplication._renew_members`` tells the epoch's replication: the group
+        shrank within the epoch. (A command repeating the master role being taken joins
+        it instead: that attempt keeps the members it was given.)"""
         rt = self.rt[node]
-        rt.members = cmd.members
-        if rt.catchup is not None and cmd.sync_source_id == node:
-            rt.catchup = None
-            self.start_serving(node)
-            return
-        if rt.catchup is not None:
-            rt.catchup.source = cmd.sync_source_id
-            if cmd.sync_source_id not in cmd.members:
-                self.give_up(
-                    node, f"sync source {rt.catchup.source} left the group before the catch-up"
-                )
-            return
         core = rt.core
-        if core is not None and not core.deposed:
-            for gone in set(core.members) - set(cmd.members):
-                rt.last_heard.pop(gone, None)
-                rt.reconnect_at.pop(gone, None)
-            self.apply_master(node, core, core.set_members(cmd.members))
+        if core is None or core.deposed or set(members) == set(core.members):
+            return
+        rt.members = members
+        for gone in set(core.members) - set(members):
+            rt.last_heard.pop(gone, None)
+            rt.reconnect_at.pop(gone, None)
+        try:
+            actions = core.set_members(list(members))
+        except ReplicationError as exc:
+            raise ServiceError(
+                Code.FAILED_PRECONDITION,
+                f"replica {node} (master, epoch {core.epoch}) cannot take members "
+                f"{','.join(members)}: {exc}",
+            ) from exc
+        self.apply_master(node, core, actions)
 
     def teardown(self, node: str, reason: str) -> None:
         """Drop whatever role the replica had (in-process: deposes, flushes pending writes)."""
@@ -1146,9 +1200,10 @@ class ReplicationSimulation(Simulation):
         self.net_send(node, rt.catchup.source, CatchUpRequest(rt.epoch, request))
 
     def serve_catchup(self, node: str, src: str, body: CatchUpRequest) -> None:
-        """The sync source answers from its store as ``ReplicaNode.fetch_log`` does: its
-        driver decides (``fetch_answer``); the answer is read at once (nothing changes
-        the store meanwhile in this simulator)."""
+        """The sync source answers from its store as ``SyncSource.fetch_log`` does: its
+        driver decides (``fetch_answer``) and ``FetchServing`` builds the messages; the
+        answer is read at once (nothing changes the store meanwhile in this simulator)
+        and travels as one network message."""
         store = self.stores[node]
         driver = self.driver_of(node)
         request = body.request
@@ -1162,41 +1217,19 @@ class ReplicationSimulation(Simulation):
             reply = CatchUpReply(body.epoch, request.last_lsn, (), (), exc.code.name, exc.message)
             self.net_send(node, src, reply)
             return
-        meta = answer.meta
-        commit = driver.gate.commit_lsn
+        # The messages of the answer, as ``SyncSource.fetch_log`` sends them.
+        serving = FetchServing(answer, lambda: driver.gate.commit_lsn)
         responses: list[replica_pb2.FetchLogResponse] = []
-        if answer.why_snapshot:
-            chunks = self.export_snapshot(node)
-            responses.extend(
-                replica_pb2.FetchLogResponse(snapshot=chunk, cluster_id=meta.cluster_id)
-                for chunk in chunks
-            )
-            next_lsn = chunks[0].snapshot_lsn + 1
+        if serving.snapshot:
+            responses.extend(serving.snapshot_chunk(c) for c in self.export_snapshot(node))
+            serving.snapshot_sent(store.db.meta().last_lsn)
         else:
-            responses.append(
-                replica_pb2.FetchLogResponse(
-                    entries=replica_pb2.EntryBatch(
-                        epoch=meta.epoch,
-                        truncate_after_lsn=answer.fork if answer.diverged else 0,
-                        commit_lsn=commit,
-                    ),
-                    cluster_id=meta.cluster_id,
-                )
-            )
-            next_lsn = answer.fork + 1
-        # One batch per step: bounded by the log's end.
-        while next_lsn <= meta.last_lsn:
-            count = min(answer.step, meta.last_lsn - next_lsn + 1)
-            entries = store.db.read_log(next_lsn, count)
-            responses.append(
-                replica_pb2.FetchLogResponse(
-                    entries=replica_pb2.EntryBatch(
-                        entries=entries, epoch=meta.epoch, commit_lsn=commit
-                    ),
-                    cluster_id=meta.cluster_id,
-                )
-            )
-            next_lsn += count
+            responses.append(serving.opening())
+        while (read := serving.next_read()) is not None:
+            response = serving.entries_read(driver.store.read_log(*read))
+            if response is None:
+                break
+            responses.append(response)
         reply = CatchUpReply(body.epoch, request.last_lsn, tuple(responses), tuple(store.log))
         self.net_send(node, src, reply)
 
@@ -1216,26 +1249,22 @@ class ReplicationSimulation(Simulation):
         last: bool,
         history: Sequence[tuple[int, int]],
         ghost: Sequence[Entry],
+        source: str,
     ) -> int | None:
-        """One snapshot chunk into the store as ``SlaveSide.install_snapshot_chunk``
-        does (a slave's stream and a new master's fetch share it); after the last, the
+        """One snapshot chunk into the store by ``ReplicaDriver.install_snapshot``, as
+        ``SlaveSide.install_snapshot_chunk`` installs it (a slave's stream and a new
+        master's fetch share it), its store operations run at once; after the last, the
         checker's view becomes the log the snapshot was built from. Returns the
         snapshot's LSN once installed."""
         store = self.stores[node]
         driver = self.driver_of(node)
-        db = store.db
         if chunk.index == 0:
-            db.begin_snapshot(chunk.snapshot_lsn, chunk.snapshot_epoch)
-            driver.snapshot_begun()
-            store.installing = True
-        db.install_chunk(chunk)
-        if not last:
+            store.installing = True  # the store reports itself empty from the begin on
+        lsn = run_store_steps(
+            driver.install_snapshot(chunk, last=last, history=history, source=source)
+        )
+        if lsn is None:
             return None
-        lsn = chunk.snapshot_lsn
-        commit_lsn = min(chunk.commit_lsn, lsn)
-        uncommitted = [(u.topic, u.first_offset, u.last_lsn) for u in chunk.uncommitted]
-        db.finish_snapshot(list(history), commit_lsn=commit_lsn, uncommitted=uncommitted)
-        driver.snapshot_finished(lsn, commit_lsn, uncommitted)
         staged = list(ghost)
         if len(staged) != lsn or any(e.lsn != i + 1 for i, e in enumerate(staged)):
             raise self.fail(f"node {node}: snapshot at {lsn} built from {len(staged)} entries")
@@ -1270,16 +1299,8 @@ class ReplicationSimulation(Simulation):
             return
         store = self.stores[node]
         if reply.error_code:
-            if reply.error_code == "FAILED_PRECONDITION":
-                self.give_up(node, f"sync source {src} refused the fetch: {reply.error}")
-            return  # anything else: the next attempt asks again
-        moved = reply.ghost[-1].epoch if reply.ghost else 0
-        if moved >= rt.epoch:
-            self.give_up(
-                node,
-                f"sync source {src} holds entries of epoch {moved}, not older than "
-                f"{rt.epoch}: it moved on",
-            )
+            # As ``TakingMaster._sync_from``: a refused fetch fails the attempt.
+            self.give_up(node, f"sync source {src} refused the fetch: {reply.error}")
             return
         driver = self.driver_of(node)
         tail = driver.fetch_begin()
@@ -1300,6 +1321,7 @@ class ReplicationSimulation(Simulation):
                         last=chunk.last,
                         history=[(b.epoch, b.start_lsn) for b in chunk.history],
                         ghost=reply.ghost,
+                        source=f"sync source {src}",
                     )
                     driver.fetched_chunk_installed(tail, chunk, lsn)
                 elif isinstance(step, TruncateFetched):
@@ -1307,19 +1329,15 @@ class ReplicationSimulation(Simulation):
                     self.request_catchup(node)  # and fetch again, from the truncated log
                     return
                 elif isinstance(step, StoreFetched):
-                    driver.hide_uncommitted(step.entries, step.commit_lsn)
-                    driver.store_append(step.entries, sync=sync, commit_lsn=step.commit_lsn)
+                    run_store_steps(driver.store_fetched(tail, step, sync=sync))
                     self.append_log(node, step.entries)
-                    driver.fetched_stored(step.entries[-1].lsn, step.commit_lsn)
-                    driver.fetched_entries_stored(tail, step)
         except ServiceError as exc:
             self.give_up(node, exc.message)
             return
         except StoreError as exc:
             self.give_up(node, f"storing the log fetched from {src} failed: {exc}")
             return
-        meta = store.db.meta()
-        driver.core.log_reset(meta.last_lsn, store.db.log_start_lsn())
+        driver.fetch_finished()
         self.check_store(node)
         store.synced_lsn = len(store.log)
         self.note(f"{node} caught up", f"from {src}: log now ends at {len(store.log)}")
@@ -1328,18 +1346,14 @@ class ReplicationSimulation(Simulation):
 
     def truncate(self, node: str, keep_lsn: int) -> None:
         """Truncates the node's log after keep_lsn as ``Truncation.truncate_locked`` does:
-        the store is rebuilt from its own log (``rebuild.rebuild_into``, here into a fresh
-        in-memory store) and the driver follows; a log that no longer starts at LSN 1
-        cannot be replayed (FAILED_PRECONDITION: it needs a snapshot)."""
+        the driver's check (a log that no longer starts at LSN 1 cannot be replayed:
+        FAILED_PRECONDITION, it needs a snapshot), then the store is rebuilt from its
+        own log (``rebuild.rebuild_into``, here into a fresh in-memory store, where the
+        shipped code stages and swaps an LMDB store) and the driver follows."""
         store = self.stores[node]
         driver = self.driver_of(node)
-        log_start = store.db.log_start_lsn()
-        if log_start > 1:
-            raise ServiceError(
-                Code.FAILED_PRECONDITION,
-                f"replica {node} must truncate its log after LSN {keep_lsn}, but its log "
-                f"starts at LSN {log_start}: it needs a snapshot",
-            )
+        # This store can truncate: it is rebuilt here as the LMDB truncator rebuilds.
+        driver.check_truncation(keep_lsn, "simulated", can_truncate=True)
         fresh = Store.open_memory(keep_unsynced=True)
         rebuild_into(store.db, fresh, keep_lsn)
         fresh.sync()  # as the LMDB truncator flushes the staged store before the swap
@@ -1351,12 +1365,14 @@ class ReplicationSimulation(Simulation):
         self.check_store(node)
 
     def start_serving(self, node: str) -> None:
-        """The replica's driver makes the ReplicationMaster over the store; append the
-        epoch-start entry, open the streams, and tell the core the role is held."""
+        """The end of ``TakingMaster.become_master``: the driver makes the epoch's
+        ReplicationMaster over the store and holds the role (``hold_master``); the
+        streams open and the writer plans and appends the epoch start (``StartEpoch``);
+        once appended the attempt has ended (``taking_finished``)."""
         store, rt = self.stores[node], self.rt[node]
         driver = self.driver_of(node)
         try:
-            core: ReplicationMaster[int] = driver.master_core(
+            core: ReplicationMaster[int] = driver.hold_master(
                 self.master_cfg[node], rt.epoch, rt.members
             )
         except ServiceError as exc:
@@ -1365,25 +1381,25 @@ class ReplicationSimulation(Simulation):
         rt.core = core
         rt.zombie = None
         self.rchecker.master_started(node, rt.epoch, core.commit_lsn)
-        log = store.log
-        self.note(f"{node} serving", f"master of epoch {rt.epoch}, log ends at {len(log)}")
-        self.master_append(node, core, epoch_start_operation(rt.epoch, node))
+        self.note(f"{node} serving", f"master of epoch {rt.epoch}, log ends at {len(store.log)}")
+        for slave in core.members:
+            if slave != node:
+                self.open_stream(node, core, slave)
+        planned = driver.plan_batch(
+            [commands.StartEpoch(epoch=rt.epoch, master_id=node)],
+            limits=topic_state.LIMITS,
+            epoch=core.epoch,
+            now_ms=0,
+        )
+        if planned.refused or planned.faults:
+            raise self.fail(f"node {node}: the epoch start was refused: {planned}")
+        for entry in planned.entries:
+            self.master_store(node, core, entry)
         if core.deposed:
             return  # the epoch start's flush failed (flush_failed): the process goes down
         if rt.taking:
             epoch, rt.taking = rt.taking, 0
-            driver.master_taken(epoch)
             driver.taking_finished(epoch, None, self.now_ms)
-        for slave in core.members:
-            if slave != node:
-                self.open_stream(node, core, slave)
-
-    def master_append(self, node: str, core: ReplicationMaster[int], operation: bytes) -> int:
-        """Append one entry of this master's epoch; returns its LSN."""
-        store = self.stores[node]
-        entry = make_entry(len(store.log) + 1, core.epoch, operation)
-        self.master_store(node, core, entry)
-        return entry.lsn
 
     def master_store(
         self, node: str, core: ReplicationMaster[int], entry: replica_pb2.LogEntry
@@ -1883,6 +1899,7 @@ class ReplicationSimulation(Simulation):
                     last=result.install,
                     history=result.history,
                     ghost=body.ghost,
+                    source=f"master {follower.state().master_id}",
                 )
                 if installed is not None:
                     ack = driver.snapshot_installed_ack(follower, installed)
@@ -1906,18 +1923,16 @@ class ReplicationSimulation(Simulation):
         for ack in acks_now:
             self.net_send(node, key[0], AckMsg(body.epoch, body.stream, ack))
         if accepted.batch is not None:
-            rt.writes.append(PendingWrite(accepted.batch, follower, body, key))
+            rt.writes.append(PendingWrite(accepted.batch, accepted, follower, body, key))
             self.schedule_write(node)
             return
-        compact_from, _ = driver.log_effects(accepted)
-        self.compact_slave(node, compact_from)
-        driver.advance(accepted)
+        # Nothing to write: only the log effects (the acks went out on receipt).
+        self.batch_steps(node, driver.write_batch(accepted, follower, body.commit_lsn))
         self.claim_slave_commit(node)
 
     def compact_slave(self, node: str, compact_from: int) -> None:
-        """The slave's core asked for its log to be compacted below compact_from."""
-        if not compact_from:
-            return
+        """The slave's core asked for its log to be compacted below compact_from (as
+        ``Writer.compact``)."""
         driver = self.driver_of(node)
         driver.store_compact(compact_from)
         driver.compacted()
@@ -1952,50 +1967,32 @@ class ReplicationSimulation(Simulation):
         self.push(self.now_ms + delay, _STORE, node, rt.gen)
 
     def finish_write(self, node: str, *, send_ack: bool) -> None:
-        """The store's transaction (``ReplicaNode.replication_batch``): hide what is not
-        committed, append, then the core's log effects (compaction, commit) and acks."""
+        """The store's transaction (``SlaveSide.batch``): the driver's ``write_batch``
+        steps (truncate, append, compact), then the acks go out on the stream."""
         rt = self.rt[node]
         if not rt.writes:
             return
         write = rt.writes.popleft()
         driver = self.driver_of(node)
-        store = self.stores[node]
-        result = write.accepted
-        if result.truncate_after_lsn is not None:
-            try:
-                self.truncate(node, result.truncate_after_lsn)
-            except (ServiceError, StoreError) as exc:
-                error, fail_stop = driver.batch_failed(write.follower, exc)
-                if fail_stop:
-                    raise self.fail(f"node {node} fail-stopped: {fail_stop}") from None
-                if send_ack and rt.stream == write.key:
-                    master, epoch, stream = write.key
-                    rt.stream = None
-                    slave_epoch = next((int(v) for k, v in error.metadata if k == EPOCH_KEY), 0)
-                    self.net_send(
-                        node, master, Close(epoch, stream, error.code.name, True, slave_epoch)
-                    )
-                if send_ack:
-                    while rt.deferred and not rt.writes:
-                        self.slave_receive(node, rt.deferred.popleft())
-                return
-        commit = write.batch.commit_lsn
-        driver.hide_uncommitted(result.entries, commit)
+        steps = driver.write_batch(write.effects, write.follower, write.batch.commit_lsn)
         try:
-            driver.store_append(result.entries, sync=result.sync, commit_lsn=commit)
-        except InvalidEntryError as exc:
-            # A replicated entry the store cannot apply (a topic created twice, say) means
-            # this log and the master's diverged: the replica would fail-stop on it.
-            raise self.fail(
-                f"invariant: node {node}'s store refused a replicated entry: {exc}"
-            ) from None
-        self.append_log(node, result.entries)
-        if result.sync:
-            store.synced_lsn = len(store.log)
-        effects = driver.batch_written(write.follower, result, commit)
-        compact_from, acks = driver.log_effects(effects)
-        self.compact_slave(node, compact_from)
-        driver.advance(effects)
+            acks = self.batch_steps(node, steps)
+        except (ServiceError, StoreError) as exc:
+            # The truncation failed: the stream closes with the driver's status.
+            error, fail_stop = driver.batch_failed(write.follower, exc)
+            if fail_stop:
+                raise self.fail(f"node {node} fail-stopped: {fail_stop}") from None
+            if send_ack and rt.stream == write.key:
+                master, epoch, stream = write.key
+                rt.stream = None
+                slave_epoch = next((int(v) for k, v in error.metadata if k == EPOCH_KEY), 0)
+                self.net_send(
+                    node, master, Close(epoch, stream, error.code.name, True, slave_epoch)
+                )
+            if send_ack:
+                while rt.deferred and not rt.writes:
+                    self.slave_receive(node, rt.deferred.popleft())
+            return
         if not send_ack:
             return
         if rt.stream == write.key:
@@ -2005,6 +2002,42 @@ class ReplicationSimulation(Simulation):
         self.claim_commit(node, write.follower.commit_lsn)
         while rt.deferred and not rt.writes:
             self.slave_receive(node, rt.deferred.popleft())
+
+    def batch_steps(
+        self, node: str, steps: Generator[BatchStep, None, list[replica_pb2.ReplicationAck]]
+    ) -> list[replica_pb2.ReplicationAck]:
+        """Carries out a batch's store steps in the driver's order
+        (``ReplicaDriver.write_batch``), as ``SlaveSide`` does, over this simulator's
+        store (a truncation by rebuild, the store's delay already taken); returns the
+        acks to send."""
+        store = self.stores[node]
+        driver = self.driver_of(node)
+        try:
+            step = next(steps)
+            while True:
+                if isinstance(step, TruncateLog):
+                    self.truncate(node, step.keep_lsn)
+                elif isinstance(step, AppendBatch):
+                    try:
+                        driver.store_append(
+                            step.entries, sync=step.sync, commit_lsn=step.commit_lsn
+                        )
+                    except InvalidEntryError as exc:
+                        # A replicated entry the store cannot apply (a topic created twice,
+                        # say) means this log and the master's diverged: the replica would
+                        # fail-stop on it.
+                        raise self.fail(
+                            f"invariant: node {node}'s store refused a replicated entry: {exc}"
+                        ) from None
+                    self.append_log(node, step.entries)
+                    if step.sync:
+                        store.synced_lsn = len(store.log)
+                else:
+                    self.compact_slave(node, step.keep_from_lsn)
+                step = steps.send(None)
+        except StopIteration as done:
+            acks: list[replica_pb2.ReplicationAck] = done.value
+            return acks
 
     # ----------------------------------------------------------------- clients
 

@@ -16,9 +16,10 @@ from dataclasses import replace
 import pytest
 
 from squall_server.coordinator.election import Election
-from squall_server.coordinator.messages import MemberReport, RoleCommand
+from squall_server.coordinator.messages import MemberReport
 from squall_server.replica import commands, divergence
 from squall_server.replica.core import Role as CoreRole
+from squall_server.replica.core import TakeMaster
 from squall_server.replica.driver import ReplicaDriver
 from squall_server.replica.replication import AckPolicy
 from squall_server.replica.store import apply as store_apply
@@ -91,7 +92,7 @@ def test_replication_safety_and_liveness_over_seeds(repl_seeds: list[int], chunk
 class SkipCatchUp(ReplicationSimulation):
     """Planted bug: a new master serves from its own log, ignoring the sync source."""
 
-    def catch_up_needed(self, node: str, cmd: RoleCommand) -> bool:
+    def catch_up_needed(self, node: str, take: TakeMaster) -> bool:
         """Never."""
         return False
 

@@ -10,7 +10,10 @@ its cluster id and epoch before it follows, and a fail-stop reports its fault; a
 master role checks its epoch and members before persisting anything and needs a
 cluster id. A reorganization fetch is stepped message by message: entries continue the
 log or are refused whole, a divergence is a truncation unless it reaches committed
-entries, an empty batch moves the commit LSN.
+entries, an empty batch moves the commit LSN. A sync source's answer is sent in batches
+of the requester's step, ending where its log ended; a slave's batch is written in the
+order of the driver's steps (truncate, append, compact); a log is truncated only when it
+still starts at LSN 1 and the store can.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from squall_server.replica.core import (
     TakeMaster,
 )
 from squall_server.replica.driver import (
+    AppendBatch,
     CancelTaking,
     DropRole,
     FollowMaster,
@@ -48,8 +52,10 @@ from squall_server.replica.driver import (
     StartTaking,
     StoreFetched,
     TruncateFetched,
+    TruncateLog,
     master_config,
 )
+from squall_server.replica.fetch_serving import FetchServing
 from squall_server.replica.follower import FollowerConfig
 from squall_server.replica.replication import ReplicationMaster, SyncPolicy
 from squall_server.replica.store import Store, StoreWriteError
@@ -112,16 +118,18 @@ def _slave(epoch: int = 3) -> tuple[ReplicaDriver, _Disk, list[int]]:
 def _store_batch(
     driver: ReplicaDriver, stream: int, batch: replica_pb2.EntryBatch
 ) -> list[replica_pb2.ReplicationAck]:
-    """One batch as a shell carries it out, every step in line."""
+    """One batch as a shell carries it out, every step of ``write_batch`` in line."""
     accepted, follower, acks = driver.batch(stream, batch)
-    result = accepted.batch
-    assert result is not None
-    driver.hide_uncommitted(result.entries, batch.commit_lsn)
-    driver.store_append(result.entries, sync=result.sync, commit_lsn=batch.commit_lsn)
-    effects = driver.batch_written(follower, result, batch.commit_lsn)
-    compact_from, written = driver.log_effects(effects)
-    assert compact_from == 0
-    driver.advance(effects)
+    assert accepted.batch is not None
+    steps = driver.write_batch(accepted, follower, batch.commit_lsn)
+    try:
+        step = next(steps)
+        while True:
+            assert isinstance(step, AppendBatch)  # no truncation, no compaction here
+            driver.store_append(step.entries, sync=step.sync, commit_lsn=step.commit_lsn)
+            step = steps.send(None)
+    except StopIteration as done:
+        written: list[replica_pb2.ReplicationAck] = done.value
     return acks + written
 
 
@@ -385,3 +393,71 @@ def test_a_fetch_steps_through_the_sources_answer_and_refuses_a_gap() -> None:
         "n2",
     )
     assert isinstance(snapshot, InstallFetched) and snapshot.chunk.snapshot_lsn == 9
+
+
+def test_a_sync_sources_answer_goes_in_the_requesters_steps_up_to_where_its_log_ended() -> None:
+    driver, _ = _fresh("n2")
+    driver.store.set_cluster_id("c-1")
+    driver.store.append([_entry(lsn, 1) for lsn in range(1, 6)], sync=True, commit_lsn=4)
+    driver.core.log_reset(5, 1)
+    driver.advance_commit(4)
+    request = replica_pb2.FetchLogRequest(
+        node_id="n1",
+        epoch=2,
+        cluster_id="c-1",
+        last_lsn=2,
+        history=[replica_pb2.EpochBoundary(epoch=1, start_lsn=1)],
+        max_entries=2,
+    )
+    serving = FetchServing(
+        driver.fetch_answer(request, is_master=False, step_max=64),
+        lambda: driver.gate.commit_lsn,
+    )
+    assert not serving.snapshot
+    opening = serving.opening()
+    assert opening.cluster_id == "c-1"
+    assert (opening.entries.truncate_after_lsn, opening.entries.commit_lsn) == (0, 4)
+    sent: list[list[int]] = []
+    while (read := serving.next_read()) is not None:
+        response = serving.entries_read(driver.store.read_log(*read))
+        assert response is not None and response.entries.commit_lsn == 4
+        sent.append([e.lsn for e in response.entries.entries])
+    assert sent == [[3, 4], [5]]  # two per batch, as the requester asked
+
+    # A read that finds nothing ends the answer (the log was cut meanwhile).
+    again = FetchServing(driver.fetch_answer(request, is_master=False, step_max=64), lambda: 0)
+    assert again.next_read() == (3, 2)
+    assert again.entries_read([]) is None and again.next_read() is None
+
+
+def test_a_slaves_diverging_batch_is_truncate_then_append_then_acks() -> None:
+    driver, _, _ = _slave()
+    stream, _ = driver.hello(replica_pb2.ReplicationHello(master_id="n1", epoch=3, cluster_id="c"))
+    _store_batch(
+        driver, stream, replica_pb2.EntryBatch(entries=[_entry(1, 3), _entry(2, 3)], epoch=3)
+    )
+    accepted, follower, _ = driver.batch(
+        stream, replica_pb2.EntryBatch(entries=[_entry(2, 3)], epoch=3, truncate_after_lsn=1)
+    )
+    steps = driver.write_batch(accepted, follower, 0)
+    assert next(steps) == TruncateLog(1)
+    append = steps.send(None)
+    assert isinstance(append, AppendBatch) and [e.lsn for e in append.entries] == [2]
+    with pytest.raises(StopIteration) as done:
+        steps.send(None)
+    assert [a.written_lsn for a in done.value.value] == [2]  # acks once written, no compaction
+
+
+def test_a_log_is_truncated_only_from_lsn_1_and_by_a_store_that_can() -> None:
+    driver, _ = _fresh("n2")
+    driver.store.append([_entry(lsn, 1) for lsn in range(1, 6)], sync=True)
+    driver.check_truncation(3, "master n1", can_truncate=True)  # no refusal
+    with pytest.raises(ServiceError) as cannot:
+        driver.check_truncation(3, "master n1", can_truncate=False)
+    assert cannot.value.code == Code.FAILED_PRECONDITION
+    assert "after LSN 3 (master n1), and this store cannot" in cannot.value.message
+    driver.store.compact_log(3)
+    with pytest.raises(ServiceError) as compacted:
+        driver.check_truncation(4, "master n1", can_truncate=True)
+    assert "its log starts at LSN 3" in compacted.value.message
+    assert "it needs a snapshot" in compacted.value.message
