@@ -231,7 +231,6 @@ def build_replica_node(
         set_master=set_master,
         on_deposed=master_deposed,
         on_epoch_started=master_work.start,
-        on_committed=committed.notify,
     )
     # Role commands and the core's role effects (roles.py). (The master's replication for
     # its epoch is ``state.master``; a slave's follower and the number of its current

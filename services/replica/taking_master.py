@@ -106,7 +106,6 @@ class TakingMaster(CoreView):
         set_master: Callable[[MasterDriver], None],
         on_deposed: Callable[[str], None],
         on_epoch_started: Callable[[int], None],
-        on_committed: Callable[[], None],
     ) -> None:
         """``config`` and ``nodes`` give the configuration in force and its nodes by id (a
         membership change replaces them); ``transport`` makes a connection to the other
@@ -114,7 +113,7 @@ class TakingMaster(CoreView):
         a slave's divergent suffix is replaced by a snapshot. ``set_master`` hands the
         epoch's replication to the node; ``on_deposed`` is its deposition;
         ``on_epoch_started(epoch)`` runs once the epoch start committed and this node
-        still is its master; ``on_committed`` wakes readers after the gate is rebuilt."""
+        still is its master (readers are woken through the driver's hook)."""
         self.node = node
         self._config = config
         self._nodes = nodes
@@ -135,7 +134,6 @@ class TakingMaster(CoreView):
         self._set_master = set_master
         self._on_deposed = on_deposed
         self._on_epoch_started = on_epoch_started
-        self._notify_committed = on_committed
         # The task taking a master role in the background (its reorganization sync).
         self.current: Taking | None = None
         self._stopping: asyncio.Task[None] | None = None  # an abandoned taking winding down
