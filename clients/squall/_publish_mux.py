@@ -24,8 +24,8 @@ Rules kept:
   (`JoinRefused`, nothing was stored), and only the culprit's caller sees the refusal.
 * Retries are the caller's (`Publisher`, under its retry policy) with the same publisher
   id and sequence, so an event whose outcome a broken stream left open is stored once.
-  A part answered "unavailable" (a deposed master) also abandons the stream, so the
-  retries reach the gateway's current master on a fresh one.
+  A part answered as by a master that is no longer one (a redirect, a deposition) also
+  abandons the stream, so the retries reach the gateway's current master on a fresh one.
 * Publisher proxies (`replicated=True/False`) keep streams of their own: each is bound to
   one replica and moves on its own (`on_rebind`), which one shared stream cannot follow.
 """
@@ -67,8 +67,11 @@ INLINE_ERRORS_METADATA = (("squall-publish-errors", "inline"),)
 # next free slot.
 JOIN_EVENTS_MAX = BATCH_EVENTS_DEFAULT
 JOIN_BYTES_MAX = 4 * 1024 * 1024
-# Statuses of a part that mean the stream's master can no longer take publishes.
-_MASTER_GONE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION})
+# Statuses of a part answered inline that mean the stream's master can no longer take
+# publishes: a slave's redirect (UNAVAILABLE) or a deposition (UNKNOWN). The stream asks
+# for inline errors, so the master does not end it: the client abandons it, and the
+# retries go through the gateway to the master it follows now.
+_MASTER_GONE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN})
 
 
 class JoinRefused(NotSent):
@@ -290,7 +293,7 @@ class PublishMux:
                         self._abort(
                             stream,
                             grpc.StatusCode.UNAVAILABLE,
-                            "the master refused a publish as unavailable",
+                            "the master answered a publish as no longer master",
                         )
         except grpc.RpcError as err:
             code, details = rpc_status(err)
