@@ -56,6 +56,7 @@ from squall._publish_rules import (
 )
 from squall._types import Receipt, receipts_from_pb
 from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2
+from squall.wire import stages as _stages
 
 log = logging.getLogger("squall")
 
@@ -117,6 +118,8 @@ class _MuxStream:
     def iter_requests(self) -> Iterator[broker_pb2.PublishRequest]:
         get = self.requests.get
         while (request := get()) is not None:
+            if _stages.ENABLED:
+                _stages.mark("c.wire", _request_key(request))
             yield request
 
 
@@ -259,6 +262,8 @@ class PublishMux:
                 part.request_id = number
             self.joined_requests += 1
         stream.pending.append(_Sent(request_id, groups, joined=len(groups) > 1))
+        if _stages.ENABLED:
+            _stages.mark("c.queued", _request_key(request))
         stream.requests.put(request)
 
     def _abort(self, stream: _MuxStream, code: grpc.StatusCode, details: str) -> None:
@@ -288,6 +293,8 @@ class PublishMux:
                         stream.call.cancel()
                         break
                     self._pump(stream)
+                if _stages.ENABLED:
+                    _stages.mark("c.resp", _entry_key(sent.groups[0][0]))
                 if self._settle(sent, response):
                     with self._lock:
                         self._abort(
@@ -355,6 +362,18 @@ class PublishMux:
         unsent = not_sent_error(details)
         for entry in waiting:
             entry.future.set_exception(unsent)
+
+
+def _request_key(request: broker_pb2.PublishRequest) -> str:
+    """A request's key in the latency budget's stage marks (squall.wire.stages): its
+    first publisher's id and first sequence, as a publisher's own stream marks it."""
+    first = request.parts[0] if request.parts else request
+    sequence = first.events[0].sequence if first.events else 0
+    return _stages.request_key(first.publisher_id, sequence)
+
+
+def _entry_key(entry: _Entry) -> str:
+    return _stages.request_key(entry.publisher_id, entry.event.sequence)
 
 
 def _part(group: list[_Entry], token: str) -> broker_pb2.PublishRequest:

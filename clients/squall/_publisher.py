@@ -389,6 +389,8 @@ class Publisher:
         except JoinRefused:
             _, entry = mux.submit(self._topic, self._publisher_id, event, alone=True)
             receipt = mux.result(entry, self._timeout_s)
+        if _stages.ENABLED:
+            _stages.mark("c.return", _stages.request_key(self._publisher_id, event.sequence))
         generation = entry.stream.generation if entry.stream is not None else 0
         with self._cond:
             if generation != self._mux_generation:
