@@ -183,7 +183,9 @@ class PublishMux:
                     )
                 elif stream is not None:
                     self._abort(
-                        stream, grpc.StatusCode.DEADLINE_EXCEEDED, f"no receipt within {timeout_s} s"
+                        stream,
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"no receipt within {timeout_s} s",
                     )
         try:
             return entry.future.result(timeout_s)
@@ -317,7 +319,11 @@ class PublishMux:
         """Resolves the futures of one answered request; True if the master is gone."""
         if response.HasField("error"):
             error = _inline_error(response.error)
-            if sent.joined and not error.maybe_stored and error.code == grpc.StatusCode.INVALID_ARGUMENT:
+            if (
+                sent.joined
+                and not error.maybe_stored
+                and error.code == grpc.StatusCode.INVALID_ARGUMENT
+            ):
                 # A server without parts: join no more, each event goes again alone.
                 with self._lock:
                     if self._joins:

@@ -58,7 +58,6 @@ from squall._errors import (
     error_for,
     rpc_status,
 )
-from squall._publish_mux import JoinRefused, PublishMux, _Entry
 from squall._proxy import (
     Binding,
     Endpoint,
@@ -66,6 +65,7 @@ from squall._proxy import (
     ProxyBinding,
     RebindCallback,
 )
+from squall._publish_mux import JoinRefused, PublishMux, _Entry
 from squall._publish_rules import (
     BATCH_EVENTS_DEFAULT,
     BATCH_EVENTS_MAX,

@@ -440,7 +440,9 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
         )
         return answer
 
-    def _begin(self, request: broker_pb2.PublishRequest) -> asyncio.Future[broker_pb2.PublishResponse]:
+    def _begin(
+        self, request: broker_pb2.PublishRequest
+    ) -> asyncio.Future[broker_pb2.PublishResponse]:
         """Begins a publish request, plain or joined (PublishRequest.parts)."""
         return self._start_parts(request) if request.parts else self._start(request)
 

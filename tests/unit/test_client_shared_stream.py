@@ -163,9 +163,7 @@ def test_threads_with_own_publishers_share_one_stream_and_requests(
         publisher.close()
 
 
-def test_a_refused_event_fails_only_its_caller(
-    client: squall.Client, broker: _LossyBroker
-) -> None:
+def test_a_refused_event_fails_only_its_caller(client: squall.Client, broker: _LossyBroker) -> None:
     client.create_topic("t")
     topic = client.topic("t")
     shared = topic.publisher("shared")

@@ -30,7 +30,9 @@ def _free_port() -> int:
         return port
 
 
-def _part(topic: str, publisher_id: str, sequence: int, payload: bytes = b"x") -> broker_pb2.PublishRequest:
+def _part(
+    topic: str, publisher_id: str, sequence: int, payload: bytes = b"x"
+) -> broker_pb2.PublishRequest:
     return broker_pb2.PublishRequest(
         topic=topic,
         publisher_id=publisher_id,
