@@ -17,6 +17,7 @@ import grpc
 import pytest
 
 import squall
+from squall._publish_mux import SHARED_INFLIGHT_MAX
 from squall.v1 import broker_pb2
 from tests.unit.test_client import (
     MAX_EVENT_BYTES,
@@ -25,6 +26,9 @@ from tests.unit.test_client import (
     serve_fake,
     wait_until,
 )
+
+# Callers that fill the shared stream's window (held by the broker's gate).
+FILL = SHARED_INFLIGHT_MAX
 
 
 class _LossyBroker(FakeBroker):
@@ -170,11 +174,11 @@ def test_a_refused_event_fails_only_its_caller(client: squall.Client, broker: _L
     broker.gate = threading.Event()
     outcomes: dict[str, squall.Receipt | BaseException] = {}
     too_big = b"x" * (MAX_EVENT_BYTES + 1)
-    # Eight callers fill the window; the rest wait and go out as one joined request in
+    # The first callers fill the window; the rest wait and go out as one joined request in
     # which one publisher of its own and one caller of the shared publisher send an event
     # over the limit.
     calls: list[tuple[str, squall.Publisher, bytes]] = [
-        (f"fill-{i}", topic.publisher(f"fill-{i}"), b"fill") for i in range(8)
+        (f"fill-{i}", topic.publisher(f"fill-{i}"), b"fill") for i in range(FILL)
     ]
     calls += [
         ("ok-a", topic.publisher("ok-a"), b"fine"),
@@ -191,11 +195,11 @@ def test_a_refused_event_fails_only_its_caller(client: squall.Client, broker: _L
         except squall.SquallError as exc:
             outcomes[name] = exc
 
-    threads = [threading.Thread(target=publish, args=(i,), daemon=True) for i in range(13)]
-    for thread in threads[:8]:
+    threads = [threading.Thread(target=publish, args=(i,), daemon=True) for i in range(len(calls))]
+    for thread in threads[:FILL]:
         thread.start()
-    wait_until(lambda: all(p.next_sequence > 1 for _, p, _ in calls[:8]))
-    for thread in threads[8:]:
+    wait_until(lambda: all(p.next_sequence > 1 for _, p, _ in calls[:FILL]))
+    for thread in threads[FILL:]:
         thread.start()
     wait_until(lambda: all(p.next_sequence > 1 for _, p, _ in calls))
     broker.gate.set()
@@ -211,7 +215,7 @@ def test_a_refused_event_fails_only_its_caller(client: squall.Client, broker: _L
     # The refusals were answered inline: the stream went on.
     assert broker.publish_stream_calls == 1
     stored = {(e.publisher_id, e.payload) for e in broker.topics["t"].events}
-    assert len(broker.topics["t"].events) == 11
+    assert len(broker.topics["t"].events) == FILL + 3
     assert ("big", too_big) not in stored and ("shared", too_big) not in stored
 
 
