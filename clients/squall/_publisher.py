@@ -6,6 +6,11 @@ over one bidirectional `PublishStream` call kept open across calls (a unary call
 tops out at a few thousand events per second in Python; the stream does not pay a call's
 setup per batch). At most `inflight_batches_max` batches are unanswered at a time.
 
+Through the gateway, a publisher made by a `Client` sends its lone `publish()` calls on
+the client's stream shared by all its publishers instead (`squall._publish_mux`), while
+nothing of its own is in flight on its own stream; its other calls wait until those have
+finished, so its sequences reach the master in order either way.
+
 Ordering rule: sequences are assigned and requests queued under one lock, so the order
 on the wire is the order of the sequences. Responses come back in request order (the
 proto's contract); a reader thread matches each to the oldest unanswered batch.
