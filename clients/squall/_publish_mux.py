@@ -291,7 +291,7 @@ class PublishMux:
             for response in stream.call:
                 with self._lock:
                     sent = stream.pending.popleft() if stream.pending else None
-                    if sent is None or sent.request_id != response.request_id:
+                    if sent is None or not _answers(sent, response):
                         if sent is not None:
                             stream.pending.appendleft(sent)
                         stream.abort_error = Indeterminate(
@@ -375,6 +375,14 @@ class PublishMux:
         unsent = not_sent_error(details)
         for entry in waiting:
             entry.future.set_exception(unsent)
+
+
+def _answers(sent: _Sent, response: broker_pb2.PublishResponse) -> bool:
+    """Whether a response answers the oldest unanswered request: its id, or no id on a
+    failure answered inline (the master answers those in order without echoing it)."""
+    if response.request_id == sent.request_id:
+        return True
+    return response.request_id == 0 and response.HasField("error")
 
 
 def _request_key(request: broker_pb2.PublishRequest) -> str:

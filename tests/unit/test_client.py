@@ -250,7 +250,11 @@ class FakeBroker(
                 response.parts.extend(self._apply_inline(part) for part in request.parts)
                 yield response
             elif inline:
-                yield self._apply_inline(request)
+                response = self._apply_inline(request)
+                if response.HasField("error"):
+                    # As the master: a failure answered inline does not echo the id.
+                    response.request_id = 0
+                yield response
             else:
                 yield self._apply(request, context)
             answered += 1

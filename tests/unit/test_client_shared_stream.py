@@ -54,8 +54,8 @@ class _LossyBroker(FakeBroker):
         for request in request_iterator:
             if request.parts and not self.knows_parts:
                 # As a master without parts answers a request with no events of its own.
+                # (A failure answered inline does not echo the request's id.)
                 yield broker_pb2.PublishResponse(
-                    request_id=request.request_id,
                     error=broker_pb2.PublishError(
                         code="INVALID_ARGUMENT", message="a publish needs at least one event"
                     ),
@@ -68,6 +68,8 @@ class _LossyBroker(FakeBroker):
                 response.parts.extend(self._apply_inline(part) for part in request.parts)
             else:
                 response = self._apply_inline(request)
+                if response.HasField("error"):
+                    response.request_id = 0
             with self.cond:
                 self._count += 1
                 lose = self.lose_every and self._count % self.lose_every == 0
@@ -289,3 +291,18 @@ def test_own_stream_calls_wait_for_the_shared_stream(
     assert [r.offset for r in many[0]] == [1, 2]
     assert [e.sequence for e in broker.topics["t"].events] == [1, 2, 3]
     publisher.close()
+
+
+def test_a_lone_refused_publish_fails_its_caller_and_the_stream_goes_on(
+    client: squall.Client, broker: _LossyBroker
+) -> None:
+    client.create_topic("t")
+    publisher = client.topic("t").publisher("p")
+    assert publisher.publish(b"before").offset == 0
+    client.destroy_topic("t")
+    with pytest.raises(squall.NotFound, match="t"):
+        publisher.publish(b"after")
+    client.create_topic("t")
+    assert client.topic("t").publisher("q").publish(b"again").offset == 0
+    # The refusal was answered on the shared stream, which went on.
+    assert broker.publish_stream_calls == 1
