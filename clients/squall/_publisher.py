@@ -310,7 +310,8 @@ class Publisher:
 
     @property
     def streams_opened(self) -> int:
-        """How many PublishStream calls this publisher has opened (1 while nothing failed)."""
+        """How many PublishStream calls this publisher has opened (1 while nothing failed),
+        counting each of its client's shared streams its `publish()` calls went on."""
         with self._cond:
             return self._streams_opened
 
