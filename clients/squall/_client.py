@@ -31,6 +31,7 @@ from squall._errors import (
     from_rpc_error,
 )
 from squall._proxy import Endpoint, GatewayBinding, ProxyBinding, RebindCallback
+from squall._publish_mux import PublishMux
 from squall._publisher import INFLIGHT_BATCHES_MAX_DEFAULT, Publisher, new_publisher_id
 from squall._push import (
     DeliveryCallback,
@@ -146,6 +147,7 @@ def connect(
     tracer_provider: TracerProvider | None = None,
     tls: TlsOptions | None = None,
     token: str | None = None,
+    share_publish_stream: bool = True,
 ) -> Client:
     """Opens a client to the gateway at `address` ("host:port"); use it as a context manager.
 
@@ -160,6 +162,10 @@ def connect(
     publisher proxies); plaintext without it.
     `token` is sent as `authorization: Bearer <token>` on every call, publisher proxies'
     included (default: $SQUALL_TOKEN, else the file $SQUALL_TOKEN_FILE names; docs/auth.md).
+    `share_publish_stream` (default True) sends the one-at-a-time `publish()` calls of all
+    the client's gateway publishers on one shared stream, joining concurrent ones into one
+    request (docs/client.md, "Many publishers in one process"); False gives each publisher
+    its own stream for everything.
     """
     retry = RetryPolicy(
         attempts_max=retry_attempts_max,
@@ -175,6 +181,7 @@ def connect(
         tracer_provider=tracer_provider,
         tls=tls,
         token=token,
+        share_publish_stream=share_publish_stream,
     )
 
 
@@ -191,6 +198,7 @@ class Client:
         tracer_provider: TracerProvider | None = None,
         tls: TlsOptions | None = None,
         token: str | None = None,
+        share_publish_stream: bool = True,
     ) -> None:
         self._retry = check_client_args(address, timeout_s, retry)
         self._address = address
@@ -223,6 +231,8 @@ class Client:
         self._closed = False
         self._publishers: set[Publisher] = set()
         self._subscriptions: weakref.WeakSet[Subscription] = weakref.WeakSet()
+        # The stream every gateway publisher's lone publishes share (squall._publish_mux).
+        self._publish_mux = PublishMux(self._publisher_stub) if share_publish_stream else None
 
     @property
     def address(self) -> str:
@@ -296,6 +306,8 @@ class Client:
             publisher.close()
         for subscription in subscriptions:
             subscription.close()
+        if self._publish_mux is not None:
+            self._publish_mux.close()
         with self._lock:
             self._closed = True
         self._channel.close()
@@ -341,6 +353,7 @@ class Client:
             on_close=self._forget_publisher,
             retry=self._retry,
             on_rebind=on_rebind,
+            mux=self._publish_mux,
         )
         with self._lock:
             self._publishers.add(publisher)

@@ -6,6 +6,11 @@ over one bidirectional `PublishStream` call kept open across calls (a unary call
 tops out at a few thousand events per second in Python; the stream does not pay a call's
 setup per batch). At most `inflight_batches_max` batches are unanswered at a time.
 
+Through the gateway, a publisher made by a `Client` sends its lone `publish()` calls on
+the client's stream shared by all its publishers instead (`squall._publish_mux`), while
+nothing of its own is in flight on its own stream; its other calls wait until those have
+finished, so its sequences reach the master in order either way.
+
 Ordering rule: sequences are assigned and requests queued under one lock, so the order
 on the wire is the order of the sequences. Responses come back in request order (the
 proto's contract); a reader thread matches each to the oldest unanswered batch.
@@ -38,6 +43,7 @@ left it) and the app asks for a new publisher.
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import logging
 import queue
@@ -64,6 +70,7 @@ from squall._proxy import (
     ProxyBinding,
     RebindCallback,
 )
+from squall._publish_mux import JoinRefused, PublishMux, _Entry
 from squall._publish_rules import (
     BATCH_EVENTS_DEFAULT,
     BATCH_EVENTS_MAX,
@@ -219,6 +226,7 @@ class Publisher:
         on_rebind: RebindCallback | None = None,
         monotonic: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        mux: PublishMux | None = None,
     ) -> None:
         check_publisher_args(publisher_id, start_sequence, inflight_batches_max, timeout_s)
         self._retry = retry if retry is not None else RetryPolicy()
@@ -250,6 +258,14 @@ class Publisher:
         self._unresolved = 0
         # Requests sent again after an indeterminate outcome.
         self._resends = 0
+        # The client's shared stream for lone publishes (squall._publish_mux), through the
+        # gateway only: a proxy's stream is bound to its replica and moves on its own.
+        self._mux = mux if isinstance(self._binding, GatewayBinding) else None
+        # publish() calls on the shared stream not finished yet (retries included): the
+        # publisher's own stream sends nothing meanwhile, so its sequences stay in order.
+        self._muxed = 0
+        # The shared stream that last answered this publisher (counted in streams_opened).
+        self._mux_generation = 0
 
     # -- public API -------------------------------------------------------------------
 
@@ -294,7 +310,8 @@ class Publisher:
 
     @property
     def streams_opened(self) -> int:
-        """How many PublishStream calls this publisher has opened (1 while nothing failed)."""
+        """How many PublishStream calls this publisher has opened (1 while nothing failed),
+        counting each of its client's shared streams its `publish()` calls went on."""
         with self._cond:
             return self._streams_opened
 
@@ -308,7 +325,31 @@ class Publisher:
         out as one request when a slot frees (as `publish_async` events do), so many
         threads publishing one event at a time share requests, commits and replication
         batches instead of queuing one request each.
+
+        Through the gateway, while nothing of this publisher is in flight on its own
+        stream, the event goes on the client's stream shared by all its publishers
+        (`squall._publish_mux`): concurrent publishes of many publishers share requests the
+        same way, each event keeping its publisher id and sequence.
         """
+        with self._cond:
+            if self._mux is not None and self._unresolved == 0 and not self._buffer:
+                self._check_open()
+                event = common_pb2.EventData(
+                    key=key or b"", payload=payload, headers=headers, sequence=self._next_sequence
+                )
+                self._next_sequence += 1
+                self._muxed += 1
+                try:
+                    _, entry = self._mux.submit(self._topic, self._publisher_id, event)
+                except BaseException:
+                    self._muxed -= 1
+                    self._cond.notify_all()
+                    raise
+                muxed: tuple[common_pb2.EventData, _Entry] | None = (event, entry)
+            else:
+                muxed = None
+        if muxed is not None:
+            return self._publish_muxed(self._mux, *muxed)
         with self._cond:
             stream = self._stream
             crowded = (
@@ -320,6 +361,60 @@ class Publisher:
             return self._publish_joined(payload, key, headers)
         receipts = self._publish_batches([(key, payload, headers)], BATCH_EVENTS_DEFAULT)
         return receipts[0]
+
+    def _publish_muxed(
+        self, mux: PublishMux | None, event: common_pb2.EventData, entry: _Entry
+    ) -> Receipt:
+        """Waits for an event sent on the client's shared stream; retries it as a batch of
+        its own is retried (same id and sequence, under the retry policy)."""
+        assert mux is not None
+        try:
+            try:
+                return self._mux_attempt(mux, event, entry)
+            except SquallError as first:
+                request = new_request(self._topic, self._publisher_id)
+                request.events.append(event)
+                again = functools.partial(self._mux_attempt, mux, event, None)
+                return self._retry_batch(request, first, lambda: [again()])[0]
+        finally:
+            with self._cond:
+                self._muxed -= 1
+                self._cond.notify_all()
+
+    def _mux_attempt(
+        self, mux: PublishMux, event: common_pb2.EventData, entry: _Entry | None
+    ) -> Receipt:
+        """One attempt on the shared stream; a refusal shared with others is checked by
+        sending the event again alone (nothing was stored)."""
+        if entry is None:
+            with self._cond:
+                self._resends += 1
+                _, entry = mux.submit(self._topic, self._publisher_id, event)
+        try:
+            receipt = mux.result(entry, self._timeout_s)
+        except JoinRefused:
+            _, entry = mux.submit(self._topic, self._publisher_id, event, alone=True)
+            receipt = mux.result(entry, self._timeout_s)
+        if _stages.ENABLED:
+            _stages.mark("c.return", _stages.request_key(self._publisher_id, event.sequence))
+        generation = entry.stream.generation if entry.stream is not None else 0
+        with self._cond:
+            if generation != self._mux_generation:
+                self._mux_generation = generation
+                self._streams_opened += 1
+        return receipt
+
+    def _wait_unmuxed(self) -> None:
+        """Waits until no publish() of this publisher is on the shared stream (lock held),
+        so that what goes on the own stream next comes after it."""
+        if self._muxed == 0:
+            return
+        wait_s = 2 * self._timeout_s + self._retry.total_ms_max / 1000
+        if not self._cond.wait_for(lambda: self._muxed == 0, wait_s):
+            raise error_for(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                "a publish on the client's shared stream did not finish",
+            )
 
     def _publish_joined(
         self, payload: bytes, key: bytes | None, headers: Mapping[str, str] | None
@@ -371,6 +466,7 @@ class Publisher:
         """
         future: Future[Receipt] = Future()
         with self._cond:
+            self._wait_unmuxed()
             while True:
                 self._check_open()
                 stream = self._live_stream()
@@ -399,7 +495,9 @@ class Publisher:
         """
         wait_s = self._timeout_s if timeout_s is None else timeout_s
         with self._cond:
-            if self._cond.wait_for(lambda: not self._buffer and self._unresolved == 0, wait_s):
+            if self._cond.wait_for(
+                lambda: not self._buffer and self._unresolved == 0 and self._muxed == 0, wait_s
+            ):
                 return
             if self._stream is not None:
                 self._abort(
@@ -462,6 +560,7 @@ class Publisher:
                 break
             with self._cond:
                 self._check_open()
+                self._wait_unmuxed()
                 stream = self._stream_with_slot(sent[0][0] if sent else None)
                 if stream is not None:
                     future: Future[list[Receipt]] = _ready_future()
@@ -508,8 +607,15 @@ class Publisher:
             closed = self._closed
         return worth_retrying(error, closed)
 
-    def _retry_batch(self, request: broker_pb2.PublishRequest, first: SquallError) -> list[Receipt]:
+    def _retry_batch(
+        self,
+        request: broker_pb2.PublishRequest,
+        first: SquallError,
+        again: Callable[[], list[Receipt]] | None = None,
+    ) -> list[Receipt]:
         """Sends a batch again until it succeeds, fails definitely, or the policy runs out.
+
+        `again` makes one more attempt (default: a copy of the request on the own stream).
 
         `first` is the failure of the attempt already made (indeterminate, or not sent at
         all). Runs in the caller's thread (sync batches) or in the reader thread of the
@@ -531,6 +637,8 @@ class Publisher:
                     if number == 1:
                         raise first
                     try:
+                        if again is not None:
+                            return again()
                         stream, future = self._resend(request)
                         return self._result(stream, future)
                     except SquallError as error:

@@ -160,6 +160,12 @@ class _AuthSession:
                 publisher_id = str(getattr(message, self._publisher_field))
                 decision = decide_publisher_id(publisher_id, self._principal, self._call.member)
                 self._refuse_unless(decision, str(getattr(message, self._field)))
+                # A joined publish (PublishRequest.parts): each part is a publish of its own.
+                for part in getattr(message, "parts", ()):
+                    self.check(str(getattr(part, self._field)))
+                    part_id = str(getattr(part, self._publisher_field))
+                    decision = decide_publisher_id(part_id, self._principal, self._call.member)
+                    self._refuse_unless(decision, str(getattr(part, self._field)))
 
     def check(self, topic: str) -> None:
         """Refusal unless the caller may make this call on this topic; logs a refusal."""

@@ -397,13 +397,63 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
     def _where(self) -> tuple[str, int]:
         return self.node.node.id, self.node.epoch
 
+    def _start_parts(
+        self, request: broker_pb2.PublishRequest
+    ) -> asyncio.Future[broker_pb2.PublishResponse]:
+        """Begins a joined request's parts, each as a publish of its own, in order; the
+        future resolves to one response with an answer per part (a failed part's answer is
+        its error: it fails alone). ServiceError for a malformed joined request."""
+        parts = request.parts
+        limit = self.node.config.limits.max_batch_events
+        if request.events:
+            raise invalid("a publish request carries events or parts, not both")
+        if len(parts) > limit:
+            raise invalid(f"{len(parts)} parts in one request exceed max_batch_events ({limit})")
+        if any(part.parts for part in parts):
+            raise invalid("a part of a publish request cannot have parts of its own")
+        loop = asyncio.get_running_loop()
+        started: list[asyncio.Future[broker_pb2.PublishResponse]] = []
+        for part in parts:
+            try:
+                with _translating(self.node):
+                    started.append(self._start(part))
+            except ServiceError as exc:
+                failed: asyncio.Future[broker_pb2.PublishResponse] = loop.create_future()
+                failed.set_exception(exc)
+                started.append(failed)
+        answer: asyncio.Future[broker_pb2.PublishResponse] = loop.create_future()
+        request_id = request.request_id
+        left = [len(started)]
+
+        def part_done(_: asyncio.Future[broker_pb2.PublishResponse]) -> None:
+            left[0] -= 1
+            if left[0] or answer.done():
+                return
+            response = broker_pb2.PublishResponse(request_id=request_id)
+            for part, future in zip(parts, started, strict=True):
+                response.parts.append(_part_answer(part, future))
+            answer.set_result(response)
+
+        for future in started:
+            future.add_done_callback(part_done)
+        answer.add_done_callback(
+            lambda ended: [f.cancel() for f in started] if ended.cancelled() else None
+        )
+        return answer
+
+    def _begin(
+        self, request: broker_pb2.PublishRequest
+    ) -> asyncio.Future[broker_pb2.PublishResponse]:
+        """Begins a publish request, plain or joined (PublishRequest.parts)."""
+        return self._start_parts(request) if request.parts else self._start(request)
+
     async def Publish(
         self, request: broker_pb2.PublishRequest, context: Context
     ) -> broker_pb2.PublishResponse:
         await self._hold(context)
         try:
             with _translating(self.node):
-                return await self._start(request)
+                return await self._begin(request)
         except ServiceError as exc:
             await abort(context, exc)
 
@@ -429,7 +479,7 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
                         _stages.mark("m.in", _stage_key(request))
                     try:
                         with _translating(self.node):
-                            future = self._start(request)
+                            future = self._begin(request)
                     except ServiceError as exc:
                         future = loop.create_future()
                         future.set_exception(exc)
@@ -459,6 +509,33 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
             await reader
         finally:
             reader.cancel()
+
+
+def _part_answer(
+    part: broker_pb2.PublishRequest, done: asyncio.Future[broker_pb2.PublishResponse]
+) -> broker_pb2.PublishResponse:
+    """One part's answer in a joined response: its receipts, or its error inline."""
+    if done.cancelled():
+        return broker_pb2.PublishResponse(
+            request_id=part.request_id,
+            error=broker_pb2.PublishError(code="CANCELLED", message="the publish was cancelled"),
+        )
+    error = done.exception()
+    if error is None:
+        return done.result()
+    if isinstance(error, ServiceError):
+        return broker_pb2.PublishResponse(
+            request_id=part.request_id,
+            error=broker_pb2.PublishError(
+                code=error.code.value, message=error.message, metadata=dict(error.metadata)
+            ),
+        )
+    # Anything else is a bug on this side: the caller hears an indeterminate failure (its
+    # publish may have been planned) and retries under the same ids.
+    return broker_pb2.PublishResponse(
+        request_id=part.request_id,
+        error=broker_pb2.PublishError(code="UNKNOWN", message=f"publish failed: {error!r}"),
+    )
 
 
 def _stage_key(request: broker_pb2.PublishRequest) -> str:

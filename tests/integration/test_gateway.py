@@ -568,6 +568,58 @@ def test_library_publisher_through_the_gateway_survives_a_master_kill_exactly_on
     assert not app.failed, {s: repr(e) for s, e in list(app.failed.items())[:5]}
 
 
+def test_own_publishers_in_threads_on_the_shared_stream_survive_a_master_kill_exactly_once(
+    trio: LocalCluster,
+) -> None:
+    # Twelve threads, each with a publisher of its own from one client, publish one event
+    # at a time: their publishes share the client's one stream (joined into one request
+    # while its window is full). kill -9 the master: whatever was in flight is sent again
+    # under the same ids on a fresh stream, and nothing acknowledged is lost or doubled.
+    with squall.connect(trio.gateway_address, timeout_s=5.0) as client:
+        client.create_topic("fanin")
+        topic = client.topic("fanin")
+        publishers = [topic.publisher(f"thread-{i}") for i in range(12)]
+        apps = [
+            _AppPublisher(lambda sequence, p=p: p.publish(b"event %d" % sequence))
+            for p in publishers
+        ]
+        old = trio.wait_for_master()
+        for app in apps:
+            app.start()
+        try:
+            _wait_for(lambda: sum(a.acked_by(old) for a in apps) >= 200, 30, "200 acks")
+            trio.kill_node(old)
+            new = trio.wait_for_master(exclude=old)
+            _wait_for(lambda: sum(a.acked_by(new) for a in apps) >= 200, 40, "200 acks after")
+        finally:
+            for app in apps:
+                app.stop.set()
+            for app in apps:
+                app.join(30)
+        shared_streams = sum(p.streams_opened for p in publishers)
+    assert all(app.error is None for app in apps), [repr(a.error) for a in apps if a.error]
+    stored = _stored_at(trio.replica_address(new), "fanin")
+    counts = collections.Counter(stored.values())
+    duplicates = {key: n for key, n in counts.items() if n > 1}
+    assert not duplicates, f"stored more than once: {list(duplicates.items())[:10]}"
+    misplaced = {
+        (p.publisher_id, sequence): (receipt.offset, stored.get(receipt.offset))
+        for p, app in zip(publishers, apps, strict=True)
+        for sequence, receipt in app.acked.items()
+        if stored.get(receipt.offset) != (p.publisher_id, sequence)
+    }
+    assert not misplaced, f"not where the receipt says: {list(misplaced.items())[:10]}"
+    # Each publisher's events are stored in its sequence order.
+    for p in publishers:
+        sequences = [key[1] for _, key in sorted(stored.items()) if key[0] == p.publisher_id]
+        assert sequences == sorted(sequences), p.publisher_id
+    # The kill ended the shared stream and its publishers went on over a fresh one; the
+    # retries absorbed the failover.
+    assert shared_streams >= 2 * len(publishers)
+    failed = {s: repr(e) for app in apps for s, e in app.failed.items()}
+    assert not failed, list(failed.items())[:5]
+
+
 def test_unary_publishes_through_the_gateway_are_retried_by_it_exactly_once(
     trio: LocalCluster,
 ) -> None:

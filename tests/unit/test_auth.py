@@ -314,6 +314,30 @@ def test_the_auth_guard_checks_each_request_topic_from_bytes_or_messages() -> No
     assert "payroll" in refused.value.message
 
 
+def test_the_auth_guard_checks_every_part_of_a_joined_publish() -> None:
+    """A joined publish (PublishRequest.parts) is as many publishes: each part's topic and
+    publisher id is checked, not only the envelope's."""
+    session = _auth_guard().open(_call(STREAM, [("authorization", "Bearer token-a")]))
+    assert session is not None
+    joined = broker_pb2.PublishRequest(
+        topic="orders.eu",
+        parts=[
+            broker_pb2.PublishRequest(topic="orders.eu", publisher_id="a"),
+            broker_pb2.PublishRequest(topic="orders.us", publisher_id="b"),
+        ],
+    )
+    session.request(Request(STREAM, joined))
+    joined.parts.add(topic="payroll", publisher_id="c")
+    with pytest.raises(Refusal) as refused:
+        session.request(Request(STREAM, joined.SerializeToString()))
+    assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED
+    assert "payroll" in refused.value.message
+    del joined.parts[2]
+    joined.parts.add(topic="orders.eu", publisher_id="squall-link/site-a/7")
+    with pytest.raises(Refusal, match="reserved for topic links"):
+        session.request(Request(STREAM, joined))
+
+
 def test_dead_letters_go_only_where_the_subscriptions_creator_may_publish() -> None:
     create = "/squall.v1.Subscriber/CreateSharedSubscription"
     session = _auth_guard().open(_call(create, [("authorization", "Bearer token-b")]))

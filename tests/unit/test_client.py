@@ -30,6 +30,20 @@ from squall.v1 import (
 MAX_EVENT_BYTES = 1024
 
 
+class _Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class _InlineContext:
+    """Stands in for the call's context where a refusal is answered inline."""
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise _Refused(code, details)
+
+
 @dataclass
 class _FakeTopic:
     info: common_pb2.Topic
@@ -52,6 +66,8 @@ class FakeBroker(
         self.publish_stream_calls = 0
         self.unary_publish_calls = 0
         self.requests_seen = 0
+        # Requests carrying parts of several publishers (the client's shared stream).
+        self.joined_requests_seen = 0
         # When set, PublishStream reads requests but answers only while the gate is open.
         self.gate: threading.Event | None = None
         # When > 0, PublishStream ends with UNAVAILABLE after answering this many requests.
@@ -215,6 +231,7 @@ class FakeBroker(
     ) -> Iterator[broker_pb2.PublishResponse]:
         with self.cond:
             self.publish_stream_calls += 1
+        inline = ("squall-publish-errors", "inline") in tuple(context.invocation_metadata())
         answered = 0
         for request in request_iterator:
             with self.cond:
@@ -225,8 +242,32 @@ class FakeBroker(
                 gate.wait(30)
             if self.break_stream_after and answered >= self.break_stream_after:
                 context.abort(grpc.StatusCode.UNAVAILABLE, "replica went away")
-            yield self._apply(request, context)
+            if request.parts:
+                # As the master: each part is a publish of its own, answered apart.
+                with self.cond:
+                    self.joined_requests_seen += 1
+                response = broker_pb2.PublishResponse(request_id=request.request_id)
+                response.parts.extend(self._apply_inline(part) for part in request.parts)
+                yield response
+            elif inline:
+                response = self._apply_inline(request)
+                if response.HasField("error"):
+                    # As the master: a failure answered inline does not echo the id.
+                    response.request_id = 0
+                yield response
+            else:
+                yield self._apply(request, context)
             answered += 1
+
+    def _apply_inline(self, request: broker_pb2.PublishRequest) -> broker_pb2.PublishResponse:
+        """A publish whose failure is answered in the response (PublishResponse.error)."""
+        try:
+            return self._apply(request, _InlineContext())  # type: ignore[arg-type]
+        except _Refused as refused:
+            return broker_pb2.PublishResponse(
+                request_id=request.request_id,
+                error=broker_pb2.PublishError(code=refused.code.name, message=refused.details),
+            )
 
     # -- Subscriber ---------------------------------------------------------------------
 
@@ -344,6 +385,14 @@ def client(broker: FakeBroker) -> Iterator[squall.Client]:
 
 
 @pytest.fixture
+def own_streams(broker: FakeBroker) -> Iterator[squall.Client]:
+    """A client whose publishers each keep a stream of their own for everything."""
+    address = broker.address  # type: ignore[attr-defined]
+    with squall.connect(address, timeout_s=5.0, share_publish_stream=False) as c:
+        yield c
+
+
+@pytest.fixture
 def single_attempt(broker: FakeBroker) -> Iterator[squall.Client]:
     """A client that does not retry, for what one attempt's failure looks like."""
     address = broker.address  # type: ignore[attr-defined]
@@ -447,8 +496,9 @@ def test_publish_one_and_many(client: squall.Client, broker: FakeBroker) -> None
         many = publisher.publish_many((b"x%d" % i for i in range(2_000)), batch_events=300)
         assert [r.offset for r in many] == list(range(4, 2_004))
         assert publisher.next_sequence == 2_005
-        assert publisher.streams_opened == 1
-    assert broker.publish_stream_calls == 1
+        # publish() went on the client's shared stream, publish_many on the publisher's own.
+        assert publisher.streams_opened == 2
+    assert broker.publish_stream_calls == 2
     assert broker.unary_publish_calls == 0
     events = broker.topics["t"].events
     assert [e.sequence for e in events] == list(range(1, 2_005))
@@ -555,10 +605,12 @@ def test_inflight_batches_are_bounded(client: squall.Client, broker: FakeBroker)
 
 
 def test_threads_sharing_a_publisher_share_requests(
-    client: squall.Client, broker: FakeBroker
+    own_streams: squall.Client, broker: FakeBroker
 ) -> None:
     """One-at-a-time publishes from many threads wait together while the window is full
-    and go out as one request, each caller still getting its own receipt."""
+    and go out as one request, each caller still getting its own receipt (on the
+    publisher's own stream: the shared one is tested below)."""
+    client = own_streams
     client.create_topic("t")
     broker.gate = threading.Event()
     publisher = client.topic("t").publisher("p", inflight_batches_max=2)

@@ -590,6 +590,7 @@ class PublishRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     SESSION_TOKEN_FIELD_NUMBER: _builtins.int
     COMPACT_RECEIPTS_FIELD_NUMBER: _builtins.int
+    PARTS_FIELD_NUMBER: _builtins.int
     topic: _builtins.str
     """The topic to publish to."""
     publisher_id: _builtins.str
@@ -608,6 +609,16 @@ class PublishRequest(_message.Message):
     def events(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.EventData]:
         """The events, stored in this order with consecutive offsets."""
 
+    @_builtins.property
+    def parts(self) -> _containers.RepeatedCompositeFieldContainer[Global___PublishRequest]:
+        """Several publishes joined into one message (a client's publish multiplexer: one-event
+        publishes of different publishers sharing one stream). Set, the request carries no
+        events of its own: each part is published as if it were a request of its own (its own
+        topic, publisher id, sequences, session token and compact_receipts; its request_id is
+        echoed in its answer), in order, and answered in PublishResponse.parts; a part that
+        fails is answered with its PublishError there and fails alone. A part has no parts.
+        """
+
     def __init__(
         self,
         *,
@@ -617,10 +628,11 @@ class PublishRequest(_message.Message):
         request_id: _builtins.int = ...,
         session_token: _builtins.str = ...,
         compact_receipts: _builtins.bool = ...,
+        parts: _abc.Iterable[Global___PublishRequest] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compact_receipts", b"compact_receipts", "events", b"events", "publisher_id", b"publisher_id", "request_id", b"request_id", "session_token", b"session_token", "topic", b"topic"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compact_receipts", b"compact_receipts", "events", b"events", "parts", b"parts", "publisher_id", b"publisher_id", "request_id", b"request_id", "session_token", b"session_token", "topic", b"topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -636,6 +648,7 @@ class PublishResponse(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     BATCH_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    PARTS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.int
     """The request_id of the request this answers."""
     @_builtins.property
@@ -654,6 +667,10 @@ class PublishResponse(_message.Message):
         stream with the request's status.
         """
 
+    @_builtins.property
+    def parts(self) -> _containers.RepeatedCompositeFieldContainer[Global___PublishResponse]:
+        """The answers to a request's parts (PublishRequest.parts), in the same order."""
+
     def __init__(
         self,
         *,
@@ -661,10 +678,11 @@ class PublishResponse(_message.Message):
         request_id: _builtins.int = ...,
         batch: _common_pb2.BatchReceipt | None = ...,
         error: Global___PublishError | None = ...,
+        parts: _abc.Iterable[Global___PublishResponse] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "error", b"error"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "error", b"error", "receipts", b"receipts", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "error", b"error", "parts", b"parts", "receipts", b"receipts", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

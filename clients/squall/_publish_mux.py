@@ -1,0 +1,439 @@
+"""One publish stream per client, shared by the one-at-a-time publishes of all its publishers.
+
+Many threads each publishing one event at a time with a `Publisher` of their own used to
+cost a stream per publisher: one request per event on every hop, with a gRPC message, a
+thread hand-off and a stream read each (bench/README.md, issue 16). Here every gateway
+publisher of one `Client` sends its lone `publish()` calls on one `PublishStream`: a call
+that finds a free slot in the window goes out at once as a request of its own (a lone
+publish never waits for a timer or for others); calls that arrive while the window is
+full wait, and when a slot frees they go out together as one request. That request joins
+the events per publisher (one part per publisher id and topic, its events in call order)
+and, when more than one publisher is in it, carries the parts in `PublishRequest.parts`:
+the master publishes each part as a request of its own (its publisher id, sequences and
+session token; deduplicated as always) and answers each part apart, so one part's refusal
+fails that part's callers only.
+
+Rules kept:
+
+* Order per publisher: a publisher hands its events over under its own lock, in sequence
+  order, and they stay in that order here, on the wire and in the master.
+* Errors stay with their caller: the stream asks for failed requests to be answered
+  inline (`squall-publish-errors: inline`), so a refusal does not end the stream; a
+  refused part of several events (or a whole joined request refused, e.g. by a server
+  that knows no parts) is not blamed on all of them: each event is sent again alone
+  (`JoinRefused`, nothing was stored), and only the culprit's caller sees the refusal.
+* Retries are the caller's (`Publisher`, under its retry policy) with the same publisher
+  id and sequence, so an event whose outcome a broken stream left open is stored once.
+  A part answered as by a master that is no longer one (a redirect, a deposition) also
+  abandons the stream, so the retries reach the gateway's current master on a fresh one.
+* Publisher proxies (`replicated=True/False`) keep streams of their own: each is bound to
+  one replica and moves on its own (`on_rebind`), which one shared stream cannot follow.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import queue
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from typing import Any
+
+import grpc
+
+from squall._errors import Indeterminate, SquallError, error_for, rpc_status
+from squall._publish_rules import (
+    BATCH_EVENTS_DEFAULT,
+    NotSent,
+    new_request,
+    new_session_token,
+    not_sent_error,
+    stream_end_errors,
+)
+from squall._types import Receipt, receipts_from_pb
+from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2
+from squall.wire import stages as _stages
+
+log = logging.getLogger("squall")
+
+# The metadata asking the master to answer a failed request inline instead of ending the
+# stream (services/common/errors.py, PUBLISH_ERRORS_KEY / INLINE_ERRORS).
+INLINE_ERRORS_METADATA = (("squall-publish-errors", "inline"),)
+# Requests unanswered on the shared stream at a time. A lone publish, and a second one
+# beside it, go out at once; more callers wait and join. Fewer, larger requests cost less
+# CPU per event on every hop, which is what bounds many callers on a small machine: in
+# one cluster, alternating windows (2026-11-26, load 9-14, SYNC), 2 against 8 gave 1.6x
+# the rate at 8 threads, ~2x at 16 and 1.2-1.6x at 64, with lower p50s, and the same
+# one-at-a-time latency; 1 was no better than 2 at 8-64 and worse at 2 threads, 3 worse
+# than 2.
+SHARED_INFLIGHT_MAX = 2
+# Most events, and bytes of keys and payloads, joined into one request: well within the
+# master's max_batch_events (10,000) and the 64 MiB message limit; the rest waits for the
+# next free slot.
+JOIN_EVENTS_MAX = BATCH_EVENTS_DEFAULT
+JOIN_BYTES_MAX = 4 * 1024 * 1024
+# Statuses of a part answered inline that mean the stream's master can no longer take
+# publishes: a slave's redirect (UNAVAILABLE) or a deposition (UNKNOWN). The stream asks
+# for inline errors, so the master does not end it: the client abandons it, and the
+# retries go through the gateway to the master it follows now.
+_MASTER_GONE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN})
+
+
+class JoinRefused(NotSent):
+    """A joined request (or part) was refused as a whole: nothing of it was stored, and the
+    caller sends its event again alone, to learn whether the refusal was its own."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Entry:
+    """One event of one publisher, waiting or sent."""
+
+    topic: str
+    publisher_id: str
+    event: common_pb2.EventData
+    future: Future[Receipt]
+    alone: bool
+    size: int
+    # The stream it was sent on (set when sent), so a caller that times out abandons it.
+    stream: _MuxStream | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class _Sent:
+    """One request on the stream: its parts (one per publisher and topic), in order."""
+
+    request_id: int
+    groups: list[list[_Entry]]
+    joined: bool  # sent with PublishRequest.parts
+
+
+class _MuxStream:
+    """One open PublishStream: its request queue, unanswered requests and reader thread."""
+
+    def __init__(self, generation: int) -> None:
+        self.generation = generation
+        self.session_token = new_session_token("shared")
+        self.requests: queue.SimpleQueue[broker_pb2.PublishRequest | None] = queue.SimpleQueue()
+        self.pending: collections.deque[_Sent] = collections.deque()
+        self.dead = False
+        self.abort_error: SquallError | None = None
+        self.call: Any = None
+
+    def iter_requests(self) -> Iterator[broker_pb2.PublishRequest]:
+        get = self.requests.get
+        while (request := get()) is not None:
+            if _stages.ENABLED:
+                _stages.mark("c.wire", _request_key(request))
+            yield request
+
+
+class PublishMux:
+    """A client's shared publish stream for one-at-a-time publishes (see the module doc)."""
+
+    def __init__(
+        self,
+        stub: broker_pb2_grpc.PublisherStub,
+        *,
+        inflight_max: int = SHARED_INFLIGHT_MAX,
+    ) -> None:
+        self._stub = stub
+        self._inflight_max = inflight_max
+        self._lock = threading.Lock()
+        self._stream: _MuxStream | None = None
+        self._waiting: collections.deque[_Entry] = collections.deque()
+        self._next_request_id = 1
+        self._generation = 0
+        # Off once a server refused a joined request whole (it knows no parts).
+        self._joins = True
+        self._closed = False
+        # Requests sent with parts of more than one publisher, and streams opened.
+        self.joined_requests = 0
+        self.streams_opened = 0
+
+    def submit(
+        self, topic: str, publisher_id: str, event: common_pb2.EventData, *, alone: bool = False
+    ) -> tuple[Future[Receipt], _Entry]:
+        """Queues one event; its future gets the receipt or the error of this attempt.
+
+        `alone` keeps it out of joined requests (after `JoinRefused`). The caller holds its
+        publisher's lock, so one publisher's events arrive here in sequence order.
+        """
+        future: Future[Receipt] = Future()
+        future.set_running_or_notify_cancel()
+        size = len(event.payload) + len(event.key)
+        entry = _Entry(topic, publisher_id, event, future, alone, size)
+        with self._lock:
+            if self._closed:
+                raise ValueError("the client is closed")
+            stream = self._live_stream()
+            self._waiting.append(entry)
+            self._pump(stream)
+        return future, entry
+
+    def result(self, entry: _Entry, timeout_s: float) -> Receipt:
+        """Waits for one attempt's receipt; past the timeout the stream it went on is
+        abandoned (every request on it becomes indeterminate, and is retried by its caller)
+        and, if even that outcome does not come, `Indeterminate`."""
+        try:
+            return entry.future.result(timeout_s)
+        except FutureTimeoutError:
+            with self._lock:
+                stream = entry.stream
+                if stream is None and entry in self._waiting:
+                    # Never sent (the window stayed full): nothing to abandon.
+                    self._waiting.remove(entry)
+                    entry.future.set_exception(
+                        error_for(grpc.StatusCode.DEADLINE_EXCEEDED, "publish window stayed full")
+                    )
+                elif stream is not None:
+                    self._abort(
+                        stream,
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"no receipt within {timeout_s} s",
+                    )
+        try:
+            return entry.future.result(timeout_s)
+        except FutureTimeoutError:
+            raise Indeterminate(
+                f"no receipt within {timeout_s} s", grpc.StatusCode.DEADLINE_EXCEEDED
+            ) from None
+
+    def close(self) -> None:
+        """Half-closes the stream; events still waiting fail as not sent."""
+        with self._lock:
+            self._closed = True
+            stream = self._stream
+            self._stream = None
+            waiting = list(self._waiting)
+            self._waiting.clear()
+        for entry in waiting:
+            entry.future.set_exception(not_sent_error("the client was closed"))
+        if stream is not None:
+            stream.requests.put(None)
+
+    # -- sending (lock held) ----------------------------------------------------------
+
+    def _live_stream(self) -> _MuxStream:
+        stream = self._stream
+        if stream is not None and not stream.dead:
+            return stream
+        self._generation += 1
+        stream = _MuxStream(self._generation)
+        stream.call = self._stub.PublishStream(
+            stream.iter_requests(), metadata=INLINE_ERRORS_METADATA
+        )
+        self._stream = stream
+        self.streams_opened += 1
+        threading.Thread(
+            target=self._read, args=(stream,), name="squall-publish-shared", daemon=True
+        ).start()
+        return stream
+
+    def _pump(self, stream: _MuxStream) -> None:
+        """Sends what waits while the window has room: the lone event at once, the events
+        that gathered while it was full as one request."""
+        waiting = self._waiting
+        while waiting and len(stream.pending) < self._inflight_max and not stream.dead:
+            take = [waiting.popleft()]
+            if not take[0].alone and self._joins:
+                events, size = 1, take[0].size
+                while waiting and not waiting[0].alone:
+                    nxt = waiting[0]
+                    if events >= JOIN_EVENTS_MAX or size + nxt.size > JOIN_BYTES_MAX:
+                        break
+                    take.append(waiting.popleft())
+                    events += 1
+                    size += nxt.size
+            self._send(stream, take)
+
+    def _send(self, stream: _MuxStream, entries: list[_Entry]) -> None:
+        by_publisher: dict[tuple[str, str], list[_Entry]] = {}
+        for entry in entries:
+            by_publisher.setdefault((entry.topic, entry.publisher_id), []).append(entry)
+            entry.stream = stream
+        groups = list(by_publisher.values())
+        request_id = self._next_request_id
+        self._next_request_id += 1
+        token = stream.session_token
+        if len(groups) == 1:
+            request = _part(groups[0], token)
+            request.request_id = request_id
+        else:
+            # The envelope names the first part's topic: a server's permission check sees
+            # a topic the caller may publish to (and then checks every part's).
+            request = broker_pb2.PublishRequest(topic=groups[0][0].topic, request_id=request_id)
+            for number, group in enumerate(groups, 1):
+                part = request.parts.add()
+                part.CopyFrom(_part(group, token))
+                part.request_id = number
+            self.joined_requests += 1
+        stream.pending.append(_Sent(request_id, groups, joined=len(groups) > 1))
+        if _stages.ENABLED:
+            _stages.mark("c.queued", _request_key(request))
+        stream.requests.put(request)
+
+    def _abort(self, stream: _MuxStream, code: grpc.StatusCode, details: str) -> None:
+        if stream.dead or stream.abort_error is not None:
+            return
+        stream.abort_error = Indeterminate(details, code)
+        stream.call.cancel()
+
+    # -- the reader thread ------------------------------------------------------------
+
+    def _read(self, stream: _MuxStream) -> None:
+        """Hands each response's receipts (or errors) to their callers, in request order."""
+        code = grpc.StatusCode.UNKNOWN
+        details = "the server closed the publish stream without answering"
+        try:
+            for response in stream.call:
+                with self._lock:
+                    sent = stream.pending.popleft() if stream.pending else None
+                    if sent is None or not _answers(sent, response):
+                        if sent is not None:
+                            stream.pending.appendleft(sent)
+                        stream.abort_error = Indeterminate(
+                            f"protocol error: answer to request {response.request_id} does "
+                            "not match the oldest unanswered one",
+                            grpc.StatusCode.INTERNAL,
+                        )
+                        stream.call.cancel()
+                        break
+                    self._pump(stream)
+                if _stages.ENABLED:
+                    _stages.mark("c.resp", _entry_key(sent.groups[0][0]))
+                if self._settle(sent, response):
+                    with self._lock:
+                        self._abort(
+                            stream,
+                            grpc.StatusCode.UNAVAILABLE,
+                            "the master answered a publish as no longer master",
+                        )
+        except grpc.RpcError as err:
+            code, details = rpc_status(err)
+        except Exception as exc:
+            # A bug here must not leave callers waiting on receipts that never come.
+            log.exception("squall: the shared publish stream's reader failed")
+            with self._lock:
+                self._abort(
+                    stream, grpc.StatusCode.INTERNAL, f"client failed reading receipts: {exc!r}"
+                )
+        self._fail(stream, code, details)
+
+    def _settle(self, sent: _Sent, response: broker_pb2.PublishResponse) -> bool:
+        """Resolves the futures of one answered request; True if the master is gone."""
+        if response.HasField("error"):
+            error = _inline_error(response.error)
+            if (
+                sent.joined
+                and not error.maybe_stored
+                and error.code == grpc.StatusCode.INVALID_ARGUMENT
+            ):
+                # A server without parts: join no more, each event goes again alone.
+                with self._lock:
+                    if self._joins:
+                        log.info("squall: the server refused a joined publish (%s)", error)
+                    self._joins = False
+            for group in sent.groups:
+                _fail_group(group, error, many=sent.joined)
+            return error.code in _MASTER_GONE
+        if not sent.joined:
+            return _answer(sent.groups[0], response)
+        gone = False
+        if len(response.parts) != len(sent.groups):
+            error = Indeterminate(
+                f"protocol error: {len(response.parts)} answers to {len(sent.groups)} parts",
+                grpc.StatusCode.INTERNAL,
+            )
+            for group in sent.groups:
+                _fail_group(group, error, many=False)
+            return True
+        for group, answer in zip(sent.groups, response.parts, strict=True):
+            gone = _answer(group, answer) or gone
+        return gone
+
+    def _fail(self, stream: _MuxStream, code: grpc.StatusCode, details: str) -> None:
+        """Ends a stream: its oldest request gets the status, the others are indeterminate,
+        and events still waiting fail as not sent (their callers send them again)."""
+        with self._lock:
+            stream.dead = True
+            pending = list(stream.pending)
+            stream.pending.clear()
+            waiting: list[_Entry] = []
+            if self._stream is stream or self._stream is None:
+                self._stream = None
+                waiting = list(self._waiting)
+                self._waiting.clear()
+        stream.requests.put(None)  # ends gRPC's request-consumer thread
+        first, rest = stream_end_errors(code, details, stream.abort_error)
+        for index, sent in enumerate(pending):
+            error = first if index == 0 else rest
+            for group in sent.groups:
+                _fail_group(group, error, many=sent.joined)
+        unsent = not_sent_error(details)
+        for entry in waiting:
+            entry.future.set_exception(unsent)
+
+
+def _answers(sent: _Sent, response: broker_pb2.PublishResponse) -> bool:
+    """Whether a response answers the oldest unanswered request: its id, or no id on a
+    failure answered inline (the master answers those in order without echoing it)."""
+    if response.request_id == sent.request_id:
+        return True
+    return response.request_id == 0 and response.HasField("error")
+
+
+def _request_key(request: broker_pb2.PublishRequest) -> str:
+    """A request's key in the latency budget's stage marks (squall.wire.stages): its
+    first publisher's id and first sequence, as a publisher's own stream marks it."""
+    first = request.parts[0] if request.parts else request
+    sequence = first.events[0].sequence if first.events else 0
+    return _stages.request_key(first.publisher_id, sequence)
+
+
+def _entry_key(entry: _Entry) -> str:
+    return _stages.request_key(entry.publisher_id, entry.event.sequence)
+
+
+def _part(group: list[_Entry], token: str) -> broker_pb2.PublishRequest:
+    """One publisher's events of a request, in call order."""
+    request = new_request(group[0].topic, group[0].publisher_id, token)
+    request.events.extend(entry.event for entry in group)
+    return request
+
+
+def _inline_error(error: broker_pb2.PublishError) -> SquallError:
+    """The error a request answered inline would have ended the stream with."""
+    code = getattr(grpc.StatusCode, error.code or "UNKNOWN", grpc.StatusCode.UNKNOWN)
+    return error_for(code, error.message or code.name.lower(), sent=True)
+
+
+def _fail_group(group: list[_Entry], error: SquallError, *, many: bool) -> None:
+    """Fails one part's callers. A definite refusal of several events at once (or of a
+    joined request) is not theirs to keep: each is sent again alone (`JoinRefused`)."""
+    if (len(group) > 1 or many) and not error.maybe_stored and not isinstance(error, NotSent):
+        error = JoinRefused(f"refused with others, to be sent alone: {error.details}", error.code)
+    for entry in group:
+        if not entry.future.done():
+            entry.future.set_exception(error)
+
+
+def _answer(group: list[_Entry], response: broker_pb2.PublishResponse) -> bool:
+    """Hands one part's receipts to its callers; True if it failed as the master gone."""
+    if response.HasField("error"):
+        error = _inline_error(response.error)
+        _fail_group(group, error, many=False)
+        return error.code in _MASTER_GONE
+    receipts = receipts_from_pb(response)
+    if len(receipts) != len(group):
+        error = Indeterminate(
+            f"protocol error: {len(receipts)} receipts for {len(group)} events",
+            grpc.StatusCode.INTERNAL,
+        )
+        _fail_group(group, error, many=False)
+        return True
+    for entry, receipt in zip(group, receipts, strict=True):
+        entry.future.set_result(receipt)
+    return False
