@@ -673,10 +673,9 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
                 continue
             if not request.follow:
                 return
-            # asyncio.timeout, not wait_for: no task per wait, the commit wakes this one.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(_FOLLOW_RECHECK_S):
-                    await signal.wait()
+            # Checked before each wait, not after it: a wake that finds events serves them
+            # with one read (a destroyed topic's read fails, NOT_FOUND, in _translating),
+            # and one that finds none comes back here before waiting again.
             current = node.store.get_topic(topic.name)
             if current is None or current.topic_id != topic.topic_id:
                 await abort(
@@ -691,6 +690,10 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
                         f"commit LSN {node.commit_lsn}): subscribe again from offset {position}",
                     ),
                 )
+            # asyncio.timeout, not wait_for: no task per wait, the commit wakes this one.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_FOLLOW_RECHECK_S):
+                    await signal.wait()
 
     async def Ack(self, request: broker_pb2.AckRequest, context: Context) -> broker_pb2.AckResponse:
         try:
