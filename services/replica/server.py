@@ -388,9 +388,16 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
                 return
             answer.set_result(response)
 
+        def answered(ended: asyncio.Future[broker_pb2.PublishResponse]) -> None:
+            # One callback (one loop handle per publish) for both: the caller gave up
+            # (cancelled: the write's wait is cancelled too), or the outcome is seen.
+            if ended.cancelled():
+                receipt.cancel()
+            else:
+                _seen(ended)
+
         receipt.add_done_callback(respond)
-        answer.add_done_callback(_seen)
-        answer.add_done_callback(lambda ended: receipt.cancel() if ended.cancelled() else None)
+        answer.add_done_callback(answered)
         return answer
 
     def _where(self) -> tuple[str, int]:
