@@ -49,6 +49,8 @@ W = TypeVar("W")
 TAIL_CACHE_ENTRIES_MAX = 4096
 # Entries per store read when a catching-up slave's batch is built.
 STORE_READ_ENTRIES = 64
+# Serialized receipt stamps kept (one per combination of holders and their policies).
+_STAMPS_MAX = 64
 
 _SYNC_POLICIES = {
     SyncPolicy.SYNC: common_pb2.SYNC_POLICY_SYNC,
@@ -104,6 +106,8 @@ class MasterSteps(Generic[W]):
         self._tail: deque[replica_pb2.LogEntry] = deque(maxlen=TAIL_CACHE_ENTRIES_MAX)
         self._tail_bytes = 0
         self._tail_bytes_max = tail_bytes_max
+        # Receipt stamps by holders: the same few combinations commit write after write.
+        self._stamps: dict[tuple[tuple[str, SyncPolicy], ...], bytes] = {}
 
     # --- inputs from the writer
 
@@ -237,13 +241,20 @@ class MasterSteps(Generic[W]):
         """What a committed write's receipt gains: this master and the replicas holding
         the entry, each with its sync policy (serialized, to merge into each receipt)."""
         holders = self.core.holders(lsn) if lsn else ()
-        return common_pb2.BatchReceipt(
-            master_id=self.node_id,
-            holders=[
-                common_pb2.ReplicaDurability(node_id=node_id, durability=_SYNC_POLICIES[policy])
-                for node_id, policy in holders
-            ],
-        ).SerializeToString()
+        stamp = self._stamps.get(holders)
+        if stamp is None:
+            if len(self._stamps) >= _STAMPS_MAX:
+                self._stamps.clear()
+            stamp = self._stamps[holders] = common_pb2.BatchReceipt(
+                master_id=self.node_id,
+                holders=[
+                    common_pb2.ReplicaDurability(
+                        node_id=node_id, durability=_SYNC_POLICIES[policy]
+                    )
+                    for node_id, policy in holders
+                ],
+            ).SerializeToString()
+        return stamp
 
     # --- log retention and progress
 
@@ -255,6 +266,10 @@ class MasterSteps(Generic[W]):
         it has the snapshot, so it continues with the log (no endless chase).
         """
         keep = self.core.last_lsn - retention_entries + 1
+        if keep <= self.log_start_lsn:
+            # The usual case, checked per commit batch: a snapshotting slave only lowers
+            # keep, so the answer is the log start without building every slave's status.
+            return self.log_start_lsn
         for progress in self.core.status():
             if progress.state == SlaveState.SNAPSHOTTING and progress.snapshot_lsn:
                 keep = min(keep, progress.snapshot_lsn + 1)

@@ -433,8 +433,13 @@ class _Slave:
         self.sent_since_heartbeat = False
 
     def durable_lsn(self, policy: SyncPolicy) -> int:
-        """What the slave's acks vouch for under the replica sync policy."""
-        return Ack(self.received_lsn, self.written_lsn, self.synced_lsn).durable_lsn(policy)
+        """What the slave's acks vouch for under the replica sync policy (as
+        ``Ack.durable_lsn``, without an Ack per call: the commit counts it per input)."""
+        if policy == SyncPolicy.SYNC:
+            return self.synced_lsn
+        if policy == SyncPolicy.WRITE_NO_SYNC:
+            return self.written_lsn
+        return self.received_lsn
 
     def clear_window(self) -> None:
         """Forgets everything in flight (the stream is gone or replaced)."""
@@ -490,6 +495,9 @@ class ReplicationMaster(Generic[T]):
                 f"quorum is {config.quorum}"
             )
         self._slaves = {n: _Slave(n) for n in self._members if n != config.node_id}
+        # The slaves by node id, in the order grants and status list them (the group only
+        # shrinks within an epoch: set_members renews it).
+        self._slave_order = tuple(self._slaves[n] for n in sorted(self._slaves))
         self._epoch_start_lsn = last_lsn + 1
         self._written_lsn = last_lsn  # the master's own log
         self._synced_lsn = 0
@@ -555,7 +563,7 @@ class ReplicationMaster(Generic[T]):
 
     def status(self) -> tuple[SlaveProgress, ...]:
         """Every member slave's progress, by node id."""
-        return tuple(self._progress(self._slaves[n]) for n in sorted(self._slaves))
+        return tuple(self._progress(slave) for slave in self._slave_order)
 
     def holders(self, lsn: int) -> tuple[tuple[str, SyncPolicy], ...]:
         """Who holds ``lsn`` and how durably, the master first (for ``AckReceipt.holders``)."""
@@ -564,7 +572,7 @@ class ReplicationMaster(Generic[T]):
             (self.config.node_id, self._written_lsn, self._written_lsn, self._synced_lsn)
         ] + [
             (s.node_id, s.received_lsn, s.written_lsn, s.synced_lsn)
-            for s in (self._slaves[n] for n in sorted(self._slaves))
+            for s in self._slave_order
         ]:
             if synced >= lsn:
                 out.append((node_id, SyncPolicy.SYNC))
@@ -867,6 +875,7 @@ class ReplicationMaster(Generic[T]):
         new = self._check_members(members, initial=False)
         for node_id in set(self._slaves) - set(new):
             del self._slaves[node_id]
+        self._slave_order = tuple(self._slaves[n] for n in sorted(self._slaves))
         self._members = new
         if not self._deposed and self._voting_members() < self.config.quorum:
             return self._depose(
@@ -906,8 +915,8 @@ class ReplicationMaster(Generic[T]):
             return self._actions()
         self._next_heartbeat_ms = now_ms + self.config.heartbeat_interval_ms
         heartbeats: list[str] = []
-        for node_id in sorted(self._slaves):
-            slave = self._slaves[node_id]
+        for slave in self._slave_order:
+            node_id = slave.node_id
             due = not slave.sent_since_heartbeat or slave.commit_told < self._commit_lsn
             slave.sent_since_heartbeat = False
             if slave.phase == _Phase.STREAMING and slave.grant is None and due:
@@ -999,21 +1008,17 @@ class ReplicationMaster(Generic[T]):
         local = self._local_durable_lsn()
         if self.config.acks == AckPolicy.NONE:
             return local
-        need = (
-            self._voting_members() if self.config.acks == AckPolicy.ALL else self.config.quorum
-        ) - 1
+        config = self.config
+        need = (self._voting_members() if config.acks == AckPolicy.ALL else config.quorum) - 1
         if need <= 0:
             return local
-        others = sorted(
-            (
-                s.durable_lsn(self.config.replica_sync)
-                for s in self._slaves.values()
-                if s.node_id not in self.config.learners
-            ),
-            reverse=True,
-        )
+        policy, learners = config.replica_sync, config.learners
+        others = [s.durable_lsn(policy) for s in self._slave_order if s.node_id not in learners]
         if need > len(others):
             return 0
+        if need == 1:  # three nodes, majority: the best slave's
+            return min(local, max(others))
+        others.sort(reverse=True)
         return min(local, others[need - 1])
 
     def _grants(self) -> tuple[list[SendGrant], list[str], list[str]]:
@@ -1022,10 +1027,10 @@ class ReplicationMaster(Generic[T]):
         snapshots: list[str] = []
         events: list[str] = []
         cfg = self.config
-        for node_id in sorted(self._slaves):
-            slave = self._slaves[node_id]
+        for slave in self._slave_order:
             if slave.phase != _Phase.STREAMING or slave.grant is not None:
                 continue
+            node_id = slave.node_id
             if slave.next_lsn < self._log_start_lsn or slave.snapshot_wanted:
                 why = (
                     "its log diverges"

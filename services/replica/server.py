@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
+from types import TracebackType
 from typing import Any, NoReturn
 
 import grpc
@@ -66,18 +67,31 @@ async def abort(context: Context, exc: ServiceError) -> NoReturn:
     raise AssertionError("unreachable: context.abort raises")
 
 
-@contextlib.contextmanager
-def _translating(node: FaultSink) -> Iterator[None]:
+class _translating:  # lowercase: called like the function it replaced
     """Maps store errors that reach a handler to ServiceErrors; a checksum error is also a
-    fault of this node's store, which quarantines the node."""
-    try:
-        yield
-    except CorruptRecordError as exc:
-        node.report_fault(f"checksum error serving a read: {exc}")
-        raise ServiceError(Code.DATA_LOSS, f"corrupt record, not served: {exc}") from exc
-    except UnknownTopicError as exc:
-        # The topic was destroyed between the caller's lookup and the read.
-        raise ServiceError(Code.NOT_FOUND, str(exc)) from exc
+    fault of this node's store, which quarantines the node. (A class, not a generator
+    context manager: every publish request and every subscriber read passes through.)"""
+
+    __slots__ = ("_node",)
+
+    def __init__(self, node: FaultSink) -> None:
+        self._node = node
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if isinstance(exc, CorruptRecordError):
+            self._node.report_fault(f"checksum error serving a read: {exc}")
+            raise ServiceError(Code.DATA_LOSS, f"corrupt record, not served: {exc}") from exc
+        if isinstance(exc, UnknownTopicError):
+            # The topic was destroyed between the caller's lookup and the read.
+            raise ServiceError(Code.NOT_FOUND, str(exc)) from exc
 
 
 def topic_message(topic: TopicInfo, next_offset: int | None = None) -> common_pb2.Topic:
@@ -389,9 +403,16 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
                 return
             answer.set_result(response)
 
+        def answered(ended: asyncio.Future[broker_pb2.PublishResponse]) -> None:
+            # One callback (one loop handle per publish) for both: the caller gave up
+            # (cancelled: the write's wait is cancelled too), or the outcome is seen.
+            if ended.cancelled():
+                receipt.cancel()
+            else:
+                _seen(ended)
+
         receipt.add_done_callback(respond)
-        answer.add_done_callback(_seen)
-        answer.add_done_callback(lambda ended: receipt.cancel() if ended.cancelled() else None)
+        answer.add_done_callback(answered)
         return answer
 
     def _where(self) -> tuple[str, int]:
@@ -751,10 +772,9 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
                 continue
             if not request.follow:
                 return
-            # asyncio.timeout, not wait_for: no task per wait, the commit wakes this one.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(_FOLLOW_RECHECK_S):
-                    await signal.wait()
+            # Checked before each wait, not after it: a wake that finds events serves them
+            # with one read (a destroyed topic's read fails, NOT_FOUND, in _translating),
+            # and one that finds none comes back here before waiting again.
             current = node.store.get_topic(topic.name)
             if current is None or current.topic_id != topic.topic_id:
                 await abort(
@@ -769,6 +789,10 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
                         f"commit LSN {node.commit_lsn}): subscribe again from offset {position}",
                     ),
                 )
+            # asyncio.timeout, not wait_for: no task per wait, the commit wakes this one.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_FOLLOW_RECHECK_S):
+                    await signal.wait()
 
     async def Ack(self, request: broker_pb2.AckRequest, context: Context) -> broker_pb2.AckResponse:
         try:

@@ -126,3 +126,45 @@ def test_an_unflushed_batch_goes_out_and_commits_once_flushed_or_a_failed_flush_
             assert ("failed", ["write-4"]) in seen
             assert ("deposed", "local store flush failed after sending: EIO") in seen
             assert core.commit_lsn < 4 and core.deposed
+
+
+def _holders(steps: MasterSteps[str], lsn: int) -> list[tuple[str, int]]:
+    stamp = common_pb2.BatchReceipt.FromString(steps.receipt_stamp(lsn))
+    return [(h.node_id, h.durability) for h in stamp.holders]
+
+
+def test_receipt_stamps_name_each_lsns_holders_as_the_acks_move() -> None:
+    """Stamps are reused across writes (the same holders commit write after write): each
+    LSN's still names exactly who holds it, with what sync policy, as acks arrive."""
+    steps, store, _ = _steps()
+    core = steps.core
+    stream = core.connect("n2")
+    steps.apply(core.on_position("n2", stream, last_epoch=1, last_lsn=3, history=[(1, 1)]))
+    for lsn in (4, 5):
+        store.append([_entry(lsn, 2)], sync=True)
+        steps.appended([_entry(lsn, 2)], synced=True)
+    sync, written = common_pb2.SYNC_POLICY_SYNC, common_pb2.SYNC_POLICY_WRITE_NO_SYNC
+    steps.apply(core.on_ack("n2", stream, received_lsn=4, written_lsn=4, synced_lsn=4))
+    assert _holders(steps, 4) == [("n1", sync), ("n2", sync)]
+    assert _holders(steps, 5) == [("n1", sync)]  # n2 has not acked 5 yet
+    steps.apply(core.on_ack("n2", stream, received_lsn=5, written_lsn=5, synced_lsn=4))
+    assert _holders(steps, 5) == [("n1", sync), ("n2", written)]
+    assert _holders(steps, 4) == [("n1", sync), ("n2", sync)]
+
+
+def test_the_compaction_target_keeps_the_retention_and_a_snapshotting_slaves_tail() -> None:
+    """Within the retention the log start stays; beyond it the last entries are kept, and
+    a slave receiving a snapshot at S keeps the log from S+1 whatever the retention."""
+    steps, store, _ = _steps()
+    core = steps.core
+    for lsn in range(4, 11):
+        store.append([_entry(lsn, 2)], sync=True)
+        steps.appended([_entry(lsn, 2)], synced=True)
+    assert steps.compaction_target(100) == 1  # the whole log is within the retention
+    assert steps.compaction_target(4) == 7  # LSNs 7..10 kept
+    steps.set_log_start(3)
+    stream = core.connect("n2")
+    steps.apply(core.on_position("n2", stream, last_epoch=0, last_lsn=0, history=[]))
+    steps.apply(core.on_snapshot_started("n2", stream, 3))  # n2 needs LSN 1, below 3
+    assert steps.compaction_target(4) == 4  # the snapshot's tail, LSN 4 on
+    assert steps.compaction_target(100) == 3

@@ -155,3 +155,31 @@ def test_the_write_fence_refuses_writes_until_cancelled_or_expired(tmp_path: Pat
             await node.stop()
 
     asyncio.run(run())
+
+
+def test_a_handlers_store_errors_become_statuses_and_a_checksum_error_is_a_fault() -> None:
+    """What reaches a servicer from the store: a checksum error is DATA_LOSS and a fault of
+    this node (reported once, with the record); a topic gone under a read is NOT_FOUND;
+    anything else passes through untouched."""
+    from squall_server.replica.server import _translating
+    from squall_server.replica.store import CorruptRecordError, UnknownTopicError
+
+    class _Sink:
+        faults: list[str] = []
+
+        def report_fault(self, reason: str) -> None:
+            self.faults.append(reason)
+
+    sink = _Sink()
+    with pytest.raises(ServiceError) as corrupt, _translating(sink):
+        raise CorruptRecordError("events", b"k", "crc mismatch")
+    assert corrupt.value.code == Code.DATA_LOSS and "crc mismatch" in corrupt.value.message
+    assert len(sink.faults) == 1 and "checksum error serving a read" in sink.faults[0]
+    with pytest.raises(ServiceError) as gone, _translating(sink):
+        raise UnknownTopicError("topic 't' was destroyed (and created again)")
+    assert gone.value.code == Code.NOT_FOUND and "destroyed" in gone.value.message
+    with pytest.raises(ValueError), _translating(sink):
+        raise ValueError("not a store error")
+    with _translating(sink):
+        pass
+    assert len(sink.faults) == 1

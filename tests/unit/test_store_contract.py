@@ -866,3 +866,64 @@ def test_counts_are_records_per_database(store: Store) -> None:
     counts = store.counts()
     assert (counts["log"], counts["topics"], counts["events"], counts["cursors"]) == (4, 1, 3, 1)
     assert (counts["dedupe"], counts["publishers"]) == (1, 1)
+
+
+class _BreakingReads:
+    """Wraps a store's KV: its read transactions fail every get with `error` (or fail to
+    open at all), and the ones closed are counted."""
+
+    def __init__(self, kv: Any, error: Exception, *, at_open: bool = False) -> None:
+        self._kv, self.error, self.at_open, self.closed = kv, error, at_open, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._kv, name)
+
+    def read(self) -> Any:
+        if self.at_open:
+            raise self.error
+        return _BrokenRead(self, self._kv.read())
+
+
+class _BrokenRead:
+    def __init__(self, owner: _BreakingReads, inner: Any) -> None:
+        self._owner, self._inner = owner, inner
+
+    def __enter__(self) -> _BrokenRead:
+        self._txn = self._inner.__enter__()
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._txn, name)
+
+    def get(self, db: str, key: bytes) -> bytes | None:
+        raise self._owner.error
+
+    def __exit__(self, *exc: Any) -> Any:
+        self._owner.closed += 1
+        return self._inner.__exit__(*exc)
+
+
+@pytest.mark.parametrize("at_open", [False, True], ids=["in-the-read", "opening-it"])
+def test_a_kv_failure_in_a_read_is_a_store_error_and_the_read_is_closed(
+    make_store: StoreFactory, at_open: bool
+) -> None:
+    """Damage the engine reports becomes CorruptRecordError naming the database, any other
+    engine error StoreError ("read failed"); a read that began is closed either way."""
+    from squall_server.replica.store import CorruptRecordError, StoreError
+    from squall_server.replica.store.kv import KVCorruptError, KVError
+
+    store = make_store()
+    kv = store._kv  # type: ignore[attr-defined]
+    for error, raised in (
+        (KVCorruptError("topics", "bad page"), CorruptRecordError),
+        (KVError("I/O error"), StoreError),
+    ):
+        broken = _BreakingReads(kv, error, at_open=at_open)
+        store._kv = broken  # type: ignore[attr-defined]
+        with pytest.raises(StoreError) as caught:
+            store.get_topic("t")
+        assert caught.type is raised
+        assert ("bad page" if raised is CorruptRecordError else "read failed") in str(caught.value)
+        assert broken.closed == (0 if at_open else 1)
+    store._kv = kv  # type: ignore[attr-defined]
+    assert store.get_topic("t") is None

@@ -10,6 +10,7 @@ import zlib
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
+from types import TracebackType
 
 from google.protobuf.message import DecodeError
 
@@ -114,6 +115,44 @@ DEDUPE_WINDOW_DEFAULT = 100_000
 COMPACT_BATCH_ENTRIES_DEFAULT = 10_000
 
 
+def _read_error(exc: KVError) -> StoreError:
+    """The store error a KV error of a read becomes."""
+    if isinstance(exc, KVCorruptError):
+        return CorruptRecordError(exc.db, b"", str(exc))
+    return StoreError(f"read failed: {exc}")
+
+
+class _TranslatedRead:
+    """A KV read transaction's context manager whose KV errors (opening it, in the
+    with-block, closing it) become store errors; a class rather than a generator, as a
+    read is a few microseconds and a publish or a delivery opens several."""
+
+    __slots__ = ("_inner",)
+
+    def __init__(self, inner: AbstractContextManager[ReadTxn]) -> None:
+        self._inner = inner
+
+    def __enter__(self) -> ReadTxn:
+        try:
+            return self._inner.__enter__()
+        except KVError as exc:
+            raise _read_error(exc) from exc
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool:
+        try:
+            suppressed = bool(self._inner.__exit__(kind, error, traceback))
+        except KVError as exc:
+            raise _read_error(exc) from exc
+        if not suppressed and isinstance(error, KVError):
+            raise _read_error(error) from error
+        return suppressed
+
+
 class Store:
     """The replica's log and state on a KV (open it with open_lmdb or open_memory)."""
 
@@ -191,8 +230,7 @@ class Store:
         except KVError as exc:
             raise StoreError(f"cannot read the store's size: {exc}") from exc
 
-    @contextmanager
-    def _reading(self, *, long_lived: bool = False) -> Iterator[ReadTxn]:
+    def _reading(self, *, long_lived: bool = False) -> AbstractContextManager[ReadTxn]:
         """A read transaction, with KV errors turned into store errors.
 
         long_lived: a KV snapshot transaction, which never blocks the writer.
@@ -200,12 +238,9 @@ class Store:
         if self._closed:
             raise StoreError("the store is closed")
         try:
-            with self._kv.snapshot() if long_lived else self._kv.read() as txn:
-                yield txn
-        except KVCorruptError as exc:
-            raise CorruptRecordError(exc.db, b"", str(exc)) from exc
+            return _TranslatedRead(self._kv.snapshot() if long_lived else self._kv.read())
         except KVError as exc:
-            raise StoreError(f"read failed: {exc}") from exc
+            raise _read_error(exc) from exc
 
     @contextmanager
     def _writing(self, *, sync: bool) -> Iterator[WriteTxn]:
