@@ -164,7 +164,7 @@ def connect(
     included (default: $SQUALL_TOKEN, else the file $SQUALL_TOKEN_FILE names; docs/auth.md).
     `share_publish_stream` (default True) sends the one-at-a-time `publish()` calls of all
     the client's gateway publishers on one shared stream, joining concurrent ones into one
-    request (docs/clients.md, "Many publishers in one process"); False gives each publisher
+    request (README.md, "Using it from Python"); False gives each publisher
     its own stream for everything.
     """
     retry = RetryPolicy(
