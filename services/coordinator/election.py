@@ -167,6 +167,17 @@ driver judges from the replica's answer) is reported the same way, with
 its end (writes complete again) is ``replica_answered``. The reverse fault needs nothing
 here: a replica whose coordinator is gone drops its role when its lease runs out.
 
+Master refusals
+---------------
+A replica that refuses the master role makes its driver recover (a fresh Election); the
+highest-ranked node would then lead and name its refusing replica again, for ever. After
+``MASTER_REFUSALS_MAX`` refusals in a row the driver builds the fresh Election with a
+``LeadHoldOff``: until it ends, the node is out of every group as a quarantined node is
+(no probes, no positive probe replies, invitations ignored), so nobody hands it the lead
+and the others elect a master; at its end (a timer: ``next_deadline_ms`` includes it) the
+node probes and rejoins like a returning node (docs/operations.md, "A replica that refuses
+the master role"). Only who takes part changes, so safety is untouched.
+
 Membership changes
 ------------------
 The config file is the bootstrap node set (``ElectionConfig.priorities``, version 0, or
