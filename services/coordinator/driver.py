@@ -5,7 +5,8 @@ decides what its loops do next, with no asyncio, gRPC or disk inside.
 it: it persists, sends and hands role commands on in the order ``Ready`` documents; it
 turns the replica's answers to role commands into reports, recoveries and the one fate per
 node watch (``replica_silent`` / ``replica_answered``); it recovers with a fresh Election
-when the replica refuses a role. What it needs from the world is injected: a ``Clock``, a
+when the replica refuses a role, held off from leading for a while after
+``MASTER_REFUSALS_MAX`` refusals of the master role in a row. What it needs from the world is injected: a ``Clock``, a
 ``PeerTransport`` (send one peer message, fire and forget), a ``StateStore`` (the
 persisted state: a file, or memory in the simulator) and a few hooks that wake its loops.
 
