@@ -6,9 +6,10 @@ it: it persists, sends and hands role commands on in the order ``Ready`` documen
 turns the replica's answers to role commands into reports, recoveries and the one fate per
 node watch (``replica_silent`` / ``replica_answered``); it recovers with a fresh Election
 when the replica refuses a role, held off from leading for a while after
-``MASTER_REFUSALS_MAX`` refusals of the master role in a row. What it needs from the world is injected: a ``Clock``, a
-``PeerTransport`` (send one peer message, fire and forget), a ``StateStore`` (the
-persisted state: a file, or memory in the simulator) and a few hooks that wake its loops.
+``MASTER_REFUSALS_MAX`` refusals of the master role in a row. What it needs from the world
+is injected: a ``Clock``, a ``PeerTransport`` (send one peer message, fire and forget), a
+``StateStore`` (the persisted state: a file, or memory in the simulator) and a few hooks
+that wake its loops.
 
 Two shells run it. ``services/coordinator/node.py`` (``CoordinatorNode``) runs three
 asyncio loops over gRPC: the tick loop sleeps ``tick()``'s answer, the role loop sends
