@@ -276,6 +276,12 @@ class NodeStatus:
     membership_change: str = ""
     """On the master's coordinator: the membership change in progress, or how the last
     one ended."""
+    lead_held_off_until_ms: int = 0
+    """Set while the node steps aside from leading because its replica kept refusing the
+    master role (out of every group meanwhile): wall-clock ms since the Unix epoch the
+    hold-off ends."""
+    lead_held_off_reason: str = ""
+    """While held off: the replica's last refusal of the master role."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -358,6 +364,8 @@ class ClusterStatus:
                 losses=tuple(LossEvent.from_pb(e) for e in n.losses),
                 membership=n.membership,
                 membership_change=n.membership_change,
+                lead_held_off_until_ms=n.lead_held_off_until_ms,
+                lead_held_off_reason=n.lead_held_off_reason,
             )
             for n in status.nodes
         )

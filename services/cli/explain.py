@@ -32,6 +32,8 @@ def state_of(node: squall.NodeStatus) -> str:
         return "QUARANTINED"
     if node.replica_unreachable_since_ms:
         return "REPLICA UNREACHABLE"
+    if node.lead_held_off_until_ms:
+        return "STEPPED ASIDE"
     if not node.coordinator_id:
         return "COORDINATOR UNREACHABLE"
     return node.state
@@ -46,6 +48,18 @@ def reason_of(node: squall.NodeStatus) -> str:
         parts.append(node.error)
     parts.append(node.last_change_reason or "-")
     return "; ".join(parts)
+
+
+def held_off(node: squall.NodeStatus) -> str:
+    """Why a node steps aside from leading (empty when it does not)."""
+    if not node.lead_held_off_until_ms:
+        return ""
+    return (
+        f"steps aside from leading until {when(node.lead_held_off_until_ms)}: its replica "
+        f"kept refusing the master role (last: {node.lead_held_off_reason}); out of every "
+        "group meanwhile (never master, never counted for acks or the quorum), then it "
+        "rejoins and may lead again"
+    )
 
 
 def loss_line(loss: squall.LossEvent) -> str:
@@ -87,6 +101,8 @@ def notes(status: squall.ClusterStatus) -> list[str]:
                 "out of every group (never master, never counted for acks or the quorum) "
                 "until the replica answers again"
             )
+        elif node.lead_held_off_until_ms:
+            lines.append(f"{node.node_id}: {held_off(node)}")
         elif node.fault_reason:
             lines.append(f"{node.node_id}: its replica reports a fault: {node.fault_reason}")
         if node.transfer_target:
@@ -115,7 +131,11 @@ def facts(status: squall.ClusterStatus) -> list[NodeFacts]:
         NodeFacts(
             node_id=n.node_id,
             priority=n.priority,
-            up=n.reachable and not n.error and not n.replica_unreachable_since_ms,
+            up=n.reachable
+            and not n.error
+            and not n.replica_unreachable_since_ms
+            and not n.lead_held_off_until_ms,
+            held_off=held_off(n),
             quarantined=n.quarantine is not None,
             replica_unreachable=bool(n.replica_unreachable_since_ms),
             config_refused=n.node_id in refused,

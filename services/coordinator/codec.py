@@ -400,6 +400,9 @@ def status_to_proto(status: ElectionStatus) -> coordinator_pb2.CoordinatorStatus
     pb.transfer_target = status.transfer_target
     if status.replica_unreachable_since_ms is not None:
         pb.replica_unreachable_since_ms = status.replica_unreachable_since_ms
+    if status.lead_held_off_until_ms is not None:
+        pb.lead_held_off_until_ms = status.lead_held_off_until_ms
+        pb.lead_held_off_reason = status.lead_held_off_reason
     pb.config_mismatches.extend(
         common_pb2.ConfigMismatch(
             node_id=m.node_id, key=m.key, local_value=m.local_value, peer_value=m.peer_value

@@ -5,9 +5,11 @@ decides what its loops do next, with no asyncio, gRPC or disk inside.
 it: it persists, sends and hands role commands on in the order ``Ready`` documents; it
 turns the replica's answers to role commands into reports, recoveries and the one fate per
 node watch (``replica_silent`` / ``replica_answered``); it recovers with a fresh Election
-when the replica refuses a role. What it needs from the world is injected: a ``Clock``, a
-``PeerTransport`` (send one peer message, fire and forget), a ``StateStore`` (the
-persisted state: a file, or memory in the simulator) and a few hooks that wake its loops.
+when the replica refuses a role, held off from leading for a while after
+``MASTER_REFUSALS_MAX`` refusals of the master role in a row. What it needs from the world
+is injected: a ``Clock``, a ``PeerTransport`` (send one peer message, fire and forget), a
+``StateStore`` (the persisted state: a file, or memory in the simulator) and a few hooks
+that wake its loops.
 
 Two shells run it. ``services/coordinator/node.py`` (``CoordinatorNode``) runs three
 asyncio loops over gRPC: the tick loop sleeps ``tick()``'s answer, the role loop sends
@@ -32,7 +34,7 @@ from typing import Protocol
 
 from squall_server.common.clock import Clock
 from squall_server.common.loss_record import LossRecord
-from squall_server.coordinator.election import Election, ElectionConfig
+from squall_server.coordinator.election import Election, ElectionConfig, LeadHoldOff
 from squall_server.coordinator.membership import MembershipChange
 from squall_server.coordinator.messages import (
     LogLevel,
@@ -62,6 +64,17 @@ SYNC_LOG_INTERVAL_MS = 1000
 QUIET_HEARTBEATS = 1.5
 # How often the watch looks at the replica's last answer, in heartbeat intervals.
 WATCH_HEARTBEATS = 0.5
+# Master refusals: once the replica has refused the master role (FAILED_PRECONDITION) this
+# many times in a row, the node steps aside from leading for MASTER_REFUSAL_HOLDOFF_MS: out
+# of every group, so the other nodes elect a master among themselves instead of this
+# (highest-ranked) node leading and naming its refusing replica again, for ever. A role the
+# replica takes resets the count; a call it does not answer (UNAVAILABLE: its sync source
+# is unreachable, say) neither counts nor resets. After the hold-off one more refusal steps
+# aside again (docs/operations.md, "A replica that refuses the master role").
+MASTER_REFUSALS_MAX = 3
+# About 25 election timeouts (member_timeout_ms 400) with the defaults: a disk that is full
+# or failing is not fixed in a second, and each attempt costs the cluster a re-formation.
+MASTER_REFUSAL_HOLDOFF_MS = 10_000
 
 
 class PeerTransport(Protocol):
@@ -209,6 +222,11 @@ class CoordinatorDriver:
         # Starts a hand-over of the group to that member in the background (node.py: the
         # replica's PrepareHandoff, then transfer_leadership); None: nobody can.
         self._hand_over = hand_over
+        # Master refusals in a row by the replica, the last one's reason, and the hold-off
+        # they caused (kept across recoveries: each makes a fresh Election).
+        self.master_refusals = 0
+        self._master_refusal_reason = ""
+        self._lead_hold_off: LeadHoldOff | None = None
         self.election = self._new_election(store.load())
         self.shutting_down = ""
         # The last report handed to the election, to notice a replica that restarted (or
@@ -232,12 +250,16 @@ class CoordinatorDriver:
         self._sync_noted_ms = 0
 
     def _new_election(self, state: PersistedState) -> Election:
+        hold_off = self._lead_hold_off
+        if hold_off is not None and hold_off.until_ms <= self.clock.monotonic_ms():
+            hold_off = self._lead_hold_off = None
         return Election(
             self.config,
             state,
             self._new_group_id,
             self._new_cluster_id,
             wall_offset_ms=self.clock.wall_ms() - self.clock.monotonic_ms(),
+            lead_hold_off=hold_off,
         )
 
     @property
@@ -325,9 +347,7 @@ class CoordinatorDriver:
         self.apply(ready)
         return ready
 
-    def change_membership(
-        self, change: MembershipChange, operator: str, reason: str = ""
-    ) -> Ready:
+    def change_membership(self, change: MembershipChange, operator: str, reason: str = "") -> Ready:
         """Operator control: see Election.change_membership."""
         ready = self.election.change_membership(change, operator, self.now(), reason)
         self.apply(ready)
@@ -347,6 +367,8 @@ class CoordinatorDriver:
             if outcome.kind is not Failure.NO_ANSWER:
                 self.replica_answered()
             if outcome.kind is Failure.REFUSED and command.kind is not RoleCommandKind.DEACTIVATE:
+                if command.kind is RoleCommandKind.MASTER:
+                    self._note_master_refusal(outcome.details)
                 self.recover(f"replica refused {command.kind.value}: {outcome.details}")
                 self._role_applied = None
                 return RoleNext.AGAIN
@@ -362,6 +384,8 @@ class CoordinatorDriver:
                 )
             return RoleNext.WAIT
         self.replica_answered(outcome.store_stalled_ms)
+        if command.kind is RoleCommandKind.MASTER and outcome.report.active and not outcome.syncing:
+            self.master_refusals = 0  # it took the master role
         if outcome.fault_id:
             # A fault the replica reports quarantines this node (once per fault).
             self.apply(
@@ -404,6 +428,28 @@ class CoordinatorDriver:
                 return RoleNext.AGAIN
         self._role_applied = command
         return RoleNext.WAIT
+
+    def _note_master_refusal(self, reason: str) -> None:
+        """The replica refused the master role: count it; at MASTER_REFUSALS_MAX in a row
+        the node steps aside from leading (the recovery that follows starts held off)."""
+        self.master_refusals += 1
+        self._master_refusal_reason = reason
+        if self.master_refusals < MASTER_REFUSALS_MAX:
+            return
+        now = self.now()
+        self._lead_hold_off = LeadHoldOff(
+            now + MASTER_REFUSAL_HOLDOFF_MS, self.master_refusals, reason
+        )
+        log.warning(
+            "coordinator %s: its replica refused the master role %d times in a row (epoch=%d, "
+            "last: %s); the node steps aside from leading for %d ms: out of every group, so "
+            "the other nodes elect a master; then it rejoins and may lead again",
+            self.node_id,
+            self.master_refusals,
+            self.election.persisted.epoch,
+            reason,
+            MASTER_REFUSAL_HOLDOFF_MS,
+        )
 
     def _note_sync(self, epoch: int, progress: str) -> None:
         """The replica answered a master role before taking it: its reorganization sync

@@ -167,6 +167,17 @@ driver judges from the replica's answer) is reported the same way, with
 its end (writes complete again) is ``replica_answered``. The reverse fault needs nothing
 here: a replica whose coordinator is gone drops its role when its lease runs out.
 
+Master refusals
+---------------
+A replica that refuses the master role makes its driver recover (a fresh Election); the
+highest-ranked node would then lead and name its refusing replica again, for ever. After
+``MASTER_REFUSALS_MAX`` refusals in a row the driver builds the fresh Election with a
+``LeadHoldOff``: until it ends, the node is out of every group as a quarantined node is
+(no probes, no positive probe replies, invitations ignored), so nobody hands it the lead
+and the others elect a master; at its end (a timer: ``next_deadline_ms`` includes it) the
+node probes and rejoins like a returning node (docs/operations.md, "A replica that refuses
+the master role"). Only who takes part changes, so safety is untouched.
+
 Membership changes
 ------------------
 The config file is the bootstrap node set (``ElectionConfig.priorities``, version 0, or
@@ -266,6 +277,17 @@ _TIMER_PASSES_MAX = 4
 # this many entries: the hand-over's write fence then waits for the rest (a few batches),
 # not for a catch-up.
 CATCH_UP_LAG_ENTRIES_MAX = 256
+
+
+@dataclass(frozen=True, slots=True)
+class LeadHoldOff:
+    """The driver's word that this node steps aside from leading until ``until_ms``
+    (monotonic): its replica refused the master role ``refusals`` times in a row, the last
+    time for ``reason`` (driver.py, ``MASTER_REFUSALS_MAX``)."""
+
+    until_ms: int
+    refusals: int
+    reason: str
 
 
 class ElectionError(RuntimeError):
@@ -521,6 +543,7 @@ class Election:
         new_cluster_id: Callable[[], str] | None = None,
         *,
         wall_offset_ms: int = 0,
+        lead_hold_off: LeadHoldOff | None = None,
     ) -> None:
         """Build the machine from config and the state persisted by earlier runs.
 
@@ -530,6 +553,8 @@ class Election:
         without it the id is made from the new group's name (unique the same way).
         ``wall_offset_ms`` turns ``now_ms`` into wall-clock time for operator records
         (the driver's wall clock minus its monotonic clock; 0 in tests).
+        ``lead_hold_off``: the node starts out of every group until then (see "Master
+        refusals" in the module docstring).
         """
         config.validate()
         self._bootstrap = config.bootstrap()
@@ -643,6 +668,8 @@ class Election:
         self._catch_up_candidates: set[str] = set()
         self._catch_up: set[str] = set()
         self._hand_over_next_ms = 0
+        # Master refusals: out of every group until the hold-off ends (None: not held off).
+        self._lead_hold_off = lead_hold_off
 
     # ----------------------------------------------------------------- public inputs
 
@@ -837,6 +864,14 @@ class Election:
                 if self._replica_lost and self._replica_silent_since is not None
                 else None
             ),
+            lead_held_off_until_ms=(
+                self._lead_hold_off.until_ms + self._wall_offset_ms
+                if self._lead_hold_off is not None
+                else None
+            ),
+            lead_held_off_reason=(
+                self._lead_hold_off.reason if self._lead_hold_off is not None else ""
+            ),
             config_mismatches=tuple(
                 ConfigMismatch(node, d.key, d.local_value, d.peer_value)
                 for node in sorted(self._disagree, key=node_sort_key)
@@ -852,6 +887,8 @@ class Election:
         if not self._started:
             return None
         due: list[int] = []
+        if self._lead_hold_off is not None:
+            due.append(self._lead_hold_off.until_ms)
         if self._replica_silent_since is not None and not self._replica_lost:
             due.append(self._replica_silent_since + self._cfg.replica_timeout_ms)
         if self._coord != self._me:
@@ -1076,6 +1113,13 @@ class Election:
                 f"QUORUM OVERRIDE in force (persisted): groups need {p.quorum_override} "
                 f"of {self._n} nodes",
             )
+        hold_off = self._lead_hold_off
+        if hold_off is not None:
+            self._last_change_reason = (
+                f"steps aside from leading for {hold_off.until_ms - self._now_ms} ms: its "
+                f"replica refused the master role {hold_off.refusals} times in a row "
+                f"(last: {hold_off.reason})"
+            )
         if p.quarantine is not None:
             self._log(
                 LogLevel.WARNING,
@@ -1116,8 +1160,17 @@ class Election:
         return self._persisted.quarantine is not None
 
     def _out_of_groups(self) -> bool:
-        """Quarantined, or its replica is unreachable: the node takes no part in any group."""
-        return self._replica_lost or self._quarantined()
+        """Quarantined, its replica is unreachable, or it steps aside after its replica kept
+        refusing the master role: the node takes no part in any group."""
+        return self._replica_lost or self._quarantined() or self._lead_hold_off is not None
+
+    def _out_of_groups_why(self) -> str:
+        """Why ``_out_of_groups``, in a phrase for the log."""
+        if self._replica_lost:
+            return "its replica is unreachable"
+        if self._quarantined():
+            return "it is quarantined"
+        return "it steps aside after its replica kept refusing the master role"
 
     def _waiting_for_report(self) -> bool:
         """An idle coordinator without its replica's stopped state cannot lead a merge: it
@@ -1339,6 +1392,19 @@ class Election:
         silent = self._replica_silent_since
         if silent is not None and not self._replica_lost and now - silent >= cfg.replica_timeout_ms:
             self._lose_replica(silent)
+            return True
+        hold_off = self._lead_hold_off
+        if hold_off is not None and now >= hold_off.until_ms:
+            self._lead_hold_off = None
+            self._next_probe_ms = now
+            self._last_change_reason = "master-refusal hold-off over"
+            self._log(
+                LogLevel.INFO,
+                "master-refusal-hold-off-over",
+                f"hold-off over (its replica refused the master role {hold_off.refusals} "
+                f"times, last: {hold_off.reason}); this node rejoins and may lead again "
+                f"(epoch {self._persisted.epoch})",
+            )
             return True
         if self._coord != self._me:
             if self._pending is not None:
@@ -2856,7 +2922,7 @@ class Election:
             )
             return
         if self._out_of_groups():
-            why = "its replica is unreachable" if self._replica_lost else "it is quarantined"
+            why = self._out_of_groups_why()
             self._log(
                 LogLevel.INFO,
                 "invitation-ignored",

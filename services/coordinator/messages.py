@@ -476,6 +476,11 @@ class ElectionStatus:
     replica_unreachable_since_ms: int | None = None
     """Set while the node is out of every group because its replica stopped answering:
     wall-clock time (ms since the Unix epoch) of the replica's last answer."""
+    lead_held_off_until_ms: int | None = None
+    """Set while the node is out of every group because its replica kept refusing the master
+    role: wall-clock time (ms since the Unix epoch) the hold-off ends."""
+    lead_held_off_reason: str = ""
+    """The last refusal's reason, while held off."""
     config_mismatches: tuple[ConfigMismatch, ...] = ()
     """Nodes refused because their agreed settings differ from this node's, one row per
     differing setting (docs/operations.md, "Consistency at start")."""

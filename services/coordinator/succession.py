@@ -14,7 +14,8 @@ them, so an explanation cannot drift from what the coordinators do:
   majority and every node). The sync source is the survivor with the newest log.
 * A node that is unreachable or quarantined now counts as failed already, and so does a
   node whose coordinator answers but whose replica does not (one fate per node: its
-  coordinator keeps it out of every group).
+  coordinator keeps it out of every group), or a node that steps aside from leading for a
+  while because its replica kept refusing the master role (out of every group until then).
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ class NodeFacts:
     quarantined: bool = False
     replica_unreachable: bool = False
     """Its coordinator holds it out of every group: its replica stopped answering."""
+    held_off: str = ""
+    """Why it steps aside from leading, out of every group, for now (its replica kept
+    refusing the master role); empty when it does not (it then counts as not up)."""
     config_refused: bool = False
     """The master refuses it: settings every member must share differ from its own."""
     last_epoch: int = 0
@@ -205,6 +209,8 @@ def explain_master(facts: Sequence[NodeFacts], master: str) -> list[str]:
         status = (
             "quarantined"
             if f.quarantined
+            else f.held_off
+            if f.held_off
             else "its replica is unreachable"
             if f.replica_unreachable
             else "refused: its configuration differs"

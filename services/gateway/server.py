@@ -92,6 +92,8 @@ class ClusterAdmin(gateway_pb2_grpc.ClusterAdminServicer):
             row.sync_source_id = status.sync_source_id
             row.transfer_target = status.transfer_target
             row.replica_unreachable_since_ms = status.replica_unreachable_since_ms
+            row.lead_held_off_until_ms = status.lead_held_off_until_ms
+            row.lead_held_off_reason = status.lead_held_off_reason
             row.config_mismatches.extend(status.config_mismatches)
             row.losses.extend(status.losses)
             if status.HasField("membership"):

@@ -206,6 +206,9 @@ class Scenario:
     # node whose settings differ from the others' (it must never share a group with them).
     agreed: dict[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)
     odd_one_out: str = ""
+    # A node whose replica refuses every master role (a store that cannot take the sync):
+    # it must step aside so the others converge without it.
+    refuses_master: str = ""
 
 
 def _rank_key(priorities: dict[str, int], node: str) -> tuple[int, tuple[int, int, str]]:
@@ -834,6 +837,8 @@ class Simulation:
     def refuses(self, node: str, cmd: RoleCommand) -> bool:
         """Would the replica refuse this role (one in an epoch it restarted out of or
         dropped, unless it is the renewal of the role it holds)?"""
+        if cmd.kind is RoleCommandKind.MASTER and node == self.sc.refuses_master:
+            return True
         if not self.processes or cmd.kind is RoleCommandKind.DEACTIVATE:
             return False
         replica = self.replicas[node]
@@ -1297,7 +1302,7 @@ class Simulation:
         up = [x for x in self.nodes if x not in down]
         # A node whose settings differ never joins the others' group, so their stores alone
         # decide a cold start (and the operator's manual recovery leaves it out).
-        agreeing = [x for x in up if x != self.sc.odd_one_out]
+        agreeing = [x for x in up if x not in (self.sc.odd_one_out, self.sc.refuses_master)]
         refusal = self.cold_start_refusal(agreeing)
         if refusal:
             self.manual_recovery(agreeing, refusal)
@@ -1346,7 +1351,8 @@ class Simulation:
 
     def converged(self) -> str | None:
         """The leader if every live node is normal in one group under the right leader."""
-        live = [x for x in self.nodes if self.elections[x] is not None and x != self.sc.odd_one_out]
+        left_out = (self.sc.odd_one_out, self.sc.refuses_master)
+        live = [x for x in self.nodes if self.elections[x] is not None and x not in left_out]
         eligible = [x for x in live if self.priorities[x] > 0 and x not in self.demoted]
         if not eligible:
             return None
@@ -1500,3 +1506,22 @@ def _failover_ms(sim: Simulation, killed_at: int, old_epoch: int, fault: str, le
             ):
                 return sim.now_ms - killed_at
     raise sim.fail(f"no new master within 5000 ms of {fault} on {leader}")
+
+
+def make_refusing_master_scenario(seed: int) -> Scenario:
+    """A seed's scenario (faults included) in which the highest-ranked node's replica refuses
+    every master role: the cluster ran before with every node (so the others are a majority
+    without it); it must step aside, and the others converge under the next in rank."""
+    scenario = make_scenario(seed)
+    scenario.keep_minority_down = False
+    nodes = sorted(scenario.priorities, key=lambda x: _rank_key(scenario.priorities, x))
+    rng = random.Random(seed ^ 0x4EF5)
+    if scenario.priorities[nodes[0]] == 0:
+        scenario.priorities[nodes[0]] = 4
+    if not any(scenario.priorities[x] > 0 for x in nodes[1:]):
+        scenario.priorities[nodes[1]] = 1
+    for node in nodes:
+        scenario.initial[node] = PersistedState(epoch=3, max_seen=len(nodes), cluster_id=CLUSTER_ID)
+        scenario.initial_logs[node] = (3, rng.randint(1, 20))
+    scenario.refuses_master = nodes[0]
+    return scenario

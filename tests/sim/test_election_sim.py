@@ -19,6 +19,7 @@ from tests.sim.election_sim import (
     SimFailure,
     Simulation,
     make_odd_one_out_scenario,
+    make_refusing_master_scenario,
     measure_failover,
     reproduce_hint,
     run_seed,
@@ -90,6 +91,23 @@ def test_a_node_whose_settings_differ_never_joins_the_others() -> None:
         refused = {m.node_id for m in election.status().config_mismatches}
         assert refused and odd not in refused, f"seed {seed}: {odd} refuses {refused}"
         assert all(m.key == "durability.acks" for m in election.status().config_mismatches)
+
+
+# Seeds of the master-refusal check (3, 5 and 7 nodes in turn, faults included).
+REFUSING_MASTER_SEEDS = 30
+
+
+def test_a_node_whose_replica_refuses_master_steps_aside_for_the_others() -> None:
+    """Under the seeds' faults, the highest-ranked node's replica refuses every master role:
+    it steps aside (MASTER_REFUSALS_MAX refusals in a row) instead of leading and refusing
+    for ever, and the others converge under the next in rank, every invariant checked."""
+    for seed in range(REFUSING_MASTER_SEEDS):
+        sim = Simulation(make_refusing_master_scenario(seed))
+        try:
+            result = sim.run()
+        except SimFailure as exc:
+            pytest.fail(f"refusing-master seed {seed}: {exc}", pytrace=False)
+        assert result.leader != sim.sc.refuses_master
 
 
 @pytest.mark.parametrize(

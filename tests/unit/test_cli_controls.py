@@ -169,3 +169,37 @@ def test_status_names_a_replica_that_does_not_answer(
     code, out, _ = run(["status", "--explain"], capsys)
     member = next(line for line in out.splitlines() if line.startswith("  n2  2"))
     assert "REPLICA UNREACHABLE" in member, member
+
+
+def test_status_explains_a_node_that_steps_aside_after_master_refusals(
+    broker: Any,  # noqa: F811
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """n1 ranks highest but its replica kept refusing the master role: n2 leads meanwhile."""
+    broker.status.Clear()
+    _three_nodes(broker.status)
+    n1, n2, n3 = broker.status.nodes
+    n1.state, n1.role, n1.group_name = (
+        common_pb2.NODE_STATE_INACTIVE,
+        common_pb2.ROLE_INACTIVE,
+        "n1:x",
+    )
+    del n1.group[:]
+    n1.lead_held_off_until_ms = _AT_MS
+    n1.lead_held_off_reason = "storing the log fetched from n2 failed: StoreError: disk full"
+    n2.ClearField("quarantine")
+    n2.fault_reason = ""
+    n2.state, n2.role, n2.group_name = common_pb2.NODE_STATE_NORMAL, common_pb2.ROLE_MASTER, "n2:y"
+    n2.coordinator_id = "n2"
+    n2.group.append("n3")
+    n3.coordinator_id, n3.group_name = "n2", "n2:y"
+    broker.status.master_id = "n2"
+    code, out, _ = run(["status"], capsys)
+    assert code == 0
+    assert "STEPPED ASIDE" in out.splitlines()[1] + out.splitlines()[2], out
+    assert "n1: steps aside from leading until 2025-11-22T03:05:41Z" in out
+    assert "StoreError: disk full" in out
+    code, out, _ = run(["status", "--explain"], capsys)
+    assert "n1 ranks higher but is not in the group (steps aside from leading" in out, out
+    # Out of every group, it is no candidate should the master fail.
+    assert "n2 fails -> n3 would lead" in out and "(n1 already out)" in out, out

@@ -278,6 +278,12 @@ def test_status_carries_the_replica_unreachable_time() -> None:
     assert status_to_proto(status).replica_unreachable_since_ms == 1_763_780_741_000
     reachable = replace(status, replica_unreachable_since_ms=None)
     assert status_to_proto(reachable).replica_unreachable_since_ms == 0
+    held_off = replace(
+        reachable, lead_held_off_until_ms=1_763_780_751_000, lead_held_off_reason="disk full"
+    )
+    pb = status_to_proto(held_off)
+    assert (pb.lead_held_off_until_ms, pb.lead_held_off_reason) == (1_763_780_751_000, "disk full")
+    assert status_to_proto(reachable).lead_held_off_until_ms == 0
 
 
 def test_leave_without_a_group_is_refused() -> None:

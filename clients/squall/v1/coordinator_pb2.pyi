@@ -802,6 +802,8 @@ class CoordinatorStatus(_message.Message):
     LOSSES_FIELD_NUMBER: _builtins.int
     MEMBERSHIP_FIELD_NUMBER: _builtins.int
     MEMBERSHIP_CHANGE_FIELD_NUMBER: _builtins.int
+    LEAD_HELD_OFF_UNTIL_MS_FIELD_NUMBER: _builtins.int
+    LEAD_HELD_OFF_REASON_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """This node's id."""
     coordinator_id: _builtins.str
@@ -837,6 +839,13 @@ class CoordinatorStatus(_message.Message):
     """
     membership_change: _builtins.str
     """On the coordinator: the membership change in progress, or how the last one ended."""
+    lead_held_off_until_ms: _builtins.int
+    """Set while this node steps aside from leading because its replica kept refusing the
+    master role (it is out of every group meanwhile): wall-clock milliseconds since the
+    Unix epoch the hold-off ends (0: not held off).
+    """
+    lead_held_off_reason: _builtins.str
+    """While held off: the replica's last refusal."""
     @_builtins.property
     def group(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The other members (only the coordinator knows them)."""
@@ -900,10 +909,12 @@ class CoordinatorStatus(_message.Message):
         losses: _abc.Iterable[_common_pb2.LossEvent] | None = ...,
         membership: Global___NodeSet | None = ...,
         membership_change: _builtins.str = ...,
+        lead_held_off_until_ms: _builtins.int = ...,
+        lead_held_off_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["membership", b"membership", "quarantine", b"quarantine", "quorum_override_record", b"quorum_override_record"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit", b"audit", "config_mismatches", b"config_mismatches", "coordinator_id", b"coordinator_id", "designated_primary", b"designated_primary", "epoch", b"epoch", "group", b"group", "group_name", b"group_name", "invited", b"invited", "last_change_reason", b"last_change_reason", "losses", b"losses", "max_seen", b"max_seen", "membership", b"membership", "membership_change", b"membership_change", "node_id", b"node_id", "priority", b"priority", "quarantine", b"quarantine", "quorum_override", b"quorum_override", "quorum_override_record", b"quorum_override_record", "quorum_required", b"quorum_required", "replica_unreachable_since_ms", b"replica_unreachable_since_ms", "role", b"role", "state", b"state", "sync_source_id", b"sync_source_id", "transfer_target", b"transfer_target"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit", b"audit", "config_mismatches", b"config_mismatches", "coordinator_id", b"coordinator_id", "designated_primary", b"designated_primary", "epoch", b"epoch", "group", b"group", "group_name", b"group_name", "invited", b"invited", "last_change_reason", b"last_change_reason", "lead_held_off_reason", b"lead_held_off_reason", "lead_held_off_until_ms", b"lead_held_off_until_ms", "losses", b"losses", "max_seen", b"max_seen", "membership", b"membership", "membership_change", b"membership_change", "node_id", b"node_id", "priority", b"priority", "quarantine", b"quarantine", "quorum_override", b"quorum_override", "quorum_override_record", b"quorum_override_record", "quorum_required", b"quorum_required", "replica_unreachable_since_ms", b"replica_unreachable_since_ms", "role", b"role", "state", b"state", "sync_source_id", b"sync_source_id", "transfer_target", b"transfer_target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,271 @@
+"""A replica that keeps refusing the master role must not keep its node leading.
+
+Three shipped ``CoordinatorDriver``s on one manual clock, an instant network and replica
+twins that take every role command, except node 1's (the highest priority), which refuses
+the master role (FAILED_PRECONDITION: say storing the log fetched from its sync source fails
+with a StoreError). Without a limit node 1 recovers, leads again and names its own replica
+master again, for ever, while nodes 2 and 3 could serve.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import pytest
+
+from squall_server.common.clock import ManualClock
+from squall_server.coordinator.driver import (
+    MASTER_REFUSAL_HOLDOFF_MS,
+    MASTER_REFUSALS_MAX,
+    CoordinatorDriver,
+    DriverTimings,
+    Failure,
+    MemoryStateStore,
+    ReplicaAnswer,
+    ReplicaFailure,
+    RoleNext,
+)
+from squall_server.coordinator.election import ElectionConfig
+from squall_server.coordinator.messages import (
+    PeerMessage,
+    ReplicaReport,
+    RoleCommand,
+    RoleCommandKind,
+    StoreState,
+)
+from tests.unit.test_coordinator_driver import _driver as one_node_driver
+from tests.unit.test_coordinator_driver import _to_master as to_master
+
+HEARTBEAT_MS = 100
+STEP_MS = 10
+PRIORITIES = {"1": 3, "2": 2, "3": 1}
+REFUSAL = "storing the log fetched from 2 failed: StoreError: disk full"
+
+
+@dataclass
+class Twin:
+    """A replica that takes every role (node 1's refuses MASTER while ``refuse_master``)."""
+
+    refuse_master: bool = False
+    role: RoleCommandKind = RoleCommandKind.DEACTIVATE
+    epoch: int = 0
+    seq: int = 0
+    cluster_id: str = ""
+
+    def answer(self, command: RoleCommand) -> ReplicaAnswer | ReplicaFailure:
+        if command.kind is RoleCommandKind.MASTER and self.refuse_master:
+            return ReplicaFailure(
+                Failure.REFUSED,
+                "FAILED_PRECONDITION",
+                f"cannot take the master role in epoch {command.epoch}: {REFUSAL}",
+            )
+        self.role, self.epoch, self.seq = command.kind, command.epoch, command.seq
+        self.cluster_id = self.cluster_id or command.cluster_id
+        active = command.kind is not RoleCommandKind.DEACTIVATE
+        report = ReplicaReport(
+            cluster_id=self.cluster_id,
+            last_epoch=0,
+            last_lsn=0,
+            store_state=StoreState.DIRTY if self.cluster_id else StoreState.EMPTY,
+            active=active,
+            command_seq=command.seq,
+            joined=bool(self.cluster_id),
+        )
+        return ReplicaAnswer(report=report)
+
+
+class Cluster:
+    """Three drivers; ``run`` steps them STEP_MS at a time and records who is master."""
+
+    def __init__(self) -> None:
+        self.clock = ManualClock()
+        self.queue: list[PeerMessage] = []
+        self.twins = {node: Twin() for node in PRIORITIES}
+        self.drivers = {node: self._driver(node) for node in PRIORITIES}
+        # (time, node, epoch) each time a replica took the master role, or node 1's was
+        # named master (its refusals).
+        self.masters: list[tuple[int, str, int]] = []
+        self.refusals: list[tuple[int, int]] = []
+        # Lead-back hand-overs asked for (from, to): node.py's would first wait for the
+        # target's replica to hold the whole log, which the twins always do.
+        self.hand_overs: list[tuple[str, str]] = []
+
+    def _driver(self, node: str) -> CoordinatorDriver:
+        config = ElectionConfig(node_id=node, priorities=PRIORITIES)
+        timings = DriverTimings(
+            heartbeat_interval_ms=HEARTBEAT_MS,
+            lease_ms=400,
+            rpc_timeout_ms=1000,
+            replica_timeout_ms=300,
+            store_stall_timeout_ms=2000,
+        )
+        ids = iter(f"g{i}" for i in range(1, 10_000))
+        return CoordinatorDriver(
+            config,
+            timings,
+            self.clock,
+            self,
+            MemoryStateStore(),
+            lambda: next(ids),
+            lambda: "c1",
+            hand_over=lambda target: self.hand_overs.append((node, target)),
+        )
+
+    def send(self, message: PeerMessage) -> None:
+        self.queue.append(message)
+
+    def _deliver(self) -> None:
+        for _ in range(10_000):
+            if not self.queue:
+                return
+            message = self.queue.pop(0)
+            self.drivers[message.to_node].deliver(message)
+        raise AssertionError("message storm")
+
+    def _role(self, node: str) -> None:
+        driver, twin = self.drivers[node], self.twins[node]
+        for _ in range(10):
+            command = driver.role_wanted()
+            if command is None:
+                return
+            before = (twin.role, twin.epoch)
+            outcome = twin.answer(command)
+            if isinstance(outcome, ReplicaAnswer) and twin.role is RoleCommandKind.MASTER:
+                lags = tuple(
+                    (n, 0)
+                    for n, t in self.twins.items()
+                    if t.role is RoleCommandKind.FOLLOW and t.epoch == twin.epoch
+                )
+                outcome = ReplicaAnswer(report=outcome.report, slave_lags=lags)
+            if isinstance(outcome, ReplicaFailure):
+                self.refusals.append((self.clock.monotonic_ms(), command.epoch))
+            elif command.kind is RoleCommandKind.MASTER and before != (twin.role, twin.epoch):
+                self.masters.append((self.clock.monotonic_ms(), node, command.epoch))
+            if driver.role_outcome(command, outcome) is not RoleNext.AGAIN:
+                return
+        raise AssertionError(f"node {node}: role loop does not settle")
+
+    def run(self, until_ms: int) -> None:
+        while self.clock.monotonic_ms() < until_ms:
+            self.clock.advance(STEP_MS)
+            for node in PRIORITIES:
+                self.drivers[node].tick()
+                self._deliver()
+            for node in PRIORITIES:
+                self._role(node)
+                self._deliver()
+            while self.hand_overs:
+                frm, target = self.hand_overs.pop(0)
+                self.drivers[frm].transfer_leadership(target, "coordinator", "lead-back")
+                self._deliver()
+
+    def master_now(self) -> str | None:
+        serving = [n for n, t in self.twins.items() if t.role is RoleCommandKind.MASTER]
+        assert len(serving) <= 1, f"two masters: {serving}"
+        return serving[0] if serving else None
+
+
+def _formed_with_node_1_refusing() -> Cluster:
+    """The cluster forms with node 1 master; then its replica starts refusing."""
+    cluster = Cluster()
+    cluster.run(2000)
+    assert cluster.master_now() == "1"
+    cluster.twins["1"].refuse_master = True
+    # Its current role is lost (a replica restart, say): node 1 recovers and re-leads.
+    cluster.twins["1"].role = RoleCommandKind.DEACTIVATE
+    cluster.drivers["1"].recover("replica restarted")
+    return cluster
+
+
+def test_a_node_whose_replica_keeps_refusing_master_steps_aside_for_the_others(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cluster = _formed_with_node_1_refusing()
+    start = cluster.clock.monotonic_ms()
+    with caplog.at_level(logging.WARNING, logger="squall.coordinator"):
+        cluster.run(start + 5000)
+    # Node 1 was named master at most MASTER_REFUSALS_MAX times before it stepped aside.
+    assert 1 <= len(cluster.refusals) <= MASTER_REFUSALS_MAX, cluster.refusals
+    others = [(t, n, e) for t, n, e in cluster.masters if n != "1" and t > start]
+    assert others, f"no other node became master; node 1 refused {len(cluster.refusals)} times"
+    # ...and within a bound: a few re-formations, each well under a second.
+    assert others[0][0] - start < 3000
+    assert cluster.master_now() in ("2", "3")
+    # One warning names the node, the count, the last reason and the hold-off.
+    warnings = [r.getMessage() for r in caplog.records if "steps aside" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "coordinator 1" in warnings[0] and f"{MASTER_REFUSALS_MAX} " in warnings[0]
+    assert "disk full" in warnings[0] and f"{MASTER_REFUSAL_HOLDOFF_MS} ms" in warnings[0]
+    status = cluster.drivers["1"].election.status()
+    assert status.lead_held_off_until_ms is not None
+    assert "disk full" in status.lead_held_off_reason
+
+
+def test_after_the_hold_off_the_node_may_lead_again_and_a_refusing_one_steps_aside_again() -> None:
+    cluster = _formed_with_node_1_refusing()
+    cluster.run(cluster.clock.monotonic_ms() + 3000)
+    assert cluster.master_now() in ("2", "3")
+    refusals = len(cluster.refusals)
+    # Held off, node 1 is in no group: nobody hands the lead back to it.
+    cluster.run(cluster.clock.monotonic_ms() + MASTER_REFUSAL_HOLDOFF_MS - 3500)
+    assert cluster.master_now() in ("2", "3") and len(cluster.refusals) == refusals
+    assert cluster.twins["1"].role is RoleCommandKind.DEACTIVATE
+    # After the hold-off it rejoins (as a slave, to catch up) and the lead-back hands the
+    # group to it: refused once more, it steps aside again at once, not after three.
+    cluster.run(cluster.clock.monotonic_ms() + 2000)
+    assert len(cluster.refusals) == refusals + 1
+    assert cluster.master_now() in ("2", "3")
+    assert cluster.drivers["1"].election.status().lead_held_off_until_ms is not None
+    # Once its replica takes the role, the highest priority leads again, for good.
+    cluster.twins["1"].refuse_master = False  # an operator freed the disk
+    cluster.run(cluster.clock.monotonic_ms() + MASTER_REFUSAL_HOLDOFF_MS + 3000)
+    assert cluster.master_now() == "1"
+    assert cluster.drivers["1"].master_refusals == 0
+    assert cluster.drivers["1"].election.status().lead_held_off_until_ms is None
+
+
+def test_an_unanswered_call_does_not_count_and_a_master_role_taken_resets_the_count() -> None:
+    clock, store = ManualClock(), MemoryStateStore()
+    driver = one_node_driver(clock, store)
+    refused = ReplicaFailure(Failure.REFUSED, "FAILED_PRECONDITION", "StoreError: disk full")
+    # UNAVAILABLE (the sync source unreachable) reaches the driver as no answer.
+    unreachable = ReplicaFailure(Failure.NO_ANSWER, "UNAVAILABLE", "sync source 2 unreachable")
+
+    def master() -> RoleCommand:
+        to_master(driver, clock)
+        command = driver.role_wanted()
+        assert command is not None and command.kind is RoleCommandKind.MASTER
+        return command
+
+    for _ in range(MASTER_REFUSALS_MAX - 1):
+        driver.role_outcome(master(), refused)
+    command = master()
+    for _ in range(5):
+        assert driver.role_outcome(command, unreachable) is RoleNext.WAIT
+    assert driver.master_refusals == MASTER_REFUSALS_MAX - 1
+    # Still syncing is neither a refusal nor the role taken.
+    syncing = ReplicaAnswer(report=_report(active=False), syncing="fetching log")
+    driver.role_outcome(command, syncing)
+    assert driver.master_refusals == MASTER_REFUSALS_MAX - 1
+    driver.role_outcome(command, ReplicaAnswer(report=_report(active=True)))
+    assert driver.master_refusals == 0
+    for _ in range(MASTER_REFUSALS_MAX - 1):
+        driver.role_outcome(master(), refused)
+    assert driver.election.status().lead_held_off_until_ms is None
+    driver.role_outcome(master(), refused)
+    status = driver.election.status()
+    assert status.lead_held_off_until_ms == clock.wall_ms() + MASTER_REFUSAL_HOLDOFF_MS
+    assert "disk full" in status.last_change_reason
+
+
+def _report(active: bool) -> ReplicaReport:
+    return ReplicaReport(
+        cluster_id="cluster-a",
+        last_epoch=0,
+        last_lsn=0,
+        store_state=StoreState.DIRTY,
+        active=active,
+        command_seq=0,
+        joined=True,
+    )
