@@ -111,11 +111,22 @@ class RoleRefusal:
 
 
 @dataclass(frozen=True, slots=True)
+class PersistRole:
+    """Store operation, flushed: record ``epoch``, the epoch of the ``role`` about to be
+    taken, and mark the store in use (DIRTY: a restart must not take it for a clean or
+    empty one). The role is used only once this is written: a store that cannot write it
+    must not hold the role."""
+
+    role: Role
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
 class TakeMaster:
-    """Start taking the master role of ``epoch`` in the background: persist the epoch,
-    sync from ``sync_source_id`` (another node), make the replication core for
-    ``members`` and append the epoch-start entry; report ``master_taken`` once the role
-    is held and ``taking_finished`` when the attempt ends."""
+    """Start taking the master role of ``epoch`` in the background: persist the epoch
+    (``Effects.persist_role``), sync from ``sync_source_id`` (another node), make the
+    replication core for ``members`` and append the epoch-start entry; report
+    ``master_taken`` once the role is held and ``taking_finished`` when the attempt ends."""
 
     epoch: int
     members: tuple[str, ...]
@@ -126,7 +137,8 @@ class TakeMaster:
 
 @dataclass(frozen=True, slots=True)
 class Follow:
-    """Follow ``master_id`` in ``epoch``: persist the epoch, make the ``Follower`` from
+    """Follow ``master_id`` in ``epoch``: persist the epoch (``Effects.persist_role``),
+    make the ``Follower`` from
     the store; report ``followed`` on success (a failure is the command's refusal)."""
 
     epoch: int
@@ -153,14 +165,23 @@ class Effects:
     4. ``drop_role``: the role was dropped (the text says why): stop the master's
        replication or the slave's stream, fail queued writes as not stored, stop push
        delivery, and wait until no batch is being written.
-    5. ``record_cluster_id``: store operation: an empty store records the group's cluster
-       id before it takes the role, so it can never be taken for another cluster's.
-    6. At most one of ``take_master`` (start the background task), ``follow`` (make the
+    5. ``record_cluster_id``: store operation, flushed: an empty store records the
+       group's cluster id before it takes the role, so it can never be taken for another
+       cluster's.
+    6. ``persist_role`` (set with ``take_master`` and with ``follow``): store operation,
+       flushed: the new role's epoch and the DIRTY mark (``PersistRole``). For ``follow``
+       it is written now, before the follower is made; for ``take_master`` it is the
+       background task's first step (once the task checked the members, and before a
+       reorganization fetch changes the store). A store error fails what wrote it (the
+       command for 5 and a follow's 6, the attempt for a master's 6): a full store
+       (nothing written) with RESOURCE_EXHAUSTED (a refused command also drops the
+       role), any other by fail-stopping the replica, UNAVAILABLE.
+    7. At most one of ``take_master`` (start the background task), ``follow`` (make the
        follower now, then report ``followed``; a failure is the command's refusal) or
        ``join_taking`` (the command repeats the one being carried out: answer it when
        that task ends or within a heartbeat, as ``reorg`` says).
-    7. ``members``: a master renewal naming another group: tell the replication core.
-    8. ``faults``: record each and report it to the coordinator (it quarantines the node).
+    8. ``members``: a master renewal naming another group: tell the replication core.
+    9. ``faults``: record each and report it to the coordinator (it quarantines the node).
 
     The log inputs (``log_*``, ``slave_*``, ``snapshot_*``, ``commit_record_*``) set only
     ``refusal`` (answer the stream with it, logged as a warning when ``warn``; nothing else
@@ -180,19 +201,20 @@ class Effects:
     nothing to write. ``slave_snapshot_chunk``: ``snapshot``, installed as
     ``SnapshotAccepted`` says (a failure: ``slave_store_failed``).
 
-    9. ``compact_from``: store operation: delete the log below this LSN (a failure
-       leaves more log than wanted; report the store's log start with ``log_compacted``).
-    10. ``record_commit``: store operation, in the background and ordered with appends:
+    10. ``compact_from``: store operation: delete the log below this LSN (a failure
+        leaves more log than wanted; report the store's log start with ``log_compacted``).
+    11. ``record_commit``: store operation, in the background and ordered with appends:
         record this commit LSN so a restart does not hide it; report
         ``commit_record_done`` (or ``commit_record_failed``).
-    11. ``advance_commit``: committed reads may serve up to this LSN; wake subscribers.
-    12. ``acks``: send each to the master, in order.
+    12. ``advance_commit``: committed reads may serve up to this LSN; wake subscribers.
+    13. ``acks``: send each to the master, in order.
     """
 
     refusal: RoleRefusal | None = None
     cancel_taking: str = ""
     drop_role: str = ""
     record_cluster_id: str = ""
+    persist_role: PersistRole | None = None
     take_master: TakeMaster | None = None
     follow: Follow | None = None
     join_taking: bool = False
@@ -382,6 +404,7 @@ class ReplicaCore:
                 cancel_taking=cancel,
                 drop_role=drop if dropped is not None else "",
                 record_cluster_id=record,
+                persist_role=PersistRole(Role.MASTER, order.epoch),
                 take_master=TakeMaster(
                     epoch=order.epoch,
                     members=order.members or (me,),
@@ -397,6 +420,7 @@ class ReplicaCore:
             cancel_taking=cancel,
             drop_role=drop if dropped is not None else "",
             record_cluster_id=record,
+            persist_role=PersistRole(Role.SLAVE, order.epoch),
             follow=Follow(order.epoch, order.master_id, order.reason, order.lease_ms),
             role_changed=dropped is not None,
         )

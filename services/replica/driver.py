@@ -48,6 +48,7 @@ from squall_server.replica.core import (
     EPOCH_KEY,
     Effects,
     Follow,
+    PersistRole,
     ReplicaCore,
     RoleRefusal,
     TakeMaster,
@@ -139,9 +140,11 @@ class DropRole:
 
 @dataclass(frozen=True, slots=True)
 class StartTaking:
-    """Role step: start taking the master role in the background (``reorg``)."""
+    """Role step: start taking the master role in the background (``reorg``); the task
+    writes ``persist`` first (``take_master_persist``)."""
 
     take: TakeMaster
+    persist: PersistRole
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,13 +162,19 @@ class JoinTaking:
 
 
 @dataclass(frozen=True, slots=True)
-class PersistRole:
-    """Role step: run ``write`` (a role's flushed store writes: its epoch, the DIRTY
-    mark, the cluster id) off the event loop, serialized with every other write. A flush
-    also writes out every unsynced append before it, which on a busy disk outlasts
-    ``replica_timeout_ms``; the shell's loop must keep answering its coordinator."""
+class RecordClusterId:
+    """Role step, a store operation (``Effects.record_cluster_id``): record the group's
+    cluster id in an empty store before it takes the role."""
 
-    write: Callable[[], None]
+    cluster_id: str
+
+
+# The role's flushed store writes (``Effects.record_cluster_id``, ``Effects.persist_role``),
+# each a role step of its own: the shell runs ``ReplicaDriver.write_role`` off the event
+# loop, serialized with every other write. A flush also writes out every unsynced append
+# before it, which on a busy disk outlasts ``replica_timeout_ms``; the shell's loop must
+# keep answering its coordinator.
+RoleWrite = RecordClusterId | PersistRole
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +216,14 @@ BatchStep = TruncateLog | AppendBatch | CompactLog
 
 # What a role change leaves to the shell, in the order ``core.Effects`` documents.
 RoleStep = (
-    CancelTaking | DropRole | PersistRole | StartTaking | FollowMaster | JoinTaking | RenewMembers
+    CancelTaking
+    | DropRole
+    | RecordClusterId
+    | PersistRole
+    | StartTaking
+    | FollowMaster
+    | JoinTaking
+    | RenewMembers
 )
 
 
@@ -265,6 +281,13 @@ class FetchAnswer:
     diverged: bool
     why_snapshot: str
     step: int
+
+
+def _persist_of(effects: Effects) -> PersistRole:
+    """The role's epoch write the core sets with every ``take_master`` and ``follow``."""
+    if effects.persist_role is None:
+        raise ValueError("the core took a role without naming the epoch to persist")
+    return effects.persist_role
 
 
 def master_config(
@@ -390,11 +413,11 @@ class ReplicaDriver:
         if effects.drop_role:
             yield DropRole(effects.drop_role, was_active=effects.role_changed)
         if effects.record_cluster_id:
-            yield PersistRole(functools.partial(self.record_cluster_id, effects.record_cluster_id))
+            yield RecordClusterId(effects.record_cluster_id)
         if effects.take_master is not None:
-            yield StartTaking(effects.take_master)
+            yield StartTaking(effects.take_master, _persist_of(effects))
         elif effects.follow is not None:
-            yield PersistRole(functools.partial(self.follow_persist, effects.follow))
+            yield _persist_of(effects)
             yield FollowMaster(effects.follow)
         elif effects.join_taking:
             yield JoinTaking()
@@ -412,6 +435,19 @@ class ReplicaDriver:
             raise effects.refusal.error()
         for fault in effects.faults:
             self._on_fault(fault)
+
+    def write_role(self, write: RoleWrite) -> None:
+        """Carries out one of the role's store operations (on the store thread)."""
+        match write:
+            case RecordClusterId(cluster_id):
+                self.record_cluster_id(cluster_id)
+            case PersistRole():
+                self.persist_role(write)
+
+    def persist_role(self, persist: PersistRole) -> None:
+        """Persists the epoch of the role about to be taken and marks the store in use."""
+        self.store.set_epoch(persist.epoch)
+        self.mark_dirty()
 
     def record_cluster_id(self, cluster_id: str) -> None:
         """The group's coordinator chose the cluster id (at the first formation): recorded
@@ -464,10 +500,12 @@ class ReplicaDriver:
 
     # --- taking the master role (the core's ``TakeMaster``, run by the shell's task)
 
-    def take_master_persist(self, epoch: int, members: Sequence[str]) -> list[str]:
-        """Checks a master role's epoch and members, then persists the epoch and marks
-        the store in use (before a reorganization fetch changes it); returns the group's
-        member ids (this node alone if none are named; this node always among them)."""
+    def take_master_persist(self, persist: PersistRole, members: Sequence[str]) -> list[str]:
+        """Checks a master role's epoch and members, then writes the core's ``persist``
+        (the epoch, the store marked in use; before a reorganization fetch changes it);
+        returns the group's member ids (this node alone if none are named; this node
+        always among them)."""
+        epoch = persist.epoch
         meta = self.store.meta()
         if epoch < meta.epoch:
             raise ServiceError(
@@ -482,8 +520,7 @@ class ReplicaDriver:
             member_ids.append(member)
         if self.node_id not in member_ids:
             member_ids.append(self.node_id)
-        self.store.set_epoch(epoch)
-        self.mark_dirty()
+        self.persist_role(persist)
         return member_ids
 
     def master_core(
@@ -529,11 +566,6 @@ class ReplicaDriver:
         return core
 
     # --- the slave side: taking the role (the core's ``Follow``)
-
-    def follow_persist(self, follow: Follow) -> None:
-        """Persists the epoch of the role about to be taken and marks the store in use."""
-        self.store.set_epoch(follow.epoch)
-        self.mark_dirty()
 
     def follow(self, follow: Follow, now_ms: int) -> None:
         """Makes the follower from the store (no batch half-applied: the shell holds its

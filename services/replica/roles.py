@@ -17,6 +17,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from typing import TypeVar
@@ -27,13 +28,21 @@ from squall_server.common.config import ClusterConfig, NodeConfig
 from squall_server.common.errors import Code, ServiceError
 from squall_server.common.running_nodes import RunningNodes
 from squall_server.replica import telemetry
-from squall_server.replica.core import Effects, Follow, ReplicaCore, Role, RoleOrder, StoreFacts
+from squall_server.replica.core import (
+    Effects,
+    Follow,
+    PersistRole,
+    ReplicaCore,
+    Role,
+    RoleOrder,
+    StoreFacts,
+)
 from squall_server.replica.driver import (
     CancelTaking,
     DropRole,
     FollowMaster,
     JoinTaking,
-    PersistRole,
+    RecordClusterId,
     RenewMembers,
     ReplicaDriver,
     StartTaking,
@@ -106,7 +115,8 @@ class RoleChanges:
 
 
 class RolePersistence:
-    """Runs a role's flushed store writes (its epoch, the DIRTY mark) on the store thread,
+    """Runs a role's flushed store writes (the core's ``record_cluster_id`` and
+    ``persist_role``: its cluster id, epoch and DIRTY mark) on the store thread,
     serialized with every other write under the commit lock."""
 
     def __init__(
@@ -252,11 +262,13 @@ class RoleApplication:
                     await self._taking.cancel(why)
                 case DropRole(reason, was_active):
                     await self._drop_role(reason, was_active=was_active)
-                case StartTaking(take):
-                    taking = self._taking.start(take)
-                case PersistRole(write):
+                case StartTaking(take, persist):
+                    taking = self._taking.start(take, persist)
+                case RecordClusterId() | PersistRole():
                     try:
-                        await self._persistence.persist(write)
+                        await self._persistence.persist(
+                            functools.partial(self.driver.write_role, step)
+                        )
                     except ServiceError as refusal:
                         if refusal.code == Code.RESOURCE_EXHAUSTED:
                             # No role on an epoch the store does not hold; the coordinator
@@ -336,8 +348,8 @@ class RoleApplication:
         )
 
     async def _become_slave(self, follow: Follow) -> None:
-        """Follows the master in its epoch (the core's ``Follow``, its epoch persisted by
-        the driver): the master's replication stream is accepted from now."""
+        """Follows the master in its epoch (the core's ``Follow``, its epoch persisted
+        first: ``Effects.persist_role``): the master's replication stream is accepted from now."""
         async with self._commit_lock:  # no batch half-applied while the follower is made
             self.driver.follow(follow, self.clock.monotonic_ms())
         log.info(

@@ -31,7 +31,7 @@ from squall_server.common.errors import Code, ServiceError
 from squall_server.common.telemetry import Telemetry
 from squall_server.replica import commands
 from squall_server.replica.commands import Command, Planned
-from squall_server.replica.core import ReplicaCore, TakeMaster
+from squall_server.replica.core import PersistRole, ReplicaCore, TakeMaster
 from squall_server.replica.core_view import CoreView
 from squall_server.replica.driver import (
     FetchTail,
@@ -73,7 +73,7 @@ class InstallSnapshotChunk(Protocol):
     ) -> Awaitable[int | None]: ...
 
 
-class PersistRole(Protocol):
+class PersistOnStoreThread(Protocol):
     """Runs a role's flushed store write on the store thread, serialized with every other
     write (``RolePersistence.persist``, ``roles.py``)."""
 
@@ -97,7 +97,7 @@ class TakingMaster(CoreView):
         commit_lock: asyncio.Lock,
         observability: Telemetry,
         truncate_by_snapshot: bool,
-        persist_role: PersistRole,
+        persist_role: PersistOnStoreThread,
         submit: SubmitCommand,
         install_snapshot_chunk: InstallSnapshotChunk,
         truncate_after: Callable[[int, str], Awaitable[None]],
@@ -155,15 +155,17 @@ class TakingMaster(CoreView):
         members: Sequence[str] = (),
         sync_source_id: str = "",
         progress: SyncProgress | None = None,
+        persist: PersistRole,
     ) -> None:
         """Takes the master role in `epoch` (the core's ``TakeMaster``, run by the task
-        ``start`` made): persists the epoch, brings the log to the sync source's,
-        starts replication to the members, then writes the epoch start.
+        ``start`` made): persists the epoch (the core's ``persist``), brings the log to
+        the sync source's, starts replication to the members, then writes the epoch
+        start.
 
         progress: where the reorganization sync reports how far it got (``reorg``)."""
         # Before the fetch below changes the store.
         member_ids = await self._persist_role(
-            functools.partial(self.driver.take_master_persist, epoch, members)
+            functools.partial(self.driver.take_master_persist, persist, members)
         )
         self._new_epoch(epoch)
         if sync_source_id and sync_source_id != self.node.id:
@@ -372,8 +374,9 @@ class TakingMaster(CoreView):
             return None
         return taking.progress.to_proto(self.clock.monotonic_ms())
 
-    def start(self, take: TakeMaster) -> Taking:
-        """Starts taking the master role in the background (``reorg``)."""
+    def start(self, take: TakeMaster, persist: PersistRole) -> Taking:
+        """Starts taking the master role in the background (``reorg``); the task writes
+        the core's ``persist`` first."""
         progress = SyncProgress(
             take.epoch,
             take.sync_source_id or self.node.id,
@@ -381,7 +384,7 @@ class TakingMaster(CoreView):
             attempt=take.attempt,
         )
         task = asyncio.get_running_loop().create_task(
-            self._take_master(take, progress), name=f"take-master-{self.node.id}"
+            self._take_master(take, persist, progress), name=f"take-master-{self.node.id}"
         )
         taking = Taking(
             epoch=take.epoch, source_id=take.sync_source_id, task=task, progress=progress
@@ -390,13 +393,16 @@ class TakingMaster(CoreView):
         task.add_done_callback(functools.partial(self._taking_done, taking))
         return taking
 
-    async def _take_master(self, take: TakeMaster, progress: SyncProgress) -> None:
+    async def _take_master(
+        self, take: TakeMaster, persist: PersistRole, progress: SyncProgress
+    ) -> None:
         await self.become_master(
             take.epoch,
             reason=take.reason,
             members=take.members,
             sync_source_id=take.sync_source_id,
             progress=progress,
+            persist=persist,
         )
 
     def _taking_done(self, taking: Taking, task: asyncio.Task[None]) -> None:

@@ -42,10 +42,10 @@ What is modelled
   documents, each step the driver leaves to the shell done as ``RoleApplication`` does it
   (``CancelTaking``: the catch-up stops and ``taking_stopped`` re-reads the gate;
   ``DropRole``: the master is deposed, the slave's stream ends once the batch being
-  written is written; ``PersistRole``; ``StartTaking``: the master role is taken after
-  the command; ``FollowMaster``: ``follow``; ``RenewMembers``: the master's group
-  shrinks); a command the core refuses is answered as refused and the coordinator
-  recovers.
+  written is written; ``RecordClusterId`` and ``PersistRole``: ``write_role``;
+  ``StartTaking``: the master role is taken after the command; ``FollowMaster``:
+  ``follow``; ``RenewMembers``: the master's group shrinks); a command the core refuses
+  is answered as refused and the coordinator recovers.
 * **Master.** Taking the master role runs ``TakingMaster.become_master``'s sequence: the
   epoch persisted (``take_master_persist``), then, unless the node is its own sync
   source, the store brought to the sync source's state (the reorganization rule) by a
@@ -181,6 +181,7 @@ from squall_server.replica.core import (
     CoreConfig,
     Effects,
     LogPosition,
+    PersistRole,
     ReplicaCore,
     RoleOrder,
     StoreFacts,
@@ -195,7 +196,7 @@ from squall_server.replica.driver import (
     DropRole,
     FollowMaster,
     InstallFetched,
-    PersistRole,
+    RecordClusterId,
     RenewMembers,
     ReplicaDriver,
     StartTaking,
@@ -983,7 +984,7 @@ class ReplicationSimulation(Simulation):
             )
         return driver.core.role_command(order, self.now_ms, StoreFacts(meta.epoch, meta.cluster_id))
 
-    def apply_role(self, node: str, cmd: RoleCommand | None) -> tuple[str, TakeMaster | None]:
+    def apply_role(self, node: str, cmd: RoleCommand | None) -> tuple[str, StartTaking | None]:
         """A role command (None: DEACTIVATE) put to the node's ``ReplicaCore``, its effects
         carried out by ``ReplicaDriver.role_steps`` in the order ``core.Effects``
         documents, each step the driver leaves to the shell done as
@@ -992,20 +993,20 @@ class ReplicationSimulation(Simulation):
         (the shell's background task, which the caller starts once the command is
         applied)."""
         driver = self.driver_of(node)
-        take: TakeMaster | None = None
+        start: StartTaking | None = None
         try:
             for step in driver.role_steps(self.order(node, cmd)):
                 if isinstance(step, CancelTaking):
                     self.cancel_taking(node, step.why)
                 elif isinstance(step, DropRole):
                     self.teardown(node, step.reason)
-                elif isinstance(step, PersistRole):
-                    step.write()
+                elif isinstance(step, RecordClusterId | PersistRole):
+                    driver.write_role(step)
                 elif isinstance(step, StartTaking):
                     # What the role before left in this shell goes (a deposed master's
                     # streams, a slave's stream and the batch being written).
                     self.teardown(node, f"now master of epoch {step.take.epoch}")
-                    take = step.take
+                    start = step
                 elif isinstance(step, FollowMaster):
                     # The commit lock: the batch being written finishes, the stream ends.
                     self.teardown(node, f"now following {step.follow.master_id}")
@@ -1015,7 +1016,7 @@ class ReplicationSimulation(Simulation):
                 # JoinTaking: the catch-up under way answers the command.
         except ServiceError as exc:
             return exc.message, None
-        return "", take
+        return "", start
 
     def cancel_taking(self, node: str, why: str) -> None:
         """The core abandoned the master role being taken (``TakingMaster.cancel``): the
@@ -1060,24 +1061,26 @@ class ReplicationSimulation(Simulation):
             self.checker.check_master(node, cmd, logs, self.durable, reissue)
         except InvariantViolation as exc:
             raise self.fail(str(exc)) from None
-        refusal, take = self.apply_role(node, cmd)
+        refusal, start = self.apply_role(node, cmd)
         if refusal:
             self.give_up(node, refusal)
             return
-        if take is None:
+        if start is None:
             return  # members renewed, or the catch-up under way continues
+        take = start.take
         self.role_taken(node, take.epoch)
         replica.take_role(cmd.cluster_id)
         replica.role, replica.epoch, replica.master = Role.MASTER, take.epoch, node
-        self.start_taking(node, take)
+        self.start_taking(node, take, start.persist)
 
-    def start_taking(self, node: str, take: TakeMaster) -> None:
+    def start_taking(self, node: str, take: TakeMaster, persist: PersistRole) -> None:
         """The task taking the master role (``TakingMaster.become_master``): persist the
-        epoch, catch up from the sync source unless this node is it, then serve."""
+        epoch as the core says, catch up from the sync source unless this node is it, then
+        serve."""
         rt = self.rt[node]
         rt.taking = take.epoch
         try:
-            self.driver_of(node).take_master_persist(take.epoch, take.members)
+            self.driver_of(node).take_master_persist(persist, take.members)
         except ServiceError as exc:
             self.give_up(node, exc.message)
             return

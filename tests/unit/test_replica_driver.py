@@ -33,6 +33,7 @@ from squall_server.replica.core import (
     Effects,
     Follow,
     LogPosition,
+    PersistRole,
     ReplicaCore,
     Role,
     RoleOrder,
@@ -46,7 +47,7 @@ from squall_server.replica.driver import (
     DropRole,
     FollowMaster,
     InstallFetched,
-    PersistRole,
+    RecordClusterId,
     RenewMembers,
     ReplicaDriver,
     StartTaking,
@@ -109,7 +110,8 @@ def _slave(epoch: int = 3) -> tuple[ReplicaDriver, _Disk, list[int]]:
     )
     assert effects.refusal is None and effects.follow is not None
     follow: Follow = effects.follow
-    driver.follow_persist(follow)
+    assert effects.persist_role == PersistRole(Role.SLAVE, epoch)
+    driver.write_role(effects.persist_role)
     driver.follow(follow, NOW_MS)
     assert core.role == Role.SLAVE and store.meta().epoch == epoch
     return driver, store, woken
@@ -255,6 +257,7 @@ def test_role_steps_come_in_the_effects_order_and_a_refusal_waits_for_the_cancel
             role_changed=True,
             cancel_taking="newer command",
             drop_role="lost",
+            persist_role=PersistRole(Role.MASTER, 4),
             take_master=take,
             members=("n2",),
             faults=("bad disk",),
@@ -264,7 +267,7 @@ def test_role_steps_come_in_the_effects_order_and_a_refusal_waits_for_the_cancel
     assert calls == ["role changed"]  # counted before anything waits
     assert list(steps) == [
         DropRole("lost", was_active=True),
-        StartTaking(take),
+        StartTaking(take, PersistRole(Role.MASTER, 4)),
         RenewMembers(("n2",)),
     ]
     assert calls == ["role changed", "fault: bad disk"]  # faults last
@@ -292,11 +295,14 @@ def test_a_new_store_records_cluster_and_epoch_before_it_follows_and_fail_stop_r
         StoreFacts(0, ""),
     )
     steps = driver.role_steps(effects)
-    # The flushed writes are steps of their own, which the shell runs off its event loop.
-    for _ in range(2):
-        persist = next(steps)
-        assert isinstance(persist, PersistRole)
-        persist.write()
+    # The flushed writes are steps of their own, which the shell runs off its event loop:
+    # the cluster id first, then the epoch of the role the core names.
+    assert next(steps) == RecordClusterId("c-9")
+    driver.write_role(RecordClusterId("c-9"))
+    assert driver.store.meta().epoch == 0  # the epoch only in its own step
+    persist = next(steps)
+    assert persist == PersistRole(Role.SLAVE, 5)
+    driver.write_role(persist)
     step = next(steps)
     assert isinstance(step, FollowMaster) and step.follow.epoch == 5
     meta = driver.store.meta()  # persisted before the shell makes the follower
@@ -324,15 +330,16 @@ def test_a_new_store_records_cluster_and_epoch_before_it_follows_and_fail_stop_r
 def test_taking_the_master_role_checks_before_persisting_and_needs_a_cluster_id() -> None:
     driver, _ = _fresh("n1")
     with pytest.raises(ServiceError) as unknown:
-        driver.take_master_persist(2, ["n1", "n7"])
+        driver.take_master_persist(PersistRole(Role.MASTER, 2), ["n1", "n7"])
     assert unknown.value.code == Code.INVALID_ARGUMENT and "'n7'" in unknown.value.message
     assert driver.store.meta().epoch == 0  # refused before anything was persisted
 
-    assert driver.take_master_persist(2, ["n2"]) == ["n2", "n1"]  # this node always in
+    # this node always in
+    assert driver.take_master_persist(PersistRole(Role.MASTER, 2), ["n2"]) == ["n2", "n1"]
     assert driver.store.meta().epoch == 2
     assert driver.store.meta().state == common_pb2.STORE_STATE_DIRTY
     with pytest.raises(ServiceError) as stale:
-        driver.take_master_persist(1, [])
+        driver.take_master_persist(PersistRole(Role.MASTER, 1), [])
     assert stale.value.code == Code.FAILED_PRECONDITION and "older" in stale.value.message
 
     config = master_config(load_config(CONFIG), "n1", 2, truncate_by_snapshot=True)

@@ -144,9 +144,12 @@ class Harness:
         if effects.record_cluster_id:
             self.store = StoreFacts(self.store.epoch, effects.record_cluster_id)
             out.append(f"record-cluster-id {effects.record_cluster_id}")
+        persist = effects.persist_role
+        if persist is not None:
+            self.store = StoreFacts(persist.epoch, self.store.cluster_id)
+            out.append(f"persist-role {persist.role.name.lower()} epoch={persist.epoch}")
         take = effects.take_master
         if take is not None:
-            self.store = StoreFacts(take.epoch, self.store.cluster_id)
             out.append(
                 f"take-master epoch={take.epoch} members={','.join(take.members)} "
                 f"sync={take.sync_source_id or '-'} attempt={take.attempt} reason={take.reason}"
@@ -154,7 +157,6 @@ class Harness:
         follow = effects.follow
         if follow is not None:
             out.append(f"follow {follow.master_id} epoch={follow.epoch}")
-            self.store = StoreFacts(follow.epoch, self.store.cluster_id)
             if self.follow_fails:
                 out.append("  (the follower cannot be made: the command is refused)")
             else:
