@@ -22,7 +22,7 @@ from squall.v1 import (
     gateway_pb2,
     gateway_pb2_grpc,
 )
-from tests.integration.conftest import LocalCluster
+from tests.integration.conftest import LocalCluster, wait_for
 
 
 @pytest.fixture
@@ -50,7 +50,8 @@ def test_master_fails_over_and_leadership_returns(trio: LocalCluster) -> None:
     trio.kill_node("n1")
     second = trio.wait_for_master(exclude="n1")
     assert second == "n2"
-    assert trio.replica_role("n3") == common_pb2.ROLE_SLAVE
+    # n3 takes its slave role from n2's coordinator just after n2's own: wait for it.
+    wait_for(lambda: trio.replica_role("n3") == common_pb2.ROLE_SLAVE, 10.0, "n3 a slave of n2")
     group = _normal_group(trio, "n2")
     assert set(group) == {"n2", "n3"}
     assert min(group.values()) > epoch_before
