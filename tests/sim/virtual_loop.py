@@ -279,6 +279,37 @@ class SimExecutor(concurrent.futures.Executor):
                 future.cancel()
 
 
+class Every:
+    """Calls ``observe`` every ``interval_s`` of the loop's time (the first call after
+    ``first_s``) as a plain timer callback, until ``cancel``: for the simulator's own
+    observers (samplers, tickers), which run thousands of times a seed and as tasks
+    cost a future, a timer and a task step each time."""
+
+    def __init__(
+        self,
+        loop: VirtualLoop,
+        interval_s: float,
+        observe: Callable[[], object],
+        *,
+        first_s: float | None = None,
+    ) -> None:
+        self._loop = loop
+        self._interval_s = interval_s
+        self._observe = observe
+        self._handle: asyncio.Handle = (
+            loop.call_soon(self._fire)
+            if first_s == 0
+            else loop.call_later(interval_s if first_s is None else first_s, self._fire)
+        )
+
+    def _fire(self) -> None:
+        self._handle = self._loop.call_later(self._interval_s, self._fire)
+        self._observe()
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+
 class LoopClock:
     """The injected ``Clock`` whose time is the virtual loop's (monotonic and wall move
     together; the wall clock starts at ``MANUAL_CLOCK_WALL_START_MS``)."""
