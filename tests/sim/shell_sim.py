@@ -433,8 +433,8 @@ class ShellSim:
 
     # --- the role script (the coordinator's rules)
 
-    def _start_roles(self) -> list[asyncio.Task[None]]:
-        """What commands the replicas' roles: here the role script."""
+    def _start_roles(self) -> list[asyncio.Task[None] | Every]:
+        """What commands the replicas' roles: here the role script (cancelled at the end)."""
         return [self.loop.create_task(self._role_script())]
 
     async def _heal_roles(self) -> None:
