@@ -158,7 +158,10 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         task: asyncio.Task[T] = asyncio.Task(coro, loop=loop, context=context)
         process = self._process_of(context)
         if process:
-            self._tasks.setdefault(process, weakref.WeakSet()).add(task)
+            tasks = self._tasks.get(process)
+            if tasks is None:  # (not setdefault: that would build a WeakSet every call)
+                tasks = self._tasks[process] = weakref.WeakSet()
+            tasks.add(task)
         return task
 
     def spawn(self, process: str, coro: Coroutine[Any, Any, T], name: str = "") -> asyncio.Task[T]:
