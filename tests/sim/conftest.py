@@ -27,9 +27,10 @@ DEFAULT_SEEDS = 1000
 SHELL_SEEDS_DEFAULT = 100
 # Whole-node (coordinator + replica) simulator seeds in make test: about 0.25 s of CPU each.
 COORD_SEEDS_DEFAULT = 1000
-# Seeds per test (a unit either worker takes): about 12 s of CPU for the whole-node
-# simulator, so the two workers end within one chunk of each other.
-COORD_CHUNK_SEEDS = 50
+# Seeds per test (a unit either worker takes): about 6 s of CPU for the whole-node
+# simulator, so the two workers end within one chunk of each other, and a chunk stays far
+# below pytest's 300 s timeout on a loaded machine.
+COORD_CHUNK_SEEDS = 25
 SHELL_CHUNK_SEEDS = 20
 # Replication seeds per election seed when --repl-seeds is not given.
 REPL_SEEDS_PER_SIM_SEED = 1.0

@@ -60,7 +60,8 @@ def run_seeds(
         total.disk_failures += stats.disk_failures
     cpu = time.process_time() - started
     print(
-        f"\n{name}: {len(seeds)} seeds in {cpu:.1f} s CPU ({cpu / len(seeds):.2f} s a seed): "
+        f"\n{name}: {len(seeds)} seeds in {cpu:.1f} s CPU "
+        f"({cpu / max(1, len(seeds)):.2f} s a seed): "
         f"{total.acked} publishes acknowledged, {total.elections} master epochs, "
         f"{total.crashes} crashes, {total.disk_failures} disk failures"
     )
