@@ -52,7 +52,7 @@ def run_seeds(
             continue
         except Exception as exc:  # the shipped code or the harness raising fails the seed
             trace = "".join(traceback.format_exception(exc))
-            failures.append((seed, f"seed {seed} raised {exc!r}\n{trace}{replay_command(seed)}"))
+            failures.append((seed, f"seed {seed}: raised {exc!r}\n{trace}{replay_command(seed)}"))
             continue
         total.acked += stats.acked
         total.elections += stats.elections
@@ -60,7 +60,7 @@ def run_seeds(
         total.disk_failures += stats.disk_failures
     cpu = time.process_time() - started
     print(
-        f"\n{name}: {len(seeds)} seeds in {cpu:.1f} s CPU "
+        f"\n{name}: {len(seeds)} seeds ({len(failures)} failed) in {cpu:.1f} s CPU "
         f"({cpu / max(1, len(seeds)):.2f} s a seed): "
         f"{total.acked} publishes acknowledged, {total.elections} master epochs, "
         f"{total.crashes} crashes, {total.disk_failures} disk failures"
@@ -79,7 +79,7 @@ def failure_report(
     FAILURES_IN_FULL failures as they were raised."""
     lines = [f"{name}: {len(failures)} of {ran} seeds failed: {[s for s, _ in failures]}"]
     for seed, message in failures:
-        first = message.splitlines()[0] if message else ""
+        first = message.splitlines()[0].removeprefix(f"seed {seed}: ") if message else ""
         lines.append(f"  seed {seed}: {first[:160]}\n    replay: {replay_command(seed)}")
     for seed, message in failures[:FAILURES_IN_FULL]:
         lines.append(f"\n--- seed {seed} ---\n{message}")

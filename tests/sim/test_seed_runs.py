@@ -37,7 +37,7 @@ def test_a_failing_chunk_runs_every_seed_and_names_each_failing_one() -> None:
     report = str(info.value)
     assert "x sim: 2 of 5 seeds failed: [2, 4]" in report
     assert "seed 2: acknowledged event lost" in report
-    assert "seed 4 raised KeyError('the harness broke')" in report
+    assert "seed 4: raised KeyError('the harness broke')" in report
     assert "Traceback" in report  # where the shipped code or the harness raised
     for seed in (2, 4):
         assert f"replay: {_replay(seed)}" in report
