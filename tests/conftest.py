@@ -3,6 +3,15 @@ from typing import Any
 import pytest
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile`` a file per worker at a time, but every chunk of a simulator's
+    seeds a unit of its own (``tests/xdist_units.py``)."""
+    from tests.xdist_units import make_scheduler
+
+    return make_scheduler(config, log)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Marks everything under tests/integration as integration, under tests/chaos as
     integration and chaos, under tests/spark as spark."""

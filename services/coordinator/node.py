@@ -560,8 +560,10 @@ class CoordinatorNode:
         while True:
             wait_ms = self.driver.tick()
             self._wakeup.clear()
+            # asyncio.timeout, not wait_for: no task per wait (this loop runs every tick).
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wakeup.wait(), wait_ms / 1000)
+                async with asyncio.timeout(wait_ms / 1000):
+                    await self._wakeup.wait()
 
     def deliver(self, message: coordinator_pb2.PeerMessage) -> Rejection | None:
         """Steps one peer message; returns the rejection if it was refused (no change)."""
@@ -653,7 +655,8 @@ class CoordinatorNode:
             if self.driver.role_outcome(command, outcome) is RoleNext.AGAIN:
                 continue
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._role_changed.wait(), self._renew_s)
+                async with asyncio.timeout(self._renew_s):
+                    await self._role_changed.wait()
             self._role_changed.clear()
 
     async def _replica_watch_loop(self) -> None:

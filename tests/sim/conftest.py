@@ -10,6 +10,10 @@ exports) replays one seed in both. ``--shell-seeds=N`` (or ``$SHELL_SEEDS``) run
 what fits in ``make test``); ``SEED`` replays one there too. ``--coord-seeds=N`` (or
 ``$COORD_SEEDS``) does the same for the whole-node simulator (``coordinated_sim.py``,
 default ``COORD_SEEDS_DEFAULT``).
+
+The shell and whole-node seeds run as tests of ``SHELL_CHUNK_SEEDS`` / ``COORD_CHUNK_SEEDS``
+consecutive seeds each (parameters ``shell_chunk`` / ``coord_chunk``, ids ``seeds-A-B``),
+which ``make test``'s two workers share (``tests/xdist_units.py``).
 """
 
 from __future__ import annotations
@@ -21,8 +25,13 @@ import pytest
 DEFAULT_SEEDS = 1000
 # Shell simulator seeds in make test: 0.3-0.4 s of CPU each, 30-40 s in all.
 SHELL_SEEDS_DEFAULT = 100
-# Whole-node (coordinator + replica) simulator seeds in make test: about 0.3 s of CPU each.
-COORD_SEEDS_DEFAULT = 200
+# Whole-node (coordinator + replica) simulator seeds in make test: about 0.25 s of CPU each.
+COORD_SEEDS_DEFAULT = 1000
+# Seeds per test (a unit either worker takes): about 6 s of CPU for the whole-node
+# simulator, so the two workers end within one chunk of each other, and a chunk stays far
+# below pytest's 300 s timeout on a loaded machine.
+COORD_CHUNK_SEEDS = 25
+SHELL_CHUNK_SEEDS = 20
 # Replication seeds per election seed when --repl-seeds is not given.
 REPL_SEEDS_PER_SIM_SEED = 1.0
 
@@ -66,7 +75,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def _replayed_seed(request: pytest.FixtureRequest) -> int | None:
     """The one seed to replay (--sim-seed or $SEED), if any."""
-    single = request.config.getoption("sim_seed", default=None)
+    return _replayed(request.config)
+
+
+def _replayed(config: pytest.Config) -> int | None:
+    single = config.getoption("sim_seed", default=None)
     if single is None and os.environ.get("SEED", "").strip():
         single = int(os.environ["SEED"])
     return None if single is None else int(single)
@@ -95,25 +108,26 @@ def repl_seeds(request: pytest.FixtureRequest) -> list[int]:
     return list(range(int(count)))
 
 
-@pytest.fixture
-def shell_seeds(request: pytest.FixtureRequest) -> list[int]:
-    """The shipped-shell simulator's seeds: one replayed seed, or 0..N-1."""
-    single = _replayed_seed(request)
+def _seeds(config: pytest.Config, option: str, variable: str, default: int) -> list[int]:
+    """One replayed seed, or 0..N-1 with N from the option, the variable or the default."""
+    single = _replayed(config)
     if single is not None:
         return [single]
-    count = request.config.getoption("shell_seeds", default=None)
+    count = config.getoption(option, default=None)
     if count is None:
-        count = int(os.environ.get("SHELL_SEEDS", "").strip() or SHELL_SEEDS_DEFAULT)
+        count = int(os.environ.get(variable, "").strip() or default)
     return list(range(int(count)))
 
 
-@pytest.fixture
-def coord_seeds(request: pytest.FixtureRequest) -> list[int]:
-    """The whole-node simulator's seeds: one replayed seed, or 0..N-1."""
-    single = _replayed_seed(request)
-    if single is not None:
-        return [single]
-    count = request.config.getoption("coord_seeds", default=None)
-    if count is None:
-        count = int(os.environ.get("COORD_SEEDS", "").strip() or COORD_SEEDS_DEFAULT)
-    return list(range(int(count)))
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """The chunk parameters: ``shell_chunk`` (shipped-shell simulator) and ``coord_chunk``
+    (whole-node simulator), each a list of consecutive seeds."""
+    from tests.sim.seed_runs import parametrize_chunks  # the simulators: only where used
+
+    config = metafunc.config
+    if "shell_chunk" in metafunc.fixturenames:
+        seeds = _seeds(config, "shell_seeds", "SHELL_SEEDS", SHELL_SEEDS_DEFAULT)
+        parametrize_chunks(metafunc, "shell_chunk", seeds, SHELL_CHUNK_SEEDS)
+    if "coord_chunk" in metafunc.fixturenames:
+        seeds = _seeds(config, "coord_seeds", "COORD_SEEDS", COORD_SEEDS_DEFAULT)
+        parametrize_chunks(metafunc, "coord_chunk", seeds, COORD_CHUNK_SEEDS)

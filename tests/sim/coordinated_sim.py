@@ -73,6 +73,7 @@ from squall_server.replica.store import DATABASES, Store, StoreError
 from squall_server.replica.store.kv_memory import MemoryKV
 from tests.sim import shell_sim
 from tests.sim.shell_sim import NODE_IDS, Member, ShellSim, ShellSimFailure, Stats
+from tests.sim.virtual_loop import Every
 
 log = logging.getLogger("squall.sim.coordinated")
 
@@ -313,10 +314,10 @@ class CoordinatedSim(ShellSim):
 
     # --- the coordinators
 
-    def _start_roles(self) -> list[asyncio.Task[None]]:
+    def _start_roles(self) -> list[asyncio.Task[None] | Every]:
         for coordinator in self.coordinators.values():
             self._start_coordinator(coordinator)
-        return [self.loop.create_task(self._follow_master())]
+        return [Every(self.loop, FOLLOW_S, self._follow_master, first_s=0)]
 
     def _start_coordinator(self, coordinator: Coordinator) -> None:
         coordinator.incarnation += 1
@@ -385,22 +386,20 @@ class CoordinatedSim(ShellSim):
         self.note(f"total failure: operator marks {best}'s store clean")
         await self._restart(member)
 
-    async def _follow_master(self) -> None:
-        """The clients' view: the replica that is master in the highest epoch."""
-        while True:
-            best: tuple[int, str] | None = None
-            for member in self.members.values():
-                replica = member.replica
-                if replica is not None and replica.role == common_pb2.ROLE_MASTER:
-                    if best is None or replica.epoch > best[0]:
-                        best = (replica.epoch, member.node_id)
-            if best is not None and best != (self.epoch, self.master_id):
-                self.epoch, self.master_id = best
-                if best[0] not in self.master_epochs:
-                    self.master_epochs.add(best[0])
-                    self.stats.elections += 1
-                self.note(f"master {self.master_id} epoch {self.epoch}")
-            await asyncio.sleep(FOLLOW_S)
+    def _follow_master(self) -> None:
+        """The clients' view, every FOLLOW_S: the replica that is master in the highest epoch."""
+        best: tuple[int, str] | None = None
+        for member in self.members.values():
+            replica = member.replica
+            if replica is not None and replica.role == common_pb2.ROLE_MASTER:
+                if best is None or replica.epoch > best[0]:
+                    best = (replica.epoch, member.node_id)
+        if best is not None and best != (self.epoch, self.master_id):
+            self.epoch, self.master_id = best
+            if best[0] not in self.master_epochs:
+                self.master_epochs.add(best[0])
+                self.stats.elections += 1
+            self.note(f"master {self.master_id} epoch {self.epoch}")
 
     # --- faults
 

@@ -67,7 +67,7 @@ from squall_server.replica.store import DATABASES, Store
 from squall_server.replica.store.kv import KVError, ReadTxn, WriteTxn
 from squall_server.replica.store.kv_memory import MemoryKV
 from tests.sim.shell_network import ShellNetwork
-from tests.sim.virtual_loop import LoopClock, SimExecutor, VirtualLoop
+from tests.sim.virtual_loop import Every, LoopClock, SimExecutor, VirtualLoop
 
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "cluster.example.toml"
 NODE_IDS = ("n1", "n2", "n3")
@@ -83,6 +83,7 @@ BREAK_AFTER_S = 1.0  # a cut held this long breaks the call (gRPC keepalive)
 SLOW_DISK_S = 0.8  # the longest store-thread job of a slow disk
 PUBLISH_WAIT_S = 3.0  # a client gives up on a publish after this long
 SAMPLE_S = 0.01  # how often the one-master-per-epoch check samples roles
+NETWORK_TICK_S = 0.1  # how often the network fails calls a cut held too long
 
 log = logging.getLogger("squall.sim.shell")
 
@@ -232,6 +233,9 @@ class ShellSim:
         self.loop_errors: list[str] = []
         self.payloads = 0
         self.script_error: Exception | None = None
+        # A check that failed outside the main task (the sampler): ends the run with it.
+        self.check_failure: ShellSimFailure | None = None
+        self._main_task: asyncio.Task[None] | None = None
 
     # --- the harness
 
@@ -254,8 +258,15 @@ class ShellSim:
         )
 
     def run(self) -> Stats:
+        self._main_task = self.loop.create_task(self._main())
         try:
-            self.loop.run_until_complete(self._main())
+            try:
+                self.loop.run_until_complete(self._main_task)
+            except asyncio.CancelledError:
+                if self.check_failure is None:
+                    raise
+            if self.check_failure is not None:
+                raise self.check_failure
         finally:
             self.stats.callbacks = self.loop.callbacks_run
             self.stats.sim_s = self.loop.time()
@@ -269,10 +280,10 @@ class ShellSim:
     async def _main(self) -> None:
         for member in self.members.values():
             await self._start(member)
-        tasks = [
-            *self._start_roles(),
-            self.loop.create_task(self._network_ticker()),
-            self.loop.create_task(self._sample_masters()),
+        tasks = self._start_roles()
+        observers = [
+            Every(self.loop, NETWORK_TICK_S, self.net.tick),
+            Every(self.loop, SAMPLE_S, self._sample_masters, first_s=0),
         ]
         clients = [self.loop.create_task(self._client(i)) for i in range(2)]
         await self._faults()
@@ -295,6 +306,8 @@ class ShellSim:
         await self._catch_up()
         for task in tasks:
             task.cancel()
+        for observer in observers:
+            observer.cancel()
         self._check_logs()
         if self.loop_errors:
             raise self.fail(f"unexpected errors on the loop: {self.loop_errors[:3]}")
@@ -419,15 +432,10 @@ class ShellSim:
         member.disk.failing = False
         self.note(f"disk of {member.node_id} works again")
 
-    async def _network_ticker(self) -> None:
-        while True:
-            await asyncio.sleep(0.1)
-            self.net.tick()
-
     # --- the role script (the coordinator's rules)
 
-    def _start_roles(self) -> list[asyncio.Task[None]]:
-        """What commands the replicas' roles: here the role script."""
+    def _start_roles(self) -> list[asyncio.Task[None] | Every]:
+        """What commands the replicas' roles: here the role script (cancelled at the end)."""
         return [self.loop.create_task(self._role_script())]
 
     async def _heal_roles(self) -> None:
@@ -550,16 +558,23 @@ class ShellSim:
             if not renew:
                 self.note(f"{replica.node.id} refused epoch {command.epoch}: {exc.message[:80]}")
 
-    async def _sample_masters(self) -> None:
-        while True:
-            for member in self.members.values():
-                replica = member.replica
-                if replica is not None and replica.role == common_pb2.ROLE_MASTER:
-                    holders = self.masters.setdefault(replica.epoch, set())
-                    holders.add(member.node_id)
-                    if len(holders) > 1:
-                        raise self.fail(f"two masters in epoch {replica.epoch}: {holders}")
-            await asyncio.sleep(SAMPLE_S)
+    def _sample_masters(self) -> None:
+        """Every SAMPLE_S: who is master in which epoch. Two in one epoch fail the seed at
+        once (the main task is cancelled and ``run`` raises the failure)."""
+        if self.check_failure is not None:
+            return
+        for member in self.members.values():
+            replica = member.replica
+            if replica is not None and replica.role == common_pb2.ROLE_MASTER:
+                holders = self.masters.setdefault(replica.epoch, set())
+                holders.add(member.node_id)
+                if len(holders) > 1:
+                    self.check_failure = self.fail(
+                        f"two masters in epoch {replica.epoch}: {sorted(holders)}"
+                    )
+                    if self._main_task is not None:
+                        self._main_task.cancel()
+                    return
 
     # --- clients
 
@@ -698,18 +713,26 @@ def run_sim(
     kind: type[ShellSim], prefix: str, seed: int, acks: common_pb2.AckPolicy.ValueType
 ) -> Stats:
     """One seed of a ShellSim (or a subclass) in a temporary directory, then collected."""
-    with tempfile.TemporaryDirectory(prefix=f"{prefix}-{seed}-") as root:
-        sim = kind(seed, Path(root), acks=acks)
-        try:
-            return sim.run()
-        except ShellSimFailure as exc:
-            # A fresh exception: the caught one's frames would keep the run alive.
-            raise ShellSimFailure(str(exc)) from None
-        finally:
-            # The coroutines of killed processes were dropped mid-await: collected now,
-            # Python reports that they ignored their GeneratorExit (they never finished).
-            del sim
-            collect_dropped()
+    # What lived before the seed (the test runner, modules, earlier tests) is not the
+    # seed's garbage: frozen, the collections during and after the run skip it (a full
+    # collection of the whole test process took ~10% of a seed's CPU).
+    gc.freeze()
+    try:
+        with tempfile.TemporaryDirectory(prefix=f"{prefix}-{seed}-") as root:
+            sim = kind(seed, Path(root), acks=acks)
+            try:
+                return sim.run()
+            except ShellSimFailure as exc:
+                # A fresh exception: the caught one's frames would keep the run alive.
+                raise ShellSimFailure(str(exc)) from None
+            finally:
+                # The coroutines of killed processes were dropped mid-await: collected
+                # now, Python reports that they ignored their GeneratorExit (they never
+                # finished).
+                del sim
+                collect_dropped()
+    finally:
+        gc.unfreeze()
 
 
 def collect_dropped() -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
+import heapq
 import selectors
 import weakref
 from collections import deque
@@ -65,6 +66,24 @@ class _VirtualSelector(selectors.SelectSelector):
         if timeout > 0:
             loop.jump_to_next_timer()
         return []
+
+
+class _ProcessTimer(asyncio.TimerHandle):
+    """A timer of a process: when it fires while its process is paused or killed, its
+    callback is handed to ``_call_soon`` (held or parked) instead of running (a subclass,
+    not a wrapping callback: thousands of timers fire in a seed)."""
+
+    __slots__ = ()
+
+    def _run(self) -> None:
+        loop = self._loop  # type: ignore[attr-defined]
+        if loop._paused or loop._killed:
+            context = self._context  # type: ignore[attr-defined]
+            process = context.get(PROCESS, "")
+            if process in loop._killed or process in loop._paused:
+                loop._call_soon(self._callback, self._args, context)  # type: ignore[attr-defined]
+                return
+        super()._run()  # type: ignore[misc]
 
 
 class VirtualLoop(asyncio.SelectorEventLoop):
@@ -132,22 +151,13 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         context: contextvars.Context | None = None,
     ) -> asyncio.TimerHandle:
         """A timer whose callback, when it fires, waits while its process is paused and
-        never runs once it was killed."""
-        if context is None:
-            context = contextvars.copy_context()
-        return super().call_at(when, self._fire, callback, args, context, context=context)
-
-    def _fire(
-        self,
-        callback: Callable[..., object],
-        args: tuple[object, ...],
-        context: contextvars.Context,
-    ) -> None:
-        process = context.get(PROCESS, "")
-        if process in self._killed or process in self._paused:
-            self._call_soon(callback, args, context)
-            return
-        callback(*args)
+        never runs once it was killed (``_ProcessTimer``; what the base ``call_at`` does
+        otherwise, without its debug-mode traceback)."""
+        self._check_closed()  # type: ignore[attr-defined]
+        timer = _ProcessTimer(when, callback, args, self, context)
+        heapq.heappush(self._scheduled, timer)  # type: ignore[attr-defined]
+        timer._scheduled = True  # type: ignore[attr-defined]
+        return timer
 
     def _make_task(
         self,
@@ -158,7 +168,10 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         task: asyncio.Task[T] = asyncio.Task(coro, loop=loop, context=context)
         process = self._process_of(context)
         if process:
-            self._tasks.setdefault(process, weakref.WeakSet()).add(task)
+            tasks = self._tasks.get(process)
+            if tasks is None:  # (not setdefault: that would build a WeakSet every call)
+                tasks = self._tasks[process] = weakref.WeakSet()
+            tasks.add(task)
         return task
 
     def spawn(self, process: str, coro: Coroutine[Any, Any, T], name: str = "") -> asyncio.Task[T]:
@@ -277,6 +290,37 @@ class SimExecutor(concurrent.futures.Executor):
         if cancel_futures:
             for future, _ in self._queue:
                 future.cancel()
+
+
+class Every:
+    """Calls ``observe`` every ``interval_s`` of the loop's time (the first call after
+    ``first_s``) as a plain timer callback, until ``cancel``: for the simulator's own
+    observers (samplers, tickers), which run thousands of times a seed and as tasks
+    cost a future, a timer and a task step each time."""
+
+    def __init__(
+        self,
+        loop: VirtualLoop,
+        interval_s: float,
+        observe: Callable[[], object],
+        *,
+        first_s: float | None = None,
+    ) -> None:
+        self._loop = loop
+        self._interval_s = interval_s
+        self._observe = observe
+        self._handle: asyncio.Handle = (
+            loop.call_soon(self._fire)
+            if first_s == 0
+            else loop.call_later(interval_s if first_s is None else first_s, self._fire)
+        )
+
+    def _fire(self) -> None:
+        self._handle = self._loop.call_later(self._interval_s, self._fire)
+        self._observe()
+
+    def cancel(self) -> None:
+        self._handle.cancel()
 
 
 class LoopClock:
