@@ -15,11 +15,12 @@ import asyncio
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol
 
-from squall.v1 import common_pb2, replica_pb2
+from squall.v1 import replica_pb2
 from squall_server.common.clock import Clock
 from squall_server.common.config import ClusterConfig, NodeConfig
 from squall_server.common.loss_record import LossRecord
 from squall_server.replica.core import Effects, RoleRefusal, WriteFence
+from squall_server.replica.endpoints import RoleView
 from squall_server.replica.faults import Fault
 from squall_server.replica.store import Store
 
@@ -28,18 +29,9 @@ if TYPE_CHECKING:  # (the shells' modules, not needed at run time here)
     from squall_server.replica.reorg import Taking
 
 
-class ReplicaPosition(Protocol):
+class ReplicaPosition(RoleView, Protocol):
     """Who this replica is and where it stands: its role and epoch, and its log's end and
     commit LSN."""
-
-    @property
-    def node(self) -> NodeConfig: ...
-
-    @property
-    def role(self) -> common_pb2.Role.ValueType: ...
-
-    @property
-    def epoch(self) -> int: ...
 
     @property
     def last_lsn(self) -> int: ...

@@ -30,6 +30,29 @@ if TYPE_CHECKING:  # (these import the node's module for their own annotations)
     from squall_server.replica.telemetry import PublishedTraces, PublishWatch
 
 
+class RoleView(Protocol):
+    """Which replica this is and the role and epoch it holds now."""
+
+    @property
+    def node(self) -> NodeConfig: ...
+
+    @property
+    def role(self) -> common_pb2.Role.ValueType: ...
+
+    @property
+    def epoch(self) -> int: ...
+
+
+class Traced(Protocol):
+    """Where a caller records its spans and finds the publishes they link to."""
+
+    @property
+    def telemetry(self) -> Telemetry: ...
+
+    @property
+    def published_traces(self) -> PublishedTraces: ...
+
+
 class FaultSink(Protocol):
     """Where a servicer reports a fault of this node's store (a checksum error)."""
 
@@ -74,11 +97,8 @@ class ReplicationEndpoint(SlaveEndpoint, SyncSourceEndpoint, Protocol):
     """The Replication servicer's: both sides a replica serves to the other replicas."""
 
 
-class Reads(FaultSink, Protocol):
+class Reads(FaultSink, RoleView, Traced, Protocol):
     """Committed reads: topics, events, cursors and what is not committed yet."""
-
-    @property
-    def node(self) -> NodeConfig: ...
 
     @property
     def config(self) -> ClusterConfig: ...
@@ -91,18 +111,6 @@ class Reads(FaultSink, Protocol):
 
     @property
     def transient(self) -> TransientTopics: ...
-
-    @property
-    def telemetry(self) -> Telemetry: ...
-
-    @property
-    def published_traces(self) -> PublishedTraces: ...
-
-    @property
-    def role(self) -> common_pb2.Role.ValueType: ...
-
-    @property
-    def epoch(self) -> int: ...
 
     @property
     def commit_lsn(self) -> int: ...
@@ -127,7 +135,7 @@ class SubscribeEndpoint(Reads, Writes, Protocol):
     and the cursor and acknowledgement writes."""
 
 
-class PublishEndpoint(FaultSink, Protocol):
+class PublishEndpoint(FaultSink, Traced, Protocol):
     """The Publisher servicer's: queue publishes in order; hold a call for a role."""
 
     @property
@@ -138,12 +146,6 @@ class PublishEndpoint(FaultSink, Protocol):
 
     @property
     def epoch(self) -> int: ...
-
-    @property
-    def telemetry(self) -> Telemetry: ...
-
-    @property
-    def published_traces(self) -> PublishedTraces: ...
 
     def start_publish(
         self, request: broker_pb2.PublishRequest, trace: PublishWatch | None = None
@@ -172,18 +174,9 @@ class PushEndpoint(TopicsEndpoint, Protocol):
     def push(self) -> PushDelivery: ...
 
 
-class MasterWorkEndpoint(Protocol):
+class MasterWorkEndpoint(RoleView, Protocol):
     """What every task of the master's work (``master_tasks``) checks: is this replica
     still the master of the epoch it started in?"""
-
-    @property
-    def node(self) -> NodeConfig: ...
-
-    @property
-    def role(self) -> common_pb2.Role.ValueType: ...
-
-    @property
-    def epoch(self) -> int: ...
 
     @property
     def failed_reason(self) -> str: ...
@@ -212,15 +205,9 @@ class ForwardingEndpoint(MasterWorkEndpoint, CommittedLog, Protocol):
     def clock(self) -> Clock: ...
 
 
-class DeliveryEndpoint(MasterWorkEndpoint, CommittedLog, Protocol):
+class DeliveryEndpoint(MasterWorkEndpoint, CommittedLog, Traced, Protocol):
     """Push delivery's (``push``): transient topics' live events, and the delivery spans
     that link to the traced publishes."""
 
     @property
     def transient(self) -> TransientTopics: ...
-
-    @property
-    def telemetry(self) -> Telemetry: ...
-
-    @property
-    def published_traces(self) -> PublishedTraces: ...
