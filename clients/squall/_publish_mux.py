@@ -48,6 +48,7 @@ from squall._errors import Indeterminate, SquallError, error_for, rpc_status
 from squall._publish_rules import (
     BATCH_EVENTS_DEFAULT,
     NotSent,
+    abandon_stream,
     new_request,
     new_session_token,
     not_sent_error,
@@ -276,10 +277,7 @@ class PublishMux:
         stream.requests.put(request)
 
     def _abort(self, stream: _MuxStream, code: grpc.StatusCode, details: str) -> None:
-        if stream.dead or stream.abort_error is not None:
-            return
-        stream.abort_error = Indeterminate(details, code)
-        stream.call.cancel()
+        abandon_stream(stream, code, details)
 
     # -- the reader thread ------------------------------------------------------------
 

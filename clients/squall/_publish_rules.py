@@ -17,7 +17,7 @@ import itertools
 import logging
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import tenacity
@@ -202,6 +202,23 @@ def stream_end_errors(
         )
     )
     return first, rest
+
+
+class AbandonableStream(Protocol):
+    """A threaded publish stream as its abandoning sees it."""
+
+    dead: bool
+    abort_error: SquallError | None
+    call: Any
+
+
+def abandon_stream(stream: AbandonableStream, code: grpc.StatusCode, details: str) -> None:
+    """Cancels a live stream's call once, leaving the reader the reason to report: its
+    unanswered batches become indeterminate with it (the caller holds the stream's lock)."""
+    if stream.dead or stream.abort_error is not None:
+        return
+    stream.abort_error = Indeterminate(details, code)
+    stream.call.cancel()
 
 
 def not_sent_error(details: str) -> NotSent:

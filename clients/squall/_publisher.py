@@ -82,6 +82,7 @@ from squall._publish_rules import (
     Moves,
     NotSent,
     RetryRun,
+    abandon_stream,
     add_events,
     check_batch_events,
     check_publisher_args,
@@ -846,10 +847,7 @@ class Publisher:
 
     def _abort(self, stream: _Stream, code: grpc.StatusCode, details: str) -> None:
         """Abandons a stream: the reader fails its batches with this reason (lock held)."""
-        if stream.dead or stream.abort_error is not None:
-            return
-        stream.abort_error = Indeterminate(details, code)
-        stream.call.cancel()
+        abandon_stream(stream, code, details)
 
     # -- the reader thread ------------------------------------------------------------
 
