@@ -77,10 +77,12 @@ What is modelled
   carrying the slave's epoch, which reconnects, and for a newer epoch steps down). Slaves
   compact their logs beyond a per-seed retention in seeds where masters compact.
 * **Network.** Replication messages share the election's faulty network: partitions,
-  pauses, delay, loss, duplication and, when the seed says so, reordering (otherwise each
-  link is FIFO). That is harsher than gRPC, whose stream never drops or reorders a message
-  and carries on: here a gap reaches the Follower's checks (which refuse it and close the
-  stream), and a lost tail is noticed by the master's driver as a stall. A gRPC stream is
+  pauses, delay, loss, duplication (of catch-up and client messages: a stream's message
+  is never delivered twice, as gRPC guarantees and the drivers rely on) and, when the
+  seed says so, reordering (otherwise each link is FIFO). That is harsher than gRPC,
+  whose stream never drops or reorders a message and carries on: here a gap reaches the
+  Follower's checks (which refuse it and close the stream), and a lost tail is noticed
+  by the simulator's stall check (see Master). A gRPC stream is
   identified by (master, epoch, stream id); a slave drops input of a stream other than
   its current one (as gRPC would after the stream closed) and answers it with a
   ``Close``. After healing the links are FIFO without loss or duplication, as TCP gives.
@@ -423,6 +425,11 @@ Body = (
     | ClientWrite
     | ClientReply
 )
+
+
+# The messages of a replication stream (``Replicate``): lost or reordered here, never
+# duplicated.
+STREAM_MESSAGES = (Hello, PositionMsg, Batch, Heartbeat, Chunk, AckMsg, Close)
 
 
 @dataclass(frozen=True, slots=True)
@@ -845,6 +852,10 @@ class ReplicationSimulation(Simulation):
         if self.repl_loss and rng.random() < self.repl_loss:
             return
         copies = 2 if self.repl_dup and rng.random() < self.repl_dup else 1
+        if isinstance(body, STREAM_MESSAGES):
+            # A gRPC stream delivers each message once, which the drivers rely on (a
+            # truncating batch delivered twice would cut what the slave acknowledged).
+            copies = 1
         for _ in range(copies):
             at = self.now_ms + rng.randint(0, self.delay_max_ms)
             if self.long_delay_p and rng.random() < self.long_delay_p:
