@@ -310,12 +310,13 @@ class Hello:
 
 
 @dataclass(frozen=True, slots=True)
-class PositionMsg:
-    """Slave -> master: the answer to a Hello."""
+class Answer:
+    """Slave -> master: one message of the stream as ``serve_replicate`` yields it (the
+    Position answering the Hello, then acks)."""
 
     epoch: int
     stream: int
-    position: replica_pb2.ReplicationPosition
+    response: replica_pb2.ReplicateResponse
 
 
 @dataclass(frozen=True, slots=True)
@@ -351,23 +352,15 @@ class Chunk:
 
 
 @dataclass(frozen=True, slots=True)
-class AckMsg:
-    """Slave -> master: received / written / synced LSNs."""
-
-    epoch: int
-    stream: int
-    ack: replica_pb2.ReplicationAck
-
-
-@dataclass(frozen=True, slots=True)
 class Close:
-    """Either way: the stream is closed (why, and the closer's epoch when it is a slave)."""
+    """Either way: the stream is closed (why; from a slave, its refusal's status name and
+    trailing metadata, which carries its epoch)."""
 
     epoch: int
     stream: int
     reason: str
     to_master: bool
-    slave_epoch: int = 0
+    metadata: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -414,11 +407,10 @@ class ClientReply:
 
 Body = (
     Hello
-    | PositionMsg
+    | Answer
     | Batch
     | Heartbeat
     | Chunk
-    | AckMsg
     | Close
     | CatchUpRequest
     | CatchUpReply
@@ -429,7 +421,7 @@ Body = (
 
 # The messages of a replication stream (``Replicate``): lost or reordered here, never
 # duplicated.
-STREAM_MESSAGES = (Hello, PositionMsg, Batch, Heartbeat, Chunk, AckMsg, Close)
+STREAM_MESSAGES = (Hello, Answer, Batch, Heartbeat, Chunk, Close)
 
 
 @dataclass(frozen=True, slots=True)
@@ -448,11 +440,11 @@ def describe(body: Body) -> str:
         span = f"{body.entries[0].lsn}..{body.entries[-1].lsn}" if body.entries else "-"
         cut = f" truncate>{body.truncate_after_lsn}" if body.truncate_after_lsn is not None else ""
         return f"Batch e{body.epoch} s{body.stream} {span} commit={body.commit_lsn}{cut}"
-    if isinstance(body, AckMsg):
-        a = body.ack
+    if isinstance(body, Answer) and body.response.WhichOneof("body") == "ack":
+        a = body.response.ack
         return f"Ack e{body.epoch} s{body.stream} {a.received_lsn}/{a.written_lsn}/{a.synced_lsn}"
-    if isinstance(body, PositionMsg):
-        p = body.position
+    if isinstance(body, Answer):
+        p = body.response.position
         return (
             f"Position e{body.epoch} s{body.stream} log={p.last_epoch}/{p.last_lsn} "
             f"start={p.log_start_lsn}"
@@ -461,7 +453,8 @@ def describe(body: Body) -> str:
         c = body.chunk
         return f"Chunk e{body.epoch} s{body.stream} #{c.index} at={c.snapshot_lsn}"
     if isinstance(body, Close):
-        return f"Close e{body.epoch} s{body.stream} {body.reason} slave_epoch={body.slave_epoch}"
+        said = " ".join(f"{k}={v}" for k, v in body.metadata)
+        return f"Close e{body.epoch} s{body.stream} {body.reason} {said}".rstrip()
     if isinstance(body, Hello | Heartbeat):
         return f"{name} e{body.epoch} s{body.stream}"
     if isinstance(body, CatchUpReply):
@@ -563,6 +556,9 @@ class Runtime:
     catchup: CatchUp | None = None
     last_heard: dict[str, int] = field(default_factory=dict)
     reconnect_at: dict[str, int] = field(default_factory=dict)
+    answered: dict[str, tuple[int, int, bool]] = field(default_factory=dict)
+    """Slave -> (epoch, stream, opened) of the last stream whose first message the master
+    read, and whether it answered the Hello (``MasterSteps.hello_answered``)."""
     stalled: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     """Slave -> (stream, received LSN, since when) while entries are in flight unreceived."""
     steps: dict[int, MasterSteps[int]] = field(default_factory=dict)
@@ -1477,10 +1473,9 @@ class ReplicationSimulation(Simulation):
     def stream_broken(
         self, node: str, core: ReplicationMaster[int], slave: str, stream: int
     ) -> None:
-        """Tell the core a stream is gone; reconnect after a short backoff."""
-        actions = core.disconnected(slave, stream)
-        self.apply_master(node, core, actions)
-        if actions.rejection is None and not core.deposed:
+        """A stream is gone (``MasterSteps.stream_ended``); when a new one is due, it opens
+        after a short backoff."""
+        if self.steps_of(node, core).stream_ended(slave, stream):
             self.rt[node].reconnect_at[slave] = self.now_ms + self.rrng.randint(5, 30)
 
     def core_for(self, node: str, epoch: int) -> ReplicationMaster[int] | None:
@@ -1668,40 +1663,37 @@ class ReplicationSimulation(Simulation):
                 Chunk(core.epoch, progress.stream_id, chunk, ghost if chunk.last else ()),
             )
 
-    def master_receive(self, node: str, src: str, body: PositionMsg | AckMsg | Close) -> None:
-        """Input from a slave's stream, for the master core of its epoch."""
+    def master_receive(self, node: str, src: str, body: Answer | Close) -> None:
+        """Input from a slave's stream, for the master core of its epoch, through the
+        shipped steps as ``MasterDriver._stream`` reads it: the stream's first message
+        must answer the Hello (``hello_answered``), later ones go to ``received``; a
+        slave's Close is its refusal (``refused``: the epoch it names may depose us)."""
         core = self.core_for(node, body.epoch)
         if core is None:
             return
         rt = self.rt[node]
         if core is rt.core and src in rt.last_heard:
             rt.last_heard[src] = self.now_ms
-        if isinstance(body, PositionMsg):
-            p = body.position
-            actions = core.on_position(
-                src,
-                body.stream,
-                last_epoch=p.last_epoch,
-                last_lsn=p.last_lsn,
-                history=[(b.epoch, b.start_lsn) for b in p.history],
-                log_start_lsn=p.log_start_lsn or 1,
-            )
-            self.apply_master(node, core, actions)
-        elif isinstance(body, AckMsg):
-            a = body.ack
-            actions = core.on_ack(
-                src,
-                body.stream,
-                received_lsn=a.received_lsn,
-                written_lsn=a.written_lsn,
-                synced_lsn=a.synced_lsn,
-            )
-            self.apply_master(node, core, actions)
-        else:
-            if body.slave_epoch > core.epoch:
-                self.apply_master(node, core, core.observe_epoch(body.slave_epoch))
-            if not core.deposed:
+        steps = self.steps_of(node, core)
+        if isinstance(body, Answer):
+            if core is not rt.core:
+                # A deposed master's late input: the core refuses it (its commit stays).
+                steps.received(src, body.stream, body.response)
+                return
+            answered = rt.answered.get(src)
+            if answered is not None and answered[:2] == (body.epoch, body.stream):
+                if answered[2]:
+                    steps.received(src, body.stream, body.response)
+                return  # the rest of a stream ended unopened: gRPC delivers none of it
+            opened = steps.hello_answered(src, body.stream, body.response)
+            rt.answered[src] = (body.epoch, body.stream, opened)
+            if not opened:
+                # The stream ends unopened: the master cancels it.
+                self.net_send(node, src, Close(core.epoch, body.stream, "no-position", False))
                 self.stream_broken(node, core, src, body.stream)
+            return
+        if steps.refused(src, body.reason, body.reason, body.metadata):
+            self.stream_broken(node, core, src, body.stream)
 
     def client_write(self, node: str, src: str, body: ClientWrite) -> None:
         """A client's write reaches a node: append it if this node serves as master."""
@@ -1858,7 +1850,13 @@ class ReplicationSimulation(Simulation):
         driver = self.driver_of(node)
         if driver.core.role != CoreRole.SLAVE:
             if not isinstance(body, Close):
-                reply = Close(body.epoch, body.stream, "inactive", True, self.durable[node].epoch)
+                reply = Close(
+                    body.epoch,
+                    body.stream,
+                    "inactive",
+                    True,
+                    ((EPOCH_KEY, str(self.durable[node].epoch)),),
+                )
                 self.net_send(node, src, reply)
             return
         key = (src, body.epoch, body.stream)
@@ -1887,14 +1885,14 @@ class ReplicationSimulation(Simulation):
             self.reconcile(node)
             rt.stream = rt.last_hello = key
             rt.core_stream = stream
-            self.net_send(node, src, PositionMsg(body.epoch, body.stream, position))
+            answer = replica_pb2.ReplicateResponse(position=position)
+            self.net_send(node, src, Answer(body.epoch, body.stream, answer))
             return
         if key != rt.stream:
             # A message of a stream that is not this replica's current one: gRPC would
             # have ended that stream; the master hears this replica's epoch.
-            self.net_send(
-                node, src, Close(body.epoch, body.stream, "no-stream", True, driver.core.epoch)
-            )
+            said = ((EPOCH_KEY, str(driver.core.epoch)),)
+            self.net_send(node, src, Close(body.epoch, body.stream, "no-stream", True, said))
             return
         try:
             if isinstance(body, Batch):
@@ -1906,7 +1904,7 @@ class ReplicationSimulation(Simulation):
                 record, ack = driver.heartbeat(rt.core_stream, heartbeat)
                 if record:
                     driver.commit_recorded(driver.store_record_commit(record))
-                self.net_send(node, src, AckMsg(body.epoch, body.stream, ack))
+                self.send_ack(node, src, body.epoch, body.stream, ack)
                 self.claim_slave_commit(node)
             else:
                 result, follower = driver.snapshot_chunk(rt.core_stream, body.chunk)
@@ -1920,7 +1918,7 @@ class ReplicationSimulation(Simulation):
                 )
                 if installed is not None:
                     ack = driver.snapshot_installed_ack(follower, installed)
-                    self.net_send(node, src, AckMsg(body.epoch, body.stream, ack))
+                    self.send_ack(node, src, body.epoch, body.stream, ack)
                     self.claim_slave_commit(node)
         except ServiceError as exc:
             self.slave_refused(node, src, body, exc)
@@ -1938,7 +1936,7 @@ class ReplicationSimulation(Simulation):
         )
         accepted, follower, acks_now = driver.batch(rt.core_stream, batch)
         for ack in acks_now:
-            self.net_send(node, key[0], AckMsg(body.epoch, body.stream, ack))
+            self.send_ack(node, key[0], body.epoch, body.stream, ack)
         if accepted.batch is not None:
             rt.writes.append(PendingWrite(accepted.batch, accepted, follower, body, key))
             self.schedule_write(node)
@@ -1967,12 +1965,19 @@ class ReplicationSimulation(Simulation):
         """Close the stream with the refusal; the master learns the slave's epoch."""
         self.refusals += 1
         rt = self.rt[node]
-        epoch = next((int(v) for k, v in exc.metadata if k == EPOCH_KEY), 0)
         if "superseded" not in exc.message:
             self.note(f"{node} refused", exc.message)
         if rt.stream == (src, body.epoch, body.stream):
             rt.stream = None
-        self.net_send(node, src, Close(body.epoch, body.stream, exc.code.name, True, epoch))
+        close = Close(body.epoch, body.stream, exc.code.name, True, exc.metadata)
+        self.net_send(node, src, close)
+
+    def send_ack(
+        self, node: str, master: str, epoch: int, stream: int, ack: replica_pb2.ReplicationAck
+    ) -> None:
+        """An ack on the stream, as ``serve_replicate`` yields it."""
+        answer = replica_pb2.ReplicateResponse(ack=ack)
+        self.net_send(node, master, Answer(epoch, stream, answer))
 
     def schedule_write(self, node: str) -> None:
         """The store finishes the pending write after a store delay."""
@@ -2002,10 +2007,8 @@ class ReplicationSimulation(Simulation):
             if send_ack and rt.stream == write.key:
                 master, epoch, stream = write.key
                 rt.stream = None
-                slave_epoch = next((int(v) for k, v in error.metadata if k == EPOCH_KEY), 0)
-                self.net_send(
-                    node, master, Close(epoch, stream, error.code.name, True, slave_epoch)
-                )
+                close = Close(epoch, stream, error.code.name, True, error.metadata)
+                self.net_send(node, master, close)
             if send_ack:
                 while rt.deferred and not rt.writes:
                     self.slave_receive(node, rt.deferred.popleft())
@@ -2015,7 +2018,7 @@ class ReplicationSimulation(Simulation):
         if rt.stream == write.key:
             master, epoch, stream = write.key
             for ack in acks:
-                self.net_send(node, master, AckMsg(epoch, stream, ack))
+                self.send_ack(node, master, epoch, stream, ack)
         self.claim_commit(node, write.follower.commit_lsn)
         while rt.deferred and not rt.writes:
             self.slave_receive(node, rt.deferred.popleft())
@@ -2210,7 +2213,7 @@ class ReplicationSimulation(Simulation):
             return
         body = pkt.body
         self.note("deliver", f"{pkt.src}->{dst} {describe(body)}")
-        if isinstance(body, PositionMsg | AckMsg) or (isinstance(body, Close) and body.to_master):
+        if isinstance(body, Answer) or (isinstance(body, Close) and body.to_master):
             self.master_receive(dst, pkt.src, body)
         elif isinstance(body, CatchUpRequest):
             self.serve_catchup(dst, pkt.src, body)
