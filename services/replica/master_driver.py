@@ -49,6 +49,7 @@ from squall_server.common.errors import Code, ServiceError
 from squall_server.common.telemetry import Telemetry, current
 from squall_server.replica.commands import Planned
 from squall_server.replica.master_steps import MasterOutputs, MasterSteps, durable_lsn
+from squall_server.replica.master_streams import ReconnectBackoff
 from squall_server.replica.replication import ReplicationMaster, SlaveProgress
 from squall_server.replica.snapshot_pump import pump_snapshot
 from squall_server.replica.store import Store, StoreError
@@ -57,9 +58,6 @@ from squall_server.replica.transport import ReplicaCallError, ReplicateCall, Rep
 
 log = logging.getLogger("squall.replica")
 
-# Reconnect backoff to a slave: fast at first (failover time depends on it), bounded.
-_BACKOFF_MIN_S = 0.05
-_BACKOFF_MAX_S = 1.0
 # Progress samples for the catch-up rate: one every _RATE_SAMPLE_S, the last
 # _RATE_SAMPLES kept (a window of about 5 s).
 _RATE_SAMPLE_S = 0.5
@@ -415,7 +413,7 @@ class MasterDriver:
 
     async def _run_link(self, link: _Link) -> None:
         """Keeps one stream open to a slave while this master is not deposed."""
-        backoff_s = _BACKOFF_MIN_S
+        backoff = ReconnectBackoff()
         while not self.core.deposed:
             opened = False
             try:
@@ -426,10 +424,7 @@ class MasterDriver:
                 if not link.close_reason:
                     raise
                 link.close_reason = ""
-            if opened:
-                backoff_s = _BACKOFF_MIN_S
-            await asyncio.sleep(backoff_s)
-            backoff_s = min(backoff_s * 2, _BACKOFF_MAX_S)
+            await asyncio.sleep(backoff.after(opened=opened) / 1000)
 
     async def _stream(self, link: _Link) -> bool:
         """One stream's life; True once the slave answered the Hello."""

@@ -214,6 +214,7 @@ from squall_server.replica.follower import (
     FollowerConfig,
 )
 from squall_server.replica.master_steps import MasterOutputs, MasterSteps
+from squall_server.replica.master_streams import ReconnectBackoff
 from squall_server.replica.rebuild import rebuild_into
 from squall_server.replica.replication import (
     AckPolicy,
@@ -556,6 +557,8 @@ class Runtime:
     catchup: CatchUp | None = None
     last_heard: dict[str, int] = field(default_factory=dict)
     reconnect_at: dict[str, int] = field(default_factory=dict)
+    backoff: dict[str, ReconnectBackoff] = field(default_factory=dict)
+    """Each slave's reconnection backoff (the shipped ``ReconnectBackoff``) for ``core``."""
     answered: dict[str, tuple[int, int, bool]] = field(default_factory=dict)
     """Slave -> (epoch, stream, opened) of the last stream whose first message the master
     read, and whether it answered the Hello (``MasterSteps.hello_answered``)."""
@@ -1130,6 +1133,7 @@ class ReplicationSimulation(Simulation):
         for gone in set(core.members) - set(members):
             rt.last_heard.pop(gone, None)
             rt.reconnect_at.pop(gone, None)
+            rt.backoff.pop(gone, None)
         try:
             actions = core.set_members(list(members))
         except ReplicationError as exc:
@@ -1154,6 +1158,7 @@ class ReplicationSimulation(Simulation):
         rt.gen += 1  # store completions already scheduled belong to the old role
         rt.last_heard.clear()
         rt.reconnect_at.clear()
+        rt.backoff.clear()
         rt.stalled.clear()
         while rt.writes:  # the node waits for the batch being written
             self.finish_write(node, send_ack=False)
@@ -1393,6 +1398,7 @@ class ReplicationSimulation(Simulation):
             return
         rt.core = core
         rt.zombie = None
+        rt.backoff.clear()
         self.rchecker.master_started(node, rt.epoch, core.commit_lsn)
         self.note(f"{node} serving", f"master of epoch {rt.epoch}, log ends at {len(store.log)}")
         for slave in core.members:
@@ -1474,9 +1480,13 @@ class ReplicationSimulation(Simulation):
         self, node: str, core: ReplicationMaster[int], slave: str, stream: int
     ) -> None:
         """A stream is gone (``MasterSteps.stream_ended``); when a new one is due, it opens
-        after a short backoff."""
-        if self.steps_of(node, core).stream_ended(slave, stream):
-            self.rt[node].reconnect_at[slave] = self.now_ms + self.rrng.randint(5, 30)
+        after the shipped backoff, reset if the slave had answered this one's Hello."""
+        if not self.steps_of(node, core).stream_ended(slave, stream):
+            return
+        rt = self.rt[node]
+        backoff = rt.backoff.setdefault(slave, ReconnectBackoff())
+        opened = rt.answered.get(slave) == (core.epoch, stream, True)
+        rt.reconnect_at[slave] = self.now_ms + backoff.after(opened=opened)
 
     def core_for(self, node: str, epoch: int) -> ReplicationMaster[int] | None:
         """The master core (live or deposed) of ``epoch`` on this node, if any."""
