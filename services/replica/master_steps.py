@@ -140,6 +140,18 @@ class MasterSteps(Generic[W]):
         next master keeps or truncates them by the epoch rules."""
         self.apply(self.core.depose(f"local store flush failed after sending: {reason}"))
 
+    def flush_after_send(self) -> bool:
+        """Whether the writer flushes each appended batch once it went to the slaves (and
+        then reports ``synced`` or ``sync_failed``): under the ``SYNC`` master policy
+        only; otherwise the master counts its entries as appended."""
+        return self.core.config.master_sync == SyncPolicy.SYNC
+
+    def wait_lsn(self, lsn: int) -> int:
+        """The LSN a client write planned at lsn waits for: its entry's, or this epoch's
+        start for a duplicate answered from an earlier epoch's entry (an earlier epoch's
+        entry counts as committed only once this epoch's start commits)."""
+        return max(lsn, self.core.epoch_start_lsn)
+
     # --- inputs from a slave's stream
 
     def hello_answered(

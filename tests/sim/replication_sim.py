@@ -1435,8 +1435,9 @@ class ReplicationSimulation(Simulation):
         driver.batch_appended(entry.lsn, core.commit_lsn)
         self.append_log(node, (entry,))
         self.master_report(node, core)
-        self.steps_of(node, core).appended((entry,), synced=False)
-        if self.params.master_sync != SyncPolicy.SYNC or core.deposed:
+        steps = self.steps_of(node, core)
+        steps.appended((entry,), synced=False)
+        if not steps.flush_after_send() or core.deposed:
             return
         # The flush runs on the store thread while the batch is out, and ends a store
         # delay later: acks may come back before it, a crash may fall in between.
@@ -1764,7 +1765,9 @@ class ReplicationSimulation(Simulation):
         rt.tokens[self.next_token] = (lsn, src, body.pid)
         if receipt is not None:
             self.topic_tokens[self.next_token] = receipt
-        self.apply_master(node, core, core.register_write(lsn, self.next_token))
+        # As ``Writer._commit``: the write waits for its entry, or the epoch start.
+        wait_lsn = self.steps_of(node, core).wait_lsn(lsn)
+        self.apply_master(node, core, core.register_write(wait_lsn, self.next_token))
 
     def topic_state(self, node: str) -> Store:
         """The node's real store, which its log built (see topic_state.py)."""
@@ -1813,9 +1816,10 @@ class ReplicationSimulation(Simulation):
                 self.net_send(node, slave, Close(core.epoch, progress.stream_id, "stalled", False))
                 self.stream_broken(node, core, slave, progress.stream_id)
         store = self.stores[node]
-        if self.params.master_sync != SyncPolicy.SYNC and store.synced_lsn < len(store.log):
+        if self.params.master_sync != SyncPolicy.SYNC:
+            # The OS writes back what the writer left unflushed; the writer tells the core
+            # of no flush under these policies (``MasterSteps.flush_after_send``).
             store.synced_lsn = len(store.log)
-            self.apply_master(node, core, core.on_local_synced(store.synced_lsn))
         if self.params.compaction_p and self.rrng.random() < self.params.compaction_p:
             start = min(core.commit_lsn + 1, len(store.log) + 1)
             if self.rrng.random() < 0.5:

@@ -27,12 +27,16 @@ def _entry(lsn: int, epoch: int) -> replica_pb2.LogEntry:
     )
 
 
-def _steps() -> tuple[MasterSteps[str], Store, list[tuple[str, object]]]:
+def _steps(
+    master_sync: SyncPolicy = SyncPolicy.SYNC,
+) -> tuple[MasterSteps[str], Store, list[tuple[str, object]]]:
     """A master of epoch 2 over a store holding LSNs 1..3 of epoch 1, recording outputs."""
     store = Store.open_memory()
     store.append([_entry(lsn, 1) for lsn in (1, 2, 3)], sync=True)
     core: ReplicationMaster[str] = ReplicationMaster(
-        MasterConfig(node_id="n1", nodes=("n1", "n2"), replica_sync=SyncPolicy.SYNC),
+        MasterConfig(
+            node_id="n1", nodes=("n1", "n2"), master_sync=master_sync, replica_sync=SyncPolicy.SYNC
+        ),
         epoch=2,
         members=("n1", "n2"),
         last_lsn=3,
@@ -237,3 +241,12 @@ def test_only_the_current_stream_ending_calls_for_a_new_one() -> None:
     assert steps.stream_ended("n2", new)
     assert core.progress("n2").stream_id == 0
 
+
+def test_the_writer_flushes_after_sending_only_under_sync_and_a_write_waits_for_its_epoch() -> None:
+    steps, _, _ = _steps()  # SYNC by default
+    assert steps.flush_after_send()
+    # Epoch 2 starts at LSN 4: a duplicate answered from an entry of epoch 1 waits for it.
+    assert steps.core.epoch_start_lsn == 4
+    assert steps.wait_lsn(2) == 4 and steps.wait_lsn(4) == 4 and steps.wait_lsn(7) == 7
+    for policy in (SyncPolicy.WRITE_NO_SYNC, SyncPolicy.NO_SYNC):
+        assert not _steps(policy)[0].flush_after_send()
