@@ -1862,17 +1862,6 @@ class ReplicationSimulation(Simulation):
         if not isinstance(body, Hello | Batch | Heartbeat | Chunk | Close):
             return
         driver = self.driver_of(node)
-        if driver.core.role != CoreRole.SLAVE:
-            if not isinstance(body, Close):
-                reply = Close(
-                    body.epoch,
-                    body.stream,
-                    "inactive",
-                    True,
-                    ((EPOCH_KEY, str(self.durable[node].epoch)),),
-                )
-                self.net_send(node, src, reply)
-            return
         key = (src, body.epoch, body.stream)
         if isinstance(body, Close):
             if rt.stream == key:
