@@ -560,8 +560,8 @@ class Runtime:
     backoff: dict[str, ReconnectBackoff] = field(default_factory=dict)
     """Each slave's reconnection backoff (the shipped ``ReconnectBackoff``) for ``core``."""
     answered: dict[str, tuple[int, int, bool]] = field(default_factory=dict)
-    """Slave -> (epoch, stream, opened) of the last stream whose first message the master
-    read, and whether it answered the Hello (``MasterSteps.hello_answered``)."""
+    """Slave -> (epoch, stream, answered) of the last stream whose first message the
+    master read, and whether it answered the Hello (``MasterSteps.hello_answered``)."""
     stalled: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     """Slave -> (stream, received LSN, since when) while entries are in flight unreceived."""
     steps: dict[int, MasterSteps[int]] = field(default_factory=dict)
@@ -1481,13 +1481,14 @@ class ReplicationSimulation(Simulation):
         self, node: str, core: ReplicationMaster[int], slave: str, stream: int
     ) -> None:
         """A stream is gone (``MasterSteps.stream_ended``); when a new one is due, it opens
-        after the shipped backoff, reset if the slave had answered this one's Hello."""
+        after the shipped backoff. Every end here is a failure (a refusal, the master's
+        cancel, a keepalive break), which ``MasterDriver._run_link`` counts as a stream
+        not opened (``_stream`` says it opened only when the slave ends it cleanly)."""
         if not self.steps_of(node, core).stream_ended(slave, stream):
             return
         rt = self.rt[node]
         backoff = rt.backoff.setdefault(slave, ReconnectBackoff())
-        opened = rt.answered.get(slave) == (core.epoch, stream, True)
-        rt.reconnect_at[slave] = self.now_ms + backoff.after(opened=opened)
+        rt.reconnect_at[slave] = self.now_ms + backoff.after(opened=False)
 
     def core_for(self, node: str, epoch: int) -> ReplicationMaster[int] | None:
         """The master core (live or deposed) of ``epoch`` on this node, if any."""
