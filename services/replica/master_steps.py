@@ -11,8 +11,12 @@ start a snapshot, close a stream, settle completed and failed writes, the commit
 moved, the core was deposed. Actions returned by ``on_sent`` are applied after the
 record that produced them, in order, so no recursion grows with the window.
 
-``MasterDriver`` (``master_driver.py``) is the asyncio shell (streams, reconnection,
-snapshot pumps, ticks, progress sampling); a simulator gives its own outputs.
+The steps also read what a slave's stream says (its answer to the Hello, its acks, a
+refusal naming its epoch, the stream's end) and answer the writer's hand-off (whether a
+flush follows the send, which LSN a write waits for), so every shell asks them rather
+than deciding. ``MasterDriver`` (``master_driver.py``) is the asyncio shell (streams,
+reconnection after ``master_streams.ReconnectBackoff``, snapshot pumps, ticks, progress
+sampling); a simulator gives its own outputs.
 """
 
 from __future__ import annotations

@@ -16,10 +16,11 @@ RECONNECT_BACKOFF_MAX_MS = 1000
 
 class ReconnectBackoff:
     """One slave's reconnection delays for one master epoch: the first wait after a stream
-    ends is ``RECONNECT_BACKOFF_MIN_MS``, and each stream that ends without the slave
-    answering the Hello doubles the next wait, up to ``RECONNECT_BACKOFF_MAX_MS``; a stream
-    the slave answered starts over from the minimum (the slave is back, and failover time
-    depends on reaching it again quickly)."""
+    ends is ``RECONNECT_BACKOFF_MIN_MS``, each stream that ends unopened doubles the next
+    wait, up to ``RECONNECT_BACKOFF_MAX_MS``, and an opened one starts over from the
+    minimum (the slave is back, and failover time depends on reaching it again quickly).
+    The shell says which streams opened: ``MasterDriver._run_link`` counts one whose Hello
+    the slave answered and that then ended without an error (``_stream`` returned)."""
 
     __slots__ = ("_next_ms",)
 
@@ -27,8 +28,8 @@ class ReconnectBackoff:
         self._next_ms = RECONNECT_BACKOFF_MIN_MS
 
     def after(self, *, opened: bool) -> int:
-        """A stream ended (``opened``: the slave had answered its Hello): the milliseconds
-        to wait before opening the next one."""
+        """A stream ended (``opened``: as the class says): the milliseconds to wait
+        before opening the next one."""
         if opened:
             self._next_ms = RECONNECT_BACKOFF_MIN_MS
         delay_ms = self._next_ms

@@ -10,13 +10,18 @@ steps; a sync source's answer is the driver's (``fetch_answer``), sent message b
 as ``FetchServing`` says; a new master's fetch is stepped by the driver (``fetch_step``,
 ``store_fetched``, ``fetch_finished``); snapshot chunks are installed and slaves' batches
 written by the driver's store steps (``install_snapshot``, ``write_batch``); the master
-role is held by ``hold_master`` and its epoch start planned by the writer's planning. What
-this module carries itself is what the asyncio shells carry around those calls, over its
-own network and clock: messages and their faults, streams and their reconnection,
-keepalive and stall detection (``MasterDriver``'s part), the store's delays, timers,
-the catch-up's retry and timeout (the shell bounds each message of the fetch instead),
-when masters compact (a fault: lagging slaves get snapshots), and the checker's view of
-every log. Clients write to whichever node they
+role is held by ``hold_master`` and its epoch start planned by the writer's planning;
+what a slave's stream says to its master is read by ``MasterSteps`` (``hello_answered``,
+``received``, ``refused``, ``stream_ended``), the reconnection delay is the shipped
+``ReconnectBackoff`` (``services/replica/master_streams.py``) and the writer's hand-off
+asks ``MasterSteps`` (``flush_after_send``, ``wait_lsn``). What this module carries
+itself is the mechanics the asyncio shells and gRPC provide around those calls, over its
+own network and clock: messages and their faults, the streams themselves (their identity,
+which message is a stream's first, sending and closing), timers, keepalive and stall
+detection (what gRPC's keepalive does for the service), the store's delays, the
+catch-up's retry and timeout (the shell bounds each message of the fetch instead), when
+masters compact (a fault: lagging slaves get snapshots), and the checker's view of every
+log. Clients write to whichever node they
 believe is master. One seed decides everything; the only randomness is
 ``random.Random`` seeded from it.
 
@@ -63,18 +68,25 @@ What is modelled
   (``services/replica/master_steps.py``) applies every ``Actions`` record in its
   documented order and builds each granted batch (from its tail cache, or the store's
   log); this module gives its outputs (the part ``MasterDriver`` does with streams and
-  tasks). The simulator's shell reconnects broken streams after a short backoff, closes
-  streams silent for four heartbeat intervals (gRPC keepalive) or whose in-flight entries
-  stop being received for as long (see Network), and sometimes compacts the master's log
-  (so lagging slaves get snapshots). A reissued MASTER command of the same epoch renews
-  the group (the core's ``RenewMembers``) or joins the attempt under way. Deposed masters
+  tasks). A slave's messages reach the master as ``MasterDriver._stream`` reads them: the
+  stream's first through ``MasterSteps.hello_answered`` (a Position opens it; anything
+  else ends it unopened), later ones through ``received`` (acks), a slave's Close through
+  ``refused`` (the epoch its metadata names may depose the master) and every end through
+  ``stream_ended``; a new stream follows after ``ReconnectBackoff``'s delay. The
+  simulator's shell closes streams silent for four heartbeat intervals (gRPC's keepalive
+  does this for the service, so it is no decision of ``MasterDriver``) or whose in-flight
+  entries stop being received for as long (only this network loses them, see Network),
+  and sometimes compacts the master's log (so lagging slaves get snapshots). A reissued
+  MASTER command of the same epoch renews the group (the core's ``RenewMembers``) or
+  joins the attempt under way. Deposed masters
   are kept, as the real driver's late stream input would reach them, so late acks still
   arrive and must not move their commit LSN.
 * **Slave.** Hello, batches, heartbeats and snapshot chunks go to the node's
   ``ReplicaDriver`` (``hello``, ``batch`` then its ``write_batch`` store steps,
   ``heartbeat``, ``snapshot_chunk`` then its ``install_snapshot`` steps) in the order
-  ``SlaveSide`` applies them; a refusal closes the stream (a ``Close`` to the master,
-  carrying the slave's epoch, which reconnects, and for a newer epoch steps down). Slaves
+  ``SlaveSide`` applies them (a Hello to a replica that is not a slave is refused by
+  ``hello`` too); a refusal closes the stream (a ``Close`` to the master carrying the
+  refusal's status and trailing metadata, the slave's epoch, as gRPC carries them). Slaves
   compact their logs beyond a per-seed retention in seeds where masters compact.
 * **Network.** Replication messages share the election's faulty network: partitions,
   pauses, delay, loss, duplication (of catch-up and client messages: a stream's message
@@ -118,7 +130,8 @@ last flush and is reopened); a loss of unflushed entries degrades the seed unles
 replicas flush every write too, where it is a failure. Half the seeds' stores truncate a
 divergent log by rebuilding it from their own log (``rebuild.rebuild_into``), the others
 cannot (``truncate_by_snapshot``: a divergent slave gets a snapshot). Such a master
-sends each batch before its flush, as ``Writer._commit`` does, and the flush ends up
+sends each batch before its flush, as ``Writer._commit`` does
+(``MasterSteps.flush_after_send`` says a flush follows), and the flush ends up
 to a store delay later (``master_flush``), so slaves' acks can come back before it and a
 crash (with the machine's loss of what was not flushed) can fall in between; in three
 seeds of four (its own generator) a flush fails after sending with a per-flush chance of
@@ -131,11 +144,14 @@ never retried; the topic workload above is deduplicated); one command per writer
 no operator controls (quorum override, designated primary); no slow disk, and no failing
 one beyond the master's flush above.
 What this module still carries of the shells, beside the network (issue 15): the
-streams, reconnection, keepalive and stall detection of ``MasterDriver``
-(``open_stream``, ``stream_broken``, ``master_tick``); the loops that carry the driver's
-steps out (``serve_catchup``, ``on_catchup_reply``, ``batch_steps``, ``apply_role``), each
-a few lines of plumbing around shipped decisions; the writer's hand-off of a stored
-entry to the steps (``master_store``, as ``Writer._commit``: send before the flush);
+streams' mechanics (``open_stream``, ``stream_broken``, ``master_receive``: which stream a
+message belongs to and whether it is its first, the reconnect timer; each decision in
+them is the shipped steps' or backoff's); keepalive and stall detection in
+``master_tick`` (gRPC's keepalive in the service; no shipped code decides it); the loops
+that carry the driver's steps out (``serve_catchup``, ``on_catchup_reply``,
+``batch_steps``, ``apply_role``), each a few lines of plumbing around shipped decisions;
+the writer's queue around its hand-off (``master_store``, ``master_flush``: one write per
+entry, the flush's delay and failure as faults; the calls are ``Writer._commit``'s);
 and the truncation of a divergent log (``truncate``: the shipped ``Truncation`` rebuilds
 an LMDB store through ``LmdbTruncator`` and refuses on the memory twin, so this module
 rebuilds the memory store with the shipped ``rebuild_into`` and hands it to the driver's

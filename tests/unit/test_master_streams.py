@@ -10,12 +10,12 @@ from squall_server.replica.master_streams import (
 )
 
 
-def test_unanswered_streams_double_the_wait_up_to_the_bound_and_an_answered_one_resets_it() -> None:
+def test_unopened_streams_double_the_wait_up_to_the_bound_and_an_opened_one_resets_it() -> None:
     backoff = ReconnectBackoff()
     waits = [backoff.after(opened=False) for _ in range(8)]
     assert waits == [50, 100, 200, 400, 800, 1000, 1000, 1000]
     assert (RECONNECT_BACKOFF_MIN_MS, RECONNECT_BACKOFF_MAX_MS) == (50, 1000)
-    # The slave answered the last stream's Hello: it is back, so the next try is quick.
+    # The last stream opened: the slave is back, so the next try is quick.
     assert backoff.after(opened=True) == 50
     assert backoff.after(opened=False) == 100
     assert backoff.after(opened=True) == 50
