@@ -5,11 +5,10 @@ bidirectional ``Replication.Replicate`` stream per member slave (through the inj
 ``ReplicaTransport``: gRPC in the service, in process in the tests), reconnecting with
 bounded backoff (``master_streams.ReconnectBackoff``) while this node is master, feeds
 the core every input (local appends, client writes, Positions, acks, broken streams,
-ticks) and has
-the synchronous ``MasterSteps`` (``master_steps.py``) apply each ``Actions`` record in
-the order ``replication.Actions`` documents: rejection, sends (build the batch,
-``on_sent``, queue it on the stream), snapshots, heartbeats, completed writes, failed
-writes, deposition, log lines; the steps also read each slave's messages
+ticks) and has the synchronous ``MasterSteps`` (``master_steps.py``) apply each
+``Actions`` record in the order ``replication.Actions`` documents: rejection, sends
+(build the batch, ``on_sent``, queue it on the stream), snapshots, heartbeats, completed
+writes, failed writes, deposition, log lines; the steps also read each slave's messages
 (``hello_answered``, ``received``, ``refused``, ``stream_ended``). This shell carries out
 the steps' outputs: the streams' queues, snapshot tasks, the writes' futures.
 
