@@ -3,13 +3,14 @@
 One ``MasterDriver`` lives for one master epoch (as its core does). It opens one
 bidirectional ``Replication.Replicate`` stream per member slave (through the injected
 ``ReplicaTransport``: gRPC in the service, in process in the tests), reconnecting with
-bounded backoff while this node is master, feeds the core every
-input (local appends, client writes, Positions, acks, broken streams, ticks) and has
-the synchronous ``MasterSteps`` (``master_steps.py``) apply each ``Actions`` record in
-the order ``replication.Actions`` documents: rejection, sends (build the batch,
-``on_sent``, queue it on the stream), snapshots, heartbeats, completed writes, failed
-writes, deposition, log lines. This shell carries out the steps' outputs: the streams'
-queues, snapshot tasks, the writes' futures.
+bounded backoff (``master_streams.ReconnectBackoff``) while this node is master, feeds
+the core every input (local appends, client writes, Positions, acks, broken streams,
+ticks) and has the synchronous ``MasterSteps`` (``master_steps.py``) apply each
+``Actions`` record in the order ``replication.Actions`` documents: rejection, sends
+(build the batch, ``on_sent``, queue it on the stream), snapshots, heartbeats, completed
+writes, failed writes, deposition, log lines; the steps also read each slave's messages
+(``hello_answered``, ``received``, ``refused``, ``stream_ended``). This shell carries out
+the steps' outputs: the streams' queues, snapshot tasks, the writes' futures.
 
 Everything runs on the node's event loop: inputs are applied one at a time. A stream's
 outgoing messages go through its own queue and writer task, so applying an Actions
@@ -48,8 +49,8 @@ from squall_server.common.config import ClusterConfig, NodeConfig
 from squall_server.common.errors import Code, ServiceError
 from squall_server.common.telemetry import Telemetry, current
 from squall_server.replica.commands import Planned
-from squall_server.replica.core import EPOCH_KEY
 from squall_server.replica.master_steps import MasterOutputs, MasterSteps, durable_lsn
+from squall_server.replica.master_streams import ReconnectBackoff
 from squall_server.replica.replication import ReplicationMaster, SlaveProgress
 from squall_server.replica.snapshot_pump import pump_snapshot
 from squall_server.replica.store import Store, StoreError
@@ -58,9 +59,6 @@ from squall_server.replica.transport import ReplicaCallError, ReplicateCall, Rep
 
 log = logging.getLogger("squall.replica")
 
-# Reconnect backoff to a slave: fast at first (failover time depends on it), bounded.
-_BACKOFF_MIN_S = 0.05
-_BACKOFF_MAX_S = 1.0
 # Progress samples for the catch-up rate: one every _RATE_SAMPLE_S, the last
 # _RATE_SAMPLES kept (a window of about 5 s).
 _RATE_SAMPLE_S = 0.5
@@ -416,38 +414,18 @@ class MasterDriver:
 
     async def _run_link(self, link: _Link) -> None:
         """Keeps one stream open to a slave while this master is not deposed."""
-        backoff_s = _BACKOFF_MIN_S
+        backoff = ReconnectBackoff()
         while not self.core.deposed:
             opened = False
             try:
                 opened = await self._stream(link)
             except ReplicaCallError as exc:
-                self._refused(link, exc)
+                self.steps.refused(link.node.id, exc.status, exc.details, exc.metadata)
             except asyncio.CancelledError:
                 if not link.close_reason:
                     raise
                 link.close_reason = ""
-            if opened:
-                backoff_s = _BACKOFF_MIN_S
-            await asyncio.sleep(backoff_s)
-            backoff_s = min(backoff_s * 2, _BACKOFF_MAX_S)
-
-    def _refused(self, link: _Link, exc: ReplicaCallError) -> None:
-        for key, value in exc.metadata:
-            if key == EPOCH_KEY and value.isdigit():
-                self.steps.apply(self.core.observe_epoch(int(value)))
-        if self.core.deposed:
-            return
-        level = logging.DEBUG if exc.status in ("UNAVAILABLE", "CANCELLED") else logging.WARNING
-        log.log(
-            level,
-            "replica %s (master, epoch %d): stream to %s ended: %s: %s",
-            self.node.id,
-            self.core.epoch,
-            link.node.id,
-            exc.status,
-            exc.details,
-        )
+            await asyncio.sleep(backoff.after(opened=opened) / 1000)
 
     async def _stream(self, link: _Link) -> bool:
         """One stream's life; True once the slave answered the Hello."""
@@ -471,55 +449,24 @@ class MasterDriver:
             first = await call.read()
             if first is None:
                 return False  # the slave closed the stream
-            if first.WhichOneof("body") != "position":
-                log.warning(
-                    "replica %s: node %s answered the Hello without a Position",
-                    self.node.id,
-                    link.node.id,
-                )
+            if not self.steps.hello_answered(link.node.id, stream_id, first):
                 return False
-            position = first.position
             opened = True
-            log.info(
-                "replica %s (master, epoch %d): stream to %s open; it holds epoch %d LSN %d",
-                self.node.id,
-                self.core.epoch,
-                link.node.id,
-                position.last_epoch,
-                position.last_lsn,
-            )
+            # It starts at the next await: the grants for the Position are queued by then.
             writer = asyncio.create_task(self._pump(link, call))
-            self.steps.apply(
-                self.core.on_position(
-                    link.node.id,
-                    stream_id,
-                    last_epoch=position.last_epoch,
-                    last_lsn=position.last_lsn,
-                    history=position.history,
-                    log_start_lsn=position.log_start_lsn or 1,
-                )
-            )
+            spans = self._spans
             while not self.core.deposed:
                 message = await call.read()
                 if message is None:
                     break  # the slave closed the stream
-                if message.WhichOneof("body") == "ack":
+                if spans is not None and message.WhichOneof("body") == "ack":
                     ack = message.ack
-                    if self._spans is not None:
-                        self._spans.acked(
-                            link.node.id,
-                            ack.received_lsn,
-                            durable_lsn(self.core.config.replica_sync, ack),
-                        )
-                    self.steps.apply(
-                        self.core.on_ack(
-                            link.node.id,
-                            stream_id,
-                            received_lsn=ack.received_lsn,
-                            written_lsn=ack.written_lsn,
-                            synced_lsn=ack.synced_lsn,
-                        )
+                    spans.acked(
+                        link.node.id,
+                        ack.received_lsn,
+                        durable_lsn(self.core.config.replica_sync, ack),
                     )
+                self.steps.received(link.node.id, stream_id, message)
             return opened
         finally:
             snapshot = link.snapshot_task
@@ -537,8 +484,7 @@ class MasterDriver:
                 self._spans.closed(link.node.id, link.close_reason or "stream ended")
             if link.stream_id == stream_id:
                 link.stream_id = 0
-                if not self.core.deposed:
-                    self.steps.apply(self.core.disconnected(link.node.id, stream_id))
+                self.steps.stream_ended(link.node.id, stream_id)
 
     async def _pump(
         self,

@@ -11,19 +11,24 @@ start a snapshot, close a stream, settle completed and failed writes, the commit
 moved, the core was deposed. Actions returned by ``on_sent`` are applied after the
 record that produced them, in order, so no recursion grows with the window.
 
-``MasterDriver`` (``master_driver.py``) is the asyncio shell (streams, reconnection,
-snapshot pumps, ticks, progress sampling); a simulator gives its own outputs.
+The steps also read what a slave's stream says (its answer to the Hello, its acks, a
+refusal naming its epoch, the stream's end) and answer the writer's hand-off (whether a
+flush follows the send, which LSN a write waits for), so every shell asks them rather
+than deciding. ``MasterDriver`` (``master_driver.py``) is the asyncio shell (streams,
+reconnection after ``master_streams.ReconnectBackoff``, snapshot pumps, ticks, progress
+sampling); a simulator gives its own outputs.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from squall.v1 import common_pb2, replica_pb2
+from squall_server.replica.core import EPOCH_KEY
 from squall_server.replica.replication import (
     Actions,
     RejectCode,
@@ -138,6 +143,104 @@ class MasterSteps(Generic[W]):
         are uncommitted (the commit needs the master's own flush under ``SYNC``), so the
         next master keeps or truncates them by the epoch rules."""
         self.apply(self.core.depose(f"local store flush failed after sending: {reason}"))
+
+    def flush_after_send(self) -> bool:
+        """Whether the writer flushes each appended batch once it went to the slaves (and
+        then reports ``synced`` or ``sync_failed``): under the ``SYNC`` master policy
+        only; otherwise the master counts its entries as appended."""
+        return self.core.config.master_sync == SyncPolicy.SYNC
+
+    def wait_lsn(self, lsn: int) -> int:
+        """The LSN a client write planned at lsn waits for: its entry's, or this epoch's
+        start for a duplicate answered from an earlier epoch's entry (an earlier epoch's
+        entry counts as committed only once this epoch's start commits)."""
+        return max(lsn, self.core.epoch_start_lsn)
+
+    # --- inputs from a slave's stream
+
+    def hello_answered(
+        self, node_id: str, stream_id: int, answer: replica_pb2.ReplicateResponse
+    ) -> bool:
+        """The slave's first message on stream_id: a Position opens the stream (the core
+        hears where the slave's log ends and grants what it lacks; True); anything else
+        leaves it unopened (False: the shell ends it)."""
+        if answer.WhichOneof("body") != "position":
+            log.warning(
+                "replica %s: node %s answered the Hello without a Position", self.node_id, node_id
+            )
+            return False
+        position = answer.position
+        log.info(
+            "replica %s (master, epoch %d): stream to %s open; it holds epoch %d LSN %d",
+            self.node_id,
+            self.core.epoch,
+            node_id,
+            position.last_epoch,
+            position.last_lsn,
+        )
+        self.apply(
+            self.core.on_position(
+                node_id,
+                stream_id,
+                last_epoch=position.last_epoch,
+                last_lsn=position.last_lsn,
+                history=position.history,
+                log_start_lsn=position.log_start_lsn or 1,
+            )
+        )
+        return True
+
+    def received(
+        self, node_id: str, stream_id: int, message: replica_pb2.ReplicateResponse
+    ) -> None:
+        """A later message on an open stream: an ack moves the slave's progress; nothing
+        else is an input once the stream is open."""
+        if message.WhichOneof("body") == "ack":
+            ack = message.ack
+            self.apply(
+                self.core.on_ack(
+                    node_id,
+                    stream_id,
+                    received_lsn=ack.received_lsn,
+                    written_lsn=ack.written_lsn,
+                    synced_lsn=ack.synced_lsn,
+                )
+            )
+
+    def refused(
+        self, node_id: str, status: str, details: str, metadata: Iterable[tuple[str, str]]
+    ) -> bool:
+        """The slave ended the stream with a refusal (its status, message and trailing
+        metadata): every epoch it names (``core.EPOCH_KEY``) is observed, so a newer one
+        deposes this master. True while this master still serves (the shell reconnects
+        after its backoff); the end itself is ``stream_ended``."""
+        for key, value in metadata:
+            if key == EPOCH_KEY and value.isdigit():
+                self.apply(self.core.observe_epoch(int(value)))
+        if self.core.deposed:
+            return False
+        # An unavailable or cancelled slave is routine (it restarts, its role moves).
+        level = logging.DEBUG if status in ("UNAVAILABLE", "CANCELLED") else logging.WARNING
+        log.log(
+            level,
+            "replica %s (master, epoch %d): stream to %s ended: %s: %s",
+            self.node_id,
+            self.core.epoch,
+            node_id,
+            status,
+            details,
+        )
+        return True
+
+    def stream_ended(self, node_id: str, stream_id: int) -> bool:
+        """Stream stream_id to node_id is gone (closed by either side, refused or broken);
+        what the slave acknowledged keeps counting. True when it was the slave's current
+        stream and this master still serves: a new stream is due after the backoff."""
+        if self.core.deposed:
+            return False
+        actions = self.core.disconnected(node_id, stream_id)
+        self.apply(actions)
+        return actions.rejection is None and not self.core.deposed
 
     # --- applying Actions, in the documented order
 

@@ -208,7 +208,6 @@ class Writer(CoreView):
         planned = [(live[index], plan) for index, plan, _ in planning.planned]
         lsns = [lsn for _, _, lsn in planning.planned]
         entries = planning.entries
-        sync = self.config.durability.master_sync == common_pb2.SYNC_POLICY_SYNC
         if entries:
             commit_lsn = self.gate.commit_lsn
             try:
@@ -250,14 +249,14 @@ class Writer(CoreView):
                 ]
             )
         driver.appended(entries, synced=False)
-        floor = driver.core.epoch_start_lsn
+        steps = driver.steps
         driver.register(
             [
-                Waiting(pending.future, plan, max(lsn, floor))
+                Waiting(pending.future, plan, steps.wait_lsn(lsn))
                 for (pending, plan), lsn in zip(planned, lsns, strict=True)
             ]
         )
-        if sync and entries:
+        if entries and steps.flush_after_send():
             await self._flush(driver, entries[-1].lsn)
         retention = self.config.limits.log_retention_entries
         # Never above the commit LSN: a restart hides what is above it by reading the log.

@@ -10,13 +10,18 @@ steps; a sync source's answer is the driver's (``fetch_answer``), sent message b
 as ``FetchServing`` says; a new master's fetch is stepped by the driver (``fetch_step``,
 ``store_fetched``, ``fetch_finished``); snapshot chunks are installed and slaves' batches
 written by the driver's store steps (``install_snapshot``, ``write_batch``); the master
-role is held by ``hold_master`` and its epoch start planned by the writer's planning. What
-this module carries itself is what the asyncio shells carry around those calls, over its
-own network and clock: messages and their faults, streams and their reconnection,
-keepalive and stall detection (``MasterDriver``'s part), the store's delays, timers,
-the catch-up's retry and timeout (the shell bounds each message of the fetch instead),
-when masters compact (a fault: lagging slaves get snapshots), and the checker's view of
-every log. Clients write to whichever node they
+role is held by ``hold_master`` and its epoch start planned by the writer's planning;
+what a slave's stream says to its master is read by ``MasterSteps`` (``hello_answered``,
+``received``, ``refused``, ``stream_ended``), the reconnection delay is the shipped
+``ReconnectBackoff`` (``services/replica/master_streams.py``) and the writer's hand-off
+asks ``MasterSteps`` (``flush_after_send``, ``wait_lsn``). What this module carries
+itself is the mechanics the asyncio shells and gRPC provide around those calls, over its
+own network and clock: messages and their faults, the streams themselves (their identity,
+which message is a stream's first, sending and closing), timers, keepalive and stall
+detection (what gRPC's keepalive does for the service), the store's delays, the
+catch-up's retry and timeout (the shell bounds each message of the fetch instead), when
+masters compact (a fault: lagging slaves get snapshots), and the checker's view of every
+log. Clients write to whichever node they
 believe is master. One seed decides everything; the only randomness is
 ``random.Random`` seeded from it.
 
@@ -63,24 +68,33 @@ What is modelled
   (``services/replica/master_steps.py``) applies every ``Actions`` record in its
   documented order and builds each granted batch (from its tail cache, or the store's
   log); this module gives its outputs (the part ``MasterDriver`` does with streams and
-  tasks). The simulator's shell reconnects broken streams after a short backoff, closes
-  streams silent for four heartbeat intervals (gRPC keepalive) or whose in-flight entries
-  stop being received for as long (see Network), and sometimes compacts the master's log
-  (so lagging slaves get snapshots). A reissued MASTER command of the same epoch renews
-  the group (the core's ``RenewMembers``) or joins the attempt under way. Deposed masters
+  tasks). A slave's messages reach the master as ``MasterDriver._stream`` reads them: the
+  stream's first through ``MasterSteps.hello_answered`` (a Position opens it; anything
+  else ends it unopened), later ones through ``received`` (acks), a slave's Close through
+  ``refused`` (the epoch its metadata names may depose the master) and every end through
+  ``stream_ended``; a new stream follows after ``ReconnectBackoff``'s delay. The
+  simulator's shell closes streams silent for four heartbeat intervals (gRPC's keepalive
+  does this for the service, so it is no decision of ``MasterDriver``) or whose in-flight
+  entries stop being received for as long (only this network loses them, see Network),
+  and sometimes compacts the master's log (so lagging slaves get snapshots). A reissued
+  MASTER command of the same epoch renews the group (the core's ``RenewMembers``) or
+  joins the attempt under way. Deposed masters
   are kept, as the real driver's late stream input would reach them, so late acks still
   arrive and must not move their commit LSN.
 * **Slave.** Hello, batches, heartbeats and snapshot chunks go to the node's
   ``ReplicaDriver`` (``hello``, ``batch`` then its ``write_batch`` store steps,
   ``heartbeat``, ``snapshot_chunk`` then its ``install_snapshot`` steps) in the order
-  ``SlaveSide`` applies them; a refusal closes the stream (a ``Close`` to the master,
-  carrying the slave's epoch, which reconnects, and for a newer epoch steps down). Slaves
+  ``SlaveSide`` applies them (a Hello to a replica that is not a slave is refused by
+  ``hello`` too); a refusal closes the stream (a ``Close`` to the master carrying the
+  refusal's status and trailing metadata, the slave's epoch, as gRPC carries them). Slaves
   compact their logs beyond a per-seed retention in seeds where masters compact.
 * **Network.** Replication messages share the election's faulty network: partitions,
-  pauses, delay, loss, duplication and, when the seed says so, reordering (otherwise each
-  link is FIFO). That is harsher than gRPC, whose stream never drops or reorders a message
-  and carries on: here a gap reaches the Follower's checks (which refuse it and close the
-  stream), and a lost tail is noticed by the master's driver as a stall. A gRPC stream is
+  pauses, delay, loss, duplication (of catch-up and client messages: a stream's message
+  is never delivered twice, as gRPC guarantees and the drivers rely on) and, when the
+  seed says so, reordering (otherwise each link is FIFO). That is harsher than gRPC,
+  whose stream never drops or reorders a message and carries on: here a gap reaches the
+  Follower's checks (which refuse it and close the stream), and a lost tail is noticed
+  by the simulator's stall check (see Master). A gRPC stream is
   identified by (master, epoch, stream id); a slave drops input of a stream other than
   its current one (as gRPC would after the stream closed) and answers it with a
   ``Close``. After healing the links are FIFO without loss or duplication, as TCP gives.
@@ -116,7 +130,8 @@ last flush and is reopened); a loss of unflushed entries degrades the seed unles
 replicas flush every write too, where it is a failure. Half the seeds' stores truncate a
 divergent log by rebuilding it from their own log (``rebuild.rebuild_into``), the others
 cannot (``truncate_by_snapshot``: a divergent slave gets a snapshot). Such a master
-sends each batch before its flush, as ``Writer._commit`` does, and the flush ends up
+sends each batch before its flush, as ``Writer._commit`` does
+(``MasterSteps.flush_after_send`` says a flush follows), and the flush ends up
 to a store delay later (``master_flush``), so slaves' acks can come back before it and a
 crash (with the machine's loss of what was not flushed) can fall in between; in three
 seeds of four (its own generator) a flush fails after sending with a per-flush chance of
@@ -129,11 +144,14 @@ never retried; the topic workload above is deduplicated); one command per writer
 no operator controls (quorum override, designated primary); no slow disk, and no failing
 one beyond the master's flush above.
 What this module still carries of the shells, beside the network (issue 15): the
-streams, reconnection, keepalive and stall detection of ``MasterDriver``
-(``open_stream``, ``stream_broken``, ``master_tick``); the loops that carry the driver's
-steps out (``serve_catchup``, ``on_catchup_reply``, ``batch_steps``, ``apply_role``), each
-a few lines of plumbing around shipped decisions; the writer's hand-off of a stored
-entry to the steps (``master_store``, as ``Writer._commit``: send before the flush);
+streams' mechanics (``open_stream``, ``stream_broken``, ``master_receive``: which stream a
+message belongs to and whether it is its first, the reconnect timer; each decision in
+them is the shipped steps' or backoff's); keepalive and stall detection in
+``master_tick`` (gRPC's keepalive in the service; no shipped code decides it); the loops
+that carry the driver's steps out (``serve_catchup``, ``on_catchup_reply``,
+``batch_steps``, ``apply_role``), each a few lines of plumbing around shipped decisions;
+the writer's queue around its hand-off (``master_store``, ``master_flush``: one write per
+entry, the flush's delay and failure as faults; the calls are ``Writer._commit``'s);
 and the truncation of a divergent log (``truncate``: the shipped ``Truncation`` rebuilds
 an LMDB store through ``LmdbTruncator`` and refuses on the memory twin, so this module
 rebuilds the memory store with the shipped ``rebuild_into`` and hands it to the driver's
@@ -212,6 +230,7 @@ from squall_server.replica.follower import (
     FollowerConfig,
 )
 from squall_server.replica.master_steps import MasterOutputs, MasterSteps
+from squall_server.replica.master_streams import ReconnectBackoff
 from squall_server.replica.rebuild import rebuild_into
 from squall_server.replica.replication import (
     AckPolicy,
@@ -308,12 +327,13 @@ class Hello:
 
 
 @dataclass(frozen=True, slots=True)
-class PositionMsg:
-    """Slave -> master: the answer to a Hello."""
+class Answer:
+    """Slave -> master: one message of the stream as ``serve_replicate`` yields it (the
+    Position answering the Hello, then acks)."""
 
     epoch: int
     stream: int
-    position: replica_pb2.ReplicationPosition
+    response: replica_pb2.ReplicateResponse
 
 
 @dataclass(frozen=True, slots=True)
@@ -349,23 +369,15 @@ class Chunk:
 
 
 @dataclass(frozen=True, slots=True)
-class AckMsg:
-    """Slave -> master: received / written / synced LSNs."""
-
-    epoch: int
-    stream: int
-    ack: replica_pb2.ReplicationAck
-
-
-@dataclass(frozen=True, slots=True)
 class Close:
-    """Either way: the stream is closed (why, and the closer's epoch when it is a slave)."""
+    """Either way: the stream is closed (why; from a slave, its refusal's status name and
+    trailing metadata, which carries its epoch)."""
 
     epoch: int
     stream: int
     reason: str
     to_master: bool
-    slave_epoch: int = 0
+    metadata: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -412,17 +424,21 @@ class ClientReply:
 
 Body = (
     Hello
-    | PositionMsg
+    | Answer
     | Batch
     | Heartbeat
     | Chunk
-    | AckMsg
     | Close
     | CatchUpRequest
     | CatchUpReply
     | ClientWrite
     | ClientReply
 )
+
+
+# The messages of a replication stream (``Replicate``): lost or reordered here, never
+# duplicated.
+STREAM_MESSAGES = (Hello, Answer, Batch, Heartbeat, Chunk, Close)
 
 
 @dataclass(frozen=True, slots=True)
@@ -441,11 +457,11 @@ def describe(body: Body) -> str:
         span = f"{body.entries[0].lsn}..{body.entries[-1].lsn}" if body.entries else "-"
         cut = f" truncate>{body.truncate_after_lsn}" if body.truncate_after_lsn is not None else ""
         return f"Batch e{body.epoch} s{body.stream} {span} commit={body.commit_lsn}{cut}"
-    if isinstance(body, AckMsg):
-        a = body.ack
+    if isinstance(body, Answer) and body.response.WhichOneof("body") == "ack":
+        a = body.response.ack
         return f"Ack e{body.epoch} s{body.stream} {a.received_lsn}/{a.written_lsn}/{a.synced_lsn}"
-    if isinstance(body, PositionMsg):
-        p = body.position
+    if isinstance(body, Answer):
+        p = body.response.position
         return (
             f"Position e{body.epoch} s{body.stream} log={p.last_epoch}/{p.last_lsn} "
             f"start={p.log_start_lsn}"
@@ -454,7 +470,8 @@ def describe(body: Body) -> str:
         c = body.chunk
         return f"Chunk e{body.epoch} s{body.stream} #{c.index} at={c.snapshot_lsn}"
     if isinstance(body, Close):
-        return f"Close e{body.epoch} s{body.stream} {body.reason} slave_epoch={body.slave_epoch}"
+        said = " ".join(f"{k}={v}" for k, v in body.metadata)
+        return f"Close e{body.epoch} s{body.stream} {body.reason} {said}".rstrip()
     if isinstance(body, Hello | Heartbeat):
         return f"{name} e{body.epoch} s{body.stream}"
     if isinstance(body, CatchUpReply):
@@ -556,6 +573,11 @@ class Runtime:
     catchup: CatchUp | None = None
     last_heard: dict[str, int] = field(default_factory=dict)
     reconnect_at: dict[str, int] = field(default_factory=dict)
+    backoff: dict[str, ReconnectBackoff] = field(default_factory=dict)
+    """Each slave's reconnection backoff (the shipped ``ReconnectBackoff``) for ``core``."""
+    answered: dict[str, tuple[int, int, bool]] = field(default_factory=dict)
+    """Slave -> (epoch, stream, answered) of the last stream whose first message the
+    master read, and whether it answered the Hello (``MasterSteps.hello_answered``)."""
     stalled: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     """Slave -> (stream, received LSN, since when) while entries are in flight unreceived."""
     steps: dict[int, MasterSteps[int]] = field(default_factory=dict)
@@ -845,6 +867,10 @@ class ReplicationSimulation(Simulation):
         if self.repl_loss and rng.random() < self.repl_loss:
             return
         copies = 2 if self.repl_dup and rng.random() < self.repl_dup else 1
+        if isinstance(body, STREAM_MESSAGES):
+            # A gRPC stream delivers each message once, which the drivers rely on (a
+            # truncating batch delivered twice would cut what the slave acknowledged).
+            copies = 1
         for _ in range(copies):
             at = self.now_ms + rng.randint(0, self.delay_max_ms)
             if self.long_delay_p and rng.random() < self.long_delay_p:
@@ -1079,6 +1105,9 @@ class ReplicationSimulation(Simulation):
         serve."""
         rt = self.rt[node]
         rt.taking = take.epoch
+        # A snapshot install its last stream cut short left the store empty: the fetch
+        # starts from that, and so does the checker's view.
+        self.reconcile(node)
         try:
             self.driver_of(node).take_master_persist(persist, take.members)
         except ServiceError as exc:
@@ -1120,6 +1149,7 @@ class ReplicationSimulation(Simulation):
         for gone in set(core.members) - set(members):
             rt.last_heard.pop(gone, None)
             rt.reconnect_at.pop(gone, None)
+            rt.backoff.pop(gone, None)
         try:
             actions = core.set_members(list(members))
         except ReplicationError as exc:
@@ -1144,6 +1174,7 @@ class ReplicationSimulation(Simulation):
         rt.gen += 1  # store completions already scheduled belong to the old role
         rt.last_heard.clear()
         rt.reconnect_at.clear()
+        rt.backoff.clear()
         rt.stalled.clear()
         while rt.writes:  # the node waits for the batch being written
             self.finish_write(node, send_ack=False)
@@ -1383,6 +1414,7 @@ class ReplicationSimulation(Simulation):
             return
         rt.core = core
         rt.zombie = None
+        rt.backoff.clear()
         self.rchecker.master_started(node, rt.epoch, core.commit_lsn)
         self.note(f"{node} serving", f"master of epoch {rt.epoch}, log ends at {len(store.log)}")
         for slave in core.members:
@@ -1419,8 +1451,9 @@ class ReplicationSimulation(Simulation):
         driver.batch_appended(entry.lsn, core.commit_lsn)
         self.append_log(node, (entry,))
         self.master_report(node, core)
-        self.steps_of(node, core).appended((entry,), synced=False)
-        if self.params.master_sync != SyncPolicy.SYNC or core.deposed:
+        steps = self.steps_of(node, core)
+        steps.appended((entry,), synced=False)
+        if not steps.flush_after_send() or core.deposed:
             return
         # The flush runs on the store thread while the batch is out, and ends a store
         # delay later: acks may come back before it, a crash may fall in between.
@@ -1463,11 +1496,15 @@ class ReplicationSimulation(Simulation):
     def stream_broken(
         self, node: str, core: ReplicationMaster[int], slave: str, stream: int
     ) -> None:
-        """Tell the core a stream is gone; reconnect after a short backoff."""
-        actions = core.disconnected(slave, stream)
-        self.apply_master(node, core, actions)
-        if actions.rejection is None and not core.deposed:
-            self.rt[node].reconnect_at[slave] = self.now_ms + self.rrng.randint(5, 30)
+        """A stream is gone (``MasterSteps.stream_ended``); when a new one is due, it opens
+        after the shipped backoff. Every end here is a failure (a refusal, the master's
+        cancel, a keepalive break), which ``MasterDriver._run_link`` counts as a stream
+        not opened (``_stream`` says it opened only when the slave ends it cleanly)."""
+        if not self.steps_of(node, core).stream_ended(slave, stream):
+            return
+        rt = self.rt[node]
+        backoff = rt.backoff.setdefault(slave, ReconnectBackoff())
+        rt.reconnect_at[slave] = self.now_ms + backoff.after(opened=False)
 
     def core_for(self, node: str, epoch: int) -> ReplicationMaster[int] | None:
         """The master core (live or deposed) of ``epoch`` on this node, if any."""
@@ -1654,40 +1691,37 @@ class ReplicationSimulation(Simulation):
                 Chunk(core.epoch, progress.stream_id, chunk, ghost if chunk.last else ()),
             )
 
-    def master_receive(self, node: str, src: str, body: PositionMsg | AckMsg | Close) -> None:
-        """Input from a slave's stream, for the master core of its epoch."""
+    def master_receive(self, node: str, src: str, body: Answer | Close) -> None:
+        """Input from a slave's stream, for the master core of its epoch, through the
+        shipped steps as ``MasterDriver._stream`` reads it: the stream's first message
+        must answer the Hello (``hello_answered``), later ones go to ``received``; a
+        slave's Close is its refusal (``refused``: the epoch it names may depose us)."""
         core = self.core_for(node, body.epoch)
         if core is None:
             return
         rt = self.rt[node]
         if core is rt.core and src in rt.last_heard:
             rt.last_heard[src] = self.now_ms
-        if isinstance(body, PositionMsg):
-            p = body.position
-            actions = core.on_position(
-                src,
-                body.stream,
-                last_epoch=p.last_epoch,
-                last_lsn=p.last_lsn,
-                history=[(b.epoch, b.start_lsn) for b in p.history],
-                log_start_lsn=p.log_start_lsn or 1,
-            )
-            self.apply_master(node, core, actions)
-        elif isinstance(body, AckMsg):
-            a = body.ack
-            actions = core.on_ack(
-                src,
-                body.stream,
-                received_lsn=a.received_lsn,
-                written_lsn=a.written_lsn,
-                synced_lsn=a.synced_lsn,
-            )
-            self.apply_master(node, core, actions)
-        else:
-            if body.slave_epoch > core.epoch:
-                self.apply_master(node, core, core.observe_epoch(body.slave_epoch))
-            if not core.deposed:
+        steps = self.steps_of(node, core)
+        if isinstance(body, Answer):
+            if core is not rt.core:
+                # A deposed master's late input: the core refuses it (its commit stays).
+                steps.received(src, body.stream, body.response)
+                return
+            answered = rt.answered.get(src)
+            if answered is not None and answered[:2] == (body.epoch, body.stream):
+                if answered[2]:
+                    steps.received(src, body.stream, body.response)
+                return  # the rest of a stream ended unopened: gRPC delivers none of it
+            opened = steps.hello_answered(src, body.stream, body.response)
+            rt.answered[src] = (body.epoch, body.stream, opened)
+            if not opened:
+                # The stream ends unopened: the master cancels it.
+                self.net_send(node, src, Close(core.epoch, body.stream, "no-position", False))
                 self.stream_broken(node, core, src, body.stream)
+            return
+        if steps.refused(src, body.reason, body.reason, body.metadata):
+            self.stream_broken(node, core, src, body.stream)
 
     def client_write(self, node: str, src: str, body: ClientWrite) -> None:
         """A client's write reaches a node: append it if this node serves as master."""
@@ -1748,7 +1782,9 @@ class ReplicationSimulation(Simulation):
         rt.tokens[self.next_token] = (lsn, src, body.pid)
         if receipt is not None:
             self.topic_tokens[self.next_token] = receipt
-        self.apply_master(node, core, core.register_write(lsn, self.next_token))
+        # As ``Writer._commit``: the write waits for its entry, or the epoch start.
+        wait_lsn = self.steps_of(node, core).wait_lsn(lsn)
+        self.apply_master(node, core, core.register_write(wait_lsn, self.next_token))
 
     def topic_state(self, node: str) -> Store:
         """The node's real store, which its log built (see topic_state.py)."""
@@ -1797,9 +1833,10 @@ class ReplicationSimulation(Simulation):
                 self.net_send(node, slave, Close(core.epoch, progress.stream_id, "stalled", False))
                 self.stream_broken(node, core, slave, progress.stream_id)
         store = self.stores[node]
-        if self.params.master_sync != SyncPolicy.SYNC and store.synced_lsn < len(store.log):
+        if self.params.master_sync != SyncPolicy.SYNC:
+            # The OS writes back what the writer left unflushed; the writer tells the core
+            # of no flush under these policies (``MasterSteps.flush_after_send``).
             store.synced_lsn = len(store.log)
-            self.apply_master(node, core, core.on_local_synced(store.synced_lsn))
         if self.params.compaction_p and self.rrng.random() < self.params.compaction_p:
             start = min(core.commit_lsn + 1, len(store.log) + 1)
             if self.rrng.random() < 0.5:
@@ -1842,11 +1879,6 @@ class ReplicationSimulation(Simulation):
         if not isinstance(body, Hello | Batch | Heartbeat | Chunk | Close):
             return
         driver = self.driver_of(node)
-        if driver.core.role != CoreRole.SLAVE:
-            if not isinstance(body, Close):
-                reply = Close(body.epoch, body.stream, "inactive", True, self.durable[node].epoch)
-                self.net_send(node, src, reply)
-            return
         key = (src, body.epoch, body.stream)
         if isinstance(body, Close):
             if rt.stream == key:
@@ -1873,14 +1905,14 @@ class ReplicationSimulation(Simulation):
             self.reconcile(node)
             rt.stream = rt.last_hello = key
             rt.core_stream = stream
-            self.net_send(node, src, PositionMsg(body.epoch, body.stream, position))
+            answer = replica_pb2.ReplicateResponse(position=position)
+            self.net_send(node, src, Answer(body.epoch, body.stream, answer))
             return
         if key != rt.stream:
             # A message of a stream that is not this replica's current one: gRPC would
             # have ended that stream; the master hears this replica's epoch.
-            self.net_send(
-                node, src, Close(body.epoch, body.stream, "no-stream", True, driver.core.epoch)
-            )
+            said = ((EPOCH_KEY, str(driver.core.epoch)),)
+            self.net_send(node, src, Close(body.epoch, body.stream, "no-stream", True, said))
             return
         try:
             if isinstance(body, Batch):
@@ -1892,7 +1924,7 @@ class ReplicationSimulation(Simulation):
                 record, ack = driver.heartbeat(rt.core_stream, heartbeat)
                 if record:
                     driver.commit_recorded(driver.store_record_commit(record))
-                self.net_send(node, src, AckMsg(body.epoch, body.stream, ack))
+                self.send_ack(node, src, body.epoch, body.stream, ack)
                 self.claim_slave_commit(node)
             else:
                 result, follower = driver.snapshot_chunk(rt.core_stream, body.chunk)
@@ -1906,7 +1938,7 @@ class ReplicationSimulation(Simulation):
                 )
                 if installed is not None:
                     ack = driver.snapshot_installed_ack(follower, installed)
-                    self.net_send(node, src, AckMsg(body.epoch, body.stream, ack))
+                    self.send_ack(node, src, body.epoch, body.stream, ack)
                     self.claim_slave_commit(node)
         except ServiceError as exc:
             self.slave_refused(node, src, body, exc)
@@ -1924,7 +1956,7 @@ class ReplicationSimulation(Simulation):
         )
         accepted, follower, acks_now = driver.batch(rt.core_stream, batch)
         for ack in acks_now:
-            self.net_send(node, key[0], AckMsg(body.epoch, body.stream, ack))
+            self.send_ack(node, key[0], body.epoch, body.stream, ack)
         if accepted.batch is not None:
             rt.writes.append(PendingWrite(accepted.batch, accepted, follower, body, key))
             self.schedule_write(node)
@@ -1953,12 +1985,19 @@ class ReplicationSimulation(Simulation):
         """Close the stream with the refusal; the master learns the slave's epoch."""
         self.refusals += 1
         rt = self.rt[node]
-        epoch = next((int(v) for k, v in exc.metadata if k == EPOCH_KEY), 0)
         if "superseded" not in exc.message:
             self.note(f"{node} refused", exc.message)
         if rt.stream == (src, body.epoch, body.stream):
             rt.stream = None
-        self.net_send(node, src, Close(body.epoch, body.stream, exc.code.name, True, epoch))
+        close = Close(body.epoch, body.stream, exc.code.name, True, exc.metadata)
+        self.net_send(node, src, close)
+
+    def send_ack(
+        self, node: str, master: str, epoch: int, stream: int, ack: replica_pb2.ReplicationAck
+    ) -> None:
+        """An ack on the stream, as ``serve_replicate`` yields it."""
+        answer = replica_pb2.ReplicateResponse(ack=ack)
+        self.net_send(node, master, Answer(epoch, stream, answer))
 
     def schedule_write(self, node: str) -> None:
         """The store finishes the pending write after a store delay."""
@@ -1988,10 +2027,8 @@ class ReplicationSimulation(Simulation):
             if send_ack and rt.stream == write.key:
                 master, epoch, stream = write.key
                 rt.stream = None
-                slave_epoch = next((int(v) for k, v in error.metadata if k == EPOCH_KEY), 0)
-                self.net_send(
-                    node, master, Close(epoch, stream, error.code.name, True, slave_epoch)
-                )
+                close = Close(epoch, stream, error.code.name, True, error.metadata)
+                self.net_send(node, master, close)
             if send_ack:
                 while rt.deferred and not rt.writes:
                     self.slave_receive(node, rt.deferred.popleft())
@@ -2001,7 +2038,7 @@ class ReplicationSimulation(Simulation):
         if rt.stream == write.key:
             master, epoch, stream = write.key
             for ack in acks:
-                self.net_send(node, master, AckMsg(epoch, stream, ack))
+                self.send_ack(node, master, epoch, stream, ack)
         self.claim_commit(node, write.follower.commit_lsn)
         while rt.deferred and not rt.writes:
             self.slave_receive(node, rt.deferred.popleft())
@@ -2196,7 +2233,7 @@ class ReplicationSimulation(Simulation):
             return
         body = pkt.body
         self.note("deliver", f"{pkt.src}->{dst} {describe(body)}")
-        if isinstance(body, PositionMsg | AckMsg) or (isinstance(body, Close) and body.to_master):
+        if isinstance(body, Answer) or (isinstance(body, Close) and body.to_master):
             self.master_receive(dst, pkt.src, body)
         elif isinstance(body, CatchUpRequest):
             self.serve_catchup(dst, pkt.src, body)

@@ -27,12 +27,16 @@ def _entry(lsn: int, epoch: int) -> replica_pb2.LogEntry:
     )
 
 
-def _steps() -> tuple[MasterSteps[str], Store, list[tuple[str, object]]]:
+def _steps(
+    master_sync: SyncPolicy = SyncPolicy.SYNC,
+) -> tuple[MasterSteps[str], Store, list[tuple[str, object]]]:
     """A master of epoch 2 over a store holding LSNs 1..3 of epoch 1, recording outputs."""
     store = Store.open_memory()
     store.append([_entry(lsn, 1) for lsn in (1, 2, 3)], sync=True)
     core: ReplicationMaster[str] = ReplicationMaster(
-        MasterConfig(node_id="n1", nodes=("n1", "n2"), replica_sync=SyncPolicy.SYNC),
+        MasterConfig(
+            node_id="n1", nodes=("n1", "n2"), master_sync=master_sync, replica_sync=SyncPolicy.SYNC
+        ),
         epoch=2,
         members=("n1", "n2"),
         last_lsn=3,
@@ -168,3 +172,81 @@ def test_the_compaction_target_keeps_the_retention_and_a_snapshotting_slaves_tai
     steps.apply(core.on_snapshot_started("n2", stream, 3))  # n2 needs LSN 1, below 3
     assert steps.compaction_target(4) == 4  # the snapshot's tail, LSN 4 on
     assert steps.compaction_target(100) == 3
+
+
+# --- a slave's stream, as MasterDriver and the replication simulator read it
+
+
+def _position(last_epoch: int, last_lsn: int) -> replica_pb2.ReplicateResponse:
+    return replica_pb2.ReplicateResponse(
+        position=replica_pb2.ReplicationPosition(
+            last_epoch=last_epoch,
+            last_lsn=last_lsn,
+            history=[replica_pb2.EpochBoundary(epoch=1, start_lsn=1)] if last_lsn else [],
+        )
+    )
+
+
+def _ack(lsn: int) -> replica_pb2.ReplicateResponse:
+    return replica_pb2.ReplicateResponse(
+        ack=replica_pb2.ReplicationAck(received_lsn=lsn, written_lsn=lsn, synced_lsn=lsn)
+    )
+
+
+def test_a_stream_opens_only_on_a_position_and_then_only_acks_move_the_slave() -> None:
+    steps, store, seen = _steps()
+    core = steps.core
+    stream = core.connect("n2")
+    assert not steps.hello_answered("n2", stream, _ack(3))  # not an answer to the Hello
+    assert seen == [] and core.progress("n2").received_lsn == 0
+
+    stream = core.connect("n2")
+    assert steps.hello_answered("n2", stream, _position(1, 2))
+    assert _batches(seen) == [[3]]  # the core heard where n2's log ends: LSN 3 goes out
+    store.append([_entry(4, 2)], sync=True)
+    steps.appended([_entry(4, 2)], synced=True)
+    steps.apply(core.register_writes([(4, "write-4")]))
+    seen.clear()
+    steps.received("n2", stream, _position(0, 0))  # a second Position is no input
+    assert seen == [] and core.progress("n2").received_lsn == 2
+    steps.received("n2", stream, _ack(4))
+    assert ("completed", ["write-4"]) in seen and core.progress("n2").synced_lsn == 4
+
+
+def test_a_refusal_naming_a_newer_epoch_deposes_the_master_and_others_mean_retry() -> None:
+    steps, _, seen = _steps()
+    stream = steps.core.connect("n2")
+    # No epoch, or this master's own: the slave is away or busy; the shell reconnects.
+    assert steps.refused("n2", "UNAVAILABLE", "restarting", ())
+    assert steps.refused("n2", "FAILED_PRECONDITION", "stale", (("squall-epoch", "2"),))
+    assert steps.refused("n2", "FAILED_PRECONDITION", "odd", (("squall-epoch", "x3"),))
+    assert not steps.core.deposed and not any(kind == "deposed" for kind, _ in seen)
+    assert steps.stream_ended("n2", stream)  # a new stream is due after the backoff
+
+    assert not steps.refused(
+        "n2", "FAILED_PRECONDITION", "superseded", (("other", "9"), ("squall-epoch", "3"))
+    )
+    assert steps.core.deposed == "epoch 3 superseded epoch 2"
+    assert ("deposed", "epoch 3 superseded epoch 2") in seen
+    assert not steps.stream_ended("n2", stream)  # a deposed master opens none
+
+
+def test_only_the_current_stream_ending_calls_for_a_new_one() -> None:
+    steps, _, _ = _steps()
+    core = steps.core
+    old = core.connect("n2")
+    new = core.connect("n2")
+    assert not steps.stream_ended("n2", old)  # replaced already: the core ignores it
+    assert core.progress("n2").stream_id == new
+    assert steps.stream_ended("n2", new)
+    assert core.progress("n2").stream_id == 0
+
+
+def test_the_writer_flushes_after_sending_only_under_sync_and_a_write_waits_for_its_epoch() -> None:
+    steps, _, _ = _steps()  # SYNC by default
+    assert steps.flush_after_send()
+    # Epoch 2 starts at LSN 4: a duplicate answered from an entry of epoch 1 waits for it.
+    assert steps.core.epoch_start_lsn == 4
+    assert steps.wait_lsn(2) == 4 and steps.wait_lsn(4) == 4 and steps.wait_lsn(7) == 7
+    for policy in (SyncPolicy.WRITE_NO_SYNC, SyncPolicy.NO_SYNC):
+        assert not _steps(policy)[0].flush_after_send()

@@ -25,6 +25,7 @@ PURE_CORES = (
     "squall_server.replica.visibility",
     "squall_server.replica.shared",
     "squall_server.replica.link_rules",
+    "squall_server.replica.master_streams",
 )
 # Top-level packages a pure core must not reach: I/O, event loops, threads, clocks, chance.
 BANNED = {
