@@ -82,6 +82,8 @@ class _Link:
     stream_id: int = 0
     outbox: asyncio.Queue[replica_pb2.ReplicateRequest] = field(default_factory=asyncio.Queue)
     close_reason: str = ""
+    # The current stream's slave answered its Hello: the next reconnect is quick.
+    opened: bool = False
     call: ReplicateCall | None = None
     task: asyncio.Task[None] | None = None
     snapshot_task: asyncio.Task[None] | None = None
@@ -416,26 +418,26 @@ class MasterDriver:
         """Keeps one stream open to a slave while this master is not deposed."""
         backoff = ReconnectBackoff()
         while not self.core.deposed:
-            opened = False
+            link.opened = False
             try:
-                opened = await self._stream(link)
+                await self._stream(link)
             except ReplicaCallError as exc:
                 self.steps.refused(link.node.id, exc.status, exc.details, exc.metadata)
             except asyncio.CancelledError:
                 if not link.close_reason:
                     raise
                 link.close_reason = ""
-            await asyncio.sleep(backoff.after(opened=opened) / 1000)
+            await asyncio.sleep(backoff.after(opened=link.opened) / 1000)
 
-    async def _stream(self, link: _Link) -> bool:
-        """One stream's life; True once the slave answered the Hello."""
+    async def _stream(self, link: _Link) -> None:
+        """One stream's life; ``link.opened`` once the slave answered the Hello, however
+        the stream then ends (a slave's stream ends in an error, not cleanly)."""
         stream_id = self.core.connect(link.node.id)
         link.stream_id = stream_id
         link.outbox = asyncio.Queue()
         call = self._transport.replicate(link.node.id)
         link.call = call
         writer: asyncio.Task[None] | None = None
-        opened = False
         try:
             await call.write(
                 replica_pb2.ReplicateRequest(
@@ -448,10 +450,10 @@ class MasterDriver:
             )
             first = await call.read()
             if first is None:
-                return False  # the slave closed the stream
+                return  # the slave closed the stream
             if not self.steps.hello_answered(link.node.id, stream_id, first):
-                return False
-            opened = True
+                return
+            link.opened = True
             # It starts at the next await: the grants for the Position are queued by then.
             writer = asyncio.create_task(self._pump(link, call))
             spans = self._spans
@@ -467,7 +469,6 @@ class MasterDriver:
                         durable_lsn(self.core.config.replica_sync, ack),
                     )
                 self.steps.received(link.node.id, stream_id, message)
-            return opened
         finally:
             snapshot = link.snapshot_task
             if snapshot is not None and not snapshot.done():

@@ -20,7 +20,8 @@ class ReconnectBackoff:
     wait, up to ``RECONNECT_BACKOFF_MAX_MS``, and an opened one starts over from the
     minimum (the slave is back, and failover time depends on reaching it again quickly).
     The shell says which streams opened: ``MasterDriver._run_link`` counts one whose Hello
-    the slave answered and that then ended without an error (``_stream`` returned)."""
+    the slave answered, however it then ended (a slave's stream ends in an error: a
+    break, a refusal, a cancel)."""
 
     __slots__ = ("_next_ms",)
 

@@ -1497,14 +1497,14 @@ class ReplicationSimulation(Simulation):
         self, node: str, core: ReplicationMaster[int], slave: str, stream: int
     ) -> None:
         """A stream is gone (``MasterSteps.stream_ended``); when a new one is due, it opens
-        after the shipped backoff. Every end here is a failure (a refusal, the master's
-        cancel, a keepalive break), which ``MasterDriver._run_link`` counts as a stream
-        not opened (``_stream`` says it opened only when the slave ends it cleanly)."""
+        after the shipped backoff, which starts over once the stream was opened (its
+        slave answered the Hello), as ``MasterDriver._run_link`` counts it."""
         if not self.steps_of(node, core).stream_ended(slave, stream):
             return
         rt = self.rt[node]
+        opened = rt.answered.get(slave) == (core.epoch, stream, True)
         backoff = rt.backoff.setdefault(slave, ReconnectBackoff())
-        rt.reconnect_at[slave] = self.now_ms + backoff.after(opened=False)
+        rt.reconnect_at[slave] = self.now_ms + backoff.after(opened=opened)
 
     def core_for(self, node: str, epoch: int) -> ReplicationMaster[int] | None:
         """The master core (live or deposed) of ``epoch`` on this node, if any."""

@@ -14,10 +14,13 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
 from squall_server.common.config import load_config
 from squall_server.replica import commands
 from squall_server.replica.assembly import build_replica_node
+from squall_server.replica.master_streams import RECONNECT_BACKOFF_MIN_MS, ReconnectBackoff
 from squall_server.replica.node import ReplicaNode
 from squall_server.replica.store import Store
 from tests.sim.replica_transport import SimReplicaNetwork
@@ -134,6 +137,62 @@ def test_replicas_replicate_reorganize_and_depose_over_the_simulated_transport()
             network.heal()
             await _until("n1 deposed", lambda: n1.role != common_pb2.ROLE_MASTER)
             assert network.closed >= 2  # n1's epoch transport and n3's sync were closed
+        finally:
+            for node in nodes.values():
+                await node.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_slave_whose_opened_stream_breaks_is_reconnected_at_the_shortest_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stream the slave answered ends in an error (a connection reset), never cleanly:
+    it still counts as opened, so repeated breaks never push the master's next try to
+    the 1 s bound (before: the fifth break onwards waited 800 ms, then 1 s each)."""
+    waits: list[tuple[bool, int]] = []
+    after = ReconnectBackoff.after
+
+    def recorded(self: ReconnectBackoff, *, opened: bool) -> int:
+        wait_ms = after(self, opened=opened)
+        waits.append((opened, wait_ms))
+        return wait_ms
+
+    monkeypatch.setattr(ReconnectBackoff, "after", recorded)
+
+    async def scenario() -> None:
+        config = load_config(CONFIG)
+        network = SimReplicaNetwork()
+        nodes = {
+            node_id: build_replica_node(
+                config,
+                config.node(node_id),
+                Store.open_memory(),
+                transport=network.transport_for(node_id),
+            )
+            for node_id in ("n1", "n2")
+        }
+        for node in nodes.values():
+            network.add(node)
+            await node.start()
+        n1, n2 = nodes["n1"], nodes["n2"]
+        try:
+            await n2.apply_role(_slave(1, 1, "n1"))
+            await n1.apply_role(_master(1, 1, ["n1", "n2"], "n1"))
+            await _until("n1 master", lambda: n1.role == common_pb2.ROLE_MASTER)
+            await asyncio.wait_for(
+                n1.write(commands.CreateTopic("orders", common_pb2.TOPIC_KIND_REPLICATED)),
+                WAIT_S,
+            )
+            for i in range(7):
+                # The reset fails the open stream; the link is back before the retry.
+                network.cut("n1", "n2", both=True)
+                network.heal()
+                # Acknowledged only through n2 (a majority of two): the stream reopened.
+                await _publish(n1, b"e%d" % i)
+                await _until("n2 caught up", lambda: n2.last_lsn == n1.last_lsn)
+            assert len(waits) == 7
+            assert waits == [(True, RECONNECT_BACKOFF_MIN_MS)] * 7
         finally:
             for node in nodes.values():
                 await node.stop()
