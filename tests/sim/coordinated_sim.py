@@ -10,9 +10,11 @@ loop's clock, an in-memory state store that survives its crashes (``MemoryStateS
 group and cluster ids drawn from the seed, and two simulated links:
 
 * ``SimPeers`` (its ``PeerTransport``): each peer message goes through the shipped codec
-  (``codec.to_proto`` / ``CoordinatorNode.deliver``) after a seeded delay, is lost with a
-  seeded probability or when the link is cut (one way or both), and runs in the
-  receiving coordinator's process (held while it is paused, gone once it crashed).
+  (``codec.to_proto`` / ``CoordinatorNode.deliver``) after a seeded delay (so messages
+  overtake each other), is lost with a seeded probability or when the link is cut (one
+  way or both), is delivered twice with a seeded probability (a send retried after its
+  answer was lost; each copy after its own delay), and runs in the receiving
+  coordinator's process (held while it is paused, gone once it crashed).
 * ``SimReplicaLink`` (its ``ReplicaLink``): a role command becomes the SetRole request
   the gRPC link sends (``node.role_proto``), is served by the replica's shipped servicer
   (``server.ReplicaControl.SetRole``) in the replica's process, and its answer or status
@@ -25,7 +27,9 @@ group and cluster ids drawn from the seed, and two simulated links:
 Faults, besides ``shell_sim``'s replica faults (crash, restart, pause, replica link cuts
 and resets, slow and failing disks): a coordinator crashes alone (restarted later from
 its persisted state), pauses, has its peer links cut one way or both, or loses its link to
-its own replica; a whole node crashes (both processes) or is partitioned (both networks).
+its own replica; a whole node crashes (both processes; where replicas flush every write,
+half of these are machine crashes that lose what the store had not flushed) or is
+partitioned (both networks).
 At the heal every link heals, every process restarts or resumes, and the coordinators lift
 quarantines (an operator's ``set_quarantine(False)`` after replacing a failing disk).
 
@@ -155,18 +159,23 @@ class SimPeers:
     def send(self, message: PeerMessage) -> None:
         sim = self.sim
         dst = message.to_node
-        if (self.node_id, dst) in sim.coord_cuts or sim.rng_net.random() < sim.loss:
+        rng = sim.rng_net
+        if (self.node_id, dst) in sim.coord_cuts or rng.random() < sim.loss:
             return
         proto = codec.to_proto(message)
-        # Scheduled by the network, not the sender: a sender paused after sending does
-        # not hold its message.
-        sim.loop.call_later(
-            sim.rng_net.random() * sim.max_delay_s,
-            sim.arrive,
-            dst,
-            proto,
-            context=contextvars.Context(),
-        )
+        # A retried send (the first attempt's answer was lost) delivers it twice, each
+        # copy after its own delay, so the copy may come first or after later messages.
+        copies = 2 if sim.duplicate and rng.random() < sim.duplicate else 1
+        for _ in range(copies):
+            # Scheduled by the network, not the sender: a sender paused after sending
+            # does not hold its message.
+            sim.loop.call_later(
+                rng.random() * sim.max_delay_s,
+                sim.arrive,
+                dst,
+                proto,
+                context=contextvars.Context(),
+            )
 
 
 class SimReplicaLink:
@@ -297,6 +306,8 @@ class CoordinatedSim(ShellSim):
         self.rng_ids = random.Random(seed * 104729 + 2)
         self.loss = self.rng.choice([0.0, 0.01, 0.05])
         self.max_delay_s = self.rng.choice([0.001, 0.005, 0.02])
+        # Its own stream: the seed's fault schedule is the same with or without duplicates.
+        self.duplicate = random.Random(seed * 104729 + 3).choice([0.0, 0.02, 0.1])
         self.coordinators = {n: Coordinator(n) for n in NODE_IDS}
         self.coord_cuts: set[tuple[str, str]] = set()
         # (node, "down"): requests to the replica are lost; (node, "up"): its answers are.
@@ -438,7 +449,10 @@ class CoordinatedSim(ShellSim):
             if coordinator.node is not None:
                 self._crash_coordinator(coordinator)
             if member.replica is not None:
-                self._crash(member, machine=False)
+                # As for a replica alone: only where every acknowledged write was flushed
+                # may half the crashes be machine crashes (what was not flushed is lost).
+                machine = self.replica_sync == common_pb2.SYNC_POLICY_SYNC and rng.random() < 0.5
+                self._crash(member, machine=machine)
             self.loop.call_later(rng.uniform(0.5, 3.0), self._restart_node, node_id)
         elif kind == _NODE_PARTITION:
             for peer in others:
