@@ -4,7 +4,9 @@ hit alone (``tests/sim/coordinated_sim.py``).
 Each seed runs the shipped ``CoordinatorNode`` (driver and Election) and ``ReplicaNode``
 of every node on one virtual-time loop, with coordinator crashes, pauses and cuts, cuts of
 a node's coordinator↔replica link, replica crashes, pauses, cuts and disk faults, whole-
-node crashes and partitions; then healing and the checks (one master per epoch, a publish
+node crashes and partitions, lost, reordered and duplicated peer messages, and operator
+transfers and priority changes (hand-overs through the replica's PrepareHandoff); then
+healing and the checks (one master per epoch, a publish
 acknowledged soon after healing, identical logs, every acknowledged event readable on
 every replica). ``make test`` runs ``COORD_SEEDS_DEFAULT`` seeds (1,000) as tests of
 ``COORD_CHUNK_SEEDS`` consecutive seeds (``[seeds-0-24]`` ...), spread over both workers;
