@@ -21,12 +21,13 @@ group and cluster ids drawn from the seed, and two simulated links:
   becomes what the gRPC link returns (``node.replica_answer`` / ``replica_failure``); a
   health check is answered by the replica's process. The link can be cut on its own, one
   way or both (coordinator↔own-replica partition): a request lost on the way down, or an
-  answer lost on the way up, ends as ``DEADLINE_EXCEEDED`` after ``rpc_timeout_ms``; a
-  replica that is down refuses the connection (``UNAVAILABLE``). A transfer's
-  ``prepare_handoff`` goes the same way to ``ReplicaControl.PrepareHandoff`` (the fence
-  on the master's writes, then the wait for the target), so the shipped hand-over
-  (``handoff.transfer``) runs whole: an operator's transfer, and the hand-over to a
-  higher-ranked node that rejoined and caught up.
+  answer lost on the way up, ends as ``DEADLINE_EXCEEDED`` after ``rpc_timeout_ms``
+  (half the requests sent into a cut are held, not lost: they reach the replica later,
+  after newer ones maybe, and are served there); a replica that is down refuses the
+  connection (``UNAVAILABLE``). A transfer's ``prepare_handoff`` goes the same way to
+  ``ReplicaControl.PrepareHandoff`` (the fence on the master's writes, then the wait for
+  the target), so the shipped hand-over (``handoff.transfer``) runs whole: an operator's
+  transfer, and the hand-over to a higher-ranked node that rejoined and caught up.
 
 Faults, besides ``shell_sim``'s replica faults (crash, restart, pause, replica link cuts
 and resets, slow and failing disks): a coordinator crashes alone (restarted later from
@@ -52,6 +53,7 @@ replacing nodes), cluster shutdown.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import dataclasses
 import logging
@@ -96,6 +98,9 @@ _COORD_CRASH, _COORD_RESTART, _COORD_PAUSE, _COORD_CUT, _OWN_CUT = 10, 11, 12, 1
 _NODE_CRASH, _NODE_PARTITION, _COORD_HEAL, _TRANSFER, _SET_PRIORITY = 15, 16, 17, 18, 19
 FAULT_KINDS = 20
 FOLLOW_S = 0.02  # how often clients look up who is master (the gateways' view)
+# The share of requests to the own replica sent into a cut link that are held, not lost:
+# they reach the replica after the coordinator gave up on them.
+LATE_REQUEST = 0.5
 
 
 def replay_command(seed: int) -> str:
@@ -223,6 +228,8 @@ class SimReplicaLink:
         except _Aborted as exc:
             raise HandoffError(exc.code.name, exc.details) from None
         assert isinstance(response, replica_pb2.PrepareHandoffResponse)
+        if not request.cancel:
+            self.sim.stats.hand_offs += 1
         return response
 
     async def check_health(self) -> bool:
@@ -249,6 +256,9 @@ class SimReplicaLink:
             raise _Aborted(grpc.StatusCode.UNAVAILABLE, f"replica {node_id} is down")
         process = member.process
         if (node_id, "down") in sim.own_cuts:
+            if sim.rng_net.random() < LATE_REQUEST:
+                late_s = timeout_s * (1 + sim.rng_net.random())
+                sim.loop.call_later(late_s, self._late, serve, process, timeout_s)
             await asyncio.sleep(timeout_s)
             raise _Aborted(grpc.StatusCode.DEADLINE_EXCEEDED, "request lost (link cut)")
         assert callable(serve)
@@ -272,10 +282,31 @@ class SimReplicaLink:
             raise _Aborted(grpc.StatusCode.DEADLINE_EXCEEDED, "answer lost (link cut)")
         return result
 
+    def _late(self, serve: object, process: str, timeout_s: float) -> None:
+        """A held request reaches the replica late (maybe after newer ones): served with
+        the deadline it carries, counted from its arrival; nobody waits for the answer."""
+        member = self.member
+        replica = member.replica
+        if replica is None or member.process != process:
+            return  # its connection went with the process
+        assert callable(serve)
+        self.sim.note(f"late request reaches {process}")
+        # The servicer's coroutine is made when the process runs the request: one killed
+        # before that leaves none unawaited.
+        call = self.sim.loop.spawn(process, _unanswered(lambda: serve(ReplicaControl(replica))))
+        self.sim.loop.call_later(timeout_s, call.cancel)
+
 
 async def _alive() -> None:
     """A health check's answer: the replica's process ran it."""
     return None
+
+
+async def _unanswered(call: Callable[[], Awaitable[object]]) -> None:
+    """A call whose caller is gone: a refusal goes nowhere (anything else the servicer
+    raises still reaches the loop and fails the seed)."""
+    with contextlib.suppress(_Aborted):
+        await call()
 
 
 class MemoryTruncator(LmdbTruncator):

@@ -28,12 +28,23 @@ pytestmark = pytest.mark.sim
 
 # The planted bug must be caught within this many seeds.
 MUTANT_SEEDS_MAX = 10
+# Some master's replica must get ready for a hand-over within this many seeds.
+HAND_OFF_SEEDS_MAX = 5
 
 
 def test_shipped_nodes_keep_acknowledged_events_and_recover(coord_chunk: list[int]) -> None:
     """Every seed: no acknowledged event lost, identical logs, one master per epoch, and
     a publish acknowledged within the liveness bound after healing."""
     run_seeds("coordinated sim", coord_chunk, run_seed, replay_command)
+
+
+def test_hand_overs_reach_the_replicas_prepare_handoff() -> None:
+    """Transfers run whole, not refused for want of a link: within a few seeds a master's
+    replica answers PrepareHandoff (its writes fenced, the target caught up)."""
+    for seed in range(HAND_OFF_SEEDS_MAX):
+        if run_seed(seed).hand_offs:
+            return
+    pytest.fail(f"no replica got ready for a hand-over in {HAND_OFF_SEEDS_MAX} seeds")
 
 
 def test_planted_early_acknowledgement_is_caught() -> None:
