@@ -21,11 +21,9 @@ times out, and the election gives up after ``2 * member_timeout_ms``.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-import grpc
-
-from squall.v1 import replica_pb2, replica_pb2_grpc
+from squall.v1 import replica_pb2
 from squall_server.coordinator.messages import Ready
 
 if TYPE_CHECKING:
@@ -43,9 +41,20 @@ class HandoffError(Exception):
         self.message = message
 
 
+class HandoffLink(Protocol):
+    """The call a transfer makes to its own replica (``GrpcReplicaLink`` over gRPC; the
+    simulator's link serves it with the replica's servicer)."""
+
+    async def prepare_handoff(
+        self, request: replica_pb2.PrepareHandoffRequest, timeout_s: float
+    ) -> replica_pb2.PrepareHandoffResponse:
+        """``ReplicaControl.PrepareHandoff``; a failed call raises HandoffError (the status)."""
+        ...
+
+
 async def transfer(
     node: CoordinatorNode,
-    replica: replica_pb2_grpc.ReplicaControlAsyncStub,
+    replica: HandoffLink,
     target: str,
     operator: str,
     reason: str,
@@ -63,11 +72,11 @@ async def transfer(
         epoch=epoch, target_node_id=target, timeout_ms=wait_ms
     )
     try:
-        prepared = await replica.PrepareHandoff(request, timeout=(wait_ms + rpc_timeout_ms) / 1000)
-    except grpc.aio.AioRpcError as exc:
+        prepared = await replica.prepare_handoff(request, (wait_ms + rpc_timeout_ms) / 1000)
+    except HandoffError as exc:
         raise HandoffError(
-            exc.code().name,
-            f"node {node.node.id}: transfer to {target} abandoned, writes resumed: {exc.details()}",
+            exc.code,
+            f"node {node.node.id}: transfer to {target} abandoned, writes resumed: {exc.message}",
         ) from None
     ready = node.driver.transfer_leadership(target, operator, reason)
     if ready.rejection is not None:
@@ -87,13 +96,11 @@ async def transfer(
     return ready
 
 
-async def _resume(
-    replica: replica_pb2_grpc.ReplicaControlAsyncStub, epoch: int, target: str, rpc_timeout_ms: int
-) -> None:
+async def _resume(replica: HandoffLink, epoch: int, target: str, rpc_timeout_ms: int) -> None:
     """The transfer was refused after the replica stopped its writes: start them again."""
     request = replica_pb2.PrepareHandoffRequest(epoch=epoch, target_node_id=target, cancel=True)
     try:
-        await replica.PrepareHandoff(request, timeout=rpc_timeout_ms / 1000)
-    except grpc.aio.AioRpcError as exc:
+        await replica.prepare_handoff(request, rpc_timeout_ms / 1000)
+    except HandoffError as exc:
         # The replica's own timeout resumes its writes in any case.
-        log.warning("coordinator: could not resume the replica's writes: %s", exc.details())
+        log.warning("coordinator: could not resume the replica's writes: %s", exc.message)

@@ -3,14 +3,15 @@ synchronous driver (``driver.py``).
 
 ``CoordinatorNode`` is generic over what it talks to: a ``PeerTransport`` (``GrpcPeers``:
 one channel per peer, at most ``_PEER_INFLIGHT_MAX`` messages in flight each, fast
-reconnects, TLS), a ``ReplicaLink`` to its own replica (``GrpcReplicaLink``: SetRole and
-the health check), a ``Clock`` and a ``StateStore`` (the state file). Its three loops only
-wait: the tick loop sleeps what ``CoordinatorDriver.tick`` says, the role loop sends the
-driver's newest role command and waits as ``role_outcome`` says, the watch loop asks
-``watch`` and probes the replica when told to. Every decision is the driver's, and the
-simulator (tests/sim/election_sim.py) runs that same driver over a simulated network,
-replica, clock and in-memory state (why the split, not a virtual-time asyncio loop: see
-driver.py). Everything runs on one asyncio loop, so inputs are applied one at a time.
+reconnects, TLS), a ``ReplicaLink`` to its own replica (``GrpcReplicaLink``: SetRole, the
+health check and a transfer's PrepareHandoff), a ``Clock`` and a ``StateStore`` (the state
+file). Its three loops only wait: the tick loop sleeps what ``CoordinatorDriver.tick``
+says, the role loop sends the driver's newest role command and waits as ``role_outcome``
+says, the watch loop asks ``watch`` and probes the replica when told to. Every decision is
+the driver's, and the simulator (tests/sim/election_sim.py) runs that same driver over a
+simulated network, replica, clock and in-memory state (why the split, not a virtual-time
+asyncio loop: see driver.py). Everything runs on one asyncio loop, so inputs are applied
+one at a time.
 """
 
 from __future__ import annotations
@@ -198,8 +199,8 @@ def replica_answer(command: RoleCommand, state: replica_pb2.ReplicaState) -> Rep
     )
 
 
-class ReplicaLink(Protocol):
-    """The coordinator's calls to its own replica."""
+class ReplicaLink(handoff.HandoffLink, Protocol):
+    """The coordinator's calls to its own replica (a transfer's too: ``prepare_handoff``)."""
 
     async def set_role(self, command: RoleCommand, reason: str) -> ReplicaAnswer | ReplicaFailure:
         """Send one role command (a renewal of the lease too)."""
@@ -347,6 +348,15 @@ class GrpcReplicaLink:
             if exc.code() in _NO_ANSWER:
                 return False
         return True
+
+    async def prepare_handoff(
+        self, request: replica_pb2.PrepareHandoffRequest, timeout_s: float
+    ) -> replica_pb2.PrepareHandoffResponse:
+        """PrepareHandoff; a gRPC error becomes a HandoffError naming its status."""
+        try:
+            return await self.control.PrepareHandoff(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise handoff.HandoffError(exc.code().name, exc.details() or "") from None
 
     async def close(self) -> None:
         """Closes the channel."""
@@ -606,11 +616,7 @@ class CoordinatorNode:
         self, target: str, operator: str, reason: str, timeout_ms: int
     ) -> Ready:
         """Operator control: hand the master role to ``target`` (see handoff.py)."""
-        if not isinstance(self._replica, GrpcReplicaLink):
-            raise handoff.HandoffError("UNIMPLEMENTED", "this replica link cannot hand off")
-        return await handoff.transfer(
-            self, self._replica.control, target, operator, reason, timeout_ms
-        )
+        return await handoff.transfer(self, self._replica, target, operator, reason, timeout_ms)
 
     def _start_hand_over(self, target: str) -> None:
         """The election's ``Ready.hand_over_to``: run the transfer in the background (one

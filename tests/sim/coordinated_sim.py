@@ -10,22 +10,34 @@ loop's clock, an in-memory state store that survives its crashes (``MemoryStateS
 group and cluster ids drawn from the seed, and two simulated links:
 
 * ``SimPeers`` (its ``PeerTransport``): each peer message goes through the shipped codec
-  (``codec.to_proto`` / ``CoordinatorNode.deliver``) after a seeded delay, is lost with a
-  seeded probability or when the link is cut (one way or both), and runs in the
-  receiving coordinator's process (held while it is paused, gone once it crashed).
+  (``codec.to_proto`` / ``CoordinatorNode.deliver``) after a seeded delay (so messages
+  overtake each other), is lost with a seeded probability or when the link is cut (one
+  way or both), is delivered twice with a seeded probability (a send retried after its
+  answer was lost; each copy after its own delay), and runs in the receiving
+  coordinator's process (held while it is paused, gone once it crashed).
 * ``SimReplicaLink`` (its ``ReplicaLink``): a role command becomes the SetRole request
   the gRPC link sends (``node.role_proto``), is served by the replica's shipped servicer
   (``server.ReplicaControl.SetRole``) in the replica's process, and its answer or status
   becomes what the gRPC link returns (``node.replica_answer`` / ``replica_failure``); a
   health check is answered by the replica's process. The link can be cut on its own, one
   way or both (coordinator↔own-replica partition): a request lost on the way down, or an
-  answer lost on the way up, ends as ``DEADLINE_EXCEEDED`` after ``rpc_timeout_ms``; a
-  replica that is down refuses the connection (``UNAVAILABLE``).
+  answer lost on the way up, ends as ``DEADLINE_EXCEEDED`` after ``rpc_timeout_ms``
+  (half the requests sent into a cut are held, not lost: they reach the replica later,
+  after newer ones maybe, and are served there); a replica that is down refuses the
+  connection (``UNAVAILABLE``). A transfer's ``prepare_handoff`` goes the same way to
+  ``ReplicaControl.PrepareHandoff`` (the fence on the master's writes, then the wait for
+  the target), so the shipped hand-over (``handoff.transfer``) runs whole: an operator's
+  transfer, and the hand-over to a higher-ranked node that rejoined and caught up.
 
 Faults, besides ``shell_sim``'s replica faults (crash, restart, pause, replica link cuts
 and resets, slow and failing disks): a coordinator crashes alone (restarted later from
 its persisted state), pauses, has its peer links cut one way or both, or loses its link to
-its own replica; a whole node crashes (both processes) or is partitioned (both networks).
+its own replica; a whole node crashes (both processes; where replicas flush every write,
+half of these are machine crashes that lose what the store had not flushed) or is
+partitioned (both networks). An operator asks the master's coordinator (the one normal as
+its group's master in the highest epoch, as ``squall cluster transfer`` finds it) to
+transfer the leadership to another node, or to give a node another priority
+(``set-priority``, a membership change), through the shipped coordinator servicer.
 At the heal every link heals, every process restarts or resumes, and the coordinators lift
 quarantines (an operator's ``set_quarantine(False)`` after replacing a failing disk).
 
@@ -34,18 +46,19 @@ Clients publish to the replica that is master in the highest epoch. Checks as in
 of the heal, every replica caught up, identical logs, every acknowledged event readable at
 its receipt's offset. A failure raises ``ShellSimFailure`` ending with the replay command.
 
-Not modelled yet: the coordinator's hand-over (``transfer_leadership`` needs the gRPC
-link's PrepareHandoff: here it fails and is logged, as for a replica that cannot hand
-off), membership changes, cluster shutdown.
+Not modelled yet: membership changes other than ``set-priority`` (adding, removing and
+replacing nodes), cluster shutdown.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import dataclasses
 import logging
 import random
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import NoReturn
 
@@ -55,12 +68,15 @@ from squall.v1 import common_pb2, coordinator_pb2, replica_pb2
 from squall_server.common.clock import Clock
 from squall_server.common.config import ClusterConfig, NodeConfig
 from squall_server.coordinator import codec
+from squall_server.coordinator import server as coordinator_server
 from squall_server.coordinator.driver import (
     MemoryStateStore,
     ReplicaAnswer,
     ReplicaFailure,
 )
-from squall_server.coordinator.messages import PeerMessage, RoleCommand
+from squall_server.coordinator.handoff import HandoffError
+from squall_server.coordinator.membership import Membership
+from squall_server.coordinator.messages import NodeState, PeerMessage, RoleCommand
 from squall_server.coordinator.node import (
     CoordinatorNode,
     replica_answer,
@@ -79,9 +95,12 @@ log = logging.getLogger("squall.sim.coordinated")
 
 # Fault kinds of this simulator, after shell_sim's ten.
 _COORD_CRASH, _COORD_RESTART, _COORD_PAUSE, _COORD_CUT, _OWN_CUT = 10, 11, 12, 13, 14
-_NODE_CRASH, _NODE_PARTITION, _COORD_HEAL = 15, 16, 17
-FAULT_KINDS = 18
+_NODE_CRASH, _NODE_PARTITION, _COORD_HEAL, _TRANSFER, _SET_PRIORITY = 15, 16, 17, 18, 19
+FAULT_KINDS = 20
 FOLLOW_S = 0.02  # how often clients look up who is master (the gateways' view)
+# The share of requests to the own replica sent into a cut link that are held, not lost:
+# they reach the replica after the coordinator gave up on them.
+LATE_REQUEST = 0.5
 
 
 def replay_command(seed: int) -> str:
@@ -99,7 +118,7 @@ class _Aborted(Exception):
 
 
 class _ServicerContext:
-    """The part of a gRPC servicer context that ``ReplicaControl.SetRole`` uses."""
+    """The part of a gRPC servicer context that the servicers called here use."""
 
     def set_trailing_metadata(self, metadata: object) -> None:
         return None
@@ -155,18 +174,23 @@ class SimPeers:
     def send(self, message: PeerMessage) -> None:
         sim = self.sim
         dst = message.to_node
-        if (self.node_id, dst) in sim.coord_cuts or sim.rng_net.random() < sim.loss:
+        rng = sim.rng_net
+        if (self.node_id, dst) in sim.coord_cuts or rng.random() < sim.loss:
             return
         proto = codec.to_proto(message)
-        # Scheduled by the network, not the sender: a sender paused after sending does
-        # not hold its message.
-        sim.loop.call_later(
-            sim.rng_net.random() * sim.max_delay_s,
-            sim.arrive,
-            dst,
-            proto,
-            context=contextvars.Context(),
-        )
+        # A retried send (the first attempt's answer was lost) delivers it twice, each
+        # copy after its own delay, so the copy may come first or after later messages.
+        copies = 2 if sim.duplicate and rng.random() < sim.duplicate else 1
+        for _ in range(copies):
+            # Scheduled by the network, not the sender: a sender paused after sending
+            # does not hold its message.
+            sim.loop.call_later(
+                rng.random() * sim.max_delay_s,
+                sim.arrive,
+                dst,
+                proto,
+                context=contextvars.Context(),
+            )
 
 
 class SimReplicaLink:
@@ -179,9 +203,11 @@ class SimReplicaLink:
         self.rpc_timeout_s = timeouts.rpc_timeout_ms / 1000
         self.health_timeout_s = timeouts.replica_timeout_ms / 1000
         self.lease_ms = timeouts.member_timeout_ms
+        # The running node set (a set-priority changed it): role commands carry it.
+        self.running_set: Callable[[], Membership | None] = lambda: None
 
     async def set_role(self, command: RoleCommand, reason: str) -> ReplicaAnswer | ReplicaFailure:
-        request = role_proto(self.sim.config, None, command, reason, self.lease_ms)
+        request = role_proto(self.sim.config, self.running_set(), command, reason, self.lease_ms)
         try:
             response = await self._call(
                 lambda servicer: servicer.SetRole(request, _ServicerContext()),
@@ -191,6 +217,20 @@ class SimReplicaLink:
             return replica_failure(exc.code, exc.details)
         assert isinstance(response, replica_pb2.RoleCommandResponse)
         return replica_answer(command, response.state)
+
+    async def prepare_handoff(
+        self, request: replica_pb2.PrepareHandoffRequest, timeout_s: float
+    ) -> replica_pb2.PrepareHandoffResponse:
+        try:
+            response = await self._call(
+                lambda servicer: servicer.PrepareHandoff(request, _ServicerContext()), timeout_s
+            )
+        except _Aborted as exc:
+            raise HandoffError(exc.code.name, exc.details) from None
+        assert isinstance(response, replica_pb2.PrepareHandoffResponse)
+        if not request.cancel:
+            self.sim.stats.hand_offs += 1
+        return response
 
     async def check_health(self) -> bool:
         try:
@@ -216,6 +256,9 @@ class SimReplicaLink:
             raise _Aborted(grpc.StatusCode.UNAVAILABLE, f"replica {node_id} is down")
         process = member.process
         if (node_id, "down") in sim.own_cuts:
+            if sim.rng_net.random() < LATE_REQUEST:
+                late_s = timeout_s * (1 + sim.rng_net.random())
+                sim.loop.call_later(late_s, self._late, serve, process, timeout_s)
             await asyncio.sleep(timeout_s)
             raise _Aborted(grpc.StatusCode.DEADLINE_EXCEEDED, "request lost (link cut)")
         assert callable(serve)
@@ -239,10 +282,31 @@ class SimReplicaLink:
             raise _Aborted(grpc.StatusCode.DEADLINE_EXCEEDED, "answer lost (link cut)")
         return result
 
+    def _late(self, serve: object, process: str, timeout_s: float) -> None:
+        """A held request reaches the replica late (maybe after newer ones): served with
+        the deadline it carries, counted from its arrival; nobody waits for the answer."""
+        member = self.member
+        replica = member.replica
+        if replica is None or member.process != process:
+            return  # its connection went with the process
+        assert callable(serve)
+        self.sim.note(f"late request reaches {process}")
+        # The servicer's coroutine is made when the process runs the request: one killed
+        # before that leaves none unawaited.
+        call = self.sim.loop.spawn(process, _unanswered(lambda: serve(ReplicaControl(replica))))
+        self.sim.loop.call_later(timeout_s, call.cancel)
+
 
 async def _alive() -> None:
     """A health check's answer: the replica's process ran it."""
     return None
+
+
+async def _unanswered(call: Callable[[], Awaitable[object]]) -> None:
+    """A call whose caller is gone: a refusal goes nowhere (anything else the servicer
+    raises still reaches the loop and fails the seed)."""
+    with contextlib.suppress(_Aborted):
+        await call()
 
 
 class MemoryTruncator(LmdbTruncator):
@@ -297,6 +361,8 @@ class CoordinatedSim(ShellSim):
         self.rng_ids = random.Random(seed * 104729 + 2)
         self.loss = self.rng.choice([0.0, 0.01, 0.05])
         self.max_delay_s = self.rng.choice([0.001, 0.005, 0.02])
+        # Its own stream: the seed's fault schedule is the same with or without duplicates.
+        self.duplicate = random.Random(seed * 104729 + 3).choice([0.0, 0.02, 0.1])
         self.coordinators = {n: Coordinator(n) for n in NODE_IDS}
         self.coord_cuts: set[tuple[str, str]] = set()
         # (node, "down"): requests to the replica are lost; (node, "up"): its answers are.
@@ -322,15 +388,17 @@ class CoordinatedSim(ShellSim):
     def _start_coordinator(self, coordinator: Coordinator) -> None:
         coordinator.incarnation += 1
         coordinator.paused = False
+        link = SimReplicaLink(self, self.members[coordinator.node_id])
         node = SimCoordinatorNode(
             self.config,
             self.config.node(coordinator.node_id),
             self.clock,
             self.rng_ids,
             peers=SimPeers(self, coordinator.node_id),
-            replica=SimReplicaLink(self, self.members[coordinator.node_id]),
+            replica=link,
             store=coordinator.state,
         )
+        link.running_set = lambda: node.election.membership
         coordinator.node = node
         self.loop.spawn(coordinator.process, node.start())
         self.note(f"start {coordinator.process}")
@@ -438,7 +506,10 @@ class CoordinatedSim(ShellSim):
             if coordinator.node is not None:
                 self._crash_coordinator(coordinator)
             if member.replica is not None:
-                self._crash(member, machine=False)
+                # As for a replica alone: only where every acknowledged write was flushed
+                # may half the crashes be machine crashes (what was not flushed is lost).
+                machine = self.replica_sync == common_pb2.SYNC_POLICY_SYNC and rng.random() < 0.5
+                self._crash(member, machine=machine)
             self.loop.call_later(rng.uniform(0.5, 3.0), self._restart_node, node_id)
         elif kind == _NODE_PARTITION:
             for peer in others:
@@ -448,6 +519,69 @@ class CoordinatedSim(ShellSim):
         elif kind == _COORD_HEAL:
             self.coord_cuts.clear()
             self.note("heal coordinator links")
+        elif kind in (_TRANSFER, _SET_PRIORITY):
+            self._operator_control(node_id, kind)
+
+    # --- operator controls
+
+    def _leading(self) -> Coordinator | None:
+        """The coordinator normal as its group's master in the highest epoch (whom the
+        CLI's transfer and set-priority ask), if any runs."""
+        best: tuple[int, Coordinator] | None = None
+        for coordinator in self.coordinators.values():
+            node = coordinator.node
+            if node is None or coordinator.paused:
+                continue  # the CLI's status call to it would time out
+            status = node.status()
+            leads = status.state is NodeState.NORMAL and status.coordinator_id == node.node.id
+            if leads and (best is None or status.epoch > best[0]):
+                best = (status.epoch, coordinator)
+        return None if best is None else best[1]
+
+    def _operator_control(self, node_id: str, kind: int) -> None:
+        """An operator's transfer to ``node_id`` (another node if it leads), or a new
+        priority for it, asked of the leading coordinator through its servicer."""
+        rng = self.rng
+        coordinator = self._leading()
+        if coordinator is None:
+            self.note("operator: no master to ask")
+            return
+        node = coordinator.node
+        assert node is not None
+        master = node.node.id
+        servicer = coordinator_server.Coordinator(node)
+        call: Awaitable[object]
+        if kind == _TRANSFER:
+            others = [n for n in NODE_IDS if n != master]
+            target = node_id if node_id != master else rng.choice(others)
+            wait_ms = rng.choice([0, 1000, 5000])
+            what = f"transfer {master}->{target} (wait {wait_ms} ms)"
+            request = coordinator_pb2.TransferLeadershipRequest(
+                target=target, operator="sim-operator", reason="sim", timeout_ms=wait_ms
+            )
+            call = servicer.TransferLeadership(request, _ServicerContext())
+        else:
+            priority = rng.randrange(5)
+            what = f"set-priority {node_id} {priority} (asked of {master})"
+            change = coordinator_pb2.ChangeMembershipRequest(
+                kind=coordinator_pb2.MEMBERSHIP_CHANGE_KIND_SET_PRIORITY,
+                node_id=node_id,
+                priority=priority,
+                operator="sim-operator",
+                reason="sim",
+            )
+            call = servicer.ChangeMembership(change, _ServicerContext())
+        self.note(f"operator: {what}")
+        self.loop.spawn(coordinator.process, self._operator_call(what, call))
+
+    async def _operator_call(self, what: str, call: Awaitable[object]) -> None:
+        """One operator call, served in the coordinator's process; its outcome noted."""
+        try:
+            await call
+        except _Aborted as exc:
+            self.note(f"operator: {what} refused: {exc}")
+            return
+        self.note(f"operator: {what} done")
 
     def _resume_coordinator(self, coordinator: Coordinator, process: str) -> None:
         if coordinator.paused and coordinator.process == process and coordinator.node:

@@ -180,6 +180,7 @@ class Stats:
     crashes: int = 0
     disk_failures: int = 0
     fail_stops: int = 0
+    hand_offs: int = 0  # coordinated_sim: hand-offs a master's replica got ready for
     callbacks: int = 0
     sim_s: float = 0.0
     events: list[str] = field(default_factory=list)

@@ -4,7 +4,9 @@ hit alone (``tests/sim/coordinated_sim.py``).
 Each seed runs the shipped ``CoordinatorNode`` (driver and Election) and ``ReplicaNode``
 of every node on one virtual-time loop, with coordinator crashes, pauses and cuts, cuts of
 a node's coordinator↔replica link, replica crashes, pauses, cuts and disk faults, whole-
-node crashes and partitions; then healing and the checks (one master per epoch, a publish
+node crashes and partitions, lost, reordered and duplicated peer messages, and operator
+transfers and priority changes (hand-overs through the replica's PrepareHandoff); then
+healing and the checks (one master per epoch, a publish
 acknowledged soon after healing, identical logs, every acknowledged event readable on
 every replica). ``make test`` runs ``COORD_SEEDS_DEFAULT`` seeds (1,000) as tests of
 ``COORD_CHUNK_SEEDS`` consecutive seeds (``[seeds-0-24]`` ...), spread over both workers;
@@ -26,12 +28,23 @@ pytestmark = pytest.mark.sim
 
 # The planted bug must be caught within this many seeds.
 MUTANT_SEEDS_MAX = 10
+# Some master's replica must get ready for a hand-over within this many seeds.
+HAND_OFF_SEEDS_MAX = 5
 
 
 def test_shipped_nodes_keep_acknowledged_events_and_recover(coord_chunk: list[int]) -> None:
     """Every seed: no acknowledged event lost, identical logs, one master per epoch, and
     a publish acknowledged within the liveness bound after healing."""
     run_seeds("coordinated sim", coord_chunk, run_seed, replay_command)
+
+
+def test_hand_overs_reach_the_replicas_prepare_handoff() -> None:
+    """Transfers run whole, not refused for want of a link: within a few seeds a master's
+    replica answers PrepareHandoff (its writes fenced, the target caught up)."""
+    for seed in range(HAND_OFF_SEEDS_MAX):
+        if run_seed(seed).hand_offs:
+            return
+    pytest.fail(f"no replica got ready for a hand-over in {HAND_OFF_SEEDS_MAX} seeds")
 
 
 def test_planted_early_acknowledgement_is_caught() -> None:
