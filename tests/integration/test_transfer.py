@@ -21,8 +21,9 @@ from tests.integration.test_gateway import (
 def test_transfer_moves_the_master_and_loses_no_acknowledged_write(
     trio: LocalCluster,  # noqa: F811
 ) -> None:
-    old = trio.wait_for_master()
-    assert old == "n1"
+    # n1 ranks first, but a slower start can let n2 lead until it hands over to n1: the
+    # operator's transfer starts from the settled cluster.
+    wait_for(lambda: trio.wait_for_master() == "n1", 30, "n1, the first in rank, leads")
     old_epoch = trio.statuses()["n1"].epoch
     config = str(trio.config_path)
     with squall.connect(trio.gateway_address, timeout_s=5.0) as client:
@@ -67,7 +68,9 @@ def test_transfer_moves_the_master_and_loses_no_acknowledged_write(
 
 
 def test_transfer_refusals_change_nothing(trio: LocalCluster) -> None:  # noqa: F811
-    master = trio.wait_for_master()
+    # Settled first (see above): a hand-over from n2 to n1 would move the master mid-test.
+    wait_for(lambda: trio.wait_for_master() == "n1", 30, "n1, the first in rank, leads")
+    master = "n1"
     config = str(trio.config_path)
     before = trio.statuses()[master].epoch
     unknown = run_squall("cluster", "transfer", "--to", "n9", "--config", config)
