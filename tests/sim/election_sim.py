@@ -1296,6 +1296,8 @@ class Simulation:
                 self.priorities[x] > 0 for x in up
             ):
                 down = set()
+            elif self.holds_newest_for_a_cold_start(down, up):
+                down = set()
         self.down_for_liveness = down
         for node in down:
             self.crash(node)
@@ -1310,6 +1312,20 @@ class Simulation:
             self.start_node(node)
             self.quarantine(node, False)
         self.note("heal", f"down for liveness: {sorted(down, key=node_sort_key)}")
+
+    def holds_newest_for_a_cold_start(self, down: set[str], up: list[str]) -> bool:
+        """Would the up nodes' cold start rightly wait for a node kept down? It would when
+        nobody up has joined and a down node's store is ahead of every up store: the
+        coordinators that saw its report hold the group until a node restarts or a store
+        changes (``lifecycle.decide_start``), as an operator would be told."""
+        if any(self.replicas[x].joined and self.elections[x] is not None for x in up):
+            return False
+
+        def position(x: str) -> tuple[int, int]:
+            return (self.replicas[x].last_epoch, self.replicas[x].last_lsn)
+
+        best_up = max(position(x) for x in up)
+        return any(position(x) > best_up for x in down)
 
     def cold_start_refusal(self, up: list[str]) -> str:
         """Why the live nodes' stores would be refused a start (empty: they would not)."""
