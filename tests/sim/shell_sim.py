@@ -480,13 +480,13 @@ class ShellSim:
     async def _role_script(self) -> None:
         while True:
             try:
-                self._role_tick()
+                await self._role_tick()
             except Exception as exc:
                 self.script_error = exc  # the harness's own bug: fail the seed with it
                 raise
             await asyncio.sleep(RENEW_S)
 
-    def _role_tick(self) -> None:
+    async def _role_tick(self) -> None:
         healthy = [n for n in NODE_IDS if self._healthy(n)]
         master = self.master_id
         if master and master in healthy:
@@ -503,9 +503,9 @@ class ShellSim:
                 for node_id in reach:
                     self._command(node_id, renew=True)
                 return
-        self._elect(healthy)
+        await self._elect(healthy)
 
-    def _elect(self, healthy: list[str]) -> None:
+    async def _elect(self, healthy: list[str]) -> None:
         rng = self.rng
         # The largest connected group of healthy replicas (three nodes: small search).
         best: list[str] = []
@@ -516,6 +516,8 @@ class ShellSim:
                 best = group
         if len(best) * 2 <= len(NODE_IDS):
             return  # no majority: nothing can be elected
+        if not await self._stop(best):
+            return  # the next tick tries again
         epochs = [self.members[n].replica.epoch for n in best]  # type: ignore[union-attr]
         self.epoch = max(self.epoch, *epochs) + 1
         positions = {n: self._position(n) for n in best}
@@ -529,6 +531,27 @@ class ShellSim:
         self.note(f"elect epoch {self.epoch}: master {master} group {self.group} source {source}")
         for node_id in self.group:
             self._command(node_id, renew=False)
+
+    async def _stop(self, group: list[str]) -> bool:
+        """Stops every replica of ``group`` before their positions are read, as a
+        coordinator stops its replica before it reports a position for a new group
+        (``Election._on_invitation``: ``_deactivate_if_active``, then the accept waits for
+        the stopped replica's report): a position read from a replica still following the
+        old master could grow afterwards by batches it acknowledges to that master.
+        False when one did not stop within ``TAKE_GRACE_S`` or is no longer healthy."""
+        stops = []
+        for node_id in group:
+            member = self.members[node_id]
+            replica = member.replica
+            if replica is None:
+                return False
+            member.seq += 1
+            command = replica_pb2.RoleCommand(
+                seq=member.seq, role=common_pb2.ROLE_INACTIVE, cluster_id=CLUSTER_ID
+            )
+            stops.append(self.loop.spawn(member.process, self._apply(replica, command, True)))
+        _, pending = await asyncio.wait(stops, timeout=TAKE_GRACE_S)
+        return not pending and all(self._healthy(n) for n in group)
 
     def _command(self, node_id: str, *, renew: bool) -> None:
         member = self.members[node_id]
