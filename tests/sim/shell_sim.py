@@ -13,13 +13,14 @@ store a real ``Store`` over ``MemoryKV``. One seed decides everything (``random.
 Role commands come from a small seeded role-assignment script (``RoleScript``), not the
 shipped coordinator: it follows the coordinator's rules (one master per epoch, epochs
 increase past every epoch a replica has seen, a group is a connected majority of healthy
-replicas, the sync source is the member with the highest ``(last_epoch, last_lsn)`` as
-``election.pick_sync_source`` picks it, leases renewed every ``RENEW_S`` only to members
-connected to the master, a new epoch when the master stops serving or a healthy node is
-outside the group). The master is the sync source or, in a quarter of elections, another
-member (so reorganization fetches run). Coordinator faults are not modelled here:
-``coordinated_sim.py`` runs this harness with the shipped coordinator in place of the
-script (``_start_roles``, ``_heal_roles``, ``_inject`` and ``_truncator`` are its hooks).
+replicas, stopped before their positions are read, the sync source is the member with
+the highest ``(last_epoch, last_lsn)`` as ``election.pick_sync_source`` picks it,
+leases renewed every ``RENEW_S`` only to members connected to the master, a new epoch
+when the master stops serving or a healthy node is outside the group). The master is the
+sync source or, in a quarter of elections, another member (so reorganization fetches
+run). Coordinator faults are not modelled here: ``coordinated_sim.py`` runs this harness
+with the shipped coordinator in place of the script (``_start_roles``, ``_heal_roles``,
+``_inject`` and ``_truncator`` are its hooks).
 
 Faults, during a safety phase of ``FAULT_PHASE_S``: links cut one way or both (held
 messages, then a keepalive break), connection resets, replica process crashes (the
