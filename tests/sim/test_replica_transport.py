@@ -72,26 +72,32 @@ async def _publish(node: ReplicaNode, payload: bytes) -> common_pb2.BatchReceipt
     return await asyncio.wait_for(node.start_publish(request), WAIT_S)
 
 
+async def _started(network: SimReplicaNetwork, node_ids: tuple[str, ...]) -> dict[str, ReplicaNode]:
+    """Shipped replicas over ``network``, each with an in-memory store, started."""
+    config = load_config(CONFIG)
+    nodes = {
+        node_id: build_replica_node(
+            config,
+            config.node(node_id),
+            Store.open_memory(),
+            transport=network.transport_for(node_id),
+        )
+        for node_id in node_ids
+    }
+    for node in nodes.values():
+        network.add(node)
+        await node.start()
+    return nodes
+
+
 def _operations(node: ReplicaNode) -> list[tuple[int, int, bytes]]:
     return [(e.lsn, e.epoch, e.operation) for e in node.store.read_log(1, 10_000)]
 
 
 def test_replicas_replicate_reorganize_and_depose_over_the_simulated_transport() -> None:
     async def scenario() -> None:
-        config = load_config(CONFIG)
         network = SimReplicaNetwork()
-        nodes = {
-            node_id: build_replica_node(
-                config,
-                config.node(node_id),
-                Store.open_memory(),
-                transport=network.transport_for(node_id),
-            )
-            for node_id in ("n1", "n2", "n3")
-        }
-        for node in nodes.values():
-            network.add(node)
-            await node.start()
+        nodes = await _started(network, ("n1", "n2", "n3"))
         n1, n2, n3 = nodes["n1"], nodes["n2"], nodes["n3"]
         try:
             # Epoch 1: n1 masters n2 and n3; a write commits once a slave holds it.
@@ -161,20 +167,8 @@ def test_a_slave_whose_opened_stream_breaks_is_reconnected_at_the_shortest_wait(
     monkeypatch.setattr(ReconnectBackoff, "after", recorded)
 
     async def scenario() -> None:
-        config = load_config(CONFIG)
         network = SimReplicaNetwork()
-        nodes = {
-            node_id: build_replica_node(
-                config,
-                config.node(node_id),
-                Store.open_memory(),
-                transport=network.transport_for(node_id),
-            )
-            for node_id in ("n1", "n2")
-        }
-        for node in nodes.values():
-            network.add(node)
-            await node.start()
+        nodes = await _started(network, ("n1", "n2"))
         n1, n2 = nodes["n1"], nodes["n2"]
         try:
             await n2.apply_role(_slave(1, 1, "n1"))
