@@ -15,6 +15,8 @@ Two settings, both with a real gateway process:
 from __future__ import annotations
 
 import collections
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -685,6 +687,7 @@ def test_many_unary_callers_on_the_shared_stream_survive_a_master_kill_exactly_o
     lock = threading.Lock()
     stop = threading.Event()
     errors: list[BaseException] = []
+    in_call = [0]  # callers waiting for an answer
     old = trio.wait_for_master()
     with grpc.insecure_channel(trio.gateway_address) as channel:
         broker_pb2_grpc.TopicManagerStub(channel).CreateTopic(
@@ -699,6 +702,8 @@ def test_many_unary_callers_on_the_shared_stream_survive_a_master_kill_exactly_o
                     if stop.is_set():
                         return
                     key = (publisher_id, sequence)
+                    with lock:
+                        in_call[0] += 1
                     try:
                         response = stub.Publish(
                             broker_pb2.PublishRequest(
@@ -710,9 +715,11 @@ def test_many_unary_callers_on_the_shared_stream_survive_a_master_kill_exactly_o
                         )
                     except grpc.RpcError as exc:
                         with lock:
+                            in_call[0] -= 1
                             failed[key] = exc
                         continue
                     with lock:
+                        in_call[0] -= 1
                         acked[key] = response.receipts[0]
             except BaseException as exc:  # reported by the test
                 errors.append(exc)
@@ -726,6 +733,15 @@ def test_many_unary_callers_on_the_shared_stream_survive_a_master_kill_exactly_o
             thread.start()
         try:
             _wait_for(lambda: acked_by(old) >= 200, 30, f"200 publishes acknowledged by {old}")
+            # Frozen first, so that the kill finds every caller's request on the stream
+            # unanswered (a kill between answers would leave nothing in flight to resend).
+            os.kill(trio.services[("replica", old)].process.pid, signal.SIGSTOP)
+
+            def all_waiting() -> bool:
+                with lock:
+                    return in_call[0] == callers
+
+            _wait_for(all_waiting, 10, "every caller waiting on the frozen master")
             trio.kill_node(old)
             new = trio.wait_for_master(exclude=old)
             _wait_for(lambda: acked_by(new) >= 200, 40, f"200 publishes acknowledged by {new}")
