@@ -66,6 +66,8 @@ class FakeBroker(
         self.publish_stream_calls = 0
         self.unary_publish_calls = 0
         self.requests_seen = 0
+        # Subscribe calls whose start position is resolved (a "latest" one has its offset).
+        self.subscribes_started = 0
         # Requests carrying parts of several publishers (the client's shared stream).
         self.joined_requests_seen = 0
         # When set, PublishStream reads requests but answers only while the gate is open.
@@ -287,6 +289,7 @@ class FakeBroker(
             if request.subscription:
                 topic.cursors.setdefault(request.subscription, position)
             stop = topic.info.next_offset if not request.follow else None
+            self.subscribes_started += 1
         if request.end_offset:
             stop = request.end_offset if stop is None else min(stop, request.end_offset)
         batch_max = request.max_batch_events or 100
@@ -697,9 +700,13 @@ def test_subscribe_non_follow_ends_after_committed(client: squall.Client) -> Non
         assert list(sub) == []
 
 
-def test_subscribe_follow_sees_new_events_and_close_ends_iteration(client: squall.Client) -> None:
+def test_subscribe_follow_sees_new_events_and_close_ends_iteration(
+    client: squall.Client, broker: FakeBroker
+) -> None:
     topic = _fill(client, "t", 3)
     sub = topic.subscribe(start="latest")
+    # "latest" is where the topic ends when the server takes the call: publish after that.
+    wait_until(lambda: broker.subscribes_started == 1)
     with topic.publisher() as publisher:
         publisher.publish(b"new")
     message = next(sub)
