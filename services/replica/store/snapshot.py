@@ -1,6 +1,15 @@
 """Snapshots of the store's state: the export as ``SnapshotChunk`` messages from one read
 transaction, and the install (begin, chunk by chunk, finish, or abort) with every record
-verified again; ``Store`` (``facade``) runs each step in its own transaction."""
+verified again; ``Store`` (``facade``) runs each step in its own transaction.
+
+The install is staged: every chunk's records go to the staging twin of their database
+(``STAGED_DBS``), never to the live one, so until ``finish_install`` the replica holds,
+serves and reports the state and log it had before (a crash or an abandoned install
+leaves them whole). ``finish_install`` swaps in one write transaction: it empties the
+live state and log, moves the staged records in and empties the staging databases. The
+price is writing the snapshot twice (staged, then live): a replica never gives up the
+data it holds before the replacement is complete.
+"""
 
 from __future__ import annotations
 
@@ -36,6 +45,7 @@ from squall_server.replica.store.records import (
     META_UNCOMMITTED,
     SHOWN_CHARS_MAX,
     SNAPSHOT_DBS,
+    STAGED_DBS,
     U64X2,
     clear_state,
     encode_uncommitted,
@@ -195,8 +205,7 @@ def export_chunks(
 ) -> Generator[replica_pb2.SnapshotChunk, None, None]:
     """The state read through txn as snapshot chunks (``Store.snapshot_chunks``, which
     holds the transaction open until the generator is done)."""
-    if install_pending(txn):
-        raise SnapshotError("this store holds an unfinished snapshot install, not state")
+    # An unfinished install of this store's own is staged apart: the live state is whole.
     snapshot_lsn, snapshot_epoch = read_log_tail(txn)
     history = [
         replica_pb2.EpochBoundary(epoch=b.epoch, start_lsn=b.start_lsn) for b in read_history(txn)
@@ -235,16 +244,23 @@ def export_chunks(
 # --- install
 
 
+def clear_staged(txn: WriteTxn) -> None:
+    """Empties the staging databases (the live state and log are not touched)."""
+    for staged in STAGED_DBS.values():
+        txn.clear(staged)
+
+
 def begin_install(txn: WriteTxn, snapshot_lsn: int, snapshot_epoch: int) -> None:
-    """Empties the state and the log, and marks an install of the snapshot pending."""
+    """Marks an install of the snapshot pending, with nothing staged yet (what an earlier
+    unfinished install staged is dropped); the live state and log stay as they are."""
     pending = PendingInstall(snapshot_lsn, snapshot_epoch, 0, False, 0, b"")
-    clear_state(txn)
+    clear_staged(txn)
     txn.put(DB_META, META_SNAPSHOT_PENDING, pending.encode())
 
 
 def install_records(txn: WriteTxn, chunk: replica_pb2.SnapshotChunk) -> None:
-    """Checks a chunk against the install in progress and writes its records
-    (``Store.install_chunk``); raises before writing anything."""
+    """Checks a chunk against the install in progress and writes its records to the
+    staging databases (``Store.install_chunk``); raises before writing anything."""
     pending = read_pending(txn)
     if pending is None:
         raise SnapshotError(f"chunk {chunk.index}: no snapshot install in progress")
@@ -262,13 +278,10 @@ def install_records(txn: WriteTxn, chunk: replica_pb2.SnapshotChunk) -> None:
         raise SnapshotError(f"{where}: the next chunk expected is {expected}")
     runs = check_records(chunk, pending, where)
     for db, items in runs:
-        if db == DB_META:
-            for key, value in items:
-                txn.put(db, key, value)
-        else:
-            # Ascending above every key installed so far, into a database that
-            # begin_snapshot emptied: LMDB appends and packs pages full.
-            txn.put_many(db, items, append=True)
+        # Ascending above every key staged so far, into a staging database that
+        # begin_install emptied: LMDB appends and packs pages full. Staged meta too: the
+        # node's live meta is only replaced by finish_install.
+        txn.put_many(STAGED_DBS[db], items, append=True)
     pending.next_index += 1
     pending.complete = chunk.last
     txn.put(DB_META, META_SNAPSHOT_PENDING, pending.encode())
@@ -280,8 +293,10 @@ def finish_install(
     commit_lsn: int,
     uncommitted: Sequence[tuple[str, int, int]],
 ) -> None:
-    """Ends the install in progress (``Store.finish_snapshot``); raises before writing
-    anything."""
+    """Ends the install in progress (``Store.finish_snapshot``): in txn, the live state
+    and log are emptied, the staged records moved in and the staging databases emptied.
+    Raises before writing anything (an error of the KV while moving aborts txn: the old
+    state and the staged install stay)."""
     pending = read_pending(txn)
     if pending is None:
         raise SnapshotError("finish: no snapshot install in progress")
@@ -304,6 +319,16 @@ def finish_install(
     problem = uncommitted_problem(uncommitted, commit, lsn)
     if problem is not None:
         raise SnapshotError(f"finish: the snapshot at LSN {lsn}: {problem}")
+    clear_state(txn)
+    for db in SNAPSHOT_DBS:
+        staged = STAGED_DBS[db]
+        if db == DB_META:
+            for key, value in list(txn.scan(staged)):
+                txn.put(DB_META, key, value)
+        else:
+            # The staged keys in order, into a database clear_state emptied: appended.
+            txn.put_many(db, txn.scan(staged), append=True)
+        txn.clear(staged)
     txn.put(DB_META, META_LOG_TAIL, seal(META_LOG_TAIL, U64X2.pack(lsn, epoch)))
     if checked:
         body = b"".join(U64X2.pack(e, start) for e, start in checked)
@@ -319,9 +344,10 @@ def finish_install(
 
 
 def abort_install(txn: WriteTxn) -> bool:
-    """Abandons an unfinished install, leaving the store empty; whether one was pending."""
+    """Abandons an unfinished install: what it staged is dropped, the live state and log
+    stay as they are; whether one was pending."""
     if not install_pending(txn):
         return False
-    clear_state(txn)
+    clear_staged(txn)
     txn.delete(DB_META, META_SNAPSHOT_PENDING)
     return True
