@@ -190,8 +190,8 @@ class Effects:
     one):
 
     ``slave_hello`` alone: ``log_reread`` first, even with a refusal (the follower was
-    reset to the store's log: an unfinished snapshot install left it empty; committed
-    reads forget what was above it), then ``hello``: persist ``adopt_cluster_id`` when
+    reset to the store's log, which is not the one it knew; committed reads forget what
+    was above it), then ``hello``: persist ``adopt_cluster_id`` when
     set, mark the store in use and answer with the position; ``stream`` numbers the
     accepted stream (its later messages name it).
 
