@@ -6,7 +6,8 @@ a publish acknowledged soon after healing, identical logs, every acknowledged ev
 readable on every replica). ``make test`` runs ``SHELL_SEEDS_DEFAULT`` seeds as tests of
 ``SHELL_CHUNK_SEEDS`` consecutive seeds (``[seeds-0-19]`` ...); a long run is
 ``--shell-seeds=N`` (or ``SHELL_SEEDS=N``); ``SEED=S`` replays one seed. A planted
-bug (acknowledging before any replica holds the write) must be caught.
+bug (acknowledging before any replica holds the write) must be caught. One schedule is
+scripted (``SnapshotsCutShort``: seed 328's snapshots cut short on both slaves).
 """
 
 from __future__ import annotations

@@ -327,13 +327,14 @@ class Store:
         raises the store's epoch. Any error: nothing of the batch is stored.
         commit_lsn: the highest LSN the caller knows committed; the same transaction
         raises the recorded commit LSN to it (at most the new last LSN), for
-        ``StoreMeta.commit_lsn`` after a restart.
+        ``StoreMeta.commit_lsn`` after a restart. The entries continue the live log: an
+        unfinished snapshot install (a stream that ended mid-install; a stream refuses
+        entries inside a snapshot, ``Follower.on_batch``) is dropped in the same
+        transaction, and kept when the batch is refused.
         """
         if not entries:
             return
         with self._writing(sync=sync) as txn:
-            # Entries continue the live log: a snapshot install left unfinished (by a
-            # stream that ended; a stream refuses entries inside a snapshot) is dropped.
             abort_install(txn)
             batch = Batch(txn, self._dedupe_window)
             for entry in entries:
