@@ -28,7 +28,8 @@ from squall_server.replica.store import (
     Store,
     StoreFullError,
 )
-from squall_server.replica.store.records import STAGED_DBS
+from squall_server.replica.store.records import STAGED_DBS, clear_state
+from squall_server.replica.store.snapshot import PendingInstall
 from tests.unit.test_store_contract import (
     Op,
     Writer,
@@ -694,3 +695,33 @@ def test_a_topics_incarnation_survives_snapshots_and_restarts(stores: Stores) ->
     state = [db for db in SNAPSHOT_DBS if db != "meta"]
     assert [target.counts()[db] for db in state] == [source.counts()[db] for db in state]
     assert [e.sequence for e in target.read_events("orders", 0, 10)] == [1, 2, 3]
+
+
+def test_an_install_an_older_version_began_is_not_resumed(stores: Stores) -> None:
+    """An older version emptied the live databases for an install and wrote its chunks
+    there. Its pending record (no staged flag) is refused by the chunks and the finish;
+    the replica's open of an LMDB store empties such a store, as that version's abort did
+    (it reported itself empty), and a new begin installs cleanly."""
+    source, target = stores.make(), stores.make()
+    fill(source)
+    old_state(target)
+    chunks = export(source, records_max=6)
+    with target._kv.write(sync=False) as txn:  # what the older version's begin and chunk 0 did
+        clear_state(txn)
+        legacy = PendingInstall(chunks[0].snapshot_lsn, chunks[0].snapshot_epoch, 1, False, 0, b"")
+        for record in chunks[0].records:
+            txn.put(record.db, record.key, record.value)
+            legacy.last_db, legacy.last_key = SNAPSHOT_DBS.index(record.db) + 1, record.key
+        legacy.staged = False
+        txn.put("meta", b"snapshot_pending", legacy.encode())
+    with pytest.raises(SnapshotError, match="older version"):
+        target.install_chunk(wire(chunks[1]))
+    with pytest.raises(SnapshotError, match="older version"):
+        target.finish_snapshot(chunks[-1].history)
+    if stores.kind == "lmdb":
+        target = stores.reopen(target)
+        meta = target.meta()
+        assert (meta.snapshot_pending, meta.last_lsn, meta.cluster_id) == (False, 0, "cluster-a")
+        assert target.list_topics() == [] and staged_records(target) == 0
+    install(target, chunks)
+    assert view(target) == view(source)

@@ -63,6 +63,7 @@ from squall_server.replica.store.records import (
     META_LOG_START,
     META_MAX_SEEN,
     META_SHUTDOWN_ID,
+    META_SNAPSHOT_PENDING,
     META_STATE,
     META_UNCOMMITTED,
     SHARED_ACKED,
@@ -75,6 +76,7 @@ from squall_server.replica.store.records import (
     PushSubscriber,
     StoreMeta,
     TopicInfo,
+    clear_state,
     cursor_state,
     decode_topic,
     decode_uncommitted,
@@ -104,6 +106,7 @@ from squall_server.replica.store.snapshot import (
     export_chunks,
     finish_install,
     install_records,
+    read_pending,
 )
 from squall_server.replica.store.stall import StallMeter
 
@@ -196,7 +199,27 @@ class Store:
             )
         except KVError as exc:
             raise StoreError(str(exc)) from exc
-        return cls(kv, dedupe_window=dedupe_window)
+        store = cls(kv, dedupe_window=dedupe_window)
+        if not readonly:
+            try:
+                store._forget_unstaged_install()
+            except BaseException:
+                store.close()
+                raise
+        return store
+
+    def _forget_unstaged_install(self) -> None:
+        """An install an older version left unfinished had emptied the live databases and
+        written its chunks there (``snapshot.PENDING_STAGED``): empties them, as that
+        version's abort did, so the store is as empty as it reported itself (last LSN 0)
+        and shows no part of a snapshot."""
+        with self._reading() as txn:
+            pending = read_pending(txn)
+            if pending is None or pending.staged:
+                return
+        with self._writing(sync=True) as txn:
+            clear_state(txn)
+            txn.delete(DB_META, META_SNAPSHOT_PENDING)
 
     @classmethod
     def open_memory(

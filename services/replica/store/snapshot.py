@@ -65,9 +65,19 @@ SNAPSHOT_RECORDS_MAX_DEFAULT = 1000
 SNAPSHOT_BYTES_MAX_DEFAULT = 4 << 20
 
 
-# snapshot lsn, epoch, next chunk index, last chunk installed (0/1), db of the last record
-# installed (1 + its index in SNAPSHOT_DBS; 0: none yet); then the last record's key.
+# snapshot lsn, epoch, next chunk index, flags (PENDING_COMPLETE, PENDING_STAGED), db of
+# the last record installed (1 + its index in SNAPSHOT_DBS; 0: none yet); then the last
+# record's key.
 PENDING_RECORD = struct.Struct(">QQQBB")
+
+
+# The last chunk is installed.
+PENDING_COMPLETE = 1
+
+
+# The chunks go to the staging databases. An install begun by a version without the flag
+# wrote them into the live ones, which it had emptied: its chunks cannot be resumed.
+PENDING_STAGED = 2
 
 
 # The most topics a snapshot may list as holding uncommitted publishes (peer input).
@@ -93,11 +103,13 @@ class PendingInstall:
     complete: bool  # the last chunk is installed
     last_db: int  # 1 + SNAPSHOT_DBS index of the last record installed; 0: none yet
     last_key: bytes
+    staged: bool = True  # False: begun by an older version, in the live databases
 
     def encode(self) -> bytes:
         """The sealed record."""
+        flags = (PENDING_COMPLETE if self.complete else 0) | (PENDING_STAGED if self.staged else 0)
         head = PENDING_RECORD.pack(
-            self.snapshot_lsn, self.snapshot_epoch, self.next_index, self.complete, self.last_db
+            self.snapshot_lsn, self.snapshot_epoch, self.next_index, flags, self.last_db
         )
         return seal(META_SNAPSHOT_PENDING, head + self.last_key)
 
@@ -108,10 +120,19 @@ def read_pending(txn: ReadTxn) -> PendingInstall | None:
     if value is None:
         return None
     body = unseal(DB_META, META_SNAPSHOT_PENDING, value)
-    lsn, epoch, index, complete, last_db = unpack(
-        DB_META, META_SNAPSHOT_PENDING, PENDING_RECORD, body
-    )
-    return PendingInstall(lsn, epoch, index, bool(complete), last_db, body[PENDING_RECORD.size :])
+    lsn, epoch, index, flags, last_db = unpack(DB_META, META_SNAPSHOT_PENDING, PENDING_RECORD, body)
+    key = body[PENDING_RECORD.size :]
+    complete, staged = bool(flags & PENDING_COMPLETE), bool(flags & PENDING_STAGED)
+    return PendingInstall(lsn, epoch, index, complete, last_db, key, staged)
+
+
+def _check_staged(pending: PendingInstall, where: str) -> None:
+    """Refuses to go on with an install an older version began (see PENDING_STAGED)."""
+    if not pending.staged:
+        raise SnapshotError(
+            f"{where}: the install in progress was begun by an older version, which wrote "
+            "its chunks into the live databases: begin the snapshot again"
+        )
 
 
 def uncommitted_problem(
@@ -265,6 +286,7 @@ def install_records(txn: WriteTxn, chunk: replica_pb2.SnapshotChunk) -> None:
     if pending is None:
         raise SnapshotError(f"chunk {chunk.index}: no snapshot install in progress")
     where = f"chunk {chunk.index} of the snapshot at LSN {chunk.snapshot_lsn}"
+    _check_staged(pending, where)
     if (chunk.snapshot_lsn, chunk.snapshot_epoch) != (
         pending.snapshot_lsn,
         pending.snapshot_epoch,
@@ -300,6 +322,7 @@ def finish_install(
     pending = read_pending(txn)
     if pending is None:
         raise SnapshotError("finish: no snapshot install in progress")
+    _check_staged(pending, "finish")
     lsn, epoch = pending.snapshot_lsn, pending.snapshot_epoch
     if not pending.complete:
         raise SnapshotError(
