@@ -266,7 +266,11 @@ def export_chunks(
 
 
 def clear_staged(txn: WriteTxn) -> None:
-    """Empties the staging databases (the live state and log are not touched)."""
+    """Empties the staging databases (the live state and log are not touched), and the
+    live ones as well under an install an older version began (``PENDING_STAGED``)."""
+    pending = read_pending(txn)
+    if pending is not None and not pending.staged:
+        clear_state(txn)
     for staged in STAGED_DBS.values():
         txn.clear(staged)
 
