@@ -176,7 +176,7 @@ def _print_inspection(report: dict[str, object], out: TextIO) -> None:
     if report["shutdown_id"]:
         state += f" (shutdown {report['shutdown_id']})"
     if report["snapshot_pending"]:
-        state += "; an unfinished snapshot install left it partial (it reports itself empty)"
+        state += "; an unfinished snapshot install is staged (not part of what is shown)"
     running = "yes: its replica is running" if report["replica_running"] else "no"
     lines = [
         ("store", report["dir"]),
@@ -231,11 +231,6 @@ def mark_clean(path_text: str, shutdown_id: str | None, out: TextIO) -> None:
             store = _open(path, write=True)
             try:
                 meta = store.meta()
-                if meta.snapshot_pending:
-                    raise StoreToolError(
-                        f"{path} holds an unfinished snapshot install: its state is partial "
-                        "and it cannot be the store a cluster restarts from; nothing was changed"
-                    )
                 if meta.state == common_pb2.STORE_STATE_EMPTY or not meta.cluster_id:
                     raise StoreToolError(
                         f"{path} is an empty store (no cluster id, LSN {meta.last_lsn}): there "

@@ -125,11 +125,6 @@ def verify_copy(path: Path, progress: Progress = no_progress) -> tuple[StoreMeta
         raise BackupError(f"the copy at {path} does not open: {exc}") from exc
     try:
         meta = store.meta()
-        if meta.snapshot_pending:
-            raise BackupError(
-                "the store holds an unfinished snapshot install (the node was catching up): "
-                "back up another node, or this one once it is streaming"
-            )
         lsn = meta.log_start_lsn
         total = max(0, meta.last_lsn - meta.log_start_lsn + 1)
         progress("verify", 0, total)

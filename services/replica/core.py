@@ -190,8 +190,8 @@ class Effects:
     one):
 
     ``slave_hello`` alone: ``log_reread`` first, even with a refusal (the follower was
-    reset to the store's log: an unfinished snapshot install left it empty; committed
-    reads forget what was above it), then ``hello``: persist ``adopt_cluster_id`` when
+    reset to the store's log, which is not the one it knew; committed reads forget what
+    was above it), then ``hello``: persist ``adopt_cluster_id`` when
     set, mark the store in use and answer with the position; ``stream`` numbers the
     accepted stream (its later messages name it).
 
@@ -696,7 +696,7 @@ class ReplicaCore:
             )
         reread = follower.state().last_lsn != store_last_lsn
         if reread:
-            # An unfinished snapshot install left the store empty: report what it holds.
+            # The store's log is not the one the follower last knew: report what it holds.
             follower.reset(last_lsn=store_last_lsn, history=store_history)
             self.log_reset(store_last_lsn, store_log_start_lsn)
         result = follower.on_hello(master_id=master_id, epoch=epoch, cluster_id=cluster_id)
@@ -866,11 +866,6 @@ class ReplicaCore:
         """Recording the commit LSN failed (only a hint for the next start): the next
         heartbeat tries again."""
         self.log.commit_recording = 0
-        return Effects()
-
-    def snapshot_begun(self) -> Effects:
-        """A snapshot install began: the store reports itself empty until it finishes."""
-        self.log.last_lsn, self.log.log_start_lsn, self.log.commit_recorded = 0, 1, 0
         return Effects()
 
     def snapshot_installed(self, snapshot_lsn: int, commit_lsn: int) -> Effects:

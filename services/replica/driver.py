@@ -842,17 +842,18 @@ class ReplicaDriver:
         store = self.store
         if chunk.index == 0:
             log.warning(
-                "replica %s installing a snapshot at LSN %d (epoch %d) from %s: its state "
-                "and log (last LSN %d) are replaced",
+                "replica %s installing a snapshot at LSN %d (epoch %d) from %s: staged, its "
+                "state and log (last LSN %d) are kept and served until the last chunk is in",
                 self.node_id,
                 chunk.snapshot_lsn,
                 chunk.snapshot_epoch,
                 source,
                 self.core.log.last_lsn,
             )
+            # The chunks are staged: the store keeps, serves and reports its state and log
+            # (committed reads, the position a Hello and the coordinator see) until
+            # finish_snapshot swaps the snapshot in, in one transaction.
             yield functools.partial(store.begin_snapshot, chunk.snapshot_lsn, chunk.snapshot_epoch)
-            # The store reports itself empty until the install finishes.
-            self.snapshot_begun()
         yield functools.partial(store.install_chunk, chunk)
         if not last:
             return None
@@ -876,11 +877,6 @@ class ReplicaDriver:
         )
         return lsn
 
-    def snapshot_begun(self) -> None:
-        """Chunk 0 began an install: the store reports itself empty until it finishes."""
-        self.core.snapshot_begun()
-        self.gate.truncated(0)
-
     def snapshot_finished(
         self, lsn: int, commit_lsn: int, uncommitted: Sequence[tuple[str, int, int]]
     ) -> int:
@@ -888,7 +884,9 @@ class ReplicaDriver:
 
         The snapshot's state cannot be hidden entry by entry: what it holds above the
         sender's commit LSN is hidden per topic until this node's commit LSN passes it
-        (the gate moves first, then hides)."""
+        (the gate moves first, then hides). What the gate tracked of the state the
+        snapshot replaced is forgotten first: that state is gone."""
+        self.gate.truncated(0)
         installed = self.core.snapshot_installed(lsn, commit_lsn)
         if installed.advance_commit is not None:
             self.gate.advance(installed.advance_commit)

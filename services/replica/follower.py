@@ -188,8 +188,9 @@ class HelloAccepted:
     """A Hello from the epoch's master was accepted; answer with ``position``.
 
     Before answering: when ``adopt_cluster_id`` is set (an empty store meets its
-    cluster), persist it as the store's cluster id; when ``discard_snapshot``, drop the
-    chunks staged from an unfinished snapshot of an earlier stream.
+    cluster), persist it as the store's cluster id. ``discard_snapshot``: an unfinished
+    snapshot of an earlier stream is abandoned; the store drops what it staged with the
+    next install's begin or the next append (``Store.begin_snapshot``, ``Store.append``).
     """
 
     position: Position

@@ -860,10 +860,11 @@ class ReplicationMaster(Generic[T]):
         slave.clear_window()
         slave.snapshot_lsn = snapshot_lsn
         slave.next_lsn = snapshot_lsn + 1
-        # The slave empties its store when the first chunk arrives (``begin_snapshot``)
-        # and holds nothing until it acknowledges the installed snapshot; an install cut
-        # short leaves it empty. What it acknowledged before counts no more (a commit
-        # counting it would rely on entries it no longer holds).
+        # The slave stages the chunks and keeps its old state and log until the last is
+        # in (``finish_snapshot`` swaps them in one transaction; an install cut short
+        # leaves the old state). What it acknowledged before counts no more until it
+        # acknowledges the installed snapshot (a commit counting it would rely on
+        # entries the install is about to replace).
         slave.received_lsn = slave.written_lsn = slave.synced_lsn = 0
         return self._actions()
 

@@ -79,8 +79,6 @@ async def finish(
     problems: list[str] = []
     if node.failed_reason:
         problems.append(f"it stopped serving writes: {node.failed_reason}")
-    if meta.snapshot_pending:
-        problems.append("an unfinished snapshot install left its state partial")
     if meta.cluster_id != cluster_id:
         problems.append(f"its cluster is {meta.cluster_id or '(none)'}, not {cluster_id}")
     if (meta.last_epoch, meta.last_lsn) != (last_epoch, lsn):

@@ -216,13 +216,6 @@ class ReplicationChecker:
                 self.committed_by.append(node)
         self.claimed[node] = commit_lsn
 
-    def store_emptied(self, node: str) -> None:
-        """A snapshot install that did not finish left the node's store empty (as the
-        shipped store does, by design): the commit LSN it reported no longer binds its log.
-        Acknowledged writes stay checked where it matters: held by a majority when
-        acknowledged, and by every live replica at the end."""
-        self.claimed[node] = 0
-
     def master_started(self, node: str, epoch: int, commit_lsn: int) -> None:
         """A ReplicationMaster was created with an initial (already committed) commit LSN."""
         self.core_commit[(node, epoch)] = commit_lsn

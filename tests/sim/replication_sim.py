@@ -41,7 +41,8 @@ What is modelled
   being written. Only ``NO_SYNC`` acknowledges received entries, so only it can lose an
   acknowledged entry in a crash: the checker is told (``degrade``) and stops the checks
   that rely on durability for that seed (reported as "degraded" seeds). A snapshot install
-  cut short leaves the store empty, as the shipped store does.
+  cut short leaves the store as it was (the shipped store stages the install and swaps it
+  in at its end), so the checker's view changes only when an install finishes.
 * **Roles.** Every role command goes to the node's ``ReplicaCore`` (``role_command``) and
   its effects are carried out by ``ReplicaDriver.role_steps`` in the order ``core.Effects``
   documents, each step the driver leaves to the shell done as ``RoleApplication`` does it
@@ -524,8 +525,6 @@ class NodeStore(Replica):
     """The real store (``MemoryKV``): what the drivers read and write. ``log`` is the
     checker's view of it: the entries its state was built from, also those a snapshot
     or a compaction took out of the store's log."""
-    installing: bool = False
-    """A snapshot install began and has not finished: the store reports itself empty."""
 
     def refresh(self) -> None:
         """Keep the position the coordinator reads in step with the log."""
@@ -889,7 +888,7 @@ class ReplicationSimulation(Simulation):
         for node in self.nodes:
             store = self.stores[node]
             log = store.log
-            if not store.installing and len(log) >= lsn and log[lsn - 1] == entry:
+            if len(log) >= lsn and log[lsn - 1] == entry:
                 count += 1
         return count
 
@@ -897,7 +896,7 @@ class ReplicationSimulation(Simulation):
         """Does the node hold ``entry`` in its store or among its received, unwritten batches?"""
         store = self.stores[node]
         log = store.log
-        held: Entry | None = log[lsn - 1] if lsn <= len(log) and not store.installing else None
+        held: Entry | None = log[lsn - 1] if lsn <= len(log) else None
         for write in self.rt[node].writes:
             batch = write.accepted
             cut = batch.truncate_after_lsn
@@ -968,17 +967,11 @@ class ReplicationSimulation(Simulation):
         return rt.driver
 
     def reconcile(self, node: str) -> None:
-        """The checker's view follows a store an unfinished install left empty, or one
-        a machine crash took back to its last flush."""
+        """The checker's view follows a store a machine crash took back to its last flush
+        (an unfinished snapshot install leaves the store as it was)."""
         store = self.stores[node]
         meta = store.db.meta()
-        if store.log and meta.last_lsn == 0 and meta.snapshot_pending:
-            self.note(f"{node} store empty", "an unfinished snapshot install")
-            self.rchecker.store_emptied(node)
-            store.log = []
-            store.refresh()
-            store.log_start, store.snapshot_lsn = 1, 0
-        elif meta.last_lsn < len(store.log):
+        if meta.last_lsn < len(store.log):
             self.note(f"{node} store lost", f"LSNs {meta.last_lsn + 1}..{len(store.log)}")
             if not self.power_safe:
                 self.rchecker.degrade(
@@ -988,7 +981,6 @@ class ReplicationSimulation(Simulation):
                 )
             self.set_log(node, store.log[: meta.last_lsn], meta.last_lsn)
         store.log_start = store.db.log_start_lsn()
-        store.installing = False
         self.check_store(node)
 
     def order(self, node: str, cmd: RoleCommand | None, reason: str = "") -> Effects:
@@ -1105,8 +1097,8 @@ class ReplicationSimulation(Simulation):
         serve."""
         rt = self.rt[node]
         rt.taking = take.epoch
-        # A snapshot install its last stream cut short left the store empty: the fetch
-        # starts from that, and so does the checker's view.
+        # A machine crash may have taken the store back: the fetch starts from what it
+        # holds, and so does the checker's view.
         self.reconcile(node)
         try:
             self.driver_of(node).take_master_persist(persist, take.members)
@@ -1292,8 +1284,6 @@ class ReplicationSimulation(Simulation):
         snapshot's LSN once installed."""
         store = self.stores[node]
         driver = self.driver_of(node)
-        if chunk.index == 0:
-            store.installing = True  # the store reports itself empty from the begin on
         lsn = run_store_steps(
             driver.install_snapshot(chunk, last=last, history=history, source=source)
         )
@@ -1302,7 +1292,6 @@ class ReplicationSimulation(Simulation):
         staged = list(ghost)
         if len(staged) != lsn or any(e.lsn != i + 1 for i, e in enumerate(staged)):
             raise self.fail(f"node {node}: snapshot at {lsn} built from {len(staged)} entries")
-        store.installing = False
         first = 0
         limit = min(len(staged), len(store.log))
         while first < limit and staged[first] == store.log[first]:

@@ -291,8 +291,9 @@ def test_seed_350_a_reissued_master_command_keeps_the_sync_source() -> None:
 
 def test_seed_635_a_slave_installing_a_snapshot_is_not_counted_as_holding_its_old_log() -> None:
     """Regression: a NO_SYNC slave whose snapshot install was cut short held nothing (the
-    shipped store empties itself for an install), and a new master still counted what it
-    had acknowledged before and committed old entries on it
+    shipped store then emptied itself for an install; it stages the install now), and a
+    new master still counted what it had acknowledged before and committed old entries on
+    it
     (``tests/unit/test_replication.py::
     test_a_slave_sent_a_snapshot_counts_for_nothing_until_it_installed_it``)."""
     result = run_seed(635)

@@ -394,8 +394,6 @@ def execute(h: Harness | None, line: str) -> tuple[Harness | None, list[str]]:
         out += h.effects(core.log_truncated(int(options["keep"]), int(options["start"])))
     elif command == "compacted":
         out += h.effects(core.log_compacted(int(options["start"])))
-    elif command == "snapshot-begun":
-        out += h.effects(core.snapshot_begun())
     elif command == "snapshot-installed":
         out += h.effects(core.snapshot_installed(int(options["lsn"]), int(options["commit"])))
     elif command == "hello":

@@ -1209,10 +1209,12 @@ def test_random_divergent_logs_are_brought_to_the_new_masters(seed: int) -> None
 
 def test_a_slave_sent_a_snapshot_counts_for_nothing_until_it_installed_it() -> None:
     # Regression (found by the replication simulator running the shipped slave, seed 635):
-    # a slave empties its store when a snapshot's first chunk arrives (begin_snapshot) and
-    # stays empty if the install is cut short; the master kept counting what it had
+    # a slave then emptied its store when a snapshot's first chunk arrived and stayed
+    # empty if the install was cut short; the master kept counting what it had
     # acknowledged before, and a new master committed old entries counting a replica that
-    # no longer held them.
+    # no longer held them. The install is staged now (the old log stays until it
+    # finishes), but what a slave acknowledged before still counts for nothing: the
+    # install is about to replace it.
     cfg = config(truncate_by_snapshot=True, replica_sync=SyncPolicy.NO_SYNC)
     master = new_master(cfg, last_lsn=5, epoch=2)
     sid3 = stream(master, "3", last_lsn=5)

@@ -118,15 +118,16 @@ def test_an_installed_snapshot_records_its_commit_lsn_and_uncommitted_publishes(
     target = stores.make()
     _five(target, 5)
     _install(target, chunks)
-    assert target.meta().commit_lsn == 0  # the store is empty while it installs
+    # The install is staged: the live log and its commit record stay until it finishes.
+    assert target.meta().commit_lsn == 5
     # Listed in any order, recorded by last LSN.
     target.finish_snapshot([(1, 1)], commit_lsn=2, uncommitted=[("u", 0, 5), ("t", 0, 3)])
     target = stores.reopen(target)
     assert target.meta().commit_lsn == 2
     assert target.snapshot_uncommitted() == [("t", 0, 3), ("u", 0, 5)]
-    # A new install forgets the old list.
+    # A new install forgets the old list once it finishes (the old state is served until).
     _install(target, chunks)
-    assert target.snapshot_uncommitted() == []
+    assert target.snapshot_uncommitted() == [("t", 0, 3), ("u", 0, 5)]
     target.finish_snapshot([(1, 1)], commit_lsn=9)
     assert (target.meta().commit_lsn, target.snapshot_uncommitted()) == (5, [])
 

@@ -23,6 +23,8 @@ from squall_server.replica.store import (
     StoreError,
     StoreFullError,
 )
+from squall_server.replica.store.kv_lmdb import LmdbKV
+from squall_server.replica.store.records import LIVE_DATABASES
 from tests.unit.test_store_contract import (
     Writer,
     create,
@@ -258,4 +260,30 @@ def test_export_refuses_a_damaged_record(tmp_path: Path) -> None:
     with pytest.raises(CorruptRecordError) as error, closing(store.snapshot_chunks()) as chunks:
         list(chunks)
     assert (error.value.db, error.value.key) == ("events", key)
+    store.close()
+
+
+def test_a_store_written_before_the_staging_databases_opens(tmp_path: Path) -> None:
+    """A store last written by a version without the snapshot staging databases: a
+    read-only open (the offline tools, which create nothing) reads it as it is, and the
+    replica's own open adds them."""
+    old = Store(LmdbKV(tmp_path, LIVE_DATABASES, map_size_bytes=MAP_SIZE_BYTES))
+    w = fill(old)
+    seen = observe(old, ("p",))
+    old.close()
+    reader = Store.open_lmdb(tmp_path, MAP_SIZE_BYTES, readonly=True, lock=False)
+    assert observe(reader, ("p",)) == seen
+    assert reader.meta().last_lsn == w.lsn and not reader.meta().snapshot_pending
+    reader.close()
+    store = Store.open_lmdb(tmp_path, MAP_SIZE_BYTES)
+    with closing(store.snapshot_chunks()) as exported:
+        chunks = list(exported)
+    store.begin_snapshot(chunks[0].snapshot_lsn, chunks[0].snapshot_epoch)
+    for chunk in chunks:
+        store.install_chunk(chunk)
+    topics = store.list_topics()
+    store.finish_snapshot(chunks[-1].history)
+    assert store.list_topics() == topics
+    assert [e.offset for e in store.read_events("t", 0, 10)] == [0, 1, 2]
+    assert (store.meta().last_lsn, store.log_start_lsn()) == (w.lsn, w.lsn + 1)
     store.close()

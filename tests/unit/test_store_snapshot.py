@@ -1,8 +1,9 @@
 """Snapshot export and install, run against both store twins (LMDB and in-memory).
 
 A snapshot must carry a replica's whole state as of one LSN, whatever is written while
-it is read, and an install must either finish with exactly that state or leave a store
-that reports itself empty, so the master sends a fresh snapshot. Chunks go through
+it is read, and an install must either finish with exactly that state, swapped in by one
+transaction, or leave the store with the state and log it held before (the install
+staged apart, resumable or dropped). Chunks go through
 protobuf serialization here, as they would on the replication stream.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import closing
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +26,10 @@ from squall_server.replica.store import (
     LogCompactedError,
     SnapshotError,
     Store,
-    UnknownTopicError,
+    StoreFullError,
 )
+from squall_server.replica.store.records import STAGED_DBS, clear_state
+from squall_server.replica.store.snapshot import PendingInstall
 from tests.unit.test_store_contract import (
     Op,
     Writer,
@@ -374,91 +378,198 @@ def test_closing_an_export_early_releases_it(stores: Stores) -> None:
 # --- interrupted and refused installs
 
 
-def test_interrupted_install_reports_an_empty_store(stores: Stores) -> None:
+def staged_records(store: Store) -> int:
+    """Records in the staging databases (the store's own: read through its KV)."""
+    with store._kv.read() as txn:
+        return sum(txn.count(db) for db in STAGED_DBS.values())
+
+
+def old_state(store: Store) -> Writer:
+    """A store with state of its own, other than fill()'s: what an install replaces."""
+    store.set_cluster_id("cluster-a")
+    store.set_epoch(4)
+    old = Writer(store, epoch=2)
+    old.append(epoch_start(2), create("old"), publish("old", 0, payloads(5)))
+    old.append(set_cursor("old", "s", 2), publish("old", 5, payloads(2), publisher_id="p"))
+    store.record_commit(old.lsn)
+    return old
+
+
+def test_interrupted_install_keeps_the_old_state_and_resumes(stores: Stores) -> None:
+    """Regression (docs/status.md): a slave emptied its store for a snapshot, its master
+    crashed mid-install, and the emptied slaves elected each other and lost every
+    committed event. Until the last chunk is in and finish_snapshot swaps it in, the store
+    keeps, serves and reports what it held, across a restart too."""
     source, target = stores.make(), stores.make()
     w = fill(source)
-    target.set_cluster_id("cluster-a")
-    target.set_epoch(4)
-    old = Writer(target, epoch=2)
-    old.append(epoch_start(2), create("old"), publish("old", 0, payloads(5)))
+    old = old_state(target)
+    before, meta_before = view(target), target.meta()
+    log_before = target.read_log(1, 100)
     chunks = export(source, records_max=6)
+    assert len(chunks) > 5
     target.begin_snapshot(chunks[0].snapshot_lsn, chunks[0].snapshot_epoch)
     for chunk in chunks[:4]:
         target.install_chunk(wire(chunk))
-    target = stores.reopen(target)
+    for _ in range(2):  # before and after a restart
+        meta = target.meta()
+        assert meta.snapshot_pending
+        assert meta == replace(meta_before, snapshot_pending=True)
+        assert (meta.last_lsn, meta.last_epoch) == (old.lsn, 2)
+        assert view(target) == before
+        assert [e.offset for e in target.read_events("old", 0, 10)] == list(range(7))
+        assert target.read_log(1, 100) == log_before
+        assert target.get_topic("orders") is None  # nothing staged shows
+        assert staged_records(target) > 0
+        target = stores.reopen(target)
+    # The install resumes at the next chunk; the old state stays until the last is in.
+    with pytest.raises(SnapshotError, match="next chunk expected is 4"):
+        target.install_chunk(wire(chunks[3]))
+    for chunk in chunks[4:]:
+        target.install_chunk(wire(chunk))
+    assert view(target) == before
+    target.finish_snapshot(chunks[-1].history)
+    assert view(target) == view(source)
+    assert target.get_topic("old") is None and target.read_log(w.lsn + 1, 10) == []
     meta = target.meta()
-    assert (meta.last_lsn, meta.last_epoch, meta.history) == (0, 0, ())
-    assert (meta.snapshot_pending, meta.log_start_lsn) == (True, 1)
-    assert (meta.cluster_id, meta.epoch) == ("cluster-a", 4)  # the node's own meta stays
-    # No partial state is served.
-    assert target.list_topics() == [] and target.get_topic("orders") is None
-    with pytest.raises(UnknownTopicError):
-        target.read_events("orders", 0, 10)
-    with pytest.raises(UnknownTopicError):
-        target.list_subscriptions("orders")
-    assert target.get_cursor("orders", "billing") is None
-    assert (target.publisher_high_water("p"), target.lookup_sequence("p", 1)) == (0, None)
-    assert target.read_log(1, 10) == []
-    assert target.compact_log(10) == 0
-    with pytest.raises(SnapshotError), closing(target.snapshot_chunks()) as gen:
-        next(gen)
-    # A fresh snapshot (the master sends one to a store at LSN 0) installs cleanly.
-    install(target, export(source, records_max=9))
-    assert view(target) == view(source)
+    assert (meta.log_start_lsn, meta.snapshot_pending, meta.cluster_id) == (
+        w.lsn + 1,
+        False,
+        "cluster-a",
+    )
+    assert staged_records(target) == 0
     target = stores.reopen(target)
     assert view(target) == view(source)
-    assert (target.meta().log_start_lsn, target.meta().snapshot_pending) == (w.lsn + 1, False)
 
 
-def test_interrupted_install_then_log_from_lsn_1(stores: Stores) -> None:
-    """A master that still holds its whole log may fill an abandoned install from LSN 1."""
+def test_a_store_with_an_install_staged_serves_its_old_log(stores: Stores) -> None:
+    """The live log stays in use while an install is staged: commits are recorded, the
+    log compacts, and a snapshot of this store is its old state."""
     source, target = stores.make(), stores.make()
     fill(source)
+    old = old_state(target)
+    own = export(target)
+    chunks = export(source, records_max=6)
+    target.begin_snapshot(chunks[0].snapshot_lsn, chunks[0].snapshot_epoch)
+    target.install_chunk(wire(chunks[0]))
+    assert [(c.snapshot_lsn, list(c.records)) for c in export(target)] == [
+        (c.snapshot_lsn, list(c.records)) for c in own
+    ]
+    assert target.compact_log(3) == 2
+    assert target.log_start_lsn() == 3
+    assert target.meta().snapshot_pending
+    for chunk in chunks[1:]:
+        target.install_chunk(wire(chunk))
+    target.finish_snapshot(chunks[-1].history)
+    assert view(target) == view(source)
+    assert target.log_start_lsn() == chunks[0].snapshot_lsn + 1 != old.lsn + 1
+
+
+def test_an_append_drops_an_unfinished_install(stores: Stores) -> None:
+    """Entries continue the live log (a new stream after an install cut short): the staged
+    install is dropped in the same transaction; a refused batch drops nothing."""
+    source, target = stores.make(), stores.make()
+    fill(source)
+    old = old_state(target)
     chunks = export(source, records_max=6)
     target.begin_snapshot(chunks[0].snapshot_lsn, chunks[0].snapshot_epoch)
     target.install_chunk(wire(chunks[0]))
     target.install_chunk(wire(chunks[1]))
     target = stores.reopen(target)
-    log = source.read_log(1, 1000)
-    with pytest.raises(InvalidEntryError, match="LSN 2"):
-        target.append(log[1:], sync=False)
+    entries = old.entries(publish("old", 7, payloads(2)))
+    with pytest.raises(InvalidEntryError):
+        target.append(source.read_log(1, 1000), sync=False)  # not the live log's next LSN
     bad = replica_pb2.LogEntry()
-    bad.CopyFrom(log[-1])
+    bad.CopyFrom(entries[0])
     bad.checksum ^= 1
     with pytest.raises(InvalidEntryError):
-        target.append([*log[:-1], bad], sync=False)  # the whole batch, clearing too, undone
-    # The refused batch undid its clearing too: the install goes on where it stopped.
-    assert target.meta().snapshot_pending
-    for chunk in chunks[2:]:
+        target.append([bad], sync=False)
+    assert target.meta().snapshot_pending  # the refused batches dropped nothing
+    target.append(entries, sync=False)
+    meta = target.meta()
+    assert (meta.snapshot_pending, meta.last_lsn) == (False, old.lsn + 1)
+    assert [e.offset for e in target.read_events("old", 0, 20)] == list(range(9))
+    assert staged_records(target) == 0
+    with pytest.raises(SnapshotError, match="no snapshot install"):
+        target.install_chunk(wire(chunks[2]))
+    # A new install over an unfinished one starts from nothing staged.
+    target.begin_snapshot(chunks[0].snapshot_lsn, chunks[0].snapshot_epoch)
+    target.install_chunk(wire(chunks[0]))
+    target.begin_snapshot(chunks[0].snapshot_lsn, chunks[0].snapshot_epoch)
+    for chunk in chunks:
         target.install_chunk(wire(chunk))
     target.finish_snapshot(chunks[-1].history)
     assert view(target) == view(source)
-    # Abandoned again; this time the log comes from LSN 1.
-    target.begin_snapshot(chunks[0].snapshot_lsn, chunks[0].snapshot_epoch)
-    target.install_chunk(wire(chunks[0]))
-    target = stores.reopen(target)
-    target.append(log, sync=False)
-    assert view(target) == view(source)
-    assert not target.meta().snapshot_pending
-    assert target.log_start_lsn() == 1
-    with pytest.raises(SnapshotError, match="no snapshot install"):
-        target.install_chunk(wire(chunks[1]))
 
 
-def test_abort_snapshot_leaves_an_empty_store(stores: Stores) -> None:
+def test_abort_snapshot_keeps_the_old_state(stores: Stores) -> None:
     source, target = stores.make(), stores.make()
     fill(source)
-    target.set_cluster_id("c")
+    old_state(target)
+    before = view(target)
     assert not target.abort_snapshot()
     chunks = export(source, records_max=6)
     target.begin_snapshot(chunks[0].snapshot_lsn, chunks[0].snapshot_epoch)
     target.install_chunk(wire(chunks[0]))
     assert target.abort_snapshot()
     assert not target.meta().snapshot_pending
-    assert view(target) == view(stores.make())
-    assert target.meta().cluster_id == "c"
-    target.append(source.read_log(1, 1000), sync=False)
+    assert staged_records(target) == 0
+    assert view(target) == before
+    target = stores.reopen(target)
+    assert view(target) == before
+    with pytest.raises(SnapshotError, match="no snapshot install"):
+        target.install_chunk(wire(chunks[1]))
+
+
+def test_a_failed_finish_leaves_the_old_state_and_the_staged_install(stores: Stores) -> None:
+    source, target = stores.make(), stores.make()
+    fill(source)
+    old_state(target)
+    before = view(target)
+    chunks = export(source, records_max=6)
+    target.begin_snapshot(chunks[0].snapshot_lsn, chunks[0].snapshot_epoch)
+    for chunk in chunks:
+        target.install_chunk(wire(chunk))
+    staged = staged_records(target)
+    for history in ([], [(1, 1)], [(3, 1), (1, 9)]):
+        with pytest.raises(SnapshotError):
+            target.finish_snapshot(history)
+        assert view(target) == before
+        assert (target.meta().snapshot_pending, staged_records(target)) == (True, staged)
+    target = stores.reopen(target)
+    target.finish_snapshot(chunks[-1].history)
     assert view(target) == view(source)
+
+
+def test_a_finish_that_runs_out_of_room_midway_changes_nothing() -> None:
+    """The swap is one transaction: the store filling up while the staged records move
+    in (the live state already cleared in it) rolls all of it back."""
+    source = Store.open_memory()
+    fill(source)
+    chunks = export(source, records_max=6)
+
+    def staged_store(capacity: int | None) -> Store:
+        store = Store.open_memory(capacity)
+        old_state(store)
+        store.begin_snapshot(chunks[0].snapshot_lsn, chunks[0].snapshot_epoch)
+        for chunk in chunks:
+            store.install_chunk(wire(chunk))
+        return store
+
+    probe = Store.open_memory()
+    old_state(probe)
+    live = probe.size_bytes()
+    staged = staged_store(None).size_bytes() - live
+    assert live < staged // 4
+    # Room for the old state and the staged install, not for the staged records twice.
+    target = staged_store(live + staged + staged // 2)
+    before = view(target)
+    with pytest.raises(StoreFullError):
+        target.finish_snapshot(chunks[-1].history)
+    assert view(target) == before
+    assert target.meta().snapshot_pending
+    roomy = staged_store(live + staged * 2 + 4096)
+    roomy.finish_snapshot(chunks[-1].history)
+    assert view(roomy) == view(source)
 
 
 def _corrupt(chunk: Chunk, at: int, change: Callable[[replica_pb2.SnapshotRecord], None]) -> Chunk:
@@ -584,3 +695,35 @@ def test_a_topics_incarnation_survives_snapshots_and_restarts(stores: Stores) ->
     state = [db for db in SNAPSHOT_DBS if db != "meta"]
     assert [target.counts()[db] for db in state] == [source.counts()[db] for db in state]
     assert [e.sequence for e in target.read_events("orders", 0, 10)] == [1, 2, 3]
+
+
+def test_an_install_an_older_version_began_is_not_resumed(stores: Stores) -> None:
+    """An older version emptied the live databases for an install and wrote its chunks
+    there. Its pending record (no staged flag) is refused by the chunks and the finish;
+    the replica's open of an LMDB store, or an abort, empties such a store as that
+    version's abort did (it reported itself empty), and a new begin installs cleanly."""
+    source, target = stores.make(), stores.make()
+    fill(source)
+    old_state(target)
+    chunks = export(source, records_max=6)
+    with target._kv.write(sync=False) as txn:  # what the older version's begin and chunk 0 did
+        clear_state(txn)
+        legacy = PendingInstall(chunks[0].snapshot_lsn, chunks[0].snapshot_epoch, 1, False, 0, b"")
+        for record in chunks[0].records:
+            txn.put(record.db, record.key, record.value)
+            legacy.last_db, legacy.last_key = SNAPSHOT_DBS.index(record.db) + 1, record.key
+        legacy.staged = False
+        txn.put("meta", b"snapshot_pending", legacy.encode())
+    with pytest.raises(SnapshotError, match="older version"):
+        target.install_chunk(wire(chunks[1]))
+    with pytest.raises(SnapshotError, match="older version"):
+        target.finish_snapshot(chunks[-1].history)
+    if stores.kind == "lmdb":
+        target = stores.reopen(target)  # the replica's open empties it
+    else:
+        assert target.abort_snapshot()  # so does an abort (a begin, an append)
+    meta = target.meta()
+    assert (meta.snapshot_pending, meta.last_lsn, meta.cluster_id) == (False, 0, "cluster-a")
+    assert target.list_topics() == [] and staged_records(target) == 0
+    install(target, chunks)
+    assert view(target) == view(source)

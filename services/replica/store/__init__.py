@@ -18,14 +18,16 @@ Snapshots (for a replica behind the retained log, or with a divergent suffix, si
 applied entries cannot be undone): ``snapshot_chunks`` exports every state record from
 ONE read transaction, consistent while writes go on, as ``SnapshotChunk`` messages
 reflecting ``snapshot_lsn`` (the last LSN then). The receiver installs them with
-``begin_snapshot`` (empties its state and log, marks meta ``snapshot_pending``), one
-``install_chunk`` per chunk (one transaction each, every record re-verified) and
-``finish_snapshot(history)`` (one transaction: the log is empty and continues at
-snapshot LSN + 1). An install holds one chunk in memory at a time. A store that stops
-with an install pending reports itself empty (last LSN and last epoch 0, no topics, so
-the master sends a fresh snapshot) until a new install finishes (or ``abort_snapshot``,
-or an append from LSN 1, leaves it truly empty). The node's own meta (cluster id,
-shutdown id, store state, epoch, max seen) is never sent.
+``begin_snapshot`` (marks meta ``snapshot_pending``), one ``install_chunk`` per chunk (one
+transaction each, every record re-verified, written to the staging twin of its database)
+and ``finish_snapshot(history)`` (ONE transaction: the live state and log are emptied,
+the staged records moved in, and the log is empty and continues at snapshot LSN + 1). An
+install holds one chunk in memory at a time. Until it finishes the store keeps, serves
+and reports the state and log it held (its last LSN and epoch, its topics), across
+restarts too; ``abort_snapshot``, a new ``begin_snapshot`` or an append drops what an
+unfinished install staged and nothing else. The price is writing the snapshot twice: a
+replica never gives up data before the replacement is whole. The node's own meta
+(cluster id, shutdown id, store state, epoch, max seen) is never sent.
 
 Synchronous; one writer and many readers: the replica serializes writes (``append``,
 ``compact_log``, the snapshot install and the meta setters) itself, reads may come from
@@ -48,6 +50,8 @@ The store runs on the ``kv.KV`` interface, with two twins: ``Store.open_lmdb`` a
   held above its sender's commit LSN (``snapshot_uncommitted``). A restarted replica
   hides everything above the recorded commit LSN from committed reads.
 * ``log``: LSN (8 bytes big-endian) -> serialized ``LogEntry``.
+* ``<db>.staged`` for each database a snapshot carries (``STAGED_DBS``): the records of
+  an unfinished snapshot install, as the live database would hold them; empty otherwise.
 * ``topics``: name -> topic id, kind, next offset, first offset, creation time and the
   topic's size: the bytes of its records in ``events`` (each sealed value: the serialized
   event and its checksum), kept in the same transaction as the events — a publish adds

@@ -56,6 +56,7 @@ from squall_server.replica.store.records import (
     DB_SHARED,
     DB_TOPICS,
     DEDUPE_RECORD,
+    LIVE_DATABASES,
     META_CLUSTER_ID,
     META_COMMIT,
     META_EPOCH,
@@ -80,7 +81,6 @@ from squall_server.replica.store.records import (
     decode_topic,
     decode_uncommitted,
     event_matches,
-    install_pending,
     publisher_prefix,
     push_subscriber,
     put_text,
@@ -106,6 +106,7 @@ from squall_server.replica.store.snapshot import (
     export_chunks,
     finish_install,
     install_records,
+    read_pending,
 )
 from squall_server.replica.store.stall import StallMeter
 
@@ -198,7 +199,27 @@ class Store:
             )
         except KVError as exc:
             raise StoreError(str(exc)) from exc
-        return cls(kv, dedupe_window=dedupe_window)
+        store = cls(kv, dedupe_window=dedupe_window)
+        if not readonly:
+            try:
+                store._forget_unstaged_install()
+            except BaseException:
+                store.close()
+                raise
+        return store
+
+    def _forget_unstaged_install(self) -> None:
+        """An install an older version left unfinished had emptied the live databases and
+        written its chunks there (``snapshot.PENDING_STAGED``): empties them, as that
+        version's abort did, so the store is as empty as it reported itself (last LSN 0)
+        and shows no part of a snapshot."""
+        with self._reading() as txn:
+            pending = read_pending(txn)
+            if pending is None or pending.staged:
+                return
+        with self._writing(sync=True) as txn:
+            clear_state(txn)
+            txn.delete(DB_META, META_SNAPSHOT_PENDING)
 
     @classmethod
     def open_memory(
@@ -265,10 +286,11 @@ class Store:
             return read_meta(txn)
 
     def counts(self) -> dict[str, int]:
-        """Records per database, from one read transaction; ``publishers`` counts the
-        publishers (high-water marks), not the topic index that shares their database."""
+        """Records per live database (a staged install's are not counted), from one read
+        transaction; ``publishers`` counts the publishers (high-water marks), not the
+        topic index that shares their database."""
         with self._reading() as txn:
-            counts = {db: txn.count(db) for db in DATABASES}
+            counts = {db: txn.count(db) for db in LIVE_DATABASES}
             index = sum(1 for _ in txn.scan(DB_PUBLISHERS, b"\x00", b"\x01"))
             counts[DB_PUBLISHERS] -= index
             return counts
@@ -328,21 +350,15 @@ class Store:
         raises the store's epoch. Any error: nothing of the batch is stored.
         commit_lsn: the highest LSN the caller knows committed; the same transaction
         raises the recorded commit LSN to it (at most the new last LSN), for
-        ``StoreMeta.commit_lsn`` after a restart.
+        ``StoreMeta.commit_lsn`` after a restart. The entries continue the live log: an
+        unfinished snapshot install (a stream that ended mid-install; a stream refuses
+        entries inside a snapshot, ``Follower.on_batch``) is dropped in the same
+        transaction, and kept when the batch is refused.
         """
         if not entries:
             return
         with self._writing(sync=sync) as txn:
-            if install_pending(txn):
-                # An unfinished install left partial state in a store that reports itself
-                # empty: a master that still holds its whole log may fill it from LSN 1.
-                if entries[0].lsn != 1:
-                    raise InvalidEntryError(
-                        f"entry LSN {entries[0].lsn}: an unfinished snapshot install left "
-                        "this store empty, its log continues at LSN 1"
-                    )
-                clear_state(txn)
-                txn.delete(DB_META, META_SNAPSHOT_PENDING)
+            abort_install(txn)
             batch = Batch(txn, self._dedupe_window)
             for entry in entries:
                 batch.entry(entry)
@@ -356,8 +372,6 @@ class Store:
         if not 0 <= commit_lsn <= UINT64_MAX:
             raise ValueError(f"commit LSN {commit_lsn} is not a uint64")
         with self._writing(sync=sync) as txn:
-            if install_pending(txn):
-                return 0
             return raise_commit(txn, commit_lsn, read_log_tail(txn)[0])
 
     def set_commit_lsn(self, commit_lsn: int, *, sync: bool = False) -> None:
@@ -373,7 +387,7 @@ class Store:
         (topic, first offset, last LSN), by last LSN (see finish_snapshot)."""
         with self._reading() as txn:
             value = txn.get(DB_META, META_UNCOMMITTED)
-            if value is None or install_pending(txn):
+            if value is None:
                 return []
             return decode_uncommitted(unseal(DB_META, META_UNCOMMITTED, value))
 
@@ -423,23 +437,22 @@ class Store:
         Never deletes the last entry, so at most up to min(keep_from_lsn, last LSN).
         Deletes batch_entries per write transaction (not flushed: a crash only leaves more
         log), each also moving the recorded log start, so readers never see a gap. A write
-        like append: the caller serializes it with the other writes. Idempotent; nothing
-        while a snapshot install is pending.
+        like append: the caller serializes it with the other writes. Idempotent. The live
+        log is compacted even while a snapshot install is staged (it is the log served
+        until the install finishes).
         """
         if keep_from_lsn < 1 or batch_entries < 1:
             raise ValueError(
                 f"keep_from_lsn and batch_entries must be >= 1 ({keep_from_lsn}, {batch_entries})"
             )
         with self._reading() as txn:
-            if install_pending(txn):
-                return 0
             start = read_log_start(txn)
             target = min(keep_from_lsn, read_log_tail(txn)[0])
         deleted = 0
         for _ in range(max(0, -(-(target - start) // batch_entries))):
             with self._writing(sync=False) as txn:
                 start = read_log_start(txn)
-                if install_pending(txn) or start >= target:
+                if start >= target:
                     break  # another writer got here first
                 end = min(target, start + batch_entries)
                 deleted += txn.delete_range(DB_LOG, U64.pack(start), U64.pack(end))
@@ -477,8 +490,8 @@ class Store:
         ``SNAPSHOT_DBS`` in that order and key order (of meta only the state keys), each
         verified before it is sent. Every chunk carries index (from 0), snapshot_lsn and
         snapshot_epoch; the last one ``last`` and the epoch history. The log is not
-        included: the receiver's log continues from snapshot_lsn + 1. Raises
-        SnapshotError if this store itself holds an unfinished install.
+        included: the receiver's log continues from snapshot_lsn + 1. An unfinished
+        install of this store's own is not part of it (it is staged apart).
         """
         if records_max < 1 or bytes_max < 1:
             raise ValueError(f"records_max {records_max}, bytes_max {bytes_max}: both >= 1")
@@ -492,11 +505,13 @@ class Store:
             yield from export_chunks(txn, records_max, bytes_max)
 
     def begin_snapshot(self, snapshot_lsn: int, snapshot_epoch: int, *, sync: bool = True) -> None:
-        """Starts installing a snapshot: empties the state and the log, marks it pending.
+        """Starts installing a snapshot: marks it pending, with nothing staged yet.
 
-        One transaction (flushed when sync). Until finish_snapshot the store reports
-        itself empty (last LSN 0, no topics), across restarts too; a pending install
-        from before is discarded, and an append from LSN 1 abandons this one.
+        One transaction (flushed when sync). The chunks are staged apart: until
+        finish_snapshot swaps them in, the store keeps, serves and reports the state and
+        log it held (its last LSN and epoch, its topics), across restarts too. A pending
+        install from before is discarded (what it staged is dropped), and so is this one
+        by an append (entries continue the live log) or abort_snapshot.
         """
         if (
             not 0 <= snapshot_lsn <= UINT64_MAX
@@ -511,7 +526,7 @@ class Store:
             begin_install(txn, snapshot_lsn, snapshot_epoch)
 
     def install_chunk(self, chunk: replica_pb2.SnapshotChunk, *, sync: bool = False) -> int:
-        """Writes one chunk's records in one transaction; returns how many.
+        """Stages one chunk's records in one transaction; returns how many.
 
         The chunk must be the next (index 0, 1, ...) of the snapshot begun, its records
         in snapshot order and each with a valid checksum; otherwise SnapshotError (or
@@ -530,12 +545,14 @@ class Store:
         commit_lsn: int = 0,
         uncommitted: Sequence[tuple[str, int, int]] = (),
     ) -> None:
-        """Ends the install: the log ends at the snapshot's LSN and epoch, with history.
+        """Ends the install: the state is the snapshot's, the log ends at its LSN and epoch.
 
-        One transaction (flushed when sync): last LSN and epoch, the epoch history, log
-        start = snapshot LSN + 1, the store's epoch raised to the snapshot's if lower, and
-        the pending mark cleared. SnapshotError (nothing changed) if no install is
-        pending, its last chunk is not installed, or the history does not fit it.
+        One transaction (flushed when sync): the live state and log emptied, the staged
+        records moved in (the staging databases emptied), last LSN and epoch, the epoch
+        history, log start = snapshot LSN + 1, the store's epoch raised to the snapshot's
+        if lower, and the pending mark cleared. SnapshotError (nothing changed) if no
+        install is pending, its last chunk is not installed, or the history does not fit
+        it; any failure leaves the old state and the staged install as they were.
 
         commit_lsn: the sender's commit LSN (recorded, at most the snapshot's LSN);
         uncommitted: (topic, first offset, last LSN) per topic with publishes in the
@@ -553,10 +570,11 @@ class Store:
             finish_install(txn, history, commit_lsn, uncommitted)
 
     def abort_snapshot(self) -> bool:
-        """Abandons an unfinished install (flushed): the store is left empty of data.
+        """Abandons an unfinished install (flushed): what it staged is dropped, the state
+        and log stay the ones the store held before it.
 
-        Returns whether one was pending. Not needed before a new begin_snapshot (which
-        discards it too); for a replica that will take its log from LSN 1 instead.
+        Returns whether one was pending. Not needed before a new begin_snapshot or an
+        append (which discard it too).
         """
         with self._writing(sync=True) as txn:
             return abort_install(txn)
@@ -566,14 +584,12 @@ class Store:
     def get_topic(self, name: str) -> TopicInfo | None:
         """The topic, or None."""
         with self._reading() as txn:
-            row = None if install_pending(txn) else read_topic(txn, name)
+            row = read_topic(txn, name)
             return None if row is None else row.info()
 
     def list_topics(self) -> list[TopicInfo]:
         """Every topic, ordered by name."""
         with self._reading() as txn:
-            if install_pending(txn):
-                return []
             return [decode_topic(k, v).info() for k, v in txn.scan(DB_TOPICS)]
 
     def read_events(
@@ -598,7 +614,7 @@ class Store:
         if max_events < 1:
             raise ValueError(f"max_events must be >= 1, got {max_events}")
         with self._reading() as txn:
-            row = None if install_pending(txn) else read_topic(txn, topic)
+            row = read_topic(txn, topic)
             if row is None:
                 raise UnknownTopicError(f"no topic {topic!r}")
             if topic_id and row.topic_id != topic_id:
@@ -636,7 +652,7 @@ class Store:
     def get_cursor(self, topic: str, subscription: str) -> int | None:
         """The subscription's cursor (next offset to deliver), or None."""
         with self._reading() as txn:
-            row = None if install_pending(txn) else read_topic(txn, topic)
+            row = read_topic(txn, topic)
             raw = subscription.encode()
             if row is None or not raw:
                 return None
@@ -645,7 +661,7 @@ class Store:
     def list_subscriptions(self, topic: str) -> list[tuple[str, int]]:
         """(name, cursor) of every subscription of the topic, by name."""
         with self._reading() as txn:
-            row = None if install_pending(txn) else read_topic(txn, topic)
+            row = read_topic(txn, topic)
             if row is None:
                 raise UnknownTopicError(f"no topic {topic!r}")
             lo, hi = U64.pack(row.topic_id), U64.pack(row.topic_id + 1)
@@ -663,7 +679,7 @@ class Store:
     ) -> replica_pb2.SharedCreateOp | None:
         """A shared subscription's settings (one read, no scan), or None."""
         with self._reading() as txn:
-            row = None if install_pending(txn) else read_topic(txn, topic)
+            row = read_topic(txn, topic)
             raw = subscription.encode()
             if row is None or not raw or len(raw) > 400:
                 return None
@@ -680,8 +696,6 @@ class Store:
         """The topic links (each with created_lsn set), of one source topic or all,
         ordered by source topic id and destination name."""
         with self._reading() as txn:
-            if install_pending(txn):
-                return []
             lo, hi = b"", None
             if topic is not None:
                 row = read_topic(txn, topic)
@@ -699,7 +713,7 @@ class Store:
     def get_shared(self, topic: str, subscription: str) -> SharedState | None:
         """A shared subscription's settings, cursor and per-offset state, or None."""
         with self._reading() as txn:
-            row = None if install_pending(txn) else read_topic(txn, topic)
+            row = read_topic(txn, topic)
             raw = subscription.encode()
             if row is None or not raw or len(raw) > 400:
                 return None
@@ -735,7 +749,7 @@ class Store:
         moved it once one has (16 bytes): readers of the cursor alone read its first 8.
         """
         with self._reading() as txn:
-            row = None if install_pending(txn) else read_topic(txn, topic)
+            row = read_topic(txn, topic)
             raw = subscription.encode()
             if row is None or not raw:
                 return None
@@ -746,7 +760,7 @@ class Store:
     def list_subscription_states(self, topic: str) -> list[tuple[str, int, int]]:
         """(name, cursor, seek generation) of every subscription of the topic, by name."""
         with self._reading() as txn:
-            row = None if install_pending(txn) else read_topic(txn, topic)
+            row = read_topic(txn, topic)
             if row is None:
                 raise UnknownTopicError(f"no topic {topic!r}")
             lo, hi = U64.pack(row.topic_id), U64.pack(row.topic_id + 1)
@@ -769,7 +783,7 @@ class Store:
         The topic's next offset when every held event is older.
         """
         with self._reading() as txn:
-            row = None if install_pending(txn) else read_topic(txn, topic)
+            row = read_topic(txn, topic)
             if row is None:
                 raise UnknownTopicError(f"no topic {topic!r}")
             lo, hi = row.first_offset, row.next_offset
@@ -789,7 +803,7 @@ class Store:
         """The topic's push subscriber with this id, or None."""
         raw = subscriber_id.encode()
         with self._reading() as txn:
-            row = None if install_pending(txn) else read_topic(txn, topic)
+            row = read_topic(txn, topic)
             if row is None or not raw or len(raw) + U64.size > MAX_KEY_BYTES:
                 return None
             key = U64.pack(row.topic_id) + raw
@@ -802,10 +816,6 @@ class Store:
         Raises UnknownTopicError for a topic the store does not hold.
         """
         with self._reading() as txn:
-            if install_pending(txn):
-                if topic is not None:
-                    raise UnknownTopicError(f"no topic {topic!r}")
-                return []
             if topic is None:
                 rows = [decode_topic(k, v) for k, v in txn.scan(DB_TOPICS)]
             else:
@@ -834,8 +844,6 @@ class Store:
         except InvalidEntryError:
             return None  # an id too long to be stored was never stored
         with self._reading() as txn:
-            if install_pending(txn):
-                return None
             high_water = read_u64(txn, DB_PUBLISHERS, prefix[U16.size :]) or 0
             if not high_water - self._dedupe_window < sequence <= high_water:
                 return None
@@ -868,7 +876,7 @@ class Store:
         if not raw or len(raw) > MAX_KEY_BYTES:
             return 0
         with self._reading() as txn:
-            return 0 if install_pending(txn) else read_u64(txn, DB_PUBLISHERS, raw) or 0
+            return read_u64(txn, DB_PUBLISHERS, raw) or 0
 
 
 @dataclass(frozen=True)

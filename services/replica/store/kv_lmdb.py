@@ -192,9 +192,15 @@ class LmdbKV:
                 create=not readonly,
                 lock=lock,
             )
-            self._dbs = {
-                name: self._env.open_db(name.encode(), create=not readonly) for name in names
-            }
+            self._dbs: dict[str, lmdb._Database] = {}
+            for name in names:
+                try:
+                    self._dbs[name] = self._env.open_db(name.encode(), create=not readonly)
+                except lmdb.NotFoundError:
+                    if not readonly:
+                        raise
+                    # A store last written before the database existed (a read-only open
+                    # creates none): reading it fails, the others read as they are.
         except (lmdb.Error, OSError) as exc:
             raise KVError(f"cannot open LMDB environment at {os.fspath(path)!r}: {exc}") from exc
         self._closed = False

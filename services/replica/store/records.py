@@ -58,8 +58,8 @@ DB_SHARED = "shared"
 DB_LINKS = "links"
 
 
-# The databases a KV must hold for the store.
-DATABASES = (
+# The databases holding the replica's log and state (what counts and reads see).
+LIVE_DATABASES = (
     DB_META,
     DB_LOG,
     DB_TOPICS,
@@ -88,7 +88,18 @@ SNAPSHOT_DBS = (
 )
 
 
-# The state databases a snapshot install (and an abandoned one) empties, with the log.
+# A snapshot install writes each of SNAPSHOT_DBS into its staging twin, never into the
+# live database: the live state and log stay whole (and are what the replica reports and
+# serves) until finish_install swaps the staged records in, in one transaction.
+STAGED_DBS = {db: f"{db}.staged" for db in SNAPSHOT_DBS}
+
+
+# The databases a KV must hold for the store: the live ones and the staging twins.
+DATABASES = LIVE_DATABASES + tuple(STAGED_DBS.values())
+
+
+# The state databases a finished snapshot install empties (before moving the staged
+# records in), with the log.
 CLEARED_DBS = (
     DB_TOPICS,
     DB_EVENTS,
@@ -244,7 +255,9 @@ class StoreMeta:
     last_epoch: int
     history: tuple[EpochBoundary, ...]
     log_start_lsn: int = 1  # the first LSN still in the log (last_lsn + 1: empty log)
-    snapshot_pending: bool = False  # an install began and did not finish: the store is empty
+    # An install began and did not finish: its records are staged, the live state and
+    # log (everything above) are still the ones from before it.
+    snapshot_pending: bool = False
     # The highest LSN this store's node knew committed (and held) when it last recorded
     # it; None for a store that never recorded one (written before the record existed).
     commit_lsn: int | None = None
@@ -495,7 +508,8 @@ def read_log_start(txn: ReadTxn) -> int:
 
 
 def install_pending(txn: ReadTxn) -> bool:
-    """Whether a snapshot install began and has not finished (the state is partial)."""
+    """Whether a snapshot install began and has not finished (its records are staged; the
+    live state and log are the ones from before it, whole)."""
     return txn.get(DB_META, META_SNAPSHOT_PENDING) is not None
 
 
@@ -521,11 +535,6 @@ def read_meta(txn: ReadTxn) -> StoreMeta:
     """Reads every meta record in one transaction."""
     last_lsn, last_epoch = read_log_tail(txn)
     state = read_u64(txn, DB_META, META_STATE)
-    pending = install_pending(txn)
-    if pending:
-        # begin_snapshot removed the log's meta; this keeps the promise whatever a
-        # damaged or older store holds: a pending install has no data to report.
-        last_lsn = last_epoch = 0
     return StoreMeta(
         cluster_id=read_text(txn, META_CLUSTER_ID),
         shutdown_id=read_text(txn, META_SHUTDOWN_ID),
@@ -534,10 +543,10 @@ def read_meta(txn: ReadTxn) -> StoreMeta:
         max_seen=read_u64(txn, DB_META, META_MAX_SEEN) or 0,
         last_lsn=last_lsn,
         last_epoch=last_epoch,
-        history=() if pending else tuple(read_history(txn)),
-        log_start_lsn=1 if pending else read_log_start(txn),
-        snapshot_pending=pending,
-        commit_lsn=0 if pending else read_u64(txn, DB_META, META_COMMIT),
+        history=tuple(read_history(txn)),
+        log_start_lsn=read_log_start(txn),
+        snapshot_pending=install_pending(txn),
+        commit_lsn=read_u64(txn, DB_META, META_COMMIT),
     )
 
 

@@ -1,6 +1,15 @@
 """Snapshots of the store's state: the export as ``SnapshotChunk`` messages from one read
 transaction, and the install (begin, chunk by chunk, finish, or abort) with every record
-verified again; ``Store`` (``facade``) runs each step in its own transaction."""
+verified again; ``Store`` (``facade``) runs each step in its own transaction.
+
+The install is staged: every chunk's records go to the staging twin of their database
+(``STAGED_DBS``), never to the live one, so until ``finish_install`` the replica holds,
+serves and reports the state and log it had before (a crash or an abandoned install
+leaves them whole). ``finish_install`` swaps in one write transaction: it empties the
+live state and log, moves the staged records in and empties the staging databases. The
+price is writing the snapshot twice (staged, then live): a replica never gives up the
+data it holds before the replacement is complete.
+"""
 
 from __future__ import annotations
 
@@ -36,6 +45,7 @@ from squall_server.replica.store.records import (
     META_UNCOMMITTED,
     SHOWN_CHARS_MAX,
     SNAPSHOT_DBS,
+    STAGED_DBS,
     U64X2,
     clear_state,
     encode_uncommitted,
@@ -55,9 +65,19 @@ SNAPSHOT_RECORDS_MAX_DEFAULT = 1000
 SNAPSHOT_BYTES_MAX_DEFAULT = 4 << 20
 
 
-# snapshot lsn, epoch, next chunk index, last chunk installed (0/1), db of the last record
-# installed (1 + its index in SNAPSHOT_DBS; 0: none yet); then the last record's key.
+# snapshot lsn, epoch, next chunk index, flags (PENDING_COMPLETE, PENDING_STAGED), db of
+# the last record installed (1 + its index in SNAPSHOT_DBS; 0: none yet); then the last
+# record's key.
 PENDING_RECORD = struct.Struct(">QQQBB")
+
+
+# The last chunk is installed.
+PENDING_COMPLETE = 1
+
+
+# The chunks go to the staging databases. An install begun by a version without the flag
+# wrote them into the live ones, which it had emptied: its chunks cannot be resumed.
+PENDING_STAGED = 2
 
 
 # The most topics a snapshot may list as holding uncommitted publishes (peer input).
@@ -83,11 +103,13 @@ class PendingInstall:
     complete: bool  # the last chunk is installed
     last_db: int  # 1 + SNAPSHOT_DBS index of the last record installed; 0: none yet
     last_key: bytes
+    staged: bool = True  # False: begun by an older version, in the live databases
 
     def encode(self) -> bytes:
         """The sealed record."""
+        flags = (PENDING_COMPLETE if self.complete else 0) | (PENDING_STAGED if self.staged else 0)
         head = PENDING_RECORD.pack(
-            self.snapshot_lsn, self.snapshot_epoch, self.next_index, self.complete, self.last_db
+            self.snapshot_lsn, self.snapshot_epoch, self.next_index, flags, self.last_db
         )
         return seal(META_SNAPSHOT_PENDING, head + self.last_key)
 
@@ -98,10 +120,19 @@ def read_pending(txn: ReadTxn) -> PendingInstall | None:
     if value is None:
         return None
     body = unseal(DB_META, META_SNAPSHOT_PENDING, value)
-    lsn, epoch, index, complete, last_db = unpack(
-        DB_META, META_SNAPSHOT_PENDING, PENDING_RECORD, body
-    )
-    return PendingInstall(lsn, epoch, index, bool(complete), last_db, body[PENDING_RECORD.size :])
+    lsn, epoch, index, flags, last_db = unpack(DB_META, META_SNAPSHOT_PENDING, PENDING_RECORD, body)
+    key = body[PENDING_RECORD.size :]
+    complete, staged = bool(flags & PENDING_COMPLETE), bool(flags & PENDING_STAGED)
+    return PendingInstall(lsn, epoch, index, complete, last_db, key, staged)
+
+
+def _check_staged(pending: PendingInstall, where: str) -> None:
+    """Refuses to go on with an install an older version began (see PENDING_STAGED)."""
+    if not pending.staged:
+        raise SnapshotError(
+            f"{where}: the install in progress was begun by an older version, which wrote "
+            "its chunks into the live databases: begin the snapshot again"
+        )
 
 
 def uncommitted_problem(
@@ -195,8 +226,7 @@ def export_chunks(
 ) -> Generator[replica_pb2.SnapshotChunk, None, None]:
     """The state read through txn as snapshot chunks (``Store.snapshot_chunks``, which
     holds the transaction open until the generator is done)."""
-    if install_pending(txn):
-        raise SnapshotError("this store holds an unfinished snapshot install, not state")
+    # An unfinished install of this store's own is staged apart: the live state is whole.
     snapshot_lsn, snapshot_epoch = read_log_tail(txn)
     history = [
         replica_pb2.EpochBoundary(epoch=b.epoch, start_lsn=b.start_lsn) for b in read_history(txn)
@@ -235,20 +265,32 @@ def export_chunks(
 # --- install
 
 
+def clear_staged(txn: WriteTxn) -> None:
+    """Empties the staging databases (the live state and log are not touched), and the
+    live ones as well under an install an older version began (``PENDING_STAGED``)."""
+    pending = read_pending(txn)
+    if pending is not None and not pending.staged:
+        clear_state(txn)
+    for staged in STAGED_DBS.values():
+        txn.clear(staged)
+
+
 def begin_install(txn: WriteTxn, snapshot_lsn: int, snapshot_epoch: int) -> None:
-    """Empties the state and the log, and marks an install of the snapshot pending."""
+    """Marks an install of the snapshot pending, with nothing staged yet (what an earlier
+    unfinished install staged is dropped); the live state and log stay as they are."""
     pending = PendingInstall(snapshot_lsn, snapshot_epoch, 0, False, 0, b"")
-    clear_state(txn)
+    clear_staged(txn)
     txn.put(DB_META, META_SNAPSHOT_PENDING, pending.encode())
 
 
 def install_records(txn: WriteTxn, chunk: replica_pb2.SnapshotChunk) -> None:
-    """Checks a chunk against the install in progress and writes its records
-    (``Store.install_chunk``); raises before writing anything."""
+    """Checks a chunk against the install in progress and writes its records to the
+    staging databases (``Store.install_chunk``); raises before writing anything."""
     pending = read_pending(txn)
     if pending is None:
         raise SnapshotError(f"chunk {chunk.index}: no snapshot install in progress")
     where = f"chunk {chunk.index} of the snapshot at LSN {chunk.snapshot_lsn}"
+    _check_staged(pending, where)
     if (chunk.snapshot_lsn, chunk.snapshot_epoch) != (
         pending.snapshot_lsn,
         pending.snapshot_epoch,
@@ -262,13 +304,10 @@ def install_records(txn: WriteTxn, chunk: replica_pb2.SnapshotChunk) -> None:
         raise SnapshotError(f"{where}: the next chunk expected is {expected}")
     runs = check_records(chunk, pending, where)
     for db, items in runs:
-        if db == DB_META:
-            for key, value in items:
-                txn.put(db, key, value)
-        else:
-            # Ascending above every key installed so far, into a database that
-            # begin_snapshot emptied: LMDB appends and packs pages full.
-            txn.put_many(db, items, append=True)
+        # Ascending above every key staged so far, into a staging database that
+        # begin_install emptied: LMDB appends and packs pages full. Staged meta too: the
+        # node's live meta is only replaced by finish_install.
+        txn.put_many(STAGED_DBS[db], items, append=True)
     pending.next_index += 1
     pending.complete = chunk.last
     txn.put(DB_META, META_SNAPSHOT_PENDING, pending.encode())
@@ -280,11 +319,14 @@ def finish_install(
     commit_lsn: int,
     uncommitted: Sequence[tuple[str, int, int]],
 ) -> None:
-    """Ends the install in progress (``Store.finish_snapshot``); raises before writing
-    anything."""
+    """Ends the install in progress (``Store.finish_snapshot``): in txn, the live state
+    and log are emptied, the staged records moved in and the staging databases emptied.
+    Raises before writing anything (an error of the KV while moving aborts txn: the old
+    state and the staged install stay)."""
     pending = read_pending(txn)
     if pending is None:
         raise SnapshotError("finish: no snapshot install in progress")
+    _check_staged(pending, "finish")
     lsn, epoch = pending.snapshot_lsn, pending.snapshot_epoch
     if not pending.complete:
         raise SnapshotError(
@@ -304,6 +346,16 @@ def finish_install(
     problem = uncommitted_problem(uncommitted, commit, lsn)
     if problem is not None:
         raise SnapshotError(f"finish: the snapshot at LSN {lsn}: {problem}")
+    clear_state(txn)
+    for db in SNAPSHOT_DBS:
+        staged = STAGED_DBS[db]
+        if db == DB_META:
+            for key, value in list(txn.scan(staged)):
+                txn.put(DB_META, key, value)
+        else:
+            # The staged keys in order, into a database clear_state emptied: appended.
+            txn.put_many(db, txn.scan(staged), append=True)
+        txn.clear(staged)
     txn.put(DB_META, META_LOG_TAIL, seal(META_LOG_TAIL, U64X2.pack(lsn, epoch)))
     if checked:
         body = b"".join(U64X2.pack(e, start) for e, start in checked)
@@ -319,9 +371,10 @@ def finish_install(
 
 
 def abort_install(txn: WriteTxn) -> bool:
-    """Abandons an unfinished install, leaving the store empty; whether one was pending."""
+    """Abandons an unfinished install: what it staged is dropped, the live state and log
+    stay as they are; whether one was pending."""
     if not install_pending(txn):
         return False
-    clear_state(txn)
+    clear_staged(txn)
     txn.delete(DB_META, META_SNAPSHOT_PENDING)
     return True
