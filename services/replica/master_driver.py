@@ -284,7 +284,7 @@ class MasterDriver:
                 continue
             commit_lsn = self.core.commit_lsn
             self._stamp_parts([p for p in parts if p.error is None and p.lsn <= commit_lsn])
-            fail_parts(parts, self._deposed_error)
+            fail_parts([p for p in parts if p.lsn > commit_lsn], self._deposed_error)
             waiting.future.set_result(waiting.plan)
 
     def _deposed_error(self, lsn: int) -> ServiceError:

@@ -304,11 +304,17 @@ class ReplicaNode(CoreView):
         if not replicated:
             done.set_result([o if o is not None else _UNANSWERED for o in outcomes])
             return done
-        planned = self.writer.submit(
-            commands.PublishParts(tuple(parts[index] for index in replicated))
-        )
+        # A commit batch fits one replication message (``commit_batch_max_entries``): a
+        # longer request is queued as consecutive writes of at most that many parts.
+        size = self.config.limits.commit_batch_max_entries
+        pieces = [replicated[i : i + size] for i in range(0, len(replicated), size)]
+        planned = [
+            self.writer.submit(commands.PublishParts(tuple(parts[i] for i in piece)))
+            for piece in pieces
+        ]
+        left = [len(planned)]
 
-        def settle(ended: asyncio.Future[Planned]) -> None:
+        def settle(piece: list[int], ended: asyncio.Future[Planned]) -> None:
             if done.done():
                 return  # the caller gave up
             if ended.cancelled():
@@ -316,7 +322,7 @@ class ReplicaNode(CoreView):
                 return
             error = ended.exception()
             part_plans = None if error is not None else ended.result().parts
-            for position, index in enumerate(replicated):
+            for position, index in enumerate(piece):
                 if error is not None:
                     outcomes[index] = error
                     continue
@@ -332,10 +338,19 @@ class ReplicaNode(CoreView):
                     if receipt is not None
                     else AssertionError("a planned publish always has a receipt")
                 )
-            done.set_result([o if o is not None else _UNANSWERED for o in outcomes])
+            left[0] -= 1
+            if not left[0]:
+                done.set_result([o if o is not None else _UNANSWERED for o in outcomes])
 
-        planned.add_done_callback(settle)
-        done.add_done_callback(lambda ended: planned.cancel() if ended.cancelled() else None)
+        for piece, future in zip(pieces, planned, strict=True):
+            future.add_done_callback(functools.partial(settle, piece))
+
+        def cancelled(ended: asyncio.Future[list[common_pb2.BatchReceipt | BaseException]]) -> None:
+            if ended.cancelled():
+                for future in planned:
+                    future.cancel()
+
+        done.add_done_callback(cancelled)
         return done
 
     def _part_topic(self, name: str) -> TopicInfo | BaseException:

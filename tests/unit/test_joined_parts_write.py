@@ -42,7 +42,7 @@ def _config(tmp_path: Path) -> ClusterConfig:
         f'coordinator_address = "127.0.0.1:{_free_port()}"\n'
         f'replica_address = "127.0.0.1:{_free_port()}"\ndata_dir = "n1"\n'
         f'\n[[gateways]]\nid = "g1"\naddress = "127.0.0.1:{_free_port()}"\n'
-        # Small commit batches: a joined request of more parts is taken alone.
+        # Small commit batches: a joined request of more parts is queued in pieces.
         "\n[limits]\nmax_event_bytes = 64\ncommit_batch_max_entries = 4\n"
     )
     config = parse_config(text, tmp_path / "cluster.toml")
@@ -78,9 +78,7 @@ def _part(
         publisher_id=publisher_id,
         session_token=f"{publisher_id}/s1",
         compact_receipts=compact,
-        events=[
-            common_pb2.EventData(payload=payload + b"%d" % s, sequence=s) for s in sequences
-        ],
+        events=[common_pb2.EventData(payload=payload + b"%d" % s, sequence=s) for s in sequences],
     )
 
 
@@ -176,9 +174,7 @@ def test_joined_parts_answer_and_store_as_parts_sent_one_by_one(tmp_path: Path) 
             len(request.parts) for request in REQUESTS
         ]
         answers = [part for response in joined for part in response.parts]
-        assert [a.request_id for a in answers] == [
-            p.request_id for r in REQUESTS for p in r.parts
-        ]
+        assert [a.request_id for a in answers] == [p.request_id for r in REQUESTS for p in r.parts]
         for answer, single in zip(answers, alone, strict=True):
             if single.HasField("error"):
                 # A stream's inline error carries no request id; a part's carries its own.
