@@ -297,17 +297,23 @@ class MasterDriver:
 
     def _stamp_parts(self, parts: Sequence[PartOutcome]) -> None:
         """Committed parts' receipts gain their master and holders (as ``_complete``)."""
+        stamped = [(part.lsn, part.plan.receipt) for part in parts if part.plan is not None]
+        if not stamped:
+            return
+        # Whoever holds an LSN holds every LSN below it as durably: when the lowest and
+        # the highest of the parts have the same holders, so has every part between.
+        low = self.steps.receipt_stamp(min(lsn for lsn, _ in stamped))
+        same = low == self.steps.receipt_stamp(max(lsn for lsn, _ in stamped))
         stamps: dict[int, bytes] = {}
-        for part in parts:
-            plan = part.plan
-            if plan is None or plan.receipt is None:
-                continue
+        for lsn, receipt in stamped:
             if _stages.ENABLED:
-                _stages.mark("m.commit", f"lsn/{part.lsn}")
-            stamp = stamps.get(part.lsn)
+                _stages.mark("m.commit", f"lsn/{lsn}")
+            if receipt is None:
+                continue
+            stamp = low if same else stamps.get(lsn)
             if stamp is None:
-                stamp = stamps[part.lsn] = self.steps.receipt_stamp(part.lsn)
-            plan.receipt.MergeFromString(stamp)
+                stamp = stamps[lsn] = self.steps.receipt_stamp(lsn)
+            receipt.MergeFromString(stamp)
 
     def _deposed(self, reason: str) -> None:
         """The core was deposed: the node hears it, and the streams close."""
