@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
@@ -61,6 +61,25 @@ class Publish:
     request: broker_pb2.PublishRequest
     # Made by a topic link's forwarder: only it may use the reserved link publisher ids.
     forwarded: bool = False
+
+
+@dataclass(frozen=True)
+class PublishParts:
+    """Append a joined request's parts (``PublishRequest.parts``), each a publish of its
+    own (its topic, publisher id and sequences, deduplicated alone; a refused part fails
+    alone), in order, as one write: one plan, one wait for the last part's LSN."""
+
+    parts: tuple[broker_pb2.PublishRequest, ...]
+
+
+@dataclass
+class PartOutcome:
+    """One part of a ``PublishParts``: its plan, or why it failed; and the LSN it waits
+    for (as a ``Publish`` command's, ``PlannedBatch``; the writer sets it)."""
+
+    plan: Planned | None = None
+    error: BaseException | None = None
+    lsn: int = 0
 
 
 @dataclass(frozen=True)
@@ -223,6 +242,7 @@ Command = (
     CreateTopic
     | DestroyTopic
     | Publish
+    | PublishParts
     | SetCursor
     | SeekCursor
     | DeleteSubscription
@@ -254,11 +274,20 @@ class Planned:
     seek: SeekOutcome | None = None
     created: bool = False  # CreateShared: False when it existed with the same settings
     link: replica_pb2.LinkTopicOp | None = None  # LinkTopic: the link, created_lsn set
+    parts: list[PartOutcome] | None = None  # PublishParts: one per part, in order
 
     @property
     def receipts(self) -> list[common_pb2.AckReceipt]:
         """The publish's receipts one per event (what a non-compact response carries)."""
         return [] if self.receipt is None else expand_receipt(self.receipt)
+
+
+def fail_parts(parts: Sequence[PartOutcome], error: Callable[[int], BaseException]) -> None:
+    """Fails a joined request's planned parts, each with error(its LSN); a refused part
+    keeps its refusal."""
+    for part in parts:
+        if part.plan is not None and part.error is None:
+            part.error = error(part.lsn)
 
 
 def expand_receipt(batch: common_pb2.BatchReceipt) -> list[common_pb2.AckReceipt]:
@@ -351,6 +380,8 @@ class BatchBuilder:
             return self._unlink_topic(command)
         if isinstance(command, LinkCursor):
             return self._link_cursor(command)
+        if isinstance(command, PublishParts):
+            raise InvariantError("a joined request's parts are planned one by one")
         return self._start_epoch(command)
 
     # --- reads through the batch's overlay

@@ -912,6 +912,10 @@ class ReplicaDriver:
         )
         out = PlannedBatch(builder.entries)
         for index, command in enumerate(batch):
+            if isinstance(command, commands.PublishParts):
+                plan = self._plan_parts(builder, command, out.faults, first_lsn)
+                out.planned.append((index, plan, first_lsn - 1 + len(builder.entries)))
+                continue
             try:
                 plan = builder.add(command)
             except ServiceError as exc:
@@ -931,6 +935,32 @@ class ReplicaDriver:
                     first_lsn + plan.entry_index, command.request.topic, plan.receipt.first_offset
                 )
         return out
+
+    def _plan_parts(
+        self,
+        builder: BatchBuilder,
+        command: commands.PublishParts,
+        faults: list[str],
+        first_lsn: int,
+    ) -> Planned:
+        """Plans a joined request's parts in order, each as a ``Publish`` of its own (a
+        refused part fails alone and leaves no trace); one plan holds every outcome."""
+        outcomes: list[commands.PartOutcome] = []
+        gate = self.gate
+        for part in command.parts:
+            try:
+                plan = builder.add(commands.Publish(part))
+            except ServiceError as exc:
+                outcomes.append(commands.PartOutcome(error=exc))
+                continue
+            except CorruptRecordError as exc:
+                faults.append(f"checksum error planning a write: {exc}")
+                outcomes.append(commands.PartOutcome(error=ServiceError(Code.DATA_LOSS, str(exc))))
+                continue
+            outcomes.append(commands.PartOutcome(plan, lsn=first_lsn - 1 + len(builder.entries)))
+            if plan.entry_index is not None and plan.receipt is not None:
+                gate.appended(first_lsn + plan.entry_index, part.topic, plan.receipt.first_offset)
+        return Planned(None, parts=outcomes)
 
     def batch_appended(self, last_lsn: int, commit_lsn: int) -> None:
         """The master's batch is stored (with the commit LSN known then)."""

@@ -13,7 +13,7 @@ same way (``ReplicaNode`` hands itself over, checked there). What the coordinato
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
@@ -150,6 +150,10 @@ class PublishEndpoint(FaultSink, Traced, Protocol):
     def start_publish(
         self, request: broker_pb2.PublishRequest, trace: PublishWatch | None = None
     ) -> asyncio.Future[common_pb2.BatchReceipt]: ...
+
+    def start_publish_parts(
+        self, parts: Sequence[broker_pb2.PublishRequest]
+    ) -> asyncio.Future[list[common_pb2.BatchReceipt | BaseException]]: ...
 
     async def wait_for_role(self, unreachable: frozenset[str], timeout_s: float) -> None: ...
 

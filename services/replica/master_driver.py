@@ -48,7 +48,7 @@ from squall_server.common.clock import Clock
 from squall_server.common.config import ClusterConfig, NodeConfig
 from squall_server.common.errors import Code, ServiceError
 from squall_server.common.telemetry import Telemetry, current
-from squall_server.replica.commands import Planned
+from squall_server.replica.commands import PartOutcome, Planned, fail_parts
 from squall_server.replica.master_steps import MasterOutputs, MasterSteps, durable_lsn
 from squall_server.replica.master_streams import ReconnectBackoff
 from squall_server.replica.replication import ReplicationMaster, SlaveProgress
@@ -272,17 +272,48 @@ class MasterDriver:
             link.outbox.put_nowait(message)
 
     def _fail(self, failed: Sequence[Waiting]) -> None:
-        """Writes the core failed: the master was deposed before they committed."""
+        """Writes the core failed: the master was deposed before they committed. A joined
+        request's parts committed before (at or below the commit LSN) keep their receipts;
+        the others fail as a write of their own would."""
         for waiting in failed:
-            if not waiting.future.done():
-                waiting.future.set_exception(
-                    ServiceError(
-                        Code.UNKNOWN,
-                        f"indeterminate: master {self.node.id} (epoch {self.core.epoch}) was "
-                        f"deposed before LSN {waiting.lsn} committed; it may or may not "
-                        f"survive, retry with the same publisher id and sequence",
-                    )
-                )
+            if waiting.future.done():
+                continue
+            parts = waiting.plan.parts
+            if parts is None:
+                waiting.future.set_exception(self._deposed_error(waiting.lsn))
+                continue
+            commit_lsn = self.core.commit_lsn
+            self._stamp_parts([p for p in parts if p.error is None and p.lsn <= commit_lsn])
+            fail_parts([p for p in parts if p.lsn > commit_lsn], self._deposed_error)
+            waiting.future.set_result(waiting.plan)
+
+    def _deposed_error(self, lsn: int) -> ServiceError:
+        return ServiceError(
+            Code.UNKNOWN,
+            f"indeterminate: master {self.node.id} (epoch {self.core.epoch}) was "
+            f"deposed before LSN {lsn} committed; it may or may not "
+            f"survive, retry with the same publisher id and sequence",
+        )
+
+    def _stamp_parts(self, parts: Sequence[PartOutcome]) -> None:
+        """Committed parts' receipts gain their master and holders (as ``_complete``)."""
+        stamped = [(part.lsn, part.plan.receipt) for part in parts if part.plan is not None]
+        if not stamped:
+            return
+        # Whoever holds an LSN holds every LSN below it as durably: when the lowest and
+        # the highest of the parts have the same holders, so has every part between.
+        low = self.steps.receipt_stamp(min(lsn for lsn, _ in stamped))
+        same = low == self.steps.receipt_stamp(max(lsn for lsn, _ in stamped))
+        stamps: dict[int, bytes] = {}
+        for lsn, receipt in stamped:
+            if _stages.ENABLED:
+                _stages.mark("m.commit", f"lsn/{lsn}")
+            if receipt is None:
+                continue
+            stamp = low if same else stamps.get(lsn)
+            if stamp is None:
+                stamp = stamps[lsn] = self.steps.receipt_stamp(lsn)
+            receipt.MergeFromString(stamp)
 
     def _deposed(self, reason: str) -> None:
         """The core was deposed: the node hears it, and the streams close."""
@@ -343,6 +374,10 @@ class MasterDriver:
         stamps: dict[int, bytes] = {}
         for waiting in done:
             if waiting.future.done():
+                continue
+            if waiting.plan.parts is not None:
+                self._stamp_parts(waiting.plan.parts)
+                waiting.future.set_result(waiting.plan)
                 continue
             if _stages.ENABLED:
                 _stages.mark("m.commit", f"lsn/{waiting.lsn}")

@@ -53,7 +53,7 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
@@ -78,7 +78,7 @@ from squall_server.replica.reorg import Taking
 from squall_server.replica.roles import NodeState, RoleApplication
 from squall_server.replica.signals import CommitSignal
 from squall_server.replica.slave_side import SlaveSide
-from squall_server.replica.store import TopicInfo
+from squall_server.replica.store import CorruptRecordError, TopicInfo
 from squall_server.replica.store.stall import StallMeter
 from squall_server.replica.sync_source import SyncSource
 from squall_server.replica.taking_master import TakingMaster
@@ -92,6 +92,8 @@ log = logging.getLogger("squall.replica")
 # Request metadata from a publisher proxy: the replica addresses it just failed to reach,
 # comma-separated, so this replica does not redirect it back to a dead master.
 UNREACHABLE_KEY = "squall-unreachable"
+# A joined request's part with no outcome: a bug (every part is answered), told as one.
+_UNANSWERED = AssertionError("a part of a joined request was not answered")
 
 
 @dataclass(eq=False, repr=False)
@@ -253,6 +255,114 @@ class ReplicaNode(CoreView):
         planned.add_done_callback(functools.partial(pass_receipt, receipt))
         receipt.add_done_callback(functools.partial(cancel_with, planned))
         return receipt
+
+    def start_publish_parts(
+        self, parts: Sequence[broker_pb2.PublishRequest]
+    ) -> asyncio.Future[list[common_pb2.BatchReceipt | BaseException]]:
+        """Queues a joined request's parts (``PublishRequest.parts``) without waiting, as
+        one write: each part is published as ``start_publish`` would (its topic looked up,
+        a transient topic's part handed to its subscribers at once) and fails alone.
+
+        The future resolves, once every replicated part has committed or failed, to each
+        part's receipt or error, in order. Untraced: a traced request's parts take
+        ``start_publish`` one by one (a span each).
+        """
+        loop = asyncio.get_running_loop()
+        outcomes: list[common_pb2.BatchReceipt | BaseException | None] = [None] * len(parts)
+        replicated: list[int] = []
+        try:
+            self.check_writable()
+        except ServiceError as exc:
+            outcomes = [exc] * len(parts)
+            parts = ()
+        topics: dict[str, TopicInfo | BaseException] = {}
+        transient = False
+        for index, part in enumerate(parts):
+            topic = topics.get(part.topic)
+            if topic is None:
+                topic = topics[part.topic] = self._part_topic(part.topic)
+            if isinstance(topic, BaseException):
+                outcomes[index] = topic
+            elif topic.kind != common_pb2.TOPIC_KIND_TRANSIENT:
+                replicated.append(index)
+            else:
+                transient = True
+                try:
+                    commands.check_publish_limits(part, self.config.limits)
+                    outcomes[index] = self.transient.publish(
+                        part,
+                        topic_id=topic.topic_id,
+                        epoch=self.epoch,
+                        now_ms=self.clock.wall_ms(),
+                        master_id=self.node.id,
+                    )
+                except ServiceError as exc:
+                    outcomes[index] = exc
+        if transient:
+            self.committed.notify()
+        done: asyncio.Future[list[common_pb2.BatchReceipt | BaseException]] = loop.create_future()
+        if not replicated:
+            done.set_result([o if o is not None else _UNANSWERED for o in outcomes])
+            return done
+        # A commit batch fits one replication message (``commit_batch_max_entries``): a
+        # longer request is queued as consecutive writes of at most that many parts.
+        size = self.config.limits.commit_batch_max_entries
+        pieces = [replicated[i : i + size] for i in range(0, len(replicated), size)]
+        planned = [
+            self.writer.submit(commands.PublishParts(tuple(parts[i] for i in piece)))
+            for piece in pieces
+        ]
+        left = [len(planned)]
+
+        def settle(piece: list[int], ended: asyncio.Future[Planned]) -> None:
+            if done.done():
+                return  # the caller gave up
+            if ended.cancelled():
+                done.cancel()
+                return
+            error = ended.exception()
+            part_plans = None if error is not None else ended.result().parts
+            for position, index in enumerate(piece):
+                if error is not None:
+                    outcomes[index] = error
+                    continue
+                if part_plans is None:
+                    outcomes[index] = AssertionError("a joined request's plan has its parts")
+                    continue
+                outcome = part_plans[position]
+                receipt = None if outcome.plan is None else outcome.plan.receipt
+                outcomes[index] = (
+                    outcome.error
+                    if outcome.error is not None
+                    else receipt
+                    if receipt is not None
+                    else AssertionError("a planned publish always has a receipt")
+                )
+            left[0] -= 1
+            if not left[0]:
+                done.set_result([o if o is not None else _UNANSWERED for o in outcomes])
+
+        for piece, future in zip(pieces, planned, strict=True):
+            future.add_done_callback(functools.partial(settle, piece))
+
+        def cancelled(ended: asyncio.Future[list[common_pb2.BatchReceipt | BaseException]]) -> None:
+            if ended.cancelled():
+                for future in planned:
+                    future.cancel()
+
+        done.add_done_callback(cancelled)
+        return done
+
+    def _part_topic(self, name: str) -> TopicInfo | BaseException:
+        """A joined request's part's topic, or why it cannot be published to (the part
+        fails alone: an unknown topic, or a checksum error, which is also a fault)."""
+        try:
+            return self.topic(name)
+        except ServiceError as exc:
+            return exc
+        except CorruptRecordError as exc:
+            self.report_fault(f"checksum error serving a read: {exc}")
+            return ServiceError(Code.DATA_LOSS, f"corrupt record, not served: {exc}")
 
     def reorganization_progress(self) -> replica_pb2.ReorganizationProgress | None:
         """How far the master role being taken got (None when none is being taken)."""

@@ -104,8 +104,7 @@ def topic_message(topic: TopicInfo, next_offset: int | None = None) -> common_pb
         created_ms=topic.created_ms,
         size_bytes=topic.size_bytes or 0,
         # A transient topic's events are not stored, so its store count means nothing.
-        size_known=topic.size_bytes is not None
-        and topic.kind != common_pb2.TOPIC_KIND_TRANSIENT,
+        size_known=topic.size_bytes is not None and topic.kind != common_pb2.TOPIC_KIND_TRANSIENT,
     )
 
 
@@ -351,9 +350,7 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
         """Begins one publish; the future resolves to its response once committed."""
         observed = self.node.telemetry
         watch = (
-            PublishWatch(
-                observed, request, *self._where(), published=self.node.published_traces
-            )
+            PublishWatch(observed, request, *self._where(), published=self.node.published_traces)
             if observed.active
             else None
         )
@@ -432,6 +429,8 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
             raise invalid(f"{len(parts)} parts in one request exceed max_batch_events ({limit})")
         if any(part.parts for part in parts):
             raise invalid("a part of a publish request cannot have parts of its own")
+        if not self.node.telemetry.active:
+            return self._start_joined(request)
         loop = asyncio.get_running_loop()
         started: list[asyncio.Future[broker_pb2.PublishResponse]] = []
         for part in parts:
@@ -460,6 +459,40 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
         answer.add_done_callback(
             lambda ended: [f.cancel() for f in started] if ended.cancelled() else None
         )
+        return answer
+
+    def _start_joined(
+        self, request: broker_pb2.PublishRequest
+    ) -> asyncio.Future[broker_pb2.PublishResponse]:
+        """Begins an untraced joined request's parts as one write (``start_publish_parts``);
+        the answers are what ``_start`` would give each part."""
+        parts = request.parts
+        outcomes = self.node.start_publish_parts(parts)
+        answer: asyncio.Future[broker_pb2.PublishResponse] = (
+            asyncio.get_running_loop().create_future()
+        )
+        request_id = request.request_id
+        key = _stages.ENABLED
+
+        def respond(done: asyncio.Future[list[common_pb2.BatchReceipt | BaseException]]) -> None:
+            if answer.done():
+                return  # the caller gave up
+            if done.cancelled():
+                answer.cancel()
+                return
+            response = broker_pb2.PublishResponse(request_id=request_id)
+            try:
+                for part, outcome in zip(parts, done.result(), strict=True):
+                    if key:
+                        _stages.mark("m.resp", _stage_key(part))
+                    response.parts.append(_joined_answer(part, outcome))
+            except Exception as exc:  # the caller hears it rather than waiting for ever
+                answer.set_exception(exc)
+                return
+            answer.set_result(response)
+
+        outcomes.add_done_callback(respond)
+        answer.add_done_callback(lambda ended: outcomes.cancel() if ended.cancelled() else None)
         return answer
 
     def _begin(
@@ -544,6 +577,13 @@ def _part_answer(
     error = done.exception()
     if error is None:
         return done.result()
+    return _error_answer(part, error)
+
+
+def _error_answer(
+    part: broker_pb2.PublishRequest, error: BaseException
+) -> broker_pb2.PublishResponse:
+    """A failed part's answer: its error inline."""
     if isinstance(error, ServiceError):
         return broker_pb2.PublishResponse(
             request_id=part.request_id,
@@ -556,6 +596,20 @@ def _part_answer(
     return broker_pb2.PublishResponse(
         request_id=part.request_id,
         error=broker_pb2.PublishError(code="UNKNOWN", message=f"publish failed: {error!r}"),
+    )
+
+
+def _joined_answer(
+    part: broker_pb2.PublishRequest, outcome: common_pb2.BatchReceipt | BaseException
+) -> broker_pb2.PublishResponse:
+    """One part's answer in a joined response, as ``_start`` and ``_part_answer`` give it:
+    its receipts (compact or one per event, as the part asked), or its error inline."""
+    if isinstance(outcome, BaseException):
+        return _error_answer(part, outcome)
+    if part.compact_receipts:
+        return broker_pb2.PublishResponse(batch=outcome, request_id=part.request_id)
+    return broker_pb2.PublishResponse(
+        receipts=commands.expand_receipt(outcome), request_id=part.request_id
     )
 
 
@@ -659,8 +713,7 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
         except ServiceError as exc:
             raise ServiceError(
                 exc.code,
-                f"topic '{topic}' is transient: its events are only on the master; "
-                f"{exc.message}",
+                f"topic '{topic}' is transient: its events are only on the master; {exc.message}",
                 metadata=exc.metadata,
             ) from None
 

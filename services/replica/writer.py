@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from squall.v1 import common_pb2, replica_pb2
+from squall.v1 import broker_pb2, common_pb2, replica_pb2
 from squall.wire import stages as _stages
 from squall_server.common.clock import Clock
 from squall_server.common.config import ClusterConfig, NodeConfig
@@ -172,8 +172,7 @@ class Writer(CoreView):
                     # Publishers wait here while the replicas hold back commits (a full
                     # pending-write table), instead of the master growing memory.
                     room = min(room, await driver.wait_room()) or max_commands
-                count = min(room, len(self._queue))
-                batch = [self._queue.popleft() for _ in range(count)]
+                batch = _take(self._queue, room)
                 async with self._commit_lock:
                     try:
                         await self._commit(batch)
@@ -205,8 +204,15 @@ class Writer(CoreView):
             self.report_fault(fault)
         for index, refusal in planning.refused:
             live[index].future.set_exception(refusal)
-        planned = [(live[index], plan) for index, plan, _ in planning.planned]
-        lsns = [lsn for _, _, lsn in planning.planned]
+        planned: list[tuple[_Pending, Planned]] = []
+        lsns: list[int] = []
+        for index, plan, lsn in planning.planned:
+            if plan.parts is not None and all(part.plan is None for part in plan.parts):
+                # Every part of a joined request was refused: nothing to wait for.
+                live[index].future.set_result(plan)
+                continue
+            planned.append((live[index], plan))
+            lsns.append(lsn)
         entries = planning.entries
         if entries:
             commit_lsn = self.gate.commit_lsn
@@ -250,6 +256,9 @@ class Writer(CoreView):
             )
         driver.appended(entries, synced=False)
         steps = driver.steps
+        for _, plan in planned:
+            for part in plan.parts or ():
+                part.lsn = steps.wait_lsn(part.lsn)
         driver.register(
             [
                 Waiting(pending.future, plan, steps.wait_lsn(lsn))
@@ -358,8 +367,28 @@ def cancel_with(
         planned.cancel()
 
 
+def _take(queue: deque[_Pending], room: int) -> list[_Pending]:
+    """The next commit batch: queued commands up to room, a joined request's parts
+    counting one each (its first command is taken whatever its size)."""
+    batch = [queue.popleft()]
+    used = _weight(batch[0].command)
+    while queue and used + _weight(queue[0].command) <= room:
+        used += _weight(queue[0].command)
+        batch.append(queue.popleft())
+    return batch
+
+
+def _weight(command: Command) -> int:
+    return len(command.parts) if isinstance(command, commands.PublishParts) else 1
+
+
 def _fail_all(planned: list[tuple[_Pending, Planned]], error: ServiceError) -> None:
-    for pending, _ in planned:
+    for pending, plan in planned:
+        if plan.parts is not None and not pending.future.done():
+            # A joined request's planned parts fail; its refused parts keep their refusal.
+            commands.fail_parts(plan.parts, lambda _: error)
+            pending.future.set_result(plan)
+            continue
         _fail_pending(pending, error)
 
 
@@ -388,18 +417,35 @@ def _mark_publishes(stage: str, batch: Sequence[_Pending]) -> None:
     """Marks each publish of a commit batch for the latency budget (squall.wire.stages)."""
     for pending in batch:
         command = pending.command
-        if isinstance(command, commands.Publish) and command.request.events:
-            first = command.request.events[0].sequence
-            _stages.mark(stage, _stages.request_key(command.request.publisher_id, first))
+        requests = (
+            command.parts
+            if isinstance(command, commands.PublishParts)
+            else (command.request,)
+            if isinstance(command, commands.Publish)
+            else ()
+        )
+        for request in requests:
+            if request.events:
+                first = request.events[0].sequence
+                _stages.mark(stage, _stages.request_key(request.publisher_id, first))
 
 
 def _mark_stored(planned: Sequence[tuple[_Pending, Planned]], lsns: Sequence[int]) -> None:
     """Marks the publishes just stored, linking each to its LSN and first offset."""
+    stored: list[tuple[broker_pb2.PublishRequest, Planned, int]] = []
     for (pending, plan), lsn in zip(planned, lsns, strict=True):
         command = pending.command
-        if not isinstance(command, commands.Publish) or not command.request.events:
+        if isinstance(command, commands.Publish):
+            stored.append((command.request, plan, lsn))
+        elif isinstance(command, commands.PublishParts) and plan.parts is not None:
+            stored.extend(
+                (request, part.plan, part.lsn)
+                for request, part in zip(command.parts, plan.parts, strict=True)
+                if part.plan is not None
+            )
+    for request, plan, lsn in stored:
+        if not request.events:
             continue
-        request = command.request
         key = _stages.request_key(request.publisher_id, request.events[0].sequence)
         _stages.mark("m.stored", key)
         _stages.link(key, f"lsn/{lsn}")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from squall.v1 import replica_pb2
 from squall_server.common.errors import ServiceError
@@ -140,16 +140,16 @@ class SimReplicaTransport:
     def __init__(self, network: SimReplicaNetwork, node_id: str) -> None:
         self.network = network
         self.node_id = node_id
-        self._open: list[_Call[object]] = []
+        self._open: list[_Call[Any]] = []
 
     def replicate(self, node_id: str) -> SimReplicate:
         call = SimReplicate(self.network, self.node_id, node_id)
-        self._open.append(call)  # type: ignore[arg-type]
+        self._open.append(call)
         return call
 
     def fetch_log(self, node_id: str, request: replica_pb2.FetchLogRequest) -> SimFetch:
         call = SimFetch(self.network, self.node_id, node_id, request)
-        self._open.append(call)  # type: ignore[arg-type]
+        self._open.append(call)
         return call
 
     async def close(self) -> None:
@@ -164,7 +164,7 @@ class SimReplicaNetwork:
 
     def __init__(self) -> None:
         self.nodes: dict[str, ReplicaNode] = {}
-        self.calls: set[_Call[object]] = set()
+        self.calls: set[_Call[Any]] = set()
         self.cuts: set[tuple[str, str]] = set()
         self.delay_s = 0.0
         self.closed = 0  # transports closed (each master epoch and sync closes its own)

@@ -32,7 +32,9 @@ fail-stops or refuses as in production; the operator clears the fault at its res
 Then everything heals, crashed nodes restart, and liveness is checked.
 
 Clients publish through ``ReplicaNode.start_publish`` on whichever node they believe is
-master, each payload unique; a receipt is an acknowledgement.
+master, every third time a joined request of ``JOINED_PARTS`` parts
+(``start_publish_parts``), each payload unique; a receipt is an acknowledgement (of a
+part, alone).
 
 Checks: at most one master per epoch (sampled and from the logs' epoch-start entries);
 after healing a master serves and a publish is acknowledged within ``LIVENESS_S``; then
@@ -83,6 +85,7 @@ TAKE_GRACE_S = 4.0  # a master not serving this long after its command: elect ag
 BREAK_AFTER_S = 1.0  # a cut held this long breaks the call (gRPC keepalive)
 SLOW_DISK_S = 0.8  # the longest store-thread job of a slow disk
 PUBLISH_WAIT_S = 3.0  # a client gives up on a publish after this long
+JOINED_PARTS = 3  # parts of a client's joined publish (every third publish)
 SAMPLE_S = 0.01  # how often the one-master-per-epoch check samples roles
 NETWORK_TICK_S = 0.1  # how often the network fails calls a cut held too long
 
@@ -615,10 +618,17 @@ class ShellSim:
         if replica is None:
             return False
         self.payloads += 1
-        payload = b"e%d-%d" % (self.seed, self.payloads)
-        request = broker_pb2.PublishRequest(
-            topic=TOPIC, events=[common_pb2.EventData(payload=payload)]
-        )
+        # Every third publish is a joined request of JOINED_PARTS one-event parts (a
+        # client's shared stream joins concurrent publishes: ``start_publish_parts``).
+        joined = self.payloads % 3 == 0
+        payloads = [
+            b"e%d-%d" % (self.seed, self.payloads) + (b"-%d" % part if joined else b"")
+            for part in range(JOINED_PARTS if joined else 1)
+        ]
+        requests = [
+            broker_pb2.PublishRequest(topic=TOPIC, events=[common_pb2.EventData(payload=p)])
+            for p in payloads
+        ]
         try:
             try:
                 replica.topic(TOPIC)
@@ -627,13 +637,28 @@ class ShellSim:
                     replica.write(commands.CreateTopic(TOPIC, common_pb2.TOPIC_KIND_REPLICATED)),
                     PUBLISH_WAIT_S,
                 )
-            receipt = await asyncio.wait_for(replica.start_publish(request), PUBLISH_WAIT_S)
+            if joined:
+                outcomes = await asyncio.wait_for(
+                    replica.start_publish_parts(requests), PUBLISH_WAIT_S
+                )
+            else:
+                outcomes = [
+                    await asyncio.wait_for(replica.start_publish(requests[0]), PUBLISH_WAIT_S)
+                ]
         except (ServiceError, TimeoutError):
-            self.stats.failed_publishes += 1
+            self.stats.failed_publishes += len(payloads)
             return False
-        self.acked.append(Acked(payload, receipt))
-        self.stats.acked += 1
-        return True
+        acked = False
+        for payload, outcome in zip(payloads, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                if not isinstance(outcome, ServiceError):
+                    raise outcome  # a bug, not a fault's refusal
+                self.stats.failed_publishes += 1
+                continue
+            self.acked.append(Acked(payload, outcome))
+            self.stats.acked += 1
+            acked = True
+        return acked
 
     # --- checks
 

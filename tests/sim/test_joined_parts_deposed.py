@@ -1,0 +1,194 @@
+"""A master deposed while a joined request's parts are committing, over the simulated
+replica transport: the parts committed before keep their receipts, the others fail alone.
+
+A joined request (``PublishRequest.parts``) is begun as one write that waits for its last
+part's LSN (``PublishParts``); its parts still commit one by one. Three shipped
+ReplicaNodes (``tests/sim/replica_transport.py``, in-memory stores), each slave sent one
+entry per batch and its acks held on the way back, so the parts commit one at a time.
+Once some have committed, the master is cut off and deposed. Every part answered ok must
+be readable on the next master at its receipt's offset; every other part is answered
+with the indeterminate error a write of its own gets (``MasterDriver._fail``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from squall.v1 import broker_pb2, common_pb2, replica_pb2
+from squall_server.common.config import ClusterConfig, parse_config
+from squall_server.common.errors import INLINE_ERRORS, PUBLISH_ERRORS_KEY
+from squall_server.replica import commands, server
+from squall_server.replica.assembly import build_replica_node
+from squall_server.replica.node import ReplicaNode
+from squall_server.replica.store import Store
+from tests.sim.replica_transport import SimReplicaNetwork
+
+CLUSTER_ID = "c-sim-parts"
+WAIT_S = 30.0  # generous: the machine is shared
+PARTS = 12
+# Each slave's acks are held this long on the way back: the test cuts the master off
+# between two commits (a bound on a wait, never asserted on).
+ACK_DELAY_S = 0.05
+NODES = ("n1", "n2", "n3")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _config(tmp_path: Path) -> ClusterConfig:
+    text = '[cluster]\nname = "t"\n'
+    for priority, node_id in enumerate(NODES, 1):
+        text += (
+            f'\n[[nodes]]\nid = "{node_id}"\npriority = {priority}\n'
+            f'coordinator_address = "127.0.0.1:{_free_port()}"\n'
+            f'replica_address = "127.0.0.1:{_free_port()}"\ndata_dir = "{node_id}"\n'
+        )
+    text += f'\n[[gateways]]\nid = "g1"\naddress = "127.0.0.1:{_free_port()}"\n'
+    # A slave's window of one byte: one entry per batch, so the parts commit one by one.
+    text += "\n[limits]\nreplication_inflight_bytes_max = 1\n"
+    return parse_config(text, tmp_path / "cluster.toml")
+
+
+def _endpoint(node_id: str) -> common_pb2.NodeEndpoint:
+    return common_pb2.NodeEndpoint(node_id=node_id)
+
+
+def _role(
+    role: int, epoch: int, master: str, members: list[str], source: str = ""
+) -> replica_pb2.RoleCommand:
+    return replica_pb2.RoleCommand(
+        seq=epoch,
+        epoch=epoch,
+        role=role,  # type: ignore[arg-type]
+        master=_endpoint(master),
+        members=[_endpoint(m) for m in members],
+        sync_source_id=source,
+        lease_ms=60_000,
+        cluster_id=CLUSTER_ID,
+    )
+
+
+class _Context:
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((PUBLISH_ERRORS_KEY, INLINE_ERRORS),)
+
+    def time_remaining(self) -> None:
+        return None
+
+    def set_trailing_metadata(self, metadata: Any) -> None:
+        pass
+
+    async def abort(self, code: Any, details: str) -> None:
+        raise AssertionError(f"the stream was aborted: {code} {details}")
+
+
+async def _until(what: str, check: Any) -> None:
+    deadline = asyncio.get_running_loop().time() + WAIT_S
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.001)
+
+
+async def _answer(node: ReplicaNode, request: broker_pb2.PublishRequest) -> Any:
+    async def incoming() -> AsyncIterator[broker_pb2.PublishRequest]:
+        yield request
+
+    stream = server.Publisher(node).PublishStream(incoming(), _Context())  # type: ignore[arg-type]
+    return [response async for response in stream]
+
+
+def test_a_master_deposed_mid_request_answers_committed_parts_and_fails_the_rest(
+    tmp_path: Path,
+) -> None:
+    async def scenario() -> None:
+        config = _config(tmp_path)
+        network = SimReplicaNetwork()
+        nodes = {
+            node_id: build_replica_node(
+                config,
+                config.node(node_id),
+                Store.open_memory(),
+                transport=network.transport_for(node_id),
+            )
+            for node_id in NODES
+        }
+        for node in nodes.values():
+            network.add(node)
+            await node.start()
+        n1, n2, n3 = (nodes[n] for n in NODES)
+        try:
+            for slave in (n2, n3):
+                await slave.apply_role(_role(common_pb2.ROLE_SLAVE, 1, "n1", []))
+            await n1.apply_role(_role(common_pb2.ROLE_MASTER, 1, "n1", list(NODES), "n1"))
+            await _until("n1 master", lambda: n1.role == common_pb2.ROLE_MASTER)
+            await asyncio.wait_for(
+                n1.write(commands.CreateTopic("orders", common_pb2.TOPIC_KIND_REPLICATED)),
+                WAIT_S,
+            )
+            first_lsn = n1.last_lsn + 1
+            joined = broker_pb2.PublishRequest(topic="orders", request_id=1)
+            for k in range(PARTS):
+                part = joined.parts.add(
+                    topic="orders",
+                    publisher_id=f"p{k}",
+                    session_token=f"p{k}/s1",
+                    compact_receipts=True,
+                    request_id=k + 1,
+                )
+                part.events.add(payload=b"e%d" % k, sequence=1)
+            network.delay_s = ACK_DELAY_S
+            answering = asyncio.create_task(_answer(n1, joined))
+            # Some parts committed, not all: n1 is cut off from its slaves and deposed.
+            await _until("two parts committed", lambda: n1.commit_lsn >= first_lsn + 1)
+            assert n1.commit_lsn < first_lsn + PARTS - 1
+            network.cut("n1", "n2", both=True)
+            network.cut("n1", "n3", both=True)
+            await n1.apply_role(_role(common_pb2.ROLE_SLAVE, 2, "n2", []))
+            (response,) = await asyncio.wait_for(answering, WAIT_S)
+            network.delay_s = 0.0
+
+            # Epoch 2: n2 masters n3, synced from whichever holds more of epoch 1.
+            source = "n2" if n2.last_lsn >= n3.last_lsn else "n3"
+            await n3.apply_role(_role(common_pb2.ROLE_SLAVE, 2, "n2", []))
+            await n2.apply_role(_role(common_pb2.ROLE_MASTER, 2, "n2", ["n2", "n3"], source))
+            await _until("n2 master", lambda: n2.role == common_pb2.ROLE_MASTER)
+            await asyncio.wait_for(
+                n2.write(commands.CreateTopic("after", common_pb2.TOPIC_KIND_REPLICATED)),
+                WAIT_S,
+            )
+            stored = {e.offset: e for e in n2.store.read_events("orders", 0, 100)}
+        finally:
+            for node in nodes.values():
+                await node.stop()
+
+        assert len(response.parts) == PARTS
+        ok = [(k, a) for k, a in enumerate(response.parts) if a.HasField("batch")]
+        failed = [(k, a) for k, a in enumerate(response.parts) if a.HasField("error")]
+        assert len(ok) + len(failed) == PARTS
+        # Parts commit in order: the committed ones are a prefix, two at least.
+        assert [k for k, _ in ok] == list(range(len(ok))) and len(ok) >= 2
+        assert failed, "every part committed: the master was not deposed mid-request"
+        for k, answer in ok:
+            assert answer.request_id == k + 1 and answer.batch.master_id == "n1"
+            assert any(h.node_id != "n1" for h in answer.batch.holders)
+            event = stored[answer.batch.first_offset]
+            assert (event.publisher_id, event.sequence, event.payload) == (
+                f"p{k}",
+                1,
+                b"e%d" % k,
+            )
+        for k, answer in failed:
+            assert answer.request_id == k + 1
+            assert answer.error.code == "UNKNOWN"
+            assert "deposed before LSN" in answer.error.message
+            assert "indeterminate" in answer.error.message
+
+    asyncio.run(scenario())

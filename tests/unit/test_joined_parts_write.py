@@ -1,0 +1,229 @@
+"""A joined request's parts, begun as one write (``PublishParts``), answer as parts sent
+one by one would.
+
+The master begins an untraced joined request (``PublishRequest.parts``) as one write: one
+topic lookup per topic, one queue item, one wait for its last LSN. Each part must still be
+what a request of its own would be: the same answer (receipts at the same offsets and
+LSNs, the same duplicate receipts, the same refusal), the same events stored in the same
+order. Two fresh one-node masters over the in-memory store, each behind its real
+``Publisher.PublishStream``: one gets the joined requests, the other every part as a
+request of its own, in the same order; their answers and logs must match.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from squall.v1 import broker_pb2, common_pb2, replica_pb2
+from squall_server.common.config import ClusterConfig, parse_config
+from squall_server.common.errors import INLINE_ERRORS, PUBLISH_ERRORS_KEY
+from squall_server.replica import commands, server
+from squall_server.replica.assembly import build_replica_node
+from squall_server.replica.node import ReplicaNode
+from squall_server.replica.store import Store
+
+WAIT_S = 30.0  # generous: the machine is shared
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _config(tmp_path: Path) -> ClusterConfig:
+    text = (
+        '[cluster]\nname = "t"\n\n[[nodes]]\nid = "n1"\npriority = 1\n'
+        f'coordinator_address = "127.0.0.1:{_free_port()}"\n'
+        f'replica_address = "127.0.0.1:{_free_port()}"\ndata_dir = "n1"\n'
+        f'\n[[gateways]]\nid = "g1"\naddress = "127.0.0.1:{_free_port()}"\n'
+        # Small commit batches: a joined request of more parts is queued in pieces.
+        "\n[limits]\nmax_event_bytes = 64\ncommit_batch_max_entries = 4\n"
+    )
+    config = parse_config(text, tmp_path / "cluster.toml")
+    config.node("n1").data_dir.mkdir(parents=True, exist_ok=True)
+    return config
+
+
+class _Context:
+    """A stream's context: inline errors asked, no deadline."""
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((PUBLISH_ERRORS_KEY, INLINE_ERRORS),)
+
+    def time_remaining(self) -> None:
+        return None
+
+    def set_trailing_metadata(self, metadata: Any) -> None:
+        pass
+
+    async def abort(self, code: Any, details: str) -> None:
+        raise AssertionError(f"the stream was aborted: {code} {details}")
+
+
+def _part(
+    topic: str,
+    publisher_id: str,
+    *sequences: int,
+    payload: bytes = b"x",
+    compact: bool = True,
+) -> broker_pb2.PublishRequest:
+    return broker_pb2.PublishRequest(
+        topic=topic,
+        publisher_id=publisher_id,
+        session_token=f"{publisher_id}/s1",
+        compact_receipts=compact,
+        events=[common_pb2.EventData(payload=payload + b"%d" % s, sequence=s) for s in sequences],
+    )
+
+
+def _joined(*parts: broker_pb2.PublishRequest) -> broker_pb2.PublishRequest:
+    request = broker_pb2.PublishRequest(topic=parts[0].topic, parts=parts)
+    for number, part in enumerate(request.parts, 1):
+        part.request_id = number
+    return request
+
+
+# Each a joined request, in order; the comments say what each part checks.
+REQUESTS = [
+    _joined(
+        _part("a", "p1", 1),
+        _part("b", "p2", 1),  # another topic
+        _part("a", "p3", 1, payload=b"y" * 65),  # over max_event_bytes: fails alone
+        _part("nope", "p4", 1),  # no such topic: fails alone
+        _part("a", "p5", 1),
+        _part("a", "p1", 1),  # a duplicate of this request's first part
+        _part("t", "p6", 1),  # a transient topic: handed to subscribers at once
+        _part("b", "p1", 2),
+    ),
+    # The same again (a retry after a lost answer): the stored parts are duplicates.
+    _joined(_part("a", "p1", 1), _part("b", "p2", 1), _part("a", "p5", 1)),
+    _joined(
+        _part("a", "p2", 1),  # p2 used sequence 1 on topic b: refused
+        _part("a", "p7", 5, 6, compact=False),  # two events, a receipt per event
+        _part("b", "p7", 5),  # p7's sequence 5 is on topic a: refused
+        _part("a", "p7", 6, 7),  # 6 a duplicate, 7 new
+        _part("a", "p8", 1),
+        _part("a", "p9", 1),
+    ),
+]
+
+
+async def _started(config: ClusterConfig) -> ReplicaNode:
+    node = build_replica_node(config, config.node("n1"), Store.open_memory())
+    await node.start()
+    await node.apply_role(
+        replica_pb2.RoleCommand(
+            role=common_pb2.ROLE_MASTER,
+            epoch=1,
+            master=common_pb2.NodeEndpoint(node_id="n1"),
+            members=[common_pb2.NodeEndpoint(node_id="n1")],
+            seq=1,
+            lease_ms=600_000,
+            cluster_id="c-test",
+        )
+    )
+    for name in ("a", "b"):
+        await node.write(commands.CreateTopic(name, common_pb2.TOPIC_KIND_REPLICATED))
+    await node.write(commands.CreateTopic("t", common_pb2.TOPIC_KIND_TRANSIENT))
+    return node
+
+
+async def _stream(
+    node: ReplicaNode, requests: Sequence[broker_pb2.PublishRequest]
+) -> list[broker_pb2.PublishResponse]:
+    """Every request on one PublishStream, all in flight at once; the answers in order."""
+
+    async def incoming() -> AsyncIterator[broker_pb2.PublishRequest]:
+        for request in requests:
+            yield request
+
+    stream = server.Publisher(node).PublishStream(incoming(), _Context())  # type: ignore[arg-type]
+    return [response async for response in stream]
+
+
+def _log(node: ReplicaNode) -> list[tuple[str, int, str, int, bytes]]:
+    return [
+        (topic, event.offset, event.publisher_id, event.sequence, event.payload)
+        for topic in ("a", "b")
+        for event in node.store.read_events(topic, 0, 100)
+    ]
+
+
+def test_joined_parts_answer_and_store_as_parts_sent_one_by_one(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        joined_node = await _started(_config(tmp_path / "joined"))
+        alone_node = await _started(_config(tmp_path / "alone"))
+        try:
+            joined = await asyncio.wait_for(_stream(joined_node, REQUESTS), WAIT_S)
+            alone = await asyncio.wait_for(
+                _stream(alone_node, [part for request in REQUESTS for part in request.parts]),
+                WAIT_S,
+            )
+            joined_log, alone_log = _log(joined_node), _log(alone_node)
+        finally:
+            await joined_node.stop()
+            await alone_node.stop()
+
+        assert [len(response.parts) for response in joined] == [
+            len(request.parts) for request in REQUESTS
+        ]
+        answers = [part for response in joined for part in response.parts]
+        assert [a.request_id for a in answers] == [p.request_id for r in REQUESTS for p in r.parts]
+        for answer, single in zip(answers, alone, strict=True):
+            if single.HasField("error"):
+                # A stream's inline error carries no request id; a part's carries its own.
+                single.request_id = answer.request_id
+            assert answer == single
+        assert joined_log == alone_log
+
+        first, again, third = (list(response.parts) for response in joined)
+        assert [(p.batch.first_offset, p.batch.lsn > 0) for p in first if p.HasField("batch")][
+            :2
+        ] == [(0, True), (0, True)]
+        assert [first[2].error.code, first[3].error.code] == ["INVALID_ARGUMENT", "NOT_FOUND"]
+        # The request's own duplicate points at its first part's event.
+        assert first[5].batch.duplicates[0].offset == first[0].batch.first_offset
+        assert first[5].batch.duplicates[0].lsn == first[0].batch.lsn
+        assert all(len(p.batch.duplicates) == 1 for p in again)
+        assert [third[0].error.code, third[2].error.code] == ["INVALID_ARGUMENT"] * 2
+        assert len(third[1].receipts) == 2
+        assert [d.index for d in third[3].batch.duplicates] == [0]
+        # Topic a holds p1, p5, then p7's 5, 6, 7, p8, p9: no refused part left a trace.
+        assert [(p, s) for t, _, p, s, _ in joined_log if t == "a"] == [
+            ("p1", 1),
+            ("p5", 1),
+            ("p7", 5),
+            ("p7", 6),
+            ("p7", 7),
+            ("p8", 1),
+            ("p9", 1),
+        ]
+
+    asyncio.run(scenario())
+
+
+def test_a_joined_request_to_a_master_that_cannot_write_fails_every_part_alone(
+    tmp_path: Path,
+) -> None:
+    """A replica that is not master answers each part with the refusal (the request is
+    not refused whole: the client's parts are separate publishes)."""
+
+    async def scenario() -> None:
+        config = _config(tmp_path)
+        node = build_replica_node(config, config.node("n1"), Store.open_memory())
+        await node.start()
+        try:
+            (response,) = await asyncio.wait_for(_stream(node, REQUESTS[:1]), WAIT_S)
+        finally:
+            await node.stop()
+        assert len(response.parts) == len(REQUESTS[0].parts)
+        codes = {part.error.code for part in response.parts}
+        assert len(codes) == 1 and "" not in codes
+
+    asyncio.run(scenario())
