@@ -45,7 +45,7 @@ from squall_server.replica.endpoints import (
 from squall_server.replica.node import UNREACHABLE_KEY
 from squall_server.replica.shared_master import SharedMaster
 from squall_server.replica.store import CorruptRecordError, TopicInfo, UnknownTopicError
-from squall_server.replica.telemetry import DeliveryWatch, PublishWatch
+from squall_server.replica.telemetry import DeliveryWatch, JoinedWatch, PublishWatch
 
 log = logging.getLogger("squall.replica")
 
@@ -429,7 +429,7 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
             raise invalid(f"{len(parts)} parts in one request exceed max_batch_events ({limit})")
         if any(part.parts for part in parts):
             raise invalid("a part of a publish request cannot have parts of its own")
-        if not self.node.telemetry.active:
+        if not self.node.telemetry.tracing:
             return self._start_joined(request)
         loop = asyncio.get_running_loop()
         started: list[asyncio.Future[broker_pb2.PublishResponse]] = []
@@ -465,8 +465,10 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
         self, request: broker_pb2.PublishRequest
     ) -> asyncio.Future[broker_pb2.PublishResponse]:
         """Begins an untraced joined request's parts as one write (``start_publish_parts``);
-        the answers are what ``_start`` would give each part."""
+        the answers (and, metering, the metrics) are what ``_start`` would give each part."""
         parts = request.parts
+        observed = self.node.telemetry
+        watch = JoinedWatch(observed, self.node.node.id) if observed.metering else None
         outcomes = self.node.start_publish_parts(parts)
         answer: asyncio.Future[broker_pb2.PublishResponse] = (
             asyncio.get_running_loop().create_future()
@@ -485,6 +487,8 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
                 for part, outcome in zip(parts, done.result(), strict=True):
                     if key:
                         _stages.mark("m.resp", _stage_key(part))
+                    if watch is not None and not isinstance(outcome, BaseException):
+                        watch.done(len(part.events))
                     response.parts.append(_joined_answer(part, outcome))
             except Exception as exc:  # the caller hears it rather than waiting for ever
                 answer.set_exception(exc)

@@ -366,6 +366,29 @@ class PublishWatch:
             span.end()
 
 
+class JoinedWatch:
+    """A joined request's metrics while metering is on and tracing off: each part
+    acknowledged counts as ``PublishWatch.done`` counts a publish of its own (its latency
+    is the request's: the parts are answered together), so turning metrics on keeps a
+    joined request on the one-write path."""
+
+    __slots__ = ("_attributes", "_clock", "_instruments", "_started_ns")
+
+    def __init__(
+        self, telemetry: Telemetry, node_id: str, clock: PreciseClock = SYSTEM_CLOCK
+    ) -> None:
+        self._clock = clock
+        self._instruments = instruments(telemetry)
+        self._attributes = {"node": node_id}
+        self._started_ns = clock.monotonic_ns()
+
+    def done(self, events: int) -> None:
+        """A part of `events` events is acknowledged to the publisher."""
+        latency_ms = (self._clock.monotonic_ns() - self._started_ns) / 1e6
+        self._instruments.commit_latency.record(latency_ms, self._attributes)
+        self._instruments.events_in.add(events, self._attributes)
+
+
 class ReplicationTracer:
     """The master's replication spans: one per traced batch sent to a slave, ended by its ack."""
 

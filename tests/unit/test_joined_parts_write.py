@@ -18,9 +18,14 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from opentelemetry import trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
 from squall_server.common.config import ClusterConfig, parse_config
 from squall_server.common.errors import INLINE_ERRORS, PUBLISH_ERRORS_KEY
+from squall_server.common.telemetry import SCOPE, Telemetry
 from squall_server.replica import commands, server
 from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.node import ReplicaNode
@@ -114,8 +119,10 @@ REQUESTS = [
 ]
 
 
-async def _started(config: ClusterConfig) -> ReplicaNode:
-    node = build_replica_node(config, config.node("n1"), Store.open_memory())
+async def _started(config: ClusterConfig, observability: Telemetry | None = None) -> ReplicaNode:
+    node = build_replica_node(
+        config, config.node("n1"), Store.open_memory(), observability=observability
+    )
     await node.start()
     await node.apply_role(
         replica_pb2.RoleCommand(
@@ -225,5 +232,67 @@ def test_a_joined_request_to_a_master_that_cannot_write_fails_every_part_alone(
         assert len(response.parts) == len(REQUESTS[0].parts)
         codes = {part.error.code for part in response.parts}
         assert len(codes) == 1 and "" not in codes
+
+    asyncio.run(scenario())
+
+
+def _metered() -> tuple[Telemetry, InMemoryMetricReader]:
+    """Metrics on, traces off: the telemetry a node records into, and its reader."""
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    observed = Telemetry(
+        trace.NoOpTracer(), provider.get_meter(SCOPE), tracing=False, metering=True
+    )
+    return observed, reader
+
+
+def _publish_metrics(reader: InMemoryMetricReader) -> tuple[int, int]:
+    """(events acknowledged, commit latencies recorded) as the node's metrics say."""
+    events = latencies = 0
+    data = reader.get_metrics_data()
+    for resource in data.resource_metrics if data else ():
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                for point in metric.data.data_points:
+                    if metric.name == "squall.replica.events.in":
+                        events += point.value
+                    elif metric.name == "squall.replica.commit.latency":
+                        latencies += point.count
+    return events, latencies
+
+
+def test_with_metrics_on_joined_parts_count_as_parts_sent_one_by_one(tmp_path: Path) -> None:
+    """Metrics on (not traces), a joined request still takes the one-write path, and the
+    master's publish metrics count each acknowledged part as a publish of its own."""
+
+    async def scenario() -> None:
+        joined_telemetry, joined_reader = _metered()
+        alone_telemetry, alone_reader = _metered()
+        joined_node = await _started(_config(tmp_path / "joined"), joined_telemetry)
+        alone_node = await _started(_config(tmp_path / "alone"), alone_telemetry)
+        begun: list[int] = []
+        start_parts = joined_node.start_publish_parts
+
+        def counted(parts: Sequence[broker_pb2.PublishRequest]) -> Any:
+            begun.append(len(parts))
+            return start_parts(parts)
+
+        joined_node.start_publish_parts = counted  # type: ignore[method-assign]
+        try:
+            joined = await asyncio.wait_for(_stream(joined_node, REQUESTS), WAIT_S)
+            alone = await asyncio.wait_for(
+                _stream(alone_node, [part for request in REQUESTS for part in request.parts]),
+                WAIT_S,
+            )
+        finally:
+            await joined_node.stop()
+            await alone_node.stop()
+        assert begun == [len(request.parts) for request in REQUESTS]
+        acknowledged = sum(
+            not part.HasField("error") for response in joined for part in response.parts
+        )
+        assert acknowledged == sum(not response.HasField("error") for response in alone) > 0
+        assert _publish_metrics(joined_reader) == _publish_metrics(alone_reader)
+        assert _publish_metrics(joined_reader)[1] == acknowledged
 
     asyncio.run(scenario())
