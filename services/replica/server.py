@@ -779,6 +779,8 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
                 else _committed_end(node.visible_end(topic.name), topic.next_offset)
             )
             end = min(end, now_end) if end else now_end
+            if not end:
+                return  # nothing committed to serve (an end of 0 would read as "no end")
         durable = request.subscription
         # A follow stream a slave serves ends when the slave loses its role (cut off from its
         # master it would learn no commit, and its reader would wait for ever): the reader
