@@ -584,6 +584,11 @@ def judge_undetected(
     )
 
 
+def _served_end(hidden: int | None, next_offset: int) -> int:
+    """A topic's end as committed reads serve it (hidden None: nothing hidden)."""
+    return next_offset if hidden is None else hidden
+
+
 def _served(key: tuple[int, int], served_end: dict[int, int]) -> bool:
     """Whether the event at (topic id, offset) is below its topic's served end."""
     topic_id, offset = key
@@ -608,7 +613,8 @@ def flip_event_byte(data_dir: Path, rng: random.Random) -> Damage:
         # Only events the node serves: a reader must reach the damaged record.
         gate = gate_from_store(store)
         served_end = {
-            info.topic_id: gate.hidden_from(info.name) or info.next_offset for info in topics
+            info.topic_id: _served_end(gate.hidden_from(info.name), info.next_offset)
+            for info in topics
         }
         records = [
             (key, value) for key, value in records if _served(struct.unpack(">QQ", key), served_end)

@@ -100,8 +100,14 @@ def run_store_steps(steps: Generator[StoreCall, None, T]) -> T:
     try:
         call = next(steps)
         while True:
-            call()
-            call = steps.send(None)
+            try:
+                call()
+            except Exception as exc:
+                # The step learns its store operation failed (it may undo what it did
+                # before yielding it), then raises it again.
+                call = steps.throw(exc)
+            else:
+                call = steps.send(None)
     except StopIteration as done:
         return done.value  # type: ignore[no-any-return]
 
@@ -860,9 +866,20 @@ class ReplicaDriver:
         lsn = chunk.snapshot_lsn
         commit_lsn = min(chunk.commit_lsn, lsn)
         uncommitted = [(u.topic, u.first_offset, u.last_lsn) for u in chunk.uncommitted]
-        yield functools.partial(
-            store.finish_snapshot, list(history), commit_lsn=commit_lsn, uncommitted=uncommitted
-        )
+        # The swap commits on the store thread while the event loop serves reads, through
+        # this gate, of whichever state is live then: hide what either may hold uncommitted.
+        self.gate.swapping(commit_lsn, uncommitted)
+        try:
+            yield functools.partial(
+                store.finish_snapshot, list(history), commit_lsn=commit_lsn, uncommitted=uncommitted
+            )
+        except StoreError:
+            # finish_snapshot's contract: a failure leaves the old state live, so its exact
+            # gate serves again. Any other way out (cancelled: the store thread may still
+            # swap) keeps the conservative gate until commits or a truncation lift it.
+            if self.gate.swap_failed():
+                self._on_committed()
+            raise
         hidden = self.snapshot_finished(lsn, commit_lsn, uncommitted)
         log.info(
             "replica %s installed the snapshot at LSN %d (epoch %d) from %s; the log "

@@ -465,13 +465,13 @@ async def _next_events(
     limits = node.config.limits
     hidden = node.visible_end(link.from_topic)
     events: list[common_pb2.Event] = []
-    if not hidden or position < hidden:
+    if hidden is None or position < hidden:
         try:
             events = node.store.read_events(
                 link.from_topic,
                 position,
                 min(limits.push_batch_max_events, limits.max_batch_events),
-                hidden,
+                hidden or 0,
                 max_bytes=min(limits.push_batch_max_bytes, limits.max_batch_bytes),
                 topic_id=topic_id,
             )

@@ -488,6 +488,7 @@ class ReplicaNode(CoreView):
         """The highest LSN committed reads serve here."""
         return self.gate.commit_lsn
 
-    def visible_end(self, topic: str) -> int:
-        """The first offset of topic that committed reads may not serve yet (0: none)."""
-        return self.gate.hidden_from(topic) or 0
+    def visible_end(self, topic: str) -> int | None:
+        """The first offset of topic that committed reads may not serve yet (None: none;
+        0 hides the whole topic)."""
+        return self.gate.hidden_from(topic)

@@ -318,13 +318,13 @@ class _Worker:
                     )
                 else:
                     hidden = node.visible_end(s.topic)
-                    if hidden and position >= hidden:
+                    if hidden is not None and position >= hidden:
                         break
                     events = node.store.read_events(
                         s.topic,
                         position,
                         limits.push_batch_max_events,
-                        hidden,
+                        hidden or 0,
                         max_bytes=limits.push_batch_max_bytes,
                         topic_id=topic_id,
                     )

@@ -94,6 +94,11 @@ class _translating:  # lowercase: called like the function it replaced
             raise ServiceError(Code.NOT_FOUND, str(exc)) from exc
 
 
+def _committed_end(hidden: int | None, next_offset: int) -> int:
+    """Where committed reads of a topic end: its first hidden offset, else its end."""
+    return next_offset if hidden is None else hidden
+
+
 def topic_message(topic: TopicInfo, next_offset: int | None = None) -> common_pb2.Topic:
     """The wire form of a topic."""
     return common_pb2.Topic(
@@ -660,7 +665,9 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
             # learns their commit) may still be truncated and their offsets reused by the
             # next master's events, which a reader placed past them would skip.
             offset = (
-                next_offset if transient else (self.node.visible_end(topic.name) or next_offset)
+                next_offset
+                if transient
+                else _committed_end(self.node.visible_end(topic.name), next_offset)
             )
         elif start == broker_pb2.START_POSITION_OFFSET:
             if request.offset > next_offset and not transient:
@@ -773,9 +780,11 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
             now_end = (
                 node.transient.next_offset(topic.name, topic_id=topic.topic_id)
                 if transient
-                else node.visible_end(topic.name) or topic.next_offset
+                else _committed_end(node.visible_end(topic.name), topic.next_offset)
             )
             end = min(end, now_end) if end else now_end
+            if not end:
+                return  # nothing committed to serve (an end of 0 would read as "no end")
         durable = request.subscription
         # A follow stream a slave serves ends when the slave loses its role (cut off from its
         # master it would learn no commit, and its reader would wait for ever): the reader
@@ -800,10 +809,12 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
                         )
                     else:
                         hidden = node.visible_end(topic.name)
-                        stop = min(end, hidden) if end and hidden else (end or hidden)
+                        # end 0: no end; hidden None: nothing hidden (0: the whole topic).
+                        stop = end if hidden is None else min(end, hidden) if end else hidden
+                        bounded = bool(end) or hidden is not None
                         events = (
                             []
-                            if stop and position >= stop
+                            if bounded and position >= stop
                             else node.store.read_events(
                                 topic.name,
                                 position,

@@ -119,7 +119,8 @@ class SharedMaster:
 
     def _end(self, topic: str) -> int:
         info = self.node.topic(topic)
-        return self.node.visible_end(topic) or info.next_offset
+        hidden = self.node.visible_end(topic)
+        return info.next_offset if hidden is None else hidden
 
     # --- the calls
 

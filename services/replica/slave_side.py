@@ -144,7 +144,13 @@ class SlaveSide(CoreView):
             call = next(steps)
             # One store operation per step of the install: at most three.
             while True:
-                await loop.run_in_executor(self._io, call)
+                try:
+                    await loop.run_in_executor(self._io, call)
+                except BaseException as exc:
+                    # The install learns how its store operation ended (a failed swap puts
+                    # the commit gate back; a cancelled one keeps it hiding), then raises it.
+                    call = steps.throw(exc)
+                    continue
                 call = steps.send(None)
         except StopIteration as done:
             installed: int | None = done.value

@@ -20,6 +20,14 @@ tracks each as one publish at that last LSN (``restore``), which hides a little 
 than needed (committed events after the first uncommitted one, until the last commits)
 and never less.
 
+A snapshot's swap (``Store.finish_snapshot``) runs on the store thread while the event
+loop keeps serving reads, so a reader may meet the old state or the new one before the
+driver knows which: ``swapping`` hides, until the swap's outcome is known, what either
+may hold uncommitted (the old state's tracked publishes and the snapshot's list, at the
+lower of the two commit LSNs); ``swap_failed`` puts the gate back when the old state is
+known to be live, and ``truncated(0)`` (then ``advance`` and ``restore``) sets the new
+one's.
+
 Topics are tracked by name, and a topic destroyed and created again starts again at
 offset 0: a publish of the new incarnation may be tracked after one of the old at a
 higher offset. Offsets then no longer grow with LSNs within the name, and the gate hides
@@ -45,6 +53,11 @@ class CommitGate:
         self._topics: dict[str, deque[tuple[int, int]]] = {}
         # Topics whose tracked offsets went down (a new incarnation of the name).
         self._mixed: set[str] = set()
+        # Snapshot swaps' lists, per topic (first hidden offset, last LSN), hidden on top
+        # of the tracked publishes; and what the gate had before the last swap began
+        # (its commit LSN and swap lists; None: no swap's outcome pending).
+        self._swap: dict[str, tuple[int, int]] = {}
+        self._before_swap: tuple[int, dict[str, tuple[int, int]]] | None = None
 
     @property
     def commit_lsn(self) -> int:
@@ -53,8 +66,8 @@ class CommitGate:
 
     @property
     def tracked(self) -> int:
-        """How many uncommitted publishes are hidden."""
-        return len(self._order)
+        """How many uncommitted publishes are hidden (a swap's topics count one each)."""
+        return len(self._order) + len(self._swap)
 
     def appended(self, lsn: int, topic: str, first_offset: int) -> None:
         """A publish at lsn is about to be stored; hidden unless already committed.
@@ -85,6 +98,31 @@ class CommitGate:
                 count += 1
         return count
 
+    def swapping(self, commit_lsn: int, uncommitted: Iterable[tuple[str, int, int]]) -> None:
+        """A snapshot (sent at commit_lsn, with ``restore``'s uncommitted list) is about
+        to replace the state: until ``swap_failed`` or ``truncated``, committed reads serve
+        only what both the state now and the snapshot hold committed."""
+        self._before_swap = (self._commit_lsn, dict(self._swap))
+        self._commit_lsn = min(self._commit_lsn, commit_lsn)
+        for topic, first_offset, last_lsn in uncommitted:
+            if last_lsn > self._commit_lsn:
+                # An earlier swap whose outcome was never learnt stays hidden too.
+                had = self._swap.get(topic)
+                if had is not None:
+                    first_offset, last_lsn = min(had[0], first_offset), max(had[1], last_lsn)
+                self._swap[topic] = (first_offset, last_lsn)
+
+    def swap_failed(self) -> bool:
+        """The last swap did not happen (the old state is live): the gate is back as it
+        was, with any commit learnt since; True when reads may serve more."""
+        if self._before_swap is None:
+            return False
+        commit_lsn, self._swap = self._before_swap
+        self._before_swap = None
+        self.advance(commit_lsn)
+        self._swap = {t: v for t, v in self._swap.items() if v[1] > self._commit_lsn}
+        return True
+
     def uncommitted(self, up_to_lsn: int) -> list[tuple[str, int, int]]:
         """Per topic with tracked publishes at or below up_to_lsn: (topic, first hidden
         offset, LSN of the last such publish), by that LSN. What a snapshot at up_to_lsn
@@ -101,6 +139,13 @@ class CommitGate:
                 last_lsn = lsn
                 first_offset = min(first_offset, offset)
             out.append((topic, first_offset, last_lsn))
+        # A swap's topics too: which state is live may not be known yet (swapping).
+        merged = {topic: (offset, lsn) for topic, offset, lsn in out}
+        for topic, (offset, lsn) in self._swap.items():
+            if lsn <= up_to_lsn:
+                had = merged.get(topic, (offset, lsn))
+                merged[topic] = (min(had[0], offset), max(had[1], lsn))
+        out = [(topic, offset, lsn) for topic, (offset, lsn) in merged.items()]
         out.sort(key=lambda item: item[2])
         return out
 
@@ -117,6 +162,9 @@ class CommitGate:
             if not entries:
                 del self._topics[topic]
                 self._mixed.discard(topic)
+        if self._swap:
+            # Committed in the snapshot's state too (and never needed in the old one).
+            self._swap = {t: v for t, v in self._swap.items() if v[1] > commit_lsn}
         return True
 
     def truncated(self, after_lsn: int) -> None:
@@ -130,12 +178,21 @@ class CommitGate:
                 del self._topics[topic]
                 self._mixed.discard(topic)
         self._commit_lsn = min(self._commit_lsn, after_lsn)
+        self._before_swap = None
+        if self._swap:
+            # With a snapshot's state live, a truncation keeps at least the snapshot's LSN
+            # (its log starts after it), so what goes was the old state's, which needed no
+            # swap entry; the driver's truncated(0) ends a finished swap (then restore).
+            self._swap = {t: v for t, v in self._swap.items() if v[1] <= after_lsn}
 
     def hidden_from(self, topic: str) -> int | None:
         """The first offset of topic not yet committed, or None when all are."""
+        swapped = self._swap.get(topic)
         entries = self._topics.get(topic)
         if not entries:
-            return None
+            return None if swapped is None else swapped[0]
         if topic in self._mixed:
-            return min(offset for _, offset in entries)
-        return entries[0][1]
+            first = min(offset for _, offset in entries)
+        else:
+            first = entries[0][1]
+        return first if swapped is None else min(first, swapped[0])

@@ -6,7 +6,8 @@ so the sync takes several SetRole answers. What a coordinator sees: SetRole answ
 once with the progress and role INACTIVE; the same command repeated joins the sync;
 another command cancels it; a failed sync is reported once and the next repetition tries
 again; writes are refused as UNAVAILABLE until the role is taken. Also: a replica started
-over a store with entries above its recorded commit LSN hides them from reads.
+over a store with entries above its recorded commit LSN hides them from reads (a topic
+hidden from offset 0 too).
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from pathlib import Path
 import pytest
 
 from deploy.processes import free_port
-from squall.v1 import common_pb2, replica_pb2, replica_pb2_grpc
+from squall.v1 import broker_pb2, common_pb2, replica_pb2, replica_pb2_grpc
 from squall_server.common.config import ClusterConfig, parse_config
 from squall_server.common.errors import Code, ServiceError
 from squall_server.common.grpc_server import ServiceServer
 from squall_server.replica import replication_server
 from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.node import ReplicaNode
+from squall_server.replica.server import Subscriber
 from squall_server.replica.store import Store, make_entry
 
 _DELAY_MS = 150
@@ -178,7 +180,7 @@ def test_a_long_sync_is_answered_at_once_joined_by_repeats_and_completes(tmp_pat
             assert (meta.last_lsn, meta.cluster_id, node.log_start_lsn) == (43, "cluster-1", 43)
             assert node.store.read_events("t", 0, 1000) == source.store.read_events("t", 0, 1000)
             # The snapshot's state was committed at the source: all of it is served.
-            assert node.visible_end("t") == 0
+            assert node.visible_end("t") is None
         finally:
             await node.stop()
             await server.stop()
@@ -271,6 +273,39 @@ def test_a_started_replica_hides_what_it_never_knew_committed(tmp_path: Path) ->
         try:
             assert (node.commit_lsn, node.visible_end("t")) == (42, 200)
             assert node.store.read_events("t", 195, 20)[-1].offset == 209  # stored, hidden
+        finally:
+            await node.stop()
+
+    _run(test, tmp_path)
+
+
+def test_a_topic_hidden_from_its_first_offset_serves_nothing(tmp_path: Path) -> None:
+    """A new topic whose first publish is not known committed is hidden from offset 0: a
+    committed read serves nothing of it (0 must not read as "nothing hidden")."""
+
+    async def test(config: ClusterConfig) -> None:
+        store = _source_store()  # LSNs 1..42, commit recorded at 42
+        create = _op(create_topic=replica_pb2.CreateTopicOp(name="fresh"))
+        event = common_pb2.EventData(payload=b"x")
+        publish = _op(publish=replica_pb2.PublishOp(topic="fresh", first_offset=0, events=[event]))
+        entries = [make_entry(43, 1, create), make_entry(44, 1, publish)]
+        store.append(entries, sync=False, commit_lsn=43)
+        node = build_replica_node(config, config.node("n2"), store)
+        await node.start()
+        reader = Subscriber(node)
+
+        async def offsets(topic: str, start: int, offset: int = 0) -> list[int]:
+            request = broker_pb2.SubscribeRequest(topic=topic, start=start, offset=offset)  # type: ignore[arg-type]
+            stream = reader.Subscribe(request, None)  # type: ignore[arg-type]
+            return [e.offset async for r in stream for e in r.events]
+
+        try:
+            assert (node.visible_end("fresh"), node.visible_end("t")) == (0, None)
+            assert await offsets("fresh", broker_pb2.START_POSITION_OFFSET) == []
+            assert await offsets("fresh", broker_pb2.START_POSITION_EARLIEST) == []
+            assert await offsets("t", broker_pb2.START_POSITION_OFFSET, 198) == [198, 199]
+            node.gate.advance(44)
+            assert await offsets("fresh", broker_pb2.START_POSITION_EARLIEST) == [0]
         finally:
             await node.stop()
 

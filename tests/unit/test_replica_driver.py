@@ -18,7 +18,10 @@ still starts at LSN 1 and the store can.
 
 from __future__ import annotations
 
+import functools
 import zlib
+from collections.abc import Generator
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -27,6 +30,7 @@ from squall.v1 import broker_pb2, common_pb2, replica_pb2
 from squall_server.common.config import load_config
 from squall_server.common.errors import Code, ServiceError
 from squall_server.replica import commands
+from squall_server.replica.committed import committed_events
 from squall_server.replica.core import (
     EPOCH_KEY,
     CoreConfig,
@@ -51,6 +55,7 @@ from squall_server.replica.driver import (
     RenewMembers,
     ReplicaDriver,
     StartTaking,
+    StoreCall,
     StoreFetched,
     TruncateFetched,
     TruncateLog,
@@ -61,6 +66,7 @@ from squall_server.replica.follower import FollowerConfig
 from squall_server.replica.replication import ReplicationMaster, SyncPolicy
 from squall_server.replica.store import Store, StoreWriteError
 from squall_server.replica.visibility import CommitGate
+from tests.unit.test_store_contract import Writer, create, epoch_start, payloads, publish
 
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "cluster.example.toml"
 NOW_MS = 1_000
@@ -468,3 +474,133 @@ def test_a_log_is_truncated_only_from_lsn_1_and_by_a_store_that_can() -> None:
         driver.check_truncation(4, "master n1", can_truncate=True)
     assert "its log starts at LSN 3" in compacted.value.message
     assert "it needs a snapshot" in compacted.value.message
+
+
+# --- the commit gate across a snapshot's swap
+
+
+def _swap_scene() -> tuple[ReplicaDriver, Store, list[replica_pb2.SnapshotChunk], list[int]]:
+    """A slave whose state holds a deposed master's uncommitted publish, and a snapshot
+    from a source that knows less committed and holds uncommitted publishes of its own
+    (one in a topic the slave does not have)."""
+    shared = (
+        epoch_start(1),
+        create("orders"),
+        publish("orders", 0, payloads(2)),
+        publish("orders", 2, payloads(1)),
+    )
+    store = Store.open_memory()
+    old = Writer(store)
+    for op in shared:
+        old.append(op)
+    old.append(publish("orders", 3, payloads(1)))  # LSN 5: never committed
+    source = Store.open_memory()
+    new = Writer(source)
+    for op in shared:
+        new.append(op)
+    new.append(epoch_start(2), epoch=2)
+    new.append(create("fresh"), publish("orders", 3, payloads(2)), publish("fresh", 0, payloads(1)))
+    with closing(source.snapshot_chunks()) as exported:
+        chunks = [replica_pb2.SnapshotChunk.FromString(c.SerializeToString()) for c in exported]
+    # Stamped as a source at commit LSN 3 stamps it (ReplicaDriver.stamp_snapshot).
+    source_gate = CommitGate(3)
+    source_gate.appended(4, "orders", 2)
+    source_gate.appended(7, "orders", 3)
+    source_gate.appended(8, "fresh", 0)
+    chunks[-1].commit_lsn = 3
+    chunks[-1].uncommitted.extend(
+        replica_pb2.UncommittedPublish(topic=t, first_offset=o, last_lsn=lsn)
+        for t, o, lsn in source_gate.uncommitted(8)
+    )
+    core = ReplicaCore(
+        CoreConfig("n2", {"n1": "127.0.0.1:1", "n2": "127.0.0.1:2"}),
+        stored_epoch=1,
+        log=LogPosition(5, 1),
+    )
+    woken: list[int] = []
+    gate = CommitGate(4)
+    gate.appended(5, "orders", 3)
+    driver = ReplicaDriver(
+        "n2",
+        core,
+        store,
+        gate,
+        follower_config=FollowerConfig(node_id="n2", sync_policy=SyncPolicy.SYNC),
+        on_committed=lambda: woken.append(driver.gate.commit_lsn),
+    )
+    return driver, store, chunks, woken
+
+
+def _served(driver: ReplicaDriver, store: Store) -> dict[str, list[int]]:
+    """The offsets committed reads serve per topic, and the commit LSN a fetch is told."""
+    served = {
+        t.name: [e.offset for e in committed_events(store, driver.gate, t.name)]
+        for t in store.list_topics()
+    }
+    served["commit"] = [driver.gate.commit_lsn]
+    return served
+
+
+def _install_until_finish(
+    driver: ReplicaDriver, chunks: list[replica_pb2.SnapshotChunk]
+) -> tuple[Generator[StoreCall, None, int | None], StoreCall]:
+    """Steps the install of a one-chunk snapshot as the shell does, up to its finish call."""
+    assert len(chunks) == 1
+    steps = driver.install_snapshot(
+        chunks[0],
+        last=True,
+        history=[(b.epoch, b.start_lsn) for b in chunks[0].history],
+        source="master n1",
+    )
+    call = next(steps)
+    # Bounded: begin, the chunk, then the finish.
+    for _ in range(3):
+        assert isinstance(call, functools.partial)
+        if call.func.__name__ == "finish_snapshot":
+            return steps, call
+        call()
+        call = steps.send(None)
+    raise AssertionError("no finish_snapshot step")
+
+
+def test_reads_during_a_snapshots_swap_never_see_what_either_state_holds_uncommitted() -> None:
+    driver, store, chunks, woken = _swap_scene()
+    assert _served(driver, store) == {"orders": [0, 1, 2], "commit": [4]}
+    steps, finish = _install_until_finish(driver, chunks)
+    # The old state is still live: its committed events only (the snapshot's LSN 4 is
+    # committed in both, but the source's commit LSN 3 is what both agree on).
+    assert _served(driver, store) == {"orders": [0, 1], "commit": [3]}
+    finish()  # the store thread swapped the state in; the event loop may read now
+    assert _served(driver, store) == {"orders": [0, 1], "fresh": [], "commit": [3]}
+    with pytest.raises(StopIteration) as done:
+        steps.send(None)
+    assert done.value.value == 8
+    # The snapshot's exact gate: hidden from its first uncommitted offset per topic.
+    assert _served(driver, store) == {"orders": [0, 1], "fresh": [], "commit": [3]}
+    assert driver.gate.tracked == 2 and woken
+    driver.advance_commit(7)
+    assert _served(driver, store) == {"orders": [0, 1, 2, 3, 4], "fresh": [], "commit": [7]}
+    driver.advance_commit(8)
+    assert _served(driver, store)["fresh"] == [0]
+
+
+def test_a_failed_swap_puts_the_gate_back_and_a_cancelled_one_keeps_hiding() -> None:
+    driver, store, chunks, woken = _swap_scene()
+    steps, _ = _install_until_finish(driver, chunks)
+    # The store raised: finish_snapshot left the old state live, served as before.
+    with pytest.raises(StoreWriteError):
+        steps.throw(StoreWriteError("I/O error (simulated)"))
+    assert _served(driver, store) == {"orders": [0, 1, 2], "commit": [4]}
+    assert driver.gate.tracked == 1 and woken == [4]
+    driver.advance_commit(5)
+    assert _served(driver, store) == {"orders": [0, 1, 2, 3], "commit": [5]}
+
+    driver, store, chunks, _ = _swap_scene()
+    steps, finish = _install_until_finish(driver, chunks)
+    finish()
+    steps.close()  # cancelled: the shell never learns whether the swap happened
+    assert _served(driver, store) == {"orders": [0, 1], "fresh": [], "commit": [3]}
+    driver.advance_commit(7)  # what the snapshot held uncommitted in orders committed
+    assert _served(driver, store) == {"orders": [0, 1, 2, 3, 4], "fresh": [], "commit": [7]}
+    driver.advance_commit(8)
+    assert _served(driver, store)["fresh"] == [0]

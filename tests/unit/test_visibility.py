@@ -97,3 +97,66 @@ def test_a_recreated_topics_uncommitted_events_stay_hidden_behind_the_old_ones()
     assert gate.hidden_from("dd") is None
     gate.appended(14, "dd", 3)
     assert gate.hidden_from("dd") == 3  # one incarnation again: the usual order
+
+
+def _receiver() -> CommitGate:
+    """A gate at commit LSN 20 hiding orders from 50 (LSN 21) and audit from 4 (LSN 22)."""
+    gate = CommitGate(commit_lsn=20)
+    gate.appended(21, "orders", 50)
+    gate.appended(22, "audit", 4)
+    return gate
+
+
+def _view(gate: CommitGate) -> tuple[int, int | None, int | None, int | None, int]:
+    return (
+        gate.commit_lsn,
+        gate.hidden_from("orders"),
+        gate.hidden_from("audit"),
+        gate.hidden_from("fresh"),
+        gate.tracked,
+    )
+
+
+def test_while_a_snapshot_swaps_in_the_gate_hides_what_either_state_holds_uncommitted() -> None:
+    """The store thread swaps a snapshot in while reads go on: until the driver learns
+    the outcome, neither the old state's nor the snapshot's uncommitted events show (a
+    topic only the snapshot has from offset 0), at the lower commit LSN."""
+    gate = _receiver()
+    gate.swapping(17, [("orders", 40, 19), ("fresh", 0, 23), ("old", 2, 16)])
+    assert _view(gate) == (17, 40, 4, 0, 4)  # ("old", 16) committed in both
+    # A snapshot this node sends meanwhile lists them too (whichever state it read).
+    assert gate.uncommitted(22) == [("orders", 40, 21), ("audit", 4, 22)]
+    # A commit learnt meanwhile lifts what it passes in either state.
+    assert gate.advance(19) and _view(gate) == (19, 50, 4, 0, 3)
+    # It swapped in: the driver sets the snapshot's exact gate.
+    gate.truncated(0)
+    gate.advance(17)
+    assert gate.restore([("orders", 40, 19), ("fresh", 0, 23)]) == 2
+    assert _view(gate) == (17, 40, None, 0, 2)
+
+
+def test_a_failed_swap_leaves_the_gate_as_it_was_and_an_unknown_one_keeps_hiding() -> None:
+    gate = _receiver()
+    gate.swapping(17, [("orders", 40, 19), ("fresh", 0, 23)])
+    assert gate.swap_failed()  # the old state is live: exactly as before
+    assert _view(gate) == _view(_receiver())
+    assert not gate.swap_failed()  # nothing pending any more
+
+    # A commit learnt during a swap that then failed stays learnt.
+    gate = _receiver()
+    gate.swapping(17, [("orders", 40, 19), ("fresh", 0, 23)])
+    assert gate.advance(21)
+    assert gate.swap_failed() and _view(gate) == (21, None, 4, None, 1)
+
+    # A swap whose outcome was never learnt (cancelled) stays hidden, at its commit LSN,
+    # through a later swap that fails, until commits pass it.
+    gate = _receiver()
+    gate.swapping(17, [("orders", 40, 19), ("fresh", 0, 23)])
+    gate.swapping(17, [("fresh", 3, 24)])
+    assert gate.swap_failed() and _view(gate) == (17, 40, 4, 0, 4)
+    assert gate.advance(23) and _view(gate) == (23, None, None, None, 0)
+    # A truncation of the old state removes what only it could hold; a truncation of a
+    # snapshot's state never goes below the snapshot's LSN, which keeps every entry.
+    gate.swapping(17, [("orders", 40, 19), ("fresh", 0, 30)])
+    gate.truncated(25)
+    assert _view(gate) == (17, 40, None, None, 1)
