@@ -41,6 +41,10 @@ transfer the leadership to another node, or to give a node another priority
 At the heal every link heals, every process restarts or resumes, and the coordinators lift
 quarantines (an operator's ``set_quarantine(False)`` after replacing a failing disk).
 
+Snapshots as in ``shell_sim`` (half the seeds keep a short log, seeded chunk sizes;
+installs begun and finished counted in ``Stats``): these stores truncate by rebuilding
+(``MemoryTruncator``), so snapshots reach slaves mostly through compaction.
+
 Clients publish to the replica that is master in the highest epoch. Checks as in
 ``shell_sim``: at most one master per epoch, a publish acknowledged within ``LIVENESS_S``
 of the heal, every replica caught up, identical logs, every acknowledged event readable at
@@ -88,7 +92,14 @@ from squall_server.replica.server import ReplicaControl
 from squall_server.replica.store import DATABASES, Store, StoreError
 from squall_server.replica.store.kv_memory import MemoryKV
 from tests.sim import shell_sim
-from tests.sim.shell_sim import NODE_IDS, Member, ShellSim, ShellSimFailure, Stats
+from tests.sim.shell_sim import (
+    NODE_IDS,
+    Member,
+    ProcessKV,
+    ShellSim,
+    ShellSimFailure,
+    Stats,
+)
 from tests.sim.virtual_loop import Every
 
 log = logging.getLogger("squall.sim.coordinated")
@@ -312,11 +323,13 @@ async def _unanswered(call: Callable[[], Awaitable[object]]) -> None:
 class MemoryTruncator(LmdbTruncator):
     """The LMDB truncator's twin over a node's ``Disk``: rebuilds the log up to the kept
     LSN into a fresh ``MemoryKV`` (``rebuild_into``, as production does) and swaps it in
-    at once (the rename); a crash before the swap leaves the old store."""
+    at once (the rename); a crash before the swap leaves the old store. ``open_store``
+    opens the process's store over the swapped-in disk (the reopen)."""
 
-    def __init__(self, member: Member) -> None:
+    def __init__(self, member: Member, open_store: Callable[[ProcessKV], Store]) -> None:
         super().__init__(member.data_dir, map_size_bytes=0, dedupe_window=0)
         self.member = member
+        self.open_store = open_store
         self._staged: MemoryKV | None = None
 
     def stage(self, store: Store, keep_lsn: int) -> Path:
@@ -335,7 +348,7 @@ class MemoryTruncator(LmdbTruncator):
             raise StoreError("the process is gone")
         self.member.disk.kv = self._staged
         self._staged = None
-        return Store(self.member.kv)
+        return self.open_store(self.member.kv)
 
     def settle(self, staging: Path) -> None:
         return None
@@ -372,11 +385,12 @@ class CoordinatedSim(ShellSim):
     def fail(self, what: str) -> ShellSimFailure:
         tail = "\n".join(self.stats.events[-40:])
         return ShellSimFailure(
-            f"seed {self.seed}: {what}\nlast events:\n{tail}\nreplay: {replay_command(self.seed)}"
+            f"seed {self.seed}: {what}\n{self.setup()}\nlast events:\n{tail}\n"
+            f"replay: {replay_command(self.seed)}"
         )
 
     def _truncator(self, member: Member) -> LmdbTruncator:
-        return MemoryTruncator(member)
+        return MemoryTruncator(member, self._store)
 
     # --- the coordinators
 

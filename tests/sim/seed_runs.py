@@ -38,9 +38,10 @@ def run_seeds(
     seeds: Sequence[int],
     run_seed: Callable[[int], Stats],
     replay_command: Callable[[int], str],
-) -> None:
+) -> Stats:
     """Every seed in turn; then, if any failed, the test fails listing each failing seed
-    with its replay command, and the first failures in full."""
+    with its replay command, and the first failures in full. Returns the seeds' summed
+    counts (acknowledged publishes, epochs, crashes, disk failures, snapshot installs)."""
     started = time.process_time()
     total = Stats()
     failures: list[tuple[int, str]] = []
@@ -58,15 +59,20 @@ def run_seeds(
         total.elections += stats.elections
         total.crashes += stats.crashes
         total.disk_failures += stats.disk_failures
+        total.snapshots_begun += stats.snapshots_begun
+        total.snapshots_finished += stats.snapshots_finished
     cpu = time.process_time() - started
     print(
         f"\n{name}: {len(seeds)} seeds ({len(failures)} failed) in {cpu:.1f} s CPU "
         f"({cpu / max(1, len(seeds)):.2f} s a seed): "
         f"{total.acked} publishes acknowledged, {total.elections} master epochs, "
-        f"{total.crashes} crashes, {total.disk_failures} disk failures"
+        f"{total.crashes} crashes, {total.disk_failures} disk failures, "
+        f"{total.snapshots_begun} snapshot installs begun ({total.snapshots_finished} "
+        f"finished, {total.snapshots_cut_short} cut short)"
     )
     if failures:
         pytest.fail(failure_report(name, len(seeds), failures, replay_command), pytrace=False)
+    return total
 
 
 def failure_report(

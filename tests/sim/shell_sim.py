@@ -31,6 +31,14 @@ to ``SLOW_DISK_S``) and a failing disk (every write transaction raises, so the r
 fail-stops or refuses as in production; the operator clears the fault at its restart).
 Then everything heals, crashed nodes restart, and liveness is checked.
 
+Snapshots: half the seeds keep a short log (``limits.log_retention_entries`` from
+``SHORT_LOG_RETENTIONS``, the commit batch no larger, as the configuration requires), so
+masters and slaves compact and a slave behind the retained log gets a snapshot; in every
+seed a divergent slave gets one too (these stores cannot truncate). Chunks hold a seeded
+number of records (``SNAPSHOT_CHUNK_RECORDS``), 2 or 16 in two seeds of three, so an
+install spans many chunks and faults cut some short. ``Stats`` counts the installs begun
+and finished (``CountingStore``); the others were cut short.
+
 Clients publish through ``ReplicaNode.start_publish`` on whichever node they believe is
 master, every third time a joined request of ``JOINED_PARTS`` parts
 (``start_publish_parts``), each payload unique; a receipt is an acknowledgement (of a
@@ -52,7 +60,7 @@ import logging
 import random
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,13 +69,14 @@ from typing import Any
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
 from squall_server.common.config import ClusterConfig, load_config
 from squall_server.common.errors import ServiceError
-from squall_server.replica import commands, replication_server
+from squall_server.replica import commands, replication_server, snapshot_pump
 from squall_server.replica.assembly import build_replica_node
+from squall_server.replica.divergence import BoundaryLike
 from squall_server.replica.faults import FAULT_FILE_NAME
 from squall_server.replica.node import ReplicaNode
 from squall_server.replica.rebuild import LmdbTruncator
 from squall_server.replica.store import DATABASES, Store
-from squall_server.replica.store.kv import KVError, ReadTxn, WriteTxn
+from squall_server.replica.store.kv import KV, KVError, ReadTxn, WriteTxn
 from squall_server.replica.store.kv_memory import MemoryKV
 from tests.sim.shell_network import ShellNetwork
 from tests.sim.virtual_loop import Every, LoopClock, SimExecutor, VirtualLoop
@@ -88,6 +97,15 @@ PUBLISH_WAIT_S = 3.0  # a client gives up on a publish after this long
 JOINED_PARTS = 3  # parts of a client's joined publish (every third publish)
 SAMPLE_S = 0.01  # how often the one-master-per-epoch check samples roles
 NETWORK_TICK_S = 0.1  # how often the network fails calls a cut held too long
+# A share of the seeds keep a short log (``limits.log_retention_entries`` drawn from
+# SHORT_LOG_RETENTIONS): masters and slaves compact, and a slave behind the retained log
+# or holding a divergent suffix above a compacted start gets a snapshot.
+SHORT_LOG_SHARE = 0.5
+SHORT_LOG_RETENTIONS = (4, 16, 64)
+# Records per snapshot chunk, drawn per seed (``snapshot_pump.SNAPSHOT_RECORDS_MAX``, never
+# raised): a few records make an install span many chunks, store transactions and
+# messages, for a crash, a cut or a newer master to come between.
+SNAPSHOT_CHUNK_RECORDS = (2, 16, snapshot_pump.SNAPSHOT_RECORDS_MAX)
 
 log = logging.getLogger("squall.sim.shell")
 
@@ -185,13 +203,48 @@ class Stats:
     disk_failures: int = 0
     fail_stops: int = 0
     hand_offs: int = 0  # coordinated_sim: hand-offs a master's replica got ready for
+    # Snapshot installs (a slave's, or a new master's reorganization fetch): begun (marked
+    # pending), finished (swapped in); the others were cut short (a crash, a broken
+    # stream, a newer install or an append dropped what they staged).
+    snapshots_begun: int = 0
+    snapshots_finished: int = 0
     callbacks: int = 0
     sim_s: float = 0.0
     events: list[str] = field(default_factory=list)
 
+    @property
+    def snapshots_cut_short(self) -> int:
+        return self.snapshots_begun - self.snapshots_finished
+
+
+class CountingStore(Store):
+    """The shipped store, counting the snapshot installs that begin and finish on it."""
+
+    def __init__(self, kv: KV, stats: Stats) -> None:
+        super().__init__(kv)
+        self._stats = stats
+
+    def begin_snapshot(self, snapshot_lsn: int, snapshot_epoch: int, *, sync: bool = True) -> None:
+        super().begin_snapshot(snapshot_lsn, snapshot_epoch, sync=sync)
+        self._stats.snapshots_begun += 1
+
+    def finish_snapshot(
+        self,
+        history: Iterable[tuple[int, int] | BoundaryLike],
+        *,
+        sync: bool = True,
+        commit_lsn: int = 0,
+        uncommitted: Sequence[tuple[str, int, int]] = (),
+    ) -> None:
+        super().finish_snapshot(history, sync=sync, commit_lsn=commit_lsn, uncommitted=uncommitted)
+        self._stats.snapshots_finished += 1
+
 
 class ShellSim:
     """One seed's run (``run``)."""
+
+    # Whether the seed may keep a short log (a scripted schedule keeps the shipped one).
+    short_logs = True
 
     def __init__(
         self,
@@ -211,6 +264,13 @@ class ShellSim:
             [common_pb2.SYNC_POLICY_WRITE_NO_SYNC, common_pb2.SYNC_POLICY_SYNC]
         )
         base = load_config(CONFIG)
+        # Its own stream: the seed's other draws stay as they were before it.
+        log_rng = random.Random(seed * 15_485_863 + 7)
+        retention = base.limits.log_retention_entries
+        if log_rng.random() < SHORT_LOG_SHARE and self.short_logs:
+            retention = log_rng.choice(SHORT_LOG_RETENTIONS)
+        self.log_retention = retention
+        self.snapshot_records = log_rng.choice(SNAPSHOT_CHUNK_RECORDS)
         self.members = {node_id: Member(node_id, Disk(), root / node_id) for node_id in NODE_IDS}
         for member in self.members.values():
             member.data_dir.mkdir(parents=True, exist_ok=True)
@@ -222,7 +282,14 @@ class ShellSim:
             durability=dataclasses.replace(
                 base.durability, replica_sync=self.replica_sync, acks=acks
             ),
+            # The retained log must hold a commit batch (config validation).
+            limits=dataclasses.replace(
+                base.limits,
+                log_retention_entries=retention,
+                commit_batch_max_entries=min(base.limits.commit_batch_max_entries, retention),
+            ),
         )
+        self.config.validate()
         max_delay_s = rng.choice([0.001, 0.005, 0.03])
         self.net = ShellNetwork(
             self.loop, lambda: rng.random() * max_delay_s, break_after_s=BREAK_AFTER_S
@@ -259,11 +326,23 @@ class ShellSim:
     def fail(self, what: str) -> ShellSimFailure:
         tail = "\n".join(self.stats.events[-40:])
         return ShellSimFailure(
-            f"seed {self.seed}: {what}\nlast events:\n{tail}\nreplay: {replay_command(self.seed)}"
+            f"seed {self.seed}: {what}\n{self.setup()}\nlast events:\n{tail}\n"
+            f"replay: {replay_command(self.seed)}"
+        )
+
+    def setup(self) -> str:
+        """The seed's drawn settings that a failure report names."""
+        return (
+            f"log retention {self.log_retention} entries, snapshot chunks of "
+            f"{self.snapshot_records} records, {self.stats.snapshots_begun} installs begun, "
+            f"{self.stats.snapshots_finished} finished"
         )
 
     def run(self) -> Stats:
         self._main_task = self.loop.create_task(self._main())
+        # The seed's chunk size for the run (a test that lowered it keeps its own).
+        shipped_records = snapshot_pump.SNAPSHOT_RECORDS_MAX
+        snapshot_pump.SNAPSHOT_RECORDS_MAX = min(shipped_records, self.snapshot_records)
         try:
             try:
                 self.loop.run_until_complete(self._main_task)
@@ -273,6 +352,7 @@ class ShellSim:
             if self.check_failure is not None:
                 raise self.check_failure
         finally:
+            snapshot_pump.SNAPSHOT_RECORDS_MAX = shipped_records
             self.stats.callbacks = self.loop.callbacks_run
             self.stats.sim_s = self.loop.time()
             self.loop.wind_down()
@@ -329,7 +409,7 @@ class ShellSim:
             member.process,
             lambda: rng.random() * (SLOW_DISK_S if disk.slow else 0.002),
         )
-        store = Store(member.kv)
+        store = self._store(member.kv)
         replica = build_replica_node(
             self.config,
             self.config.node(member.node_id),
@@ -343,6 +423,10 @@ class ShellSim:
         await self.loop.spawn(member.process, replica.start())
         self.net.up(replica, member.process)
         self.note(f"start {member.process}")
+
+    def _store(self, kv: KV) -> Store:
+        """A process's store over its disk (counting snapshot installs in the stats)."""
+        return CountingStore(kv, self.stats)
 
     def _truncator(self, member: Member) -> LmdbTruncator | None:
         """None: the replicas refuse a truncation (a slave's log is replaced by a snapshot)."""

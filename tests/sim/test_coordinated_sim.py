@@ -13,6 +13,9 @@ every replica). ``make test`` runs ``COORD_SEEDS_DEFAULT`` seeds (1,000) as test
 a failing chunk runs its other seeds too and lists every failing seed with its replay
 command. A long run is ``--coord-seeds=N`` (or ``COORD_SEEDS=N``); ``SEED=S`` replays one
 seed. A planted bug (acknowledging before any replica holds the write) must be caught.
+Half the seeds keep a short log (``shell_sim.SHORT_LOG_RETENTIONS``), so slaves get
+snapshots: every chunk must see installs begin and finish, and within a few seeds one
+must be cut short (a chunk's line counts them: begun, finished, cut short).
 """
 
 from __future__ import annotations
@@ -30,12 +33,34 @@ pytestmark = pytest.mark.sim
 MUTANT_SEEDS_MAX = 10
 # Some master's replica must get ready for a hand-over within this many seeds.
 HAND_OFF_SEEDS_MAX = 5
+# A chunk of at least this many seeds must see snapshot installs begin and finish (half
+# the seeds keep a short log and most of those install one: a chunk without any means the
+# coverage is gone, not bad luck).
+INSTALL_SEEDS_MIN = 20
+# Some snapshot install must be cut short (begun, never finished) within this many seeds.
+CUT_SHORT_SEEDS_MAX = 10
 
 
 def test_shipped_nodes_keep_acknowledged_events_and_recover(coord_chunk: list[int]) -> None:
     """Every seed: no acknowledged event lost, identical logs, one master per epoch, and
-    a publish acknowledged within the liveness bound after healing."""
-    run_seeds("coordinated sim", coord_chunk, run_seed, replay_command)
+    a publish acknowledged within the liveness bound after healing. A whole chunk also
+    installs snapshots (the short-log seeds): the snapshot path stays exercised."""
+    total = run_seeds("coordinated sim", coord_chunk, run_seed, replay_command)
+    if len(coord_chunk) >= INSTALL_SEEDS_MIN:
+        assert total.snapshots_begun and total.snapshots_finished, (
+            f"seeds {coord_chunk[0]}-{coord_chunk[-1]}: {total.snapshots_begun} snapshot "
+            f"installs begun, {total.snapshots_finished} finished"
+        )
+
+
+def test_snapshot_installs_are_cut_short_and_lose_nothing() -> None:
+    """Within a few seeds an install is cut short (begun on a replica, never swapped in:
+    a crash, a broken stream, a newer install) and the seed still passes its checks: the
+    staged install keeps the old state whole (docs/replication.md, *Slave*)."""
+    for seed in range(CUT_SHORT_SEEDS_MAX):
+        if run_seed(seed).snapshots_cut_short:
+            return
+    pytest.fail(f"no snapshot install was cut short in {CUT_SHORT_SEEDS_MAX} seeds")
 
 
 def test_hand_overs_reach_the_replicas_prepare_handoff() -> None:

@@ -6,8 +6,10 @@ a publish acknowledged soon after healing, identical logs, every acknowledged ev
 readable on every replica). ``make test`` runs ``SHELL_SEEDS_DEFAULT`` seeds as tests of
 ``SHELL_CHUNK_SEEDS`` consecutive seeds (``[seeds-0-19]`` ...); a long run is
 ``--shell-seeds=N`` (or ``SHELL_SEEDS=N``); ``SEED=S`` replays one seed. A planted
-bug (acknowledging before any replica holds the write) must be caught. One schedule is
-scripted (``SnapshotsCutShort``: seed 328's snapshots cut short on both slaves).
+bug (acknowledging before any replica holds the write) must be caught. Half the seeds
+keep a short log (``SHORT_LOG_RETENTIONS``): every chunk must see snapshot installs begin
+and finish. One schedule is scripted (``SnapshotsCutShort``: seed 328's snapshots cut
+short on both slaves).
 """
 
 from __future__ import annotations
@@ -40,12 +42,21 @@ pytestmark = pytest.mark.sim
 
 # The planted bug must be caught within this many seeds (caught in the second today).
 MUTANT_SEEDS_MAX = 10
+# A chunk of at least this many seeds must see snapshot installs begin and finish (the
+# short-log seeds, and divergent slaves: these stores cannot truncate).
+INSTALL_SEEDS_MIN = 20
 
 
 def test_shipped_replicas_keep_acknowledged_events_and_recover(shell_chunk: list[int]) -> None:
     """Every seed: no acknowledged event lost, identical logs, one master per epoch, and
-    a publish acknowledged within the liveness bound after healing."""
-    run_seeds("shell sim", shell_chunk, run_seed, replay_command)
+    a publish acknowledged within the liveness bound after healing. A whole chunk also
+    installs snapshots: the snapshot path stays exercised."""
+    total = run_seeds("shell sim", shell_chunk, run_seed, replay_command)
+    if len(shell_chunk) >= INSTALL_SEEDS_MIN:
+        assert total.snapshots_begun and total.snapshots_finished, (
+            f"seeds {shell_chunk[0]}-{shell_chunk[-1]}: {total.snapshots_begun} snapshot "
+            f"installs begun, {total.snapshots_finished} finished"
+        )
 
 
 def test_planted_early_acknowledgement_is_caught() -> None:
@@ -93,6 +104,7 @@ class SnapshotsCutShort(ShellSim):
     """
 
     reached: tuple[bool, bool] = (False, False)  # both slaves mid-install at the crash
+    short_logs = False  # the shape is divergence's, not compaction's
 
     async def _main(self) -> None:
         for member in self.members.values():
