@@ -166,19 +166,9 @@ async def _run(args: argparse.Namespace) -> dict[str, float]:
             from tests.sim.replica_transport import SimReplicaNetwork
 
             network = SimReplicaNetwork()
-            nodes = {
-                node_id: build_replica_node(
-                    config,
-                    config.node(node_id),
-                    Store.open_memory(),
-                    transport=network.transport_for(node_id),
-                )
-                for node_id in node_ids
-            }
-        for node in nodes.values():
-            if network is not None:
-                network.add(node)
-            await node.start()
+            nodes = await network.start_replicas(config, node_ids)
+        if network is None:
+            await nodes["n1"].start()
         master = nodes["n1"]
         try:
             for node_id in node_ids[1:]:

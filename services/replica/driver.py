@@ -931,27 +931,36 @@ class ReplicaDriver:
         for index, command in enumerate(batch):
             if isinstance(command, commands.PublishParts):
                 plan = self._plan_parts(builder, command, out.faults, first_lsn)
-                out.planned.append((index, plan, first_lsn - 1 + len(builder.entries)))
-                continue
-            try:
-                plan = builder.add(command)
-            except ServiceError as exc:
-                out.refused.append((index, exc))
-                continue
-            except CorruptRecordError as exc:
-                out.faults.append(f"checksum error planning a write: {exc}")
-                out.refused.append((index, ServiceError(Code.DATA_LOSS, str(exc))))
-                continue
+            else:
+                planned = self._plan_one(builder, command, out.faults, first_lsn)
+                if isinstance(planned, ServiceError):
+                    out.refused.append((index, planned))
+                    continue
+                plan = planned
             out.planned.append((index, plan, first_lsn - 1 + len(builder.entries)))
-            if (
-                plan.entry_index is not None
-                and plan.receipt is not None
-                and isinstance(command, commands.Publish)
-            ):
-                self.gate.appended(
-                    first_lsn + plan.entry_index, command.request.topic, plan.receipt.first_offset
-                )
         return out
+
+    def _plan_one(
+        self, builder: BatchBuilder, command: Command, faults: list[str], first_lsn: int
+    ) -> Planned | ServiceError:
+        """Plans one command (``BatchBuilder.add``), or the error refusing it (a checksum
+        error also noted in faults); a planned publish is hidden until its entry commits."""
+        try:
+            plan = builder.add(command)
+        except ServiceError as exc:
+            return exc
+        except CorruptRecordError as exc:
+            faults.append(f"checksum error planning a write: {exc}")
+            return ServiceError(Code.DATA_LOSS, str(exc))
+        if (
+            plan.entry_index is not None
+            and plan.receipt is not None
+            and isinstance(command, commands.Publish)
+        ):
+            self.gate.appended(
+                first_lsn + plan.entry_index, command.request.topic, plan.receipt.first_offset
+            )
+        return plan
 
     def _plan_parts(
         self,
@@ -963,20 +972,13 @@ class ReplicaDriver:
         """Plans a joined request's parts in order, each as a ``Publish`` of its own (a
         refused part fails alone and leaves no trace); one plan holds every outcome."""
         outcomes: list[commands.PartOutcome] = []
-        gate = self.gate
         for part in command.parts:
-            try:
-                plan = builder.add(commands.Publish(part))
-            except ServiceError as exc:
-                outcomes.append(commands.PartOutcome(error=exc))
-                continue
-            except CorruptRecordError as exc:
-                faults.append(f"checksum error planning a write: {exc}")
-                outcomes.append(commands.PartOutcome(error=ServiceError(Code.DATA_LOSS, str(exc))))
-                continue
-            outcomes.append(commands.PartOutcome(plan, lsn=first_lsn - 1 + len(builder.entries)))
-            if plan.entry_index is not None and plan.receipt is not None:
-                gate.appended(first_lsn + plan.entry_index, part.topic, plan.receipt.first_offset)
+            plan = self._plan_one(builder, commands.Publish(part), faults, first_lsn)
+            if isinstance(plan, ServiceError):
+                outcomes.append(commands.PartOutcome(error=plan))
+            else:
+                lsn = first_lsn - 1 + len(builder.entries)
+                outcomes.append(commands.PartOutcome(plan, lsn=lsn))
         return Planned(None, parts=outcomes)
 
     def batch_appended(self, last_lsn: int, commit_lsn: int) -> None:

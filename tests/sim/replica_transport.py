@@ -19,13 +19,16 @@ a cancelled grpc.aio call does; the end of a stream is ``None``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 from squall.v1 import replica_pb2
+from squall_server.common.config import ClusterConfig
 from squall_server.common.errors import ServiceError
+from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.node import ReplicaNode
 from squall_server.replica.replication_server import serve_fetch_log, serve_replicate
+from squall_server.replica.store import Store
 from squall_server.replica.transport import ReplicaCallError
 
 R = TypeVar("R")
@@ -171,6 +174,25 @@ class SimReplicaNetwork:
 
     def add(self, node: ReplicaNode) -> None:
         self.nodes[node.node.id] = node
+
+    async def start_replicas(
+        self, config: ClusterConfig, node_ids: Sequence[str]
+    ) -> dict[str, ReplicaNode]:
+        """The shipped replicas of node_ids over this network, each with an in-memory
+        store, started (no role yet)."""
+        nodes = {
+            node_id: build_replica_node(
+                config,
+                config.node(node_id),
+                Store.open_memory(),
+                transport=self.transport_for(node_id),
+            )
+            for node_id in node_ids
+        }
+        for node in nodes.values():
+            self.add(node)
+            await node.start()
+        return nodes
 
     def transport_for(self, node_id: str) -> Callable[[], SimReplicaTransport]:
         return lambda: SimReplicaTransport(self, node_id)

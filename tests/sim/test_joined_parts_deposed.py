@@ -22,9 +22,7 @@ from squall.v1 import broker_pb2, common_pb2, replica_pb2
 from squall_server.common.config import ClusterConfig, parse_config
 from squall_server.common.errors import INLINE_ERRORS, PUBLISH_ERRORS_KEY
 from squall_server.replica import commands, server
-from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.node import ReplicaNode
-from squall_server.replica.store import Store
 from tests.sim.replica_transport import SimReplicaNetwork
 
 CLUSTER_ID = "c-sim-parts"
@@ -111,18 +109,7 @@ def test_a_master_deposed_mid_request_answers_committed_parts_and_fails_the_rest
     async def scenario() -> None:
         config = _config(tmp_path)
         network = SimReplicaNetwork()
-        nodes = {
-            node_id: build_replica_node(
-                config,
-                config.node(node_id),
-                Store.open_memory(),
-                transport=network.transport_for(node_id),
-            )
-            for node_id in NODES
-        }
-        for node in nodes.values():
-            network.add(node)
-            await node.start()
+        nodes = await network.start_replicas(config, NODES)
         n1, n2, n3 = (nodes[n] for n in NODES)
         try:
             for slave in (n2, n3):

@@ -19,10 +19,8 @@ import pytest
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
 from squall_server.common.config import load_config
 from squall_server.replica import commands
-from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.master_streams import RECONNECT_BACKOFF_MIN_MS, ReconnectBackoff
 from squall_server.replica.node import ReplicaNode
-from squall_server.replica.store import Store
 from tests.sim.replica_transport import SimReplicaNetwork
 
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "cluster.example.toml"
@@ -73,21 +71,7 @@ async def _publish(node: ReplicaNode, payload: bytes) -> common_pb2.BatchReceipt
 
 
 async def _started(network: SimReplicaNetwork, node_ids: tuple[str, ...]) -> dict[str, ReplicaNode]:
-    """Shipped replicas over ``network``, each with an in-memory store, started."""
-    config = load_config(CONFIG)
-    nodes = {
-        node_id: build_replica_node(
-            config,
-            config.node(node_id),
-            Store.open_memory(),
-            transport=network.transport_for(node_id),
-        )
-        for node_id in node_ids
-    }
-    for node in nodes.values():
-        network.add(node)
-        await node.start()
-    return nodes
+    return await network.start_replicas(load_config(CONFIG), node_ids)
 
 
 def _operations(node: ReplicaNode) -> list[tuple[int, int, bytes]]:

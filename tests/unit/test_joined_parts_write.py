@@ -296,3 +296,31 @@ def test_with_metrics_on_joined_parts_count_as_parts_sent_one_by_one(tmp_path: P
         assert _publish_metrics(joined_reader)[1] == acknowledged
 
     asyncio.run(scenario())
+
+
+def test_a_malformed_joined_request_is_refused_whole_naming_the_problem(tmp_path: Path) -> None:
+    """Events beside parts, a part with parts of its own, or more parts than
+    max_batch_events: INVALID_ARGUMENT naming the problem, and nothing is stored."""
+
+    async def scenario() -> None:
+        node = await _started(_config(tmp_path))
+        limit = node.config.limits.max_batch_events
+        with_events = _joined(_part("a", "p1", 1))
+        with_events.events.add(payload=b"x", sequence=1)
+        nested = _joined(_part("a", "p1", 1))
+        nested.parts[0].parts.add(topic="a", publisher_id="p2")
+        too_many = _joined(*(_part("a", f"p{n}", 1) for n in range(limit + 1)))
+        try:
+            answers = await asyncio.wait_for(_stream(node, [with_events, nested, too_many]), WAIT_S)
+            stored = _log(node)
+        finally:
+            await node.stop()
+        assert [(a.error.code, len(a.parts)) for a in answers] == [("INVALID_ARGUMENT", 0)] * 3
+        assert "events or parts, not both" in answers[0].error.message
+        assert "cannot have parts of its own" in answers[1].error.message
+        assert (
+            f"{limit + 1} parts in one request exceed max_batch_events" in answers[2].error.message
+        )
+        assert stored == []
+
+    asyncio.run(scenario())
