@@ -16,8 +16,12 @@ is shared).
   (``tests/sim/replica_transport.py``, in-memory stores), acks majority: the figure then
   includes both slaves' work too (the profile tells them apart).
 
+``--lone``: the one-at-a-time shape instead (issue 16's lone publish): every request is
+one event of one publisher with its next sequence (no ``parts``), one request in flight,
+so every commit batch holds one entry; the figure is CPU per publish.
+
 ``--profile`` runs cProfile over the measured rounds and prints the top functions.
-``python -m bench.master_parts [--nodes 1|3] [--parts N] [--requests N] [--profile]``.
+``python -m bench.master_parts [--nodes 1|3] [--parts N | --lone] [--requests N] [--profile]``.
 A measurement, not a test; every loop is bounded by a count.
 """
 
@@ -119,6 +123,17 @@ class _Parts:
 
     def next(self) -> broker_pb2.PublishRequest:
         self.sequence += 1
+        if self.parts == 0:
+            # A lone publish as a client's stream sends it: one publisher, one event.
+            request = broker_pb2.PublishRequest(
+                topic=TOPIC,
+                publisher_id="p0",
+                session_token="p0/s1",
+                compact_receipts=True,
+                request_id=self.sequence,
+            )
+            request.events.add(payload=self.payload, sequence=self.sequence)
+            return request
         request = broker_pb2.PublishRequest(topic=TOPIC, request_id=self.sequence)
         for k in range(self.parts):
             part = request.parts.add(
@@ -133,9 +148,9 @@ class _Parts:
 
 
 async def _stream(master: ReplicaNode, maker: _Parts, requests: int) -> int:
-    """Sends `requests` joined requests on one PublishStream, WINDOW in flight; returns
-    the parts answered ok (every part must be)."""
-    window = asyncio.Semaphore(WINDOW)
+    """Sends `requests` requests on one PublishStream, WINDOW in flight (one when lone);
+    returns the parts (lone: publishes) answered ok (every one must be)."""
+    window = asyncio.Semaphore(1 if maker.parts == 0 else WINDOW)
 
     async def incoming() -> AsyncIterator[broker_pb2.PublishRequest]:
         for _ in range(requests):
@@ -146,6 +161,11 @@ async def _stream(master: ReplicaNode, maker: _Parts, requests: int) -> int:
     servicer = server.Publisher(master)
     async for response in servicer.PublishStream(incoming(), _Context()):  # type: ignore[arg-type]
         window.release()
+        if maker.parts == 0:
+            if response.HasField("error"):
+                raise RuntimeError(f"a publish failed: {response.error}")
+            ok += 1
+            continue
         for part in response.parts:
             if part.HasField("error"):
                 raise RuntimeError(f"a part failed: {part.error}")
@@ -214,19 +234,31 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.master_parts", description=__doc__)
     parser.add_argument("--nodes", type=int, choices=(1, 3), default=1)
     parser.add_argument("--parts", type=int, default=32, help="parts per joined request")
+    parser.add_argument(
+        "--lone", action="store_true", help="one event per request, one in flight (not parts)"
+    )
     parser.add_argument("--requests", type=int, default=1000, help="joined requests measured")
     parser.add_argument("--master-sync", default="WRITE_NO_SYNC", choices=("WRITE_NO_SYNC", "SYNC"))
     parser.add_argument("--repeat", type=int, default=1, help="measured runs, each a fresh node")
     parser.add_argument("--profile", action="store_true", help="cProfile the measured rounds")
     parser.add_argument("--top", type=int, default=30, help="functions the profile prints")
     args = parser.parse_args(argv)
+    if args.lone:
+        args.parts = 0
     for _ in range(args.repeat):
         got = asyncio.run(_run(args))
-        print(
-            f"nodes={args.nodes} parts/request={args.parts} parts={got['parts']:.0f} "
-            f"cpu_us/part={got['cpu_us_per_part']:.1f} wall_s={got['wall_s']:.2f}",
-            flush=True,
-        )
+        if args.lone:
+            print(
+                f"nodes={args.nodes} lone publishes={got['parts']:.0f} "
+                f"cpu_us/publish={got['cpu_us_per_part']:.1f} wall_s={got['wall_s']:.2f}",
+                flush=True,
+            )
+        else:
+            print(
+                f"nodes={args.nodes} parts/request={args.parts} parts={got['parts']:.0f} "
+                f"cpu_us/part={got['cpu_us_per_part']:.1f} wall_s={got['wall_s']:.2f}",
+                flush=True,
+            )
     return 0
 
 
