@@ -228,9 +228,17 @@ class MasterDriver:
             await self._room.wait()
         return self.core.write_room
 
-    def appended(self, entries: Sequence[replica_pb2.LogEntry], *, synced: bool) -> None:
-        """The store appended entries (flushed when synced)."""
-        self.steps.appended(entries, synced=synced)
+    def appended(
+        self,
+        entries: Sequence[replica_pb2.LogEntry],
+        *,
+        synced: bool,
+        writes: Sequence[Waiting] = (),
+    ) -> None:
+        """The store appended entries (flushed when synced); ``writes``, the client writes
+        they hold, resolve once committed (as ``register`` right after would, in the same
+        record: one per commit batch)."""
+        self.steps.appended(entries, synced=synced, writes=[(w.lsn, w) for w in writes])
 
     def synced(self, lsn: int) -> None:
         """The store flushed everything up to lsn."""

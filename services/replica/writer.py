@@ -254,16 +254,19 @@ class Writer(CoreView):
                     if pending.trace is not None
                 ]
             )
-        driver.appended(entries, synced=False)
         steps = driver.steps
         for _, plan in planned:
             for part in plan.parts or ():
                 part.lsn = steps.wait_lsn(part.lsn)
-        driver.register(
-            [
+        # The append and its writes in one record: the sends leave first, then whatever
+        # commits completes.
+        driver.appended(
+            entries,
+            synced=False,
+            writes=[
                 Waiting(pending.future, plan, steps.wait_lsn(lsn))
                 for (pending, plan), lsn in zip(planned, lsns, strict=True)
-            ]
+            ],
         )
         if entries and steps.flush_after_send():
             await self._flush(driver, entries[-1].lsn)
