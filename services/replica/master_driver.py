@@ -253,11 +253,6 @@ class MasterDriver:
         if self._spans is not None:
             self._spans.note(writes)
 
-    def register(self, writes: Sequence[Waiting]) -> None:
-        """Client writes whose entries are appended: they resolve once committed."""
-        if writes:
-            self.steps.apply(self.core.register_writes((w.lsn, w) for w in writes))
-
     def set_members(self, member_ids: Sequence[str]) -> None:
         """The group shrank within the epoch (a renewal naming fewer members)."""
         gone = [n for n in self._links if n not in member_ids]

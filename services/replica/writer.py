@@ -3,8 +3,9 @@
 Every write goes through one writer task. It drains every command waiting (up to a
 bounded batch), plans them with a `BatchBuilder` (the driver's ``plan_batch``), appends
 the whole batch to the store in one transaction on the store thread (so fsync never
-blocks the event loop), and only then registers each command with the master's
-replication (``MasterDriver``): a write is acknowledged only once its entry is committed.
+blocks the event loop), and only then hands the batch and its commands to the master's
+replication (``MasterDriver.appended``, one record): a write is acknowledged only once its
+entry is committed.
 A slave's batches are appended and its log compacted the same way (``append_entries``,
 ``compact``), from ``slave_side``.
 
