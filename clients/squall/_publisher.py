@@ -70,7 +70,7 @@ from squall._proxy import (
     ProxyBinding,
     RebindCallback,
 )
-from squall._publish_mux import JoinRefused, PublishMux, _Entry
+from squall._publish_mux import JoinRefused, ProxyMuxes, PublishMux, _Entry
 from squall._publish_rules import (
     BATCH_EVENTS_DEFAULT,
     BATCH_EVENTS_MAX,
@@ -228,6 +228,7 @@ class Publisher:
         monotonic: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         mux: PublishMux | None = None,
+        proxy_muxes: ProxyMuxes | None = None,
     ) -> None:
         check_publisher_args(publisher_id, start_sequence, inflight_batches_max, timeout_s)
         self._retry = retry if retry is not None else RetryPolicy()
@@ -259,14 +260,18 @@ class Publisher:
         self._unresolved = 0
         # Requests sent again after an indeterminate outcome.
         self._resends = 0
-        # The client's shared stream for lone publishes (squall._publish_mux), through the
-        # gateway only: a proxy's stream is bound to its replica and moves on its own.
+        # The client's shared stream for lone publishes (squall._publish_mux): through the
+        # gateway, one; a proxy uses the client's shared stream to the replica its binding
+        # names at each attempt, so it still moves on its own.
         self._mux = mux if isinstance(self._binding, GatewayBinding) else None
+        self._proxy_muxes = proxy_muxes if isinstance(self._binding, ProxyBinding) else None
         # publish() calls on the shared stream not finished yet (retries included): the
         # publisher's own stream sends nothing meanwhile, so its sequences stay in order.
         self._muxed = 0
-        # The shared stream that last answered this publisher (counted in streams_opened).
-        self._mux_generation = 0
+        # The shared stream (replica address, generation) that last answered this
+        # publisher: counted in streams_opened, and for a proxy its first answer there is
+        # what a stream of its own's first answer is (a move, if to another replica).
+        self._mux_stream: tuple[str, int] = ("", 0)
 
     # -- public API -------------------------------------------------------------------
 
@@ -333,24 +338,25 @@ class Publisher:
         same way, each event keeping its publisher id and sequence.
         """
         with self._cond:
-            if self._mux is not None and self._unresolved == 0 and not self._buffer:
+            muxed: tuple[common_pb2.EventData, _Entry] | None = None
+            if self._sharing() and self._unresolved == 0 and not self._buffer:
                 self._check_open()
+                # Before the sequence is taken: a lost proxy raises PublisherLost here.
+                mux = self._shared_mux()
                 event = common_pb2.EventData(
                     key=key or b"", payload=payload, headers=headers, sequence=self._next_sequence
                 )
                 self._next_sequence += 1
                 self._muxed += 1
                 try:
-                    _, entry = self._mux.submit(self._topic, self._publisher_id, event)
+                    entry = self._submit(mux, event)
                 except BaseException:
                     self._muxed -= 1
                     self._cond.notify_all()
                     raise
-                muxed: tuple[common_pb2.EventData, _Entry] | None = (event, entry)
-            else:
-                muxed = None
+                muxed = (event, entry)
         if muxed is not None:
-            return self._publish_muxed(self._mux, *muxed)
+            return self._publish_muxed(*muxed)
         with self._cond:
             stream = self._stream
             crowded = (
@@ -363,47 +369,101 @@ class Publisher:
         receipts = self._publish_batches([(key, payload, headers)], BATCH_EVENTS_DEFAULT)
         return receipts[0]
 
-    def _publish_muxed(
-        self, mux: PublishMux | None, event: common_pb2.EventData, entry: _Entry
-    ) -> Receipt:
-        """Waits for an event sent on the client's shared stream; retries it as a batch of
-        its own is retried (same id and sequence, under the retry policy)."""
-        assert mux is not None
+    def _sharing(self) -> bool:
+        """Whether lone publishes go on a shared stream of the client."""
+        return self._mux is not None or self._proxy_muxes is not None
+
+    def _shared_mux(self) -> PublishMux:
+        """The shared stream an attempt goes on: the gateway's, or for a proxy the one to
+        the replica its binding names now (PublisherLost once the binding is lost)."""
+        if self._mux is not None:
+            return self._mux
+        binding = self._binding
+        assert self._proxy_muxes is not None and isinstance(binding, ProxyBinding)
+        return self._proxy_muxes.get(binding.target(), binding.new_channel)
+
+    def _submit(
+        self, mux: PublishMux, event: common_pb2.EventData, *, alone: bool = False
+    ) -> _Entry:
+        """Queues one attempt on a shared stream; a proxy's binding gives the metadata and
+        stall check of a stream it opens, as it does for a stream of the proxy's own."""
+        binding = self._binding
+        if mux.endpoint is None or not isinstance(binding, ProxyBinding):
+            _, entry = mux.submit(self._topic, self._publisher_id, event, alone=alone)
+            return entry
+        check = binding.check_master if binding.can_check_master() else None
+        _, entry = mux.submit(
+            self._topic,
+            self._publisher_id,
+            event,
+            alone=alone,
+            metadata=binding.metadata(),
+            check_master=check,
+        )
+        return entry
+
+    def _publish_muxed(self, event: common_pb2.EventData, entry: _Entry) -> Receipt:
+        """Waits for an event sent on a shared stream of the client; retries it as a batch
+        of its own is retried (same id and sequence, under the retry policy), each retry on
+        the shared stream its binding names then (a proxy may have moved)."""
         try:
             try:
-                return self._mux_attempt(mux, event, entry)
+                return self._mux_attempt(event, entry)
             except SquallError as first:
                 request = new_request(self._topic, self._publisher_id)
                 request.events.append(event)
-                again = functools.partial(self._mux_attempt, mux, event, None)
+                again = functools.partial(self._mux_attempt, event, None)
                 return self._retry_batch(request, first, lambda: [again()])[0]
         finally:
             with self._cond:
                 self._muxed -= 1
                 self._cond.notify_all()
 
-    def _mux_attempt(
-        self, mux: PublishMux, event: common_pb2.EventData, entry: _Entry | None
-    ) -> Receipt:
-        """One attempt on the shared stream; a refusal shared with others is checked by
-        sending the event again alone (nothing was stored)."""
+    def _mux_attempt(self, event: common_pb2.EventData, entry: _Entry | None) -> Receipt:
+        """One attempt on a shared stream; a refusal shared with others is checked by
+        sending the event again alone (nothing was stored). A proxy's binding hears how
+        the attempt's stream ended, and its first answer, as from a stream of its own."""
         if entry is None:
             with self._cond:
                 self._resends += 1
-                _, entry = mux.submit(self._topic, self._publisher_id, event)
+                entry = self._submit(self._shared_mux(), event)
+        mux = entry.mux
+        assert mux is not None
         try:
-            receipt = mux.result(entry, self._timeout_s)
-        except JoinRefused:
-            _, entry = mux.submit(self._topic, self._publisher_id, event, alone=True)
-            receipt = mux.result(entry, self._timeout_s)
+            try:
+                receipt = mux.result(entry, self._timeout_s)
+            except JoinRefused:
+                entry = self._submit(mux, event, alone=True)
+                receipt = mux.result(entry, self._timeout_s)
+        except SquallError:
+            if entry.ended is not None and mux.endpoint is not None:
+                self._binding.stream_failed(mux.endpoint, *entry.ended)
+            raise
         if _stages.ENABLED:
             _stages.mark("c.return", _stages.request_key(self._publisher_id, event.sequence))
         generation = entry.stream.generation if entry.stream is not None else 0
+        endpoint = mux.endpoint
+        answered = (endpoint.address if endpoint is not None else "", generation)
+        moved_from: Endpoint | None = None
         with self._cond:
-            if generation != self._mux_generation:
-                self._mux_generation = generation
+            if answered != self._mux_stream:
+                self._mux_stream = answered
                 self._streams_opened += 1
+                # An answer from a replica the binding has since left is old news.
+                if endpoint is not None and self._bound_to(endpoint):
+                    self._binding.stream_answered(endpoint)
+                    moved_from = self._moves.answered(endpoint)
+        if moved_from is not None and endpoint is not None:
+            receipts = [receipt]
+            mark_rebound(receipts)
+            self._moves.report(moved_from, endpoint)
+            return receipts[0]
         return receipt
+
+    def _bound_to(self, endpoint: Endpoint) -> bool:
+        """Whether a proxy's binding still names `endpoint` for its next stream."""
+        binding = self._binding
+        return isinstance(binding, ProxyBinding) and binding.current() == endpoint
 
     def _wait_unmuxed(self) -> None:
         """Waits until no publish() of this publisher is on the shared stream (lock held),
