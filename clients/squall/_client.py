@@ -163,8 +163,9 @@ def connect(
     `token` is sent as `authorization: Bearer <token>` on every call, publisher proxies'
     included (default: $SQUALL_TOKEN, else the file $SQUALL_TOKEN_FILE names; docs/auth.md).
     `share_publish_stream` (default True) sends the one-at-a-time `publish()` calls of all
-    the client's gateway publishers on one shared stream, joining concurrent ones into one
-    request (README.md, "Using it from Python"); False gives each publisher
+    the client's gateway publishers on one shared stream, and those of its publisher
+    proxies on one shared stream per replica they are bound to, joining concurrent ones
+    into one request (README.md, "Using it from Python"); False gives each publisher
     its own stream for everything.
     """
     retry = RetryPolicy(

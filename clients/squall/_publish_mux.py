@@ -1,4 +1,5 @@
-"""One publish stream per client, shared by the one-at-a-time publishes of all its publishers.
+"""Publish streams a client shares between the one-at-a-time publishes of its publishers:
+one through the gateway, and one to each replica address its publisher proxies are bound to.
 
 Many threads each publishing one event at a time with a `Publisher` of their own used to
 cost a stream per publisher: one request per event on every hop, with a gRPC message, a
@@ -26,8 +27,31 @@ Rules kept:
   id and sequence, so an event whose outcome a broken stream left open is stored once.
   A part answered as by a master that is no longer one (a redirect, a deposition) also
   abandons the stream, so the retries reach the gateway's current master on a fresh one.
-* Publisher proxies (`replicated=True/False`) keep streams of their own: each is bound to
-  one replica and moves on its own (`on_rebind`), which one shared stream cannot follow.
+
+Publisher proxies (`replicated=True/False`) share too, one stream per replica address
+(`ProxyMuxes`, a `PublishMux` per address made on demand and closed with the client), so
+64 proxies bound to the master are one stream to it whose concurrent lone publishes join
+as the gateway publishers' do. Where each attempt goes stays the proxy's own: its binding
+(`squall._proxy.ProxyBinding`) names the replica for every attempt, the attempt goes on
+that address's stream, and how it ended is told to that binding alone, as a stream of the
+proxy's own would tell it (`_Entry.ended`, `ProxyBinding.stream_failed`):
+
+* a stream's end (the status and trailing metadata, or the reason the client abandoned
+  it) reaches every caller with an event on it or waiting for it, so each of their
+  proxies moves (round robin, or to a redirect's master); a `replicated=False` proxy is
+  lost and raises `PublisherLost`, and one that had nothing on the stream stays bound;
+* a request or part a slave refuses is answered inline (`UNAVAILABLE` with
+  `squall-master-address` in `PublishError.metadata`, services/replica/server.py): its
+  callers' proxies follow the redirect, and the stream is abandoned naming that master
+  (`_MuxStream.moved_to`), so the proxies of the other requests on it follow it too;
+* a replica stream has the stall watchdog a proxy's own stream has (`Publisher._watch`):
+  a receipt late by RECEIPT_STALL_AFTER_S makes it ask the gateway who the master is
+  (with the check of the proxy that opened the stream), and it abandons the stream for
+  the master named;
+* the first answer a proxy gets from a stream on another replica is its move
+  (`on_rebind`, `Receipt.rebound`), reported by the caller before it returns the receipt;
+  its retries (same id and sequence) go on the stream of the replica its binding names
+  then, opened with the binding's request metadata (`squall-unreachable`) if new.
 """
 
 from __future__ import annotations

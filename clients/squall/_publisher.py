@@ -6,10 +6,11 @@ over one bidirectional `PublishStream` call kept open across calls (a unary call
 tops out at a few thousand events per second in Python; the stream does not pay a call's
 setup per batch). At most `inflight_batches_max` batches are unanswered at a time.
 
-Through the gateway, a publisher made by a `Client` sends its lone `publish()` calls on
-the client's stream shared by all its publishers instead (`squall._publish_mux`), while
-nothing of its own is in flight on its own stream; its other calls wait until those have
-finished, so its sequences reach the master in order either way.
+A publisher made by a `Client` sends its lone `publish()` calls on a stream the client
+shares instead (`squall._publish_mux`: through the gateway, the one all its gateway
+publishers share; a proxy, the one to the replica its binding names for that attempt),
+while nothing of its own is in flight on its own stream; its other calls wait until those
+have finished, so its sequences reach the master in order either way.
 
 Ordering rule: sequences are assigned and requests queued under one lock, so the order
 on the wire is the order of the sequences. Responses come back in request order (the
@@ -332,17 +333,17 @@ class Publisher:
         threads publishing one event at a time share requests, commits and replication
         batches instead of queuing one request each.
 
-        Through the gateway, while nothing of this publisher is in flight on its own
-        stream, the event goes on the client's stream shared by all its publishers
-        (`squall._publish_mux`): concurrent publishes of many publishers share requests the
+        While nothing of this publisher is in flight on its own stream, the event goes on
+        a stream its client shares (`squall._publish_mux`; a proxy's, the one to the replica
+        its binding names): concurrent publishes of many publishers share requests the
         same way, each event keeping its publisher id and sequence.
         """
         with self._cond:
-            muxed: tuple[common_pb2.EventData, _Entry] | None = None
+            muxed: tuple[common_pb2.EventData, _Entry, Endpoint | None] | None = None
             if self._sharing() and self._unresolved == 0 and not self._buffer:
                 self._check_open()
                 # Before the sequence is taken: a lost proxy raises PublisherLost here.
-                mux = self._shared_mux()
+                mux, endpoint = self._shared_mux()
                 event = common_pb2.EventData(
                     key=key or b"", payload=payload, headers=headers, sequence=self._next_sequence
                 )
@@ -354,7 +355,7 @@ class Publisher:
                     self._muxed -= 1
                     self._cond.notify_all()
                     raise
-                muxed = (event, entry)
+                muxed = (event, entry, endpoint)
         if muxed is not None:
             return self._publish_muxed(*muxed)
         with self._cond:
@@ -373,14 +374,17 @@ class Publisher:
         """Whether lone publishes go on a shared stream of the client."""
         return self._mux is not None or self._proxy_muxes is not None
 
-    def _shared_mux(self) -> PublishMux:
-        """The shared stream an attempt goes on: the gateway's, or for a proxy the one to
-        the replica its binding names now (PublisherLost once the binding is lost)."""
+    def _shared_mux(self) -> tuple[PublishMux, Endpoint | None]:
+        """The shared stream an attempt goes on and the endpoint it is bound to: the
+        gateway's (None), or for a proxy the one to the replica its binding names now
+        (PublisherLost once the binding is lost). The endpoint is the binding's own (the
+        stream's may name the same address under another node id)."""
         if self._mux is not None:
-            return self._mux
+            return self._mux, None
         binding = self._binding
         assert self._proxy_muxes is not None and isinstance(binding, ProxyBinding)
-        return self._proxy_muxes.get(binding.target(), binding.new_channel)
+        endpoint = binding.target()
+        return self._proxy_muxes.get(endpoint, binding.new_channel), endpoint
 
     def _submit(
         self, mux: PublishMux, event: common_pb2.EventData, *, alone: bool = False
@@ -402,31 +406,36 @@ class Publisher:
         )
         return entry
 
-    def _publish_muxed(self, event: common_pb2.EventData, entry: _Entry) -> Receipt:
+    def _publish_muxed(
+        self, event: common_pb2.EventData, entry: _Entry, endpoint: Endpoint | None
+    ) -> Receipt:
         """Waits for an event sent on a shared stream of the client; retries it as a batch
         of its own is retried (same id and sequence, under the retry policy), each retry on
         the shared stream its binding names then (a proxy may have moved)."""
         try:
             try:
-                return self._mux_attempt(event, entry)
+                return self._mux_attempt(event, entry, endpoint)
             except SquallError as first:
                 request = new_request(self._topic, self._publisher_id)
                 request.events.append(event)
-                again = functools.partial(self._mux_attempt, event, None)
+                again = functools.partial(self._mux_attempt, event, None, None)
                 return self._retry_batch(request, first, lambda: [again()])[0]
         finally:
             with self._cond:
                 self._muxed -= 1
                 self._cond.notify_all()
 
-    def _mux_attempt(self, event: common_pb2.EventData, entry: _Entry | None) -> Receipt:
+    def _mux_attempt(
+        self, event: common_pb2.EventData, entry: _Entry | None, endpoint: Endpoint | None
+    ) -> Receipt:
         """One attempt on a shared stream; a refusal shared with others is checked by
         sending the event again alone (nothing was stored). A proxy's binding hears how
         the attempt's stream ended, and its first answer, as from a stream of its own."""
         if entry is None:
             with self._cond:
                 self._resends += 1
-                entry = self._submit(self._shared_mux(), event)
+                target, endpoint = self._shared_mux()
+                entry = self._submit(target, event)
         mux = entry.mux
         assert mux is not None
         try:
@@ -436,13 +445,12 @@ class Publisher:
                 entry = self._submit(mux, event, alone=True)
                 receipt = mux.result(entry, self._timeout_s)
         except SquallError:
-            if entry.ended is not None and mux.endpoint is not None:
-                self._binding.stream_failed(mux.endpoint, *entry.ended)
+            if entry.ended is not None and endpoint is not None:
+                self._binding.stream_failed(endpoint, *entry.ended)
             raise
         if _stages.ENABLED:
             _stages.mark("c.return", _stages.request_key(self._publisher_id, event.sequence))
         generation = entry.stream.generation if entry.stream is not None else 0
-        endpoint = mux.endpoint
         answered = (endpoint.address if endpoint is not None else "", generation)
         moved_from: Endpoint | None = None
         with self._cond:
