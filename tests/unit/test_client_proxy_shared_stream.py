@@ -198,14 +198,18 @@ def test_proxies_move_to_the_next_replicas_stream_losing_and_doubling_nothing(
     _check_stored_once(cluster.broker, acked)
     assert any(r.duplicate for r in acked.values())
     assert sum(p.resends for p in proxies) > 0
-    # Each proxy followed its own binding, one replica to the next, round robin, and said
+    # Each proxy followed its own binding from one answering replica to another and said
     # so once per move (on_rebind, and its first receipt from there flagged rebound).
-    order = {"n1": "n2", "n2": "n3", "n3": "n1"}
     assert sum(p.rebinds for p in proxies) > 0
     for proxy in proxies:
         name = proxy.publisher_id
         assert len(moves[name]) == proxy.rebinds
-        assert all(order[old] == new for old, new in moves[name])
+        assert all(old != new for old, new in moves[name])
+        chain = [new for _, new in moves[name]][:-1]
+        assert [old for old, _ in moves[name]][1:] == chain
+        if moves[name]:
+            assert proxy.endpoint is not None
+            assert proxy.endpoint.node_id == moves[name][-1][1]
         rebound = [r for (p, _), r in acked.items() if p == name and r.rebound]
         assert len(rebound) == proxy.rebinds
         proxy.close()
@@ -309,3 +313,36 @@ def test_proxies_on_one_stream_all_follow_a_redirect_answered_inline(
     for proxy in proxies:
         assert proxy.endpoint == squall.Endpoint("n3", n3)
         proxy.close()
+
+
+def test_a_proxy_that_knows_a_replica_by_address_only_still_moves_off_its_stream(
+    cluster: _Cluster, client: squall.Client
+) -> None:
+    """The stream to n3 is opened by a proxy that knows it as n3; another proxy reaches
+    it by a redirect to an address outside its list (node id unknown). That proxy's
+    binding still hears that the stream answered and how it ended, under its own name for
+    the replica, and moves off it as a stream of its own would make it."""
+    assert isinstance(cluster.broker, _SharingBroker)
+    n1, n2, n3 = (cluster.addresses[n] for n in ("n1", "n2", "n3"))
+    cluster.broker.endpoints = [("n3", n3), ("n1", n1), ("n2", n2)]
+    topic = client.topic("t")
+    knows = topic.publisher("knows", replicated=True)
+    knows.publish(b"1")
+    assert knows.endpoint == squall.Endpoint("n3", n3)
+    cluster.broker.endpoints = [("n1", n1), ("n2", n2)]
+    cluster.broker.inline_slaves[n1] = n3
+    redirected = topic.publisher("redirected", replicated=True)
+    redirected.publish(b"1")
+    assert redirected.endpoint == squall.Endpoint("", n3)
+    assert cluster.broker.publish_peers.count(n3) == 1  # the stream "knows" opened
+    # n1 is master again, and the stream to n3 ends before storing the next request:
+    # the redirected proxy's master failed, so it goes back to its list, at n1.
+    del cluster.broker.inline_slaves[n1]
+    cluster.broker.break_stream_after = 2
+    receipt = redirected.publish(b"2")
+    assert redirected.endpoint == squall.Endpoint("n1", n1)
+    assert receipt.rebound
+    stored = [(e.publisher_id, e.sequence) for e in cluster.broker.topics["t"].events]
+    assert stored == [("knows", 1), ("redirected", 1), ("redirected", 2)]
+    knows.close()
+    redirected.close()
