@@ -38,8 +38,9 @@ proxy's own would tell it (`_Entry.ended`, `ProxyBinding.stream_failed`):
 
 * a stream's end (the status and trailing metadata, or the reason the client abandoned
   it) reaches every caller with an event on it or waiting for it, so each of their
-  proxies moves (round robin, or to a redirect's master); a `replicated=False` proxy is
-  lost and raises `PublisherLost`, and one that had nothing on the stream stays bound;
+  proxies moves as its own stream's end would move it (to the next endpoint on an
+  indeterminate end, to the master a redirect names); a `replicated=False` proxy is lost
+  instead and raises `PublisherLost`; a proxy with nothing on the stream stays bound;
 * a request or part a slave refuses is answered inline (`UNAVAILABLE` with
   `squall-master-address` in `PublishError.metadata`, services/replica/server.py): its
   callers' proxies follow the redirect, and the stream is abandoned naming that master
