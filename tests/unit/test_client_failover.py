@@ -325,6 +325,8 @@ def test_a_stall_watchdog_ends_with_its_stream_not_after_its_check_interval(
         publisher = client.topic("t").publisher("p", replicated=True)
         cluster.broker.hung_addresses.add(cluster.addresses["n1"])
         outcome: list[object] = []
+        # An earlier test's watchdog may still be ending with its stream.
+        earlier = set(threading.enumerate())
 
         def publish() -> None:
             try:
@@ -337,7 +339,9 @@ def test_a_stall_watchdog_ends_with_its_stream_not_after_its_check_interval(
 
         def watchdogs() -> list[threading.Thread]:
             return [
-                t for t in threading.enumerate() if t.name.startswith("squall-publish-watch")
+                t
+                for t in threading.enumerate()
+                if t.name.startswith("squall-publish-watch") and t not in earlier
             ]
 
         deadline = time.monotonic() + 10
