@@ -23,6 +23,7 @@ import pytest
 import squall
 import squall.aio
 from squall._publish_join import SHARED_INFLIGHT_MAX
+from squall.v1 import broker_pb2
 from tests.unit.test_client import MAX_EVENT_BYTES, serve_fake
 from tests.unit.test_client_shared_stream import _check_stored_once, _LossyBroker
 
@@ -186,6 +187,49 @@ def test_a_broken_shared_stream_loses_nothing_and_stores_nothing_twice(
     assert resends > 0
     _check_stored_once(broker, "t", acked)
     assert len(broker.topics["t"].events) == len(acked)
+
+
+class _DeposedOnce(_LossyBroker):
+    """Answers the first publish inline as a master that is no longer one (a redirect),
+    storing nothing, and goes on answering on the same stream."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.redirects = 1
+
+    def _apply_inline(self, request: broker_pb2.PublishRequest) -> broker_pb2.PublishResponse:
+        with self.cond:
+            redirect = self.redirects > 0
+            self.redirects -= redirect
+        if redirect:
+            return broker_pb2.PublishResponse(
+                request_id=request.request_id,
+                error=broker_pb2.PublishError(code="UNAVAILABLE", message="not the master"),
+            )
+        return super()._apply_inline(request)
+
+
+def test_a_part_answered_by_a_former_master_abandons_the_stream() -> None:
+    """The caller's retry goes on a fresh stream (through the gateway to the master it
+    follows now), not on the stream of the master that said it is no longer one."""
+    deposed = _DeposedOnce()
+    server, address = serve_fake(deposed)
+    deposed.address = address  # type: ignore[attr-defined]
+    try:
+
+        async def body(client: squall.aio.Client) -> list[squall.Receipt]:
+            publisher = await (await client.topic("t")).publisher("p")
+            return [await publisher.publish(b"first"), await publisher.publish(b"second")]
+
+        receipts = _run(deposed, body)
+    finally:
+        server.stop(grace=None)
+    assert deposed.publish_stream_calls == 2
+    assert [r.offset for r in receipts] == [0, 1]
+    assert [(e.publisher_id, e.sequence) for e in deposed.topics["t"].events] == [
+        ("p", 1),
+        ("p", 2),
+    ]
 
 
 def test_a_server_without_parts_gets_each_event_alone(broker: _LossyBroker) -> None:
