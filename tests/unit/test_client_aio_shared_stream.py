@@ -329,3 +329,18 @@ def test_a_closed_client_refuses_publishes(broker: _LossyBroker) -> None:
 
     asyncio.run(main())
     assert broker.publish_stream_calls == 1
+
+
+def test_without_the_shared_stream_each_publisher_has_its_own(broker: _LossyBroker) -> None:
+    async def main() -> None:
+        address: str = broker.address  # type: ignore[attr-defined]
+        async with squall.aio.connect(address, timeout_s=5.0, share_publish_stream=False) as c:
+            await c.create_topic("t")
+            topic = await c.topic("t")
+            for name in ("a", "b"):
+                publisher = await topic.publisher(name)
+                assert (await publisher.publish(b"x")).offset == ("a", "b").index(name)
+
+    asyncio.run(main())
+    assert broker.publish_stream_calls == 2
+    assert broker.joined_requests_seen == 0
