@@ -7,7 +7,8 @@ is full, one request (PublishRequest.parts), yet every caller gets its own recei
 per-publisher order holds, one caller's refused event fails that caller alone, a broken
 stream loses nothing acknowledged and stores nothing twice, a cancelled caller's event is
 withdrawn if it was never sent and otherwise stays ahead of the publisher's later ones,
-and closing waits for what is in flight.
+past the deadline a sent event is indeterminate and a waiting one not sent, and closing
+waits for what is in flight.
 """
 
 from __future__ import annotations
@@ -344,3 +345,39 @@ def test_without_the_shared_stream_each_publisher_has_its_own(broker: _LossyBrok
     asyncio.run(main())
     assert broker.publish_stream_calls == 2
     assert broker.joined_requests_seen == 0
+
+
+def test_past_the_deadline_sent_events_are_indeterminate_and_waiting_ones_not_sent(
+    broker: _LossyBroker,
+) -> None:
+    """Nothing answers (the broker's gate stays closed) and retries are off: the callers
+    whose events went out learn their outcome is unknown; the one whose event still
+    waited for a slot learns it was not sent, and it never is."""
+    broker.gate = threading.Event()
+
+    async def main() -> dict[str, BaseException]:
+        address: str = broker.address  # type: ignore[attr-defined]
+        async with squall.aio.connect(address, timeout_s=0.3, retry_attempts_max=1) as client:
+            await client.create_topic("t")
+            topic = await client.topic("t")
+            names = [f"sent-{i}" for i in range(FILL)] + ["waiting"]
+            publishers = {name: await topic.publisher(name) for name in names}
+            outcomes = await asyncio.gather(
+                *(p.publish(b"x") for p in publishers.values()), return_exceptions=True
+            )
+            broker.gate.set()  # type: ignore[union-attr]
+            # The shared stream goes on, on a fresh stream.
+            await publishers["waiting"].publish(b"after")
+            return {
+                n: o for n, o in zip(names, outcomes, strict=True) if isinstance(o, BaseException)
+            }
+
+    outcomes = asyncio.run(main())
+    assert sorted(outcomes) == sorted([f"sent-{i}" for i in range(FILL)] + ["waiting"])
+    for name, error in outcomes.items():
+        assert isinstance(error, squall.SquallError), (name, error)
+        assert error.maybe_stored == (name != "waiting"), (name, error)
+    stored = [
+        (e.sequence, e.payload) for e in broker.topics["t"].events if e.publisher_id == "waiting"
+    ]
+    assert stored == [(2, b"after")]
