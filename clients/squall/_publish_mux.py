@@ -27,6 +27,8 @@ Rules kept:
   id and sequence, so an event whose outcome a broken stream left open is stored once.
   A part answered as by a master that is no longer one (a redirect, a deposition) also
   abandons the stream, so the retries reach the gateway's current master on a fresh one.
+* The joining itself (which events go together, the request, splitting the answers) is
+  `squall._publish_join`'s, shared with the asyncio client's `squall.aio._publish_mux`.
 
 Publisher proxies (`replicated=True/False`) share too, one stream per replica address
 (`ProxyMuxes`, a `PublishMux` per address made on demand and closed with the client), so
@@ -58,7 +60,6 @@ proxy's own would tell it (`_Entry.ended`, `ProxyBinding.stream_failed`):
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import queue
 import threading
@@ -71,88 +72,59 @@ from typing import Any
 import grpc
 
 from squall._errors import Indeterminate, SquallError, error_for, rpc_status
-from squall._proxy import Endpoint, master_address
+from squall._proxy import Endpoint
+from squall._publish_join import (
+    INLINE_ERRORS_METADATA,
+    JOIN_BYTES_MAX,
+    JOIN_EVENTS_MAX,
+    SHARED_INFLIGHT_MAX,
+    Entry,
+    JoinRefused,
+    Sent,
+    Trailing,
+    answers,
+    build_request,
+    entry_key,
+    fail_ended,
+    inline_error,
+    mismatch_error,
+    new_entry,
+    plain,
+    refuses_parts,
+    request_key,
+    settle,
+    take_next,
+)
 from squall._publish_rules import (
-    BATCH_EVENTS_DEFAULT,
     RECEIPT_STALL_AFTER_S,
     RECEIPT_STALL_CHECK_S,
-    NotSent,
     abandon_stream,
     moved_trailing,
-    new_request,
     new_session_token,
     not_sent_error,
     stall_details,
     stall_move,
-    stream_end_errors,
 )
-from squall._types import Receipt, receipts_from_pb
+from squall._types import Receipt
 from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2
 from squall.wire import stages as _stages
 
+__all__ = [
+    "INLINE_ERRORS_METADATA",
+    "JOIN_BYTES_MAX",
+    "JOIN_EVENTS_MAX",
+    "SHARED_INFLIGHT_MAX",
+    "JoinRefused",
+    "ProxyMuxes",
+    "PublishMux",
+]
+
 log = logging.getLogger("squall")
 
-# The metadata asking the master to answer a failed request inline instead of ending the
-# stream (services/common/errors.py, PUBLISH_ERRORS_KEY / INLINE_ERRORS).
-INLINE_ERRORS_METADATA = (("squall-publish-errors", "inline"),)
-# Requests unanswered on the shared stream at a time. A lone publish, and a second one
-# beside it, go out at once; more callers wait and join. Fewer, larger requests cost less
-# CPU per event on every hop, which is what bounds many callers on a small machine: in
-# one cluster, alternating windows (2026-11-26, load 9-14, SYNC), 2 against 8 gave 1.6x
-# the rate at 8 threads, ~2x at 16 and 1.2-1.6x at 64, with lower p50s, and the same
-# one-at-a-time latency; 1 was no better than 2 at 8-64 and worse at 2 threads, 3 worse
-# than 2.
-SHARED_INFLIGHT_MAX = 2
-# Most events, and bytes of keys and payloads, joined into one request: well within the
-# master's max_batch_events (10,000) and the 64 MiB message limit; the rest waits for the
-# next free slot.
-JOIN_EVENTS_MAX = BATCH_EVENTS_DEFAULT
-JOIN_BYTES_MAX = 4 * 1024 * 1024
-# Statuses of a part answered inline that mean the stream's master can no longer take
-# publishes: a slave's redirect (UNAVAILABLE) or a deposition (UNKNOWN). The stream asks
-# for inline errors, so the master does not end it: the client abandons it, and the
-# retries go through the gateway to the master it follows now.
-_MASTER_GONE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN})
-
-Trailing = tuple[tuple[str, str], ...]
+_Entry = Entry[Future[Receipt]]
+_Sent = Sent[Future[Receipt]]
 # Asks the gateway which replica is master ("" if it cannot say within the timeout given).
 CheckMaster = Callable[[float], str]
-
-
-class JoinRefused(NotSent):
-    """A joined request (or part) was refused as a whole: nothing of it was stored, and the
-    caller sends its event again alone, to learn whether the refusal was its own."""
-
-
-@dataclasses.dataclass(eq=False)
-class _Entry:
-    """One event of one publisher, waiting or sent."""
-
-    topic: str
-    publisher_id: str
-    event: common_pb2.EventData
-    future: Future[Receipt]
-    alone: bool
-    size: int
-    # The mux it was queued on, and the stream it was sent on (set when sent), so a caller
-    # that times out abandons it.
-    mux: PublishMux | None = None
-    stream: _MuxStream | None = None
-    # Set when it failed with its stream's end (or an answer saying the stream's replica
-    # is no longer master): the status and trailing metadata a publisher proxy's binding
-    # is told, as a stream of its own would tell it (`ProxyBinding.stream_failed`).
-    ended: tuple[grpc.StatusCode, Trailing | None] | None = None
-
-
-@dataclasses.dataclass(eq=False)
-class _Sent:
-    """One request on the stream: its parts (one per publisher and topic), in order."""
-
-    request_id: int
-    groups: list[list[_Entry]]
-    joined: bool  # sent with PublishRequest.parts
-    # When it was queued (time.monotonic): the stall watchdog waits on it.
-    sent_at: float
 
 
 class _MuxStream:
@@ -178,7 +150,7 @@ class _MuxStream:
         get = self.requests.get
         while (request := get()) is not None:
             if _stages.ENABLED:
-                _stages.mark("c.wire", _request_key(request))
+                _stages.mark("c.wire", request_key(request))
             yield request
 
 
@@ -227,8 +199,7 @@ class PublishMux:
         """
         future: Future[Receipt] = Future()
         future.set_running_or_notify_cancel()
-        size = len(event.payload) + len(event.key)
-        entry = _Entry(topic, publisher_id, event, future, alone, size, self)
+        entry = new_entry(topic, publisher_id, event, future, alone, self)
         with self._lock:
             if self._closed:
                 raise ValueError("the client is closed")
@@ -305,46 +276,20 @@ class PublishMux:
         that gathered while it was full as one request."""
         waiting = self._waiting
         while waiting and len(stream.pending) < self._inflight_max and not stream.dead:
-            take = [waiting.popleft()]
-            if not take[0].alone and self._joins:
-                events, size = 1, take[0].size
-                while waiting and not waiting[0].alone:
-                    nxt = waiting[0]
-                    if events >= JOIN_EVENTS_MAX or size + nxt.size > JOIN_BYTES_MAX:
-                        break
-                    take.append(waiting.popleft())
-                    events += 1
-                    size += nxt.size
-            self._send(stream, take)
+            self._send(stream, take_next(waiting, self._joins))
 
     def _send(self, stream: _MuxStream, entries: list[_Entry]) -> None:
-        by_publisher: dict[tuple[str, str], list[_Entry]] = {}
-        for entry in entries:
-            by_publisher.setdefault((entry.topic, entry.publisher_id), []).append(entry)
-            entry.stream = stream
-        groups = list(by_publisher.values())
         request_id = self._next_request_id
         self._next_request_id += 1
-        token = stream.session_token
-        if len(groups) == 1:
-            request = _part(groups[0], token)
-            request.request_id = request_id
-        else:
-            # The envelope names the first part's topic: a server's permission check sees
-            # a topic the caller may publish to (and then checks every part's).
-            request = broker_pb2.PublishRequest(topic=groups[0][0].topic, request_id=request_id)
-            for number, group in enumerate(groups, 1):
-                part = request.parts.add()
-                part.CopyFrom(_part(group, token))
-                part.request_id = number
-            self.joined_requests += 1
+        request, sent = build_request(
+            entries, stream.session_token, request_id, stream, time.monotonic()
+        )
+        self.joined_requests += sent.joined
         if not stream.pending:
             stream.woken.set()
-        stream.pending.append(
-            _Sent(request_id, groups, joined=len(groups) > 1, sent_at=time.monotonic())
-        )
+        stream.pending.append(sent)
         if _stages.ENABLED:
-            _stages.mark("c.queued", _request_key(request))
+            _stages.mark("c.queued", request_key(request))
         stream.requests.put(request)
 
     def _abort(self, stream: _MuxStream, code: grpc.StatusCode, details: str) -> None:
@@ -398,19 +343,15 @@ class PublishMux:
             for response in stream.call:
                 with self._lock:
                     sent = stream.pending.popleft() if stream.pending else None
-                    if sent is None or not _answers(sent, response):
+                    if sent is None or not answers(sent, response):
                         if sent is not None:
                             stream.pending.appendleft(sent)
-                        stream.abort_error = Indeterminate(
-                            f"protocol error: answer to request {response.request_id} does "
-                            "not match the oldest unanswered one",
-                            grpc.StatusCode.INTERNAL,
-                        )
+                        stream.abort_error = mismatch_error(response)
                         stream.call.cancel()
                         break
                     self._pump(stream)
                 if _stages.ENABLED:
-                    _stages.mark("c.resp", _entry_key(sent.groups[0][0]))
+                    _stages.mark("c.resp", entry_key(sent.groups[0][0]))
                 gone = self._settle(sent, response)
                 if gone is not None:
                     with self._lock:
@@ -425,7 +366,7 @@ class PublishMux:
         except grpc.RpcError as err:
             code, details = rpc_status(err)
             trailing_fn = getattr(err, "trailing_metadata", None)
-            trailing = _plain(trailing_fn()) if callable(trailing_fn) else None
+            trailing = plain(trailing_fn()) if callable(trailing_fn) else None
         except Exception as exc:
             # A bug here must not leave callers waiting on receipts that never come.
             log.exception("squall: the shared publish stream's reader failed")
@@ -438,38 +379,16 @@ class PublishMux:
     def _settle(self, sent: _Sent, response: broker_pb2.PublishResponse) -> str | None:
         """Resolves the futures of one answered request. Not None if the master is gone:
         the master a slave's redirect names, or ""."""
-        if response.HasField("error"):
-            error = _inline_error(response.error)
-            ended = _ended(error, response.error)
-            if (
-                sent.joined
-                and not error.maybe_stored
-                and error.code == grpc.StatusCode.INVALID_ARGUMENT
-            ):
-                # A server without parts: join no more, each event goes again alone.
-                with self._lock:
-                    if self._joins:
-                        log.info("squall: the server refused a joined publish (%s)", error)
-                    self._joins = False
-            for group in sent.groups:
-                _fail_group(group, error, many=sent.joined, ended=ended)
-            return _gone(ended)
-        if not sent.joined:
-            return _answer(sent.groups[0], response)
-        gone: str | None = None
-        if len(response.parts) != len(sent.groups):
-            error = Indeterminate(
-                f"protocol error: {len(response.parts)} answers to {len(sent.groups)} parts",
-                grpc.StatusCode.INTERNAL,
-            )
-            for group in sent.groups:
-                _fail_group(group, error, many=False)
-            return ""
-        for group, answer in zip(sent.groups, response.parts, strict=True):
-            part_gone = _answer(group, answer)
-            if part_gone is not None and not gone:
-                gone = part_gone
-        return gone
+        if refuses_parts(sent, response):
+            # A server without parts: join no more, each event goes again alone.
+            with self._lock:
+                if self._joins:
+                    log.info(
+                        "squall: the server refused a joined publish (%s)",
+                        inline_error(response.error),
+                    )
+                self._joins = False
+        return settle(sent, response)
 
     def _fail(
         self,
@@ -480,7 +399,7 @@ class PublishMux:
     ) -> None:
         """Ends a stream: its oldest request gets the status, the others are indeterminate,
         and events still waiting fail as not sent (their callers send them again).
-        Each of them keeps how the stream ended (`_Entry.ended`)."""
+        Each of them keeps how the stream ended (`Entry.ended`)."""
         with self._lock:
             stream.dead = True
             stream.woken.set()
@@ -492,13 +411,9 @@ class PublishMux:
                 waiting = list(self._waiting)
                 self._waiting.clear()
         stream.requests.put(None)  # ends gRPC's request-consumer thread
-        first, rest = stream_end_errors(code, details, stream.abort_error)
         end_code = stream.abort_error.code if stream.abort_error is not None else code
         ended = (end_code, moved_trailing(stream.moved_to) if stream.moved_to else trailing)
-        for index, sent in enumerate(pending):
-            error = first if index == 0 else rest
-            for group in sent.groups:
-                _fail_group(group, error, many=sent.joined, ended=ended)
+        fail_ended(pending, code, details, stream.abort_error, ended)
         unsent = not_sent_error(details)
         for entry in waiting:
             entry.ended = ended
@@ -546,98 +461,3 @@ class ProxyMuxes:
         for channel, mux in made:
             mux.close()
             channel.close()
-
-
-def _answers(sent: _Sent, response: broker_pb2.PublishResponse) -> bool:
-    """Whether a response answers the oldest unanswered request: its id, or no id on a
-    failure answered inline (the master answers those in order without echoing it)."""
-    if response.request_id == sent.request_id:
-        return True
-    return response.request_id == 0 and response.HasField("error")
-
-
-def _request_key(request: broker_pb2.PublishRequest) -> str:
-    """A request's key in the latency budget's stage marks (squall.wire.stages): its
-    first publisher's id and first sequence, as a publisher's own stream marks it."""
-    first = request.parts[0] if request.parts else request
-    sequence = first.events[0].sequence if first.events else 0
-    return _stages.request_key(first.publisher_id, sequence)
-
-
-def _entry_key(entry: _Entry) -> str:
-    return _stages.request_key(entry.publisher_id, entry.event.sequence)
-
-
-def _part(group: list[_Entry], token: str) -> broker_pb2.PublishRequest:
-    """One publisher's events of a request, in call order."""
-    request = new_request(group[0].topic, group[0].publisher_id, token)
-    request.events.extend(entry.event for entry in group)
-    return request
-
-
-def _inline_error(error: broker_pb2.PublishError) -> SquallError:
-    """The error a request answered inline would have ended the stream with."""
-    code = getattr(grpc.StatusCode, error.code or "UNKNOWN", grpc.StatusCode.UNKNOWN)
-    return error_for(code, error.message or code.name.lower(), sent=True)
-
-
-def _fail_group(
-    group: list[_Entry],
-    error: SquallError,
-    *,
-    many: bool,
-    ended: tuple[grpc.StatusCode, Trailing | None] | None = None,
-) -> None:
-    """Fails one part's callers. A definite refusal of several events at once (or of a
-    joined request) is not theirs to keep: each is sent again alone (`JoinRefused`)."""
-    if (len(group) > 1 or many) and not error.maybe_stored and not isinstance(error, NotSent):
-        error = JoinRefused(f"refused with others, to be sent alone: {error.details}", error.code)
-    for entry in group:
-        if not entry.future.done():
-            entry.ended = ended
-            entry.future.set_exception(error)
-
-
-def _plain(metadata: Any) -> Trailing:
-    """Trailing metadata as (key, str) pairs."""
-    return tuple(
-        (key, value.decode() if isinstance(value, bytes) else value)
-        for key, value in metadata or ()
-    )
-
-
-def _ended(
-    error: SquallError, answer: broker_pb2.PublishError
-) -> tuple[grpc.StatusCode, Trailing | None] | None:
-    """How an error answered inline ends its callers' binding to the stream's replica: as
-    the stream would have ended, with the metadata (a slave's `squall-master-address`), if
-    it says the replica is no longer master; else None (the caller's own refusal)."""
-    if error.code not in _MASTER_GONE:
-        return None
-    return error.code, tuple(sorted(answer.metadata.items()))
-
-
-def _gone(ended: tuple[grpc.StatusCode, Trailing | None] | None) -> str | None:
-    """None unless the master is gone; then the master a redirect names, or ""."""
-    return None if ended is None else master_address(ended[1])
-
-
-def _answer(group: list[_Entry], response: broker_pb2.PublishResponse) -> str | None:
-    """Hands one part's receipts to its callers; not None if it failed as the master gone
-    (the master a slave's redirect names, or "")."""
-    if response.HasField("error"):
-        error = _inline_error(response.error)
-        ended = _ended(error, response.error)
-        _fail_group(group, error, many=False, ended=ended)
-        return _gone(ended)
-    receipts = receipts_from_pb(response)
-    if len(receipts) != len(group):
-        error = Indeterminate(
-            f"protocol error: {len(receipts)} receipts for {len(group)} events",
-            grpc.StatusCode.INTERNAL,
-        )
-        _fail_group(group, error, many=False)
-        return ""
-    for entry, receipt in zip(group, receipts, strict=True):
-        entry.future.set_result(receipt)
-    return None
