@@ -436,7 +436,7 @@ class Publisher:
                 self._resends += 1
                 target, endpoint = self._shared_mux()
                 entry = self._submit(target, event)
-        mux = entry.mux
+        mux: PublishMux | None = entry.mux  # the joining keeps it untyped (squall._publish_join)
         assert mux is not None
         try:
             try:
