@@ -129,9 +129,14 @@ class SlaveSide(CoreView):
         if isinstance(step, list):
             lock.release()
             return acks_now, step
-        return acks_now, asyncio.get_running_loop().create_task(
+        task = asyncio.get_running_loop().create_task(
             self._finish_steps(steps, step, follower), name=f"slave-batch-{self.node_id}"
         )
+        # Held until done (the loop holds tasks only weakly, and whoever waited for it may
+        # be gone long before the batch is); a failure nobody awaited is only logged.
+        _BATCHES.add(task)
+        task.add_done_callback(_batch_done)
+        return acks_now, task
 
     async def batch(
         self, stream: int, batch: replica_pb2.EntryBatch
@@ -293,6 +298,15 @@ class SlaveSide(CoreView):
         finally:
             # Cancelled or failed: the next heartbeat records it.
             self.driver.commit_recorded(recorded)
+
+
+_BATCHES: set[asyncio.Task[list[replica_pb2.ReplicationAck]]] = set()
+
+
+def _batch_done(task: asyncio.Task[list[replica_pb2.ReplicationAck]]) -> None:
+    _BATCHES.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("a slave batch failed after its stream ended: %s", task.exception())
 
 
 def _appends_inline(step: AppendBatch) -> bool:
