@@ -69,6 +69,10 @@ def read_cursor(txn: WriteTxn, key: bytes) -> int:
     return 0 if value is None else cursor_state(key, value)[0]
 
 
+# The most topic records an append hands to the next (LogTail.topics); more are dropped.
+TOPICS_KEPT_MAX = 64
+
+
 @dataclass(frozen=True, slots=True)
 class LogTail:
     """The meta records an append reads and leaves behind: the store keeps them from one
@@ -81,6 +85,9 @@ class LogTail:
     next_topic_id: int
     history: tuple[EpochBoundary, ...]
     commit_lsn: int | None  # the recorded commit LSN (None: never recorded)
+    # The topic records the append read or wrote, as stored (None: no such topic); the
+    # next append takes the dict and its rows over (nothing else holds them).
+    topics: dict[str, TopicRow | None]
 
 
 class Batch:
@@ -108,7 +115,7 @@ class Batch:
         self.epoch_before = self.epoch
         self.next_topic_id_before = self.next_topic_id
         self.history_len_before = len(self.history)
-        self.topics: dict[str, TopicRow | None] = {}
+        self.topics: dict[str, TopicRow | None] = {} if tail is None else tail.topics
         self.dirty_topics: dict[str, TopicRow | None] = {}
         self.events: dict[int, list[tuple[bytes, bytes]]] = {}  # topic id -> new records
         self.high_water: dict[str, tuple[bytes, int, int]] = {}  # pid -> (prefix, old, new)
@@ -198,6 +205,7 @@ class Batch:
             self.next_topic_id,
             tuple(self.history),
             commit_lsn,
+            self.topics if len(self.topics) <= TOPICS_KEPT_MAX else {},
         )
 
     def refuse(self, detail: str) -> InvalidEntryError:
