@@ -8,16 +8,17 @@ what is measured is the slave's own work, not the network's) with the batches a 
 sends: a Hello, then one ``EntryBatch`` per entry, each sent once the previous one's
 written ack came back (one publish at a time). The entries are the log of a one-node
 master (in-memory store) that took ``--batches`` lone publishes of one 100-byte event,
-each from a publisher of its own with its next sequence, as the gateway sends them.
+from 8 publishers in turn, each with its next sequence, as the gateway sends them.
 
 Reports process CPU time per batch (``time.process_time``: the loop and the store
-thread; not wall-clock, the machine is shared), and, with ``--floor``, the CPU of the
-same transactions in py-lmdb alone (the records the store writes for such an entry,
-precomputed: the floor of the store write). ``--profile`` runs cProfile over the
-measured batches and prints the top functions.
+thread; not wall-clock, the machine is shared); with ``--floor``, the CPU of the same
+transactions in py-lmdb alone (the gets and puts the store makes for each entry,
+recorded from the in-memory twin: the floor of the store write); with ``--store``
+the CPU of ``Store.append`` alone for the same entries (what master and slaves share).
+``--profile`` runs cProfile over the measured batches and prints the top functions.
 
 ``python -m bench.slave_apply [--batches N] [--replica-sync P] [--repeat N] [--floor]
-[--profile]``. A measurement, not a test; every loop is bounded by a count.
+[--store] [--profile]``. A measurement, not a test; every loop is bounded by a count.
 """
 
 from __future__ import annotations
@@ -39,11 +40,13 @@ from typing import Any
 import lmdb
 
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
+from squall_server.common.clock import SystemClock
 from squall_server.common.config import ClusterConfig, parse_config
 from squall_server.replica import commands
 from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.replication_server import serve_replicate
 from squall_server.replica.store import DATABASES, Store
+from squall_server.replica.store.stall import StallMeter
 
 EVENT_BYTES = 100
 WARMUP_BATCHES = 300
@@ -183,6 +186,24 @@ async def _slave_run(
     return args.batches, cpu_s, profile
 
 
+def _store_alone(directory: Path, entries: list[replica_pb2.LogEntry], batches: int) -> float:
+    """CPU µs per one-entry ``Store.append`` on LMDB alone (no replica around it, a stall
+    meter as the replica installs): the part of the write master and slaves share."""
+    store = Store.open_lmdb(directory, MAP_SIZE_BYTES)
+    store.stall_meter = StallMeter(SystemClock())
+    measured_from = len(entries) - batches
+    cpu0 = 0.0
+    try:
+        for index, entry in enumerate(entries):
+            if index == measured_from:
+                cpu0 = time.process_time()
+            store.append([entry], sync=False, commit_lsn=entry.lsn - 1)
+        cpu_s = time.process_time() - cpu0
+    finally:
+        store.close()
+    return cpu_s * 1e6 / batches
+
+
 class _Recorder:
     """A write transaction that records the KV calls the store makes through it."""
 
@@ -266,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--repeat", type=int, default=1, help="measured runs, each a fresh slave")
     parser.add_argument("--floor", action="store_true", help="also py-lmdb alone")
+    parser.add_argument("--store", action="store_true", help="also Store.append alone")
     parser.add_argument("--profile", action="store_true", help="cProfile the measured batches")
     parser.add_argument("--top", type=int, default=30, help="functions the profile prints")
     args = parser.parse_args(argv)
@@ -286,6 +308,11 @@ def main(argv: list[str] | None = None) -> int:
                 stats.sort_stats("tottime").print_stats(args.top)
                 stats.sort_stats("cumulative").print_stats(args.top)
                 print(out.getvalue())
+        if args.store:
+            for run in range(args.repeat):
+                directory = Path(tmp) / f"store-{run}"
+                us = _store_alone(directory, entries, args.batches)
+                print(f"Store.append alone, one entry: cpu_us/append={us:.1f}", flush=True)
         if args.floor:
             directory = Path(tmp) / "floor"
             directory.mkdir()

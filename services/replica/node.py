@@ -415,9 +415,7 @@ class ReplicaNode(CoreView):
         """Checks and stores one batch from the master, yielding each ack as it is due."""
         return self.slave.batch(stream, batch)
 
-    async def replication_batch_acks(
-        self, stream: int, batch: replica_pb2.EntryBatch
-    ) -> BatchAcks:
+    async def replication_batch_acks(self, stream: int, batch: replica_pb2.EntryBatch) -> BatchAcks:
         """Checks and stores one batch from the master: the acks due on receipt, and those
         due once stored or the task storing it (``SlaveSide.batch_acks``)."""
         return await self.slave.batch_acks(stream, batch)

@@ -38,6 +38,7 @@ from squall_server.replica.store import CorruptRecordError, StoreError
 
 log = logging.getLogger("squall.replica")
 
+
 async def serve_replicate(
     node: SlaveEndpoint, requests: AsyncIterator[replica_pb2.ReplicateRequest]
 ) -> AsyncIterator[replica_pb2.ReplicateResponse]:
