@@ -402,7 +402,9 @@ class Store:
         ``StoreMeta.commit_lsn`` after a restart. The entries continue the live log: an
         unfinished snapshot install (a stream that ended mid-install; a stream refuses
         entries inside a snapshot, ``Follower.on_batch``) is dropped in the same
-        transaction, and kept when the batch is refused.
+        transaction, and kept when the batch is refused. The meta an append leaves (and
+        the topic records it touched) is kept for the next one, which reads them again
+        only when anyone wrote in between (``WriteTxn.generation``).
         """
         if not entries:
             return
