@@ -10,6 +10,9 @@ Scenarios (measurements, not tests; each bounded by a count and a deadline):
   gateway or a `replicated=True` proxy: rate and p50 / p90 / p99 / max.
 * `concurrent`: N threads, each with its own publisher (one client), each publishing one
   event at a time for a fixed time: aggregate rate and p50 / p99 per call.
+* `concurrent_aio`: N asyncio tasks on one event loop (one `squall.aio` client), each
+  publishing one event at a time for a fixed time, each with its own publisher or all
+  sharing one: aggregate rate and p50 / p99 per call.
 * `unary`: a raw-stub app (no `squall` library) calling the unary `Publish` with a
   publisher id and a sequence, one event per call, one at a time and from N threads, each
   with its own publisher id, over one channel: the path the gateway carries over its
@@ -24,6 +27,7 @@ Scenarios (measurements, not tests; each bounded by a count and a deadline):
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import os
@@ -40,6 +44,7 @@ from typing import Any
 import grpc
 
 import squall
+import squall.aio
 from bench.single_node import CpuMeter, payloads, percentile
 from squall.wire import stages as _stages
 
@@ -254,6 +259,56 @@ def concurrent(
     figures["shared_publisher"] = shared
     figures["one_request_per_call"] = one_request_per_call
     # % of one core per process: which one is the bound (the client, the gateway, the master).
+    figures["cpu_pct"] = {
+        k: v for k, v in cpu.items() if k.startswith(("client", "gateway", "replica", "others"))
+    }
+    return figures
+
+
+def concurrent_aio(
+    address: str,
+    topic: str,
+    tasks: int,
+    seconds: float,
+    pids: dict[str, int] | None = None,
+    shared: bool = False,
+) -> dict[str, Any]:
+    """`tasks` asyncio tasks on one event loop (one `squall.aio` client through the
+    gateway), each with its own publisher (or all sharing one), one event at a time for
+    `seconds`; figures as `concurrent`'s."""
+    payload = payloads(1)[0]
+    per_task: list[list[float]] = [[] for _ in range(tasks)]
+
+    async def main() -> tuple[float, dict[str, float]]:
+        async with squall.aio.connect(address) as client:
+            handle = await client.topic(topic)
+            handles = [await handle.publisher() for _ in range(1 if shared else tasks)]
+            try:
+                for publisher in handles:
+                    await publisher.publish(b"warm-up")
+                stop_at = time.perf_counter() + seconds
+
+                async def run(index: int) -> None:
+                    publisher, samples = handles[0 if shared else index], per_task[index]
+                    # Bounded by the deadline (and each call by the publisher's timeout).
+                    while (t0 := time.perf_counter()) < stop_at:
+                        await publisher.publish(payload)
+                        samples.append(time.perf_counter() - t0)
+
+                meter = CpuMeter(pids or {})
+                started = time.perf_counter()
+                meter.start()
+                await asyncio.gather(*(run(i) for i in range(tasks)))
+                elapsed_s = time.perf_counter() - started
+                return elapsed_s, meter.stop()
+            finally:
+                for publisher in handles:
+                    await publisher.close()
+
+    elapsed_s, cpu = asyncio.run(main())
+    figures = _figures([s for samples in per_task for s in samples], elapsed_s)
+    figures["publishers"] = tasks
+    figures["shared_publisher"] = shared
     figures["cpu_pct"] = {
         k: v for k, v in cpu.items() if k.startswith(("client", "gateway", "replica", "others"))
     }
@@ -679,6 +734,16 @@ def measure(
             shared=True,
             one_request_per_call=True,
         )
+    out["concurrent_aio"] = {}
+    out["concurrent_aio_shared"] = {}
+    for n in sizes.concurrency[1:]:
+        log(f"    latency: {n} asyncio tasks, own / one shared publisher, {sizes.concurrent_s} s")
+        out["concurrent_aio"][str(n)] = concurrent_aio(
+            address, f"{topic_prefix}-c{n}", n, sizes.concurrent_s, pids=pids
+        )
+        out["concurrent_aio_shared"][str(n)] = concurrent_aio(
+            address, f"{topic_prefix}-c{n}", n, sizes.concurrent_s, pids=pids, shared=True
+        )
     log(f"    latency: publish -> following subscriber, {sizes.delivery_events} events")
     out["delivery"] = delivery(
         address, f"{topic_prefix}-delivery", sizes.delivery_events, sizes.delivery_deadline_s
@@ -758,8 +823,10 @@ def table(policy_figures: dict[str, dict[str, Any]]) -> str:
             ("concurrent_proxy", "proxy"),
             ("concurrent_shared_one_request_per_call", "gateway, one shared publisher, before"),
             ("concurrent_shared", "gateway, one shared publisher"),
+            ("concurrent_aio", "asyncio tasks with own publishers, gateway"),
+            ("concurrent_aio_shared", "asyncio tasks, gateway, one shared publisher"),
         ):
-            if n not in next(iter(policy_figures.values()))[path]:
+            if n not in next(iter(policy_figures.values())).get(path, {}):
                 continue
             row(
                 f"{n} concurrent publishers, {name}: events/s, p50 / p99 ms",
@@ -769,7 +836,12 @@ def table(policy_figures: dict[str, dict[str, Any]]) -> str:
                 ),
             )
     last = list(next(iter(policy_figures.values()))["concurrent"])[-1]
-    for path, name in (("concurrent", "own publishers"), ("concurrent_shared", "one shared")):
+    for path, name in (
+        ("concurrent", "own publishers"),
+        ("concurrent_shared", "one shared"),
+        ("concurrent_aio", "asyncio tasks, own publishers"),
+        ("concurrent_aio_shared", "asyncio tasks, one shared"),
+    ):
         if last not in next(iter(policy_figures.values())).get(path, {}):
             continue
         row(

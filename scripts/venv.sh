@@ -66,6 +66,21 @@ if [ ! -e "$venv" ]; then
     fi
 fi
 
+# A venv another checkout installed into (a git worktree sharing it through a link) is
+# not ours to re-point: the editable installs would then load this checkout's code in the
+# other one's tests and services. A checkout that moved (its old directory is gone) may.
+here=$(cd . && pwd -P)
+for finder in "$venv"/lib/python*/site-packages/__editable___squall_server_*_finder.py; do
+    [ -f "$finder" ] || continue
+    mapped=$(sed -n "s/^MAPPING.*'squall_server': '\(.*\)'.*/\1/p" "$finder")
+    owner=${mapped%/services}
+    if [ -n "$mapped" ] && [ -d "$mapped" ] && [ "$(cd "$owner" && pwd -P)" != "$here" ]; then
+        fail "$venv holds the editable install of the checkout at $owner; installing from" \
+            "$here would point it here instead. Run make in $owner, or give this checkout" \
+            "a venv of its own (remove the link, or 'make VENV=.venv-here ...')."
+    fi
+done
+
 # 3. Install. Any failure (or Ctrl-C) stops here with the marker left, so the next make
 # starts again from a new venv; the stamps are written only after every step.
 touch "$marker"

@@ -31,7 +31,7 @@ from squall._errors import (
     from_rpc_error,
 )
 from squall._proxy import Endpoint, GatewayBinding, ProxyBinding, RebindCallback
-from squall._publish_mux import PublishMux
+from squall._publish_mux import ProxyMuxes, PublishMux
 from squall._publisher import INFLIGHT_BATCHES_MAX_DEFAULT, Publisher, new_publisher_id
 from squall._push import (
     DeliveryCallback,
@@ -163,8 +163,9 @@ def connect(
     `token` is sent as `authorization: Bearer <token>` on every call, publisher proxies'
     included (default: $SQUALL_TOKEN, else the file $SQUALL_TOKEN_FILE names; docs/auth.md).
     `share_publish_stream` (default True) sends the one-at-a-time `publish()` calls of all
-    the client's gateway publishers on one shared stream, joining concurrent ones into one
-    request (README.md, "Using it from Python"); False gives each publisher
+    the client's gateway publishers on one shared stream, and those of its publisher
+    proxies on one shared stream per replica they are bound to, joining concurrent ones
+    into one request (README.md, "Using it from Python"); False gives each publisher
     its own stream for everything.
     """
     retry = RetryPolicy(
@@ -233,6 +234,8 @@ class Client:
         self._subscriptions: weakref.WeakSet[Subscription] = weakref.WeakSet()
         # The stream every gateway publisher's lone publishes share (squall._publish_mux).
         self._publish_mux = PublishMux(self._publisher_stub) if share_publish_stream else None
+        # The streams its publisher proxies' lone publishes share, one per replica address.
+        self._proxy_muxes = ProxyMuxes() if share_publish_stream else None
 
     @property
     def address(self) -> str:
@@ -308,6 +311,8 @@ class Client:
             subscription.close()
         if self._publish_mux is not None:
             self._publish_mux.close()
+        if self._proxy_muxes is not None:
+            self._proxy_muxes.close()
         with self._lock:
             self._closed = True
         self._channel.close()
@@ -354,6 +359,7 @@ class Client:
             retry=self._retry,
             on_rebind=on_rebind,
             mux=self._publish_mux,
+            proxy_muxes=self._proxy_muxes,
         )
         with self._lock:
             self._publishers.add(publisher)

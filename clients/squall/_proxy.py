@@ -150,14 +150,28 @@ class ProxyBinding:
     def _current(self) -> Endpoint:
         return self._redirect or self._endpoints[self._index]
 
+    def target(self) -> Endpoint:
+        """The endpoint the next stream (or shared-stream publish) goes to; PublisherLost
+        once lost or closed."""
+        with self._lock:
+            return self._target()
+
+    def _target(self) -> Endpoint:
+        if self._lost:
+            raise PublisherLost(self._lost_message(), maybe_stored=False)
+        if self._closed:
+            raise PublisherLost("the publisher proxy is closed", maybe_stored=False)
+        return self._current()
+
+    def new_channel(self, address: str) -> Any:
+        """A channel to `address` made as this proxy makes its own, for the caller to own
+        and close (the client's shared stream to that replica, `squall._publish_mux`)."""
+        return self._make_channel(address)
+
     def open(self) -> tuple[broker_pb2_grpc.PublisherStub, Endpoint | None]:
         """The stub for the next stream and its endpoint; PublisherLost once lost."""
         with self._lock:
-            if self._lost:
-                raise PublisherLost(self._lost_message(), maybe_stored=False)
-            if self._closed:
-                raise PublisherLost("the publisher proxy is closed", maybe_stored=False)
-            endpoint = self._current()
+            endpoint = self._target()
             channel = self._channels.get(endpoint.address)
             if channel is None:
                 channel = self._channels[endpoint.address] = self._make_channel(endpoint.address)

@@ -6,10 +6,11 @@ over one bidirectional `PublishStream` call kept open across calls (a unary call
 tops out at a few thousand events per second in Python; the stream does not pay a call's
 setup per batch). At most `inflight_batches_max` batches are unanswered at a time.
 
-Through the gateway, a publisher made by a `Client` sends its lone `publish()` calls on
-the client's stream shared by all its publishers instead (`squall._publish_mux`), while
-nothing of its own is in flight on its own stream; its other calls wait until those have
-finished, so its sequences reach the master in order either way.
+A publisher made by a `Client` sends its lone `publish()` calls on a stream the client
+shares instead (`squall._publish_mux`: through the gateway, the one all its gateway
+publishers share; a proxy, the one to the replica its binding names for that attempt),
+while nothing of its own is in flight on its own stream; its other calls wait until those
+have finished, so its sequences reach the master in order either way.
 
 Ordering rule: sequences are assigned and requests queued under one lock, so the order
 on the wire is the order of the sequences. Responses come back in request order (the
@@ -70,7 +71,7 @@ from squall._proxy import (
     ProxyBinding,
     RebindCallback,
 )
-from squall._publish_mux import JoinRefused, PublishMux, _Entry
+from squall._publish_mux import JoinRefused, ProxyMuxes, PublishMux, _Entry
 from squall._publish_rules import (
     BATCH_EVENTS_DEFAULT,
     BATCH_EVENTS_MAX,
@@ -228,6 +229,7 @@ class Publisher:
         monotonic: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         mux: PublishMux | None = None,
+        proxy_muxes: ProxyMuxes | None = None,
     ) -> None:
         check_publisher_args(publisher_id, start_sequence, inflight_batches_max, timeout_s)
         self._retry = retry if retry is not None else RetryPolicy()
@@ -259,14 +261,18 @@ class Publisher:
         self._unresolved = 0
         # Requests sent again after an indeterminate outcome.
         self._resends = 0
-        # The client's shared stream for lone publishes (squall._publish_mux), through the
-        # gateway only: a proxy's stream is bound to its replica and moves on its own.
+        # The client's shared stream for lone publishes (squall._publish_mux): through the
+        # gateway, one; a proxy uses the client's shared stream to the replica its binding
+        # names at each attempt, so it still moves on its own.
         self._mux = mux if isinstance(self._binding, GatewayBinding) else None
+        self._proxy_muxes = proxy_muxes if isinstance(self._binding, ProxyBinding) else None
         # publish() calls on the shared stream not finished yet (retries included): the
         # publisher's own stream sends nothing meanwhile, so its sequences stay in order.
         self._muxed = 0
-        # The shared stream that last answered this publisher (counted in streams_opened).
-        self._mux_generation = 0
+        # The shared stream (replica address, generation) that last answered this
+        # publisher: counted in streams_opened, and for a proxy its first answer there is
+        # what a stream of its own's first answer is (a move, if to another replica).
+        self._mux_stream: tuple[str, int] = ("", 0)
 
     # -- public API -------------------------------------------------------------------
 
@@ -327,30 +333,31 @@ class Publisher:
         threads publishing one event at a time share requests, commits and replication
         batches instead of queuing one request each.
 
-        Through the gateway, while nothing of this publisher is in flight on its own
-        stream, the event goes on the client's stream shared by all its publishers
-        (`squall._publish_mux`): concurrent publishes of many publishers share requests the
+        While nothing of this publisher is in flight on its own stream, the event goes on
+        a stream its client shares (`squall._publish_mux`; a proxy's, the one to the replica
+        its binding names): concurrent publishes of many publishers share requests the
         same way, each event keeping its publisher id and sequence.
         """
         with self._cond:
-            if self._mux is not None and self._unresolved == 0 and not self._buffer:
+            muxed: tuple[common_pb2.EventData, _Entry, Endpoint | None] | None = None
+            if self._sharing() and self._unresolved == 0 and not self._buffer:
                 self._check_open()
+                # Before the sequence is taken: a lost proxy raises PublisherLost here.
+                mux, endpoint = self._shared_mux()
                 event = common_pb2.EventData(
                     key=key or b"", payload=payload, headers=headers, sequence=self._next_sequence
                 )
                 self._next_sequence += 1
                 self._muxed += 1
                 try:
-                    _, entry = self._mux.submit(self._topic, self._publisher_id, event)
+                    entry = self._submit(mux, event)
                 except BaseException:
                     self._muxed -= 1
                     self._cond.notify_all()
                     raise
-                muxed: tuple[common_pb2.EventData, _Entry] | None = (event, entry)
-            else:
-                muxed = None
+                muxed = (event, entry, endpoint)
         if muxed is not None:
-            return self._publish_muxed(self._mux, *muxed)
+            return self._publish_muxed(*muxed)
         with self._cond:
             stream = self._stream
             crowded = (
@@ -363,19 +370,55 @@ class Publisher:
         receipts = self._publish_batches([(key, payload, headers)], BATCH_EVENTS_DEFAULT)
         return receipts[0]
 
+    def _sharing(self) -> bool:
+        """Whether lone publishes go on a shared stream of the client."""
+        return self._mux is not None or self._proxy_muxes is not None
+
+    def _shared_mux(self) -> tuple[PublishMux, Endpoint | None]:
+        """The shared stream an attempt goes on and the endpoint it is bound to: the
+        gateway's (None), or for a proxy the one to the replica its binding names now
+        (PublisherLost once the binding is lost). The endpoint is the binding's own (the
+        stream's may name the same address under another node id)."""
+        if self._mux is not None:
+            return self._mux, None
+        binding = self._binding
+        assert self._proxy_muxes is not None and isinstance(binding, ProxyBinding)
+        endpoint = binding.target()
+        return self._proxy_muxes.get(endpoint, binding.new_channel), endpoint
+
+    def _submit(
+        self, mux: PublishMux, event: common_pb2.EventData, *, alone: bool = False
+    ) -> _Entry:
+        """Queues one attempt on a shared stream; a proxy's binding gives the metadata and
+        stall check of a stream it opens, as it does for a stream of the proxy's own."""
+        binding = self._binding
+        if mux.endpoint is None or not isinstance(binding, ProxyBinding):
+            _, entry = mux.submit(self._topic, self._publisher_id, event, alone=alone)
+            return entry
+        check = binding.check_master if binding.can_check_master() else None
+        _, entry = mux.submit(
+            self._topic,
+            self._publisher_id,
+            event,
+            alone=alone,
+            metadata=binding.metadata(),
+            check_master=check,
+        )
+        return entry
+
     def _publish_muxed(
-        self, mux: PublishMux | None, event: common_pb2.EventData, entry: _Entry
+        self, event: common_pb2.EventData, entry: _Entry, endpoint: Endpoint | None
     ) -> Receipt:
-        """Waits for an event sent on the client's shared stream; retries it as a batch of
-        its own is retried (same id and sequence, under the retry policy)."""
-        assert mux is not None
+        """Waits for an event sent on a shared stream of the client; retries it as a batch
+        of its own is retried (same id and sequence, under the retry policy), each retry on
+        the shared stream its binding names then (a proxy may have moved)."""
         try:
             try:
-                return self._mux_attempt(mux, event, entry)
+                return self._mux_attempt(event, entry, endpoint)
             except SquallError as first:
                 request = new_request(self._topic, self._publisher_id)
                 request.events.append(event)
-                again = functools.partial(self._mux_attempt, mux, event, None)
+                again = functools.partial(self._mux_attempt, event, None, None)
                 return self._retry_batch(request, first, lambda: [again()])[0]
         finally:
             with self._cond:
@@ -383,27 +426,52 @@ class Publisher:
                 self._cond.notify_all()
 
     def _mux_attempt(
-        self, mux: PublishMux, event: common_pb2.EventData, entry: _Entry | None
+        self, event: common_pb2.EventData, entry: _Entry | None, endpoint: Endpoint | None
     ) -> Receipt:
-        """One attempt on the shared stream; a refusal shared with others is checked by
-        sending the event again alone (nothing was stored)."""
+        """One attempt on a shared stream; a refusal shared with others is checked by
+        sending the event again alone (nothing was stored). A proxy's binding hears how
+        the attempt's stream ended, and its first answer, as from a stream of its own."""
         if entry is None:
             with self._cond:
                 self._resends += 1
-                _, entry = mux.submit(self._topic, self._publisher_id, event)
+                target, endpoint = self._shared_mux()
+                entry = self._submit(target, event)
+        mux: PublishMux | None = entry.mux  # the joining keeps it untyped (squall._publish_join)
+        assert mux is not None
         try:
-            receipt = mux.result(entry, self._timeout_s)
-        except JoinRefused:
-            _, entry = mux.submit(self._topic, self._publisher_id, event, alone=True)
-            receipt = mux.result(entry, self._timeout_s)
+            try:
+                receipt = mux.result(entry, self._timeout_s)
+            except JoinRefused:
+                entry = self._submit(mux, event, alone=True)
+                receipt = mux.result(entry, self._timeout_s)
+        except SquallError:
+            if entry.ended is not None and endpoint is not None:
+                self._binding.stream_failed(endpoint, *entry.ended)
+            raise
         if _stages.ENABLED:
             _stages.mark("c.return", _stages.request_key(self._publisher_id, event.sequence))
         generation = entry.stream.generation if entry.stream is not None else 0
+        answered = (endpoint.address if endpoint is not None else "", generation)
+        moved_from: Endpoint | None = None
         with self._cond:
-            if generation != self._mux_generation:
-                self._mux_generation = generation
+            if answered != self._mux_stream:
+                self._mux_stream = answered
                 self._streams_opened += 1
+                # An answer from a replica the binding has since left is old news.
+                if endpoint is not None and self._bound_to(endpoint):
+                    self._binding.stream_answered(endpoint)
+                    moved_from = self._moves.answered(endpoint)
+        if moved_from is not None and endpoint is not None:
+            receipts = [receipt]
+            mark_rebound(receipts)
+            self._moves.report(moved_from, endpoint)
+            return receipts[0]
         return receipt
+
+    def _bound_to(self, endpoint: Endpoint) -> bool:
+        """Whether a proxy's binding still names `endpoint` for its next stream."""
+        binding = self._binding
+        return isinstance(binding, ProxyBinding) and binding.current() == endpoint
 
     def _wait_unmuxed(self) -> None:
         """Waits until no publish() of this publisher is on the shared stream (lock held),

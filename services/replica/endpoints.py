@@ -21,6 +21,7 @@ from squall_server.common.clock import Clock
 from squall_server.common.config import ClusterConfig, NodeConfig
 from squall_server.common.telemetry import Telemetry
 from squall_server.replica.commands import Command, Planned
+from squall_server.replica.slave_side import BatchAcks
 from squall_server.replica.store import Store, TopicInfo
 from squall_server.replica.transient import TransientTopics
 
@@ -72,6 +73,10 @@ class SlaveEndpoint(Protocol):
     def replication_batch(
         self, stream: int, batch: replica_pb2.EntryBatch
     ) -> AsyncIterator[replica_pb2.ReplicationAck]: ...
+
+    async def replication_batch_acks(
+        self, stream: int, batch: replica_pb2.EntryBatch
+    ) -> BatchAcks: ...
 
     async def replication_snapshot(
         self, stream: int, chunk: replica_pb2.SnapshotChunk

@@ -526,12 +526,13 @@ class Follower:
                 RefusalCode.TOO_LARGE,
                 f"a batch of {len(entries)} entries; at most {cfg.inflight_entries_max}",
             )
-        size_bytes = sum(entry_size_bytes(entry) for entry in entries)
-        if len(entries) > 1 and size_bytes > cfg.inflight_bytes_max:
-            return self._refuse(
-                RefusalCode.TOO_LARGE,
-                f"a batch of {size_bytes} bytes; at most {cfg.inflight_bytes_max}",
-            )
+        if len(entries) > 1:
+            size_bytes = sum(entry_size_bytes(entry) for entry in entries)
+            if size_bytes > cfg.inflight_bytes_max:
+                return self._refuse(
+                    RefusalCode.TOO_LARGE,
+                    f"a batch of {size_bytes} bytes; at most {cfg.inflight_bytes_max}",
+                )
         base_lsn, history = self._last_lsn, self._history
         truncate: int | None = None
         if truncate_after_lsn is not None and truncate_after_lsn != self._last_lsn:
@@ -569,7 +570,10 @@ class Follower:
         if truncate is not None:
             self._written = min(self._written, truncate)
             self._synced = min(self._synced, truncate)
-        self._history = (*history, *new_boundaries)
+        if new_boundaries:
+            self._history = (*history, *new_boundaries)
+        else:
+            self._history = history
         self._last_lsn, self._last_epoch = prev_lsn, prev_epoch
         self._received = prev_lsn
         self._known_commit = max(self._known_commit, commit_lsn)

@@ -77,7 +77,7 @@ from squall_server.replica.push import PushDelivery
 from squall_server.replica.reorg import Taking
 from squall_server.replica.roles import NodeState, RoleApplication
 from squall_server.replica.signals import CommitSignal
-from squall_server.replica.slave_side import SlaveSide
+from squall_server.replica.slave_side import BatchAcks, SlaveSide
 from squall_server.replica.store import CorruptRecordError, TopicInfo
 from squall_server.replica.store.stall import StallMeter
 from squall_server.replica.sync_source import SyncSource
@@ -429,6 +429,11 @@ class ReplicaNode(CoreView):
     ) -> AsyncGenerator[replica_pb2.ReplicationAck, None]:
         """Checks and stores one batch from the master, yielding each ack as it is due."""
         return self.slave.batch(stream, batch)
+
+    async def replication_batch_acks(self, stream: int, batch: replica_pb2.EntryBatch) -> BatchAcks:
+        """Checks and stores one batch from the master: the acks due on receipt, and those
+        due once stored or the task storing it (``SlaveSide.batch_acks``)."""
+        return await self.slave.batch_acks(stream, batch)
 
     async def replication_snapshot(
         self, stream: int, chunk: replica_pb2.SnapshotChunk

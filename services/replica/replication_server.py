@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from typing import TypeVar
 
 from squall.v1 import replica_pb2, replica_pb2_grpc
 from squall.wire import stages as _stages
@@ -38,44 +37,6 @@ from squall_server.replica.server import abort
 from squall_server.replica.store import CorruptRecordError, StoreError
 
 log = logging.getLogger("squall.replica")
-
-T = TypeVar("T")
-_PUMPS: set[asyncio.Task[None]] = set()
-
-
-async def detached(source: AsyncIterator[T]) -> AsyncIterator[T]:
-    """Yields what source yields, while source runs to its end in a task of its own.
-
-    Whoever iterates this may stop at any yield and never come back: source still
-    finishes (and releases what it holds) without waiting for them. Its exception is
-    raised here, after the items before it.
-    """
-    # (item,) per item, then None at the end or the exception source raised.
-    queue: asyncio.Queue[tuple[T] | BaseException | None] = asyncio.Queue()
-
-    async def pump() -> None:
-        try:
-            async for item in source:
-                queue.put_nowait((item,))
-        except BaseException as exc:  # handed to the reader, who raises it
-            queue.put_nowait(exc)
-            return
-        queue.put_nowait(None)
-
-    # Kept in _PUMPS until done: the loop holds tasks only weakly, and the reader may
-    # be gone long before the batch is.
-    task = asyncio.get_running_loop().create_task(pump())
-    _PUMPS.add(task)
-    task.add_done_callback(_PUMPS.discard)
-    # One step per item source yields; the end (None or an exception) always comes.
-    while True:
-        entry = await queue.get()
-        if entry is None:
-            break
-        if isinstance(entry, BaseException):
-            raise entry
-        yield entry[0]
-    await task
 
 
 async def serve_replicate(
@@ -100,15 +61,20 @@ async def serve_replicate(
                 stream, position = await node.replication_hello(request.hello)
                 yield replica_pb2.ReplicateResponse(position=position)
             elif kind == "entries":
-                # The batch holds the commit lock until it finishes, so it runs in its
-                # own task: a stream cancelled while this generator waits at a yield
-                # must not keep the lock (gRPC drops the generator without closing
-                # it, and only a garbage collection would; every later batch and
-                # stream of this replica waited for that).
-                async for ack in detached(node.replication_batch(stream, request.entries)):
+                # The commit lock is never held here: a stream cancelled while this
+                # generator waits at a yield (gRPC drops it without closing it) keeps
+                # nothing, and a batch that must wait for its write runs in a task of its
+                # own, shielded, so it finishes and frees the lock whoever waits for it.
+                acks_now, stored = await node.replication_batch_acks(stream, request.entries)
+                for ack in acks_now:
                     if _stages.ENABLED:
-                        for entry in request.entries.entries:
-                            _stages.mark("s.ack", f"lsn/{entry.lsn}")
+                        _mark_acked(request.entries)
+                    yield replica_pb2.ReplicateResponse(ack=ack)
+                if not isinstance(stored, list):
+                    stored = await asyncio.shield(stored)
+                for ack in stored:
+                    if _stages.ENABLED:
+                        _mark_acked(request.entries)
                     yield replica_pb2.ReplicateResponse(ack=ack)
             elif kind == "heartbeat":
                 ack = node.replication_heartbeat(stream, request.heartbeat)
@@ -124,6 +90,11 @@ async def serve_replicate(
                 )
     except StoreError as exc:
         raise ServiceError(Code.UNAVAILABLE, f"replica {node.node.id}: store error: {exc}") from exc
+
+
+def _mark_acked(batch: replica_pb2.EntryBatch) -> None:
+    for entry in batch.entries:
+        _stages.mark("s.ack", f"lsn/{entry.lsn}")
 
 
 async def serve_fetch_log(

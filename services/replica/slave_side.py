@@ -34,9 +34,20 @@ from squall_server.replica.driver import (
     TruncateLog,
 )
 from squall_server.replica.follower import Follower, FollowerError
+from squall_server.replica.replication import batch_size_bytes
 from squall_server.replica.store import StoreError
 
 log = logging.getLogger("squall.replica")
+
+# A slave's unflushed appends up to this size run on the event loop (``_appends_inline``).
+INLINE_APPEND_BYTES_MAX = 64 * 1024
+
+# What ``SlaveSide.batch_acks`` returns: the acks due on receipt, then the acks due once
+# the batch is stored, or the task that stores it and returns them.
+BatchAcks = tuple[
+    list[replica_pb2.ReplicationAck],
+    list[replica_pb2.ReplicationAck] | asyncio.Task[list[replica_pb2.ReplicationAck]],
+]
 
 
 class AppendEntries(Protocol):
@@ -83,25 +94,60 @@ class SlaveSide(CoreView):
         async with self._commit_lock:
             return self.driver.hello(hello)
 
-    async def batch(
-        self, stream: int, batch: replica_pb2.EntryBatch
-    ) -> AsyncGenerator[replica_pb2.ReplicationAck, None]:
-        """Checks and stores one batch from the master, yielding each ack as it is due.
+    async def batch_acks(self, stream: int, batch: replica_pb2.EntryBatch) -> BatchAcks:
+        """Checks and stores one batch from the master: returns the acks due on receipt
+        (send them first) and those due once it is stored, or the task storing it.
 
-        A NO_SYNC replica's ack on receipt is yielded before the write, so the master can
-        count it without waiting for this store.
+        A small unflushed append (and a batch with nothing to write) is stored here, on
+        the loop, before this returns. Whatever must wait (a flush, a large batch, a
+        truncation, a compaction, or any write after a NO_SYNC ack on receipt, which goes
+        out before the write) runs in a task of its own that holds the commit lock until
+        the batch is done: the batch finishes, and frees the lock, whether or not anyone
+        still waits for it (a stream gRPC dropped while its handler waited; docs/chaos.md).
+        Await that task under ``asyncio.shield``.
         """
         driver = self.driver
         if _stages.ENABLED:
             for entry in batch.entries:
                 _stages.mark("s.in", f"lsn/{entry.lsn}")
-        async with self._commit_lock:
+        lock = self._commit_lock
+        await lock.acquire()
+        # From here to the return nothing awaits: no cancellation can land in between.
+        try:
             accepted, follower, acks_now = driver.batch(stream, batch)
-            for ack_now in acks_now:
-                yield ack_now
             steps = driver.write_batch(accepted, follower, batch.commit_lsn)
-            for written in await self._batch_steps(steps, follower):
-                yield written
+            if acks_now and accepted.batch is not None:
+                step: BatchStep | list[replica_pb2.ReplicationAck] = steps.send(None)
+            else:
+                step = self._steps_inline(steps, follower)
+        except StopIteration as done:
+            lock.release()
+            return acks_now, done.value
+        except BaseException:
+            lock.release()
+            raise
+        if isinstance(step, list):
+            lock.release()
+            return acks_now, step
+        task = asyncio.get_running_loop().create_task(
+            self._finish_steps(steps, step, follower), name=f"slave-batch-{self.node_id}"
+        )
+        # Held until done (the loop holds tasks only weakly, and whoever waited for it may
+        # be gone long before the batch is); a failure nobody awaited is only logged.
+        _BATCHES.add(task)
+        task.add_done_callback(_batch_done)
+        return acks_now, task
+
+    async def batch(
+        self, stream: int, batch: replica_pb2.EntryBatch
+    ) -> AsyncGenerator[replica_pb2.ReplicationAck, None]:
+        """``batch_acks`` as a generator yielding each ack as it is due (the commit lock is
+        never held at a yield)."""
+        acks_now, stored = await self.batch_acks(stream, batch)
+        for ack in acks_now:
+            yield ack
+        for ack in stored if isinstance(stored, list) else await asyncio.shield(stored):
+            yield ack
 
     async def snapshot(
         self, stream: int, chunk: replica_pb2.SnapshotChunk
@@ -168,16 +214,41 @@ class SlaveSide(CoreView):
             )
         return ack
 
-    async def _batch_steps(
+    def _steps_inline(
         self,
         steps: Generator[BatchStep, None, list[replica_pb2.ReplicationAck]],
         follower: Follower,
-    ) -> list[replica_pb2.ReplicationAck]:
-        """Carries out a batch's store steps (commit lock held) in the driver's order
-        (``ReplicaDriver.write_batch``); returns the acks to send. A failed truncation
-        or append closes the stream with the driver's status (and may fail-stop)."""
+    ) -> BatchStep | list[replica_pb2.ReplicationAck]:
+        """Carries out a batch's next store steps (commit lock held) on the loop while
+        each is a small unflushed append (``_appends_inline``); returns the acks to send
+        once the steps are done, or the first step that must wait (``_finish_steps``)."""
         try:
-            step = next(steps)
+            step = steps.send(None)
+            # At most three steps: truncate, append, compact.
+            while isinstance(step, AppendBatch) and _appends_inline(step):
+                try:
+                    self.driver.store_append(step.entries, sync=False, commit_lsn=step.commit_lsn)
+                except StoreError as exc:
+                    raise self._batch_failed(follower, exc) from exc
+                if _stages.ENABLED:
+                    _mark_stored(step)
+                step = steps.send(None)
+        except StopIteration as done:
+            acks: list[replica_pb2.ReplicationAck] = done.value
+            return acks
+        return step
+
+    async def _finish_steps(
+        self,
+        steps: Generator[BatchStep, None, list[replica_pb2.ReplicationAck]],
+        step: BatchStep,
+        follower: Follower,
+    ) -> list[replica_pb2.ReplicationAck]:
+        """Carries out a batch's store steps from `step` on, in the driver's order
+        (``ReplicaDriver.write_batch``), then releases the commit lock (held by
+        ``batch_acks``); returns the acks to send. A failed truncation or append closes
+        the stream with the driver's status (and may fail-stop)."""
+        try:
             # At most three steps: truncate, append, compact.
             while True:
                 if isinstance(step, CompactLog):
@@ -193,17 +264,22 @@ class SlaveSide(CoreView):
                                 step.entries, sync=step.sync, commit_lsn=step.commit_lsn
                             )
                     except (StoreError, ServiceError) as exc:
-                        error, fail_stop = self.driver.batch_failed(follower, exc)
-                        if fail_stop:
-                            self._fail_stop(fail_stop)
-                        raise error from exc
+                        raise self._batch_failed(follower, exc) from exc
                     if _stages.ENABLED and isinstance(step, AppendBatch):
-                        for entry in step.entries:
-                            _stages.mark("s.stored", f"lsn/{entry.lsn}")
-                step = steps.send(None)
-        except StopIteration as done:
-            acks: list[replica_pb2.ReplicationAck] = done.value
-            return acks
+                        _mark_stored(step)
+                following = self._steps_inline(steps, follower)
+                if isinstance(following, list):
+                    return following
+                step = following
+        finally:
+            self._commit_lock.release()
+
+    def _batch_failed(self, follower: Follower, exc: Exception) -> ServiceError:
+        """A batch's store step failed: the stream's status (fail-stopping when due)."""
+        error, fail_stop = self.driver.batch_failed(follower, exc)
+        if fail_stop:
+            self._fail_stop(fail_stop)
+        return error
 
     async def _record_commit(self, commit_lsn: int) -> None:
         """Records a commit LSN learnt without a batch (a heartbeat: the stream is idle),
@@ -222,3 +298,24 @@ class SlaveSide(CoreView):
         finally:
             # Cancelled or failed: the next heartbeat records it.
             self.driver.commit_recorded(recorded)
+
+
+_BATCHES: set[asyncio.Task[list[replica_pb2.ReplicationAck]]] = set()
+
+
+def _batch_done(task: asyncio.Task[list[replica_pb2.ReplicationAck]]) -> None:
+    _BATCHES.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("a slave batch failed after its stream ended: %s", task.exception())
+
+
+def _appends_inline(step: AppendBatch) -> bool:
+    """Whether a slave's append runs on the loop: unflushed and small, the writer's rule
+    for its own appends (``writer._INLINE_APPEND_BYTES_MAX``): a one-entry commit without
+    fsync costs less than the hand-off to the store thread and back."""
+    return not step.sync and batch_size_bytes(step.entries) <= INLINE_APPEND_BYTES_MAX
+
+
+def _mark_stored(step: AppendBatch) -> None:
+    for entry in step.entries:
+        _stages.mark("s.stored", f"lsn/{entry.lsn}")

@@ -69,7 +69,7 @@ from typing import Any
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
 from squall_server.common.config import ClusterConfig, load_config
 from squall_server.common.errors import ServiceError
-from squall_server.replica import commands, replication_server, snapshot_pump
+from squall_server.replica import commands, slave_side, snapshot_pump
 from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.divergence import BoundaryLike
 from squall_server.replica.faults import FAULT_FILE_NAME
@@ -357,9 +357,9 @@ class ShellSim:
             self.stats.sim_s = self.loop.time()
             self.loop.wind_down()
             self.loop.close()
-            for pump in list(replication_server._PUMPS):
-                if pump.get_loop() is self.loop:
-                    replication_server._PUMPS.discard(pump)
+            for batch in list(slave_side._BATCHES):
+                if batch.get_loop() is self.loop:
+                    slave_side._BATCHES.discard(batch)
         return self.stats
 
     async def _main(self) -> None:

@@ -23,6 +23,7 @@ import grpc
 import pytest
 
 import squall
+import squall._publish_mux as publish_mux_module
 import squall._publisher as publisher_module
 from squall._proxy import ProxyBinding
 from squall.v1 import broker_pb2, common_pb2
@@ -131,8 +132,8 @@ class _Port:
 class _Cluster:
     """One ReplicaBroker served as a gateway and as replicas n1..nN on their own ports."""
 
-    def __init__(self, replicas: int) -> None:
-        self.broker = ReplicaBroker()
+    def __init__(self, replicas: int, broker: ReplicaBroker | None = None) -> None:
+        self.broker = broker if broker is not None else ReplicaBroker()
         self.servers: dict[str, grpc.Server] = {}
         server, self.gateway = serve_fake(self.broker)
         self.servers["gateway"] = server
@@ -315,13 +316,17 @@ def test_a_stall_watchdog_ends_with_its_stream_not_after_its_check_interval(
     # Between two checks of the master the watchdog waits on its stream's wake event, so
     # it ends as soon as the stream does; it used to sleep the interval out. With a
     # 60 s interval: the gateway keeps naming the hung n1 (no move), the caller gives up
-    # on its receipt after its 3 s timeout and abandons the stream.
+    # on its receipt after its 3 s timeout and abandons the stream. (A lone publish goes on
+    # the client's shared stream to n1, whose watchdog is the mux's.)
     monkeypatch.setattr(publisher_module, "RECEIPT_STALL_CHECK_S", 60.0)
+    monkeypatch.setattr(publish_mux_module, "RECEIPT_STALL_CHECK_S", 60.0)
     with squall.connect(cluster.gateway, timeout_s=3.0, **FAST) as client:
         client.create_topic("t")
         publisher = client.topic("t").publisher("p", replicated=True)
         cluster.broker.hung_addresses.add(cluster.addresses["n1"])
         outcome: list[object] = []
+        # An earlier test's watchdog may still be ending with its stream.
+        earlier = set(threading.enumerate())
 
         def publish() -> None:
             try:
@@ -333,7 +338,11 @@ def test_a_stall_watchdog_ends_with_its_stream_not_after_its_check_interval(
         worker.start()
 
         def watchdogs() -> list[threading.Thread]:
-            return [t for t in threading.enumerate() if t.name == "squall-publish-watch-t"]
+            return [
+                t
+                for t in threading.enumerate()
+                if t.name.startswith("squall-publish-watch") and t not in earlier
+            ]
 
         deadline = time.monotonic() + 10
         while not watchdogs() and time.monotonic() < deadline:

@@ -1,6 +1,7 @@
 """A fresh machine as a newcomer meets it: scripts/venv.sh (what `make install` and
 `make run` call) refuses an old Python with the version to install, rebuilds a .venv a
-failed attempt left half-made, and writes its stamp only after every step succeeded; and
+failed attempt left half-made, writes its stamp only after every step succeeded and never
+re-points a venv another checkout installed into; and
 what `make run` starts imports nothing from the dev or spark extras."""
 
 from __future__ import annotations
@@ -69,6 +70,44 @@ def test_a_half_made_venv_is_rebuilt_and_a_failed_install_writes_no_stamp(
     again = _venv_sh(tmp_path, sys.executable)
     assert "the last install into .venv did not finish; rebuilding it" in again.stderr
     assert again.returncode != 0 and not (tmp_path / "stamp").exists()
+
+
+# A venv's python that answers the script's checks and refuses to install anything, so
+# the test can never touch a real environment even if the refusal below broke.
+CHECK_ONLY_PYTHON = f"""#!/bin/sh
+[ "$1" = "-c" ] && exec {sys.executable} -c "$2"
+[ "$1 $2 $3" = "-m pip --version" ] && exec {sys.executable} -m pip --version
+exit 1
+"""
+
+
+def test_a_venv_another_checkout_installed_into_is_not_re_pointed(tmp_path: Path) -> None:
+    # A git worktree sharing the main checkout's venv through a link: installing from the
+    # worktree would make the main checkout's tests and services load the worktree's code.
+    other = tmp_path / "main"
+    (other / "services").mkdir(parents=True)
+    venv = other / ".venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(CHECK_ONLY_PYTHON)
+    (venv / "bin" / "python").chmod(0o755)
+    site = venv / "lib" / "python3.11" / "site-packages"
+    site.mkdir(parents=True)
+    finder = site / "__editable___squall_server_0_1_0_finder.py"
+    mapping = f"MAPPING: dict[str, str] = {{'squall_server': '{other}/services'}}\n"
+    finder.write_text(mapping)
+    worktree = tmp_path / "worktree"
+    worktree.mkdir()
+    (worktree / ".venv").symlink_to(venv)
+    result = _venv_sh(worktree, sys.executable)
+    assert result.returncode == 1
+    assert f"holds the editable install of the checkout at {other}" in result.stderr
+    assert f"Run make in {other}" in result.stderr
+    assert finder.read_text() == mapping
+    assert not (worktree / "stamp").exists() and not (venv / ".incomplete").exists()
+    # A checkout that moved (the directory the venv names is gone) may take its venv along.
+    (other / "services").rmdir()
+    moved = _venv_sh(worktree, sys.executable)
+    assert "holds the editable install" not in moved.stderr
 
 
 def test_make_run_installs_the_base_only_and_the_makefile_says_so() -> None:

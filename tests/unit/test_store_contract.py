@@ -727,6 +727,42 @@ def test_read_events_bounds(store: Store) -> None:
         store.list_subscriptions("nope")
 
 
+def test_an_append_sees_what_another_writer_changed_since_the_last(store: Store) -> None:
+    """The store keeps what its last append left (the log tail, epoch, history) for the
+    next; a write by anyone else in between (another Store over the same KV here) must
+    be seen, never the kept copy."""
+    w = Writer(store)
+    w.append(epoch_start(1), create("t"))
+    other = Store(store._kv)  # another writer of the same databases
+    Writer(other).append(epoch_start(2), publish("t", 0, payloads(1)), epoch=2)
+    stale = make_entry(3, 1, publish("t", 0, payloads(1)))
+    with pytest.raises(InvalidEntryError, match="does not follow the last LSN 4"):
+        store.append([stale], sync=False)
+    store.append([make_entry(5, 2, publish("t", 1, payloads(1)))], sync=False)
+    meta = store.meta()
+    assert (meta.last_lsn, meta.last_epoch, meta.epoch) == (5, 2, 2)
+    assert [(b.epoch, b.start_lsn) for b in meta.history] == [(1, 1), (2, 3)]
+    assert [e.payload for e in store.read_events("t", 0, 10)] == [b"event-0", b"event-0"]
+
+
+def test_a_write_transaction_knows_the_state_it_began_from(store: Store) -> None:
+    """``WriteTxn.generation``: one more per transaction that commits a change, the same
+    after an abort."""
+    kv = store._kv
+    with kv.write(sync=False) as txn:
+        first = txn.generation()
+        txn.put("meta", b"probe", b"1")
+    with pytest.raises(RuntimeError), kv.write(sync=False) as txn:
+        assert txn.generation() == first + 1
+        txn.put("meta", b"probe", b"2")
+        raise RuntimeError("aborted")
+    with kv.write(sync=True) as txn:
+        assert txn.generation() == first + 1
+        txn.put("meta", b"probe", b"3")
+    with kv.write(sync=False) as txn:
+        assert txn.generation() == first + 2
+
+
 def test_read_log_bounds(store: Store) -> None:
     w = Writer(store)
     entries = w.append(epoch_start(1), create("t"), publish("t", 0, payloads(1)))

@@ -41,6 +41,7 @@ from squall._subscriber import ReadFrom, Start, subscribe_request
 from squall._tls import TlsOptions
 from squall._types import ClusterStatus, LinkInfo, TopicInfo, kind_to_pb
 from squall.aio._channel import open_channel
+from squall.aio._publish_mux import PublishMux
 from squall.aio._publisher import MasterCheck, Publisher
 from squall.aio._push import AsyncDeliveryCallback, PushEndpoint
 from squall.aio._shared import AsyncSharedConsumer
@@ -94,13 +95,16 @@ def connect(
     tracer_provider: TracerProvider | None = None,
     tls: TlsOptions | None = None,
     token: str | None = None,
+    share_publish_stream: bool = True,
 ) -> Opening[Client]:
     """Opens an asyncio client to the gateway at `address`: `await` it or `async with` it.
 
     Same keyword arguments, defaults and meanings as `squall.connect` (the retry time
     budget `retry_total_ms_max`, the backoff bounds, an optional attempt cap, TLS, the
     bearer token, the tracer provider). ValueError names a value out of bounds, raised
-    here, before anything is opened.
+    here, before anything is opened. `share_publish_stream` as in `squall.connect`: the
+    lone `publish()` calls of all the client's gateway publishers share one stream
+    (`squall.aio._publish_mux`); False gives each publisher its own.
     """
     retry = RetryPolicy(
         attempts_max=retry_attempts_max,
@@ -122,6 +126,7 @@ def connect(
             tracer_provider=tracer_provider,
             tls=tls,
             token=resolved,
+            share_publish_stream=share_publish_stream,
             _credentials=credentials,
         )
 
@@ -144,6 +149,7 @@ class Client:
         tracer_provider: TracerProvider | None = None,
         tls: TlsOptions | None = None,
         token: str | None = None,
+        share_publish_stream: bool = True,
         _credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         self._retry = check_client_args(address, timeout_s, retry)
@@ -170,6 +176,10 @@ class Client:
         self._admin = gateway_pb2_grpc.ClusterAdminStub(self._channel)
         self._closed = False
         self._publishers: set[Publisher] = set()
+        # The stream every gateway publisher's lone publishes share (squall.aio._publish_mux).
+        self._publish_mux = (
+            PublishMux(self._publisher_stub, timeout_s=timeout_s) if share_publish_stream else None
+        )
         self._subscriptions: weakref.WeakSet[Subscription] = weakref.WeakSet()
 
     @property
@@ -244,6 +254,8 @@ class Client:
             await publisher.close()
         for subscription in list(self._subscriptions):
             await subscription.close()
+        if self._publish_mux is not None:
+            await self._publish_mux.close()
         self._closed = True
         await self._channel.close(None)
 
@@ -291,6 +303,7 @@ class Client:
             retry=self._retry,
             on_rebind=on_rebind,
             check_master=check_master,
+            mux=self._publish_mux,
         )
         self._publishers.add(publisher)
         return publisher

@@ -16,6 +16,11 @@ response to the oldest unanswered batch. Publishing from several tasks at once p
 their batches on the one stream; `publish_async` queues single events that go out as
 one batch when a slot frees, as in the threaded publisher, and a task of the publisher
 retries such batches (in sequence order) when their stream ends.
+
+Through the gateway, a publisher made by a `Client` sends its lone `publish()` calls on
+the client's stream shared by all its publishers instead (`squall.aio._publish_mux`),
+while nothing of its own is in flight on its own stream; its other calls wait until
+those have finished, so its sequences reach the master in order either way.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import tenacity
 
 from squall._errors import Indeterminate, SquallError, error_for, rpc_status
 from squall._proxy import Binding, Endpoint, GatewayBinding, ProxyBinding, RebindCallback
+from squall._publish_join import JoinRefused
 from squall._publish_rules import (
     BATCH_EVENTS_DEFAULT,
     BATCH_EVENTS_MAX,
@@ -61,7 +67,9 @@ from squall._publish_rules import (
     worth_retrying,
 )
 from squall._types import Receipt, receipts_from_pb
+from squall.aio._publish_mux import MuxEntry, PublishMux
 from squall.v1 import broker_pb2, common_pb2
+from squall.wire import stages as _stages
 from squall.wire.retry import RetryPolicy
 
 log = logging.getLogger("squall")
@@ -171,6 +179,7 @@ class Publisher:
         monotonic: Callable[[], float] = time.monotonic,
         sleep: Sleep = asyncio.sleep,
         check_master: MasterCheck | None = None,
+        mux: PublishMux | None = None,
     ) -> None:
         check_publisher_args(publisher_id, start_sequence, inflight_batches_max, timeout_s)
         self._retry = retry if retry is not None else RetryPolicy()
@@ -203,6 +212,15 @@ class Publisher:
         # Set and replaced on every change waiters care about (a slot freed, a stream
         # died, a batch resolved): one loop, so no check can miss a wake-up.
         self._changed = asyncio.Event()
+        # The client's shared stream for lone publishes (squall.aio._publish_mux), through
+        # the gateway only: a proxy's stream is bound to its replica and moves on its own.
+        self._mux = mux if isinstance(binding, GatewayBinding) else None
+        # publish() calls on the shared stream not finished yet (retries included, and a
+        # cancelled caller's event until its outcome): the publisher's own stream sends
+        # nothing meanwhile, so its sequences stay in order.
+        self._muxed = 0
+        # The shared stream that last answered this publisher (counted in streams_opened).
+        self._mux_generation = 0
 
     # -- public API -------------------------------------------------------------------
 
@@ -243,7 +261,8 @@ class Publisher:
 
     @property
     def streams_opened(self) -> int:
-        """How many PublishStream calls this publisher has opened (1 while nothing failed)."""
+        """How many PublishStream calls this publisher has opened (1 while nothing failed),
+        counting each of its client's shared streams its `publish()` calls went on."""
         return self._streams_opened
 
     async def publish(
@@ -256,7 +275,24 @@ class Publisher:
         event waits with the others that arrive meanwhile and they go out as one request
         when a slot frees (as `publish_async` events do), so many tasks publishing one
         event at a time share requests, commits and replication batches.
+
+        Through the gateway, while nothing of this publisher is in flight on its own
+        stream, the event goes on the client's stream shared by all its publishers
+        (`squall.aio._publish_mux`): concurrent publishes of many publishers share
+        requests the same way, each event keeping its publisher id and sequence.
+        Cancelling the task withdraws the event if it is still waiting for a slot; once
+        sent it is stored (or refused) as if the caller still waited, without retries.
         """
+        mux = self._mux
+        if mux is not None and self._unresolved == 0 and not self._buffer:
+            self._check_open()
+            event = common_pb2.EventData(
+                key=key or b"", payload=payload, headers=headers, sequence=self._next_sequence
+            )
+            entry = mux.submit(self._topic, self._publisher_id, event)
+            self._next_sequence += 1
+            self._muxed += 1
+            return await self._publish_muxed(mux, event, [entry])
         stream = self._stream
         if (
             stream is not None
@@ -266,6 +302,68 @@ class Publisher:
             return await self._publish_joined(payload, key, headers)
         receipts = await self._publish_batches([(key, payload, headers)], BATCH_EVENTS_DEFAULT)
         return receipts[0]
+
+    async def _publish_muxed(
+        self, mux: PublishMux, event: common_pb2.EventData, held: list[MuxEntry]
+    ) -> Receipt:
+        """Waits for an event sent on the client's shared stream; retries it as a batch of
+        its own is retried (same id and sequence, under the retry policy). `held` holds
+        the entry of the latest attempt."""
+        try:
+            try:
+                return await self._mux_attempt(mux, event, held, again=False)
+            except SquallError as first:
+                request = new_request(self._topic, self._publisher_id)
+                request.events.append(event)
+
+                async def again() -> list[Receipt]:
+                    return [await self._mux_attempt(mux, event, held, again=True)]
+
+                return (await self._retry_batch(request, first, again))[0]
+        finally:
+            entry = held[0]
+            if entry.future.done():
+                self._unmux()
+            else:
+                # A cancelled caller's event is on the stream: what the publisher sends
+                # next on its own stream waits for its outcome.
+                entry.future.add_done_callback(lambda _future: self._unmux())
+
+    async def _mux_attempt(
+        self, mux: PublishMux, event: common_pb2.EventData, held: list[MuxEntry], *, again: bool
+    ) -> Receipt:
+        """One attempt on the shared stream; a refusal shared with others is checked by
+        sending the event again alone (nothing was stored)."""
+        if again:
+            self._resends += 1
+            held[0] = mux.submit(self._topic, self._publisher_id, event)
+        try:
+            receipt = await mux.result(held[0], self._timeout_s)
+        except JoinRefused:
+            held[0] = mux.submit(self._topic, self._publisher_id, event, alone=True)
+            receipt = await mux.result(held[0], self._timeout_s)
+        if _stages.ENABLED:
+            _stages.mark("c.return", _stages.request_key(self._publisher_id, event.sequence))
+        stream = held[0].stream
+        generation = stream.generation if stream is not None else 0
+        if generation != self._mux_generation:
+            self._mux_generation = generation
+            self._streams_opened += 1
+        return receipt
+
+    def _unmux(self) -> None:
+        self._muxed -= 1
+        self._notify()
+
+    async def _wait_unmuxed(self) -> None:
+        """Waits until no publish() of this publisher is on the shared stream, so that
+        what goes on its own stream next comes after it."""
+        wait_s = 2 * self._timeout_s + self._retry.total_ms_max / 1000
+        if not await self._wait_until(lambda: self._muxed == 0, wait_s):
+            raise error_for(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                "a publish on the client's shared stream did not finish",
+            )
 
     async def _publish_joined(
         self, payload: bytes, key: bytes | None, headers: Mapping[str, str] | None
@@ -320,6 +418,8 @@ class Publisher:
         BATCH_EVENTS_MAX events are already queued (DeadlineExceeded after the timeout).
         """
         future: asyncio.Future[Receipt] = asyncio.get_running_loop().create_future()
+        if self._muxed:
+            await self._wait_unmuxed()
         while True:
             self._check_open()
             stream = self._live_stream()
@@ -350,7 +450,9 @@ class Publisher:
         policy) and `Indeterminate` is raised.
         """
         wait_s = self._timeout_s if timeout_s is None else timeout_s
-        if await self._wait_until(lambda: not self._buffer and self._unresolved == 0, wait_s):
+        if await self._wait_until(
+            lambda: not self._buffer and self._unresolved == 0 and self._muxed == 0, wait_s
+        ):
             return
         if self._stream is not None:
             self._abort(
@@ -448,6 +550,12 @@ class Publisher:
                 sent = []
                 continue
             self._check_open()
+            if self._muxed:
+                # A publish() went on the client's shared stream while this call waited
+                # for a slot: its event goes first.
+                await self._wait_unmuxed()
+                held = chunk
+                continue
             # From here to _send, no await: sequences go on the wire in order.
             request = new_request(self._topic, self._publisher_id, stream.session_token)
             add_events(request, chunk, self._next_sequence)
@@ -472,10 +580,14 @@ class Publisher:
         return receipts
 
     async def _retry_batch(
-        self, request: broker_pb2.PublishRequest, first: SquallError
+        self,
+        request: broker_pb2.PublishRequest,
+        first: SquallError,
+        again: Callable[[], Awaitable[list[Receipt]]] | None = None,
     ) -> list[Receipt]:
         """Sends a batch again until it succeeds, fails definitely, or the budget runs out
-        (the rules are `squall._publish_rules.RetryRun`, as in the threaded publisher)."""
+        (the rules are `squall._publish_rules.RetryRun`, as in the threaded publisher).
+        `again` makes one more attempt (default: on the publisher's own stream)."""
         run = RetryRun(
             self._retry,
             self._binding,
@@ -492,6 +604,8 @@ class Publisher:
                     if number == 1:
                         raise first
                     try:
+                        if again is not None:
+                            return await again()
                         stream, future = await self._resend(request)
                         return await self._result(stream, future)
                     except SquallError as error:

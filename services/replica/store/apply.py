@@ -4,6 +4,7 @@ applies its operation inside that append's write transaction."""
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
@@ -68,6 +69,27 @@ def read_cursor(txn: WriteTxn, key: bytes) -> int:
     return 0 if value is None else cursor_state(key, value)[0]
 
 
+# The most topic records an append hands to the next (LogTail.topics); more are dropped.
+TOPICS_KEPT_MAX = 64
+
+
+@dataclass(frozen=True, slots=True)
+class LogTail:
+    """The meta records an append reads and leaves behind: the store keeps them from one
+    append to the next while nobody else writes (``WriteTxn.generation``), so a lone
+    entry's append reads none of them again."""
+
+    last_lsn: int
+    last_epoch: int
+    epoch: int
+    next_topic_id: int
+    history: tuple[EpochBoundary, ...]
+    commit_lsn: int | None  # the recorded commit LSN (None: never recorded)
+    # The topic records the append read or wrote, as stored (None: no such topic); the
+    # next append takes the dict and its rows over (nothing else holds them).
+    topics: dict[str, TopicRow | None]
+
+
 class Batch:
     """Applies one append's entries inside its write transaction.
 
@@ -76,16 +98,24 @@ class Batch:
     them in place): a batch of many small publishes then costs few KV calls per entry.
     """
 
-    def __init__(self, txn: WriteTxn, dedupe_window: int) -> None:
+    def __init__(self, txn: WriteTxn, dedupe_window: int, tail: LogTail | None = None) -> None:
+        """An append's batch in txn; `tail`: the meta as the previous append left it, when
+        nothing wrote since (``Store.append``), else it is read from txn."""
         self.txn = txn
         self.dedupe_window = dedupe_window
-        self.last_lsn, self.last_epoch = read_log_tail(txn)
-        self.epoch = self.epoch_before = read_u64(txn, DB_META, META_EPOCH) or 0
-        self.next_topic_id = read_u64(txn, DB_META, META_NEXT_TOPIC_ID) or 1
+        if tail is None:
+            self.last_lsn, self.last_epoch = read_log_tail(txn)
+            self.epoch = read_u64(txn, DB_META, META_EPOCH) or 0
+            self.next_topic_id = read_u64(txn, DB_META, META_NEXT_TOPIC_ID) or 1
+            self.history = read_history(txn)
+        else:
+            self.last_lsn, self.last_epoch = tail.last_lsn, tail.last_epoch
+            self.epoch, self.next_topic_id = tail.epoch, tail.next_topic_id
+            self.history = list(tail.history)
+        self.epoch_before = self.epoch
         self.next_topic_id_before = self.next_topic_id
-        self.history = read_history(txn)
         self.history_len_before = len(self.history)
-        self.topics: dict[str, TopicRow | None] = {}
+        self.topics: dict[str, TopicRow | None] = {} if tail is None else tail.topics
         self.dirty_topics: dict[str, TopicRow | None] = {}
         self.events: dict[int, list[tuple[bytes, bytes]]] = {}  # topic id -> new records
         self.high_water: dict[str, tuple[bytes, int, int]] = {}  # pid -> (prefix, old, new)
@@ -164,6 +194,19 @@ class Batch:
         key = U64.pack(lsn)
         self.log.append((key, seal(key, entry.SerializeToString())))
         self.last_lsn, self.last_epoch = lsn, epoch
+
+    def tail(self, commit_lsn: int | None) -> LogTail:
+        """The meta as this batch leaves it (after ``finish``), with the commit LSN
+        recorded in the same transaction."""
+        return LogTail(
+            self.last_lsn,
+            self.last_epoch,
+            self.epoch,
+            self.next_topic_id,
+            tuple(self.history),
+            commit_lsn,
+            self.topics if len(self.topics) <= TOPICS_KEPT_MAX else {},
+        )
 
     def refuse(self, detail: str) -> InvalidEntryError:
         """The error refusing the entry being applied (the store knows no node id)."""

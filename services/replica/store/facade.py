@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Generator, Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Generator, Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -20,7 +20,7 @@ from squall_server.replica.divergence import (
     UINT64_MAX,
     BoundaryLike,
 )
-from squall_server.replica.store.apply import Batch
+from squall_server.replica.store.apply import Batch, LogTail
 from squall_server.replica.store.errors import (
     CorruptRecordError,
     InvalidEntryError,
@@ -86,6 +86,7 @@ from squall_server.replica.store.records import (
     put_text,
     put_u64,
     raise_commit,
+    raise_commit_from,
     read_log_start,
     read_log_tail,
     read_meta,
@@ -154,6 +155,61 @@ class _TranslatedRead:
         return suppressed
 
 
+def _write_error(exc: KVError) -> StoreError:
+    """The store error a KV error of a write becomes."""
+    if isinstance(exc, KVFullError):
+        return StoreFullError(f"store full, write aborted: {exc}")
+    if isinstance(exc, KVCorruptError):
+        return CorruptRecordError(exc.db, b"", str(exc))
+    return StoreWriteError(f"write failed: {exc}")
+
+
+class _TranslatedWrite:
+    """The KV's write transaction as a context manager whose KV errors (opening it, in
+    the with-block, committing it) become store errors, timed by the stall meter when
+    there is one; a class rather than a generator, as every append opens one."""
+
+    __slots__ = ("_inner", "_kv", "_running", "_sync")
+
+    def __init__(self, kv: KV, sync: bool, meter: StallMeter | None) -> None:
+        self._kv = kv
+        self._sync = sync
+        self._running = None if meter is None else meter.running()
+        self._inner: AbstractContextManager[WriteTxn] | None = None
+
+    def __enter__(self) -> WriteTxn:
+        running = self._running
+        if running is not None:
+            running.__enter__()
+        try:
+            inner = self._inner = self._kv.write(sync=self._sync)
+            return inner.__enter__()
+        except BaseException as exc:
+            if running is not None:
+                running.__exit__(type(exc), exc, exc.__traceback__)
+            if isinstance(exc, KVError):
+                raise _write_error(exc) from exc
+            raise
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        try:
+            inner = self._inner
+            if inner is not None:
+                inner.__exit__(kind, error, traceback)
+        except KVError as exc:
+            raise _write_error(exc) from exc
+        finally:
+            if self._running is not None:
+                self._running.__exit__(kind, error, traceback)
+        if isinstance(error, KVError):
+            raise _write_error(error) from error
+
+
 class Store:
     """The replica's log and state on a KV (open it with open_lmdb or open_memory)."""
 
@@ -164,6 +220,8 @@ class Store:
         self._kv = kv
         self._dedupe_window = dedupe_window
         self._closed = False
+        # (generation, meta) the last append left, for the next (apply.LogTail).
+        self._tail: tuple[int, LogTail] | None = None
         # Times each write and flush, so a stuck disk is seen (stall.py); the replica
         # installs one on its clock, a store without one is not timed.
         self.stall_meter: StallMeter | None = None
@@ -263,20 +321,11 @@ class Store:
         except KVError as exc:
             raise _read_error(exc) from exc
 
-    @contextmanager
-    def _writing(self, *, sync: bool) -> Iterator[WriteTxn]:
+    def _writing(self, *, sync: bool) -> AbstractContextManager[WriteTxn]:
         """The write transaction, with KV errors turned into store errors."""
         if self._closed:
             raise StoreError("the store is closed")
-        try:
-            with self._timed(), self._kv.write(sync=sync) as txn:
-                yield txn
-        except KVFullError as exc:
-            raise StoreFullError(f"store full, write aborted: {exc}") from exc
-        except KVCorruptError as exc:
-            raise CorruptRecordError(exc.db, b"", str(exc)) from exc
-        except KVError as exc:
-            raise StoreWriteError(f"write failed: {exc}") from exc
+        return _TranslatedWrite(self._kv, sync, self.stall_meter)
 
     # --- meta
 
@@ -353,18 +402,30 @@ class Store:
         ``StoreMeta.commit_lsn`` after a restart. The entries continue the live log: an
         unfinished snapshot install (a stream that ended mid-install; a stream refuses
         entries inside a snapshot, ``Follower.on_batch``) is dropped in the same
-        transaction, and kept when the batch is refused.
+        transaction, and kept when the batch is refused. The meta an append leaves (and
+        the topic records it touched) is kept for the next one, which reads them again
+        only when anyone wrote in between (``WriteTxn.generation``).
         """
         if not entries:
             return
         with self._writing(sync=sync) as txn:
-            abort_install(txn)
-            batch = Batch(txn, self._dedupe_window)
+            known, self._tail = self._tail, None
+            generation = txn.generation()
+            tail = known[1] if known is not None and known[0] == generation else None
+            if tail is None:
+                abort_install(txn)
+                recorded = read_u64(txn, DB_META, META_COMMIT)
+            else:
+                # Nothing wrote since the last append, which left no install pending.
+                recorded = tail.commit_lsn
+            batch = Batch(txn, self._dedupe_window, tail)
             for entry in entries:
                 batch.entry(entry)
             batch.finish()
             if commit_lsn is not None:
-                raise_commit(txn, commit_lsn, batch.last_lsn)
+                recorded = raise_commit_from(txn, commit_lsn, batch.last_lsn, recorded)
+        # Committed: the next append begins from this state unless someone writes first.
+        self._tail = (generation + 1, batch.tail(recorded))
 
     def record_commit(self, commit_lsn: int, *, sync: bool = False) -> int:
         """Raises the recorded commit LSN to commit_lsn (at most the last LSN); returns

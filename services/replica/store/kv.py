@@ -16,6 +16,9 @@ behave the same as long as they honour these rules:
 * ``snapshot()`` is a read transaction meant to live long (a snapshot export consumed
   chunk by chunk while the replica keeps writing): it sees one committed state and never
   blocks the writer, even in the same thread.
+* ``WriteTxn.generation()`` names the committed state a write transaction began from, so
+  a writer may keep what it knows of the state between its transactions (the store's
+  log tail, ``Store.append``) and know when someone else changed it.
 * ``clear(db)`` empties a database inside the write transaction in one step (LMDB frees
   its pages instead of deleting key by key); an abort restores it like any change.
 * Errors: ``KVFullError`` when the store has no room (the write transaction is
@@ -70,6 +73,14 @@ class ReadTxn(Protocol):
 
 class WriteTxn(ReadTxn, Protocol):
     """A read view that also changes the databases; it sees its own writes."""
+
+    def generation(self) -> int:
+        """Which committed state this transaction began from: it grows with every
+        transaction that commits a change, by one each (any writer's, and a machine
+        crash's loss too), so two write transactions of one KV with the same generation
+        began from the same state, and one that began right after a transaction of
+        generation g committed has generation g + 1."""
+        ...
 
     def put(self, db: str, key: bytes, value: bytes) -> None:
         """Stores value under key, replacing any earlier value."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 
 import lmdb
 
@@ -56,10 +56,13 @@ class _ReadTxn:
 
     def get(self, db: str, key: bytes) -> bytes | None:
         """Returns the value stored under key, or None."""
+        # The handle looked up inline, not through _db: a publish makes ~10 gets.
         try:
-            return self._txn.get(key, db=self._db(db))
+            return self._txn.get(key, db=self._dbs[db])
         except lmdb.Error as exc:
             raise _translate(db, exc) from exc
+        except KeyError:
+            raise KVError(f"no database named {db!r}") from None
 
     def scan(
         self, db: str, start: bytes = b"", end: bytes | None = None
@@ -100,20 +103,34 @@ class _ReadOnlyTxn(_ReadTxn):
 class _WriteTxn(_ReadTxn):
     """The write transaction."""
 
+    def generation(self) -> int:
+        """The last committed transaction's id (LMDB numbers a write transaction one
+        above it, and a commit without changes does not count)."""
+        return int(self._txn.id()) - 1
+
     def put(self, db: str, key: bytes, value: bytes) -> None:
         """Stores value under key, replacing any earlier value."""
         try:
-            self._txn.put(key, value, db=self._db(db))
+            self._txn.put(key, value, db=self._dbs[db])
         except lmdb.Error as exc:
             raise _translate(db, exc) from exc
+        except KeyError:
+            raise KVError(f"no database named {db!r}") from None
 
     def put_many(
         self, db: str, items: Iterable[tuple[bytes, bytes]], *, append: bool = False
     ) -> None:
         """Stores every pair in one call; append uses MDB_APPEND (and packs pages fully)."""
+        handle = self._db(db)
         try:
-            with self._txn.cursor(self._db(db)) as cur:
-                consumed, added = cur.putmulti(items, append=append)
+            if isinstance(items, list) and len(items) == 1:
+                # One pair (a lone publish's event and log entry): a put, no cursor.
+                key, value = items[0]
+                consumed = 1
+                added = int(self._txn.put(key, value, db=handle, append=append))
+            else:
+                with self._txn.cursor(handle) as cur:
+                    consumed, added = cur.putmulti(items, append=append)
         except lmdb.Error as exc:
             raise _translate(db, exc) from exc
         if consumed != added:
@@ -151,6 +168,33 @@ class _WriteTxn(_ReadTxn):
         except lmdb.Error as exc:
             raise _translate(db, exc) from exc
         return count
+
+
+class _WriteScope(_WriteTxn):
+    """The write transaction as its own context manager: committed on normal exit (then
+    flushed when sync), aborted on an exception (a class, not a generator: every append
+    opens one)."""
+
+    def __init__(self, kv: LmdbKV, txn: lmdb.Transaction[bytes], sync: bool) -> None:
+        super().__init__(txn, kv._dbs)
+        self._kv = kv
+        self._sync = sync
+
+    def __enter__(self) -> _WriteTxn:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        txn = self._txn
+        if kind is not None:
+            txn.abort()
+            return
+        try:
+            fault_hooks.before_commit(txn)  # chaos tests only: see fault_hooks
+            txn.commit()  # LMDB frees the transaction even when the commit fails
+        except lmdb.Error as exc:
+            raise _translate("commit", exc) from exc
+        if self._sync:
+            self._kv.sync()
 
 
 class LmdbKV:
@@ -222,26 +266,14 @@ class LmdbKV:
         """A long-lived read transaction: LMDB readers never block the writer."""
         return self.read()
 
-    @contextmanager
-    def write(self, *, sync: bool) -> Iterator[_WriteTxn]:
+    def write(self, *, sync: bool) -> AbstractContextManager[_WriteTxn]:
         """Opens the write transaction; commits on normal exit, then flushes if sync."""
         self._check_open()
         try:
             txn = self._env.begin(write=True)
         except lmdb.Error as exc:
             raise KVError(f"cannot begin a write transaction: {exc}") from exc
-        try:
-            yield _WriteTxn(txn, self._dbs)
-        except BaseException:
-            txn.abort()
-            raise
-        try:
-            fault_hooks.before_commit(txn)  # chaos tests only: see fault_hooks
-            txn.commit()  # LMDB frees the transaction even when the commit fails
-        except lmdb.Error as exc:
-            raise _translate("commit", exc) from exc
-        if sync:
-            self.sync()
+        return _WriteScope(self, txn, sync)
 
     def sync(self) -> None:
         """Flushes every committed transaction to disk (fsync)."""

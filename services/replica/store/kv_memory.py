@@ -101,6 +101,10 @@ class _WriteTxn(_ReadTxn):
         self.cleared: list[tuple[str, _Db]] = []  # (name, the database clear() replaced)
         self.used_bytes_before = kv.used_bytes
 
+    def generation(self) -> int:
+        """How many transactions committed (or were lost to a machine crash) before it."""
+        return self._kv.generation
+
     def _charge(self, delta_bytes: int) -> None:
         cap = self._kv.capacity_bytes
         if cap is not None and delta_bytes > 0 and self._kv.used_bytes + delta_bytes > cap:
@@ -230,6 +234,8 @@ class MemoryKV:
         self._unsynced: list[_WriteTxn] = []
         self._lock = threading.Lock()
         self.closed = False
+        # Transactions committed, and lost by lose_unsynced (WriteTxn.generation).
+        self.generation = 0
 
     def _check_open(self) -> None:
         if self.closed:
@@ -272,6 +278,7 @@ class MemoryKV:
                 raise
             finally:
                 txn.live = False
+            self.generation += 1
             if sync:
                 self._unsynced.clear()
             elif self.keep_unsynced:
@@ -292,6 +299,7 @@ class MemoryKV:
             lost, self._unsynced = self._unsynced, []
             for txn in reversed(lost):
                 txn.rollback()
+            self.generation += len(lost)
             return len(lost)
 
     def size_bytes(self) -> int:

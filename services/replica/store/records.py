@@ -556,8 +556,12 @@ def raise_commit(txn: WriteTxn, commit_lsn: int, last_lsn: int) -> int:
     A committed LSN stays committed, so the record only grows (truncations and snapshot
     installs, which may lower it, write it directly). Returns the recorded value.
     """
+    return raise_commit_from(txn, commit_lsn, last_lsn, read_u64(txn, DB_META, META_COMMIT))
+
+
+def raise_commit_from(txn: WriteTxn, commit_lsn: int, last_lsn: int, current: int | None) -> int:
+    """``raise_commit`` over a recorded commit LSN the caller knows (None: none recorded)."""
     held = min(commit_lsn, last_lsn)
-    current = read_u64(txn, DB_META, META_COMMIT)
     if current is not None and current >= held:
         return current
     put_u64(txn, DB_META, META_COMMIT, held)

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 from squall_server.common.clock import Clock
 
@@ -27,17 +26,21 @@ class StallMeter:
         self._ids = itertools.count()
         self._started_ms: dict[int, int] = {}
 
-    @contextmanager
-    def running(self) -> Iterator[None]:
+    def running(self) -> AbstractContextManager[None]:
         """Counts the with-block as a store write in progress, however it ends."""
+        return _Running(self)
+
+    def begin(self) -> int:
+        """Counts a store write as begun; returns its token for ``end``."""
         with self._lock:
             token = next(self._ids)
             self._started_ms[token] = self._clock.monotonic_ms()
-        try:
-            yield
-        finally:
-            with self._lock:
-                del self._started_ms[token]
+        return token
+
+    def end(self, token: int) -> None:
+        """The write of token (``begin``) ended, however it ended."""
+        with self._lock:
+            del self._started_ms[token]
 
     def stalled_ms(self) -> int:
         """How long the oldest write in progress has run (0: none is)."""
@@ -46,3 +49,20 @@ class StallMeter:
                 return 0
             oldest = min(self._started_ms.values())
         return max(0, self._clock.monotonic_ms() - oldest)
+
+
+class _Running:
+    """``StallMeter.running``'s context manager (a class, not a generator: every append
+    opens one)."""
+
+    __slots__ = ("_meter", "_token")
+
+    def __init__(self, meter: StallMeter) -> None:
+        self._meter = meter
+        self._token = -1
+
+    def __enter__(self) -> None:
+        self._token = self._meter.begin()
+
+    def __exit__(self, *exc: object) -> None:
+        self._meter.end(self._token)
