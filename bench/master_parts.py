@@ -7,7 +7,8 @@ master's own work per part, not the network's) with joined requests of ``--parts
 each part a publisher of its own with its next sequence and one 100-byte event, a few
 requests in flight as the client's stream keeps them, and reports process CPU time per
 part (``time.process_time``: the loop and the store thread; not wall-clock, the machine
-is shared).
+is shared), and that less what the nodes burn idle (sampled for a second before, per
+second of the run: a loaded machine stretches the run and with it the ticks' share).
 
 * ``--nodes 1`` (default): one ``ReplicaNode`` over an LMDB store in a temporary
   directory, master of a one-node group (a write commits once the master holds it):
@@ -16,8 +17,12 @@ is shared).
   (``tests/sim/replica_transport.py``, in-memory stores), acks majority: the figure then
   includes both slaves' work too (the profile tells them apart).
 
+``--lone``: the one-at-a-time shape instead (issue 16's lone publish): every request is
+one event of one publisher with its next sequence (no ``parts``), one request in flight,
+so every commit batch holds one entry; the figure is CPU per publish.
+
 ``--profile`` runs cProfile over the measured rounds and prints the top functions.
-``python -m bench.master_parts [--nodes 1|3] [--parts N] [--requests N] [--profile]``.
+``python -m bench.master_parts [--nodes 1|3] [--parts N | --lone] [--requests N] [--profile]``.
 A measurement, not a test; every loop is bounded by a count.
 """
 
@@ -50,6 +55,8 @@ WARMUP_REQUESTS = 200
 TOPIC = "bench"
 CLUSTER_ID = "c-bench-parts"
 WAIT_S = 60.0
+# Seconds the idle CPU is sampled for, just before the measured run.
+IDLE_S = 1.0
 
 
 def _free_port() -> int:
@@ -119,6 +126,17 @@ class _Parts:
 
     def next(self) -> broker_pb2.PublishRequest:
         self.sequence += 1
+        if self.parts == 0:
+            # A lone publish as a client's stream sends it: one publisher, one event.
+            request = broker_pb2.PublishRequest(
+                topic=TOPIC,
+                publisher_id="p0",
+                session_token="p0/s1",
+                compact_receipts=True,
+                request_id=self.sequence,
+            )
+            request.events.add(payload=self.payload, sequence=self.sequence)
+            return request
         request = broker_pb2.PublishRequest(topic=TOPIC, request_id=self.sequence)
         for k in range(self.parts):
             part = request.parts.add(
@@ -133,9 +151,9 @@ class _Parts:
 
 
 async def _stream(master: ReplicaNode, maker: _Parts, requests: int) -> int:
-    """Sends `requests` joined requests on one PublishStream, WINDOW in flight; returns
-    the parts answered ok (every part must be)."""
-    window = asyncio.Semaphore(WINDOW)
+    """Sends `requests` requests on one PublishStream, WINDOW in flight (one when lone);
+    returns the parts (lone: publishes) answered ok (every one must be)."""
+    window = asyncio.Semaphore(1 if maker.parts == 0 else WINDOW)
 
     async def incoming() -> AsyncIterator[broker_pb2.PublishRequest]:
         for _ in range(requests):
@@ -146,6 +164,11 @@ async def _stream(master: ReplicaNode, maker: _Parts, requests: int) -> int:
     servicer = server.Publisher(master)
     async for response in servicer.PublishStream(incoming(), _Context()):  # type: ignore[arg-type]
         window.release()
+        if maker.parts == 0:
+            if response.HasField("error"):
+                raise RuntimeError(f"a publish failed: {response.error}")
+            ok += 1
+            continue
         for part in response.parts:
             if part.HasField("error"):
                 raise RuntimeError(f"a part failed: {part.error}")
@@ -184,6 +207,11 @@ async def _run(args: argparse.Namespace) -> dict[str, float]:
             )
             maker = _Parts(args.parts)
             await _stream(master, maker, WARMUP_REQUESTS)
+            # What the nodes burn idle (ticks, heartbeats): subtracted per second of the
+            # measured run, which a loaded machine stretches.
+            idle0, idle_wall0 = time.process_time(), time.perf_counter()
+            await asyncio.sleep(IDLE_S)
+            idle_per_s = (time.process_time() - idle0) / (time.perf_counter() - idle_wall0)
             profile = cProfile.Profile() if args.profile else None
             cpu0, wall0 = time.process_time(), time.perf_counter()
             if profile is not None:
@@ -205,6 +233,7 @@ async def _run(args: argparse.Namespace) -> dict[str, float]:
         "parts_per_request": args.parts,
         "parts": ok,
         "cpu_us_per_part": cpu_s * 1e6 / ok,
+        "above_idle_us_per_part": (cpu_s - idle_per_s * wall_s) * 1e6 / ok,
         "wall_s": wall_s,
         "parts_per_cpu_s": ok / cpu_s,
     }
@@ -214,19 +243,33 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.master_parts", description=__doc__)
     parser.add_argument("--nodes", type=int, choices=(1, 3), default=1)
     parser.add_argument("--parts", type=int, default=32, help="parts per joined request")
+    parser.add_argument(
+        "--lone", action="store_true", help="one event per request, one in flight (not parts)"
+    )
     parser.add_argument("--requests", type=int, default=1000, help="joined requests measured")
     parser.add_argument("--master-sync", default="WRITE_NO_SYNC", choices=("WRITE_NO_SYNC", "SYNC"))
     parser.add_argument("--repeat", type=int, default=1, help="measured runs, each a fresh node")
     parser.add_argument("--profile", action="store_true", help="cProfile the measured rounds")
     parser.add_argument("--top", type=int, default=30, help="functions the profile prints")
     args = parser.parse_args(argv)
+    if args.lone:
+        args.parts = 0
     for _ in range(args.repeat):
         got = asyncio.run(_run(args))
-        print(
-            f"nodes={args.nodes} parts/request={args.parts} parts={got['parts']:.0f} "
-            f"cpu_us/part={got['cpu_us_per_part']:.1f} wall_s={got['wall_s']:.2f}",
-            flush=True,
-        )
+        if args.lone:
+            print(
+                f"nodes={args.nodes} lone publishes={got['parts']:.0f} "
+                f"cpu_us/publish={got['cpu_us_per_part']:.1f} "
+                f"above_idle={got['above_idle_us_per_part']:.1f} wall_s={got['wall_s']:.2f}",
+                flush=True,
+            )
+        else:
+            print(
+                f"nodes={args.nodes} parts/request={args.parts} parts={got['parts']:.0f} "
+                f"cpu_us/part={got['cpu_us_per_part']:.1f} "
+                f"above_idle={got['above_idle_us_per_part']:.1f} wall_s={got['wall_s']:.2f}",
+                flush=True,
+            )
     return 0
 
 

@@ -156,6 +156,10 @@ class PublishEndpoint(FaultSink, Traced, Protocol):
         self, request: broker_pb2.PublishRequest, trace: PublishWatch | None = None
     ) -> asyncio.Future[common_pb2.BatchReceipt]: ...
 
+    def begin_publish(
+        self, request: broker_pb2.PublishRequest, trace: PublishWatch | None = None
+    ) -> asyncio.Future[Planned]: ...
+
     def start_publish_parts(
         self, parts: Sequence[broker_pb2.PublishRequest]
     ) -> asyncio.Future[list[common_pb2.BatchReceipt | BaseException]]: ...

@@ -228,9 +228,17 @@ class MasterDriver:
             await self._room.wait()
         return self.core.write_room
 
-    def appended(self, entries: Sequence[replica_pb2.LogEntry], *, synced: bool) -> None:
-        """The store appended entries (flushed when synced)."""
-        self.steps.appended(entries, synced=synced)
+    def appended(
+        self,
+        entries: Sequence[replica_pb2.LogEntry],
+        *,
+        synced: bool,
+        writes: Sequence[Waiting] = (),
+    ) -> None:
+        """The store appended entries (flushed when synced); ``writes``, the client writes
+        they hold, resolve once committed (as ``register`` right after would, in the same
+        record: one per commit batch)."""
+        self.steps.appended(entries, synced=synced, writes=[(w.lsn, w) for w in writes])
 
     def synced(self, lsn: int) -> None:
         """The store flushed everything up to lsn."""
@@ -244,11 +252,6 @@ class MasterDriver:
         """Traced writes about to be appended, by LSN: their batches get replication spans."""
         if self._spans is not None:
             self._spans.note(writes)
-
-    def register(self, writes: Sequence[Waiting]) -> None:
-        """Client writes whose entries are appended: they resolve once committed."""
-        if writes:
-            self.steps.apply(self.core.register_writes((w.lsn, w) for w in writes))
 
     def set_members(self, member_ids: Sequence[str]) -> None:
         """The group shrank within the epoch (a renewal naming fewer members)."""

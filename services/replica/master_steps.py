@@ -116,9 +116,18 @@ class MasterSteps(Generic[W]):
 
     # --- inputs from the writer
 
-    def appended(self, entries: Sequence[replica_pb2.LogEntry], *, synced: bool) -> None:
-        """The store appended entries (flushed when synced)."""
+    def appended(
+        self,
+        entries: Sequence[replica_pb2.LogEntry],
+        *,
+        synced: bool,
+        writes: Sequence[tuple[int, W]] = (),
+    ) -> None:
+        """The store appended entries (flushed when synced); ``writes``, the client writes
+        of this commit batch, wait for their entries (``ReplicationMaster.on_appended``)."""
         if not entries:
+            if writes:
+                self.apply(self.core.register_writes(writes))
             return
         tail = self._tail
         for entry in entries:
@@ -129,7 +138,7 @@ class MasterSteps(Generic[W]):
         # Bounded by the tail's length: each pass drops one entry.
         while len(tail) > 1 and self._tail_bytes > self._tail_bytes_max:
             self._tail_bytes -= len(tail.popleft().operation)
-        self.apply(self.core.on_appended(entries[-1].lsn, synced=synced))
+        self.apply(self.core.on_appended(entries[-1].lsn, synced=synced, writes=writes))
 
     def synced(self, lsn: int) -> None:
         """The store flushed everything up to lsn (the fsync that runs while the batch
@@ -247,9 +256,10 @@ class MasterSteps(Generic[W]):
     def apply(self, first: Actions[W]) -> None:
         """Applies an Actions record (and those its sends produce), in order."""
         out = self._out
-        queue: deque[Actions[W]] = deque([first])
-        while queue:
-            actions = queue.popleft()
+        # Made only when a send produces a record (most records grant nothing).
+        queue: deque[Actions[W]] | None = None
+        actions: Actions[W] | None = first
+        while actions is not None:
             rejection = actions.rejection
             if rejection is not None and rejection.code not in (
                 RejectCode.STALE_STREAM,
@@ -258,6 +268,8 @@ class MasterSteps(Generic[W]):
                 log.warning("replica %s: %s", self.node_id, rejection.message)
                 out.close_stream(rejection.node_id, rejection.stream_id, rejection.message)
             for grant in actions.sends:
+                if queue is None:
+                    queue = deque()
                 queue.append(self._send(grant))
             for node_id in actions.snapshots:
                 out.snapshot(node_id)
@@ -288,6 +300,7 @@ class MasterSteps(Generic[W]):
                 out.deposed(actions.deposed)
             for event in actions.events:
                 log.info("replica %s: %s", self.node_id, event)
+            actions = queue.popleft() if queue else None
 
     def _read(self, from_lsn: int, count: int, bytes_max: int) -> list[replica_pb2.LogEntry]:
         """Up to count entries from from_lsn, reading little beyond bytes_max."""

@@ -232,29 +232,44 @@ class ReplicaNode(CoreView):
         topics) or handed to live subscribers (transient topics). A traced publish's
         `trace` hears when its entry is appended.
         """
+        planned = self.begin_publish(request, trace)
+        # Chained by callbacks, not a task: one publish at a time pays no task per event.
+        receipt: asyncio.Future[common_pb2.BatchReceipt] = (
+            asyncio.get_running_loop().create_future()
+        )
+        planned.add_done_callback(functools.partial(pass_receipt, receipt))
+        receipt.add_done_callback(functools.partial(cancel_with, planned))
+        return receipt
+
+    def begin_publish(
+        self,
+        request: broker_pb2.PublishRequest,
+        trace: PublishWatch | None = None,
+    ) -> asyncio.Future[Planned]:
+        """``start_publish`` without the receipt's own future: the writer's future, which
+        resolves to the plan (its ``receipt``; cancelling it gives the write up). The
+        publish servicer's path: a future, two callbacks and a loop turn fewer per publish
+        (issue 16)."""
         self.check_writable()
         topic = self.topic(request.topic)
-        loop = asyncio.get_running_loop()
         if topic.kind == common_pb2.TOPIC_KIND_TRANSIENT:
             commands.check_publish_limits(request, self.config.limits)
-            done: asyncio.Future[common_pb2.BatchReceipt] = loop.create_future()
+            done: asyncio.Future[Planned] = asyncio.get_running_loop().create_future()
             done.set_result(
-                self.transient.publish(
-                    request,
-                    topic_id=topic.topic_id,
-                    epoch=self.epoch,
-                    now_ms=self.clock.wall_ms(),
-                    master_id=self.node.id,
+                Planned(
+                    None,
+                    receipt=self.transient.publish(
+                        request,
+                        topic_id=topic.topic_id,
+                        epoch=self.epoch,
+                        now_ms=self.clock.wall_ms(),
+                        master_id=self.node.id,
+                    ),
                 )
             )
             self.committed.notify()
             return done
-        planned = self.writer.submit(commands.Publish(request), trace=trace)
-        # Chained by callbacks, not a task: one publish at a time pays no task per event.
-        receipt: asyncio.Future[common_pb2.BatchReceipt] = loop.create_future()
-        planned.add_done_callback(functools.partial(pass_receipt, receipt))
-        receipt.add_done_callback(functools.partial(cancel_with, planned))
-        return receipt
+        return self.writer.submit(commands.Publish(request), trace=trace)
 
     def start_publish_parts(
         self, parts: Sequence[broker_pb2.PublishRequest]

@@ -277,7 +277,10 @@ class SlaveProgress:
     snapshot_lsn: int
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen (nothing changes one once made): a frozen dataclass's __init__ sets every
+# field through object.__setattr__, several times the cost, and the master makes a few
+# records per publish (issue 16). The same for Actions.
+@dataclass(slots=True)
 class SendGrant:
     """Permission to send one ``EntryBatch`` to one slave.
 
@@ -347,7 +350,7 @@ class Rejection:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Actions(Generic[T]):
     """Everything one input produced. The driver applies it in this order:
 
@@ -598,8 +601,14 @@ class ReplicationMaster(Generic[T]):
 
     # --- the master's own log and client writes
 
-    def on_appended(self, last_lsn: int, *, synced: bool) -> Actions[T]:
-        """The master's store appended entries up to last_lsn (flushed when synced)."""
+    def on_appended(
+        self, last_lsn: int, *, synced: bool, writes: Sequence[tuple[int, T]] = ()
+    ) -> Actions[T]:
+        """The master's store appended entries up to last_lsn (flushed when synced).
+
+        ``writes``: client writes waiting for entries of this append (or earlier ones),
+        registered in the same record as ``register_writes`` right after would (one
+        record per commit batch, not two: the sends come first, then what completes)."""
         if not self._written_lsn <= last_lsn <= UINT64_MAX:
             raise ReplicationError(
                 f"appended up to LSN {last_lsn}, but the log already ends at {self._written_lsn}"
@@ -611,6 +620,8 @@ class ReplicationMaster(Generic[T]):
         self._written_lsn = last_lsn
         if synced:
             self._synced_lsn = last_lsn
+        if writes:
+            return self.register_writes(writes)
         return self._actions()
 
     def on_local_synced(self, lsn: int) -> Actions[T]:

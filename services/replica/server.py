@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from types import TracebackType
 from typing import Any, NoReturn
 
@@ -504,11 +504,21 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
         answer.add_done_callback(lambda ended: outcomes.cancel() if ended.cancelled() else None)
         return answer
 
-    def _begin(
-        self, request: broker_pb2.PublishRequest
-    ) -> asyncio.Future[broker_pb2.PublishResponse]:
-        """Begins a publish request, plain or joined (PublishRequest.parts)."""
-        return self._start_parts(request) if request.parts else self._start(request)
+    def _begin(self, request: broker_pb2.PublishRequest) -> _Begun:
+        """Begins a publish request, plain or joined (PublishRequest.parts): a future and
+        what turns its result into the response.
+
+        An untraced plain publish (telemetry off) waits on the writer's own future and
+        builds its response where it is awaited: no future, callback or loop turn of its
+        own between the commit and the answer (issue 16). A traced one (its watch hears
+        the outcome as it happens, awaited or not) and a joined one resolve to the
+        response itself."""
+        if request.parts:
+            return self._start_parts(request), _same
+        if self.node.telemetry.active:
+            return self._start(request), _same
+        planned = self.node.begin_publish(request)
+        return planned, _Respond(request, _stage_key(request) if _stages.ENABLED else "")
 
     async def Publish(
         self, request: broker_pb2.PublishRequest, context: Context
@@ -516,7 +526,9 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
         await self._hold(context)
         try:
             with _translating(self.node):
-                return await self._begin(request)
+                future, respond = self._begin(request)
+                # A caller that gives up cancels the future: the write's wait with it.
+                return respond(await future)
         except ServiceError as exc:
             await abort(context, exc)
 
@@ -525,9 +537,7 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
         request_iterator: AsyncIterator[broker_pb2.PublishRequest],
         context: Context,
     ) -> AsyncIterator[broker_pb2.PublishResponse]:
-        inflight: asyncio.Queue[asyncio.Future[broker_pb2.PublishResponse] | None] = asyncio.Queue(
-            maxsize=_STREAM_INFLIGHT_MAX
-        )
+        inflight: asyncio.Queue[_Begun | None] = asyncio.Queue(maxsize=_STREAM_INFLIGHT_MAX)
         loop = asyncio.get_running_loop()
         await self._hold(context)
         inline = any(
@@ -542,12 +552,17 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
                         _stages.mark("m.in", _stage_key(request))
                     try:
                         with _translating(self.node):
-                            future = self._begin(request)
+                            begun = self._begin(request)
                     except ServiceError as exc:
-                        future = loop.create_future()
+                        future: asyncio.Future[Any] = loop.create_future()
                         future.set_exception(exc)
                         future.add_done_callback(_seen)
-                    await inflight.put(future)
+                        begun = future, _same
+                    try:
+                        await inflight.put(begun)
+                    except BaseException:
+                        begun[0].add_done_callback(_seen)  # nobody will await it
+                        raise
             finally:
                 await inflight.put(None)
 
@@ -555,11 +570,12 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
         reader.add_done_callback(_seen)
         try:
             while True:
-                future = await inflight.get()
-                if future is None:
+                begun = await inflight.get()
+                if begun is None:
                     break
+                future, respond = begun
                 try:
-                    response = await future
+                    response = respond(await future)
                 except ServiceError as exc:
                     if not inline:
                         await abort(context, exc)
@@ -572,6 +588,45 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
             await reader
         finally:
             reader.cancel()
+            # Futures the stream ended before awaiting (it ends at the first failure):
+            # their outcomes have nobody left to tell (`_seen`).
+            for _ in range(inflight.qsize()):  # bounded: nothing is added any more
+                left = inflight.get_nowait()
+                if left is not None:
+                    left[0].add_done_callback(_seen)
+
+
+# A publish begun: what it waits on, and what makes the response of its result.
+_Begun = tuple["asyncio.Future[Any]", "Callable[[Any], broker_pb2.PublishResponse]"]
+
+
+def _same(response: broker_pb2.PublishResponse) -> broker_pb2.PublishResponse:
+    """The response of a future that resolves to the response itself."""
+    return response
+
+
+class _Respond:
+    """The response to an untraced plain publish, from its committed plan (as
+    ``Publisher._start``'s callback builds it for a traced one)."""
+
+    __slots__ = ("_compact", "_key", "_request_id")
+
+    def __init__(self, request: broker_pb2.PublishRequest, key: str) -> None:
+        self._request_id = request.request_id
+        self._compact = request.compact_receipts
+        self._key = key
+
+    def __call__(self, plan: commands.Planned) -> broker_pb2.PublishResponse:
+        got = plan.receipt
+        if got is None:
+            raise AssertionError("a planned publish always has a receipt")
+        if self._key:
+            _stages.mark("m.resp", self._key)
+        if self._compact:
+            return broker_pb2.PublishResponse(batch=got, request_id=self._request_id)
+        return broker_pb2.PublishResponse(
+            receipts=commands.expand_receipt(got), request_id=self._request_id
+        )
 
 
 def _part_answer(

@@ -3,8 +3,9 @@
 Every write goes through one writer task. It drains every command waiting (up to a
 bounded batch), plans them with a `BatchBuilder` (the driver's ``plan_batch``), appends
 the whole batch to the store in one transaction on the store thread (so fsync never
-blocks the event loop), and only then registers each command with the master's
-replication (``MasterDriver``): a write is acknowledged only once its entry is committed.
+blocks the event loop), and only then hands the batch and its commands to the master's
+replication (``MasterDriver.appended``, one record): a write is acknowledged only once its
+entry is committed.
 A slave's batches are appended and its log compacted the same way (``append_entries``,
 ``compact``), from ``slave_side``.
 
@@ -254,16 +255,19 @@ class Writer(CoreView):
                     if pending.trace is not None
                 ]
             )
-        driver.appended(entries, synced=False)
         steps = driver.steps
         for _, plan in planned:
             for part in plan.parts or ():
                 part.lsn = steps.wait_lsn(part.lsn)
-        driver.register(
-            [
+        # The append and its writes in one record: the sends leave first, then whatever
+        # commits completes.
+        driver.appended(
+            entries,
+            synced=False,
+            writes=[
                 Waiting(pending.future, plan, steps.wait_lsn(lsn))
                 for (pending, plan), lsn in zip(planned, lsns, strict=True)
-            ]
+            ],
         )
         if entries and steps.flush_after_send():
             await self._flush(driver, entries[-1].lsn)
