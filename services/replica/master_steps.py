@@ -282,11 +282,15 @@ class MasterSteps(Generic[W]):
                         )
                     ),
                 )
+            # Readers first: the commit wakes following subscribers and push deliveries
+            # before the writers' own tasks, which then answer behind them in the same
+            # loop turn (answered first, they put their response's work ahead of every
+            # delivery: ~0.1 ms more from commit to a follower, bench/README.md).
+            out.committed(actions.commit_lsn)
             if actions.completed:
                 out.completed(actions.completed)
             if actions.failed:
                 out.failed(actions.failed)
-            out.committed(actions.commit_lsn)
             if actions.completed or actions.failed or actions.deposed:
                 out.room()
             if actions.deposed:

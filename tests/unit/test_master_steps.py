@@ -89,7 +89,8 @@ def test_a_slave_gets_the_log_it_lacks_then_a_new_write_commits_with_both_holder
     steps.apply(core.on_ack("n2", stream, received_lsn=4, written_lsn=4, synced_lsn=4))
     kinds = [kind for kind, _ in seen]
     assert ("completed", ["write-4"]) in seen and ("committed", 4) in seen
-    assert kinds.index("completed") < kinds.index("committed") < kinds.index("room")
+    # The commit first: its readers (followers, push) wake ahead of the writers' answers.
+    assert kinds.index("committed") < kinds.index("completed") < kinds.index("room")
     receipt = common_pb2.BatchReceipt.FromString(steps.receipt_stamp(4))
     assert receipt.master_id == "n1"
     assert {h.node_id for h in receipt.holders} == {"n1", "n2"}
