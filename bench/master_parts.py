@@ -67,7 +67,15 @@ def _free_port() -> int:
         return port
 
 
-def _config(directory: Path, node_ids: tuple[str, ...], master_sync: str) -> ClusterConfig:
+def bench_config(
+    directory: Path,
+    node_ids: tuple[str, ...],
+    *,
+    master_sync: str = "WRITE_NO_SYNC",
+    replica_sync: str | None = None,
+) -> ClusterConfig:
+    """A cluster of node_ids in directory for an in-process harness (this one's and
+    bench/slave_apply.py's); replica_sync None keeps the default."""
     text = '[cluster]\nname = "bench"\n'
     for priority, node_id in enumerate(node_ids, 1):
         text += (
@@ -77,6 +85,8 @@ def _config(directory: Path, node_ids: tuple[str, ...], master_sync: str) -> Clu
         )
     text += f'\n[[gateways]]\nid = "g1"\naddress = "127.0.0.1:{_free_port()}"\n'
     text += f'\n[durability]\nmaster_sync = "{master_sync}"\nacks = "majority"\n'
+    if replica_sync is not None:
+        text += f'replica_sync = "{replica_sync}"\n'
     config = parse_config(text, directory / "cluster.toml")
     for node_id in node_ids:
         config.node(node_id).data_dir.mkdir(parents=True, exist_ok=True)
@@ -87,7 +97,8 @@ def _endpoint(node_id: str) -> common_pb2.NodeEndpoint:
     return common_pb2.NodeEndpoint(node_id=node_id)
 
 
-def _role(role: int, node_ids: tuple[str, ...]) -> replica_pb2.RoleCommand:
+def role_command(role: int, node_ids: tuple[str, ...]) -> replica_pb2.RoleCommand:
+    """Epoch 1's role for one of node_ids, the first of them master (a long lease)."""
     return replica_pb2.RoleCommand(
         seq=1,
         epoch=1,
@@ -179,7 +190,7 @@ async def _stream(master: ReplicaNode, maker: _Parts, requests: int) -> int:
 async def _run(args: argparse.Namespace) -> dict[str, float]:
     node_ids = ("n1",) if args.nodes == 1 else ("n1", "n2", "n3")
     with tempfile.TemporaryDirectory(prefix="squall-bench-parts-") as tmp:
-        config = _config(Path(tmp), node_ids, args.master_sync)
+        config = bench_config(Path(tmp), node_ids, master_sync=args.master_sync)
         network: Any = None
         if args.nodes == 1:
             stores = {"n1": Store.open_lmdb(config.node("n1").data_dir / "store", 1 << 30)}
@@ -195,8 +206,8 @@ async def _run(args: argparse.Namespace) -> dict[str, float]:
         master = nodes["n1"]
         try:
             for node_id in node_ids[1:]:
-                await nodes[node_id].apply_role(_role(common_pb2.ROLE_SLAVE, node_ids))
-            await master.apply_role(_role(common_pb2.ROLE_MASTER, node_ids))
+                await nodes[node_id].apply_role(role_command(common_pb2.ROLE_SLAVE, node_ids))
+            await master.apply_role(role_command(common_pb2.ROLE_MASTER, node_ids))
             for _ in range(1000):  # bounded: the role is taken within a few loop turns
                 if master.role == common_pb2.ROLE_MASTER:
                     break

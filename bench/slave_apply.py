@@ -28,7 +28,6 @@ import asyncio
 import cProfile
 import io
 import pstats
-import socket
 import sys
 import tempfile
 import time
@@ -39,9 +38,9 @@ from typing import Any
 
 import lmdb
 
+from bench.master_parts import CLUSTER_ID, bench_config, role_command
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
 from squall_server.common.clock import SystemClock
-from squall_server.common.config import ClusterConfig, parse_config
 from squall_server.replica import commands
 from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.replication_server import serve_replicate
@@ -51,62 +50,19 @@ from squall_server.replica.store.stall import StallMeter
 EVENT_BYTES = 100
 WARMUP_BATCHES = 300
 TOPIC = "bench"
-CLUSTER_ID = "c-bench-slave"
 PUBLISHERS = 8
 MAP_SIZE_BYTES = 1 << 30
 WAIT_S = 60.0
 
 
-def _free_port() -> int:
-    # Nothing listens here: the config only needs addresses that parse and differ.
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _config(directory: Path, node_ids: tuple[str, ...], replica_sync: str) -> ClusterConfig:
-    text = '[cluster]\nname = "bench"\n'
-    for priority, node_id in enumerate(node_ids, 1):
-        text += (
-            f'\n[[nodes]]\nid = "{node_id}"\npriority = {priority}\n'
-            f'coordinator_address = "127.0.0.1:{_free_port()}"\n'
-            f'replica_address = "127.0.0.1:{_free_port()}"\ndata_dir = "{node_id}"\n'
-        )
-    text += f'\n[[gateways]]\nid = "g1"\naddress = "127.0.0.1:{_free_port()}"\n'
-    text += (
-        f'\n[durability]\nmaster_sync = "WRITE_NO_SYNC"\nreplica_sync = "{replica_sync}"\n'
-        'acks = "majority"\n'
-    )
-    config = parse_config(text, directory / "cluster.toml")
-    for node_id in node_ids:
-        config.node(node_id).data_dir.mkdir(parents=True, exist_ok=True)
-    return config
-
-
-def _role(role: int, node_ids: tuple[str, ...]) -> replica_pb2.RoleCommand:
-    master = common_pb2.NodeEndpoint(node_id=node_ids[0])
-    members = [common_pb2.NodeEndpoint(node_id=n) for n in node_ids]
-    return replica_pb2.RoleCommand(
-        seq=1,
-        epoch=1,
-        role=role,  # type: ignore[arg-type]
-        master=master,
-        members=members if role == common_pb2.ROLE_MASTER else [],
-        sync_source_id=node_ids[0] if role == common_pb2.ROLE_MASTER else "",
-        lease_ms=600_000,
-        cluster_id=CLUSTER_ID,
-    )
-
-
 async def _master_log(directory: Path, publishes: int) -> list[replica_pb2.LogEntry]:
     """The log of a one-node master (in-memory store) after `publishes` lone publishes."""
-    config = _config(directory, ("m1",), "WRITE_NO_SYNC")
+    config = bench_config(directory, ("m1",))
     store = Store.open_memory()
     master = build_replica_node(config, config.node("m1"), store)
     await master.start()
     try:
-        await master.apply_role(_role(common_pb2.ROLE_MASTER, ("m1",)))
+        await master.apply_role(role_command(common_pb2.ROLE_MASTER, ("m1",)))
         for _ in range(1000):  # bounded: the role is taken within a few loop turns
             if master.role == common_pb2.ROLE_MASTER:
                 break
@@ -133,7 +89,7 @@ async def _slave_run(
     """Feeds entries to a slave one batch at a time; returns (batches measured, CPU s,
     profile)."""
     node_ids = ("m1", "s1")
-    config = _config(directory, node_ids, args.replica_sync)
+    config = bench_config(directory, node_ids, replica_sync=args.replica_sync)
     store = Store.open_lmdb(config.node("s1").data_dir / "store", MAP_SIZE_BYTES)
     slave = build_replica_node(config, config.node("s1"), store)
     await slave.start()
@@ -162,7 +118,7 @@ async def _slave_run(
                 pass
 
     try:
-        await slave.apply_role(_role(common_pb2.ROLE_SLAVE, node_ids))
+        await slave.apply_role(role_command(common_pb2.ROLE_SLAVE, node_ids))
         want = replica_pb2.ReplicationAck.__name__
         async for response in serve_replicate(slave, requests()):
             if response.HasField("position"):

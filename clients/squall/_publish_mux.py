@@ -96,14 +96,11 @@ from squall._publish_join import (
     take_next,
 )
 from squall._publish_rules import (
-    RECEIPT_STALL_AFTER_S,
-    RECEIPT_STALL_CHECK_S,
     abandon_stream,
     moved_trailing,
     new_session_token,
     not_sent_error,
-    stall_details,
-    stall_move,
+    watch_stalls,
 )
 from squall._types import Receipt
 from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2
@@ -301,36 +298,8 @@ class PublishMux:
         old, asks every RECEIPT_STALL_CHECK_S who the master is and abandons the stream as
         soon as the gateway names another replica; its callers' proxies then move there."""
         endpoint, check = self.endpoint, stream.check_master
-        if endpoint is None or check is None:
-            return
-        # Ends with the stream (`_fail` sets dead and wakes this thread).
-        while not stream.dead:
-            stream.woken.clear()
-            with self._lock:
-                oldest = stream.pending[0] if stream.pending else None
-            if oldest is None:
-                stream.woken.wait()
-                continue
-            late_in_s = oldest.sent_at + RECEIPT_STALL_AFTER_S - time.monotonic()
-            if late_in_s > 0:
-                stream.woken.wait(late_in_s)
-                continue
-            checked = check(RECEIPT_STALL_CHECK_S)
-            with self._lock:
-                still_waiting = (
-                    not stream.dead and bool(stream.pending) and stream.pending[0] is oldest
-                )
-                master = stall_move("shared", endpoint, checked) if still_waiting else ""
-                if master:
-                    if stream.abort_error is None:
-                        stream.moved_to = master
-                    self._abort(
-                        stream, grpc.StatusCode.UNAVAILABLE, stall_details(endpoint, master)
-                    )
-                    return
-            if still_waiting:
-                # On the wake event, not a sleep: the thread ends as soon as its stream does.
-                stream.woken.wait(RECEIPT_STALL_CHECK_S)
+        if endpoint is not None and check is not None:
+            watch_stalls(stream, self._lock, endpoint, check, "shared", self._abort)
 
     # -- the reader thread ------------------------------------------------------------
 

@@ -15,8 +15,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import grpc
@@ -224,6 +226,55 @@ def abandon_stream(stream: AbandonableStream, code: grpc.StatusCode, details: st
 def not_sent_error(details: str) -> NotSent:
     """The error of buffered events a broken stream never sent (safe to retry)."""
     return NotSent(f"not sent: the publish stream ended ({details})", grpc.StatusCode.CANCELLED)
+
+
+class WatchedStream(Protocol):
+    """What a proxy stream's stall watchdog reads and sets (a publisher's own stream, or
+    a client's shared stream to a replica)."""
+
+    dead: bool
+    pending: Any  # a deque of what was sent, each with its `sent_at` (time.monotonic)
+    woken: Any  # a threading.Event: a request sent while none was pending, or the end
+    abort_error: SquallError | None
+    moved_to: str
+
+
+def watch_stalls(
+    stream: WatchedStream,
+    lock: AbstractContextManager[Any],
+    endpoint: Endpoint,
+    check_master: Callable[[float], str],
+    publisher_id: str,
+    abort: Callable[[Any, grpc.StatusCode, str], None],
+) -> None:
+    """A proxy stream's stall watchdog (run in a thread of its own): once the oldest
+    unanswered request is RECEIPT_STALL_AFTER_S old, asks every RECEIPT_STALL_CHECK_S who
+    the master is (`check_master`) and abandons the stream (`abort`, under `lock`) as soon
+    as the gateway names another replica, recording it in `moved_to`. Ends with the stream
+    (whoever sets `dead` sets `woken`)."""
+    while not stream.dead:
+        stream.woken.clear()
+        with lock:
+            oldest = stream.pending[0] if stream.pending else None
+        if oldest is None:
+            stream.woken.wait()
+            continue
+        late_in_s = oldest.sent_at + RECEIPT_STALL_AFTER_S - time.monotonic()
+        if late_in_s > 0:
+            stream.woken.wait(late_in_s)
+            continue
+        checked = check_master(RECEIPT_STALL_CHECK_S)
+        with lock:
+            still_waiting = not stream.dead and bool(stream.pending) and stream.pending[0] is oldest
+            master = stall_move(publisher_id, endpoint, checked) if still_waiting else ""
+            if master:
+                if stream.abort_error is None:
+                    stream.moved_to = master
+                abort(stream, grpc.StatusCode.UNAVAILABLE, stall_details(endpoint, master))
+                return
+        if still_waiting:
+            # On the wake event, not a sleep: the thread ends as soon as its stream does.
+            stream.woken.wait(RECEIPT_STALL_CHECK_S)
 
 
 def stall_move(publisher_id: str, endpoint: Endpoint, master: str) -> str:

@@ -95,9 +95,8 @@ from squall._publish_rules import (
     new_session_token,
     not_sent_error,
     response_mismatch,
-    stall_details,
-    stall_move,
     stream_end_errors,
+    watch_stalls,
     worth_retrying,
 )
 from squall._types import Receipt, receipts_from_pb
@@ -777,35 +776,9 @@ class Publisher:
         after the group elected another cannot end its streams itself.
         """
         endpoint = stream.endpoint
-        if endpoint is None:
-            return
-        # Ends with the stream (`_fail` sets dead and wakes this thread).
-        while not stream.dead:
-            stream.woken.clear()
-            with self._cond:
-                oldest = stream.pending[0] if stream.pending else None
-            if oldest is None:
-                stream.woken.wait()
-                continue
-            late_in_s = oldest.sent_at + RECEIPT_STALL_AFTER_S - time.monotonic()
-            if late_in_s > 0:
-                stream.woken.wait(late_in_s)
-                continue
-            checked = self._binding.check_master(RECEIPT_STALL_CHECK_S)
-            with self._cond:
-                still_waiting = (
-                    not stream.dead and bool(stream.pending) and stream.pending[0] is oldest
-                )
-                master = stall_move(self._publisher_id, endpoint, checked) if still_waiting else ""
-                if master:
-                    if stream.abort_error is None:
-                        stream.moved_to = master
-                    details = stall_details(endpoint, master)
-                    self._abort(stream, grpc.StatusCode.UNAVAILABLE, details)
-                    return
-            if still_waiting:
-                # On the wake event, not a sleep: the thread ends as soon as its stream does.
-                stream.woken.wait(RECEIPT_STALL_CHECK_S)
+        if endpoint is not None:
+            check = self._binding.check_master
+            watch_stalls(stream, self._cond, endpoint, check, self._publisher_id, self._abort)
 
     def _live_stream(self) -> _Stream:
         """The open stream, opening one if there is none (caller holds the lock)."""

@@ -23,8 +23,7 @@ import grpc
 import pytest
 
 import squall
-import squall._publish_mux as publish_mux_module
-import squall._publisher as publisher_module
+import squall._publish_rules as publish_rules_module
 from squall._proxy import ProxyBinding
 from squall.v1 import broker_pb2, common_pb2
 from tests.unit.test_client import FakeBroker, serve_fake
@@ -318,8 +317,8 @@ def test_a_stall_watchdog_ends_with_its_stream_not_after_its_check_interval(
     # 60 s interval: the gateway keeps naming the hung n1 (no move), the caller gives up
     # on its receipt after its 3 s timeout and abandons the stream. (A lone publish goes on
     # the client's shared stream to n1, whose watchdog is the mux's.)
-    monkeypatch.setattr(publisher_module, "RECEIPT_STALL_CHECK_S", 60.0)
-    monkeypatch.setattr(publish_mux_module, "RECEIPT_STALL_CHECK_S", 60.0)
+    # One loop watches both kinds of stream (squall._publish_rules.watch_stalls).
+    monkeypatch.setattr(publish_rules_module, "RECEIPT_STALL_CHECK_S", 60.0)
     with squall.connect(cluster.gateway, timeout_s=3.0, **FAST) as client:
         client.create_topic("t")
         publisher = client.topic("t").publisher("p", replicated=True)

@@ -23,6 +23,7 @@ import squall
 from squall.v1 import broker_pb2
 from tests.unit.test_client import wait_until
 from tests.unit.test_client_failover import FAST, ReplicaBroker, _Cluster
+from tests.unit.test_client_shared_stream import _run_threads
 
 MASTER_ADDRESS_KEY = "squall-master-address"
 
@@ -97,27 +98,7 @@ def client(cluster: _Cluster) -> Iterator[squall.Client]:
         yield c
 
 
-def _run_threads(count: int, target: collections.abc.Callable[[int], None]) -> None:
-    errors: list[BaseException] = []
-
-    def run(index: int) -> None:
-        try:
-            target(index)
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(count)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert not any(t.is_alive() for t in threads), "a publishing thread hung"
-    assert not errors, errors[:3]
-
-
-def _check_stored_once(
-    broker: ReplicaBroker, acked: dict[tuple[str, int], squall.Receipt]
-) -> None:
+def _check_stored_once(broker: ReplicaBroker, acked: dict[tuple[str, int], squall.Receipt]) -> None:
     """Every acknowledged event is stored once, at its receipt's offset, and each
     publisher's events are stored in sequence order."""
     with broker.cond:
