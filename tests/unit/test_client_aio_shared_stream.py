@@ -24,9 +24,8 @@ import pytest
 import squall
 import squall.aio
 from squall._publish_join import SHARED_INFLIGHT_MAX
-from squall.v1 import broker_pb2
 from tests.unit.test_client import MAX_EVENT_BYTES, serve_fake
-from tests.unit.test_client_shared_stream import _check_stored_once, _LossyBroker
+from tests.unit.test_client_shared_stream import _check_stored_once, _DeposedOnce, _LossyBroker
 
 # Callers that fill the shared stream's window (held by the broker's gate).
 FILL = SHARED_INFLIGHT_MAX
@@ -188,26 +187,6 @@ def test_a_broken_shared_stream_loses_nothing_and_stores_nothing_twice(
     assert resends > 0
     _check_stored_once(broker, "t", acked)
     assert len(broker.topics["t"].events) == len(acked)
-
-
-class _DeposedOnce(_LossyBroker):
-    """Answers the first publish inline as a master that is no longer one (a redirect),
-    storing nothing, and goes on answering on the same stream."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.redirects = 1
-
-    def _apply_inline(self, request: broker_pb2.PublishRequest) -> broker_pb2.PublishResponse:
-        with self.cond:
-            redirect = self.redirects > 0
-            self.redirects -= redirect
-        if redirect:
-            return broker_pb2.PublishResponse(
-                request_id=request.request_id,
-                error=broker_pb2.PublishError(code="UNAVAILABLE", message="not the master"),
-            )
-        return super()._apply_inline(request)
 
 
 def test_a_part_answered_by_a_former_master_abandons_the_stream() -> None:

@@ -78,6 +78,47 @@ class _LossyBroker(FakeBroker):
             yield response
 
 
+class _DeposedOnce(_LossyBroker):
+    """Answers the first publish inline as a master that is no longer one (a redirect),
+    storing nothing, and goes on answering on the same stream."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.redirects = 1
+
+    def _apply_inline(self, request: broker_pb2.PublishRequest) -> broker_pb2.PublishResponse:
+        with self.cond:
+            redirect = self.redirects > 0
+            self.redirects -= redirect
+        if redirect:
+            return broker_pb2.PublishResponse(
+                request_id=request.request_id,
+                error=broker_pb2.PublishError(code="UNAVAILABLE", message="not the master"),
+            )
+        return super()._apply_inline(request)
+
+
+def test_a_part_answered_by_a_former_master_abandons_the_stream() -> None:
+    """The caller's retry goes on a fresh stream (through the gateway to the master it
+    follows now), not on the stream of the master that said it is no longer one; the
+    event is stored once, and the next publish goes on after it."""
+    deposed = _DeposedOnce()
+    server, address = serve_fake(deposed)
+    try:
+        with squall.connect(address, timeout_s=5.0) as client:
+            client.create_topic("t")
+            publisher = client.topic("t").publisher("p")
+            receipts = [publisher.publish(b"first"), publisher.publish(b"second")]
+    finally:
+        server.stop(grace=None)
+    assert deposed.publish_stream_calls == 2
+    assert [r.offset for r in receipts] == [0, 1]
+    assert [(e.publisher_id, e.sequence) for e in deposed.topics["t"].events] == [
+        ("p", 1),
+        ("p", 2),
+    ]
+
+
 @pytest.fixture
 def broker() -> Iterator[_LossyBroker]:
     fake = _LossyBroker()
