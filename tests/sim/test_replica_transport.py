@@ -126,7 +126,9 @@ def test_replicas_replicate_reorganize_and_depose_over_the_simulated_transport()
             # epoch 2 in the refusal's metadata: n1 steps down.
             network.heal()
             await _until("n1 deposed", lambda: n1.role != common_pb2.ROLE_MASTER)
-            assert network.closed >= 2  # n1's epoch transport and n3's sync were closed
+            # n1's epoch transport (closed by the deposed master's own task, a few loop
+            # turns after its role changed) and n3's sync transport.
+            await _until("both transports closed", lambda: network.closed >= 2)
         finally:
             for node in nodes.values():
                 await node.stop()
