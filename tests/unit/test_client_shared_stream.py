@@ -161,7 +161,8 @@ def _check_stored_once(
 ) -> None:
     """Every acknowledged event is stored once, at its receipt's offset, and each
     publisher's events are stored in sequence order."""
-    events = broker.topics[topic].events
+    with broker.cond:
+        events = list(broker.topics[topic].events)
     keys = collections.Counter((e.publisher_id, e.sequence) for e in events)
     assert not [k for k, n in keys.items() if n > 1], "an event was stored twice"
     for (publisher_id, sequence), receipt in acked.items():
