@@ -243,9 +243,7 @@ def test_proxies_leave_a_hung_masters_stream_for_the_one_the_gateway_names(
         proxies = [await topic.publisher(f"app-{i}", replicated=True) for i in range(4)]
         cluster.broker.hung_addresses.add(n1)
         cluster.broker.endpoints = [("n2", n2), ("n1", n1), ("n3", n3)]
-        receipts = await asyncio.wait_for(
-            asyncio.gather(*(p.publish(b"x") for p in proxies)), 30
-        )
+        receipts = await asyncio.wait_for(asyncio.gather(*(p.publish(b"x") for p in proxies)), 30)
         for proxy in proxies:
             assert proxy.endpoint == squall.Endpoint("n2", n2)
             await proxy.close()
@@ -282,9 +280,9 @@ def test_a_cancelled_proxy_publish_is_withdrawn_if_unsent(cluster: _Cluster) -> 
     receipt = _run(cluster, body)
     events = cluster.broker.topics["t"].events
     # The withdrawn event was never sent; the proxy's next one took the next sequence.
-    assert [(e.publisher_id, e.sequence, e.payload) for e in events if e.publisher_id == "waiting"] == [
-        ("waiting", 2, b"waiting-2")
-    ]
+    assert [
+        (e.publisher_id, e.sequence, e.payload) for e in events if e.publisher_id == "waiting"
+    ] == [("waiting", 2, b"waiting-2")]
     assert events[receipt.offset].payload == b"waiting-2"
 
 
