@@ -1,6 +1,6 @@
 """`squall.aio` publisher proxies share the client's stream to their replica
 (squall.aio._publish_mux, `ProxyMuxes`), against one in-memory broker served as a gateway
-and three replicas (the threaded proxy tests' cluster, tests/unit/test_client_proxy_shared_stream.py).
+and three replicas (the cluster of tests/unit/test_client_proxy_shared_stream.py).
 
 Many tasks, each with a proxy of its own, publish one event at a time: the proxies bound
 to one replica send on one stream and their concurrent events join into one request, yet

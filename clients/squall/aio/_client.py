@@ -3,7 +3,8 @@
 `connect()` takes the keyword arguments of `squall.connect` and validates them the same
 way, at once; the client is opened with `await` or `async with`. Everything a client
 hands out (topics, publishers, subscriptions) shares its one `grpc.aio` channel;
-publisher proxies open their own channels to the replicas.
+publisher proxies open their own channels to the replicas, and the client one per
+replica for the stream its proxies bound there share (`squall.aio._publish_mux`).
 """
 
 from __future__ import annotations
