@@ -11,8 +11,9 @@ Scenarios (measurements, not tests; each bounded by a count and a deadline):
 * `concurrent`: N threads, each with its own publisher (one client), each publishing one
   event at a time for a fixed time: aggregate rate and p50 / p99 per call.
 * `concurrent_aio`: N asyncio tasks on one event loop (one `squall.aio` client), each
-  publishing one event at a time for a fixed time, each with its own publisher or all
-  sharing one: aggregate rate and p50 / p99 per call.
+  publishing one event at a time for a fixed time, each with its own publisher (through
+  the gateway, or a `replicated=True` proxy) or all sharing one: aggregate rate and
+  p50 / p99 per call.
 * `unary`: a raw-stub app (no `squall` library) calling the unary `Publish` with a
   publisher id and a sequence, one event per call, one at a time and from N threads, each
   with its own publisher id, over one channel: the path the gateway carries over its
@@ -272,17 +273,20 @@ def concurrent_aio(
     seconds: float,
     pids: dict[str, int] | None = None,
     shared: bool = False,
+    replicated: bool | None = None,
 ) -> dict[str, Any]:
-    """`tasks` asyncio tasks on one event loop (one `squall.aio` client through the
-    gateway), each with its own publisher (or all sharing one), one event at a time for
-    `seconds`; figures as `concurrent`'s."""
+    """`tasks` asyncio tasks on one event loop (one `squall.aio` client), each with its
+    own publisher (through the gateway, or a proxy with `replicated`; or all sharing one),
+    one event at a time for `seconds`; figures as `concurrent`'s."""
     payload = payloads(1)[0]
     per_task: list[list[float]] = [[] for _ in range(tasks)]
 
     async def main() -> tuple[float, dict[str, float]]:
         async with squall.aio.connect(address) as client:
             handle = await client.topic(topic)
-            handles = [await handle.publisher() for _ in range(1 if shared else tasks)]
+            handles = [
+                await handle.publisher(replicated=replicated) for _ in range(1 if shared else tasks)
+            ]
             try:
                 for publisher in handles:
                     await publisher.publish(b"warm-up")
@@ -309,6 +313,7 @@ def concurrent_aio(
     figures = _figures([s for samples in per_task for s in samples], elapsed_s)
     figures["publishers"] = tasks
     figures["shared_publisher"] = shared
+    figures["replicated"] = replicated
     figures["cpu_pct"] = {
         k: v for k, v in cpu.items() if k.startswith(("client", "gateway", "replica", "others"))
     }
@@ -735,11 +740,18 @@ def measure(
             one_request_per_call=True,
         )
     out["concurrent_aio"] = {}
+    out["concurrent_aio_proxy"] = {}
     out["concurrent_aio_shared"] = {}
     for n in sizes.concurrency[1:]:
-        log(f"    latency: {n} asyncio tasks, own / one shared publisher, {sizes.concurrent_s} s")
+        log(
+            f"    latency: {n} asyncio tasks, own publishers / own replicated proxies / one "
+            f"shared publisher, {sizes.concurrent_s} s"
+        )
         out["concurrent_aio"][str(n)] = concurrent_aio(
             address, f"{topic_prefix}-c{n}", n, sizes.concurrent_s, pids=pids
+        )
+        out["concurrent_aio_proxy"][str(n)] = concurrent_aio(
+            address, f"{topic_prefix}-c{n}-proxy", n, sizes.concurrent_s, pids=pids, replicated=True
         )
         out["concurrent_aio_shared"][str(n)] = concurrent_aio(
             address, f"{topic_prefix}-c{n}", n, sizes.concurrent_s, pids=pids, shared=True
@@ -824,6 +836,7 @@ def table(policy_figures: dict[str, dict[str, Any]]) -> str:
             ("concurrent_shared_one_request_per_call", "gateway, one shared publisher, before"),
             ("concurrent_shared", "gateway, one shared publisher"),
             ("concurrent_aio", "asyncio tasks with own publishers, gateway"),
+            ("concurrent_aio_proxy", "asyncio tasks with own replicated proxies"),
             ("concurrent_aio_shared", "asyncio tasks, gateway, one shared publisher"),
         ):
             if n not in next(iter(policy_figures.values())).get(path, {}):
@@ -840,6 +853,7 @@ def table(policy_figures: dict[str, dict[str, Any]]) -> str:
         ("concurrent", "own publishers"),
         ("concurrent_shared", "one shared"),
         ("concurrent_aio", "asyncio tasks, own publishers"),
+        ("concurrent_aio_proxy", "asyncio tasks, own replicated proxies"),
         ("concurrent_aio_shared", "asyncio tasks, one shared"),
     ):
         if last not in next(iter(policy_figures.values())).get(path, {}):

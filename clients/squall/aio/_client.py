@@ -3,7 +3,8 @@
 `connect()` takes the keyword arguments of `squall.connect` and validates them the same
 way, at once; the client is opened with `await` or `async with`. Everything a client
 hands out (topics, publishers, subscriptions) shares its one `grpc.aio` channel;
-publisher proxies open their own channels to the replicas.
+publisher proxies open their own channels to the replicas, and the client one per
+replica for the stream its proxies bound there share (`squall.aio._publish_mux`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from squall._subscriber import ReadFrom, Start, subscribe_request
 from squall._tls import TlsOptions
 from squall._types import ClusterStatus, LinkInfo, TopicInfo, kind_to_pb
 from squall.aio._channel import open_channel
-from squall.aio._publish_mux import PublishMux
+from squall.aio._publish_mux import ProxyMuxes, PublishMux
 from squall.aio._publisher import MasterCheck, Publisher
 from squall.aio._push import AsyncDeliveryCallback, PushEndpoint
 from squall.aio._shared import AsyncSharedConsumer
@@ -103,7 +104,8 @@ def connect(
     budget `retry_total_ms_max`, the backoff bounds, an optional attempt cap, TLS, the
     bearer token, the tracer provider). ValueError names a value out of bounds, raised
     here, before anything is opened. `share_publish_stream` as in `squall.connect`: the
-    lone `publish()` calls of all the client's gateway publishers share one stream
+    lone `publish()` calls of all the client's gateway publishers share one stream, and
+    those of its publisher proxies one stream per replica they are bound to
     (`squall.aio._publish_mux`); False gives each publisher its own.
     """
     retry = RetryPolicy(
@@ -180,6 +182,9 @@ class Client:
         self._publish_mux = (
             PublishMux(self._publisher_stub, timeout_s=timeout_s) if share_publish_stream else None
         )
+        # The streams the lone publishes of its publisher proxies share, one per replica
+        # address (squall.aio._publish_mux.ProxyMuxes).
+        self._proxy_muxes = ProxyMuxes(timeout_s=timeout_s) if share_publish_stream else None
         self._subscriptions: weakref.WeakSet[Subscription] = weakref.WeakSet()
 
     @property
@@ -256,6 +261,8 @@ class Client:
             await subscription.close()
         if self._publish_mux is not None:
             await self._publish_mux.close()
+        if self._proxy_muxes is not None:
+            await self._proxy_muxes.close()
         self._closed = True
         await self._channel.close(None)
 
@@ -304,6 +311,7 @@ class Client:
             on_rebind=on_rebind,
             check_master=check_master,
             mux=self._publish_mux,
+            proxy_muxes=self._proxy_muxes,
         )
         self._publishers.add(publisher)
         return publisher

@@ -21,6 +21,21 @@ Cancellation: a task cancelled while its event waits for a slot withdraws the ev
 is never sent; its sequence is skipped, which the master allows). Once sent, the event
 stays on the stream: it is stored or refused as if the caller still waited, and nobody
 retries it; the publisher's later events still follow it.
+
+Publisher proxies (`replicated=True/False`) share too, one stream per replica address
+(`ProxyMuxes`, a `PublishMux` per address made on demand, closed with the client), with
+the threaded `ProxyMuxes`' rules (`squall._publish_mux`'s docstring): every attempt,
+retries included, goes on the stream to the replica the proxy's own binding
+(`squall._proxy.ProxyBinding`) names then, opened with the binding's request metadata
+(`squall-unreachable`) if new; how the attempt ended (the stream's status and trailing
+metadata, or a slave's redirect answered inline) is kept in `Entry.ended` and told to
+that binding alone (`Publisher._mux_attempt`), so a `replicated=False` proxy is lost and
+raises `PublisherLost` while a replicated one moves; a redirect also abandons the stream
+naming the master (`_MuxStream.moved_to`), so the proxies of the other requests on it
+follow; a replica stream has the stall watchdog a proxy's own stream has (`_watch`, a
+task); the first answer a proxy gets from another replica is its move (`on_rebind`,
+`Receipt.rebound`). A cancelled proxy caller is as above: its binding hears nothing of
+an attempt nobody awaits.
 """
 
 from __future__ import annotations
@@ -28,18 +43,20 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
 import grpc.aio
 
 from squall._errors import Indeterminate, SquallError, error_for, rpc_status
+from squall._proxy import Endpoint
 from squall._publish_join import (
     INLINE_ERRORS_METADATA,
     SHARED_INFLIGHT_MAX,
     Entry,
     Sent,
+    Trailing,
     answers,
     build_request,
     entry_key,
@@ -47,20 +64,32 @@ from squall._publish_join import (
     inline_error,
     mismatch_error,
     new_entry,
+    plain,
     refuses_parts,
     request_key,
     settle,
     take_next,
 )
-from squall._publish_rules import abandon_stream, new_session_token, not_sent_error
+from squall._publish_rules import (
+    RECEIPT_STALL_AFTER_S,
+    RECEIPT_STALL_CHECK_S,
+    abandon_stream,
+    moved_trailing,
+    new_session_token,
+    not_sent_error,
+    stall_details,
+    stall_move,
+)
 from squall._types import Receipt
-from squall.v1 import broker_pb2, common_pb2
+from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2
 from squall.wire import stages as _stages
 
 log = logging.getLogger("squall")
 
 MuxEntry = Entry[asyncio.Future[Receipt]]
 _Sent = Sent[asyncio.Future[Receipt]]
+# Asks the gateway which replica is master (its address; "" if it cannot say in time).
+MasterCheck = Callable[[float], Awaitable[str]]
 
 
 def _retrieved(future: asyncio.Future[Any]) -> None:
@@ -73,7 +102,7 @@ def _retrieved(future: asyncio.Future[Any]) -> None:
 class _MuxStream:
     """One open PublishStream: its request queue, unanswered requests and reader task."""
 
-    def __init__(self, generation: int) -> None:
+    def __init__(self, generation: int, check_master: MasterCheck | None = None) -> None:
         self.generation = generation
         self.session_token = new_session_token("shared")
         # Bounded by the window: a request is only queued with a free slot.
@@ -81,8 +110,16 @@ class _MuxStream:
         self.pending: collections.deque[_Sent] = collections.deque()
         self.dead = False
         self.abort_error: SquallError | None = None
+        # Set when abandoned because another replica is master now (a slave's redirect
+        # answered inline, or the stall watchdog): its callers' proxies follow it.
+        self.moved_to = ""
         self.call: Any = None
         self.reader: asyncio.Task[None] | None = None
+        # A replica stream's stall check (the opening proxy's), its watchdog task, and
+        # what wakes it: a request sent while none was pending, or the stream's end.
+        self.check_master = check_master
+        self.watchdog: asyncio.Task[None] | None = None
+        self.woken = asyncio.Event()
 
     async def iter_requests(self) -> AsyncIterator[broker_pb2.PublishRequest]:
         """The request iterator gRPC consumes; ends at the None sentinel."""
@@ -97,9 +134,16 @@ class PublishMux:
     module doc). Used from the one event loop the client runs on."""
 
     def __init__(
-        self, stub: Any, *, timeout_s: float = 10.0, inflight_max: int = SHARED_INFLIGHT_MAX
+        self,
+        stub: Any,
+        *,
+        timeout_s: float = 10.0,
+        inflight_max: int = SHARED_INFLIGHT_MAX,
+        endpoint: Endpoint | None = None,
     ) -> None:
         self._stub = stub
+        # The replica this mux's streams go to (None: through the gateway).
+        self.endpoint = endpoint
         self._timeout_s = timeout_s
         self._inflight_max = inflight_max
         self._stream: _MuxStream | None = None
@@ -114,16 +158,25 @@ class PublishMux:
         self.streams_opened = 0
 
     def submit(
-        self, topic: str, publisher_id: str, event: common_pb2.EventData, *, alone: bool = False
+        self,
+        topic: str,
+        publisher_id: str,
+        event: common_pb2.EventData,
+        *,
+        alone: bool = False,
+        metadata: Trailing = (),
+        check_master: MasterCheck | None = None,
     ) -> MuxEntry:
         """Queues one event (sent at once if a slot is free); its future gets the receipt
         or the error of this attempt. `alone` keeps it out of joined requests (after
-        `JoinRefused`). No `await` here: events are queued in call order."""
+        `JoinRefused`). No `await` here: events are queued in call order. A publisher
+        proxy gives its binding's request `metadata` and stall check, used if this call
+        opens the stream."""
         if self._closed:
             raise ValueError("the client is closed")
         future: asyncio.Future[Receipt] = asyncio.get_running_loop().create_future()
-        entry = new_entry(topic, publisher_id, event, future, alone)
-        stream = self._live_stream()
+        entry = new_entry(topic, publisher_id, event, future, alone, self)
+        stream = self._live_stream(metadata, check_master)
         self._waiting.append(entry)
         self._pump(stream)
         return entry
@@ -180,23 +233,30 @@ class PublishMux:
                 await asyncio.wait_for(asyncio.shield(stream.reader), self._timeout_s)
             except TimeoutError:
                 stream.call.cancel()
+        if stream.watchdog is not None:
+            stream.watchdog.cancel()
 
     # -- sending ----------------------------------------------------------------------
 
-    def _live_stream(self) -> _MuxStream:
+    def _live_stream(self, metadata: Trailing, check_master: MasterCheck | None) -> _MuxStream:
         stream = self._stream
         if stream is not None and not stream.dead:
             return stream
         self._generation += 1
-        stream = _MuxStream(self._generation)
+        stream = _MuxStream(self._generation, check_master)
         stream.call = self._stub.PublishStream(
-            stream.iter_requests(), metadata=grpc.aio.Metadata(*INLINE_ERRORS_METADATA)
+            stream.iter_requests(),
+            metadata=grpc.aio.Metadata(*INLINE_ERRORS_METADATA, *metadata),
         )
         self._stream = stream
         self.streams_opened += 1
-        stream.reader = asyncio.get_running_loop().create_task(
-            self._read(stream), name="squall-publish-shared"
-        )
+        loop = asyncio.get_running_loop()
+        stream.reader = loop.create_task(self._read(stream), name="squall-publish-shared")
+        if self.endpoint is not None and check_master is not None:
+            stream.watchdog = loop.create_task(
+                self._watch(stream, self.endpoint, check_master),
+                name="squall-publish-watch-shared",
+            )
         return stream
 
     def _pump(self, stream: _MuxStream) -> None:
@@ -207,13 +267,53 @@ class PublishMux:
             request_id = self._next_request_id
             self._next_request_id += 1
             request, sent = build_request(
-                take_next(waiting, self._joins), stream.session_token, request_id, stream
+                take_next(waiting, self._joins),
+                stream.session_token,
+                request_id,
+                stream,
+                asyncio.get_running_loop().time(),
             )
             self.joined_requests += sent.joined
+            if not stream.pending:
+                stream.woken.set()
             stream.pending.append(sent)
             if _stages.ENABLED:
                 _stages.mark("c.queued", request_key(request))
             stream.requests.put_nowait(request)
+
+    async def _watch(self, stream: _MuxStream, endpoint: Endpoint, check: MasterCheck) -> None:
+        """A replica stream's stall watchdog, as a proxy's own stream has
+        (`squall.aio._publisher.Publisher._watch`; the threaded loop is
+        `squall._publish_rules.watch_stalls`): once the oldest unanswered request is
+        RECEIPT_STALL_AFTER_S old, asks every RECEIPT_STALL_CHECK_S who the master is and
+        abandons the stream as soon as the gateway names another replica, naming it
+        (`moved_to`): its callers' proxies then move there."""
+        loop = asyncio.get_running_loop()
+        # Ends with the stream (`_fail` sets dead and wakes this task).
+        while not stream.dead:
+            stream.woken.clear()
+            if not stream.pending:
+                await stream.woken.wait()
+                continue
+            oldest = stream.pending[0]
+            late_in_s = oldest.sent_at + RECEIPT_STALL_AFTER_S - loop.time()
+            if late_in_s > 0:
+                await _woken_or(stream.woken, late_in_s)
+                continue
+            try:
+                checked = await asyncio.wait_for(
+                    check(RECEIPT_STALL_CHECK_S), 2 * RECEIPT_STALL_CHECK_S
+                )
+            except Exception:
+                checked = ""  # only a hint: a failed check leaves the stream to its timeout
+            still_waiting = not stream.dead and stream.pending and stream.pending[0] is oldest
+            if still_waiting and (master := stall_move("shared", endpoint, checked)):
+                if stream.abort_error is None:
+                    stream.moved_to = master
+                abandon_stream(stream, grpc.StatusCode.UNAVAILABLE, stall_details(endpoint, master))
+                return
+            if still_waiting:
+                await _woken_or(stream.woken, RECEIPT_STALL_CHECK_S)
 
     # -- the reader task --------------------------------------------------------------
 
@@ -221,6 +321,7 @@ class PublishMux:
         """Hands each response's receipts (or errors) to their callers, in request order."""
         code = grpc.StatusCode.UNKNOWN
         details = "the server closed the publish stream without answering"
+        trailing: Trailing | None = None
         try:
             async for response in stream.call:
                 sent = stream.pending.popleft() if stream.pending else None
@@ -240,7 +341,11 @@ class PublishMux:
                         inline_error(response.error),
                     )
                     self._joins = False
-                if settle(sent, response) is not None:
+                gone = settle(sent, response)
+                if gone is not None:
+                    if gone and not stream.dead and stream.abort_error is None:
+                        # A slave's redirect: the other callers' proxies follow it too.
+                        stream.moved_to = gone
                     abandon_stream(
                         stream,
                         grpc.StatusCode.UNAVAILABLE,
@@ -248,6 +353,7 @@ class PublishMux:
                     )
         except grpc.aio.AioRpcError as err:
             code, details = rpc_status(err)
+            trailing = plain(err.trailing_metadata())
         except asyncio.CancelledError:
             # grpc.aio raises this when the call was cancelled here (by abandon_stream,
             # which gave a reason) or by the loop shutting down.
@@ -261,12 +367,20 @@ class PublishMux:
             abandon_stream(
                 stream, grpc.StatusCode.INTERNAL, f"client failed reading receipts: {exc!r}"
             )
-        self._fail(stream, code, details)
+        self._fail(stream, code, details, trailing)
 
-    def _fail(self, stream: _MuxStream, code: grpc.StatusCode, details: str) -> None:
+    def _fail(
+        self,
+        stream: _MuxStream,
+        code: grpc.StatusCode,
+        details: str,
+        trailing: Trailing | None = None,
+    ) -> None:
         """Ends a stream: its oldest request gets the status, the others are indeterminate,
-        and events still waiting fail as not sent (their callers send them again)."""
+        and events still waiting fail as not sent (their callers send them again).
+        Each of them keeps how the stream ended (`Entry.ended`)."""
         stream.dead = True
+        stream.woken.set()
         pending = list(stream.pending)
         stream.pending.clear()
         waiting: list[MuxEntry] = []
@@ -275,8 +389,63 @@ class PublishMux:
             waiting = list(self._waiting)
             self._waiting.clear()
         stream.requests.put_nowait(None)  # ends gRPC's request consumer, waiting on our queue
-        fail_ended(pending, code, details, stream.abort_error)
+        end_code = stream.abort_error.code if stream.abort_error is not None else code
+        ended = (end_code, moved_trailing(stream.moved_to) if stream.moved_to else trailing)
+        fail_ended(pending, code, details, stream.abort_error, ended)
         unsent = not_sent_error(details)
         for entry in waiting:
             if not entry.future.done():
+                entry.ended = ended
                 entry.future.set_exception(unsent)
+
+
+async def _woken_or(woken: asyncio.Event, timeout_s: float) -> None:
+    """Waits for `woken` or `timeout_s`, whichever comes first (a watchdog ends as soon
+    as its stream does, not after its interval)."""
+    try:
+        await asyncio.wait_for(woken.wait(), timeout_s)
+    except TimeoutError:
+        pass
+
+
+class ProxyMuxes:
+    """An asyncio client's shared streams to replicas, one `PublishMux` per replica
+    address, made when a publisher proxy bound there first publishes alone, closed with
+    the client (see the module doc)."""
+
+    def __init__(self, *, timeout_s: float = 10.0, inflight_max: int = SHARED_INFLIGHT_MAX) -> None:
+        self._timeout_s = timeout_s
+        self._inflight_max = inflight_max
+        self._muxes: dict[str, tuple[Any, PublishMux]] = {}
+        self._closed = False
+
+    def get(self, endpoint: Endpoint, make_channel: Callable[[str], Any]) -> PublishMux:
+        """The shared stream to `endpoint`'s address; `make_channel(address)` opens its
+        channel the first time (the client owns it from then on)."""
+        if self._closed:
+            raise ValueError("the client is closed")
+        made = self._muxes.get(endpoint.address)
+        if made is None:
+            channel = make_channel(endpoint.address)
+            mux = PublishMux(
+                broker_pb2_grpc.PublisherStub(channel),
+                timeout_s=self._timeout_s,
+                inflight_max=self._inflight_max,
+                endpoint=endpoint,
+            )
+            made = self._muxes[endpoint.address] = (channel, mux)
+        return made[1]
+
+    def addresses(self) -> list[str]:
+        """The replica addresses with a shared stream (made so far)."""
+        return sorted(self._muxes)
+
+    async def close(self) -> None:
+        """Closes every shared stream (waiting for what was sent, as `PublishMux.close`)
+        and its channel."""
+        self._closed = True
+        made = list(self._muxes.values())
+        self._muxes.clear()
+        for channel, mux in made:
+            await mux.close()
+            await channel.close(None)

@@ -17,8 +17,9 @@ their batches on the one stream; `publish_async` queues single events that go ou
 one batch when a slot frees, as in the threaded publisher, and a task of the publisher
 retries such batches (in sequence order) when their stream ends.
 
-Through the gateway, a publisher made by a `Client` sends its lone `publish()` calls on
-the client's stream shared by all its publishers instead (`squall.aio._publish_mux`),
+A publisher made by a `Client` sends its lone `publish()` calls on a stream its client
+shares instead (`squall.aio._publish_mux`: through the gateway, the one all its gateway
+publishers share; a proxy, the one to the replica its binding names at each attempt),
 while nothing of its own is in flight on its own stream; its other calls wait until
 those have finished, so its sequences reach the master in order either way.
 """
@@ -67,7 +68,7 @@ from squall._publish_rules import (
     worth_retrying,
 )
 from squall._types import Receipt, receipts_from_pb
-from squall.aio._publish_mux import MuxEntry, PublishMux
+from squall.aio._publish_mux import MuxEntry, ProxyMuxes, PublishMux
 from squall.v1 import broker_pb2, common_pb2
 from squall.wire import stages as _stages
 from squall.wire.retry import RetryPolicy
@@ -180,6 +181,7 @@ class Publisher:
         sleep: Sleep = asyncio.sleep,
         check_master: MasterCheck | None = None,
         mux: PublishMux | None = None,
+        proxy_muxes: ProxyMuxes | None = None,
     ) -> None:
         check_publisher_args(publisher_id, start_sequence, inflight_batches_max, timeout_s)
         self._retry = retry if retry is not None else RetryPolicy()
@@ -212,15 +214,19 @@ class Publisher:
         # Set and replaced on every change waiters care about (a slot freed, a stream
         # died, a batch resolved): one loop, so no check can miss a wake-up.
         self._changed = asyncio.Event()
-        # The client's shared stream for lone publishes (squall.aio._publish_mux), through
-        # the gateway only: a proxy's stream is bound to its replica and moves on its own.
+        # The client's shared stream for lone publishes (squall.aio._publish_mux): through
+        # the gateway, one; a proxy uses the client's shared stream to the replica its
+        # binding names at each attempt, so it still moves on its own.
         self._mux = mux if isinstance(binding, GatewayBinding) else None
+        self._proxy_muxes = proxy_muxes if isinstance(binding, ProxyBinding) else None
         # publish() calls on the shared stream not finished yet (retries included, and a
         # cancelled caller's event until its outcome): the publisher's own stream sends
         # nothing meanwhile, so its sequences stay in order.
         self._muxed = 0
-        # The shared stream that last answered this publisher (counted in streams_opened).
-        self._mux_generation = 0
+        # The shared stream (replica address, generation) that last answered this
+        # publisher: counted in streams_opened, and for a proxy its first answer there is
+        # what a stream of its own's first answer is (a move, if to another replica).
+        self._mux_stream: tuple[str, int] = ("", 0)
 
     # -- public API -------------------------------------------------------------------
 
@@ -276,23 +282,25 @@ class Publisher:
         when a slot frees (as `publish_async` events do), so many tasks publishing one
         event at a time share requests, commits and replication batches.
 
-        Through the gateway, while nothing of this publisher is in flight on its own
-        stream, the event goes on the client's stream shared by all its publishers
-        (`squall.aio._publish_mux`): concurrent publishes of many publishers share
+        While nothing of this publisher is in flight on its own stream, the event goes on
+        a stream its client shares (`squall.aio._publish_mux`; a proxy's, the one to the
+        replica its binding names): concurrent publishes of many publishers share
         requests the same way, each event keeping its publisher id and sequence.
         Cancelling the task withdraws the event if it is still waiting for a slot; once
         sent it is stored (or refused) as if the caller still waited, without retries.
         """
-        mux = self._mux
-        if mux is not None and self._unresolved == 0 and not self._buffer:
+        sharing = self._mux is not None or self._proxy_muxes is not None
+        if sharing and self._unresolved == 0 and not self._buffer:
             self._check_open()
+            # Before the sequence is taken: a lost proxy raises PublisherLost here.
+            mux, endpoint = self._shared_mux()
             event = common_pb2.EventData(
                 key=key or b"", payload=payload, headers=headers, sequence=self._next_sequence
             )
-            entry = mux.submit(self._topic, self._publisher_id, event)
+            entry = self._submit(mux, event)
             self._next_sequence += 1
             self._muxed += 1
-            return await self._publish_muxed(mux, event, [entry])
+            return await self._publish_muxed(event, [entry], endpoint)
         stream = self._stream
         if (
             stream is not None
@@ -303,21 +311,50 @@ class Publisher:
         receipts = await self._publish_batches([(key, payload, headers)], BATCH_EVENTS_DEFAULT)
         return receipts[0]
 
+    def _shared_mux(self) -> tuple[PublishMux, Endpoint | None]:
+        """The shared stream an attempt goes on and the endpoint it is bound to: the
+        gateway's (None), or for a proxy the one to the replica its binding names now
+        (PublisherLost once the binding is lost). The endpoint is the binding's own (the
+        stream's may name the same address under another node id)."""
+        if self._mux is not None:
+            return self._mux, None
+        binding = self._binding
+        assert self._proxy_muxes is not None and isinstance(binding, ProxyBinding)
+        endpoint = binding.target()
+        return self._proxy_muxes.get(endpoint, binding.new_channel), endpoint
+
+    def _submit(
+        self, mux: PublishMux, event: common_pb2.EventData, *, alone: bool = False
+    ) -> MuxEntry:
+        """Queues one attempt on a shared stream; a proxy's binding gives the metadata and
+        stall check of a stream it opens, as it does for a stream of the proxy's own."""
+        if mux.endpoint is None:
+            return mux.submit(self._topic, self._publisher_id, event, alone=alone)
+        return mux.submit(
+            self._topic,
+            self._publisher_id,
+            event,
+            alone=alone,
+            metadata=self._binding.metadata(),
+            check_master=self._check_master,
+        )
+
     async def _publish_muxed(
-        self, mux: PublishMux, event: common_pb2.EventData, held: list[MuxEntry]
+        self, event: common_pb2.EventData, held: list[MuxEntry], endpoint: Endpoint | None
     ) -> Receipt:
-        """Waits for an event sent on the client's shared stream; retries it as a batch of
-        its own is retried (same id and sequence, under the retry policy). `held` holds
+        """Waits for an event sent on a shared stream of the client; retries it as a batch
+        of its own is retried (same id and sequence, under the retry policy), each retry
+        on the shared stream its binding names then (a proxy may have moved). `held` holds
         the entry of the latest attempt."""
         try:
             try:
-                return await self._mux_attempt(mux, event, held, again=False)
+                return await self._mux_attempt(event, held, endpoint)
             except SquallError as first:
                 request = new_request(self._topic, self._publisher_id)
                 request.events.append(event)
 
                 async def again() -> list[Receipt]:
-                    return [await self._mux_attempt(mux, event, held, again=True)]
+                    return [await self._mux_attempt(event, held, None, again=True)]
 
                 return (await self._retry_batch(request, first, again))[0]
         finally:
@@ -330,26 +367,55 @@ class Publisher:
                 entry.future.add_done_callback(lambda _future: self._unmux())
 
     async def _mux_attempt(
-        self, mux: PublishMux, event: common_pb2.EventData, held: list[MuxEntry], *, again: bool
+        self,
+        event: common_pb2.EventData,
+        held: list[MuxEntry],
+        endpoint: Endpoint | None,
+        *,
+        again: bool = False,
     ) -> Receipt:
-        """One attempt on the shared stream; a refusal shared with others is checked by
-        sending the event again alone (nothing was stored)."""
+        """One attempt on a shared stream; a refusal shared with others is checked by
+        sending the event again alone (nothing was stored). A proxy's binding hears how
+        the attempt's stream ended, and its first answer, as from a stream of its own."""
         if again:
             self._resends += 1
-            held[0] = mux.submit(self._topic, self._publisher_id, event)
+            target, endpoint = self._shared_mux()
+            held[0] = self._submit(target, event)
+        mux: PublishMux = held[0].mux  # the joining keeps it untyped (squall._publish_join)
         try:
-            receipt = await mux.result(held[0], self._timeout_s)
-        except JoinRefused:
-            held[0] = mux.submit(self._topic, self._publisher_id, event, alone=True)
-            receipt = await mux.result(held[0], self._timeout_s)
+            try:
+                receipt = await mux.result(held[0], self._timeout_s)
+            except JoinRefused:
+                held[0] = self._submit(mux, event, alone=True)
+                receipt = await mux.result(held[0], self._timeout_s)
+        except SquallError:
+            ended = held[0].ended
+            if ended is not None and endpoint is not None:
+                self._binding.stream_failed(endpoint, *ended)
+            raise
         if _stages.ENABLED:
             _stages.mark("c.return", _stages.request_key(self._publisher_id, event.sequence))
         stream = held[0].stream
         generation = stream.generation if stream is not None else 0
-        if generation != self._mux_generation:
-            self._mux_generation = generation
-            self._streams_opened += 1
-        return receipt
+        answered = (endpoint.address if endpoint is not None else "", generation)
+        if answered == self._mux_stream:
+            return receipt
+        self._mux_stream = answered
+        self._streams_opened += 1
+        # An answer from a replica the binding has since left is old news.
+        binding = self._binding
+        if endpoint is None or not isinstance(binding, ProxyBinding):
+            return receipt
+        if binding.current() != endpoint:
+            return receipt
+        binding.stream_answered(endpoint)
+        moved_from = self._moves.answered(endpoint)
+        if moved_from is None:
+            return receipt
+        receipts = [receipt]
+        mark_rebound(receipts)
+        self._moves.report(moved_from, endpoint)
+        return receipts[0]
 
     def _unmux(self) -> None:
         self._muxed -= 1
