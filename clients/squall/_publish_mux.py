@@ -357,7 +357,7 @@ class PublishMux:
         one its request went on; while still waiting for a slot, the one it waits on once
         abandoned (the end is read at once; a live one's reader is a caller with a request
         on it, whose timeout may abandon it)."""
-        stream = entry.stream
+        stream: _MuxStream | None = entry.stream
         if stream is None:
             stream = self._stream
             if stream is None or stream.abort_error is None:
