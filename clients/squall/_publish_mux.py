@@ -201,6 +201,7 @@ class _MuxStream:
         # watchdog: a request sent while none was pending, or the stream's end.
         self.check_master = check_master
         self.woken = threading.Event()
+        self.watched = False  # whether a stall watchdog runs (then `woken` is used)
         # The caller holding the reader role (None: no one reads now), and when it gives
         # up waiting: the deadline watch (`_watch_deadlines`) abandons the stream then,
         # as that caller would if it were not blocked reading.
@@ -551,6 +552,7 @@ class PublishMux:
             daemon=True,
         ).start()
         if self.endpoint is not None and check_master is not None:
+            stream.watched = True
             threading.Thread(
                 target=self._watch, args=(stream,), name="squall-publish-watch-shared", daemon=True
             ).start()
@@ -566,11 +568,13 @@ class PublishMux:
     def _send(self, stream: _MuxStream, entries: list[_Entry]) -> None:
         request_id = self._next_request_id
         self._next_request_id += 1
+        # (Only a stall watchdog reads when a request went out, and needs waking for it.)
+        watched = stream.watched
         request, sent = build_request(
-            entries, stream.session_token, request_id, stream, time.monotonic()
+            entries, stream.session_token, request_id, stream, time.monotonic() if watched else 0.0
         )
         self.joined_requests += sent.joined
-        if not stream.pending:
+        if watched and not stream.pending:
             stream.woken.set()
         stream.pending.append(sent)
         if _stages.ENABLED:
