@@ -112,6 +112,7 @@ def stage_run(address: str, count: int, topic: str) -> dict[str, float]:
 _CLIENT_STAGES = (
     *(row for row in PUBLISH_STAGES if row[1].startswith("c.") and row[2].startswith("c.")),
     ("fake broker round trip (wire to response read)", "c.wire", "c.resp"),
+    ("total: publish() to caller returns", "c.call", "c.return"),
 )
 
 
