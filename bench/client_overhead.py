@@ -11,6 +11,7 @@ change (`git stash`) and compare medians, since the machine may be shared.
 
     PYTHONPATH=clients python -m bench.client_overhead --runs 5 --count 2000
     PYTHONPATH=clients python -m bench.client_overhead --stages   # the budget's client rows
+    PYTHONPATH=clients python -m bench.client_overhead --threads 16   # concurrent publishers
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,6 +79,37 @@ def one_run(address: str, count: int, topic: str) -> dict[str, float]:
     }
 
 
+def threads_run(address: str, count: int, topic: str, threads: int) -> dict[str, float]:
+    """`threads` threads, each with a publisher of its own publishing one event at a time
+    (`count` in all): per event, CPU µs and switches of this process, and wall µs."""
+    with squall.connect(address, timeout_s=10.0) as client:
+        client.create_topic(topic)
+        publishers = [client.topic(topic).publisher(f"{topic}-{i}") for i in range(threads)]
+        for publisher in publishers:
+            publisher.publish(b"warm-up")
+
+        def run(publisher: squall.Publisher) -> None:
+            for _ in range(count // threads):
+                publisher.publish(b"x" * 100)
+
+        workers = [threading.Thread(target=run, args=(p,), daemon=True) for p in publishers]
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(600)
+        cpu1, wall1 = time.process_time(), time.perf_counter()
+        after = resource.getrusage(resource.RUSAGE_SELF)
+    done = count // threads * threads
+    return {
+        "cpu_us": round((cpu1 - cpu0) / done * 1e6, 1),
+        "wall_us": round((wall1 - wall0) / done * 1e6, 1),
+        "voluntary_switches": round((after.ru_nvcsw - before.ru_nvcsw) / done, 2),
+        "involuntary_switches": round((after.ru_nivcsw - before.ru_nivcsw) / done, 2),
+    }
+
+
 def stage_run(address: str, count: int, topic: str) -> dict[str, float]:
     """The client's rows of the latency budget (bench/latency.py, PUBLISH_STAGES) for
     lone publishes against the fake broker: median µs of each."""
@@ -121,10 +154,15 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--count", type=int, default=2000)
     parser.add_argument("--stages", action="store_true", help="the budget's client rows instead")
+    parser.add_argument("--threads", type=int, default=0, help="concurrent publishers instead")
     args = parser.parse_args()
-    run = stage_run if args.stages else one_run
     with fake_broker() as address:
-        runs = [run(address, args.count, f"t{i}") for i in range(args.runs)]
+        runs = [
+            threads_run(address, args.count, f"t{i}", args.threads)
+            if args.threads
+            else (stage_run if args.stages else one_run)(address, args.count, f"t{i}")
+            for i in range(args.runs)
+        ]
     medians = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
     print(json.dumps({"runs": runs, "median": medians}))
 

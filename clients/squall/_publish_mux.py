@@ -30,6 +30,29 @@ Rules kept:
 * The joining itself (which events go together, the request, splitting the answers) is
   `squall._publish_join`'s, shared with the asyncio client's `squall.aio._publish_mux`.
 
+Who reads the stream (issue 16, item 2): no thread of its own, which cost a lone publish
+a wake-up of that thread and one of the caller (bench/client_overhead.py). One waiting
+caller at a time holds a stream's reader role (leader/followers): it reads the next
+response, settles whichever requests it answers (waking their callers), and once its own
+answer is there gives the role up, signalling a waiting caller with a request still
+unanswered on the stream, which takes it (`_hand_role_on`). A lone caller thus reads its
+own answer. Only callers with a request on the stream read it (and, once it is
+abandoned, those waiting for a slot on it, since its end then comes at once), so a
+reader blocked in gRPC's read is always waiting for something its own timeout covers:
+
+* a reader cannot time itself out while blocked, so one thread per stream
+  (`_watch_deadlines`, asleep until the current reader's deadline; woken only when a
+  reader with an earlier one takes the role) abandons the stream at that deadline, as
+  that caller would; the read then ends at once and the caller gets `Indeterminate`;
+* a waiting caller times out by itself, as before: abandoning the stream if its request
+  was sent (the reader then reads the end), failing alone if it still waited for a slot;
+* a caller interrupted while waiting abandons its attempt the same way, so others do not
+  wait behind a request no one reads for;
+* a stream that ends while nothing is unanswered (no one reads it) is ended from gRPC's
+  end-of-call callback (`_call_ended`), so the next publish opens a fresh stream rather
+  than learning of the end by a failed attempt; with requests unanswered, that callback
+  signals a waiting caller to read the end if no one holds the role.
+
 Publisher proxies (`replicated=True/False`) share too, one stream per replica address
 (`ProxyMuxes`, a `PublishMux` per address made on demand and closed with the client), so
 64 proxies bound to the master are one stream to it whose concurrent lone publishes join
