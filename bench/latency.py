@@ -498,6 +498,8 @@ PUBLISH_STAGES = (
     ),
     ("master: commit to response built", "m.commit", "m.resp"),
     ("master -> gateway (network, gateway read)", "m.resp", "g.resp"),
+    # (The client's "reader thread" on the shared stream is the waiting caller holding
+    # its reader role, squall._publish_mux; the labels stay comparable with old runs.)
     ("gateway -> client (network, client reader thread)", "g.resp", "c.resp"),
     ("client: reader thread to caller returns", "c.resp", "c.return"),
 )

@@ -140,6 +140,12 @@ def build_request(
 ) -> tuple[broker_pb2.PublishRequest, Sent[F]]:
     """The request carrying `entries` (grouped per publisher and topic, in call order), and
     its record for matching the answer; each entry is marked as sent on `stream`."""
+    if len(entries) == 1:
+        # A lone publish (the common case): one part, no grouping.
+        entries[0].stream = stream
+        request = _part(entries, token)
+        request.request_id = request_id
+        return request, Sent(request_id, [entries], joined=False, sent_at=sent_at)
     by_publisher: dict[tuple[str, str], list[Entry[F]]] = {}
     for entry in entries:
         by_publisher.setdefault((entry.topic, entry.publisher_id), []).append(entry)
@@ -284,7 +290,10 @@ def _gone(ended: Ended | None) -> str | None:
 def _part(group: list[Entry[Any]], token: str) -> broker_pb2.PublishRequest:
     """One publisher's events of a request, in call order."""
     request = new_request(group[0].topic, group[0].publisher_id, token)
-    request.events.extend(entry.event for entry in group)
+    if len(group) == 1:
+        request.events.append(group[0].event)
+    else:
+        request.events.extend(entry.event for entry in group)
     return request
 
 

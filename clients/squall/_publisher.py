@@ -392,10 +392,10 @@ class Publisher:
         stall check of a stream it opens, as it does for a stream of the proxy's own."""
         binding = self._binding
         if mux.endpoint is None or not isinstance(binding, ProxyBinding):
-            _, entry = mux.submit(self._topic, self._publisher_id, event, alone=alone)
+            entry = mux.submit(self._topic, self._publisher_id, event, alone=alone)
             return entry
         check = binding.check_master if binding.can_check_master() else None
-        _, entry = mux.submit(
+        entry = mux.submit(
             self._topic,
             self._publisher_id,
             event,
