@@ -20,6 +20,9 @@ Scenarios (measurements, not tests; each bounded by a count and a deadline):
   shared publish stream to the master (`squall_server.gateway.shared_publish`).
 * `delivery`: a following subscriber through the gateway; one event published at a time;
   from the publish call to the subscriber's iterator yielding it: p50 / p99.
+* `delivery_slave`: the same with `read_from="replicas"`: with no other reader open, the
+  gateway puts the stream on a slave, which hears of each commit from its master's commit
+  notice (docs/consumers.md, "Reads from replicas").
 * `push_delivery`: the same to an ordered push subscriber's callback (`PushEndpoint`).
 * `budget`: the stage marks (`squall.wire.stages`) of the one-at-a-time run joined across the
   client, the gateway and the three replicas into the median time of each stage of one
@@ -40,7 +43,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 
@@ -404,8 +407,15 @@ def idle_cpu(pids: dict[str, int], seconds: float) -> dict[str, float]:
     return meter.stop()
 
 
-def delivery(address: str, topic: str, count: int, deadline_s: float) -> dict[str, Any]:
-    """One event published at a time; from the publish call to a following subscriber."""
+def delivery(
+    address: str,
+    topic: str,
+    count: int,
+    deadline_s: float,
+    read_from: Literal["master", "replicas"] | None = None,
+) -> dict[str, Any]:
+    """One event published at a time; from the publish call to a following subscriber
+    (served where `read_from` says: the gateway's setting, the master by default)."""
     sent_at: dict[int, float] = {}
     latencies_s: list[float] = []
     received = threading.Semaphore(0)
@@ -413,7 +423,7 @@ def delivery(address: str, topic: str, count: int, deadline_s: float) -> dict[st
         handle = client.topic(topic)
         with handle.publisher() as publisher:
             publisher.publish(b"warm-up")
-            subscription = handle.subscribe(start="latest", follow=True)
+            subscription = handle.subscribe(start="latest", follow=True, read_from=read_from)
 
             def read() -> None:
                 for message in subscription:
@@ -676,6 +686,7 @@ def measure(
             "one",
             "proxy",
             "delivery",
+            "slave-delivery",
             "push",
             "unary",
             *(f"c{n}" for n in sizes.concurrency),
@@ -769,6 +780,15 @@ def measure(
     if stages is not None:
         time.sleep(0.5)
         out["delivery_budget"] = delivery_budget(stages, roles_of(pids), _master_role(out))
+    # After the delivery budget, which joins the marks of the master-served stream.
+    log(f"    latency: publish -> following subscriber on a slave, {sizes.delivery_events} events")
+    out["delivery_slave"] = delivery(
+        address,
+        f"{topic_prefix}-slave-delivery",
+        sizes.delivery_events,
+        sizes.delivery_deadline_s,
+        read_from="replicas",
+    )
     return out
 
 
@@ -868,6 +888,14 @@ def table(policy_figures: dict[str, dict[str, Any]]) -> str:
         "publish -> following subscriber, p50 / p99 ms",
         lambda f: f"{f['delivery']['latency_ms_p50']} / {f['delivery']['latency_ms_p99']}",
     )
+    if all("delivery_slave" in f for f in policy_figures.values()):
+        row(
+            "publish -> following subscriber on a slave (read_from replicas), p50 / p99 ms",
+            lambda f: (
+                f"{f['delivery_slave']['latency_ms_p50']} / "
+                f"{f['delivery_slave']['latency_ms_p99']}"
+            ),
+        )
     if all("push_delivery" in f for f in policy_figures.values()):
         row(
             "publish -> push endpoint (ordered), p50 / p99 ms",

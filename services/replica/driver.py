@@ -326,10 +326,13 @@ def master_config(
     )
 
 
-def ack_message(ack: Ack) -> replica_pb2.ReplicationAck:
+def ack_message(ack: Ack, *, readers_following: bool = False) -> replica_pb2.ReplicationAck:
     """A core's ack as the wire message."""
     return replica_pb2.ReplicationAck(
-        received_lsn=ack.received_lsn, written_lsn=ack.written_lsn, synced_lsn=ack.synced_lsn
+        received_lsn=ack.received_lsn,
+        written_lsn=ack.written_lsn,
+        synced_lsn=ack.synced_lsn,
+        readers_following=readers_following,
     )
 
 
@@ -367,8 +370,23 @@ class ReplicaDriver:
         self._on_role_changed = on_role_changed
         self._on_fault = on_fault or self._log_fault
         self.local_commits = local_commits
+        # Following reads open here: while any is, every ack says so, and the master
+        # tells this slave each commit at once rather than at its next batch or heartbeat.
+        self.following_readers = 0
 
     # --- small steps shared by both sides
+
+    def follow_started(self) -> None:
+        """A following read opened here (the next ack tells a master)."""
+        self.following_readers += 1
+
+    def follow_ended(self) -> None:
+        """A following read ended."""
+        self.following_readers -= 1
+
+    def ack(self, ack: Ack) -> replica_pb2.ReplicationAck:
+        """An ack as the wire message, saying whether following reads are open here."""
+        return ack_message(ack, readers_following=self.following_readers > 0)
 
     def refused(self, code: Code, message: str) -> ServiceError:
         """A replication refusal carrying this replica's epoch for a stale master."""
@@ -679,7 +697,7 @@ class ReplicaDriver:
         if accepted.refusal is not None:
             raise self.stream_refused(accepted)
         follower = self.stream_follower(stream)
-        return accepted, follower, [ack_message(ack) for ack in accepted.acks]
+        return accepted, follower, [self.ack(ack) for ack in accepted.acks]
 
     def write_batch(
         self, accepted: Effects, follower: Follower, commit_lsn: int
@@ -757,7 +775,7 @@ class ReplicaDriver:
         """A batch's log effects in the order of ``Effects``: returns the LSN to compact
         below (0: none; the shell runs ``store_compact`` then ``compacted`` first), and
         the acks to send once it did; the commit advance is applied by ``advance``."""
-        return effects.compact_from, [ack_message(ack) for ack in effects.acks]
+        return effects.compact_from, [self.ack(ack) for ack in effects.acks]
 
     def advance(self, effects: Effects) -> None:
         """Applies an ``advance_commit`` effect (after any compaction)."""
@@ -776,7 +794,7 @@ class ReplicaDriver:
         if effects.refusal is not None:
             raise self.stream_refused(effects)
         self.advance(effects)
-        return effects.record_commit, ack_message(effects.acks[0])
+        return effects.record_commit, self.ack(effects.acks[0])
 
     def commit_recorded(self, recorded_lsn: int) -> None:
         """A background commit record finished (0: it failed or was cancelled; the next
@@ -827,7 +845,7 @@ class ReplicaDriver:
 
     def snapshot_installed_ack(self, follower: Follower, lsn: int) -> replica_pb2.ReplicationAck:
         """The ack of an installed snapshot (``store_finish_snapshot`` flushed it all)."""
-        return ack_message(follower.on_written(lsn, synced=True))
+        return self.ack(follower.on_written(lsn, synced=True))
 
     # --- snapshot installs (a slave's stream and a new master's fetch share them)
 

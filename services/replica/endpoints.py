@@ -13,6 +13,7 @@ same way (``ReplicaNode`` hands itself over, checked there). What the coordinato
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -125,6 +126,8 @@ class Reads(FaultSink, RoleView, Traced, Protocol):
     def visible_end(self, topic: str) -> int | None: ...
 
     def commit_signal(self) -> asyncio.Event: ...
+
+    def following(self) -> contextlib.AbstractContextManager[None]: ...
 
 
 class Writes(Protocol):

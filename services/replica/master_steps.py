@@ -202,7 +202,8 @@ class MasterSteps(Generic[W]):
     def received(
         self, node_id: str, stream_id: int, message: replica_pb2.ReplicateResponse
     ) -> None:
-        """A later message on an open stream: an ack moves the slave's progress; nothing
+        """A later message on an open stream: an ack moves the slave's progress (and says
+        whether it serves following readers, who then hear each commit at once); nothing
         else is an input once the stream is open."""
         if message.WhichOneof("body") == "ack":
             ack = message.ack
@@ -213,6 +214,7 @@ class MasterSteps(Generic[W]):
                     received_lsn=ack.received_lsn,
                     written_lsn=ack.written_lsn,
                     synced_lsn=ack.synced_lsn,
+                    readers_following=ack.readers_following,
                 )
             )
 
@@ -273,6 +275,7 @@ class MasterSteps(Generic[W]):
                 queue.append(self._send(grant))
             for node_id in actions.snapshots:
                 out.snapshot(node_id)
+            # Idle slaves' heartbeats and commit notices alike: the commit LSN, now.
             for node_id in actions.heartbeats:
                 out.heartbeat(
                     node_id,

@@ -51,9 +51,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
@@ -476,6 +477,16 @@ class ReplicaNode(CoreView):
     def commit_signal(self) -> asyncio.Event:
         """An event set at the next commit (take it before reading, then wait on it)."""
         return self.committed.signal()
+
+    @contextlib.contextmanager
+    def following(self) -> Iterator[None]:
+        """Holds a following read open: while any is, a slave's acks say so and its
+        master tells it each commit at once."""
+        self.driver.follow_started()
+        try:
+            yield
+        finally:
+            self.driver.follow_ended()
 
     # --- reads (committed state only)
 

@@ -46,6 +46,13 @@ LSN at or above this epoch's first entry (the epoch-start entry the driver appen
 first): entries of older epochs are committed by committing that entry after them,
 Raft's rule, so a count never commits an entry a later master could still truncate.
 
+A slave whose acks say it serves following readers (``on_ack(readers_following=True)``)
+hears each commit at once: a record that leaves the commit LSN beyond what that slave was
+told, and sends it no batch (which would carry it), names it in ``heartbeats``, a commit
+notice, one per record. Without it, a slave learns the commit from the next batch or
+heartbeat, up to ``heartbeat_interval_ms`` later, and its readers with it. A slave without
+such readers (an older slave never says it has any) costs nothing more.
+
 Client writes wait with ``register_writes(lsn, token)``; ``Actions.completed`` names the
 tokens whose entries are committed. ``pending_writes_max`` bounds them: the driver admits
 new writes only while ``write_room`` is positive, so a stalled commit (acks ``ALL`` with a
@@ -362,7 +369,8 @@ class Actions(Generic[T]):
     3. ``snapshots``: for each node id, take a snapshot at LSN S in one read transaction,
        call ``on_snapshot_started(node, stream, S)``, then stream its chunks; the slave's
        ack of S ends the snapshot and streaming resumes from S+1.
-    4. ``heartbeats``: send ``ReplicationHeartbeat(commit_lsn, epoch)`` to each node.
+    4. ``heartbeats``: send ``ReplicationHeartbeat(commit_lsn, epoch)`` to each node (an
+       idle slave's, or a commit notice to a slave serving following readers).
     5. ``completed``: answer these clients with success: their entries are at or below
        ``commit_lsn``, held as the ack policy requires.
     6. ``failed``: answer these clients "indeterminate" (``Code.UNKNOWN``): the entry may
@@ -405,6 +413,7 @@ class _Slave:
         "next_lsn",
         "node_id",
         "phase",
+        "readers_following",
         "received_lsn",
         "sent_since_heartbeat",
         "snapshot_lsn",
@@ -434,6 +443,7 @@ class _Slave:
         self.snapshot_wanted = False  # a snapshot instead of a truncation
         self.commit_told = 0
         self.sent_since_heartbeat = False
+        self.readers_following = False  # as its last ack on the current stream said
 
     def durable_lsn(self, policy: SyncPolicy) -> int:
         """What the slave's acks vouch for under the replica sync policy (as
@@ -512,6 +522,8 @@ class ReplicationMaster(Generic[T]):
         self._stream_seq = 0
         self._now_ms: int | None = None
         self._next_heartbeat_ms = 0
+        # Slaves whose acks say they serve following readers: 0 skips the notices' check.
+        self._following = 0
 
     # --- queries
 
@@ -684,6 +696,7 @@ class ReplicationMaster(Generic[T]):
         slave.phase = _Phase.AWAITING_POSITION
         slave.snapshot_lsn = 0
         slave.clear_window()
+        self._set_following(slave, False)
         return slave.stream_id
 
     def disconnected(self, node_id: str, stream_id: int) -> Actions[T]:
@@ -695,6 +708,7 @@ class ReplicationMaster(Generic[T]):
         slave.stream_id = 0
         slave.snapshot_lsn = 0
         slave.clear_window()
+        self._set_following(slave, False)
         return self._actions()
 
     def on_position(
@@ -789,8 +803,10 @@ class ReplicationMaster(Generic[T]):
         received_lsn: int,
         written_lsn: int,
         synced_lsn: int,
+        readers_following: bool = False,
     ) -> Actions[T]:
-        """A slave's ack: how far it holds the log received, written and flushed."""
+        """A slave's ack: how far it holds the log received, written and flushed, and
+        whether it serves following readers (then it hears each commit at once)."""
         slave, rejection = self._current(node_id, stream_id)
         if rejection is not None:
             return self._actions(rejection=rejection)
@@ -804,6 +820,7 @@ class ReplicationMaster(Generic[T]):
                 f"ack received={received_lsn} written={written_lsn} synced={synced_lsn} "
                 f"is not ordered synced <= written <= received <= {sent} (sent)",
             )
+        self._set_following(slave, readers_following)
         if slave.phase == _Phase.SNAPSHOTTING and received_lsn < slave.snapshot_lsn:
             # Sent before the install began: it describes the log the install replaces.
             return self._actions()
@@ -886,7 +903,7 @@ class ReplicationMaster(Generic[T]):
         never grows. Below the quorum the master is deposed."""
         new = self._check_members(members, initial=False)
         for node_id in set(self._slaves) - set(new):
-            del self._slaves[node_id]
+            self._set_following(self._slaves.pop(node_id), False)
         self._slave_order = tuple(self._slaves[n] for n in sorted(self._slaves))
         self._members = new
         if not self._deposed and self._voting_members() < self.config.quorum:
@@ -933,7 +950,6 @@ class ReplicationMaster(Generic[T]):
             slave.sent_since_heartbeat = False
             if slave.phase == _Phase.STREAMING and slave.grant is None and due:
                 heartbeats.append(node_id)
-                slave.commit_told = self._commit_lsn
         return self._actions(heartbeats=tuple(heartbeats))
 
     # --- internals
@@ -1094,6 +1110,8 @@ class ReplicationMaster(Generic[T]):
         while self._pending and self._pending[0][0] <= self._commit_lsn:
             completed.append(self._pending.popleft()[1])
         grants, snapshots, grant_events = self._grants()
+        if heartbeats or self._following:
+            heartbeats = self._heartbeats(heartbeats)
         return Actions(
             commit_lsn=self._commit_lsn,
             sends=tuple(grants),
@@ -1104,6 +1122,31 @@ class ReplicationMaster(Generic[T]):
             rejection=rejection,
             events=events + tuple(grant_events),
         )
+
+    def _heartbeats(self, due: tuple[str, ...]) -> tuple[str, ...]:
+        """The heartbeats ``due`` (they carry the commit LSN) and the commit notices: a
+        slave serving following readers that was told less than the commit LSN and gets
+        no batch in this record (a grant carries the commit LSN)."""
+        commit = self._commit_lsn
+        out = list(due)
+        for slave in self._slave_order:
+            if slave.node_id in due:
+                slave.commit_told = commit
+            elif (
+                slave.readers_following
+                and slave.commit_told < commit
+                and slave.phase == _Phase.STREAMING
+                and slave.grant is None
+            ):
+                out.append(slave.node_id)
+                slave.commit_told = commit
+                slave.sent_since_heartbeat = True
+        return tuple(out)
+
+    def _set_following(self, slave: _Slave, following: bool) -> None:
+        if slave.readers_following != following:
+            slave.readers_following = following
+            self._following += 1 if following else -1
 
     def _progress(self, slave: _Slave) -> SlaveProgress:
         inflight_entries = 0

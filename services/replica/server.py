@@ -845,77 +845,83 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
         # master it would learn no commit, and its reader would wait for ever): the reader
         # subscribes again and is served by a replica that has a master.
         slave_read = request.follow and node.role == common_pb2.ROLE_SLAVE
-        while not end or position < end:
-            signal = node.commit_signal()
-            if durable:
-                moved = self._moved_by_seek(topic.name, durable, generation)
-                if moved is not None:
-                    await abort(context, moved)
-            count = min(batch, end - position) if end else batch
-            try:
-                with _translating(self.node):
-                    if transient:
-                        events = node.transient.read(
-                            topic.name,
-                            position,
-                            count,
-                            topic_id=topic.topic_id,
-                            max_bytes=batch_bytes,
-                        )
-                    else:
-                        hidden = node.visible_end(topic.name)
-                        # end 0: no end; hidden None: nothing hidden (0: the whole topic).
-                        stop = end if hidden is None else min(end, hidden) if end else hidden
-                        bounded = bool(end) or hidden is not None
-                        events = (
-                            []
-                            if bounded and position >= stop
-                            else node.store.read_events(
+        # Counted while open: a slave with following reads has its master tell it each
+        # commit at once, so its readers do not wait for the next heartbeat.
+        with node.following() if request.follow else contextlib.nullcontext():
+            while not end or position < end:
+                signal = node.commit_signal()
+                if durable:
+                    moved = self._moved_by_seek(topic.name, durable, generation)
+                    if moved is not None:
+                        await abort(context, moved)
+                count = min(batch, end - position) if end else batch
+                try:
+                    with _translating(self.node):
+                        if transient:
+                            events = node.transient.read(
                                 topic.name,
                                 position,
                                 count,
-                                stop,
-                                max_bytes=batch_bytes,
                                 topic_id=topic.topic_id,
+                                max_bytes=batch_bytes,
                             )
+                        else:
+                            hidden = node.visible_end(topic.name)
+                            # end 0: no end; hidden None: nothing hidden (0: the whole topic).
+                            stop = end if hidden is None else min(end, hidden) if end else hidden
+                            bounded = bool(end) or hidden is not None
+                            events = (
+                                []
+                                if bounded and position >= stop
+                                else node.store.read_events(
+                                    topic.name,
+                                    position,
+                                    count,
+                                    stop,
+                                    max_bytes=batch_bytes,
+                                    topic_id=topic.topic_id,
+                                )
+                            )
+                except ServiceError as exc:
+                    await abort(context, exc)
+                if events:
+                    position = events[-1].offset + 1
+                    span = delivery.start(events) if delivery is not None else None
+                    if _stages.ENABLED:
+                        # The first event only: a following subscriber gets one per response.
+                        _stages.mark("d.out", f"off/{topic.name}/{events[0].offset}")
+                    try:
+                        yield broker_pb2.SubscribeResponse(
+                            events=events, seek_generation=generation
                         )
-            except ServiceError as exc:
-                await abort(context, exc)
-            if events:
-                position = events[-1].offset + 1
-                span = delivery.start(events) if delivery is not None else None
-                if _stages.ENABLED:
-                    # The first event only: a following subscriber gets one per response.
-                    _stages.mark("d.out", f"off/{topic.name}/{events[0].offset}")
-                try:
-                    yield broker_pb2.SubscribeResponse(events=events, seek_generation=generation)
-                finally:
-                    if span is not None:
-                        span.end()
-                continue
-            if not request.follow:
-                return
-            # Checked before each wait, not after it: a wake that finds events serves them
-            # with one read (a destroyed topic's read fails, NOT_FOUND, in _translating),
-            # and one that finds none comes back here before waiting again.
-            current = node.store.get_topic(topic.name)
-            if current is None or current.topic_id != topic.topic_id:
-                await abort(
-                    context, ServiceError(Code.NOT_FOUND, f"topic '{topic.name}' was destroyed")
-                )
-            if slave_read and node.role not in (common_pb2.ROLE_SLAVE, common_pb2.ROLE_MASTER):
-                await abort(
-                    context,
-                    ServiceError(
-                        Code.UNAVAILABLE,
-                        f"replica {node.node.id} lost its slave role (epoch {node.epoch}, "
-                        f"commit LSN {node.commit_lsn}): subscribe again from offset {position}",
-                    ),
-                )
-            # asyncio.timeout, not wait_for: no task per wait, the commit wakes this one.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(_FOLLOW_RECHECK_S):
-                    await signal.wait()
+                    finally:
+                        if span is not None:
+                            span.end()
+                    continue
+                if not request.follow:
+                    return
+                # Checked before each wait, not after it: a wake that finds events serves them
+                # with one read (a destroyed topic's read fails, NOT_FOUND, in _translating),
+                # and one that finds none comes back here before waiting again.
+                current = node.store.get_topic(topic.name)
+                if current is None or current.topic_id != topic.topic_id:
+                    await abort(
+                        context, ServiceError(Code.NOT_FOUND, f"topic '{topic.name}' was destroyed")
+                    )
+                if slave_read and node.role not in (common_pb2.ROLE_SLAVE, common_pb2.ROLE_MASTER):
+                    await abort(
+                        context,
+                        ServiceError(
+                            Code.UNAVAILABLE,
+                            f"replica {node.node.id} lost its slave role (epoch {node.epoch}, "
+                            f"commit LSN {node.commit_lsn}): subscribe again from offset "
+                            f"{position}",
+                        ),
+                    )
+                # asyncio.timeout, not wait_for: no task per wait, the commit wakes this one.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(_FOLLOW_RECHECK_S):
+                        await signal.wait()
 
     async def Ack(self, request: broker_pb2.AckRequest, context: Context) -> broker_pb2.AckResponse:
         try:

@@ -381,3 +381,64 @@ def test_a_reader_on_a_slave_whose_replica_alone_dies_or_hangs_goes_on_from_anot
     assert got == list(range(len(got))), got
     assert subscription.reconnects > before_kill
     assert "replica has not answered for" in one_fate.log("coordinator", first)
+
+
+# A replication heartbeat a hundred times the default, with the timeouts it bounds raised
+# to match: a slave hears of a commit from a heartbeat at most every ten seconds. (The
+# configuration allows a minute, but the election waits out member_timeout_ms, at least
+# two heartbeats, when two coordinators invite the same node at start.)
+SLOW_HEARTBEATS = {
+    "heartbeat_interval_ms": 10_000,
+    "member_timeout_ms": 20_000,
+    "replica_timeout_ms": 20_000,
+    "store_stall_timeout_ms": 20_000,
+}
+# How long each event may take to reach the slave's follower: far below the heartbeat
+# interval, and the three waits below fit inside one interval, so at most one of their
+# events could have ridden a heartbeat.
+_NOTICE_WAIT_S = 2.5
+
+
+def test_a_follower_on_a_slave_gets_each_event_without_waiting_for_a_heartbeat(
+    cluster_factory: object,
+) -> None:
+    """Sparse publishing (one event at a time) to a slave's following reader: the slave
+    says it serves one, so the master tells it each commit as soon as it moves, instead of
+    at the next heartbeat (a minute here) or the next publish's batch."""
+    cluster = cluster_factory("cluster.example.toml", timeouts=dict(SLOW_HEARTBEATS))  # type: ignore[operator]
+    assert isinstance(cluster, LocalCluster)
+    cluster.start_all(wait_for_master=False)
+    master = cluster.wait_for_master(timeout_s=120)
+    reader = _slaves(cluster, master)[0]
+    with squall.connect(cluster.gateway_address, timeout_s=10) as client:
+        client.create_topic("sparse")
+    sequence = 0
+
+    def publish() -> None:
+        nonlocal sequence
+        sequence += 1
+        with grpc.insecure_channel(cluster.replica_address(master)) as channel:
+            broker_pb2_grpc.PublisherStub(channel).Publish(
+                _request("sparse", "web", sequence, [10]), timeout=10
+            )
+
+    # Event 0's commit reaches the slave with event 1's batch: a follower that reads it is
+    # open (counted) on the slave.
+    publish()
+    publish()
+    follower = _Follower(cluster.replica_address(reader), "sparse")
+    follower.start()
+    try:
+        wait_for(lambda: follower.offsets() == [0], 20, "the slave's follower reads event 0")
+        # Event 1 waits for a commit the slave has not heard of; event 2's ack says the
+        # slave has a follower, and the commit comes at once, then each later one.
+        for last in (2, 3, 4):
+            publish()
+            wait_for(
+                lambda n=last: follower.offsets() == list(range(n + 1)),  # type: ignore[misc]
+                _NOTICE_WAIT_S,
+                f"the slave's follower reads event {last} before a heartbeat could carry it",
+            )
+        assert follower.error is None, repr(follower.error)
+    finally:
+        follower.close()

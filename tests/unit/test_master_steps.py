@@ -251,3 +251,30 @@ def test_the_writer_flushes_after_sending_only_under_sync_and_a_write_waits_for_
     assert steps.wait_lsn(2) == 4 and steps.wait_lsn(4) == 4 and steps.wait_lsn(7) == 7
     for policy in (SyncPolicy.WRITE_NO_SYNC, SyncPolicy.NO_SYNC):
         assert not _steps(policy)[0].flush_after_send()
+
+
+def test_an_ack_saying_readers_follow_gets_the_commit_as_a_heartbeat_at_once() -> None:
+    steps, store, seen = _steps()
+    core = steps.core
+    stream = core.connect("n2")
+    steps.apply(core.on_position("n2", stream, last_epoch=0, last_lsn=0, history=[]))
+    store.append([_entry(4, 2)], sync=True)
+    steps.appended([_entry(4, 2)], synced=True)
+    seen.clear()
+    # Two nodes: n2's ack of LSN 4 commits it; its batch carried the commit before it.
+    ack = replica_pb2.ReplicationAck(
+        received_lsn=4, written_lsn=4, synced_lsn=4, readers_following=True
+    )
+    steps.received("n2", stream, replica_pb2.ReplicateResponse(ack=ack))
+    heartbeats = [value for kind, value in seen if kind == "heartbeat"]
+    assert len(heartbeats) == 1
+    node_id, message = heartbeats[0]  # type: ignore[misc]
+    assert (node_id, message.heartbeat.commit_lsn, message.heartbeat.epoch) == ("n2", 4, 2)
+    # Without readers the commit waits for n2's next batch or heartbeat.
+    store.append([_entry(5, 2)], sync=True)
+    steps.appended([_entry(5, 2)], synced=True)
+    seen.clear()
+    ack = replica_pb2.ReplicationAck(received_lsn=5, written_lsn=5, synced_lsn=5)
+    steps.received("n2", stream, replica_pb2.ReplicateResponse(ack=ack))
+    assert ("committed", 5) in seen
+    assert not any(kind == "heartbeat" for kind, _ in seen)

@@ -27,7 +27,7 @@ from squall_server.common.errors import Code, ServiceError
 from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.node import ReplicaNode
 from squall_server.replica.replication_server import Replication
-from squall_server.replica.server import ReplicaControl
+from squall_server.replica.server import ReplicaControl, Subscriber
 from squall_server.replica.store import DATABASES, Store, StoreFullError, StoreWriteError
 from squall_server.replica.store.kv_memory import MemoryKV
 
@@ -491,6 +491,69 @@ def test_a_master_flush_failing_after_sending_deposes_it_and_fail_stops() -> Non
             with pytest.raises(ServiceError) as refused:
                 node.start_publish(broker_pb2.PublishRequest(topic="t"))
             assert refused.value.code == Code.UNAVAILABLE
+        finally:
+            await node.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_slaves_acks_say_whether_following_readers_are_open_there() -> None:
+    """The master tells a slave each commit at once only while its acks say it serves
+    following readers: the first such reader sets the flag, the last one leaving clears
+    it, and the acks in between keep saying it."""
+
+    async def scenario() -> None:
+        config = load_config(CONFIG)
+        node = build_replica_node(config, config.node("n2"), Store.open_memory())
+        await node.start()
+        try:
+            await node.apply_role(_slave_of("n1", epoch=3, seq=1))
+            requests: asyncio.Queue[replica_pb2.ReplicateRequest] = asyncio.Queue()
+
+            async def incoming():  # type: ignore[no-untyped-def]
+                while True:
+                    yield await requests.get()
+
+            stream = Replication(node).Replicate(incoming(), _Context())  # type: ignore[arg-type]
+            hello = replica_pb2.ReplicationHello(master_id="n1", epoch=3, cluster_id="c")
+            requests.put_nowait(replica_pb2.ReplicateRequest(hello=hello))
+            assert (await stream.__anext__()).HasField("position")
+            batch = replica_pb2.EntryBatch(epoch=3, entries=[_entry(1, 3)], commit_lsn=0)
+            requests.put_nowait(replica_pb2.ReplicateRequest(entries=batch))
+            assert not (await stream.__anext__()).ack.readers_following
+
+            async def heartbeat_ack() -> replica_pb2.ReplicationAck:
+                beat = replica_pb2.ReplicationHeartbeat(epoch=3, commit_lsn=1)
+                requests.put_nowait(replica_pb2.ReplicateRequest(heartbeat=beat))
+                return (await stream.__anext__()).ack
+
+            assert not (await heartbeat_ack()).readers_following  # topic t1 now committed
+
+            async def follow() -> None:
+                request = broker_pb2.SubscribeRequest(
+                    topic="t1", follow=True, start=broker_pb2.START_POSITION_EARLIEST
+                )
+                async for _ in Subscriber(node).Subscribe(request, _Context()):  # type: ignore[arg-type]
+                    pass
+
+            async def readers_open(count: int) -> None:
+                for _ in range(500):  # bounded: a reader opens within a few loop turns
+                    if node.driver.following_readers == count:
+                        return
+                    await asyncio.sleep(0.01)
+                raise AssertionError(f"{node.driver.following_readers} readers, not {count}")
+
+            first = asyncio.create_task(follow())
+            await readers_open(1)
+            assert (await heartbeat_ack()).readers_following  # 0 -> 1
+            second = asyncio.create_task(follow())
+            await readers_open(2)
+            first.cancel()
+            await readers_open(1)
+            assert (await heartbeat_ack()).readers_following  # one still follows
+            second.cancel()
+            await readers_open(0)
+            assert not (await heartbeat_ack()).readers_following  # 1 -> 0
         finally:
             await node.stop()
 

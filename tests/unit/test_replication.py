@@ -1243,3 +1243,80 @@ def test_a_slave_sent_a_snapshot_counts_for_nothing_until_it_installed_it() -> N
     ack(master, "2", sid2, 6, 6, 6)
     assert "2" in dict(master.holders(6))
     assert master.progress("2").state == SlaveState.STREAMING
+
+
+# --- commit notices to slaves serving following readers
+
+
+def follow_ack(
+    master: ReplicationMaster[str], node: str, sid: int, lsn: int, *, following: bool = True
+) -> Actions[str]:
+    return master.on_ack(
+        node, sid, received_lsn=lsn, written_lsn=lsn, synced_lsn=lsn, readers_following=following
+    )
+
+
+def test_a_slave_serving_following_readers_hears_the_commit_when_it_moves() -> None:
+    master = new_master()
+    sid2 = stream(master, "2")
+    sid3 = stream(master, "3")
+    assert follow_ack(master, "2", sid2, 0).heartbeats == ()  # nothing committed yet
+    send_all(master, master.on_appended(1, synced=True))
+    # Node 3's ack commits LSN 1; node 2's batch carried commit 0: it is told at once,
+    # node 3 (no following readers) waits for its next batch or heartbeat.
+    moved = ack(master, "3", sid3, 1, 1, 1)
+    assert (moved.commit_lsn, moved.heartbeats) == (1, ("2",))
+    # Node 2's own ack moves nothing it was not told.
+    assert follow_ack(master, "2", sid2, 1).heartbeats == ()
+    # Three writes, one record each way: one notice per record, not one per write.
+    send_all(master, master.on_appended(4, synced=True))
+    assert follow_ack(master, "2", sid2, 4).heartbeats == ("2",)
+    assert ack(master, "3", sid3, 4, 4, 4).heartbeats == ()
+    # The idle heartbeat is not sent again for what the notice told.
+    assert master.tick(100).heartbeats == ("3",)
+
+
+def test_a_slave_whose_readers_start_after_the_commit_is_told_with_its_next_ack() -> None:
+    master = new_master()
+    sid2 = stream(master, "2")
+    sid3 = stream(master, "3")
+    send_all(master, master.on_appended(1, synced=True))
+    assert ack(master, "3", sid3, 1, 1, 1).heartbeats == ()  # node 2 has no readers yet
+    # A reader starts following on node 2: its next ack says so, and it is told the
+    # commit its last batch did not carry.
+    assert follow_ack(master, "2", sid2, 1).heartbeats == ("2",)
+
+
+def test_no_notice_when_a_batch_in_the_same_record_carries_the_commit() -> None:
+    master = new_master()
+    sid2 = stream(master, "2")
+    sid3 = stream(master, "3")
+    send_all(master, master.on_appended(1, synced=False))
+    follow_ack(master, "2", sid2, 1)
+    assert ack(master, "3", sid3, 1, 1, 1).commit_lsn == 0  # the master has not flushed
+    # The master's flush of LSN 2 commits LSN 1 and grants LSN 2 to both, carrying it.
+    actions = master.on_appended(2, synced=True)
+    assert actions.commit_lsn == 1
+    assert [(g.node_id, g.commit_lsn) for g in actions.sends] == [("2", 1), ("3", 1)]
+    assert actions.heartbeats == ()
+
+
+def test_the_following_flag_clears_with_an_ack_without_it_or_a_new_stream() -> None:
+    master = new_master()
+    sid2 = stream(master, "2")
+    sid3 = stream(master, "3")
+    follow_ack(master, "2", sid2, 0)
+    send_all(master, master.on_appended(1, synced=True))
+    # The readers left: node 2's ack says so, and the next commit is left to its next
+    # batch or heartbeat.
+    follow_ack(master, "2", sid2, 1, following=False)
+    assert ack(master, "3", sid3, 1, 1, 1).heartbeats == ()
+    # A new stream starts without readers until its acks say otherwise.
+    follow_ack(master, "2", sid2, 1)
+    master.disconnected("2", sid2)
+    sid2 = stream(master, "2", last_lsn=0)
+    send_all(master, master.on_appended(2, synced=True))
+    assert ack(master, "3", sid3, 2, 2, 2).heartbeats == ()
+    assert follow_ack(master, "2", sid2, 2).heartbeats == ("2",)  # its readers are back
+    send_all(master, master.on_appended(3, synced=True))
+    assert ack(master, "3", sid3, 3, 3, 3).heartbeats == ("2",)

@@ -884,7 +884,10 @@ Global___SnapshotRecord: _TypeAlias = SnapshotRecord  # noqa: Y015
 
 @_typing.final
 class ReplicationHeartbeat(_message.Message):
-    """Keeps the stream alive and advances the commit LSN."""
+    """Keeps the stream alive and advances the commit LSN: sent to an idle slave every
+    heartbeat interval, and at once (a commit notice) when the commit LSN moves past what a
+    slave whose acks say readers_following was told, unless a batch to it carries it.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1083,22 +1086,29 @@ class ReplicationAck(_message.Message):
     RECEIVED_LSN_FIELD_NUMBER: _builtins.int
     WRITTEN_LSN_FIELD_NUMBER: _builtins.int
     SYNCED_LSN_FIELD_NUMBER: _builtins.int
+    READERS_FOLLOWING_FIELD_NUMBER: _builtins.int
     received_lsn: _builtins.int
     """Received (held in memory)."""
     written_lsn: _builtins.int
     """Written to the store."""
     synced_lsn: _builtins.int
     """Written and flushed to disk."""
+    readers_following: _builtins.bool
+    """Set while the slave serves following readers (Subscribe with follow): the master then
+    sends it a heartbeat as soon as the commit LSN moves, instead of leaving the commit to
+    the next batch or heartbeat. Every ack says it; an older slave never sets it.
+    """
     def __init__(
         self,
         *,
         received_lsn: _builtins.int = ...,
         written_lsn: _builtins.int = ...,
         synced_lsn: _builtins.int = ...,
+        readers_following: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["received_lsn", b"received_lsn", "synced_lsn", b"synced_lsn", "written_lsn", b"written_lsn"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["readers_following", b"readers_following", "received_lsn", b"received_lsn", "synced_lsn", b"synced_lsn", "written_lsn", b"written_lsn"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
