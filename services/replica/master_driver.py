@@ -142,10 +142,12 @@ class _Sender:
                     for entry in message.entries.entries:
                         _stages.mark("m.sent", f"lsn/{entry.lsn}")
                 await call.write(message)
-        except ReplicaCallError:
+        except (ReplicaCallError, asyncio.InvalidStateError) as exc:
+            # The stream failed or ended (gRPC refuses writes on a finished call).
+            log.debug("%s: the stream took no more: %r", self._name, exc)
             self._drop()
         except Exception:
-            log.exception("%s: writing to the stream failed", self._name)
+            log.warning("%s: writing to the stream failed", self._name, exc_info=True)
             self._drop()
         finally:
             self._writing = False
