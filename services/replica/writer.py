@@ -1,11 +1,16 @@
 """The master's writer: the write queue, group commit and log compaction.
 
-Every write goes through one writer task. It drains every command waiting (up to a
-bounded batch), plans them with a `BatchBuilder` (the driver's ``plan_batch``), appends
-the whole batch to the store in one transaction on the store thread (so fsync never
-blocks the event loop), and only then hands the batch and its commands to the master's
-replication (``MasterDriver.appended``, one record): a write is acknowledged only once its
-entry is committed.
+Every write goes through one writer, one commit batch at a time under the commit lock.
+The writer task drains every command waiting (up to a bounded batch), plans them with a
+`BatchBuilder` (the driver's ``plan_batch``), appends the whole batch to the store in one
+transaction (small unflushed batches on the loop, the rest on the store thread, so fsync
+never blocks the event loop), and only then hands the batch and its commands to the
+master's replication (``MasterDriver.appended``, one record): a write is acknowledged only
+once its entry is committed. A command submitted while the writer is idle (nothing
+queued, the lock free, write room, the first such command of its loop turn) is committed
+the same way at once, in the submitter's turn, without waiting for the writer task's
+next turn; what must wait (a large append, the flush, a compaction) then runs in a task
+of its own that holds the lock until done.
 A slave's batches are appended and its log compacted the same way (``append_entries``,
 ``compact``), from ``slave_side``.
 
