@@ -42,7 +42,7 @@ from squall_server.replica.core import ReplicaCore
 from squall_server.replica.core_view import CoreView
 from squall_server.replica.driver import ReplicaDriver
 from squall_server.replica.master_driver import MasterDriver, Waiting
-from squall_server.replica.replication import batch_size_bytes
+from squall_server.replica.replication import AckPolicy, MasterConfig, batch_size_bytes
 from squall_server.replica.store import StoreError
 
 log = logging.getLogger("squall.replica")
@@ -99,8 +99,6 @@ class Writer(CoreView):
         self._queue: deque[_Pending] = deque()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        # A command was begun at once in this loop turn (``_may_begin_now``).
-        self._began_this_turn = False
         # Commits begun at once whose rest runs in a task (held: the loop holds tasks
         # only weakly).
         self._rests: set[asyncio.Task[None]] = set()
@@ -205,20 +203,26 @@ class Writer(CoreView):
 
     def _may_begin_now(self) -> bool:
         """Whether a command submitted now may be committed at once, in the submitter's
-        turn: the first of its loop turn (later ones in the same turn queue, so a burst
-        still groups into one commit batch), nothing queued, master with write room."""
-        if self._began_this_turn or self._queue or self.role != common_pb2.ROLE_MASTER:
+        turn: nothing queued, and no write waiting for its commit on a master whose
+        commits wait for its slaves. While writes wait (concurrent or pipelined writers),
+        new ones queue and group into one commit batch on the writer task as before; with
+        none waiting the write is alone, and begun now its batch leaves a loop turn
+        sooner. A master committing alone (one node, ``acks = "none"``) never has writes
+        waiting, so that says nothing of its writers: there the writer task's turn is what
+        groups them (and a lone write's answer waits for its handler's turn either way)."""
+        if self._queue or self.role != common_pb2.ROLE_MASTER:
             return False
         driver = self._driver
-        return driver is not None and not driver.deposed and driver.core.write_room > 0
+        if driver is None or driver.deposed:
+            return False
+        core = driver.core
+        return core.pending_writes == 0 and _commits_wait_for_slaves(core.config)
 
     def _begin_now(self, pending: _Pending) -> None:
         """Commits one command in the submitter's turn (commit lock held, taken here): as
         far as it goes without waiting, the rest (an append on the store thread, the
         flush, a compaction) in a task of its own that frees the lock. The write has
         begun: a submitter that gives up later does not stop it (its own task)."""
-        self._began_this_turn = True
-        asyncio.get_running_loop().call_soon(self._new_turn)
         batch = [pending]
         lock = self._commit_lock
         try:
@@ -246,9 +250,6 @@ class Writer(CoreView):
                 log.error("replica %s: a commit failed: %r", self.node.id, done.exception())
 
         task.add_done_callback(finished)
-
-    def _new_turn(self) -> None:
-        self._began_this_turn = False
 
     def _begin_commit(self, batch: list[_Pending]) -> Coroutine[None, None, None] | None:
         """Commits batch (commit lock held) as far as it goes without waiting; returns
@@ -494,6 +495,15 @@ def cancel_with(
     """A caller that gives up on its receipt cancels the write's wait (as awaiting did)."""
     if receipt.cancelled():
         planned.cancel()
+
+
+def _commits_wait_for_slaves(config: MasterConfig) -> bool:
+    """Whether a commit needs some slave's ack (else the master commits alone)."""
+    if config.acks == AckPolicy.NONE:
+        return False
+    if config.acks == AckPolicy.ALL:
+        return len(config.nodes) > 1
+    return config.quorum > 1
 
 
 def _try_acquire(lock: asyncio.Lock) -> bool:

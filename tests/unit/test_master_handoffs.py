@@ -269,4 +269,4 @@ def test_a_caller_giving_up_after_its_write_began_does_not_stop_the_write(
         assert master.last_lsn == lsn + 2
         assert plan.receipt is not None and plan.receipt.first_offset == 1
 
-    asyncio.run(_cluster(tmp_path, ("n1",), scenario, master_sync="SYNC"))
+    asyncio.run(_cluster(tmp_path, NODES, scenario, master_sync="SYNC"))
