@@ -167,11 +167,14 @@ class Writer(CoreView):
         *,
         appended: asyncio.Future[None] | None = None,
         trace: telemetry.PublishWatch | None = None,
+        alone: bool = False,
     ) -> asyncio.Future[Planned]:
-        """Queues a command for the writer; the future resolves once it committed."""
+        """Queues a command for the writer; the future resolves once it committed.
+        ``alone``: its submitter has nothing else in flight (a lone publisher's stream),
+        so it may begin at once (``_may_begin_now``)."""
         future: asyncio.Future[Planned] = asyncio.get_running_loop().create_future()
         pending = _Pending(command, future, appended, trace)
-        if self._may_begin_now() and _try_acquire(self._commit_lock):
+        if alone and self._may_begin_now() and _try_acquire(self._commit_lock):
             # The writer is idle: begun here rather than on the writer task's next turn
             # (a loop turn less from a lone publish's read to its sends, issue 16).
             self._begin_now(pending)
@@ -202,14 +205,15 @@ class Writer(CoreView):
                         _finish_appended(batch)
 
     def _may_begin_now(self) -> bool:
-        """Whether a command submitted now may be committed at once, in the submitter's
-        turn: nothing queued, and no write waiting for its commit on a master whose
-        commits wait for its slaves. While writes wait (concurrent or pipelined writers),
-        new ones queue and group into one commit batch on the writer task as before; with
-        none waiting the write is alone, and begun now its batch leaves a loop turn
-        sooner. A master committing alone (one node, ``acks = "none"``) never has writes
-        waiting, so that says nothing of its writers: there the writer task's turn is what
-        groups them (and a lone write's answer waits for its handler's turn either way)."""
+        """Whether a lone submitter's command may be committed at once, in its turn:
+        nothing queued, and no write waiting for its commit on a master whose commits
+        wait for its slaves. While writes wait (other writers), new ones queue and group
+        into one commit batch on the writer task as before; with none waiting, begun now
+        its batch leaves a loop turn sooner. A master committing alone (one node,
+        ``acks = "none"``) never has writes waiting, so that says nothing of its writers:
+        there the writer task's turn is what groups them (and a lone write's answer waits
+        for its handler's turn either way). A submitter that pipelines (a stream with
+        other requests in flight) is not alone: its writes group as they did."""
         if self._queue or self.role != common_pb2.ROLE_MASTER:
             return False
         driver = self._driver

@@ -195,7 +195,7 @@ def test_a_publish_to_an_idle_master_is_stored_and_sent_in_the_callers_turn(
         for sequence in range(1, 4):
             lsn = master.last_lsn + 1
             sent.clear()
-            planned = master.begin_publish(_publish(sequence))
+            planned = master.begin_publish(_publish(sequence), alone=True)
             # Nothing awaited since: the caller's own turn.
             assert master.last_lsn == lsn
             assert sorted(sent) == [("n2", lsn), ("n3", lsn)]
@@ -216,7 +216,7 @@ def test_publishes_begun_in_one_turn_after_the_first_share_a_commit_batch(
     ) -> None:
         master = nodes["n1"]
         appends, lsn = store.appends, master.last_lsn
-        futures = [master.begin_publish(_publish(1, f"p{k}")) for k in range(4)]
+        futures = [master.begin_publish(_publish(1, f"p{k}"), alone=True) for k in range(4)]
         assert (store.appends, master.last_lsn) == (appends + 1, lsn + 1)
         plans = await asyncio.wait_for(asyncio.gather(*futures), WAIT_S)
         assert (store.appends, master.last_lsn) == (appends + 2, lsn + 4)
@@ -247,7 +247,7 @@ def test_a_caller_giving_up_after_its_write_began_does_not_stop_the_write(
     ) -> None:
         master = nodes["n1"]
         lsn, syncs = master.last_lsn, store.syncs
-        planned = master.begin_publish(_publish(1))
+        planned = master.begin_publish(_publish(1), alone=True)
         assert master.last_lsn == lsn + 1  # begun: appended, flush pending
         assert master.commit_lock.locked()
         planned.cancel()
@@ -257,13 +257,13 @@ def test_a_caller_giving_up_after_its_write_began_does_not_stop_the_write(
 
         await master.commit_lock.acquire()
         try:
-            queued = master.begin_publish(_publish(2))
+            queued = master.begin_publish(_publish(2), alone=True)
             assert master.last_lsn == lsn + 1  # not begun: the lock is held
             queued.cancel()
         finally:
             master.commit_lock.release()
         await master.writer.drain()
-        after = master.begin_publish(_publish(2))
+        after = master.begin_publish(_publish(2), alone=True)
         plan = await asyncio.wait_for(after, WAIT_S)
         # Sequence 2 was never written before: it lands right after sequence 1.
         assert master.last_lsn == lsn + 2
