@@ -1,9 +1,10 @@
 """The master's hand-offs per lone publish (issue 16 item 2), over shipped ReplicaNodes.
 
-* A write submitted while the writer is idle is begun in the submitter's turn, not on the
-  writer task's next turn (``Writer.submit``); later writes of the same turn still group
-  into one commit batch; what must wait (the flush under ``SYNC``) runs in a task of its
-  own that a submitter giving up does not stop, holding the commit lock until done.
+* A lone submitter's write (nothing else of its caller's in flight, no write waiting for
+  its commit) is begun in its turn, not on the writer task's next turn (``Writer.submit``);
+  other writes queue and group into one commit batch; what must wait (the flush under
+  ``SYNC``) runs in a task of its own that a submitter giving up does not stop, holding
+  the commit lock until done.
 * A granted batch reaches an idle stream's ``write`` in the turn it was granted
   (``master_driver._Sender``); a stream never has two writes in flight, and what queued
   behind a write goes out in order.
@@ -201,6 +202,13 @@ def test_a_publish_to_an_idle_master_is_stored_and_sent_in_the_callers_turn(
             assert sorted(sent) == [("n2", lsn), ("n3", lsn)]
             plan = await asyncio.wait_for(planned, WAIT_S)
             assert plan.receipt is not None and plan.receipt.first_offset == sequence - 1
+        # A submitter that is not alone (a stream with other requests unanswered) queues
+        # for the writer task, so its writes group as they did.
+        lsn = master.last_lsn
+        queued = master.begin_publish(_publish(4))
+        assert master.last_lsn == lsn
+        plan = await asyncio.wait_for(queued, WAIT_S)
+        assert master.last_lsn == lsn + 1 and plan.receipt is not None
 
     asyncio.run(_cluster(tmp_path, NODES, scenario))
 
@@ -208,8 +216,9 @@ def test_a_publish_to_an_idle_master_is_stored_and_sent_in_the_callers_turn(
 def test_publishes_begun_in_one_turn_after_the_first_share_a_commit_batch(
     tmp_path: Path,
 ) -> None:
-    """Group commit stays: the first write of a turn is begun at once, the others of the
-    same turn wait for the writer task and go as one commit batch (one store append)."""
+    """Group commit stays: the first of lone writes submitted together is begun at once;
+    the others find a write waiting for its commit, wait for the writer task and go as
+    one commit batch (one store append)."""
 
     async def scenario(
         nodes: dict[str, ReplicaNode], store: _CountingStore, sent: list[tuple[str, int]]
