@@ -6,11 +6,11 @@ The writer task drains every command waiting (up to a bounded batch), plans them
 transaction (small unflushed batches on the loop, the rest on the store thread, so fsync
 never blocks the event loop), and only then hands the batch and its commands to the
 master's replication (``MasterDriver.appended``, one record): a write is acknowledged only
-once its entry is committed. A command submitted while the writer is idle (nothing
-queued, the lock free, write room, the first such command of its loop turn) is committed
-the same way at once, in the submitter's turn, without waiting for the writer task's
-next turn; what must wait (a large append, the flush, a compaction) then runs in a task
-of its own that holds the lock until done.
+once its entry is committed. A lone submitter's command (its caller has nothing else in
+flight, nothing is queued, no write waits for its commit, the lock is free; on a master
+whose commits wait for its slaves) is committed the same way at once, in the submitter's
+turn, without waiting for the writer task's next turn; what must wait (a large append,
+the flush, a compaction) then runs in a task of its own that holds the lock until done.
 A slave's batches are appended and its log compacted the same way (``append_entries``,
 ``compact``), from ``slave_side``.
 
