@@ -160,7 +160,11 @@ class PublishEndpoint(FaultSink, Traced, Protocol):
     ) -> asyncio.Future[common_pb2.BatchReceipt]: ...
 
     def begin_publish(
-        self, request: broker_pb2.PublishRequest, trace: PublishWatch | None = None
+        self,
+        request: broker_pb2.PublishRequest,
+        trace: PublishWatch | None = None,
+        *,
+        alone: bool = False,
     ) -> asyncio.Future[Planned]: ...
 
     def start_publish_parts(

@@ -13,9 +13,11 @@ writes, failed writes, deposition, log lines; the steps also read each slave's m
 the steps' outputs: the streams' queues, snapshot tasks, the writes' futures.
 
 Everything runs on the node's event loop: inputs are applied one at a time. A stream's
-outgoing messages go through its own queue and writer task, so applying an Actions
-record never waits on the network; the queue is bounded by the core's in-flight window
-(plus one heartbeat per tick).
+outgoing messages go through its own ``_Sender``, so applying an Actions record never
+waits on the network: a message is handed to the stream at once when nothing is being
+written on it (a lone publish's batch reaches gRPC in the turn it was granted, with no
+queue or task hop: issue 16), else it waits behind the write in progress; the backlog is
+bounded by the core's in-flight window (plus one heartbeat per tick).
 
 Snapshots (a slave behind the retained log, or one whose divergent suffix cannot be
 truncated): one task per slave streams it through ``snapshot_pump.pump_snapshot`` (its
@@ -46,6 +48,7 @@ from squall.v1 import replica_pb2
 from squall.wire import stages as _stages
 from squall_server.common.clock import Clock
 from squall_server.common.config import ClusterConfig, NodeConfig
+from squall_server.common.eager import start_now
 from squall_server.common.errors import Code, ServiceError
 from squall_server.common.telemetry import Telemetry, current
 from squall_server.replica.commands import PartOutcome, Planned, fail_parts
@@ -74,13 +77,96 @@ class Waiting:
     lsn: int
 
 
+class _Sender:
+    """One stream's outgoing messages, written in order, one write at a time: a message
+    goes to the stream at once, in the caller's turn (``eager.start_now``), when nothing
+    is being written on it, else behind the write in progress, by the task carrying that
+    write on. Held until the slave answered the Hello (what the Position grants waits).
+    A failed write drops what is queued and whatever follows: the stream's read side
+    sees the failure and ends it."""
+
+    def __init__(self, call: ReplicateCall, name: str) -> None:
+        self._call = call
+        self._name = name
+        self._backlog: deque[replica_pb2.ReplicateRequest] = deque()
+        self._held = True
+        self._writing = False
+        self._failed = False
+        self._task: asyncio.Task[None] | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def send(self, message: replica_pb2.ReplicateRequest) -> None:
+        if self._failed:
+            return
+        self._backlog.append(message)
+        self._idle.clear()
+        if not self._held and not self._writing:
+            self._start()
+
+    def open(self) -> None:
+        """The slave answered the Hello: what is queued goes out now."""
+        self._held = False
+        if self._backlog and not self._writing and not self._failed:
+            self._start()
+
+    async def drained(self) -> None:
+        """Waits until everything sent so far was written (or dropped)."""
+        await self._idle.wait()
+
+    async def close(self) -> None:
+        """The stream ended: the write in progress is cancelled, nothing more is sent."""
+        self._failed = True
+        self._backlog.clear()
+        task = self._task
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ReplicaCallError):
+                await task
+        self._idle.set()
+
+    def _start(self) -> None:
+        self._writing = True
+        task = start_now(self._write_all(), name=self._name)
+        if self._writing:  # still writing: the task carries on
+            self._task = task
+
+    async def _write_all(self) -> None:
+        call = self._call
+        backlog = self._backlog
+        try:
+            # Bounded by what is queued: the core's in-flight window and the heartbeats.
+            while backlog:
+                message = backlog.popleft()
+                if _stages.ENABLED and message.HasField("entries"):
+                    for entry in message.entries.entries:
+                        _stages.mark("m.sent", f"lsn/{entry.lsn}")
+                await call.write(message)
+        except (ReplicaCallError, asyncio.InvalidStateError) as exc:
+            # The stream failed or ended (gRPC refuses writes on a finished call).
+            log.debug("%s: the stream took no more: %r", self._name, exc)
+            self._drop()
+        except Exception:
+            log.warning("%s: writing to the stream failed", self._name, exc_info=True)
+            self._drop()
+        finally:
+            self._writing = False
+            self._task = None
+            if not backlog:
+                self._idle.set()
+
+    def _drop(self) -> None:
+        self._failed = True
+        self._backlog.clear()
+
+
 @dataclass(eq=False)
 class _Link:
     """One member slave's stream."""
 
     node: NodeConfig
     stream_id: int = 0
-    outbox: asyncio.Queue[replica_pb2.ReplicateRequest] = field(default_factory=asyncio.Queue)
+    sender: _Sender | None = None
     close_reason: str = ""
     # The current stream's slave answered its Hello: the next reconnect is quick.
     opened: bool = False
@@ -265,14 +351,16 @@ class MasterDriver:
     # --- the steps' outputs, in the order ``replication.Actions`` documents
 
     def _queue_batch(self, node_id: str, message: replica_pb2.ReplicateRequest) -> None:
-        """A granted batch: queued on the slave's stream."""
-        self._links[node_id].outbox.put_nowait(message)
+        """A granted batch: sent on the slave's stream (at once when it is idle)."""
+        sender = self._links[node_id].sender
+        if sender is not None:
+            sender.send(message)
 
     def _queue_heartbeat(self, node_id: str, message: replica_pb2.ReplicateRequest) -> None:
-        """A heartbeat: queued on the slave's stream if one is open."""
+        """A heartbeat: sent on the slave's stream if one is open."""
         link = self._links.get(node_id)
-        if link is not None and link.stream_id:
-            link.outbox.put_nowait(message)
+        if link is not None and link.stream_id and link.sender is not None:
+            link.sender.send(message)
 
     def _fail(self, failed: Sequence[Waiting]) -> None:
         """Writes the core failed: the master was deposed before they committed. A joined
@@ -358,11 +446,14 @@ class MasterDriver:
             started=started,
             stamp=self._stamp_snapshot,
         )
+        sender = link.sender
+        if sender is None:
+            return
         try:
             async with contextlib.aclosing(pump) as chunks:
                 async for chunk in chunks:
-                    link.outbox.put_nowait(replica_pb2.ReplicateRequest(snapshot=chunk))
-                    await link.outbox.join()  # the stream took it: the pump reads the next
+                    sender.send(replica_pb2.ReplicateRequest(snapshot=chunk))
+                    await sender.drained()  # the stream took it: the pump reads the next
                     if link.stream_id != stream_id:
                         return
         except StoreError as exc:
@@ -472,10 +563,9 @@ class MasterDriver:
         the stream then ends (a slave's stream ends in an error, not cleanly)."""
         stream_id = self.core.connect(link.node.id)
         link.stream_id = stream_id
-        link.outbox = asyncio.Queue()
         call = self._transport.replicate(link.node.id)
+        sender = link.sender = _Sender(call, f"replicate-{self.node.id}-{link.node.id}")
         link.call = call
-        writer: asyncio.Task[None] | None = None
         try:
             await call.write(
                 replica_pb2.ReplicateRequest(
@@ -492,8 +582,7 @@ class MasterDriver:
             if not self.steps.hello_answered(link.node.id, stream_id, first):
                 return
             link.opened = True
-            # It starts at the next await: the grants for the Position are queued by then.
-            writer = asyncio.create_task(self._pump(link, call))
+            sender.open()  # the grants for the Position go out now
             spans = self._spans
             while not self.core.deposed:
                 message = await call.read()
@@ -513,10 +602,7 @@ class MasterDriver:
                 snapshot.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await snapshot
-            if writer is not None:
-                writer.cancel()
-                with contextlib.suppress(asyncio.CancelledError, ReplicaCallError):
-                    await writer
+            await sender.close()
             call.cancel()
             link.call = None
             if self._spans is not None:
@@ -524,18 +610,3 @@ class MasterDriver:
             if link.stream_id == stream_id:
                 link.stream_id = 0
                 self.steps.stream_ended(link.node.id, stream_id)
-
-    async def _pump(
-        self,
-        link: _Link,
-        call: ReplicateCall,
-    ) -> None:
-        """Writes a stream's queued messages in order."""
-        outbox = link.outbox
-        while True:
-            message = await outbox.get()
-            if _stages.ENABLED and message.HasField("entries"):
-                for entry in message.entries.entries:
-                    _stages.mark("m.sent", f"lsn/{entry.lsn}")
-            await call.write(message)
-            outbox.task_done()  # a snapshot sender waits for its chunk to be taken

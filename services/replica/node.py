@@ -246,11 +246,14 @@ class ReplicaNode(CoreView):
         self,
         request: broker_pb2.PublishRequest,
         trace: PublishWatch | None = None,
+        *,
+        alone: bool = False,
     ) -> asyncio.Future[Planned]:
         """``start_publish`` without the receipt's own future: the writer's future, which
         resolves to the plan (its ``receipt``; cancelling it gives the write up). The
         publish servicer's path: a future, two callbacks and a loop turn fewer per publish
-        (issue 16)."""
+        (issue 16). ``alone``: the caller has no other publish in flight (a lone
+        publisher), so the write may begin at once (``Writer.submit``)."""
         self.check_writable()
         topic = self.topic(request.topic)
         if topic.kind == common_pb2.TOPIC_KIND_TRANSIENT:
@@ -270,7 +273,7 @@ class ReplicaNode(CoreView):
             )
             self.committed.notify()
             return done
-        return self.writer.submit(commands.Publish(request), trace=trace)
+        return self.writer.submit(commands.Publish(request), trace=trace, alone=alone)
 
     def start_publish_parts(
         self, parts: Sequence[broker_pb2.PublishRequest]

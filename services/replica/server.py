@@ -504,20 +504,21 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
         answer.add_done_callback(lambda ended: outcomes.cancel() if ended.cancelled() else None)
         return answer
 
-    def _begin(self, request: broker_pb2.PublishRequest) -> _Begun:
+    def _begin(self, request: broker_pb2.PublishRequest, *, alone: bool = False) -> _Begun:
         """Begins a publish request, plain or joined (PublishRequest.parts): a future and
         what turns its result into the response.
 
         An untraced plain publish (telemetry off) waits on the writer's own future and
         builds its response where it is awaited: no future, callback or loop turn of its
-        own between the commit and the answer (issue 16). A traced one (its watch hears
-        the outcome as it happens, awaited or not) and a joined one resolve to the
-        response itself."""
+        own between the commit and the answer (issue 16); ``alone``, nothing else of its
+        caller's in flight, lets the write begin at once (``Writer.submit``). A traced one
+        (its watch hears the outcome as it happens, awaited or not) and a joined one
+        resolve to the response itself."""
         if request.parts:
             return self._start_parts(request), _same
         if self.node.telemetry.active:
             return self._start(request), _same
-        planned = self.node.begin_publish(request)
+        planned = self.node.begin_publish(request, alone=alone)
         return planned, _Respond(request, _stage_key(request) if _stages.ENABLED else "")
 
     async def Publish(
@@ -526,7 +527,7 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
         await self._hold(context)
         try:
             with _translating(self.node):
-                future, respond = self._begin(request)
+                future, respond = self._begin(request, alone=True)
                 # A caller that gives up cancels the future: the write's wait with it.
                 return respond(await future)
         except ServiceError as exc:
@@ -544,6 +545,8 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
             key == PUBLISH_ERRORS_KEY and value == INLINE_ERRORS
             for key, value in context.invocation_metadata() or ()
         )
+        # Requests begun and not yet answered on this stream.
+        unanswered = [0]
 
         async def read_requests() -> None:
             try:
@@ -552,12 +555,14 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
                         _stages.mark("m.in", _stage_key(request))
                     try:
                         with _translating(self.node):
-                            begun = self._begin(request)
+                            # Alone: the stream has no earlier request unanswered.
+                            begun = self._begin(request, alone=not unanswered[0])
                     except ServiceError as exc:
                         future: asyncio.Future[Any] = loop.create_future()
                         future.set_exception(exc)
                         future.add_done_callback(_seen)
                         begun = future, _same
+                    unanswered[0] += 1
                     try:
                         await inflight.put(begun)
                     except BaseException:
@@ -584,6 +589,7 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
                             code=exc.code.value, message=exc.message, metadata=dict(exc.metadata)
                         )
                     )
+                unanswered[0] -= 1
                 yield response
             await reader
         finally:

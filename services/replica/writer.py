@@ -1,11 +1,16 @@
 """The master's writer: the write queue, group commit and log compaction.
 
-Every write goes through one writer task. It drains every command waiting (up to a
-bounded batch), plans them with a `BatchBuilder` (the driver's ``plan_batch``), appends
-the whole batch to the store in one transaction on the store thread (so fsync never
-blocks the event loop), and only then hands the batch and its commands to the master's
-replication (``MasterDriver.appended``, one record): a write is acknowledged only once its
-entry is committed.
+Every write goes through one writer, one commit batch at a time under the commit lock.
+The writer task drains every command waiting (up to a bounded batch), plans them with a
+`BatchBuilder` (the driver's ``plan_batch``), appends the whole batch to the store in one
+transaction (small unflushed batches on the loop, the rest on the store thread, so fsync
+never blocks the event loop), and only then hands the batch and its commands to the
+master's replication (``MasterDriver.appended``, one record): a write is acknowledged only
+once its entry is committed. A lone submitter's command (its caller has nothing else in
+flight, nothing is queued, no write waits for its commit, the lock is free; on a master
+whose commits wait for its slaves) is committed the same way at once, in the submitter's
+turn, without waiting for the writer task's next turn; what must wait (a large append,
+the flush, a compaction) then runs in a task of its own that holds the lock until done.
 A slave's batches are appended and its log compacted the same way (``append_entries``,
 ``compact``), from ``slave_side``.
 
@@ -18,10 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
@@ -36,7 +42,7 @@ from squall_server.replica.core import ReplicaCore
 from squall_server.replica.core_view import CoreView
 from squall_server.replica.driver import ReplicaDriver
 from squall_server.replica.master_driver import MasterDriver, Waiting
-from squall_server.replica.replication import batch_size_bytes
+from squall_server.replica.replication import AckPolicy, MasterConfig, batch_size_bytes
 from squall_server.replica.store import StoreError
 
 log = logging.getLogger("squall.replica")
@@ -93,6 +99,9 @@ class Writer(CoreView):
         self._queue: deque[_Pending] = deque()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        # Commits begun at once whose rest runs in a task (held: the loop holds tasks
+        # only weakly).
+        self._rests: set[asyncio.Task[None]] = set()
 
     # --- what the moved methods read, by the names they had on the node
 
@@ -119,6 +128,10 @@ class Writer(CoreView):
                 await task
             except asyncio.CancelledError:
                 pass
+        for rest in list(self._rests):  # as the writer task's commit: stopped where it is
+            rest.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await rest
         while self._queue:
             pending = self._queue.popleft()
             if not pending.future.done():
@@ -154,10 +167,19 @@ class Writer(CoreView):
         *,
         appended: asyncio.Future[None] | None = None,
         trace: telemetry.PublishWatch | None = None,
+        alone: bool = False,
     ) -> asyncio.Future[Planned]:
-        """Queues a command for the writer; the future resolves once it committed."""
+        """Queues a command for the writer; the future resolves once it committed.
+        ``alone``: its submitter has nothing else in flight (a lone publisher's stream),
+        so it may begin at once (``_may_begin_now``)."""
         future: asyncio.Future[Planned] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Pending(command, future, appended, trace))
+        pending = _Pending(command, future, appended, trace)
+        if alone and self._may_begin_now() and _try_acquire(self._commit_lock):
+            # The writer is idle: begun here rather than on the writer task's next turn
+            # (a loop turn less from a lone publish's read to its sends, issue 16).
+            self._begin_now(pending)
+            return future
+        self._queue.append(pending)
         self._wakeup.set()
         return future
 
@@ -176,11 +198,67 @@ class Writer(CoreView):
                 batch = _take(self._queue, room)
                 async with self._commit_lock:
                     try:
-                        await self._commit(batch)
+                        rest = self._begin_commit(batch)
+                        if rest is not None:
+                            await rest
                     finally:
                         _finish_appended(batch)
 
-    async def _commit(self, batch: list[_Pending]) -> None:
+    def _may_begin_now(self) -> bool:
+        """Whether a lone submitter's command may be committed at once, in its turn:
+        nothing queued, and no write waiting for its commit on a master whose commits
+        wait for its slaves. While writes wait (other writers), new ones queue and group
+        into one commit batch on the writer task as before; with none waiting, begun now
+        its batch leaves a loop turn sooner. A master committing alone (one node,
+        ``acks = "none"``) never has writes waiting, so that says nothing of its writers:
+        there the writer task's turn is what groups them (and a lone write's answer waits
+        for its handler's turn either way). A submitter that pipelines (a stream with
+        other requests in flight) is not alone: its writes group as they did."""
+        if self._queue or self.role != common_pb2.ROLE_MASTER:
+            return False
+        driver = self._driver
+        if driver is None or driver.deposed:
+            return False
+        core = driver.core
+        return core.pending_writes == 0 and _commits_wait_for_slaves(core.config)
+
+    def _begin_now(self, pending: _Pending) -> None:
+        """Commits one command in the submitter's turn (commit lock held, taken here): as
+        far as it goes without waiting, the rest (an append on the store thread, the
+        flush, a compaction) in a task of its own that frees the lock. The write has
+        begun: a submitter that gives up later does not stop it (its own task)."""
+        batch = [pending]
+        lock = self._commit_lock
+        try:
+            rest = self._begin_commit(batch)
+        except BaseException as exc:
+            lock.release()
+            _fail_pending(
+                pending, ServiceError(Code.UNKNOWN, f"indeterminate: the write failed: {exc!r}")
+            )
+            raise
+        if rest is None:
+            lock.release()
+            _finish_appended(batch)
+            return
+        task = asyncio.get_running_loop().create_task(rest, name=f"commit-{self.node.id}")
+        self._rests.add(task)
+
+        def finished(done: asyncio.Task[None]) -> None:
+            # A done callback, so the lock is freed even if the task is cancelled
+            # before its first step.
+            self._rests.discard(done)
+            lock.release()
+            _finish_appended(batch)
+            if not done.cancelled() and done.exception() is not None:
+                log.error("replica %s: a commit failed: %r", self.node.id, done.exception())
+
+        task.add_done_callback(finished)
+
+    def _begin_commit(self, batch: list[_Pending]) -> Coroutine[None, None, None] | None:
+        """Commits batch (commit lock held) as far as it goes without waiting; returns
+        what is left to await (an append on the store thread, the flush, a compaction),
+        or None once done."""
         driver = self._driver
         if self.role != common_pb2.ROLE_MASTER or driver is None or driver.deposed:
             _fail_all(
@@ -190,7 +268,7 @@ class Writer(CoreView):
                     f"replica {self.node.id} lost its role before the write began (not stored)",
                 ),
             )
-            return
+            return None
         if _stages.ENABLED:
             _mark_publishes("m.plan", batch)
         # The caller may have given up (cancelled) before the write began.
@@ -215,25 +293,66 @@ class Writer(CoreView):
             planned.append((live[index], plan))
             lsns.append(lsn)
         entries = planning.entries
-        if entries:
-            commit_lsn = self.gate.commit_lsn
-            try:
-                # Written unflushed: under SYNC the flush runs below while the batch is
-                # already on its way to the slaves (docs/replication.md, "Send before the
-                # flush"); the commit still waits for it.
-                await self._append(entries, sync=False, commit_lsn=commit_lsn)
-            except StoreError as exc:
-                error, fail_stop = self.driver.append_failed(
-                    exc,
-                    len(entries),
-                    epoch=self.epoch,
-                    map_size_bytes=self.config.limits.map_size_bytes,
-                )
-                if fail_stop:
-                    self._fail_stop(fail_stop)
-                _fail_all(planned, error)
-                return
-            self.driver.batch_appended(entries[-1].lsn, commit_lsn)
+        if not entries:
+            return self._stored(driver, planned, lsns, entries)
+        commit_lsn = self.gate.commit_lsn
+        # Written unflushed: under SYNC the flush runs below while the batch is already
+        # on its way to the slaves (docs/replication.md, "Send before the flush"); the
+        # commit still waits for it.
+        if batch_size_bytes(entries) > _INLINE_APPEND_BYTES_MAX:
+            return self._append_away(driver, planned, lsns, entries, commit_lsn)
+        try:
+            self.driver.store_append(entries, sync=False, commit_lsn=commit_lsn)
+        except StoreError as exc:
+            self._append_failed(exc, planned, entries)
+            return None
+        self.driver.batch_appended(entries[-1].lsn, commit_lsn)
+        return self._stored(driver, planned, lsns, entries)
+
+    async def _append_away(
+        self,
+        driver: MasterDriver,
+        planned: list[tuple[_Pending, Planned]],
+        lsns: list[int],
+        entries: Sequence[replica_pb2.LogEntry],
+        commit_lsn: int,
+    ) -> None:
+        """A large batch's append on the store thread, then the rest of its commit."""
+        try:
+            await self._append(entries, sync=False, commit_lsn=commit_lsn)
+        except StoreError as exc:
+            self._append_failed(exc, planned, entries)
+            return
+        self.driver.batch_appended(entries[-1].lsn, commit_lsn)
+        rest = self._stored(driver, planned, lsns, entries)
+        if rest is not None:
+            await rest
+
+    def _append_failed(
+        self,
+        exc: StoreError,
+        planned: list[tuple[_Pending, Planned]],
+        entries: Sequence[replica_pb2.LogEntry],
+    ) -> None:
+        error, fail_stop = self.driver.append_failed(
+            exc,
+            len(entries),
+            epoch=self.epoch,
+            map_size_bytes=self.config.limits.map_size_bytes,
+        )
+        if fail_stop:
+            self._fail_stop(fail_stop)
+        _fail_all(planned, error)
+
+    def _stored(
+        self,
+        driver: MasterDriver,
+        planned: list[tuple[_Pending, Planned]],
+        lsns: list[int],
+        entries: Sequence[replica_pb2.LogEntry],
+    ) -> Coroutine[None, None, None] | None:
+        """The batch is in the local store: hands it and its writes to replication; what
+        is left to await (the flush, a compaction), or None."""
         if driver is not self._driver or driver.deposed:
             _fail_all(
                 planned,
@@ -243,7 +362,7 @@ class Writer(CoreView):
                     f"{self.epoch} after storing the write locally; it may or may not survive",
                 ),
             )
-            return
+            return None
         if _stages.ENABLED:
             _mark_stored(planned, lsns)
         if self.telemetry.tracing:
@@ -270,13 +389,24 @@ class Writer(CoreView):
             ],
         )
         if entries and steps.flush_after_send():
-            await self._flush(driver, entries[-1].lsn)
+            return self._flush_then_compact(driver, entries[-1].lsn)
+        return self._compaction(driver)
+
+    async def _flush_then_compact(self, driver: MasterDriver, last_lsn: int) -> None:
+        await self._flush(driver, last_lsn)
+        rest = self._compaction(driver)
+        if rest is not None:
+            await rest
+
+    def _compaction(self, driver: MasterDriver) -> Coroutine[None, None, None] | None:
+        """The log's compaction after a commit batch, when due (None: not due)."""
         retention = self.config.limits.log_retention_entries
         # Never above the commit LSN: a restart hides what is above it by reading the log.
         keep = min(driver.compaction_target(retention), self.gate.commit_lsn + 1)
         if self.core.compaction(keep) and not driver.deposed:
             driver.set_log_start(keep)  # the core first: no batch is built below keep
-            await self._compact(keep)
+            return self._compact(keep)
+        return None
 
     async def _append(
         self, entries: Sequence[replica_pb2.LogEntry], *, sync: bool, commit_lsn: int
@@ -369,6 +499,30 @@ def cancel_with(
     """A caller that gives up on its receipt cancels the write's wait (as awaiting did)."""
     if receipt.cancelled():
         planned.cancel()
+
+
+def _commits_wait_for_slaves(config: MasterConfig) -> bool:
+    """Whether a commit needs some slave's ack (else the master commits alone)."""
+    if config.acks == AckPolicy.NONE:
+        return False
+    if config.acks == AckPolicy.ALL:
+        return len(config.nodes) > 1
+    return config.quorum > 1
+
+
+def _try_acquire(lock: asyncio.Lock) -> bool:
+    """Takes lock now if taking it would not wait (free, nobody queued for it): asyncio's
+    lock has no such call, but an acquire that need not wait returns in its first step."""
+    if lock.locked():
+        return False
+    step = lock.acquire()
+    try:
+        step.send(None)
+    except StopIteration:
+        return True
+    # It would wait (a waiter is being handed the lock): leave the queue as it was.
+    step.close()
+    return False
 
 
 def _take(queue: deque[_Pending], room: int) -> list[_Pending]:

@@ -38,7 +38,10 @@ HAND_OFF_SEEDS_MAX = 5
 # coverage is gone, not bad luck).
 INSTALL_SEEDS_MIN = 20
 # Some snapshot install must be cut short (begun, never finished) within this many seeds.
-CUT_SHORT_SEEDS_MAX = 10
+# A master's chunks reach the stream in the turn they are read (no pump task between,
+# master_driver._Sender), so installs finish sooner and fewer are cut short: seeds 35, 36,
+# 56 and 58 of 0-59 (seeds 6, 9, 20, 24, 26, 41 and 56 with the pump); a seed takes ~1 s.
+CUT_SHORT_SEEDS_MAX = 60
 
 
 def test_shipped_nodes_keep_acknowledged_events_and_recover(coord_chunk: list[int]) -> None:
