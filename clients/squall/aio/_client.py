@@ -43,9 +43,10 @@ from squall._tls import TlsOptions
 from squall._types import ClusterStatus, LinkInfo, TopicInfo, kind_to_pb
 from squall.aio._channel import open_channel
 from squall.aio._publish_mux import ProxyMuxes, PublishMux
-from squall.aio._publisher import MasterCheck, Publisher
+from squall.aio._publisher import Publisher
 from squall.aio._push import AsyncDeliveryCallback, PushEndpoint
 from squall.aio._shared import AsyncSharedConsumer
+from squall.aio._stall_watch import MasterCheck
 from squall.aio._subscriber import Subscription
 from squall.v1 import broker_pb2, broker_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from squall.wire.auth import resolve_token

@@ -43,7 +43,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -71,16 +71,13 @@ from squall._publish_join import (
     take_next,
 )
 from squall._publish_rules import (
-    RECEIPT_STALL_AFTER_S,
-    RECEIPT_STALL_CHECK_S,
     abandon_stream,
     moved_trailing,
     new_session_token,
     not_sent_error,
-    stall_details,
-    stall_move,
 )
 from squall._types import Receipt
+from squall.aio._stall_watch import MasterCheck, watch_stalls
 from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2
 from squall.wire import stages as _stages
 
@@ -88,8 +85,6 @@ log = logging.getLogger("squall")
 
 MuxEntry = Entry[asyncio.Future[Receipt]]
 _Sent = Sent[asyncio.Future[Receipt]]
-# Asks the gateway which replica is master (its address; "" if it cannot say in time).
-MasterCheck = Callable[[float], Awaitable[str]]
 
 
 def _retrieved(future: asyncio.Future[Any]) -> None:
@@ -254,7 +249,7 @@ class PublishMux:
         stream.reader = loop.create_task(self._read(stream), name="squall-publish-shared")
         if self.endpoint is not None and check_master is not None:
             stream.watchdog = loop.create_task(
-                self._watch(stream, self.endpoint, check_master),
+                watch_stalls(stream, self.endpoint, check_master, "shared"),
                 name="squall-publish-watch-shared",
             )
         return stream
@@ -280,40 +275,6 @@ class PublishMux:
             if _stages.ENABLED:
                 _stages.mark("c.queued", request_key(request))
             stream.requests.put_nowait(request)
-
-    async def _watch(self, stream: _MuxStream, endpoint: Endpoint, check: MasterCheck) -> None:
-        """A replica stream's stall watchdog, as a proxy's own stream has
-        (`squall.aio._publisher.Publisher._watch`; the threaded loop is
-        `squall._publish_rules.watch_stalls`): once the oldest unanswered request is
-        RECEIPT_STALL_AFTER_S old, asks every RECEIPT_STALL_CHECK_S who the master is and
-        abandons the stream as soon as the gateway names another replica, naming it
-        (`moved_to`): its callers' proxies then move there."""
-        loop = asyncio.get_running_loop()
-        # Ends with the stream (`_fail` sets dead and wakes this task).
-        while not stream.dead:
-            stream.woken.clear()
-            if not stream.pending:
-                await stream.woken.wait()
-                continue
-            oldest = stream.pending[0]
-            late_in_s = oldest.sent_at + RECEIPT_STALL_AFTER_S - loop.time()
-            if late_in_s > 0:
-                await _woken_or(stream.woken, late_in_s)
-                continue
-            try:
-                checked = await asyncio.wait_for(
-                    check(RECEIPT_STALL_CHECK_S), 2 * RECEIPT_STALL_CHECK_S
-                )
-            except Exception:
-                checked = ""  # only a hint: a failed check leaves the stream to its timeout
-            still_waiting = not stream.dead and stream.pending and stream.pending[0] is oldest
-            if still_waiting and (master := stall_move("shared", endpoint, checked)):
-                if stream.abort_error is None:
-                    stream.moved_to = master
-                abandon_stream(stream, grpc.StatusCode.UNAVAILABLE, stall_details(endpoint, master))
-                return
-            if still_waiting:
-                await _woken_or(stream.woken, RECEIPT_STALL_CHECK_S)
 
     # -- the reader task --------------------------------------------------------------
 
@@ -397,15 +358,6 @@ class PublishMux:
             if not entry.future.done():
                 entry.ended = ended
                 entry.future.set_exception(unsent)
-
-
-async def _woken_or(woken: asyncio.Event, timeout_s: float) -> None:
-    """Waits for `woken` or `timeout_s`, whichever comes first (a watchdog ends as soon
-    as its stream does, not after its interval)."""
-    try:
-        await asyncio.wait_for(woken.wait(), timeout_s)
-    except TimeoutError:
-        pass
 
 
 class ProxyMuxes:

@@ -45,8 +45,6 @@ from squall._publish_rules import (
     BATCH_EVENTS_DEFAULT,
     BATCH_EVENTS_MAX,
     INFLIGHT_BATCHES_MAX_DEFAULT,
-    RECEIPT_STALL_AFTER_S,
-    RECEIPT_STALL_CHECK_S,
     UNSENT_STREAM_MOVES_MAX,
     EventLike,
     Moves,
@@ -62,13 +60,12 @@ from squall._publish_rules import (
     new_session_token,
     not_sent_error,
     response_mismatch,
-    stall_details,
-    stall_move,
     stream_end_errors,
     worth_retrying,
 )
 from squall._types import Receipt, receipts_from_pb
 from squall.aio._publish_mux import MuxEntry, ProxyMuxes, PublishMux
+from squall.aio._stall_watch import MasterCheck, watch_stalls
 from squall.v1 import broker_pb2, common_pb2
 from squall.wire import stages as _stages
 from squall.wire.retry import RetryPolicy
@@ -76,8 +73,6 @@ from squall.wire.retry import RetryPolicy
 log = logging.getLogger("squall")
 
 Sleep = Callable[[float], Awaitable[None]]
-# Asks the gateway which replica is master (its address; "" if it cannot say in time).
-MasterCheck = Callable[[float], Awaitable[str]]
 
 
 class _Batch:
@@ -727,44 +722,13 @@ class Publisher:
             ) from None
 
     async def _watch(self, stream: _Stream) -> None:
-        """A proxy stream's stall watchdog: once its oldest unanswered batch is
-        RECEIPT_STALL_AFTER_S old, asks every RECEIPT_STALL_CHECK_S who the master is and
-        abandons the stream as soon as the gateway names another replica.
-
-        It watches the stream, not a caller, so every batch on it is covered, also the
-        ones of `publish_async` and of callers waiting for a slot: a master that hangs
-        after the group elected another cannot end its streams itself.
-        """
+        """A proxy stream's stall watchdog (`squall.aio._stall_watch`): it watches the
+        stream, not a caller, so every batch on it is covered, also the ones of
+        `publish_async` and of callers waiting for a slot."""
         endpoint = stream.endpoint
         check = self._check_master
-        if endpoint is None or check is None:
-            return
-        loop = asyncio.get_running_loop()
-        # Ends with the stream (`_fail` sets dead and wakes this task).
-        while not stream.dead:
-            stream.woken.clear()
-            if not stream.pending:
-                await stream.woken.wait()
-                continue
-            oldest = stream.pending[0]
-            late_in_s = oldest.sent_at + RECEIPT_STALL_AFTER_S - loop.time()
-            if late_in_s > 0:
-                await asyncio.sleep(late_in_s)
-                continue
-            try:
-                checked = await asyncio.wait_for(
-                    check(RECEIPT_STALL_CHECK_S), 2 * RECEIPT_STALL_CHECK_S
-                )
-            except Exception:
-                checked = ""  # only a hint: a failed check leaves the stream to its timeout
-            still_waiting = not stream.dead and stream.pending and stream.pending[0] is oldest
-            if still_waiting and (master := stall_move(self._publisher_id, endpoint, checked)):
-                if stream.abort_error is None:
-                    stream.moved_to = master
-                self._abort(stream, grpc.StatusCode.UNAVAILABLE, stall_details(endpoint, master))
-                return
-            if still_waiting:
-                await asyncio.sleep(RECEIPT_STALL_CHECK_S)
+        if endpoint is not None and check is not None:
+            await watch_stalls(stream, endpoint, check, self._publisher_id)
 
     def _live_stream(self) -> _Stream:
         """The open stream, opening one if there is none."""
