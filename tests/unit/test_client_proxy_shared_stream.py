@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -170,20 +171,8 @@ def test_proxies_move_to_the_next_replicas_stream_losing_and_doubling_nothing(
     _check_stored_once(cluster.broker, acked)
     assert any(r.duplicate for r in acked.values())
     assert sum(p.resends for p in proxies) > 0
-    # Each proxy followed its own binding from one answering replica to another and said
-    # so once per move (on_rebind, and its first receipt from there flagged rebound).
-    assert sum(p.rebinds for p in proxies) > 0
+    _check_moves(proxies, moves, acked)
     for proxy in proxies:
-        name = proxy.publisher_id
-        assert len(moves[name]) == proxy.rebinds
-        assert all(old != new for old, new in moves[name])
-        chain = [new for _, new in moves[name]][:-1]
-        assert [old for old, _ in moves[name]][1:] == chain
-        if moves[name]:
-            assert proxy.endpoint is not None
-            assert proxy.endpoint.node_id == moves[name][-1][1]
-        rebound = [r for (p, _), r in acked.items() if p == name and r.rebound]
-        assert len(rebound) == proxy.rebinds
         proxy.close()
     # Streams were shared: far fewer than events, and than proxies times their moves.
     assert cluster.broker.publish_stream_calls <= 1 + len(acked) // 9 + 3
@@ -318,3 +307,22 @@ def test_a_proxy_that_knows_a_replica_by_address_only_still_moves_off_its_stream
     assert stored == [("knows", 1), ("redirected", 1), ("redirected", 2)]
     knows.close()
     redirected.close()
+
+
+def _check_moves(
+    proxies: list[Any], moves: dict[str, list[tuple[str, str]]], acked: dict[Any, Any]
+) -> None:
+    """Each proxy followed its own binding from one answering replica to another and said
+    so once per move (on_rebind, and its first receipt from there flagged rebound)."""
+    assert sum(p.rebinds for p in proxies) > 0
+    for proxy in proxies:
+        name = proxy.publisher_id
+        assert len(moves[name]) == proxy.rebinds
+        assert all(old != new for old, new in moves[name])
+        chain = [new for _, new in moves[name]][:-1]
+        assert [old for old, _ in moves[name]][1:] == chain
+        if moves[name]:
+            assert proxy.endpoint is not None
+            assert proxy.endpoint.node_id == moves[name][-1][1]
+        rebound = [r for (p, _), r in acked.items() if p == name and r.rebound]
+        assert len(rebound) == proxy.rebinds
