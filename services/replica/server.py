@@ -546,9 +546,10 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
             for key, value in context.invocation_metadata() or ()
         )
         # Requests begun and not yet answered on this stream.
-        unanswered = [0]
+        unanswered = 0
 
         async def read_requests() -> None:
+            nonlocal unanswered
             try:
                 async for request in request_iterator:
                     if _stages.ENABLED:
@@ -556,13 +557,13 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
                     try:
                         with _translating(self.node):
                             # Alone: the stream has no earlier request unanswered.
-                            begun = self._begin(request, alone=not unanswered[0])
+                            begun = self._begin(request, alone=not unanswered)
                     except ServiceError as exc:
                         future: asyncio.Future[Any] = loop.create_future()
                         future.set_exception(exc)
                         future.add_done_callback(_seen)
                         begun = future, _same
-                    unanswered[0] += 1
+                    unanswered += 1
                     try:
                         await inflight.put(begun)
                     except BaseException:
@@ -589,7 +590,7 @@ class Publisher(broker_pb2_grpc.PublisherServicer):
                             code=exc.code.value, message=exc.message, metadata=dict(exc.metadata)
                         )
                     )
-                unanswered[0] -= 1
+                unanswered -= 1
                 yield response
             await reader
         finally:

@@ -17,56 +17,20 @@ batch is handed to its stream.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from bench.master_parts import bench_config, role_command
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
-from squall_server.common.config import ClusterConfig, parse_config
 from squall_server.replica import commands
 from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.node import ReplicaNode
 from squall_server.replica.store import Store
 from tests.sim.replica_transport import SimReplicaNetwork, SimReplicate, SimReplicaTransport
 
-CLUSTER_ID = "c-handoffs"
 WAIT_S = 30.0  # generous: the machine is shared
 NODES = ("n1", "n2", "n3")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _config(tmp_path: Path, node_ids: tuple[str, ...], master_sync: str) -> ClusterConfig:
-    text = '[cluster]\nname = "t"\n'
-    for priority, node_id in enumerate(node_ids, 1):
-        text += (
-            f'\n[[nodes]]\nid = "{node_id}"\npriority = {priority}\n'
-            f'coordinator_address = "127.0.0.1:{_free_port()}"\n'
-            f'replica_address = "127.0.0.1:{_free_port()}"\ndata_dir = "{node_id}"\n'
-        )
-    text += f'\n[[gateways]]\nid = "g1"\naddress = "127.0.0.1:{_free_port()}"\n'
-    text += f'\n[durability]\nmaster_sync = "{master_sync}"\nacks = "majority"\n'
-    return parse_config(text, tmp_path / "cluster.toml")
-
-
-def _role(role: int, node_ids: tuple[str, ...]) -> replica_pb2.RoleCommand:
-    master = role == common_pb2.ROLE_MASTER
-    return replica_pb2.RoleCommand(
-        seq=1,
-        epoch=1,
-        role=role,  # type: ignore[arg-type]
-        master=common_pb2.NodeEndpoint(node_id=node_ids[0]),
-        members=[common_pb2.NodeEndpoint(node_id=n) for n in node_ids] if master else [],
-        sync_source_id=node_ids[0] if master else "",
-        lease_ms=60_000,
-        cluster_id=CLUSTER_ID,
-    )
 
 
 def _publish(sequence: int, publisher: str = "p") -> broker_pb2.PublishRequest:
@@ -148,7 +112,7 @@ async def _cluster(
 ) -> None:
     """Runs scenario over node_ids (the first master, topic "t" created), its master's
     store counting, the master's stream writes recorded as (slave, LSN)."""
-    config = _config(tmp_path, node_ids, master_sync)
+    config = bench_config(tmp_path, node_ids, master_sync=master_sync)
     network = SimReplicaNetwork()
     sent: list[tuple[str, int]] = []
     store = _CountingStore.open_memory()
@@ -166,8 +130,8 @@ async def _cluster(
     master = nodes[node_ids[0]]
     try:
         for node_id in node_ids[1:]:
-            await nodes[node_id].apply_role(_role(common_pb2.ROLE_SLAVE, node_ids))
-        await master.apply_role(_role(common_pb2.ROLE_MASTER, node_ids))
+            await nodes[node_id].apply_role(role_command(common_pb2.ROLE_SLAVE, node_ids))
+        await master.apply_role(role_command(common_pb2.ROLE_MASTER, node_ids))
         await _until("master", lambda: master.role == common_pb2.ROLE_MASTER)
         await asyncio.wait_for(
             master.write(commands.CreateTopic("t", common_pb2.TOPIC_KIND_REPLICATED)), WAIT_S
