@@ -35,8 +35,9 @@ Where streams go (issue 5, item 1; `squall._proxy`): through the gateway by defa
 straight to a replica of a publisher proxy. A replicated proxy moves to another replica
 when a stream ends indeterminately and follows a slave's redirect; the retries above then
 carry the batches over. The first stream on a new replica that answers is a move: the
-app's `on_rebind(old, new)` runs (in the reader thread, before the receipt is handed
-over) and that first receipt has `rebound=True`. A non-replicated proxy never moves: once
+app's `on_rebind(old, new)` runs before the receipt is handed over (in the stream's
+reader thread; for a lone `publish()` on the client's shared stream, in the caller's
+thread) and that first receipt has `rebound=True`. A non-replicated proxy never moves: once
 its master is lost every batch fails with `PublisherLost` (maybe_stored as the attempt
 left it) and the app asks for a new publisher.
 """
