@@ -198,6 +198,7 @@ class _Worker:
             | None
         ) = None
         self._stream_answered = False  # the current stream answered a request
+        self._stream_refused = False  # this batch's stream failed unanswered (see _offer)
         self._streams_served = True
         self.task = asyncio.get_running_loop().create_task(
             self._run(), name=f"push-{subscriber.topic}-{subscriber.subscriber_id}"
@@ -392,6 +393,10 @@ class _Worker:
                     metadata=with_context(None, span) if span is not None else None,
                 )
                 offered = "OK", ""
+                if self._stream_refused:
+                    # Reachable, but its stream failed unanswered (an interceptor that
+                    # knows Deliver alone, say): Deliver from then on.
+                    self._streams_served = False
             code, detail = offered
         except grpc.aio.AioRpcError as exc:
             code, detail = exc.code().name, _detail(exc)
@@ -408,6 +413,7 @@ class _Worker:
         """One delivery on the subscriber's DeliverStream (opened if none is): its (code,
         detail), or None when the stream failed and the batch is to go by Deliver."""
         timeout_s = self._node.config.timeouts.push_deliver_timeout_ms / 1000
+        self._stream_refused = False
         if self._stream is not None and self._stream.done():
             self._stream = None  # ended while idle (the endpoint restarted, say)
         if self._stream is None:
@@ -427,6 +433,11 @@ class _Worker:
             if not self._stream_answered and exc.code() in _STREAM_REFUSED:
                 # No stream here (an app serving Deliver alone, or no thread to spare).
                 self._streams_served = False
+            # Any other failure before an answer, unless the endpoint was away: refused,
+            # if Deliver then gets through.
+            self._stream_refused = (
+                not self._stream_answered and exc.code() != grpc.StatusCode.UNAVAILABLE
+            )
             return None
         except asyncio.InvalidStateError:  # it ended between the check and the write
             self._drop_stream()

@@ -3,8 +3,8 @@
 Goals: with tracing off, the master delivers one batch after another on one stream per
 subscriber (a message on an open stream, where a call per batch pays gRPC's call set-up
 on both sides: bench/README.md, *Push delivery on a stream*); an app that serves
-`Deliver` alone still gets every event (the stream is tried once, refused UNIMPLEMENTED,
-and not again); a stream delivery past `push_deliver_timeout_ms` is a failed delivery
+`Deliver` alone still gets every event (the stream is tried once, refused, and not
+again); a stream delivery past `push_deliver_timeout_ms` is a failed delivery
 like a Deliver past its deadline, and the retry goes on a new stream; a failed result on
 the stream counts as the same status from Deliver would.
 """
@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
+import pytest
 
 import squall
 from squall.v1 import push_pb2, push_pb2_grpc
@@ -38,12 +39,13 @@ async def _until(condition: Callable[[], object], what: str) -> None:
 
 
 class _App(push_pb2_grpc.PushSubscriberServicer):
-    """An app's push endpoint that records how each batch came; `streams` False: it serves
-    Deliver alone (DeliverStream answers UNIMPLEMENTED, as a servicer without it does)."""
+    """An app's push endpoint that records how each batch came; with `refuse` its
+    DeliverStream fails at once with that code (UNIMPLEMENTED: as a servicer without it
+    does; PERMISSION_DENIED: as an interceptor that knows Deliver alone might)."""
 
-    def __init__(self, streams: bool = True, fail_first: str = "") -> None:
+    def __init__(self, refuse: grpc.StatusCode | None = None, fail_first: str = "") -> None:
         self.lock = threading.Lock()
-        self.streams = streams
+        self.refuse = refuse
         self.streams_opened = 0
         self.on_stream: list[tuple[int, int]] = []  # (first offset, attempt)
         self.by_deliver: list[tuple[int, int]] = []
@@ -66,8 +68,8 @@ class _App(push_pb2_grpc.PushSubscriberServicer):
     ) -> Iterator[push_pb2.PushDeliverResult]:
         with self.lock:
             self.streams_opened += 1
-        if not self.streams:
-            context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
+        if self.refuse is not None:
+            context.abort(self.refuse, "not here")
         for request in request_iterator:
             with self.lock:
                 first = not self.on_stream
@@ -143,8 +145,13 @@ def test_batches_go_one_after_another_on_one_stream(tmp_path: Path) -> None:
     assert (app.probes, app.by_deliver) == (1, [])  # the subscribe probe is a Deliver call
 
 
-def test_an_app_serving_deliver_alone_gets_every_event(tmp_path: Path) -> None:
-    app = _App(streams=False)
+@pytest.mark.parametrize(
+    "refuse", [grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED]
+)
+def test_an_app_serving_deliver_alone_gets_every_event(
+    tmp_path: Path, refuse: grpc.StatusCode
+) -> None:
+    app = _App(refuse=refuse)
     _run(
         tmp_path,
         app,

@@ -71,10 +71,11 @@ class PushSubscriberServicer:
         it): the master sends one request, waits for its result, then sends the next, so
         each result answers the request before it. A result's code is what Deliver's status
         would be. The master opens it while tracing is off (Deliver's metadata carries a
-        delivery's trace context); when it is refused (UNIMPLEMENTED, RESOURCE_EXHAUSTED)
-        the master calls Deliver instead, and after any other stream failure it offers that
-        batch by Deliver and opens a new stream for the next. A new call per batch costs
-        gRPC's call set-up on both sides; a message on an open stream does not.
+        delivery's trace context). A stream refused before any result (UNIMPLEMENTED,
+        RESOURCE_EXHAUSTED; or any status but UNAVAILABLE where Deliver then gets through)
+        makes the master call Deliver from then on; after any other stream failure it
+        offers that batch by Deliver and opens a new stream for the next. A new call per
+        batch costs gRPC's call set-up on both sides; a message on an open stream does not.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
