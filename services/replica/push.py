@@ -12,7 +12,10 @@ made here, and every `_RESCAN_S`); each worker:
   batch;
 * offers a round of batches (`push_policy.DeliveryState`: one when ordered, up to
   `limits.push_inflight_batches_max` at once otherwise), each a `PushSubscriber.Deliver`
-  call bounded by `timeouts.push_deliver_timeout_ms`;
+  call bounded by `timeouts.push_deliver_timeout_ms`; a round of one batch, while
+  tracing is off, goes as a request on the subscriber's `DeliverStream` instead (kept
+  open between rounds, the same bound per result), which skips gRPC's set-up of a new
+  call on both sides, unless the endpoint refuses the stream (push.proto);
 * moves the durable cursor through the log (`PushCursor`), at most one write in flight
   per subscriber, each carrying the newest position: under load one log entry covers
   many batches, never one per event (transient topics keep no cursor);
