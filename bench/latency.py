@@ -26,7 +26,9 @@ Scenarios (measurements, not tests; each bounded by a count and a deadline):
 * `push_delivery`: the same to an ordered push subscriber's callback (`PushEndpoint`).
 * `budget`: the stage marks (`squall.wire.stages`) of the one-at-a-time run joined across the
   client, the gateway and the three replicas into the median time of each stage of one
-  publish and of one delivery.
+  publish and of one delivery, and of the push delivery's legs (`PUSH_STAGES`).
+
+`--only delivery` runs the floor and the delivery scenarios alone (not the slave-served one).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -591,23 +593,49 @@ def budget(
     }
 
 
+# Push delivery legs in path order, as `delivery_budget` joins them: (label, from mark,
+# to mark, where the to mark is taken); "e.*" marks are the endpoint's (this process).
+PUSH_STAGES = (
+    ("master -> endpoint handler (both sides' gRPC, the network)", "p.out", "e.in", "client"),
+    ("endpoint: handler to the callback (the app's view built)", "e.in", "e.cb", "client"),
+    ("callback, then endpoint -> master (the answer back)", "e.cb", "p.ack", "master"),
+)
+
+
 def delivery_budget(directory: Path, roles: dict[int, str], master: str) -> dict[str, Any]:
-    """Median µs from a publish's commit to the master's Subscribe handler sending it."""
-    on_master = read_marks(directory, roles).get(master, Marks())
+    """Median µs from a publish's commit to the master's Subscribe handler sending it, to
+    its Deliver call, and the push delivery's legs (`PUSH_STAGES`)."""
+    marks = read_marks(directory, roles)
+    if not master:  # the replica that marked deliveries
+        master = next((r for r, m in marks.items() if any("p.out" in a for a in m.at.values())), "")
+    on_master = marks.get(master, Marks())
+    on_client = marks.get("client", Marks())
     waits: list[float] = []
     pushes: list[float] = []
+    legs: dict[str, list[float]] = {label: [] for label, _, _, _ in PUSH_STAGES}
     for key in on_master.links:
         committed = on_master.at.get(_linked(on_master, key, "lsn/"), {}).get("m.commit")
-        marks = on_master.at.get(_linked(on_master, key, "off/"), {})
-        if committed and marks.get("d.out"):
-            waits.append((marks["d.out"] - committed) / 1000)
-        if committed and marks.get("p.out"):
-            pushes.append((marks["p.out"] - committed) / 1000)
+        offset = _linked(on_master, key, "off/")
+        at = on_master.at.get(offset, {})
+        if committed and at.get("d.out"):
+            waits.append((at["d.out"] - committed) / 1000)
+        if committed and at.get("p.out"):
+            pushes.append((at["p.out"] - committed) / 1000)
+        where = {"master": at, "client": on_client.at.get(offset, {})}
+        for label, first, last, side in PUSH_STAGES:
+            begun = at.get(first) or where["client"].get(first)
+            if begun and where[side].get(last):
+                legs[label].append((where[side][last] - begun) / 1000)
     return {
         "events": len(waits),
         "commit_to_sent_us_p50": round(statistics.median(waits), 1) if waits else 0.0,
         "push_events": len(pushes),
         "commit_to_push_call_us_p50": round(statistics.median(pushes), 1) if pushes else 0.0,
+        "push_stages": [
+            {"stage": label, "us_p50": round(statistics.median(legs[label]), 1)}
+            for label, _, _, _ in PUSH_STAGES
+            if legs[label]
+        ],
     }
 
 
@@ -704,6 +732,8 @@ def measure(
             out["unary"][str(n)] = unary(
                 address, f"{topic_prefix}-unary", n, sizes.concurrent_s, pids=pids, idle_pct=idle
             )
+    if only and "delivery" in only:
+        _deliveries(address, stages, pids, sizes, topic_prefix, log, out, master="")
     if only and "library" not in only:
         return out
     called_ns: dict[str, int] = {}
@@ -769,17 +799,7 @@ def measure(
         out["concurrent_aio_shared"][str(n)] = concurrent_aio(
             address, f"{topic_prefix}-c{n}", n, sizes.concurrent_s, pids=pids, shared=True
         )
-    log(f"    latency: publish -> following subscriber, {sizes.delivery_events} events")
-    out["delivery"] = delivery(
-        address, f"{topic_prefix}-delivery", sizes.delivery_events, sizes.delivery_deadline_s
-    )
-    log(f"    latency: publish -> push endpoint, {sizes.delivery_events} events")
-    out["push_delivery"] = push_delivery(
-        address, f"{topic_prefix}-push", sizes.delivery_events, sizes.delivery_deadline_s
-    )
-    if stages is not None:
-        time.sleep(0.5)
-        out["delivery_budget"] = delivery_budget(stages, roles_of(pids), _master_role(out))
+    _deliveries(address, stages, pids, sizes, topic_prefix, log, out, _master_role(out))
     # After the delivery budget, which joins the marks of the master-served stream.
     log(f"    latency: publish -> following subscriber on a slave, {sizes.delivery_events} events")
     out["delivery_slave"] = delivery(
@@ -790,6 +810,32 @@ def measure(
         read_from="replicas",
     )
     return out
+
+
+def _deliveries(
+    address: str,
+    stages: Path | None,
+    pids: dict[str, int],
+    sizes: Sizes,
+    topic_prefix: str,
+    log: Any,
+    out: dict[str, Any],
+    master: str,
+) -> None:
+    """Publish -> following subscriber and -> push endpoint, and their budget (master: its
+    role, or "" for the replica that marked the deliveries)."""
+    log(f"    latency: publish -> following subscriber, {sizes.delivery_events} events")
+    out["delivery"] = delivery(
+        address, f"{topic_prefix}-delivery", sizes.delivery_events, sizes.delivery_deadline_s
+    )
+    log(f"    latency: publish -> push endpoint, {sizes.delivery_events} events")
+    out["push_delivery"] = push_delivery(
+        address, f"{topic_prefix}-push", sizes.delivery_events, sizes.delivery_deadline_s
+    )
+    if stages is not None:
+        _stages.flush()  # the endpoint's marks, taken in this process
+        time.sleep(0.5)
+        out["delivery_budget"] = delivery_budget(stages, roles_of(pids), master)
 
 
 def _master_of(figures: dict[str, Any]) -> str:
@@ -835,6 +881,8 @@ def table(policy_figures: dict[str, dict[str, Any]]) -> str:
             lambda f, n=n: _cpu_per_event(f["unary"][n], _master_of(f), idle=True),
         )
     if not all("one_at_a_time" in f for f in policy_figures.values()):
+        if all("delivery" in f for f in policy_figures.values()):
+            _delivery_rows(policy_figures, row)
         return "\n".join(lines)
 
     def rate(fig: dict[str, Any]) -> str:
@@ -884,25 +932,7 @@ def table(policy_figures: dict[str, dict[str, Any]]) -> str:
             f"CPU µs per event at {last} publishers ({name}): client / gateway / master",
             lambda f, path=path: _cpu_per_event(f[path][last], f["one_at_a_time"]["master"]),
         )
-    row(
-        "publish -> following subscriber, p50 / p99 ms",
-        lambda f: f"{f['delivery']['latency_ms_p50']} / {f['delivery']['latency_ms_p99']}",
-    )
-    if all("delivery_slave" in f for f in policy_figures.values()):
-        row(
-            "publish -> following subscriber on a slave (read_from replicas), p50 / p99 ms",
-            lambda f: (
-                f"{f['delivery_slave']['latency_ms_p50']} / "
-                f"{f['delivery_slave']['latency_ms_p99']}"
-            ),
-        )
-    if all("push_delivery" in f for f in policy_figures.values()):
-        row(
-            "publish -> push endpoint (ordered), p50 / p99 ms",
-            lambda f: (
-                f"{f['push_delivery']['latency_ms_p50']} / {f['push_delivery']['latency_ms_p99']}"
-            ),
-        )
+    _delivery_rows(policy_figures, row)
     if all("budget" in f for f in policy_figures.values()):
         lines += [
             "",
@@ -959,6 +989,45 @@ def table(policy_figures: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _delivery_rows(
+    policy_figures: dict[str, dict[str, Any]], row: Callable[[str, Any], None]
+) -> None:
+    """The table's delivery rows: latency, then the push delivery's legs when marked."""
+    row(
+        "publish -> following subscriber, p50 / p99 ms",
+        lambda f: f"{f['delivery']['latency_ms_p50']} / {f['delivery']['latency_ms_p99']}",
+    )
+    if all("delivery_slave" in f for f in policy_figures.values()):
+        row(
+            "publish -> following subscriber on a slave (read_from replicas), p50 / p99 ms",
+            lambda f: (
+                f"{f['delivery_slave']['latency_ms_p50']} / {f['delivery_slave']['latency_ms_p99']}"
+            ),
+        )
+    if all("push_delivery" in f for f in policy_figures.values()):
+        row(
+            "publish -> push endpoint (ordered), p50 / p99 ms",
+            lambda f: (
+                f"{f['push_delivery']['latency_ms_p50']} / {f['push_delivery']['latency_ms_p99']}"
+            ),
+        )
+    budgets = [f.get("delivery_budget", {}) for f in policy_figures.values()]
+    if all(b.get("push_stages") for b in budgets):
+        row(
+            "push: commit to the master's Deliver call, µs",
+            lambda f: str(f["delivery_budget"]["commit_to_push_call_us_p50"]),
+        )
+        for label, _, _, _ in PUSH_STAGES:
+            row(
+                f"push: {label}, µs",
+                lambda f, label=label: str(
+                    {r["stage"]: r["us_p50"] for r in f["delivery_budget"]["push_stages"]}.get(
+                        label, "-"
+                    )
+                ),
+            )
+
+
 def _cpu_per_event(figures: dict[str, Any], master: str, idle: bool = False) -> str:
     """CPU time per acknowledged event of the client, the gateway and the master, in µs
     (with `idle`, less what the gateway and the master used idle just before)."""
@@ -987,7 +1056,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         action="append",
-        choices=("unary", "library"),
+        choices=("unary", "library", "delivery"),
         help="just these scenario groups after the floor (repeatable; default all)",
     )
     args = parser.parse_args(argv)

@@ -25,7 +25,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 import grpc
@@ -33,11 +33,15 @@ import grpc
 from squall._tls import TlsOptions
 from squall._types import Message, messages_from_events
 from squall.v1 import broker_pb2, push_pb2, push_pb2_grpc
+from squall.wire import stages as _stages
 
 log = logging.getLogger("squall")
 
 Reliability = Literal["", "ordered"]
 PushStart = Literal["earliest", "latest"] | int
+
+# The details of a DeliverStream an endpoint refuses for want of threads.
+STREAMS_REFUSED = "no thread free for another delivery stream; call Deliver"
 
 # The broker bounds its batches (limits.push_batch_max_bytes, 3 MiB by default); an
 # endpoint accepts more so a cluster configured larger still gets through.
@@ -144,6 +148,25 @@ def not_hosted(request: push_pb2.PushDeliverRequest) -> str:
     return f"no push subscriber '{request.subscriber_id}' at this endpoint"
 
 
+def callback_failed(
+    request: push_pb2.PushDeliverRequest, exc: Exception
+) -> tuple[grpc.StatusCode, str]:
+    """The failed delivery a raising callback makes (logged): INTERNAL, naming the error."""
+    log.warning("push subscriber '%s': the delivery callback raised %r", request.subscriber_id, exc)
+    return grpc.StatusCode.INTERNAL, f"the delivery callback raised {exc!r}"
+
+
+def result_pb(code: grpc.StatusCode, details: str) -> push_pb2.PushDeliverResult:
+    """One DeliverStream result: the status Deliver would have answered with."""
+    return push_pb2.PushDeliverResult(code=code.value[0], details=details)
+
+
+def delivery_key(request: push_pb2.PushDeliverRequest) -> str:
+    """A delivery's key in the latency budget's stage marks (squall.wire.stages): its
+    first event's, as the master marks it."""
+    return f"off/{request.topic}/{request.events[0].offset}"
+
+
 def delivery_from_pb(request: push_pb2.PushDeliverRequest) -> PushDelivery:
     """The app's view of one Deliver call."""
     return PushDelivery(
@@ -172,26 +195,44 @@ class _Servicer(push_pb2_grpc.PushSubscriberServicer):
     def __init__(self, endpoint: PushEndpoint) -> None:
         self._endpoint = endpoint
 
-    def Deliver(
-        self, request: push_pb2.PushDeliverRequest, context: grpc.ServicerContext
-    ) -> push_pb2.PushDeliverResponse:
+    def _outcome(self, request: push_pb2.PushDeliverRequest) -> tuple[grpc.StatusCode, str]:
+        """Hands one request to its callback: the status Deliver answers with."""
+        if _stages.ENABLED and request.events:
+            _stages.mark("e.in", delivery_key(request))
         callback = self._endpoint.callback(request.subscriber_id)
         if callback is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, not_hosted(request))
-            raise AssertionError("unreachable: context.abort raises")
+            return grpc.StatusCode.NOT_FOUND, not_hosted(request)
         if request.probe:
-            return push_pb2.PushDeliverResponse()
+            return grpc.StatusCode.OK, ""
         delivery = delivery_from_pb(request)
+        if _stages.ENABLED:
+            _stages.mark("e.cb", delivery_key(request))
         try:
             callback(delivery)
         except Exception as exc:  # the app's failure: the master retries per retry_count
-            log.warning(
-                "push subscriber '%s': the delivery callback raised %r",
-                request.subscriber_id,
-                exc,
-            )
-            context.abort(grpc.StatusCode.INTERNAL, f"the delivery callback raised {exc!r}")
+            return callback_failed(request, exc)
+        return grpc.StatusCode.OK, ""
+
+    def Deliver(
+        self, request: push_pb2.PushDeliverRequest, context: grpc.ServicerContext
+    ) -> push_pb2.PushDeliverResponse:
+        code, details = self._outcome(request)
+        if code != grpc.StatusCode.OK:
+            context.abort(code, details)
         return push_pb2.PushDeliverResponse()
+
+    def DeliverStream(
+        self, request_iterator: Iterator[push_pb2.PushDeliverRequest], context: grpc.ServicerContext
+    ) -> Iterator[push_pb2.PushDeliverResult]:
+        # A stream holds one of the server's threads while open: refused (the master then
+        # calls Deliver) when it would leave none for Deliver calls.
+        if not self._endpoint._open_stream():
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, STREAMS_REFUSED)
+        try:
+            for request in request_iterator:
+                yield result_pb(*self._outcome(request))
+        finally:
+            self._endpoint._close_stream()
 
 
 class PushEndpoint:
@@ -201,6 +242,9 @@ class PushEndpoint:
     `advertise` is the host:port the cluster's master dials (default: the bound address,
     which must then be reachable from the master). Deliveries run on `max_workers`
     threads; a callback may be called from several at once for an unordered subscriber.
+    The master delivers on a stream per subscriber (`DeliverStream`) when it can, each
+    holding a thread while open: at most `max_workers - 1` at once, so one is always left
+    for `Deliver` calls (further streams are refused and the master calls `Deliver`).
     With `tls` (for a cluster with `[tls]` on, where `tls.push = "tls"` is the default) it
     serves TLS with `tls.cert_file`/`key_file`, whose certificate must name the host the
     master dials, and accepts only callers with a certificate from `tls.ca_file` (the
@@ -221,6 +265,8 @@ class PushEndpoint:
             raise ValueError(f"max_workers must be >= 1, not {max_workers}")
         self._lock = threading.Lock()
         self._callbacks: dict[str, DeliveryCallback] = {}
+        self._streams = 0  # DeliverStream calls open
+        self._streams_max = max_workers - 1
         credentials = tls.server_credentials() if tls is not None else None
         self._server = grpc.server(
             concurrent.futures.ThreadPoolExecutor(
@@ -265,6 +311,17 @@ class PushEndpoint:
         """The callback hosting a subscriber id here, or None."""
         with self._lock:
             return self._callbacks.get(subscriber_id)
+
+    def _open_stream(self) -> bool:
+        with self._lock:
+            if self._streams >= self._streams_max:
+                return False
+            self._streams += 1
+            return True
+
+    def _close_stream(self) -> None:
+        with self._lock:
+            self._streams -= 1
 
     def close(self, grace_s: float = 1.0) -> None:
         """Stops serving (deliveries in progress get grace_s to finish)."""

@@ -12,7 +12,10 @@ made here, and every `_RESCAN_S`); each worker:
   batch;
 * offers a round of batches (`push_policy.DeliveryState`: one when ordered, up to
   `limits.push_inflight_batches_max` at once otherwise), each a `PushSubscriber.Deliver`
-  call bounded by `timeouts.push_deliver_timeout_ms`;
+  call bounded by `timeouts.push_deliver_timeout_ms`; a round of one batch, while
+  tracing is off, goes as a request on the subscriber's `DeliverStream` instead (kept
+  open between rounds, the same bound per result), which skips gRPC's set-up of a new
+  call on both sides, unless the endpoint refuses the stream (push.proto);
 * moves the durable cursor through the log (`PushCursor`), at most one write in flight
   per subscriber, each carrying the newest position: under load one log entry covers
   many batches, never one per event (transient topics keep no cursor);
@@ -64,6 +67,11 @@ _RESCAN_S = 1.0
 _IDLE_RECHECK_S = 1.0
 # Longest status detail from a subscriber kept in logs, status and removal reasons.
 _DETAIL_CHARS_MAX = 200
+
+# Status code number -> name, for DeliverStream's results.
+_STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+# A DeliverStream refused before answering anything with these: Deliver from then on.
+_STREAM_REFUSED = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 _WorkerKey = tuple[str, str, int]  # topic, subscriber id, LSN of its subscribe
 
@@ -187,6 +195,14 @@ class _Worker:
             _channel_options(limits.max_message_bytes, timeouts.push_retry_backoff_max_ms),
         )
         self._stub = push_pb2_grpc.PushSubscriberStub(self._channel)
+        # Deliveries go on one DeliverStream while the endpoint serves it (see _offer).
+        self._stream: (
+            grpc.aio.StreamStreamCall[push_pb2.PushDeliverRequest, push_pb2.PushDeliverResult]
+            | None
+        ) = None
+        self._stream_answered = False  # the current stream answered a request
+        self._stream_refused = False  # this batch's stream failed unanswered (see _offer)
+        self._streams_served = True
         self.task = asyncio.get_running_loop().create_task(
             self._run(), name=f"push-{subscriber.topic}-{subscriber.subscriber_id}"
         )
@@ -245,7 +261,7 @@ class _Worker:
             # One batch (the usual case for a subscriber keeping up) is offered in this
             # task; several at once, each in its own.
             outcomes = (
-                [await self._offer(*batches[0])]
+                [await self._offer(*batches[0], alone=True)]
                 if len(batches) == 1
                 else await asyncio.gather(
                     *(self._offer(first, end, events) for first, end, events in batches)
@@ -337,8 +353,11 @@ class _Worker:
             return []  # destroyed meanwhile: the next pass sees the subscription gone
         return batches
 
-    async def _offer(self, first: int, end: int, events: list[common_pb2.Event]) -> Offered:
-        """One Deliver call; its outcome as the policy sees it."""
+    async def _offer(
+        self, first: int, end: int, events: list[common_pb2.Event], alone: bool = False
+    ) -> Offered:
+        """One delivery (`alone` in its round: on the subscriber's stream if it can be); its
+        outcome as the policy sees it."""
         if not events:
             return Offered(first, end, "OK")  # nothing left to deliver in that range
         node, s = self._node, self._subscriber
@@ -363,19 +382,83 @@ class _Worker:
         )
         code, detail = "CANCELLED", "the delivery was cancelled (the role went)"
         try:
-            await self._stub.Deliver(
-                request,
-                timeout=node.config.timeouts.push_deliver_timeout_ms / 1000,
-                # The app's server span (if it traces) joins the delivery's trace.
-                metadata=with_context(None, span) if span is not None else None,
+            # A traced delivery's context goes in its call's metadata: a call of its own.
+            offered = (
+                await self._offer_on_stream(request)
+                if alone and span is None and self._streams_served
+                else None
             )
-            code, detail = "OK", ""
+            if offered is None:
+                await self._stub.Deliver(
+                    request,
+                    timeout=node.config.timeouts.push_deliver_timeout_ms / 1000,
+                    # The app's server span (if it traces) joins the delivery's trace.
+                    metadata=with_context(None, span) if span is not None else None,
+                )
+                offered = "OK", ""
+                if self._stream_refused:
+                    # Reachable, but its stream failed unanswered (an interceptor that
+                    # knows Deliver alone, say): Deliver from then on.
+                    self._streams_served = False
+            code, detail = offered
         except grpc.aio.AioRpcError as exc:
             code, detail = exc.code().name, _detail(exc)
         finally:
             if span is not None:
                 end_call_span(span, code, detail)
+        if _stages.ENABLED and code == "OK":
+            _stages.mark("p.ack", f"off/{s.topic}/{events[0].offset}")
         return Offered(first, end, code, detail)
+
+    async def _offer_on_stream(
+        self, request: push_pb2.PushDeliverRequest
+    ) -> tuple[str, str] | None:
+        """One delivery on the subscriber's DeliverStream (opened if none is): its (code,
+        detail), or None when the stream failed and the batch is to go by Deliver."""
+        timeout_s = self._node.config.timeouts.push_deliver_timeout_ms / 1000
+        self._stream_refused = False
+        if self._stream is not None and self._stream.done():
+            self._stream = None  # ended while idle (the endpoint restarted, say)
+        if self._stream is None:
+            self._stream = self._stub.DeliverStream(None)
+            self._stream_answered = False
+        stream = self._stream
+        try:
+            async with asyncio.timeout(timeout_s):
+                await stream.write(request)
+                result = await stream.read()
+        except TimeoutError:
+            # Its result could still come: a new stream for the next batch.
+            self._drop_stream()
+            return "DEADLINE_EXCEEDED", "Deadline Exceeded"
+        except grpc.aio.AioRpcError as exc:
+            self._drop_stream()
+            if not self._stream_answered and exc.code() in _STREAM_REFUSED:
+                # No stream here (an app serving Deliver alone, or no thread to spare).
+                self._streams_served = False
+            # Any other failure before an answer, unless the endpoint was away: refused,
+            # if Deliver then gets through.
+            self._stream_refused = (
+                not self._stream_answered and exc.code() != grpc.StatusCode.UNAVAILABLE
+            )
+            return None
+        except asyncio.InvalidStateError:  # it ended between the check and the write
+            self._drop_stream()
+            return None
+        except asyncio.CancelledError:
+            self._drop_stream()
+            raise
+        if not isinstance(result, push_pb2.PushDeliverResult):  # EOF: the endpoint closed it
+            self._drop_stream()
+            return None
+        self._stream_answered = True
+        detail = " ".join(result.details.split())[:_DETAIL_CHARS_MAX]
+        return _STATUS_NAMES.get(result.code, "UNKNOWN"), detail
+
+    def _drop_stream(self) -> None:
+        if self._stream is not None:
+            self._stream.cancel()
+            self._stream = None
 
     async def _remove(self, reason: str) -> None:
         """Removes the subscriber through the log (replicated, like any unsubscribe)."""

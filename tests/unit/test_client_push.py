@@ -3,18 +3,23 @@
 Goals: `subscribe_push` sends IceStorm's QoS keys with the caller's values and refuses a
 bad start before sending; a `PushEndpoint` answers a probe for an id it hosts, NOT_FOUND
 for one it does not (the cluster removes that subscription at once), hands each batch to
-the id's callback as `Message`s, and turns a raising callback into a failed delivery.
+the id's callback as `Message`s, and turns a raising callback into a failed delivery;
+on its delivery stream (`DeliverStream`, threaded and asyncio) it answers each request
+with the status Deliver would have, and the threaded one keeps a thread for Deliver calls.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Iterator
 
 import grpc
+import grpc.aio
 import pytest
 
 import squall
+import squall.aio
 from squall._push import subscribe_push_request
 from squall.v1 import broker_pb2, common_pb2, push_pb2, push_pb2_grpc
 
@@ -128,3 +133,91 @@ def test_a_bad_bind_is_refused() -> None:
 def test_advertise_overrides_the_address() -> None:
     with squall.PushEndpoint("127.0.0.1:0", advertise="subscriber.example:7300") as serving:
         assert serving.address == "subscriber.example:7300"
+
+
+def _requests(*requests: push_pb2.PushDeliverRequest) -> Iterator[push_pb2.PushDeliverRequest]:
+    yield from requests
+
+
+def test_the_delivery_stream_answers_each_request_as_deliver_would(
+    endpoint: squall.PushEndpoint, stub: push_pb2_grpc.PushSubscriberStub
+) -> None:
+    got: list[list[int]] = []
+    endpoint.add("s1", lambda delivery: got.append([m.offset for m in delivery.messages]))
+
+    def broken(delivery: squall.PushDelivery) -> None:
+        raise RuntimeError("database down")
+
+    endpoint.add("s2", broken)
+    results = list(
+        stub.DeliverStream(
+            _requests(
+                push_pb2.PushDeliverRequest(topic="t", subscriber_id="s1", probe=True),
+                push_pb2.PushDeliverRequest(topic="t", subscriber_id="s1", events=_events(4, 5)),
+                push_pb2.PushDeliverRequest(topic="t", subscriber_id="gone", events=_events(6)),
+                push_pb2.PushDeliverRequest(topic="t", subscriber_id="s2", events=_events(6)),
+                push_pb2.PushDeliverRequest(topic="t", subscriber_id="s1", events=_events(6)),
+            ),
+            timeout=5,
+        )
+    )
+    assert [grpc.StatusCode.OK.value[0]] * 2 == [r.code for r in results[:2]]
+    assert results[2].code == grpc.StatusCode.NOT_FOUND.value[0]
+    assert "no push subscriber 'gone'" in results[2].details
+    assert results[3].code == grpc.StatusCode.INTERNAL.value[0]
+    assert "database down" in results[3].details
+    assert results[4].code == grpc.StatusCode.OK.value[0]
+    assert got == [[4, 5], [6]]
+
+
+def test_streams_leave_a_thread_for_deliver_calls() -> None:
+    """Each open stream holds a server thread: with max_workers=2, one stream at a time."""
+    with (
+        squall.PushEndpoint(max_workers=2) as serving,
+        grpc.insecure_channel(serving.address) as channel,
+    ):
+        stub = push_pb2_grpc.PushSubscriberStub(channel)
+        serving.add("s1", lambda delivery: None)
+        probe = push_pb2.PushDeliverRequest(topic="t", subscriber_id="s1", probe=True)
+        more = threading.Event()
+
+        def held() -> Iterator[push_pb2.PushDeliverRequest]:
+            yield probe
+            more.wait(5)
+
+        first = stub.DeliverStream(held(), timeout=10)
+        assert next(first).code == grpc.StatusCode.OK.value[0]  # open, its thread held
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.DeliverStream(_requests(probe), timeout=5))
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        stub.Deliver(probe, timeout=5)  # the thread left
+        more.set()
+        assert list(first) == []
+        # The first stream's thread is back: a stream is served again.
+        assert [r.code for r in stub.DeliverStream(_requests(probe), timeout=5)] == [0]
+
+
+def test_the_asyncio_endpoint_serves_the_delivery_stream() -> None:
+    got: list[list[int]] = []
+
+    async def handle(delivery: squall.PushDelivery) -> None:
+        got.append([m.offset for m in delivery.messages])
+
+    async def scenario() -> list[push_pb2.PushDeliverResult]:
+        async with squall.aio.PushEndpoint() as serving:
+            serving.add("s1", handle)
+            async with grpc.aio.insecure_channel(serving.address) as channel:
+                call = push_pb2_grpc.PushSubscriberStub(channel).DeliverStream(timeout=5)
+                out = []
+                for request in (
+                    push_pb2.PushDeliverRequest(topic="t", subscriber_id="s1", events=_events(1)),
+                    push_pb2.PushDeliverRequest(topic="t", subscriber_id="s9", events=_events(2)),
+                ):
+                    await call.write(request)
+                    out.append(await call.read())
+                await call.done_writing()
+                return out
+
+    results = asyncio.run(scenario())
+    assert [r.code for r in results] == [0, grpc.StatusCode.NOT_FOUND.value[0]]
+    assert got == [[1]]

@@ -9,8 +9,7 @@ host is answered NOT_FOUND, which removes that subscription.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -19,14 +18,14 @@ import grpc.aio
 from squall._push import (
     ENDPOINT_MESSAGE_BYTES_MAX,
     PushDelivery,
+    callback_failed,
     delivery_from_pb,
     endpoint_bind_options,
     not_hosted,
+    result_pb,
 )
 from squall._tls import TlsOptions
 from squall.v1 import push_pb2, push_pb2_grpc
-
-log = logging.getLogger("squall")
 
 AsyncDeliveryCallback = Callable[[PushDelivery], Awaitable[None]]
 
@@ -35,25 +34,34 @@ class _Servicer(push_pb2_grpc.PushSubscriberServicer):
     def __init__(self, endpoint: PushEndpoint) -> None:
         self._endpoint = endpoint
 
-    async def Deliver(
-        self, request: push_pb2.PushDeliverRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> push_pb2.PushDeliverResponse:
+    async def _outcome(self, request: push_pb2.PushDeliverRequest) -> tuple[grpc.StatusCode, str]:
+        """Hands one request to its callback: the status Deliver answers with."""
         callback = self._endpoint.callback(request.subscriber_id)
         if callback is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, not_hosted(request))
-        assert callback is not None  # context.abort raises
+            return grpc.StatusCode.NOT_FOUND, not_hosted(request)
         if request.probe:
-            return push_pb2.PushDeliverResponse()
+            return grpc.StatusCode.OK, ""
         try:
             await callback(delivery_from_pb(request))
         except Exception as exc:  # the app's failure: the master retries per retry_count
-            log.warning(
-                "push subscriber '%s': the delivery callback raised %r",
-                request.subscriber_id,
-                exc,
-            )
-            await context.abort(grpc.StatusCode.INTERNAL, f"the delivery callback raised {exc!r}")
+            return callback_failed(request, exc)
+        return grpc.StatusCode.OK, ""
+
+    async def Deliver(
+        self, request: push_pb2.PushDeliverRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> push_pb2.PushDeliverResponse:
+        code, details = await self._outcome(request)
+        if code != grpc.StatusCode.OK:
+            await context.abort(code, details)
         return push_pb2.PushDeliverResponse()
+
+    async def DeliverStream(
+        self,
+        request_iterator: AsyncIterator[push_pb2.PushDeliverRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[push_pb2.PushDeliverResult]:
+        async for request in request_iterator:
+            yield result_pb(*await self._outcome(request))
 
 
 class PushEndpoint:

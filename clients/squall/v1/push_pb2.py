@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from squall.v1 import common_pb2 as squall_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14squall/v1/push.proto\x12\tsquall.v1\x1a\x16squall/v1/common.proto\"\x9e\x01\n\x12PushDeliverRequest\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x15\n\rsubscriber_id\x18\x02 \x01(\t\x12 \n\x06\x65vents\x18\x03 \x03(\x0b\x32\x10.squall.v1.Event\x12\r\n\x05probe\x18\x04 \x01(\x08\x12\x0f\n\x07\x61ttempt\x18\x05 \x01(\r\x12\x11\n\tmaster_id\x18\x06 \x01(\t\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\"\x15\n\x13PushDeliverResponse2Z\n\x0ePushSubscriber\x12H\n\x07\x44\x65liver\x12\x1d.squall.v1.PushDeliverRequest\x1a\x1e.squall.v1.PushDeliverResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14squall/v1/push.proto\x12\tsquall.v1\x1a\x16squall/v1/common.proto\"\x9e\x01\n\x12PushDeliverRequest\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x15\n\rsubscriber_id\x18\x02 \x01(\t\x12 \n\x06\x65vents\x18\x03 \x03(\x0b\x32\x10.squall.v1.Event\x12\r\n\x05probe\x18\x04 \x01(\x08\x12\x0f\n\x07\x61ttempt\x18\x05 \x01(\r\x12\x11\n\tmaster_id\x18\x06 \x01(\t\x12\r\n\x05\x65poch\x18\x07 \x01(\x04\"\x15\n\x13PushDeliverResponse\"2\n\x11PushDeliverResult\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t2\xac\x01\n\x0ePushSubscriber\x12H\n\x07\x44\x65liver\x12\x1d.squall.v1.PushDeliverRequest\x1a\x1e.squall.v1.PushDeliverResponse\x12P\n\rDeliverStream\x12\x1d.squall.v1.PushDeliverRequest\x1a\x1c.squall.v1.PushDeliverResult(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,6 +37,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUSHDELIVERREQUEST']._serialized_end=218
   _globals['_PUSHDELIVERRESPONSE']._serialized_start=220
   _globals['_PUSHDELIVERRESPONSE']._serialized_end=241
-  _globals['_PUSHSUBSCRIBER']._serialized_start=243
-  _globals['_PUSHSUBSCRIBER']._serialized_end=333
+  _globals['_PUSHDELIVERRESULT']._serialized_start=243
+  _globals['_PUSHDELIVERRESULT']._serialized_end=293
+  _globals['_PUSHSUBSCRIBER']._serialized_start=296
+  _globals['_PUSHSUBSCRIBER']._serialized_end=468
 # @@protoc_insertion_point(module_scope)

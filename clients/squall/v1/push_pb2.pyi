@@ -97,3 +97,31 @@ class PushDeliverResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PushDeliverResponse: _TypeAlias = PushDeliverResponse  # noqa: Y015
+
+@_typing.final
+class PushDeliverResult(_message.Message):
+    """The outcome of one request on DeliverStream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    DETAILS_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    """A gRPC status code number: 0 (OK) once the batch is handled; otherwise the status
+    Deliver would have failed with (5 NOT_FOUND, 13 INTERNAL, ...), judged alike.
+    """
+    details: _builtins.str
+    """The status details of a failure."""
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        details: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "details", b"details"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushDeliverResult: _TypeAlias = PushDeliverResult  # noqa: Y015

@@ -41,6 +41,11 @@ class PushSubscriberStub:
                 request_serializer=squall_dot_v1_dot_push__pb2.PushDeliverRequest.SerializeToString,
                 response_deserializer=squall_dot_v1_dot_push__pb2.PushDeliverResponse.FromString,
                 _registered_method=True)
+        self.DeliverStream = channel.stream_stream(
+                '/squall.v1.PushSubscriber/DeliverStream',
+                request_serializer=squall_dot_v1_dot_push__pb2.PushDeliverRequest.SerializeToString,
+                response_deserializer=squall_dot_v1_dot_push__pb2.PushDeliverResult.FromString,
+                _registered_method=True)
 
 
 class PushSubscriberServicer:
@@ -61,6 +66,21 @@ class PushSubscriberServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeliverStream(self, request_iterator, context):
+        """The same deliveries on one long-lived stream (optional; `squall.PushEndpoint` serves
+        it): the master sends one request, waits for its result, then sends the next, so
+        each result answers the request before it. A result's code is what Deliver's status
+        would be. The master opens it while tracing is off (Deliver's metadata carries a
+        delivery's trace context). A stream refused before any result (UNIMPLEMENTED,
+        RESOURCE_EXHAUSTED; or any status but UNAVAILABLE where Deliver then gets through)
+        makes the master call Deliver from then on; after any other stream failure it
+        offers that batch by Deliver and opens a new stream for the next. A new call per
+        batch costs gRPC's call set-up on both sides; a message on an open stream does not.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PushSubscriberServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -68,6 +88,11 @@ def add_PushSubscriberServicer_to_server(servicer, server):
                     servicer.Deliver,
                     request_deserializer=squall_dot_v1_dot_push__pb2.PushDeliverRequest.FromString,
                     response_serializer=squall_dot_v1_dot_push__pb2.PushDeliverResponse.SerializeToString,
+            ),
+            'DeliverStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.DeliverStream,
+                    request_deserializer=squall_dot_v1_dot_push__pb2.PushDeliverRequest.FromString,
+                    response_serializer=squall_dot_v1_dot_push__pb2.PushDeliverResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -98,6 +123,33 @@ class PushSubscriber:
             '/squall.v1.PushSubscriber/Deliver',
             squall_dot_v1_dot_push__pb2.PushDeliverRequest.SerializeToString,
             squall_dot_v1_dot_push__pb2.PushDeliverResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeliverStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/squall.v1.PushSubscriber/DeliverStream',
+            squall_dot_v1_dot_push__pb2.PushDeliverRequest.SerializeToString,
+            squall_dot_v1_dot_push__pb2.PushDeliverResult.FromString,
             options,
             channel_credentials,
             insecure,

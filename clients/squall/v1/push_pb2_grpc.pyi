@@ -48,6 +48,17 @@ class PushSubscriberStub:
     Delivery is at-least-once: a batch may come again (a retry, or a new master resuming
     from the durable cursor); the offsets tell duplicates apart.
     """
+    DeliverStream: _grpc.StreamStreamMultiCallable[_push_pb2.PushDeliverRequest, _push_pb2.PushDeliverResult]
+    """The same deliveries on one long-lived stream (optional; `squall.PushEndpoint` serves
+    it): the master sends one request, waits for its result, then sends the next, so
+    each result answers the request before it. A result's code is what Deliver's status
+    would be. The master opens it while tracing is off (Deliver's metadata carries a
+    delivery's trace context). A stream refused before any result (UNIMPLEMENTED,
+    RESOURCE_EXHAUSTED; or any status but UNAVAILABLE where Deliver then gets through)
+    makes the master call Deliver from then on; after any other stream failure it
+    offers that batch by Deliver and opens a new stream for the next. A new call per
+    batch costs gRPC's call set-up on both sides; a message on an open stream does not.
+    """
 
 @_typing.type_check_only
 class PushSubscriberAsyncStub(PushSubscriberStub):
@@ -63,6 +74,17 @@ class PushSubscriberAsyncStub(PushSubscriberStub):
     against the subscription's `retryCount` QoS and the same events are offered again.
     Delivery is at-least-once: a batch may come again (a retry, or a new master resuming
     from the durable cursor); the offsets tell duplicates apart.
+    """
+    DeliverStream: _aio.StreamStreamMultiCallable[_push_pb2.PushDeliverRequest, _push_pb2.PushDeliverResult]  # type: ignore[assignment]
+    """The same deliveries on one long-lived stream (optional; `squall.PushEndpoint` serves
+    it): the master sends one request, waits for its result, then sends the next, so
+    each result answers the request before it. A result's code is what Deliver's status
+    would be. The master opens it while tracing is off (Deliver's metadata carries a
+    delivery's trace context). A stream refused before any result (UNIMPLEMENTED,
+    RESOURCE_EXHAUSTED; or any status but UNAVAILABLE where Deliver then gets through)
+    makes the master call Deliver from then on; after any other stream failure it
+    offers that batch by Deliver and opens a new stream for the next. A new call per
+    batch costs gRPC's call set-up on both sides; a message on an open stream does not.
     """
 
 class PushSubscriberServicer(metaclass=_abc_1.ABCMeta):
@@ -82,6 +104,23 @@ class PushSubscriberServicer(metaclass=_abc_1.ABCMeta):
         against the subscription's `retryCount` QoS and the same events are offered again.
         Delivery is at-least-once: a batch may come again (a retry, or a new master resuming
         from the durable cursor); the offsets tell duplicates apart.
+        """
+
+    @_abc_1.abstractmethod
+    def DeliverStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_push_pb2.PushDeliverRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_push_pb2.PushDeliverResult], _abc.AsyncIterator[_push_pb2.PushDeliverResult]]:
+        """The same deliveries on one long-lived stream (optional; `squall.PushEndpoint` serves
+        it): the master sends one request, waits for its result, then sends the next, so
+        each result answers the request before it. A result's code is what Deliver's status
+        would be. The master opens it while tracing is off (Deliver's metadata carries a
+        delivery's trace context). A stream refused before any result (UNIMPLEMENTED,
+        RESOURCE_EXHAUSTED; or any status but UNAVAILABLE where Deliver then gets through)
+        makes the master call Deliver from then on; after any other stream failure it
+        offers that batch by Deliver and opens a new stream for the next. A new call per
+        batch costs gRPC's call set-up on both sides; a message on an open stream does not.
         """
 
 def add_PushSubscriberServicer_to_server(servicer: PushSubscriberServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
