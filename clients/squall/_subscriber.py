@@ -59,7 +59,8 @@ RECONNECT_CODES: frozenset[str] = INDETERMINATE_AFTER_SEND
 def _cancel(calls: list[Any]) -> None:
     """Cancels the subscription's current stream (a finalizer: holds no reference to it)."""
     for call in calls:
-        call.cancel()
+        if call is not None:
+            call.cancel()
 
 
 # Which replicas a gateway may serve a subscription from (None: the gateway's setting).
@@ -276,8 +277,10 @@ class Subscription:
                     if batch:
                         self._last_offset = max(self._last_offset, batch[-1].offset)
                     yield batch
+                self._forget_call()
                 return
             except grpc.RpcError as err:
+                self._forget_call()
                 if self.closed:
                     return
                 code, details = rpc_status(err)
@@ -317,6 +320,14 @@ class Subscription:
                     self._calls[0] = self._stub.Subscribe(self._resume_request())
                     self._reconnects += 1
 
+    def _forget_call(self) -> None:
+        """Drops the current call once it ended. An ended call is the RpcError it raised,
+        whose traceback holds the frames that read it, this subscription's among them:
+        left where the finalizer's registry reaches it, it would keep the subscription
+        (and its stream's memory) alive for good."""
+        with self._lock:
+            self._calls[0] = None
+
     def _resume_request(self) -> broker_pb2.SubscribeRequest:
         """The request that continues where the app is: the durable cursor, or last + 1."""
         return resume_request(self._request, self._last_offset)
@@ -343,7 +354,8 @@ class Subscription:
             self._closed = True
             call = self._calls[0]
         self._closing.set()
-        call.cancel()
+        if call is not None:  # else it ended already
+            call.cancel()
 
     @property
     def closed(self) -> bool:
