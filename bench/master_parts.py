@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import cProfile
 import io
 import pstats
@@ -59,12 +60,15 @@ WAIT_S = 60.0
 IDLE_S = 1.0
 
 
-def _free_port() -> int:
-    # Nothing listens here: the config only needs addresses that parse and differ.
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+def free_ports(count: int) -> list[int]:
+    """Distinct ports: every socket stays bound until all are picked, so the kernel
+    cannot hand one out twice. Nothing listens there: the config only needs addresses
+    that parse and differ."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
 
 
 def bench_config(
@@ -76,14 +80,15 @@ def bench_config(
 ) -> ClusterConfig:
     """A cluster of node_ids in directory for an in-process harness (this one's and
     bench/slave_apply.py's); replica_sync None keeps the default."""
+    ports = iter(free_ports(2 * len(node_ids) + 1))
     text = '[cluster]\nname = "bench"\n'
     for priority, node_id in enumerate(node_ids, 1):
         text += (
             f'\n[[nodes]]\nid = "{node_id}"\npriority = {priority}\n'
-            f'coordinator_address = "127.0.0.1:{_free_port()}"\n'
-            f'replica_address = "127.0.0.1:{_free_port()}"\ndata_dir = "{node_id}"\n'
+            f'coordinator_address = "127.0.0.1:{next(ports)}"\n'
+            f'replica_address = "127.0.0.1:{next(ports)}"\ndata_dir = "{node_id}"\n'
         )
-    text += f'\n[[gateways]]\nid = "g1"\naddress = "127.0.0.1:{_free_port()}"\n'
+    text += f'\n[[gateways]]\nid = "g1"\naddress = "127.0.0.1:{next(ports)}"\n'
     text += f'\n[durability]\nmaster_sync = "{master_sync}"\nacks = "majority"\n'
     if replica_sync is not None:
         text += f'replica_sync = "{replica_sync}"\n'

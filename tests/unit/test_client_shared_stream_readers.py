@@ -276,7 +276,8 @@ def test_a_caller_waiting_for_a_slot_fails_as_not_sent_when_the_stream_ends(
     mux = PublishMux(stub, inflight_max=1)  # type: ignore[arg-type]
     first = _Caller(mux, "first", 1, timeout_s=_STUCK_S)
     call = stub.calls[0]
-    wait_until(lambda: call.blocked_readers == 1)
+    # gRPC's request thread (the fake's) has taken the first request off the stream.
+    wait_until(lambda: call.blocked_readers == 1 and len(call.requests) == 1)
     second = _Caller(mux, "second", 1, timeout_s=_STUCK_S)
     wait_until(lambda: second.entry.future.parked)
     call.end(grpc.StatusCode.UNAVAILABLE, "the gateway went away")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import queue
-import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any
 
 import grpc
 
+from bench.master_parts import free_ports
 from squall import classify_code
 from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2, replica_pb2
 from squall_server.common.config import ClusterConfig, parse_config
@@ -41,22 +41,16 @@ _STREAMS = 2
 _REQUESTS_PER_STREAM = 4
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _config(tmp_path: Path) -> ClusterConfig:
+    ports = iter(free_ports(7))
     text = '[cluster]\nname = "t"\n'
     for i in (1, 2, 3):
         text += (
             f'\n[[nodes]]\nid = "n{i}"\npriority = {4 - i}\n'
-            f'coordinator_address = "127.0.0.1:{_free_port()}"\n'
-            f'replica_address = "127.0.0.1:{_free_port()}"\ndata_dir = "n{i}"\n'
+            f'coordinator_address = "127.0.0.1:{next(ports)}"\n'
+            f'replica_address = "127.0.0.1:{next(ports)}"\ndata_dir = "n{i}"\n'
         )
-    text += f'\n[[gateways]]\nid = "g1"\naddress = "127.0.0.1:{_free_port()}"\n'
+    text += f'\n[[gateways]]\nid = "g1"\naddress = "127.0.0.1:{next(ports)}"\n'
     config = parse_config(text, tmp_path / "cluster.toml")
     for node in config.nodes:
         node.data_dir.mkdir(parents=True, exist_ok=True)
@@ -123,8 +117,7 @@ def test_a_deposed_master_ends_every_stream_at_once_as_indeterminate(tmp_path: P
         await node.start()
         grpc_server = grpc.aio.server()
         broker_pb2_grpc.add_PublisherServicer_to_server(server.Publisher(node), grpc_server)
-        address = f"127.0.0.1:{_free_port()}"
-        grpc_server.add_insecure_port(address)
+        address = f"127.0.0.1:{grpc_server.add_insecure_port('127.0.0.1:0')}"
         await grpc_server.start()
         clients = [_StreamClient(address, s) for s in range(_STREAMS)]
         try:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import socket
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
+from bench.master_parts import free_ports
 from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2, replica_pb2
 from squall_server.common.config import parse_config
 from squall_server.replica import commands, server
@@ -35,13 +35,6 @@ def _new_node(config: Any, store: Store) -> Any:
     return assembly.build_replica_node(config, config.node("n1"), store)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _part(
     topic: str, publisher_id: str, sequence: int, payload: bytes = b"x"
 ) -> broker_pb2.PublishRequest:
@@ -55,11 +48,12 @@ def _part(
 
 
 def test_each_part_is_published_deduplicated_and_answered_apart(tmp_path: Path) -> None:
+    ports = iter(free_ports(3))
     text = (
         '[cluster]\nname = "t"\n\n[[nodes]]\nid = "n1"\npriority = 1\n'
-        f'coordinator_address = "127.0.0.1:{_free_port()}"\n'
-        f'replica_address = "127.0.0.1:{_free_port()}"\ndata_dir = "n1"\n'
-        f'\n[[gateways]]\nid = "g1"\naddress = "127.0.0.1:{_free_port()}"\n'
+        f'coordinator_address = "127.0.0.1:{next(ports)}"\n'
+        f'replica_address = "127.0.0.1:{next(ports)}"\ndata_dir = "n1"\n'
+        f'\n[[gateways]]\nid = "g1"\naddress = "127.0.0.1:{next(ports)}"\n'
         "\n[limits]\nmax_event_bytes = 64\n"
     )
     config = parse_config(text, tmp_path / "cluster.toml")
@@ -70,8 +64,7 @@ def test_each_part_is_published_deduplicated_and_answered_apart(tmp_path: Path) 
         await node.start()
         grpc_server = grpc.aio.server()
         broker_pb2_grpc.add_PublisherServicer_to_server(server.Publisher(node), grpc_server)
-        address = f"127.0.0.1:{_free_port()}"
-        grpc_server.add_insecure_port(address)
+        address = f"127.0.0.1:{grpc_server.add_insecure_port('127.0.0.1:0')}"
         await grpc_server.start()
         try:
             await node.apply_role(
