@@ -30,11 +30,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import cProfile
 import io
 import pstats
-import socket
 import sys
 import tempfile
 import time
@@ -42,6 +40,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from deploy.processes import free_ports
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
 from squall_server.common.config import ClusterConfig, parse_config
 from squall_server.replica import commands, server
@@ -58,17 +57,6 @@ CLUSTER_ID = "c-bench-parts"
 WAIT_S = 60.0
 # Seconds the idle CPU is sampled for, just before the measured run.
 IDLE_S = 1.0
-
-
-def free_ports(count: int) -> list[int]:
-    """Distinct ports: every socket stays bound until all are picked, so the kernel
-    cannot hand one out twice. Nothing listens there: the config only needs addresses
-    that parse and differ."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
 
 
 def bench_config(

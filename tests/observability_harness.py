@@ -8,7 +8,9 @@ providers first, so every span and metric those classes record lands in them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import asyncio
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from deploy.processes import free_port
+from deploy.processes import free_ports
 from squall.v1 import broker_pb2_grpc, common_pb2, gateway_pb2_grpc, replica_pb2, replica_pb2_grpc
 from squall_server.common import telemetry
 from squall_server.common.config import ClusterConfig, GatewayConfig, NodeConfig
@@ -86,15 +88,28 @@ def otel() -> Iterator[Otel]:
         meter_provider.shutdown()
 
 
+WAIT_S = 10.0
+
+
+async def until(condition: Callable[[], object], what: str) -> None:
+    """Polls condition on the loop until it holds (bounded by WAIT_S)."""
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {WAIT_S}s: {what}")
+        await asyncio.sleep(0.02)
+
+
 def cluster_config(tmp_path: Path, node_ids: Iterable[str] = ("n1", "n2", "n3")) -> ClusterConfig:
     """A cluster on free loopback ports (data_dirs are unused: stores are in memory)."""
     ids = list(node_ids)
+    ports = iter(free_ports(2 * len(ids) + 1))  # distinct: held together while picked
     nodes = tuple(
         NodeConfig(
             id=node_id,
             priority=len(ids) - index,
-            coordinator_address=f"{HOST}:{free_port()}",
-            replica_address=f"{HOST}:{free_port()}",
+            coordinator_address=f"{HOST}:{next(ports)}",
+            replica_address=f"{HOST}:{next(ports)}",
             data_dir=tmp_path / node_id,
         )
         for index, node_id in enumerate(ids)
@@ -102,7 +117,7 @@ def cluster_config(tmp_path: Path, node_ids: Iterable[str] = ("n1", "n2", "n3"))
     config = ClusterConfig(
         name="observed",
         nodes=nodes,
-        gateways=(GatewayConfig(id="g1", address=f"{HOST}:{free_port()}"),),
+        gateways=(GatewayConfig(id="g1", address=f"{HOST}:{next(ports)}"),),
     )
     config.validate()
     return config

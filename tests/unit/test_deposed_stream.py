@@ -25,7 +25,7 @@ from typing import Any
 
 import grpc
 
-from bench.master_parts import free_ports
+from deploy.processes import free_ports
 from squall import classify_code
 from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2, replica_pb2
 from squall_server.common.config import ClusterConfig, parse_config

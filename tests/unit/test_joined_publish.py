@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 import pytest
 
-from bench.master_parts import free_ports
+from deploy.processes import free_ports
 from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2, replica_pb2
 from squall_server.common.config import parse_config
 from squall_server.replica import commands, server

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -37,20 +35,9 @@ from squall_server.coordinator.node import CoordinatorNode
 from squall_server.coordinator.server import Coordinator
 from squall_server.replica import server as replica_server
 from squall_server.replica import telemetry as replica_telemetry
-from tests.observability_harness import InProcess, Otel, cluster_config, otel
+from tests.observability_harness import InProcess, Otel, cluster_config, otel, until
 
 __all__ = ["otel"]  # the fixture, imported for pytest
-
-_WAIT_S = 10.0
-
-
-async def _until(condition: Callable[[], object], what: str) -> None:
-    """Polls condition on the loop until it holds (bounded)."""
-    deadline = time.monotonic() + _WAIT_S
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {_WAIT_S}s: {what}")
-        await asyncio.sleep(0.02)
 
 
 def _parent(span: ReadableSpan) -> int | None:
@@ -102,7 +89,7 @@ def test_publish_is_one_trace_from_the_app_through_the_gateway_to_each_slaves_ac
             await cluster.elect("n1")
             await asyncio.to_thread(app)
             # The slower slave's ack may come after the publisher's: wait for both.
-            await _until(lambda: len(otel.finished("replication.send")) >= 2, "both slaves acked")
+            await until(lambda: len(otel.finished("replication.send")) >= 2, "both slaves acked")
             check_metrics()
         finally:
             await cluster.stop()
@@ -249,7 +236,7 @@ def test_a_push_delivery_is_traced_linked_to_the_publish_and_its_context_reaches
         try:
             await cluster.elect("n1")
             await asyncio.to_thread(app)
-            await _until(lambda: otel.finished("push.deliver"), "a push delivery")
+            await until(lambda: otel.finished("push.deliver"), "a push delivery")
         finally:
             await cluster.stop()
             server.stop(None)
@@ -360,7 +347,7 @@ def test_coordinator_counts_its_election_and_reports_its_state(otel: Otel, tmp_p
         await grpc_server.start()
         await coordinator.start()
         try:
-            await _until(
+            await until(
                 lambda: cluster.nodes["n1"].role == common_pb2.ROLE_MASTER, "n1 elected master"
             )
             epoch = coordinator.status().epoch

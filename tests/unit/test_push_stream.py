@@ -24,18 +24,7 @@ import pytest
 
 import squall
 from squall.v1 import push_pb2, push_pb2_grpc
-from tests.observability_harness import InProcess, cluster_config
-
-_WAIT_S = 10.0
-
-
-async def _until(condition: Callable[[], object], what: str) -> None:
-    """Polls condition on the loop until it holds (bounded)."""
-    deadline = time.monotonic() + _WAIT_S
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {_WAIT_S}s: {what}")
-        await asyncio.sleep(0.02)
+from tests.observability_harness import WAIT_S, InProcess, cluster_config
 
 
 class _App(push_pb2_grpc.PushSubscriberServicer):
@@ -75,7 +64,7 @@ class _App(push_pb2_grpc.PushSubscriberServicer):
                 first = not self.on_stream
                 self.on_stream.append((request.events[0].offset, request.attempt))
             if first and self._fail_first == "hang":
-                self.release.wait(_WAIT_S)  # past the master's deadline
+                self.release.wait(WAIT_S)  # past the master's deadline
             if first and self._fail_first == "internal":
                 yield push_pb2.PushDeliverResult(code=13, details="app  down\n(for now)")
                 continue
@@ -125,7 +114,7 @@ def _publish_one_at_a_time(
         with topic.publisher() as publisher:
             for index in range(count):
                 publisher.publish(b"event %d" % index)
-                deadline = time.monotonic() + _WAIT_S
+                deadline = time.monotonic() + WAIT_S
                 while delivered() <= index:  # each delivered before the next is published
                     assert time.monotonic() < deadline, f"event {index} not delivered"
                     time.sleep(0.01)
@@ -189,7 +178,7 @@ def test_a_failed_result_on_the_stream_counts_as_that_status(tmp_path: Path) -> 
     def scenario(cluster: InProcess, endpoint: str) -> None:
         _publish_one_at_a_time(cluster, endpoint, 1, lambda: len(app.on_stream), retry=0)
         with squall.connect(cluster.gateway_address) as client:
-            deadline = time.monotonic() + _WAIT_S
+            deadline = time.monotonic() + WAIT_S
             while True:  # retryCount 0: removed on the first failure
                 infos[:] = client.topic("orders").push_subscribers()
                 if not infos or time.monotonic() > deadline:
