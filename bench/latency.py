@@ -86,11 +86,15 @@ asyncio.run(main())
 
 def floor(count: int = 2000) -> dict[str, Any]:
     """Bare round trips to an echo server in another process: unary and stream ping-pong."""
+    # Both sides on gRPC's defaults, as an app's are: not the I/O path squall_server sets
+    # for the services (services/__init__.py), which this process passes on otherwise.
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
     server = subprocess.Popen(
         [sys.executable, "-c", _ECHO_SERVER],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
+        env=env,
     )
     try:
         assert server.stdout is not None
