@@ -344,9 +344,14 @@ def test_a_stall_watchdog_ends_with_its_stream_not_after_its_check_interval(
             ]
 
         deadline = time.monotonic() + 10
-        while not watchdogs() and time.monotonic() < deadline:
+        found = watchdogs()
+        while not found and time.monotonic() < deadline:
             time.sleep(0.01)
-        [first] = watchdogs()
+            found = watchdogs()
+        # The oldest (threading.enumerate keeps start order): the retry after the caller
+        # abandons the stream starts another, which a slow machine may already list.
+        assert found, "no watchdog started"
+        first = found[0]
         # The caller abandons the stream after its 3 s timeout (the first check of the
         # master was 0.3 s in); the watchdog ends with it, not 60 s later.
         first.join(15)
