@@ -205,7 +205,7 @@ class _Servicer(push_pb2_grpc.PushSubscriberServicer):
         if request.probe:
             return grpc.StatusCode.OK, ""
         delivery = delivery_from_pb(request)
-        if _stages.ENABLED:
+        if _stages.ENABLED and request.events:
             _stages.mark("e.cb", delivery_key(request))
         try:
             callback(delivery)

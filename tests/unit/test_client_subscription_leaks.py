@@ -15,7 +15,9 @@ from collections.abc import Iterator
 import pytest
 
 import squall
-from tests.unit.test_client import FakeBroker, serve_fake, wait_until
+from tests.unit.test_client import FakeBroker, broker, wait_until
+
+__all__ = ["broker"]  # the fixture, imported for pytest
 
 ROUNDS = 10
 
@@ -24,17 +26,6 @@ def _live_subscriptions() -> int:
     gc.collect()
     gc.collect()
     return sum(1 for o in gc.get_objects() if type(o) is squall.Subscription)
-
-
-@pytest.fixture
-def broker() -> Iterator[FakeBroker]:
-    fake = FakeBroker()
-    server, address = serve_fake(fake)
-    fake.address = address  # type: ignore[attr-defined]
-    try:
-        yield fake
-    finally:
-        server.stop(grace=None)
 
 
 @pytest.fixture
