@@ -40,6 +40,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -51,6 +52,7 @@ import grpc
 
 import squall
 import squall.aio
+from bench import aims, machine
 from bench.single_node import CpuMeter, payloads, percentile
 from squall.wire import stages as _stages
 
@@ -84,8 +86,87 @@ asyncio.run(main())
 """
 
 
-def floor(count: int = 2000) -> dict[str, Any]:
-    """Bare round trips to an echo server in another process: unary and stream ping-pong."""
+def _ping_pong(
+    channel: grpc.Channel, payload: bytes, rounds: int, stop_at: float, warmup: int = 50
+) -> list[tuple[float, float]]:
+    """Round trips on one bidirectional stream of `channel`, one message at a time, fed
+    from a queue as `Publisher` feeds its stream: `rounds` after `warmup` uncounted ones,
+    or fewer once `time.monotonic()` passes `stop_at`. Each as (finished at, seconds),
+    on `time.perf_counter()`."""
+    requests: collections.deque[bytes] = collections.deque()
+    ready = threading.Semaphore(0)
+
+    def feed() -> Any:
+        while True:
+            ready.acquire()
+            if not requests:
+                return
+            yield requests.popleft()
+
+    call: Any = channel.stream_stream("/echo.Echo/Stream", None, None)(feed(), timeout=60)
+    round_trips: list[tuple[float, float]] = []
+    try:
+        for i in range(rounds + warmup):
+            if time.monotonic() > stop_at:
+                break
+            t0 = time.perf_counter()
+            requests.append(payload)
+            ready.release()
+            next(call)
+            if i >= warmup:
+                t1 = time.perf_counter()
+                round_trips.append((t1, t1 - t0))
+    finally:
+        ready.release()  # the iterator ends: the stream half-closes
+        call.cancel()
+    return round_trips
+
+
+def _concurrent_floor(
+    channel: grpc.Channel, payload: bytes, n: int, seconds: float
+) -> dict[str, Any]:
+    """N threads, each ping-ponging on a stream of its own over one channel for `seconds`
+    (as N publishers of one client would without joining their events): what a Python
+    gRPC client and server do together on this machine at that concurrency with no work
+    behind the answer. Counted over the last three quarters, once every stream is open."""
+    per_thread: list[list[tuple[float, float]]] = [[] for _ in range(n)]
+    stop_at = time.monotonic() + seconds
+
+    def run(index: int) -> None:
+        per_thread[index] = _ping_pong(channel, payload, 10**9, stop_at, warmup=1)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    counted_from = started + seconds / 4
+    time.sleep(seconds / 4)
+    cpu0 = time.process_time()
+    for thread in threads:
+        thread.join(seconds + 30)
+    cpu_s = time.process_time() - cpu0
+    counted_until = time.perf_counter()
+    round_trips_s = sorted(s for mine in per_thread for t, s in mine if t >= counted_from)
+    calls = len(round_trips_s)
+    window_s = counted_until - counted_from
+    return {
+        "threads": n,
+        "calls_per_s": round(calls / window_s) if window_s > 0 else 0,
+        "latency_ms_p50": _ms(percentile(round_trips_s, 0.5)),
+        "latency_ms_p99": _ms(percentile(round_trips_s, 0.99)),
+        "client_cpu_us_per_call": round(1e6 * cpu_s / calls) if calls else 0,
+    }
+
+
+def floor(
+    count: int = 2000,
+    concurrency: tuple[int, ...] = (),
+    concurrent_s: float = 2.0,
+    fsync_dir: Path | None = None,
+) -> dict[str, Any]:
+    """Bare round trips to an echo server in another process: unary, stream ping-pong,
+    and (`concurrency`) that many threads ping-ponging at once; and one small write's
+    fsync in `fsync_dir` (where the stores are), what a flushing policy adds per commit."""
     # Both sides on gRPC's defaults, as an app's are: not the I/O path squall_server sets
     # for the services (services/__init__.py), which this process passes on otherwise.
     env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
@@ -96,6 +177,7 @@ def floor(count: int = 2000) -> dict[str, Any]:
         text=True,
         env=env,
     )
+    concurrent_figures: dict[str, Any] = {}
     try:
         assert server.stdout is not None
         port = int(server.stdout.readline())
@@ -109,28 +191,9 @@ def floor(count: int = 2000) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 unary(payload, timeout=5)
                 unary_s.append(time.perf_counter() - t0)
-            # Ping-pong on one stream: a queue feeds the request iterator, as Publisher does.
-            requests: collections.deque[bytes] = collections.deque()
-            ready = threading.Semaphore(0)
-
-            def feed() -> Any:
-                while True:
-                    ready.acquire()
-                    if not requests:
-                        return
-                    yield requests.popleft()
-
-            call: Any = channel.stream_stream("/echo.Echo/Stream", None, None)(feed(), timeout=60)
-            stream_s = []
-            for i in range(count + 50):
-                t0 = time.perf_counter()
-                requests.append(payload)
-                ready.release()
-                next(call)
-                if i >= 50:
-                    stream_s.append(time.perf_counter() - t0)
-            ready.release()  # the iterator ends: the stream half-closes
-            call.cancel()
+            stream_s = [s for _, s in _ping_pong(channel, payload, count, time.monotonic() + 60)]
+            for n in concurrency:
+                concurrent_figures[str(n)] = _concurrent_floor(channel, payload, n, concurrent_s)
     finally:
         if server.stdin is not None:
             server.stdin.close()
@@ -141,13 +204,17 @@ def floor(count: int = 2000) -> dict[str, Any]:
             server.wait()
     unary_s.sort()
     stream_s.sort()
-    return {
+    figures = {
         "calls": count,
         "unary_ms_p50": _ms(percentile(unary_s, 0.5)),
         "unary_ms_p99": _ms(percentile(unary_s, 0.99)),
         "stream_ms_p50": _ms(percentile(stream_s, 0.5)),
         "stream_ms_p99": _ms(percentile(stream_s, 0.99)),
+        "fsync_ms_p50": machine.fsync_ms_p50(fsync_dir or Path(tempfile.gettempdir())),
     }
+    if concurrent_figures:
+        figures["concurrent"] = concurrent_figures
+    return figures
 
 
 def _ms(seconds: float) -> float:
@@ -687,11 +754,13 @@ class Sizes:
     floor_calls: int = 2000
     # How long the cluster's idle CPU is measured before the raw unary runs.
     idle_s: float = 2.0
+    # How long each concurrent floor (bare round trips from N threads at once) runs.
+    floor_concurrent_s: float = 2.0
 
     @classmethod
     def tiny(cls) -> Sizes:
         """The smoke run's sizes (a few seconds per policy)."""
-        return cls(30, 5.0, 0.5, (1, 16), 20, 5.0, 200, 0.2)
+        return cls(30, 5.0, 0.5, (1, 16), 20, 5.0, 200, 0.2, 0.3)
 
 
 def roles_of(pids: dict[str, int]) -> dict[int, str]:
@@ -710,9 +779,11 @@ def measure(
     topic_prefix: str,
     log: Any,
     only: tuple[str, ...] = (),
+    data_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Every latency scenario on one running cluster (stage marks on when `stages` is set);
-    with `only`, just those groups ("unary", "library") after the floor."""
+    with `only`, just those groups ("unary", "library") after the floor. `data_dir` is
+    where the cluster's stores are: the floor's fsync is measured there."""
     with squall.connect(address) as client:
         for suffix in (
             "one",
@@ -726,8 +797,13 @@ def measure(
             for path in ("", "-proxy"):
                 client.create_topic(f"{topic_prefix}-{suffix}{path}")
     out: dict[str, Any] = {}
-    log(f"    latency: bare gRPC floor, {sizes.floor_calls} calls")
-    out["floor"] = floor(sizes.floor_calls)
+    log(f"    latency: bare gRPC floor, {sizes.floor_calls} calls, then from threads at once")
+    out["floor"] = floor(
+        sizes.floor_calls,
+        tuple(n for n in sizes.concurrency if n > 1),
+        sizes.floor_concurrent_s,
+        data_dir,
+    )
     if not only or "unary" in only:
         out["unary"] = {}
         idle = idle_cpu(pids, sizes.idle_s)
@@ -871,6 +947,19 @@ def table(policy_figures: dict[str, dict[str, Any]]) -> str:
         "floor: bare gRPC round trip, unary / stream p50 ms",
         lambda f: f"{f['floor']['unary_ms_p50']} / {f['floor']['stream_ms_p50']}",
     )
+    for n in next(iter(policy_figures.values()))["floor"].get("concurrent", {}):
+        row(
+            f"floor: {n} threads, each ping-ponging on a stream of its own: calls/s, p50 / p99 ms",
+            lambda f, n=n: (
+                f"{f['floor']['concurrent'][n]['calls_per_s']:,}, "
+                f"{f['floor']['concurrent'][n]['latency_ms_p50']} / "
+                f"{f['floor']['concurrent'][n]['latency_ms_p99']}"
+            ),
+        )
+    row(
+        "floor: write and fsync 4 KiB where the stores are, p50 ms",
+        lambda f: str(f["floor"].get("fsync_ms_p50", "-")),
+    )
 
     for n in next(iter(policy_figures.values())).get("unary", {}):
         row(
@@ -887,7 +976,7 @@ def table(policy_figures: dict[str, dict[str, Any]]) -> str:
     if not all("one_at_a_time" in f for f in policy_figures.values()):
         if all("delivery" in f for f in policy_figures.values()):
             _delivery_rows(policy_figures, row)
-        return "\n".join(lines)
+        return "\n".join(lines + aims.table(policy_figures))
 
     def rate(fig: dict[str, Any]) -> str:
         return (
@@ -937,6 +1026,7 @@ def table(policy_figures: dict[str, dict[str, Any]]) -> str:
             lambda f, path=path: _cpu_per_event(f[path][last], f["one_at_a_time"]["master"]),
         )
     _delivery_rows(policy_figures, row)
+    lines += aims.table(policy_figures)
     if all("budget" in f for f in policy_figures.values()):
         lines += [
             "",
@@ -1089,6 +1179,7 @@ def main(argv: list[str] | None = None) -> int:
                     "lat",
                     log,
                     tuple(args.only or ()),
+                    data_dir=run_dir,
                 )
     log(f"load average at end: {os.getloadavg()}")
     print(table(results))

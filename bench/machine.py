@@ -166,11 +166,11 @@ def _disk(path: Path) -> dict[str, Any]:
             result["kind"] = "rotational (HDD)" if rotational else "non-rotational (SSD)"
     except OSError:
         pass  # no block device (tmpfs, overlay, network): the filesystem type says enough
-    result["fsync_ms_p50"] = _fsync_ms_p50(path)
+    result["fsync_ms_p50"] = fsync_ms_p50(path)
     return result
 
 
-def _fsync_ms_p50(directory: Path, rounds: int = 50, budget_s: float = 2.0) -> float | None:
+def fsync_ms_p50(directory: Path, rounds: int = 50, budget_s: float = 2.0) -> float | None:
     """Median time to write 4 KiB and fsync it in directory: what SYNC pays per commit."""
     probe = directory / f".fsync-probe-{os.getpid()}"
     times_s: list[float] = []

@@ -181,7 +181,7 @@ def measure_policy(
         if sizes.latency is not None:
             log(f"  {policy}: latency (one at a time, concurrent publishers, delivery, budget)")
             figures["latency"] = latency.measure(
-                address, cluster.pids(), stages, sizes.latency, "latency", log
+                address, cluster.pids(), stages, sizes.latency, "latency", log, data_dir=run_dir
             )
         if catch_up:
             log(f"  {policy}: catch-up of a slave {sizes.catch_up_events:,} events behind")
