@@ -204,7 +204,7 @@ def floor(
             server.wait()
     unary_s.sort()
     stream_s.sort()
-    figures = {
+    figures: dict[str, Any] = {
         "calls": count,
         "unary_ms_p50": _ms(percentile(unary_s, 0.5)),
         "unary_ms_p99": _ms(percentile(unary_s, 0.99)),
