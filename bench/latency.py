@@ -671,6 +671,13 @@ PUSH_STAGES = (
     ("endpoint: handler to the callback (the app's view built)", "e.in", "e.cb", "client"),
     ("callback, then endpoint -> master (the answer back)", "e.cb", "p.ack", "master"),
 )
+# A following subscriber's delivery through the gateway, by the first event's offset: the
+# replica's "d.out" as its Subscribe handler yields, the gateway's "g.d" as it has read
+# it from the replica, the client's "c.d" as the subscription has read it from gRPC.
+SUBSCRIBE_STAGES = (
+    ("master -> gateway (network, gateway read)", "d.out", "g.d", "gateway"),
+    ("gateway -> subscriber (network, the subscription's read)", "g.d", "c.d", "client"),
+)
 
 
 def delivery_budget(directory: Path, roles: dict[int, str], master: str) -> dict[str, Any]:
@@ -681,9 +688,13 @@ def delivery_budget(directory: Path, roles: dict[int, str], master: str) -> dict
         master = next((r for r, m in marks.items() if any("p.out" in a for a in m.at.values())), "")
     on_master = marks.get(master, Marks())
     on_client = marks.get("client", Marks())
+    on_gateway = marks.get("gateway", Marks())
     waits: list[float] = []
     pushes: list[float] = []
-    legs: dict[str, list[float]] = {label: [] for label, _, _, _ in PUSH_STAGES}
+    after_answer: list[float] = []
+    legs: dict[str, list[float]] = {
+        label: [] for label, _, _, _ in (*PUSH_STAGES, *SUBSCRIBE_STAGES)
+    }
     for key in on_master.links:
         committed = on_master.at.get(_linked(on_master, key, "lsn/"), {}).get("m.commit")
         offset = _linked(on_master, key, "off/")
@@ -692,14 +703,30 @@ def delivery_budget(directory: Path, roles: dict[int, str], master: str) -> dict
             waits.append((at["d.out"] - committed) / 1000)
         if committed and at.get("p.out"):
             pushes.append((at["p.out"] - committed) / 1000)
-        where = {"master": at, "client": on_client.at.get(offset, {})}
-        for label, first, last, side in PUSH_STAGES:
-            begun = at.get(first) or where["client"].get(first)
+        where = {
+            "master": at,
+            "client": on_client.at.get(offset, {}),
+            "gateway": on_gateway.at.get(offset, {}),
+        }
+        for label, first, last, side in (*PUSH_STAGES, *SUBSCRIBE_STAGES):
+            begun = next((w[first] for w in where.values() if first in w), None)
             if begun and where[side].get(last):
                 legs[label].append((where[side][last] - begun) / 1000)
+        answered = on_client.at.get(key, {}).get("c.resp")
+        if answered and where["client"].get("c.d"):
+            after_answer.append((where["client"]["c.d"] - answered) / 1000)
     return {
         "events": len(waits),
         "commit_to_sent_us_p50": round(statistics.median(waits), 1) if waits else 0.0,
+        "subscribe_stages": [
+            {"stage": label, "us_p50": round(statistics.median(legs[label]), 1)}
+            for label, _, _, _ in SUBSCRIBE_STAGES
+            if legs[label]
+        ],
+        # The client read the delivery this long after the publish's own answer.
+        "delivery_after_answer_us_p50": (
+            round(statistics.median(after_answer), 1) if after_answer else None
+        ),
         "push_events": len(pushes),
         "commit_to_push_call_us_p50": round(statistics.median(pushes), 1) if pushes else 0.0,
         "push_stages": [
@@ -1086,11 +1113,30 @@ def table(policy_figures: dict[str, dict[str, Any]]) -> str:
 def _delivery_rows(
     policy_figures: dict[str, dict[str, Any]], row: Callable[[str, Any], None]
 ) -> None:
-    """The table's delivery rows: latency, then the push delivery's legs when marked."""
+    """The table's delivery rows: latency, then each delivery's legs when marked."""
     row(
         "publish -> following subscriber, p50 / p99 ms",
         lambda f: f"{f['delivery']['latency_ms_p50']} / {f['delivery']['latency_ms_p99']}",
     )
+    budgets = [f.get("delivery_budget", {}) for f in policy_figures.values()]
+    if all(b.get("subscribe_stages") for b in budgets):
+        row(
+            "subscriber: commit to the master's Subscribe sending it, µs",
+            lambda f: str(f["delivery_budget"]["commit_to_sent_us_p50"]),
+        )
+        for label, _, _, _ in SUBSCRIBE_STAGES:
+            row(
+                f"subscriber: {label}, µs",
+                lambda f, label=label: str(
+                    {r["stage"]: r["us_p50"] for r in f["delivery_budget"]["subscribe_stages"]}.get(
+                        label, "-"
+                    )
+                ),
+            )
+        row(
+            "subscriber: read by the client after the publish's own answer, µs",
+            lambda f: str(f["delivery_budget"].get("delivery_after_answer_us_p50", "-")),
+        )
     if all("delivery_slave" in f for f in policy_figures.values()):
         row(
             "publish -> following subscriber on a slave (read_from replicas), p50 / p99 ms",
@@ -1105,7 +1151,6 @@ def _delivery_rows(
                 f"{f['push_delivery']['latency_ms_p50']} / {f['push_delivery']['latency_ms_p99']}"
             ),
         )
-    budgets = [f.get("delivery_budget", {}) for f in policy_figures.values()]
     if all(b.get("push_stages") for b in budgets):
         row(
             "push: commit to the master's Deliver call, µs",

@@ -40,6 +40,7 @@ from squall._errors import from_rpc_error, rpc_status
 from squall._seek import SeekTarget, position_fields
 from squall._types import Message, messages_from_pb
 from squall.v1 import broker_pb2, broker_pb2_grpc
+from squall.wire import stages as _stages
 from squall.wire.retry import INDETERMINATE_AFTER_SEND, RetryPolicy
 
 # Where a subscription without a cursor starts: a position, an offset or an aware datetime
@@ -271,6 +272,8 @@ class Subscription:
                     failures = 0
                     self._generation = response.seek_generation
                     batch = messages_from_pb(response)
+                    if _stages.ENABLED and batch:
+                        _stages.mark("c.d", f"off/{self.topic}/{batch[0].offset}")
                     if self._dedupe:
                         batch, dropped = drop_duplicates(batch, self._last_offset)
                         self._duplicates_dropped += dropped

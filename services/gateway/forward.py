@@ -517,15 +517,16 @@ class Forwarder:
             # The first call starts (and its client span takes its parent) with the span's
             # context attached; it is detached right after.
             tokens = [token] if token is not None else []
+            marked = _delivery_topic(request) if reads and _stages.ENABLED else None
             try:
                 if replica is not None:
-                    spread = self._spread_stream(path, request, context, replica, stream, tokens)
-                    async for response in spread:
-                        yield response
-                    return
-                assert channel is not None  # no replica chosen: the master's channel
-                relayed = self._relayed(path, request, context, channel, stream, tokens)
-                async for response in relayed:
+                    responses = self._spread_stream(path, request, context, replica, stream, tokens)
+                else:
+                    assert channel is not None  # no replica chosen: the master's channel
+                    responses = self._relayed(path, request, context, channel, stream, tokens)
+                async for response in responses:
+                    if marked is not None:
+                        _mark_delivery(marked, response)
                     yield response
             finally:
                 _detach(tokens)
@@ -726,3 +727,22 @@ class Forwarder:
             "publish stream was open; requests without a response may or may not have been "
             "applied: retry them with the same publisher id and sequence",
         )
+
+
+def _delivery_topic(request: bytes) -> str | None:
+    """The topic of a Subscribe whose deliveries get stage marks (None if unparsable)."""
+    try:
+        return broker_pb2.SubscribeRequest.FromString(request).topic
+    except DecodeError:
+        return None
+
+
+def _mark_delivery(topic: str, response: bytes) -> None:
+    """Stage mark "g.d": a delivery read from the replica, keyed by its first event's
+    offset as the replica's "d.out" is (stage marks on only: it parses the response)."""
+    try:
+        events = broker_pb2.SubscribeResponse.FromString(response).events
+    except DecodeError:
+        return
+    if events:
+        _stages.mark("g.d", f"off/{topic}/{events[0].offset}")

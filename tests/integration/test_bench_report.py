@@ -98,11 +98,17 @@ def test_tiny_bench_run_writes_the_report(tmp_path: Path) -> None:
         label for label, _, _ in latency.PUBLISH_STAGES
     ]
     assert lat["delivery_budget"]["events"] > 0
+    # A following subscriber's delivery is marked at the gateway and in the client too.
+    assert [r["stage"] for r in lat["delivery_budget"]["subscribe_stages"]] == [
+        label for label, _, _, _ in latency.SUBSCRIBE_STAGES
+    ]
+    assert lat["floor"]["concurrent"]["16"]["calls_per_s"] > 0
     assert "SQUALL_STAGE_TIMINGS_DIR" not in os.environ  # the marks are off again
 
     text = (run_dir / "report.md").read_text()
     assert "| events/s | WRITE_NO_SYNC |" in text
     assert "Where one publish goes" in text
+    assert "| WRITE_NO_SYNC | publish -> following subscriber p50 <= 2 ms |" in text
     assert "![Publish latency CDF per sync policy](latency_cdf.png)" in text
     assert "| replica-n1 |" in text and "| gateway-g1 |" in text
 

@@ -33,6 +33,7 @@ from squall._subscriber import (
 )
 from squall._types import Message, messages_from_pb
 from squall.v1 import broker_pb2
+from squall.wire import stages as _stages
 from squall.wire.retry import RetryPolicy
 
 log = logging.getLogger("squall")
@@ -149,6 +150,8 @@ class Subscription:
             self._failures = 0
             self._generation = response.seek_generation
             batch = messages_from_pb(response)
+            if _stages.ENABLED and batch:
+                _stages.mark("c.d", f"off/{self.topic}/{batch[0].offset}")
             if self._dedupe:
                 batch, dropped = drop_duplicates(batch, self._last_offset)
                 self._duplicates_dropped += dropped
