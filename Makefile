@@ -74,6 +74,7 @@ browser-deps:
 
 lint: install
 	$(BIN)/ruff check services clients tests scripts deploy bench examples chaos
+	$(BIN)/ruff format --check services clients tests scripts deploy bench examples chaos
 	$(BIN)/mypy squall_server clients/squall deploy scripts bench chaos
 
 # The in-process tests (unit, simulator seeds: CPU-bound, no timing) run on two workers, a

@@ -118,9 +118,7 @@ def run(sizes: Sizes, temp: Path, log: Callable[[str], None]) -> dict[str, Any]:
                     app.wait_for(moved, GAP_TIMEOUT_S, f"a receipt from {target}")
                     with app.cond:
                         first_new = next(t for t, m in app.receipts[seen:] if m == target)
-                        last_old = max(
-                            t for t, m in app.receipts if m == master and t < first_new
-                        )
+                        last_old = max(t for t, m in app.receipts if m == master and t < first_new)
                     gaps_ms.append((first_new - last_old) * 1000)
                     handovers_ms.append((first_new - asked_at) * 1000)
                     moves.append(f"{master}->{target}")

@@ -157,8 +157,7 @@ def _running_set(config: ClusterConfig, timeout: float) -> coordinator_pb2.NodeS
             best = found
     if best is None:
         raise admin.AdminError(
-            "no node the file names is normal in a group: nothing to export (see squall "
-            "status)"
+            "no node the file names is normal in a group: nothing to export (see squall status)"
         )
     return best
 

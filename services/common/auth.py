@@ -238,8 +238,10 @@ def decide_publisher_id(
     LINK_PUBLISHER_PREFIX are restricted: `squall-link/<cluster>/...` needs a link_from
     glob matching <cluster>; this cluster's own `squall-link/<LSN>` no principal may use
     (the replica writes those itself)."""
-    if member is not None or principal is None or not publisher_id.startswith(
-        LINK_PUBLISHER_PREFIX
+    if (
+        member is not None
+        or principal is None
+        or not publisher_id.startswith(LINK_PUBLISHER_PREFIX)
     ):
         return ALLOWED
     cluster, slash, _ = publisher_id[len(LINK_PUBLISHER_PREFIX) :].partition("/")

@@ -182,9 +182,7 @@ def to_proto(msg: PeerMessage) -> coordinator_pb2.PeerMessage:
                 cluster_id=body.cluster_id,
                 serving=body.serving,
                 settings_digest=body.settings_digest,
-                settings=[
-                    coordinator_pb2.AgreedSetting(key=k, value=v) for k, v in body.settings
-                ],
+                settings=[coordinator_pb2.AgreedSetting(key=k, value=v) for k, v in body.settings],
                 membership_version=body.membership_version,
                 membership_epoch=body.membership_epoch,
                 base_digest=body.base_digest,
@@ -200,9 +198,7 @@ def to_proto(msg: PeerMessage) -> coordinator_pb2.PeerMessage:
                 cluster_id=body.cluster_id,
                 serving=body.serving,
                 settings_digest=body.settings_digest,
-                settings=[
-                    coordinator_pb2.AgreedSetting(key=k, value=v) for k, v in body.settings
-                ],
+                settings=[coordinator_pb2.AgreedSetting(key=k, value=v) for k, v in body.settings],
                 membership_version=body.membership_version,
                 membership_epoch=body.membership_epoch,
                 base_digest=body.base_digest,

@@ -257,9 +257,7 @@ def apply_change(
                 for m in current.members
             )
     if all(m.priority == 0 or m.learner for m in members):
-        raise ChangeRefused(
-            "every voting node would have priority 0, so none could coordinate"
-        )
+        raise ChangeRefused("every voting node would have priority 0, so none could coordinate")
     new_set = Membership(current.version + 1, current.epoch, members)
     _check_quorum(current, new_set, live, change)
     return new_set

@@ -606,9 +606,8 @@ class CoordinatorNode:
     def ack_loss(self, loss_id: str, operator: str, reason: str = "") -> Ready:
         """Operator control: see Election.ack_loss."""
         return self.driver.ack_loss(loss_id, operator, reason)
-    def change_membership(
-        self, change: MembershipChange, operator: str, reason: str = ""
-    ) -> Ready:
+
+    def change_membership(self, change: MembershipChange, operator: str, reason: str = "") -> Ready:
         """Operator control: see Election.change_membership."""
         return self.driver.change_membership(change, operator, reason)
 

@@ -371,9 +371,7 @@ class MasterSteps(Generic[W]):
             stamp = self._stamps[holders] = common_pb2.BatchReceipt(
                 master_id=self.node_id,
                 holders=[
-                    common_pb2.ReplicaDurability(
-                        node_id=node_id, durability=_SYNC_POLICIES[policy]
-                    )
+                    common_pb2.ReplicaDurability(node_id=node_id, durability=_SYNC_POLICIES[policy])
                     for node_id, policy in holders
                 ],
             ).SerializeToString()

@@ -585,10 +585,7 @@ class ReplicationMaster(Generic[T]):
         out: list[tuple[str, SyncPolicy]] = []
         for node_id, received, written, synced in [
             (self.config.node_id, self._written_lsn, self._written_lsn, self._synced_lsn)
-        ] + [
-            (s.node_id, s.received_lsn, s.written_lsn, s.synced_lsn)
-            for s in self._slave_order
-        ]:
+        ] + [(s.node_id, s.received_lsn, s.written_lsn, s.synced_lsn) for s in self._slave_order]:
             if synced >= lsn:
                 out.append((node_id, SyncPolicy.SYNC))
             elif written >= lsn:

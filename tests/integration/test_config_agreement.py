@@ -75,9 +75,11 @@ def test_node_with_differing_acks_is_refused_then_joins_once_fixed(
     cluster.kill_node("n3")
     cluster.start_node("n3")
     wait_for(
-        lambda: cluster.statuses().get("n3", None) is not None
-        and cluster.statuses()["n3"].state == common_pb2.NODE_STATE_NORMAL
-        and cluster.replica_role("n3") == common_pb2.ROLE_SLAVE,
+        lambda: (
+            cluster.statuses().get("n3", None) is not None
+            and cluster.statuses()["n3"].state == common_pb2.NODE_STATE_NORMAL
+            and cluster.replica_role("n3") == common_pb2.ROLE_SLAVE
+        ),
         30,
         "n3 back in the group as a slave",
     )

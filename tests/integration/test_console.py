@@ -203,7 +203,7 @@ def test_console_in_a_browser(console: tuple[LocalCluster, str]) -> None:
         # dialog; it goes through `squall cluster transfer` and lands in the audit trail.
         target = next(n.id for n in cluster.config.nodes if n.id not in (master, new_master))
         browser.evaluate(
-            f"document.querySelector('#replicas tr[data-node=\"{target}\"]"
+            f'document.querySelector(\'#replicas tr[data-node="{target}"]'
             " button[data-action=transfer]').click();"
             "document.getElementById('confirm-reason').value = 'browser test';"
             f"document.getElementById('confirm-node').value = {target!r};"

@@ -487,9 +487,7 @@ def test_the_whole_cluster_restored_from_one_backup_serves_every_event_up_to_it(
         result = squall_cli("store", "restore", str(backup_dir), str(node.data_dir))
         assert result.returncode == 0, result.stderr
         # A live store's copy is dirty; an all-dirty cluster refuses to start.
-        result = squall_cli(
-            "store", "mark-clean", str(node.data_dir), "--shutdown-id", "restore-1"
-        )
+        result = squall_cli("store", "mark-clean", str(node.data_dir), "--shutdown-id", "restore-1")
         assert result.returncode == 0, result.stderr
     for node in trio.config.nodes:
         trio.start_node(node.id)

@@ -153,9 +153,7 @@ except ModuleNotFoundError as error:
     print("spark needs the extra:", error.name in ("pyspark", "pyarrow"))
 """
     purelib = sysconfig.get_paths()["purelib"].replace(sys.prefix, str(tmp_path / "venv"))
-    out = _run(
-        [str(python), "-c", probe.replace("SITE", repr(purelib))], tmp_path, _clean_env()
-    )
+    out = _run([str(python), "-c", probe.replace("SITE", repr(purelib))], tmp_path, _clean_env())
     assert out.splitlines() == [_version(), "spark needs the extra: True"]
 
     # The same environment with what the `spark` extra adds: the data source loads.
@@ -178,8 +176,11 @@ def test_the_server_installs_as_squall_server_with_the_squall_command(
     bin_dir = python.parent
     env = _clean_env()
     site = Path(
-        _run([str(python), "-c", "import squall_server; print(squall_server.__file__)"],
-             tmp_path, env).strip()
+        _run(
+            [str(python), "-c", "import squall_server; print(squall_server.__file__)"],
+            tmp_path,
+            env,
+        ).strip()
     ).parents[1]
     assert site.is_relative_to(tmp_path / "venv"), site
     assert not (site / "services").exists(), "a top-level `services` was installed"

@@ -156,9 +156,7 @@ def test_after_a_total_failure_the_cluster_refuses_to_start_until_a_store_is_mar
         )
 
     wait_for(every_node_says_why, 30, f"every node refusing to start: {_reasons(trio)}")
-    assert not any(
-        trio.replica_role(node) == common_pb2.ROLE_MASTER for node in _node_ids(trio)
-    )
+    assert not any(trio.replica_role(node) == common_pb2.ROLE_MASTER for node in _node_ids(trio))
     with squall.connect(trio.gateway_address, timeout_s=5) as client:
         assert client.status().master_id == ""
     for node in _node_ids(trio):

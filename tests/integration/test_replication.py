@@ -342,9 +342,7 @@ STUCK_SLAVE_STAYS = {"replica_timeout_ms": 60_000}
 def test_a_stopped_slave_with_majority_acks_neither_stalls_publishers_nor_grows_memory(
     cluster_factory: object,
 ) -> None:
-    trio = _started_trio(
-        cluster_factory, limits=dict(_LIMITS), timeouts=dict(STUCK_SLAVE_STAYS)
-    )
+    trio = _started_trio(cluster_factory, limits=dict(_LIMITS), timeouts=dict(STUCK_SLAVE_STAYS))
     master = trio.wait_for_master()
     slave = _slave_of(trio, master)
     slave_pid = trio.services[("replica", slave)].pid

@@ -101,9 +101,7 @@ def test_a_tls_cluster_elects_replicates_and_serves_the_library_and_the_cli(
         "every replica holds the master's log",
     )
     # The gateway reached every replica and coordinator over mTLS for the status table.
-    with squall.connect(
-        tls_trio.gateway_address, tls=_app_tls(tls_trio, client_cert=False)
-    ) as app:
+    with squall.connect(tls_trio.gateway_address, tls=_app_tls(tls_trio, client_cert=False)) as app:
         rows = app.status().nodes
     assert {row.node_id for row in rows} == {"n1", "n2", "n3"}
     assert all(row.reachable for row in rows), rows
@@ -248,8 +246,10 @@ def test_a_peer_claiming_another_nodes_id_is_refused(
     assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert "names node n2" in (refused.value.details() or "")
     wait_for(
-        lambda: "certificate names node n2 but the message's sender is 'n3'"
-        in tls_trio.log("coordinator", "n1"),
+        lambda: (
+            "certificate names node n2 but the message's sender is 'n3'"
+            in tls_trio.log("coordinator", "n1")
+        ),
         5,
         "n1 logs the mismatch",
     )

@@ -33,9 +33,7 @@ def digest_of(text: str) -> str:
 def test_agreed_settings_name_the_options_that_must_agree() -> None:
     settings = dict(parse(VALID).agreed_settings())
     assert settings["cluster.name"] == "test"
-    assert settings["nodes.n1"] == (
-        "priority=3 coordinator=127.0.0.1:7101 replica=127.0.0.1:7201"
-    )
+    assert settings["nodes.n1"] == ("priority=3 coordinator=127.0.0.1:7101 replica=127.0.0.1:7201")
     assert settings["durability.acks"] == "majority"
     assert settings["durability.master_sync"] == "SYNC"
     assert settings["durability.replica_sync"] == "WRITE_NO_SYNC"
@@ -67,8 +65,8 @@ def test_digest_ignores_local_options() -> None:
     assert digest_of(VALID + "\n[timeouts]\nheartbeat_interval_ms = 150\n") == base
     assert digest_of(VALID + "\n[limits]\nmap_size_bytes = 2147483648\n") == base
     assert digest_of(VALID + '\n[logging]\nlevel = "DEBUG"\n') == base
-    first, _, rest = VALID.partition("[[nodes]]\nid = \"n2\"")
-    head, _, n1 = first.partition("[[nodes]]\nid = \"n1\"")
+    first, _, rest = VALID.partition('[[nodes]]\nid = "n2"')
+    head, _, n1 = first.partition('[[nodes]]\nid = "n1"')
     reordered = head + '[[nodes]]\nid = "n2"' + rest.split("[[gateways]]")[0]
     reordered += '[[nodes]]\nid = "n1"' + n1 + "[[gateways]]" + rest.split("[[gateways]]")[1]
     assert parse(reordered).nodes[0].id == "n2"
@@ -96,9 +94,7 @@ THEIRS = (("cluster.name", "prod"), ("durability.acks", "all"))
 def node(settings: tuple[tuple[str, str], ...] = MINE) -> Election:
     counter = iter(range(1, 1000))
     election = Election(
-        ElectionConfig(
-            node_id="1", priorities={"1": 1, "2": 2, "3": 3}, agreed_settings=settings
-        ),
+        ElectionConfig(node_id="1", priorities={"1": 1, "2": 2, "3": 3}, agreed_settings=settings),
         PersistedState(),
         lambda: f"g{next(counter)}",
     )

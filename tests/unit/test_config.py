@@ -420,9 +420,12 @@ def test_deprecated_durability_names_load_as_what_they_do_and_say_so() -> None:
     assert replica.deprecations == ()
     # Old and new names agree between members (a rolling upgrade is not refused).
     assert dict(old.agreed_settings())["durability.acks"] == "all"
-    assert old.agreed_settings() == parse(
-        VALID + '[durability]\nacks = "group"\nmaster_sync = "WRITE_NO_SYNC"\n'
-    ).agreed_settings()
+    assert (
+        old.agreed_settings()
+        == parse(
+            VALID + '[durability]\nacks = "group"\nmaster_sync = "WRITE_NO_SYNC"\n'
+        ).agreed_settings()
+    )
 
 
 def test_bad_enum_sync() -> None:

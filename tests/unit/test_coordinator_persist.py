@@ -34,9 +34,7 @@ def test_a_file_from_before_the_audit_fields_loads(tmp_path: Path) -> None:
     """A node upgraded in place keeps its epoch and controls; the new fields default."""
     path = tmp_path / "coordinator-state.json"
     path.write_text(
-        json.dumps(
-            {"epoch": 4, "max_seen": 3, "designated_primary": False, "quorum_override": 2}
-        )
+        json.dumps({"epoch": 4, "max_seen": 3, "designated_primary": False, "quorum_override": 2})
     )
     assert load_state(path) == PersistedState(epoch=4, max_seen=3, quorum_override=2)
 
@@ -46,18 +44,33 @@ def test_a_file_from_before_the_audit_fields_loads(tmp_path: Path) -> None:
     [
         ({"epoch": 1, "max_seen": 1, "designated_primary": False}, "missing ['quorum_override']"),
         (
-            {"epoch": 1, "max_seen": 1, "designated_primary": False, "quorum_override": 0,
-             "colour": "blue"},
+            {
+                "epoch": 1,
+                "max_seen": 1,
+                "designated_primary": False,
+                "quorum_override": 0,
+                "colour": "blue",
+            },
             "unknown ['colour']",
         ),
         (
-            {"epoch": 1, "max_seen": 1, "designated_primary": False, "quorum_override": 0,
-             "quarantine": {"at_ms": "noon", "operator": "x", "action": "q", "reason": ""}},
+            {
+                "epoch": 1,
+                "max_seen": 1,
+                "designated_primary": False,
+                "quorum_override": 0,
+                "quarantine": {"at_ms": "noon", "operator": "x", "action": "q", "reason": ""},
+            },
             "quarantine.at_ms must be an integer",
         ),
         (
-            {"epoch": 1, "max_seen": 1, "designated_primary": False, "quorum_override": 0,
-             "audit": [{"at_ms": 1}]},
+            {
+                "epoch": 1,
+                "max_seen": 1,
+                "designated_primary": False,
+                "quorum_override": 0,
+                "audit": [{"at_ms": 1}],
+            },
             "audit[0] must hold at_ms, operator, action and reason",
         ),
     ],
@@ -76,9 +89,7 @@ def test_the_running_node_set_survives_a_restart(tmp_path: Path) -> None:
     """A membership change's node set is read back as written; a damaged one is refused."""
     from squall_server.coordinator.membership import Member, Membership
 
-    membership = Membership(
-        2, 7, (Member("1", 3, "h1:1", "h1:2"), Member("4", 1, "h4:1", "h4:2"))
-    )
+    membership = Membership(2, 7, (Member("1", 3, "h1:1", "h1:2"), Member("4", 1, "h4:1", "h4:2")))
     path = tmp_path / "coordinator-state.json"
     save_state(path, PersistedState(epoch=7, max_seen=2, membership=membership))
     assert load_state(path).membership == membership

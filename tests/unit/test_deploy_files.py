@@ -364,7 +364,7 @@ def test_the_cluster_files_the_launcher_and_chaos_write_read_back_exactly() -> N
     writes real TOML: strings a hand-escaper gets wrong read back unchanged."""
     from deploy.processes import dump_toml
 
-    awkward = 'C:\\data\\n1 "quoted"\nnext line\ttab \u00e9 \x01 \'single\''
+    awkward = "C:\\data\\n1 \"quoted\"\nnext line\ttab \u00e9 \x01 'single'"
     document = {
         "cluster_name": awkward,
         "nodes": [{"id": "n1", "data_dir": awkward, "priority": 3}],

@@ -119,9 +119,7 @@ def test_the_write_fence_refuses_writes_until_cancelled_or_expired(tmp_path: Pat
             with pytest.raises(ServiceError) as not_slave:
                 await handoff.prepare(
                     node,
-                    replica_pb2.PrepareHandoffRequest(
-                        epoch=1, target_node_id="n2", timeout_ms=100
-                    ),
+                    replica_pb2.PrepareHandoffRequest(epoch=1, target_node_id="n2", timeout_ms=100),
                 )
             assert not_slave.value.code is Code.FAILED_PRECONDITION
             assert "not a slave" in not_slave.value.message

@@ -142,12 +142,11 @@ def test_a_frozen_replica_refuses_writes_and_new_roles_until_the_freeze_is_abort
             node.check_writable()
         assert caught.value.code is Code.UNAVAILABLE
         assert "stopping for cluster shutdown s1" in caught.value.message
+        await _refused(node.apply_role(_master(1)), Code.FAILED_PRECONDITION, "takes no new role")
         await _refused(
-            node.apply_role(_master(1)), Code.FAILED_PRECONDITION, "takes no new role"
-        )
-        await _refused(
-            shutdown.freeze(node, "s2", "t"), Code.FAILED_PRECONDITION, "frozen for cluster "
-            "shutdown s1, not s2"
+            shutdown.freeze(node, "s2", "t"),
+            Code.FAILED_PRECONDITION,
+            "frozen for cluster shutdown s1, not s2",
         )
         shutdown.abort(node, "s1")
         await node.apply_role(_master(1))
@@ -174,9 +173,7 @@ def test_finish_at_the_point_marks_clean_and_stops_the_process() -> None:
         assert (after.state, after.shutdown_id) == (common_pb2.STORE_STATE_CLEAN, "s1")
         assert node.role == common_pb2.ROLE_INACTIVE and stops == ["stop"]
         # Finished: no new role, no second freeze.
-        await _refused(
-            node.apply_role(_master(2, seq=2)), Code.FAILED_PRECONDITION, "no new role"
-        )
+        await _refused(node.apply_role(_master(2, seq=2)), Code.FAILED_PRECONDITION, "no new role")
         await _refused(shutdown.freeze(node, "s1", "t"), Code.FAILED_PRECONDITION, "already")
 
     _run(body)

@@ -20,8 +20,15 @@ INDETERMINATE = {"UNKNOWN", "DEADLINE_EXCEEDED", "UNAVAILABLE", "CANCELLED", "IN
 
 # Every gRPC status code, sent and not sent.
 TABLE = [
-    (code.name, sent, "ok" if code.name == "OK" else
-     "indeterminate" if sent and code.name in INDETERMINATE else "definite")
+    (
+        code.name,
+        sent,
+        "ok"
+        if code.name == "OK"
+        else "indeterminate"
+        if sent and code.name in INDETERMINATE
+        else "definite",
+    )
     for code in grpc.StatusCode
     for sent in (True, False)
 ]
@@ -101,7 +108,13 @@ def test_policy_defaults_and_backoff_ceilings() -> None:
     assert (policy.attempts_max, policy.backoff_initial_ms) == (0, 50)
     assert (policy.backoff_max_ms, policy.total_ms_max) == (250, 10_000)
     assert [policy.backoff_ceiling_ms(n) for n in range(1, 8)] == [
-        50, 100, 200, 250, 250, 250, 250,
+        50,
+        100,
+        200,
+        250,
+        250,
+        250,
+        250,
     ]
     assert policy.backoff_ceiling_ms(10_000) == 250
     assert policy.retries

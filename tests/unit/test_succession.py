@@ -89,26 +89,43 @@ def test_losing_the_quorum_means_no_master() -> None:
 def test_quarantined_nodes_count_as_failed_and_override_counts() -> None:
     """A quarantined node is out already; the candidate's own override lowers the count."""
     facts = [
-        NodeFacts("1", 3, up=True, max_seen=3, state="normal", coordinator_id="1",
-                  group=("2",), epoch=4),
-        NodeFacts("2", 2, up=True, max_seen=3, quorum_override=1, state="normal",
-                  coordinator_id="1", epoch=4),
+        NodeFacts(
+            "1", 3, up=True, max_seen=3, state="normal", coordinator_id="1", group=("2",), epoch=4
+        ),
+        NodeFacts(
+            "2",
+            2,
+            up=True,
+            max_seen=3,
+            quorum_override=1,
+            state="normal",
+            coordinator_id="1",
+            epoch=4,
+        ),
         NodeFacts("3", 1, up=True, quarantined=True, max_seen=3, state="inactive"),
     ]
     verdict = if_failed(facts, "1", "1")
     assert verdict.leader == "2"
     assert "operator quorum override" in verdict.why
     assert "3 already out" in verdict.why
-    no_override = [f if f.node_id != "2" else NodeFacts("2", 2, up=True, max_seen=3)
-                   for f in facts]
+    no_override = [f if f.node_id != "2" else NodeFacts("2", 2, up=True, max_seen=3) for f in facts]
     assert if_failed(no_override, "1", "1").leader == ""
 
 
 def test_sync_source_is_the_survivor_with_the_newest_log() -> None:
     """Priority decides who leads; the newest log decides the sync source."""
     facts = [
-        NodeFacts("1", 3, up=True, last_epoch=5, last_lsn=90, max_seen=3,
-                  state="normal", coordinator_id="1", group=("2", "3")),
+        NodeFacts(
+            "1",
+            3,
+            up=True,
+            last_epoch=5,
+            last_lsn=90,
+            max_seen=3,
+            state="normal",
+            coordinator_id="1",
+            group=("2", "3"),
+        ),
         NodeFacts("2", 2, up=True, last_epoch=5, last_lsn=80, max_seen=3),
         NodeFacts("3", 1, up=True, last_epoch=5, last_lsn=88, max_seen=3),
     ]
@@ -162,12 +179,12 @@ def test_a_node_refused_for_differing_settings_counts_as_failed() -> None:
     """The master refuses node 3 (its file differs): it is out already, and ranking above
     the master it is named as refused, not as a node that would lead."""
     facts = [
-        NodeFacts("1", 2, up=True, max_seen=3, state="normal", coordinator_id="1",
-                  group=("2",), epoch=4),
+        NodeFacts(
+            "1", 2, up=True, max_seen=3, state="normal", coordinator_id="1", group=("2",), epoch=4
+        ),
         NodeFacts("2", 1, up=True, max_seen=3, state="normal", coordinator_id="1", epoch=4),
         NodeFacts("3", 3, up=True, config_refused=True, max_seen=3, state="inactive"),
     ]
     verdict = if_failed(facts, "1", "1")
     assert verdict.leader == "" and "3 already out" in verdict.why
-    assert any("refused: its configuration differs" in line
-               for line in explain_master(facts, "1"))
+    assert any("refused: its configuration differs" in line for line in explain_master(facts, "1"))
