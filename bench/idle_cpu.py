@@ -15,17 +15,30 @@ median process and the sum); with ``--threads``, each process's CPU by thread na
 measures N windows back to back on the same cluster. ``--json`` prints the figures as one
 JSON document instead.
 
+``--floor`` measures, instead of a cluster, what the cluster's idle traffic is made of on
+this machine: two processes with the services' gRPC settings (their GRPC_EXPERIMENTS,
+services/__init__.py, unless set; their channel options), one serving
+``Coordinator.Deliver`` with an empty handler, the other calling it one call at a time at
+``--rate`` calls per second (a coordinator's heartbeats and probes arrive so, spread out,
+never in bursts): the CPU of one unary call on the calling side and on the serving side,
+and the CPU of one bare asyncio timer wake-up (the caller's loop sleeping at the same
+rate, no calls). An idle process's CPU is about its calls per second times the first two
+plus its timer wake-ups per second times the third (bench/README.md, *Idle CPU*).
+
 ``python -m bench.idle_cpu [--seconds S] [--settle S] [--windows N] [--threads]
-[--json]``. A measurement, not a test; it fails only when the cluster does not start or
-settle. Every process it starts is stopped by PID.
+[--json]``; ``python -m bench.idle_cpu --floor [--seconds S] [--rate N]``. A measurement,
+not a test; it fails only when the cluster does not start or settle (or a floor process
+does not start). Every process it starts is stopped by PID.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +46,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from bench import replicated
+from deploy import processes
+from squall.v1 import coordinator_pb2, coordinator_pb2_grpc
+from squall_server import GRPC_EXPERIMENTS_DEFAULT
+from squall_server.common.grpc_server import channel_options
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 ROLES = ("coordinator", "replica", "gateway")
@@ -146,9 +165,146 @@ def text(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# --floor: the message limit the services use by default (deploy/cluster.example.toml).
+_MAX_MESSAGE_BYTES = 33_554_432
+_FLOOR_WARMUP_CALLS = 20
+_FLOOR_START_S = 30.0
+
+
+async def _deliver(
+    request: coordinator_pb2.PeerMessage, context: grpc.aio.ServicerContext[Any, Any]
+) -> coordinator_pb2.DeliverResponse:
+    """Coordinator.Deliver with nothing behind it."""
+    return coordinator_pb2.DeliverResponse()
+
+
+async def _floor_server(port: int) -> None:
+    """Serves Coordinator.Deliver (empty) until stdin closes."""
+    server = grpc.aio.server(options=channel_options(_MAX_MESSAGE_BYTES))
+    service = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
+    handler = grpc.unary_unary_rpc_method_handler(
+        _deliver,
+        request_deserializer=coordinator_pb2.PeerMessage.FromString,
+        response_serializer=coordinator_pb2.DeliverResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service, {"Deliver": handler}),)
+    )
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    print("serving", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    await server.stop(None)
+
+
+async def _floor_client(port: int, rate: float, seconds: float, calls: bool) -> None:
+    """Warms up, says "go", then for ``seconds`` makes one call (or none) per 1/rate s."""
+    channel = grpc.aio.insecure_channel(
+        f"127.0.0.1:{port}", options=channel_options(_MAX_MESSAGE_BYTES)
+    )
+    stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+    message = coordinator_pb2.PeerMessage()
+    for _ in range(_FLOOR_WARMUP_CALLS):
+        await stub.Deliver(message, timeout=_FLOOR_START_S)
+    print("go", flush=True)
+    count = int(seconds * rate)
+    for _ in range(count):  # bounded: one call per period
+        if calls:
+            await stub.Deliver(message, timeout=_FLOOR_START_S)
+        await asyncio.sleep(1 / rate)
+    print(f"done {count}", flush=True)
+    await channel.close(None)
+
+
+def floor(seconds: float, rate: float) -> dict[str, float]:
+    """CPU µs of one unary call (caller, server) and of one asyncio timer wake-up."""
+    port = processes.free_port()
+    module = [sys.executable, "-m", "bench.idle_cpu"]
+    # As a service process runs gRPC (an operator's own value wins there too).
+    env = {
+        **os.environ,
+        "GRPC_EXPERIMENTS": os.environ.get("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS_DEFAULT),
+    }
+    server = subprocess.Popen(
+        [*module, "--floor-server", str(port)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    result: dict[str, float] = {}
+    try:
+        assert server.stdout is not None
+        if server.stdout.readline().strip() != "serving":
+            raise RuntimeError("the floor server did not start")
+        for calls in (False, True):
+            kind = "--floor-calls" if calls else "--floor-idle"
+            client = subprocess.Popen(
+                [*module, kind, str(port), str(rate), str(seconds)],
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            assert client.stdout is not None
+            if client.stdout.readline().strip() != "go":
+                raise RuntimeError("the floor client did not start")
+            before = (cpu_ticks(client.pid), cpu_ticks(server.pid))
+            done = client.stdout.readline().split()
+            after = (cpu_ticks(client.pid), cpu_ticks(server.pid))
+            client.wait(_FLOOR_START_S)
+            if len(done) != 2 or None in before or None in after:
+                raise RuntimeError("a floor process ended early")
+            periods = int(done[1])
+            client_us, server_us = (
+                1e6 * (int(a or 0) - int(b or 0)) / _TICKS_PER_S / periods
+                for a, b in zip(after, before, strict=True)
+            )
+            if calls:
+                # The caller's loop woke for its sleeps as in the idle run: not the call's.
+                result["call_client_us"] = client_us - result["wakeup_us"]
+                result["call_server_us"] = server_us - result["server_idle_us"]
+            else:
+                result["wakeup_us"] = client_us
+                result["server_idle_us"] = server_us
+    finally:
+        if server.stdin is not None:
+            server.stdin.close()
+        processes.stop_pid(server.pid)
+        server.wait(_FLOOR_START_S)
+    return result
+
+
+def floor_text(figures: dict[str, float], rate: float) -> str:
+    """The floor figures for people."""
+    return "\n".join(
+        [
+            f"one call or wake-up every {1000 / rate:.0f} ms, CPU per call / wake-up "
+            f"(load average {os.getloadavg()[0]:.2f}):",
+            f"  unary call, calling side   {figures['call_client_us']:7.0f} us",
+            f"  unary call, serving side   {figures['call_server_us']:7.0f} us",
+            f"  asyncio timer wake-up      {figures['wakeup_us']:7.0f} us",
+        ]
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] == "--floor-server":
+        asyncio.run(_floor_server(int(argv[1])))
+        return 0
+    if argv and argv[0] in ("--floor-calls", "--floor-idle"):
+        port, rate, seconds = int(argv[1]), float(argv[2]), float(argv[3])
+        asyncio.run(_floor_client(port, rate, seconds, argv[0] == "--floor-calls"))
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=30.0, help="length of one window")
+    parser.add_argument(
+        "--floor", action="store_true", help="CPU of one bare call and one wake-up instead"
+    )
+    parser.add_argument(
+        "--rate", type=float, default=30.0, help="--floor: calls (or wake-ups) per second"
+    )
     parser.add_argument(
         "--settle", type=float, default=5.0, help="seconds idle before the first window"
     )
@@ -156,6 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", action="store_true", help="CPU per thread name too")
     parser.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
+    if args.floor:
+        figures = floor(args.seconds, args.rate)
+        print(json.dumps(figures, indent=2) if args.json else floor_text(figures, args.rate))
+        return 0
     results = run(args)
     print(json.dumps(results, indent=2) if args.json else text(results))
     return 0
