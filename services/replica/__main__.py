@@ -19,7 +19,7 @@ from squall_server.common.tls import transport
 from squall_server.replica import push_server, replication_server, server
 from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.datadir import DataDirBusy, DataDirLock
-from squall_server.replica.loop_watch import LoopWatch
+from squall_server.replica.loop_watch import watch_loop
 from squall_server.replica.rebuild import LmdbTruncator
 from squall_server.replica.store import Store, StoreError
 from squall_server.replica.telemetry import ROLE_NAMES
@@ -109,16 +109,21 @@ async def _serve_locked(
     replica_pb2_grpc.add_ReplicationServicer_to_server(
         replication_server.Replication(node), grpc_server.server
     )
-    # The loop's stall watch rides on the lease watch's timer (loop_watch.py).
-    node.loop_watch = LoopWatch(node_config.id, config.timeouts.replica_timeout_ms)
+    watch: asyncio.Task[None] | None = None
     try:
         await node.start()
+        watch = asyncio.create_task(
+            watch_loop(node.clock, node_config.id, config.timeouts.replica_timeout_ms),
+            name=f"loop-watch-{node_config.id}",
+        )
         await grpc_server.start()
         await grpc_server.set_serving(True)
         log.info("replica %s serving on %s", node_config.id, node_config.replica_address)
         await stop.wait()
         log.info("replica %s stopping", node_config.id)
     finally:
+        if watch is not None:
+            watch.cancel()
         await grpc_server.stop()
         await node.stop()
         node.store.close()  # the node may have reopened it (a truncation)

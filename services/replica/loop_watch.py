@@ -5,9 +5,8 @@ The coordinator takes its node out of the group when its replica has not answere
 ``timeouts.replica_timeout_ms`` (issue 14), and the replica answers on its event loop: any
 synchronous work that holds the loop that long (a large batch planned or encoded, a flush
 of the disk, a machine whose CPUs are oversubscribed) looks like a hung replica. A task
-wakes every ``LOOP_WATCH_INTERVAL_MS`` (in a replica process, the lease watch:
-``LoopWatch``); when it wakes at least ``LOOP_STALL_WARN_MS`` late it logs how long the
-loop was held (at most one line per ``LOOP_STALL_LOG_INTERVAL_MS``,
+wakes every ``LOOP_WATCH_INTERVAL_MS``; when it wakes at least ``LOOP_STALL_WARN_MS`` late
+it logs how long the loop was held (at most one line per ``LOOP_STALL_LOG_INTERVAL_MS``,
 counting the stalls in between), naming the replica timeout it is measured against.
 """
 
@@ -29,52 +28,33 @@ LOOP_STALL_WARN_MS = 100
 LOOP_STALL_LOG_INTERVAL_MS = 1000
 
 
-class LoopWatch:
-    """Logs the event loop's stalls from the wake-ups of a task that sleeps a fixed
-    interval: a wake-up at least ``LOOP_STALL_WARN_MS`` late is a stall (at most one line
-    per ``LOOP_STALL_LOG_INTERVAL_MS``, counting the stalls in between).
-
-    A replica process feeds it from its lease watch (``RoleApplication.watch_lease``),
-    which wakes every 50 ms anyway: one timer for both, not two (an idle replica's timer
-    wake-ups are a third of its CPU; bench/README.md, *Idle CPU*)."""
-
-    def __init__(self, node_id: str, replica_timeout_ms: int) -> None:
-        self.node_id = node_id
-        self.replica_timeout_ms = replica_timeout_ms
-        self._logged_at: int | None = None
-        self._unlogged = 0  # stalls since the last line
-        self._worst_ms = 0  # the longest of them
-
-    def woke(self, slept_at_ms: int, now_ms: int, interval_ms: int) -> None:
-        """A sleep of ``interval_ms`` begun at ``slept_at_ms`` ended at ``now_ms``."""
-        stalled_ms = now_ms - slept_at_ms - interval_ms
-        if stalled_ms < LOOP_STALL_WARN_MS:
-            return
-        self._unlogged += 1
-        self._worst_ms = max(self._worst_ms, stalled_ms)
-        if self._logged_at is not None and now_ms - self._logged_at < LOOP_STALL_LOG_INTERVAL_MS:
-            return
-        log.warning(
-            "replica %s: event loop held for %d ms (%d stall(s) of %d ms or more since the "
-            "last report); its coordinator takes the node out of its group after "
-            "replica_timeout_ms (%d) without an answer%s",
-            self.node_id,
-            self._worst_ms,
-            self._unlogged,
-            LOOP_STALL_WARN_MS,
-            self.replica_timeout_ms,
-            " [loop-stall-over-timeout]" if self._worst_ms >= self.replica_timeout_ms else "",
-        )
-        self._logged_at, self._unlogged, self._worst_ms = now_ms, 0, 0
-
-
 async def watch_loop(clock: Clock, node_id: str, replica_timeout_ms: int) -> None:
-    """Logs the event loop's stalls until cancelled, on a timer of its own (a replica
-    process uses its lease watch's instead)."""
-    watch = LoopWatch(node_id, replica_timeout_ms)
+    """Logs the event loop's stalls until cancelled."""
     interval_s = LOOP_WATCH_INTERVAL_MS / 1000
+    logged_at: int | None = None
+    unlogged = 0  # stalls since the last line
+    worst_ms = 0  # the longest of them
     # Bounded by cancellation: runs for the life of the replica.
     while True:
         before = clock.monotonic_ms()
         await asyncio.sleep(interval_s)
-        watch.woke(before, clock.monotonic_ms(), LOOP_WATCH_INTERVAL_MS)
+        now = clock.monotonic_ms()
+        stalled_ms = now - before - LOOP_WATCH_INTERVAL_MS
+        if stalled_ms < LOOP_STALL_WARN_MS:
+            continue
+        unlogged += 1
+        worst_ms = max(worst_ms, stalled_ms)
+        if logged_at is not None and now - logged_at < LOOP_STALL_LOG_INTERVAL_MS:
+            continue
+        log.warning(
+            "replica %s: event loop held for %d ms (%d stall(s) of %d ms or more since the "
+            "last report); its coordinator takes the node out of its group after "
+            "replica_timeout_ms (%d) without an answer%s",
+            node_id,
+            worst_ms,
+            unlogged,
+            LOOP_STALL_WARN_MS,
+            replica_timeout_ms,
+            " [loop-stall-over-timeout]" if worst_ms >= replica_timeout_ms else "",
+        )
+        logged_at, unlogged, worst_ms = now, 0, 0

@@ -72,7 +72,6 @@ from squall_server.replica.core_view import CoreView
 from squall_server.replica.driver import ReplicaDriver
 from squall_server.replica.faults import Fault, FaultReports
 from squall_server.replica.links import LinkForwarding
-from squall_server.replica.loop_watch import LoopWatch
 from squall_server.replica.master_driver import SlaveStatus
 from squall_server.replica.master_tasks import MasterWork
 from squall_server.replica.push import PushDelivery
@@ -130,9 +129,6 @@ class ReplicaNode(CoreView):
     master_work: MasterWork  # push delivery and topic links, while master
     # How the process is stopped once a cluster shutdown finished (shutdown.py).
     on_shutdown: Callable[[], None] | None = None
-    # The event loop's stall watch, fed by the lease watch's wake-ups (the process sets it
-    # before start; None: no stall lines).
-    loop_watch: LoopWatch | None = None
     push: PushDelivery = field(init=False)
     links: LinkForwarding = field(init=False)
     _lease_task: asyncio.Task[None] | None = field(default=None, init=False)
@@ -184,7 +180,7 @@ class ReplicaNode(CoreView):
             self.instruments.watch(self)
         self.writer.start()
         self._lease_task = asyncio.create_task(
-            self.roles.watch_lease(self.loop_watch), name=f"lease-{self.node.id}"
+            self.roles.watch_lease(), name=f"lease-{self.node.id}"
         )
         meta = self.store.meta()
         log.info(

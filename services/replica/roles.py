@@ -47,7 +47,6 @@ from squall_server.replica.driver import (
     ReplicaDriver,
     StartTaking,
 )
-from squall_server.replica.loop_watch import LOOP_WATCH_INTERVAL_MS, LoopWatch
 from squall_server.replica.master_driver import MasterDriver
 from squall_server.replica.reorg import Taking
 from squall_server.replica.replication import ReplicationError
@@ -59,9 +58,8 @@ T = TypeVar("T")
 log = logging.getLogger("squall.replica")
 
 # How often the lease watch asks the core whether the role lease ran out: a small part of
-# the shortest lease a coordinator gives (its member timeout). The loop's stall watch
-# rides on the same wake-ups, at its own interval.
-LEASE_CHECK_S = LOOP_WATCH_INTERVAL_MS / 1000
+# the shortest lease a coordinator gives (its member timeout).
+LEASE_CHECK_S = 0.05
 
 
 @dataclasses.dataclass
@@ -424,16 +422,11 @@ class RoleApplication:
                         return
                     await self._changes.wait()
 
-    async def watch_lease(self, loop_watch: LoopWatch | None = None) -> None:
+    async def watch_lease(self) -> None:
         """Ticks the core, which drops the role when the coordinator stops renewing it
-        (e.g. it died); each wake-up also tells ``loop_watch`` how late it came (the
-        event loop's stall watch rides on this timer rather than keeping its own)."""
+        (e.g. it died)."""
         while True:
-            slept_at = self.clock.monotonic_ms()
             await asyncio.sleep(LEASE_CHECK_S)
-            now = self.clock.monotonic_ms()
-            if loop_watch is not None:
-                loop_watch.woke(slept_at, now, LOOP_WATCH_INTERVAL_MS)
-            effects = self.core.tick(now)
+            effects = self.core.tick(self.clock.monotonic_ms())
             if effects.drop_role:
                 await self.apply_effects(effects)
