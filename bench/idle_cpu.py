@@ -10,10 +10,12 @@ nothing is published. CPU time, not wall clock: other jobs on the machine do not
 against the cluster (the load average at the start and end is printed beside the figures).
 
 Prints CPU % of one core per process and per role (coordinator, replica, gateway: the
-median process and the sum); with ``--threads``, each process's CPU by thread name
-(``/proc/PID/task/*/comm``; gRPC names its pollers and timer threads). ``--windows N``
-measures N windows back to back on the same cluster. ``--json`` prints the figures as one
-JSON document instead.
+median process and the sum), and how often each process's threads woke (their voluntary
+context switches, ``/proc/PID/task/*/status``: every wait that ended, on a socket, a
+timer or another thread) with the CPU per wake-up; with ``--threads``, each process's
+CPU by thread name (``/proc/PID/task/*/comm``; gRPC names its pollers and timer threads).
+``--windows N`` measures N windows back to back on the same cluster. ``--json`` prints
+the figures as one JSON document instead.
 
 ``--floor`` measures, instead of a cluster, what the cluster's idle traffic is made of on
 this machine: two processes with the services' gRPC settings (their GRPC_EXPERIMENTS,
@@ -87,22 +89,45 @@ def thread_ticks(pid: int) -> Counter[str]:
     return found
 
 
+def sleeps(pid: int) -> int:
+    """How often the threads of a live process have blocked so far (their voluntary
+    context switches: each is a wait that ended in a wake-up); 0 if it is gone."""
+    total = 0
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return 0
+    for task in tasks:
+        try:
+            text = (task / "status").read_text()
+        except OSError:
+            continue  # the thread ended meanwhile
+        for line in text.splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                total += int(line.split()[1])
+    return total
+
+
 def measure(
     pids: dict[str, int], seconds: float, threads: bool
-) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
-    """CPU % of one core per process over one window (and per thread name)."""
+) -> tuple[dict[str, float], dict[str, float], dict[str, dict[str, float]]]:
+    """CPU % of one core per process over one window, its threads' wake-ups per second
+    (and CPU % per thread name)."""
     before = {name: cpu_ticks(pid) for name, pid in pids.items()}
+    sleeps_before = {name: sleeps(pid) for name, pid in pids.items()}
     threads_before = {name: thread_ticks(pid) for name, pid in pids.items()} if threads else {}
     started = time.monotonic()
     time.sleep(seconds)
     elapsed = time.monotonic() - started
     percent: dict[str, float] = {}
+    wakeups: dict[str, float] = {}
     by_thread: dict[str, dict[str, float]] = {}
     for name, pid in pids.items():
         start, end = before[name], cpu_ticks(pid)
         if start is None or end is None:
             raise RuntimeError(f"{name} (pid {pid}) exited during the measurement")
         percent[name] = 100.0 * (end - start) / _TICKS_PER_S / elapsed
+        wakeups[name] = (sleeps(pid) - sleeps_before[name]) / elapsed
         if threads:
             delta = thread_ticks(pid)
             delta.subtract(threads_before[name])
@@ -111,7 +136,7 @@ def measure(
                 for thread, ticks in delta.most_common()
                 if ticks > 0
             }
-    return percent, by_thread
+    return percent, wakeups, by_thread
 
 
 def summary(percent: dict[str, float]) -> dict[str, dict[str, float]]:
@@ -133,9 +158,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             time.sleep(args.settle)
             load_start = os.getloadavg()
             for _ in range(args.windows):
-                percent, by_thread = measure(pids, args.seconds, args.threads)
+                percent, wakeups, by_thread = measure(pids, args.seconds, args.threads)
                 windows.append(
-                    {"processes": percent, "roles": summary(percent), "threads": by_thread}
+                    {
+                        "processes": percent,
+                        "wakeups_per_s": wakeups,
+                        "roles": summary(percent),
+                        "threads": by_thread,
+                    }
                 )
             load_end = os.getloadavg()
     return {
@@ -155,7 +185,12 @@ def text(results: dict[str, Any]) -> str:
     for index, window in enumerate(results["windows"], 1):
         lines.append(f"window {index}:")
         for name, value in sorted(window["processes"].items()):
-            lines.append(f"  {name:<16} {value:6.2f} %")
+            wakeups = window["wakeups_per_s"][name]
+            per_wakeup = 1e4 * value / wakeups if wakeups else 0.0
+            lines.append(
+                f"  {name:<16} {value:6.2f} %  {wakeups:5.0f} thread wake-ups/s"
+                f"  {per_wakeup:5.0f} us CPU per wake-up"
+            )
             for thread, share in window["threads"].get(name, {}).items():
                 lines.append(f"      {thread:<20} {share:6.2f} %")
         for role, figures in window["roles"].items():
@@ -217,7 +252,8 @@ async def _floor_client(port: int, rate: float, seconds: float, calls: bool) -> 
 
 
 def floor(seconds: float, rate: float) -> dict[str, float]:
-    """CPU µs of one unary call (caller, server) and of one asyncio timer wake-up."""
+    """CPU µs and thread wake-ups of one unary call (caller, server) and of one asyncio
+    timer wake-up."""
     port = processes.free_port()
     module = [sys.executable, "-m", "bench.idle_cpu"]
     # As a service process runs gRPC (an operator's own value wins there too).
@@ -249,8 +285,10 @@ def floor(seconds: float, rate: float) -> dict[str, float]:
             if client.stdout.readline().strip() != "go":
                 raise RuntimeError("the floor client did not start")
             before = (cpu_ticks(client.pid), cpu_ticks(server.pid))
+            slept = (sleeps(client.pid), sleeps(server.pid))
             done = client.stdout.readline().split()
             after = (cpu_ticks(client.pid), cpu_ticks(server.pid))
+            woke = [sleeps(client.pid) - slept[0], sleeps(server.pid) - slept[1]]
             client.wait(_FLOOR_START_S)
             if len(done) != 2 or None in before or None in after:
                 raise RuntimeError("a floor process ended early")
@@ -259,13 +297,18 @@ def floor(seconds: float, rate: float) -> dict[str, float]:
                 1e6 * (int(a or 0) - int(b or 0)) / _TICKS_PER_S / periods
                 for a, b in zip(after, before, strict=True)
             )
+            client_wakeups, server_wakeups = (w / periods for w in woke)
             if calls:
                 # The caller's loop woke for its sleeps as in the idle run: not the call's.
                 result["call_client_us"] = client_us - result["wakeup_us"]
                 result["call_server_us"] = server_us - result["server_idle_us"]
+                result["call_client_wakeups"] = client_wakeups - result["wakeup_wakeups"]
+                result["call_server_wakeups"] = server_wakeups - result["server_idle_wakeups"]
             else:
                 result["wakeup_us"] = client_us
                 result["server_idle_us"] = server_us
+                result["wakeup_wakeups"] = client_wakeups
+                result["server_idle_wakeups"] = server_wakeups
     finally:
         if server.stdin is not None:
             server.stdin.close()
@@ -280,9 +323,12 @@ def floor_text(figures: dict[str, float], rate: float) -> str:
         [
             f"one call or wake-up every {1000 / rate:.0f} ms, CPU per call / wake-up "
             f"(load average {os.getloadavg()[0]:.2f}):",
-            f"  unary call, calling side   {figures['call_client_us']:7.0f} us",
-            f"  unary call, serving side   {figures['call_server_us']:7.0f} us",
-            f"  asyncio timer wake-up      {figures['wakeup_us']:7.0f} us",
+            f"  unary call, calling side   {figures['call_client_us']:7.0f} us"
+            f"  ({figures['call_client_wakeups']:.1f} thread wake-ups)",
+            f"  unary call, serving side   {figures['call_server_us']:7.0f} us"
+            f"  ({figures['call_server_wakeups']:.1f} thread wake-ups)",
+            f"  asyncio timer wake-up      {figures['wakeup_us']:7.0f} us"
+            f"  ({figures['wakeup_wakeups']:.1f} thread wake-ups)",
         ]
     )
 
