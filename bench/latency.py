@@ -1124,15 +1124,7 @@ def _delivery_rows(
             "subscriber: commit to the master's Subscribe sending it, µs",
             lambda f: str(f["delivery_budget"]["commit_to_sent_us_p50"]),
         )
-        for label, _, _, _ in SUBSCRIBE_STAGES:
-            row(
-                f"subscriber: {label}, µs",
-                lambda f, label=label: str(
-                    {r["stage"]: r["us_p50"] for r in f["delivery_budget"]["subscribe_stages"]}.get(
-                        label, "-"
-                    )
-                ),
-            )
+        _leg_rows(row, "subscriber", "subscribe_stages", SUBSCRIBE_STAGES)
         row(
             "subscriber: read by the client after the publish's own answer, µs",
             lambda f: str(f["delivery_budget"].get("delivery_after_answer_us_p50", "-")),
@@ -1156,15 +1148,23 @@ def _delivery_rows(
             "push: commit to the master's Deliver call, µs",
             lambda f: str(f["delivery_budget"]["commit_to_push_call_us_p50"]),
         )
-        for label, _, _, _ in PUSH_STAGES:
-            row(
-                f"push: {label}, µs",
-                lambda f, label=label: str(
-                    {r["stage"]: r["us_p50"] for r in f["delivery_budget"]["push_stages"]}.get(
-                        label, "-"
-                    )
-                ),
-            )
+        _leg_rows(row, "push", "push_stages", PUSH_STAGES)
+
+
+def _leg_rows(
+    row: Callable[[str, Any], None],
+    name: str,
+    key: str,
+    stages: tuple[tuple[str, str, str, str], ...],
+) -> None:
+    """One row per leg of a delivery (`stages`), from the budget's `key` list."""
+    for label, _, _, _ in stages:
+        row(
+            f"{name}: {label}, µs",
+            lambda f, label=label: str(
+                {r["stage"]: r["us_p50"] for r in f["delivery_budget"][key]}.get(label, "-")
+            ),
+        )
 
 
 def _cpu_per_event(figures: dict[str, Any], master: str, idle: bool = False) -> str:
