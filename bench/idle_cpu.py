@@ -281,15 +281,20 @@ def floor(seconds: float, rate: float) -> dict[str, float]:
                 text=True,
                 env=env,
             )
-            assert client.stdout is not None
-            if client.stdout.readline().strip() != "go":
-                raise RuntimeError("the floor client did not start")
-            before = (cpu_ticks(client.pid), cpu_ticks(server.pid))
-            slept = (sleeps(client.pid), sleeps(server.pid))
-            done = client.stdout.readline().split()
-            after = (cpu_ticks(client.pid), cpu_ticks(server.pid))
-            woke = [sleeps(client.pid) - slept[0], sleeps(server.pid) - slept[1]]
-            client.wait(_FLOOR_START_S)
+            try:
+                assert client.stdout is not None
+                if client.stdout.readline().strip() != "go":
+                    raise RuntimeError("the floor client did not start")
+                before = (cpu_ticks(client.pid), cpu_ticks(server.pid))
+                slept = (sleeps(client.pid), sleeps(server.pid))
+                done = client.stdout.readline().split()
+                after = (cpu_ticks(client.pid), cpu_ticks(server.pid))
+                woke = [sleeps(client.pid) - slept[0], sleeps(server.pid) - slept[1]]
+                client.wait(_FLOOR_START_S)
+            finally:
+                # Also when it failed to start or hangs: stopped by its PID.
+                processes.stop_pid(client.pid)
+                client.wait(_FLOOR_START_S)
             if len(done) != 2 or None in before or None in after:
                 raise RuntimeError("a floor process ended early")
             periods = int(done[1])
@@ -333,6 +338,21 @@ def floor_text(figures: dict[str, float], rate: float) -> str:
     )
 
 
+def _positive(kind: type[int] | type[float]) -> Any:
+    """An argparse type: a number above zero (a window, a rate), else a usage error."""
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+        return value
+
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
@@ -344,17 +364,22 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(_floor_client(port, rate, seconds, argv[0] == "--floor-calls"))
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=30.0, help="length of one window")
+    parser.add_argument(
+        "--seconds", type=_positive(float), default=30.0, help="length of one window"
+    )
     parser.add_argument(
         "--floor", action="store_true", help="CPU of one bare call and one wake-up instead"
     )
     parser.add_argument(
-        "--rate", type=float, default=30.0, help="--floor: calls (or wake-ups) per second"
+        "--rate",
+        type=_positive(float),
+        default=30.0,
+        help="--floor: calls (or wake-ups) per second",
     )
     parser.add_argument(
         "--settle", type=float, default=5.0, help="seconds idle before the first window"
     )
-    parser.add_argument("--windows", type=int, default=1, help="windows back to back")
+    parser.add_argument("--windows", type=_positive(int), default=1, help="windows back to back")
     parser.add_argument("--threads", action="store_true", help="CPU per thread name too")
     parser.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)

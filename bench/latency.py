@@ -130,10 +130,14 @@ def _concurrent_floor(
     gRPC client and server do together on this machine at that concurrency with no work
     behind the answer. Counted over the last three quarters, once every stream is open."""
     per_thread: list[list[tuple[float, float]]] = [[] for _ in range(n)]
+    failures: list[BaseException] = []
     stop_at = time.monotonic() + seconds
 
     def run(index: int) -> None:
-        per_thread[index] = _ping_pong(channel, payload, 10**9, stop_at, warmup=1)
+        try:
+            per_thread[index] = _ping_pong(channel, payload, 10**9, stop_at, warmup=1)
+        except BaseException as exc:  # reported below: a failed floor, not a low one
+            failures.append(exc)
 
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
     started = time.perf_counter()
@@ -146,6 +150,8 @@ def _concurrent_floor(
         thread.join(seconds + 30)
     cpu_s = time.process_time() - cpu0
     counted_until = time.perf_counter()
+    if failures:
+        raise RuntimeError(f"the {n}-thread floor failed: {failures[0]!r}") from failures[0]
     round_trips_s = sorted(s for mine in per_thread for t, s in mine if t >= counted_from)
     calls = len(round_trips_s)
     window_s = counted_until - counted_from
@@ -985,7 +991,7 @@ def table(policy_figures: dict[str, dict[str, Any]]) -> str:
         )
     row(
         "floor: write and fsync 4 KiB where the stores are, p50 ms",
-        lambda f: str(f["floor"].get("fsync_ms_p50", "-")),
+        lambda f: str(f["floor"].get("fsync_ms_p50") or "-"),
     )
 
     for n in next(iter(policy_figures.values())).get("unary", {}):

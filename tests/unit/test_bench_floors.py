@@ -1,0 +1,34 @@
+"""The latency and idle-CPU benches' own inputs and failures: a floor that could not be
+measured fails the run instead of reading low, and a nonsensical option is refused."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from bench import idle_cpu, latency
+from deploy.processes import free_port
+
+
+def test_a_concurrent_floor_whose_calls_fail_raises_instead_of_reading_low() -> None:
+    # Nothing listens on the port: every thread's first round trip fails.
+    with grpc.insecure_channel(f"127.0.0.1:{free_port()}") as channel:
+        with pytest.raises(RuntimeError, match="the 4-thread floor failed"):
+            latency._concurrent_floor(channel, b"x" * 100, 4, 0.5)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--seconds", "0"], "must be above 0"),
+        (["--floor", "--rate", "-3"], "must be above 0"),
+        (["--windows", "two"], "not a number"),
+    ],
+)
+def test_idle_cpu_refuses_a_window_or_rate_that_is_not_above_zero(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        idle_cpu.main(argv)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
