@@ -19,7 +19,7 @@ from squall_server.console.hosted import HostedConsole, serves_console
 from squall_server.gateway.forward import FORWARDED_SERVICES, Forwarder
 from squall_server.gateway.master import MasterTracker
 from squall_server.gateway.server import ClusterAdmin
-from squall_server.gateway.shared_publish import SharedPublishStreams
+from squall_server.gateway.shared_publish import SharedPublishStreams, joining_for
 
 log = logging.getLogger("squall.gateway")
 
@@ -41,8 +41,13 @@ async def serve(config: ClusterConfig, gateway: GatewayConfig, stop: asyncio.Eve
     )
     admin = ClusterAdmin(config, masters, timeout_s=rpc_timeout_s)
     # Each shared publish stream is one client to a replica: it stays within that
-    # client's limit of publishes awaiting receipts.
-    shared = SharedPublishStreams(masters, config.limits.client_inflight_publishes_max)
+    # client's limit of publishes awaiting receipts, and joins waiting publishes within
+    # the masters' limits (the cluster's one config).
+    shared = SharedPublishStreams(
+        masters,
+        config.limits.client_inflight_publishes_max,
+        joining=joining_for(config.limits.max_batch_events, config.limits.max_message_bytes),
+    )
     forwarder = Forwarder(
         masters,
         timeout_s,

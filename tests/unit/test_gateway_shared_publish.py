@@ -22,7 +22,12 @@ import grpc
 from squall.v1 import broker_pb2, common_pb2
 from squall_server.common.errors import INLINE_ERRORS, PUBLISH_ERRORS_KEY
 from squall_server.gateway.master import Master
-from squall_server.gateway.shared_publish import SharedPublishStream, SharedStreamError
+from squall_server.gateway.shared_publish import (
+    Joining,
+    SharedPublishStream,
+    SharedStreamError,
+    joined_request,
+)
 
 ADDRESS = "127.0.0.1:1"
 _END = object()
@@ -122,13 +127,22 @@ def inline_error(code: str, message: str) -> bytes:
 
 
 def run(
-    test: Callable[[FakeMasters, SharedPublishStream], Awaitable[None]], inflight: int = 8
+    test: Callable[[FakeMasters, SharedPublishStream], Awaitable[None]],
+    inflight: int = 8,
+    joining: Joining | None = None,
 ) -> None:
+    """Runs one test against a link; without `joining`, each publish is a request of its own."""
+
     async def main() -> None:
         masters = FakeMasters()
         link = SharedPublishStream(
-            masters, ADDRESS, (("authorization", "Bearer x"),), inflight, "l1"
-        )  # type: ignore[arg-type]
+            masters,  # type: ignore[arg-type]
+            ADDRESS,
+            (("authorization", "Bearer x"),),
+            inflight,
+            "l1",
+            joining,
+        )
         try:
             await asyncio.wait_for(test(masters, link), 10)
         finally:
@@ -308,3 +322,243 @@ def test_a_status_lost_in_transit_is_unknown_not_internal() -> None:
         assert isinstance(result, SharedStreamError) and result.code == "UNKNOWN"
 
     run(body)
+
+
+# --- joining: callers that wait share one request (PublishRequest.parts)
+
+
+def parts_of(written: bytes) -> list[broker_pb2.PublishRequest]:
+    return list(broker_pb2.PublishRequest.FromString(written).parts)
+
+
+def joined_answer(*parts: bytes) -> bytes:
+    return broker_pb2.PublishResponse(
+        parts=[broker_pb2.PublishResponse.FromString(p) for p in parts]
+    ).SerializeToString()
+
+
+def test_joined_request_is_the_callers_requests_as_parts_byte_for_byte() -> None:
+    requests = [request("p1", 1), request("p2", 7), request("p3", 300)]
+    parsed = broker_pb2.PublishRequest.FromString(joined_request(requests))
+    assert not parsed.events and not parsed.publisher_id
+    assert [p.SerializeToString() for p in parsed.parts] == requests
+    # A part longer than 127 bytes takes a two-byte length.
+    big = broker_pb2.PublishRequest(
+        topic="t",
+        publisher_id="p",
+        events=[common_pb2.EventData(payload=b"y" * 1000, sequence=1)],
+    ).SerializeToString()
+    assert [p.SerializeToString() for p in parts_of(joined_request([big, requests[0]]))] == [
+        big,
+        requests[0],
+    ]
+
+
+def test_callers_beyond_the_window_wait_and_go_as_one_joined_request() -> None:
+    async def body(masters: FakeMasters, link: SharedPublishStream) -> None:
+        calls = [asyncio.create_task(link.publish(request(f"p{i}", 1), 5)) for i in range(6)]
+        await settle()
+        [call] = masters.calls
+        # The first two went at once, each as a request of its own; the rest wait.
+        assert call.written == [request("p0", 1), request("p1", 1)]
+        call.answer(receipt(100))
+        await settle()
+        # One answer freed room: the four waiting callers went as one request, in order.
+        assert len(call.written) == 3
+        assert [p.SerializeToString() for p in parts_of(call.written[2])] == [
+            request(f"p{i}", 1) for i in range(2, 6)
+        ]
+        call.answer(receipt(101))
+        refusal = inline_error("NOT_FOUND", "topic 't' does not exist")
+        call.answer(joined_answer(receipt(102), refusal, receipt(104), receipt(105)))
+        results = [await outcome(c) for c in calls]
+        # Each caller hears its own part, byte for byte as a response of its own.
+        assert results[:3] + results[4:] == [receipt(100 + i) for i in (0, 1, 2, 4, 5)]
+        refused = results[3]
+        assert isinstance(refused, SharedStreamError)
+        assert (refused.code, refused.details) == ("NOT_FOUND", "topic 't' does not exist")
+        assert (link.requests, link.joined) == (3, 4)
+
+    run(body, joining=Joining())
+
+
+def test_a_lone_caller_never_waits_for_the_joiner() -> None:
+    async def body(masters: FakeMasters, link: SharedPublishStream) -> None:
+        for sequence in range(1, 4):
+            call_task = asyncio.create_task(link.publish(request("p", sequence), 5))
+            await settle()
+            [call] = masters.calls
+            assert call.written[-1] == request("p", sequence)
+            call.answer(receipt(sequence))
+            assert await call_task == receipt(sequence)
+        assert (link.requests, link.joined) == (3, 0)
+
+    run(body, joining=Joining())
+
+
+def test_joined_requests_keep_within_their_parts_and_bytes() -> None:
+    async def body(masters: FakeMasters, link: SharedPublishStream) -> None:
+        calls = [asyncio.create_task(link.publish(request(f"p{i}", 1), 5)) for i in range(8)]
+        await settle()
+        [call] = masters.calls
+        assert len(call.written) == 1
+        call.answer(receipt(0))
+        await settle()
+        # Three parts at most: the six waiting go as three and three.
+        assert [len(parts_of(w)) for w in call.written[1:]] == [3]
+        call.answer(joined_answer(*(receipt(i) for i in (1, 2, 3))))
+        await settle()
+        assert [len(parts_of(w)) for w in call.written[1:]] == [3, 3]
+        call.answer(joined_answer(*(receipt(i) for i in (4, 5, 6))))
+        await settle()
+        assert call.written[3] == request("p7", 1)  # the last one alone: not joined
+        call.answer(receipt(7))
+        assert [await c for c in calls] == [receipt(i) for i in range(8)]
+
+    run(body, joining=Joining(window=1, parts_max=3))
+
+    async def by_bytes(masters: FakeMasters, link: SharedPublishStream) -> None:
+        calls = [asyncio.create_task(link.publish(request(f"p{i}", 1), 5)) for i in range(4)]
+        await settle()
+        [call] = masters.calls
+        call.answer(receipt(0))
+        await settle()
+        # Two requests' bytes (and their parts' tags) fit, not three.
+        assert len(parts_of(call.written[1])) == 2
+        call.answer(joined_answer(receipt(1), receipt(2)))
+        await settle()
+        call.answer(receipt(3))
+        assert [await c for c in calls] == [receipt(i) for i in range(4)]
+
+    size = len(request("p0", 1)) + 6
+    run(by_bytes, joining=Joining(window=1, bytes_max=2 * size + size // 2))
+
+
+def test_a_waiting_caller_out_of_time_was_not_forwarded_and_frees_its_slot() -> None:
+    async def body(masters: FakeMasters, link: SharedPublishStream) -> None:
+        first = asyncio.create_task(link.publish(request("p0", 1), 5))
+        await settle()
+        late = await outcome(asyncio.create_task(link.publish(request("p1", 1), 0.05)))
+        assert isinstance(late, SharedStreamError) and late.code == "DEADLINE_EXCEEDED"
+        assert not late.forwarded  # never written: nothing can have been applied
+        # Its slot is free at once: with two slots, two more callers get in.
+        more = [asyncio.create_task(link.publish(request(f"p{i}", 1), 5)) for i in (2, 3)]
+        await settle()
+        [call] = masters.calls
+        call.answer(receipt(0))
+        await settle()
+        # The caller that gave up is not in the joined request.
+        assert [p.publisher_id for p in parts_of(call.written[1])] == ["p2", "p3"]
+        call.answer(joined_answer(receipt(2), receipt(3)))
+        assert await first == receipt(0)
+        assert [await c for c in more] == [receipt(2), receipt(3)]
+
+    run(body, inflight=3, joining=Joining(window=1))
+
+
+def test_a_joined_request_refused_as_a_whole_is_sent_again_alone_and_joining_stops() -> None:
+    async def body(masters: FakeMasters, link: SharedPublishStream) -> None:
+        calls = [asyncio.create_task(link.publish(request(f"p{i}", 1), 5)) for i in range(4)]
+        await settle()
+        [call] = masters.calls
+        call.answer(receipt(0))
+        await settle()
+        assert len(parts_of(call.written[1])) == 3
+        call.answer(inline_error("INVALID_ARGUMENT", "4 parts exceed max_batch_events (2)"))
+        results = [await outcome(c) for c in calls]
+        assert results[0] == receipt(0)
+        for refused in results[1:]:
+            # Nothing of it was applied: the forwarder sends it again at once, alone.
+            assert isinstance(refused, SharedStreamError) and refused.code == "UNAVAILABLE"
+            assert not refused.forwarded and refused.collateral
+            assert "INVALID_ARGUMENT: 4 parts exceed max_batch_events (2)" in refused.details
+        assert not link.joining
+        again = [asyncio.create_task(link.publish(request(f"p{i}", 1), 5)) for i in range(1, 4)]
+        await settle()
+        assert call.written[2:] == [request(f"p{i}", 1) for i in range(1, 4)]
+        for offset in (1, 2, 3):
+            call.answer(receipt(offset))
+        assert [await c for c in again] == [receipt(i) for i in (1, 2, 3)]
+
+    run(body, joining=Joining(window=1))
+
+
+def test_a_joined_requests_whole_failure_that_is_not_definite_reaches_each_caller() -> None:
+    async def body(masters: FakeMasters, link: SharedPublishStream) -> None:
+        calls = [asyncio.create_task(link.publish(request(f"p{i}", 1), 5)) for i in range(3)]
+        await settle()
+        [call] = masters.calls
+        call.answer(receipt(0))
+        await settle()
+        redirect = {"squall-master-address": "127.0.0.1:2"}
+        call.answer(
+            broker_pb2.PublishResponse(
+                error=broker_pb2.PublishError(
+                    code="UNAVAILABLE", message="not the master", metadata=redirect
+                )
+            ).SerializeToString()
+        )
+        _, *redirected = [await outcome(c) for c in calls]
+        for result in redirected:
+            assert isinstance(result, SharedStreamError) and result.code == "UNAVAILABLE"
+            assert result.trailing == tuple(redirect.items()) and result.forwarded
+        assert link.joining
+
+    run(body, joining=Joining(window=1))
+
+
+def test_a_stream_ended_at_a_joined_request_fails_its_callers_as_it_and_waiting_ones_unsent() -> (
+    None
+):
+    async def body(masters: FakeMasters, link: SharedPublishStream) -> None:
+        calls = [asyncio.create_task(link.publish(request(f"p{i}", 1), 5)) for i in range(4)]
+        await settle()
+        [call] = masters.calls
+        call.answer(receipt(0))
+        await settle()
+        assert len(parts_of(call.written[1])) == 3
+        waiting = [asyncio.create_task(link.publish(request(f"p{i}", 1), 5)) for i in (4, 5)]
+        await settle()
+        call.end(grpc.StatusCode.UNKNOWN, "the master was deposed")
+        results = [await outcome(c) for c in calls[1:]]
+        for result in results:
+            # The deposed master may have stored some: each is sent again (deduplicated).
+            assert isinstance(result, SharedStreamError) and result.code == "UNKNOWN"
+            assert result.forwarded
+        for result in [await outcome(c) for c in waiting]:
+            assert isinstance(result, SharedStreamError) and result.code == "UNAVAILABLE"
+            assert not result.forwarded and "before this request was written" in result.details
+        assert link.joining
+
+    run(body, joining=Joining(window=1))
+
+
+def test_an_answer_with_the_wrong_parts_is_indeterminate_and_joining_stops() -> None:
+    async def body(masters: FakeMasters, link: SharedPublishStream) -> None:
+        calls = [asyncio.create_task(link.publish(request(f"p{i}", 1), 5)) for i in range(3)]
+        await settle()
+        [call] = masters.calls
+        call.answer(receipt(0))
+        await settle()
+        call.answer(joined_answer(receipt(1)))  # two parts sent, one answered
+        _, *results = [await outcome(c) for c in calls]
+        for result in results:
+            assert isinstance(result, SharedStreamError) and result.code == "UNKNOWN"
+            assert "may or may not have been applied" in result.details
+        assert not link.joining
+
+    run(body, joining=Joining(window=1))
+
+
+def test_the_master_moving_away_fails_waiting_callers_as_not_forwarded() -> None:
+    async def body(masters: FakeMasters, link: SharedPublishStream) -> None:
+        calls = [asyncio.create_task(link.publish(request(f"p{i}", 1), 5)) for i in range(3)]
+        await settle()
+        masters.moved.set()
+        written, *waiting = [await outcome(c) for c in calls]
+        assert isinstance(written, SharedStreamError) and written.forwarded
+        for result in waiting:
+            assert isinstance(result, SharedStreamError) and not result.forwarded
+        assert len(masters.calls[0].written) == 1
+
+    run(body, joining=Joining(window=1))
