@@ -578,15 +578,17 @@ class SharedPublishStream:
             code, details, trailing = "UNAVAILABLE", why, ()
         pending = list(stream.pending)
         stream.pending.clear()
-        if pending:
+        unsent = sum(not c.answer.done() for c in self._waiting) if waiting else 0
+        if pending or unsent:
             log.info(
                 "gateway: shared publish stream to %s ended with %s (%s); %d requests "
-                "unanswered, carrying %d publishes",
+                "unanswered, carrying %d publishes; %d publishes not yet written",
                 self.address,
                 code,
                 details,
                 len(pending),
                 sum(len(sent.callers) for sent in pending),
+                unsent,
             )
         definite = error is not None and classify(code, sent=True) == "definite"
         for index, sent in enumerate(pending):
