@@ -35,8 +35,9 @@ request carries all of them as one `PublishRequest.parts` (built without parsing
 caller's bytes are one part), which the master plans, stores and replicates as one write
 and answers with one answer per part. Each caller hears its part as if it were its own
 request's response, byte for byte, or its own refusal. Fewer, larger requests are what
-let many callers share the master's work (issue 16: 64 unary callers went from about
-0.8k to about 2.5k events/s; bench/README.md). A joined request the master fails as a
+let many callers share the master's work (issue 16: about twice the rate for 64 unary
+callers, the master's CPU per event a third; bench/README.md, "Joining apps' unary
+publishes at the gateway"). A joined request the master fails as a
 whole is heard by each of its callers as their own request would have been, except a
 definite refusal (which may be the joining's own: more parts than the master's limits
 allow): nothing of it was applied, each caller is sent again alone, and the link stops
