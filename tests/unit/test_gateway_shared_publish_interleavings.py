@@ -198,7 +198,7 @@ async def _run(seed: int) -> None:
         assert not hung, f"callers {hung} never heard"
         for index, task in run.tasks.items():
             _check(run, index, task)
-        assert link._slots._value == inflight, "a slot was never given back"  # noqa: SLF001
+        assert link._slots._value == inflight, "a slot was never given back"
     finally:
         await link.close()
 
