@@ -61,7 +61,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import grpc
@@ -138,6 +138,13 @@ def joining_for(max_batch_events: int, max_message_bytes: int) -> Joining:
         parts_max=max(1, min(JOIN_PARTS_MAX, max_batch_events)),
         bytes_max=max(0, min(JOIN_BYTES_MAX, max_message_bytes - 1024)),
     )
+
+
+def _fail(callers: Iterable[_Caller], error: Callable[[], SharedStreamError]) -> None:
+    """Fails every caller still waiting for its answer, each with an error of its own."""
+    for caller in callers:
+        if not caller.answer.done():
+            caller.answer.set_exception(error())
 
 
 def _varint(value: int) -> bytes:
@@ -436,15 +443,14 @@ class SharedPublishStream:
             # deduplicated publish survives by being sent again.
             if stream.pending and stream.pending[-1] is sent:
                 stream.pending.pop()
-            for caller in callers:
-                if not caller.answer.done():
-                    caller.answer.set_exception(
-                        SharedStreamError(
-                            "UNAVAILABLE",
-                            "the gateway's publish stream to the master ended while this "
-                            "request was being written; it may or may not have been applied",
-                        )
-                    )
+            _fail(
+                callers,
+                lambda: SharedStreamError(
+                    "UNAVAILABLE",
+                    "the gateway's publish stream to the master ended while this request "
+                    "was being written; it may or may not have been applied",
+                ),
+            )
         except (grpc.aio.UsageError, RuntimeError) as exc:
             self._end(stream, None, f"the request could not be written: {exc!r}", waiting=False)
 
@@ -499,15 +505,14 @@ class SharedPublishStream:
                 len(parsed.parts),
             )
             self._joining = None
-            for caller in sent.callers:
-                if not caller.answer.done():
-                    caller.answer.set_exception(
-                        SharedStreamError(
-                            "UNKNOWN",
-                            "the master's answer to the joined request that carried this "
-                            "publish did not match it; it may or may not have been applied",
-                        )
-                    )
+            _fail(
+                sent.callers,
+                lambda: SharedStreamError(
+                    "UNKNOWN",
+                    "the master's answer to the joined request that carried this publish "
+                    "did not match it; it may or may not have been applied",
+                ),
+            )
             return
         for caller, part in zip(sent.callers, parsed.parts, strict=True):
             if caller.answer.done():
@@ -533,21 +538,21 @@ class SharedPublishStream:
                 details,
             )
             self._joining = None
-        for caller in sent.callers:
-            if caller.answer.done():
-                continue
-            caller.answer.set_exception(
+        _fail(
+            sent.callers,
+            lambda: (
                 SharedStreamError(
                     "UNAVAILABLE",
                     f"the master refused the joined request that carried this publish as a "
-                    f"whole ({code}: {details}); nothing of it was applied, and it is sent "
-                    "again alone",
+                    f"whole ({code}: {details}); nothing of it was applied, and it is sent again "
+                    "alone",
                     forwarded=False,
                     collateral=True,
                 )
                 if definite
                 else SharedStreamError(code, details, trailing)
-            )
+            ),
+        )
 
     def _end(
         self,
@@ -599,36 +604,36 @@ class SharedPublishStream:
                 elif not sent.callers[0].answer.done():
                     sent.callers[0].answer.set_exception(SharedStreamError(code, details, trailing))
                 continue
-            for caller in sent.callers:
-                if caller.answer.done():
-                    continue
-                caller.answer.set_exception(
-                    SharedStreamError(
-                        "UNAVAILABLE",
-                        f"the gateway's shared publish stream to the master ended ({code}: "
-                        f"{details}) before this request was answered; it may or may not "
-                        "have been applied",
-                        collateral=definite,
-                    )
-                )
+            _fail(
+                sent.callers,
+                lambda: SharedStreamError(
+                    "UNAVAILABLE",
+                    f"the gateway's shared publish stream to the master ended ({code}: "
+                    f"{details}) before this request was answered; it may or may not have "
+                    "been applied",
+                    collateral=definite,
+                ),
+            )
         if waiting:
-            # Not written: nothing can have been applied. They go again through the
-            # forwarder, which finds the master they should go to now.
-            left = list(self._waiting)
-            self._waiting.clear()
-            for caller in left:
-                if not caller.answer.done():
-                    caller.answer.set_exception(
-                        SharedStreamError(
-                            "UNAVAILABLE",
-                            f"the gateway's shared publish stream to the master ended ({code}: "
-                            f"{details}) before this request was written",
-                            forwarded=False,
-                            collateral=definite,
-                        )
-                    )
+            # They go again through the forwarder, to the master it follows by then.
+            self._fail_waiting(
+                f"the gateway's shared publish stream to the master ended ({code}: {details}) "
+                "before this request was written",
+                collateral=definite,
+            )
         else:
             self._wake_joiner()
+
+    def _fail_waiting(self, details: str, *, collateral: bool = False) -> None:
+        """Fails the callers not written yet: nothing of theirs can have been applied."""
+        left = list(self._waiting)
+        self._waiting.clear()
+        _fail(
+            left,
+            lambda: SharedStreamError(
+                "UNAVAILABLE", details, forwarded=False, collateral=collateral
+            ),
+        )
 
     async def close(self) -> None:
         """Ends the stream (pending and waiting callers hear UNAVAILABLE) and waits for its
@@ -638,16 +643,7 @@ class SharedPublishStream:
         stream = self._stream
         if stream is not None:
             self._end(stream, None, "the gateway is stopping")
-        for caller in list(self._waiting):
-            if not caller.answer.done():
-                caller.answer.set_exception(
-                    SharedStreamError(
-                        "UNAVAILABLE",
-                        "the gateway is stopping; the request was not forwarded",
-                        forwarded=False,
-                    )
-                )
-        self._waiting.clear()
+        self._fail_waiting("the gateway is stopping; the request was not forwarded")
         tasks = [t for t in (self._joiner, stream.reader if stream else None) if t is not None]
         await asyncio.gather(*tasks, return_exceptions=True)
 

@@ -337,6 +337,19 @@ def joined_answer(*parts: bytes) -> bytes:
     ).SerializeToString()
 
 
+async def first_answered(
+    masters: FakeMasters, link: SharedPublishStream, callers: int
+) -> tuple[list[asyncio.Task[bytes]], FakeCall]:
+    """`callers` publish at once (p0, p1, ...) and the master answers the first request
+    (p0's, offset 0), so callers that waited go out joined: the calls and the stream."""
+    calls = [asyncio.create_task(link.publish(request(f"p{i}", 1), 5)) for i in range(callers)]
+    await settle()
+    [call] = masters.calls
+    call.answer(receipt(0))
+    await settle()
+    return calls, call
+
+
 def test_joined_request_is_the_callers_requests_as_parts_byte_for_byte() -> None:
     requests = [request("p1", 1), request("p2", 7), request("p3", 300)]
     parsed = broker_pb2.PublishRequest.FromString(joined_request(requests))
@@ -418,11 +431,7 @@ def test_joined_requests_keep_within_their_parts_and_bytes() -> None:
     run(body, joining=Joining(window=1, parts_max=3))
 
     async def by_bytes(masters: FakeMasters, link: SharedPublishStream) -> None:
-        calls = [asyncio.create_task(link.publish(request(f"p{i}", 1), 5)) for i in range(4)]
-        await settle()
-        [call] = masters.calls
-        call.answer(receipt(0))
-        await settle()
+        calls, call = await first_answered(masters, link, 4)
         # Two requests' bytes (and their parts' tags) fit, not three.
         assert len(parts_of(call.written[1])) == 2
         call.answer(joined_answer(receipt(1), receipt(2)))
@@ -458,11 +467,7 @@ def test_a_waiting_caller_out_of_time_was_not_forwarded_and_frees_its_slot() -> 
 
 def test_a_joined_request_refused_as_a_whole_is_sent_again_alone_and_joining_stops() -> None:
     async def body(masters: FakeMasters, link: SharedPublishStream) -> None:
-        calls = [asyncio.create_task(link.publish(request(f"p{i}", 1), 5)) for i in range(4)]
-        await settle()
-        [call] = masters.calls
-        call.answer(receipt(0))
-        await settle()
+        calls, call = await first_answered(masters, link, 4)
         assert len(parts_of(call.written[1])) == 3
         call.answer(inline_error("INVALID_ARGUMENT", "4 parts exceed max_batch_events (2)"))
         results = [await outcome(c) for c in calls]
@@ -485,11 +490,7 @@ def test_a_joined_request_refused_as_a_whole_is_sent_again_alone_and_joining_sto
 
 def test_a_joined_requests_whole_failure_that_is_not_definite_reaches_each_caller() -> None:
     async def body(masters: FakeMasters, link: SharedPublishStream) -> None:
-        calls = [asyncio.create_task(link.publish(request(f"p{i}", 1), 5)) for i in range(3)]
-        await settle()
-        [call] = masters.calls
-        call.answer(receipt(0))
-        await settle()
+        calls, call = await first_answered(masters, link, 3)
         redirect = {"squall-master-address": "127.0.0.1:2"}
         call.answer(
             broker_pb2.PublishResponse(
@@ -511,11 +512,7 @@ def test_a_stream_ended_at_a_joined_request_fails_its_callers_as_it_and_waiting_
     None
 ):
     async def body(masters: FakeMasters, link: SharedPublishStream) -> None:
-        calls = [asyncio.create_task(link.publish(request(f"p{i}", 1), 5)) for i in range(4)]
-        await settle()
-        [call] = masters.calls
-        call.answer(receipt(0))
-        await settle()
+        calls, call = await first_answered(masters, link, 4)
         assert len(parts_of(call.written[1])) == 3
         waiting = [asyncio.create_task(link.publish(request(f"p{i}", 1), 5)) for i in (4, 5)]
         await settle()
@@ -535,11 +532,7 @@ def test_a_stream_ended_at_a_joined_request_fails_its_callers_as_it_and_waiting_
 
 def test_an_answer_with_the_wrong_parts_is_indeterminate_and_joining_stops() -> None:
     async def body(masters: FakeMasters, link: SharedPublishStream) -> None:
-        calls = [asyncio.create_task(link.publish(request(f"p{i}", 1), 5)) for i in range(3)]
-        await settle()
-        [call] = masters.calls
-        call.answer(receipt(0))
-        await settle()
+        calls, call = await first_answered(masters, link, 3)
         call.answer(joined_answer(receipt(1)))  # two parts sent, one answered
         _, *results = [await outcome(c) for c in calls]
         for result in results:
