@@ -11,7 +11,8 @@ run. The record types:
               ``faults_skipped`` ({kind: why it was left out}), ``netns`` (bool: nodes
               in network namespaces), ``host_address``.
 ``invoke``    an operation starts: ``id`` (unique int), ``process`` (e.g. "pub-3"),
-              ``op`` ("publish"), ``path`` ("gateway" | "replicated" | "non_replicated"),
+              ``op`` ("publish"), ``path`` ("gateway" | "replicated" | "non_replicated" |
+              "gateway_unary"),
               ``topic``, ``publisher_id`` (str or null), ``events``: list of
               ``{"seq": int | null, "value": str}`` in publish order.
 ``complete``  an operation ends: ``id``, ``outcome`` ("ok" | "fail" | "indeterminate"),

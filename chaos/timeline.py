@@ -47,7 +47,12 @@ FAULT_COLOURS = {
     "slow_disk": "#bcbd22",
     "clock_jump": "#17becf",
 }
-PATH_COLOURS = {"gateway": "#1f77b4", "replicated": "#2ca02c", "non_replicated": "#ff7f0e"}
+PATH_COLOURS = {
+    "gateway": "#1f77b4",
+    "replicated": "#2ca02c",
+    "non_replicated": "#ff7f0e",
+    "gateway_unary": "#9467bd",
+}
 
 
 # A short run gets bins of at least this width; a long one about BINS_TARGET bins.

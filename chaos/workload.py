@@ -10,9 +10,13 @@ Publishers (``pub-N``) cycle through the ways an app can publish, so a run cover
  3     non_replicated      idempotent, through a non-replicated proxy
                            (GetNonReplicatedPublisher); a new proxy after each failure
  4     gateway             not idempotent: unary `Publish`, no publisher id, no sequence
+ 5     gateway_unary       idempotent unary `Publish` calls (publisher id + sequence), one
+                           event each, a batch's calls at once (each its own operation):
+                           the gateway carries them on its shared stream to the master,
+                           joined into one request when they meet
 =====  ==================  ===========================================================
 
-and again from 5. Each publish is one batch of 1..`batch_events_max` events whose values
+and again from 6. Each publish is one batch of 1..`batch_events_max` events whose values
 are unique strings naming the publisher and a counter ("pub-3:17"), recorded as an
 ``invoke`` and then one ``complete``: "ok" with the receipts' offsets, "fail" only when the
 library says the events were certainly not stored (a definite status, or nothing sent),
@@ -66,6 +70,7 @@ PUBLISHER_KINDS: tuple[tuple[str, bool], ...] = (
     ("replicated", True),
     ("non_replicated", True),
     ("gateway", False),
+    ("gateway_unary", True),
 )
 BACKOFF_INITIAL_S = 0.05
 BACKOFF_MAX_S = 1.0
@@ -262,7 +267,7 @@ class Workload:
         history: HistoryWriter,
         seed: int,
         topics: list[str],
-        publishers: int = 4,
+        publishers: int = 5,
         subscribers: int = 2,
         push_subscribers: int = 1,
         *,
@@ -321,11 +326,12 @@ class Workload:
         await _in_thread(self._create_topics, self._start_timeout_s + CLOSE_WAIT_S)
         for i in range(1, self._publishers + 1):
             path, idempotent = PUBLISHER_KINDS[(i - 1) % len(PUBLISHER_KINDS)]
-            worker = _Worker(
-                f"pub-{i}",
-                functools.partial(self._publish_loop, i, path, idempotent),
-                self._stopping,
+            loop = (
+                functools.partial(self._unary_calls_loop, i)
+                if path == "gateway_unary"
+                else functools.partial(self._publish_loop, i, path, idempotent)
             )
+            worker = _Worker(f"pub-{i}", loop, self._stopping)
             self._publisher_workers.append(worker)
         for i in range(1, self._subscribers + 1):
             for topic in self.topics:
@@ -526,6 +532,98 @@ class Workload:
             )
         receipts = response.receipts
         return [int(r.offset) for r in receipts], [i for i, r in enumerate(receipts) if r.duplicate]
+
+    def _unary_calls_loop(self, index: int) -> None:
+        """Idempotent unary publishes through the gateway, a batch's events each its own
+        call and operation, all at once; an event whose call was indeterminate is sent
+        again with its sequence (a new operation) until it is answered."""
+        process = f"pub-{index}"
+        topic_name = self.topics[(index - 1) % len(self.topics)]
+        rng = random.Random(f"{self.seed}/{process}")
+        publisher_id = f"chaos-{self.seed}-{process}"
+        gateways = self._gateways_for(index - 1)
+        counter = 0
+        again: list[tuple[int, str]] = []
+        failures = 0
+        with concurrent.futures.ThreadPoolExecutor(
+            self._batch_events_max, thread_name_prefix=f"{process}-call"
+        ) as calls:
+            # Bounded by the stop event: each pass publishes once or backs off.
+            while not self._stop_publishing.is_set():
+                if again:
+                    events, again = again, []
+                else:
+                    count = rng.randint(1, self._batch_events_max)
+                    events = [
+                        (counter + i + 1, f"{process}:{counter + i + 1}") for i in range(count)
+                    ]
+                    counter += count
+                try:
+                    stub = broker_pb2_grpc.PublisherStub(gateways.client().channel)
+                except (squall.SquallError, grpc.RpcError, ValueError) as exc:
+                    failures += 1
+                    log.debug("%s: no client: %s", process, _describe(exc))
+                    again = events
+                    gateways.rotate()
+                    self._backoff(rng, failures)
+                    continue
+                started = [
+                    (
+                        seq,
+                        value,
+                        self._recorder.invoke(
+                            process=process,
+                            op="publish",
+                            path="gateway_unary",
+                            topic=topic_name,
+                            publisher_id=publisher_id,
+                            events=[{"seq": seq, "value": value}],
+                        ),
+                        calls.submit(self._unary_call, stub, topic_name, publisher_id, seq, value),
+                    )
+                    for seq, value in events
+                ]
+                failed = False
+                for seq, value, op_id, call in started:
+                    try:
+                        # Bounded: the call has the call timeout; this allows for the
+                        # thread's start.
+                        pb = call.result(self._call_timeout_s + CLOSE_WAIT_S)
+                    except Exception as exc:
+                        outcome = classify_publish_error(exc)
+                        self._recorder.complete(op_id, outcome, _describe(exc))
+                        if outcome == "indeterminate":
+                            again.append((seq, value))
+                        failed = True
+                        continue
+                    if pb.duplicate:
+                        self._recorder.complete(op_id, "ok", offsets=[pb.offset], duplicates=[0])
+                    else:
+                        self._recorder.complete(op_id, "ok", offsets=[pb.offset])
+                if failed:
+                    failures += 1
+                    gateways.rotate()
+                    self._backoff(rng, failures)
+                    continue
+                failures = 0
+                if self._pause_s_max:
+                    self._stop_publishing.wait(rng.uniform(0, self._pause_s_max))
+
+    def _unary_call(
+        self,
+        stub: broker_pb2_grpc.PublisherStub,
+        topic: str,
+        publisher_id: str,
+        seq: int,
+        value: str,
+    ) -> Any:
+        """One event's unary `Publish` with its publisher id and sequence: its receipt."""
+        request = broker_pb2.PublishRequest(topic=topic, publisher_id=publisher_id)
+        request.events.add(payload=value.encode(), sequence=seq)
+        response = stub.Publish(request, timeout=self._call_timeout_s)
+        if len(response.receipts) != 1:
+            raise RuntimeError(f"{len(response.receipts)} receipts for one event")
+        return response.receipts[0]
 
     def _backoff(self, rng: random.Random, failures: int) -> None:
         ceiling = min(BACKOFF_MAX_S, BACKOFF_INITIAL_S * 2 ** min(failures - 1, 10))

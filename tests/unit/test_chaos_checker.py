@@ -272,6 +272,23 @@ def test_a_subscriber_seeing_a_publishers_events_out_of_order_fails_order() -> N
     )
 
 
+def test_an_event_sent_again_is_ordered_from_its_first_send() -> None:
+    # gateway_unary: a batch's calls run at once, each its own operation. The call of
+    # pub-5:1 was indeterminate but stored; its neighbour pub-5:2 was acknowledged, and
+    # only then was pub-5:1 sent again (acknowledged as stored, before pub-5:2).
+    run = _Run()
+    pid = "chaos-7-pub-5"
+    unary = {"path": "gateway_unary", "publisher_id": pid}
+    run.publish(1.0, "pub-5", ["pub-5:1"], "indeterminate", stored=True, **unary)  # type: ignore[arg-type]
+    run.publish(1.01, "pub-5", ["pub-5:2"], first_seq=2, **unary)  # type: ignore[arg-type]
+    run.publish(1.2, "pub-5", ["pub-5:1"], **unary)  # type: ignore[arg-type]
+    run.publish(1.5, "pub-5", ["pub-5:3"], first_seq=3, **unary)  # type: ignore[arg-type]
+    run.final(9.0)
+    report = check_records(run.records)
+    assert report.ok, report.describe()
+    assert "order ok" in report.result("order").headline
+
+
 def test_a_redelivered_earlier_event_is_not_a_reorder() -> None:
     run = _clean()
     run.final(9.0)

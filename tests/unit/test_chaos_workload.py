@@ -145,9 +145,10 @@ def test_against_a_hung_cluster_every_publish_is_indeterminate_and_stop_returns(
 
         async def scenario() -> None:
             await workload.start()
-            # Every publisher (gateway, both proxies, plain) has finished a publish.
+            # Every publisher (gateway, both proxies, plain, unary calls) has finished a
+            # publish.
             deadline = asyncio.get_running_loop().time() + 20
-            while len(_publish_processes(path)) < 4:
+            while len(_publish_processes(path)) < 5:
                 assert asyncio.get_running_loop().time() < deadline, "publishers never started"
                 await asyncio.sleep(0.05)
             # Bounded: if stop() hung on the silent cluster this fails instead of waiting.
@@ -234,7 +235,7 @@ def test_duplicate_receipts_are_recorded_and_one_pointing_at_nothing_is_a_findin
             async def scenario() -> None:
                 await workload.start()
                 deadline = asyncio.get_running_loop().time() + 20
-                while len(_publish_processes(path)) < 4:
+                while len(_publish_processes(path)) < 5:
                     assert asyncio.get_running_loop().time() < deadline, "no publishes"
                     await asyncio.sleep(0.05)
                 await asyncio.wait_for(workload.stop(drain_timeout_s=1.0), HANG_S_MAX)
@@ -249,7 +250,12 @@ def test_duplicate_receipts_are_recorded_and_one_pointing_at_nothing_is_a_findin
     records = read_history(path)
     invokes = {r["id"]: r for r in records if r["type"] == "invoke"}
     oks = [r for r in records if r["type"] == "complete" and r["outcome"] == "ok"]
-    assert {invokes[r["id"]]["path"] for r in oks} >= {"gateway", "replicated", "non_replicated"}
+    assert {invokes[r["id"]]["path"] for r in oks} >= {
+        "gateway",
+        "replicated",
+        "non_replicated",
+        "gateway_unary",
+    }
     for complete in oks:
         events = invokes[complete["id"]]["events"]
         assert complete["duplicates"] == list(range(len(events))), complete
