@@ -72,6 +72,12 @@ _DETAIL_CHARS_MAX = 200
 _STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 # A DeliverStream refused before answering anything with these: Deliver from then on.
 _STREAM_REFUSED = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+# A refused stream is tried again after this long (loop time), Deliver meanwhile: a
+# refusal for want of a thread (RESOURCE_EXHAUSTED: the threaded PushEndpoint holds one
+# per open stream) passes once the endpoint's other streams end, and may reach us as
+# INTERNAL (grpc/grpc#36066: the status lost to our write in flight). For an app that
+# serves Deliver alone it costs one refused stream per interval.
+_STREAM_RETRY_S = 30.0
 
 _WorkerKey = tuple[str, str, int]  # topic, subscriber id, LSN of its subscribe
 
@@ -203,6 +209,8 @@ class _Worker:
         self._stream_answered = False  # the current stream answered a request
         self._stream_refused = False  # this batch's stream failed unanswered (see _offer)
         self._streams_served = True
+        # When a refused stream is tried again (loop time).
+        self._streams_retry_at = 0.0
         self.task = asyncio.get_running_loop().create_task(
             self._run(), name=f"push-{subscriber.topic}-{subscriber.subscriber_id}"
         )
@@ -382,6 +390,11 @@ class _Worker:
         )
         code, detail = "CANCELLED", "the delivery was cancelled (the role went)"
         try:
+            if (
+                not self._streams_served
+                and asyncio.get_running_loop().time() >= self._streams_retry_at
+            ):
+                self._streams_served = True
             # A traced delivery's context goes in its call's metadata: a call of its own.
             offered = (
                 await self._offer_on_stream(request)
@@ -396,10 +409,10 @@ class _Worker:
                     metadata=with_context(None, span) if span is not None else None,
                 )
                 offered = "OK", ""
-                if self._stream_refused:
+                if self._stream_refused and self._streams_served:
                     # Reachable, but its stream failed unanswered (an interceptor that
-                    # knows Deliver alone, say): Deliver from then on.
-                    self._streams_served = False
+                    # knows Deliver alone, say, or a refusal whose status was lost).
+                    self._refuse_streams("it failed before answering")
             code, detail = offered
         except grpc.aio.AioRpcError as exc:
             code, detail = exc.code().name, _detail(exc)
@@ -435,7 +448,7 @@ class _Worker:
             self._drop_stream()
             if not self._stream_answered and exc.code() in _STREAM_REFUSED:
                 # No stream here (an app serving Deliver alone, or no thread to spare).
-                self._streams_served = False
+                self._refuse_streams(f"{exc.code().name}: {_detail(exc)}")
             # Any other failure before an answer, unless the endpoint was away: refused,
             # if Deliver then gets through.
             self._stream_refused = (
@@ -454,6 +467,19 @@ class _Worker:
         self._stream_answered = True
         detail = " ".join(result.details.split())[:_DETAIL_CHARS_MAX]
         return _STATUS_NAMES.get(result.code, "UNKNOWN"), detail
+
+    def _refuse_streams(self, why: str) -> None:
+        """Deliver calls until the stream is tried again (`_STREAM_RETRY_S`)."""
+        self._streams_served = False
+        self._streams_retry_at = asyncio.get_running_loop().time() + _STREAM_RETRY_S
+        log.info(
+            "replica %s: %s: the endpoint refused a delivery stream (%s); delivering by "
+            "Deliver calls, the stream tried again in %g s",
+            self._node.node.id,
+            self._where,
+            why,
+            _STREAM_RETRY_S,
+        )
 
     def _drop_stream(self) -> None:
         if self._stream is not None:

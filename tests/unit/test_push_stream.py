@@ -4,9 +4,10 @@ Goals: with tracing off, the master delivers one batch after another on one stre
 subscriber (a message on an open stream, where a call per batch pays gRPC's call set-up
 on both sides: bench/README.md, *Push delivery on a stream*); an app that serves
 `Deliver` alone still gets every event (the stream is tried once, refused, and not
-again); a stream delivery past `push_deliver_timeout_ms` is a failed delivery
-like a Deliver past its deadline, and the retry goes on a new stream; a failed result on
-the stream counts as the same status from Deliver would.
+again for a while), and a stream refused for want of a thread is back after that while; a stream
+delivery past `push_deliver_timeout_ms` is a failed delivery like a Deliver past its
+deadline, and the retry goes on a new stream; a failed result on the stream counts as
+the same status from Deliver would.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import pytest
 
 import squall
 from squall.v1 import push_pb2, push_pb2_grpc
+from squall_server.replica import push
 from tests.observability_harness import WAIT_S, InProcess, cluster_config
 
 
@@ -32,9 +34,12 @@ class _App(push_pb2_grpc.PushSubscriberServicer):
     DeliverStream fails at once with that code (UNIMPLEMENTED: as a servicer without it
     does; PERMISSION_DENIED: as an interceptor that knows Deliver alone might)."""
 
-    def __init__(self, refuse: grpc.StatusCode | None = None, fail_first: str = "") -> None:
+    def __init__(
+        self, refuse: grpc.StatusCode | None = None, fail_first: str = "", refusals: int = -1
+    ) -> None:
         self.lock = threading.Lock()
         self.refuse = refuse
+        self.refusals = refusals  # streams refused before one is served (-1: all)
         self.streams_opened = 0
         self.on_stream: list[tuple[int, int]] = []  # (first offset, attempt)
         self.by_deliver: list[tuple[int, int]] = []
@@ -57,7 +62,11 @@ class _App(push_pb2_grpc.PushSubscriberServicer):
     ) -> Iterator[push_pb2.PushDeliverResult]:
         with self.lock:
             self.streams_opened += 1
-        if self.refuse is not None:
+            refused = self.refuse is not None and (
+                self.refusals < 0 or self.streams_opened <= self.refusals
+            )
+        if refused:
+            assert self.refuse is not None
             context.abort(self.refuse, "not here")
         for request in request_iterator:
             with self.lock:
@@ -148,9 +157,40 @@ def test_an_app_serving_deliver_alone_gets_every_event(
             cluster, endpoint, 4, lambda: len(app.by_deliver)
         ),
     )
-    assert app.streams_opened == 1  # refused once: Deliver from then on
+    assert app.streams_opened == 1  # refused once: Deliver for _STREAM_RETRY_S (30 s)
     assert app.by_deliver == [(0, 0), (1, 0), (2, 0), (3, 0)]
     assert app.on_stream == []
+
+
+def test_a_stream_refused_for_want_of_a_thread_is_tried_again_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The threaded PushEndpoint refuses a stream when its threads are all taken
+    # (RESOURCE_EXHAUSTED); they free up, so the master tries a stream again after a while
+    # (Deliver meanwhile).
+    monkeypatch.setattr(push, "_STREAM_RETRY_S", 0.5)
+    app = _App(refuse=grpc.StatusCode.RESOURCE_EXHAUSTED, refusals=1)
+
+    def scenario(cluster: InProcess, endpoint: str) -> None:
+        with squall.connect(cluster.gateway_address) as client:
+            client.create_topic("orders")
+            topic = client.topic("orders")
+            topic.subscribe_push("app-1", endpoint, reliability="ordered")
+            with topic.publisher() as publisher:
+                for index in range(6):
+                    if index == 3:
+                        time.sleep(0.8)  # past the retry interval
+                    publisher.publish(b"event %d" % index)
+                    deadline = time.monotonic() + WAIT_S
+                    while len(app.by_deliver) + len(app.on_stream) <= index:
+                        assert time.monotonic() < deadline, f"event {index} not delivered"
+                        time.sleep(0.01)
+
+    _run(tmp_path, app, scenario)
+    # Refused once: Deliver until the interval passed, then one stream for the rest.
+    assert app.by_deliver == [(0, 0), (1, 0), (2, 0)]
+    assert app.on_stream == [(3, 0), (4, 0), (5, 0)]
+    assert app.streams_opened == 2
 
 
 def test_a_stream_delivery_past_the_deadline_fails_and_is_retried_on_a_new_stream(
