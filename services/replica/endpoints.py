@@ -231,3 +231,6 @@ class DeliveryEndpoint(MasterWorkEndpoint, CommittedLog, Traced, Protocol):
 
     @property
     def transient(self) -> TransientTopics: ...
+
+    @property
+    def clock(self) -> Clock: ...

@@ -72,7 +72,7 @@ _DETAIL_CHARS_MAX = 200
 _STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 # A DeliverStream refused before answering anything with these: Deliver from then on.
 _STREAM_REFUSED = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED)
-# A refused stream is tried again after this long (loop time), Deliver meanwhile: a
+# A refused stream is tried again after this long, Deliver meanwhile: a
 # refusal for want of a thread (RESOURCE_EXHAUSTED: the threaded PushEndpoint holds one
 # per open stream) passes once the endpoint's other streams end, and may reach us as
 # INTERNAL (grpc/grpc#36066: the status lost to our write in flight). For an app that
@@ -209,8 +209,8 @@ class _Worker:
         self._stream_answered = False  # the current stream answered a request
         self._stream_refused = False  # this batch's stream failed unanswered (see _offer)
         self._streams_served = True
-        # When a refused stream is tried again (loop time).
-        self._streams_retry_at = 0.0
+        # When a refused stream is tried again (the node's monotonic clock, ms).
+        self._streams_retry_ms = 0
         self.task = asyncio.get_running_loop().create_task(
             self._run(), name=f"push-{subscriber.topic}-{subscriber.subscriber_id}"
         )
@@ -390,10 +390,7 @@ class _Worker:
         )
         code, detail = "CANCELLED", "the delivery was cancelled (the role went)"
         try:
-            if (
-                not self._streams_served
-                and asyncio.get_running_loop().time() >= self._streams_retry_at
-            ):
+            if not self._streams_served and node.clock.monotonic_ms() >= self._streams_retry_ms:
                 self._streams_served = True
             # A traced delivery's context goes in its call's metadata: a call of its own.
             offered = (
@@ -471,7 +468,7 @@ class _Worker:
     def _refuse_streams(self, why: str) -> None:
         """Deliver calls until the stream is tried again (`_STREAM_RETRY_S`)."""
         self._streams_served = False
-        self._streams_retry_at = asyncio.get_running_loop().time() + _STREAM_RETRY_S
+        self._streams_retry_ms = self._node.clock.monotonic_ms() + int(_STREAM_RETRY_S * 1000)
         log.info(
             "replica %s: %s: the endpoint refused a delivery stream (%s); delivering by "
             "Deliver calls, the stream tried again in %g s",
