@@ -82,7 +82,7 @@ _Metadata = tuple[tuple[str, str | bytes], ...]
 # requests cost less CPU per event on every hop, and a lone call is never held.
 JOIN_WINDOW = 2
 # Most parts and bytes in one joined request: within the master's max_batch_events and
-# message limits (SharedPublishStreams lowers them to the configured ones).
+# message limits (`joining_for` lowers them to the configured ones).
 JOIN_PARTS_MAX = 1024
 JOIN_BYTES_MAX = 4 * 1024 * 1024
 

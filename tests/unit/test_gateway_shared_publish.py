@@ -27,6 +27,7 @@ from squall_server.gateway.shared_publish import (
     SharedPublishStream,
     SharedStreamError,
     joined_request,
+    joining_for,
 )
 
 ADDRESS = "127.0.0.1:1"
@@ -365,6 +366,14 @@ def test_joined_request_is_the_callers_requests_as_parts_byte_for_byte() -> None
         big,
         requests[0],
     ]
+
+
+def test_joining_keeps_within_the_configured_limits() -> None:
+    # A master refuses more parts than max_batch_events, and a message over its limit.
+    small = joining_for(max_batch_events=100, max_message_bytes=1024 * 1024)
+    assert (small.parts_max, small.bytes_max) == (100, 1024 * 1024 - 1024)
+    default = joining_for(max_batch_events=10_000, max_message_bytes=32 * 1024 * 1024)
+    assert (default.parts_max, default.bytes_max) == (1024, 4 * 1024 * 1024)
 
 
 def test_callers_beyond_the_window_wait_and_go_as_one_joined_request() -> None:
