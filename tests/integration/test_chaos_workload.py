@@ -110,7 +110,7 @@ def test_the_workload_across_a_master_kill_passes_the_checker(
             history,
             SEED,
             TOPICS,
-            publishers=4,
+            publishers=5,
             subscribers=2,
             push_subscribers=1,
         )
@@ -176,7 +176,7 @@ def test_the_workload_across_a_master_kill_passes_the_checker(
     assert report.ok, report.describe()
     records = read_history(path)
     paths = {r["path"] for r in records if r["type"] == "invoke" and r.get("op") == "publish"}
-    assert paths == {"gateway", "replicated", "non_replicated"}
+    assert paths == {"gateway", "replicated", "non_replicated", "gateway_unary"}
     modes = {r["mode"] for r in records if r["type"] == "deliver"}
     assert modes == {"stream", "push"}
     assert report.counts["acked_events"] >= 80
