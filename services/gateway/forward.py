@@ -10,9 +10,9 @@ bounded, while there is none) or to the master a slave's redirect names; an inde
 attempt is retried only when the call is safe to repeat; retrying is bounded by the
 [retry] section and by the caller's deadline. A deduplicated `Publish` (publisher id and a
 sequence on every event) is not a call of its own to the master: each attempt is one
-request on the stream the gateway keeps open to that master and shares between callers
-(`squall_server.gateway.shared_publish`), which spares the master and the gateway a call's
-setup per event. Streams are forwarded once and not retried: the client library retries
+request on the stream the gateway keeps open to that master and shares between callers,
+joined with theirs when they wait (`squall_server.gateway.shared_publish`), which spares
+the master and the gateway a call's setup per event and the master a write per call. Streams are forwarded once and not retried: the client library retries
 them on a fresh stream.
 
 With tracing on, each forwarded call gets a ``gateway.forward`` span (the master, its

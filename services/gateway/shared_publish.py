@@ -4,9 +4,9 @@ A unary `Publish` forwarded as a unary call pays a new HTTP/2 stream and a new s
 call on the master for every event. The gateway instead writes each deduplicated unary
 publish (publisher id and a sequence on every event: `retry.publish_deduplicated`) as one
 request of a `PublishStream` it keeps open to the master, shared by every caller with the
-same forwarded credentials, and hands each caller the response that answers its request
-(the master answers a stream's requests in order, so the n-th response answers the n-th
-request written).
+same forwarded credentials (joined with other callers' when they wait: "Joining" below),
+and hands each caller the response that answers its request (the master answers a
+stream's requests in order, so the n-th response answers the n-th request written).
 
 What a caller can hear (`SharedStreamError`, read like a forwarded call's status by
 `squall_server.gateway.forward`, which retries under the same rules):
