@@ -12,8 +12,9 @@ attempt is retried only when the call is safe to repeat; retrying is bounded by 
 sequence on every event) is not a call of its own to the master: each attempt is one
 request on the stream the gateway keeps open to that master and shares between callers,
 joined with theirs when they wait (`squall_server.gateway.shared_publish`), which spares
-the master and the gateway a call's setup per event and the master a write per call. Streams are forwarded once and not retried: the client library retries
-them on a fresh stream.
+the master and the gateway a call's setup per event and the master a write per call.
+Streams are forwarded once and not retried: the client library retries them on a fresh
+stream.
 
 With tracing on, each forwarded call gets a ``gateway.forward`` span (the master, its
 epoch, the attempts and the status answered) between the call's server span and the
