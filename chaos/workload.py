@@ -58,7 +58,7 @@ import grpc
 
 import squall
 from chaos.history import HistoryWriter
-from squall.v1 import broker_pb2, broker_pb2_grpc
+from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2
 
 log = logging.getLogger("chaos.workload")
 
@@ -616,7 +616,7 @@ class Workload:
         publisher_id: str,
         seq: int,
         value: str,
-    ) -> Any:
+    ) -> common_pb2.AckReceipt:
         """One event's unary `Publish` with its publisher id and sequence: its receipt."""
         request = broker_pb2.PublishRequest(topic=topic, publisher_id=publisher_id)
         request.events.add(payload=value.encode(), sequence=seq)

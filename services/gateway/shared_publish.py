@@ -196,7 +196,11 @@ class _Sent:
     """One request written to the stream: one caller's, or several callers' joined."""
 
     callers: list[_Caller]
-    joined: bool
+
+    @property
+    def joined(self) -> bool:
+        """Carried as `parts` (several callers' requests), not as one caller's bytes."""
+        return len(self.callers) > 1
 
 
 @dataclass
@@ -421,13 +425,12 @@ class SharedPublishStream:
     async def _write(self, callers: list[_Caller]) -> None:
         """Queues the request's answers and writes it, in one order for both (lock held)."""
         stream = self._open()
-        joined = len(callers) > 1
-        sent = _Sent(callers, joined)
+        sent = _Sent(callers)
         stream.pending.append(sent)
         self.requests += 1
-        if joined:
+        if sent.joined:
             self.joined += len(callers)
-        data = joined_request([c.request for c in callers]) if joined else callers[0].request
+        data = joined_request([c.request for c in callers]) if sent.joined else callers[0].request
         try:
             await stream.call.write(data)
         except asyncio.CancelledError:
@@ -491,10 +494,8 @@ class SharedPublishStream:
         """Splits a joined request's answer: each caller hears its part, as its own."""
         parsed = broker_pb2.PublishResponse.FromString(response)
         if parsed.HasField("error"):
-            error = parsed.error
-            self._fail_joined(
-                sent, error.code or "UNKNOWN", error.message, tuple(error.metadata.items())
-            )
+            whole = _answered_error(parsed.error)
+            self._fail_joined(sent, whole.code, whole.details, whole.trailing)
             return
         if len(parsed.parts) != len(sent.callers):
             log.error(
@@ -700,10 +701,6 @@ class SharedPublishStreams:
     def opened(self) -> int:
         """Streams opened by every link so far."""
         return sum(link.opened for link in self._links.values())
-
-    @property
-    def links(self) -> list[SharedPublishStream]:
-        return list(self._links.values())
 
     async def close(self) -> None:
         """Ends every link's stream."""
