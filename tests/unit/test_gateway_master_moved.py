@@ -15,12 +15,12 @@ the tracker as its coordinator watches would.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 
+from deploy import processes
 from squall import classify_code
 from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2, coordinator_pb2
 from squall_server.common.config import ClusterConfig, parse_config
@@ -30,23 +30,19 @@ from squall_server.gateway.master import MasterTracker
 _WAIT_S = 30.0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _config(tmp_path: Path, hung_address: str) -> ClusterConfig:
+    # Distinct ports, none the hung replica's: a config naming one address twice is refused.
+    hung_port = int(hung_address.rpartition(":")[2])
+    ports = iter([p for p in processes.free_ports(7) if p != hung_port][:6])
     text = '[cluster]\nname = "t"\n'
     for i in (1, 2, 3):
-        replica = hung_address if i == 1 else f"127.0.0.1:{_free_port()}"
+        replica = hung_address if i == 1 else f"127.0.0.1:{next(ports)}"
         text += (
             f'\n[[nodes]]\nid = "n{i}"\npriority = {4 - i}\n'
-            f'coordinator_address = "127.0.0.1:{_free_port()}"\n'
+            f'coordinator_address = "127.0.0.1:{next(ports)}"\n'
             f'replica_address = "{replica}"\ndata_dir = "n{i}"\n'
         )
-    text += f'\n[[gateways]]\nid = "g1"\naddress = "127.0.0.1:{_free_port()}"\n'
+    text += f'\n[[gateways]]\nid = "g1"\naddress = "127.0.0.1:{next(ports)}"\n'
     return parse_config(text, tmp_path / "cluster.toml")
 
 
@@ -80,7 +76,7 @@ def test_a_forwarded_publish_stream_ends_when_the_views_name_a_new_master(
         hung = _HungMaster()
         replica_server = grpc.aio.server()
         broker_pb2_grpc.add_PublisherServicer_to_server(hung, replica_server)
-        hung_address = f"127.0.0.1:{_free_port()}"
+        hung_address = f"127.0.0.1:{processes.free_port()}"
         replica_server.add_insecure_port(hung_address)
         await replica_server.start()
         config = _config(tmp_path, hung_address)
@@ -88,7 +84,7 @@ def test_a_forwarded_publish_stream_ends_when_the_views_name_a_new_master(
         masters._observe("n1", _view("n1", 1, "n1"))
         gateway_server = grpc.aio.server()
         gateway_server.add_generic_rpc_handlers(Forwarder(masters, 5.0).handlers())
-        gateway_address = f"127.0.0.1:{_free_port()}"
+        gateway_address = config.gateways[0].address
         gateway_server.add_insecure_port(gateway_address)
         await gateway_server.start()
         channel = grpc.aio.insecure_channel(gateway_address)
@@ -156,7 +152,7 @@ def test_a_read_spread_to_a_slave_is_released_when_the_slave_leaves_the_group(
     master) and answer with the master once the views leave the slave out."""
 
     async def scenario() -> None:
-        config = _config(tmp_path, f"127.0.0.1:{_free_port()}")
+        config = _config(tmp_path, f"127.0.0.1:{processes.free_port()}")
         masters = MasterTracker(config, "g1")
         try:
             masters._observe("n1", _view_with("n1", 3, "n1", ("n1", "n2", "n3")))
