@@ -349,6 +349,8 @@ class BatchBuilder:
         # Links made (the op) or removed (None) earlier in the batch: (from, to, to
         # cluster) -> link.
         self._links: dict[tuple[str, str, str], replica_pb2.LinkTopicOp | None] = {}
+        # Between begin_joined and end_joined: the one entry the publishes planned go into.
+        self._joined: replica_pb2.Operation | None = None
 
     def add(self, command: Command) -> Planned:
         """Plans one command; raises ServiceError (and changes nothing) if it is refused."""
@@ -383,6 +385,23 @@ class BatchBuilder:
         if isinstance(command, PublishParts):
             raise InvariantError("a joined request's parts are planned one by one")
         return self._start_epoch(command)
+
+    def begin_joined(self) -> None:
+        """Publishes planned from here to ``end_joined`` (a joined request's parts, each
+        deduplicated and refused alone) go into one ``PublishPartsOp`` entry; nothing
+        else may be planned meanwhile. Each one's plan names that entry."""
+        if self._joined is not None:
+            raise InvariantError("a joined entry is already being planned")
+        self._joined = replica_pb2.Operation()
+
+    def end_joined(self) -> None:
+        """Emits the joined entry begun by ``begin_joined`` (none when no part has an
+        event to store: every one refused, or made only of duplicates)."""
+        operation, self._joined = self._joined, None
+        if operation is None:
+            raise InvariantError("no joined entry is being planned")
+        if operation.publish_parts.parts:
+            self._emit(operation)
 
     # --- reads through the batch's overlay
 
@@ -544,15 +563,21 @@ class BatchBuilder:
             return Planned(None, receipt=receipt)
         # Filled in place: Operation(publish=op) would copy every event once more, and a
         # batch of large events is planned on the event loop (issue 14: it must not stall).
-        operation = replica_pb2.Operation()
-        op = operation.publish
+        operation = self._joined
+        if operation is None:
+            operation = replica_pb2.Operation()
+            op = operation.publish
+        else:
+            op = operation.publish_parts.parts.add()
         op.topic = request.topic
         op.first_offset = offset
         op.publisher_id = publisher_id
         op.session_token = request.session_token
         op.timestamp_ms = self._now_ms
         op.events.extend(events if new_events is None else new_events)
-        index = self._emit(operation)
+        # A joined entry is emitted at end_joined, next in the batch: nothing else is
+        # planned before it.
+        index = self._emit(operation) if self._joined is None else len(self.entries)
         self._topics[request.topic] = _with_next_offset(topic, offset + count)
         if new_sequences:
             self._sequences.update(

@@ -15,6 +15,7 @@ import logging
 
 from squall.v1 import common_pb2, replica_pb2
 from squall_server.replica.store import Store
+from squall_server.replica.store.records import publishes
 from squall_server.replica.visibility import CommitGate
 
 log = logging.getLogger("squall.replica")
@@ -27,9 +28,8 @@ _READ_STEP_EVENTS = 1000
 
 def track(gate: CommitGate, entry: replica_pb2.LogEntry) -> None:
     """Tracks an entry's publish (if it is one) in gate."""
-    operation = replica_pb2.Operation.FromString(entry.operation)
-    if operation.WhichOneof("op") == "publish":
-        gate.appended(entry.lsn, operation.publish.topic, operation.publish.first_offset)
+    for publish in publishes(replica_pb2.Operation.FromString(entry.operation)):
+        gate.appended(entry.lsn, publish.topic, publish.first_offset)
 
 
 def gate_from_store(store: Store) -> CommitGate:

@@ -663,6 +663,7 @@ class ReplicaDriver:
             last_lsn=position.last_lsn,
             history=[replica_pb2.EpochBoundary(epoch=e, start_lsn=s) for e, s in position.history],
             log_start_lsn=self.store.log_start_lsn(),
+            reads_joined_publishes=True,
         )
 
     def stream_follower(self, stream: int) -> Follower:
@@ -932,10 +933,18 @@ class ReplicaDriver:
     # --- the master's writer: one group-commit batch at a time (commit lock held)
 
     def plan_batch(
-        self, batch: Sequence[Command], *, limits: LimitsConfig, epoch: int, now_ms: int
+        self,
+        batch: Sequence[Command],
+        *,
+        limits: LimitsConfig,
+        epoch: int,
+        now_ms: int,
+        join_parts: bool = False,
     ) -> PlannedBatch:
         """Plans the commands on top of the store's state (``BatchBuilder``); publishes
-        are hidden from committed reads until their entries commit."""
+        are hidden from committed reads until their entries commit. ``join_parts``: a
+        joined request's parts are stored as one entry (every slave reads
+        ``PublishPartsOp``), else as one entry each."""
         first_lsn = self.core.log.last_lsn + 1
         builder = BatchBuilder(
             self.store,
@@ -948,7 +957,7 @@ class ReplicaDriver:
         out = PlannedBatch(builder.entries)
         for index, command in enumerate(batch):
             if isinstance(command, commands.PublishParts):
-                plan = self._plan_parts(builder, command, out.faults, first_lsn)
+                plan = self._plan_parts(builder, command, out.faults, first_lsn, join_parts)
             else:
                 planned = self._plan_one(builder, command, out.faults, first_lsn)
                 if isinstance(planned, ServiceError):
@@ -986,10 +995,14 @@ class ReplicaDriver:
         command: commands.PublishParts,
         faults: list[str],
         first_lsn: int,
+        one_entry: bool,
     ) -> Planned:
         """Plans a joined request's parts in order, each as a ``Publish`` of its own (a
-        refused part fails alone and leaves no trace); one plan holds every outcome."""
+        refused part fails alone and leaves no trace); one plan holds every outcome.
+        ``one_entry``: the parts' events go into one entry, which every part waits for."""
         outcomes: list[commands.PartOutcome] = []
+        if one_entry:
+            builder.begin_joined()
         for part in command.parts:
             plan = self._plan_one(builder, commands.Publish(part), faults, first_lsn)
             if isinstance(plan, ServiceError):
@@ -997,6 +1010,12 @@ class ReplicaDriver:
             else:
                 lsn = first_lsn - 1 + len(builder.entries)
                 outcomes.append(commands.PartOutcome(plan, lsn=lsn))
+        if one_entry:
+            builder.end_joined()
+            # A part made only of duplicates may name an earlier part of this entry.
+            last_lsn = first_lsn - 1 + len(builder.entries)
+            for outcome in outcomes:
+                outcome.lsn = last_lsn
         return Planned(None, parts=outcomes)
 
     def batch_appended(self, last_lsn: int, commit_lsn: int) -> None:

@@ -17,6 +17,7 @@ from squall.v1 import replica_pb2
 from squall_server.common.loss import new_loss_id
 from squall_server.common.loss_record import LossRecord, count_topics
 from squall_server.replica.store import Store
+from squall_server.replica.store.records import publishes
 
 # Most entries read to count what is discarded (beyond it the counts say "at least").
 SCAN_ENTRIES_MAX = 200_000
@@ -49,9 +50,8 @@ def scan_discarded(store: Store, after_lsn: int, up_to_lsn: int) -> Discarded:
         for entry in entries:
             first_epoch = first_epoch or entry.epoch
             last_epoch = entry.epoch
-            operation = replica_pb2.Operation.FromString(entry.operation)
-            if operation.WhichOneof("op") == "publish":
-                counts[operation.publish.topic] += len(operation.publish.events)
+            for publish in publishes(replica_pb2.Operation.FromString(entry.operation)):
+                counts[publish.topic] += len(publish.events)
         read += len(entries)
         lsn = entries[-1].lsn + 1
     return Discarded(

@@ -113,6 +113,9 @@ class MasterSteps(Generic[W]):
         self._tail_bytes_max = tail_bytes_max
         # Receipt stamps by holders: the same few combinations commit write after write.
         self._stamps: dict[tuple[tuple[str, SyncPolicy], ...], bytes] = {}
+        # Slaves whose Position on their current stream said they apply PublishPartsOp
+        # entries: until every member has, a slave of an older release may be among them.
+        self._joined_readers: set[str] = set()
 
     # --- inputs from the writer
 
@@ -159,6 +162,14 @@ class MasterSteps(Generic[W]):
         only; otherwise the master counts its entries as appended."""
         return self.core.config.master_sync == SyncPolicy.SYNC
 
+    def joins_publishes(self) -> bool:
+        """Whether a joined request's parts may be stored as one entry
+        (``PublishPartsOp``): every member slave said on its stream in this epoch that it
+        applies them. Until then each part is an entry of its own, which a slave of an
+        older release reads (a rolling upgrade, a member that has not connected yet)."""
+        readers = self._joined_readers
+        return all(node == self.node_id or node in readers for node in self.core.members)
+
     def wait_lsn(self, lsn: int) -> int:
         """The LSN a client write planned at lsn waits for: its entry's, or this epoch's
         start for a duplicate answered from an earlier epoch's entry (an earlier epoch's
@@ -179,6 +190,10 @@ class MasterSteps(Generic[W]):
             )
             return False
         position = answer.position
+        if position.reads_joined_publishes:
+            self._joined_readers.add(node_id)
+        else:
+            self._joined_readers.discard(node_id)
         log.info(
             "replica %s (master, epoch %d): stream to %s open; it holds epoch %d LSN %d",
             self.node_id,

@@ -278,6 +278,7 @@ class Writer(CoreView):
             limits=self.config.limits,
             epoch=self.epoch,
             now_ms=self.clock.wall_ms(),
+            join_parts=driver.steps.joins_publishes(),
         )
         for fault in planning.faults:
             self.report_fault(fault)

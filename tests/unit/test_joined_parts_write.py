@@ -1,13 +1,15 @@
-"""A joined request's parts, begun as one write (``PublishParts``), answer as parts sent
-one by one would.
+"""A joined request's parts, begun as one write (``PublishParts``) and stored as one
+entry, answer as parts sent one by one would.
 
 The master begins an untraced joined request (``PublishRequest.parts``) as one write: one
-topic lookup per topic, one queue item, one wait for its last LSN. Each part must still be
-what a request of its own would be: the same answer (receipts at the same offsets and
-LSNs, the same duplicate receipts, the same refusal), the same events stored in the same
-order. Two fresh one-node masters over the in-memory store, each behind its real
+topic lookup per topic, one queue item, one wait for its last LSN; with no slave of an
+older release among its members, the parts' events are one ``PublishPartsOp`` entry. Each
+part must still be what a request of its own would be: the same answer (receipts at the
+same offsets, the same duplicate receipts, the same refusal; the LSN is the joined
+entry's), the same events stored in the same order, and a slave applying the log must
+hold the same. Two fresh one-node masters over the in-memory store, each behind its real
 ``Publisher.PublishStream``: one gets the joined requests, the other every part as a
-request of its own, in the same order; their answers and logs must match.
+request of its own, in the same order; their answers and events must match.
 """
 
 from __future__ import annotations
@@ -154,12 +156,23 @@ async def _stream(
     return [response async for response in stream]
 
 
-def _log(node: ReplicaNode) -> list[tuple[str, int, str, int, bytes]]:
+def _log(store: Store) -> list[tuple[str, int, str, int, bytes]]:
     return [
         (topic, event.offset, event.publisher_id, event.sequence, event.payload)
         for topic in ("a", "b")
-        for event in node.store.read_events(topic, 0, 100)
+        for event in store.read_events(topic, 0, 100)
     ]
+
+
+def _without_lsns(answer: broker_pb2.PublishResponse) -> broker_pb2.PublishResponse:
+    """The answer with every LSN cleared (a joined entry's LSN is shared by its parts)."""
+    answer = broker_pb2.PublishResponse.FromString(answer.SerializeToString())
+    answer.batch.ClearField("lsn")
+    for duplicate in answer.batch.duplicates:
+        duplicate.ClearField("lsn")
+    for receipt in answer.receipts:
+        receipt.ClearField("lsn")
+    return answer
 
 
 def test_joined_parts_answer_and_store_as_parts_sent_one_by_one(tmp_path: Path) -> None:
@@ -172,7 +185,8 @@ def test_joined_parts_answer_and_store_as_parts_sent_one_by_one(tmp_path: Path) 
                 _stream(alone_node, [part for request in REQUESTS for part in request.parts]),
                 WAIT_S,
             )
-            joined_log, alone_log = _log(joined_node), _log(alone_node)
+            joined_log, alone_log = _log(joined_node.store), _log(alone_node.store)
+            entries = joined_node.store.read_log(1, 1000)
         finally:
             await joined_node.stop()
             await alone_node.stop()
@@ -186,8 +200,32 @@ def test_joined_parts_answer_and_store_as_parts_sent_one_by_one(tmp_path: Path) 
             if single.HasField("error"):
                 # A stream's inline error carries no request id; a part's carries its own.
                 single.request_id = answer.request_id
-            assert answer == single
+            assert _without_lsns(answer) == _without_lsns(single)
         assert joined_log == alone_log
+        # A slave applying the joined master's log holds the same events.
+        slave = Store.open_memory()
+        slave.append(entries, sync=False)
+        assert _log(slave) == joined_log
+
+        # Each stored part's receipt names a PublishPartsOp entry holding its events; the
+        # joined requests took fewer entries than their stored parts.
+        operations = {e.lsn: replica_pb2.Operation.FromString(e.operation) for e in entries}
+        parts = [p for r in REQUESTS for p in r.parts]
+        stored = [
+            (part, answer)
+            for part, answer in zip(parts, answers, strict=True)
+            if part.topic != "t"  # transient: handed to subscribers, not logged
+            and answer.HasField("batch")
+            and answer.batch.count > len(answer.batch.duplicates)
+        ]
+        for part, answer in stored:
+            operation = operations[answer.batch.lsn]
+            assert operation.WhichOneof("op") == "publish_parts"
+            assert any(
+                (op.topic, op.first_offset) == (part.topic, answer.batch.first_offset)
+                for op in operation.publish_parts.parts
+            )
+        assert len({answer.batch.lsn for _, answer in stored}) < len(stored)
 
         first, again, third = (list(response.parts) for response in joined)
         assert [(p.batch.first_offset, p.batch.lsn > 0) for p in first if p.HasField("batch")][
@@ -312,7 +350,7 @@ def test_a_malformed_joined_request_is_refused_whole_naming_the_problem(tmp_path
         too_many = _joined(*(_part("a", f"p{n}", 1) for n in range(limit + 1)))
         try:
             answers = await asyncio.wait_for(_stream(node, [with_events, nested, too_many]), WAIT_S)
-            stored = _log(node)
+            stored = _log(node.store)
         finally:
             await node.stop()
         assert [(a.error.code, len(a.parts)) for a in answers] == [("INVALID_ARGUMENT", 0)] * 3

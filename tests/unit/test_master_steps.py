@@ -28,17 +28,17 @@ def _entry(lsn: int, epoch: int) -> replica_pb2.LogEntry:
 
 
 def _steps(
-    master_sync: SyncPolicy = SyncPolicy.SYNC,
+    master_sync: SyncPolicy = SyncPolicy.SYNC, members: tuple[str, ...] = ("n1", "n2")
 ) -> tuple[MasterSteps[str], Store, list[tuple[str, object]]]:
     """A master of epoch 2 over a store holding LSNs 1..3 of epoch 1, recording outputs."""
     store = Store.open_memory()
     store.append([_entry(lsn, 1) for lsn in (1, 2, 3)], sync=True)
     core: ReplicationMaster[str] = ReplicationMaster(
         MasterConfig(
-            node_id="n1", nodes=("n1", "n2"), master_sync=master_sync, replica_sync=SyncPolicy.SYNC
+            node_id="n1", nodes=members, master_sync=master_sync, replica_sync=SyncPolicy.SYNC
         ),
         epoch=2,
-        members=("n1", "n2"),
+        members=members,
         last_lsn=3,
         history=[(1, 1)],
     )
@@ -178,12 +178,15 @@ def test_the_compaction_target_keeps_the_retention_and_a_snapshotting_slaves_tai
 # --- a slave's stream, as MasterDriver and the replication simulator read it
 
 
-def _position(last_epoch: int, last_lsn: int) -> replica_pb2.ReplicateResponse:
+def _position(
+    last_epoch: int, last_lsn: int, *, reads_joined_publishes: bool = False
+) -> replica_pb2.ReplicateResponse:
     return replica_pb2.ReplicateResponse(
         position=replica_pb2.ReplicationPosition(
             last_epoch=last_epoch,
             last_lsn=last_lsn,
             history=[replica_pb2.EpochBoundary(epoch=1, start_lsn=1)] if last_lsn else [],
+            reads_joined_publishes=reads_joined_publishes,
         )
     )
 
@@ -278,3 +281,28 @@ def test_an_ack_saying_readers_follow_gets_the_commit_as_a_heartbeat_at_once() -
     steps.received("n2", stream, replica_pb2.ReplicateResponse(ack=ack))
     assert ("committed", 5) in seen
     assert not any(kind == "heartbeat" for kind, _ in seen)
+
+
+def test_joined_entries_wait_until_every_member_slave_says_it_reads_them() -> None:
+    """A slave of an older release never says reads_joined_publishes: while one may be
+    among the members, each part of a joined request must be an entry of its own."""
+    steps, _, _ = _steps(members=("n1", "n2", "n3"))
+    core = steps.core
+    assert not steps.joins_publishes()  # no slave has answered a Hello in this epoch
+    assert steps.hello_answered("n2", core.connect("n2"), _position(1, 3))
+    stream = core.connect("n3")
+    assert steps.hello_answered("n3", stream, _position(1, 3, reads_joined_publishes=True))
+    assert not steps.joins_publishes()  # n2 runs an older release
+    stream2 = core.connect("n2")
+    assert steps.hello_answered("n2", stream2, _position(1, 3, reads_joined_publishes=True))
+    assert steps.joins_publishes()
+    # Acks and a stream's end change nothing: the member's release is what counts.
+    steps.received("n3", stream, _ack(3))
+    steps.stream_ended("n3", stream)
+    assert steps.joins_publishes()
+    # n2 rolled back to the older release: its next stream's Position closes the gate.
+    assert steps.hello_answered("n2", core.connect("n2"), _position(1, 3))
+    assert not steps.joins_publishes()
+    # A group shrunk to the members that read them opens it again.
+    steps.apply(core.set_members(("n1", "n3")))
+    assert steps.joins_publishes()

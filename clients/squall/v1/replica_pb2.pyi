@@ -46,6 +46,7 @@ class Operation(_message.Message):
     LINK_TOPIC_FIELD_NUMBER: _builtins.int
     UNLINK_TOPIC_FIELD_NUMBER: _builtins.int
     LINK_CURSOR_FIELD_NUMBER: _builtins.int
+    PUBLISH_PARTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def epoch_start(self) -> Global___EpochStartOp:
         """Starts a new epoch; a new master's first entry."""
@@ -110,6 +111,10 @@ class Operation(_message.Message):
     def link_cursor(self) -> Global___LinkCursorOp:
         """Moves a link to another cluster forward (the next source offset to forward)."""
 
+    @_builtins.property
+    def publish_parts(self) -> Global___PublishPartsOp:
+        """Appends the parts of a joined publish request, each as a PublishOp of its own."""
+
     def __init__(
         self,
         *,
@@ -129,12 +134,13 @@ class Operation(_message.Message):
         link_topic: Global___LinkTopicOp | None = ...,
         unlink_topic: Global___UnlinkTopicOp | None = ...,
         link_cursor: Global___LinkCursorOp | None = ...,
+        publish_parts: Global___PublishPartsOp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["create_topic", b"create_topic", "delete_subscription", b"delete_subscription", "destroy_topic", b"destroy_topic", "epoch_start", b"epoch_start", "link_cursor", b"link_cursor", "link_topic", b"link_topic", "op", b"op", "publish", b"publish", "push_cursor", b"push_cursor", "push_subscribe", b"push_subscribe", "push_unsubscribe", b"push_unsubscribe", "seek_cursor", b"seek_cursor", "set_cursor", b"set_cursor", "shared_ack", b"shared_ack", "shared_create", b"shared_create", "shared_fail", b"shared_fail", "unlink_topic", b"unlink_topic"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_topic", b"create_topic", "delete_subscription", b"delete_subscription", "destroy_topic", b"destroy_topic", "epoch_start", b"epoch_start", "link_cursor", b"link_cursor", "link_topic", b"link_topic", "op", b"op", "publish", b"publish", "publish_parts", b"publish_parts", "push_cursor", b"push_cursor", "push_subscribe", b"push_subscribe", "push_unsubscribe", b"push_unsubscribe", "seek_cursor", b"seek_cursor", "set_cursor", b"set_cursor", "shared_ack", b"shared_ack", "shared_create", b"shared_create", "shared_fail", b"shared_fail", "unlink_topic", b"unlink_topic"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_topic", b"create_topic", "delete_subscription", b"delete_subscription", "destroy_topic", b"destroy_topic", "epoch_start", b"epoch_start", "link_cursor", b"link_cursor", "link_topic", b"link_topic", "op", b"op", "publish", b"publish", "push_cursor", b"push_cursor", "push_subscribe", b"push_subscribe", "push_unsubscribe", b"push_unsubscribe", "seek_cursor", b"seek_cursor", "set_cursor", b"set_cursor", "shared_ack", b"shared_ack", "shared_create", b"shared_create", "shared_fail", b"shared_fail", "unlink_topic", b"unlink_topic"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_topic", b"create_topic", "delete_subscription", b"delete_subscription", "destroy_topic", b"destroy_topic", "epoch_start", b"epoch_start", "link_cursor", b"link_cursor", "link_topic", b"link_topic", "op", b"op", "publish", b"publish", "publish_parts", b"publish_parts", "push_cursor", b"push_cursor", "push_subscribe", b"push_subscribe", "push_unsubscribe", b"push_unsubscribe", "seek_cursor", b"seek_cursor", "set_cursor", b"set_cursor", "shared_ack", b"shared_ack", "shared_create", b"shared_create", "shared_fail", b"shared_fail", "unlink_topic", b"unlink_topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["epoch_start", "create_topic", "destroy_topic", "publish", "set_cursor", "delete_subscription", "push_subscribe", "push_unsubscribe", "push_cursor", "seek_cursor", "shared_create", "shared_ack", "shared_fail", "link_topic", "unlink_topic", "link_cursor"]  # noqa: Y015
+    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["epoch_start", "create_topic", "destroy_topic", "publish", "set_cursor", "delete_subscription", "push_subscribe", "push_unsubscribe", "push_cursor", "seek_cursor", "shared_create", "shared_ack", "shared_fail", "link_topic", "unlink_topic", "link_cursor", "publish_parts"]  # noqa: Y015
     _WhichOneofArgType_op: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_op) -> _WhichOneofReturnType_op | None: ...
 
@@ -263,6 +269,37 @@ class PublishOp(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PublishOp: _TypeAlias = PublishOp  # noqa: Y015
+
+@_typing.final
+class PublishPartsOp(_message.Message):
+    """A joined publish request's parts (PublishRequest.parts) stored as one entry: each part
+    is applied as a PublishOp entry of its own would be, in order, all at this entry's LSN
+    (its events' receipts name it). The master writes it only while every member slave's
+    Position said reads_joined_publishes; a replica that predates this op refuses the entry
+    (no operation), never misapplies it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PARTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def parts(self) -> _containers.RepeatedCompositeFieldContainer[Global___PublishOp]:
+        """The parts, in request order; each has events (a part made only of duplicates is left
+        out).
+        """
+
+    def __init__(
+        self,
+        *,
+        parts: _abc.Iterable[Global___PublishOp] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["parts", b"parts"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PublishPartsOp: _TypeAlias = PublishPartsOp  # noqa: Y015
 
 @_typing.final
 class SetCursorOp(_message.Message):
@@ -1045,6 +1082,7 @@ class ReplicationPosition(_message.Message):
     LAST_LSN_FIELD_NUMBER: _builtins.int
     HISTORY_FIELD_NUMBER: _builtins.int
     LOG_START_LSN_FIELD_NUMBER: _builtins.int
+    READS_JOINED_PUBLISHES_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The slave's node id."""
     last_epoch: _builtins.int
@@ -1055,6 +1093,11 @@ class ReplicationPosition(_message.Message):
     """The first LSN still in the slave's log (1 unless compacted or installed from a
     snapshot; 0 from an older slave means 1). A slave whose log no longer starts at 1
     cannot truncate a divergent suffix by replaying its log: it gets a snapshot instead.
+    """
+    reads_joined_publishes: _builtins.bool
+    """The slave applies PublishPartsOp entries. An older slave never sets it, and the master
+    stores each part of a joined request as an entry of its own while any member has not
+    said it in this epoch.
     """
     @_builtins.property
     def history(self) -> _containers.RepeatedCompositeFieldContainer[Global___EpochBoundary]:
@@ -1068,10 +1111,11 @@ class ReplicationPosition(_message.Message):
         last_lsn: _builtins.int = ...,
         history: _abc.Iterable[Global___EpochBoundary] | None = ...,
         log_start_lsn: _builtins.int = ...,
+        reads_joined_publishes: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["history", b"history", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "log_start_lsn", b"log_start_lsn", "node_id", b"node_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["history", b"history", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "log_start_lsn", b"log_start_lsn", "node_id", b"node_id", "reads_joined_publishes", b"reads_joined_publishes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

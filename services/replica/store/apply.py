@@ -153,6 +153,12 @@ class Batch:
         kind = op.WhichOneof("op")
         if kind == "publish":
             self.publish(op.publish, lsn, epoch)
+        elif kind == "publish_parts":
+            parts = op.publish_parts.parts
+            if not parts:
+                raise self.refuse("joined publish without parts")
+            for part in parts:
+                self.publish(part, lsn, epoch)
         elif kind == "set_cursor":
             self.set_cursor(op.set_cursor)
         elif kind == "epoch_start":

@@ -279,6 +279,17 @@ def make_entry(lsn: int, epoch: int, op: replica_pb2.Operation) -> replica_pb2.L
     return replica_pb2.LogEntry(lsn=lsn, epoch=epoch, checksum=zlib.crc32(data), operation=data)
 
 
+def publishes(operation: replica_pb2.Operation) -> Sequence[replica_pb2.PublishOp]:
+    """The publishes an entry's operation stores: one, a joined request's parts, or
+    none."""
+    kind = operation.WhichOneof("op")
+    if kind == "publish":
+        return (operation.publish,)
+    if kind == "publish_parts":
+        return operation.publish_parts.parts
+    return ()
+
+
 def seal(key: bytes, body: bytes) -> bytes:
     """Prefixes body with the CRC-32 of key and body, so a value moved to another key fails."""
     return CRC.pack(zlib.crc32(body, zlib.crc32(key))) + body
