@@ -12,7 +12,6 @@ status the units name in RestartPreventExitStatus, so systemd does not restart-l
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import re
 import shlex
@@ -58,19 +57,26 @@ def _mdwe_supported() -> bool:
     return subprocess.run([sys.executable, "-c", probe], check=False, timeout=30).returncode == 0
 
 
-def unit_restrictions(umask: int) -> Callable[[], None]:
-    """Applies NoNewPrivileges=, MemoryDenyWriteExecute= (PR_SET_MDWE, the same rule
-    systemd enforces with seccomp) and UMask= in the child before it execs."""
+# Applies NoNewPrivileges=, MemoryDenyWriteExecute= (PR_SET_MDWE, the same rule systemd
+# enforces with seccomp) and UMask= (argv[1], octal), then execs argv[2:]: all three are
+# kept across exec. A launcher process rather than Popen's preexec_fn, because this test
+# process runs gRPC: a preexec_fn makes Popen fork with gRPC's fork handlers, whose
+# poller thread can abort the child before its exec (grpc/grpc#43055).
+UNIT_RESTRICTIONS = f"""
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.prctl({_PR_SET_NO_NEW_PRIVS}, 1, 0, 0, 0) != 0:
+    raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS")
+if libc.prctl({_PR_SET_MDWE}, {_PR_MDWE_REFUSE_EXEC_GAIN}, 0, 0, 0) != 0:
+    raise OSError(ctypes.get_errno(), "PR_SET_MDWE")
+os.umask(int(sys.argv[1], 8))
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
 
-    def apply() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS")
-        if libc.prctl(_PR_SET_MDWE, _PR_MDWE_REFUSE_EXEC_GAIN, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "PR_SET_MDWE")
-        os.umask(umask)
 
-    return apply
+def under_unit_restrictions(argv: list[str], umask: int) -> list[str]:
+    """argv run under the units' restrictions (``UNIT_RESTRICTIONS``)."""
+    return [sys.executable, "-c", UNIT_RESTRICTIONS, f"{umask:o}", *argv]
 
 
 def expand(argv: list[str], instance: str, environment: Mapping[str, str]) -> list[str]:
@@ -122,13 +128,12 @@ def launch(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         process = subprocess.Popen(
-            argv,
+            under_unit_restrictions(argv, 0o027) if restricted else argv,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             cwd=cwd,
             start_new_session=True,
-            preexec_fn=unit_restrictions(0o027) if restricted else None,
         )
     service = processes.Service(kind, name, address, process, log_path)
     cluster.services[(kind, name)] = service
