@@ -10,12 +10,14 @@ page, take a screenshot. Everything is bounded by deadlines; `close` kills it by
 from __future__ import annotations
 
 import base64
+import fcntl
 import json
 import os
 import select
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -76,15 +78,21 @@ class Browser:
         to_browser_r, self._to_browser = os.pipe()
         self._from_browser, from_browser_w = os.pipe()
 
-        def _child_fds() -> None:
-            # DevTools reads on 3 and writes on 4. Copies first: a pipe may already sit on 3
-            # or 4, and dup2 onto a different fd is what makes it inheritable.
-            reader, writer = os.dup(to_browser_r), os.dup(from_browser_w)
-            os.dup2(reader, 3)
-            os.dup2(writer, 4)
-
+        # DevTools reads on 3 and writes on 4: a launcher puts the pipes there and execs it.
+        # Not Popen's preexec_fn: this test process runs gRPC, and a preexec_fn makes
+        # Popen fork with gRPC's fork handlers, whose poller thread can abort the child
+        # before its exec (grpc/grpc#43055).
+        # Copies above 4 first: a pipe may already sit on 3 or 4.
+        r = fcntl.fcntl(to_browser_r, fcntl.F_DUPFD_CLOEXEC, 10)
+        w = fcntl.fcntl(from_browser_w, fcntl.F_DUPFD_CLOEXEC, 10)
         self.process = subprocess.Popen(
             [
+                sys.executable,
+                "-c",
+                "import os, sys; os.dup2(int(sys.argv[1]), 3); os.dup2(int(sys.argv[2]), 4); "
+                "os.closerange(5, os.sysconf('SC_OPEN_MAX')); os.execvp(sys.argv[3], sys.argv[3:])",
+                str(r),
+                str(w),
                 binary,
                 *CHROMIUM_FLAGS,
                 f"--user-data-dir={self._profile}",
@@ -94,12 +102,11 @@ class Browser:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            close_fds=False,  # fds 3 and 4 must reach it; ours are non-inheritable anyway
+            pass_fds=(r, w),  # only these reach the shell; ours are non-inheritable anyway
             start_new_session=True,  # its renderers share its process group: killed with it
-            preexec_fn=_child_fds,
         )
-        os.close(to_browser_r)
-        os.close(from_browser_w)
+        for fd in (r, w, to_browser_r, from_browser_w):
+            os.close(fd)
         self._buffer = b""
         self._next_id = 0
         self._session = ""
