@@ -102,7 +102,7 @@ class Browser:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            pass_fds=(r, w),  # only these reach the shell; ours are non-inheritable anyway
+            pass_fds=(r, w),  # only these reach the launcher; ours are non-inheritable anyway
             start_new_session=True,  # its renderers share its process group: killed with it
         )
         for fd in (r, w, to_browser_r, from_browser_w):
