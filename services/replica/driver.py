@@ -373,6 +373,9 @@ class ReplicaDriver:
         # Following reads open here: while any is, every ack says so, and the master
         # tells this slave each commit at once rather than at its next batch or heartbeat.
         self.following_readers = 0
+        # What this replica's Position tells a master: it applies PublishPartsOp entries.
+        # The shell simulator sets it False on a member to play an older release.
+        self.reads_joined_publishes = True
 
     # --- small steps shared by both sides
 
@@ -663,7 +666,7 @@ class ReplicaDriver:
             last_lsn=position.last_lsn,
             history=[replica_pb2.EpochBoundary(epoch=e, start_lsn=s) for e, s in position.history],
             log_start_lsn=self.store.log_start_lsn(),
-            reads_joined_publishes=True,
+            reads_joined_publishes=self.reads_joined_publishes,
         )
 
     def stream_follower(self, stream: int) -> Follower:

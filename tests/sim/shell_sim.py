@@ -42,12 +42,16 @@ and finished (``CountingStore``); the others were cut short.
 Clients publish through ``ReplicaNode.start_publish`` on whichever node they believe is
 master, every third time a joined request of ``JOINED_PARTS`` parts
 (``start_publish_parts``), each payload unique; a receipt is an acknowledgement (of a
-part, alone).
+part, alone). A joined request is one ``PublishPartsOp`` entry while every member says it
+reads them; in ``OLDER_MEMBER_SHARE`` of the seeds one node plays a release that
+predates them (its Position never says ``reads_joined_publishes``), so its groups' masters
+store each part as an entry of its own.
 
 Checks: at most one master per epoch (sampled and from the logs' epoch-start entries);
 after healing a master serves and a publish is acknowledged within ``LIVENESS_S``; then
-every live replica catches up and the logs are identical, and every acknowledged event is
-in every log and readable at its receipt's offset. A failure raises ``ShellSimFailure``
+every live replica catches up and the logs are identical, every acknowledged event is
+in every log and readable at its receipt's offset, and no joined entry was written in an
+epoch whose group held the older member. A failure raises ``ShellSimFailure``
 whose message ends with the command that replays the seed.
 """
 
@@ -101,6 +105,7 @@ NETWORK_TICK_S = 0.1  # how often the network fails calls a cut held too long
 # SHORT_LOG_RETENTIONS): masters and slaves compact, and a slave behind the retained log
 # or holding a divergent suffix above a compacted start gets a snapshot.
 SHORT_LOG_SHARE = 0.5
+OLDER_MEMBER_SHARE = 0.25  # seeds with a member of a release before PublishPartsOp
 SHORT_LOG_RETENTIONS = (4, 16, 64)
 # Records per snapshot chunk, drawn per seed (``snapshot_pump.SNAPSHOT_RECORDS_MAX``, never
 # raised): a few records make an install span many chunks, store transactions and
@@ -271,6 +276,9 @@ class ShellSim:
             retention = log_rng.choice(SHORT_LOG_RETENTIONS)
         self.log_retention = retention
         self.snapshot_records = log_rng.choice(SNAPSHOT_CHUNK_RECORDS)
+        older_rng = random.Random(seed * 7_919 + 11)
+        self.older = older_rng.choice(NODE_IDS) if older_rng.random() < OLDER_MEMBER_SHARE else ""
+        self.groups: dict[int, set[str]] = {}  # each epoch's group, as elected
         self.members = {node_id: Member(node_id, Disk(), root / node_id) for node_id in NODE_IDS}
         for member in self.members.values():
             member.data_dir.mkdir(parents=True, exist_ok=True)
@@ -336,6 +344,7 @@ class ShellSim:
             f"log retention {self.log_retention} entries, snapshot chunks of "
             f"{self.snapshot_records} records, {self.stats.snapshots_begun} installs begun, "
             f"{self.stats.snapshots_finished} finished"
+            + (f", {self.older} of an older release" if self.older else "")
         )
 
     def run(self) -> Stats:
@@ -420,6 +429,8 @@ class ShellSim:
             truncator=self._truncator(member),
         )
         member.replica = replica
+        if member.node_id == self.older:
+            replica.driver.reads_joined_publishes = False
         await self.loop.spawn(member.process, replica.start())
         self.net.up(replica, member.process)
         self.note(f"start {member.process}")
@@ -614,6 +625,7 @@ class ShellSim:
         self.master_id = master
         self.sync_source = source
         self.group = [master, *[n for n in best if n != master]]
+        self.groups[self.epoch] = set(self.group)
         self.commanded_at = self.loop.time()
         self.stats.elections += 1
         self.note(f"elect epoch {self.epoch}: master {master} group {self.group} source {source}")
@@ -805,6 +817,15 @@ class ShellSim:
                     raise self.fail(
                         f"logs differ at LSN {lsn}: {NODE_IDS[0]} has epoch {theirs[0]} "
                         f"{theirs[1][:40]!r}, {node_id} epoch {epoch} {operation[:40]!r}"
+                    )
+        if self.older:
+            for lsn, epoch, operation in (e for entries in logs.values() for e in entries):
+                if self.older in self.groups.get(epoch, ()) and (
+                    replica_pb2.Operation.FromString(operation).WhichOneof("op") == "publish_parts"
+                ):
+                    raise self.fail(
+                        f"joined entry at LSN {lsn} written in epoch {epoch}, whose group "
+                        f"{sorted(self.groups[epoch])} holds {self.older}, an older release"
                     )
         for member in self.members.values():
             replica = member.replica
