@@ -1208,6 +1208,30 @@ def _headers_bytes(headers: Mapping[str, str]) -> int:
     return sum(len(name.encode()) + len(value.encode()) for name, value in headers.items())
 
 
+# What a PublishOp spends beyond its events' keys, payloads and headers, generously: field
+# tags and lengths, the offset and timestamp; per event, its tags, lengths, sequence and
+# cost; per header, its map entry's framing.
+_OP_OVERHEAD_BYTES = 64
+_EVENT_OVERHEAD_BYTES = 32
+_HEADER_OVERHEAD_BYTES = 8
+
+
+def op_bytes_bound(request: broker_pb2.PublishRequest) -> int:
+    """At least the bytes the request's ``PublishOp`` takes in a log entry, from lengths
+    alone (encoding a part of large events to measure it would copy megabytes)."""
+    size = (
+        _OP_OVERHEAD_BYTES
+        + len(request.topic)
+        + len(request.publisher_id)
+        + len(request.session_token)
+    )
+    for event in request.events:
+        size += len(event.payload) + len(event.key) + _EVENT_OVERHEAD_BYTES
+        if event.headers:
+            size += _headers_bytes(event.headers) + _HEADER_OVERHEAD_BYTES * len(event.headers)
+    return size
+
+
 def check_publish_limits(request: broker_pb2.PublishRequest, limits: LimitsConfig) -> None:
     """Refuses a publish that breaks a size limit, naming the limit (nothing is stored)."""
     events = request.events

@@ -960,7 +960,13 @@ class ReplicaDriver:
         out = PlannedBatch(builder.entries)
         for index, command in enumerate(batch):
             if isinstance(command, commands.PublishParts):
-                plan = self._plan_parts(builder, command, out.faults, first_lsn, join_parts)
+                plan = self._plan_parts(
+                    builder,
+                    command,
+                    out.faults,
+                    first_lsn,
+                    limits.max_batch_bytes if join_parts else 0,
+                )
             else:
                 planned = self._plan_one(builder, command, out.faults, first_lsn)
                 if isinstance(planned, ServiceError):
@@ -998,28 +1004,55 @@ class ReplicaDriver:
         command: commands.PublishParts,
         faults: list[str],
         first_lsn: int,
-        one_entry: bool,
+        joined_bytes_max: int,
     ) -> Planned:
         """Plans a joined request's parts in order, each as a ``Publish`` of its own (a
         refused part fails alone and leaves no trace); one plan holds every outcome.
-        ``one_entry``: the parts' events go into one entry, which every part waits for."""
+
+        ``joined_bytes_max`` > 0: the parts' events go into joined entries
+        (``PublishPartsOp``) of at most that many bytes (``limits.max_batch_bytes``, which
+        fits one gRPC message as a plain publish's entry does): one entry unless the parts
+        are larger; each part waits for its entry. 0: an entry per part."""
         outcomes: list[commands.PartOutcome] = []
-        if one_entry:
-            builder.begin_joined()
+        if not joined_bytes_max:
+            for part in command.parts:
+                plan = self._plan_one(builder, commands.Publish(part), faults, first_lsn)
+                if isinstance(plan, ServiceError):
+                    outcomes.append(commands.PartOutcome(error=plan))
+                else:
+                    lsn = first_lsn - 1 + len(builder.entries)
+                    outcomes.append(commands.PartOutcome(plan, lsn=lsn))
+            return Planned(None, parts=outcomes)
+        entry: list[commands.PartOutcome] = []  # the parts of the joined entry being planned
+        size = 0
+        builder.begin_joined()
         for part in command.parts:
+            part_bytes = commands.op_bytes_bound(part)
+            if size and size + part_bytes > joined_bytes_max:
+                self._end_joined(builder, entry, first_lsn)
+                entry, size = [], 0
+                builder.begin_joined()
             plan = self._plan_one(builder, commands.Publish(part), faults, first_lsn)
             if isinstance(plan, ServiceError):
-                outcomes.append(commands.PartOutcome(error=plan))
+                outcome = commands.PartOutcome(error=plan)
             else:
-                lsn = first_lsn - 1 + len(builder.entries)
-                outcomes.append(commands.PartOutcome(plan, lsn=lsn))
-        if one_entry:
-            builder.end_joined()
-            # A part made only of duplicates may name an earlier part of this entry.
-            last_lsn = first_lsn - 1 + len(builder.entries)
-            for outcome in outcomes:
-                outcome.lsn = last_lsn
+                outcome = commands.PartOutcome(plan)
+                size += part_bytes
+            outcomes.append(outcome)
+            entry.append(outcome)
+        self._end_joined(builder, entry, first_lsn)
         return Planned(None, parts=outcomes)
+
+    @staticmethod
+    def _end_joined(
+        builder: BatchBuilder, entry: list[commands.PartOutcome], first_lsn: int
+    ) -> None:
+        """Emits the joined entry; its parts wait for its LSN (a part made only of
+        duplicates may name an earlier part of it)."""
+        builder.end_joined()
+        lsn = first_lsn - 1 + len(builder.entries)
+        for outcome in entry:
+            outcome.lsn = lsn
 
     def batch_appended(self, last_lsn: int, commit_lsn: int) -> None:
         """The master's batch is stored (with the commit LSN known then)."""

@@ -43,14 +43,14 @@ def _free_port() -> int:
         return port
 
 
-def _config(tmp_path: Path) -> ClusterConfig:
+def _config(tmp_path: Path, limits: str = "") -> ClusterConfig:
     text = (
         '[cluster]\nname = "t"\n\n[[nodes]]\nid = "n1"\npriority = 1\n'
         f'coordinator_address = "127.0.0.1:{_free_port()}"\n'
         f'replica_address = "127.0.0.1:{_free_port()}"\ndata_dir = "n1"\n'
         f'\n[[gateways]]\nid = "g1"\naddress = "127.0.0.1:{_free_port()}"\n'
         # Small commit batches: a joined request of more parts is queued in pieces.
-        "\n[limits]\nmax_event_bytes = 64\ncommit_batch_max_entries = 4\n"
+        "\n[limits]\nmax_event_bytes = 64\ncommit_batch_max_entries = 4\n" + limits
     )
     config = parse_config(text, tmp_path / "cluster.toml")
     config.node("n1").data_dir.mkdir(parents=True, exist_ok=True)
@@ -360,5 +360,41 @@ def test_a_malformed_joined_request_is_refused_whole_naming_the_problem(tmp_path
             f"{limit + 1} parts in one request exceed max_batch_events" in answers[2].error.message
         )
         assert stored == []
+
+    asyncio.run(scenario())
+
+
+def test_joined_entries_stay_within_max_batch_bytes(tmp_path: Path) -> None:
+    """A joined request may be as large as a gRPC message, and each part as large as a
+    batch: its parts go into as many joined entries as keep each within max_batch_bytes,
+    so every entry fits a replication message as a plain publish's does."""
+    limit = 256
+
+    async def scenario() -> None:
+        node = await _started(_config(tmp_path, f"max_batch_bytes = {limit}\n"))
+        try:
+            request = _joined(*(_part("a", f"p{k}", 1, payload=b"0123456789") for k in range(12)))
+            (response,) = await asyncio.wait_for(_stream(node, [request]), WAIT_S)
+            entries = node.store.read_log(1, 1000)
+            stored = _log(node.store)
+        finally:
+            await node.stop()
+
+        assert all(answer.HasField("batch") for answer in response.parts)
+        joined = {
+            e.lsn: replica_pb2.Operation.FromString(e.operation)
+            for e in entries
+            if replica_pb2.Operation.FromString(e.operation).WhichOneof("op") == "publish_parts"
+        }
+        assert all(len(e.operation) <= limit for e in entries if e.lsn in joined)
+        # More entries than the request's pieces of commit_batch_max_entries parts (3).
+        assert len(joined) > 3
+        for k, answer in enumerate(response.parts):
+            assert [
+                (op.publisher_id, op.first_offset)
+                for op in joined[answer.batch.lsn].publish_parts.parts
+                if op.publisher_id == f"p{k}"
+            ] == [(f"p{k}", answer.batch.first_offset)]
+        assert [(p, o) for _, o, p, _, _ in stored] == [(f"p{k}", k) for k in range(12)]
 
     asyncio.run(scenario())
