@@ -113,8 +113,9 @@ class MasterSteps(Generic[W]):
         self._tail_bytes_max = tail_bytes_max
         # Receipt stamps by holders: the same few combinations commit write after write.
         self._stamps: dict[tuple[tuple[str, SyncPolicy], ...], bytes] = {}
-        # Slaves whose Position on their current stream said they apply PublishPartsOp
-        # entries: until every member has, a slave of an older release may be among them.
+        # Nodes whose Position on their latest stream in this epoch said they apply
+        # PublishPartsOp entries: until every node of the node set has, a node of an older
+        # release may be among them.
         self._joined_readers: set[str] = set()
 
     # --- inputs from the writer
@@ -164,11 +165,15 @@ class MasterSteps(Generic[W]):
 
     def joins_publishes(self) -> bool:
         """Whether a joined request's parts may be stored as one entry
-        (``PublishPartsOp``): every member slave said on its stream in this epoch that it
-        applies them. Until then each part is an entry of its own, which a slave of an
-        older release reads (a rolling upgrade, a member that has not connected yet)."""
-        readers = self._joined_readers
-        return all(node == self.node_id or node in readers for node in self.core.members)
+        (``PublishPartsOp``): every other node of the node set, voter or learner, said on
+        its latest stream in this epoch that it applies them. Not only the group's members:
+        a node the group dropped in this epoch, or one that is down, reads this log when it
+        catches up, and an older release refuses the first joined entry (a rolling upgrade,
+        a member that has not connected yet). Until then each part is an entry of its own."""
+        readers, config = self._joined_readers, self.core.config
+        return all(
+            node == self.node_id or node in readers for node in (*config.nodes, *config.learners)
+        )
 
     def wait_lsn(self, lsn: int) -> int:
         """The LSN a client write planned at lsn waits for: its entry's, or this epoch's

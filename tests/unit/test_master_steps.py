@@ -28,14 +28,22 @@ def _entry(lsn: int, epoch: int) -> replica_pb2.LogEntry:
 
 
 def _steps(
-    master_sync: SyncPolicy = SyncPolicy.SYNC, members: tuple[str, ...] = ("n1", "n2")
+    master_sync: SyncPolicy = SyncPolicy.SYNC,
+    members: tuple[str, ...] = ("n1", "n2"),
+    nodes: tuple[str, ...] = (),
+    learners: tuple[str, ...] = (),
 ) -> tuple[MasterSteps[str], Store, list[tuple[str, object]]]:
-    """A master of epoch 2 over a store holding LSNs 1..3 of epoch 1, recording outputs."""
+    """A master of epoch 2 over a store holding LSNs 1..3 of epoch 1, recording outputs;
+    the node set is the members unless ``nodes`` says more."""
     store = Store.open_memory()
     store.append([_entry(lsn, 1) for lsn in (1, 2, 3)], sync=True)
     core: ReplicationMaster[str] = ReplicationMaster(
         MasterConfig(
-            node_id="n1", nodes=members, master_sync=master_sync, replica_sync=SyncPolicy.SYNC
+            node_id="n1",
+            nodes=nodes or members,
+            learners=learners,
+            master_sync=master_sync,
+            replica_sync=SyncPolicy.SYNC,
         ),
         epoch=2,
         members=members,
@@ -283,9 +291,10 @@ def test_an_ack_saying_readers_follow_gets_the_commit_as_a_heartbeat_at_once() -
     assert not any(kind == "heartbeat" for kind, _ in seen)
 
 
-def test_joined_entries_wait_until_every_member_slave_says_it_reads_them() -> None:
-    """A slave of an older release never says reads_joined_publishes: while one may be
-    among the members, each part of a joined request must be an entry of its own."""
+def test_joined_entries_wait_until_every_node_of_the_node_set_says_it_reads_them() -> None:
+    """A node of an older release never says reads_joined_publishes: while one may be among
+    the nodes, each part of a joined request must be an entry of its own (it reads this
+    log when it catches up, in the group or out of it)."""
     steps, _, _ = _steps(members=("n1", "n2", "n3"))
     core = steps.core
     assert not steps.joins_publishes()  # no slave has answered a Hello in this epoch
@@ -303,6 +312,19 @@ def test_joined_entries_wait_until_every_member_slave_says_it_reads_them() -> No
     # n2 rolled back to the older release: its next stream's Position closes the gate.
     assert steps.hello_answered("n2", core.connect("n2"), _position(1, 3))
     assert not steps.joins_publishes()
-    # A group shrunk to the members that read them opens it again.
+    # A group shrunk to the members that read them keeps it closed: n2, dropped from the
+    # group in this epoch, gets this epoch's entries when it catches up (the coordinated
+    # simulator's first finding, seed 28).
     steps.apply(core.set_members(("n1", "n3")))
-    assert steps.joins_publishes()
+    assert not steps.joins_publishes()
+
+
+def test_joined_entries_wait_for_a_node_that_is_not_in_the_group() -> None:
+    """A node of the node set that never joined this epoch's group (down, cut off) reads
+    its entries later: the gate waits for it too, learners included."""
+    steps, _, _ = _steps(members=("n1", "n2"), nodes=("n1", "n2", "n3"), learners=("n4",))
+    core = steps.core
+    assert steps.hello_answered(
+        "n2", core.connect("n2"), _position(1, 3, reads_joined_publishes=True)
+    )
+    assert not steps.joins_publishes()  # n3 and n4 have said nothing in this epoch

@@ -274,8 +274,8 @@ Global___PublishOp: _TypeAlias = PublishOp  # noqa: Y015
 class PublishPartsOp(_message.Message):
     """A joined publish request's parts (PublishRequest.parts) stored as one entry: each part
     is applied as a PublishOp entry of its own would be, in order, all at this entry's LSN
-    (its events' receipts name it). The master writes it only while every member slave's
-    Position said reads_joined_publishes; a replica that predates this op refuses the entry
+    (its events' receipts name it). The master writes it only while every other node of the
+    node set said reads_joined_publishes in its Position in the master's epoch; a replica that predates this op refuses the entry
     (no operation), never misapplies it.
     """
 
@@ -1096,8 +1096,8 @@ class ReplicationPosition(_message.Message):
     """
     reads_joined_publishes: _builtins.bool
     """The slave applies PublishPartsOp entries. An older slave never sets it, and the master
-    stores each part of a joined request as an entry of its own while any member has not
-    said it in this epoch.
+    stores each part of a joined request as an entry of its own while any node of the node
+    set has not said it in this epoch.
     """
     @_builtins.property
     def history(self) -> _containers.RepeatedCompositeFieldContainer[Global___EpochBoundary]:
