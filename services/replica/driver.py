@@ -946,7 +946,7 @@ class ReplicaDriver:
     ) -> PlannedBatch:
         """Plans the commands on top of the store's state (``BatchBuilder``); publishes
         are hidden from committed reads until their entries commit. ``join_parts``: a
-        joined request's parts are stored as one entry (every slave reads
+        joined request's parts are stored as one entry (every node reads
         ``PublishPartsOp``), else as one entry each."""
         first_lsn = self.core.log.last_lsn + 1
         builder = BatchBuilder(

@@ -278,7 +278,7 @@ class Writer(CoreView):
             limits=self.config.limits,
             epoch=self.epoch,
             now_ms=self.clock.wall_ms(),
-            # Every replica of the group reads joined entries, this one included.
+            # Every node of the node set reads joined entries, this one included.
             join_parts=self.driver.reads_joined_publishes and driver.steps.joins_publishes(),
         )
         for fault in planning.faults:

@@ -361,6 +361,8 @@ def test_older_epoch_refused(store: Store) -> None:
         "subscription_name_empty",
         "publisher_id_too_long",
         "topic_name_too_long",
+        "joined_without_parts",
+        "joined_part_at_a_wrong_offset",
     ],
 )
 def test_failing_batch_leaves_nothing(store: Store, bad: str) -> None:
@@ -372,7 +374,7 @@ def test_failing_batch_leaves_nothing(store: Store, bad: str) -> None:
         publish("t", 0, payloads(2), publisher_id="p", sequences=[1, 2]),
         set_cursor("t", "s", 1),
     )
-    before = observe(store, ("p",))
+    before = observe(store, ("p", "q"))
     good = [
         create("new"),
         publish("t", 2, payloads(3), publisher_id="p", sequences=[3, 4, 5]),
@@ -395,6 +397,16 @@ def test_failing_batch_leaves_nothing(store: Store, bad: str) -> None:
             "t", 5, payloads(1), publisher_id="p" * 600, sequences=[1]
         ),
         "topic_name_too_long": create("x" * 600),
+        "joined_without_parts": Op(publish_parts=replica_pb2.PublishPartsOp()),
+        # The first part alone would apply: the whole joined entry is refused with it.
+        "joined_part_at_a_wrong_offset": Op(
+            publish_parts=replica_pb2.PublishPartsOp(
+                parts=[
+                    publish("t", 5, payloads(1), publisher_id="p", sequences=[6]).publish,
+                    publish("t", 5, payloads(1), publisher_id="q", sequences=[1]).publish,
+                ]
+            )
+        ),
     }
     entries = w.entries(*good, bad_ops.get(bad, Op()))
     last = entries[-1]
@@ -405,9 +417,14 @@ def test_failing_batch_leaves_nothing(store: Store, bad: str) -> None:
     elif bad == "garbage_operation":
         last.operation = b"\xff\xff\xff"
         last.checksum = zlib.crc32(last.operation)
-    with pytest.raises(InvalidEntryError):
+    # What the refusal names, where this test checks it.
+    named = {
+        "joined_without_parts": "joined publish without parts",
+        "joined_part_at_a_wrong_offset": "offset 5",
+    }
+    with pytest.raises(InvalidEntryError, match=named.get(bad)):
         store.append(entries, sync=True)
-    assert observe(store, ("p",)) == before
+    assert observe(store, ("p", "q")) == before
     # The good part alone still applies.
     w.append(*good)
     assert topic(store, "t").next_offset == 5

@@ -275,8 +275,8 @@ class PublishPartsOp(_message.Message):
     """A joined publish request's parts (PublishRequest.parts) stored as one entry: each part
     is applied as a PublishOp entry of its own would be, in order, all at this entry's LSN
     (its events' receipts name it). The master writes it only while every other node of the
-    node set said reads_joined_publishes in its Position in the master's epoch; a replica that predates this op refuses the entry
-    (no operation), never misapplies it.
+    node set said reads_joined_publishes in its Position in the master's epoch; a replica
+    that predates this op refuses the entry (no operation), never misapplies it.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
