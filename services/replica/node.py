@@ -222,6 +222,12 @@ class ReplicaNode(CoreView):
         self.check_writable()
         return await self.writer.submit(command)
 
+    async def write_with_next(self, command: Command, within_s: float) -> Planned:
+        """Commits one command on the master with the next commit batch, or alone once
+        within_s passed (``Writer.submit_with_next``)."""
+        self.check_writable()
+        return await self.writer.submit_with_next(command, within_s)
+
     def start_publish(
         self,
         request: broker_pb2.PublishRequest,

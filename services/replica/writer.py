@@ -11,6 +11,10 @@ flight, nothing is queued, no write waits for its commit, the lock is free; on a
 whose commits wait for its slaves) is committed the same way at once, in the submitter's
 turn, without waiting for the writer task's next turn; what must wait (a large append,
 the flush, a compaction) then runs in a task of its own that holds the lock until done.
+Bookkeeping that no caller waits on (a push subscriber's cursor) rides with the next
+commit batch (``submit_with_next``), so it shares that batch's append, fsync and
+replication round instead of paying a round of its own; it goes alone only when nothing
+else is written within its wait.
 A slave's batches are appended and its log compacted the same way (``append_entries``,
 ``compact``), from ``slave_side``.
 
@@ -102,6 +106,10 @@ class Writer(CoreView):
         # Commits begun at once whose rest runs in a task (held: the loop holds tasks
         # only weakly).
         self._rests: set[asyncio.Task[None]] = set()
+        # Commands waiting to ride with the next commit batch (``submit_with_next``), and
+        # the timer that queues them on their own if no batch begins first.
+        self._riders: list[_Pending] = []
+        self._riders_due: asyncio.TimerHandle | None = None
 
     # --- what the moved methods read, by the names they had on the node
 
@@ -132,6 +140,7 @@ class Writer(CoreView):
             rest.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await rest
+        self._queue_riders()
         while self._queue:
             pending = self._queue.popleft()
             if not pending.future.done():
@@ -141,6 +150,7 @@ class Writer(CoreView):
 
     def fail_queued(self, error: ServiceError) -> None:
         """Fails every write queued and not begun (definitely not stored)."""
+        self._queue_riders()
         while self._queue:
             _fail_pending(self._queue.popleft(), error)
 
@@ -150,7 +160,9 @@ class Writer(CoreView):
 
     async def drain(self) -> None:
         """Waits until every write queued now has finished (committed or failed) and no
-        batch is being written."""
+        batch is being written. Riders go now rather than at the end of their wait."""
+        if self._queue_riders():
+            self._wakeup.set()
         queued = [pending.future for pending in self._queue]
         if queued:
             await asyncio.wait(queued)
@@ -159,7 +171,7 @@ class Writer(CoreView):
 
     def idle(self) -> bool:
         """No write queued or being committed (a fenced master's log has stopped growing)."""
-        return not self._queue and not self._commit_lock.locked()
+        return not self._queue and not self._riders and not self._commit_lock.locked()
 
     def submit(
         self,
@@ -182,6 +194,51 @@ class Writer(CoreView):
         self._queue.append(pending)
         self._wakeup.set()
         return future
+
+    def submit_with_next(self, command: Command, within_s: float) -> asyncio.Future[Planned]:
+        """Queues a command to ride with the next commit batch, or to go on its own once
+        within_s passed with no batch begun; the future resolves once it committed. For
+        writes whose caller does not wait on them to answer anyone (a push subscriber's
+        cursor): under traffic they cost no append, fsync or replication round of their
+        own (issue 16: a lone delivery's cursor write was a round beside every publish)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Planned] = loop.create_future()
+        self._riders.append(_Pending(command, future))
+        if self._riders_due is None:
+            self._riders_due = loop.call_later(within_s, self._riders_waited)
+        return future
+
+    def _riders_waited(self) -> None:
+        self._riders_due = None
+        if self._queue_riders():
+            self._wakeup.set()
+
+    def _queue_riders(self) -> bool:
+        """Moves the riders to the end of the queue; whether there were any."""
+        if self._riders_due is not None:
+            self._riders_due.cancel()
+            self._riders_due = None
+        if not self._riders:
+            return False
+        self._queue.extend(self._riders)
+        self._riders.clear()
+        return True
+
+    def _board_riders(self, batch: list[_Pending], driver: MasterDriver) -> None:
+        """Adds the riders to batch as far as the batch bound and the master's write room
+        leave space; those left keep waiting."""
+        riders = self._riders
+        if not riders:
+            return
+        room = min(self.config.limits.commit_batch_max_entries, driver.core.write_room)
+        space = room - sum(_weight(pending.command) for pending in batch)
+        if space <= 0:
+            return
+        batch.extend(riders[:space])
+        del riders[:space]
+        if not riders and self._riders_due is not None:
+            self._riders_due.cancel()
+            self._riders_due = None
 
     async def _write_loop(self) -> None:
         max_commands = self.config.limits.commit_batch_max_entries
@@ -269,6 +326,7 @@ class Writer(CoreView):
                 ),
             )
             return None
+        self._board_riders(batch, driver)
         if _stages.ENABLED:
             _mark_publishes("m.plan", batch)
         # The caller may have given up (cancelled) before the write began.
