@@ -66,6 +66,9 @@ async def prepare(
     refusal = node.core.fence_writes(target, request.epoch, deadline)  # the rule: core.py
     if refusal is not None:
         raise refusal.error()
+    # Writes riding with the next batch (a push cursor) go now: the log must stop growing
+    # for the target to catch up, and no new write comes to carry them.
+    node.send_riding_writes()
     # Bounded by the deadline: each pass waits at most _POLL_S (or until a commit).
     while True:
         if node.role != common_pb2.ROLE_MASTER or node.epoch != request.epoch:

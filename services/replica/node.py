@@ -222,6 +222,11 @@ class ReplicaNode(CoreView):
         self.check_writable()
         return await self.writer.submit(command)
 
+    def send_riding_writes(self) -> None:
+        """Writes waiting to ride with the next commit batch go now (a fenced master's
+        log must stop growing)."""
+        self.writer.release_riders()
+
     async def write_with_next(self, command: Command, within_s: float) -> Planned:
         """Commits one command on the master with the next commit batch, or alone once
         within_s passed (``Writer.submit_with_next``)."""

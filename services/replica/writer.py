@@ -161,8 +161,7 @@ class Writer(CoreView):
     async def drain(self) -> None:
         """Waits until every write queued now has finished (committed or failed) and no
         batch is being written. Riders go now rather than at the end of their wait."""
-        if self._queue_riders():
-            self._wakeup.set()
+        self.release_riders()
         queued = [pending.future for pending in self._queue]
         if queued:
             await asyncio.wait(queued)
@@ -208,10 +207,14 @@ class Writer(CoreView):
             self._riders_due = loop.call_later(within_s, self._riders_waited)
         return future
 
-    def _riders_waited(self) -> None:
-        self._riders_due = None
+    def release_riders(self) -> None:
+        """Queues the riders now, to go with the writer's next batch."""
         if self._queue_riders():
             self._wakeup.set()
+
+    def _riders_waited(self) -> None:
+        self._riders_due = None
+        self.release_riders()
 
     def _queue_riders(self) -> bool:
         """Moves the riders to the end of the queue; whether there were any."""

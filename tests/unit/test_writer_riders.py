@@ -6,8 +6,9 @@ publish; riding, it shares the next commit batch's. Checked on a fresh one-node 
 over the in-memory store, the shipped node and writer: a rider shares the next batch's
 append (one store transaction: one fsync, one replication message); with nothing else
 written it goes alone once its wait is over; it boards only as far as the batch bound
-leaves room; a drain sends it at once; and a rider not begun when the role goes fails as
-not stored, never stored later.
+leaves room; a drain, or a leadership hand-over's fence, sends it at once (a fenced
+master's log must stop growing, and no new write comes to carry it); and a rider not begun
+when the role goes fails as not stored, never stored later.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import asyncio
 import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -23,7 +25,7 @@ import pytest
 from squall.v1 import common_pb2, replica_pb2
 from squall_server.common.config import ClusterConfig, parse_config
 from squall_server.common.errors import Code, ServiceError
-from squall_server.replica import commands
+from squall_server.replica import commands, handoff
 from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.commands import Planned
 from squall_server.replica.node import ReplicaNode
@@ -171,5 +173,29 @@ def test_a_rider_on_a_replica_that_is_not_master_is_refused_at_once(tmp_path: Pa
         with pytest.raises(ServiceError):
             await node.write_with_next(_topic("rider"), 0.01)
         assert appends == []
+
+    _run(tmp_path, scenario)
+
+
+def test_a_hand_over_fence_sends_riders_at_once(tmp_path: Path) -> None:
+    async def scenario(node: ReplicaNode, appends: list[int]) -> None:
+        # A slave n2 that holds whatever the master's log holds: the hand-over waits only
+        # for the master's own writes to end.
+        def slave_status() -> list[SimpleNamespace]:
+            lsn = node.last_lsn
+            progress = SimpleNamespace(
+                node_id="n2", received_lsn=lsn, written_lsn=lsn, synced_lsn=lsn
+            )
+            return [SimpleNamespace(progress=progress)]
+
+        node.slave_status = slave_status  # type: ignore[method-assign]
+        rider = node.writer.submit_with_next(_topic("rider"), NEVER_ALONE_S)
+        ready = await handoff.prepare(
+            node,
+            replica_pb2.PrepareHandoffRequest(epoch=1, target_node_id="n2", timeout_ms=10_000),
+        )
+        assert rider.done() and rider.exception() is None
+        assert appends == [1]
+        assert ready.last_lsn == ready.target_lsn == ready.commit_lsn == node.last_lsn
 
     _run(tmp_path, scenario)
