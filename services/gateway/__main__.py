@@ -15,11 +15,13 @@ from squall_server.common.grpc_server import ServiceServer
 from squall_server.common.logs import set_log_context, setup_logging
 from squall_server.common.running_nodes import RunningNodes
 from squall_server.common.service_main import run_service
+from squall_server.common.telemetry import current
 from squall_server.console.hosted import HostedConsole, serves_console
 from squall_server.gateway.forward import FORWARDED_SERVICES, Forwarder
 from squall_server.gateway.master import MasterTracker
 from squall_server.gateway.server import ClusterAdmin
 from squall_server.gateway.shared_publish import SharedPublishStreams, joining_for
+from squall_server.gateway.telemetry import instruments
 
 log = logging.getLogger("squall.gateway")
 
@@ -68,6 +70,10 @@ async def serve(config: ClusterConfig, gateway: GatewayConfig, stop: asyncio.Eve
     )
     grpc_server.server.add_generic_rpc_handlers(forwarder.handlers())
     gateway_pb2_grpc.add_ClusterAdminServicer_to_server(admin, grpc_server.server)
+    observed = current()
+    gauges = instruments(observed) if observed.metering else None
+    if gauges is not None:
+        gauges.watch(gateway.id, shared.backlog)
     masters.start()
     set_log_context(lambda: {"master": masters.master_id or "-", "epoch": masters.epoch})
     console: HostedConsole | None = None
@@ -89,6 +95,8 @@ async def serve(config: ClusterConfig, gateway: GatewayConfig, stop: asyncio.Eve
         await stop.wait()
         log.info("gateway %s stopping", gateway.id)
     finally:
+        if gauges is not None:
+            gauges.unwatch(gateway.id)
         if console is not None:
             await asyncio.to_thread(console.close)
         await grpc_server.stop()

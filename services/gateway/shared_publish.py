@@ -191,6 +191,18 @@ class _Caller:
     written: bool = False
 
 
+@dataclass(frozen=True)
+class Backlog:
+    """Unary publishes waiting at the gateway for room on its shared streams, and requests
+    written on them that the master has not answered (``squall.gateway.publish.*``)."""
+
+    waiting: int = 0
+    unanswered: int = 0
+
+    def __add__(self, other: Backlog) -> Backlog:
+        return Backlog(self.waiting + other.waiting, self.unanswered + other.unanswered)
+
+
 @dataclass(eq=False)
 class _Sent:
     """One request written to the stream: one caller's, or several callers' joined."""
@@ -255,6 +267,12 @@ class SharedPublishStream:
 
     def _window(self) -> int:
         return self._joining.window if self._joining is not None else self._inflight_max
+
+    def backlog(self) -> Backlog:
+        """What waits on this link now: callers not yet written (those that gave up are
+        not counted), and requests written that the master has not answered."""
+        waiting = sum(not caller.answer.done() for caller in self._waiting)
+        return Backlog(waiting, self._unanswered())
 
     def _unanswered(self) -> int:
         stream = self._stream
@@ -696,6 +714,10 @@ class SharedPublishStreams:
         )
         self._links[key] = link
         return link
+
+    def backlog(self) -> Backlog:
+        """Every link's backlog together (call on the gateway's loop)."""
+        return sum((link.backlog() for link in self._links.values()), Backlog())
 
     @property
     def opened(self) -> int:

@@ -20,6 +20,7 @@ import re
 import signal
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -216,6 +217,17 @@ class ScriptedCluster:
     coordinators: dict[str, FakeCoordinator]
     addresses: dict[str, str]  # node id -> replica address
     gateway: processes.Service
+    metrics_port: int
+
+    def gauge(self, name: str) -> float | None:
+        """A gauge of the gateway's, scraped from its Prometheus endpoint (None: not
+        reported)."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as page:
+            for line in page.read().decode().splitlines():
+                if line.startswith(name + "{") or line.startswith(name + " "):
+                    return float(line.rsplit(" ", 1)[1])
+        return None
 
     def views(self, state: int, epoch: int, master: str = "", nodes: tuple[str, ...] = ()) -> None:
         """Every (or the named) fake coordinator reports this view of its own node."""
@@ -273,6 +285,12 @@ def scripted(tmp_path: Path) -> Iterator[ScriptedCluster]:
         "gateways": [{"id": "g1", "address": gateway_address}],
         "timeouts": {"rpc_timeout_ms": 1500, "publish_timeout_ms": 3000},
         "retry": {"retry_backoff_initial_ms": 5, "retry_backoff_max_ms": 50},
+        # Its gauges say what waits at the gateway (a test waits on them, not on time).
+        "telemetry": {
+            "exporter": "prometheus",
+            "prometheus_host": "127.0.0.1",
+            "gateway_prometheus_port": processes.free_port(),
+        },
     }
     config_path = tmp_path / "scripted.toml"
     config_path.write_text(processes.dump_toml(document))
@@ -281,7 +299,8 @@ def scripted(tmp_path: Path) -> Iterator[ScriptedCluster]:
     )
     try:
         processes.wait_serving([gateway])
-        cluster = ScriptedCluster(replicas, coordinators, addresses, gateway)
+        metrics_port = int(document["telemetry"]["gateway_prometheus_port"])  # type: ignore[index]
+        cluster = ScriptedCluster(replicas, coordinators, addresses, gateway, metrics_port)
         cluster.views(NORMAL, 1, master="n1")
         _wait_for(lambda: "master is n1" in cluster.log(), 10, "the gateway follows n1")
         yield cluster
@@ -342,12 +361,19 @@ def test_a_joined_request_whose_answer_is_lost_is_sent_again_and_stored_once(
     with scripted.channel() as channel, futures.ThreadPoolExecutor(8) as pool:
         first = [pool.submit(_publish, channel, f"p{i}", 1) for i in range(2)]
         _wait_for(lambda: master.attempts["Publish"] >= 1, 10, "the first request at the master")
-        # Time for the second request to be written beside it, and then for the six to
-        # reach the gateway: neither can be seen from here (the master reads a stream's
-        # requests in turn), and each takes well under a millisecond.
-        time.sleep(1)
+        # The master reads a stream's requests in turn: the gateway's gauges say when the
+        # second is written beside the first, and when the six wait behind them.
+        _wait_for(
+            lambda: scripted.gauge("squall_gateway_publish_unanswered") == 2,
+            10,
+            "two requests unanswered on the shared stream",
+        )
         rest = [pool.submit(_publish, channel, f"p{i}", 1) for i in range(2, 8)]
-        time.sleep(1)
+        _wait_for(
+            lambda: scripted.gauge("squall_gateway_publish_waiting") == 6,
+            10,
+            "six callers waiting at the gateway",
+        )
         held.set()
         responses = {f"p{i}": call.result(20) for i, call in enumerate(first + rest)}
     assert master.attempts["joined"] >= 1  # the retries may or may not meet again
