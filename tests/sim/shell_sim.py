@@ -41,12 +41,14 @@ and finished (``CountingStore``); the others were cut short.
 
 Clients publish through ``ReplicaNode.start_publish`` on whichever node they believe is
 master, every third time a joined request of ``JOINED_PARTS`` parts
-(``start_publish_parts``), each payload unique; a receipt is an acknowledgement (of a
-part, alone). A joined request is one ``PublishPartsOp`` entry while every node of the
-node set says it reads them; in ``OLDER_MEMBER_SHARE`` of the seeds one node plays a
-release that predates them (its Position never says ``reads_joined_publishes``), so every
-master stores each part as an entry of its own: that node reads every epoch's entries
-when it catches up, in the group or out of it.
+(``start_publish_parts``), and every third time as a write that rides with the master's
+next commit batch (``ReplicaNode.write_with_next``, as a push subscriber's cursor goes:
+with another client's publish, or alone after ``RIDE_S``), each payload unique; a receipt
+is an acknowledgement (of a part, alone). A joined request is one ``PublishPartsOp``
+entry while every node of the node set says it reads them; in ``OLDER_MEMBER_SHARE`` of
+the seeds one node plays a release that predates them (its Position never says
+``reads_joined_publishes``), so every master stores each part as an entry of its own:
+that node reads every epoch's entries when it catches up, in the group or out of it.
 
 Checks: at most one master per epoch (sampled and from the logs' epoch-start entries);
 after healing a master serves and a publish is acknowledged within ``LIVENESS_S``; then
@@ -100,6 +102,7 @@ BREAK_AFTER_S = 1.0  # a cut held this long breaks the call (gRPC keepalive)
 SLOW_DISK_S = 0.8  # the longest store-thread job of a slow disk
 PUBLISH_WAIT_S = 3.0  # a client gives up on a publish after this long
 JOINED_PARTS = 3  # parts of a client's joined publish (every third publish)
+RIDE_S = 0.05  # a riding publish's longest wait for a batch to ride with (push.py's)
 SAMPLE_S = 0.01  # how often the one-master-per-epoch check samples roles
 NETWORK_TICK_S = 0.1  # how often the network fails calls a cut held too long
 # A share of the seeds keep a short log (``limits.log_retention_entries`` drawn from
@@ -716,6 +719,7 @@ class ShellSim:
         # Every third publish is a joined request of JOINED_PARTS one-event parts (a
         # client's shared stream joins concurrent publishes: ``start_publish_parts``).
         joined = self.payloads % 3 == 0
+        riding = self.payloads % 3 == 1
         payloads = [
             b"e%d-%d" % (self.seed, self.payloads) + (b"-%d" % part if joined else b"")
             for part in range(JOINED_PARTS if joined else 1)
@@ -736,6 +740,13 @@ class ShellSim:
                 outcomes = await asyncio.wait_for(
                     replica.start_publish_parts(requests), PUBLISH_WAIT_S
                 )
+            elif riding:
+                planned = await asyncio.wait_for(
+                    replica.write_with_next(commands.Publish(requests[0]), RIDE_S),
+                    PUBLISH_WAIT_S,
+                )
+                assert planned.receipt is not None, "a planned publish has a receipt"
+                outcomes = [planned.receipt]
             else:
                 outcomes = [
                     await asyncio.wait_for(replica.start_publish(requests[0]), PUBLISH_WAIT_S)

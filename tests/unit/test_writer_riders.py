@@ -14,7 +14,6 @@ when the role goes fails as not stored, never stored later.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from deploy.processes import free_ports
 from squall.v1 import common_pb2, replica_pb2
 from squall_server.common.config import ClusterConfig, parse_config
 from squall_server.common.errors import Code, ServiceError
@@ -36,19 +36,13 @@ WAIT_S = 30.0  # generous: the machine is shared
 NEVER_ALONE_S = 600.0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _config(tmp_path: Path) -> ClusterConfig:
+    ports = iter(free_ports(3))
     text = (
         '[cluster]\nname = "t"\n\n[[nodes]]\nid = "n1"\npriority = 1\n'
-        f'coordinator_address = "127.0.0.1:{_free_port()}"\n'
-        f'replica_address = "127.0.0.1:{_free_port()}"\ndata_dir = "n1"\n'
-        f'\n[[gateways]]\nid = "g1"\naddress = "127.0.0.1:{_free_port()}"\n'
+        f'coordinator_address = "127.0.0.1:{next(ports)}"\n'
+        f'replica_address = "127.0.0.1:{next(ports)}"\ndata_dir = "n1"\n'
+        f'\n[[gateways]]\nid = "g1"\naddress = "127.0.0.1:{next(ports)}"\n'
         "\n[limits]\ncommit_batch_max_entries = 4\n"
     )
     config = parse_config(text, tmp_path / "cluster.toml")
@@ -75,9 +69,8 @@ def _run(tmp_path: Path, scenario: Callable[[ReplicaNode, list[int]], Awaitable[
     entries of each store append from then on."""
 
     async def main() -> None:
-        node = build_replica_node(
-            _config(tmp_path), _config(tmp_path).node("n1"), Store.open_memory()
-        )
+        config = _config(tmp_path)
+        node = build_replica_node(config, config.node("n1"), Store.open_memory())
         await node.start()
         try:
             await node.apply_role(_role(common_pb2.ROLE_MASTER, 1, 1))
