@@ -107,7 +107,8 @@ class Writer(CoreView):
         # only weakly).
         self._rests: set[asyncio.Task[None]] = set()
         # Commands waiting to ride with the next commit batch (``submit_with_next``), and
-        # the timer that queues them on their own if no batch begins first.
+        # the timer that queues them on their own if no batch begins first. Bounded by
+        # their submitters: each push subscriber keeps at most one cursor write in flight.
         self._riders: list[_Pending] = []
         self._riders_due: asyncio.TimerHandle | None = None
 
