@@ -69,7 +69,7 @@ _IDLE_RECHECK_S = 1.0
 # A cursor write waits at most this long to ride with the next commit batch (a publish's,
 # usually) instead of paying an append and a replication round of its own per lone
 # delivery; a failover re-offers at most the deliveries of this wait more (at-least-once).
-# On a 2-core VM riding brought publish -> push endpoint from ~1.27x to ~1.07x of publish ->
+# On a 2-core VM riding brought publish -> push endpoint from ~1.23x to ~1.03x of publish ->
 # subscriber (bench/README.md, *A push cursor rides with the next write*).
 _CURSOR_RIDE_S = 0.05
 # Longest status detail from a subscriber kept in logs, status and removal reasons.

@@ -235,11 +235,15 @@ class Writer(CoreView):
         if not riders:
             return
         room = min(self.config.limits.commit_batch_max_entries, driver.core.write_room)
-        space = room - sum(_weight(pending.command) for pending in batch)
-        if space <= 0:
-            return
-        batch.extend(riders[:space])
-        del riders[:space]
+        used = sum(_weight(pending.command) for pending in batch)
+        boarding = 0
+        for pending in riders:  # bounded by the riders
+            if used + _weight(pending.command) > room:
+                break
+            used += _weight(pending.command)
+            boarding += 1
+        batch.extend(riders[:boarding])
+        del riders[:boarding]
         if not riders and self._riders_due is not None:
             self._riders_due.cancel()
             self._riders_due = None

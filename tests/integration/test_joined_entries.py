@@ -7,7 +7,8 @@ reads such entries (``ReplicationPosition.reads_joined_publishes``, docs/replica
 An app sees which from its receipts: the parts of one joined entry share its LSN.
 
 Sixteen publishers of one client publish one event at a time, throughout: with every node
-up their parts share entries; n3 is killed (both processes) and the leadership moves to n2
+up their parts share entries; n3 is killed (both processes, or its replica alone) and the
+leadership moves to n2
 (a new epoch, in which n3 has said nothing), and from then until n3 is started again no
 two receipts of that epoch share an LSN; once n3 is back and streaming, parts share
 entries again. Every acknowledged event is stored once on every replica, n3 included, at
@@ -19,12 +20,16 @@ from __future__ import annotations
 import collections
 import threading
 
+import pytest
+
 import squall
+from squall.v1 import common_pb2, coordinator_pb2
 from tests.integration.conftest import LocalCluster, run_squall, stored_events, wait_for
 from tests.integration.test_gateway import trio  # noqa: F401  (the fixture)
 
 PUBLISHERS = 16
 TOPIC = "orders"
+_NOT_UP = coordinator_pb2.CoordinatorStatus()  # a node that does not answer yet
 
 
 class _Load:
@@ -84,9 +89,13 @@ def _in_epoch(receipts: list[squall.Receipt], epoch: int) -> int:
     return sum(r.epoch == epoch for r in receipts)
 
 
+@pytest.mark.parametrize("killed", ["node", "replica"])
 def test_parts_share_an_entry_only_while_every_node_has_said_it_reads_them(
     trio: LocalCluster,  # noqa: F811
+    killed: str,
 ) -> None:
+    # The node's replica is what streams and says it reads joined entries: killed alone
+    # (its coordinator then leaves the group) it holds joining off as the whole node does.
     wait_for(lambda: trio.wait_for_master() == "n1", 30, "n1, the first in rank, leads")
     first_epoch = trio.statuses()["n1"].epoch
     config = str(trio.config_path)
@@ -100,7 +109,10 @@ def test_parts_share_an_entry_only_while_every_node_has_said_it_reads_them(
                 30,
                 "parts sharing an entry with every node up",
             )
-            trio.kill_node("n3")
+            if killed == "node":
+                trio.kill_node("n3")
+            else:
+                trio.kill("replica", "n3")
             wait_for(lambda: "n3" not in trio.statuses()["n1"].group, 20, "n1 drops n3")
             moved = run_squall(
                 "cluster", "transfer", "--to", "n2", "--reason", "test", "--config", config
@@ -114,8 +126,16 @@ def test_parts_share_an_entry_only_while_every_node_has_said_it_reads_them(
                 "300 publishes acknowledged in n2's epoch while n3 is away",
             )
             away = load.receipts()
-            trio.start_node("n3")
-            wait_for(lambda: "n3" in trio.statuses()["n2"].group, 30, "n3 back in n2's group")
+            if killed == "node":
+                trio.start_node("n3")
+            else:
+                trio.start("replica", "n3")
+            # Back in a normal group: n2's, or a merged one under a newer epoch.
+            wait_for(
+                lambda: trio.statuses().get("n3", _NOT_UP).state == common_pb2.NODE_STATE_NORMAL,
+                30,
+                "n3 back in a normal group",
+            )
             # n3's return may merge the groups into a newer epoch: any epoch from n2's on.
             wait_for(
                 lambda: any(
