@@ -77,16 +77,17 @@ lint: install
 	$(BIN)/ruff format --check services clients tests scripts deploy bench examples chaos
 	$(BIN)/mypy squall_server clients/squall deploy scripts bench chaos
 
-# The in-process tests (unit, simulator seeds: CPU-bound, no timing) run on two workers, a
-# file per worker at a time, except the simulators' seed chunks (tests/xdist_units.py):
-# each chunk of 25 whole-node seeds (1,000 in all, COORD_SEEDS=N for another count) or 20
-# shell seeds is a unit either worker takes; a failing chunk lists each failing seed with
-# its replay command (SEED=S ...). The tests that start real processes then run one at a
-# time, as their failover bounds assume. With PYTEST_ARGS, one run of what they select.
+# The unit tests run on two workers, a file per worker at a time. Then the tests that start
+# real processes run one at a time, as their failover bounds assume, and beside them, at
+# the lowest CPU priority, the simulators' seeds on two workers (scripts/test_suites.sh: the
+# real-process tests leave a core idle while they wait; the simulators run on virtual
+# time). Each chunk of 25 whole-node seeds (1,000 in all, COORD_SEEDS=N for another count)
+# or 20 shell seeds is a unit either worker takes (tests/xdist_units.py); a failing chunk
+# lists each failing seed with its replay command (SEED=S ...). With PYTEST_ARGS, one run
+# of what they select.
 test: install protos-check lint node-deps browser-deps
 ifeq ($(strip $(PYTEST_ARGS)),)
-	$(BIN)/pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=10 tests/unit tests/sim
-	$(BIN)/pytest -q -p no:cacheprovider --durations=25 --ignore=tests/unit --ignore=tests/sim
+	@bash scripts/test_suites.sh $(BIN)
 else
 	$(BIN)/pytest -q -p no:cacheprovider --durations=25 $(PYTEST_ARGS)
 endif

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# `make test`'s runs, in the order that keeps the whole under CI's 20 minutes on two cores:
+#
+# 1. the unit tests, on two xdist workers (in process, CPU-bound, a few with real timeouts);
+# 2. the tests that start real processes, one at a time as their failover bounds assume,
+#    and beside them the simulators' seeds at the lowest CPU priority (`nice -n 19`).
+#
+# The real-process tests leave about one core idle while they wait on elections and
+# timeouts; the simulators run on virtual time (tests/sim/virtual_loop.py), so they can only
+# be slowed by that, never made to fail, and at nice 19 they take a core only when nothing
+# else wants it. The simulators' output is printed after the real-process tests' own.
+# Any run's failure (including pytest's 5, nothing collected) fails the whole.
+#
+# Usage: scripts/test_suites.sh VENV_BIN
+set -uo pipefail
+
+bin=${1:?usage: scripts/test_suites.sh VENV_BIN}
+common=(-q -p no:cacheprovider)
+
+"$bin/pytest" "${common[@]}" -n 2 --dist loadfile --durations=10 tests/unit || exit $?
+
+sim_log=$(mktemp "${TMPDIR:-/tmp}/squall-sim.XXXXXX")
+# setsid: its own process group (it is not a group leader, so it does not fork and $! is
+# the group's id), so an interrupted run stops its xdist workers too, by that id.
+setsid nice -n 19 "$bin/pytest" "${common[@]}" -n 2 --dist loadfile --durations=10 tests/sim \
+    >"$sim_log" 2>&1 &
+sims=$!
+stop_sims() {
+    kill -TERM -- "-$sims" 2>/dev/null
+    rm -f "$sim_log"
+}
+trap stop_sims EXIT
+trap 'exit 130' INT TERM
+
+"$bin/pytest" "${common[@]}" --durations=25 --ignore=tests/unit --ignore=tests/sim
+real=$?
+
+echo "-- the simulators (tests/sim, at nice 19 beside the real-process tests):"
+wait "$sims"
+sim=$?
+cat "$sim_log"
+trap - EXIT
+rm -f "$sim_log"
+
+echo "-- unit: passed; real processes: exit $real; simulators: exit $sim"
+[ "$real" -eq 0 ] && [ "$sim" -eq 0 ]
