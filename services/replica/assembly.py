@@ -231,6 +231,7 @@ def build_replica_node(
         set_master=set_master,
         on_deposed=master_deposed,
         on_epoch_started=master_work.start,
+        report_fault=faults.report,
     )
     # Role commands and the core's role effects (roles.py). (The master's replication for
     # its epoch is ``state.master``; a slave's follower and the number of its current

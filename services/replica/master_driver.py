@@ -56,7 +56,7 @@ from squall_server.replica.master_steps import MasterOutputs, MasterSteps, durab
 from squall_server.replica.master_streams import ReconnectBackoff
 from squall_server.replica.replication import ReplicationMaster, SlaveProgress
 from squall_server.replica.snapshot_pump import pump_snapshot
-from squall_server.replica.store import Store, StoreError
+from squall_server.replica.store import CorruptRecordError, Store, StoreError
 from squall_server.replica.telemetry import ReplicationTracer
 from squall_server.replica.transport import ReplicaCallError, ReplicateCall, ReplicaTransport
 
@@ -204,6 +204,7 @@ class MasterDriver:
         clock: Clock,
         on_commit: Callable[[int], None],
         on_deposed: Callable[[str], None],
+        on_fault: Callable[[str], None],
         io: concurrent.futures.Executor,
         commit_lock: asyncio.Lock,
         log_start_lsn: int = 1,
@@ -213,7 +214,8 @@ class MasterDriver:
         """``transport``: this epoch's own (closed with the driver); ``io``: the store
         thread; ``commit_lock``: held by the writer while it appends;
         ``stamp_snapshot``: adds the commit LSN and what the snapshot holds above it to a
-        snapshot's last chunk (the node's committed-reads gate knows)."""
+        snapshot's last chunk (the node's committed-reads gate knows); ``on_fault``: the
+        node's fault report (a record of the log or of a snapshot fails its checksum)."""
         self.config = config
         self.node = node
         self.core = core
@@ -222,6 +224,7 @@ class MasterDriver:
         self._transport = transport
         self._clock = clock
         self._on_deposed = on_deposed
+        self._on_fault = on_fault
         self._io = io
         self._commit_lock = commit_lock
         self._stamp_snapshot = stamp_snapshot
@@ -253,6 +256,7 @@ class MasterDriver:
                 committed=on_commit,
                 room=self._room.set,
                 deposed=self._deposed,
+                fault=on_fault,
                 sent=None if spans is None else spans.sent,
             ),
             tail_bytes_max=2 * config.limits.replication_inflight_bytes_max,
@@ -462,6 +466,9 @@ class MasterDriver:
                 f"{node_id} failed: {exc}"
             )
             log.error("replica %s: %s", self.node.id, message)
+            if isinstance(exc, CorruptRecordError):
+                # As for the log: a node with a sound copy must send this slave its state.
+                self._on_fault(f"checksum error taking a snapshot for node {node_id}: {exc}")
             self._close_stream(node_id, stream_id, message)
 
     def _complete(self, done: Sequence[Waiting]) -> None:

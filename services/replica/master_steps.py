@@ -8,8 +8,9 @@ up-to-date slave reads no store; a catching-up slave's batch is read from the st
 small steps and cut to the grant by ``fit_batch``). What needs streams, tasks or futures
 it leaves to its shell through ``MasterOutputs``: queue a message on a slave's stream,
 start a snapshot, close a stream, settle completed and failed writes, the commit LSN
-moved, the core was deposed. Actions returned by ``on_sent`` are applied after the
-record that produced them, in order, so no recursion grows with the window.
+moved, the core was deposed, a record it read fails its checksum. Actions returned by
+``on_sent`` are applied after the record that produced them, in order, so no recursion
+grows with the window.
 
 The steps also read what a slave's stream says (its answer to the Hello, its acks, a
 refusal naming its epoch, the stream's end) and answer the writer's hand-off (whether a
@@ -41,7 +42,7 @@ from squall_server.replica.replication import (
     batch_size_bytes,
     fit_batch,
 )
-from squall_server.replica.store import Store
+from squall_server.replica.store import CorruptRecordError, Store
 
 log = logging.getLogger("squall.replica")
 
@@ -74,7 +75,10 @@ class MasterOutputs(Generic[W]):
     ``completed``/``failed``: writes committed, or failed as indeterminate (the master was
     deposed); ``committed``: the commit LSN (each record's, moved or not); ``room``: the
     core may admit more writes; ``deposed``: the core was deposed (the text says why);
-    ``sent``: a batch of LSNs first..last, of so many bytes, went to node_id (tracing)."""
+    ``sent``: a batch of LSNs first..last, of so many bytes, went to node_id (tracing);
+    ``fault``: the log a slave lacks cannot be read (a record fails its checksum): the
+    node reports it as its fault (``FaultReports.report``), so that its coordinator
+    quarantines it and a node with a sound copy leads."""
 
     send: Callable[[str, replica_pb2.ReplicateRequest], None]
     heartbeat: Callable[[str, replica_pb2.ReplicateRequest], None]
@@ -85,6 +89,7 @@ class MasterOutputs(Generic[W]):
     committed: Callable[[int], None]
     room: Callable[[], None]
     deposed: Callable[[str], None]
+    fault: Callable[[str], None]
     sent: Callable[[str, int, int, int], None] | None = None
 
 
@@ -352,9 +357,11 @@ class MasterSteps(Generic[W]):
         """Builds a granted batch, reports it sent to the core and queues it."""
         kept: Sequence[replica_pb2.LogEntry] = []
         if grant.entries_max:
-            kept = fit_batch(
-                self._read(grant.from_lsn, grant.entries_max, grant.bytes_max), grant.bytes_max
-            )
+            try:
+                read = self._read(grant.from_lsn, grant.entries_max, grant.bytes_max)
+            except CorruptRecordError as exc:
+                return self._unreadable(grant, exc)
+            kept = fit_batch(read, grant.bytes_max)
         last = kept[-1].lsn if kept else grant.from_lsn - 1
         actions = self.core.on_sent(grant.node_id, grant.stream_id, last, batch_size_bytes(kept))
         truncate = grant.truncate_after_lsn
@@ -378,6 +385,18 @@ class MasterSteps(Generic[W]):
                 )
             ),
         )
+        return actions
+
+    def _unreadable(self, grant: SendGrant, exc: CorruptRecordError) -> Actions[W]:
+        """A granted batch whose log fails its checksum: nothing of it is sent, the node
+        reports the fault and the stream closes (every retry meets the same record, so the
+        slave can only be brought up to date by a master with a sound copy)."""
+        reason = f"checksum error reading the log for node {grant.node_id}: {exc}"
+        # The stream ends here for the core too: told only that nothing went, it would
+        # grant the same batch again at once.
+        actions = self.core.disconnected(grant.node_id, grant.stream_id)
+        self._out.fault(reason)
+        self._out.close_stream(grant.node_id, grant.stream_id, reason)
         return actions
 
     def receipt_stamp(self, lsn: int) -> bytes:

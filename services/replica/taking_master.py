@@ -106,6 +106,7 @@ class TakingMaster(CoreView):
         set_master: Callable[[MasterDriver], None],
         on_deposed: Callable[[str], None],
         on_epoch_started: Callable[[int], None],
+        report_fault: Callable[[str], None],
     ) -> None:
         """``config`` and ``nodes`` give the configuration in force and its nodes by id (a
         membership change replaces them); ``transport`` makes a connection to the other
@@ -113,7 +114,9 @@ class TakingMaster(CoreView):
         a slave's divergent suffix is replaced by a snapshot. ``set_master`` hands the
         epoch's replication to the node; ``on_deposed`` is its deposition;
         ``on_epoch_started(epoch)`` runs once the epoch start committed and this node
-        still is its master (readers are woken through the driver's hook)."""
+        still is its master (readers are woken through the driver's hook);
+        ``report_fault``: the node's fault report, for a master that cannot read its own
+        log or snapshot for a slave (``FaultReports.report``)."""
         self.node = node
         self._config = config
         self._nodes = nodes
@@ -134,6 +137,7 @@ class TakingMaster(CoreView):
         self._set_master = set_master
         self._on_deposed = on_deposed
         self._on_epoch_started = on_epoch_started
+        self._report_fault = report_fault
         # The task taking a master role in the background (its reorganization sync).
         self.current: Taking | None = None
         self._stopping: asyncio.Task[None] | None = None  # an abandoned taking winding down
@@ -200,6 +204,7 @@ class TakingMaster(CoreView):
             clock=self.clock,
             on_commit=self.driver.advance_commit,
             on_deposed=self._on_deposed,
+            on_fault=self._report_fault,
             io=self._io,
             commit_lock=self._commit_lock,
             log_start_lsn=self._log_start_lsn,

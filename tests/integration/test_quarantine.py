@@ -7,6 +7,10 @@ acks), writes go on with the majority, `squall status` shows who quarantined it,
 why, and the quarantine is persisted. The operator repairs the store (moves the damaged
 files away), clears the quarantine, and n3 rejoins and is brought up to date with every
 event.
+
+A master whose own log fails its checksum where a lagging slave needs it reports the
+fault too: its coordinator quarantines it, the next node leads from its sound copy and
+brings the slave up to date with every acknowledged event.
 """
 
 from __future__ import annotations
@@ -18,10 +22,10 @@ import lmdb
 import pytest
 
 import squall
-from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2
+from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2, replica_pb2, replica_pb2_grpc
 from squall_server.replica.faults import FAULT_FILE_NAME
 from squall_server.replica.store import DATABASES
-from tests.integration.conftest import LocalCluster, run_squall, wait_for
+from tests.integration.conftest import LocalCluster, run_squall, stored_events, wait_for
 from tests.integration.test_gateway import trio  # noqa: F401  (the fixture)
 
 _EVENTS = 50
@@ -132,3 +136,80 @@ def test_a_corrupt_record_quarantines_the_slave_until_an_operator_clears_it(
     wait_for(lambda: _holds(trio, "n3", _EVENTS + 1), 30, "n3 holds every event again")
     audit = [(r.operator, r.action) for r in trio.statuses()["n3"].audit]
     assert audit[-2:] == [("replica", "quarantine"), (audit[-1][0], "unquarantine")]
+
+
+def _last_lsn(cluster: LocalCluster, node_id: str) -> int:
+    with cluster.dial(cluster.replica_address(node_id)) as channel:
+        state = replica_pb2_grpc.ReplicaControlStub(channel).GetReplicaState(
+            replica_pb2.GetReplicaStateRequest(), timeout=5
+        )
+    return int(state.last_lsn)
+
+
+def test_a_master_whose_log_fails_its_checksum_for_a_lagging_slave_is_quarantined(
+    cluster_factory: object,
+) -> None:
+    # A small in-flight window keeps the master's tail cache (twice the window) small,
+    # so what the slave lacks is read from the store, where the damage is.
+    cluster = cluster_factory(  # type: ignore[operator]
+        "cluster.example.toml", limits={"replication_inflight_bytes_max": 1024}
+    )
+    assert isinstance(cluster, LocalCluster)
+    cluster.start_all()
+    assert cluster.wait_for_master() == "n1"
+    with squall.connect(cluster.gateway_address, timeout_s=5.0) as client:
+        client.create_topic("orders")
+        wait_for(
+            lambda: _last_lsn(cluster, "n3") == _last_lsn(cluster, "n1"), 20, "n3 has the topic"
+        )
+        cluster.kill("replica", "n3")  # down (OOM-killed, say) while events are acknowledged
+        lagging = _last_lsn(cluster, "n1")
+        with client.topic("orders").publisher("app-1") as publisher:
+            receipts = [publisher.publish(b"order %d" % i) for i in range(20)]
+    assert {r.master_id for r in receipts} == {"n1"}
+
+    # Bit rot in n1's log entry just above n3's end, through a second handle on the live
+    # environment (the replica reads the page from the shared map).
+    damaged = lagging + 1
+    env = lmdb.open(
+        str(cluster.config.node("n1").data_dir),
+        max_dbs=len(DATABASES),
+        map_size=cluster.config.limits.map_size_bytes,
+    )
+    try:
+        log_db = env.open_db(b"log", create=False)
+        with env.begin(write=True, db=log_db) as txn:
+            key = damaged.to_bytes(8, "big")
+            value = txn.get(key)
+            assert value is not None
+            txn.put(key, value[:-1] + bytes([value[-1] ^ 0x40]))
+    finally:
+        env.close()
+
+    cluster.start("replica", "n3")
+
+    def quarantined() -> bool:
+        status = cluster.statuses().get("n1")
+        return status is not None and status.HasField("quarantine")
+
+    wait_for(quarantined, 20, "n1 quarantined by its coordinator")
+    reason = cluster.statuses()["n1"].quarantine.reason
+    assert "checksum error reading the log for node n3" in reason, reason
+    assert cluster.wait_for_master(exclude="n1") == "n2"
+    wait_for(lambda: _last_lsn(cluster, "n3") >= _last_lsn(cluster, "n2"), 30, "n3 caught up")
+    with squall.connect(cluster.gateway_address, timeout_s=5.0) as client:
+        after = client.topic("orders").publisher("app-2").publish(b"after")
+    assert after.master_id == "n2"
+    for node_id in ("n2", "n3"):
+        # A slave serves what it knows committed (the master's next heartbeat tells it).
+        wait_for(
+            lambda n=node_id: len(stored_events(cluster, n, "orders")) > after.offset,
+            20,
+            f"{node_id} serves every event",
+        )
+        events = stored_events(cluster, node_id, "orders")
+        published = [(r, b"order %d" % i) for i, r in enumerate(receipts)] + [(after, b"after")]
+        for receipt, payload in published:
+            event = events[receipt.offset]
+            assert (event.lsn, event.payload) == (receipt.lsn, payload), node_id
+    assert "FAULT: checksum error reading the log for node n3" in cluster.log("replica", "n1")

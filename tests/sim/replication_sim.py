@@ -1540,6 +1540,7 @@ class ReplicationSimulation(Simulation):
                 committed=lambda _lsn: self.master_report(node, core),
                 room=lambda: None,
                 deposed=lambda why: self.master_deposed(node, core, why),
+                fault=lambda why: self.note(f"{node} fault", why),
             ),
             tail_bytes_max=2 * self.params.window_bytes,
             log_start_lsn=store.log_start,

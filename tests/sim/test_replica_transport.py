@@ -6,12 +6,15 @@ reorganization fetch (``_sync_from``) all run as they ship, over
 master mid-epoch; the next epoch's master fetches what it lacks from its sync source; the
 old master, healed, is refused by a slave of the newer epoch (the refusal carries the
 epoch through the transport) and steps down. Every acknowledged publish is in the new
-master's log and is readable there.
+master's log and is readable there. A master whose log a lagging slave needs fails its
+checksum reports the fault and sends none of it; a master with a sound copy brings the
+slave up to date.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -173,6 +176,119 @@ def test_a_slave_whose_opened_stream_breaks_is_reconnected_at_the_shortest_wait(
                 await _until("n2 caught up", lambda: n2.last_lsn == n1.last_lsn)
             assert len(waits) == 7
             assert waits == [(True, RECONNECT_BACKOFF_MIN_MS)] * 7
+        finally:
+            for node in nodes.values():
+                await node.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_master_that_cannot_read_the_log_a_slave_lacks_reports_it_and_a_sound_copy_serves(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Bit rot in the master's log above a lagging slave's end: before, the master's stream
+    task to that slave died with the CorruptRecordError, nothing was reported, and the
+    slave stayed behind for good. Now the master reports a fault (its coordinator
+    quarantines it), sends nothing of the damaged entry, goes on committing with the other
+    slave, and the next master, from a sound copy, brings the lagging slave up to date."""
+
+    async def scenario() -> None:
+        network = SimReplicaNetwork()
+        nodes = await _started(network, ("n1", "n2", "n3"))
+        n1, n2, n3 = nodes["n1"], nodes["n2"], nodes["n3"]
+        try:
+            await n2.apply_role(_slave(1, 1, "n1"))
+            await n3.apply_role(_slave(1, 1, "n1"))
+            await n1.apply_role(_master(1, 1, ["n1", "n2", "n3"], "n1"))
+            await _until("n1 master", lambda: n1.role == common_pb2.ROLE_MASTER)
+            await asyncio.wait_for(
+                n1.write(commands.CreateTopic("orders", common_pb2.TOPIC_KIND_REPLICATED)),
+                WAIT_S,
+            )
+            await _until("n3 has the topic", lambda: n3.last_lsn == n1.last_lsn)
+            network.cut("n1", "n3", both=True)
+            acked = [await _publish(n1, b"a%d" % i) for i in range(10)]
+            # A new epoch of the same master: its tail cache starts empty, so what n3
+            # lacks is read from the store.
+            await n2.apply_role(_slave(2, 2, "n1"))
+            await n3.apply_role(_slave(2, 2, "n1"))
+            await n1.apply_role(_master(2, 2, ["n1", "n2", "n3"], "n1"))
+            await _until(
+                "n1 master of epoch 2", lambda: n1.epoch == 2 and n1.role == common_pb2.ROLE_MASTER
+            )
+            damaged = n3.last_lsn + 3
+            records = n1.store._kv.dbs["log"].data  # type: ignore[attr-defined]
+            key = damaged.to_bytes(8, "big")
+            records[key] = records[key][:-1] + bytes([records[key][-1] ^ 0x40])
+            before = n3.last_lsn
+            network.heal()
+            await _until("n1 reports a fault", lambda: n1.fault is not None)
+            assert n1.fault is not None
+            assert "checksum error reading the log for node n3" in n1.fault.reason
+            assert key.hex() in n1.fault.reason
+            # Writes still commit with n2; n3 got nothing from the damaged batch on.
+            acked.append(await _publish(n1, b"after the fault"))
+            assert n3.last_lsn == before < damaged
+            assert any("FAULT" in r.getMessage() for r in caplog.records)
+
+            # The coordinator quarantines n1 and n2 leads, from its sound copy.
+            await n3.apply_role(_slave(3, 3, "n2"))
+            await n2.apply_role(_master(3, 3, ["n2", "n3"], "n2"))
+            await _until("n2 master", lambda: n2.role == common_pb2.ROLE_MASTER)
+            acked.append(await _publish(n2, b"under n2"))
+            await _until("n3 caught up", lambda: n3.last_lsn == n2.last_lsn)
+            assert _operations(n3) == _operations(n2)
+            for node in (n2, n3):
+                events = node.store.read_events("orders", 0, 100)
+                for receipt in acked:
+                    assert events[receipt.first_offset].lsn == receipt.lsn
+            assert [e.payload for e in n3.store.read_events("orders", 0, 100)] == (
+                [b"a%d" % i for i in range(10)] + [b"after the fault", b"under n2"]
+            )
+        finally:
+            for node in nodes.values():
+                await node.stop()  # raises what a task of the node died of
+
+    asyncio.run(scenario())
+
+
+def test_a_master_whose_snapshot_for_a_slave_meets_a_damaged_record_reports_it() -> None:
+    """A slave behind the compacted log needs a snapshot; an event record of the master's
+    store fails its checksum: the export stops there (nothing damaged is sent), the master
+    reports the fault as it does for its log, and goes on committing with the other slave."""
+
+    async def scenario() -> None:
+        config = load_config(CONFIG)
+        config = dataclasses.replace(
+            config, limits=dataclasses.replace(config.limits, log_retention_entries=4)
+        )
+        network = SimReplicaNetwork()
+        nodes = await network.start_replicas(config, ("n1", "n2", "n3"))
+        n1, n2, n3 = nodes["n1"], nodes["n2"], nodes["n3"]
+        try:
+            await n2.apply_role(_slave(1, 1, "n1"))
+            await n3.apply_role(_slave(1, 1, "n1"))
+            await n1.apply_role(_master(1, 1, ["n1", "n2", "n3"], "n1"))
+            await _until("n1 master", lambda: n1.role == common_pb2.ROLE_MASTER)
+            network.cut("n1", "n3", both=True)
+            await asyncio.wait_for(
+                n1.write(commands.CreateTopic("orders", common_pb2.TOPIC_KIND_REPLICATED)),
+                WAIT_S,
+            )
+            for i in range(20):
+                await _publish(n1, b"a%d" % i)
+            await _until("n1's log compacted", lambda: n1.store.log_start_lsn() > n3.last_lsn + 1)
+            records = n1.store._kv.dbs["events"].data  # type: ignore[attr-defined]
+            key = min(records)
+            records[key] = records[key][:-1] + bytes([records[key][-1] ^ 0x40])
+            before = n3.last_lsn
+            network.heal()
+            await _until("n1 reports a fault", lambda: n1.fault is not None)
+            assert n1.fault is not None
+            assert "checksum error taking a snapshot for node n3" in n1.fault.reason
+            receipt = await _publish(n1, b"after the fault")
+            await _until("n2 has it", lambda: n2.last_lsn >= receipt.lsn)
+            assert n3.last_lsn == before
         finally:
             for node in nodes.values():
                 await node.stop()

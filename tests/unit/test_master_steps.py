@@ -4,7 +4,8 @@ in-memory store with no event loop, streams or futures (what a simulator runs).
 A slave behind the master is sent the log it lacks read from the store, a new write is
 sent from the tail cache, the slave's ack commits the write with a receipt naming both
 holders, and a deposed master fails what is still waiting; each output comes in the
-order ``replication.Actions`` documents.
+order ``replication.Actions`` documents. A log record that fails its checksum is never
+sent: the node reports the fault and the stream closes.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def _steps(
         committed=record("committed"),
         room=lambda: seen.append(("room", None)),
         deposed=record("deposed"),
+        fault=record("fault"),
     )
     return MasterSteps("n1", core, lambda: store, outputs, tail_bytes_max=1 << 20), store, seen
 
@@ -102,6 +104,33 @@ def test_a_slave_gets_the_log_it_lacks_then_a_new_write_commits_with_both_holder
     receipt = common_pb2.BatchReceipt.FromString(steps.receipt_stamp(4))
     assert receipt.master_id == "n1"
     assert {h.node_id for h in receipt.holders} == {"n1", "n2"}
+
+
+def _flip_a_byte_of_the_log_entry(store: Store, lsn: int) -> None:
+    """Damages one log record of the in-memory store, as bit rot would a disk page."""
+    records = store._kv.dbs["log"].data  # type: ignore[attr-defined]
+    key = lsn.to_bytes(8, "big")
+    records[key] = records[key][:-1] + bytes([records[key][-1] ^ 0x40])
+
+
+def test_a_log_record_that_fails_its_checksum_is_not_sent_the_fault_is_reported() -> None:
+    steps, store, seen = _steps()
+    _flip_a_byte_of_the_log_entry(store, 2)
+    core = steps.core
+    stream = core.connect("n2")
+    steps.apply(core.on_position("n2", stream, last_epoch=0, last_lsn=0, history=[]))
+    assert _batches(seen) == []  # not LSN 1 alone either: the batch is not cut at the damage
+    (fault,) = [value for kind, value in seen if kind == "fault"]
+    assert isinstance(fault, str)
+    assert "checksum error reading the log for node n2" in fault and "log" in fault
+    assert ("close", ("n2", stream, fault)) in seen
+    # Nothing counts as sent: once the stream ends, the next one starts from the same LSN
+    # and meets the same record, reported as the same fault.
+    steps.stream_ended("n2", stream)  # as the shell's stream task ends
+    seen.clear()
+    again = core.connect("n2")
+    steps.apply(core.on_position("n2", again, last_epoch=0, last_lsn=0, history=[]))
+    assert ("fault", fault) in seen and _batches(seen) == []
 
 
 def test_a_deposed_master_fails_its_waiting_writes_and_says_why() -> None:
