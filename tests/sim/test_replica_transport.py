@@ -81,6 +81,23 @@ def _operations(node: ReplicaNode) -> list[tuple[int, int, bytes]]:
     return [(e.lsn, e.epoch, e.operation) for e in node.store.read_log(1, 10_000)]
 
 
+async def _n1_masters_epoch_one(nodes: dict[str, ReplicaNode]) -> None:
+    """Epoch 1: n1 masters the other nodes (slaves first); a write commits once a slave
+    holds it."""
+    n1 = nodes["n1"]
+    for node_id, node in nodes.items():
+        if node_id != "n1":
+            await node.apply_role(_slave(1, 1, "n1"))
+    await n1.apply_role(_master(1, 1, list(nodes), "n1"))
+    await _until("n1 master", lambda: n1.role == common_pb2.ROLE_MASTER)
+
+
+async def _create_orders(node: ReplicaNode) -> None:
+    await asyncio.wait_for(
+        node.write(commands.CreateTopic("orders", common_pb2.TOPIC_KIND_REPLICATED)), WAIT_S
+    )
+
+
 def test_replicas_replicate_reorganize_and_depose_over_the_simulated_transport() -> None:
     async def scenario() -> None:
         network = SimReplicaNetwork()
@@ -88,14 +105,8 @@ def test_replicas_replicate_reorganize_and_depose_over_the_simulated_transport()
         n1, n2, n3 = nodes["n1"], nodes["n2"], nodes["n3"]
         try:
             # Epoch 1: n1 masters n2 and n3; a write commits once a slave holds it.
-            await n2.apply_role(_slave(1, 1, "n1"))
-            await n3.apply_role(_slave(1, 1, "n1"))
-            await n1.apply_role(_master(1, 1, ["n1", "n2", "n3"], "n1"))
-            await _until("n1 master", lambda: n1.role == common_pb2.ROLE_MASTER)
-            await asyncio.wait_for(
-                n1.write(commands.CreateTopic("orders", common_pb2.TOPIC_KIND_REPLICATED)),
-                WAIT_S,
-            )
+            await _n1_masters_epoch_one(nodes)
+            await _create_orders(n1)
             acked = [await _publish(n1, b"a%d" % i) for i in range(5)]
             await _until("n2 and n3 caught up", lambda: n2.last_lsn == n3.last_lsn == n1.last_lsn)
             assert _operations(n2) == _operations(n1) == _operations(n3)
@@ -160,13 +171,8 @@ def test_a_slave_whose_opened_stream_breaks_is_reconnected_at_the_shortest_wait(
         nodes = await _started(network, ("n1", "n2"))
         n1, n2 = nodes["n1"], nodes["n2"]
         try:
-            await n2.apply_role(_slave(1, 1, "n1"))
-            await n1.apply_role(_master(1, 1, ["n1", "n2"], "n1"))
-            await _until("n1 master", lambda: n1.role == common_pb2.ROLE_MASTER)
-            await asyncio.wait_for(
-                n1.write(commands.CreateTopic("orders", common_pb2.TOPIC_KIND_REPLICATED)),
-                WAIT_S,
-            )
+            await _n1_masters_epoch_one(nodes)
+            await _create_orders(n1)
             for i in range(7):
                 # The reset fails the open stream; the link is back before the retry.
                 network.cut("n1", "n2", both=True)
@@ -197,14 +203,8 @@ def test_a_master_that_cannot_read_the_log_a_slave_lacks_reports_it_and_a_sound_
         nodes = await _started(network, ("n1", "n2", "n3"))
         n1, n2, n3 = nodes["n1"], nodes["n2"], nodes["n3"]
         try:
-            await n2.apply_role(_slave(1, 1, "n1"))
-            await n3.apply_role(_slave(1, 1, "n1"))
-            await n1.apply_role(_master(1, 1, ["n1", "n2", "n3"], "n1"))
-            await _until("n1 master", lambda: n1.role == common_pb2.ROLE_MASTER)
-            await asyncio.wait_for(
-                n1.write(commands.CreateTopic("orders", common_pb2.TOPIC_KIND_REPLICATED)),
-                WAIT_S,
-            )
+            await _n1_masters_epoch_one(nodes)
+            await _create_orders(n1)
             await _until("n3 has the topic", lambda: n3.last_lsn == n1.last_lsn)
             network.cut("n1", "n3", both=True)
             acked = [await _publish(n1, b"a%d" % i) for i in range(10)]
@@ -266,15 +266,9 @@ def test_a_master_whose_snapshot_for_a_slave_meets_a_damaged_record_reports_it()
         nodes = await network.start_replicas(config, ("n1", "n2", "n3"))
         n1, n2, n3 = nodes["n1"], nodes["n2"], nodes["n3"]
         try:
-            await n2.apply_role(_slave(1, 1, "n1"))
-            await n3.apply_role(_slave(1, 1, "n1"))
-            await n1.apply_role(_master(1, 1, ["n1", "n2", "n3"], "n1"))
-            await _until("n1 master", lambda: n1.role == common_pb2.ROLE_MASTER)
+            await _n1_masters_epoch_one(nodes)
             network.cut("n1", "n3", both=True)
-            await asyncio.wait_for(
-                n1.write(commands.CreateTopic("orders", common_pb2.TOPIC_KIND_REPLICATED)),
-                WAIT_S,
-            )
+            await _create_orders(n1)
             for i in range(20):
                 await _publish(n1, b"a%d" % i)
             await _until("n1's log compacted", lambda: n1.store.log_start_lsn() > n3.last_lsn + 1)
