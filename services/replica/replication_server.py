@@ -101,13 +101,17 @@ async def serve_fetch_log(
     node: SyncSourceEndpoint, request: replica_pb2.FetchLogRequest
 ) -> AsyncIterator[replica_pb2.FetchLogResponse]:
     """Serves a new master's reorganization fetch; a refusal or store error ends it with a
-    ServiceError (a checksum error is reported as this node's fault first)."""
+    ServiceError: ``DATA_LOSS`` for a checksum error (reported as this node's fault first;
+    asking again meets the same record), ``UNAVAILABLE`` for another store error."""
     try:
         async for response in node.fetch_log(request):
             yield response
     except StoreError as exc:
         if isinstance(exc, CorruptRecordError):
             node.report_fault(f"checksum error serving a fetch: {exc}")
+            raise ServiceError(
+                Code.DATA_LOSS, f"replica {node.node.id}: its store failed a checksum: {exc}"
+            ) from exc
         raise ServiceError(Code.UNAVAILABLE, f"replica {node.node.id}: store error: {exc}") from exc
 
 

@@ -293,9 +293,12 @@ class TakingMaster(CoreView):
                     progress.phase = "truncating"
                     await self._truncate_after(diverged.fork_lsn, f"sync source {source_id}")
                 except ReplicaCallError as exc:
+                    # A source whose log fails its checksum fails every retry alike: a
+                    # refusal, so that after a few the coordinator steps this node aside
+                    # and a new epoch picks its source among the members left.
                     code = (
                         Code.FAILED_PRECONDITION
-                        if exc.status == "FAILED_PRECONDITION"
+                        if exc.status in ("FAILED_PRECONDITION", "DATA_LOSS")
                         else Code.UNAVAILABLE
                     )
                     raise ServiceError(

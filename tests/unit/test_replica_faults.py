@@ -11,6 +11,7 @@ role goes.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -181,3 +182,43 @@ def test_a_handlers_store_errors_become_statuses_and_a_checksum_error_is_a_fault
     with _translating(sink):
         pass
     assert len(sink.faults) == 1
+
+
+def test_a_fetch_that_meets_a_checksum_error_ends_in_data_loss_and_is_a_fault() -> None:
+    """A new master's reorganization fetch from a source whose log fails its checksum: the
+    source reports the fault and ends the fetch with DATA_LOSS (the new master counts it as
+    a refusal: every retry would meet the same record); another store error stays
+    UNAVAILABLE (worth retrying)."""
+    from squall_server.replica.replication_server import serve_fetch_log
+    from squall_server.replica.store import CorruptRecordError
+
+    class _Source:
+        def __init__(self, error: StoreError) -> None:
+            self.error = error
+            self.faults: list[str] = []
+            self.node = type("N", (), {"id": "n1"})()
+
+        async def fetch_log(self, request: object) -> AsyncIterator[replica_pb2.FetchLogResponse]:
+            yield replica_pb2.FetchLogResponse()
+            raise self.error
+
+        def report_fault(self, reason: str) -> None:
+            self.faults.append(reason)
+
+    async def served(source: _Source) -> tuple[int, ServiceError]:
+        count = 0
+        with pytest.raises(ServiceError) as error:
+            async for _ in serve_fetch_log(source, replica_pb2.FetchLogRequest()):  # type: ignore[arg-type]
+                count += 1
+        return count, error.value
+
+    corrupt = _Source(CorruptRecordError("log", (7).to_bytes(8, "big"), "checksum mismatch"))
+    count, error = asyncio.run(served(corrupt))
+    assert count == 1 and error.code == Code.DATA_LOSS
+    assert "failed a checksum" in error.message and "0000000000000007" in error.message
+    assert len(corrupt.faults) == 1 and "checksum error serving a fetch" in corrupt.faults[0]
+
+    full = _Source(StoreError("MDB_MAP_FULL"))
+    count, error = asyncio.run(served(full))
+    assert error.code == Code.UNAVAILABLE and "MDB_MAP_FULL" in error.message
+    assert full.faults == []
