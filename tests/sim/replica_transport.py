@@ -225,3 +225,11 @@ class SimReplicaNetwork:
 
     def heal(self) -> None:
         self.cuts.clear()
+
+
+def flip_a_byte(store: Store, db: str, key: bytes | None = None) -> None:
+    """Damages one record of an in-memory store (its last byte; the first record of ``db``
+    when no key is given), as bit rot would a disk page: reading it fails its checksum."""
+    records = store._kv.dbs[db].data  # type: ignore[attr-defined]
+    key = min(records) if key is None else key
+    records[key] = records[key][:-1] + bytes([records[key][-1] ^ 0x40])

@@ -21,10 +21,11 @@ import pytest
 
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
 from squall_server.common.config import load_config
+from squall_server.common.errors import Code, ServiceError
 from squall_server.replica import commands
 from squall_server.replica.master_streams import RECONNECT_BACKOFF_MIN_MS, ReconnectBackoff
 from squall_server.replica.node import ReplicaNode
-from tests.sim.replica_transport import SimReplicaNetwork
+from tests.sim.replica_transport import SimReplicaNetwork, flip_a_byte
 
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "cluster.example.toml"
 CLUSTER_ID = "c-sim-transport"
@@ -217,9 +218,8 @@ def test_a_master_that_cannot_read_the_log_a_slave_lacks_reports_it_and_a_sound_
                 "n1 master of epoch 2", lambda: n1.epoch == 2 and n1.role == common_pb2.ROLE_MASTER
             )
             damaged = n3.last_lsn + 3
-            records = n1.store._kv.dbs["log"].data  # type: ignore[attr-defined]
             key = damaged.to_bytes(8, "big")
-            records[key] = records[key][:-1] + bytes([records[key][-1] ^ 0x40])
+            flip_a_byte(n1.store, "log", key)
             before = n3.last_lsn
             network.heal()
             await _until("n1 reports a fault", lambda: n1.fault is not None)
@@ -272,9 +272,7 @@ def test_a_master_whose_snapshot_for_a_slave_meets_a_damaged_record_reports_it()
             for i in range(20):
                 await _publish(n1, b"a%d" % i)
             await _until("n1's log compacted", lambda: n1.store.log_start_lsn() > n3.last_lsn + 1)
-            records = n1.store._kv.dbs["events"].data  # type: ignore[attr-defined]
-            key = min(records)
-            records[key] = records[key][:-1] + bytes([records[key][-1] ^ 0x40])
+            flip_a_byte(n1.store, "events")
             before = n3.last_lsn
             network.heal()
             await _until("n1 reports a fault", lambda: n1.fault is not None)
@@ -283,6 +281,50 @@ def test_a_master_whose_snapshot_for_a_slave_meets_a_damaged_record_reports_it()
             receipt = await _publish(n1, b"after the fault")
             await _until("n2 has it", lambda: n2.last_lsn >= receipt.lsn)
             assert n3.last_lsn == before
+        finally:
+            for node in nodes.values():
+                await node.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_new_master_whose_sync_source_fails_a_checksum_refuses_the_role() -> None:
+    """The sync source's log fails its checksum where the new master lacks it: the source
+    reports the fault and ends the fetch with DATA_LOSS, and the new master refuses the
+    role (FAILED_PRECONDITION, which its coordinator's step-aside rule counts, so a new
+    epoch picks another source) rather than answering UNAVAILABLE and being asked again
+    for good."""
+
+    async def scenario() -> None:
+        network = SimReplicaNetwork()
+        nodes = await _started(network, ("n1", "n2", "n3"))
+        n1, n2 = nodes["n1"], nodes["n2"]
+        try:
+            await _n1_masters_epoch_one(nodes)
+            await _create_orders(n1)
+            await _until("n2 has the topic", lambda: n2.last_lsn == n1.last_lsn)
+            network.cut("n1", "n2", both=True)
+            for i in range(5):
+                await _publish(n1, b"a%d" % i)  # committed with n3
+            # n1 stops serving (no stream would send n2 its cache), then rots.
+            await n1.apply_role(
+                replica_pb2.RoleCommand(seq=2, role=common_pb2.ROLE_INACTIVE, cluster_id=CLUSTER_ID)
+            )
+            flip_a_byte(n1.store, "log", (n2.last_lsn + 2).to_bytes(8, "big"))
+            network.heal()
+            refusal: ServiceError | None = None
+            for _ in range(200):  # bounded: each call waits at most a heartbeat
+                try:
+                    await n2.apply_role(_master(2, 2, ["n2", "n1"], "n1"))
+                except ServiceError as exc:
+                    refusal = exc
+                    break
+                await asyncio.sleep(0.01)
+            assert refusal is not None, "the new master never answered its taking"
+            assert refusal.code == Code.FAILED_PRECONDITION, refusal
+            assert "fetching the log from sync source n1 failed: DATA_LOSS" in refusal.message
+            assert n1.fault is not None and "checksum error serving a fetch" in n1.fault.reason
+            assert n2.role != common_pb2.ROLE_MASTER
         finally:
             for node in nodes.values():
                 await node.stop()

@@ -17,6 +17,7 @@ from squall.v1 import common_pb2, replica_pb2
 from squall_server.replica.master_steps import MasterOutputs, MasterSteps
 from squall_server.replica.replication import MasterConfig, ReplicationMaster, SyncPolicy
 from squall_server.replica.store import Store
+from tests.sim.replica_transport import flip_a_byte
 
 
 def _entry(lsn: int, epoch: int) -> replica_pb2.LogEntry:
@@ -106,23 +107,17 @@ def test_a_slave_gets_the_log_it_lacks_then_a_new_write_commits_with_both_holder
     assert {h.node_id for h in receipt.holders} == {"n1", "n2"}
 
 
-def _flip_a_byte_of_the_log_entry(store: Store, lsn: int) -> None:
-    """Damages one log record of the in-memory store, as bit rot would a disk page."""
-    records = store._kv.dbs["log"].data  # type: ignore[attr-defined]
-    key = lsn.to_bytes(8, "big")
-    records[key] = records[key][:-1] + bytes([records[key][-1] ^ 0x40])
-
-
 def test_a_log_record_that_fails_its_checksum_is_not_sent_the_fault_is_reported() -> None:
     steps, store, seen = _steps()
-    _flip_a_byte_of_the_log_entry(store, 2)
+    flip_a_byte(store, "log", (2).to_bytes(8, "big"))
     core = steps.core
     stream = core.connect("n2")
     steps.apply(core.on_position("n2", stream, last_epoch=0, last_lsn=0, history=[]))
     assert _batches(seen) == []  # not LSN 1 alone either: the batch is not cut at the damage
     (fault,) = [value for kind, value in seen if kind == "fault"]
     assert isinstance(fault, str)
-    assert "checksum error reading the log for node n2" in fault and "log" in fault
+    assert "checksum error reading the log for node n2" in fault
+    assert "0000000000000002" in fault  # the record's key
     assert ("close", ("n2", stream, fault)) in seen
     # Nothing counts as sent: once the stream ends, the next one starts from the same LSN
     # and meets the same record, reported as the same fault.
