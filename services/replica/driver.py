@@ -376,6 +376,9 @@ class ReplicaDriver:
         # What this replica's Position tells a master: it applies PublishPartsOp entries.
         # The shell simulator sets it False on a member to play an older release.
         self.reads_joined_publishes = True
+        # Why committed reads are refused ("": served): the commit gate could not be
+        # rebuilt from the store (``gate_unreadable``).
+        self.reads_refused = ""
 
     # --- small steps shared by both sides
 
@@ -515,6 +518,21 @@ class ReplicaDriver:
     def master_taken(self, epoch: int) -> None:
         """The master role of epoch is held (refused if abandoned meanwhile)."""
         self.role_answer(self.core.master_taken(epoch))
+
+    def gate_unreadable(self, exc: CorruptRecordError, why: str) -> None:
+        """Rebuilding the commit gate (``why``: at start-up, after an interrupted
+        reorganization) met a log record that fails its checksum: this replica cannot
+        tell which of its stored publishes are committed. It serves no read and takes no
+        role until its store is repaired; the fault quarantines the node (a replica that
+        exited instead would be seen down, not told why)."""
+        self.reads_refused = (
+            f"its log fails its checksum rebuilding the commit gate ({why}): {exc}; "
+            "repair its store (docs/operations.md, Quarantine)"
+        )
+        meta = self.store.meta()
+        commit_lsn = min(self.gate.commit_lsn, meta.last_lsn)
+        self.core.log_reset(meta.last_lsn, self.store.log_start_lsn(), commit_lsn)
+        self.fail_stop(self.reads_refused)
 
     def taking_stopped(self, gate: CommitGate) -> None:
         """An abandoned attempt to take the master role and its store work stopped:

@@ -173,9 +173,12 @@ class ReplicaNode(CoreView):
 
     async def start(self) -> None:
         """Starts the writer and the lease watch; the role comes from the coordinator."""
-        self.gate = await asyncio.get_running_loop().run_in_executor(
-            self.io, reopen_gate, self.store, self.node.id, "start-up"
-        )
+        try:
+            self.gate = await asyncio.get_running_loop().run_in_executor(
+                self.io, reopen_gate, self.store, self.node.id, "start-up"
+            )
+        except CorruptRecordError as exc:
+            self.driver.gate_unreadable(exc, "start-up")
         if self.instruments is not None:
             self.instruments.watch(self)
         self.writer.start()
@@ -535,5 +538,10 @@ class ReplicaNode(CoreView):
 
     def visible_end(self, topic: str) -> int | None:
         """The first offset of topic that committed reads may not serve yet (None: none;
-        0 hides the whole topic)."""
+        0 hides the whole topic); UNAVAILABLE when this replica serves no reads."""
+        if self.driver.reads_refused:
+            raise ServiceError(
+                Code.UNAVAILABLE,
+                f"replica {self.node.id} serves no reads: {self.driver.reads_refused}",
+            )
         return self.gate.hidden_from(topic)

@@ -839,11 +839,14 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
         )
         if not request.follow:
             # Committed reads: events above the commit LSN are not served yet.
-            now_end = (
-                node.transient.next_offset(topic.name, topic_id=topic.topic_id)
-                if transient
-                else _committed_end(node.visible_end(topic.name), topic.next_offset)
-            )
+            try:
+                now_end = (
+                    node.transient.next_offset(topic.name, topic_id=topic.topic_id)
+                    if transient
+                    else _committed_end(node.visible_end(topic.name), topic.next_offset)
+                )
+            except ServiceError as exc:
+                await abort(context, exc)
             end = min(end, now_end) if end else now_end
             if not end:
                 return  # nothing committed to serve (an end of 0 would read as "no end")

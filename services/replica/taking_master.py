@@ -44,7 +44,7 @@ from squall_server.replica.driver import (
 from squall_server.replica.master_driver import MasterDriver, Waiting
 from squall_server.replica.reorg import SyncProgress, Taking, outcome, read_within
 from squall_server.replica.replication import ReplicationMaster
-from squall_server.replica.store import StoreError
+from squall_server.replica.store import CorruptRecordError, StoreError
 from squall_server.replica.transport import ReplicaCallError, ReplicaTransport
 from squall_server.replica.visibility import CommitGate
 
@@ -466,9 +466,14 @@ class TakingMaster(CoreView):
         # A cancelled await does not stop the store thread: what it was doing finishes
         # before this job runs, so the log no longer grows once this returns (a
         # deactivation's report says so), and the gate is rebuilt from what was stored.
-        gate = await asyncio.get_running_loop().run_in_executor(
-            self._io, self._gate_from_store, "reorganization interrupted"
-        )
+        why = "reorganization interrupted"
+        try:
+            gate = await asyncio.get_running_loop().run_in_executor(
+                self._io, self._gate_from_store, why
+            )
+        except CorruptRecordError as exc:
+            self.driver.gate_unreadable(exc, why)
+            return
         self.driver.taking_stopped(gate)
 
 

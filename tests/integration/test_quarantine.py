@@ -24,7 +24,7 @@ import pytest
 import squall
 from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2, replica_pb2, replica_pb2_grpc
 from squall_server.replica.faults import FAULT_FILE_NAME
-from squall_server.replica.store import DATABASES
+from squall_server.replica.store import DATABASES, Store
 from tests.integration.conftest import LocalCluster, run_squall, stored_events, wait_for
 from tests.integration.test_gateway import trio  # noqa: F401  (the fixture)
 
@@ -61,6 +61,25 @@ def _flip_a_byte_in_an_event(cluster: LocalCluster, node_id: str) -> None:
             cursor = txn.cursor()
             assert cursor.first(), "no event stored"
             key, value = cursor.item()
+            txn.put(key, value[:-1] + bytes([value[-1] ^ 0x40]))
+    finally:
+        env.close()
+
+
+def _flip_a_byte_in_a_log_entry(cluster: LocalCluster, node_id: str, lsn: int) -> None:
+    """Damages node_id's log entry at lsn, as bit rot would, through a second handle on
+    the LMDB environment (live or not)."""
+    env = lmdb.open(
+        str(cluster.config.node(node_id).data_dir),
+        max_dbs=len(DATABASES),
+        map_size=cluster.config.limits.map_size_bytes,
+    )
+    try:
+        log_db = env.open_db(b"log", create=False)
+        with env.begin(write=True, db=log_db) as txn:
+            key = lsn.to_bytes(8, "big")
+            value = txn.get(key)
+            assert value is not None, f"no log entry at LSN {lsn} on {node_id}"
             txn.put(key, value[:-1] + bytes([value[-1] ^ 0x40]))
     finally:
         env.close()
@@ -168,23 +187,9 @@ def test_a_master_whose_log_fails_its_checksum_for_a_lagging_slave_is_quarantine
             receipts = [publisher.publish(b"order %d" % i) for i in range(20)]
     assert {r.master_id for r in receipts} == {"n1"}
 
-    # Bit rot in n1's log entry just above n3's end, through a second handle on the live
-    # environment (the replica reads the page from the shared map).
-    damaged = lagging + 1
-    env = lmdb.open(
-        str(cluster.config.node("n1").data_dir),
-        max_dbs=len(DATABASES),
-        map_size=cluster.config.limits.map_size_bytes,
-    )
-    try:
-        log_db = env.open_db(b"log", create=False)
-        with env.begin(write=True, db=log_db) as txn:
-            key = damaged.to_bytes(8, "big")
-            value = txn.get(key)
-            assert value is not None
-            txn.put(key, value[:-1] + bytes([value[-1] ^ 0x40]))
-    finally:
-        env.close()
+    # Bit rot in n1's log entry just above n3's end (the replica reads the page from the
+    # shared map).
+    _flip_a_byte_in_a_log_entry(cluster, "n1", lagging + 1)
 
     cluster.start("replica", "n3")
 
@@ -213,3 +218,67 @@ def test_a_master_whose_log_fails_its_checksum_for_a_lagging_slave_is_quarantine
             event = events[receipt.offset]
             assert (event.lsn, event.payload) == (receipt.lsn, payload), node_id
     assert "FAULT: checksum error reading the log for node n3" in cluster.log("replica", "n1")
+
+
+def test_a_replica_whose_uncommitted_tail_fails_its_checksum_starts_and_is_quarantined(
+    cluster_factory: object,
+) -> None:
+    """A replica rebuilds, at start-up, which publishes above its recorded commit LSN to
+    hide; one of those entries fails its checksum. It used to exit (its coordinator saw it
+    down and not why); now it starts, reports the fault, is quarantined with the reason,
+    refuses reads and roles, and the others serve every acknowledged event."""
+    cluster = cluster_factory("cluster.example.toml")  # type: ignore[operator]
+    assert isinstance(cluster, LocalCluster)
+    cluster.start_all()
+    assert cluster.wait_for_master() == "n1"
+    with squall.connect(cluster.gateway_address, timeout_s=5.0) as client:
+        client.create_topic("orders")
+        with client.topic("orders").publisher("app-1") as publisher:
+            receipts = [publisher.publish(b"order %d" % i) for i in range(20)]
+    wait_for(
+        lambda: _last_lsn(cluster, "n3") == _last_lsn(cluster, "n1"), 20, "n3 holds every entry"
+    )
+    cluster.kill("replica", "n3")  # OOM-killed, say
+    # Its commit record trailed its log (it is written after the entries), and one of the
+    # entries above it rotted.
+    store = Store.open_lmdb(
+        cluster.config.node("n3").data_dir, cluster.config.limits.map_size_bytes
+    )
+    try:
+        last = store.meta().last_lsn
+        store.set_commit_lsn(last - 5, sync=True)
+    finally:
+        store.close()
+    damaged = last - 2
+    _flip_a_byte_in_a_log_entry(cluster, "n3", damaged)
+
+    cluster.start("replica", "n3")
+
+    def quarantined() -> bool:
+        status = cluster.statuses().get("n3")
+        return status is not None and status.HasField("quarantine")
+
+    wait_for(quarantined, 20, "n3 quarantined by its coordinator")
+    reason = cluster.statuses()["n3"].quarantine.reason
+    assert "its log fails its checksum rebuilding the commit gate (start-up)" in reason, reason
+    assert f"log at key {damaged:016x}" in reason, reason
+    with pytest.raises(grpc.RpcError) as refused:
+        _read_all(cluster.replica_address("n3"), "orders")
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "replica n3 serves no reads" in str(refused.value.details())
+
+    with squall.connect(cluster.gateway_address, timeout_s=5.0) as client:
+        after = client.topic("orders").publisher("app-2").publish(b"after")
+    assert after.master_id == "n1"
+    published = [(r, b"order %d" % i) for i, r in enumerate(receipts)] + [(after, b"after")]
+    for node_id in ("n1", "n2"):
+        wait_for(
+            lambda n=node_id: len(stored_events(cluster, n, "orders")) > after.offset,
+            20,
+            f"{node_id} serves every event",
+        )
+        events = stored_events(cluster, node_id, "orders")
+        for receipt, payload in published:
+            event = events[receipt.offset]
+            assert (event.lsn, event.payload) == (receipt.lsn, payload), node_id
+    assert "FAIL-STOP: its log fails its checksum" in cluster.log("replica", "n3")

@@ -14,6 +14,7 @@ slave up to date.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from squall.v1 import broker_pb2, common_pb2, replica_pb2
 from squall_server.common.config import load_config
 from squall_server.common.errors import Code, ServiceError
 from squall_server.replica import commands
+from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.master_streams import RECONNECT_BACKOFF_MIN_MS, ReconnectBackoff
 from squall_server.replica.node import ReplicaNode
 from tests.sim.replica_transport import SimReplicaNetwork, flip_a_byte
@@ -325,6 +327,117 @@ def test_a_new_master_whose_sync_source_fails_a_checksum_refuses_the_role() -> N
             assert "fetching the log from sync source n1 failed: DATA_LOSS" in refusal.message
             assert n1.fault is not None and "checksum error serving a fetch" in n1.fault.reason
             assert n2.role != common_pb2.ROLE_MASTER
+        finally:
+            for node in nodes.values():
+                await node.stop()
+
+    asyncio.run(scenario())
+
+
+def _gate_damaged(node: ReplicaNode, below_end: int) -> int:
+    """Leaves the node's store as a replica's that had not yet recorded the commit of its
+    newest entries (recording it trails the writes), with one of them rotted; returns the
+    rotted entry's LSN. Rebuilding the commit gate reads exactly those entries."""
+    node.store.set_commit_lsn(node.last_lsn - below_end)
+    damaged = node.last_lsn - 1
+    flip_a_byte(node.store, "log", damaged.to_bytes(8, "big"))
+    return damaged
+
+
+def _assert_serves_nothing(node: ReplicaNode, damaged: int, why: str) -> None:
+    """The replica that cannot rebuild its commit gate is quarantined by its fault, refuses
+    every read (it cannot tell committed events from others) and every role."""
+    me = node.node.id
+    assert node.fault is not None and f"({why})" in node.fault.reason, node.fault
+    assert f"log at key {damaged:016x}" in node.fault.reason, node.fault.reason
+    assert node.failed_reason and node.role == common_pb2.ROLE_INACTIVE
+    with pytest.raises(ServiceError) as read:
+        node.visible_end("orders")
+    assert read.value.code == Code.UNAVAILABLE
+    assert f"replica {me} serves no reads" in read.value.message
+    assert "repair its store" in read.value.message
+
+
+def test_a_replica_whose_uncommitted_tail_fails_its_checksum_starts_refusing_reads() -> None:
+    """At start-up the replica rebuilds its commit gate from the entries above the commit
+    LSN it recorded; one of them fails its checksum. It starts (it used to exit, and its
+    coordinator saw it down, not why), reports the fault, serves no read and takes no role;
+    the others run on with every acknowledged event."""
+
+    async def scenario() -> None:
+        network = SimReplicaNetwork()
+        config = load_config(CONFIG)
+        nodes = await _started(network, ("n1", "n2", "n3"))
+        n1, n2, n3 = nodes["n1"], nodes["n2"], nodes["n3"]
+        restarted: ReplicaNode | None = None
+        try:
+            await _n1_masters_epoch_one(nodes)
+            await _create_orders(n1)
+            acked = [await _publish(n1, b"a%d" % i) for i in range(5)]
+            await _until("n3 caught up", lambda: n3.last_lsn == n1.last_lsn)
+            await network.down("n3").stop()  # killed
+            damaged = _gate_damaged(n3, 3)
+
+            restarted = build_replica_node(
+                config, config.node("n3"), n3.store, transport=network.transport_for("n3")
+            )
+            network.add(restarted)
+            await restarted.start()
+            _assert_serves_nothing(restarted, damaged, "start-up")
+            with pytest.raises(ServiceError) as role:
+                await restarted.apply_role(_slave(2, 2, "n1"))
+            assert role.value.code == Code.FAILED_PRECONDITION
+            assert "fail-stopped" in role.value.message
+
+            acked.append(await _publish(n1, b"after"))  # n1 and n2 still commit
+            for receipt, payload in zip(
+                acked, [b"a%d" % i for i in range(5)] + [b"after"], strict=True
+            ):
+                for node in (n1, n2):
+                    await _until(
+                        f"{node.node.id} commits it",
+                        lambda n=node, r=receipt: n.commit_lsn >= r.lsn,
+                    )
+                    (event,) = node.store.read_events("orders", receipt.first_offset, 1)
+                    assert (event.lsn, event.payload) == (receipt.lsn, payload)
+        finally:
+            for node in (n1, n2, restarted or n3):
+                await node.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_checksum_error_rebuilding_the_gate_after_an_abandoned_taking_fail_stops() -> None:
+    """n2 starts taking the master role, waits for its sync source, and is told to stop
+    (a newer command). Rebuilding its commit gate from the store then meets a record that
+    fails its checksum: the replica reports the fault, refuses reads and roles, and the
+    role command is answered (it used to answer UNKNOWN: the error escaped and killed the
+    lease watch)."""
+
+    async def scenario() -> None:
+        network = SimReplicaNetwork()
+        nodes = await _started(network, ("n1", "n2", "n3"))
+        n1, n2 = nodes["n1"], nodes["n2"]
+        try:
+            await _n1_masters_epoch_one(nodes)
+            await _create_orders(n1)
+            for i in range(5):
+                await _publish(n1, b"a%d" % i)
+            await _until("n2 caught up", lambda: n2.last_lsn == n1.last_lsn)
+            damaged = _gate_damaged(n2, 3)
+            await n1.apply_role(  # n1 stops serving: a sync source's log must not grow
+                replica_pb2.RoleCommand(seq=2, role=common_pb2.ROLE_INACTIVE, cluster_id=CLUSTER_ID)
+            )
+            network.delay_s = 3600.0  # the sync source's answer is on its way for good
+            with contextlib.suppress(ServiceError):  # answered before the taking ends
+                await n2.apply_role(_master(2, 2, ["n2", "n1", "n3"], "n1"))
+            await _until("n2 taking", lambda: n2.reorganization_progress() is not None)
+            await n2.apply_role(
+                replica_pb2.RoleCommand(seq=3, role=common_pb2.ROLE_INACTIVE, cluster_id=CLUSTER_ID)
+            )
+            await n2.taking.wait_stopped()
+            _assert_serves_nothing(n2, damaged, "reorganization interrupted")
+            assert "fail-stop" in n2.fault.reason  # type: ignore[union-attr]
         finally:
             for node in nodes.values():
                 await node.stop()
