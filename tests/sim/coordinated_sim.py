@@ -443,23 +443,35 @@ class CoordinatedSim(ShellSim):
                 self.loop.resume(coordinator.process)
             node = coordinator.node
             assert node is not None
-            if node.election.persisted.quarantine is not None:
+            if coordinator.node_id in self.quarantined:
+                # A rotted disk: out until it is replaced (ShellSim._replace_rotten_disks).
+                node.set_quarantine(True, "sim-operator", "a log record failed its checksum")
+            elif node.election.persisted.quarantine is not None:
                 # The operator replaced the failing disk and lifts the quarantine.
                 node.set_quarantine(False, "sim-operator", "disk replaced")
         await self._manual_recovery()
+
+    def _unquarantine(self, node_id: str) -> None:
+        super()._unquarantine(node_id)
+        node = self.coordinators[node_id].node
+        assert node is not None  # the heal started every coordinator
+        node.set_quarantine(False, "sim-operator", "disk replaced")
 
     async def _manual_recovery(self) -> None:
         """After a total failure (every replica restarted since it last took a role, no
         store clean) the coordinators refuse a cold start, by design; the simulator does
         what docs/operations.md ("Manual recovery") tells an operator: stop the replica
         with the newest log, ``squall store mark-clean`` its store, start it again."""
-        replicas = {m.node_id: m.replica for m in self.members.values()}
+        # Not a node the operator quarantined (a rotted disk): it is in no group.
+        replicas = {
+            m.node_id: m.replica for m in self.members.values() if m.node_id not in self.quarantined
+        }
         if any(r is None or r.joined for r in replicas.values()):
             return
         metas = {n: r.store.meta() for n, r in replicas.items() if r is not None}
         if any(meta.state == common_pb2.STORE_STATE_CLEAN for meta in metas.values()):
             return
-        best = max(NODE_IDS, key=lambda n: (metas[n].last_epoch, metas[n].last_lsn))
+        best = max(metas, key=lambda n: (metas[n].last_epoch, metas[n].last_lsn))
         member = self.members[best]
         self._crash(member, machine=False)
         store = Store(member.disk.kv)

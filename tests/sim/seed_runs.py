@@ -41,7 +41,8 @@ def run_seeds(
 ) -> Stats:
     """Every seed in turn; then, if any failed, the test fails listing each failing seed
     with its replay command, and the first failures in full. Returns the seeds' summed
-    counts (acknowledged publishes, epochs, crashes, disk failures, snapshot installs)."""
+    counts (acknowledged publishes, epochs, crashes, disk failures, rotted log records and
+    the faults they raised, snapshot installs)."""
     started = time.process_time()
     total = Stats()
     failures: list[tuple[int, str]] = []
@@ -59,6 +60,8 @@ def run_seeds(
         total.elections += stats.elections
         total.crashes += stats.crashes
         total.disk_failures += stats.disk_failures
+        total.rotten_records += stats.rotten_records
+        total.rot_faults += stats.rot_faults
         total.snapshots_begun += stats.snapshots_begun
         total.snapshots_finished += stats.snapshots_finished
     cpu = time.process_time() - started
@@ -67,6 +70,7 @@ def run_seeds(
         f"({cpu / max(1, len(seeds)):.2f} s a seed): "
         f"{total.acked} publishes acknowledged, {total.elections} master epochs, "
         f"{total.crashes} crashes, {total.disk_failures} disk failures, "
+        f"{total.rotten_records} log records rotted ({total.rot_faults} nodes reported it), "
         f"{total.snapshots_begun} snapshot installs begun ({total.snapshots_finished} "
         f"finished, {total.snapshots_cut_short} cut short)"
     )

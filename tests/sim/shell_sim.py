@@ -93,6 +93,9 @@ NODE_IDS = ("n1", "n2", "n3")
 TOPIC = "orders"
 CLUSTER_ID = "c-shell-sim"
 FAULT_PHASE_S = 12.0  # simulated seconds of faults
+# The share of "quiet" fault draws that flip a byte of a log record instead (one node).
+ROT_SHARE = 0.3
+ROT_NEWEST = 16  # the rot hits one of a log's newest records
 LIVENESS_S = 20.0  # after healing: a master serves and a publish is acknowledged by then
 CATCH_UP_S = 20.0  # then every replica holds the master's log by then
 RENEW_S = 0.2  # the role script's tick (lease renewal, election)
@@ -210,6 +213,10 @@ class Stats:
     elections: int = 0
     crashes: int = 0
     disk_failures: int = 0
+    # Log records of one node's disk flipped (bit rot), and the faults it reported on
+    # meeting one: its stream to a slave, a fetch it served, a read.
+    rotten_records: int = 0
+    rot_faults: int = 0
     fail_stops: int = 0
     hand_offs: int = 0  # coordinated_sim: hand-offs a master's replica got ready for
     # Snapshot installs (a slave's, or a new master's reorganization fetch): begun (marked
@@ -310,6 +317,8 @@ class ShellSim:
         self.master_id = ""
         self.commanded_at = 0.0
         self.healing = False
+        self.rotten: set[str] = set()  # nodes whose disk holds a flipped log record
+        self.quarantined: set[str] = set()  # by the operator (the script's nodes only)
         self.acked: list[Acked] = []
         self.masters: dict[int, set[str]] = {}
         self.stats = Stats()
@@ -395,11 +404,18 @@ class ShellSim:
                 self._resume(member)
             if member.replica is None or member.replica.failed_reason:
                 await self._restart(member)
+        # A disk that rotted is replaced as the operator's procedure says
+        # (docs/operations.md, *Quarantine*): its node is quarantined, the others run on
+        # and hold every committed entry, then its store is moved aside and it rejoins.
+        for node_id in sorted(self.rotten):
+            self._quarantine(node_id)
         await self._heal_roles()
         healed_at = self.loop.time()
         await self._liveness(healed_at)
         for task in clients:
             task.cancel()
+        await self._catch_up(without=self.rotten)
+        await self._replace_rotten_disks()
         await self._catch_up()
         for task in tasks:
             task.cancel()
@@ -434,6 +450,9 @@ class ShellSim:
         member.replica = replica
         if member.node_id == self.older:
             replica.driver.reads_joined_publishes = False
+        # A store whose log fails its checksum rebuilding the commit gate starts
+        # fail-stopped (reads and roles refused, the fault reported) until the disk is
+        # replaced.
         await self.loop.spawn(member.process, replica.start())
         self.net.up(replica, member.process)
         self.note(f"start {member.process}")
@@ -525,7 +544,51 @@ class ShellSim:
             for peer in others:  # isolate
                 self.net.cut(member.node_id, peer, both=True)
             self.note(f"isolate {member.node_id}")
-        # (kind 9: quiet)
+        elif kind == 9 and rng.random() < ROT_SHARE and self.rotten <= {member.node_id}:
+            self._rot(member)
+        # (kind 9 otherwise: quiet)
+
+    def _rot(self, member: Member) -> None:
+        """Flips a byte of one log record on the member's disk, as bit rot would. One node
+        per seed rots, so every committed entry keeps a sound copy (acks need a majority);
+        the heal replaces its disk, as an operator does for a store that failed a checksum
+        (docs/operations.md, *Quarantine*)."""
+        records = self.members[member.node_id].disk.kv.dbs["log"].data
+        if not records:
+            return
+        # Among the newest: those a lagging slave or a new master's fetch still needs.
+        key = self.rng.choice(sorted(records)[-ROT_NEWEST:])
+        value = records[key]
+        records[key] = value[:-1] + bytes([value[-1] ^ 0x40])
+        self.rotten.add(member.node_id)
+        self.stats.rotten_records += 1
+        self.note(f"rot: {member.node_id}'s log record LSN {int.from_bytes(key, 'big')}")
+
+    async def _replace_rotten_disks(self) -> None:
+        """The operator's repair of a store that failed a checksum: stop the replica, move
+        the store aside, start it again empty; it is brought up to date by the master."""
+        for node_id in sorted(self.rotten):
+            member = self.members[node_id]
+            replica = member.replica
+            if replica is not None and replica.fault is not None:
+                self.stats.rot_faults += 1
+            if replica is not None:
+                self._crash(member, machine=False)
+            member.disk.kv = MemoryKV(DATABASES, keep_unsynced=True)
+            self.note(f"{node_id}'s disk replaced (rot)")
+            await self._restart(member)
+            self._unquarantine(node_id)
+        self.rotten.clear()
+
+    def _quarantine(self, node_id: str) -> None:
+        """Takes a node out of every group (the script leaves it out)."""
+        self.quarantined.add(node_id)
+        self.note(f"operator quarantines {node_id}")
+
+    def _unquarantine(self, node_id: str) -> None:
+        """Lets a node back in; the script elects anew to take it in."""
+        self.quarantined.discard(node_id)
+        self.note(f"operator clears {node_id}'s quarantine")
 
     def _resume_if(self, member: Member, process: str) -> None:
         if member.paused and member.process == process:
@@ -552,6 +615,7 @@ class ShellSim:
             and not member.paused
             and not replica.failed_reason
             and replica.fault is None
+            and node_id not in self.quarantined
         )
 
     def _connected(self, a: str, b: str) -> bool:
@@ -789,14 +853,22 @@ class ShellSim:
             f"(epoch {self.epoch}, master {self.master_id}, replicas {states})"
         )
 
-    async def _catch_up(self) -> None:
+    async def _catch_up(self, without: Iterable[str] = ()) -> None:
+        """Waits until every replica (but those ``without``) holds and knows committed
+        the master's whole log."""
         deadline = self.loop.time() + CATCH_UP_S
+        left_out = set(without)
         while self.loop.time() < deadline:
-            replicas = [m.replica for m in self.members.values() if m.replica is not None]
-            master = self.members[self.master_id].replica
+            replicas = [
+                m.replica
+                for m in self.members.values()
+                if m.replica is not None and m.node_id not in left_out
+            ]
+            master = self.members[self.master_id].replica if self.master_id else None
             if (
                 master is not None
-                and len(replicas) == len(NODE_IDS)
+                and self.master_id not in left_out
+                and len(replicas) == len(NODE_IDS) - len(left_out)
                 and master.writes_idle()
                 and all(r.last_lsn == master.last_lsn for r in replicas)
                 and all(r.commit_lsn == master.last_lsn for r in replicas)
