@@ -1,4 +1,4 @@
-"""Consumer benchmarks (issue 18 item 5): shared subscriptions and reads from replicas.
+"""Consumer benchmarks (issue 18 item 5): shared subscriptions, reads from replicas, push.
 
     python -m bench.consumers                # the default sizes, about a minute
     python -m bench.consumers --tiny         # a smoke run, seconds
@@ -22,6 +22,13 @@ gateway, 100-byte events, everything through the gateway with the client library
   rate = all events read / (last reader's end - first reader's start); the publish rate is
   the publisher's (calls of 100 events) over the same window, and alone over the second
   before the readers start. The ratios replicas / master are the figures.
+
+* **push**: a prefilled topic of `push_events` events pushed from the earliest offset to
+  one push subscriber (`squall.PushEndpoint` in this process, a callback that counts),
+  once `reliability="ordered"` (one batch in flight) and once unordered (up to
+  `limits.push_inflight_batches_max` batches in flight): events delivered per second,
+  from the subscribe call to the last event's arrival, and events per `Deliver` call.
+  Duplicates (a batch offered again) are counted apart, not as throughput.
 
 The readers are processes (spawned before the clock starts), so the client's GIL does not
 cap the consume rate; every stream still passes through the one gateway, which is part of
@@ -68,16 +75,31 @@ class Sizes:
     readers: int
     rounds: int
     deadline_s: float
+    push_events: int
 
     @classmethod
     def default(cls) -> Sizes:
         """What `make bench` runs."""
-        return cls(shared_events=10_000, read_events=100_000, readers=6, rounds=2, deadline_s=120)
+        return cls(
+            shared_events=10_000,
+            read_events=100_000,
+            readers=6,
+            rounds=2,
+            deadline_s=120,
+            push_events=50_000,
+        )
 
     @classmethod
     def tiny(cls) -> Sizes:
         """A smoke run."""
-        return cls(shared_events=300, read_events=3_000, readers=3, rounds=1, deadline_s=30)
+        return cls(
+            shared_events=300,
+            read_events=3_000,
+            readers=3,
+            rounds=1,
+            deadline_s=30,
+            push_events=2_000,
+        )
 
 
 def _ms(seconds: float) -> float:
@@ -185,6 +207,59 @@ def shared_run(
     }
 
 
+def push_run(
+    address: str, topic: str, events: int, reliability: str, deadline_s: float
+) -> dict[str, Any]:
+    """The first `events` events of `topic` pushed to one new subscriber from the earliest
+    offset; from the subscribe call until the last of them arrived."""
+    lock = threading.Lock()
+    seen: set[int] = set()
+    calls = [0]
+    duplicates = [0]
+    done = threading.Event()
+    last_at = [0.0]
+
+    def delivered(batch: squall.PushDelivery) -> None:
+        with lock:
+            calls[0] += 1
+            for message in batch.messages:
+                if message.offset >= events:
+                    continue
+                if message.offset in seen:
+                    duplicates[0] += 1
+                    continue
+                seen.add(message.offset)
+            if len(seen) >= events and not done.is_set():
+                last_at[0] = time.perf_counter()
+                done.set()
+
+    subscriber = f"push-{reliability or 'unordered'}"
+    with squall.connect(address) as client, squall.PushEndpoint() as endpoint:
+        handle = client.topic(topic)
+        started = time.perf_counter()
+        handle.subscribe_push(
+            subscriber,
+            endpoint,
+            reliability=reliability,  # type: ignore[arg-type]
+            retry_count=-1,
+            start="earliest",
+            on_delivery=delivered,
+        )
+        finished = done.wait(deadline_s)
+        handle.unsubscribe_push(subscriber)
+    elapsed = (last_at[0] if finished else time.perf_counter()) - started
+    return {
+        "reliability": reliability or "unordered",
+        "events": len(seen),
+        "seconds": round(elapsed, 3),
+        "events_per_s": round(len(seen) / elapsed),
+        "deliver_calls": calls[0],
+        "events_per_call": round(len(seen) / max(1, calls[0]), 1),
+        "duplicates": duplicates[0],
+        "hit_deadline": not finished,
+    }
+
+
 def _noop(_: int) -> None:
     """Makes a pool's processes start (and import squall) before the clock does."""
 
@@ -282,6 +357,14 @@ def run(sizes: Sizes, run_dir: Path, log: Callable[[str], None]) -> dict[str, An
                 shared_run(address, "bench-shared", count, sizes.shared_events, sizes.deadline_s)
             )
         figures["shared"] = shared
+        _fill(address, "bench-push", sizes.push_events)
+        pushes = []
+        for reliability in ("ordered", ""):
+            log(f"  consumers: push, {reliability or 'unordered'}, {sizes.push_events:,} events")
+            pushes.append(
+                push_run(address, "bench-push", sizes.push_events, reliability, sizes.deadline_s)
+            )
+        figures["push"] = pushes
         _fill(address, "bench-reads", sizes.read_events)
         with squall.connect(address) as client:
             client.create_topic("bench-reads-publish")
@@ -321,7 +404,7 @@ def run(sizes: Sizes, run_dir: Path, log: Callable[[str], None]) -> dict[str, An
 
 def section(figures: dict[str, Any] | None) -> list[str]:
     """The report's Markdown section."""
-    lines = ["## Consumers (shared subscriptions, reads from replicas)", ""]
+    lines = ["## Consumers (shared subscriptions, push, reads from replicas)", ""]
     if not figures:
         return [*lines, "Not measured in this run.", ""]
     floor = figures["floor"]
@@ -340,6 +423,19 @@ def section(figures: dict[str, Any] | None) -> list[str]:
             f"| {run_['consumers']} | {run_['events_per_s']:,} | {run_['ack_p50_ms']} | "
             f"{run_['ack_p99_ms']} | {ratio:.2f} |"
         )
+    if figures.get("push"):
+        lines += [
+            "",
+            "| push subscriber (one, this process) | events/s | events per Deliver call | "
+            "offered again |",
+            "|---|---:|---:|---:|",
+        ]
+        for push in figures["push"]:
+            deadline = " (deadline hit)" if push["hit_deadline"] else ""
+            lines.append(
+                f"| {push['reliability']}{deadline} | {push['events_per_s']:,} | "
+                f"{push['events_per_call']} | {push['duplicates']} |"
+            )
     reads = figures["replica_reads"]
     lines += [
         "",
@@ -370,13 +466,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench.consumers", description=__doc__)
     parser.add_argument("--tiny", action="store_true", help="a smoke run")
     parser.add_argument("--json", type=Path, help="also write the figures here")
-    for name in ("shared-events", "read-events", "readers", "rounds"):
+    for name in ("shared-events", "read-events", "readers", "rounds", "push-events"):
         parser.add_argument(f"--{name}", type=int, metavar="N", help="override the size")
     args = parser.parse_args(argv)
     sizes = Sizes.tiny() if args.tiny else Sizes.default()
     overrides = {
         key: getattr(args, key)
-        for key in ("shared_events", "read_events", "readers", "rounds")
+        for key in ("shared_events", "read_events", "readers", "rounds", "push_events")
         if getattr(args, key) is not None
     }
     if any(value < 1 for value in overrides.values()):
