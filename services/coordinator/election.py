@@ -189,8 +189,12 @@ set judges the invitation under it, so a node it does not know yet may invite it
 group's ``Ready`` carries it with the new epoch, and every member persists it with the
 epoch vote. While a change is in progress the group needs a majority of the old set and
 of the new one; the change is done when the group goes NORMAL, and failed (the persisted
-set stays in force) when it is held or recovers. Single-server changes keep any majority
-of the old set and any of the new one overlapping, so the epoch votes stay exclusive
+set stays in force) when it is held or recovers before this coordinator persisted the new
+set. Once it has (its own epoch vote, with the Ready) the set is in force here and wins
+the next merge as the newest, so the change stays in progress until a group of this
+node's forms under it (or is handed on, noted as such, when this node joins another's
+group). Single-server changes keep any majority of the old set and any of the new one
+overlapping, so the epoch votes stay exclusive
 (docs/replication.md, "Membership changes"). When groups form, the set of the newest group
 among the members' reports wins (``_adopt_newest``), so a node that missed a change learns
 it and a later group never goes back to an older set. Probes carry the set's (epoch,
@@ -605,6 +609,7 @@ class Election:
         # Membership change: the new set while this coordinator re-forms its group under it
         # (in force in memory, persisted with the new epoch), and what became of the last.
         self._proposal: MembershipChange | None = None
+        self._proposed: Membership | None = None  # the set the change proposes
         self._membership_note = ""
         self._persisted = persisted
         self._new_group_id = new_group_id
@@ -1056,10 +1061,48 @@ class Election:
         mine = self._membership
         return (membership.epoch, membership.version) > (mine.epoch, mine.version)
 
-    def _abandon_proposal(self, why: str) -> None:
-        """The membership change in progress failed: back to the persisted set."""
+    def _abandon_proposal(self, why: str, *, pending_if_persisted: bool = False) -> None:
+        """The group under the change's new set did not form (``why``): back to the
+        persisted set. If that is the new set (this node persisted it with its epoch vote
+        when it sent the Ready), the change is not undone: with ``pending_if_persisted``
+        (this node stays its own coordinator) it stays in progress and is done when a group
+        of this node's forms under it; otherwise (a newer set, another coordinator's group)
+        the note says the set is persisted here, not that nothing changed."""
         change = self._proposal
         if change is None:
+            return
+        persisted = in_force(self._persisted.membership, self._bootstrap)
+        proposed = self._proposed
+        if proposed is not None and (persisted.version, persisted.members) == (
+            proposed.version,
+            proposed.members,
+        ):
+            if pending_if_persisted:
+                self._membership_note = (
+                    f"{change.describe()}: in progress (v{proposed.version}): persisted "
+                    f"here in epoch {persisted.epoch}; no group has formed under it yet ({why})"
+                )
+                self._log(
+                    LogLevel.WARNING,
+                    "membership-change-pending",
+                    f"membership change {change.describe()}: the group under node set "
+                    f"{persisted.describe()} did not form: {why}; the set is persisted here, "
+                    "so the change stays in progress until a group forms under it",
+                )
+                return
+            self._proposal = None
+            self._membership_note = (
+                f"{change.describe()}: not finished here ({why}); node set "
+                f"v{proposed.version} is persisted on this node (epoch "
+                f"{persisted.epoch}), so the group that forms takes it or a newer one (see "
+                "squall status)"
+            )
+            self._log(
+                LogLevel.WARNING,
+                "membership-change-handed-on",
+                f"membership change {change.describe()} not finished here: {why}; node set "
+                f"{persisted.describe()} is persisted on this node",
+            )
             return
         self._proposal = None
         self._membership_note = f"{change.describe()}: FAILED ({why}); nothing changed"
@@ -1067,7 +1110,7 @@ class Election:
             LogLevel.WARNING,
             "membership-change-failed",
             f"membership change {change.describe()} failed: {why}; the node set stays "
-            f"{in_force(self._persisted.membership, self._bootstrap).describe()}",
+            f"{persisted.describe()}",
         )
 
     def _record(self, operator: str, action: str, reason: str) -> OperatorRecord:
@@ -1374,7 +1417,7 @@ class Election:
     def _recover(self, reason: str, level: LogLevel = LogLevel.INFO) -> None:
         """Back to a group of our own (IceStorm's recovery), replica stopped."""
         self._reset_group()
-        self._abandon_proposal(reason)
+        self._abandon_proposal(reason, pending_if_persisted=True)
         # A set adopted in memory from an invitation or a change counts only once persisted.
         self._apply_membership(in_force(self._persisted.membership, self._bootstrap))
         self._state = NodeState.INACTIVE
@@ -1938,7 +1981,7 @@ class Election:
         them lets the next merge take the waiting members and the newcomer at once. The
         members hear ``reason`` in the answers to their heartbeats.
         """
-        self._abandon_proposal(reason)
+        self._abandon_proposal(reason, pending_if_persisted=True)
         # A set only in memory (a change, or adopted from a report) counts once a group
         # persists it; the next merge adopts the newest reported set again.
         self._apply_membership(in_force(self._persisted.membership, self._bootstrap))
@@ -2335,6 +2378,7 @@ class Election:
         old = self._membership
         self._record(who, f"membership {change.describe()}", reason)
         self._proposal = change
+        self._proposed = new
         self._membership_note = f"{change.describe()}: in progress (v{new.version})"
         self._log(
             LogLevel.WARNING,

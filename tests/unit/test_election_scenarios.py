@@ -1011,3 +1011,46 @@ def test_negative_slave_lags_are_refused() -> None:
     assert ready.rejection is not None
     assert ready.rejection.code is RejectCode.INVALID_ARGUMENT
     assert not ready.hand_over_to
+
+
+def test_a_change_the_coordinator_persisted_stays_in_progress_when_its_group_fails() -> None:
+    """Node 2's machine is gone; node 1 (serving with node 3) replaces it. Node 3 persists
+    the new epoch but is cut off before its ReadyAck reaches node 1, which already persisted
+    the new set with its own vote and cannot go normal alone. The set is in force on node 1
+    from then on (it wins the next merge as the newest), so the change is not "FAILED;
+    nothing changed" (what the status said, found by the coordinated simulator's
+    replace-node): it stays in progress, and is done when the group forms under it."""
+    cluster: Cluster | None = None
+    for line in ("cluster 1:3 2:2 3:1", "start 1 2 3", "run ms=400", "crash 2", "run ms=3000"):
+        cluster, _ = execute(cluster, line)
+    assert cluster is not None
+    node1 = cluster.nodes["1"]
+    assert node1 is not None and node1.status().members == ("1", "3")
+    change = MembershipChange(
+        ChangeKind.REPLACE, "2", coordinator_address="h2b:1", replica_address="h2b:2"
+    )
+    deliver = cluster.deliver
+    dropped: list[PeerMessage] = []
+
+    def cut_after_its_vote(message: PeerMessage) -> None:
+        if message.from_node == "3" and isinstance(message.body, GroupReadyAck) and not dropped:
+            cluster.cut.add(frozenset(("1", "3")))
+            dropped.append(message)
+            return
+        deliver(message)
+
+    cluster.deliver = cut_after_its_vote  # type: ignore[method-assign]
+    cluster.apply("1", node1.change_membership(change, "operator", cluster.now_ms, ""), "change")
+    cluster.run(3000)
+    assert dropped, "node 3 never acknowledged a Ready"
+    status = node1.status()
+    assert status.membership is not None and status.membership.version == 1
+    assert "2" in status.membership.learners  # the replacing machine, in force here
+    note = status.membership_change
+    assert "in progress (v1): persisted here" in note, note
+    assert "nothing changed" not in note
+    cluster.cut.clear()
+    cluster.run(3000)
+    status = node1.status()
+    assert status.state is NodeState.NORMAL and status.members == ("1", "3")
+    assert "done in epoch" in status.membership_change, status.membership_change
