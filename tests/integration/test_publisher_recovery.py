@@ -128,7 +128,17 @@ def _events_by_offset(address: str, topic: str) -> dict[int, common_pb2.Event]:
 
 def _check_receipts(cluster: LocalCluster, master: str, topic: str, apps: list[_App]) -> None:
     """Every acknowledged event is stored once, at the offset its receipt names."""
+    # ``master`` may be a slave by now: a node restarted after the fault ranks above it and
+    # takes the lead back once caught up. A slave serves what it knows committed, and
+    # learns the last commits from the master's next batch or heartbeat: read until every
+    # acknowledged offset is served there (bounded), then check what is.
+    acked = {receipt.offset for app in apps for receipt in app.acked.values()}
     events = _events_by_offset(cluster.replica_address(master), topic)
+    for _ in range(100):
+        if acked <= events.keys():
+            break
+        time.sleep(0.1)
+        events = _events_by_offset(cluster.replica_address(master), topic)
     stored: dict[tuple[str, int], int] = {}
     for event in events.values():
         key = (event.publisher_id, event.sequence)
@@ -143,7 +153,11 @@ def _check_receipts(cluster: LocalCluster, master: str, topic: str, apps: list[_
             or events[receipt.offset].publisher_id != app.publisher_id
             or events[receipt.offset].sequence != sequence
         ]
-        assert not misplaced, f"{app.name}: acknowledged but not at its offset: {misplaced[:10]}"
+        assert not misplaced, (
+            f"{app.name}: acknowledged but not at its offset: {misplaced[:10]} (read from "
+            f"{master}; the master is {cluster.wait_for_master()} now; offsets served: "
+            f"{min(events, default=None)}..{max(events, default=None)})"
+        )
 
 
 def _run_proxies_across(
