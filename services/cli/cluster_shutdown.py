@@ -17,17 +17,21 @@ Qpid's `qpid-cluster -k` for Squall (docs/operations.md, "Store lifecycle"):
 A node that is unreachable, or not a member of the master's group, keeps a DIRTY store:
 the next start updates it from a clean one. Gateways keep running; they answer
 UNAVAILABLE until the cluster is back.
+
+The steps (``run_shutdown``) reach the services only through ``ShutdownCalls``: over gRPC
+for the command line (``GrpcCalls``), and through the shipped servicers in the
+coordinated simulator (tests/sim/coordinated_sim.py), so the simulator runs the shutdown
+an operator runs. Time is the injected clock's and the event loop's sleeps.
 """
 
 from __future__ import annotations
 
+import asyncio
 import getpass
-import time
 import uuid
-from collections.abc import Callable
-from contextvars import ContextVar
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TextIO, TypeVar
+from typing import Protocol, TextIO, TypeVar
 
 import grpc
 
@@ -40,6 +44,7 @@ from squall.v1 import (
     replica_pb2_grpc,
 )
 from squall_server.cli.auth import cli_token
+from squall_server.common.clock import Clock, SystemClock
 from squall_server.common.config import ClusterConfig, NodeConfig
 from squall_server.common.tls import Transport, cli_transport, plain_or
 
@@ -54,6 +59,37 @@ class ShutdownError(Exception):
     """The shutdown could not be done; the message says what happened to the cluster."""
 
 
+class CallFailed(Exception):
+    """A call to a service failed; the message is its status and details."""
+
+
+class ShutdownCalls(Protocol):
+    """The calls the shutdown makes, each to one node's replica or coordinator; a failed
+    call raises ``CallFailed``."""
+
+    async def replica_state(self, node: NodeConfig) -> replica_pb2.ReplicaState: ...
+
+    async def coordinator_status(self, node: NodeConfig) -> coordinator_pb2.CoordinatorStatus: ...
+
+    async def freeze(
+        self, node: NodeConfig, request: replica_pb2.FreezeForShutdownRequest, timeout_s: float
+    ) -> replica_pb2.ReplicaState: ...
+
+    async def thaw(self, node: NodeConfig, request: replica_pb2.AbortShutdownRequest) -> None: ...
+
+    async def stop_coordinator(
+        self, node: NodeConfig, request: coordinator_pb2.CoordinatorShutdownRequest
+    ) -> None: ...
+
+    async def finish(
+        self, node: NodeConfig, request: replica_pb2.FinishShutdownRequest
+    ) -> replica_pb2.FinishShutdownResponse: ...
+
+    async def answering(self, kind: str, node: NodeConfig) -> bool:
+        """Does the node's ``kind`` ("replica" or "coordinator") service still answer?"""
+        ...
+
+
 @dataclass
 class _Node:
     config: NodeConfig
@@ -64,284 +100,315 @@ class _Node:
     notes: list[str] = field(default_factory=list)
 
 
-def _rpc_error(exc: grpc.RpcError) -> str:
-    code = exc.code() if isinstance(exc, grpc.Call) else None
-    details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
-    return f"{code.name if code else 'ERROR'}: {details}"
+class GrpcCalls:
+    """``ShutdownCalls`` over gRPC with the command line's TLS identity and token. The
+    calls block: the command runs nothing else meanwhile."""
 
+    def __init__(self, links: Transport | None) -> None:
+        self._links = links
 
-# The command line's TLS identity for this shutdown (set by shutdown_cluster; every helper
-# below dials through it rather than taking it as one more argument).
-_LINKS: ContextVar[Transport | None] = ContextVar("squall_shutdown_links", default=None)
-
-
-def _call(address: str, make: Callable[[grpc.Channel], T]) -> T:
-    with plain_or(_LINKS.get(), address) as channel:
-        # Coordinator calls need the operator's token when [auth] is on (docs/auth.md).
-        return make(with_token(channel, cli_token()))
-
-
-def _replica_state(node: NodeConfig) -> replica_pb2.ReplicaState:
-    return _call(
-        node.replica_address,
-        lambda ch: replica_pb2_grpc.ReplicaControlStub(ch).GetReplicaState(
-            replica_pb2.GetReplicaStateRequest(), timeout=_CALL_TIMEOUT_S
-        ),
-    )
-
-
-def _survey(config: ClusterConfig) -> list[_Node]:
-    nodes = [_Node(n) for n in config.nodes]
-    for node in nodes:
-        errors = []
+    def _call(self, address: str, make: Callable[[grpc.Channel], T]) -> T:
         try:
-            node.replica = _replica_state(node.config)
+            with plain_or(self._links, address) as channel:
+                # Coordinator calls need the operator's token when [auth] is on (docs/auth.md).
+                return make(with_token(channel, cli_token()))
         except grpc.RpcError as exc:
-            errors.append(f"replica {_rpc_error(exc)}")
-        try:
-            node.coordinator = _call(
-                node.config.coordinator_address,
-                lambda ch: coordinator_pb2_grpc.CoordinatorStub(ch).GetStatus(
-                    coordinator_pb2.GetStatusRequest(), timeout=_CALL_TIMEOUT_S
-                ),
-            )
-        except grpc.RpcError as exc:
-            errors.append(f"coordinator {_rpc_error(exc)}")
-        node.error = "; ".join(errors)
-    return nodes
+            code = exc.code() if isinstance(exc, grpc.Call) else None
+            details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+            raise CallFailed(f"{code.name if code else 'ERROR'}: {details}") from None
 
-
-def _master(nodes: list[_Node]) -> tuple[_Node, replica_pb2.ReplicaState]:
-    masters = [
-        n
-        for n in nodes
-        if n.replica is not None
-        and n.replica.role == common_pb2.ROLE_MASTER
-        and n.coordinator is not None
-        and n.coordinator.state == common_pb2.NODE_STATE_NORMAL
-        and n.coordinator.coordinator_id == n.config.id
-    ]
-    if len(masters) == 1 and masters[0].replica is not None:
-        return masters[0], masters[0].replica
-    seen = ", ".join(
-        f"{n.config.id}: "
-        + (
-            common_pb2.Role.Name(n.replica.role).removeprefix("ROLE_").lower()
-            if n.replica is not None
-            else f"unreachable ({n.error})"
-        )
-        for n in nodes
-    )
-    raise ShutdownError(
-        f"{'no master is' if not masters else 'more than one master is'} serving ({seen}): "
-        "a clean shutdown needs one running group; nothing was changed. A cluster that "
-        "cannot form a group can only be stopped (its stores stay dirty; see "
-        "docs/operations.md, 'Manual recovery')."
-    )
-
-
-def _freeze(node: _Node, shutdown_id: str, operator: str, timeout_s: float) -> None:
-    node.replica = _call(
-        node.config.replica_address,
-        lambda ch: replica_pb2_grpc.ReplicaControlStub(ch).FreezeForShutdown(
-            replica_pb2.FreezeForShutdownRequest(shutdown_id=shutdown_id, operator=operator),
-            timeout=timeout_s,
-        ),
-    )
-    node.frozen = True
-
-
-def _thaw(nodes: list[_Node], shutdown_id: str) -> list[str]:
-    """Undo the freeze everywhere; returns the nodes that could not be thawed."""
-    failed = []
-    for node in nodes:
-        if not node.frozen:
-            continue
-        try:
-            _call(
-                node.config.replica_address,
-                lambda ch: replica_pb2_grpc.ReplicaControlStub(ch).AbortShutdown(
-                    replica_pb2.AbortShutdownRequest(shutdown_id=shutdown_id),
-                    timeout=_CALL_TIMEOUT_S,
-                ),
-            )
-            node.frozen = False
-        except grpc.RpcError as exc:
-            failed.append(f"{node.config.id} ({_rpc_error(exc)})")
-    return failed
-
-
-def _abort(nodes: list[_Node], shutdown_id: str, why: str) -> ShutdownError:
-    failed = _thaw(nodes, shutdown_id)
-    tail = (
-        f"; could not thaw {', '.join(failed)}: restart those replicas"
-        if failed
-        else "; every replica serves again, nothing was changed"
-    )
-    return ShutdownError(f"cluster shutdown {shutdown_id} abandoned: {why}{tail}")
-
-
-def _wait_for_point(
-    master: _Node,
-    epoch: int,
-    members: list[_Node],
-    nodes: list[_Node],
-    shutdown_id: str,
-    deadline: float,
-) -> replica_pb2.ReplicaState:
-    """Polls until the master committed its last entry and every member holds it."""
-    while True:
-        try:
-            state = _replica_state(master.config)
-        except grpc.RpcError as exc:
-            why = f"master {master.config.id}: {_rpc_error(exc)}"
-            raise _abort(nodes, shutdown_id, why) from None
-        if state.role != common_pb2.ROLE_MASTER or state.epoch != epoch:
-            raise _abort(
-                nodes,
-                shutdown_id,
-                f"master {master.config.id} lost its role of epoch {epoch} (now "
-                f"{common_pb2.Role.Name(state.role)}, epoch {state.epoch})",
-            )
-        behind = []
-        if state.commit_lsn < state.last_lsn:
-            behind.append(f"master commit LSN {state.commit_lsn} < last LSN {state.last_lsn}")
-        for member in members:
-            try:
-                held = _replica_state(member.config)
-            except grpc.RpcError as exc:
-                member.notes.append(f"unreachable while reaching the point ({_rpc_error(exc)})")
-                continue
-            member.replica = held
-            if (held.last_epoch, held.last_lsn) != (state.last_epoch, state.last_lsn):
-                behind.append(f"{member.config.id} at {held.last_epoch}/{held.last_lsn}")
-        if not behind:
-            return state
-        lagging = ", ".join(behind)
-        if time.monotonic() > deadline:
-            raise _abort(
-                nodes,
-                shutdown_id,
-                f"the members did not reach the master's log end "
-                f"{state.last_epoch}/{state.last_lsn} in time: {lagging}",
-            )
-        time.sleep(_POLL_S)
-
-
-def _stop_coordinators(nodes: list[_Node], shutdown_id: str, operator: str) -> None:
-    for node in nodes:
-        if node.coordinator is None:
-            continue
-        try:
-            _call(
-                node.config.coordinator_address,
-                lambda ch: coordinator_pb2_grpc.CoordinatorStub(ch).Shutdown(
-                    coordinator_pb2.CoordinatorShutdownRequest(
-                        shutdown_id=shutdown_id, operator=operator
-                    ),
-                    timeout=_CALL_TIMEOUT_S,
-                ),
-            )
-        except grpc.RpcError as exc:
-            node.notes.append(f"coordinator not stopped ({_rpc_error(exc)})")
-
-
-def _finish(node: _Node, shutdown_id: str, point: replica_pb2.ReplicaState, operator: str) -> bool:
-    try:
-        done = _call(
-            node.config.replica_address,
-            lambda ch: replica_pb2_grpc.ReplicaControlStub(ch).FinishShutdown(
-                replica_pb2.FinishShutdownRequest(
-                    shutdown_id=shutdown_id,
-                    lsn=point.last_lsn,
-                    last_epoch=point.last_epoch,
-                    cluster_id=point.cluster_id,
-                    operator=operator,
-                ),
-                timeout=_CALL_TIMEOUT_S,
+    async def replica_state(self, node: NodeConfig) -> replica_pb2.ReplicaState:
+        return self._call(
+            node.replica_address,
+            lambda ch: replica_pb2_grpc.ReplicaControlStub(ch).GetReplicaState(
+                replica_pb2.GetReplicaStateRequest(), timeout=_CALL_TIMEOUT_S
             ),
         )
-    except grpc.RpcError as exc:
-        node.notes.append(f"dirty: finishing failed ({_rpc_error(exc)})")
-        return False
-    node.notes.append("clean" if done.clean else f"dirty: {done.reason}")
-    return bool(done.clean)
 
-
-def _wait_stopped(nodes: list[_Node], deadline: float) -> list[str]:
-    """Waits until no stopped service answers; returns those still answering."""
-    addresses = [
-        (f"{kind} {n.config.id}", address)
-        for n in nodes
-        for kind, address, asked in (
-            ("replica", n.config.replica_address, n.frozen),
-            ("coordinator", n.config.coordinator_address, n.coordinator is not None),
+    async def coordinator_status(self, node: NodeConfig) -> coordinator_pb2.CoordinatorStatus:
+        return self._call(
+            node.coordinator_address,
+            lambda ch: coordinator_pb2_grpc.CoordinatorStub(ch).GetStatus(
+                coordinator_pb2.GetStatusRequest(), timeout=_CALL_TIMEOUT_S
+            ),
         )
-        if asked
-    ]
-    remaining = list(addresses)
-    while remaining and time.monotonic() < deadline:
-        still = []
-        for name, address in remaining:
-            with plain_or(_LINKS.get(), address) as channel:
+
+    async def freeze(
+        self, node: NodeConfig, request: replica_pb2.FreezeForShutdownRequest, timeout_s: float
+    ) -> replica_pb2.ReplicaState:
+        return self._call(
+            node.replica_address,
+            lambda ch: replica_pb2_grpc.ReplicaControlStub(ch).FreezeForShutdown(
+                request, timeout=timeout_s
+            ),
+        )
+
+    async def thaw(self, node: NodeConfig, request: replica_pb2.AbortShutdownRequest) -> None:
+        self._call(
+            node.replica_address,
+            lambda ch: replica_pb2_grpc.ReplicaControlStub(ch).AbortShutdown(
+                request, timeout=_CALL_TIMEOUT_S
+            ),
+        )
+
+    async def stop_coordinator(
+        self, node: NodeConfig, request: coordinator_pb2.CoordinatorShutdownRequest
+    ) -> None:
+        self._call(
+            node.coordinator_address,
+            lambda ch: coordinator_pb2_grpc.CoordinatorStub(ch).Shutdown(
+                request, timeout=_CALL_TIMEOUT_S
+            ),
+        )
+
+    async def finish(
+        self, node: NodeConfig, request: replica_pb2.FinishShutdownRequest
+    ) -> replica_pb2.FinishShutdownResponse:
+        return self._call(
+            node.replica_address,
+            lambda ch: replica_pb2_grpc.ReplicaControlStub(ch).FinishShutdown(
+                request, timeout=_CALL_TIMEOUT_S
+            ),
+        )
+
+    async def answering(self, kind: str, node: NodeConfig) -> bool:
+        address = node.replica_address if kind == "replica" else node.coordinator_address
+        with plain_or(self._links, address) as channel:
+            try:
+                grpc.channel_ready_future(channel).result(timeout=0.2)
+            except grpc.FutureTimeoutError:
+                return False
+        return True
+
+
+class _Shutdown:
+    """One shutdown's steps (the module docstring), with what it learned of each node."""
+
+    def __init__(
+        self,
+        calls: ShutdownCalls,
+        nodes: Sequence[NodeConfig],
+        clock: Clock,
+        shutdown_id: str,
+        operator: str,
+    ) -> None:
+        self.calls = calls
+        self.nodes = [_Node(n) for n in nodes]
+        self.clock = clock
+        self.shutdown_id = shutdown_id
+        self.operator = operator
+
+    def now_s(self) -> float:
+        return self.clock.monotonic_ms() / 1000
+
+    async def survey(self) -> None:
+        for node in self.nodes:
+            errors = []
+            try:
+                node.replica = await self.calls.replica_state(node.config)
+            except CallFailed as exc:
+                errors.append(f"replica {exc}")
+            try:
+                node.coordinator = await self.calls.coordinator_status(node.config)
+            except CallFailed as exc:
+                errors.append(f"coordinator {exc}")
+            node.error = "; ".join(errors)
+
+    def master(self) -> tuple[_Node, replica_pb2.ReplicaState]:
+        masters = [
+            n
+            for n in self.nodes
+            if n.replica is not None
+            and n.replica.role == common_pb2.ROLE_MASTER
+            and n.coordinator is not None
+            and n.coordinator.state == common_pb2.NODE_STATE_NORMAL
+            and n.coordinator.coordinator_id == n.config.id
+        ]
+        if len(masters) == 1 and masters[0].replica is not None:
+            return masters[0], masters[0].replica
+        seen = ", ".join(
+            f"{n.config.id}: "
+            + (
+                common_pb2.Role.Name(n.replica.role).removeprefix("ROLE_").lower()
+                if n.replica is not None
+                else f"unreachable ({n.error})"
+            )
+            for n in self.nodes
+        )
+        raise ShutdownError(
+            f"{'no master is' if not masters else 'more than one master is'} serving ({seen}): "
+            "a clean shutdown needs one running group; nothing was changed. A cluster that "
+            "cannot form a group can only be stopped (its stores stay dirty; see "
+            "docs/operations.md, 'Manual recovery')."
+        )
+
+    async def freeze(self, node: _Node, timeout_s: float) -> None:
+        request = replica_pb2.FreezeForShutdownRequest(
+            shutdown_id=self.shutdown_id, operator=self.operator
+        )
+        node.replica = await self.calls.freeze(node.config, request, timeout_s)
+        node.frozen = True
+
+    async def thaw(self) -> list[str]:
+        """Undo the freeze everywhere; returns the nodes that could not be thawed."""
+        failed = []
+        request = replica_pb2.AbortShutdownRequest(shutdown_id=self.shutdown_id)
+        for node in self.nodes:
+            if not node.frozen:
+                continue
+            try:
+                await self.calls.thaw(node.config, request)
+                node.frozen = False
+            except CallFailed as exc:
+                failed.append(f"{node.config.id} ({exc})")
+        return failed
+
+    async def abort(self, why: str) -> ShutdownError:
+        failed = await self.thaw()
+        tail = (
+            f"; could not thaw {', '.join(failed)}: restart those replicas"
+            if failed
+            else "; every replica serves again, nothing was changed"
+        )
+        return ShutdownError(f"cluster shutdown {self.shutdown_id} abandoned: {why}{tail}")
+
+    async def wait_for_point(
+        self, master: _Node, epoch: int, members: list[_Node], deadline_s: float
+    ) -> replica_pb2.ReplicaState:
+        """Polls until the master committed its last entry and every member holds it."""
+        # Bounded by the deadline: one poll per _POLL_S.
+        while True:
+            try:
+                state = await self.calls.replica_state(master.config)
+            except CallFailed as exc:
+                raise await self.abort(f"master {master.config.id}: {exc}") from None
+            if state.role != common_pb2.ROLE_MASTER or state.epoch != epoch:
+                raise await self.abort(
+                    f"master {master.config.id} lost its role of epoch {epoch} (now "
+                    f"{common_pb2.Role.Name(state.role)}, epoch {state.epoch})",
+                )
+            behind = []
+            if state.commit_lsn < state.last_lsn:
+                behind.append(f"master commit LSN {state.commit_lsn} < last LSN {state.last_lsn}")
+            for member in members:
                 try:
-                    grpc.channel_ready_future(channel).result(timeout=0.2)
-                    still.append((name, address))
-                except grpc.FutureTimeoutError:
-                    pass
-        remaining = still
-        if remaining:
-            time.sleep(_POLL_S)
-    return [name for name, _ in remaining]
+                    held = await self.calls.replica_state(member.config)
+                except CallFailed as exc:
+                    member.notes.append(f"unreachable while reaching the point ({exc})")
+                    continue
+                member.replica = held
+                if (held.last_epoch, held.last_lsn) != (state.last_epoch, state.last_lsn):
+                    behind.append(f"{member.config.id} at {held.last_epoch}/{held.last_lsn}")
+            if not behind:
+                return state
+            lagging = ", ".join(behind)
+            if self.now_s() > deadline_s:
+                raise await self.abort(
+                    f"the members did not reach the master's log end "
+                    f"{state.last_epoch}/{state.last_lsn} in time: {lagging}",
+                )
+            await asyncio.sleep(_POLL_S)
+
+    async def stop_coordinators(self) -> None:
+        request = coordinator_pb2.CoordinatorShutdownRequest(
+            shutdown_id=self.shutdown_id, operator=self.operator
+        )
+        for node in self.nodes:
+            if node.coordinator is None:
+                continue
+            try:
+                await self.calls.stop_coordinator(node.config, request)
+            except CallFailed as exc:
+                node.notes.append(f"coordinator not stopped ({exc})")
+
+    async def finish(self, node: _Node, point: replica_pb2.ReplicaState) -> bool:
+        request = replica_pb2.FinishShutdownRequest(
+            shutdown_id=self.shutdown_id,
+            lsn=point.last_lsn,
+            last_epoch=point.last_epoch,
+            cluster_id=point.cluster_id,
+            operator=self.operator,
+        )
+        try:
+            done = await self.calls.finish(node.config, request)
+        except CallFailed as exc:
+            node.notes.append(f"dirty: finishing failed ({exc})")
+            return False
+        node.notes.append("clean" if done.clean else f"dirty: {done.reason}")
+        return bool(done.clean)
+
+    async def wait_stopped(self, deadline_s: float) -> list[str]:
+        """Waits until no stopped service answers; returns those still answering."""
+        remaining = [
+            (kind, n)
+            for n in self.nodes
+            for kind, asked in (("replica", n.frozen), ("coordinator", n.coordinator is not None))
+            if asked
+        ]
+        # Bounded by the deadline: one pass per _POLL_S.
+        while remaining and self.now_s() < deadline_s:
+            remaining = [
+                (kind, n) for kind, n in remaining if await self.calls.answering(kind, n.config)
+            ]
+            if remaining:
+                await asyncio.sleep(_POLL_S)
+        return [f"{kind} {n.config.id}" for kind, n in remaining]
 
 
-def shutdown_cluster(
-    config: ClusterConfig, out: TextIO, *, timeout_s: float = 30.0, operator: str = ""
+async def run_shutdown(
+    calls: ShutdownCalls,
+    nodes: Sequence[NodeConfig],
+    out: TextIO,
+    *,
+    clock: Clock,
+    timeout_s: float,
+    operator: str,
+    shutdown_id: str,
 ) -> int:
-    """Runs the shutdown in the module docstring; returns 0 if the master's store is clean."""
-    operator = operator or getpass.getuser()
-    deadline = time.monotonic() + timeout_s
-    _LINKS.set(cli_transport(config))
-    nodes = _survey(config)
-    master, master_state = _master(nodes)
+    """Runs the shutdown in the module docstring; returns 0 if the master's store is clean
+    (ShutdownError when it could not start or was abandoned: the message says what
+    happened)."""
+    run = _Shutdown(calls, nodes, clock, shutdown_id, operator)
+    deadline_s = run.now_s() + timeout_s
+    await run.survey()
+    master, master_state = run.master()
     epoch = master_state.epoch
     member_ids = {master.config.id, *(s.node_id for s in master_state.slaves)}
-    members = [n for n in nodes if n.config.id in member_ids and n is not master]
-    shutdown_id = uuid.uuid4().hex
+    members = [n for n in run.nodes if n.config.id in member_ids and n is not master]
     print(
         f"cluster shutdown {shutdown_id} (by {operator}): master {master.config.id}, epoch "
         f"{epoch}, members {','.join(sorted(member_ids))}",
         file=out,
     )
     try:
-        _freeze(master, shutdown_id, operator, max(deadline - time.monotonic(), 1.0))
-    except grpc.RpcError as exc:
-        raise _abort(nodes, shutdown_id, f"master {master.config.id}: {_rpc_error(exc)}") from None
-    for node in nodes:
+        await run.freeze(master, max(deadline_s - run.now_s(), 1.0))
+    except CallFailed as exc:
+        raise await run.abort(f"master {master.config.id}: {exc}") from None
+    for node in run.nodes:
         if node is master or node.replica is None:
             continue
         try:
-            _freeze(node, shutdown_id, operator, _CALL_TIMEOUT_S)
-        except grpc.RpcError as exc:
-            node.notes.append(f"not frozen ({_rpc_error(exc)})")
-    point = _wait_for_point(master, epoch, members, nodes, shutdown_id, deadline)
+            await run.freeze(node, _CALL_TIMEOUT_S)
+        except CallFailed as exc:
+            node.notes.append(f"not frozen ({exc})")
+    point = await run.wait_for_point(master, epoch, members, deadline_s)
     print(
         f"  shutdown point: epoch {point.last_epoch} LSN {point.last_lsn}, cluster "
         f"{point.cluster_id}",
         file=out,
     )
-    _stop_coordinators(nodes, shutdown_id, operator)
+    await run.stop_coordinators()
     master_clean = False
-    for node in nodes:
+    for node in run.nodes:
         if node.frozen:
-            clean = _finish(node, shutdown_id, point, operator)
+            clean = await run.finish(node, point)
             master_clean = master_clean or (clean and node is master)
         elif node.replica is None:
             node.notes.append(f"unreachable ({node.error}): its store stays dirty")
         else:
             node.notes.append("its store stays dirty")
-    still = _wait_stopped(nodes, time.monotonic() + max(deadline - time.monotonic(), 5.0))
-    for node in nodes:
+    still = await run.wait_stopped(run.now_s() + max(deadline_s - run.now_s(), 5.0))
+    for node in run.nodes:
         print(f"  {node.config.id}: {'; '.join(node.notes)}", file=out)
     if still:
         print(f"  still answering: {', '.join(still)} (stop them by PID)", file=out)
@@ -351,3 +418,21 @@ def shutdown_cluster(
         file=out,
     )
     return 0 if master_clean else 1
+
+
+def shutdown_cluster(
+    config: ClusterConfig, out: TextIO, *, timeout_s: float = 30.0, operator: str = ""
+) -> int:
+    """`squall cluster shutdown`: ``run_shutdown`` over gRPC; returns 0 if the master's
+    store is clean."""
+    return asyncio.run(
+        run_shutdown(
+            GrpcCalls(cli_transport(config)),
+            config.nodes,
+            out,
+            clock=SystemClock(),
+            timeout_s=timeout_s,
+            operator=operator or getpass.getuser(),
+            shutdown_id=uuid.uuid4().hex,
+        )
+    )

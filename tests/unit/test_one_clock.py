@@ -38,24 +38,18 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ): "a certificate's validity is real calendar time by definition (X.509 notBefore/"
     "notAfter), for development certificates made before any service runs",
     (
-        "cli/cluster_shutdown.py",
-        "time.monotonic",
-    ): "the operator's `squall cluster shutdown` command (a CLI process, not a service): "
-    "its deadlines bound a human's wait, not a service's timeout",
-    (
         "cli/status_wait.py",
         "time.monotonic",
-    ): "the `squall status --wait` CLI command's deadline (as cluster_shutdown.py)",
+    ): "the operator's `squall status --wait` command (a CLI process, not a service): its "
+    "deadline bounds a human's wait, not a service's timeout",
     (
         "cli/admin.py",
         "time.monotonic",
-    ): "the `squall transfer` CLI command's deadline and reported duration (as "
-    "cluster_shutdown.py)",
+    ): "the `squall transfer` CLI command's deadline and reported duration (as status_wait.py)",
     (
         "cli/membership.py",
         "time.monotonic",
-    ): "the `squall cluster add-node` (and kin) CLI commands' --wait deadline (as "
-    "cluster_shutdown.py)",
+    ): "the `squall cluster add-node` (and kin) CLI commands' --wait deadline (as status_wait.py)",
     (
         "gateway/shared_publish.py",
         "loop.time",
