@@ -50,8 +50,21 @@ Clients publish to the replica that is master in the highest epoch. Checks as in
 of the heal, every replica caught up, identical logs, every acknowledged event readable at
 its receipt's offset. A failure raises ``ShellSimFailure`` ending with the replay command.
 
-Not modelled yet: membership changes other than ``set-priority`` (adding, removing and
-replacing nodes), cluster shutdown.
+A whole-node crash is sometimes a machine gone for good (``REPLACE_SHARE``, one at a
+time, never beside a rotted disk): nothing restarts it; the operator runs
+``replace-node`` through the leading coordinator's servicer (asked again after a
+refusal, and at the heal until done), then starts a new machine from the exported running
+set, with an empty disk and no coordinator state: it joins as a learner, is brought up to
+date and promoted, and the checks count it like the others.
+
+The operator's ``squall cluster shutdown`` runs as the CLI runs it
+(``cluster_shutdown.run_shutdown``) over ``SimShutdownCalls``, the shipped servicers in
+each node's processes: among the faults (an operator draw; whatever it stopped, the heal
+starts again), and in a quarter of the seeds on the healed cluster (asked again while no
+single master serves), after which the clean stores must end at one point and every node
+is started again: the cluster must serve, catch up and hold every acknowledged event.
+
+Not modelled yet: adding and removing nodes.
 """
 
 from __future__ import annotations
@@ -60,15 +73,18 @@ import asyncio
 import contextlib
 import contextvars
 import dataclasses
+import functools
+import io
 import logging
 import random
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import grpc
 
 from squall.v1 import common_pb2, coordinator_pb2, replica_pb2
+from squall_server.cli.cluster_shutdown import CallFailed, ShutdownError, run_shutdown
 from squall_server.common.clock import Clock
 from squall_server.common.config import ClusterConfig, NodeConfig
 from squall_server.coordinator import codec
@@ -87,6 +103,7 @@ from squall_server.coordinator.node import (
     replica_failure,
     role_proto,
 )
+from squall_server.replica.faults import FAULT_FILE_NAME
 from squall_server.replica.rebuild import LmdbTruncator, TruncateError, rebuild_into
 from squall_server.replica.server import ReplicaControl
 from squall_server.replica.store import DATABASES, Store, StoreError
@@ -94,6 +111,7 @@ from squall_server.replica.store.kv_memory import MemoryKV
 from tests.sim import shell_sim
 from tests.sim.shell_sim import (
     NODE_IDS,
+    Disk,
     Member,
     ProcessKV,
     ShellSim,
@@ -103,12 +121,26 @@ from tests.sim.shell_sim import (
 from tests.sim.virtual_loop import Every
 
 log = logging.getLogger("squall.sim.coordinated")
+T = TypeVar("T")
 
 # Fault kinds of this simulator, after shell_sim's ten.
 _COORD_CRASH, _COORD_RESTART, _COORD_PAUSE, _COORD_CUT, _OWN_CUT = 10, 11, 12, 13, 14
 _NODE_CRASH, _NODE_PARTITION, _COORD_HEAL, _TRANSFER, _SET_PRIORITY = 15, 16, 17, 18, 19
 FAULT_KINDS = 20
 FOLLOW_S = 0.02  # how often clients look up who is master (the gateways' view)
+# The share of whole-node crashes whose machine is gone for good: the operator replaces
+# the node (``squall cluster replace-node``), then starts a new, empty machine from the
+# exported running set. One node at a time.
+REPLACE_SHARE = 0.2
+REPLACE_RETRY_S = 1.0  # the operator asks again this long after a refusal
+REPLACE_WAIT_S = 10.0  # the CLI's --wait: until the change is done
+OPERATOR_TIMEOUT_S = 5.0  # the CLI's call timeout
+# The share of seeds that end with ``squall cluster shutdown`` of the healed cluster, every
+# node started again after it (its own random stream: the fault schedule stays), and the
+# share of operator draws in the fault phase that run a shutdown among the faults.
+SHUTDOWN_SHARE = 0.25
+SHUTDOWN_FAULT_SHARE = 0.3
+SHUTDOWN_TIMEOUT_S = 30.0  # the command's --timeout
 # The share of requests to the own replica sent into a cut link that are held, not lost:
 # they reach the replica after the coordinator gave up on them.
 LATE_REQUEST = 0.5
@@ -147,6 +179,9 @@ class Coordinator:
     incarnation: int = 0
     node: CoordinatorNode | None = None
     paused: bool = False
+    # The config file it starts from (None: the simulator's; a replacing machine's is the
+    # exported running set).
+    config: ClusterConfig | None = None
 
     @property
     def process(self) -> str:
@@ -218,7 +253,8 @@ class SimReplicaLink:
         self.running_set: Callable[[], Membership | None] = lambda: None
 
     async def set_role(self, command: RoleCommand, reason: str) -> ReplicaAnswer | ReplicaFailure:
-        request = role_proto(self.sim.config, self.running_set(), command, reason, self.lease_ms)
+        config = self.member.config or self.sim.config
+        request = role_proto(config, self.running_set(), command, reason, self.lease_ms)
         try:
             response = await self._call(
                 lambda servicer: servicer.SetRole(request, _ServicerContext()),
@@ -320,6 +356,105 @@ async def _unanswered(call: Callable[[], Awaitable[object]]) -> None:
         await call()
 
 
+class SimShutdownCalls:
+    """The operator's ``squall cluster shutdown`` calls (``ShutdownCalls`` of
+    services/cli/cluster_shutdown.py), each served by the node's shipped servicer in its
+    process after a network delay: a service that is down refuses the call (UNAVAILABLE),
+    one paused or slow past the call's timeout fails it (DEADLINE_EXCEEDED)."""
+
+    def __init__(self, sim: CoordinatedSim) -> None:
+        self.sim = sim
+
+    async def _served(self, process: str, serve: Callable[[], Awaitable[T]], timeout_s: float) -> T:
+        sim = self.sim
+        await asyncio.sleep(sim.rng_net.random() * sim.max_delay_s)
+        call = sim.loop.spawn(process, _await(serve))
+        await asyncio.wait({call}, timeout=timeout_s)
+        if not call.done():
+            call.cancel()
+            raise CallFailed("DEADLINE_EXCEEDED: no answer in time")
+        if call.cancelled():
+            raise CallFailed("UNAVAILABLE: the process ended")
+        exc = call.exception()
+        if isinstance(exc, _Aborted):
+            raise CallFailed(f"{exc.code.name}: {exc.details}")
+        if exc is not None:
+            sim.loop_errors.append(f"servicer raised {exc!r} to the shutdown command")
+            raise CallFailed(f"UNKNOWN: {exc!r}")
+        return call.result()
+
+    async def _replica(
+        self, node: NodeConfig, serve: Callable[[ReplicaControl], Awaitable[T]], timeout_s: float
+    ) -> T:
+        member = self.sim.members[node.id]
+        replica = member.replica
+        if replica is None:
+            raise CallFailed(f"UNAVAILABLE: replica {node.id} is down")
+        return await self._served(member.process, lambda: serve(ReplicaControl(replica)), timeout_s)
+
+    async def _coordinator(
+        self,
+        node: NodeConfig,
+        serve: Callable[[coordinator_server.Coordinator], Awaitable[T]],
+    ) -> T:
+        coordinator = self.sim.coordinators[node.id]
+        running = coordinator.node
+        if running is None:
+            raise CallFailed(f"UNAVAILABLE: coordinator {node.id} is down")
+        return await self._served(
+            coordinator.process,
+            lambda: serve(coordinator_server.Coordinator(running)),
+            OPERATOR_TIMEOUT_S,
+        )
+
+    async def replica_state(self, node: NodeConfig) -> replica_pb2.ReplicaState:
+        return await self._replica(
+            node,
+            lambda s: s.GetReplicaState(replica_pb2.GetReplicaStateRequest(), _ServicerContext()),
+            OPERATOR_TIMEOUT_S,
+        )
+
+    async def coordinator_status(self, node: NodeConfig) -> coordinator_pb2.CoordinatorStatus:
+        return await self._coordinator(
+            node, lambda s: s.GetStatus(coordinator_pb2.GetStatusRequest(), _ServicerContext())
+        )
+
+    async def freeze(
+        self, node: NodeConfig, request: replica_pb2.FreezeForShutdownRequest, timeout_s: float
+    ) -> replica_pb2.ReplicaState:
+        return await self._replica(
+            node, lambda s: s.FreezeForShutdown(request, _ServicerContext()), timeout_s
+        )
+
+    async def thaw(self, node: NodeConfig, request: replica_pb2.AbortShutdownRequest) -> None:
+        await self._replica(
+            node, lambda s: s.AbortShutdown(request, _ServicerContext()), OPERATOR_TIMEOUT_S
+        )
+
+    async def stop_coordinator(
+        self, node: NodeConfig, request: coordinator_pb2.CoordinatorShutdownRequest
+    ) -> None:
+        await self._coordinator(node, lambda s: s.Shutdown(request, _ServicerContext()))
+
+    async def finish(
+        self, node: NodeConfig, request: replica_pb2.FinishShutdownRequest
+    ) -> replica_pb2.FinishShutdownResponse:
+        return await self._replica(
+            node, lambda s: s.FinishShutdown(request, _ServicerContext()), OPERATOR_TIMEOUT_S
+        )
+
+    async def answering(self, kind: str, node: NodeConfig) -> bool:
+        if kind == "replica":
+            return self.sim.members[node.id].replica is not None
+        return self.sim.coordinators[node.id].node is not None
+
+
+async def _await(serve: Callable[[], Awaitable[T]]) -> T:
+    """The servicer's coroutine, made when its process runs it (one killed before leaves
+    none unawaited)."""
+    return await serve()
+
+
 class MemoryTruncator(LmdbTruncator):
     """The LMDB truncator's twin over a node's ``Disk``: rebuilds the log up to the kept
     LSN into a fresh ``MemoryKV`` (``rebuild_into``, as production does) and swaps it in
@@ -381,6 +516,10 @@ class CoordinatedSim(ShellSim):
         # (node, "down"): requests to the replica are lost; (node, "up"): its answers are.
         self.own_cuts: set[tuple[str, str]] = set()
         self.master_epochs: set[int] = set()
+        # The operator's replace-node runs one at a time (the fault phase's, the heal's).
+        self._replacing = asyncio.Lock()
+        self._machines = 0  # new machines' addresses
+        self.shutting_down = False  # the operator's cluster shutdown runs
 
     def fail(self, what: str) -> ShellSimFailure:
         tail = "\n".join(self.stats.events[-40:])
@@ -403,19 +542,32 @@ class CoordinatedSim(ShellSim):
         coordinator.incarnation += 1
         coordinator.paused = False
         link = SimReplicaLink(self, self.members[coordinator.node_id])
+        config = coordinator.config or self.config
         node = SimCoordinatorNode(
-            self.config,
-            self.config.node(coordinator.node_id),
+            config,
+            config.node(coordinator.node_id),
             self.clock,
             self.rng_ids,
             peers=SimPeers(self, coordinator.node_id),
             replica=link,
             store=coordinator.state,
+            # A cluster shutdown stops the process (services/coordinator/__main__.py), after
+            # the servicer's answer.
+            on_shutdown=functools.partial(
+                self.loop.call_soon, self._coordinator_exits, coordinator, coordinator.process
+            ),
         )
         link.running_set = lambda: node.election.membership
         coordinator.node = node
         self.loop.spawn(coordinator.process, node.start())
         self.note(f"start {coordinator.process}")
+
+    def _coordinator_exits(self, coordinator: Coordinator, process: str) -> None:
+        if coordinator.process == process and coordinator.node is not None:
+            self.loop.kill(process)
+            coordinator.node = None
+            coordinator.paused = False
+            self.note(f"exit after cluster shutdown: {process}")
 
     def _crash_coordinator(self, coordinator: Coordinator) -> None:
         self.stats.crashes += 1
@@ -436,6 +588,8 @@ class CoordinatedSim(ShellSim):
         self.coord_cuts.clear()
         self.own_cuts.clear()
         for coordinator in self.coordinators.values():
+            if coordinator.node_id == self.gone:
+                continue  # _finish_replacement brings its new machine up
             if coordinator.node is None:
                 self._start_coordinator(coordinator)
             elif coordinator.paused:
@@ -450,6 +604,7 @@ class CoordinatedSim(ShellSim):
                 # The operator replaced the failing disk and lifts the quarantine.
                 node.set_quarantine(False, "sim-operator", "disk replaced")
         await self._manual_recovery()
+        await self._finish_replacement()
 
     def _unquarantine(self, node_id: str) -> None:
         super()._unquarantine(node_id)
@@ -462,9 +617,12 @@ class CoordinatedSim(ShellSim):
         store clean) the coordinators refuse a cold start, by design; the simulator does
         what docs/operations.md ("Manual recovery") tells an operator: stop the replica
         with the newest log, ``squall store mark-clean`` its store, start it again."""
-        # Not a node the operator quarantined (a rotted disk): it is in no group.
+        # Not a node the operator quarantined (a rotted disk, in no group), nor one whose
+        # machine is gone.
         replicas = {
-            m.node_id: m.replica for m in self.members.values() if m.node_id not in self.quarantined
+            m.node_id: m.replica
+            for m in self.members.values()
+            if m.node_id not in self.quarantined and m.node_id != self.gone
         }
         if any(r is None or r.joined for r in replicas.values()):
             return
@@ -498,6 +656,8 @@ class CoordinatedSim(ShellSim):
     # --- faults
 
     async def _inject(self, member: Member, kind: int) -> None:
+        if member.node_id == self.gone:
+            return  # no machine to fault until the operator replaces it
         if kind < shell_sim_kinds():
             await super()._inject(member, kind)
             return
@@ -536,7 +696,19 @@ class CoordinatedSim(ShellSim):
                 # may half the crashes be machine crashes (what was not flushed is lost).
                 machine = self.replica_sync == common_pb2.SYNC_POLICY_SYNC and rng.random() < 0.5
                 self._crash(member, machine=machine)
-            self.loop.call_later(rng.uniform(0.5, 3.0), self._restart_node, node_id)
+            # A lost machine and a rotted copy elsewhere would be two failures. Before the
+            # first group formed (which needs every node) there is no group to change.
+            if (
+                not self.gone
+                and not self.rotten
+                and self.master_epochs
+                and rng.random() < REPLACE_SHARE
+            ):
+                self.gone = node_id
+                self.note(f"{node_id}'s machine is gone for good")
+                self.loop.call_later(rng.uniform(0.5, 2.0), self._operator_replaces)
+            else:
+                self.loop.call_later(rng.uniform(0.5, 3.0), self._restart_node, node_id)
         elif kind == _NODE_PARTITION:
             for peer in others:
                 self.net.cut(node_id, peer, both=True)
@@ -545,6 +717,9 @@ class CoordinatedSim(ShellSim):
         elif kind == _COORD_HEAL:
             self.coord_cuts.clear()
             self.note("heal coordinator links")
+        elif kind == _TRANSFER and not self.shutting_down and rng.random() < SHUTDOWN_FAULT_SHARE:
+            self.shutting_down = True  # from now: the heal waits for it (_before_heal)
+            self.loop.create_task(self._shutdown())  # the operator's machine: no process
         elif kind in (_TRANSFER, _SET_PRIORITY):
             self._operator_control(node_id, kind)
 
@@ -609,6 +784,211 @@ class CoordinatedSim(ShellSim):
             return
         self.note(f"operator: {what} done")
 
+    # --- cluster shutdown (docs/operations.md, "Store lifecycle")
+
+    async def _shutdown(self) -> tuple[int | None, str]:
+        """``squall cluster shutdown`` as the CLI runs it (``run_shutdown``), over the
+        servicers; its exit status (None: abandoned) and what it printed or raised."""
+        self.shutting_down = True
+        self.note("operator: cluster shutdown")
+        out = io.StringIO()
+        try:
+            code: int | None = await run_shutdown(
+                SimShutdownCalls(self),
+                self._running_nodes(),
+                out,
+                clock=self.clock,
+                timeout_s=SHUTDOWN_TIMEOUT_S,
+                operator="sim-operator",
+                shutdown_id=f"sim-{self.seed}-{self.stats.shutdowns}",
+            )
+        except ShutdownError as exc:
+            code = None
+            out.write(str(exc))
+        finally:
+            self.shutting_down = False
+        self.stats.shutdowns += 1
+        text = out.getvalue().strip().replace("\n", " / ")
+        self.note(f"operator: cluster shutdown -> {code}: {text}")
+        return code, text
+
+    async def _before_heal(self) -> None:
+        """A cluster shutdown the operator started among the faults runs to its end
+        first: the heal then starts whatever it stopped."""
+        deadline = self.loop.time() + SHUTDOWN_TIMEOUT_S + shell_sim.LIVENESS_S
+        while self.shutting_down and self.loop.time() < deadline:
+            await asyncio.sleep(0.1)
+
+    def _running_nodes(self) -> list[NodeConfig]:
+        """The nodes as the operator's config file names them (a replacing machine's
+        addresses after a replace-node)."""
+        return [(m.config or self.config).node(m.node_id) for m in self.members.values()]
+
+    async def _after_checks(self) -> None:
+        """In a share of the seeds: the healed cluster is shut down cleanly, every node is
+        started again, and it serves with every acknowledged event."""
+        if random.Random(self.seed * 104729 + 5).random() >= SHUTDOWN_SHARE:
+            return
+        # The operator asks again while none could start or it was abandoned (a group
+        # still settling: a higher-ranked node taking over once caught up), as the
+        # command's message says to.
+        deadline = self.loop.time() + shell_sim.LIVENESS_S
+        code, text = await self._shutdown()
+        while code is None and self.loop.time() < deadline:
+            await asyncio.sleep(0.5)
+            code, text = await self._shutdown()
+        if code != 0:
+            raise self.fail(f"cluster shutdown of the healed cluster failed ({code}): {text}")
+        # Every service stopped; the master's group's stores are CLEAN at one point (a node
+        # that was not a member then, rejoining, stays DIRTY and is updated at the start).
+        points = set()
+        for member in self.members.values():
+            coordinator = self.coordinators[member.node_id]
+            if member.replica is not None or coordinator.node is not None:
+                raise self.fail(f"{member.node_id} still runs after the cluster shutdown")
+            meta = Store(member.disk.kv).meta()
+            if meta.state == common_pb2.STORE_STATE_CLEAN:
+                points.add((meta.last_epoch, meta.last_lsn))
+        if len(points) != 1:
+            raise self.fail(f"the clean stores end at different points {points}: {text}")
+        self.note("stores shut down; the operator starts every node again")
+        follow = Every(self.loop, FOLLOW_S, self._follow_master, first_s=0)
+        tick = Every(self.loop, shell_sim.NETWORK_TICK_S, self.net.tick)
+        for member in self.members.values():
+            await self._restart(member)
+        for coordinator in self.coordinators.values():
+            self._start_coordinator(coordinator)
+        await self._liveness(self.loop.time())
+        await self._catch_up()
+        follow.cancel()
+        tick.cancel()
+        self._check_logs()
+
+    # --- a machine gone for good, replaced (docs/operations.md, "Changing the membership")
+
+    def _operator_replaces(self) -> None:
+        """The operator's replace-node during the faults, asked again after a refusal."""
+        if self.healing or not self.gone:
+            return  # the heal finishes it (_finish_replacement)
+
+        async def attempt() -> None:
+            if not await self._replace() and not self.healing:
+                self.loop.call_later(REPLACE_RETRY_S, self._operator_replaces)
+
+        self.loop.create_task(attempt())  # the operator's machine: no simulated process
+
+    async def _finish_replacement(self) -> None:
+        """At the heal: the operator replaces the gone machine's node (its peers run again,
+        so a majority of the old and the new node set can form)."""
+        deadline = self.loop.time() + shell_sim.LIVENESS_S
+        while self.gone:
+            if self.loop.time() > deadline:
+                raise self.fail(
+                    f"replace-node {self.gone} not done {shell_sim.LIVENESS_S} s after the heal"
+                )
+            if not await self._replace():
+                await asyncio.sleep(REPLACE_RETRY_S)
+
+    async def _replace(self) -> bool:
+        """``squall cluster replace-node`` of the gone machine's node as the CLI runs it
+        (services/cli/membership.py): the change asked of the leading coordinator through
+        its servicer, waited for until done; then ``config export`` and the new machine
+        started from it, empty. False when it was refused or not done in time."""
+        async with self._replacing:
+            node_id = self.gone
+            coordinator = self._leading()
+            if not node_id or coordinator is None:
+                return False
+            node = coordinator.node
+            assert node is not None
+            self._machines += 1
+            host = f"{node_id}-m{self._machines}.sim"
+            request = coordinator_pb2.ChangeMembershipRequest(
+                kind=coordinator_pb2.MEMBERSHIP_CHANGE_KIND_REPLACE_NODE,
+                node_id=node_id,
+                coordinator_address=f"{host}:7101",
+                replica_address=f"{host}:7201",
+                operator="sim-operator",
+                reason="machine gone",
+            )
+            what = f"replace-node {node_id} with {host} (asked of {node.node.id})"
+            self.note(f"operator: {what}")
+            call = self.loop.spawn(
+                coordinator.process,
+                coordinator_server.Coordinator(node).ChangeMembership(request, _ServicerContext()),
+            )
+            await asyncio.wait({call}, timeout=OPERATOR_TIMEOUT_S)
+            refused = (
+                "no answer in time"
+                if not call.done()
+                else "its coordinator's process ended"
+                if call.cancelled()
+                else call.exception()
+            )
+            if refused:
+                if isinstance(refused, BaseException) and not isinstance(refused, _Aborted):
+                    raise refused
+                self.note(f"operator: {what} refused: {refused}")
+                return False
+            running = await self._changed(coordinator, node_id, request.replica_address)
+            if running is None:
+                self.note(f"operator: {what} not done")
+                return False
+            self.note(f"operator: {what} done: {running.describe()}")
+            await self._new_machine(node_id, running)
+            return True
+
+    async def _changed(
+        self, coordinator: Coordinator, node_id: str, replica_address: str
+    ) -> Membership | None:
+        """The running node set once the change is done there (the CLI's --wait, then the
+        set ``config export`` writes), or None."""
+        deadline = self.loop.time() + REPLACE_WAIT_S
+        while self.loop.time() < deadline:
+            node = coordinator.node
+            if node is None or coordinator.paused:
+                return None  # the CLI's status call fails
+            status = node.status()
+            running = status.membership
+            if "in progress" not in status.membership_change and running is not None:
+                member = running.member(node_id)
+                replaced = member is not None and member.replica_address == replica_address
+                return running if replaced else None
+            await asyncio.sleep(0.1)
+        return None
+
+    async def _new_machine(self, node_id: str, running: Membership) -> None:
+        """The replacing machine: an empty disk, no coordinator state, the exported config;
+        its replica starts, then its coordinator (docs/operations.md's runbook)."""
+        member = self.members[node_id]
+        member.disk = Disk()
+        (member.data_dir / FAULT_FILE_NAME).unlink(missing_ok=True)
+        config = dataclasses.replace(
+            self.config,
+            nodes=tuple(
+                NodeConfig(
+                    m.node_id,
+                    m.priority,
+                    m.coordinator_address,
+                    m.replica_address,
+                    self.members[m.node_id].data_dir,
+                    m.learner,
+                )
+                for m in running.members
+            ),
+            membership_version=running.version,
+            membership_epoch=running.epoch,
+        )
+        config.validate()
+        member.config = config
+        coordinator = self.coordinators[node_id]
+        coordinator.state = MemoryStateStore()
+        coordinator.config = config
+        self.gone = ""
+        self.stats.replacements += 1
+        await self._start(member)
+        self._start_coordinator(coordinator)
+
     def _resume_coordinator(self, coordinator: Coordinator, process: str) -> None:
         if coordinator.paused and coordinator.process == process and coordinator.node:
             coordinator.paused = False
@@ -622,8 +1002,8 @@ class CoordinatedSim(ShellSim):
         self.note(f"heal {node_id}'s coordinator<->replica link")
 
     def _restart_node(self, node_id: str) -> None:
-        if self.healing:
-            return  # the heal restarts it
+        if self.healing or node_id == self.gone:
+            return  # the heal restarts it; a gone machine is replaced
         member = self.members[node_id]
         coordinator = self.coordinators[node_id]
         if member.replica is None:

@@ -62,6 +62,8 @@ def run_seeds(
         total.disk_failures += stats.disk_failures
         total.rotten_records += stats.rotten_records
         total.rot_faults += stats.rot_faults
+        total.replacements += stats.replacements
+        total.shutdowns += stats.shutdowns
         total.snapshots_begun += stats.snapshots_begun
         total.snapshots_finished += stats.snapshots_finished
     cpu = time.process_time() - started
@@ -71,6 +73,7 @@ def run_seeds(
         f"{total.acked} publishes acknowledged, {total.elections} master epochs, "
         f"{total.crashes} crashes, {total.disk_failures} disk failures, "
         f"{total.rotten_records} log records rotted ({total.rot_faults} nodes reported it), "
+        f"{total.replacements} machines replaced, {total.shutdowns} cluster shutdowns, "
         f"{total.snapshots_begun} snapshot installs begun ({total.snapshots_finished} "
         f"finished, {total.snapshots_cut_short} cut short)"
     )

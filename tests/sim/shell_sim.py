@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import gc
 import logging
 import random
@@ -194,6 +195,9 @@ class Member:
     io: SimExecutor | None = None
     paused: bool = False
     seq: int = 0
+    # The config file its processes start from (None: the simulator's): a replacing
+    # machine's is the running node set as `squall cluster config export` writes it.
+    config: ClusterConfig | None = None
 
     @property
     def process(self) -> str:
@@ -218,6 +222,8 @@ class Stats:
     rotten_records: int = 0
     rot_faults: int = 0
     fail_stops: int = 0
+    replacements: int = 0  # coordinated_sim: machines gone for good and replaced
+    shutdowns: int = 0  # coordinated_sim: cluster shutdowns run (finished or abandoned)
     hand_offs: int = 0  # coordinated_sim: hand-offs a master's replica got ready for
     # Snapshot installs (a slave's, or a new master's reorganization fetch): begun (marked
     # pending), finished (swapped in); the others were cut short (a crash, a broken
@@ -319,6 +325,9 @@ class ShellSim:
         self.healing = False
         self.rotten: set[str] = set()  # nodes whose disk holds a flipped log record
         self.quarantined: set[str] = set()  # by the operator (the script's nodes only)
+        # A node whose machine is gone for good (coordinated_sim: until the operator's
+        # replace-node brings a new one up): nothing restarts it.
+        self.gone = ""
         self.acked: list[Acked] = []
         self.masters: dict[int, set[str]] = {}
         self.stats = Stats()
@@ -395,6 +404,7 @@ class ShellSim:
         await self._faults()
         # Heal everything: links, disks, pauses; crashed nodes restart.
         self.healing = True
+        await self._before_heal()
         self.note("heal")
         self.net.heal()
         for member in self.members.values():
@@ -402,6 +412,8 @@ class ShellSim:
             member.disk.slow = False
             if member.paused:
                 self._resume(member)
+            if member.node_id == self.gone:
+                continue  # the operator replaces it (_heal_roles)
             if member.replica is None or member.replica.failed_reason:
                 await self._restart(member)
         # A disk that rotted is replaced as the operator's procedure says
@@ -422,8 +434,17 @@ class ShellSim:
         for observer in observers:
             observer.cancel()
         self._check_logs()
+        await self._after_checks()
         if self.loop_errors:
             raise self.fail(f"unexpected errors on the loop: {self.loop_errors[:3]}")
+
+    async def _before_heal(self) -> None:
+        """What a subclass waits for before the heal (coordinated_sim: an operator's
+        command still running)."""
+
+    async def _after_checks(self) -> None:
+        """What a subclass runs on the healed, checked cluster (coordinated_sim: a cluster
+        shutdown and restart)."""
 
     # --- processes
 
@@ -438,9 +459,10 @@ class ShellSim:
             lambda: rng.random() * (SLOW_DISK_S if disk.slow else 0.002),
         )
         store = self._store(member.kv)
+        config = member.config or self.config
         replica = build_replica_node(
-            self.config,
-            self.config.node(member.node_id),
+            config,
+            config.node(member.node_id),
             store,
             self.clock,
             transport=self.net.transport_for(member.node_id),
@@ -448,6 +470,11 @@ class ShellSim:
             truncator=self._truncator(member),
         )
         member.replica = replica
+        # A finished cluster shutdown stops the process (services/replica/__main__.py); after
+        # the servicer's answer, as the gRPC server's graceful stop lets it out.
+        replica.on_shutdown = functools.partial(
+            self.loop.call_soon, self._exit_after_shutdown, member, member.process
+        )
         if member.node_id == self.older:
             replica.driver.reads_joined_publishes = False
         # A store whose log fails its checksum rebuilding the commit gate starts
@@ -465,9 +492,14 @@ class ShellSim:
         """None: the replicas refuse a truncation (a slave's log is replaced by a snapshot)."""
         return None
 
-    def _crash(self, member: Member, *, machine: bool) -> None:
+    def _exit_after_shutdown(self, member: Member, process: str) -> None:
+        if member.process == process and member.replica is not None:
+            self._crash(member, machine=False, why="exit after cluster shutdown")
+
+    def _crash(self, member: Member, *, machine: bool, why: str = "") -> None:
         assert member.replica is not None and member.kv is not None and member.io is not None
-        self.stats.crashes += 1
+        if not why:
+            self.stats.crashes += 1
         self.loop.kill(member.process)
         member.io.kill()
         member.kv.dead = True
@@ -475,6 +507,9 @@ class ShellSim:
         member.replica = None
         member.paused = False
         lost = member.disk.kv.lose_unsynced() if machine else 0
+        if why:
+            self.note(f"{why}: {member.process}")
+            return
         self.note(f"crash {member.process} ({'machine' if machine else 'process'}, lost {lost})")
 
     async def _restart(self, member: Member) -> None:
@@ -544,7 +579,16 @@ class ShellSim:
             for peer in others:  # isolate
                 self.net.cut(member.node_id, peer, both=True)
             self.note(f"isolate {member.node_id}")
-        elif kind == 9 and rng.random() < ROT_SHARE and self.rotten <= {member.node_id}:
+        elif (
+            kind == 9
+            and rng.random() < ROT_SHARE
+            and self.rotten <= {member.node_id}
+            # A lost machine and a rotted copy are two failures; so is a rotted voter while
+            # a replacing machine may still be a learner (the heal's quarantine would leave
+            # one voter).
+            and not self.gone
+            and not self.stats.replacements
+        ):
             self._rot(member)
         # (kind 9 otherwise: quiet)
 
