@@ -85,6 +85,17 @@ def _flip_a_byte_in_a_log_entry(cluster: LocalCluster, node_id: str, lsn: int) -
         env.close()
 
 
+def _quarantined(cluster: LocalCluster, node_id: str, within_s: float = 20) -> str:
+    """Waits until node_id's coordinator reports it quarantined; the reason."""
+
+    def quarantined() -> bool:
+        status = cluster.statuses().get(node_id)
+        return status is not None and status.HasField("quarantine")
+
+    wait_for(quarantined, within_s, f"{node_id} quarantined by its coordinator")
+    return cluster.statuses()[node_id].quarantine.reason
+
+
 def _holds(cluster: LocalCluster, node_id: str, count: int) -> bool:
     """Does node_id serve exactly count events of the topic (False while it cannot)?"""
     try:
@@ -110,11 +121,7 @@ def test_a_corrupt_record_quarantines_the_slave_until_an_operator_clears_it(
         _read_all(trio.replica_address("n3"), "orders")
     assert damaged.value.code() == grpc.StatusCode.DATA_LOSS
 
-    def quarantined() -> bool:
-        status = trio.statuses().get("n3")
-        return status is not None and status.HasField("quarantine")
-
-    wait_for(quarantined, 10, "n3 quarantined by its coordinator")
+    _quarantined(trio, "n3", 10)
     n3 = trio.statuses()["n3"]
     assert n3.quarantine.operator == "replica"
     assert "checksum error serving a read" in n3.quarantine.reason
@@ -193,12 +200,7 @@ def test_a_master_whose_log_fails_its_checksum_for_a_lagging_slave_is_quarantine
 
     cluster.start("replica", "n3")
 
-    def quarantined() -> bool:
-        status = cluster.statuses().get("n1")
-        return status is not None and status.HasField("quarantine")
-
-    wait_for(quarantined, 20, "n1 quarantined by its coordinator")
-    reason = cluster.statuses()["n1"].quarantine.reason
+    reason = _quarantined(cluster, "n1")
     assert "checksum error reading the log for node n3" in reason, reason
     assert cluster.wait_for_master(exclude="n1") == "n2"
     wait_for(lambda: _last_lsn(cluster, "n3") >= _last_lsn(cluster, "n2"), 30, "n3 caught up")
@@ -254,12 +256,7 @@ def test_a_replica_whose_uncommitted_tail_fails_its_checksum_starts_and_is_quara
 
     cluster.start("replica", "n3")
 
-    def quarantined() -> bool:
-        status = cluster.statuses().get("n3")
-        return status is not None and status.HasField("quarantine")
-
-    wait_for(quarantined, 20, "n3 quarantined by its coordinator")
-    reason = cluster.statuses()["n3"].quarantine.reason
+    reason = _quarantined(cluster, "n3")
     assert "its log fails its checksum rebuilding the commit gate (start-up)" in reason, reason
     assert f"log at key {damaged:016x}" in reason, reason
     with pytest.raises(grpc.RpcError) as refused:
