@@ -3,15 +3,16 @@
 #
 # 1. the unit tests, on two xdist workers (in process, CPU-bound, a few with real timeouts);
 # 2. the tests that start real processes, one at a time as their failover bounds assume,
-#    and beside them the simulators' seeds on one xdist worker at the lowest CPU priority
-#    (`nice -n 19`).
+#    and beside them the simulators' seeds on two xdist workers at the lowest CPU priority
+#    there is: SCHED_IDLE (`chrt --idle`, where it exists) and `nice -n 19`.
 #
 # The real-process tests leave about one core idle while they wait on elections and
 # timeouts; the simulators run on virtual time (tests/sim/virtual_loop.py), so they can only
-# be slowed by that, never made to fail, and at nice 19 they take a core only when nothing
-# else wants it. One worker, not two: a second one found no idle core to use and slowed the
-# real-process tests (16m35s beside two workers against about 13 minutes alone, on the CI
-# VM of 2026-11-30). The simulators' output is printed after the real-process tests' own.
+# be slowed by that, never made to fail. Under SCHED_IDLE they run only on a core nothing
+# else wants, and a waking real-process test takes it back at once; at nice 19 alone they
+# slowed the real-process tests from about 13 to 16.5 minutes (one worker or two alike, on
+# the CI VM of 2026-11-30). The simulators' output is printed after the real-process tests'
+# own.
 # Any run's failure (including pytest's 5, nothing collected) fails the whole.
 #
 # Usage: scripts/test_suites.sh VENV_BIN
@@ -25,7 +26,12 @@ common=(-q -p no:cacheprovider)
 sim_log=$(mktemp "${TMPDIR:-/tmp}/squall-sim.XXXXXX")
 # setsid: its own process group (it is not a group leader, so it does not fork and $! is
 # the group's id), so an interrupted run stops its xdist workers too, by that id.
-setsid nice -n 19 "$bin/pytest" "${common[@]}" -n 1 --dist loadfile --durations=10 tests/sim \
+idle=()
+if command -v chrt >/dev/null && chrt --idle 0 true 2>/dev/null; then
+    idle=(chrt --idle 0)
+fi
+setsid "${idle[@]}" nice -n 19 "$bin/pytest" "${common[@]}" -n 2 --dist loadfile --durations=10 \
+    tests/sim \
     >"$sim_log" 2>&1 &
 sims=$!
 stop_sims() {

@@ -15,7 +15,9 @@ brings the slave up to date with every acknowledged event.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 
 import grpc
 import lmdb
@@ -46,43 +48,41 @@ def _read_all(address: str, topic: str) -> list[common_pb2.Event]:
     return events
 
 
-def _flip_a_byte_in_an_event(cluster: LocalCluster, node_id: str) -> None:
-    """Damages the first stored event record of node_id's store, as bit rot would: through
-    a second handle on the live LMDB environment (LMDB allows one writer across processes;
-    the replica reads the page from the shared map)."""
+@contextlib.contextmanager
+def _second_handle(cluster: LocalCluster, node_id: str) -> Iterator[lmdb.Environment]:
+    """A second handle on node_id's LMDB environment, live or not (LMDB allows one writer
+    across processes; a running replica reads the pages from the shared map)."""
     env = lmdb.open(
         str(cluster.config.node(node_id).data_dir),
         max_dbs=len(DATABASES),
         map_size=cluster.config.limits.map_size_bytes,
     )
     try:
+        yield env
+    finally:
+        env.close()
+
+
+def _flip_a_byte_in_an_event(cluster: LocalCluster, node_id: str) -> None:
+    """Damages the first stored event record of node_id's store, as bit rot would."""
+    with _second_handle(cluster, node_id) as env:
         events = env.open_db(b"events", create=False)
         with env.begin(write=True, db=events) as txn:
             cursor = txn.cursor()
             assert cursor.first(), "no event stored"
             key, value = cursor.item()
             txn.put(key, value[:-1] + bytes([value[-1] ^ 0x40]))
-    finally:
-        env.close()
 
 
 def _flip_a_byte_in_a_log_entry(cluster: LocalCluster, node_id: str, lsn: int) -> None:
-    """Damages node_id's log entry at lsn, as bit rot would, through a second handle on
-    the LMDB environment (live or not)."""
-    env = lmdb.open(
-        str(cluster.config.node(node_id).data_dir),
-        max_dbs=len(DATABASES),
-        map_size=cluster.config.limits.map_size_bytes,
-    )
-    try:
+    """Damages node_id's log entry at lsn, as bit rot would."""
+    with _second_handle(cluster, node_id) as env:
         log_db = env.open_db(b"log", create=False)
         with env.begin(write=True, db=log_db) as txn:
             key = lsn.to_bytes(8, "big")
             value = txn.get(key)
             assert value is not None, f"no log entry at LSN {lsn} on {node_id}"
             txn.put(key, value[:-1] + bytes([value[-1] ^ 0x40]))
-    finally:
-        env.close()
 
 
 def _quarantined(cluster: LocalCluster, node_id: str, within_s: float = 20) -> str:

@@ -16,12 +16,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
-from squall_server.common.config import load_config
+from squall_server.common.config import ClusterConfig, load_config
 from squall_server.common.errors import Code, ServiceError
 from squall_server.replica import commands
 from squall_server.replica.assembly import build_replica_node
@@ -80,6 +81,20 @@ async def _started(network: SimReplicaNetwork, node_ids: tuple[str, ...]) -> dic
     return await network.start_replicas(load_config(CONFIG), node_ids)
 
 
+@contextlib.asynccontextmanager
+async def _running(
+    network: SimReplicaNetwork, node_ids: tuple[str, ...], config: ClusterConfig | None = None
+) -> AsyncIterator[dict[str, ReplicaNode]]:
+    """The shipped replicas of node_ids over the network, started; stopped on the way out
+    (a node's stop raises what one of its tasks died of)."""
+    nodes = await network.start_replicas(config or load_config(CONFIG), node_ids)
+    try:
+        yield nodes
+    finally:
+        for node in nodes.values():
+            await node.stop()
+
+
 def _operations(node: ReplicaNode) -> list[tuple[int, int, bytes]]:
     return [(e.lsn, e.epoch, e.operation) for e in node.store.read_log(1, 10_000)]
 
@@ -104,9 +119,8 @@ async def _create_orders(node: ReplicaNode) -> None:
 def test_replicas_replicate_reorganize_and_depose_over_the_simulated_transport() -> None:
     async def scenario() -> None:
         network = SimReplicaNetwork()
-        nodes = await _started(network, ("n1", "n2", "n3"))
-        n1, n2, n3 = nodes["n1"], nodes["n2"], nodes["n3"]
-        try:
+        async with _running(network, ("n1", "n2", "n3")) as nodes:
+            n1, n2, n3 = nodes["n1"], nodes["n2"], nodes["n3"]
             # Epoch 1: n1 masters n2 and n3; a write commits once a slave holds it.
             await _n1_masters_epoch_one(nodes)
             await _create_orders(n1)
@@ -146,9 +160,6 @@ def test_replicas_replicate_reorganize_and_depose_over_the_simulated_transport()
             # n1's epoch transport (closed by the deposed master's own task, a few loop
             # turns after its role changed) and n3's sync transport.
             await _until("both transports closed", lambda: network.closed >= 2)
-        finally:
-            for node in nodes.values():
-                await node.stop()
 
     asyncio.run(scenario())
 
@@ -171,9 +182,8 @@ def test_a_slave_whose_opened_stream_breaks_is_reconnected_at_the_shortest_wait(
 
     async def scenario() -> None:
         network = SimReplicaNetwork()
-        nodes = await _started(network, ("n1", "n2"))
-        n1, n2 = nodes["n1"], nodes["n2"]
-        try:
+        async with _running(network, ("n1", "n2")) as nodes:
+            n1, n2 = nodes["n1"], nodes["n2"]
             await _n1_masters_epoch_one(nodes)
             await _create_orders(n1)
             for i in range(7):
@@ -185,9 +195,6 @@ def test_a_slave_whose_opened_stream_breaks_is_reconnected_at_the_shortest_wait(
                 await _until("n2 caught up", lambda: n2.last_lsn == n1.last_lsn)
             assert len(waits) == 7
             assert waits == [(True, RECONNECT_BACKOFF_MIN_MS)] * 7
-        finally:
-            for node in nodes.values():
-                await node.stop()
 
     asyncio.run(scenario())
 
@@ -203,9 +210,8 @@ def test_a_master_that_cannot_read_the_log_a_slave_lacks_reports_it_and_a_sound_
 
     async def scenario() -> None:
         network = SimReplicaNetwork()
-        nodes = await _started(network, ("n1", "n2", "n3"))
-        n1, n2, n3 = nodes["n1"], nodes["n2"], nodes["n3"]
-        try:
+        async with _running(network, ("n1", "n2", "n3")) as nodes:
+            n1, n2, n3 = nodes["n1"], nodes["n2"], nodes["n3"]
             await _n1_masters_epoch_one(nodes)
             await _create_orders(n1)
             await _until("n3 has the topic", lambda: n3.last_lsn == n1.last_lsn)
@@ -247,9 +253,6 @@ def test_a_master_that_cannot_read_the_log_a_slave_lacks_reports_it_and_a_sound_
             assert [e.payload for e in n3.store.read_events("orders", 0, 100)] == (
                 [b"a%d" % i for i in range(10)] + [b"after the fault", b"under n2"]
             )
-        finally:
-            for node in nodes.values():
-                await node.stop()  # raises what a task of the node died of
 
     asyncio.run(scenario())
 
@@ -265,9 +268,8 @@ def test_a_master_whose_snapshot_for_a_slave_meets_a_damaged_record_reports_it()
             config, limits=dataclasses.replace(config.limits, log_retention_entries=4)
         )
         network = SimReplicaNetwork()
-        nodes = await network.start_replicas(config, ("n1", "n2", "n3"))
-        n1, n2, n3 = nodes["n1"], nodes["n2"], nodes["n3"]
-        try:
+        async with _running(network, ("n1", "n2", "n3"), config) as nodes:
+            n1, n2, n3 = nodes["n1"], nodes["n2"], nodes["n3"]
             await _n1_masters_epoch_one(nodes)
             network.cut("n1", "n3", both=True)
             await _create_orders(n1)
@@ -283,9 +285,6 @@ def test_a_master_whose_snapshot_for_a_slave_meets_a_damaged_record_reports_it()
             receipt = await _publish(n1, b"after the fault")
             await _until("n2 has it", lambda: n2.last_lsn >= receipt.lsn)
             assert n3.last_lsn == before
-        finally:
-            for node in nodes.values():
-                await node.stop()
 
     asyncio.run(scenario())
 
@@ -299,9 +298,8 @@ def test_a_new_master_whose_sync_source_fails_a_checksum_refuses_the_role() -> N
 
     async def scenario() -> None:
         network = SimReplicaNetwork()
-        nodes = await _started(network, ("n1", "n2", "n3"))
-        n1, n2 = nodes["n1"], nodes["n2"]
-        try:
+        async with _running(network, ("n1", "n2", "n3")) as nodes:
+            n1, n2 = nodes["n1"], nodes["n2"]
             await _n1_masters_epoch_one(nodes)
             await _create_orders(n1)
             await _until("n2 has the topic", lambda: n2.last_lsn == n1.last_lsn)
@@ -327,9 +325,6 @@ def test_a_new_master_whose_sync_source_fails_a_checksum_refuses_the_role() -> N
             assert "fetching the log from sync source n1 failed: DATA_LOSS" in refusal.message
             assert n1.fault is not None and "checksum error serving a fetch" in n1.fault.reason
             assert n2.role != common_pb2.ROLE_MASTER
-        finally:
-            for node in nodes.values():
-                await node.stop()
 
     asyncio.run(scenario())
 
@@ -416,9 +411,8 @@ def test_a_checksum_error_rebuilding_the_gate_after_an_abandoned_taking_fail_sto
 
     async def scenario() -> None:
         network = SimReplicaNetwork()
-        nodes = await _started(network, ("n1", "n2", "n3"))
-        n1, n2 = nodes["n1"], nodes["n2"]
-        try:
+        async with _running(network, ("n1", "n2", "n3")) as nodes:
+            n1, n2 = nodes["n1"], nodes["n2"]
             await _n1_masters_epoch_one(nodes)
             await _create_orders(n1)
             for i in range(5):
@@ -438,8 +432,5 @@ def test_a_checksum_error_rebuilding_the_gate_after_an_abandoned_taking_fail_sto
             await n2.taking.wait_stopped()
             _assert_serves_nothing(n2, damaged, "reorganization interrupted")
             assert "fail-stop" in n2.fault.reason  # type: ignore[union-attr]
-        finally:
-            for node in nodes.values():
-                await node.stop()
 
     asyncio.run(scenario())
