@@ -148,7 +148,9 @@ def test_a_restarted_replica_does_not_serve_a_deposed_masters_uncommitted_suffix
     """n1 stores publishes it cannot commit (both slaves stopped) and is killed. Its
     replica restarted alone serves exactly the events committed before, not the suffix
     (it records the commit LSN it knew); once n1 rejoins, the suffix is truncated and
-    every replica holds every acknowledged event and none of the others.
+    every replica holds every acknowledged event and all serve the same events (a lost
+    publish was answered with an error: one a slave stored before it stopped may be
+    committed by the next master; none that n1 alone held is served).
 
     The slaves' replicas are stopped alone, and their nodes must stay members meanwhile
     (``STUCK_SLAVE_STAYS``): had they left (one fate per node), n1 would have lost its
@@ -204,6 +206,15 @@ def test_a_restarted_replica_does_not_serve_a_deposed_masters_uncommitted_suffix
     trio.start("coordinator", "n1")
     _wait_for(lambda: _n1_leads(trio), 30, "n1 leads again")
     _wait_for(lambda: _every_replica_holds(trio, acked), 30, "every replica holds every ack")
-    for node in trio.config.nodes:
-        payloads = {p for _, p in _read_replica(trio.replica_address(node.id), "t")}
-        assert not payloads & lost_payloads, f"{node.id} serves a payload never committed"
+    # n1's suffix is truncated: every replica serves the same events. A lost publish was
+    # answered with an error (indeterminate), so the next master may have committed it: on
+    # a loaded machine a stopped slave, resumed, can store the first of them from its
+    # socket before it sees its role lease expired (then every replica serves it, at one
+    # offset); what n1 alone held is served nowhere.
+    served = {
+        node.id: dict(_read_replica(trio.replica_address(node.id), "t"))
+        for node in trio.config.nodes
+    }
+    for node_id, events in served.items():
+        kept = sorted(set(events.values()) & lost_payloads)
+        assert events == served["n2"], f"{node_id} serves other events than n2 (lost: {kept})"
