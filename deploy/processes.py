@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,13 +27,29 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from squall_server.common.tls import Transport, plain_or
 
+# Ports are picked below the kernel's ephemeral range where it is known: an outgoing
+# connection (a client's, a console's polls) takes its local port from that range, and
+# could take a port picked here before its service binds it (seen once in CI: a replica's
+# "Failed to bind" while the console polled the starting gateway).
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_PICK_SPAN = 10_000
+_PICK_ATTEMPTS = 1_000
+
+
+def _pick_span() -> tuple[int, int] | None:
+    """The ports to pick from (below the ephemeral range), or None: let the OS choose."""
+    try:
+        low = int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    if low - _PICK_SPAN < 1024:
+        return None
+    return low - _PICK_SPAN, low - 1
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago on host."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+    return free_ports(1, host)[0]
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -41,14 +58,22 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     The sockets are held open together while the ports are picked, so no two are the
     same (free_port called twice may get the same port back once it was released).
     """
+    span = _pick_span()
+    rng = random.Random()
     with contextlib.ExitStack() as stack:
-        sockets = [
-            stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            for _ in range(count)
-        ]
-        for sock in sockets:
-            sock.bind((host, 0))
-        return [int(sock.getsockname()[1]) for sock in sockets]
+        ports: list[int] = []
+        for _ in range(_PICK_ATTEMPTS):  # bounded: a taken port is skipped
+            if len(ports) == count:
+                break
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            try:
+                sock.bind((host, rng.randint(*span) if span else 0))
+            except OSError:
+                continue
+            ports.append(int(sock.getsockname()[1]))
+        if len(ports) < count:
+            raise RuntimeError(f"found {len(ports)} of {count} free ports on {host} in {span}")
+        return ports
 
 
 @dataclass

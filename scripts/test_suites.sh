@@ -9,10 +9,11 @@
 # The real-process tests leave about one core idle while they wait on elections and
 # timeouts; the simulators run on virtual time (tests/sim/virtual_loop.py), so they can only
 # be slowed by that, never made to fail. Under SCHED_IDLE they run only on a core nothing
-# else wants, and a waking real-process test takes it back at once; at nice 19 alone they
-# slowed the real-process tests from about 13 to 16.5 minutes (one worker or two alike, on
-# the CI VM of 2026-11-30). The simulators' output is printed after the real-process tests'
-# own.
+# else wants. Measured on the CI VM of 2026-11-30 (fresh clones): the real-process tests
+# took 16.5 minutes beside the simulators on two workers at nice 19, on one worker, and on
+# two under SCHED_IDLE alike (about 13 minutes alone in an earlier sitting); one worker
+# made the simulators the longer run (18m18s). The simulators' output is printed after the
+# real-process tests' own.
 # Any run's failure (including pytest's 5, nothing collected) fails the whole.
 #
 # Usage: scripts/test_suites.sh VENV_BIN
