@@ -3,17 +3,15 @@
 #
 # 1. the unit tests, on two xdist workers (in process, CPU-bound, a few with real timeouts);
 # 2. the tests that start real processes, one at a time as their failover bounds assume,
-#    and beside them the simulators' seeds on two xdist workers at the lowest CPU priority
-#    there is: SCHED_IDLE (`chrt --idle`, where it exists) and `nice -n 19`.
+#    and beside them the simulators' seeds on two xdist workers at `nice -n 19`.
 #
 # The real-process tests leave about one core idle while they wait on elections and
 # timeouts; the simulators run on virtual time (tests/sim/virtual_loop.py), so they can only
-# be slowed by that, never made to fail. Under SCHED_IDLE they run only on a core nothing
-# else wants. Measured on the CI VM of 2026-11-30 (fresh clones): the real-process tests
-# took 16.5 minutes beside the simulators on two workers at nice 19, on one worker, and on
-# two under SCHED_IDLE alike (about 13 minutes alone in an earlier sitting); one worker
-# made the simulators the longer run (18m18s). The simulators' output is printed after the
-# real-process tests' own.
+# be slowed by that, never made to fail. Measured on the CI VM of 2026-11-30 (fresh
+# clones): the real-process tests took 16-16.5 minutes beside the simulators on two workers
+# at nice 19 (whole run 19m10s), on one worker, and on two under SCHED_IDLE alike; one
+# worker (18m18s) and SCHED_IDLE (17m20s) made the simulators the longer run, so neither
+# is used. The simulators' output is printed after the real-process tests' own.
 # Any run's failure (including pytest's 5, nothing collected) fails the whole.
 #
 # Usage: scripts/test_suites.sh VENV_BIN
@@ -27,12 +25,7 @@ common=(-q -p no:cacheprovider)
 sim_log=$(mktemp "${TMPDIR:-/tmp}/squall-sim.XXXXXX")
 # setsid: its own process group (it is not a group leader, so it does not fork and $! is
 # the group's id), so an interrupted run stops its xdist workers too, by that id.
-idle=()
-if command -v chrt >/dev/null && chrt --idle 0 true 2>/dev/null; then
-    idle=(chrt --idle 0)
-fi
-setsid "${idle[@]}" nice -n 19 "$bin/pytest" "${common[@]}" -n 2 --dist loadfile --durations=10 \
-    tests/sim \
+setsid nice -n 19 "$bin/pytest" "${common[@]}" -n 2 --dist loadfile --durations=10 tests/sim \
     >"$sim_log" 2>&1 &
 sims=$!
 stop_sims() {
