@@ -96,6 +96,24 @@ def _quarantined(cluster: LocalCluster, node_id: str, within_s: float = 20) -> s
     return cluster.statuses()[node_id].quarantine.reason
 
 
+def _every_receipt_served(
+    cluster: LocalCluster, node_ids: tuple[str, ...], published: list[tuple[squall.Receipt, bytes]]
+) -> None:
+    """Each node serves every published payload at its receipt's offset and LSN (a slave
+    serves what it knows committed: the master's next heartbeat tells it the last)."""
+    last = max(receipt.offset for receipt, _ in published)
+    for node_id in node_ids:
+        wait_for(
+            lambda n=node_id: len(stored_events(cluster, n, "orders")) > last,
+            20,
+            f"{node_id} serves every event",
+        )
+        events = stored_events(cluster, node_id, "orders")
+        for receipt, payload in published:
+            event = events[receipt.offset]
+            assert (event.lsn, event.payload) == (receipt.lsn, payload), node_id
+
+
 def _holds(cluster: LocalCluster, node_id: str, count: int) -> bool:
     """Does node_id serve exactly count events of the topic (False while it cannot)?"""
     try:
@@ -207,18 +225,8 @@ def test_a_master_whose_log_fails_its_checksum_for_a_lagging_slave_is_quarantine
     with squall.connect(cluster.gateway_address, timeout_s=5.0) as client:
         after = client.topic("orders").publisher("app-2").publish(b"after")
     assert after.master_id == "n2"
-    for node_id in ("n2", "n3"):
-        # A slave serves what it knows committed (the master's next heartbeat tells it).
-        wait_for(
-            lambda n=node_id: len(stored_events(cluster, n, "orders")) > after.offset,
-            20,
-            f"{node_id} serves every event",
-        )
-        events = stored_events(cluster, node_id, "orders")
-        published = [(r, b"order %d" % i) for i, r in enumerate(receipts)] + [(after, b"after")]
-        for receipt, payload in published:
-            event = events[receipt.offset]
-            assert (event.lsn, event.payload) == (receipt.lsn, payload), node_id
+    published = [(r, b"order %d" % i) for i, r in enumerate(receipts)] + [(after, b"after")]
+    _every_receipt_served(cluster, ("n2", "n3"), published)
     assert "FAULT: checksum error reading the log for node n3" in cluster.log("replica", "n1")
 
 
@@ -268,14 +276,5 @@ def test_a_replica_whose_uncommitted_tail_fails_its_checksum_starts_and_is_quara
         after = client.topic("orders").publisher("app-2").publish(b"after")
     assert after.master_id == "n1"
     published = [(r, b"order %d" % i) for i, r in enumerate(receipts)] + [(after, b"after")]
-    for node_id in ("n1", "n2"):
-        wait_for(
-            lambda n=node_id: len(stored_events(cluster, n, "orders")) > after.offset,
-            20,
-            f"{node_id} serves every event",
-        )
-        events = stored_events(cluster, node_id, "orders")
-        for receipt, payload in published:
-            event = events[receipt.offset]
-            assert (event.lsn, event.payload) == (receipt.lsn, payload), node_id
+    _every_receipt_served(cluster, ("n1", "n2"), published)
     assert "FAIL-STOP: its log fails its checksum" in cluster.log("replica", "n3")
