@@ -217,6 +217,8 @@ class CommittedLog(Protocol):
 
     async def write(self, command: Command) -> Planned: ...
 
+    async def write_with_next(self, command: Command, within_s: float) -> Planned: ...
+
 
 class ForwardingEndpoint(MasterWorkEndpoint, CommittedLog, Protocol):
     """Topic link forwarding's (``links``): a link's lag is measured on the clock."""
@@ -234,5 +236,3 @@ class DeliveryEndpoint(MasterWorkEndpoint, CommittedLog, Traced, Protocol):
 
     @property
     def clock(self) -> Clock: ...
-
-    async def write_with_next(self, command: Command, within_s: float) -> Planned: ...

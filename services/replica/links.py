@@ -52,6 +52,11 @@ _RETRY_S = 0.5
 # call, doubling up to the cap (its source's publishers never wait for it).
 _REMOTE_RETRY_INITIAL_S = 0.2
 _REMOTE_RETRY_MAX_S = 5.0
+# A remote link's cursor write rides with the master's next commit batch (its source's
+# publishes), alone only after this long without one: under traffic a forwarded batch
+# costs no commit round of its own here. A new master offers again at most what this
+# window held; the other side answers those as duplicates.
+_CURSOR_RIDE_S = 0.05
 # What another cluster answers when it will never take a batch (the destination topic is
 # gone, an event breaks its limits, the token's principal lacks a permission): the link
 # stops there, with the reason in GetLinkInfo and an ERROR log line, instead of offering
@@ -267,7 +272,8 @@ class _RemoteWorker:
     this store): after the other side acknowledged a batch, the cursor moves through the
     log, at most one write in flight, each carrying the newest position. A new master
     resumes at the cursor and offers again what was acknowledged after it; the other side
-    answers those as duplicates (same publisher id, sequence = source offset + 1).
+    answers those as duplicates (same publisher id, sequence = source offset + 1). The
+    write rides with the next commit batch (``_CURSOR_RIDE_S``).
     """
 
     def __init__(
@@ -435,10 +441,11 @@ class _RemoteWorker:
         while self.position > self._durable and self._forwarding.active(self._epoch):
             target = self.position
             try:
-                await node.write(
+                await node.write_with_next(
                     commands.LinkCursor(
                         link.from_topic, link.to_cluster, link.to_topic, link.created_lsn, target
-                    )
+                    ),
+                    _CURSOR_RIDE_S,
                 )
             except ServiceError as exc:
                 log.debug(

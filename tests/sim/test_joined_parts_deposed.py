@@ -16,13 +16,13 @@ the indeterminate error a write of its own gets (``MasterDriver._fail``).
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from deploy.processes import free_port
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
 from squall_server.common.config import ClusterConfig, parse_config
 from squall_server.common.errors import INLINE_ERRORS, PUBLISH_ERRORS_KEY
@@ -40,22 +40,15 @@ ACK_DELAY_S = 0.05
 NODES = ("n1", "n2", "n3")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _config(tmp_path: Path) -> ClusterConfig:
     text = '[cluster]\nname = "t"\n'
     for priority, node_id in enumerate(NODES, 1):
         text += (
             f'\n[[nodes]]\nid = "{node_id}"\npriority = {priority}\n'
-            f'coordinator_address = "127.0.0.1:{_free_port()}"\n'
-            f'replica_address = "127.0.0.1:{_free_port()}"\ndata_dir = "{node_id}"\n'
+            f'coordinator_address = "127.0.0.1:{free_port()}"\n'
+            f'replica_address = "127.0.0.1:{free_port()}"\ndata_dir = "{node_id}"\n'
         )
-    text += f'\n[[gateways]]\nid = "g1"\naddress = "127.0.0.1:{_free_port()}"\n'
+    text += f'\n[[gateways]]\nid = "g1"\naddress = "127.0.0.1:{free_port()}"\n'
     # A slave's window of one byte: one entry per batch, so the parts commit one by one.
     text += "\n[limits]\nreplication_inflight_bytes_max = 1\n"
     return parse_config(text, tmp_path / "cluster.toml")

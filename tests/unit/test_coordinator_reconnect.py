@@ -10,11 +10,11 @@ election round followed. Real gRPC servers on loopback, free ports.
 from __future__ import annotations
 
 import asyncio
-import socket
 from pathlib import Path
 
 import grpc
 
+from deploy.processes import free_port
 from squall.v1 import coordinator_pb2, coordinator_pb2_grpc
 from squall_server.common.config import ClusterConfig, parse_config
 from squall_server.coordinator.messages import AreYouCoordinator, PeerMessage
@@ -27,12 +27,6 @@ _HEARTBEAT_S = 0.1
 # When, after the peer serves again, one message is sent: a few heartbeats.
 _SEND_AFTER_S = 0.35
 _WAIT_S = 5.0
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _config(tmp_path: Path, peer_port: int) -> ClusterConfig:
@@ -78,7 +72,7 @@ async def _delivered(peer: _Peer, count: int) -> bool:
 
 
 def test_a_message_sent_soon_after_a_peer_restarts_is_delivered(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     message = PeerMessage("n1", "n2", AreYouCoordinator("n1:g", 2))
 
     async def scenario() -> None:

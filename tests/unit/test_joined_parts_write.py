@@ -15,7 +15,6 @@ request of its own, in the same order; their answers and events must match.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
+from deploy.processes import free_port
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
 from squall_server.common.config import ClusterConfig, parse_config
 from squall_server.common.errors import INLINE_ERRORS, PUBLISH_ERRORS_KEY
@@ -36,19 +36,12 @@ from squall_server.replica.store import Store
 WAIT_S = 30.0  # generous: the machine is shared
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _config(tmp_path: Path, limits: str = "") -> ClusterConfig:
     text = (
         '[cluster]\nname = "t"\n\n[[nodes]]\nid = "n1"\npriority = 1\n'
-        f'coordinator_address = "127.0.0.1:{_free_port()}"\n'
-        f'replica_address = "127.0.0.1:{_free_port()}"\ndata_dir = "n1"\n'
-        f'\n[[gateways]]\nid = "g1"\naddress = "127.0.0.1:{_free_port()}"\n'
+        f'coordinator_address = "127.0.0.1:{free_port()}"\n'
+        f'replica_address = "127.0.0.1:{free_port()}"\ndata_dir = "n1"\n'
+        f'\n[[gateways]]\nid = "g1"\naddress = "127.0.0.1:{free_port()}"\n'
         # Small commit batches: a joined request of more parts is queued in pieces.
         "\n[limits]\nmax_event_bytes = 64\ncommit_batch_max_entries = 4\n" + limits
     )

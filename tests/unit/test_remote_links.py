@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import grpc
 import pytest
 
+from deploy.processes import free_port
 from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2, replica_pb2
 from squall_server.common.config import ClusterConfig, RemoteConfig, parse_config
 from squall_server.common.errors import Code
@@ -124,19 +124,12 @@ class _RefusingRemote(broker_pb2_grpc.PublisherServicer):
         raise AssertionError("abort returned")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _one_node_with_remote(tmp_path: Path, remote_address: str) -> ClusterConfig:
     text = (
         '[cluster]\nname = "site-a"\n\n[[nodes]]\nid = "n1"\npriority = 1\n'
-        f'coordinator_address = "127.0.0.1:{_free_port()}"\n'
-        f'replica_address = "127.0.0.1:{_free_port()}"\ndata_dir = "n1"\n'
-        f'\n[[gateways]]\nid = "g1"\naddress = "127.0.0.1:{_free_port()}"\n'
+        f'coordinator_address = "127.0.0.1:{free_port()}"\n'
+        f'replica_address = "127.0.0.1:{free_port()}"\ndata_dir = "n1"\n'
+        f'\n[[gateways]]\nid = "g1"\naddress = "127.0.0.1:{free_port()}"\n'
         f'\n[[remotes]]\nname = "site-b"\ngateways = ["{remote_address}"]\n'
     )
     config = parse_config(text, tmp_path / "cluster.toml")
@@ -161,7 +154,7 @@ def _run_link_against(
     async def scenario() -> tuple[str, int]:
         grpc_server = grpc.aio.server()
         broker_pb2_grpc.add_PublisherServicer_to_server(remote_server, grpc_server)
-        address = f"127.0.0.1:{_free_port()}"
+        address = f"127.0.0.1:{free_port()}"
         grpc_server.add_insecure_port(address)
         await grpc_server.start()
         config = _one_node_with_remote(tmp_path, address)
@@ -237,3 +230,87 @@ def test_transient_refusals_are_retried_and_never_stop_the_link(
     remote_server, reason, position = retried
     assert remote_server.calls >= 3, "not retried"  # after 0.2 s, 0.4 s, ... of backoff
     assert reason == "" and position == 0
+
+
+# --- the cursor rides with the next commit batch (issue 16: no commit round of its own)
+
+
+class _AcceptingRemote(broker_pb2_grpc.PublisherServicer):
+    """Another cluster's gateway taking every forwarded batch."""
+
+    def __init__(self) -> None:
+        self.events = 0
+
+    async def Publish(
+        self, request: broker_pb2.PublishRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> broker_pb2.PublishResponse:
+        self.events += len(request.events)
+        return broker_pb2.PublishResponse()
+
+
+def test_a_forwarded_batchs_cursor_shares_the_next_publishs_append(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Longer than the test runs: the cursor goes only with another write.
+    monkeypatch.setattr(links, "_CURSOR_RIDE_S", 600.0)
+    remote_server = _AcceptingRemote()
+
+    async def scenario() -> tuple[list[int], int, int]:
+        grpc_server = grpc.aio.server()
+        broker_pb2_grpc.add_PublisherServicer_to_server(remote_server, grpc_server)
+        address = f"127.0.0.1:{free_port()}"
+        grpc_server.add_insecure_port(address)
+        await grpc_server.start()
+        config = _one_node_with_remote(tmp_path, address)
+        node = build_replica_node(config, config.node("n1"), Store.open_memory())
+        await node.start()
+        try:
+            await node.apply_role(
+                replica_pb2.RoleCommand(
+                    role=common_pb2.ROLE_MASTER,
+                    epoch=1,
+                    master=common_pb2.NodeEndpoint(node_id="n1"),
+                    members=[common_pb2.NodeEndpoint(node_id="n1")],
+                    seq=1,
+                    lease_ms=600_000,
+                    cluster_id="c-test",
+                )
+            )
+            await node.write(commands.CreateTopic("a", common_pb2.TOPIC_KIND_REPLICATED))
+            await node.write(
+                commands.LinkTopic("a", "orders", 0, "site-b", common_pb2.TOPIC_KIND_REPLICATED)
+            )
+            request = broker_pb2.PublishRequest(topic="a", events=[common_pb2.EventData()])
+            await node.write(commands.Publish(request))
+            (link,) = node.store.list_links("a")
+            for _ in range(int(_WAIT_MAX_S / 0.05)):  # bounded
+                if node.links.position(link) == 1:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(_STILL_S)
+            (waiting,) = node.store.list_links("a")
+            appends: list[int] = []
+            driver = node.writer.driver
+            append = driver.store_append
+
+            def counted(entries: Any, **kwargs: Any) -> None:
+                appends.append(len(entries))
+                append(entries, **kwargs)
+
+            driver.store_append = counted  # type: ignore[method-assign]
+            await node.write(commands.Publish(request))
+            for _ in range(int(_WAIT_MAX_S / 0.05)):  # bounded: the next pass forwards it
+                if node.links.position(link) == 2:
+                    break
+                await asyncio.sleep(0.05)
+            (ridden,) = node.store.list_links("a")
+            return appends, waiting.cursor, ridden.cursor
+        finally:
+            await node.stop()
+            await grpc_server.stop(None)
+
+    appends, waiting, ridden = asyncio.run(scenario())
+    assert remote_server.events == 2
+    assert waiting == 0, "the cursor was written alone, with no batch to ride with"
+    # The second publish's append carried the first batch's cursor: one fsync, one round.
+    assert appends[0] == 2 and ridden >= 1
