@@ -112,7 +112,8 @@ def test_a_venv_another_checkout_installed_into_is_not_re_pointed(tmp_path: Path
 
 def test_make_run_installs_the_base_only_and_the_makefile_says_so() -> None:
     makefile = (ROOT / "Makefile").read_text()
-    assert "run: install-run\n" in makefile and "stop: install-run\n" in makefile
+    assert "run: install-run bytecode\n" in makefile and "stop: install-run\n" in makefile
+    assert "bytecode: install-run\n" in makefile  # compiling needs no more than the base
     assert "venv.sh '$(PYTHON)' $(VENV) '' $(RUN_STAMP)" in makefile
 
 
