@@ -64,7 +64,13 @@ starts again), and in a quarter of the seeds on the healed cluster (asked again 
 single master serves), after which the clean stores must end at one point and every node
 is started again: the cluster must serve, catch up and hold every acknowledged event.
 
-Not modelled yet: adding and removing nodes.
+A set-priority draw is sometimes a node taken out (``REMOVE_SHARE``): the operator runs
+``remove-node`` through the leading coordinator's servicer (refused for the coordinator
+itself, or when the rest could not form a majority); once done, stops the node's services
+and wipes its machine, then runs ``add-node`` with new addresses (asked again until done,
+and at the heal) and starts it from the exported running set like a replacing machine.
+A removal the operator saw time out but done since is found at the heal in the leading
+coordinator's running set, and finished the same way.
 """
 
 from __future__ import annotations
@@ -132,6 +138,14 @@ FOLLOW_S = 0.02  # how often clients look up who is master (the gateways' view)
 # the node (``squall cluster replace-node``), then starts a new, empty machine from the
 # exported running set. One node at a time.
 REPLACE_SHARE = 0.2
+# The share of set-priority draws that are instead a node taken out of the cluster: the
+# operator removes it (``squall cluster remove-node``), stops its services and wipes its
+# machine, and later adds it back (``add-node``, new addresses, an empty store): the node
+# set goes from three to two and back. One membership change of this kind at a time.
+REMOVE_SHARE = 0.3
+# How often the operator, asked to remove the leading node, picks another one instead (the
+# rest are refused: the leader cannot be removed).
+REMOVE_OTHER = 0.75
 REPLACE_RETRY_S = 1.0  # the operator asks again this long after a refusal
 REPLACE_WAIT_S = 10.0  # the CLI's --wait: until the change is done
 OPERATOR_TIMEOUT_S = 5.0  # the CLI's call timeout
@@ -516,8 +530,14 @@ class CoordinatedSim(ShellSim):
         # (node, "down"): requests to the replica are lost; (node, "up"): its answers are.
         self.own_cuts: set[tuple[str, str]] = set()
         self.master_epochs: set[int] = set()
-        # The operator's replace-node runs one at a time (the fault phase's, the heal's).
+        # The operator's node changes (remove, replace or add) run one at a time (the
+        # fault phase's, the heal's).
         self._replacing = asyncio.Lock()
+        # The gone node was removed by the operator (add it back), not lost (replace it).
+        self.gone_removed = False
+        self.removes_asked = 0
+        # The replica addresses of the new machines asked for the gone node so far.
+        self._asked: set[str] = set()
         self._machines = 0  # new machines' addresses
         self.shutting_down = False  # the operator's cluster shutdown runs
 
@@ -702,6 +722,7 @@ class CoordinatedSim(ShellSim):
                 not self.gone
                 and not self.rotten
                 and self.master_epochs
+                and not self._replacing.locked()
                 and rng.random() < REPLACE_SHARE
             ):
                 self.gone = node_id
@@ -720,6 +741,11 @@ class CoordinatedSim(ShellSim):
         elif kind == _TRANSFER and not self.shutting_down and rng.random() < SHUTDOWN_FAULT_SHARE:
             self.shutting_down = True  # from now: the heal waits for it (_before_heal)
             self.loop.create_task(self._shutdown())  # the operator's machine: no process
+        elif kind == _SET_PRIORITY and rng.random() < REMOVE_SHARE:
+            # Before the first group formed there is no group to change; a rotted copy
+            # beside a node taken out would be two failures.
+            if not self.gone and not self.rotten and self.master_epochs:
+                self.loop.create_task(self._remove(node_id))  # the operator's machine
         elif kind in (_TRANSFER, _SET_PRIORITY):
             self._operator_control(node_id, kind)
 
@@ -864,10 +890,12 @@ class CoordinatedSim(ShellSim):
         tick.cancel()
         self._check_logs()
 
-    # --- a machine gone for good, replaced (docs/operations.md, "Changing the membership")
+    # --- node changes: a machine gone for good, replaced; a node removed, added back
+    # (docs/operations.md, "Changing the membership")
 
     def _operator_replaces(self) -> None:
-        """The operator's replace-node during the faults, asked again after a refusal."""
+        """The operator's replace-node (or add-node of a removed node) during the faults,
+        asked again after a refusal."""
         if self.healing or not self.gone:
             return  # the heal finishes it (_finish_replacement)
 
@@ -878,57 +906,149 @@ class CoordinatedSim(ShellSim):
         self.loop.create_task(attempt())  # the operator's machine: no simulated process
 
     async def _finish_replacement(self) -> None:
-        """At the heal: the operator replaces the gone machine's node (its peers run again,
-        so a majority of the old and the new node set can form)."""
+        """At the heal: the operator brings the node set back to every node. A gone
+        machine's node is replaced, a removed node added back (its peers run again, so a
+        majority of the old and the new node set can form); a node whose removal the
+        operator saw time out but which was done since is stopped and wiped first."""
         deadline = self.loop.time() + shell_sim.LIVENESS_S
-        while self.gone:
+        while True:
+            if not self.gone:
+                missing = await self._missing_member(deadline) if self.removes_asked else ""
+                if not missing:
+                    return
+                self.note(f"operator: {missing} is not in the running set: removed since")
+                self._decommission(missing)
             if self.loop.time() > deadline:
                 raise self.fail(
-                    f"replace-node {self.gone} not done {shell_sim.LIVENESS_S} s after the heal"
+                    f"{'add-node' if self.gone_removed else 'replace-node'} {self.gone} "
+                    f"not done {shell_sim.LIVENESS_S} s after the heal"
                 )
             if not await self._replace():
                 await asyncio.sleep(REPLACE_RETRY_S)
 
+    async def _missing_member(self, deadline: float) -> str:
+        """A node the running node set lacks, as ``squall status`` shows it on the leading
+        coordinator once no change is in progress there ("" for none); fails at the
+        deadline."""
+        while self.loop.time() <= deadline:
+            coordinator = self._leading()
+            running = None if coordinator is None else self._settled_set(coordinator)
+            if running is not None:
+                return next((n for n in NODE_IDS if running.member(n) is None), "")
+            await asyncio.sleep(0.1)
+        raise self.fail(f"no settled node set {shell_sim.LIVENESS_S} s after the heal")
+
+    async def _remove(self, node_id: str) -> None:
+        """``squall cluster remove-node`` of a running member as the CLI runs it, asked of
+        the leading coordinator and waited for; once done, the operator stops the node's
+        services and wipes its machine, and adds it back later (``_operator_replaces``)."""
+        async with self._replacing:
+            coordinator = self._leading()
+            if self.gone or self.healing or coordinator is None:
+                return
+            if node_id == coordinator.node_id and self.rng.random() < REMOVE_OTHER:
+                node_id = self.rng.choice([n for n in NODE_IDS if n != node_id])
+            if node_id == self.older:
+                # Its log may take joined entries once it is out, which its release, added
+                # back, would not read: an operator adds machines of the running release.
+                return
+            request = coordinator_pb2.ChangeMembershipRequest(
+                kind=coordinator_pb2.MEMBERSHIP_CHANGE_KIND_REMOVE_NODE,
+                node_id=node_id,
+                operator="sim-operator",
+                reason="decommission",
+            )
+            what = f"remove-node {node_id}"
+            self.removes_asked += 1
+            if not await self._ask(coordinator, request, what):
+                return
+            if await self._changed(coordinator, node_id, None) is None:
+                self.note(f"operator: {what} not done")
+                return
+            self.note(f"operator: {what} done")
+            self._decommission(node_id)
+        self.loop.call_later(self.rng.uniform(0.5, 3.0), self._operator_replaces)
+
+    def _decommission(self, node_id: str) -> None:
+        """The operator stops a removed node's services; its machine is wiped when it is
+        added back (``_new_machine``)."""
+        member = self.members[node_id]
+        coordinator = self.coordinators[node_id]
+        if coordinator.node is not None:
+            self._crash_coordinator(coordinator)
+        if member.replica is not None:
+            self._crash(member, machine=False)
+        self.gone, self.gone_removed = node_id, True
+        self.stats.removals += 1
+        self.note(f"operator: {node_id}'s services stopped, its machine to be wiped")
+
+    async def _ask(
+        self, coordinator: Coordinator, request: coordinator_pb2.ChangeMembershipRequest, what: str
+    ) -> bool:
+        """One membership change asked of coordinator through its servicer, in its
+        process, within the CLI's call timeout; False (noted) when it was refused or not
+        answered."""
+        node = coordinator.node
+        assert node is not None
+        self.note(f"operator: {what} (asked of {node.node.id})")
+        call = self.loop.spawn(
+            coordinator.process,
+            coordinator_server.Coordinator(node).ChangeMembership(request, _ServicerContext()),
+        )
+        await asyncio.wait({call}, timeout=OPERATOR_TIMEOUT_S)
+        refused = (
+            "no answer in time"
+            if not call.done()
+            else "its coordinator's process ended"
+            if call.cancelled()
+            else call.exception()
+        )
+        if refused:
+            if isinstance(refused, BaseException) and not isinstance(refused, _Aborted):
+                raise refused
+            self.note(f"operator: {what} refused: {refused}")
+            return False
+        return True
+
     async def _replace(self) -> bool:
-        """``squall cluster replace-node`` of the gone machine's node as the CLI runs it
-        (services/cli/membership.py): the change asked of the leading coordinator through
-        its servicer, waited for until done; then ``config export`` and the new machine
-        started from it, empty. False when it was refused or not done in time."""
+        """``squall cluster replace-node`` of the gone machine's node (``add-node`` of a
+        removed one) as the CLI runs it (services/cli/membership.py): the change asked of
+        the leading coordinator through its servicer, waited for until done; then ``config
+        export`` and the new machine started from it, empty. False when it was refused or
+        not done in time."""
         async with self._replacing:
             node_id = self.gone
             coordinator = self._leading()
             if not node_id or coordinator is None:
                 return False
-            node = coordinator.node
-            assert node is not None
+            verb = "add-node" if self.gone_removed else "replace-node"
+            # The operator reads the status first: a change it asked before and saw time
+            # out may be done since (the node set names one of its new machines).
+            running = self._settled_set(coordinator)
+            member = None if running is None else running.member(node_id)
+            if running is not None and member is not None and member.replica_address in self._asked:
+                self.note(f"operator: {verb} {node_id} found done: {running.describe()}")
+                await self._new_machine(node_id, running)
+                return True
             self._machines += 1
             host = f"{node_id}-m{self._machines}.sim"
+            kind = (
+                coordinator_pb2.MEMBERSHIP_CHANGE_KIND_ADD_NODE
+                if self.gone_removed
+                else coordinator_pb2.MEMBERSHIP_CHANGE_KIND_REPLACE_NODE
+            )
             request = coordinator_pb2.ChangeMembershipRequest(
-                kind=coordinator_pb2.MEMBERSHIP_CHANGE_KIND_REPLACE_NODE,
+                kind=kind,
                 node_id=node_id,
                 coordinator_address=f"{host}:7101",
                 replica_address=f"{host}:7201",
+                priority=self.config.node(node_id).priority if self.gone_removed else 0,
                 operator="sim-operator",
-                reason="machine gone",
+                reason="machine gone" if not self.gone_removed else "added back",
             )
-            what = f"replace-node {node_id} with {host} (asked of {node.node.id})"
-            self.note(f"operator: {what}")
-            call = self.loop.spawn(
-                coordinator.process,
-                coordinator_server.Coordinator(node).ChangeMembership(request, _ServicerContext()),
-            )
-            await asyncio.wait({call}, timeout=OPERATOR_TIMEOUT_S)
-            refused = (
-                "no answer in time"
-                if not call.done()
-                else "its coordinator's process ended"
-                if call.cancelled()
-                else call.exception()
-            )
-            if refused:
-                if isinstance(refused, BaseException) and not isinstance(refused, _Aborted):
-                    raise refused
-                self.note(f"operator: {what} refused: {refused}")
+            what = f"{verb} {node_id} with {host}"
+            self._asked.add(request.replica_address)
+            if not await self._ask(coordinator, request, what):
                 return False
             running = await self._changed(coordinator, node_id, request.replica_address)
             if running is None:
@@ -938,11 +1058,21 @@ class CoordinatedSim(ShellSim):
             await self._new_machine(node_id, running)
             return True
 
+    @staticmethod
+    def _settled_set(coordinator: Coordinator) -> Membership | None:
+        """The running node set ``squall status`` shows on coordinator, unless a change is
+        in progress there."""
+        node = coordinator.node
+        if node is None or coordinator.paused:
+            return None
+        status = node.status()
+        return None if "in progress" in status.membership_change else status.membership
+
     async def _changed(
-        self, coordinator: Coordinator, node_id: str, replica_address: str
+        self, coordinator: Coordinator, node_id: str, replica_address: str | None
     ) -> Membership | None:
         """The running node set once the change is done there (the CLI's --wait, then the
-        set ``config export`` writes), or None."""
+        set ``config export`` writes): node_id at replica_address, or (None) removed."""
         deadline = self.loop.time() + REPLACE_WAIT_S
         while self.loop.time() < deadline:
             node = coordinator.node
@@ -952,14 +1082,17 @@ class CoordinatedSim(ShellSim):
             running = status.membership
             if "in progress" not in status.membership_change and running is not None:
                 member = running.member(node_id)
-                replaced = member is not None and member.replica_address == replica_address
-                return running if replaced else None
+                if replica_address is None:
+                    return running if member is None else None
+                changed = member is not None and member.replica_address == replica_address
+                return running if changed else None
             await asyncio.sleep(0.1)
         return None
 
     async def _new_machine(self, node_id: str, running: Membership) -> None:
-        """The replacing machine: an empty disk, no coordinator state, the exported config;
-        its replica starts, then its coordinator (docs/operations.md's runbook)."""
+        """The replacing (or added) machine: an empty disk, no coordinator state, the
+        exported config; its replica starts, then its coordinator (docs/operations.md's
+        runbook)."""
         member = self.members[node_id]
         member.disk = Disk()
         (member.data_dir / FAULT_FILE_NAME).unlink(missing_ok=True)
@@ -984,8 +1117,10 @@ class CoordinatedSim(ShellSim):
         coordinator = self.coordinators[node_id]
         coordinator.state = MemoryStateStore()
         coordinator.config = config
-        self.gone = ""
-        self.stats.replacements += 1
+        if not self.gone_removed:
+            self.stats.replacements += 1
+        self.gone, self.gone_removed = "", False
+        self._asked.clear()
         await self._start(member)
         self._start_coordinator(coordinator)
 

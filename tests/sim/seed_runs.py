@@ -63,6 +63,7 @@ def run_seeds(
         total.rotten_records += stats.rotten_records
         total.rot_faults += stats.rot_faults
         total.replacements += stats.replacements
+        total.removals += stats.removals
         total.shutdowns += stats.shutdowns
         total.snapshots_begun += stats.snapshots_begun
         total.snapshots_finished += stats.snapshots_finished
@@ -73,7 +74,8 @@ def run_seeds(
         f"{total.acked} publishes acknowledged, {total.elections} master epochs, "
         f"{total.crashes} crashes, {total.disk_failures} disk failures, "
         f"{total.rotten_records} log records rotted ({total.rot_faults} nodes reported it), "
-        f"{total.replacements} machines replaced, {total.shutdowns} cluster shutdowns, "
+        f"{total.replacements} machines replaced, {total.removals} nodes removed and added "
+        f"back, {total.shutdowns} cluster shutdowns, "
         f"{total.snapshots_begun} snapshot installs begun ({total.snapshots_finished} "
         f"finished, {total.snapshots_cut_short} cut short)"
     )

@@ -223,6 +223,7 @@ class Stats:
     rot_faults: int = 0
     fail_stops: int = 0
     replacements: int = 0  # coordinated_sim: machines gone for good and replaced
+    removals: int = 0  # coordinated_sim: nodes removed, their machines wiped, added back
     shutdowns: int = 0  # coordinated_sim: cluster shutdowns run (finished or abandoned)
     hand_offs: int = 0  # coordinated_sim: hand-offs a master's replica got ready for
     # Snapshot installs (a slave's, or a new master's reorganization fetch): begun (marked
@@ -584,10 +585,11 @@ class ShellSim:
             and rng.random() < ROT_SHARE
             and self.rotten <= {member.node_id}
             # A lost machine and a rotted copy are two failures; so is a rotted voter while
-            # a replacing machine may still be a learner (the heal's quarantine would leave
-            # one voter).
+            # a replacing (or added) machine may still be a learner (the heal's quarantine
+            # would leave one voter).
             and not self.gone
             and not self.stats.replacements
+            and not self.stats.removals
         ):
             self._rot(member)
         # (kind 9 otherwise: quiet)
