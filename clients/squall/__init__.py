@@ -52,61 +52,147 @@ committed events, with IceStorm's QoS (`reliability="ordered"`, `retry_count`);
 replicated: after a failover the new master resumes from each one's durable cursor.
 """
 
-from squall._auth import with_token
-from squall._client import MESSAGE_BYTES_MAX, Client, Topic, channel_options, connect
-from squall._errors import (
-    Aborted,
-    AlreadyExists,
-    AlreadySubscribed,
-    DeadlineExceeded,
-    FailedPrecondition,
-    Indeterminate,
-    InvalidArgument,
-    NotFound,
-    PermissionDenied,
-    PublisherLost,
-    ResourceExhausted,
-    SquallError,
-    Unauthenticated,
-    Unavailable,
-    classify,
-    from_rpc_error,
-)
-from squall._proxy import Endpoint
-from squall._publisher import BATCH_EVENTS_MAX, Publisher
-from squall._push import PushDelivery, PushEndpoint, PushSubscriberInfo
-from squall._seek import SeekResult, SeekTarget, SubscriptionInfo
-from squall._shared import SharedConsumer, SharedMessage
-from squall._subscriber import Subscription
-from squall._tls import TlsOptions
-from squall._types import (
-    ClusterStatus,
-    ConfigMismatch,
-    Holder,
-    LinkInfo,
-    LossEvent,
-    Message,
-    NodeStatus,
-    OperatorRecord,
-    Receipt,
-    TopicInfo,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from squall._version import __version__
-from squall.wire.retry import (
-    INDETERMINATE_AFTER_SEND,
-    RETRY_ATTEMPTS_MAX_DEFAULT,
-    RETRY_BACKOFF_INITIAL_MS_DEFAULT,
-    RETRY_BACKOFF_MAX_MS_DEFAULT,
-    RETRY_TOTAL_MS_MAX_DEFAULT,
-    Outcome,
-    RetryPolicy,
-    overall,
-    retryable,
-)
-from squall.wire.retry import (
-    POLICY_BOUNDS as RETRY_POLICY_BOUNDS,
-)
-from squall.wire.retry import classify as classify_code
+
+if TYPE_CHECKING:
+    from squall._auth import with_token
+    from squall._client import MESSAGE_BYTES_MAX, Client, Topic, channel_options, connect
+    from squall._errors import (
+        Aborted,
+        AlreadyExists,
+        AlreadySubscribed,
+        DeadlineExceeded,
+        FailedPrecondition,
+        Indeterminate,
+        InvalidArgument,
+        NotFound,
+        PermissionDenied,
+        PublisherLost,
+        ResourceExhausted,
+        SquallError,
+        Unauthenticated,
+        Unavailable,
+        classify,
+        from_rpc_error,
+    )
+    from squall._proxy import Endpoint
+    from squall._publisher import BATCH_EVENTS_MAX, Publisher
+    from squall._push import PushDelivery, PushEndpoint, PushSubscriberInfo
+    from squall._seek import SeekResult, SeekTarget, SubscriptionInfo
+    from squall._shared import SharedConsumer, SharedMessage
+    from squall._subscriber import Subscription
+    from squall._tls import TlsOptions
+    from squall._types import (
+        ClusterStatus,
+        ConfigMismatch,
+        Holder,
+        LinkInfo,
+        LossEvent,
+        Message,
+        NodeStatus,
+        OperatorRecord,
+        Receipt,
+        TopicInfo,
+    )
+    from squall.wire.retry import (
+        INDETERMINATE_AFTER_SEND,
+        RETRY_ATTEMPTS_MAX_DEFAULT,
+        RETRY_BACKOFF_INITIAL_MS_DEFAULT,
+        RETRY_BACKOFF_MAX_MS_DEFAULT,
+        RETRY_TOTAL_MS_MAX_DEFAULT,
+        Outcome,
+        RetryPolicy,
+        overall,
+        retryable,
+    )
+    from squall.wire.retry import (
+        POLICY_BOUNDS as RETRY_POLICY_BOUNDS,
+    )
+    from squall.wire.retry import classify as classify_code
+
+# The public names, imported on first use (PEP 562): a process that needs only the
+# generated code (`squall.v1`, as every Squall service does) or the wire rules
+# (`squall.wire`) does not pay for the whole library at start-up (~85 ms of a service's
+# ~450). tests/unit/test_client_lazy_exports.py keeps this table and the imports above
+# the same.
+_EXPORTS: dict[str, tuple[str, str]] = {
+    "Aborted": ("squall._errors", "Aborted"),
+    "AlreadyExists": ("squall._errors", "AlreadyExists"),
+    "AlreadySubscribed": ("squall._errors", "AlreadySubscribed"),
+    "BATCH_EVENTS_MAX": ("squall._publisher", "BATCH_EVENTS_MAX"),
+    "Client": ("squall._client", "Client"),
+    "ClusterStatus": ("squall._types", "ClusterStatus"),
+    "ConfigMismatch": ("squall._types", "ConfigMismatch"),
+    "DeadlineExceeded": ("squall._errors", "DeadlineExceeded"),
+    "Endpoint": ("squall._proxy", "Endpoint"),
+    "FailedPrecondition": ("squall._errors", "FailedPrecondition"),
+    "Holder": ("squall._types", "Holder"),
+    "INDETERMINATE_AFTER_SEND": ("squall.wire.retry", "INDETERMINATE_AFTER_SEND"),
+    "Indeterminate": ("squall._errors", "Indeterminate"),
+    "InvalidArgument": ("squall._errors", "InvalidArgument"),
+    "LinkInfo": ("squall._types", "LinkInfo"),
+    "LossEvent": ("squall._types", "LossEvent"),
+    "MESSAGE_BYTES_MAX": ("squall._client", "MESSAGE_BYTES_MAX"),
+    "Message": ("squall._types", "Message"),
+    "NodeStatus": ("squall._types", "NodeStatus"),
+    "NotFound": ("squall._errors", "NotFound"),
+    "OperatorRecord": ("squall._types", "OperatorRecord"),
+    "Outcome": ("squall.wire.retry", "Outcome"),
+    "PermissionDenied": ("squall._errors", "PermissionDenied"),
+    "Publisher": ("squall._publisher", "Publisher"),
+    "PublisherLost": ("squall._errors", "PublisherLost"),
+    "PushDelivery": ("squall._push", "PushDelivery"),
+    "PushEndpoint": ("squall._push", "PushEndpoint"),
+    "PushSubscriberInfo": ("squall._push", "PushSubscriberInfo"),
+    "RETRY_ATTEMPTS_MAX_DEFAULT": ("squall.wire.retry", "RETRY_ATTEMPTS_MAX_DEFAULT"),
+    "RETRY_BACKOFF_INITIAL_MS_DEFAULT": ("squall.wire.retry", "RETRY_BACKOFF_INITIAL_MS_DEFAULT"),
+    "RETRY_BACKOFF_MAX_MS_DEFAULT": ("squall.wire.retry", "RETRY_BACKOFF_MAX_MS_DEFAULT"),
+    "RETRY_POLICY_BOUNDS": ("squall.wire.retry", "POLICY_BOUNDS"),
+    "RETRY_TOTAL_MS_MAX_DEFAULT": ("squall.wire.retry", "RETRY_TOTAL_MS_MAX_DEFAULT"),
+    "Receipt": ("squall._types", "Receipt"),
+    "ResourceExhausted": ("squall._errors", "ResourceExhausted"),
+    "RetryPolicy": ("squall.wire.retry", "RetryPolicy"),
+    "SeekResult": ("squall._seek", "SeekResult"),
+    "SeekTarget": ("squall._seek", "SeekTarget"),
+    "SharedConsumer": ("squall._shared", "SharedConsumer"),
+    "SharedMessage": ("squall._shared", "SharedMessage"),
+    "SquallError": ("squall._errors", "SquallError"),
+    "Subscription": ("squall._subscriber", "Subscription"),
+    "SubscriptionInfo": ("squall._seek", "SubscriptionInfo"),
+    "TlsOptions": ("squall._tls", "TlsOptions"),
+    "Topic": ("squall._client", "Topic"),
+    "TopicInfo": ("squall._types", "TopicInfo"),
+    "Unauthenticated": ("squall._errors", "Unauthenticated"),
+    "Unavailable": ("squall._errors", "Unavailable"),
+    "channel_options": ("squall._client", "channel_options"),
+    "classify": ("squall._errors", "classify"),
+    "classify_code": ("squall.wire.retry", "classify"),
+    "connect": ("squall._client", "connect"),
+    "from_rpc_error": ("squall._errors", "from_rpc_error"),
+    "overall": ("squall.wire.retry", "overall"),
+    "retryable": ("squall.wire.retry", "retryable"),
+    "with_token": ("squall._auth", "with_token"),
+}
+
+
+if not TYPE_CHECKING:  # type checkers see the imports above; a typo stays an error there
+
+    def __getattr__(name: str) -> Any:
+        try:
+            module, attribute = _EXPORTS[name]
+        except KeyError:
+            raise AttributeError(f"module 'squall' has no attribute {name!r}") from None
+        value = getattr(importlib.import_module(module), attribute)
+        globals()[name] = value
+        return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __all__ = [
     "BATCH_EVENTS_MAX",
