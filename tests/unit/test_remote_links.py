@@ -12,8 +12,9 @@ the in-memory store, the remote an in-process gRPC server on loopback).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +27,11 @@ from squall_server.common.config import ClusterConfig, RemoteConfig, parse_confi
 from squall_server.common.errors import Code
 from squall_server.replica import commands, links
 from squall_server.replica.assembly import build_replica_node
+from squall_server.replica.node import ReplicaNode
 from squall_server.replica.remote import remote_error
 from squall_server.replica.store import Store
 from tests.unit.test_config import VALID, error_of, parse
+from tests.unit.test_writer_riders import counted_appends
 
 REMOTE = '\n[[remotes]]\nname = "site-b"\ngateways = ["10.0.0.5:7100", "10.0.0.6:7100"]\n'
 
@@ -143,6 +146,54 @@ _WAIT_MAX_S = 20.0
 _STILL_S = 0.5
 
 
+_ONE_EVENT = broker_pb2.PublishRequest(topic="a", events=[common_pb2.EventData()])
+
+
+@contextlib.asynccontextmanager
+async def _master_linked_to(
+    tmp_path: Path, remote_server: broker_pb2_grpc.PublisherServicer
+) -> AsyncIterator[tuple[ReplicaNode, replica_pb2.LinkTopicOp]]:
+    """A one-node master whose topic `a` links to orders@site-b (served by remote_server
+    on loopback), one event published on `a`; yields the node and the link."""
+    grpc_server = grpc.aio.server()
+    broker_pb2_grpc.add_PublisherServicer_to_server(remote_server, grpc_server)
+    address = f"127.0.0.1:{free_port()}"
+    grpc_server.add_insecure_port(address)
+    await grpc_server.start()
+    config = _one_node_with_remote(tmp_path, address)
+    node = build_replica_node(config, config.node("n1"), Store.open_memory())
+    await node.start()
+    try:
+        await node.apply_role(
+            replica_pb2.RoleCommand(
+                role=common_pb2.ROLE_MASTER,
+                epoch=1,
+                master=common_pb2.NodeEndpoint(node_id="n1"),
+                members=[common_pb2.NodeEndpoint(node_id="n1")],
+                seq=1,
+                lease_ms=600_000,
+                cluster_id="c-test",
+            )
+        )
+        await node.write(commands.CreateTopic("a", common_pb2.TOPIC_KIND_REPLICATED))
+        await node.write(
+            commands.LinkTopic("a", "orders", 0, "site-b", common_pb2.TOPIC_KIND_REPLICATED)
+        )
+        await node.write(commands.Publish(_ONE_EVENT))
+        (link,) = node.store.list_links("a")
+        yield node, link
+    finally:
+        await node.stop()
+        await grpc_server.stop(None)
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    for _ in range(int(_WAIT_MAX_S / 0.05)):  # bounded
+        if condition():
+            return
+        await asyncio.sleep(0.05)
+
+
 def _run_link_against(
     tmp_path: Path, answers: list[grpc.StatusCode], enough: Callable[[int, str], bool]
 ) -> tuple[_RefusingRemote, str, int]:
@@ -152,42 +203,10 @@ def _run_link_against(
     remote_server = _RefusingRemote(answers)
 
     async def scenario() -> tuple[str, int]:
-        grpc_server = grpc.aio.server()
-        broker_pb2_grpc.add_PublisherServicer_to_server(remote_server, grpc_server)
-        address = f"127.0.0.1:{free_port()}"
-        grpc_server.add_insecure_port(address)
-        await grpc_server.start()
-        config = _one_node_with_remote(tmp_path, address)
-        node = build_replica_node(config, config.node("n1"), Store.open_memory())
-        await node.start()
-        try:
-            await node.apply_role(
-                replica_pb2.RoleCommand(
-                    role=common_pb2.ROLE_MASTER,
-                    epoch=1,
-                    master=common_pb2.NodeEndpoint(node_id="n1"),
-                    members=[common_pb2.NodeEndpoint(node_id="n1")],
-                    seq=1,
-                    lease_ms=600_000,
-                    cluster_id="c-test",
-                )
-            )
-            await node.write(commands.CreateTopic("a", common_pb2.TOPIC_KIND_REPLICATED))
-            await node.write(
-                commands.LinkTopic("a", "orders", 0, "site-b", common_pb2.TOPIC_KIND_REPLICATED)
-            )
-            request = broker_pb2.PublishRequest(topic="a", events=[common_pb2.EventData()])
-            await node.write(commands.Publish(request))
-            (link,) = node.store.list_links("a")
-            for _ in range(int(_WAIT_MAX_S / 0.05)):  # bounded
-                if enough(remote_server.calls, node.links.stopped_reason(link)):
-                    break
-                await asyncio.sleep(0.05)
+        async with _master_linked_to(tmp_path, remote_server) as (node, link):
+            await _until(lambda: enough(remote_server.calls, node.links.stopped_reason(link)))
             await asyncio.sleep(_STILL_S)
             return node.links.stopped_reason(link), node.links.position(link)
-        finally:
-            await node.stop()
-            await grpc_server.stop(None)
 
     reason, position = asyncio.run(scenario())
     return remote_server, reason, position
@@ -256,58 +275,15 @@ def test_a_forwarded_batchs_cursor_shares_the_next_publishs_append(
     remote_server = _AcceptingRemote()
 
     async def scenario() -> tuple[list[int], int, int]:
-        grpc_server = grpc.aio.server()
-        broker_pb2_grpc.add_PublisherServicer_to_server(remote_server, grpc_server)
-        address = f"127.0.0.1:{free_port()}"
-        grpc_server.add_insecure_port(address)
-        await grpc_server.start()
-        config = _one_node_with_remote(tmp_path, address)
-        node = build_replica_node(config, config.node("n1"), Store.open_memory())
-        await node.start()
-        try:
-            await node.apply_role(
-                replica_pb2.RoleCommand(
-                    role=common_pb2.ROLE_MASTER,
-                    epoch=1,
-                    master=common_pb2.NodeEndpoint(node_id="n1"),
-                    members=[common_pb2.NodeEndpoint(node_id="n1")],
-                    seq=1,
-                    lease_ms=600_000,
-                    cluster_id="c-test",
-                )
-            )
-            await node.write(commands.CreateTopic("a", common_pb2.TOPIC_KIND_REPLICATED))
-            await node.write(
-                commands.LinkTopic("a", "orders", 0, "site-b", common_pb2.TOPIC_KIND_REPLICATED)
-            )
-            request = broker_pb2.PublishRequest(topic="a", events=[common_pb2.EventData()])
-            await node.write(commands.Publish(request))
-            (link,) = node.store.list_links("a")
-            for _ in range(int(_WAIT_MAX_S / 0.05)):  # bounded
-                if node.links.position(link) == 1:
-                    break
-                await asyncio.sleep(0.05)
+        async with _master_linked_to(tmp_path, remote_server) as (node, link):
+            await _until(lambda: node.links.position(link) == 1)
             await asyncio.sleep(_STILL_S)
             (waiting,) = node.store.list_links("a")
-            appends: list[int] = []
-            driver = node.writer.driver
-            append = driver.store_append
-
-            def counted(entries: Any, **kwargs: Any) -> None:
-                appends.append(len(entries))
-                append(entries, **kwargs)
-
-            driver.store_append = counted  # type: ignore[method-assign]
-            await node.write(commands.Publish(request))
-            for _ in range(int(_WAIT_MAX_S / 0.05)):  # bounded: the next pass forwards it
-                if node.links.position(link) == 2:
-                    break
-                await asyncio.sleep(0.05)
+            appends = counted_appends(node)
+            await node.write(commands.Publish(_ONE_EVENT))
+            await _until(lambda: node.links.position(link) == 2)  # the next pass forwards it
             (ridden,) = node.store.list_links("a")
             return appends, waiting.cursor, ridden.cursor
-        finally:
-            await node.stop()
-            await grpc_server.stop(None)
 
     appends, waiting, ridden = asyncio.run(scenario())
     assert remote_server.events == 2

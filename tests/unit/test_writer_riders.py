@@ -75,20 +75,26 @@ def _run(tmp_path: Path, scenario: Callable[[ReplicaNode, list[int]], Awaitable[
         try:
             await node.apply_role(_role(common_pb2.ROLE_MASTER, 1, 1))
             await node.write(_topic("a"))
-            appends: list[int] = []
-            driver = node.writer.driver
-            append = driver.store_append
-
-            def counted(entries: Any, **kwargs: Any) -> None:
-                appends.append(len(entries))
-                append(entries, **kwargs)
-
-            driver.store_append = counted  # type: ignore[method-assign]
-            await asyncio.wait_for(scenario(node, appends), WAIT_S)
+            await asyncio.wait_for(scenario(node, counted_appends(node)), WAIT_S)
         finally:
             await node.stop()
 
     asyncio.run(main())
+
+
+def counted_appends(node: ReplicaNode) -> list[int]:
+    """The number of entries of each store append the node's master writes from now on
+    (one append: one store transaction, one fsync, one replication message)."""
+    appends: list[int] = []
+    driver = node.writer.driver
+    append = driver.store_append
+
+    def counted(entries: Any, **kwargs: Any) -> None:
+        appends.append(len(entries))
+        append(entries, **kwargs)
+
+    driver.store_append = counted  # type: ignore[method-assign]
+    return appends
 
 
 async def _turns(count: int = 20) -> None:
