@@ -142,7 +142,7 @@ REPLACE_SHARE = 0.2
 # operator removes it (``squall cluster remove-node``), stops its services and wipes its
 # machine, and later adds it back (``add-node``, new addresses, an empty store): the node
 # set goes from three to two and back. One membership change of this kind at a time.
-REMOVE_SHARE = 0.3
+REMOVE_SHARE = 0.5
 # How often the operator, asked to remove the leading node, picks another one instead (the
 # rest are refused: the leader cannot be removed).
 REMOVE_OTHER = 0.75
