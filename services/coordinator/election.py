@@ -200,6 +200,9 @@ among the members' reports wins (``_adopt_newest``), so a node that missed a cha
 it and a later group never goes back to an older set. Probes carry the set's (epoch,
 version): nodes holding different sets compare their agreed settings without the node
 set, and a node of the set that is held by a removed coordinator is invited directly. A
+node on a newer set whose probe says its priority there is 0 never invites, while under
+an older set it may rank above the prober, who would wait for it for good: the prober
+invites it as a member, and learns the newer set from its answer. A
 member the new set ranks above the coordinator takes the group once caught up (the rejoin
 hand-over), so ``set-priority`` moves the leader. Messages from a node the set removed
 are refused, logged once per node.
@@ -637,6 +640,9 @@ class Election:
         self._merge_at_ms: int | None = None
         self._merge_first_ms = 0
         self._candidates: set[str] = set()
+        # Nodes on a newer node set that never invite (their priority 0 there): invited as
+        # members whatever our set ranks them (_note_coordinator's never_invites).
+        self._never_inviting: set[str] = set()
         self._higher_seen: str | None = None
         self._last_yes_ms = 0
         self._next_heartbeat_ms = 0
@@ -1405,6 +1411,7 @@ class Election:
         self._pending = None
         self._merge_at_ms = None
         self._candidates = set()
+        self._never_inviting = set()
         self._higher_seen = None
         self._held_reason = ""
         self._held_note = ""
@@ -1606,7 +1613,9 @@ class Election:
             ),
         )
 
-    def _note_coordinator(self, node: str, serving: bool, *, older_set: bool = False) -> None:
+    def _note_coordinator(
+        self, node: str, serving: bool, *, older_set: bool = False, never_invites: bool = False
+    ) -> None:
         """``node`` coordinates a group of its own: merge it if it ranks below us. A serving
         node below us, while we serve nothing, is left to invite us to catch up; a node above
         us that serves nothing, while we serve, is invited to catch up (module docstring).
@@ -1615,10 +1624,24 @@ class Election:
         us above itself and so wait for our invitation while we wait for its (a change of
         priorities that failed left some nodes on the old set): it is invited to catch up
         too, judges the invitation under its set, learns ours from it, and takes the group
-        over once caught up if ours ranks it first."""
+        over once caught up if ours ranks it first.
+
+        ``never_invites``: ``node`` holds a newer node set, under which its own priority is
+        0, so it never invites; under our older set it may rank above us, and each would
+        wait for the other for good (an operator's set-priority 0 that this node missed):
+        it is invited as a member, judges the invitation under its set, and we learn that
+        set from its answer."""
         if not self._can_merge():
             return
         above = self._rank_of(node) > self._rank_of(self._me)
+        if above and not serving and never_invites:
+            # A plain member: under its set it ranks below us (a catch-up invitation, for
+            # nodes ranked above the inviter, would be refused).
+            self._never_inviting.add(node)
+            if self._merge_at_ms is None:
+                self._merge_first_ms = self._now_ms
+                self._merge_at_ms = self._now_ms + self._merge_delay_ms()
+            return
         if above and not serving and (self._serving() or older_set):
             self._catch_up_candidates.add(node)
             if self._merge_at_ms is None:
@@ -1654,6 +1677,8 @@ class Election:
             if x in self._prio and self._rank_of(x) < self._rank_of(self._me)
         }
         self._candidates = set()
+        invite |= self._never_inviting
+        self._never_inviting = set()
         catch_up: set[str] = set()
         if self._serving():
             # Higher-ranked nodes join to catch up; members that joined so and are still
@@ -2740,7 +2765,12 @@ class Election:
         if self._same_cluster(frm, body.cluster_id) and self._agrees(
             frm, body.settings_digest, body.settings, version, base
         ):
-            self._note_coordinator(frm, body.serving, older_set=version < self._set_key())
+            self._note_coordinator(
+                frm,
+                body.serving,
+                older_set=version < self._set_key(),
+                never_invites=version > self._set_key() and body.priority == 0,
+            )
 
     def _probe_reply(self, *, with_settings: bool) -> AreYouCoordinatorReply:
         """Our answer to a probe (with our agreed settings for a node that differs)."""
@@ -2805,7 +2835,12 @@ class Election:
             and self._agrees(frm, body.settings_digest, body.settings, version, base)
             and body.is_coordinator
         ):
-            self._note_coordinator(frm, body.serving, older_set=version < self._set_key())
+            self._note_coordinator(
+                frm,
+                body.serving,
+                older_set=version < self._set_key(),
+                never_invites=version > self._set_key() and body.priority == 0,
+            )
 
     def _learn_designation(self, node: str, designated: bool) -> None:
         """Track the other node's designated-primary flag (persisted); both set is a

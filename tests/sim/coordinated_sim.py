@@ -638,12 +638,10 @@ class CoordinatedSim(ShellSim):
         what docs/operations.md ("Manual recovery") tells an operator: stop the replica
         with the newest log, ``squall store mark-clean`` its store, start it again."""
         # Not a node the operator quarantined (a rotted disk, in no group), nor one whose
-        # machine is gone.
-        replicas = {
-            m.node_id: m.replica
-            for m in self.members.values()
-            if m.node_id not in self.quarantined and m.node_id != self.gone
-        }
+        # machine is gone, nor a new machine still a learner (its empty store is no
+        # candidate: the coordinators weigh the voters' stores).
+        out = {*self.quarantined, self.gone, *self._learners()}
+        replicas = {m.node_id: m.replica for m in self.members.values() if m.node_id not in out}
         if any(r is None or r.joined for r in replicas.values()):
             return
         metas = {n: r.store.meta() for n, r in replicas.items() if r is not None}
@@ -723,6 +721,7 @@ class CoordinatedSim(ShellSim):
                 and not self.rotten
                 and self.master_epochs
                 and not self._replacing.locked()
+                and not self._learners()
                 and rng.random() < REPLACE_SHARE
             ):
                 self.gone = node_id
@@ -892,6 +891,16 @@ class CoordinatedSim(ShellSim):
 
     # --- node changes: a machine gone for good, replaced; a node removed, added back
     # (docs/operations.md, "Changing the membership")
+
+    def _learners(self) -> set[str]:
+        """The learners of the newest node set any running coordinator holds (highest
+        epoch, then version: the set groups go on with): nodes not yet caught up and
+        promoted, which do not vote."""
+        sets = [c.node.election.membership for c in self.coordinators.values() if c.node]
+        if not sets:
+            return set()
+        newest = max(sets, key=lambda m: (m.epoch, m.version))
+        return {m.node_id for m in newest.members if m.learner}
 
     def _operator_replaces(self) -> None:
         """The operator's replace-node (or add-node of a removed node) during the faults,

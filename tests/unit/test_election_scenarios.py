@@ -1054,3 +1054,34 @@ def test_a_change_the_coordinator_persisted_stays_in_progress_when_its_group_fai
     status = node1.status()
     assert status.state is NodeState.NORMAL and status.members == ("1", "3")
     assert "done in epoch" in status.membership_change, status.membership_change
+
+
+def test_a_node_that_missed_a_priority_0_change_invites_the_node_that_never_invites() -> None:
+    """Node 3 is cut off while node 2 gets priority 0 (set-priority, v1). Then node 1 dies.
+    Under node 3's old set node 2 ranks above it, so node 3 waited for node 2's invitation;
+    under node 2's set it has priority 0 and never invites: each waited for the other for
+    good (found by the coordinated simulator, seed 1615). Node 3 now invites a node on a
+    newer set that says priority 0, as a member; node 2 judges it under its own set (node
+    3 ranks above it there), and node 3 learns that set from node 2's answer."""
+    cluster: Cluster | None = None
+    for line in ("cluster 1:3 2:2 3:1", "start 1 2 3", "run ms=400"):
+        cluster, _ = execute(cluster, line)
+    assert cluster is not None
+    cluster.cut.update({frozenset(("1", "3")), frozenset(("2", "3"))})
+    cluster.run(2000)
+    node1, node3 = cluster.nodes["1"], cluster.nodes["3"]
+    assert node1 is not None and node3 is not None
+    assert node1.status().members == ("1", "2")
+    change = MembershipChange(ChangeKind.SET_PRIORITY, "2", priority=0)
+    cluster.apply("1", node1.change_membership(change, "operator", cluster.now_ms, ""), "change")
+    cluster.run(2000)
+    assert "done in epoch" in node1.status().membership_change
+    assert node3.membership.version == 0  # it missed the change
+    for line in ("crash 1", "run ms=500"):
+        cluster, _ = execute(cluster, line)
+    cluster.cut.clear()
+    cluster.run(5000)
+    status = node3.status()
+    assert status.state is NodeState.NORMAL, status
+    assert status.coordinator_id == "3" and status.members == ("2", "3")
+    assert node3.membership.version == 1 and node3.membership.priorities["2"] == 0
