@@ -1590,8 +1590,7 @@ class Election:
             and self._quorum(self._persisted.max_seen)[0] <= 1
         ):
             # We may run alone; still wait one window so reachable nodes join at once.
-            self._merge_first_ms = self._now_ms
-            self._merge_at_ms = self._now_ms + self._merge_delay_ms()
+            self._merge_soon()
 
     def _send_probe(self, node: str) -> None:
         """One AreYouCoordinator for ``node``."""
@@ -1638,15 +1637,11 @@ class Election:
             # A plain member: under its set it ranks below us (a catch-up invitation, for
             # nodes ranked above the inviter, would be refused).
             self._never_inviting.add(node)
-            if self._merge_at_ms is None:
-                self._merge_first_ms = self._now_ms
-                self._merge_at_ms = self._now_ms + self._merge_delay_ms()
+            self._merge_soon()
             return
         if above and not serving and (self._serving() or older_set):
             self._catch_up_candidates.add(node)
-            if self._merge_at_ms is None:
-                self._merge_first_ms = self._now_ms
-                self._merge_at_ms = self._now_ms + self._merge_delay_ms()
+            self._merge_soon()
             return
         if not above and serving and not self._serving():
             self._log(
@@ -1664,6 +1659,10 @@ class Election:
                     self._merge_at_ms = self._merge_first_ms + self._merge_delay_ms()
             return
         self._candidates.add(node)
+        self._merge_soon()
+
+    def _merge_soon(self) -> None:
+        """Opens the merge's collection window, unless one is open."""
         if self._merge_at_ms is None:
             self._merge_first_ms = self._now_ms
             self._merge_at_ms = self._now_ms + self._merge_delay_ms()
