@@ -76,9 +76,10 @@ browser-deps:
 # (this project's CI machines do), every service process would otherwise compile its ~100
 # modules again at start-up, ~0.1 s of CPU each, paid by every cluster a test or `make run`
 # starts (a sample of real-process tests: 55-58 s against 68-70 s without). Incremental,
-# and safe: a stale file is compiled again on import.
+# and safe: a stale file is compiled again on import. Silent unless a file does not compile
+# (then it names the file and line, and the target fails).
 bytecode: install-run
-	@$(PY) -m compileall -q -j 0 services clients/squall deploy chaos bench scripts tests >/dev/null
+	@$(PY) -m compileall -q -j 0 services clients/squall deploy chaos bench scripts tests
 
 lint: install
 	$(BIN)/ruff check services clients tests scripts deploy bench examples chaos
