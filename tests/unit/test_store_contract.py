@@ -334,6 +334,23 @@ def test_bad_checksum_refused(store: Store) -> None:
     assert observe(store) == before
 
 
+def test_an_operation_of_a_newer_release_is_refused_naming_the_release(store: Store) -> None:
+    w = Writer(store)
+    w.append(epoch_start(1), create("t"))
+    before = observe(store)
+    # Field 999 (varint 1): what this release's Operation knows no field for.
+    unknown = b"\xb8\x3e\x01"
+    newer = replica_pb2.LogEntry(
+        lsn=w.lsn + 1, epoch=1, checksum=zlib.crc32(unknown), operation=unknown
+    )
+    with pytest.raises(InvalidEntryError, match="newer release wrote it"):
+        store.append([newer], sync=False)
+    empty = replica_pb2.LogEntry(lsn=w.lsn + 1, epoch=1, checksum=zlib.crc32(b""))
+    with pytest.raises(InvalidEntryError, match="no operation"):
+        store.append([empty], sync=False)
+    assert observe(store) == before
+
+
 def test_older_epoch_refused(store: Store) -> None:
     w = Writer(store, epoch=3)
     w.append(epoch_start(3), create("t"))

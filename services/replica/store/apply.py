@@ -195,6 +195,12 @@ class Batch:
             self.unlink_topic(op.unlink_topic)
         elif kind == "link_cursor":
             self.link_cursor(op.link_cursor)
+        elif operation:
+            # A newer release's operation parses here as unknown fields alone.
+            raise self.refuse(
+                "an operation this release does not read: a newer release wrote it, so "
+                "this node must run the release the rest of the cluster runs"
+            )
         else:
             raise self.refuse("no operation")
         key = U64.pack(lsn)
