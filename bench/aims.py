@@ -24,7 +24,10 @@ where the stores are):
 * 64 concurrent publishers: no bound is derived. The floor's concurrent figure (64
   threads, each ping-ponging on a stream of its own with nothing behind the answer) is
   shown beside the aim for scale, not as a limit: the library joins concurrent callers'
-  events into shared requests (`squall._publish_mux`) and so can pass it.
+  events into shared requests (`squall._publish_mux`) and so can pass it. Beside it, the
+  CPU the best path used per event over the client, the gateway and the replicas, and
+  the rate the machine's cores would allow at that cost: not a floor (it is Squall's own
+  work, which code can cut) but the arithmetic that says how far the work is from the aim.
 """
 
 from __future__ import annotations
@@ -82,6 +85,22 @@ def _latency_verdict(
         measured=f"{measured_ms:.2f} ms ({measured_ms / scaled:.2f}x)",
         bound=f"{bound_ms:.2f} ms ({what})",
         verdict=verdict,
+    )
+
+
+def _cpu_allows(figures: dict[str, Any], cores: int | None) -> str:
+    """The CPU one scenario's run used per event over the client, the gateway and every
+    replica (`cpu_pct`, % of one core over the run), and the rate `cores` would allow at
+    that cost; "" when either is unknown."""
+    cpu = figures.get("cpu_pct", {})
+    pct = sum(v for k, v in cpu.items() if k.startswith(("client", "gateway", "replica")))
+    rate = figures.get("events_per_s", 0)
+    if not (pct > 0 and rate > 0 and cores):
+        return ""
+    us_per_event = 10_000 * pct / rate
+    return (
+        f"its CPU, {us_per_event:,.0f} µs per event over client, gateway and replicas, "
+        f"allows {cores * 1_000_000 / us_per_event:,.0f}/s on {cores} cores"
     )
 
 
@@ -148,6 +167,9 @@ def judge(policy: str, figures: dict[str, Any]) -> list[Verdict]:
             if bare
             else "-"
         )
+        work = _cpu_allows(best, floor.get("cores"))
+        if work:
+            beside = f"{beside}; {work}" if bare else work
         met = rate.verdict == "met" and best["latency_ms_p99"] <= scaled_p99
         out.append(
             Verdict(

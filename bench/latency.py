@@ -217,6 +217,7 @@ def floor(
         "stream_ms_p50": _ms(percentile(stream_s, 0.5)),
         "stream_ms_p99": _ms(percentile(stream_s, 0.99)),
         "fsync_ms_p50": machine.fsync_ms_p50(fsync_dir or Path(tempfile.gettempdir())),
+        "cores": len(os.sched_getaffinity(0)),
     }
     if concurrent_figures:
         figures["concurrent"] = concurrent_figures
