@@ -903,11 +903,10 @@ class CoordinatedSim(ShellSim):
         return {m.node_id for m in newest.members if m.learner}
 
     def _named_learners(self) -> set[str]:
-        """Every node that some running coordinator's node set names as a learner: the
-        newest set, and also one a coordinator was invited under whose group never formed
-        (a promotion that failed, seed 5484: n3 held a set naming itself a voter, the
-        others the set it was still a learner in), so that what guards against two
-        failures holds whichever set the cluster goes on with."""
+        """Every node that some running coordinator's node set names as a learner, not
+        only the newest set's: a coordinator invited under a change whose group never
+        formed keeps that set, while the cluster goes on under the older one (seed 5484:
+        after a failed promotion n3 held a set in which it votes)."""
         return {
             m.node_id
             for c in self.coordinators.values()
