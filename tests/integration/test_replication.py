@@ -573,15 +573,23 @@ def test_a_deposed_master_with_a_compacted_divergent_log_takes_the_lead_back_aft
         )
 
     _wait_for(n1_leads, 60, "n1 is master again after catching up as a slave")
+    leads = "replica n1 is master: epoch="
+
+    def led_after_the_install() -> bool:
+        # The role shows before the line is written (after the epoch's entry is appended).
+        log = trio.log("replica", "n1")
+        installed = log.rfind("installed the snapshot at LSN")
+        return installed >= 0 and log.find(leads, installed) >= 0
+
+    _wait_for(led_after_the_install, 10, "n1's log says it leads after the snapshot")
     replica_log = trio.log("replica", "n1")
+    restarted = replica_log.rfind("replica n1 opened store:")
     installed = replica_log.rfind("installed the snapshot at LSN")
-    assert installed >= 0, "n1 did not catch up by a snapshot"
     assert replica_log[installed:].split("\n", 1)[0].find(f"from master {new_master}") >= 0, (
         "n1 was to install the snapshot as a slave of the serving master, not while leading"
     )
-    assert replica_log.rfind("replica n1 is master: epoch=") > installed, (
-        "n1 led before it caught up"
-    )
+    assert 0 <= restarted < installed
+    assert leads not in replica_log[restarted:installed], "n1 led before it caught up"
     assert "it needs a snapshot" not in replica_log, "a truncation by replay was attempted"
     assert _state(trio.replica_address("n1")).log_start_lsn > n1.last_lsn
     assert "sending node n1 a snapshot" in trio.log("replica", new_master)
