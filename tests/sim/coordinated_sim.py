@@ -636,7 +636,9 @@ class CoordinatedSim(ShellSim):
         """After a total failure (every replica restarted since it last took a role, no
         store clean) the coordinators refuse a cold start, by design; the simulator does
         what docs/operations.md ("Manual recovery") tells an operator: stop the replica
-        with the newest log, ``squall store mark-clean`` its store, start it again."""
+        with the newest log, ``squall store mark-clean`` its store, start it again. Clean
+        stores of two different shutdowns are refused too; the operator marks the stale
+        ones dirty (``squall store mark-dirty``), as the refusal says."""
         # Not a node the operator quarantined (a rotted disk, in no group), nor one whose
         # machine is gone, nor a new machine still a learner (its empty store is no
         # candidate: the coordinators weigh the voters' stores).
@@ -645,7 +647,21 @@ class CoordinatedSim(ShellSim):
         if any(r is None or r.joined for r in replicas.values()):
             return
         metas = {n: r.store.meta() for n, r in replicas.items() if r is not None}
-        if any(meta.state == common_pb2.STORE_STATE_CLEAN for meta in metas.values()):
+        clean = {n: m for n, m in metas.items() if m.state == common_pb2.STORE_STATE_CLEAN}
+        if len({meta.shutdown_id for meta in clean.values()}) > 1:
+            # Clean stores of two shutdowns (some nodes were down for the first and not
+            # started again before the second; seed 8920): the coordinators refuse, and
+            # their message tells the operator to mark the stale ones dirty.
+            newest = max(clean.values(), key=lambda meta: (meta.last_epoch, meta.last_lsn))
+            for node_id, meta in clean.items():
+                if meta.shutdown_id != newest.shutdown_id:
+                    stale = self.members[node_id]
+                    self._crash(stale, machine=False)
+                    Store(stale.disk.kv).set_state(common_pb2.STORE_STATE_DIRTY)
+                    self.note(f"clean stores of two shutdowns: operator marks {node_id}'s dirty")
+                    await self._restart(stale)
+            return
+        if clean:
             return
         best = max(metas, key=lambda n: (metas[n].last_epoch, metas[n].last_lsn))
         member = self.members[best]
