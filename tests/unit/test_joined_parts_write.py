@@ -32,6 +32,7 @@ from squall_server.replica import commands, server
 from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.node import ReplicaNode
 from squall_server.replica.store import Store
+from tests.unit.test_writer_riders import role_command
 
 WAIT_S = 30.0  # generous: the machine is shared
 
@@ -119,17 +120,7 @@ async def _started(config: ClusterConfig, observability: Telemetry | None = None
         config, config.node("n1"), Store.open_memory(), observability=observability
     )
     await node.start()
-    await node.apply_role(
-        replica_pb2.RoleCommand(
-            role=common_pb2.ROLE_MASTER,
-            epoch=1,
-            master=common_pb2.NodeEndpoint(node_id="n1"),
-            members=[common_pb2.NodeEndpoint(node_id="n1")],
-            seq=1,
-            lease_ms=600_000,
-            cluster_id="c-test",
-        )
-    )
+    await node.apply_role(role_command(common_pb2.ROLE_MASTER, 1, 1))
     for name in ("a", "b"):
         await node.write(commands.CreateTopic(name, common_pb2.TOPIC_KIND_REPLICATED))
     await node.write(commands.CreateTopic("t", common_pb2.TOPIC_KIND_TRANSIENT))

@@ -18,11 +18,12 @@ import grpc
 import pytest
 
 from deploy.processes import free_ports
-from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2, replica_pb2
+from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2
 from squall_server.common.config import parse_config
 from squall_server.replica import commands, server
 from squall_server.replica.node import ReplicaNode
 from squall_server.replica.store import Store
+from tests.unit.test_writer_riders import role_command
 
 
 def _new_node(config: Any, store: Store) -> Any:
@@ -67,17 +68,7 @@ def test_each_part_is_published_deduplicated_and_answered_apart(tmp_path: Path) 
         address = f"127.0.0.1:{grpc_server.add_insecure_port('127.0.0.1:0')}"
         await grpc_server.start()
         try:
-            await node.apply_role(
-                replica_pb2.RoleCommand(
-                    role=common_pb2.ROLE_MASTER,
-                    epoch=1,
-                    master=common_pb2.NodeEndpoint(node_id="n1"),
-                    members=[common_pb2.NodeEndpoint(node_id="n1")],
-                    seq=1,
-                    lease_ms=600_000,
-                    cluster_id="c-test",
-                )
-            )
+            await node.apply_role(role_command(common_pb2.ROLE_MASTER, 1, 1))
             for name in ("a", "b"):
                 await node.write(commands.CreateTopic(name, common_pb2.TOPIC_KIND_REPLICATED))
             async with grpc.aio.insecure_channel(address) as channel:

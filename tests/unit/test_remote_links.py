@@ -31,7 +31,7 @@ from squall_server.replica.node import ReplicaNode
 from squall_server.replica.remote import remote_error
 from squall_server.replica.store import Store
 from tests.unit.test_config import VALID, error_of, parse
-from tests.unit.test_writer_riders import counted_appends
+from tests.unit.test_writer_riders import counted_appends, role_command
 
 REMOTE = '\n[[remotes]]\nname = "site-b"\ngateways = ["10.0.0.5:7100", "10.0.0.6:7100"]\n'
 
@@ -164,17 +164,7 @@ async def _master_linked_to(
     node = build_replica_node(config, config.node("n1"), Store.open_memory())
     await node.start()
     try:
-        await node.apply_role(
-            replica_pb2.RoleCommand(
-                role=common_pb2.ROLE_MASTER,
-                epoch=1,
-                master=common_pb2.NodeEndpoint(node_id="n1"),
-                members=[common_pb2.NodeEndpoint(node_id="n1")],
-                seq=1,
-                lease_ms=600_000,
-                cluster_id="c-test",
-            )
-        )
+        await node.apply_role(role_command(common_pb2.ROLE_MASTER, 1, 1))
         await node.write(commands.CreateTopic("a", common_pb2.TOPIC_KIND_REPLICATED))
         await node.write(
             commands.LinkTopic("a", "orders", 0, "site-b", common_pb2.TOPIC_KIND_REPLICATED)

@@ -50,7 +50,8 @@ def _config(tmp_path: Path) -> ClusterConfig:
     return config
 
 
-def _role(role: int, epoch: int, seq: int) -> replica_pb2.RoleCommand:
+def role_command(role: int, epoch: int, seq: int) -> replica_pb2.RoleCommand:
+    """Node n1's role command from its coordinator: as master, of a group of itself."""
     command = replica_pb2.RoleCommand(
         role=role, epoch=epoch, seq=seq, lease_ms=600_000, cluster_id="c-test"
     )
@@ -73,7 +74,7 @@ def _run(tmp_path: Path, scenario: Callable[[ReplicaNode, list[int]], Awaitable[
         node = build_replica_node(config, config.node("n1"), Store.open_memory())
         await node.start()
         try:
-            await node.apply_role(_role(common_pb2.ROLE_MASTER, 1, 1))
+            await node.apply_role(role_command(common_pb2.ROLE_MASTER, 1, 1))
             await node.write(_topic("a"))
             await asyncio.wait_for(scenario(node, counted_appends(node)), WAIT_S)
         finally:
@@ -154,7 +155,7 @@ def test_riders_board_only_as_far_as_the_batch_bound_and_a_drain_sends_the_rest(
 def test_a_rider_not_begun_when_the_role_goes_fails_as_not_stored(tmp_path: Path) -> None:
     async def scenario(node: ReplicaNode, appends: list[int]) -> None:
         rider = node.writer.submit_with_next(_topic("rider"), 0.05)
-        await node.apply_role(_role(common_pb2.ROLE_INACTIVE, 0, 2))
+        await node.apply_role(role_command(common_pb2.ROLE_INACTIVE, 0, 2))
         with pytest.raises(ServiceError) as failed:
             await rider
         assert failed.value.code == Code.UNAVAILABLE
@@ -168,7 +169,7 @@ def test_a_rider_not_begun_when_the_role_goes_fails_as_not_stored(tmp_path: Path
 
 def test_a_rider_on_a_replica_that_is_not_master_is_refused_at_once(tmp_path: Path) -> None:
     async def scenario(node: ReplicaNode, appends: list[int]) -> None:
-        await node.apply_role(_role(common_pb2.ROLE_INACTIVE, 0, 2))
+        await node.apply_role(role_command(common_pb2.ROLE_INACTIVE, 0, 2))
         with pytest.raises(ServiceError):
             await node.write_with_next(_topic("rider"), 0.01)
         assert appends == []
