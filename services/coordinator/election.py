@@ -2059,7 +2059,12 @@ class Election:
         self._group_epoch = reorg.epoch
         self._view = final
         self._sync_source = sync
-        self._catch_up &= set(final)
+        # Only a member the group's set ranks above this node is handed the group once
+        # caught up: a catch-up invitation sent under an older set may have named one that
+        # the newer set adopted from the reports ranks below.
+        self._catch_up = {
+            x for x in self._catch_up & set(final) if self._rank_of(x) > self._rank_of(self._me)
+        }
         self._members = {x: self._now_ms for x in final if x != self._me}
         self._next_probe_ms = self._now_ms + self._cfg.probe_interval_ms
         self._command(
@@ -2977,10 +2982,14 @@ class Election:
         same_set = version == self._set_key()
         if same_set and not self._check_priority(inviter, body.priority, frm):
             return
+        # Ranks under another version of the node set are not ours to judge (nor is the
+        # inviter's priority, above): a node whose change formed no group while the others
+        # formed one under the older set is invited to catch up, which its own set ranks
+        # it below (coordinated seed 11432); it joins, and the group takes the newest set.
         bad = [
             x
             for x in body.catch_up
-            if x not in self._prio or self._rank_of(x) <= self._rank_of(inviter)
+            if x not in self._prio or (same_set and self._rank_of(x) <= self._rank_of(inviter))
         ]
         if bad:
             self._reject(
@@ -3084,15 +3093,20 @@ class Election:
             body.group_name, forwarded, self._now_ms + self._cfg.member_timeout_ms
         )
         self._last_change_reason = f"accepted invitation from {inviter} to {body.group_name}"
-        if catching_up and current == self._me:
+        # Under this node's own set it may rank below the inviter (an invitation sent under
+        # an older set): then it is a member like any other.
+        taking_over = (
+            catching_up and current == self._me and self._rank_of(self._me) > self._rank_of(inviter)
+        )
+        if taking_over:
             self._last_change_reason += ", to catch up before taking the lead"
         self._log(
             LogLevel.INFO,
-            "catch-up-accepted" if catching_up and current == self._me else "invitation-accepted",
+            "catch-up-accepted" if taking_over else "invitation-accepted",
             f"leaving {old_group} for {body.group_name} (coordinator {inviter})"
             + (
                 ": it serves; this node catches up as a member, then takes the group over"
-                if catching_up and current == self._me
+                if taking_over
                 else ""
             )
             + (f"; forwarded to {','.join(forwarded)}" if forwarded else ""),

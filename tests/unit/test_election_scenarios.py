@@ -1085,3 +1085,58 @@ def test_a_node_that_missed_a_priority_0_change_invites_the_node_that_never_invi
     assert status.state is NodeState.NORMAL, status
     assert status.coordinator_id == "3" and status.members == ("2", "3")
     assert node3.membership.version == 1 and node3.membership.priorities["2"] == 0
+
+
+def test_a_node_whose_change_formed_no_group_joins_the_group_formed_under_the_older_set() -> None:
+    """Node 1 (priority 3) lowers its own priority to 1 while it serves with node 3 (node
+    2 down): it persists the new set with its vote, but node 3 is cut off before the
+    Ready reaches it, so no group forms under it. Nodes 2 and 3 then form a group under the older
+    set, which ranks node 1 first: node 2 invited it to catch up, and node 1, which its own
+    set ranks below node 2, refused that as a bad message, again and again, each merge a
+    new epoch (found by the coordinated simulator, seed 11432). It now joins as a member,
+    the group takes its newer set, node 2 keeps the lead, and the epoch stays put."""
+    cluster: Cluster | None = None
+    for line in ("cluster 1:3 2:2 3:1", "start 1 2 3", "run ms=400", "crash 2", "run ms=3000"):
+        cluster, _ = execute(cluster, line)
+    assert cluster is not None
+    node1 = cluster.nodes["1"]
+    assert node1 is not None and node1.status().members == ("1", "3")
+    deliver = cluster.deliver
+    dropped: list[PeerMessage] = []
+
+    def cut_before_the_ready(message: PeerMessage) -> None:
+        if message.to_node == "3" and isinstance(message.body, GroupReady) and not dropped:
+            cluster.cut.update({frozenset(("1", "3")), frozenset(("1", "2"))})
+            dropped.append(message)
+            return
+        deliver(message)
+
+    cluster.deliver = cut_before_the_ready  # type: ignore[method-assign]
+    change = MembershipChange(ChangeKind.SET_PRIORITY, "1", priority=1)
+    cluster.apply("1", node1.change_membership(change, "operator", cluster.now_ms, ""), "change")
+    cluster.run(1000)
+    assert dropped, "node 1 never sent node 3 a Ready"
+    node3 = cluster.nodes["3"]
+    assert node3 is not None and node3.membership.version == 0
+    assert node1.membership.version == 1 and node1.membership.priorities["1"] == 1
+    for line in ("start 2", "run ms=3000"):
+        cluster, _ = execute(cluster, line)
+    node2 = cluster.nodes["2"]
+    assert node2 is not None
+    status = node2.status()
+    assert status.state is NodeState.NORMAL and status.members == ("2", "3"), status
+    assert node2.membership.version == 0  # the group formed under the older set
+    cluster.cut.clear()
+    cluster.run(5000)
+    status = node2.status()
+    assert status.state is NodeState.NORMAL, status
+    assert status.coordinator_id == "2" and status.members == ("1", "2", "3"), status
+    for node in ("1", "2", "3"):
+        election = cluster.nodes[node]
+        assert election is not None
+        assert election.membership.version == 1, node
+        assert election.membership.priorities == {"1": 1, "2": 2, "3": 1}, node
+    epoch = node2.persisted.epoch
+    cluster.run(5000)
+    assert node2.persisted.epoch == epoch  # no merge after merge
+    assert node2.status().members == ("1", "2", "3")
