@@ -1013,6 +1013,17 @@ def test_negative_slave_lags_are_refused() -> None:
     assert not ready.hand_over_to
 
 
+def _node_1_serving_with_node_3() -> tuple[Cluster, Election]:
+    """Three nodes (priorities 3, 2, 1); node 2 crashed, so node 1 serves with node 3."""
+    cluster: Cluster | None = None
+    for line in ("cluster 1:3 2:2 3:1", "start 1 2 3", "run ms=400", "crash 2", "run ms=3000"):
+        cluster, _ = execute(cluster, line)
+    assert cluster is not None
+    node1 = cluster.nodes["1"]
+    assert node1 is not None and node1.status().members == ("1", "3")
+    return cluster, node1
+
+
 def test_a_change_the_coordinator_persisted_stays_in_progress_when_its_group_fails() -> None:
     """Node 2's machine is gone; node 1 (serving with node 3) replaces it. Node 3 persists
     the new epoch but is cut off before its ReadyAck reaches node 1, which already persisted
@@ -1020,12 +1031,7 @@ def test_a_change_the_coordinator_persisted_stays_in_progress_when_its_group_fai
     from then on (it wins the next merge as the newest), so the change is not "FAILED;
     nothing changed" (what the status said, found by the coordinated simulator's
     replace-node): it stays in progress, and is done when the group forms under it."""
-    cluster: Cluster | None = None
-    for line in ("cluster 1:3 2:2 3:1", "start 1 2 3", "run ms=400", "crash 2", "run ms=3000"):
-        cluster, _ = execute(cluster, line)
-    assert cluster is not None
-    node1 = cluster.nodes["1"]
-    assert node1 is not None and node1.status().members == ("1", "3")
+    cluster, node1 = _node_1_serving_with_node_3()
     change = MembershipChange(
         ChangeKind.REPLACE, "2", coordinator_address="h2b:1", replica_address="h2b:2"
     )
@@ -1095,12 +1101,7 @@ def test_a_node_whose_change_formed_no_group_joins_the_group_formed_under_the_ol
     set ranks below node 2, refused that as a bad message, again and again, each merge a
     new epoch (found by the coordinated simulator, seed 11432). It now joins as a member,
     the group takes its newer set, node 2 keeps the lead, and the epoch stays put."""
-    cluster: Cluster | None = None
-    for line in ("cluster 1:3 2:2 3:1", "start 1 2 3", "run ms=400", "crash 2", "run ms=3000"):
-        cluster, _ = execute(cluster, line)
-    assert cluster is not None
-    node1 = cluster.nodes["1"]
-    assert node1 is not None and node1.status().members == ("1", "3")
+    cluster, node1 = _node_1_serving_with_node_3()
     deliver = cluster.deliver
     dropped: list[PeerMessage] = []
 
