@@ -1137,6 +1137,10 @@ def test_a_node_whose_change_formed_no_group_joins_the_group_formed_under_the_ol
         assert election is not None
         assert election.membership.version == 1, node
         assert election.membership.priorities == {"1": 1, "2": 2, "3": 1}, node
+    # Node 1 joined as one invited to catch up, but the group's set ranks it below node 2:
+    # caught up, it is not handed the lead.
+    ready = node2.slave_lags({"1": 0, "3": 0}, cluster.now_ms)
+    assert ready.rejection is None and not ready.hand_over_to, ready
     epoch = node2.persisted.epoch
     cluster.run(5000)
     assert node2.persisted.epoch == epoch  # no merge after merge

@@ -51,7 +51,7 @@ def _config(tmp_path: Path) -> ClusterConfig:
 
 
 def role_command(role: int, epoch: int, seq: int) -> replica_pb2.RoleCommand:
-    """Node n1's role command from its coordinator: as master, of a group of itself."""
+    """Node n1's role command from its coordinator; as master, of a group of itself."""
     command = replica_pb2.RoleCommand(
         role=role, epoch=epoch, seq=seq, lease_ms=600_000, cluster_id="c-test"
     )
