@@ -52,7 +52,7 @@ import grpc
 
 import squall
 import squall.aio
-from bench import aims, machine
+from bench import aims, chain_floor, machine
 from bench.single_node import CpuMeter, payloads, percentile
 from squall.wire import stages as _stages
 
@@ -790,11 +790,15 @@ class Sizes:
     idle_s: float = 2.0
     # How long each concurrent floor (bare round trips from N threads at once) runs.
     floor_concurrent_s: float = 2.0
+    # The bare relay chain of the publish's path (bench/chain_floor.py): one-at-a-time
+    # messages, and seconds of its most concurrent load (0 leaves the chain out).
+    chain_calls: int = 2000
+    chain_s: float = 4.0
 
     @classmethod
     def tiny(cls) -> Sizes:
         """The smoke run's sizes (a few seconds per policy)."""
-        return cls(30, 5.0, 0.5, (1, 16), 20, 5.0, 200, 0.2, 0.3)
+        return cls(30, 5.0, 0.5, (1, 16), 20, 5.0, 200, 0.2, 0.3, 100, 0.5)
 
 
 def roles_of(pids: dict[str, int]) -> dict[int, str]:
@@ -838,6 +842,10 @@ def measure(
         sizes.floor_concurrent_s,
         data_dir,
     )
+    if sizes.chain_s > 0:
+        callers = max(sizes.concurrency)
+        log(f"    latency: bare relay chain of the path, one at a time and {callers} callers")
+        out["floor"]["chain"] = chain_floor.measure(sizes.chain_calls, callers, sizes.chain_s)
     if not only or "unary" in only:
         out["unary"] = {}
         idle = idle_cpu(pids, sizes.idle_s)
@@ -966,6 +974,34 @@ def _master_role(figures: dict[str, Any]) -> str:
     return f"replica-{figures['one_at_a_time']['master']}"
 
 
+def _chain_rows(row: Callable[[str, Any], None]) -> None:
+    """The bare relay chain's rows (bench/chain_floor.py): per path, one at a time and its
+    most concurrent load, with that load's CPU per event over the chain's processes."""
+    for shape, path in (
+        ("gateway", "app -> gateway -> master -> slaves"),
+        ("proxy", "app -> master -> slaves"),
+    ):
+        row(
+            f"floor: bare relay chain {path}, one at a time: events/s, p50 / p99 ms",
+            lambda f, shape=shape: (
+                f"{f['floor']['chain'][shape]['one_at_a_time']['events_per_s']:,}, "
+                f"{f['floor']['chain'][shape]['one_at_a_time']['latency_ms_p50']} / "
+                f"{f['floor']['chain'][shape]['one_at_a_time']['latency_ms_p99']}"
+            ),
+        )
+        row(
+            f"floor: bare relay chain {path}, callers joined: callers, events/s, p50 / p99 ms, "
+            "CPU µs per event",
+            lambda f, shape=shape: (
+                f"{f['floor']['chain'][shape]['joined']['callers']}, "
+                f"{f['floor']['chain'][shape]['joined']['events_per_s']:,}, "
+                f"{f['floor']['chain'][shape]['joined']['latency_ms_p50']} / "
+                f"{f['floor']['chain'][shape]['joined']['latency_ms_p99']}, "
+                f"{f['floor']['chain'][shape]['joined']['cpu_us_per_event_total']}"
+            ),
+        )
+
+
 def table(policy_figures: dict[str, dict[str, Any]]) -> str:
     """Markdown: the latency figures and the budget per policy, against the floor."""
     policies = list(policy_figures)
@@ -994,6 +1030,8 @@ def table(policy_figures: dict[str, dict[str, Any]]) -> str:
         "floor: write and fsync 4 KiB where the stores are, p50 ms",
         lambda f: str(f["floor"].get("fsync_ms_p50") or "-"),
     )
+    if all("chain" in f["floor"] for f in policy_figures.values()):
+        _chain_rows(row)
 
     for n in next(iter(policy_figures.values())).get("unary", {}):
         row(

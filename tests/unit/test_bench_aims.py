@@ -130,3 +130,84 @@ def test_the_latency_report_carries_the_verdicts_and_the_concurrent_floor() -> N
     assert "| 4,000, 3.9 / 6.4 |" in text
     assert "| WRITE_NO_SYNC | publish -> following subscriber p50 <= 2 ms | 2.00 ms |" in text
     assert text.rstrip().endswith("| met |")
+
+
+def _chain(
+    gateway_rate: float = 700,
+    proxy_rate: float = 1000,
+    p50_ms: float = 1.2,
+    joined_rate: float = 15000,
+    joined_p99_ms: float = 7.0,
+    callers: int = 64,
+) -> dict[str, Any]:
+    one = {"events_per_s": gateway_rate, "latency_ms_p50": p50_ms, "latency_ms_p99": 2.0}
+    joined = {"events_per_s": joined_rate, "latency_ms_p99": joined_p99_ms, "callers": callers}
+    return {
+        "gateway": {"one_at_a_time": one, "joined": joined},
+        "proxy": {"one_at_a_time": {**one, "events_per_s": proxy_rate}, "joined": joined},
+    }
+
+
+def test_with_the_relay_chain_measured_its_rates_bound_one_publish_at_a_time() -> None:
+    # At a 0.5 ms floor the gateway aim scales to 720/s. Three round trips (1.5 ms, 667/s)
+    # would call it beyond the floor; the chain measured 800/s, so it is only missed.
+    figures = _run(rtt_ms=0.5, one_at_a_time=_rate(300), one_at_a_time_proxy=_rate(400))
+    figures["floor"]["chain"] = _chain(gateway_rate=800, proxy_rate=1100)
+    verdicts = _by_aim("WRITE_NO_SYNC", figures)
+    gateway = verdicts["one at a time through the gateway"]
+    assert gateway.verdict == "missed"
+    assert gateway.bound == "800/s (the bare relay chain of this path, no work)"
+    # Through a proxy the aim scales to 1,200/s, which the chain's 1,100/s does not reach.
+    proxy = verdicts["one at a time through a replicated proxy"]
+    assert proxy.verdict == "beyond the floor"
+    assert proxy.bound.startswith("1,100/s (the bare relay chain")
+
+
+def test_a_flushing_policy_adds_its_fsync_to_each_publish_of_the_chain() -> None:
+    # 1,000/s is 1 ms a publish; a 0.25 ms flush makes it 1.25 ms, 800/s, under the SYNC
+    # aim scaled to a 0.3 ms floor (900/s).
+    figures = _run(rtt_ms=0.3, fsync_ms=0.25, one_at_a_time=_rate(300))
+    figures["floor"]["chain"] = _chain(gateway_rate=1000)
+    verdict = _by_aim("SYNC", figures)["one at a time through the gateway"]
+    assert verdict.bound.startswith("800/s (the bare relay chain of this path + fsync 0.25 ms")
+    assert verdict.verdict == "beyond the floor"
+
+
+def test_the_64_publisher_aim_is_beyond_the_floor_where_the_joined_chain_misses_it() -> None:
+    # A 0.5 ms floor scales the aim to 15,000/s and a p99 of 16.7 ms.
+    figures = _run(rtt_ms=0.5, concurrent={"64": _rate(5000, 20.0)})
+    figures["floor"]["chain"] = _chain(joined_rate=14000, joined_p99_ms=7.0)
+    verdict = _by_aim("WRITE_NO_SYNC", figures)["64 concurrent publishers"]
+    assert verdict.verdict == "beyond the floor"
+    assert verdict.bound.startswith("the bare relay chain, 64 callers joined: 14,000/s, p99 7.0")
+    # The chain passing both halves leaves a slow path merely missed.
+    figures["floor"]["chain"] = _chain(joined_rate=16000, joined_p99_ms=7.0)
+    assert _by_aim("WRITE_NO_SYNC", figures)["64 concurrent publishers"].verdict == "missed"
+    # Its p99 alone over the scaled one puts the aim beyond the floor too.
+    figures["floor"]["chain"] = _chain(joined_rate=16000, joined_p99_ms=18.0)
+    verdict = _by_aim("WRITE_NO_SYNC", figures)["64 concurrent publishers"]
+    assert verdict.verdict == "beyond the floor"
+    # A chain run with another number of callers says nothing of 64.
+    figures["floor"]["chain"] = _chain(joined_rate=100, callers=16)
+    verdict = _by_aim("WRITE_NO_SYNC", figures)["64 concurrent publishers"]
+    assert verdict.verdict == "missed"
+    assert "relay chain" not in verdict.bound
+
+
+def test_deliveries_are_bounded_by_the_legs_of_the_chain_they_cross() -> None:
+    # The chain's round trip through the gateway, 1.2 ms, is six legs: a following
+    # subscriber crosses all six, a push endpoint five (1.0 ms).
+    figures = _run(
+        rtt_ms=0.3,
+        delivery={"latency_ms_p50": 2.5},
+        push_delivery={"latency_ms_p50": 2.1},
+    )
+    figures["floor"]["chain"] = _chain(p50_ms=1.2)
+    verdicts = _by_aim("WRITE_NO_SYNC", figures)
+    assert verdicts["publish -> following subscriber"].bound.startswith("1.20 ms (6 of the")
+    assert verdicts["publish -> push endpoint"].bound.startswith("1.00 ms (5 of the")
+    assert verdicts["publish -> push endpoint"].verdict == "missed"
+    figures["floor"]["chain"] = _chain(p50_ms=2.7)
+    assert _by_aim("WRITE_NO_SYNC", figures)["publish -> following subscriber"].verdict == (
+        "beyond the floor"
+    )
