@@ -278,8 +278,9 @@ def joined(
             await asyncio.gather(*tasks)
             counted_until = time.perf_counter()
             cpu = meter.stop()
-            reader.cancel()
+            # Not reader.cancel(): cancelling a task in call.read() cancels the call.
             await call.done_writing()
+            await asyncio.wait_for(reader, 10)
             return counted_from, counted_until, cpu
 
     counted_from, counted_until, cpu = asyncio.run(main())
