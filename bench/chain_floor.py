@@ -168,13 +168,19 @@ def running(shape: str) -> Iterator[tuple[str, dict[str, int]]]:
     finally:
         # Front first: each relay closes its streams downstream before those servers stop.
         for _role, process in reversed(started):
-            if process.stdin is not None:
-                process.stdin.close()
-            try:
-                process.wait(5)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            end_child(process)
+
+
+def end_child(process: subprocess.Popen[str], grace_s: float = 5.0) -> None:
+    """Stops a bench child that serves until its stdin closes (a relay, the floor's echo
+    server): closes it and waits, then kills it by its PID past `grace_s`."""
+    if process.stdin is not None:
+        process.stdin.close()
+    try:
+        process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def one_at_a_time(address: str, count: int, deadline_s: float) -> dict[str, Any]:

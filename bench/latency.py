@@ -201,13 +201,7 @@ def floor(
             for n in concurrency:
                 concurrent_figures[str(n)] = _concurrent_floor(channel, payload, n, concurrent_s)
     finally:
-        if server.stdin is not None:
-            server.stdin.close()
-        try:
-            server.wait(5)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        chain_floor.end_child(server)
     unary_s.sort()
     stream_s.sort()
     figures: dict[str, Any] = {
