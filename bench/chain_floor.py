@@ -183,9 +183,12 @@ def end_child(process: subprocess.Popen[str], grace_s: float = 5.0) -> None:
         process.wait()
 
 
-def one_at_a_time(address: str, count: int, deadline_s: float) -> dict[str, Any]:
+def one_at_a_time(
+    address: str, count: int, deadline_s: float, pids: dict[str, int] | None = None
+) -> dict[str, Any]:
     """`count` messages of one event, each awaited before the next, on one stream fed
-    from a queue as `squall.Publisher` feeds its own (or fewer past the deadline)."""
+    from a queue as `squall.Publisher` feeds its own (or fewer past the deadline); with
+    `pids`, the CPU per message of this process and each relay."""
     requests: collections.deque[bytes] = collections.deque()
     ready = threading.Semaphore(0)
 
@@ -202,23 +205,29 @@ def one_at_a_time(address: str, count: int, deadline_s: float) -> dict[str, Any]
         call: Any = channel.stream_stream(METHOD, None, None)(feed(), timeout=deadline_s + 5)
         stop_at = time.monotonic() + deadline_s
         started = time.perf_counter()
+        meter = CpuMeter({"client": os.getpid(), **(pids or {})})
         try:
             for i in range(count + warmup):
                 if time.monotonic() > stop_at:
                     break
                 if i == warmup:
                     started = time.perf_counter()
+                    meter.start()
                 t0 = time.perf_counter()
                 requests.append(i.to_bytes(ID_BYTES, "big") + EVENT)
                 ready.release()
                 next(call)
                 if i >= warmup:
                     latencies_s.append(time.perf_counter() - t0)
+            cpu = meter.stop() if latencies_s else {}
         finally:
             ready.release()  # the feed ends: the stream half-closes
             call.cancel()
         elapsed_s = time.perf_counter() - started
-    return _figures(latencies_s, elapsed_s)
+    figures = _figures(latencies_s, elapsed_s)
+    if pids is not None:
+        _cpu_per_event(figures, cpu, pids)
+    return figures
 
 
 def joined(
@@ -292,14 +301,22 @@ def joined(
     counted_from, counted_until, cpu = asyncio.run(main())
     latencies_s = [s for mine in per_caller for t, s in mine if t >= counted_from]
     figures = _figures(latencies_s, counted_until - counted_from)
-    rate = figures["events_per_s"]
     figures["callers"] = callers
     figures["window"] = window
-    figures["cpu_us_per_event"] = {
-        k: round(10_000 * v / rate, 1) for k, v in cpu.items() if k in pids or k == "client"
-    }
-    figures["cpu_us_per_event_total"] = round(sum(figures["cpu_us_per_event"].values()), 1)
+    _cpu_per_event(figures, cpu, pids)
     return figures
+
+
+def _cpu_per_event(figures: dict[str, Any], cpu: dict[str, float], pids: dict[str, int]) -> None:
+    """Adds each process's CPU per event (µs) from a `CpuMeter` reading (% of a core)."""
+    rate = figures["events_per_s"]
+    per_event = {
+        k: round(10_000 * v / rate, 1) if rate else 0.0
+        for k, v in cpu.items()
+        if k in pids or k == "client"
+    }
+    figures["cpu_us_per_event"] = per_event
+    figures["cpu_us_per_event_total"] = round(sum(per_event.values()), 1)
 
 
 def _figures(latencies_s: list[float], elapsed_s: float) -> dict[str, Any]:
@@ -318,7 +335,7 @@ def measure(count: int = 2000, callers: int = 64, seconds: float = 4.0) -> dict[
     for shape in SHAPES:
         with running(shape) as (address, pids):
             out[shape] = {
-                "one_at_a_time": one_at_a_time(address, count, 30.0),
+                "one_at_a_time": one_at_a_time(address, count, 30.0, pids),
                 "joined": joined(address, callers, seconds, pids),
             }
     return out
@@ -339,6 +356,7 @@ def main(argv: list[str] | None = None) -> None:
         one, many = figures[shape]["one_at_a_time"], figures[shape]["joined"]
         print(
             f"{shape:8} one at a time {one['events_per_s']:>7,}/s p50 {one['latency_ms_p50']} ms"
+            f" CPU {one['cpu_us_per_event_total']} µs"
             f" | {many['callers']} callers joined {many['events_per_s']:>7,}/s"
             f" p50 {many['latency_ms_p50']} p99 {many['latency_ms_p99']} ms,"
             f" CPU {many['cpu_us_per_event_total']} µs/event {many['cpu_us_per_event']}"
