@@ -62,25 +62,30 @@ _RELAY = r"""
 import asyncio, collections, os, sys
 import squall_server  # noqa: F401  (the services' gRPC I/O path, set before gRPC loads)
 import grpc
+from squall_server.common.eager import start_now
 
 METHOD = "/chain.Chain/Stream"
 
 
 class Writer:
-    # gRPC takes one write at a time on a stream end; the rest queue behind it.
+    # gRPC takes one write at a time on a stream end; the rest queue behind it. A write
+    # starts in the caller's turn, as the master's sends to its slaves do (start_now), so
+    # a message goes to both slaves at once.
     def __init__(self, write):
-        self._write, self._pending, self._busy = write, collections.deque(), False
+        self._write, self._pending, self._task = write, collections.deque(), None
 
-    async def send(self, message):
+    def send(self, message):
         self._pending.append(message)
-        if self._busy:
-            return
-        self._busy = True
+        if self._task is None:
+            self._task = True  # writing: set before the first step runs
+            self._task = start_now(self._drain(), name="write")
+
+    async def _drain(self):
         try:
             while self._pending:
                 await self._write(self._pending.popleft())
         finally:
-            self._busy = False
+            self._task = None
 
 
 async def main():
@@ -96,7 +101,7 @@ async def main():
             entry[1] -= 1
             if entry[1] == 0:
                 del waiting[message[:8]]
-                await entry[0].send(message[:8])
+                entry[0].send(message[:8])
 
     channels = [grpc.aio.insecure_channel(address) for address in downstream]
     readers = []
@@ -109,11 +114,11 @@ async def main():
         upstream = Writer(context.write)
         async for message in requests:
             if not writers:
-                await upstream.send(message[:8])
+                upstream.send(message[:8])
                 continue
             waiting[message[:8]] = [upstream, needed]
             for writer in writers:
-                await writer.send(message)
+                writer.send(message)
 
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
