@@ -919,17 +919,19 @@ class CoordinatedSim(ShellSim):
         return {m.node_id for m in newest.members if m.learner}
 
     def _named_learners(self) -> set[str]:
-        """Every node that some running coordinator's node set names as a learner, not
-        only the newest set's: a coordinator invited under a change whose group never
-        formed keeps that set, while the cluster goes on under the older one (seed 5484:
-        after a failed promotion n3 held a set in which it votes)."""
-        return {
-            m.node_id
-            for c in self.coordinators.values()
-            if c.node
-            for m in c.node.election.membership.members
-            if m.learner
-        }
+        """Every node that some coordinator's node set names as a learner, not only the
+        newest set's: a coordinator invited under a change whose group never formed keeps
+        that set, while the cluster goes on under the older one (seed 5484: after a failed
+        promotion n3 held a set in which it votes). A crashed coordinator's set is the
+        one its state file holds, which it starts from again (seed 24294: with every
+        coordinator down, n2's machine was lost while the set it had persisted named n1 a
+        learner, leaving n3 the one voter of two)."""
+        named = set()
+        for c in self.coordinators.values():
+            membership = c.node.election.membership if c.node else c.state.load().membership
+            if membership is not None:
+                named.update(m.node_id for m in membership.members if m.learner)
+        return named
 
     def _operator_replaces(self) -> None:
         """The operator's replace-node (or add-node of a removed node) during the faults,
