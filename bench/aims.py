@@ -7,8 +7,9 @@ otherwise: a rate aim by 0.3 ms / floor, a latency aim by floor / 0.3 ms (the fl
 of three verdicts:
 
 * met: the measured figure reaches the scaled aim;
-* beyond the floor: the scaled aim asks for less time than the round trips the path
-  cannot avoid, with no work done at all (`bound`), so no code on this machine meets it;
+* beyond the floor: the path with no work done at all (`bound`: its bare relay chain,
+  or in an older report its round trips) does not reach the scaled aim itself, so no
+  code on this stack and machine meets it;
 * missed: neither.
 
 The bounds come from the bare relay chain of each path when the run measured it
