@@ -638,7 +638,9 @@ class CoordinatedSim(ShellSim):
         what docs/operations.md ("Manual recovery") tells an operator: stop the replica
         with the newest log, ``squall store mark-clean`` its store, start it again. Clean
         stores of two different shutdowns are refused too; the operator marks the stale
-        ones dirty (``squall store mark-dirty``), as the refusal says."""
+        ones dirty (``squall store mark-dirty``), as the refusal says. So is a dirty store
+        whose log is newer than every clean one: the operator marks that one clean and
+        the older clean ones dirty."""
         # Not a node the operator quarantined (a rotted disk, in no group), nor one whose
         # machine is gone, nor a new machine still a learner (its empty store is no
         # candidate: the coordinators weigh the voters' stores).
@@ -661,15 +663,27 @@ class CoordinatedSim(ShellSim):
                     self.note(f"clean stores of two shutdowns: operator marks {node_id}'s dirty")
                     await self._restart(stale)
             return
-        if clean:
-            return
         best = max(metas, key=lambda n: (metas[n].last_epoch, metas[n].last_lsn))
+        if clean:
+            newest_clean = max((m.last_epoch, m.last_lsn) for m in clean.values())
+            if newest_clean >= (metas[best].last_epoch, metas[best].last_lsn):
+                return
+            # A dirty store holds a newer log than every clean one (seed 29172: n2's replica,
+            # restarted during a shutdown its coordinator missed, took roles past the
+            # shutdown point): the coordinators refuse, and the operator recovers manually
+            # from the newest log; the older clean stores then hold a stale shutdown id.
+            for node_id in clean:
+                stale = self.members[node_id]
+                self._crash(stale, machine=False)
+                Store(stale.disk.kv).set_state(common_pb2.STORE_STATE_DIRTY)
+                self.note(f"newer log than the clean stores: operator marks {node_id}'s dirty")
+                await self._restart(stale)
         member = self.members[best]
         self._crash(member, machine=False)
         store = Store(member.disk.kv)
         store.sync()
         store.set_state(common_pb2.STORE_STATE_CLEAN, f"sim-recovery-{self.seed}")
-        self.note(f"total failure: operator marks {best}'s store clean")
+        self.note(f"manual recovery: operator marks {best}'s store clean")
         await self._restart(member)
 
     def _follow_master(self) -> None:
