@@ -45,6 +45,7 @@ from typing import Any
 
 import grpc
 
+from bench.idle_cpu import _positive
 from bench.single_node import CpuMeter, percentile
 from squall._publish_join import SHARED_INFLIGHT_MAX
 
@@ -59,7 +60,7 @@ SHAPES = ("gateway", "proxy")
 # master); with none it answers each message at once (a slave's ack). Messages start
 # with an 8-byte id that routes the answer; nothing else in them is read.
 _RELAY = r"""
-import asyncio, collections, os, sys
+import asyncio, collections, sys
 import squall_server  # noqa: F401  (the services' gRPC I/O path, set before gRPC loads)
 import grpc
 from squall_server.common.eager import start_now
@@ -142,6 +143,8 @@ asyncio.run(main())
 def running(shape: str) -> Iterator[tuple[str, dict[str, int]]]:
     """The relays of `shape` ("gateway" or "proxy"), started slaves first; yields the
     front's address and every relay's PID by role. Each relay is stopped by its PID."""
+    if shape not in SHAPES:
+        raise ValueError(f"no relay chain of shape {shape!r}: one of {', '.join(SHAPES)}")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     # The relays stand for the services and import squall_server first: their gRPC I/O
     # path (services/__init__.py), or the operator's own GRPC_EXPERIMENTS, as theirs.
@@ -350,9 +353,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="bench.chain_floor", description=__doc__.split("\n\n")[0] if __doc__ else None
     )
-    parser.add_argument("--count", type=int, default=2000, help="one-at-a-time messages")
-    parser.add_argument("--callers", type=int, default=64)
-    parser.add_argument("--seconds", type=float, default=4.0, help="per joined load")
+    parser.add_argument("--count", type=_positive(int), default=2000, help="one-at-a-time messages")
+    parser.add_argument("--callers", type=_positive(int), default=64)
+    parser.add_argument("--seconds", type=_positive(float), default=4.0, help="per joined load")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args(argv)
     figures = measure(args.count, args.callers, args.seconds)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from bench import idle_cpu, latency
+from bench import chain_floor, idle_cpu, latency
 from deploy.processes import free_port
 
 
@@ -32,3 +32,26 @@ def test_idle_cpu_refuses_a_window_or_rate_that_is_not_above_zero(
         idle_cpu.main(argv)
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--seconds", "0"], "must be above 0"),
+        (["--callers", "-1"], "must be above 0"),
+        (["--count", "many"], "not a number"),
+    ],
+)
+def test_the_chain_floor_refuses_a_load_that_is_not_above_zero(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        chain_floor.main(argv)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_relay_chain_of_an_unknown_shape_is_refused_before_any_process_starts() -> None:
+    with pytest.raises(ValueError, match="no relay chain of shape 'ring'"):
+        with chain_floor.running("ring"):
+            pass
