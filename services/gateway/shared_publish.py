@@ -193,14 +193,20 @@ class _Caller:
 
 @dataclass(frozen=True)
 class Backlog:
-    """Unary publishes waiting at the gateway for room on its shared streams, and requests
-    written on them that the master has not answered (``squall.gateway.publish.*``)."""
+    """Unary publishes waiting at the gateway for room on its shared streams, requests
+    written on them that the master has not answered, and the publishes those requests
+    carry (``squall.gateway.publish.*``)."""
 
     waiting: int = 0
     unanswered: int = 0
+    in_flight: int = 0
 
     def __add__(self, other: Backlog) -> Backlog:
-        return Backlog(self.waiting + other.waiting, self.unanswered + other.unanswered)
+        return Backlog(
+            self.waiting + other.waiting,
+            self.unanswered + other.unanswered,
+            self.in_flight + other.in_flight,
+        )
 
 
 @dataclass(eq=False)
@@ -270,9 +276,16 @@ class SharedPublishStream:
 
     def backlog(self) -> Backlog:
         """What waits on this link now: callers not yet written (those that gave up are
-        not counted), and requests written that the master has not answered."""
+        not counted), requests written that the master has not answered, and the
+        publishes they carry."""
         waiting = sum(not caller.answer.done() for caller in self._waiting)
-        return Backlog(waiting, self._unanswered())
+        stream = self._stream
+        carried = (
+            0
+            if stream is None or stream.ended
+            else sum(len(sent.callers) for sent in stream.pending)
+        )
+        return Backlog(waiting, self._unanswered(), carried)
 
     def _unanswered(self) -> int:
         stream = self._stream

@@ -48,6 +48,13 @@ class GatewayInstruments:
             description="Requests on the gateway's shared publish streams that the master "
             "has not answered yet",
         )
+        meter.create_observable_gauge(
+            "squall.gateway.publish.in_flight",
+            callbacks=[self._observe_in_flight],
+            unit="{call}",
+            description="Unary publishes written on the gateway's shared publish streams "
+            "that the master has not answered yet (a joined request carries several)",
+        )
 
     def watch(self, gateway_id: str, backlog: Callable[[], Backlog]) -> None:
         """Reports a gateway's shared-stream backlog in the gauges (call on its loop)."""
@@ -70,6 +77,9 @@ class GatewayInstruments:
 
     def _observe_unanswered(self, _: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
         return [metrics.Observation(b.unanswered, {"node": g}) for g, b in self._backlogs()]
+
+    def _observe_in_flight(self, _: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
+        return [metrics.Observation(b.in_flight, {"node": g}) for g, b in self._backlogs()]
 
 
 def instruments(telemetry: Telemetry) -> GatewayInstruments:

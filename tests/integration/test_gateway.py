@@ -209,6 +209,15 @@ class FakeCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
                 self.watchers -= 1
 
 
+def _gauge(port: int, name: str) -> float | None:
+    """A gauge scraped from a Prometheus endpoint on this host (None: not reported)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as page:
+        for line in page.read().decode().splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[1])
+    return None
+
+
 @dataclass
 class ScriptedCluster:
     """Two fake nodes (coordinator + replica each) behind a real gateway process."""
@@ -220,14 +229,8 @@ class ScriptedCluster:
     metrics_port: int
 
     def gauge(self, name: str) -> float | None:
-        """A gauge of the gateway's, scraped from its Prometheus endpoint (None: not
-        reported)."""
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as page:
-            for line in page.read().decode().splitlines():
-                if line.startswith(name + "{") or line.startswith(name + " "):
-                    return float(line.rsplit(" ", 1)[1])
-        return None
+        """A gauge of the gateway's (None: not reported)."""
+        return _gauge(self.metrics_port, name)
 
     def views(self, state: int, epoch: int, master: str = "", nodes: tuple[str, ...] = ()) -> None:
         """Every (or the named) fake coordinator reports this view of its own node."""
@@ -750,7 +753,7 @@ def _stored_at(address: str, topic: str) -> dict[int, tuple[str, int]]:
 
 
 def test_many_unary_callers_on_the_shared_stream_survive_a_master_kill_exactly_once(
-    trio: LocalCluster,
+    cluster_factory: object,
 ) -> None:
     # Sixteen raw-stub callers (each its own publisher id, one channel) publish one event
     # per unary call; the gateway carries them all on its one publish stream to the
@@ -763,8 +766,17 @@ def test_many_unary_callers_on_the_shared_stream_survive_a_master_kill_exactly_o
     lock = threading.Lock()
     stop = threading.Event()
     errors: list[BaseException] = []
-    in_call = [0]  # callers waiting for an answer
+    # The gateway's gauges say when every caller's publish is at the gateway, held by
+    # the frozen master or waiting to be written (the test waits on them, not on time).
+    trio = cluster_factory(  # type: ignore[operator]
+        "cluster.example.toml", telemetry={"exporter": "prometheus"}
+    )
+    assert isinstance(trio, LocalCluster)
+    trio.start_all()
     old = trio.wait_for_master()
+    endpoint = re.search(r"metrics endpoint http://127\.0\.0\.1:(\d+)/", trio.log("gateway", "g1"))
+    assert endpoint, "the gateway logged no metrics endpoint"
+    metrics_port = int(endpoint.group(1))
     with grpc.insecure_channel(trio.gateway_address) as channel:
         broker_pb2_grpc.TopicManagerStub(channel).CreateTopic(
             broker_pb2.CreateTopicRequest(name=topic), timeout=10
@@ -778,8 +790,6 @@ def test_many_unary_callers_on_the_shared_stream_survive_a_master_kill_exactly_o
                     if stop.is_set():
                         return
                     key = (publisher_id, sequence)
-                    with lock:
-                        in_call[0] += 1
                     try:
                         response = stub.Publish(
                             broker_pb2.PublishRequest(
@@ -791,11 +801,9 @@ def test_many_unary_callers_on_the_shared_stream_survive_a_master_kill_exactly_o
                         )
                     except grpc.RpcError as exc:
                         with lock:
-                            in_call[0] -= 1
                             failed[key] = exc
                         continue
                     with lock:
-                        in_call[0] -= 1
                         acked[key] = response.receipts[0]
             except BaseException as exc:  # reported by the test
                 errors.append(exc)
@@ -809,15 +817,19 @@ def test_many_unary_callers_on_the_shared_stream_survive_a_master_kill_exactly_o
             thread.start()
         try:
             _wait_for(lambda: acked_by(old) >= 200, 30, f"200 publishes acknowledged by {old}")
-            # Frozen first, so that the kill finds every caller's request on the stream
-            # unanswered (a kill between answers would leave nothing in flight to resend).
+            # Frozen first, so that the kill finds every caller's publish on the stream
+            # unanswered or waiting to be written (a kill between answers would leave
+            # nothing to resend). Answers the master wrote before it froze still arrive,
+            # and their callers publish again: only the gateway can say when all sixteen
+            # are there.
             os.kill(trio.services[("replica", old)].process.pid, signal.SIGSTOP)
 
-            def all_waiting() -> bool:
-                with lock:
-                    return in_call[0] == callers
+            def all_at_the_gateway() -> bool:
+                held = _gauge(metrics_port, "squall_gateway_publish_in_flight")
+                waiting = _gauge(metrics_port, "squall_gateway_publish_waiting")
+                return (held or 0) + (waiting or 0) == callers
 
-            _wait_for(all_waiting, 10, "every caller waiting on the frozen master")
+            _wait_for(all_at_the_gateway, 10, "every caller's publish held by the frozen master")
             trio.kill_node(old)
             new = trio.wait_for_master(exclude=old)
             _wait_for(lambda: acked_by(new) >= 200, 40, f"200 publishes acknowledged by {new}")
@@ -826,8 +838,8 @@ def test_many_unary_callers_on_the_shared_stream_survive_a_master_kill_exactly_o
             for thread in threads:
                 thread.join(30)
     assert not errors, repr(errors[0])
-    # The kill ended the shared stream with publishes of several callers unanswered or
-    # waiting to be written (a joined request among them is likely, not certain: see
+    # The kill ended the shared stream with every caller's publish unanswered or waiting
+    # to be written (a joined request among them is likely, not certain: see
     # test_a_joined_request_whose_answer_is_lost_is_sent_again_and_stored_once).
     log = trio.log("gateway", "g1")
     ended = [
@@ -837,7 +849,7 @@ def test_many_unary_callers_on_the_shared_stream_survive_a_master_kill_exactly_o
             log,
         )
     ]
-    assert any(n > 1 for n in ended), log[-2000:]
+    assert callers in ended, log[-2000:]
     stored = _stored_at(trio.replica_address(new), topic)
     counts = collections.Counter(stored.values())
     duplicates = {key: n for key, n in counts.items() if n > 1}

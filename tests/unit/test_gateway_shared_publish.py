@@ -384,12 +384,12 @@ def test_callers_beyond_the_window_wait_and_go_as_one_joined_request() -> None:
         [call] = masters.calls
         # The first two went at once, each as a request of its own; the rest wait.
         assert call.written == [request("p0", 1), request("p1", 1)]
-        assert link.backlog() == Backlog(waiting=4, unanswered=2)  # the gateway's gauges
+        assert link.backlog() == Backlog(waiting=4, unanswered=2, in_flight=2)  # the gauges
         call.answer(receipt(100))
         await settle()
         # One answer freed room: the four waiting callers went as one request, in order.
         assert len(call.written) == 3
-        assert link.backlog() == Backlog(waiting=0, unanswered=2)
+        assert link.backlog() == Backlog(waiting=0, unanswered=2, in_flight=5)
         assert [p.SerializeToString() for p in parts_of(call.written[2])] == [
             request(f"p{i}", 1) for i in range(2, 6)
         ]
@@ -466,7 +466,7 @@ def test_a_waiting_caller_out_of_time_was_not_forwarded_and_frees_its_slot() -> 
         # Its slot is free at once: with two slots, two more callers get in.
         more = [asyncio.create_task(link.publish(request(f"p{i}", 1), 5)) for i in (2, 3)]
         await settle()
-        assert link.backlog() == Backlog(waiting=2, unanswered=1)  # the one that gave up: not
+        assert link.backlog() == Backlog(waiting=2, unanswered=1, in_flight=1)  # gave up: not
         [call] = masters.calls
         call.answer(receipt(0))
         await settle()
