@@ -77,6 +77,7 @@ from squall._publish_rules import (
     not_sent_error,
 )
 from squall._types import Receipt
+from squall.aio._deadline import within
 from squall.aio._stall_watch import MasterCheck, watch_stalls
 from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2
 from squall.wire import stages as _stages
@@ -182,7 +183,7 @@ class PublishMux:
         and, if even that outcome does not come, `Indeterminate`. A cancelled caller's
         event is withdrawn if it was not sent yet (see the module doc)."""
         try:
-            return await asyncio.wait_for(asyncio.shield(entry.future), timeout_s)
+            return await within(entry.future, timeout_s)
         except TimeoutError:
             if entry.stream is None and entry in self._waiting:
                 # Never sent (the window stayed full): nothing to abandon.
@@ -203,7 +204,7 @@ class PublishMux:
             entry.future.add_done_callback(_retrieved)
             raise
         try:
-            return await asyncio.wait_for(asyncio.shield(entry.future), timeout_s)
+            return await within(entry.future, timeout_s)
         except TimeoutError:
             raise Indeterminate(
                 f"no receipt within {timeout_s} s", grpc.StatusCode.DEADLINE_EXCEEDED

@@ -64,6 +64,7 @@ from squall._publish_rules import (
     worth_retrying,
 )
 from squall._types import Receipt, receipts_from_pb
+from squall.aio._deadline import within
 from squall.aio._publish_mux import MuxEntry, ProxyMuxes, PublishMux
 from squall.aio._stall_watch import MasterCheck, watch_stalls
 from squall.v1 import broker_pb2, common_pb2
@@ -437,7 +438,7 @@ class Publisher:
         """
         future = await self.publish_async(payload, key, headers)
         try:
-            return await asyncio.wait_for(asyncio.shield(future), self._timeout_s)
+            return await within(future, self._timeout_s)
         except TimeoutError:
             if self._stream is not None:
                 self._abort(
@@ -446,9 +447,7 @@ class Publisher:
                     f"no receipt within {self._timeout_s} s",
                 )
         try:
-            return await asyncio.wait_for(
-                asyncio.shield(future), self._timeout_s + self._retry.total_ms_max / 1000
-            )
+            return await within(future, self._timeout_s + self._retry.total_ms_max / 1000)
         except TimeoutError:
             raise Indeterminate(
                 f"no receipt within {self._timeout_s} s", grpc.StatusCode.DEADLINE_EXCEEDED
@@ -709,13 +708,13 @@ class Publisher:
         the gateway names another master (`_watch`); the batch is then retried there.
         """
         try:
-            return await asyncio.wait_for(asyncio.shield(future), self._timeout_s)
+            return await within(future, self._timeout_s)
         except TimeoutError:
             self._abort(
                 stream, grpc.StatusCode.DEADLINE_EXCEEDED, f"no receipt within {self._timeout_s} s"
             )
         try:
-            return await asyncio.wait_for(asyncio.shield(future), self._timeout_s)
+            return await within(future, self._timeout_s)
         except TimeoutError:
             raise Indeterminate(
                 f"no receipt within {self._timeout_s} s", grpc.StatusCode.DEADLINE_EXCEEDED
