@@ -5,6 +5,7 @@ deadline, as `wait_for(shield(future))` waited: the future's outcome as it is, a
 from __future__ import annotations
 
 import asyncio
+import gc
 import math
 
 import pytest
@@ -84,6 +85,30 @@ def test_a_cancelled_waiter_leaves_the_future_running() -> None:
         assert await within(receipt, 5.0) == "stored"
 
     run(body())
+
+
+def test_a_failure_no_one_waits_for_any_more_is_not_reported_as_never_retrieved() -> None:
+    # A cancelled caller's write may still fail; as with `shield`, that failure is taken
+    # when it comes rather than logged by the loop as "exception was never retrieved".
+    reported: list[str] = []
+
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda _loop, context: reported.append(context["message"]))
+        for timeout_s in (5.0, math.inf):
+            receipt: asyncio.Future[str] = loop.create_future()
+            waiting = asyncio.create_task(within(receipt, timeout_s))
+            await asyncio.sleep(0)
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            receipt.set_exception(ConnectionError("the stream broke"))
+            await asyncio.sleep(0)
+            del receipt
+            gc.collect()
+
+    run(body())
+    assert not reported, reported
 
 
 def test_a_wait_without_a_deadline_waits_for_the_outcome() -> None:

@@ -30,8 +30,9 @@ _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Buckets] = (
 
 async def within(future: asyncio.Future[T], timeout_s: float) -> T:
     """The future's result (or its exception) once it is done; `TimeoutError` if it is not
-    done `timeout_s` from now (up to `GRAIN_S` later). The future itself is never
-    cancelled: a caller cancelled while it waits leaves it to finish, as `shield` does."""
+    done `timeout_s` from now (up to `GRAIN_S` later; an infinite timeout waits for the
+    outcome). The future itself is never cancelled: a caller cancelled while it waits
+    leaves it to finish, as `shield` does."""
     if future.done():
         return future.result()
     loop = asyncio.get_running_loop()
@@ -42,29 +43,36 @@ async def within(future: asyncio.Future[T], timeout_s: float) -> T:
             waiter.set_result(None)
 
     future.add_done_callback(wake)
-    if not math.isfinite(timeout_s):
-        try:
-            await waiter
-        finally:
-            future.remove_done_callback(wake)
-        return future.result()
-    buckets = _by_loop.get(loop)
-    if buckets is None:
-        buckets = _by_loop[loop] = {}
-    instant = math.ceil((loop.time() + timeout_s) / GRAIN_S)
-    bucket = buckets.get(instant)
-    if bucket is None:
-        bucket = buckets[instant] = set()
-        loop.call_at(instant * GRAIN_S, _expire, buckets, instant)
-    bucket.add(waiter)
+    bucket: set[asyncio.Future[None]] | None = None
+    if math.isfinite(timeout_s):
+        buckets = _by_loop.get(loop)
+        if buckets is None:
+            buckets = _by_loop[loop] = {}
+        instant = math.ceil((loop.time() + timeout_s) / GRAIN_S)
+        bucket = buckets.get(instant)
+        if bucket is None:
+            bucket = buckets[instant] = set()
+            loop.call_at(instant * GRAIN_S, _expire, buckets, instant)
+        bucket.add(waiter)
     try:
         await waiter
+    except asyncio.CancelledError:
+        # As `shield` does: the outcome its caller no longer waits for is taken when it
+        # comes, so a failure nobody reads is not logged as never retrieved.
+        future.add_done_callback(_retrieve)
+        raise
     finally:
-        bucket.discard(waiter)
+        if bucket is not None:
+            bucket.discard(waiter)
         future.remove_done_callback(wake)
     if not future.done():
         raise TimeoutError
     return future.result()
+
+
+def _retrieve(future: asyncio.Future[T]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _expire(buckets: _Buckets, instant: int) -> None:
