@@ -24,6 +24,7 @@ from squall.v1 import common_pb2
 from squall_server.common import telemetry
 from squall_server.coordinator.messages import ElectionStatus, NodeState, Role
 from squall_server.coordinator.telemetry import CoordinatorInstruments
+from squall_server.gateway.shared_publish import Backlog
 from squall_server.gateway.telemetry import instruments as gateway_instruments
 from squall_server.replica.telemetry import instruments as replica_instruments
 
@@ -111,6 +112,7 @@ def exported_names() -> set[str]:
         async def scrape() -> str:
             replica.watch(replica_node)  # type: ignore[arg-type]
             coordinator.watch(coordinator_node)  # type: ignore[arg-type]
+            gateway.watch("g1", lambda: Backlog(waiting=2, unanswered=2, in_flight=9))
             return generate_latest(registry).decode()
 
         text = asyncio.run(scrape())
