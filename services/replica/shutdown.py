@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from squall.v1 import common_pb2
 from squall_server.common.errors import Code, ServiceError
 from squall_server.replica.control_endpoints import ShutdownEndpoint
+from squall_server.replica.store import StoreError
 
 log = logging.getLogger("squall.replica")
 
@@ -98,7 +99,17 @@ async def finish(
             store.sync()
             store.set_state(common_pb2.STORE_STATE_CLEAN, shutdown_id)
 
-        await node.store_write(mark_clean)
+        try:
+            await node.store_write(mark_clean)
+        except StoreError as exc:
+            # The process stops all the same: a replica left frozen and running would
+            # refuse every role of the restarted cluster, whose groups would then re-form
+            # around it without end. Its log is at the point either way; the next start
+            # reads whatever state the failed write left (DIRTY unless only the flush
+            # after the mark failed) and updates a dirty store from a clean one.
+            problems.append(f"marking the store clean failed: {exc}")
+            clean = False
+    if clean:
         log.warning(
             "replica %s store CLEAN: cluster shutdown %s (asked by %s) at epoch %d LSN %d; "
             "stopping",

@@ -17,7 +17,7 @@ from squall_server.replica import shutdown
 from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.committed import gate_from_store
 from squall_server.replica.node import ReplicaNode
-from squall_server.replica.store import Store
+from squall_server.replica.store import Store, StoreWriteError
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = "c0ffee"
@@ -222,5 +222,37 @@ def test_finish_away_from_the_point_leaves_the_store_dirty_and_says_why() -> Non
         )
         assert node.store.meta().state == common_pb2.STORE_STATE_DIRTY
         assert stops == ["stop"]
+
+    _run(body)
+
+
+def test_finish_whose_clean_mark_fails_still_stops_the_process_and_says_why() -> None:
+    """A disk that fails as the store is marked clean: the replica stops all the same (a
+    frozen one left running would refuse every role of the restarted cluster) and the
+    shutdown hears why the store is not clean."""
+
+    async def body(node: ReplicaNode, stops: list[str]) -> None:
+        await node.apply_role(_master(1))
+        await shutdown.freeze(node, "s1", "t")
+        meta = node.store.meta()
+
+        def failing_state(*_: object) -> None:
+            raise StoreWriteError("write failed: injected disk failure: EIO")
+
+        node.store.set_state = failing_state  # type: ignore[method-assign]
+        done = await shutdown.finish(
+            node,
+            "s1",
+            lsn=meta.last_lsn,
+            last_epoch=meta.last_epoch,
+            cluster_id=CLUSTER,
+            operator="t",
+        )
+        assert not done.clean
+        assert "marking the store clean failed: write failed: injected disk failure" in (
+            done.reason
+        )
+        assert stops == ["stop"]
+        assert node.role == common_pb2.ROLE_INACTIVE
 
     _run(body)
