@@ -76,17 +76,22 @@ async def finish(
     name = node.node.id
     # Refused unless frozen for this shutdown; else the role is dropped for good.
     await node.apply_effects(node.core.finish(shutdown_id))
-    meta = node.store.meta()
+    # From here on the process stops whatever fails (see the clean mark below).
     problems: list[str] = []
     if node.failed_reason:
         problems.append(f"it stopped serving writes: {node.failed_reason}")
-    if meta.cluster_id != cluster_id:
-        problems.append(f"its cluster is {meta.cluster_id or '(none)'}, not {cluster_id}")
-    if (meta.last_epoch, meta.last_lsn) != (last_epoch, lsn):
-        problems.append(
-            f"its log ends at epoch {meta.last_epoch} LSN {meta.last_lsn}, not at the "
-            f"shutdown point (epoch {last_epoch} LSN {lsn})"
-        )
+    try:
+        meta = node.store.meta()
+    except StoreError as exc:
+        problems.append(f"reading the store failed: {exc}")
+    else:
+        if meta.cluster_id != cluster_id:
+            problems.append(f"its cluster is {meta.cluster_id or '(none)'}, not {cluster_id}")
+        if (meta.last_epoch, meta.last_lsn) != (last_epoch, lsn):
+            problems.append(
+                f"its log ends at epoch {meta.last_epoch} LSN {meta.last_lsn}, not at the "
+                f"shutdown point (epoch {last_epoch} LSN {lsn})"
+            )
     clean = not problems
     if clean:
         store = node.store

@@ -17,7 +17,7 @@ from squall_server.replica import shutdown
 from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.committed import gate_from_store
 from squall_server.replica.node import ReplicaNode
-from squall_server.replica.store import Store, StoreWriteError
+from squall_server.replica.store import Store, StoreError, StoreWriteError
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = "c0ffee"
@@ -254,5 +254,30 @@ def test_finish_whose_clean_mark_fails_still_stops_the_process_and_says_why() ->
         )
         assert stops == ["stop"]
         assert node.role == common_pb2.ROLE_INACTIVE
+
+    _run(body)
+
+
+def test_finish_that_cannot_read_its_store_still_stops_the_process() -> None:
+    async def body(node: ReplicaNode, stops: list[str]) -> None:
+        await node.apply_role(_master(1))
+        await shutdown.freeze(node, "s1", "t")
+        meta = node.store.meta()
+
+        def failing_meta() -> None:
+            raise StoreError("read failed: injected disk failure: EIO")
+
+        node.store.meta = failing_meta  # type: ignore[assignment,method-assign]
+        done = await shutdown.finish(
+            node,
+            "s1",
+            lsn=meta.last_lsn,
+            last_epoch=meta.last_epoch,
+            cluster_id=CLUSTER,
+            operator="t",
+        )
+        assert not done.clean
+        assert "reading the store failed: read failed: injected disk failure" in done.reason
+        assert stops == ["stop"]
 
     _run(body)
