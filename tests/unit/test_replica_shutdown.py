@@ -17,7 +17,7 @@ from squall_server.replica import shutdown
 from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.committed import gate_from_store
 from squall_server.replica.node import ReplicaNode
-from squall_server.replica.store import Store, StoreError, StoreWriteError
+from squall_server.replica.store import Store, StoreError, StoreMeta, StoreWriteError
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = "c0ffee"
@@ -53,6 +53,18 @@ def _master(epoch: int, cluster_id: str = CLUSTER, seq: int = 1) -> replica_pb2.
         sync_source_id="n1",
         seq=seq,
         cluster_id=cluster_id,
+    )
+
+
+async def _finish(node: ReplicaNode, meta: StoreMeta, lsn: int | None = None) -> shutdown.Finished:
+    """Finishes shutdown s1 at the point meta names (or at another LSN)."""
+    return await shutdown.finish(
+        node,
+        "s1",
+        lsn=meta.last_lsn if lsn is None else lsn,
+        last_epoch=meta.last_epoch,
+        cluster_id=CLUSTER,
+        operator="t",
     )
 
 
@@ -160,14 +172,7 @@ def test_finish_at_the_point_marks_clean_and_stops_the_process() -> None:
         await node.apply_role(_master(1))
         await shutdown.freeze(node, "s1", "t")
         meta = node.store.meta()
-        done = await shutdown.finish(
-            node,
-            "s1",
-            lsn=meta.last_lsn,
-            last_epoch=meta.last_epoch,
-            cluster_id=CLUSTER,
-            operator="t",
-        )
+        done = await _finish(node, meta)
         assert done.clean and done.reason == ""
         after = node.store.meta()
         assert (after.state, after.shutdown_id) == (common_pb2.STORE_STATE_CLEAN, "s1")
@@ -188,14 +193,7 @@ def test_finish_at_the_point_records_the_point_as_committed() -> None:
         await shutdown.freeze(node, "s1", "t")
         meta = node.store.meta()
         node.store.set_commit_lsn(meta.last_lsn - 1)
-        done = await shutdown.finish(
-            node,
-            "s1",
-            lsn=meta.last_lsn,
-            last_epoch=meta.last_epoch,
-            cluster_id=CLUSTER,
-            operator="t",
-        )
+        done = await _finish(node, meta)
         assert done.clean
         assert node.store.meta().commit_lsn == meta.last_lsn
         assert gate_from_store(node.store).commit_lsn == meta.last_lsn
@@ -208,14 +206,7 @@ def test_finish_away_from_the_point_leaves_the_store_dirty_and_says_why() -> Non
         await node.apply_role(_master(1))
         await shutdown.freeze(node, "s1", "t")
         meta = node.store.meta()
-        done = await shutdown.finish(
-            node,
-            "s1",
-            lsn=meta.last_lsn + 5,
-            last_epoch=meta.last_epoch,
-            cluster_id=CLUSTER,
-            operator="t",
-        )
+        done = await _finish(node, meta, lsn=meta.last_lsn + 5)
         assert not done.clean
         assert f"its log ends at epoch 1 LSN {meta.last_lsn}, not at the shutdown point" in (
             done.reason
@@ -240,14 +231,7 @@ def test_finish_whose_clean_mark_fails_still_stops_the_process_and_says_why() ->
             raise StoreWriteError("write failed: injected disk failure: EIO")
 
         node.store.set_state = failing_state  # type: ignore[method-assign]
-        done = await shutdown.finish(
-            node,
-            "s1",
-            lsn=meta.last_lsn,
-            last_epoch=meta.last_epoch,
-            cluster_id=CLUSTER,
-            operator="t",
-        )
+        done = await _finish(node, meta)
         assert not done.clean
         assert "marking the store clean failed: write failed: injected disk failure" in (
             done.reason
@@ -268,14 +252,7 @@ def test_finish_that_cannot_read_its_store_still_stops_the_process() -> None:
             raise StoreError("read failed: injected disk failure: EIO")
 
         node.store.meta = failing_meta  # type: ignore[assignment,method-assign]
-        done = await shutdown.finish(
-            node,
-            "s1",
-            lsn=meta.last_lsn,
-            last_epoch=meta.last_epoch,
-            cluster_id=CLUSTER,
-            operator="t",
-        )
+        done = await _finish(node, meta)
         assert not done.clean
         assert "reading the store failed: read failed: injected disk failure" in done.reason
         assert stops == ["stop"]
