@@ -7,8 +7,10 @@ Qpid's `qpid-cluster -k` for Squall (docs/operations.md, "Store lifecycle"):
    takes a new role any more, the master admits no new write and answers once the writes
    it had queued are done;
 3. wait until the master has committed its last entry and every member slave holds
-   exactly that LSN (the shutdown point); on timeout, or if the master changes, every
-   replica is thawed and nothing else happened;
+   exactly that LSN (the shutdown point); on timeout, if the master changes, or when the
+   command is interrupted (Ctrl-C), every replica is thawed and nothing else happened. A
+   freeze holds for the command's timeout and a margin for the steps after it; a command
+   killed outright leaves it to lapse by itself then;
 4. stop every coordinator, so nothing renews or changes a role any more;
 5. finish every frozen replica: it drops its role, records the shutdown id (CLEAN) if it
    holds the point, leaves its store DIRTY otherwise, and exits;
@@ -51,6 +53,11 @@ from squall_server.common.tls import Transport, cli_transport, plain_or
 # Per call when surveying and stopping; freezing waits for queued writes: the whole budget.
 _CALL_TIMEOUT_S = 3.0
 _POLL_S = 0.05
+# What a freeze holds beyond the command's timeout: stopping the coordinators and
+# finishing each replica, a few calls of at most _CALL_TIMEOUT_S per node.
+FINISH_HOLD_S = 60.0
+# The longest hold a replica grants (squall_server.replica.shutdown.FREEZE_HOLD_MAX_MS).
+_HOLD_MAX_MS = 3_600_000
 
 T = TypeVar("T")
 
@@ -96,6 +103,8 @@ class _Node:
     replica: replica_pb2.ReplicaState | None = None
     coordinator: coordinator_pb2.CoordinatorStatus | None = None
     error: str = ""
+    # Asked to freeze (it may be frozen even if the answer never came), and answered.
+    asked: bool = False
     frozen: bool = False
     notes: list[str] = field(default_factory=list)
 
@@ -197,6 +206,7 @@ class _Shutdown:
         self.clock = clock
         self.shutdown_id = shutdown_id
         self.operator = operator
+        self.hold_ms = 0
 
     def now_s(self) -> float:
         return self.clock.monotonic_ms() / 1000
@@ -244,8 +254,9 @@ class _Shutdown:
 
     async def freeze(self, node: _Node, timeout_s: float) -> None:
         request = replica_pb2.FreezeForShutdownRequest(
-            shutdown_id=self.shutdown_id, operator=self.operator
+            shutdown_id=self.shutdown_id, operator=self.operator, hold_ms=self.hold_ms
         )
+        node.asked = True
         node.replica = await self.calls.freeze(node.config, request, timeout_s)
         node.frozen = True
 
@@ -254,7 +265,7 @@ class _Shutdown:
         failed = []
         request = replica_pb2.AbortShutdownRequest(shutdown_id=self.shutdown_id)
         for node in self.nodes:
-            if not node.frozen:
+            if not node.asked:
                 continue
             try:
                 await self.calls.thaw(node.config, request)
@@ -266,7 +277,8 @@ class _Shutdown:
     async def abort(self, why: str) -> ShutdownError:
         failed = await self.thaw()
         tail = (
-            f"; could not thaw {', '.join(failed)}: restart those replicas"
+            f"; could not thaw {', '.join(failed)}: each serves again once its freeze "
+            f"lapses ({self.hold_ms / 1000:.0f} s after it was frozen), or restart it"
             if failed
             else "; every replica serves again, nothing was changed"
         )
@@ -369,6 +381,7 @@ async def run_shutdown(
     (ShutdownError when it could not start or was abandoned: the message says what
     happened)."""
     run = _Shutdown(calls, nodes, clock, shutdown_id, operator)
+    run.hold_ms = min(int((timeout_s + FINISH_HOLD_S) * 1000), _HOLD_MAX_MS)
     deadline_s = run.now_s() + timeout_s
     await run.survey()
     master, master_state = run.master()
@@ -381,32 +394,32 @@ async def run_shutdown(
         file=out,
     )
     try:
-        await run.freeze(master, max(deadline_s - run.now_s(), 1.0))
-    except CallFailed as exc:
-        raise await run.abort(f"master {master.config.id}: {exc}") from None
-    for node in run.nodes:
-        if node is master or node.replica is None:
-            continue
-        try:
-            await run.freeze(node, _CALL_TIMEOUT_S)
-        except CallFailed as exc:
-            node.notes.append(f"not frozen ({exc})")
-    point = await run.wait_for_point(master, epoch, members, deadline_s)
+        point = await _freeze_to_point(run, master, epoch, members, deadline_s)
+    except asyncio.CancelledError:
+        # Interrupted (Ctrl-C) before anything was stopped: thaw now, rather than leave
+        # every write refused until the freezes lapse.
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
+        raise await run.abort("interrupted before any service was stopped") from None
     print(
         f"  shutdown point: epoch {point.last_epoch} LSN {point.last_lsn}, cluster "
         f"{point.cluster_id}",
         file=out,
     )
-    await run.stop_coordinators()
-    master_clean = False
-    for node in run.nodes:
-        if node.frozen:
-            clean = await run.finish(node, point)
-            master_clean = master_clean or (clean and node is master)
-        elif node.replica is None:
-            node.notes.append(f"unreachable ({node.error}): its store stays dirty")
-        else:
-            node.notes.append("its store stays dirty")
+    try:
+        master_clean = await _stop_and_finish(run, master, point)
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
+        done = "; ".join(f"{n.config.id}: {', '.join(n.notes)}" for n in run.nodes if n.notes)
+        raise ShutdownError(
+            f"cluster shutdown {shutdown_id} interrupted while it stopped the services "
+            f"({done or 'none answered yet'}): a replica not finished serves again once its "
+            f"freeze lapses ({run.hold_ms / 1000:.0f} s after it was frozen); start the "
+            "coordinators it stopped again, or stop the rest by PID"
+        ) from None
     still = await run.wait_stopped(run.now_s() + max(deadline_s - run.now_s(), 5.0))
     for node in run.nodes:
         print(f"  {node.config.id}: {'; '.join(node.notes)}", file=out)
@@ -418,6 +431,44 @@ async def run_shutdown(
         file=out,
     )
     return 0 if master_clean else 1
+
+
+async def _freeze_to_point(
+    run: _Shutdown, master: _Node, epoch: int, members: list[_Node], deadline_s: float
+) -> replica_pb2.ReplicaState:
+    """Steps 2 and 3: freezes every replica, the master first, and waits for the point.
+    The calls block the loop, so an interrupt lands at the yields between them."""
+    try:
+        await run.freeze(master, max(deadline_s - run.now_s(), 1.0))
+    except CallFailed as exc:
+        raise await run.abort(f"master {master.config.id}: {exc}") from None
+    for node in run.nodes:
+        await asyncio.sleep(0)
+        if node is master or node.replica is None:
+            continue
+        try:
+            await run.freeze(node, _CALL_TIMEOUT_S)
+        except CallFailed as exc:
+            node.notes.append(f"not frozen ({exc})")
+    point = await run.wait_for_point(master, epoch, members, deadline_s)
+    await asyncio.sleep(0)
+    return point
+
+
+async def _stop_and_finish(run: _Shutdown, master: _Node, point: replica_pb2.ReplicaState) -> bool:
+    """Steps 4 and 5: stops every coordinator, finishes every frozen replica; returns
+    whether the master's store is clean."""
+    await run.stop_coordinators()
+    master_clean = False
+    for node in run.nodes:
+        if node.frozen:
+            clean = await run.finish(node, point)
+            master_clean = master_clean or (clean and node is master)
+        elif node.replica is None:
+            node.notes.append(f"unreachable ({node.error}): its store stays dirty")
+        else:
+            node.notes.append("its store stays dirty")
+    return master_clean
 
 
 def shutdown_cluster(

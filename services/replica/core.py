@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from squall_server.common.errors import Code, ServiceError
@@ -221,6 +221,8 @@ class Effects:
     members: tuple[str, ...] | None = None
     faults: tuple[str, ...] = ()
     role_changed: bool = False
+    # A cluster shutdown's freeze lapsed (the text says which and why): log it.
+    thawed: str = ""
     hello: HelloAccepted | None = None
     batch: BatchAccepted[Any] | None = None
     snapshot: SnapshotAccepted | None = None
@@ -319,10 +321,13 @@ class ReplicaCore:
         self.deposed = ""
         self.failed_reason = ""
         # Store lifecycle (docs/operations.md): whether this process has held a role, the
-        # cluster shutdown it is frozen for (no new role, no new write) and the one it
-        # finished (it takes nothing any more).
+        # cluster shutdown it is frozen for (no new role, no new write) until when
+        # (monotonic: a shutdown that neither finishes nor aborts lapses, as when the
+        # operator's command was killed), and the one it finished (it takes nothing any
+        # more).
         self.joined = False
         self.frozen_for = ""
+        self.frozen_until_ms = 0
         self.shutdown_finished = ""
         self.fence = WriteFence()
         # The attempt count of the latest master role taken, per epoch (for progress).
@@ -530,10 +535,20 @@ class ReplicaCore:
 
     def tick(self, now_ms: int) -> Effects:
         """Time passed: a role whose lease ran out is dropped (the coordinator died or
-        cannot reach this replica, and the group may elect without it)."""
+        cannot reach this replica, and the group may elect without it); a shutdown's
+        freeze whose hold ran out lapses (nobody finished or aborted it)."""
+        thawed = ""
+        if self.frozen_for and not self.shutdown_finished and now_ms > self.frozen_until_ms:
+            thawed = (
+                f"the freeze for cluster shutdown {self.frozen_for} lapsed: neither its finish "
+                "nor its abort came in time (the operator's command was stopped or lost "
+                "this replica); writes and roles are accepted again"
+            )
+            self.frozen_for, self.frozen_until_ms = "", 0
         if self.lease_until_ms and now_ms > self.lease_until_ms:
-            return self._drop("role lease expired: no word from the coordinator")
-        return Effects()
+            dropped = self._drop("role lease expired: no word from the coordinator")
+            return replace(dropped, thawed=thawed)
+        return Effects(thawed=thawed)
 
     def drop_role(self, reason: str) -> Effects:
         """The driver drops the role for its own reason (a cluster shutdown finishing)."""
@@ -558,8 +573,9 @@ class ReplicaCore:
 
     # --- cluster shutdown (shutdown.py drives the store and the process)
 
-    def freeze(self, shutdown_id: str) -> Effects:
-        """No new role, no new write (idempotent for the same shutdown)."""
+    def freeze(self, shutdown_id: str, now_ms: int, hold_ms: int) -> Effects:
+        """No new role, no new write, for hold_ms from now_ms unless the shutdown finishes
+        or aborts first (idempotent for the same shutdown, which holds it anew)."""
         me = self.config.node_id
         if self.shutdown_finished:
             return _refused(
@@ -573,6 +589,7 @@ class ReplicaCore:
                 f"{shutdown_id}; abort that one first",
             )
         self.frozen_for = shutdown_id
+        self.frozen_until_ms = now_ms + hold_ms
         return Effects()
 
     def finish(self, shutdown_id: str) -> Effects:
@@ -600,7 +617,7 @@ class ReplicaCore:
                 Code.FAILED_PRECONDITION,
                 f"replica {me} is frozen for cluster shutdown {self.frozen_for}, not {shutdown_id}",
             )
-        self.frozen_for = ""
+        self.frozen_for, self.frozen_until_ms = "", 0
         return Effects()
 
     # --- leadership transfer (handoff.py waits for the target)

@@ -428,5 +428,7 @@ class RoleApplication:
         while True:
             await asyncio.sleep(LEASE_CHECK_S)
             effects = self.core.tick(self.clock.monotonic_ms())
+            if effects.thawed:
+                log.warning("replica %s: %s", self.node.id, effects.thawed)
             if effects.drop_role:
                 await self.apply_effects(effects)

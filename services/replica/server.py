@@ -1210,7 +1210,9 @@ class ReplicaControl(replica_pb2_grpc.ReplicaControlServicer):
         self, request: replica_pb2.FreezeForShutdownRequest, context: Context
     ) -> replica_pb2.ReplicaState:
         try:
-            await shutdown.freeze(self.node, request.shutdown_id, request.operator[:64])
+            await shutdown.freeze(
+                self.node, request.shutdown_id, request.operator[:64], request.hold_ms
+            )
         except ServiceError as exc:
             await abort(context, exc)
         return self._state()

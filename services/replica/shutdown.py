@@ -23,6 +23,11 @@ log = logging.getLogger("squall.replica")
 
 _SHUTDOWN_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
+# How long a freeze holds when the command names no hold (an older release's), and the
+# longest it may ask for: a shutdown that never finishes must not freeze a cluster for good.
+FREEZE_HOLD_DEFAULT_MS = 120_000
+FREEZE_HOLD_MAX_MS = 3_600_000
+
 
 @dataclass(frozen=True)
 class Finished:
@@ -40,19 +45,29 @@ def _check_id(shutdown_id: str) -> None:
         )
 
 
-async def freeze(node: ShutdownEndpoint, shutdown_id: str, operator: str) -> None:
-    """No new role, no new write; returns once the writes queued before are done."""
+async def freeze(node: ShutdownEndpoint, shutdown_id: str, operator: str, hold_ms: int = 0) -> None:
+    """No new role, no new write for hold_ms (0: FREEZE_HOLD_DEFAULT_MS) unless finished
+    or aborted first; returns once the writes queued before are done."""
     _check_id(shutdown_id)
+    if hold_ms > FREEZE_HOLD_MAX_MS:
+        raise ServiceError(
+            Code.INVALID_ARGUMENT,
+            f"a freeze may hold at most {FREEZE_HOLD_MAX_MS // 1000} s, not {hold_ms} ms",
+        )
+    hold_ms = hold_ms or FREEZE_HOLD_DEFAULT_MS
     name = node.node.id
     was_frozen = bool(node.frozen_for)
-    await node.apply_effects(node.core.freeze(shutdown_id))  # the rules: core.py
+    now_ms = node.clock.monotonic_ms()
+    await node.apply_effects(node.core.freeze(shutdown_id, now_ms, hold_ms))  # core.py
     if not was_frozen:
         log.warning(
             "replica %s frozen for cluster shutdown %s (asked by %s): no new writes or "
-            "roles; role=%s epoch=%d lsn=%d commit_lsn=%d",
+            "roles for %.0f s unless it finishes or aborts first; role=%s epoch=%d lsn=%d "
+            "commit_lsn=%d",
             name,
             shutdown_id,
             operator or "unknown",
+            hold_ms / 1000,
             common_pb2.Role.Name(node.role),
             node.epoch,
             node.last_lsn,

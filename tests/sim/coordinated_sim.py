@@ -90,7 +90,12 @@ from typing import NoReturn, TypeVar
 import grpc
 
 from squall.v1 import common_pb2, coordinator_pb2, replica_pb2
-from squall_server.cli.cluster_shutdown import CallFailed, ShutdownError, run_shutdown
+from squall_server.cli.cluster_shutdown import (
+    FINISH_HOLD_S,
+    CallFailed,
+    ShutdownError,
+    run_shutdown,
+)
 from squall_server.common.clock import Clock
 from squall_server.common.config import ClusterConfig, NodeConfig
 from squall_server.coordinator import codec
@@ -155,6 +160,10 @@ OPERATOR_TIMEOUT_S = 5.0  # the CLI's call timeout
 SHUTDOWN_SHARE = 0.25
 SHUTDOWN_FAULT_SHARE = 0.3
 SHUTDOWN_TIMEOUT_S = 30.0  # the command's --timeout
+# The share of those shutdowns among the faults the operator stops midway: Ctrl-C (the
+# command thaws what it froze) or, in half of them, its machine dies (nothing reaches the
+# cluster any more; each freeze lapses after the hold the command asked for).
+SHUTDOWN_INTERRUPT_SHARE = 0.4
 # The share of requests to the own replica sent into a cut link that are held, not lost:
 # they reach the replica after the coordinator gave up on them.
 LATE_REQUEST = 0.5
@@ -378,10 +387,28 @@ class SimShutdownCalls:
 
     def __init__(self, sim: CoordinatedSim) -> None:
         self.sim = sim
+        # The operator stops the command (``command``, its task) as it makes its first
+        # call of this kind ("freeze", "poll": a state call after a freeze, "stop",
+        # "finish"), and its machine dies with it when ``dies``: no call leaves any more.
+        self.interrupt_at = ""
+        self.dies = False
+        self.dead = False
+        self.command: asyncio.Task[object] | None = None
+        self._froze = False
+
+    def _step(self, kind: str) -> None:
+        if kind != self.interrupt_at or self.command is None:
+            return
+        self.interrupt_at = ""
+        self.sim.note(f"operator: {'machine dies' if self.dies else 'Ctrl-C'} at the {kind}")
+        self.dead = self.dies
+        self.command.cancel()  # lands at the call's first wait, as a signal would
 
     async def _served(self, process: str, serve: Callable[[], Awaitable[T]], timeout_s: float) -> T:
         sim = self.sim
         await asyncio.sleep(sim.rng_net.random() * sim.max_delay_s)
+        if self.dead:
+            raise CallFailed("UNAVAILABLE: the operator's machine is down")
         call = sim.loop.spawn(process, _await(serve))
         await asyncio.wait({call}, timeout=timeout_s)
         if not call.done():
@@ -422,6 +449,7 @@ class SimShutdownCalls:
         )
 
     async def replica_state(self, node: NodeConfig) -> replica_pb2.ReplicaState:
+        self._step("poll" if self._froze else "survey")
         return await self._replica(
             node,
             lambda s: s.GetReplicaState(replica_pb2.GetReplicaStateRequest(), _ServicerContext()),
@@ -436,6 +464,8 @@ class SimShutdownCalls:
     async def freeze(
         self, node: NodeConfig, request: replica_pb2.FreezeForShutdownRequest, timeout_s: float
     ) -> replica_pb2.ReplicaState:
+        self._froze = True
+        self._step("freeze")
         return await self._replica(
             node, lambda s: s.FreezeForShutdown(request, _ServicerContext()), timeout_s
         )
@@ -448,11 +478,13 @@ class SimShutdownCalls:
     async def stop_coordinator(
         self, node: NodeConfig, request: coordinator_pb2.CoordinatorShutdownRequest
     ) -> None:
+        self._step("stop")
         await self._coordinator(node, lambda s: s.Shutdown(request, _ServicerContext()))
 
     async def finish(
         self, node: NodeConfig, request: replica_pb2.FinishShutdownRequest
     ) -> replica_pb2.FinishShutdownResponse:
+        self._step("finish")
         return await self._replica(
             node, lambda s: s.FinishShutdown(request, _ServicerContext()), OPERATOR_TIMEOUT_S
         )
@@ -769,7 +801,7 @@ class CoordinatedSim(ShellSim):
             self.note("heal coordinator links")
         elif kind == _TRANSFER and not self.shutting_down and rng.random() < SHUTDOWN_FAULT_SHARE:
             self.shutting_down = True  # from now: the heal waits for it (_before_heal)
-            self.loop.create_task(self._shutdown())  # the operator's machine: no process
+            self.loop.create_task(self._shutdown(self._interrupting()))  # the operator's
         elif kind == _SET_PRIORITY and rng.random() < REMOVE_SHARE:
             # Before the first group formed there is no group to change; a rotted copy
             # beside a node taken out would be two failures.
@@ -841,15 +873,30 @@ class CoordinatedSim(ShellSim):
 
     # --- cluster shutdown (docs/operations.md, "Store lifecycle")
 
-    async def _shutdown(self) -> tuple[int | None, str]:
+    def _interrupting(self) -> SimShutdownCalls:
+        """The calls of a shutdown among the faults: in a share of them
+        (``SHUTDOWN_INTERRUPT_SHARE``) the operator stops the command as it makes one kind
+        of call (``SimShutdownCalls.interrupt``), as ``asyncio.run`` does on Ctrl-C; in
+        half of those its machine dies too, so no call of it reaches anything (no thaw)."""
+        calls = SimShutdownCalls(self)
+        draw = random.Random(self.seed * 7919 + self.stats.shutdowns)
+        if draw.random() < SHUTDOWN_INTERRUPT_SHARE:
+            calls.interrupt_at = draw.choice(("freeze", "poll", "poll", "stop", "finish"))
+            calls.dies = draw.random() < 0.5
+        return calls
+
+    async def _shutdown(self, calls: SimShutdownCalls | None = None) -> tuple[int | None, str]:
         """``squall cluster shutdown`` as the CLI runs it (``run_shutdown``), over the
-        servicers; its exit status (None: abandoned) and what it printed or raised."""
+        servicers; its exit status (None: abandoned or interrupted) and what it printed or
+        raised."""
         self.shutting_down = True
         self.note("operator: cluster shutdown")
         out = io.StringIO()
+        calls = calls or SimShutdownCalls(self)
+        calls.command = asyncio.current_task()
         try:
             code: int | None = await run_shutdown(
-                SimShutdownCalls(self),
+                calls,
                 self._running_nodes(),
                 out,
                 clock=self.clock,
@@ -860,6 +907,10 @@ class CoordinatedSim(ShellSim):
         except ShutdownError as exc:
             code = None
             out.write(str(exc))
+            if "interrupted before any service was stopped" in str(exc) and (
+                "every replica serves again" in str(exc)
+            ):
+                self.stats.shutdowns_interrupted += 1
         finally:
             self.shutting_down = False
         self.stats.shutdowns += 1
@@ -873,6 +924,27 @@ class CoordinatedSim(ShellSim):
         deadline = self.loop.time() + SHUTDOWN_TIMEOUT_S + shell_sim.LIVENESS_S
         while self.shutting_down and self.loop.time() < deadline:
             await asyncio.sleep(0.1)
+        # A command that died left its freezes to lapse after their hold: the cluster is
+        # expected to serve once they have (each at most the command's timeout and the
+        # finishing margin after it froze).
+        deadline = self.loop.time() + SHUTDOWN_TIMEOUT_S + FINISH_HOLD_S + 1.0
+        frozen = self._frozen_replicas()
+        while self._frozen_replicas() and self.loop.time() < deadline:
+            await asyncio.sleep(0.1)
+        lapsed = [node for node in frozen if node not in self._frozen_replicas()]
+        if lapsed:
+            self.stats.freezes_lapsed += len(lapsed)
+            self.note(f"freezes lapsed or ended: {','.join(lapsed)}")
+
+    def _frozen_replicas(self) -> list[str]:
+        """Running replicas frozen for a shutdown that did not finish them."""
+        return [
+            member.node_id
+            for member in self.members.values()
+            if member.replica is not None
+            and member.replica.frozen_for
+            and not member.replica.core.shutdown_finished
+        ]
 
     def _running_nodes(self) -> list[NodeConfig]:
         """The nodes as the operator's config file names them (a replacing machine's

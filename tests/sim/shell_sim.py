@@ -225,6 +225,11 @@ class Stats:
     replacements: int = 0  # coordinated_sim: machines gone for good and replaced
     removals: int = 0  # coordinated_sim: nodes removed, their machines wiped, added back
     shutdowns: int = 0  # coordinated_sim: cluster shutdowns run (finished or abandoned)
+    # coordinated_sim: shutdowns interrupted before they stopped anything, which thawed
+    # every replica they froze; and replicas whose freeze lapsed by itself by the heal
+    # (its command died)
+    shutdowns_interrupted: int = 0
+    freezes_lapsed: int = 0
     hand_offs: int = 0  # coordinated_sim: hand-offs a master's replica got ready for
     # Snapshot installs (a slave's, or a new master's reorganization fetch): begun (marked
     # pending), finished (swapped in); the others were cut short (a crash, a broken

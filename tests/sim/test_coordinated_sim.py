@@ -23,6 +23,7 @@ from __future__ import annotations
 import pytest
 
 from squall.v1 import common_pb2
+from tests.sim import coordinated_sim
 from tests.sim.coordinated_sim import replay_command, run_seed
 from tests.sim.seed_runs import run_seeds
 from tests.sim.shell_sim import ShellSimFailure
@@ -42,6 +43,8 @@ INSTALL_SEEDS_MIN = 20
 # master_driver._Sender), so installs finish sooner and fewer are cut short: seeds 35, 36,
 # 56 and 58 of 0-59 (seeds 6, 9, 20, 24, 26, 41 and 56 with the pump); a seed takes ~1 s.
 CUT_SHORT_SEEDS_MAX = 60
+# Seeds within which a shutdown is interrupted and thaws, and one's freezes lapse.
+INTERRUPT_SEEDS_MAX = 20
 
 
 def test_shipped_nodes_keep_acknowledged_events_and_recover(coord_chunk: list[int]) -> None:
@@ -102,3 +105,26 @@ def test_acks_none_cluster_recovers_after_a_partition() -> None:
         if "acknowledged event" in str(exc):
             return  # the documented loss, not the livelock
         raise
+
+
+def test_interrupted_shutdowns_thaw_and_a_dead_commands_freezes_lapse(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The operator stops `squall cluster shutdown` midway: with Ctrl-C before it stopped
+    anything, the command thaws every replica it froze; when its machine dies, the
+    replicas it froze serve again once their hold lapses. Either way every check of the
+    seed holds (nothing acknowledged lost, a master serves after the heal). Every
+    shutdown among the faults is run here and interrupted, so a few seeds show both."""
+    monkeypatch.setattr(coordinated_sim, "SHUTDOWN_FAULT_SHARE", 1.0)
+    monkeypatch.setattr(coordinated_sim, "SHUTDOWN_INTERRUPT_SHARE", 1.0)
+    thawed = lapsed = 0
+    for seed in range(INTERRUPT_SEEDS_MAX):
+        stats = run_seed(seed)
+        thawed += stats.shutdowns_interrupted
+        lapsed += stats.freezes_lapsed
+        if thawed and lapsed:
+            return
+    pytest.fail(
+        f"in {INTERRUPT_SEEDS_MAX} seeds: {thawed} interrupted shutdowns thawed, "
+        f"{lapsed} freezes lapsed"
+    )

@@ -3,6 +3,8 @@ measured fails the run instead of reading low, and a nonsensical option is refus
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
 import pytest
 
@@ -18,35 +20,32 @@ def test_a_concurrent_floor_whose_calls_fail_raises_instead_of_reading_low() -> 
 
 
 @pytest.mark.parametrize(
-    "argv, message",
+    "main, argv, message",
     [
-        (["--seconds", "0"], "must be above 0"),
-        (["--floor", "--rate", "-3"], "must be above 0"),
-        (["--windows", "two"], "not a number"),
+        (idle_cpu.main, ["--seconds", "0"], "must be above 0"),
+        (idle_cpu.main, ["--floor", "--rate", "-3"], "must be above 0"),
+        (idle_cpu.main, ["--windows", "two"], "not a number"),
+        (chain_floor.main, ["--seconds", "0"], "must be above 0"),
+        (chain_floor.main, ["--callers", "-1"], "must be above 0"),
+        (chain_floor.main, ["--count", "many"], "not a number"),
+    ],
+    ids=[
+        "idle-seconds",
+        "idle-rate",
+        "idle-windows",
+        "chain-seconds",
+        "chain-callers",
+        "chain-count",
     ],
 )
-def test_idle_cpu_refuses_a_window_or_rate_that_is_not_above_zero(
-    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+def test_a_bench_refuses_a_window_rate_or_load_that_is_not_above_zero(
+    main: Callable[[list[str]], object],
+    argv: list[str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     with pytest.raises(SystemExit) as exited:
-        idle_cpu.main(argv)
-    assert exited.value.code == 2
-    assert message in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["--seconds", "0"], "must be above 0"),
-        (["--callers", "-1"], "must be above 0"),
-        (["--count", "many"], "not a number"),
-    ],
-)
-def test_the_chain_floor_refuses_a_load_that_is_not_above_zero(
-    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    with pytest.raises(SystemExit) as exited:
-        chain_floor.main(argv)
+        main(argv)
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
 

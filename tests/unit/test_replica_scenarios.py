@@ -112,6 +112,8 @@ class Harness:
             out.append(f"role-changed to {self.core.role.name.lower()}")
         if effects.cancel_taking:
             out.append(f"cancel-taking: {effects.cancel_taking}")
+        if effects.thawed:
+            out.append(f"thawed: {effects.thawed}")
         if effects.log_reread:
             out.append("log-reread")
         if effects.refusal is not None:
@@ -208,7 +210,7 @@ class Harness:
         if c.joined:
             text += " joined"
         if c.frozen_for:
-            text += f" frozen={c.frozen_for}"
+            text += f" frozen={c.frozen_for}@{c.frozen_until_ms}"
         if c.shutdown_finished:
             text += f" finished={c.shutdown_finished}"
         if c.fence.until_ms:
@@ -311,7 +313,7 @@ def execute(h: Harness | None, line: str) -> tuple[Harness | None, list[str]]:
     elif command == "drop":
         out += h.effects(core.drop_role(options["reason"]))
     elif command == "freeze":
-        out += h.effects(core.freeze(positional[0]))
+        out += h.effects(core.freeze(positional[0], h.now_ms, int(options.get("hold", "120000"))))
     elif command == "finish":
         out += h.effects(core.finish(positional[0]))
     elif command == "abort":

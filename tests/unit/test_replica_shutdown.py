@@ -167,6 +167,51 @@ def test_a_frozen_replica_refuses_writes_and_new_roles_until_the_freeze_is_abort
     _run(body)
 
 
+def test_a_freeze_nobody_finishes_lapses_after_its_hold_and_the_replica_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The operator's command was killed between its freeze and its finish: the master
+    takes writes and roles again once the hold it asked for ran out, instead of refusing
+    every write until someone restarts it."""
+
+    async def body(node: ReplicaNode, stops: list[str]) -> None:
+        await node.apply_role(_master(1))
+        await shutdown.freeze(node, "s1", "t", hold_ms=200)
+        with pytest.raises(ServiceError, match="stopping for cluster shutdown s1"):
+            node.check_writable()
+        for _ in range(100):  # bounded: 5 s for a 0.2 s hold
+            if not node.frozen_for:
+                break
+            await asyncio.sleep(0.05)
+        assert node.frozen_for == ""
+        node.check_writable()
+        assert node.role == common_pb2.ROLE_MASTER and stops == []
+        # Its finish, late, changes nothing: the store stays dirty and the process runs.
+        await _refused(_finish(node, node.store.meta()), Code.FAILED_PRECONDITION, "not frozen")
+        assert node.store.meta().state == common_pb2.STORE_STATE_DIRTY and stops == []
+
+    with caplog.at_level("WARNING", logger="squall.replica"):
+        _run(body)
+    assert any(
+        "freeze for cluster shutdown s1 lapsed" in r.getMessage() and "replica n1" in r.getMessage()
+        for r in caplog.records
+    )
+
+
+def test_a_freeze_asking_to_hold_beyond_an_hour_is_refused_and_changes_nothing() -> None:
+    async def body(node: ReplicaNode, stops: list[str]) -> None:
+        await node.apply_role(_master(1))
+        await _refused(
+            shutdown.freeze(node, "s1", "t", hold_ms=shutdown.FREEZE_HOLD_MAX_MS + 1),
+            Code.INVALID_ARGUMENT,
+            "at most 3600 s",
+        )
+        assert node.frozen_for == ""
+        node.check_writable()
+
+    _run(body)
+
+
 def test_finish_at_the_point_marks_clean_and_stops_the_process() -> None:
     async def body(node: ReplicaNode, stops: list[str]) -> None:
         await node.apply_role(_master(1))

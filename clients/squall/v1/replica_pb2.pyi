@@ -1407,19 +1407,27 @@ class FreezeForShutdownRequest(_message.Message):
 
     SHUTDOWN_ID_FIELD_NUMBER: _builtins.int
     OPERATOR_FIELD_NUMBER: _builtins.int
+    HOLD_MS_FIELD_NUMBER: _builtins.int
     shutdown_id: _builtins.str
     """The shutdown's id (a UUID chosen by the operator's command)."""
     operator: _builtins.str
     """Who asks, for the log."""
+    hold_ms: _builtins.int
+    """How long the freeze holds without a FinishShutdown or AbortShutdown, in ms; then it
+    lapses by itself (writes and roles are accepted again), so a command that was killed
+    or lost the cluster does not leave it refusing every write. A repeated freeze for the
+    same shutdown holds it anew. 0: two minutes; at most one hour (INVALID_ARGUMENT above).
+    """
     def __init__(
         self,
         *,
         shutdown_id: _builtins.str = ...,
         operator: _builtins.str = ...,
+        hold_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["operator", b"operator", "shutdown_id", b"shutdown_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hold_ms", b"hold_ms", "operator", b"operator", "shutdown_id", b"shutdown_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
