@@ -30,7 +30,7 @@ from squall import with_token
 from squall.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from squall_server.cli import membership as cli_membership
 from squall_server.cli.auth import add_token_argument, cli_token
-from squall_server.cli.cluster_shutdown import ShutdownError, shutdown_cluster
+from squall_server.cli.cluster_shutdown import TIMEOUT_MAX_S, ShutdownError, shutdown_cluster
 from squall_server.common.config import ClusterConfig, ConfigError, NodeConfig, load_config
 from squall_server.common.tls import Transport, cli_transport, plain_or
 
@@ -184,8 +184,11 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     if command in ("add-node", "remove-node", "replace-node", "set-priority", "config"):
         return cli_membership.run(config, args, out)
     if command == "shutdown":
-        if args.timeout <= 0:
-            raise AdminError(f"--timeout must be > 0, not {args.timeout}")
+        if not 0 < args.timeout <= TIMEOUT_MAX_S:
+            raise AdminError(
+                f"--timeout must be > 0 and at most {TIMEOUT_MAX_S:.0f} s (a replica's "
+                f"freeze holds at most an hour), not {args.timeout}"
+            )
         try:
             return shutdown_cluster(config, out, timeout_s=args.timeout, operator=operator)
         except ShutdownError as exc:

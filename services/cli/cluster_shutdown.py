@@ -56,8 +56,10 @@ _POLL_S = 0.05
 # What a freeze holds beyond the command's timeout: stopping the coordinators and
 # finishing each replica, a few calls of at most _CALL_TIMEOUT_S per node.
 FINISH_HOLD_S = 60.0
-# The longest hold a replica grants (squall_server.replica.shutdown.FREEZE_HOLD_MAX_MS).
+# The longest hold a replica grants (squall_server.replica.shutdown.FREEZE_HOLD_MAX_MS),
+# and so the longest --timeout.
 _HOLD_MAX_MS = 3_600_000
+TIMEOUT_MAX_S = _HOLD_MAX_MS / 1000 - FINISH_HOLD_S
 
 T = TypeVar("T")
 

@@ -11,8 +11,12 @@ both cluster ids named, while the others keep serving.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -20,7 +24,8 @@ import pytest
 import squall
 from squall.v1 import common_pb2, replica_pb2, replica_pb2_grpc
 from squall_server.replica.store import Store
-from tests.integration.conftest import ROOT, LocalCluster, wait_for
+from tests.integration.conftest import ROOT, LocalCluster, make_cluster, wait_for
+from tests.integration.test_stuck_disk import _FaultControlledCluster
 
 EVENTS = 20
 
@@ -127,6 +132,84 @@ def test_clean_shutdown_then_a_restart_needs_no_operator_and_updates_an_empty_me
     )
     # Serving again, the stores are in use: dirty until the next clean shutdown.
     assert _inspect(trio, "n1")["state"] == "dirty"
+
+
+@pytest.fixture
+def controlled(tmp_path: Path) -> Iterator[_FaultControlledCluster]:
+    """A three-node cluster whose replicas read a fault-control file each."""
+    made = make_cluster(ROOT / "deploy" / "cluster.example.toml", tmp_path)
+    cluster = _FaultControlledCluster(made.config_path, made.config, made.run_dir)
+    try:
+        cluster.start_all()
+        yield cluster
+    finally:
+        cluster.stop_all()
+
+
+def _frozen_for(cluster: LocalCluster, node: str) -> str:
+    with grpc.insecure_channel(cluster.replica_address(node)) as channel:
+        state = replica_pb2_grpc.ReplicaControlStub(channel).GetReplicaState(
+            replica_pb2.GetReplicaStateRequest(), timeout=5
+        )
+    return state.frozen_for_shutdown_id
+
+
+def test_an_interrupted_shutdown_thaws_the_cluster_which_keeps_every_event_and_serves(
+    controlled: _FaultControlledCluster,
+) -> None:
+    """The operator presses Ctrl-C while the command waits for a slave that cannot reach
+    the shutdown point (its store is full): the command says it gave up and thawed every
+    replica, the master takes writes again at once, nothing was stopped, and every
+    acknowledged event is still there once the slave's disk has room again."""
+    acked = _publish(controlled)
+    master = controlled.wait_for_master()
+    behind = next(n for n in _node_ids(controlled) if n != master)
+    controlled.set_fault_control(behind, map_full=True)
+
+    def left_behind() -> bool:
+        # Acknowledged by the master and the other slave; the full one stays behind once
+        # it has read its control file (at most every fault_hooks.POLL_S).
+        acked.update(_publish(controlled, 1))
+        return _replica_position(controlled, behind)[1] < _replica_position(controlled, master)[1]
+
+    wait_for(left_behind, 20, f"{behind} left behind by its full store")
+    command = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "squall_server",
+            "cluster",
+            "shutdown",
+            "--config",
+            str(controlled.config_path),
+            "--timeout",
+            "60",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        wait_for(lambda: _frozen_for(controlled, master) != "", 30, f"{master} frozen")
+        time.sleep(0.5)  # the command is polling for the point, which {behind} cannot reach
+        assert command.poll() is None, "the shutdown ended before the interrupt"
+        command.send_signal(signal.SIGINT)
+        out, err = command.communicate(timeout=60)
+    finally:
+        if command.poll() is None:
+            command.kill()
+            command.wait()
+    assert command.returncode == 1, out + err
+    assert "abandoned: interrupted before any service was stopped" in err, out + err
+    assert "every replica serves again, nothing was changed" in err, out + err
+    assert {node: _frozen_for(controlled, node) for node in _node_ids(controlled)} == {
+        node: "" for node in _node_ids(controlled)
+    }
+    assert all(s.process.poll() is None for s in controlled.services.values())
+    controlled.set_fault_control(behind)  # its disk has room again
+    acked.update(_publish(controlled, 5))
+    assert _read_all(controlled) == acked
 
 
 def _decided_by_some_coordinator(cluster: LocalCluster, decision: str) -> bool:

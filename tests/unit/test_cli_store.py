@@ -160,13 +160,13 @@ def test_cluster_shutdown_without_a_running_cluster_changes_nothing(tmp_path: Pa
     assert not (tmp_path / "run" / "data").exists()
 
 
-@pytest.mark.parametrize("timeout", ["0", "-1"])
+@pytest.mark.parametrize("timeout", ["0", "-1", "3541"])
 def test_cluster_shutdown_refuses_a_bad_timeout(tmp_path: Path, timeout: str) -> None:
     source = tmp_path / "cluster.toml"
     source.write_text((Path(__file__).parents[2] / "deploy" / "cluster.example.toml").read_text())
     config = processes.localize_config(source, tmp_path / "run")
     status, _, err = squall("cluster", "shutdown", "--config", str(config), "--timeout", timeout)
-    assert status == 1 and "--timeout must be > 0" in err
+    assert status == 1 and "--timeout must be > 0 and at most 3540 s" in err
 
 
 def test_a_localized_config_never_gives_two_services_one_port(tmp_path: Path) -> None:
