@@ -282,6 +282,12 @@ class NodeStatus:
     hold-off ends."""
     lead_held_off_reason: str = ""
     """While held off: the replica's last refusal of the master role."""
+    frozen_for_shutdown_id: str = ""
+    """The cluster shutdown the node's replica is frozen for (no new role, and on the
+    master no new write); empty otherwise."""
+    freeze_remaining_ms: int = 0
+    """While frozen: ms until the freeze lapses by itself, unless its shutdown finishes or
+    aborts first."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -366,6 +372,8 @@ class ClusterStatus:
                 membership_change=n.membership_change,
                 lead_held_off_until_ms=n.lead_held_off_until_ms,
                 lead_held_off_reason=n.lead_held_off_reason,
+                frozen_for_shutdown_id=n.frozen_for_shutdown_id,
+                freeze_remaining_ms=n.freeze_remaining_ms,
             )
             for n in status.nodes
         )

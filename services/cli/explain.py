@@ -105,6 +105,13 @@ def notes(status: squall.ClusterStatus) -> list[str]:
             lines.append(f"{node.node_id}: {held_off(node)}")
         elif node.fault_reason:
             lines.append(f"{node.node_id}: its replica reports a fault: {node.fault_reason}")
+        if node.frozen_for_shutdown_id:
+            lines.append(
+                f"{node.node_id}: FROZEN for cluster shutdown {node.frozen_for_shutdown_id}: "
+                "takes no new role, and as master no new write; lapses by itself in "
+                f"{node.freeze_remaining_ms / 1000:.0f} s unless the shutdown finishes or "
+                "aborts first (restarting the replica also ends it)"
+            )
         if node.transfer_target:
             lines.append(f"{node.node_id}: handing the leadership to {node.transfer_target}")
         for loss in node.losses:

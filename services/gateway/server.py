@@ -69,6 +69,8 @@ class ClusterAdmin(gateway_pb2_grpc.ClusterAdminServicer):
             row.log_start_lsn = state.log_start_lsn
             row.last_epoch = state.last_epoch
             row.fault_reason = state.fault_reason
+            row.frozen_for_shutdown_id = state.frozen_for_shutdown_id
+            row.freeze_remaining_ms = state.freeze_remaining_ms
         else:
             errors.append(f"replica: {_reason(state)}")
         if isinstance(status, coordinator_pb2.CoordinatorStatus):

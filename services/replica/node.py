@@ -171,6 +171,13 @@ class ReplicaNode(CoreView):
         """The cluster shutdown this replica is frozen for (no new role, no new write)."""
         return self.core.frozen_for
 
+    def freeze_remaining_ms(self) -> int:
+        """While frozen and not finished: the ms until the freeze lapses (0 otherwise)."""
+        core = self.core
+        if not core.frozen_for or core.shutdown_finished:
+            return 0
+        return max(0, core.frozen_until_ms - self.clock.monotonic_ms())
+
     async def start(self) -> None:
         """Starts the writer and the lease watch; the role comes from the coordinator."""
         try:

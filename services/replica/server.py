@@ -1182,6 +1182,7 @@ class ReplicaControl(replica_pb2_grpc.ReplicaControlServicer):
             log_start_lsn=self.node.log_start_lsn,
             joined=self.node.joined,
             frozen_for_shutdown_id=self.node.frozen_for,
+            freeze_remaining_ms=self.node.freeze_remaining_ms(),
             fault_id=self.node.fault.fault_id if self.node.fault else "",
             fault_reason=self.node.fault.reason if self.node.fault else "",
             losses=[loss_to_proto(r) for r in self.node.losses],

@@ -14,7 +14,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -192,7 +191,11 @@ def test_an_interrupted_shutdown_thaws_the_cluster_which_keeps_every_event_and_s
     )
     try:
         wait_for(lambda: _frozen_for(controlled, master) != "", 30, f"{master} frozen")
-        time.sleep(0.5)  # the command is polling for the point, which {behind} cannot reach
+        # The command polls for the point, which the full store cannot reach; meanwhile
+        # the status names the freeze and its end.
+        status = _squall("status", "--config", str(controlled.config_path))
+        assert f"{master}: FROZEN for cluster shutdown" in status.stdout, status.stdout
+        assert "lapses by itself in" in status.stdout, status.stdout
         assert command.poll() is None, "the shutdown ended before the interrupt"
         command.send_signal(signal.SIGINT)
         out, err = command.communicate(timeout=60)

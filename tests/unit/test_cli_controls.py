@@ -203,3 +203,23 @@ def test_status_explains_a_node_that_steps_aside_after_master_refusals(
     assert "n1 ranks higher but is not in the group (steps aside from leading" in out, out
     # Out of every group, it is no candidate should the master fail.
     assert "n2 fails -> n3 would lead" in out and "(n1 already out)" in out, out
+
+
+def test_status_names_a_frozen_replica_and_when_its_freeze_lapses(
+    broker: Any,  # noqa: F811
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A shutdown was interrupted and could not thaw n1: the master refuses writes, and
+    the status says why and for how long, where before it showed a healthy master."""
+    broker.status.Clear()
+    _three_nodes(broker.status)
+    n1 = broker.status.nodes[0]
+    n1.frozen_for_shutdown_id = "3e957bbf"
+    n1.freeze_remaining_ms = 41_600
+    code, out, _ = run(["status"], capsys)
+    assert code == 0
+    assert (
+        "n1: FROZEN for cluster shutdown 3e957bbf: takes no new role, and as master no new "
+        "write; lapses by itself in 42 s unless the shutdown finishes or aborts first"
+    ) in out, out
+    assert "FROZEN" not in "\n".join(line for line in out.splitlines() if line.startswith("n2"))

@@ -179,11 +179,12 @@ def test_a_freeze_nobody_finishes_lapses_after_its_hold_and_the_replica_says_so(
         await shutdown.freeze(node, "s1", "t", hold_ms=200)
         with pytest.raises(ServiceError, match="stopping for cluster shutdown s1"):
             node.check_writable()
+        assert 0 < node.freeze_remaining_ms() <= 200
         for _ in range(100):  # bounded: 5 s for a 0.2 s hold
             if not node.frozen_for:
                 break
             await asyncio.sleep(0.05)
-        assert node.frozen_for == ""
+        assert node.frozen_for == "" and node.freeze_remaining_ms() == 0
         node.check_writable()
         assert node.role == common_pb2.ROLE_MASTER and stops == []
         # Its finish, late, changes nothing: the store stays dirty and the process runs.

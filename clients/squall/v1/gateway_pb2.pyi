@@ -81,6 +81,8 @@ class NodeStatus(_message.Message):
     MEMBERSHIP_CHANGE_FIELD_NUMBER: _builtins.int
     LEAD_HELD_OFF_UNTIL_MS_FIELD_NUMBER: _builtins.int
     LEAD_HELD_OFF_REASON_FIELD_NUMBER: _builtins.int
+    FROZEN_FOR_SHUTDOWN_ID_FIELD_NUMBER: _builtins.int
+    FREEZE_REMAINING_MS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The node id."""
     coordinator_id: _builtins.str
@@ -149,6 +151,14 @@ class NodeStatus(_message.Message):
     """
     lead_held_off_reason: _builtins.str
     """While held off: the replica's last refusal of the master role."""
+    frozen_for_shutdown_id: _builtins.str
+    """The cluster shutdown the node's replica is frozen for (no new role, no new write on
+    the master); empty otherwise.
+    """
+    freeze_remaining_ms: _builtins.int
+    """While frozen: the ms left until the freeze lapses by itself, unless its shutdown
+    finishes or aborts first.
+    """
     @_builtins.property
     def group(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The other members of its group (reported by coordinators only)."""
@@ -224,10 +234,12 @@ class NodeStatus(_message.Message):
         membership_change: _builtins.str = ...,
         lead_held_off_until_ms: _builtins.int = ...,
         lead_held_off_reason: _builtins.str = ...,
+        frozen_for_shutdown_id: _builtins.str = ...,
+        freeze_remaining_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["quarantine", b"quarantine", "quorum_override_record", b"quorum_override_record"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit", b"audit", "commit_lsn", b"commit_lsn", "config_mismatches", b"config_mismatches", "coordinator_id", b"coordinator_id", "designated_primary", b"designated_primary", "epoch", b"epoch", "error", b"error", "fault_reason", b"fault_reason", "group", b"group", "group_name", b"group_name", "invited", b"invited", "last_change_reason", b"last_change_reason", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "lead_held_off_reason", b"lead_held_off_reason", "lead_held_off_until_ms", b"lead_held_off_until_ms", "log_start_lsn", b"log_start_lsn", "losses", b"losses", "max_seen", b"max_seen", "membership", b"membership", "membership_change", b"membership_change", "node_id", b"node_id", "priority", b"priority", "quarantine", b"quarantine", "quorum_override", b"quorum_override", "quorum_override_record", b"quorum_override_record", "quorum_required", b"quorum_required", "reachable", b"reachable", "replica_address", b"replica_address", "replica_unreachable_since_ms", b"replica_unreachable_since_ms", "role", b"role", "slaves", b"slaves", "state", b"state", "store_state", b"store_state", "sync_source_id", b"sync_source_id", "transfer_target", b"transfer_target"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit", b"audit", "commit_lsn", b"commit_lsn", "config_mismatches", b"config_mismatches", "coordinator_id", b"coordinator_id", "designated_primary", b"designated_primary", "epoch", b"epoch", "error", b"error", "fault_reason", b"fault_reason", "freeze_remaining_ms", b"freeze_remaining_ms", "frozen_for_shutdown_id", b"frozen_for_shutdown_id", "group", b"group", "group_name", b"group_name", "invited", b"invited", "last_change_reason", b"last_change_reason", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "lead_held_off_reason", b"lead_held_off_reason", "lead_held_off_until_ms", b"lead_held_off_until_ms", "log_start_lsn", b"log_start_lsn", "losses", b"losses", "max_seen", b"max_seen", "membership", b"membership", "membership_change", b"membership_change", "node_id", b"node_id", "priority", b"priority", "quarantine", b"quarantine", "quorum_override", b"quorum_override", "quorum_override_record", b"quorum_override_record", "quorum_required", b"quorum_required", "reachable", b"reachable", "replica_address", b"replica_address", "replica_unreachable_since_ms", b"replica_unreachable_since_ms", "role", b"role", "slaves", b"slaves", "state", b"state", "store_state", b"store_state", "sync_source_id", b"sync_source_id", "transfer_target", b"transfer_target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1196,6 +1196,7 @@ class ReplicaState(_message.Message):
     LOG_START_LSN_FIELD_NUMBER: _builtins.int
     JOINED_FIELD_NUMBER: _builtins.int
     FROZEN_FOR_SHUTDOWN_ID_FIELD_NUMBER: _builtins.int
+    FREEZE_REMAINING_MS_FIELD_NUMBER: _builtins.int
     FAULT_ID_FIELD_NUMBER: _builtins.int
     FAULT_REASON_FIELD_NUMBER: _builtins.int
     REORGANIZATION_FIELD_NUMBER: _builtins.int
@@ -1233,6 +1234,10 @@ class ReplicaState(_message.Message):
     """
     frozen_for_shutdown_id: _builtins.str
     """The cluster shutdown this replica is frozen for (FreezeForShutdown); empty otherwise."""
+    freeze_remaining_ms: _builtins.int
+    """While frozen: the ms left until the freeze lapses by itself (FreezeForShutdownRequest's
+    hold_ms) unless its shutdown finishes or aborts first.
+    """
     fault_id: _builtins.str
     """Set once the replica hit a fault that makes its node unfit to serve (a checksum
     error in its store, a failed store write): a unique id, kept across restarts, so the
@@ -1280,6 +1285,7 @@ class ReplicaState(_message.Message):
         log_start_lsn: _builtins.int = ...,
         joined: _builtins.bool = ...,
         frozen_for_shutdown_id: _builtins.str = ...,
+        freeze_remaining_ms: _builtins.int = ...,
         fault_id: _builtins.str = ...,
         fault_reason: _builtins.str = ...,
         reorganization: Global___ReorganizationProgress | None = ...,
@@ -1288,7 +1294,7 @@ class ReplicaState(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["reorganization", b"reorganization"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "command_seq", b"command_seq", "commit_lsn", b"commit_lsn", "epoch", b"epoch", "fault_id", b"fault_id", "fault_reason", b"fault_reason", "frozen_for_shutdown_id", b"frozen_for_shutdown_id", "joined", b"joined", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "log_start_lsn", b"log_start_lsn", "losses", b"losses", "master_id", b"master_id", "node_id", b"node_id", "reorganization", b"reorganization", "role", b"role", "shutdown_id", b"shutdown_id", "slaves", b"slaves", "store_stalled_ms", b"store_stalled_ms", "store_state", b"store_state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "command_seq", b"command_seq", "commit_lsn", b"commit_lsn", "epoch", b"epoch", "fault_id", b"fault_id", "fault_reason", b"fault_reason", "freeze_remaining_ms", b"freeze_remaining_ms", "frozen_for_shutdown_id", b"frozen_for_shutdown_id", "joined", b"joined", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "log_start_lsn", b"log_start_lsn", "losses", b"losses", "master_id", b"master_id", "node_id", b"node_id", "reorganization", b"reorganization", "role", b"role", "shutdown_id", b"shutdown_id", "slaves", b"slaves", "store_stalled_ms", b"store_stalled_ms", "store_state", b"store_state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
