@@ -23,15 +23,18 @@ import pytest
 import squall
 from squall.v1 import common_pb2, replica_pb2, replica_pb2_grpc
 from squall_server.replica.store import Store
-from tests.integration.conftest import ROOT, LocalCluster, make_cluster, wait_for
+from tests.integration.conftest import ROOT, LocalCluster, wait_for
 from tests.integration.test_stuck_disk import _FaultControlledCluster
 
 EVENTS = 20
 
 
+_SQUALL = (sys.executable, "-m", "squall_server")
+
+
 def _squall(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "squall_server", *args],
+        [*_SQUALL, *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -136,8 +139,7 @@ def test_clean_shutdown_then_a_restart_needs_no_operator_and_updates_an_empty_me
 @pytest.fixture
 def controlled(tmp_path: Path) -> Iterator[_FaultControlledCluster]:
     """A three-node cluster whose replicas read a fault-control file each."""
-    made = make_cluster(ROOT / "deploy" / "cluster.example.toml", tmp_path)
-    cluster = _FaultControlledCluster(made.config_path, made.config, made.run_dir)
+    cluster = _FaultControlledCluster.three_nodes(tmp_path)
     try:
         cluster.start_all()
         yield cluster
@@ -173,17 +175,8 @@ def test_an_interrupted_shutdown_thaws_the_cluster_which_keeps_every_event_and_s
 
     wait_for(left_behind, 20, f"{behind} left behind by its full store")
     command = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "squall_server",
-            "cluster",
-            "shutdown",
-            "--config",
-            str(controlled.config_path),
-            "--timeout",
-            "60",
-        ],
+        [*_SQUALL, "cluster", "shutdown", "--config", str(controlled.config_path)]
+        + ["--timeout", "60"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -43,6 +43,12 @@ pytestmark = pytest.mark.integration
 class _FaultControlledCluster(LocalCluster):
     """A cluster whose every replica reads its own node's fault-control file."""
 
+    @classmethod
+    def three_nodes(cls, run_dir: Path) -> _FaultControlledCluster:
+        """The example cluster's three nodes, localized under run_dir (not started)."""
+        made = make_cluster(ROOT / "deploy" / "cluster.example.toml", run_dir)
+        return cls(made.config_path, made.config, made.run_dir)
+
     def control_path(self, node_id: str) -> Path:
         return self.run_dir / "control" / f"{node_id}.json"
 
@@ -72,8 +78,7 @@ def _one_group_of_all(cluster: LocalCluster) -> bool:
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[_FaultControlledCluster]:
-    made = make_cluster(ROOT / "deploy" / "cluster.example.toml", tmp_path)
-    controlled = _FaultControlledCluster(made.config_path, made.config, made.run_dir)
+    controlled = _FaultControlledCluster.three_nodes(tmp_path)
     try:
         controlled.start_all()
         with squall.connect(controlled.gateway_address, timeout_s=10.0) as client:
