@@ -174,9 +174,9 @@ def test_an_interrupted_shutdown_thaws_the_cluster_which_keeps_every_event_and_s
         return _replica_position(controlled, behind)[1] < _replica_position(controlled, master)[1]
 
     wait_for(left_behind, 20, f"{behind} left behind by its full store")
+    config = str(controlled.config_path)
     command = subprocess.Popen(
-        [*_SQUALL, "cluster", "shutdown", "--config", str(controlled.config_path)]
-        + ["--timeout", "60"],
+        [*_SQUALL, "cluster", "shutdown", "--timeout", "60", "--config", config],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -186,7 +186,7 @@ def test_an_interrupted_shutdown_thaws_the_cluster_which_keeps_every_event_and_s
         wait_for(lambda: _frozen_for(controlled, master) != "", 30, f"{master} frozen")
         # The command polls for the point, which the full store cannot reach; meanwhile
         # the status names the freeze and its end.
-        status = _squall("status", "--config", str(controlled.config_path))
+        status = _squall("status", "--config", config)
         assert f"{master}: FROZEN for cluster shutdown" in status.stdout, status.stdout
         assert "lapses by itself in" in status.stdout, status.stdout
         assert command.poll() is None, "the shutdown ended before the interrupt"
