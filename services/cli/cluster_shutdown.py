@@ -400,9 +400,7 @@ async def run_shutdown(
     except asyncio.CancelledError:
         # Interrupted (Ctrl-C) before anything was stopped: thaw now, rather than leave
         # every write refused until the freezes lapse.
-        task = asyncio.current_task()
-        if task is not None:
-            task.uncancel()
+        _take_interrupt()
         raise await run.abort("interrupted before any service was stopped") from None
     print(
         f"  shutdown point: epoch {point.last_epoch} LSN {point.last_lsn}, cluster "
@@ -412,9 +410,7 @@ async def run_shutdown(
     try:
         master_clean = await _stop_and_finish(run, master, point)
     except asyncio.CancelledError:
-        task = asyncio.current_task()
-        if task is not None:
-            task.uncancel()
+        _take_interrupt()
         done = "; ".join(f"{n.config.id}: {', '.join(n.notes)}" for n in run.nodes if n.notes)
         raise ShutdownError(
             f"cluster shutdown {shutdown_id} interrupted while it stopped the services "
@@ -433,6 +429,14 @@ async def run_shutdown(
         file=out,
     )
     return 0 if master_clean else 1
+
+
+def _take_interrupt() -> None:
+    """The command answers its interrupt with its own message: the task goes on as not
+    cancelled (so ``asyncio.run`` raises that message, not KeyboardInterrupt)."""
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()
 
 
 async def _freeze_to_point(
