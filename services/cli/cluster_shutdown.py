@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import getpass
+import signal
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TextIO, TypeVar
 
@@ -483,13 +484,30 @@ def shutdown_cluster(
     """`squall cluster shutdown`: ``run_shutdown`` over gRPC; returns 0 if the master's
     store is clean."""
     return asyncio.run(
-        run_shutdown(
-            GrpcCalls(cli_transport(config)),
-            config.nodes,
-            out,
-            clock=SystemClock(),
-            timeout_s=timeout_s,
-            operator=operator or getpass.getuser(),
-            shutdown_id=uuid.uuid4().hex,
+        _terminable(
+            run_shutdown(
+                GrpcCalls(cli_transport(config)),
+                config.nodes,
+                out,
+                clock=SystemClock(),
+                timeout_s=timeout_s,
+                operator=operator or getpass.getuser(),
+                shutdown_id=uuid.uuid4().hex,
+            )
         )
     )
+
+
+async def _terminable(main: Coroutine[object, object, int]) -> int:
+    """Runs main with SIGTERM (`kill`, `timeout`, a service manager) taken as Ctrl-C is
+    by ``asyncio.run``: the command is interrupted and thaws what it froze, instead of
+    dying with every replica frozen until its hold lapses."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    if task is None:
+        return await main
+    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    try:
+        return await main
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from squall.v1 import common_pb2, replica_pb2
+from squall_server.common.clock import Clock, ManualClock
 from squall_server.common.config import parse_config
 from squall_server.common.errors import Code, ServiceError
 from squall_server.replica import shutdown
@@ -23,16 +24,19 @@ ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = "c0ffee"
 
 
-def _node() -> ReplicaNode:
+def _node(clock: Clock | None = None) -> ReplicaNode:
     config = parse_config((ROOT / "deploy" / "single.toml").read_text(), ROOT / "deploy" / "x")
-    return build_replica_node(config, config.node("n1"), Store.open_memory())
+    return build_replica_node(config, config.node("n1"), Store.open_memory(), clock)
 
 
-def _run(body: Callable[[ReplicaNode, list[str]], Awaitable[None]]) -> None:
-    """Runs body against a started node; `stops` records each on_shutdown call."""
+def _run(
+    body: Callable[[ReplicaNode, list[str]], Awaitable[None]], clock: Clock | None = None
+) -> None:
+    """Runs body against a started node (on `clock`, else the system's); `stops` records
+    each on_shutdown call."""
 
     async def main() -> None:
-        node = _node()
+        node = _node(clock)
         stops: list[str] = []
         node.on_shutdown = lambda: stops.append("stop")
         await node.start()
@@ -174,13 +178,18 @@ def test_a_freeze_nobody_finishes_lapses_after_its_hold_and_the_replica_says_so(
     takes writes and roles again once the hold it asked for ran out, instead of refusing
     every write until someone restarts it."""
 
+    clock = ManualClock()
+
     async def body(node: ReplicaNode, stops: list[str]) -> None:
         await node.apply_role(_master(1))
         await shutdown.freeze(node, "s1", "t", hold_ms=200)
+        clock.advance(150)
+        await asyncio.sleep(0.2)  # the lease watch ticks (every 50 ms): still frozen
         with pytest.raises(ServiceError, match="stopping for cluster shutdown s1"):
             node.check_writable()
-        assert 0 < node.freeze_remaining_ms() <= 200
-        for _ in range(100):  # bounded: 5 s for a 0.2 s hold
+        assert node.freeze_remaining_ms() == 50
+        clock.advance(51)
+        for _ in range(100):  # bounded: the lease watch ticks every 50 ms
             if not node.frozen_for:
                 break
             await asyncio.sleep(0.05)
@@ -192,7 +201,7 @@ def test_a_freeze_nobody_finishes_lapses_after_its_hold_and_the_replica_says_so(
         assert node.store.meta().state == common_pb2.STORE_STATE_DIRTY and stops == []
 
     with caplog.at_level("WARNING", logger="squall.replica"):
-        _run(body)
+        _run(body, clock)
     assert any(
         "freeze for cluster shutdown s1 lapsed" in r.getMessage() and "replica n1" in r.getMessage()
         for r in caplog.records
