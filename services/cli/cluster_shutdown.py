@@ -50,6 +50,7 @@ from squall_server.cli.auth import cli_token
 from squall_server.common.clock import Clock, SystemClock
 from squall_server.common.config import ClusterConfig, NodeConfig
 from squall_server.common.tls import Transport, cli_transport, plain_or
+from squall_server.replica.shutdown import FREEZE_HOLD_MAX_MS
 
 # Per call when surveying and stopping; freezing waits for queued writes: the whole budget.
 _CALL_TIMEOUT_S = 3.0
@@ -57,10 +58,8 @@ _POLL_S = 0.05
 # What a freeze holds beyond the command's timeout: stopping the coordinators and
 # finishing each replica, a few calls of at most _CALL_TIMEOUT_S per node.
 FINISH_HOLD_S = 60.0
-# The longest hold a replica grants (squall_server.replica.shutdown.FREEZE_HOLD_MAX_MS),
-# and so the longest --timeout.
-_HOLD_MAX_MS = 3_600_000
-TIMEOUT_MAX_S = _HOLD_MAX_MS / 1000 - FINISH_HOLD_S
+# The longest --timeout: a replica holds a freeze for at most FREEZE_HOLD_MAX_MS.
+TIMEOUT_MAX_S = FREEZE_HOLD_MAX_MS / 1000 - FINISH_HOLD_S
 
 T = TypeVar("T")
 
@@ -384,7 +383,7 @@ async def run_shutdown(
     (ShutdownError when it could not start or was abandoned: the message says what
     happened)."""
     run = _Shutdown(calls, nodes, clock, shutdown_id, operator)
-    run.hold_ms = min(int((timeout_s + FINISH_HOLD_S) * 1000), _HOLD_MAX_MS)
+    run.hold_ms = min(int((timeout_s + FINISH_HOLD_S) * 1000), FREEZE_HOLD_MAX_MS)
     deadline_s = run.now_s() + timeout_s
     await run.survey()
     master, master_state = run.master()
