@@ -208,6 +208,29 @@ def test_a_freeze_nobody_finishes_lapses_after_its_hold_and_the_replica_says_so(
     )
 
 
+def test_a_freeze_from_an_older_command_naming_no_hold_holds_two_minutes() -> None:
+    """A `squall` of an older release sends no hold_ms (0): its freeze still lapses, after
+    the default hold, rather than never."""
+    clock = ManualClock()
+
+    async def body(node: ReplicaNode, stops: list[str]) -> None:
+        await node.apply_role(_master(1))
+        await shutdown.freeze(node, "s1", "t", hold_ms=0)
+        assert node.freeze_remaining_ms() == shutdown.FREEZE_HOLD_DEFAULT_MS == 120_000
+        clock.advance(shutdown.FREEZE_HOLD_DEFAULT_MS - 1)
+        await asyncio.sleep(0.2)  # the lease watch ticks (every 50 ms): still frozen
+        assert node.frozen_for == "s1" and node.freeze_remaining_ms() == 1
+        clock.advance(2)
+        for _ in range(100):  # bounded: the lease watch ticks every 50 ms
+            if not node.frozen_for:
+                break
+            await asyncio.sleep(0.05)
+        assert node.frozen_for == ""
+        node.check_writable()
+
+    _run(body, clock)
+
+
 def test_a_freeze_asking_to_hold_beyond_an_hour_is_refused_and_changes_nothing() -> None:
     async def body(node: ReplicaNode, stops: list[str]) -> None:
         await node.apply_role(_master(1))
