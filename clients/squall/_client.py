@@ -257,10 +257,11 @@ class Client:
         """The underlying gRPC channel, for calling the generated stubs directly."""
         return self._channel
 
-    def _call(self, method: Callable[..., _Resp], request: Any) -> _Resp:
+    def _call(self, method: Callable[..., _Resp], request: Any, wait_s: float = 0.0) -> _Resp:
+        """One call within timeout_s, plus wait_s the request asks the server to wait."""
         self._check_open()
         try:
-            return method(request, timeout=self._timeout_s)
+            return method(request, timeout=self._timeout_s + wait_s)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 

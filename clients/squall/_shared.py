@@ -22,6 +22,7 @@ import grpc
 from squall._errors import DeadlineExceeded, Indeterminate, SquallError, Unavailable
 from squall._types import Message, messages_from_events
 from squall.v1 import broker_pb2
+from squall.wire.long_poll import pull_wait_s
 
 # How often a consumer retries a pull or an ack that met a failover, and how long it waits
 # between tries (a master election takes a few seconds).
@@ -283,7 +284,7 @@ class SharedConsumer(ConsumerSettings):
     def __init__(
         self,
         subscriber_stub: Any,
-        call: Callable[[Any, Any], Any],
+        call: Callable[..., Any],
         topic: str,
         name: str,
         *,
@@ -316,10 +317,12 @@ class SharedConsumer(ConsumerSettings):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _retrying(self, method: Any, request: Any, *, unknown: bool = True) -> Any:
+    def _retrying(
+        self, method: Any, request: Any, *, unknown: bool = True, wait_s: float = 0.0
+    ) -> Any:
         for attempt in range(SHARED_RETRIES_MAX):
             try:
-                return self._call(method, request)
+                return self._call(method, request, wait_s)
             except SquallError as exc:
                 last = attempt == SHARED_RETRIES_MAX - 1 or self._closed.is_set()
                 if last or not retried(exc, unknown=unknown):
@@ -340,7 +343,7 @@ class SharedConsumer(ConsumerSettings):
         request = pull_request(
             self, max_messages or self._max, wait, self._max_outstanding, max(room, 0)
         )
-        response = self._retrying(self._stub.Pull, request)
+        response = self._retrying(self._stub.Pull, request, wait_s=pull_wait_s(wait))
         messages = shared_messages(response, self._settle, self._extend)
         self._outstanding.add(messages)
         return messages

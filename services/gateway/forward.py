@@ -40,6 +40,7 @@ from opentelemetry import trace
 
 from squall.v1 import broker_pb2
 from squall.wire import stages as _stages
+from squall.wire.long_poll import pull_wait_s
 from squall.wire.retry import Outcome, RetryPolicy, overall
 from squall_server.common.call_guard import CLIENT_PEER_KEY
 from squall_server.common.grpc_server import Context
@@ -72,6 +73,7 @@ FORWARDED_SERVICES = ("TopicManager", "Publisher", "Subscriber", "PushSubscripti
 
 # A retry is not started with less of the caller's deadline left than this.
 _DEADLINE_SLACK_S = 0.01
+_PULL_PATH = "/squall.v1.Subscriber/Pull"
 
 _Metadata = tuple[tuple[str, str | bytes], ...]
 
@@ -124,6 +126,17 @@ def _detach(tokens: list[object]) -> None:
     """Detaches the span context a forwarded stream attached, once."""
     while tokens:
         otel_context.detach(tokens.pop())  # type: ignore[arg-type]
+
+
+def _asked_wait_s(path: str, request: bytes) -> float:
+    """How long the master may wait because the request asks it to: a Pull's wait_ms
+    (squall.wire.long_poll), which the forward's deadline must cover on top of its own."""
+    if path != _PULL_PATH:
+        return 0.0
+    try:
+        return pull_wait_s(broker_pb2.PullRequest.FromString(request).wait_ms)
+    except DecodeError:
+        return 0.0  # the master refuses it at once
 
 
 def _remaining_s(context: Context) -> float | None:
@@ -424,7 +437,8 @@ class Forwarder:
                 )
             address = master.replica_address
         remaining = _remaining_s(context)
-        timeout_s = self._timeout_s if remaining is None else min(self._timeout_s, remaining)
+        own = self._timeout_s + _asked_wait_s(path, request)
+        timeout_s = own if remaining is None else min(own, remaining)
         call.at_once = False
         link = (
             self._shared.stream(address, call.shared_metadata, CLIENT_PEER_KEY)

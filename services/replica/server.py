@@ -94,6 +94,12 @@ class _translating:  # lowercase: called like the function it replaced
             raise ServiceError(Code.NOT_FOUND, str(exc)) from exc
 
 
+def _deadline_in_ms(context: Context) -> int | None:
+    """The caller's deadline in milliseconds from now (None: it set none)."""
+    remaining: float | None = context.time_remaining()
+    return None if remaining is None else int(remaining * 1000)
+
+
 def _committed_end(hidden: int | None, next_offset: int) -> int:
     """Where committed reads of a topic end: its first hidden offset, else its end."""
     return next_offset if hidden is None else hidden
@@ -1079,6 +1085,7 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
                     request.wait_ms,
                     max_outstanding=request.max_outstanding,
                     max_bytes=request.max_bytes,
+                    deadline_in_ms=_deadline_in_ms(context),
                 )
         except ServiceError as exc:
             await abort(context, exc)

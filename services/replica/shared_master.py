@@ -18,6 +18,7 @@ import logging
 from dataclasses import dataclass
 
 from squall.v1 import broker_pb2, common_pb2
+from squall.wire.long_poll import PULL_WAIT_MAX_MS
 from squall_server.common.errors import Code, ServiceError, not_found
 from squall_server.replica import commands
 from squall_server.replica.endpoints import SubscribeEndpoint
@@ -29,8 +30,9 @@ log = logging.getLogger("squall.replica")
 
 # How often the master looks for lapsed leases (a lease lapses at most this late).
 SHARED_TICK_MS = 100
-# The longest a Pull waits for an event (PullRequest.wait_ms is capped to it).
-PULL_WAIT_MAX_MS = 30_000
+# A Pull answers this long before its caller's deadline, so that its answer, and the
+# events it leases, reach a caller still waiting (through the gateway too).
+PULL_ANSWER_MARGIN_MS = 250
 # Most offsets one consumer may hold at once (per-consumer flow control on the master).
 OUTSTANDING_MAX = 1000
 # Headers of a dead-lettered event.
@@ -134,9 +136,13 @@ class SharedMaster:
         *,
         max_outstanding: int = 0,
         max_bytes: int = 0,
+        deadline_in_ms: int | None = None,
     ) -> list[broker_pb2.SharedMessage]:
         """Leases events to the consumer, waiting up to wait_ms for one, within its flow
-        control: max_outstanding leased to it in all, max_bytes in this answer."""
+        control: max_outstanding leased to it in all, max_bytes in this answer. With the
+        caller's deadline (deadline_in_ms from now) the wait ends PULL_ANSWER_MARGIN_MS
+        before it: a lease made for a caller that gave up would only come back to the
+        consumers after its ack deadline, counted as a failed delivery."""
         if not consumer_id:
             raise ServiceError(Code.INVALID_ARGUMENT, "pull needs a consumer_id")
         if max_messages < 1:
@@ -144,7 +150,10 @@ class SharedMaster:
                 Code.INVALID_ARGUMENT, f"max_messages must be >= 1, not {max_messages}"
             )
         clock = self.node.clock
-        give_up = clock.monotonic_ms() + min(wait_ms, PULL_WAIT_MAX_MS)
+        wait_ms = min(wait_ms, PULL_WAIT_MAX_MS)
+        if deadline_in_ms is not None:
+            wait_ms = min(wait_ms, max(0, deadline_in_ms - PULL_ANSWER_MARGIN_MS))
+        give_up = clock.monotonic_ms() + wait_ms
         for _ in range(PULL_WAIT_MAX_MS // SHARED_TICK_MS + 2):  # bounded by give_up
             signal = self.node.commit_signal()
             held = self.held(topic, subscription)

@@ -213,3 +213,54 @@ def test_the_cli_and_the_asyncio_client_consume_a_shared_subscription(
         assert letter.payload == b"job 3"
         assert letter.headers["squall-dead-letter-last-error"] == "bad job"
         assert letter.headers["squall-dead-letter-deliveries"] == "1"
+
+
+def test_a_long_pull_waits_as_asked_through_the_gateway_and_answers_before_its_deadline(
+    single: LocalCluster,
+) -> None:
+    """A Pull waits up to its wait_ms for work and then answers, empty, as the contract
+    says, also when that wait is longer than the services' rpc_timeout_ms (2 s), which
+    used to cut the gateway's forward short with DEADLINE_EXCEEDED, and when the caller's
+    own deadline is shorter than the wait, which it now answers before. The library's
+    call covers the wait it asks for: its consumer gets the event published meanwhile,
+    as its first delivery."""
+    assert single.config.timeouts.rpc_timeout_ms == 2000
+    with squall.connect(single.gateway_address, timeout_s=2.0) as client:
+        client.create_topic("jobs")
+        topic = client.topic("jobs")
+        topic.create_shared_subscription("w", ack_deadline_ms=60_000, max_deliveries=3)
+
+        def pull(wait_ms: int, timeout_s: float) -> list[broker_pb2.SharedMessage]:
+            request = broker_pb2.PullRequest(
+                topic="jobs", subscription="w", consumer_id="raw", max_messages=1, wait_ms=wait_ms
+            )
+            return list(client._subscriber_stub.Pull(request, timeout=timeout_s).messages)
+
+        assert pull(wait_ms=4_000, timeout_s=6.0) == []
+        assert pull(wait_ms=5_000, timeout_s=1.0) == []
+
+        def publish(payload: bytes) -> None:
+            with topic.publisher() as publisher:
+                publisher.publish(payload)
+
+        publish_later = threading.Timer(3.0, publish, args=(b"late job",))
+        publish_later.start()
+        try:
+            with topic.shared("w", consumer_id="c1", wait_ms=4_000) as consumer:
+                got = consumer.pull()
+        finally:
+            publish_later.join()
+        assert [(m.payload, m.delivery_attempt) for m in got] == [(b"late job", 1)]
+
+        async def aio_pull() -> list[tuple[bytes, int]]:
+            async with squall.aio.connect(single.gateway_address, timeout_s=2.0) as aio_client:
+                aio_topic = await aio_client.topic("jobs")
+                async with aio_topic.shared("w", consumer_id="c2", wait_ms=4_000) as consumer:
+                    return [(m.payload, m.delivery_attempt) for m in await consumer.pull()]
+
+        publish_later = threading.Timer(3.0, publish, args=(b"later job",))
+        publish_later.start()
+        try:
+            assert asyncio.run(aio_pull()) == [(b"later job", 1)]
+        finally:
+            publish_later.join()

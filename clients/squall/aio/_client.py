@@ -208,10 +208,11 @@ class Client:
         """The underlying asyncio gRPC channel, for calling the generated stubs directly."""
         return self._channel
 
-    async def _call(self, method: Any, request: Any) -> Any:
+    async def _call(self, method: Any, request: Any, wait_s: float = 0.0) -> Any:
+        """One call within timeout_s, plus wait_s the request asks the server to wait."""
         self._check_open()
         try:
-            return await method(request, timeout=self._timeout_s)
+            return await method(request, timeout=self._timeout_s + wait_s)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 

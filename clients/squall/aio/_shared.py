@@ -25,6 +25,7 @@ from squall._shared import (
     settle_request,
     shared_messages,
 )
+from squall.wire.long_poll import pull_wait_s
 
 
 class AsyncSharedConsumer(ConsumerSettings):
@@ -33,7 +34,7 @@ class AsyncSharedConsumer(ConsumerSettings):
     def __init__(
         self,
         subscriber_stub: Any,
-        call: Callable[[Any, Any], Awaitable[Any]],
+        call: Callable[..., Awaitable[Any]],
         topic: str,
         name: str,
         *,
@@ -66,10 +67,12 @@ class AsyncSharedConsumer(ConsumerSettings):
     async def __aexit__(self, *exc: object) -> None:
         self.close()
 
-    async def _retrying(self, method: Any, request: Any, *, unknown: bool = True) -> Any:
+    async def _retrying(
+        self, method: Any, request: Any, *, unknown: bool = True, wait_s: float = 0.0
+    ) -> Any:
         for attempt in range(SHARED_RETRIES_MAX):
             try:
-                return await self._call(method, request)
+                return await self._call(method, request, wait_s)
             except SquallError as exc:
                 last = attempt == SHARED_RETRIES_MAX - 1 or self._closed
                 if last or not retried(exc, unknown=unknown):
@@ -89,7 +92,7 @@ class AsyncSharedConsumer(ConsumerSettings):
         request = pull_request(
             self, max_messages or self._max, wait, self._max_outstanding, max(room, 0)
         )
-        response = await self._retrying(self._stub.Pull, request)
+        response = await self._retrying(self._stub.Pull, request, wait_s=pull_wait_s(wait))
         messages = shared_messages(response, self._settle, self._extend)
         self._outstanding.add(messages)
         return messages

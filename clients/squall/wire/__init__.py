@@ -11,6 +11,8 @@ reuse them:
 * `squall.wire.auth`: where a bearer token comes from (`SQUALL_TOKEN`,
   `SQUALL_TOKEN_FILE`), what a valid one looks like, and the `authorization` metadata
   that carries it;
+* `squall.wire.long_poll`: how long a call may wait because its request asks it to (a
+  shared subscription's `Pull` and its `wait_ms`), which every hop's deadline must cover;
 * `squall.wire.trace_context`: the W3C `traceparent`/`tracestate` metadata that carries
   OpenTelemetry context between processes, the RPC span names and attributes, and which
   status codes mark a span as failed.

@@ -1,0 +1,20 @@
+"""How long a call may wait because its own request asks it to.
+
+A shared subscription's `Pull` waits up to its `wait_ms` for an event when none is ready,
+at most `PULL_WAIT_MAX_MS`, and then answers (empty). Every hop's deadline must cover that
+wait on top of its own: if the library's call (its `timeout_s`) or the gateway's forward
+(`timeouts.rpc_timeout_ms`) ended first, the master would go on waiting for a caller that
+is gone, and an event leased to that call would reach a consumer only after its ack
+deadline, counted as a failed delivery. The master, for its part, answers before its
+caller's deadline (`squall_server.replica.shared_master`).
+"""
+
+from __future__ import annotations
+
+# The longest a Pull waits for an event: a larger PullRequest.wait_ms is capped to it.
+PULL_WAIT_MAX_MS = 30_000
+
+
+def pull_wait_s(wait_ms: int) -> float:
+    """The seconds a Pull asking to wait wait_ms may take before it answers."""
+    return min(max(wait_ms, 0), PULL_WAIT_MAX_MS) / 1000
