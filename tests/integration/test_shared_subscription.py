@@ -216,15 +216,17 @@ def test_the_cli_and_the_asyncio_client_consume_a_shared_subscription(
 
 
 def test_a_long_pull_waits_as_asked_through_the_gateway_and_answers_before_its_deadline(
-    single: LocalCluster,
+    cluster_factory: object,
 ) -> None:
     """A Pull waits up to its wait_ms for work and then answers, empty, as the contract
-    says, also when that wait is longer than the services' rpc_timeout_ms (2 s), which
-    used to cut the gateway's forward short with DEADLINE_EXCEEDED, and when the caller's
-    own deadline is shorter than the wait, which it now answers before. The library's
-    call covers the wait it asks for: its consumer gets the event published meanwhile,
-    as its first delivery."""
-    assert single.config.timeouts.rpc_timeout_ms == 2000
+    says, also when that wait is longer than the gateway's deadline for a forwarded call
+    (timeouts.publish_timeout_ms, 2 s here, 10 s by default), which used to cut it short
+    with DEADLINE_EXCEEDED, and when the caller's own deadline is shorter than the wait,
+    which it now answers before. The library's call covers the wait it asks for: its
+    consumer gets the event published meanwhile, as its first delivery."""
+    single = cluster_factory("single.toml", timeouts={"publish_timeout_ms": 2000})  # type: ignore[operator]
+    assert isinstance(single, LocalCluster)
+    single.start_all()
     with squall.connect(single.gateway_address, timeout_s=2.0) as client:
         client.create_topic("jobs")
         topic = client.topic("jobs")
