@@ -3,10 +3,10 @@
 A shared subscription's `Pull` waits up to its `wait_ms` for an event when none is ready,
 at most `PULL_WAIT_MAX_MS`, and then answers (empty). Every hop's deadline must cover that
 wait on top of its own: if the library's call (its `timeout_s`) or the gateway's forward
-(`timeouts.publish_timeout_ms`, its deadline for every forwarded call) ended first, the master would go on waiting for a caller that
-is gone, and an event leased to that call would reach a consumer only after its ack
-deadline, counted as a failed delivery. The master, for its part, answers before its
-caller's deadline (`squall_server.replica.shared_master`).
+(`timeouts.publish_timeout_ms`, its deadline for every forwarded call) ended first, the
+call would fail with `DEADLINE_EXCEEDED` and be retried, though nothing went wrong. The
+master, for its part, answers before its caller's deadline
+(`squall_server.replica.shared_master`).
 """
 
 from __future__ import annotations
