@@ -40,7 +40,7 @@ from opentelemetry import trace
 
 from squall.v1 import broker_pb2
 from squall.wire import stages as _stages
-from squall.wire.long_poll import pull_wait_s
+from squall.wire.long_poll import PULL_METHOD, pull_wait_s
 from squall.wire.retry import Outcome, RetryPolicy, overall
 from squall_server.common.call_guard import CLIENT_PEER_KEY
 from squall_server.common.grpc_server import Context
@@ -73,7 +73,6 @@ FORWARDED_SERVICES = ("TopicManager", "Publisher", "Subscriber", "PushSubscripti
 
 # A retry is not started with less of the caller's deadline left than this.
 _DEADLINE_SLACK_S = 0.01
-_PULL_PATH = "/squall.v1.Subscriber/Pull"
 
 _Metadata = tuple[tuple[str, str | bytes], ...]
 
@@ -131,7 +130,7 @@ def _detach(tokens: list[object]) -> None:
 def _asked_wait_s(path: str, request: bytes) -> float:
     """How long the master may wait because the request asks it to: a Pull's wait_ms
     (squall.wire.long_poll), which the forward's deadline must cover on top of its own."""
-    if path != _PULL_PATH:
+    if path != PULL_METHOD:
         return 0.0
     try:
         return pull_wait_s(broker_pb2.PullRequest.FromString(request).wait_ms)

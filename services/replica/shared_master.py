@@ -30,8 +30,8 @@ log = logging.getLogger("squall.replica")
 
 # How often the master looks for lapsed leases (a lease lapses at most this late).
 SHARED_TICK_MS = 100
-# A Pull answers this long before its caller's deadline, so that its answer, and the
-# events it leases, reach a caller still waiting (through the gateway too).
+# A Pull answers this long before its caller's deadline, so that its answer, and any
+# event it leased, reach a caller still waiting (through the gateway too).
 PULL_ANSWER_MARGIN_MS = 250
 # Most offsets one consumer may hold at once (per-consumer flow control on the master).
 OUTSTANDING_MAX = 1000
@@ -141,8 +141,8 @@ class SharedMaster:
         """Leases events to the consumer, waiting up to wait_ms for one, within its flow
         control: max_outstanding leased to it in all, max_bytes in this answer. With the
         caller's deadline (deadline_in_ms from now) the wait ends PULL_ANSWER_MARGIN_MS
-        before it: a lease made for a caller that gave up would only come back to the
-        consumers after its ack deadline, counted as a failed delivery."""
+        before it, so the caller hears "nothing yet" rather than DEADLINE_EXCEEDED, which
+        the gateway and the libraries would retry as if something had failed."""
         if not consumer_id:
             raise ServiceError(Code.INVALID_ARGUMENT, "pull needs a consumer_id")
         if max_messages < 1:

@@ -30,6 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy.processes import free_port
 from squall.v1 import broker_pb2
+from squall.wire.long_poll import PULL_METHOD
 from squall_server.common.config import ClusterConfig, parse_config
 
 T = TypeVar("T")
@@ -188,7 +189,7 @@ PULL_WAIT_FUZZ_MAX_MS = 1_000
 def _short_wait(method: Method, raw: bytes) -> bytes:
     """raw, with a Pull's wait cut to PULL_WAIT_FUZZ_MAX_MS (raw bytes that do not parse
     are sent as they are: the master refuses them at once)."""
-    if method.path != "/squall.v1.Subscriber/Pull":
+    if method.path != PULL_METHOD:
         return raw
     try:
         request = broker_pb2.PullRequest.FromString(raw)

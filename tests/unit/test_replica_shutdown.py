@@ -171,6 +171,29 @@ def test_a_frozen_replica_refuses_writes_and_new_roles_until_the_freeze_is_abort
     _run(body)
 
 
+async def _lease_watch_ticks(node: ReplicaNode, count: int) -> None:
+    """Returns once the replica's lease watch has ticked its core `count` more times
+    (bounded: it ticks every 50 ms), so a check after it sees what those ticks decided."""
+    core = node.core
+    tick = core.tick
+    seen = 0
+
+    def counting(now_ms: int) -> object:
+        nonlocal seen
+        seen += 1
+        return tick(now_ms)
+
+    setattr(core, "tick", counting)  # noqa: B010 (an instance attribute over the method)
+    try:
+        for _ in range(500):
+            if seen >= count:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"the lease watch ticked {seen} times, not {count}, in 5 s")
+    finally:
+        delattr(core, "tick")
+
+
 def test_a_freeze_nobody_finishes_lapses_after_its_hold_and_the_replica_says_so(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -184,7 +207,7 @@ def test_a_freeze_nobody_finishes_lapses_after_its_hold_and_the_replica_says_so(
         await node.apply_role(_master(1))
         await shutdown.freeze(node, "s1", "t", hold_ms=200)
         clock.advance(150)
-        await asyncio.sleep(0.2)  # the lease watch ticks (every 50 ms): still frozen
+        await _lease_watch_ticks(node, 2)  # they see 150 of 200 ms: still frozen
         with pytest.raises(ServiceError, match="stopping for cluster shutdown s1"):
             node.check_writable()
         assert node.freeze_remaining_ms() == 50
@@ -218,7 +241,7 @@ def test_a_freeze_from_an_older_command_naming_no_hold_holds_two_minutes() -> No
         await shutdown.freeze(node, "s1", "t", hold_ms=0)
         assert node.freeze_remaining_ms() == shutdown.FREEZE_HOLD_DEFAULT_MS == 120_000
         clock.advance(shutdown.FREEZE_HOLD_DEFAULT_MS - 1)
-        await asyncio.sleep(0.2)  # the lease watch ticks (every 50 ms): still frozen
+        await _lease_watch_ticks(node, 2)  # they see 1 ms left: still frozen
         assert node.frozen_for == "s1" and node.freeze_remaining_ms() == 1
         clock.advance(2)
         for _ in range(100):  # bounded: the lease watch ticks every 50 ms

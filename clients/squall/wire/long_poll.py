@@ -13,6 +13,8 @@ from __future__ import annotations
 
 # The longest a Pull waits for an event: a larger PullRequest.wait_ms is capped to it.
 PULL_WAIT_MAX_MS = 30_000
+# The gRPC method whose request names such a wait.
+PULL_METHOD = "/squall.v1.Subscriber/Pull"
 
 
 def pull_wait_s(wait_ms: int) -> float:
