@@ -685,6 +685,19 @@ class Topic:
         )
         self._client._call(self._client._topic_manager.UnlinkTopic, request)
 
+    def retry_link(self, to: str | Topic, cluster: str = "") -> tuple[LinkInfo, bool]:
+        """Forwards again a link to another cluster that stopped on a refusal for good
+        (`LinkInfo.stopped_reason`), from its committed position, once the cause is fixed.
+        Returns the link and whether it was stopped (False: it was forwarding, nothing
+        changed); NotFound if there is no such link."""
+        request = broker_pb2.RetryLinkRequest(
+            from_topic=self.name,
+            to_topic=to if isinstance(to, str) else to.name,
+            to_cluster=cluster,
+        )
+        response = self._client._call(self._client._topic_manager.RetryLink, request)
+        return LinkInfo.from_pb(response.link), response.was_stopped
+
     def links(self) -> list[LinkInfo]:
         """This topic's links, ordered by destination (IceStorm's getLinkInfoSeq)."""
         request = broker_pb2.GetLinkInfoRequest(topic=self.name)

@@ -7,6 +7,7 @@
     squall topic list [--json] | topic destroy NAME
     squall topic subscribers NAME [--json] | topic unsubscribe NAME ID     push subscribers
     squall topic link NAME TO [--cost N] [--cluster R] | topic unlink NAME TO [--cluster R]
+    squall topic retry-link NAME TO [--cluster R]
     squall topic links [NAME] [--json] | topic info NAME [--json]   links and where they are
     squall publish TOPIC [MESSAGE ...]          no MESSAGE: one event per line of stdin
     squall subscribe TOPIC [--subscription S] [--from earliest|latest|N|ISO8601] [--follow]
@@ -190,7 +191,14 @@ def build_parser() -> argparse.ArgumentParser:
     unlink = topic_commands.add_parser("unlink", parents=[client], help="remove a topic link")
     unlink.add_argument("name")
     unlink.add_argument("to")
-    for link_parser in (link, unlink):
+    retry_link = topic_commands.add_parser(
+        "retry-link",
+        parents=[client],
+        help="forward again a link that another cluster's refusal stopped (fix the cause first)",
+    )
+    retry_link.add_argument("name")
+    retry_link.add_argument("to")
+    for link_parser in (link, unlink, retry_link):
         link_parser.add_argument(
             "--cluster",
             default="",
@@ -417,7 +425,7 @@ def _cmd_topic(client: squall.Client, args: argparse.Namespace, out: TextIO) -> 
                 + (f"\tlast_error={sub.last_error}" if sub.last_error else ""),
                 file=out,
             )
-    elif args.topic_command in ("link", "unlink", "links", "info"):
+    elif args.topic_command in ("link", "unlink", "retry-link", "links", "info"):
         return _cmd_topic_links(client, args, out)
     elif args.topic_command == "unsubscribe":
         client.topic(args.name).unsubscribe_push(args.subscriber_id)
@@ -441,6 +449,18 @@ def _cmd_topic_links(client: squall.Client, args: argparse.Namespace, out: TextI
         client.topic(args.name).unlink(args.to, cluster=args.cluster)
         target = f"{args.to}@{args.cluster}" if args.cluster else args.to
         print(f"unlinked topic {args.name} from {target}", file=out)
+    elif args.topic_command == "retry-link":
+        link, was_stopped = client.topic(args.name).retry_link(args.to, cluster=args.cluster)
+        target = f"{link.to_topic}@{link.to_cluster}" if link.to_cluster else link.to_topic
+        print(
+            f"link {link.from_topic} -> {target}: "
+            + (
+                f"forwarding again from offset {link.next_offset}"
+                if was_stopped
+                else f"was not stopped; it forwards from offset {link.next_offset}"
+            ),
+            file=out,
+        )
     elif args.topic_command == "links":
         links = client.topic(args.name).links() if args.name else client.links()
         if args.json:

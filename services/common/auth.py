@@ -87,6 +87,7 @@ def _rules() -> dict[str, Rule]:
     rules[manager + "LinkTopic"] = Rule(Permission.ADMIN, "from_topic", "link topic")
     rules[manager + "UnlinkTopic"] = Rule(Permission.ADMIN, "from_topic", "unlink topic")
     rules[manager + "GetLinkInfo"] = Rule(Permission.ADMIN, action="read topic links")
+    rules[manager + "RetryLink"] = Rule(Permission.ADMIN, "from_topic", "retry topic link")
     for name in ("GetPublisher", "GetNonReplicatedPublisher"):
         rules[manager + name] = Rule(Permission.PUBLISH, "topic", "publish to topic")
     for name in ("Publish", "PublishStream"):

@@ -54,6 +54,8 @@ METHOD_KINDS: Mapping[str, MethodKind] = {
     "LinkTopic": "once",
     "UnlinkTopic": "once",
     "GetLinkInfo": "read",
+    # A repeated retry finds the link forwarding and answers ok.
+    "RetryLink": "idempotent",
     "Publish": "publish",
     "PublishStream": "stream",
     "Subscribe": "stream",

@@ -73,6 +73,18 @@ REFUSED_FOR_GOOD = frozenset(
 _LinkKey = tuple[str, str, int]  # source, destination, LSN of the link's entry
 
 
+def _key(link: replica_pb2.LinkTopicOp) -> _LinkKey:
+    target = link_rules.link_target(link.to_cluster, link.to_topic)
+    return (link.from_topic, target, link.created_lsn)
+
+
+def _remote_where(link: replica_pb2.LinkTopicOp) -> str:
+    return (
+        f"link '{link.from_topic}' -> '{link.to_topic}' on cluster '{link.to_cluster}' "
+        f"(cost {link.cost})"
+    )
+
+
 class LinkForwarding(
     MasterTasks[_LinkKey, replica_pb2.LinkTopicOp, "_Worker | _RemoteWorker", "ForwardingEndpoint"]
 ):
@@ -86,10 +98,7 @@ class LinkForwarding(
         return _RESCAN_S
 
     def wanted(self) -> dict[_LinkKey, replica_pb2.LinkTopicOp]:
-        return {
-            (x.from_topic, link_rules.link_target(x.to_cluster, x.to_topic), x.created_lsn): x
-            for x in self._node.store.list_links()
-        }
+        return {_key(x): x for x in self._node.store.list_links()}
 
     def make(
         self, key: _LinkKey, item: replica_pb2.LinkTopicOp, epoch: int
@@ -115,12 +124,7 @@ class LinkForwarding(
 
     def position(self, link: replica_pb2.LinkTopicOp) -> int:
         """The next source offset the link examines, as this replica knows it."""
-        key = (
-            link.from_topic,
-            link_rules.link_target(link.to_cluster, link.to_topic),
-            link.created_lsn,
-        )
-        worker = self._workers.get(key)
+        worker = self._workers.get(_key(link))
         if link.to_cluster:
             durable = max(link.start_offset, link.cursor)
             return durable if worker is None else max(durable, worker.position)
@@ -132,13 +136,34 @@ class LinkForwarding(
 
     def stopped_reason(self, link: replica_pb2.LinkTopicOp) -> str:
         """Why the link's forwarding stopped on this master ("" while it goes on)."""
-        key = (
-            link.from_topic,
-            link_rules.link_target(link.to_cluster, link.to_topic),
-            link.created_lsn,
-        )
-        worker = self._workers.get(key)
+        worker = self._workers.get(_key(link))
         return "" if worker is None else worker.stopped_reason
+
+    async def retry(self, link: replica_pb2.LinkTopicOp) -> str:
+        """Forwards a link stopped by a refusal for good again (`RetryLink`), from its
+        committed cursor; returns the reason it had stopped ("": it was not stopped, and
+        nothing changes). The stopped worker's last cursor write is awaited first, so the
+        new worker starts after every batch the remote acknowledged."""
+        key = _key(link)
+        worker = self._workers.get(key)
+        if worker is None or not worker.stopped_reason:
+            return ""
+        reason = worker.stopped_reason
+        # Not cancelled with the call: the stop's cursor write is the log's, not the caller's.
+        await asyncio.wait([worker.task])
+        if self._workers.get(key) is worker:
+            del self._workers[key]
+            self.refresh()
+        log.warning(
+            "replica %s: %s: forwarding again from offset %d at the operator's request "
+            "(epoch=%d); it had %s",
+            self._node.node.id,
+            _remote_where(link),
+            self.position(link),
+            self._node.epoch,
+            reason,
+        )
+        return reason
 
     def lag(self, link: replica_pb2.LinkTopicOp) -> tuple[int, int, int]:
         """(next offset, events waiting, ms the oldest of them has waited) of a link."""
@@ -305,11 +330,7 @@ class _RemoteWorker:
 
     @property
     def _where(self) -> str:
-        link = self._link
-        return (
-            f"link '{link.from_topic}' -> '{link.to_topic}' on cluster '{link.to_cluster}' "
-            f"(cost {link.cost})"
-        )
+        return _remote_where(self._link)
 
     def _linked(self) -> bool:
         return any(
@@ -396,8 +417,8 @@ class _RemoteWorker:
         error = remote.remote_error(self._remote, exc, "store forwarded events")
         self.stopped_reason = (
             f"stopped at offset {self.position} (offsets {self.position}..{end - 1} refused "
-            f"for good, not retried): {error.message}; fix the cause, then move the master "
-            "role or restart this replica to retry from there"
+            f"for good, not retried): {error.message}; fix the cause, then retry the link "
+            "(`squall topic retry-link`) to forward from there"
         )
         log.error(
             "replica %s: %s: forwarding stopped (epoch=%d): %s",

@@ -248,6 +248,28 @@ class TopicManager(broker_pb2_grpc.TopicManagerServicer):
         infos.sort(key=lambda i: (i.from_topic, i.to_cluster, i.to_topic))
         return broker_pb2.GetLinkInfoResponse(links=infos)
 
+    async def RetryLink(
+        self, request: broker_pb2.RetryLinkRequest, context: Context
+    ) -> broker_pb2.RetryLinkResponse:
+        try:
+            self.node.check_writable()  # a slave redirects: only the master forwards
+            with _translating(self.node):
+                self.node.topic(request.from_topic)
+                link = self._one_link(request.from_topic, request.to_topic, request.to_cluster)
+            stopped_reason = await self.node.links.retry(link)
+        except ServiceError as exc:
+            await abort(context, exc)
+        return broker_pb2.RetryLinkResponse(
+            link=self._link_info(link), was_stopped=bool(stopped_reason)
+        )
+
+    def _one_link(self, from_topic: str, to_topic: str, to_cluster: str) -> replica_pb2.LinkTopicOp:
+        for link in self.node.store.list_links(from_topic):
+            if (link.to_topic, link.to_cluster) == (to_topic, to_cluster):
+                return link
+        target = link_rules.link_target(to_cluster, to_topic)
+        raise ServiceError(Code.NOT_FOUND, f"topic '{from_topic}' is not linked to '{target}'")
+
     async def _probe_remote(
         self, to_cluster: str, to_topic: str
     ) -> common_pb2.TopicKind.ValueType | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -215,3 +216,72 @@ def _run(cluster_factory: object, site_b: LocalCluster, proxy: TcpProxy) -> None
     assert "topic links:" in status.stdout and "a -> c\tcost=2" in status.stdout, status.stdout
     assert "a -> orders@site-b\tcost=0" in status.stdout, status.stdout
     assert "a -> b\t" not in status.stdout, status.stdout
+
+
+def test_a_link_stopped_by_a_refusal_forwards_again_after_retry_link_once_each_in_order(
+    cluster_factory: Callable[..., LocalCluster],
+) -> None:
+    """A link to another cluster stops when the remote refuses a batch for good (here its
+    destination topic was destroyed). Once the operator has made the topic again,
+    `squall topic retry-link` forwards from the refused batch on: every event the source
+    acknowledged meanwhile reaches the new topic once, in order, also across a kill -9 of
+    the source's replica right after the retry. The remote is this one-node cluster's
+    own gateway, named in [[remotes]] and reached as another cluster's would be."""
+    cluster = cluster_factory("single.toml")
+    gateway = cluster.gateway_address
+    with cluster.config_path.open("a") as file:
+        file.write(f'\n[[remotes]]\nname = "mirror"\ngateways = ["{gateway}"]\n')
+    cluster.config = load_config(cluster.config_path)
+    cluster.start_all()
+
+    def squall_cli(*args: str) -> str:
+        done = run_squall(*args, "--gateway", gateway)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    with squall.connect(gateway) as client:
+        client.create_topic("src")
+        client.create_topic("dst")
+        source = client.topic("src")
+        source.link("dst", cluster="mirror")
+        with source.publisher("app") as publisher:
+            acked = [publisher.publish(b"before").offset]
+            wait_for(lambda: len(_forwarded(client, "dst")) == 1, 30, "the first event forwarded")
+            client.destroy_topic("dst")
+            acked += [publisher.publish(b"refused-%d" % n).offset for n in range(2)]
+            wait_for(
+                lambda: "STOPPED: stopped at offset 1" in squall_cli("topic", "links", "src"),
+                30,
+                "the link stopped on the missing topic",
+            )
+            (link,) = source.links()
+            assert "refused for good" in link.stopped_reason and "retry-link" in link.stopped_reason
+            assert link.next_offset == 1, "the cursor passed a batch the remote never took"
+
+            client.create_topic("dst")
+            said = squall_cli("topic", "retry-link", "src", "dst", "--cluster", "mirror")
+            assert said.strip() == "link src -> dst@mirror: forwarding again from offset 1", said
+            assert "forwarding again from offset 1 at the operator's request" in cluster.log(
+                "replica", "n1"
+            )
+            acked.append(publisher.publish(b"after the retry").offset)
+            wait_for(lambda: len(_forwarded(client, "dst")) == 3, 30, "the retried link")
+            # The retried link's cursor is the log's: a crash resumes it without repeats.
+            cluster.kill("replica", "n1")
+            cluster.start("replica", "n1")
+            cluster.wait_for_master(60)
+            acked.append(publisher.publish(b"after the crash").offset)
+        expected = [m.payload for m in source.subscribe(None, follow=False)][1:]
+        assert expected == [b"refused-0", b"refused-1", b"after the retry", b"after the crash"]
+        wait_for(lambda: len(_forwarded(client, "dst")) >= 4, 30, "the link after the crash")
+        on_dst = _forwarded(client, "dst")
+        assert [(m.payload, m.sequence) for m in on_dst] == [
+            (payload, offset + 1) for payload, offset in zip(expected, acked[1:], strict=True)
+        ], "not once each in the source's order"
+        assert not source.links()[0].stopped_reason
+
+    again = squall_cli("topic", "retry-link", "src", "dst", "--cluster", "mirror")
+    assert again.strip() == "link src -> dst@mirror: was not stopped; it forwards from offset 5"
+    missing = run_squall("topic", "retry-link", "src", "nowhere", "--gateway", gateway)
+    assert missing.returncode != 0
+    assert "topic 'src' is not linked to 'nowhere'" in missing.stderr, missing.stderr

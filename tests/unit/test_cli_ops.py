@@ -109,7 +109,7 @@ def test_bash_completion_offers_commands_options_and_choices_from_the_parser() -
         ]
     ) == [
         "topic",
-        "create list destroy subscribers unsubscribe link unlink links info",
+        "create list destroy subscribers unsubscribe link unlink retry-link links info",
         "--json",
         "earliest latest",
         "bash zsh",

@@ -241,6 +241,53 @@ def test_transient_refusals_are_retried_and_never_stop_the_link(
     assert reason == "" and position == 0
 
 
+class _FixableRemote(broker_pb2_grpc.PublisherServicer):
+    """Another cluster's gateway that refuses every batch for good (its topic is missing)
+    until the test fixes it, then takes them."""
+
+    def __init__(self) -> None:
+        self.fixed = False
+        self.calls = 0
+        self.events = 0
+
+    async def Publish(
+        self, request: broker_pb2.PublishRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> broker_pb2.PublishResponse:
+        self.calls += 1
+        if not self.fixed:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "topic 'orders' does not exist")
+        self.events += len(request.events)
+        return broker_pb2.PublishResponse()
+
+
+def test_a_retried_link_forwards_the_refused_batch_and_a_retry_of_a_running_link_does_nothing(
+    tmp_path: Path,
+) -> None:
+    remote_server = _FixableRemote()
+
+    async def scenario() -> dict[str, Any]:
+        async with _master_linked_to(tmp_path, remote_server) as (node, link):
+            await _until(lambda: bool(node.links.stopped_reason(link)))
+            remote_server.fixed = True
+            await asyncio.sleep(_STILL_S)  # many rescans: none restarts a stopped link
+            seen: dict[str, Any] = {"calls before the retry": remote_server.calls}
+            seen["reason"] = await node.links.retry(link)
+            await _until(lambda: node.links.position(link) == 1)
+            await _until(lambda: node.store.list_links("a")[0].cursor == 1)
+            seen["stopped after"] = node.links.stopped_reason(link)
+            seen["second retry"] = await node.links.retry(link)
+            await asyncio.sleep(_STILL_S)
+            seen["position"] = node.links.position(link)
+            return seen
+
+    seen = asyncio.run(scenario())
+    assert seen["calls before the retry"] == 1, "a stopped link was offered again unasked"
+    assert seen["reason"].startswith("stopped at offset 0 (offsets 0..0 refused for good")
+    assert seen["stopped after"] == "" and seen["second retry"] == ""
+    assert remote_server.events == 1, "the refused batch not forwarded once after the retry"
+    assert seen["position"] == 1
+
+
 # --- the cursor rides with the next commit batch (issue 16: no commit round of its own)
 
 

@@ -404,6 +404,64 @@ class UnlinkTopicResponse(_message.Message):
 Global___UnlinkTopicResponse: _TypeAlias = UnlinkTopicResponse  # noqa: Y015
 
 @_typing.final
+class RetryLinkRequest(_message.Message):
+    """Asks to forward a stopped link again."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FROM_TOPIC_FIELD_NUMBER: _builtins.int
+    TO_TOPIC_FIELD_NUMBER: _builtins.int
+    TO_CLUSTER_FIELD_NUMBER: _builtins.int
+    from_topic: _builtins.str
+    """The linked topic."""
+    to_topic: _builtins.str
+    """The topic it forwards to."""
+    to_cluster: _builtins.str
+    """The cluster of to_topic (empty: this cluster, whose links never stop)."""
+    def __init__(
+        self,
+        *,
+        from_topic: _builtins.str = ...,
+        to_topic: _builtins.str = ...,
+        to_cluster: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_topic", b"from_topic", "to_cluster", b"to_cluster", "to_topic", b"to_topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetryLinkRequest: _TypeAlias = RetryLinkRequest  # noqa: Y015
+
+@_typing.final
+class RetryLinkResponse(_message.Message):
+    """The link after the retry."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LINK_FIELD_NUMBER: _builtins.int
+    WAS_STOPPED_FIELD_NUMBER: _builtins.int
+    was_stopped: _builtins.bool
+    """Whether it was stopped (false: it was forwarding already, nothing changed)."""
+    @_builtins.property
+    def link(self) -> Global___LinkInfo:
+        """The link, forwarding from LinkInfo.next_offset (stopped_reason empty)."""
+
+    def __init__(
+        self,
+        *,
+        link: Global___LinkInfo | None = ...,
+        was_stopped: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["link", b"link"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["link", b"link", "was_stopped", b"was_stopped"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetryLinkResponse: _TypeAlias = RetryLinkResponse  # noqa: Y015
+
+@_typing.final
 class GetLinkInfoRequest(_message.Message):
     """Asks for a topic's outgoing links."""
 

@@ -81,6 +81,11 @@ class TopicManagerStub:
                 request_serializer=squall_dot_v1_dot_broker__pb2.GetLinkInfoRequest.SerializeToString,
                 response_deserializer=squall_dot_v1_dot_broker__pb2.GetLinkInfoResponse.FromString,
                 _registered_method=True)
+        self.RetryLink = channel.unary_unary(
+                '/squall.v1.TopicManager/RetryLink',
+                request_serializer=squall_dot_v1_dot_broker__pb2.RetryLinkRequest.SerializeToString,
+                response_deserializer=squall_dot_v1_dot_broker__pb2.RetryLinkResponse.FromString,
+                _registered_method=True)
 
 
 class TopicManagerServicer:
@@ -159,6 +164,17 @@ class TopicManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RetryLink(self, request, context):
+        """Forwards again a link to another cluster that stopped because the remote refused a
+        batch for good (LinkInfo.stopped_reason): the master offers that batch again, from
+        the link's committed position, once the operator has fixed the cause. OK with the
+        link's state whether or not it was stopped (RetryLinkResponse.was_stopped), so a
+        repeat is harmless; NOT_FOUND when there is no such link.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TopicManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -206,6 +222,11 @@ def add_TopicManagerServicer_to_server(servicer, server):
                     servicer.GetLinkInfo,
                     request_deserializer=squall_dot_v1_dot_broker__pb2.GetLinkInfoRequest.FromString,
                     response_serializer=squall_dot_v1_dot_broker__pb2.GetLinkInfoResponse.SerializeToString,
+            ),
+            'RetryLink': grpc.unary_unary_rpc_method_handler(
+                    servicer.RetryLink,
+                    request_deserializer=squall_dot_v1_dot_broker__pb2.RetryLinkRequest.FromString,
+                    response_serializer=squall_dot_v1_dot_broker__pb2.RetryLinkResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -452,6 +473,33 @@ class TopicManager:
             '/squall.v1.TopicManager/GetLinkInfo',
             squall_dot_v1_dot_broker__pb2.GetLinkInfoRequest.SerializeToString,
             squall_dot_v1_dot_broker__pb2.GetLinkInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RetryLink(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/squall.v1.TopicManager/RetryLink',
+            squall_dot_v1_dot_broker__pb2.RetryLinkRequest.SerializeToString,
+            squall_dot_v1_dot_broker__pb2.RetryLinkResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -69,6 +69,13 @@ class TopicManagerStub:
     with each link's forwarding position; with no topic, every link of the cluster ordered
     by source then destination. NOT_FOUND if the topic does not exist.
     """
+    RetryLink: _grpc.UnaryUnaryMultiCallable[_broker_pb2.RetryLinkRequest, _broker_pb2.RetryLinkResponse]
+    """Forwards again a link to another cluster that stopped because the remote refused a
+    batch for good (LinkInfo.stopped_reason): the master offers that batch again, from
+    the link's committed position, once the operator has fixed the cause. OK with the
+    link's state whether or not it was stopped (RetryLinkResponse.was_stopped), so a
+    repeat is harmless; NOT_FOUND when there is no such link.
+    """
 
 @_typing.type_check_only
 class TopicManagerAsyncStub(TopicManagerStub):
@@ -106,6 +113,13 @@ class TopicManagerAsyncStub(TopicManagerStub):
     """A topic's outgoing links (IceStorm's getLinkInfoSeq), ordered by destination name,
     with each link's forwarding position; with no topic, every link of the cluster ordered
     by source then destination. NOT_FOUND if the topic does not exist.
+    """
+    RetryLink: _aio.UnaryUnaryMultiCallable[_broker_pb2.RetryLinkRequest, _broker_pb2.RetryLinkResponse]  # type: ignore[assignment]
+    """Forwards again a link to another cluster that stopped because the remote refused a
+    batch for good (LinkInfo.stopped_reason): the master offers that batch again, from
+    the link's committed position, once the operator has fixed the cause. OK with the
+    link's state whether or not it was stopped (RetryLinkResponse.was_stopped), so a
+    repeat is harmless; NOT_FOUND when there is no such link.
     """
 
 class TopicManagerServicer(metaclass=_abc_1.ABCMeta):
@@ -195,6 +209,19 @@ class TopicManagerServicer(metaclass=_abc_1.ABCMeta):
         """A topic's outgoing links (IceStorm's getLinkInfoSeq), ordered by destination name,
         with each link's forwarding position; with no topic, every link of the cluster ordered
         by source then destination. NOT_FOUND if the topic does not exist.
+        """
+
+    @_abc_1.abstractmethod
+    def RetryLink(
+        self,
+        request: _broker_pb2.RetryLinkRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.RetryLinkResponse, _abc.Awaitable[_broker_pb2.RetryLinkResponse]]:
+        """Forwards again a link to another cluster that stopped because the remote refused a
+        batch for good (LinkInfo.stopped_reason): the master offers that batch again, from
+        the link's committed position, once the operator has fixed the cause. OK with the
+        link's state whether or not it was stopped (RetryLinkResponse.was_stopped), so a
+        repeat is harmless; NOT_FOUND when there is no such link.
         """
 
 def add_TopicManagerServicer_to_server(servicer: TopicManagerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
