@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
 from squall.v1 import common_pb2
+from squall_server.common.durable_json import write_json_durably
 from squall_server.common.loss_record import (
     LOSS_MESSAGE_ID,
     LOSS_RECORDS_MAX,
@@ -93,19 +93,7 @@ def record_loss(
 
 def save_losses(data_dir: Path, records: Iterable[LossRecord]) -> None:
     """Writes the reports atomically and durably."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    path = data_dir / LOSS_FILE_NAME
-    temporary = path.with_suffix(".tmp")
-    with open(temporary, "w") as handle:
-        json.dump([r.to_dict() for r in records], handle, sort_keys=True)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-    directory = os.open(data_dir, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    write_json_durably(data_dir / LOSS_FILE_NAME, [r.to_dict() for r in records])
 
 
 def loss_to_proto(record: LossRecord) -> common_pb2.LossEvent:

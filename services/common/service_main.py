@@ -3,7 +3,8 @@
 Every service takes `--config FILE` and its id, refuses a broken file with one line and
 exit status 2 before anything starts, logs with its name and id, starts the telemetry
 `[telemetry]` asks for (before anything that records spans or metrics is built), runs
-until SIGTERM or SIGINT, and exits 1 with a logged reason if it cannot start.
+until SIGTERM or SIGINT, and exits 1 with a logged reason if it cannot start or stops
+itself (``FailStop``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ log = logging.getLogger("squall")
 Serve = Callable[[asyncio.Event], Awaitable[None]]
 
 
+class FailStop(Exception):
+    """The service stopped itself, having logged why: it exits with status 1 (a service
+    manager starts it again)."""
+
+
 def run_service(
     service: str,
     name: str,
@@ -37,6 +43,9 @@ def run_service(
         if config is not None:
             handle = start_telemetry(config, service, name)
         asyncio.run(run_until_signalled(serve))
+    except FailStop as exc:
+        log.error("%s %s exits after its fail-stop: %s", service, name, exc)
+        return 1
     except expected as exc:
         log.error("%s %s cannot start: %s", service, name, exc)
         return 1

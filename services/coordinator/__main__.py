@@ -14,7 +14,7 @@ from squall_server.common.grpc_server import ServiceServer
 from squall_server.common.logs import set_log_context
 from squall_server.common.peer_guard import guards
 from squall_server.common.running_nodes import RunningNodes
-from squall_server.common.service_main import node_service_main
+from squall_server.common.service_main import FailStop, node_service_main
 from squall_server.common.tls import transport
 from squall_server.coordinator.node import CoordinatorNode
 from squall_server.coordinator.persist import StateFileError
@@ -23,6 +23,8 @@ from squall_server.coordinator.server import Coordinator
 log = logging.getLogger("squall.coordinator")
 
 SERVICE_NAMES = [coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name]
+# How long a fail-stopped coordinator lets its stopped server's handlers end.
+_HANDLERS_END_S = 0.1
 
 
 async def serve(config: ClusterConfig, node_config: NodeConfig, stop: asyncio.Event) -> None:
@@ -61,6 +63,11 @@ async def serve(config: ClusterConfig, node_config: NodeConfig, stop: asyncio.Ev
     finally:
         await grpc_server.stop()
         await node.stop()
+    if node.failed:
+        # The server's cancelled handlers end over the next loop turns; raising at once
+        # would leave them to asyncio.run's own cancelling, which gRPC logs as unhandled.
+        await asyncio.sleep(_HANDLERS_END_S)
+        raise FailStop(node.failed)
 
 
 def main(argv: list[str] | None = None) -> int:

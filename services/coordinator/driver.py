@@ -85,6 +85,11 @@ class PeerTransport(Protocol):
         ...
 
 
+class StateSaveError(Exception):
+    """The coordinator's state could not be saved: it must not act on what it did not save
+    (its node stops the process: a fail-stop)."""
+
+
 class StateStore(Protocol):
     """Where the coordinator's persisted state lives."""
 
@@ -108,8 +113,11 @@ class FileStateStore:
         return load_state(self.path)
 
     def save(self, state: PersistedState) -> None:
-        """Writes the file atomically and durably."""
-        save_state(self.path, state)
+        """Writes the file atomically and durably (OSError naming the file)."""
+        try:
+            save_state(self.path, state)
+        except OSError as exc:
+            raise OSError(exc.errno, f"{self.path}: {exc.strerror or exc}") from exc
 
 
 class MemoryStateStore:
@@ -205,6 +213,7 @@ class CoordinatorDriver:
         view_changed: Callable[[], None] = _nothing,
         applied: Callable[[Ready], None] | None = None,
         hand_over: Callable[[str], None] | None = None,
+        save_failed: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
         self.timings = timings
@@ -222,6 +231,9 @@ class CoordinatorDriver:
         # Starts a hand-over of the group to that member in the background (node.py: the
         # replica's PrepareHandoff, then transfer_leadership); None: nobody can.
         self._hand_over = hand_over
+        # Told once the state could not be saved (the node fail-stops); "" until then.
+        self._save_failed = save_failed
+        self.failed = ""
         # Master refusals in a row by the replica, the last one's reason, and the hold-off
         # they caused (kept across recoveries: each makes a fresh Election).
         self.master_refusals = 0
@@ -279,9 +291,19 @@ class CoordinatorDriver:
     # --- applying a Ready, in the documented order
 
     def apply(self, ready: Ready) -> None:
-        """Persist, send, command the replica, publish the view, log."""
+        """Persist, send, command the replica, publish the view, log. Nothing of a Ready
+        whose state could not be saved is carried out, nor of any after it
+        (StateSaveError): the election has moved past what the file holds."""
+        if self.failed:
+            raise StateSaveError(self.failed)
         if ready.persist is not None:
-            self.store.save(ready.persist)
+            try:
+                self.store.save(ready.persist)
+            except OSError as exc:
+                self.failed = f"saving its state failed: {exc}"
+                if self._save_failed is not None:
+                    self._save_failed(self.failed)
+                raise StateSaveError(self.failed) from exc
         for message in ready.messages:
             self.transport.send(message)
         if ready.role_command is not None:

@@ -53,6 +53,7 @@ from squall_server.coordinator.driver import (
     ReplicaAnswer,
     ReplicaFailure,
     RoleNext,
+    StateSaveError,
     StateStore,
 )
 from squall_server.coordinator.election import Election, ElectionConfig
@@ -469,6 +470,7 @@ class CoordinatorNode:
             role_changed=self._role_changed.set,
             view_changed=self._view_changed,
             hand_over=self._start_hand_over,
+            save_failed=self._fail_stop,
         )
         if isinstance(self._peers, GrpcPeers):
             self._peers.address_of = self._coordinator_address
@@ -507,6 +509,24 @@ class CoordinatorNode:
     def shutting_down(self) -> str:
         """The cluster shutdown this coordinator stops for (empty: none)."""
         return self.driver.shutting_down
+
+    @property
+    def failed(self) -> str:
+        """Why this coordinator fail-stopped ("" while it runs)."""
+        return self.driver.failed
+
+    def _fail_stop(self, reason: str) -> None:
+        """Its state could not be saved: the process stops (exit status 1, so a service
+        manager starts it again), the replica's role lapsing with it."""
+        log.error(
+            "coordinator %s FAIL-STOP: %s; it stops rather than act on a state it did not "
+            "save (the file keeps the last one saved): start it again once the cause is "
+            "fixed (docs/operations.md, 'A full disk')",
+            self.node.id,
+            reason,
+        )
+        if self._on_shutdown is not None:
+            self._on_shutdown()
 
     def shutdown(self, shutdown_id: str, operator: str) -> None:
         """Clean cluster shutdown: stop electing and exit (the replica keeps its state)."""
@@ -557,7 +577,8 @@ class CoordinatorNode:
         for task in tasks:
             task.cancel()
         for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
+            # A loop that met a failed save ended with it: the fail-stop said so already.
+            with contextlib.suppress(asyncio.CancelledError, StateSaveError):
                 await task
         await self._replica.close()
         close = getattr(self._peers, "close", None)

@@ -9,11 +9,11 @@ before the driver sends anything that depends on it.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from squall_server.common.durable_json import write_json_durably
 from squall_server.common.loss_record import (
     LOSS_ACKED_IDS_MAX,
     LOSS_RECORDS_MAX,
@@ -182,15 +182,4 @@ def _parse_record(path: Path, where: str, value: object) -> OperatorRecord:
 
 def save_state(path: Path, state: PersistedState) -> None:
     """Writes the state durably and atomically: a crash leaves the old or the new file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(".tmp")
-    with open(temporary, "w") as handle:
-        json.dump(asdict(state), handle, sort_keys=True)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    write_json_durably(path, asdict(state))

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from squall_server.common.durable_json import write_json_durably
 
 if TYPE_CHECKING:
     from squall_server.common.clock import Clock
@@ -79,13 +80,8 @@ def _file_id(path: Path) -> str:
 def save_fault(data_dir: Path, fault: Fault) -> None:
     """Records the fault beside the store, atomically; logs (does not raise) on failure."""
     path = data_dir / FAULT_FILE_NAME
-    temporary = path.with_suffix(".tmp")
     try:
-        with open(temporary, "w") as handle:
-            json.dump(asdict(fault), handle, sort_keys=True)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
+        write_json_durably(path, asdict(fault))
     except OSError as exc:
         log.error("could not record the fault in %s (it is reported all the same): %s", path, exc)
 

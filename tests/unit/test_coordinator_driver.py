@@ -8,6 +8,11 @@ replica is reported to the election and cleared when it answers.
 
 from __future__ import annotations
 
+import errno
+from collections.abc import Callable
+
+import pytest
+
 from squall_server.common.clock import ManualClock
 from squall_server.coordinator.driver import (
     CoordinatorDriver,
@@ -17,11 +22,13 @@ from squall_server.coordinator.driver import (
     ReplicaAnswer,
     ReplicaFailure,
     RoleNext,
+    StateSaveError,
 )
 from squall_server.coordinator.election import ElectionConfig
 from squall_server.coordinator.messages import (
     NodeState,
     PeerMessage,
+    PersistedState,
     ReplicaReport,
     RoleCommandKind,
     StoreState,
@@ -40,7 +47,11 @@ class Recorder:
         self.sent.append(message)
 
 
-def _driver(clock: ManualClock, store: MemoryStateStore) -> CoordinatorDriver:
+def _driver(
+    clock: ManualClock,
+    store: MemoryStateStore,
+    save_failed: Callable[[str], None] | None = None,
+) -> CoordinatorDriver:
     config = ElectionConfig(
         node_id="1",
         priorities={"1": 1},
@@ -59,7 +70,14 @@ def _driver(clock: ManualClock, store: MemoryStateStore) -> CoordinatorDriver:
     )
     ids = iter(f"g{i}" for i in range(100))
     return CoordinatorDriver(
-        config, timings, clock, Recorder(), store, lambda: next(ids), lambda: "cluster-a"
+        config,
+        timings,
+        clock,
+        Recorder(),
+        store,
+        lambda: next(ids),
+        lambda: "cluster-a",
+        save_failed=save_failed,
     )
 
 
@@ -132,3 +150,33 @@ def test_a_quiet_replica_is_reported_and_cleared_when_it_answers() -> None:
     driver.replica_answered()
     assert driver.election.status().replica_unreachable_since_ms is None
     assert not driver.watch()
+
+
+class _FullDisk(MemoryStateStore):
+    """A state store on a disk with no room left: every save fails as the file's does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.saves = 0
+
+    def save(self, state: PersistedState) -> None:
+        self.saves += 1
+        raise OSError(errno.ENOSPC, "coordinator-state.json: No space left on device")
+
+
+def test_a_state_that_cannot_be_saved_stops_the_driver_before_it_acts_on_it() -> None:
+    clock, store = ManualClock(), _FullDisk()
+    failed: list[str] = []
+    driver = _driver(clock, store, failed.append)
+    with pytest.raises(StateSaveError, match="No space left on device"):
+        _to_master(driver, clock)
+    # Told once; the epoch the election moved to was neither saved nor acted on.
+    assert failed == [driver.failed] and "saving its state failed" in failed[0]
+    assert store.state.epoch == 0
+    command = driver.role_wanted()
+    assert command is None or command.kind is not RoleCommandKind.MASTER
+    # Nothing after it is carried out either, and the disk is not tried again.
+    saves = store.saves
+    with pytest.raises(StateSaveError):
+        driver.tick()
+    assert store.saves == saves and failed == [driver.failed]

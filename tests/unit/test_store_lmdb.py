@@ -15,6 +15,7 @@ import lmdb
 import pytest
 
 from squall.v1 import common_pb2
+from squall_server.replica import fault_hooks
 from squall_server.replica.store import (
     DATABASES,
     CorruptRecordError,
@@ -22,6 +23,7 @@ from squall_server.replica.store import (
     Store,
     StoreError,
     StoreFullError,
+    kv_lmdb,
 )
 from squall_server.replica.store.kv_lmdb import LmdbKV
 from squall_server.replica.store.records import LIVE_DATABASES
@@ -115,6 +117,52 @@ def test_map_full_aborts_the_batch_and_keeps_the_store(tmp_path: Path) -> None:
     store.close()
     store = Store.open_lmdb(tmp_path, 1 << 20)
     assert len(store.read_events("t", 0, 1000)) == 55
+    store.close()
+
+
+class _Room:
+    """What os.statvfs says of a filesystem with `available` bytes left of 1 GiB."""
+
+    def __init__(self, available: int) -> None:
+        self.f_frsize = 4096
+        self.f_bavail = available // 4096
+        self.f_blocks = (1 << 30) // 4096
+
+
+@pytest.mark.parametrize(
+    ("said", "available", "full"),
+    [
+        ("mdb_txn_commit: No space left on device", 1 << 29, True),
+        ("mdb_txn_commit: Disk quota exceeded", 1 << 29, True),
+        # LMDB's word for a short write, which a nearly full filesystem gives.
+        ("mdb_txn_commit: Input/output error", 8192, True),
+        # With room to spare it is a failing disk, said as LMDB says it.
+        ("mdb_txn_commit: Input/output error", 1 << 29, False),
+        ("mdb_txn_commit: Permission denied", 0, False),
+    ],
+)
+def test_a_commit_that_found_no_room_says_the_filesystem_is_full(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, said: str, available: int, full: bool
+) -> None:
+    store = Store.open_lmdb(tmp_path, MAP_SIZE_BYTES)
+    w = Writer(store)
+    w.append(epoch_start(1), create("t"))
+    before = observe(store)
+
+    def refuse(txn: object) -> None:
+        raise lmdb.Error(said)
+
+    monkeypatch.setattr(fault_hooks, "before_commit", refuse)
+    monkeypatch.setattr(kv_lmdb.os, "statvfs", lambda path: _Room(available))
+    with pytest.raises(StoreError) as failed:
+        w.append(publish("t", 0, payloads(1)))
+    message = str(failed.value)
+    assert said in message
+    named = f"the filesystem holding {tmp_path} is full ({available} of {1 << 30} bytes"
+    assert (named in message and "the store is sound" in message) is full, message
+    assert not isinstance(failed.value, StoreFullError)  # a fail-stop, failing over
+    monkeypatch.undo()
+    assert observe(store) == before  # the aborted commit left the store as it was
     store.close()
 
 

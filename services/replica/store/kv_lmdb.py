@@ -16,6 +16,10 @@ meanwhile, and takes one of ``max_readers`` reader slots.
 
 ``lmdb.MapFullError`` becomes ``KVFullError`` with the transaction aborted; LMDB's own
 corruption reports on reads become ``KVCorruptError``; any other LMDB error ``KVError``.
+A commit that failed because the filesystem is full says so (``_full_filesystem``): LMDB
+reports the short write a nearly full filesystem gives as an I/O error, which reads like
+a failing disk. It is still a ``KVError`` (the replica fail-stops, and another node with
+room takes over), but the store is sound and the operator's remedy differs.
 """
 
 from __future__ import annotations
@@ -30,6 +34,34 @@ from squall_server.replica import fault_hooks
 from squall_server.replica.store.kv import KVCorruptError, KVError, KVFullError
 
 _CORRUPT_ERRORS = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadChecksumError)
+
+# What LMDB's commit says when the filesystem is out of room: the errno's own text, or
+# EIO for a short write (mdb_page_flush: "short write, filesystem full?").
+_FULL_TEXTS = ("No space left on device", "Disk quota exceeded")
+_SHORT_WRITE_TEXT = "Input/output error"
+# Below this much room, an I/O error on commit is taken for a full filesystem: a short
+# write leaves next to nothing, and a failing disk that is also this full reads the same.
+NEARLY_FULL_BYTES = 16 << 20
+
+
+def _full_filesystem(path: str, exc: lmdb.Error) -> str:
+    """Says so when exc is how LMDB reports a full filesystem under path ("" otherwise)."""
+    text = str(exc)
+    try:
+        room = os.statvfs(path)
+    except OSError:
+        return ""
+    available = room.f_bavail * room.f_frsize
+    if not any(t in text for t in _FULL_TEXTS) and not (
+        _SHORT_WRITE_TEXT in text and available < NEARLY_FULL_BYTES
+    ):
+        return ""
+    return (
+        f"the filesystem holding {path} is full ({available} of "
+        f"{room.f_blocks * room.f_frsize} bytes available): the write was aborted and the "
+        "store is sound; free space, restart the replica, then clear the node's quarantine "
+        "(docs/operations.md, 'A full disk')"
+    )
 
 
 def _translate(db: str, exc: lmdb.Error) -> KVError:
@@ -192,6 +224,9 @@ class _WriteScope(_WriteTxn):
             fault_hooks.before_commit(txn)  # chaos tests only: see fault_hooks
             txn.commit()  # LMDB frees the transaction even when the commit fails
         except lmdb.Error as exc:
+            full = _full_filesystem(self._kv.path, exc)
+            if full:
+                raise KVError(f"LMDB error on commit: {exc}: {full}") from exc
             raise _translate("commit", exc) from exc
         if self._sync:
             self._kv.sync()
@@ -217,6 +252,7 @@ class LmdbKV:
         lock=False only for a store no other process can have open (a fresh copy).
         """
         names = list(dbs)
+        self.path = os.fspath(path)
         if map_size_bytes <= 0 and not readonly:
             raise ValueError(f"map_size_bytes must be positive, got {map_size_bytes}")
         if not lock and not readonly:
