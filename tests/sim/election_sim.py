@@ -942,8 +942,15 @@ class Simulation:
                 self.demoted.discard(node)
 
     def deactivate_replica(self, node: str) -> None:
-        """The replica stops serving; its log no longer grows once this returns."""
-        self.replicas[node].role = Role.INACTIVE
+        """The replica stops serving; its log no longer grows once this returns. Like the
+        shipped core's drop (``services/replica/core.py``, ``_drop``), it takes no role in
+        an epoch it held any more: a master deactivated in its epoch and commanded master
+        of that epoch again refuses (seed 38522: it took the role back, syncing from a
+        member whose log was behind its own)."""
+        replica = self.replicas[node]
+        if replica.role is not Role.INACTIVE:
+            self.floor[node] = max(self.floor[node], self.held_max[node])
+        replica.role = Role.INACTIVE
 
     def follow_master(self, node: str, cmd: RoleCommand) -> None:
         """The replica follows ``cmd.master_id`` in ``cmd.epoch``."""
