@@ -59,7 +59,7 @@ def _full_filesystem(path: str, exc: lmdb.Error) -> str:
     return (
         f"the filesystem holding {path} is full ({available} of "
         f"{room.f_blocks * room.f_frsize} bytes available): the write was aborted and the "
-        "store is sound; free space, restart the replica, then clear the node's quarantine "
+        "store is sound; free space, then start the node's processes again "
         "(docs/operations.md, 'A full disk')"
     )
 
