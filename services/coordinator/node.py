@@ -484,6 +484,7 @@ class CoordinatorNode:
         self._hand_over: asyncio.Task[None] | None = None
         self._watchers: set[asyncio.Queue[coordinator_pb2.GroupView]] = set()
         self._tasks: list[asyncio.Task[None]] = []
+        self._failed = ""
         self._renew_s = config.timeouts.heartbeat_interval_ms / 1000
 
     def _coordinator_address(self, node_id: str) -> str:
@@ -513,20 +514,33 @@ class CoordinatorNode:
     @property
     def failed(self) -> str:
         """Why this coordinator fail-stopped ("" while it runs)."""
-        return self.driver.failed
+        return self._failed
 
     def _fail_stop(self, reason: str) -> None:
-        """Its state could not be saved: the process stops (exit status 1, so a service
-        manager starts it again), the replica's role lapsing with it."""
+        """The process stops (exit status 1, so a service manager starts it again), the
+        replica's role lapsing with it: its state could not be saved (the driver's hook),
+        or one of its loops ended (``_loop_ended``). Either way, running on would leave a
+        coordinator that answers calls but no longer elects."""
+        if self._failed:
+            return
+        self._failed = reason
         log.error(
-            "coordinator %s FAIL-STOP: %s; it stops rather than act on a state it did not "
-            "save (the file keeps the last one saved): start it again once the cause is "
-            "fixed (docs/operations.md, 'A full disk')",
+            "coordinator %s FAIL-STOP: %s; it stops rather than run on without it: start "
+            "it again once the cause is fixed (docs/operations.md, 'A full disk')",
             self.node.id,
             reason,
         )
         if self._on_shutdown is not None:
             self._on_shutdown()
+
+    def _loop_ended(self, task: asyncio.Task[None]) -> None:
+        """A loop runs until cancelled: one that ended otherwise failed."""
+        if task.cancelled() or self.shutting_down:
+            return
+        exc = task.exception()
+        if isinstance(exc, StateSaveError):
+            return  # the driver's hook said so already
+        self._fail_stop(f"its {task.get_name()} loop ended: {exc!r}")
 
     def shutdown(self, shutdown_id: str, operator: str) -> None:
         """Clean cluster shutdown: stop electing and exit (the replica keeps its state)."""
@@ -565,6 +579,8 @@ class CoordinatorNode:
             asyncio.create_task(self._role_loop(), name="role"),
             asyncio.create_task(self._replica_watch_loop(), name="replica-watch"),
         ]
+        for task in self._tasks:
+            task.add_done_callback(self._loop_ended)
 
     async def stop(self) -> None:
         """Stops the loops and closes channels."""
@@ -577,8 +593,9 @@ class CoordinatorNode:
         for task in tasks:
             task.cancel()
         for task in tasks:
-            # A loop that met a failed save ended with it: the fail-stop said so already.
-            with contextlib.suppress(asyncio.CancelledError, StateSaveError):
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                continue  # a loop that failed: its fail-stop said why
+            with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self._replica.close()
         close = getattr(self._peers, "close", None)

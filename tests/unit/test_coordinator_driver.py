@@ -4,12 +4,18 @@ state store. What the asyncio shell and the simulator both rely on: a role comma
 reaches the role loop, a deactivated replica's answer becomes the report that lets the
 group form, a refused role makes the driver recover with a fresh Election, and a quiet
 replica is reported to the election and cleared when it answers.
+
+The last tests are about stopping: a state the driver could not save is neither acted on
+nor followed by anything (a full disk), and the asyncio node around it stops its process
+when one of its loops dies, instead of answering calls while it no longer elects.
 """
 
 from __future__ import annotations
 
+import asyncio
 import errno
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -33,6 +39,8 @@ from squall_server.coordinator.messages import (
     RoleCommandKind,
     StoreState,
 )
+from squall_server.coordinator.node import CoordinatorNode
+from tests.observability_harness import cluster_config
 
 HEARTBEAT_MS = 100
 
@@ -180,3 +188,33 @@ def test_a_state_that_cannot_be_saved_stops_the_driver_before_it_acts_on_it() ->
     with pytest.raises(StateSaveError):
         driver.tick()
     assert store.saves == saves and failed == [driver.failed]
+
+
+# --- the asyncio node around the driver: a loop that dies stops the process
+
+
+def test_a_coordinator_whose_loop_dies_fail_stops_instead_of_running_on(tmp_path: Path) -> None:
+    config = cluster_config(tmp_path, ["n1"])
+    node_config = config.node("n1")
+    node_config.data_dir.mkdir(parents=True)
+
+    async def scenario() -> tuple[str, bool]:
+        stopped = asyncio.Event()
+        node = CoordinatorNode(
+            config, node_config, on_shutdown=stopped.set, store=MemoryStateStore()
+        )
+
+        def broken() -> int:
+            raise RuntimeError("a bug in a tick")
+
+        node.driver.tick = broken  # type: ignore[method-assign]
+        await node.start()
+        try:
+            await asyncio.wait_for(stopped.wait(), 10)
+        finally:
+            await node.stop()  # does not raise the loop's error again
+        return node.failed, stopped.is_set()
+
+    failed, stopped = asyncio.run(scenario())
+    assert stopped, "the process was not told to stop"
+    assert failed == "its tick loop ended: RuntimeError('a bug in a tick')"
