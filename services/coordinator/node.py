@@ -470,7 +470,7 @@ class CoordinatorNode:
             role_changed=self._role_changed.set,
             view_changed=self._view_changed,
             hand_over=self._start_hand_over,
-            save_failed=self._fail_stop,
+            save_failed=self._state_not_saved,
         )
         if isinstance(self._peers, GrpcPeers):
             self._peers.address_of = self._coordinator_address
@@ -525,13 +525,16 @@ class CoordinatorNode:
             return
         self._failed = reason
         log.error(
-            "coordinator %s FAIL-STOP: %s; it stops rather than run on without it: start "
-            "it again once the cause is fixed (docs/operations.md, 'A full disk')",
+            "coordinator %s FAIL-STOP: %s; it stops (exit status 1) rather than run on: "
+            "start it again once the cause is fixed",
             self.node.id,
             reason,
         )
         if self._on_shutdown is not None:
             self._on_shutdown()
+
+    def _state_not_saved(self, reason: str) -> None:
+        self._fail_stop(f"{reason} (if the disk is full: docs/operations.md, 'A full disk')")
 
     def _loop_ended(self, task: asyncio.Task[None]) -> None:
         """A loop runs until cancelled: one that ended otherwise failed."""
