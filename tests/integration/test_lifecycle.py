@@ -182,11 +182,20 @@ def test_an_interrupted_shutdown_thaws_the_cluster_which_keeps_every_event_and_s
     master = controlled.wait_for_master()
     behind = next(n for n in _node_ids(controlled) if n != master)
     controlled.set_fault_control(behind, map_full=True)
+    # Only an entry written after the replica read its control file (at most every
+    # fault_hooks.POLL_S) leaves it behind for good: one in flight before may still land,
+    # and a shutdown whose members all hold the log end completes (a CI run did).
+
+    def injecting() -> bool:
+        # It reads the file at a commit: each publish brings one (acknowledged by the
+        # master and the other slave).
+        acked.update(_publish(controlled, 1))
+        return "map_full=True" in controlled.log("replica", behind)
+
+    wait_for(injecting, 20, f"{behind} injects a full store")
+    acked.update(_publish(controlled, 1))
 
     def left_behind() -> bool:
-        # Acknowledged by the master and the other slave; the full one stays behind once
-        # it has read its control file (at most every fault_hooks.POLL_S).
-        acked.update(_publish(controlled, 1))
         return _replica_position(controlled, behind)[1] < _replica_position(controlled, master)[1]
 
     wait_for(left_behind, 20, f"{behind} left behind by its full store")
