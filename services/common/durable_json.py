@@ -16,8 +16,8 @@ from typing import Any
 
 
 def write_json_durably(path: Path, document: Any) -> None:
-    """Replaces path with document as JSON, atomically and durably (OSError otherwise)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Replaces path with document as JSON, atomically and durably (OSError otherwise;
+    the directory must exist)."""
     temporary = path.with_suffix(".tmp")
     try:
         with open(temporary, "w") as handle:

@@ -93,6 +93,7 @@ def record_loss(
 
 def save_losses(data_dir: Path, records: Iterable[LossRecord]) -> None:
     """Writes the reports atomically and durably."""
+    data_dir.mkdir(parents=True, exist_ok=True)
     write_json_durably(data_dir / LOSS_FILE_NAME, [r.to_dict() for r in records])
 
 

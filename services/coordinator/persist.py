@@ -182,4 +182,5 @@ def _parse_record(path: Path, where: str, value: object) -> OperatorRecord:
 
 def save_state(path: Path, state: PersistedState) -> None:
     """Writes the state durably and atomically: a crash leaves the old or the new file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     write_json_durably(path, asdict(state))

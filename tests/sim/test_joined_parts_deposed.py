@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from deploy.processes import free_port
+from deploy.processes import free_ports
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
 from squall_server.common.config import ClusterConfig, parse_config
 from squall_server.common.errors import INLINE_ERRORS, PUBLISH_ERRORS_KEY
@@ -41,14 +41,16 @@ NODES = ("n1", "n2", "n3")
 
 
 def _config(tmp_path: Path) -> ClusterConfig:
+    # Picked together: ports picked one by one may repeat (a CI run's did).
+    ports = iter(free_ports(2 * len(NODES) + 1))
     text = '[cluster]\nname = "t"\n'
     for priority, node_id in enumerate(NODES, 1):
         text += (
             f'\n[[nodes]]\nid = "{node_id}"\npriority = {priority}\n'
-            f'coordinator_address = "127.0.0.1:{free_port()}"\n'
-            f'replica_address = "127.0.0.1:{free_port()}"\ndata_dir = "{node_id}"\n'
+            f'coordinator_address = "127.0.0.1:{next(ports)}"\n'
+            f'replica_address = "127.0.0.1:{next(ports)}"\ndata_dir = "{node_id}"\n'
         )
-    text += f'\n[[gateways]]\nid = "g1"\naddress = "127.0.0.1:{free_port()}"\n'
+    text += f'\n[[gateways]]\nid = "g1"\naddress = "127.0.0.1:{next(ports)}"\n'
     # A slave's window of one byte: one entry per batch, so the parts commit one by one.
     text += "\n[limits]\nreplication_inflight_bytes_max = 1\n"
     return parse_config(text, tmp_path / "cluster.toml")

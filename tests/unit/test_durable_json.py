@@ -16,7 +16,7 @@ from squall_server.common.durable_json import write_json_durably
 
 
 def test_a_write_replaces_the_file_and_leaves_nothing_beside_it(tmp_path: Path) -> None:
-    path = tmp_path / "state" / "coordinator-state.json"
+    path = tmp_path / "coordinator-state.json"
     write_json_durably(path, {"epoch": 1})
     write_json_durably(path, {"epoch": 2})
     assert json.loads(path.read_text()) == {"epoch": 2}
