@@ -237,7 +237,7 @@ def localize_config(source: Path, run_dir: Path, keep_gateway: bool = False) -> 
     """
     document: dict[str, Any] = tomllib.loads(source.read_text())
     nodes, gateways = document.get("nodes", []), document.get("gateways", [])
-    ports = iter(free_ports(2 * len(nodes) + len(gateways)))
+    ports = iter(free_ports(2 * len(nodes) + len(gateways) + 1))  # + 1: the console's
     for node in nodes:
         node["coordinator_address"] = f"127.0.0.1:{next(ports)}"
         node["replica_address"] = f"127.0.0.1:{next(ports)}"
@@ -252,7 +252,7 @@ def localize_config(source: Path, run_dir: Path, keep_gateway: bool = False) -> 
         # The gateway-served console ([console]) gets a free loopback port too.
         configured = str(console.get("address", "127.0.0.1:7180"))
         if not (keep_gateway and configured.startswith("127.") and port_is_free(configured)):
-            console["address"] = f"127.0.0.1:{free_port()}"
+            console["address"] = f"127.0.0.1:{next(ports)}"
     telemetry = document.get("telemetry", {})
     for key in (
         "coordinator_prometheus_port",

@@ -28,7 +28,7 @@ from google.protobuf import descriptor as d
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from deploy.processes import free_port
+from deploy.processes import free_ports
 from squall.v1 import broker_pb2
 from squall.wire.long_poll import PULL_METHOD
 from squall_server.common.config import ClusterConfig, parse_config
@@ -66,18 +66,19 @@ class LoopThread:
 def config_text(data_root: Path, node_count: int, *, gateway: bool = True) -> str:
     """A cluster of node_count nodes on free loopback ports, with small limits and timeouts
     so that a hostile request meets a limit quickly and nothing waits long."""
+    ports = iter(free_ports(2 * node_count + 1))  # together: one by one may repeat
     nodes = "".join(
         f"""
 [[nodes]]
 id = "n{i}"
 priority = {node_count + 1 - i}
-coordinator_address = "127.0.0.1:{free_port()}"
-replica_address = "127.0.0.1:{free_port()}"
+coordinator_address = "127.0.0.1:{next(ports)}"
+replica_address = "127.0.0.1:{next(ports)}"
 data_dir = "{data_root / f"n{i}"}"
 """
         for i in range(1, node_count + 1)
     )
-    gateways = f'\n[[gateways]]\nid = "g1"\naddress = "127.0.0.1:{free_port()}"\n'
+    gateways = f'\n[[gateways]]\nid = "g1"\naddress = "127.0.0.1:{next(ports)}"\n'
     return f"""
 [cluster]
 name = "fuzz"

@@ -281,7 +281,8 @@ def scripted(tmp_path: Path) -> Iterator[ScriptedCluster]:
                 "data_dir": str(tmp_path / "data" / node_id),
             }
         )
-    gateway_address = f"127.0.0.1:{processes.free_port()}"
+    gateway_port, prometheus_port = processes.free_ports(2)  # together: distinct
+    gateway_address = f"127.0.0.1:{gateway_port}"
     document = {
         "cluster": {"name": "scripted"},
         "nodes": nodes,
@@ -292,7 +293,7 @@ def scripted(tmp_path: Path) -> Iterator[ScriptedCluster]:
         "telemetry": {
             "exporter": "prometheus",
             "prometheus_host": "127.0.0.1",
-            "gateway_prometheus_port": processes.free_port(),
+            "gateway_prometheus_port": prometheus_port,
         },
     }
     config_path = tmp_path / "scripted.toml"

@@ -23,7 +23,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from deploy.processes import free_port
+from deploy.processes import free_ports
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
 from squall_server.common.config import ClusterConfig, parse_config
 from squall_server.common.errors import INLINE_ERRORS, PUBLISH_ERRORS_KEY
@@ -38,11 +38,12 @@ WAIT_S = 30.0  # generous: the machine is shared
 
 
 def _config(tmp_path: Path, limits: str = "") -> ClusterConfig:
+    ports = free_ports(3)  # together: ports picked one by one may repeat
     text = (
         '[cluster]\nname = "t"\n\n[[nodes]]\nid = "n1"\npriority = 1\n'
-        f'coordinator_address = "127.0.0.1:{free_port()}"\n'
-        f'replica_address = "127.0.0.1:{free_port()}"\ndata_dir = "n1"\n'
-        f'\n[[gateways]]\nid = "g1"\naddress = "127.0.0.1:{free_port()}"\n'
+        f'coordinator_address = "127.0.0.1:{ports[0]}"\n'
+        f'replica_address = "127.0.0.1:{ports[1]}"\ndata_dir = "n1"\n'
+        f'\n[[gateways]]\nid = "g1"\naddress = "127.0.0.1:{ports[2]}"\n'
         # Small commit batches: a joined request of more parts is queued in pieces.
         "\n[limits]\nmax_event_bytes = 64\ncommit_batch_max_entries = 4\n" + limits
     )

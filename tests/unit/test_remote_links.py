@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 import pytest
 
-from deploy.processes import free_port
+from deploy.processes import free_port, free_ports
 from squall.v1 import broker_pb2, broker_pb2_grpc, common_pb2, replica_pb2
 from squall_server.common.config import ClusterConfig, RemoteConfig, parse_config
 from squall_server.common.errors import Code
@@ -128,11 +128,12 @@ class _RefusingRemote(broker_pb2_grpc.PublisherServicer):
 
 
 def _one_node_with_remote(tmp_path: Path, remote_address: str) -> ClusterConfig:
+    ports = free_ports(3)  # together: ports picked one by one may repeat
     text = (
         '[cluster]\nname = "site-a"\n\n[[nodes]]\nid = "n1"\npriority = 1\n'
-        f'coordinator_address = "127.0.0.1:{free_port()}"\n'
-        f'replica_address = "127.0.0.1:{free_port()}"\ndata_dir = "n1"\n'
-        f'\n[[gateways]]\nid = "g1"\naddress = "127.0.0.1:{free_port()}"\n'
+        f'coordinator_address = "127.0.0.1:{ports[0]}"\n'
+        f'replica_address = "127.0.0.1:{ports[1]}"\ndata_dir = "n1"\n'
+        f'\n[[gateways]]\nid = "g1"\naddress = "127.0.0.1:{ports[2]}"\n'
         f'\n[[remotes]]\nname = "site-b"\ngateways = ["{remote_address}"]\n'
     )
     config = parse_config(text, tmp_path / "cluster.toml")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.processes import free_port
+from deploy.processes import free_ports
 from squall.v1 import broker_pb2, common_pb2, replica_pb2, replica_pb2_grpc
 from squall_server.common.config import ClusterConfig, parse_config
 from squall_server.common.errors import Code, ServiceError
@@ -37,13 +37,14 @@ _BOUND_S = 30.0
 
 
 def _config(tmp_path: Path) -> ClusterConfig:
+    ports = iter(free_ports(7))  # together: ports picked one by one may repeat
     nodes = "".join(
         f"""
 [[nodes]]
 id = "n{i}"
 priority = {4 - i}
-coordinator_address = "127.0.0.1:{free_port()}"
-replica_address = "127.0.0.1:{free_port()}"
+coordinator_address = "127.0.0.1:{next(ports)}"
+replica_address = "127.0.0.1:{next(ports)}"
 data_dir = "data/n{i}"
 """
         for i in (1, 2, 3)
@@ -54,7 +55,7 @@ name = "t"
 {nodes}
 [[gateways]]
 id = "g1"
-address = "127.0.0.1:{free_port()}"
+address = "127.0.0.1:{next(ports)}"
 
 [timeouts]
 rpc_timeout_ms = 1000
