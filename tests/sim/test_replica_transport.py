@@ -77,17 +77,29 @@ async def _publish(node: ReplicaNode, payload: bytes) -> common_pb2.BatchReceipt
     return await asyncio.wait_for(node.start_publish(request), WAIT_S)
 
 
-async def _started(network: SimReplicaNetwork, node_ids: tuple[str, ...]) -> dict[str, ReplicaNode]:
-    return await network.start_replicas(load_config(CONFIG), node_ids)
+def _example_config(data_root: Path) -> ClusterConfig:
+    """The example cluster with each node's data directory under data_root, so a fault a
+    node records stays with its test (the example's own directories are the checkout's)."""
+    config = load_config(CONFIG)
+    nodes = tuple(dataclasses.replace(n, data_dir=data_root / n.id) for n in config.nodes)
+    for node in nodes:
+        node.data_dir.mkdir(parents=True, exist_ok=True)
+    return dataclasses.replace(config, nodes=nodes)
+
+
+async def _started(
+    network: SimReplicaNetwork, node_ids: tuple[str, ...], config: ClusterConfig
+) -> dict[str, ReplicaNode]:
+    return await network.start_replicas(config, node_ids)
 
 
 @contextlib.asynccontextmanager
 async def _running(
-    network: SimReplicaNetwork, node_ids: tuple[str, ...], config: ClusterConfig | None = None
+    network: SimReplicaNetwork, node_ids: tuple[str, ...], config: ClusterConfig
 ) -> AsyncIterator[dict[str, ReplicaNode]]:
     """The shipped replicas of node_ids over the network, started; stopped on the way out
     (a node's stop raises what one of its tasks died of)."""
-    nodes = await network.start_replicas(config or load_config(CONFIG), node_ids)
+    nodes = await network.start_replicas(config, node_ids)
     try:
         yield nodes
     finally:
@@ -116,10 +128,12 @@ async def _create_orders(node: ReplicaNode) -> None:
     )
 
 
-def test_replicas_replicate_reorganize_and_depose_over_the_simulated_transport() -> None:
+def test_replicas_replicate_reorganize_and_depose_over_the_simulated_transport(
+    tmp_path: Path,
+) -> None:
     async def scenario() -> None:
         network = SimReplicaNetwork()
-        async with _running(network, ("n1", "n2", "n3")) as nodes:
+        async with _running(network, ("n1", "n2", "n3"), _example_config(tmp_path)) as nodes:
             n1, n2, n3 = nodes["n1"], nodes["n2"], nodes["n3"]
             # Epoch 1: n1 masters n2 and n3; a write commits once a slave holds it.
             await _n1_masters_epoch_one(nodes)
@@ -165,7 +179,7 @@ def test_replicas_replicate_reorganize_and_depose_over_the_simulated_transport()
 
 
 def test_a_slave_whose_opened_stream_breaks_is_reconnected_at_the_shortest_wait(
-    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A stream the slave answered ends in an error (a connection reset), never cleanly:
     it still counts as opened, so repeated breaks never push the master's next try to
@@ -182,7 +196,7 @@ def test_a_slave_whose_opened_stream_breaks_is_reconnected_at_the_shortest_wait(
 
     async def scenario() -> None:
         network = SimReplicaNetwork()
-        async with _running(network, ("n1", "n2")) as nodes:
+        async with _running(network, ("n1", "n2"), _example_config(tmp_path)) as nodes:
             n1, n2 = nodes["n1"], nodes["n2"]
             await _n1_masters_epoch_one(nodes)
             await _create_orders(n1)
@@ -200,7 +214,7 @@ def test_a_slave_whose_opened_stream_breaks_is_reconnected_at_the_shortest_wait(
 
 
 def test_a_master_that_cannot_read_the_log_a_slave_lacks_reports_it_and_a_sound_copy_serves(
-    caplog: pytest.LogCaptureFixture,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Bit rot in the master's log above a lagging slave's end: before, the master's stream
     task to that slave died with the CorruptRecordError, nothing was reported, and the
@@ -210,7 +224,7 @@ def test_a_master_that_cannot_read_the_log_a_slave_lacks_reports_it_and_a_sound_
 
     async def scenario() -> None:
         network = SimReplicaNetwork()
-        async with _running(network, ("n1", "n2", "n3")) as nodes:
+        async with _running(network, ("n1", "n2", "n3"), _example_config(tmp_path)) as nodes:
             n1, n2, n3 = nodes["n1"], nodes["n2"], nodes["n3"]
             await _n1_masters_epoch_one(nodes)
             await _create_orders(n1)
@@ -257,13 +271,15 @@ def test_a_master_that_cannot_read_the_log_a_slave_lacks_reports_it_and_a_sound_
     asyncio.run(scenario())
 
 
-def test_a_master_whose_snapshot_for_a_slave_meets_a_damaged_record_reports_it() -> None:
+def test_a_master_whose_snapshot_for_a_slave_meets_a_damaged_record_reports_it(
+    tmp_path: Path,
+) -> None:
     """A slave behind the compacted log needs a snapshot; an event record of the master's
     store fails its checksum: the export stops there (nothing damaged is sent), the master
     reports the fault as it does for its log, and goes on committing with the other slave."""
 
     async def scenario() -> None:
-        config = load_config(CONFIG)
+        config = _example_config(tmp_path)
         config = dataclasses.replace(
             config, limits=dataclasses.replace(config.limits, log_retention_entries=4)
         )
@@ -289,7 +305,7 @@ def test_a_master_whose_snapshot_for_a_slave_meets_a_damaged_record_reports_it()
     asyncio.run(scenario())
 
 
-def test_a_new_master_whose_sync_source_fails_a_checksum_refuses_the_role() -> None:
+def test_a_new_master_whose_sync_source_fails_a_checksum_refuses_the_role(tmp_path: Path) -> None:
     """The sync source's log fails its checksum where the new master lacks it: the source
     reports the fault and ends the fetch with DATA_LOSS, and the new master refuses the
     role (FAILED_PRECONDITION, which its coordinator's step-aside rule counts, so a new
@@ -298,7 +314,7 @@ def test_a_new_master_whose_sync_source_fails_a_checksum_refuses_the_role() -> N
 
     async def scenario() -> None:
         network = SimReplicaNetwork()
-        async with _running(network, ("n1", "n2", "n3")) as nodes:
+        async with _running(network, ("n1", "n2", "n3"), _example_config(tmp_path)) as nodes:
             n1, n2 = nodes["n1"], nodes["n2"]
             await _n1_masters_epoch_one(nodes)
             await _create_orders(n1)
@@ -353,7 +369,9 @@ def _assert_serves_nothing(node: ReplicaNode, damaged: int, why: str) -> None:
     assert "repair its store" in read.value.message
 
 
-def test_a_replica_whose_uncommitted_tail_fails_its_checksum_starts_refusing_reads() -> None:
+def test_a_replica_whose_uncommitted_tail_fails_its_checksum_starts_refusing_reads(
+    tmp_path: Path,
+) -> None:
     """At start-up the replica rebuilds its commit gate from the entries above the commit
     LSN it recorded; one of them fails its checksum. It starts (it used to exit, and its
     coordinator saw it down, not why), reports the fault, serves no read and takes no role;
@@ -361,8 +379,8 @@ def test_a_replica_whose_uncommitted_tail_fails_its_checksum_starts_refusing_rea
 
     async def scenario() -> None:
         network = SimReplicaNetwork()
-        config = load_config(CONFIG)
-        nodes = await _started(network, ("n1", "n2", "n3"))
+        config = _example_config(tmp_path)
+        nodes = await _started(network, ("n1", "n2", "n3"), config)
         n1, n2, n3 = nodes["n1"], nodes["n2"], nodes["n3"]
         restarted: ReplicaNode | None = None
         try:
@@ -402,7 +420,9 @@ def test_a_replica_whose_uncommitted_tail_fails_its_checksum_starts_refusing_rea
     asyncio.run(scenario())
 
 
-def test_a_checksum_error_rebuilding_the_gate_after_an_abandoned_taking_fail_stops() -> None:
+def test_a_checksum_error_rebuilding_the_gate_after_an_abandoned_taking_fail_stops(
+    tmp_path: Path,
+) -> None:
     """n2 starts taking the master role, waits for its sync source, and is told to stop
     (a newer command). Rebuilding its commit gate from the store then meets a record that
     fails its checksum: the replica reports the fault, refuses reads and roles, and the
@@ -411,7 +431,7 @@ def test_a_checksum_error_rebuilding_the_gate_after_an_abandoned_taking_fail_sto
 
     async def scenario() -> None:
         network = SimReplicaNetwork()
-        async with _running(network, ("n1", "n2", "n3")) as nodes:
+        async with _running(network, ("n1", "n2", "n3"), _example_config(tmp_path)) as nodes:
             n1, n2 = nodes["n1"], nodes["n2"]
             await _n1_masters_epoch_one(nodes)
             await _create_orders(n1)
