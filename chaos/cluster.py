@@ -126,9 +126,8 @@ class ChaosCluster:
         }
         for rank, node_id in enumerate(ids):
             if topology is not None:
-                address = topology.address(node_id)
-                coordinator = f"{address}:{_NETNS_COORDINATOR_PORT}"
-                replica = f"{address}:{_NETNS_REPLICA_PORT}"
+                coordinator = f"{topology.address(node_id)}:{_NETNS_COORDINATOR_PORT}"
+                replica = f"{topology.address(node_id, 'replica')}:{_NETNS_REPLICA_PORT}"
                 next(ports), next(ports)
             else:
                 coordinator, replica = f"{host}:{next(ports)}", f"{host}:{next(ports)}"

@@ -33,6 +33,10 @@ The kinds and what each one does:
 ``pause_coordinator``  SIGSTOP the node's coordinator alone, SIGCONT it.
 ``partition``   blackhole routes between one node and the rest, or (5 nodes) between a
                 2-node minority and the majority (chaos/netns.py); needs namespaces.
+``partition_replica``      blackhole routes between the node's replica and the other
+                           replicas; its coordinator keeps every link (namespaces).
+``partition_coordinator``  the same for the node's coordinator and the other
+                           coordinators; its replica keeps every link (namespaces).
 ``map_full``    the node's LMDB commits fail with ``lmdb.MapFullError``
                 (services/replica/fault_hooks.py), then succeed again.
 ``corrupt``     stop the node, flip one byte inside one stored record of an event it
@@ -78,6 +82,8 @@ KINDS = (
     "pause_replica",
     "pause_coordinator",
     "partition",
+    "partition_replica",
+    "partition_coordinator",
     "map_full",
     "corrupt",
     "slow_disk",
@@ -89,6 +95,8 @@ PROCESS_FAULTS = {
     "kill_coordinator": ("kill", "coordinator"),
     "pause_replica": ("pause", "replica"),
     "pause_coordinator": ("pause", "coordinator"),
+    "partition_replica": ("partition", "replica"),
+    "partition_coordinator": ("partition", "coordinator"),
 }
 NOT_APPLICABLE = {
     "clock_jump": (
@@ -97,7 +105,7 @@ NOT_APPLICABLE = {
         "monotonic too); wall time only stamps events, topics, faults and operator records"
     ),
 }
-NEEDS_NETNS = ("partition",)
+NEEDS_NETNS = ("partition", "partition_replica", "partition_coordinator")
 
 # Seconds of (lo, hi) for how long each kind is held.
 _HOLD_S = {
@@ -108,6 +116,8 @@ _HOLD_S = {
     "pause_replica": (1.0, 4.0),
     "pause_coordinator": (1.0, 4.0),
     "partition": (2.0, 6.0),
+    "partition_replica": (2.0, 6.0),
+    "partition_coordinator": (2.0, 6.0),
     "map_full": (2.0, 5.0),
     "corrupt": (2.0, 5.0),
     "slow_disk": (3.0, 8.0),
@@ -125,7 +135,8 @@ _QUARANTINE_WAIT_S = 10.0
 OVERLAP_PROBABILITY = 0.3
 # Kinds that may carry an overlap (first fault) and kinds that may be one (second):
 # each heals by itself; corrupt (its repair restarts the node and unquarantines it) and a
-# gateway kill stay alone.
+# gateway kill stay alone. A partition is never the second: healing it deletes every
+# blackhole route, the first's too.
 OVERLAP_FIRST = (
     "kill",
     "pause",
@@ -134,7 +145,11 @@ OVERLAP_FIRST = (
     "map_full",
     "slow_disk",
 )
-OVERLAP_SECOND = ("kill", "pause", *PROCESS_FAULTS)
+OVERLAP_SECOND = (
+    "kill",
+    "pause",
+    *(kind for kind, (action, _) in PROCESS_FAULTS.items() if action != "partition"),
+)
 # Kinds that take a whole node out (both processes, or all its links).
 WHOLE_NODE = ("kill", "pause", "partition", "corrupt")
 # The second fault starts this share of the first's hold in, at most.
@@ -404,8 +419,12 @@ class FaultRunner:
             action, process = PROCESS_FAULTS[spec.kind]
             if action == "kill":
                 cluster.kill_process(process, target)
-            else:
+            elif action == "pause":
                 cluster.pause_process(process, target)
+            elif cluster.topology is None:
+                raise ClusterError(f"{spec.kind} needs network namespaces")
+            else:
+                cluster.topology.partition_process(target, process)
         elif spec.kind == "kill":
             if spec.variant == "gateway":
                 cluster.kill_gateway(target)
@@ -440,6 +459,10 @@ class FaultRunner:
             if action == "kill":
                 cluster.start_process(process, target)
                 return f"{process} restarted"
+            if action == "partition":
+                if cluster.topology is not None:
+                    cluster.topology.heal()
+                return f"{process} links healed"
             cluster.resume_process(process, target)
             return f"{process} resumed"
         if spec.kind == "kill":

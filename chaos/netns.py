@@ -2,16 +2,28 @@
 
     root namespace: bridge sqb<tag>, address <subnet>.1 (the "host address": the harness's
                     clients, the gateways and push endpoints use it)
-      veth sqv<tag>-<i>  <->  eth0 in namespace sq<tag>-<node>, address <subnet>.<10+i>,
+      veth sqv<tag>-<i>  <->  eth0 in namespace sq<tag>-<node>, addresses <subnet>.<10+i>
+                              (its coordinator's) and <subnet>.<110+i> (its replica's),
                               default route via the host address
 
 A node's coordinator and replica run inside its namespace (``ip netns exec``), so what
 one node can reach is decided by that namespace's routing table: a partition between
-nodes A and B is a blackhole route to B's address in A's namespace and one to A's
-address in B's (``partition``); ``heal`` deletes them. The gateways and the harness stay
-in the root namespace and reach every node throughout: a partition cuts nodes off from
-each other, which is what the election and replication must survive. Only iproute2 is
-used (iptables and nft are not installed on the test machines).
+nodes A and B is a blackhole route to B's addresses in A's namespace and to A's in B's
+(``partition``); ``heal`` deletes them. The gateways and the harness stay in the root
+namespace and reach every node throughout: a partition cuts nodes off from each other,
+which is what the election and replication must survive. Only iproute2 is used
+(iptables and nft are not installed on the test machines).
+
+Each process has an address of its own so that one process can be cut off alone
+(``partition_process``): a node's replica from the other replicas while its coordinator
+still talks to theirs, or the other way round. Replicas talk only to replicas and
+coordinators only to coordinators (and each to its own node's other process, inside the
+namespace), so blackholing the replica addresses between A and the rest cuts exactly the
+replica links. For that a connection must leave from the address of the process that
+made it: a route per peer replica address names the own replica address as its source
+(``src``, metric ``_SOURCE_ROUTE_METRIC``), and the coordinator's address is the
+namespace's first, which the kernel picks for everything else. A blackhole route (metric
+0) for the same address wins over the source route while it exists.
 
 Names and the /24 are unique per run (a tag from the pid and a random number; a subnet no
 interface or route of the machine uses yet), and ``teardown`` deletes every namespace
@@ -34,6 +46,9 @@ _IP_TIMEOUT_S = 10.0
 _SUBNET_SECOND_OCTETS = range(200, 240)
 _SUBNET_ATTEMPTS = 64
 _FIRST_NODE_HOST = 10
+_FIRST_REPLICA_HOST = 110
+_SOURCE_ROUTE_METRIC = 100
+PROCESSES = ("coordinator", "replica")
 
 
 class NetnsError(Exception):
@@ -133,9 +148,16 @@ class Topology:
     def veth(self, node_id: str) -> str:
         return f"sqv{self.tag}-{self._index(node_id)}"
 
-    def address(self, node_id: str) -> str:
-        """The node's address inside its namespace."""
-        return str(self.subnet.network_address + _FIRST_NODE_HOST + self._index(node_id))
+    def address(self, node_id: str, process: str = "coordinator") -> str:
+        """The address of the node's process (coordinator or replica) in its namespace;
+        the coordinator's is the namespace's first (what anything else leaves from)."""
+        if process not in PROCESSES:
+            raise KeyError(f"no process {process!r}: one of {', '.join(PROCESSES)}")
+        first = _FIRST_NODE_HOST if process == "coordinator" else _FIRST_REPLICA_HOST
+        return str(self.subnet.network_address + first + self._index(node_id))
+
+    def addresses(self, node_id: str) -> list[str]:
+        return [self.address(node_id, process) for process in PROCESSES]
 
     def _index(self, node_id: str) -> int:
         try:
@@ -163,9 +185,16 @@ class Topology:
                 ip("link", "set", veth, "master", self.bridge)
                 ip("link", "set", veth, "up")
                 ip("-n", ns, "link", "set", "lo", "up")
-                ip("-n", ns, "addr", "add", f"{self.address(node_id)}/{prefix}", "dev", "eth0")
+                for address in self.addresses(node_id):  # the coordinator's first
+                    ip("-n", ns, "addr", "add", f"{address}/{prefix}", "dev", "eth0")
                 ip("-n", ns, "link", "set", "eth0", "up")
                 ip("-n", ns, "route", "add", "default", "via", self.host_address)
+                own_replica = self.address(node_id, "replica")
+                source = ["dev", "eth0", "src", own_replica, "metric", str(_SOURCE_ROUTE_METRIC)]
+                for peer in self.node_ids:
+                    if peer != node_id:
+                        peer_replica = f"{self.address(peer, 'replica')}/32"
+                        ip("-n", ns, "route", "add", peer_replica, *source)
         except NetnsError:
             self.teardown()
             raise
@@ -175,11 +204,20 @@ class Topology:
         sides = [list(group) for group in groups]
         for left, right in itertools.combinations(sides, 2):
             for a, b in itertools.product(left, right):
-                self._blackhole(a, b)
-                self._blackhole(b, a)
+                for process in PROCESSES:
+                    self._blackhole(a, b, process)
+                    self._blackhole(b, a, process)
 
-    def _blackhole(self, node_id: str, unreachable: str) -> None:
-        ns, address = self.netns(node_id), self.address(unreachable)
+    def partition_process(self, node_id: str, process: str) -> None:
+        """Cuts the node's process (coordinator or replica) off from the same process of
+        every other node, both directions; its other process keeps every link."""
+        for peer in self.node_ids:
+            if peer != node_id:
+                self._blackhole(node_id, peer, process)
+                self._blackhole(peer, node_id, process)
+
+    def _blackhole(self, node_id: str, unreachable: str, process: str) -> None:
+        ns, address = self.netns(node_id), self.address(unreachable, process)
         if (ns, address) in self._blackholes:
             return
         ip("-n", ns, "route", "add", "blackhole", f"{address}/32")

@@ -42,6 +42,8 @@ FAULT_COLOURS = {
     "pause_replica": "#ffbb78",
     "pause_coordinator": "#c49c94",
     "partition": "#9467bd",
+    "partition_replica": "#c5b0d5",
+    "partition_coordinator": "#7f7f7f",
     "map_full": "#8c564b",
     "corrupt": "#e377c2",
     "slow_disk": "#bcbd22",

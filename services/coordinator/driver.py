@@ -75,6 +75,13 @@ MASTER_REFUSALS_MAX = 3
 # About 25 election timeouts (member_timeout_ms 400) with the defaults: a disk that is full
 # or failing is not fixed in a second, and each attempt costs the cluster a re-formation.
 MASTER_REFUSAL_HOLDOFF_MS = 10_000
+# A master whose replica hears from no majority of the group's replicas while the
+# coordinators reach each other (the replicas' links alone are cut) stalls every write,
+# and only its own replica knows. Past store_stall_timeout_ms + member_timeout_ms of that
+# (longer than a healthy slave's slowest ack: a busy disk's write, then a lost heartbeat)
+# the node steps aside from leading as after refused master roles: the others elect a
+# master that can commit. Back after the hold-off, it joins behind their newer log and
+# leads again only once caught up, which needs its replica links.
 
 
 class PeerTransport(Protocol):
@@ -169,6 +176,8 @@ class ReplicaAnswer:
     slave_lags: tuple[tuple[str, int], ...] = ()
     # The loss reports beside the replica's store (docs/operations.md, "Loss reports").
     losses: tuple[LossRecord, ...] = ()
+    # A master's: how long it has not heard from enough slaves to commit (0: it has).
+    quorum_silent_ms: int = 0
 
 
 class RoleNext(enum.Enum):
@@ -422,6 +431,12 @@ class CoordinatorDriver:
             self._note_sync(outcome.syncing_epoch, outcome.syncing)
         if command.kind is RoleCommandKind.MASTER and outcome.slave_lags:
             self.apply(self.election.slave_lags(dict(outcome.slave_lags), self.now()))
+        if command.kind is RoleCommandKind.MASTER and outcome.quorum_silent_ms >= (
+            self.quorum_lost_ms
+        ):
+            self._step_aside_cut_off(outcome.quorum_silent_ms)
+            self._role_applied = None
+            return RoleNext.AGAIN
         if command.kind is RoleCommandKind.DEACTIVATE:
             report = ReplicaReport(
                 cluster_id=outcome.report.cluster_id,
@@ -472,6 +487,32 @@ class CoordinatorDriver:
             reason,
             MASTER_REFUSAL_HOLDOFF_MS,
         )
+
+    @property
+    def quorum_lost_ms(self) -> int:
+        """How long a master's replica may go without hearing from enough slaves to
+        commit before this node steps aside (see the constant's comment above)."""
+        return self.timings.store_stall_timeout_ms + self.config.member_timeout_ms
+
+    def _step_aside_cut_off(self, silent_ms: int) -> None:
+        """The master's replica has not heard from enough slaves to commit for silent_ms:
+        out of every group for MASTER_REFUSAL_HOLDOFF_MS, so the others elect a master."""
+        reason = (
+            f"its replica, master of epoch {self.election.persisted.epoch}, has heard from "
+            f"no majority of the group's replicas for {silent_ms} ms (at most "
+            f"{self.quorum_lost_ms}): its links to them are cut while the coordinators "
+            "reach each other"
+        )
+        now = self.now()
+        self._lead_hold_off = LeadHoldOff(now + MASTER_REFUSAL_HOLDOFF_MS, 0, reason)
+        log.warning(
+            "coordinator %s: %s; the node steps aside from leading for %d ms: out of every "
+            "group, so the other nodes elect a master that can commit; then it rejoins",
+            self.node_id,
+            reason,
+            MASTER_REFUSAL_HOLDOFF_MS,
+        )
+        self.recover(f"stepping aside: {reason}")
 
     def _note_sync(self, epoch: int, progress: str) -> None:
         """The replica answered a master role before taking it: its reorganization sync

@@ -176,7 +176,10 @@ highest-ranked node would then lead and name its refusing replica again, for eve
 (no probes, no positive probe replies, invitations ignored), so nobody hands it the lead
 and the others elect a master; at its end (a timer: ``next_deadline_ms`` includes it) the
 node probes and rejoins like a returning node (docs/operations.md, "A replica that refuses
-the master role"). Only who takes part changes, so safety is untouched.
+the master role"). Only who takes part changes, so safety is untouched. The driver holds
+a node off the same way when its master's replica has heard from no majority of the
+group's replicas for too long (their links alone are cut, and the coordinators see
+nothing wrong): ``LeadHoldOff.refusals`` is then 0 and its reason says so.
 
 Membership changes
 ------------------
@@ -293,8 +296,18 @@ class LeadHoldOff:
     time for ``reason`` (driver.py, ``MASTER_REFUSALS_MAX``)."""
 
     until_ms: int
-    refusals: int
+    refusals: int  # 0: not refusals; the master's replica was cut off (reason says)
     reason: str
+
+    @property
+    def why(self) -> str:
+        """Why the node steps aside, in a phrase for the log."""
+        if self.refusals:
+            return (
+                f"its replica refused the master role {self.refusals} times in a row "
+                f"(last: {self.reason})"
+            )
+        return self.reason
 
 
 class ElectionError(RuntimeError):
@@ -1165,9 +1178,8 @@ class Election:
         hold_off = self._lead_hold_off
         if hold_off is not None:
             self._last_change_reason = (
-                f"steps aside from leading for {hold_off.until_ms - self._now_ms} ms: its "
-                f"replica refused the master role {hold_off.refusals} times in a row "
-                f"(last: {hold_off.reason})"
+                f"steps aside from leading for {hold_off.until_ms - self._now_ms} ms: "
+                f"{hold_off.why}"
             )
         if p.quarantine is not None:
             self._log(
@@ -1451,8 +1463,7 @@ class Election:
             self._log(
                 LogLevel.INFO,
                 "master-refusal-hold-off-over",
-                f"hold-off over (its replica refused the master role {hold_off.refusals} "
-                f"times, last: {hold_off.reason}); this node rejoins and may lead again "
+                f"hold-off over ({hold_off.why}); this node rejoins and may lead again "
                 f"(epoch {self._persisted.epoch})",
             )
             return True

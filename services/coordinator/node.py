@@ -197,6 +197,7 @@ def replica_answer(command: RoleCommand, state: replica_pb2.ReplicaState) -> Rep
             if slave.state == "streaming"
         ),
         losses=tuple(loss_from_proto(loss) for loss in state.losses[:LOSS_RECORDS_MAX]),
+        quorum_silent_ms=state.quorum_silent_ms,
     )
 
 

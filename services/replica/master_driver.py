@@ -526,6 +526,10 @@ class MasterDriver:
             if link is not None:
                 link.samples.append((now_s, self.steps.durable(progress)))
 
+    def quorum_silent_ms(self) -> int:
+        """How long this master has not heard from enough slaves to commit (the core's)."""
+        return self.core.quorum_silent_ms()
+
     def slave_status(self) -> list[SlaveStatus]:
         """Every member slave's progress, lag, recent catch-up rate and ETA, by node id."""
         out: list[SlaveStatus] = []

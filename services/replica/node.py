@@ -538,6 +538,13 @@ class ReplicaNode(CoreView):
             return []
         return driver.slave_status()
 
+    def quorum_silent_ms(self) -> int:
+        """As master: how long it has not heard from enough slaves to commit; else 0."""
+        driver = self.state.master
+        if driver is None or self.role != common_pb2.ROLE_MASTER:
+            return 0
+        return driver.quorum_silent_ms()
+
     @property
     def commit_lsn(self) -> int:
         """The highest LSN committed reads serve here."""

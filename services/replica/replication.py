@@ -409,6 +409,7 @@ class _Slave:
         "first_batch",
         "flights",
         "grant",
+        "heard_ms",
         "inflight_bytes",
         "next_lsn",
         "node_id",
@@ -444,6 +445,9 @@ class _Slave:
         self.commit_told = 0
         self.sent_since_heartbeat = False
         self.readers_following = False  # as its last ack on the current stream said
+        # When the slave last answered on a stream (a Position or an ack), by the core's
+        # clock (the last tick); None: not since this master began.
+        self.heard_ms: int | None = None
 
     def durable_lsn(self, policy: SyncPolicy) -> int:
         """What the slave's acks vouch for under the replica sync policy (as
@@ -521,6 +525,7 @@ class ReplicationMaster(Generic[T]):
         self._deposed = ""
         self._stream_seq = 0
         self._now_ms: int | None = None
+        self._started_ms: int | None = None  # the first tick's time
         self._next_heartbeat_ms = 0
         # Slaves whose acks say they serve following readers: 0 skips the notices' check.
         self._following = 0
@@ -571,6 +576,34 @@ class ReplicationMaster(Generic[T]):
     def history(self) -> History:
         """The master's epoch history, its own epoch included once its first entry is in."""
         return self._history
+
+    def quorum_silent_ms(self) -> int:
+        """How long, by the last tick, this master has not heard from enough voting slaves
+        to commit under the ack policy (0: it has, or needs none, or is deposed).
+
+        It grows when the master's replica cannot reach the others while its node looks
+        well to its coordinator (the coordinators reach each other): every write waits,
+        and only this master knows. Its coordinator steps aside past a bound (the
+        coordinator's driver, ``quorum_lost_ms``). Counted from the first tick for a slave
+        not heard from since this master began."""
+        if self._deposed or self._now_ms is None or self.config.acks == AckPolicy.NONE:
+            return 0
+        config = self.config
+        need = (self._voting_members() if config.acks == AckPolicy.ALL else config.quorum) - 1
+        if need <= 0:
+            return 0
+        start = self._started_ms if self._started_ms is not None else self._now_ms
+        heard = sorted(
+            (
+                s.heard_ms if s.heard_ms is not None else start
+                for s in self._slave_order
+                if s.node_id not in config.learners
+            ),
+            reverse=True,
+        )
+        if need > len(heard):
+            return 0  # the group is below what it needs: set_members deposes it
+        return max(0, self._now_ms - heard[need - 1])
 
     def progress(self, node_id: str) -> SlaveProgress:
         """One slave's progress."""
@@ -731,6 +764,7 @@ class ReplicationMaster(Generic[T]):
             return self._actions(rejection=rejection)
         if slave.phase != _Phase.AWAITING_POSITION:
             return self._reject(slave, RejectCode.BAD_POSITION, "a second Position on one stream")
+        slave.heard_ms = self._now_ms
         try:
             slave_history = as_history(history)
         except (HistoryError, TypeError, ValueError) as exc:
@@ -809,6 +843,7 @@ class ReplicationMaster(Generic[T]):
             return self._actions(rejection=rejection)
         if slave.phase == _Phase.AWAITING_POSITION:
             return self._reject(slave, RejectCode.BAD_ACK, "an ack before the Position")
+        slave.heard_ms = self._now_ms
         sent = slave.next_lsn - 1
         if not 0 <= synced_lsn <= written_lsn <= received_lsn <= sent:
             return self._reject(
@@ -937,6 +972,13 @@ class ReplicationMaster(Generic[T]):
         if self._now_ms is not None and now_ms < self._now_ms:
             raise ReplicationError(f"time went backwards: {now_ms} after {self._now_ms}")
         self._now_ms = now_ms
+        if self._started_ms is None:
+            self._started_ms = now_ms
+        for slave in self._slave_order:
+            if slave.phase == _Phase.SNAPSHOTTING:
+                # A slave acks a snapshot once, when it is installed: while its chunks
+                # flow it counts as heard (a cut stream ends it: DISCONNECTED).
+                slave.heard_ms = now_ms
         if self._deposed or now_ms < self._next_heartbeat_ms:
             return self._actions()
         self._next_heartbeat_ms = now_ms + self.config.heartbeat_interval_ms

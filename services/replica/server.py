@@ -1216,6 +1216,7 @@ class ReplicaControl(replica_pb2_grpc.ReplicaControlServicer):
             fault_reason=self.node.fault.reason if self.node.fault else "",
             losses=[loss_to_proto(r) for r in self.node.losses],
             store_stalled_ms=self.node.store_stalled_ms(),
+            quorum_silent_ms=self.node.quorum_silent_ms(),
         )
         progress = self.node.reorganization_progress()
         if progress is not None:

@@ -73,9 +73,11 @@ def test_can_create_as_root() -> None:
 def test_nodes_reach_each_other_and_the_host_reaches_every_node(topology: Topology) -> None:
     for source in topology.node_ids:
         for target in topology.node_ids:
-            assert reaches(topology, source, topology.address(target)), (source, target)
+            for address in topology.addresses(target):
+                assert reaches(topology, source, address), (source, target, address)
     for target in topology.node_ids:
-        assert reaches(topology, None, topology.address(target))
+        for address in topology.addresses(target):
+            assert reaches(topology, None, address)
 
 
 def test_every_node_reaches_the_host_address(topology: Topology) -> None:
@@ -100,16 +102,45 @@ def test_a_partition_cuts_only_the_links_between_the_sides_and_heal_restores_the
     topology: Topology,
 ) -> None:
     topology.partition([["n1"], ["n2", "n3"]])
-    assert not reaches(topology, "n1", topology.address("n2"))
-    assert not reaches(topology, "n2", topology.address("n1"))
-    assert not reaches(topology, "n3", topology.address("n1"))
-    assert reaches(topology, "n2", topology.address("n3"))
+    for process in ("coordinator", "replica"):
+        assert not reaches(topology, "n1", topology.address("n2", process))
+        assert not reaches(topology, "n2", topology.address("n1", process))
+        assert not reaches(topology, "n3", topology.address("n1", process))
+        assert reaches(topology, "n2", topology.address("n3", process))
     # The gateways' side (the root namespace) still reaches every node.
     assert reaches(topology, None, topology.address("n1"))
     topology.heal()
     assert not topology.partitioned
     assert reaches(topology, "n1", topology.address("n2"))
     assert reaches(topology, "n3", topology.address("n1"))
+
+
+def test_a_process_partition_cuts_that_process_links_alone_and_heal_restores_them(
+    topology: Topology,
+) -> None:
+    """A node's replica cut off alone: no replica link to or from it, while its
+    coordinator keeps every link; then its coordinator alone, the other way round. A
+    connection leaves from its process's address (else the coordinator's cut would take
+    the replica links with it: the answers would go to a blackholed address)."""
+    replica, coordinator = "replica", "coordinator"
+    topology.partition_process("n1", replica)
+    assert not reaches(topology, "n1", topology.address("n2", replica))
+    assert not reaches(topology, "n2", topology.address("n1", replica))
+    assert not reaches(topology, "n3", topology.address("n1", replica))
+    assert reaches(topology, "n2", topology.address("n3", replica))
+    assert reaches(topology, "n1", topology.address("n2", coordinator))
+    assert reaches(topology, "n3", topology.address("n1", coordinator))
+    assert reaches(topology, None, topology.address("n1", replica))
+    topology.heal()
+    topology.partition_process("n1", coordinator)
+    assert not reaches(topology, "n1", topology.address("n3", coordinator))
+    assert not reaches(topology, "n2", topology.address("n1", coordinator))
+    assert reaches(topology, "n1", topology.address("n2", replica))
+    assert reaches(topology, "n3", topology.address("n1", replica))
+    assert reaches(topology, None, topology.address("n1", coordinator))
+    topology.heal()
+    assert reaches(topology, "n2", topology.address("n1", coordinator))
+    assert reaches(topology, "n1", topology.address("n2", replica))
 
 
 def test_two_topologies_get_different_names_and_subnets_and_teardown_leaves_nothing() -> None:

@@ -1,8 +1,8 @@
-"""Faults per process in the chaos run (chaos/faults.py): the schedule draws kills and
-pauses of a node's replica or coordinator alone, aims some at the master (resolved when
-the fault starts), and overlaps two faults only within bounds that leave a majority of
-nodes able to recover; the runner starts the second fault inside the first and heals it
-first, and every process it stopped is started or resumed again."""
+"""Faults per process in the chaos run (chaos/faults.py): the schedule draws kills,
+pauses and partitions of a node's replica or coordinator alone, aims some at the master
+(resolved when the fault starts), and overlaps two faults only within bounds that leave a
+majority of nodes able to recover; the runner starts the second fault inside the first
+and heals it first, and every process it stopped is started or resumed again."""
 
 from __future__ import annotations
 
@@ -53,6 +53,8 @@ def test_overlaps_are_seeded_and_keep_a_majority_able_to_recover(nodes: list[str
             overlapped.append(spec)
             assert spec.kind in faults.OVERLAP_FIRST and spec.variant != "gateway"
             assert second.kind in faults.OVERLAP_SECOND and second.overlap is None
+            # Healing a partition deletes every blackhole route: it is never the second.
+            assert not second.kind.startswith("partition")
             assert second.role in ("master", "slave") and second.targets == ()
             # It starts inside the first fault's hold and ends (about) with it at the latest.
             assert 0 < second.gap_s < spec.hold_s
@@ -195,3 +197,48 @@ def test_heal_all_resumes_and_restarts_single_processes(tmp_path: Path) -> None:
     assert ("resume", "coordinator", "n3") in cluster.calls
     assert ("start", "replica", "n2") in cluster.calls
     assert not [c for c in cluster.calls if c[0] == "start" and c[2] != "n2"]
+
+
+class _Topology:
+    """Records the routes the runner asks for (no namespace is made)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, ...]] = []
+
+    def partition_process(self, node_id: str, process: str) -> None:
+        self.calls.append(("partition_process", node_id, process))
+
+    def heal(self) -> None:
+        self.calls.append(("heal",))
+
+
+@pytest.mark.parametrize("process", ["replica", "coordinator"])
+def test_a_process_partition_cuts_that_process_of_its_target_alone_then_heals(
+    tmp_path: Path, process: str
+) -> None:
+    topology = _Topology()
+    cluster = _FakeCluster(NODES[:3], current_master="n2")
+    cluster.topology = topology  # type: ignore[attr-defined]
+    runner = _runner(tmp_path, cluster)
+    spec = faults.FaultSpec(f"partition_{process}", (), 0.0, 0.05, role="master")
+    outcome = faults.FaultOutcome(spec)
+    asyncio.run(runner.play(spec, outcome))
+    runner.history.close()
+    assert topology.calls == [("partition_process", "n2", process), ("heal",)]
+    assert cluster.calls == []  # no process was killed, paused or started
+    assert not outcome.problem and outcome.detail == f"{process} links healed"
+
+
+def test_a_process_partition_without_namespaces_is_a_problem_not_a_silent_pass(
+    tmp_path: Path,
+) -> None:
+    cluster = _FakeCluster(NODES[:3])
+    cluster.topology = None  # type: ignore[attr-defined]
+    cluster.set_fault_control = lambda node_id: None  # type: ignore[attr-defined]
+    cluster.running = lambda kind, name: True  # type: ignore[attr-defined]
+    runner = _runner(tmp_path, cluster)
+    spec = faults.FaultSpec("partition_replica", ("n3",), 0.0, 0.05)
+    outcome = faults.FaultOutcome(spec)
+    asyncio.run(runner.play(spec, outcome))
+    runner.history.close()
+    assert "partition_replica needs network namespaces" in outcome.problem

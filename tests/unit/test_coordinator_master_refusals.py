@@ -5,6 +5,9 @@ twins that take every role command, except node 1's (the highest priority), whic
 the master role (FAILED_PRECONDITION: say storing the log fetched from its sync source fails
 with a StoreError). Without a limit node 1 recovers, leads again and names its own replica
 master again, for ever, while nodes 2 and 3 could serve.
+
+The same harness cuts a replica's links to the other replicas while the coordinators
+still reach each other: a master that hears from no slave for too long steps aside too.
 """
 
 from __future__ import annotations
@@ -52,6 +55,10 @@ class Twin:
     epoch: int = 0
     seq: int = 0
     cluster_id: str = ""
+    # Since when its links to the other replicas are cut (None: they are not); when it
+    # last took the master role.
+    cut_since_ms: int | None = None
+    master_since_ms: int = 0
 
     def answer(self, command: RoleCommand) -> ReplicaAnswer | ReplicaFailure:
         if command.kind is RoleCommandKind.MASTER and self.refuse_master:
@@ -132,12 +139,9 @@ class Cluster:
             before = (twin.role, twin.epoch)
             outcome = twin.answer(command)
             if isinstance(outcome, ReplicaAnswer) and twin.role is RoleCommandKind.MASTER:
-                lags = tuple(
-                    (n, 0)
-                    for n, t in self.twins.items()
-                    if t.role is RoleCommandKind.FOLLOW and t.epoch == twin.epoch
-                )
-                outcome = ReplicaAnswer(report=outcome.report, slave_lags=lags)
+                if before != (twin.role, twin.epoch):
+                    twin.master_since_ms = self.clock.monotonic_ms()
+                outcome = self._master_answer(twin, outcome.report)
             if isinstance(outcome, ReplicaFailure):
                 self.refusals.append((self.clock.monotonic_ms(), command.epoch))
             elif command.kind is RoleCommandKind.MASTER and before != (twin.role, twin.epoch):
@@ -145,6 +149,27 @@ class Cluster:
             if driver.role_outcome(command, outcome) is not RoleNext.AGAIN:
                 return
         raise AssertionError(f"node {node}: role loop does not settle")
+
+    def _master_answer(self, master: Twin, report: ReplicaReport) -> ReplicaAnswer:
+        """What a master replica answers: its streaming slaves' lags (a slave it cannot
+        reach streams nothing), and how long it has heard from none (majority of three:
+        one slave would do)."""
+        followers = [
+            (n, t)
+            for n, t in self.twins.items()
+            if t.role is RoleCommandKind.FOLLOW and t.epoch == master.epoch
+        ]
+        reached = [
+            n for n, t in followers if t.cut_since_ms is None and master.cut_since_ms is None
+        ]
+        silent = 0
+        if not reached:
+            cuts = [t.cut_since_ms for _, t in [("", master), *followers] if t.cut_since_ms]
+            since = max([master.master_since_ms, *cuts])
+            silent = self.clock.monotonic_ms() - since
+        return ReplicaAnswer(
+            report=report, slave_lags=tuple((n, 0) for n in reached), quorum_silent_ms=silent
+        )
 
     def run(self, until_ms: int) -> None:
         while self.clock.monotonic_ms() < until_ms:
@@ -269,3 +294,54 @@ def _report(active: bool) -> ReplicaReport:
         command_seq=0,
         joined=True,
     )
+
+
+def test_a_master_whose_replica_is_cut_off_from_the_others_steps_aside_until_it_heals(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Node 1's replica loses its links to the other replicas while the coordinators still
+    reach each other: nothing commits and only that replica knows. Its node steps aside
+    once the silence passes the bound, the others elect a master, and node 1, back after
+    the hold-off, does not take the lead while the cut lasts (nobody reports it caught
+    up); healed, it catches up and leads again."""
+    cluster = Cluster()
+    cluster.run(2000)
+    assert cluster.master_now() == "1"
+    driver = cluster.drivers["1"]
+    start = cluster.clock.monotonic_ms()
+    cluster.twins["1"].cut_since_ms = start
+    with caplog.at_level(logging.WARNING, logger="squall.coordinator"):
+        cluster.run(start + driver.quorum_lost_ms - STEP_MS)
+        assert cluster.master_now() == "1"  # not before the bound
+        cluster.run(start + driver.quorum_lost_ms + 2000)
+    assert cluster.master_now() in ("2", "3")
+    others = [(t, n) for t, n, _ in cluster.masters if n != "1" and t > start]
+    assert others and others[0][0] - start < driver.quorum_lost_ms + 1500, others
+    warnings = [r.getMessage() for r in caplog.records if "steps aside" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "coordinator 1" in warnings[0] and "heard from no majority" in warnings[0]
+    assert f"{MASTER_REFUSAL_HOLDOFF_MS} ms" in warnings[0]
+    assert "heard from no majority" in driver.election.status().lead_held_off_reason
+    # Past the hold-off, the cut still there: node 1 rejoins behind, and stays a slave.
+    cluster.run(cluster.clock.monotonic_ms() + MASTER_REFUSAL_HOLDOFF_MS + 5000)
+    assert cluster.master_now() in ("2", "3")
+    assert not [n for t, n, _ in cluster.masters if n == "1" and t > start]
+    assert driver.election.status().lead_held_off_until_ms is None
+    # Healed: it catches up (its lag is reported) and the lead-back hands it the group.
+    cluster.twins["1"].cut_since_ms = None
+    cluster.run(cluster.clock.monotonic_ms() + 5000)
+    assert cluster.master_now() == "1"
+
+
+def test_a_master_that_hears_from_a_majority_never_steps_aside() -> None:
+    """One slave's replica cut off alone: the master commits with the other and keeps
+    its role; the cut slave is a member that catches up once healed."""
+    cluster = Cluster()
+    cluster.run(2000)
+    assert cluster.master_now() == "1"
+    start = cluster.clock.monotonic_ms()
+    cluster.twins["3"].cut_since_ms = start
+    cluster.run(start + 3 * (MASTER_REFUSAL_HOLDOFF_MS))
+    assert cluster.master_now() == "1"
+    assert [n for t, n, _ in cluster.masters if t > start] == []
+    assert cluster.drivers["1"].election.status().lead_held_off_until_ms is None

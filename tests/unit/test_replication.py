@@ -1320,3 +1320,75 @@ def test_the_following_flag_clears_with_an_ack_without_it_or_a_new_stream() -> N
     assert follow_ack(master, "2", sid2, 2).heartbeats == ("2",)  # its readers are back
     send_all(master, master.on_appended(3, synced=True))
     assert ack(master, "3", sid3, 3, 3, 3).heartbeats == ("2",)
+
+
+def test_quorum_silence_counts_from_the_last_slave_answer_a_commit_needs() -> None:
+    """A master whose replica is cut off from the others hears nothing: the time since
+    enough voting slaves answered grows, from the master's first tick for a slave never
+    heard; one answer from either slave (majority of three) ends it."""
+    master = new_master()
+    assert master.quorum_silent_ms() == 0  # no tick yet: no clock
+    master.tick(1_000)
+    sid2 = master.connect("2")
+    master.connect("3")
+    assert master.tick(3_500).heartbeats == ()  # nothing streams: no heartbeat is due
+    assert master.quorum_silent_ms() == 2_500  # counted from the first tick
+    send_all(master, master.on_position("2", sid2, last_epoch=0, last_lsn=0, history=[]))
+    master.tick(3_600)
+    assert master.quorum_silent_ms() == 100  # node 2 answered at the last tick (3,500)
+    send_all(master, master.on_appended(2, synced=True))
+    master.tick(9_600)
+    assert master.quorum_silent_ms() == 6_100  # no ack since
+    ack(master, "2", sid2, 2, 2, 2)
+    master.tick(9_700)
+    assert master.quorum_silent_ms() == 100
+    master.depose("a new epoch")
+    assert master.quorum_silent_ms() == 0
+
+
+def test_quorum_silence_under_acks_all_needs_every_voter_and_never_counts_a_learner() -> None:
+    master = new_master(
+        config(nodes=("1", "2", "3"), learners=("4",), acks=AckPolicy.ALL),
+        members=["1", "2", "3", "4"],
+    )
+    master.tick(0)
+    sid2, sid4 = stream(master, "2"), stream(master, "4")
+    master.tick(1_000)
+    ack(master, "2", sid2, 0, 0, 0)
+    ack(master, "4", sid4, 0, 0, 0)
+    master.tick(1_500)
+    # Node 3 (a voter) was never heard: `all` needs it; the learner's answers count for nothing.
+    assert master.quorum_silent_ms() == 1_500
+    stream(master, "3")  # its Position answers at the last tick (1,500)
+    master.tick(1_600)
+    assert master.quorum_silent_ms() == 600  # node 2's ack at 1,000 is now the oldest needed
+    none = new_master(config(acks=AckPolicy.NONE))
+    none.tick(0)
+    none.tick(5_000)
+    assert none.quorum_silent_ms() == 0  # commits need no slave
+
+
+def test_a_slave_receiving_a_snapshot_counts_as_heard_until_its_stream_ends() -> None:
+    """A slave acks a snapshot once, when it is installed: a long install is no silence
+    (a master whose other slave is gone does not step aside for it); a cut stream is."""
+    cluster = Cluster()
+    cluster.start()
+    cluster.append(4)
+    cluster.run()
+    cluster.disconnect("3")
+    cluster.append(20)
+    cluster.run()
+    cluster.compact(15)
+    cluster.connect("3")
+    cluster.deliver_to_slave("3")
+    while cluster.to_master:
+        cluster.deliver_to_master()
+    master = cluster.master
+    assert master.progress("3").state == SlaveState.SNAPSHOTTING
+    cluster.disconnect("2")
+    master.tick(10_000)
+    master.tick(15_000)
+    assert master.quorum_silent_ms() == 0  # node 3's snapshot flows
+    cluster.disconnect("3")
+    master.tick(17_000)
+    assert master.quorum_silent_ms() == 2_000  # since the last tick that saw it flow
