@@ -26,7 +26,7 @@ from chaos.run import report, run_chaos
 # kill_coordinator of the master, slow_disk overlapped by pause_coordinator of a slave,
 # kill_replica of the master overlapped by a kill of another node (3); partition
 # overlapped by kill_replica of a slave, map_full overlapped by pause_replica (24).
-SEEDS = (2, 3, 24)
+SEEDS = (8196, 3433, 3473)
 DURATION_S = 35.0
 NODES = 3
 # Load after the last fault has healed and the cluster is normal again, before the run

@@ -1,0 +1,105 @@
+"""A master's replica cut off from the other replicas alone, on real processes.
+
+Each node runs in its own network namespace with an address per process
+(chaos/netns.py), so the master's replica loses its links to the other replicas while
+every coordinator still reaches the others and sees its own replica answer. Nothing
+commits there and only that replica knows: its role answers say how long it has heard
+from no majority (`quorum_silent_ms`), and past the bound its coordinator steps aside.
+The test checks what a user sees: publishes are acknowledged again by another master
+while the cut still holds, the old master's status says why it stepped aside, and after
+the heal it rejoins; every acknowledged event is then on every replica at the offset its
+receipt gave.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import squall
+from chaos.cluster import ChaosCluster
+from chaos.netns import Topology
+from tests.requirements import netns_missing
+
+pytestmark = pytest.mark.skipif(netns_missing() is not None, reason=str(netns_missing()))
+
+# Bounds on the waits (a loaded 2-core machine is slow, never wrong): a failover after the
+# step-aside bound (3 s with the chaos settings' 1 s member timeout) and the election.
+FAILOVER_WAIT_S = 60.0
+NORMAL_WAIT_S = 90.0
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[ChaosCluster]:
+    topology = Topology.plan(["n1", "n2", "n3"])
+    topology.create()
+    built: ChaosCluster | None = None
+    try:
+        built = ChaosCluster.build(tmp_path / "run", 3, topology)
+        built.start_all()
+        built.wait_normal(NORMAL_WAIT_S)
+        yield built
+    finally:
+        if built is not None:
+            built.stop_all()
+        assert topology.teardown() == []
+
+
+def _publish(publisher: squall.Publisher, payload: str) -> squall.Receipt | None:
+    """One publish; None when it was not acknowledged (refused or indeterminate)."""
+    try:
+        return publisher.publish(payload.encode())
+    except squall.SquallError:
+        return None
+
+
+def test_a_master_whose_replica_is_cut_off_alone_steps_aside_and_another_serves(
+    cluster: ChaosCluster,
+) -> None:
+    assert cluster.topology is not None
+    old = cluster.master()
+    assert old is not None
+    acked: dict[str, squall.Receipt] = {}
+    with squall.connect(cluster.gateway_addresses[0], timeout_s=5.0) as client:
+        client.create_topic("t")
+        publisher = client.topic("t").publisher()
+        for i in range(20):
+            receipt = _publish(publisher, f"before-{i}")
+            assert receipt is not None, f"publish {i} before the cut was not acknowledged"
+            acked[f"before-{i}"] = receipt
+        cluster.topology.partition_process(old, "replica")
+        deadline = time.monotonic() + FAILOVER_WAIT_S
+        during = 0
+        for i in range(100_000):  # bounded by the deadline too
+            receipt = _publish(publisher, f"during-{i}")
+            if receipt is not None:
+                acked[f"during-{i}"] = receipt
+                if receipt.master_id != old:
+                    during += 1
+            if during >= 20 or time.monotonic() > deadline:
+                break
+        assert during >= 20, (
+            f"no other master acknowledged publishes within {FAILOVER_WAIT_S:.0f}s while "
+            f"{old}'s replica was cut off: {cluster.normal_problem()}"
+        )
+        status = cluster.coordinator_status(old)
+        assert status is not None
+        assert "heard from no majority" in status.lead_held_off_reason, status
+        cluster.topology.heal()
+        cluster.wait_normal(NORMAL_WAIT_S)  # the old master rejoins after its hold-off
+        for i in range(20):
+            receipt = _publish(publisher, f"after-{i}")
+            assert receipt is not None, f"publish {i} after the heal was not acknowledged"
+            acked[f"after-{i}"] = receipt
+    cluster.shutdown()
+    logs = {r["node"]: r for r in cluster.final_logs(["t"])}
+    assert set(logs) == {"n1", "n2", "n3"}
+    for node, record in logs.items():
+        stored = {offset: payload for offset, payload in record["events"]}  # type: ignore[attr-defined]
+        missing = [
+            (payload, r.offset) for payload, r in acked.items() if stored.get(r.offset) != payload
+        ]
+        assert not missing, f"{node} lacks acknowledged events at their offsets: {missing[:5]}"
