@@ -55,10 +55,9 @@ def held_off(node: squall.NodeStatus) -> str:
     if not node.lead_held_off_until_ms:
         return ""
     return (
-        f"steps aside from leading until {when(node.lead_held_off_until_ms)}: its replica "
-        f"kept refusing the master role (last: {node.lead_held_off_reason}); out of every "
-        "group meanwhile (never master, never counted for acks or the quorum), then it "
-        "rejoins and may lead again"
+        f"steps aside from leading until {when(node.lead_held_off_until_ms)}: "
+        f"{node.lead_held_off_reason}; out of every group meanwhile (never master, never "
+        "counted for acks or the quorum), then it rejoins and may lead again"
     )
 
 

@@ -894,7 +894,7 @@ class Election:
                 else None
             ),
             lead_held_off_reason=(
-                self._lead_hold_off.reason if self._lead_hold_off is not None else ""
+                self._lead_hold_off.why if self._lead_hold_off is not None else ""
             ),
             config_mismatches=tuple(
                 ConfigMismatch(node, d.key, d.local_value, d.peer_value)

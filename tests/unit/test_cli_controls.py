@@ -186,7 +186,10 @@ def test_status_explains_a_node_that_steps_aside_after_master_refusals(
     )
     del n1.group[:]
     n1.lead_held_off_until_ms = _AT_MS
-    n1.lead_held_off_reason = "storing the log fetched from n2 failed: StoreError: disk full"
+    n1.lead_held_off_reason = (
+        "its replica refused the master role 3 times in a row (last: storing the log "
+        "fetched from n2 failed: StoreError: disk full)"
+    )
     n2.ClearField("quarantine")
     n2.fault_reason = ""
     n2.state, n2.role, n2.group_name = common_pb2.NODE_STATE_NORMAL, common_pb2.ROLE_MASTER, "n2:y"
@@ -198,7 +201,7 @@ def test_status_explains_a_node_that_steps_aside_after_master_refusals(
     assert code == 0
     assert "STEPPED ASIDE" in out.splitlines()[1] + out.splitlines()[2], out
     assert "n1: steps aside from leading until 2025-11-22T03:05:41Z" in out
-    assert "StoreError: disk full" in out
+    assert "refused the master role 3 times in a row" in out and "disk full" in out, out
     code, out, _ = run(["status", "--explain"], capsys)
     assert "n1 ranks higher but is not in the group (steps aside from leading" in out, out
     # Out of every group, it is no candidate should the master fail.
