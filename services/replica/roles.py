@@ -165,6 +165,29 @@ class RolePersistence:
                 ) from exc
 
 
+async def _to_the_end(applying: asyncio.Future[Taking | None]) -> Taking | None:
+    """Waits for a role command's application, which a cancelled caller (the SetRole call
+    past its deadline) does not cut short: the core has decided it, and a drop stopped
+    half-way (the core inactive, the old epoch's master still replicating) let the next
+    master role run beside it (coordinated simulator, seed 526). The cancellation comes
+    through once it is done, the role lock still held until then."""
+    cancelled = False
+    while True:  # bounded: each pass ends with the application or another cancellation
+        try:
+            result = await asyncio.shield(applying)
+        except asyncio.CancelledError:
+            if applying.done() and not applying.cancelled():
+                result = applying.result()  # it finished; the caller's cancel is ours
+            elif applying.cancelled():
+                raise
+            else:
+                cancelled = True
+                continue
+        if cancelled:
+            raise asyncio.CancelledError
+        return result
+
+
 class RoleApplication:
     """Applies role commands and the core's role effects, one command at a time."""
 
@@ -213,8 +236,9 @@ class RoleApplication:
         command repeated joins it.
         """
         async with self._role_lock:
+            applying = asyncio.ensure_future(self._apply_role(command))
             try:
-                taking = await self._apply_role(command)
+                taking = await _to_the_end(applying)
             finally:
                 self._changes.notify()
         if taking is None:
@@ -427,8 +451,14 @@ class RoleApplication:
         (e.g. it died)."""
         while True:
             await asyncio.sleep(LEASE_CHECK_S)
-            effects = self.core.tick(self.clock.monotonic_ms())
-            if effects.thawed:
-                log.warning("replica %s: %s", self.node.id, effects.thawed)
-            if effects.drop_role:
-                await self.apply_effects(effects)
+            # Under the role lock, as a role command: the drop sets the core inactive at
+            # once but stops the master's replication only after its write in progress
+            # (the commit lock); a master role taken in between would not drop the old
+            # epoch's driver, which then ran on beside the new one (coordinated
+            # simulator, seed 526: its late deposition dropped the new role).
+            async with self._role_lock:
+                effects = self.core.tick(self.clock.monotonic_ms())
+                if effects.thawed:
+                    log.warning("replica %s: %s", self.node.id, effects.thawed)
+                if effects.drop_role:
+                    await self.apply_effects(effects)
