@@ -1010,7 +1010,9 @@ def test_a_log_sharing_no_entry_with_the_masters_is_replaced_by_a_snapshot() -> 
         assert 1 not in {e.epoch for e in cluster.slaves["3"].log}
 
 
-def test_a_slave_behind_the_retained_log_gets_a_snapshot_then_the_tail() -> None:
+def _slave_3_behind_the_retained_log() -> Cluster:
+    """Node 3 missed 20 entries that were compacted (LSNs 1..14 gone): it reconnects and
+    is sent a snapshot."""
     cluster = Cluster()
     cluster.start()
     cluster.append(4)
@@ -1018,12 +1020,17 @@ def test_a_slave_behind_the_retained_log_gets_a_snapshot_then_the_tail() -> None
     cluster.disconnect("3")
     cluster.append(20)
     cluster.run()
-    cluster.compact(15)  # LSNs 1..14 are gone from the log
+    cluster.compact(15)
     assert cluster.master.retain_from_lsn() == 15
     cluster.connect("3")
     cluster.deliver_to_slave("3")
     while cluster.to_master:
         cluster.deliver_to_master()
+    return cluster
+
+
+def test_a_slave_behind_the_retained_log_gets_a_snapshot_then_the_tail() -> None:
+    cluster = _slave_3_behind_the_retained_log()
     assert cluster.snapshots_sent == [("3", 25)]
     assert cluster.master.progress("3").state == SlaveState.SNAPSHOTTING
     assert cluster.master.retain_from_lsn() == 26  # the tail after the snapshot stays
@@ -1371,18 +1378,7 @@ def test_quorum_silence_under_acks_all_needs_every_voter_and_never_counts_a_lear
 def test_a_slave_receiving_a_snapshot_counts_as_heard_until_its_stream_ends() -> None:
     """A slave acks a snapshot once, when it is installed: a long install is no silence
     (a master whose other slave is gone does not step aside for it); a cut stream is."""
-    cluster = Cluster()
-    cluster.start()
-    cluster.append(4)
-    cluster.run()
-    cluster.disconnect("3")
-    cluster.append(20)
-    cluster.run()
-    cluster.compact(15)
-    cluster.connect("3")
-    cluster.deliver_to_slave("3")
-    while cluster.to_master:
-        cluster.deliver_to_master()
+    cluster = _slave_3_behind_the_retained_log()
     master = cluster.master
     assert master.progress("3").state == SlaveState.SNAPSHOTTING
     cluster.disconnect("2")
