@@ -500,8 +500,8 @@ class CoordinatorDriver:
         reason = (
             f"its replica, master of epoch {self.election.persisted.epoch}, has heard from "
             f"no majority of the group's replicas for {silent_ms} ms (at most "
-            f"{self.quorum_lost_ms}): its links to them are cut while the coordinators "
-            "reach each other"
+            f"{self.quorum_lost_ms}), so nothing it writes can commit: its links to them may "
+            "be cut while the coordinators still reach each other"
         )
         now = self.now()
         self._lead_hold_off = LeadHoldOff(now + MASTER_REFUSAL_HOLDOFF_MS, 0, reason)
