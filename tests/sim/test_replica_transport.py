@@ -22,12 +22,13 @@ from pathlib import Path
 import pytest
 
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
-from squall_server.common.config import ClusterConfig, load_config
+from squall_server.common.config import ClusterConfig
 from squall_server.common.errors import Code, ServiceError
 from squall_server.replica import commands
 from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.master_streams import RECONNECT_BACKOFF_MIN_MS, ReconnectBackoff
 from squall_server.replica.node import ReplicaNode
+from tests.example_config import example_config
 from tests.sim.replica_transport import SimReplicaNetwork, flip_a_byte
 
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "cluster.example.toml"
@@ -77,16 +78,6 @@ async def _publish(node: ReplicaNode, payload: bytes) -> common_pb2.BatchReceipt
     return await asyncio.wait_for(node.start_publish(request), WAIT_S)
 
 
-def _example_config(data_root: Path) -> ClusterConfig:
-    """The example cluster with each node's data directory under data_root, so a fault a
-    node records stays with its test (the example's own directories are the checkout's)."""
-    config = load_config(CONFIG)
-    nodes = tuple(dataclasses.replace(n, data_dir=data_root / n.id) for n in config.nodes)
-    for node in nodes:
-        node.data_dir.mkdir(parents=True, exist_ok=True)
-    return dataclasses.replace(config, nodes=nodes)
-
-
 async def _started(
     network: SimReplicaNetwork, node_ids: tuple[str, ...], config: ClusterConfig
 ) -> dict[str, ReplicaNode]:
@@ -133,7 +124,7 @@ def test_replicas_replicate_reorganize_and_depose_over_the_simulated_transport(
 ) -> None:
     async def scenario() -> None:
         network = SimReplicaNetwork()
-        async with _running(network, ("n1", "n2", "n3"), _example_config(tmp_path)) as nodes:
+        async with _running(network, ("n1", "n2", "n3"), example_config(tmp_path)) as nodes:
             n1, n2, n3 = nodes["n1"], nodes["n2"], nodes["n3"]
             # Epoch 1: n1 masters n2 and n3; a write commits once a slave holds it.
             await _n1_masters_epoch_one(nodes)
@@ -196,7 +187,7 @@ def test_a_slave_whose_opened_stream_breaks_is_reconnected_at_the_shortest_wait(
 
     async def scenario() -> None:
         network = SimReplicaNetwork()
-        async with _running(network, ("n1", "n2"), _example_config(tmp_path)) as nodes:
+        async with _running(network, ("n1", "n2"), example_config(tmp_path)) as nodes:
             n1, n2 = nodes["n1"], nodes["n2"]
             await _n1_masters_epoch_one(nodes)
             await _create_orders(n1)
@@ -224,7 +215,7 @@ def test_a_master_that_cannot_read_the_log_a_slave_lacks_reports_it_and_a_sound_
 
     async def scenario() -> None:
         network = SimReplicaNetwork()
-        async with _running(network, ("n1", "n2", "n3"), _example_config(tmp_path)) as nodes:
+        async with _running(network, ("n1", "n2", "n3"), example_config(tmp_path)) as nodes:
             n1, n2, n3 = nodes["n1"], nodes["n2"], nodes["n3"]
             await _n1_masters_epoch_one(nodes)
             await _create_orders(n1)
@@ -279,7 +270,7 @@ def test_a_master_whose_snapshot_for_a_slave_meets_a_damaged_record_reports_it(
     reports the fault as it does for its log, and goes on committing with the other slave."""
 
     async def scenario() -> None:
-        config = _example_config(tmp_path)
+        config = example_config(tmp_path)
         config = dataclasses.replace(
             config, limits=dataclasses.replace(config.limits, log_retention_entries=4)
         )
@@ -314,7 +305,7 @@ def test_a_new_master_whose_sync_source_fails_a_checksum_refuses_the_role(tmp_pa
 
     async def scenario() -> None:
         network = SimReplicaNetwork()
-        async with _running(network, ("n1", "n2", "n3"), _example_config(tmp_path)) as nodes:
+        async with _running(network, ("n1", "n2", "n3"), example_config(tmp_path)) as nodes:
             n1, n2 = nodes["n1"], nodes["n2"]
             await _n1_masters_epoch_one(nodes)
             await _create_orders(n1)
@@ -379,7 +370,7 @@ def test_a_replica_whose_uncommitted_tail_fails_its_checksum_starts_refusing_rea
 
     async def scenario() -> None:
         network = SimReplicaNetwork()
-        config = _example_config(tmp_path)
+        config = example_config(tmp_path)
         nodes = await _started(network, ("n1", "n2", "n3"), config)
         n1, n2, n3 = nodes["n1"], nodes["n2"], nodes["n3"]
         restarted: ReplicaNode | None = None
@@ -431,7 +422,7 @@ def test_a_checksum_error_rebuilding_the_gate_after_an_abandoned_taking_fail_sto
 
     async def scenario() -> None:
         network = SimReplicaNetwork()
-        async with _running(network, ("n1", "n2", "n3"), _example_config(tmp_path)) as nodes:
+        async with _running(network, ("n1", "n2", "n3"), example_config(tmp_path)) as nodes:
             n1, n2 = nodes["n1"], nodes["n2"]
             await _n1_masters_epoch_one(nodes)
             await _create_orders(n1)

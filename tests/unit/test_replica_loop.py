@@ -23,13 +23,12 @@ import pytest
 
 from squall.v1 import common_pb2, replica_pb2
 from squall_server.common.clock import SystemClock
-from squall_server.common.config import ClusterConfig, parse_config
 from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.loop_watch import watch_loop
 from squall_server.replica.rebuild import LmdbTruncator
 from squall_server.replica.store import Store, make_entry
+from tests.example_config import example_config
 
-ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = "c0ffee"
 # How long a flushed write waits for the event loop to run before it records that it
 # blocked it: generous for a loaded machine (the loop runs its task within milliseconds
@@ -75,12 +74,6 @@ class _SlowDiskStore(Store):
         super().set_cluster_id(cluster_id)
 
 
-def _config() -> ClusterConfig:
-    return parse_config(
-        (ROOT / "deploy" / "cluster.example.toml").read_text(), ROOT / "deploy" / "x"
-    )
-
-
 def _role(
     role: common_pb2.Role.ValueType, epoch: int, master: str, seq: int
 ) -> replica_pb2.RoleCommand:
@@ -96,7 +89,7 @@ def _role(
     )
 
 
-def test_a_replica_taking_roles_on_a_slow_disk_keeps_its_event_loop_running() -> None:
+def test_a_replica_taking_roles_on_a_slow_disk_keeps_its_event_loop_running(tmp_path: Path) -> None:
     """Following a master in a new epoch (a rejoin) and taking the master role each flush
     the store; the event loop runs throughout (it would answer health probes)."""
 
@@ -105,7 +98,7 @@ def test_a_replica_taking_roles_on_a_slow_disk_keeps_its_event_loop_running() ->
         store = _SlowDiskStore.open_memory()
         assert isinstance(store, _SlowDiskStore)
         store.disk = disk
-        config = _config()
+        config = example_config(tmp_path)
         node = build_replica_node(config, config.node("n2"), store)
         await node.start()
         loop_side = asyncio.create_task(disk.run())
@@ -158,7 +151,7 @@ def test_a_replica_truncating_its_log_on_a_slow_disk_keeps_its_event_loop_runnin
         )
         truncator = _SlowDiskTruncator(tmp_path, map_size_bytes=MAP_BYTES, dedupe_window=100)
         truncator.disk = disk
-        config = _config()
+        config = example_config(tmp_path)
         node = build_replica_node(config, config.node("n2"), store, truncator=truncator)
         await node.start()
         loop_side = asyncio.create_task(disk.run())

@@ -22,7 +22,6 @@ import pytest
 
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
 from squall_server.common.clock import ManualClock
-from squall_server.common.config import load_config
 from squall_server.common.errors import Code, ServiceError
 from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.node import ReplicaNode
@@ -30,8 +29,7 @@ from squall_server.replica.replication_server import Replication
 from squall_server.replica.server import ReplicaControl, Subscriber
 from squall_server.replica.store import DATABASES, Store, StoreFullError, StoreWriteError
 from squall_server.replica.store.kv_memory import MemoryKV
-
-CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "cluster.example.toml"
+from tests.example_config import example_config
 
 
 def _entry(lsn: int, epoch: int) -> replica_pb2.LogEntry:
@@ -58,9 +56,9 @@ async def _acks(node: ReplicaNode, stream: int, batch: replica_pb2.EntryBatch) -
     return [ack async for ack in node.replication_batch(stream, batch)]
 
 
-def test_a_slave_whose_store_fails_stops_serving_and_never_acks_the_batch() -> None:
+def test_a_slave_whose_store_fails_stops_serving_and_never_acks_the_batch(tmp_path: Path) -> None:
     async def scenario() -> None:
-        config = load_config(CONFIG)
+        config = example_config(tmp_path)
         store = _FailingStore.open_memory()
         assert isinstance(store, _FailingStore)
         node = build_replica_node(config, config.node("n2"), store)
@@ -117,13 +115,15 @@ class _EpochFailingStore(Store):
         super().set_epoch(epoch)
 
 
-def test_a_role_whose_epoch_cannot_be_persisted_is_refused_and_the_replica_stops() -> None:
+def test_a_role_whose_epoch_cannot_be_persisted_is_refused_and_the_replica_stops(
+    tmp_path: Path,
+) -> None:
     """Regression (found by tests/sim/shell_sim.py, seed 174): a store error persisting a
     slave role's epoch escaped apply_role raw (SetRole answered UNKNOWN) and the replica
     went on holding a role whose epoch its store did not have."""
 
     async def scenario() -> None:
-        config = load_config(CONFIG)
+        config = example_config(tmp_path)
         store = _EpochFailingStore.open_memory()
         assert isinstance(store, _EpochFailingStore)
         node = build_replica_node(config, config.node("n2"), store)
@@ -160,13 +160,15 @@ class _EpochFullStore(Store):
         super().set_epoch(epoch)
 
 
-def test_a_role_a_full_store_cannot_persist_is_refused_and_taken_once_it_fits() -> None:
+def test_a_role_a_full_store_cannot_persist_is_refused_and_taken_once_it_fits(
+    tmp_path: Path,
+) -> None:
     """A full store is not a failing disk (chaos seed 24's map_full fault): the role is
     refused RESOURCE_EXHAUSTED and dropped, the replica does not fail-stop (its coordinator
     would quarantine it), and the next command is taken once the write fits."""
 
     async def scenario() -> None:
-        config = load_config(CONFIG)
+        config = example_config(tmp_path)
         store = _EpochFullStore.open_memory()
         assert isinstance(store, _EpochFullStore)
         node = build_replica_node(config, config.node("n2"), store)
@@ -201,9 +203,9 @@ def _slave_of(master: str, epoch: int, seq: int) -> replica_pb2.RoleCommand:
     )
 
 
-def test_a_replica_holds_a_proxy_call_until_it_can_name_a_reachable_master() -> None:
+def test_a_replica_holds_a_proxy_call_until_it_can_name_a_reachable_master(tmp_path: Path) -> None:
     async def scenario() -> None:
-        config = load_config(CONFIG)
+        config = example_config(tmp_path)
         node = build_replica_node(config, config.node("n2"), Store.open_memory())
         await node.start()
         dead = config.node("n1").replica_address
@@ -236,12 +238,14 @@ def test_a_replica_holds_a_proxy_call_until_it_can_name_a_reachable_master() -> 
     asyncio.run(scenario())
 
 
-def test_a_held_call_goes_to_the_unreachable_master_once_a_newer_epoch_names_it() -> None:
+def test_a_held_call_goes_to_the_unreachable_master_once_a_newer_epoch_names_it(
+    tmp_path: Path,
+) -> None:
     # Issue 14: the master's replica restarted (or the node took the lead back) and the
     # group elected it again in a newer epoch. The caller still names it unreachable, from
     # before; the call must not wait out its hold for a master that is back.
     async def scenario() -> None:
-        config = load_config(CONFIG)
+        config = example_config(tmp_path)
         node = build_replica_node(config, config.node("n2"), Store.open_memory())
         await node.start()
         back = config.node("n1").replica_address
@@ -260,9 +264,9 @@ def test_a_held_call_goes_to_the_unreachable_master_once_a_newer_epoch_names_it(
     asyncio.run(scenario())
 
 
-def test_a_held_call_is_released_at_its_deadline() -> None:
+def test_a_held_call_is_released_at_its_deadline(tmp_path: Path) -> None:
     async def scenario() -> None:
-        config = load_config(CONFIG)
+        config = example_config(tmp_path)
         node = build_replica_node(config, config.node("n2"), Store.open_memory())
         await node.start()
         try:
@@ -274,9 +278,11 @@ def test_a_held_call_is_released_at_its_deadline() -> None:
     asyncio.run(scenario())
 
 
-def test_an_unrenewed_role_lapses_on_the_injected_clock_and_its_epoch_is_not_resumed() -> None:
+def test_an_unrenewed_role_lapses_on_the_injected_clock_and_its_epoch_is_not_resumed(
+    tmp_path: Path,
+) -> None:
     async def scenario() -> None:
-        config = load_config(CONFIG)
+        config = example_config(tmp_path)
         clock = ManualClock()
         node = build_replica_node(config, config.node("n2"), Store.open_memory(), clock)
         await node.start()
@@ -322,14 +328,14 @@ class _Context:
         raise AssertionError(f"unexpected abort {code}: {details}")
 
 
-def test_a_stream_dropped_at_an_ack_does_not_keep_the_commit_lock() -> None:
+def test_a_stream_dropped_at_an_ack_does_not_keep_the_commit_lock(tmp_path: Path) -> None:
     """gRPC drops a cancelled stream's generator without closing it; the batch it was
     acknowledging must still release the commit lock at once, not when the garbage
     collector gets to the generator (a slave stalled for good after a map-full fault:
     every later stream waited for the lock, docs/chaos.md)."""
 
     async def scenario() -> None:
-        config = load_config(CONFIG)
+        config = example_config(tmp_path)
         node = build_replica_node(config, config.node("n2"), Store.open_memory())
         await node.start()
         try:
@@ -384,12 +390,14 @@ class _StuckDiskKV(MemoryKV):
         assert self.disk_back.wait(30), "the test never gave the disk back"
 
 
-def test_a_replica_reports_how_long_its_oldest_store_write_has_hung_on_its_clock() -> None:
+def test_a_replica_reports_how_long_its_oldest_store_write_has_hung_on_its_clock(
+    tmp_path: Path,
+) -> None:
     """A stuck disk: the replica's answer to its coordinator says how long the store's
     oldest write has run (read on the injected clock), and 0 once writes complete."""
 
     async def scenario() -> None:
-        config = load_config(CONFIG)
+        config = example_config(tmp_path)
         clock = ManualClock()
         kv = _StuckDiskKV()
         store = Store(kv)
@@ -437,7 +445,7 @@ class _FlushFailingStore(Store):
         super().sync()
 
 
-def test_a_master_flush_failing_after_sending_deposes_it_and_fail_stops() -> None:
+def test_a_master_flush_failing_after_sending_deposes_it_and_fail_stops(tmp_path: Path) -> None:
     """Under SYNC the master hands its written batch to replication before the flush: the
     flush runs with the entry counted as written but not committed; when it fails, the
     publish is indeterminate (UNKNOWN), the master gives up its role and fail-stops."""
@@ -445,7 +453,7 @@ def test_a_master_flush_failing_after_sending_deposes_it_and_fail_stops() -> Non
     async def scenario() -> None:
         from squall_server.replica import commands
 
-        config = load_config(CONFIG)
+        config = example_config(tmp_path)
         assert config.durability.master_sync == common_pb2.SYNC_POLICY_SYNC
         store = _FlushFailingStore.open_memory()
         assert isinstance(store, _FlushFailingStore)
@@ -497,13 +505,13 @@ def test_a_master_flush_failing_after_sending_deposes_it_and_fail_stops() -> Non
     asyncio.run(scenario())
 
 
-def test_a_slaves_acks_say_whether_following_readers_are_open_there() -> None:
+def test_a_slaves_acks_say_whether_following_readers_are_open_there(tmp_path: Path) -> None:
     """The master tells a slave each commit at once only while its acks say it serves
     following readers: the first such reader sets the flag, the last one leaving clears
     it, and the acks in between keep saying it."""
 
     async def scenario() -> None:
-        config = load_config(CONFIG)
+        config = example_config(tmp_path)
         node = build_replica_node(config, config.node("n2"), Store.open_memory())
         await node.start()
         try:
