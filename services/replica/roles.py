@@ -172,20 +172,16 @@ async def _to_the_end(applying: asyncio.Future[Taking | None]) -> Taking | None:
     master role run beside it (coordinated simulator, seed 526). The cancellation comes
     through once it is done, the role lock still held until then."""
     cancelled = False
-    while True:  # bounded: each pass ends with the application or another cancellation
+    while not applying.done():  # bounded: each pass ends it or takes a cancellation
         try:
-            result = await asyncio.shield(applying)
+            await asyncio.shield(applying)
         except asyncio.CancelledError:
-            if applying.done() and not applying.cancelled():
-                result = applying.result()  # it finished; the caller's cancel is ours
-            elif applying.cancelled():
+            if applying.cancelled():
                 raise
-            else:
-                cancelled = True
-                continue
-        if cancelled:
-            raise asyncio.CancelledError
-        return result
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return applying.result()
 
 
 class RoleApplication:
