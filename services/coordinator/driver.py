@@ -69,7 +69,8 @@ WATCH_HEARTBEATS = 0.5
 # of every group, so the other nodes elect a master among themselves instead of this
 # (highest-ranked) node leading and naming its refusing replica again, for ever. A role the
 # replica takes resets the count; a call it does not answer (UNAVAILABLE: its sync source
-# is unreachable, say) neither counts nor resets. After the hold-off one more refusal steps
+# is unreachable, say) neither counts nor resets: such failures step the node aside once
+# they have lasted quorum_lost_ms in one epoch. After the hold-off one more refusal steps
 # aside again (docs/operations.md, "A replica that refuses the master role").
 MASTER_REFUSALS_MAX = 3
 # About 25 election timeouts (member_timeout_ms 400) with the defaults: a disk that is full
@@ -248,6 +249,9 @@ class CoordinatorDriver:
         self.master_refusals = 0
         self._master_refusal_reason = ""
         self._lead_hold_off: LeadHoldOff | None = None
+        # The epoch of a master role the replica has failed to take (not refused: its sync
+        # source unreachable, say), and when it first failed; None once one is taken.
+        self._master_failing: tuple[int, int] | None = None
         self.election = self._new_election(store.load())
         self.shutting_down = ""
         # The last report handed to the election, to notice a replica that restarted (or
@@ -403,6 +407,11 @@ class CoordinatorDriver:
                 self.recover(f"replica refused {command.kind.value}: {outcome.details}")
                 self._role_applied = None
                 return RoleNext.AGAIN
+            if command.kind is RoleCommandKind.MASTER and self._master_not_taken(
+                command.epoch, outcome
+            ):
+                self._role_applied = None
+                return RoleNext.AGAIN
             if command is not self._role_applied and command is not self._role_warned:
                 self._role_warned = command
                 log.warning(
@@ -417,6 +426,7 @@ class CoordinatorDriver:
         self.replica_answered(outcome.store_stalled_ms)
         if command.kind is RoleCommandKind.MASTER and outcome.report.active and not outcome.syncing:
             self.master_refusals = 0  # it took the master role
+            self._master_failing = None
         if outcome.fault_id:
             # A fault the replica reports quarantines this node (once per fault).
             self.apply(
@@ -495,14 +505,39 @@ class CoordinatorDriver:
         return self.timings.store_stall_timeout_ms + self.config.member_timeout_ms
 
     def _step_aside_cut_off(self, silent_ms: int) -> None:
-        """The master's replica has not heard from enough slaves to commit for silent_ms:
-        out of every group for MASTER_REFUSAL_HOLDOFF_MS, so the others elect a master."""
-        reason = (
+        """The master's replica has not heard from enough slaves to commit for silent_ms."""
+        self._step_aside(
             f"its replica, master of epoch {self.election.persisted.epoch}, has heard from "
             f"no majority of the group's replicas for {silent_ms} ms (at most "
             f"{self.quorum_lost_ms}), so nothing it writes can commit: its links to them may "
             "be cut while the coordinators still reach each other"
         )
+
+    def _master_not_taken(self, epoch: int, failure: ReplicaFailure) -> bool:
+        """The replica failed to take the master role of ``epoch`` without refusing it
+        (its sync source unreachable, say: a reorganization fetch that cannot connect fails
+        every renewal alike, for as long as the replica's links are cut, while this node
+        keeps leading its group). Past quorum_lost_ms of failures in one epoch the node
+        steps aside (True), so another member leads. A replica that does not answer at all
+        is taken out sooner, by its silence (replica_timeout_ms)."""
+        now = self.now()
+        if self._master_failing is None or self._master_failing[0] != epoch:
+            self._master_failing = (epoch, now)
+            return False
+        failing_ms = now - self._master_failing[1]
+        if failing_ms < self.quorum_lost_ms:
+            return False
+        self._master_failing = None
+        self._step_aside(
+            f"its replica has failed to take the master role of epoch {epoch} for "
+            f"{failing_ms} ms (at most {self.quorum_lost_ms}), last: {failure.code}: "
+            f"{failure.details}"
+        )
+        return True
+
+    def _step_aside(self, reason: str) -> None:
+        """Out of every group for MASTER_REFUSAL_HOLDOFF_MS, so the others elect a master
+        that can commit; then the node rejoins."""
         now = self.now()
         self._lead_hold_off = LeadHoldOff(now + MASTER_REFUSAL_HOLDOFF_MS, 0, reason)
         log.warning(

@@ -1,4 +1,4 @@
-"""A master's replica cut off from the other replicas alone, on real processes.
+"""A replica cut off from the other replicas alone, on real processes.
 
 Each node runs in its own network namespace with an address per process
 (chaos/netns.py), so the master's replica loses its links to the other replicas while
@@ -9,6 +9,12 @@ The test checks what a user sees: publishes are acknowledged again by another ma
 while the cut still holds, the old master's status says why it stepped aside, and after
 the heal it rejoins; every acknowledged event is then on every replica at the offset its
 receipt gave.
+
+A slave's replica cut off alone costs nothing while the master stays (it commits with
+the other slave), but if the master's node goes down the cut node (next in rank) leads
+the group left, and its replica cannot fetch the newer log it must start from. The
+second test checks that node steps aside, so the others serve once the old master is
+back, while the cut holds.
 """
 
 from __future__ import annotations
@@ -46,6 +52,35 @@ def cluster(tmp_path: Path) -> Iterator[ChaosCluster]:
         if built is not None:
             built.stop_all()
         assert topology.teardown() == []
+
+
+def _publish_until(
+    publisher: squall.Publisher, acked: dict[str, squall.Receipt], label: str, count: int
+) -> list[squall.Receipt]:
+    """Publishes until ``count`` are acknowledged or FAILOVER_WAIT_S pass; the receipts."""
+    deadline = time.monotonic() + FAILOVER_WAIT_S
+    receipts: list[squall.Receipt] = []
+    for i in range(100_000):  # bounded by the deadline too
+        receipt = _publish(publisher, f"{label}-{i}")
+        if receipt is not None:
+            acked[f"{label}-{i}"] = receipt
+            receipts.append(receipt)
+        if len(receipts) >= count or time.monotonic() > deadline:
+            break
+    return receipts
+
+
+def _every_acked_event_everywhere(cluster: ChaosCluster, acked: dict[str, squall.Receipt]) -> None:
+    """After a clean shutdown: each acknowledged event on every replica at its offset."""
+    cluster.shutdown()
+    logs = {r["node"]: r for r in cluster.final_logs(["t"])}
+    assert set(logs) == {"n1", "n2", "n3"}
+    for node, record in logs.items():
+        stored = {offset: payload for offset, payload in record["events"]}  # type: ignore[attr-defined]
+        missing = [
+            (payload, r.offset) for payload, r in acked.items() if stored.get(r.offset) != payload
+        ]
+        assert not missing, f"{node} lacks acknowledged events at their offsets: {missing[:5]}"
 
 
 def _publish(publisher: squall.Publisher, payload: str) -> squall.Receipt | None:
@@ -94,12 +129,42 @@ def test_a_master_whose_replica_is_cut_off_alone_steps_aside_and_another_serves(
             receipt = _publish(publisher, f"after-{i}")
             assert receipt is not None, f"publish {i} after the heal was not acknowledged"
             acked[f"after-{i}"] = receipt
-    cluster.shutdown()
-    logs = {r["node"]: r for r in cluster.final_logs(["t"])}
-    assert set(logs) == {"n1", "n2", "n3"}
-    for node, record in logs.items():
-        stored = {offset: payload for offset, payload in record["events"]}  # type: ignore[attr-defined]
-        missing = [
-            (payload, r.offset) for payload, r in acked.items() if stored.get(r.offset) != payload
-        ]
-        assert not missing, f"{node} lacks acknowledged events at their offsets: {missing[:5]}"
+    _every_acked_event_everywhere(cluster, acked)
+
+
+def test_a_leader_whose_replica_is_cut_off_steps_aside_so_the_others_serve(
+    cluster: ChaosCluster,
+) -> None:
+    assert cluster.topology is not None
+    assert cluster.master() == "n1"  # the highest priority; n2 ranks next
+    acked: dict[str, squall.Receipt] = {}
+    with squall.connect(cluster.gateway_addresses[0], timeout_s=5.0) as client:
+        client.create_topic("t")
+        publisher = client.topic("t").publisher()
+        cluster.topology.partition_process("n2", "replica")
+        before = _publish_until(publisher, acked, "before", 20)
+        assert len(before) == 20, "the master did not commit with n3 while n2 was cut off"
+        cluster.kill_node("n1")
+        # n2 leads n3 and must fetch n3's newer log first, which it cannot reach.
+        deadline = time.monotonic() + FAILOVER_WAIT_S
+        reason = ""
+        while "failed to take the master role" not in reason and time.monotonic() < deadline:
+            status = cluster.coordinator_status("n2")
+            reason = "" if status is None else status.lead_held_off_reason
+            time.sleep(0.1)
+        assert "failed to take the master role" in reason, (
+            f"n2 did not step aside within {FAILOVER_WAIT_S:.0f}s: {cluster.normal_problem()}"
+        )
+        assert "sync source" in reason, reason
+        cluster.start_node("n1")
+        during = _publish_until(publisher, acked, "during", 20)
+        assert len(during) == 20, (
+            f"nobody acknowledged publishes within {FAILOVER_WAIT_S:.0f}s of n1's restart "
+            f"while n2's replica was cut off: {cluster.normal_problem()}"
+        )
+        assert {r.master_id for r in during} == {"n1"}
+        cluster.topology.heal()
+        cluster.wait_normal(NORMAL_WAIT_S)
+        after = _publish_until(publisher, acked, "after", 20)
+        assert len(after) == 20, "publishes after the heal were not acknowledged"
+    _every_acked_event_everywhere(cluster, acked)

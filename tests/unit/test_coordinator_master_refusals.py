@@ -59,6 +59,9 @@ class Twin:
     # last took the master role.
     cut_since_ms: int | None = None
     master_since_ms: int = 0
+    # The log it reports (the newest log in a group is its sync source).
+    last_lsn: int = 0
+    node_id: str = ""
 
     def answer(self, command: RoleCommand) -> ReplicaAnswer | ReplicaFailure:
         if command.kind is RoleCommandKind.MASTER and self.refuse_master:
@@ -67,13 +70,24 @@ class Twin:
                 "FAILED_PRECONDITION",
                 f"cannot take the master role in epoch {command.epoch}: {REFUSAL}",
             )
+        source = command.sync_source_id
+        if command.kind is RoleCommandKind.MASTER and self.cut_since_ms is not None:
+            if source and source != self.node_id:
+                # The reorganization fetch cannot connect (UNAVAILABLE reaches the
+                # driver as no answer, node.py's replica_failure).
+                return ReplicaFailure(
+                    Failure.NO_ANSWER,
+                    "UNAVAILABLE",
+                    f"cannot take the master role in epoch {command.epoch}: fetching the "
+                    f"log from sync source {source} failed: connect: Invalid argument",
+                )
         self.role, self.epoch, self.seq = command.kind, command.epoch, command.seq
         self.cluster_id = self.cluster_id or command.cluster_id
         active = command.kind is not RoleCommandKind.DEACTIVATE
         report = ReplicaReport(
             cluster_id=self.cluster_id,
-            last_epoch=0,
-            last_lsn=0,
+            last_epoch=1 if self.last_lsn else 0,
+            last_lsn=self.last_lsn,
             store_state=StoreState.DIRTY if self.cluster_id else StoreState.EMPTY,
             active=active,
             command_seq=command.seq,
@@ -88,7 +102,9 @@ class Cluster:
     def __init__(self) -> None:
         self.clock = ManualClock()
         self.queue: list[PeerMessage] = []
-        self.twins = {node: Twin() for node in PRIORITIES}
+        self.twins = {node: Twin(node_id=node) for node in PRIORITIES}
+        # Nodes whose both processes are down: not ticked, their messages lost.
+        self.down: set[str] = set()
         self.drivers = {node: self._driver(node) for node in PRIORITIES}
         # (time, node, epoch) each time a replica took the master role, or node 1's was
         # named master (its refusals).
@@ -127,7 +143,8 @@ class Cluster:
             if not self.queue:
                 return
             message = self.queue.pop(0)
-            self.drivers[message.to_node].deliver(message)
+            if message.to_node not in self.down and message.from_node not in self.down:
+                self.drivers[message.to_node].deliver(message)
         raise AssertionError("message storm")
 
     def _role(self, node: str) -> None:
@@ -174,10 +191,11 @@ class Cluster:
     def run(self, until_ms: int) -> None:
         while self.clock.monotonic_ms() < until_ms:
             self.clock.advance(STEP_MS)
-            for node in PRIORITIES:
+            up = [node for node in PRIORITIES if node not in self.down]
+            for node in up:
                 self.drivers[node].tick()
                 self._deliver()
-            for node in PRIORITIES:
+            for node in up:
                 self._role(node)
                 self._deliver()
             while self.hand_overs:
@@ -345,3 +363,38 @@ def test_a_master_that_hears_from_a_majority_never_steps_aside() -> None:
     assert cluster.master_now() == "1"
     assert [n for t, n, _ in cluster.masters if t > start] == []
     assert cluster.drivers["1"].election.status().lead_held_off_until_ms is None
+
+
+def test_a_leader_whose_replica_cannot_reach_its_sync_source_steps_aside_for_one_that_can() -> None:
+    """Node 2's replica is cut off from the others while it is a slave (the master commits
+    with node 3). Then the master's node goes down: nodes 2 and 3 form a group that node 2
+    leads, and its replica must first fetch node 3's newer log, which it cannot reach. It
+    fails the master role every renewal; past the bound node 2 steps aside, and once node 1
+    is back, 1 and 3 serve while the cut lasts."""
+    cluster = Cluster()
+    cluster.run(2000)
+    assert cluster.master_now() == "1"
+    start = cluster.clock.monotonic_ms()
+    cluster.twins["2"].cut_since_ms = start
+    cluster.twins["3"].last_lsn = cluster.twins["1"].last_lsn = 10  # what 2 never got
+    cluster.down.add("1")
+    cluster.twins["1"].role = RoleCommandKind.DEACTIVATE  # killed: its replica restarts
+    driver = cluster.drivers["2"]
+    cluster.run(start + driver.quorum_lost_ms)
+    assert driver.election.status().lead_held_off_until_ms is None  # not before the bound
+    assert cluster.refusals, "node 2 never led the group: the scenario did not happen"
+    cluster.run(start + driver.quorum_lost_ms + 1000)
+    status = driver.election.status()
+    assert status.lead_held_off_until_ms is not None
+    assert "failed to take the master role" in status.lead_held_off_reason
+    assert "sync source 3" in status.lead_held_off_reason
+    # Node 1 comes back while node 2 is held off: 1 and 3 form a group and 1 serves.
+    cluster.down.discard("1")
+    cluster.drivers["1"].recover("restarted")
+    back = cluster.clock.monotonic_ms()
+    cluster.run(back + 3000)
+    assert cluster.master_now() == "1"
+    # Past the hold-off node 2 rejoins as a slave; it never leads while the cut lasts.
+    cluster.run(back + MASTER_REFUSAL_HOLDOFF_MS + 5000)
+    assert cluster.master_now() == "1"
+    assert not [n for t, n, _ in cluster.masters if n == "2" and t > start]
