@@ -162,6 +162,8 @@ class SlaveProgress:
     eta_s: float
     """Seconds until the lag closes at the recent rate; -1 while the slave is not gaining."""
     snapshot_lsn: int
+    silent_ms: int = 0
+    """How long the master has heard nothing from it (no position, no ack)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -344,6 +346,7 @@ class ClusterStatus:
                         catch_up_entries_per_s=p.catch_up_entries_per_s,
                         eta_s=p.eta_s,
                         snapshot_lsn=p.snapshot_lsn,
+                        silent_ms=p.silent_ms,
                     )
                     for p in n.slaves
                 ),

@@ -719,9 +719,11 @@ def _cmd_status(client: squall.Client, args: argparse.Namespace, out: TextIO) ->
     # The master's view of its slaves: what each lacks and how fast it is closing the gap.
     slaves = [slave for node in status.nodes if node.reachable for slave in node.slaves]
     if slaves:
-        table = [["slave", "replication", "acked (written)", "lag", "rate/s", "eta"]]
+        table = [["slave", "replication", "acked (written)", "lag", "rate/s", "eta", "heard"]]
         for slave in slaves:
             eta = "-" if slave.eta_s < 0 else f"{slave.eta_s:.1f}s"
+            # Silence past a heartbeat or two means the master cannot reach its replica.
+            heard = "now" if slave.silent_ms < 1000 else f"{slave.silent_ms / 1000:.1f}s ago"
             table.append(
                 [
                     f"{slave.node_id} (learner)" if slave.node_id in learners else slave.node_id,
@@ -730,6 +732,7 @@ def _cmd_status(client: squall.Client, args: argparse.Namespace, out: TextIO) ->
                     str(slave.lag_entries),
                     f"{slave.catch_up_entries_per_s:.0f}",
                     eta,
+                    heard,
                 ]
             )
         for line in _format_table(table):

@@ -36,6 +36,7 @@ from squall_server.coordinator.messages import (
     OperatorRecord,
     PeerMessage,
     Role,
+    StepAside,
     StoreState,
 )
 
@@ -258,6 +259,15 @@ def to_proto(msg: PeerMessage) -> coordinator_pb2.PeerMessage:
         )
     elif isinstance(body, Leave):
         pb.leave.CopyFrom(coordinator_pb2.Leave(group_name=body.group_name, reason=body.reason))
+    elif isinstance(body, StepAside):
+        pb.step_aside.CopyFrom(
+            coordinator_pb2.StepAside(
+                group_name=body.group_name,
+                epoch=body.epoch,
+                silent_ms=body.silent_ms,
+                bound_ms=body.bound_ms,
+            )
+        )
     else:
         pb.ready_ack.CopyFrom(
             coordinator_pb2.ReadyAck(group_name=body.group_name, epoch=body.epoch)
@@ -371,8 +381,17 @@ def from_proto(pb: coordinator_pb2.PeerMessage) -> PeerMessage:
             group_name=_require(pb.leave.group_name, "leave.group_name"),
             reason=pb.leave.reason,
         )
+    elif kind == "step_aside":
+        body = StepAside(
+            group_name=_require(pb.step_aside.group_name, "step_aside.group_name"),
+            epoch=pb.step_aside.epoch,
+            silent_ms=pb.step_aside.silent_ms,
+            bound_ms=pb.step_aside.bound_ms,
+        )
     else:
-        raise ValueError("body: no message set (expected one of are_you_coordinator ... leave)")
+        raise ValueError(
+            "body: no message set (expected one of are_you_coordinator ... step_aside)"
+        )
     return PeerMessage(from_node=from_node, to_node=to_node, body=body)
 
 

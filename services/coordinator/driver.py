@@ -177,8 +177,10 @@ class ReplicaAnswer:
     slave_lags: tuple[tuple[str, int], ...] = ()
     # The loss reports beside the replica's store (docs/operations.md, "Loss reports").
     losses: tuple[LossRecord, ...] = ()
-    # A master's: how long it has not heard from enough slaves to commit (0: it has).
+    # A master's: how long it has not heard from a majority of slaves (0: it has).
     quorum_silent_ms: int = 0
+    # A master's: how long it has not heard from each member slave (node id, ms).
+    slave_silences: tuple[tuple[str, int], ...] = ()
 
 
 class RoleNext(enum.Enum):
@@ -224,8 +226,12 @@ class CoordinatorDriver:
         applied: Callable[[Ready], None] | None = None,
         hand_over: Callable[[str], None] | None = None,
         save_failed: Callable[[str], None] | None = None,
+        every_member_acks: bool = False,
     ) -> None:
         self.config = config
+        # acks "group": a commit waits for every member, so a member whose replica the
+        # master's cannot hear holds every write back; the coordinator drops it.
+        self.every_member_acks = every_member_acks
         self.timings = timings
         self.clock = clock
         self.transport = transport
@@ -332,6 +338,8 @@ class CoordinatorDriver:
             self._hand_over(ready.hand_over_to)
         if ready.messages or ready.role_command:
             self._wake()  # the next deadline may have moved earlier
+        if ready.step_aside:
+            self._step_aside(ready.step_aside, leading=False)
 
     # --- inputs
 
@@ -447,6 +455,8 @@ class CoordinatorDriver:
             self._step_aside_cut_off(outcome.quorum_silent_ms)
             self._role_applied = None
             return RoleNext.AGAIN
+        if command.kind is RoleCommandKind.MASTER and self.every_member_acks:
+            self._cut_off_silent_members(outcome.slave_silences)
         if command.kind is RoleCommandKind.DEACTIVATE:
             report = ReplicaReport(
                 cluster_id=outcome.report.cluster_id,
@@ -535,17 +545,32 @@ class CoordinatorDriver:
         )
         return True
 
-    def _step_aside(self, reason: str) -> None:
-        """Out of every group for MASTER_REFUSAL_HOLDOFF_MS, so the others elect a master
-        that can commit; then the node rejoins."""
+    def _cut_off_silent_members(self, silences: tuple[tuple[str, int], ...]) -> None:
+        """Under acks "group", drop each member whose replica the master's has not heard
+        from for quorum_lost_ms (it hears a majority, or it would have stepped aside): every
+        commit waits for that member, and only this master's replica knows it is silent.
+        The member steps aside when told (``StepAside``), so it is not merged back at once;
+        back after the hold-off, it is dropped again if the silence goes on."""
+        for node, silent_ms in silences:
+            if silent_ms >= self.quorum_lost_ms:
+                self.apply(
+                    self.election.cut_off_member(node, silent_ms, self.quorum_lost_ms, self.now())
+                )
+
+    def _step_aside(self, reason: str, *, leading: bool = True) -> None:
+        """Out of every group for MASTER_REFUSAL_HOLDOFF_MS, so the others form a group
+        that can commit; then the node rejoins. ``leading``: it led (or was to lead) the
+        group; else its coordinator dropped it."""
         now = self.now()
         self._lead_hold_off = LeadHoldOff(now + MASTER_REFUSAL_HOLDOFF_MS, 0, reason)
         log.warning(
-            "coordinator %s: %s; the node steps aside from leading for %d ms: out of every "
-            "group, so the other nodes elect a master that can commit; then it rejoins",
+            "coordinator %s: %s; the node steps aside from %s for %d ms: out of every "
+            "group, so the other nodes %s; then it rejoins",
             self.node_id,
             reason,
+            "leading" if leading else "its group",
             MASTER_REFUSAL_HOLDOFF_MS,
+            "elect a master that can commit" if leading else "commit without it",
         )
         self.recover(f"stepping aside: {reason}")
 

@@ -272,6 +272,7 @@ from squall_server.coordinator.messages import (
     Role,
     RoleCommand,
     RoleCommandKind,
+    StepAside,
 )
 
 # The most nodes a cluster may configure: bounds every member table and message fan-out.
@@ -550,6 +551,7 @@ class _Out:
     events: list[LogEvent] = field(default_factory=list)
     rejection: Rejection | None = None
     hand_over_to: str = ""
+    step_aside: str = ""
 
 
 class Election:
@@ -722,6 +724,14 @@ class Election:
     def replica_answered(self, now_ms: int) -> Ready:
         """The replica answered a call again; a node out of its group for it rejoins."""
         return self._run(now_ms, self._on_replica_answered)
+
+    def cut_off_member(self, node: str, silent_ms: int, bound_ms: int, now_ms: int) -> Ready:
+        """The master's replica has heard nothing from member ``node``'s replica for too
+        long while every commit waits for it (acks ``group``; the driver judges): drop it
+        from the group as if it had left, and tell it to step aside (``StepAside``), so it
+        stays out of every group for a while instead of being merged back at once. Only
+        the coordinator of a NORMAL group acts; anyone else ignores it."""
+        return self._run(now_ms, lambda: self._on_cut_off_member(node, silent_ms, bound_ms))
 
     def slave_lags(self, lags: Mapping[str, int], now_ms: int) -> Ready:
         """The master's replica's streaming slaves and how many entries each lacks, as its
@@ -972,6 +982,7 @@ class Election:
             events=tuple(out.events),
             rejection=out.rejection,
             hand_over_to=out.hand_over_to,
+            step_aside=out.step_aside,
         )
 
     def _o(self) -> _Out:
@@ -2294,6 +2305,50 @@ class Election:
         if self._state is NodeState.NORMAL:
             self._check_members(left=(frm,))
 
+    def _on_cut_off_member(self, node: str, silent_ms: int, bound_ms: int) -> None:
+        if (
+            self._coord != self._me
+            or self._state is not NodeState.NORMAL
+            or node not in self._members
+        ):
+            return
+        self._send(node, StepAside(self._group, self._group_epoch, silent_ms, bound_ms))
+        self._log(
+            LogLevel.WARNING,
+            "member-cut-off",
+            f"dropping member {node} from {self._group} (epoch {self._group_epoch}) and "
+            f"telling it to step aside: the master's replica has heard nothing from its "
+            f'replica for {silent_ms} ms (at most {bound_ms}) and under acks "group" every '
+            "commit waits for it: the links between the two replicas may be cut while the "
+            "coordinators still reach each other",
+        )
+        del self._members[node]
+        self._check_members(left=(node,))
+
+    def _on_step_aside(self, frm: str, body: StepAside) -> None:
+        """Our coordinator dropped us: the driver holds us out of every group a while."""
+        if (
+            body.group_name != self._group
+            or frm != self._coord
+            or frm == self._me
+            or body.epoch != self._group_epoch
+        ):
+            self._log(
+                LogLevel.DEBUG,
+                "step-aside-ignored",
+                f"{frm} asked this node to step aside from {body.group_name} (epoch "
+                f"{body.epoch}), which is not its group {self._group} (epoch "
+                f"{self._group_epoch}) with {frm} coordinating",
+            )
+            return
+        self._o().step_aside = (
+            f"coordinator {frm} dropped it from {body.group_name} (epoch {body.epoch}): the "
+            f"master's replica has heard nothing from this node's replica for "
+            f'{body.silent_ms} ms (at most {body.bound_ms}) and under acks "group" every '
+            "commit waits for it: the links between the two replicas may be cut while the "
+            "coordinators still reach each other"
+        )
+
     # ----------------------------------------------------------------- rejoin
 
     def _on_slave_lags(self, lags: Mapping[str, int]) -> None:
@@ -2706,6 +2761,8 @@ class Election:
             self._on_transfer(frm, body)
         elif isinstance(body, Leave):
             self._on_leave(frm, body)
+        elif isinstance(body, StepAside):
+            self._on_step_aside(frm, body)
         else:
             self._on_ready_ack(frm, body)
 

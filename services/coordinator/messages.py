@@ -273,6 +273,19 @@ class Leave:
     reason: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class StepAside:
+    """The coordinator of ``group_name`` in ``epoch`` dropped the receiver, a member: its
+    master's replica has heard nothing from the receiver's replica for too long while every
+    commit waits for it (acks ``group``). The receiver steps aside: out of every group for
+    a while, so the group commits without it (``Ready.step_aside``)."""
+
+    group_name: str
+    epoch: int
+    silent_ms: int
+    bound_ms: int
+
+
 Body = (
     AreYouCoordinator
     | AreYouCoordinatorReply
@@ -284,6 +297,7 @@ Body = (
     | GroupReadyAck
     | LeadershipTransfer
     | Leave
+    | StepAside
 )
 
 
@@ -430,6 +444,9 @@ class Ready:
     events: tuple[LogEvent, ...] = ()
     rejection: Rejection | None = None
     hand_over_to: str = ""
+    step_aside: str = ""
+    """7. Set (to the reason) when this node's coordinator dropped it from its group with
+    ``StepAside``: the driver holds the node out of every group for a while."""
 
 
 @dataclass(frozen=True, slots=True)

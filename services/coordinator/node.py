@@ -198,6 +198,7 @@ def replica_answer(command: RoleCommand, state: replica_pb2.ReplicaState) -> Rep
         ),
         losses=tuple(loss_from_proto(loss) for loss in state.losses[:LOSS_RECORDS_MAX]),
         quorum_silent_ms=state.quorum_silent_ms,
+        slave_silences=tuple((slave.node_id, slave.silent_ms) for slave in state.slaves),
     )
 
 
@@ -220,8 +221,9 @@ class ReplicaLink(handoff.HandoffLink, Protocol):
 class GrpcPeers:
     """The peer transport over gRPC: one channel per peer, bounded in-flight sends."""
 
-    def __init__(self, config: ClusterConfig, node_id: str) -> None:
+    def __init__(self, config: ClusterConfig, node_id: str, clock: Clock | None = None) -> None:
         self.node_id = node_id
+        self._clock = clock if clock is not None else SystemClock()
         options = [
             *channel_options(config.limits.max_message_bytes),
             *reconnect_options(config.timeouts.heartbeat_interval_ms),
@@ -242,6 +244,8 @@ class GrpcPeers:
         # moves one); set by CoordinatorNode once its election exists.
         self.address_of: Callable[[str], str] | None = None
         self._closing: list[grpc.aio.Channel] = []
+        self._redialed: dict[str, int] = {}  # peer -> when heard_from last replaced its channel
+        self._closing_tasks: set[asyncio.Future[None]] = set()
         self._tls_refused: set[str] = set()  # peers whose TLS handshake failed (logged once)
         # A message not delivered within the lease is of no use any more.
         self._timeout_s = config.timeouts.member_timeout_ms / 1000
@@ -255,6 +259,37 @@ class GrpcPeers:
         self._inflight[peer] += 1
         task = asyncio.ensure_future(self._deliver_to(peer, codec.to_proto(message)))
         task.add_done_callback(lambda _: self._sent(peer))
+
+    def heard_from(self, peer: str) -> None:
+        """A message from ``peer`` proves it is up. A channel to it that is still waiting
+        out its reconnect backoff (it failed while the peer was down or not yet started)
+        fails every send at once until the backoff ends, up to a heartbeat later: an
+        invitation sent to a node that just started was dropped that way, and the merge
+        waited out member_timeout_ms for its answer. Such a channel is replaced by one that
+        dials now (at most once a _RECONNECT_MIN_MS per peer, so a link that fails one way
+        only does not churn channels)."""
+        channel = self._channels.get(peer)
+        if channel is None or peer == self.node_id:
+            return
+        if (
+            channel.get_state(try_to_connect=False)
+            is not grpc.ChannelConnectivity.TRANSIENT_FAILURE
+        ):
+            return
+        now = self._clock.monotonic_ms()
+        if peer in self._redialed and now - self._redialed[peer] < _RECONNECT_MIN_MS:
+            return
+        self._redialed[peer] = now
+        # Closed in the background: its calls are failing anyway.
+        closing = asyncio.ensure_future(channel.close(None))
+        self._closing_tasks.add(closing)
+        closing.add_done_callback(self._closing_tasks.discard)
+        # Its own subchannel: from the shared pool it would get the one backing off.
+        channel = self._links.aio_channel(
+            self._addresses[peer], options=[*self._options, ("grpc.use_local_subchannel_pool", 1)]
+        )
+        self._channels[peer] = channel
+        self._peers[peer] = coordinator_pb2_grpc.CoordinatorStub(channel)
 
     def _follow_address(self, peer: str) -> None:
         """Dial the address the running node set gives ``peer`` (a node added, or one
@@ -472,6 +507,7 @@ class CoordinatorNode:
             view_changed=self._view_changed,
             hand_over=self._start_hand_over,
             save_failed=self._state_not_saved,
+            every_member_acks=config.durability.acks == common_pb2.ACK_POLICY_ALL,
         )
         if isinstance(self._peers, GrpcPeers):
             self._peers.address_of = self._coordinator_address
@@ -626,6 +662,8 @@ class CoordinatorNode:
         except ValueError as exc:
             log.warning("coordinator %s: malformed message refused: %s", self.node.id, exc)
             raise
+        if isinstance(self._peers, GrpcPeers):
+            self._peers.heard_from(decoded.from_node)
         ready = self.driver.deliver(decoded)
         return None if ready is None else ready.rejection
 

@@ -282,6 +282,10 @@ class SlaveProgress:
     inflight_entries: int
     inflight_bytes: int
     snapshot_lsn: int
+    # How long, by the last tick, the master has not heard from it (counted from the
+    # master's first tick if never); 0 for a learner, whose acks hold nothing back, and
+    # once the master is deposed.
+    silent_ms: int = 0
 
 
 # Not frozen (nothing changes one once made): a frozen dataclass's __init__ sets every
@@ -578,18 +582,20 @@ class ReplicationMaster(Generic[T]):
         return self._history
 
     def quorum_silent_ms(self) -> int:
-        """How long, by the last tick, this master has not heard from enough voting slaves
-        to commit under the ack policy (0: it has, or needs none, or is deposed).
+        """How long, by the last tick, this master has not heard from a majority's worth of
+        voting slaves (0: it has, or its commits need no slave, or it is deposed).
 
         It grows when the master's replica cannot reach the others while its node looks
         well to its coordinator (the coordinators reach each other): every write waits,
         and only this master knows. Its coordinator steps aside past a bound (the
         coordinator's driver, ``quorum_lost_ms``). Counted from the first tick for a slave
-        not heard from since this master began."""
+        not heard from since this master began. A majority under every ack policy: under
+        ``group`` a master that hears a majority but not every member is not the one cut
+        off; the silent members are (each slave's ``silent_ms``), and they leave."""
         if self._deposed or self._now_ms is None or self.config.acks == AckPolicy.NONE:
             return 0
         config = self.config
-        need = (self._voting_members() if config.acks == AckPolicy.ALL else config.quorum) - 1
+        need = config.quorum - 1
         if need <= 0:
             return 0
         start = self._started_ms if self._started_ms is not None else self._now_ms
@@ -1202,6 +1208,10 @@ class ReplicationMaster(Generic[T]):
             or slave.inflight_bytes >= self.config.inflight_bytes_max
         ):
             state = SlaveState.PAUSED
+        silent_ms, now = 0, self._now_ms
+        if not self._deposed and now is not None and slave.node_id not in self.config.learners:
+            heard = slave.heard_ms if slave.heard_ms is not None else self._started_ms
+            silent_ms = max(0, now - (now if heard is None else heard))
         return SlaveProgress(
             node_id=slave.node_id,
             state=state,
@@ -1213,4 +1223,5 @@ class ReplicationMaster(Generic[T]):
             inflight_entries=inflight_entries,
             inflight_bytes=slave.inflight_bytes,
             snapshot_lsn=slave.snapshot_lsn,
+            silent_ms=silent_ms,
         )

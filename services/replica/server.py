@@ -1205,6 +1205,7 @@ class ReplicaControl(replica_pb2_grpc.ReplicaControlServicer):
                     catch_up_entries_per_s=s.catch_up_entries_per_s,
                     eta_s=s.eta_s,
                     snapshot_lsn=s.progress.snapshot_lsn,
+                    silent_ms=s.progress.silent_ms,
                 )
                 for s in self.node.slave_status()
             ],

@@ -28,6 +28,7 @@ from squall_server.coordinator.messages import (
     OperatorRecord,
     PeerMessage,
     Role,
+    StepAside,
     StoreState,
 )
 
@@ -85,6 +86,8 @@ BODIES: list[Body] = [
     # One fate per node: a node whose replica stopped answering leaves its group.
     Leave("1:ab12", "replica of node 1 has not answered for 300 ms"),
     Leave("1:ab12"),
+    # acks "group": a coordinator drops a member whose replica its master cannot hear.
+    StepAside("1:ab12", 4, 3051, 3000),
     # Runtime membership: node sets in invitations, Ready and reports; set keys in probes.
     Invitation("3:ef56", 3, 9, base_digest="99ff", membership=_SET),
     GroupReady("3:ef56", 10, ("1", "2", "3"), "2", "3", 3, membership=_SET),
@@ -290,4 +293,11 @@ def test_leave_without_a_group_is_refused() -> None:
     pb = to_proto(PeerMessage("1", "2", Leave("1:ab12", "gone")))
     pb.leave.group_name = ""
     with pytest.raises(ValueError, match=r"leave\.group_name: required"):
+        from_proto(pb)
+
+
+def test_step_aside_without_a_group_is_refused() -> None:
+    pb = to_proto(PeerMessage("1", "2", StepAside("1:ab12", 4, 3051, 3000)))
+    pb.step_aside.group_name = ""
+    with pytest.raises(ValueError, match=r"step_aside\.group_name: required"):
         from_proto(pb)

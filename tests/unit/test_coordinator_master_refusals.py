@@ -35,6 +35,7 @@ from squall_server.coordinator.messages import (
     ReplicaReport,
     RoleCommand,
     RoleCommandKind,
+    StepAside,
     StoreState,
 )
 from tests.unit.test_coordinator_driver import _driver as one_node_driver
@@ -99,7 +100,8 @@ class Twin:
 class Cluster:
     """Three drivers; ``run`` steps them STEP_MS at a time and records who is master."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, every_member_acks: bool = False) -> None:
+        self.every_member_acks = every_member_acks
         self.clock = ManualClock()
         self.queue: list[PeerMessage] = []
         self.twins = {node: Twin(node_id=node) for node in PRIORITIES}
@@ -133,6 +135,7 @@ class Cluster:
             lambda: next(ids),
             lambda: "c1",
             hand_over=lambda target: self.hand_overs.append((node, target)),
+            every_member_acks=self.every_member_acks,
         )
 
     def send(self, message: PeerMessage) -> None:
@@ -179,13 +182,21 @@ class Cluster:
         reached = [
             n for n, t in followers if t.cut_since_ms is None and master.cut_since_ms is None
         ]
+        now = self.clock.monotonic_ms()
+        silences = tuple(
+            (n, 0 if n in reached else now - max(master.master_since_ms, t.cut_since_ms or 0))
+            for n, t in followers
+        )
         silent = 0
         if not reached:
             cuts = [t.cut_since_ms for _, t in [("", master), *followers] if t.cut_since_ms]
             since = max([master.master_since_ms, *cuts])
-            silent = self.clock.monotonic_ms() - since
+            silent = now - since
         return ReplicaAnswer(
-            report=report, slave_lags=tuple((n, 0) for n in reached), quorum_silent_ms=silent
+            report=report,
+            slave_lags=tuple((n, 0) for n in reached),
+            quorum_silent_ms=silent,
+            slave_silences=silences,
         )
 
     def run(self, until_ms: int) -> None:
@@ -398,3 +409,78 @@ def test_a_leader_whose_replica_cannot_reach_its_sync_source_steps_aside_for_one
     cluster.run(back + MASTER_REFUSAL_HOLDOFF_MS + 5000)
     assert cluster.master_now() == "1"
     assert not [n for t, n, _ in cluster.masters if n == "2" and t > start]
+
+
+def test_under_acks_group_a_member_whose_replica_the_master_cannot_hear_is_dropped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """acks "group": every commit waits for every member. Node 2's replica is cut off
+    from the others while the coordinators reach each other: the master (node 1) hears
+    node 3, so it is not the one cut off and stays; past the bound its coordinator drops
+    node 2 and tells it to step aside, and the group commits without it. Back after the
+    hold-off with the cut still there, node 2 is dropped again; healed, it stays."""
+    cluster = Cluster(every_member_acks=True)
+    cluster.run(2000)
+    assert cluster.master_now() == "1"
+    master, member = cluster.drivers["1"], cluster.drivers["2"]
+    start = cluster.clock.monotonic_ms()
+    cluster.twins["2"].cut_since_ms = start
+    with caplog.at_level(logging.WARNING, logger="squall.coordinator"):
+        cluster.run(start + master.quorum_lost_ms - STEP_MS)
+        assert "2" in master.election.status().members  # not before the bound
+        cluster.run(start + master.quorum_lost_ms + 500)
+    assert cluster.master_now() == "1"
+    assert [n for t, n, _ in cluster.masters if t > start] == []  # no failover
+    command = master.role_wanted()
+    assert command is not None and command.kind is RoleCommandKind.MASTER
+    assert command.members == ("1", "3")  # the master's replica commits without node 2
+    status = member.election.status()
+    assert status.lead_held_off_until_ms is not None
+    assert "dropped it from" in status.lead_held_off_reason
+    assert "has heard nothing from this node's replica" in status.lead_held_off_reason
+    dropped = [r.getMessage() for r in caplog.records if "dropping member 2" in r.getMessage()]
+    assert len(dropped) == 1, dropped
+    # Past the hold-off node 2 rejoins, and with the cut still there it is dropped again.
+    cluster.run(cluster.clock.monotonic_ms() + MASTER_REFUSAL_HOLDOFF_MS + 500)
+    rejoined = cluster.clock.monotonic_ms()
+    cluster.run(rejoined + master.quorum_lost_ms + 2000)
+    assert cluster.master_now() == "1"
+    assert member.election.status().lead_held_off_until_ms is not None
+    # Healed: back after the hold-off, it stays a member.
+    cluster.twins["2"].cut_since_ms = None
+    cluster.run(cluster.clock.monotonic_ms() + MASTER_REFUSAL_HOLDOFF_MS + 5000)
+    assert cluster.master_now() == "1"
+    assert set(master.election.status().members) == {"1", "2", "3"}
+    assert member.election.status().lead_held_off_until_ms is None
+
+
+def test_under_acks_majority_a_silent_member_is_kept() -> None:
+    """Under `majority` the same cut holds nothing back: node 2 stays a member."""
+    cluster = Cluster()
+    cluster.run(2000)
+    start = cluster.clock.monotonic_ms()
+    cluster.twins["2"].cut_since_ms = start
+    cluster.run(start + 3 * MASTER_REFUSAL_HOLDOFF_MS)
+    assert cluster.master_now() == "1"
+    assert set(cluster.drivers["1"].election.status().members) == {"1", "2", "3"}
+    assert cluster.drivers["2"].election.status().lead_held_off_until_ms is None
+
+
+def test_only_the_coordinator_drops_a_member_and_only_its_step_aside_counts() -> None:
+    """A member's election ignores a drop it is asked to make, and a StepAside from
+    anyone but its coordinator, or for another epoch; its coordinator's is acted on."""
+    cluster = Cluster(every_member_acks=True)
+    cluster.run(2000)
+    member = cluster.drivers["2"].election
+    status = member.status()
+    now = cluster.clock.monotonic_ms()
+    assert member.cut_off_member("3", 5000, 3000, now).messages == ()
+    group, epoch = status.group_name, status.epoch
+
+    def told(frm: str, body: StepAside) -> str:
+        return member.step(PeerMessage(frm, "2", body), now).step_aside
+
+    assert told("3", StepAside(group, epoch, 5000, 3000)) == ""  # not its coordinator
+    assert told("1", StepAside(group, epoch - 1, 5000, 3000)) == ""  # an older epoch
+    reason = told("1", StepAside(group, epoch, 5000, 3000))
+    assert "coordinator 1 dropped it" in reason and "5000 ms (at most 3000)" in reason

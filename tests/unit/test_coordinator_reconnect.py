@@ -29,7 +29,7 @@ _SEND_AFTER_S = 0.35
 _WAIT_S = 5.0
 
 
-def _config(tmp_path: Path, peer_port: int) -> ClusterConfig:
+def _config(tmp_path: Path, peer_port: int, heartbeat_ms: int = 100) -> ClusterConfig:
     text = (
         '[cluster]\nname = "t"\n\n'
         '[[nodes]]\nid = "n1"\npriority = 2\ncoordinator_address = "127.0.0.1:1"\n'
@@ -37,7 +37,9 @@ def _config(tmp_path: Path, peer_port: int) -> ClusterConfig:
         f'[[nodes]]\nid = "n2"\npriority = 1\ncoordinator_address = "127.0.0.1:{peer_port}"\n'
         'replica_address = "127.0.0.1:4"\ndata_dir = "n2"\n\n'
         '[[gateways]]\nid = "g1"\naddress = "127.0.0.1:5"\n\n'
-        "[timeouts]\nheartbeat_interval_ms = 100\nmember_timeout_ms = 400\n"
+        f"[timeouts]\nheartbeat_interval_ms = {heartbeat_ms}\n"
+        f"member_timeout_ms = {4 * heartbeat_ms}\nreplica_timeout_ms = {3 * heartbeat_ms}\n"
+        f"store_stall_timeout_ms = {20 * heartbeat_ms}\n"
     )
     return parse_config(text, tmp_path / "cluster.toml")
 
@@ -112,3 +114,33 @@ def test_the_reconnect_backoff_follows_the_heartbeat_but_never_shortens_connects
     # gRPC reads the minimum as the shortest connect timeout: a fast heartbeat must not
     # make connects to a distant peer time out.
     assert dict(reconnect_options(20))["grpc.min_reconnect_backoff_ms"] == 100
+
+
+def test_a_peer_heard_from_is_sent_to_at_once_whatever_the_backoff(tmp_path: Path) -> None:
+    """A message from a peer proves it is up: a channel to it still backing off (here up to
+    a ten-second heartbeat) is replaced by one that dials now, so the answer to that
+    message, or an invitation, is not dropped. Without it a coordinator that started
+    before its peers lost its first invitation to each, and every start with slow
+    heartbeats waited out member_timeout_ms (20 s in test_replica_reads.py)."""
+    port = free_port()
+    message = PeerMessage("n1", "n2", AreYouCoordinator("n1:g", 2))
+
+    async def scenario() -> None:
+        peers = GrpcPeers(_config(tmp_path, port, heartbeat_ms=10_000), "n1")
+        server: grpc.aio.Server | None = None
+        try:
+            # The peer is not up yet: the sends fail and the backoff grows past a second.
+            for _ in range(int(1.5 / _HEARTBEAT_S)):
+                peers.send(message)
+                await asyncio.sleep(_HEARTBEAT_S)
+            peer = _Peer()
+            server = await _serve(port, peer)
+            peers.heard_from("n2")  # its first message arrived
+            peers.send(message)
+            assert await _delivered(peer, 1), "the message right after the peer's was dropped"
+        finally:
+            await peers.close()
+            if server is not None:
+                await server.stop(None)
+
+    asyncio.run(scenario())

@@ -777,6 +777,7 @@ class SlaveProgress(_message.Message):
     CATCH_UP_ENTRIES_PER_S_FIELD_NUMBER: _builtins.int
     ETA_S_FIELD_NUMBER: _builtins.int
     SNAPSHOT_LSN_FIELD_NUMBER: _builtins.int
+    SILENT_MS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The slave's node id."""
     state: _builtins.str
@@ -799,6 +800,12 @@ class SlaveProgress(_message.Message):
     """
     snapshot_lsn: _builtins.int
     """The LSN of the snapshot being sent to it (0: none)."""
+    silent_ms: _builtins.int
+    """How long the master has heard nothing from it (no position, no ack; a snapshot
+    being sent counts as heard), in milliseconds. Under acks "group" a member silent past
+    timeouts.store_stall_timeout_ms + member_timeout_ms holds every commit back, and the
+    master's coordinator asks its node to step aside.
+    """
     def __init__(
         self,
         *,
@@ -811,10 +818,11 @@ class SlaveProgress(_message.Message):
         catch_up_entries_per_s: _builtins.float = ...,
         eta_s: _builtins.float = ...,
         snapshot_lsn: _builtins.int = ...,
+        silent_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["catch_up_entries_per_s", b"catch_up_entries_per_s", "eta_s", b"eta_s", "lag_entries", b"lag_entries", "node_id", b"node_id", "received_lsn", b"received_lsn", "snapshot_lsn", b"snapshot_lsn", "state", b"state", "synced_lsn", b"synced_lsn", "written_lsn", b"written_lsn"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["catch_up_entries_per_s", b"catch_up_entries_per_s", "eta_s", b"eta_s", "lag_entries", b"lag_entries", "node_id", b"node_id", "received_lsn", b"received_lsn", "silent_ms", b"silent_ms", "snapshot_lsn", b"snapshot_lsn", "state", b"state", "synced_lsn", b"synced_lsn", "written_lsn", b"written_lsn"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -668,6 +668,7 @@ class PeerMessage(_message.Message):
     READY_ACK_FIELD_NUMBER: _builtins.int
     LEADERSHIP_TRANSFER_FIELD_NUMBER: _builtins.int
     LEAVE_FIELD_NUMBER: _builtins.int
+    STEP_ASIDE_FIELD_NUMBER: _builtins.int
     from_node: _builtins.str
     """Sender's node id; must be a configured node."""
     to_node: _builtins.str
@@ -712,6 +713,10 @@ class PeerMessage(_message.Message):
     def leave(self) -> Global___Leave:
         """The sender leaves the receiver's group (its replica stopped answering)."""
 
+    @_builtins.property
+    def step_aside(self) -> Global___StepAside:
+        """The sender, the receiver's coordinator, has dropped it from the group: step aside."""
+
     def __init__(
         self,
         *,
@@ -727,12 +732,13 @@ class PeerMessage(_message.Message):
         ready_ack: Global___ReadyAck | None = ...,
         leadership_transfer: Global___LeadershipTransfer | None = ...,
         leave: Global___Leave | None = ...,
+        step_aside: Global___StepAside | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["accept", b"accept", "are_you_coordinator", b"are_you_coordinator", "are_you_coordinator_reply", b"are_you_coordinator_reply", "are_you_there", b"are_you_there", "are_you_there_reply", b"are_you_there_reply", "body", b"body", "invitation", b"invitation", "leadership_transfer", b"leadership_transfer", "leave", b"leave", "ready", b"ready", "ready_ack", b"ready_ack"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["accept", b"accept", "are_you_coordinator", b"are_you_coordinator", "are_you_coordinator_reply", b"are_you_coordinator_reply", "are_you_there", b"are_you_there", "are_you_there_reply", b"are_you_there_reply", "body", b"body", "invitation", b"invitation", "leadership_transfer", b"leadership_transfer", "leave", b"leave", "ready", b"ready", "ready_ack", b"ready_ack", "step_aside", b"step_aside"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept", b"accept", "are_you_coordinator", b"are_you_coordinator", "are_you_coordinator_reply", b"are_you_coordinator_reply", "are_you_there", b"are_you_there", "are_you_there_reply", b"are_you_there_reply", "body", b"body", "from_node", b"from_node", "invitation", b"invitation", "leadership_transfer", b"leadership_transfer", "leave", b"leave", "ready", b"ready", "ready_ack", b"ready_ack", "to_node", b"to_node"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept", b"accept", "are_you_coordinator", b"are_you_coordinator", "are_you_coordinator_reply", b"are_you_coordinator_reply", "are_you_there", b"are_you_there", "are_you_there_reply", b"are_you_there_reply", "body", b"body", "from_node", b"from_node", "invitation", b"invitation", "leadership_transfer", b"leadership_transfer", "leave", b"leave", "ready", b"ready", "ready_ack", b"ready_ack", "step_aside", b"step_aside", "to_node", b"to_node"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["are_you_coordinator", "are_you_coordinator_reply", "are_you_there", "are_you_there_reply", "invitation", "accept", "ready", "ready_ack", "leadership_transfer", "leave"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["are_you_coordinator", "are_you_coordinator_reply", "are_you_there", "are_you_there_reply", "invitation", "accept", "ready", "ready_ack", "leadership_transfer", "leave", "step_aside"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
@@ -1197,6 +1203,44 @@ class Leave(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Leave: _TypeAlias = Leave  # noqa: Y015
+
+@_typing.final
+class StepAside(_message.Message):
+    """The coordinator of the group it names has dropped the receiver, a member, because its
+    master's replica has heard nothing from the receiver's replica for too long while every
+    commit waits for it (acks "group"): the receiver steps aside, out of every group for a
+    while, so the group commits without it. Sent only in the group's epoch.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_NAME_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    SILENT_MS_FIELD_NUMBER: _builtins.int
+    BOUND_MS_FIELD_NUMBER: _builtins.int
+    group_name: _builtins.str
+    """The group the receiver is dropped from."""
+    epoch: _builtins.int
+    """Its epoch."""
+    silent_ms: _builtins.int
+    """How long the master's replica has heard nothing from the receiver's, in ms."""
+    bound_ms: _builtins.int
+    """The bound that silence passed (timeouts.store_stall_timeout_ms + member_timeout_ms)."""
+    def __init__(
+        self,
+        *,
+        group_name: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        silent_ms: _builtins.int = ...,
+        bound_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bound_ms", b"bound_ms", "epoch", b"epoch", "group_name", b"group_name", "silent_ms", b"silent_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepAside: _TypeAlias = StepAside  # noqa: Y015
 
 @_typing.final
 class TransferLeadershipRequest(_message.Message):
