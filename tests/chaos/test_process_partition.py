@@ -15,6 +15,10 @@ the other slave), but if the master's node goes down the cut node (next in rank)
 the group left, and its replica cannot fetch the newer log it must start from. The
 second test checks that node steps aside, so the others serve once the old master is
 back, while the cut holds.
+
+Under acks "group" every commit waits for every member, so the same slave's cut stalls
+every write. The third test checks the master's coordinator drops that member (it hears a
+majority, so it is not the one cut off) and the group commits without it.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from pathlib import Path
 import pytest
 
 import squall
-from chaos.cluster import ChaosCluster
+from chaos.cluster import DEFAULT_SETTINGS, ChaosCluster
 from chaos.netns import Topology
 from tests.requirements import netns_missing
 
@@ -39,12 +43,17 @@ NORMAL_WAIT_S = 90.0
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[ChaosCluster]:
+def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[ChaosCluster]:
+    """Three nodes in namespaces; ``@pytest.mark.acks("group")`` sets the ack policy."""
+    marker = request.node.get_closest_marker("acks")
+    settings = None
+    if marker is not None:
+        settings = {"durability": {**DEFAULT_SETTINGS["durability"], "acks": marker.args[0]}}
     topology = Topology.plan(["n1", "n2", "n3"])
     topology.create()
     built: ChaosCluster | None = None
     try:
-        built = ChaosCluster.build(tmp_path / "run", 3, topology)
+        built = ChaosCluster.build(tmp_path / "run", 3, topology, settings)
         built.start_all()
         built.wait_normal(NORMAL_WAIT_S)
         yield built
@@ -167,4 +176,38 @@ def test_a_leader_whose_replica_is_cut_off_steps_aside_so_the_others_serve(
         cluster.wait_normal(NORMAL_WAIT_S)
         after = _publish_until(publisher, acked, "after", 20)
         assert len(after) == 20, "publishes after the heal were not acknowledged"
+    _every_acked_event_everywhere(cluster, acked)
+
+
+@pytest.mark.acks("group")
+def test_under_acks_group_a_member_whose_replica_is_cut_off_is_dropped(
+    cluster: ChaosCluster,
+) -> None:
+    assert cluster.topology is not None
+    assert cluster.master() == "n1"
+    acked: dict[str, squall.Receipt] = {}
+    with squall.connect(cluster.gateway_addresses[0], timeout_s=5.0) as client:
+        client.create_topic("t")
+        publisher = client.topic("t").publisher()
+        before = _publish_until(publisher, acked, "before", 20)
+        assert len(before) == 20
+        assert all(len(r.holders) == 3 for r in before), before[0]
+        cluster.topology.partition_process("n2", "replica")
+        during = _publish_until(publisher, acked, "during", 20)
+        assert len(during) == 20, (
+            f"nothing was acknowledged within {FAILOVER_WAIT_S:.0f}s of n2's replica being "
+            f"cut off: {cluster.normal_problem()}"
+        )
+        assert {r.master_id for r in during} == {"n1"}  # no failover: n1 hears n3
+        # Each receipt says where its event is: n1 and n3, the group without n2.
+        assert {h.node_id for h in during[-1].holders} == {"n1", "n3"}, during[-1]
+        status = cluster.coordinator_status("n2")
+        assert status is not None
+        assert "dropped it from" in status.lead_held_off_reason, status
+        assert "has heard nothing from this node's replica" in status.lead_held_off_reason
+        cluster.topology.heal()
+        cluster.wait_normal(NORMAL_WAIT_S)  # n2 rejoins after its hold-off and catches up
+        after = _publish_until(publisher, acked, "after", 20)
+        assert len(after) == 20, "publishes after the heal were not acknowledged"
+        assert {h.node_id for h in after[-1].holders} == {"n1", "n2", "n3"}
     _every_acked_event_everywhere(cluster, acked)
