@@ -21,11 +21,12 @@ from chaos.faults import PROCESS_FAULTS, TAIL_S
 from chaos.history import read_history
 from chaos.run import report, run_chaos
 
-# Together they play every kind but a whole-node pause, single-process faults in each:
-# kill n1, pause_replica n1 overlapped by kill_coordinator of a slave, corrupt (seed 2);
-# kill_coordinator of the master, slow_disk overlapped by pause_coordinator of a slave,
-# kill_replica of the master overlapped by a kill of another node (3); partition
-# overlapped by kill_replica of a slave, map_full overlapped by pause_replica (24).
+# Together they play every kind but a whole-node pause, single-process faults in each
+# (`faults.schedule` with every kind): a partition isolating n1, then the master's replica
+# cut off alone (seed 8196); pause_replica overlapped by kill_coordinator of a slave,
+# partition_coordinator of the master overlapped by a kill of a slave's node, kill_replica
+# (3433); map_full overlapped by pause_coordinator of the master, corrupt, slow_disk
+# (3473).
 SEEDS = (8196, 3433, 3473)
 DURATION_S = 35.0
 NODES = 3

@@ -210,6 +210,27 @@ def test_status_table_and_json(broker: Any, capsys: pytest.CaptureFixture[str]) 
     assert data["nodes"][0]["state"] == "normal"
 
 
+def test_status_says_how_long_ago_the_master_heard_each_slave(
+    broker: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A slave whose replica the master cannot reach (its links alone cut) shows as long
+    silent while everything else looks well."""
+    node = broker.status.nodes.add(
+        node_id="n1",
+        coordinator_id="n1",
+        state=common_pb2.NODE_STATE_NORMAL,
+        role=common_pb2.ROLE_MASTER,
+        reachable=True,
+    )
+    node.slaves.add(node_id="n2", state="streaming", written_lsn=9, silent_ms=3200)
+    node.slaves.add(node_id="n3", state="streaming", written_lsn=9, silent_ms=40)
+    code, out, _ = run(["status"], capsys)
+    assert code == 0
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
+    assert rows["slave"][-1] == "heard"
+    assert rows["n2"][-2:] == ["3.2s", "ago"] and rows["n3"][-1] == "now"
+
+
 def _cluster_toml(gateway_address: str | None) -> str:
     text = (
         '[cluster]\nname = "test"\n\n[[nodes]]\nid = "n1"\npriority = 1\n'
