@@ -76,6 +76,12 @@ MASTER_REFUSALS_MAX = 3
 # About 25 election timeouts (member_timeout_ms 400) with the defaults: a disk that is full
 # or failing is not fixed in a second, and each attempt costs the cluster a re-formation.
 MASTER_REFUSAL_HOLDOFF_MS = 10_000
+# A member dropped from its group again within this long after its hold-off ended (its
+# replica still cut off: rejoined, and dropped past the bound once more) stays out twice
+# as long as the last time, up to the maximum: each rejoin stalls a group under acks
+# "group" for quorum_lost_ms, so a lasting cut stalls ever more rarely.
+DROPPED_AGAIN_WITHIN_MS = 30_000
+DROPPED_HOLDOFF_MAX_MS = 80_000
 # A master whose replica hears from no majority of the group's replicas while the
 # coordinators reach each other (the replicas' links alone are cut) stalls every write,
 # and only its own replica knows. Past store_stall_timeout_ms + member_timeout_ms of that
@@ -258,6 +264,10 @@ class CoordinatorDriver:
         # The epoch of a master role the replica has failed to take (not refused: its sync
         # source unreachable, say), and when it first failed; None once one is taken.
         self._master_failing: tuple[int, int] | None = None
+        # A node its coordinator dropped (StepAside): when that hold-off ends, and how long
+        # it was (doubled when dropped again soon after rejoining).
+        self._dropped_until_ms: int | None = None
+        self._dropped_hold_ms = MASTER_REFUSAL_HOLDOFF_MS
         self.election = self._new_election(store.load())
         self.shutting_down = ""
         # The last report handed to the election, to notice a replica that restarted (or
@@ -560,16 +570,28 @@ class CoordinatorDriver:
     def _step_aside(self, reason: str, *, leading: bool = True) -> None:
         """Out of every group for MASTER_REFUSAL_HOLDOFF_MS, so the others form a group
         that can commit; then the node rejoins. ``leading``: it led (or was to lead) the
-        group; else its coordinator dropped it."""
+        group; else its coordinator dropped it, and a node dropped again soon after it
+        rejoined stays out twice as long each time (up to DROPPED_HOLDOFF_MAX_MS): each
+        rejoin while its replica is still cut off stalls the group's writes for a bound."""
         now = self.now()
-        self._lead_hold_off = LeadHoldOff(now + MASTER_REFUSAL_HOLDOFF_MS, 0, reason)
+        hold_ms = MASTER_REFUSAL_HOLDOFF_MS
+        if not leading:
+            again = self._dropped_until_ms is not None and (
+                now - self._dropped_until_ms <= DROPPED_AGAIN_WITHIN_MS
+            )
+            self._dropped_hold_ms = (
+                min(2 * self._dropped_hold_ms, DROPPED_HOLDOFF_MAX_MS) if again else hold_ms
+            )
+            hold_ms = self._dropped_hold_ms
+            self._dropped_until_ms = now + hold_ms
+        self._lead_hold_off = LeadHoldOff(now + hold_ms, 0, reason)
         log.warning(
             "coordinator %s: %s; the node steps aside from %s for %d ms: out of every "
             "group, so the other nodes %s; then it rejoins",
             self.node_id,
             reason,
             "leading" if leading else "its group",
-            MASTER_REFUSAL_HOLDOFF_MS,
+            hold_ms,
             "elect a master that can commit" if leading else "commit without it",
         )
         self.recover(f"stepping aside: {reason}")
