@@ -12,10 +12,12 @@ STAMP := $(VENV)/.installed
 RUN_STAMP := $(VENV)/.installed-run
 SEEDS ?= 5000
 PYTEST_ARGS ?=
-# `make chaos`: the fault schedule's seed, seconds of faults and load, cluster size (3 or 5).
+# `make chaos`: the fault schedule's seed, seconds of faults and load, cluster size (3 or 5),
+# the cluster's durability.acks.
 SEED ?= 1
 DURATION ?= 60
 NODES ?= 3
+ACKS ?= majority
 # Passed to `python -m bench.suite` by `make bench`, e.g. BENCH_ARGS="--repeats 5".
 BENCH_ARGS ?=
 
@@ -141,7 +143,7 @@ bench: install bytecode
 # One chaos run (docs/chaos.md): real processes in network namespaces (needs root for
 # partitions), a recorded workload, seeded faults, then the history checker.
 chaos: install bytecode
-	$(PY) -m chaos run --seed $(SEED) --duration $(DURATION) --nodes $(NODES)
+	$(PY) -m chaos run --seed $(SEED) --duration $(DURATION) --nodes $(NODES) --acks $(ACKS)
 
 # The two wheels, into dist/: the client `squall` (clients/pyproject.toml) and the server
 # `squall-server` (pyproject.toml, imported as squall_server). Built offline from a copy of

@@ -29,7 +29,7 @@ from typing import Protocol
 
 from chaos import faults as faults_module
 from chaos.checker import check as check_history
-from chaos.cluster import GATEWAY_IDS, ChaosCluster, node_ids
+from chaos.cluster import DEFAULT_SETTINGS, GATEWAY_IDS, ChaosCluster, node_ids
 from chaos.faults import FaultOutcome, FaultRunner
 from chaos.history import HistoryWriter, read_history
 from chaos.netns import NetnsError, Topology, can_create
@@ -89,6 +89,11 @@ def default_workload(
     return FullWorkload(target, history, seed, topics)
 
 
+# The ack policies a run may set: those under which an acknowledged event must survive
+# every fault the schedule plays (under `none` a master's crash may lose some).
+ACK_POLICIES = ("majority", "group")
+
+
 @dataclass
 class RunResult:
     """How a run went."""
@@ -107,6 +112,7 @@ class RunResult:
     skipped: dict[str, str] = field(default_factory=dict)
     # What publishers saw per fault kind (the checker's kind_lines).
     kind_lines: list[str] = field(default_factory=list)
+    acks: str = "majority"  # the cluster's durability.acks
 
     @property
     def ok(self) -> bool:
@@ -115,7 +121,7 @@ class RunResult:
     def reproduce(self) -> str:
         return (
             f"reproduce: make chaos SEED={self.seed} DURATION={self.duration_s:g} "
-            f"NODES={self.nodes}"
+            f"NODES={self.nodes}" + (f" ACKS={self.acks}" if self.acks != "majority" else "")
         )
 
 
@@ -146,8 +152,10 @@ async def run_chaos(
     topics: list[str] | None = None,
     drain_timeout_s: float = DRAIN_TIMEOUT_S,
     quiet_after_faults_s: float | None = None,
+    acks: str = "majority",
 ) -> RunResult:
-    """One chaos run into out_dir (history.jsonl, cluster logs, timeline.png).
+    """One chaos run into out_dir (history.jsonl, cluster logs, timeline.png), the
+    cluster's ``durability.acks`` set to ``acks``.
 
     The load runs for duration_s; with quiet_after_faults_s, only that long (and never
     past duration_s) once the schedule has been played: the schedule sets aside time for
@@ -158,7 +166,9 @@ async def run_chaos(
     history_path = out_dir / "history.jsonl"
     if history_path.exists():
         raise FileExistsError(f"{history_path} exists: give every run its own --out")
-    result = RunResult(seed, duration_s, nodes, history_path)
+    if acks not in ACK_POLICIES:
+        raise ValueError(f"acks must be one of {', '.join(ACK_POLICIES)}, not {acks!r}")
+    result = RunResult(seed, duration_s, nodes, history_path, acks=acks)
     ids = node_ids(nodes)
     topics = list(topics or TOPICS)
     netns_ok, why = can_create()
@@ -175,12 +185,14 @@ async def run_chaos(
             topology = Topology.plan(ids)
             _LIVE.append(topology)
             topology.create()
-        cluster = ChaosCluster.build(out_dir, nodes, topology)
+        settings = {"durability": {**DEFAULT_SETTINGS["durability"], "acks": acks}}
+        cluster = ChaosCluster.build(out_dir, nodes, topology, settings)
         _LIVE.append(cluster)
         history.write(
             "run",
             seed=seed,
             duration_s=duration_s,
+            acks=acks,
             nodes=ids,
             gateways=list(GATEWAY_IDS),
             faults=enabled,
@@ -264,6 +276,12 @@ def _parser() -> argparse.ArgumentParser:
         "--duration", type=float, default=60.0, help="seconds of faults and load (default 60)"
     )
     parser.add_argument("--nodes", type=int, choices=(3, 5), default=3, help="cluster size")
+    parser.add_argument(
+        "--acks",
+        choices=ACK_POLICIES,
+        default="majority",
+        help="the cluster's durability.acks (default majority)",
+    )
     parser.add_argument("--out", type=Path, help="run directory (default .run/chaos/seed-S-...)")
     parser.add_argument(
         "--faults",
@@ -288,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or Path(".run") / "chaos" / f"seed-{args.seed}-{stamp}"
     kinds = [k.strip() for k in args.faults.split(",") if k.strip()] if args.faults else None
     try:
-        result = asyncio.run(run_chaos(args.seed, args.duration, args.nodes, out, kinds=kinds))
+        result = asyncio.run(
+            run_chaos(args.seed, args.duration, args.nodes, out, kinds=kinds, acks=args.acks)
+        )
     except (ValueError, FileExistsError, NetnsError) as exc:
         print(f"chaos: {exc}", file=sys.stderr)
         return 2
@@ -298,7 +318,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(result: RunResult) -> str:
     """What a run prints: faults and their outcomes, problems, summary, PNG, reproduce."""
-    lines = [f"chaos run seed={result.seed} duration={result.duration_s:g}s nodes={result.nodes}"]
+    lines = [
+        f"chaos run seed={result.seed} duration={result.duration_s:g}s nodes={result.nodes}"
+        f" acks={result.acks}"
+    ]
     for kind, why in result.skipped.items():
         lines.append(f"  fault {kind} {why}")
     for outcome in result.outcomes:

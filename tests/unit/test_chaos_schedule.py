@@ -3,10 +3,13 @@ fault at a time, ending before the run does, over the kinds asked for."""
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+
 import pytest
 
 from chaos import faults
-from chaos.run import enabled_kinds
+from chaos.run import RunResult, enabled_kinds, run_chaos
 
 NODES = ["n1", "n2", "n3", "n4", "n5"]
 GATEWAYS = ["g1", "g2"]
@@ -52,3 +55,15 @@ def test_clock_jump_is_not_applicable_and_partitions_need_namespaces() -> None:
     assert "partition" in kinds and list(skipped) == ["clock_jump"]
     with pytest.raises(ValueError, match="unknown fault kind"):
         enabled_kinds(["earthquake"], netns_ok=True, why="")
+
+
+def test_a_run_takes_an_ack_policy_under_which_no_acknowledged_event_may_be_lost(
+    tmp_path: Path,
+) -> None:
+    """`--acks group` runs the cluster under acks "group" and its reproduce line says so;
+    `none`, under which a master's crash may lose acknowledged events, is refused."""
+    result = RunResult(3, 30.0, 3, tmp_path / "h.jsonl", acks="group")
+    assert result.reproduce().endswith("NODES=3 ACKS=group")
+    assert "ACKS" not in RunResult(3, 30.0, 3, tmp_path / "h.jsonl").reproduce()
+    with pytest.raises(ValueError, match="acks must be one of majority, group"):
+        asyncio.run(run_chaos(3, 30.0, 3, tmp_path / "run", acks="none"))
