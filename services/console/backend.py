@@ -150,9 +150,10 @@ def _overrides(node: squall.NodeStatus) -> list[str]:
 
 
 def replica_rows(status: squall.ClusterStatus) -> list[dict[str, Any]]:
-    """The replica table: one row per configured node, with the master's view of its lag."""
-    lag = {
-        slave.node_id: slave.lag_entries
+    """The replica table: one row per configured node, with the master's view of its lag
+    and of how long ago it last heard from its replica."""
+    slaves = {
+        slave.node_id: slave
         for node in status.nodes
         if node.reachable and node.node_id == status.master_id
         for slave in node.slaves
@@ -171,7 +172,11 @@ def replica_rows(status: squall.ClusterStatus) -> list[dict[str, Any]]:
                 "epoch": node.epoch,
                 "lsn": node.last_lsn,
                 "commit_lsn": node.commit_lsn,
-                "lag": 0 if node.node_id == status.master_id else lag.get(node.node_id),
+                "lag": 0
+                if node.node_id == status.master_id
+                else (slaves[node.node_id].lag_entries if node.node_id in slaves else None),
+                # None for the master, and for a node the master reports no progress for.
+                "heard_ms": slaves[node.node_id].silent_ms if node.node_id in slaves else None,
                 "max": node.max_seen,
                 "priority": node.priority,
                 "quarantine": (

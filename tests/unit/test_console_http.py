@@ -60,7 +60,7 @@ def _node(node_id: str, role: str, master: str = "n1", **extra: Any) -> squall.N
 
 
 def _status(master: str = "n1", epoch: int = 4) -> squall.ClusterStatus:
-    slave = SlaveProgress("n3", "streaming", 8, 8, 8, 2, 10.0, 0.2, 0)
+    slave = SlaveProgress("n3", "streaming", 8, 8, 8, 2, 10.0, 0.2, 0, silent_ms=3200)
     nodes = tuple(
         _node(
             n,
@@ -252,6 +252,8 @@ def test_snapshot_has_the_replica_table_and_the_explanation(console: Console) ->
     assert rows["n1"]["master"] and rows["n1"]["role"] == "master" and rows["n1"]["lag"] == 0
     assert rows["n3"]["lag"] == 2  # the master's view of its slave
     assert rows["n2"]["lag"] is None  # the master reported no progress for it
+    assert rows["n3"]["heard_ms"] == 3200  # its replica silent: links cut, say
+    assert rows["n1"]["heard_ms"] is None and rows["n2"]["heard_ms"] is None
     assert snap["explain"]["master"] and len(snap["explain"]["if_failed"]) == 3
     assert snap["actions_enabled"] is True
     topics = {t["name"]: t for t in snap["topics"]}

@@ -57,6 +57,9 @@ function render(s) {
     cell(row, r.epoch, "num");
     cell(row, r.lsn, "num");
     cell(row, r.lag, "num");
+    // Silence past a heartbeat or two: the master cannot reach that replica.
+    cell(row, r.heard_ms === null ? "-" :
+      (r.heard_ms < 1000 ? "now" : (r.heard_ms / 1000).toFixed(1) + "s ago"), "num");
     cell(row, r.max, "num");
     cell(row, r.quarantine ? r.quarantine.operator + " " + r.quarantine.at + " " +
       r.quarantine.reason : "-");
