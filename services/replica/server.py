@@ -761,6 +761,18 @@ class Subscriber(broker_pb2_grpc.SubscriberServicer):
             )
         elif start == broker_pb2.START_POSITION_OFFSET:
             if request.offset > next_offset and not transient:
+                if self.node.role != common_pb2.ROLE_MASTER:
+                    # Only a master's store has every committed event. A slave may lag its
+                    # master, and a node taking the master role may be reached (the gateway
+                    # follows the coordinators' view) before it has fetched the log: a
+                    # reader resuming after a failover was refused there, its subscription
+                    # ended, though its offset was good.
+                    raise ServiceError(
+                        Code.UNAVAILABLE,
+                        f"offset {request.offset} is beyond what replica {self.node.node.id} "
+                        f"holds of topic '{topic.name}' (next offset {next_offset}), and it is "
+                        "not the master: it may be behind; retry",
+                    )
                 raise invalid(
                     f"offset {request.offset} is beyond the end of topic '{topic.name}' "
                     f"(next offset {next_offset})"

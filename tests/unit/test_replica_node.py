@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from squall.v1 import broker_pb2, common_pb2, replica_pb2
@@ -562,6 +563,61 @@ def test_a_slaves_acks_say_whether_following_readers_are_open_there(tmp_path: Pa
             second.cancel()
             await readers_open(0)
             assert not (await heartbeat_ack()).readers_following  # 1 -> 0
+        finally:
+            await node.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_that_is_not_the_master_answers_an_offset_beyond_its_end_unavailable(
+    tmp_path: Path,
+) -> None:
+    """A reader resuming at its next offset after a failover may reach a node that has not
+    yet fetched the log it is to lead with (the gateway follows the coordinators' view), or
+    a slave behind its master: its offset is good, so the answer is UNAVAILABLE (retry),
+    not INVALID_ARGUMENT, which ended the reader's subscription (seen in CI: a follower
+    in tests/integration/test_aio_client.py stopped after a master kill)."""
+
+    class Aborted(Exception):
+        pass
+
+    class Context:
+        code: object = None
+        details = ""
+
+        async def abort(self, code: object, details: str) -> None:
+            self.code, self.details = code, details
+            raise Aborted
+
+    async def scenario() -> None:
+        config = example_config(tmp_path)
+        node = build_replica_node(config, config.node("n2"), Store.open_memory())
+        await node.start()
+        try:
+            assert node.role == common_pb2.ROLE_INACTIVE
+            await node.apply_role(_slave_of("n1", epoch=3, seq=1))
+            requests: asyncio.Queue[replica_pb2.ReplicateRequest] = asyncio.Queue()
+
+            async def incoming():  # type: ignore[no-untyped-def]
+                while True:
+                    yield await requests.get()
+
+            stream = Replication(node).Replicate(incoming(), _Context())  # type: ignore[arg-type]
+            hello = replica_pb2.ReplicationHello(master_id="n1", epoch=3, cluster_id="c")
+            requests.put_nowait(replica_pb2.ReplicateRequest(hello=hello))
+            await stream.__anext__()
+            batch = replica_pb2.EntryBatch(epoch=3, entries=[_entry(1, 3)], commit_lsn=1)
+            requests.put_nowait(replica_pb2.ReplicateRequest(entries=batch))
+            await stream.__anext__()  # topic t1 is here, empty: its next offset is 0
+            context = Context()
+            request = broker_pb2.SubscribeRequest(
+                topic="t1", follow=True, start=broker_pb2.START_POSITION_OFFSET, offset=230
+            )
+            with pytest.raises(Aborted):
+                async for _ in Subscriber(node).Subscribe(request, context):  # type: ignore[arg-type]
+                    pass
+            assert context.code == grpc.StatusCode.UNAVAILABLE, context.code
+            assert "not the master: it may be behind" in context.details
         finally:
             await node.stop()
 
