@@ -161,6 +161,7 @@ def replica_rows(status: squall.ClusterStatus) -> list[dict[str, Any]]:
     rows = []
     for node in status.nodes:
         answered = node.reachable or bool(node.coordinator_id)
+        slave = slaves.get(node.node_id)  # None for the master, and for one not reported
         rows.append(
             {
                 "node": node.node_id,
@@ -174,9 +175,8 @@ def replica_rows(status: squall.ClusterStatus) -> list[dict[str, Any]]:
                 "commit_lsn": node.commit_lsn,
                 "lag": 0
                 if node.node_id == status.master_id
-                else (slaves[node.node_id].lag_entries if node.node_id in slaves else None),
-                # None for the master, and for a node the master reports no progress for.
-                "heard_ms": slaves[node.node_id].silent_ms if node.node_id in slaves else None,
+                else (slave.lag_entries if slave is not None else None),
+                "heard_ms": slave.silent_ms if slave is not None else None,
                 "max": node.max_seen,
                 "priority": node.priority,
                 "quarantine": (

@@ -383,6 +383,15 @@ def _show(value: str) -> str:
     return f"{value[:_SHOWN_CHARS_MAX]!r}... ({len(value)} characters)"
 
 
+def _cut_off_why(whose: str, silent_ms: int, bound_ms: int) -> str:
+    """Why a member is dropped under acks "group" (``cut_off_member``), for both logs."""
+    return (
+        f"the master's replica has heard nothing from {whose} replica for {silent_ms} ms "
+        f'(at most {bound_ms}) and under acks "group" every commit waits for it: the links '
+        "between the two replicas may be cut while the coordinators still reach each other"
+    )
+
+
 @dataclass(frozen=True)
 class ElectionConfig:
     """This node's id, every configured node's priority, and the election's timing.
@@ -2317,10 +2326,7 @@ class Election:
             LogLevel.WARNING,
             "member-cut-off",
             f"dropping member {node} from {self._group} (epoch {self._group_epoch}) and "
-            f"telling it to step aside: the master's replica has heard nothing from its "
-            f'replica for {silent_ms} ms (at most {bound_ms}) and under acks "group" every '
-            "commit waits for it: the links between the two replicas may be cut while the "
-            "coordinators still reach each other",
+            f"telling it to step aside: {_cut_off_why('its', silent_ms, bound_ms)}",
         )
         del self._members[node]
         self._check_members(left=(node,))
@@ -2341,12 +2347,9 @@ class Election:
                 f"{self._group_epoch}) with {frm} coordinating",
             )
             return
+        why = _cut_off_why("this node's", body.silent_ms, body.bound_ms)
         self._o().step_aside = (
-            f"coordinator {frm} dropped it from {body.group_name} (epoch {body.epoch}): the "
-            f"master's replica has heard nothing from this node's replica for "
-            f'{body.silent_ms} ms (at most {body.bound_ms}) and under acks "group" every '
-            "commit waits for it: the links between the two replicas may be cut while the "
-            "coordinators still reach each other"
+            f"coordinator {frm} dropped it from {body.group_name} (epoch {body.epoch}): {why}"
         )
 
     # ----------------------------------------------------------------- rejoin

@@ -594,22 +594,15 @@ class ReplicationMaster(Generic[T]):
         off; the silent members are (each slave's ``silent_ms``), and they leave."""
         if self._deposed or self._now_ms is None or self.config.acks == AckPolicy.NONE:
             return 0
-        config = self.config
-        need = config.quorum - 1
+        need = self.config.quorum - 1
         if need <= 0:
             return 0
-        start = self._started_ms if self._started_ms is not None else self._now_ms
-        heard = sorted(
-            (
-                s.heard_ms if s.heard_ms is not None else start
-                for s in self._slave_order
-                if s.node_id not in config.learners
-            ),
-            reverse=True,
+        silences = sorted(
+            self._silent_ms(s) for s in self._slave_order if s.node_id not in self.config.learners
         )
-        if need > len(heard):
+        if need > len(silences):
             return 0  # the group is below what it needs: set_members deposes it
-        return max(0, self._now_ms - heard[need - 1])
+        return silences[need - 1]
 
     def progress(self, node_id: str) -> SlaveProgress:
         """One slave's progress."""
@@ -1193,6 +1186,15 @@ class ReplicationMaster(Generic[T]):
             slave.readers_following = following
             self._following += 1 if following else -1
 
+    def _silent_ms(self, slave: _Slave) -> int:
+        """How long, by the last tick, this master has not heard from ``slave`` (from its
+        first tick if never; 0 before any tick)."""
+        now = self._now_ms
+        if now is None:
+            return 0
+        heard = slave.heard_ms if slave.heard_ms is not None else self._started_ms
+        return max(0, now - (now if heard is None else heard))
+
     def _progress(self, slave: _Slave) -> SlaveProgress:
         inflight_entries = 0
         if slave.phase == _Phase.STREAMING:
@@ -1208,10 +1210,9 @@ class ReplicationMaster(Generic[T]):
             or slave.inflight_bytes >= self.config.inflight_bytes_max
         ):
             state = SlaveState.PAUSED
-        silent_ms, now = 0, self._now_ms
-        if not self._deposed and now is not None and slave.node_id not in self.config.learners:
-            heard = slave.heard_ms if slave.heard_ms is not None else self._started_ms
-            silent_ms = max(0, now - (now if heard is None else heard))
+        silent_ms = 0
+        if not self._deposed and slave.node_id not in self.config.learners:
+            silent_ms = self._silent_ms(slave)
         return SlaveProgress(
             node_id=slave.node_id,
             state=state,

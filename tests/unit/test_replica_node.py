@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -506,6 +506,27 @@ def test_a_master_flush_failing_after_sending_deposes_it_and_fail_stops(tmp_path
     asyncio.run(scenario())
 
 
+async def _slave_of_n1_streaming(
+    node: ReplicaNode,
+) -> tuple[
+    asyncio.Queue[replica_pb2.ReplicateRequest], AsyncIterator[replica_pb2.ReplicateResponse]
+]:
+    """The node as n1's slave in epoch 3 with n1's stream open (its Position answered):
+    the queue feeds the stream, the iterator yields the slave's answers."""
+    await node.apply_role(_slave_of("n1", epoch=3, seq=1))
+    requests: asyncio.Queue[replica_pb2.ReplicateRequest] = asyncio.Queue()
+
+    async def incoming():  # type: ignore[no-untyped-def]
+        while True:
+            yield await requests.get()
+
+    stream = Replication(node).Replicate(incoming(), _Context())  # type: ignore[arg-type]
+    hello = replica_pb2.ReplicationHello(master_id="n1", epoch=3, cluster_id="c")
+    requests.put_nowait(replica_pb2.ReplicateRequest(hello=hello))
+    assert (await stream.__anext__()).HasField("position")
+    return requests, stream
+
+
 def test_a_slaves_acks_say_whether_following_readers_are_open_there(tmp_path: Path) -> None:
     """The master tells a slave each commit at once only while its acks say it serves
     following readers: the first such reader sets the flag, the last one leaving clears
@@ -516,17 +537,7 @@ def test_a_slaves_acks_say_whether_following_readers_are_open_there(tmp_path: Pa
         node = build_replica_node(config, config.node("n2"), Store.open_memory())
         await node.start()
         try:
-            await node.apply_role(_slave_of("n1", epoch=3, seq=1))
-            requests: asyncio.Queue[replica_pb2.ReplicateRequest] = asyncio.Queue()
-
-            async def incoming():  # type: ignore[no-untyped-def]
-                while True:
-                    yield await requests.get()
-
-            stream = Replication(node).Replicate(incoming(), _Context())  # type: ignore[arg-type]
-            hello = replica_pb2.ReplicationHello(master_id="n1", epoch=3, cluster_id="c")
-            requests.put_nowait(replica_pb2.ReplicateRequest(hello=hello))
-            assert (await stream.__anext__()).HasField("position")
+            requests, stream = await _slave_of_n1_streaming(node)
             batch = replica_pb2.EntryBatch(epoch=3, entries=[_entry(1, 3)], commit_lsn=0)
             requests.put_nowait(replica_pb2.ReplicateRequest(entries=batch))
             assert not (await stream.__anext__()).ack.readers_following
@@ -595,17 +606,7 @@ def test_a_replica_that_is_not_the_master_answers_an_offset_beyond_its_end_unava
         await node.start()
         try:
             assert node.role == common_pb2.ROLE_INACTIVE
-            await node.apply_role(_slave_of("n1", epoch=3, seq=1))
-            requests: asyncio.Queue[replica_pb2.ReplicateRequest] = asyncio.Queue()
-
-            async def incoming():  # type: ignore[no-untyped-def]
-                while True:
-                    yield await requests.get()
-
-            stream = Replication(node).Replicate(incoming(), _Context())  # type: ignore[arg-type]
-            hello = replica_pb2.ReplicationHello(master_id="n1", epoch=3, cluster_id="c")
-            requests.put_nowait(replica_pb2.ReplicateRequest(hello=hello))
-            await stream.__anext__()
+            requests, stream = await _slave_of_n1_streaming(node)
             batch = replica_pb2.EntryBatch(epoch=3, entries=[_entry(1, 3)], commit_lsn=1)
             requests.put_nowait(replica_pb2.ReplicateRequest(entries=batch))
             await stream.__anext__()  # topic t1 is here, empty: its next offset is 0
