@@ -164,6 +164,10 @@ class SlaveProgress:
     snapshot_lsn: int
     silent_ms: int = 0
     """How long the master has heard nothing from it (no position, no ack)."""
+    catching_up: bool = False
+    """It has not yet caught up (held the master's log as of the epoch's start, or the
+    commit LSN of when its stream opened if later): under acks "group" commits do not
+    wait for it until it has."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -347,6 +351,7 @@ class ClusterStatus:
                         eta_s=p.eta_s,
                         snapshot_lsn=p.snapshot_lsn,
                         silent_ms=p.silent_ms,
+                        catching_up=p.catching_up,
                     )
                     for p in n.slaves
                 ),

@@ -727,7 +727,9 @@ def _cmd_status(client: squall.Client, args: argparse.Namespace, out: TextIO) ->
             table.append(
                 [
                     f"{slave.node_id} (learner)" if slave.node_id in learners else slave.node_id,
-                    slave.state,
+                    # Not yet caught up with the master's log as of the epoch's start:
+                    # under acks "group" commits do not wait for it yet.
+                    slave.state + (" (catching up)" if slave.catching_up else ""),
                     str(slave.written_lsn),
                     str(slave.lag_entries),
                     f"{slave.catch_up_entries_per_s:.0f}",

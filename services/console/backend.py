@@ -177,6 +177,7 @@ def replica_rows(status: squall.ClusterStatus) -> list[dict[str, Any]]:
                 if node.node_id == status.master_id
                 else (slave.lag_entries if slave is not None else None),
                 "heard_ms": slave.silent_ms if slave is not None else None,
+                "catching_up": slave.catching_up if slave is not None else None,
                 "max": node.max_seen,
                 "priority": node.priority,
                 "quarantine": (

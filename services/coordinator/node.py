@@ -36,7 +36,7 @@ from squall.v1 import (
 )
 from squall_server.common.clock import Clock, SystemClock
 from squall_server.common.config import ClusterConfig, NodeConfig
-from squall_server.common.grpc_server import channel_options
+from squall_server.common.grpc_server import channel_options, reconnect_options
 from squall_server.common.ids import new_cluster_id
 from squall_server.common.loss import loss_from_proto
 from squall_server.common.loss_record import LOSS_RECORDS_MAX
@@ -95,29 +95,8 @@ _WATCH_QUEUE_MAX = 16
 _NO_ANSWER = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 )
-# The first (and shortest) reconnect backoff of the coordinator's channels, in ms.
-_RECONNECT_MIN_MS = 100
-
-
-def reconnect_options(heartbeat_interval_ms: int) -> list[tuple[str, int]]:
-    """Channel options that dial a dead peer (or the node's own replica) again at least
-    every heartbeat interval (and at most every `_RECONNECT_MIN_MS`).
-
-    While a channel waits out its reconnect backoff, gRPC fails every call on it at once
-    (UNAVAILABLE) without dialling. With a backoff that grew to a second, a peer that had
-    been down a few seconds and restarted could not be reached for up to a second after
-    it was back: the Accept of a member whose channel to a restarted master was still
-    backing off was dropped, so that master's merge waited out member_timeout_ms, went
-    NORMAL without the member, and a second election round followed (the slow lead_back
-    trials of bench/fault_gaps.py). Capping the backoff at a heartbeat bounds that window
-    by one heartbeat, for one refused connection per heartbeat per dead peer.
-    """
-    return [
-        ("grpc.initial_reconnect_backoff_ms", _RECONNECT_MIN_MS),
-        # gRPC also takes this as the shortest connect timeout: kept, not lowered.
-        ("grpc.min_reconnect_backoff_ms", _RECONNECT_MIN_MS),
-        ("grpc.max_reconnect_backoff_ms", max(heartbeat_interval_ms, _RECONNECT_MIN_MS)),
-    ]
+# The shortest time between two replacements of one peer's channel (GrpcPeers.heard_from).
+_REDIAL_MIN_MS = 100
 
 
 def election_config(config: ClusterConfig, node_id: str) -> ElectionConfig:
@@ -198,7 +177,11 @@ def replica_answer(command: RoleCommand, state: replica_pb2.ReplicaState) -> Rep
         ),
         losses=tuple(loss_from_proto(loss) for loss in state.losses[:LOSS_RECORDS_MAX]),
         quorum_silent_ms=state.quorum_silent_ms,
-        slave_silences=tuple((slave.node_id, slave.silent_ms) for slave in state.slaves),
+        # A member still catching up holds no commit back (acks "group" waits for it once
+        # it has caught up), so it is not dropped for its silence.
+        slave_silences=tuple(
+            (slave.node_id, slave.silent_ms) for slave in state.slaves if not slave.catching_up
+        ),
     )
 
 
@@ -266,7 +249,7 @@ class GrpcPeers:
         fails every send at once until the backoff ends, up to a heartbeat later: an
         invitation sent to a node that just started was dropped that way, and the merge
         waited out member_timeout_ms for its answer. Such a channel is replaced by one that
-        dials now (at most once a _RECONNECT_MIN_MS per peer, so a link that fails one way
+        dials now (at most once a _REDIAL_MIN_MS per peer, so a link that fails one way
         only does not churn channels)."""
         channel = self._channels.get(peer)
         if channel is None or peer == self.node_id:
@@ -277,7 +260,7 @@ class GrpcPeers:
         ):
             return
         now = self._clock.monotonic_ms()
-        if peer in self._redialed and now - self._redialed[peer] < _RECONNECT_MIN_MS:
+        if peer in self._redialed and now - self._redialed[peer] < _REDIAL_MIN_MS:
             return
         self._redialed[peer] = now
         # Closed in the background: its calls are failing anyway.

@@ -40,11 +40,20 @@ A slave's durable LSN is what its acks say at the replica sync policy: ``SYNC`` 
 master's own log counts at the master sync policy (the driver reports appends and
 flushes). An entry is committed once the master holds it at its policy and so do enough
 member slaves at theirs: ``MAJORITY``: a majority of ALL configured nodes, master
-included (or ``quorum_override`` nodes); ``ALL``: every member of the current group;
-``NONE``: the master alone. The commit LSN never decreases, and it only advances to an
-LSN at or above this epoch's first entry (the epoch-start entry the driver appends
-first): entries of older epochs are committed by committing that entry after them,
-Raft's rule, so a count never commits an entry a later master could still truncate.
+included (or ``quorum_override`` nodes); ``ALL``: that majority and every member of the
+current group that has caught up; ``NONE``: the master alone. A member has caught up
+once its log held the master's log as it stood when the epoch began, or the commit LSN
+of when its stream opened if later (at once, for a member that comes up to date): a
+member that joins the group behind (restarted, or back after a partition, possibly
+needing a snapshot) or that cannot be reached at all would otherwise hold every commit
+back for as long as its catch-up takes (Qpid HA's primary likewise waits only for its
+*ready* backups). Once caught up it is waited for until the group drops it or it needs a
+snapshot (then again once it holds what was committed when the snapshot began).
+
+The commit LSN never decreases, and it only advances to an LSN at or above this epoch's
+first entry (the epoch-start entry the driver appends first): entries of older epochs
+are committed by committing that entry after them, Raft's rule, so a count never commits
+an entry a later master could still truncate.
 
 A slave whose acks say it serves following readers (``on_ack(readers_following=True)``)
 hears each commit at once: a record that leaves the commit LSN beyond what that slave was
@@ -286,6 +295,10 @@ class SlaveProgress:
     # master's first tick if never); 0 for a learner, whose acks hold nothing back, and
     # once the master is deposed.
     silent_ms: int = 0
+    # It has not yet held the master's log as of the epoch's start, or the commit LSN of
+    # when its stream opened if later (or never answered): under ALL commits do not wait
+    # for it yet.
+    catching_up: bool = False
 
 
 # Not frozen (nothing changes one once made): a frozen dataclass's __init__ sets every
@@ -409,6 +422,8 @@ class _Slave:
     """The master's record of one member slave."""
 
     __slots__ = (
+        "catch_up_lsn",
+        "caught_up",
         "commit_told",
         "first_batch",
         "flights",
@@ -452,6 +467,10 @@ class _Slave:
         # When the slave last answered on a stream (a Position or an ack), by the core's
         # clock (the last tick); None: not since this master began.
         self.heard_ms: int | None = None
+        # Under ALL a commit waits for this slave only once it caught up: it held
+        # ``catch_up_lsn`` (``_catch_up_target`` when its stream opened). See _quorum_lsn.
+        self.caught_up = False
+        self.catch_up_lsn = 0
 
     def durable_lsn(self, policy: SyncPolicy) -> int:
         """What the slave's acks vouch for under the replica sync policy (as
@@ -793,6 +812,17 @@ class ReplicationMaster(Generic[T]):
         slave.phase = _Phase.STREAMING
         slave.first_batch = True
         slave.next_lsn = fork + 1
+        events: tuple[str, ...] = ()
+        if not slave.caught_up:
+            slave.catch_up_lsn = self._catch_up_target()
+            slave.caught_up = fork >= slave.catch_up_lsn
+            if not slave.caught_up and self.config.acks == AckPolicy.ALL:
+                events = (
+                    f"master {self.config.node_id} epoch {self._epoch}: node {node_id} holds "
+                    f"the log to LSN {fork}, behind LSN {slave.catch_up_lsn}: under acks "
+                    "group commits wait for it once it has caught up to that LSN, and for a "
+                    "majority meanwhile",
+                )
         slave.truncate_after = fork if last_lsn > fork else None
         # It holds everything up to the fork (at least as written: it is in its store);
         # what is flushed, its first ack will say.
@@ -806,9 +836,8 @@ class ReplicationMaster(Generic[T]):
         ):
             slave.truncate_after = None
             slave.snapshot_wanted = True
-        events: tuple[str, ...] = ()
         if slave.truncate_after is not None:
-            events = (
+            events += (
                 f"master {self.config.node_id} epoch {self._epoch}: node {node_id} "
                 f"diverges after LSN {fork}; truncating its LSNs {fork + 1}..{last_lsn}",
             )
@@ -866,13 +895,23 @@ class ReplicationMaster(Generic[T]):
             and slave.snapshot_lsn
             and slave.written_lsn >= slave.snapshot_lsn
         ):
-            events = (
+            events += (
                 f"master {self.config.node_id} epoch {self._epoch}: node {node_id} installed "
                 f"the snapshot at LSN {slave.snapshot_lsn}; streaming from "
                 f"{slave.snapshot_lsn + 1}",
             )
             slave.phase = _Phase.STREAMING
             slave.snapshot_lsn = 0
+        if not slave.caught_up and slave.phase == _Phase.STREAMING:
+            durable = slave.durable_lsn(self.config.replica_sync)
+            if durable >= slave.catch_up_lsn:
+                slave.caught_up = True
+                if self.config.acks == AckPolicy.ALL:
+                    events += (
+                        f"master {self.config.node_id} epoch {self._epoch}: node {node_id} "
+                        f"caught up (it holds LSN {durable}, at least {slave.catch_up_lsn}): "
+                        "under acks group every commit now waits for it",
+                    )
         return self._actions(events=events)
 
     def on_sent(self, node_id: str, stream_id: int, last_lsn: int, size_bytes: int) -> Actions[T]:
@@ -925,6 +964,9 @@ class ReplicationMaster(Generic[T]):
         # acknowledges the installed snapshot (a commit counting it would rely on
         # entries the install is about to replace).
         slave.received_lsn = slave.written_lsn = slave.synced_lsn = 0
+        # Nor do commits wait for it until it holds what was committed by now.
+        slave.caught_up = False
+        slave.catch_up_lsn = self._catch_up_target()
         return self._actions()
 
     # --- group, log and epoch changes
@@ -1057,6 +1099,13 @@ class ReplicationMaster(Generic[T]):
         )
         return Actions(commit_lsn=self._commit_lsn, failed=failed, deposed=reason, events=(event,))
 
+    def _catch_up_target(self) -> int:
+        """What a slave must hold before commits under ALL wait for it: the master's log
+        as it stood when this epoch began (the reorganization made it the group's longest,
+        so it holds everything an earlier master may have acknowledged), or the commit
+        LSN when that is later."""
+        return max(self._commit_lsn, self._epoch_start_lsn - 1)
+
     def _local_durable_lsn(self) -> int:
         if self.config.master_sync == SyncPolicy.SYNC:
             return self._synced_lsn
@@ -1069,16 +1118,21 @@ class ReplicationMaster(Generic[T]):
 
     def _quorum_lsn(self) -> int:
         """The highest LSN the master and enough voting member slaves hold, per the
-        policies; a learner's acks count for nothing, so a learner still copying the log
-        never holds a commit back and never stands in for a voter."""
+        policies (under ALL: a majority and every member that caught up); a learner's
+        acks count for nothing, so a learner still copying the log never holds a commit
+        back and never stands in for a voter."""
         local = self._local_durable_lsn()
         if self.config.acks == AckPolicy.NONE:
             return local
         config = self.config
-        need = (self._voting_members() if config.acks == AckPolicy.ALL else config.quorum) - 1
+        need = config.quorum - 1
+        policy, learners = config.replica_sync, config.learners
+        if config.acks == AckPolicy.ALL:
+            for slave in self._slave_order:
+                if slave.caught_up and slave.node_id not in learners:
+                    local = min(local, slave.durable_lsn(policy))
         if need <= 0:
             return local
-        policy, learners = config.replica_sync, config.learners
         others = [s.durable_lsn(policy) for s in self._slave_order if s.node_id not in learners]
         if need > len(others):
             return 0
@@ -1225,4 +1279,5 @@ class ReplicationMaster(Generic[T]):
             inflight_bytes=slave.inflight_bytes,
             snapshot_lsn=slave.snapshot_lsn,
             silent_ms=silent_ms,
+            catching_up=not slave.caught_up,
         )

@@ -1218,6 +1218,7 @@ class ReplicaControl(replica_pb2_grpc.ReplicaControlServicer):
                     eta_s=s.eta_s,
                     snapshot_lsn=s.progress.snapshot_lsn,
                     silent_ms=s.progress.silent_ms,
+                    catching_up=s.progress.catching_up,
                 )
                 for s in self.node.slave_status()
             ],

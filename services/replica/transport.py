@@ -24,7 +24,7 @@ import grpc
 
 from squall.v1 import replica_pb2, replica_pb2_grpc
 from squall_server.common.config import ClusterConfig
-from squall_server.common.grpc_server import channel_options
+from squall_server.common.grpc_server import channel_options, reconnect_options
 from squall_server.common.tls import transport
 
 _ReplicateStub = grpc.aio.StreamStreamCall[
@@ -147,7 +147,10 @@ class GrpcReplicaTransport:
     def __init__(self, config: ClusterConfig, node_id: str) -> None:
         self._config = config
         self._links = transport(config, node_id)
-        self._options = channel_options(config.limits.max_message_bytes)
+        self._options = [
+            *channel_options(config.limits.max_message_bytes),
+            *reconnect_options(config.timeouts.heartbeat_interval_ms),
+        ]
         self._addresses = {n.id: n.replica_address for n in config.nodes}
         self._channels: dict[str, grpc.aio.Channel] = {}
 

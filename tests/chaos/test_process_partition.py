@@ -16,9 +16,12 @@ the group left, and its replica cannot fetch the newer log it must start from. T
 second test checks that node steps aside, so the others serve once the old master is
 back, while the cut holds.
 
-Under acks "group" every commit waits for every member, so the same slave's cut stalls
-every write. The third test checks the master's coordinator drops that member (it hears a
-majority, so it is not the one cut off) and the group commits without it.
+Under acks "group" every commit waits for every member that has caught up, so the same
+slave's cut stalls every write. The third test checks the master's coordinator drops that
+member (it hears a majority, so it is not the one cut off) and the group commits without
+it. The fourth restarts a slave node with its replica cut off: its coordinator rejoins
+the group, but its replica never catches up, so no commit waits for it and it is not
+dropped (before, each such rejoin stalled every write until the drop).
 """
 
 from __future__ import annotations
@@ -209,5 +212,70 @@ def test_under_acks_group_a_member_whose_replica_is_cut_off_is_dropped(
         cluster.wait_normal(NORMAL_WAIT_S)  # n2 rejoins after its hold-off and catches up
         after = _publish_until(publisher, acked, "after", 20)
         assert len(after) == 20, "publishes after the heal were not acknowledged"
-        assert {h.node_id for h in after[-1].holders} == {"n1", "n2", "n3"}
+        _held_by_all_three(publisher, acked)
     _every_acked_event_everywhere(cluster, acked)
+
+
+@pytest.mark.acks("group")
+def test_under_acks_group_a_member_that_rejoins_cut_off_holds_no_commit_back(
+    cluster: ChaosCluster,
+) -> None:
+    assert cluster.topology is not None
+    assert cluster.master() == "n1"
+    acked: dict[str, squall.Receipt] = {}
+    with squall.connect(cluster.gateway_addresses[0], timeout_s=5.0) as client:
+        client.create_topic("t")
+        publisher = client.topic("t").publisher()
+        assert len(_publish_until(publisher, acked, "before", 20)) == 20
+        cluster.kill_node("n2")
+        down = _publish_until(publisher, acked, "down", 50)  # n2 will be behind these
+        assert len(down) == 50, f"n1 and n3 did not commit: {cluster.normal_problem()}"
+        cluster.topology.partition_process("n2", "replica")
+        cluster.start_node("n2")
+        deadline = time.monotonic() + NORMAL_WAIT_S
+        group: list[str] = []
+        while "n2" not in group and time.monotonic() < deadline:
+            status = cluster.coordinator_status("n1")
+            group = [] if status is None else list(status.group)
+            time.sleep(0.05)
+        assert "n2" in group, f"n2 did not rejoin n1's group: {cluster.normal_problem()}"
+        # Past the bound after which a member that commits wait for is dropped (3 s with
+        # the chaos settings), publishes are acknowledged all along, by n1 and n3.
+        until = time.monotonic() + 4.0
+        rejoined: list[squall.Receipt] = []
+        for i in range(100_000):  # bounded by the time too
+            receipt = _publish(publisher, f"rejoined-{i}")
+            assert receipt is not None, (
+                f"publish {i} after n2 rejoined with its replica cut off was not "
+                f"acknowledged: {cluster.normal_problem()}"
+            )
+            acked[f"rejoined-{i}"] = receipt
+            rejoined.append(receipt)
+            if time.monotonic() > until:
+                break
+        assert {r.master_id for r in rejoined} == {"n1"}
+        assert {h.node_id for h in rejoined[-1].holders} == {"n1", "n3"}, rejoined[-1]
+        # n2 is kept: it holds nothing back, and the master says it is catching up.
+        status = cluster.coordinator_status("n1")
+        assert status is not None and "n2" in status.group, status
+        n2 = cluster.coordinator_status("n2")
+        assert n2 is not None and not n2.lead_held_off_reason, n2
+        master = cluster.replica_state("n1")
+        assert master is not None
+        slaves = {s.node_id: s for s in master.slaves}
+        assert slaves["n2"].catching_up and not slaves["n3"].catching_up, master.slaves
+        cluster.topology.heal()
+        _held_by_all_three(publisher, acked)
+    _every_acked_event_everywhere(cluster, acked)
+
+
+def _held_by_all_three(publisher: squall.Publisher, acked: dict[str, squall.Receipt]) -> None:
+    """Publishes until a receipt names every node as a holder (a member that rejoined
+    catches up first; commits wait for it from then on)."""
+    receipts = _publish_until(publisher, acked, "healed", 1)
+    for _ in range(1000):  # bounded: _publish_until has a deadline too
+        if receipts and {h.node_id for h in receipts[-1].holders} == {"n1", "n2", "n3"}:
+            return
+        time.sleep(0.02)
+        receipts = _publish_until(publisher, acked, f"healed-{len(acked)}", 1)
+    raise AssertionError(f"no receipt names all three nodes after the heal: {receipts[-1:]}")

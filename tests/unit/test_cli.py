@@ -223,12 +223,15 @@ def test_status_says_how_long_ago_the_master_heard_each_slave(
         reachable=True,
     )
     node.slaves.add(node_id="n2", state="streaming", written_lsn=9, silent_ms=3200)
-    node.slaves.add(node_id="n3", state="streaming", written_lsn=9, silent_ms=40)
+    node.slaves.add(node_id="n3", state="streaming", written_lsn=9, silent_ms=40, catching_up=True)
     code, out, _ = run(["status"], capsys)
     assert code == 0
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
     assert rows["slave"][-1] == "heard"
     assert rows["n2"][-2:] == ["3.2s", "ago"] and rows["n3"][-1] == "now"
+    # A slave not yet caught up says so.
+    assert rows["n3"][1:4] == ["streaming", "(catching", "up)"]
+    assert rows["n2"][1:3] == ["streaming", "9"]
 
 
 def _cluster_toml(gateway_address: str | None) -> str:

@@ -60,7 +60,9 @@ def _node(node_id: str, role: str, master: str = "n1", **extra: Any) -> squall.N
 
 
 def _status(master: str = "n1", epoch: int = 4) -> squall.ClusterStatus:
-    slave = SlaveProgress("n3", "streaming", 8, 8, 8, 2, 10.0, 0.2, 0, silent_ms=3200)
+    slave = SlaveProgress(
+        "n3", "streaming", 8, 8, 8, 2, 10.0, 0.2, 0, silent_ms=3200, catching_up=True
+    )
     nodes = tuple(
         _node(
             n,
@@ -254,6 +256,7 @@ def test_snapshot_has_the_replica_table_and_the_explanation(console: Console) ->
     assert rows["n2"]["lag"] is None  # the master reported no progress for it
     assert rows["n3"]["heard_ms"] == 3200  # its replica silent: links cut, say
     assert rows["n1"]["heard_ms"] is None and rows["n2"]["heard_ms"] is None
+    assert rows["n3"]["catching_up"] is True and rows["n1"]["catching_up"] is None
     assert snap["explain"]["master"] and len(snap["explain"]["if_failed"]) == 3
     assert snap["actions_enabled"] is True
     topics = {t["name"]: t for t in snap["topics"]}

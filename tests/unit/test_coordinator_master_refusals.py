@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from squall.v1 import common_pb2, replica_pb2
 from squall_server.common.clock import ManualClock
 from squall_server.coordinator.driver import (
     MASTER_REFUSAL_HOLDOFF_MS,
@@ -38,6 +39,7 @@ from squall_server.coordinator.messages import (
     StepAside,
     StoreState,
 )
+from squall_server.coordinator.node import replica_answer
 from tests.unit.test_coordinator_driver import _driver as one_node_driver
 from tests.unit.test_coordinator_driver import _to_master as to_master
 
@@ -487,3 +489,19 @@ def test_only_the_coordinator_drops_a_member_and_only_its_step_aside_counts() ->
     assert told("1", StepAside(group, epoch - 1, 5000, 3000)) == ""  # an older epoch
     reason = told("1", StepAside(group, epoch, 5000, 3000))
     assert "coordinator 1 dropped it" in reason and "5000 ms (at most 3000)" in reason
+
+
+def test_a_silent_member_still_catching_up_is_not_reported_for_dropping() -> None:
+    """Under acks "group" a commit waits only for members that have caught up, so one
+    still catching up (it rejoined behind, or its replica was never reached) holds
+    nothing back: the master's answer reports no silence for it, and its coordinator
+    keeps it in the group as under majority."""
+    state = replica_pb2.ReplicaState(
+        role=common_pb2.ROLE_MASTER,
+        slaves=[
+            common_pb2.SlaveProgress(node_id="n2", silent_ms=5_000, catching_up=True),
+            common_pb2.SlaveProgress(node_id="n3", silent_ms=4_000),
+        ],
+    )
+    answer = replica_answer(RoleCommand(RoleCommandKind.MASTER, epoch=3), state)
+    assert answer.slave_silences == (("n3", 4_000),)

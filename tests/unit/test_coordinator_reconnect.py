@@ -17,8 +17,9 @@ import grpc
 from deploy.processes import free_port
 from squall.v1 import coordinator_pb2, coordinator_pb2_grpc
 from squall_server.common.config import ClusterConfig, parse_config
+from squall_server.common.grpc_server import reconnect_options
 from squall_server.coordinator.messages import AreYouCoordinator, PeerMessage
-from squall_server.coordinator.node import GrpcPeers, reconnect_options
+from squall_server.coordinator.node import GrpcPeers
 
 # How long the peer stays down, sent to every heartbeat: long enough for a backoff that
 # doubles from 100 ms to reach a one-second cap.

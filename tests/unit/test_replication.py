@@ -272,6 +272,86 @@ def test_all_waits_for_every_member_and_none_for_the_master_alone() -> None:
     assert alone.on_appended(2, synced=True).commit_lsn == 2
 
 
+def test_all_waits_for_a_member_that_joined_behind_only_once_it_has_caught_up() -> None:
+    """A node rejoining the group behind (restarted, back after a partition) must not hold
+    every commit back for as long as its catch-up takes: under ALL a commit waits for a
+    majority and for each member that has caught up: held the master's log as of the
+    epoch's start (or the commit LSN of when its stream opened, if later)."""
+    cfg = config(acks=AckPolicy.ALL)
+    master = ReplicationMaster(cfg, epoch=2, members=cfg.nodes, last_lsn=10, history=[(1, 1)])
+    sid2 = stream(master, "2", last_lsn=10)  # up to date: waited for at once
+    sid3 = master.connect("3")
+    actions = master.on_position("3", sid3, last_epoch=1, last_lsn=4, history=[(1, 1)])
+    assert any("holds the log to LSN 4, behind LSN 10" in e for e in actions.events)
+    send_all(master, actions)
+    assert master.progress("3").catching_up and not master.progress("2").catching_up
+    send_all(master, master.on_appended(11, synced=True))  # the epoch-start entry
+    assert ack(master, "2", sid2, 11, 11, 11).commit_lsn == 11  # node 3 holds nothing back
+    assert ack(master, "3", sid3, 9, 9, 9).commit_lsn == 11
+    assert master.progress("3").catching_up  # still short of LSN 10
+    actions = ack(master, "3", sid3, 10, 10, 10)
+    assert not master.progress("3").catching_up
+    assert any("node 3 caught up" in e for e in actions.events)
+    # From now on every commit waits for node 3 as well.
+    send_all(master, master.on_appended(12, synced=True))
+    assert ack(master, "2", sid2, 12, 12, 12).commit_lsn == 11
+    assert ack(master, "3", sid3, 12, 12, 12).commit_lsn == 12
+    # Its stream breaking does not make it catching up again: a stopped member that had
+    # caught up holds commits back until the group drops it.
+    master.disconnected("3", sid3)
+    send_all(master, master.on_appended(13, synced=True))
+    assert ack(master, "2", sid2, 13, 13, 13).commit_lsn == 12
+    assert master.set_members(["1", "2"]).commit_lsn == 13
+
+
+def test_all_does_not_wait_for_a_member_it_never_heard_from() -> None:
+    """A member whose replica cannot be reached (its links alone cut when it rejoined)
+    holds nothing back; it still shows as silent."""
+    master = new_master(config(acks=AckPolicy.ALL))
+    master.tick(0)
+    sid2 = stream(master, "2")
+    send_all(master, master.on_appended(1, synced=True))
+    assert ack(master, "2", sid2, 1, 1, 1).commit_lsn == 1
+    master.tick(5_000)
+    ack(master, "2", sid2, 1, 1, 1)  # node 2 answers a heartbeat
+    silent = master.progress("3")
+    assert silent.catching_up and silent.silent_ms == 5_000
+    assert master.quorum_silent_ms() == 0
+    # Under majority the flag is reported too (status shows it), and changes nothing.
+    majority = new_master(config())
+    sid = stream(majority, "2")
+    send_all(majority, majority.on_appended(1, synced=True))
+    assert ack(majority, "2", sid, 1, 1, 1).commit_lsn == 1
+    assert majority.progress("3").catching_up and not majority.progress("2").catching_up
+
+
+def test_all_does_not_wait_for_a_member_installing_a_snapshot() -> None:
+    """A member that needs a snapshot is catching up until it holds what was committed
+    when the snapshot began."""
+    cfg = config(acks=AckPolicy.ALL)
+    master = ReplicationMaster(
+        cfg,
+        epoch=2,
+        members=cfg.nodes,
+        last_lsn=10,
+        history=[(1, 1)],
+        log_start_lsn=8,
+    )
+    sid2 = stream(master, "2", last_lsn=10)
+    sid3 = master.connect("3")
+    actions = master.on_position("3", sid3, last_epoch=1, last_lsn=4, history=[(1, 1)])
+    assert actions.snapshots == ("3",)
+    master.on_snapshot_started("3", sid3, 10)
+    send_all(master, master.on_appended(11, synced=True))
+    assert ack(master, "2", sid2, 11, 11, 11).commit_lsn == 11
+    assert master.progress("3").catching_up
+    actions = ack(master, "3", sid3, 10, 10, 10)  # the snapshot at LSN 10 installed
+    assert not master.progress("3").catching_up
+    send_all(master, actions)
+    send_all(master, master.on_appended(12, synced=True))
+    assert ack(master, "2", sid2, 12, 12, 12).commit_lsn == 11
+
+
 def test_all_counts_the_current_group_only() -> None:
     master = new_master(config(acks=AckPolicy.ALL))
     sid2 = stream(master, "2")
@@ -642,13 +722,22 @@ class Cluster:
         """A completed write is held by the required count at the required durability."""
         # The master counts once flushed (its sync policy here is SYNC).
         holders = 1 if self.synced_lsn >= lsn else 0
-        for slave in self.slaves.values():
+        held_by = set()
+        for node, slave in self.slaves.items():
             state = slave.follower.state()
             durable = slave.follower.ack().durable_lsn(self.cfg.replica_sync)
             if durable >= lsn and state.last_lsn >= lsn and slave.log[lsn - 1] == self.log[lsn - 1]:
                 holders += 1
+                held_by.add(node)
         if self.cfg.acks == AckPolicy.ALL:
-            required = len(self.master.members)
+            # Every member that caught up, and a majority in any case.
+            waited = {
+                node
+                for node in self.master.members
+                if node in self.slaves and not self.master.progress(node).catching_up
+            }
+            assert waited <= held_by, f"LSN {lsn} completed without {sorted(waited - held_by)}"
+            required = self.cfg.quorum
         elif self.cfg.acks == AckPolicy.NONE:
             required = 1
         else:
@@ -1153,6 +1242,8 @@ def test_random_runs_keep_the_invariants_and_converge(seed: int) -> None:
     assert cluster.converged(), where
     assert cluster.master.commit_lsn == len(cluster.log), where
     assert cluster.master.pending_writes == 0, where
+    # Every slave that holds the log counts as caught up (under ALL commits wait for it).
+    assert not any(p.catching_up for p in cluster.master.status()), where
     # Only acks and Positions still queued from a replaced stream were refused.
     assert set(cluster.rejections) <= {RejectCode.STALE_STREAM}, where
     assert [r for s in cluster.slaves.values() for r in s.refusals] == [], where

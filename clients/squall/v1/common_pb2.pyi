@@ -778,6 +778,7 @@ class SlaveProgress(_message.Message):
     ETA_S_FIELD_NUMBER: _builtins.int
     SNAPSHOT_LSN_FIELD_NUMBER: _builtins.int
     SILENT_MS_FIELD_NUMBER: _builtins.int
+    CATCHING_UP_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The slave's node id."""
     state: _builtins.str
@@ -802,9 +803,17 @@ class SlaveProgress(_message.Message):
     """The LSN of the snapshot being sent to it (0: none)."""
     silent_ms: _builtins.int
     """How long the master has heard nothing from it (no position, no ack; a snapshot
-    being sent counts as heard), in milliseconds. Under acks "group" a member silent past
-    timeouts.store_stall_timeout_ms + member_timeout_ms holds every commit back, and the
-    master's coordinator asks its node to step aside.
+    being sent counts as heard), in milliseconds. Under acks "group" a member that has
+    caught up (not catching_up) and is silent past timeouts.store_stall_timeout_ms +
+    member_timeout_ms holds every commit back, and the master's coordinator asks its node
+    to step aside.
+    """
+    catching_up: _builtins.bool
+    """It has not yet caught up: held the master's log as it stood when the epoch began, or
+    the commit LSN of when its replication stream opened if later (it joined the group
+    behind, is installing a snapshot, or never answered). Under acks "group"
+    commits wait for a majority and for every member that is not catching up, and a
+    silent member that is catching up is not dropped: it holds nothing back.
     """
     def __init__(
         self,
@@ -819,10 +828,11 @@ class SlaveProgress(_message.Message):
         eta_s: _builtins.float = ...,
         snapshot_lsn: _builtins.int = ...,
         silent_ms: _builtins.int = ...,
+        catching_up: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["catch_up_entries_per_s", b"catch_up_entries_per_s", "eta_s", b"eta_s", "lag_entries", b"lag_entries", "node_id", b"node_id", "received_lsn", b"received_lsn", "silent_ms", b"silent_ms", "snapshot_lsn", b"snapshot_lsn", "state", b"state", "synced_lsn", b"synced_lsn", "written_lsn", b"written_lsn"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["catch_up_entries_per_s", b"catch_up_entries_per_s", "catching_up", b"catching_up", "eta_s", b"eta_s", "lag_entries", b"lag_entries", "node_id", b"node_id", "received_lsn", b"received_lsn", "silent_ms", b"silent_ms", "snapshot_lsn", b"snapshot_lsn", "state", b"state", "synced_lsn", b"synced_lsn", "written_lsn", b"written_lsn"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -56,7 +56,7 @@ function render(s) {
     cell(row, r.state, "state");
     cell(row, r.epoch, "num");
     cell(row, r.lsn, "num");
-    cell(row, r.lag, "num");
+    cell(row, r.catching_up ? r.lag + " (catching up)" : r.lag, "num");
     // Silence past a heartbeat or two: the master cannot reach that replica.
     cell(row, r.heard_ms === null ? "-" :
       (r.heard_ms < 1000 ? "now" : (r.heard_ms / 1000).toFixed(1) + "s ago"), "num");
