@@ -235,8 +235,9 @@ class CoordinatorDriver:
         every_member_acks: bool = False,
     ) -> None:
         self.config = config
-        # acks "group": a commit waits for every member, so a member whose replica the
-        # master's cannot hear holds every write back; the coordinator drops it.
+        # acks "group": a commit waits for every member that has caught up, so such a
+        # member whose replica the master's cannot hear holds every write back; the
+        # coordinator drops it.
         self.every_member_acks = every_member_acks
         self.timings = timings
         self.clock = clock
@@ -559,8 +560,10 @@ class CoordinatorDriver:
         """Under acks "group", drop each member whose replica the master's has not heard
         from for quorum_lost_ms (it hears a majority, or it would have stepped aside): every
         commit waits for that member, and only this master's replica knows it is silent.
-        The member steps aside when told (``StepAside``), so it is not merged back at once;
-        back after the hold-off, it is dropped again if the silence goes on."""
+        The member steps aside when told (``StepAside``), so it is not merged back at once.
+        Back after the hold-off and not reached, it is catching up, which holds no commit
+        back, so the master reports no silence for it (``node.replica_answer``) and it
+        stays; dropped again within DROPPED_AGAIN_WITHIN_MS only if it had caught up."""
         for node, silent_ms in silences:
             if silent_ms >= self.quorum_lost_ms:
                 self.apply(
