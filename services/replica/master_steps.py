@@ -255,6 +255,8 @@ class MasterSteps(Generic[W]):
                 self.apply(self.core.observe_epoch(int(value)))
         if self.core.deposed:
             return False
+        if status == "RESOURCE_EXHAUSTED":  # its store is full: it cannot hold the log
+            self.apply(self.core.cannot_store(node_id, f"{status}: {details}"))
         # An unavailable or cancelled slave is routine (it restarts, its role moves).
         level = logging.DEBUG if status in ("UNAVAILABLE", "CANCELLED") else logging.WARNING
         log.log(

@@ -914,6 +914,26 @@ class ReplicationMaster(Generic[T]):
                     )
         return self._actions(events=events)
 
+    def cannot_store(self, node_id: str, reason: str) -> Actions[T]:
+        """The slave refused the log for want of room (its store is full): it cannot hold
+        what comes next, so under ALL commits stop waiting for it until it has caught up
+        again (``_catch_up_target``); a majority still holds every commit. Otherwise a
+        slave whose disk filled would hold every write back until an operator freed it.
+        A node no longer in the group is ignored."""
+        slave = self._slaves.get(node_id)
+        if self._deposed or slave is None or not slave.caught_up:
+            return self._actions()
+        slave.caught_up = False
+        slave.catch_up_lsn = self._catch_up_target()
+        events: tuple[str, ...] = ()
+        if self.config.acks == AckPolicy.ALL:
+            events = (
+                f"master {self.config.node_id} epoch {self._epoch}: node {node_id} cannot "
+                f"store the log ({reason}): under acks group commits wait for it again once "
+                f"it holds LSN {slave.catch_up_lsn}, and for a majority meanwhile",
+            )
+        return self._actions(events=events)
+
     def on_sent(self, node_id: str, stream_id: int, last_lsn: int, size_bytes: int) -> Actions[T]:
         """The driver built the batch of a grant: entries up to last_lsn, size_bytes in all.
 

@@ -44,9 +44,10 @@ class _FaultControlledCluster(LocalCluster):
     """A cluster whose every replica reads its own node's fault-control file."""
 
     @classmethod
-    def three_nodes(cls, run_dir: Path) -> _FaultControlledCluster:
-        """The example cluster's three nodes, localized under run_dir (not started)."""
-        made = make_cluster(ROOT / "deploy" / "cluster.example.toml", run_dir)
+    def three_nodes(cls, run_dir: Path, **overrides: dict[str, object]) -> _FaultControlledCluster:
+        """The example cluster's three nodes, localized under run_dir (not started), with
+        section overrides."""
+        made = make_cluster(ROOT / "deploy" / "cluster.example.toml", run_dir, **overrides)
         return cls(made.config_path, made.config, made.run_dir)
 
     def control_path(self, node_id: str) -> Path:

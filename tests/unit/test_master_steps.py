@@ -15,7 +15,12 @@ from collections.abc import Sequence
 
 from squall.v1 import common_pb2, replica_pb2
 from squall_server.replica.master_steps import MasterOutputs, MasterSteps
-from squall_server.replica.replication import MasterConfig, ReplicationMaster, SyncPolicy
+from squall_server.replica.replication import (
+    AckPolicy,
+    MasterConfig,
+    ReplicationMaster,
+    SyncPolicy,
+)
 from squall_server.replica.store import Store
 from tests.sim.replica_transport import flip_a_byte
 
@@ -34,6 +39,7 @@ def _steps(
     members: tuple[str, ...] = ("n1", "n2"),
     nodes: tuple[str, ...] = (),
     learners: tuple[str, ...] = (),
+    acks: AckPolicy = AckPolicy.MAJORITY,
 ) -> tuple[MasterSteps[str], Store, list[tuple[str, object]]]:
     """A master of epoch 2 over a store holding LSNs 1..3 of epoch 1, recording outputs;
     the node set is the members unless ``nodes`` says more."""
@@ -46,6 +52,7 @@ def _steps(
             learners=learners,
             master_sync=master_sync,
             replica_sync=SyncPolicy.SYNC,
+            acks=acks,
         ),
         epoch=2,
         members=members,
@@ -265,6 +272,24 @@ def test_a_refusal_naming_a_newer_epoch_deposes_the_master_and_others_mean_retry
     assert steps.core.deposed == "epoch 3 superseded epoch 2"
     assert ("deposed", "epoch 3 superseded epoch 2") in seen
     assert not steps.stream_ended("n2", stream)  # a deposed master opens none
+
+
+def test_under_acks_group_a_slave_refusing_the_log_for_a_full_store_holds_no_write_back() -> None:
+    """Its store full, a slave refuses every batch (RESOURCE_EXHAUSTED) until an operator
+    frees room; under acks group every write would wait for it that long."""
+    steps, store, seen = _steps(members=("n1", "n2", "n3"), acks=AckPolicy.ALL)
+    core = steps.core
+    streams = {node: core.connect(node) for node in ("n2", "n3")}
+    for node, stream in streams.items():
+        assert steps.hello_answered(node, stream, _position(1, 3))
+    store.append([_entry(4, 2)], sync=True)
+    steps.appended([_entry(4, 2)], synced=True)
+    steps.apply(core.register_writes([(4, "write-4")]))
+    steps.received("n2", streams["n2"], _ack(4))
+    assert ("completed", ["write-4"]) not in seen  # n3 is waited for
+    assert steps.refused("n3", "RESOURCE_EXHAUSTED", "replica n3: store full", ())
+    assert ("completed", ["write-4"]) in seen
+    assert core.progress("n3").catching_up and not core.deposed
 
 
 def test_only_the_current_stream_ending_calls_for_a_new_one() -> None:

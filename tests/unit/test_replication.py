@@ -352,6 +352,33 @@ def test_all_does_not_wait_for_a_member_installing_a_snapshot() -> None:
     assert ack(master, "2", sid2, 12, 12, 12).commit_lsn == 11
 
 
+def test_all_stops_waiting_for_a_member_whose_store_is_full() -> None:
+    """A slave that refuses the log for want of room would otherwise hold every write
+    back until an operator freed its disk."""
+    master = new_master(config(acks=AckPolicy.ALL))
+    sid2, sid3 = stream(master, "2"), stream(master, "3")
+    send_all(master, master.on_appended(1, synced=True))
+    assert ack(master, "2", sid2, 1, 1, 1).commit_lsn == 0
+    actions = master.cannot_store("3", "RESOURCE_EXHAUSTED: store full")
+    assert actions.commit_lsn == 1
+    assert any("node 3 cannot store the log" in e for e in actions.events)
+    assert master.progress("3").catching_up
+    master.disconnected("3", sid3)
+    send_all(master, master.on_appended(2, synced=True))
+    assert ack(master, "2", sid2, 2, 2, 2).commit_lsn == 2
+    # Room again: it reconnects behind, catches up, and is waited for again.
+    sid3 = master.connect("3")
+    send_all(master, master.on_position("3", sid3, last_epoch=0, last_lsn=0, history=[]))
+    assert master.progress("3").catching_up
+    ack(master, "3", sid3, 2, 2, 2)
+    assert not master.progress("3").catching_up
+    send_all(master, master.on_appended(3, synced=True))
+    assert ack(master, "2", sid2, 3, 3, 3).commit_lsn == 2
+    assert ack(master, "3", sid3, 3, 3, 3).commit_lsn == 3
+    # A node the group no longer has is ignored.
+    assert master.cannot_store("9", "RESOURCE_EXHAUSTED").events == ()
+
+
 def test_all_counts_the_current_group_only() -> None:
     master = new_master(config(acks=AckPolicy.ALL))
     sid2 = stream(master, "2")
