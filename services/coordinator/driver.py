@@ -166,6 +166,17 @@ class ReplicaFailure:
     details: str
 
 
+def _master_without_room(command: RoleCommand, outcome: ReplicaFailure) -> bool:
+    """The replica could not take the master role for want of room (its store is full:
+    it cannot even persist the role): a refusal, which no retry in the next seconds
+    changes, so the node steps aside after MASTER_REFUSALS_MAX of them (~0.3 s) rather
+    than keep its group from writing for quorum_lost_ms (chaos seed 57: a slave with a
+    full store led once the master's coordinator died, and nobody took a write for 3 s).
+    Only for the master role: a slave that cannot persist its role holds nothing back,
+    and leaving its group at every refusal would cost the others re-formations."""
+    return command.kind is RoleCommandKind.MASTER and outcome.code == "RESOURCE_EXHAUSTED"
+
+
 @dataclass(frozen=True, slots=True)
 class ReplicaAnswer:
     """The replica's state, as it answers a role command."""
@@ -420,7 +431,9 @@ class CoordinatorDriver:
         if isinstance(outcome, ReplicaFailure):
             if outcome.kind is not Failure.NO_ANSWER:
                 self.replica_answered()
-            if outcome.kind is Failure.REFUSED and command.kind is not RoleCommandKind.DEACTIVATE:
+            if (
+                outcome.kind is Failure.REFUSED or _master_without_room(command, outcome)
+            ) and command.kind is not RoleCommandKind.DEACTIVATE:
                 if command.kind is RoleCommandKind.MASTER:
                     self._note_master_refusal(outcome.details)
                 self.recover(f"replica refused {command.kind.value}: {outcome.details}")
