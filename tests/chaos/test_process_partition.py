@@ -26,6 +26,7 @@ dropped (before, each such rejoin stalled every write until the drop).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -64,6 +65,14 @@ def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[ChaosClu
         if built is not None:
             built.stop_all()
         assert topology.teardown() == []
+
+
+@contextlib.contextmanager
+def _publisher_of_t(cluster: ChaosCluster) -> Iterator[squall.Publisher]:
+    """A publisher of the new topic "t", through the first gateway."""
+    with squall.connect(cluster.gateway_addresses[0], timeout_s=5.0) as client:
+        client.create_topic("t")
+        yield client.topic("t").publisher()
 
 
 def _publish_until(
@@ -110,9 +119,7 @@ def test_a_master_whose_replica_is_cut_off_alone_steps_aside_and_another_serves(
     old = cluster.master()
     assert old is not None
     acked: dict[str, squall.Receipt] = {}
-    with squall.connect(cluster.gateway_addresses[0], timeout_s=5.0) as client:
-        client.create_topic("t")
-        publisher = client.topic("t").publisher()
+    with _publisher_of_t(cluster) as publisher:
         for i in range(20):
             receipt = _publish(publisher, f"before-{i}")
             assert receipt is not None, f"publish {i} before the cut was not acknowledged"
@@ -150,9 +157,7 @@ def test_a_leader_whose_replica_is_cut_off_steps_aside_so_the_others_serve(
     assert cluster.topology is not None
     assert cluster.master() == "n1"  # the highest priority; n2 ranks next
     acked: dict[str, squall.Receipt] = {}
-    with squall.connect(cluster.gateway_addresses[0], timeout_s=5.0) as client:
-        client.create_topic("t")
-        publisher = client.topic("t").publisher()
+    with _publisher_of_t(cluster) as publisher:
         cluster.topology.partition_process("n2", "replica")
         before = _publish_until(publisher, acked, "before", 20)
         assert len(before) == 20, "the master did not commit with n3 while n2 was cut off"
@@ -189,9 +194,7 @@ def test_under_acks_group_a_member_whose_replica_is_cut_off_is_dropped(
     assert cluster.topology is not None
     assert cluster.master() == "n1"
     acked: dict[str, squall.Receipt] = {}
-    with squall.connect(cluster.gateway_addresses[0], timeout_s=5.0) as client:
-        client.create_topic("t")
-        publisher = client.topic("t").publisher()
+    with _publisher_of_t(cluster) as publisher:
         before = _publish_until(publisher, acked, "before", 20)
         assert len(before) == 20
         assert all(len(r.holders) == 3 for r in before), before[0]
@@ -223,9 +226,7 @@ def test_under_acks_group_a_member_that_rejoins_cut_off_holds_no_commit_back(
     assert cluster.topology is not None
     assert cluster.master() == "n1"
     acked: dict[str, squall.Receipt] = {}
-    with squall.connect(cluster.gateway_addresses[0], timeout_s=5.0) as client:
-        client.create_topic("t")
-        publisher = client.topic("t").publisher()
+    with _publisher_of_t(cluster) as publisher:
         assert len(_publish_until(publisher, acked, "before", 20)) == 20
         cluster.kill_node("n2")
         down = _publish_until(publisher, acked, "down", 50)  # n2 will be behind these
