@@ -76,10 +76,14 @@ MASTER_REFUSALS_MAX = 3
 # About 25 election timeouts (member_timeout_ms 400) with the defaults: a disk that is full
 # or failing is not fixed in a second, and each attempt costs the cluster a re-formation.
 MASTER_REFUSAL_HOLDOFF_MS = 10_000
-# A member dropped from its group again within this long after its hold-off ended (its
-# replica still cut off: rejoined, and dropped past the bound once more) stays out twice
-# as long as the last time, up to the maximum: each rejoin stalls a group under acks
-# "group" for quorum_lost_ms, so a lasting cut stalls ever more rarely.
+# A member dropped under acks "group" (the master's replica could not hear its replica)
+# stays out this long first: enough for the group to re-form without it. Back while its
+# replica is still cut off, it is catching up, which holds no commit back, so it is not
+# dropped again; a longer hold-off would only keep a healthy node out after a short cut.
+DROPPED_HOLDOFF_MIN_MS = 1_000
+# Dropped again within this long after its hold-off ended (a link that comes and goes:
+# it caught up, then fell silent again), it stays out twice as long as the last time, up
+# to the maximum: each such drop stalled the group's writes for quorum_lost_ms.
 DROPPED_AGAIN_WITHIN_MS = 30_000
 DROPPED_HOLDOFF_MAX_MS = 80_000
 # A master whose replica hears from no majority of the group's replicas while the
@@ -279,7 +283,7 @@ class CoordinatorDriver:
         # A node its coordinator dropped (StepAside): when that hold-off ends, and how long
         # it was (doubled when dropped again soon after rejoining).
         self._dropped_until_ms: int | None = None
-        self._dropped_hold_ms = MASTER_REFUSAL_HOLDOFF_MS
+        self._dropped_hold_ms = DROPPED_HOLDOFF_MIN_MS
         self.election = self._new_election(store.load())
         self.shutting_down = ""
         # The last report handed to the election, to notice a replica that restarted (or
@@ -586,9 +590,9 @@ class CoordinatorDriver:
     def _step_aside(self, reason: str, *, leading: bool = True) -> None:
         """Out of every group for MASTER_REFUSAL_HOLDOFF_MS, so the others form a group
         that can commit; then the node rejoins. ``leading``: it led (or was to lead) the
-        group; else its coordinator dropped it, and a node dropped again soon after it
-        rejoined stays out twice as long each time (up to DROPPED_HOLDOFF_MAX_MS): each
-        rejoin while its replica is still cut off stalls the group's writes for a bound."""
+        group; else its coordinator dropped it: out for DROPPED_HOLDOFF_MIN_MS, and twice
+        as long each time it is dropped again soon after it rejoined (up to
+        DROPPED_HOLDOFF_MAX_MS): each such drop stalled the group's writes for a bound."""
         now = self.now()
         hold_ms = MASTER_REFUSAL_HOLDOFF_MS
         if not leading:
@@ -596,7 +600,9 @@ class CoordinatorDriver:
                 now - self._dropped_until_ms <= DROPPED_AGAIN_WITHIN_MS
             )
             self._dropped_hold_ms = (
-                min(2 * self._dropped_hold_ms, DROPPED_HOLDOFF_MAX_MS) if again else hold_ms
+                min(2 * self._dropped_hold_ms, DROPPED_HOLDOFF_MAX_MS)
+                if again
+                else DROPPED_HOLDOFF_MIN_MS
             )
             hold_ms = self._dropped_hold_ms
             self._dropped_until_ms = now + hold_ms

@@ -207,10 +207,9 @@ def test_under_acks_group_a_member_whose_replica_is_cut_off_is_dropped(
         assert {r.master_id for r in during} == {"n1"}  # no failover: n1 hears n3
         # Each receipt says where its event is: n1 and n3, the group without n2.
         assert {h.node_id for h in during[-1].holders} == {"n1", "n3"}, during[-1]
-        status = cluster.coordinator_status("n2")
-        assert status is not None
-        assert "dropped it from" in status.lead_held_off_reason, status
-        assert "has heard nothing from this node's replica" in status.lead_held_off_reason
+        # n2 says why it is out (its hold-off, a second, may be over by now).
+        said = cluster.log_path("coordinator", "n2").read_text(errors="replace")
+        assert "dropped it from" in said and "has heard nothing from this node's replica" in said
         cluster.topology.heal()
         cluster.wait_normal(NORMAL_WAIT_S)  # n2 rejoins after its hold-off and catches up
         after = _publish_until(publisher, acked, "after", 20)
