@@ -57,8 +57,8 @@ def reconnect_options(heartbeat_interval_ms: int) -> list[tuple[str, int]]:
       trials of bench/fault_gaps.py);
     * a master's replication stream to a slave node restarted after six seconds down
       failed for seconds after the node rejoined its group: the slave caught up that
-      much later, and under acks "group", where every commit waits for every member,
-      writes stalled until its coordinator dropped it as cut off.
+      much later, and under acks "group", where every commit then waited for every
+      member, writes stalled until its coordinator dropped it as cut off.
 
     Capping the backoff at a heartbeat bounds that window by one heartbeat, for one
     refused connection per heartbeat per dead peer.
