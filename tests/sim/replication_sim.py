@@ -143,7 +143,8 @@ slaves hold entries their old master never made durable.
 Simplifications: no deduplication of the plain writes (each payload is written once,
 never retried; the topic workload above is deduplicated); one command per writer batch;
 no operator controls (quorum override, designated primary); no slow disk, and no failing
-one beyond the master's flush above.
+one beyond the master's flush above and a slave's store that is full for a while (every
+batch refused with RESOURCE_EXHAUSTED, nothing written).
 What this module still carries of the shells, beside the network (issue 15): the
 streams' mechanics (``open_stream``, ``stream_broken``, ``master_receive``: which stream a
 message belongs to and whether it is its first, the reconnect timer; each decision in
@@ -243,7 +244,7 @@ from squall_server.replica.replication import (
     SlaveState,
     SyncPolicy,
 )
-from squall_server.replica.store import Store, StoreError
+from squall_server.replica.store import Store, StoreError, StoreFullError
 from squall_server.replica.store.errors import InvalidEntryError
 from squall_server.replica.store.kv_memory import MemoryKV
 from tests.sim import topic_state
@@ -759,6 +760,21 @@ class ReplicationSimulation(Simulation):
         self.flush_rng = random.Random(seed * 7907 + 5)
         self.flush_fail_p = self.flush_rng.choice((0.0, 0.02, 0.1, 0.3)) if self.power_loss else 0.0
         self.flush_failures = 0
+        # In some seeds a node's store is full for a while (its own generator too): a
+        # slave refuses every batch with RESOURCE_EXHAUSTED, nothing written, which under
+        # acks ALL makes it catching up (``ReplicationMaster.cannot_store``).
+        full_rng = random.Random(seed * 7919 + 11)
+        self.full_windows: dict[str, list[tuple[int, int]]] = {node: [] for node in self.nodes}
+        # Not under a replica NO_SYNC: a slave acknowledges a batch there before writing
+        # it, so one its full store then refuses was counted held where it is not (the
+        # policy promises no more than receipt; a crash loses it alike).
+        if self.params.replica_sync != SyncPolicy.NO_SYNC and full_rng.random() < 0.5:
+            for _ in range(full_rng.randint(2, 4)):
+                start = full_rng.randint(100, scenario.safety_ms)
+                self.full_windows[full_rng.choice(self.nodes)].append(
+                    (start, start + full_rng.randint(200, 2000))
+                )
+        self.full_refusals = 0
         self.master_cfg = {
             node: MasterConfig(
                 node_id=node,
@@ -2008,9 +2024,15 @@ class ReplicationSimulation(Simulation):
         driver = self.driver_of(node)
         steps = driver.write_batch(write.effects, write.follower, write.batch.commit_lsn)
         try:
+            if self.healed_at is None and any(
+                start <= self.now_ms < end for start, end in self.full_windows[node]
+            ):
+                self.full_refusals += 1
+                raise StoreFullError("simulated: the store is full")
             acks = self.batch_steps(node, steps)
         except (ServiceError, StoreError) as exc:
-            # The truncation failed: the stream closes with the driver's status.
+            # The truncation failed, or the store is full: the stream closes with the
+            # driver's status.
             error, fail_stop = driver.batch_failed(write.follower, exc)
             if fail_stop:
                 raise self.fail(f"node {node} fail-stopped: {fail_stop}") from None
