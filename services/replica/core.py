@@ -794,10 +794,12 @@ class ReplicaCore:
         store_last_lsn: int,
         store_history: tuple[tuple[int, int], ...],
         store_log_start_lsn: int,
+        store_commit_lsn: int,
     ) -> Effects:
-        """Writing what ``follower`` accepted failed (nothing of it stored): it and the log
-        position are re-read from the store; the driver closes the stream."""
-        follower.reset(last_lsn=store_last_lsn, history=store_history)
+        """Writing what ``follower`` accepted failed (nothing of it stored): it, the log
+        position and the commit LSN it knows are re-read from the store (the commit LSN
+        it recorded); the driver closes the stream."""
+        follower.reset(last_lsn=store_last_lsn, history=store_history, commit_lsn=store_commit_lsn)
         self.log_reset(store_last_lsn, store_log_start_lsn)
         return Effects(log_reread=True)
 

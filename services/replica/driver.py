@@ -775,6 +775,7 @@ class ReplicaDriver:
             store_last_lsn=meta.last_lsn,
             store_history=tuple((b.epoch, b.start_lsn) for b in meta.history),
             store_log_start_lsn=self.store.log_start_lsn(),
+            store_commit_lsn=meta.commit_lsn or 0,
         )
         self.gate.truncated(meta.last_lsn)
 

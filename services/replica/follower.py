@@ -432,8 +432,15 @@ class Follower:
         last_lsn: int,
         history: Iterable[tuple[int, int] | BoundaryLike],
         synced_lsn: int = 0,
+        commit_lsn: int | None = None,
     ) -> None:
-        """Re-reads the log's tail from the store (after a failed write); closes the stream."""
+        """Re-reads the log's tail from the store (after a failed write); closes the stream.
+
+        ``commit_lsn``: the commit LSN the store recorded, when the write failed. The
+        failed batch's commit LSN may cover entries that batch was to truncate and the
+        store still holds: kept, it would refuse every later truncation of them as
+        removing committed entries, and the slave could never follow again (found by the
+        replication simulator once a slave's store could be full)."""
         try:
             self._history = check_history(history, last_lsn)
         except HistoryError as exc:
@@ -444,6 +451,8 @@ class Follower:
         self._last_epoch = epoch_at(self._history, last_lsn)
         self._synced = synced_lsn
         self._snapshot_lsn = min(self._snapshot_lsn, last_lsn)
+        if commit_lsn is not None:
+            self._known_commit = min(self._known_commit, commit_lsn)
         self._close_stream()
 
     def on_written(self, lsn: int, *, synced: bool) -> Ack:

@@ -443,6 +443,22 @@ def test_reset_rereads_the_store_after_a_failed_write() -> None:
     assert not state.stream_open
 
 
+def test_a_failed_write_of_a_truncating_batch_leaves_the_divergent_entries_truncatable() -> None:
+    """A batch truncates the log after LSN 3 (entries 4-5 of epoch 2 diverge) and brings
+    the master's log to LSN 9 with commit LSN 9; its write fails (the store is full) and
+    the store still holds the old entries 4-5. The batch's commit LSN must not stay: it
+    would call those entries committed, and every later truncation of them is refused,
+    so the slave could never follow again."""
+    follower = opened(epoch=3, last_lsn=5, history=((1, 1), (2, 4)))
+    accepted(
+        follower.on_batch(epoch=3, entries=entries(4, 9, 3), commit_lsn=9, truncate_after_lsn=3)
+    )
+    follower.reset(last_lsn=5, history=((1, 1), (2, 4)), commit_lsn=3)
+    assert follower.on_hello(master_id=MASTER, epoch=3, cluster_id=CLUSTER)
+    again = follower.on_batch(epoch=3, entries=entries(4, 9, 3), commit_lsn=9, truncate_after_lsn=3)
+    assert accepted(again).truncate_after_lsn == 3
+
+
 # --- snapshots
 
 
