@@ -192,7 +192,9 @@ class Checker:
         first = self.master_by_epoch.setdefault(command.epoch, node)
         if first != node:
             raise InvariantViolation(f"two masters in epoch {command.epoch}: {first} and {node}")
-        if reissue:
+        if reissue or logs[node][0] == command.epoch:
+            # Renewed, or sent again after the replica lost the role it had taken: its
+            # log already holds this epoch's entries, which only it could have written.
             return
         source = command.sync_source_id
         if durable[source].epoch > command.epoch:
