@@ -440,7 +440,8 @@ class Follower:
         failed batch's commit LSN may cover entries that batch was to truncate and the
         store still holds: kept, it would refuse every later truncation of them as
         removing committed entries, and the slave could never follow again (found by the
-        replication simulator once a slave's store could be full)."""
+        replication simulator, tests/sim/replication_sim.py, once a slave's store could be
+        full)."""
         try:
             self._history = check_history(history, last_lsn)
         except HistoryError as exc:
