@@ -9,7 +9,9 @@ publisher proxy, STYLE.md's small interface with a twin):
   replica, master first). Streams go straight to one endpoint; when a stream to it ends
   in a way that says it may be gone (UNAVAILABLE or another indeterminate code), the next
   stream goes to the next endpoint, round robin. A slave's refusal carrying
-  `squall-master-address` sends the next stream to that master instead.
+  `squall-master-address` sends the next stream to that master instead. A stream whose
+  status the asyncio client lost (`STATUS_LOST_KEY`) was ended by the replica itself: the
+  next stream goes to it again.
 * `ProxyBinding(replicated=False)` — the master only (`GetNonReplicatedPublisher`). No
   silent failover: once that master is lost (an indeterminate end or a redirect), the
   binding is lost for good and the publisher raises `PublisherLost`; the app asks the
@@ -37,6 +39,10 @@ MASTER_ADDRESS_KEY = "squall-master-address"
 # a replica holds such a call until it can serve it or name another master, instead of
 # redirecting it to the dead one (services/replica/server.py `_hold`).
 UNREACHABLE_KEY = "squall-unreachable"
+# Never on the wire: the trailing metadata an asyncio reader gives a stream whose status
+# grpc.aio lost (`squall._publish_rules.status_lost_trailing`). The replica ended the
+# stream, so it is up: the next stream goes to it again, and it is not named unreachable.
+STATUS_LOST_KEY = "squall-client-status-lost"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -203,6 +209,8 @@ class ProxyBinding:
     ) -> None:
         """Notes how a stream bound to `endpoint` ended, choosing the next endpoint."""
         redirect = master_address(trailing)
+        if any(key == STATUS_LOST_KEY for key, _ in trailing or ()):
+            return  # the replica answered; its reason is unknown: try it again
         with self._lock:
             if (
                 endpoint is not None

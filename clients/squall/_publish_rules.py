@@ -25,7 +25,13 @@ import grpc
 import tenacity
 
 from squall._errors import Indeterminate, PublisherLost, SquallError, Unavailable, error_for
-from squall._proxy import MASTER_ADDRESS_KEY, Binding, Endpoint, RebindCallback
+from squall._proxy import (
+    MASTER_ADDRESS_KEY,
+    STATUS_LOST_KEY,
+    Binding,
+    Endpoint,
+    RebindCallback,
+)
 from squall._types import Receipt, receipt_count
 from squall.v1 import broker_pb2, common_pb2
 from squall.wire.retry import Outcome, RetryPolicy, overall
@@ -296,6 +302,23 @@ def stall_move(publisher_id: str, endpoint: Endpoint, master: str) -> str:
 def stall_details(endpoint: Endpoint, master: str) -> str:
     """Why a stream was abandoned after a late receipt (see `stall_move`)."""
     return f"no receipt from {endpoint.address}, and the master is now {master}"
+
+
+# What grpc.aio reports instead of the status a server ended a stream with, when a
+# request was being written at that moment (grpc/grpc#36066: the failed write replaces the
+# status, trailing metadata and all, so a slave's redirect or a refusal's reason is gone).
+_CORE_WRITE_ERROR = "Internal error from Core"
+STATUS_LOST_TRAILING = ((STATUS_LOST_KEY, "1"),)
+
+
+def status_lost_trailing(code: grpc.StatusCode, details: str, trailing: Any) -> Any:
+    """The trailing metadata an asyncio reader hands the binding for a stream that ended
+    with `code` and `details`: STATUS_LOST_TRAILING when grpc.aio lost the real status
+    (the replica ended the stream, so it is up, and the proxy tries it again rather than
+    moving on as from a replica that may be gone), else `trailing`."""
+    if code == grpc.StatusCode.INTERNAL and details == _CORE_WRITE_ERROR:
+        return STATUS_LOST_TRAILING
+    return trailing
 
 
 def moved_trailing(moved_to: str) -> tuple[tuple[str, str], ...] | None:

@@ -86,6 +86,10 @@ name = "fuzz"
 [timeouts]
 heartbeat_interval_ms = 100
 member_timeout_ms = 1500
+# As long as a member's: the services share one event loop here, beside the test's
+# client threads, and a loaded CI machine held the replica's answers past the 300 ms
+# default, which deposed the one node's master mid-test.
+replica_timeout_ms = 1500
 probe_interval_ms = 100
 merge_delay_ms_per_priority = 10
 rpc_timeout_ms = 500

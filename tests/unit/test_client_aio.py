@@ -23,7 +23,8 @@ import pytest
 
 import squall
 import squall.aio
-from squall._proxy import GatewayBinding
+from squall._proxy import GatewayBinding, ProxyBinding
+from squall._publish_rules import status_lost_trailing
 from squall.v1 import broker_pb2, broker_pb2_grpc
 from tests.unit.test_client import FakeBroker, serve_fake
 from tests.unit.test_client_failover import _Cluster
@@ -390,18 +391,37 @@ def test_replicated_proxy_fails_over_and_reports_the_move(replicas: _Cluster) ->
 
 
 def test_replicated_proxy_follows_a_slaves_redirect(replicas: _Cluster) -> None:
-    # n1 is a slave naming n3 as master; n2 would be next in the list: the redirect wins.
-    replicas.broker.slave_addresses[replicas.addresses["n1"]] = replicas.addresses["n3"]
+    n1, n2, n3 = (replicas.addresses[n] for n in ("n1", "n2", "n3"))
 
     async def main() -> squall.Endpoint | None:
         async with _proxy_client(replicas) as client:
             await client.create_topic("t")
             async with (await client.topic("t")).publisher("p", replicated=True) as publisher:
+                # Bound to n1, first in the list it got; n1 is now a slave naming n3 (as
+                # the gateway does, were the stall watch to ask), and n2 is next in the list.
+                replicas.broker.slave_addresses[n1] = n3
+                replicas.broker.endpoints = [("n3", n3), ("n1", n1), ("n2", n2)]
                 await publisher.publish(b"x")
                 return publisher.endpoint
 
-    assert asyncio.run(main()) == squall.Endpoint("n3", replicas.addresses["n3"])
-    assert replicas.broker.publish_peers == [replicas.addresses["n1"], replicas.addresses["n3"]]
+    bound = asyncio.run(main())
+    peers = replicas.broker.publish_peers
+    # The redirect wins. n1 may be tried more than once: grpc.aio loses the status of a
+    # stream ended while a request is written (grpc/grpc#36066), which proves n1 is up.
+    assert (peers[0], peers[-1], n2 in peers) == (n1, n3, False), peers
+    assert bound == squall.Endpoint("n3", n3)
+
+
+def test_a_stream_whose_status_grpc_aio_lost_leaves_the_proxy_on_its_replica() -> None:
+    n1, n2 = (squall.Endpoint(f"n{i}", f"127.0.0.1:{i}") for i in (1, 2))
+    binding = ProxyBinding([n1, n2], replicated=True, make_channel=grpc.insecure_channel)
+    lost = status_lost_trailing(grpc.StatusCode.INTERNAL, "Internal error from Core", ())
+    binding.stream_failed(n1, grpc.StatusCode.INTERNAL, lost)
+    assert (binding.current(), binding.metadata()) == (n1, ())
+    # Any other INTERNAL may come from a replica that is gone: the next stream moves on.
+    other = status_lost_trailing(grpc.StatusCode.INTERNAL, "Received RST_STREAM", ())
+    binding.stream_failed(n1, grpc.StatusCode.INTERNAL, other)
+    assert (binding.current(), binding.metadata()) == (n2, (("squall-unreachable", n1.address),))
 
 
 def test_non_replicated_proxy_raises_on_master_loss_and_a_new_one_works(

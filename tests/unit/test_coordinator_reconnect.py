@@ -14,12 +14,12 @@ from pathlib import Path
 
 import grpc
 
-from deploy.processes import free_port
 from squall.v1 import coordinator_pb2, coordinator_pb2_grpc
 from squall_server.common.config import ClusterConfig, parse_config
 from squall_server.common.grpc_server import reconnect_options
 from squall_server.coordinator.messages import AreYouCoordinator, PeerMessage
 from squall_server.coordinator.node import GrpcPeers
+from tests.unit.held_port import held_port
 
 # How long the peer stays down, sent to every heartbeat: long enough for a backoff that
 # doubles from 100 ms to reach a one-second cap.
@@ -75,10 +75,9 @@ async def _delivered(peer: _Peer, count: int) -> bool:
 
 
 def test_a_message_sent_soon_after_a_peer_restarts_is_delivered(tmp_path: Path) -> None:
-    port = free_port()
     message = PeerMessage("n1", "n2", AreYouCoordinator("n1:g", 2))
 
-    async def scenario() -> None:
+    async def scenario(port: int) -> None:
         peer = _Peer()
         server = await _serve(port, peer)
         peers = GrpcPeers(_config(tmp_path, port), "n1")
@@ -102,7 +101,8 @@ def test_a_message_sent_soon_after_a_peer_restarts_is_delivered(tmp_path: Path) 
             await peers.close()
             await server.stop(None)
 
-    asyncio.run(scenario())
+    with held_port() as port:
+        asyncio.run(scenario(port))
 
 
 def test_the_reconnect_backoff_follows_the_heartbeat_but_never_shortens_connects() -> None:
@@ -123,10 +123,9 @@ def test_a_peer_heard_from_is_sent_to_at_once_whatever_the_backoff(tmp_path: Pat
     message, or an invitation, is not dropped. Without it a coordinator that started
     before its peers lost its first invitation to each, and every start with slow
     heartbeats waited out member_timeout_ms (20 s in test_replica_reads.py)."""
-    port = free_port()
     message = PeerMessage("n1", "n2", AreYouCoordinator("n1:g", 2))
 
-    async def scenario() -> None:
+    async def scenario(port: int) -> None:
         peers = GrpcPeers(_config(tmp_path, port, heartbeat_ms=10_000), "n1")
         server: grpc.aio.Server | None = None
         try:
@@ -144,4 +143,5 @@ def test_a_peer_heard_from_is_sent_to_at_once_whatever_the_backoff(tmp_path: Pat
             if server is not None:
                 await server.stop(None)
 
-    asyncio.run(scenario())
+    with held_port() as port:
+        asyncio.run(scenario(port))

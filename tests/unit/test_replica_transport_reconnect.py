@@ -16,10 +16,10 @@ from pathlib import Path
 
 import grpc
 
-from deploy.processes import free_port
 from squall.v1 import replica_pb2, replica_pb2_grpc
 from squall_server.common.config import ClusterConfig, parse_config
 from squall_server.replica.transport import GrpcReplicaTransport, ReplicaCallError
+from tests.unit.held_port import held_port
 
 # How long the peer stays down while the master keeps opening streams to it, as its
 # reconnect backoff does (at most a second apart): long enough for gRPC's default
@@ -75,9 +75,8 @@ async def _fetch(replicas: GrpcReplicaTransport) -> str:
 def test_a_replica_restarted_after_seconds_down_is_reached_within_a_few_heartbeats(
     tmp_path: Path,
 ) -> None:
-    port = free_port()
 
-    async def scenario() -> None:
+    async def scenario(port: int) -> None:
         server = await _serve(port)
         replicas = GrpcReplicaTransport(_config(tmp_path, port), "n1")
         try:
@@ -98,4 +97,5 @@ def test_a_replica_restarted_after_seconds_down_is_reached_within_a_few_heartbea
             await replicas.close()
             await server.stop(None)
 
-    asyncio.run(scenario())
+    with held_port() as port:
+        asyncio.run(scenario(port))

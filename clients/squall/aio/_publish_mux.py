@@ -75,6 +75,7 @@ from squall._publish_rules import (
     moved_trailing,
     new_session_token,
     not_sent_error,
+    status_lost_trailing,
 )
 from squall._types import Receipt
 from squall.aio._deadline import within
@@ -315,7 +316,7 @@ class PublishMux:
                     )
         except grpc.aio.AioRpcError as err:
             code, details = rpc_status(err)
-            trailing = plain(err.trailing_metadata())
+            trailing = plain(status_lost_trailing(code, details, err.trailing_metadata()))
         except asyncio.CancelledError:
             # grpc.aio raises this when the call was cancelled here (by abandon_stream,
             # which gave a reason) or by the loop shutting down.

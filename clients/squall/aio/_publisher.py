@@ -60,6 +60,7 @@ from squall._publish_rules import (
     new_session_token,
     not_sent_error,
     response_mismatch,
+    status_lost_trailing,
     stream_end_errors,
     worth_retrying,
 )
@@ -893,7 +894,7 @@ class Publisher:
                 self._notify()
         except grpc.aio.AioRpcError as err:
             code, details = rpc_status(err)
-            trailing = err.trailing_metadata()
+            trailing = status_lost_trailing(code, details, err.trailing_metadata())
         except asyncio.CancelledError:
             # grpc.aio raises this when the call was cancelled here: by _abort (which
             # gave a reason) or by the loop shutting down.
