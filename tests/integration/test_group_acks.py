@@ -1,5 +1,8 @@
 """`acks = "group"` on real processes: a member that cannot hold the log holds no write back.
 
+Two ways a member cannot: its store is full, or its replica alone was killed and restarts
+behind (its coordinator up all along).
+
 Under `group` a commit waits for a majority and for every member that has caught up. A
 slave whose store fills (its map full: each batch refused with RESOURCE_EXHAUSTED, reads
 still served) cannot hold what comes next; before, every write waited for it until an
@@ -12,6 +15,7 @@ again; every acknowledged event is readable at its receipt's offset.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,10 +26,15 @@ import pytest
 import squall
 from squall.v1 import replica_pb2, replica_pb2_grpc
 from tests.integration.conftest import wait_for
+from tests.integration.test_replication import _read_replica
 from tests.integration.test_stuck_disk import _FaultControlledCluster
 
 # Bounds on the waits: a loaded 2-core machine is slow, never wrong.
 _WAIT_S = 60.0
+# Events published while a slave's replica is down: enough that its catch-up spans many
+# one-at-a-time publishes (each a few milliseconds) and the master's state is seen saying
+# so, few enough to fill in seconds.
+_BEHIND = 100_000
 
 
 @pytest.fixture
@@ -101,3 +110,87 @@ def test_under_acks_group_a_slave_whose_store_fills_holds_no_write_back(
         stored = {m.offset: m.payload for m in subscription}
     missing = [label for label, r in acked.items() if stored.get(r.offset) != label.encode()]
     assert not missing, f"acknowledged events not at their offsets: {missing[:5]}"
+
+
+def test_under_acks_group_a_slaves_replica_killed_mid_flight_rejoins_behind_without_holding_writes(
+    controlled: _FaultControlledCluster,
+) -> None:
+    """Only the replica dies (an OOM kill, -9) while a publisher publishes one event at a
+    time; its coordinator stays up. The others take many more events before the replica
+    restarts; then the restarted slave is a member catching up, and publishes go on,
+    acknowledged by the master and the other slave, until it has caught up and receipts
+    name all three again. Every acknowledged event is at its receipt's offset, on the
+    restarted slave too."""
+    master = controlled.wait_for_master()
+    victim, other = (n.id for n in controlled.config.nodes if n.id != master)
+    everyone = {master, victim, other}
+    acked: dict[bytes, squall.Receipt] = {}
+    answered: list[tuple[float, set[str]]] = []  # (when, holders) of each receipt
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    with squall.connect(controlled.gateway_address, timeout_s=20) as client:
+        client.create_topic("orders")
+        topic = client.topic("orders")
+
+        def publish_one_at_a_time() -> None:
+            try:
+                with topic.publisher("one-at-a-time") as publisher:
+                    for i in range(1_000_000):  # bounded: stopped long before
+                        if stop.is_set():
+                            return
+                        payload = b"one-%d" % i
+                        receipt = publisher.publish(payload)
+                        acked[payload] = receipt
+                        answered.append((time.monotonic(), _holders(receipt)))
+            except BaseException as exc:  # the test reports it
+                errors.append(exc)
+
+        worker = threading.Thread(target=publish_one_at_a_time, daemon=True)
+        worker.start()
+        try:
+            wait_for(
+                lambda: any(h == everyone for _, h in list(answered)),
+                _WAIT_S,
+                "a receipt naming all three nodes",
+            )
+            controlled.kill("replica", victim)
+            with topic.publisher("bulk") as bulk:
+                for start in range(0, _BEHIND, 10_000):
+                    payloads = [b"bulk-%d" % i for i in range(start, start + 10_000)]
+                    for payload, receipt in zip(payloads, bulk.publish_many(payloads), strict=True):
+                        acked[payload] = receipt
+            controlled.start("replica", victim)
+            # When the master first names it a member catching up, and when caught up.
+            catching_up_at = caught_up_at = 0.0
+            deadline = time.monotonic() + _WAIT_S
+            while not caught_up_at and time.monotonic() < deadline:
+                progress = _slaves(controlled, master).get(victim)
+                now = time.monotonic()
+                if progress is not None and progress.catching_up:  # type: ignore[attr-defined]
+                    catching_up_at = catching_up_at or now
+                elif progress is not None and catching_up_at:
+                    caught_up_at = now
+                time.sleep(0.005)
+            assert catching_up_at, f"{victim} was never seen catching up: raise _BEHIND"
+            assert caught_up_at, f"{victim} did not catch up within {_WAIT_S} s"
+            wait_for(
+                lambda: answered[-1][1] == everyone,
+                _WAIT_S,
+                f"{victim} waited for again: a receipt naming all three",
+            )
+        finally:
+            stop.set()
+            worker.join(_WAIT_S)
+    assert not errors, errors
+    assert not worker.is_alive()
+    # While the restarted slave caught up, publishes went on without it.
+    during = [h for t, h in answered if catching_up_at < t < caught_up_at]
+    assert len(during) >= 3 and all(h == {master, other} for h in during), during[:5]
+    for where, address in (
+        ("gateway", controlled.gateway_address),
+        (victim, controlled.replica_address(victim)),
+    ):
+        stored = dict(_read_replica(address, "orders", timeout_s=30))
+        missing = [p for p, r in acked.items() if stored.get(r.offset) != p]
+        assert not missing, f"{where}: acknowledged events not at their offsets: {missing[:5]}"
