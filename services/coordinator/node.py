@@ -226,7 +226,6 @@ class GrpcPeers:
         # The running node set's coordinator addresses (a membership change adds a node or
         # moves one); set by CoordinatorNode once its election exists.
         self.address_of: Callable[[str], str] | None = None
-        self._closing: list[grpc.aio.Channel] = []
         self._redialed: dict[str, int] = {}  # peer -> when heard_from last replaced its channel
         self._closing_tasks: set[asyncio.Future[None]] = set()
         self._tls_refused: set[str] = set()  # peers whose TLS handshake failed (logged once)
@@ -263,10 +262,7 @@ class GrpcPeers:
         if peer in self._redialed and now - self._redialed[peer] < _REDIAL_MIN_MS:
             return
         self._redialed[peer] = now
-        # Closed in the background: its calls are failing anyway.
-        closing = asyncio.ensure_future(channel.close(None))
-        self._closing_tasks.add(closing)
-        closing.add_done_callback(self._closing_tasks.discard)
+        self._retire(channel)  # its calls are failing anyway
         # Its own subchannel: from the shared pool it would get the one backing off.
         channel = self._links.aio_channel(
             self._addresses[peer], options=[*self._options, ("grpc.use_local_subchannel_pool", 1)]
@@ -282,13 +278,20 @@ class GrpcPeers:
             return
         old = self._channels.get(peer)
         if old is not None:
-            self._closing.append(old)
+            self._retire(old)  # to an address the peer has left
         log.info("coordinator %s: node %s is at %s (running node set)", self.node_id, peer, address)
         channel = self._links.aio_channel(address, options=self._options)
         self._addresses[peer] = address
         self._channels[peer] = channel
         self._peers[peer] = coordinator_pb2_grpc.CoordinatorStub(channel)
         self._inflight.setdefault(peer, 0)
+
+    def _retire(self, channel: grpc.aio.Channel) -> None:
+        """Closes a replaced channel in the background: kept open until the node stops,
+        each change of a peer's address left one more behind."""
+        closing = asyncio.ensure_future(channel.close(None))
+        self._closing_tasks.add(closing)
+        closing.add_done_callback(self._closing_tasks.discard)
 
     def _sent(self, peer: str) -> None:
         self._inflight[peer] -= 1
@@ -324,8 +327,10 @@ class GrpcPeers:
 
     async def close(self) -> None:
         """Closes every channel."""
-        for channel in [*self._channels.values(), *self._closing]:
+        for channel in self._channels.values():
             await channel.close(None)
+        if self._closing_tasks:
+            await asyncio.gather(*self._closing_tasks, return_exceptions=True)
 
 
 class GrpcReplicaLink:

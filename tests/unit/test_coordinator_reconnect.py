@@ -145,3 +145,37 @@ def test_a_peer_heard_from_is_sent_to_at_once_whatever_the_backoff(tmp_path: Pat
 
     with held_port() as port:
         asyncio.run(scenario(port))
+
+
+def test_a_peer_that_moves_is_followed_and_its_old_channel_closed(tmp_path: Path) -> None:
+    """A membership change moves n2 to a new machine: messages go to its new address, and
+    the channel to the old one is closed rather than kept open until the node stops."""
+    message = PeerMessage("n1", "n2", AreYouCoordinator("n1:g", 2))
+
+    async def scenario(old_port: int, new_port: int) -> None:
+        old_peer, new_peer = _Peer(), _Peer()
+        old_server = await _serve(old_port, old_peer)
+        new_server = await _serve(new_port, new_peer)
+        peers = GrpcPeers(_config(tmp_path, old_port), "n1")
+        moved_to = ""
+        peers.address_of = lambda peer: moved_to if peer == "n2" else ""
+        try:
+            peers.send(message)
+            assert await _delivered(old_peer, 1), "the peer at its first address got nothing"
+            old_channel = peers._channels["n2"]
+            moved_to = f"127.0.0.1:{new_port}"
+            peers.send(message)
+            assert await _delivered(new_peer, 1), "the moved peer got nothing at its new address"
+            for _ in range(int(_WAIT_S / 0.02)):  # bounded: the close runs in the background
+                if old_channel.get_state() is grpc.ChannelConnectivity.SHUTDOWN:
+                    break
+                await asyncio.sleep(0.02)
+            assert old_channel.get_state() is grpc.ChannelConnectivity.SHUTDOWN
+            assert len(old_peer.delivered) == 1
+        finally:
+            await peers.close()
+            await old_server.stop(None)
+            await new_server.stop(None)
+
+    with held_port() as old_port, held_port() as new_port:
+        asyncio.run(scenario(old_port, new_port))
