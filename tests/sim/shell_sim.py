@@ -712,9 +712,14 @@ class ShellSim:
             taking = self.loop.time() - self.commanded_at < TAKE_GRACE_S
             # A member that lost its role (restarted, lease ran out) rejoins in a new epoch.
             lost = [n for n in reach if not self._holds_role(n)]
+            # A quarantined member leaves its group, as the coordinator takes a quarantined
+            # node out of every group: kept, it would hold every commit back under acks
+            # "all" (seeds 32438, 32452: the rotten node quarantined at the heal).
+            left = [n for n in self.group if n in self.quarantined]
             if (
                 len(reach) * 2 > len(NODE_IDS)
                 and not grow
+                and not left
                 and (taking or (self._serving() and not lost))
             ):
                 for node_id in reach:
