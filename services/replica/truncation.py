@@ -30,7 +30,7 @@ from squall_server.replica.core_view import CoreView
 from squall_server.replica.driver import ReplicaDriver
 from squall_server.replica.loss_scan import scan_discarded, truncation_loss
 from squall_server.replica.rebuild import LmdbTruncator
-from squall_server.replica.store import StoreError
+from squall_server.replica.store import StoreError, StoreFullError
 from squall_server.replica.store.stall import StallMeter
 from squall_server.replica.telemetry import PublishedTraces, ReplicaInstruments
 
@@ -117,9 +117,20 @@ class Truncation(CoreView):
                 )
             )
         try:
-            staging = await loop.run_in_executor(
-                self._io, lambda: truncator.stage(self.store, keep_lsn)
-            )
+            try:
+                staging = await loop.run_in_executor(
+                    self._io, lambda: truncator.stage(self.store, keep_lsn)
+                )
+            except StoreFullError as exc:
+                # The rebuilt copy did not fit its map (LMDB's MDB_MAP_FULL): the store is
+                # as it was, as after any write a full store refuses. Refused, not a fault
+                # (which quarantines the node until an operator clears it: chaos seed 63);
+                # the next stream asks for the truncation again.
+                raise ServiceError(
+                    Code.RESOURCE_EXHAUSTED,
+                    f"replica {self.node_id}: store full, log not truncated after LSN "
+                    f"{keep_lsn}: {exc}",
+                ) from exc
             self.store = truncator.swap(self.store, staging)
             self.store.stall_meter = self._stall
             # The rename's flush (a journal commit, long on a busy disk) off the loop; the

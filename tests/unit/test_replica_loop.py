@@ -23,6 +23,7 @@ import pytest
 
 from squall.v1 import common_pb2, replica_pb2
 from squall_server.common.clock import SystemClock
+from squall_server.common.errors import Code, ServiceError
 from squall_server.replica.assembly import build_replica_node
 from squall_server.replica.loop_watch import watch_loop
 from squall_server.replica.rebuild import LmdbTruncator
@@ -197,3 +198,56 @@ def test_a_stalled_event_loop_is_logged_with_how_long_it_was_held(
     ]
     assert held and max(held) >= 300, caplog.text
     assert "[loop-stall-over-timeout]" in caplog.text
+
+
+def test_a_truncation_whose_rebuilt_store_does_not_fit_is_refused_not_a_fault(
+    tmp_path: Path,
+) -> None:
+    """A slave asked to truncate a deposed suffix while its store is full (the rebuilt copy
+    meets LMDB's MDB_MAP_FULL) refuses with RESOURCE_EXHAUSTED and keeps its store as it
+    was, as any write a full store refuses. Before, it fail-stopped and reported a fault,
+    which quarantined its node until an operator cleared it (chaos seed 63: a map_full on a
+    slave rejoining behind a new master, the cluster not normal 60 s later). With room
+    again, the truncation is done."""
+
+    async def scenario() -> None:
+        store = Store.open_lmdb(tmp_path, MAP_BYTES)
+        start = replica_pb2.Operation(epoch_start=replica_pb2.EpochStartOp(epoch=1, master_id="n1"))
+        create = replica_pb2.Operation(create_topic=replica_pb2.CreateTopicOp(name="t"))
+        publishes = [
+            make_entry(
+                3 + i,
+                1,
+                replica_pb2.Operation(
+                    publish=replica_pb2.PublishOp(
+                        topic="t",
+                        first_offset=i,
+                        events=[common_pb2.EventData(payload=bytes(8192))],
+                    )
+                ),
+            )
+            for i in range(300)
+        ]
+        store.append([make_entry(1, 1, start), make_entry(2, 1, create), *publishes], sync=True)
+        # The kept prefix (~2 MB of events) cannot fit a 1 MiB map.
+        truncator = LmdbTruncator(tmp_path, map_size_bytes=1 << 20, dedupe_window=100)
+        config = example_config(tmp_path)
+        node = build_replica_node(config, config.node("n2"), store, truncator=truncator)
+        await node.start()
+        try:
+            with pytest.raises(ServiceError) as refused:
+                await node.truncation.truncate_after(250, "a test's deposed suffix")
+            assert refused.value.code is Code.RESOURCE_EXHAUSTED
+            assert "store full" in refused.value.message
+            assert (node.failed_reason, node.fault) == ("", None)
+            assert node.last_lsn == 302 and node.store.meta().last_lsn == 302
+            assert not (tmp_path / "truncate.staging").exists()
+            truncator.map_size_bytes = MAP_BYTES  # room again
+            await node.truncation.truncate_after(250, "a test's deposed suffix")
+            assert node.last_lsn == 250
+            assert len(node.store.read_events("t", 0, 1000)) == 248
+        finally:
+            await node.stop()
+            node.store.close()
+
+    asyncio.run(scenario())
