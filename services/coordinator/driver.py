@@ -76,23 +76,26 @@ MASTER_REFUSALS_MAX = 3
 # About 25 election timeouts (member_timeout_ms 400) with the defaults: a disk that is full
 # or failing is not fixed in a second, and each attempt costs the cluster a re-formation.
 MASTER_REFUSAL_HOLDOFF_MS = 10_000
-# A member dropped under acks "group" (the master's replica could not hear its replica)
-# stays out this long first: enough for the group to re-form without it. Back while its
-# replica is still cut off, it is catching up, which holds no commit back, so it is not
-# dropped again; a longer hold-off would only keep a healthy node out after a short cut.
-DROPPED_HOLDOFF_MIN_MS = 1_000
-# Dropped again within this long after its hold-off ended (a link that comes and goes:
-# it caught up, then fell silent again), it stays out twice as long as the last time, up
-# to the maximum: each such drop stalled the group's writes for quorum_lost_ms.
-DROPPED_AGAIN_WITHIN_MS = 30_000
-DROPPED_HOLDOFF_MAX_MS = 80_000
+# A node that steps aside because replica links are cut (a master whose replica hears no
+# majority, a leader whose replica cannot reach its sync source, a member dropped under
+# acks "group") stays out this long first: enough for the others to re-form without it.
+# Back while the cut lasts, it rejoins as a member catching up (the others wrote a new
+# epoch it lacks), which neither leads nor holds a commit back, so it neither takes the
+# lead nor is dropped again until its links are back and it has caught up; a longer
+# hold-off would only keep a healthy node out of the group after a short cut.
+STEP_ASIDE_HOLDOFF_MIN_MS = 1_000
+# Stepping aside again within this long after its hold-off ended (a link that comes and
+# goes: it caught up, then was cut again), it stays out twice as long as the last time, up
+# to the maximum: each time, the group's writes stalled for quorum_lost_ms.
+STEP_ASIDE_AGAIN_WITHIN_MS = 30_000
+STEP_ASIDE_HOLDOFF_MAX_MS = 80_000
 # A master whose replica hears from no majority of the group's replicas while the
 # coordinators reach each other (the replicas' links alone are cut) stalls every write,
 # and only its own replica knows. Past store_stall_timeout_ms + member_timeout_ms of that
 # (longer than a healthy slave's slowest ack: a busy disk's write, then a lost heartbeat)
-# the node steps aside from leading as after refused master roles: the others elect a
-# master that can commit. Back after the hold-off, it joins behind their newer log and
-# leads again only once caught up, which needs its replica links.
+# the node steps aside: the others elect a master that can commit. Back after the
+# hold-off, it joins behind their newer log and leads again only once caught up, which
+# needs its replica links.
 
 
 class PeerTransport(Protocol):
@@ -282,8 +285,8 @@ class CoordinatorDriver:
         self._master_failing: tuple[int, int] | None = None
         # A node its coordinator dropped (StepAside): when that hold-off ends, and how long
         # it was (doubled when dropped again soon after rejoining).
-        self._dropped_until_ms: int | None = None
-        self._dropped_hold_ms = DROPPED_HOLDOFF_MIN_MS
+        self._stepped_aside_until_ms: int | None = None
+        self._step_aside_hold_ms = STEP_ASIDE_HOLDOFF_MIN_MS
         self.election = self._new_election(store.load())
         self.shutting_down = ""
         # The last report handed to the election, to notice a replica that restarted (or
@@ -580,7 +583,7 @@ class CoordinatorDriver:
         The member steps aside when told (``StepAside``), so it is not merged back at once.
         Back after the hold-off and not reached, it is catching up, which holds no commit
         back, so the master reports no silence for it (``node.replica_answer``) and it
-        stays; dropped again within DROPPED_AGAIN_WITHIN_MS only if it had caught up."""
+        stays; dropped again within STEP_ASIDE_AGAIN_WITHIN_MS only if it had caught up."""
         for node, silent_ms in silences:
             if silent_ms >= self.quorum_lost_ms:
                 self.apply(
@@ -588,24 +591,21 @@ class CoordinatorDriver:
                 )
 
     def _step_aside(self, reason: str, *, leading: bool = True) -> None:
-        """Out of every group for MASTER_REFUSAL_HOLDOFF_MS, so the others form a group
-        that can commit; then the node rejoins. ``leading``: it led (or was to lead) the
-        group; else its coordinator dropped it: out for DROPPED_HOLDOFF_MIN_MS, and twice
-        as long each time it is dropped again soon after it rejoined (up to
-        DROPPED_HOLDOFF_MAX_MS): each such drop stalled the group's writes for a bound."""
+        """Out of every group for STEP_ASIDE_HOLDOFF_MIN_MS, so the others form a group
+        that can commit; then the node rejoins. Twice as long each time it steps aside
+        again soon after it rejoined (up to STEP_ASIDE_HOLDOFF_MAX_MS). ``leading``: it
+        led (or was to lead) the group; else its coordinator dropped it."""
         now = self.now()
-        hold_ms = MASTER_REFUSAL_HOLDOFF_MS
-        if not leading:
-            again = self._dropped_until_ms is not None and (
-                now - self._dropped_until_ms <= DROPPED_AGAIN_WITHIN_MS
-            )
-            self._dropped_hold_ms = (
-                min(2 * self._dropped_hold_ms, DROPPED_HOLDOFF_MAX_MS)
-                if again
-                else DROPPED_HOLDOFF_MIN_MS
-            )
-            hold_ms = self._dropped_hold_ms
-            self._dropped_until_ms = now + hold_ms
+        again = self._stepped_aside_until_ms is not None and (
+            now - self._stepped_aside_until_ms <= STEP_ASIDE_AGAIN_WITHIN_MS
+        )
+        self._step_aside_hold_ms = (
+            min(2 * self._step_aside_hold_ms, STEP_ASIDE_HOLDOFF_MAX_MS)
+            if again
+            else STEP_ASIDE_HOLDOFF_MIN_MS
+        )
+        hold_ms = self._step_aside_hold_ms
+        self._stepped_aside_until_ms = now + hold_ms
         self._lead_hold_off = LeadHoldOff(now + hold_ms, 0, reason)
         log.warning(
             "coordinator %s: %s; the node steps aside from %s for %d ms: out of every "

@@ -21,9 +21,10 @@ import pytest
 from squall.v1 import common_pb2, replica_pb2
 from squall_server.common.clock import ManualClock
 from squall_server.coordinator.driver import (
-    DROPPED_HOLDOFF_MIN_MS,
     MASTER_REFUSAL_HOLDOFF_MS,
     MASTER_REFUSALS_MAX,
+    STEP_ASIDE_HOLDOFF_MAX_MS,
+    STEP_ASIDE_HOLDOFF_MIN_MS,
     CoordinatorDriver,
     DriverTimings,
     Failure,
@@ -34,6 +35,7 @@ from squall_server.coordinator.driver import (
 )
 from squall_server.coordinator.election import ElectionConfig
 from squall_server.coordinator.messages import (
+    NodeState,
     PeerMessage,
     ReplicaReport,
     RoleCommand,
@@ -371,10 +373,12 @@ def test_a_master_whose_replica_is_cut_off_from_the_others_steps_aside_until_it_
     warnings = [r.getMessage() for r in caplog.records if "steps aside" in r.getMessage()]
     assert len(warnings) == 1, warnings
     assert "coordinator 1" in warnings[0] and "heard from no majority" in warnings[0]
-    assert f"{MASTER_REFUSAL_HOLDOFF_MS} ms" in warnings[0]
-    assert "heard from no majority" in driver.election.status().lead_held_off_reason
-    # Past the hold-off, the cut still there: node 1 rejoins behind, and stays a slave.
-    cluster.run(cluster.clock.monotonic_ms() + MASTER_REFUSAL_HOLDOFF_MS + 5000)
+    assert f"{STEP_ASIDE_HOLDOFF_MIN_MS} ms" in warnings[0]
+    # Past the hold-off (1 s), the cut still there: node 1 is back in the group, behind
+    # the new master's epoch, and stays a slave (nobody can report it caught up).
+    status = driver.election.status()
+    assert (status.state, status.coordinator_id != "1") == (NodeState.NORMAL, True), status
+    cluster.run(cluster.clock.monotonic_ms() + STEP_ASIDE_HOLDOFF_MIN_MS + 5000)
     assert cluster.master_now() in ("2", "3")
     assert not [n for t, n, _ in cluster.masters if n == "1" and t > start]
     assert driver.election.status().lead_held_off_until_ms is None
@@ -428,7 +432,7 @@ def test_a_leader_whose_replica_cannot_reach_its_sync_source_steps_aside_for_one
     cluster.run(back + 3000)
     assert cluster.master_now() == "1"
     # Past the hold-off node 2 rejoins as a slave; it never leads while the cut lasts.
-    cluster.run(back + MASTER_REFUSAL_HOLDOFF_MS + 5000)
+    cluster.run(back + STEP_ASIDE_HOLDOFF_MAX_MS)
     assert cluster.master_now() == "1"
     assert not [n for t, n, _ in cluster.masters if n == "2" and t > start]
 
@@ -465,11 +469,11 @@ def test_under_acks_group_a_member_whose_replica_the_master_cannot_hear_is_dropp
     dropped = [r.getMessage() for r in caplog.records if "dropping member 2" in r.getMessage()]
     assert len(dropped) == 1, dropped
     held_off = status.lead_held_off_until_ms - cluster.clock.wall_ms()
-    assert held_off <= DROPPED_HOLDOFF_MIN_MS
+    assert held_off <= STEP_ASIDE_HOLDOFF_MIN_MS
     # Past the hold-off node 2 rejoins with the cut still there: never reached by this
     # master, it is catching up and stays (before, each rejoin stalled writes for the
     # bound until it was dropped again).
-    cluster.run(cluster.clock.monotonic_ms() + DROPPED_HOLDOFF_MIN_MS + 1000)
+    cluster.run(cluster.clock.monotonic_ms() + STEP_ASIDE_HOLDOFF_MIN_MS + 1000)
     assert set(master.election.status().members) == {"1", "2", "3"}
     cluster.run(cluster.clock.monotonic_ms() + 3 * master.quorum_lost_ms)
     assert cluster.master_now() == "1"
@@ -482,10 +486,10 @@ def test_under_acks_group_a_member_whose_replica_the_master_cannot_hear_is_dropp
     cluster.run(cluster.clock.monotonic_ms() + master.quorum_lost_ms + 500)
     until = member.election.status().lead_held_off_until_ms
     assert until is not None and "2" not in master.election.status().members
-    assert until - cluster.clock.wall_ms() > DROPPED_HOLDOFF_MIN_MS  # 2 s this time
+    assert until - cluster.clock.wall_ms() > STEP_ASIDE_HOLDOFF_MIN_MS  # 2 s this time
     # Healed for good: back after the hold-off, it stays a member.
     cluster.twins["2"].cut_since_ms = None
-    cluster.run(cluster.clock.monotonic_ms() + 4 * DROPPED_HOLDOFF_MIN_MS + 5000)
+    cluster.run(cluster.clock.monotonic_ms() + 4 * STEP_ASIDE_HOLDOFF_MIN_MS + 5000)
     assert cluster.master_now() == "1"
     assert set(master.election.status().members) == {"1", "2", "3"}
     assert member.election.status().lead_held_off_until_ms is None
