@@ -76,6 +76,10 @@ class Truncation(CoreView):
         self.losses: tuple[LossRecord, ...] = tuple(
             dataclasses.replace(r, node_id=node_id) for r in load_losses(data_dir)
         )
+        # The truncation whose loss was reported last, (keep LSN, commit LSN): one refused
+        # for want of room is asked for again (in this epoch or a later one), and the
+        # entries it would discard are still there: one loss, reported once.
+        self._loss_reported: tuple[int, int] | None = None
 
     async def truncate_after(self, keep_lsn: int, why: str) -> None:
         """Removes the log after keep_lsn (a deposed master's uncommitted suffix)."""
@@ -98,7 +102,7 @@ class Truncation(CoreView):
         )
         loop = asyncio.get_running_loop()
         known_commit = self.gate.commit_lsn
-        if keep_lsn < known_commit:
+        if keep_lsn < known_commit and self._loss_reported != (keep_lsn, known_commit):
             # Entries this node knew committed (acknowledged to publishers) go: only a group
             # formed without a majority holding them (or acks = "none", where a commit
             # needs no other replica) can ask that. Reported before the
@@ -116,6 +120,7 @@ class Truncation(CoreView):
                     local_commits=self.driver.local_commits,
                 )
             )
+            self._loss_reported = (keep_lsn, known_commit)
         try:
             try:
                 staging = await loop.run_in_executor(

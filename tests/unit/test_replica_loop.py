@@ -229,6 +229,9 @@ def test_a_truncation_whose_rebuilt_store_does_not_fit_is_refused_not_a_fault(
             for i in range(300)
         ]
         store.append([make_entry(1, 1, start), make_entry(2, 1, create), *publishes], sync=True)
+        # Committed, as after a group formed without a majority holding them: truncating
+        # them is a loss, reported once however often the truncation is asked for.
+        store.record_commit(302)
         # The kept prefix (~2 MB of events) cannot fit a 1 MiB map.
         truncator = LmdbTruncator(tmp_path, map_size_bytes=1 << 20, dedupe_window=100)
         config = example_config(tmp_path)
@@ -242,9 +245,11 @@ def test_a_truncation_whose_rebuilt_store_does_not_fit_is_refused_not_a_fault(
             assert (node.failed_reason, node.fault) == ("", None)
             assert node.last_lsn == 302 and node.store.meta().last_lsn == 302
             assert not (tmp_path / "truncate.staging").exists()
+            assert len(node.truncation.losses) == 1
             truncator.map_size_bytes = MAP_BYTES  # room again
             await node.truncation.truncate_after(250, "a test's deposed suffix")
             assert node.last_lsn == 250
+            assert len(node.truncation.losses) == 1, node.truncation.losses
             assert len(node.store.read_events("t", 0, 1000)) == 248
         finally:
             await node.stop()
