@@ -283,8 +283,8 @@ class CoordinatorDriver:
         # The epoch of a master role the replica has failed to take (not refused: its sync
         # source unreachable, say), and when it first failed; None once one is taken.
         self._master_failing: tuple[int, int] | None = None
-        # A node its coordinator dropped (StepAside): when that hold-off ends, and how long
-        # it was (doubled when dropped again soon after rejoining).
+        # The last step-aside's hold-off: when it ends, and how long it was (doubled when
+        # the node steps aside again soon after rejoining).
         self._stepped_aside_until_ms: int | None = None
         self._step_aside_hold_ms = STEP_ASIDE_HOLDOFF_MIN_MS
         self.election = self._new_election(store.load())
