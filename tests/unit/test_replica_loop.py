@@ -29,6 +29,7 @@ from squall_server.replica.loop_watch import watch_loop
 from squall_server.replica.rebuild import LmdbTruncator
 from squall_server.replica.store import Store, make_entry
 from tests.example_config import example_config
+from tests.unit.test_rebuild import _publish as publish_entry
 
 CLUSTER = "c0ffee"
 # How long a flushed write waits for the event loop to run before it records that it
@@ -214,20 +215,7 @@ def test_a_truncation_whose_rebuilt_store_does_not_fit_is_refused_not_a_fault(
         store = Store.open_lmdb(tmp_path, MAP_BYTES)
         start = replica_pb2.Operation(epoch_start=replica_pb2.EpochStartOp(epoch=1, master_id="n1"))
         create = replica_pb2.Operation(create_topic=replica_pb2.CreateTopicOp(name="t"))
-        publishes = [
-            make_entry(
-                3 + i,
-                1,
-                replica_pb2.Operation(
-                    publish=replica_pb2.PublishOp(
-                        topic="t",
-                        first_offset=i,
-                        events=[common_pb2.EventData(payload=bytes(8192))],
-                    )
-                ),
-            )
-            for i in range(300)
-        ]
+        publishes = [publish_entry(3 + i, 1, i, bytes(8192)) for i in range(300)]
         store.append([make_entry(1, 1, start), make_entry(2, 1, create), *publishes], sync=True)
         # Committed, as after a group formed without a majority holding them: truncating
         # them is a loss, reported once however often the truncation is asked for.
