@@ -34,7 +34,7 @@ from squall._proxy import (
 )
 from squall._types import Receipt, receipt_count
 from squall.v1 import broker_pb2, common_pb2
-from squall.wire.retry import Outcome, RetryPolicy, overall
+from squall.wire.retry import Outcome, RetryPolicy, overall, status_lost
 
 # What publish_many accepts per event: a payload, a (key, payload) or (key, payload,
 # headers) tuple, or any object with `payload` (and optionally `key`, `headers`)
@@ -304,10 +304,6 @@ def stall_details(endpoint: Endpoint, master: str) -> str:
     return f"no receipt from {endpoint.address}, and the master is now {master}"
 
 
-# What grpc.aio reports instead of the status a server ended a stream with, when a
-# request was being written at that moment (grpc/grpc#36066: the failed write replaces the
-# status, trailing metadata and all, so a slave's redirect or a refusal's reason is gone).
-_CORE_WRITE_ERROR = "Internal error from Core"
 STATUS_LOST_TRAILING = ((STATUS_LOST_KEY, "1"),)
 
 
@@ -316,7 +312,7 @@ def status_lost_trailing(code: grpc.StatusCode, details: str, trailing: Any) -> 
     with `code` and `details`: STATUS_LOST_TRAILING when grpc.aio lost the real status
     (the replica ended the stream, so it is up, and the proxy tries it again rather than
     moving on as from a replica that may be gone), else `trailing`."""
-    if code == grpc.StatusCode.INTERNAL and details == _CORE_WRITE_ERROR:
+    if status_lost(code.name, details):
         return STATUS_LOST_TRAILING
     return trailing
 

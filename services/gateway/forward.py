@@ -41,7 +41,7 @@ from opentelemetry import trace
 from squall.v1 import broker_pb2
 from squall.wire import stages as _stages
 from squall.wire.long_poll import PULL_METHOD, pull_wait_s
-from squall.wire.retry import Outcome, RetryPolicy, overall
+from squall.wire.retry import Outcome, RetryPolicy, overall, status_lost
 from squall_server.common.call_guard import CLIENT_PEER_KEY
 from squall_server.common.grpc_server import Context
 from squall_server.common.telemetry import Telemetry, current
@@ -98,13 +98,12 @@ async def _relay_error(context: Context, error: grpc.aio.AioRpcError) -> None:
     await context.abort(error.code(), error.details() or "")
 
 
-# grpcio's aio client replaces the status a server ended a stream with by this INTERNAL
-# error when a request was still being written at that moment (grpc/grpc#36066): the
-# master refused one request of a publish stream and ended it while this gateway was
-# forwarding the next. The refusal is lost; what is known is that requests without a
-# response may or may not have been applied, which is UNKNOWN (retry with the same
-# publisher id and sequence), never INTERNAL.
-_CORE_WRITE_ERROR = "Internal error from Core"
+# grpcio's aio client replaces the status a server ended a stream with by an INTERNAL
+# error (squall.wire.retry.status_lost) when a request was still being written at that
+# moment (grpc/grpc#36066): the master refused one request of a publish stream and ended
+# it while this gateway was forwarding the next. The refusal is lost; what is known is
+# that requests without a response may or may not have been applied, which is UNKNOWN
+# (retry with the same publisher id and sequence), never INTERNAL.
 _LOST_STATUS_DETAILS = (
     "the master ended the stream while the gateway was still forwarding requests, and its "
     "reason was lost in transit; requests without a response may or may not have been "
@@ -114,7 +113,7 @@ _LOST_STATUS_DETAILS = (
 
 def _lost_stream_status(error: grpc.aio.AioRpcError) -> bool:
     """The forwarded stream's own status was overwritten by a failed write (see above)."""
-    return error.code() == grpc.StatusCode.INTERNAL and error.details() == _CORE_WRITE_ERROR
+    return status_lost(error.code().name, error.details() or "")
 
 
 def _cancel_call(call: grpc.aio.Call, _done: object) -> None:

@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from squall.v1 import broker_pb2
-from squall.wire.retry import classify
+from squall.wire.retry import classify, status_lost
 from squall_server.common.errors import INLINE_ERRORS, PUBLISH_ERRORS_KEY
 from squall_server.gateway.master import Master, MasterTracker, pairs
 
@@ -85,10 +85,6 @@ JOIN_WINDOW = 2
 # message limits (`joining_for` lowers them to the configured ones).
 JOIN_PARTS_MAX = 1024
 JOIN_BYTES_MAX = 4 * 1024 * 1024
-
-# grpc/grpc#36066: the status a master ended the stream with, overwritten because a
-# request was still being written (see forward.py): indeterminate, never INTERNAL.
-_CORE_WRITE_ERROR = "Internal error from Core"
 
 
 class SharedStreamError(Exception):
@@ -610,7 +606,8 @@ class SharedPublishStream:
             code = error.code().name
             details = error.details() or ""
             trailing: _Metadata = tuple(pairs(error.trailing_metadata()))
-            if code == "INTERNAL" and details == _CORE_WRITE_ERROR:
+            # grpc/grpc#36066 (squall.wire.retry.status_lost): indeterminate, not INTERNAL.
+            if status_lost(code, details):
                 code, details, trailing = "UNKNOWN", "the master's status was lost in transit", ()
         else:
             code, details, trailing = "UNAVAILABLE", why, ()

@@ -63,6 +63,13 @@ def test_indeterminate_codes_are_the_documented_ones() -> None:
     assert squall.INDETERMINATE_AFTER_SEND == INDETERMINATE
 
 
+def test_only_grpc_aios_stand_in_for_a_lost_stream_status_counts_as_lost() -> None:
+    # grpc/grpc#36066: what grpc.aio reports when a write races the stream's end.
+    assert _retry.status_lost("INTERNAL", "Internal error from Core")
+    assert not _retry.status_lost("INTERNAL", "Received RST_STREAM with error code 2")
+    assert not _retry.status_lost("UNAVAILABLE", "Internal error from Core")
+
+
 @pytest.mark.parametrize(
     ("outcome", "deduplicated", "retry"),
     [

@@ -35,6 +35,19 @@ INDETERMINATE_AFTER_SEND: frozenset[str] = frozenset(
 )
 
 
+# What grpc.aio reports (INTERNAL, with these details) instead of the status a server
+# ended a stream with, when a request was being written at that moment (grpc/grpc#36066):
+# the real status, its trailing metadata with it (a slave's redirect), is lost. The
+# server ended the stream, so it is up; the outcome of what was unanswered is unknown.
+_CORE_WRITE_ERROR = "Internal error from Core"
+
+
+def status_lost(code: str, details: str) -> bool:
+    """True when a stream's status (code name, details) is grpc.aio's stand-in for one
+    it lost (see above), not the server's own."""
+    return code == "INTERNAL" and details == _CORE_WRITE_ERROR
+
+
 def classify(code: str, sent: bool) -> Outcome:
     """Says whether one attempt ended in success, a definite failure, or an unknown outcome.
 
