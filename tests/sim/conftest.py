@@ -26,10 +26,10 @@ DEFAULT_SEEDS = 1000
 # Shell simulator seeds in make test: 0.3-0.4 s of CPU each, 30-40 s in all.
 SHELL_SEEDS_DEFAULT = 100
 # Whole-node (coordinator + replica) simulator seeds in make test: about 0.5 s of CPU each
-# since machine replacement, shutdowns and node removal (2026-11-30). 800, not 1,000: the
+# since machine replacement, shutdowns and node removal (2026-11-30). 600, not 1,000: the
 # simulators and the real-process tests share CI's two cores, and the whole run must stay
 # under 20 minutes (scripts/test_suites.sh); `make sim` and COORD_SEEDS=N run more.
-COORD_SEEDS_DEFAULT = 800
+COORD_SEEDS_DEFAULT = 600
 # Seeds per test (a unit either worker takes): about 6 s of CPU for the whole-node
 # simulator, so the two workers end within one chunk of each other, and a chunk stays far
 # below pytest's 300 s timeout on a loaded machine.
