@@ -44,6 +44,11 @@ The algorithm
   no "yes" for ``member_timeout_ms``, or a "no", sends the member back to recovery. The
   coordinator counts those questions as its members' heartbeats: a member silent for
   ``member_timeout_ms`` is dropped, and a coordinator left below the quorum recovers.
+  A coordinator that has just moved its group on (a merge of its own, or an invitation it
+  accepted and forwarded) leaves the questions naming the old group from the members it
+  invited unanswered for ``member_timeout_ms``: a "no" overtaking the invitation would send
+  a member ranked above it (one that joined to catch up, or after a transfer) to recovery,
+  and from there it refuses the invitation from below.
   A member that loses its coordinator does not wait for a probe round: see "Succession".
 * Epochs: every node votes for an epoch at most once, by persisting it (the coordinator for
   its own group, members on ``Ready``), and a group goes NORMAL only with a quorum of votes,
@@ -119,7 +124,9 @@ whole log) and fetch while no master serves, a publish gap that grows with the l
    group over (``Ready.hand_over_to``): the replica fences writes until the target holds the
    whole log, then ``transfer_leadership`` runs the ordinary transfer, and the returning node
    leads a new group in a new epoch, with nothing to fetch or truncate. A hand-over that
-   fails is asked for again after ``2 * member_timeout_ms`` (the transfer's own limit).
+   fails is asked for again after ``2 * member_timeout_ms`` (the transfer's own limit), or
+   at the first renewal once the group has re-formed: the transfer of a group that changed
+   is refused, so nothing of the earlier one is under way.
 
 The cost is two short re-formations (about ``merge_delay_ms_per_priority`` plus a few round
 trips each) instead of one whose length grew with the log; the gain is a predictable master.
@@ -542,6 +549,17 @@ class _DeferredInvitation:
 
 
 @dataclass
+class _LeftGroup:
+    """A group this node coordinated until it moved its members on: a merge of its own, or
+    an invitation it accepted and forwarded to them (``invited``). Until ``until_ms`` their
+    heartbeats naming it get no answer (``_on_are_you_there``)."""
+
+    group_name: str
+    invited: frozenset[str]
+    until_ms: int
+
+
+@dataclass
 class _PendingAccept:
     """A member that accepted an invitation and waits for its replica's post-stop report."""
 
@@ -691,6 +709,8 @@ class Election:
         self._invited: tuple[str, ...] = ()
         # Member: a successor's invitation received while our coordinator still answered.
         self._deferred: _DeferredInvitation | None = None
+        # Coordinator: the group it last moved its members on from, and whom it invited.
+        self._left_group: _LeftGroup | None = None
         # One fate per node: since when the replica has not answered (None: it answers), and
         # whether that lasted replica_timeout_ms, so the node is out of every group.
         self._replica_silent_since: int | None = None
@@ -699,10 +719,11 @@ class Election:
         self._replica_store_stalled = False
         # Rejoin: higher-ranked nodes found alone while this node serves (invited at the next
         # merge), those invited to catch up (in the merge, then the view), and when a
-        # hand-over to one may be asked for again.
+        # hand-over to one may be asked for again in the group (epoch) it was asked in.
         self._catch_up_candidates: set[str] = set()
         self._catch_up: set[str] = set()
         self._hand_over_next_ms = 0
+        self._hand_over_epoch = 0
         # Master refusals: out of every group until the hold-off ends (None: not held off).
         self._lead_hold_off = lead_hold_off
 
@@ -1740,6 +1761,8 @@ class Election:
         (``_succeed``): the invitees are probed too, so the merge learns which are alive.
         """
         old_group = self._group
+        if self._coord == self._me:
+            self._leave_group_for(old_group, invite)
         self._reset_group()
         self._catch_up = set(catch_up or ())
         self._state = NodeState.ELECTION
@@ -2371,7 +2394,7 @@ class Election:
             not waiting
             or not self._serving()
             or self._transfer is not None
-            or self._now_ms < self._hand_over_next_ms
+            or self._hand_over_pending()
         ):
             return
         target = max(waiting, key=lambda x: self._rank_of(x))
@@ -2381,6 +2404,7 @@ class Election:
         if self.transfer_refusal(target) is not None:
             return
         self._hand_over_next_ms = self._now_ms + 2 * self._cfg.member_timeout_ms
+        self._hand_over_epoch = self._group_epoch
         self._o().hand_over_to = target
         self._log(
             LogLevel.INFO,
@@ -2389,6 +2413,21 @@ class Election:
             f"{lag} entries (at most {CATCH_UP_LAG_ENTRIES_MAX}): handing the group over to "
             f"it (epoch {self._group_epoch})",
         )
+
+    def _hand_over_pending(self) -> bool:
+        """May a hand-over asked for earlier still be under way (so not asked again yet)?
+
+        One asked in this group (epoch) may be: the replica is fencing its writes, or the
+        transfer has not re-formed the group; it is asked again after ``2 *
+        member_timeout_ms``, the transfer's own limit. One asked in an earlier group is
+        over: the transfer, called once the replica is ready, is refused when the group
+        has changed meanwhile (``transfer_refusal``: this node was not NORMAL, a merge had
+        begun), and one that started hands the group over or times out in the group it
+        started in. Waiting out that limit in the re-formed group would keep a caught-up
+        member from the lead for nothing (election seed 50084: a catch-up merge began
+        between the ask and the transfer, and the re-formed group waited 700 ms to ask
+        again)."""
+        return self._hand_over_epoch == self._group_epoch and self._now_ms < self._hand_over_next_ms
 
     def _promote_caught_up(self, lags: Mapping[str, int]) -> bool:
         """A learner of the serving group whose replica lags at most
@@ -2984,6 +3023,22 @@ class Election:
         """Answer a member's check; it doubles as the member's heartbeat."""
         if self._group_coordinator(body.group_name, frm) is None:
             return
+        left = self._left_group
+        if (
+            left is not None
+            and body.group_name == left.group_name
+            and body.group_name != self._group
+            and frm in left.invited
+            and self._now_ms < left.until_ms
+        ):
+            # Not a "no": this node moved that group on and the invitation is on its way to
+            # the member. A "no" arriving first would send it to recovery (IceStorm's rule),
+            # and a member ranked above this node (it joined to catch up, or this node was
+            # handed the group) would then refuse the invitation from below: the group would
+            # re-form without it, only to merge it back later (election seed 50084: five
+            # re-formations in 2.4 s). Unanswered, the member takes the invitation, or times
+            # out as it would have anyway: its last "yes" came before this node left.
+            return
         yes = False
         if body.group_name == self._group and self._coord == self._me:
             if self._state in (NodeState.NORMAL, NodeState.INACTIVE):
@@ -2996,6 +3051,14 @@ class Election:
                 yes = frm in self._reorg.members
         held = self._held_reason if yes and self._state is NodeState.INACTIVE else ""
         self._send(frm, AreYouThereReply(body.group_name, yes, held))
+
+    def _leave_group_for(self, group_name: str, invited: Collection[str]) -> None:
+        """This coordinator moves the members of ``group_name`` on (``_LeftGroup``)."""
+        self._left_group = _LeftGroup(
+            group_name,
+            frozenset(invited) - {self._me},
+            self._now_ms + self._cfg.member_timeout_ms,
+        )
 
     def _on_are_you_there_reply(self, frm: str, body: AreYouThereReply) -> None:
         """Our coordinator's answer: "yes" keeps us in, "no" sends us to recovery."""
@@ -3149,6 +3212,8 @@ class Election:
         for node in forwarded:
             self._send(node, body)
         old_group = self._group
+        if current == self._me:
+            self._leave_group_for(old_group, forward)
         self._reset_group()
         self._abandon_proposal(f"this node joined {body.group_name} of {inviter}")
         if body.membership != self._membership:
