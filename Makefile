@@ -88,15 +88,14 @@ lint: install
 	$(BIN)/ruff format --check services clients tests scripts deploy bench examples chaos
 	$(BIN)/mypy squall_server clients/squall deploy scripts bench chaos
 
-# The unit tests run on two workers, a file per worker at a time. Then, at once: the tests
-# that start real processes and bound a failover, one at a time as those bounds assume;
-# beside them at nice 10 the real-process tests that bound none (Spark, fuzzing, the
-# distributions, the command line: BESIDE in scripts/test_suites.sh); and at the lowest
-# CPU priority (nice 19) the simulators' seeds on two workers (virtual time: a slow core
-# cannot fail them). Each chunk of 25 whole-node seeds (600 in all, COORD_SEEDS=N for
-# another count) or 20 shell seeds is a unit any worker takes (tests/xdist_units.py); a
-# failing chunk lists each failing seed with its replay command (SEED=S ...). With
-# PYTEST_ARGS, one run of what they select.
+# The unit tests run on two workers, a file per worker at a time. Then the tests that start
+# real processes run one at a time, as their failover bounds assume, and beside them, at
+# the lowest CPU priority (nice 19), the simulators' seeds on two workers
+# (scripts/test_suites.sh: the real-process tests leave a core idle while they wait; the
+# simulators run on virtual time). Each chunk of 25 whole-node seeds (800 in all, COORD_SEEDS=N for another count)
+# or 20 shell seeds is a unit any worker takes (tests/xdist_units.py); a failing chunk
+# lists each failing seed with its replay command (SEED=S ...). With PYTEST_ARGS, one run
+# of what they select.
 test: install protos-check lint node-deps browser-deps bytecode
 ifeq ($(strip $(PYTEST_ARGS)),)
 	@bash scripts/test_suites.sh $(BIN)

@@ -26,15 +26,19 @@ DEFAULT_SEEDS = 1000
 # Shell simulator seeds in make test: 0.3-0.4 s of CPU each, 30-40 s in all.
 SHELL_SEEDS_DEFAULT = 100
 # Whole-node (coordinator + replica) simulator seeds in make test: about 0.5 s of CPU each
-# since machine replacement, shutdowns and node removal (2026-11-30). 600, not 1,000: the
+# since machine replacement, shutdowns and node removal (2026-11-30). 800, not 1,000: the
 # simulators and the real-process tests share CI's two cores, and the whole run must stay
 # under 20 minutes (scripts/test_suites.sh); `make sim` and COORD_SEEDS=N run more.
-COORD_SEEDS_DEFAULT = 600
+COORD_SEEDS_DEFAULT = 800
 # Seeds per test (a unit either worker takes): about 6 s of CPU for the whole-node
 # simulator, so the two workers end within one chunk of each other, and a chunk stays far
 # below pytest's 300 s timeout on a loaded machine.
 COORD_CHUNK_SEEDS = 25
 SHELL_CHUNK_SEEDS = 20
+# Election seeds per test: 1,000 seeds in one test took 264 s beside the real-process
+# tests and passed pytest's 300 s timeout when the machine was busier; a quarter each
+# spreads them over both workers too.
+ELECTION_CHUNK_SEEDS = 250
 # Replication seeds per election seed when --repl-seeds is not given.
 REPL_SEEDS_PER_SIM_SEED = 1.0
 
@@ -123,11 +127,17 @@ def _seeds(config: pytest.Config, option: str, variable: str, default: int) -> l
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """The chunk parameters: ``shell_chunk`` (shipped-shell simulator) and ``coord_chunk``
-    (whole-node simulator), each a list of consecutive seeds."""
+    """The chunk parameters: ``election_chunk`` (election simulator), ``shell_chunk``
+    (shipped-shell simulator) and ``coord_chunk`` (whole-node simulator), each a list of
+    consecutive seeds."""
     from tests.sim.seed_runs import parametrize_chunks  # the simulators: only where used
 
     config = metafunc.config
+    if "election_chunk" in metafunc.fixturenames:
+        single = _replayed(config)
+        count = int(config.getoption("sim_seeds", default=DEFAULT_SEEDS))
+        seeds = [single] if single is not None else list(range(count))
+        parametrize_chunks(metafunc, "election_chunk", seeds, ELECTION_CHUNK_SEEDS)
     if "shell_chunk" in metafunc.fixturenames:
         seeds = _seeds(config, "shell_seeds", "SHELL_SEEDS", SHELL_SEEDS_DEFAULT)
         parametrize_chunks(metafunc, "shell_chunk", seeds, SHELL_CHUNK_SEEDS)
