@@ -114,8 +114,11 @@ def _environment(where: Path, dists: set[str], wheels: list[Path]) -> Path:
     _mirror(dists, where / "deps")
     Path(purelib, "squall-test-deps.pth").write_text(f"{where / 'deps'}\n")
     pip = [sys.executable, "-m", "pip", "--python", str(python)]
-    _run([*pip, "install", "--quiet", "--no-deps", "--no-index", *map(str, wheels)], where)
-    _run([*pip, "check"], where)  # every requirement of every installed dist is met
+    # Without the repository on PYTHONPATH (a test before may have left it there): pip
+    # would take our own distributions for installed and skip or count them.
+    env = _clean_env()
+    _run([*pip, "install", "--quiet", "--no-deps", "--no-index", *map(str, wheels)], where, env)
+    _run([*pip, "check"], where, env)  # every requirement of every installed dist is met
     return python
 
 
@@ -158,7 +161,7 @@ except ModuleNotFoundError as error:
 
     # The same environment with what the `spark` extra adds: the data source loads.
     _mirror(_closure([Requirement("squall[spark]")]), tmp_path / "deps")
-    _run([sys.executable, "-m", "pip", "--python", str(python), "check"], tmp_path)
+    _run([sys.executable, "-m", "pip", "--python", str(python), "check"], tmp_path, _clean_env())
     out = _run(
         [str(python), "-c", "import squall.spark; print(squall.spark.SquallDataSource.name())"],
         tmp_path,
