@@ -92,14 +92,18 @@ def _replayed(config: pytest.Config) -> int | None:
     return None if single is None else int(single)
 
 
+def _sim_seeds(config: pytest.Config) -> list[int]:
+    """The election seeds: one replayed seed, or 0..N-1 (--sim-seeds)."""
+    single = _replayed(config)
+    if single is not None:
+        return [single]
+    return list(range(int(config.getoption("sim_seeds", default=DEFAULT_SEEDS))))
+
+
 @pytest.fixture
 def sim_seeds(request: pytest.FixtureRequest) -> list[int]:
     """The seeds to run: one replayed seed, or 0..N-1."""
-    single = _replayed_seed(request)
-    if single is not None:
-        return [single]
-    count = request.config.getoption("sim_seeds", default=DEFAULT_SEEDS)
-    return list(range(int(count)))
+    return _sim_seeds(request.config)
 
 
 @pytest.fixture
@@ -134,9 +138,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
     config = metafunc.config
     if "election_chunk" in metafunc.fixturenames:
-        single = _replayed(config)
-        count = int(config.getoption("sim_seeds", default=DEFAULT_SEEDS))
-        seeds = [single] if single is not None else list(range(count))
+        seeds = _sim_seeds(config)
         parametrize_chunks(metafunc, "election_chunk", seeds, ELECTION_CHUNK_SEEDS)
     if "shell_chunk" in metafunc.fixturenames:
         seeds = _seeds(config, "shell_seeds", "SHELL_SEEDS", SHELL_SEEDS_DEFAULT)

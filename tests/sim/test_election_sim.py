@@ -41,12 +41,11 @@ HAND_OVER_SEEDS_MIN = 200
 def test_safety_and_liveness_over_seeds(election_chunk: list[int]) -> None:
     """Every seed keeps the invariants under faults and converges after healing (the seeds
     run as tests of ``ELECTION_CHUNK_SEEDS`` consecutive seeds, ``[seeds-0-249]`` ...)."""
-    sim_seeds = election_chunk
     started = time.monotonic()
     converge_ms: list[int] = []
     sizes: dict[int, int] = {}
     hand_overs = 0
-    for seed in sim_seeds:
+    for seed in election_chunk:
         failure: str | None = None
         try:
             result = run_seed(seed)
@@ -62,14 +61,14 @@ def test_safety_and_liveness_over_seeds(election_chunk: list[int]) -> None:
     elapsed = time.monotonic() - started
     ordered = sorted(converge_ms)
     print(
-        f"\nelection sim: {len(sim_seeds)} seeds ({sizes}) in {elapsed:.1f} s; "
+        f"\nelection sim: {len(election_chunk)} seeds ({sizes}) in {elapsed:.1f} s; "
         f"convergence after healing p50 {ordered[len(ordered) // 2]} ms, "
         f"p99 {ordered[int(len(ordered) * 0.99)]} ms, max {ordered[-1]} ms; "
         f"{hand_overs} hand-overs to a node that rejoined to catch up"
     )
     # The liveness phase holds a node that rejoined to catch up to leading in the end (it is
     # not "demoted" by a catch-up invitation): the seeds must exercise that path.
-    if len(sim_seeds) >= HAND_OVER_SEEDS_MIN:
+    if len(election_chunk) >= HAND_OVER_SEEDS_MIN:
         assert hand_overs > 0, "no seed handed a group to a node that rejoined to catch up"
 
 

@@ -55,19 +55,15 @@ def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkSession]:
     missing = java_missing()
     if missing is not None:
         pytest.skip(missing)
-    # Spark's Python workers inherit this process's environment. Undone at the end of the
-    # session: a later test's processes (a fresh venv's pip, test_distributions.py) must not
-    # find the repository on PYTHONPATH.
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv(MARKER_DIR_ENV, str(tmp_path_factory.mktemp("spark-markers")))
-        paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-        env.setenv("PYTHONPATH", os.pathsep.join(dict.fromkeys(paths)))
-        session = local_session("squall-tests", cores=2, task_attempts_max=2)
-        session.dataSource.register(FlakySquallDataSource)
-        try:
-            yield session
-        finally:
-            session.stop()
+    os.environ[MARKER_DIR_ENV] = str(tmp_path_factory.mktemp("spark-markers"))
+    paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    session = local_session("squall-tests", cores=2, task_attempts_max=2)
+    session.dataSource.register(FlakySquallDataSource)
+    try:
+        yield session
+    finally:
+        session.stop()
 
 
 _names = itertools.count()

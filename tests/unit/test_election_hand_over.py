@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from squall_server.coordinator.election import Election
+from squall_server.coordinator.election import Election, ElectionConfig
 from squall_server.coordinator.messages import (
     AreYouThere,
     AreYouThereReply,
@@ -28,7 +28,7 @@ from squall_server.coordinator.messages import (
 )
 from tests.unit.test_election_scenarios import Cluster, execute
 
-MEMBER_TIMEOUT_MS = 400  # ElectionConfig's default, which the cluster runs with
+MEMBER_TIMEOUT_MS = ElectionConfig.member_timeout_ms  # the default, which the transcripts run with
 
 
 def _node_2_serving_node_1_catching_up() -> tuple[Cluster, Election]:
