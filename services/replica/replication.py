@@ -16,7 +16,9 @@ are refused as stale and change nothing) and a state:
   (``divergence.fork_lsn``) and starts streaming after that LSN; the first batch of the
   stream carries ``truncate_after_lsn`` when the slave holds a suffix the master does not
   (a deposed master's uncommitted entries) and is sent even when empty, so the slave's
-  first ack says at once what it holds. A slave that cannot truncate (its log is
+  first ack says at once what it holds. Such a truncating batch goes alone: nothing more
+  (no batch, heartbeat or commit notice) goes on that stream until the slave's first ack
+  says it took it (``_Slave.truncation_unacked``). A slave that cannot truncate (its log is
   compacted, its store cannot undo entries) or whose log shares no entry with the
   master's gets a snapshot instead.
 * ``STREAMING``: entries go out as ``SendGrant`` records, limited by the slave's in-flight
@@ -441,6 +443,7 @@ class _Slave:
         "stream_id",
         "synced_lsn",
         "truncate_after",
+        "truncation_unacked",
         "written_lsn",
     )
 
@@ -459,6 +462,18 @@ class _Slave:
         self.grant: SendGrant | None = None
         self.truncate_after: int | None = None
         self.first_batch = False
+        # The stream's first batch, which truncates the slave's log, is sent and no ack
+        # has come back since: nothing more is sent on the stream until one does. Until
+        # the slave has taken that batch, its log after the truncation point is a deposed
+        # master's, and a message that overtook the batch (a stream that reorders: the
+        # replication simulator's, never gRPC's) would be taken against that log: a
+        # later batch continuing its LSNs would be written and acknowledged, then removed
+        # by the late truncation, after its ack counted toward a commit (simulator seed
+        # 5027); a heartbeat would make the slave count the master's commit LSN over
+        # entries the master never wrote, and serve them as committed (seed 5493). Under
+        # gRPC the wait costs little: the slave takes no later message before it has
+        # written the truncation anyway; entries written meanwhile go one ack's trip later.
+        self.truncation_unacked = False
         self.snapshot_lsn = 0  # 0 while the driver has not started the snapshot
         self.snapshot_wanted = False  # a snapshot instead of a truncation
         self.commit_told = 0
@@ -488,6 +503,7 @@ class _Slave:
         self.grant = None
         self.truncate_after = None
         self.first_batch = False
+        self.truncation_unacked = False
         self.snapshot_wanted = False
 
 
@@ -881,6 +897,9 @@ class ReplicationMaster(Generic[T]):
                 f"is not ordered synced <= written <= received <= {sent} (sent)",
             )
         self._set_following(slave, readers_following)
+        # The slave answers in order, and nothing but the truncating first batch was
+        # sent since its Position: this ack follows it.
+        slave.truncation_unacked = False
         if slave.phase == _Phase.SNAPSHOTTING and received_lsn < slave.snapshot_lsn:
             # Sent before the install began: it describes the log the install replaces.
             return self._actions()
@@ -953,6 +972,7 @@ class ReplicationMaster(Generic[T]):
                 f"the grant allowed {grant.entries_max} entries"
             )
         slave.grant = None
+        slave.truncation_unacked = grant.truncate_after_lsn is not None
         slave.truncate_after = None
         slave.first_batch = False
         slave.sent_since_heartbeat = True
@@ -1048,7 +1068,12 @@ class ReplicationMaster(Generic[T]):
             node_id = slave.node_id
             due = not slave.sent_since_heartbeat or slave.commit_told < self._commit_lsn
             slave.sent_since_heartbeat = False
-            if slave.phase == _Phase.STREAMING and slave.grant is None and due:
+            if (
+                slave.phase == _Phase.STREAMING
+                and slave.grant is None
+                and not slave.truncation_unacked
+                and due
+            ):
                 heartbeats.append(node_id)
         return self._actions(heartbeats=tuple(heartbeats))
 
@@ -1168,7 +1193,11 @@ class ReplicationMaster(Generic[T]):
         events: list[str] = []
         cfg = self.config
         for slave in self._slave_order:
-            if slave.phase != _Phase.STREAMING or slave.grant is not None:
+            if (
+                slave.phase != _Phase.STREAMING
+                or slave.grant is not None
+                or slave.truncation_unacked
+            ):
                 continue
             node_id = slave.node_id
             if slave.next_lsn < self._log_start_lsn or slave.snapshot_wanted:
@@ -1249,6 +1278,7 @@ class ReplicationMaster(Generic[T]):
                 and slave.commit_told < commit
                 and slave.phase == _Phase.STREAMING
                 and slave.grant is None
+                and not slave.truncation_unacked
             ):
                 out.append(slave.node_id)
                 slave.commit_told = commit

@@ -95,7 +95,10 @@ What is modelled
   seed says so, reordering (otherwise each link is FIFO). That is harsher than gRPC,
   whose stream never drops or reorders a message and carries on: here a gap reaches the
   Follower's checks (which refuse it and close the stream), and a lost tail is noticed
-  by the simulator's stall check (see Master). A gRPC stream is
+  by the simulator's stall check (see Master). Nothing can overtake a stream's first
+  batch when it truncates: ``ReplicationMaster`` sends nothing more on the stream until
+  the slave acknowledges it (seeds 5027 and 5493 found what a message that overtook it
+  did against the deposed master's suffix). A gRPC stream is
   identified by (master, epoch, stream id); a slave drops input of a stream other than
   its current one (as gRPC would after the stream closed) and answers it with a
   ``Close``. After healing the links are FIFO without loss or duplication, as TCP gives.

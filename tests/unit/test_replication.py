@@ -5,9 +5,10 @@ Two levels: direct calls on a ``ReplicationMaster`` for the precise rules (which
 counts under which policy), and a small in-memory cluster (``Cluster``) that drives the
 master and real ``Follower`` machines the way the gRPC driver will, applying every
 ``Actions`` record in its documented order, over FIFO streams that can be paused or
-broken. A seeded random run checks the invariants (commit never decreases, a completed
-write is held by the required count, memory stays within the windows, logs converge);
-a failure names the seed that replays it.
+broken (two tests reorder one, as the replication simulator does). A seeded random run
+checks the invariants (commit never decreases, a completed write is held by the required
+count, memory stays within the windows, logs converge); a failure names the seed that
+replays it.
 """
 
 from __future__ import annotations
@@ -978,6 +979,65 @@ def test_a_divergent_suffix_from_a_deposed_master_is_truncated() -> None:
     assert cluster.converged()
     assert [e.epoch for e in cluster.slaves["3"].log] == [1] * 5 + [3] * 7
     assert cluster.slaves["3"].follower.state().history == ((1, 1), (3, 6))
+
+
+def _deliver_newest_first(cluster: Cluster, node: str) -> None:
+    """Delivers everything, the master's messages to ``node`` newest first (a stream that
+    reorders: the replication simulator's, never gRPC's), checking after each that what
+    ``node`` counts as committed is the master's log."""
+    slave = cluster.slaves[node]
+    for _ in range(1000):
+        moved = cluster.deliver_to_master()
+        if slave.inbox:
+            slave.inbox.rotate(1)  # the newest message overtakes the others
+        moved = cluster.deliver_to_slave(node) or moved
+        commit = slave.follower.commit_lsn
+        assert slave.log[:commit] == cluster.log[:commit], (
+            f"node {node} serves as committed a log the master never wrote"
+        )
+        if not moved:
+            return
+    raise AssertionError("the cluster did not settle")
+
+
+def test_a_write_acknowledged_through_a_truncated_slave_survives_a_reordered_stream() -> None:
+    # Replication simulator seed 5027: node 2 holds LSN 2 of a deposed master (epoch 2);
+    # the master of epoch 3 truncates it after LSN 1. A batch sent after the truncating
+    # one overtook it: node 2 wrote LSN 3 over its own LSN 2 and acknowledged it, the
+    # master completed the write, then the late truncation removed LSN 3 from node 2.
+    common = [entry(1, 1)]
+    cluster = Cluster(master_log=common, slave_logs={"2": [*common, entry(2, 2, size=3)]}, epoch=3)
+    cluster.slaves["3"].paused = True  # the commit needs node 2
+    cluster.start()  # the epoch-start entry at LSN 2, then the Hellos
+    cluster.deliver_to_slave("2")  # the Hello
+    cluster.deliver_to_master()  # node 2's Position: the first batch truncates after LSN 1
+    cluster.append(1)  # LSN 3, a client's write
+    _deliver_newest_first(cluster, "2")
+    assert cluster.completed == ["w3"]
+    # The acknowledged write is held by a majority (the master and node 2), whole.
+    assert cluster.slaves["2"].log == cluster.log
+    assert cluster.slaves["2"].follower.state().history == ((1, 1), (3, 2))
+
+
+def test_a_slave_being_truncated_is_not_told_the_commit_lsn_over_its_old_log() -> None:
+    # Replication simulator seed 5493: node 2 holds LSNs 2..3 of a deposed master (epoch
+    # 2). A heartbeat sent after the truncating first batch overtook it: node 2 took the
+    # master's commit LSN 3 over its own LSNs 2..3 and counted them committed.
+    common = [entry(1, 1), entry(2, 1)]
+    stale = [entry(1, 1), entry(2, 2, size=3), entry(3, 2, size=3)]
+    cluster = Cluster(master_log=common, slave_logs={"2": stale, "3": common}, epoch=3)
+    cluster.slaves["2"].paused = True
+    cluster.start()
+    cluster.run()  # node 3 takes the epoch-start entry: LSN 3 commits
+    assert cluster.master.commit_lsn == 3
+    cluster.slaves["2"].paused = False
+    cluster.deliver_to_slave("2")  # the Hello
+    cluster.deliver_to_master()  # node 2's Position: its first batch truncates after LSN 1
+    for now_ms in (0, 100, 200, 300):  # heartbeats fall due meanwhile
+        cluster.apply(cluster.master.tick(now_ms))
+    _deliver_newest_first(cluster, "2")
+    assert cluster.slaves["2"].log == cluster.log
+    assert cluster.slaves["2"].follower.commit_lsn == 3
 
 
 def test_a_sync_master_sends_before_its_flush_and_commits_only_once_flushed() -> None:
