@@ -172,8 +172,10 @@ Phases: the safety phase injects the election simulator's faults while the check
 ``liveness_deadline_ms`` every live node must be NORMAL in one group led by the
 highest-ranked live eligible node, that master must acknowledge ``LIVENESS_WRITES`` writes
 after healing, and once the clients then stop, every live replica must hold the master's log
-with everything committed and known committed. A failure raises ``SimFailure`` ending with
-the replay command.
+with everything committed and known committed: within that deadline too, or, when the
+configured window needs longer to bring the replicas up (one window per round trip: a
+one-entry window is stop-and-wait), by ``drain_deadline``, reckoned when the clients
+stop. A failure raises ``SimFailure`` ending with the replay command.
 """
 
 from __future__ import annotations
@@ -246,6 +248,7 @@ from squall_server.replica.replication import (
     SlaveProgress,
     SlaveState,
     SyncPolicy,
+    entry_size_bytes,
 )
 from squall_server.replica.store import Store, StoreError, StoreFullError
 from squall_server.replica.store.errors import InvalidEntryError
@@ -280,6 +283,9 @@ EVENTS_MAX = 300_000
 RTICK_MS = 10
 CLIENT_TIMEOUT_MS = 200
 LIVENESS_DEADLINE_MS = 5000
+# After the clients stop: what follows a replica's last entry (the commit LSN's heartbeat,
+# a reconnection's backoff, a write still on its way to the master); see drain_deadline.
+DRAIN_SLACK_MS = 1000
 # Writes the converged master must acknowledge after healing before the clients stop.
 LIVENESS_WRITES = 8
 CONVERGE_CHECK_MS = 5
@@ -815,6 +821,9 @@ class ReplicationSimulation(Simulation):
         self.next_pid = 0
         self.next_token = 0
         self.quiesced = False
+        # When the clients stopped: by then the live replicas must have caught up (0: not
+        # yet; see drain_deadline).
+        self.drain_deadline_ms = 0
         self.acked_after_heal: Counter[tuple[str, int]] = Counter()
         self.next_converge_check = 0
         self.snapshots = 0
@@ -2270,6 +2279,7 @@ class ReplicationSimulation(Simulation):
         if not self.quiesced:
             if self.acked_after_heal[(leader, core.epoch)] >= LIVENESS_WRITES:
                 self.quiesced = True  # clients stop: the rest is catching up
+                self.drain_deadline_ms = self.drain_deadline(leader)
             return False
         log = self.stores[leader].log
         if core.pending_writes or core.commit_lsn != len(log):
@@ -2288,6 +2298,46 @@ class ReplicationSimulation(Simulation):
             ):
                 return False
         return True
+
+    def drain_deadline(self, leader: str) -> int:
+        """When the live replicas must hold the master's log, counted from when the clients
+        stop: one window per round trip for what the furthest behind lacks.
+
+        The window is the configured flow control (``inflight_entries_max`` and
+        ``inflight_bytes_max``, 1 entry and 1 byte at least in the service's
+        configuration): a slave takes at most one window per round trip, and a window of
+        one entry, or of fewer bytes than two entries, is stop-and-wait, one entry per
+        round trip. After healing a round trip takes up to twice the network's delay
+        (``delay_max_ms``, an eighth of the member timeout) plus a store write (a written
+        ack waits for it), whatever the master does. The fixed deadline after healing
+        (``LIVENESS_DEADLINE_MS``) holds a pipelined window's catch-up, not that of a
+        one-entry window with a long backlog: seed 6345 (a one-entry, 64-byte window,
+        acks ALL, round trips up to 100 ms) had slaves 55 entries behind when the clients
+        stopped 2.6 s after healing, one entry per round trip as configured, and
+        converged 5.6 s after healing. The bound is the configured window's worst case: it
+        outlasts the fixed deadline only where the window makes the catch-up long (3 seeds
+        of 0-999 and 5000-7999). That every ack is answered with a full window is
+        ``tests/unit/test_replication.py``'s
+        ``test_a_slave_40_entries_behind_takes_a_full_window_per_round_trip``."""
+        log = self.stores[leader].log
+        lacking, first = 0, len(log)
+        for node in self.nodes:
+            if node == leader or not self.alive(node):
+                continue
+            theirs = self.stores[node].log
+            common = 0
+            while common < min(len(theirs), len(log)) and theirs[common] == log[common]:
+                common += 1
+            lacking = max(lacking, len(log) - common)
+            first = min(first, common)
+        # The writes still unanswered may be appended yet: one entry each.
+        lacking += sum(len(client.inflight) for client in self.clients)
+        largest = max((entry_size_bytes(entry) for entry in log[first:]), default=1)
+        p = self.params
+        per_round_trip = max(1, min(p.window_entries, p.window_bytes // largest))
+        round_trip_ms = 2 * self.delay_max_ms + p.store_delay_max_ms
+        round_trips = -(-lacking // per_round_trip)
+        return self.now_ms + round_trips * round_trip_ms + DRAIN_SLACK_MS
 
     def final_check(self, leader: str) -> None:
         """The final checks once converged."""
@@ -2347,7 +2397,7 @@ class ReplicationSimulation(Simulation):
         deadline = self.sc.safety_ms + self.sc.liveness_deadline_ms
         while self.queue:
             at, kind, _, _, node, payload = heapq.heappop(self.queue)
-            if at > deadline:
+            if at > max(deadline, self.drain_deadline_ms):
                 break
             self.now_ms = at
             self.events += 1
@@ -2365,10 +2415,16 @@ class ReplicationSimulation(Simulation):
             if self.replication_converged(leader):
                 self.final_check(leader)
                 return self.result(leader)
+        drain = ""
+        if self.drain_deadline_ms > deadline:
+            drain = (
+                f" (or, once the clients stopped, within the {self.drain_deadline_ms - deadline}"
+                " ms more the configured window needs to bring the replicas up: drain_deadline)"
+            )
         raise self.fail(
-            f"liveness: within {self.sc.liveness_deadline_ms} ms of healing the live nodes did "
-            "not form one normal group whose master serves, acknowledges a new write and has "
-            "every live replica caught up to its commit LSN"
+            f"liveness: within {self.sc.liveness_deadline_ms} ms of healing{drain} the live "
+            "nodes did not form one normal group whose master serves, acknowledges a new write "
+            "and has every live replica caught up to its commit LSN"
         )
 
     def result(self, leader: str) -> ReplResult:

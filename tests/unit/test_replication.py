@@ -428,6 +428,41 @@ def test_the_window_bounds_entries_and_bytes_in_flight() -> None:
     assert (grant.from_lsn, grant.entries_max) == (5, 2)
 
 
+@pytest.mark.parametrize(
+    ("entries_max", "bytes_in_entries", "round_trips"),
+    [(1, 64, 40), (4, 64, 10), (64, 1, 40), (64, 64, 1)],
+)
+def test_a_slave_40_entries_behind_takes_a_full_window_per_round_trip(
+    entries_max: int, bytes_in_entries: int, round_trips: int
+) -> None:
+    # Each ack frees the window and grants all of it again: a slave N entries behind
+    # catches up (and a write waiting for it completes) in N / window round trips, one
+    # entry per round trip at a one-entry window (or a byte window one entry fills). The
+    # replication simulator's liveness bound counts on it (``drain_deadline``; seed 6345).
+    size = entry_size_bytes(entry(1, 1))
+    master = new_master(
+        config(inflight_entries_max=entries_max, inflight_bytes_max=bytes_in_entries * size)
+    )
+    sid = stream(master, "2")
+    actions = master.on_appended(40, synced=True, writes=[(40, "w40")])
+    trips = 0
+    while True:
+        for grant in actions.sends:
+            lsns = range(grant.from_lsn, grant.from_lsn + grant.entries_max)
+            batch = fit_batch([entry(lsn, 1) for lsn in lsns], grant.bytes_max)
+            assert len(batch) == min(entries_max, bytes_in_entries, 40 - grant.from_lsn + 1)
+            follow = master.on_sent("2", sid, batch[-1].lsn, batch_size_bytes(batch))
+            assert follow.sends == ()
+        if actions.completed:
+            break
+        assert trips < 40, "the write did not complete within one round trip per entry"
+        trips += 1
+        sent = master.progress("2").next_lsn - 1
+        actions = ack(master, "2", sid, sent, sent, sent)
+    assert actions.completed == ("w40",)
+    assert trips == round_trips
+
+
 def test_fit_batch_keeps_the_byte_limit_but_always_sends_one_entry() -> None:
     small = [entry(i, 1, size=10) for i in range(1, 6)]
     assert len(fit_batch(small, 3 * entry_size_bytes(small[0]))) == 3
