@@ -27,7 +27,15 @@
 # simulator's 800 seeds), so the run keeps both cores busy and is as long as its CPU
 # allows. Less work since: the short chaos run plays the same fault kinds in two runs
 # instead of three (97 -> 67 s), 600 whole-node seeds, pip installs without compiling
-# every module of every package (15 s of a fresh install's 50).
+# every module of every package (15 s of a fresh install's 50). The same day, what may
+# run beside the real-process tests: two CPU burners at nice 19 left them as fast as
+# alone (102.4 / 102.7 s for tests/integration/test_replication.py and
+# tests/chaos/test_process_partition.py), and so do the simulators, which only compute;
+# the unit tests at nice 19 made them 45 % slower (99 -> 144 s for the bench report's
+# and the deployment procedures' tests), and real-process tests at nice 15 under ionice's
+# idle class 30 % (-> 130 s): what slows them is other tests' processes, sockets and
+# files, not CPU time. So the unit tests run first, alone, and the real-process tests in
+# one lane; the run's length is theirs (965-1,050 s, by the hour).
 # Any run's failure (including pytest's 5, nothing collected) fails the whole.
 #
 # Usage: scripts/test_suites.sh VENV_BIN
