@@ -226,13 +226,21 @@ class _Servicer(push_pb2_grpc.PushSubscriberServicer):
     ) -> Iterator[push_pb2.PushDeliverResult]:
         # A stream holds one of the server's threads while open: refused (the master then
         # calls Deliver) when it would leave none for Deliver calls.
-        if not self._endpoint._open_stream():
+        endpoint = self._endpoint
+        if not endpoint._open_stream():
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, STREAMS_REFUSED)
+        requests = iter(request_iterator)
         try:
-            for request in request_iterator:
+            while endpoint._wait_on_stream(context):
+                try:
+                    request = next(requests)
+                except StopIteration:
+                    return
+                finally:
+                    endpoint._stream_busy(context)
                 yield result_pb(*self._outcome(request))
         finally:
-            self._endpoint._close_stream()
+            endpoint._close_stream()
 
 
 class PushEndpoint:
@@ -267,6 +275,11 @@ class PushEndpoint:
         self._callbacks: dict[str, DeliveryCallback] = {}
         self._streams = 0  # DeliverStream calls open
         self._streams_max = max_workers - 1
+        # The streams waiting for the master's next request, ended at once by close(): a
+        # master keeps one open per subscriber, and left to the server's grace each would
+        # hold close() for all of it, with no delivery in progress.
+        self._waiting: set[grpc.ServicerContext] = set()
+        self._closing = False
         credentials = tls.server_credentials() if tls is not None else None
         self._server = grpc.server(
             concurrent.futures.ThreadPoolExecutor(
@@ -323,11 +336,30 @@ class PushEndpoint:
         with self._lock:
             self._streams -= 1
 
+    def _wait_on_stream(self, context: grpc.ServicerContext) -> bool:
+        """A stream is about to wait for its next request: False once closing."""
+        with self._lock:
+            if self._closing:
+                return False
+            self._waiting.add(context)
+            return True
+
+    def _stream_busy(self, context: grpc.ServicerContext) -> None:
+        with self._lock:
+            self._waiting.discard(context)
+
     def close(self, grace_s: float = 1.0) -> None:
-        """Stops serving (deliveries in progress get grace_s to finish)."""
+        """Stops serving: deliveries in progress get grace_s to finish; delivery streams
+        with none in progress end at once (the master opens a new one when it next
+        delivers, to wherever the subscriber is hosted then)."""
         if self._closed:
             return
         self._closed = True
+        with self._lock:
+            self._closing = True
+            waiting, self._waiting = self._waiting, set()
+        for context in waiting:
+            context.cancel()
         self._server.stop(grace_s).wait()
 
     def __enter__(self) -> PushEndpoint:

@@ -221,3 +221,59 @@ def test_the_asyncio_endpoint_serves_the_delivery_stream() -> None:
     results = asyncio.run(scenario())
     assert [r.code for r in results] == [0, grpc.StatusCode.NOT_FOUND.value[0]]
     assert got == [[1]]
+
+
+def test_close_ends_a_waiting_delivery_stream_and_lets_one_in_progress_finish() -> None:
+    """A master keeps a delivery stream open per subscriber: close() ends one waiting for
+    its next request at once instead of holding for the grace, and a delivery in
+    progress on another still finishes and is answered."""
+    with squall.PushEndpoint() as serving, grpc.insecure_channel(serving.address) as channel:
+        stub = push_pb2_grpc.PushSubscriberStub(channel)
+        release, delivered = threading.Event(), threading.Event()
+
+        def slow(delivery: squall.PushDelivery) -> None:
+            delivered.set()
+            release.wait(30)
+
+        serving.add("idle", lambda delivery: None)
+        serving.add("busy", slow)
+        hold = threading.Event()
+
+        def requests(subscriber_id: str, **fields: object) -> Iterator[push_pb2.PushDeliverRequest]:
+            yield push_pb2.PushDeliverRequest(topic="t", subscriber_id=subscriber_id, **fields)
+            hold.wait(30)
+
+        idle = stub.DeliverStream(requests("idle", probe=True), timeout=60)
+        assert next(idle).code == grpc.StatusCode.OK.value[0]
+        busy = stub.DeliverStream(requests("busy", events=_events(7)), timeout=60)
+        assert delivered.wait(10)
+        closing = threading.Thread(target=serving.close, kwargs={"grace_s": 60.0})
+        closing.start()
+        with pytest.raises(grpc.RpcError) as ended:
+            next(idle)
+        assert ended.value.code() == grpc.StatusCode.CANCELLED
+        assert closing.is_alive()  # the delivery in progress has its grace
+        release.set()
+        assert next(busy).code == grpc.StatusCode.OK.value[0]
+        closing.join(10)
+        assert not closing.is_alive()
+        hold.set()
+
+
+def test_the_asyncio_endpoint_ends_a_waiting_delivery_stream_on_close() -> None:
+    async def handle(delivery: squall.PushDelivery) -> None:
+        pass
+
+    async def scenario() -> tuple[bool, grpc.StatusCode]:
+        serving = squall.aio.PushEndpoint()
+        await serving.start()
+        serving.add("s1", handle)
+        async with grpc.aio.insecure_channel(serving.address) as channel:
+            call = push_pb2_grpc.PushSubscriberStub(channel).DeliverStream(timeout=60)
+            await call.write(push_pb2.PushDeliverRequest(topic="t", subscriber_id="s1", probe=True))
+            assert (await call.read()).code == grpc.StatusCode.OK.value[0]
+            # Within the test's bound, not the 60 s grace: the stream waited, idle.
+            await asyncio.wait_for(serving.close(grace_s=60.0), 10)
+            return await call.read() is grpc.aio.EOF, await call.code()
+
+    assert asyncio.run(scenario()) == (True, grpc.StatusCode.OK)

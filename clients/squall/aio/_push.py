@@ -9,6 +9,7 @@ host is answered NOT_FOUND, which removes that subscription.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -60,7 +61,22 @@ class _Servicer(push_pb2_grpc.PushSubscriberServicer):
         request_iterator: AsyncIterator[push_pb2.PushDeliverRequest],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[push_pb2.PushDeliverResult]:
-        async for request in request_iterator:
+        endpoint, handler = self._endpoint, asyncio.current_task()
+        requests = aiter(request_iterator)
+        while endpoint._wait_on_stream(handler):
+            try:
+                request = await anext(requests)
+            except StopAsyncIteration:
+                return
+            except asyncio.CancelledError:
+                # close() ending a stream with no delivery in progress: returning ends the
+                # call (grpc.aio leaves a cancelled handler's call open until shutdown).
+                if not endpoint._closed or handler is None:
+                    raise
+                handler.uncancel()
+                return
+            finally:
+                endpoint._stream_busy(handler)
             yield result_pb(*await self._outcome(request))
 
 
@@ -96,6 +112,10 @@ class PushEndpoint:
         self._address = advertise or f"{host}:{port}"
         self._started = False
         self._closed = False
+        # The handlers of streams waiting for the master's next request, cancelled by
+        # close(): a master keeps one open per subscriber, and left to the server's grace
+        # each would hold close() for all of it, with no delivery in progress.
+        self._waiting: set[asyncio.Task[Any] | None] = set()
 
     @property
     def address(self) -> str:
@@ -123,11 +143,27 @@ class PushEndpoint:
         """The callback hosting a subscriber id here, or None."""
         return self._callbacks.get(subscriber_id)
 
+    def _wait_on_stream(self, handler: asyncio.Task[Any] | None) -> bool:
+        """A stream is about to wait for its next request: False once closed."""
+        if self._closed:
+            return False
+        self._waiting.add(handler)
+        return True
+
+    def _stream_busy(self, handler: asyncio.Task[Any] | None) -> None:
+        self._waiting.discard(handler)
+
     async def close(self, grace_s: float = 1.0) -> None:
-        """Stops serving (deliveries in progress get grace_s to finish)."""
+        """Stops serving: deliveries in progress get grace_s to finish; delivery streams
+        with none in progress end at once (the master opens a new one when it next
+        delivers, to wherever the subscriber is hosted then)."""
         if self._closed:
             return
         self._closed = True
+        waiting, self._waiting = self._waiting, set()
+        for handler in waiting:
+            if handler is not None:
+                handler.cancel()
         await self._server.stop(grace_s)
 
     async def __aenter__(self) -> PushEndpoint:
