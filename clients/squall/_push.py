@@ -359,7 +359,7 @@ class PushEndpoint:
             self._closing = True
             waiting, self._waiting = self._waiting, set()
         for context in waiting:
-            context.cancel()
+            context.cancel()  # type: ignore[no-untyped-call]  # (grpc-stubs leave it untyped)
         self._server.stop(grace_s).wait()
 
     def __enter__(self) -> PushEndpoint:
