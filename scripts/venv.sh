@@ -101,8 +101,9 @@ if [ -n "$server_extras" ]; then
     server=".[$server_extras]"
 fi
 # --no-compile: pip would write bytecode for every module of every package (pyspark's
-# thousands among them), 15 of a fresh install's 50 s here; Python writes it for the
-# modules that are imported, when they first are, and `make bytecode` for our own.
+# thousands among them), 15 of a fresh install's 50 s here; `make bytecode` writes it for
+# our own modules and the packages the server and client run on (scripts/bytecode.py),
+# which a shell with PYTHONDONTWRITEBYTECODE set would otherwise compile in every process.
 "$venv/bin/python" -m pip install --quiet --no-compile -c constraints.txt -e "$client" -e "$server"
 if [ ! -f clients/squall/v1/broker_pb2.py ]; then
     "$venv/bin/python" scripts/gen_protos.py
