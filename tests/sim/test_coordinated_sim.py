@@ -8,7 +8,7 @@ node crashes and partitions, lost, reordered and duplicated peer messages, and o
 transfers and priority changes (hand-overs through the replica's PrepareHandoff); then
 healing and the checks (one master per epoch, a publish
 acknowledged soon after healing, identical logs, every acknowledged event readable on
-every replica). ``make test`` runs ``COORD_SEEDS_DEFAULT`` seeds (800) as tests of
+every replica). ``make test`` runs ``COORD_SEEDS_DEFAULT`` seeds as tests of
 ``COORD_CHUNK_SEEDS`` consecutive seeds (``[seeds-0-24]`` ...), spread over both workers;
 a failing chunk runs its other seeds too and lists every failing seed with its replay
 command. A long run is ``--coord-seeds=N`` (or ``COORD_SEEDS=N``); ``SEED=S`` replays one
