@@ -429,7 +429,13 @@ def test_a_checksum_error_rebuilding_the_gate_after_an_abandoned_taking_fail_sto
             for i in range(5):
                 await _publish(n1, b"a%d" % i)
             await _until("n2 caught up", lambda: n2.last_lsn == n1.last_lsn)
+            # Until n2 has recorded the commit of every entry, a heartbeat could record it
+            # over the damage (on a loaded machine one did: no fault, the gate rebuilt).
+            await _until(
+                "n2 recorded every commit", lambda: n2.store.meta().commit_lsn == n1.last_lsn
+            )
             damaged = _gate_damaged(n2, 3)
+            await asyncio.sleep(0.5)
             await n1.apply_role(  # n1 stops serving: a sync source's log must not grow
                 replica_pb2.RoleCommand(seq=2, role=common_pb2.ROLE_INACTIVE, cluster_id=CLUSTER_ID)
             )
