@@ -94,7 +94,7 @@ lint: install
 # real processes run one at a time, as their failover bounds assume, and beside them, at
 # the lowest CPU priority (nice 19), the simulators' seeds on two workers
 # (scripts/test_suites.sh: the real-process tests leave a core idle while they wait; the
-# simulators run on virtual time). Each chunk of 25 whole-node seeds (600 in all, COORD_SEEDS=N for another count)
+# simulators run on virtual time). Each chunk of 25 whole-node seeds (400 in all, COORD_SEEDS=N for another count)
 # or 20 shell seeds is a unit any worker takes (tests/xdist_units.py); a failing chunk
 # lists each failing seed with its replay command (SEED=S ...). With PYTEST_ARGS, one run
 # of what they select.
