@@ -79,7 +79,7 @@ browser-deps:
 # (this project's CI machines do), every service process would otherwise compile every
 # module it imports again at start-up (a replica: 0.77 s of CPU against 0.47 s with
 # bytecode; a three-node cluster and its gateway took 3.3 s to start against 2.35 s),
-# paid by every cluster a test or `make run` starts. Incremental (0.7 s when nothing
+# paid by every cluster a test or `make run` starts. Incremental (1.3 s when nothing
 # changed), and safe: a stale file is compiled again on import. Silent unless a file does
 # not compile (then it names the file and line, and the target fails).
 bytecode: install-run

@@ -7,10 +7,10 @@ OpenTelemetry alone (a replica's imports took 0.77 s of CPU without their byteco
 with it), paid by every cluster a test, a chaos run or ``make run`` starts. pip installs
 without writing bytecode (scripts/venv.sh), so this writes it for:
 
-* our own trees, and
+* our own trees;
 * every installed package the server and client distributions need to run (their
-  requirements' closure, without extras: not pyspark's thousand modules, nor the tools),
-* and whatever else a service process imports when it starts (a ``.pth`` file's hook, a
+  requirements' closure, without extras: not pyspark's thousand modules, nor the tools);
+* whatever else a service process imports when it starts (a ``.pth`` file's hook, a
   package grpc looks for and finds because the tools are installed).
 
 compileall writes bytecode whatever ``PYTHONDONTWRITEBYTECODE`` says. Incremental (a file
