@@ -12,8 +12,6 @@ import threading
 import squall
 from squall.wire.auth import read_token_file
 from squall_server.common.config import ClusterConfig, GatewayConfig, parse_address
-from squall_server.console.backend import ConsoleBackend
-from squall_server.console.server import ConsoleServer
 
 log = logging.getLogger("squall.console")
 
@@ -33,8 +31,12 @@ class HostedConsole:
     """A running console inside a gateway process; close() stops it."""
 
     def __init__(self, config: ClusterConfig, gateway: GatewayConfig) -> None:
-        # The CLI's TLS rules (the cluster CA; the admin certificate where cert_dir has one).
+        # Imported here: the backend brings the whole CLI, ~40 % of a gateway's import CPU at
+        # every start, and most gateways serve no console. The CLI's TLS rules (the cluster
+        # CA; the admin certificate where cert_dir has one).
         from squall_server.cli.command import tls_from_config
+        from squall_server.console.backend import ConsoleBackend
+        from squall_server.console.server import ConsoleServer
 
         console = config.console
         token = read_token_file(str(console.token_file)) if console.token_file else None
