@@ -255,8 +255,13 @@ def test_a_cancelled_proxy_publish_is_withdrawn_if_unsent(cluster: _Cluster) -> 
         topic = await client.topic("t")
         fillers = [await topic.publisher(f"fill-{i}", replicated=True) for i in range(FILL)]
         waiting = await topic.publisher("waiting", replicated=True)
-        # The window to n1 fills with the fillers' events; "waiting"'s event waits.
-        filling = [asyncio.create_task(p.publish(b"fill")) for p in fillers]
+        # The window to n1 fills with the fillers' events, each sent in a turn of its own
+        # (the publishes of one turn go as one request; a publish's sequence is taken in
+        # its turn and its request sent at the turn's end); "waiting"'s event waits.
+        filling = []
+        for filler in fillers:
+            filling.append(asyncio.create_task(filler.publish(b"fill")))
+            await _until(lambda filler=filler: filler.next_sequence == 2)
         await _until(lambda: cluster.broker.requests_seen >= 1)
         unsent = asyncio.create_task(waiting.publish(b"never"))
         await _until(lambda: waiting.next_sequence == 2)

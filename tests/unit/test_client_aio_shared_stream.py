@@ -240,10 +240,15 @@ def test_a_cancelled_publish_is_withdrawn_if_unsent_and_otherwise_goes_first(
         topic = await client.topic("t")
         sent = await topic.publisher("sent")
         waiting = await topic.publisher("waiting")
-        # The window fills with "sent"'s event and another; "waiting"'s event waits.
+        # The window fills with "sent"'s event and another, each sent in a turn of its own
+        # (the publishes of one turn go as one request); "waiting"'s event waits.
+        # (A publish's sequence is taken in its turn and its request sent at the turn's
+        # end, before `_until` looks again; the broker reads no further than the first.)
         first = asyncio.create_task(sent.publish(b"sent-1"))
-        other = asyncio.create_task((await topic.publisher("other")).publish(b"other"))
         await _until(lambda: sent.next_sequence == 2 and broker.requests_seen >= 1)
+        other_publisher = await topic.publisher("other")
+        other = asyncio.create_task(other_publisher.publish(b"other"))
+        await _until(lambda: other_publisher.next_sequence == 2)
         unsent = asyncio.create_task(waiting.publish(b"never"))
         await _until(lambda: waiting.next_sequence == 2)
         first.cancel()
@@ -341,9 +346,14 @@ def test_past_the_deadline_sent_events_are_indeterminate_and_waiting_ones_not_se
             topic = await client.topic("t")
             names = [f"sent-{i}" for i in range(FILL)] + ["waiting"]
             publishers = {name: await topic.publisher(name) for name in names}
-            outcomes = await asyncio.gather(
-                *(p.publish(b"x") for p in publishers.values()), return_exceptions=True
-            )
+            # Each "sent-" event goes in a turn of its own (its sequence taken in the turn,
+            # its request sent at the turn's end), filling the window.
+            calls = []
+            for name in names:
+                publisher = publishers[name]
+                calls.append(asyncio.create_task(publisher.publish(b"x")))
+                await _until(lambda publisher=publisher: publisher.next_sequence == 2)
+            outcomes = await asyncio.gather(*calls, return_exceptions=True)
             broker.gate.set()  # type: ignore[union-attr]
             # The shared stream goes on, on a fresh stream.
             await publishers["waiting"].publish(b"after")
@@ -360,3 +370,31 @@ def test_past_the_deadline_sent_events_are_indeterminate_and_waiting_ones_not_se
         (e.sequence, e.payload) for e in broker.topics["t"].events if e.publisher_id == "waiting"
     ]
     assert stored == [(2, b"after")]
+
+
+def test_tasks_that_one_answer_wakes_publish_again_as_one_request(broker: _LossyBroker) -> None:
+    """Tasks sharing a publisher, each publishing one event at a time: the tasks an answer
+    wakes publish again in the same loop turn, and their events go out together at its
+    end. Sent at once, the first of them took the free slot alone and the rest waited for
+    the next (issue 16: with 64 tasks a third of the requests carried one event)."""
+    tasks, rounds = 16, 20
+
+    async def body(client: squall.aio.Client) -> int:
+        publisher = await (await client.topic("t")).publisher("shared")
+        await publisher.publish(b"warm-up")
+        before = broker.requests_seen
+
+        async def run(task: int) -> None:
+            for round_ in range(rounds):
+                await publisher.publish(b"%d-%d" % (task, round_))
+
+        await asyncio.gather(*(run(task) for task in range(tasks)))
+        return broker.requests_seen - before
+
+    requests = _run(broker, body)
+    assert requests == rounds
+    payloads = [e.payload for e in broker.topics["t"].events]
+    assert len(payloads) == 1 + tasks * rounds == len(set(payloads))
+    for task in range(tasks):
+        mine = [p for p in payloads if p.startswith(b"%d-" % task)]
+        assert mine == [b"%d-%d" % (task, round_) for round_ in range(rounds)]
