@@ -49,8 +49,8 @@ from squall.v1 import (
 from squall_server.cli.auth import cli_token
 from squall_server.common.clock import Clock, SystemClock
 from squall_server.common.config import ClusterConfig, NodeConfig
+from squall_server.common.freeze import FREEZE_HOLD_MAX_MS
 from squall_server.common.tls import Transport, cli_transport, plain_or
-from squall_server.replica.shutdown import FREEZE_HOLD_MAX_MS
 
 # Per call when surveying and stopping; freezing waits for queued writes: the whole budget.
 _CALL_TIMEOUT_S = 3.0

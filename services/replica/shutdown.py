@@ -16,17 +16,13 @@ from dataclasses import dataclass
 
 from squall.v1 import common_pb2
 from squall_server.common.errors import Code, ServiceError
+from squall_server.common.freeze import FREEZE_HOLD_DEFAULT_MS, FREEZE_HOLD_MAX_MS
 from squall_server.replica.control_endpoints import ShutdownEndpoint
 from squall_server.replica.store import StoreError
 
 log = logging.getLogger("squall.replica")
 
 _SHUTDOWN_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
-
-# How long a freeze holds when the command names no hold (an older release's), and the
-# longest it may ask for: a shutdown that never finishes must not freeze a cluster for good.
-FREEZE_HOLD_DEFAULT_MS = 120_000
-FREEZE_HOLD_MAX_MS = 3_600_000
 
 
 @dataclass(frozen=True)

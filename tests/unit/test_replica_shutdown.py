@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from squall.v1 import common_pb2, replica_pb2
+from squall_server.common import freeze
 from squall_server.common.clock import Clock, ManualClock
 from squall_server.common.config import parse_config
 from squall_server.common.errors import Code, ServiceError
@@ -239,8 +240,8 @@ def test_a_freeze_from_an_older_command_naming_no_hold_holds_two_minutes() -> No
     async def body(node: ReplicaNode, stops: list[str]) -> None:
         await node.apply_role(_master(1))
         await shutdown.freeze(node, "s1", "t", hold_ms=0)
-        assert node.freeze_remaining_ms() == shutdown.FREEZE_HOLD_DEFAULT_MS == 120_000
-        clock.advance(shutdown.FREEZE_HOLD_DEFAULT_MS - 1)
+        assert node.freeze_remaining_ms() == freeze.FREEZE_HOLD_DEFAULT_MS == 120_000
+        clock.advance(freeze.FREEZE_HOLD_DEFAULT_MS - 1)
         await _lease_watch_ticks(node, 2)  # they see 1 ms left: still frozen
         assert node.frozen_for == "s1" and node.freeze_remaining_ms() == 1
         clock.advance(2)
@@ -258,7 +259,7 @@ def test_a_freeze_asking_to_hold_beyond_an_hour_is_refused_and_changes_nothing()
     async def body(node: ReplicaNode, stops: list[str]) -> None:
         await node.apply_role(_master(1))
         await _refused(
-            shutdown.freeze(node, "s1", "t", hold_ms=shutdown.FREEZE_HOLD_MAX_MS + 1),
+            shutdown.freeze(node, "s1", "t", hold_ms=freeze.FREEZE_HOLD_MAX_MS + 1),
             Code.INVALID_ARGUMENT,
             "at most 3600 s",
         )
