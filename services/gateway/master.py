@@ -6,7 +6,12 @@ each coordinator reported (`GroupViews`, a pure core with no I/O):
 
 * a NORMAL view naming a master proposes that master for the view's epoch;
 * the highest epoch wins, and the gateway never goes back below the highest epoch in
-  which it has seen a master (a deposed master's late view cannot win);
+  which it has seen a master (a deposed master's late view cannot win), except, after
+  every watch ended, to a group that a majority of the nodes report NORMAL together: once
+  a majority formed an epoch, no majority can still be in an older one, so that only
+  happens when the cluster's epochs started again (every node restored from a backup,
+  their coordinators' state lost with the disks), and the gateway follows the restored
+  cluster rather than wait for an epoch it will not see again;
 * a view from the master's own coordinator saying it is no longer master of that epoch
   (it lost its group) withdraws it, even while slower slaves still name it;
 * when a coordinator's stream ends, its view is forgotten (the others still speak).
@@ -99,6 +104,9 @@ class GroupViews:
         self.members: tuple[str, ...] = ()
         # Set once any coordinator has reported a view.
         self.heard = False
+        # Set when every view was forgotten (every watch ended), until a master is known
+        # again: only then may a majority's group below the floor be the cluster's.
+        self._lost_all = False
 
     @property
     def views(self) -> dict[str, coordinator_pb2.GroupView]:
@@ -154,6 +162,8 @@ class GroupViews:
     def forget(self, node_id: str) -> Master | None:
         """Drops node_id's view (its stream ended); returns the master implied now."""
         self._views.pop(node_id, None)
+        if not self._views:
+            self._lost_all = True
         self.master = self._derive()
         return self.master
 
@@ -175,14 +185,37 @@ class GroupViews:
             if best is None or candidate > best:
                 best, best_view = candidate, view
         if best is None or best_view is None:
-            self.members = ()
-            return None
+            best_view = self._restarted_group() if self._lost_all else None
+            if best_view is None:
+                self.members = ()
+                return None
+            self.epoch_floor = best_view.epoch
+            best = (best_view.epoch, True, best_view.master.node_id)
+        self._lost_all = False
         epoch, _, master_id = best
         others = sorted(
             {m.node_id for m in best_view.members if m.node_id in self._addresses} - {master_id}
         )
         self.members = (master_id, *others)
         return Master(master_id, self._addresses[master_id], epoch)
+
+    def _restarted_group(self) -> coordinator_pb2.GroupView | None:
+        """A view of the group a majority of the nodes report NORMAL together (the same
+        group, epoch and master), below the floor, heard since every watch ended: the
+        cluster's epochs started again. (Views held from before are not enough: the
+        members of a newer group may still be heard in the old one for a moment.)"""
+        together: dict[tuple[str, int, str], list[coordinator_pb2.GroupView]] = {}
+        for view in self._views.values():
+            if _names_master(view) and view.master.node_id in self._addresses:
+                key = (view.group_name, view.epoch, view.master.node_id)
+                together.setdefault(key, []).append(view)
+        for (_, epoch, master_id), views in together.items():
+            own = self._views.get(master_id)
+            if own is not None and own.epoch >= epoch and not _names_master(own, master_id):
+                continue  # the master itself says it lost that group
+            if len(views) > len(self._addresses) // 2:
+                return views[0]
+        return None
 
 
 def _names_master(view: coordinator_pb2.GroupView, master_id: str | None = None) -> bool:
@@ -464,8 +497,15 @@ class MasterTracker:
             return
         if node_id not in self._views.coordinators:
             return  # dropped by a newer running node set; its watch is ending
-        before = self.master
+        before, floor = self.master, self._views.epoch_floor
         self._views.observe(node_id, view)
+        if self._views.epoch_floor < floor:
+            log.warning(
+                "gateway %s: a majority of the nodes report group %s in epoch %d, below "
+                "epoch %d seen before: the cluster's epochs started again (its nodes "
+                "restored from a backup); following it",
+                self._gateway_id, view.group_name, self._views.epoch_floor, floor,
+            )  # fmt: skip
         change = self._views.learn(view)
         if change.moved or change.removed:
             self._follow(change)

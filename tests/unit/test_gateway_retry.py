@@ -311,3 +311,41 @@ def test_a_gateway_drops_nodes_the_newest_running_set_removed() -> None:
     regrown = _with_set(view("n3", NORMAL, 9, "n3"), 4, 9, "n1", "n2", "n3")
     assert views.learn(regrown) == NodeSetChange(("n1",))
     assert views.coordinators["n1"] == "cn1:1"
+
+
+def test_a_majority_reporting_one_group_below_the_floor_is_followed() -> None:
+    """Every node restored from a backup: their coordinators' epochs start again below
+    the highest the gateway saw. No majority can be NORMAL in an epoch older than one a
+    majority formed, so a majority's group below the floor is the restored cluster."""
+    views = GroupViews(ADDRESSES)
+    for node in ("n1", "n2", "n3"):
+        views.observe(node, view(node, NORMAL, 4, "n1"))
+    for node in ("n1", "n2", "n3"):
+        views.forget(node)
+    # One node's view, or two naming different masters or groups, is not the cluster.
+    assert views.observe("n2", view("n2", NORMAL, 2, "n2", group="a")) is None
+    assert views.observe("n3", view("n3", NORMAL, 2, "n2", group="b")) is None
+    # The master's own word that it lost the group outweighs the others.
+    views.observe("n2", view("n2", INACTIVE, 2))
+    assert views.observe("n3", view("n3", NORMAL, 2, "n2", group="a")) is None
+    assert views.epoch_floor == 4
+    # A majority in one group, with its master: followed, and the floor comes down.
+    views.observe("n1", view("n1", NORMAL, 2, "n1", group="c"))
+    assert views.observe("n2", view("n2", NORMAL, 2, "n1", group="c")) == Master("n1", "h:7201", 2)
+    assert views.epoch_floor == 2
+    # A stale view of a lone node below the new floor still cannot win.
+    views.observe("n3", view("n3", NORMAL, 1, "n3", group="d"))
+    assert views.master == Master("n1", "h:7201", 2)
+
+
+def test_views_of_an_older_group_held_while_a_newer_master_was_heard_never_win() -> None:
+    """n1 formed epoch 4; n2's and n3's watches still carry their epoch-3 views naming n2
+    when n1's watch ends. They are a majority, but heard before: not a restart."""
+    views = GroupViews(ADDRESSES)
+    views.observe("n2", view("n2", NORMAL, 3, "n2", group="old"))
+    views.observe("n3", view("n3", NORMAL, 3, "n2", group="old"))
+    assert views.observe("n1", view("n1", NORMAL, 4, "n1", group="new")) == Master(
+        "n1", "h:7201", 4
+    )
+    assert views.forget("n1") is None
+    assert views.epoch_floor == 4
