@@ -435,6 +435,8 @@ def test_a_checksum_error_rebuilding_the_gate_after_an_abandoned_taking_fail_sto
                 "n2 recorded every commit", lambda: n2.store.meta().commit_lsn == n1.last_lsn
             )
             damaged = _gate_damaged(n2, 3)
+            # Not a wait for anything: it lets n1's heartbeats run over the damage, so that
+            # without the wait above one records the commit and the test fails every time.
             await asyncio.sleep(0.5)
             await n1.apply_role(  # n1 stops serving: a sync source's log must not grow
                 replica_pb2.RoleCommand(seq=2, role=common_pb2.ROLE_INACTIVE, cluster_id=CLUSTER_ID)

@@ -241,9 +241,9 @@ def test_a_cancelled_publish_is_withdrawn_if_unsent_and_otherwise_goes_first(
         sent = await topic.publisher("sent")
         waiting = await topic.publisher("waiting")
         # The window fills with "sent"'s event and another, each sent in a turn of its own
-        # (the publishes of one turn go as one request); "waiting"'s event waits.
-        # (A publish's sequence is taken in its turn and its request sent at the turn's
-        # end, before `_until` looks again; the broker reads no further than the first.)
+        # (the publishes of one turn go as one request: a publish's sequence is taken in
+        # its turn, its request sent at the turn's end, before `_until` looks again; the
+        # broker reads no further than the first); "waiting"'s event waits.
         first = asyncio.create_task(sent.publish(b"sent-1"))
         await _until(lambda: sent.next_sequence == 2 and broker.requests_seen >= 1)
         other_publisher = await topic.publisher("other")
