@@ -71,10 +71,23 @@ def test_master_fails_over_and_leadership_returns(trio: LocalCluster) -> None:
 
 def test_status_shows_the_replica_table(trio: LocalCluster) -> None:
     trio.wait_for_master()
-    with trio.channel() as channel:
-        status = gateway_pb2_grpc.ClusterAdminStub(channel).GetClusterStatus(
-            gateway_pb2.GetClusterStatusRequest(), timeout=10
-        )
+    # n1 may lead a majority before the last node joins (a member slow to start on a
+    # loaded machine): the table is read once all three are in n1's group.
+    latest: list[gateway_pb2.ClusterStatus] = []
+
+    def settled() -> bool:
+        with trio.channel() as channel:
+            latest[:] = [
+                gateway_pb2_grpc.ClusterAdminStub(channel).GetClusterStatus(
+                    gateway_pb2.GetClusterStatusRequest(), timeout=10
+                )
+            ]
+        return all(row.coordinator_id == "n1" for row in latest[0].nodes) and {
+            row.node_id for row in latest[0].nodes
+        } == {"n1", "n2", "n3"}
+
+    wait_for(settled, 30, "all three nodes in n1's group in the gateway's status")
+    status = latest[0]
     rows = {row.node_id: row for row in status.nodes}
     assert set(rows) == {"n1", "n2", "n3"}
     assert all(row.coordinator_id == "n1" for row in rows.values())

@@ -33,7 +33,7 @@ class _FakeCall(grpc.RpcError):
     """A PublishStream call as `grpc` gives it: its requests consumed by a thread of its
     own, responses read with `next()` (here given by the test), cancel, end callbacks."""
 
-    def __init__(self, requests: Iterator[broker_pb2.PublishRequest]) -> None:
+    def __init__(self, requests: Iterator[broker_pb2.PublishRequest], hold: bool = False) -> None:
         self.cond = threading.Condition()
         self.requests: list[broker_pb2.PublishRequest] = []
         self.responses: collections.deque[broker_pb2.PublishResponse] = collections.deque()
@@ -44,6 +44,11 @@ class _FakeCall(grpc.RpcError):
         self.read_by: list[str] = []
         self.blocked_readers = 0
         self.cancelled = False
+        # Clear while the request thread is still sending the last message it took (gRPC's
+        # takes the next request only once the one before has gone): `hold` starts so.
+        self.sent = threading.Event()
+        if not hold:
+            self.sent.set()
         threading.Thread(target=self._consume, args=(requests,), daemon=True).start()
 
     def _consume(self, requests: Iterator[broker_pb2.PublishRequest]) -> None:
@@ -51,6 +56,7 @@ class _FakeCall(grpc.RpcError):
             with self.cond:
                 self.requests.append(request)
                 self.cond.notify_all()
+            assert self.sent.wait(_STUCK_S), "a test never let the message go"
 
     # -- the test's side --------------------------------------------------------------
 
@@ -61,8 +67,11 @@ class _FakeCall(grpc.RpcError):
             request = self.requests[self.answered]
             self.answered += 1
             response = broker_pb2.PublishResponse(request_id=request.request_id)
-            for event in request.events:
-                response.receipts.add(offset=event.sequence, lsn=event.sequence, master_id="n1")
+            for part in request.parts or [request]:
+                answer = response.parts.add() if request.parts else response
+                answer.request_id = part.request_id
+                for event in part.events:
+                    answer.receipts.add(offset=event.sequence, lsn=event.sequence, master_id="n1")
             self.responses.append(response)
             self.cond.notify_all()
 
@@ -132,9 +141,10 @@ class _FakeStub:
 
     def __init__(self) -> None:
         self.calls: list[_FakeCall] = []
+        self.hold_sends = False  # each call's first message stays going out until `sent`
 
     def PublishStream(self, requests: Iterator[Any], metadata: Any = ()) -> _FakeCall:
-        call = _FakeCall(requests)
+        call = _FakeCall(requests, hold=self.hold_sends)
         self.calls.append(call)
         return call
 
@@ -215,8 +225,9 @@ def test_a_reader_settles_the_requests_it_reads_for_other_callers(stub: _FakeStu
     reading."""
     mux = PublishMux(stub)  # type: ignore[arg-type]
     early = _Caller(mux, "early", 1, timeout_s=_STUCK_S, wait=False)
-    reader = _Caller(mux, "reader", 1, timeout_s=_STUCK_S)
     call = stub.calls[0]
+    wait_until(lambda: len(call.requests) == 1)
+    reader = _Caller(mux, "reader", 1, timeout_s=_STUCK_S)
     wait_until(lambda: call.blocked_readers == 1)
     early.thread.start()
     wait_until(lambda: early.entry.future.parked)
@@ -285,4 +296,59 @@ def test_a_caller_waiting_for_a_slot_fails_as_not_sent_when_the_stream_ends(
     error = second.join()
     assert isinstance(error, squall.Unavailable) and not error.maybe_stored, error
     assert len(call.requests) == 1
+    mux.close()
+
+
+def test_publishes_made_while_the_last_message_is_still_going_out_go_as_one_request(
+    stub: _FakeStub,
+) -> None:
+    """A request is built when gRPC's request thread is ready to send it, not when a slot
+    frees: the callers that publish while the message before is still going out (as the
+    threads one answer wakes do, one after the other) all go in the next request, not the
+    first of them alone and the rest in the one after."""
+    mux = PublishMux(stub)  # type: ignore[arg-type]
+    stub.hold_sends = True
+    first = _Caller(mux, "first", 1, timeout_s=_STUCK_S)
+    call = stub.calls[0]
+    wait_until(lambda: len(call.requests) == 1)
+    others = [_Caller(mux, f"p{i}", 1, timeout_s=_STUCK_S) for i in range(3)]
+    for caller in others:
+        wait_until(lambda caller=caller: caller.entry.future.parked)
+    call.sent.set()
+    wait_until(lambda: len(call.requests) == 2)
+    joined = call.requests[1]
+    assert [part.publisher_id for part in joined.parts] == ["p0", "p1", "p2"]
+    call.answer()
+    call.answer()
+    assert isinstance(first.join(), squall.Receipt)
+    for caller in others:
+        receipt = caller.join()
+        assert isinstance(receipt, squall.Receipt) and receipt.offset == 1, receipt
+    assert len(call.requests) == 2
+    mux.close()
+
+
+def test_a_request_that_cannot_be_built_fails_its_callers_and_the_stream_goes_on(
+    stub: _FakeStub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests are built on gRPC's request thread: a failure there (a client bug) reaches
+    the callers whose events it held, as not sent, instead of leaving them waiting until
+    their timeout; the next publish goes out on the same stream."""
+    build = squall._publish_mux.build_request
+    failures = [RuntimeError("a bug")]
+
+    def fails_once(*args: Any, **kwargs: Any) -> Any:
+        if failures:
+            raise failures.pop()
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(squall._publish_mux, "build_request", fails_once)
+    mux = PublishMux(stub)  # type: ignore[arg-type]
+    error = _Caller(mux, "first", 1, timeout_s=_STUCK_S).join()
+    assert isinstance(error, squall.SquallError) and not error.maybe_stored, error
+    assert "failed building the request" in error.details and "a bug" in error.details
+    second = _Caller(mux, "second", 1, timeout_s=_STUCK_S)
+    stub.calls[0].answer()
+    assert isinstance(second.join(), squall.Receipt)
+    assert len(stub.calls) == 1
     mux.close()
