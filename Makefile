@@ -85,22 +85,25 @@ browser-deps:
 bytecode: install-run
 	@$(PY) scripts/bytecode.py
 
+LINT_PATHS := services clients tests scripts deploy bench examples chaos
+LINT_STEPS := '$(BIN)/ruff check $(LINT_PATHS)' '$(BIN)/ruff format --check $(LINT_PATHS)' \
+	'$(BIN)/mypy squall_server clients/squall deploy scripts bench chaos'
+
 lint: install
-	$(BIN)/ruff check services clients tests scripts deploy bench examples chaos
-	$(BIN)/ruff format --check services clients tests scripts deploy bench examples chaos
-	$(BIN)/mypy squall_server clients/squall deploy scripts bench chaos
+	@for step in $(LINT_STEPS); do echo "$$step"; $$step || exit 1; done
 
 # The unit tests run on two workers, a file per worker at a time. Then the tests that start
 # real processes run one at a time, as their failover bounds assume, and beside them, at
 # the lowest CPU priority (nice 19), the simulators' seeds on two workers
 # (scripts/test_suites.sh: the real-process tests leave a core idle while they wait; the
-# simulators run on virtual time). Each chunk of 25 whole-node seeds (400 in all, COORD_SEEDS=N for another count)
-# or 20 shell seeds is a unit any worker takes (tests/xdist_units.py); a failing chunk
-# lists each failing seed with its replay command (SEED=S ...). With PYTEST_ARGS, one run
-# of what they select.
-test: install protos-check lint node-deps browser-deps bytecode
+# simulators run on virtual time), and the lint (ruff, mypy; it only computes). Each chunk
+# of 25 whole-node seeds (400 in all, COORD_SEEDS=N for another count) or 20 shell seeds
+# is a unit any worker takes (tests/xdist_units.py); a failing chunk lists each failing
+# seed with its replay command (SEED=S ...). With PYTEST_ARGS, the lint, then one run of
+# what they select.
+test: install protos-check node-deps browser-deps bytecode $(if $(strip $(PYTEST_ARGS)),lint)
 ifeq ($(strip $(PYTEST_ARGS)),)
-	@bash scripts/test_suites.sh $(BIN)
+	@bash scripts/test_suites.sh $(BIN) $(LINT_STEPS)
 else
 	$(BIN)/pytest -q -p no:cacheprovider --durations=25 $(PYTEST_ARGS)
 endif
