@@ -55,9 +55,9 @@ def _by_offset(events: list[common_pb2.Event]) -> dict[int, common_pb2.Event]:
     return {e.offset: e for e in events}
 
 
-def test_publish_and_read_back_through_the_gateway(single: LocalCluster) -> None:
+def test_publish_and_read_back_through_the_gateway(shared_single: LocalCluster) -> None:
     async def main() -> None:
-        async with squall.aio.connect(single.gateway_address, timeout_s=10.0) as client:
+        async with squall.aio.connect(shared_single.gateway_address, timeout_s=10.0) as client:
             created = await client.create_topic("orders")
             assert created.name == "orders"
             with pytest.raises(squall.AlreadyExists):
@@ -330,7 +330,7 @@ def test_non_replicated_proxy_raises_publisher_lost_and_a_new_one_works(
 
 
 def test_push_endpoint_on_the_event_loop_receives_every_event_in_order(
-    single: LocalCluster,
+    shared_single: LocalCluster,
 ) -> None:
     async def main() -> None:
         deliveries: list[squall.PushDelivery] = []
@@ -345,10 +345,10 @@ def test_push_endpoint_on_the_event_loop_receives_every_event_in_order(
 
         async with (
             squall.aio.PushEndpoint() as endpoint,
-            squall.aio.connect(single.gateway_address) as client,
+            squall.aio.connect(shared_single.gateway_address) as client,
         ):
-            await client.create_topic("orders")
-            topic = await client.topic("orders")
+            await client.create_topic("pushed")
+            topic = await client.topic("pushed")
             info = await topic.subscribe_push(
                 "billing",
                 endpoint,

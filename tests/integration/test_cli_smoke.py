@@ -17,8 +17,8 @@ def _run(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_topic_publish_subscribe_and_status_commands(single: LocalCluster) -> None:
-    gateway = ["--gateway", single.gateway_address]
+def test_topic_publish_subscribe_and_status_commands(shared_single: LocalCluster) -> None:
+    gateway = ["--gateway", shared_single.gateway_address]
     created = _run("-m", "squall_server", "topic", "create", "cli-demo", *gateway)
     assert created.returncode == 0, created.stderr
     published = _run("-m", "squall_server", "publish", "cli-demo", *gateway, stdin="one\ntwo\n")
@@ -26,7 +26,9 @@ def test_topic_publish_subscribe_and_status_commands(single: LocalCluster) -> No
     assert [line.split()[0] for line in published.stdout.splitlines()] == ["offset=0", "offset=1"]
     read = _run("-m", "squall_server", "subscribe", "cli-demo", "--count", "2", *gateway)
     assert read.stdout.splitlines() == ["0\t\tone", "1\t\ttwo"]
-    listed = _run("-m", "squall_server", "topic", "list", "--config", str(single.config_path))
+    listed = _run(
+        "-m", "squall_server", "topic", "list", "--config", str(shared_single.config_path)
+    )
     assert "cli-demo" in listed.stdout
     status = _run("-m", "squall_server", "status", *gateway)
     assert status.returncode == 0
@@ -36,7 +38,9 @@ def test_topic_publish_subscribe_and_status_commands(single: LocalCluster) -> No
     assert duplicate.stderr.startswith("squall: ") and "already exists" in duplicate.stderr
 
 
-def test_the_raw_stubs_example_runs(single: LocalCluster) -> None:
-    done = _run("examples/raw_stubs_app.py", "--gateway", single.gateway_address, "--topic", "raw")
+def test_the_raw_stubs_example_runs(shared_single: LocalCluster) -> None:
+    done = _run(
+        "examples/raw_stubs_app.py", "--gateway", shared_single.gateway_address, "--topic", "raw"
+    )
     assert done.returncode == 0, done.stderr
     assert "read 5 events" in done.stdout, done.stdout

@@ -3,10 +3,11 @@
 Which README blocks are checked where:
 
 * *Using it from Python*, the replicated publisher and the push subscriber snippets: run
-  here, each in a fresh interpreter, against a real one-node cluster (the address
-  127.0.0.1:7100 swapped for the test cluster's gateway; the 100,000-event batch cut to
-  1,000 to keep the test short; the two fragments get a prelude defining what they take
-  from the text around them: `topic`, `log`, `handle`).
+  here, each in a fresh interpreter, against a real one-node cluster the three share (the
+  address 127.0.0.1:7100 swapped for the test cluster's gateway; the topic "orders" renamed
+  to one of each snippet's own; the 100,000-event batch cut to 1,000 to keep the test short;
+  the two fragments get a prelude defining what they take from the text around them:
+  `topic`, `log`, `handle`).
 * *The command line*: every command of the synopsis is a real command of `squall`, with
   the options shown (checked here against the parser); the client commands themselves
   run in tests/integration/test_cli_smoke.py, the operator ones in
@@ -102,13 +103,16 @@ def _run_snippet(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize("name", list(SNIPPETS))
 def test_the_readme_python_snippets_run_against_a_cluster(
-    name: str, single: LocalCluster, tmp_path: Path
+    name: str, shared_single: LocalCluster, tmp_path: Path
 ) -> None:
     containing, prelude = SNIPPETS[name]
-    block = _python_block(containing).replace(DOC_GATEWAY, single.gateway_address)
+    block = _python_block(containing).replace(DOC_GATEWAY, shared_single.gateway_address)
     block = block.replace("range(100_000)", "range(1_000)")
-    code = PRELUDE.format(gateway=single.gateway_address) if prelude else ""
+    code = PRELUDE.format(gateway=shared_single.gateway_address) if prelude else ""
     code += textwrap.dedent(block)
+    # Each snippet its own topic on the shared cluster (the first creates it and reads it
+    # from offset 0).
+    code = code.replace('"orders"', f'"orders-{name}"')
     if name == "using-it-from-python":
         # What it printed: the receipt, then every event the subscription read.
         result = _run_snippet(code, tmp_path)

@@ -42,20 +42,22 @@ def _stored(events: list[common_pb2.Event]) -> list[tuple[int, str, int, bytes]]
 
 
 def test_library_publisher_with_a_fixed_id_stores_again_in_a_recreated_topic(
-    single: LocalCluster,
+    shared_single: LocalCluster,
 ) -> None:
-    with squall.connect(single.gateway_address, timeout_s=10.0) as client:
-        client.create_topic("dd")
-        old = client.topic("dd").publisher("pub-fixed")
+    # Topic and publisher id of its own: the raw test below publishes as pub-fixed on the
+    # same cluster, and a publisher id keeps to one topic.
+    with squall.connect(shared_single.gateway_address, timeout_s=10.0) as client:
+        client.create_topic("dd-library")
+        old = client.topic("dd-library").publisher("pub-library")
         assert [old.publish(b"old-%d" % i).offset for i in range(3)] == [0, 1, 2]
         old.close()
-        topic = client.topic("dd")
+        topic = client.topic("dd-library")
         topic.subscribe("billing", follow=False).close()  # a durable cursor of the old one
-        client.destroy_topic("dd")
-        client.create_topic("dd")
-        topic = client.topic("dd")
+        client.destroy_topic("dd-library")
+        client.create_topic("dd-library")
+        topic = client.topic("dd-library")
         assert topic.subscriptions() == []
-        publisher = topic.publisher("pub-fixed")
+        publisher = topic.publisher("pub-library")
         receipts = [publisher.publish(b"new-%d" % i) for i in range(3)]
         publisher.close()
         assert [(r.offset, r.duplicate) for r in receipts] == [(0, False), (1, False), (2, False)]
@@ -63,12 +65,12 @@ def test_library_publisher_with_a_fixed_id_stores_again_in_a_recreated_topic(
             read = [(m.offset, m.sequence, m.payload) for m in subscription]
         assert read == [(0, 1, b"new-0"), (1, 2, b"new-1"), (2, 3, b"new-2")]
         # The dedupe state is the new incarnation's: a retry is answered from it.
-        again = topic.publisher("pub-fixed", start_sequence=2).publish(b"new-1")
+        again = topic.publisher("pub-library", start_sequence=2).publish(b"new-1")
         assert (again.offset, again.duplicate) == (1, True)
-    assert _stored(_read(single, "dd")) == [
-        (0, "pub-fixed", 1, b"new-0"),
-        (1, "pub-fixed", 2, b"new-1"),
-        (2, "pub-fixed", 3, b"new-2"),
+    assert _stored(_read(shared_single, "dd-library")) == [
+        (0, "pub-library", 1, b"new-0"),
+        (1, "pub-library", 2, b"new-1"),
+        (2, "pub-library", 3, b"new-2"),
     ]
 
 
@@ -110,24 +112,24 @@ def _topic_call(call: object, request: object) -> None:
 
 
 def test_raw_grpc_publish_with_the_same_ids_stores_again_in_a_recreated_topic(
-    single: LocalCluster,
+    shared_single: LocalCluster,
 ) -> None:
-    with single.channel() as channel:
+    with shared_single.channel() as channel:
         topics = broker_pb2_grpc.TopicManagerStub(channel)
         publisher = broker_pb2_grpc.PublisherStub(channel)
-        topics.CreateTopic(broker_pb2.CreateTopicRequest(name="dd"), timeout=10)
-        _publish(publisher, "dd", [b"old-0", b"old-1", b"old-2"])
-        topics.DestroyTopic(broker_pb2.DestroyTopicRequest(name="dd"), timeout=10)
-        topics.CreateTopic(broker_pb2.CreateTopicRequest(name="dd"), timeout=10)
-        response = _publish(publisher, "dd", [b"new-0", b"new-1", b"new-2"])
+        topics.CreateTopic(broker_pb2.CreateTopicRequest(name="dd-raw"), timeout=10)
+        _publish(publisher, "dd-raw", [b"old-0", b"old-1", b"old-2"])
+        topics.DestroyTopic(broker_pb2.DestroyTopicRequest(name="dd-raw"), timeout=10)
+        topics.CreateTopic(broker_pb2.CreateTopicRequest(name="dd-raw"), timeout=10)
+        response = _publish(publisher, "dd-raw", [b"new-0", b"new-1", b"new-2"])
         assert [(r.offset, r.duplicate) for r in response.receipts] == [
             (0, False),
             (1, False),
             (2, False),
         ]
-        retry = _publish(publisher, "dd", [b"new-2"], first_sequence=3)
+        retry = _publish(publisher, "dd-raw", [b"new-2"], first_sequence=3)
         assert [(r.offset, r.duplicate) for r in retry.receipts] == [(2, True)]
-    assert _stored(_read(single, "dd")) == [
+    assert _stored(_read(shared_single, "dd-raw")) == [
         (0, "pub-fixed", 1, b"new-0"),
         (1, "pub-fixed", 2, b"new-1"),
         (2, "pub-fixed", 3, b"new-2"),
