@@ -112,6 +112,7 @@ def test_the_readme_python_snippets_run_against_a_cluster(
     code += textwrap.dedent(block)
     # Each snippet its own topic on the shared cluster (the first creates it and reads it
     # from offset 0).
+    assert '"orders"' in code, f"the README's {name} snippet no longer names its topic orders"
     code = code.replace('"orders"', f'"orders-{name}"')
     if name == "using-it-from-python":
         # What it printed: the receipt, then every event the subscription read.
