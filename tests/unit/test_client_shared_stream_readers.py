@@ -7,7 +7,9 @@ call the mux uses (responses given by the test, one at a time), so each step is
 deterministic: a lone caller reads its own answer; a reader that leaves hands the role
 on; a reader whose timeout passes while it is blocked reading still gets its
 `Indeterminate` (the stream is abandoned for it); a stream that ends while no one reads
-it is replaced before the next publish, which does not fail for it.
+it is replaced before the next publish, which does not fail for it. Requests are built
+when gRPC's request thread takes them: publishes made while the message before is still
+going out go as one request, and one that cannot be built fails its callers at once.
 """
 
 from __future__ import annotations
