@@ -176,9 +176,8 @@ class GroupViews:
             master_id = view.master.node_id
             if master_id not in self._addresses:
                 continue
-            own = self._views.get(master_id)
-            if own is not None and own.epoch >= view.epoch and not _names_master(own, master_id):
-                continue  # the master itself says it lost that group
+            if self._disowned(view):
+                continue
             # Equal epochs name the same master (one master per epoch); prefer the
             # master's own word when there is a choice.
             candidate = (view.epoch, reporter == master_id, master_id)
@@ -209,13 +208,16 @@ class GroupViews:
             if _names_master(view) and view.master.node_id in self._addresses:
                 key = (view.group_name, view.epoch, view.master.node_id)
                 together.setdefault(key, []).append(view)
-        for (_, epoch, master_id), views in together.items():
-            own = self._views.get(master_id)
-            if own is not None and own.epoch >= epoch and not _names_master(own, master_id):
-                continue  # the master itself says it lost that group
-            if len(views) > len(self._addresses) // 2:
+        for views in together.values():
+            if not self._disowned(views[0]) and len(views) > len(self._addresses) // 2:
                 return views[0]
         return None
+
+    def _disowned(self, view: coordinator_pb2.GroupView) -> bool:
+        """Whether the master a view names says itself it lost that group."""
+        master_id = view.master.node_id
+        own = self._views.get(master_id)
+        return own is not None and own.epoch >= view.epoch and not _names_master(own, master_id)
 
 
 def _names_master(view: coordinator_pb2.GroupView, master_id: str | None = None) -> bool:

@@ -23,6 +23,7 @@ import grpc
 import pytest
 
 import squall
+import squall._publish_mux as publish_mux
 from squall._publish_mux import PublishMux
 from squall.v1 import broker_pb2, common_pb2
 from tests.unit.test_client import wait_until
@@ -336,7 +337,7 @@ def test_a_request_that_cannot_be_built_fails_its_callers_and_the_stream_goes_on
     """Requests are built on gRPC's request thread: a failure there (a client bug) reaches
     the callers whose events it held, as not sent, instead of leaving them waiting until
     their timeout; the next publish goes out on the same stream."""
-    build = squall._publish_mux.build_request
+    build = publish_mux.build_request
     failures = [RuntimeError("a bug")]
 
     def fails_once(*args: Any, **kwargs: Any) -> Any:
@@ -344,7 +345,7 @@ def test_a_request_that_cannot_be_built_fails_its_callers_and_the_stream_goes_on
             raise failures.pop()
         return build(*args, **kwargs)
 
-    monkeypatch.setattr(squall._publish_mux, "build_request", fails_once)
+    monkeypatch.setattr(publish_mux, "build_request", fails_once)
     mux = PublishMux(stub)  # type: ignore[arg-type]
     error = _Caller(mux, "first", 1, timeout_s=_STUCK_S).join()
     assert isinstance(error, squall.SquallError) and not error.maybe_stored, error
