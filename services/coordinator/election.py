@@ -174,6 +174,15 @@ driver judges from the replica's answer) is reported the same way, with
 its end (writes complete again) is ``replica_answered``. The reverse fault needs nothing
 here: a replica whose coordinator is gone drops its role when its lease runs out.
 
+A replica on oversubscribed CPUs answers late though it is well, and says so: each answer
+to a role call carries how late its event loop has woken lately (``loop_late_ms``). The
+driver passes the last such report with the silence (``late_ms``), and the machine allows
+``LATE_ALLOWANCE_FACTOR`` times that on top of ``replica_timeout_ms``, at most
+``replica_timeout_ms`` more (Lifeguard's local health awareness, applied to the replica's
+own report). A replica that answered on time until it hung or was paused reported no
+lateness, so it is taken out after ``replica_timeout_ms`` as before; a busy one gets up to
+twice that.
+
 Master refusals
 ---------------
 A replica that refuses the master role makes its driver recover (a fresh Election); the
@@ -295,6 +304,10 @@ _TIMER_PASSES_MAX = 4
 # this many entries: the hand-over's write fence then waits for the rest (a few batches),
 # not for a catch-up.
 CATCH_UP_LAG_ENTRIES_MAX = 256
+# A replica that said its event loop ran L ms late may stay silent this many times L on
+# top of replica_timeout_ms (at most one replica_timeout_ms more): an answer crosses a few
+# loop turns (the call read, the role applied, the answer written), each that late.
+LATE_ALLOWANCE_FACTOR = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -715,6 +728,9 @@ class Election:
         # whether that lasted replica_timeout_ms, so the node is out of every group.
         self._replica_silent_since: int | None = None
         self._replica_lost = False
+        # The silence allowed on top of replica_timeout_ms for the replica's reported
+        # lateness (``_late_allowance_ms``).
+        self._replica_allowance_ms = 0
         # Whether the silence is a replica that answers but whose store does not write.
         self._replica_store_stalled = False
         # Rejoin: higher-ranked nodes found alone while this node serves (invited at the next
@@ -741,15 +757,20 @@ class Election:
         """Take the local replica's (cluster_id, last_epoch, last_lsn, store_state)."""
         return self._run(now_ms, lambda: self._on_report(report))
 
-    def replica_silent(self, since_ms: int, now_ms: int, *, store_stalled: bool = False) -> Ready:
+    def replica_silent(
+        self, since_ms: int, now_ms: int, *, store_stalled: bool = False, late_ms: int = 0
+    ) -> Ready:
         """The driver saw no answer from its replica since ``since_ms`` (its last answer): a
-        call failed or is still outstanding. After ``replica_timeout_ms`` of that the node
-        leaves its group; ``replica_answered`` ends it. Repeating it is harmless.
+        call failed or is still outstanding. After ``replica_timeout_ms`` of that (plus the
+        allowance for ``late_ms``) the node leaves its group; ``replica_answered`` ends it.
+        Repeating it is harmless.
 
         store_stalled: the replica answers, but its store has not completed a write since
         ``since_ms`` for longer than the driver's ``store_stall_timeout_ms`` (a stuck disk);
-        it counts as silence, and the reasons say so."""
-        return self._run(now_ms, lambda: self._on_replica_silent(since_ms, store_stalled))
+        it counts as silence, and the reasons say so. late_ms: how late the replica said
+        its event loop ran, in its last answer that said (module doc, "One fate per
+        node")."""
+        return self._run(now_ms, lambda: self._on_replica_silent(since_ms, store_stalled, late_ms))
 
     def replica_answered(self, now_ms: int) -> Ready:
         """The replica answered a call again; a node out of its group for it rejoins."""
@@ -954,7 +975,11 @@ class Election:
         if self._lead_hold_off is not None:
             due.append(self._lead_hold_off.until_ms)
         if self._replica_silent_since is not None and not self._replica_lost:
-            due.append(self._replica_silent_since + self._cfg.replica_timeout_ms)
+            due.append(
+                self._replica_silent_since
+                + self._cfg.replica_timeout_ms
+                + self._replica_allowance_ms
+            )
         if self._coord != self._me:
             if self._pending is not None:
                 due.append(self._pending.deadline_ms)
@@ -1493,7 +1518,11 @@ class Election:
         now = self._now_ms
         cfg = self._cfg
         silent = self._replica_silent_since
-        if silent is not None and not self._replica_lost and now - silent >= cfg.replica_timeout_ms:
+        if (
+            silent is not None
+            and not self._replica_lost
+            and now - silent >= cfg.replica_timeout_ms + self._replica_allowance_ms
+        ):
             self._lose_replica(silent)
             return True
         hold_off = self._lead_hold_off
@@ -2207,7 +2236,7 @@ class Election:
 
     # ----------------------------------------------------------------- one fate per node
 
-    def _on_replica_silent(self, since_ms: int, store_stalled: bool) -> None:
+    def _on_replica_silent(self, since_ms: int, store_stalled: bool, late_ms: int) -> None:
         """Note since when the replica has not answered; the timers decide."""
         if since_ms > self._now_ms:
             self._reject(
@@ -2215,15 +2244,32 @@ class Election:
                 f"replica silent since {since_ms}, which is after now ({self._now_ms})",
             )
             return
+        if late_ms < 0:
+            self._reject(RejectCode.INVALID_ARGUMENT, f"replica late by {late_ms} ms (< 0)")
+            return
         if self._replica_silent_since is None:
             self._replica_silent_since = since_ms
+            # A stuck disk has its own timeout (the driver's): no allowance for it.
+            self._replica_allowance_ms = 0 if store_stalled else self._late_allowance_ms(late_ms)
         self._replica_store_stalled = store_stalled
+
+    def _allowance_said(self) -> str:
+        allowance = self._replica_allowance_ms
+        return f" + {allowance} allowed for its loop running late" if allowance else ""
+
+    def _late_allowance_ms(self, late_ms: int) -> int:
+        """The silence allowed on top of replica_timeout_ms to a replica that said its
+        event loop ran late_ms late: a replica answering through a few loop turns that
+        late needs a few times that; never more than one replica_timeout_ms more."""
+        timeout = self._cfg.replica_timeout_ms
+        return min(timeout, LATE_ALLOWANCE_FACTOR * late_ms)
 
     def _on_replica_answered(self) -> None:
         """The replica answers: forget the silence; a node out for it rejoins."""
         since = self._replica_silent_since
         stalled = self._replica_store_stalled
         self._replica_silent_since = None
+        self._replica_allowance_ms = 0
         self._replica_store_stalled = False
         if not self._replica_lost:
             return
@@ -2263,7 +2309,7 @@ class Election:
             f"replica store of node {self._me} stalled: no write completed for {silent_ms} ms"
             if stalled
             else f"replica of node {self._me} has not answered for {silent_ms} ms "
-            f"(replica_timeout_ms {self._cfg.replica_timeout_ms})"
+            f"(replica_timeout_ms {self._cfg.replica_timeout_ms}{self._allowance_said()})"
         )
         for node in sorted(told, key=node_sort_key):
             self._send(node, Leave(group, reason))
@@ -2273,7 +2319,7 @@ class Election:
             f"replica store stalled: no write completed for {silent_ms} ms"
             if stalled
             else f"replica has not answered for {silent_ms} ms (replica_timeout_ms "
-            f"{self._cfg.replica_timeout_ms}"
+            f"{self._cfg.replica_timeout_ms}{self._allowance_said()}"
         )
         until = "its writes complete" if stalled else "it answers"
         self._log(

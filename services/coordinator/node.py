@@ -177,6 +177,7 @@ def replica_answer(command: RoleCommand, state: replica_pb2.ReplicaState) -> Rep
         ),
         losses=tuple(loss_from_proto(loss) for loss in state.losses[:LOSS_RECORDS_MAX]),
         quorum_silent_ms=state.quorum_silent_ms,
+        loop_late_ms=state.loop_late_ms,
         # A member still catching up holds no commit back (acks "group" waits for it once
         # it has caught up), so it is not dropped for its silence.
         slave_silences=tuple(

@@ -268,6 +268,12 @@ class Writer(CoreView):
                             await rest
                     finally:
                         _finish_appended(batch)
+                if self._queue:
+                    # Nothing above need suspend (an unflushed append runs inline), so a
+                    # long queue would hold the loop for all its batches: the replica's
+                    # coordinator, acks and reads wait meanwhile, and under load that
+                    # looked like a hung replica (replica_timeout_ms).
+                    await asyncio.sleep(0)
 
     def _may_begin_now(self) -> bool:
         """Whether a lone submitter's command may be committed at once, in its turn:

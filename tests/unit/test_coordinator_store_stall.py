@@ -90,3 +90,45 @@ def test_a_recovery_during_a_stall_tells_the_new_election_again() -> None:
     driver.recover("a refused role, say")
     # The replica still answers (the watch stays quiet); the stall is not forgotten.
     assert driver.election.status().replica_unreachable_since_ms is not None
+
+
+def _late(ms: int) -> ReplicaAnswer:
+    return ReplicaAnswer(report=_stalled(0).report, loop_late_ms=ms)
+
+
+def test_a_replica_that_said_its_loop_runs_late_gets_the_allowance_when_it_falls_silent() -> None:
+    """A role answer's loop_late_ms is what the election hears with the silence that
+    follows it (a health probe's answer, which says nothing of it, keeps the last report),
+    so a busy replica stays a member for longer than an idle one would."""
+    clock, store = ManualClock(monotonic_start_ms=10_000), MemoryStateStore()
+    driver = _driver(clock, store)
+    _to_master(driver, clock)
+    command = driver.role_wanted()
+    assert command is not None
+    driver.role_outcome(command, _late(80))
+    driver.replica_answered()  # a health probe
+    applied = _recording(driver)
+    for _ in range(10):  # 500 ms of silence, watched every 50 ms
+        clock.advance(50)
+        driver.watch()
+        driver.apply(driver.election.tick(clock.monotonic_ms()))
+    assert driver.election.status().replica_unreachable_since_ms is None
+    for _ in range(2):  # 300 + 240 ms: out
+        clock.advance(50)
+        driver.watch()
+        driver.apply(driver.election.tick(clock.monotonic_ms()))
+    assert driver.election.status().replica_unreachable_since_ms is not None
+    lost = [e.message for r in applied for e in r.events if e.event == "replica-unreachable"]
+    assert "not answered for 550 ms (replica_timeout_ms 300 + 240 allowed" in lost[0]
+
+    clock, store = ManualClock(monotonic_start_ms=10_000), MemoryStateStore()
+    driver = _driver(clock, store)
+    _to_master(driver, clock)
+    command = driver.role_wanted()
+    assert command is not None
+    driver.role_outcome(command, _late(0))  # on time: 300 ms is all it gets
+    for _ in range(7):
+        clock.advance(50)
+        driver.watch()
+        driver.apply(driver.election.tick(clock.monotonic_ms()))
+    assert driver.election.status().replica_unreachable_since_ms is not None

@@ -243,3 +243,34 @@ def test_a_caller_giving_up_after_its_write_began_does_not_stop_the_write(
         assert plan.receipt is not None and plan.receipt.first_offset == 1
 
     asyncio.run(_cluster(tmp_path, NODES, scenario, master_sync="SYNC"))
+
+
+def test_the_writer_lets_the_loop_run_between_commit_batches(tmp_path: Path) -> None:
+    """A queue longer than one commit batch (pipelined publishers) is written batch by
+    batch with the event loop free in between: the replica answers its coordinator, reads
+    acks and requests meanwhile, instead of holding the loop for the whole queue (under
+    load that was long enough for the coordinator to take a healthy node out)."""
+
+    async def scenario(
+        nodes: dict[str, ReplicaNode], store: _CountingStore, sent: list[tuple[str, int]]
+    ) -> None:
+        master = nodes["n1"]
+        per_batch = master.config.limits.commit_batch_max_entries
+        appends = store.appends
+        seen: list[int] = []
+
+        async def watch() -> None:
+            while store.appends < appends + 3:
+                seen.append(store.appends - appends)
+                await asyncio.sleep(0)
+
+        watching = asyncio.create_task(watch())
+        await asyncio.sleep(0)
+        futures = [master.begin_publish(_publish(1, f"p{k}")) for k in range(2 * per_batch + 10)]
+        await asyncio.wait_for(asyncio.gather(*futures), WAIT_S)
+        await asyncio.wait_for(watching, WAIT_S)
+        assert store.appends == appends + 3
+        # The watch ran after the first batch and after the second.
+        assert 1 in seen and 2 in seen, seen
+
+    asyncio.run(_cluster(tmp_path, NODES, scenario))
