@@ -34,6 +34,7 @@ from typing import Protocol
 
 from squall_server.common.clock import Clock
 from squall_server.common.loss_record import LossRecord
+from squall_server.coordinator.answer_times import RecentAnswerTimes
 from squall_server.coordinator.election import Election, ElectionConfig, LeadHoldOff
 from squall_server.coordinator.membership import MembershipChange
 from squall_server.coordinator.messages import (
@@ -205,8 +206,6 @@ class ReplicaAnswer:
     quorum_silent_ms: int = 0
     # A master's: how long it has not heard from each member slave (node id, ms).
     slave_silences: tuple[tuple[str, int], ...] = ()
-    # How late the replica's event loop has run lately (ReplicaState.loop_late_ms).
-    loop_late_ms: int = 0
 
 
 class RoleNext(enum.Enum):
@@ -304,8 +303,8 @@ class CoordinatorDriver:
         # a replica starting after its coordinator has its grace), and whether the election
         # has been told it is silent.
         self._replica_seen_ms = clock.monotonic_ms()
-        # How late the replica said its loop ran, in its last answer that said.
-        self._replica_late_ms = 0
+        # How long its recent answers to role calls took (a busy replica's are slow).
+        self._answer_times = RecentAnswerTimes()
         self._silence_reported = False
         # Since when the replica's store has not completed a write, as its last answer to a
         # role call said, once that passed store_stall_timeout_ms (None: it writes). A
@@ -436,9 +435,19 @@ class CoordinatorDriver:
         return self._role_wanted
 
     def role_outcome(
-        self, command: RoleCommand, outcome: ReplicaAnswer | ReplicaFailure
+        self,
+        command: RoleCommand,
+        outcome: ReplicaAnswer | ReplicaFailure,
+        took_ms: int | None = None,
     ) -> RoleNext:
-        """The replica answered (or not) ``command``: apply what that means."""
+        """The replica answered (or not) ``command``: apply what that means. took_ms: how
+        long the call took, if timed (a silence after slow answers is allowed more)."""
+        # Only a renewal times the replica: a new role may wait on purpose (a deactivation
+        # for a write in progress, a master role for its reorganization sync).
+        renewal = command is self._role_applied
+        answered = not isinstance(outcome, ReplicaFailure) or outcome.kind is not Failure.NO_ANSWER
+        if took_ms is not None and renewal and answered:
+            self._answer_times.record(took_ms, self.now())
         if isinstance(outcome, ReplicaFailure):
             if outcome.kind is not Failure.NO_ANSWER:
                 self.replica_answered()
@@ -466,7 +475,7 @@ class CoordinatorDriver:
                     outcome.details,
                 )
             return RoleNext.WAIT
-        self.replica_answered(outcome.store_stalled_ms, outcome.loop_late_ms)
+        self.replica_answered(outcome.store_stalled_ms)
         if command.kind is RoleCommandKind.MASTER and outcome.report.active and not outcome.syncing:
             self.master_refusals = 0  # it took the master role
             self._master_failing = None
@@ -638,20 +647,15 @@ class CoordinatorDriver:
 
     # --- one fate per node: is the replica answering?
 
-    def replica_answered(
-        self, store_stalled_ms: int | None = None, loop_late_ms: int | None = None
-    ) -> None:
+    def replica_answered(self, store_stalled_ms: int | None = None) -> None:
         """The replica answered a call: note it; a silence the election knows of is over,
         unless the replica's store is stalled (a stuck disk).
 
         store_stalled_ms: how long its store's oldest write has run, from an answer that
         says (a role call's); None from one that does not (a health probe, an error),
-        which leaves a known stall as it is. loop_late_ms: how late its event loop has
-        run lately, from an answer that says; None leaves the last report as it is."""
+        which leaves a known stall as it is."""
         now = self.now()
         self._replica_seen_ms = now
-        if loop_late_ms is not None:
-            self._replica_late_ms = loop_late_ms
         if store_stalled_ms is not None:
             self._note_store_stall(store_stalled_ms, now)
         if self._store_stalled_since_ms is not None:
@@ -706,7 +710,7 @@ class CoordinatorDriver:
             self._silence_reported = True
             self.apply(
                 self.election.replica_silent(
-                    self._replica_seen_ms, now, late_ms=self._replica_late_ms
+                    self._replica_seen_ms, now, answer_ms=self._answer_times.longest_ms(now)
                 )
             )
         return True

@@ -177,7 +177,6 @@ def replica_answer(command: RoleCommand, state: replica_pb2.ReplicaState) -> Rep
         ),
         losses=tuple(loss_from_proto(loss) for loss in state.losses[:LOSS_RECORDS_MAX]),
         quorum_silent_ms=state.quorum_silent_ms,
-        loop_late_ms=state.loop_late_ms,
         # A member still catching up holds no commit back (acks "group" waits for it once
         # it has caught up), so it is not dropped for its silence.
         slave_silences=tuple(
@@ -723,10 +722,12 @@ class CoordinatorNode:
                 await self._role_changed.wait()
                 self._role_changed.clear()
                 continue
+            started_ms = self.clock.monotonic_ms()
             outcome = await self._replica.set_role(
                 command, self.election.status().last_change_reason
             )
-            if self.driver.role_outcome(command, outcome) is RoleNext.AGAIN:
+            took_ms = self.clock.monotonic_ms() - started_ms
+            if self.driver.role_outcome(command, outcome, took_ms) is RoleNext.AGAIN:
                 continue
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self._renew_s):

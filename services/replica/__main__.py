@@ -113,12 +113,7 @@ async def _serve_locked(
     try:
         await node.start()
         watch = asyncio.create_task(
-            watch_loop(
-                node.clock,
-                node_config.id,
-                config.timeouts.replica_timeout_ms,
-                node.loop_lateness,
-            ),
+            watch_loop(node.clock, node_config.id, config.timeouts.replica_timeout_ms),
             name=f"loop-watch-{node_config.id}",
         )
         await grpc_server.start()

@@ -8,11 +8,6 @@ of the disk, a machine whose CPUs are oversubscribed) looks like a hung replica.
 wakes every ``LOOP_WATCH_INTERVAL_MS``; when it wakes at least ``LOOP_STALL_WARN_MS`` late
 it logs how long the loop was held (at most one line per ``LOOP_STALL_LOG_INTERVAL_MS``,
 counting the stalls in between), naming the replica timeout it is measured against.
-
-Every wake-up's lateness also goes into ``LoopLateness``, which the replica reports in each
-answer to its coordinator (``ReplicaState.loop_late_ms``): a replica that says its loop runs
-late is busy, not hung, and its coordinator allows it more silence before taking the node
-out (``election``, ``LATE_ALLOWANCE_FACTOR``).
 """
 
 from __future__ import annotations
@@ -31,51 +26,10 @@ LOOP_WATCH_INTERVAL_MS = 50
 LOOP_STALL_WARN_MS = 100
 # At most one line this often; the stalls in between are counted in it.
 LOOP_STALL_LOG_INTERVAL_MS = 1000
-# Lateness is remembered for one to two of these (two buckets), so the role renewals of
-# the next second report a stall, and a replica back on time soon reports 0 again.
-LOOP_LATE_BUCKET_MS = 1000
 
 
-class LoopLateness:
-    """The longest recent wake-up lateness of the loop watch, for the replica's answers."""
-
-    def __init__(self) -> None:
-        self._bucket_start_ms: int | None = None
-        self._current_ms = 0  # the longest in the bucket that began at _bucket_start_ms
-        self._previous_ms = 0  # the longest in the bucket before it
-
-    def record(self, late_ms: int, now_ms: int) -> None:
-        """One wake-up of the watch, late_ms after it was due."""
-        self._roll(now_ms)
-        self._current_ms = max(self._current_ms, late_ms)
-
-    def recent_ms(self, now_ms: int) -> int:
-        """The longest lateness recorded in the current and the previous bucket."""
-        self._roll(now_ms)
-        return max(self._current_ms, self._previous_ms)
-
-    def _roll(self, now_ms: int) -> None:
-        start = self._bucket_start_ms
-        if start is None or now_ms < start:
-            self._bucket_start_ms = now_ms
-            return
-        if now_ms - start < LOOP_LATE_BUCKET_MS:
-            return
-        # A bucket with no wake-up in it (a loop held for longer) leaves the previous empty.
-        one_on = now_ms - start < 2 * LOOP_LATE_BUCKET_MS
-        self._previous_ms = self._current_ms if one_on else 0
-        self._current_ms = 0
-        self._bucket_start_ms = now_ms
-
-
-async def watch_loop(
-    clock: Clock,
-    node_id: str,
-    replica_timeout_ms: int,
-    lateness: LoopLateness | None = None,
-) -> None:
-    """Logs the event loop's stalls until cancelled; records every wake-up's lateness in
-    ``lateness``."""
+async def watch_loop(clock: Clock, node_id: str, replica_timeout_ms: int) -> None:
+    """Logs the event loop's stalls until cancelled."""
     interval_s = LOOP_WATCH_INTERVAL_MS / 1000
     logged_at: int | None = None
     unlogged = 0  # stalls since the last line
@@ -86,8 +40,6 @@ async def watch_loop(
         await asyncio.sleep(interval_s)
         now = clock.monotonic_ms()
         stalled_ms = now - before - LOOP_WATCH_INTERVAL_MS
-        if lateness is not None:
-            lateness.record(max(0, stalled_ms), now)
         if stalled_ms < LOOP_STALL_WARN_MS:
             continue
         unlogged += 1

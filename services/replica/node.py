@@ -72,7 +72,6 @@ from squall_server.replica.core_view import CoreView
 from squall_server.replica.driver import ReplicaDriver
 from squall_server.replica.faults import Fault, FaultReports
 from squall_server.replica.links import LinkForwarding
-from squall_server.replica.loop_watch import LoopLateness
 from squall_server.replica.master_driver import SlaveStatus
 from squall_server.replica.master_tasks import MasterWork
 from squall_server.replica.push import PushDelivery
@@ -130,8 +129,6 @@ class ReplicaNode(CoreView):
     master_work: MasterWork  # push delivery and topic links, while master
     # How the process is stopped once a cluster shutdown finished (shutdown.py).
     on_shutdown: Callable[[], None] | None = None
-    # How late the event loop has run lately (the loop watch records it, __main__.py).
-    loop_lateness: LoopLateness = field(default_factory=LoopLateness)
     push: PushDelivery = field(init=False)
     links: LinkForwarding = field(init=False)
     _lease_task: asyncio.Task[None] | None = field(default=None, init=False)
@@ -147,10 +144,6 @@ class ReplicaNode(CoreView):
     def store_stalled_ms(self) -> int:
         """How long the store's oldest write in progress has run (0: none is)."""
         return self.stall.stalled_ms()
-
-    def loop_late_ms(self) -> int:
-        """The longest the event loop woke late within about the last two seconds."""
-        return self.loop_lateness.recent_ms(self.clock.monotonic_ms())
 
     @property
     def master(self) -> NodeConfig | None:

@@ -1231,7 +1231,6 @@ class ReplicaControl(replica_pb2_grpc.ReplicaControlServicer):
             losses=[loss_to_proto(r) for r in self.node.losses],
             store_stalled_ms=self.node.store_stalled_ms(),
             quorum_silent_ms=self.node.quorum_silent_ms(),
-            loop_late_ms=self.node.loop_late_ms(),
         )
         progress = self.node.reorganization_progress()
         if progress is not None:

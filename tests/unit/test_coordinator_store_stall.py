@@ -12,7 +12,13 @@ instead of sent (no network, no asyncio).
 from __future__ import annotations
 
 from squall_server.common.clock import ManualClock
-from squall_server.coordinator.driver import CoordinatorDriver, MemoryStateStore, ReplicaAnswer
+from squall_server.coordinator.driver import (
+    CoordinatorDriver,
+    Failure,
+    MemoryStateStore,
+    ReplicaAnswer,
+    ReplicaFailure,
+)
 from squall_server.coordinator.messages import Ready, ReplicaReport, StoreState
 from tests.unit.test_coordinator_driver import _driver, _to_master
 
@@ -92,21 +98,19 @@ def test_a_recovery_during_a_stall_tells_the_new_election_again() -> None:
     assert driver.election.status().replica_unreachable_since_ms is not None
 
 
-def _late(ms: int) -> ReplicaAnswer:
-    return ReplicaAnswer(report=_stalled(0).report, loop_late_ms=ms)
-
-
-def test_a_replica_that_said_its_loop_runs_late_gets_the_allowance_when_it_falls_silent() -> None:
-    """A role answer's loop_late_ms is what the election hears with the silence that
-    follows it (a health probe's answer, which says nothing of it, keeps the last report),
-    so a busy replica stays a member for longer than an idle one would."""
+def test_a_silence_after_slow_role_calls_is_allowed_more_and_after_quick_ones_not() -> None:
+    """The round trips the node times (role_outcome's took_ms) reach the election with the
+    silence that follows: the longest of about the last two seconds, doubled, on top of
+    replica_timeout_ms; calls that got no answer count for nothing."""
     clock, store = ManualClock(monotonic_start_ms=10_000), MemoryStateStore()
     driver = _driver(clock, store)
     _to_master(driver, clock)
     command = driver.role_wanted()
     assert command is not None
-    driver.role_outcome(command, _late(80))
-    driver.replica_answered()  # a health probe
+    driver.role_outcome(command, _stalled(0), took_ms=40)
+    driver.role_outcome(command, _stalled(0), took_ms=120)
+    driver.role_outcome(command, ReplicaFailure(Failure.NO_ANSWER, "DEADLINE_EXCEEDED", ""), 900)
+    driver.replica_answered()  # a health probe: the silence counts from here
     applied = _recording(driver)
     for _ in range(10):  # 500 ms of silence, watched every 50 ms
         clock.advance(50)
@@ -126,8 +130,10 @@ def test_a_replica_that_said_its_loop_runs_late_gets_the_allowance_when_it_falls
     _to_master(driver, clock)
     command = driver.role_wanted()
     assert command is not None
-    driver.role_outcome(command, _late(0))  # on time: 300 ms is all it gets
-    for _ in range(7):
+    driver.role_outcome(command, _stalled(0), took_ms=120)
+    clock.advance(2500)  # long ago: forgotten
+    driver.role_outcome(command, _stalled(0), took_ms=5)
+    for _ in range(7):  # 300 + 10 ms: out after 350
         clock.advance(50)
         driver.watch()
         driver.apply(driver.election.tick(clock.monotonic_ms()))

@@ -25,7 +25,7 @@ from squall.v1 import common_pb2, replica_pb2
 from squall_server.common.clock import SystemClock
 from squall_server.common.errors import Code, ServiceError
 from squall_server.replica.assembly import build_replica_node
-from squall_server.replica.loop_watch import LOOP_LATE_BUCKET_MS, LoopLateness, watch_loop
+from squall_server.replica.loop_watch import watch_loop
 from squall_server.replica.rebuild import LmdbTruncator
 from squall_server.replica.store import Store, make_entry
 from tests.example_config import example_config
@@ -181,10 +181,8 @@ def test_a_stalled_event_loop_is_logged_with_how_long_it_was_held(
     """What an operator reads when a replica was too busy to answer: the stall's length
     beside replica_timeout_ms (loop_watch)."""
 
-    clock, lateness = SystemClock(), LoopLateness()
-
     async def scenario() -> None:
-        watch = asyncio.create_task(watch_loop(clock, "n7", 300, lateness))
+        watch = asyncio.create_task(watch_loop(SystemClock(), "n7", 300))
         await asyncio.sleep(0.1)  # the watch is asleep on the loop
         time.sleep(0.4)  # a synchronous call holding the loop (what must not happen)
         await asyncio.sleep(0.2)
@@ -201,26 +199,6 @@ def test_a_stalled_event_loop_is_logged_with_how_long_it_was_held(
     ]
     assert held and max(held) >= 300, caplog.text
     assert "[loop-stall-over-timeout]" in caplog.text
-    # What the replica's answers tell its coordinator (ReplicaState.loop_late_ms).
-    assert lateness.recent_ms(clock.monotonic_ms()) >= 300
-
-
-def test_the_reported_lateness_is_the_longest_of_the_last_one_to_two_seconds() -> None:
-    """A stall is reported by the answers of the next second or two, then forgotten, so
-    a replica back on time soon gets no allowance for it."""
-    lateness, bucket = LoopLateness(), LOOP_LATE_BUCKET_MS
-    assert lateness.recent_ms(0) == 0
-    lateness.record(5, 10)
-    lateness.record(120, 400)
-    lateness.record(8, 900)
-    assert lateness.recent_ms(900) == 120
-    lateness.record(3, bucket + 50)  # a new bucket: the stall is still recent
-    assert lateness.recent_ms(bucket + 60) == 120
-    lateness.record(4, 2 * bucket + 100)  # two buckets on: forgotten
-    assert lateness.recent_ms(2 * bucket + 100) == 4
-    lateness.record(250, 2 * bucket + 200)
-    # Nothing recorded for over two buckets (a loop held that long, say): nothing recent.
-    assert lateness.recent_ms(5 * bucket) == 0
 
 
 def test_a_truncation_whose_rebuilt_store_does_not_fit_is_refused_not_a_fault(

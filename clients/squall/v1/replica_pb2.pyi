@@ -1203,7 +1203,6 @@ class ReplicaState(_message.Message):
     STORE_STALLED_MS_FIELD_NUMBER: _builtins.int
     LOSSES_FIELD_NUMBER: _builtins.int
     QUORUM_SILENT_MS_FIELD_NUMBER: _builtins.int
-    LOOP_LATE_MS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The replica's node id."""
     cluster_id: _builtins.str
@@ -1259,12 +1258,6 @@ class ReplicaState(_message.Message):
     coordinator steps aside from leading past timeouts.store_stall_timeout_ms +
     timeouts.member_timeout_ms, so the others elect a master that can commit.
     """
-    loop_late_ms: _builtins.int
-    """The longest its event loop woke late, in milliseconds, within about the last two
-    seconds (0: on time). A replica whose CPUs are oversubscribed answers late though it
-    is well; its coordinator allows that much more silence before taking the node out
-    (docs/configuration.md, `replica_timeout_ms`).
-    """
     @_builtins.property
     def slaves(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.SlaveProgress]:
         """On a master: each member slave's replication progress, by node id (empty otherwise)."""
@@ -1307,11 +1300,10 @@ class ReplicaState(_message.Message):
         store_stalled_ms: _builtins.int = ...,
         losses: _abc.Iterable[_common_pb2.LossEvent] | None = ...,
         quorum_silent_ms: _builtins.int = ...,
-        loop_late_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["reorganization", b"reorganization"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "command_seq", b"command_seq", "commit_lsn", b"commit_lsn", "epoch", b"epoch", "fault_id", b"fault_id", "fault_reason", b"fault_reason", "freeze_remaining_ms", b"freeze_remaining_ms", "frozen_for_shutdown_id", b"frozen_for_shutdown_id", "joined", b"joined", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "log_start_lsn", b"log_start_lsn", "loop_late_ms", b"loop_late_ms", "losses", b"losses", "master_id", b"master_id", "node_id", b"node_id", "quorum_silent_ms", b"quorum_silent_ms", "reorganization", b"reorganization", "role", b"role", "shutdown_id", b"shutdown_id", "slaves", b"slaves", "store_stalled_ms", b"store_stalled_ms", "store_state", b"store_state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "command_seq", b"command_seq", "commit_lsn", b"commit_lsn", "epoch", b"epoch", "fault_id", b"fault_id", "fault_reason", b"fault_reason", "freeze_remaining_ms", b"freeze_remaining_ms", "frozen_for_shutdown_id", b"frozen_for_shutdown_id", "joined", b"joined", "last_epoch", b"last_epoch", "last_lsn", b"last_lsn", "log_start_lsn", b"log_start_lsn", "losses", b"losses", "master_id", b"master_id", "node_id", b"node_id", "quorum_silent_ms", b"quorum_silent_ms", "reorganization", b"reorganization", "role", b"role", "shutdown_id", b"shutdown_id", "slaves", b"slaves", "store_stalled_ms", b"store_stalled_ms", "store_state", b"store_state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
