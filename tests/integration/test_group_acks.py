@@ -161,14 +161,18 @@ def test_under_acks_group_a_slaves_replica_killed_mid_flight_rejoins_behind_with
                     for payload, receipt in zip(payloads, bulk.publish_many(payloads), strict=True):
                         acked[payload] = receipt
             controlled.start("replica", victim)
-            # When the master first names it a member catching up, and when caught up.
-            catching_up_at = caught_up_at = 0.0
+            # When the master first names it a member catching up, when it last did (the
+            # moment that question was sent: every receipt answered before then was
+            # committed while it was still catching up), and when caught up.
+            catching_up_at = still_catching_up_at = caught_up_at = 0.0
             deadline = time.monotonic() + _WAIT_S
             while not caught_up_at and time.monotonic() < deadline:
+                asked = time.monotonic()
                 progress = _slaves(controlled, master).get(victim)
                 now = time.monotonic()
                 if progress is not None and progress.catching_up:  # type: ignore[attr-defined]
                     catching_up_at = catching_up_at or now
+                    still_catching_up_at = asked
                 elif progress is not None and catching_up_at:
                     caught_up_at = now
                 time.sleep(0.005)
@@ -185,7 +189,7 @@ def test_under_acks_group_a_slaves_replica_killed_mid_flight_rejoins_behind_with
     assert not errors, errors
     assert not worker.is_alive()
     # While the restarted slave caught up, publishes went on without it.
-    during = [h for t, h in answered if catching_up_at < t < caught_up_at]
+    during = [h for t, h in answered if catching_up_at < t < still_catching_up_at]
     assert len(during) >= 3 and all(h == {master, other} for h in during), during[:5]
     for where, address in (
         ("gateway", controlled.gateway_address),
