@@ -731,8 +731,8 @@ class Election:
         # whether that lasted replica_timeout_ms, so the node is out of every group.
         self._replica_silent_since: int | None = None
         self._replica_lost = False
-        # The silence allowed on top of replica_timeout_ms for the replica's reported
-        # lateness (``_late_allowance_ms``).
+        # The silence allowed on top of replica_timeout_ms for the replica's slow answers,
+        # set when a silence begins (``_allowance_ms``).
         self._replica_allowance_ms = 0
         # Whether the silence is a replica that answers but whose store does not write.
         self._replica_store_stalled = False
@@ -2271,7 +2271,6 @@ class Election:
         since = self._replica_silent_since
         stalled = self._replica_store_stalled
         self._replica_silent_since = None
-        self._replica_allowance_ms = 0
         self._replica_store_stalled = False
         if not self._replica_lost:
             return
