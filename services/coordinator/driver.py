@@ -77,6 +77,15 @@ MASTER_REFUSALS_MAX = 3
 # About 25 election timeouts (member_timeout_ms 400) with the defaults: a disk that is full
 # or failing is not fixed in a second, and each attempt costs the cluster a re-formation.
 MASTER_REFUSAL_HOLDOFF_MS = 10_000
+# Slave refusals: a member whose replica refuses the slave role recovers into a group of
+# its own, and the group's coordinator merges it back at once, a new epoch each time: the
+# master is deposed and re-formed about twenty times a second (every write in flight
+# indeterminate) for as long as the replica refuses, e.g. the 90 s a replica stays frozen
+# after an interrupted `squall cluster shutdown`. So after this many refusals of the slave
+# role in a row the node steps aside from its group for SLAVE_REFUSAL_HOLDOFF_MS, as for
+# master refusals; a slave role taken resets the count.
+SLAVE_REFUSALS_MAX = 3
+SLAVE_REFUSAL_HOLDOFF_MS = 10_000
 # A node that steps aside because replica links are cut (a master whose replica hears no
 # majority, a leader whose replica cannot reach its sync source, a member dropped under
 # acks "group") stays out this long first: enough for the others to re-form without it.
@@ -280,6 +289,8 @@ class CoordinatorDriver:
         # they caused (kept across recoveries: each makes a fresh Election).
         self.master_refusals = 0
         self._master_refusal_reason = ""
+        # Slave refusals in a row (SLAVE_REFUSALS_MAX), kept across recoveries too.
+        self.slave_refusals = 0
         self._lead_hold_off: LeadHoldOff | None = None
         # The epoch of a master role the replica has failed to take (not refused: its sync
         # source unreachable, say), and when it first failed; None once one is taken.
@@ -456,6 +467,8 @@ class CoordinatorDriver:
             ) and command.kind is not RoleCommandKind.DEACTIVATE:
                 if command.kind is RoleCommandKind.MASTER:
                     self._note_master_refusal(outcome.details)
+                else:
+                    self._note_slave_refusal(outcome.details)
                 self.recover(f"replica refused {command.kind.value}: {outcome.details}")
                 self._role_applied = None
                 return RoleNext.AGAIN
@@ -479,6 +492,8 @@ class CoordinatorDriver:
         if command.kind is RoleCommandKind.MASTER and outcome.report.active and not outcome.syncing:
             self.master_refusals = 0  # it took the master role
             self._master_failing = None
+        if command.kind is RoleCommandKind.FOLLOW and outcome.report.active:
+            self.slave_refusals = 0  # it took the slave role
         if outcome.fault_id:
             # A fault the replica reports quarantines this node (once per fault).
             self.apply(
@@ -550,6 +565,27 @@ class CoordinatorDriver:
             self.election.persisted.epoch,
             reason,
             MASTER_REFUSAL_HOLDOFF_MS,
+        )
+
+    def _note_slave_refusal(self, reason: str) -> None:
+        """The replica refused the slave role: count it; at SLAVE_REFUSALS_MAX in a row the
+        node steps aside from its group (the recovery that follows starts held off), so
+        the group is not re-formed for it again and again."""
+        self.slave_refusals += 1
+        if self.slave_refusals < SLAVE_REFUSALS_MAX:
+            return
+        self._lead_hold_off = LeadHoldOff(
+            self.now() + SLAVE_REFUSAL_HOLDOFF_MS, self.slave_refusals, reason, role="slave"
+        )
+        log.warning(
+            "coordinator %s: its replica refused the slave role %d times in a row (epoch=%d, "
+            "last: %s); the node steps aside from its group for %d ms: out of every group, "
+            "so the others stop re-forming the group for it; then it rejoins",
+            self.node_id,
+            self.slave_refusals,
+            self.election.persisted.epoch,
+            reason,
+            SLAVE_REFUSAL_HOLDOFF_MS,
         )
 
     @property

@@ -195,7 +195,10 @@ node probes and rejoins like a returning node (docs/operations.md, "A replica th
 the master role"). Only who takes part changes, so safety is untouched. The driver holds
 a node off the same way when its master's replica has heard from no majority of the
 group's replicas for too long (their links alone are cut, and the coordinators see
-nothing wrong): ``LeadHoldOff.refusals`` is then 0 and its reason says so.
+nothing wrong): ``LeadHoldOff.refusals`` is then 0 and its reason says so. And a node
+whose replica keeps refusing the slave role (frozen for a cluster shutdown an operator's
+command left unfinished, say) is held off the same way, so that its group is not
+re-formed for it again and again (``LeadHoldOff.role`` is then "slave").
 
 Membership changes
 ------------------
@@ -322,13 +325,14 @@ class LeadHoldOff:
     until_ms: int
     refusals: int  # 0: not refusals; the master's replica was cut off (reason says)
     reason: str
+    role: str = "master"  # the role refused: "master" or "slave"
 
     @property
     def why(self) -> str:
         """Why the node steps aside, in a phrase for the log."""
         if self.refusals:
             return (
-                f"its replica refused the master role {self.refusals} times in a row "
+                f"its replica refused the {self.role} role {self.refusals} times in a row "
                 f"(last: {self.reason})"
             )
         return self.reason
@@ -1247,8 +1251,9 @@ class Election:
             )
         hold_off = self._lead_hold_off
         if hold_off is not None:
+            aside = "its group" if hold_off.role == "slave" else "leading"
             self._last_change_reason = (
-                f"steps aside from leading for {hold_off.until_ms - self._now_ms} ms: "
+                f"steps aside from {aside} for {hold_off.until_ms - self._now_ms} ms: "
                 f"{hold_off.why}"
             )
         if p.quarantine is not None:

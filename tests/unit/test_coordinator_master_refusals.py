@@ -1,4 +1,5 @@
-"""A replica that keeps refusing the master role must not keep its node leading.
+"""A replica that keeps refusing the master role must not keep its node leading, nor one
+that keeps refusing the slave role its group re-forming.
 
 Three shipped ``CoordinatorDriver``s on one manual clock, an instant network and replica
 twins that take every role command, except node 1's (the highest priority), which refuses
@@ -23,6 +24,8 @@ from squall_server.common.clock import ManualClock
 from squall_server.coordinator.driver import (
     MASTER_REFUSAL_HOLDOFF_MS,
     MASTER_REFUSALS_MAX,
+    SLAVE_REFUSAL_HOLDOFF_MS,
+    SLAVE_REFUSALS_MAX,
     STEP_ASIDE_HOLDOFF_MAX_MS,
     STEP_ASIDE_HOLDOFF_MIN_MS,
     CoordinatorDriver,
@@ -58,6 +61,9 @@ class Twin:
     """A replica that takes every role (node 1's refuses MASTER while ``refuse_master``)."""
 
     refuse_master: bool = False
+    # Refuses every FOLLOW role while set (frozen for a cluster shutdown that an
+    # operator's interrupted command left behind, say).
+    refuse_follow: str = ""
     # How it refuses: FAILED_PRECONDITION (say, storing the fetched log failed), or
     # RESOURCE_EXHAUSTED (its store is full: it cannot even persist the role).
     refusal_code: grpc.StatusCode = grpc.StatusCode.FAILED_PRECONDITION
@@ -80,6 +86,8 @@ class Twin:
                 self.refusal_code,
                 f"cannot take the master role in epoch {command.epoch}: {REFUSAL}",
             )
+        if command.kind is RoleCommandKind.FOLLOW and self.refuse_follow:
+            return replica_failure(grpc.StatusCode.FAILED_PRECONDITION, self.refuse_follow)
         source = command.sync_source_id
         if command.kind is RoleCommandKind.MASTER and self.cut_since_ms is not None:
             if source and source != self.node_id:
@@ -335,6 +343,61 @@ def test_an_unanswered_call_does_not_count_and_a_master_role_taken_resets_the_co
     status = driver.election.status()
     assert status.lead_held_off_until_ms == clock.wall_ms() + MASTER_REFUSAL_HOLDOFF_MS
     assert "disk full" in status.last_change_reason
+
+
+FROZEN = "replica 3 takes no new role: it is stopping for cluster shutdown op-1"
+
+
+def _formed_with_node_3_refusing_follow() -> Cluster:
+    """The cluster forms with node 1 master; then node 3's replica restarts into a state
+    where it refuses the slave role (frozen for a cluster shutdown left unfinished)."""
+    cluster = Cluster()
+    cluster.run(2000)
+    assert cluster.master_now() == "1"
+    cluster.twins["3"].refuse_follow = FROZEN
+    cluster.twins["3"].role = RoleCommandKind.DEACTIVATE
+    cluster.drivers["3"].recover("replica restarted")
+    return cluster
+
+
+def test_a_node_whose_replica_keeps_refusing_the_slave_role_steps_aside_from_its_group(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Without a limit nodes 1 and 2, which could serve all along, re-formed their group
+    for node 3 every 50 ms: each time a new epoch, node 1 deposed and its writes in
+    flight indeterminate (179 refusals in 9 s before this limit)."""
+    cluster = _formed_with_node_3_refusing_follow()
+    start = cluster.clock.monotonic_ms()
+    with caplog.at_level(logging.WARNING, logger="squall.coordinator"):
+        cluster.run(start + SLAVE_REFUSAL_HOLDOFF_MS - 1000)
+    assert len(cluster.refusals) == SLAVE_REFUSALS_MAX, cluster.refusals
+    reformed = [(t, n, e) for t, n, e in cluster.masters if t > start]
+    assert len(reformed) <= SLAVE_REFUSALS_MAX, reformed
+    assert {n for _, n, _ in reformed} <= {"1"} and cluster.master_now() == "1"
+    assert cluster.twins["2"].role is RoleCommandKind.FOLLOW
+    warnings = [r.getMessage() for r in caplog.records if "steps aside" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "coordinator 3" in warnings[0] and "slave role 3 times in a row" in warnings[0]
+    assert FROZEN in warnings[0] and f"{SLAVE_REFUSAL_HOLDOFF_MS} ms" in warnings[0]
+    status = cluster.drivers["3"].election.status()
+    assert status.lead_held_off_until_ms is not None
+    assert "refused the slave role" in status.lead_held_off_reason
+
+
+def test_a_node_refusing_the_slave_role_again_after_its_hold_off_steps_aside_at_once() -> None:
+    cluster = _formed_with_node_3_refusing_follow()
+    cluster.run(cluster.clock.monotonic_ms() + SLAVE_REFUSAL_HOLDOFF_MS + 2000)
+    # Back after the hold-off, refused once more: out again at once, not after three.
+    assert len(cluster.refusals) == SLAVE_REFUSALS_MAX + 1, cluster.refusals
+    assert cluster.drivers["3"].election.status().lead_held_off_until_ms is not None
+    assert cluster.master_now() == "1"
+    # The freeze lapses: after the hold-off node 3 rejoins as a slave, the count reset.
+    cluster.twins["3"].refuse_follow = ""
+    cluster.run(cluster.clock.monotonic_ms() + SLAVE_REFUSAL_HOLDOFF_MS + 3000)
+    assert cluster.twins["3"].role is RoleCommandKind.FOLLOW
+    assert cluster.drivers["3"].slave_refusals == 0
+    assert cluster.drivers["3"].election.status().lead_held_off_until_ms is None
+    assert cluster.master_now() == "1"
 
 
 def _report(active: bool) -> ReplicaReport:
