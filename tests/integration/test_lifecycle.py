@@ -330,3 +330,62 @@ def test_a_store_of_another_cluster_is_refused_naming_both_ids(trio: LocalCluste
     more = _publish(trio, 3)
     assert _read_all(trio) == {**acked, **more}
     assert _inspect(trio, "n3")["cluster_id"] == "elsewhere"
+
+
+def _freeze(cluster: LocalCluster, node: str, shutdown_id: str, hold_ms: int) -> None:
+    with grpc.insecure_channel(cluster.replica_address(node)) as channel:
+        replica_pb2_grpc.ReplicaControlStub(channel).FreezeForShutdown(
+            replica_pb2.FreezeForShutdownRequest(
+                shutdown_id=shutdown_id, operator="test", hold_ms=hold_ms
+            ),
+            timeout=5,
+        )
+
+
+def _abort_freeze(cluster: LocalCluster, node: str, shutdown_id: str) -> None:
+    with grpc.insecure_channel(cluster.replica_address(node)) as channel:
+        replica_pb2_grpc.ReplicaControlStub(channel).AbortShutdown(
+            replica_pb2.AbortShutdownRequest(shutdown_id=shutdown_id), timeout=5
+        )
+
+
+def test_a_slave_whose_replica_refuses_every_role_steps_aside_and_the_others_serve_on(
+    trio: LocalCluster,
+) -> None:
+    """A cluster shutdown whose command died after freezing one slave's replica, then that
+    node's coordinator restarted: its replica refuses the new slave role it is offered
+    (frozen: no new role). The group re-formed for it about twenty times a second, each
+    time deposing the master (every write in flight indeterminate), for as long as the
+    freeze held. Now, after three refusals, the node steps aside from its group for a
+    while: the master keeps its epoch and acknowledges every publish, and the node
+    rejoins once its replica takes roles again."""
+    acked = _publish(trio)
+    master = trio.wait_for_master()
+    frozen = next(n for n in reversed(_node_ids(trio)) if n != master)
+    _freeze(trio, frozen, "lost-command-1", hold_ms=120_000)
+    trio.kill("coordinator", frozen)
+    trio.start("coordinator", frozen)
+    stepped_aside = "refused the slave role 3 times in a row"
+
+    def refused_or_stepped_aside() -> bool:
+        log = trio.log("coordinator", frozen)
+        return stepped_aside in log or log.count("replica refused follow") >= 10
+
+    wait_for(refused_or_stepped_aside, 30, f"{frozen}'s replica refuses its slave role")
+    refusals = trio.log("coordinator", frozen).count("replica refused follow")
+    assert stepped_aside in trio.log("coordinator", frozen), (
+        f"{frozen} was offered the slave role {refusals} times without stepping aside"
+    )
+    epoch = trio.statuses()[master].epoch
+    publishing_until = time.monotonic() + 4
+    while time.monotonic() < publishing_until:  # bounded by the clock
+        acked.update(_publish(trio, 5))
+    assert trio.statuses()[master].epoch == epoch, "the group re-formed while it stood aside"
+    assert trio.wait_for_master() == master
+    status = _squall("status", "--config", str(trio.config_path))
+    assert "STEPPED ASIDE" in status.stdout, status.stdout
+    # The freeze ends: after its hold-off the node rejoins as a slave.
+    _abort_freeze(trio, frozen, "lost-command-1")
+    wait_for(lambda: trio.replica_role(frozen) == common_pb2.ROLE_SLAVE, 30, f"{frozen} rejoins")
+    acked.update(_publish(trio, 5))
+    assert _read_all(trio) == acked
