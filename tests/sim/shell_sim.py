@@ -238,6 +238,9 @@ class Stats:
     snapshots_finished: int = 0
     callbacks: int = 0
     sim_s: float = 0.0
+    # What disrupted the cluster: every fault, heal and operator action noted (not what
+    # the simulation only observed: a master seen, a publish acknowledged).
+    disruptions: int = 0
     events: list[str] = field(default_factory=list)
 
     @property
@@ -355,8 +358,12 @@ class ShellSim:
             return  # the finalizer of a generator whose process was killed mid-await
         self.loop_errors.append(f"{message}: {exc!r} in {context.get('future')!r}")
 
-    def note(self, what: str) -> None:
+    def note(self, what: str, *, observed: bool = False) -> None:
+        """Records an event for the failure report; ``observed``: only seen, not done to
+        the cluster (not a disruption)."""
         self.stats.events.append(f"{self.loop.time():8.3f} {what}")
+        if not observed:
+            self.stats.disruptions += 1
 
     def fail(self, what: str) -> ShellSimFailure:
         tail = "\n".join(self.stats.events[-40:])
@@ -441,6 +448,7 @@ class ShellSim:
             observer.cancel()
         self._check_logs()
         await self._after_checks()
+        self._check_churn()
         if self.loop_errors:
             raise self.fail(f"unexpected errors on the loop: {self.loop_errors[:3]}")
 
@@ -451,6 +459,10 @@ class ShellSim:
     async def _after_checks(self) -> None:
         """What a subclass runs on the healed, checked cluster (coordinated_sim: a cluster
         shutdown and restart)."""
+
+    def _check_churn(self) -> None:
+        """What a subclass checks of the run as a whole (coordinated_sim: master epochs
+        grow with what disrupted the cluster, not with time)."""
 
     # --- processes
 
@@ -750,7 +762,10 @@ class ShellSim:
         self.group = [master, *[n for n in best if n != master]]
         self.commanded_at = self.loop.time()
         self.stats.elections += 1
-        self.note(f"elect epoch {self.epoch}: master {master} group {self.group} source {source}")
+        self.note(
+            f"elect epoch {self.epoch}: master {master} group {self.group} source {source}",
+            observed=True,
+        )
         for node_id in self.group:
             self._command(node_id, renew=False)
 
@@ -893,7 +908,7 @@ class ShellSim:
         deadline = healed_at + LIVENESS_S
         while self.loop.time() < deadline:
             if self._serving() and await self._publish_once(rng):
-                self.note("liveness: a publish was acknowledged after healing")
+                self.note("liveness: a publish was acknowledged after healing", observed=True)
                 return
             await asyncio.sleep(0.05)
         states = {

@@ -23,6 +23,7 @@ from __future__ import annotations
 import pytest
 
 from squall.v1 import common_pb2
+from squall_server.coordinator import driver
 from tests.sim import coordinated_sim
 from tests.sim.coordinated_sim import replay_command, run_seed
 from tests.sim.seed_runs import run_seeds
@@ -131,3 +132,14 @@ def test_interrupted_shutdowns_thaw_and_a_dead_commands_freezes_lapse(
         f"in {INTERRUPT_SEEDS_MAX} seeds: {thawed} interrupted shutdowns thawed, "
         f"{lapsed} freezes lapsed"
     )
+
+
+def test_a_group_reformed_again_and_again_fails_the_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The churn check sees what no safety check does: seed 6623 (acks "all") leaves a
+    node whose replica refuses every slave role for 90 s (frozen by an interrupted
+    cluster shutdown). Without the driver's slave-refusal limit its group re-formed for
+    it about twenty times a second; with it the clients see 13 master epochs."""
+    monkeypatch.setattr(driver, "SLAVE_REFUSALS_MAX", 1_000_000)
+    with pytest.raises(ShellSimFailure, match="churn: the clients saw") as info:
+        run_seed(6623, acks=common_pb2.ACK_POLICY_ALL)
+    assert replay_command(6623) in str(info.value)
