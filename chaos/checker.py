@@ -22,6 +22,11 @@ test) can be judged again. The checks, each a `CheckResult` named as in the summ
 ``logs``        every node's final committed log of every topic is identical; a strict
                 prefix is allowed only for a ``final_log`` record that says why the node
                 lags (its ``lagging`` field).
+``churn``       master epochs grow with the faults, not with time: the newest epoch in
+                any node's final store is at most ``EPOCHS_PER_FAULT_RECORD_MAX`` per
+                fault record (a start or an end) plus ``EPOCHS_SLACK``; a node that makes
+                its group re-form again and again (twenty times a second, say) loses
+                nothing and would pass every other check.
 ``dup_receipts``  every receipt that says ``duplicate`` (the event was already stored
                 under its publisher id and sequence) points at that event: the final
                 committed log of the topic the publisher wrote to holds that payload at
@@ -65,7 +70,12 @@ CHECK_NAMES = (
     "order",
     "delivery",
     "logs",
+    "churn",
 )
+# The churn bound (``churn``): runs of 240 s reached epoch 45-46 for 46-56 fault records
+# (seeds 79 and 80, 2026-12-02), about one epoch per record.
+EPOCHS_PER_FAULT_RECORD_MAX = 2
+EPOCHS_SLACK = 25
 
 Record = Mapping[str, Any]
 
@@ -1019,6 +1029,27 @@ def summarize_kinds(windows: Sequence[FaultWindow]) -> tuple[KindSummary, ...]:
 # -- the whole report --------------------------------------------------------------------
 
 
+def _check_churn(history: _History) -> CheckResult:
+    epochs = [int(r["last_epoch"]) for r in history.final_logs if "last_epoch" in r]
+    if not epochs:
+        return CheckResult("churn", True, "epochs not recorded (an older history)")
+    newest = max(epochs)
+    records = len(history.faults)
+    bound = EPOCHS_PER_FAULT_RECORD_MAX * records + EPOCHS_SLACK
+    headline = f"epoch {newest} for {records} fault records"
+    if newest > bound:
+        return CheckResult(
+            "churn",
+            False,
+            f"churn: {headline} (at most {bound})",
+            (
+                "the group re-formed far more often than the faults explain: look for a "
+                "node re-formed into its group again and again in the coordinators' logs",
+            ),
+        )
+    return CheckResult("churn", True, headline)
+
+
 def check_records(
     records: Sequence[Record], gap_threshold_s: float = GAP_THRESHOLD_S_DEFAULT
 ) -> CheckReport:
@@ -1040,6 +1071,7 @@ def check_records(
         _check_order(history, logs, acked),
         _check_delivery(history, logs),
         _check_logs(history, logs, nodes),
+        _check_churn(history),
     )
     paths = sorted({str(op.invoke.get("path")) for op in history.publishes})
     path_windows = tuple(w for p in paths for w in _windows(history, gap_threshold_s, p))

@@ -450,12 +450,15 @@ def read_final_log(
     records: list[dict[str, object]] = []
     try:
         gate = gate_from_store(store)
+        last_epoch = store.meta().last_epoch
         names = [t.name for t in store.list_topics()] if topics is None else topics
         for topic in names:
             record: dict[str, object] = {
                 "node": node_id,
                 "topic": topic,
                 "commit_lsn": gate.commit_lsn,
+                # The epoch of its newest log entry (the checker's churn bound).
+                "last_epoch": last_epoch,
             }
             try:
                 events = committed_events(store, gate, topic)

@@ -16,7 +16,14 @@ from typing import Any
 
 import pytest
 
-from chaos.checker import check, check_records, main, unavailability_windows
+from chaos.checker import (
+    EPOCHS_PER_FAULT_RECORD_MAX,
+    EPOCHS_SLACK,
+    check,
+    check_records,
+    main,
+    unavailability_windows,
+)
 from chaos.timeline import plot_timeline
 
 NODES = ("n1", "n2", "n3")
@@ -146,8 +153,12 @@ class _Run:
             }
         )
 
-    def final(self, t: float, logs: dict[str, list[str]] | None = None) -> None:
-        """Subscribers get the committed log (n1's), then the final logs and the end."""
+    def final(
+        self, t: float, logs: dict[str, list[str]] | None = None, last_epoch: int | None = 2
+    ) -> None:
+        """Subscribers get the committed log (n1's), then the final logs (each store's
+        newest epoch ``last_epoch``; None: not recorded, as in older histories) and the
+        end."""
         delivered = (logs or {}).get("n1", self.log)
         self.log = delivered if len(delivered) >= len(self.log) else self.log
         everything = list(range(len(delivered)))
@@ -166,6 +177,7 @@ class _Run:
                     "topic": TOPIC,
                     "commit_lsn": 100,
                     "events": [[o, v] for o, v in enumerate(values)],
+                    **({} if last_epoch is None else {"last_epoch": last_epoch}),
                 }
             )
         self.records.append({"t": t + 0.1, "type": "end", "reason": "completed"})
@@ -219,8 +231,29 @@ def test_a_clean_history_passes_with_its_figures(tmp_path: Path) -> None:
     # idempotent retry succeeded.
     assert "1 indeterminate (1 of 1 events stored), 1 failed" in line
     assert "1 unavailability window (max 2.1 s)" in line
+    assert "epoch 2 for 2 fault records" in line
     (window,) = report.windows
     assert window.causes == ("kill n1",)
+
+
+def test_a_group_reformed_far_more_often_than_the_faults_explain_fails_churn() -> None:
+    """Two fault records allow 2 * 2 + 25 epochs; a store at epoch 400 means the group
+    re-formed again and again (a node whose replica refused every slave role, say)."""
+    run = _clean()
+    run.final(9.0, last_epoch=EPOCHS_PER_FAULT_RECORD_MAX * 2 + EPOCHS_SLACK + 1)
+    details = _fails_only(run.records, "churn")
+    assert "re-formed far more often than the faults explain" in details
+    run = _clean()
+    run.final(9.0, last_epoch=EPOCHS_PER_FAULT_RECORD_MAX * 2 + EPOCHS_SLACK)
+    assert check_records(run.records).ok
+
+
+def test_an_older_history_without_epochs_passes_churn_saying_so() -> None:
+    run = _clean()
+    run.final(9.0, last_epoch=None)
+    report = check_records(run.records)
+    assert report.ok, report.describe()
+    assert report.result("churn").headline == "epochs not recorded (an older history)"
 
 
 def _fails_only(records: list[Record], name: str) -> str:
