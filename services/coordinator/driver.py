@@ -83,7 +83,7 @@ MASTER_REFUSAL_HOLDOFF_MS = 10_000
 # indeterminate) for as long as the replica refuses, e.g. the 90 s a replica stays frozen
 # after an interrupted `squall cluster shutdown`. So after this many refusals of the slave
 # role in a row the node steps aside from its group for SLAVE_REFUSAL_HOLDOFF_MS, as for
-# master refusals; a slave role taken resets the count.
+# master refusals; a role taken resets the count.
 SLAVE_REFUSALS_MAX = 3
 SLAVE_REFUSAL_HOLDOFF_MS = 10_000
 # A node that steps aside because replica links are cut (a master whose replica hears no
@@ -492,8 +492,8 @@ class CoordinatorDriver:
         if command.kind is RoleCommandKind.MASTER and outcome.report.active and not outcome.syncing:
             self.master_refusals = 0  # it took the master role
             self._master_failing = None
-        if command.kind is RoleCommandKind.FOLLOW and outcome.report.active:
-            self.slave_refusals = 0  # it took the slave role
+        if command.kind is not RoleCommandKind.DEACTIVATE and outcome.report.active:
+            self.slave_refusals = 0  # it took a role: the refusals are no longer in a row
         if outcome.fault_id:
             # A fault the replica reports quarantines this node (once per fault).
             self.apply(
