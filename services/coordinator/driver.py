@@ -68,8 +68,8 @@ WATCH_HEARTBEATS = 0.5
 # Master refusals: once the replica has refused the master role (FAILED_PRECONDITION) this
 # many times in a row, the node steps aside from leading for MASTER_REFUSAL_HOLDOFF_MS: out
 # of every group, so the other nodes elect a master among themselves instead of this
-# (highest-ranked) node leading and naming its refusing replica again, for ever. A role the
-# replica takes resets the count; a call it does not answer (UNAVAILABLE: its sync source
+# (highest-ranked) node leading and naming its refusing replica again, for ever. A master role
+# the replica takes resets the count; a call it does not answer (UNAVAILABLE: its sync source
 # is unreachable, say) neither counts nor resets: such failures step the node aside once
 # they have lasted quorum_lost_ms in one epoch. After the hold-off one more refusal steps
 # aside again (docs/operations.md, "A replica that refuses the master role").
