@@ -118,6 +118,10 @@ whole log) and fetch while no master serves, a publish gap that grows with the l
    (``Invitation.catch_up`` names it), and it accepts although the inviter ranks below it.
    The group re-forms in a new epoch as for any rejoining node; the returning node is a
    slave, so its replica truncates and fetches from the master, which keeps serving.
+   Probe answers can be older than the serving group (a master cut off for a moment comes
+   back just before the others form the next epoch): so the serving group's nodes also
+   decline an invitation from a node behind their epoch that serves nothing
+   (``_declines_behind``), and their coordinator invites it to catch up.
 2. The master's coordinator hears from its replica how far each streaming slave is behind
    (``slave_lags``, from every role renewal). Once the highest-ranked member that joined to
    catch up lags at most ``CATCH_UP_LAG_ENTRIES_MAX`` entries, it asks the driver to hand the
@@ -745,6 +749,9 @@ class Election:
         # hand-over to one may be asked for again in the group (epoch) it was asked in.
         self._catch_up_candidates: set[str] = set()
         self._catch_up: set[str] = set()
+        # What each other coordinator last said in a probe or a probe's answer, and when:
+        # does it serve (coordinate a NORMAL group)? (``_declines_behind``)
+        self._heard_serving: dict[str, tuple[bool, int]] = {}
         self._hand_over_next_ms = 0
         self._hand_over_epoch = 0
         # Master refusals: out of every group until the hold-off ends (None: not held off).
@@ -1720,6 +1727,7 @@ class Election:
         wait for the other for good (an operator's set-priority 0 that this node missed):
         it is invited as a member, judges the invitation under its set, and we learn that
         set from its answer."""
+        self._heard_serving[node] = (serving, self._now_ms)
         if not self._can_merge():
             return
         above = self._rank_of(node) > self._rank_of(self._me)
@@ -3207,6 +3215,8 @@ class Election:
         catching_up = self._catch_up_invitation(frm, body)
         if self._transfer_invitation(inviter, body) or catching_up:
             pass
+        elif self._declines_behind(inviter, frm, body):
+            return
         elif inviter == current:
             # Our coordinator's new merge carries the epoch we share with it; one that
             # carries an older epoch was delayed from an earlier merge.
@@ -3300,6 +3310,42 @@ class Election:
             + (f"; forwarded to {','.join(forwarded)}" if forwarded else ""),
         )
         self._try_send_accept()
+
+    def _declines_behind(self, inviter: str, frm: str, body: Invitation) -> bool:
+        """Is this the invitation of a node behind our group, which serves nothing? Taken,
+        it would make that node master of a group whose newer log it lacks: its replica
+        would fetch, and truncate the suffix it wrote as a deposed master (a replay of its
+        whole log), while no master serves. Our group's coordinator invites it to catch
+        up instead ("Rejoin behaviour"). Its own probes may say otherwise, being older than
+        our group (chaos seed 80: a master cut off for 2.5 s came back 130 ms before the
+        others formed the next epoch, merged them on older probe answers, and truncated
+        for over a second without a master).
+
+        Behind: its invitation carries an epoch below the one this node accepted. The
+        coordinator declines it while it serves or is inviting that node to catch up,
+        unless that node said it serves in a probe or an answer of the last two probe
+        intervals: two serving groups (one kept by an operator's override) still merge,
+        once the probes after a heal have said so; what was heard before a cut says
+        nothing of now. A member of a NORMAL group declines it from the inviter itself
+        and takes what its coordinator forwards."""
+        if body.epoch >= self._persisted.epoch:
+            return False
+        if self._coord == self._me:
+            catching = self._merge is not None and inviter in self._catch_up
+            serving, heard_ms = self._heard_serving.get(inviter, (False, 0))
+            lately = self._now_ms - heard_ms <= 2 * self._cfg.probe_interval_ms
+            if (serving and lately) or not (self._serving() or catching):
+                return False
+        elif frm == self._coord or self._state is not NodeState.NORMAL:
+            return False
+        self._log(
+            LogLevel.INFO,
+            "invitation-declined",
+            f"invitation from {inviter} to {body.group_name} declined: it carries epoch "
+            f"{body.epoch}, behind this node's {self._persisted.epoch}, and {inviter} serves "
+            f"nothing; {self._coord} invites it to catch up instead",
+        )
+        return True
 
     def _catch_up_invitation(self, frm: str, body: Invitation) -> bool:
         """Is this a serving group's invitation to catch up that this node takes?

@@ -1145,3 +1145,84 @@ def test_a_node_whose_change_formed_no_group_joins_the_group_formed_under_the_ol
     cluster.run(5000)
     assert node2.persisted.epoch == epoch  # no merge after merge
     assert node2.status().members == ("1", "2", "3")
+
+
+def _master_1_cut_off_while_2_and_3_serve() -> Cluster:
+    """Node 1 leads epoch 1, is cut off while it appends an entry nobody copies, and nodes 2
+    and 3 form epoch 2 without it (node 2 master); the cut is then healed."""
+    cluster: Cluster | None = None
+    for line in (
+        "cluster 1:3 2:2 3:1",
+        "start 1 2 3",
+        "run ms=400",
+        "write 1 n=4",
+        "partition 1|2,3",
+        "write 1 n=1",
+        "run ms=1500",
+        "heal",
+    ):
+        cluster, _ = execute(cluster, line)
+    assert cluster is not None
+    for node in ("2", "3"):
+        election = cluster.nodes[node]
+        assert election is not None
+        status = election.status()
+        assert (status.state, status.coordinator_id, status.epoch) == (NodeState.NORMAL, "2", 2)
+    return cluster
+
+
+def test_a_master_back_from_a_cut_on_stale_probe_answers_is_not_made_coordinator() -> None:
+    """Chaos seed 80: node 1, the master, was cut off for 2.5 s and came back 130 ms before
+    the others formed the next epoch. The answers to its probes predated that group, so it
+    merged them as if nobody served, they took its invitation (it ranks first), and as the
+    new master its replica truncated its deposed suffix (a replay of its whole log) and
+    fetched while no master served: 1.7 s of refused writes on a small store, growing with
+    the log. Now node 1 drops a candidate that a later answer says serves, and the
+    serving group's nodes decline an invitation from a node behind their epoch that
+    serves nothing: node 2 invites node 1 to catch up as a slave and keeps serving."""
+    cluster = _master_1_cut_off_while_2_and_3_serve()
+    node1, node2 = cluster.nodes["1"], cluster.nodes["2"]
+    assert node1 is not None and node2 is not None
+    # An answer node 2 gave before it formed its group reaches node 1 only now.
+    stale = replace(node2._probe_reply(with_settings=False), serving=False)
+    cluster.deliver(PeerMessage("2", "1", stale))
+    masters: list[tuple[str, int]] = []
+    apply = cluster.apply
+
+    def record_masters(node: str, ready: Ready, heading: str, elide: bool = False) -> None:
+        command = ready.role_command
+        if command is not None and command.kind is RoleCommandKind.MASTER:
+            masters.append((node, command.epoch))
+        apply(node, ready, heading, elide)
+
+    cluster.apply = record_masters  # type: ignore[method-assign]
+    cluster.run(3000)
+    # Node 1 never led with a sync source it had to fetch from: node 2 stayed the master
+    # of every epoch until node 1, caught up, was handed the group.
+    first_1 = next((i for i, (node, _) in enumerate(masters) if node == "1"), len(masters))
+    assert first_1 > 0 and all(node == "2" for node, _ in masters[:first_1]), masters
+    out = "\n".join(cluster.out)
+    assert "to catch up, then take the group over" in out, out[-3000:]
+
+
+def test_a_member_declines_an_invitation_from_a_node_behind_its_serving_group() -> None:
+    """The invitation itself, as node 3 (a member of node 2's group, epoch 2) hears it from
+    node 1, whose epoch is 1: declined, naming why; node 3 stays in node 2's group. The
+    same invitation forwarded by node 3's own coordinator would be taken."""
+    cluster = _master_1_cut_off_while_2_and_3_serve()
+    node1, node3 = cluster.nodes["1"], cluster.nodes["3"]
+    assert node1 is not None and node3 is not None
+    invitation = Invitation(
+        "1:g9",
+        3,
+        node1.persisted.epoch,
+        node1.persisted.cluster_id,
+        settings_digest=node1._digest,
+        base_digest=node1._base_digest,
+    )
+    ready = node3.step(PeerMessage("1", "3", invitation), cluster.now_ms)
+    assert not ready.messages, ready.messages
+    declined = [e.message for e in ready.events if e.event == "invitation-declined"]
+    assert declined and "epoch 1, behind this node's 2" in declined[0], ready.events
+    status = node3.status()
+    assert (status.state, status.coordinator_id) == (NodeState.NORMAL, "2")
