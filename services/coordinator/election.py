@@ -3326,8 +3326,10 @@ class Election:
         unless that node said it serves in a probe or an answer of the last two probe
         intervals: two serving groups (one kept by an operator's override) still merge,
         once the probes after a heal have said so; what was heard before a cut says
-        nothing of now. A member of a NORMAL group declines it from the inviter itself
-        and takes what its coordinator forwards."""
+        nothing of now. A member of a group, NORMAL or forming (chaos seed 83: a member
+        that had taken its serving coordinator's invitation left for the node behind, and
+        that merge waited out member_timeout_ms for it), declines it from the inviter
+        itself and takes what its coordinator forwards."""
         if body.epoch >= self._persisted.epoch:
             return False
         if self._coord == self._me:
@@ -3336,7 +3338,10 @@ class Election:
             lately = self._now_ms - heard_ms <= 2 * self._cfg.probe_interval_ms
             if (serving and lately) or not (self._serving() or catching):
                 return False
-        elif frm == self._coord or self._state is not NodeState.NORMAL:
+        elif frm == self._coord or self._state not in (
+            NodeState.NORMAL,
+            NodeState.REORGANIZATION,
+        ):
             return False
         self._log(
             LogLevel.INFO,
