@@ -30,7 +30,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
 
 from squall_server.common.clock import Clock
 from squall_server.common.loss_record import LossRecord
@@ -285,10 +285,9 @@ class CoordinatorDriver:
         # Told once the state could not be saved (the node fail-stops); "" until then.
         self._save_failed = save_failed
         self.failed = ""
-        # Master refusals in a row by the replica, the last one's reason, and the hold-off
-        # they caused (kept across recoveries: each makes a fresh Election).
+        # Master refusals in a row by the replica, and the hold-off they caused (kept
+        # across recoveries: each makes a fresh Election).
         self.master_refusals = 0
-        self._master_refusal_reason = ""
         # Slave refusals in a row (SLAVE_REFUSALS_MAX), kept across recoveries too.
         self.slave_refusals = 0
         self._lead_hold_off: LeadHoldOff | None = None
@@ -465,10 +464,7 @@ class CoordinatorDriver:
             if (
                 outcome.kind is Failure.REFUSED or _master_without_room(command, outcome)
             ) and command.kind is not RoleCommandKind.DEACTIVATE:
-                if command.kind is RoleCommandKind.MASTER:
-                    self._note_master_refusal(outcome.details)
-                else:
-                    self._note_slave_refusal(outcome.details)
+                self._note_refusal(command.kind, outcome.details)
                 self.recover(f"replica refused {command.kind.value}: {outcome.details}")
                 self._role_applied = None
                 return RoleNext.AGAIN
@@ -545,47 +541,45 @@ class CoordinatorDriver:
         self._role_applied = command
         return RoleNext.WAIT
 
-    def _note_master_refusal(self, reason: str) -> None:
-        """The replica refused the master role: count it; at MASTER_REFUSALS_MAX in a row
-        the node steps aside from leading (the recovery that follows starts held off)."""
-        self.master_refusals += 1
-        self._master_refusal_reason = reason
-        if self.master_refusals < MASTER_REFUSALS_MAX:
+    def _note_refusal(self, kind: RoleCommandKind, reason: str) -> None:
+        """The replica refused a role: count the refusals of that role in a row; at its
+        maximum the node steps aside (the recovery that follows starts held off): from
+        leading after MASTER_REFUSALS_MAX master refusals, so the others elect a master;
+        from its group after SLAVE_REFUSALS_MAX slave refusals, so that the group is not
+        re-formed for it again and again."""
+        role: Literal["master", "slave"]
+        if kind is RoleCommandKind.MASTER:
+            self.master_refusals += 1
+            refusals, most, hold_ms = (
+                self.master_refusals,
+                MASTER_REFUSALS_MAX,
+                MASTER_REFUSAL_HOLDOFF_MS,
+            )
+            role, aside = "master", "leading"
+            then = "the other nodes elect a master; then it rejoins and may lead again"
+        else:
+            self.slave_refusals += 1
+            refusals, most, hold_ms = (
+                self.slave_refusals,
+                SLAVE_REFUSALS_MAX,
+                SLAVE_REFUSAL_HOLDOFF_MS,
+            )
+            role, aside = "slave", "its group"
+            then = "the others stop re-forming the group for it; then it rejoins"
+        if refusals < most:
             return
-        now = self.now()
-        self._lead_hold_off = LeadHoldOff(
-            now + MASTER_REFUSAL_HOLDOFF_MS, self.master_refusals, reason
-        )
+        self._lead_hold_off = LeadHoldOff(self.now() + hold_ms, refusals, reason, role=role)
         log.warning(
-            "coordinator %s: its replica refused the master role %d times in a row (epoch=%d, "
-            "last: %s); the node steps aside from leading for %d ms: out of every group, so "
-            "the other nodes elect a master; then it rejoins and may lead again",
+            "coordinator %s: its replica refused the %s role %d times in a row (epoch=%d, "
+            "last: %s); the node steps aside from %s for %d ms: out of every group, so %s",
             self.node_id,
-            self.master_refusals,
+            role,
+            refusals,
             self.election.persisted.epoch,
             reason,
-            MASTER_REFUSAL_HOLDOFF_MS,
-        )
-
-    def _note_slave_refusal(self, reason: str) -> None:
-        """The replica refused the slave role: count it; at SLAVE_REFUSALS_MAX in a row the
-        node steps aside from its group (the recovery that follows starts held off), so
-        the group is not re-formed for it again and again."""
-        self.slave_refusals += 1
-        if self.slave_refusals < SLAVE_REFUSALS_MAX:
-            return
-        self._lead_hold_off = LeadHoldOff(
-            self.now() + SLAVE_REFUSAL_HOLDOFF_MS, self.slave_refusals, reason, role="slave"
-        )
-        log.warning(
-            "coordinator %s: its replica refused the slave role %d times in a row (epoch=%d, "
-            "last: %s); the node steps aside from its group for %d ms: out of every group, "
-            "so the others stop re-forming the group for it; then it rejoins",
-            self.node_id,
-            self.slave_refusals,
-            self.election.persisted.epoch,
-            reason,
-            SLAVE_REFUSAL_HOLDOFF_MS,
+            aside,
+            hold_ms,
+            then,
         )
 
     @property

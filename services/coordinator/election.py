@@ -245,6 +245,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from squall_server.common.loss_record import (
     LOSS_ACK_MESSAGE_ID,
@@ -329,7 +330,7 @@ class LeadHoldOff:
     until_ms: int
     refusals: int  # 0: not refusals; the master's replica was cut off (reason says)
     reason: str
-    role: str = "master"  # the role refused: "master" or "slave"
+    role: Literal["master", "slave"] = "master"  # the role refused
 
     @property
     def why(self) -> str:

@@ -136,8 +136,8 @@ def test_interrupted_shutdowns_thaw_and_a_dead_commands_freezes_lapse(
 
 def test_a_group_reformed_again_and_again_fails_the_seed(monkeypatch: pytest.MonkeyPatch) -> None:
     """The churn check sees what no safety check does: seed 6623 (acks "all") leaves a
-    node whose replica refuses every slave role for 90 s (frozen by an interrupted
-    cluster shutdown). Without the driver's slave-refusal limit its group re-formed for
+    node whose replica refuses every slave role until its freeze lapses (an interrupted
+    cluster shutdown's). Without the driver's slave-refusal limit its group re-formed for
     it about twenty times a second (914 epochs for 30 disruptions); with it the clients
     see 11. A shorter shutdown timeout keeps the seed's course and halves its CPU."""
     monkeypatch.setattr(coordinated_sim, "SHUTDOWN_TIMEOUT_S", 5.0)
