@@ -211,7 +211,9 @@ def test_a_reader_that_leaves_hands_the_role_to_a_waiting_caller(stub: _FakeStub
     call = stub.calls[0]
     wait_until(lambda: call.blocked_readers == 1)
     second = _Caller(mux, "second", 1, timeout_s=5.0)
-    wait_until(lambda: second.entry.future.parked)
+    # Its request out too: built after the first reader left, it would wake its caller
+    # itself (not a hand-on).
+    wait_until(lambda: second.entry.future.parked and len(call.requests) == 2)
     call.answer()
     assert isinstance(first.join(), squall.Receipt)
     wait_until(lambda: call.blocked_readers == 1)
