@@ -283,11 +283,11 @@ class NodeStatus:
     """On the master's coordinator: the membership change in progress, or how the last
     one ended."""
     lead_held_off_until_ms: int = 0
-    """Set while the node steps aside from leading because its replica kept refusing the
-    master role (out of every group meanwhile): wall-clock ms since the Unix epoch the
-    hold-off ends."""
+    """Set while the node steps aside, out of every group, because its replica kept refusing
+    the master or the slave role, or its master replica was cut off: wall-clock ms since
+    the Unix epoch the hold-off ends."""
     lead_held_off_reason: str = ""
-    """While held off: the replica's last refusal of the master role."""
+    """While held off: why (the role refused and the replica's last refusal, or the cut)."""
     frozen_for_shutdown_id: str = ""
     """The cluster shutdown the node's replica is frozen for (no new role, and on the
     master no new write); empty otherwise."""

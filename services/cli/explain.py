@@ -51,13 +51,15 @@ def reason_of(node: squall.NodeStatus) -> str:
 
 
 def held_off(node: squall.NodeStatus) -> str:
-    """Why a node steps aside from leading (empty when it does not)."""
+    """Why a node steps aside from its groups (empty when it does not). Not "from
+    leading": a node whose replica refuses the slave role, or whose coordinator dropped
+    it while a slave, steps aside too; the reason names the role."""
     if not node.lead_held_off_until_ms:
         return ""
     return (
-        f"steps aside from leading until {when(node.lead_held_off_until_ms)}: "
+        f"steps aside until {when(node.lead_held_off_until_ms)}: "
         f"{node.lead_held_off_reason}; out of every group meanwhile (never master, never "
-        "counted for acks or the quorum), then it rejoins and may lead again"
+        "counted for acks or the quorum), then it rejoins"
     )
 
 

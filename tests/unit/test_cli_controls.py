@@ -200,10 +200,10 @@ def test_status_explains_a_node_that_steps_aside_after_master_refusals(
     code, out, _ = run(["status"], capsys)
     assert code == 0
     assert "STEPPED ASIDE" in out.splitlines()[1] + out.splitlines()[2], out
-    assert "n1: steps aside from leading until 2025-11-22T03:05:41Z" in out
+    assert "n1: steps aside until 2025-11-22T03:05:41Z" in out
     assert "refused the master role 3 times in a row" in out and "disk full" in out, out
     code, out, _ = run(["status", "--explain"], capsys)
-    assert "n1 ranks higher but is not in the group (steps aside from leading" in out, out
+    assert "n1 ranks higher but is not in the group (steps aside until" in out, out
     # Out of every group, it is no candidate should the master fail.
     assert "n2 fails -> n3 would lead" in out and "(n1 already out)" in out, out
 

@@ -846,12 +846,12 @@ class CoordinatorStatus(_message.Message):
     membership_change: _builtins.str
     """On the coordinator: the membership change in progress, or how the last one ended."""
     lead_held_off_until_ms: _builtins.int
-    """Set while this node steps aside from leading because its replica kept refusing the
-    master role (it is out of every group meanwhile): wall-clock milliseconds since the
-    Unix epoch the hold-off ends (0: not held off).
+    """Set while this node steps aside, out of every group, because its replica kept
+    refusing the master or the slave role, or its master replica was cut off: wall-clock
+    milliseconds since the Unix epoch the hold-off ends (0: not held off).
     """
     lead_held_off_reason: _builtins.str
-    """While held off: the replica's last refusal."""
+    """While held off: why (the role refused and the replica's last refusal, or the cut)."""
     @_builtins.property
     def group(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The other members (only the coordinator knows them)."""

@@ -145,12 +145,13 @@ class NodeStatus(_message.Message):
     ended.
     """
     lead_held_off_until_ms: _builtins.int
-    """Set while the node steps aside from leading because its replica kept refusing the
-    master role (it is out of every group meanwhile): wall-clock milliseconds since the
-    Unix epoch the hold-off ends (0: not held off, or the coordinator was not reached).
+    """Set while the node steps aside, out of every group, because its replica kept refusing
+    the master or the slave role, or its master replica was cut off: wall-clock
+    milliseconds since the Unix epoch the hold-off ends (0: not held off, or the
+    coordinator was not reached). The field's name predates slave refusals.
     """
     lead_held_off_reason: _builtins.str
-    """While held off: the replica's last refusal of the master role."""
+    """While held off: why (the role refused and the replica's last refusal, or the cut)."""
     frozen_for_shutdown_id: _builtins.str
     """The cluster shutdown the node's replica is frozen for (no new role, no new write on
     the master); empty otherwise.
