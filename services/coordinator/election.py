@@ -121,7 +121,9 @@ whole log) and fetch while no master serves, a publish gap that grows with the l
    Probe answers can be older than the serving group (a master cut off for a moment comes
    back just before the others form the next epoch): so the serving group's nodes also
    decline an invitation from a node behind their epoch that serves nothing
-   (``_declines_behind``), and their coordinator invites it to catch up.
+   (``_declines_behind``), and their coordinator invites it to catch up. The node takes
+   that invitation also while its own declined merge still waits for answers, which would
+   otherwise keep the catch-up merge, and every write, waiting ``member_timeout_ms``.
 2. The master's coordinator hears from its replica how far each streaming slave is behind
    (``slave_lags``, from every role renewal). Once the highest-ranked member that joined to
    catch up lags at most ``CATCH_UP_LAG_ENTRIES_MAX`` entries, it asks the driver to hand the
@@ -3356,10 +3358,17 @@ class Election:
     def _catch_up_invitation(self, frm: str, body: Invitation) -> bool:
         """Is this a serving group's invitation to catch up that this node takes?
 
-        A coordinator named in it takes it while it serves no group; its members take it
-        when it forwards it to them (it accepted)."""
+        A coordinator named in it takes it while it serves no group: inactive, or while
+        its own merge still collects answers. That merge is most likely the one the
+        serving group declined (``_declines_behind``), whose answers never come: waiting
+        it out kept the serving group's catch-up merge, and with it every write, waiting
+        member_timeout_ms for this node (chaos seed 86: 1 s without a master). Its members
+        take it when it forwards it to them (it accepted)."""
         if self._coord == self._me:
-            return self._me in body.catch_up and self._state is NodeState.INACTIVE
+            return self._me in body.catch_up and self._state in (
+                NodeState.INACTIVE,
+                NodeState.ELECTION,
+            )
         return frm == self._coord and self._coord in body.catch_up
 
     def _transfer_invitation(self, inviter: str, body: Invitation) -> bool:

@@ -1205,6 +1205,55 @@ def test_a_master_back_from_a_cut_on_stale_probe_answers_is_not_made_coordinator
     assert "to catch up, then take the group over" in out, out[-3000:]
 
 
+def test_a_node_behind_takes_the_catch_up_invitation_while_its_own_merge_waits() -> None:
+    """Chaos seed 86: node 1, back from a cut, invited node 2, which declined (node 1 is
+    behind) and, having heard from node 1 just then, invited it to catch up at once. Node 1
+    took catch-up invitations only when inactive, and was still waiting for the accept of
+    its own merge, which never came: node 2's merge waited member_timeout_ms (1 s) for
+    node 1 and formed without it, and in between no master served. A node whose own merge
+    is still collecting takes the serving group's invitation to catch up: its merge would
+    form nothing (the others decline it)."""
+    cluster = _master_1_cut_off_while_2_and_3_serve()
+    node1, node2 = cluster.nodes["1"], cluster.nodes["2"]
+    assert node1 is not None and node2 is not None
+    stale = replace(node2._probe_reply(with_settings=False), serving=False)
+    cluster.deliver(PeerMessage("2", "1", stale))
+    for _ in range(200):
+        if node1.status().state is NodeState.ELECTION:
+            break
+        cluster.run(5)
+    assert node1.status().state is NodeState.ELECTION, cluster.out[-20:]
+    # Node 1's probe, sent as its merge began, reaches node 2 after the invitation.
+    probe = AreYouCoordinator(
+        node1._group,
+        3,
+        cluster_id=node1.persisted.cluster_id,
+        settings_digest=node1._digest,
+        membership_version=node1._membership.version,
+        membership_epoch=node1._membership.epoch,
+        base_digest=node1._base_digest,
+    )
+    cluster.deliver(PeerMessage("1", "2", probe))
+    served: list[tuple[int, str]] = []
+    apply = cluster.apply
+
+    def record_roles(node: str, ready: Ready, heading: str, elide: bool = False) -> None:
+        command = ready.role_command
+        if node == "2" and command is not None:
+            served.append((cluster.now_ms, command.kind.value))
+        apply(node, ready, heading, elide)
+
+    cluster.apply = record_roles  # type: ignore[method-assign]
+    cluster.run(3000)
+    out = "\n".join(cluster.out)
+    assert "catch-up-accepted: node 1" in out, out[-3000:]
+    # Node 2 stops serving for its catch-up merge and serves again within a few message
+    # delays, not after a member timeout.
+    stopped = next(t for t, kind in served if kind != RoleCommandKind.MASTER.value)
+    again = next(t for t, kind in served if kind == RoleCommandKind.MASTER.value and t >= stopped)
+    assert again - stopped < 100, (served, out[-3000:])
+
+
 def test_a_member_declines_an_invitation_from_a_node_behind_its_serving_group() -> None:
     """The invitation itself, as node 3 (a member of node 2's group, epoch 2) hears it from
     node 1, whose epoch is 1: declined, naming why; node 3 stays in node 2's group. The
