@@ -61,6 +61,7 @@ async def serve(config: ClusterConfig, node_config: NodeConfig, stop: asyncio.Ev
         await stop.wait()
         log.info("coordinator %s stopping", node_config.id)
     finally:
+        node.quiesce()
         await grpc_server.stop()
         await node.stop()
     if node.failed:

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from squall_server.common.clock import ManualClock
+from squall_server.coordinator import codec
 from squall_server.coordinator.driver import (
     CoordinatorDriver,
     DriverTimings,
@@ -32,6 +33,7 @@ from squall_server.coordinator.driver import (
 )
 from squall_server.coordinator.election import ElectionConfig
 from squall_server.coordinator.messages import (
+    AreYouCoordinator,
     NodeState,
     PeerMessage,
     PersistedState,
@@ -218,3 +220,64 @@ def test_a_coordinator_whose_loop_dies_fail_stops_instead_of_running_on(tmp_path
     failed, stopped = asyncio.run(scenario())
     assert stopped, "the process was not told to stop"
     assert failed == "its tick loop ended: RuntimeError('a bug in a tick')"
+
+
+class _StoppedReplica:
+    """A replica link whose replica answers every role command as stopped."""
+
+    async def set_role(self, command: object, reason: str) -> ReplicaAnswer:
+        return _answer()
+
+    async def check_health(self) -> bool:
+        return True
+
+    async def prepare_handoff(self, *args: object, **kwargs: object) -> None:
+        raise AssertionError("no hand-over in this test")
+
+    async def close(self) -> None:
+        return None
+
+
+def test_a_stopping_coordinator_goes_silent_before_its_server_drains(tmp_path: Path) -> None:
+    """Chaos seed 87: a slave's coordinator asked to stop (SIGTERM) went on electing while
+    its server drained calls for a second and took no answers: it lost its group, formed
+    one of its own and probed the master's coordinator, which merged it back and waited
+    member_timeout_ms for its accept, with no master meanwhile. Quiesced first, it answers
+    nothing and sends nothing, as a killed node, which its group drops without waiting."""
+    config = cluster_config(tmp_path, ["n1", "n2", "n3"])
+    node_config = config.node("n3")
+    node_config.data_dir.mkdir(parents=True)
+
+    async def scenario() -> tuple[int, int, int, bool]:
+        peers = Recorder()
+        node = CoordinatorNode(
+            config,
+            node_config,
+            peers=peers,
+            replica=_StoppedReplica(),  # type: ignore[arg-type]
+            store=MemoryStateStore(),
+        )
+        await node.start()
+        try:
+            probe = codec.to_proto(
+                PeerMessage("n1", "n3", AreYouCoordinator("n1:g1", config.node("n1").priority))
+            )
+            before = len(peers.sent)
+            assert node.deliver(probe) is None
+            answered = len(peers.sent) - before
+            node.quiesce()
+            for _ in range(10):
+                await asyncio.sleep(0)  # the cancelled loops end
+            loops_ended = all(task.done() for task in node._tasks)
+            quiet_from = len(peers.sent)
+            node.deliver(probe)
+            # Three probe intervals: a running election probes and answers in each.
+            await asyncio.sleep(3 * config.timeouts.probe_interval_ms / 1000)
+            return answered, quiet_from, len(peers.sent), loops_ended
+        finally:
+            await node.stop()
+
+    answered, quiet_from, sent, loops_ended = asyncio.run(scenario())
+    assert answered == 1, "a running coordinator answers a probe at once"
+    assert sent == quiet_from, "a stopping coordinator sent messages"
+    assert loops_ended
