@@ -93,7 +93,9 @@ class LmdbTruncator:
         self.map_size_bytes = map_size_bytes
         self.dedupe_window = dedupe_window
 
-    def stage(self, store: Store, keep_lsn: int, abandoned: Callable[[], bool] = _never) -> Path:
+    def stage(
+        self, store: Store, keep_lsn: int, abandoned: Callable[[], bool] = _never
+    ) -> Path:
         """Replays store's log up to keep_lsn into a fresh store beside it (slow; off-loop;
         given up, leaving no staging directory, once ``abandoned`` says so)."""
         meta = store.meta()

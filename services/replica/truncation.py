@@ -140,7 +140,8 @@ class Truncation(CoreView):
                 )
             except TruncationAbandoned as exc:
                 log.info(
-                    "replica %s: %s: its role changed (now %s, epoch %d); the store is as it was",
+                    "replica %s: %s: its role changed (now %s, epoch %d); the store is as "
+                    "it was",
                     self.node_id,
                     exc,
                     core.role.name.lower(),
