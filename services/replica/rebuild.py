@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from squall.v1 import common_pb2
@@ -31,17 +32,36 @@ class TruncateError(StoreError):
     """The store could not be truncated; it is unchanged."""
 
 
-def rebuild_into(store: Store, fresh: Store, keep_lsn: int) -> None:
+class TruncationAbandoned(TruncateError):
+    """The replay was given up (``abandoned`` said so); the store is unchanged."""
+
+
+def _never() -> bool:
+    return False
+
+
+def rebuild_into(
+    store: Store, fresh: Store, keep_lsn: int, abandoned: Callable[[], bool] = _never
+) -> None:
     """Replays store's log up to keep_lsn into the empty store fresh, and carries its
     metadata over (cluster id, epoch, commit record, state); raises TruncateError when the
     log no longer holds those entries. The LMDB truncator stages a file with it; an
-    in-memory store (the simulator's) is rebuilt with it in place."""
+    in-memory store (the simulator's) is rebuilt with it in place.
+
+    ``abandoned`` is asked before each batch of entries (it may be called from another
+    thread than the one that can make it true): once it says so, the replay stops with
+    ``TruncationAbandoned``. A replay takes ~25 µs per entry, seconds on a large log, and
+    the replica cannot drop its role before it ends (docs/replication.md)."""
     meta = store.meta()
     if not 0 <= keep_lsn <= meta.last_lsn:
         raise TruncateError(f"truncate after LSN {keep_lsn}: the log ends at {meta.last_lsn}")
     next_lsn = 1
     # One replay step per batch of entries: bounded by the log's length.
     while next_lsn <= keep_lsn:
+        if abandoned():
+            raise TruncationAbandoned(
+                f"truncation after LSN {keep_lsn} abandoned with {next_lsn - 1} entries replayed"
+            )
         count = min(_REPLAY_BATCH_ENTRIES, keep_lsn - next_lsn + 1)
         entries = store.read_log(next_lsn, count)
         if len(entries) != count:
@@ -73,8 +93,11 @@ class LmdbTruncator:
         self.map_size_bytes = map_size_bytes
         self.dedupe_window = dedupe_window
 
-    def stage(self, store: Store, keep_lsn: int) -> Path:
-        """Replays store's log up to keep_lsn into a fresh store beside it (slow; off-loop)."""
+    def stage(
+        self, store: Store, keep_lsn: int, abandoned: Callable[[], bool] = _never
+    ) -> Path:
+        """Replays store's log up to keep_lsn into a fresh store beside it (slow; off-loop;
+        given up, leaving no staging directory, once ``abandoned`` says so)."""
         meta = store.meta()
         if not 0 <= keep_lsn <= meta.last_lsn:
             raise TruncateError(f"truncate after LSN {keep_lsn}: the log ends at {meta.last_lsn}")
@@ -83,7 +106,7 @@ class LmdbTruncator:
         staging.mkdir(parents=True)
         fresh = Store.open_lmdb(staging, self.map_size_bytes, dedupe_window=self.dedupe_window)
         try:
-            rebuild_into(store, fresh, keep_lsn)
+            rebuild_into(store, fresh, keep_lsn, abandoned)
             fresh.sync()
         except BaseException:
             fresh.close()

@@ -29,7 +29,7 @@ from squall_server.replica.core import ReplicaCore
 from squall_server.replica.core_view import CoreView
 from squall_server.replica.driver import ReplicaDriver
 from squall_server.replica.loss_scan import scan_discarded, truncation_loss
-from squall_server.replica.rebuild import LmdbTruncator
+from squall_server.replica.rebuild import LmdbTruncator, TruncationAbandoned
 from squall_server.replica.store import StoreError, StoreFullError
 from squall_server.replica.store.stall import StallMeter
 from squall_server.replica.telemetry import PublishedTraces, ReplicaInstruments
@@ -121,11 +121,37 @@ class Truncation(CoreView):
                 )
             )
             self._loss_reported = (keep_lsn, known_commit)
+        # The role this truncation is for: once the coordinator drops it (or a new epoch
+        # replaces it) the replay gives up, so that the drop, which waits for the commit
+        # lock, is not held for the rest of a replay (chaos seed 87: a slave truncating
+        # for 1.9 s answered its DEACTIVATE only then, and its group's re-formation, which
+        # waits for every member's stopped state, served nothing for a second). Its
+        # store is unchanged; whoever needs the truncation asks for it again.
+        core = self.core
+        role_at_start = (core.role, core.epoch, core.taking)
+
+        def abandoned() -> bool:
+            return (core.role, core.epoch, core.taking) != role_at_start
+
         try:
             try:
                 staging = await loop.run_in_executor(
-                    self._io, lambda: truncator.stage(self.store, keep_lsn)
+                    self._io, lambda: truncator.stage(self.store, keep_lsn, abandoned)
                 )
+            except TruncationAbandoned as exc:
+                log.info(
+                    "replica %s: %s: its role changed (now %s, epoch %d); the store is as "
+                    "it was",
+                    self.node_id,
+                    exc,
+                    core.role.name.lower(),
+                    core.epoch,
+                )
+                raise ServiceError(
+                    Code.UNAVAILABLE,
+                    f"replica {self.node_id}: truncation after LSN {keep_lsn} abandoned: "
+                    "its role changed",
+                ) from exc
             except StoreFullError as exc:
                 # The rebuilt copy did not fit its map (LMDB's MDB_MAP_FULL): the store is
                 # as it was, as after any write a full store refuses. Refused, not a fault

@@ -520,12 +520,14 @@ class MemoryTruncator(LmdbTruncator):
         self.open_store = open_store
         self._staged: MemoryKV | None = None
 
-    def stage(self, store: Store, keep_lsn: int) -> Path:
+    def stage(
+        self, store: Store, keep_lsn: int, abandoned: Callable[[], bool] = lambda: False
+    ) -> Path:
         meta = store.meta()
         if not 0 <= keep_lsn <= meta.last_lsn:
             raise TruncateError(f"truncate after LSN {keep_lsn}: the log ends at {meta.last_lsn}")
         fresh = MemoryKV(DATABASES, keep_unsynced=True)
-        rebuild_into(store, Store(fresh), keep_lsn)
+        rebuild_into(store, Store(fresh), keep_lsn, abandoned)
         fresh.sync()
         self._staged = fresh
         return self.data_dir

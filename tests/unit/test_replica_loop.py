@@ -17,6 +17,7 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -171,6 +172,73 @@ def test_a_replica_truncating_its_log_on_a_slow_disk_keeps_its_event_loop_runnin
             assert reopened.meta().last_lsn == 3
         finally:
             reopened.close()
+
+    asyncio.run(scenario())
+
+
+class _HeldReplayTruncator(LmdbTruncator):
+    """Truncates for real; its replay, once begun, is held (as a long log's would be)
+    until the truncation's role changes, or for REPLAY_HOLD_S at most."""
+
+    started: threading.Event
+
+    def stage(
+        self, store: Store, keep_lsn: int, abandoned: Callable[[], bool] = lambda: False
+    ) -> Path:
+        def held() -> bool:
+            if not self.started.is_set():
+                self.started.set()
+                deadline = time.monotonic() + REPLAY_HOLD_S
+                while not abandoned() and time.monotonic() < deadline:
+                    time.sleep(0.005)
+            return abandoned()
+
+        return super().stage(store, keep_lsn, held)
+
+
+REPLAY_HOLD_S = 10.0
+
+
+def test_a_slave_deactivated_while_truncating_gives_the_replay_up_and_keeps_its_store(
+    tmp_path: Path,
+) -> None:
+    """Chaos seed 87: a slave rebuilding its store to truncate a deposed suffix answered
+    its coordinator's DEACTIVATE only once the replay had ended (1.9 s on 25,000 entries),
+    and the group's re-formation, which waits for every member's stopped state, served
+    nothing meanwhile. Now a dropped role makes the replay give up: the store is as it
+    was (the suffix still there), no fault, no staging left; asked again, it truncates."""
+
+    async def scenario() -> None:
+        store = Store.open_lmdb(tmp_path, MAP_BYTES)
+        start = replica_pb2.Operation(epoch_start=replica_pb2.EpochStartOp(epoch=1, master_id="n1"))
+        create = replica_pb2.Operation(create_topic=replica_pb2.CreateTopicOp(name="t"))
+        publishes = [publish_entry(3 + i, 1, i, b"event") for i in range(300)]
+        store.append([make_entry(1, 1, start), make_entry(2, 1, create), *publishes], sync=True)
+        truncator = _HeldReplayTruncator(tmp_path, map_size_bytes=MAP_BYTES, dedupe_window=100)
+        truncator.started = threading.Event()
+        config = example_config(tmp_path)
+        node = build_replica_node(config, config.node("n2"), store, truncator=truncator)
+        await node.start()
+        try:
+            await node.apply_role(_role(common_pb2.ROLE_SLAVE, 3, "n1", 1))
+            truncating = asyncio.create_task(
+                node.truncation.truncate_after(250, "a test's deposed suffix")
+            )
+            assert await asyncio.to_thread(truncator.started.wait, REPLAY_HOLD_S)
+            await node.roles.deactivate("a test's coordinator merges a new group")
+            with pytest.raises(ServiceError) as given_up:
+                await truncating
+            assert given_up.value.code is Code.UNAVAILABLE
+            assert "abandoned: its role changed" in given_up.value.message
+            assert node.role == common_pb2.ROLE_INACTIVE
+            assert (node.failed_reason, node.fault) == ("", None)
+            assert node.last_lsn == 302 and node.store.meta().last_lsn == 302
+            assert not (tmp_path / "truncate.staging").exists()
+            await node.truncation.truncate_after(250, "a test's deposed suffix")
+            assert node.last_lsn == 250 and node.store.meta().last_lsn == 250
+        finally:
+            await node.stop()
+            node.store.close()
 
     asyncio.run(scenario())
 
