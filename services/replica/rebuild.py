@@ -43,11 +43,14 @@ def _never() -> bool:
 def rebuild_into(
     store: Store, fresh: Store, keep_lsn: int, abandoned: Callable[[], bool] = _never
 ) -> None:
-    """Replays store's log up to keep_lsn into the empty store fresh, and carries its
-    metadata over (cluster id, epoch, commit record, state); raises TruncateError when the
-    log no longer holds those entries. The LMDB truncator stages a file with it; an
-    in-memory store (the simulator's) is rebuilt with it in place.
+    """Replays store's log up to keep_lsn into fresh, and carries its metadata over
+    (cluster id, epoch, commit record, state); raises TruncateError when the log no longer
+    holds those entries. The LMDB truncator stages a file with it; an in-memory store (the
+    simulator's) is rebuilt with it in place.
 
+    The replay starts after fresh's own last entry: at LSN 1 for an empty store, or where
+    a replay given up before stopped (the caller vouches that fresh holds a prefix of
+    store's log: ``LmdbTruncator`` resumes only into a copy of the same store).
     ``abandoned`` is asked before each batch of entries (it may be called from another
     thread than the one that can make it true): once it says so, the replay stops with
     ``TruncationAbandoned``. A replay takes ~25 µs per entry, seconds on a large log, and
@@ -55,7 +58,11 @@ def rebuild_into(
     meta = store.meta()
     if not 0 <= keep_lsn <= meta.last_lsn:
         raise TruncateError(f"truncate after LSN {keep_lsn}: the log ends at {meta.last_lsn}")
-    next_lsn = 1
+    next_lsn = fresh.meta().last_lsn + 1
+    if next_lsn - 1 > keep_lsn:
+        raise TruncateError(
+            f"truncate after LSN {keep_lsn}: the copy being rebuilt already ends at {next_lsn - 1}"
+        )
     # One replay step per batch of entries: bounded by the log's length.
     while next_lsn <= keep_lsn:
         if abandoned():
@@ -86,34 +93,86 @@ def rebuild_into(
 
 
 class LmdbTruncator:
-    """Truncates an LMDB store's log by rebuilding it from its own log."""
+    """Truncates an LMDB store's log by rebuilding it from its own log.
+
+    A replay given up (``TruncationAbandoned``) keeps its copy, open, beside the store: the
+    next truncation of the same store object to an LSN at or past the copy's end resumes
+    it instead of replaying from LSN 1 again (chaos seed 86: a slave whose replay was given
+    up at a re-formation became the next master and replayed its 10,240 entries again,
+    seconds with no master). A store's log changes below its end only by a truncation,
+    which replaces the store object, or by a snapshot's install, which the object counts
+    (``Store.snapshots_installed``): while both are the same, the store still holds the
+    prefix the copy has.
+    """
 
     def __init__(self, data_dir: Path, *, map_size_bytes: int, dedupe_window: int) -> None:
         self.data_dir = data_dir
         self.map_size_bytes = map_size_bytes
         self.dedupe_window = dedupe_window
+        # (the store it copies, its snapshots installed then, the copy): a replay given
+        # up, to resume.
+        self._given_up: tuple[Store, int, Store] | None = None
 
-    def stage(
-        self, store: Store, keep_lsn: int, abandoned: Callable[[], bool] = _never
-    ) -> Path:
-        """Replays store's log up to keep_lsn into a fresh store beside it (slow; off-loop;
-        given up, leaving no staging directory, once ``abandoned`` says so)."""
+    def stage(self, store: Store, keep_lsn: int, abandoned: Callable[[], bool] = _never) -> Path:
+        """Replays store's log up to keep_lsn into a fresh store beside it (slow; off-loop),
+        or resumes a replay of the same store given up before; given up once ``abandoned``
+        says so, its copy kept for the next stage of this store."""
         meta = store.meta()
         if not 0 <= keep_lsn <= meta.last_lsn:
             raise TruncateError(f"truncate after LSN {keep_lsn}: the log ends at {meta.last_lsn}")
+        fresh = self._resumable(store, keep_lsn) or self._new_copy()
+        try:
+            rebuild_into(store, fresh, keep_lsn, abandoned)
+        except TruncationAbandoned:
+            self._given_up = (store, store.snapshots_installed, fresh)
+            raise
+        except BaseException:
+            self._drop_copy(fresh)
+            raise
+        return self._finish_copy(fresh)
+
+    def resumes_from(self, store: Store) -> int:
+        """The last LSN a replay of store given up has copied (0: none to resume)."""
+        if self._given_up is None:
+            return 0
+        source, installed, copy = self._given_up
+        if source is not store or installed != store.snapshots_installed:
+            return 0
+        return copy.meta().last_lsn
+
+    def _resumable(self, store: Store, keep_lsn: int) -> Store | None:
+        """The copy of a replay of store given up, when it can go on to keep_lsn; any
+        other given-up copy is dropped."""
+        copied = self.resumes_from(store)
+        given_up, self._given_up = self._given_up, None
+        if given_up is None:
+            return None
+        copy = given_up[2]
+        if 0 < copied <= keep_lsn:
+            return copy
+        self._drop_copy(copy)
+        return None
+
+    def _new_copy(self) -> Store:
+        """An empty store to replay into (the staging directory, made afresh)."""
         staging = self.data_dir / _STAGING_DIR
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        fresh = Store.open_lmdb(staging, self.map_size_bytes, dedupe_window=self.dedupe_window)
+        return Store.open_lmdb(staging, self.map_size_bytes, dedupe_window=self.dedupe_window)
+
+    def _drop_copy(self, copy: Store) -> None:
+        copy.close()
+        shutil.rmtree(self.data_dir / _STAGING_DIR, ignore_errors=True)
+
+    def _finish_copy(self, copy: Store) -> Path:
+        """The replayed copy made durable and closed: the path ``swap`` takes."""
         try:
-            rebuild_into(store, fresh, keep_lsn, abandoned)
-            fresh.sync()
+            copy.sync()
         except BaseException:
-            fresh.close()
-            shutil.rmtree(staging, ignore_errors=True)
+            self._drop_copy(copy)
             raise
-        fresh.close()
-        return staging
+        copy.close()
+        return self.data_dir / _STAGING_DIR
 
     def install(self, store: Store, staging: Path) -> Store:
         """Closes store, swaps the staged file in atomically, and opens the result."""
@@ -141,5 +200,8 @@ class LmdbTruncator:
         shutil.rmtree(staging, ignore_errors=True)
 
     def discard(self) -> None:
-        """Removes a staging directory left by a crash."""
+        """Removes a staging directory left by a crash, or by a replay given up."""
+        given_up, self._given_up = self._given_up, None
+        if given_up is not None:
+            self._drop_copy(given_up[2])
         shutil.rmtree(self.data_dir / _STAGING_DIR, ignore_errors=True)

@@ -92,13 +92,15 @@ class Truncation(CoreView):
         self.driver.check_truncation(keep_lsn, why, can_truncate=truncator is not None)
         assert truncator is not None  # (check_truncation refused otherwise)
         meta = self.store.meta()
+        resumed = truncator.resumes_from(self.store)
         log.warning(
-            "replica %s truncating its log after LSN %d (it ends at %d; %s): epoch=%d",
+            "replica %s truncating its log after LSN %d (it ends at %d; %s): epoch=%d%s",
             self.node_id,
             keep_lsn,
             meta.last_lsn,
             why,
             self.epoch,
+            f"; resuming a replay given up after LSN {resumed}" if 0 < resumed <= keep_lsn else "",
         )
         loop = asyncio.get_running_loop()
         known_commit = self.gate.commit_lsn
@@ -126,7 +128,8 @@ class Truncation(CoreView):
         # lock, is not held for the rest of a replay (chaos seed 87: a slave truncating
         # for 1.9 s answered its DEACTIVATE only then, and its group's re-formation, which
         # waits for every member's stopped state, served nothing for a second). Its
-        # store is unchanged; whoever needs the truncation asks for it again.
+        # store is unchanged; whoever needs the truncation asks for it again, and the
+        # replay resumes where it stopped (``LmdbTruncator``).
         core = self.core
         role_at_start = (core.role, core.epoch, core.taking)
 
@@ -141,7 +144,7 @@ class Truncation(CoreView):
             except TruncationAbandoned as exc:
                 log.info(
                     "replica %s: %s: its role changed (now %s, epoch %d); the store is as "
-                    "it was",
+                    "it was, and the next truncation resumes the replay",
                     self.node_id,
                     exc,
                     core.role.name.lower(),

@@ -115,7 +115,7 @@ from squall_server.coordinator.node import (
     role_proto,
 )
 from squall_server.replica.faults import FAULT_FILE_NAME
-from squall_server.replica.rebuild import LmdbTruncator, TruncateError, rebuild_into
+from squall_server.replica.rebuild import LmdbTruncator
 from squall_server.replica.server import ReplicaControl
 from squall_server.replica.store import DATABASES, Store, StoreError
 from squall_server.replica.store.kv_memory import MemoryKV
@@ -509,27 +509,30 @@ async def _await(serve: Callable[[], Awaitable[T]]) -> T:
 
 
 class MemoryTruncator(LmdbTruncator):
-    """The LMDB truncator's twin over a node's ``Disk``: rebuilds the log up to the kept
-    LSN into a fresh ``MemoryKV`` (``rebuild_into``, as production does) and swaps it in
-    at once (the rename); a crash before the swap leaves the old store. ``open_store``
-    opens the process's store over the swapped-in disk (the reopen)."""
+    """The LMDB truncator's twin over a node's ``Disk``: its ``stage`` (a replay given up
+    kept and resumed, as production does) rebuilds the log up to the kept LSN into a
+    fresh ``MemoryKV`` instead of a staging directory, and ``swap`` puts it in at once
+    (the rename); a crash before the swap leaves the old store. ``open_store`` opens the
+    process's store over the swapped-in disk (the reopen)."""
 
     def __init__(self, member: Member, open_store: Callable[[ProcessKV], Store]) -> None:
         super().__init__(member.data_dir, map_size_bytes=0, dedupe_window=0)
         self.member = member
         self.open_store = open_store
+        self._copy: MemoryKV | None = None  # the one being replayed into (or given up)
         self._staged: MemoryKV | None = None
 
-    def stage(
-        self, store: Store, keep_lsn: int, abandoned: Callable[[], bool] = lambda: False
-    ) -> Path:
-        meta = store.meta()
-        if not 0 <= keep_lsn <= meta.last_lsn:
-            raise TruncateError(f"truncate after LSN {keep_lsn}: the log ends at {meta.last_lsn}")
-        fresh = MemoryKV(DATABASES, keep_unsynced=True)
-        rebuild_into(store, Store(fresh), keep_lsn, abandoned)
-        fresh.sync()
-        self._staged = fresh
+    def _new_copy(self) -> Store:
+        self._copy = MemoryKV(DATABASES, keep_unsynced=True)
+        return Store(self._copy)
+
+    def _drop_copy(self, copy: Store) -> None:
+        self._copy = None
+
+    def _finish_copy(self, copy: Store) -> Path:
+        assert self._copy is not None
+        self._copy.sync()
+        self._staged, self._copy = self._copy, None
         return self.data_dir
 
     def swap(self, store: Store, staging: Path) -> Store:
@@ -544,6 +547,7 @@ class MemoryTruncator(LmdbTruncator):
         return None
 
     def discard(self) -> None:
+        super().discard()
         self._staged = None
 
 

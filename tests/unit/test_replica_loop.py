@@ -177,16 +177,20 @@ def test_a_replica_truncating_its_log_on_a_slow_disk_keeps_its_event_loop_runnin
 
 
 class _HeldReplayTruncator(LmdbTruncator):
-    """Truncates for real; its replay, once begun, is held (as a long log's would be)
-    until the truncation's role changes, or for REPLAY_HOLD_S at most."""
+    """Truncates for real; its first replay, after its first batch of entries, is held (as
+    a long log's would be) until the truncation's role changes, or for REPLAY_HOLD_S at
+    most."""
 
     started: threading.Event
 
     def stage(
         self, store: Store, keep_lsn: int, abandoned: Callable[[], bool] = lambda: False
     ) -> Path:
+        asked = [0]
+
         def held() -> bool:
-            if not self.started.is_set():
+            asked[0] += 1
+            if asked[0] == 2 and not self.started.is_set():
                 self.started.set()
                 deadline = time.monotonic() + REPLAY_HOLD_S
                 while not abandoned() and time.monotonic() < deadline:
@@ -199,20 +203,22 @@ class _HeldReplayTruncator(LmdbTruncator):
 REPLAY_HOLD_S = 10.0
 
 
-def test_a_slave_deactivated_while_truncating_gives_the_replay_up_and_keeps_its_store(
-    tmp_path: Path,
+def test_a_slave_deactivated_while_truncating_gives_the_replay_up_and_resumes_it_later(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Chaos seed 87: a slave rebuilding its store to truncate a deposed suffix answered
     its coordinator's DEACTIVATE only once the replay had ended (1.9 s on 25,000 entries),
     and the group's re-formation, which waits for every member's stopped state, served
     nothing meanwhile. Now a dropped role makes the replay give up: the store is as it
-    was (the suffix still there), no fault, no staging left; asked again, it truncates."""
+    was (the suffix still there), no fault; asked again, it truncates, resuming the
+    replay where it stopped (chaos seed 86: a slave whose replay was given up became the
+    next master and replayed from LSN 1 again)."""
 
     async def scenario() -> None:
         store = Store.open_lmdb(tmp_path, MAP_BYTES)
         start = replica_pb2.Operation(epoch_start=replica_pb2.EpochStartOp(epoch=1, master_id="n1"))
         create = replica_pb2.Operation(create_topic=replica_pb2.CreateTopicOp(name="t"))
-        publishes = [publish_entry(3 + i, 1, i, b"event") for i in range(300)]
+        publishes = [publish_entry(3 + i, 1, i, b"event") for i in range(1500)]
         store.append([make_entry(1, 1, start), make_entry(2, 1, create), *publishes], sync=True)
         truncator = _HeldReplayTruncator(tmp_path, map_size_bytes=MAP_BYTES, dedupe_window=100)
         truncator.started = threading.Event()
@@ -222,7 +228,7 @@ def test_a_slave_deactivated_while_truncating_gives_the_replay_up_and_keeps_its_
         try:
             await node.apply_role(_role(common_pb2.ROLE_SLAVE, 3, "n1", 1))
             truncating = asyncio.create_task(
-                node.truncation.truncate_after(250, "a test's deposed suffix")
+                node.truncation.truncate_after(1250, "a test's deposed suffix")
             )
             assert await asyncio.to_thread(truncator.started.wait, REPLAY_HOLD_S)
             await node.roles.deactivate("a test's coordinator merges a new group")
@@ -232,10 +238,14 @@ def test_a_slave_deactivated_while_truncating_gives_the_replay_up_and_keeps_its_
             assert "abandoned: its role changed" in given_up.value.message
             assert node.role == common_pb2.ROLE_INACTIVE
             assert (node.failed_reason, node.fault) == ("", None)
-            assert node.last_lsn == 302 and node.store.meta().last_lsn == 302
+            assert node.last_lsn == 1502 and node.store.meta().last_lsn == 1502
+            assert truncator.resumes_from(node.store) == 1024  # the replay's first batch
+            with caplog.at_level(logging.WARNING, logger="squall.replica"):
+                await node.truncation.truncate_after(1250, "a test's deposed suffix")
+            assert "resuming a replay given up after LSN 1024" in caplog.text
+            assert node.last_lsn == 1250 and node.store.meta().last_lsn == 1250
+            assert len(node.store.read_events("t", 0, 2000)) == 1248
             assert not (tmp_path / "truncate.staging").exists()
-            await node.truncation.truncate_after(250, "a test's deposed suffix")
-            assert node.last_lsn == 250 and node.store.meta().last_lsn == 250
         finally:
             await node.stop()
             node.store.close()

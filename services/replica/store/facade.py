@@ -225,6 +225,10 @@ class Store:
         # Times each write and flush, so a stuck disk is seen (stall.py); the replica
         # installs one on its clock, a store without one is not timed.
         self.stall_meter: StallMeter | None = None
+        # Snapshots installed through this object: the one change of its log below its
+        # end it survives (a truncation replaces the object), so a copy of its log's
+        # prefix stays one while this is unchanged (rebuild.LmdbTruncator resumes one).
+        self.snapshots_installed = 0
 
     def _timed(self) -> AbstractContextManager[None]:
         """The stall meter's watch over one write or flush (nothing without a meter)."""
@@ -629,6 +633,7 @@ class Store:
             )
         with self._writing(sync=sync) as txn:
             finish_install(txn, history, commit_lsn, uncommitted)
+        self.snapshots_installed += 1
 
     def abort_snapshot(self) -> bool:
         """Abandons an unfinished install (flushed): what it staged is dropped, the state
