@@ -86,6 +86,35 @@ MASTER_REFUSAL_HOLDOFF_MS = 10_000
 # master refusals; a role taken resets the count.
 SLAVE_REFUSALS_MAX = 3
 SLAVE_REFUSAL_HOLDOFF_MS = 10_000
+
+
+@dataclass(frozen=True)
+class _StepAsideRule:
+    """What refusals of one role in a row make the node do (``_note_refusal``)."""
+
+    role: Literal["master", "slave"]
+    most: int
+    hold_ms: int
+    aside: str  # what the node steps aside from
+    then: str  # what the other nodes do meanwhile
+
+
+_STEP_ASIDE = {
+    RoleCommandKind.MASTER: _StepAsideRule(
+        "master",
+        MASTER_REFUSALS_MAX,
+        MASTER_REFUSAL_HOLDOFF_MS,
+        "leading",
+        "the other nodes elect a master; then it rejoins and may lead again",
+    ),
+    RoleCommandKind.FOLLOW: _StepAsideRule(
+        "slave",
+        SLAVE_REFUSALS_MAX,
+        SLAVE_REFUSAL_HOLDOFF_MS,
+        "its group",
+        "the others stop re-forming the group for it; then it rejoins",
+    ),
+}
 # A node that steps aside because replica links are cut (a master whose replica hears no
 # majority, a leader whose replica cannot reach its sync source, a member dropped under
 # acks "group") stays out this long first: enough for the others to re-form without it.
@@ -285,11 +314,9 @@ class CoordinatorDriver:
         # Told once the state could not be saved (the node fail-stops); "" until then.
         self._save_failed = save_failed
         self.failed = ""
-        # Master refusals in a row by the replica, and the hold-off they caused (kept
+        # Refusals in a row by the replica, per role, and the hold-off they caused (kept
         # across recoveries: each makes a fresh Election).
-        self.master_refusals = 0
-        # Slave refusals in a row (SLAVE_REFUSALS_MAX), kept across recoveries too.
-        self.slave_refusals = 0
+        self._refusals = dict.fromkeys(_STEP_ASIDE, 0)
         self._lead_hold_off: LeadHoldOff | None = None
         # The epoch of a master role the replica has failed to take (not refused: its sync
         # source unreachable, say), and when it first failed; None once one is taken.
@@ -486,10 +513,11 @@ class CoordinatorDriver:
             return RoleNext.WAIT
         self.replica_answered(outcome.store_stalled_ms)
         if command.kind is RoleCommandKind.MASTER and outcome.report.active and not outcome.syncing:
-            self.master_refusals = 0  # it took the master role
+            self._refusals[RoleCommandKind.MASTER] = 0  # it took the master role
             self._master_failing = None
         if command.kind is not RoleCommandKind.DEACTIVATE and outcome.report.active:
-            self.slave_refusals = 0  # it took a role: the refusals are no longer in a row
+            # It took a role: its slave refusals are no longer in a row.
+            self._refusals[RoleCommandKind.FOLLOW] = 0
         if outcome.fault_id:
             # A fault the replica reports quarantines this node (once per fault).
             self.apply(
@@ -547,40 +575,35 @@ class CoordinatorDriver:
         leading after MASTER_REFUSALS_MAX master refusals, so the others elect a master;
         from its group after SLAVE_REFUSALS_MAX slave refusals, so that the group is not
         re-formed for it again and again."""
-        role: Literal["master", "slave"]
-        if kind is RoleCommandKind.MASTER:
-            self.master_refusals += 1
-            refusals, most, hold_ms = (
-                self.master_refusals,
-                MASTER_REFUSALS_MAX,
-                MASTER_REFUSAL_HOLDOFF_MS,
-            )
-            role, aside = "master", "leading"
-            then = "the other nodes elect a master; then it rejoins and may lead again"
-        else:
-            self.slave_refusals += 1
-            refusals, most, hold_ms = (
-                self.slave_refusals,
-                SLAVE_REFUSALS_MAX,
-                SLAVE_REFUSAL_HOLDOFF_MS,
-            )
-            role, aside = "slave", "its group"
-            then = "the others stop re-forming the group for it; then it rejoins"
-        if refusals < most:
+        rule = _STEP_ASIDE[kind]
+        refusals = self._refusals[kind] = self._refusals[kind] + 1
+        if refusals < rule.most:
             return
-        self._lead_hold_off = LeadHoldOff(self.now() + hold_ms, refusals, reason, role=role)
+        self._lead_hold_off = LeadHoldOff(
+            self.now() + rule.hold_ms, refusals, reason, role=rule.role
+        )
         log.warning(
             "coordinator %s: its replica refused the %s role %d times in a row (epoch=%d, "
             "last: %s); the node steps aside from %s for %d ms: out of every group, so %s",
             self.node_id,
-            role,
+            rule.role,
             refusals,
             self.election.persisted.epoch,
             reason,
-            aside,
-            hold_ms,
-            then,
+            rule.aside,
+            rule.hold_ms,
+            rule.then,
         )
+
+    @property
+    def master_refusals(self) -> int:
+        """Refusals of the master role in a row."""
+        return self._refusals[RoleCommandKind.MASTER]
+
+    @property
+    def slave_refusals(self) -> int:
+        """Refusals of the slave role in a row."""
+        return self._refusals[RoleCommandKind.FOLLOW]
 
     @property
     def quorum_lost_ms(self) -> int:

@@ -266,9 +266,8 @@ def test_a_stopping_coordinator_goes_silent_before_its_server_drains(tmp_path: P
             assert node.deliver(probe) is None
             answered = len(peers.sent) - before
             node.quiesce()
-            for _ in range(10):
-                await asyncio.sleep(0)  # the cancelled loops end
-            loops_ended = all(task.done() for task in node._tasks)
+            _, running = await asyncio.wait(node._tasks, timeout=5)
+            loops_ended = not running
             quiet_from = len(peers.sent)
             node.deliver(probe)
             # Three probe intervals: a running election probes and answers in each.
