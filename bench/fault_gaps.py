@@ -19,6 +19,10 @@ each heal) with one fault kind while all three publish:
 ``replica_pause``      SIGSTOP of the master's replica alone; heal: SIGCONT.
 ``coordinator_kill``   kill -9 of the master's coordinator alone; heal: restart it.
 ``coordinator_pause``  SIGSTOP of the master's coordinator alone; heal: SIGCONT.
+``replica_term``       SIGTERM of the master's replica alone (``systemctl restart`` of
+                       one unit: the process drains its calls, up to 1 s, and exits);
+                       heal: restart it.
+``coordinator_term``   SIGTERM of the master's coordinator alone; heal: restart it.
 ``lead_back``          measured on every node_kill trial's heal: the restarted n1
                        rejoins as a slave of the node elected meanwhile, catches up, and
                        is handed the master role (docs/architecture.md, "Rejoin").
@@ -26,7 +30,7 @@ each heal) with one fault kind while all three publish:
 A trial: wait until the cluster is normal (every coordinator NORMAL in one group, its
 master's replica master) and every path has `STEADY_ACKS` receipts from that master;
 inject the fault (timed from the moment it is in place: the killed process reaped, the
-SIGSTOP sent); hold it `HOLD_S` (several member timeouts and leases: a coordinator's
+SIGSTOP or SIGTERM sent); hold it `HOLD_S` (several member timeouts and leases: a coordinator's
 fault stops nothing at once, its node fails over when the leases run out); heal it; wait
 (at most `RECOVER_S`) until every path has a receipt for a publish sent after the fault
 started and one at or after the heal. Per path, as the chaos checker defines them
@@ -74,6 +78,8 @@ KINDS = (
     "replica_pause",
     "coordinator_kill",
     "coordinator_pause",
+    "replica_term",
+    "coordinator_term",
     "lead_back",
 )
 # The kinds a trial injects; lead_back is measured on node_kill's heal.
@@ -85,6 +91,8 @@ WHAT = {
     "replica_pause": "SIGSTOP of the master's replica alone; SIGCONT",
     "coordinator_kill": "kill -9 of the master's coordinator alone; restart it",
     "coordinator_pause": "SIGSTOP of the master's coordinator alone; SIGCONT",
+    "replica_term": "SIGTERM of the master's replica alone (it drains, then exits); restart it",
+    "coordinator_term": "SIGTERM of the master's coordinator alone; restart it",
     "lead_back": "the restarted n1 (highest priority) takes the master role back",
 }
 AIM = "p50 <= 500 ms and max <= 1000 ms for every kind and path, default settings"
@@ -261,6 +269,9 @@ def inject(cluster: replicated._Bench, kind: str, victim: str) -> None:
         _kill(cluster, kind.split("_")[0], victim)
     elif kind in ("replica_pause", "coordinator_pause"):
         _signal(cluster, kind.split("_")[0], victim, signal.SIGSTOP)
+    elif kind in ("replica_term", "coordinator_term"):
+        # In place once sent: the process's own stop (its drain) is part of the fault.
+        _signal(cluster, kind.split("_")[0], victim, signal.SIGTERM)
     else:
         raise ValueError(f"no injected fault kind {kind!r}")
 
@@ -274,6 +285,11 @@ def heal(cluster: replicated._Bench, kind: str, victim: str) -> None:
         _start(cluster, kind.split("_")[0], victim)
     elif kind in ("replica_pause", "coordinator_pause"):
         _signal(cluster, kind.split("_")[0], victim, signal.SIGCONT)
+    elif kind in ("replica_term", "coordinator_term"):
+        process = kind.split("_")[0]
+        # Exited during the hold; reaped here (killed if it outlived stop_service's wait).
+        processes.stop_service(cluster.services[(process, victim)])
+        _start(cluster, process, victim)
     else:
         raise ValueError(f"no injected fault kind {kind!r}")
 

@@ -239,6 +239,15 @@ class ChaosCluster:
         for service in self.node_services(node_id):
             processes.stop_service(service, _STOP_GRACE_S)
 
+    def stop_process(self, kind: str, node_id: str) -> None:
+        """SIGTERM one process of a node (SIGKILL after the grace period); the other
+        keeps running."""
+        _check_kind(kind)
+        self.resume_process(kind, node_id)
+        service = self.services.get((kind, node_id))
+        if service is not None:
+            processes.stop_service(service, _STOP_GRACE_S)
+
     def kill_gateway(self, gateway_id: str) -> None:
         processes.kill_service(self.services[("gateway", gateway_id)])
 

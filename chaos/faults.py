@@ -31,6 +31,11 @@ The kinds and what each one does:
 ``kill_coordinator``   kill -9 the node's coordinator alone, restart it.
 ``pause_replica``      SIGSTOP the node's replica alone, SIGCONT it.
 ``pause_coordinator``  SIGSTOP the node's coordinator alone, SIGCONT it.
+``stop``        SIGTERM a node's processes (an orderly stop, as a VM's restart or
+                ``systemctl stop`` does: each drains its calls and exits), restart it.
+``stop_replica``       SIGTERM the node's replica alone (``systemctl restart`` of one
+                       unit), restart it.
+``stop_coordinator``   SIGTERM the node's coordinator alone, restart it.
 ``partition``   blackhole routes between one node and the rest, or (5 nodes) between a
                 2-node minority and the majority (chaos/netns.py); needs namespaces.
 ``partition_replica``      blackhole routes between the node's replica and the other
@@ -81,6 +86,9 @@ KINDS = (
     "kill_coordinator",
     "pause_replica",
     "pause_coordinator",
+    "stop",
+    "stop_replica",
+    "stop_coordinator",
     "partition",
     "partition_replica",
     "partition_coordinator",
@@ -95,6 +103,8 @@ PROCESS_FAULTS = {
     "kill_coordinator": ("kill", "coordinator"),
     "pause_replica": ("pause", "replica"),
     "pause_coordinator": ("pause", "coordinator"),
+    "stop_replica": ("stop", "replica"),
+    "stop_coordinator": ("stop", "coordinator"),
     "partition_replica": ("partition", "replica"),
     "partition_coordinator": ("partition", "coordinator"),
 }
@@ -115,6 +125,9 @@ _HOLD_S = {
     "kill_coordinator": (1.0, 5.0),
     "pause_replica": (1.0, 4.0),
     "pause_coordinator": (1.0, 4.0),
+    "stop": (1.0, 5.0),
+    "stop_replica": (1.0, 5.0),
+    "stop_coordinator": (1.0, 5.0),
     "partition": (2.0, 6.0),
     "partition_replica": (2.0, 6.0),
     "partition_coordinator": (2.0, 6.0),
@@ -140,6 +153,7 @@ OVERLAP_PROBABILITY = 0.3
 OVERLAP_FIRST = (
     "kill",
     "pause",
+    "stop",
     *PROCESS_FAULTS,
     "partition",
     "map_full",
@@ -148,10 +162,11 @@ OVERLAP_FIRST = (
 OVERLAP_SECOND = (
     "kill",
     "pause",
+    "stop",
     *(kind for kind, (action, _) in PROCESS_FAULTS.items() if action != "partition"),
 )
 # Kinds that take a whole node out (both processes, or all its links).
-WHOLE_NODE = ("kill", "pause", "partition", "corrupt")
+WHOLE_NODE = ("kill", "pause", "stop", "partition", "corrupt")
 # The second fault starts this share of the first's hold in, at most.
 _OVERLAP_START_SHARE = 0.6
 _OVERLAP_HOLD_S_MIN = 0.5
@@ -419,6 +434,8 @@ class FaultRunner:
             action, process = PROCESS_FAULTS[spec.kind]
             if action == "kill":
                 cluster.kill_process(process, target)
+            elif action == "stop":
+                cluster.stop_process(process, target)
             elif action == "pause":
                 cluster.pause_process(process, target)
             elif cluster.topology is None:
@@ -432,6 +449,8 @@ class FaultRunner:
                 cluster.kill_node(target)
         elif spec.kind == "pause":
             cluster.pause_node(target)
+        elif spec.kind == "stop":
+            cluster.stop_node(target)
         elif spec.kind == "partition":
             if cluster.topology is None:
                 raise ClusterError("partition needs network namespaces")
@@ -456,7 +475,7 @@ class FaultRunner:
         cluster, target = self.cluster, targets[0]
         if spec.kind in PROCESS_FAULTS:
             action, process = PROCESS_FAULTS[spec.kind]
-            if action == "kill":
+            if action in ("kill", "stop"):
                 cluster.start_process(process, target)
                 return f"{process} restarted"
             if action == "partition":
@@ -470,6 +489,9 @@ class FaultRunner:
                 cluster.start_gateway(target)
             else:
                 cluster.start_node(target)
+            return "restarted"
+        if spec.kind == "stop":
+            cluster.start_node(target)
             return "restarted"
         if spec.kind == "pause":
             cluster.resume_node(target)

@@ -24,8 +24,9 @@ run. The record types:
               ``{"offset": int, "value": str}`` in the order received.
 ``fault``     a fault starts or ends: ``fault`` (kind, e.g. "kill", "pause",
               "kill_replica", "kill_coordinator", "pause_replica", "pause_coordinator",
-              "partition", "partition_replica", "partition_coordinator", "map_full",
-              "corrupt", "slow_disk", "clock_jump"), ``phase``
+              "stop", "stop_replica", "stop_coordinator", "partition",
+              "partition_replica", "partition_coordinator", "map_full", "corrupt",
+              "slow_disk", "clock_jump"), ``phase``
               ("start" | "end"), ``targets`` (node or gateway ids), ``detail`` (free
               text).
 ``unavailable`` a client-observed window with no successful operation of one kind:

@@ -126,6 +126,15 @@ class _FakeCluster:
         self.paused.discard((kind, node_id))
         self.calls.append(("resume", kind, node_id))
 
+    def stop_process(self, kind: str, node_id: str) -> None:
+        self.calls.append(("stop", kind, node_id))
+
+    def stop_node(self, node_id: str) -> None:
+        self.calls.append(("stop", "node", node_id))
+
+    def start_node(self, node_id: str) -> None:
+        self.calls.append(("start", "node", node_id))
+
     def pause_node(self, node_id: str) -> None:
         self.calls.append(("pause", "node", node_id))
 
@@ -178,6 +187,28 @@ def test_an_overlap_starts_inside_the_first_fault_and_heals_before_it(tmp_path: 
     ]
     assert "kill_replica n1 (the master)" in records[0]["detail"]
     json.dumps(records)
+
+
+def test_an_orderly_stop_of_a_process_or_a_node_is_healed_by_restarting_it(
+    tmp_path: Path,
+) -> None:
+    """stop_coordinator of the master overlapped by a slave node's stop: SIGTERM (the
+    process drains and exits, as under systemd), then restarted, the overlap first."""
+    cluster = _FakeCluster(NODES[:3], current_master="n2")
+    runner = _runner(tmp_path, cluster)
+    second = faults.FaultSpec("stop", (), 0.05, 0.1, role="slave", pick=0)
+    first = faults.FaultSpec("stop_coordinator", (), 0.0, 0.3, role="master", overlap=second)
+    assert faults.overlap_fits(first, 3)
+    outcome = faults.FaultOutcome(first)
+    asyncio.run(runner.play(first, outcome))
+    runner.history.close()
+    assert cluster.calls == [
+        ("stop", "coordinator", "n2"),
+        ("stop", "node", "n1"),
+        ("start", "node", "n1"),
+        ("start", "coordinator", "n2"),
+    ]
+    assert not outcome.problem and "coordinator restarted" in outcome.detail
 
 
 def test_heal_all_resumes_and_restarts_single_processes(tmp_path: Path) -> None:
