@@ -88,7 +88,8 @@ async def prepare(
             )
         signal = node.commit_signal()
         try:
-            await asyncio.wait_for(signal.wait(), _POLL_S)
+            async with asyncio.timeout(_POLL_S):  # (wait_for may swallow a cancel on 3.11)
+                await signal.wait()
         except TimeoutError:
             pass
 

@@ -149,8 +149,11 @@ class MasterTasks(Generic[K, I, W, E]):
                     made = self.make(key, item, epoch)
                     if made is not None:
                         self._workers[key] = made
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel
+            # that lands as the wait ends, and the loop would run on past its stop.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.rescan_s())
+                async with asyncio.timeout(self.rescan_s()):
+                    await self._wake.wait()
 
 
 class MasterWork:

@@ -115,7 +115,8 @@ async def read_within(
     UNAVAILABLE (the call cancelled) when nothing arrives within idle_timeout_s. What
     bounds a long transfer is then its progress, not its total time."""
     try:
-        message = await asyncio.wait_for(call.read(), idle_timeout_s)
+        async with asyncio.timeout(idle_timeout_s):  # (wait_for may swallow a cancel)
+            message = await call.read()
     except TimeoutError:
         call.cancel()
         raise ServiceError(

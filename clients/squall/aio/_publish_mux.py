@@ -247,7 +247,8 @@ class PublishMux:
         stream.requests.put_nowait(None)  # half-close: the server ends the stream
         if stream.reader is not None:
             try:
-                await asyncio.wait_for(asyncio.shield(stream.reader), self._timeout_s)
+                async with asyncio.timeout(self._timeout_s):
+                    await asyncio.shield(stream.reader)
             except TimeoutError:
                 stream.call.cancel()
         if stream.watchdog is not None:

@@ -535,7 +535,8 @@ class Publisher:
             stream.requests.put_nowait(None)  # half-close: the server ends the stream
             if stream.reader is not None:
                 try:
-                    await asyncio.wait_for(asyncio.shield(stream.reader), self._timeout_s)
+                    async with asyncio.timeout(self._timeout_s):
+                        await asyncio.shield(stream.reader)
                 except TimeoutError:
                     stream.call.cancel()
         if isinstance(self._binding, ProxyBinding):
@@ -568,7 +569,8 @@ class Publisher:
             if remaining <= 0:
                 return False
             try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
+                async with asyncio.timeout(remaining):
+                    await self._changed.wait()
             except TimeoutError:
                 return ready()
         return True

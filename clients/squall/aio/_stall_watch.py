@@ -50,9 +50,8 @@ async def watch_stalls(stream: Any, endpoint: Endpoint, check: MasterCheck, who:
             await _woken_or(stream.woken, late_in_s)
             continue
         try:
-            checked = await asyncio.wait_for(
-                check(RECEIPT_STALL_CHECK_S), 2 * RECEIPT_STALL_CHECK_S
-            )
+            async with asyncio.timeout(2 * RECEIPT_STALL_CHECK_S):
+                checked = await check(RECEIPT_STALL_CHECK_S)
         except Exception:
             checked = ""  # only a hint: a failed check leaves the stream to its timeout
         still_waiting = not stream.dead and stream.pending and stream.pending[0] is oldest
@@ -67,8 +66,11 @@ async def watch_stalls(stream: Any, endpoint: Endpoint, check: MasterCheck, who:
 
 async def _woken_or(woken: asyncio.Event, timeout_s: float) -> None:
     """Waits for `woken` or `timeout_s`, whichever comes first (a watchdog ends as soon as
-    its stream does, not after its interval)."""
+    its stream does, not after its interval). asyncio.timeout, not wait_for: on Python
+    3.11 wait_for swallows a cancel that lands as the wait ends, and a watchdog cancelled
+    with its stream would watch on."""
     try:
-        await asyncio.wait_for(woken.wait(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await woken.wait()
     except TimeoutError:
         pass

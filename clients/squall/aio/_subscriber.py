@@ -191,7 +191,8 @@ class Subscription:
             self._last_offset + 1,
         )
         try:
-            await asyncio.wait_for(self._closing.wait(), wait_s)
+            async with asyncio.timeout(wait_s):
+                await self._closing.wait()
             return False  # closed while waiting
         except TimeoutError:
             pass
