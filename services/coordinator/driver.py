@@ -89,7 +89,7 @@ SLAVE_REFUSAL_HOLDOFF_MS = 10_000
 
 
 @dataclass(frozen=True)
-class _StepAsideRule:
+class RefusalStepAside:
     """What refusals of one role in a row make the node do (``_note_refusal``)."""
 
     role: Literal["master", "slave"]
@@ -99,15 +99,15 @@ class _StepAsideRule:
     then: str  # what the other nodes do meanwhile
 
 
-_STEP_ASIDE = {
-    RoleCommandKind.MASTER: _StepAsideRule(
+REFUSAL_STEP_ASIDE = {
+    RoleCommandKind.MASTER: RefusalStepAside(
         "master",
         MASTER_REFUSALS_MAX,
         MASTER_REFUSAL_HOLDOFF_MS,
         "leading",
         "the other nodes elect a master; then it rejoins and may lead again",
     ),
-    RoleCommandKind.FOLLOW: _StepAsideRule(
+    RoleCommandKind.FOLLOW: RefusalStepAside(
         "slave",
         SLAVE_REFUSALS_MAX,
         SLAVE_REFUSAL_HOLDOFF_MS,
@@ -316,7 +316,7 @@ class CoordinatorDriver:
         self.failed = ""
         # Refusals in a row by the replica, per role, and the hold-off they caused (kept
         # across recoveries: each makes a fresh Election).
-        self._refusals = dict.fromkeys(_STEP_ASIDE, 0)
+        self._refusals = dict.fromkeys(REFUSAL_STEP_ASIDE, 0)
         self._lead_hold_off: LeadHoldOff | None = None
         # The epoch of a master role the replica has failed to take (not refused: its sync
         # source unreachable, say), and when it first failed; None once one is taken.
@@ -575,7 +575,7 @@ class CoordinatorDriver:
         leading after MASTER_REFUSALS_MAX master refusals, so the others elect a master;
         from its group after SLAVE_REFUSALS_MAX slave refusals, so that the group is not
         re-formed for it again and again."""
-        rule = _STEP_ASIDE[kind]
+        rule = REFUSAL_STEP_ASIDE[kind]
         refusals = self._refusals[kind] = self._refusals[kind] + 1
         if refusals < rule.most:
             return

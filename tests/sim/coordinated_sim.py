@@ -31,15 +31,17 @@ group and cluster ids drawn from the seed, and two simulated links:
 
 Faults, besides ``shell_sim``'s replica faults (crash, restart, pause, replica link cuts
 and resets, slow and failing disks): a coordinator crashes alone (restarted later from
-its persisted state), pauses, has its peer links cut one way or both, or loses its link to
-its own replica; a whole node crashes (both processes; where replicas flush every write,
-half of these are machine crashes that lose what the store had not flushed) or is
-partitioned (both networks). An operator asks the master's coordinator (the one normal as
-its group's master in the highest epoch, as ``squall cluster transfer`` finds it) to
-transfer the leadership to another node, or to give a node another priority
-(``set-priority``, a membership change), through the shipped coordinator servicer.
-At the heal every link heals, every process restarts or resumes, and the coordinators lift
-quarantines (an operator's ``set_quarantine(False)`` after replacing a failing disk).
+its persisted state) or is stopped in order (SIGTERM, ``STOP_SHARE`` of those: quiesced
+at once by the shipped ``CoordinatorNode.quiesce``, gone once its server drained),
+pauses, has its peer links cut one way or both, or loses its link to its own replica; a
+whole node crashes (both processes; where replicas flush every write, half of these are
+machine crashes that lose what the store had not flushed) or is partitioned (both
+networks). An operator asks the master's coordinator (the one normal as its group's
+master in the highest epoch, as ``squall cluster transfer`` finds it) to transfer the
+leadership to another node, or to give a node another priority (``set-priority``, a
+membership change), through the shipped coordinator servicer. At the heal every link
+heals, every process restarts or resumes, and the coordinators lift quarantines (an
+operator's ``set_quarantine(False)`` after replacing a failing disk).
 
 Snapshots as in ``shell_sim`` (half the seeds keep a short log, seeded chunk sizes;
 installs begun and finished counted in ``Stats``): these stores truncate by rebuilding
@@ -138,6 +140,9 @@ T = TypeVar("T")
 _COORD_CRASH, _COORD_RESTART, _COORD_PAUSE, _COORD_CUT, _OWN_CUT = 10, 11, 12, 13, 14
 _NODE_CRASH, _NODE_PARTITION, _COORD_HEAL, _TRANSFER, _SET_PRIORITY = 15, 16, 17, 18, 19
 FAULT_KINDS = 20
+# The share of coordinator crashes that are an orderly stop instead (SIGTERM: quiesced at
+# once, the process gone once its server drained, as under systemd's restart).
+STOP_SHARE = 0.3
 FOLLOW_S = 0.02  # how often clients look up who is master (the gateways' view)
 # Churn: the master epochs the clients see may number at most this many per disruption
 # (a fault, a heal, an operator action) plus the slack. Seeds 0-299 under acks "all" saw
@@ -209,6 +214,9 @@ class Coordinator:
     incarnation: int = 0
     node: CoordinatorNode | None = None
     paused: bool = False
+    # Asked to stop (SIGTERM): quiesced, its server refusing new calls while it drains the
+    # ones it has, until the process exits (``CoordinatedSim._stop_coordinator``).
+    stopping: bool = False
     # The config file it starts from (None: the simulator's; a replacing machine's is the
     # exported running set).
     config: ClusterConfig | None = None
@@ -449,6 +457,8 @@ class SimShutdownCalls:
         running = coordinator.node
         if running is None:
             raise CallFailed(f"UNAVAILABLE: coordinator {node.id} is down")
+        if coordinator.stopping:
+            raise CallFailed(f"UNAVAILABLE: coordinator {node.id} is stopping")
         return await self._served(
             coordinator.process,
             lambda: serve(coordinator_server.Coordinator(running)),
@@ -499,7 +509,8 @@ class SimShutdownCalls:
     async def answering(self, kind: str, node: NodeConfig) -> bool:
         if kind == "replica":
             return self.sim.members[node.id].replica is not None
-        return self.sim.coordinators[node.id].node is not None
+        coordinator = self.sim.coordinators[node.id]
+        return coordinator.node is not None and not coordinator.stopping
 
 
 async def _await(serve: Callable[[], Awaitable[T]]) -> T:
@@ -566,6 +577,9 @@ class CoordinatedSim(ShellSim):
         super().__init__(seed, root, acks=acks)
         self.rng_net = random.Random(seed * 104729 + 1)
         self.rng_ids = random.Random(seed * 104729 + 2)
+        # Its own stream: which coordinator crashes are orderly stops (and how long their
+        # drain takes) leaves the rest of the seed's draws as they were.
+        self.rng_stops = random.Random(seed * 104729 + 4)
         self.loss = self.rng.choice([0.0, 0.01, 0.05])
         self.max_delay_s = self.rng.choice([0.001, 0.005, 0.02])
         # Its own stream: the seed's fault schedule is the same with or without duplicates.
@@ -605,7 +619,7 @@ class CoordinatedSim(ShellSim):
 
     def _start_coordinator(self, coordinator: Coordinator) -> None:
         coordinator.incarnation += 1
-        coordinator.paused = False
+        coordinator.paused = coordinator.stopping = False
         link = SimReplicaLink(self, self.members[coordinator.node_id])
         config = coordinator.config or self.config
         node = SimCoordinatorNode(
@@ -619,7 +633,11 @@ class CoordinatedSim(ShellSim):
             # A cluster shutdown stops the process (services/coordinator/__main__.py), after
             # the servicer's answer.
             on_shutdown=functools.partial(
-                self.loop.call_soon, self._coordinator_exits, coordinator, coordinator.process
+                self.loop.call_soon,
+                self._coordinator_exits,
+                coordinator,
+                coordinator.process,
+                "after cluster shutdown",
             ),
         )
         link.running_set = lambda: node.election.membership
@@ -627,18 +645,36 @@ class CoordinatedSim(ShellSim):
         self.loop.spawn(coordinator.process, node.start())
         self.note(f"start {coordinator.process}")
 
-    def _coordinator_exits(self, coordinator: Coordinator, process: str) -> None:
+    def _coordinator_exits(self, coordinator: Coordinator, process: str, why: str) -> None:
         if coordinator.process == process and coordinator.node is not None:
             self.loop.kill(process)
             coordinator.node = None
-            coordinator.paused = False
-            self.note(f"exit after cluster shutdown: {process}")
+            coordinator.paused = coordinator.stopping = False
+            self.note(f"exit {why}: {process}")
+
+    def _stop_coordinator(self, coordinator: Coordinator) -> None:
+        """SIGTERM, as the shipped ``serve()`` takes it (services/coordinator/__main__.py):
+        the node is quiesced at once, and the process exits once its server has drained
+        the calls it had (up to a second); restarted as after a crash."""
+        node = coordinator.node
+        assert node is not None
+        node.quiesce()
+        coordinator.stopping = True
+        self.stats.crashes += 1
+        self.note(f"stop {coordinator.process} (SIGTERM)")
+        self.loop.call_later(
+            self.rng_stops.uniform(0.0, 1.0),
+            self._coordinator_exits,
+            coordinator,
+            coordinator.process,
+            "after SIGTERM",
+        )
 
     def _crash_coordinator(self, coordinator: Coordinator) -> None:
         self.stats.crashes += 1
         self.loop.kill(coordinator.process)
         coordinator.node = None
-        coordinator.paused = False
+        coordinator.paused = coordinator.stopping = False
         self.note(f"crash {coordinator.process}")
 
     def arrive(self, dst: str, message: coordinator_pb2.PeerMessage) -> None:
@@ -655,6 +691,8 @@ class CoordinatedSim(ShellSim):
         for coordinator in self.coordinators.values():
             if coordinator.node_id == self.gone:
                 continue  # _finish_replacement brings its new machine up
+            if coordinator.stopping:
+                self._coordinator_exits(coordinator, coordinator.process, "at the heal")
             if coordinator.node is None:
                 self._start_coordinator(coordinator)
             elif coordinator.paused:
@@ -759,7 +797,11 @@ class CoordinatedSim(ShellSim):
         coordinator = self.coordinators[node_id]
         others = [n for n in NODE_IDS if n != node_id]
         if kind == _COORD_CRASH and coordinator.node is not None:
-            self._crash_coordinator(coordinator)
+            stoppable = not coordinator.paused and not coordinator.stopping
+            if stoppable and self.rng_stops.random() < STOP_SHARE:
+                self._stop_coordinator(coordinator)
+            else:
+                self._crash_coordinator(coordinator)
         elif kind == _COORD_RESTART and coordinator.node is None:
             self._start_coordinator(coordinator)
         elif kind == _COORD_PAUSE and coordinator.node is not None and not coordinator.paused:
@@ -831,8 +873,8 @@ class CoordinatedSim(ShellSim):
         best: tuple[int, Coordinator] | None = None
         for coordinator in self.coordinators.values():
             node = coordinator.node
-            if node is None or coordinator.paused:
-                continue  # the CLI's status call to it would time out
+            if node is None or coordinator.paused or coordinator.stopping:
+                continue  # the CLI's status call to it would time out or be refused
             status = node.status()
             leads = status.state is NodeState.NORMAL and status.coordinator_id == node.node.id
             if leads and (best is None or status.epoch > best[0]):
@@ -1213,7 +1255,7 @@ class CoordinatedSim(ShellSim):
         """The running node set ``squall status`` shows on coordinator, unless a change is
         in progress there."""
         node = coordinator.node
-        if node is None or coordinator.paused:
+        if node is None or coordinator.paused or coordinator.stopping:
             return None
         status = node.status()
         return None if "in progress" in status.membership_change else status.membership
@@ -1226,7 +1268,7 @@ class CoordinatedSim(ShellSim):
         deadline = self.loop.time() + REPLACE_WAIT_S
         while self.loop.time() < deadline:
             node = coordinator.node
-            if node is None or coordinator.paused:
+            if node is None or coordinator.paused or coordinator.stopping:
                 return None  # the CLI's status call fails
             status = node.status()
             running = status.membership

@@ -332,6 +332,8 @@ class ShellSim:
         self.master_id = ""
         self.commanded_at = 0.0
         self.healing = False
+        # The publishing clients run until the heal's checks begin (``_client``).
+        self.publishing = True
         self.rotten: set[str] = set()  # nodes whose disk holds a flipped log record
         self.quarantined: set[str] = set()  # by the operator (the script's nodes only)
         # A node whose machine is gone for good (coordinated_sim: until the operator's
@@ -437,6 +439,7 @@ class ShellSim:
         await self._heal_roles()
         healed_at = self.loop.time()
         await self._liveness(healed_at)
+        self.publishing = False
         for task in clients:
             task.cancel()
         await self._catch_up(without=self.rotten)
@@ -841,7 +844,11 @@ class ShellSim:
 
     async def _client(self, index: int) -> None:
         rng = random.Random(self.seed * 7919 + index)
-        while True:
+        # Until the heal's checks stop it: cancelled alone, a client whose cancel landed as
+        # a publish's asyncio.wait_for ended would publish on (Python 3.11 swallows such a
+        # cancel, CPython gh-86296; seed 11867 of the coordinated simulator published
+        # through the whole catch-up check, which then never saw the slaves level).
+        while self.publishing:
             await asyncio.sleep(rng.uniform(0.005, 0.1))
             await self._publish_once(rng)
 

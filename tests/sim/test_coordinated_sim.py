@@ -20,10 +20,13 @@ must be cut short (a chunk's line counts them: begun, finished, cut short).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from squall.v1 import common_pb2
 from squall_server.coordinator import driver
+from squall_server.coordinator.messages import RoleCommandKind
 from tests.sim import coordinated_sim
 from tests.sim.coordinated_sim import replay_command, run_seed
 from tests.sim.seed_runs import run_seeds
@@ -141,7 +144,9 @@ def test_a_group_reformed_again_and_again_fails_the_seed(monkeypatch: pytest.Mon
     it about twenty times a second (914 epochs for 30 disruptions); with it the clients
     see 11. A shorter shutdown timeout keeps the seed's course and halves its CPU."""
     monkeypatch.setattr(coordinated_sim, "SHUTDOWN_TIMEOUT_S", 5.0)
-    monkeypatch.setattr(driver, "SLAVE_REFUSALS_MAX", 1_000_000)
+    rules = driver.REFUSAL_STEP_ASIDE
+    unlimited = dataclasses.replace(rules[RoleCommandKind.FOLLOW], most=1_000_000)
+    monkeypatch.setitem(rules, RoleCommandKind.FOLLOW, unlimited)
     with pytest.raises(ShellSimFailure, match="churn: the clients saw") as info:
         run_seed(6623, acks=common_pb2.ACK_POLICY_ALL)
     assert replay_command(6623) in str(info.value)
