@@ -55,6 +55,38 @@ def test_a_paused_process_waits_and_a_killed_one_never_runs_again() -> None:
     assert ticks["b"] == [0, 1, 2, 3, 4, 5]
 
 
+def test_a_timer_cancelled_while_its_paused_process_held_it_never_runs() -> None:
+    """A paused process's timeout and the wakeup that ends its wait both come due; on
+    resume the wait ends first and leaves its ``asyncio.timeout``, which cancels the
+    timer: it must not run then (it failed ``Timeout``'s state assertion: seed 10062)."""
+    loop = VirtualLoop()
+    outcome: list[str] = []
+    errors: list[str] = []
+    loop.set_exception_handler(lambda _, context: errors.append(context["message"]))
+
+    async def waiter(woken: asyncio.Event) -> None:
+        try:
+            async with asyncio.timeout(1.0):
+                await woken.wait()
+            outcome.append("woken")
+        except TimeoutError:
+            outcome.append("timed out")
+
+    async def main() -> None:
+        woken = asyncio.Event()
+        task = loop.spawn("a", waiter(woken))
+        await asyncio.sleep(0.5)
+        loop.pause("a")
+        woken.set()  # its wakeup is held...
+        await asyncio.sleep(1.0)  # ...and so is its timer, which fires at 1.0
+        loop.resume("a")
+        await task
+
+    run(main(), loop)
+    assert outcome == ["woken"]
+    assert errors == []
+
+
 def test_store_thread_jobs_run_one_at_a_time_in_order_after_their_delay() -> None:
     loop = VirtualLoop()
     delays = iter([0.5, 0.1, 0.0])
