@@ -354,8 +354,15 @@ class SimReplicaLink:
             # the call; the server learns of the deadline on its own (cancelled, unawaited).
             result = await asyncio.wait_for(asyncio.shield(call), timeout_s)
         except TimeoutError:
+            _caller_gone(call)
             call.cancel()
             raise _Aborted(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer in time") from None
+        except asyncio.CancelledError:
+            # The caller was cancelled (a stopping coordinator's hand-over): gRPC cancels
+            # the call, and what it ends with reaches nobody.
+            _caller_gone(call)
+            call.cancel()
+            raise
         except _Aborted:
             raise
         except Exception as exc:
@@ -380,6 +387,24 @@ class SimReplicaLink:
         # before that leaves none unawaited.
         call = self.sim.loop.spawn(process, _unanswered(lambda: serve(ReplicaControl(replica))))
         self.sim.loop.call_later(timeout_s, call.cancel)
+
+
+def _caller_gone(call: asyncio.Task[object]) -> None:
+    """The caller stopped waiting for ``call``: a refusal it ends with goes nowhere, as in
+    ``_unanswered`` (coordinated seed 13519: a stopping coordinator's hand-over, cancelled
+    while the replica's PrepareHandoff ran, left its FAILED_PRECONDITION unretrieved);
+    anything else the servicer raises still reaches the loop and fails the seed."""
+
+    def done(task: asyncio.Task[object]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None and not isinstance(exc, _Aborted):
+            task.get_loop().call_exception_handler(
+                {"message": "a call nobody waits for failed", "exception": exc, "task": task}
+            )
+
+    call.add_done_callback(done)
 
 
 async def _alive() -> None:
