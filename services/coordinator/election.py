@@ -180,6 +180,10 @@ driver judges from the replica's answer) is reported the same way, with
 its end (writes complete again) is ``replica_answered``. The reverse fault needs nothing
 here: a replica whose coordinator is gone drops its role when its lease runs out.
 
+A node out of every group for any reason answers an invitation with a ``Leave`` naming the
+invited group, and the inviter's merge stops waiting for it: its coordinator lives, so the
+merge hears from it and would not prune it as a dead invitee (``_prune_silent_invitees``).
+
 A replica on oversubscribed CPUs answers late though it is well. The driver times its
 role calls and passes the longest round trip of about the last two seconds with the
 silence (``answer_ms``, ``answer_times.py``); the machine allows
@@ -2312,15 +2316,6 @@ class Election:
         and stay out of every group until the replica answers again."""
         silent_ms = self._now_ms - since_ms
         group, epoch, role = self._group, self._group_epoch, self._role
-        if self._coord == self._me:
-            told: set[str] = set(self._members)
-            if self._merge is not None:
-                told |= self._merge.expected | self._merge.accepted.keys()
-            if self._reorg is not None:
-                told |= set(self._reorg.members)
-        else:
-            told = {self._coord}
-        told.discard(self._me)
         stalled = self._replica_store_stalled
         reason = (
             f"replica store of node {self._me} stalled: no write completed for {silent_ms} ms"
@@ -2328,8 +2323,7 @@ class Election:
             else f"replica of node {self._me} has not answered for {silent_ms} ms "
             f"(replica_timeout_ms {self._cfg.replica_timeout_ms}{self._allowance_said()})"
         )
-        for node in sorted(told, key=node_sort_key):
-            self._send(node, Leave(group, reason))
+        told = self._tell_leaving(reason)
         self._replica_lost = True
         in_group = f"{group} (epoch {epoch}, role {role.value})" if epoch else group
         what = (
@@ -2354,6 +2348,23 @@ class Election:
             "until it answers"
         )
 
+    def _tell_leaving(self, reason: str) -> list[str]:
+        """Send ``Leave`` to whoever would otherwise notice this node's going only by its
+        silence: its members and invitees as coordinator, else its coordinator."""
+        if self._coord == self._me:
+            told: set[str] = set(self._members)
+            if self._merge is not None:
+                told |= self._merge.expected | self._merge.accepted.keys()
+            if self._reorg is not None:
+                told |= set(self._reorg.members)
+        else:
+            told = {self._coord}
+        told.discard(self._me)
+        ordered = sorted(told, key=node_sort_key)
+        for node in ordered:
+            self._send(node, Leave(self._group, reason))
+        return ordered
+
     def _on_leave(self, frm: str, body: Leave) -> None:
         """A node leaves our group: a member is dropped at once, a coordinator recovered from."""
         coordinator = self._group_coordinator(body.group_name, frm)
@@ -2375,16 +2386,25 @@ class Election:
             return
         if coordinator != self._me:
             return
+        merge = self._merge
+        if merge is not None:
+            invitee = frm in merge.expected and frm not in merge.accepted
+            self._log(
+                LogLevel.INFO,
+                "invitee-declined" if invitee else "member-left",
+                f"invitee {frm} will not join {self._group}{why}: not waiting for it"
+                if invitee
+                else f"member {frm} left {self._group} (epoch {self._group_epoch}){why}",
+            )
+            merge.expected.discard(frm)
+            merge.accepted.pop(frm, None)
+            self._maybe_reorganize()
+            return
         self._log(
             LogLevel.INFO,
             "member-left",
             f"member {frm} left {self._group} (epoch {self._group_epoch}){why}",
         )
-        if self._merge is not None:
-            self._merge.expected.discard(frm)
-            self._merge.accepted.pop(frm, None)
-            self._maybe_reorganize()
-            return
         reorg = self._reorg
         if reorg is not None:
             if frm in reorg.members:
@@ -2750,11 +2770,16 @@ class Election:
         record = self._record(operator, "quarantine", reason)
         self._persist(quarantine=record, quarantine_fault_id=fault_id)
         level = LogLevel.ERROR if fault_id else LogLevel.WARNING
+        # Told, not left to their heartbeats: a node quarantined on a fault is often
+        # stopped moments later (a repair, a restart), and then its members would wait out
+        # member_timeout_ms with no master (chaos seed 88: 1.0-1.1 s).
+        told = self._tell_leaving(f"node {self._me} is quarantined: {reason}")
         self._log(
             level,
             "quarantine",
             f"QUARANTINED by {operator}: {reason}; never master, never counted for acks "
-            "or the quorum until an operator clears it",
+            "or the quorum until an operator clears it"
+            + (f"; told {','.join(told)}" if told else ""),
         )
         self._recover(f"quarantined: {reason}", level)
 
@@ -3207,11 +3232,18 @@ class Election:
             return
         if self._out_of_groups():
             why = self._out_of_groups_why()
+            # Said, not only logged: the inviter hears from this coordinator, so it would
+            # otherwise wait member_timeout_ms for an accept that cannot come (chaos seed
+            # 89: a successor's merge without a master for 1.1 s). A Leave naming the
+            # invited group is what every coordinator already drops an invitee on.
+            self._send(
+                inviter, Leave(body.group_name, f"node {self._me} is out of every group: {why}")
+            )
             self._log(
                 LogLevel.INFO,
                 "invitation-ignored",
                 f"invitation from {inviter} to {body.group_name} ignored: this node is out "
-                f"of every group ({why})",
+                f"of every group ({why}); told {inviter}",
             )
             return
         current = self._coord
