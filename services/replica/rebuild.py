@@ -131,24 +131,26 @@ class LmdbTruncator:
             raise
         return self._finish_copy(fresh)
 
-    def resumes_from(self, store: Store) -> int:
-        """The last LSN a replay of store given up has copied (0: none to resume)."""
+    def resumes_from(self, store: Store, keep_lsn: int) -> int:
+        """The last LSN a replay of store given up has copied, when a truncation to
+        keep_lsn would resume it (0: it would replay from LSN 1)."""
         if self._given_up is None:
             return 0
         source, installed, copy = self._given_up
         if source is not store or installed != store.snapshots_installed:
             return 0
-        return copy.meta().last_lsn
+        copied = copy.meta().last_lsn
+        return copied if copied <= keep_lsn else 0
 
     def _resumable(self, store: Store, keep_lsn: int) -> Store | None:
         """The copy of a replay of store given up, when it can go on to keep_lsn; any
         other given-up copy is dropped."""
-        copied = self.resumes_from(store)
+        resumes = self.resumes_from(store, keep_lsn) > 0
         given_up, self._given_up = self._given_up, None
         if given_up is None:
             return None
         copy = given_up[2]
-        if 0 < copied <= keep_lsn:
+        if resumes:
             return copy
         self._drop_copy(copy)
         return None

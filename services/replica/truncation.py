@@ -92,7 +92,7 @@ class Truncation(CoreView):
         self.driver.check_truncation(keep_lsn, why, can_truncate=truncator is not None)
         assert truncator is not None  # (check_truncation refused otherwise)
         meta = self.store.meta()
-        resumed = truncator.resumes_from(self.store)
+        resumed = truncator.resumes_from(self.store, keep_lsn)
         log.warning(
             "replica %s truncating its log after LSN %d (it ends at %d; %s): epoch=%d%s",
             self.node_id,
@@ -100,7 +100,7 @@ class Truncation(CoreView):
             meta.last_lsn,
             why,
             self.epoch,
-            f"; resuming a replay given up after LSN {resumed}" if 0 < resumed <= keep_lsn else "",
+            f"; resuming a replay given up after LSN {resumed}" if resumed else "",
         )
         loop = asyncio.get_running_loop()
         known_commit = self.gate.commit_lsn

@@ -104,12 +104,12 @@ def test_a_replay_given_up_resumes_where_it_stopped_and_rebuilds_the_same_state(
     with pytest.raises(TruncationAbandoned, match="1024 entries replayed"):
         truncator.stage(store, 2000, _given_up_after_one_batch())
     assert store.meta().last_lsn == 2502
-    assert truncator.resumes_from(store) == 1024
+    assert truncator.resumes_from(store, 2000) == 1024
     reads = _reads_from(store)
     store = truncator.install(store, truncator.stage(store, 2000))
     try:
         assert reads == [1025]  # 976 entries: 1025..2000
-        assert truncator.resumes_from(store) == 0
+        assert truncator.resumes_from(store, 2000) == 0
         meta = store.meta()
         assert (meta.last_lsn, meta.epoch, meta.cluster_id, meta.max_seen) == (2000, 3, "c1", 3)
         expected = [f"e{i}".encode() for i in range(1998)]
@@ -129,6 +129,8 @@ def test_a_given_up_replay_is_not_resumed_past_the_kept_lsn_or_for_another_store
     with pytest.raises(TruncationAbandoned):
         truncator.stage(store, 2000, _given_up_after_one_batch())
     # The copy holds 1024 entries: a truncation after LSN 500 replays from LSN 1.
+    assert truncator.resumes_from(store, 500) == 0
+    assert truncator.resumes_from(store, 1024) == 1024
     reads = _reads_from(store)
     staged = truncator.stage(store, 500)
     assert reads == [1]
@@ -140,7 +142,7 @@ def test_a_given_up_replay_is_not_resumed_past_the_kept_lsn_or_for_another_store
     store.close()
     store = Store.open_lmdb(tmp_path, MAP_BYTES)  # the same file, another store: no resume
     try:
-        assert truncator.resumes_from(store) == 0
+        assert truncator.resumes_from(store, 1800) == 0
         reads = _reads_from(store)
         store = truncator.install(store, truncator.stage(store, 1800))
         assert reads == [1, 1025]
@@ -157,7 +159,7 @@ def test_discarding_drops_a_given_up_replay(tmp_path: Path) -> None:
             truncator.stage(store, 2000, _given_up_after_one_batch())
         assert (tmp_path / "truncate.staging").exists()
         truncator.discard()
-        assert truncator.resumes_from(store) == 0
+        assert truncator.resumes_from(store, 2000) == 0
         assert not (tmp_path / "truncate.staging").exists()
     finally:
         store.close()
@@ -188,7 +190,7 @@ def test_a_given_up_replay_is_not_resumed_once_a_snapshot_replaced_the_log(
     store.finish_snapshot(exported[-1].history)
     store.append([_publish(601 + i, 5, 598 + i, b"other") for i in range(1500)], sync=True)
     try:
-        assert truncator.resumes_from(store) == 0
+        assert truncator.resumes_from(store, 2000) == 0
         # (A replica routes a truncation below its log's start to a snapshot instead.)
         with pytest.raises(StoreError, match="LSN 1 was compacted: the log starts at LSN 601"):
             truncator.stage(store, 2000)

@@ -239,7 +239,7 @@ def test_a_slave_deactivated_while_truncating_gives_the_replay_up_and_resumes_it
             assert node.role == common_pb2.ROLE_INACTIVE
             assert (node.failed_reason, node.fault) == ("", None)
             assert node.last_lsn == 1502 and node.store.meta().last_lsn == 1502
-            assert truncator.resumes_from(node.store) == 1024  # the replay's first batch
+            assert truncator.resumes_from(node.store, 1250) == 1024  # the replay's first batch
             with caplog.at_level(logging.WARNING, logger="squall.replica"):
                 await node.truncation.truncate_after(1250, "a test's deposed suffix")
             assert "resuming a replay given up after LSN 1024" in caplog.text
