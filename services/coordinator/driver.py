@@ -71,7 +71,7 @@ WATCH_HEARTBEATS = 0.5
 # (highest-ranked) node leading and naming its refusing replica again, for ever. A master role
 # the replica takes resets the count; a call it does not answer (UNAVAILABLE: its sync source
 # is unreachable, say) neither counts nor resets: such failures step the node aside once
-# they have lasted quorum_lost_ms in one epoch. After the hold-off one more refusal steps
+# they have lasted master_failing_ms_max in one epoch. After the hold-off one more refusal steps
 # aside again (docs/operations.md, "A replica that refuses the master role").
 MASTER_REFUSALS_MAX = 3
 # About 25 election timeouts (member_timeout_ms 400) with the defaults: a disk that is full
@@ -620,24 +620,42 @@ class CoordinatorDriver:
             "be cut while the coordinators still reach each other"
         )
 
+    def master_failing_ms_max(self, now_ms: int) -> int:
+        """How long the replica may fail to take the master role of one epoch before this
+        node steps aside (``_master_not_taken``). A failure of the sync source that fails
+        the fetch is a new epoch by then: its replica dead or paused is taken out by its own
+        coordinator (replica_timeout_ms, plus the allowance for slow answers, which this
+        node's own recent answers stand in for), its node gone by the group
+        (member_timeout_ms). A source whose disk hangs keeps the fetch waiting rather than
+        failing (up to rpc_timeout_ms a message), by when its own stall report is due
+        (store_stall_timeout_ms), so waiting quorum_lost_ms, as before, only kept a leader
+        cut off from its source leading a group without a master longer (chaos seed 94:
+        2.2 s with no master, until the old master's node came back)."""
+        return (
+            self.timings.replica_timeout_ms
+            + self._answer_times.longest_ms(now_ms)
+            + self.config.member_timeout_ms
+        )
+
     def _master_not_taken(self, epoch: int, failure: ReplicaFailure) -> bool:
         """The replica failed to take the master role of ``epoch`` without refusing it
         (its sync source unreachable, say: a reorganization fetch that cannot connect fails
         every renewal alike, for as long as the replica's links are cut, while this node
-        keeps leading its group). Past quorum_lost_ms of failures in one epoch the node
-        steps aside (True), so another member leads. A replica that does not answer at all
-        is taken out sooner, by its silence (replica_timeout_ms)."""
+        keeps leading its group). Past master_failing_ms_max of failures in one epoch the
+        node steps aside (True), so another member leads. A replica that does not answer
+        at all is taken out sooner, by its silence (replica_timeout_ms)."""
         now = self.now()
         if self._master_failing is None or self._master_failing[0] != epoch:
             self._master_failing = (epoch, now)
             return False
         failing_ms = now - self._master_failing[1]
-        if failing_ms < self.quorum_lost_ms:
+        bound_ms = self.master_failing_ms_max(now)
+        if failing_ms < bound_ms:
             return False
         self._master_failing = None
         self._step_aside(
             f"its replica has failed to take the master role of epoch {epoch} for "
-            f"{failing_ms} ms (at most {self.quorum_lost_ms}), last: {failure.code}: "
+            f"{failing_ms} ms (at most {bound_ms}), last: {failure.code}: "
             f"{failure.details}"
         )
         return True
