@@ -441,6 +441,12 @@ class CoordinatorDriver:
         self.apply(ready)
         return ready
 
+    def stopping(self, reason: str) -> Ready:
+        """The process is stopping: see Election.stopping."""
+        ready = self.election.stopping(reason, self.now())
+        self.apply(ready)
+        return ready
+
     def set_quarantine(self, enabled: bool, operator: str, reason: str = "") -> Ready:
         """Operator control: see Election.set_quarantine."""
         ready = self.election.set_quarantine(enabled, operator, self.now(), reason)

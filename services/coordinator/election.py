@@ -909,6 +909,15 @@ class Election:
         """
         return self._run(now_ms, lambda: self._on_set_quarantine(enabled, operator, reason))
 
+    def stopping(self, reason: str, now_ms: int) -> Ready:
+        """This node's coordinator is stopping in order (SIGTERM): tell its group that it
+        leaves, as a quarantine does, instead of leaving it to notice the silence after
+        member_timeout_ms. The node takes no input after this (``CoordinatorNode.quiesce``).
+        Chaos seed 97: a member caught up behind the group's coordinator was stopped, and
+        88 ms later the coordinator handed it the group, froze writes for the hand-over and
+        waited for a take-over that could not come (2.1 s without an acknowledgement)."""
+        return self._run(now_ms, lambda: self._on_stopping(reason))
+
     def replica_losses(self, losses: tuple[LossRecord, ...], now_ms: int) -> Ready:
         """The replica reports the loss reports beside its store: keep each new one (not
         held, not acknowledged) until an operator acknowledges it."""
@@ -2373,6 +2382,15 @@ class Election:
         for node in ordered:
             self._send(node, Leave(self._group, reason))
         return ordered
+
+    def _on_stopping(self, reason: str) -> None:
+        told = self._tell_leaving(reason)
+        self._log(
+            LogLevel.INFO,
+            "stopping",
+            f"leaving {self._group} (epoch {self._group_epoch}): {reason}"
+            + (f"; told {','.join(told)}" if told else ""),
+        )
 
     def _on_leave(self, frm: str, body: Leave) -> None:
         """A node leaves our group: a member is dropped at once, a coordinator recovered from."""

@@ -614,14 +614,20 @@ class CoordinatorNode:
 
     def quiesce(self) -> None:
         """Stops electing at once, before the process's server drains its calls (up to a
-        second): from now on this coordinator sends nothing and takes no message, as a
+        second): from then on this coordinator sends nothing and takes no message, as a
         killed one, and its replica's role lease is no longer renewed. Left electing
         while its server took no more answers, it lost its group within
         member_timeout_ms, formed one of its own and probed the master's coordinator,
         which merged it back and waited member_timeout_ms for an accept that never came,
         with no master meanwhile (chaos seed 87: 1 s without a master after a slave's
-        SIGTERM). Silent, it is dropped as a killed node is, with no invitation to wait
-        for."""
+        SIGTERM). Before it goes silent it tells its group that it leaves
+        (``Election.stopping``): its coordinator drops it, or its members elect, at once
+        rather than after member_timeout_ms, and nobody hands it the group meanwhile."""
+        if self._tasks and not (self._stopping or self.shutting_down or self._failed):
+            try:
+                self.driver.stopping(f"the coordinator of node {self.node.id} is stopping")
+            except Exception:  # stopping goes on: the group then notices the silence
+                log.exception("coordinator %s: telling its group it stops failed", self.node.id)
         self._stopping = True
         for task in (*self._tasks, self._probe, self._hand_over):
             if task is not None:
