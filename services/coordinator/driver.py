@@ -288,6 +288,7 @@ class CoordinatorDriver:
         view_changed: Callable[[], None] = _nothing,
         applied: Callable[[Ready], None] | None = None,
         hand_over: Callable[[str], None] | None = None,
+        transfer_dropped: Callable[[str], None] | None = None,
         save_failed: Callable[[str], None] | None = None,
         every_member_acks: bool = False,
     ) -> None:
@@ -311,6 +312,9 @@ class CoordinatorDriver:
         # Starts a hand-over of the group to that member in the background (node.py: the
         # replica's PrepareHandoff, then transfer_leadership); None: nobody can.
         self._hand_over = hand_over
+        # Lifts the replica's write fence of a transfer the election gave up (node.py: the
+        # replica's PrepareHandoff with cancel); None: nobody can.
+        self._transfer_dropped = transfer_dropped
         # Told once the state could not be saved (the node fail-stops); "" until then.
         self._save_failed = save_failed
         self.failed = ""
@@ -405,6 +409,8 @@ class CoordinatorDriver:
             self._applied(ready)
         if ready.hand_over_to and self._hand_over is not None:
             self._hand_over(ready.hand_over_to)
+        if ready.transfer_dropped and self._transfer_dropped is not None:
+            self._transfer_dropped(ready.transfer_dropped)
         if ready.messages or ready.role_command:
             self._wake()  # the next deadline may have moved earlier
         if ready.step_aside:

@@ -184,6 +184,8 @@ here: a replica whose coordinator is gone drops its role when its lease runs out
 A node out of every group for any reason answers an invitation with a ``Leave`` naming the
 invited group, and the inviter's merge stops waiting for it: its coordinator lives, so the
 merge hears from it and would not prune it as a dead invitee (``_prune_silent_invitees``).
+A coordinator stopping in order says ``Leave`` too (``stopping``), and a coordinator that
+drops the target of its transfer gives the transfer up (``Ready.transfer_dropped``).
 
 A replica on oversubscribed CPUs answers late though it is well. The driver times its
 role calls and passes the longest round trip of about the last two seconds with the
@@ -616,6 +618,7 @@ class _Out:
     rejection: Rejection | None = None
     hand_over_to: str = ""
     step_aside: str = ""
+    transfer_dropped: str = ""
 
 
 class Election:
@@ -1075,6 +1078,7 @@ class Election:
             rejection=out.rejection,
             hand_over_to=out.hand_over_to,
             step_aside=out.step_aside,
+            transfer_dropped=out.transfer_dropped,
         )
 
     def _o(self) -> _Out:
@@ -1663,6 +1667,21 @@ class Election:
         """Coordinator in NORMAL: drop silent members (and those that ``left``); recover
         below the quorum."""
         expired = [*left, *self._expire_members()]
+        transfer = self._transfer
+        if transfer is not None and transfer.target in expired:
+            # Its replica is fencing writes for a take-over that cannot come now: lifted at
+            # once, not at the fence's deadline (rpc_timeout_ms).
+            self._transfer = None
+            self._last_change_reason = (
+                f"leadership transfer to {transfer.target} given up: it left the group"
+            )
+            self._o().transfer_dropped = transfer.target
+            self._log(
+                LogLevel.WARNING,
+                "transfer-abandoned",
+                f"{transfer.target} left {self._group} before taking it over; still master "
+                f"in epoch {self._group_epoch}, writes resume",
+            )
         required, why = self._quorum(self._persisted.max_seen)
         size = self._voters_in([*self._members, self._me])
         if size < required:

@@ -14,8 +14,10 @@ The order is what makes the transfer lose nothing and stall little:
    group into a group of its own, which forms in a new epoch like any other.
 
 If step 3 is refused (the group changed while the replica waited), the replica's writes
-resume at once; if the target never takes over, they resume when the replica's wait
-times out, and the election gives up after ``2 * member_timeout_ms``.
+resume at once, and so they do when the target leaves the group or goes silent before it
+takes over (``Ready.transfer_dropped``); if it stays and never takes over, they resume
+when the replica's wait times out, and the election gives up after
+``2 * member_timeout_ms``.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ async def transfer(
         ) from None
     ready = node.driver.transfer_leadership(target, operator, reason)
     if ready.rejection is not None:
-        await _resume(replica, epoch, target, rpc_timeout_ms)
+        await resume(replica, epoch, target, rpc_timeout_ms)
         return ready
     log.warning(
         "coordinator %s: handing epoch %d to %s: its log holds LSN %d of %d (commit LSN %d) "
@@ -96,8 +98,9 @@ async def transfer(
     return ready
 
 
-async def _resume(replica: HandoffLink, epoch: int, target: str, rpc_timeout_ms: int) -> None:
-    """The transfer was refused after the replica stopped its writes: start them again."""
+async def resume(replica: HandoffLink, epoch: int, target: str, rpc_timeout_ms: int) -> None:
+    """The transfer was refused, or given up, after the replica stopped its writes: start
+    them again."""
     request = replica_pb2.PrepareHandoffRequest(epoch=epoch, target_node_id=target, cancel=True)
     try:
         await replica.prepare_handoff(request, rpc_timeout_ms / 1000)

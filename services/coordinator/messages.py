@@ -447,6 +447,10 @@ class Ready:
     step_aside: str = ""
     """7. Set (to the reason) when this node's coordinator dropped it from its group with
     ``StepAside``: the driver holds the node out of every group for a while."""
+    transfer_dropped: str = ""
+    """8. Set (to the target) when this coordinator gave up handing its group over because
+    the target left it or went silent before taking over: the driver has the replica lift
+    its write fence at once instead of at the fence's deadline."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -494,6 +494,7 @@ class CoordinatorNode:
             role_changed=self._role_changed.set,
             view_changed=self._view_changed,
             hand_over=self._start_hand_over,
+            transfer_dropped=self._drop_hand_over,
             save_failed=self._state_not_saved,
             every_member_acks=config.durability.acks == common_pb2.ACK_POLICY_ALL,
         )
@@ -507,6 +508,8 @@ class CoordinatorNode:
         self._probe: asyncio.Task[None] | None = None
         # A hand-over the election asked for (a member that joined to catch up caught up).
         self._hand_over: asyncio.Task[None] | None = None
+        # Lifting the write fence of a transfer the election gave up.
+        self._fence_lift: asyncio.Task[None] | None = None
         self._watchers: set[asyncio.Queue[coordinator_pb2.GroupView]] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._failed = ""
@@ -629,7 +632,7 @@ class CoordinatorNode:
             except Exception:  # stopping goes on: the group then notices the silence
                 log.exception("coordinator %s: telling its group it stops failed", self.node.id)
         self._stopping = True
-        for task in (*self._tasks, self._probe, self._hand_over):
+        for task in (*self._tasks, self._probe, self._hand_over, self._fence_lift):
             if task is not None:
                 task.cancel()
 
@@ -639,7 +642,11 @@ class CoordinatorNode:
             self._observer.instruments.unwatch(self)
         tasks = [
             *self._tasks,
-            *(task for task in (self._probe, self._hand_over) if task is not None),
+            *(
+                task
+                for task in (self._probe, self._hand_over, self._fence_lift)
+                if task is not None
+            ),
         ]
         for task in tasks:
             task.cancel()
@@ -714,6 +721,21 @@ class CoordinatorNode:
         if self._hand_over is not None and not self._hand_over.done():
             return
         self._hand_over = asyncio.create_task(self._run_hand_over(target), name="hand-over")
+
+    def _drop_hand_over(self, target: str) -> None:
+        """The election's ``Ready.transfer_dropped``: the target left before taking over, so
+        the transfer's wait stops and the replica lifts its write fence now, not at the
+        fence's deadline (chaos seed 97: 2.1 s without an acknowledgement after the group
+        was handed to a member that had just been stopped)."""
+        if self._stopping or self.shutting_down:
+            return
+        if self._hand_over is not None and not self._hand_over.done():
+            self._hand_over.cancel()
+        epoch = self.election.status().epoch
+        rpc_timeout_ms = self.config.timeouts.rpc_timeout_ms
+        self._fence_lift = asyncio.create_task(
+            handoff.resume(self._replica, epoch, target, rpc_timeout_ms), name="fence-lift"
+        )
 
     async def _run_hand_over(self, target: str) -> None:
         """Hand the group to a member that rejoined to catch up and has (handoff.py)."""

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from squall.v1 import replica_pb2
 from squall_server.common.clock import ManualClock
 from squall_server.coordinator import codec
 from squall_server.coordinator.driver import (
@@ -37,6 +38,7 @@ from squall_server.coordinator.messages import (
     NodeState,
     PeerMessage,
     PersistedState,
+    Ready,
     ReplicaReport,
     RoleCommandKind,
     StoreState,
@@ -280,3 +282,47 @@ def test_a_stopping_coordinator_goes_silent_before_its_server_drains(tmp_path: P
     assert answered == 1, "a running coordinator answers a probe at once"
     assert sent == quiet_from, "a stopping coordinator sent messages"
     assert loops_ended
+
+
+class _FencedReplica(_StoppedReplica):
+    """A replica link that records the hand-over calls it is given."""
+
+    def __init__(self) -> None:
+        self.handoffs: list[replica_pb2.PrepareHandoffRequest] = []
+
+    async def prepare_handoff(  # type: ignore[override]
+        self, request: replica_pb2.PrepareHandoffRequest, timeout_s: float
+    ) -> replica_pb2.PrepareHandoffResponse:
+        self.handoffs.append(request)
+        return replica_pb2.PrepareHandoffResponse()
+
+
+def test_a_transfer_the_election_gives_up_lifts_the_replicas_write_fence(tmp_path: Path) -> None:
+    """``Ready.transfer_dropped`` (the target left before taking over): the node asks its
+    replica to lift the fence now (PrepareHandoff with cancel, for the node's epoch)."""
+    config = cluster_config(tmp_path, ["n1", "n2", "n3"])
+    node_config = config.node("n1")
+    node_config.data_dir.mkdir(parents=True)
+    replica = _FencedReplica()
+
+    async def scenario() -> list[replica_pb2.PrepareHandoffRequest]:
+        node = CoordinatorNode(
+            config,
+            node_config,
+            peers=Recorder(),
+            replica=replica,  # type: ignore[arg-type]
+            store=MemoryStateStore(),
+        )
+        await node.start()
+        try:
+            node.apply(Ready(transfer_dropped="n2"))
+            for _ in range(100):  # bounded: the lift runs in a task of its own
+                if replica.handoffs:
+                    break
+                await asyncio.sleep(0.01)
+            return list(replica.handoffs)
+        finally:
+            await node.stop()
+
+    handoffs = asyncio.run(scenario())
+    assert [(r.target_node_id, r.cancel) for r in handoffs] == [("n2", True)]

@@ -78,3 +78,40 @@ def test_when_the_groups_coordinator_stops_the_next_node_leads_at_once(
     else:
         assert taken[0] > MEMBER_TIMEOUT_MS - HEARTBEAT_MS - 2 * STEP_MS
     assert cluster.master_now() == "2"
+
+
+def test_a_transfer_whose_target_goes_silent_is_given_up_when_it_is_dropped() -> None:
+    """A hand-over began to a member that was then killed (no Leave: it says nothing).
+    Once the coordinator drops it as silent, the transfer is given up and the driver is
+    told to lift the replica's write fence (``Ready.transfer_dropped``) at once, rather
+    than leave writes fenced until the fence's deadline (rpc_timeout_ms)."""
+    cluster = _formed()
+    master = cluster.drivers["1"]
+    dropped: list[tuple[int, str]] = []
+    master._transfer_dropped = lambda target: dropped.append((cluster.clock.monotonic_ms(), target))
+    cluster.down.add("3")  # killed: its LeadershipTransfer is lost too
+    gone_ms = cluster.clock.monotonic_ms()
+    ready = master.transfer_leadership("3", "operator", "test")
+    assert ready.rejection is None and master.election.status().transfer_target == "3"
+    cluster._deliver()
+    cluster.run(gone_ms + 2 * MEMBER_TIMEOUT_MS)
+    assert dropped, "the transfer to a dropped member was not given up"
+    at_ms, target = dropped[0]
+    assert target == "3" and at_ms - gone_ms <= MEMBER_TIMEOUT_MS + STEP_MS, dropped
+    status = master.election.status()
+    assert status.transfer_target == "" and "3" not in status.members
+    assert "given up" in status.last_change_reason
+    assert cluster.master_now() == "1"
+
+
+def test_a_transfer_to_a_member_that_stays_is_not_given_up_by_others_leaving() -> None:
+    cluster = Cluster()
+    cluster.run(2000)
+    master = cluster.drivers["1"]
+    dropped: list[str] = []
+    master._transfer_dropped = dropped.append
+    master.transfer_leadership("2", "operator", "test")
+    cluster.down.add("3")  # another member goes: the transfer to 2 goes on
+    cluster.run(cluster.clock.monotonic_ms() + 2 * MEMBER_TIMEOUT_MS)
+    assert dropped == []
+    assert cluster.master_now() == "2"
