@@ -97,6 +97,14 @@ _NO_ANSWER = frozenset(
 )
 # The shortest time between two replacements of one peer's channel (GrpcPeers.heard_from).
 _REDIAL_MIN_MS = 100
+# Peer messages whose loss makes a group wait a timeout (a merge waits member_timeout_ms
+# for an accept, a reorganization for its acks): one that is not delivered is logged, at
+# most once a second per peer and kind. Probes and heartbeats go every interval, and a
+# dead peer fails them all: those stay quiet.
+_SAID_WHEN_LOST = frozenset(
+    {"invitation", "accept", "ready", "ready_ack", "leadership_transfer", "leave", "step_aside"}
+)
+_LOST_LOG_INTERVAL_MS = 1000
 
 
 def election_config(config: ClusterConfig, node_id: str) -> ElectionConfig:
@@ -229,6 +237,8 @@ class GrpcPeers:
         self._redialed: dict[str, int] = {}  # peer -> when heard_from last replaced its channel
         self._closing_tasks: set[asyncio.Future[None]] = set()
         self._tls_refused: set[str] = set()  # peers whose TLS handshake failed (logged once)
+        # (peer, message kind) -> when an undelivered one was last logged.
+        self._lost_logged: dict[tuple[str, str], int] = {}
         # A message not delivered within the lease is of no use any more.
         self._timeout_s = config.timeouts.member_timeout_ms / 1000
 
@@ -324,6 +334,29 @@ class GrpcPeers:
                     message.WhichOneof("body"),
                     exc.details(),
                 )
+            else:
+                self._lost(peer, message.WhichOneof("body") or "", exc)
+
+    def _lost(self, peer: str, kind: str, exc: grpc.aio.AioRpcError) -> None:
+        """Says that a message the election waits on did not reach ``peer`` (chaos seed
+        101: a merge waited member_timeout_ms for an accept that never arrived, and
+        nothing in the logs said whether it was sent)."""
+        if kind not in _SAID_WHEN_LOST:
+            return
+        now = self._clock.monotonic_ms()
+        last = self._lost_logged.get((peer, kind))
+        if last is not None and now - last < _LOST_LOG_INTERVAL_MS:
+            return
+        self._lost_logged[(peer, kind)] = now
+        log.info(
+            "coordinator %s: %s to %s not delivered: %s: %s (the protocol tolerates the "
+            "loss; whoever waited for it goes on at its timeout)",
+            self.node_id,
+            kind,
+            peer,
+            exc.code().name,
+            exc.details(),
+        )
 
     async def close(self) -> None:
         """Closes every channel."""

@@ -10,14 +10,22 @@ election round followed. Real gRPC servers on loopback, free ports.
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import grpc
+import pytest
 
 from squall.v1 import coordinator_pb2, coordinator_pb2_grpc
 from squall_server.common.config import ClusterConfig, parse_config
 from squall_server.common.grpc_server import reconnect_options
-from squall_server.coordinator.messages import AreYouCoordinator, PeerMessage
+from squall_server.coordinator.messages import (
+    Accept,
+    AreYouCoordinator,
+    MemberReport,
+    PeerMessage,
+    StoreState,
+)
 from squall_server.coordinator.node import GrpcPeers
 from tests.unit.held_port import held_port
 
@@ -179,3 +187,29 @@ def test_a_peer_that_moves_is_followed_and_its_old_channel_closed(tmp_path: Path
 
     with held_port() as old_port, held_port() as new_port:
         asyncio.run(scenario(old_port, new_port))
+
+
+def test_an_election_message_a_peer_never_gets_is_logged_and_a_probe_is_not(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A merge waits member_timeout_ms for an accept that is lost, so its loss is said
+    (at most once a second per peer and kind); probes to a dead peer stay quiet."""
+    report = MemberReport("n1", "c-1", 1, 7, StoreState.DIRTY, 1, 1)
+    accept = PeerMessage("n1", "n2", Accept("n2:g", report))
+    probe = PeerMessage("n1", "n2", AreYouCoordinator("n1:g", 2))
+
+    async def scenario(port: int) -> None:
+        peers = GrpcPeers(_config(tmp_path, port), "n1")  # nobody listens on the port
+        try:
+            for _ in range(3):
+                peers.send(probe)
+                peers.send(accept)
+            await asyncio.sleep(1.5)  # bounded: each send fails within member_timeout_ms
+        finally:
+            await peers.close()
+
+    with caplog.at_level(logging.INFO, logger="squall.coordinator"), held_port() as port:
+        asyncio.run(scenario(port))
+    said = [r.getMessage() for r in caplog.records if "not delivered" in r.getMessage()]
+    assert len(said) == 1, said
+    assert said[0].startswith("coordinator n1: accept to n2 not delivered: UNAVAILABLE")
